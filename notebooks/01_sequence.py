@@ -1,0 +1,712 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 01 · A request's life
+#
+# **Goal.** By the end of this chapter you can follow one request through the engine by
+# reading five counters and a list of block ids. You will build the two smallest objects of
+# the engine: `SamplingParams`, which says *how* to generate, and `Sequence`, which remembers
+# *what has happened so far*: the tokens, how many of them already have their KV in the cache,
+# how many the current step computes, and which cache blocks hold them.
+#
+# Everything else in the book (the block manager, the scheduler, the model runner) reads and
+# writes these fields, so it pays to know them well.
+
+# %% [markdown] tags=["zh"]
+# # 01 · 一个请求的一生
+#
+# **目标。** 读完本章，你只需看五个计数器和一串块编号，就能跟踪一个请求在引擎中的全过程。
+# 本章构建引擎里最小的两个对象：`SamplingParams` 描述*怎样*生成；`Sequence` 记录*到目前为止发生了什么*：
+# 有哪些 token、其中多少个的 KV 已在缓存里、当前这一步要计算多少个、它们存放在哪些缓存块中。
+#
+# 本书其余部分（块管理器、调度器、模型执行器）都会读写这些字段，所以值得把它们弄清楚。
+
+# %% [markdown] tags=["en"]
+# ## The idea: a request is a small state machine
+#
+# A request enters the engine as a **prompt** (a list of token ids) plus its sampling
+# parameters. The scheduler keeps it in one of two queues, *waiting* and *running*, and each
+# queue corresponds to a status:
+#
+# - **WAITING** — not (or no longer) computing; its prompt still has to be prefilled.
+# - **RUNNING** — its KV is in the cache and each decode step appends one token.
+# - **FINISHED** — it produced an end-of-sequence token or reached `max_tokens`.
+#
+# One arrow goes *backwards*: when the KV cache runs out of free blocks during decode, the
+# scheduler **preempts** the newest running sequences. A preempted sequence gives back all its
+# blocks and returns to WAITING; when it is scheduled again, its whole token list (prompt *and*
+# what it generated so far) is prefilled again. This is *recompute* preemption, as in vLLM.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：请求是一个小小的状态机
+#
+# 请求以**提示词**（一串 token id）加上采样参数的形式进入引擎。调度器把它放在 *waiting*（等待）和
+# *running*（运行）两个队列之一，每个队列对应一个状态：
+#
+# - **WAITING**：尚未（或不再）参与计算，它的提示词还需要做 prefill（预填充）。
+# - **RUNNING**：它的 KV 已在缓存中，每个 decode（解码）步追加一个 token。
+# - **FINISHED**：已生成结束符（EOS），或达到了 `max_tokens`。
+#
+# 有一条箭头是*反向*的：decode 时如果 KV 缓存没有空闲块，调度器会**抢占**最新加入的运行序列。
+# 被抢占的序列归还所有块，回到 WAITING；再次被调度时，它的全部 token（提示词*加上*已生成的部分）
+# 要重新 prefill。这就是 vLLM 中的*重算式*抢占。
+
+# %% state machine drawing
+#| hide
+from IPython.display import SVG, display
+
+
+def state_machine_svg() -> str:
+    """Draw the three states and their transitions (labels are the code's own names)."""
+    box = '<rect x="{x}" y="70" width="130" height="54" rx="12" fill="{fill}" stroke="#37474f" stroke-width="2"/>'
+    label = '<text x="{x}" y="103" text-anchor="middle" font-family="monospace" font-size="16">{text}</text>'
+    note = (
+        '<text x="{x}" y="{y}" text-anchor="middle" font-family="sans-serif" font-size="13" '
+        'fill="#37474f">{text}</text>'
+    )
+    parts = [
+        '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="220" viewBox="0 0 660 220">',
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="8" markerHeight="8" '
+        'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#37474f"/></marker></defs>',
+    ]
+    for x, fill, text in [(20, "#fff8e1", "WAITING"), (265, "#e3f2fd", "RUNNING"), (510, "#e8f5e9", "FINISHED")]:
+        parts += [box.format(x=x, fill=fill), label.format(x=x + 65, text=text)]
+    arrows = [
+        ("M150,90 L263,90", "schedule (prefill)", 207, 80),
+        ("M395,97 L508,97", "EOS / max_tokens", 452, 87),
+        ("M330,126 C330,190 85,190 85,127", "preempt (free blocks, recompute later)", 207, 205),
+        ("M300,68 C280,10 380,10 360,68", "decode step: +1 token", 330, 22),
+        ("M55,68 C35,10 135,10 115,68", "prefill chunk", 85, 22),
+    ]
+    for path, text, x, y in arrows:
+        parts.append(f'<path d="{path}" fill="none" stroke="#37474f" stroke-width="2" marker-end="url(#arrow)"/>')
+        parts.append(note.format(x=x, y=y, text=text))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+display(SVG(state_machine_svg()))
+
+# %% [markdown] tags=["en"]
+# ## Build it: `SamplingParams`
+#
+# The first exported cell goes into `nanovllm/sampling_params.py`. The names and defaults
+# follow nano-vllm (`temperature=1.0`, `max_tokens=64`, `ignore_eos=False`) so that its users
+# feel at home; we add what nano-vllm lacks: `temperature=0` means **greedy** decoding, and
+# `top_k`, `top_p` and a per-request `seed` (chapter 07 implements them).
+#
+# Parameters are checked when the object is built, not deep inside a GPU step: a wrong type
+# raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：`SamplingParams`
+#
+# 第一个导出单元会写进 `nanovllm/sampling_params.py`。字段名和默认值沿用 nano-vllm（`temperature=1.0`、
+# `max_tokens=64`、`ignore_eos=False`），让它的用户上手无障碍；我们补上 nano-vllm 缺少的部分：
+# `temperature=0` 表示**贪心**解码，另有 `top_k`、`top_p` 和按请求设置的 `seed`（由第 07 章实现）。
+#
+# 参数在对象创建时就检查，而不是等到 GPU 计算的深处才出错：类型不对抛出 `TypeError`，取值不对抛出
+# `ValueError`，两种错误信息都会指明是哪个字段。
+
+# %% default module
+#| default_exp engine.sequence
+
+# %% sampling params
+#| export sampling_params
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _check_int(name: str, value: object) -> int:
+    # en: bool is a subclass of int, but `max_tokens=True` is surely a mistake.
+    # zh: bool 是 int 的子类，但 `max_tokens=True` 一定是写错了。
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to generate the continuation of one prompt.
+
+    temperature: 0 means greedy (always the most likely token); larger is more random.
+    max_tokens: how many tokens to generate at most (at least 1).
+    ignore_eos: keep generating after an end-of-sequence token (used by benchmarks).
+    top_k: keep only the k most likely tokens (None: no limit).
+    top_p: keep the smallest set of tokens whose probability reaches top_p (1.0: no limit).
+    seed: makes sampling of this request reproducible, whatever else is in the batch.
+    """
+
+    temperature: float = 1.0
+    max_tokens: int = 64
+    ignore_eos: bool = False
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if _check_real("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
+        if self.top_k is not None and _check_int("top_k", self.top_k) < 1:
+            raise ValueError(f"top_k must be >= 1 or None (no limit), got {self.top_k!r}")
+        if not 0 < _check_real("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not 0 <= _check_int("seed", self.seed) < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the most likely token is always taken (temperature 0)."""
+        return self.temperature == 0
+
+# %% [markdown] tags=["en"]
+# A quick look: the defaults, a greedy request, and a mistake caught at once.
+
+# %% [markdown] tags=["zh"]
+# 看一眼：默认值、一个贪心请求，以及一个被立即发现的错误。
+
+# %%
+from nanovllm.sampling_params import SamplingParams
+
+print(SamplingParams())
+print(SamplingParams(temperature=0, max_tokens=8).greedy)
+try:
+    SamplingParams(max_tokens=0)
+except ValueError as error:
+    print("ValueError:", error)
+
+# %% [markdown] tags=["en"]
+# ## Build it: `Sequence`
+#
+# A `Sequence` is one request inside the engine. Its status can only move along the arrows of
+# the drawing above; the `status` setter enforces that, so a scheduler bug that, say, revives a
+# finished sequence fails loudly instead of corrupting the cache.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：`Sequence`
+#
+# `Sequence` 是请求在引擎内部的样子。它的状态只能沿着上图的箭头变化；`status` 的 setter 会强制这一点，
+# 这样调度器如果出了错（比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。
+
+# %% sequence status
+#| export
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Sequence as TokenList
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+# en: Which status may follow which (the arrows of the drawing).
+# zh: 每个状态之后允许出现哪些状态（即图中的箭头）。
+ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING}),
+    SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
+    SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
+}
+
+# %% [markdown] tags=["en"]
+# ### The counters
+#
+# Five numbers describe where a sequence stands. Picture its tokens on a line:
+#
+# ```
+# token index:   0 ........................................ num_tokens-1
+#                |-- num_prompt_tokens --|-- completion tokens --|
+#                |-- num_cached_tokens --|-- num_scheduled_tokens --|   (this step)
+# ```
+#
+# - `num_tokens`: prompt plus generated tokens so far.
+# - `num_prompt_tokens`: fixed at creation.
+# - `num_cached_tokens`: tokens whose K and V vectors are already in the paged cache (computed
+#   by an earlier step, or found by prefix caching in chapter 03).
+# - `num_scheduled_tokens`: tokens the *current* step computes; set by the scheduler.
+# - `block_table`: ids of the cache blocks holding the KV, in order; block `i` holds tokens
+#   `i*block_size … (i+1)*block_size - 1`.
+#
+# During decode, `num_cached_tokens == num_tokens - 1`: every token but the last has its KV in
+# the cache, and the step computes the last one (feeding it to the model produces both its KV
+# and the logits of the next token).
+
+# %% [markdown] tags=["zh"]
+# ### 计数器
+#
+# 五个数描述了一个序列所处的位置。把它的 token 排成一行：
+#
+# ```
+# token 下标：   0 ........................................ num_tokens-1
+#                |-- num_prompt_tokens --|-- 生成的 token --|
+#                |-- num_cached_tokens --|-- num_scheduled_tokens --|   （本步）
+# ```
+#
+# - `num_tokens`：提示词加上目前已生成的 token 数。
+# - `num_prompt_tokens`：创建时确定，之后不变。
+# - `num_cached_tokens`：K、V 向量已经在分页缓存中的 token 数（由之前的步骤算出，或由第 03 章的前缀缓存命中）。
+# - `num_scheduled_tokens`：*当前*这一步要计算的 token 数，由调度器设置。
+# - `block_table`（块表）：按顺序存放 KV 的缓存块编号；第 `i` 块存放第 `i*block_size … (i+1)*block_size - 1` 个 token。
+#
+# decode 阶段有 `num_cached_tokens == num_tokens - 1`：除最后一个 token 外，其余 token 的 KV 都已在缓存中；
+# 这一步计算的正是最后一个 token（把它送入模型，既得到它的 KV，也得到下一个 token 的 logits）。
+
+# %% sequence
+#| export
+class Sequence:
+    """One request inside the engine: its tokens, its progress and its cache blocks.
+
+    ``block_size`` is passed explicitly and travels with the sequence when it is pickled:
+    a worker process must never fall back on a default of its own (upstream nano-vllm's
+    tensor-parallel path broke exactly that way).
+    """
+
+    _ids = count()
+
+    def __init__(
+        self,
+        token_ids: TokenList[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        block_size: int,
+    ) -> None:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, TokenList):
+            raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+        if len(token_ids) == 0:
+            raise ValueError("token_ids is empty: a prompt needs at least one token")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int):
+            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.seq_id = next(Sequence._ids)
+        self._status = SequenceStatus.WAITING
+        self.token_ids = [_token_id(t, i) for i, t in enumerate(token_ids)]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.block_table: list[int] = []
+        self.block_size = block_size
+        self.sampling_params: SamplingParams | None = sampling_params
+        # en: Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
+        # en: that a worker process unpickled (see "Shipping a sequence" below).
+        # zh: token_ids[0] 在整个序列中的下标：在这里是 0；在工作进程反序列化得到的精简副本中更大
+        # zh: （见下文“传送序列”）。
+        self.first_token_index = 0
+
+    # en: ---- status -------------------------------------------------------------
+    # zh: ---- 状态 ---------------------------------------------------------------
+    @property
+    def status(self) -> SequenceStatus:
+        return self._status
+
+    @status.setter
+    def status(self, new: SequenceStatus) -> None:
+        if new not in ALLOWED_TRANSITIONS[self._status]:
+            raise RuntimeError(f"sequence {self.seq_id}: illegal status change {self._status.name} -> {new.name}")
+        self._status = new
+
+    @property
+    def is_finished(self) -> bool:
+        return self._status is SequenceStatus.FINISHED
+
+    # en: ---- tokens -------------------------------------------------------------
+    # zh: ---- token --------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        self._require_whole("prompt_token_ids")
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        self._require_whole("completion_token_ids")
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def scheduled_token_ids(self) -> list[int]:
+        """The tokens this step computes: ``num_scheduled_tokens`` of them after the cached ones."""
+        start = self.num_cached_tokens - self.first_token_index
+        return self.token_ids[start : start + self.num_scheduled_tokens]
+
+    def append_token(self, token_id: int) -> None:
+        """Record a generated token (its KV is computed by the next step, not this one)."""
+        self.token_ids.append(_token_id(token_id, self.num_tokens))
+        self.num_tokens += 1
+
+    # en: ---- blocks -------------------------------------------------------------
+    # zh: ---- 块 -----------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold all tokens: ceil(num_tokens / block_size)."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks completely filled with cached KV."""
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        """Tokens in the last block (1 … block_size)."""
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        """The token ids that block ``i`` of this sequence holds (the last one may be partial)."""
+        self._require_whole("block()")
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(f"block index {i} out of range for a sequence of {self.num_blocks} blocks")
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    # en: ---- shipping to worker processes (chapter 10) --------------------------
+    # zh: ---- 传送给工作进程（第 10 章）-----------------------------------------
+    def __getstate__(self) -> tuple:
+        # en: Only tokens whose KV is not cached yet travel: during decode that is the
+        # en: last token alone, whatever the length of the sequence.
+        # zh: 只传送 KV 尚未缓存的 token：decode 时只有最后一个 token，与序列长度无关。
+        tail = self.token_ids[self.num_cached_tokens - self.first_token_index :]
+        return (
+            self.seq_id,
+            self._status,
+            self.block_size,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_scheduled_tokens,
+            self.block_table,
+            tail,
+        )
+
+    def __setstate__(self, state: tuple) -> None:
+        (
+            self.seq_id,
+            self._status,
+            self.block_size,
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_cached_tokens,
+            self.num_scheduled_tokens,
+            self.block_table,
+            self.token_ids,
+        ) = state
+        self.first_token_index = self.num_cached_tokens
+        # en: Sampling happens on rank 0 only, so workers never need the parameters.
+        # zh: 只有 rank 0 做采样，工作进程用不到采样参数。
+        self.sampling_params = None
+
+    def __copy__(self) -> Sequence:
+        # en: copy.copy and copy.deepcopy would otherwise go through the slim pickling state.
+        # zh: 否则 copy.copy 和 copy.deepcopy 会走精简的序列化状态。
+        clone = Sequence.__new__(Sequence)
+        clone.__dict__.update(self.__dict__)
+        clone.token_ids = list(self.token_ids)
+        clone.block_table = list(self.block_table)
+        return clone
+
+    def __deepcopy__(self, memo: dict) -> Sequence:
+        return copy.copy(self)
+
+    def _require_whole(self, what: str) -> None:
+        if self.first_token_index:
+            raise RuntimeError(f"{what} is not available on a slim copy shipped to a worker process")
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
+            f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
+            f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
+        )
+
+
+def _token_id(value: object, position: int) -> int:
+    # en: operator.index accepts Python and NumPy integers but not floats or strings.
+    # zh: operator.index 接受 Python 和 NumPy 的整数，但不接受浮点数或字符串。
+    if isinstance(value, bool):
+        raise TypeError(f"token id at position {position} is a bool, not an int")
+    try:
+        token = operator.index(value)
+    except TypeError:
+        kind = type(value).__name__
+        raise TypeError(f"token id at position {position} must be an int, got {kind} {value!r}") from None
+    if token < 0:
+        raise ValueError(f"token id at position {position} is negative ({token})")
+    return token
+
+# %% [markdown] tags=["en"]
+# ## See it: the counters through a chunked prefill and three decode steps
+#
+# We play the scheduler by hand. A prompt of 10 tokens, blocks of 4 tokens, and a step budget
+# of 6 tokens: the prompt does not fit one step, so its prefill is **chunked** into 6 + 4
+# tokens. After each step, the engine's postprocess does what `finish_step` does here: the
+# computed tokens become cached, and the sampled token is appended **only if the whole prompt
+# has been computed**. After a partial chunk the model's "next token" is the prediction for
+# a position inside the prompt, so it is thrown away.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：分块 prefill 与三个 decode 步中的计数器
+#
+# 我们手动扮演调度器。提示词有 10 个 token，每块 4 个 token，每步预算 6 个 token：提示词一步放不下，
+# 所以 prefill 被**分块**为 6 + 4 个 token。每一步之后，引擎的 postprocess（后处理）做的事和这里的
+# `finish_step` 一样：算过的 token 变为已缓存；**只有整个提示词都算完时**，才把采样得到的 token 追加上去。
+# 分块未完成时，模型给出的“下一个 token”只是对提示词内部某个位置的预测，因此丢弃。
+
+# %%
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+def finish_step(seq: Sequence, sampled_token: int) -> bool:
+    """What the scheduler's postprocess does with one sequence after a step."""
+    seq.num_cached_tokens += seq.num_scheduled_tokens
+    seq.num_scheduled_tokens = 0
+    if seq.num_cached_tokens < seq.num_tokens:
+        return False  # partial prefill chunk: the sample is discarded
+    seq.append_token(sampled_token)
+    return True
+
+
+def row(step: str, seq: Sequence) -> tuple:
+    return (step, seq.status.name, seq.num_tokens, seq.num_cached_tokens, seq.num_scheduled_tokens,
+            seq.num_blocks, seq.last_block_num_tokens)
+
+
+seq = Sequence(list(range(100, 110)), SamplingParams(temperature=0, max_tokens=3), block_size=4)
+trace = [row("created", seq)]
+
+seq.status = SequenceStatus.RUNNING
+seq.num_scheduled_tokens = 6  # chunk 1: tokens 0..5
+trace.append(row("prefill chunk 1", seq))
+assert finish_step(seq, sampled_token=999) is False
+trace.append(row("  after step", seq))
+
+seq.num_scheduled_tokens = 4  # chunk 2: tokens 6..9
+assert seq.scheduled_token_ids == [106, 107, 108, 109]
+trace.append(row("prefill chunk 2", seq))
+assert finish_step(seq, sampled_token=7) is True
+trace.append(row("  after step", seq))
+
+for sampled in (8, 9, 10):
+    seq.num_scheduled_tokens = 1  # decode: compute the last token
+    trace.append(row("decode", seq))
+    finish_step(seq, sampled)
+    trace.append(row("  after step", seq))
+
+header = ("step", "status", "num_tokens", "cached", "scheduled", "num_blocks", "last_block")
+print("".join(f"{h:>16}" for h in header))
+for r in trace:
+    print("".join(f"{v!s:>16}" for v in r))
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# The trace above is asserted, not just printed. Read the last rows: after the third decode
+# step the sequence holds 14 tokens. Its 13th token (index 12) was appended after the second
+# decode step, when `num_tokens` became 13 and `13 % 4 == 1`: that is the moment a **new block**
+# is needed, because the *next* step writes that token's KV into block 3. Chapter 02 allocates
+# a block exactly at `len(seq) % block_size == 1`, which is correct, not an off-by-one.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 上面的轨迹不只是打印出来，而是用断言检查过的。看最后几行：第三个 decode 步之后序列有 14 个 token。
+# 第 13 个 token（下标 12）是在第二个 decode 步之后追加的，那时 `num_tokens` 变成 13，且 `13 % 4 == 1`：
+# 正是这一刻需要一个**新块**，因为*下一步*要把这个 token 的 KV 写进第 3 块。第 02 章恰好在
+# `len(seq) % block_size == 1` 时分配新块，这是对的，不是差一错误。
+
+# %%
+expected = [
+    ("created", "WAITING", 10, 0, 0, 3, 2),
+    ("prefill chunk 1", "RUNNING", 10, 0, 6, 3, 2),
+    ("  after step", "RUNNING", 10, 6, 0, 3, 2),
+    ("prefill chunk 2", "RUNNING", 10, 6, 4, 3, 2),
+    ("  after step", "RUNNING", 11, 10, 0, 3, 3),
+    ("decode", "RUNNING", 11, 10, 1, 3, 3),
+    ("  after step", "RUNNING", 12, 11, 0, 3, 4),
+    ("decode", "RUNNING", 12, 11, 1, 3, 4),
+    ("  after step", "RUNNING", 13, 12, 0, 4, 1),
+    ("decode", "RUNNING", 13, 12, 1, 4, 1),
+    ("  after step", "RUNNING", 14, 13, 0, 4, 2),
+]
+assert trace == expected
+assert seq.completion_token_ids == [7, 8, 9, 10]  # the 999 after chunk 1 was discarded
+assert seq.block(3) == [9, 10] and seq.last_token == 10
+print("the worked example holds")
+
+# %% [markdown] tags=["en"]
+# The status only moves along the drawn arrows, and bad input is refused with a clear message:
+
+# %% [markdown] tags=["zh"]
+# 状态只能沿着图中的箭头变化，错误的输入会被拒绝并给出清楚的说明：
+
+# %%
+seq.status = SequenceStatus.WAITING  # preempted: back to waiting
+seq.status = SequenceStatus.RUNNING
+seq.status = SequenceStatus.FINISHED
+try:
+    seq.status = SequenceStatus.RUNNING
+    raise AssertionError("a finished sequence must not run again")
+except RuntimeError as error:
+    print("RuntimeError:", error)
+
+for bad_call in (
+    lambda: Sequence([], block_size=4),
+    lambda: Sequence("hello", block_size=4),
+    lambda: Sequence([1, 2.5], block_size=4),
+    lambda: Sequence([1, -2], block_size=4),
+    lambda: Sequence([1, 2], block_size=0),
+    lambda: SamplingParams(temperature=-0.5),
+    lambda: SamplingParams(max_tokens="8"),
+):
+    try:
+        bad_call()
+        raise AssertionError("bad input was accepted")
+    except (TypeError, ValueError) as error:
+        print(f"{type(error).__name__}: {error!s}")
+
+# %% [markdown] tags=["en"]
+# ## Shipping a sequence to another process
+#
+# With tensor parallelism (chapter 10), rank 0 runs the scheduler and sends every step's
+# sequences to the other ranks. Pickling a whole sequence each step would cost time that grows
+# with its length, so `Sequence` pickles *slim*: only the tokens whose KV is not cached yet
+# travel — for a decode step, just the last token. The block size travels too: a worker must
+# never guess it from a default. (`copy.copy` and `copy.deepcopy` still make whole copies.)
+
+# %% [markdown] tags=["zh"]
+# ## 把序列传给另一个进程
+#
+# 在张量并行（第 10 章）中，rank 0 运行调度器，每一步都要把序列发给其他 rank。如果每步都序列化整个序列，
+# 耗时会随序列长度增长；所以 `Sequence` 采用*精简*序列化：只传送 KV 尚未缓存的 token——decode 步只传最后
+# 一个 token。块大小也一起传送：工作进程绝不能从某个默认值去猜它。（`copy.copy` 和 `copy.deepcopy`
+# 仍然做完整拷贝。）
+
+# %%
+import copy
+import pickle
+
+long_seq = Sequence(list(range(5000)), block_size=16)
+long_seq.block_table = list(range(313))
+long_seq.num_cached_tokens = 4999  # decoding: everything but the last token is cached
+long_seq.num_scheduled_tokens = 1
+wire = pickle.dumps(long_seq)
+worker_copy = pickle.loads(wire)
+print(f"pickled decode sequence: {len(wire)} bytes for {len(long_seq)} tokens")
+assert worker_copy.token_ids == [4999] and worker_copy.scheduled_token_ids == [4999]
+assert worker_copy.block_size == 16 and worker_copy.block_table == long_seq.block_table
+assert worker_copy.num_tokens == 5000 and worker_copy.sampling_params is None
+assert len(pickle.dumps(long_seq)) < len(pickle.dumps(long_seq.token_ids)) / 5
+assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `SamplingParams`: validated generation settings; `temperature=0` is greedy.
+# - `Sequence`: tokens, the five counters, the block table and its arithmetic
+#   (`num_blocks`, `block(i)`, `last_block_num_tokens`), a guarded status, and a slim pickled
+#   form for worker processes.
+#
+# Next, chapter 02 gives the block table something to point at: a pool of KV blocks.
+#
+# ## Exercises
+#
+# 1. A prompt of 37 tokens with `block_size=16`: how many blocks does it need, and how many
+#    tokens sit in the last one? After how many generated tokens is the next block needed?
+# 2. Why does the slim pickle send `token_ids[num_cached_tokens:]` rather than only the last
+#    token? (Hint: think of a preempted sequence that is prefilled again.)
+# 3. A prompt of 10 tokens and a budget of 3 tokens per step: how many steps until the first
+#    generated token is appended?
+#
+# The cell below checks the answers; try first, then read it.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `SamplingParams`：经过校验的生成设置；`temperature=0` 即贪心解码。
+# - `Sequence`：token、五个计数器、块表及其算术（`num_blocks`、`block(i)`、`last_block_num_tokens`）、
+#   受保护的状态，以及供工作进程使用的精简序列化形式。
+#
+# 下一章（第 02 章）为块表提供它所指向的东西：一个 KV 块池。
+#
+# ## 练习
+#
+# 1. 提示词 37 个 token，`block_size=16`：需要几个块？最后一块里有几个 token？生成多少个 token 后需要下一个块？
+# 2. 为什么精简序列化发送的是 `token_ids[num_cached_tokens:]`，而不只是最后一个 token？
+#    （提示：想想被抢占后重新 prefill 的序列。）
+# 3. 提示词 10 个 token，每步预算 3 个 token：需要几步才能追加第一个生成的 token？
+#
+# 下面的单元会检查答案；先自己想，再看它。
+
+# %%
+# en: Exercise 1: 37 tokens -> 3 blocks, 5 tokens in the last; 16 - 5 = 11 more tokens fill it,
+# en: so the 12th generated token (num_tokens = 49, 49 % 16 == 1) needs block 4.
+# zh: 练习 1：37 个 token -> 3 块，最后一块 5 个；再有 16 - 5 = 11 个 token 填满它，
+# zh: 所以第 12 个生成的 token（num_tokens = 49，49 % 16 == 1）需要第 4 块。
+exercise = Sequence(list(range(37)), block_size=16)
+assert (exercise.num_blocks, exercise.last_block_num_tokens) == (3, 5)
+for generated in range(1, 13):  # noqa: B007 (read after the loop)
+    exercise.append_token(0)
+    if exercise.num_tokens % 16 == 1:
+        break
+assert generated == 12 and exercise.num_blocks == 4
+
+# en: Exercise 2: a preempted sequence is prefilled again from num_cached_tokens = 0,
+# en: so every one of its tokens must reach the workers.
+# zh: 练习 2：被抢占的序列从 num_cached_tokens = 0 重新 prefill，所以它的全部 token 都要发给工作进程。
+preempted = Sequence([1, 2, 3], block_size=16)
+preempted.append_token(4)
+assert pickle.loads(pickle.dumps(preempted)).token_ids == [1, 2, 3, 4]
+
+# en: Exercise 3: chunks of 3 + 3 + 3 + 1 tokens: four steps.
+# zh: 练习 3：分块为 3 + 3 + 3 + 1 个 token：共四步。
+chunked, steps = Sequence(list(range(10)), block_size=16), 0
+while chunked.num_completion_tokens == 0:
+    chunked.num_scheduled_tokens = min(3, chunked.num_tokens - chunked.num_cached_tokens)
+    finish_step(chunked, sampled_token=1)
+    steps += 1
+assert steps == 4
+print("all exercise answers check out")

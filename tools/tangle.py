@@ -1,0 +1,324 @@
+"""Tangle the book's chapters into the ``nanovllm`` package.
+
+The chapters under ``notebooks/`` are jupytext percent-format notebooks. Cells marked with
+nbdev-style directives are written into modules under ``nanovllm/``:
+
+``#| default_exp engine.sequence``
+    once per chapter: the module that ``#| export`` cells go to by default.
+``#| export`` / ``#| export sampling_params``
+    the cell goes into the default module (or the named one); its public names join ``__all__``.
+``#| exporti``
+    the cell goes into the module but its names stay out of ``__all__`` (internal helpers).
+``#| hide``
+    the cell runs but is not shown on the site (the tangler ignores it otherwise).
+
+Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``# ...``
+comments in the package and ``# zh: ...`` lines are left out, so the package reads in English
+while each language's site shows its own lines.
+
+nbdev cannot read percent-format ``.py`` notebooks, which is why this small tangler exists. It
+reads chapters with jupytext, so it sees exactly the cells that JupyterLab shows.
+
+Usage::
+
+    python tools/tangle.py            # write nanovllm/
+    python tools/tangle.py --check    # exit 1 with a unified diff when nanovllm/ is stale
+    python -m tools.tangle --check    # the same, as a module
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jupytext
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "nanovllm"
+DIRECTIVE = re.compile(r"^#\|\s*(?P<name>[\w-]+)\s*(?P<arg>.*?)\s*$")
+KNOWN_DIRECTIVES = {"default_exp", "export", "exporti", "hide"}
+MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+EN_COMMENT = re.compile(r"^(?P<indent>\s*)# en: ?(?P<text>.*)$")
+ZH_COMMENT = re.compile(r"^\s*# zh: ?.*$")
+
+
+class TangleError(Exception):
+    """A chapter cannot be tangled; the message names the chapter file and the cell."""
+
+
+@dataclass
+class Cell:
+    """One code cell of a chapter, with its directives split off from its code."""
+
+    chapter: str  # path relative to the project root, e.g. "notebooks/01_sequence.py"
+    index: int  # 1-based position among the chapter's cells
+    title: str
+    directives: dict[str, str]
+    code: str
+
+    def where(self) -> str:
+        name = f'"{self.title}"' if self.title else "(untitled)"
+        return f"{self.chapter}, cell {self.index} {name}"
+
+
+@dataclass
+class Module:
+    """The text a module will receive, gathered from the cells that export to it."""
+
+    name: str  # dotted, relative to the package: "engine.sequence"
+    chapter: str
+    imports: list[str] = field(default_factory=list)
+    future_imports: list[str] = field(default_factory=list)
+    bodies: list[str] = field(default_factory=list)
+    public_names: list[str] = field(default_factory=list)
+
+    @property
+    def path(self) -> Path:
+        parts = self.name.split(".")
+        if parts[-1] == "__init__":
+            return Path(PACKAGE, *parts)
+        return Path(PACKAGE, *parts[:-1], parts[-1] + ".py")
+
+
+def split_directives(source: str) -> tuple[dict[str, str], str]:
+    """Separate the leading ``#|`` lines of a cell from its code."""
+    directives: dict[str, str] = {}
+    lines = source.splitlines()
+    body_start = 0
+    for i, line in enumerate(lines):
+        match = DIRECTIVE.match(line)
+        if match:
+            directives[match["name"]] = match["arg"]
+            body_start = i + 1
+        elif line.strip() == "" and not directives:
+            body_start = i + 1
+        else:
+            break
+    return directives, "\n".join(lines[body_start:])
+
+
+def english_comments(code: str) -> str:
+    """Keep ``# en:`` comments as plain comments and drop ``# zh:`` ones."""
+    kept = []
+    for line in code.splitlines():
+        if ZH_COMMENT.match(line):
+            continue
+        match = EN_COMMENT.match(line)
+        kept.append(f"{match['indent']}# {match['text']}".rstrip() if match else line)
+    return "\n".join(kept)
+
+
+def read_cells(chapter_path: Path, root: Path) -> list[Cell]:
+    chapter = chapter_path.relative_to(root).as_posix()
+    try:
+        notebook = jupytext.read(chapter_path, fmt="py:percent")
+    except Exception as error:  # jupytext raises many kinds; all mean "not a chapter"
+        raise TangleError(f"{chapter}: cannot be read as a percent-format notebook: {error}") from error
+    cells = []
+    for index, nb_cell in enumerate(notebook.cells, start=1):
+        if nb_cell.cell_type != "code":
+            continue
+        directives, code = split_directives(nb_cell.source)
+        cells.append(Cell(chapter, index, nb_cell.metadata.get("title", ""), directives, code))
+    return cells
+
+
+def top_level_names(tree: ast.Module) -> list[str]:
+    """Public names a cell defines at module level (its contribution to ``__all__``)."""
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.append(node.name)
+        elif isinstance(node, ast.Assign):
+            names += [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.append(node.target.id)
+    return [name for name in names if not name.startswith("_")]
+
+
+def add_cell(module: Module, cell: Cell, public: bool) -> None:
+    """Parse an exported cell, hoist its top-level imports, keep the rest as the body."""
+    code = english_comments(cell.code)
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as error:
+        raise TangleError(
+            f"{cell.where()}: exported code does not parse: {error.msg} (line {error.lineno} of the cell)"
+        ) from error
+    lines = code.splitlines()
+    import_lines: set[int] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            statement = ast.unparse(node)
+            is_future = isinstance(node, ast.ImportFrom) and node.module == "__future__"
+            target = module.future_imports if is_future else module.imports
+            if statement not in target:
+                target.append(statement)
+            import_lines.update(range(node.lineno - 1, node.end_lineno))
+    body = "\n".join(line for i, line in enumerate(lines) if i not in import_lines).strip("\n")
+    if body:
+        module.bodies.append(body)
+    if public:
+        module.public_names += [n for n in top_level_names(tree) if n not in module.public_names]
+
+
+def import_group(statement: str) -> tuple[int, str]:
+    """Sort key: standard library, then third-party, then this package (isort's groups)."""
+    words = statement.split()
+    top = words[1].split(".")[0]
+    if top == PACKAGE or top == "":
+        group = 2
+    elif top in sys.stdlib_module_names:
+        group = 0
+    else:
+        group = 1
+    return group, statement.startswith("from "), statement.lower()
+
+
+def all_order(name: str) -> tuple[int, str]:
+    """Order of ``__all__``: CONSTANTS, then Classes, then functions (ruff's RUF022 order)."""
+    kind = 0 if name.isupper() else 1 if name[0].isupper() else 2
+    return kind, name
+
+
+def render(module: Module) -> str:
+    header = f"# AUTOGENERATED from {module.chapter} — edit the notebook, not this file.\n"
+    blocks: list[str] = []
+    if module.future_imports:
+        blocks.append("\n".join(sorted(module.future_imports)))
+    groups: dict[int, list[str]] = {}
+    for statement in sorted(module.imports, key=import_group):
+        groups.setdefault(import_group(statement)[0], []).append(statement)
+    blocks += ["\n".join(group) for _, group in sorted(groups.items())]
+    if module.public_names:
+        names = "".join(f'    "{name}",\n' for name in sorted(module.public_names, key=all_order))
+        blocks.append(f"__all__ = [\n{names}]")
+    text = header + "\n" + "\n\n".join(blocks)
+    if module.bodies:
+        text += "\n\n\n" + "\n\n\n".join(module.bodies)
+    return text.rstrip("\n") + "\n"
+
+
+def chapter_files(root: Path) -> list[Path]:
+    """The chapters, in book order (their file names start with the chapter number)."""
+    return sorted(p for p in (root / "notebooks").glob("*.py") if not p.name.startswith("_"))
+
+
+def tangle(root: Path) -> dict[Path, str]:
+    """Return ``{path relative to the project root: module text}`` for every chapter."""
+    modules: dict[str, Module] = {}
+    for chapter_path in chapter_files(root):
+        default: str | None = None
+        for cell in read_cells(chapter_path, root):
+            unknown = set(cell.directives) - KNOWN_DIRECTIVES
+            if unknown:
+                raise TangleError(f"{cell.where()}: unknown directive '#| {sorted(unknown)[0]}'")
+            if "default_exp" in cell.directives:
+                if default is not None:
+                    raise TangleError(f"{cell.where()}: a second '#| default_exp' (the first was {default})")
+                default = cell.directives["default_exp"]
+                if not MODULE_NAME.match(default):
+                    raise TangleError(f"{cell.where()}: '#| default_exp' needs a dotted module name, got {default!r}")
+            kinds = [k for k in ("export", "exporti") if k in cell.directives]
+            if not kinds:
+                continue
+            if len(kinds) == 2:
+                raise TangleError(f"{cell.where()}: a cell is either '#| export' or '#| exporti', not both")
+            target = cell.directives[kinds[0]] or default
+            if target is None:
+                raise TangleError(f"{cell.where()}: '#| {kinds[0]}' comes before the chapter's '#| default_exp'")
+            if not MODULE_NAME.match(target):
+                raise TangleError(f"{cell.where()}: '#| {kinds[0]}' needs a dotted module name, got {target!r}")
+            module = modules.setdefault(target, Module(target, cell.chapter))
+            if module.chapter != cell.chapter:
+                raise TangleError(
+                    f"{cell.where()}: module {PACKAGE}.{target} is already exported by {module.chapter}; "
+                    "a module belongs to exactly one chapter"
+                )
+            add_cell(module, cell, public=kinds[0] == "export")
+    files = {module.path: render(module) for module in modules.values()}
+    # Every package directory needs an __init__.py; generate the ones no chapter owns.
+    for path in list(files):
+        for parent in path.parents:
+            if parent == Path(".") or parent == Path(PACKAGE).parent:
+                break
+            init = parent / "__init__.py"
+            files.setdefault(init, f"# AUTOGENERATED by tools/tangle.py — package marker for {parent.as_posix()}.\n")
+    return dict(sorted(files.items()))
+
+
+def existing_files(root: Path) -> dict[Path, str]:
+    package = root / PACKAGE
+    if not package.exists():
+        return {}
+    return {
+        path.relative_to(root): path.read_text(encoding="utf-8")
+        for path in sorted(package.rglob("*"))
+        if path.is_file() and "__pycache__" not in path.parts
+    }
+
+
+def diff(expected: dict[Path, str], actual: dict[Path, str]) -> str:
+    """Unified diff from what is on disk to what the notebooks produce."""
+    chunks = []
+    for path in sorted(set(expected) | set(actual)):
+        old, new = actual.get(path), expected.get(path)
+        if old == new:
+            continue
+        chunks += difflib.unified_diff(
+            (old or "").splitlines(keepends=True),
+            (new or "").splitlines(keepends=True),
+            fromfile=f"{path} (on disk)" if old is not None else "/dev/null",
+            tofile=f"{path} (from notebooks)" if new is not None else "/dev/null (no chapter produces it)",
+        )
+    return "".join(chunks)
+
+
+def write(root: Path, expected: dict[Path, str]) -> list[Path]:
+    """Make ``nanovllm/`` exactly what the notebooks produce; return the paths that changed."""
+    actual = existing_files(root)
+    changed = []
+    for path in sorted(set(actual) - set(expected)):
+        (root / path).unlink()
+        changed.append(path)
+    for path, text in expected.items():
+        if actual.get(path) != text:
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text, encoding="utf-8")
+            changed.append(path)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail with a diff if nanovllm/ is stale")
+    parser.add_argument("--root", type=Path, default=ROOT, help="project root (default: this checkout)")
+    args = parser.parse_args(argv)
+    root = args.root.resolve()
+    try:
+        expected = tangle(root)
+    except TangleError as error:
+        print(f"tangle: error: {error}", file=sys.stderr)
+        return 2
+    if args.check:
+        difference = diff(expected, existing_files(root))
+        if difference:
+            sys.stdout.write(difference)
+            print(f"\ntangle: {PACKAGE}/ differs from the notebooks; run tools/tangle.py", file=sys.stderr)
+            return 1
+        print(f"tangle: {PACKAGE}/ matches the notebooks ({len(expected)} files)")
+        return 0
+    changed = write(root, expected)
+    for path in changed:
+        print(f"tangle: wrote {path}")
+    print(f"tangle: {len(expected)} files, {len(changed)} changed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
