@@ -219,7 +219,7 @@ from __future__ import annotations
 
 import copy
 import operator
-from collections.abc import Sequence as TokenList
+from collections.abc import Iterable, Mapping, Set
 from enum import Enum, auto
 from itertools import count
 
@@ -297,13 +297,17 @@ class Sequence:
 
     def __init__(
         self,
-        token_ids: TokenList[int],
+        token_ids: Iterable[int],
         sampling_params: SamplingParams | None = None,
         *,
         block_size: int,
     ) -> None:
-        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, TokenList):
+        # en: Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered
+        # en: collections are mistakes.
+        # zh: 列表、元组、NumPy 数组和一维张量都可以；字符串和无序集合则是写错了。
+        if isinstance(token_ids, (str, bytes, Mapping, Set)) or not isinstance(token_ids, Iterable):
             raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+        token_ids = list(token_ids)
         if len(token_ids) == 0:
             raise ValueError("token_ids is empty: a prompt needs at least one token")
         if sampling_params is None:

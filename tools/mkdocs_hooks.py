@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-CDN_MODULE_SCRIPT = re.compile(r'<script type="module">(?:(?!</script>).)*https://cdnjs\.(?:(?!</script>).)*</script>', re.S)
+NOT_SCRIPT_END = r"(?:(?!</script>).)*"
+CDN_MODULE_SCRIPT = re.compile(rf'<script type="module">{NOT_SCRIPT_END}https://cdnjs\.{NOT_SCRIPT_END}</script>', re.S)
 
 
 def on_post_page(output: str, page: object, config: object) -> str:
