@@ -99,7 +99,7 @@ def state_machine_svg() -> str:
 display(SVG(state_machine_svg()))
 
 # %% [markdown] tags=["en"]
-# ## Build it: `SamplingParams`
+# ## Build it: the sampling parameters
 #
 # The first exported cell goes into `nanovllm/sampling_params.py`. The names and defaults
 # follow nano-vllm (`temperature=1.0`, `max_tokens=64`, `ignore_eos=False`) so that its users
@@ -110,7 +110,7 @@ display(SVG(state_machine_svg()))
 # raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field.
 
 # %% [markdown] tags=["zh"]
-# ## 动手：`SamplingParams`
+# ## 动手：采样参数
 #
 # 第一个导出单元会写进 `nanovllm/sampling_params.py`。字段名和默认值沿用 nano-vllm（`temperature=1.0`、
 # `max_tokens=64`、`ignore_eos=False`），让它的用户上手无障碍；我们补上 nano-vllm 缺少的部分：
@@ -201,14 +201,14 @@ except ValueError as error:
     print("ValueError:", error)
 
 # %% [markdown] tags=["en"]
-# ## Build it: `Sequence`
+# ## Build it: the sequence
 #
 # A `Sequence` is one request inside the engine. Its status can only move along the arrows of
 # the drawing above; the `status` setter enforces that, so a scheduler bug that, say, revives a
 # finished sequence fails loudly instead of corrupting the cache.
 
 # %% [markdown] tags=["zh"]
-# ## 动手：`Sequence`
+# ## 动手：序列
 #
 # `Sequence` 是请求在引擎内部的样子。它的状态只能沿着上图的箭头变化；`status` 的 setter 会强制这一点，
 # 这样调度器如果出了错（比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。
