@@ -80,8 +80,8 @@ class Module:
     @property
     def path(self) -> Path:
         parts = self.name.split(".")
-        if parts[-1] == "__init__":
-            return Path(PACKAGE, *parts)
+        if parts[-1] == "__init__":  # "#| export viz.__init__" writes the package's own module
+            return Path(PACKAGE, *parts[:-1], "__init__.py")
         return Path(PACKAGE, *parts[:-1], parts[-1] + ".py")
 
 
