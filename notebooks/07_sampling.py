@@ -35,7 +35,9 @@
 # `E_i / p_i`. Now `E_i / p_i` is exponential with rate `p_i`, and of independent exponential
 # clocks the one with rate `p_j` rings first with probability `p_j / Σ p_i = p_j`. So
 #
-# $$\operatorname{argmax}_i \; p_i / E_i \;\sim\; \text{Categorical}(p).$$
+# ```
+# argmax_i  p_i / E_i   ~   Categorical(p)
+# ```
 #
 # This is the Gumbel-max trick in disguise (`-log E` is Gumbel-distributed, and
 # `argmax(log p_i - log E_i)` is the same argmax). nano-vllm uses it because it is one division
@@ -54,7 +56,9 @@
 # 也就是 `E_i / p_i` 最小的那个。`E_i / p_i` 服从速率为 `p_i` 的指数分布，而在若干独立的指数时钟中，速率为
 # `p_j` 的那个最先响起的概率是 `p_j / Σ p_i = p_j`。所以
 #
-# $$\operatorname{argmax}_i \; p_i / E_i \;\sim\; \text{Categorical}(p).$$
+# ```
+# argmax_i  p_i / E_i   ~   Categorical(p)
+# ```
 #
 # 这其实是换了个样子的 Gumbel-max 技巧（`-log E` 服从 Gumbel 分布，`argmax(log p_i - log E_i)` 是同一个
 # argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找，也不用与 CPU
