@@ -431,28 +431,30 @@ steps = run(sched, names)
 # %% [markdown] tags=["en"]
 # Step by step:
 #
-# 1. A's 14-token prompt does not fit the 12-token budget: a **chunk** of 12. A stays at the head
-#    of `waiting` (and its sampled token is discarded). Its three full blocks are published.
-# 2. A's last 2 prompt tokens, then B and C, which find the system prompt's block in the cache
-#    (`hits`) and compute only their own tokens. All three start running.
-# 3. and 4. Decode steps. Step 4 takes the last free block.
-# 5. A needs a new block and none is free: C, the newest, is **preempted** (blocks freed, back
-#    to `waiting`); A and B go on. No prefill happens while the cache is full: C cannot be
-#    allocated until A and B finish at step 7.
-# 8. C is prefilled again: its 10 tokens, minus the system-prompt block found in the cache.
-#    Its own old blocks were overwritten in the meantime, so they are recomputed.
+# - **Step 1.** A's 14-token prompt does not fit the 12-token budget: a **chunk** of 12. A stays
+#   at the head of `waiting` (and its sampled token is discarded). Its three full blocks are
+#   published.
+# - **Step 2.** A's last 2 prompt tokens, then B and C, which find the system prompt's block in
+#   the cache (`hits`) and compute only their own tokens. All three start running.
+# - **Steps 3 and 4.** Decode steps. Step 4 takes the last free block.
+# - **Step 5.** A needs a new block and none is free: C, the newest, is **preempted** (blocks
+#   freed, back to `waiting`); A and B go on. No prefill happens while the cache is full: C
+#   cannot be allocated until A and B finish at step 7.
+# - **Step 8.** C is prefilled again: its 10 tokens, minus the system-prompt block found in the
+#   cache. Its own old blocks were overwritten in the meantime, so they are recomputed.
 
 # %% [markdown] tags=["zh"]
 # 逐步来看：
 #
-# 1. A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在 `waiting` 队头
-#    （它的采样结果被丢弃）。它的三个写满的块被发布。
-# 2. A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），只计算自己的 token。
-#    三个序列都开始运行。
-# 3. 和 4. decode 步。第 4 步用掉了最后一个空闲块。
-# 5. A 需要新块，却没有空闲块：最新的 C 被**抢占**（块被释放，回到 `waiting`）；A 和 B 继续。缓存满着的时候不会有
-#    prefill：直到 A 和 B 在第 7 步结束，C 才能分配到块。
-# 8. C 重新 prefill：它的 10 个 token，减去在缓存中找到的系统提示词块。它自己的旧块在此期间已被覆盖，所以要重算。
+# - **第 1 步。** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
+#   `waiting` 队头（它的采样结果被丢弃）。它的三个写满的块被发布。
+# - **第 2 步。** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
+#   只计算自己的 token。三个序列都开始运行。
+# - **第 3、4 步。** decode 步。第 4 步用掉了最后一个空闲块。
+# - **第 5 步。** A 需要新块，却没有空闲块：最新的 C 被**抢占**（块被释放，回到 `waiting`）；A 和 B 继续。
+#   缓存满着的时候不会有 prefill：直到 A 和 B 在第 7 步结束，C 才能分配到块。
+# - **第 8 步。** C 重新 prefill：它的 10 个 token，减去在缓存中找到的系统提示词块。它自己的旧块在此期间已被
+#   覆盖，所以要重算。
 
 # %% [markdown] tags=["en"]
 # ## Check it
