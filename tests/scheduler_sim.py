@@ -1,0 +1,210 @@
+"""A model-free driver for the scheduler, shared by the property tests and the provenance fuzz.
+
+``simulate`` plays the engine loop on a ``Workload``: requests arrive at given steps, a fake model
+returns a token that depends only on the tokens a sequence has computed so far (as a greedy model
+would), and hooks see the scheduler's state after every ``schedule`` and ``postprocess``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanovllm.engine.scheduler import Observer, Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+VOCAB = 5
+EOS = 0
+
+
+def next_token(context: tuple[int, ...]) -> int:
+    """The fake model: a deterministic function of the whole context."""
+    return hash(context) % VOCAB
+
+
+def reference_completion(prompt: list[int], max_tokens: int, ignore_eos: bool, eos: frozenset[int]) -> list[int]:
+    """What a request must generate, computed without any scheduler."""
+    tokens, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = next_token(tuple(tokens))
+        tokens.append(token)
+        out.append(token)
+        if not ignore_eos and token in eos:
+            break
+    return out
+
+
+@dataclass
+class Request:
+    arrival: int
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+
+
+@dataclass
+class Workload:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    eos: tuple[int, ...]
+    requests: list[Request] = field(default_factory=list)
+
+    def scheduler(self) -> Scheduler:
+        return Scheduler(
+            num_kvcache_blocks=self.num_blocks,
+            kvcache_block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            eos_token_ids=self.eos,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+    def fits(self, request: Request) -> bool:
+        return math.ceil((len(request.prompt) + request.max_tokens - 1) / self.block_size) <= self.num_blocks
+
+
+class Violation(AssertionError):
+    """An invariant failed; the message says which."""
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise Violation(message)
+
+
+StepHook = Callable[[Scheduler, list[Sequence], bool], None]
+
+
+def simulate(
+    workload: Workload,
+    after_schedule: StepHook | None = None,
+    after_postprocess: StepHook | None = None,
+    max_steps: int | None = None,
+    observer: Observer | None = None,
+) -> tuple[list[Sequence], int]:
+    """Run the workload to the end; return the sequences (in request order) and the step count."""
+    sched = workload.scheduler()
+    sched.observer = observer
+    pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival)
+    seqs: list[Sequence | None] = [None] * len(workload.requests)
+    if max_steps is None:
+        total = sum(len(r.prompt) + r.max_tokens for r in workload.requests)
+        max_steps = 50 * total + 100
+    now, steps = 0, 0
+    while pending or not sched.is_finished():
+        if sched.is_finished():
+            now = max(now, pending[0][1].arrival)  # idle: jump to the next arrival
+        while pending and pending[0][1].arrival <= now:
+            index, request = pending.pop(0)
+            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
+            seqs[index] = Sequence(request.prompt, params, block_size=workload.block_size)
+            sched.add(seqs[index])
+        scheduled, is_prefill = sched.schedule()
+        if after_schedule is not None:
+            after_schedule(sched, scheduled, is_prefill)
+        tokens = [
+            next_token(tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])) for s in scheduled
+        ]
+        sched.postprocess(scheduled, tokens, is_prefill)
+        if after_postprocess is not None:
+            after_postprocess(sched, scheduled, is_prefill)
+        steps += 1
+        now += 1
+        check(steps <= max_steps, f"no end after {steps} steps: the scheduler hangs")
+    return [s for s in seqs if s is not None], steps
+
+
+class InvariantChecker:
+    """Checks the scheduler's and block manager's invariants; pass its methods as hooks."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self.bs = workload.block_size
+        self.finished: dict[int, Sequence] = {}
+        self.prev_running: list[Sequence] = []
+
+    def _blocks(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.bs)
+
+    def common(self, sched: Scheduler) -> None:
+        bm = sched.block_manager
+        free = list(bm.free_block_ids)
+        check(len(free) == len(set(free)), "a block is twice in the free list")
+        check(set(free).isdisjoint(bm.used_block_ids), "a block is both free and used")
+        check(set(free) | bm.used_block_ids == set(range(bm.num_blocks)), "free and used do not cover the pool")
+        live = list(sched.waiting) + list(sched.running)
+        ids = [s.seq_id for s in live]
+        check(len(ids) == len(set(ids)), "a sequence is queued twice")
+        check(not set(ids) & set(self.finished), "a finished sequence is queued")
+        holders = Counter(b for s in live for b in s.block_table)
+        for block in bm.blocks:
+            check(block.ref_count == holders[block.block_id],
+                  f"block {block.block_id}: ref_count {block.ref_count}, held by {holders[block.block_id]} tables")
+            check((block.ref_count == 0) == (block.block_id in free), f"block {block.block_id}: free iff ref 0")
+        for h, block_id in bm.hash_to_block_id.items():
+            check(bm.blocks[block_id].hash == h, f"hash entry points at block {block_id} which carries another hash")
+        for s in sched.running:
+            check(s.status is SequenceStatus.RUNNING, f"seq {s.seq_id} in running is {s.status.name}")
+        for i, s in enumerate(sched.waiting):
+            check(s.status is SequenceStatus.WAITING, f"seq {s.seq_id} in waiting is {s.status.name}")
+            if i > 0 or not s.block_table:
+                check(not s.block_table and s.num_cached_tokens == 0,
+                      f"waiting seq {s.seq_id} holds blocks but is not a chunk in progress at the head")
+
+    def after_schedule(self, sched: Scheduler, seqs: list[Sequence], is_prefill: bool) -> None:
+        w = self.workload
+        self.common(sched)
+        check(len(seqs) >= 1, "an empty step")
+        check(len(seqs) <= w.max_num_seqs, "more sequences than max_num_seqs")
+        check(sum(s.num_scheduled_tokens for s in seqs) <= w.max_num_batched_tokens, "token budget exceeded")
+        check(len({s.seq_id for s in seqs}) == len(seqs), "a sequence scheduled twice in one step")
+        for s in seqs:
+            # Every scheduled sequence holds exactly ceil(len(seq) / block_size) blocks: enough for
+            # every slot this step writes (positions num_cached .. num_cached + num_scheduled - 1 < len).
+            check(len(s.block_table) == self._blocks(len(s)), f"seq {s.seq_id}: wrong number of blocks")
+            check(s.num_scheduled_tokens >= 1, f"seq {s.seq_id} scheduled with no tokens")
+            check(s.num_cached_tokens + s.num_scheduled_tokens <= len(s), f"seq {s.seq_id} computes past its end")
+        if is_prefill:
+            partial = [s for s in seqs if s.num_cached_tokens + s.num_scheduled_tokens < len(s)]
+            check(len(partial) <= 1, "more than one partial prefill in a step")
+            if partial:
+                check(partial[0] is seqs[-1] and sched.waiting and sched.waiting[0] is partial[0],
+                      "the partial prefill is not the last scheduled sequence at the head of waiting")
+            for s in seqs:
+                if s not in partial:
+                    check(s.status is SequenceStatus.RUNNING and s in sched.running, f"seq {s.seq_id} not running")
+        else:
+            check(len(seqs) <= w.max_num_batched_tokens, "decode step over the token budget")
+            # Preemption takes the newest running sequences (a suffix of the running queue) and puts
+            # them back at the head of waiting, oldest first.
+            waiting_ids = {s.seq_id for s in sched.waiting}
+            preempted = [s for s in self.prev_running if s.seq_id in waiting_ids]
+            k = len(preempted)
+            check(preempted == self.prev_running[len(self.prev_running) - k :], "preempted a non-newest sequence")
+            check(list(sched.waiting)[:k] == preempted, "preempted sequences are not at the head of waiting in order")
+            for s in preempted:
+                check(not s.block_table and s.num_cached_tokens == 0, f"preempted seq {s.seq_id} kept its blocks")
+            for s in seqs:
+                check(s.num_scheduled_tokens == 1 and s.num_cached_tokens == len(s) - 1,
+                      f"decode seq {s.seq_id} does not compute exactly its last token")
+                check(s in sched.running, f"decode seq {s.seq_id} not in running")
+
+    def after_postprocess(self, sched: Scheduler, seqs: list[Sequence], is_prefill: bool) -> None:
+        self.common(sched)
+        self.prev_running = list(sched.running)
+        for s in sched.running:
+            # Between steps a running sequence has every token but the last cached, and holds
+            # exactly the blocks for its cached tokens (the next decode step may add one).
+            check(s.num_cached_tokens == len(s) - 1, f"running seq {s.seq_id}: cached != len - 1")
+            check(len(s.block_table) == self._blocks(s.num_cached_tokens), f"running seq {s.seq_id}: block count")
+        for s in seqs:
+            check(s.num_scheduled_tokens == 0, f"seq {s.seq_id} still has scheduled tokens")
+            if s.is_finished:
+                check(not s.block_table, f"finished seq {s.seq_id} still holds blocks")
+                self.finished[s.seq_id] = s
