@@ -640,7 +640,7 @@ PLAYER_CSS = """
 .nvv-hit .nvv-box,.nvv-ref.nvv-hit rect{stroke:#ef6c00;stroke-width:3}
 .nvv-fill{fill:#1e5aa8}
 .nvv-fl rect{fill:#fafafa;stroke:#b0bec5}
-.nvv .nvv-lit rect{stroke:#d81b60;stroke-width:3}
+.nvv .nvv-lit .nvv-box,.nvv .nvv-ref.nvv-lit rect,.nvv .nvv-chip.nvv-lit rect{stroke:#d81b60;stroke-width:3}
 .nvv-c0{fill:#ffcc80}.nvv-c1{fill:#90caf9}.nvv-c2{fill:#a5d6a7}.nvv-c3{fill:#ce93d8}
 .nvv-c4{fill:#ef9a9a}.nvv-c5{fill:#80cbc4}.nvv-c6{fill:#fff59d}.nvv-c7{fill:#bcaaa4}
 .nvv-legend{font-size:12px;color:#546e7a;margin-top:4px}
@@ -767,15 +767,19 @@ def _legend(lang: str) -> str:
     return f'<div class="nvv-legend">{parts} · {_esc(note)}</div>'
 
 
-def frame_html(recording: dict, index: int = -1, lang: str = "both") -> str:
-    """One frame as static HTML (caption, drawing, legend): no script, so it also works inside widgets."""
+def frame_html(recording: dict, index: int = -1, lang: str = "both", since: int | None = None) -> str:
+    """One frame as static HTML (captions, drawing, legend): no script, so it also works inside widgets.
+
+    since: also caption the frames from ``since`` up to ``index`` (what one action of the live panel did).
+    """
     frames = _check_recording(recording)["frames"]
     _check_lang(lang)
     index = _frame_index(frames, index, "index")
+    since = index if since is None else _frame_index(frames, since, "since")
     prev = frames[index - 1] if index > 0 else None
     svg = frame_svg(frames[index], recording["block_size"], prev, lang)
-    return (f'<div class="nvv"><style>{PLAYER_CSS}</style>{_caption_html(frames[index], lang)}{svg}'
-            f'{_legend(lang)}</div>')
+    captions = "".join(_caption_html(frames[k], lang) for k in range(min(since, index), index + 1))
+    return f'<div class="nvv"><style>{PLAYER_CSS}</style>{captions}{svg}{_legend(lang)}</div>'
 
 
 def player_html(recording: dict, *, lang: str = "both", start: int = 0, interval_ms: int = 900,
@@ -865,7 +869,8 @@ __all__ = [
 # %%
 import json
 
-from nanovllm.viz import FakeEngine, Player, caption
+from nanovllm.viz.driver import FakeEngine
+from nanovllm.viz.player import Player, caption
 
 engine = FakeEngine(num_kvcache_blocks=6, kvcache_block_size=4)
 first = engine.add(list(range(1, 7)), max_tokens=2)
@@ -1065,7 +1070,7 @@ print(f"{steps} steps, {len(preempted)} preemptions (seq ids {preempted}), all 4
 # 每个活跃序列持有的块至少够存放它已缓存的 token。最后，经过 JSON 往返的记录画出的播放器完全相同（随机 id 除外）。
 
 # %%
-from nanovllm.viz import player_html
+from nanovllm.viz.player import player_html
 
 
 def check_frame(frame: dict, block_size: int) -> None:
@@ -1159,6 +1164,7 @@ class LivePanel:
                         "max_num_batched_tokens": max_num_batched_tokens}
         self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
+        self._seen = 0  # frames already shown
 
         def button(description: str, handler: Any) -> Any:
             b = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
@@ -1221,6 +1227,7 @@ class LivePanel:
     def rebuild(self) -> None:
         """A new pool of ``pool_size`` blocks; the actions so far are replayed on it."""
         self.engine = FakeEngine(num_kvcache_blocks=self.pool_size.value, **self.options)
+        self._seen = 0
         skipped = []
         for action in self.actions:
             if action[0] == "add":
@@ -1242,8 +1249,11 @@ class LivePanel:
         self.message.value = f"<b>{html_escape(text)}</b>"
 
     def redraw(self) -> None:
+        """Draw the current state, captioned with every frame the last action recorded."""
+        frames = self.engine.recorder.frames
         self.message.value = ""
-        self.view.value = frame_html(self.engine.recording, -1, self.lang)
+        self.view.value = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
+        self._seen = len(frames)
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""
@@ -1253,7 +1263,7 @@ class LivePanel:
         return self.widget._repr_mimebundle_(**kwargs)
 
 # %%
-from nanovllm.viz import LivePanel
+from nanovllm.viz.panel import LivePanel
 
 panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
 panel

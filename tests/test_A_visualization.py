@@ -66,7 +66,7 @@ def test_observer_is_off_by_default_and_detaches():
     assert scheduler.observer is recorder
     recorder.detach()
     assert scheduler.observer is None
-    scheduler.add(Sequence([1, 2, 3], block_size=4))
+    scheduler.add(Sequence([1, 2, 3], SamplingParams(max_tokens=2), block_size=4))
     assert [f["phase"] for f in recorder.frames] == ["start"]
 
 
@@ -200,9 +200,12 @@ def test_invariants_hold_on_random_workloads(seed):
     engine = FakeEngine(num_kvcache_blocks=rng.randint(5, 10), kvcache_block_size=rng.choice([2, 4]),
                         max_num_seqs=rng.randint(1, 4), max_num_batched_tokens=rng.choice([6, 8, 16]))
     prefixes = [[rng.randint(1, 50) for _ in range(4)] for _ in range(2)]
+    capacity = engine.config["num_kvcache_blocks"] * engine.config["kvcache_block_size"]
     for _ in range(rng.randint(2, 6)):
         prompt = rng.choice(prefixes) + [rng.randint(1, 50) for _ in range(rng.randint(1, 5))]
-        engine.add(prompt, max_tokens=rng.randint(1, 6))
+        max_tokens = rng.randint(1, 6)
+        if len(prompt) + max_tokens <= capacity:  # a request that can never fit is rejected (tested elsewhere)
+            engine.add(prompt, max_tokens=max_tokens)
         engine.run(max_steps=rng.randint(0, 3))
     engine.run()
     recording = engine.recording
@@ -381,7 +384,8 @@ def test_live_panel_buttons_drive_the_scheduler():
     panel.add_button.click()
     assert "added seq" in panel.view.value
     panel.step_button.click()
-    assert "prefill" in panel.view.value and "nvv-used" in panel.view.value
+    assert "step 1: prefill" in panel.view.value and "step 1 done" in panel.view.value
+    assert "nvv-used" in panel.view.value and "added seq" not in panel.view.value
     panel.prompt.value = "1 2 3 4 5 6 7 8 42"
     panel.add_button.click()
     panel.step_button.click()
@@ -416,3 +420,12 @@ def test_live_panel_rebuild_replays_on_a_new_pool():
     panel.pool_size.value = 1  # now the request (6 tokens + 1) can never fit: it is skipped, with a message
     panel.rebuild_button.click()
     assert "skipped" in panel.message.value and panel.engine.seqs == []
+
+
+def test_the_package_front_door():
+    # Needs tools/tangle.py to write `#| export viz.__init__` to nanovllm/viz/__init__.py.
+    import nanovllm.viz as viz
+
+    assert viz.player_html is player_html and viz.Player is Player and viz.Recorder is Recorder
+    assert viz.LivePanel is LivePanel and viz.FakeEngine is FakeEngine
+    assert sorted(viz.__all__) == viz.__all__ and all(hasattr(viz, name) for name in viz.__all__)

@@ -46,6 +46,7 @@ class LivePanel:
                         "max_num_batched_tokens": max_num_batched_tokens}
         self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
+        self._seen = 0  # frames already shown
 
         def button(description: str, handler: Any) -> Any:
             b = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
@@ -107,6 +108,7 @@ class LivePanel:
     def rebuild(self) -> None:
         """A new pool of ``pool_size`` blocks; the actions so far are replayed on it."""
         self.engine = FakeEngine(num_kvcache_blocks=self.pool_size.value, **self.options)
+        self._seen = 0
         skipped = []
         for action in self.actions:
             if action[0] == "add":
@@ -127,8 +129,11 @@ class LivePanel:
         self.message.value = f"<b>{html_escape(text)}</b>"
 
     def redraw(self) -> None:
+        """Draw the current state, captioned with every frame the last action recorded."""
+        frames = self.engine.recorder.frames
         self.message.value = ""
-        self.view.value = frame_html(self.engine.recording, -1, self.lang)
+        self.view.value = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
+        self._seen = len(frames)
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""

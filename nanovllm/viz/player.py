@@ -247,7 +247,7 @@ PLAYER_CSS = """
 .nvv-hit .nvv-box,.nvv-ref.nvv-hit rect{stroke:#ef6c00;stroke-width:3}
 .nvv-fill{fill:#1e5aa8}
 .nvv-fl rect{fill:#fafafa;stroke:#b0bec5}
-.nvv .nvv-lit rect{stroke:#d81b60;stroke-width:3}
+.nvv .nvv-lit .nvv-box,.nvv .nvv-ref.nvv-lit rect,.nvv .nvv-chip.nvv-lit rect{stroke:#d81b60;stroke-width:3}
 .nvv-c0{fill:#ffcc80}.nvv-c1{fill:#90caf9}.nvv-c2{fill:#a5d6a7}.nvv-c3{fill:#ce93d8}
 .nvv-c4{fill:#ef9a9a}.nvv-c5{fill:#80cbc4}.nvv-c6{fill:#fff59d}.nvv-c7{fill:#bcaaa4}
 .nvv-legend{font-size:12px;color:#546e7a;margin-top:4px}
@@ -371,15 +371,19 @@ def _legend(lang: str) -> str:
     return f'<div class="nvv-legend">{parts} · {_esc(note)}</div>'
 
 
-def frame_html(recording: dict, index: int = -1, lang: str = "both") -> str:
-    """One frame as static HTML (caption, drawing, legend): no script, so it also works inside widgets."""
+def frame_html(recording: dict, index: int = -1, lang: str = "both", since: int | None = None) -> str:
+    """One frame as static HTML (captions, drawing, legend): no script, so it also works inside widgets.
+
+    since: also caption the frames from ``since`` up to ``index`` (what one action of the live panel did).
+    """
     frames = _check_recording(recording)["frames"]
     _check_lang(lang)
     index = _frame_index(frames, index, "index")
+    since = index if since is None else _frame_index(frames, since, "since")
     prev = frames[index - 1] if index > 0 else None
     svg = frame_svg(frames[index], recording["block_size"], prev, lang)
-    return (f'<div class="nvv"><style>{PLAYER_CSS}</style>{_caption_html(frames[index], lang)}{svg}'
-            f'{_legend(lang)}</div>')
+    captions = "".join(_caption_html(frames[k], lang) for k in range(min(since, index), index + 1))
+    return f'<div class="nvv"><style>{PLAYER_CSS}</style>{captions}{svg}{_legend(lang)}</div>'
 
 
 def player_html(recording: dict, *, lang: str = "both", start: int = 0, interval_ms: int = 900,
