@@ -1104,10 +1104,10 @@ print(f"{sum(len(r['frames']) for r in all_recordings)} frames checked")
 # the new pool: shrink it to force preemptions), and **Preempt newest**. Below the buttons, the
 # same drawing as the player's, redrawn after each action.
 #
-# The panel needs a running kernel. **On this static site it is inert**: you see the widget's
-# placeholder, not buttons. Open the chapter in JupyterLab to use it. Its buttons call plain
-# methods, so the cell below drives it exactly like a click would, then shows the session as a
-# player, which does work here.
+# The panel needs a running kernel and a frontend. **On this static site it is inert**: you see
+# a note instead of buttons (the cell creates the buttons only in JupyterLab or VS Code). Open the
+# chapter in JupyterLab to use it. Its buttons call plain methods, so the cell after it drives it
+# exactly like clicks would, then shows the session as a player, which does work here.
 
 # %% [markdown] tags=["zh"]
 # ## 实时面板（JupyterLab）
@@ -1116,14 +1116,15 @@ print(f"{sum(len(r['frames']) for r in all_recordings)} frames checked")
 # （输入 token id；与之前的请求共享前缀就能看到缓存命中）、**重建块池**（换一个块数；之前做过的一切会在新块池上重放：
 # 把块池缩小就能迫使抢占发生），以及**抢占最新**。按钮下方是与播放器相同的图，每次操作后重画。
 #
-# 面板需要运行中的内核。**在这个静态网站上它不会动**：你看到的是控件的占位文字，而不是按钮。
-# 请在 JupyterLab 中打开本章来使用它。它的按钮调用的是普通方法，所以下面的单元会像点击一样驱动它，
-# 再把这段操作显示成播放器，而播放器在这里是能用的。
+# 面板需要运行中的内核和前端。**在这个静态网站上它不会动**：你看到的是一条说明，而不是按钮
+# （该单元只在 JupyterLab 或 VS Code 中创建按钮）。请在 JupyterLab 中打开本章来使用它。
+# 它的按钮调用的是普通方法，所以紧随其后的单元会像点击一样驱动它，再把这段操作显示成播放器，而播放器在这里是能用的。
 
 # %% panel
 #| export viz.panel
 from __future__ import annotations
 
+import os
 import re
 from html import escape as html_escape
 from typing import Any
@@ -1143,51 +1144,32 @@ def parse_prompt(text: str) -> list[int]:
         raise ValueError(f"the prompt must be token ids (integers), got {text!r}") from None
 
 
-class LivePanel:
-    """An ipywidgets control panel over a live scheduler driven by the fake model.
+def interactive_frontend() -> bool:
+    """True in a kernel started by JupyterLab / Jupyter Server or VS Code (not by nbclient or nbval)."""
+    return any(name in os.environ for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
 
-    Buttons: step, run to the end, add a request, rebuild with another pool size (the actions so
-    far are replayed on the new pool), and force the preemption of the newest running sequence.
-    The view is the same drawing as the player's (a static snapshot, so it needs no script).
-    Every button calls a plain method (``step``, ``run``, ``add_request``, ``rebuild``,
-    ``preempt``), which is how the tests drive it without a browser.
+
+class LivePanel:
+    """A control panel over a live scheduler driven by the fake model.
+
+    Actions: ``step``, ``run`` (to the end), ``add_request``, ``rebuild`` (another pool size; the
+    actions so far are replayed on the new pool) and ``preempt`` (the newest running sequence).
+    ``html`` is the same drawing as the player's, as a static snapshot (a widget runs no script).
+    ``widget`` builds the ipywidgets buttons on first use; each button calls one of the methods,
+    which is how the tests drive the panel without a browser.
     """
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 16, lang: str = "both") -> None:
-        # en: Imported here: only the live panel needs ipywidgets (recorder and player do not).
-        # zh: 在这里才导入：只有实时面板需要 ipywidgets（记录器和播放器都不需要）。
-        import ipywidgets as widgets
-
         self.lang = lang
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
         self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
+        self.message = ""
+        self.html = ""
         self._seen = 0  # frames already shown
-
-        def button(description: str, handler: Any) -> Any:
-            b = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
-            b.on_click(lambda _button: handler())
-            return b
-
-        self.step_button = button("Step 单步", self.step)
-        self.run_button = button("Run to end 运行到底", self.run)
-        self.prompt = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
-        self.max_tokens = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
-        self.add_button = button("Add request 添加请求", self.add_request)
-        self.pool_size = widgets.BoundedIntText(value=num_kvcache_blocks, min=1, max=512, description="blocks 块数")
-        self.rebuild_button = button("Rebuild pool 重建块池", self.rebuild)
-        self.preempt_button = button("Preempt newest 抢占最新", self.preempt)
-        self.message = widgets.HTML()
-        self.view = widgets.HTML()
-        self.widget = widgets.VBox([
-            widgets.HBox([self.step_button, self.run_button, self.preempt_button]),
-            widgets.HBox([self.prompt, self.max_tokens, self.add_button]),
-            widgets.HBox([self.pool_size, self.rebuild_button]),
-            self.message,
-            self.view,
-        ])
+        self._widgets: dict[str, Any] | None = None
         self.redraw()
 
     # en: ---- actions (the buttons call these) ---------------------------------------------------
@@ -1206,27 +1188,26 @@ class LivePanel:
                 break
             self.step()
 
-    def add_request(self) -> None:
+    def add_request(self, prompt: str, max_tokens: int = 4) -> None:
         try:
-            tokens = parse_prompt(self.prompt.value)
-            self.engine.add(tokens, self.max_tokens.value)
+            tokens = parse_prompt(prompt)
+            self.engine.add(tokens, max_tokens)
         except (TypeError, ValueError) as error:
             self.say(f"not added · 未添加: {error}")
             return
-        self.actions.append(("add", tokens, self.max_tokens.value))
+        self.actions.append(("add", tokens, max_tokens))
         self.redraw()
 
     def preempt(self) -> None:
-        seq = self.engine.preempt_newest()
-        if seq is None:
+        if self.engine.preempt_newest() is None:
             self.say("no running sequence to preempt · 没有可抢占的运行序列")
             return
         self.actions.append(("preempt",))
         self.redraw()
 
-    def rebuild(self) -> None:
-        """A new pool of ``pool_size`` blocks; the actions so far are replayed on it."""
-        self.engine = FakeEngine(num_kvcache_blocks=self.pool_size.value, **self.options)
+    def rebuild(self, num_kvcache_blocks: int) -> None:
+        """A new pool of ``num_kvcache_blocks`` blocks; the actions so far are replayed on it."""
+        self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
         self._seen = 0
         skipped = []
         for action in self.actions:
@@ -1246,43 +1227,98 @@ class LivePanel:
     # en: ---- drawing -----------------------------------------------------------------------
     # zh: ---- 绘制 --------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        self.message.value = f"<b>{html_escape(text)}</b>"
+        self.message = f"<b>{html_escape(text)}</b>"
+        self._sync()
 
     def redraw(self) -> None:
         """Draw the current state, captioned with every frame the last action recorded."""
         frames = self.engine.recorder.frames
-        self.message.value = ""
-        self.view.value = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
+        self.message = ""
+        self.html = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
         self._seen = len(frames)
+        self._sync()
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""
         return Player(self.engine.recording, **options)
 
+    # en: ---- widgets -----------------------------------------------------------------------
+    # zh: ---- 控件 --------------------------------------------------------------------------
+    @property
+    def widget(self) -> Any:
+        """The ipywidgets panel (built on first use)."""
+        return self._build()["box"]
+
+    def _build(self) -> dict[str, Any]:
+        if self._widgets is not None:
+            return self._widgets
+        # en: Imported here: only the live panel's buttons need ipywidgets.
+        # zh: 在这里才导入：只有实时面板的按钮需要 ipywidgets。
+        import ipywidgets as widgets
+
+        w: dict[str, Any] = {}
+
+        def button(name: str, description: str, handler: Any) -> Any:
+            w[name] = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
+            w[name].on_click(lambda _button: handler())
+            return w[name]
+
+        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
+        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
+        w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
+                                                max=512, description="blocks 块数")
+        w["message"], w["view"] = widgets.HTML(), widgets.HTML()
+        w["box"] = widgets.VBox([
+            widgets.HBox([button("step", "Step 单步", self.step), button("run", "Run to end 运行到底", self.run),
+                          button("preempt", "Preempt newest 抢占最新", self.preempt)]),
+            widgets.HBox([w["prompt"], w["max_tokens"], button(
+                "add", "Add request 添加请求", lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+            widgets.HBox([w["pool_size"], button(
+                "rebuild", "Rebuild pool 重建块池", lambda: self.rebuild(w["pool_size"].value))]),
+            w["message"],
+            w["view"],
+        ])
+        self._widgets = w
+        self._sync()
+        return w
+
+    def _sync(self) -> None:
+        if self._widgets is not None:
+            self._widgets["message"].value = self.message
+            self._widgets["view"].value = self.html
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
 
 # %%
-from nanovllm.viz.panel import LivePanel
+from IPython.display import HTML, display
+
+from nanovllm.viz.panel import LivePanel, interactive_frontend
 
 panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
-panel
+if interactive_frontend():
+    # en: Buttons only where a frontend can show them: an executed notebook would keep the widgets' state,
+    # en: and the static site would then load a widget manager from a CDN.
+    # zh: 只在能显示按钮的前端里创建它们：否则执行后的 notebook 会保存控件状态，静态网站就会从 CDN 加载控件管理器。
+    display(panel.widget)
+else:
+    display(HTML("<p><i>LivePanel: open this chapter in JupyterLab to get its buttons. · "
+                 "实时面板：在 JupyterLab 中打开本章才会出现按钮。</i></p>"))
 
 # %%
-panel.prompt.value = "1 2 3 4 5 6 7 8 9"
-panel.add_button.click()
-panel.step_button.click()
-panel.prompt.value = "1 2 3 4 5 6 7 8 42 43"
-panel.add_button.click()
-panel.step_button.click()
-panel.preempt_button.click()
-panel.pool_size.value = 5
-panel.rebuild_button.click()
-panel.run_button.click()
+# en: The same actions as clicks on Add, Step, Add, Step, Preempt, Rebuild (5 blocks), Run to end.
+# zh: 与依次点击“添加、单步、添加、单步、抢占、重建（5 个块）、运行到底”相同的操作。
+panel.add_request("1 2 3 4 5 6 7 8 9", max_tokens=3)
+panel.step()
+panel.add_request("1 2 3 4 5 6 7 8 42 43", max_tokens=3)
+panel.step()
+panel.preempt()
+panel.rebuild(5)
+panel.run()
 session = panel.engine.recording
 assert [f["phase"] for f in session["frames"]].count("preempt") == 1
 assert all(s["status"] == "FINISHED" for s in session["frames"][-1]["seqs"])
-assert session["num_blocks"] == 5 and "nvv-blk" in panel.view.value
+assert session["num_blocks"] == 5 and "nvv-blk" in panel.html
 panel.player()
 
 # %% [markdown] tags=["en"]
@@ -1295,7 +1331,8 @@ panel.player()
 # - `nanovllm.viz.player`: `caption`, `frame_svg`, `frame_html`, `player_html` and `Player`: a
 #   self-contained animation with play, pause, step, slider and hover details, safe to put many
 #   on one page.
-# - `nanovllm.viz.panel`: `LivePanel`, buttons over a live scheduler in JupyterLab.
+# - `nanovllm.viz.panel`: `LivePanel`, buttons over a live scheduler in JupyterLab (and
+#   `interactive_frontend()`, which tells whether buttons can be shown).
 #
 # ## Exercises
 #

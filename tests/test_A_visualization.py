@@ -12,7 +12,7 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.viz.driver import FakeEngine, fake_token
-from nanovllm.viz.panel import LivePanel, parse_prompt
+from nanovllm.viz.panel import LivePanel, interactive_frontend, parse_prompt
 from nanovllm.viz.player import Player, caption, frame_html, frame_svg, player_html
 from nanovllm.viz.recorder import Recorder, hash_hex
 
@@ -376,50 +376,60 @@ def test_parse_prompt():
 
 def test_live_panel_buttons_drive_the_scheduler():
     panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4, max_num_batched_tokens=16)
-    assert "empty pool: 8 blocks" in panel.view.value
-    panel.step_button.click()
-    assert "nothing to do" in panel.message.value
-    panel.prompt.value = "1 2 3 4 5 6 7 8 9"
-    panel.max_tokens.value = 3
-    panel.add_button.click()
-    assert "added seq" in panel.view.value
-    panel.step_button.click()
-    assert "step 1: prefill" in panel.view.value and "step 1 done" in panel.view.value
-    assert "nvv-used" in panel.view.value and "added seq" not in panel.view.value
-    panel.prompt.value = "1 2 3 4 5 6 7 8 42"
-    panel.add_button.click()
-    panel.step_button.click()
-    assert "cache hit on blocks" in panel.view.value
-    panel.preempt_button.click()
-    assert "forced preemption" in panel.view.value
-    running = panel.engine.scheduler.running
-    assert len(running) == 1 and len(panel.engine.scheduler.waiting) == 1
-    panel.prompt.value = "oops"
-    panel.add_button.click()
-    assert "not added" in panel.message.value and len(panel.engine.seqs) == 2
-    panel.run_button.click()
+    w = panel._build()
+    view, message = w["view"], w["message"]
+    assert "empty pool: 8 blocks" in view.value and w["pool_size"].value == 8
+    w["step"].click()
+    assert "nothing to do" in message.value
+    w["prompt"].value = "1 2 3 4 5 6 7 8 9"
+    w["max_tokens"].value = 3
+    w["add"].click()
+    assert "added seq" in view.value and panel.actions == [("add", [1, 2, 3, 4, 5, 6, 7, 8, 9], 3)]
+    w["step"].click()
+    assert "step 1: prefill" in view.value and "step 1 done" in view.value
+    assert "nvv-used" in view.value and "added seq" not in view.value
+    w["prompt"].value = "1 2 3 4 5 6 7 8 42"
+    w["add"].click()
+    w["step"].click()
+    assert "cache hit on blocks" in view.value
+    w["preempt"].click()
+    assert "forced preemption" in view.value
+    assert len(panel.engine.scheduler.running) == 1 and len(panel.engine.scheduler.waiting) == 1
+    w["prompt"].value = "oops"
+    w["add"].click()
+    assert "not added" in message.value and len(panel.engine.seqs) == 2
+    w["run"].click()
     assert panel.engine.scheduler.is_finished()
     assert all(s["status"] == "FINISHED" for s in panel.engine.recording["frames"][-1]["seqs"])
-    assert "<script" not in panel.view.value
-    assert panel.player().recording is not None
+    assert "<script" not in view.value and view.value == panel.html
+    assert panel.player().recording["frames"] == panel.engine.recording["frames"]
+    assert panel.widget is w["box"]
 
 
 def test_live_panel_rebuild_replays_on_a_new_pool():
     panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
-    panel.prompt.value = "1 2 3 4 5 6"
-    panel.add_button.click()
-    panel.step_button.click()
-    panel.step_button.click()
+    w = panel._build()
+    w["prompt"].value = "1 2 3 4 5 6"
+    w["add"].click()
+    w["step"].click()
+    w["step"].click()
     before = [(f["phase"], f["step"]) for f in panel.engine.recording["frames"]]
-    panel.pool_size.value = 3
-    panel.rebuild_button.click()
+    w["pool_size"].value = 3
+    w["rebuild"].click()
     recording = panel.engine.recording
     assert recording["num_blocks"] == 3 and "empty pool: 3 blocks" in caption(recording["frames"][0], "en")
     assert [(f["phase"], f["step"]) for f in recording["frames"]] == before  # same actions, new pool
-    assert "3 blocks" not in panel.message.value
-    panel.pool_size.value = 1  # now the request (6 tokens + 1) can never fit: it is skipped, with a message
-    panel.rebuild_button.click()
-    assert "skipped" in panel.message.value and panel.engine.seqs == []
+    assert w["message"].value == ""
+    panel.rebuild(1)  # now the request (6 tokens + 4) can never fit: it is skipped, with a message
+    assert "skipped" in w["message"].value and panel.engine.seqs == []
+
+
+def test_panel_shows_buttons_only_in_an_interactive_frontend(monkeypatch):
+    for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"):
+        monkeypatch.delenv(name, raising=False)
+    assert not interactive_frontend()
+    monkeypatch.setenv("JPY_SESSION_NAME", "A_visualization.ipynb")
+    assert interactive_frontend()
 
 
 def test_the_package_front_door():

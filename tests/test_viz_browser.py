@@ -91,17 +91,21 @@ class Browser:
                 raise TimeoutError(f"{url} did not load")
             time.sleep(0.05)
 
+    def _center(self, selector: str) -> list[float]:
+        """Scroll the element to the middle of the window (clear of sticky headers); return its centre."""
+        return self.js("(() => { const e = document.querySelector(" + json.dumps(selector) + ");"
+                       " e.scrollIntoView({block: 'center'}); const r = e.getBoundingClientRect();"
+                       " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+
     def click(self, selector: str) -> None:
-        """A real mouse click at the centre of the element (scrolled into view first)."""
-        box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.scrollIntoView();"
-                      " const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        """A real mouse click at the centre of the element."""
+        x, y = self._center(selector)
         for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
-            self.page("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
+            self.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
     def hover(self, selector: str) -> None:
-        box = self.js(f"(() => {{ const r = document.querySelector({json.dumps(selector)})"
-                      ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
-        self.page("Input.dispatchMouseEvent", type="mouseMoved", x=box[0], y=box[1])
+        x, y = self._center(selector)
+        self.page("Input.dispatchMouseEvent", type="mouseMoved", x=x, y=y)
 
     def screenshot(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

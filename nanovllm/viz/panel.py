@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from html import escape as html_escape
 from typing import Any
@@ -11,6 +12,7 @@ from nanovllm.viz.player import Player, frame_html
 
 __all__ = [
     "LivePanel",
+    "interactive_frontend",
     "parse_prompt",
 ]
 
@@ -26,50 +28,32 @@ def parse_prompt(text: str) -> list[int]:
         raise ValueError(f"the prompt must be token ids (integers), got {text!r}") from None
 
 
-class LivePanel:
-    """An ipywidgets control panel over a live scheduler driven by the fake model.
+def interactive_frontend() -> bool:
+    """True in a kernel started by JupyterLab / Jupyter Server or VS Code (not by nbclient or nbval)."""
+    return any(name in os.environ for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
 
-    Buttons: step, run to the end, add a request, rebuild with another pool size (the actions so
-    far are replayed on the new pool), and force the preemption of the newest running sequence.
-    The view is the same drawing as the player's (a static snapshot, so it needs no script).
-    Every button calls a plain method (``step``, ``run``, ``add_request``, ``rebuild``,
-    ``preempt``), which is how the tests drive it without a browser.
+
+class LivePanel:
+    """A control panel over a live scheduler driven by the fake model.
+
+    Actions: ``step``, ``run`` (to the end), ``add_request``, ``rebuild`` (another pool size; the
+    actions so far are replayed on the new pool) and ``preempt`` (the newest running sequence).
+    ``html`` is the same drawing as the player's, as a static snapshot (a widget runs no script).
+    ``widget`` builds the ipywidgets buttons on first use; each button calls one of the methods,
+    which is how the tests drive the panel without a browser.
     """
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 16, lang: str = "both") -> None:
-        # Imported here: only the live panel needs ipywidgets (recorder and player do not).
-        import ipywidgets as widgets
-
         self.lang = lang
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
         self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
+        self.message = ""
+        self.html = ""
         self._seen = 0  # frames already shown
-
-        def button(description: str, handler: Any) -> Any:
-            b = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
-            b.on_click(lambda _button: handler())
-            return b
-
-        self.step_button = button("Step 单步", self.step)
-        self.run_button = button("Run to end 运行到底", self.run)
-        self.prompt = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
-        self.max_tokens = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
-        self.add_button = button("Add request 添加请求", self.add_request)
-        self.pool_size = widgets.BoundedIntText(value=num_kvcache_blocks, min=1, max=512, description="blocks 块数")
-        self.rebuild_button = button("Rebuild pool 重建块池", self.rebuild)
-        self.preempt_button = button("Preempt newest 抢占最新", self.preempt)
-        self.message = widgets.HTML()
-        self.view = widgets.HTML()
-        self.widget = widgets.VBox([
-            widgets.HBox([self.step_button, self.run_button, self.preempt_button]),
-            widgets.HBox([self.prompt, self.max_tokens, self.add_button]),
-            widgets.HBox([self.pool_size, self.rebuild_button]),
-            self.message,
-            self.view,
-        ])
+        self._widgets: dict[str, Any] | None = None
         self.redraw()
 
     # ---- actions (the buttons call these) ---------------------------------------------------
@@ -87,27 +71,26 @@ class LivePanel:
                 break
             self.step()
 
-    def add_request(self) -> None:
+    def add_request(self, prompt: str, max_tokens: int = 4) -> None:
         try:
-            tokens = parse_prompt(self.prompt.value)
-            self.engine.add(tokens, self.max_tokens.value)
+            tokens = parse_prompt(prompt)
+            self.engine.add(tokens, max_tokens)
         except (TypeError, ValueError) as error:
             self.say(f"not added · 未添加: {error}")
             return
-        self.actions.append(("add", tokens, self.max_tokens.value))
+        self.actions.append(("add", tokens, max_tokens))
         self.redraw()
 
     def preempt(self) -> None:
-        seq = self.engine.preempt_newest()
-        if seq is None:
+        if self.engine.preempt_newest() is None:
             self.say("no running sequence to preempt · 没有可抢占的运行序列")
             return
         self.actions.append(("preempt",))
         self.redraw()
 
-    def rebuild(self) -> None:
-        """A new pool of ``pool_size`` blocks; the actions so far are replayed on it."""
-        self.engine = FakeEngine(num_kvcache_blocks=self.pool_size.value, **self.options)
+    def rebuild(self, num_kvcache_blocks: int) -> None:
+        """A new pool of ``num_kvcache_blocks`` blocks; the actions so far are replayed on it."""
+        self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
         self._seen = 0
         skipped = []
         for action in self.actions:
@@ -126,18 +109,63 @@ class LivePanel:
 
     # ---- drawing -----------------------------------------------------------------------
     def say(self, text: str) -> None:
-        self.message.value = f"<b>{html_escape(text)}</b>"
+        self.message = f"<b>{html_escape(text)}</b>"
+        self._sync()
 
     def redraw(self) -> None:
         """Draw the current state, captioned with every frame the last action recorded."""
         frames = self.engine.recorder.frames
-        self.message.value = ""
-        self.view.value = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
+        self.message = ""
+        self.html = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
         self._seen = len(frames)
+        self._sync()
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""
         return Player(self.engine.recording, **options)
+
+    # ---- widgets -----------------------------------------------------------------------
+    @property
+    def widget(self) -> Any:
+        """The ipywidgets panel (built on first use)."""
+        return self._build()["box"]
+
+    def _build(self) -> dict[str, Any]:
+        if self._widgets is not None:
+            return self._widgets
+        # Imported here: only the live panel's buttons need ipywidgets.
+        import ipywidgets as widgets
+
+        w: dict[str, Any] = {}
+
+        def button(name: str, description: str, handler: Any) -> Any:
+            w[name] = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
+            w[name].on_click(lambda _button: handler())
+            return w[name]
+
+        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
+        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
+        w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
+                                                max=512, description="blocks 块数")
+        w["message"], w["view"] = widgets.HTML(), widgets.HTML()
+        w["box"] = widgets.VBox([
+            widgets.HBox([button("step", "Step 单步", self.step), button("run", "Run to end 运行到底", self.run),
+                          button("preempt", "Preempt newest 抢占最新", self.preempt)]),
+            widgets.HBox([w["prompt"], w["max_tokens"], button(
+                "add", "Add request 添加请求", lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+            widgets.HBox([w["pool_size"], button(
+                "rebuild", "Rebuild pool 重建块池", lambda: self.rebuild(w["pool_size"].value))]),
+            w["message"],
+            w["view"],
+        ])
+        self._widgets = w
+        self._sync()
+        return w
+
+    def _sync(self) -> None:
+        if self._widgets is not None:
+            self._widgets["message"].value = self.message
+            self._widgets["view"].value = self.html
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
