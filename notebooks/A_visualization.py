@@ -349,7 +349,11 @@ class FakeEngine:
         if not self.scheduler.running:
             return None
         seq = self.scheduler.running.pop()
-        self.scheduler.preempt(seq)
+        # en: Exactly what the scheduler does to a decode victim (chapter 04); the scheduler does not
+        # en: announce it, since no schedule() call happened, so the recorder is told directly.
+        # zh: 与调度器处理 decode 时被抢占序列的做法完全相同（第 04 章）；由于没有调用 schedule()，
+        # zh: 调度器不会发出事件，所以直接通知记录器。
+        self.scheduler._preempt(seq)
         self.recorder("preempt", {"seqs": [seq]})
         return seq
 
