@@ -1,0 +1,1405 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # A · Seeing the engine: the visualization toolkit
+#
+# **Goal.** By the end of this appendix you can *watch* the scheduler and the block manager work,
+# step by step: which blocks a step allocates, which ones two requests share, which freed block a
+# prefix-cache hit brings back, how a long prompt is prefilled in chunks, and how a tiny pool
+# survives a preemption storm. You will build three tools, used by the other chapters too:
+#
+# - a **recorder** that observes the scheduler and writes down each step as plain data;
+# - a **player** that turns a recording into a self-contained HTML + SVG + JavaScript animation
+#   (no kernel, no CDN: it plays in JupyterLab, in VS Code and on the static site alike);
+# - a **live panel** (ipywidgets) that drives a scheduler from buttons in JupyterLab.
+#
+# Every picture on this page is backed by assertions on the recorded data, so what you see is
+# what the engine did.
+
+# %% [markdown] tags=["zh"]
+# # A · 看见引擎：可视化工具箱
+#
+# **目标。** 读完本附录，你就能一步一步地*看着*调度器和块管理器工作：每一步分配了哪些块、两个请求共享了哪些块、
+# 前缀缓存命中让哪个已释放的块复活、长提示词如何分块预填充，以及一个很小的块池如何熬过一连串抢占。
+# 我们要构建三个工具，其他章节也会用到它们：
+#
+# - **记录器**：观察调度器，把每一步记成普通数据；
+# - **播放器**：把一份记录变成自包含的 HTML + SVG + JavaScript 动画（不需要内核，也不依赖 CDN：在 JupyterLab、
+#   VS Code 和静态网站上都能播放）；
+# - **实时面板**（ipywidgets）：在 JupyterLab 里用按钮驱动调度器。
+#
+# 本页的每一幅图都有针对记录数据的断言作支撑，所以你看到的就是引擎真正做过的事。
+
+# %% [markdown] tags=["en"]
+# ## The idea: an observer, frames of plain data, and a drawing per frame
+#
+# The scheduler (chapter 04) has one optional hook, `scheduler.observer`, which is `None` by
+# default: then it costs one `if` per event. When it is set, the scheduler calls
+# `observer(event, payload)` at three moments:
+#
+# - `"add"`: a request arrives; payload `{"seq"}`.
+# - `"schedule"`: a batch was chosen (blocks allocated, cache hits found, sequences preempted);
+#   payload `{"seqs", "is_prefill", "preempted", "cache_hits"}`.
+# - `"postprocess"`: tokens were appended, full blocks published, finished sequences freed;
+#   payload `{"seqs", "token_ids", "finished"}`.
+#
+# The recorder answers each call with a **frame**: a snapshot of the whole state, made only of
+# dicts, lists, strings, numbers, booleans and `None`, so it survives `json.dumps` unchanged.
+#
+# - `index`, `step`, `phase`: the frame number; engine steps begun so far; one of `start`, `add`,
+#   `schedule`, `postprocess`, `preempt`.
+# - `event`, what happened: `added`; or `is_prefill`, `scheduled` (`seq`, `num_tokens`),
+#   `preempted`, `cache_hits` (`seq`, `blocks`); or `tokens` (`seq`, `token`, `appended`), `finished`.
+# - `blocks`, per block: `id`, `state` (`free`, `used`, or `cached`: free but still findable by its
+#   hash), `ref_count`, `hash` (16 hex digits, or `null` before it is published), `num_tokens`,
+#   `owners` (ids of the sequences whose block tables hold it).
+# - `free_list`: the free block ids, in the order the block manager will hand them out.
+# - `waiting`, `running`: sequence ids, head of the queue first.
+# - `seqs`, per sequence seen so far: `id`, `status`, `num_tokens`, `num_prompt_tokens`,
+#   `num_cached_tokens`, `num_scheduled_tokens`, `block_table`.
+#
+# A recording is `{"format": "nanovllm-viz", "version": 1, "block_size", "num_blocks", "frames"}`.
+# The player never looks at engine objects, only at this data: a recording saved as JSON
+# yesterday plays the same today.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：一个观察者、由普通数据构成的帧、每帧一幅图
+#
+# 调度器（第 04 章）有一个可选的钩子 `scheduler.observer`，默认是 `None`：此时每个事件只多花一次 `if` 判断。
+# 设置之后，调度器会在三个时刻调用 `observer(event, payload)`：
+#
+# - `"add"`：新请求到达；载荷为 `{"seq"}`。
+# - `"schedule"`：选定了一个批次（已分配块、找到缓存命中、抢占了序列）；
+#   载荷为 `{"seqs", "is_prefill", "preempted", "cache_hits"}`。
+# - `"postprocess"`：追加了 token、发布了写满的块、释放了已完成的序列；
+#   载荷为 `{"seqs", "token_ids", "finished"}`。
+#
+# 记录器对每次调用都记下一**帧**：整个状态的快照，只由字典、列表、字符串、数字、布尔值和 `None` 组成，
+# 所以经过 `json.dumps` 也不会变样。
+#
+# - `index`、`step`、`phase`：帧编号；到目前为止开始过的引擎步数；`start`、`add`、`schedule`、
+#   `postprocess`、`preempt` 之一。
+# - `event`，发生了什么：`added`；或 `is_prefill`、`scheduled`（`seq`、`num_tokens`）、`preempted`、
+#   `cache_hits`（`seq`、`blocks`）；或 `tokens`（`seq`、`token`、`appended`）、`finished`。
+# - `blocks`，每个块的：`id`、`state`（`free` 空闲、`used` 已用，或 `cached`：空闲但仍可按哈希找到）、
+#   `ref_count`（引用计数）、`hash`（16 位十六进制；发布之前为 `null`）、`num_tokens`、
+#   `owners`（块表中含有它的序列编号）。
+# - `free_list`：空闲块编号，按块管理器分配它们的顺序排列。
+# - `waiting`、`running`：序列编号，队首在前。
+# - `seqs`，到目前为止见过的每个序列：`id`、`status`、`num_tokens`、`num_prompt_tokens`、
+#   `num_cached_tokens`、`num_scheduled_tokens`、`block_table`。
+#
+# 一份记录是 `{"format": "nanovllm-viz", "version": 1, "block_size", "num_blocks", "frames"}`。
+# 播放器从不查看引擎对象，只读这些数据：昨天存成 JSON 的记录，今天照样能播放。
+
+# %% [markdown] tags=["en"]
+# ## Build it: the recorder
+#
+# `snapshot` reads the block manager and the two queues. Two things deserve a comment. A block's
+# **owners** are computed from the live block tables, so the drawing can check the block
+# manager: a used block's ref count must equal its number of owners. And a free block is shown
+# as **cached** only if the hash table still points at *this* block; a free block whose old hash
+# entry now points elsewhere is plain free (chapter 03 explains why that difference matters).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：记录器
+#
+# `snapshot` 读取块管理器和两个队列。有两点值得说明。块的**持有者**是根据活跃序列的块表算出来的，
+# 所以图本身就能检验块管理器：已用块的引用计数必须等于它的持有者个数。另外，只有当哈希表仍然指向*这个*块时，
+# 空闲块才显示为 **cached**；如果一个空闲块的旧哈希条目已经指向别的块，它就只是普通的空闲块
+# （第 03 章解释了这一区别为何重要）。
+
+# %% default module
+#| default_exp viz.recorder
+
+# %% recorder: snapshot
+#| export
+from __future__ import annotations
+
+import json
+from typing import Any
+
+RECORDING_FORMAT = "nanovllm-viz"
+RECORDING_VERSION = 1
+_U64 = (1 << 64) - 1
+
+
+def hash_hex(value: int) -> str | None:
+    """A block hash as 16 hex digits, or None for an unpublished block (hash -1)."""
+    return None if value == -1 else format(value & _U64, "016x")
+
+
+def seq_state(seq: Any) -> dict:
+    """The counters and block table of one sequence, as plain data."""
+    return {
+        "id": seq.seq_id,
+        "status": seq.status.name,
+        "num_tokens": seq.num_tokens,
+        "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_cached_tokens": seq.num_cached_tokens,
+        "num_scheduled_tokens": seq.num_scheduled_tokens,
+        "block_table": list(seq.block_table),
+    }
+
+
+def snapshot(scheduler: Any, known: list[Any] = ()) -> dict:
+    """The scheduler's state as plain data: blocks, free list, queues and sequences.
+
+    known: every sequence seen so far (finished ones included), in arrival order; the live ones
+    (waiting, running) are always included.
+    """
+    bm = scheduler.block_manager
+    block_size = bm.block_size
+    running, waiting = list(scheduler.running), list(scheduler.waiting)
+    seqs = {s.seq_id: s for s in known}
+    seqs.update((s.seq_id, s) for s in running + waiting)
+    # en: Owners: which live block tables hold each block (a finished or preempted sequence holds none).
+    # zh: 持有者：哪些活跃序列的块表持有该块（已完成或被抢占的序列不持有任何块）。
+    owners: dict[int, list[int]] = {}
+    tokens: dict[int, int] = {}
+    for seq in running + waiting:
+        for j, block_id in enumerate(seq.block_table):
+            owners.setdefault(block_id, []).append(seq.seq_id)
+            tokens[block_id] = max(tokens.get(block_id, 0), min(block_size, max(0, seq.num_tokens - j * block_size)))
+    blocks = []
+    for block in bm.blocks:
+        if block.block_id in bm.used_block_ids:
+            state = "used"
+        elif block.hash != -1 and bm.hash_to_block_id.get(block.hash) == block.block_id:
+            # en: Free, but the prefix cache still points at it: a later hit can revive it.
+            # zh: 空闲，但前缀缓存仍指向它：之后的命中可以让它复活。
+            state = "cached"
+        else:
+            state = "free"
+        blocks.append({
+            "id": block.block_id,
+            "state": state,
+            "ref_count": block.ref_count,
+            "hash": hash_hex(block.hash),
+            "num_tokens": tokens.get(block.block_id, len(block.token_ids) if state == "cached" else 0),
+            "owners": sorted(owners.get(block.block_id, [])),
+        })
+    return {
+        "blocks": blocks,
+        "free_list": list(bm.free_block_ids),
+        "waiting": [s.seq_id for s in waiting],
+        "running": [s.seq_id for s in running],
+        "seqs": [seq_state(s) for s in sorted(seqs.values(), key=lambda s: s.seq_id)],
+    }
+
+# %% recorder: the observer
+#| export
+class Recorder:
+    """Observes a scheduler and records one frame of plain data per event.
+
+    Frames: "start" (when attached), "add" (consecutive adds share one frame), "schedule" (after
+    the scheduler chose a batch: allocations, cache hits, preemptions are visible),
+    "postprocess" (after tokens were appended, hashes published and finished sequences freed)
+    and "preempt" (a preemption forced by hand, outside the scheduler).
+    ``recording`` is a JSON-serializable dict; ``player_html`` draws it.
+    """
+
+    def __init__(self, scheduler: Any, *, attach: bool = True) -> None:
+        self.scheduler = scheduler
+        self.frames: list[dict] = []
+        self.step = 0
+        self._seqs: dict[int, Any] = {}
+        bm = scheduler.block_manager
+        self._add_frame("start", {"num_blocks": len(bm.blocks), "block_size": bm.block_size})
+        if attach:
+            scheduler.observer = self
+
+    def detach(self) -> None:
+        if getattr(self.scheduler, "observer", None) is self:
+            self.scheduler.observer = None
+
+    def _add_frame(self, phase: str, event: dict) -> dict:
+        frame = {"index": len(self.frames), "step": self.step, "phase": phase, "event": event}
+        frame.update(snapshot(self.scheduler, list(self._seqs.values())))
+        self.frames.append(frame)
+        return frame
+
+    def __call__(self, event: str, payload: dict) -> None:
+        if event == "add":
+            seq = payload["seq"]
+            self._seqs[seq.seq_id] = seq
+            last = self.frames[-1]
+            if last["phase"] == "add":  # consecutive adds share one frame
+                added = [*last["event"]["added"], seq.seq_id]
+                self.frames.pop()
+                self._add_frame("add", {"added": added})
+            else:
+                self._add_frame("add", {"added": [seq.seq_id]})
+        elif event == "schedule":
+            self.step += 1
+            for seq in payload["seqs"]:
+                self._seqs.setdefault(seq.seq_id, seq)
+            self._add_frame("schedule", {
+                "is_prefill": bool(payload["is_prefill"]),
+                "scheduled": [{"seq": s.seq_id, "num_tokens": s.num_scheduled_tokens} for s in payload["seqs"]],
+                "preempted": [s.seq_id for s in payload.get("preempted", [])],
+                "cache_hits": [{"seq": int(seq_id), "blocks": list(blocks)}
+                               for seq_id, blocks in payload.get("cache_hits", {}).items() if blocks],
+            })
+        elif event == "postprocess":
+            before = {s["id"]: s["num_tokens"] for s in self.frames[-1]["seqs"]}
+            tokens = [{"seq": s.seq_id, "token": int(t), "appended": s.num_tokens > before.get(s.seq_id, s.num_tokens)}
+                      for s, t in zip(payload["seqs"], payload["token_ids"], strict=True)]
+            self._add_frame("postprocess", {"tokens": tokens, "finished": [s.seq_id for s in payload["finished"]]})
+        elif event == "preempt":
+            # en: Not a scheduler event: a tool (the live panel) preempted a sequence by hand.
+            # zh: 这不是调度器发出的事件：是工具（实时面板）手动抢占了一个序列。
+            self._add_frame("preempt", {"preempted": [s.seq_id for s in payload["seqs"]]})
+        else:
+            raise ValueError(f"Recorder got an unknown scheduler event {event!r}")
+
+    @property
+    def recording(self) -> dict:
+        """Everything recorded so far, as plain JSON-serializable data."""
+        bm = self.scheduler.block_manager
+        return {
+            "format": RECORDING_FORMAT,
+            "version": RECORDING_VERSION,
+            "block_size": bm.block_size,
+            "num_blocks": len(bm.blocks),
+            "frames": list(self.frames),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.recording)
+
+# %% [markdown] tags=["en"]
+# ## Build it: a fake model to drive the scheduler
+#
+# Recordings need an engine that runs, but not a model: the scheduler only needs *some* token id
+# per scheduled sequence. `FakeEngine` wires a scheduler, a recorder and a deterministic fake
+# sampler together (schedule → fake tokens → postprocess), so every demo below runs on a CPU in
+# milliseconds. Requests ignore EOS, so each one generates exactly `max_tokens` tokens.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：用假模型驱动调度器
+#
+# 录制需要一个能运行的引擎，但不需要模型：调度器只要求每个被调度的序列拿到*某个* token id。
+# `FakeEngine` 把调度器、记录器和一个确定性的假采样器连在一起（调度 → 假 token → 后处理），
+# 所以下面每个演示都能在 CPU 上几毫秒跑完。请求忽略 EOS，因此每个请求恰好生成 `max_tokens` 个 token。
+
+# %% driver: a fake model
+#| export viz.driver
+from __future__ import annotations
+
+from collections.abc import Sequence as TokenList
+from typing import Any
+
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.viz.recorder import Recorder
+
+
+def fake_token(seq: Sequence) -> int:
+    """A deterministic "sampled" token: depends only on the sequence id and its length."""
+    return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7) % 97
+
+
+class FakeEngine:
+    """A scheduler, a recorder and a fake model: schedule → fake tokens → postprocess, on CPU, instantly."""
+
+    def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int = 4,
+                 max_num_batched_tokens: int = 64, enable_prefix_caching: bool = True) -> None:
+        self.config = {
+            "num_kvcache_blocks": num_kvcache_blocks,
+            "kvcache_block_size": kvcache_block_size,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "enable_prefix_caching": enable_prefix_caching,
+        }
+        self.scheduler = Scheduler(**self.config)
+        self.recorder = Recorder(self.scheduler)
+        self.seqs: list[Sequence] = []
+        self.steps = 0
+
+    def add(self, token_ids: TokenList[int], max_tokens: int = 4) -> Sequence:
+        """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
+        self.scheduler.add(seq)
+        self.seqs.append(seq)
+        return seq
+
+    def step(self) -> tuple[list[Sequence], bool]:
+        """One engine step with the fake model. Returns what was scheduled."""
+        seqs, is_prefill = self.scheduler.schedule()
+        self.scheduler.postprocess(seqs, [fake_token(s) for s in seqs], is_prefill)
+        self.steps += 1
+        return seqs, is_prefill
+
+    def preempt_newest(self) -> Sequence | None:
+        """Preempt the newest running sequence by hand, as decode does when it runs out of blocks."""
+        if not self.scheduler.running:
+            return None
+        seq = self.scheduler.running.pop()
+        # en: Exactly what the scheduler does to a decode victim (chapter 04); the scheduler does not
+        # en: announce it, since no schedule() call happened, so the recorder is told directly.
+        # zh: 与调度器处理 decode 时被抢占序列的做法完全相同（第 04 章）；由于没有调用 schedule()，
+        # zh: 调度器不会发出事件，所以直接通知记录器。
+        self.scheduler._preempt(seq)
+        self.recorder("preempt", {"seqs": [seq]})
+        return seq
+
+    def run(self, max_steps: int = 1000) -> int:
+        """Step until every request finished (or ``max_steps``); returns the number of steps taken."""
+        taken = 0
+        while not self.scheduler.is_finished() and taken < max_steps:
+            self.step()
+            taken += 1
+        return taken
+
+    @property
+    def recording(self) -> dict[str, Any]:
+        return self.recorder.recording
+
+# %% [markdown] tags=["en"]
+# ## Build it: the player
+#
+# The player draws each frame **in Python**, as SVG, and ships all the frames in one HTML
+# snippet; a small script only shows one frame at a time and reacts to the buttons, the slider,
+# the arrow keys and the mouse. This split has three benefits: the drawing is plain Python that
+# the tests can inspect; the live panel reuses the exact same drawing (a widget's HTML does not run
+# scripts); and where scripts do not run at all (an untrusted notebook), the first frame still
+# shows, with a note.
+#
+# In each frame: the **block pool** as a grid (grey: free; blue: used; dashed green: free but
+# still cached; the big number is the ref count, the bar at the bottom how many tokens the block
+# holds, the small squares the colors of its owners; orange outline: a cache hit in this step;
+# dark blue: newly allocated; red: just freed), the **block tables** (one row per live sequence,
+# one cell per block id), the **running** and **waiting** queues, and the **free list** in the
+# order blocks will be handed out. Hovering a block or a sequence lights up the related cells and
+# prints the details under the drawing.
+#
+# Every element id a player uses is unique (`nvv-` + 12 random hex digits) and every script
+# works only inside its own element, so any number of players can share a page.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：播放器
+#
+# 播放器**在 Python 里**把每一帧画成 SVG，并把所有帧放进同一段 HTML；一小段脚本只负责每次显示其中一帧，
+# 并响应按钮、滑块、方向键和鼠标。这样划分有三个好处：绘图是普通 Python 代码，测试可以直接检查；
+# 实时面板复用完全相同的绘图（控件里的 HTML 不会运行脚本）；在根本不运行脚本的地方（未受信任的 notebook），
+# 仍然会显示第一帧，并附上一条说明。
+#
+# 每一帧包括：**块池**网格（灰色：空闲；蓝色：已用；绿色虚线：空闲但仍被缓存；大数字是引用计数，
+# 底部横条表示块中有多少 token，小方块是持有者的颜色；橙色边框：本步的缓存命中；深蓝边框：新分配；
+# 红色边框：刚释放）、**块表**（每个活跃序列一行，每个块编号一格）、**运行**与**等待**队列，
+# 以及按分配顺序排列的**空闲链表**。把鼠标移到块或序列上，相关的格子会高亮，详情显示在图的下方。
+#
+# 播放器使用的元素 id 都是唯一的（`nvv-` 加 12 位随机十六进制数），每段脚本只在自己的元素内部工作，
+# 所以同一页面上可以放任意多个播放器。
+
+# %% player: captions
+#| export viz.player
+from __future__ import annotations
+
+import html
+import uuid
+
+LANGS = ("en", "zh", "both")
+
+
+def _seq_list(ids: list[int], zh: bool) -> str:
+    return ("、" if zh else ", ").join(str(i) for i in ids)
+
+
+def _check_lang(lang: str) -> str:
+    if lang not in LANGS:
+        raise ValueError(f"lang must be one of {LANGS}, got {lang!r}")
+    return lang
+
+
+def caption(frame: dict, lang: str = "en") -> str:
+    """One line that says what happened in ``frame``, in English (``"en"``) or Chinese (``"zh"``)."""
+    if _check_lang(lang) == "both":
+        raise ValueError("caption() speaks one language at a time: lang must be 'en' or 'zh'")
+    zh = lang == "zh"
+    phase, event, step = frame["phase"], frame["event"], frame["step"]
+    seqs = {s["id"]: s for s in frame["seqs"]}
+    parts: list[str] = []
+    if phase == "start":
+        n, bs = event["num_blocks"], event["block_size"]
+        parts.append(f"空的块池：{n} 个块，每块 {bs} 个 token" if zh else f"empty pool: {n} blocks of {bs} tokens")
+    elif phase == "add":
+        items = [(i, seqs[i]["num_prompt_tokens"]) for i in event["added"]]
+        if zh:
+            parts.append("新请求：" + "、".join(f"序列 {i}（提示词 {n} 个 token）" for i, n in items))
+        else:
+            parts.append("added " + ", ".join(f"seq {i} (prompt {n} tokens)" for i, n in items))
+    elif phase == "schedule":
+        scheduled = event["scheduled"]
+        if not scheduled:
+            parts.append("没有可调度的序列" if zh else "nothing to schedule")
+        elif event["is_prefill"]:
+            items = []
+            for item in scheduled:
+                s, n = seqs[item["seq"]], item["num_tokens"]
+                left = s["num_tokens"] - s["num_cached_tokens"] - n
+                if left > 0:
+                    items.append(f"序列 {s['id']}（分块 {n} 个 token，还剩 {left} 个）" if zh
+                                 else f"seq {s['id']} (chunk of {n} tokens, {left} left)")
+                else:
+                    items.append(f"序列 {s['id']}（{n} 个 token）" if zh else f"seq {s['id']} ({n} tokens)")
+            parts.append(("预填充：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
+        else:
+            ids = _seq_list([item["seq"] for item in scheduled], zh)
+            parts.append(f"decode：序列 {ids}（各 1 个 token）" if zh else f"decode: seq {ids} (1 token each)")
+        for hit in event["cache_hits"]:
+            blocks = _seq_list(hit["blocks"], zh)
+            word = "block" if len(hit["blocks"]) == 1 else "blocks"
+            parts.append(f"缓存命中：块 {blocks}（序列 {hit['seq']}）" if zh
+                         else f"cache hit on {word} {blocks} (seq {hit['seq']})")
+        if event["preempted"]:
+            ids = _seq_list(event["preempted"], zh)
+            parts.append(f"抢占序列 {ids}" if zh else f"preempted seq {ids}")
+    elif phase == "preempt":
+        ids = _seq_list(event["preempted"], zh)
+        parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队首）" if zh
+                     else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)")
+    elif phase == "postprocess":
+        appended = [t["seq"] for t in event["tokens"] if t["appended"]]
+        discarded = [t["seq"] for t in event["tokens"] if not t["appended"]]
+        if appended:
+            ids = _seq_list(appended, zh)
+            each = "各" if len(appended) > 1 else ""
+            parts.append(f"序列 {ids} {each}追加 1 个 token" if zh else f"appended a token to seq {ids}")
+        if discarded:
+            ids = _seq_list(discarded, zh)
+            parts.append(f"序列 {ids} 的分块未完成，丢弃采样结果" if zh
+                         else f"seq {ids}: partial chunk, sample discarded")
+        if event["finished"]:
+            ids = _seq_list(event["finished"], zh)
+            parts.append(f"序列 {ids} 完成（释放其块）" if zh else f"finished seq {ids} (blocks freed)")
+    else:
+        raise ValueError(f"unknown frame phase {phase!r}")
+    if phase == "schedule":
+        head = f"第 {step} 步" if zh else f"step {step}"
+    elif phase == "postprocess":
+        head = f"第 {step} 步完成" if zh else f"step {step} done"
+    else:
+        head = f"第 {step + 1} 步之前" if zh else f"before step {step + 1}"
+    return head + ("：" if zh else ": ") + ("；" if zh else " · ").join(parts)
+
+# %% player: drawing one frame
+#| export viz.player
+PITCH, CELL = 42, 38  # pool grid: distance between cells, cell size (px)
+ROW_CELL = 30  # block-table cells
+TABLE_X = 128  # where block-table cells start
+NUM_COLORS = 8  # sequence colors cycle through nvv-c0 ... nvv-c7
+
+
+def _t(en: str, zh: str, lang: str) -> str:
+    """A label in the player's language(s): both languages side by side by default."""
+    return {"en": en, "zh": zh}.get(lang, f"{en} {zh}")
+
+
+def _esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def block_info(block: dict, block_size: int) -> str:
+    """The hover text of a block: id, state, ref count, hash, owners, tokens."""
+    owners = ", ".join(str(s) for s in block["owners"]) or "-"
+    return (f"block {block['id']} · {block['state']} · ref {block['ref_count']} · "
+            f"hash {block['hash'] or 'null'} · seqs {owners} · {block['num_tokens']}/{block_size} tokens")
+
+
+def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str = "both") -> str:
+    """Draw one frame: the block pool, the block tables, the queues and the free list."""
+    blocks = frame["blocks"]
+    hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
+    prev_state = {b["id"]: b["state"] for b in prev["blocks"]} if prev else {}
+    cols = max(1, min(16, len(blocks)))
+    out: list[str] = []
+    y = 14
+    out.append(f'<text x="4" y="{y}" class="nvv-h">{_t("block pool", "块池", lang)}</text>')
+    top = y + 6
+    for k, block in enumerate(blocks):
+        x, yy = 4 + (k % cols) * PITCH, top + (k // cols) * PITCH
+        classes = ["nvv-blk", f"nvv-{block['state']}"]
+        before = prev_state.get(block["id"])
+        if block["id"] in hits:
+            classes.append("nvv-hit")
+        elif before is not None and before != "used" and block["state"] == "used":
+            classes.append("nvv-new")
+        elif before == "used" and block["state"] != "used":
+            classes.append("nvv-freed")
+        info = block_info(block, block_size)
+        owners = " ".join(str(s) for s in block["owners"])
+        out.append(f'<g class="{" ".join(classes)}" data-b="{block["id"]}" data-o="{owners}" '
+                   f'data-info="{_esc(info)}"><title>{_esc(info)}</title>')
+        out.append(f'<rect class="nvv-box" x="{x}" y="{yy}" width="{CELL}" height="{CELL}" rx="4"/>')
+        out.append(f'<text class="nvv-bid" x="{x + 3}" y="{yy + 10}">{block["id"]}</text>')
+        if block["state"] != "free":
+            out.append(f'<text class="nvv-rc" x="{x + CELL // 2}" y="{yy + 26}">{block["ref_count"]}</text>')
+        if block["num_tokens"]:
+            width = round((CELL - 6) * min(block["num_tokens"], block_size) / block_size, 1)
+            out.append(f'<rect class="nvv-fill" x="{x + 3}" y="{yy + CELL - 6}" width="{width}" height="3"/>')
+        for j, seq_id in enumerate(block["owners"][:3]):
+            out.append(f'<rect class="nvv-c{seq_id % NUM_COLORS}" x="{x + CELL - 8 - 7 * j}" y="{yy + 3}" '
+                       f'width="5" height="5"/>')
+        out.append("</g>")
+    y = top + ((len(blocks) + cols - 1) // cols) * PITCH + 16
+    width = 8 + cols * PITCH
+    # en: Block tables: one row per live sequence, running ones first.
+    # zh: 块表：每个活跃序列一行，运行中的在前。
+    seqs = {s["id"]: s for s in frame["seqs"]}
+    live = [seqs[i] for i in frame["running"] + frame["waiting"]]
+    out.append(f'<text x="4" y="{y}" class="nvv-h">{_t("block tables", "块表", lang)}</text>')
+    y += 8
+    hit_by_seq = {hit["seq"]: set(hit["blocks"]) for hit in frame["event"].get("cache_hits", [])}
+    for s in live:
+        color = f"nvv-c{s['id'] % NUM_COLORS}"
+        info = (f"seq {s['id']} · {s['status']} · {s['num_tokens']} tokens (prompt {s['num_prompt_tokens']}) · "
+                f"cached {s['num_cached_tokens']} · scheduled {s['num_scheduled_tokens']}")
+        out.append(f'<g class="nvv-seq" data-s="{s["id"]}" data-info="{_esc(info)}"><title>{_esc(info)}</title>')
+        out.append(f'<rect class="{color}" x="4" y="{y + 4}" width="10" height="12" rx="2"/>')
+        out.append(f'<text x="18" y="{y + 15}">seq {s["id"]}: {s["num_tokens"]} tok</text></g>')
+        for j, block_id in enumerate(s["block_table"]):
+            x = TABLE_X + j * (ROW_CELL + 2)
+            hit = " nvv-hit" if block_id in hit_by_seq.get(s["id"], ()) else ""
+            out.append(f'<g class="nvv-ref{hit}" data-b="{block_id}"><rect class="{color}" x="{x}" y="{y}" '
+                       f'width="{ROW_CELL}" height="20" rx="3"/>'
+                       f'<text x="{x + ROW_CELL // 2}" y="{y + 14}" class="nvv-mid">{block_id}</text></g>')
+        width = max(width, TABLE_X + len(s["block_table"]) * (ROW_CELL + 2) + 4)
+        y += 24
+    if not live:
+        out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_t("(none)", "（无）", lang)}</text>')
+        y += 24
+    # en: Queues as chips, in queue order (the head is on the left).
+    # zh: 队列画成一串小标签，按队列顺序排列（队首在左）。
+    y += 10
+    for name, label in (("running", _t("running", "运行", lang)), ("waiting", _t("waiting", "等待", lang))):
+        out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{label}</text>')
+        for j, seq_id in enumerate(frame[name]):
+            x = TABLE_X + j * 44
+            out.append(f'<g class="nvv-chip" data-s="{seq_id}"><rect class="nvv-c{seq_id % NUM_COLORS}" x="{x}" '
+                       f'y="{y}" width="40" height="20" rx="10"/>'
+                       f'<text x="{x + 20}" y="{y + 14}" class="nvv-mid">s{seq_id}</text></g>')
+        width = max(width, TABLE_X + len(frame[name]) * 44 + 4)
+        y += 24
+    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{_t("free list", "空闲链表", lang)}</text>')
+    shown = frame["free_list"][:24]
+    for j, block_id in enumerate(shown):
+        x = TABLE_X + j * 24
+        out.append(f'<g class="nvv-fl" data-b="{block_id}"><rect x="{x}" y="{y + 2}" width="22" height="16" rx="3"/>'
+                   f'<text x="{x + 11}" y="{y + 14}" class="nvv-mid">{block_id}</text></g>')
+    if len(frame["free_list"]) > len(shown):
+        out.append(f'<text x="{TABLE_X + len(shown) * 24 + 2}" y="{y + 14}">… +{len(frame["free_list"]) - 24}</text>')
+    width = max(width, TABLE_X + len(shown) * 24 + 40, 420)
+    y += 26
+    return (f'<svg width="{width}" height="{y}" viewBox="0 0 {width} {y}" '
+            f'role="img">{"".join(out)}</svg>')
+
+# %% player: style and script
+#| export viz.player
+# en: One stylesheet for every player; class names start with "nvv-" so they cannot clash with the page.
+# zh: 所有播放器共用一份样式表；类名都以 "nvv-" 开头，不会与页面冲突。
+PLAYER_CSS = """
+.nvv{font:13px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#263238;background:#fff;
+  border:1px solid #cfd8dc;border-radius:6px;padding:8px 10px;margin:6px 0;max-width:100%;overflow-x:auto}
+.nvv:focus{outline:2px solid #90caf9}
+.nvv-bar{display:flex;gap:6px;align-items:center;flex-wrap:wrap;margin-bottom:4px}
+.nvv-bar button{font:inherit;padding:1px 8px;border:1px solid #90a4ae;border-radius:4px;background:#eceff1;
+  color:#263238;cursor:pointer}
+.nvv-bar button:hover{background:#cfd8dc}
+.nvv-slider{flex:1;min-width:120px}
+.nvv-count{font-family:ui-monospace,Menlo,Consolas,monospace;min-width:5em}
+.nvv-frame[hidden]{display:none}
+.nvv-cap{min-height:2.9em;margin:2px 0 4px}
+.nvv-cap .nvv-zh{color:#546e7a}
+.nvv-info{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:#37474f;min-height:1.5em}
+.nvv-nojs{font-size:12px;color:#8d6e63}
+.nvv svg{display:block;max-width:100%;height:auto}
+.nvv svg text{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;fill:#263238}
+.nvv svg text.nvv-h{font-family:system-ui,sans-serif;font-weight:600;fill:#455a64}
+.nvv svg text.nvv-mid,.nvv svg text.nvv-rc{text-anchor:middle}
+.nvv svg text.nvv-rc{font-size:15px;font-weight:700}
+.nvv svg text.nvv-bid{font-size:9px;fill:#607d8b}
+.nvv svg text.nvv-dim{fill:#90a4ae}
+.nvv-box{stroke-width:1.5}
+.nvv-free .nvv-box{fill:#f5f5f5;stroke:#b0bec5}
+.nvv-used .nvv-box{fill:#d6e6fb;stroke:#1e5aa8}
+.nvv-cached .nvv-box{fill:#e3f4e6;stroke:#2e7d32;stroke-dasharray:4 2}
+.nvv-cached text.nvv-rc{fill:#81a784}
+.nvv-new .nvv-box{stroke:#0d47a1;stroke-width:3}
+.nvv-freed .nvv-box{stroke:#c62828;stroke-width:2.5}
+.nvv-hit .nvv-box,.nvv-ref.nvv-hit rect{stroke:#ef6c00;stroke-width:3}
+.nvv-fill{fill:#1e5aa8}
+.nvv-fl rect{fill:#fafafa;stroke:#b0bec5}
+.nvv .nvv-lit .nvv-box,.nvv .nvv-ref.nvv-lit rect,.nvv .nvv-chip.nvv-lit rect{stroke:#d81b60;stroke-width:3}
+.nvv-c0{fill:#ffcc80}.nvv-c1{fill:#90caf9}.nvv-c2{fill:#a5d6a7}.nvv-c3{fill:#ce93d8}
+.nvv-c4{fill:#ef9a9a}.nvv-c5{fill:#80cbc4}.nvv-c6{fill:#fff59d}.nvv-c7{fill:#bcaaa4}
+.nvv-legend{font-size:12px;color:#546e7a;margin-top:4px}
+.nvv-legend span{display:inline-block;width:11px;height:11px;border-radius:2px;margin:0 3px -1px 8px;
+  border:1.5px solid #b0bec5;background:#f5f5f5}
+.nvv-legend .nvv-l-used{background:#d6e6fb;border-color:#1e5aa8}
+.nvv-legend .nvv-l-cached{background:#e3f4e6;border:1.5px dashed #2e7d32}
+.nvv-legend .nvv-l-hit{border:2.5px solid #ef6c00}
+.nvv-legend .nvv-l-new{border:2.5px solid #0d47a1}
+.nvv-legend .nvv-l-freed{border:2.5px solid #c62828}
+"""
+
+# en: The player's behaviour. "__ROOT__" is replaced by the player's own element id, so each player on a page
+# en: drives only its own frames. Everything it needs is already in the page: no network, no kernel.
+# zh: 播放器的行为。"__ROOT__" 会被替换为该播放器自己的元素 id，因此同一页面上的每个播放器只控制自己的帧。
+# zh: 它需要的一切都已在页面里：不联网，也不需要内核。
+PLAYER_JS = """
+(function () {
+  var root = document.getElementById("__ROOT__");
+  if (!root || root.getAttribute("data-ready")) return;
+  root.setAttribute("data-ready", "1");
+  var frames = root.querySelectorAll(".nvv-frame"), n = frames.length, cur = 0, timer = null;
+  var slider = root.querySelector(".nvv-slider"), count = root.querySelector(".nvv-count");
+  var info = root.querySelector(".nvv-info"), play = root.querySelector("[data-act=play]");
+  var nojs = root.querySelector(".nvv-nojs");
+  if (nojs) nojs.parentNode.removeChild(nojs);
+  function show(k) {
+    cur = Math.max(0, Math.min(n - 1, k));
+    for (var i = 0; i < n; i++) frames[i].hidden = (i !== cur);
+    slider.value = cur;
+    count.textContent = (cur + 1) + " / " + n;
+    root.setAttribute("data-frame", cur);
+  }
+  function stop() {
+    if (timer) clearInterval(timer);
+    timer = null;
+    play.textContent = play.getAttribute("data-play");
+  }
+  function start() {
+    if (cur >= n - 1) show(0);
+    play.textContent = play.getAttribute("data-pause");
+    timer = setInterval(function () { if (cur >= n - 1) stop(); else show(cur + 1); },
+                        +root.getAttribute("data-interval"));
+  }
+  root.addEventListener("click", function (e) {
+    var b = e.target.closest ? e.target.closest("[data-act]") : null;
+    if (!b) return;
+    var act = b.getAttribute("data-act");
+    if (act === "play") { if (timer) stop(); else start(); return; }
+    stop();
+    if (act === "first") show(0);
+    else if (act === "back") show(cur - 1);
+    else if (act === "step") show(cur + 1);
+    else if (act === "last") show(n - 1);
+  });
+  slider.addEventListener("input", function () { stop(); show(+slider.value); });
+  root.addEventListener("keydown", function (e) {
+    if (e.target === slider) return;
+    if (e.key === "ArrowRight") { stop(); show(cur + 1); e.preventDefault(); }
+    else if (e.key === "ArrowLeft") { stop(); show(cur - 1); e.preventDefault(); }
+    else if (e.key === " ") { if (timer) stop(); else start(); e.preventDefault(); }
+  });
+  function light(sel, on) {
+    var els = frames[cur].querySelectorAll(sel);
+    for (var i = 0; i < els.length; i++) els[i].classList.toggle("nvv-lit", on);
+  }
+  function hover(e, on) {
+    var g = e.target.closest ? e.target.closest("[data-b],[data-s]") : null;
+    if (!g) return;
+    var b = g.getAttribute("data-b"), s = g.getAttribute("data-s");
+    if (b !== null) {
+      light('[data-b="' + b + '"]', on);
+      var cell = frames[cur].querySelector('.nvv-blk[data-b="' + b + '"]');
+      if (on && cell) info.textContent = cell.getAttribute("data-info");
+    } else {
+      var owned = frames[cur].querySelectorAll(".nvv-blk");
+      for (var i = 0; i < owned.length; i++) {
+        if ((" " + owned[i].getAttribute("data-o") + " ").indexOf(" " + s + " ") >= 0)
+          owned[i].classList.toggle("nvv-lit", on);
+      }
+      var row = frames[cur].querySelector('.nvv-seq[data-s="' + s + '"]');
+      if (on) info.textContent = row ? row.getAttribute("data-info") : "seq " + s;
+    }
+  }
+  root.addEventListener("mouseover", function (e) { hover(e, true); });
+  root.addEventListener("mouseout", function (e) { hover(e, false); });
+  show(+root.getAttribute("data-start"));
+})();
+"""
+
+# %% player: the html
+#| export viz.player
+def _frame_index(frames: list, index: int, name: str) -> int:
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TypeError(f"{name} must be an int, got {type(index).__name__}")
+    if not -len(frames) <= index < len(frames):
+        raise ValueError(f"{name}={index} is out of range for a recording of {len(frames)} frames")
+    return index % len(frames)
+
+
+def _check_recording(recording: object) -> dict:
+    if not isinstance(recording, dict):
+        raise TypeError(f"recording must be a dict (see Recorder.recording), got {type(recording).__name__}")
+    frames = recording.get("frames")
+    if not isinstance(frames, list) or not frames:
+        raise ValueError("recording has no frames: record at least the start frame (Recorder does)")
+    if not isinstance(recording.get("block_size"), int) or recording["block_size"] < 1:
+        raise ValueError(f"recording['block_size'] must be a positive int, got {recording.get('block_size')!r}")
+    return recording
+
+
+def _caption_html(frame: dict, lang: str) -> str:
+    if lang == "both":
+        return (f'<div class="nvv-cap"><div>{_esc(caption(frame, "en"))}</div>'
+                f'<div class="nvv-zh">{_esc(caption(frame, "zh"))}</div></div>')
+    return f'<div class="nvv-cap">{_esc(caption(frame, lang))}</div>'
+
+
+def _legend(lang: str) -> str:
+    items = [("free", "空闲"), ("used", "已用"), ("cached", "空闲但仍被缓存"), ("hit", "缓存命中"),
+             ("new", "新分配"), ("freed", "刚释放")]
+    parts = "".join(f'<span class="nvv-l-{en}"></span>{_t(en, zh, lang)}' for en, zh in items)
+    note = _t("number = ref count; bar = tokens in the block", "数字 = 引用计数；横条 = 块中的 token 数", lang)
+    return f'<div class="nvv-legend">{parts} · {_esc(note)}</div>'
+
+
+def frame_html(recording: dict, index: int = -1, lang: str = "both", since: int | None = None) -> str:
+    """One frame as static HTML (captions, drawing, legend): no script, so it also works inside widgets.
+
+    since: also caption the frames from ``since`` up to ``index`` (what one action of the live panel did).
+    """
+    frames = _check_recording(recording)["frames"]
+    _check_lang(lang)
+    index = _frame_index(frames, index, "index")
+    since = index if since is None else _frame_index(frames, since, "since")
+    prev = frames[index - 1] if index > 0 else None
+    svg = frame_svg(frames[index], recording["block_size"], prev, lang)
+    captions = "".join(_caption_html(frames[k], lang) for k in range(min(since, index), index + 1))
+    return f'<div class="nvv"><style>{PLAYER_CSS}</style>{captions}{svg}{_legend(lang)}</div>'
+
+
+def player_html(recording: dict, *, lang: str = "both", start: int = 0, interval_ms: int = 900,
+                player_id: str | None = None) -> str:
+    """A self-contained HTML + SVG + JS player of ``recording`` (no CDN, no fonts, no kernel).
+
+    lang: "en", "zh", or "both" (labels in both languages; the same output serves both sites).
+    start: the frame shown first (and the only one shown where scripts do not run).
+    """
+    frames = _check_recording(recording)["frames"]
+    _check_lang(lang)
+    if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
+        raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
+    start = _frame_index(frames, start, "start")
+    root = player_id or f"nvv-{uuid.uuid4().hex[:12]}"
+    if not root.replace("-", "").replace("_", "").isalnum():
+        raise ValueError(f"player_id may hold letters, digits, '-' and '_' only, got {root!r}")
+    bar = (
+        f'<div class="nvv-bar">'
+        f'<button type="button" data-act="first" title="first frame">|◀</button>'
+        f'<button type="button" data-act="back">◀ {_t("Back", "后退", lang)}</button>'
+        f'<button type="button" data-act="play" data-play="▶ {_t("Play", "播放", lang)}" '
+        f'data-pause="⏸ {_t("Pause", "暂停", lang)}">▶ {_t("Play", "播放", lang)}</button>'
+        f'<button type="button" data-act="step">{_t("Step", "单步", lang)} ▶</button>'
+        f'<button type="button" data-act="last" title="last frame">▶|</button>'
+        f'<input class="nvv-slider" type="range" min="0" max="{len(frames) - 1}" value="{start}" '
+        f'aria-label="frame">'
+        f'<span class="nvv-count">{start + 1} / {len(frames)}</span></div>'
+    )
+    body = []
+    for k, frame in enumerate(frames):
+        hidden = "" if k == start else " hidden"
+        svg = frame_svg(frame, recording["block_size"], frames[k - 1] if k else None, lang)
+        body.append(f'<div class="nvv-frame" data-frame="{k}"{hidden}>{_caption_html(frame, lang)}{svg}</div>')
+    nojs = _t("Static view: JavaScript did not run here (run the cell, or trust the notebook).",
+              "静态视图：这里没有运行 JavaScript（请运行该单元，或信任此 notebook）。", lang)
+    hint = _t("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
+    return (
+        f'<div class="nvv" id="{root}" tabindex="0" data-start="{start}" data-interval="{interval_ms}">'
+        f"<style>{PLAYER_CSS}</style>{bar}{''.join(body)}"
+        f'<div class="nvv-info">{_esc(hint)}</div>{_legend(lang)}'
+        f'<div class="nvv-nojs">{_esc(nojs)}</div>'
+        f"<script>{PLAYER_JS.replace('__ROOT__', root)}</script></div>"
+    )
+
+
+class Player:
+    """A recording shown as a player: displays itself in Jupyter, VS Code and executed notebooks."""
+
+    def __init__(self, recording: dict, **options: object) -> None:
+        self.recording = recording
+        self.html = player_html(recording, **options)
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def __repr__(self) -> str:
+        return f"Player({len(self.recording['frames'])} frames)"
+
+# %% the package's front door
+#| export viz.__init__
+from nanovllm.viz.driver import FakeEngine, fake_token
+from nanovllm.viz.panel import LivePanel, parse_prompt
+from nanovllm.viz.player import Player, caption, frame_html, frame_svg, player_html
+from nanovllm.viz.recorder import Recorder, snapshot
+
+__all__ = [
+    "FakeEngine",
+    "LivePanel",
+    "Player",
+    "Recorder",
+    "caption",
+    "fake_token",
+    "frame_html",
+    "frame_svg",
+    "parse_prompt",
+    "player_html",
+    "snapshot",
+]
+
+# %% [markdown] tags=["en"]
+# A first recording: one request of 6 tokens, blocks of 4 tokens, two tokens to generate.
+
+# %% [markdown] tags=["zh"]
+# 第一份记录：一个 6 个 token 的请求，每块 4 个 token，生成两个 token。
+
+# %%
+import json
+
+from nanovllm.viz.driver import FakeEngine
+from nanovllm.viz.player import Player, caption
+
+engine = FakeEngine(num_kvcache_blocks=6, kvcache_block_size=4)
+first = engine.add(list(range(1, 7)), max_tokens=2)
+engine.run()
+recording = engine.recording
+for frame in recording["frames"]:
+    print(f"{frame['index']:2}  {caption(frame, 'en')}")
+print(json.dumps(recording["frames"][2]["blocks"][:2]))
+Player(recording)
+
+# %%
+assert json.loads(json.dumps(recording)) == recording  # plain data, through JSON and back
+phases = [f["phase"] for f in recording["frames"]]
+assert phases == ["start", "add", "schedule", "postprocess", "schedule", "postprocess"]
+assert recording["frames"][-1]["seqs"][0]["status"] == "FINISHED"
+
+# %% [markdown] tags=["en"]
+# ## See it: two requests sharing a prefix
+#
+# Request A has a prompt of 10 tokens; request B arrives one step later with the same first 8
+# tokens (two full blocks) and a different tail. A's full blocks were **published** (hashed) in
+# the postprocess of step 1, so B's prefill finds them: two cache hits, and those two blocks have
+# **ref count 2**, owned by A and B. When A finishes, its blocks are released: the shared ones
+# drop back to **ref count 1** (B still holds them), A's private block becomes free.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：两个请求共享前缀
+#
+# 请求 A 的提示词有 10 个 token；请求 B 晚一步到达，前 8 个 token（两个满块）与 A 相同，结尾不同。
+# A 的满块在第 1 步的后处理中已经**发布**（算出了哈希），所以 B 预填充时能找到它们：两次缓存命中，
+# 这两个块的**引用计数变为 2**，由 A 和 B 共同持有。A 完成后释放它的块：共享块的**引用计数回到 1**
+# （B 仍持有它们），A 独有的块变为空闲。
+
+# %%
+def block_of(frame: dict, block_id: int) -> dict:
+    return frame["blocks"][block_id]
+
+
+def seq_of(frame: dict, seq_id: int) -> dict:
+    return next(s for s in frame["seqs"] if s["id"] == seq_id)
+
+
+prefix = [11, 12, 13, 14, 15, 16, 17, 18]
+shared = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+a = shared.add([*prefix, 19, 20], max_tokens=3)
+shared.step()
+b = shared.add([*prefix, 30, 31, 32], max_tokens=5)
+shared.run()
+sharing = shared.recording
+Player(sharing)
+
+# %%
+frames = sharing["frames"]
+hit_frame = next(f for f in frames if f["phase"] == "schedule" and f["event"]["cache_hits"])
+a_blocks = seq_of(hit_frame, a.seq_id)["block_table"]
+assert hit_frame["event"]["cache_hits"] == [{"seq": b.seq_id, "blocks": a_blocks[:2]}]
+for block_id in a_blocks[:2]:
+    assert block_of(hit_frame, block_id)["ref_count"] == 2
+    assert block_of(hit_frame, block_id)["owners"] == [a.seq_id, b.seq_id]
+assert block_of(hit_frame, a_blocks[2])["ref_count"] == 1  # A's own tail block
+assert seq_of(hit_frame, b.seq_id)["num_cached_tokens"] == 8  # B prefills only its 3 new tokens
+a_done = next(f for f in frames if f["phase"] == "postprocess" and a.seq_id in f["event"]["finished"])
+assert a_done["step"] > hit_frame["step"]
+for block_id in a_blocks[:2]:
+    assert block_of(a_done, block_id)["ref_count"] == 1
+    assert block_of(a_done, block_id)["owners"] == [b.seq_id]
+assert block_of(a_done, a_blocks[2])["state"] != "used" and block_of(a_done, a_blocks[2])["ref_count"] == 0
+print(f"step {hit_frame['step']}: blocks {a_blocks[:2]} have ref count 2; "
+      f"step {a_done['step']}: A finished, they have ref count 1")
+
+# %% [markdown] tags=["en"]
+# ## See it: a cache hit revives a freed block
+#
+# Request C runs alone and finishes: all its blocks are freed, but its two full blocks keep their
+# hashes, so they are **free but cached** (dashed green). Request D arrives with the same first 8
+# tokens: the hits take those very blocks back out of the free list, with ref count 1. D's
+# prompt is 10 tokens long, so its last block is new (the last block of a prompt is never a hit:
+# at least one token must be computed to get the logits).
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：缓存命中让已释放的块复活
+#
+# 请求 C 单独运行并完成：它的块全部释放，但两个满块保留了哈希，因此处于**空闲但仍被缓存**的状态（绿色虚线）。
+# 请求 D 到达，前 8 个 token 与 C 相同：命中会把正是这两个块从空闲链表中取回，引用计数为 1。
+# D 的提示词长 10 个 token，它的最后一块是新分配的（提示词的最后一块永远不算命中：
+# 至少要计算一个 token 才能得到 logits）。
+
+# %%
+revive = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+c = revive.add([*prefix, 21], max_tokens=1)
+revive.run()
+d = revive.add([*prefix, 40, 41], max_tokens=2)
+revive.run()
+reviving = revive.recording
+Player(reviving)
+
+# %%
+frames = reviving["frames"]
+c_done = next(f for f in frames if f["phase"] == "postprocess" and c.seq_id in f["event"]["finished"])
+c_blocks = seq_of(next(f for f in frames if f["phase"] == "schedule"), c.seq_id)["block_table"]
+for block_id in c_blocks[:2]:
+    assert block_of(c_done, block_id)["state"] == "cached" and block_of(c_done, block_id)["ref_count"] == 0
+    assert block_of(c_done, block_id)["hash"] is not None and block_id in c_done["free_list"]
+assert block_of(c_done, c_blocks[2])["state"] == "free"  # a partial block is never published
+d_hit = next(f for f in frames if f["phase"] == "schedule" and f["event"]["cache_hits"])
+assert d_hit["event"]["cache_hits"] == [{"seq": d.seq_id, "blocks": c_blocks[:2]}]
+assert seq_of(d_hit, d.seq_id)["block_table"][:2] == c_blocks[:2]
+for block_id in c_blocks[:2]:
+    assert block_of(d_hit, block_id)["state"] == "used" and block_of(d_hit, block_id)["ref_count"] == 1
+    assert block_id not in d_hit["free_list"]
+print(f"blocks {c_blocks[:2]}: cached after C finished, revived by D's cache hit in step {d_hit['step']}")
+
+# %% [markdown] tags=["en"]
+# ## See it: a long prompt prefilled in chunks
+#
+# A prompt of 20 tokens with a budget of `max_num_batched_tokens=8` tokens per step: the prefill
+# is **chunked** into 8 + 8 + 4 tokens. Between chunks the sequence stays at the head of the
+# *waiting* queue and keeps its blocks; the token sampled after a partial chunk is discarded.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：长提示词分块预填充
+#
+# 提示词 20 个 token，每步预算 `max_num_batched_tokens=8` 个 token：prefill 被**分块**为 8 + 8 + 4 个 token。
+# 两块之间，序列留在*等待*队列的队首并保留它的块；部分分块之后采样得到的 token 会被丢弃。
+
+# %%
+chunky = FakeEngine(num_kvcache_blocks=10, kvcache_block_size=4, max_num_batched_tokens=8)
+long_seq = chunky.add(list(range(50, 70)), max_tokens=2)
+chunky.run()
+chunking = chunky.recording
+Player(chunking)
+
+# %%
+frames = chunking["frames"]
+prefills = [f for f in frames if f["phase"] == "schedule" and f["event"]["is_prefill"]]
+assert [f["event"]["scheduled"][0]["num_tokens"] for f in prefills] == [8, 8, 4]
+after = [frames[f["index"] + 1] for f in prefills]  # the postprocess frame of each prefill step
+assert [f["event"]["tokens"][0]["appended"] for f in after] == [False, False, True]
+assert [seq_of(f, long_seq.seq_id)["num_cached_tokens"] for f in after] == [8, 16, 20]
+for f in after[:2]:
+    assert f["waiting"] == [long_seq.seq_id] and f["running"] == []
+    assert len(seq_of(f, long_seq.seq_id)["block_table"]) >= seq_of(f, long_seq.seq_id)["num_cached_tokens"] // 4
+assert after[2]["running"] == [long_seq.seq_id]
+print("chunks:", [f["event"]["scheduled"][0]["num_tokens"] for f in prefills])
+
+# %% [markdown] tags=["en"]
+# ## See it: a preemption storm in a tiny pool
+#
+# Six blocks of 4 tokens, four requests of 6 tokens that each want 8 more. Prefill admits them
+# while blocks last; during decode, each time a sequence needs a new block and none is free, the
+# scheduler **preempts** the newest running sequence: its blocks go back to the free list and it
+# returns to the head of the waiting queue, to be prefilled again later. Watch the queues
+# shuffle, and the pool end empty with every request finished.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：小块池里的抢占风暴
+#
+# 6 个块，每块 4 个 token；4 个请求，每个提示词 6 个 token，还要再生成 8 个。预填充在块够用时接纳它们；
+# decode 时，每当某个序列需要新块而没有空闲块，调度器就**抢占**最新的运行序列：它的块回到空闲链表，
+# 它回到等待队列的队首，之后重新预填充。注意看队列如何来回变动，最后块池清空，所有请求都完成。
+
+# %%
+storm = FakeEngine(num_kvcache_blocks=6, kvcache_block_size=4)
+victims = [storm.add([100 * (i + 1) + t for t in range(6)], max_tokens=8) for i in range(4)]
+steps = storm.run()
+storming = storm.recording
+Player(storming, start=0)
+
+# %%
+frames = storming["frames"]
+preempted = [seq_id for f in frames if f["phase"] == "schedule" for seq_id in f["event"]["preempted"]]
+assert len(preempted) >= 2, preempted
+final = frames[-1]
+assert all(s["status"] == "FINISHED" and s["num_tokens"] == 6 + 8 for s in final["seqs"])
+assert all(b["state"] != "used" and b["ref_count"] == 0 for b in final["blocks"])
+assert sorted(final["free_list"]) == list(range(6)) and final["waiting"] == final["running"] == []
+# en: A preempted sequence comes back: it is at the head of waiting right after its preemption.
+# zh: 被抢占的序列会回来：被抢占后，它立刻位于等待队列的队首。
+first_storm = next(f for f in frames if f["phase"] == "schedule" and f["event"]["preempted"])
+assert first_storm["waiting"][0] == first_storm["event"]["preempted"][-1]
+print(f"{steps} steps, {len(preempted)} preemptions (seq ids {preempted}), all 4 requests finished")
+
+# %% [markdown] tags=["en"]
+# ## Check it: invariants in every frame of every recording
+#
+# The drawings are only worth something if the data is right. In every frame above: a used
+# block's ref count equals the number of live block tables holding it; free and used blocks
+# partition the pool and the free list holds exactly the non-used blocks, each once; a cached
+# block has a hash; every live sequence holds at least the blocks its cached tokens need.
+# Finally, a recording that went through JSON draws the same player (apart from the random id).
+
+# %% [markdown] tags=["zh"]
+# ## 检查：每份记录的每一帧都满足的不变量
+#
+# 图画得再好，数据不对也没有意义。上面每一帧都满足：已用块的引用计数等于持有它的活跃块表个数；
+# 空闲块与已用块划分了整个块池，空闲链表恰好包含所有非已用块，且每块只出现一次；cached 块一定有哈希；
+# 每个活跃序列持有的块至少够存放它已缓存的 token。最后，经过 JSON 往返的记录画出的播放器完全相同（随机 id 除外）。
+
+# %%
+from nanovllm.viz.player import player_html
+
+
+def check_frame(frame: dict, block_size: int) -> None:
+    free = frame["free_list"]
+    assert len(free) == len(set(free))
+    for block in frame["blocks"]:
+        used = block["state"] == "used"
+        assert used == (block["id"] not in free), block
+        assert block["ref_count"] == len(block["owners"]), block
+        assert used == (block["ref_count"] > 0), block
+        assert block["state"] != "cached" or block["hash"] is not None, block
+    for seq_id in frame["waiting"] + frame["running"]:
+        s = seq_of(frame, seq_id)
+        assert len(s["block_table"]) * block_size >= s["num_cached_tokens"], s
+
+
+all_recordings = [recording, sharing, reviving, chunking, storming]
+for rec in all_recordings:
+    for frame in rec["frames"]:
+        check_frame(frame, rec["block_size"])
+    again = json.loads(json.dumps(rec))
+    assert player_html(again, player_id="same") == player_html(rec, player_id="same")
+print(f"{sum(len(r['frames']) for r in all_recordings)} frames checked")
+
+# %% [markdown] tags=["en"]
+# ## The live panel (JupyterLab)
+#
+# `LivePanel()` shows buttons that drive a live scheduler with the fake model: **Step**, **Run to
+# end**, **Add request** (type token ids; sharing a prefix with an earlier request shows cache
+# hits), **Rebuild pool** with another number of blocks (everything done so far is replayed on
+# the new pool: shrink it to force preemptions), and **Preempt newest**. Below the buttons, the
+# same drawing as the player's, redrawn after each action.
+#
+# The panel needs a running kernel and a frontend. **On this static site it is inert**: you see
+# a note instead of buttons (the cell creates the buttons only in JupyterLab or VS Code). Open the
+# chapter in JupyterLab to use it. Its buttons call plain methods, so the cell after it drives it
+# exactly like clicks would, then shows the session as a player, which does work here.
+
+# %% [markdown] tags=["zh"]
+# ## 实时面板（JupyterLab）
+#
+# `LivePanel()` 显示一组按钮，用假模型驱动一个实时的调度器：**单步**、**运行到底**、**添加请求**
+# （输入 token id；与之前的请求共享前缀就能看到缓存命中）、**重建块池**（换一个块数；之前做过的一切会在新块池上重放：
+# 把块池缩小就能迫使抢占发生），以及**抢占最新**。按钮下方是与播放器相同的图，每次操作后重画。
+#
+# 面板需要运行中的内核和前端。**在这个静态网站上它不会动**：你看到的是一条说明，而不是按钮
+# （该单元只在 JupyterLab 或 VS Code 中创建按钮）。请在 JupyterLab 中打开本章来使用它。
+# 它的按钮调用的是普通方法，所以紧随其后的单元会像点击一样驱动它，再把这段操作显示成播放器，而播放器在这里是能用的。
+
+# %% panel
+#| export viz.panel
+from __future__ import annotations
+
+import os
+import re
+from html import escape as html_escape
+from typing import Any
+
+from nanovllm.viz.driver import FakeEngine
+from nanovllm.viz.player import Player, frame_html
+
+
+def parse_prompt(text: str) -> list[int]:
+    """Token ids typed as "1 2 3" or "1, 2, 3"."""
+    words = [w for w in re.split(r"[\s,]+", text.strip()) if w]
+    if not words:
+        raise ValueError("the prompt is empty: type token ids such as 1 2 3")
+    try:
+        return [int(w) for w in words]
+    except ValueError:
+        raise ValueError(f"the prompt must be token ids (integers), got {text!r}") from None
+
+
+def interactive_frontend() -> bool:
+    """True in a kernel started by JupyterLab / Jupyter Server or VS Code (not by nbclient or nbval)."""
+    return any(name in os.environ for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
+
+
+class LivePanel:
+    """A control panel over a live scheduler driven by the fake model.
+
+    Actions: ``step``, ``run`` (to the end), ``add_request``, ``rebuild`` (another pool size; the
+    actions so far are replayed on the new pool) and ``preempt`` (the newest running sequence).
+    ``html`` is the same drawing as the player's, as a static snapshot (a widget runs no script).
+    ``widget`` builds the ipywidgets buttons on first use; each button calls one of the methods,
+    which is how the tests drive the panel without a browser.
+    """
+
+    def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
+                 max_num_batched_tokens: int = 16, lang: str = "both") -> None:
+        self.lang = lang
+        self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
+                        "max_num_batched_tokens": max_num_batched_tokens}
+        self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
+        self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
+        self.message = ""
+        self.html = ""
+        self._seen = 0  # frames already shown
+        self._widgets: dict[str, Any] | None = None
+        self.redraw()
+
+    # en: ---- actions (the buttons call these) ---------------------------------------------------
+    # zh: ---- 动作（按钮调用这些方法）------------------------------------------------------------
+    def step(self) -> None:
+        if self.engine.scheduler.is_finished():
+            self.say("nothing to do: add a request first · 无事可做：请先添加请求")
+            return
+        self.engine.step()
+        self.actions.append(("step",))
+        self.redraw()
+
+    def run(self) -> None:
+        for _ in range(1000):
+            if self.engine.scheduler.is_finished():
+                break
+            self.step()
+
+    def add_request(self, prompt: str, max_tokens: int = 4) -> None:
+        try:
+            tokens = parse_prompt(prompt)
+            self.engine.add(tokens, max_tokens)
+        except (TypeError, ValueError) as error:
+            self.say(f"not added · 未添加: {error}")
+            return
+        self.actions.append(("add", tokens, max_tokens))
+        self.redraw()
+
+    def preempt(self) -> None:
+        if self.engine.preempt_newest() is None:
+            self.say("no running sequence to preempt · 没有可抢占的运行序列")
+            return
+        self.actions.append(("preempt",))
+        self.redraw()
+
+    def rebuild(self, num_kvcache_blocks: int) -> None:
+        """A new pool of ``num_kvcache_blocks`` blocks; the actions so far are replayed on it."""
+        self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
+        self._seen = 0
+        skipped = []
+        for action in self.actions:
+            if action[0] == "add":
+                try:
+                    self.engine.add(action[1], action[2])
+                except ValueError as error:
+                    skipped.append(str(error))
+            elif action[0] == "step" and not self.engine.scheduler.is_finished():
+                self.engine.step()
+            elif action[0] == "preempt":
+                self.engine.preempt_newest()
+        self.redraw()
+        if skipped:
+            self.say("rebuilt; skipped requests that cannot fit · 已重建；跳过放不下的请求: " + "; ".join(skipped))
+
+    # en: ---- drawing -----------------------------------------------------------------------
+    # zh: ---- 绘制 --------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        self.message = f"<b>{html_escape(text)}</b>"
+        self._sync()
+
+    def redraw(self) -> None:
+        """Draw the current state, captioned with every frame the last action recorded."""
+        frames = self.engine.recorder.frames
+        self.message = ""
+        self.html = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
+        self._seen = len(frames)
+        self._sync()
+
+    def player(self, **options: Any) -> Player:
+        """Everything done on the current pool, as a player."""
+        return Player(self.engine.recording, **options)
+
+    # en: ---- widgets -----------------------------------------------------------------------
+    # zh: ---- 控件 --------------------------------------------------------------------------
+    @property
+    def widget(self) -> Any:
+        """The ipywidgets panel (built on first use)."""
+        return self._build()["box"]
+
+    def _build(self) -> dict[str, Any]:
+        if self._widgets is not None:
+            return self._widgets
+        # en: Imported here: only the live panel's buttons need ipywidgets.
+        # zh: 在这里才导入：只有实时面板的按钮需要 ipywidgets。
+        import ipywidgets as widgets
+
+        w: dict[str, Any] = {}
+
+        def button(name: str, description: str, handler: Any) -> Any:
+            w[name] = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
+            w[name].on_click(lambda _button: handler())
+            return w[name]
+
+        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
+        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
+        w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
+                                                max=512, description="blocks 块数")
+        w["message"], w["view"] = widgets.HTML(), widgets.HTML()
+        w["box"] = widgets.VBox([
+            widgets.HBox([button("step", "Step 单步", self.step), button("run", "Run to end 运行到底", self.run),
+                          button("preempt", "Preempt newest 抢占最新", self.preempt)]),
+            widgets.HBox([w["prompt"], w["max_tokens"], button(
+                "add", "Add request 添加请求", lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+            widgets.HBox([w["pool_size"], button(
+                "rebuild", "Rebuild pool 重建块池", lambda: self.rebuild(w["pool_size"].value))]),
+            w["message"],
+            w["view"],
+        ])
+        self._widgets = w
+        self._sync()
+        return w
+
+    def _sync(self) -> None:
+        if self._widgets is not None:
+            self._widgets["message"].value = self.message
+            self._widgets["view"].value = self.html
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+# %%
+from IPython.display import HTML, display
+
+from nanovllm.viz.panel import LivePanel, interactive_frontend
+
+panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
+if interactive_frontend():
+    # en: Buttons only where a frontend can show them: an executed notebook would keep the widgets' state,
+    # en: and the static site would then load a widget manager from a CDN.
+    # zh: 只在能显示按钮的前端里创建它们：否则执行后的 notebook 会保存控件状态，静态网站就会从 CDN 加载控件管理器。
+    display(panel.widget)
+else:
+    display(HTML("<p><i>LivePanel: open this chapter in JupyterLab to get its buttons. · "
+                 "实时面板：在 JupyterLab 中打开本章才会出现按钮。</i></p>"))
+
+# %%
+# en: The same actions as clicks on Add, Step, Add, Step, Preempt, Rebuild (5 blocks), Run to end.
+# zh: 与依次点击“添加、单步、添加、单步、抢占、重建（5 个块）、运行到底”相同的操作。
+panel.add_request("1 2 3 4 5 6 7 8 9", max_tokens=3)
+panel.step()
+panel.add_request("1 2 3 4 5 6 7 8 42 43", max_tokens=3)
+panel.step()
+panel.preempt()
+panel.rebuild(5)
+panel.run()
+session = panel.engine.recording
+assert [f["phase"] for f in session["frames"]].count("preempt") == 1
+assert all(s["status"] == "FINISHED" for s in session["frames"][-1]["seqs"])
+assert session["num_blocks"] == 5 and "nvv-blk" in panel.html
+panel.player()
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm.viz.recorder`: `snapshot(scheduler)` and `Recorder`, the scheduler's observer,
+#   which records frames of plain, JSON-ready data.
+# - `nanovllm.viz.driver`: `FakeEngine`, a scheduler driven by a deterministic fake model, for
+#   recordings on a CPU in milliseconds.
+# - `nanovllm.viz.player`: `caption`, `frame_svg`, `frame_html`, `player_html` and `Player`: a
+#   self-contained animation with play, pause, step, slider and hover details, safe to put many
+#   on one page.
+# - `nanovllm.viz.panel`: `LivePanel`, buttons over a live scheduler in JupyterLab (and
+#   `interactive_frontend()`, which tells whether buttons can be shown).
+#
+# ## Exercises
+#
+# 1. In the shared-prefix demo, make B's prompt share only the first 7 tokens with A. How many
+#    cache hits does B get, and why?
+# 2. In the storm, how many blocks does one request need at its longest? What is the smallest
+#    pool on which all four requests can still finish?
+# 3. Record a run with prefix caching switched off (`enable_prefix_caching=False`) on the
+#    shared-prefix workload: what does the pool look like when B is prefilled?
+#
+# The cell below checks the answers; try first, then read it.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm.viz.recorder`：`snapshot(scheduler)` 与 `Recorder`（调度器的观察者），
+#   把每一帧记录成可直接转成 JSON 的普通数据。
+# - `nanovllm.viz.driver`：`FakeEngine`，用确定性的假模型驱动调度器，在 CPU 上几毫秒就能录好。
+# - `nanovllm.viz.player`：`caption`、`frame_svg`、`frame_html`、`player_html` 与 `Player`：自包含的动画，
+#   支持播放、暂停、单步、滑块和悬停详情，一个页面上放多少个都不会冲突。
+# - `nanovllm.viz.panel`：`LivePanel`，JupyterLab 中驱动实时调度器的按钮面板。
+#
+# ## 练习
+#
+# 1. 在共享前缀的演示中，让 B 的提示词只与 A 共享前 7 个 token。B 会得到几次缓存命中？为什么？
+# 2. 在抢占风暴中，一个请求最长时需要几个块？四个请求都能完成的最小块池是多大？
+# 3. 在共享前缀的负载上关闭前缀缓存（`enable_prefix_caching=False`）再录一次：B 预填充时块池是什么样子？
+#
+# 下面的单元会检查答案；先自己想，再看它。
+
+# %%
+# en: Exercise 1: only full blocks are hashed, and B's second block differs in its last token:
+# en: one hit (the first block), the chain stops at the first miss.
+# zh: 练习 1：只有满块才有哈希，B 的第二块最后一个 token 不同：只命中一次（第一块），链在第一次未命中处断开。
+ex1 = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+ex1.add([*prefix, 19, 20], max_tokens=3)
+ex1.step()
+ex1_b = ex1.add([*prefix[:7], 99, 30, 31], max_tokens=2)
+ex1.run()
+ex1_hits = [h for f in ex1.recording["frames"] if f["phase"] == "schedule" for h in f["event"]["cache_hits"]]
+assert ex1_hits == [{"seq": ex1_b.seq_id, "blocks": ex1_hits[0]["blocks"][:1]}]
+
+# en: Exercise 2: 6 + 8 = 14 tokens -> 4 blocks at the longest; a pool of 4 blocks still lets every
+# en: request finish (one at a time), a pool of 3 cannot hold even one of them.
+# zh: 练习 2：6 + 8 = 14 个 token -> 最长时 4 块；4 个块的块池仍能让每个请求完成（一次一个），3 个块连一个都放不下。
+ex2 = FakeEngine(num_kvcache_blocks=4, kvcache_block_size=4)
+for i in range(4):
+    ex2.add([100 * (i + 1) + t for t in range(6)], max_tokens=8)
+ex2.run()
+assert all(s["status"] == "FINISHED" for s in ex2.recording["frames"][-1]["seqs"])
+try:
+    FakeEngine(num_kvcache_blocks=3, kvcache_block_size=4).add(list(range(6)), max_tokens=8)
+    raise AssertionError("a request that can never fit must be rejected")
+except ValueError as error:
+    print("pool of 3:", error)
+
+# en: Exercise 3: without prefix caching B gets no hits and fresh blocks: no block has ref count 2.
+# zh: 练习 3：关闭前缀缓存后 B 没有命中，拿到全新的块：没有任何块的引用计数为 2。
+ex3 = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4, enable_prefix_caching=False)
+ex3.add([*prefix, 19, 20], max_tokens=3)
+ex3.step()
+ex3.add([*prefix, 30, 31, 32], max_tokens=5)
+ex3.run()
+assert all(not f["event"].get("cache_hits") for f in ex3.recording["frames"])
+assert max(b["ref_count"] for f in ex3.recording["frames"] for b in f["blocks"]) == 1
+print("all exercise answers check out")
