@@ -7,8 +7,8 @@ import random
 import re
 
 import pytest
-from nanovllm.engine.scheduler import Scheduler
 
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.viz.driver import FakeEngine, fake_token

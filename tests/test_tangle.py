@@ -65,6 +65,12 @@ import itertools
 
 def histogram(xs: list[int]) -> dict[int, int]:
     return dict(collections.Counter(itertools.chain(xs)))
+
+# %% front door: imports then an assignment (isort wants one blank line between them, not two)
+#| exporti __init__
+from nanovllm.util import histogram
+
+_SELF_TEST = histogram([1, 1])
 """
 
 

@@ -200,7 +200,11 @@ def render(module: Module) -> str:
         blocks.append(f"__all__ = [\n{names}]")
     text = header + "\n" + "\n\n".join(blocks)
     if module.bodies:
-        text += "\n\n\n" + "\n\n\n".join(module.bodies)
+        # isort's rule (ruff I001): two blank lines after the imports before a def or class, one otherwise.
+        first = ast.parse(module.bodies[0]).body[0]
+        definition = isinstance(first, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        gap = "" if not blocks else "\n\n\n" if module.public_names or definition else "\n\n"
+        text += gap + "\n\n\n".join(module.bodies)
     return text.rstrip("\n") + "\n"
 
 

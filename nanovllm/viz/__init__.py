@@ -5,7 +5,6 @@ from nanovllm.viz.panel import LivePanel, parse_prompt
 from nanovllm.viz.player import Player, caption, frame_html, frame_svg, player_html
 from nanovllm.viz.recorder import Recorder, snapshot
 
-
 __all__ = [
     "FakeEngine",
     "LivePanel",
