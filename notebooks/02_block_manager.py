@@ -509,6 +509,44 @@ print("ref counts:", {i: shared.blocks[i].ref_count for i in sorted(shared.used_
 print(f"the second sequence found {found} of its {second.num_prompt_tokens} prompt tokens in the cache")
 
 # %% [markdown] tags=["en"]
+# ### The same, animated
+#
+# The player below (built in appendix A) replays a recording of the real scheduler with a fake
+# model: request A, then request B one step later with the same first 8 tokens. Press *step*
+# and watch the two shared blocks: their reference count goes to **2** when B's prefill holds
+# them, and back to **1** when A finishes and releases its table. Hover a block for its id,
+# reference count, hash and owners.
+
+# %% [markdown] tags=["zh"]
+# ### 同样的过程，动画版
+#
+# 下面的播放器（在附录 A 中构建）回放真实调度器配合假模型录下的过程：先来请求 A，一步之后来请求 B，
+# 它的前 8 个 token 与 A 相同。点击*单步*，留意两个共享块：B 的 prefill 持有它们时，引用计数变为 **2**；
+# A 完成并释放块表后，又回到 **1**。把鼠标移到块上，可以看到块编号、引用计数、哈希和持有者。
+
+# %% sharing animated
+from IPython.display import display
+
+from nanovllm.viz import FakeEngine, Player
+
+engine = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+seq_a = engine.add([*system_prompt, 1, 2], max_tokens=3)
+engine.step()
+seq_b = engine.add([*system_prompt, 7, 8, 9], max_tokens=5)
+engine.run()
+sharing = engine.recording
+display(Player(sharing))
+
+frames = sharing["frames"]
+hit = next(f for f in frames if f["phase"] == "schedule" and f["event"]["cache_hits"])
+shared_ids = hit["event"]["cache_hits"][0]["blocks"]
+a_done = next(f for f in frames if f["phase"] == "postprocess" and seq_a.seq_id in f["event"]["finished"])
+assert len(shared_ids) == 2
+assert [hit["blocks"][i]["ref_count"] for i in shared_ids] == [2, 2]
+assert [a_done["blocks"][i]["ref_count"] for i in shared_ids] == [1, 1]
+print(f"blocks {shared_ids}: ref count 2 at step {hit['step']}, 1 after A finished at step {a_done['step']}")
+
+# %% [markdown] tags=["en"]
 # ## Check it
 #
 # First the claims of the trace. Then the invariants the whole engine relies on, checked by a

@@ -379,6 +379,43 @@ del bm.prefix_cache.hash_to_block_id[block_hash([7, 7, 7, 7])]
 print("a colliding entry with other tokens is not a hit")
 
 # %% [markdown] tags=["en"]
+# ### A revival, animated
+#
+# Request C runs alone and finishes: its blocks go back to the free list, but its two full
+# blocks keep their hashes — **free but cached** (drawn dashed). Request D then arrives with the
+# same first 8 tokens, and its cache hits take *those very blocks* back out of the free list.
+# Step through the player (appendix A builds it) and hover the blocks.
+
+# %% [markdown] tags=["zh"]
+# ### 复活，动画版
+#
+# 请求 C 单独运行并完成：它的块回到空闲链表，但两个写满的块保留着哈希——**空闲但仍被缓存**（画成虚线）。
+# 随后请求 D 到达，前 8 个 token 与 C 相同，它的缓存命中把*正是这两个块*从空闲链表中取了回来。
+# 单步播放下面的播放器（由附录 A 构建），把鼠标移到块上看看。
+
+# %% revival animated
+from IPython.display import display
+
+from nanovllm.viz import FakeEngine, Player
+
+engine = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+seq_c = engine.add([*range(60, 68), 1], max_tokens=1)
+engine.run()
+seq_d = engine.add([*range(60, 68), 2, 3], max_tokens=2)
+engine.run()
+reviving = engine.recording
+display(Player(reviving))
+
+frames = reviving["frames"]
+c_done = next(f for f in frames if f["phase"] == "postprocess" and seq_c.seq_id in f["event"]["finished"])
+revived = next(f for f in frames if f["phase"] == "schedule" and f["event"]["cache_hits"])
+hit_ids = revived["event"]["cache_hits"][0]["blocks"]
+assert len(hit_ids) == 2
+assert all(c_done["blocks"][i]["state"] == "cached" and i in c_done["free_list"] for i in hit_ids)
+assert all(revived["blocks"][i]["state"] == "used" and revived["blocks"][i]["ref_count"] == 1 for i in hit_ids)
+print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {revived['step']}")
+
+# %% [markdown] tags=["en"]
 # ## The stale-entry trap
 #
 # Rule 4 is one `if` in `forget`. Upstream nano-vllm shipped without it: when a free block was

@@ -457,6 +457,45 @@ steps = run(sched, names)
 #   覆盖，所以要重算。
 
 # %% [markdown] tags=["en"]
+# ### Animated: a chunked prefill, then a preemption storm
+#
+# Two recordings of this scheduler with a fake model (the player comes from appendix A). First,
+# a 20-token prompt with a budget of 8 tokens per step: chunks of 8 + 8 + 4, the sequence
+# waiting at the head of the queue between chunks. Second, four requests in a pool of six
+# 4-token blocks: decode keeps needing blocks, the newest running sequence is preempted again
+# and again, and still every request finishes.
+
+# %% [markdown] tags=["zh"]
+# ### 动画：分块预填充，然后是一场抢占风暴
+#
+# 下面是本调度器配合假模型录下的两段过程（播放器来自附录 A）。第一段：20 个 token 的提示词，每步预算 8 个 token，
+# 分块为 8 + 8 + 4，两块之间序列在等待队列队首等候。第二段：4 个请求挤在 6 个块（每块 4 个 token）的块池里：
+# decode 不断需要新块，最新的运行序列一次又一次被抢占，但所有请求最终都完成了。
+
+# %% animations
+from IPython.display import display
+
+from nanovllm.viz import FakeEngine, Player
+
+chunky = FakeEngine(num_kvcache_blocks=10, kvcache_block_size=4, max_num_batched_tokens=8)
+chunky.add(list(range(50, 70)), max_tokens=2)
+chunky.run()
+display(Player(chunky.recording))
+chunks = [f["event"]["scheduled"][0]["num_tokens"] for f in chunky.recording["frames"]
+          if f["phase"] == "schedule" and f["event"]["is_prefill"]]
+assert chunks == [8, 8, 4]
+
+storm = FakeEngine(num_kvcache_blocks=6, kvcache_block_size=4)
+for i in range(4):
+    storm.add([100 * (i + 1) + t for t in range(6)], max_tokens=8)
+storm.run()
+display(Player(storm.recording))
+storm_frames = storm.recording["frames"]
+preemptions = [s for f in storm_frames if f["phase"] == "schedule" for s in f["event"]["preempted"]]
+assert len(preemptions) >= 2 and all(s["status"] == "FINISHED" for s in storm_frames[-1]["seqs"])
+print(f"chunks {chunks}; storm: {len(preemptions)} preemptions, all 4 requests finished")
+
+# %% [markdown] tags=["en"]
 # ## Check it
 #
 # The story above, asserted. Then the strongest check of all: **scheduling is invisible in the

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_viz_browser import CHROMIUM, step_player_in_page
 from tools import tangle
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,3 +82,15 @@ def test_no_page_loads_anything_from_another_host() -> None:
             if found:
                 offenders[str(path.relative_to(SITE))] = found[:3]
     assert offenders == {}
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_the_chapter_02_player_steps_in_a_real_browser(lang: str) -> None:
+    assert CHROMIUM, "the site's browser check needs Chromium (./dev test installs Debian's chromium)"
+    url = (PAGES[lang] / "chapters" / "02_block_manager" / "index.html").as_uri()
+    shot = ROOT / "build" / f"site-02-player-{lang}.png"
+    _, before, after = step_player_in_page(url, shot)
+    assert before["ready"] == "1", "the player's script did not run on the built page"
+    assert after["frame"] == before["frame"] + 1 and after["caption"] != before["caption"]
+    assert after["count"] != before["count"] and after["visible"] == 1
+    assert shot.stat().st_size > 1000

@@ -149,7 +149,6 @@ def step_player_in_page(url: str, screenshot: Path, binary: str = CHROMIUM) -> t
         browser.open(url)
         count = browser.js("document.querySelectorAll('.nvv[id]').length")
         assert count >= 1, f"no player on {url}"
-        last = ".nvv[id]:nth-of-type(1) ~ .nvv[id]:last-of-type" if count > 1 else ".nvv[id]"
         last = browser.js("(() => { const ps = document.querySelectorAll('.nvv[id]');"
                           " return '#' + ps[ps.length - 1].id; })()")
         first = browser.js("'#' + document.querySelector('.nvv[id]').id")
