@@ -1,0 +1,685 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 02 · Paged KV memory
+#
+# **Goal.** By the end of this chapter you can say, for any sequence at any step, which cache
+# blocks hold its keys and values, how many block tables hold each block, and which blocks are
+# free. You will build the `BlockManager`: a fixed pool of KV **blocks**, a **free list**, a
+# **used set**, a **reference count** per block, and the operations the scheduler (chapter 04)
+# calls: allocate a prompt's blocks, add a block during decode when the last one is full, and
+# give everything back when a sequence finishes or is preempted.
+#
+# The block manager does bookkeeping only. The KV tensors themselves live in the model runner
+# (chapter 08); a block id is just an index into them.
+
+# %% [markdown] tags=["zh"]
+# # 02 · 分页 KV 内存
+#
+# **目标。** 读完本章，对任意一个序列、任意一步，你都能说出它的键和值存放在哪些缓存块中、每个块被多少个块表持有、
+# 哪些块是空闲的。本章构建 `BlockManager`（块管理器）：一个固定大小的 KV **块**池、一个**空闲链表**、一个
+# **已用集合**、每块一个**引用计数**，以及调度器（第 04 章）要调用的操作：为提示词分配块、decode 时在最后一块
+# 写满后再添一块、序列结束或被抢占时归还全部块。
+#
+# 块管理器只做记账。KV 张量本身在模型执行器里（第 08 章）；块编号只是指向这些张量的下标。
+
+# %% [markdown] tags=["en"]
+# ## The idea: why pages?
+#
+# Attention needs the K and V vectors of every earlier token, so the engine keeps them in a
+# **KV cache** on the GPU. How should that memory be handed out to requests?
+#
+# The naive answer gives each request one contiguous region big enough for its longest possible
+# length (prompt + `max_tokens`). Nobody knows in advance when a request will stop, so most of
+# that region stays empty: memory is *reserved* but not *used*, and fewer requests fit at once.
+# Operating systems met the same problem with RAM and answered it with **paging**: cut memory
+# into fixed-size pages, give a process pages as it needs them, and keep a page table that maps
+# its logical pages to physical ones, wherever they are.
+#
+# vLLM's *PagedAttention* does the same with the KV cache. A **block** holds the KV of
+# `block_size` consecutive tokens. A sequence's **block table** lists its blocks in order, so
+# token `i` lives in block `block_table[i // block_size]` at offset `i % block_size`. A sequence
+# grabs a new block only when its last one is full, so at most `block_size - 1` slots per
+# sequence are wasted, whatever `max_tokens` says. And because a block table is only a list of
+# ids, two sequences can point at the *same* block: identical prompt prefixes can share their KV
+# (chapter 03). A block's **reference count** says how many block tables hold it; a block
+# returns to the free list when its count drops to zero.
+#
+# The drawing below is computed, not typed: three requests in a cache of 48 token slots.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：为什么要分页？
+#
+# 注意力需要此前每个 token 的 K 和 V 向量，所以引擎把它们保存在 GPU 上的 **KV 缓存**里。这块内存该怎样分给各个请求？
+#
+# 最朴素的做法是给每个请求一段连续空间，大小足够容纳它可能达到的最大长度（提示词 + `max_tokens`）。可是谁也无法
+# 预知请求何时结束，这段空间大多空着：内存被*预留*了却没有被*使用*，能同时容纳的请求也就少了。操作系统管理内存时
+# 遇到过同样的问题，答案是**分页**：把内存切成固定大小的页，进程需要时再给它分页，并用页表把逻辑页映射到物理页，
+# 物理页在哪里都行。
+#
+# vLLM 的 *PagedAttention* 对 KV 缓存做了同样的事。一个**块**存放 `block_size` 个连续 token 的 KV。序列的
+# **块表**按顺序列出它的块，于是第 `i` 个 token 位于块 `block_table[i // block_size]` 的第 `i % block_size`
+# 个槽位。序列只在最后一块写满时才申请新块，所以不管 `max_tokens` 多大，每个序列最多浪费 `block_size - 1` 个槽位。
+# 又因为块表只是一串编号，两个序列可以指向*同一个*块：相同的提示词前缀可以共享 KV（第 03 章）。块的**引用计数**
+# 表示有多少个块表持有它；计数降到零时，块回到空闲链表。
+#
+# 下图是算出来的，不是手画的：一个有 48 个 token 槽位的缓存，三个请求。
+
+# %% paging picture
+#| hide
+def contiguous_picture(requests: dict[str, tuple[int, int]], num_slots: int) -> tuple[str, int]:
+    """Each request reserves prompt + max_tokens slots up front; '.' is reserved but empty."""
+    row, admitted = "", 0
+    for name, (used, reserved) in requests.items():
+        if len(row) + reserved > num_slots:
+            break
+        row += name * used + "." * (reserved - used) + "|"
+        admitted += 1
+    return row + " " * (num_slots + admitted - len(row)), admitted
+
+
+def paged_picture(requests: dict[str, tuple[int, int]], num_slots: int, block_size: int) -> tuple[str, int]:
+    """Each request takes ceil(used / block_size) blocks; only its last block may be partly empty."""
+    cells, admitted = [], 0
+    for name, (used, _reserved) in requests.items():
+        blocks = -(-used // block_size)
+        if (len(cells) + blocks) * block_size > num_slots:
+            break
+        for b in range(blocks):
+            filled = min(block_size, used - b * block_size)
+            cells.append("[" + name * filled + "." * (block_size - filled) + "]")
+        admitted += 1
+    return "".join(cells), admitted
+
+
+# en: name: (tokens so far, prompt + max_tokens)
+# zh: 名字：（目前的 token 数，提示词 + max_tokens）
+paging_requests = {"A": (7, 20), "B": (5, 20), "C": (9, 20)}
+contiguous_row, contiguous_admitted = contiguous_picture(paging_requests, 48)
+paged_row, paged_admitted = paged_picture(paging_requests, 48, block_size=4)
+print(f"contiguous, 20 slots reserved per request: {contiguous_row}  -> {contiguous_admitted} requests fit")
+print(f"paged, blocks of 4 slots:                  {paged_row}  -> {paged_admitted} requests fit")
+assert (contiguous_admitted, paged_admitted) == (2, 3)
+
+# %% [markdown] tags=["en"]
+# ## Build it: a block
+#
+# A `Block` is four fields. `ref_count` is the number of block tables that hold it. `hash` and
+# `token_ids` belong to prefix caching (chapter 03): once the KV of a *full* block has been
+# written, the block is *published* under a hash of its contents so that a later prompt with the
+# same prefix can reuse it; until then `hash` is `-1` and `token_ids` is empty.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：块
+#
+# `Block` 只有四个字段。`ref_count` 是持有它的块表个数。`hash` 和 `token_ids` 属于前缀缓存（第 03 章）：
+# 一个*写满*的块的 KV 写入之后，这个块会以其内容的哈希值*发布*出去，以后有相同前缀的提示词就能复用它；
+# 在此之前，`hash` 为 `-1`，`token_ids` 为空。
+
+# %% default module
+#| default_exp engine.block_manager
+
+# %% block
+#| export
+from __future__ import annotations
+
+from collections import deque
+
+from nanovllm.engine.prefix_cache import NO_HASH, PrefixCache
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    """Bookkeeping for one block of the paged KV cache (the KV tensors live in the model runner)."""
+
+    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        # en: The prefix-cache key of a full block whose KV is written; -1 until then.
+        # zh: 已写满且 KV 已写入的块的前缀缓存键；在此之前为 -1。
+        self.hash = NO_HASH
+        self.token_ids: list[int] = []
+
+    def reset(self) -> None:
+        """Forget the old contents: the block is about to hold new tokens."""
+        self.hash = NO_HASH
+        self.token_ids = []
+
+    def __repr__(self) -> str:
+        published = f", hash={self.hash:#018x}" if self.hash != NO_HASH else ""
+        return f"Block({self.block_id}, ref_count={self.ref_count}{published})"
+
+
+# %% [markdown] tags=["en"]
+# ## Build it: the pool
+#
+# `BlockPool` knows blocks, not sequences. It starts with every block in the **free list**, a
+# `deque` of block ids, and an empty **used set**. Each block is always in exactly one of the
+# two: used blocks have `ref_count >= 1`, free blocks `ref_count == 0`. Three operations change
+# that: `take_free_block` (head of the free list → used, count 1), `hold` (one more reference
+# to a block, reviving it from the free list if its count was 0) and `release` (one reference
+# less; at 0 the block joins the tail of the free list).
+#
+# Why a queue and not a set for the free blocks? Its *order* is a policy. A freed block keeps
+# its KV and its hash, so prefix caching (chapter 03) can still revive it; the queue decides
+# which of those cached contents are overwritten first. And right before a block is overwritten,
+# `take_free_block` asks the prefix cache to `forget` it: its old contents must no longer be
+# findable.
+#
+# Bad arguments fail here, with the argument's name in the message: a pool built with zero
+# blocks would otherwise fail much later, deep inside the scheduler.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：块池
+#
+# `BlockPool`（块池）只认识块，不认识序列。一开始所有块都在**空闲链表**（一个存放块编号的 `deque`）里，**已用集合**
+# 为空。每个块总是恰好属于两者之一：已用块的 `ref_count >= 1`，空闲块的 `ref_count == 0`。改变这一状态的操作只有
+# 三个：`take_free_block`（空闲链表队头的块 → 已用，计数为 1）、`hold`（给某块再加一个引用；计数原为 0 时把它从
+# 空闲链表中复活）和 `release`（去掉一个引用；降到 0 时排到空闲链表队尾）。
+#
+# 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV 和哈希值，前缀缓存（第 03 章）
+# 仍能让它复活；这个队列决定了哪些缓存内容先被覆盖。而在一个块即将被覆盖之前，`take_free_block` 会让前缀缓存
+# `forget`（忘掉）它：旧内容不能再被找到。
+#
+# 参数错误在这里就报出来，错误信息里带着参数名：否则用零个块构造的块池要到很久以后、在调度器深处才会出错。
+
+# %% block pool
+#| export
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class BlockPool:
+    """The blocks of the paged KV cache, a free list, a used set and reference counts.
+
+    Invariant: every block is in exactly one of ``free_block_ids`` (``ref_count == 0``) and
+    ``used_block_ids`` (``ref_count >= 1``).
+    """
+
+    # en: Chapter 03 swaps this class to show what a subtly broken prefix cache does.
+    # zh: 第 03 章会替换这个类，演示一个有隐蔽缺陷的前缀缓存会造成什么后果。
+    prefix_cache_class = PrefixCache
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        _positive_int("num_blocks", num_blocks)
+        _positive_int("block_size", block_size)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+        self.prefix_cache: PrefixCache | None = (
+            self.prefix_cache_class(self.blocks, block_size) if enable_prefix_caching else None
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def hash_to_block_id(self) -> dict[int, int]:
+        """Published blocks by hash (read it, do not write it; empty when prefix caching is off)."""
+        return self.prefix_cache.hash_to_block_id if self.prefix_cache is not None else {}
+
+    def take_free_block(self) -> int:
+        """Take the block at the head of the free list, for new contents."""
+        block = self.blocks[self.free_block_ids.popleft()]
+        if self.prefix_cache is not None:
+            # en: Its old contents are about to be overwritten: unpublish them (chapter 03).
+            # zh: 它的旧内容马上要被覆盖：先撤销发布（第 03 章）。
+            self.prefix_cache.forget(block)
+        block.reset()
+        block.ref_count = 1
+        self.used_block_ids.add(block.block_id)
+        return block.block_id
+
+    def hold(self, block_id: int) -> None:
+        """Add a reference to a block whose contents we reuse, reviving it if it was free."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            # en: Freed but still cached: this exact block leaves the free list.
+            # zh: 已释放但仍在缓存中：正是这个块离开空闲链表。
+            self.free_block_ids.remove(block_id)
+            self.used_block_ids.add(block_id)
+        block.ref_count += 1
+
+    def release(self, block_id: int) -> None:
+        """Drop a reference; at zero the block joins the tail of the free list, contents kept."""
+        block = self.blocks[block_id]
+        if block.ref_count < 1:
+            raise RuntimeError(f"block {block_id} released more often than it was held")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.used_block_ids.remove(block_id)
+            self.free_block_ids.append(block_id)
+
+# %% [markdown] tags=["en"]
+# ## Build it: block tables
+#
+# `BlockManager` adds sequences to the pool. Five methods, called by the scheduler:
+#
+# - `can_allocate(seq)` / `allocate(seq)` give a sequence that has no blocks yet the
+#   `ceil(len(seq) / block_size)` blocks its tokens need. With prefix caching on, the leading
+#   blocks may be **cache hits**, blocks that already hold the KV of exactly this prefix: they
+#   are *held* (shared) instead of taken, and `seq.num_cached_tokens` tells the scheduler how
+#   many tokens need no computing. A hit on a block that another sequence uses costs no free
+#   block; a hit on a *free* block consumes that block. (Chapter 03 builds `prefix_cache.match`.)
+# - `deallocate(seq)` releases the table **backwards**, so the blocks join the free list's tail
+#   last block first, *first* block last. New blocks come from the head, so the first blocks of
+#   a prompt, the ones most likely to be shared (a system prompt!), are overwritten last.
+# - `can_append(seq)` / `may_append(seq)` run before each decode step. The step computes the
+#   sequence's *last* token: the one the previous step sampled and postprocess appended. Its KV
+#   goes to slot `len(seq) - 1`, so the table must cover `len(seq)` tokens: one more block is
+#   needed exactly when `len(seq) > len(block_table) * block_size`. For a block size above 1
+#   that is the famous `len(seq) % block_size == 1`, which looks like an off-by-one and is not:
+#   the token that *just* overflowed the last block is the one whose KV this step writes.
+#   (With `block_size == 1` the modulo test would never fire, although every step needs a
+#   block; comparing lengths has no such corner.)
+# - `publish_full_blocks(seq)`, called by postprocess after a step, hands the blocks that the
+#   step just *filled* to the prefix cache (chapter 03).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：块表
+#
+# `BlockManager` 在块池之上加入了序列。它有五个方法，都由调度器调用：
+#
+# - `can_allocate(seq)` / `allocate(seq)` 给一个还没有块的序列分配它的 token 所需的 `ceil(len(seq) / block_size)`
+#   个块。开启前缀缓存时，开头的若干块可能是**缓存命中**，即已经存着恰好这段前缀的 KV 的块：这些块被*持有*（共享）
+#   而不是新取，`seq.num_cached_tokens` 告诉调度器有多少个 token 不必计算。命中另一个序列正在使用的块不占空闲块；
+#   命中一个*空闲*块则要消耗这个块。（`prefix_cache.match` 由第 03 章构建。）
+# - `deallocate(seq)` **倒着**释放块表，于是这些块按“最后一块最先、*第一*块最后”的顺序排到空闲链表队尾。新块从队头取，
+#   所以提示词最前面的块——最可能被共享的那些（比如系统提示词！）——最后才被覆盖。
+# - `can_append(seq)` / `may_append(seq)` 在每个 decode 步之前调用。这一步计算的是序列的*最后*一个 token：上一步采样、
+#   由后处理追加上去的那个。它的 KV 写入槽位 `len(seq) - 1`，所以块表必须覆盖 `len(seq)` 个 token：恰好在
+#   `len(seq) > len(block_table) * block_size` 时需要再加一块。块大小大于 1 时，这就是著名的
+#   `len(seq) % block_size == 1`，看起来像差一错误，其实不是：*刚刚*溢出最后一块的那个 token，正是这一步要写入 KV 的
+#   token。（`block_size == 1` 时，取模判断永远不成立，可实际上每一步都需要新块；比较长度就没有这个死角。）
+# - `publish_full_blocks(seq)` 由后处理在一步之后调用，把这一步刚*写满*的块交给前缀缓存（第 03 章）。
+
+# %% block manager
+#| export
+class BlockManager(BlockPool):
+    """Gives sequences their block tables: allocate, grow during decode, free, publish for reuse."""
+
+    def _check(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
+        if seq.block_size != self.block_size:
+            raise ValueError(
+                f"sequence {seq.seq_id} has block_size={seq.block_size} but the KV cache uses {self.block_size}"
+            )
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
+
+    def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
+        return seq.num_blocks - shared
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """True when the free list can supply every block ``seq`` needs (after cache hits)."""
+        self._check(seq)
+        return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
+        self._check(seq)
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        hits = self._cache_hits(seq)
+        needed = self._free_blocks_needed(seq, hits)
+        if needed > len(self.free_block_ids):
+            raise RuntimeError(
+                f"sequence {seq.seq_id} needs {needed} free blocks but {len(self.free_block_ids)} are free "
+                "(ask can_allocate first)"
+            )
+        # en: Hits first: a hit on a free block must be revived before the misses draw from the free list.
+        # zh: 先处理命中：命中的空闲块必须在未命中的块从空闲链表取块之前复活。
+        for block_id in hits:
+            self.hold(block_id)
+        seq.block_table = hits + [self.take_free_block() for _ in range(seq.num_blocks - len(hits))]
+        seq.num_cached_tokens = len(hits) * self.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
+        self._check(seq)
+        for block_id in reversed(seq.block_table):
+            self.release(block_id)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def _blocks_to_append(self, seq: Sequence) -> int:
+        self._check(seq)
+        if not seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: allocate it before decoding")
+        # en: Equal to `len(seq) % block_size == 1` in decode when block_size > 1 (see the text above).
+        # zh: decode 中、block_size > 1 时，它等价于 `len(seq) % block_size == 1`（见上文）。
+        return seq.num_blocks - len(seq.block_table)
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True when the blocks for ``seq``'s next decode step are available."""
+        return self._blocks_to_append(seq) <= len(self.free_block_ids)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Make ``seq``'s block table cover all its tokens before a decode step (adds 0 or 1 block)."""
+        needed = self._blocks_to_append(seq)
+        if needed > len(self.free_block_ids):
+            raise RuntimeError(f"sequence {seq.seq_id} needs a free block and none is left (ask can_append first)")
+        seq.block_table += [self.take_free_block() for _ in range(needed)]
+
+    def publish_full_blocks(self, seq: Sequence) -> None:
+        """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
+        self._check(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.publish(seq)
+
+# %% [markdown] tags=["en"]
+# ## See it: two sequences in a pool of eight blocks
+#
+# We play the scheduler and the model by hand, with two helpers that do what chapter 04's
+# scheduler does around a step: `prefill` allocates and computes the whole prompt, `decode`
+# makes room for the last token and computes it. Both then mark the computed tokens as cached,
+# publish full blocks, and append the sampled token, exactly like `finish_step` in chapter 01.
+# Prefix caching is off for now, so that only paging is at work. The map shows, for each
+# block, which sequence holds it (`.` is free).
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：八个块的池子里的两个序列
+#
+# 我们手动扮演调度器和模型，用两个小工具完成第 04 章的调度器在一步前后所做的事：`prefill` 分配块并计算整个提示词，
+# `decode` 为最后一个 token 腾出位置并计算它。二者随后都把算过的 token 记为已缓存、发布写满的块，并追加采样得到的
+# token，和第 01 章的 `finish_step` 完全一样。这里先关闭前缀缓存，只看分页本身。块图显示每个块被哪个序列持有
+# （`.` 表示空闲）。
+
+# %%
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence
+
+
+def prefill(bm: BlockManager, seq: Sequence, sampled: int) -> int:
+    """Allocate and compute the whole prompt; return how many tokens were found in the cache."""
+    bm.allocate(seq)
+    found = seq.num_cached_tokens
+    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+    seq.num_cached_tokens += seq.num_scheduled_tokens  # the model wrote their KV
+    seq.num_scheduled_tokens = 0
+    bm.publish_full_blocks(seq)
+    seq.append_token(sampled)
+    return found
+
+
+def decode(bm: BlockManager, seq: Sequence, sampled: int) -> None:
+    bm.may_append(seq)
+    seq.num_scheduled_tokens = 1
+    seq.num_cached_tokens += 1
+    seq.num_scheduled_tokens = 0
+    bm.publish_full_blocks(seq)
+    seq.append_token(sampled)
+
+
+def pool_map(bm: BlockManager, named: dict[str, Sequence]) -> str:
+    owners = [""] * bm.num_blocks
+    for name, seq in named.items():
+        for block_id in seq.block_table:
+            owners[block_id] += name
+    return " ".join(f"{i}:{o or '.'}" for i, o in enumerate(owners))
+
+
+bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+a = Sequence(list(range(100, 110)), block_size=4)  # 10 tokens -> 3 blocks
+b = Sequence(list(range(200, 205)), block_size=4)  # 5 tokens -> 2 blocks
+named = {"A": a, "B": b}
+rows = []
+
+
+def record(event: str) -> None:
+    rows.append((event, len(a), list(a.block_table), len(b), list(b.block_table), list(bm.free_block_ids)))
+    print(f"{event:<22} len(A)={len(a):<3} len(B)={len(b):<3} {pool_map(bm, named)}   free={list(bm.free_block_ids)}")
+
+
+prefill(bm, a, sampled=1)
+record("prefill A")
+prefill(bm, b, sampled=2)
+record("prefill B")
+for token in (3, 4, 5):
+    decode(bm, a, sampled=token)
+    record(f"decode A (+{token})")
+bm.deallocate(a)
+record("free A")
+
+# %% [markdown] tags=["en"]
+# Read the trace from the top. After its prefill, A has 11 tokens in 3 blocks (12 slots). The
+# first decode step computes A's 11th token (slot 10) and appends the 12th; the second computes
+# the 12th (slot 11, the last slot of block 2) and appends the 13th. Now `len(A) == 13` and
+# `13 % 4 == 1`: the third decode step must write slot 12, so `may_append` takes block 5 from
+# the head of the free list. Freeing A releases its table backwards, so the free list ends with
+# `5, 2, 1, 0`: block 0, A's first block, would be overwritten last.
+
+# %% [markdown] tags=["zh"]
+# 从上往下读这段轨迹。prefill 之后，A 有 11 个 token，占 3 个块（12 个槽位）。第一个 decode 步计算 A 的第 11 个
+# token（槽位 10）并追加第 12 个；第二步计算第 12 个（槽位 11，即块 2 的最后一个槽位）并追加第 13 个。此时
+# `len(A) == 13`，`13 % 4 == 1`：第三个 decode 步要写槽位 12，于是 `may_append` 从空闲链表队头取走块 5。
+# 释放 A 时倒着释放块表，所以空闲链表以 `5, 2, 1, 0` 结尾：A 的第一块（块 0）会最后被覆盖。
+
+# %% [markdown] tags=["en"]
+# ### Sharing, in one picture
+#
+# With prefix caching on (the default), a block whose KV was written is published, and a later
+# sequence whose prompt starts with the same tokens *holds* it instead of computing it again.
+# Its reference count then says how many block tables point at it. Chapter 03 explains how
+# blocks are found; here we only look at the bookkeeping.
+
+# %% [markdown] tags=["zh"]
+# ### 共享，一图看懂
+#
+# 开启前缀缓存（默认开启）时，KV 已写入的块会被发布；之后提示词以相同 token 开头的序列会*持有*这个块，而不是重新
+# 计算。此时块的引用计数表示有多少个块表指向它。块是怎样被找到的由第 03 章讲解；这里只看记账。
+
+# %%
+shared = BlockManager(num_blocks=8, block_size=4)
+system_prompt = list(range(300, 308))  # two full blocks
+first = Sequence([*system_prompt, 1, 2, 3], block_size=4)
+second = Sequence([*system_prompt, 7, 8], block_size=4)
+prefill(shared, first, sampled=9)
+found = prefill(shared, second, sampled=9)
+print(pool_map(shared, {"1": first, "2": second}))
+print("ref counts:", {i: shared.blocks[i].ref_count for i in sorted(shared.used_block_ids)})
+print(f"the second sequence found {found} of its {second.num_prompt_tokens} prompt tokens in the cache")
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# First the claims of the trace. Then the invariants the whole engine relies on, checked by a
+# small function we reuse below: free and used partition the pool, and every block's reference
+# count equals the number of block tables that hold it.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 先检查轨迹中的结论。再检查整个引擎所依赖的不变量（用一个下面还会复用的小函数）：空闲集合和已用集合划分了整个池子，
+# 每个块的引用计数等于持有它的块表个数。
+
+# %%
+from collections import Counter
+
+
+def check_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
+    free = list(bm.free_block_ids)
+    assert len(free) == len(set(free)), "a block is twice in the free list"
+    assert set(free).isdisjoint(bm.used_block_ids), "a block is both free and used"
+    assert set(free) | bm.used_block_ids == set(range(bm.num_blocks)), "a block is neither free nor used"
+    holders = Counter(block_id for seq in seqs for block_id in seq.block_table)
+    for block in bm.blocks:
+        assert block.ref_count == holders[block.block_id], f"{block}: held by {holders[block.block_id]} tables"
+    for seq in seqs:
+        assert len(seq.block_table) in (0, seq.num_blocks)
+
+
+# en: The trace: A got block 5 exactly when len(A) reached 13, and was freed backwards.
+# zh: 轨迹：A 恰好在 len(A) 达到 13 时拿到块 5，释放时倒序归还。
+assert rows[0][2] == [0, 1, 2] and rows[1][4] == [3, 4]
+assert [len(r[2]) for r in rows[1:5]] == [3, 3, 3, 4] and rows[4][1] == 14
+assert rows[-1][5] == [6, 7, 5, 2, 1, 0]
+check_invariants(bm, [a, b])
+# en: Sharing: the system prompt's two blocks are held by both tables.
+# zh: 共享：系统提示词的两个块同时被两个块表持有。
+assert second.block_table[:2] == first.block_table[:2] and found == 8
+assert [shared.blocks[i].ref_count for i in first.block_table] == [2, 2, 1]
+check_invariants(shared, [first, second])
+shared.deallocate(first)
+check_invariants(shared, [second])
+assert [shared.blocks[i].ref_count for i in second.block_table] == [1, 1, 1]
+print("trace and invariants hold")
+
+# %% [markdown] tags=["en"]
+# The decode rule, over block sizes 1 to 6 and 40 decode steps each: a block is added exactly
+# when the table no longer covers `len(seq)`, which is `len(seq) % block_size == 1` for every
+# block size but 1. The last line shows the corner the modulo test misses.
+
+# %% [markdown] tags=["zh"]
+# decode 的加块规则，对块大小 1 到 6、各 40 个 decode 步做检查：恰好在块表不再覆盖 `len(seq)` 时加一块；除了块大小
+# 为 1 的情形，这等价于 `len(seq) % block_size == 1`。最后一行显示了取模判断遗漏的死角。
+
+# %%
+for block_size in range(1, 7):
+    pool = BlockManager(num_blocks=64, block_size=block_size, enable_prefix_caching=False)
+    seq = Sequence([5, 6, 7], block_size=block_size)
+    prefill(pool, seq, sampled=0)
+    grew, modulo_says = [], []
+    for _ in range(40):
+        before = len(seq.block_table)
+        modulo_says.append(len(seq) % block_size == 1)
+        decode(pool, seq, sampled=0)
+        grew.append(len(seq.block_table) > before)
+    if block_size > 1:
+        assert grew == modulo_says
+    else:
+        assert all(grew) and not any(modulo_says)
+    print(f"block_size={block_size}: grew at {sum(grew)} of 40 steps, modulo rule agrees: {grew == modulo_says}")
+
+# %% [markdown] tags=["en"]
+# Running out, and bad input. `can_append` says no when the pool is exhausted (the scheduler
+# then preempts, chapter 04), and mistakes are refused with a message that names the problem.
+
+# %% [markdown] tags=["zh"]
+# 块用完的情形，以及错误输入。池子耗尽时 `can_append` 返回 False（调度器随后会抢占，见第 04 章）；错误的用法会被拒绝，
+# 错误信息指明问题所在。
+
+# %%
+tiny = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=False)
+full = Sequence([1, 2, 3, 4], block_size=2)
+prefill(tiny, full, sampled=5)  # len 5: the next decode needs a third block
+assert tiny.num_free_blocks == 0 and not tiny.can_append(full)
+assert not tiny.can_allocate(Sequence([1], block_size=2))
+
+for bad_call in (
+    lambda: BlockManager(num_blocks=0, block_size=4),
+    lambda: BlockManager(num_blocks=8, block_size=0),
+    lambda: BlockManager(num_blocks=-3, block_size=4),
+    lambda: BlockManager(num_blocks=8, block_size=2.5),
+    lambda: BlockManager(num_blocks=8, block_size=4, enable_prefix_caching="yes"),
+    lambda: tiny.allocate(Sequence([1, 2], block_size=4)),
+    lambda: tiny.allocate(full),
+    lambda: tiny.may_append(full),
+    lambda: tiny.may_append(Sequence([1], block_size=2)),
+):
+    try:
+        bad_call()
+        raise AssertionError("bad input was accepted")
+    except (TypeError, ValueError, RuntimeError) as error:
+        print(f"{type(error).__name__}: {error}")
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `Block`: id, reference count, and the hash and tokens that prefix caching publishes.
+# - `BlockPool`: the blocks, a free list (a queue: its order decides what is overwritten first)
+#   and a used set; `take_free_block`, `hold`, `release`.
+# - `BlockManager`: block tables for sequences. `can_allocate`/`allocate` (with cache hits),
+#   `deallocate` (backwards), `can_append`/`may_append` (one more block exactly when the table
+#   stops covering `len(seq)`), and `publish_full_blocks` for postprocess.
+#
+# Next, chapter 03 opens the prefix cache: how a prompt's blocks are found, and the one line
+# that separates a correct cache from one that silently reuses the wrong KV.
+#
+# ## Exercises
+#
+# 1. `block_size=16`, a prompt of 100 tokens and `max_tokens=60`. How many blocks can the
+#    sequence hold at most? (Careful: the KV of the very last sampled token is never computed.)
+# 2. Why must `hold` take a free block *out* of the free list instead of just raising its count?
+# 3. A pool of 8 blocks of 4 tokens, sequences of 10, 3 and 7 tokens, all prefilled. How many
+#    slots are allocated but empty?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `Block`：编号、引用计数，以及前缀缓存发布的哈希值和 token。
+# - `BlockPool`：所有块、一个空闲链表（队列：它的顺序决定哪些内容先被覆盖）和一个已用集合；`take_free_block`、
+#   `hold`、`release`。
+# - `BlockManager`：序列的块表。`can_allocate`/`allocate`（含缓存命中）、`deallocate`（倒序释放）、
+#   `can_append`/`may_append`（恰好在块表不再覆盖 `len(seq)` 时多加一块），以及供后处理调用的 `publish_full_blocks`。
+#
+# 下一章（第 03 章）打开前缀缓存：提示词的块是怎样被找到的，以及区分“正确的缓存”和“悄悄复用错误 KV 的缓存”的那一行代码。
+#
+# ## 练习
+#
+# 1. `block_size=16`，提示词 100 个 token，`max_tokens=60`。这个序列最多会持有几个块？（注意：最后一个采样得到的
+#    token 的 KV 永远不会被计算。）
+# 2. 为什么 `hold` 必须把空闲块*移出*空闲链表，而不只是增加它的计数？
+# 3. 8 个块、每块 4 个 token 的池子，长度为 10、3、7 的三个序列都做完了 prefill。有多少个槽位已分配却空着？
+#
+# 下面的单元检查答案。
+
+# %%
+# en: Exercise 1: KV is written for 100 + 60 - 1 = 159 tokens -> ceil(159 / 16) = 10 blocks.
+# zh: 练习 1：需要写 KV 的 token 有 100 + 60 - 1 = 159 个 -> ceil(159 / 16) = 10 块。
+pool = BlockManager(num_blocks=16, block_size=16, enable_prefix_caching=False)
+seq = Sequence(list(range(100)), block_size=16)
+prefill(pool, seq, sampled=0)
+while seq.num_completion_tokens < 60:
+    decode(pool, seq, sampled=0)
+assert len(seq.block_table) == 10
+
+# en: Exercise 2: otherwise take_free_block could hand the same block to another sequence,
+# en: which would overwrite KV that is in use.
+# zh: 练习 2：否则 take_free_block 可能把同一个块交给另一个序列，覆盖正在使用的 KV。
+pool = BlockManager(num_blocks=2, block_size=2)
+owner = Sequence([1, 2, 3], block_size=2)
+prefill(pool, owner, sampled=0)
+pool.deallocate(owner)  # block 0 is free but cached
+reuser = Sequence([1, 2, 4], block_size=2)
+pool.allocate(reuser)  # hits block 0
+assert reuser.block_table[0] == 0 and 0 not in pool.free_block_ids
+
+# en: Exercise 3: 10 -> 3 blocks (2 empty slots), 3 -> 1 block (1 empty), 7 -> 2 blocks (1 empty): 4.
+# zh: 练习 3：10 -> 3 块（空 2 个槽位），3 -> 1 块（空 1 个），7 -> 2 块（空 1 个）：共 4 个。
+pool = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+seqs = [Sequence(list(range(n)), block_size=4) for n in (10, 3, 7)]
+for s in seqs:
+    pool.allocate(s)
+assert sum(len(s.block_table) * 4 - len(s) for s in seqs) == 4
+print("all exercise answers check out")

@@ -1,0 +1,1088 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 05 · The model: Qwen3 and Llama, and loading their weights
+#
+# **Goal.** Build the network the engine runs — Qwen3 (plus its two close relatives, Qwen2 and
+# Llama) — from small layers, load a Hugging Face checkpoint directory into it, and show that
+# it computes the same logits as `transformers`, both for a whole prompt at once and
+# token by token through the paged KV cache of chapter 06.
+#
+# Our model differs from the `transformers` one in what matters for serving: it takes one
+# **flat** list of tokens from many sequences (`input_ids [T]`, `positions [T]`), its attention
+# reads and writes the paged cache, its projections are fused (q/k/v in one matmul, gate/up in
+# one) and split-able across GPUs (chapter 10), and the LM head computes logits only where a
+# token will be sampled.
+
+# %% [markdown] tags=["zh"]
+# # 05 · 模型：Qwen3 与 Llama，以及加载权重
+#
+# **目标。** 用一些小层搭出引擎要运行的网络——Qwen3（以及它的两个近亲 Qwen2 和 Llama）——把 Hugging Face
+# 检查点目录加载进来，并证明它算出的 logits 与 `transformers` 相同：无论是一次性处理整个提示词，还是通过
+# 第 06 章的分页 KV 缓存逐个 token 地计算。
+#
+# 我们的模型与 `transformers` 的不同之处都与推理服务有关：它接收来自多个序列的一串**展平**的 token
+# （`input_ids [T]`、`positions [T]`）；注意力读写分页缓存；投影是融合的（q/k/v 一次矩阵乘法，gate/up 一次），
+# 并且可以切分到多张 GPU 上（第 10 章）；LM head 只在要采样的位置计算 logits。
+
+# %% [markdown] tags=["en"]
+# ## The idea: one decoder layer
+#
+# ```
+# x ──► RMSNorm ──► qkv_proj ─► q,k,v ─► (q_norm, k_norm: Qwen3) ─► RoPE ─► paged attention ─► o_proj ──┐
+# │                                                                                                   (+)◄┘
+# └──────────────── residual ─────────────────────────────────────────────────────────────────────────┘ │
+#   ──► RMSNorm ──► gate_up_proj ──► SiLU(gate) · up ──► down_proj ──► (+ residual) ──► next layer
+# ```
+#
+# A model is an embedding, `num_hidden_layers` such layers, a final RMSNorm and the LM head.
+# The three architectures differ only in small switches: Qwen3 normalizes each head of q and k
+# (`q_norm`, `k_norm`); Qwen2 has biases on q, k, v; Llama has neither but may have biases
+# everywhere (`attention_bias`, `mlp_bias`), and small Llamas such as SmolLM2 **tie** the LM
+# head to the embedding (one matrix serves both).
+#
+# **RMSNorm with a fused residual.** Every norm but the first is preceded by "add the residual".
+# `RMSNorm(x, residual)` does both and returns the normalized sum *and* the sum, which becomes
+# the next residual. The sum is taken in the model's dtype and the normalization in float32,
+# exactly as `transformers` does, so the two agree bit for bit in float32 and closely in bf16.
+#
+# **RoPE.** Rotary position embedding rotates pairs of q and k coordinates by an angle
+# proportional to the token's position. We use the NeoX layout (`transformers`' `rotate_half`:
+# coordinate `i` pairs with `i + d/2`), and precompute `cos` and `sin` for every position once.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：一个解码层
+#
+# ```
+# x ──► RMSNorm ──► qkv_proj ─► q,k,v ─► （q_norm、k_norm：Qwen3）─► RoPE ─► 分页注意力 ─► o_proj ──┐
+# │                                                                                              (+)◄┘
+# └──────────────── 残差 ───────────────────────────────────────────────────────────────────────┘ │
+#   ──► RMSNorm ──► gate_up_proj ──► SiLU(gate) · up ──► down_proj ──► （+ 残差）──► 下一层
+# ```
+#
+# 一个模型由嵌入层、`num_hidden_layers` 个这样的层、最后的 RMSNorm 和 LM head 组成。三种架构只在几个小开关上
+# 不同：Qwen3 对 q 和 k 的每个头做归一化（`q_norm`、`k_norm`）；Qwen2 在 q、k、v 上有偏置；Llama 两者都没有，
+# 但可能处处带偏置（`attention_bias`、`mlp_bias`），而 SmolLM2 这样的小 Llama 会把 LM head 与嵌入层
+# **绑定**（tie，一个矩阵两用）。
+#
+# **带融合残差的 RMSNorm。** 除第一个以外，每个归一化之前都要“加上残差”。`RMSNorm(x, residual)` 把两件事
+# 一起做，返回归一化后的和*以及*和本身，后者成为下一个残差。求和在模型的数据类型下进行，归一化在 float32 下
+# 进行，与 `transformers` 完全一致，因此两者在 float32 下逐位相同，在 bf16 下也非常接近。
+#
+# **RoPE。** 旋转位置编码把 q 和 k 的坐标两两配对，按与 token 位置成正比的角度旋转。我们采用 NeoX 布局
+# （即 `transformers` 的 `rotate_half`：第 `i` 个坐标与第 `i + d/2` 个配对），并为每个位置一次性预先算好
+# `cos` 和 `sin`。
+
+# %% default module
+#| default_exp models.qwen3
+
+# %% rmsnorm
+#| export layers.layernorm
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight; with ``residual``, first x = x + residual and return (normed, x)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self.rms_forward(x)
+        # en: Add in the model's dtype, as transformers does, so the residual stream matches it exactly.
+        # zh: 与 transformers 一样在模型的数据类型下相加，使残差流与它完全一致。
+        x = x + residual
+        return self.rms_forward(x), x
+
+# %% activation
+#| export layers.activation
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """[gate | up] -> SiLU(gate) * up: the SwiGLU of the MLP, after one fused gate_up matmul."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, -1)
+        return F.silu(gate) * up
+
+# %% [markdown] tags=["en"]
+# ### RoPE and its scaled variants
+#
+# The rotation frequencies are `inv_freq[i] = base^(-2i/d)`. Models trained for long contexts
+# rescale them, and their `config.json` says how in `rope_scaling` (or, in `transformers` 5,
+# `rope_parameters`). We support `default` (no scaling), `linear` (all frequencies divided by
+# `factor`) and `llama3` (low frequencies divided by `factor`, high ones kept, a smooth blend in
+# between — Llama 3.1/3.2). Any other type (`yarn`, `dynamic`, `longrope`, ...) raises a
+# `ValueError` that names it, instead of silently computing the wrong positions.
+
+# %% [markdown] tags=["zh"]
+# ### RoPE 及其缩放变体
+#
+# 旋转频率为 `inv_freq[i] = base^(-2i/d)`。为长上下文训练的模型会重新缩放这些频率，具体做法写在
+# `config.json` 的 `rope_scaling`（`transformers` 5 中为 `rope_parameters`）里。我们支持 `default`（不缩放）、
+# `linear`（所有频率除以 `factor`）和 `llama3`（低频除以 `factor`，高频保持，中间平滑过渡——Llama 3.1/3.2）。
+# 其他类型（`yarn`、`dynamic`、`longrope` 等）会抛出指明类型的 `ValueError`，而不是悄悄算错位置。
+
+# %% rope
+#| export layers.rotary_embedding
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """The rotation frequencies, rescaled as the checkpoint's rope_scaling says (float32)."""
+    # en: The same expression as transformers, so that both produce the same float32 values.
+    # zh: 与 transformers 使用相同的表达式，使两者得到相同的 float32 数值。
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type")) or "default"
+    if rope_type == "default":
+        return inv_freq
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    try:
+        factor = float(rope_scaling["factor"])
+        if rope_type == "linear":
+            return inv_freq / factor
+        low, high = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
+        old_context = float(rope_scaling["original_max_position_embeddings"])
+    except KeyError as missing:
+        raise ValueError(f"rope scaling {rope_type!r} needs the key {missing.args[0]!r}, got {rope_scaling}") from None
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context / high) * ~(wavelen > old_context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotation of the first 2 * cos.shape[-1] coordinates of x [T, heads, d]."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their positions; cos and sin are precomputed for every position."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        rope_scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if rotary_dim > head_size or rotary_dim % 2:
+            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and at most head_size ({head_size})")
+        self.head_size, self.rotary_dim = head_size, rotary_dim
+        inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)
+        freqs = torch.arange(max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        # en: Not persistent: it is computed, never loaded from a checkpoint.
+        # zh: 不持久化：它是算出来的，从不从检查点加载。
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.numel() and int(positions.max()) >= self.cos_sin_cache.shape[0]:
+            raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
+                             f"({self.cos_sin_cache.shape[0]})")
+        cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def get_rope(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+) -> RotaryEmbedding:
+    """A rotary embedding (a model builds one and shares it across its layers)."""
+    return RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling)
+
+
+def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(base, scaling) from an HF config: transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"]), params
+    scaling = getattr(config, "rope_scaling", None)
+    return float(getattr(config, "rope_theta", 10000.0)), scaling
+
+# %% [markdown] tags=["en"]
+# ## Build it: the model
+#
+# One set of classes covers the three architectures; the switches come from the architecture
+# (a class attribute) and the config. Everything else follows nano-vllm: `qkv_proj` and
+# `gate_up_proj` are the fused, tensor-parallel layers of chapter 10, and
+# `packed_modules_mapping` tells the loader that a checkpoint's `q_proj` is the `"q"` part of
+# our `qkv_proj`, and so on. The forward signature is the engine's:
+# `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`, then
+# `model.compute_logits(hidden)`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：模型
+#
+# 一套类覆盖三种架构；开关来自架构（类属性）和配置。其余部分沿用 nano-vllm：`qkv_proj` 和 `gate_up_proj`
+# 是第 10 章中融合的、可做张量并行的层，`packed_modules_mapping` 告诉加载器：检查点里的 `q_proj` 是我们
+# `qkv_proj` 的 `"q"` 部分，依此类推。前向签名就是引擎使用的：
+# `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`，然后 `model.compute_logits(hidden)`。
+
+# %% qwen3 layers
+#| export
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, divide, tp_world
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_settings
+
+
+class Qwen3Attention(nn.Module):
+    """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary_emb: RotaryEmbedding,
+        rms_norm_eps: float = 1e-6,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = True,
+    ) -> None:
+        super().__init__()
+        _, tp_size = tp_world()
+        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
+        self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1, -1))
+
+
+class Qwen3MLP(nn.Module):
+    """down(SiLU(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool]) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim_of(config),
+            rotary_emb=rotary_emb,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=switches["qkv_bias"],
+            o_bias=switches["o_bias"],
+            qk_norm=switches["qk_norm"],
+        )
+        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act, switches["mlp_bias"])
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_supported(config: Any) -> None:
+    """Refuse, by name, the config features this engine does not implement."""
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", 1.0
+    )
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Any, switches: dict[str, bool]) -> None:
+        super().__init__()
+        check_supported(config)
+        base, scaling = rope_settings(config)
+        head_dim = head_dim_of(config)
+        # en: One rotary table for all layers: its cos/sin cache can be tens of MB for long-context models.
+        # zh: 所有层共用一张旋转表：对长上下文模型，它的 cos/sin 缓存可达数十 MB。
+        rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, base, scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [Qwen3DecoderLayer(config, rotary_emb, switches) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+# %% [markdown] tags=["en"]
+# The three top-level classes differ only in `switches`. Tied embeddings make `lm_head.weight`
+# the *same* parameter as `embed_tokens.weight`, so loading one loads both.
+
+# %% [markdown] tags=["zh"]
+# 三个顶层类只在 `switches` 上不同。绑定嵌入让 `lm_head.weight` 与 `embed_tokens.weight` 成为*同一个*参数，
+# 加载其中一个就等于加载了两个。
+
+# %% causal lm
+#| export
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3: per-head q/k RMSNorm; biases on q/k/v/o when config.attention_bias."""
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    @classmethod
+    def switches(cls, config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {"qk_norm": True, "qkv_bias": bias, "o_bias": bias, "mlp_bias": False}
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.model = Qwen3Model(config, self.switches(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head(hidden_states)
+
+
+class Qwen2ForCausalLM(Qwen3ForCausalLM):
+    """Qwen2 / Qwen2.5: biases on q, k, v (not o), no q/k norm."""
+
+    @classmethod
+    def switches(cls, config: Any) -> dict[str, bool]:
+        return {"qk_norm": False, "qkv_bias": True, "o_bias": False, "mlp_bias": False}
+
+# %% llama
+#| export models.llama
+from __future__ import annotations
+
+from typing import Any
+
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+
+class LlamaForCausalLM(Qwen3ForCausalLM):
+    """Llama (and SmolLM2): no q/k norm; attention_bias on q/k/v/o, mlp_bias on the MLP."""
+
+    @classmethod
+    def switches(cls, config: Any) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        return {"qk_norm": False, "qkv_bias": bias, "o_bias": bias, "mlp_bias": mlp_bias}
+
+# %% registry
+#| export models.registry
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
+
+# en: The names Hugging Face writes in config.json's "architectures".
+# zh: Hugging Face 写在 config.json 的 "architectures" 中的名字。
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architectures: Sequence[str] | str) -> type[nn.Module]:
+    """The class for a checkpoint's architectures list, or a ValueError naming what is supported."""
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(f"unsupported model architecture {names}; supported: {', '.join(MODEL_REGISTRY)}")
+
+# %% [markdown] tags=["en"]
+# ## Build it: the loader
+#
+# A Hugging Face model directory holds `config.json` and one or more `*.safetensors` files of
+# named tensors (`model.layers.0.self_attn.q_proj.weight`, ...). The loader reads every tensor
+# and hands it to the `weight_loader` of the parameter it belongs to; names that the model
+# fused are rewritten first (`q_proj` → `qkv_proj`, shard `"q"`). Because a silently missing
+# tensor leaves random memory in the model, the loader keeps a ledger: at the end every
+# parameter — every *shard* of a fused one — must have been loaded exactly once, and a tensor
+# with no home is an error too. Each error names the tensor and the file.
+#
+# Two tolerated exceptions: with tied embeddings an `lm_head.weight` in the file is skipped (the
+# embedding is the head, as in `transformers`), and old checkpoints' `rotary_emb.inv_freq`
+# buffers are ignored (we compute them).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：加载器
+#
+# Hugging Face 模型目录包含 `config.json` 和一个或多个 `*.safetensors` 文件，里面是带名字的张量
+# （`model.layers.0.self_attn.q_proj.weight` 等）。加载器读取每个张量，把它交给所属参数的 `weight_loader`；
+# 被模型融合的名字先改写（`q_proj` → `qkv_proj`，分片 `"q"`）。由于悄悄缺失的张量会让模型里留着随机内存，
+# 加载器会记账：最后，每个参数——融合参数的每个*分片*——都必须恰好加载一次，找不到归属的张量同样是错误。
+# 每条错误信息都会指明张量和文件。
+#
+# 两个可以容忍的例外：绑定嵌入时，文件里的 `lm_head.weight` 被跳过（嵌入层就是 head，与 `transformers`
+# 一致）；旧检查点中的 `rotary_emb.inv_freq` 缓冲区被忽略（我们自己计算）。
+
+# %% loader
+#| export utils.loader
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from transformers import AutoConfig
+
+from nanovllm.models.registry import get_model_class
+
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class ModelLoadError(ValueError):
+    """A model directory cannot be loaded; the message names the file or tensor at fault."""
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """Read and check ``config.json`` of a model directory; return the transformers config."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("architectures"), list):
+        raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
+    get_model_class(raw["architectures"])  # raises a ValueError naming unsupported architectures
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises many kinds for a bad config
+        raise ModelLoadError(f"transformers cannot read {config_file}: {error}") from error
+
+
+def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:
+    """(parameter name, shard id) of a checkpoint tensor name, following packed_modules_mapping."""
+    parts = name.split(".")
+    mapping = getattr(model, "packed_modules_mapping", {})
+    for i, part in enumerate(parts):
+        if part in mapping:
+            fused, shard_id = mapping[part]
+            return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard_id
+    return name, None
+
+
+def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]:
+    """Every (parameter, shard) that must be loaded, with the checkpoint name it comes from."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    expected = {}
+    for param_name, _ in model.named_parameters():  # tied parameters are listed once
+        parts = param_name.split(".")
+        fused_at = [(i, source, shard) for i, p in enumerate(parts) for source, (fused, shard) in mapping.items()
+                    if p == fused]
+        if not fused_at:
+            expected[(param_name, None)] = param_name
+        for i, source, shard in fused_at:
+            expected[(param_name, shard)] = ".".join([*parts[:i], source, *parts[i + 1 :]])
+    return expected
+
+
+def load_model(model: nn.Module, path: str | Path) -> None:
+    """Load every ``*.safetensors`` file of ``path`` into ``model``, checking that nothing is missing or extra."""
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise ModelLoadError(f"model directory {path} has no *.safetensors files")
+    expected = _expected_loads(model)
+    loaded: dict[tuple[str, str | int | None], str] = {}
+    tied = getattr(model, "tie_word_embeddings", False)
+    for file in files:
+        try:
+            handle = safe_open(str(file), "pt", "cpu")
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {error}") from None
+        with handle:
+            for name in handle.keys():
+                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    continue
+                param_name, shard_id = _target(model, name)
+                key = (param_name, shard_id)
+                if key not in expected:
+                    raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}: the model has no such parameter")
+                if key in loaded:
+                    raise ModelLoadError(f"tensor {name!r} appears twice ({loaded[key]} and {file.name})")
+                param = model.get_parameter(param_name)
+                tensor = handle.get_tensor(name).to(param.dtype)
+                weight_loader = getattr(param, "weight_loader", None)
+                try:
+                    if weight_loader is None:
+                        if param.shape != tensor.shape:
+                            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+                        param.data.copy_(tensor)
+                    else:
+                        weight_loader(param, tensor, shard_id)
+                except ValueError as error:
+                    raise ModelLoadError(f"tensor {name!r} in {file.name}: {error}") from None
+                loaded[key] = file.name
+    missing = [source for key, source in expected.items() if key not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
+
+
+def build_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> nn.Module:
+    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights."""
+    config = load_hf_config(path)
+    model_class = get_model_class(config.architectures)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    load_model(model, path)
+    return model.eval()
+
+# %% [markdown] tags=["en"]
+# ## Build it: tiny models to test with
+#
+# No model hub is reachable from where this book is built, and real checkpoints are too big for
+# a laptop's test run. So we *make* small ones: a real Hugging Face directory with
+# `config.json`, `generation_config.json` (its EOS ids), `model.safetensors` with random weights
+# from a fixed seed, and a byte-level BPE tokenizer trained with `tokenizers` on a short English
+# text that ships with the code (`tokenizer.json`, `tokenizer_config.json` with a chat
+# template). `transformers` loads them like any other model, which makes it our reference.
+#
+# The weights are drawn with a scale that keeps activations near 1 and logits spread out
+# (standard deviation a few units), so that greedy decoding has clear winners: near-ties would
+# make "same tokens as `transformers`" depend on rounding. Directories are cached under
+# `~/.cache/nanovllm/` by a hash of everything that goes into them, so the second call is free.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：用于测试的小模型
+#
+# 构建本书的环境访问不到模型仓库，真实检查点对笔记本上的测试来说也太大。所以我们*自己造*小模型：一个真正的
+# Hugging Face 目录，包含 `config.json`、`generation_config.json`（其中的 EOS id）、以固定种子生成随机权重的
+# `model.safetensors`，以及用 `tokenizers` 在随代码附带的一小段英文上训练的字节级 BPE 分词器（`tokenizer.json`、
+# 带聊天模板的 `tokenizer_config.json`）。`transformers` 像加载其他模型一样加载它们，于是它成了我们的参考。
+#
+# 权重的尺度让激活值保持在 1 附近、logits 足够分散（标准差有几个单位），使贪心解码有明确的胜者：如果分数
+# 几乎相等，“与 `transformers` 生成相同 token”就会取决于舍入误差。目录按其全部内容的哈希缓存在
+# `~/.cache/nanovllm/` 下，第二次调用几乎不花时间。
+
+# %% tiny models
+#| export utils.tiny_models
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+TINY_TEXT = """\
+The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is Rome.
+A language model reads a prompt and writes one token at a time. Each new token depends on every token before it.
+To serve many users at once, an inference engine keeps the keys and values of past tokens in a cache.
+The cache is cut into blocks of equal size, and each sequence keeps a table of the blocks it uses.
+When two prompts start with the same words, the engine can share the blocks that hold them.
+The scheduler decides which sequences run in each step. It prefers new prompts, then decodes the others.
+If memory runs out, the newest sequence gives back its blocks and waits to be computed again.
+Once upon a time there was a small robot who liked to count. It counted one, two, three, four, five.
+Every morning the robot walked to the river and counted the stones, the birds and the clouds.
+Hello! How are you today? I am fine, thank you. What would you like to talk about?
+Tell me a story about the sea. The sea is wide and deep, and the waves sing a slow song at night.
+Numbers are useful: 1 2 3 4 5 6 7 8 9 10. Two plus two is four. Ten minus three is seven.
+Question: What is the color of the sky? Answer: The sky is blue on a clear day.
+Question: Where do fish live? Answer: Fish live in water, in rivers, lakes and the sea.
+Write clear code, test it well, and explain why it works. Small steps make big programs possible.
+"""
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_VOCAB_SIZE = 512
+_COMMON = {
+    "vocab_size": TINY_VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+}
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3": {**_COMMON, "architectures": ["Qwen3ForCausalLM"], "tie_word_embeddings": False},
+    "qwen2": {**_COMMON, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": False},
+    "llama": {**_COMMON, "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True},
+}
+_FORMAT_VERSION = 1  # bump when the files written here change
+
+
+def cache_root() -> Path:
+    """Where tiny models are cached: $NANOVLLM_CACHE, else ~/.cache/nanovllm."""
+    return Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
+
+
+def _config_class(kind: str) -> Any:
+    import transformers
+
+    return {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
+            "llama": transformers.LlamaConfig}[kind]
+
+
+def _train_tokenizer(directory: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TINY_TEXT.splitlines(), trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": _COMMON["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return ids
+
+
+def _random_weights(config: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Weights for every tensor transformers expects, drawn from a seeded generator (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in sorted(shapes.items()):
+        noise = torch.randn(shape, generator=generator)
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * noise  # not all ones: a misplaced norm weight shows
+        elif name.endswith("bias"):
+            weights[name] = 0.1 * noise
+        elif "embed_tokens" in name or name == "lm_head.weight":
+            weights[name] = noise * (4.0 / shape[1] ** 0.5)  # logits with a standard deviation of about 4
+        else:
+            weights[name] = noise / shape[1] ** 0.5  # keeps activations near unit scale
+    return weights
+
+
+def _write(directory: Path, kind: str, seed: int, overrides: dict[str, Any], key: str) -> None:
+    from transformers import GenerationConfig
+
+    ids = _train_tokenizer(directory)
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    settings = {**TINY_MODELS[kind], "eos_token_id": eos[0], "pad_token_id": eos[1], "bos_token_id": None}
+    settings.update(overrides)
+    config = _config_class(kind)(**settings)
+    config.dtype = "float32"
+    config.save_pretrained(directory)
+    GenerationConfig(eos_token_id=eos, pad_token_id=eos[1], bos_token_id=None).save_pretrained(directory)
+    save_file(_random_weights(config, seed), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / ".nanovllm-tiny").write_text(key, encoding="utf-8")
+
+
+def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: int = 0, **overrides: Any) -> Path:
+    """A deterministic tiny HF model directory ("qwen3", "qwen2" or "llama"); config overrides as keywords.
+
+    With ``path``, write there (skipped if it already holds this exact model); otherwise use a
+    content-addressed directory under ``cache_root()``. Returns the directory.
+    """
+    if kind not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {sorted(TINY_MODELS)}")
+    import transformers
+
+    recipe = json.dumps(
+        [_FORMAT_VERSION, kind, seed, overrides, TINY_MODELS[kind], TINY_TEXT, transformers.__version__],
+        sort_keys=True, default=str,
+    )  # fmt: skip
+    key = hashlib.sha256(recipe.encode()).hexdigest()[:16]
+    directory = Path(path) if path is not None else cache_root() / f"tiny-{kind}-{key}"
+    marker = directory / ".nanovllm-tiny"
+    if marker.is_file() and marker.read_text(encoding="utf-8") == key:
+        return directory
+    if path is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write(directory, kind, seed, overrides, key)
+        return directory
+    # en: Build next to the target and rename: a concurrent or interrupted build never leaves half a model.
+    # zh: 在目标旁边构建再改名：并发或中断的构建绝不会留下半个模型。
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    try:
+        _write(staging, kind, seed, overrides, key)
+        try:
+            staging.rename(directory)
+        except OSError:  # another process finished first
+            if not marker.is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+# %% [markdown] tags=["en"]
+# ## See it: a tiny Qwen3, ours and `transformers`'
+#
+# We build the tiny Qwen3 directory, load it twice — into `transformers` and into our model —
+# and look at what our model holds: the fused parameters, and one rotary table shared by all
+# layers.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：一个小 Qwen3，我们的和 `transformers` 的
+#
+# 构建小 Qwen3 目录，加载两次——一次进 `transformers`，一次进我们的模型——再看看我们的模型里有什么：
+# 融合后的参数，以及所有层共用的一张旋转表。
+
+# %%
+import json
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.utils.loader import build_model
+from nanovllm.utils.tiny_models import build_tiny_model
+
+qwen_dir = build_tiny_model("qwen3")
+print(sorted(p.name for p in qwen_dir.iterdir()))
+config = json.loads((qwen_dir / "config.json").read_text())
+print({k: config[k] for k in ("architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                              "num_key_value_heads", "head_dim", "vocab_size")})
+
+tokenizer = AutoTokenizer.from_pretrained(qwen_dir)
+hf_model = AutoModelForCausalLM.from_pretrained(qwen_dir, dtype=torch.float32).eval()
+model = build_model(qwen_dir, dtype=torch.float32)
+for name, param in list(model.named_parameters())[:8]:
+    print(f"{name:45s} {tuple(param.shape)}")
+layers = model.model.layers
+assert all(layer.self_attn.rotary_emb is layers[0].self_attn.rotary_emb for layer in layers)
+
+# %% [markdown] tags=["en"]
+# **One prefill, no cache.** The whole prompt as one sequence, `positions = 0 … n-1`, no KV
+# cache (the warm-up path of chapter 06). The LM head would keep only the last row during a
+# prefill, so to compare *every* position we reset the context before `compute_logits`.
+
+# %% [markdown] tags=["zh"]
+# **一次 prefill，不用缓存。** 整个提示词作为一个序列，`positions = 0 … n-1`，不用 KV 缓存（第 06 章的预热路径）。
+# prefill 时 LM head 只保留最后一行，为了比较*每个*位置，我们在 `compute_logits` 之前重置上下文。
+
+# %%
+prompt = "The capital of France is Paris, and the capital of Italy is"
+ids = torch.tensor(tokenizer(prompt).input_ids)
+with torch.inference_mode():
+    reference = hf_model(ids[None]).logits[0]
+    set_prefill_context([len(ids)], [len(ids)])
+    hidden = model(ids, torch.arange(len(ids)))
+    reset_context()
+    logits = model.compute_logits(hidden)
+prefill_error = (logits - reference).abs().max().item()
+print(f"{len(ids)} tokens, logits std {reference.std():.2f}, max |ours - transformers| = {prefill_error:.1e}")
+
+# %% [markdown] tags=["en"]
+# **Through the paged cache.** Now the engine's way: we give every attention layer a KV cache
+# (what the model runner of chapter 08 does), prefill the prompt in **two chunks** — the second
+# chunk reads the first one's KV through the block table — then decode greedily, one token per
+# step. Each step's logits must match `transformers` run on the whole text so far.
+
+# %% [markdown] tags=["zh"]
+# **经过分页缓存。** 现在按引擎的方式来：给每个注意力层一个 KV 缓存（第 08 章的模型执行器做的事），把提示词分
+# **两块** prefill——第二块通过块表读取第一块的 KV——然后贪心解码，每步一个 token。每一步的 logits 都必须与
+# `transformers` 对到目前为止的完整文本的计算结果一致。
+
+# %%
+from nanovllm.layers.attention import Attention
+
+
+def attach_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
+    """Give each attention layer its own paged K and V cache (the model runner's job, chapter 08)."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)
+            module.k_cache, module.v_cache = torch.zeros(shape), torch.zeros(shape)
+
+
+BLOCK_SIZE = 4
+attach_kv_cache(model, num_blocks=16, block_size=BLOCK_SIZE)
+block_table = [9, 2, 7, 4, 11, 0, 5, 13]  # any free blocks, in any order
+tokens = ids.tolist()
+step_errors = []
+with torch.inference_mode():
+    split = 5
+    set_prefill_context([split], [split], [block_table], BLOCK_SIZE)  # chunk 1: tokens 0..4
+    model.compute_logits(model(ids[:split], torch.arange(split)))
+    set_prefill_context([len(ids) - split], [len(ids)], [block_table], BLOCK_SIZE)  # chunk 2 reads chunk 1
+    logits = model.compute_logits(model(ids[split:], torch.arange(split, len(ids))))
+    for _ in range(6):
+        expected = hf_model(torch.tensor([tokens])).logits[0, -1]
+        step_errors.append((logits[-1] - expected).abs().max().item())
+        tokens.append(int(logits[-1].argmax()))
+        set_decode_context([len(tokens)], [block_table], BLOCK_SIZE)
+        logits = model.compute_logits(model(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1])))
+    reset_context()
+    hf_tokens = hf_model.generate(ids[None], max_new_tokens=6, do_sample=False)[0].tolist()
+print("ours:        ", tokenizer.decode(tokens[len(ids):]))
+print("transformers:", tokenizer.decode(hf_tokens[len(ids):]))
+print("max |logit error| per step:", [f"{e:.1e}" for e in step_errors])
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# Our model matches `transformers` within `1e-4` (float32) on every logit, with and without the
+# paged cache, and greedy decoding yields the same tokens. The same holds for the tiny Llama
+# with tied embeddings and for Qwen2 with its q/k/v biases.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 无论是否使用分页缓存，我们的模型的每个 logit 都与 `transformers` 相差不到 `1e-4`（float32），贪心解码得到
+# 相同的 token。绑定嵌入的小 Llama 和带 q/k/v 偏置的 Qwen2 同样如此。
+
+# %%
+assert prefill_error < 1e-4 and max(step_errors) < 1e-4
+assert tokens == hf_tokens
+for kind in ("llama", "qwen2"):
+    directory = build_tiny_model(kind)
+    ours, theirs = build_model(directory), AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.inference_mode():
+        set_prefill_context([len(ids)], [len(ids)])
+        hidden = ours(ids, torch.arange(len(ids)))
+        reset_context()
+        error = (ours.compute_logits(hidden) - theirs(ids[None]).logits[0]).abs().max().item()
+    print(f"{kind}: max |error| {error:.1e}")
+    assert error < 1e-4
+llama = build_model(build_tiny_model("llama"))
+assert llama.lm_head.weight is llama.model.embed_tokens.weight  # tied: one matrix
+print("ours == transformers for Qwen3, Llama (tied) and Qwen2")
+
+# %% [markdown] tags=["en"]
+# The loader refuses a broken checkpoint with a message that names the problem. We copy the
+# tiny model and damage it in three ways:
+
+# %% [markdown] tags=["zh"]
+# 加载器会拒绝损坏的检查点，并在错误信息中指明问题所在。我们复制一份小模型，用三种方式把它弄坏：
+
+# %%
+import shutil
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from nanovllm.utils.loader import ModelLoadError
+
+scratch = Path(tempfile.mkdtemp())
+broken = shutil.copytree(qwen_dir, scratch / "broken")
+weights = load_file(broken / "model.safetensors")
+
+
+def damage(change: dict) -> None:
+    save_file(change, str(broken / "model.safetensors"))
+    try:
+        build_model(broken)
+        raise AssertionError("a broken checkpoint was accepted")
+    except ModelLoadError as error:
+        print("ModelLoadError:", error)
+
+
+damage({k: v for k, v in weights.items() if k != "model.layers.1.self_attn.k_proj.weight"})
+damage({**weights, "model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)})
+damage({**weights, "model.norm.weight": torch.ones(63)})
+config["architectures"] = ["MambaForCausalLM"]
+(broken / "config.json").write_text(json.dumps(config))
+try:
+    build_model(broken)
+except ValueError as error:
+    print("ValueError:", error)
+shutil.rmtree(scratch)
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `layers/layernorm.py` (`RMSNorm` with a fused residual add), `layers/activation.py`
+#   (`SiluAndMul`), `layers/rotary_embedding.py` (`get_rope`, NeoX layout; `default`, `linear`
+#   and `llama3` scaling).
+# - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
+#   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
+# - `utils/loader.py`: `load_hf_config`, `load_model` (fused and tied weights, a ledger of
+#   missing and unexpected tensors), `build_model`.
+# - `utils/tiny_models.py`: `build_tiny_model("qwen3" | "qwen2" | "llama")`, cached real HF
+#   directories that `transformers` loads.
+#
+# ## Exercises
+#
+# 1. How many parameters does the tiny Qwen3 have, and how many would it have with tied
+#    embeddings?
+# 2. Our model's `qkv_proj.weight` of layer 0 stacks three checkpoint tensors. Which rows hold
+#    `k_proj`?
+# 3. Why does `RotaryEmbedding` not care whether a position belongs to a prompt or to a generated
+#    token?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `layers/layernorm.py`（带融合残差加法的 `RMSNorm`）、`layers/activation.py`（`SiluAndMul`）、
+#   `layers/rotary_embedding.py`（`get_rope`，NeoX 布局；支持 `default`、`linear` 和 `llama3` 缩放）。
+# - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
+#   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
+# - `utils/loader.py`：`load_hf_config`、`load_model`（融合权重与绑定权重，记账发现缺失和多余的张量）、
+#   `build_model`。
+# - `utils/tiny_models.py`：`build_tiny_model("qwen3" | "qwen2" | "llama")`，带缓存的、`transformers`
+#   可以加载的真实 HF 目录。
+#
+# ## 练习
+#
+# 1. 小 Qwen3 有多少参数？如果绑定嵌入，会有多少？
+# 2. 我们模型第 0 层的 `qkv_proj.weight` 叠放了三个检查点张量。哪些行是 `k_proj`？
+# 3. 为什么 `RotaryEmbedding` 不关心一个位置属于提示词还是生成的 token？
+
+# %%
+# en: 1: count the unique parameters; tying removes one vocab x hidden matrix.
+# zh: 1：统计不重复的参数；绑定嵌入省掉一个 vocab x hidden 的矩阵。
+total = sum(p.numel() for p in model.parameters())
+assert total == sum(t.numel() for t in load_file(qwen_dir / "model.safetensors").values())
+print(f"tiny Qwen3: {total:,} parameters; tied: {total - 512 * 64:,}")
+# en: 2: rows [q_size, q_size + kv_size) = [4 * 16, 4 * 16 + 2 * 16) = [64, 96).
+# zh: 2：第 [q_size, q_size + kv_size) 行 = [4 * 16, 4 * 16 + 2 * 16) = [64, 96)。
+k_proj = load_file(qwen_dir / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"]
+assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight[64:96], k_proj)
+# en: 3: RoPE depends only on the position number; where the token came from does not matter,
+# en: which is why a decode step only needs `positions = [len(seq) - 1]`.
+# zh: 3：RoPE 只取决于位置编号，与 token 的来历无关；所以 decode 步只需要 `positions = [len(seq) - 1]`。
+print("all exercise answers check out")

@@ -1,0 +1,650 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 06 · Paged attention, the reference backend
+#
+# **Goal.** Build the attention layer of the engine: it writes each new token's key and value
+# into the **paged KV cache** and computes attention over a sequence's whole history by reading
+# the cache through the sequence's **block table**. One batch mixes sequences of different
+# lengths, some with a cached prefix (a prefix-cache hit, or a later chunk of a chunked
+# prefill), so every tensor is *flat* and a small **context** object says where each sequence
+# starts and ends.
+#
+# This chapter writes the *plain-torch reference backend*: short, readable, runs everywhere,
+# and it defines what "correct" means. The Triton kernels that come later plug into the same
+# interface and are tested against it.
+
+# %% [markdown] tags=["zh"]
+# # 06 · 分页注意力：参考后端
+#
+# **目标。** 构建引擎的注意力层：它把每个新 token 的键（K）和值（V）写入**分页 KV 缓存**，并通过序列的
+# **块表**读取缓存，对序列的全部历史计算注意力。一个批次里混着长度不同的序列，其中一些带有已缓存的前缀
+# （前缀缓存命中，或分块预填充的后续块），所以所有张量都是*展平*的，由一个小小的**上下文**（context）对象
+# 说明每个序列从哪里开始、到哪里结束。
+#
+# 本章编写*纯 torch 参考后端*：简短、易读、处处可运行，并且由它定义什么叫“正确”。后面的 Triton 内核接入
+# 同一个接口，并以它为标准进行测试。
+
+# %% [markdown] tags=["en"]
+# ## The idea: flat batches, slots and block tables
+#
+# The model sees one flat list of tokens per step, `T` of them, from all sequences together.
+# For attention it needs to know, per sequence `i`:
+#
+# ```
+# prefill step, 3 sequences (q = tokens computed now, k = tokens attended to)
+#   seq 0: cached 0, new 5      q: ■■■■■          k: ■■■■■
+#   seq 1: cached 8, new 3      q:         ■■■    k: □□□□□□□□■■■   (□ = read from the cache)
+#   seq 2: cached 0, new 2      q: ■■             k: ■■
+#   cu_seqlens_q = [0, 5, 8, 10]      cu_seqlens_k = [0, 5, 16, 18]
+# ```
+#
+# - `cu_seqlens_q` / `cu_seqlens_k`: cumulative query and key lengths. Sequence `i`'s queries
+#   are the **last** `seqlen_q` positions of its `seqlen_k` keys, so query `j` sits at absolute
+#   position `seqlen_k - seqlen_q + j` and may look at keys `0 … that position` (causal).
+# - `slot_mapping[t]`: where token `t` of the flat batch writes its K and V. The cache of one
+#   layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; slot `s` is row
+#   `s // block_size`, offset `s % block_size`. A slot of `-1` means "write nothing" (padding).
+# - `block_tables[i]`: the block ids of sequence `i`, padded with `-1`; position `p` lives in
+#   block `block_tables[i][p // block_size]` at offset `p % block_size`.
+# - `context_lens[i]` (decode): how many tokens sequence `i` attends to, the new one included.
+#
+# In a prefill without any cached prefix `block_tables` is left out and attention reads the
+# fresh `k`, `v` directly (they are in the cache too, but there is no need to read them back).
+
+# %% [markdown] tags=["zh"]
+# ## 思路：展平的批次、槽位与块表
+#
+# 每一步，模型看到的是来自所有序列的一串展平的 token，共 `T` 个。做注意力时，它需要知道每个序列 `i` 的：
+#
+# ```
+# prefill 步，3 个序列（q = 本步计算的 token，k = 被关注的 token）
+#   序列 0：已缓存 0，新 5      q: ■■■■■          k: ■■■■■
+#   序列 1：已缓存 8，新 3      q:         ■■■    k: □□□□□□□□■■■   （□ = 从缓存读取）
+#   序列 2：已缓存 0，新 2      q: ■■             k: ■■
+#   cu_seqlens_q = [0, 5, 8, 10]      cu_seqlens_k = [0, 5, 16, 18]
+# ```
+#
+# - `cu_seqlens_q` / `cu_seqlens_k`：查询与键长度的累积和。序列 `i` 的查询是它 `seqlen_k` 个键中**最后**
+#   `seqlen_q` 个位置，所以第 `j` 个查询位于绝对位置 `seqlen_k - seqlen_q + j`，只能看到 `0 … 该位置`
+#   的键（因果）。
+# - `slot_mapping[t]`（槽位映射）：展平批次中第 `t` 个 token 把 K、V 写到哪里。一层的缓存形状是
+#   `[num_blocks, block_size, num_kv_heads, head_dim]`；槽位 `s` 对应第 `s // block_size` 块、偏移
+#   `s % block_size`。槽位 `-1` 表示“什么也不写”（填充行）。
+# - `block_tables[i]`：序列 `i` 的块编号，用 `-1` 填充；位置 `p` 在块 `block_tables[i][p // block_size]`
+#   的偏移 `p % block_size` 处。
+# - `context_lens[i]`（decode）：序列 `i` 要关注的 token 数，包括新 token。
+#
+# 没有任何已缓存前缀的 prefill 不传 `block_tables`，注意力直接使用刚算出的 `k`、`v`（它们也已写进缓存，
+# 但没必要再读回来）。
+
+# %% [markdown] tags=["en"]
+# ## Build it: the context
+#
+# The model runner (chapter 08) fills the context before each forward and every attention
+# layer reads it, so it lives in a module-level variable, as in nano-vllm. The design notes put
+# this module in chapter 08; it is here because attention is the code that reads it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：上下文
+#
+# 模型执行器（第 08 章）在每次前向计算之前填好上下文，每个注意力层都读取它，所以像 nano-vllm 一样把它放在
+# 模块级变量里。设计说明把这个模块划给第 08 章；放在这里，是因为读取它的正是注意力。
+
+# %% default module
+#| default_exp layers.attention
+
+# %% context
+#| export utils.context
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    """Attention metadata of the current step (see chapter 06 for every field)."""
+
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    slot_mapping: torch.Tensor | None = None  # [T] int32/int64, -1 = do not store
+    context_lens: torch.Tensor | None = None  # [num_seqs] int32, decode only
+    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, -1 padded
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    """The context of the step being computed."""
+    return _CONTEXT
+
+
+def set_context(
+    is_prefill: bool,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    slot_mapping: torch.Tensor | None = None,
+    context_lens: torch.Tensor | None = None,
+    block_tables: torch.Tensor | None = None,
+) -> Context:
+    """Install the metadata of the next forward pass (nano-vllm's signature)."""
+    global _CONTEXT
+    _CONTEXT = Context(
+        is_prefill, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, slot_mapping, context_lens, block_tables
+    )
+    return _CONTEXT
+
+
+def reset_context() -> None:
+    """Forget the metadata (a step is over)."""
+    global _CONTEXT
+    _CONTEXT = Context()
+
+# %% [markdown] tags=["en"]
+# Building the context by hand is error-prone, so two helpers compute it from plain lists: the
+# model runner does the same from `Sequence` objects, and tests and chapters use these directly.
+# Slots follow from the block table: position `p` of a sequence goes to slot
+# `block_table[p // block_size] * block_size + p % block_size`.
+
+# %% [markdown] tags=["zh"]
+# 手工构造上下文容易出错，所以用两个辅助函数从普通列表算出它：模型执行器对 `Sequence` 对象做同样的事，
+# 测试和章节则直接使用它们。槽位由块表推出：序列的位置 `p` 写到槽位
+# `block_table[p // block_size] * block_size + p % block_size`。
+
+# %% context helpers
+#| export utils.context
+def _slot(block_table: list[int], position: int, block_size: int) -> int:
+    block_index = position // block_size
+    if block_index >= len(block_table) or block_table[block_index] < 0:
+        raise ValueError(f"position {position} needs block {block_index}, but the block table is {block_table}")
+    return block_table[block_index] * block_size + position % block_size
+
+
+def _block_table_tensor(block_tables: list[list[int]], device: torch.device | str | None) -> torch.Tensor:
+    width = max(1, max(len(table) for table in block_tables))
+    rows = [list(table) + [-1] * (width - len(table)) for table in block_tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def set_prefill_context(
+    seqlens_q: list[int],
+    seqlens_k: list[int],
+    block_tables: list[list[int]] | None = None,
+    block_size: int = 16,
+    device: torch.device | str | None = None,
+) -> Context:
+    """Set the context of a prefill step from per-sequence lengths and block tables.
+
+    seqlens_q[i]: tokens sequence i computes now; seqlens_k[i]: its cached prefix plus those.
+    block_tables=None means "no KV cache" (a warm-up forward): nothing is stored.
+    """
+    if len(seqlens_q) != len(seqlens_k) or not seqlens_q:
+        raise ValueError(f"need one q and one k length per sequence, got {seqlens_q} and {seqlens_k}")
+    if any(q < 1 or k < q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
+        raise ValueError(f"need 1 <= seqlen_q <= seqlen_k, got {seqlens_q} and {seqlens_k}")
+    slot_mapping = tables = None
+    if block_tables is not None:
+        slots = [
+            _slot(table, position, block_size)
+            for q, k, table in zip(seqlens_q, seqlens_k, block_tables, strict=True)
+            for position in range(k - q, k)
+        ]
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        # en: Only a cached prefix needs the block tables: without one, attention reads the fresh k, v.
+        # zh: 只有存在已缓存前缀时才需要块表：没有前缀时，注意力直接读取新算出的 k、v。
+        if any(k > q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
+            tables = _block_table_tensor(block_tables, device)
+    elif seqlens_q != seqlens_k:
+        raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
+
+    def cumulative(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+    return set_context(
+        True, cumulative(seqlens_q), cumulative(seqlens_k), max(seqlens_q), max(seqlens_k), slot_mapping, None, tables
+    )
+
+
+def set_decode_context(
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int = 16,
+    device: torch.device | str | None = None,
+) -> Context:
+    """Set the context of a decode step: one new token per sequence, at position context_len - 1."""
+    if len(context_lens) != len(block_tables) or not context_lens:
+        raise ValueError("need one context length and one block table per sequence")
+    slots = [_slot(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
+    return set_context(
+        False,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=_block_table_tensor(block_tables, device),
+    )
+
+# %% [markdown] tags=["en"]
+# ## Build it: the backend interface
+#
+# An attention **backend** is three functions: store the new K/V into the cache, prefill
+# attention, decode attention. Backends register under a name; each `Attention` layer has a
+# `backend` attribute (the model runner sets it from the `attention_backend` config), so the
+# Triton chapter only has to register `"triton"`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：后端接口
+#
+# 一个注意力**后端**由三个函数组成：把新的 K/V 存进缓存、prefill 注意力、decode 注意力。后端以名字注册；
+# 每个 `Attention` 层有一个 `backend` 属性（模型执行器根据配置项 `attention_backend` 设置它），所以 Triton
+# 那一章只需注册 `"triton"`。
+
+# %% backend registry
+#| export
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import Context, get_context
+
+
+class AttentionBackend(Protocol):
+    """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
+
+    name: str
+
+    def store_kvcache(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
+    ) -> torch.Tensor: ...
+
+
+ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
+
+
+def register_attention_backend(backend: AttentionBackend) -> AttentionBackend:
+    """Make a backend selectable by its name (``Attention.backend = name``)."""
+    ATTENTION_BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]
+
+# %% [markdown] tags=["en"]
+# ## Build it: the plain-torch backend
+#
+# **Store.** A scatter: row `slot_mapping[t]` of the flattened cache receives token `t`. The
+# cache is viewed, never reshaped: if it were not contiguous, `reshape` would silently write into
+# a copy, while `view` fails loudly.
+#
+# **Read through a block table.** `gather_paged` turns positions `0 … n-1` into slots and
+# indexes the flattened cache: the paged KV of one sequence becomes a dense `[n, kv_heads, d]`.
+#
+# **Attend.** `F.scaled_dot_product_attention` with `enable_gqa=True` handles grouped-query
+# attention (each KV head serves `num_heads / num_kv_heads` query heads). Prefill runs one
+# sequence at a time with a causal mask shifted by the cached prefix; decode pads every
+# sequence's keys to the longest context and masks the padding, so it is one batched call.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：纯 torch 后端
+#
+# **存储。** 一次 scatter：展平后的缓存的第 `slot_mapping[t]` 行接收第 `t` 个 token。对缓存只用 `view`，
+# 不用 `reshape`：如果缓存不连续，`reshape` 会悄悄写进一份拷贝，而 `view` 会直接报错。
+#
+# **通过块表读取。** `gather_paged` 把位置 `0 … n-1` 换算成槽位，再索引展平的缓存：一个序列的分页 KV
+# 就变成了稠密的 `[n, kv_heads, d]`。
+#
+# **计算注意力。** `F.scaled_dot_product_attention` 配合 `enable_gqa=True` 处理分组查询注意力（GQA，每个
+# KV 头服务 `num_heads / num_kv_heads` 个查询头）。prefill 逐个序列计算，因果掩码按已缓存前缀的长度平移；
+# decode 把每个序列的键填充到最长的上下文长度并屏蔽填充部分，因此只需一次批量调用。
+
+# %% torch backend
+#| export
+def flat_cache(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, d] -> [num_slots, kv_heads, d], as a view."""
+    return cache.view(-1, *cache.shape[2:])
+
+
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    positions = torch.arange(length, device=cache.device)
+    slots = block_table[positions // block_size].long() * block_size + positions % block_size
+    return flat_cache(cache)[slots]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n_q, H, d] are the last n_q positions of k, v [n_k, KVH, d]; returns [n_q, H, d]."""
+    n_q, n_k = q.shape[0], k.shape[0]
+    if n_q == n_k:
+        mask, causal = None, True
+    else:
+        # en: query j sits at absolute position n_k - n_q + j and sees keys 0 … that position.
+        # zh: 第 j 个查询位于绝对位置 n_k - n_q + j，能看到 0 … 该位置的键。
+        rows = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
+        mask, causal = torch.arange(n_k, device=q.device)[None, :] <= rows, False
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(0, 1)
+
+
+class TorchBackend:
+    """The reference backend: readable, runs on any device, defines correctness."""
+
+    name = "torch"
+
+    def store_kvcache(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        # en: k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
+        # zh: k、v：[T, kv_heads, d]；槽位 -1 标记不应写入的填充行。
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
+        flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+    ) -> torch.Tensor:
+        paged = context.block_tables is not None
+        if paged and k_cache.numel() == 0:
+            raise ValueError("the context has block tables (a cached prefix) but the layer has no KV cache")
+        cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
+        out = torch.empty_like(q)
+        for i in range(len(cu_q) - 1):
+            q_start, q_end = cu_q[i], cu_q[i + 1]
+            n_k = cu_k[i + 1] - cu_k[i]
+            if paged:
+                keys = gather_paged(k_cache, context.block_tables[i], n_k)
+                values = gather_paged(v_cache, context.block_tables[i], n_k)
+            elif n_k == q_end - q_start:
+                keys, values = k[q_start:q_end], v[q_start:q_end]
+            else:
+                raise ValueError(f"sequence {i} has a cached prefix (seqlen_k {n_k} > seqlen_q) but no block table")
+            out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
+        return out
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
+    ) -> torch.Tensor:
+        # en: q: [B, H, d], one new token per sequence; its KV is already in the cache.
+        # zh: q：[B, H, d]，每个序列一个新 token；它的 KV 已经在缓存里了。
+        if k_cache.numel() == 0:
+            raise ValueError("decode attention needs a KV cache, but the layer has none")
+        lens = context.context_lens.long()
+        block_size = k_cache.shape[1]
+        max_len = max(int(lens.max()), 1)
+        positions = torch.arange(max_len, device=q.device)
+        blocks = context.block_tables[:, positions // block_size].long()
+        slots = blocks.clamp_min(0) * block_size + positions % block_size  # [B, max_len]
+        valid = positions[None, :] < lens[:, None]  # [B, max_len]
+        # en: Padding reads arbitrary cache rows, possibly never written (NaN, inf): zero them, since a
+        # en: masked-out NaN value still poisons the weighted sum (0 * NaN = NaN).
+        # zh: 填充位置读到的是任意缓存行，可能从未写过（NaN、inf）：把它们清零，因为被屏蔽的 NaN 值
+        # zh: 仍会污染加权和（0 * NaN = NaN）。
+        invalid = ~valid[:, :, None, None]
+        keys = flat_cache(k_cache)[slots].to(q.dtype).masked_fill(invalid, 0.0)  # [B, max_len, KVH, d]
+        values = flat_cache(v_cache)[slots].to(q.dtype).masked_fill(invalid, 0.0)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+        )  # fmt: skip
+        # en: A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0, not NaN.
+        # zh: 填充行（context_len 为 0，例如 CUDA Graph 的批次）什么都不关注：输出 0，而不是 NaN。
+        return torch.where((lens > 0)[:, None, None], out.squeeze(2), 0.0)
+
+
+register_attention_backend(TorchBackend())
+
+# %% [markdown] tags=["en"]
+# ## Build it: the layer
+#
+# `Attention` holds no weights. Its `k_cache` and `v_cache` start empty; the model runner
+# replaces them with this layer's views of the one big KV tensor. With an empty cache (the
+# warm-up forward that measures memory) nothing is stored and prefill attends over the fresh
+# `k`, `v`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：注意力层
+#
+# `Attention` 没有权重。它的 `k_cache` 和 `v_cache` 一开始是空的；模型执行器会把它们换成那个大 KV 张量中
+# 属于本层的视图。缓存为空时（用于测量显存的预热前向），什么都不存，prefill 直接对新算出的 `k`、`v` 计算注意力。
+
+# %% attention layer
+#| export
+class Attention(nn.Module):
+    """Paged attention over flat batches; the math is delegated to a registered backend."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend: str = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        context = get_context()
+        backend = get_attention_backend(self.backend)
+        has_cache = self.k_cache.numel() > 0
+        if has_cache and context.slot_mapping is not None:
+            backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        if context.is_prefill:
+            return backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        return backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+
+# %% [markdown] tags=["en"]
+# ## See it: a batch with a cached prefix, then decode
+#
+# Three sequences, blocks of 4 tokens, 2 query heads sharing 1 KV head. We first prefill
+# sequence B's first 8 tokens (as if an earlier request had cached them), then run one prefill
+# step in which A and C start from scratch and B computes only its 3 new tokens, reading its
+# prefix through its block table. Then two decode steps. A dense attention over the whole
+# history, computed from scratch, must give the same outputs.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：带已缓存前缀的批次，然后 decode
+#
+# 三个序列，每块 4 个 token，2 个查询头共用 1 个 KV 头。先对序列 B 的前 8 个 token 做 prefill（好像之前的
+# 请求已经把它们缓存了），然后跑一个 prefill 步：A 和 C 从头开始，B 只计算它的 3 个新 token，并通过块表读取
+# 前缀。接着做两个 decode 步。对整个历史从头计算的稠密注意力必须给出相同的结果。
+
+# %%
+import torch
+
+from nanovllm.layers.attention import Attention
+from nanovllm.utils.context import get_context, reset_context, set_decode_context, set_prefill_context
+
+torch.manual_seed(0)
+H, KVH, D, BS, NUM_BLOCKS = 2, 1, 8, 4, 12
+attn = Attention(H, D, scale=D**-0.5, num_kv_heads=KVH)
+attn.k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D)
+attn.v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D)
+
+# en: The whole story of each sequence: 5 + 2 decode, 11 + 2 decode, 2 + 2 decode tokens.
+# zh: 每个序列的完整历史：5 + 2 个 decode，11 + 2 个 decode，2 + 2 个 decode 个 token。
+lengths = {"A": 7, "B": 13, "C": 4}
+tables = {"A": [3, 7], "B": [0, 1, 5, 9], "C": [11]}
+qkv = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)) for name, n in lengths.items()}
+
+
+def dense(name: str, upto: int) -> torch.Tensor:
+    """Reference: softmax(q k^T) v over the first `upto` tokens, with an explicit causal mask."""
+    q, k, v = (t[:upto] for t in qkv[name])
+    k, v = k.repeat_interleave(H // KVH, dim=1), v.repeat_interleave(H // KVH, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
+    scores = scores.masked_fill(torch.ones(upto, upto).triu(1).bool(), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run(step: list[tuple[str, int, int]]) -> dict[str, torch.Tensor]:
+    """One step: (name, first position, last position + 1) per sequence, flat like the engine."""
+    q = torch.cat([qkv[name][0][a:b] for name, a, b in step])
+    k = torch.cat([qkv[name][1][a:b] for name, a, b in step])
+    v = torch.cat([qkv[name][2][a:b] for name, a, b in step])
+    out = attn(q, k, v)
+    sizes = [b - a for _, a, b in step]
+    return {name: o for (name, _, _), o in zip(step, out.split(sizes), strict=True)}
+
+
+set_prefill_context([8], [8], [tables["B"]], BS)  # an earlier request caches B's first 8 tokens
+run([("B", 0, 8)])
+ctx = set_prefill_context([5, 3, 2], [5, 11, 2], [tables[n] for n in "ABC"], BS)
+print("cu_seqlens_q", ctx.cu_seqlens_q.tolist(), "cu_seqlens_k", ctx.cu_seqlens_k.tolist())
+print("slot_mapping", ctx.slot_mapping.tolist())
+print("block_tables", ctx.block_tables.tolist())
+outs = run([("A", 0, 5), ("B", 8, 11), ("C", 0, 2)])
+errors = {n: (outs[n] - dense(n, e)[s:e]).abs().max().item() for n, s, e in [("A", 0, 5), ("B", 8, 11), ("C", 0, 2)]}
+print("prefill max |error| vs dense:", {n: f"{x:.1e}" for n, x in errors.items()})
+for step in range(2):
+    ends = {"A": 6 + step, "B": 12 + step, "C": 3 + step}
+    ctx = set_decode_context([ends[n] for n in "ABC"], [tables[n] for n in "ABC"], BS)
+    outs = run([(n, ends[n] - 1, ends[n]) for n in "ABC"])
+    step_errors = {n: (outs[n] - dense(n, ends[n])[-1:]).abs().max().item() for n in "ABC"}
+    print(f"decode {step}: slots {ctx.slot_mapping.tolist()}, max |error|",
+          {n: f"{x:.1e}" for n, x in step_errors.items()})
+    errors.update({f"{n}{step}": x for n, x in step_errors.items()})
+reset_context()
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# Every output above matches the dense reference, the cached prefix included. And the cache now
+# holds each token's key exactly at the slot its block table names: for example B's token 9
+# sits in block `tables["B"][9 // 4] = 5` at offset 1.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 上面每个输出都与稠密参考一致，包括读取已缓存前缀的那个序列。而且缓存中每个 token 的键恰好位于其块表所指的
+# 槽位：例如 B 的第 9 个 token 位于块 `tables["B"][9 // 4] = 5` 的偏移 1 处。
+
+# %%
+assert max(errors.values()) < 1e-5, errors
+for name, n in lengths.items():
+    for position in range(n - 1):  # the last decode token was stored too, but check all but it for brevity
+        block = tables[name][position // BS]
+        assert torch.equal(attn.k_cache[block, position % BS], qkv[name][1][position])
+assert torch.equal(attn.k_cache[5, 1], qkv["B"][1][9])
+print("paged attention matches dense attention; every key sits in its slot")
+
+# %% [markdown] tags=["en"]
+# Padding rows, as CUDA graphs produce them (chapter 09), must be harmless: slot `-1` stores
+# nothing and a context length of 0 yields zeros, not NaN.
+
+# %% [markdown] tags=["zh"]
+# CUDA Graph（第 09 章）产生的填充行必须无害：槽位 `-1` 不写入任何东西，上下文长度为 0 时输出零而不是 NaN。
+
+# %%
+from nanovllm.utils.context import set_context
+
+before = attn.k_cache.clone()
+set_context(False, slot_mapping=torch.tensor([-1]), context_lens=torch.tensor([0], dtype=torch.int32),
+            block_tables=torch.tensor([[-1]], dtype=torch.int32))
+padded = attn(torch.randn(1, H, D), torch.randn(1, KVH, D), torch.randn(1, KVH, D))
+reset_context()
+assert torch.equal(attn.k_cache, before) and torch.equal(padded, torch.zeros_like(padded))
+print("a padded row stores nothing and returns zeros")
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm/utils/context.py`: `Context`, `set_context`, `get_context`, `reset_context`, and
+#   `set_prefill_context` / `set_decode_context` to build one from lengths and block tables.
+# - `nanovllm/layers/attention.py`: `Attention(num_heads, head_dim, scale, num_kv_heads)`, a
+#   backend registry, and `TorchBackend`: store via `slot_mapping` (−1 skipped), varlen causal
+#   prefill reading cached prefixes through block tables, batched paged decode, GQA.
+#
+# ## Exercises
+#
+# 1. A sequence has 21 tokens with `block_size=8` and block table `[4, 2, 9]`. Which slot holds
+#    token 20?
+# 2. In a prefill step a sequence has `seqlen_q=3`, `seqlen_k=10`. Which key positions may its
+#    second query (j = 1) attend to?
+# 3. Why does decode not need `cu_seqlens_q`?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm/utils/context.py`：`Context`、`set_context`、`get_context`、`reset_context`，以及根据长度和
+#   块表构造上下文的 `set_prefill_context` / `set_decode_context`。
+# - `nanovllm/layers/attention.py`：`Attention(num_heads, head_dim, scale, num_kv_heads)`、后端注册表和
+#   `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、通过块表读取已缓存前缀的变长因果 prefill、批量分页
+#   decode，以及 GQA。
+#
+# ## 练习
+#
+# 1. 一个序列有 21 个 token，`block_size=8`，块表为 `[4, 2, 9]`。第 20 个 token 在哪个槽位？
+# 2. 某个 prefill 步中，一个序列 `seqlen_q=3`、`seqlen_k=10`。它的第二个查询（j = 1）能关注哪些键位置？
+# 3. 为什么 decode 不需要 `cu_seqlens_q`？
+#
+# 下面的单元检查答案。
+
+# %%
+# en: 1: token 20 is in block index 20 // 8 = 2, i.e. block 9, offset 4: slot 9 * 8 + 4 = 76.
+# zh: 1：第 20 个 token 在块下标 20 // 8 = 2，即块 9，偏移 4：槽位 9 * 8 + 4 = 76。
+ctx = set_decode_context([21], [[4, 2, 9]], block_size=8)
+assert ctx.slot_mapping.tolist() == [76]
+# en: 2: query j = 1 sits at position 10 - 3 + 1 = 8: keys 0 … 8.
+# zh: 2：查询 j = 1 位于位置 10 - 3 + 1 = 8：可关注键 0 … 8。
+q1, k1 = torch.randn(3, 1, 4), torch.randn(10, 1, 4)
+v1 = torch.zeros(10, 1, 4)
+v1[9] = 1.0  # only key 9 carries a value: a query that cannot see it outputs exactly 0
+from nanovllm.layers.attention import causal_attention
+
+o1 = causal_attention(q1, k1, v1, scale=0.5)
+assert torch.equal(o1[1], torch.zeros(1, 4)) and o1[2].abs().sum() > 0
+# en: 3: every decode sequence has exactly one query, so query i is row i.
+# zh: 3：decode 时每个序列恰好一个查询，所以第 i 个查询就是第 i 行。
+reset_context()
+print("all exercise answers check out")

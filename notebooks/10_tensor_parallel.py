@@ -1,0 +1,665 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 10 · Tensor parallelism: layers that split
+#
+# **Goal.** Build the linear and embedding layers of the model in the form that tensor
+# parallelism needs: each layer knows how its weight is cut across `tp_size` ranks, which slice
+# rank `tp_rank` keeps, how to load that slice from a full checkpoint tensor (`weight_loader`),
+# and where the ranks must talk (an **all-reduce** or a **gather**).
+#
+# The model of chapter 05 is built from these layers, so they run at world size 1 on every
+# laptop: the rank and size come from `torch.distributed` when it is initialized, else they
+# are 0 and 1, and no communication happens. Running several processes is a later chapter's
+# job; here we *simulate* ranks in one process (a constructor argument picks the rank) and
+# check that the shards, put back together, compute exactly what the unsplit layer computes.
+
+# %% [markdown] tags=["zh"]
+# # 10 · 张量并行：会切分的层
+#
+# **目标。** 按张量并行的需要构建模型的线性层和嵌入层：每一层都知道自己的权重如何切分到 `tp_size` 个
+# rank 上、rank `tp_rank` 保留哪一片、如何从完整的检查点张量中加载这一片（`weight_loader`），以及各 rank
+# 必须在哪里通信（**all-reduce** 或 **gather**）。
+#
+# 第 05 章的模型就是用这些层搭起来的，所以它们在每台笔记本上都以 world size 1 运行：`torch.distributed`
+# 已初始化时从中读取 rank 和进程数，否则分别是 0 和 1，也不做任何通信。多进程运行是后面一章的事；这里我们在
+# 一个进程里*模拟*多个 rank（用构造参数指定 rank），并检查各分片拼回去后，算出的结果与不切分的层完全相同。
+
+# %% [markdown] tags=["en"]
+# ## The idea: cut columns, then rows, reduce once
+#
+# A linear layer computes `y = x Wᵀ` with `W` of shape `[out, in]`. Two ways to split it:
+#
+# - **Column parallel**: each rank keeps `out / tp` *output* rows of `W`. Every rank gets the
+#   whole `x` and computes a slice of `y`. No communication, but `y` is scattered.
+# - **Row parallel**: each rank keeps `in / tp` *input* columns of `W`. It needs only its slice
+#   of `x` and produces a *partial sum* of the whole `y`: the ranks must **all-reduce** (add up).
+#
+# Put a column-parallel layer before a row-parallel one and the scattered `y` of the first is
+# exactly the sliced `x` the second wants: attention (`qkv_proj` splits by heads, each rank
+# attends with its own heads, `o_proj` reduces) and the MLP (`gate_up_proj`, then `down_proj`)
+# each cost **one all-reduce**. The embedding splits the vocabulary: a rank looks up only the
+# tokens it owns and the others contribute zeros, so an all-reduce completes the rows. The LM
+# head splits the vocabulary too, and rank 0 **gathers** the logit slices because it samples.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：先切列，再切行，只归约一次
+#
+# 线性层计算 `y = x Wᵀ`，其中 `W` 的形状是 `[out, in]`。有两种切法：
+#
+# - **列并行**：每个 rank 保留 `W` 的 `out / tp` 个*输出*行。每个 rank 拿到完整的 `x`，算出 `y` 的一片。
+#   不需要通信，但 `y` 分散在各处。
+# - **行并行**：每个 rank 保留 `W` 的 `in / tp` 个*输入*列。它只需要 `x` 的一片，算出的是整个 `y` 的
+#   *部分和*：各 rank 必须做 **all-reduce**（相加）。
+#
+# 把列并行层放在行并行层前面，前者分散的 `y` 正好是后者需要的那片 `x`：注意力（`qkv_proj` 按头切分，
+# 每个 rank 用自己的头做注意力，`o_proj` 做归约）和 MLP（`gate_up_proj` 之后接 `down_proj`）都只需要
+# **一次 all-reduce**。嵌入层切分词表：每个 rank 只查找自己拥有的 token，其余 rank 贡献零，all-reduce
+# 之后每一行就完整了。LM head 也切分词表，由于采样在 rank 0 上进行，rank 0 **gather**（收集）各片 logits。
+
+# %% tp drawing
+#| hide
+from IPython.display import SVG, display
+
+
+def tp_layer_svg(tp: int = 2) -> str:
+    """One decoder layer split over `tp` ranks: shards per rank, and the points where ranks talk."""
+    stages = [
+        ("embed_tokens", "vocab rows", "all-reduce"),
+        ("qkv_proj", "column: heads", None),
+        ("attention", "own heads + KV", None),
+        ("o_proj", "row: heads", "all-reduce"),
+        ("gate_up_proj", "column", None),
+        ("SiluAndMul", "local", None),
+        ("down_proj", "row", "all-reduce"),
+        ("lm_head", "vocab rows", "gather → rank 0"),
+    ]
+    colors = ["#e3f2fd", "#fff8e1", "#e8f5e9", "#fce4ec"]
+    box_w, gap, top, rank_h = 104, 22, 40, 64
+    width = 20 + len(stages) * (box_w + gap)
+    height = top + tp * rank_h + 70
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+        'font-family="sans-serif">',
+        '<defs><marker id="tp-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#37474f"/></marker></defs>',
+    ]
+    for s, (name, how, talk) in enumerate(stages):
+        x = 20 + s * (box_w + gap)
+        parts.append(f'<text x="{x + box_w / 2}" y="24" text-anchor="middle" font-family="monospace" '
+                     f'font-size="12">{name}</text>')
+        for r in range(tp):
+            y = top + r * rank_h
+            parts.append(f'<rect x="{x}" y="{y}" width="{box_w}" height="{rank_h - 16}" rx="6" '
+                         f'fill="{colors[r % 4]}" stroke="#37474f"/>')
+            parts.append(f'<text x="{x + box_w / 2}" y="{y + 20}" text-anchor="middle" font-size="11">'
+                         f'rank {r}</text>')
+            parts.append(f'<text x="{x + box_w / 2}" y="{y + 36}" text-anchor="middle" font-size="10" '
+                         f'fill="#546e7a">{how} {r + 1}/{tp}</text>')
+            if s + 1 < len(stages):
+                parts.append(f'<path d="M{x + box_w},{y + 24} L{x + box_w + gap - 2},{y + 24}" stroke="#37474f" '
+                             'marker-end="url(#tp-arrow)"/>')
+        if talk:
+            y0, y1 = top - 6, top + tp * rank_h - 10
+            parts.append(f'<rect x="{x - 4}" y="{y0}" width="{box_w + 8}" height="{y1 - y0}" rx="8" fill="none" '
+                         'stroke="#d84315" stroke-width="2" stroke-dasharray="6 4"/>')
+            parts.append(f'<text x="{x + box_w / 2}" y="{y1 + 20}" text-anchor="middle" font-size="12" '
+                         f'fill="#d84315">{talk}</text>')
+    parts.append(f'<text x="20" y="{height - 12}" font-size="11" fill="#546e7a">dashed: the ranks communicate '
+                 '(sum partial results, or collect logit slices on rank 0); everything else is local</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+display(SVG(tp_layer_svg()))
+
+# %% [markdown] tags=["en"]
+# ## Build it: rank and size
+#
+# Every layer asks for its rank and world size once, at construction. Explicit arguments win
+# (that is how this chapter and the tests simulate ranks); otherwise `torch.distributed` is
+# asked if it has been initialized, and a plain single process is rank 0 of 1.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：rank 与进程数
+#
+# 每一层在构造时查询一次自己的 rank 和进程数（world size）。显式参数优先（本章和测试正是这样模拟多个 rank
+# 的）；否则，如果 `torch.distributed` 已初始化就问它；普通的单进程就是“1 个中的第 0 个”。
+
+# %% default module
+#| default_exp layers.linear
+
+# %% tp world
+#| export
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+# en: Which part of a fused layer a checkpoint tensor is: "q"/"k"/"v", 0/1 for gate/up, None for all of it.
+# zh: 检查点张量是融合层的哪一部分："q"/"k"/"v"，gate/up 为 0/1，None 表示整个矩阵。
+ShardId = str | int | None
+
+
+def tp_world(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group: explicit values, else torch.distributed, else (0, 1)."""
+    if tp_size is None:
+        tp_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp_rank is None:
+        tp_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+    return tp_rank, tp_size
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """Exact division, or a ValueError naming what does not split evenly across the ranks."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a (sliced) checkpoint tensor into a parameter, refusing a shape mismatch by name."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+# %% [markdown] tags=["en"]
+# ## Build it: the linear layers
+#
+# A `weight_loader(param, loaded_weight, shard_id=None)` is attached to each parameter: the
+# loader of chapter 05 hands it the **full** checkpoint tensor and the layer cuts out its rank's
+# slice. Merged layers (`qkv_proj` holds q, k and v; `gate_up_proj` holds gate and up) also get a
+# `shard_id` saying which part the tensor is, so it lands at the right offset. With GQA, q has
+# more heads than k and v, so the three parts have different sizes; each part is cut by heads,
+# and rank `r` keeps q heads `r·H/tp …` together with exactly the KV heads they use.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：线性层
+#
+# 每个参数都挂着一个 `weight_loader(param, loaded_weight, shard_id=None)`：第 05 章的加载器把**完整**的
+# 检查点张量交给它，由层自己切出本 rank 的那一片。合并层（`qkv_proj` 包含 q、k、v；`gate_up_proj` 包含
+# gate 和 up）还会收到 `shard_id`，说明这个张量是哪一部分，以便放到正确的偏移处。在 GQA 中 q 的头比 k、v
+# 多，三部分大小不同；每部分都按头切分，rank `r` 保留从 `r·H/tp` 开始的 q 头，以及它们用到的那些 KV 头。
+
+# %% linear layers
+#| export
+class LinearBase(nn.Module):
+    """A linear layer whose weight is (possibly) one shard of a larger matrix."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_dim: int | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_world(tp_rank, tp_size)
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        copy_checked(param, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Each rank holds output_size / tp_size output rows; its output is that slice of y."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        _, size = tp_world(tp_rank, tp_size)
+        super().__init__(input_size, divide(output_size, size, "output size"), bias, 0, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        shard = param.shape[0]
+        copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers in one matrix (gate_up_proj = [gate; up]), each part split by rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        _, size = tp_world(tp_rank, tp_size)
+        for part in self.output_sizes:
+            divide(part, size, "merged part size")
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        if shard_id is None:  # a checkpoint that already stores the merged matrix
+            for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, part, index)
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        if loaded_weight.shape[0] != self.output_sizes[shard_id]:
+            raise ValueError(f"part {shard_id} should have {self.output_sizes[shard_id]} rows, "
+                             f"got shape {tuple(loaded_weight.shape)}")
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix, split by heads; GQA-aware (fewer k/v heads than q heads)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        _, size = tp_world(tp_rank, tp_size)
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, size, "number of attention heads")
+        self.num_kv_heads = divide(total_num_kv_heads, size, "number of key/value heads")
+        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
+        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        if shard_id is None:  # a checkpoint that already stores [q; k; v] for all heads
+            totals = [q_size * self.tp_size, kv_size * self.tp_size, kv_size * self.tp_size]
+            for part, name in zip(loaded_weight.split(totals, dim=0), "qkv", strict=True):
+                self.weight_loader(param, part, name)
+            return
+        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
+        if shard_id not in offsets:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size = offsets[shard_id]
+        if loaded_weight.shape[0] != size * self.tp_size:
+            raise ValueError(f"{shard_id} projection should have {size * self.tp_size} rows, "
+                             f"got shape {tuple(loaded_weight.shape)}")
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Each rank holds input_size / tp_size input columns and produces a partial sum: all-reduce."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        _, size = tp_world(tp_rank, tp_size)
+        super().__init__(divide(input_size, size, "input size"), output_size, bias, 1, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        if param.dim() == 1:  # the bias is not split: it is added once, by rank 0
+            copy_checked(param, loaded_weight)
+            return
+        shard = param.shape[1]
+        copy_checked(param, loaded_weight.narrow(1, self.tp_rank * shard, shard))
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (the bias only on rank 0, so the reduced sum has it once)."""
+        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_local(x)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y
+
+# %% [markdown] tags=["en"]
+# ## Build it: the vocabulary-parallel embedding and LM head
+#
+# The embedding keeps `vocab / tp` consecutive rows. A rank maps the token ids it owns to local
+# rows, looks up everything (a foreign id is sent to row 0, then zeroed) and the all-reduce adds
+# the one non-zero contribution per token.
+#
+# The LM head reuses the same split. It also does one thing that has nothing to do with
+# parallelism: during prefill only the **last** token of each sequence needs logits (the next
+# token is sampled from it), so it keeps rows `cu_seqlens_q[1:] - 1` of the hidden states
+# before the vocabulary-sized matmul, saving most of the largest matmul of a prefill step.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：词表并行的嵌入层与 LM head
+#
+# 嵌入层保留 `vocab / tp` 个连续的行。每个 rank 把自己拥有的 token id 映射成本地行号，全部查一遍（不属于
+# 自己的 id 被送到第 0 行，然后清零），all-reduce 再把每个 token 唯一的非零贡献加起来。
+#
+# LM head 沿用同样的切分。它还做了一件与并行无关的事：prefill 时只有每个序列的**最后一个** token 需要
+# logits（下一个 token 由它采样），所以在与词表等大的矩阵乘法之前，只保留隐藏状态的第 `cu_seqlens_q[1:] - 1`
+# 行，省掉了 prefill 步中最大的那次矩阵乘法的大部分。
+
+# %% embedding and lm head
+#| export layers.embed_head
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import ShardId, copy_checked, divide, tp_world
+from nanovllm.utils.context import get_context
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split across ranks."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int | None = None, tp_size: int | None = None
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_world(tp_rank, tp_size)
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocabulary size")
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        shard = param.shape[0]
+        if loaded_weight.shape[0] != shard * self.tp_size:
+            raise ValueError(f"embedding should have {shard * self.tp_size} rows (the vocabulary), "
+                             f"got shape {tuple(loaded_weight.shape)}")
+        copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows for the tokens this rank owns, zeros for the others."""
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        owned = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(owned * (x - self.vocab_start_idx), self.weight)
+        return owned.unsqueeze(-1) * y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_local(x)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the vocabulary; slices gathered on rank 0 (others get None)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        if bias:
+            raise ValueError("ParallelLMHead has no bias (no supported model uses one)")
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits, for the rows that need them."""
+        context = get_context()
+        if context.is_prefill and context.cu_seqlens_q is not None:
+            # en: Only each sequence's last token samples the next token.
+            # zh: 只有每个序列的最后一个 token 用来采样下一个 token。
+            x = x[context.cu_seqlens_q[1:].long() - 1].contiguous()
+        return F.linear(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        logits = self.forward_local(x)
+        if self.tp_size == 1:
+            return logits
+        slices = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, slices, 0)
+        return torch.cat(slices, -1) if self.tp_rank == 0 else None
+
+# %% [markdown] tags=["en"]
+# ## See it: two simulated ranks
+#
+# We load the same full weights into rank 0 and rank 1 of each layer kind and look at what each
+# rank holds. Column-parallel shards are concatenated back, row-parallel partial sums are added:
+# this is what the collectives do. Everything runs in one process: `forward_local` is the
+# per-rank computation without the communication.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：两个模拟的 rank
+#
+# 对每种层，把同一份完整权重加载到 rank 0 和 rank 1 上，看看各 rank 持有什么。列并行的分片拼接回去，行并行
+# 的部分和相加：这正是集合通信做的事。所有计算都在一个进程里：`forward_local` 就是不含通信的单个 rank 的计算。
+
+# %%
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+
+torch.manual_seed(0)
+TP, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2, 8, 4, 2, 2, 6
+x = torch.randn(3, HIDDEN)
+
+# en: qkv: q has 4 heads, k and v have 2 (GQA); each rank keeps 2 q heads and 1 k and 1 v head.
+# zh: qkv：q 有 4 个头，k 和 v 各 2 个（GQA）；每个 rank 保留 2 个 q 头、1 个 k 头和 1 个 v 头。
+wq = torch.arange(HEADS * HEAD_DIM * HIDDEN, dtype=torch.float32).view(-1, HIDDEN) / 100
+wk, wv = torch.randn(KV_HEADS * HEAD_DIM, HIDDEN), torch.randn(KV_HEADS * HEAD_DIM, HIDDEN)
+ranks = [QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, tp_rank=r, tp_size=TP) for r in range(TP)]
+for layer in ranks:
+    for name, w in zip("qkv", (wq, wk, wv), strict=True):
+        layer.weight.weight_loader(layer.weight, w, name)
+    print(f"rank {layer.tp_rank}: qkv weight {tuple(layer.weight.shape)} = q rows of heads "
+          f"{[int(layer.weight[i * HEAD_DIM, 0] * 100) // (HEAD_DIM * HIDDEN) for i in range(layer.num_heads)]}"
+          f" + {layer.num_kv_heads} k head + {layer.num_kv_heads} v head")
+
+# en: the MLP: gate_up (column) -> SiLU(gate) * up (local) -> down (row) -> add the partial sums.
+# zh: MLP：gate_up（列并行）-> SiLU(gate) * up（本地）-> down（行并行）-> 把部分和相加。
+from nanovllm.layers.activation import SiluAndMul
+
+INTER = 12
+w_gate, w_up, w_down = torch.randn(INTER, HIDDEN), torch.randn(INTER, HIDDEN), torch.randn(HIDDEN, INTER)
+full_mlp = w_down @ (F.silu(w_gate @ x.T) * (w_up @ x.T))
+partials = []
+for r in range(TP):
+    gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], tp_rank=r, tp_size=TP)
+    gate_up.weight.weight_loader(gate_up.weight, w_gate, 0)
+    gate_up.weight.weight_loader(gate_up.weight, w_up, 1)
+    down = RowParallelLinear(INTER, HIDDEN, tp_rank=r, tp_size=TP)
+    down.weight.weight_loader(down.weight, w_down)
+    partials.append(down.forward_local(SiluAndMul()(gate_up(x))))
+    print(f"rank {r}: gate_up {tuple(gate_up.weight.shape)}, down {tuple(down.weight.shape)}, "
+          f"partial sum of y[0,0] = {partials[-1][0, 0].item():+.3f}")
+mlp_error = (sum(partials) - full_mlp.T).abs().max().item()
+print(f"all-reduce of the partial sums = {sum(partials)[0, 0].item():+.3f}; max |error| vs unsplit MLP {mlp_error:.1e}")
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# Each kind of layer, split over 2 and 4 simulated ranks, reassembles into the unsplit layer:
+# column shards concatenate, row partial sums add (with the bias counted once), embedding
+# contributions add, LM-head slices concatenate. The GQA grouping survives the split: rank `r`'s
+# query head `h` uses its local KV head `h // (H / KVH)`, which is global KV head
+# `r·KVH/tp + h // (H / KVH)` — the one the unsplit layer pairs it with.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 每种层切成 2 份和 4 份模拟 rank 后，都能拼回不切分的层：列并行的分片拼接，行并行的部分和相加（偏置只算一次），
+# 嵌入层的贡献相加，LM head 的各片拼接。GQA 的分组在切分后依然成立：rank `r` 的查询头 `h` 使用本地 KV 头
+# `h // (H / KVH)`，也就是全局 KV 头 `r·KVH/tp + h // (H / KVH)`——正是不切分时与它配对的那个。
+
+# %%
+def check_split(tp: int) -> None:
+    w, b = torch.randn(8, HIDDEN), torch.randn(8)
+    full = ReplicatedLinear(HIDDEN, 8, bias=True)
+    full.weight.weight_loader(full.weight, w)
+    full.bias.weight_loader(full.bias, b)
+    expected = full(x)
+    cols, rows = [], []
+    for r in range(tp):
+        col = ColumnParallelLinear(HIDDEN, 8, bias=True, tp_rank=r, tp_size=tp)
+        col.weight.weight_loader(col.weight, w)
+        col.bias.weight_loader(col.bias, b)
+        cols.append(col(x))
+        row = RowParallelLinear(HIDDEN, 8, bias=True, tp_rank=r, tp_size=tp)
+        row.weight.weight_loader(row.weight, w)
+        row.bias.weight_loader(row.bias, b)
+        rows.append(row.forward_local(x[:, r * HIDDEN // tp : (r + 1) * HIDDEN // tp]))
+    torch.testing.assert_close(torch.cat(cols, dim=-1), expected)
+    torch.testing.assert_close(sum(rows), expected)
+
+    table, tokens = torch.randn(8, HIDDEN), torch.tensor([0, 7, 3, 4, 4])
+    embeds, heads = [], []
+    for r in range(tp):
+        emb = VocabParallelEmbedding(8, HIDDEN, tp_rank=r, tp_size=tp)
+        emb.weight.weight_loader(emb.weight, table)
+        embeds.append(emb.forward_local(tokens))
+        head = ParallelLMHead(8, HIDDEN, tp_rank=r, tp_size=tp)
+        head.weight.weight_loader(head.weight, table)
+        heads.append(head.forward_local(x))
+    torch.testing.assert_close(sum(embeds), table[tokens])
+    torch.testing.assert_close(torch.cat(heads, dim=-1), x @ table.T)
+
+    heads_total, kv_total, d = 8, 4, 2
+    wqkv = torch.randn((heads_total + 2 * kv_total) * d, HIDDEN)
+    q_full, k_full, _ = (x @ wqkv.T).split([heads_total * d, kv_total * d, kv_total * d], -1)
+    group = heads_total // kv_total
+    for r in range(tp):
+        qkv = QKVParallelLinear(HIDDEN, d, heads_total, kv_total, tp_rank=r, tp_size=tp)
+        qkv.weight.weight_loader(qkv.weight, wqkv)  # a merged checkpoint tensor: shard_id None
+        q, k, _ = qkv(x).split([qkv.num_heads * d, qkv.num_kv_heads * d, qkv.num_kv_heads * d], -1)
+        for h in range(qkv.num_heads):
+            global_h = r * qkv.num_heads + h
+            torch.testing.assert_close(q[:, h * d : (h + 1) * d], q_full[:, global_h * d : (global_h + 1) * d])
+            local_kv, global_kv = h // group, global_h // group
+            assert global_kv == r * qkv.num_kv_heads + local_kv
+            torch.testing.assert_close(k[:, local_kv * d : (local_kv + 1) * d],
+                                       k_full[:, global_kv * d : (global_kv + 1) * d])
+
+
+for tp in (1, 2, 4):
+    check_split(tp)
+assert mlp_error < 1e-4
+print("every layer kind reassembles exactly at tp = 1, 2, 4")
+
+# %% [markdown] tags=["en"]
+# The model of a single process uses exactly these classes with rank 0 of 1, and bad shapes are
+# caught by name, for example 3 KV heads on 2 ranks, or a checkpoint tensor of the wrong size:
+
+# %% [markdown] tags=["zh"]
+# 单进程的模型使用的正是这些类（1 个中的第 0 个）；形状不对会被指名道姓地发现，例如 3 个 KV 头分到 2 个 rank
+# 上，或者检查点张量尺寸不对：
+
+# %%
+single = QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS)
+assert (single.tp_rank, single.tp_size) == (0, 1)
+for bad in (
+    lambda: QKVParallelLinear(HIDDEN, HEAD_DIM, 6, 3, tp_rank=0, tp_size=2),
+    lambda: single.weight.weight_loader(single.weight, torch.randn(5, HIDDEN), "k"),
+    lambda: single.weight.weight_loader(single.weight, wk, "x"),
+):
+    try:
+        bad()
+        raise AssertionError("accepted")
+    except ValueError as error:
+        print("ValueError:", error)
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm/layers/linear.py`: `tp_world`, `ReplicatedLinear`, `ColumnParallelLinear`,
+#   `MergedColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`, each with a
+#   shard-aware `weight_loader(param, loaded_weight, shard_id=None)`.
+# - `nanovllm/layers/embed_head.py`: `VocabParallelEmbedding` and `ParallelLMHead` (last token
+#   per sequence during prefill; gather on rank 0).
+#
+# Running real ranks as processes (gloo on CPU, NCCL on GPUs) comes with the engine.
+#
+# ## Exercises
+#
+# 1. Qwen3-0.6B has 16 query heads, 8 KV heads, head_dim 128, hidden 1024. How many rows does
+#    rank 1's `qkv_proj` weight have at `tp_size=2`?
+# 2. Why is the bias of a row-parallel layer added by rank 0 only?
+# 3. A vocabulary of 151,936 tokens on 2 ranks: which rank looks up token 80,000, and at which
+#    local row?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm/layers/linear.py`：`tp_world`、`ReplicatedLinear`、`ColumnParallelLinear`、
+#   `MergedColumnParallelLinear`、`QKVParallelLinear`、`RowParallelLinear`，每个都带有按分片加载的
+#   `weight_loader(param, loaded_weight, shard_id=None)`。
+# - `nanovllm/layers/embed_head.py`：`VocabParallelEmbedding` 和 `ParallelLMHead`（prefill 时每个序列只取
+#   最后一个 token；在 rank 0 上 gather）。
+#
+# 以多个进程真正运行各 rank（CPU 上用 gloo，GPU 上用 NCCL）将随引擎一起到来。
+#
+# ## 练习
+#
+# 1. Qwen3-0.6B 有 16 个查询头、8 个 KV 头，head_dim 为 128，hidden 为 1024。`tp_size=2` 时，rank 1 的
+#    `qkv_proj` 权重有多少行？
+# 2. 为什么行并行层的偏置只由 rank 0 加上？
+# 3. 词表有 151,936 个 token，分到 2 个 rank：token 80,000 由哪个 rank 查找？在本地第几行？
+
+# %%
+# en: 1: (16 + 2 * 8) * 128 / 2 = 2048 rows.
+# zh: 1：(16 + 2 * 8) * 128 / 2 = 2048 行。
+assert QKVParallelLinear(1024, 128, 16, 8, tp_rank=1, tp_size=2).weight.shape == (2048, 1024)
+# en: 2: the all-reduce adds the ranks' outputs; a bias added on every rank would count tp_size times.
+# zh: 2：all-reduce 把各 rank 的输出相加；如果每个 rank 都加偏置，就会被加 tp_size 次。
+# en: 3: 151936 / 2 = 75968 rows per rank: rank 1, local row 80000 - 75968 = 4032.
+# zh: 3：每个 rank 151936 / 2 = 75968 行：rank 1，本地第 80000 - 75968 = 4032 行。
+owner = VocabParallelEmbedding(151936, 1, tp_rank=1, tp_size=2)
+assert owner.vocab_start_idx <= 80000 < owner.vocab_end_idx and 80000 - owner.vocab_start_idx == 4032
+print("all exercise answers check out")
