@@ -105,7 +105,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.context import set_decode_context, set_prefill_context
+from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
 
 
 def prepare_prefill(
@@ -231,7 +231,8 @@ reset_context()
 #
 # - **GPU 上**（nano-vllm 的规则）：先用调度器可能产生的最大一步做一次预热前向，得到激活值的峰值，再把
 #   `total × gpu_memory_utilization` 剩下的部分交给 KV 缓存：`total × utilization − used − peak + current`。
-#   其中 `used` 是设备报告的已用显存（包括其他进程），`peak` 是预热时的最高分配量，`current` 是 torch 当前持有的量（即权重）。
+#   其中 `used` 是设备报告的已用显存（包括其他进程），`peak` 是预热时的最高分配量，
+#   `current` 是 torch 当前持有的量（即权重）。
 # - **CPU 上**内存与其他一切共享，没有可靠的“空闲量”，所以预算是显式给出的：`kvcache_memory_gb`。
 # - `num_kvcache_blocks > 0` 会覆盖以上两者（测试用它配出一个很小的块池来强制抢占）。
 #
@@ -302,7 +303,6 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 #| export
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.sampler import Sampler, sampling_inputs
-from nanovllm.utils.context import reset_context
 from nanovllm.utils.loader import build_model
 
 NOT_SAMPLED = -1

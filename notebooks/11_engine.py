@@ -1188,6 +1188,205 @@ assert longest == sorted(longest)  # batches go from short to long outputs
 print("benchmark checks hold")
 
 # %% [markdown] tags=["en"]
+# ## Build it: the engine loop, `LLMEngine`
+#
+# Everything is in place: `Config` (this chapter), `Sequence` (01), the `Scheduler` with its
+# block manager (02–04), and the `ModelRunner` (08) with the model, attention and sampler
+# (05–07). The engine is the loop that connects them:
+#
+# ```
+# add_request(prompt, params)  ->  tokenize, check  ->  Sequence  ->  scheduler.add
+# step():   seqs, is_prefill = scheduler.schedule()
+#           tokens = model_runner.run(seqs, is_prefill)
+#           scheduler.postprocess(seqs, tokens, is_prefill)     -> finished sequences
+# generate(prompts, params): add them all, step until done, return texts in prompt order
+# ```
+#
+# The checks live in `add_request`, before anything enters the scheduler, so that a bad
+# request is refused with a clear message and the engine goes on serving the others: an empty
+# prompt, token ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len` (a
+# sequence must never outgrow the block tables sized from `max_model_len`), a request that
+# could never fit the KV pool (the scheduler's own check), a wrong type. `generate` checks
+# **all** its requests before adding any, so a bad one leaves the engine as it was.
+#
+# The engine stops a sequence on **every** EOS id the model declares (`Config.eos_token_ids`;
+# chat models often declare several), unless `ignore_eos`. The output keeps nano-vllm's shape:
+# `{"text", "token_ids"}`, where `token_ids` includes the final EOS (as nano-vllm) and `text`
+# is decoded without special tokens.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：引擎主循环 `LLMEngine`
+#
+# 所有部件都已就位：`Config`（本章）、`Sequence`（第 01 章）、带块管理器的 `Scheduler`（第 02–04 章），以及
+# 包含模型、注意力和采样器（第 05–07 章）的 `ModelRunner`（第 08 章）。引擎就是把它们连起来的那个循环：
+#
+# ```
+# add_request(prompt, params)  ->  分词、检查  ->  Sequence  ->  scheduler.add
+# step():   seqs, is_prefill = scheduler.schedule()
+#           tokens = model_runner.run(seqs, is_prefill)
+#           scheduler.postprocess(seqs, tokens, is_prefill)     -> 已结束的序列
+# generate(prompts, params)：全部加入，不断 step 直到完成，按提示词顺序返回文本
+# ```
+#
+# 检查都放在 `add_request` 里，在任何东西进入调度器之前完成，这样坏请求会被清楚地拒绝，而引擎继续为其他请求服务：
+# 空提示词、超出词表的 token id、`len(prompt) + max_tokens > max_model_len`（序列绝不能超出按 `max_model_len`
+# 确定大小的块表）、永远放不进 KV 块池的请求（调度器自己的检查）、类型错误。`generate` 会在加入任何请求之前先检查
+# **全部**请求，所以一个坏请求不会改变引擎的状态。
+#
+# 除非设置了 `ignore_eos`，引擎会在模型声明的**每一个** EOS id 上结束序列（`Config.eos_token_ids`；对话模型常常
+# 声明好几个）。输出保持 nano-vllm 的形式：`{"text", "token_ids"}`，其中 `token_ids` 包含最后的 EOS（与 nano-vllm
+# 相同），`text` 解码时去掉特殊 token。
+
+# %% llm engine
+#| export
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as ListLike
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = config = Config.from_kwargs(model, **kwargs)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.model_runner = ModelRunner(config)  # sets config.num_kvcache_blocks
+        self.scheduler = Scheduler(
+            num_kvcache_blocks=config.num_kvcache_blocks,
+            kvcache_block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_ids=config.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    # en: ---- requests -------------------------------------------------------------
+    # zh: ---- 请求 ------------------------------------------------------------------
+    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
+        """Tokenize and check one request; raise TypeError/ValueError naming the problem."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is an empty string")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt has no tokens")
+        seq = Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
+        vocab = self.config.hf_config.vocab_size
+        for position, token in enumerate(seq.token_ids):
+            if token >= vocab:
+                raise ValueError(f"token id {token} at position {position} is outside the vocabulary (size {vocab})")
+        total, limit = len(seq) + sampling_params.max_tokens, self.config.max_model_len
+        if total > limit:
+            raise ValueError(
+                f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
+                f"max_model_len={limit}; shorten the prompt or lower max_tokens"
+            )
+        # en: The scheduler refuses this too, but generate() checks every request before adding any.
+        # zh: 调度器也会拒绝这种请求，但 generate() 要在加入任何请求之前把所有请求都检查一遍。
+        pool = self.scheduler.block_manager.num_blocks
+        if -(-max_kv_tokens(seq) // self.config.kvcache_block_size) > pool:
+            raise ValueError(
+                f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} can never fit the KV cache "
+                f"({pool} blocks of {self.config.kvcache_block_size} tokens); lower max_tokens or enlarge the cache"
+            )
+        return seq
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its sequence id."""
+        seq = self.make_sequence(prompt, sampling_params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    # en: ---- the loop -------------------------------------------------------------
+    # zh: ---- 主循环 ----------------------------------------------------------------
+    def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        self.scheduler.postprocess(seqs, token_ids, is_prefill)
+        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
+        return finished, num_tokens, is_prefill
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Generate a continuation of every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or not isinstance(prompts, ListLike):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # en: Check every request first: a bad one must not leave the others half-queued.
+        # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
+        seqs = []
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            try:
+                seqs.append(self.make_sequence(prompt, params))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"prompt {index}: {error}") from error
+        for seq in seqs:
+            self.scheduler.add(seq)
+        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        outputs: dict[int, list[int]] = {}
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        while len(outputs) < len(seqs):
+            start = time.perf_counter()
+            finished, num_tokens, is_prefill = self.step()
+            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+            prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
+            bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
+            for seq_id, token_ids in finished:
+                if seq_id in order:
+                    outputs[seq_id] = token_ids
+                    bar.update(1)
+        bar.close()
+        ordered = sorted(outputs, key=order.__getitem__)
+        return [
+            {"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}
+            for i in ordered
+        ]
+
+# %% llm
+#| export llm
+from __future__ import annotations
+
+from nanovllm.engine.llm_engine import LLMEngine
+
+
+class LLM(LLMEngine):
+    """The public entry point, as in nano-vllm: `LLM(model_path, **config).generate(prompts, params)`."""
+
+# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `nanovllm.config.Config`: nano-vllm's settings plus `device`, `dtype`, `attention_backend`,
