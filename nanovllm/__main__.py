@@ -70,12 +70,12 @@ def main(argv: list[str] | None = None) -> int:
         from nanovllm.llm import LLM
 
         llm = LLM(model, device=args.device, dtype=args.dtype)
+        has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+        use_template = has_template and not args.no_chat_template
+        outputs = llm.generate(chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts, params)
     except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (TypeError, ValueError)) else 1
-    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
-    inputs = chat_prompts(llm.tokenizer, args.prompts) if has_template and not args.no_chat_template else args.prompts
-    outputs = llm.generate(inputs, params)
     for prompt, output in zip(args.prompts, outputs, strict=True):
         print(f"\n>>> {prompt}\n{output['text'].strip()}")
     return 0

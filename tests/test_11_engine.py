@@ -372,14 +372,32 @@ def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny: Path) -
         greedy.num_output_tokens
 
 
-def test_engine_side_is_a_clear_todo_until_the_engine_exists(tiny: Path) -> None:
-    from nanovllm.bench import make_workload, run_engine
+def test_a_model_directory_without_a_tokenizer_is_a_clear_error(tiny: Path) -> None:
+    from nanovllm.llm import LLM
 
-    try:
-        import nanovllm.llm  # noqa: F401
-    except ModuleNotFoundError:
-        with pytest.raises(NotImplementedError, match="not built yet"):
-            run_engine(str(tiny), make_workload(1, (2, 2), (1, 1), vocab_size=128))
-    else:
-        result = run_engine(str(tiny), make_workload(2, (2, 4), (1, 3), vocab_size=128), kvcache_block_size=16)
-        assert result.output_tokens >= 2
+    with pytest.raises(ValueError, match="cannot load the tokenizer"):
+        LLM(str(tiny), kvcache_block_size=16, num_kvcache_blocks=8)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_engine_on_smollm2_matches_transformers_greedy() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from nanovllm.llm import LLM
+    from nanovllm.sampling_params import SamplingParams
+
+    path = smollm2.smollm2_dir()
+    llm = LLM(str(path), kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
+    questions = ["What is the capital of France?", "Write a haiku about the sea."]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False) for q in questions]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in outputs[0]["text"]
+    assert outputs[0]["token_ids"][-1] == 2  # stopped on <|im_end|>, SmolLM2's EOS
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    for prompt, output in zip(prompts, outputs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        assert output["token_ids"] == ref[0, len(prompt):].tolist()

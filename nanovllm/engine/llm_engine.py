@@ -29,7 +29,10 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = config = Config.from_kwargs(model, **kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except Exception as error:  # transformers raises OSError, ValueError, ... for a missing tokenizer
+            raise ValueError(f"cannot load the tokenizer of {config.model}: {error}") from error
         self.model_runner = ModelRunner(config)  # sets config.num_kvcache_blocks
         self.scheduler = Scheduler(
             num_kvcache_blocks=config.num_kvcache_blocks,
@@ -54,7 +57,7 @@ class LLMEngine:
         else:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not token_ids:
-            raise ValueError("prompt has no tokens")
+            raise ValueError("prompt is empty: it has no tokens")
         seq = Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
         vocab = self.config.hf_config.vocab_size
         for position, token in enumerate(seq.token_ids):
@@ -107,6 +110,9 @@ class LLMEngine:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
+            kind = type(sampling_params).__name__
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         # Check every request first: a bad one must not leave the others half-queued.
