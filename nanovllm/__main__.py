@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model, device=args.device, dtype=args.dtype)
         has_template = getattr(llm.tokenizer, "chat_template", None) is not None
         use_template = has_template and not args.no_chat_template
-        outputs = llm.generate(chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts, params)
+        inputs = chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts
+        # A progress bar only for a person watching a terminal.
+        outputs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty())
     except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (TypeError, ValueError)) else 1

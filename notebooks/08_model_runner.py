@@ -389,3 +389,134 @@ class ModelRunner:
                 tokens[i] = token
         return tokens
 
+
+# %% [markdown] tags=["en"]
+# ### See it: a runner on a tiny model
+#
+# A tiny Qwen3 with a CPU budget of 1 MiB for the KV cache: how many blocks that buys, the one
+# KV tensor, and each layer's views into it.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：小模型上的执行器
+#
+# 一个小 Qwen3，CPU 上给 KV 缓存 1 MiB 的预算：这能换来多少个块、那一个 KV 张量，以及每一层指向它的视图。
+
+# %%
+from nanovllm.config import Config
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tiny_models import build_tiny_model
+
+tiny = build_tiny_model("qwen3")
+config = Config.from_kwargs(tiny, kvcache_block_size=4, kvcache_memory_gb=1 / 1024)
+block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
+runner = ModelRunner(config)
+print(f"one block: {block_bytes} bytes -> {config.num_kvcache_blocks} blocks in 1 MiB")
+print("KV cache:", tuple(runner.kv_cache.shape), "= [2, layers, blocks, block_size, kv_heads, head_dim]")
+assert config.num_kvcache_blocks == 2**20 // block_bytes
+for i, layer in enumerate(runner.attention_layers):
+    # en: Views, not copies: layer i writes straight into the shared tensor.
+    # zh: 是视图而不是拷贝：第 i 层直接写进共享的张量。
+    assert layer.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr()
+    assert layer.v_cache.data_ptr() == runner.kv_cache[1, i].data_ptr()
+
+# %% [markdown] tags=["en"]
+# ### Check it: two steps by hand, against `transformers`
+#
+# We play the scheduler: a 9-token prompt whose prefill is split into chunks of 5 and 4 tokens,
+# then one decode step. The first chunk yields no token (`-1`); the second yields the first
+# generated token, and the decode step the second. Both must be `transformers`' greedy choices.
+
+# %% [markdown] tags=["zh"]
+# ### 验证：手工执行两步，与 `transformers` 对比
+#
+# 我们扮演调度器：一个 9 个 token 的提示词，prefill 分成 5 个和 4 个 token 两块，然后做一个 decode 步。
+# 第一块不产生 token（`-1`）；第二块产生第一个生成的 token，decode 步产生第二个。
+# 两者都必须等于 `transformers` 的贪心选择。
+
+# %%
+from transformers import AutoModelForCausalLM
+
+prompt = [17, 4, 250, 33, 9, 88, 120, 5, 61]
+seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2), block_size=4)
+seq.block_table = [6, 2, 9]  # what the block manager would hand out
+
+seq.num_scheduled_tokens = 5
+assert runner.run([seq], is_prefill=True) == [NOT_SAMPLED]  # a chunk that stops inside the prompt
+seq.num_cached_tokens, seq.num_scheduled_tokens = 5, 4
+(first,) = runner.run([seq], is_prefill=True)
+seq.num_cached_tokens, seq.num_scheduled_tokens = 9, 0
+seq.append_token(first)
+seq.num_scheduled_tokens = 1  # decode: position 9 goes to block 2 (index 9 // 4), slot 9*4 + 1 = 37
+(second,) = runner.run([seq], is_prefill=False)
+
+hf = AutoModelForCausalLM.from_pretrained(tiny).eval()
+ids = torch.tensor([prompt])
+expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                       do_sample=False)[0, len(prompt):].tolist()
+print("runner:", [first, second], " transformers:", expected)
+assert [first, second] == expected
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `prepare_prefill` / `prepare_decode`: a step's sequences → `input_ids`, `positions` and the
+#   attention context; chunk-aware (`seqlen_k = num_cached + num_scheduled`), slots only for
+#   the computed tokens, block tables only when a prefix is cached.
+# - `kv_block_bytes`, `num_kv_blocks`: how big the paged KV cache is, from a CPU budget, the
+#   GPU's free memory after a warm-up, or an explicit block count.
+# - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
+#   which samples only the rows that want a token.
+#
+# Chapter 11 puts the scheduler and the runner in one loop.
+#
+# ## Exercises
+#
+# 1. A decode step for sequences of lengths 6 and 11 with `block_size=4`: which positions do
+#    the two input tokens have, and which blocks of their block tables do they write to?
+# 2. SmolLM2 has 30 layers, 3 KV heads of dimension 64. How many bytes is one block of 256
+#    tokens in float32? How many such blocks fit in 1 GiB?
+# 3. Why would `run` be wrong if it sampled a token for every row of a chunked prefill and the
+#    scheduler appended it?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `prepare_prefill` / `prepare_decode`：把一步的序列变成 `input_ids`、`positions` 和注意力上下文；能处理分块
+#   （`seqlen_k = num_cached + num_scheduled`），只为本步计算的 token 分配槽位，只在存在已缓存前缀时才给出块表。
+# - `kv_block_bytes`、`num_kv_blocks`：分页 KV 缓存有多大——来自 CPU 预算、预热后 GPU 的剩余显存，或者显式给出的块数。
+# - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
+#
+# 第 11 章把调度器和执行器放进同一个循环。
+#
+# ## 练习
+#
+# 1. `block_size=4`，对长度分别为 6 和 11 的两个序列做一个 decode 步：两个输入 token 的位置是多少？
+#    它们写入各自块表中的哪一块？
+# 2. SmolLM2 有 30 层、3 个维度为 64 的 KV 头。一个 256 token 的块在 float32 下占多少字节？1 GiB 能放多少个这样的块？
+# 3. 如果 `run` 为分块 prefill 的每一行都采样一个 token，而调度器又把它追加上去，会出什么错？
+
+# %%
+# en: Exercise 1: positions 5 and 10 (the last token of each), blocks at index 5 // 4 = 1 and 10 // 4 = 2.
+# zh: 练习 1：位置 5 和 10（各自的最后一个 token），写入块表下标 5 // 4 = 1 和 10 // 4 = 2 的块。
+x, y = Sequence([1] * 6, block_size=4), Sequence([1] * 11, block_size=4)
+x.block_table, y.block_table = [3, 8], [0, 1, 5]
+for s in (x, y):
+    s.num_cached_tokens, s.num_scheduled_tokens = len(s) - 1, 1
+_, pos = prepare_decode([x, y], block_size=4)
+assert pos.tolist() == [5, 10] and get_context().slot_mapping.tolist() == [8 * 4 + 1, 5 * 4 + 2]
+reset_context()
+
+# en: Exercise 2: 2 * 30 * 256 * 3 * 64 * 4 bytes = 11.25 MiB per block, 91 blocks per GiB.
+# zh: 练习 2：每块 2 * 30 * 256 * 3 * 64 * 4 字节 = 11.25 MiB，每 GiB 可放 91 块。
+smol = type("SmolLM2", (), {"num_key_value_heads": 3, "num_hidden_layers": 30, "head_dim": 64})()
+assert kv_block_bytes(smol, 256, torch.float32) == 11.25 * 2**20 and 2**30 // (11.25 * 2**20) == 91
+
+# en: Exercise 3: the token would predict a position *inside* the prompt, and appending it would
+# en: put a made-up token in the middle of the prompt. The runner returns -1 and the scheduler
+# en: discards it (chapter 04).
+# zh: 练习 3：这个 token 预测的是提示词*内部*的某个位置，追加它就等于在提示词中间塞进一个编造的 token。
+# zh: 执行器返回 -1，调度器丢弃它（第 04 章）。
+partial = Sequence(prompt, SamplingParams(temperature=0), block_size=4)
+partial.block_table, partial.num_scheduled_tokens = [0, 1, 3], 8
+assert runner.run([partial], is_prefill=True) == [NOT_SAMPLED]
+print("all exercise answers check out")

@@ -816,7 +816,10 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model, device=args.device, dtype=args.dtype)
         has_template = getattr(llm.tokenizer, "chat_template", None) is not None
         use_template = has_template and not args.no_chat_template
-        outputs = llm.generate(chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts, params)
+        inputs = chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts
+        # en: A progress bar only for a person watching a terminal.
+        # zh: 只有在终端前有人看着时才显示进度条。
+        outputs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty())
     except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (TypeError, ValueError)) else 1
@@ -1498,7 +1501,7 @@ else:
     import io
 
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):  # no progress bar
+    with contextlib.redirect_stdout(printed):
         status = cli(["What is the capital of France?", "--max-tokens", "24", "--device", "cpu"])
     print(printed.getvalue())
     assert status == 0 and "Paris" in printed.getvalue()
