@@ -1,0 +1,522 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 08 · The model runner: batching inputs, sizing the KV cache
+#
+# **Goal.** The scheduler (chapter 04) hands over a list of sequences and says "prefill" or
+# "decode"; the model (chapter 05) wants flat tensors and an attention context (chapter 06).
+# The **model runner** sits between them. By the end of this chapter you can:
+#
+# - turn a step's sequences into `input_ids`, `positions` and the attention metadata, for a
+#   prefill (possibly a chunk, possibly after a prefix-cache hit) and for a decode step;
+# - size and allocate the paged KV cache, on a CPU from a memory budget and on a GPU from the
+#   memory left after a warm-up forward, and hand each layer its view of it;
+# - run the model and sample one token per sequence, only where a token is really wanted.
+
+# %% [markdown] tags=["zh"]
+# # 08 · 模型执行器：组装批次输入，确定 KV 缓存大小
+#
+# **目标。** 调度器（第 04 章）交来一组序列，并说明这是 "prefill" 还是 "decode"；模型（第 05 章）要的是扁平的
+# 张量和一个注意力上下文（第 06 章）。**模型执行器**就夹在两者之间。读完本章，你将能够：
+#
+# - 把一步的序列变成 `input_ids`、`positions` 和注意力元数据，既能处理 prefill（可能是一个分块，也可能在前缀缓存
+#   命中之后），也能处理 decode 步；
+# - 确定分页 KV 缓存的大小并分配它：CPU 上按内存预算，GPU 上按预热前向之后剩余的显存；再把各层对应的视图交给每一层；
+# - 运行模型并为每个序列采样一个 token——只在真正需要 token 的地方采样。
+
+# %% [markdown] tags=["en"]
+# ## The idea: one flat batch, described by a few small tensors
+#
+# There is no padding in a step. The tokens that every sequence computes now are laid end to
+# end, and small tensors say where each sequence starts and where its KV goes:
+#
+# ```
+# prefill step, block_size 4: seq A computes tokens 0..4 (new), seq B tokens 8..9 (8 cached)
+#   input_ids      [a0 a1 a2 a3 a4 | b8 b9]
+#   positions      [ 0  1  2  3  4 |  8  9]
+#   cu_seqlens_q   [0, 5, 7]          (where each sequence's queries start in the flat batch)
+#   cu_seqlens_k   [0, 5, 15]         (keys: cached + scheduled, i.e. 5 and 8 + 2)
+#   slot_mapping   [A's slots 0..4 | B's slots 8..9]   slot = block_table[pos // 4] * 4 + pos % 4
+#   block_tables   [[A's blocks], [B's blocks]]        only when some prefix is cached
+#
+# decode step: one token per sequence, the last one
+#   input_ids [A_last, B_last]   positions [len(A)-1, len(B)-1]   context_lens [len(A), len(B)]
+# ```
+#
+# For a chunk, the keys a query sees are the cached tokens plus the scheduled ones:
+# `seqlen_k = num_cached_tokens + num_scheduled_tokens`, not the whole sequence — the rest of
+# the prompt has not been computed yet. Only the scheduled tokens get a slot: the cached ones
+# are already in the cache.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：一个扁平批次，用几个小张量描述
+#
+# 一步之中没有填充（padding）。每个序列本步要计算的 token 首尾相接排成一行，再用几个小张量说明每个序列从哪里开始、
+# 它的 KV 写到哪里：
+#
+# ```
+# prefill 步，block_size 为 4：序列 A 计算第 0..4 个 token（全新），序列 B 计算第 8..9 个（前 8 个已缓存）
+#   input_ids      [a0 a1 a2 a3 a4 | b8 b9]
+#   positions      [ 0  1  2  3  4 |  8  9]
+#   cu_seqlens_q   [0, 5, 7]          （每个序列的 query 在扁平批次中的起点）
+#   cu_seqlens_k   [0, 5, 15]         （key：已缓存 + 本步计算，即 5 和 8 + 2）
+#   slot_mapping   [A 的槽位 0..4 | B 的槽位 8..9]   slot = block_table[pos // 4] * 4 + pos % 4
+#   block_tables   [[A 的块], [B 的块]]               只有存在已缓存前缀时才需要
+#
+# decode 步：每个序列一个 token，即最后一个
+#   input_ids [A_last, B_last]   positions [len(A)-1, len(B)-1]   context_lens [len(A), len(B)]
+# ```
+#
+# 对于分块，query 能看到的 key 是已缓存的 token 加上本步计算的 token：
+# `seqlen_k = num_cached_tokens + num_scheduled_tokens`，而不是整个序列——提示词的其余部分还没算。
+# 只有本步计算的 token 需要槽位：已缓存的 token 早就在缓存里了。
+
+# %% default module
+#| default_exp engine.model_runner
+
+# %% [markdown] tags=["en"]
+# ## Build it: the inputs of a step
+#
+# Chapter 06's `set_prefill_context` and `set_decode_context` turn per-sequence lengths and
+# block tables into the context tensors (slots included). What is left for the runner is to
+# read those lengths off the sequences, and to lay out `input_ids` and `positions`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：一步的输入
+#
+# 第 06 章的 `set_prefill_context` 和 `set_decode_context` 会把每个序列的长度和块表变成上下文张量（包括槽位）。
+# 留给执行器的工作，是从序列上读出这些长度，并排好 `input_ids` 和 `positions`。
+
+# %% prepare inputs
+#| export
+from __future__ import annotations
+
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+
+
+def prepare_prefill(
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu", *, with_cache: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat input_ids and positions of a prefill step; installs the attention context.
+
+    with_cache=False is the warm-up forward: no KV cache exists yet, so nothing is stored.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    seqlens_q: list[int] = []
+    seqlens_k: list[int] = []
+    for seq in seqs:
+        start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
+        if count < 1:
+            raise ValueError(f"sequence {seq.seq_id} has no scheduled tokens in this prefill step")
+        # en: A chunk sees its cached prefix plus itself, not the whole prompt.
+        # zh: 一个分块能看到的是它的已缓存前缀加上它自己，而不是整个提示词。
+        input_ids += seq.scheduled_token_ids
+        positions += range(start, start + count)
+        seqlens_q.append(count)
+        seqlens_k.append(start + count)
+    tables = [seq.block_table for seq in seqs] if with_cache else None
+    set_prefill_context(seqlens_q, seqlens_k, tables, block_size, device)
+    return _tensor(input_ids, device), _tensor(positions, device)
+
+
+def prepare_decode(
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and positions of a decode step (one token per sequence); installs the context."""
+    for seq in seqs:
+        if seq.num_scheduled_tokens != 1 or seq.num_cached_tokens != len(seq) - 1:
+            raise ValueError(f"sequence {seq.seq_id} is not ready to decode: {seq!r}")
+    input_ids = [seq.last_token for seq in seqs]
+    positions = [len(seq) - 1 for seq in seqs]
+    set_decode_context([len(seq) for seq in seqs], [seq.block_table for seq in seqs], block_size, device)
+    return _tensor(input_ids, device), _tensor(positions, device)
+
+
+def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# The example of the drawing: A is new with 5 tokens, B has 10 tokens of which 8 are cached
+# (two blocks found by the prefix cache) and computes the last 2. We fill in the block tables
+# by hand, as the block manager would.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 上图中的例子：A 是新序列，5 个 token；B 有 10 个 token，其中 8 个已缓存（前缀缓存找到的两个块），本步计算最后 2 个。
+# 我们像块管理器那样手工填写块表。
+
+# %%
+from nanovllm.engine.sequence import Sequence
+from nanovllm.utils.context import get_context, reset_context
+
+a = Sequence([10, 11, 12, 13, 14], block_size=4)
+a.block_table, a.num_scheduled_tokens = [7, 3], 5
+b = Sequence(list(range(20, 30)), block_size=4)
+b.block_table, b.num_cached_tokens, b.num_scheduled_tokens = [0, 1, 5], 8, 2
+
+input_ids, positions = prepare_prefill([a, b], block_size=4)
+ctx = get_context()
+print("input_ids   ", input_ids.tolist())
+print("positions   ", positions.tolist())
+print("cu_seqlens_q", ctx.cu_seqlens_q.tolist(), " cu_seqlens_k", ctx.cu_seqlens_k.tolist())
+print("slot_mapping", ctx.slot_mapping.tolist())
+print("block_tables", ctx.block_tables.tolist())
+
+# %%
+assert input_ids.tolist() == [10, 11, 12, 13, 14, 28, 29]
+assert positions.tolist() == [0, 1, 2, 3, 4, 8, 9]
+assert ctx.cu_seqlens_q.tolist() == [0, 5, 7] and ctx.cu_seqlens_k.tolist() == [0, 5, 15]
+# en: A's tokens 0..3 go to block 7 (slots 28..31), token 4 to block 3 (slot 12); B's 8, 9 to block 5.
+# zh: A 的第 0..3 个 token 写入块 7（槽位 28..31），第 4 个写入块 3（槽位 12）；B 的第 8、9 个写入块 5。
+assert ctx.slot_mapping.tolist() == [28, 29, 30, 31, 12, 20, 21]
+assert ctx.block_tables.tolist() == [[7, 3, -1], [0, 1, 5]]
+
+# en: Then both decode: A appended a token (now 6 long), B too (11 long).
+# zh: 接着两者都进入 decode：A 追加了一个 token（现在长 6），B 也是（长 11）。
+for seq, token in ((a, 15), (b, 30)):
+    seq.num_cached_tokens += seq.num_scheduled_tokens
+    seq.append_token(token)
+    seq.num_scheduled_tokens = 1
+input_ids, positions = prepare_decode([a, b], block_size=4)
+ctx = get_context()
+print("decode:", input_ids.tolist(), positions.tolist(), ctx.context_lens.tolist(), ctx.slot_mapping.tolist())
+assert input_ids.tolist() == [15, 30] and positions.tolist() == [5, 10]
+assert ctx.context_lens.tolist() == [6, 11] and ctx.slot_mapping.tolist() == [13, 22]
+reset_context()
+
+# %% [markdown] tags=["en"]
+# ## Build it: how many KV blocks?
+#
+# One block holds, for every layer, the keys and the values of `block_size` tokens:
+#
+# `block_bytes = 2 × layers × block_size × kv_heads × head_dim × dtype size`
+#
+# - **On a GPU** (nano-vllm's rule): run one warm-up forward of the largest step the scheduler
+#   can make, so that the activations' peak is known, then give the KV cache what is left of
+#   `total × gpu_memory_utilization`: `total × utilization − used − peak + current`, where
+#   `used` is what the device reports in use (other processes included), `peak` the highest
+#   allocation of the warm-up and `current` what torch holds now (the weights).
+# - **On a CPU** memory is shared with everything else and there is no reliable "free", so the
+#   budget is explicit: `kvcache_memory_gb`.
+# - `num_kvcache_blocks > 0` overrides both (tests use it to force preemption with a tiny pool).
+#
+# Either way, there is no point in more blocks than `max_num_seqs` sequences of `max_model_len`
+# tokens can ever use, so the count is capped there: a tiny model on a laptop does not reserve
+# a gigabyte it can never fill.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：需要多少个 KV 块？
+#
+# 一个块为每一层保存 `block_size` 个 token 的键和值：
+#
+# `block_bytes = 2 × 层数 × block_size × kv_heads × head_dim × 数据类型字节数`
+#
+# - **GPU 上**（nano-vllm 的规则）：先用调度器可能产生的最大一步做一次预热前向，得到激活值的峰值，再把
+#   `total × gpu_memory_utilization` 剩下的部分交给 KV 缓存：`total × utilization − used − peak + current`。
+#   其中 `used` 是设备报告的已用显存（包括其他进程），`peak` 是预热时的最高分配量，
+#   `current` 是 torch 当前持有的量（即权重）。
+# - **CPU 上**内存与其他一切共享，没有可靠的“空闲量”，所以预算是显式给出的：`kvcache_memory_gb`。
+# - `num_kvcache_blocks > 0` 会覆盖以上两者（测试用它配出一个很小的块池来强制抢占）。
+#
+# 无论哪种情况，块数都不必超过 `max_num_seqs` 个长度为 `max_model_len` 的序列所能用到的数量，所以在那里封顶：
+# 笔记本电脑上的小模型不会预留一块永远填不满的 1 GB 内存。
+
+# %% kv cache sizing
+#| export
+from typing import Any
+
+from nanovllm.config import Config
+from nanovllm.models.qwen3 import head_dim_of
+
+
+def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads)."""
+    kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim_of(hf_config) * element
+
+
+def max_useful_blocks(config: Config) -> int:
+    """Blocks that max_num_seqs sequences of max_model_len tokens would fill."""
+    per_seq = -(-config.max_model_len // config.kvcache_block_size)
+    return per_seq * config.max_num_seqs
+
+
+def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | None = None) -> int:
+    """How many KV blocks to allocate (available_bytes: what the device can give the cache)."""
+    if config.num_kvcache_blocks > 0:
+        return config.num_kvcache_blocks
+    if available_bytes is None:
+        available_bytes = config.kvcache_memory_gb * 2**30
+    blocks = min(int(available_bytes // block_bytes), max_useful_blocks(config))
+    if blocks < 1:
+        raise ValueError(
+            f"no room for a single KV block ({block_bytes / 2**20:.1f} MiB): {available_bytes / 2**20:.1f} MiB "
+            f"available; raise kvcache_memory_gb / gpu_memory_utilization or lower kvcache_block_size"
+        )
+    return blocks
+
+# %% [markdown] tags=["en"]
+# ## Build it: `ModelRunner`
+#
+# The runner builds the model (chapter 05's `build_model` picks the class from
+# `config.json`'s `architectures`), points every attention layer at the chosen backend,
+# allocates **one** KV tensor `[2, layers, blocks, block_size, kv_heads, head_dim]` and gives
+# each layer its two views `kv_cache[0, i]` and `kv_cache[1, i]`: one allocation, no copies.
+#
+# `run` is one step: inputs, forward, logits (`compute_logits` keeps one row per sequence: the
+# last computed token's), and sampling. A sequence whose prefill chunk does not reach the end
+# of its prompt gets no token: its "next token" would be a prediction for a prompt position,
+# which the scheduler throws away anyway. The runner returns `-1` for it instead of spending a
+# sampling pass on it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：`ModelRunner`
+#
+# 执行器构建模型（第 05 章的 `build_model` 会按 `config.json` 中的 `architectures` 选择模型类），让每个注意力层
+# 使用选定的后端，分配**一个** KV 张量 `[2, layers, blocks, block_size, kv_heads, head_dim]`，再把它的两个视图
+# `kv_cache[0, i]` 和 `kv_cache[1, i]` 交给第 `i` 层：只分配一次，没有拷贝。
+#
+# `run` 就是一步：准备输入、前向计算、计算 logits（`compute_logits` 为每个序列保留一行：它最后一个被计算的 token），
+# 然后采样。如果某个序列的 prefill 分块没有到达提示词末尾，它就得不到 token：它的“下一个 token”只是对提示词中某个
+# 位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
+
+# %% model runner
+#| export
+from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.sampler import Sampler, sampling_inputs
+from nanovllm.utils.loader import build_model
+
+NOT_SAMPLED = -1
+
+
+class ModelRunner:
+    """Runs the model on the scheduler's steps; owns the model, the KV cache and the sampler."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        get_attention_backend(config.attention_backend)  # a clear error if it is not registered
+        self.model = build_model(config.model, dtype=self.dtype, device=self.device)
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = config.attention_backend
+        self.sampler = Sampler()
+        self.kv_cache = self.allocate_kv_cache()
+        # en: The scheduler sizes its block pool from this.
+        # zh: 调度器据此确定块池的大小。
+        config.num_kvcache_blocks = self.kv_cache.shape[2]
+
+    # en: ---- the KV cache ---------------------------------------------------------
+    # zh: ---- KV 缓存 ---------------------------------------------------------------
+    def allocate_kv_cache(self) -> torch.Tensor:
+        hf = self.config.hf_config
+        block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
+        available = self._cuda_budget() if self.device.type == "cuda" else None
+        blocks = num_kv_blocks(self.config, block_bytes, available_bytes=available)
+        kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
+        shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
+        kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+        return kv_cache
+
+    def _cuda_budget(self) -> float:
+        """Bytes left for the KV cache after a warm-up forward of the largest possible step."""
+        if self.config.num_kvcache_blocks > 0:
+            return 0.0  # unused: the block count is given
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.warmup()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+        return total * self.config.gpu_memory_utilization - (total - free) - peak + current
+
+    def warmup(self) -> None:
+        """One forward of the biggest prefill the scheduler may send, with no KV cache."""
+        config = self.config
+        seq_len = min(config.max_model_len, config.max_num_batched_tokens)
+        num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
+        seqs = [Sequence([0] * seq_len, block_size=self.block_size) for _ in range(num_seqs)]
+        for seq in seqs:
+            seq.num_scheduled_tokens = seq_len
+        input_ids, positions = prepare_prefill(seqs, self.block_size, self.device, with_cache=False)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(input_ids, positions))
+        reset_context()
+
+    # en: ---- one step -------------------------------------------------------------
+    # zh: ---- 一步 ------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+        prepare = prepare_prefill if is_prefill else prepare_decode
+        try:
+            input_ids, positions = prepare(seqs, self.block_size, self.device)
+            logits = self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
+        # en: Only rows whose whole sequence has been computed want a token.
+        # zh: 只有整个序列都已算完的行才需要 token。
+        rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
+        tokens = [NOT_SAMPLED] * len(seqs)
+        if rows:
+            wanted = [seqs[i] for i in rows]
+            inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
+            sampled = self.sampler(logits[rows], **inputs).tolist()
+            for i, token in zip(rows, sampled, strict=True):
+                tokens[i] = token
+        return tokens
+
+
+# %% [markdown] tags=["en"]
+# ### See it: a runner on a tiny model
+#
+# A tiny Qwen3 with a CPU budget of 1 MiB for the KV cache: how many blocks that buys, the one
+# KV tensor, and each layer's views into it.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：小模型上的执行器
+#
+# 一个小 Qwen3，CPU 上给 KV 缓存 1 MiB 的预算：这能换来多少个块、那一个 KV 张量，以及每一层指向它的视图。
+
+# %%
+from nanovllm.config import Config
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tiny_models import build_tiny_model
+
+tiny = build_tiny_model("qwen3")
+config = Config.from_kwargs(tiny, kvcache_block_size=4, kvcache_memory_gb=1 / 1024)
+block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
+runner = ModelRunner(config)
+print(f"one block: {block_bytes} bytes -> {config.num_kvcache_blocks} blocks in 1 MiB")
+print("KV cache:", tuple(runner.kv_cache.shape), "= [2, layers, blocks, block_size, kv_heads, head_dim]")
+assert config.num_kvcache_blocks == 2**20 // block_bytes
+for i, layer in enumerate(runner.attention_layers):
+    # en: Views, not copies: layer i writes straight into the shared tensor.
+    # zh: 是视图而不是拷贝：第 i 层直接写进共享的张量。
+    assert layer.k_cache.data_ptr() == runner.kv_cache[0, i].data_ptr()
+    assert layer.v_cache.data_ptr() == runner.kv_cache[1, i].data_ptr()
+
+# %% [markdown] tags=["en"]
+# ### Check it: two steps by hand, against `transformers`
+#
+# We play the scheduler: a 9-token prompt whose prefill is split into chunks of 5 and 4 tokens,
+# then one decode step. The first chunk yields no token (`-1`); the second yields the first
+# generated token, and the decode step the second. Both must be `transformers`' greedy choices.
+
+# %% [markdown] tags=["zh"]
+# ### 验证：手工执行两步，与 `transformers` 对比
+#
+# 我们扮演调度器：一个 9 个 token 的提示词，prefill 分成 5 个和 4 个 token 两块，然后做一个 decode 步。
+# 第一块不产生 token（`-1`）；第二块产生第一个生成的 token，decode 步产生第二个。
+# 两者都必须等于 `transformers` 的贪心选择。
+
+# %%
+from transformers import AutoModelForCausalLM
+
+prompt = [17, 4, 250, 33, 9, 88, 120, 5, 61]
+seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2), block_size=4)
+seq.block_table = [6, 2, 9]  # what the block manager would hand out
+
+seq.num_scheduled_tokens = 5
+assert runner.run([seq], is_prefill=True) == [NOT_SAMPLED]  # a chunk that stops inside the prompt
+seq.num_cached_tokens, seq.num_scheduled_tokens = 5, 4
+(first,) = runner.run([seq], is_prefill=True)
+seq.num_cached_tokens, seq.num_scheduled_tokens = 9, 0
+seq.append_token(first)
+seq.num_scheduled_tokens = 1  # decode: position 9 goes to block 2 (index 9 // 4), slot 9*4 + 1 = 37
+(second,) = runner.run([seq], is_prefill=False)
+
+hf = AutoModelForCausalLM.from_pretrained(tiny).eval()
+ids = torch.tensor([prompt])
+expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                       do_sample=False)[0, len(prompt):].tolist()
+print("runner:", [first, second], " transformers:", expected)
+assert [first, second] == expected
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `prepare_prefill` / `prepare_decode`: a step's sequences → `input_ids`, `positions` and the
+#   attention context; chunk-aware (`seqlen_k = num_cached + num_scheduled`), slots only for
+#   the computed tokens, block tables only when a prefix is cached.
+# - `kv_block_bytes`, `num_kv_blocks`: how big the paged KV cache is, from a CPU budget, the
+#   GPU's free memory after a warm-up, or an explicit block count.
+# - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
+#   which samples only the rows that want a token.
+#
+# Chapter 11 puts the scheduler and the runner in one loop.
+#
+# ## Exercises
+#
+# 1. A decode step for sequences of lengths 6 and 11 with `block_size=4`: which positions do
+#    the two input tokens have, and which blocks of their block tables do they write to?
+# 2. SmolLM2 has 30 layers, 3 KV heads of dimension 64. How many bytes is one block of 256
+#    tokens in float32? How many such blocks fit in 1 GiB?
+# 3. Why would `run` be wrong if it sampled a token for every row of a chunked prefill and the
+#    scheduler appended it?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `prepare_prefill` / `prepare_decode`：把一步的序列变成 `input_ids`、`positions` 和注意力上下文；能处理分块
+#   （`seqlen_k = num_cached + num_scheduled`），只为本步计算的 token 分配槽位，只在存在已缓存前缀时才给出块表。
+# - `kv_block_bytes`、`num_kv_blocks`：分页 KV 缓存有多大——来自 CPU 预算、预热后 GPU 的剩余显存，或者显式给出的块数。
+# - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
+#
+# 第 11 章把调度器和执行器放进同一个循环。
+#
+# ## 练习
+#
+# 1. `block_size=4`，对长度分别为 6 和 11 的两个序列做一个 decode 步：两个输入 token 的位置是多少？
+#    它们写入各自块表中的哪一块？
+# 2. SmolLM2 有 30 层、3 个维度为 64 的 KV 头。一个 256 token 的块在 float32 下占多少字节？1 GiB 能放多少个这样的块？
+# 3. 如果 `run` 为分块 prefill 的每一行都采样一个 token，而调度器又把它追加上去，会出什么错？
+
+# %%
+# en: Exercise 1: positions 5 and 10 (the last token of each), blocks at index 5 // 4 = 1 and 10 // 4 = 2.
+# zh: 练习 1：位置 5 和 10（各自的最后一个 token），写入块表下标 5 // 4 = 1 和 10 // 4 = 2 的块。
+x, y = Sequence([1] * 6, block_size=4), Sequence([1] * 11, block_size=4)
+x.block_table, y.block_table = [3, 8], [0, 1, 5]
+for s in (x, y):
+    s.num_cached_tokens, s.num_scheduled_tokens = len(s) - 1, 1
+_, pos = prepare_decode([x, y], block_size=4)
+assert pos.tolist() == [5, 10] and get_context().slot_mapping.tolist() == [8 * 4 + 1, 5 * 4 + 2]
+reset_context()
+
+# en: Exercise 2: 2 * 30 * 256 * 3 * 64 * 4 bytes = 11.25 MiB per block, 91 blocks per GiB.
+# zh: 练习 2：每块 2 * 30 * 256 * 3 * 64 * 4 字节 = 11.25 MiB，每 GiB 可放 91 块。
+smol = type("SmolLM2", (), {"num_key_value_heads": 3, "num_hidden_layers": 30, "head_dim": 64})()
+assert kv_block_bytes(smol, 256, torch.float32) == 11.25 * 2**20 and 2**30 // (11.25 * 2**20) == 91
+
+# en: Exercise 3: the token would predict a position *inside* the prompt, and appending it would
+# en: put a made-up token in the middle of the prompt. The runner returns -1 and the scheduler
+# en: discards it (chapter 04).
+# zh: 练习 3：这个 token 预测的是提示词*内部*的某个位置，追加它就等于在提示词中间塞进一个编造的 token。
+# zh: 执行器返回 -1，调度器丢弃它（第 04 章）。
+partial = Sequence(prompt, SamplingParams(temperature=0), block_size=4)
+partial.block_table, partial.num_scheduled_tokens = [0, 1, 3], 8
+assert runner.run([partial], is_prefill=True) == [NOT_SAMPLED]
+print("all exercise answers check out")

