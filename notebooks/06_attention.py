@@ -320,8 +320,9 @@ def get_attention_backend(name: str) -> AttentionBackend:
 #
 # **Attend.** `F.scaled_dot_product_attention` with `enable_gqa=True` handles grouped-query
 # attention (each KV head serves `num_heads / num_kv_heads` query heads). Prefill runs one
-# sequence at a time with a causal mask shifted by the cached prefix; decode pads every
-# sequence's keys to the longest context and masks the padding, so it is one batched call.
+# sequence at a time with a causal mask shifted by the cached prefix; decode, too, runs one
+# sequence at a time, reading exactly its own context, so nothing is padded or masked. A
+# reference can afford the Python loop; the Triton kernels (06, part two) do a batch in one launch.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：纯 torch 后端
@@ -334,7 +335,8 @@ def get_attention_backend(name: str) -> AttentionBackend:
 #
 # **计算注意力。** `F.scaled_dot_product_attention` 配合 `enable_gqa=True` 处理分组查询注意力（GQA，每个
 # KV 头服务 `num_heads / num_kv_heads` 个查询头）。prefill 逐个序列计算，因果掩码按已缓存前缀的长度平移；
-# decode 把每个序列的键填充到最长的上下文长度并屏蔽填充部分，因此只需一次批量调用。
+# decode 也逐个序列计算，每个序列只读取自己的上下文，所以既没有填充也不需要掩码。参考实现负担得起这个 Python
+# 循环；Triton 内核（第 06 章下篇）则一次启动处理整个批次。
 
 # %% torch backend
 #| export
@@ -345,10 +347,10 @@ def flat_cache(cache: torch.Tensor) -> torch.Tensor:
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, read through its block table."""
-    block_size = cache.shape[1]
-    positions = torch.arange(length, device=cache.device)
-    slots = block_table[positions // block_size].long() * block_size + positions % block_size
-    return flat_cache(cache)[slots]
+    # en: Whole blocks first (one index per block, not per token), then cut to the length.
+    # zh: 先按整块取（每块一次索引，而不是每个 token 一次），再截到所需长度。
+    num_blocks = -(-length // cache.shape[1])
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -356,16 +358,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     n_q, n_k = q.shape[0], k.shape[0]
     if n_q == n_k:
         mask, causal = None, True
+    elif n_q == 1:
+        mask, causal = None, False  # a decode query is the last position: it sees every key
     else:
         # en: query j sits at absolute position n_k - n_q + j and sees keys 0 … that position.
         # zh: 第 j 个查询位于绝对位置 n_k - n_q + j，能看到 0 … 该位置的键。
         rows = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
         mask, causal = torch.arange(n_k, device=q.device)[None, :] <= rows, False
+    # en: [1, heads, n, d]: with a batch dimension SDPA takes its fused CPU kernel; 3-D inputs with
+    # en: GQA fall back to a path about 8x slower.
+    # zh: 形状 [1, heads, n, d]：带上批次维度，SDPA 才会走 CPU 上的融合内核；带 GQA 的三维输入会退回到
+    # zh: 慢约 8 倍的路径。
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
     )  # fmt: skip
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class TorchBackend:
@@ -418,27 +426,20 @@ class TorchBackend:
         # zh: q：[B, H, d]，每个序列一个新 token；它的 KV 已经在缓存里了。
         if k_cache.numel() == 0:
             raise ValueError("decode attention needs a KV cache, but the layer has none")
-        lens = context.context_lens.long()
-        block_size = k_cache.shape[1]
-        max_len = max(int(lens.max()), 1)
-        positions = torch.arange(max_len, device=q.device)
-        blocks = context.block_tables[:, positions // block_size].long()
-        slots = blocks.clamp_min(0) * block_size + positions % block_size  # [B, max_len]
-        valid = positions[None, :] < lens[:, None]  # [B, max_len]
-        # en: Padding reads arbitrary cache rows, possibly never written (NaN, inf): zero them, since a
-        # en: masked-out NaN value still poisons the weighted sum (0 * NaN = NaN).
-        # zh: 填充位置读到的是任意缓存行，可能从未写过（NaN、inf）：把它们清零，因为被屏蔽的 NaN 值
-        # zh: 仍会污染加权和（0 * NaN = NaN）。
-        invalid = ~valid[:, :, None, None]
-        keys = flat_cache(k_cache)[slots].to(q.dtype).masked_fill(invalid, 0.0)  # [B, max_len, KVH, d]
-        values = flat_cache(v_cache)[slots].to(q.dtype).masked_fill(invalid, 0.0)
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
-        )  # fmt: skip
-        # en: A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0, not NaN.
-        # zh: 填充行（context_len 为 0，例如 CUDA Graph 的批次）什么都不关注：输出 0，而不是 NaN。
-        return torch.where((lens > 0)[:, None, None], out.squeeze(2), 0.0)
+        # en: One sequence at a time, like prefill: each reads exactly its context_len keys, so no
+        # en: padding is read and nothing needs masking (on a CPU this also beats one padded call).
+        # zh: 和 prefill 一样逐个序列计算：每个序列只读取恰好 context_len 个键，不读填充，也就无需掩码
+        # zh: （在 CPU 上这也比一次带填充的批量调用更快）。
+        out = torch.zeros_like(q)
+        for i, n_k in enumerate(context.context_lens.tolist()):
+            if n_k == 0:
+                # en: A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
+                # zh: 填充行（context_len 为 0，例如 CUDA Graph 的批次）什么都不关注：输出 0。
+                continue
+            keys = gather_paged(k_cache, context.block_tables[i], n_k).to(q.dtype)
+            values = gather_paged(v_cache, context.block_tables[i], n_k).to(q.dtype)
+            out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
+        return out
 
 
 register_attention_backend(TorchBackend())

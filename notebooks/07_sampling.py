@@ -189,9 +189,12 @@ class Sampler(nn.Module):
         if bool(greedy.all()):
             return greedy_tokens
         scaled = logits / torch.where(greedy, 1.0, temperatures.float())[:, None]
-        if top_ks is not None:
+        # en: Both filters sort the vocabulary: skip them when no row asks for them.
+        # zh: 两种过滤都要对整个词表排序：没有任何一行需要时就跳过。
+        vocab = logits.shape[-1]
+        if top_ks is not None and bool(((top_ks > 0) & (top_ks < vocab)).any()):
             scaled = apply_top_k(scaled, top_ks.to(scaled.device))
-        if top_ps is not None:
+        if top_ps is not None and bool((top_ps < 1.0).any()):
             scaled = apply_top_p(scaled, top_ps.to(scaled.device).float())
         probs = scaled.softmax(dim=-1)
         sampled = (probs / exponential_noise(tuple(probs.shape), generators, probs.device)).argmax(dim=-1)
