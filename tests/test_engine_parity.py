@@ -91,3 +91,44 @@ def test_everything_at_once_without_prefix_caching(tiny: Path, hf_greedy) -> Non
     llm = LLM(str(tiny), kvcache_block_size=2, num_kvcache_blocks=24, max_num_batched_tokens=9,
               max_num_seqs=3, enable_prefix_caching=False)
     check(llm, prompts_of([14, 3, 9, 1, 20]), hf_greedy)
+
+
+LOGITS_ATOL = 1e-4  # fp32 on CPU; the observed gap is about 1e-5
+
+
+def test_logits_match_transformers_at_every_step(tiny: Path) -> None:
+    """Every row of logits the engine computes, in every step (chunks, cache hits, preemption, decode),
+    is within LOGITS_ATOL of transformers' logits for the same token prefix."""
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=9)
+    model, recorded, chunk_rows = llm.model_runner.model, [], []
+    compute_logits, schedule = model.compute_logits, llm.scheduler.schedule
+
+    def schedule_and_note_prefixes():
+        seqs, is_prefill = schedule()
+        # Row i of this step's logits predicts the token after position num_cached + num_scheduled - 1.
+        recorded.append([seq.token_ids[: seq.num_cached_tokens + seq.num_scheduled_tokens] for seq in seqs])
+        chunk_rows.extend(s for s in seqs if s.num_cached_tokens + s.num_scheduled_tokens < s.num_prompt_tokens)
+        return seqs, is_prefill
+
+    def compute_and_record(hidden):
+        logits = compute_logits(hidden)
+        recorded[-1] = list(zip(recorded[-1], logits.detach().clone(), strict=True))
+        return logits
+
+    llm.scheduler.schedule, model.compute_logits = schedule_and_note_prefixes, compute_and_record
+    events = []
+    llm.scheduler.observer = lambda event, data: events.append(data) if event == "schedule" else None
+    shared = prompts_of([8], seed=5)[0]
+    prompts = [shared + p for p in prompts_of([5, 9, 2], seed=6)] + prompts_of([13], seed=7)
+    llm.generate(prompts, GREEDY, use_tqdm=False)
+    rows = [row for step in recorded for row in step]
+    assert len(recorded) > 10 and len(rows) > 40
+    assert any(e["preempted"] for e in events) and any(e["cache_hits"] for e in events)
+    assert chunk_rows, "the 9-token budget must split a prompt into chunks"
+    reference = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    worst = 0.0
+    with torch.inference_mode():
+        for prefix, logits in rows:
+            expected = reference(torch.tensor([prefix])).logits[0, -1]
+            worst = max(worst, (logits.float() - expected).abs().max().item())
+    assert worst < LOGITS_ATOL, f"largest logit gap {worst:.2e}"
