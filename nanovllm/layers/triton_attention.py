@@ -217,10 +217,12 @@ def prefill_attention(
     v_cache: torch.Tensor,
     context: Context,
     scale: float,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    launch: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Varlen causal attention: q [T, H, d] -> [T, H, d]; prefixes read through ``context.block_tables``."""
+    """Varlen causal attention: q [T, H, d] -> [T, H, d]; prefixes read through ``context.block_tables``.
+
+    ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
+    """
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     if heads % kv_heads:
@@ -244,8 +246,7 @@ def prefill_attention(
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
-    bm, bn, num_warps, num_stages = _prefill_launch(q.device, head_dim, q.dtype)
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype)
     num_seqs = context.cu_seqlens_q.numel() - 1
     grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
     prefill_attention_kernel[grid](
@@ -365,9 +366,12 @@ def decode_attention(
     context: Context,
     scale: float,
     num_splits: int | None = None,
-    block_n: int | None = None,
+    launch: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel."""
+    """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel.
+
+    ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
+    """
     if k_cache.numel() == 0:
         raise ValueError("decode attention needs a KV cache, but the layer has none")
     _check_cache(k_cache, v_cache)
@@ -387,8 +391,7 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    cuda = q.device.type == "cuda"
-    bn = block_n or (64 if cuda else 16)
+    bn, num_warps, num_stages = launch or ((64, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
     split = num_splits > 1
     # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     if split:
@@ -403,7 +406,7 @@ def decode_attention(
         dst.stride(0), dst.stride(1), stride_s, scale * math.log2(math.e), num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=3 if cuda else 1,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         decode_reduce_kernel[(batch, heads)](
