@@ -323,42 +323,44 @@ def test_gpu_long_context_decode_split_matches_plain() -> None:
     close(ta.decode_attention(q, *caches, ctx, scale, num_splits=16), plain, torch.bfloat16)
 
 
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_tiny_qwen3_forward_triton_equals_torch(dtype: torch.dtype) -> None:
-    """The tiny Qwen3 through both backends: a flat batch with a chunked prefill and a prefix hit, then decode."""
+def tiny_qwen3_logits(dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """The tiny Qwen3 on CUDA: a flat batch with a chunked prefill and a prefix hit, then decode; all logits."""
     from nanovllm.utils.loader import build_model
     from nanovllm.utils.tiny_models import build_tiny_model
 
     model = build_model(build_tiny_model("qwen3"), dtype=dtype, device=DEVICE)
-    attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
     bs = 16
     a = list(range(3, 60))
-    b = list(range(100, 141))
-    c = [*a[:32], 300, 301, 302]
-    tables = {"A": [3, 10, 1, 20], "B": [0, 2, 4], "C": [3, 10, 15]}
-    seqs = {"A": a, "B": b, "C": c}
-    logits = {}
-    for backend in ("torch", "triton"):
-        for layer in attn_layers:
-            layer.backend = backend
-            shape = (24, bs, layer.num_kv_heads, layer.head_dim)
-            layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-            layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
-        rows = []
-        plan = [([("A", 0, 57), ("B", 0, 20)], False), ([("B", 20, 41), ("C", 32, 35)], False),
-                ([("A", 56, 57), ("B", 40, 41), ("C", 34, 35)], True)]
-        for parts, decode in plan:
-            ids = torch.tensor([t for n, s, e in parts for t in seqs[n][s:e]], device=DEVICE)
-            pos = torch.cat([torch.arange(s, e) for _, s, e in parts]).to(DEVICE)
-            if decode:
-                set_decode_context([e for _, _, e in parts], [tables[n] for n, _, _ in parts], bs, device=DEVICE)
-            else:
-                set_prefill_context([e - s for _, s, e in parts], [e for _, _, e in parts],
-                                    [tables[n] for n, _, _ in parts], bs, device=DEVICE)
-            with torch.inference_mode():
-                rows.append(model.compute_logits(model(ids, pos)).float())
-        logits[backend] = torch.cat(rows)
-    tol = 1e-3 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(logits["triton"], logits["torch"], atol=tol, rtol=0)
+    seqs = {"A": a, "B": list(range(100, 141)), "C": [*a[:32], 300, 301, 302]}
+    tables = {"A": [3, 10, 1, 20], "B": [0, 2, 4], "C": [3, 10, 15]}  # C shares A's first two blocks
+    for layer in (m for m in model.modules() if isinstance(m, Attention)):
+        layer.backend = backend
+        shape = (24, bs, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    plan = [([("A", 0, 57), ("B", 0, 20)], False), ([("B", 20, 41), ("C", 32, 35)], False),
+            ([("A", 56, 57), ("B", 40, 41), ("C", 34, 35)], True)]
+    rows = []
+    for parts, decode in plan:
+        ids = torch.tensor([t for n, s, e in parts for t in seqs[n][s:e]], device=DEVICE)
+        pos = torch.cat([torch.arange(s, e) for _, s, e in parts]).to(DEVICE)
+        if decode:
+            set_decode_context([e for _, _, e in parts], [tables[n] for n, _, _ in parts], bs, device=DEVICE)
+        else:
+            set_prefill_context([e - s for _, s, e in parts], [e for _, _, e in parts],
+                                [tables[n] for n, _, _ in parts], bs, device=DEVICE)
+        with torch.inference_mode():
+            rows.append(model.compute_logits(model(ids, pos)).float())
+    reset_context()
+    return torch.cat(rows)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tiny_qwen3_forward_triton_equals_torch() -> None:
+    """float32: the two backends agree to 1e-3 on the logits; bf16: Triton is no less accurate than torch."""
+    reference = tiny_qwen3_logits(torch.float32, "torch")
+    torch.testing.assert_close(tiny_qwen3_logits(torch.float32, "triton"), reference, atol=1e-3, rtol=0)
+    err_torch = (tiny_qwen3_logits(torch.bfloat16, "torch") - reference).abs().max().item()
+    err_triton = (tiny_qwen3_logits(torch.bfloat16, "triton") - reference).abs().max().item()
+    assert err_triton <= 1.5 * err_torch + 1e-2, (err_triton, err_torch)
