@@ -612,25 +612,28 @@ def decode_reduce_kernel(
 # **When does split-K win?** It adds work (a second kernel, partial outputs written and read
 # back in float32), so it only pays when the plain grid leaves SMs idle *and* each slice is
 # still long enough to amortise a program's start-up. The heuristic below states exactly that:
-# aim for about two programs per SM, never slices shorter than `min_split_len` keys. It uses
+# split only when there are fewer programs than SMs, then aim for about four programs per SM,
+# never slices shorter than `min_split_len` keys. It uses
 # only host-side numbers (the batch size and the block table's width, which bounds every
 # context), so it needs no GPU→CPU copy and a CUDA graph can capture the launch. The measured
 # crossover is in "See it" below.
 
 # %% [markdown] tags=["zh"]
 # **split-K 什么时候更快？** 它增加了工作量（多一个内核，部分输出以 float32 写出再读回），所以只有当普通网格
-# 让 SM 闲着、*并且*每段仍然足够长、能摊薄程序启动开销时才划算。下面的启发式规则说的正是这个：目标是每个 SM
-# 大约两个程序，但每段不短于 `min_split_len` 个键。它只用主机端已知的数（批大小和块表宽度，后者是所有上下文
+# 让 SM 闲着、*并且*每段仍然足够长、能摊薄程序启动开销时才划算。下面的启发式规则说的正是这个：只有程序数少于 SM 数时才切分，
+# 此时目标是每个 SM 大约四个程序，但每段不短于 `min_split_len` 个键。它只用主机端已知的数（批大小和块表宽度，后者是所有上下文
 # 长度的上界），所以不需要 GPU→CPU 拷贝，CUDA Graph 也能捕获这次启动。实测的分界点见下文“看它运行”。
 
 # %% decode wrapper
 #| export
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 512, max_splits: int = 32
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 128, max_splits: int = 32
 ) -> int:
     """How many context slices per (sequence, KV head): 1 = the plain kernel, > 1 = split-K."""
     programs = batch * num_kv_heads
-    wanted = triton.cdiv(2 * num_sms, programs)  # about two programs per SM
+    if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
+        return 1
+    wanted = triton.cdiv(4 * num_sms, programs)  # about four programs per SM
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 
@@ -1096,7 +1099,7 @@ def run(quick: bool = False) -> dict:
                   f"{frac(auto):>9.0%} (S={auto:>2})")
     print("prefill (bf16, dense causal): our kernel vs SDPA flash")
     shapes = ((1, 2048), (4, 4096)) if quick else ((1, 1024), (1, 4096), (1, 8192), (4, 2048), (16, 1024))
-    launches = (None,) if quick else (None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 128, 8, 4))
+    launches = (None,) if quick else (None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
     result["prefill"] = []
     for batch, seqlen in shapes:
         row = bench_prefill(batch, seqlen, launches=launches)

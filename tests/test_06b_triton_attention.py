@@ -216,7 +216,8 @@ def test_split_heuristic() -> None:
     # few programs and a long context: split; many programs or short contexts: plain
     assert ta.choose_num_splits(batch=1, num_kv_heads=8, max_context=8192, num_sms=132) > 1
     assert ta.choose_num_splits(batch=256, num_kv_heads=8, max_context=8192, num_sms=132) == 1
-    assert ta.choose_num_splits(batch=1, num_kv_heads=8, max_context=256, num_sms=132) == 1
+    assert ta.choose_num_splits(batch=17, num_kv_heads=8, max_context=8192, num_sms=132) == 1
+    assert ta.choose_num_splits(batch=1, num_kv_heads=8, max_context=128, num_sms=132) == 1
     splits = ta.choose_num_splits(batch=2, num_kv_heads=8, max_context=1 << 20, num_sms=132)
     assert 1 < splits <= 32 and 2 * 8 * splits >= 132
 

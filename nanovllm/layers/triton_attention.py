@@ -345,11 +345,13 @@ def decode_reduce_kernel(
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 512, max_splits: int = 32
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 128, max_splits: int = 32
 ) -> int:
     """How many context slices per (sequence, KV head): 1 = the plain kernel, > 1 = split-K."""
     programs = batch * num_kv_heads
-    wanted = triton.cdiv(2 * num_sms, programs)  # about two programs per SM
+    if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
+        return 1
+    wanted = triton.cdiv(4 * num_sms, programs)  # about four programs per SM
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 
