@@ -616,13 +616,14 @@ def decode_reduce_kernel(
 # never slices shorter than `min_split_len` keys. It uses
 # only host-side numbers (the batch size and the block table's width, which bounds every
 # context), so it needs no GPU→CPU copy and a CUDA graph can capture the launch. The measured
-# crossover is in "See it" below.
+# crossover is in "Measure it" below.
 
 # %% [markdown] tags=["zh"]
 # **split-K 什么时候更快？** 它增加了工作量（多一个内核，部分输出以 float32 写出再读回），所以只有当普通网格
-# 让 SM 闲着、*并且*每段仍然足够长、能摊薄程序启动开销时才划算。下面的启发式规则说的正是这个：只有程序数少于 SM 数时才切分，
-# 此时目标是每个 SM 大约四个程序，但每段不短于 `min_split_len` 个键。它只用主机端已知的数（批大小和块表宽度，后者是所有上下文
-# 长度的上界），所以不需要 GPU→CPU 拷贝，CUDA Graph 也能捕获这次启动。实测的分界点见下文“看它运行”。
+# 让 SM 闲着、*并且*每段仍然足够长、能摊薄程序启动开销时才划算。下面的启发式规则说的正是这个：
+# 只有程序数少于 SM 数时才切分，此时目标是每个 SM 大约四个程序，但每段不短于 `min_split_len` 个键。
+# 它只用主机端已知的数（批大小和块表宽度，后者是所有上下文长度的上界），所以不需要 GPU→CPU 拷贝，
+# CUDA Graph 也能捕获这次启动。实测的分界点见下文“测量”一节。
 
 # %% decode wrapper
 #| export
