@@ -412,12 +412,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
 
 
-def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``programs_128``: grid size with 128-query tiles."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
+    if programs_128 < 2 * torch.cuda.get_device_properties(device).multi_processor_count:
+        return 64, 64, 4, 3  # a small grid: smaller tiles keep more SMs busy
     return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
 
 
@@ -458,8 +460,9 @@ def prefill_attention(
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
-    bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype)
     num_seqs = context.cu_seqlens_q.numel() - 1
+    programs_128 = triton.cdiv(context.max_seqlen_q, 128) * num_seqs * heads
+    bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype, programs_128)
     grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
     prefill_attention_kernel[grid](
         q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables,
@@ -612,8 +615,8 @@ def decode_reduce_kernel(
 # **When does split-K win?** It adds work (a second kernel, partial outputs written and read
 # back in float32), so it only pays when the plain grid leaves SMs idle *and* each slice is
 # still long enough to amortise a program's start-up. The heuristic below states exactly that:
-# split only when there are fewer programs than SMs, then aim for about four programs per SM,
-# never slices shorter than `min_split_len` keys. It uses
+# split only when there are fewer programs than SMs, then use as many slices as fit four programs
+# per SM (one more would start a partial extra wave), never slices shorter than `min_split_len` keys. It uses
 # only host-side numbers (the batch size and the block table's width, which bounds every
 # context), so it needs no GPU→CPU copy and a CUDA graph can capture the launch. The measured
 # crossover is in "Measure it" below.
@@ -621,7 +624,8 @@ def decode_reduce_kernel(
 # %% [markdown] tags=["zh"]
 # **split-K 什么时候更快？** 它增加了工作量（多一个内核，部分输出以 float32 写出再读回），所以只有当普通网格
 # 让 SM 闲着、*并且*每段仍然足够长、能摊薄程序启动开销时才划算。下面的启发式规则说的正是这个：
-# 只有程序数少于 SM 数时才切分，此时目标是每个 SM 大约四个程序，但每段不短于 `min_split_len` 个键。
+# 只有程序数少于 SM 数时才切分，此时在每个 SM 不超过四个程序的前提下切得尽量多（再多一段就会多出一轮不满的
+# 波次），但每段不短于 `min_split_len` 个键。
 # 它只用主机端已知的数（批大小和块表宽度，后者是所有上下文长度的上界），所以不需要 GPU→CPU 拷贝，
 # CUDA Graph 也能捕获这次启动。实测的分界点见下文“测量”一节。
 
@@ -634,7 +638,7 @@ def choose_num_splits(
     programs = batch * num_kv_heads
     if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
         return 1
-    wanted = triton.cdiv(4 * num_sms, programs)  # about four programs per SM
+    wanted = 4 * num_sms // programs  # at most four programs per SM: no partial extra wave
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 

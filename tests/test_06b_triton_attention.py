@@ -220,6 +220,8 @@ def test_split_heuristic() -> None:
     assert ta.choose_num_splits(batch=1, num_kv_heads=8, max_context=128, num_sms=132) == 1
     splits = ta.choose_num_splits(batch=2, num_kv_heads=8, max_context=1 << 20, num_sms=132)
     assert 1 < splits <= 32 and 2 * 8 * splits >= 132
+    # never more than four programs per SM: 16 sequences x 8 KV heads on 132 SMs -> 4 slices, not 5
+    assert ta.choose_num_splits(batch=16, num_kv_heads=8, max_context=8192, num_sms=132) == 4
 
 
 # ---------------------------------------------------------------- the layer, the registry, the resolver

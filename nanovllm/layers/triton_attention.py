@@ -200,12 +200,14 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
 
 
-def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``programs_128``: grid size with 128-query tiles."""
     if device.type != "cuda":
         return 16, 16, 4, 1
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
+    if programs_128 < 2 * torch.cuda.get_device_properties(device).multi_processor_count:
+        return 64, 64, 4, 3  # a small grid: smaller tiles keep more SMs busy
     return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
 
 
@@ -246,8 +248,9 @@ def prefill_attention(
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
-    bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype)
     num_seqs = context.cu_seqlens_q.numel() - 1
+    programs_128 = triton.cdiv(context.max_seqlen_q, 128) * num_seqs * heads
+    bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype, programs_128)
     grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
     prefill_attention_kernel[grid](
         q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables,
@@ -351,7 +354,7 @@ def choose_num_splits(
     programs = batch * num_kv_heads
     if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
         return 1
-    wanted = triton.cdiv(4 * num_sms, programs)  # about four programs per SM
+    wanted = 4 * num_sms // programs  # at most four programs per SM: no partial extra wave
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 
