@@ -20,6 +20,7 @@ __all__ = [
     "bench_prefill",
     "copy_bandwidth",
     "graph_time_ms",
+    "line_chart_svg",
     "main",
     "run",
     "time_ms",
@@ -183,6 +184,43 @@ def run(quick: bool = False) -> dict:
     return result
 
 
+def line_chart_svg(series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str,
+                   y_max: float = 110.0, width: int = 560, height: int = 300) -> str:
+    """A self-contained SVG line chart (log2 x axis), no plotting library needed."""
+    left, right, top, bottom = 50, 150, 30, 40
+    xs = sorted({x for points in series.values() for x, _ in points})
+    lo, hi = math.log2(xs[0]), math.log2(xs[-1])
+
+    def px(x: float) -> float:
+        return left + (math.log2(x) - lo) / max(hi - lo, 1e-9) * (width - left - right)
+
+    def py(y: float) -> float:
+        return height - bottom - y / y_max * (height - top - bottom)
+
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif"'
+             f' font-size="11"><rect width="100%" height="100%" fill="white"/>',
+             f'<text x="{left}" y="18" font-size="13">{title}</text>']
+    for y in range(0, int(y_max) + 1, 20):
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>'
+                     f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y}</text>')
+    for x in xs:
+        parts.append(f'<text x="{px(x):.1f}" y="{height - bottom + 15}" text-anchor="middle">{x:g}</text>')
+    parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 6}" text-anchor="middle">{x_label}</text>')
+    parts.append(f'<text x="12" y="{(top + height - bottom) / 2}" transform="rotate(-90 12 '
+                 f'{(top + height - bottom) / 2})" text-anchor="middle">{y_label}</text>')
+    for i, (name, points) in enumerate(series.items()):
+        color, dash = colors[i // 2 % len(colors)], "" if i % 2 else ' stroke-dasharray="5,3"'
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        ly = top + 14 * i
+        parts.append(f'<line x1="{width - right + 8}" x2="{width - right + 28}" y1="{ly}" y2="{ly}" '
+                     f'stroke="{color}" stroke-width="2"{dash}/>')
+        parts.append(f'<text x="{width - right + 32}" y="{ly + 4}">{name}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -196,5 +234,6 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=1)
 
 
-if __name__ == "__main__":
+# Run as `python -m nanovllm.bench_attention`, not when this cell runs inside the chapter's notebook.
+if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovllm.bench_attention":
     main()

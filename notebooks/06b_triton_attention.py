@@ -1115,6 +1115,43 @@ def run(quick: bool = False) -> dict:
     return result
 
 
+def line_chart_svg(series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str,
+                   y_max: float = 110.0, width: int = 560, height: int = 300) -> str:
+    """A self-contained SVG line chart (log2 x axis), no plotting library needed."""
+    left, right, top, bottom = 50, 150, 30, 40
+    xs = sorted({x for points in series.values() for x, _ in points})
+    lo, hi = math.log2(xs[0]), math.log2(xs[-1])
+
+    def px(x: float) -> float:
+        return left + (math.log2(x) - lo) / max(hi - lo, 1e-9) * (width - left - right)
+
+    def py(y: float) -> float:
+        return height - bottom - y / y_max * (height - top - bottom)
+
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif"'
+             f' font-size="11"><rect width="100%" height="100%" fill="white"/>',
+             f'<text x="{left}" y="18" font-size="13">{title}</text>']
+    for y in range(0, int(y_max) + 1, 20):
+        parts.append(f'<line x1="{left}" x2="{width - right}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#ddd"/>'
+                     f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y}</text>')
+    for x in xs:
+        parts.append(f'<text x="{px(x):.1f}" y="{height - bottom + 15}" text-anchor="middle">{x:g}</text>')
+    parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 6}" text-anchor="middle">{x_label}</text>')
+    parts.append(f'<text x="12" y="{(top + height - bottom) / 2}" transform="rotate(-90 12 '
+                 f'{(top + height - bottom) / 2})" text-anchor="middle">{y_label}</text>')
+    for i, (name, points) in enumerate(series.items()):
+        color, dash = colors[i // 2 % len(colors)], "" if i % 2 else ' stroke-dasharray="5,3"'
+        path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>')
+        ly = top + 14 * i
+        parts.append(f'<line x1="{width - right + 8}" x2="{width - right + 28}" y1="{ly}" y2="{ly}" '
+                     f'stroke="{color}" stroke-width="2"{dash}/>')
+        parts.append(f'<text x="{width - right + 32}" y="{ly + 4}">{name}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -1128,5 +1165,209 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=1)
 
 
-if __name__ == "__main__":
+# en: Run as `python -m nanovllm.bench_attention`, not when this cell runs inside the chapter's notebook.
+# zh: 以 `python -m nanovllm.bench_attention` 运行时才执行；本章的 notebook 执行这个单元时不执行。
+if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovllm.bench_attention":
     main()
+
+# %% [markdown] tags=["en"]
+# ## See it: measured on an H200
+#
+# The figures below were recorded on the GPU machine with the command shown in the dict (they
+# are data, so this page shows them as recorded on any machine; rerun the command on a GPU to
+# get your own). The chart shows decode's achieved bandwidth as a share of the copy bandwidth,
+# for a short and a long context, plain kernel (dashed) vs the split count the heuristic picks
+# (solid).
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：H200 上的实测
+#
+# 下面的数字是在 GPU 机器上用字典里写明的命令记录下来的（它们是数据，所以在任何机器上，本页都按记录展示；在 GPU 上
+# 重新运行那条命令，就能得到你自己的数字）。图中是 decode 达到的带宽占拷贝带宽的比例，分别对应较短和较长的上下文：
+# 虚线是普通内核，实线是启发式规则选择的分段数。
+
+# %%
+RECORDED = {
+    "device": 'NVIDIA H200', "date": '2026-11-29', "torch": '2.11.0+cu130', "triton": '3.6.0', "num_sms": 132,
+    "command": "PYTHONPATH=$PWD python3 -m nanovllm.bench_attention --out bench.json",
+    "copy_tb_per_s": 4.249,
+    # (batch, context): {num_splits: microseconds per decode call}, bf16, 16 q / 8 KV heads, d 128, block 256
+    "decode_us": {
+        (1, 512): {1: 16.6, 2: 11.2, 4: 8.4},
+        (1, 1024): {1: 30.2, 2: 17.8, 4: 11.6, 8: 8.7},
+        (1, 2048): {1: 56.8, 2: 30.8, 4: 18.2, 8: 12.1, 16: 9.7},
+        (1, 4096): {1: 110.1, 2: 57.1, 4: 31.1, 8: 18.9, 16: 13.7, 32: 13.0},
+        (1, 8192): {1: 215.0, 2: 110.0, 4: 57.2, 8: 32.2, 16: 21.2, 32: 18.3},
+        (4, 512): {1: 17.0, 2: 11.7, 4: 9.6},
+        (4, 1024): {1: 30.7, 2: 18.5, 4: 13.6, 8: 12.1},
+        (4, 2048): {1: 57.7, 2: 32.0, 4: 21.1, 8: 17.4, 16: 15.8},
+        (4, 4096): {1: 111.5, 2: 58.7, 4: 36.4, 8: 27.5, 16: 24.6, 17: 25.5, 32: 28.3},
+        (4, 8192): {1: 217.6, 2: 111.6, 4: 66.2, 8: 45.6, 16: 40.9, 17: 42.0, 32: 45.3},
+        (16, 512): {1: 19.7, 2: 17.2, 4: 16.2},
+        (16, 1024): {1: 35.0, 2: 26.9, 4: 24.8, 5: 24.9, 8: 27.3},
+        (16, 2048): {1: 65.4, 2: 45.3, 4: 41.2, 5: 45.3, 8: 44.3, 16: 47.5},
+        (16, 4096): {1: 126.7, 2: 81.8, 4: 73.1, 5: 91.7, 8: 76.0, 16: 80.2, 32: 86.4},
+        (16, 8192): {1: 246.4, 2: 154.4, 4: 135.4, 5: 170.3, 8: 139.1, 16: 143.5, 32: 151.3},
+        (64, 512): {1: 39.1, 2: 44.8, 4: 50.0},
+        (64, 1024): {1: 71.1, 2: 76.7, 4: 83.6, 8: 88.8},
+        (64, 2048): {1: 133.9, 2: 140.4, 4: 147.0, 8: 153.6, 16: 163.9},
+        (64, 4096): {1: 253.8, 2: 258.6, 4: 266.0, 8: 273.9, 16: 284.2, 32: 309.6},
+        (64, 8192): {1: 496.2, 2: 498.5, 4: 503.6, 8: 510.4, 16: 523.1, 32: 541.8},
+        (128, 512): {1: 74.1, 2: 82.2, 4: 91.9},
+        (128, 1024): {1: 138.0, 2: 147.0, 4: 158.8, 8: 168.9},
+        (128, 2048): {1: 257.5, 2: 265.3, 4: 276.6, 8: 288.5, 16: 312.5},
+        (128, 4096): {1: 498.6, 2: 506.4, 4: 515.9, 8: 529.4, 16: 548.7, 32: 604.0},
+        (128, 8192): {1: 985.2, 2: 993.6, 4: 1000.4, 8: 1013.2, 16: 1036.0, 32: 1077.0},
+        (256, 512): {1: 157.3, 2: 156.1, 4: 174.7},
+        (256, 1024): {1: 263.0, 2: 278.2, 4: 295.7, 8: 319.5},
+        (256, 2048): {1: 508.7, 2: 517.8, 4: 537.5, 8: 555.4, 16: 606.7},
+        (256, 4096): {1: 990.5, 2: 1000.3, 4: 1015.9, 8: 1037.8, 16: 1078.4, 32: 1184.6},
+        (256, 8192): {1: 1959.9, 2: 1969.1, 4: 1978.8, 8: 1998.6, 16: 2038.4, 32: 2128.1},
+    },
+    # (batch, seqlen): (SDPA flash ms, {launch (BLOCK_M, BLOCK_N, warps, stages): ms}), bf16 dense causal
+    "prefill_ms": {
+        (1, 1024): (0.0396, {(128, 128, 8, 3): 0.0532, (128, 64, 8, 3): 0.0752, (128, 128, 8, 2): 0.0677,
+                     (64, 64, 4, 3): 0.0496, (64, 128, 4, 3): 0.0506}),
+        (1, 4096): (0.3188, {(128, 128, 8, 3): 0.197, (128, 64, 8, 3): 0.2312, (128, 128, 8, 2): 0.223,
+                     (64, 64, 4, 3): 0.2167, (64, 128, 4, 3): 0.3178}),
+        (1, 8192): (0.9591, {(128, 128, 8, 3): 0.6321, (128, 64, 8, 3): 0.755, (128, 128, 8, 2): 0.7114,
+                     (64, 64, 4, 3): 0.7649, (64, 128, 4, 3): 1.0795}),
+        (4, 2048): (0.2729, {(128, 128, 8, 3): 0.2041, (128, 64, 8, 3): 0.2281, (128, 128, 8, 2): 0.2212,
+                     (64, 64, 4, 3): 0.2108, (64, 128, 4, 3): 0.3496}),
+        (16, 1024): (0.2760, {(128, 128, 8, 3): 0.2468, (128, 64, 8, 3): 0.2601, (128, 128, 8, 2): 0.2534,
+                     (64, 64, 4, 3): 0.238, (64, 128, 4, 3): 0.4436}),
+    },
+}
+
+from IPython.display import SVG, display
+
+from nanovllm.bench_attention import line_chart_svg
+from nanovllm.layers.triton_attention import choose_num_splits
+
+KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
+copy = RECORDED["copy_tb_per_s"] * 1e12
+
+
+def share(batch: int, context: int, splits: int) -> float:
+    """Achieved KV bandwidth as % of the copy bandwidth."""
+    seconds = RECORDED["decode_us"][batch, context][splits] * 1e-6
+    return 100 * batch * context * KV_BYTES_PER_TOKEN / seconds / copy
+
+
+def auto(batch: int, context: int) -> int:
+    return choose_num_splits(batch, 8, context, RECORDED["num_sms"])
+
+
+print(f"{RECORDED['device']}, {RECORDED['date']}, torch {RECORDED['torch']}, triton {RECORDED['triton']}: "
+      f"`{RECORDED['command']}`; copy {RECORDED['copy_tb_per_s']:.2f} TB/s")
+print(f"{'batch':>5} {'context':>7} {'plain':>6} {'heuristic':>13} {'best':>11}")
+for (batch, context), times in RECORDED["decode_us"].items():
+    best = min(times, key=times.get)
+    chosen = auto(batch, context)
+    print(f"{batch:>5} {context:>7} {share(batch, context, 1):>5.0f}% {share(batch, context, chosen):>5.0f}%"
+          f" (S={chosen:>2}) {share(batch, context, best):>4.0f}% (S={best:>2})")
+batches = sorted({b for b, _ in RECORDED["decode_us"]})
+series = {}
+for context in (1024, 8192):
+    series[f"plain, ctx {context}"] = [(b, share(b, context, 1)) for b in batches]
+    series[f"heuristic, ctx {context}"] = [(b, share(b, context, auto(b, context))) for b in batches]
+display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % of copy bandwidth",
+                           "batch size (sequences)", "% of copy bandwidth")))
+
+# %% [markdown] tags=["en"]
+# **Reading it.** With 64 or more sequences the plain kernel already has 512+ programs for 132
+# SMs and streams the cache at 80–100 % of the copy rate (slightly above 100 % at long contexts:
+# a copy both reads and writes, decode only reads). With 1–16 sequences it cannot: 8–128
+# programs leave most SMs idle and the plain kernel stalls at 3–50 %. Split-K recovers a large
+# part of it (16 sequences × 8 K tokens: 51 % → 93 %), and for a single sequence it is 5–12×
+# faster, although one sequence never gets close to the copy rate: a few microseconds of fixed
+# cost per call dominate. The heuristic picks the measured best split count, or one within a
+# few percent, at every shape. In prefill our kernel is faster than SDPA's flash backend at every
+# shape but the smallest, where a 40 µs call is dominated by fixed costs.
+
+# %% [markdown] tags=["zh"]
+# **怎么读这张图。** 序列数达到 64 或更多时，普通内核在 132 个 SM 上已有 512 个以上的程序，能以拷贝速度的
+# 80–100 % 流式读取缓存（长上下文时略高于 100 %：拷贝既读又写，decode 只读）。序列数为 1–16 时做不到：8–128
+# 个程序让大部分 SM 闲着，普通内核只有 3–50 %。split-K 能找回很大一部分（16 个序列 × 8K token：51 % → 93 %）；
+# 单个序列时它快 5–12 倍，但一个序列永远接近不了拷贝速度：每次调用几微秒的固定开销占了大头。在每个形状上，
+# 启发式规则选中的都是实测最好的分段数，或只差几个百分点。prefill 方面，除了最小的形状（一次 40 µs 的调用，
+# 主要是固定开销）之外，我们的内核在每个形状上都比 SDPA 的 flash 后端快。
+
+# %%
+print("prefill, bf16 dense causal: time of our kernel (default launch) / SDPA flash")
+for (batch, seqlen), (sdpa_ms, ours) in RECORDED["prefill_ms"].items():
+    programs_128 = -(-seqlen // 128) * batch * 16
+    default = (64, 64, 4, 3) if programs_128 < 2 * RECORDED["num_sms"] else (128, 128, 8, 3)
+    flops = 4 * batch * 16 * 128 * seqlen * (seqlen + 1) / 2
+    print(f"batch {batch:>2} x {seqlen:>5}: ours {flops / ours[default] / 1e9:5.0f} TFLOP/s, "
+          f"SDPA {flops / sdpa_ms / 1e9:5.0f} TFLOP/s, ratio {ours[default] / sdpa_ms:.2f}x")
+    assert ours[default] / sdpa_ms <= 1.3  # the goal: within 1.3x of SDPA flash
+# en: The decode claims above, checked on the recorded data.
+# zh: 用记录下来的数据检查上面关于 decode 的说法。
+for (batch, context), times in RECORDED["decode_us"].items():
+    assert times[auto(batch, context)] <= 1.1 * min(times.values()), (batch, context)
+    if batch >= 64 and context >= 2048:
+        assert share(batch, context, 1) >= 70  # the goal: >= 70 % of the copy bandwidth
+print("recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere")
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm/layers/triton_attention.py`: `store_kvcache`, `prefill_attention` (varlen,
+#   causal, cached prefix read through the block table, GQA), `decode_attention` (plain or
+#   split-K with `num_splits`, chosen by `choose_num_splits` when left out), the kernels behind
+#   them, `TritonBackend` (registered as `"triton"`), an optional `FlashAttnBackend`
+#   (`"flash-attn"`, UNVERIFIED, registered only when `flash_attn` imports), and
+#   `resolve_attention_backend(name, device)` for the engine's `attention_backend` config.
+# - `nanovllm/bench_attention.py`: `python -m nanovllm.bench_attention` prints decode bandwidth
+#   vs copy bandwidth and prefill vs SDPA flash on a GPU.
+#
+# ## Exercises
+#
+# 1. A decode batch has 8 sequences, the model 4 KV heads, the GPU 132 SMs, the block table is
+#    64 blocks of 16 wide. How many slices does `choose_num_splits` choose?
+# 2. Why does the prefill kernel need no mask at all for key tiles below `prefix + m·BLOCK_M`?
+# 3. Split-K slice 0 has `lse = 3` and output `a`, slice 1 has `lse = 5` and output `b`
+#    (base 2). What is the merged output?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm/layers/triton_attention.py`：`store_kvcache`、`prefill_attention`（变长、因果、通过块表读取已缓存
+#   前缀、GQA）、`decode_attention`（普通版，或用 `num_splits` 指定的 split-K 版；不指定时由 `choose_num_splits`
+#   选择），以及它们背后的内核；`TritonBackend`（注册为 `"triton"`）；可选的 `FlashAttnBackend`（`"flash-attn"`，
+#   未验证，只有能导入 `flash_attn` 时才注册）；还有供引擎配置项 `attention_backend` 使用的
+#   `resolve_attention_backend(name, device)`。
+# - `nanovllm/bench_attention.py`：在 GPU 上运行 `python -m nanovllm.bench_attention`，打印 decode 带宽与拷贝带宽的
+#   对比，以及 prefill 与 SDPA flash 的对比。
+#
+# ## 练习
+#
+# 1. 一个 decode 批次有 8 个序列，模型有 4 个 KV 头，GPU 有 132 个 SM，块表宽 64 块、每块 16 个 token。
+#    `choose_num_splits` 会选几段？
+# 2. 为什么 prefill 内核在 `prefix + m·BLOCK_M` 之前的键 tile 上完全不需要掩码？
+# 3. split-K 的第 0 段 `lse = 3`、输出 `a`，第 1 段 `lse = 5`、输出 `b`（以 2 为底）。合并后的输出是什么？
+#
+# 下面的单元检查答案。
+
+# %%
+# en: 1: 32 programs < 132 SMs; 4 * 132 // 32 = 16 slices fit; 64 * 16 = 1024 keys allow 1024 // 128 = 8: so 8.
+# zh: 1：32 个程序 < 132 个 SM；每 SM 四个程序可容纳 4 * 132 // 32 = 16 段；64 * 16 = 1024 个键只允许
+# zh: 1024 // 128 = 8 段：所以是 8。
+assert choose_num_splits(8, 4, 64 * 16, 132) == 8
+# en: 2: query j of the tile sits at position prefix + m*BLOCK_M + j >= every such key, and those keys are < n_k.
+# zh: 2：tile 中第 j 个查询位于 prefix + m*BLOCK_M + j，不小于所有这些键的位置，而且这些键都 < n_k。
+# en: 3: weights 2^(3-5) = 1/4 and 2^0 = 1: (a/4 + b) / (5/4) = (a + 4b) / 5. Checked with the kernel itself:
+# zh: 3：权重为 2^(3-5) = 1/4 与 2^0 = 1：(a/4 + b) / (5/4) = (a + 4b) / 5。用内核本身验证：
+from nanovllm.layers.triton_attention import decode_reduce_kernel
+
+a, b = torch.randn(16, device=DEVICE), torch.randn(16, device=DEVICE)
+parts = torch.stack([a, b]).view(1, 1, 2, 16).contiguous()
+lse = torch.tensor([3.0, 5.0], device=DEVICE).view(1, 1, 2)
+merged = torch.empty(1, 1, 16, device=DEVICE)
+decode_reduce_kernel[(1, 1)](parts, lse, merged, 2, *parts.stride()[:3], *merged.stride()[:2],
+                             NUM_HEADS=1, HEAD_DIM=16, BLOCK_D=16, SPLITS_PAD=2)
+torch.testing.assert_close(merged.view(16), (a + 4 * b) / 5)
+print("all exercise answers check out")
