@@ -1279,7 +1279,7 @@ display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % o
 # SMs and streams the cache at 80–100 % of the copy rate (slightly above 100 % at long contexts:
 # a copy both reads and writes, decode only reads). With 1–16 sequences it cannot: 8–128
 # programs leave most SMs idle and the plain kernel stalls at 3–50 %. Split-K recovers a large
-# part of it (16 sequences × 8 K tokens: 51 % → 93 %), and for a single sequence it is 5–12×
+# part of it (16 sequences × 8 K tokens: 51 % → 93 %), and for a single sequence it is 2–12×
 # faster, although one sequence never gets close to the copy rate: a few microseconds of fixed
 # cost per call dominate. The heuristic picks the measured best split count, or one within a
 # few percent, at every shape. In prefill our kernel is faster than SDPA's flash backend at every
@@ -1289,7 +1289,7 @@ display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % o
 # **怎么读这张图。** 序列数达到 64 或更多时，普通内核在 132 个 SM 上已有 512 个以上的程序，能以拷贝速度的
 # 80–100 % 流式读取缓存（长上下文时略高于 100 %：拷贝既读又写，decode 只读）。序列数为 1–16 时做不到：8–128
 # 个程序让大部分 SM 闲着，普通内核只有 3–50 %。split-K 能找回很大一部分（16 个序列 × 8K token：51 % → 93 %）；
-# 单个序列时它快 5–12 倍，但一个序列永远接近不了拷贝速度：每次调用几微秒的固定开销占了大头。在每个形状上，
+# 单个序列时它快 2–12 倍，但一个序列永远接近不了拷贝速度：每次调用几微秒的固定开销占了大头。在每个形状上，
 # 启发式规则选中的都是实测最好的分段数，或只差几个百分点。prefill 方面，除了最小的形状（一次 40 µs 的调用，
 # 主要是固定开销）之外，我们的内核在每个形状上都比 SDPA 的 flash 后端快。
 
