@@ -599,7 +599,8 @@ def decode_reduce_kernel(
     # zh: 权重 w_s = 2^(lse_s - max lse) [SPLITS_PAD]；空段（lse = -inf）权重为 0。
     lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all slices empty: avoid -inf - -inf = NaN
+    w = tl.exp2(lse - lse_max)
     total = tl.sum(w, 0)
     # en: Partial outputs [SPLITS_PAD, BLOCK_D], weighted sum over the splits -> [BLOCK_D].
     # zh: 部分输出 [SPLITS_PAD, BLOCK_D]，按段加权求和 -> [BLOCK_D]。

@@ -336,7 +336,8 @@ def decode_reduce_kernel(
     # Weights w_s = 2^(lse_s - max lse) [SPLITS_PAD]; empty slices (lse = -inf) weigh 0.
     lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all slices empty: avoid -inf - -inf = NaN
+    w = tl.exp2(lse - lse_max)
     total = tl.sum(w, 0)
     # Partial outputs [SPLITS_PAD, BLOCK_D], weighted sum over the splits -> [BLOCK_D].
     parts = tl.load(part_ptr + b * stride_p_b + h * stride_p_h + offs_s[:, None] * stride_p_s + offs_d[None, :],
