@@ -301,6 +301,8 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 
 # %% model runner
 #| export
+import importlib
+
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.utils.loader import build_model
@@ -316,6 +318,12 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        if config.attention_backend != "torch":
+            # en: The kernel module registers "triton" (and "flash-attn" when importable) as it loads;
+            # en: imported only here, so that a CPU run never imports Triton.
+            # zh: 内核模块在加载时注册 "triton"（以及可导入时的 "flash-attn"）；只在这里导入，
+            # zh: 这样 CPU 上的运行永远不会导入 Triton。
+            importlib.import_module("nanovllm.layers.triton_attention")
         get_attention_backend(config.attention_backend)  # a clear error if it is not registered
         self.model = build_model(config.model, dtype=self.dtype, device=self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
