@@ -302,6 +302,7 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 # %% model runner
 #| export
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.linear import agree_min
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.utils.loader import build_model
 
@@ -333,7 +334,9 @@ class ModelRunner:
         hf = self.config.hf_config
         block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
         available = self._cuda_budget() if self.device.type == "cuda" else None
-        blocks = num_kv_blocks(self.config, block_bytes, available_bytes=available)
+        # en: With tensor parallelism every rank sized its own pool; they must all use the smallest.
+        # zh: 张量并行时每个 rank 各自算出块池大小；所有 rank 必须采用其中最小的那个。
+        blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
         kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -369,14 +372,21 @@ class ModelRunner:
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 ------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
         prepare = prepare_prefill if is_prefill else prepare_decode
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
-            logits = self.model.compute_logits(self.model(input_ids, positions))
+            return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+        logits = self.compute_logits(seqs, is_prefill)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 alone samples (chapter 10)
+            return []
         # en: Only rows whose whole sequence has been computed want a token.
         # zh: 只有整个序列都已算完的行才需要 token。
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
@@ -388,6 +398,12 @@ class ModelRunner:
             for i, token in zip(rows, sampled, strict=True):
                 tokens[i] = token
         return tokens
+
+    def exit(self) -> None:
+        """Release the KV cache (one process: nothing else to stop; chapter 10's runner stops its ranks)."""
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = torch.tensor([])
 
 
 # %% [markdown] tags=["en"]
