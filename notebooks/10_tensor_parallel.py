@@ -87,6 +87,7 @@ def tp_layer_svg(tp: int = 2) -> str:
         ("SiluAndMul", "local", None),
         ("down_proj", "row", "all-reduce"),
         ("lm_head", "vocab rows", "gather → rank 0"),
+        ("sampler", "rank 0 only", None),
     ]
     colors = ["#e3f2fd", "#fff8e1", "#e8f5e9", "#fce4ec"]
     box_w, gap, top, rank_h = 104, 22, 40, 64
@@ -104,12 +105,15 @@ def tp_layer_svg(tp: int = 2) -> str:
                      f'font-size="12">{name}</text>')
         for r in range(tp):
             y = top + r * rank_h
+            idle = how == "rank 0 only" and r > 0
+            fill, label = ("#eceff1", "idle") if idle else (colors[r % 4], how if how == "rank 0 only" else
+                                                             f"{how} {r + 1}/{tp}")
             parts.append(f'<rect x="{x}" y="{y}" width="{box_w}" height="{rank_h - 16}" rx="6" '
-                         f'fill="{colors[r % 4]}" stroke="#37474f"/>')
+                         f'fill="{fill}" stroke="#37474f"/>')
             parts.append(f'<text x="{x + box_w / 2}" y="{y + 20}" text-anchor="middle" font-size="11">'
                          f'rank {r}</text>')
             parts.append(f'<text x="{x + box_w / 2}" y="{y + 36}" text-anchor="middle" font-size="10" '
-                         f'fill="#546e7a">{how} {r + 1}/{tp}</text>')
+                         f'fill="#546e7a">{label}</text>')
             if s + 1 < len(stages):
                 parts.append(f'<path d="M{x + box_w},{y + 24} L{x + box_w + gap - 2},{y + 24}" stroke="#37474f" '
                              'marker-end="url(#tp-arrow)"/>')
@@ -120,7 +124,8 @@ def tp_layer_svg(tp: int = 2) -> str:
             parts.append(f'<text x="{x + box_w / 2}" y="{y1 + 20}" text-anchor="middle" font-size="12" '
                          f'fill="#d84315">{talk}</text>')
     parts.append(f'<text x="20" y="{height - 12}" font-size="11" fill="#546e7a">dashed: the ranks communicate '
-                 '(sum partial results, or collect logit slices on rank 0); everything else is local</text>')
+                 '(sum partial results, or collect logit slices on rank 0); everything else is local, each rank '
+                 'with its own KV heads in its own KV cache</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -987,8 +992,8 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
                 args = (*args, pickle.loads(extra))
             _send(conn, ("ok", getattr(worker, call)(*args)))
     except BaseException as error:
-        failure = RankFailure(rank, f"{call} (call {count})", f"{type(error).__name__}: {error}",
-                              traceback.format_exc(), time.time())
+        where = f"{call} (call {count})" if count else call
+        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
         with contextlib.suppress(Exception):
             _send(conn, ("error", failure))
         # en: No clean-up that could block: the peers may wait for us inside a collective.
@@ -1403,13 +1408,13 @@ assert llm_tp2.generate(prompts[:1], greedy, use_tqdm=False)[0]["token_ids"] == 
 # %% [markdown] tags=["en"]
 # ### On GPUs: NCCL
 #
-# With two GPUs the same comparison runs with NCCL, rank `r` on `cuda:r` (float32 here, so that
-# the tolerance is the same). Without them, the cell says so.
+# With two GPUs the same comparison runs with NCCL, rank `r` on `cuda:r` (float32 here, like the
+# CPU run). Without them, the cell says so.
 
 # %% [markdown] tags=["zh"]
 # ### 在 GPU 上：NCCL
 #
-# 有两块 GPU 时，同样的比较改用 NCCL，rank `r` 运行在 `cuda:r` 上（这里用 float32，容差保持不变）。没有的话，
+# 有两块 GPU 时，同样的比较改用 NCCL，rank `r` 运行在 `cuda:r` 上（这里用 float32，与 CPU 上的运行一致）。没有的话，
 # 这个单元会说明这一点。
 
 # %%
@@ -1419,7 +1424,8 @@ if torch.cuda.device_count() >= 2:
         gpu_out = gpu_tp2.generate(prompts, greedy, use_tqdm=False)
         print("NCCL ranks:", [info["backend"] + " " + info["device"] for info in gpu_tp2.model_runner.call("world")])
     with LLM(str(tiny), **gpu_settings) as gpu_tp1:
-        assert [o["token_ids"] for o in gpu_out] == [o["token_ids"] for o in gpu_tp1.generate(prompts, greedy)]
+        gpu_ref = gpu_tp1.generate(prompts, greedy, use_tqdm=False)
+    assert [o["token_ids"] for o in gpu_out] == [o["token_ids"] for o in gpu_ref]
     print("TP=2 over NCCL gives the same greedy tokens as one GPU")
 else:
     print(f"{torch.cuda.device_count()} CUDA device(s): the NCCL run needs two (the tests have it, marked gpu)")

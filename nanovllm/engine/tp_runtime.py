@@ -181,8 +181,8 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
                 args = (*args, pickle.loads(extra))
             _send(conn, ("ok", getattr(worker, call)(*args)))
     except BaseException as error:
-        failure = RankFailure(rank, f"{call} (call {count})", f"{type(error).__name__}: {error}",
-                              traceback.format_exc(), time.time())
+        where = f"{call} (call {count})" if count else call
+        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
         with contextlib.suppress(Exception):
             _send(conn, ("error", failure))
         # No clean-up that could block: the peers may wait for us inside a collective.
