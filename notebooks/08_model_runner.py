@@ -323,6 +323,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
@@ -374,6 +375,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
+        if self.stopped:
+            raise RuntimeError("this model runner was stopped (exit() was called)")
         prepare = prepare_prefill if is_prefill else prepare_decode
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
@@ -400,7 +403,8 @@ class ModelRunner:
         return tokens
 
     def exit(self) -> None:
-        """Release the KV cache (one process: nothing else to stop; chapter 10's runner stops its ranks)."""
+        """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""
+        self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = torch.tensor([])
@@ -482,6 +486,8 @@ assert [first, second] == expected
 #   GPU's free memory after a warm-up, or an explicit block count.
 # - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
 #   which samples only the rows that want a token.
+#   Its forward half is a method of its own, `compute_logits` (chapter 10's ranks use it too);
+#   `exit()` releases the KV cache.
 #
 # Chapter 11 puts the scheduler and the runner in one loop.
 #
@@ -501,6 +507,7 @@ assert [first, second] == expected
 #   （`seqlen_k = num_cached + num_scheduled`），只为本步计算的 token 分配槽位，只在存在已缓存前缀时才给出块表。
 # - `kv_block_bytes`、`num_kv_blocks`：分页 KV 缓存有多大——来自 CPU 预算、预热后 GPU 的剩余显存，或者显式给出的块数。
 # - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
+#   它的前向部分 `compute_logits` 单独成为一个方法（第 10 章的各个 rank 也用它）；`exit()` 释放 KV 缓存。
 #
 # 第 11 章把调度器和执行器放进同一个循环。
 #

@@ -1082,7 +1082,8 @@ class TPRunner:
                 self._procs.append(proc)
                 self._conns.append(ours)
             blocks = self._replies("start-up")
-        except BaseException:
+        except BaseException:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+            self._stop["graceful"] = False
             self._finalizer()
             raise
         if len(set(blocks)) != 1:
@@ -1104,6 +1105,8 @@ class TPRunner:
         if not self.alive:
             reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
             raise RuntimeError(f"the tensor-parallel ranks are stopped {reason}")
+        if name not in RankWorker.CALLS:
+            raise ValueError(f"unknown call {name!r}; a rank answers {', '.join(RankWorker.CALLS)}")
         payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for rank, conn in enumerate(self._conns):

@@ -266,6 +266,22 @@ def test_large_messages_cross_the_control_channel_intact(engines) -> None:
     assert engines[0].model_runner.call("echo", payload) == [(len(payload), zlib.crc32(payload))] * 2
 
 
+def test_an_unknown_call_is_refused_in_the_driver_and_the_ranks_keep_serving(engines) -> None:
+    tp2, tp1 = engines
+    with pytest.raises(ValueError, match="unknown call 'format_disk'"):
+        tp2.model_runner.call("format_disk")
+    assert tp2.model_runner.alive
+    assert token_ids(tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == token_ids(
+        tp1.generate(PROMPTS[:1], GREEDY, use_tqdm=False))
+
+
+def test_a_one_process_engine_refuses_to_step_after_exit(tiny: Path) -> None:
+    with LLM(str(tiny), **SMALL) as llm:
+        assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+    with pytest.raises(RuntimeError, match=r"stopped \(exit\(\) was called\)"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
 def test_ranks_use_no_shared_memory_files(engines) -> None:
     for pid in [os.getpid(), *engines[0].model_runner.pids]:
         assert shm_mappings(pid) == [], pid
@@ -317,6 +333,8 @@ def test_two_engines_at_once_then_context_managers_stop_them(tiny: Path) -> None
         for key in ("a", "b"):
             assert [done[key][i] for i in ids[key]] == expected
     assert all(gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match=r"ranks are stopped \(exit\(\) was called\)"):
+        a.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
 
 
 DRIVER = textwrap.dedent(

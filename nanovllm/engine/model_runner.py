@@ -113,6 +113,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
@@ -160,6 +161,8 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
+        if self.stopped:
+            raise RuntimeError("this model runner was stopped (exit() was called)")
         prepare = prepare_prefill if is_prefill else prepare_decode
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
@@ -185,7 +188,8 @@ class ModelRunner:
         return tokens
 
     def exit(self) -> None:
-        """Release the KV cache (one process: nothing else to stop; chapter 10's runner stops its ranks)."""
+        """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""
+        self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = torch.tensor([])
