@@ -28,7 +28,7 @@
 # exactly what the unsplit layer computes. Part two runs the ranks as real processes.
 
 # %% [markdown] tags=["zh"]
-# # 10 · 张量并行：切分的层，对话的 rank
+# # 10 · 张量并行：切分的层，相互通信的 rank
 #
 # **目标。** 按张量并行的需要构建模型的线性层和嵌入层：每一层都知道自己的权重如何切分到 `tp_size` 个
 # rank 上、rank `tp_rank` 保留哪一片、如何从完整的检查点张量中加载这一片（`weight_loader`），以及各 rank
