@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from nanovllm.layers.linear import check_tensor_parallel_size
+
 __all__ = [
     "ATTENTION_BACKENDS",
     "DEVICES",
@@ -135,6 +137,7 @@ class Config:
         self.hf_config = read_model_dir(self.model)
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
+        check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
         self._resolve_device()
         self.max_model_len = min(self.max_model_len, _max_positions(self.hf_config))
         self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)

@@ -304,6 +304,7 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 import importlib
 
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.linear import agree_min
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.utils.loader import build_model
 
@@ -330,6 +331,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
@@ -341,7 +343,9 @@ class ModelRunner:
         hf = self.config.hf_config
         block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
         available = self._cuda_budget() if self.device.type == "cuda" else None
-        blocks = num_kv_blocks(self.config, block_bytes, available_bytes=available)
+        # en: With tensor parallelism every rank sized its own pool; they must all use the smallest.
+        # zh: 张量并行时每个 rank 各自算出块池大小；所有 rank 必须采用其中最小的那个。
+        blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
         kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -377,14 +381,23 @@ class ModelRunner:
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 ------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
+        if self.stopped:
+            raise RuntimeError("this model runner was stopped (exit() was called)")
         prepare = prepare_prefill if is_prefill else prepare_decode
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
-            logits = self.model.compute_logits(self.model(input_ids, positions))
+            return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+        logits = self.compute_logits(seqs, is_prefill)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 alone samples (chapter 10)
+            return []
         # en: Only rows whose whole sequence has been computed want a token.
         # zh: 只有整个序列都已算完的行才需要 token。
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
@@ -396,6 +409,13 @@ class ModelRunner:
             for i, token in zip(rows, sampled, strict=True):
                 tokens[i] = token
         return tokens
+
+    def exit(self) -> None:
+        """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""
+        self.stopped = True
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = torch.tensor([])
 
 
 # %% [markdown] tags=["en"]
@@ -474,6 +494,8 @@ assert [first, second] == expected
 #   GPU's free memory after a warm-up, or an explicit block count.
 # - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
 #   which samples only the rows that want a token.
+#   Its forward half is a method of its own, `compute_logits` (chapter 10's ranks use it too);
+#   `exit()` releases the KV cache.
 #
 # Chapter 11 puts the scheduler and the runner in one loop.
 #
@@ -493,6 +515,7 @@ assert [first, second] == expected
 #   （`seqlen_k = num_cached + num_scheduled`），只为本步计算的 token 分配槽位，只在存在已缓存前缀时才给出块表。
 # - `kv_block_bytes`、`num_kv_blocks`：分页 KV 缓存有多大——来自 CPU 预算、预热后 GPU 的剩余显存，或者显式给出的块数。
 # - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
+#   它的前向部分 `compute_logits` 单独成为一个方法（第 10 章的各个 rank 也用它）；`exit()` 释放 KV 缓存。
 #
 # 第 11 章把调度器和执行器放进同一个循环。
 #

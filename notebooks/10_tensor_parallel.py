@@ -12,29 +12,32 @@
 # ---
 
 # %% [markdown] tags=["en"]
-# # 10 · Tensor parallelism: layers that split
+# # 10 · Tensor parallelism: layers that split, ranks that talk
 #
 # **Goal.** Build the linear and embedding layers of the model in the form that tensor
 # parallelism needs: each layer knows how its weight is cut across `tp_size` ranks, which slice
 # rank `tp_rank` keeps, how to load that slice from a full checkpoint tensor (`weight_loader`),
-# and where the ranks must talk (an **all-reduce** or a **gather**).
+# and where the ranks must talk (an **all-reduce** or a **gather**). Then run those ranks as
+# processes (gloo on a CPU, NCCL on GPUs) behind the engine, and get the same tokens as one
+# process.
 #
 # The model of chapter 05 is built from these layers, so they run at world size 1 on every
 # laptop: the rank and size come from `torch.distributed` when it is initialized, else they
-# are 0 and 1, and no communication happens. Running several processes is a later chapter's
-# job; here we *simulate* ranks in one process (a constructor argument picks the rank) and
-# check that the shards, put back together, compute exactly what the unsplit layer computes.
+# are 0 and 1, and no communication happens. Part one *simulates* ranks in one process (a
+# constructor argument picks the rank) and checks that the shards, put back together, compute
+# exactly what the unsplit layer computes. Part two runs the ranks as real processes.
 
 # %% [markdown] tags=["zh"]
-# # 10 · 张量并行：会切分的层
+# # 10 · 张量并行：切分的层，相互通信的 rank
 #
 # **目标。** 按张量并行的需要构建模型的线性层和嵌入层：每一层都知道自己的权重如何切分到 `tp_size` 个
 # rank 上、rank `tp_rank` 保留哪一片、如何从完整的检查点张量中加载这一片（`weight_loader`），以及各 rank
-# 必须在哪里通信（**all-reduce** 或 **gather**）。
+# 必须在哪里通信（**all-reduce** 或 **gather**）。然后让这些 rank 作为进程在引擎背后运行（CPU 上用 gloo，
+# GPU 上用 NCCL），得到与单进程相同的 token。
 #
 # 第 05 章的模型就是用这些层搭起来的，所以它们在每台笔记本上都以 world size 1 运行：`torch.distributed`
-# 已初始化时从中读取 rank 和进程数，否则分别是 0 和 1，也不做任何通信。多进程运行是后面一章的事；这里我们在
-# 一个进程里*模拟*多个 rank（用构造参数指定 rank），并检查各分片拼回去后，算出的结果与不切分的层完全相同。
+# 已初始化时从中读取 rank 和进程数，否则分别是 0 和 1，也不做任何通信。上篇在一个进程里*模拟*多个 rank
+# （用构造参数指定 rank），并检查各分片拼回去后，算出的结果与不切分的层完全相同。下篇让各 rank 作为真正的进程运行。
 
 # %% [markdown] tags=["en"]
 # ## The idea: cut columns, then rows, reduce once
@@ -84,6 +87,7 @@ def tp_layer_svg(tp: int = 2) -> str:
         ("SiluAndMul", "local", None),
         ("down_proj", "row", "all-reduce"),
         ("lm_head", "vocab rows", "gather → rank 0"),
+        ("sampler", "rank 0 only", None),
     ]
     colors = ["#e3f2fd", "#fff8e1", "#e8f5e9", "#fce4ec"]
     box_w, gap, top, rank_h = 104, 22, 40, 64
@@ -101,12 +105,15 @@ def tp_layer_svg(tp: int = 2) -> str:
                      f'font-size="12">{name}</text>')
         for r in range(tp):
             y = top + r * rank_h
+            idle = how == "rank 0 only" and r > 0
+            fill, label = ("#eceff1", "idle") if idle else (colors[r % 4], how if how == "rank 0 only" else
+                                                             f"{how} {r + 1}/{tp}")
             parts.append(f'<rect x="{x}" y="{y}" width="{box_w}" height="{rank_h - 16}" rx="6" '
-                         f'fill="{colors[r % 4]}" stroke="#37474f"/>')
+                         f'fill="{fill}" stroke="#37474f"/>')
             parts.append(f'<text x="{x + box_w / 2}" y="{y + 20}" text-anchor="middle" font-size="11">'
                          f'rank {r}</text>')
             parts.append(f'<text x="{x + box_w / 2}" y="{y + 36}" text-anchor="middle" font-size="10" '
-                         f'fill="#546e7a">{how} {r + 1}/{tp}</text>')
+                         f'fill="#546e7a">{label}</text>')
             if s + 1 < len(stages):
                 parts.append(f'<path d="M{x + box_w},{y + 24} L{x + box_w + gap - 2},{y + 24}" stroke="#37474f" '
                              'marker-end="url(#tp-arrow)"/>')
@@ -117,7 +124,8 @@ def tp_layer_svg(tp: int = 2) -> str:
             parts.append(f'<text x="{x + box_w / 2}" y="{y1 + 20}" text-anchor="middle" font-size="12" '
                          f'fill="#d84315">{talk}</text>')
     parts.append(f'<text x="20" y="{height - 12}" font-size="11" fill="#546e7a">dashed: the ranks communicate '
-                 '(sum partial results, or collect logit slices on rank 0); everything else is local</text>')
+                 '(sum partial results, or collect logit slices on rank 0); everything else is local, each rank '
+                 'with its own KV heads in its own KV cache</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -616,15 +624,856 @@ for bad in (
         print("ValueError:", error)
 
 # %% [markdown] tags=["en"]
+# # Part two: ranks as processes
+#
+# Part one split the layers and checked the shards in one process. Now every rank becomes a real
+# process that holds only its shards and its part of the KV cache, and the collectives of
+# part one (`dist.all_reduce`, `dist.gather`) really cross process boundaries: **gloo** over
+# local TCP sockets between CPU processes (any laptop), **NCCL** between GPUs (rank `r` on
+# `cuda:r`). By the end of part two, `LLM(model, tensor_parallel_size=2)` gives the same greedy
+# tokens as one process, and we have measured how close the logits are.
+#
+# ## The idea: a driver, N ranks, two kinds of wires
+#
+# ```
+#                 driver process (your Python: LLM, tokenizer, Scheduler)
+#                   │  call = (name, args): pickled once, written to every rank's pipe
+#        ┌──────────┴──────────┐            reply = ("ok", result) or ("error", traceback)
+#        ▼                     ▼
+#   rank 0 process        rank 1 process      each: ModelRunner with its shards + its KV heads
+#   embed ─ all-reduce ─ embed                 ┐
+#   o_proj ─ all-reduce ─ o_proj               │ collectives inside the forward
+#   down_proj ─ all-reduce ─ down_proj         │ (gloo on CPU, NCCL on GPUs)
+#   lm_head ◄── gather ── lm_head              ┘
+#   sampler (rank 0 only) → token ids → driver
+# ```
+#
+# Two kinds of wires, with different jobs. The **control channel** carries *what to do*: the
+# scheduler's sequences for this step (a decode step ships one token per sequence, thanks to
+# chapter 01's slim pickling) and, back, the sampled token ids or an error. The **data plane**
+# carries activations, inside the forward pass, between ranks only.
+#
+# **Where rank 0 lives.** Upstream nano-vllm runs rank 0 inside your process and spawns the
+# others. We spawn *every* rank and keep your process as a pure **driver**, as vLLM's own
+# multi-process executor does. Three reasons: (1) the driver never sits inside a collective, so
+# when a rank dies or raises it always notices and can stop the rest (with NCCL, a collective
+# whose peer is gone simply hangs); (2) your process never initializes `torch.distributed`,
+# whose default group is one per process: two engines in one process, or a TP=1 engine next to a
+# TP=2 one (this chapter compares them), just work; (3) a crash in a rank cannot take your
+# Python session with it. The price is one extra process and one more hop for rank 0's tokens,
+# tens of microseconds against a forward pass.
+#
+# **The control channel.** Three candidates:
+#
+# - **`SharedMemory` + `Event`s** (upstream): a fixed buffer (1 MiB) that a large batch
+#   overflows; a fixed name (`"nanovllm"`) on which two engines collide; one-way, so a rank's
+#   error never reaches the driver; and the segment outlives a crash in `/dev/shm`.
+# - **`broadcast_object_list`** over a gloo group: no size limit, and a free port avoids
+#   collisions; but it is one more *collective*: one-way and blocking, so a rank that failed
+#   cannot say so, and a driver waiting in it hangs with everyone else.
+# - **one `multiprocessing` Pipe per rank** (ours): no size limit (a length-prefixed stream),
+#   nothing named at all, two-way (each rank replies to each call), and the OS closes the pipes
+#   when a process ends.
+#
+# A pipe is a socket pair: nothing in `/dev/shm`, no name to collide on, messages of any size
+# (the length is sent first), and it is two-way, so every call gets a reply: the rank-0 tokens,
+# or a rank's error with its traceback. The driver waits on the pipes *and* on the processes'
+# sentinels with `multiprocessing.connection.wait`, so a rank that dies without a word is
+# noticed too. Writing a few kilobytes to a local socket costs microseconds; the shared-memory
+# buffer saves little of that and brings every trap of the list.
+#
+# The rendezvous (how ranks find each other for gloo/NCCL) is a `TCPStore` that the driver
+# opens on **port 0**: the OS picks a free port and the store holds it from that moment, so
+# there is no fixed port to collide on and no race between "find a free port" and "bind it".
+
+# %% [markdown] tags=["zh"]
+# # 下篇：rank 即进程
+#
+# 上篇在一个进程里切分了各层并检查了分片。现在，每个 rank 都成为一个真正的进程，只持有自己的分片和自己那部分
+# KV 缓存；上篇的集合通信（`dist.all_reduce`、`dist.gather`）真正跨越了进程边界：CPU 进程之间用 **gloo**
+# （走本机 TCP 套接字，任何笔记本都行），GPU 之间用 **NCCL**（rank `r` 使用 `cuda:r`）。读完下篇，
+# `LLM(model, tensor_parallel_size=2)` 会给出与单进程完全相同的贪心 token，而且我们还量出了 logits 有多接近。
+#
+# ## 思路：一个驱动进程、N 个 rank、两种连线
+#
+# ```
+#                 驱动进程（你的 Python：LLM、分词器、调度器）
+#                   │  调用 = (名字, 参数)：只序列化一次，写进每个 rank 的管道
+#        ┌──────────┴──────────┐            回复 = ("ok", 结果) 或 ("error", 调用栈)
+#        ▼                     ▼
+#   rank 0 进程            rank 1 进程         各自：带本 rank 分片和本 rank KV 头的 ModelRunner
+#   embed ─ all-reduce ─ embed                 ┐
+#   o_proj ─ all-reduce ─ o_proj               │ 前向计算中的集合通信
+#   down_proj ─ all-reduce ─ down_proj         │ （CPU 上用 gloo，GPU 上用 NCCL）
+#   lm_head ◄── gather ── lm_head              ┘
+#   采样器（只在 rank 0）→ token id → 驱动进程
+# ```
+#
+# 两种连线，各司其职。**控制通道**传递“做什么”：调度器本步的序列（得益于第 01 章的精简序列化，decode 步每个序列
+# 只传一个 token），以及回传的采样 token id 或错误。**数据面**在前向计算内部传递激活值，只在各 rank 之间流动。
+#
+# **rank 0 放在哪里。** 上游 nano-vllm 把 rank 0 放在你的进程里，只为其他 rank 创建子进程。我们为*每个* rank
+# 都创建子进程，让你的进程只做**驱动**，vLLM 自己的多进程执行器也是这样做的。理由有三：（1）驱动进程从不卡在
+# 集合通信里，所以任何 rank 崩溃或抛出异常，它都一定能察觉并停掉其余 rank（用 NCCL 时，对端已经消失的集合通信会
+# 一直挂起）；（2）你的进程从不初始化 `torch.distributed`，而它的默认进程组每个进程只能有一个：同一进程里的两个
+# 引擎，或者 TP=1 引擎与 TP=2 引擎并存（本章就要比较它们），都能正常工作；（3）rank 崩溃不会连带你的 Python 会话。
+# 代价是多一个进程，以及 rank 0 的 token 多走一跳：相对一次前向计算，只是几十微秒。
+#
+# **控制通道。** 三个候选：
+#
+# - **`SharedMemory` + `Event`**（上游）：固定大小的缓冲区（1 MiB），大批次会把它撑爆；固定的名字
+#   （`"nanovllm"`），两个引擎会在上面冲突；单向，所以 rank 的错误永远到不了驱动进程；崩溃之后，共享内存段还留在
+#   `/dev/shm` 里。
+# - 在 gloo 进程组上用 **`broadcast_object_list`**：没有大小上限，用空闲端口也能避免冲突；但它又是一个*集合通信*：
+#   单向且阻塞，出错的 rank 没法告诉别人，在其中等待的驱动进程会和大家一起挂住。
+# - **每个 rank 一条 `multiprocessing` 管道**（我们的选择）：没有大小上限（带长度前缀的字节流），没有任何命名的东西，
+#   双向（每次调用每个 rank 都会回复），进程结束时操作系统自动关闭管道。
+#
+# 管道就是一对套接字：不占 `/dev/shm`，没有会冲突的名字，消息多大都行（先发送长度），而且是双向的，所以每次调用都有
+# 回复：rank 0 的 token，或者某个 rank 的错误及其调用栈。驱动进程用 `multiprocessing.connection.wait` 同时等待
+# 管道*和*各进程的哨兵（sentinel），所以一声不吭就退出的 rank 也会被发现。往本机套接字写几 KB 只要几微秒；
+# 共享内存缓冲区省不了多少，却带来了上面列出的所有陷阱。
+#
+# 会合点（rank 之间为 gloo/NCCL 互相找到对方的地方）是驱动进程在 **0 号端口**上打开的一个 `TCPStore`：
+# 操作系统挑一个空闲端口，从那一刻起就由它占住。所以没有会冲突的固定端口，也不存在“先找空闲端口、再去绑定”之间的竞争。
+
+# %% [markdown] tags=["en"]
+# ## Build it: what the ranks must agree on
+#
+# Two small functions join the layers' module. `agree_min` is the first collective of a rank's
+# life: each rank sizes its KV pool from its own free memory (on GPUs the numbers differ, since
+# other processes may use some of a GPU), but the scheduler has **one** block pool and its block
+# ids index every rank's cache, so all ranks must take the smallest count. Upstream nano-vllm
+# skips this; a rank with fewer blocks then writes past its cache. `check_tensor_parallel_size`
+# refuses, before any process starts, a rank count that does not divide the heads, the KV
+# heads, the MLP width or the vocabulary.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：各 rank 必须达成一致的事
+#
+# 层的模块里新增两个小函数。`agree_min` 是 rank 一生中的第一次集合通信：每个 rank 按自己的空闲内存确定 KV 块池
+# 的大小（GPU 上这些数字会不同，因为别的进程可能占用了某块 GPU 的一部分显存），但调度器只有**一个**块池，它的块号
+# 要用来索引每个 rank 的缓存，所以所有 rank 必须取其中最小的块数。上游 nano-vllm 没有这一步；块数较少的 rank
+# 就会写到缓存外面去。`check_tensor_parallel_size` 在任何进程启动之前，就拒绝不能整除注意力头数、KV 头数、
+# MLP 宽度或词表大小的 rank 数。
+
+# %% rank agreement
+#| export
+def agree_min(value: int, device: torch.device | str = "cpu") -> int:
+    """The smallest `value` over the tensor-parallel ranks (the value itself in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    # en: NCCL reduces only GPU tensors, gloo only CPU tensors: the tensor lives on the rank's device.
+    # zh: NCCL 只能归约 GPU 张量，gloo 只能归约 CPU 张量：所以张量放在本 rank 的设备上。
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
+    """Refuse a tensor-parallel size that does not split every sharded dimension of the model evenly."""
+    for name in TP_DIVIDED:
+        value = getattr(hf_config, name, None)
+        if name == "num_key_value_heads" and value is None:
+            value = getattr(hf_config, "num_attention_heads", None)
+        if isinstance(value, int) and value % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide {name}={value}: every rank needs an equal "
+                f"share; use a divisor of {value}"
+            )
+
+# %% [markdown] tags=["en"]
+# ## Build it: one rank's life
+#
+# A rank process starts, joins the group (`init_rank`), builds its `ModelRunner` — the same class
+# as chapter 08: the layers read their rank from `torch.distributed`, load their slices, and the
+# KV pool is sized with `agree_min` — and replies with its block count. Then it loops: read a
+# call from its pipe, run it, reply. The calls a driver may make are the methods of
+# `RankWorker`, by name; nothing else is reachable.
+#
+# Three details carry the upstream traps:
+#
+# - **Block size travels with the sequences.** A slim `Sequence` (chapter 01) carries its
+#   `block_size` in the pickle, and the rank *checks* it against its own config: there is no
+#   class default to fall back on.
+# - **Sampling parameters go to rank 0 only**: slim pickling drops them (the other ranks never
+#   sample), so the driver appends them to rank 0's message.
+# - **On an error, report and leave at once.** The rank sends its traceback, then `os._exit(1)`:
+#   no clean-up that could block, since its peers may be waiting in a collective for it. A thread
+#   watches the driver: if the driver dies, the rank exits too (no orphans, even when stuck in a
+#   collective). `NANOVLLM_TP_FAULT="rank:call"` is a test hook that makes one rank raise on its
+#   n-th call (0: during start-up), so that this path is tested, not hoped for.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：一个 rank 的一生
+#
+# rank 进程启动后加入进程组（`init_rank`），构建自己的 `ModelRunner`——与第 08 章是同一个类：各层从
+# `torch.distributed` 读到自己的 rank 并加载自己那一片，KV 块池的大小经过 `agree_min` 确定——然后回复自己的块数。
+# 接着进入循环：从管道读一个调用，执行，回复。驱动进程能调用的就是 `RankWorker` 的那几个方法（按名字），别的都碰不到。
+#
+# 上游的几个陷阱落在三个细节上：
+#
+# - **块大小随序列一起传递。** 精简的 `Sequence`（第 01 章）在序列化数据里带着 `block_size`，rank 还会拿它和
+#   自己的配置*核对*：根本没有可以退回的类默认值。
+# - **采样参数只发给 rank 0**：精简序列化会丢掉它们（其他 rank 从不采样），所以驱动进程把它们附在发给
+#   rank 0 的消息后面。
+# - **出错时，报告后立刻离开。** rank 先发出自己的调用栈，然后 `os._exit(1)`：不做任何可能阻塞的清理，因为对端
+#   也许正在某个集合通信里等它。另有一个线程盯着驱动进程：驱动进程一死，rank 也随之退出（即使卡在集合通信里也不会
+#   变成孤儿进程）。`NANOVLLM_TP_FAULT="rank:call"` 是一个测试钩子，让某个 rank 在第 n 次调用时抛出异常
+#   （0 表示在启动阶段），这样这条路径是被测试过的，而不是靠运气。
+
+# %% rank side
+#| export engine.tp_runtime
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+# en: Test hook: "rank:call" makes that rank raise on its call-th call after start-up (0: during start-up).
+# zh: 测试钩子："rank:call" 让该 rank 在启动后的第 call 次调用时抛出异常（0 表示在启动阶段）。
+FAULT_ENV = "NANOVLLM_TP_FAULT"
+STORE_TIMEOUT = timedelta(seconds=120)
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank reports when it fails: where, what, its traceback, and when (to find the first)."""
+
+    rank: int
+    call: str
+    error: str
+    traceback: str
+    when: float
+
+
+def parse_fault(value: str | None, world_size: int) -> tuple[int, int] | None:
+    """Read the NANOVLLM_TP_FAULT test hook: "rank:call" -> (rank, call), or None when unset."""
+    if not value:
+        return None
+    try:
+        rank, call = (int(part) for part in value.split(":"))
+    except ValueError:
+        raise ValueError(f'{FAULT_ENV} must look like "rank:call" (two integers), got {value!r}') from None
+    if not 0 <= rank < world_size or call < 0:
+        raise ValueError(f"{FAULT_ENV}={value!r}: need 0 <= rank < {world_size} and call >= 0")
+    return rank, call
+
+
+def backend_for(device: str) -> str:
+    """NCCL between GPUs, gloo between CPU processes."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
+    """Join the driver's rendezvous store and initialize torch.distributed for this rank."""
+    if device == "cuda":
+        # en: NVLink SHARP (NVLS) is off unless the user asked for it: it needs fabric setup many hosts lack.
+        # zh: 除非用户明确要求，否则关闭 NVLink SHARP（NVLS）：它需要很多机器上没有的 fabric 配置。
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        torch.cuda.set_device(rank)
+    else:
+        # en: Ranks share the CPU: each takes its share of the cores instead of all of them.
+        # zh: 各 rank 共用 CPU：每个只取自己那份核数，而不是全部。
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size)
+
+
+class RankWorker:
+    """One rank's side of the control channel: the calls a driver may make, by name."""
+
+    CALLS = ("run", "logits", "world", "shard", "kv_cache_shape", "echo")
+
+    def __init__(self, config: Config) -> None:
+        self.runner = ModelRunner(config)
+        self.block_size = config.kvcache_block_size
+
+    def run(
+        self, seqs: list[Sequence], is_prefill: bool, params: list[SamplingParams] | None = None
+    ) -> list[int] | None:
+        """One step; rank 0 (which receives the sampling params) returns the tokens, the others None."""
+        self._check(seqs)
+        if params is not None:
+            for seq, sampling_params in zip(seqs, params, strict=True):
+                seq.sampling_params = sampling_params
+        return self.runner.run(seqs, is_prefill) or None
+
+    def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
+        self._check(seqs)
+        logits = self.runner.compute_logits(seqs, is_prefill)
+        return None if logits is None else logits.float().cpu()
+
+    def world(self) -> dict[str, Any]:
+        return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
+                "pid": os.getpid(), "device": str(self.runner.device)}
+
+    def shard(self, name: str) -> torch.Tensor:
+        """This rank's slice of a parameter, by its name in the model."""
+        return self.runner.model.get_parameter(name).detach().cpu().clone()
+
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        return tuple(self.runner.kv_cache.shape)
+
+    def echo(self, payload: bytes) -> tuple[int, int]:
+        """Length and CRC-32 of what arrived: checks that a large message crosses the channel intact."""
+        return len(payload), zlib.crc32(payload)
+
+    def _check(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.block_size != self.block_size:
+                raise ValueError(f"sequence {seq.seq_id} has block_size {seq.block_size}, this rank's KV cache "
+                                 f"uses {self.block_size}")
+
+
+def _exit_with_parent() -> None:
+    """Exit when the driver dies, even while this rank is stuck in a collective."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nanovllm-watch-driver", daemon=True).start()
+
+
+def _send(conn: Connection, message: tuple) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn: Connection) -> None:
+    """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone)."""
+    _exit_with_parent()
+    call, count = "start-up", 0
+    try:
+        fault = parse_fault(os.environ.get(FAULT_ENV), world_size)
+        if fault == (rank, 0):
+            raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:0 makes rank {rank} fail during start-up")
+        init_rank(rank, world_size, config.device, store_port)
+        worker = RankWorker(config)
+        _send(conn, ("ok", config.num_kvcache_blocks))
+        while True:
+            try:
+                call, extra = pickle.loads(conn.recv_bytes())
+                if call == "exit":
+                    return
+                args = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return  # the driver closed its end: nothing left to do
+            count += 1
+            if fault == (rank, count):
+                raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:{count} makes rank {rank} fail on call {count}")
+            if call not in RankWorker.CALLS:
+                raise ValueError(f"unknown call {call!r}; a rank answers {', '.join(RankWorker.CALLS)}")
+            if extra is not None:
+                args = (*args, pickle.loads(extra))
+            _send(conn, ("ok", getattr(worker, call)(*args)))
+    except BaseException as error:
+        where = f"{call} (call {count})" if count else call
+        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
+        with contextlib.suppress(Exception):
+            _send(conn, ("error", failure))
+        # en: No clean-up that could block: the peers may wait for us inside a collective.
+        # zh: 不做任何可能阻塞的清理：对端也许正在某个集合通信里等我们。
+        os._exit(1)
+    finally:  # reached on a normal return only (os._exit skips it)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+# %% [markdown] tags=["en"]
+# ## Build it: the driver
+#
+# `TPRunner` has the interface of chapter 08's `ModelRunner` — `run(seqs, is_prefill)` returns
+# one token per sequence, `config.num_kvcache_blocks` is set when it is built, `exit()` — so the
+# engine (chapter 11) uses one or the other and nothing else changes.
+#
+# - `call(name, *args)` pickles the arguments **once**, writes them to every rank, then waits for
+#   every reply. While waiting, it also watches each process's sentinel. The first failure starts
+#   a short grace period (the other ranks' reports follow: with gloo, a peer's disappearance makes
+#   their collectives fail), then every rank is stopped and `TPWorkerError` names the *first*
+#   failure (by the rank's own clock) with its traceback. The runner is then closed: any later
+#   call says so.
+# - Stopping is one function, `_stop_ranks`, registered with `weakref.finalize`: it runs on
+#   `exit()`, when the runner is garbage-collected, and at interpreter exit, whichever comes
+#   first, exactly once. A normal stop asks the ranks to leave and waits for them; after an
+#   error it terminates them at once (one may be stuck in a collective), then kills what is left.
+# - Ranks are started with the `spawn` method: a fresh interpreter, no copy of the driver's
+#   threads or CUDA state (forking a process that has touched CUDA is undefined).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：驱动端
+#
+# `TPRunner` 的接口与第 08 章的 `ModelRunner` 相同——`run(seqs, is_prefill)` 为每个序列返回一个 token，构建时设置
+# `config.num_kvcache_blocks`，还有 `exit()`——所以引擎（第 11 章）用这个或那个都行，别的什么都不用改。
+#
+# - `call(name, *args)` 只把参数序列化**一次**，写给每个 rank，然后等待所有回复。等待期间它还盯着每个进程的
+#   哨兵。第一个失败出现后，会再给一小段宽限时间（其他 rank 的报告随后就到：用 gloo 时，对端消失会让它们的集合
+#   通信失败），然后停掉所有 rank，并抛出 `TPWorkerError`，指明*最早*的那个失败（按出错 rank 自己的时钟）及其调用栈。
+#   此后执行器即告关闭：之后的任何调用都会明确说明这一点。
+# - 停止只由一个函数 `_stop_ranks` 负责，它通过 `weakref.finalize` 注册：调用 `exit()` 时、执行器被垃圾回收时、
+#   解释器退出时，以最先发生者为准，恰好运行一次。正常停止时请各 rank 自行退出并等待它们；出错后则立即终止它们
+#   （某个 rank 可能卡在集合通信里），剩下的再强制杀掉。
+# - rank 用 `spawn` 方式启动：全新的解释器，不会复制驱动进程的线程或 CUDA 状态（对已经用过 CUDA 的进程做 fork，
+#   行为是未定义的）。
+
+# %% driver side
+#| export engine.tp_runtime
+import weakref
+from multiprocessing.process import BaseProcess
+
+from nanovllm.layers.linear import check_tensor_parallel_size
+
+ERROR_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
+EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on their own
+
+
+class TPWorkerError(RuntimeError):
+    """A tensor-parallel rank failed or died; every rank has been stopped. The message holds its traceback."""
+
+
+class TPRunner:
+    """Tensor-parallel ranks as processes, driven from this one; the same `run` as `ModelRunner`."""
+
+    def __init__(self, config: Config) -> None:
+        self.world_size = config.tensor_parallel_size
+        check_tensor_parallel_size(config.hf_config, self.world_size)
+        parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
+        self.config = config
+        self.block_size = config.kvcache_block_size
+        self.failure: str | None = None
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._stop = {"graceful": True}
+        # en: Port 0: the OS picks a free port and the store holds it from now on: nothing to collide with.
+        # zh: 0 号端口：操作系统挑一个空闲端口，从此由 store 占住：没有任何可冲突的东西。
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
+        self._finalizer = weakref.finalize(self, _stop_ranks, self._procs, self._conns, [store], self._stop)
+        context = mp.get_context("spawn")
+        try:
+            for rank in range(self.world_size):
+                ours, theirs = context.Pipe()
+                proc = context.Process(target=rank_main, args=(rank, self.world_size, config, store.port, theirs),
+                                       name=f"nanovllm-tp-rank{rank}", daemon=True)
+                proc.start()
+                theirs.close()  # the rank holds the other end now
+                self._procs.append(proc)
+                self._conns.append(ours)
+            blocks = self._replies("start-up")
+        except BaseException:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+            self._stop["graceful"] = False
+            self._finalizer()
+            raise
+        if len(set(blocks)) != 1:
+            self._finalizer()
+            raise RuntimeError(f"ranks disagree on the KV block count: {blocks}")
+        config.num_kvcache_blocks = blocks[0]
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    @property
+    def alive(self) -> bool:
+        """True until exit() or a failure stopped the ranks."""
+        return self._finalizer.alive
+
+    def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
+        """Run `name(*args)` on every rank; return each rank's result, in rank order."""
+        if not self.alive:
+            reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
+            raise RuntimeError(f"the tensor-parallel ranks are stopped {reason}")
+        if name not in RankWorker.CALLS:
+            raise ValueError(f"unknown call {name!r}; a rank answers {', '.join(RankWorker.CALLS)}")
+        payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for rank, conn in enumerate(self._conns):
+                try:
+                    _send(conn, (name, rank0_extra if rank == 0 else None))
+                    conn.send_bytes(payload)
+                except OSError:
+                    break  # a rank is gone: _replies reports it
+            return self._replies(name)
+        except BaseException:
+            self._stop["graceful"] = False
+            self._finalizer()
+            raise
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One step on every rank; rank 0's sampled tokens."""
+        params = pickle.dumps([seq.sampling_params for seq in seqs], protocol=pickle.HIGHEST_PROTOCOL)
+        return self.call("run", seqs, is_prefill, rank0_extra=params)[0]
+
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        """The step's gathered logits, from rank 0 (nothing is sampled)."""
+        return self.call("logits", seqs, is_prefill)[0]
+
+    def exit(self) -> None:
+        """Stop the rank processes (at most once; also runs at garbage collection and interpreter exit)."""
+        self._finalizer()
+
+    def _replies(self, call: str) -> list[Any]:
+        """Wait for every rank's reply to `call`; on a failure, stop all ranks and raise TPWorkerError."""
+        results: dict[int, Any] = {}
+        failures: list[RankFailure] = []
+        pending = set(range(self.world_size))
+        deadline: float | None = None
+        while pending:
+            owners = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(owners), timeout)
+            if not ready:
+                break  # the grace period after a failure is over
+            for rank in sorted({owners[obj] for obj in ready}):
+                pending.discard(rank)
+                message = self._receive(rank)
+                if message is None:
+                    failures.append(self._silent_exit(rank, call))
+                elif message[0] == "ok":
+                    results[rank] = message[1]
+                else:
+                    failures.append(message[1])
+            if failures and deadline is None:
+                deadline = time.monotonic() + ERROR_GRACE_S
+        if failures:
+            self._fail(failures)
+        return [results[rank] for rank in range(self.world_size)]
+
+    def _receive(self, rank: int) -> tuple | None:
+        conn = self._conns[rank]
+        try:
+            return pickle.loads(conn.recv_bytes()) if conn.poll() else None
+        except (EOFError, OSError):
+            return None
+
+    def _silent_exit(self, rank: int, call: str) -> RankFailure:
+        proc = self._procs[rank]
+        proc.join(1.0)
+        error = f"the process exited (code {proc.exitcode}) without a reply"
+        if call == "start-up":
+            # en: The usual cause: spawn re-imports the driver's script, which starts an engine again.
+            # zh: 最常见的原因：spawn 会重新导入驱动进程的脚本，而脚本又一次启动了引擎。
+            error += ('; if the engine is created by a script, put that code under `if __name__ == "__main__":` '
+                      "(each rank process imports the main module)")
+        return RankFailure(rank, call, error, "", time.time())
+
+    def _fail(self, failures: list[RankFailure]) -> None:
+        failures.sort(key=lambda failure: failure.when)
+        first = failures[0]
+        self.failure = f"rank {first.rank} failed during {first.call}: {first.error}"
+        self._stop["graceful"] = False
+        self._finalizer()
+        lines = [f"tensor-parallel {self.failure}; all {self.world_size} rank processes have been stopped"]
+        lines += [f"  then rank {f.rank}: {f.error}" for f in failures[1:]]
+        if first.traceback:
+            lines += ["", f"traceback of rank {first.rank}:", first.traceback.rstrip()]
+        raise TPWorkerError("\n".join(lines))
+
+
+def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, stop: dict[str, bool]) -> None:
+    """Stop every rank process and close every pipe: ask (normal exit) or terminate (after an error)."""
+    if stop["graceful"]:
+        for proc, conn in zip(procs, conns, strict=False):
+            if proc.is_alive():
+                with contextlib.suppress(OSError):
+                    _send(conn, ("exit", None))
+        deadline = time.monotonic() + EXIT_GRACE_S
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+    store.clear()
+
+# %% [markdown] tags=["en"]
+# ## See it: two CPU ranks next to one process
+#
+# The tiny Qwen3 of chapter 05 (4 query heads, 2 KV heads, MLP width 128, vocabulary 512: all
+# even) with 4-token blocks, a pool of only 12 blocks and a budget of 16 tokens per step, so that
+# a short run has chunked prefill *and* preemption. We start it twice: in this process
+# (`tensor_parallel_size=1`) and as two gloo ranks. Start-up of the ranks is mostly two fresh
+# interpreters importing torch.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：两个 CPU rank 与单进程并排
+#
+# 用第 05 章的小 Qwen3（4 个查询头、2 个 KV 头、MLP 宽度 128、词表 512：都是偶数），块大小 4 个 token，块池只有
+# 12 个块，每步预算 16 个 token，这样一次短短的运行就既有分块 prefill，*又*有抢占。我们把它启动两次：一次在本进程里
+# （`tensor_parallel_size=1`），一次作为两个 gloo rank。rank 的启动时间主要花在两个全新的解释器导入 torch 上。
+
+# %%
+import os
+import time
+
+import torch
+from safetensors import safe_open
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import FAULT_ENV, TPWorkerError
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tiny_models import build_tiny_model
+
+tiny = build_tiny_model("qwen3")
+settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 12, "max_num_batched_tokens": 16}
+started = time.perf_counter()
+llm_tp2 = LLM(str(tiny), tensor_parallel_size=2, **settings)
+startup_s = time.perf_counter() - started
+llm_tp1 = LLM(str(tiny), **settings)
+ranks = llm_tp2.model_runner
+print(f"two ranks up in {startup_s:.1f} s; KV pool: {llm_tp2.config.num_kvcache_blocks} blocks")
+for info, shape in zip(ranks.call("world"), ranks.call("kv_cache_shape"), strict=True):
+    print(f"  rank {info['rank']}/{info['size']} pid {info['pid']} {info['backend']} on {info['device']}, "
+          f"KV cache {shape}")
+
+# %% [markdown] tags=["en"]
+# Each rank loaded its slices from the full checkpoint. Rank `r`'s `qkv_proj` holds q heads
+# `2r, 2r+1` and KV head `r`, stacked; concatenating the ranks' q parts gives back the
+# checkpoint's `q_proj`:
+
+# %% [markdown] tags=["zh"]
+# 每个 rank 都从完整的检查点里加载了自己的那几片。rank `r` 的 `qkv_proj` 依次叠放着第 `2r`、`2r+1` 个 q 头
+# 和第 `r` 个 KV 头；把各 rank 的 q 部分拼起来，就得到检查点里的 `q_proj`：
+
+# %%
+name = "model.layers.0.self_attn.qkv_proj.weight"
+shards = ranks.call("shard", name)
+with safe_open(str(tiny / "model.safetensors"), "pt") as checkpoint:
+    q, k, v = (checkpoint.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv")
+head_dim = llm_tp2.config.hf_config.head_dim
+q_rows, kv_rows = 2 * head_dim, 1 * head_dim  # per rank: 2 of 4 q heads, 1 of 2 KV heads
+for rank, shard in enumerate(shards):
+    print(f"rank {rank}: {name} {tuple(shard.shape)} (full: {tuple(torch.cat([q, k, v]).shape)})")
+    assert torch.equal(shard[:q_rows], q[rank * q_rows : (rank + 1) * q_rows])
+    assert torch.equal(shard[q_rows : q_rows + kv_rows], k[rank * kv_rows : (rank + 1) * kv_rows])
+    assert torch.equal(shard[q_rows + kv_rows :], v[rank * kv_rows : (rank + 1) * kv_rows])
+assert torch.equal(torch.cat([shard[:q_rows] for shard in shards]), q)
+
+# %% [markdown] tags=["en"]
+# ### The logits: how close is close?
+#
+# The same two steps, a prefill of two prompts and then a decode, on both runners, comparing the
+# logits. They are not bit-identical, and should not be: each rank's `o_proj` and `down_proj`
+# produce a partial sum over half of the inputs, and the all-reduce adds the halves, a different
+# order of floating-point additions than one matmul over all inputs. In float32 the difference is
+# a few ulps of the logits' size, far below the gap between the top two tokens.
+
+# %% [markdown] tags=["zh"]
+# ### logits：接近到什么程度？
+#
+# 在两个执行器上执行同样的两步：先对两个提示词做 prefill，再做一次 decode，然后比较 logits。它们并不逐位相同，
+# 也不应该相同：每个 rank 的 `o_proj` 和 `down_proj` 只对一半输入求出部分和，再由 all-reduce 把两半相加，
+# 浮点加法的顺序与一次覆盖全部输入的矩阵乘法不同。在 float32 下，差异只有 logits 量级的几个 ulp，
+# 远小于排名前两位的 token 之间的差距。
+
+# %%
+def two_steps(runner: object) -> list[torch.Tensor]:
+    """Logits of a prefill of two prompts, then of one decode step (greedy token appended)."""
+    seqs = [Sequence([17, 4, 250, 33, 9, 88, 120, 5, 61], block_size=4), Sequence([7, 7, 300, 2, 41], block_size=4)]
+    seqs[0].block_table, seqs[1].block_table = [0, 1, 2], [3, 4]
+    for seq in seqs:
+        seq.num_scheduled_tokens = len(seq)
+    prefill = runner.compute_logits(seqs, True)
+    for seq, row in zip(seqs, prefill, strict=True):
+        seq.num_cached_tokens = len(seq)
+        seq.append_token(int(row.argmax()))
+        seq.num_scheduled_tokens = 1
+    return [prefill, runner.compute_logits(seqs, False)]
+
+
+LOGIT_TOLERANCE = 1e-4
+for step, one, two in zip(("prefill", "decode"), two_steps(llm_tp1.model_runner), two_steps(ranks), strict=True):
+    gap = (one - two).abs().max().item()
+    top2 = one.topk(2).values
+    margin = (top2[:, 0] - top2[:, 1]).min().item()
+    print(f"{step:>7}: logits {tuple(one.shape)}, scale {one.abs().max().item():.1f}, max |TP=1 - TP=2| = {gap:.1e}, "
+          f"smallest top-1/top-2 margin {margin:.3f}")
+    assert gap < LOGIT_TOLERANCE and torch.equal(one.argmax(-1), two.argmax(-1))
+
+# %% [markdown] tags=["en"]
+# ### The engine: chunks, preemption, and the same tokens
+#
+# Now the whole engine, three prompts, greedy. The scheduler runs in this process in both cases;
+# with TP=2 every step crosses the control channel to both ranks.
+
+# %% [markdown] tags=["zh"]
+# ### 引擎：分块、抢占，以及相同的 token
+#
+# 现在运行整个引擎：三个提示词，贪心解码。两种情况下调度器都运行在本进程里；TP=2 时，每一步都经控制通道发给两个 rank。
+
+# %%
+prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write clear code"]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+seen = {"partial prefill": 0, "preemption": 0}
+
+
+def watch(event: str, data: dict) -> None:
+    if event == "schedule":
+        seen["partial prefill"] += data["is_prefill"] and any(
+            s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in data["seqs"])
+        seen["preemption"] += len(data["preempted"])
+
+
+llm_tp2.scheduler.observer = watch
+started = time.perf_counter()
+out_tp2 = llm_tp2.generate(prompts, greedy, use_tqdm=False)
+tp2_s = time.perf_counter() - started
+started = time.perf_counter()
+out_tp1 = llm_tp1.generate(prompts, greedy, use_tqdm=False)
+tp1_s = time.perf_counter() - started
+for prompt, one, two in zip(prompts, out_tp1, out_tp2, strict=True):
+    print(f"{prompt!r:42} TP=1 {one['token_ids']}\n{'':42} TP=2 {two['token_ids']}")
+print(f"events in the TP=2 run: {seen}; generate took {tp2_s:.2f} s (TP=2) vs {tp1_s:.2f} s (TP=1)")
+assert [o["token_ids"] for o in out_tp2] == [o["token_ids"] for o in out_tp1]
+assert seen["partial prefill"] and seen["preemption"]
+
+# %% [markdown] tags=["en"]
+# On a tiny model, TP=2 is slower: every layer's all-reduce is a round trip through local
+# sockets, and each step also crosses the control channel, while the matmuls it splits take
+# microseconds. Tensor parallelism pays off when one rank's matmuls are big enough to hide the
+# communication — real models, on GPUs linked by NVLink.
+#
+# ### When a rank fails
+#
+# The test hook makes rank 1 raise on its third call. This second engine starts while the first
+# is still running: its store has its own port and nothing else is named, so the two do not
+# collide. The driver reports rank 1's error (with its traceback), stops both ranks, and the
+# processes are gone.
+
+# %% [markdown] tags=["zh"]
+# 在小模型上，TP=2 反而更慢：每一层的 all-reduce 都要经本机套接字往返一次，每一步还要过一次控制通道，而被它切分的
+# 矩阵乘法只需要几微秒。只有当单个 rank 上的矩阵乘法大到足以掩盖通信开销时，张量并行才划算——真实的模型，跑在用
+# NVLink 互连的 GPU 上。
+#
+# ### 当某个 rank 出错
+#
+# 测试钩子让 rank 1 在第三次调用时抛出异常。第二个引擎是在第一个仍在运行时启动的：它的 store 有自己的端口，
+# 别的东西都没有命名，所以两者不会冲突。驱动进程报告 rank 1 的错误（附带其调用栈），停掉两个 rank，进程都消失了。
+
+# %%
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+os.environ[FAULT_ENV] = "1:3"
+try:
+    faulty = LLM(str(tiny), tensor_parallel_size=2, **settings)
+    faulty_pids = faulty.model_runner.pids
+    started = time.perf_counter()
+    faulty.generate(prompts, greedy, use_tqdm=False)
+    raise AssertionError("the injected fault did not surface")
+except TPWorkerError as error:
+    print("\n".join(str(error).splitlines()[:3]), "\n  ...")
+    print(f"reported and cleaned up {time.perf_counter() - started:.2f} s after the call")
+finally:
+    del os.environ[FAULT_ENV]
+assert all(gone(pid) for pid in faulty_pids) and not faulty.model_runner.alive
+try:
+    faulty.generate(prompts, greedy, use_tqdm=False)
+except RuntimeError as error:
+    print("a later call:", error)
+# en: The first engine never noticed.
+# zh: 第一个引擎完全没有受到影响。
+assert llm_tp2.generate(prompts[:1], greedy, use_tqdm=False)[0]["token_ids"] == out_tp1[0]["token_ids"]
+
+# %% [markdown] tags=["en"]
+# ### On GPUs: NCCL
+#
+# With two GPUs the same comparison runs with NCCL, rank `r` on `cuda:r` (float32 here, like the
+# CPU run). Without them, the cell says so.
+
+# %% [markdown] tags=["zh"]
+# ### 在 GPU 上：NCCL
+#
+# 有两块 GPU 时，同样的比较改用 NCCL，rank `r` 运行在 `cuda:r` 上（这里用 float32，与 CPU 上的运行一致）。没有的话，
+# 这个单元会说明这一点。
+
+# %%
+if torch.cuda.device_count() >= 2:
+    gpu_settings = {**settings, "device": "cuda", "dtype": "float32"}
+    with LLM(str(tiny), tensor_parallel_size=2, **gpu_settings) as gpu_tp2:
+        gpu_out = gpu_tp2.generate(prompts, greedy, use_tqdm=False)
+        print("NCCL ranks:", [info["backend"] + " " + info["device"] for info in gpu_tp2.model_runner.call("world")])
+    with LLM(str(tiny), **gpu_settings) as gpu_tp1:
+        gpu_ref = gpu_tp1.generate(prompts, greedy, use_tqdm=False)
+    assert [o["token_ids"] for o in gpu_out] == [o["token_ids"] for o in gpu_ref]
+    print("TP=2 over NCCL gives the same greedy tokens as one GPU")
+else:
+    print(f"{torch.cuda.device_count()} CUDA device(s): the NCCL run needs two (the tests have it, marked gpu)")
+
+# %% [markdown] tags=["en"]
+# ### Shutting down
+#
+# `LLM.exit()` stops the ranks; `with LLM(...) as llm:` calls it at the end of the block; and if
+# neither happens, the runner's finalizer stops them when the engine is garbage-collected or the
+# interpreter exits.
+
+# %% [markdown] tags=["zh"]
+# ### 关闭
+#
+# `LLM.exit()` 会停掉各 rank；`with LLM(...) as llm:` 在代码块结束时调用它；如果两者都没发生，执行器的终结器
+# （finalizer）会在引擎被垃圾回收或解释器退出时停掉它们。
+
+# %%
+pids = ranks.pids
+llm_tp2.exit()
+llm_tp1.exit()
+assert all(gone(pid) for pid in pids) and not ranks.alive
+print("ranks", pids, "are gone")
+
+# %% [markdown] tags=["en"]
 # ## What we built
+#
+# Part one, the layers:
 #
 # - `nanovllm/layers/linear.py`: `tp_world`, `ReplicatedLinear`, `ColumnParallelLinear`,
 #   `MergedColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`, each with a
-#   shard-aware `weight_loader(param, loaded_weight, shard_id=None)`.
+#   shard-aware `weight_loader(param, loaded_weight, shard_id=None)`; `agree_min` (the KV block
+#   count all ranks can afford) and `check_tensor_parallel_size`.
 # - `nanovllm/layers/embed_head.py`: `VocabParallelEmbedding` and `ParallelLMHead` (last token
 #   per sequence during prefill; gather on rank 0).
 #
-# Running real ranks as processes (gloo on CPU, NCCL on GPUs) comes with the engine.
+# Part two, the ranks:
+#
+# - `nanovllm/engine/tp_runtime.py`: `TPRunner` (the driver: spawns one process per rank, a
+#   pipe per rank as the control channel, `run`/`compute_logits`/`call`/`exit`, `TPWorkerError`
+#   naming the first failure), `rank_main` and `RankWorker` (one rank's loop and its calls),
+#   `init_rank` (gloo on CPU, NCCL on GPUs, rendezvous on a store the driver holds on a free port),
+#   and the `NANOVLLM_TP_FAULT` test hook.
+# - Chapter 11's engine uses `TPRunner` when `tensor_parallel_size > 1`; TP=2 gives the same
+#   greedy tokens as TP=1, with logits within 1e-4 in float32.
 #
 # ## Exercises
 #
@@ -633,17 +1482,31 @@ for bad in (
 # 2. Why is the bias of a row-parallel layer added by rank 0 only?
 # 3. A vocabulary of 151,936 tokens on 2 ranks: which rank looks up token 80,000, and at which
 #    local row?
+# 4. Which values of `tensor_parallel_size` from 1 to 8 does the tiny Qwen3 of this chapter
+#    accept (4 heads, 2 KV heads, MLP width 128, vocabulary 512)?
+# 5. A decode step ships each sequence to every rank. Which part of a sequence's message still
+#    grows with its length, and which does not?
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
+# 上篇，层：
+#
 # - `nanovllm/layers/linear.py`：`tp_world`、`ReplicatedLinear`、`ColumnParallelLinear`、
 #   `MergedColumnParallelLinear`、`QKVParallelLinear`、`RowParallelLinear`，每个都带有按分片加载的
-#   `weight_loader(param, loaded_weight, shard_id=None)`。
+#   `weight_loader(param, loaded_weight, shard_id=None)`；`agree_min`（所有 rank 都放得下的 KV 块数）和
+#   `check_tensor_parallel_size`。
 # - `nanovllm/layers/embed_head.py`：`VocabParallelEmbedding` 和 `ParallelLMHead`（prefill 时每个序列只取
 #   最后一个 token；在 rank 0 上 gather）。
 #
-# 以多个进程真正运行各 rank（CPU 上用 gloo，GPU 上用 NCCL）将随引擎一起到来。
+# 下篇，rank：
+#
+# - `nanovllm/engine/tp_runtime.py`：`TPRunner`（驱动端：为每个 rank 创建一个进程，每个 rank 一条管道作为控制通道，
+#   提供 `run`/`compute_logits`/`call`/`exit`，用 `TPWorkerError` 指明最早的失败），`rank_main` 与 `RankWorker`
+#   （一个 rank 的循环及其可被调用的方法），`init_rank`（CPU 上用 gloo，GPU 上用 NCCL，会合点是驱动进程在空闲端口上
+#   持有的 store），以及测试钩子 `NANOVLLM_TP_FAULT`。
+# - 第 11 章的引擎在 `tensor_parallel_size > 1` 时使用 `TPRunner`；TP=2 给出与 TP=1 相同的贪心 token，
+#   float32 下 logits 相差不超过 1e-4。
 #
 # ## 练习
 #
@@ -651,6 +1514,8 @@ for bad in (
 #    `qkv_proj` 权重有多少行？
 # 2. 为什么行并行层的偏置只由 rank 0 加上？
 # 3. 词表有 151,936 个 token，分到 2 个 rank：token 80,000 由哪个 rank 查找？在本地第几行？
+# 4. 本章的小 Qwen3（4 个头、2 个 KV 头、MLP 宽度 128、词表 512）接受 1 到 8 中的哪些 `tensor_parallel_size`？
+# 5. decode 步要把每个序列发给每个 rank。序列消息中哪一部分仍随序列长度增长，哪一部分不会？
 
 # %%
 # en: 1: (16 + 2 * 8) * 128 / 2 = 2048 rows.
@@ -662,4 +1527,29 @@ assert QKVParallelLinear(1024, 128, 16, 8, tp_rank=1, tp_size=2).weight.shape ==
 # zh: 3：每个 rank 151936 / 2 = 75968 行：rank 1，本地第 80000 - 75968 = 4032 行。
 owner = VocabParallelEmbedding(151936, 1, tp_rank=1, tp_size=2)
 assert owner.vocab_start_idx <= 80000 < owner.vocab_end_idx and 80000 - owner.vocab_start_idx == 4032
+# en: 4: only 1 and 2: 4 would leave each rank half a KV head, 3 a third of the heads.
+# zh: 4：只有 1 和 2：取 4 时每个 rank 只分到半个 KV 头，取 3 时头数除不尽。
+from nanovllm.layers.linear import check_tensor_parallel_size
+
+
+def accepted(tp: int) -> bool:
+    try:
+        check_tensor_parallel_size(llm_tp1.config.hf_config, tp)
+    except ValueError:
+        return False
+    return True
+
+
+assert [tp for tp in range(1, 9) if accepted(tp)] == [1, 2]
+# en: 5: the block table grows (one id per block); the tokens do not: only the last one travels.
+# zh: 5：块表会增长（每个块一个 id）；token 不会：只传最后一个。
+import pickle
+
+for length in (12, 400):
+    seq = Sequence(list(range(length)), block_size=4)
+    seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = list(range(-(-length // 4))), length - 1, 1
+    slim = pickle.loads(pickle.dumps(seq))
+    assert slim.token_ids == [length - 1] and slim.block_table == seq.block_table and slim.block_size == 4
+    print(f"decode message of a {length}-token sequence: {len(pickle.dumps(seq))} bytes, 1 token, "
+          f"{len(slim.block_table)} block ids")
 print("all exercise answers check out")

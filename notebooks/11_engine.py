@@ -168,6 +168,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from nanovllm.layers.linear import check_tensor_parallel_size
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -301,6 +303,7 @@ class Config:
         self.hf_config = read_model_dir(self.model)
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
+        check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
         self._resolve_device()
         self.max_model_len = min(self.max_model_len, _max_positions(self.hf_config))
         self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)
@@ -1246,6 +1249,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -1260,7 +1264,10 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         except Exception as error:  # transformers raises OSError, ValueError, ... for a missing tokenizer
             raise ValueError(f"cannot load the tokenizer of {config.model}: {error}") from error
-        self.model_runner = ModelRunner(config)  # sets config.num_kvcache_blocks
+        # en: One process, or one process per tensor-parallel rank (chapter 10); both set config.num_kvcache_blocks.
+        # zh: 单进程，或每个张量并行 rank 一个进程（第 10 章）；两者都会设置 config.num_kvcache_blocks。
+        runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.model_runner: ModelRunner | TPRunner = runner(config)
         self.scheduler = Scheduler(
             num_kvcache_blocks=config.num_kvcache_blocks,
             kvcache_block_size=config.kvcache_block_size,
@@ -1326,6 +1333,16 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def exit(self) -> None:
+        """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
+        self.model_runner.exit()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.exit()
 
     def generate(
         self,

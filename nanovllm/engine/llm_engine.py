@@ -13,6 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -33,7 +34,9 @@ class LLMEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         except Exception as error:  # transformers raises OSError, ValueError, ... for a missing tokenizer
             raise ValueError(f"cannot load the tokenizer of {config.model}: {error}") from error
-        self.model_runner = ModelRunner(config)  # sets config.num_kvcache_blocks
+        # One process, or one process per tensor-parallel rank (chapter 10); both set config.num_kvcache_blocks.
+        runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
+        self.model_runner: ModelRunner | TPRunner = runner(config)
         self.scheduler = Scheduler(
             num_kvcache_blocks=config.num_kvcache_blocks,
             kvcache_block_size=config.kvcache_block_size,
@@ -96,6 +99,16 @@ class LLMEngine:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
+
+    def exit(self) -> None:
+        """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
+        self.model_runner.exit()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.exit()
 
     def generate(
         self,

@@ -10,6 +10,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.linear import agree_min
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.models.qwen3 import head_dim_of
 from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
@@ -117,6 +118,7 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
@@ -126,7 +128,8 @@ class ModelRunner:
         hf = self.config.hf_config
         block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
         available = self._cuda_budget() if self.device.type == "cuda" else None
-        blocks = num_kv_blocks(self.config, block_bytes, available_bytes=available)
+        # With tensor parallelism every rank sized its own pool; they must all use the smallest.
+        blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
         kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -161,14 +164,23 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
+        if self.stopped:
+            raise RuntimeError("this model runner was stopped (exit() was called)")
         prepare = prepare_prefill if is_prefill else prepare_decode
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
-            logits = self.model.compute_logits(self.model(input_ids, positions))
+            return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
+        logits = self.compute_logits(seqs, is_prefill)
+        if logits is None:  # a tensor-parallel rank other than 0: rank 0 alone samples (chapter 10)
+            return []
         # Only rows whose whole sequence has been computed want a token.
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
         tokens = [NOT_SAMPLED] * len(seqs)
@@ -179,3 +191,10 @@ class ModelRunner:
             for i, token in zip(rows, sampled, strict=True):
                 tokens[i] = token
         return tokens
+
+    def exit(self) -> None:
+        """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""
+        self.stopped = True
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = torch.tensor([])

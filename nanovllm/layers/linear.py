@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "TP_DIVIDED",
     "ColumnParallelLinear",
     "LinearBase",
     "MergedColumnParallelLinear",
@@ -15,6 +16,8 @@ __all__ = [
     "ReplicatedLinear",
     "RowParallelLinear",
     "ShardId",
+    "agree_min",
+    "check_tensor_parallel_size",
     "copy_checked",
     "divide",
     "tp_world",
@@ -207,3 +210,29 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y
+
+
+def agree_min(value: int, device: torch.device | str = "cpu") -> int:
+    """The smallest `value` over the tensor-parallel ranks (the value itself in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    # NCCL reduces only GPU tensors, gloo only CPU tensors: the tensor lives on the rank's device.
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
+    """Refuse a tensor-parallel size that does not split every sharded dimension of the model evenly."""
+    for name in TP_DIVIDED:
+        value = getattr(hf_config, name, None)
+        if name == "num_key_value_heads" and value is None:
+            value = getattr(hf_config, "num_attention_heads", None)
+        if isinstance(value, int) and value % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide {name}={value}: every rank needs an equal "
+                f"share; use a divisor of {value}"
+            )
