@@ -138,9 +138,10 @@ display(SVG(architecture_svg()))
 # | [04 · The scheduler](../04_scheduler/) | prefill first, chunked prefill, preemption |
 # | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
 # | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
+# | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
 # | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds |
 # | [08 · The model runner](../08_model_runner/) | flat step inputs, KV cache sizing |
-# | [10 · Tensor parallelism](../10_tensor_parallel/) | layers that split across devices |
+# | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, the demo, the benchmark |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
 #
@@ -155,9 +156,10 @@ display(SVG(architecture_svg()))
 # | [04 · 调度器](../04_scheduler/) | prefill 优先、分块预填充、抢占 |
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
+# | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
 # | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子 |
 # | [08 · 模型执行器](../08_model_runner/) | 扁平的单步输入、KV 缓存大小 |
-# | [10 · 张量并行](../10_tensor_parallel/) | 切分到多个设备上的层 |
+# | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、演示、基准测试 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
 #
