@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -30,7 +31,7 @@ __all__ = [
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_BLOCK_SIZE = 1024
 
 
@@ -185,6 +186,9 @@ class Config:
                 "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
             )
+        elif backend == "flash-attn" and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
+            # nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
+            raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -158,6 +158,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import math
 import os
@@ -172,7 +173,7 @@ from nanovllm.layers.linear import check_tensor_parallel_size
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_BLOCK_SIZE = 1024
 
 
@@ -351,6 +352,10 @@ class Config:
                 "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
             )
+        elif backend == "flash-attn" and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
+            # en: nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
+            # zh: nano-vllm 调用 flash-attn 的方式，作为可选项保留；本项目从未实际运行过（见第 06b 章）。
+            raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

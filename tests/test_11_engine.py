@@ -401,3 +401,8 @@ def test_engine_on_smollm2_matches_transformers_greedy() -> None:
         with torch.inference_mode():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
         assert output["token_ids"] == ref[0, len(prompt):].tolist()
+
+
+def test_flash_attn_backend_needs_cuda_and_the_package(tiny: Path) -> None:
+    with pytest.raises(ValueError, match=r"flash-attn.*needs CUDA and the flash_attn package"):
+        Config.from_kwargs(str(tiny), attention_backend="flash-attn")
