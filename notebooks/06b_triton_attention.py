@@ -1,0 +1,1128 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 06b · Paged attention in Triton
+#
+# **Goal.** Write the three attention kernels of the engine in Triton and plug them into the
+# backend registry of chapter 06 under the name `"triton"`:
+#
+# 1. **store**: scatter each new token's K and V into the paged cache through `slot_mapping`
+#    (slot `-1` = padding, skipped);
+# 2. **prefill**: variable-length causal attention, flash-attention style, that reads a cached
+#    prefix (a prefix-cache hit, or the earlier chunks of a chunked prefill) through the block
+#    table, with grouped-query attention (GQA);
+# 3. **decode**: one query per sequence over its whole paged history, in two flavours, one
+#    program per (sequence, KV head), and a **split-K** ("flash-decoding") variant that also cuts
+#    the context into pieces and merges them with a small reduction kernel, plus the heuristic
+#    that picks between them.
+#
+# Every kernel is tested against `TorchBackend`, the reference of chapter 06. On a machine
+# without a GPU the kernels run in the **Triton interpreter** (`TRITON_INTERPRET=1`, set before
+# `triton` is imported): slow, but exact enough to check every index computation.
+
+# %% [markdown] tags=["zh"]
+# # 06b · 用 Triton 写分页注意力
+#
+# **目标。** 用 Triton 写出引擎的三个注意力内核，并以 `"triton"` 之名接入第 06 章的后端注册表：
+#
+# 1. **存储**：按 `slot_mapping` 把每个新 token 的 K、V 分散写入分页缓存（槽位 `-1` 是填充，跳过）；
+# 2. **prefill**：flash-attention 风格的变长因果注意力，通过块表读取已缓存的前缀（前缀缓存命中，或分块预填充中
+#    之前的块），支持分组查询注意力（GQA）；
+# 3. **decode**：每个序列一个查询，关注它全部的分页历史。有两种写法：每个（序列，KV 头）一个程序；以及
+#    **split-K**（“flash-decoding”）版本，它还把上下文切成几段，再用一个小的归约内核合并。另有一个启发式
+#    规则在两者之间选择。
+#
+# 每个内核都与第 06 章的参考实现 `TorchBackend` 对照测试。没有 GPU 的机器上，内核在 **Triton 解释器**里运行
+# （`TRITON_INTERPRET=1`，必须在导入 `triton` 之前设置）：很慢，但足以检查每一处下标计算。
+
+# %% [markdown] tags=["en"]
+# ## The idea: tiles, an online softmax, and addresses from the block table
+#
+# A Triton program works on **tiles**: small 2-D blocks of a tensor that live in registers.
+# Attention for a tile of queries walks over the keys tile by tile and keeps, per query row, a
+# running maximum `m`, a running sum of exponentials `l` and a running weighted sum of values
+# `acc` (the *online softmax*): when a new tile raises the maximum from `m` to `m'`, the old
+# sums are rescaled by `exp(m - m')`. At the end `acc / l` is the softmax-weighted average, and
+# the full `n_q × n_k` score matrix never exists in memory.
+#
+# ```
+#            keys →  0 ............ prefix ........... n_k
+# queries    tile0   [ all visible | diagonal ]
+#  (rows)    tile1   [ all visible           | diag ]
+#                     ^ unmasked loop          ^ masked loop (causal + bounds)
+# ```
+#
+# The only paged part is *where a key row lives*. For key position `n` of sequence `i`:
+# `row = block_tables[i][n // block_size] * block_size + n % block_size`, and the cache of one
+# layer, viewed as `[num_slots, kv_heads, head_dim]`, holds it at `row`. The kernels compute
+# this per row of each key tile, so a tile may straddle blocks and **any** block size works
+# (16, 32, … 256, and smaller ones too).
+#
+# **GQA.** `num_heads / num_kv_heads = group` query heads share one KV head. Decode exploits it:
+# one program loads a KV head's tiles once and serves all `group` query heads, as the rows of
+# one small matrix product.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：分块（tile）、在线 softmax，以及由块表算出的地址
+#
+# Triton 程序按 **tile** 工作：张量中放在寄存器里的小二维块。一个查询 tile 的注意力逐个 tile 地遍历键，
+# 并为每一行查询维护三个量：当前最大值 `m`、指数和 `l`、值的加权和 `acc`（即*在线 softmax*）：当新 tile
+# 把最大值从 `m` 提高到 `m'` 时，旧的和乘以 `exp(m - m')` 重新缩放。最后 `acc / l` 就是 softmax 加权平均，
+# 完整的 `n_q × n_k` 分数矩阵从不出现在显存里。
+#
+# ```
+#            键 →   0 ............ prefix ........... n_k
+# 查询      tile0   [ 全部可见    | 对角部分 ]
+#  （行）   tile1   [ 全部可见              | 对角 ]
+#                     ^ 无掩码循环            ^ 有掩码循环（因果 + 越界）
+# ```
+#
+# 唯一与分页有关的，是*某个键行存放在哪里*。序列 `i` 的键位置 `n`：
+# `row = block_tables[i][n // block_size] * block_size + n % block_size`，把一层缓存看作
+# `[num_slots, kv_heads, head_dim]` 时，它就在第 `row` 行。内核对键 tile 的每一行都这样计算，所以一个 tile
+# 可以跨越多个块，**任何**块大小都能用（16、32、… 256，更小的也行）。
+#
+# **GQA。** `group = num_heads / num_kv_heads` 个查询头共用一个 KV 头。decode 利用了这一点：一个程序只加载
+# 一次某个 KV 头的 tile，却为全部 `group` 个查询头服务，它们是同一个小矩阵乘法的不同行。
+
+# %% [markdown] tags=["en"]
+# ## Running without a GPU
+#
+# Triton decides at *decoration* time (`@triton.jit`) whether a kernel is compiled or
+# interpreted, reading `TRITON_INTERPRET`. So the variable must be set before the kernel module
+# is imported. This chapter sets it when there is no CUDA device; the module records what it
+# saw in `INTERPRETED`, and `resolve_attention_backend` refuses `"triton"` on a CPU unless the
+# kernels really are interpreted.
+
+# %% [markdown] tags=["zh"]
+# ## 没有 GPU 时怎么运行
+#
+# Triton 在*装饰*（`@triton.jit`）时读取 `TRITON_INTERPRET`，决定内核是编译还是解释执行。所以必须在导入内核
+# 模块之前设置这个变量。没有 CUDA 设备时，本章会设置它；模块把它看到的结果记在 `INTERPRETED` 里，而
+# `resolve_attention_backend` 在 CPU 上只有当内核确实以解释方式运行时才接受 `"triton"`。
+
+# %%
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRET", "0"))
+
+# %% default module
+#| default_exp layers.triton_attention
+
+# %% imports
+#| export
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+from nanovllm.layers.attention import register_attention_backend
+from nanovllm.utils.context import Context
+
+# en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
+# zh: 下面的内核在装饰时是否处于解释器模式（导入时 TRITON_INTERPRET=1）。
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+
+# %% [markdown] tags=["en"]
+# ## Build it: store K/V through the slot mapping
+#
+# One program per token: it reads the token's slot, stops if the slot is `-1`, and copies the
+# `[kv_heads, head_dim]` tile of K and of V into that row of the cache. `k` and `v` usually are
+# views into the fused QKV projection, so their token stride is passed in; the cache must be
+# contiguous (`slot` rows of `kv_heads * head_dim` elements).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：按槽位映射存储 K/V
+#
+# 每个 token 一个程序：读出 token 的槽位，若是 `-1` 就停下，否则把 K 和 V 各自的 `[kv_heads, head_dim]`
+# tile 复制到缓存的那一行。`k`、`v` 通常是融合 QKV 投影的视图，所以要传入它们的 token 步长；缓存必须是连续的
+# （每个槽位一行，`kv_heads * head_dim` 个元素）。
+
+# %% store kernel
+#| export
+@triton.jit
+def store_kvcache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # en: This program stores token t; its slot is a row of the flat cache [num_slots, kv_heads, d].
+    # zh: 本程序存储第 t 个 token；它的槽位是展平缓存 [num_slots, kv_heads, d] 的一行。
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # en: Slot -1 is a padded row (e.g. a CUDA-graph batch): nothing to store.
+    # zh: 槽位 -1 是填充行（例如 CUDA Graph 的批次）：什么都不存。
+    if slot < 0:
+        return
+    # en: A [BLOCK_H, BLOCK_D] grid of (head, dim) offsets, masked to the real [kv_heads, d].
+    # zh: 一个 [BLOCK_H, BLOCK_D] 的（头，维度）偏移网格，用掩码截到真实的 [kv_heads, d]。
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    # en: Read token t's K and V tiles [kv_heads, d] (last dim contiguous, strides given).
+    # zh: 读取第 t 个 token 的 K、V tile [kv_heads, d]（最后一维连续，其余步长由参数给出）。
+    k = tl.load(k_ptr + t * stride_k_t + h * stride_k_h + d, mask=mask)
+    v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask)
+    # en: Write them into row `slot` of the contiguous cache, converted to the cache's dtype.
+    # zh: 写入连续缓存的第 `slot` 行，并转换为缓存的数据类型。
+    dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+# %% [markdown] tags=["en"]
+# The Python wrapper checks shapes, launches one program per token and returns nothing: the
+# cache is updated in place.
+
+# %% [markdown] tags=["zh"]
+# Python 包装函数检查形状，每个 token 启动一个程序，不返回任何东西：缓存被原地更新。
+
+# %% store wrapper
+#| export
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
+            "nanovllm.layers.triton_attention"
+        )
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {k_cache.shape}, {v_cache.shape}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the Triton kernels need contiguous K/V caches (a per-layer view of the one KV tensor is)")
+    _check_device(k_cache)
+
+
+def store_kvcache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [T, kv_heads, d] into rows ``slot_mapping`` [T] of the caches; slot -1 is skipped."""
+    _check_cache(k_cache, v_cache)
+    num_tokens, kv_heads, head_dim = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (kv_heads, head_dim) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"shape mismatch: k {k.shape}, v {v.shape}, cache {k_cache.shape}, slots {slot_mapping.shape}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need a contiguous last dimension")
+    if num_tokens == 0:
+        return
+    store_kvcache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+# %% [markdown] tags=["en"]
+# ## Build it: varlen causal prefill over a paged prefix
+#
+# The grid is `(query tiles, sequences, query heads)`. The program for query tile `m` of
+# sequence `i` and head `h` loads its `BLOCK_M` queries once, then visits key tiles in two
+# loops. Query `j` of the sequence sits at absolute position `prefix + j` (`prefix = n_k - n_q`,
+# the cached tokens), so keys `0 … prefix + m·BLOCK_M − 1` are visible to *every* query of the
+# tile: that first loop needs no mask at all. Only the last few tiles, around the diagonal,
+# apply the causal mask `key ≤ query position` and the bound `key < n_k`.
+#
+# One tile step is its own `@triton.jit` function, called from both loops with a different
+# `MASKED` constant (Triton inlines it and drops the mask code where `MASKED` is false).
+#
+# Keys come from one of two places:
+# - `PAGED` (the context has block tables): from the cache, through the block table: the new
+#   tokens' K/V were just stored there, the prefix was stored by earlier steps;
+# - otherwise (no cached prefix, or the warm-up forward with an empty cache): straight from the
+#   fresh `k`, `v`, row `cu_seqlens_q[i] + n`, exactly like `TorchBackend`.
+#
+# Softmax uses `exp2`: the scores are pre-multiplied by `scale · log2(e)`, and
+# `2^(x·log2 e) = e^x`, so the result is the same and `exp2` is a single fast instruction.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：读取分页前缀的变长因果 prefill
+#
+# 网格是（查询 tile，序列，查询头）。负责序列 `i`、头 `h` 的第 `m` 个查询 tile 的程序，先一次性加载它的
+# `BLOCK_M` 个查询，再用两个循环遍历键 tile。序列中第 `j` 个查询位于绝对位置 `prefix + j`
+# （`prefix = n_k - n_q`，即已缓存的 token 数），所以键 `0 … prefix + m·BLOCK_M − 1` 对 tile 中*每个*查询都
+# 可见：第一个循环完全不需要掩码。只有对角线附近的最后几个 tile 需要因果掩码 `键 ≤ 查询位置` 和边界
+# `键 < n_k`。
+#
+# 处理一个 tile 的步骤单独写成一个 `@triton.jit` 函数，两个循环都调用它，只是常量 `MASKED` 不同（Triton 会把它
+# 内联，并在 `MASKED` 为假时去掉掩码代码）。
+#
+# 键有两个来源：
+# - `PAGED`（上下文带有块表）：通过块表从缓存读取：新 token 的 K/V 刚刚存进去，前缀是之前的步骤存的；
+# - 否则（没有已缓存前缀，或者缓存为空的预热前向）：直接读刚算出的 `k`、`v` 的第 `cu_seqlens_q[i] + n` 行，
+#   与 `TorchBackend` 完全一致。
+#
+# softmax 使用 `exp2`：分数预先乘以 `scale · log2(e)`，而 `2^(x·log2 e) = e^x`，结果不变，`exp2` 却只是一条
+# 快速指令。
+
+# %% key rows
+#| export
+@triton.jit
+def paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
+    """Cache rows (slots) of key positions ``n`` [BLOCK_N] of one sequence, read through its block table."""
+    # en: Block id of each position (one small gather, cached), then the slot inside the flat cache.
+    # zh: 每个位置所在块的编号（一次小的 gather，会命中缓存），再算出它在展平缓存中的槽位。
+    block = tl.load(block_table_ptr + n // BLOCK_SIZE, mask=n_valid, other=0)
+    return block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+
+# %% prefill kernel
+#| export
+@triton.jit
+def _prefill_tile(
+    acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
+    stride_k_t, stride_v_t, offs_d, d_mask, qk_scale,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # en: Key positions of this tile [BLOCK_N] and their rows in k/v (fresh) or in the cache (paged).
+    # zh: 本 tile 的键位置 [BLOCK_N]，以及它们在 k/v（新算出的）或缓存（分页）中的行号。
+    n = start_n + tl.arange(0, BLOCK_N)
+    n_valid = n < n_k
+    if PAGED:
+        rows = paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE)
+    else:
+        rows = (k_row0 + n).to(tl.int64)
+    # en: K loaded transposed, [BLOCK_D, BLOCK_N]; out-of-range keys read as 0 (never NaN from unwritten slots).
+    # zh: 以转置形式加载 K，[BLOCK_D, BLOCK_N]；越界的键读作 0（绝不会读到未写槽位里的 NaN）。
+    kv_mask = n_valid[None, :] & d_mask[:, None]
+    k = tl.load(k_ptr + rows[None, :] * stride_k_t + offs_d[:, None], mask=kv_mask, other=0.0)
+    # en: Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
+    # zh: 分数 [BLOCK_M, BLOCK_N]，以 2 为底（qk_scale = scale * log2 e），fp32 累加。
+    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        # en: Causal (key position <= query position) and bounds (key < n_k).
+        # zh: 因果（键位置 <= 查询位置）与边界（键 < n_k）。
+        visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    # en: Online softmax: new row maxima [BLOCK_M], rescale factor for the old sums, this tile's weights.
+    # zh: 在线 softmax：新的行最大值 [BLOCK_M]，旧累加量的缩放因子，本 tile 的权重。
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # en: V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
+    # zh: V tile [BLOCK_N, BLOCK_D]；acc [BLOCK_M, BLOCK_D] 先缩放，再加上 p @ V。
+    v_mask = n_valid[:, None] & d_mask[None, :]
+    v = tl.load(v_ptr + rows[:, None] * stride_v_t + offs_d[None, :], mask=v_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_bt,
+    qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # en: Program (query tile m, sequence i, query head h); h reads KV head h // GROUP (GQA).
+    # zh: 程序（查询 tile m，序列 i，查询头 h）；h 读取第 h // GROUP 个 KV 头（GQA）。
+    m, i, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_h = h // GROUP
+    # en: Sequence i: its n_q queries start at flat row q_start; it attends to n_k keys (prefix + new).
+    # zh: 序列 i：它的 n_q 个查询从展平的第 q_start 行开始；它关注 n_k 个键（前缀 + 新 token）。
+    q_start = tl.load(cu_q_ptr + i)
+    n_q = tl.load(cu_q_ptr + i + 1) - q_start
+    n_k = tl.load(cu_k_ptr + i + 1) - tl.load(cu_k_ptr + i)
+    # en: The grid is sized for the longest sequence; shorter ones have idle tiles.
+    # zh: 网格按最长的序列分配；较短的序列会有空闲的 tile。
+    if m * BLOCK_M >= n_q:
+        return
+    prefix = n_k - n_q
+    # en: This tile's queries [BLOCK_M] (index in the sequence, absolute position) and head dims [BLOCK_D].
+    # zh: 本 tile 的查询 [BLOCK_M]（序列内下标与绝对位置）以及头维度 [BLOCK_D]。
+    offs_m = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    q_pos = prefix + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < n_q
+    d_mask = offs_d < HEAD_DIM
+    # en: Load Q [BLOCK_M, BLOCK_D] once; it stays in registers for the whole key loop.
+    # zh: 一次性加载 Q [BLOCK_M, BLOCK_D]；整个键循环期间它都留在寄存器里。
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    # en: Online-softmax state per query row: max m_i, sum l_i [BLOCK_M], weighted values acc [BLOCK_M, BLOCK_D].
+    # zh: 每行查询的在线 softmax 状态：最大值 m_i、和 l_i [BLOCK_M]，加权值 acc [BLOCK_M, BLOCK_D]。
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # en: Where K/V rows come from: the cache of KV head kv_h (paged) or k/v rows from q_start on (fresh).
+    # zh: K/V 行的来源：KV 头 kv_h 的缓存（分页），或从 q_start 起的 k/v 行（新算出的）。
+    k_base = k_ptr + kv_h * stride_k_h
+    v_base = v_ptr + kv_h * stride_v_h
+    bt_row = block_tables_ptr + i * stride_bt
+    # en: Keys every query of the tile sees (below its first position), in whole tiles: no mask.
+    # zh: tile 中所有查询都能看到的键（在第一个查询位置之前），按整 tile 计：无需掩码。
+    full_end = (prefix + m * BLOCK_M) // BLOCK_N * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
+            offs_d, d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION,
+        )  # fmt: skip
+    # en: The diagonal tiles, up to the last query's position (or n_k): causal mask + bounds.
+    # zh: 对角线上的 tile，直到最后一个查询的位置（或 n_k）：因果掩码 + 边界。
+    end = tl.minimum(n_k, prefix + (m + 1) * BLOCK_M)
+    for start_n in range(full_end, end, BLOCK_N):
+        acc, l_i, m_i = _prefill_tile(
+            acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
+            offs_d, d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION,
+        )  # fmt: skip
+    # en: Normalise (every real query sees key 0, so l_i > 0) and store [BLOCK_M, BLOCK_D] in q's dtype.
+    # zh: 归一化（每个真实查询至少能看到键 0，所以 l_i > 0），以 q 的数据类型存储 [BLOCK_M, BLOCK_D]。
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + q_rows[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+# %% [markdown] tags=["en"]
+# The wrapper picks the key source and the launch configuration. Tile sizes matter on a GPU
+# (`BLOCK_M = 128` queries × `BLOCK_N = 128` keys for `head_dim = 128` on an H200); in the
+# interpreter small tiles keep each numpy step cheap. For float32 inputs the dot products use
+# IEEE precision: Triton's default on a GPU is TF32, which would not match the reference.
+
+# %% [markdown] tags=["zh"]
+# 包装函数选择键的来源和启动配置。tile 大小在 GPU 上很重要（H200 上 `head_dim = 128` 时用 `BLOCK_M = 128`
+# 个查询 × `BLOCK_N = 128` 个键）；在解释器里，小 tile 让每一步 numpy 运算都很便宜。对 float32 输入，点积使用
+# IEEE 精度：Triton 在 GPU 上默认用 TF32，那样就与参考结果对不上了。
+
+# %% prefill wrapper
+#| export
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
+
+
+def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    if device.type != "cuda":
+        return 16, 16, 4, 1
+    if dtype == torch.float32 or head_dim > 128:
+        return 64, 32, 4, 2
+    return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context: Context,
+    scale: float,
+    launch: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """Varlen causal attention: q [T, H, d] -> [T, H, d]; prefixes read through ``context.block_tables``.
+
+    ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
+    """
+    num_tokens, heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kv_heads})")
+    paged = context.block_tables is not None
+    if paged and k_cache.numel() == 0:
+        raise ValueError("the context has block tables (a cached prefix) but the layer has no KV cache")
+    if not paged and context.max_seqlen_k != context.max_seqlen_q:
+        raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+    if paged:
+        _check_cache(k_cache, v_cache)
+        keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
+        stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
+        stride_v_t, stride_v_h = stride_k_t, stride_k_h
+    else:
+        _check_device(q)
+        keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
+        stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+    if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("q, k and v need a contiguous last dimension")
+    bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype)
+    num_seqs = context.cu_seqlens_q.numel() - 1
+    grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
+    prefill_attention_kernel[grid](
+        q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables,
+        q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, out.stride(0), out.stride(1),
+        block_tables.stride(0), scale * math.log2(math.e),
+        GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+# %% [markdown] tags=["en"]
+# ## Build it: paged decode, plain and split-K
+#
+# In decode each sequence has **one** query per head, so the work is a matrix-*vector* product
+# per head: the kernel is bound by how fast it can *read* the KV cache, not by arithmetic. Two
+# consequences shape it:
+#
+# - **GQA packing.** The program for (sequence `b`, KV head `g`) loads each K/V tile once and
+#   multiplies it by the `group` query heads that share it, padded to 16 rows because
+#   `tl.dot` needs at least 16 (the padding rows cost no memory traffic).
+# - **Enough programs.** `batch × kv_heads` programs must keep every streaming multiprocessor
+#   (SM) busy. With 1 sequence and 8 KV heads on a 132-SM H200 only 8 SMs would read memory.
+#   **Split-K** gives each (sequence, KV head) `num_splits` programs, each over one contiguous
+#   slice of the context; each writes a partial output normalised by its own sum, plus its
+#   log-sum-exp `lse = m + log2(l)`. A reduction kernel then merges the slices: with
+#   `w_s = 2^(lse_s − max lse)`, the answer is `Σ w_s · out_s / Σ w_s`. That is exactly the
+#   online-softmax rescaling, done once at the end instead of tile by tile.
+#
+# One kernel serves both: with `SPLIT = False` it normalises and writes the final output.
+# A context length of 0 (a padded row) gives an output of 0, like the reference.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：分页 decode，普通版与 split-K 版
+#
+# decode 时每个序列每个头只有**一个**查询，所以每个头的计算是矩阵乘*向量*：内核的速度取决于*读取* KV 缓存
+# 有多快，而不是算力。由此决定了它的两个设计：
+#
+# - **GQA 打包。** 负责（序列 `b`，KV 头 `g`）的程序每个 K/V tile 只加载一次，并用它乘上共享它的 `group` 个
+#   查询头；行数补齐到 16，因为 `tl.dot` 至少需要 16 行（补齐的行不产生访存）。
+# - **足够多的程序。** 要让每个流式多处理器（SM）都忙起来，需要 `batch × kv_heads` 个程序。1 个序列、8 个
+#   KV 头，在有 132 个 SM 的 H200 上只有 8 个 SM 在读显存。**split-K** 给每个（序列，KV 头）分配
+#   `num_splits` 个程序，每个负责上下文中连续的一段；每段写出用自己的和归一化的部分输出，以及它的
+#   log-sum-exp `lse = m + log2(l)`。然后由归约内核合并各段：令 `w_s = 2^(lse_s − max lse)`，答案就是
+#   `Σ w_s · out_s / Σ w_s`。这正是在线 softmax 的重新缩放，只是在最后做一次，而不是逐 tile 地做。
+#
+# 一个内核同时服务两种情况：`SPLIT = False` 时它直接归一化并写出最终输出。上下文长度为 0（填充行）时输出 0，
+# 与参考实现一致。
+
+# %% decode kernels
+#| export
+@triton.jit
+def decode_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr,
+    stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_bt, stride_o_b, stride_o_h, stride_o_s,
+    qk_scale, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    # en: Program (sequence b, KV head g, split s): query heads g*GROUP … g*GROUP + GROUP - 1.
+    # zh: 程序（序列 b，KV 头 g，分段 s）：负责查询头 g*GROUP … g*GROUP + GROUP - 1。
+    b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_ctx = tl.load(context_lens_ptr + b)
+    # en: This split's slice of the context, in whole BLOCK_N tiles: [start, end) (empty if start >= n_ctx).
+    # zh: 本段负责的上下文切片，按整 BLOCK_N tile 划分：[start, end)（若 start >= n_ctx 则为空）。
+    chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = s * chunk
+    end = tl.minimum(n_ctx, start + chunk)
+    # en: The GROUP query heads of KV head g as rows [GROUP_PAD, BLOCK_D] (padding rows masked to 0).
+    # zh: KV 头 g 的 GROUP 个查询头作为行 [GROUP_PAD, BLOCK_D]（补齐的行掩码为 0）。
+    offs_g = tl.arange(0, GROUP_PAD)
+    heads = g * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    qd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :], mask=qd_mask, other=0.0)
+    # en: Online-softmax state per query head [GROUP_PAD] and acc [GROUP_PAD, BLOCK_D], fp32.
+    # zh: 每个查询头的在线 softmax 状态 [GROUP_PAD] 与 acc [GROUP_PAD, BLOCK_D]，fp32。
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    k_base = k_cache_ptr + g * stride_c_h
+    v_base = v_cache_ptr + g * stride_c_h
+    d_mask = offs_d < HEAD_DIM
+    for start_n in range(start, end, BLOCK_N):
+        # en: Key positions [BLOCK_N] of this tile and their cache rows, through the block table.
+        # zh: 本 tile 的键位置 [BLOCK_N]，以及经块表换算出的缓存行号。
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = n < end
+        rows = paged_rows(bt_row, n, n_valid, BLOCK_SIZE)
+        kv_mask = n_valid[None, :] & d_mask[:, None]
+        # en: K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
+        # zh: K^T [BLOCK_D, BLOCK_N]；一次算出该组全部查询头的分数 [GROUP_PAD, BLOCK_N]。
+        k = tl.load(k_base + rows[None, :] * stride_c_t + offs_d[:, None], mask=kv_mask, other=0.0)
+        scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.where(n_valid[None, :], scores, float("-inf"))
+        # en: Online softmax update, as in prefill.
+        # zh: 在线 softmax 更新，与 prefill 相同。
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # en: V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V.
+        # zh: V [BLOCK_N, BLOCK_D]；acc [GROUP_PAD, BLOCK_D] += p @ V。
+        v_mask = n_valid[:, None] & d_mask[None, :]
+        v = tl.load(v_base + rows[:, None] * stride_c_t + offs_d[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    # en: Normalised output of this slice [GROUP_PAD, BLOCK_D]; an empty slice (l_i = 0) gives 0, not NaN.
+    # zh: 本段的归一化输出 [GROUP_PAD, BLOCK_D]；空段（l_i = 0）输出 0，而不是 NaN。
+    out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
+    o_ptrs = o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + s * stride_o_s + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=qd_mask)
+    if SPLIT:
+        # en: Its log-sum-exp (base 2) per head, -inf for an empty slice: lse [batch, heads, num_splits].
+        # zh: 每个头的 log-sum-exp（以 2 为底），空段为 -inf：lse [batch, heads, num_splits]。
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(lse_ptr + (b * tl.num_programs(1) * GROUP + heads) * num_splits + s, lse, mask=offs_g < GROUP)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    part_ptr, lse_ptr, o_ptr, num_splits,
+    stride_p_b, stride_p_h, stride_p_s, stride_o_b, stride_o_h,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    # en: Program (sequence b, query head h) merges that head's num_splits partial outputs.
+    # zh: 程序（序列 b，查询头 h）合并这个头的 num_splits 个部分输出。
+    b, h = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    # en: Weights w_s = 2^(lse_s - max lse) [SPLITS_PAD]; empty slices (lse = -inf) weigh 0.
+    # zh: 权重 w_s = 2^(lse_s - max lse) [SPLITS_PAD]；空段（lse = -inf）权重为 0。
+    lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - lse_max), 0.0)
+    total = tl.sum(w, 0)
+    # en: Partial outputs [SPLITS_PAD, BLOCK_D], weighted sum over the splits -> [BLOCK_D].
+    # zh: 部分输出 [SPLITS_PAD, BLOCK_D]，按段加权求和 -> [BLOCK_D]。
+    parts = tl.load(part_ptr + b * stride_p_b + h * stride_p_h + offs_s[:, None] * stride_p_s + offs_d[None, :],
+                    mask=s_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts, 0) / tl.maximum(total, 1e-30)
+    # en: A padded row (context length 0) has no slice with weight: output 0.
+    # zh: 填充行（上下文长度为 0）没有任何有权重的段：输出 0。
+    out = tl.where(total > 0, out, 0.0)
+    tl.store(o_ptr + b * stride_o_b + h * stride_o_h + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+# %% [markdown] tags=["en"]
+# **When does split-K win?** It adds work (a second kernel, partial outputs written and read
+# back in float32), so it only pays when the plain grid leaves SMs idle *and* each slice is
+# still long enough to amortise a program's start-up. The heuristic below states exactly that:
+# split only when there are fewer programs than SMs, then aim for about four programs per SM,
+# never slices shorter than `min_split_len` keys. It uses
+# only host-side numbers (the batch size and the block table's width, which bounds every
+# context), so it needs no GPU→CPU copy and a CUDA graph can capture the launch. The measured
+# crossover is in "Measure it" below.
+
+# %% [markdown] tags=["zh"]
+# **split-K 什么时候更快？** 它增加了工作量（多一个内核，部分输出以 float32 写出再读回），所以只有当普通网格
+# 让 SM 闲着、*并且*每段仍然足够长、能摊薄程序启动开销时才划算。下面的启发式规则说的正是这个：
+# 只有程序数少于 SM 数时才切分，此时目标是每个 SM 大约四个程序，但每段不短于 `min_split_len` 个键。
+# 它只用主机端已知的数（批大小和块表宽度，后者是所有上下文长度的上界），所以不需要 GPU→CPU 拷贝，
+# CUDA Graph 也能捕获这次启动。实测的分界点见下文“测量”一节。
+
+# %% decode wrapper
+#| export
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 128, max_splits: int = 32
+) -> int:
+    """How many context slices per (sequence, KV head): 1 = the plain kernel, > 1 = split-K."""
+    programs = batch * num_kv_heads
+    if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
+        return 1
+    wanted = triton.cdiv(4 * num_sms, programs)  # about four programs per SM
+    return max(1, min(wanted, max_context // min_split_len, max_splits))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 20  # interpreter: programs run one after another, never split by default
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context: Context,
+    scale: float,
+    num_splits: int | None = None,
+    launch: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel.
+
+    ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
+    """
+    if k_cache.numel() == 0:
+        raise ValueError("decode attention needs a KV cache, but the layer has none")
+    _check_cache(k_cache, v_cache)
+    batch, heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if heads % kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {kv_heads} KV heads of dim {k_cache.shape[3]}")
+    if q.stride(-1) != 1:
+        raise ValueError("q needs a contiguous last dimension")
+    block_tables = context.block_tables
+    if num_splits is None:
+        max_context = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, kv_heads, max_context, _num_sms(q.device))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = heads // kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    bn, num_warps, num_stages = launch or ((64, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
+    split = num_splits > 1
+    # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
+    # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。
+    if split:
+        part = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        dst, stride_s = part, part.stride(2)
+    else:
+        dst, lse, stride_s = out, out, 0  # lse is not written when SPLIT is False
+    decode_attention_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context.context_lens, dst, lse,
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        dst.stride(0), dst.stride(1), stride_s, scale * math.log2(math.e), num_splits,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        decode_reduce_kernel[(batch, heads)](
+            part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
+            NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        )  # fmt: skip
+    return out
+
+# %% [markdown] tags=["en"]
+# ## Build it: the backend, and choosing one
+#
+# `TritonBackend` is three one-line methods over the functions above; registering it makes
+# `Attention.backend = "triton"` work. `resolve_attention_backend` turns the engine's
+# `attention_backend` config value into a registered name: `"auto"` means Triton on a GPU and
+# the torch reference on a CPU; `"triton"` on a CPU is accepted only when the kernels run in the
+# interpreter.
+#
+# A third backend, `"flash-attn"`, wraps the two calls nano-vllm makes into the `flash_attn`
+# package. It is registered only when `flash_attn` can be imported. **UNVERIFIED: flash-attn is
+# not installed on any machine of this project, so this path has never run here.** Known
+# constraints: flash-attn's paged KV wants a block size that is a multiple of 256 (nano-vllm's
+# default), and we do not know what it returns for padded decode rows (context length 0).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：后端，以及如何选择后端
+#
+# `TritonBackend` 的三个方法各只有一行，调用上面的函数；注册之后，`Attention.backend = "triton"` 就能用了。
+# `resolve_attention_backend` 把引擎配置项 `attention_backend` 的值转换成一个已注册的名字：`"auto"` 在 GPU 上
+# 表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器方式运行时才接受 `"triton"`。
+#
+# 第三个后端 `"flash-attn"` 包装了 nano-vllm 对 `flash_attn` 包的两个调用。只有能导入 `flash_attn` 时才注册它。
+# **未验证：本项目的任何机器上都没有安装 flash-attn，所以这条路径在这里从未运行过。** 已知限制：flash-attn 的
+# 分页 KV 要求块大小是 256 的倍数（nano-vllm 的默认值），而且我们不知道它对填充的 decode 行（上下文长度为 0）
+# 返回什么。
+
+# %% backend
+#| export
+class TritonBackend:
+    """Attention through this chapter's Triton kernels (compiled on CUDA, interpreted on CPU)."""
+
+    name = "triton"
+
+    def store_kvcache(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+    ) -> torch.Tensor:
+        return prefill_attention(q, k, v, k_cache, v_cache, context, scale)
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
+    ) -> torch.Tensor:
+        return decode_attention(q, k_cache, v_cache, context, scale)
+
+
+register_attention_backend(TritonBackend())
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+class FlashAttnBackend:
+    """UNVERIFIED (flash-attn is not installed here): nano-vllm's calls into the flash_attn package."""
+
+    name = "flash-attn"
+
+    def store_kvcache(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+    ) -> torch.Tensor:
+        from flash_attn import flash_attn_varlen_func
+
+        if context.block_tables is not None:  # a cached prefix: read everything from the paged cache
+            k, v = k_cache, v_cache
+        return flash_attn_varlen_func(
+            q, k, v, max_seqlen_q=context.max_seqlen_q, cu_seqlens_q=context.cu_seqlens_q,
+            max_seqlen_k=context.max_seqlen_k, cu_seqlens_k=context.cu_seqlens_k,
+            softmax_scale=scale, causal=True, block_table=context.block_tables,
+        )  # fmt: skip
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
+    ) -> torch.Tensor:
+        from flash_attn import flash_attn_with_kvcache
+
+        return flash_attn_with_kvcache(
+            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
+            block_table=context.block_tables, softmax_scale=scale, causal=True,
+        ).squeeze(1)  # fmt: skip
+
+
+if flash_attn_available():
+    register_attention_backend(FlashAttnBackend())
+
+
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """The registered backend for config value ``name`` on ``device``: "auto", "torch", "triton" or "flash-attn"."""
+    device_type = torch.device(device).type
+    if name == "auto":
+        return "triton" if device_type == "cuda" else "torch"
+    if name == "torch":
+        return name
+    if name == "triton":
+        if device_type == "cuda" or (device_type == "cpu" and INTERPRETED):
+            return name
+        if device_type == "cpu":
+            raise ValueError(
+                "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                "nanovllm.layers.triton_attention is imported (slow: for tests and teaching), or use 'torch'"
+            )
+        raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device_type!r}")
+    if name == "flash-attn":
+        if device_type != "cuda":
+            raise ValueError(f"attention_backend='flash-attn' needs a CUDA device, got {device_type!r}")
+        if not flash_attn_available():
+            raise ValueError("attention_backend='flash-attn' needs the flash_attn package, which is not installed")
+        return name
+    raise ValueError(f"unknown attention_backend {name!r}; choose 'auto', 'torch', 'triton' or 'flash-attn'")
+
+# %% [markdown] tags=["en"]
+# ## See it: the kernels against the reference
+#
+# The chapter-06 scenario again, now through the Triton backend: sequence B's first 8 tokens are
+# cached by an earlier step, then one prefill step computes A and C from scratch and B's 3 new
+# tokens against its cached prefix; then decode steps, plain and split-K. Every output is
+# compared with `TorchBackend` on an identical copy of the cache. (On a CPU this runs in the
+# interpreter, hence the tiny sizes.)
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：内核与参考实现对照
+#
+# 再走一遍第 06 章的场景，这次通过 Triton 后端：序列 B 的前 8 个 token 已被之前的步骤缓存，接着一个 prefill
+# 步从头计算 A 和 C，并让 B 的 3 个新 token 关注它已缓存的前缀；然后是 decode 步，分别用普通版和 split-K 版。
+# 每个输出都与在同样一份缓存副本上运行的 `TorchBackend` 比较。（在 CPU 上这是在解释器里运行的，所以尺寸很小。）
+
+# %%
+import time
+
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.triton_attention import decode_attention, resolve_attention_backend
+from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+
+torch.manual_seed(0)
+H, KVH, D, BS, NUM_BLOCKS = 4, 2, 16, 16, 8
+layers = {}
+for backend in ("torch", "triton"):
+    layer = Attention(H, D, scale=D**-0.5, num_kv_heads=KVH)
+    layer.backend = backend
+    layer.k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D, device=DEVICE)
+    layer.v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D, device=DEVICE)
+    layers[backend] = layer
+
+lengths = {"A": 20, "B": 37, "C": 5}  # prompt + decode tokens
+tables = {"A": [3, 7], "B": [0, 1, 5], "C": [6]}
+qkv = {n: (torch.randn(k, H, D, device=DEVICE), torch.randn(k, KVH, D, device=DEVICE),
+           torch.randn(k, KVH, D, device=DEVICE)) for n, k in lengths.items()}
+
+
+def step(parts: list[tuple[str, int, int]]) -> dict[str, float]:
+    """Run one flat step on both backends; max |difference| of the outputs."""
+    q, k, v = (torch.cat([qkv[n][j][a:b] for n, a, b in parts]) for j in range(3))
+    start = time.perf_counter()
+    out_triton = layers["triton"](q, k, v)
+    elapsed = time.perf_counter() - start
+    out_torch = layers["torch"](q, k, v)
+    return {"max_err": (out_triton - out_torch).abs().max().item(), "seconds": elapsed}
+
+
+set_prefill_context([8], [8], [tables["B"]], BS, device=DEVICE)
+print("cache B's prefix     ", step([("B", 0, 8)]))
+set_prefill_context([17, 27, 3], [17, 35, 3], [tables[n] for n in "ABC"], BS, device=DEVICE)
+report = {"prefill": step([("A", 0, 17), ("B", 8, 35), ("C", 0, 3)])}
+print("prefill with a prefix", report["prefill"])
+for i in range(2):
+    ends = {"A": 18 + i, "B": 36 + i, "C": 4 + i}
+    ctx = set_decode_context([ends[n] for n in "ABC"], [tables[n] for n in "ABC"], BS, device=DEVICE)
+    report[f"decode {i}"] = step([(n, ends[n] - 1, ends[n]) for n in "ABC"])
+    print(f"decode {i}             ", report[f"decode {i}"])
+q_last = torch.stack([qkv[n][0][ends[n] - 1] for n in "ABC"])
+plain = decode_attention(q_last, layers["triton"].k_cache, layers["triton"].v_cache, ctx, D**-0.5, num_splits=1)
+split = decode_attention(q_last, layers["triton"].k_cache, layers["triton"].v_cache, ctx, D**-0.5, num_splits=3)
+report["split-K vs plain"] = {"max_err": (split - plain).abs().max().item()}
+print("split-K (3 slices) vs plain decode: max |diff|", f"{report['split-K vs plain']['max_err']:.1e}")
+reset_context()
+
+# %% [markdown] tags=["en"]
+# ## Check it
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+
+# %%
+assert all(r["max_err"] < 1e-4 for r in report.values()), report
+assert torch.equal(layers["triton"].k_cache, layers["torch"].k_cache)  # store: bit-identical scatter
+assert torch.equal(layers["triton"].v_cache, layers["torch"].v_cache)
+assert resolve_attention_backend("auto", "cpu") == "torch" and resolve_attention_backend("auto", "cuda") == "triton"
+print("Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical")
+
+# %% [markdown] tags=["en"]
+# ## Measure it: bandwidth for decode, SDPA for prefill
+#
+# Decode reads the whole KV cache of the batch once per step and does little arithmetic, so its
+# honest yardstick is **bandwidth**: KV bytes read / time, compared with a device-to-device
+# copy measured in the same run (the best a kernel that streams memory can hope for). Prefill
+# is compute-bound; its yardstick is PyTorch's `scaled_dot_product_attention` with the
+# flash-attention backend on the same dense causal shapes. The script below prints both; run it
+# on a GPU with `python -m nanovllm.bench_attention` (`--quick` for fewer shapes, `--out F.json`
+# to keep the figures). Decode is timed the way the engine runs it, replayed from a CUDA graph
+# (chapter 09), so the Python launch overhead is not in the figure, over enough different blocks
+# that the reads come from HBM rather than the L2 cache. Prefill uses `triton.testing.do_bench`
+# (median, L2 flushed between repetitions).
+
+# %% [markdown] tags=["zh"]
+# ## 测量：decode 看带宽，prefill 对比 SDPA
+#
+# decode 每一步把整个批次的 KV 缓存读一遍，算术量很小，所以衡量它的可靠标尺是**带宽**：读取的 KV 字节数 / 时间，
+# 并与同一次运行中测得的设备内拷贝带宽比较（只做内存流式读写的内核最多也就这么快）。prefill 受算力限制，它的标尺是
+# PyTorch 的 `scaled_dot_product_attention`（flash-attention 后端）在相同稠密因果形状上的速度。下面的脚本打印这两组
+# 数字；在 GPU 上用 `python -m nanovllm.bench_attention` 运行（`--quick` 只测较少的形状，`--out F.json` 保存结果）。
+# decode 按引擎实际运行的方式计时：从 CUDA Graph（第 09 章）重放，因此数字里不含 Python 启动开销；并轮流读取足够多的
+# 不同块，使数据来自 HBM 而不是 L2 缓存。prefill 用 `triton.testing.do_bench`（取中位数，每次重复之间清空 L2）。
+
+# %% bench
+#| export bench_attention
+"""Attention kernel benchmarks (GPU): ``python -m nanovllm.bench_attention [--quick] [--out results.json]``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from nanovllm.layers.triton_attention import choose_num_splits, decode_attention, prefill_attention
+from nanovllm.utils.context import Context
+
+# en: Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128; nano-vllm's block size 256.
+# zh: Qwen3-0.6B 的注意力布局：16 个查询头、8 个 KV 头、head_dim 128；nano-vllm 的块大小 256。
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+
+
+def time_ms(fn) -> float:
+    """Median milliseconds of ``fn()`` on the GPU (triton's do_bench: warm-up, L2 flushed between runs)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graph_time_ms(fn, reps: int = 20) -> float:
+    """Median milliseconds of one replay of a CUDA graph that captured ``fn()``: GPU time, no launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (bytes read + bytes written)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16) -> dict:
+    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count.
+
+    Timed as the engine runs it, inside a CUDA graph (no Python launch overhead), over ``copies``
+    batches with different blocks of one big cache, so that reads come from HBM, not from the L2 cache.
+    """
+    blocks = math.ceil(context / BLOCK_SIZE)
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
+    copies = max(1, min(64, math.ceil((512 << 20) / kv_bytes)))
+    k_cache = torch.randn(copies * batch * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    # en: Each sequence gets a random set of blocks, as after a while of serving.
+    # zh: 每个序列分到一组随机的块，就像服务运行一段时间之后那样。
+    perm = torch.randperm(copies * batch * blocks, device="cuda").view(copies, batch, blocks).int()
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    ctxs = [Context(is_prefill=False, context_lens=lens, block_tables=perm[c]) for c in range(copies)]
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    row = {"batch": batch, "context": context, "kv_bytes": kv_bytes, "copies": copies, "ms": {}}
+
+    def timed(num_splits: int | None) -> float:
+        def fn() -> None:
+            for ctx in ctxs:
+                decode_attention(q, k_cache, v_cache, ctx, HEAD_DIM**-0.5, num_splits=num_splits)
+
+        return graph_time_ms(fn) / copies
+
+    for s in splits:
+        if s == 1 or context // s >= 128:
+            row["ms"][s] = timed(s)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    row["auto_splits"] = choose_num_splits(batch, KV_HEADS, blocks * BLOCK_SIZE, sms)
+    if row["auto_splits"] not in row["ms"]:
+        row["ms"][row["auto_splits"]] = timed(None)
+    row["best_splits"] = min(row["ms"], key=row["ms"].get)
+    return row
+
+
+def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,)) -> dict:
+    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(batch * seqlen, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    k = torch.randn(batch * seqlen, KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * seqlen
+    ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
+    empty = torch.empty(0, device="cuda", dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    # en: SDPA wants [B, H, S, d] with every query head's K/V: expand the KV heads outside the timing.
+    # zh: SDPA 需要 [B, H, S, d]，且每个查询头都有自己的 K/V：在计时之外把 KV 头展开。
+    group = HEADS // KV_HEADS
+    qd = q.view(batch, seqlen, HEADS, HEAD_DIM).transpose(1, 2)
+    kd = k.view(batch, seqlen, KV_HEADS, HEAD_DIM).repeat_interleave(group, dim=2).transpose(1, 2)
+    vd = v.view(batch, seqlen, KV_HEADS, HEAD_DIM).repeat_interleave(group, dim=2).transpose(1, 2)
+
+    def sdpa() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+
+    flops = 4 * batch * HEADS * HEAD_DIM * seqlen * (seqlen + 1) / 2  # QK^T and PV over the causal half
+    row = {"batch": batch, "seqlen": seqlen, "sdpa_ms": time_ms(sdpa), "triton_ms": {}}
+    for launch in launches:
+        row["triton_ms"][str(launch)] = time_ms(lambda launch=launch: prefill_attention(q, k, v, empty, empty, ctx,
+                                                                                        scale, launch=launch))
+    row["best_launch"] = min(row["triton_ms"], key=row["triton_ms"].get)
+    row["ratio"] = row["triton_ms"]["None"] / row["sdpa_ms"]  # default launch vs SDPA
+    row["tflops"] = flops / (row["triton_ms"]["None"] * 1e-3) / 1e12
+    row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
+    ours = prefill_attention(q, k, v, empty, empty, ctx, scale)
+    row["max_abs_diff"] = (ours - sdpa().transpose(1, 2).reshape_as(ours)).abs().max().item()
+    return row
+
+
+def run(quick: bool = False) -> dict:
+    """All benchmarks; returns a JSON-able dict and prints tables as it goes."""
+    props = torch.cuda.get_device_properties(0)
+    result = {
+        "device": props.name, "num_sms": props.multi_processor_count,
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+        "triton": __import__("triton").__version__, "python": platform.python_version(),
+        "command": "python -m nanovllm.bench_attention" + (" --quick" if quick else ""),
+    }  # fmt: skip
+    result["copy_bytes_per_s"] = copy = copy_bandwidth()
+    print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
+    batches = (1, 16, 64, 256) if quick else (1, 4, 16, 64, 128, 256)
+    contexts = (512, 2048, 8192) if quick else (512, 1024, 2048, 4096, 8192)
+    print("decode (bf16, 16 q / 8 kv heads, d 128, block 256): achieved KV bandwidth / copy bandwidth")
+    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}")
+    result["decode"] = []
+    for batch in batches:
+        for context in contexts:
+            row = bench_decode(batch, context)
+            result["decode"].append(row)
+
+            def frac(s: int, row=row) -> float:
+                return row["kv_bytes"] / (row["ms"][s] * 1e-3) / copy
+
+            best, auto = row["best_splits"], row["auto_splits"]
+            print(f"{batch:>5} {context:>5} {frac(1):>11.0%} {frac(best):>9.0%} (S={best:>2}) "
+                  f"{frac(auto):>9.0%} (S={auto:>2})")
+    print("prefill (bf16, dense causal): our kernel vs SDPA flash")
+    shapes = ((1, 2048), (4, 4096)) if quick else ((1, 1024), (1, 4096), (1, 8192), (4, 2048), (16, 1024))
+    launches = (None,) if quick else (None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
+    result["prefill"] = []
+    for batch, seqlen in shapes:
+        row = bench_prefill(batch, seqlen, launches=launches)
+        result["prefill"].append(row)
+        print(f"batch {batch:>2} seq {seqlen:>5}: ours {row['tflops']:6.1f} TFLOP/s, SDPA {row['sdpa_tflops']:6.1f}"
+              f" TFLOP/s, time ratio {row['ratio']:.2f}x (best launch {row['best_launch']}), "
+              f"max|diff| {row['max_abs_diff']:.3f}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU")
+    result = run(args.quick)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

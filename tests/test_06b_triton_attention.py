@@ -1,0 +1,367 @@
+"""Chapter 06b: the Triton kernels against the torch reference backend.
+
+Without CUDA the kernels run in the Triton interpreter (tiny shapes, float32 / float16: the
+interpreter's bf16 dot products are wrong). With CUDA the same tests run compiled, and the
+``gpu`` tests add bf16 at Qwen3-0.6B's layout and a model-level check.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    # en: Must happen before the kernel module is imported (Triton reads it when decorating kernels).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import nanovllm.layers.triton_attention as ta  # noqa: E402
+
+if not CUDA and not ta.INTERPRETED:  # imported earlier in this process without the interpreter
+    ta = importlib.reload(ta)
+
+from nanovllm.layers.attention import Attention, TorchBackend, get_attention_backend  # noqa: E402
+from nanovllm.utils.context import (  # noqa: E402
+    reset_context,
+    set_context,
+    set_decode_context,
+    set_prefill_context,
+)
+
+DEVICE = "cuda" if CUDA else "cpu"
+REF = TorchBackend()
+TOL = {torch.float32: 2e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _clean_context():
+    reset_context()
+    yield
+    reset_context()
+
+
+def random_tables(lengths: list[int], block_size: int, rng: random.Random, spare: int = 2):
+    """Disjoint random block tables covering ``lengths`` tokens; returns (tables, num_blocks)."""
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + spare
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for n in needed:
+        tables.append(free[:n])
+        free = free[n:]
+    return tables, num_blocks
+
+
+def nan_cache(num_blocks: int, block_size: int, kv_heads: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    # Unwritten slots hold NaN: a kernel that reads one poisons its output and fails the test.
+    return torch.full((num_blocks, block_size, kv_heads, d), float("nan"), dtype=dtype, device=DEVICE)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# ---------------------------------------------------------------- store
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_store_matches_reference_and_skips_minus_one(dtype: torch.dtype, block_size: int) -> None:
+    torch.manual_seed(block_size)
+    kv_heads, d, num_tokens, num_blocks = 2, 16, 9, 3
+    # k, v as views into a fused projection (token stride larger than kv_heads * d), like the model's.
+    fused = torch.randn(num_tokens, 3, kv_heads, d, dtype=dtype, device=DEVICE)
+    k, v = fused[:, 1], fused[:, 2]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
+    slots[[2, 5]] = -1
+    ours = [nan_cache(num_blocks, block_size, kv_heads, d, dtype) for _ in range(2)]
+    ref = [c.clone() for c in ours]
+    ta.store_kvcache(k, v, *ours, slots)
+    REF.store_kvcache(k, v, *ref, slots)
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert ours[0].isnan().sum() == (num_blocks * block_size - (num_tokens - 2)) * kv_heads * d
+
+
+# ---------------------------------------------------------------- prefill
+
+def run_prefill_case(seed: int, dtype: torch.dtype, block_sizes, groups, max_len: int, heads_kv=(1, 2), d: int = 16):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_size, group, kv_heads = rng.choice(block_sizes), rng.choice(groups), rng.choice(heads_kv)
+    heads = kv_heads * group
+    num_seqs = rng.randint(1, 3)
+    total = [rng.randint(1, max_len) for _ in range(num_seqs)]
+    # cached prefix: 0, whole blocks, or a partial block (a later chunk of a chunked prefill)
+    cached = []
+    for n in total:
+        kind = rng.choice(["zero", "blocks", "partial"])
+        whole = (n - 1) // block_size * block_size
+        cached.append(0 if kind == "zero" else whole if kind == "blocks" else rng.randint(0, n - 1))
+    tables, num_blocks = random_tables(total, block_size, rng)
+    caches = [nan_cache(num_blocks, block_size, kv_heads, d, dtype) for _ in range(2)]
+    k_all = [torch.randn(n, kv_heads, d, dtype=dtype, device=DEVICE) for n in total]
+    v_all = [torch.randn(n, kv_heads, d, dtype=dtype, device=DEVICE) for n in total]
+    # The prefixes are stored by an earlier step (the reference store: store is tested on its own).
+    for i in range(num_seqs):
+        if cached[i]:
+            ctx = set_prefill_context([cached[i]], [cached[i]], [tables[i]], block_size, device=DEVICE)
+            REF.store_kvcache(k_all[i][: cached[i]], v_all[i][: cached[i]], *caches, ctx.slot_mapping)
+    ctx = set_prefill_context([t - c for t, c in zip(total, cached, strict=True)], total, tables, block_size,
+                              device=DEVICE)
+    q = torch.randn(ctx.slot_mapping.numel(), heads, d, dtype=dtype, device=DEVICE)
+    k = torch.cat([k_all[i][cached[i]:] for i in range(num_seqs)])
+    v = torch.cat([v_all[i][cached[i]:] for i in range(num_seqs)])
+    ta.store_kvcache(k, v, *caches, ctx.slot_mapping)
+    scale = d**-0.5
+    out = ta.prefill_attention(q, k, v, *caches, ctx, scale)
+    expected = REF.prefill(q, k, v, *caches, ctx, scale)
+    close(out, expected, dtype)
+    assert out.dtype == dtype and out.shape == q.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_prefill_with_cached_prefix_matches_reference(group: int, block_size: int, dtype: torch.dtype) -> None:
+    seed = group * 100 + block_size + (dtype == torch.float16)
+    run_prefill_case(seed, dtype, [block_size], [group], max_len=70)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_without_cache_attends_over_given_kv(dtype: torch.dtype) -> None:
+    """The warm-up forward: no KV cache, no block tables; attention over the fresh k, v."""
+    torch.manual_seed(3)
+    layer = Attention(4, 16, 0.25, 2)
+    layer.backend = "triton"
+    set_prefill_context([3, 21], [3, 21], device=DEVICE)
+    q = torch.randn(24, 4, 16, dtype=dtype, device=DEVICE)
+    fused = torch.randn(24, 2, 2, 16, dtype=dtype, device=DEVICE)  # strided k, v views
+    k, v = fused[:, 0], fused[:, 1]
+    out = layer(q, k, v)
+    empty = torch.tensor([])
+    close(out, REF.prefill(q, k, v, empty, empty, set_prefill_context([3, 21], [3, 21], device=DEVICE), 0.25), dtype)
+    assert layer.k_cache.numel() == 0
+
+
+def test_prefill_errors_match_reference() -> None:
+    q, kv = torch.randn(2, 2, 16, device=DEVICE), torch.randn(2, 1, 16, device=DEVICE)
+    empty = torch.tensor([])
+    ctx = set_prefill_context([2], [5], [[0]], 16, device=DEVICE)
+    with pytest.raises(ValueError, match="no KV cache"):
+        ta.prefill_attention(q, kv, kv, empty, empty, ctx, 0.25)
+    ctx = set_context(True, torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32), 2, 5)
+    with pytest.raises(ValueError, match="needs block tables"):
+        ta.prefill_attention(q, kv, kv, empty, empty, ctx, 0.25)
+
+
+# ---------------------------------------------------------------- decode
+
+def decode_setup(seed: int, dtype: torch.dtype, block_sizes, groups, max_len: int, d: int = 16, pad_row: bool = True):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    block_size, group, kv_heads = rng.choice(block_sizes), rng.choice(groups), rng.choice([1, 2])
+    heads = kv_heads * group
+    lens = [rng.randint(1, max_len) for _ in range(rng.randint(1, 3))]
+    tables, num_blocks = random_tables(lens, block_size, rng)
+    caches = [nan_cache(num_blocks, block_size, kv_heads, d, dtype) for _ in range(2)]
+    for n, table in zip(lens, tables, strict=True):
+        ctx = set_prefill_context([n], [n], [table], block_size, device=DEVICE)
+        REF.store_kvcache(torch.randn(n, kv_heads, d, dtype=dtype, device=DEVICE),
+                          torch.randn(n, kv_heads, d, dtype=dtype, device=DEVICE), *caches, ctx.slot_mapping)
+    ctx = set_decode_context(lens, tables, block_size, device=DEVICE)
+    if pad_row:  # a CUDA-graph padding row: context length 0, block table all -1
+        width = ctx.block_tables.shape[1]
+        ctx = set_context(False, slot_mapping=torch.cat([ctx.slot_mapping, ctx.slot_mapping.new_tensor([-1])]),
+                          context_lens=torch.cat([ctx.context_lens, ctx.context_lens.new_tensor([0])]),
+                          block_tables=torch.cat([ctx.block_tables, ctx.block_tables.new_full((1, width), -1)]))
+    q = torch.randn(ctx.context_lens.numel(), heads, d, dtype=dtype, device=DEVICE)
+    return q, caches, ctx, d**-0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_decode_plain_and_split_match_reference(group: int, block_size: int, dtype: torch.dtype) -> None:
+    seed = group * 100 + block_size + (dtype == torch.float16)
+    q, caches, ctx, scale = decode_setup(seed, dtype, [block_size], [group], 90)
+    expected = REF.decode(q, *caches, ctx, scale)
+    plain = ta.decode_attention(q, *caches, ctx, scale, num_splits=1)
+    close(plain, expected, dtype)
+    assert torch.equal(plain[-1], torch.zeros_like(plain[-1]))  # the padded row
+    for splits in (2, 3):
+        split = ta.decode_attention(q, *caches, ctx, scale, num_splits=splits)
+        close(split, plain, dtype)
+        assert torch.equal(split[-1], torch.zeros_like(split[-1]))
+
+
+def test_decode_errors() -> None:
+    q = torch.randn(1, 2, 16, device=DEVICE)
+    ctx = set_decode_context([1], [[0]], 16, device=DEVICE)
+    with pytest.raises(ValueError, match="needs a KV cache"):
+        ta.decode_attention(q, torch.tensor([]), torch.tensor([]), ctx, 0.25)
+    cache = torch.zeros(1, 16, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        ta.decode_attention(q, cache, cache, ctx, 0.25, num_splits=0)
+    with pytest.raises(ValueError, match="does not fit a cache"):
+        ta.decode_attention(torch.randn(1, 3, 16, device=DEVICE), torch.zeros(1, 16, 2, 16, device=DEVICE),
+                            torch.zeros(1, 16, 2, 16, device=DEVICE), ctx, 0.25)
+
+
+def test_split_heuristic() -> None:
+    # few programs and a long context: split; many programs or short contexts: plain
+    assert ta.choose_num_splits(batch=1, num_kv_heads=8, max_context=8192, num_sms=132) > 1
+    assert ta.choose_num_splits(batch=256, num_kv_heads=8, max_context=8192, num_sms=132) == 1
+    assert ta.choose_num_splits(batch=17, num_kv_heads=8, max_context=8192, num_sms=132) == 1
+    assert ta.choose_num_splits(batch=1, num_kv_heads=8, max_context=128, num_sms=132) == 1
+    splits = ta.choose_num_splits(batch=2, num_kv_heads=8, max_context=1 << 20, num_sms=132)
+    assert 1 < splits <= 32 and 2 * 8 * splits >= 132
+
+
+# ---------------------------------------------------------------- the layer, the registry, the resolver
+
+def test_layer_through_triton_backend_matches_torch_layer() -> None:
+    """A prefill with a prefix, then decode, through Attention layers set to each backend."""
+    torch.manual_seed(5)
+    layers = {}
+    for name in ("torch", "triton"):
+        layer = Attention(4, 16, 0.25, 2)
+        layer.backend = name
+        layer.k_cache, layer.v_cache = nan_cache(6, 16, 2, 16, torch.float32), nan_cache(6, 16, 2, 16, torch.float32)
+        layers[name] = layer
+    qkv = (torch.randn(40, 4, 16, device=DEVICE), torch.randn(40, 2, 16, device=DEVICE),
+           torch.randn(40, 2, 16, device=DEVICE))
+    steps = [((0, 20), set_prefill_context), ((20, 39), set_prefill_context), ((39, 40), set_decode_context)]
+    table = [4, 0, 2]
+    for (a, b), setter in steps:
+        outs = {}
+        for name, layer in layers.items():
+            if setter is set_prefill_context:
+                set_prefill_context([b - a], [b], [table], 16, device=DEVICE)
+            else:
+                set_decode_context([b], [table], 16, device=DEVICE)
+            outs[name] = layer(*(t[a:b] for t in qkv))
+        close(outs["triton"], outs["torch"], torch.float32)
+    assert torch.equal(layers["triton"].k_cache.nan_to_num(), layers["torch"].k_cache.nan_to_num())
+
+
+def test_registry_and_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(get_attention_backend("triton"), ta.TritonBackend)
+    assert ta.resolve_attention_backend("auto", "cpu") == "torch"
+    assert ta.resolve_attention_backend("auto", torch.device("cuda")) == "triton"
+    assert ta.resolve_attention_backend("torch", "cpu") == "torch"
+    assert ta.resolve_attention_backend("triton", "cuda") == "triton"
+    monkeypatch.setattr(ta, "INTERPRETED", True)
+    assert ta.resolve_attention_backend("triton", "cpu") == "triton"
+    monkeypatch.setattr(ta, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        ta.resolve_attention_backend("triton", "cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        ta.store_kvcache(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 4, 1, 4),
+                         torch.zeros(1, 4, 1, 4), torch.tensor([0]))
+    with pytest.raises(ValueError, match="unknown attention_backend 'fast'"):
+        ta.resolve_attention_backend("fast", "cuda")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ta.resolve_attention_backend("flash-attn", "cpu")
+    monkeypatch.setattr(ta, "flash_attn_available", lambda: False)
+    with pytest.raises(ValueError, match="flash_attn package"):
+        ta.resolve_attention_backend("flash-attn", "cuda")
+
+
+# ---------------------------------------------------------------- GPU: bf16 at real shapes, the model
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
+def test_gpu_bf16_qwen3_layout(block_size: int) -> None:
+    """16 q heads, 8 KV heads, head_dim 128, bf16: store, prefill with prefixes, decode plain/split/auto."""
+    rng = random.Random(block_size)
+    torch.manual_seed(block_size)
+    dtype, heads, kv_heads, d = torch.bfloat16, 16, 8, 128
+    total = [rng.randint(1, 1500) for _ in range(5)]
+    cached = [rng.choice([0, (n - 1) // block_size * block_size, rng.randint(0, n - 1)]) for n in total]
+    decode_lens = [n + 1 for n in total]
+    tables, num_blocks = random_tables(decode_lens, block_size, rng)
+    caches = [nan_cache(num_blocks, block_size, kv_heads, d, dtype) for _ in range(2)]
+    refs = [c.clone() for c in caches]
+    for i, c in enumerate(cached):
+        if c:
+            ctx = set_prefill_context([c], [c], [tables[i]], block_size, device=DEVICE)
+            k, v = torch.randn(2, c, kv_heads, d, dtype=dtype, device=DEVICE)
+            ta.store_kvcache(k, v, *caches, ctx.slot_mapping)
+            REF.store_kvcache(k, v, *refs, ctx.slot_mapping)
+    ctx = set_prefill_context([t - c for t, c in zip(total, cached, strict=True)], total, tables, block_size,
+                              device=DEVICE)
+    n = ctx.slot_mapping.numel()
+    q, k, v = torch.randn(n, heads, d, dtype=dtype, device=DEVICE), *torch.randn(2, n, kv_heads, d, dtype=dtype,
+                                                                                    device=DEVICE)
+    ta.store_kvcache(k, v, *caches, ctx.slot_mapping)
+    REF.store_kvcache(k, v, *refs, ctx.slot_mapping)
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(caches, refs, strict=True))
+    close(ta.prefill_attention(q, k, v, *caches, ctx, d**-0.5), REF.prefill(q, k, v, *caches, ctx, d**-0.5), dtype)
+    ctx = set_decode_context(decode_lens, tables, block_size, device=DEVICE)
+    q, k, v = torch.randn(5, heads, d, dtype=dtype, device=DEVICE), *torch.randn(2, 5, kv_heads, d, dtype=dtype,
+                                                                                    device=DEVICE)
+    ta.store_kvcache(k, v, *caches, ctx.slot_mapping)
+    expected = REF.decode(q, *caches, ctx, d**-0.5)
+    for splits in (1, 4, 7, None):
+        close(ta.decode_attention(q, *caches, ctx, d**-0.5, num_splits=splits), expected, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_long_context_decode_split_matches_plain() -> None:
+    q, caches, ctx, scale = decode_setup(7, torch.bfloat16, [256], [2], 9000, d=128)
+    plain = ta.decode_attention(q, *caches, ctx, scale, num_splits=1)
+    close(plain, REF.decode(q, *caches, ctx, scale), torch.bfloat16)
+    close(ta.decode_attention(q, *caches, ctx, scale, num_splits=16), plain, torch.bfloat16)
+
+
+def tiny_qwen3_logits(dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """The tiny Qwen3 on CUDA: a flat batch with a chunked prefill and a prefix hit, then decode; all logits."""
+    from nanovllm.utils.loader import build_model
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    model = build_model(build_tiny_model("qwen3"), dtype=dtype, device=DEVICE)
+    bs = 16
+    a = list(range(3, 60))
+    seqs = {"A": a, "B": list(range(100, 141)), "C": [*a[:32], 300, 301, 302]}
+    tables = {"A": [3, 10, 1, 20], "B": [0, 2, 4], "C": [3, 10, 15]}  # C shares A's first two blocks
+    for layer in (m for m in model.modules() if isinstance(m, Attention)):
+        layer.backend = backend
+        shape = (24, bs, layer.num_kv_heads, layer.head_dim)
+        layer.k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        layer.v_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    plan = [([("A", 0, 57), ("B", 0, 20)], False), ([("B", 20, 41), ("C", 32, 35)], False),
+            ([("A", 56, 57), ("B", 40, 41), ("C", 34, 35)], True)]
+    rows = []
+    for parts, decode in plan:
+        ids = torch.tensor([t for n, s, e in parts for t in seqs[n][s:e]], device=DEVICE)
+        pos = torch.cat([torch.arange(s, e) for _, s, e in parts]).to(DEVICE)
+        if decode:
+            set_decode_context([e for _, _, e in parts], [tables[n] for n, _, _ in parts], bs, device=DEVICE)
+        else:
+            set_prefill_context([e - s for _, s, e in parts], [e for _, _, e in parts],
+                                [tables[n] for n, _, _ in parts], bs, device=DEVICE)
+        with torch.inference_mode():
+            rows.append(model.compute_logits(model(ids, pos)).float())
+    reset_context()
+    return torch.cat(rows)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_tiny_qwen3_forward_triton_equals_torch() -> None:
+    """float32: the two backends agree to 1e-3 on the logits; bf16: Triton is no less accurate than torch."""
+    reference = tiny_qwen3_logits(torch.float32, "torch")
+    torch.testing.assert_close(tiny_qwen3_logits(torch.float32, "triton"), reference, atol=1e-3, rtol=0)
+    err_torch = (tiny_qwen3_logits(torch.bfloat16, "torch") - reference).abs().max().item()
+    err_triton = (tiny_qwen3_logits(torch.bfloat16, "triton") - reference).abs().max().item()
+    assert err_triton <= 1.5 * err_torch + 1e-2, (err_triton, err_torch)
