@@ -127,6 +127,7 @@ class Config:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
+    compile_small_ops: bool | str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -182,6 +183,10 @@ class Config:
                 "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
             )
+        compile_ops = self.compile_small_ops
+        if not isinstance(compile_ops, bool) and compile_ops != "auto":
+            raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
+        self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -7,11 +7,13 @@ from typing import Any
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.models.qwen3 import head_dim_of
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.utils.context import get_context, reset_context, set_decode_context, set_prefill_context
 from nanovllm.utils.loader import build_model
 
 __all__ = [
@@ -111,10 +113,14 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
+        if config.compile_small_ops:
+            compile_small_ops(self.model)  # chapter 09; compiled during the warm-up below
         self.sampler = Sampler()
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
+        # Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
+        self.graphs = capture_decode_graphs(self.model, config)
 
     # ---- the KV cache ---------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
@@ -159,9 +165,18 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
         prepare = prepare_prefill if is_prefill else prepare_decode
+        too_long = next((s for s in seqs if len(s) > self.config.max_model_len), None)
+        if too_long is not None:
+            # The engine refuses such requests up front; the graphs' block-table buffer relies on it.
+            raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
-            logits = self.model.compute_logits(self.model(input_ids, positions))
+            if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+                hidden = self.graphs.replay(input_ids, positions, get_context())  # chapter 09
+            else:
+                hidden = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden)
         finally:
             reset_context()
         # Only rows whose whole sequence has been computed want a token.
@@ -170,7 +185,7 @@ class ModelRunner:
         if rows:
             wanted = [seqs[i] for i in rows]
             inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
-            sampled = self.sampler(logits[rows], **inputs).tolist()
+            sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs).tolist()
             for i, token in zip(rows, sampled, strict=True):
                 tokens[i] = token
         return tokens
