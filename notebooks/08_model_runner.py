@@ -308,6 +308,8 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 
 # %% model runner
 #| export
+import importlib
+
 from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
@@ -325,6 +327,10 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        if config.attention_backend != "torch":
+            # en: Chapter 06b's kernels register "triton" (and "flash-attn") when their module is imported.
+            # zh: 第 06b 章的内核在其模块被导入时注册 "triton"（以及 "flash-attn"）。
+            importlib.import_module("nanovllm.layers.triton_attention")
         get_attention_backend(config.attention_backend)  # a clear error if it is not registered
         self.model = build_model(config.model, dtype=self.dtype, device=self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -108,6 +109,9 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
+        if config.attention_backend != "torch":
+            # Chapter 06b's kernels register "triton" (and "flash-attn") when their module is imported.
+            importlib.import_module("nanovllm.layers.triton_attention")
         get_attention_backend(config.attention_backend)  # a clear error if it is not registered
         self.model = build_model(config.model, dtype=self.dtype, device=self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
