@@ -677,6 +677,31 @@ def profile_step(runner: ModelRunner, batch: int, context_len: int = 512, rows: 
             + averages.table(sort_by="cpu_time_total", row_limit=rows))
 
 
+DECODE_LAUNCHES = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 3))
+
+
+def sweep_decode_launches(batch: int, context: int, launches=DECODE_LAUNCHES) -> list[dict]:
+    """Decode attention (chapter 06b) at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
+    from nanovllm.bench_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_time_ms
+    from nanovllm.layers.triton_attention import decode_attention
+    from nanovllm.utils.context import Context
+
+    blocks = -(-context // BLOCK_SIZE)
+    k_cache = torch.randn(batch * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).int()
+    ctx = Context(is_prefill=False, context_lens=torch.full((batch,), context, dtype=torch.int32, device="cuda"),
+                  block_tables=tables)  # fmt: skip
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+    rows = []
+    for launch in launches:
+        ms = graph_time_ms(lambda launch=launch: decode_attention(q, k_cache, v_cache, ctx, HEAD_DIM**-0.5,
+                                                                  launch=launch))  # fmt: skip
+        rows.append({"launch": launch, "ms": ms, "tb_per_s": kv_bytes / ms / 1e9})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench_graphs", description=__doc__)
     parser.add_argument("--model", help="model directory (default: Qwen3-0.6B shapes, random weights)")
@@ -685,11 +710,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--profile-batch", type=int, help="also print a torch.profiler table at this batch size")
+    parser.add_argument("--sweep-decode", action="store_true",
+                        help="only time decode-attention launch configurations (batch 256, contexts 512 and 1024)")
     parser.add_argument("--out", help="write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
         return 2
+    if args.sweep_decode:
+        for context in (512, 1024):
+            for row in sweep_decode_launches(256, context):
+                print(f"decode attention batch 256, context {context}, launch {row['launch']}: "
+                      f"{row['ms'] * 1e3:.0f} us = {row['tb_per_s']:.2f} TB/s")
+        return 0
     from nanovllm.bench import qwen3_06b_random
 
     model = args.model or str(qwen3_06b_random())

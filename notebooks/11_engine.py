@@ -1213,8 +1213,11 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3)
 
 
-def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
-    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments)."""
+def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
+    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments).
+
+    breakdown: a dict that receives the seconds and steps spent inside `ModelRunner.run` (prefill, decode).
+    """
     from nanovllm.llm import LLM
 
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
@@ -1222,6 +1225,20 @@ def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
     llm = LLM(model, **config)
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    if breakdown is not None:
+        inner = llm.model_runner.run
+
+        def timed(seqs: list, is_prefill: bool) -> list[int]:
+            # en: run() ends with a device-to-host copy of the tokens, so wall time here includes the GPU's.
+            # zh: run() 以把 token 拷回主机结束，所以这里的墙钟时间包含 GPU 的时间。
+            began = time.perf_counter()
+            tokens = inner(seqs, is_prefill)
+            kind = "prefill" if is_prefill else "decode"
+            breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
+            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + 1
+            return tokens
+
+        llm.model_runner.run = timed
     _sync(device)
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
@@ -1279,9 +1296,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     if not args.no_engine:
         compile_ops = {"auto": "auto", "on": True, "off": False}[args.compile_small_ops]
+        breakdown: dict[str, float] = {}
         results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype,
-                                       enforce_eager=args.enforce_eager, compile_small_ops=compile_ops)
+                                       enforce_eager=args.enforce_eager, compile_small_ops=compile_ops,
+                                       breakdown=breakdown)
         print(results["engine"])
+        outside = results["engine"].seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
+        print(f"  inside ModelRunner.run: prefill {breakdown.get('prefill', 0):.2f} s in "
+              f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
+              f"{breakdown.get('decode_steps', 0)} steps; outside it (scheduler, engine loop): {outside:.2f} s")
+        report["breakdown"] = breakdown
     if not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
         results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
