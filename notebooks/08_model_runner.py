@@ -343,6 +343,8 @@ class ModelRunner:
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
         config.num_kvcache_blocks = self.kv_cache.shape[2]
+        if self.device.type == "cuda":
+            self.warm_paged_prefill()
         # en: Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
         # zh: 第 09 章：decode 图，在 KV 缓存分配之后捕获（None：decode 以 eager 方式运行）。
         self.graphs = capture_decode_graphs(self.model, config)
@@ -385,6 +387,23 @@ class ModelRunner:
         with torch.inference_mode():
             self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
+
+    def warm_paged_prefill(self) -> None:
+        """One 1-token prefill after a 1-token cached prefix, so the kernels that read a cached prefix
+        (chunked prefill, prefix-cache hits) are compiled now rather than in the first such step."""
+        table = list(range(-(-2 // self.block_size)))
+        if len(table) > self.kv_cache.shape[2]:
+            return
+        # en: The pool's first blocks are free; what this writes there is overwritten before anyone reads it.
+        # zh: 池中最前面的块是空闲的；这里写入的内容在任何人读取之前都会被覆盖。
+        seq = Sequence([0, 0], block_size=self.block_size)
+        seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, 1, 1
+        try:
+            input_ids, positions = prepare_prefill([seq], self.block_size, self.device)
+            with torch.inference_mode():
+                self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
 
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 ------------------------------------------------------------------

@@ -756,3 +756,267 @@ def main(argv: list[str] | None = None) -> int:
 # zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm.bench_graphs` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
+
+# %% [markdown] tags=["en"]
+# ### The recorded figures
+#
+# The book runs on machines without a GPU, so the table below is **recorded**, not measured
+# now: NVIDIA H200, 2026-11-29, torch 2.11.0+cu130, Triton 3.6, Qwen3-0.6B shapes with random
+# bf16 weights, 512 tokens of context per sequence, median of 10 steps. The commands were
+#
+# ```
+# python -m nanovllm.bench_graphs --compile-small-ops off --iters 10
+# python -m nanovllm.bench_graphs --compile-small-ops on --iters 10 --profile-batch 256
+# ```
+#
+# Every row returned the same tokens eagerly and from the graph.
+
+# %% [markdown] tags=["zh"]
+# ### 记录下来的数字
+#
+# 本书在没有 GPU 的机器上运行，所以下表是**记录值**，不是此刻测得的：NVIDIA H200，2026-11-29，
+# torch 2.11.0+cu130，Triton 3.6，Qwen3-0.6B 的形状、随机 bf16 权重，每个序列 512 个 token 的上下文，取 10 步的
+# 中位数。命令是
+#
+# ```
+# python -m nanovllm.bench_graphs --compile-small-ops off --iters 10
+# python -m nanovllm.bench_graphs --compile-small-ops on --iters 10 --profile-batch 256
+# ```
+#
+# 每一行在 eager 和 graph 两种方式下都返回了相同的 token。
+
+# %%
+RECORDED = {
+    "device": "NVIDIA H200", "date": "2026-11-29", "torch": "2.11.0+cu130", "context_len": 512,
+    "setup_s": {"off": 9.4, "on": 23.4},  # runner construction: load, warm-up (+ compile), KV, 20 captures
+    # batch: (eager ms, graph ms) with compile_small_ops off, then on
+    "off": {1: (54.47, 4.63), 2: (54.68, 4.87), 4: (55.23, 5.07), 8: (53.91, 5.12), 16: (54.56, 5.48),
+            32: (52.51, 5.85), 64: (52.40, 6.43), 128: (55.35, 7.88), 256: (54.78, 10.51)},
+    "on": {1: (27.22, 1.87), 2: (30.59, 1.99), 4: (55.08, 2.34), 8: (26.22, 1.92), 16: (38.69, 2.53),
+           32: (46.06, 2.53), 64: (26.33, 2.84), 128: (24.89, 4.01), 256: (24.22, 6.59)},
+}  # fmt: skip
+live = "a CUDA device is present: run the commands above to measure it" if torch.cuda.is_available() else "no GPU here"
+print(f"RECORDED on {RECORDED['device']}, {RECORDED['date']} ({live}); ms per decode step, context 512")
+print(f"{'batch':>5} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | graph+compiled")
+print(f"{'':>5} | {'compile_small_ops off':^20} | {'compile_small_ops on':^20} |")
+for batch in RECORDED["off"]:
+    (e0, g0), (e1, g1) = RECORDED["off"][batch], RECORDED["on"][batch]
+    print(f"{batch:>5} | {e0:>6.2f} {g0:>6.2f} {e0 / g0:>5.1f} | {e1:>6.2f} {g1:>6.2f} {e1 / g1:>5.1f} | "
+          + "#" * round(g1 * 4))
+assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[table].items() if b <= 16)
+
+# %% [markdown] tags=["en"]
+# How to read it:
+#
+# - **Eager is launch-bound** and flat: about 54 ms per step whatever the batch, because the
+#   time is the Python that launches ~1,700 kernels, not the kernels (compiled small ops halve
+#   the number of launches, hence ~25 ms, with noisy rows).
+# - **Graphs** cut a batch-1 step from 54 ms to 4.6 ms (12×), and with compiled small ops to
+#   1.9 ms (15× against the same eager path, 29× against plain eager). The goal was 1.5× at
+#   batch ≤ 16; every row is above 9×.
+# - From batch 64 on, the graph time grows with the batch: the GPU's work (mostly reading the
+#   KV cache) starts to dominate. The profiler at batch 256 (compiled, graph) shows where one
+#   step's 5.5 ms of GPU time goes: the decode attention kernel 68% (134 µs per layer for 537 MB
+#   of KV: 4.0 TB/s, close to the 4.2 TB/s copy rate), the four matmuls about 14%, the fused
+#   small ops about 7%. The rest of the 6.6 ms is the host: building the inputs, sampling, and
+#   the copy of the tokens back.
+# - The price of `compile_small_ops`: about 14 s more warm-up per process (9.4 s → 23.4 s). For
+#   a server that is nothing; it stays on by default on CUDA (`"auto"`).
+
+# %% [markdown] tags=["zh"]
+# 怎么读这张表：
+#
+# - **eager 受启动开销限制**，而且几乎是平的：不管批多大，每步都是约 54 ms，因为时间花在启动约 1,700 个内核的
+#   Python 上，而不是内核本身（编译小算子让启动次数减半，所以是约 25 ms，个别行有噪声）。
+# - **CUDA Graph** 把 batch 为 1 的一步从 54 ms 降到 4.6 ms（12 倍），再加上编译小算子降到 1.9 ms（相对同样的
+#   eager 路径是 15 倍，相对普通 eager 是 29 倍）。目标是 batch ≤ 16 时达到 1.5 倍；每一行都超过 9 倍。
+# - 从 batch 64 开始，graph 的时间随批大小增长：GPU 的工作（主要是读取 KV 缓存）开始占主导。batch 256 时
+#   （编译小算子、graph）的性能剖析显示了一步 5.5 ms 的 GPU 时间花在哪里：decode 注意力内核占 68%（每层 134 µs
+#   读 537 MB 的 KV：4.0 TB/s，接近 4.2 TB/s 的拷贝速率），四个矩阵乘约 14%，融合后的小算子约 7%。6.6 ms 中
+#   剩下的是主机端：构造输入、采样、把 token 拷回主机。
+# - `compile_small_ops` 的代价：每个进程的预热多出约 14 s（9.4 s → 23.4 s）。对服务器来说这不算什么；CUDA 上
+#   它默认打开（`"auto"`）。
+
+# %% [markdown] tags=["en"]
+# ## Check the KV sizing on the GPU
+#
+# Chapter 08 sizes the cache as `total × utilization − used − peak + current`. One KV block of
+# Qwen3-0.6B (block size 256, bf16) is `2 × 28 layers × 256 tokens × 8 KV heads × 128 × 2 bytes`
+# = 28 MiB. The H200 reports 140.4 GiB in total; the benchmark runner above used
+# `gpu_memory_utilization=0.5` and got 2,435 blocks. The cell below redoes that arithmetic. The
+# GPU test `test_gpu_kv_sizing_stays_within_the_memory_budget` checks the rule itself: after the
+# largest prefill and a decode step, with the cache and the graphs in place, the device's used
+# memory stays under `total × utilization`.
+
+# %% [markdown] tags=["zh"]
+# ## 在 GPU 上检验 KV 缓存大小
+#
+# 第 08 章按 `total × utilization − used − peak + current` 确定缓存大小。Qwen3-0.6B 的一个 KV 块（块大小 256，
+# bf16）是 `2 × 28 层 × 256 个 token × 8 个 KV 头 × 128 × 2 字节` = 28 MiB。H200 报告的总显存是 140.4 GiB；
+# 上面的基准测试执行器用 `gpu_memory_utilization=0.5`，得到 2,435 个块。下面的单元格把这笔账重算一遍。GPU 测试
+# `test_gpu_kv_sizing_stays_within_the_memory_budget` 检验的是规则本身：在最大的 prefill 和一个 decode 步之后，
+# 缓存和图都已就位，设备已用显存仍低于 `total × utilization`。
+
+# %%
+from types import SimpleNamespace
+
+from nanovllm.bench import QWEN3_06B_SHAPES, layer_params
+from nanovllm.engine.model_runner import kv_block_bytes
+
+qwen = SimpleNamespace(**QWEN3_06B_SHAPES)
+block = kv_block_bytes(qwen, 256, torch.bfloat16)
+total_gib, utilization, blocks = 143771 / 1024, 0.5, 2435  # recorded: nvidia-smi total, the runner's count
+weights_gib = (28 * layer_params(qwen) + 151936 * 1024) * 2 / 2**30
+budget_gib = total_gib * utilization
+kv_gib = blocks * block / 2**30
+print(f"one block: {block / 2**20:.0f} MiB; budget {total_gib:.1f} GiB x {utilization} = {budget_gib:.1f} GiB")
+print(f"KV cache {blocks} blocks = {kv_gib:.1f} GiB; the other {budget_gib - kv_gib:.1f} GiB: weights "
+      f"({weights_gib:.2f} GiB), the warm-up's activation peak and the CUDA context")
+longest = 256 * -(-(1024 + 1024) // 256)
+print(f"the benchmark needs at most {longest} blocks at once (256 sequences x 2048 tokens): it never preempts")
+assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
+
+# %% [markdown] tags=["en"]
+# ## The benchmark: the whole engine against `transformers`
+#
+# `python -m nanovllm.bench --preset nano-vllm` (chapter 11) runs nano-vllm's workload — 256
+# sequences, prompts and outputs of 100–1024 tokens, random token ids, `ignore_eos`,
+# temperature 0.6 — on Qwen3-0.6B's shapes with random bf16 weights, then the same workload
+# through `transformers` (sorted batches of 64), then measures the copy bandwidth and the matmul
+# rate for the bound. **Recorded** on the H200 (2026-11-29, CUDA graphs and compiled small ops
+# on):
+#
+# | | tokens/s | vs transformers | of the bound |
+# |---|---|---|---|
+# | this book's engine | 13,280 (14,289 in an earlier run without the peer) | 16.4× | 38% (41%) |
+# | `transformers` 5.17 `generate`, batches of 64 | 811 | 1× | 2.3% |
+# | bound: 15.07 TB at 4.22 TB/s + 0.182 PFLOP at 693 TFLOP/s | 34,968 | | 100% |
+#
+# Where the engine's 10.1 s went: 2.76 s in 9 prefill steps, 6.84 s in 1,023 decode steps
+# (6.7 ms each on average), 0.49 s in the scheduler and the engine loop. The decode attention
+# kernel already streams the KV at about 4 TB/s, so the decode gap to the bound is the rest of
+# each step: the other kernels (~1.5 ms per step at full batch) and the host work between
+# steps, which does not overlap with the GPU (~1.5 ms). The prefill steps are far slower than
+# their arithmetic (0.18 PFLOP is about 0.3 s): the likely cause is the first *chunked* prefill
+# step, which is the first to read a cached prefix and so JIT-compiles that variant of the
+# prefill kernel while the clock runs. The runner now compiles it during its own warm-up
+# (`warm_paged_prefill`); that change has not been measured on the GPU yet.
+
+# %% [markdown] tags=["zh"]
+# ## 基准测试：整个引擎对比 `transformers`
+#
+# `python -m nanovllm.bench --preset nano-vllm`（第 11 章）在 Qwen3-0.6B 形状、随机 bf16 权重的模型上运行
+# nano-vllm 的负载——256 个序列，提示词和输出都是 100–1024 个 token，token id 随机，`ignore_eos`，温度 0.6——
+# 然后让 `transformers` 跑同一个负载（排好序的 64 个一批），最后测量拷贝带宽和矩阵乘速率以计算上限。
+# H200 上的**记录值**（2026-11-29，CUDA Graph 和编译小算子均打开）：
+#
+# | | tokens/s | 相对 transformers | 占上限 |
+# |---|---|---|---|
+# | 本书的引擎 | 13,280（之前一次不跑对照组的运行为 14,289） | 16.4 倍 | 38%（41%） |
+# | `transformers` 5.17 `generate`，64 个一批 | 811 | 1 倍 | 2.3% |
+# | 上限：15.07 TB 以 4.22 TB/s + 0.182 PFLOP 以 693 TFLOP/s | 34,968 | | 100% |
+#
+# 引擎的 10.1 s 花在哪里：9 个 prefill 步 2.76 s，1,023 个 decode 步 6.84 s（平均每步 6.7 ms），调度器和引擎循环
+# 0.49 s。decode 注意力内核已经以约 4 TB/s 的速度读取 KV，所以 decode 与上限的差距在每一步的其余部分：其他内核
+# （满批时每步约 1.5 ms），以及步与步之间不与 GPU 重叠的主机端工作（约 1.5 ms）。prefill 步比它的运算量慢得多
+# （0.18 PFLOP 约需 0.3 s）：可能的原因是第一个*分块* prefill 步——它是第一个读取已缓存前缀的步，于是在计时期间
+# 即时编译 prefill 内核的这个变体。执行器现在在自己的预热中编译它（`warm_paged_prefill`）；这个改动还没有在 GPU
+# 上测量过。
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# The claims of this page that a CPU can check, executed: the capture list, the bucket rule,
+# the padding rows, the eager fallback on CPU, the refusal of an over-long sequence. The GPU
+# claims (replay gives the same tokens as eager for batches 1, 3, 5, 16, 17, 32; a batch beyond
+# the largest graph runs eagerly; compiled small ops match; the KV cache stays within the
+# budget) are `tests/test_09_cuda_graphs.py`'s `gpu` tests.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 本页中 CPU 能检验的论断，在这里执行：捕获列表、选档规则、填充行、CPU 上退回 eager、拒绝过长的序列。GPU 上的
+# 论断（对 batch 1、3、5、16、17、32，重放与 eager 给出相同的 token；超过最大图的批次以 eager 方式运行；编译小算子
+# 结果一致；KV 缓存不超出预算）由 `tests/test_09_cuda_graphs.py` 中带 `gpu` 标记的测试检验。
+
+# %%
+sizes = capture_sizes(512)
+assert len(sizes) == 36 and sizes == sorted(sizes) and sizes[0] == 1 and sizes[-1] == 512
+for batch in range(1, 513):
+    chosen = graph_batch_size(batch, sizes)
+    assert chosen >= batch and all(s < batch for s in sizes if s < chosen)
+assert runner.graphs is None and graphs_unavailable_reason("cpu", "torch") is not None
+check = DecodeBuffers.allocate(rows=4, max_blocks=2, device="cpu")
+try:
+    check.load(torch.tensor([1]), torch.tensor([8]), set_decode_context([9], [[0, 1, 2]], block_size=4), 1)
+except ValueError as error:
+    assert "max_model_len" in str(error)
+else:
+    raise AssertionError("a block table wider than the buffer was accepted")
+reset_context()
+print("all checks passed")
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm/engine/cuda_graphs.py`: `capture_sizes`, `graph_batch_size` (the bucket rule),
+#   `DecodeBuffers` (static inputs, `load` with padding rows, the `max_model_len` guard),
+#   `graphs_unavailable_reason`, `CudaGraphRunner` (capture largest first into one pool, replay)
+#   and `capture_decode_graphs`.
+# - `nanovllm/layers/compiled_ops.py`: `compile_small_ops(model)` with the config switch
+#   `compile_small_ops` (`"auto"`: on for CUDA).
+# - Two hooks in chapter 08's `ModelRunner` (compile, capture; `run` replays decode steps) and
+#   its guard against sequences longer than `max_model_len`.
+# - `python -m nanovllm.bench_graphs`: decode-step latency eager vs graph, a profiler table, and
+#   a sweep of the decode kernel's launch configurations.
+#
+# Chapter 10 splits the model across GPUs; chapter 11 runs the whole engine.
+#
+# ## Exercises
+#
+# 1. With `max_num_seqs=100`, which sizes are captured, and which graph does a batch of 70 replay?
+# 2. Why must the padding rows have `slot_mapping = -1`? What would go wrong with slot 0?
+# 3. A decode step of batch 1 reads Qwen3-0.6B's 1.19 GB of weights. At 4.2 TB/s, what is the
+#    fastest such a step can be, and how far is the recorded graph step (1.87 ms) from it?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm/engine/cuda_graphs.py`：`capture_sizes`、`graph_batch_size`（选档规则）、`DecodeBuffers`（静态输入、
+#   带填充行的 `load`、`max_model_len` 防线）、`graphs_unavailable_reason`、`CudaGraphRunner`（从最大档位开始捕获到
+#   同一个内存池、重放）以及 `capture_decode_graphs`。
+# - `nanovllm/layers/compiled_ops.py`：`compile_small_ops(model)`，以及配置开关 `compile_small_ops`
+#   （`"auto"`：CUDA 上打开）。
+# - 第 08 章 `ModelRunner` 里的两个挂钩（编译、捕获；`run` 重放 decode 步），以及它对长于 `max_model_len` 的序列
+#   的防线。
+# - `python -m nanovllm.bench_graphs`：eager 与 graph 的 decode 步延迟、性能剖析表，以及 decode 内核启动配置的扫描。
+#
+# 第 10 章把模型切分到多块 GPU 上；第 11 章运行整个引擎。
+#
+# ## 练习
+#
+# 1. `max_num_seqs=100` 时捕获哪些档位？70 个序列的批次重放哪个图？
+# 2. 为什么填充行必须是 `slot_mapping = -1`？如果用槽位 0 会出什么错？
+# 3. batch 为 1 的 decode 步要读取 Qwen3-0.6B 的 1.19 GB 权重。以 4.2 TB/s 计，这样一步最快能多快？记录下来的
+#    graph 步（1.87 ms）离它有多远？
+
+# %%
+# en: Exercise 1: 1, 2, 4, 8, 16, 32, 48, 64, 80, 96 and 100 itself; a batch of 70 replays the graph of 80.
+# zh: 练习 1：1、2、4、8、16、32、48、64、80、96，以及 100 本身；70 个序列的批次重放 80 的图。
+assert capture_sizes(100) == [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 100]
+assert graph_batch_size(70, capture_sizes(100)) == 80
+
+# en: Exercise 2: the captured KV store writes every row's K/V at its slot; with slot 0 the padding
+# en: rows would overwrite the first token of whichever sequence owns block 0. -1 makes the store skip them.
+# zh: 练习 2：捕获的 KV 写入会把每一行的 K/V 写到它的槽位；若用槽位 0，填充行就会覆盖拥有块 0 的那个序列的
+# zh: 第一个 token。-1 让写入跳过它们。
+assert buffers.slot_mapping[3].item() == -1
+
+# en: Exercise 3: 1.19e9 / 4.2e12 s = 0.28 ms; the recorded 1.87 ms is about 6.6x that: launches of
+# en: ~1,000 small kernels (even inside a graph each costs a few µs), the host work and the sampler.
+# zh: 练习 3：1.19e9 / 4.2e12 s = 0.28 ms；记录的 1.87 ms 约为它的 6.6 倍：约 1,000 个小内核的启动（即使在图里
+# zh: 每个也要几微秒）、主机端工作和采样器。
+weights_gb = (28 * layer_params(qwen) + 151936 * 1024) * 2 / 1e9
+fastest_ms = weights_gb / 4.2e3 * 1e3
+print(f"weights {weights_gb:.2f} GB -> {fastest_ms:.2f} ms at 4.2 TB/s; recorded graph step 1.87 ms")
+assert abs(weights_gb - 1.19) < 0.01 and 6 < 1.87 / fastest_ms < 7

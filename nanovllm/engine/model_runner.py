@@ -123,6 +123,8 @@ class ModelRunner:
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
+        if self.device.type == "cuda":
+            self.warm_paged_prefill()
         # Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
         self.graphs = capture_decode_graphs(self.model, config)
 
@@ -163,6 +165,22 @@ class ModelRunner:
         with torch.inference_mode():
             self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
+
+    def warm_paged_prefill(self) -> None:
+        """One 1-token prefill after a 1-token cached prefix, so the kernels that read a cached prefix
+        (chunked prefill, prefix-cache hits) are compiled now rather than in the first such step."""
+        table = list(range(-(-2 // self.block_size)))
+        if len(table) > self.kv_cache.shape[2]:
+            return
+        # The pool's first blocks are free; what this writes there is overwritten before anyone reads it.
+        seq = Sequence([0, 0], block_size=self.block_size)
+        seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, 1, 1
+        try:
+            input_ids, positions = prepare_prefill([seq], self.block_size, self.device)
+            with torch.inference_mode():
+                self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
