@@ -7,6 +7,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,13 +15,21 @@ from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "PRESETS",
+    "QWEN3_06B_SHAPES",
     "BenchResult",
+    "Bound",
     "Workload",
+    "copy_bandwidth",
+    "layer_params",
     "main",
     "make_workload",
+    "matmul_flops",
+    "model_params",
     "peer_batches",
+    "qwen3_06b_random",
     "run_engine",
     "run_transformers",
+    "workload_bound",
 ]
 
 
@@ -136,8 +145,87 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
     return BenchResult(f"transformers generate (batches of {batch_size})", seconds, workload.num_output_tokens)
 
 
-def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
-    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments)."""
+def layer_params(hf_config: Any) -> int:
+    """Parameters of one decoder layer (projections, MLP, norms; biases ignored)."""
+    hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    return attention + 3 * hidden * hf_config.intermediate_size + 2 * hidden + 2 * head_dim
+
+
+def model_params(hf_config: Any) -> int:
+    """All parameters: layers, embedding, LM head (once if tied), final norm."""
+    embed = hf_config.vocab_size * hf_config.hidden_size
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return hf_config.num_hidden_layers * layer_params(hf_config) + embed * (1 if tied else 2) + hf_config.hidden_size
+
+
+@dataclass(frozen=True)
+class Bound:
+    decode_bytes: float
+    prefill_flops: float
+    seconds: float
+    tokens_per_s: float
+
+
+def workload_bound(workload: Workload, hf_config: Any, dtype_bytes: int, bandwidth: float, flops: float) -> Bound:
+    """The fastest this workload can run: decode bytes at `bandwidth` B/s plus prefill FLOPs at `flops` FLOP/s."""
+    layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    # Weights one decode step reads: every layer and the LM head (the embedding reads one row per token).
+    step_bytes = (layers * layer_params(hf_config) + hf_config.vocab_size * hidden) * dtype_bytes
+    kv_token_bytes = 2 * layers * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    steps = max(workload.output_lens) - 1
+    # Sequence i reads the KV of p+1 ... p+o-1 tokens: (o-1) * p + (o-1) * o / 2.
+    kv_tokens = sum((o - 1) * len(p) + (o - 1) * o // 2 for p, o in zip(workload.prompts, workload.output_lens,
+                                                                         strict=True))
+    decode_bytes = steps * step_bytes + kv_tokens * kv_token_bytes
+    prompt_tokens = sum(len(p) for p in workload.prompts)
+    causal_pairs = sum(len(p) * (len(p) + 1) // 2 for p in workload.prompts)
+    prefill_flops = 2 * model_params(hf_config) * prompt_tokens + 4 * layers * heads * head_dim * causal_pairs
+    seconds = decode_bytes / bandwidth + prefill_flops / flops
+    return Bound(decode_bytes, prefill_flops, seconds, workload.num_output_tokens / seconds)
+
+
+QWEN3_06B_SHAPES: dict[str, Any] = {
+    "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
+
+
+def qwen3_06b_random(path: str | None = None) -> Any:
+    """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
+    import tempfile
+
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
+    return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + written), measured now."""
+    from nanovllm.bench_attention import copy_bandwidth as measure
+
+    return measure(nbytes)
+
+
+def matmul_flops(n: int = 8192) -> float:
+    """bf16 matmul FLOP/s on an n x n x n product, measured now."""
+    from nanovllm.bench_attention import time_ms
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3)
+
+
+def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
+    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments).
+
+    breakdown: a dict that receives the seconds and steps spent inside `ModelRunner.run` (prefill, decode).
+    """
     from nanovllm.llm import LLM
 
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
@@ -145,6 +233,19 @@ def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
     llm = LLM(model, **config)
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    if breakdown is not None:
+        inner = llm.model_runner.run
+
+        def timed(seqs: list, is_prefill: bool) -> list[int]:
+            # run() ends with a device-to-host copy of the tokens, so wall time here includes the GPU's.
+            began = time.perf_counter()
+            tokens = inner(seqs, is_prefill)
+            kind = "prefill" if is_prefill else "decode"
+            breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
+            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + 1
+            return tokens
+
+        llm.model_runner.run = timed
     _sync(device)
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
@@ -169,13 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-batch-size", type=int, help="transformers batch size (default: 64, all on CPU)")
     parser.add_argument("--no-engine", action="store_true", help="measure transformers only")
     parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
+    parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from nanovllm.config import Config
     from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
 
     try:
-        model = args.model or str(smollm2_dir())
+        if args.model:
+            model = args.model
+        elif args.preset == "nano-vllm":
+            model = str(qwen3_06b_random())
+        else:
+            model = str(smollm2_dir())
         config = Config.from_kwargs(model, device=args.device, dtype=args.dtype)
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
         for key in ("num_seqs", "input_len", "output_len"):
@@ -187,17 +296,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")
     print(f"workload: {workload.describe()}")
+    report: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv, "model": model,
+                              "workload": workload.describe()}
+    if config.device == "cuda":
+        report["device"] = torch.cuda.get_device_name()
     results = {}
     if not args.no_engine:
-        results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype)
+        compile_ops = {"auto": "auto", "on": True, "off": False}[args.compile_small_ops]
+        breakdown: dict[str, float] = {}
+        results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype,
+                                       enforce_eager=args.enforce_eager, compile_small_ops=compile_ops,
+                                       breakdown=breakdown)
         print(results["engine"])
+        outside = results["engine"].seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
+        print(f"  inside ModelRunner.run: prefill {breakdown.get('prefill', 0):.2f} s in "
+              f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
+              f"{breakdown.get('decode_steps', 0)} steps; outside it (scheduler, engine loop): {outside:.2f} s")
+        report["breakdown"] = breakdown
     if not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
         results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
                                            batch_size=batch_size)
         print(results["peer"])
+    for key, result in results.items():
+        report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
     if len(results) == 2:
-        print(f"engine / transformers: {results['engine'].tokens_per_s / results['peer'].tokens_per_s:.2f}x")
+        report["ratio"] = results["engine"].tokens_per_s / results["peer"].tokens_per_s
+        print(f"engine / transformers: {report['ratio']:.2f}x")
+    if config.device == "cuda":
+        bandwidth, flops = copy_bandwidth(), matmul_flops()
+        bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
+        print(f"bound: decode reads {bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
+              f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, measured) "
+              f"= {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
+        report["bound"] = {"tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes,
+                           "bandwidth": bandwidth, "matmul_flops": flops}
+        for key, result in results.items():
+            print(f"{result.name}: {result.tokens_per_s / bound.tokens_per_s:.1%} of the bound")
+            report[key]["fraction_of_bound"] = result.tokens_per_s / bound.tokens_per_s
+    if args.out:
+        import json
+
+        with open(args.out, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=2)
     return 0
 
 

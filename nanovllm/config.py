@@ -130,6 +130,7 @@ class Config:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
+    compile_small_ops: bool | str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -189,6 +190,10 @@ class Config:
         elif backend == "flash-attn" and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
             # nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
             raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
+        compile_ops = self.compile_small_ops
+        if not isinstance(compile_ops, bool) and compile_ops != "auto":
+            raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
+        self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -220,7 +220,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.numel() and int(positions.max()) >= self.cos_sin_cache.shape[0]:
+        # en: Checked on a CPU only: on a GPU, reading the maximum back would stall every layer and
+        # en: cannot be captured in a CUDA graph (chapter 09); there the engine's max_model_len check
+        # en: (chapter 11, max_model_len <= max_position_embeddings) already guarantees it.
+        # zh: 只在 CPU 上检查：在 GPU 上把最大值读回主机会让每一层都停下来等待，也无法被 CUDA Graph 捕获
+        # zh: （第 09 章）；在那里，引擎对 max_model_len 的检查（第 11 章，max_model_len <= max_position_embeddings）
+        # zh: 已经保证了这一点。
+        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin_cache.shape[0]:
             raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
                              f"({self.cos_sin_cache.shape[0]})")
         cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)

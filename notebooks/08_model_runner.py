@@ -105,7 +105,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.utils.context import get_context, reset_context, set_decode_context, set_prefill_context
 
 
 def prepare_prefill(
@@ -287,6 +287,10 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 # of its prompt gets no token: its "next token" would be a prediction for a prompt position,
 # which the scheduler throws away anyway. The runner returns `-1` for it instead of spending a
 # sampling pass on it.
+#
+# Two hooks belong to chapter 09 and do nothing on a CPU: with `compile_small_ops` the model's
+# small element-wise ops are compiled, and on a GPU with the Triton backend `self.graphs` holds
+# the captured decode graphs, which `run` replays for decode steps instead of calling the model.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：`ModelRunner`
@@ -298,12 +302,17 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 # `run` 就是一步：准备输入、前向计算、计算 logits（`compute_logits` 为每个序列保留一行：它最后一个被计算的 token），
 # 然后采样。如果某个序列的 prefill 分块没有到达提示词末尾，它就得不到 token：它的“下一个 token”只是对提示词中某个
 # 位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
+#
+# 有两个挂钩属于第 09 章，在 CPU 上什么也不做：打开 `compile_small_ops` 时，模型中的逐元素小算子会被编译；在 GPU 上
+# 使用 Triton 后端时，`self.graphs` 保存捕获好的 decode 图，`run` 在 decode 步重放它们，而不是直接调用模型。
 
 # %% model runner
 #| export
 import importlib
 
+from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.linear import agree_min
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.utils.loader import build_model
@@ -330,12 +339,19 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
+        if config.compile_small_ops:
+            compile_small_ops(self.model)  # chapter 09; compiled during the warm-up below
         self.sampler = Sampler()
         self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
         config.num_kvcache_blocks = self.kv_cache.shape[2]
+        if self.device.type == "cuda":
+            self.warm_paged_prefill()
+        # en: Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
+        # zh: 第 09 章：decode 图，在 KV 缓存分配之后捕获（None：decode 以 eager 方式运行）。
+        self.graphs = capture_decode_graphs(self.model, config)
 
     # en: ---- the KV cache ---------------------------------------------------------
     # zh: ---- KV 缓存 ---------------------------------------------------------------
@@ -378,6 +394,23 @@ class ModelRunner:
             self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
 
+    def warm_paged_prefill(self) -> None:
+        """One 1-token prefill after a 1-token cached prefix, so the kernels that read a cached prefix
+        (chunked prefill, prefix-cache hits) are compiled now rather than in the first such step."""
+        table = list(range(-(-2 // self.block_size)))
+        if len(table) > self.kv_cache.shape[2]:
+            return
+        # en: The pool's first blocks are free; what this writes there is overwritten before anyone reads it.
+        # zh: 池中最前面的块是空闲的；这里写入的内容在任何人读取之前都会被覆盖。
+        seq = Sequence([0, 0], block_size=self.block_size)
+        seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, 1, 1
+        try:
+            input_ids, positions = prepare_prefill([seq], self.block_size, self.device)
+            with torch.inference_mode():
+                self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
+
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 ------------------------------------------------------------------
     @torch.inference_mode()
@@ -386,9 +419,19 @@ class ModelRunner:
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         prepare = prepare_prefill if is_prefill else prepare_decode
+        too_long = next((s for s in seqs if len(s) > self.config.max_model_len), None)
+        if too_long is not None:
+            # en: The engine refuses such requests up front; the graphs' block-table buffer relies on it.
+            # zh: 引擎会提前拒绝这样的请求；CUDA Graph 的块表缓冲区依赖这一点。
+            raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
-            return self.model.compute_logits(self.model(input_ids, positions))
+            if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+                hidden = self.graphs.replay(input_ids, positions, get_context())  # chapter 09
+            else:
+                hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden)
         finally:
             reset_context()
 
@@ -405,7 +448,7 @@ class ModelRunner:
         if rows:
             wanted = [seqs[i] for i in rows]
             inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
-            sampled = self.sampler(logits[rows], **inputs).tolist()
+            sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs).tolist()
             for i, token in zip(rows, sampled, strict=True):
                 tokens[i] = token
         return tokens

@@ -101,6 +101,7 @@
 # | `attention_backend` | "auto" | "torch" (reference), "triton" (chapter 06); auto: see below |
 # | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
+# | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -139,6 +140,7 @@
 # | `attention_backend` | "auto" | "torch"（参考实现）、"triton"（第 06 章）；auto 见下文 |
 # | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
+# | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
 #
 # **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -295,6 +297,7 @@ class Config:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
+    compile_small_ops: bool | str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -356,6 +359,10 @@ class Config:
             # en: nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
             # zh: nano-vllm 调用 flash-attn 的方式，作为可选项保留；本项目从未实际运行过（见第 06b 章）。
             raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
+        compile_ops = self.compile_small_ops
+        if not isinstance(compile_ops, bool) and compile_ops != "auto":
+            raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
+        self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property
@@ -1052,15 +1059,128 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
     return BenchResult(f"transformers generate (batches of {batch_size})", seconds, workload.num_output_tokens)
 
 # %% [markdown] tags=["en"]
+# ### The physical bound of the workload
+#
+# How fast *could* any engine run this workload on this GPU? Decode is memory-bound: every
+# decode step must read all the weights the step uses (every layer's, and the LM head's) and
+# the KV of every running sequence. Even with the best possible batching (all sequences decode
+# together, so the weights are read once per step, `max(output) - 1` steps), sequence `i` with
+# prompt `p` and output `o` reads, over its `o - 1` decode steps, the KV of `p + 1, …, p + o - 1`
+# tokens. Prefill is compute-bound: `2 × parameters` FLOPs per prompt token plus the causal
+# attention. The bound is the time to move those bytes at the copy bandwidth plus the time to do
+# those FLOPs at the matmul rate, both measured in the same run:
+#
+# `bound = output tokens / (decode bytes / bandwidth + prefill FLOPs / FLOP rate)`
+#
+# No engine reaches it (kernels do not stream at copy speed, and a real schedule decodes fewer
+# sequences at once), which is what makes "our fraction of it" an honest yardstick.
+
+# %% [markdown] tags=["zh"]
+# ### 负载的物理上限
+#
+# 在这块 GPU 上，任何引擎跑这个负载*最快*能有多快？decode 受显存带宽限制：每个 decode 步都必须读取这一步用到的全部
+# 权重（每一层的，加上 LM head 的），以及每个运行中序列的 KV。即使批处理做到最好（所有序列一起 decode，于是每步只读
+# 一遍权重，共 `max(output) - 1` 步），提示词长 `p`、输出长 `o` 的序列 `i` 在它的 `o - 1` 个 decode 步里也要读取
+# `p + 1, …, p + o - 1` 个 token 的 KV。prefill 受算力限制：每个提示词 token 需要 `2 × 参数量` 次浮点运算，再加上
+# 因果注意力。上限等于以拷贝带宽搬运这些字节的时间，加上以矩阵乘速率完成这些运算的时间，两者都在同一次运行中测得：
+#
+# `上限 = 输出 token 数 / (decode 字节数 / 带宽 + prefill 运算量 / 运算速率)`
+#
+# 没有引擎能达到它（内核的流式读取达不到拷贝速度，真实的调度也不会让所有序列同时 decode），正因如此，
+# “我们达到了它的几成”才是一把诚实的尺子。
+
+# %% bench bound
+#| export bench
+from typing import Any
+
+
+def layer_params(hf_config: Any) -> int:
+    """Parameters of one decoder layer (projections, MLP, norms; biases ignored)."""
+    hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    return attention + 3 * hidden * hf_config.intermediate_size + 2 * hidden + 2 * head_dim
+
+
+def model_params(hf_config: Any) -> int:
+    """All parameters: layers, embedding, LM head (once if tied), final norm."""
+    embed = hf_config.vocab_size * hf_config.hidden_size
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return hf_config.num_hidden_layers * layer_params(hf_config) + embed * (1 if tied else 2) + hf_config.hidden_size
+
+
+@dataclass(frozen=True)
+class Bound:
+    decode_bytes: float
+    prefill_flops: float
+    seconds: float
+    tokens_per_s: float
+
+
+def workload_bound(workload: Workload, hf_config: Any, dtype_bytes: int, bandwidth: float, flops: float) -> Bound:
+    """The fastest this workload can run: decode bytes at `bandwidth` B/s plus prefill FLOPs at `flops` FLOP/s."""
+    layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    # en: Weights one decode step reads: every layer and the LM head (the embedding reads one row per token).
+    # zh: 一个 decode 步读取的权重：每一层加上 LM head（嵌入表每个 token 只读一行）。
+    step_bytes = (layers * layer_params(hf_config) + hf_config.vocab_size * hidden) * dtype_bytes
+    kv_token_bytes = 2 * layers * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    steps = max(workload.output_lens) - 1
+    # en: Sequence i reads the KV of p+1 ... p+o-1 tokens: (o-1) * p + (o-1) * o / 2.
+    # zh: 序列 i 读取 p+1 ... p+o-1 个 token 的 KV：(o-1) * p + (o-1) * o / 2。
+    kv_tokens = sum((o - 1) * len(p) + (o - 1) * o // 2 for p, o in zip(workload.prompts, workload.output_lens,
+                                                                         strict=True))
+    decode_bytes = steps * step_bytes + kv_tokens * kv_token_bytes
+    prompt_tokens = sum(len(p) for p in workload.prompts)
+    causal_pairs = sum(len(p) * (len(p) + 1) // 2 for p in workload.prompts)
+    prefill_flops = 2 * model_params(hf_config) * prompt_tokens + 4 * layers * heads * head_dim * causal_pairs
+    seconds = decode_bytes / bandwidth + prefill_flops / flops
+    return Bound(decode_bytes, prefill_flops, seconds, workload.num_output_tokens / seconds)
+
+
+# %%
+from types import SimpleNamespace
+
+from nanovllm.bench import layer_params, model_params, workload_bound
+
+# en: Qwen3-0.6B's shapes: about 0.6 billion parameters (the name says so).
+# zh: Qwen3-0.6B 的形状：约 6 亿参数（名字就是这么来的）。
+qwen3_06b = SimpleNamespace(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                            head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
+print(f"Qwen3-0.6B: {model_params(qwen3_06b) / 1e9:.3f} B parameters")
+assert 0.59e9 < model_params(qwen3_06b) < 0.61e9
+# en: A one-sequence check by hand: prompt 3, output 3 -> 2 decode steps reading the KV of 4 and 5 tokens.
+# zh: 手算一个单序列的例子：提示词 3、输出 3 -> 2 个 decode 步，分别读取 4 个和 5 个 token 的 KV。
+one = make_workload(1, (3, 3), (3, 3))
+b = workload_bound(one, qwen3_06b, 2, bandwidth=1.0, flops=float("inf"))
+kv_token = 2 * 28 * 8 * 128 * 2
+assert b.decode_bytes == 2 * (28 * layer_params(qwen3_06b) + 151936 * 1024) * 2 + (4 + 5) * kv_token
+# en: The nano-vllm workload on an H200 (4.26 TB/s copy, 790 TFLOP/s bf16, the design notes' figures).
+# zh: nano-vllm 负载在 H200 上（拷贝 4.26 TB/s、bf16 790 TFLOP/s，即设计文档中的数字）。
+h200 = workload_bound(make_workload(), qwen3_06b, 2, bandwidth=4.26e12, flops=790e12)
+print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, prefill {h200.prefill_flops / 1e15:.2f} "
+      f"PFLOP -> at most {h200.tokens_per_s:,.0f} output tok/s on an H200")
+
+# %% [markdown] tags=["en"]
 # ### Our side, and the command
 #
 # The engine side is three lines of the public API. `python -m nanovllm.bench` prints the
-# workload, each side's figure and their ratio, measured in the same run.
+# workload, each side's figure and their ratio, measured in the same run. On a GPU it also
+# measures the copy bandwidth and the bf16 matmul rate and prints the bound above and our
+# fraction of it. With `--preset nano-vllm` and no `--model`, it builds Qwen3-0.6B's shapes with
+# random bf16 weights (chapter 05's `build_tiny_model` with overrides) in a temporary folder:
+# no checkpoint is needed, and the speed of a model depends on its shapes, not on its weights.
+# `--no-peer` skips `transformers` (a few minutes on this workload).
 
 # %% [markdown] tags=["zh"]
 # ### 我们这一侧，以及命令行
 #
 # 引擎一侧就是公开 API 的三行代码。`python -m nanovllm.bench` 打印负载、两侧各自的数字，以及同一次运行中测得的比值。
+# 在 GPU 上，它还会测量拷贝带宽和 bf16 矩阵乘速率，打印上面的上限以及我们达到了它的几成。使用 `--preset nano-vllm`
+# 且不给 `--model` 时，它会在临时目录里按 Qwen3-0.6B 的形状构建一个随机 bf16 权重的模型（第 05 章的
+# `build_tiny_model` 加上覆盖参数）：不需要任何检查点，模型的速度取决于形状，而不取决于权重。`--no-peer` 跳过
+# `transformers`（在这个负载上要跑几分钟）。
 
 # %% bench engine
 #| export bench
@@ -1068,8 +1188,44 @@ import argparse
 import sys
 
 
-def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
-    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments)."""
+QWEN3_06B_SHAPES: dict[str, Any] = {
+    "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
+
+
+def qwen3_06b_random(path: str | None = None) -> Any:
+    """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
+    import tempfile
+
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
+    return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy (read + written), measured now."""
+    from nanovllm.bench_attention import copy_bandwidth as measure
+
+    return measure(nbytes)
+
+
+def matmul_flops(n: int = 8192) -> float:
+    """bf16 matmul FLOP/s on an n x n x n product, measured now."""
+    from nanovllm.bench_attention import time_ms
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3)
+
+
+def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
+    """Time `LLM.generate` on the workload (config: `LLM` keyword arguments).
+
+    breakdown: a dict that receives the seconds and steps spent inside `ModelRunner.run` (prefill, decode).
+    """
     from nanovllm.llm import LLM
 
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
@@ -1077,6 +1233,20 @@ def run_engine(model: str, workload: Workload, **config: object) -> BenchResult:
     llm = LLM(model, **config)
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    if breakdown is not None:
+        inner = llm.model_runner.run
+
+        def timed(seqs: list, is_prefill: bool) -> list[int]:
+            # en: run() ends with a device-to-host copy of the tokens, so wall time here includes the GPU's.
+            # zh: run() 以把 token 拷回主机结束，所以这里的墙钟时间包含 GPU 的时间。
+            began = time.perf_counter()
+            tokens = inner(seqs, is_prefill)
+            kind = "prefill" if is_prefill else "decode"
+            breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
+            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + 1
+            return tokens
+
+        llm.model_runner.run = timed
     _sync(device)
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
@@ -1101,13 +1271,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-batch-size", type=int, help="transformers batch size (default: 64, all on CPU)")
     parser.add_argument("--no-engine", action="store_true", help="measure transformers only")
     parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
+    parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from nanovllm.config import Config
     from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
 
     try:
-        model = args.model or str(smollm2_dir())
+        if args.model:
+            model = args.model
+        elif args.preset == "nano-vllm":
+            model = str(qwen3_06b_random())
+        else:
+            model = str(smollm2_dir())
         config = Config.from_kwargs(model, device=args.device, dtype=args.dtype)
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
         for key in ("num_seqs", "input_len", "output_len"):
@@ -1119,17 +1297,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")
     print(f"workload: {workload.describe()}")
+    report: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv, "model": model,
+                              "workload": workload.describe()}
+    if config.device == "cuda":
+        report["device"] = torch.cuda.get_device_name()
     results = {}
     if not args.no_engine:
-        results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype)
+        compile_ops = {"auto": "auto", "on": True, "off": False}[args.compile_small_ops]
+        breakdown: dict[str, float] = {}
+        results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype,
+                                       enforce_eager=args.enforce_eager, compile_small_ops=compile_ops,
+                                       breakdown=breakdown)
         print(results["engine"])
+        outside = results["engine"].seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
+        print(f"  inside ModelRunner.run: prefill {breakdown.get('prefill', 0):.2f} s in "
+              f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
+              f"{breakdown.get('decode_steps', 0)} steps; outside it (scheduler, engine loop): {outside:.2f} s")
+        report["breakdown"] = breakdown
     if not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
         results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
                                            batch_size=batch_size)
         print(results["peer"])
+    for key, result in results.items():
+        report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
     if len(results) == 2:
-        print(f"engine / transformers: {results['engine'].tokens_per_s / results['peer'].tokens_per_s:.2f}x")
+        report["ratio"] = results["engine"].tokens_per_s / results["peer"].tokens_per_s
+        print(f"engine / transformers: {report['ratio']:.2f}x")
+    if config.device == "cuda":
+        bandwidth, flops = copy_bandwidth(), matmul_flops()
+        bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
+        print(f"bound: decode reads {bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
+              f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, measured) "
+              f"= {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
+        report["bound"] = {"tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes,
+                           "bandwidth": bandwidth, "matmul_flops": flops}
+        for key, result in results.items():
+            print(f"{result.name}: {result.tokens_per_s / bound.tokens_per_s:.1%} of the bound")
+            report[key]["fraction_of_bound"] = result.tokens_per_s / bound.tokens_per_s
+    if args.out:
+        import json
+
+        with open(args.out, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=2)
     return 0
 
 

@@ -8,12 +8,14 @@ from typing import Any
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.linear import agree_min
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.models.qwen3 import head_dim_of
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.utils.context import get_context, reset_context, set_decode_context, set_prefill_context
 from nanovllm.utils.loader import build_model
 
 __all__ = [
@@ -117,11 +119,17 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
+        if config.compile_small_ops:
+            compile_small_ops(self.model)  # chapter 09; compiled during the warm-up below
         self.sampler = Sampler()
         self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
+        if self.device.type == "cuda":
+            self.warm_paged_prefill()
+        # Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
+        self.graphs = capture_decode_graphs(self.model, config)
 
     # ---- the KV cache ---------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
@@ -162,6 +170,22 @@ class ModelRunner:
             self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
 
+    def warm_paged_prefill(self) -> None:
+        """One 1-token prefill after a 1-token cached prefix, so the kernels that read a cached prefix
+        (chunked prefill, prefix-cache hits) are compiled now rather than in the first such step."""
+        table = list(range(-(-2 // self.block_size)))
+        if len(table) > self.kv_cache.shape[2]:
+            return
+        # The pool's first blocks are free; what this writes there is overwritten before anyone reads it.
+        seq = Sequence([0, 0], block_size=self.block_size)
+        seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, 1, 1
+        try:
+            input_ids, positions = prepare_prefill([seq], self.block_size, self.device)
+            with torch.inference_mode():
+                self.model.compute_logits(self.model(input_ids, positions))
+        finally:
+            reset_context()
+
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
@@ -169,9 +193,18 @@ class ModelRunner:
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         prepare = prepare_prefill if is_prefill else prepare_decode
+        too_long = next((s for s in seqs if len(s) > self.config.max_model_len), None)
+        if too_long is not None:
+            # The engine refuses such requests up front; the graphs' block-table buffer relies on it.
+            raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
         try:
             input_ids, positions = prepare(seqs, self.block_size, self.device)
-            return self.model.compute_logits(self.model(input_ids, positions))
+            if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+                hidden = self.graphs.replay(input_ids, positions, get_context())  # chapter 09
+            else:
+                hidden = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden)
         finally:
             reset_context()
 
@@ -187,7 +220,7 @@ class ModelRunner:
         if rows:
             wanted = [seqs[i] for i in rows]
             inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
-            sampled = self.sampler(logits[rows], **inputs).tolist()
+            sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs).tolist()
             for i, token in zip(rows, sampled, strict=True):
                 tokens[i] = token
         return tokens

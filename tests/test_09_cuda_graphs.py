@@ -1,0 +1,265 @@
+"""Chapter 09: capture sizes, buckets, padding rows (CPU); graph replay == eager, KV sizing (GPU)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import (
+    DecodeBuffers,
+    capture_sizes,
+    graph_batch_size,
+    graphs_unavailable_reason,
+)
+from nanovllm.engine.model_runner import ModelRunner, prepare_decode
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import get_context, reset_context, set_decode_context
+from nanovllm.utils.tiny_models import build_tiny_model
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.fixture(autouse=True)
+def _clean_context():
+    reset_context()
+    yield
+    reset_context()
+
+
+# ---- CPU: pure functions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 7, 8, 15, 16, 17, 40, 64, 100, 512, 513, 2000])
+def test_capture_sizes(max_num_seqs: int) -> None:
+    sizes = capture_sizes(max_num_seqs)
+    top = min(max_num_seqs, 512)
+    assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == top
+    for size in sizes[:-1]:
+        assert size in (1, 2, 4, 8) or size % 16 == 0
+    # every power of two up to 16 and every multiple of 16 up to the top is there
+    assert {s for s in (1, 2, 4, 8, 16) if s <= top} <= set(sizes)
+    assert set(range(16, top + 1, 16)) <= set(sizes)
+
+
+def test_capture_sizes_for_512_and_bad_input() -> None:
+    assert capture_sizes(512) == [1, 2, 4, 8, *range(16, 513, 16)]
+    for bad in (0, -3, True, 2.0):
+        with pytest.raises(ValueError, match="max_num_seqs"):
+            capture_sizes(bad)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 40, 512])
+def test_bucket_is_the_smallest_size_that_holds_the_batch(max_num_seqs: int) -> None:
+    sizes = capture_sizes(max_num_seqs)
+    for batch in range(1, sizes[-1] + 1):
+        size = graph_batch_size(batch, sizes)
+        assert size in sizes and size >= batch
+        assert all(s < batch for s in sizes if s < size)
+    assert graph_batch_size(sizes[-1] + 1, sizes) is None
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        graph_batch_size(0, sizes)
+
+
+def test_load_fills_real_rows_and_padding_rows() -> None:
+    buffers = DecodeBuffers.allocate(rows=8, max_blocks=4, device="cpu")
+    buffers.block_tables.fill_(99)  # stale values from an earlier step must not survive
+    ctx = set_decode_context([6, 11, 3], [[3, 8], [0, 1, 5], [2]], block_size=4)
+    buffers.load(torch.tensor([7, 8, 9]), torch.tensor([5, 10, 2]), ctx, graph_batch=5)
+    assert buffers.input_ids[:5].tolist() == [7, 8, 9, 0, 0]
+    assert buffers.positions[:5].tolist() == [5, 10, 2, 0, 0]
+    assert buffers.slot_mapping[:5].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1, -1]
+    assert buffers.context_lens[:5].tolist() == [6, 11, 3, 0, 0]
+    assert buffers.block_tables[:5].tolist() == [[3, 8, -1, -1], [0, 1, 5, -1], [2, -1, -1, -1]] + [[-1] * 4] * 2
+    assert buffers.context_lens.dtype == torch.int32 and buffers.block_tables.dtype == torch.int32
+    # a smaller step afterwards: its padding rows overwrite the previous real rows
+    ctx = set_decode_context([2], [[6]], block_size=4)
+    buffers.load(torch.tensor([4]), torch.tensor([1]), ctx, graph_batch=2)
+    assert buffers.slot_mapping[:2].tolist() == [6 * 4 + 1, -1] and buffers.context_lens[:2].tolist() == [2, 0]
+    assert buffers.block_tables[:2].tolist() == [[6, -1, -1, -1], [-1] * 4]
+
+
+def test_load_refuses_an_overrun_and_bad_sizes() -> None:
+    buffers = DecodeBuffers.allocate(rows=4, max_blocks=2, device="cpu")
+    wide = set_decode_context([9], [[0, 1, 2]], block_size=4)  # 3 blocks > the buffer's 2
+    with pytest.raises(ValueError, match="longer than max_model_len"):
+        buffers.load(torch.tensor([1]), torch.tensor([8]), wide, graph_batch=1)
+    ok = set_decode_context([2, 2], [[0], [1]], block_size=4)
+    with pytest.raises(ValueError, match="graph batch"):
+        buffers.load(torch.tensor([1, 2]), torch.tensor([1, 1]), ok, graph_batch=1)
+    with pytest.raises(ValueError, match="buffer rows"):
+        buffers.load(torch.tensor([1, 2]), torch.tensor([1, 1]), ok, graph_batch=8)
+
+
+def test_graphs_unavailable_reason() -> None:
+    assert graphs_unavailable_reason("cuda", "triton") is None
+    assert "enforce_eager" in graphs_unavailable_reason("cuda", "triton", enforce_eager=True)
+    assert "CUDA" in graphs_unavailable_reason("cpu", "torch")
+    assert "not capture-safe" in graphs_unavailable_reason("cuda", "torch")
+    assert "tensor_parallel_size" in graphs_unavailable_reason("cuda", "triton", tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return build_tiny_model("qwen3")
+
+
+def test_compile_small_ops_setting(tiny: Path) -> None:
+    if not CUDA:
+        assert Config.from_kwargs(tiny).compile_small_ops is False  # auto: off on CPU
+    assert Config.from_kwargs(tiny, compile_small_ops=True).compile_small_ops is True
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="compile_small_ops"):
+            Config.from_kwargs(tiny, compile_small_ops=bad)
+
+
+def test_runner_refuses_a_sequence_longer_than_max_model_len(tiny: Path) -> None:
+    runner = ModelRunner(Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16,
+                                            max_model_len=16))
+    seq = Sequence(list(range(17)), SamplingParams(temperature=0), block_size=4)
+    seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = [0, 1, 2, 3, 4], 16, 1
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        runner.run([seq], is_prefill=False)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------
+
+
+def _prefilled(runner: ModelRunner, lengths: list[int], decode_steps: int, seed: int) -> list[Sequence]:
+    """Sequences with disjoint block tables that fit lengths + decode_steps, prefilled through the runner."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab, block_size = runner.config.hf_config.vocab_size, runner.block_size
+    seqs, next_block = [], 0
+    for n in lengths:
+        seq = Sequence(torch.randint(0, vocab, (n,), generator=generator).tolist(), SamplingParams(temperature=0),
+                       block_size=block_size)
+        blocks = -(-(n + decode_steps) // block_size)
+        seq.block_table, next_block = list(range(next_block, next_block + blocks)), next_block + blocks
+        seq.num_scheduled_tokens = n
+        seqs.append(seq)
+    assert next_block <= runner.kv_cache.shape[2]
+    for seq, token in zip(seqs, runner.run(seqs, is_prefill=True), strict=True):
+        seq.append_token(token)
+    return seqs
+
+
+def _ready_to_decode(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+
+
+@pytest.fixture(scope="module")
+def graph_runner(tiny: Path) -> ModelRunner:
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    config = Config.from_kwargs(tiny, dtype="float32", kvcache_block_size=16, num_kvcache_blocks=256,
+                                max_model_len=256, max_num_seqs=32)
+    runner = ModelRunner(config)
+    assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8, 16, 32]
+    return runner
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("batch", [1, 3, 5, 16, 17, 32])
+def test_gpu_graph_replay_equals_eager(graph_runner: ModelRunner, batch: int) -> None:
+    runner = graph_runner
+    lengths = [5 + (37 * i) % 60 for i in range(batch)]
+    seqs = _prefilled(runner, lengths, decode_steps=4, seed=batch)
+    graphs = runner.graphs
+    for _ in range(4):
+        _ready_to_decode(seqs)
+        # the forward itself: same hidden states from the model and from the replayed graph
+        input_ids, positions = prepare_decode(seqs, runner.block_size, runner.device)
+        with torch.inference_mode():
+            eager_hidden = runner.model(input_ids, positions)
+            graph_hidden = graphs.replay(input_ids, positions, get_context()).clone()
+        reset_context()
+        torch.testing.assert_close(graph_hidden, eager_hidden, atol=1e-4, rtol=1e-4)
+        # the whole step: same tokens with the graphs switched off and on
+        runner.graphs = None
+        try:
+            eager_tokens = runner.run(seqs, is_prefill=False)
+        finally:
+            runner.graphs = graphs
+        graph_tokens = runner.run(seqs, is_prefill=False)
+        assert graph_tokens == eager_tokens
+        for seq, token in zip(seqs, graph_tokens, strict=True):
+            seq.append_token(token)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_batch_beyond_the_largest_graph_runs_eagerly(tiny: Path) -> None:
+    config = Config.from_kwargs(tiny, dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64,
+                                max_model_len=128, max_num_seqs=4)
+    runner = ModelRunner(config)
+    assert runner.graphs.sizes == [1, 2, 4] and not runner.graphs.covers(6)
+    seqs = _prefilled(runner, [7, 20, 33, 9, 14, 50], decode_steps=1, seed=0)
+    _ready_to_decode(seqs)
+    replays = []
+    graph = runner.graphs.graphs[4]
+    original = graph.replay
+    graph.replay = lambda: replays.append(1) or original()
+    try:
+        tokens = runner.run(seqs, is_prefill=False)
+    finally:
+        graph.replay = original
+    assert replays == [] and len(tokens) == 6
+    # the block-table buffer is sized from max_model_len: 128 / 16 = 8 columns
+    assert runner.graphs.buffers.block_tables.shape == (4, 8)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
+    logits = {}
+    for compiled in (False, True):
+        config = Config.from_kwargs(tiny, dtype="float32", kvcache_block_size=16, num_kvcache_blocks=32,
+                                    max_model_len=128, max_num_seqs=4, enforce_eager=True, compile_small_ops=compiled)
+        runner = ModelRunner(config)
+        seqs = _prefilled(runner, [9, 30, 17], decode_steps=1, seed=3)
+        _ready_to_decode(seqs)
+        input_ids, positions = prepare_decode(seqs, runner.block_size, runner.device)
+        with torch.inference_mode():
+            logits[compiled] = runner.model.compute_logits(runner.model(input_ids, positions))
+        reset_context()
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_kv_sizing_stays_within_the_memory_budget(tmp_path: Path) -> None:
+    # A model whose KV blocks are big enough that the budget, not max_useful_blocks, sets the count.
+    model = build_tiny_model("qwen3", tmp_path / "wide-kv", num_key_value_heads=2, num_attention_heads=4,
+                             head_dim=64, max_position_embeddings=40960)
+    gc.collect()
+    torch.cuda.empty_cache()
+    utilization = 0.05
+    config = Config.from_kwargs(model, dtype="float32", kvcache_block_size=16, max_model_len=40960,
+                                max_num_seqs=128, gpu_memory_utilization=utilization)
+    runner = ModelRunner(config)
+    from nanovllm.engine.model_runner import max_useful_blocks
+
+    assert config.num_kvcache_blocks < max_useful_blocks(config)  # the budget decided
+    # the largest prefill the scheduler may send, then a decode step, with the cache in place
+    seqs = _prefilled(runner, [config.max_num_batched_tokens - 1], decode_steps=1, seed=0)
+    _ready_to_decode(seqs)
+    runner.run(seqs, is_prefill=False)
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= total * utilization, f"{(total - free) / 2**30:.2f} GiB used > budget"
+
+
+def test_paged_prefill_warm_up_runs_and_touches_only_the_first_block(tiny: Path) -> None:
+    runner = ModelRunner(Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, num_kvcache_blocks=4))
+    runner.kv_cache.fill_(7.0)
+    runner.warm_paged_prefill()
+    # block 0, slot 1 of every layer now holds the warm-up token's K/V; every other slot is untouched
+    changed = (runner.kv_cache != 7.0).any(dim=(-1, -2))  # [2, layers, blocks, block_size]
+    assert changed[:, :, 0, 1].all() and changed.sum() == changed[:, :, 0, 1].numel()
