@@ -3,6 +3,7 @@
 # notebook stack and no network). Run from the project root:
 #
 #   scripts/gpu-ci.sh            # tests marked gpu, then every chapter under nbval on the GPU
+#   scripts/gpu-ci.sh tests      # only the tests;  scripts/gpu-ci.sh chapters: only the chapters
 #
 # When jupytext/nbval are missing, it installs the wheels carried in .whl/ (fetch them on a
 # machine with network: ../shared/gpu/fetch-wheels.sh .whl) into /tmp/site, without touching the
@@ -25,9 +26,13 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's nanovllm, n
 export NCCL_NVLS_ENABLE=0                          # NVLink multicast stays off on shared machines
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('gpu-ci:', torch.cuda.get_device_name())"
 
+what=${1:-all}
 status=0
+if [ "$what" != chapters ]; then
 echo "==> tests marked gpu"
 python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/gpu-tests.xml" tests || status=1
+fi
+[ "$what" = tests ] && exit $status
 
 echo "==> chapters under nbval on the GPU"
 rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
