@@ -141,6 +141,7 @@ display(SVG(architecture_svg()))
 # | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
 # | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds |
 # | [08 · The model runner](../08_model_runner/) | flat step inputs, KV cache sizing |
+# | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
 # | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, the demo, the benchmark |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
@@ -159,6 +160,7 @@ display(SVG(architecture_svg()))
 # | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
 # | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子 |
 # | [08 · 模型执行器](../08_model_runner/) | 扁平的单步输入、KV 缓存大小 |
+# | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
 # | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、演示、基准测试 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
