@@ -198,7 +198,8 @@ class Block:
 
 # %% block pool
 #| export
-def _positive_int(name: str, value: object) -> int:
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is an int >= 1, else a TypeError or ValueError naming ``name`` (the scheduler uses it too)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if value < 1:
@@ -218,8 +219,8 @@ class BlockPool:
     prefix_cache_class = PrefixCache
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        _positive_int("num_blocks", num_blocks)
-        _positive_int("block_size", block_size)
+        positive_int("num_blocks", num_blocks)
+        positive_int("block_size", block_size)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.block_size = block_size

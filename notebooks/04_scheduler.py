@@ -131,7 +131,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import BlockManager, positive_int
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 # en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
@@ -142,14 +142,6 @@ Observer = Callable[[str, dict], None]
 def max_kv_tokens(seq: Sequence) -> int:
     """The most tokens whose KV ``seq`` will ever hold: the prompt and all sampled tokens but the last."""
     return seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 def _token_ids(name: str, values: Iterable[int]) -> frozenset[int]:
@@ -204,11 +196,11 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
     ) -> None:
-        self.max_num_seqs = _positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.eos_token_ids = _token_ids("eos_token_ids", eos_token_ids)
-        _positive_int("num_kvcache_blocks", num_kvcache_blocks)
-        _positive_int("kvcache_block_size", kvcache_block_size)
+        positive_int("num_kvcache_blocks", num_kvcache_blocks)
+        positive_int("kvcache_block_size", kvcache_block_size)
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
