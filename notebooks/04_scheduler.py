@@ -210,6 +210,34 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
+    def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """Undo ``schedule()`` for a step that was never computed (the model raised), so it can run again.
+
+        Prefill moved the sequences it completes to ``running``; they go back to the head of
+        ``waiting`` in their order, keeping their blocks. Decode's new blocks and preemptions stay:
+        they left the queues consistent.
+        """
+        for seq in seqs:
+            seq.num_scheduled_tokens = 0
+        if is_prefill:
+            moved = [seq for seq in seqs if seq.status is SequenceStatus.RUNNING]
+            for seq in moved:
+                self.running.remove(seq)
+                seq.status = SequenceStatus.WAITING
+            self.waiting.extendleft(reversed(moved))
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request: out of its queue, its blocks freed (the caller gave up on it)."""
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        self._live_ids.discard(seq.seq_id)
+
     # en: ---- admission -----------------------------------------------------------
     # zh: ---- 准入 -----------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

@@ -188,7 +188,11 @@ class Sampler(nn.Module):
         greedy = temperatures == 0
         if bool(greedy.all()):
             return greedy_tokens
-        scaled = logits / torch.where(greedy, 1.0, temperatures.float())[:, None]
+        # en: Subtract each row's maximum first: every value is then <= 0, so even a tiny temperature
+        # en: cannot overflow to inf (and softmax cannot turn into NaN); the distribution is unchanged.
+        # zh: 先减去每行的最大值：所有值都 <= 0，即使温度极小也不会溢出成 inf（softmax 也不会变成 NaN）；分布不变。
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        scaled = shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]
         # en: Both filters sort the vocabulary: skip them when no row asks for them.
         # zh: 两种过滤都要对整个词表排序：没有任何一行需要时就跳过。
         vocab = logits.shape[-1]

@@ -1541,7 +1541,14 @@ class LLMEngine:
         """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill)."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        token_ids = self.model_runner.run(seqs, is_prefill)
+        try:
+            token_ids = self.model_runner.run(seqs, is_prefill)
+        except BaseException:
+            # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
+            # en: engine stays consistent and the same step can simply run again.
+            # zh: 什么都没算（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接重跑。
+            self.scheduler.rollback(seqs, is_prefill)
+            raise
         self.scheduler.postprocess(seqs, token_ids, is_prefill)
         finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
         return finished, num_tokens, is_prefill
@@ -1591,17 +1598,27 @@ class LLMEngine:
         outputs: dict[int, list[int]] = {}
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
-        while len(outputs) < len(seqs):
-            start = time.perf_counter()
-            finished, num_tokens, is_prefill = self.step()
-            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-            prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
-            bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
-            for seq_id, token_ids in finished:
-                if seq_id in order:
-                    outputs[seq_id] = token_ids
-                    bar.update(1)
-        bar.close()
+        try:
+            while len(outputs) < len(seqs):
+                start = time.perf_counter()
+                finished, num_tokens, is_prefill = self.step()
+                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+                prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
+                bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
+                for seq_id, token_ids in finished:
+                    if seq_id in order:
+                        outputs[seq_id] = token_ids
+                        bar.update(1)
+        except BaseException:
+            # en: An interrupted call takes its unfinished requests with it: their blocks are freed, and
+            # en: a later call does not compute them for nobody.
+            # zh: 被中断的调用会带走它尚未完成的请求：释放它们的块，之后的调用也不会白白计算它们。
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+            raise
+        finally:
+            bar.close()
         ordered = sorted(outputs, key=order.__getitem__)
         return [
             {"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}

@@ -105,3 +105,11 @@ def test_sampling_inputs_and_bad_shapes() -> None:
         sampler(torch.randn(5), torch.ones(5))
     with pytest.raises(ValueError, match="one generator"):
         sampler(torch.randn(2, 5), torch.ones(2), generators=[None])
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 1e-38, 1e-40, 1e-45])
+def test_tiny_positive_temperatures_stay_finite_and_pick_the_argmax(temperature: float) -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [40.0, -40.0, 39.0, 0.0]])
+    params = [SamplingParams(temperature=temperature)] * 2
+    tokens = Sampler()(logits, **sampling_inputs(params, [0, 0]))
+    assert tokens.tolist() == [1, 0]

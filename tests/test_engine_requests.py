@@ -122,3 +122,50 @@ def test_engine_side_of_the_benchmark(tiny: Path) -> None:
     workload = make_workload(4, (3, 9), (1, 6), vocab_size=TINY_VOCAB_SIZE, seed=0)
     result = run_engine(str(tiny), workload, kvcache_block_size=4, num_kvcache_blocks=64)
     assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
+
+
+def _flaky(llm: LLM, fail_on_call: int, error: type[BaseException]):
+    """Make the model runner raise ``error`` on its n-th call (1-based), as an OOM or Ctrl-C would."""
+    original, calls = llm.model_runner.run, {"n": 0}
+
+    def run(seqs, is_prefill):
+        calls["n"] += 1
+        if calls["n"] == fail_on_call:
+            raise error("simulated failure inside a step")
+        return original(seqs, is_prefill)
+
+    llm.model_runner.run = run
+    return original
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 2, 3, 5])
+def test_a_step_that_raises_leaves_the_engine_consistent(tiny: Path, fail_on_call: int) -> None:
+    """A failed step is undone: calling step() again finishes the work with the same tokens."""
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15] * 7]
+    expected = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, max_num_batched_tokens=8)
+    _flaky(llm, fail_on_call, RuntimeError)
+    ids = [llm.add_request(p, GREEDY) for p in prompts]
+    done, failures = {}, 0
+    while not llm.is_finished():
+        try:
+            finished, _, _ = llm.step()
+        except RuntimeError:
+            failures += 1
+            continue
+        done.update(finished)
+    assert failures == 1
+    assert [done[i] for i in ids] == [o["token_ids"] for o in expected]
+    assert len(llm.scheduler.block_manager.free_block_ids) == 32
+
+
+def test_an_interrupted_generate_drops_its_requests_and_the_engine_keeps_serving(tiny: Path) -> None:
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32)
+    original = _flaky(llm, 3, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[3, 4, 5, 6, 7], [8, 9]], GREEDY, use_tqdm=False)
+    assert llm.is_finished() and len(llm.scheduler.block_manager.free_block_ids) == 32
+    llm.model_runner.run = original
+    fresh = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32)
+    assert llm.generate([[10, 11, 12]], GREEDY, use_tqdm=False) == fresh.generate([[10, 11, 12]], GREEDY,
+                                                                                  use_tqdm=False)

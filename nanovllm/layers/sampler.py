@@ -94,7 +94,10 @@ class Sampler(nn.Module):
         greedy = temperatures == 0
         if bool(greedy.all()):
             return greedy_tokens
-        scaled = logits / torch.where(greedy, 1.0, temperatures.float())[:, None]
+        # Subtract each row's maximum first: every value is then <= 0, so even a tiny temperature
+        # cannot overflow to inf (and softmax cannot turn into NaN); the distribution is unchanged.
+        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        scaled = shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]
         # Both filters sort the vocabulary: skip them when no row asks for them.
         vocab = logits.shape[-1]
         if top_ks is not None and bool(((top_ks > 0) & (top_ks < vocab)).any()):
