@@ -644,7 +644,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # 1. `block_size=8`, a prompt of 30 tokens, `max_tokens=10`. What is the smallest cache, in
 #    blocks, that `add` accepts?
 # 2. A single 20-token prompt, a budget of 8 tokens. In which step is its first token appended,
-#    and how many steps before it appended nothing?
+#    and how many steps ran before it without appending anything?
 # 3. Why preempt the *newest* running sequence rather than the oldest? Think of what each has
 #    already been given.
 
