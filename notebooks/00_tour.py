@@ -181,7 +181,7 @@ display(SVG(architecture_svg()))
 #
 # `generate` 是围绕 `step()` 的循环：调度器选出这一步的序列（要么全是 prefill，要么全是 decode），模型执行器
 # 计算它们并采样，调度器的后处理追加 token、结束已完成的序列。下面在测试所用的随机小 Qwen3 上手动运行这个循环，
-# 提示词足够长，会分两块完成 prefill（每步预算 16 个 token）。
+# 提示词足够长，prefill 会分成两个分块完成（每步预算 16 个 token）。
 
 # %%
 from nanovllm.engine.llm_engine import LLMEngine
@@ -201,9 +201,9 @@ assert [(kind, n) for kind, n, _ in steps] == [("prefill", 16), ("prefill", 8), 
 assert steps[-1][2][0][0] == seq_id and len(steps[-1][2][0][1]) == 3
 
 # %% [markdown] tags=["en"]
-# Two prefill chunks (16 + 8 prompt tokens; the token sampled after the first chunk is thrown
-# away), then two decode steps: the second prefill step already sampled the first new token,
-# so three tokens take four steps. Chapter 01 explains the counters behind this, chapter 04
+# Two prefill chunks (16 + 8 prompt tokens; the first chunk ends inside the prompt, so no token
+# is sampled for it), then two decode steps: the second prefill step already sampled the first
+# new token, so three tokens take four steps. Chapter 01 explains the counters behind this, chapter 04
 # the scheduling.
 #
 # ## Exercises
@@ -214,7 +214,7 @@ assert steps[-1][2][0][0] == seq_id and len(steps[-1][2][0][1]) == 3
 # The cell below checks the first answer.
 
 # %% [markdown] tags=["zh"]
-# 两个 prefill 分块（16 + 8 个提示词 token；第一块之后采样得到的 token 被丢弃），然后是两个 decode 步：
+# 两个 prefill 分块（16 + 8 个提示词 token；第一个分块停在提示词内部，不为它采样 token），然后是两个 decode 步：
 # 第二个 prefill 步已经采样出第一个新 token，所以三个 token 需要四步。其中的计数器由第 01 章讲解，调度由第 04 章讲解。
 #
 # ## 练习

@@ -243,7 +243,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 # %% [markdown] tags=["en"]
 # ### The counters
 #
-# Five numbers describe where a sequence stands. Picture its tokens on a line:
+# Five numbers and a list describe where a sequence stands. Picture its tokens on a line:
 #
 # ```
 # token index:   0 ........................................ num_tokens-1
@@ -253,6 +253,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 #
 # - `num_tokens`: prompt plus generated tokens so far.
 # - `num_prompt_tokens`: fixed at creation.
+# - `num_completion_tokens`: tokens generated so far (`num_tokens - num_prompt_tokens`).
 # - `num_cached_tokens`: tokens whose K and V vectors are already in the paged cache (computed
 #   by an earlier step, or found by prefix caching in chapter 03).
 # - `num_scheduled_tokens`: tokens the *current* step computes; set by the scheduler.
@@ -266,7 +267,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 # %% [markdown] tags=["zh"]
 # ### 计数器
 #
-# 五个数描述了一个序列所处的位置。把它的 token 排成一行：
+# 五个数和一个列表描述了一个序列所处的位置。把它的 token 排成一行：
 #
 # ```
 # token 下标：   0 ........................................ num_tokens-1
@@ -276,6 +277,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 #
 # - `num_tokens`：提示词加上目前已生成的 token 数。
 # - `num_prompt_tokens`：创建时确定，之后不变。
+# - `num_completion_tokens`：目前已生成的 token 数（`num_tokens - num_prompt_tokens`）。
 # - `num_cached_tokens`：K、V 向量已经在分页缓存中的 token 数（由之前的步骤算出，或由第 03 章的前缀缓存命中）。
 # - `num_scheduled_tokens`：*当前*这一步要计算的 token 数，由调度器设置。
 # - `block_table`（块表）：按顺序存放 KV 的缓存块编号；第 `i` 块存放第 `i*block_size … (i+1)*block_size - 1` 个 token。
@@ -329,9 +331,9 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params: SamplingParams | None = sampling_params
         # en: Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
-        # en: that a worker process unpickled (see "Shipping a sequence" below).
+        # en: that a worker process unpickled (see "Shipping a sequence to another process" below).
         # zh: token_ids[0] 在整个序列中的下标：在这里是 0；在工作进程反序列化得到的精简副本中更大
-        # zh: （见下文“传送序列”）。
+        # zh: （见下文“把序列传给另一个进程”）。
         self.first_token_index = 0
 
     # en: ---- status -------------------------------------------------------------
@@ -489,8 +491,9 @@ def _token_id(value: object, position: int) -> int:
 # of 6 tokens: the prompt does not fit one step, so its prefill is **chunked** into 6 + 4
 # tokens. After each step, the engine's postprocess does what `finish_step` does here: the
 # computed tokens become cached, and the sampled token is appended **only if the whole prompt
-# has been computed**. After a partial chunk the model's "next token" is the prediction for
-# a position inside the prompt, so it is thrown away.
+# has been computed**. After a partial chunk the last logits only predict a position inside
+# the prompt, so the model runner (chapter 08) samples nothing for it (it passes `-1`) and
+# postprocess ignores the value; our `finish_step` ignores its `sampled_token` the same way.
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：分块 prefill 与三个 decode 步中的计数器
@@ -498,7 +501,8 @@ def _token_id(value: object, position: int) -> int:
 # 我们手动扮演调度器。提示词有 10 个 token，每块 4 个 token，每步预算 6 个 token：提示词一步放不下，
 # 所以 prefill 被**分块**为 6 + 4 个 token。每一步之后，引擎的 postprocess（后处理）做的事和这里的
 # `finish_step` 一样：算过的 token 变为已缓存；**只有整个提示词都算完时**，才把采样得到的 token 追加上去。
-# 分块未完成时，模型给出的“下一个 token”只是对提示词内部某个位置的预测，因此丢弃。
+# 分块未完成时，最后一行 logits 只是对提示词内部某个位置的预测，所以模型执行器（第 08 章）不为它采样（传入 `-1`），
+# 后处理也忽略这个值；这里的 `finish_step` 同样忽略它的 `sampled_token`。
 
 # %%
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -509,7 +513,7 @@ def finish_step(seq: Sequence, sampled_token: int) -> bool:
     seq.num_cached_tokens += seq.num_scheduled_tokens
     seq.num_scheduled_tokens = 0
     if seq.num_cached_tokens < seq.num_tokens:
-        return False  # partial prefill chunk: the sample is discarded
+        return False  # partial prefill chunk: nothing to append, the value is ignored
     seq.append_token(sampled_token)
     return True
 
@@ -577,7 +581,7 @@ expected = [
     ("  after step", "RUNNING", 14, 13, 0, 4, 2),
 ]
 assert trace == expected
-assert seq.completion_token_ids == [7, 8, 9, 10]  # the 999 after chunk 1 was discarded
+assert seq.completion_token_ids == [7, 8, 9, 10]  # the 999 passed after chunk 1 was ignored
 assert seq.block(3) == [9, 10] and seq.last_token == 10
 print("the worked example holds")
 

@@ -668,8 +668,8 @@ for bad_call in (
 # 1. `block_size=16`, a prompt of 100 tokens and `max_tokens=60`. How many blocks can the
 #    sequence hold at most? (Careful: the KV of the very last sampled token is never computed.)
 # 2. Why must `hold` take a free block *out* of the free list instead of just raising its count?
-# 3. A pool of 8 blocks of 4 tokens, sequences of 10, 3 and 7 tokens, all prefilled. How many
-#    slots are allocated but empty?
+# 3. A pool of 8 blocks of 4 tokens, sequences of 10, 3 and 7 tokens, just allocated (before
+#    their prefill step runs). How many slots are allocated but empty?
 #
 # The cell below checks the answers.
 
@@ -689,7 +689,8 @@ for bad_call in (
 # 1. `block_size=16`，提示词 100 个 token，`max_tokens=60`。这个序列最多会持有几个块？（注意：最后一个采样得到的
 #    token 的 KV 永远不会被计算。）
 # 2. 为什么 `hold` 必须把空闲块*移出*空闲链表，而不只是增加它的计数？
-# 3. 8 个块、每块 4 个 token 的池子，长度为 10、3、7 的三个序列都做完了 prefill。有多少个槽位已分配却空着？
+# 3. 8 个块、每块 4 个 token 的池子，长度为 10、3、7 的三个序列刚分配好块（prefill 尚未运行）。
+#    有多少个槽位已分配却空着？
 #
 # 下面的单元检查答案。
 

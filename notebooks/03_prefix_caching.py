@@ -334,14 +334,15 @@ print("shared-prefix claims hold")
 # A 12-token prompt prefilled in a chunk of 6 tokens: after the chunk, block 0 is complete and
 # published, block 1 is half written and must *not* be findable yet. A second request with the
 # same prompt arriving now reuses block 0 only. Had the blocks been published at allocation,
-# it would have "hit" blocks 1 and 2 and read slots nobody had written.
+# it would also have "hit" block 1 and read its last two slots (positions 6 and 7), which
+# nobody had written yet.
 
 # %% [markdown] tags=["zh"]
 # ### 规则 1：写入之后再发布
 #
-# 一个 12 个 token 的提示词，按 6 个 token 一块做分块 prefill：这一块算完后，块 0 已完整并发布，块 1 只写了一半，
-# 此时*绝不能*被找到。这时到来的另一个相同提示词的请求只复用块 0。如果在分配时就发布这些块，它就会“命中”块 1 和块 2，
-# 读到还没有人写过的槽位。
+# 一个 12 个 token 的提示词，先做一个 6 个 token 的 prefill 分块：这个分块算完后，块 0 已完整并发布，块 1 只写了一半，
+# 此时*绝不能*被找到。这时到来的另一个相同提示词的请求只复用块 0。如果在分配时就发布这些块，它还会“命中”块 1，
+# 读到其中最后两个槽位（位置 6 和 7）——那里还没有人写过。
 
 # %%
 bm = BlockManager(num_blocks=8, block_size=4)

@@ -60,8 +60,9 @@
 #   block manager can give the head sequence its blocks (cache hits lower both costs). If the
 #   head's remaining prompt does not fit the budget left, it gets a **chunk**: as many tokens as
 #   fit. That sequence is then the last one of the step, keeps its blocks and stays at the head
-#   of `waiting`; the next step continues it. The model still samples a token after a chunk, but
-#   it predicts a position *inside* the prompt: postprocess throws it away.
+#   of `waiting`; the next step continues it. A chunk yields no new token: its last logits
+#   predict a position *inside* the prompt, so the model runner (chapter 08) does not sample
+#   them (it returns `-1`) and postprocess appends nothing.
 # - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`)
 #   computes its last token. If one needs a new block and none is free, the scheduler
 #   **preempts** from the *tail* of `running`, the newest sequence first, until a block is free,
@@ -95,8 +96,8 @@
 # - **Prefill。** 只要这一步还有余量，就从 `waiting` 队头取序列：最多 `max_num_seqs` 个序列、
 #   `max_num_batched_tokens` 个 token（即 **token 预算**），并且块管理器能给队头序列分配块（缓存命中会同时降低
 #   这两种开销）。如果队头序列剩余的提示词超出剩余预算，它就得到一个**分块**：预算能容纳多少 token 就算多少。
-#   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块之后模型照样会采样一个
-#   token，但它预测的是提示词*内部*的某个位置：后处理会把它丢掉。
+#   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块不产生新 token：它最后一行
+#   logits 预测的是提示词*内部*的某个位置，所以模型执行器（第 08 章）不对它采样（返回 `-1`），后处理也不追加任何东西。
 # - **Decode**，当没有任何序列可以 prefill 时：每个运行中的序列（最多 `max_num_seqs` 个）计算它的最后一个 token。
 #   如果某个序列需要新块而没有空闲块，调度器就从 `running` 的*队尾*开始**抢占**——最新的序列先被抢占——直到腾出
 #   一个块，最坏情况下抢占它自己。被抢占的序列归还所有块，回到 WAITING，排在 `waiting` 的*队头*，之后重新
@@ -357,7 +358,7 @@ class Scheduler:
             # zh: 这些 token 的 KV 现在已写入：写满的块可以发布了。
             self.block_manager.publish_full_blocks(seq)
             if seq.num_cached_tokens < len(seq):
-                continue  # a prefill chunk: the sampled token predicts a prompt position, discard it
+                continue  # a partial prefill chunk: no new token (the model runner passes -1), append nothing
             seq.append_token(token_id)
             params = seq.sampling_params
             if (not params.ignore_eos and token_id in self.eos_token_ids) or (
@@ -452,7 +453,8 @@ steps = run(sched, names)
 # Step by step:
 #
 # - **Step 1.** A's 14-token prompt does not fit the 12-token budget: a **chunk** of 12. A stays
-#   at the head of `waiting` (and its sampled token is discarded). Its three full blocks are
+#   at the head of `waiting` and gets no token (postprocess ignores what our fake model returns
+#   for it). Its three full blocks are
 #   published.
 # - **Step 2.** A's last 2 prompt tokens, then B and C, which find the system prompt's block in
 #   the cache (`hits`) and compute only their own tokens. All three start running.
@@ -467,7 +469,7 @@ steps = run(sched, names)
 # 逐步来看：
 #
 # - **第 1 步。** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
-#   `waiting` 队头（它的采样结果被丢弃）。它的三个写满的块被发布。
+#   `waiting` 队头，没有得到 token（后处理忽略我们的假模型为它返回的值）。它的三个写满的块被发布。
 # - **第 2 步。** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
 #   只计算自己的 token。三个序列都开始运行。
 # - **第 3、4 步。** decode 步。第 4 步用掉了最后一个空闲块。
@@ -489,7 +491,7 @@ steps = run(sched, names)
 # ### 动画：分块预填充，然后是一场抢占风暴
 #
 # 下面是本调度器配合假模型录下的两段过程（播放器来自附录 A）。第一段：20 个 token 的提示词，每步预算 8 个 token，
-# 分块为 8 + 8 + 4，两块之间序列在等待队列队首等候。第二段：4 个请求挤在 6 个块（每块 4 个 token）的块池里：
+# 分块为 8 + 8 + 4，分块之间，序列在等待队列队首等候。第二段：4 个请求挤在 6 个块（每块 4 个 token）的块池里：
 # decode 不断需要新块，最新的运行序列一次又一次被抢占，但所有请求最终都完成了。
 
 # %% animations
@@ -642,7 +644,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # 1. `block_size=8`, a prompt of 30 tokens, `max_tokens=10`. What is the smallest cache, in
 #    blocks, that `add` accepts?
 # 2. A single 20-token prompt, a budget of 8 tokens. In which step is its first token appended,
-#    and how many sampled tokens were discarded before it?
+#    and how many steps ran before it without appending anything?
 # 3. Why preempt the *newest* running sequence rather than the oldest? Think of what each has
 #    already been given.
 
@@ -660,7 +662,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # ## 练习
 #
 # 1. `block_size=8`，提示词 30 个 token，`max_tokens=10`。`add` 能接受的最小缓存是多少个块？
-# 2. 一个 20 个 token 的提示词，预算 8 个 token。第一个 token 在第几步追加？在它之前丢弃了几个采样结果？
+# 2. 一个 20 个 token 的提示词，预算 8 个 token。第一个 token 在第几步追加？在它之前有几步什么也没追加？
 # 3. 为什么抢占*最新*的运行序列，而不是最旧的？想想每个序列已经得到了什么。
 
 # %%
@@ -674,8 +676,8 @@ for blocks, accepted in ((4, False), (5, True)):
     except ValueError:
         assert not accepted
 
-# en: Exercise 2: chunks of 8 + 8 + 4: the token is appended after step 3; two samples were discarded.
-# zh: 练习 2：分块为 8 + 8 + 4：第 3 步之后追加 token；之前丢弃了两个采样结果。
+# en: Exercise 2: chunks of 8 + 8 + 4: the token is appended after step 3; the two steps before it appended nothing.
+# zh: 练习 2：分块为 8 + 8 + 4：第 3 步之后追加 token；之前的两步什么也没追加。
 s = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=1, max_num_batched_tokens=8)
 seq = Sequence(list(range(20)), SamplingParams(max_tokens=2), block_size=4)
 s.add(seq)

@@ -928,8 +928,8 @@ print(f"{len(ids)} tokens, logits std {reference.std():.2f}, max |ours - transfo
 # step. Each step's logits must match `transformers` run on the whole text so far.
 
 # %% [markdown] tags=["zh"]
-# **经过分页缓存。** 现在按引擎的方式来：给每个注意力层一个 KV 缓存（第 08 章的模型执行器做的事），把提示词分
-# **两块** prefill——第二块通过块表读取第一块的 KV——然后贪心解码，每步一个 token。每一步的 logits 都必须与
+# **经过分页缓存。** 现在按引擎的方式来：给每个注意力层一个 KV 缓存（第 08 章的模型执行器做的事），把提示词分成
+# **两个分块**做 prefill——第二个分块通过块表读取第一个分块的 KV——然后贪心解码，每步一个 token。每一步的 logits 都必须与
 # `transformers` 对到目前为止的完整文本的计算结果一致。
 
 # %%
@@ -999,10 +999,10 @@ print("ours == transformers for Qwen3, Llama (tied) and Qwen2")
 
 # %% [markdown] tags=["en"]
 # The loader refuses a broken checkpoint with a message that names the problem. We copy the
-# tiny model and damage it in three ways:
+# tiny model and damage it in three ways, then name an architecture we do not support:
 
 # %% [markdown] tags=["zh"]
-# 加载器会拒绝损坏的检查点，并在错误信息中指明问题所在。我们复制一份小模型，用三种方式把它弄坏：
+# 加载器会拒绝损坏的检查点，并在错误信息中指明问题所在。我们复制一份小模型，用三种方式把它弄坏，再写上一个不支持的架构：
 
 # %%
 import shutil
@@ -1034,8 +1034,10 @@ config["architectures"] = ["MambaForCausalLM"]
 (broken / "config.json").write_text(json.dumps(config))
 try:
     build_model(broken)
+    raise AssertionError("an unsupported architecture was accepted")
 except ValueError as error:
     print("ValueError:", error)
+    assert "MambaForCausalLM" in str(error), error  # not one of the weight errors above
 shutil.rmtree(scratch)
 
 # %% [markdown] tags=["en"]

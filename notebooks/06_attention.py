@@ -30,7 +30,7 @@
 #
 # **目标。** 构建引擎的注意力层：它把每个新 token 的键（K）和值（V）写入**分页 KV 缓存**，并通过序列的
 # **块表**读取缓存，对序列的全部历史计算注意力。一个批次里混着长度不同的序列，其中一些带有已缓存的前缀
-# （前缀缓存命中，或分块预填充的后续块），所以所有张量都是*展平*的，由一个小小的**上下文**（context）对象
+# （前缀缓存命中，或分块预填充中靠后的分块），所以所有张量都是*展平*的，由一个小小的**上下文**（context）对象
 # 说明每个序列从哪里开始、到哪里结束。
 #
 # 本章编写*纯 torch 参考后端*：简短、易读、处处可运行，并且由它定义什么叫“正确”。后面的 Triton 内核接入
@@ -93,14 +93,14 @@
 # ## Build it: the context
 #
 # The model runner (chapter 08) fills the context before each forward and every attention
-# layer reads it, so it lives in a module-level variable, as in nano-vllm. The design notes put
-# this module in chapter 08; it is here because attention is the code that reads it.
+# layer reads it, so it lives in a module-level variable, as in nano-vllm. The model runner
+# of chapter 08 fills it, but the module lives here because attention is the code that reads it.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：上下文
 #
 # 模型执行器（第 08 章）在每次前向计算之前填好上下文，每个注意力层都读取它，所以像 nano-vllm 一样把它放在
-# 模块级变量里。设计说明把这个模块划给第 08 章；放在这里，是因为读取它的正是注意力。
+# 模块级变量里。填写它的是第 08 章的模型执行器，但这个模块放在本章，因为读取它的正是注意力。
 
 # %% default module
 #| default_exp layers.attention
@@ -322,7 +322,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 # attention (each KV head serves `num_heads / num_kv_heads` query heads). Prefill runs one
 # sequence at a time with a causal mask shifted by the cached prefix; decode, too, runs one
 # sequence at a time, reading exactly its own context, so nothing is padded or masked. A
-# reference can afford the Python loop; the Triton kernels (06, part two) do a batch in one launch.
+# reference can afford the Python loop; the Triton kernels (chapter 06b) do a batch in one launch.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：纯 torch 后端
@@ -336,7 +336,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
 # **计算注意力。** `F.scaled_dot_product_attention` 配合 `enable_gqa=True` 处理分组查询注意力（GQA，每个
 # KV 头服务 `num_heads / num_kv_heads` 个查询头）。prefill 逐个序列计算，因果掩码按已缓存前缀的长度平移；
 # decode 也逐个序列计算，每个序列只读取自己的上下文，所以既没有填充也不需要掩码。参考实现负担得起这个 Python
-# 循环；Triton 内核（第 06 章下篇）则一次启动处理整个批次。
+# 循环；Triton 内核（第 06b 章）则一次启动处理整个批次。
 
 # %% torch backend
 #| export
@@ -510,8 +510,8 @@ attn = Attention(H, D, scale=D**-0.5, num_kv_heads=KVH)
 attn.k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D)
 attn.v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D)
 
-# en: The whole story of each sequence: 5 + 2 decode, 11 + 2 decode, 2 + 2 decode tokens.
-# zh: 每个序列的完整历史：5 + 2 个 decode，11 + 2 个 decode，2 + 2 个 decode 个 token。
+# en: The whole story of each sequence, in tokens: 5 + 2, 11 + 2, 2 + 2 (prefill + decode).
+# zh: 每个序列的完整历史（token 数）：5 + 2、11 + 2、2 + 2（prefill + decode）。
 lengths = {"A": 7, "B": 13, "C": 4}
 tables = {"A": [3, 7], "B": [0, 1, 5, 9], "C": [11]}
 qkv = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)) for name, n in lengths.items()}
@@ -566,7 +566,7 @@ reset_context()
 # ## 验证
 #
 # 上面每个输出都与稠密参考一致，包括读取已缓存前缀的那个序列。而且缓存中每个 token 的键恰好位于其块表所指的
-# 槽位：例如 B 的第 9 个 token 位于块 `tables["B"][9 // 4] = 5` 的偏移 1 处。
+# 槽位：例如 B 中下标为 9 的 token（第 10 个）位于块 `tables["B"][9 // 4] = 5` 的偏移 1 处。
 
 # %%
 assert max(errors.values()) < 1e-5, errors
@@ -602,7 +602,8 @@ print("a padded row stores nothing and returns zeros")
 #   `set_prefill_context` / `set_decode_context` to build one from lengths and block tables.
 # - `nanovllm/layers/attention.py`: `Attention(num_heads, head_dim, scale, num_kv_heads)`, a
 #   backend registry, and `TorchBackend`: store via `slot_mapping` (−1 skipped), varlen causal
-#   prefill reading cached prefixes through block tables, batched paged decode, GQA.
+#   prefill reading cached prefixes through block tables, paged decode (one sequence at a time,
+#   each reading exactly its context), GQA.
 #
 # ## Exercises
 #
@@ -620,12 +621,12 @@ print("a padded row stores nothing and returns zeros")
 # - `nanovllm/utils/context.py`：`Context`、`set_context`、`get_context`、`reset_context`，以及根据长度和
 #   块表构造上下文的 `set_prefill_context` / `set_decode_context`。
 # - `nanovllm/layers/attention.py`：`Attention(num_heads, head_dim, scale, num_kv_heads)`、后端注册表和
-#   `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、通过块表读取已缓存前缀的变长因果 prefill、批量分页
-#   decode，以及 GQA。
+#   `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、通过块表读取已缓存前缀的变长因果 prefill、逐个序列的
+#   分页 decode（每个序列只读取自己的上下文），以及 GQA。
 #
 # ## 练习
 #
-# 1. 一个序列有 21 个 token，`block_size=8`，块表为 `[4, 2, 9]`。第 20 个 token 在哪个槽位？
+# 1. 一个序列有 21 个 token，`block_size=8`，块表为 `[4, 2, 9]`。下标为 20 的 token（即最后一个）在哪个槽位？
 # 2. 某个 prefill 步中，一个序列 `seqlen_q=3`、`seqlen_k=10`。它的第二个查询（j = 1）能关注哪些键位置？
 # 3. 为什么 decode 不需要 `cu_seqlens_q`？
 #
@@ -633,7 +634,7 @@ print("a padded row stores nothing and returns zeros")
 
 # %%
 # en: 1: token 20 is in block index 20 // 8 = 2, i.e. block 9, offset 4: slot 9 * 8 + 4 = 76.
-# zh: 1：第 20 个 token 在块下标 20 // 8 = 2，即块 9，偏移 4：槽位 9 * 8 + 4 = 76。
+# zh: 1：下标为 20 的 token 在块表下标 20 // 8 = 2 处，即块 9，偏移 4：槽位 9 * 8 + 4 = 76。
 ctx = set_decode_context([21], [[4, 2, 9]], block_size=8)
 assert ctx.slot_mapping.tolist() == [76]
 # en: 2: query j = 1 sits at position 10 - 3 + 1 = 8: keys 0 … 8.

@@ -38,7 +38,7 @@
 #
 # 1. **存储**：按 `slot_mapping` 把每个新 token 的 K、V 分散写入分页缓存（槽位 `-1` 是填充，跳过）；
 # 2. **prefill**：flash-attention 风格的变长因果注意力，通过块表读取已缓存的前缀（前缀缓存命中，或分块预填充中
-#    之前的块），支持分组查询注意力（GQA）；
+#    之前的分块），支持分组查询注意力（GQA）；
 # 3. **decode**：每个序列一个查询，关注它全部的分页历史。有两种写法：每个（序列，KV 头）一个程序；以及
 #    **split-K**（“flash-decoding”）版本，它还把上下文切成几段，再用一个小的归约内核合并。另有一个启发式
 #    规则在两者之间选择。
@@ -74,7 +74,7 @@
 # one small matrix product.
 
 # %% [markdown] tags=["zh"]
-# ## 思路：分块（tile）、在线 softmax，以及由块表算出的地址
+# ## 思路：tile、在线 softmax，以及由块表算出的地址
 #
 # Triton 程序按 **tile** 工作：张量中放在寄存器里的小二维块。一个查询 tile 的注意力逐个 tile 地遍历键，
 # 并为每一行查询维护三个量：当前最大值 `m`、指数和 `l`、值的加权和 `acc`（即*在线 softmax*）：当新 tile
@@ -1279,7 +1279,7 @@ display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % o
 # **Reading it.** With 64 or more sequences the plain kernel already has 512+ programs for 132
 # SMs and streams the cache at 80–100 % of the copy rate (slightly above 100 % at long contexts:
 # a copy both reads and writes, decode only reads). With 1–16 sequences it cannot: 8–128
-# programs leave most SMs idle and the plain kernel stalls at 3–50 %. Split-K recovers a large
+# programs leave most SMs idle and the plain kernel stalls at 3–51 %. Split-K recovers a large
 # part of it (16 sequences × 8 K tokens: 51 % → 93 %), and for a single sequence it is 2–12×
 # faster, although one sequence never gets close to the copy rate: a few microseconds of fixed
 # cost per call dominate. The heuristic picks the measured best split count, or one within a
@@ -1289,7 +1289,7 @@ display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % o
 # %% [markdown] tags=["zh"]
 # **怎么读这张图。** 序列数达到 64 或更多时，普通内核在 132 个 SM 上已有 512 个以上的程序，能以拷贝速度的
 # 80–100 % 流式读取缓存（长上下文时略高于 100 %：拷贝既读又写，decode 只读）。序列数为 1–16 时做不到：8–128
-# 个程序让大部分 SM 闲着，普通内核只有 3–50 %。split-K 能找回很大一部分（16 个序列 × 8K token：51 % → 93 %）；
+# 个程序让大部分 SM 闲着，普通内核只有 3–51 %。split-K 能找回很大一部分（16 个序列 × 8K token：51 % → 93 %）；
 # 单个序列时它快 2–12 倍，但一个序列永远接近不了拷贝速度：每次调用几微秒的固定开销占了大头。在每个形状上，
 # 启发式规则选中的都是实测最好的分段数，或只差几个百分点。prefill 方面，除了最小的形状（一次 40 µs 的调用，
 # 主要是固定开销）之外，我们的内核在每个形状上都比 SDPA 的 flash 后端快。

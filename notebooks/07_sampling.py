@@ -41,9 +41,10 @@
 #
 # This is the Gumbel-max trick in disguise (`-log E` is Gumbel-distributed, and
 # `argmax(log p_i - log E_i)` is the same argmax). nano-vllm uses it because it is one division
-# and one `argmax` over the whole batch: no cumulative sums, no search, no sync with the CPU.
-# It also separates the *randomness* (the noise `E`) from the *distribution* (`p`), and that is
-# what makes per-request seeds easy: each seeded row draws its noise from its own generator.
+# and one `argmax` over the whole batch: no cumulative sums, no search (our version still reads
+# back a few flags to skip unused filters). It also separates the *randomness* (the noise `E`)
+# from the *distribution* (`p`), and that is what makes per-request seeds easy: each seeded row
+# draws its noise from its own generator.
 #
 # **Temperature** divides the logits before the softmax. **top-k** keeps the `k` largest
 # logits. **top-p** (nucleus) keeps the smallest set of most likely tokens whose probability
@@ -61,12 +62,12 @@
 # ```
 #
 # 这其实是换了个样子的 Gumbel-max 技巧（`-log E` 服从 Gumbel 分布，`argmax(log p_i - log E_i)` 是同一个
-# argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找，也不用与 CPU
-# 同步。它还把*随机性*（噪声 `E`）与*分布*（`p`）分开了，这让按请求设置种子变得容易：每个带种子的行从它自己的
-# 生成器中抽取噪声。
+# argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找（我们的实现
+# 仍会读回几个标志，以跳过用不到的过滤）。它还把*随机性*（噪声 `E`）与*分布*（`p`）分开了，这让按请求设置
+# 种子变得容易：每个带种子的行从它自己的生成器中抽取噪声。
 #
-# **温度**在 softmax 之前去除 logits。**top-k** 保留最大的 `k` 个 logits。**top-p**（nucleus，核采样）保留
-# 概率累计达到 `p` 的最小的一组最可能的 token——至少保留一个。被屏蔽的 token 概率为 0，永远不会胜出。
+# **温度**：softmax 之前，先把 logits 除以温度。**top-k** 保留最大的 `k` 个 logits。**top-p**（nucleus，
+# 核采样）保留概率累计达到 `p` 的最小的一组最可能的 token——至少保留一个。被屏蔽的 token 概率为 0，永远不会胜出。
 
 # %% [markdown] tags=["en"]
 # ## Per-request seeds that ignore the batch
@@ -76,8 +77,8 @@
 # nothing but the request. We derive a fresh generator for every sampled token from
 # `(seed, position)`, where `position` is the index of the token being drawn (the sequence's
 # length at that moment). Keeping one live generator per request would work too, but its state
-# would have to survive preemption, process boundaries (tensor parallelism) and the discarded
-# sample after a partial prefill chunk; a function of `(seed, position)` has no state to lose.
+# would have to survive preemption and process boundaries (tensor parallelism); a function of
+# `(seed, position)` has no state to lose.
 # Unseeded rows share the global generator, as usual.
 
 # %% [markdown] tags=["zh"]
@@ -86,8 +87,8 @@
 # 一个带种子的请求，无论单独运行还是与另外 50 个请求一起、位于第 0 行还是第 17 行、被抢占重算之前还是之后，
 # 都必须生成相同的 token。所以它的噪声只能取决于请求本身。我们为每个要采样的 token 从 `(seed, position)` 派生
 # 一个新的生成器，其中 `position` 是正在抽取的 token 的下标（即此刻序列的长度）。为每个请求保留一个持续使用的
-# 生成器也行，但它的状态必须经受住抢占、进程边界（张量并行）以及部分 prefill 块之后被丢弃的那次采样；而
-# `(seed, position)` 的函数根本没有可丢失的状态。不带种子的行照常共用全局生成器。
+# 生成器也行，但它的状态必须经受住抢占和进程边界（张量并行）；而 `(seed, position)` 的函数根本没有可丢失的
+# 状态。不带种子的行照常共用全局生成器。
 
 # %% default module
 #| default_exp layers.sampler

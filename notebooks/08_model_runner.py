@@ -500,8 +500,8 @@ for i, layer in enumerate(runner.attention_layers):
 # %% [markdown] tags=["zh"]
 # ### 验证：手工执行两步，与 `transformers` 对比
 #
-# 我们扮演调度器：一个 9 个 token 的提示词，prefill 分成 5 个和 4 个 token 两块，然后做一个 decode 步。
-# 第一块不产生 token（`-1`）；第二块产生第一个生成的 token，decode 步产生第二个。
+# 我们扮演调度器：一个 9 个 token 的提示词，prefill 分成 5 个和 4 个 token 的两个分块，然后做一个 decode 步。
+# 第一个分块不产生 token（`-1`）；第二个分块产生第一个生成的 token，decode 步产生第二个。
 # 两者都必须等于 `transformers` 的贪心选择。
 
 # %%

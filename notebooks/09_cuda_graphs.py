@@ -813,7 +813,7 @@ assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[tab
 #   the number of launches, hence ~25 ms, with noisy rows).
 # - **Graphs** cut a batch-1 step from 54 ms to 4.6 ms (12×), and with compiled small ops to
 #   1.9 ms (15× against the same eager path, 29× against plain eager). The goal was 1.5× at
-#   batch ≤ 16; every row is above 9×.
+#   batch ≤ 16; every row up to batch 16 is above 9×.
 # - From batch 64 on, the graph time grows with the batch: the GPU's work (mostly reading the
 #   KV cache) starts to dominate. The profiler at batch 256 (compiled, graph) shows where one
 #   step's 5.5 ms of GPU time goes: the decode attention kernel 68% (134 µs per layer for 537 MB
@@ -829,7 +829,7 @@ assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[tab
 # - **eager 受启动开销限制**，而且几乎是平的：不管批多大，每步都是约 54 ms，因为时间花在启动约 1,700 个内核的
 #   Python 上，而不是内核本身（编译小算子让启动次数减半，所以是约 25 ms，个别行有噪声）。
 # - **CUDA Graph** 把 batch 为 1 的一步从 54 ms 降到 4.6 ms（12 倍），再加上编译小算子降到 1.9 ms（相对同样的
-#   eager 路径是 15 倍，相对普通 eager 是 29 倍）。目标是 batch ≤ 16 时达到 1.5 倍；每一行都超过 9 倍。
+#   eager 路径是 15 倍，相对普通 eager 是 29 倍）。目标是 batch ≤ 16 时达到 1.5 倍；batch ≤ 16 的每一行都超过 9 倍。
 # - 从 batch 64 开始，graph 的时间随批大小增长：GPU 的工作（主要是读取 KV 缓存）开始占主导。batch 256 时
 #   （编译小算子、graph）的性能剖析显示了一步 5.5 ms 的 GPU 时间花在哪里：decode 注意力内核占 68%（每层 134 µs
 #   读 537 MB 的 KV：4.0 TB/s，接近 4.2 TB/s 的拷贝速率），四个矩阵乘约 14%，融合后的小算子约 7%。6.6 ms 中

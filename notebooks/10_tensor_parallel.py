@@ -1356,10 +1356,11 @@ assert [o["token_ids"] for o in out_tp2] == [o["token_ids"] for o in out_tp1]
 assert seen["partial prefill"] and seen["preemption"]
 
 # %% [markdown] tags=["en"]
-# On a tiny model, TP=2 is slower: every layer's all-reduce is a round trip through local
-# sockets, and each step also crosses the control channel, while the matmuls it splits take
-# microseconds. Tensor parallelism pays off when one rank's matmuls are big enough to hide the
-# communication — real models, on GPUs linked by NVLink.
+# On a tiny model TP=2 is usually slower (the timings above are from a shared CPU and vary):
+# every layer's all-reduce is a round trip through local sockets, and each step also crosses
+# the control channel, while the matmuls it splits take microseconds. Tensor parallelism pays
+# off when one rank's matmuls are big enough to hide the communication — real models, on GPUs
+# linked by NVLink.
 #
 # ### When a rank fails
 #
@@ -1369,9 +1370,9 @@ assert seen["partial prefill"] and seen["preemption"]
 # processes are gone.
 
 # %% [markdown] tags=["zh"]
-# 在小模型上，TP=2 反而更慢：每一层的 all-reduce 都要经本机套接字往返一次，每一步还要过一次控制通道，而被它切分的
-# 矩阵乘法只需要几微秒。只有当单个 rank 上的矩阵乘法大到足以掩盖通信开销时，张量并行才划算——真实的模型，跑在用
-# NVLink 互连的 GPU 上。
+# 在小模型上，TP=2 通常更慢（上面的计时来自共享 CPU，会有波动）：每一层的 all-reduce 都要经本机套接字往返
+# 一次，每一步还要过一次控制通道，而被它切分的矩阵乘法只需要几微秒。只有当单个 rank 上的矩阵乘法大到足以掩盖
+# 通信开销时，张量并行才划算——真实的模型，跑在用 NVLink 互连的 GPU 上。
 #
 # ### 当某个 rank 出错
 #

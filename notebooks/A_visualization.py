@@ -992,13 +992,14 @@ print(f"blocks {c_blocks[:2]}: cached after C finished, revived by D's cache hit
 #
 # A prompt of 20 tokens with a budget of `max_num_batched_tokens=8` tokens per step: the prefill
 # is **chunked** into 8 + 8 + 4 tokens. Between chunks the sequence stays at the head of the
-# *waiting* queue and keeps its blocks; the token sampled after a partial chunk is discarded.
+# *waiting* queue and keeps its blocks; a partial chunk appends no token (postprocess ignores
+# the fake model's value for it).
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：长提示词分块预填充
 #
 # 提示词 20 个 token，每步预算 `max_num_batched_tokens=8` 个 token：prefill 被**分块**为 8 + 8 + 4 个 token。
-# 两块之间，序列留在*等待*队列的队首并保留它的块；部分分块之后采样得到的 token 会被丢弃。
+# 分块之间，序列留在*等待*队列的队首并保留它的块；未完成的分块不追加 token（后处理忽略假模型为它给出的值）。
 
 # %%
 chunky = FakeEngine(num_kvcache_blocks=10, kvcache_block_size=4, max_num_batched_tokens=8)
@@ -1067,7 +1068,7 @@ print(f"{steps} steps, {len(preempted)} preemptions (seq ids {preempted}), all 4
 # Finally, a recording that went through JSON draws the same player (apart from the random id).
 
 # %% [markdown] tags=["zh"]
-# ## 检查：每份记录的每一帧都满足的不变量
+# ## 验证：每份记录的每一帧都满足的不变量
 #
 # 图画得再好，数据不对也没有意义。上面每一帧都满足：已用块的引用计数等于持有它的活跃块表个数；
 # 空闲块与已用块划分了整个块池，空闲链表恰好包含所有非已用块，且每块只出现一次；cached 块一定有哈希；
@@ -1357,7 +1358,8 @@ panel.player()
 # - `nanovllm.viz.driver`：`FakeEngine`，用确定性的假模型驱动调度器，在 CPU 上几毫秒就能录好。
 # - `nanovllm.viz.player`：`caption`、`frame_svg`、`frame_html`、`player_html` 与 `Player`：自包含的动画，
 #   支持播放、暂停、单步、滑块和悬停详情，一个页面上放多少个都不会冲突。
-# - `nanovllm.viz.panel`：`LivePanel`，JupyterLab 中驱动实时调度器的按钮面板。
+# - `nanovllm.viz.panel`：`LivePanel`，JupyterLab 中驱动实时调度器的按钮面板（以及判断能否显示按钮的
+#   `interactive_frontend()`）。
 #
 # ## 练习
 #

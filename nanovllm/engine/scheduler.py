@@ -202,7 +202,7 @@ class Scheduler:
             # The KV of those tokens is written now: full blocks can be published.
             self.block_manager.publish_full_blocks(seq)
             if seq.num_cached_tokens < len(seq):
-                continue  # a prefill chunk: the sampled token predicts a prompt position, discard it
+                continue  # a partial prefill chunk: no new token (the model runner passes -1), append nothing
             seq.append_token(token_id)
             params = seq.sampling_params
             if (not params.ignore_eos and token_id in self.eos_token_ids) or (

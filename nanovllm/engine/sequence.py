@@ -74,7 +74,7 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params: SamplingParams | None = sampling_params
         # Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
-        # that a worker process unpickled (see "Shipping a sequence" below).
+        # that a worker process unpickled (see "Shipping a sequence to another process" below).
         self.first_token_index = 0
 
     # ---- status -------------------------------------------------------------
