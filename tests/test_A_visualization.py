@@ -172,7 +172,7 @@ def test_chunked_prefill_is_recorded():
     assert posts[0]["waiting"] == [seq.seq_id]
     assert "chunk of 8 tokens, 12 left" in caption(prefills[0], "en")
     assert "分块 8 个 token，还剩 12 个" in caption(prefills[0], "zh")
-    assert "partial chunk, sample discarded" in caption(posts[0], "en")
+    assert "partial chunk, no token yet" in caption(posts[0], "en")
 
 
 def test_preemption_storm_is_recorded_and_recovers():

@@ -90,8 +90,8 @@ def caption(frame: dict, lang: str = "en") -> str:
             parts.append(f"序列 {ids} {each}追加 1 个 token" if zh else f"appended a token to seq {ids}")
         if discarded:
             ids = _seq_list(discarded, zh)
-            parts.append(f"序列 {ids} 的分块未完成，丢弃采样结果" if zh
-                         else f"seq {ids}: partial chunk, sample discarded")
+            parts.append(f"序列 {ids} 的分块未完成，暂不产生 token" if zh
+                         else f"seq {ids}: partial chunk, no token yet")
         if event["finished"]:
             ids = _seq_list(event["finished"], zh)
             parts.append(f"序列 {ids} 完成（释放其块）" if zh else f"finished seq {ids} (blocks freed)")
