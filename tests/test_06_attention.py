@@ -46,9 +46,12 @@ def make_layer(heads: int, kv_heads: int, d: int, num_blocks: int, block_size: i
     return layer
 
 
-def random_tables(lengths: list[int], block_size: int, rng: random.Random) -> tuple[list[list[int]], int]:
+def random_tables(
+    lengths: list[int], block_size: int, rng: random.Random, spare: int = 3
+) -> tuple[list[list[int]], int]:
+    """Disjoint random block tables covering ``lengths`` tokens; returns (tables, num_blocks)."""
     needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(needed) + 3
+    num_blocks = sum(needed) + spare
     free = list(range(num_blocks))
     rng.shuffle(free)
     tables = []

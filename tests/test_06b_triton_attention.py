@@ -31,6 +31,7 @@ from nanovllm.utils.context import (  # noqa: E402
     set_decode_context,
     set_prefill_context,
 )
+from tests.test_06_attention import random_tables  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 REF = TorchBackend()
@@ -42,19 +43,6 @@ def _clean_context():
     reset_context()
     yield
     reset_context()
-
-
-def random_tables(lengths: list[int], block_size: int, rng: random.Random, spare: int = 2):
-    """Disjoint random block tables covering ``lengths`` tokens; returns (tables, num_blocks)."""
-    needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(needed) + spare
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables = []
-    for n in needed:
-        tables.append(free[:n])
-        free = free[n:]
-    return tables, num_blocks
 
 
 def nan_cache(num_blocks: int, block_size: int, kv_heads: int, d: int, dtype: torch.dtype) -> torch.Tensor:
