@@ -246,11 +246,17 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
             return tokens
 
         llm.model_runner.run = timed
-    _sync(device)
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-    _sync(device)
-    seconds = time.perf_counter() - start
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        # Free the KV cache (most of the GPU) for whatever runs next, such as the transformers peer.
+        llm.exit()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     made = [len(o["token_ids"]) for o in outputs]
     if made != workload.output_lens:
         raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")

@@ -137,7 +137,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from nanovllm.layers.attention import register_attention_backend
+from nanovllm.layers.attention import Attention, register_attention_backend
 from nanovllm.utils.context import Context
 
 # en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
@@ -329,7 +329,7 @@ def _prefill_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_bt,
@@ -475,6 +475,66 @@ def prefill_attention(
     return out
 
 # %% [markdown] tags=["en"]
+# ### Compile before the first step
+#
+# Triton compiles a kernel the first time it is launched with a new *variant*: a new value of
+# any `constexpr` (here `PAGED` and the four launch numbers), and a new class of any integer
+# argument (equal to 1, divisible by 16, or neither), which it specializes on. A compile takes
+# about a second, so a variant first met in the middle of a run stalls that step. The engine
+# meets four: fresh or paged keys (`PAGED`, set by the first chunked prefill or prefix-cache hit)
+# times a small or large grid (the two launch configurations). The block-table row stride is the
+# table's width, which changes from step to step; `do_not_specialize=["stride_bt"]` keeps one
+# variant for every width instead of a new one the first time a step's table is 1 or 16 blocks
+# wide. `warm_up_prefill` launches all four once on a few tokens, so that the engine pays these
+# compiles while it starts (chapter 08 calls it), never inside a measured step.
+
+# %% [markdown] tags=["zh"]
+# ### 在第一步之前编译
+#
+# Triton 第一次以一个新的*变体*启动内核时会编译它：任何 `constexpr` 取了新值（这里是 `PAGED` 和四个启动参数），
+# 或者某个整数参数落入了新的类别（等于 1、能被 16 整除、或都不是），Triton 会针对这些类别做特化。一次编译大约要
+# 一秒，所以在运行中途第一次遇到某个变体，会让那一步停顿下来。引擎会遇到四个变体：键是新算出的还是分页读取的
+# （`PAGED`，由第一次分块 prefill 或前缀缓存命中触发），乘以网格是小还是大（两种启动配置）。块表的行步长就是
+# 块表的宽度，每一步都可能不同；`do_not_specialize=["stride_bt"]` 让所有宽度共用一个变体，而不是在某一步的块表
+# 第一次恰好宽 1 块或 16 块时再编译一个。`warm_up_prefill` 用几个 token 把四个变体各启动一次，这样引擎在启动时
+# （第 08 章调用它）就付清了编译的代价，而不会在某个被计时的步里付。
+
+# %% prefill warm-up
+#| export
+def prefill_launch_configs(device: torch.device, head_dim: int, dtype: torch.dtype) -> list[tuple[int, ...]]:
+    """Every launch configuration ``_prefill_launch`` can pick for these shapes (small grid, large grid)."""
+    small = _prefill_launch(device, head_dim, dtype, programs_128=0)
+    large = _prefill_launch(device, head_dim, dtype, programs_128=1 << 30)
+    return list(dict.fromkeys([small, large]))
+
+
+def warm_up_prefill(
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> int:
+    """Launch every prefill kernel variant the engine can need, once, on 2 tokens; returns the launch count.
+
+    The paged launches read (and only read) block 0 of the cache; their output is thrown away.
+    """
+    _check_cache(k_cache, v_cache)
+    device, dtype = k_cache.device, k_cache.dtype
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def lengths(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    # en: Two fresh tokens; then one token after a cached prefix of one, read through block 0.
+    # zh: 两个新 token；然后是一个 token，前面有一个已缓存的前缀 token，经由块 0 读取。
+    fresh = Context(True, lengths(0, 2), lengths(0, 2), 2, 2)
+    paged = Context(True, lengths(0, 1), lengths(0, 2), 1, 2, block_tables=lengths(0).view(1, 1))
+    launches = 0
+    for context, queries in ((fresh, q), (paged, q[:1])):
+        for launch in prefill_launch_configs(device, head_dim, dtype):
+            prefill_attention(queries, k, k, k_cache, v_cache, context, scale, launch=launch)
+            launches += 1
+    return launches
+
+# %% [markdown] tags=["en"]
 # ## Build it: paged decode, plain and split-K
 #
 # In decode each sequence has **one** query per head, so the work is a matrix-*vector* product
@@ -514,7 +574,7 @@ def prefill_attention(
 
 # %% decode kernels
 #| export
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr,
     stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_bt, stride_o_b, stride_o_h, stride_o_s,
@@ -762,6 +822,11 @@ class TritonBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, context, scale)
+
+    def warm_up(self, layer: Attention) -> None:
+        """Compile the prefill variants now (decode: when chapter 09 captures its graphs, else in the first steps)."""
+        warm_up_prefill(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache,
+                        layer.scale)  # fmt: skip
 
 
 register_attention_backend(TritonBackend())

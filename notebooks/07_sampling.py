@@ -41,8 +41,7 @@
 #
 # This is the Gumbel-max trick in disguise (`-log E` is Gumbel-distributed, and
 # `argmax(log p_i - log E_i)` is the same argmax). nano-vllm uses it because it is one division
-# and one `argmax` over the whole batch: no cumulative sums, no search (our version still reads
-# back a few flags to skip unused filters). It also separates the *randomness* (the noise `E`)
+# and one `argmax` over the whole batch: no cumulative sums, no search. It also separates the *randomness* (the noise `E`)
 # from the *distribution* (`p`), and that is what makes per-request seeds easy: each seeded row
 # draws its noise from its own generator.
 #
@@ -62,8 +61,7 @@
 # ```
 #
 # 这其实是换了个样子的 Gumbel-max 技巧（`-log E` 服从 Gumbel 分布，`argmax(log p_i - log E_i)` 是同一个
-# argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找（我们的实现
-# 仍会读回几个标志，以跳过用不到的过滤）。它还把*随机性*（噪声 `E`）与*分布*（`p`）分开了，这让按请求设置
+# argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找。它还把*随机性*（噪声 `E`）与*分布*（`p`）分开了，这让按请求设置
 # 种子变得容易：每个带种子的行从它自己的生成器中抽取噪声。
 #
 # **温度**：softmax 之前，先把 logits 除以温度。**top-k** 保留最大的 `k` 个 logits。**top-p**（nucleus，
@@ -125,9 +123,21 @@ def seeded_generator(seed: int, position: int, device: torch.device | str = "cpu
 
 # %% [markdown] tags=["en"]
 # ## Build it: masks and the sampler
+#
+# Most batches use none of top-k, top-p or seeds (the benchmark of chapter 11 uses only a
+# temperature). For them `temperature_sample` is the whole sampler: it never reads a value back
+# from the GPU, so the CPU can queue it right behind the forward pass, and chapter 09 compiles it
+# into a few fused kernels. `sampling_inputs` decides on the host which path a batch takes: it
+# passes `None` for a feature no row uses. The general path reads back a few flags from the GPU
+# to skip the filters no row asks for.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：掩码与采样器
+#
+# 大多数批次既不用 top-k、top-p，也不用种子（第 11 章的基准测试只用温度）。对它们来说，`temperature_sample` 就是
+# 整个采样器：它从不从 GPU 读回任何值，所以 CPU 可以把它紧跟在前向计算之后排进队列；第 09 章还会把它编译成几个
+# 融合内核。走哪条路径由 `sampling_inputs` 在主机端决定：没有任何一行用到的功能，它就传 `None`。通用路径会从 GPU
+# 读回几个标志，以跳过没有任何一行需要的过滤。
 
 # %% sampler
 #| export
@@ -163,8 +173,28 @@ def exponential_noise(
     return noise.clamp_min_(1e-10)
 
 
+def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The common case, no top-k, top-p or seed in the batch: one token per row, without a host sync.
+
+    It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
+    greedy rows; chapter 09 compiles it into a few fused kernels.
+    """
+    logits = logits.float()
+    greedy = temperatures == 0
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    probs = (shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_().clamp_min_(1e-10)
+    return torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+
+
 class Sampler(nn.Module):
     """One token per row of logits: greedy at temperature 0, else an exponential race over top-k/top-p."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # en: The function for batches without top-k, top-p or seeds; chapter 09 swaps in a compiled one.
+        # zh: 批次中没有 top-k、top-p 和种子时使用的函数；第 09 章会把它换成编译后的版本。
+        self.sample_plain = temperature_sample
 
     def forward(
         self,
@@ -184,6 +214,8 @@ class Sampler(nn.Module):
                 raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
         if generators is not None and len(generators) != batch:
             raise ValueError(f"need one generator (or None) per row: {batch} rows, {len(generators)} generators")
+        if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
+            return self.sample_plain(logits, temperatures)
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         greedy = temperatures == 0
@@ -209,16 +241,25 @@ class Sampler(nn.Module):
 def sampling_inputs(
     params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device | str = "cpu"
 ) -> dict[str, object]:
-    """The Sampler's keyword arguments for a batch: ``positions[i]`` is the index of the token row i draws."""
+    """The Sampler's keyword arguments for a batch: ``positions[i]`` is the index of the token row i draws.
+
+    top_ks, top_ps and generators are None when no row of the batch uses them: the sampler then
+    takes its fast path, decided here on the host rather than by asking the GPU.
+    """
+    if len(params) != len(positions):
+        raise ValueError(f"need one position per request: {len(params)} params, {len(positions)} positions")
+    seeded = any(p.seed is not None for p in params)
     return {
         "temperatures": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        "top_ks": torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device),
-        "top_ps": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        "top_ks": torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device)
+        if any((p.top_k or 0) > 0 for p in params) else None,
+        "top_ps": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.top_p < 1.0 for p in params) else None,
         "generators": [
             None if p.seed is None else seeded_generator(p.seed, position, device)
             for p, position in zip(params, positions, strict=True)
-        ],
-    }
+        ] if seeded else None,
+    }  # fmt: skip
 
 # %% [markdown] tags=["en"]
 # ## See it: does the race sample the softmax?
@@ -323,7 +364,8 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # - `nanovllm/layers/sampler.py`: `Sampler` (`sampler(logits, temperatures, top_ks, top_ps,
 #   generators)`), `apply_top_k`, `apply_top_p`, `seeded_generator(seed, position)`, and
 #   `sampling_inputs(params, positions)` that turns a batch's `SamplingParams` into the
-#   sampler's arguments.
+#   sampler's arguments (`None` for a feature no row uses), and `temperature_sample`, the
+#   sampler's path for batches without top-k, top-p or seeds, which never reads back from the GPU.
 #
 # Note on ties: `top_k` keeps every token whose logit equals the k-th largest, so exact ties can
 # keep more than `k` tokens (as in vLLM's reference path).
@@ -340,7 +382,8 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 #
 # - `nanovllm/layers/sampler.py`：`Sampler`（`sampler(logits, temperatures, top_ks, top_ps, generators)`）、
 #   `apply_top_k`、`apply_top_p`、`seeded_generator(seed, position)`，以及把一个批次的 `SamplingParams` 变成
-#   采样器参数的 `sampling_inputs(params, positions)`。
+#   采样器参数的 `sampling_inputs(params, positions)`（没有任何一行用到的功能传 `None`），以及 `temperature_sample`：
+#   批次中没有 top-k、top-p 和种子时采样器走的路径，它从不从 GPU 读回数据。
 #
 # 关于并列：`top_k` 会保留所有 logit 等于第 k 大值的 token，所以恰好并列时可能保留多于 `k` 个 token
 # （与 vLLM 的参考实现相同）。

@@ -339,9 +339,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
-        if config.compile_small_ops:
-            compile_small_ops(self.model)  # chapter 09; compiled during the warm-up below
         self.sampler = Sampler()
+        if config.compile_small_ops:
+            compile_small_ops(self.model, self.sampler)  # chapter 09; compiled during the warm-ups below
         self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
@@ -349,6 +349,8 @@ class ModelRunner:
         config.num_kvcache_blocks = self.kv_cache.shape[2]
         if self.device.type == "cuda":
             self.warm_paged_prefill()
+            self.warm_up_attention()
+            self.warm_up_sampler()
         # en: Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
         # zh: 第 09 章：decode 图，在 KV 缓存分配之后捕获（None：decode 以 eager 方式运行）。
         self.graphs = capture_decode_graphs(self.model, config)
@@ -381,6 +383,11 @@ class ModelRunner:
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
         return total * self.config.gpu_memory_utilization - (total - free) - peak + current
 
+    # en: The warm-ups build their inputs inside inference mode, as run() does: a tensor made outside it
+    # en: differs to torch.compile's guards, which would then compile again in the first real step.
+    # zh: 各个预热和 run() 一样在推理模式内构造输入：在推理模式之外创建的张量，在 torch.compile 的守卫看来是
+    # zh: 不同的，于是第一个真实的步会再编译一次。
+    @torch.inference_mode()
     def warmup(self) -> None:
         """One forward of the biggest prefill the scheduler may send, with no KV cache."""
         config = self.config
@@ -390,10 +397,10 @@ class ModelRunner:
         for seq in seqs:
             seq.num_scheduled_tokens = seq_len
         input_ids, positions = prepare_prefill(seqs, self.block_size, self.device, with_cache=False)
-        with torch.inference_mode():
-            self.model.compute_logits(self.model(input_ids, positions))
+        self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
 
+    @torch.inference_mode()
     def warm_paged_prefill(self) -> None:
         """One 1-token prefill after a 1-token cached prefix, so the kernels that read a cached prefix
         (chunked prefill, prefix-cache hits) are compiled now rather than in the first such step."""
@@ -406,10 +413,24 @@ class ModelRunner:
         seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, 1, 1
         try:
             input_ids, positions = prepare_prefill([seq], self.block_size, self.device)
-            with torch.inference_mode():
-                self.model.compute_logits(self.model(input_ids, positions))
+            self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
+
+    @torch.inference_mode()
+    def warm_up_attention(self) -> None:
+        """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
+        warm_up = getattr(get_attention_backend(self.config.attention_backend), "warm_up", None)
+        if warm_up is not None and self.attention_layers:
+            warm_up(self.attention_layers[0])  # every layer has the same shapes: one compiles them all
+
+    @torch.inference_mode()
+    def warm_up_sampler(self) -> None:
+        """Run the sampler's fast path on batches of 1 and 2 (a compiled function specializes on size 1)."""
+        vocab = self.config.hf_config.vocab_size
+        for batch in (1, 2):
+            logits = torch.zeros(batch, vocab, dtype=self.dtype, device=self.device)
+            self.sampler(logits, torch.ones(batch, device=self.device))
 
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 ------------------------------------------------------------------

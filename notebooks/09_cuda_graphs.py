@@ -422,10 +422,21 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # Graphs remove the *launch* overhead, but not the launches: inside a replay, an RMSNorm written
 # in eager PyTorch is still six or seven kernels that each read and write the whole activation.
 # `torch.compile` fuses such chains of element-wise ops into one generated kernel. We compile
-# four small functions (RMSNorm with and without the residual add, SiLU-and-mul, and the rotary
-# embedding) with `dynamic=True`, so that one compilation serves every batch size, and point
-# the model's modules at them. The math is the same as chapter 05's; only the rounding of
-# intermediate bf16 steps may differ (the fused kernel keeps them in float32).
+# small functions (RMSNorm with and without the residual add, SiLU-and-mul, the rotary
+# embedding, and Qwen3's q/k RMSNorm fused with the rotary embedding that follows it) with
+# `dynamic=True`, so that one compilation serves every batch size, and point the model's modules
+# at them. The math is the same as chapter 05's; only the rounding of intermediate bf16 steps
+# may differ (the fused kernel keeps them in float32). Fusing q/k norm with RoPE takes four
+# kernels per layer down to two: at batch 1 every kernel costs a few microseconds whatever its
+# size, so fewer kernels is most of what there is to win.
+#
+# The sampler's fast path is compiled too. Chapter 07's `temperature_sample` is about ten
+# passes over a `[batch, vocab]` float32 tensor (151,936 columns for Qwen3), each its own kernel.
+# Compiled as written, it became four kernels, but its row reductions got one thread block per
+# row: at batch 1, a single block of the 132 SMs read all the logits (about 0.2 ms a step on the
+# H200). `split_temperature_sample` is the same race written for the compiler: `argmax(p / E)`
+# equals `argmax(log p − log E)`, and `log p` is the scaled logits minus a per-row constant, so
+# there is no softmax; and `split_argmax` reduces 128 slices of each row first, then the slices.
 #
 # It is behind the config switch `compile_small_ops` (`"auto"`: on for CUDA, off for CPU,
 # where compilation costs far more than it saves for a tiny model). The compilation happens in
@@ -436,8 +447,16 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 #
 # CUDA Graph 去掉了*启动开销*，但没有去掉启动本身：重放时，用 eager PyTorch 写的 RMSNorm 仍然是六七个内核，
 # 每个都把整个激活读写一遍。`torch.compile` 能把这样一串逐元素操作融合成一个生成的内核。我们用 `dynamic=True`
-# 编译四个小函数（带与不带残差相加的 RMSNorm、SiLU-and-mul、旋转位置编码），这样一次编译就能服务所有批大小，然后让
-# 模型的各个模块改用它们。数学与第 05 章相同；只有中间 bf16 步骤的舍入可能不同（融合内核把它们保留在 float32）。
+# 编译几个小函数（带与不带残差相加的 RMSNorm、SiLU-and-mul、旋转位置编码，以及 Qwen3 的 q/k RMSNorm 与紧随其后的
+# 旋转位置编码的融合），这样一次编译就能服务所有批大小，然后让模型的各个模块改用它们。数学与第 05 章相同；只有中间
+# bf16 步骤的舍入可能不同（融合内核把它们保留在 float32）。把 q/k 归一化与 RoPE 融合后，每层的内核从四个降到两个：
+# batch 为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
+#
+# 采样器的快速路径也会被编译。第 07 章的 `temperature_sample` 要对一个 `[batch, vocab]` 的 float32 张量（Qwen3 有
+# 151,936 列）做大约十遍读写，每遍一个内核。照原样编译后变成四个内核，但它的按行归约每行只分到一个线程块：batch 为
+# 1 时，132 个 SM 中只有一个块在读全部 logits（H200 上每步约 0.2 ms）。`split_temperature_sample` 是为编译器改写的
+# 同一个赛跑：`argmax(p / E)` 等于 `argmax(log p − log E)`，而 `log p` 就是缩放后的 logits 减去每行一个常数，所以
+# 不需要 softmax；`split_argmax` 先在每行的 128 个切片内归约，再在切片之间归约。
 #
 # 它由配置开关 `compile_small_ops` 控制（`"auto"`：CUDA 上打开，CPU 上关闭——对小模型来说，CPU 上编译的花费远大于
 # 收益）。编译发生在预热前向中，早于 KV 缓存定大小和图捕获。
@@ -455,6 +474,7 @@ from torch import nn
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from nanovllm.layers.sampler import Sampler
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -477,11 +497,54 @@ def rotary(cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def compile_small_ops(model: nn.Module) -> int:
-    """Point every RMSNorm, SiluAndMul and RotaryEmbedding of the model at compiled functions; returns how many."""
+def qk_norm_rotary(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+):  # fmt: skip
+    """Qwen3's per-head q/k RMSNorm followed by RoPE, as one function (compiled: one kernel for q, one for k)."""
+    return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
+
+
+def row_slices(x: torch.Tensor, chunks: int = 128) -> torch.Tensor:
+    """[rows, width] -> [rows, chunks, ceil(width / chunks)], padded with -inf (which never wins a max)."""
+    rows, width = x.shape
+    size = -(-width // chunks)
+    return F.pad(x, (0, size * chunks - width), value=float("-inf")).view(rows, chunks, size)
+
+
+def split_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a [rows, width] tensor in two stages: the best of each slice, then the best slice.
+
+    Compiled for a dynamic batch size, a plain row reduction gets one thread block per row; at
+    batch 1 that is one block reading all 151,936 logits. Reducing slices first spreads a row
+    over 128 blocks. Ties go to the first index, as with ``argmax``.
+    """
+    slices = row_slices(x)
+    values, index = slices.max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (best * slices.shape[-1] + index.gather(-1, best)).squeeze(-1)
+
+
+def split_temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Chapter 07's ``temperature_sample`` rewritten for the compiler: row reductions in slices, no softmax.
+
+    ``argmax(p / E)`` is ``argmax(log p - log E)``, and ``log p`` is the scaled logits minus a
+    per-row constant, so the race needs no softmax (two fewer passes over the logits).
+    """
+    logits = logits.float()
+    greedy = temperatures == 0
+    row_max = row_slices(logits).amax(dim=-1).amax(dim=-1, keepdim=True)
+    scaled = (logits - row_max) / torch.where(greedy, 1.0, temperatures.float())[:, None]
+    noise = torch.empty_like(scaled).exponential_().clamp_min_(1e-10)
+    return torch.where(greedy, split_argmax(logits), split_argmax(scaled - noise.log()))
+
+
+def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
+    """Point the model's small ops (and the sampler's fast path) at compiled functions; returns how many."""
     norm = torch.compile(rms_norm, dynamic=True)
     act = torch.compile(silu_and_mul, dynamic=True)
     rope = torch.compile(rotary, dynamic=True)
+    norm_rope = torch.compile(qk_norm_rotary, dynamic=True)
     count = 0
     for module in model.modules():
         # en: An instance attribute `forward` wins over the class's method when nn.Module calls it.
@@ -492,8 +555,17 @@ def compile_small_ops(model: nn.Module) -> int:
             module.forward = act
         elif isinstance(module, RotaryEmbedding):
             module.forward = lambda positions, q, k, m=module: rope(m.cos_sin_cache, positions, q, k)
+        elif getattr(module, "qk_norm", False) and hasattr(module, "norm_and_rotate"):
+            # en: Qwen3's attention: its q_norm, k_norm and rotary calls become one fused function.
+            # zh: Qwen3 的注意力：它的 q_norm、k_norm 和旋转编码三次调用合成一个融合函数。
+            module.norm_and_rotate = lambda positions, q, k, m=module: norm_rope(
+                m.rotary_emb.cos_sin_cache, positions, q, k, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps
+            )
         else:
             continue
+        count += 1
+    if sampler is not None:
+        sampler.sample_plain = torch.compile(split_temperature_sample, dynamic=True)
         count += 1
     return count
 
@@ -524,14 +596,34 @@ assert torch.equal(silu_and_mul(g), SiluAndMul()(g))
 rope = RotaryEmbedding(8, 8, 32, 10000.0)
 q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.tensor([0, 5, 31])
 assert all(torch.equal(a, b) for a, b in zip(rotary(rope.cos_sin_cache, pos, q, k), rope(pos, q, k), strict=True))
-print("compiled-op functions == chapter 05 modules (uncompiled, on CPU)")
+from nanovllm.layers.compiled_ops import qk_norm_rotary
+from nanovllm.models.qwen3 import Qwen3Attention
+
+attention = Qwen3Attention(16, 2, 1, 8, rope)
+fused = qk_norm_rotary(rope.cos_sin_cache, pos, q, k, attention.q_norm.weight, attention.k_norm.weight,
+                       attention.q_norm.eps)  # fmt: skip
+assert all(torch.equal(a, b) for a, b in zip(fused, attention.norm_and_rotate(pos, q, k), strict=True))
+from nanovllm.layers.compiled_ops import split_argmax, split_temperature_sample
+from nanovllm.layers.sampler import temperature_sample
+
+scores = torch.randn(5, 1000)
+scores[0] = 1.0  # a row of ties: the first index wins
+scores[1, [300, 999]] = 50.0
+assert torch.equal(split_argmax(scores), scores.argmax(-1))
+temperatures = torch.tensor([0.0, 0.5, 1.0, 1.7] * 16)
+logits = torch.randn(64, 1000)
+torch.manual_seed(3)
+eager_race = temperature_sample(logits, temperatures)
+torch.manual_seed(3)
+assert torch.equal(split_temperature_sample(logits, temperatures), eager_race)  # same noise, same winners
+print("compiled-op functions == chapter 05 modules and chapter 07's sampler (uncompiled, on CPU)")
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two hooks in `ModelRunner`
 #
 # Chapter 08's runner gets two lines in its constructor and one branch in `run`:
 #
-# - after the model is built, `compile_small_ops(model)` when `config.compile_small_ops`;
+# - after the model is built, `compile_small_ops(model, sampler)` when `config.compile_small_ops`;
 # - after the KV cache is allocated, `self.graphs = capture_decode_graphs(model, config)`
 #   (`None` when `graphs_unavailable_reason` gives a reason);
 # - in `run`, a decode step whose batch fits a graph calls `self.graphs.replay(...)` instead of
@@ -547,7 +639,7 @@ print("compiled-op functions == chapter 05 modules (uncompiled, on CPU)")
 #
 # 第 08 章的执行器在构造函数里多了两行，在 `run` 里多了一个分支：
 #
-# - 模型构建之后，若 `config.compile_small_ops` 为真，调用 `compile_small_ops(model)`；
+# - 模型构建之后，若 `config.compile_small_ops` 为真，调用 `compile_small_ops(model, sampler)`；
 # - KV 缓存分配之后，`self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason`
 #   给出原因时为 `None`）；
 # - 在 `run` 中，批次能放进某个图的 decode 步调用 `self.graphs.replay(...)`，而不是 `self.model(...)`。两条路径的

@@ -1249,11 +1249,18 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
             return tokens
 
         llm.model_runner.run = timed
-    _sync(device)
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-    _sync(device)
-    seconds = time.perf_counter() - start
+    try:
+        _sync(device)
+        start = time.perf_counter()
+        outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    finally:
+        # en: Free the KV cache (most of the GPU) for whatever runs next, such as the transformers peer.
+        # zh: 释放 KV 缓存（占了 GPU 的大部分），留给接下来运行的东西，比如 transformers 对照组。
+        llm.exit()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     made = [len(o["token_ids"]) for o in outputs]
     if made != workload.output_lens:
         raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")

@@ -262,6 +262,43 @@ def test_registry_and_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
         ta.resolve_attention_backend("flash-attn", "cuda")
 
 
+# ---------------------------------------------------------------- warm-up
+
+def test_warm_up_prefill_launches_every_variant_and_writes_nothing() -> None:
+    cache = nan_cache(2, 16, 2, 8, torch.float32)
+    before = cache.clone()
+    configs = ta.prefill_launch_configs(torch.device(DEVICE), 8, torch.float32)
+    assert len(configs) == len(set(configs)) >= 1
+    assert ta.warm_up_prefill(4, 2, 8, cache, cache, 8**-0.5) == 2 * len(configs)  # fresh and paged
+    assert torch.equal(cache.nan_to_num(), before.nan_to_num())
+
+
+def compiled_variants(kernel: object) -> int:
+    """How many compiled variants a Triton kernel holds (its per-device caches' first entry is the kernel cache)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_warm_up_leaves_no_prefill_variant_to_compile() -> None:
+    """After warm_up_prefill, prefills of every kind (fresh/paged, small/large grid, any width) compile nothing."""
+    dtype, heads, kv_heads, d, bs = torch.bfloat16, 16, 8, 128, 16
+    caches = [torch.zeros(400, bs, kv_heads, d, dtype=dtype, device=DEVICE) for _ in range(2)]
+    ta.warm_up_prefill(heads, kv_heads, d, *caches, d**-0.5)
+    torch.cuda.synchronize()
+    before = compiled_variants(ta.prefill_attention_kernel)
+    for seqlens_q, seqlens_k in (([3], [3]), ([2000] * 3, [2000] * 3), ([1], [17]), ([5], [20]),
+                                 ([1500] * 3, [1700] * 3), ([1], [256])):  # table widths 2, 107, 16
+        tables = [list(range(i * 130, i * 130 + -(-k // bs))) for i, k in enumerate(seqlens_k)]
+        ctx = set_prefill_context(seqlens_q, seqlens_k, tables, bs, device=DEVICE)
+        n = sum(seqlens_q)
+        q = torch.randn(n, heads, d, dtype=dtype, device=DEVICE)
+        k = torch.randn(n, kv_heads, d, dtype=dtype, device=DEVICE)
+        ta.prefill_attention(q, k, k, *caches, ctx, d**-0.5)
+    torch.cuda.synchronize()
+    assert compiled_variants(ta.prefill_attention_kernel) == before
+
+
 # ---------------------------------------------------------------- GPU: bf16 at real shapes, the model
 
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")

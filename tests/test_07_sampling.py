@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.layers.sampler import Sampler, apply_top_k, apply_top_p, sampling_inputs, seeded_generator
+from nanovllm.layers.sampler import (
+    Sampler,
+    apply_top_k,
+    apply_top_p,
+    sampling_inputs,
+    seeded_generator,
+    temperature_sample,
+)
 from nanovllm.sampling_params import SamplingParams
 
 sampler = Sampler()
@@ -113,3 +120,42 @@ def test_tiny_positive_temperatures_stay_finite_and_pick_the_argmax(temperature:
     params = [SamplingParams(temperature=temperature)] * 2
     tokens = Sampler()(logits, **sampling_inputs(params, [0, 0]))
     assert tokens.tolist() == [1, 0]
+
+
+def test_sampling_inputs_pass_none_for_unused_features() -> None:
+    plain = sampling_inputs([SamplingParams(temperature=0.6), SamplingParams(temperature=0)], [3, 4])
+    assert plain["top_ks"] is None and plain["top_ps"] is None and plain["generators"] is None
+    assert plain["temperatures"].tolist() == pytest.approx([0.6, 0.0])
+    only_top_p = sampling_inputs([SamplingParams(top_p=0.9), SamplingParams()], [3, 4])
+    assert only_top_p["top_ks"] is None and only_top_p["generators"] is None
+    assert only_top_p["top_ps"].tolist() == pytest.approx([0.9, 1.0])
+    with pytest.raises(ValueError, match="one position per request"):
+        sampling_inputs([SamplingParams()], [1, 2])
+
+
+def test_fast_path_draws_what_the_general_path_draws() -> None:
+    # Same noise stream, same tokens: the fast path is the general path minus the unused filters.
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    temperatures = torch.tensor([0.0, 0.5, 1.0, 2.0, 0.0, 0.7])
+    torch.manual_seed(7)
+    fast = sampler(logits, temperatures)
+    torch.manual_seed(7)
+    general = sampler(logits, temperatures, top_ks=torch.zeros(6, dtype=torch.int64), top_ps=torch.ones(6))
+    assert torch.equal(fast, general)
+    assert fast[0] == logits[0].argmax() and fast[4] == logits[4].argmax()
+
+
+def test_fast_path_is_taken_only_without_top_k_top_p_and_seeds() -> None:
+    calls = []
+
+    def counting(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+        calls.append(len(logits))
+        return temperature_sample(logits, temperatures)
+
+    probe = Sampler()
+    probe.sample_plain = counting
+    logits = torch.randn(2, 9)
+    probe(logits, **sampling_inputs([SamplingParams(), SamplingParams(temperature=0)], [1, 1]))
+    probe(logits, **sampling_inputs([SamplingParams(), SamplingParams(top_k=3)], [1, 1]))
+    probe(logits, **sampling_inputs([SamplingParams(), SamplingParams(seed=5)], [1, 1]))
+    assert calls == [2]

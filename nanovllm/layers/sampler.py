@@ -16,6 +16,7 @@ __all__ = [
     "exponential_noise",
     "sampling_inputs",
     "seeded_generator",
+    "temperature_sample",
 ]
 
 
@@ -68,8 +69,27 @@ def exponential_noise(
     return noise.clamp_min_(1e-10)
 
 
+def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """The common case, no top-k, top-p or seed in the batch: one token per row, without a host sync.
+
+    It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
+    greedy rows; chapter 09 compiles it into a few fused kernels.
+    """
+    logits = logits.float()
+    greedy = temperatures == 0
+    shifted = logits - logits.max(dim=-1, keepdim=True).values
+    probs = (shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]).softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_().clamp_min_(1e-10)
+    return torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+
+
 class Sampler(nn.Module):
     """One token per row of logits: greedy at temperature 0, else an exponential race over top-k/top-p."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # The function for batches without top-k, top-p or seeds; chapter 09 swaps in a compiled one.
+        self.sample_plain = temperature_sample
 
     def forward(
         self,
@@ -89,6 +109,8 @@ class Sampler(nn.Module):
                 raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
         if generators is not None and len(generators) != batch:
             raise ValueError(f"need one generator (or None) per row: {batch} rows, {len(generators)} generators")
+        if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
+            return self.sample_plain(logits, temperatures)
         logits = logits.float()
         greedy_tokens = logits.argmax(dim=-1)
         greedy = temperatures == 0
@@ -112,13 +134,22 @@ class Sampler(nn.Module):
 def sampling_inputs(
     params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device | str = "cpu"
 ) -> dict[str, object]:
-    """The Sampler's keyword arguments for a batch: ``positions[i]`` is the index of the token row i draws."""
+    """The Sampler's keyword arguments for a batch: ``positions[i]`` is the index of the token row i draws.
+
+    top_ks, top_ps and generators are None when no row of the batch uses them: the sampler then
+    takes its fast path, decided here on the host rather than by asking the GPU.
+    """
+    if len(params) != len(positions):
+        raise ValueError(f"need one position per request: {len(params)} params, {len(positions)} positions")
+    seeded = any(p.seed is not None for p in params)
     return {
         "temperatures": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        "top_ks": torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device),
-        "top_ps": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        "top_ks": torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device)
+        if any((p.top_k or 0) > 0 for p in params) else None,
+        "top_ps": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        if any(p.top_p < 1.0 for p in params) else None,
         "generators": [
             None if p.seed is None else seeded_generator(p.seed, position, device)
             for p, position in zip(params, positions, strict=True)
-        ],
-    }
+        ] if seeded else None,
+    }  # fmt: skip

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from nanovllm.layers.attention import register_attention_backend
+from nanovllm.layers.attention import Attention, register_attention_backend
 from nanovllm.utils.context import Context
 
 __all__ = [
@@ -25,9 +25,11 @@ __all__ = [
     "paged_rows",
     "prefill_attention",
     "prefill_attention_kernel",
+    "prefill_launch_configs",
     "resolve_attention_backend",
     "store_kvcache",
     "store_kvcache_kernel",
+    "warm_up_prefill",
 ]
 
 
@@ -139,7 +141,7 @@ def _prefill_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_bt,
@@ -263,7 +265,40 @@ def prefill_attention(
     return out
 
 
-@triton.jit
+def prefill_launch_configs(device: torch.device, head_dim: int, dtype: torch.dtype) -> list[tuple[int, ...]]:
+    """Every launch configuration ``_prefill_launch`` can pick for these shapes (small grid, large grid)."""
+    small = _prefill_launch(device, head_dim, dtype, programs_128=0)
+    large = _prefill_launch(device, head_dim, dtype, programs_128=1 << 30)
+    return list(dict.fromkeys([small, large]))
+
+
+def warm_up_prefill(
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> int:
+    """Launch every prefill kernel variant the engine can need, once, on 2 tokens; returns the launch count.
+
+    The paged launches read (and only read) block 0 of the cache; their output is thrown away.
+    """
+    _check_cache(k_cache, v_cache)
+    device, dtype = k_cache.device, k_cache.dtype
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
+
+    def lengths(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    # Two fresh tokens; then one token after a cached prefix of one, read through block 0.
+    fresh = Context(True, lengths(0, 2), lengths(0, 2), 2, 2)
+    paged = Context(True, lengths(0, 1), lengths(0, 2), 1, 2, block_tables=lengths(0).view(1, 1))
+    launches = 0
+    for context, queries in ((fresh, q), (paged, q[:1])):
+        for launch in prefill_launch_configs(device, head_dim, dtype):
+            prefill_attention(queries, k, k, k_cache, v_cache, context, scale, launch=launch)
+            launches += 1
+    return launches
+
+
+@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr,
     stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_bt, stride_o_b, stride_o_h, stride_o_s,
@@ -449,6 +484,11 @@ class TritonBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, context, scale)
+
+    def warm_up(self, layer: Attention) -> None:
+        """Compile the prefill variants now (decode: when chapter 09 captures its graphs, else in the first steps)."""
+        warm_up_prefill(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache,
+                        layer.scale)  # fmt: skip
 
 
 register_attention_backend(TritonBackend())

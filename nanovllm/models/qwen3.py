@@ -61,10 +61,16 @@ class Qwen3Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_and_rotate(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).flatten(1, -1))
+
+    def norm_and_rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE; one method so chapter 09 can fuse it."""
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1, -1))
+        return self.rotary_emb(positions, q, k)
 
 
 class Qwen3MLP(nn.Module):

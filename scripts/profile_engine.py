@@ -1,0 +1,199 @@
+"""Where the engine's time goes on nano-vllm's benchmark workload (a GPU diagnosis, not a benchmark).
+
+    PYTHONPATH=$PWD python3 scripts/profile_engine.py --out build/profile
+
+It runs the workload of `python -m nanovllm.bench --preset nano-vllm` three times on one engine:
+1. cold (what the bench measures: the first run after the engine's own warm-up);
+2. warm, with every step timed on the host and, through CUDA events, the GPU time of the decode
+   forward, the LM head and the sampler;
+3. under torch.profiler, whose tables of CPU-side ops and GPU kernels it prints and saves.
+A difference between runs 1 and 2 is time spent compiling kernels inside the measured run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from nanovllm.bench import PRESETS, make_workload, qwen3_06b_random
+from nanovllm.llm import LLM
+
+
+class StepTimer:
+    """Wraps the runner's and the scheduler's methods to time every step (host) and its GPU parts (events)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.steps: list[dict] = []
+        self.current: dict = {}
+        self.host_extra: dict[str, float] = {}
+        self.pending: list[tuple[dict, str, torch.cuda.Event, torch.cuda.Event]] = []
+        runner = llm.model_runner
+        self._wrap_host(runner, "run", self._record_step)
+        self._wrap_host(llm.scheduler, "schedule", None, "schedule")
+        self._wrap_host(llm.scheduler, "postprocess", None, "postprocess")
+        self._wrap_gpu(runner.model, "compute_logits", "lm_head")
+        self._wrap_gpu(runner.sampler, "forward", "sampler")
+        if runner.graphs is not None:
+            self._wrap_gpu(runner.graphs, "replay", "forward")
+        self._wrap_gpu(runner.model, "forward", "forward")
+
+    def _wrap_host(self, owner, name, on_call, label=None):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            result = inner(*args, **kwargs)
+            seconds = time.perf_counter() - began
+            if on_call is not None:
+                on_call(args, seconds)
+            else:
+                self.host_extra[label] = self.host_extra.get(label, 0.0) + seconds
+            return result
+
+        setattr(owner, name, timed)
+
+    def _record_step(self, args, seconds):
+        seqs, is_prefill = args
+        self.current.update(
+            kind="prefill" if is_prefill else "decode",
+            batch=len(seqs),
+            tokens=sum(s.num_scheduled_tokens for s in seqs),
+            host_s=seconds,
+        )
+        self.steps.append(self.current)
+        self.current = {}
+
+    def _wrap_gpu(self, owner, name, label):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = inner(*args, **kwargs)
+            end.record()
+            self.pending.append((self.current, label, start, end))
+            return result
+
+        setattr(owner, name, timed)
+
+    def resolve(self) -> None:
+        torch.cuda.synchronize()
+        for step, label, start, end in self.pending:
+            step[label + "_gpu_ms"] = step.get(label + "_gpu_ms", 0.0) + start.elapsed_time(end)
+        self.pending.clear()
+
+
+def compiled_variants() -> dict[str, int]:
+    """Compiled variants held by each of the attention kernels (Triton compiles one per new specialization)."""
+    import nanovllm.layers.triton_attention as kernels
+
+    names = ("store_kvcache_kernel", "prefill_attention_kernel", "decode_attention_kernel", "decode_reduce_kernel")
+    return {name: sum(len(c[0]) for c in getattr(kernels, name).device_caches.values()) for name in names}
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Totals per kind, and decode steps grouped by batch size."""
+    out: dict = {}
+    for kind in ("prefill", "decode"):
+        mine = [s for s in steps if s["kind"] == kind]
+        out[kind] = {
+            "steps": len(mine),
+            "host_s": sum(s["host_s"] for s in mine),
+            **{
+                key: sum(s.get(key, 0.0) for s in mine) / 1e3
+                for key in ("forward_gpu_ms", "lm_head_gpu_ms", "sampler_gpu_ms")
+            },
+        }
+    buckets: dict[int, list[dict]] = collections.defaultdict(list)
+    for s in steps:
+        if s["kind"] == "decode":
+            buckets[1 << (s["batch"] - 1).bit_length()].append(s)
+    out["decode_by_batch"] = {
+        f"<={b}": {
+            "steps": len(group),
+            "host_ms_per_step": 1e3 * sum(s["host_s"] for s in group) / len(group),
+            **{
+                key.replace("_gpu_ms", "_ms_per_step"): sum(s.get(key, 0.0) for s in group) / len(group)
+                for key in ("forward_gpu_ms", "lm_head_gpu_ms", "sampler_gpu_ms")
+            },
+        }
+        for b, group in sorted(buckets.items())
+    }
+    out["prefill_steps"] = [
+        {k: round(v, 4) if isinstance(v, float) else v for k, v in s.items()} for s in steps if s["kind"] == "prefill"
+    ]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="build/profile")
+    parser.add_argument("--no-profiler", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = str(qwen3_06b_random())
+    llm = LLM(model)
+    config = llm.model_runner.config
+    workload = make_workload(**PRESETS["nano-vllm"], vocab_size=config.hf_config.vocab_size)
+    params = workload.sampling_params()
+    print(f"workload: {workload.describe()}; blocks {config.num_kvcache_blocks} x {config.kvcache_block_size}")
+    llm.generate([workload.prompts[0][:8]], params[0].__class__(max_tokens=2), use_tqdm=False)
+    report: dict = {}
+
+    # The warm run gets other token ids of the same lengths: the same prompts would hit the prefix cache.
+    shifted = [[(t + 1) % 10_001 for t in prompt] for prompt in workload.prompts]
+    for name, prompts in (("cold", workload.prompts), ("warm", shifted)):
+        timer = StepTimer(llm) if name == "warm" else None
+        variants = compiled_variants()
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - began
+        report[name] = {"seconds": seconds, "tokens_per_s": workload.num_output_tokens / seconds}
+        print(f"{name}: {seconds:.2f} s, {workload.num_output_tokens / seconds:,.0f} tok/s")
+        report[name]["triton_variants_compiled_during_run"] = {
+            kernel: count - variants.get(kernel, 0) for kernel, count in compiled_variants().items()
+        }
+        print(f"  Triton variants compiled during the run: {report[name]['triton_variants_compiled_during_run']}")
+        if timer is not None:
+            timer.resolve()
+            report[name].update(summarize(timer.steps), host_extra=timer.host_extra)
+            # Unwrap: the profiler run below sees the plain engine.
+            for owner in (
+                llm.model_runner,
+                llm.scheduler,
+                llm.model_runner.model,
+                llm.model_runner.sampler,
+                llm.model_runner.graphs,
+            ):
+                for attr in ("run", "schedule", "postprocess", "compute_logits", "forward", "replay"):
+                    if owner is not None and attr in vars(owner):
+                        delattr(owner, attr)
+            print(json.dumps({k: v for k, v in report[name].items() if k != "prefill_steps"}, indent=1))
+            for s in report[name]["prefill_steps"]:
+                print("  prefill step", s)
+
+    if not args.no_profiler:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(workload.prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+        averages = prof.key_averages()
+        for sort in ("self_cuda_time_total", "self_cpu_time_total"):
+            table = averages.table(sort_by=sort, row_limit=45, max_name_column_width=70)
+            (out / f"profile_{sort}.txt").write_text(table)
+            print(table)
+    (out / "profile.json").write_text(json.dumps(report, indent=1))
+    llm.exit()
+
+
+if __name__ == "__main__":
+    main()
