@@ -11,17 +11,14 @@ from torch import nn
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, temperature_sample
 
 __all__ = [
     "compile_small_ops",
     "qk_norm_rotary",
     "rms_norm",
     "rotary",
-    "row_slices",
     "silu_and_mul",
-    "split_argmax",
-    "split_temperature_sample",
 ]
 
 
@@ -53,40 +50,6 @@ def qk_norm_rotary(
     return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
 
 
-def row_slices(x: torch.Tensor, chunks: int = 128) -> torch.Tensor:
-    """[rows, width] -> [rows, chunks, ceil(width / chunks)], padded with -inf (which never wins a max)."""
-    rows, width = x.shape
-    size = -(-width // chunks)
-    return F.pad(x, (0, size * chunks - width), value=float("-inf")).view(rows, chunks, size)
-
-
-def split_argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` of a [rows, width] tensor in two stages: the best of each slice, then the best slice.
-
-    Compiled for a dynamic batch size, a plain row reduction gets one thread block per row; at
-    batch 1 that is one block reading all 151,936 logits. Reducing slices first spreads a row
-    over 128 blocks. Ties go to the first index, as with ``argmax``.
-    """
-    slices = row_slices(x)
-    values, index = slices.max(dim=-1)
-    best = values.argmax(dim=-1, keepdim=True)
-    return (best * slices.shape[-1] + index.gather(-1, best)).squeeze(-1)
-
-
-def split_temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """Chapter 07's ``temperature_sample`` rewritten for the compiler: row reductions in slices, no softmax.
-
-    ``argmax(p / E)`` is ``argmax(log p - log E)``, and ``log p`` is the scaled logits minus a
-    per-row constant, so the race needs no softmax (two fewer passes over the logits).
-    """
-    logits = logits.float()
-    greedy = temperatures == 0
-    row_max = row_slices(logits).amax(dim=-1).amax(dim=-1, keepdim=True)
-    scaled = (logits - row_max) / torch.where(greedy, 1.0, temperatures.float())[:, None]
-    noise = torch.empty_like(scaled).exponential_().clamp_min_(1e-10)
-    return torch.where(greedy, split_argmax(logits), split_argmax(scaled - noise.log()))
-
-
 def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
     """Point the model's small ops (and the sampler's fast path) at compiled functions; returns how many."""
     norm = torch.compile(rms_norm, dynamic=True)
@@ -111,6 +74,6 @@ def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
             continue
         count += 1
     if sampler is not None:
-        sampler.sample_plain = torch.compile(split_temperature_sample, dynamic=True)
+        sampler.sample_plain = torch.compile(temperature_sample, dynamic=True)
         count += 1
     return count
