@@ -499,7 +499,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tiny_models import build_tiny_model
 
 tiny = build_tiny_model("qwen3")
-config = Config.from_kwargs(tiny, kvcache_block_size=4, kvcache_memory_gb=1 / 1024)
+config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_memory_gb=1 / 1024)  # the CPU rule
 block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
 runner = ModelRunner(config)
 print(f"one block: {block_bytes} bytes -> {config.num_kvcache_blocks} blocks in 1 MiB")

