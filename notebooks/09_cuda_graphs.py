@@ -935,19 +935,29 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #
 # | | tokens/s | vs transformers | of the bound |
 # |---|---|---|---|
-# | this book's engine | 13,280 (14,289 in an earlier run without the peer) | 16.4× | 38% (41%) |
-# | `transformers` 5.17 `generate`, batches of 64 | 811 | 1× | 2.3% |
-# | bound: 15.07 TB at 4.22 TB/s + 0.182 PFLOP at 693 TFLOP/s | 34,968 | | 100% |
+# | this book's engine, `--no-peer` run | 17,405 | | 49% (at 4.25 TB/s) |
+# | this book's engine, run with the peer (an earlier sampler, 0.4 s slower) | 15,338 | 19.8× | 44% |
+# | `transformers` 5.17 `generate`, batches of 64 | 774 | 1× | 2.2% |
+# | bound: 15.07 TB at 4.25 TB/s + 0.182 PFLOP at 709 TFLOP/s | 35,199 | | 100% |
 #
-# Where the engine's 10.1 s went: 2.76 s in 9 prefill steps, 6.84 s in 1,023 decode steps
-# (6.7 ms each on average), 0.49 s in the scheduler and the engine loop. The decode attention
-# kernel already streams the KV at about 4 TB/s, so the decode gap to the bound is the rest of
-# each step: the other kernels (~1.5 ms per step at full batch) and the host work between
-# steps, which does not overlap with the GPU (~1.5 ms). The prefill steps are far slower than
-# their arithmetic (0.18 PFLOP is about 0.3 s): the likely cause is the first *chunked* prefill
-# step, which is the first to read a cached prefix and so JIT-compiles that variant of the
-# prefill kernel while the clock runs. The runner now compiles it during its own warm-up
-# (`warm_paged_prefill`); that change has not been measured on the GPU yet.
+# Where the engine's 7.70 s went: 0.45 s in 9 prefill steps, 6.80 s in 1,023 decode steps,
+# 0.45 s in the scheduler and the engine loop. `scripts/profile_engine.py` splits the decode
+# steps further (GPU time from CUDA events, on a second run): the decode attention kernel,
+# 3.9 s, reads the KV cache at about 3.6 TB/s (84% of a copy: this workload's contexts are
+# short, 200–2,000 tokens, so each program's start-up weighs more than in the long-context
+# plot of chapter 06b); the other kernels of the forward, 1.5 s, are mostly a fixed cost per
+# step (1.6 ms at batch 1, the floor of some 340 small kernels); the LM head 0.1 s; the sampler
+# 0.55 s; and about 0.6 s of host work inside the runner (building the step's inputs, reading
+# the tokens back) during which the GPU waits.
+#
+# Three changes took the engine from 13,761 to 17,405 tokens/s: compiling every prefill kernel
+# variant at start-up instead of in the first step that needs it (`warm_up_prefill`, chapter
+# 06b; 2.3 s of compiles had been inside the measured run), running the warm-ups in inference
+# mode so that no compiled function recompiles in a real step, and the sync-free compiled
+# sampler. The 20,000 tokens/s goal is not reached. The remaining gap is mostly host time that
+# does not overlap with the GPU (about 1 s in all: the runner's 0.6 s plus the scheduler's
+# 0.45 s); closing it means preparing step *n + 1* while the GPU computes step *n*, which needs
+# the next step's input tokens to stay on the GPU (vLLM calls this asynchronous scheduling).
 
 # %% [markdown] tags=["zh"]
 # ## 基准测试：整个引擎对比 `transformers`
@@ -959,16 +969,23 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #
 # | | tokens/s | 相对 transformers | 占上限 |
 # |---|---|---|---|
-# | 本书的引擎 | 13,280（之前一次不跑对照组的运行为 14,289） | 16.4 倍 | 38%（41%） |
-# | `transformers` 5.17 `generate`，64 个一批 | 811 | 1 倍 | 2.3% |
-# | 上限：15.07 TB 以 4.22 TB/s + 0.182 PFLOP 以 693 TFLOP/s | 34,968 | | 100% |
+# | 本书的引擎，`--no-peer` 运行 | 17,405 | | 49%（按 4.25 TB/s） |
+# | 本书的引擎，与对照组同一次运行（较早的采样器，慢 0.4 s） | 15,338 | 19.8 倍 | 44% |
+# | `transformers` 5.17 `generate`，64 个一批 | 774 | 1 倍 | 2.2% |
+# | 上限：15.07 TB 以 4.25 TB/s + 0.182 PFLOP 以 709 TFLOP/s | 35,199 | | 100% |
 #
-# 引擎的 10.1 s 花在哪里：9 个 prefill 步 2.76 s，1,023 个 decode 步 6.84 s（平均每步 6.7 ms），调度器和引擎循环
-# 0.49 s。decode 注意力内核已经以约 4 TB/s 的速度读取 KV，所以 decode 与上限的差距在每一步的其余部分：其他内核
-# （满批时每步约 1.5 ms），以及步与步之间不与 GPU 重叠的主机端工作（约 1.5 ms）。prefill 步比它的运算量慢得多
-# （0.18 PFLOP 约需 0.3 s）：可能的原因是第一个*分块* prefill 步——它是第一个读取已缓存前缀的步，于是在计时期间
-# 即时编译 prefill 内核的这个变体。执行器现在在自己的预热中编译它（`warm_paged_prefill`）；这个改动还没有在 GPU
-# 上测量过。
+# 引擎的 7.70 s 花在哪里：9 个 prefill 步 0.45 s，1,023 个 decode 步 6.80 s，调度器和引擎循环 0.45 s。
+# `scripts/profile_engine.py` 把 decode 步拆得更细（在第二次运行中用 CUDA 事件测 GPU 时间）：decode 注意力内核
+# 3.9 s，以约 3.6 TB/s 读取 KV 缓存（拷贝速度的 84%：这个负载的上下文很短，200–2,000 个 token，所以每个程序的启动
+# 开销比第 06b 章长上下文的图里占比更大）；前向中的其他内核 1.5 s，主要是每步固定的开销（batch 为 1 时 1.6 ms，
+# 约 340 个小内核的下限）；LM head 0.1 s；采样器 0.55 s；另有约 0.6 s 是执行器内部的主机端工作（构造这一步的
+# 输入、把 token 读回来），这段时间 GPU 在等待。
+#
+# 三个改动让引擎从 13,761 提高到 17,405 tokens/s：在启动时编译 prefill 内核的每个变体，而不是在第一个需要它的步
+# 里编译（第 06b 章的 `warm_up_prefill`；原来有 2.3 s 的编译落在计时之内）；让各个预热在推理模式下运行，这样编译好
+# 的函数不会在真实的步里重新编译；以及不需要同步的编译采样器。20,000 tokens/s 的目标没有达到。剩下的差距主要是
+# 不与 GPU 重叠的主机端时间（合计约 1 s：执行器的 0.6 s 加上调度器的 0.45 s）；要消除它，就得在 GPU 计算第 *n*
+# 步时准备第 *n + 1* 步，这要求下一步的输入 token 留在 GPU 上（vLLM 称之为异步调度）。
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -1016,6 +1033,9 @@ print("all checks passed")
 #   its guard against sequences longer than `max_model_len`.
 # - `python -m nanovllm.bench_graphs`: decode-step latency eager vs graph, a profiler table, and
 #   a sweep of the decode kernel's launch configurations.
+# - `scripts/profile_engine.py` (a GPU diagnosis): the benchmark's workload run cold, warm with
+#   every step timed (host, and GPU time of forward, LM head and sampler by CUDA events), then
+#   under `torch.profiler`; it also counts Triton variants compiled during a run.
 #
 # Chapter 10 splits the model across GPUs; chapter 11 runs the whole engine.
 #
@@ -1037,6 +1057,9 @@ print("all checks passed")
 # - 第 08 章 `ModelRunner` 里的两个挂钩（编译、捕获；`run` 重放 decode 步），以及它对长于 `max_model_len` 的序列
 #   的防线。
 # - `python -m nanovllm.bench_graphs`：eager 与 graph 的 decode 步延迟、性能剖析表，以及 decode 内核启动配置的扫描。
+# - `scripts/profile_engine.py`（GPU 上的诊断工具）：把基准测试的负载先冷跑一次，再热跑一次并为每一步计时（主机端
+#   时间，以及用 CUDA 事件测得的前向、LM head 和采样器的 GPU 时间），最后在 `torch.profiler` 下再跑一次；它还会统计
+#   运行期间新编译了多少个 Triton 变体。
 #
 # 第 10 章把模型切分到多块 GPU 上；第 11 章运行整个引擎。
 #

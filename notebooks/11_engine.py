@@ -1157,9 +1157,9 @@ b = workload_bound(one, qwen3_06b, 2, bandwidth=1.0, flops=float("inf"))
 kv_token = 2 * 28 * 8 * 128 * 2
 assert b.decode_bytes == 2 * (28 * layer_params(qwen3_06b) + 151936 * 1024) * 2 + (4 + 5) * kv_token
 # en: The nano-vllm workload on an H200 (4.26 TB/s copy, 790 TFLOP/s bf16, measured in an earlier run;
-# en: chapter 09's recorded run measured 4.22 TB/s and 693 TFLOP/s, hence its bound of 34,968 tok/s).
+# en: chapter 09's recorded run measured 4.25 TB/s and 709 TFLOP/s, hence its bound of 35,199 tok/s).
 # zh: nano-vllm 负载在 H200 上（拷贝 4.26 TB/s、bf16 790 TFLOP/s，为早先一次实测；
-# zh: 第 09 章记录的那次运行测得 4.22 TB/s 和 693 TFLOP/s，所以那里的上限是 34,968 tok/s）。
+# zh: 第 09 章记录的那次运行测得 4.25 TB/s 和 709 TFLOP/s，所以那里的上限是 35,199 tok/s）。
 h200 = workload_bound(make_workload(), qwen3_06b, 2, bandwidth=4.26e12, flops=790e12)
 print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, prefill {h200.prefill_flops / 1e15:.2f} "
       f"PFLOP -> at most {h200.tokens_per_s:,.0f} output tok/s on an H200")
