@@ -291,6 +291,13 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 # Two hooks belong to chapter 09 and do nothing on a CPU: with `compile_small_ops` the model's
 # small element-wise ops are compiled, and on a GPU with the Triton backend `self.graphs` holds
 # the captured decode graphs, which `run` replays for decode steps instead of calling the model.
+#
+# On a GPU the constructor also *warms up* everything that compiles on first use, so that no
+# step of a real run pays for a compile: a prefill that reads a cached prefix
+# (`warm_paged_prefill`), every variant of the attention backend's prefill kernel
+# (`warm_up_attention`, chapter 06b's `warm_up_prefill`) and the sampler at batch sizes 1 and 2
+# (`warm_up_sampler`). They run in inference mode, like `run`: compiled functions check how their
+# inputs were made and would compile again for tensors made outside it.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：`ModelRunner`
@@ -305,6 +312,11 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 #
 # 有两个挂钩属于第 09 章，在 CPU 上什么也不做：打开 `compile_small_ops` 时，模型中的逐元素小算子会被编译；在 GPU 上
 # 使用 Triton 后端时，`self.graphs` 保存捕获好的 decode 图，`run` 在 decode 步重放它们，而不是直接调用模型。
+#
+# 在 GPU 上，构造函数还会把所有首次使用时才编译的东西*预热*一遍，这样真实运行中没有哪一步要为编译买单：一次读取
+# 已缓存前缀的 prefill（`warm_paged_prefill`）、注意力后端 prefill 内核的每个变体（`warm_up_attention`，即第 06b
+# 章的 `warm_up_prefill`），以及 batch 为 1 和 2 的采样器（`warm_up_sampler`）。它们和 `run` 一样在推理模式下运行：
+# 编译好的函数会检查输入是怎样创建的，对推理模式之外创建的张量会重新编译。
 
 # %% model runner
 #| export
