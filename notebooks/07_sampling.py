@@ -41,9 +41,9 @@
 #
 # This is the Gumbel-max trick in disguise (`-log E` is Gumbel-distributed, and
 # `argmax(log p_i - log E_i)` is the same argmax). nano-vllm uses it because it is one division
-# and one `argmax` over the whole batch: no cumulative sums, no search. It also separates the *randomness* (the noise `E`)
-# from the *distribution* (`p`), and that is what makes per-request seeds easy: each seeded row
-# draws its noise from its own generator.
+# and one `argmax` over the whole batch: no cumulative sums, no search. It also separates the
+# *randomness* (the noise `E`) from the *distribution* (`p`), and that is what makes
+# per-request seeds easy: each seeded row draws its noise from its own generator.
 #
 # **Temperature** divides the logits before the softmax. **top-k** keeps the `k` largest
 # logits. **top-p** (nucleus) keeps the smallest set of most likely tokens whose probability
@@ -61,8 +61,9 @@
 # ```
 #
 # 这其实是换了个样子的 Gumbel-max 技巧（`-log E` 服从 Gumbel 分布，`argmax(log p_i - log E_i)` 是同一个
-# argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找。它还把*随机性*（噪声 `E`）与*分布*（`p`）分开了，这让按请求设置
-# 种子变得容易：每个带种子的行从它自己的生成器中抽取噪声。
+# argmax）。nano-vllm 采用它，是因为整个批次只需一次除法和一次 `argmax`：不用累积和，不用查找。它还把
+# *随机性*（噪声 `E`）与*分布*（`p`）分开了，这让按请求设置种子变得容易：每个带种子的行从它自己的生成器中
+# 抽取噪声。
 #
 # **温度**：softmax 之前，先把 logits 除以温度。**top-k** 保留最大的 `k` 个 logits。**top-p**（nucleus，
 # 核采样）保留概率累计达到 `p` 的最小的一组最可能的 token——至少保留一个。被屏蔽的 token 概率为 0，永远不会胜出。
