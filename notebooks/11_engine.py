@@ -450,12 +450,14 @@ print(config)
 print("torch dtype:", config.torch_dtype, "| hidden size:", config.hf_config.hidden_size)
 
 # %% [markdown] tags=["en"]
-# `max_model_len=100_000` was capped at the model's 1024 positions, `"auto"` became CPU
-# choices, and both EOS ids were found. Now the mistakes, each caught with a message that names
+# `max_model_len=100_000` was capped at the model's 1024 positions, `"auto"` became concrete
+# choices (CPU, float32 and the torch backend here; on a GPU, CUDA, the model's half dtype and
+# the Triton kernels), and both EOS ids were found. Now the mistakes, each caught with a message that names
 # the field:
 
 # %% [markdown] tags=["zh"]
-# `max_model_len=100_000` 被截断为模型的 1024 个位置，`"auto"` 变成了 CPU 上的具体选择，两个 EOS id 都被找到了。
+# `max_model_len=100_000` 被截断为模型的 1024 个位置，`"auto"` 变成了具体的选择（这里是 CPU、float32 和 torch
+# 后端；在 GPU 上则是 CUDA、模型的半精度类型和 Triton 内核），两个 EOS id 都被找到了。
 # 下面是各种错误，每一个都会被拦下，报错信息指明是哪个字段：
 
 # %%
@@ -497,7 +499,10 @@ assert caught.keys() == mistakes.keys(), "every mistake must be refused"
 
 # %%
 assert config.max_model_len == 1024 and config.eos_token_ids == (2, 3)
-assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
+if torch.cuda.is_available():  # "auto": the GPU, the model's half dtype and chapter 06b's kernels
+    assert config.device == "cuda" and config.dtype in ("bfloat16", "float16") and config.attention_backend == "triton"
+else:
+    assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
 assert Config(str(tiny)).kvcache_block_size == 256  # nano-vllm's defaults when nothing is given
 assert isinstance(caught["misspelled key"], UnknownConfigKeyError)
 assert "did you mean 'max_num_seqs'" in str(caught["misspelled key"])
@@ -1665,7 +1670,9 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tiny_models import build_tiny_model
 
 tiny_qwen = build_tiny_model("qwen3")
-llm = LLM(str(tiny_qwen), kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
+# en: On the CPU in float32, like the transformers reference that checks the tokens below.
+# zh: 在 CPU 上以 float32 运行，与下面用来核对 token 的 transformers 参考实现一致。
+llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
 steps = []
 
 

