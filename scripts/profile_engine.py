@@ -32,30 +32,47 @@ class StepTimer:
         self.current: dict = {}
         self.host_extra: dict[str, float] = {}
         self.pending: list[tuple[dict, str, torch.cuda.Event, torch.cuda.Event]] = []
+        # (owner, attribute, what the instance held before: None if the class's method was in use)
+        self.wrapped: list[tuple[object, str, object]] = []
         runner = llm.model_runner
         self._wrap_host(runner, "run", self._record_step)
-        self._wrap_host(llm.scheduler, "schedule", None, "schedule")
-        self._wrap_host(llm.scheduler, "postprocess", None, "postprocess")
+        self._wrap_host(llm.scheduler, "schedule", self._add_host_time("schedule"))
+        self._wrap_host(llm.scheduler, "postprocess", self._add_host_time("postprocess"))
         self._wrap_gpu(runner.model, "compute_logits", "lm_head")
         self._wrap_gpu(runner.sampler, "forward", "sampler")
         if runner.graphs is not None:
             self._wrap_gpu(runner.graphs, "replay", "forward")
         self._wrap_gpu(runner.model, "forward", "forward")
 
-    def _wrap_host(self, owner, name, on_call, label=None):
+    def _replace(self, owner, name, wrapper) -> None:
+        self.wrapped.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, wrapper)
+
+    def restore(self) -> None:
+        """Put every wrapped method back as it was (an instance attribute, such as a compiled op, included)."""
+        for owner, name, before in reversed(self.wrapped):
+            if before is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+        self.wrapped.clear()
+
+    def _add_host_time(self, label):
+        def add(args, seconds):
+            self.host_extra[label] = self.host_extra.get(label, 0.0) + seconds
+
+        return add
+
+    def _wrap_host(self, owner, name, on_call):
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
             began = time.perf_counter()
             result = inner(*args, **kwargs)
-            seconds = time.perf_counter() - began
-            if on_call is not None:
-                on_call(args, seconds)
-            else:
-                self.host_extra[label] = self.host_extra.get(label, 0.0) + seconds
+            on_call(args, time.perf_counter() - began)
             return result
 
-        setattr(owner, name, timed)
+        self._replace(owner, name, timed)
 
     def _record_step(self, args, seconds):
         seqs, is_prefill = args
@@ -79,7 +96,7 @@ class StepTimer:
             self.pending.append((self.current, label, start, end))
             return result
 
-        setattr(owner, name, timed)
+        self._replace(owner, name, timed)
 
     def resolve(self) -> None:
         torch.cuda.synchronize()
@@ -146,9 +163,11 @@ def main() -> None:
     llm.generate([workload.prompts[0][:8]], params[0].__class__(max_tokens=2), use_tqdm=False)
     report: dict = {}
 
-    # The warm run gets other token ids of the same lengths: the same prompts would hit the prefix cache.
-    shifted = [[(t + 1) % 10_001 for t in prompt] for prompt in workload.prompts]
-    for name, prompts in (("cold", workload.prompts), ("warm", shifted)):
+    def shifted(by: int) -> list[list[int]]:
+        # Other token ids of the same lengths: a run of the same prompts again would hit the prefix cache.
+        return [[(t + by) % 10_001 for t in prompt] for prompt in workload.prompts]
+
+    for name, prompts in (("cold", workload.prompts), ("warm", shifted(1))):
         timer = StepTimer(llm) if name == "warm" else None
         variants = compiled_variants()
         torch.cuda.synchronize()
@@ -165,17 +184,7 @@ def main() -> None:
         if timer is not None:
             timer.resolve()
             report[name].update(summarize(timer.steps), host_extra=timer.host_extra)
-            # Unwrap: the profiler run below sees the plain engine.
-            for owner in (
-                llm.model_runner,
-                llm.scheduler,
-                llm.model_runner.model,
-                llm.model_runner.sampler,
-                llm.model_runner.graphs,
-            ):
-                for attr in ("run", "schedule", "postprocess", "compute_logits", "forward", "replay"):
-                    if owner is not None and attr in vars(owner):
-                        delattr(owner, attr)
+            timer.restore()  # the profiler run below sees the plain engine
             print(json.dumps({k: v for k, v in report[name].items() if k != "prefill_steps"}, indent=1))
             for s in report[name]["prefill_steps"]:
                 print("  prefill step", s)
@@ -184,7 +193,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            llm.generate(workload.prompts, params, use_tqdm=False)
+            llm.generate(shifted(2), params, use_tqdm=False)
             torch.cuda.synchronize()
         averages = prof.key_averages()
         for sort in ("self_cuda_time_total", "self_cpu_time_total"):
