@@ -176,8 +176,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_paged_prefill(self) -> None:
-        """One 1-token prefill after a 1-token cached prefix, so the kernels that read a cached prefix
-        (chunked prefill, prefix-cache hits) are compiled now rather than in the first such step."""
+        """One 1-token prefill after a 1-token cached prefix, through the whole model, so the path a chunked
+        prefill or a prefix-cache hit takes (compiled ops at 1 token included) is compiled now, not in a step."""
         table = list(range(-(-2 // self.block_size)))
         if len(table) > self.kv_cache.shape[2]:
             return
