@@ -131,6 +131,7 @@ class Config:
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
     compile_small_ops: bool | str = "auto"
+    async_scheduling: bool | str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -194,6 +195,13 @@ class Config:
         if not isinstance(compile_ops, bool) and compile_ops != "auto":
             raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
         self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
+        overlap = self.async_scheduling
+        if not isinstance(overlap, bool) and overlap != "auto":
+            raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
+        if overlap is True and self.tensor_parallel_size > 1:
+            # Chapter 10's ranks receive pickled sequences each step; a pending token cannot travel.
+            raise ValueError("async_scheduling=True needs tensor_parallel_size=1")
+        self.async_scheduling = device == "cuda" and self.tensor_parallel_size == 1 if overlap == "auto" else overlap
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -47,6 +47,11 @@
 # scheduler **preempts** the newest running sequences. A preempted sequence gives back all its
 # blocks and returns to WAITING; when it is scheduled again, its whole token list (prompt *and*
 # what it generated so far) is prefilled again. This is *recompute* preemption, as in vLLM.
+#
+# One arrow goes from WAITING straight to FINISHED. Chapter 11's asynchronous engine schedules a
+# step while the GPU still computes the previous one, so a sequence can be preempted while its
+# newest token is being computed; when that token arrives and is an end-of-sequence token (or
+# the last one `max_tokens` allows), the waiting sequence is finished.
 
 # %% [markdown] tags=["zh"]
 # ## 思路：请求是一个小小的状态机
@@ -61,6 +66,10 @@
 # 有一条箭头是*反向*的：decode 时如果 KV 缓存没有空闲块，调度器会**抢占**最新加入的运行序列。
 # 被抢占的序列归还所有块，回到 WAITING；再次被调度时，它的全部 token（提示词*加上*已生成的部分）
 # 要重新 prefill。这就是 vLLM 中的*重算式*抢占。
+#
+# 还有一条箭头从 WAITING 直接指向 FINISHED。第 11 章的异步引擎在 GPU 还在计算上一步时就调度下一步，
+# 所以一个序列可能在它最新的 token 还在计算时被抢占；等这个 token 算出来，如果它是结束符（或是
+# `max_tokens` 允许的最后一个），这个等待中的序列就结束了。
 
 # %% state machine drawing
 #| hide
@@ -76,7 +85,7 @@ def state_machine_svg() -> str:
         'fill="#37474f">{text}</text>'
     )
     parts = [
-        '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="220" viewBox="0 0 660 220">',
+        '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="270" viewBox="0 0 660 270">',
         '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="8" markerHeight="8" '
         'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#37474f"/></marker></defs>',
     ]
@@ -88,6 +97,7 @@ def state_machine_svg() -> str:
         ("M330,126 C330,190 85,190 85,127", "preempt (free blocks, recompute later)", 207, 205),
         ("M300,68 C280,10 380,10 360,68", "decode step: +1 token", 330, 22),
         ("M55,68 C35,10 135,10 115,68", "prefill chunk", 85, 22),
+        ("M50,126 C50,265 575,265 575,127", "preempted, but its last token (still computing) ends it", 312, 262),
     ]
     for path, text, x, y in arrows:
         parts.append(f'<path d="{path}" fill="none" stroke="#37474f" stroke-width="2" marker-end="url(#arrow)"/>')
@@ -235,7 +245,7 @@ class SequenceStatus(Enum):
 # en: Which status may follow which (the arrows of the drawing).
 # zh: 每个状态之后允许出现哪些状态（即图中的箭头）。
 ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
-    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING}),
+    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
     SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
     SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
 }
@@ -386,6 +396,31 @@ class Sequence:
         self.token_ids.append(_token_id(token_id, self.num_tokens))
         self.num_tokens += 1
 
+    # en: Asynchronous scheduling (chapter 11) counts a token before the GPU has computed it:
+    # en: the three methods below reserve its place, fill it in, and drop what came after a finish.
+    # zh: 异步调度（第 11 章）在 GPU 算出一个 token 之前就把它计入：下面三个方法为它占位、填入它的值、
+    # zh: 并丢掉结束之后多算的 token。
+    def append_pending_token(self) -> int:
+        """Reserve the place of a token the GPU is still computing; returns its index."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_tokens += 1
+        return self.num_tokens - 1
+
+    def set_token(self, index: int, token_id: int) -> None:
+        """Fill in the pending token at ``index``."""
+        offset = index - self.first_token_index
+        if not 0 <= offset < len(self.token_ids) or self.token_ids[offset] != PENDING_TOKEN:
+            raise RuntimeError(f"sequence {self.seq_id}: token {index} is not pending")
+        self.token_ids[offset] = _token_id(token_id, index)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
+        if not max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens:
+            raise ValueError(f"sequence {self.seq_id}: cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        del self.token_ids[num_tokens - self.first_token_index :]
+        self.num_tokens = num_tokens
+        self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+
     # en: ---- blocks -------------------------------------------------------------
     # zh: ---- 块 -----------------------------------------------------------------
     @property
@@ -468,6 +503,11 @@ class Sequence:
             f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
             f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
         )
+
+
+# en: The value of a token that the GPU is still computing; never a real token id (those are >= 0).
+# zh: GPU 尚在计算的 token 的值；绝不会是真实的 token id（真实 id 都 >= 0）。
+PENDING_TOKEN = -1
 
 
 def _token_id(value: object, position: int) -> int:
@@ -657,6 +697,9 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 # - `Sequence`: tokens, the five counters, the block table and its arithmetic
 #   (`num_blocks`, `block(i)`, `last_block_num_tokens`), a guarded status, and a slim pickled
 #   form for worker processes.
+# - For chapter 11's asynchronous scheduling: `append_pending_token()` counts a token the GPU is
+#   still computing (its value is `PENDING_TOKEN` until `set_token` fills it in), and
+#   `truncate(n)` drops tokens computed after a sequence finished.
 #
 # Next, chapter 02 gives the block table something to point at: a pool of KV blocks.
 #
@@ -677,6 +720,8 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 # - `SamplingParams`：经过校验的生成设置；`temperature=0` 即贪心解码。
 # - `Sequence`：token、五个计数器、块表及其算术（`num_blocks`、`block(i)`、`last_block_num_tokens`）、
 #   受保护的状态，以及供工作进程使用的精简序列化形式。
+# - 为第 11 章的异步调度准备的：`append_pending_token()` 把 GPU 仍在计算的 token 计入序列（在 `set_token`
+#   填入之前，它的值是 `PENDING_TOKEN`），`truncate(n)` 丢掉序列结束之后才算出的 token。
 #
 # 下一章（第 02 章）为块表提供它所指向的东西：一个 KV 块池。
 #

@@ -133,7 +133,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from nanovllm.engine.block_manager import BlockManager, positive_int
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 # en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
 # zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule" 或 "postprocess"。
@@ -342,35 +342,85 @@ class Scheduler:
 
     # en: ---- after the step ------------------------------------------------------
     # zh: ---- 一步之后 -------------------------------------------------------------
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> None:
-        """Record a step's results: cache the computed tokens, append samples, finish sequences."""
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+        """Record a step's results: cache the computed tokens, append samples, finish sequences.
+
+        Returns the sequences that finished. It is `advance` and `resolve` back to back; chapter 11's
+        asynchronous engine calls them one step apart.
+        """
         if len(token_ids) != len(seqs):
             raise ValueError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled sequences")
+        return self.resolve(seqs, self.advance(seqs, is_prefill), token_ids)
+
+    def advance(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+        """Count a computed step before its tokens are known: returns where each sequence's new token goes.
+
+        The index is None for a partial prefill chunk (it samples nothing). A sequence that reaches
+        ``max_tokens`` with this token ends with it, whatever it is: it leaves ``running`` and gives
+        back its blocks now, as it would in a synchronous engine, so that the next schedule can use them.
+        """
         kind = "prefill" if is_prefill else "decode"
         for seq in seqs:
             if seq.num_scheduled_tokens < 1 or (not is_prefill and seq.num_scheduled_tokens != 1):
                 raise ValueError(f"sequence {seq.seq_id} was not scheduled in this {kind} step")
-        finished: list[Sequence] = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        indices: list[int | None] = []
+        for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            # en: The KV of those tokens is written now: full blocks can be published.
-            # zh: 这些 token 的 KV 现在已写入：写满的块可以发布了。
-            self.block_manager.publish_full_blocks(seq)
             if seq.num_cached_tokens < len(seq):
-                continue  # a partial prefill chunk: no new token (the model runner passes -1), append nothing
-            seq.append_token(token_id)
-            params = seq.sampling_params
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or (
-                seq.num_completion_tokens >= params.max_tokens
-            ):
-                seq.status = SequenceStatus.FINISHED
+                indices.append(None)  # a partial prefill chunk: no new token (the model runner passes -1)
+                continue
+            indices.append(seq.append_pending_token())
+            if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
+                # en: Publish the blocks whose tokens are all known: asynchronously, the token this step
+                # en: computed (the last cached one) may still be pending, and a hash needs its value.
+                # zh: 发布那些 token 全部已知的块：异步时，这一步计算的 token（最后一个已缓存的）可能仍是待定的，
+                # zh: 而哈希需要它的值。
+                if seq.token_ids[seq.num_cached_tokens - 1] == PENDING_TOKEN:
+                    seq.num_cached_tokens -= 1
+                self.block_manager.publish_full_blocks(seq)
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
-                self._live_ids.discard(seq.seq_id)
+        return indices
+
+    def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
+        """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
+        if not len(seqs) == len(indices) == len(token_ids):
+            raise ValueError(f"got {len(token_ids)} tokens and {len(indices)} indices for {len(seqs)} sequences")
+        finished: list[Sequence] = []
+        for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
+            if seq.is_finished:
+                continue  # it finished in an earlier step: this token was computed past its end
+            # en: The KV of the step's tokens is written (or, asynchronously, queued on the GPU ahead of
+            # en: any step that could read it): full blocks can be published.
+            # zh: 这一步的 token 的 KV 已写入（异步时则是已排在 GPU 队列中、先于任何可能读取它的步骤）：
+            # zh: 写满的块可以发布了。
+            self.block_manager.publish_full_blocks(seq)
+            if index is None:
+                continue
+            seq.set_token(index, token_id)
+            params = seq.sampling_params
+            completion_tokens = index + 1 - seq.num_prompt_tokens
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
+                self._finish(seq, num_tokens=index + 1)
                 finished.append(seq)
         if self.observer is not None:
             self.observer("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+        return finished
+
+    def _finish(self, seq: Sequence, num_tokens: int) -> None:
+        # en: Asynchronously, the sequence may already hold one more (pending) token, and may even sit in
+        # en: `waiting` after a preemption: drop the token, leave whichever queue it is in.
+        # zh: 异步时，序列可能已经多出一个（待定的）token，甚至可能因抢占而待在 `waiting` 里：丢掉那个
+        # zh: token，并离开它所在的队列。
+        seq.truncate(num_tokens)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        self._live_ids.discard(seq.seq_id)
 
 # %% [markdown] tags=["en"]
 # ## See it: three requests, a small cache, every mechanism at once
@@ -394,7 +444,7 @@ class Scheduler:
 import xxhash
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -109,6 +109,7 @@
 #| export utils.context
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -170,8 +171,29 @@ def reset_context() -> None:
 # 测试和章节则直接使用它们。槽位由块表推出：序列的位置 `p` 写到槽位
 # `block_table[p // block_size] * block_size + p % block_size`。
 
+# %% [markdown] tags=["en"]
+# The lists become tensors on the device through `host_to_device`. A plain
+# `torch.tensor(values, device="cuda")` copies from ordinary (pageable) host memory, and PyTorch
+# then waits until the GPU has finished *all* the work queued before the copy. That costs little
+# while the engine waits for every step anyway, but chapter 11 prepares step *n + 1* while the GPU
+# still computes step *n*, and one such wait would undo it. From page-locked ("pinned") memory the
+# copy can simply be queued behind that work, and the host moves on.
+
+# %% [markdown] tags=["zh"]
+# 这些列表通过 `host_to_device` 变成设备上的张量。普通的 `torch.tensor(values, device="cuda")` 从普通（可分页）
+# 主机内存拷贝，PyTorch 随后会一直等到 GPU 完成拷贝之前排队的*全部*工作。引擎本来就等每一步算完时，这点代价
+# 不大；但第 11 章要在 GPU 还在计算第 *n* 步时准备第 *n + 1* 步，一次这样的等待就会前功尽弃。从锁页（pinned）
+# 内存拷贝时，这次拷贝只需排在那些工作之后，主机可以继续做别的事。
+
 # %% context helpers
 #| export utils.context
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    """``values`` as a tensor on ``device``; to a GPU through pinned memory, without waiting for queued work."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _slot(block_table: list[int], position: int, block_size: int) -> int:
     block_index = position // block_size
     if block_index >= len(block_table) or block_table[block_index] < 0:
@@ -182,7 +204,7 @@ def _slot(block_table: list[int], position: int, block_size: int) -> int:
 def _block_table_tensor(block_tables: list[list[int]], device: torch.device | str | None) -> torch.Tensor:
     width = max(1, max(len(table) for table in block_tables))
     rows = [list(table) + [-1] * (width - len(table)) for table in block_tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+    return host_to_device(rows, torch.int32, device)
 
 
 def set_prefill_context(
@@ -208,7 +230,7 @@ def set_prefill_context(
             for q, k, table in zip(seqlens_q, seqlens_k, block_tables, strict=True)
             for position in range(k - q, k)
         ]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        slot_mapping = host_to_device(slots, torch.int64, device)
         # en: Only a cached prefix needs the block tables: without one, attention reads the fresh k, v.
         # zh: 只有存在已缓存前缀时才需要块表：没有前缀时，注意力直接读取新算出的 k、v。
         if any(k > q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
@@ -217,7 +239,7 @@ def set_prefill_context(
         raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return host_to_device([0, *itertools.accumulate(lengths)], torch.int32, device)
 
     return set_context(
         True, cumulative(seqlens_q), cumulative(seqlens_k), max(seqlens_q), max(seqlens_k), slot_mapping, None, tables
@@ -236,8 +258,8 @@ def set_decode_context(
     slots = [_slot(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
     return set_context(
         False,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=host_to_device(slots, torch.int64, device),
+        context_lens=host_to_device(context_lens, torch.int32, device),
         block_tables=_block_table_tensor(block_tables, device),
     )
 

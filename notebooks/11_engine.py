@@ -102,6 +102,7 @@
 # | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
 # | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
+# | `async_scheduling` | "auto" | schedule step *n + 1* while the GPU computes step *n* (below); auto: CUDA, TP=1 |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -141,6 +142,7 @@
 # | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
 # | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
+# | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上且不用张量并行时打开 |
 #
 # **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -298,6 +300,7 @@ class Config:
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
     compile_small_ops: bool | str = "auto"
+    async_scheduling: bool | str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -363,6 +366,13 @@ class Config:
         if not isinstance(compile_ops, bool) and compile_ops != "auto":
             raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
         self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
+        overlap = self.async_scheduling
+        if not isinstance(overlap, bool) and overlap != "auto":
+            raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
+        if overlap is True and self.tensor_parallel_size > 1:
+            # Chapter 10's ranks receive pickled sequences each step; a pending token cannot travel.
+            raise ValueError("async_scheduling=True needs tensor_parallel_size=1")
+        self.async_scheduling = device == "cuda" and self.tensor_parallel_size == 1 if overlap == "auto" else overlap
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property
@@ -1469,19 +1479,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as ListLike
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+
+@dataclass
+class LaunchedStep:
+    """A step the scheduler has counted (`advance`) whose tokens may still be on their way."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_tokens: int  # tokens computed
+    indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
+    tokens: SampledTokens | list[int]  # a list when the step already ran to the end (synchronous)
 
 
 class LLMEngine:
@@ -1505,6 +1527,9 @@ class LLMEngine:
             eos_token_ids=config.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # en: With async scheduling, the step the GPU may still be computing.
+        # zh: 异步调度时，GPU 可能还在计算的那一步。
+        self.in_flight: LaunchedStep | None = None
 
     # en: ---- requests -------------------------------------------------------------
     # zh: ---- 请求 ------------------------------------------------------------------
@@ -1552,23 +1577,63 @@ class LLMEngine:
     # en: ---- the loop -------------------------------------------------------------
     # zh: ---- 主循环 ----------------------------------------------------------------
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
-        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill)."""
+        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
+
+        With async scheduling, the step it launches is not the one it reports: it queues step n + 1
+        on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
+        """
+        if not self.config.async_scheduling:
+            return self._collect(self._launch(previous=None))
+        # en: Schedule and queue the next step before waiting for the one in flight: while the host
+        # en: waits for (and then bookkeeps) step n, the GPU already computes step n + 1.
+        # zh: 先调度并排队下一步，再去等正在计算的那一步：主机等待第 n 步（以及随后记账）时，GPU 已经在算第
+        # zh: n + 1 步了。
+        launched = None
+        if self.in_flight is None or not self.scheduler.is_finished():
+            launched = self._launch(previous=self.in_flight)
+        done, self.in_flight = self.in_flight, launched
+        if done is None:
+            return [], 0, launched.is_prefill
+        return self._collect(done)
+
+    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+        """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         try:
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            if self.config.async_scheduling:
+                pending = None if previous is None else previous.tokens
+                tokens = self.model_runner.launch(seqs, is_prefill, pending)
+            else:
+                tokens = self.model_runner.run(seqs, is_prefill)
         except BaseException:
             # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
             # en: engine stays consistent and the same step can simply run again.
             # zh: 什么都没算（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接重跑。
             self.scheduler.rollback(seqs, is_prefill)
             raise
-        self.scheduler.postprocess(seqs, token_ids, is_prefill)
-        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
-        return finished, num_tokens, is_prefill
+        return LaunchedStep(seqs, is_prefill, num_tokens, self.scheduler.advance(seqs, is_prefill), tokens)
+
+    def _collect(self, step: LaunchedStep) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        """Wait for a launched step's tokens and let the scheduler record them."""
+        token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+        finished = self.scheduler.resolve(step.seqs, step.indices, token_ids)
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], step.num_tokens, step.is_prefill
+
+    def _settle_in_flight(self) -> None:
+        """After an interruption: record the step in flight if it completed, else drop its sequences."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return
+        try:
+            self._collect(step)
+        except Exception:
+            for seq in step.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.in_flight is None
 
     def exit(self) -> None:
         """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
@@ -1623,10 +1688,18 @@ class LLMEngine:
                     if seq_id in order:
                         outputs[seq_id] = token_ids
                         bar.update(1)
+            if self.in_flight is not None and self.scheduler.is_finished():
+                # en: A last step computed tokens past the end of sequences that have finished: record it
+                # en: (it changes nothing) so that the engine is idle when generate returns.
+                # zh: 最后一步为已经结束的序列多算了 token：把它记下（不改变任何东西），
+                # zh: 这样 generate 返回时引擎是空闲的。
+                step, self.in_flight = self.in_flight, None
+                self._collect(step)
         except BaseException:
             # en: An interrupted call takes its unfinished requests with it: their blocks are freed, and
             # en: a later call does not compute them for nobody.
             # zh: 被中断的调用会带走它尚未完成的请求：释放它们的块，之后的调用也不会白白计算它们。
+            self._settle_in_flight()
             for seq in seqs:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)

@@ -2,12 +2,14 @@
 
     PYTHONPATH=$PWD python3 scripts/profile_engine.py --out build/profile
 
-It runs the workload of `python -m nanovllm.bench --preset nano-vllm` three times on one engine:
+It runs the workload of `python -m nanovllm.bench --preset nano-vllm` on one engine:
 1. cold (what the bench measures: the first run after the engine's own warm-up);
-2. warm, with every step timed on the host and, through CUDA events, the GPU time of the decode
-   forward, the LM head and the sampler;
-3. under torch.profiler, whose tables of CPU-side ops and GPU kernels it prints and saves.
-A difference between runs 1 and 2 is time spent compiling kernels inside the measured run.
+2. warm and synchronous (async scheduling off, so that each step's times are its own), with every
+   step timed on the host and, through CUDA events, the GPU time of the decode forward, the LM head
+   and the sampler;
+3. warm, async scheduling on and then off, untimed: what overlapping the host with the GPU buys;
+4. under torch.profiler, whose tables of CPU-side ops and GPU kernels it prints and saves.
+A difference between runs 1 and 3 (async) is time spent compiling kernels inside the measured run.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class StepTimer:
         runner = llm.model_runner
         self._wrap_host(runner, "run", self._record_step)
         self._wrap_host(llm.scheduler, "schedule", self._add_host_time("schedule"))
-        self._wrap_host(llm.scheduler, "postprocess", self._add_host_time("postprocess"))
+        # The synchronous engine's postprocess is these two, back to back.
+        self._wrap_host(llm.scheduler, "advance", self._add_host_time("postprocess"))
+        self._wrap_host(llm.scheduler, "resolve", self._add_host_time("postprocess"))
         self._wrap_gpu(runner.model, "compute_logits", "lm_head")
         self._wrap_gpu(runner.sampler, "forward", "sampler")
         if runner.graphs is not None:
@@ -167,16 +171,22 @@ def main() -> None:
         # Other token ids of the same lengths: a run of the same prompts again would hit the prefix cache.
         return [[(t + by) % 10_001 for t in prompt] for prompt in workload.prompts]
 
-    for name, prompts in (("cold", workload.prompts), ("warm", shifted(1))):
-        timer = StepTimer(llm) if name == "warm" else None
+    overlap = config.async_scheduling
+    runs = (("cold", workload.prompts, overlap), ("warm_sync_timed", shifted(1), False),
+            ("warm_async", shifted(3), True), ("warm_sync", shifted(4), False))
+    for name, prompts, async_scheduling in runs:
+        llm.config.async_scheduling = async_scheduling  # the engine reads it at every step
+        timer = StepTimer(llm) if name == "warm_sync_timed" else None
         variants = compiled_variants()
         torch.cuda.synchronize()
         began = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - began
-        report[name] = {"seconds": seconds, "tokens_per_s": workload.num_output_tokens / seconds}
-        print(f"{name}: {seconds:.2f} s, {workload.num_output_tokens / seconds:,.0f} tok/s")
+        report[name] = {"seconds": seconds, "tokens_per_s": workload.num_output_tokens / seconds,
+                        "async_scheduling": async_scheduling}
+        print(f"{name}: {seconds:.2f} s, {workload.num_output_tokens / seconds:,.0f} tok/s "
+              f"(async_scheduling={async_scheduling})")
         report[name]["triton_variants_compiled_during_run"] = {
             kernel: count - variants.get(kernel, 0) for kernel, count in compiled_variants().items()
         }
@@ -189,6 +199,7 @@ def main() -> None:
             for s in report[name]["prefill_steps"]:
                 print("  prefill step", s)
 
+    llm.config.async_scheduling = overlap
     if not args.no_profiler:
         from torch.profiler import ProfilerActivity, profile
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -129,8 +129,6 @@ def test_append_and_completion_bookkeeping() -> None:
 def test_status_follows_the_state_machine() -> None:
     seq = Sequence([1], block_size=4)
     assert seq.status is SequenceStatus.WAITING and not seq.is_finished
-    with pytest.raises(RuntimeError, match="WAITING -> FINISHED"):
-        seq.status = SequenceStatus.FINISHED
     seq.status = SequenceStatus.RUNNING
     seq.status = SequenceStatus.WAITING  # preemption
     seq.status = SequenceStatus.RUNNING
@@ -200,3 +198,39 @@ def test_copies_are_whole() -> None:
         assert clone.sampling_params == seq.sampling_params and clone.first_token_index == 0
         clone.append_token(1)
         assert len(seq) == 50
+
+
+# ---- pending tokens (asynchronous scheduling, chapter 11) -------------------------------------
+def test_a_pending_token_is_counted_then_filled_in() -> None:
+    seq = Sequence([1, 2, 3], block_size=2)
+    index = seq.append_pending_token()
+    assert index == 3 and len(seq) == 4 and seq.last_token == PENDING_TOKEN and seq.num_blocks == 2
+    seq.set_token(3, 9)
+    assert seq.completion_token_ids == [9]
+    with pytest.raises(RuntimeError, match="not pending"):
+        seq.set_token(3, 10)  # already filled in
+    with pytest.raises(ValueError, match="negative"):
+        seq.append_pending_token()
+        seq.set_token(4, -5)
+
+
+def test_truncate_drops_tokens_past_a_finish_but_never_the_prompt() -> None:
+    seq = Sequence([1, 2, 3], block_size=2)
+    seq.append_token(7)
+    seq.append_pending_token()
+    seq.num_cached_tokens = 4
+    seq.truncate(4)
+    assert seq.token_ids == [1, 2, 3, 7] and seq.num_cached_tokens == 4
+    seq.truncate(3)
+    assert seq.token_ids == [1, 2, 3] and seq.num_cached_tokens == 3
+    for bad in (2, 5):
+        with pytest.raises(ValueError, match="truncate"):
+            seq.truncate(bad)
+
+
+def test_a_preempted_sequence_may_finish_while_waiting() -> None:
+    seq = Sequence([1], block_size=4)
+    seq.status = SequenceStatus.RUNNING
+    seq.status = SequenceStatus.WAITING  # preempted while its newest token was being computed
+    seq.status = SequenceStatus.FINISHED  # ... which turned out to end it
+    assert seq.is_finished

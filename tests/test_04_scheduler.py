@@ -3,7 +3,7 @@
 import pytest
 
 from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
@@ -300,3 +300,63 @@ def test_prefix_caching_off_still_works():
     s.add(b)
     seqs, _ = s.schedule()
     assert seqs == [b] and b.num_cached_tokens == 0 and b.num_scheduled_tokens == 5
+
+
+# ---- advance and resolve: the two halves of postprocess (asynchronous scheduling, chapter 11) ----
+def test_advance_counts_the_step_and_resolve_fills_in_the_tokens() -> None:
+    s = make()
+    a, b = seq(5), seq(3)
+    s.add(a), s.add(b)
+    seqs, is_prefill = s.schedule()
+    indices = s.advance(seqs, is_prefill)
+    assert indices == [5, 3] and a.last_token == b.last_token == PENDING_TOKEN
+    assert a.num_cached_tokens == 5 and a.num_scheduled_tokens == 0
+    # The next step is scheduled before the tokens are known: each decodes its pending token.
+    decode, is_prefill = s.schedule()
+    assert decode == [a, b] and not is_prefill
+    assert s.resolve(seqs, indices, [40, 41]) == []
+    assert a.token_ids[-1] == 40 and b.token_ids[-1] == 41
+
+
+def test_resolve_finishes_on_eos_and_drops_the_token_computed_after_it() -> None:
+    s = make(eos={2})
+    a = seq(4, max_tokens=10)
+    s.add(a)
+    first, _ = s.schedule()
+    first_indices = s.advance(first, True)
+    second, _ = s.schedule()  # a's pending token is decoded before anyone knows it is EOS
+    second_indices = s.advance(second, False)
+    assert len(a) == 6
+    assert s.resolve(first, first_indices, [2]) == [a]
+    assert a.is_finished and a.token_ids == [100, 101, 102, 103, 2] and not a.block_table
+    assert s.resolve(second, second_indices, [7]) == []  # computed past the end: ignored
+    assert a.token_ids[-1] == 2 and s.is_finished() and s.block_manager.num_free_blocks == 16
+
+
+def test_max_tokens_frees_the_blocks_at_advance_and_finishes_at_resolve() -> None:
+    s = make(blocks=1)
+    a, b = seq(4, max_tokens=1), seq(4, max_tokens=1)
+    s.add(a), s.add(b)
+    first, _ = s.schedule()
+    assert first == [a]  # one block, a's: b must wait for it
+    indices = s.advance(first, True)
+    assert not a.block_table and not s.running and not a.is_finished
+    second, _ = s.schedule()  # b gets the blocks a gave back, before a's token is known
+    assert second == [b]
+    assert s.resolve(first, indices, [9]) == [a] and a.completion_token_ids == [9]
+
+
+def test_a_sequence_preempted_with_a_pending_token_can_finish_in_waiting() -> None:
+    s = make(blocks=3, eos={2})
+    a, b = seq(4, max_tokens=8), seq(3, max_tokens=8)
+    s.add(a), s.add(b)
+    prefill, _ = s.schedule()
+    indices = s.advance(prefill, True)
+    s.resolve(prefill, indices, [5, 6])
+    decode, _ = s.schedule()
+    decode_indices = s.advance(decode, False)
+    # Both now need a third block and one is free: the next schedule preempts b, whose token is pending.
+    step_three, _ = s.schedule()
+    assert b.status is WAITING and list(s.waiting) == [b] and step_three == [a]
+    assert s.resolve(decode, decode_indices, [7, 2]) == [b]
+    assert b.is_finished and not s.waiting and b.completion_token_ids == [6, 2]

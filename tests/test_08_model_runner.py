@@ -144,3 +144,37 @@ def test_seeded_rows_draw_by_their_own_position(tiny: Path) -> None:
         return runner.run(seqs, is_prefill=True)[0]
 
     assert draw(0) == draw(3)
+
+
+# ---- pending tokens: launch, SampledTokens (asynchronous scheduling, chapter 11) ----------------
+def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
+    from nanovllm.engine.model_runner import SampledTokens
+    from nanovllm.engine.sequence import PENDING_TOKEN
+
+    a = scheduled([5, 6, 7, 8], [0, 1], cached=3, count=1)
+    b = scheduled([9, 10, 11], [2], cached=2, count=1)
+    c = scheduled([12, 13], [3], cached=1, count=1)
+    # The previous step sampled c (row 0) and a (row 1); b's last token is known.
+    a.token_ids[-1] = c.token_ids[-1] = PENDING_TOKEN
+    previous = SampledTokens([c, b, a], [0, 2], torch.tensor([70, 80]), torch.tensor([70, 80]))
+    input_ids, positions = prepare_decode([a, b, c], 4, "cpu", previous)
+    assert input_ids.tolist() == [80, 11, 70] and positions.tolist() == [3, 2, 1]
+    assert previous.token_ids() == [70, NOT_SAMPLED, 80]
+    with pytest.raises(ValueError, match="pending"):
+        prepare_decode([a, b, c], 4, "cpu")  # who computes a's token?
+    orphan = SampledTokens([b], [0], torch.tensor([1]), torch.tensor([1]))
+    with pytest.raises(ValueError, match="not one this step samples"):
+        prepare_decode([a], 4, "cpu", orphan)
+    pending = scheduled([1, 2], [0], cached=0, count=3)
+    pending.append_pending_token()
+    with pytest.raises(ValueError, match="before its last token"):
+        prepare_prefill([pending], 4, "cpu")
+
+
+def test_launch_then_token_ids_equals_run(tiny: Path) -> None:
+    runner = ModelRunner(Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8))
+    tokens = {}
+    for how in ("run", "launch"):
+        seq = scheduled([3, 4, 5, 6, 7], [0, 1], cached=0, count=5)
+        tokens[how] = runner.run([seq], True) if how == "run" else runner.launch([seq], True).token_ids()
+    assert tokens["run"] == tokens["launch"] and tokens["run"][0] >= 0

@@ -49,6 +49,7 @@ def test_defaults_follow_nano_vllm_and_auto_resolves_on_cpu(tiny: Path) -> None:
     if not torch.cuda.is_available():
         assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
         assert config.torch_dtype is torch.float32
+        assert config.async_scheduling is False  # auto: only where there is a GPU to overlap with
     assert config.hf_config.hidden_size == 32
 
 
@@ -111,6 +112,8 @@ def test_derived_fields_and_model_are_not_settings(tiny: Path, derived: str) -> 
         ("device", None, TypeError),
         ("dtype", "float64", ValueError),
         ("attention_backend", "flash", ValueError),
+        ("async_scheduling", "yes", ValueError),
+        ("async_scheduling", 1, ValueError),
     ],
 )
 def test_bad_values_name_their_field(tiny: Path, key: str, value: object, error: type) -> None:

@@ -21,6 +21,12 @@ def tiny(request: pytest.FixtureRequest) -> Path:
     return build_tiny_model(request.param)
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def scheduling(request: pytest.FixtureRequest) -> bool:
+    """async_scheduling off and on: the tokens must not depend on it (chapter 11)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def hf_greedy(tiny: Path):
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
@@ -52,13 +58,13 @@ def check(llm: LLM, prompts: list[list[int]], hf_greedy) -> None:
     assert [o["token_ids"] for o in outputs] == [hf_greedy(p) for p in prompts]
 
 
-def test_plain_batch_of_mixed_lengths(tiny: Path, hf_greedy) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=128)
+def test_plain_batch_of_mixed_lengths(tiny: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128)
     check(llm, prompts_of([1, 3, 4, 5, 9, 17, 33]), hf_greedy)
 
 
-def test_prefix_cache_hits_in_a_second_round(tiny: Path, hf_greedy) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=128)
+def test_prefix_cache_hits_in_a_second_round(tiny: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128)
     shared = prompts_of([12], seed=1)[0]
     first = [shared + tail for tail in prompts_of([3, 6], seed=2)]
     check(llm, first, hf_greedy)
@@ -69,27 +75,28 @@ def test_prefix_cache_hits_in_a_second_round(tiny: Path, hf_greedy) -> None:
     assert any(hits), "the second round must reuse cached prefix blocks"
 
 
-def test_chunked_prefill(tiny: Path, hf_greedy) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=128, max_num_batched_tokens=7)
+def test_chunked_prefill(tiny: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128,
+              max_num_batched_tokens=7)
     check(llm, prompts_of([23, 2, 15, 7, 8]), hf_greedy)
 
 
-def test_preemption_with_a_tiny_pool(tiny: Path, hf_greedy) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=12)
+def test_preemption_with_a_tiny_pool(tiny: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=12)
     preempted = []
     llm.scheduler.observer = lambda event, data: preempted.extend(data["preempted"]) if event == "schedule" else None
     check(llm, prompts_of([10, 9, 11, 6, 12]), hf_greedy)
     assert preempted, "a 12-block pool must force preemption"
 
 
-def test_one_sequence_at_a_time(tiny: Path, hf_greedy) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=8, num_kvcache_blocks=32, max_num_seqs=1)
+def test_one_sequence_at_a_time(tiny: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=8, num_kvcache_blocks=32, max_num_seqs=1)
     check(llm, prompts_of([5, 13, 2]), hf_greedy)
 
 
-def test_everything_at_once_without_prefix_caching(tiny: Path, hf_greedy) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=2, num_kvcache_blocks=24, max_num_batched_tokens=9,
-              max_num_seqs=3, enable_prefix_caching=False)
+def test_everything_at_once_without_prefix_caching(tiny: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=2, num_kvcache_blocks=24,
+              max_num_batched_tokens=9, max_num_seqs=3, enable_prefix_caching=False)
     check(llm, prompts_of([14, 3, 9, 1, 20]), hf_greedy)
 
 

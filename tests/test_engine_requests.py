@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -124,26 +125,34 @@ def test_engine_side_of_the_benchmark(tiny: Path) -> None:
     assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
 
 
-def _flaky(llm: LLM, fail_on_call: int, error: type[BaseException]):
-    """Make the model runner raise ``error`` on its n-th call (1-based), as an OOM or Ctrl-C would."""
-    original, calls = llm.model_runner.run, {"n": 0}
+def _flaky(llm: LLM, fail_on_call: int, error: type[BaseException]) -> None:
+    """Make the model runner raise ``error`` on its n-th step (1-based), as an OOM or Ctrl-C would.
 
-    def run(seqs, is_prefill):
-        calls["n"] += 1
-        if calls["n"] == fail_on_call:
-            raise error("simulated failure inside a step")
-        return original(seqs, is_prefill)
+    The engine calls ``run`` (synchronous) or ``launch`` (async scheduling): both are wrapped.
+    """
+    calls = {"n": 0}
 
-    llm.model_runner.run = run
-    return original
+    def failing(method):
+        def wrapper(*args):
+            calls["n"] += 1
+            if calls["n"] == fail_on_call:
+                raise error("simulated failure inside a step")
+            return method(*args)
+
+        return wrapper
+
+    runner = llm.model_runner
+    runner.run, runner.launch = failing(runner.run), failing(runner.launch)
 
 
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("fail_on_call", [1, 2, 3, 5])
-def test_a_step_that_raises_leaves_the_engine_consistent(tiny: Path, fail_on_call: int) -> None:
+def test_a_step_that_raises_leaves_the_engine_consistent(tiny: Path, fail_on_call: int, scheduling: bool) -> None:
     """A failed step is undone: calling step() again finishes the work with the same tokens."""
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15] * 7]
     expected = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32).generate(prompts, GREEDY, use_tqdm=False)
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, max_num_batched_tokens=8)
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, max_num_batched_tokens=8,
+              async_scheduling=scheduling)
     _flaky(llm, fail_on_call, RuntimeError)
     ids = [llm.add_request(p, GREEDY) for p in prompts]
     done, failures = {}, 0
@@ -159,13 +168,73 @@ def test_a_step_that_raises_leaves_the_engine_consistent(tiny: Path, fail_on_cal
     assert len(llm.scheduler.block_manager.free_block_ids) == 32
 
 
-def test_an_interrupted_generate_drops_its_requests_and_the_engine_keeps_serving(tiny: Path) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32)
-    original = _flaky(llm, 3, KeyboardInterrupt)
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
+def test_an_interrupted_generate_drops_its_requests_and_the_engine_keeps_serving(tiny: Path, scheduling: bool) -> None:
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=scheduling)
+    _flaky(llm, 3, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[3, 4, 5, 6, 7], [8, 9]], GREEDY, use_tqdm=False)
     assert llm.is_finished() and len(llm.scheduler.block_manager.free_block_ids) == 32
-    llm.model_runner.run = original
     fresh = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32)
     assert llm.generate([[10, 11, 12]], GREEDY, use_tqdm=False) == fresh.generate([[10, 11, 12]], GREEDY,
                                                                                   use_tqdm=False)
+
+
+# ---- asynchronous scheduling (chapter 11) ----------------------------------------------------------
+
+def _frequent_tokens(tiny: Path, prompts: list[list[int]], regime: dict) -> frozenset[int]:
+    """Five tokens the model often generates for these prompts: made EOS ids, they end sequences early."""
+    llm = LLM(str(tiny), async_scheduling=False, **regime)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True), use_tqdm=False)
+    return frozenset(t for t, _ in Counter(t for o in outputs for t in o["token_ids"][2:]).most_common(5))
+
+
+@pytest.mark.parametrize(
+    "regime",
+    [
+        {"kvcache_block_size": 4, "num_kvcache_blocks": 128},
+        {"kvcache_block_size": 4, "num_kvcache_blocks": 12},  # preemption
+        {"kvcache_block_size": 4, "num_kvcache_blocks": 128, "max_num_batched_tokens": 7},  # chunked prefill
+        {"kvcache_block_size": 2, "num_kvcache_blocks": 24, "max_num_batched_tokens": 9, "max_num_seqs": 3,
+         "enable_prefix_caching": False},
+        {"kvcache_block_size": 8, "num_kvcache_blocks": 32, "max_num_seqs": 1},
+    ],
+    ids=["plain", "preemption", "chunks", "everything", "one-at-a-time"],
+)
+def test_async_scheduling_gives_the_same_tokens_and_frees_everything(tiny: Path, regime: dict) -> None:
+    """Greedy and seeded requests, sequences ending on EOS mid-batch (after the next step was already
+    scheduled), max_tokens of 1: the tokens equal the synchronous engine's, and no block is leaked."""
+    prompts = [[3 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate([10, 9, 11, 6, 12, 1, 23, 5])]
+    params = [SamplingParams(temperature=0, max_tokens=25), SamplingParams(temperature=1.0, seed=3, max_tokens=25),
+              SamplingParams(temperature=0, max_tokens=1), SamplingParams(temperature=0.7, seed=8, max_tokens=9,
+                                                                         ignore_eos=True)] * 2
+    eos = _frequent_tokens(tiny, prompts, regime)
+    outputs, stops = {}, {}
+    for scheduling in (False, True):
+        llm = LLM(str(tiny), async_scheduling=scheduling, **regime)
+        llm.scheduler.eos_token_ids = eos
+        outputs[scheduling] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        pool = llm.scheduler.block_manager
+        assert llm.is_finished() and llm.in_flight is None
+        assert len(pool.free_block_ids) == pool.num_blocks
+        ends = zip(outputs[scheduling], params, strict=True)
+        stops[scheduling] = sum(o[-1] in eos and len(o) < p.max_tokens for o, p in ends)
+    assert outputs[True] == outputs[False]
+    assert stops[True] >= 2, "the test needs sequences that stop on EOS before max_tokens"
+
+
+def test_async_step_reports_the_step_before(tiny: Path) -> None:
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=True)
+    seq_id = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert llm.step() == ([], 0, True)  # the prefill is queued, nothing is collected yet
+    assert llm.in_flight is not None and not llm.is_finished()
+    finished, num_tokens, is_prefill = llm.step()  # queues the decode step, collects the prefill
+    assert (finished, num_tokens, is_prefill) == ([], 3, True)
+    finished, num_tokens, is_prefill = llm.step()  # nothing left to schedule: collects the decode step
+    assert [seq_id] == [i for i, _ in finished] and (num_tokens, is_prefill) == (1, False)
+    assert llm.is_finished() and len(finished[0][1]) == 2
+
+
+def test_async_scheduling_is_refused_with_tensor_parallelism(tiny: Path) -> None:
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(str(tiny), tensor_parallel_size=2, async_scheduling=True, device="cpu")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence as ListLike
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner
@@ -18,11 +19,23 @@ from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "LLMEngine",
+    "LaunchedStep",
     "Prompt",
 ]
 
 
 Prompt = str | list[int]
+
+
+@dataclass
+class LaunchedStep:
+    """A step the scheduler has counted (`advance`) whose tokens may still be on their way."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_tokens: int  # tokens computed
+    indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
+    tokens: SampledTokens | list[int]  # a list when the step already ran to the end (synchronous)
 
 
 class LLMEngine:
@@ -45,6 +58,8 @@ class LLMEngine:
             eos_token_ids=config.eos_token_ids,
             enable_prefix_caching=config.enable_prefix_caching,
         )
+        # With async scheduling, the step the GPU may still be computing.
+        self.in_flight: LaunchedStep | None = None
 
     # ---- requests -------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
@@ -89,22 +104,60 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
-        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill)."""
+        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
+
+        With async scheduling, the step it launches is not the one it reports: it queues step n + 1
+        on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
+        """
+        if not self.config.async_scheduling:
+            return self._collect(self._launch(previous=None))
+        # Schedule and queue the next step before waiting for the one in flight: while the host
+        # waits for (and then bookkeeps) step n, the GPU already computes step n + 1.
+        launched = None
+        if self.in_flight is None or not self.scheduler.is_finished():
+            launched = self._launch(previous=self.in_flight)
+        done, self.in_flight = self.in_flight, launched
+        if done is None:
+            return [], 0, launched.is_prefill
+        return self._collect(done)
+
+    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+        """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         try:
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            if self.config.async_scheduling:
+                pending = None if previous is None else previous.tokens
+                tokens = self.model_runner.launch(seqs, is_prefill, pending)
+            else:
+                tokens = self.model_runner.run(seqs, is_prefill)
         except BaseException:
             # Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
             # engine stays consistent and the same step can simply run again.
             self.scheduler.rollback(seqs, is_prefill)
             raise
-        self.scheduler.postprocess(seqs, token_ids, is_prefill)
-        finished = [(seq.seq_id, seq.completion_token_ids) for seq in seqs if seq.is_finished]
-        return finished, num_tokens, is_prefill
+        return LaunchedStep(seqs, is_prefill, num_tokens, self.scheduler.advance(seqs, is_prefill), tokens)
+
+    def _collect(self, step: LaunchedStep) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        """Wait for a launched step's tokens and let the scheduler record them."""
+        token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+        finished = self.scheduler.resolve(step.seqs, step.indices, token_ids)
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], step.num_tokens, step.is_prefill
+
+    def _settle_in_flight(self) -> None:
+        """After an interruption: record the step in flight if it completed, else drop its sequences."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
+            return
+        try:
+            self._collect(step)
+        except Exception:
+            for seq in step.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self.in_flight is None
 
     def exit(self) -> None:
         """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
@@ -158,9 +211,15 @@ class LLMEngine:
                     if seq_id in order:
                         outputs[seq_id] = token_ids
                         bar.update(1)
+            if self.in_flight is not None and self.scheduler.is_finished():
+                # A last step computed tokens past the end of sequences that have finished: record it
+                # (it changes nothing) so that the engine is idle when generate returns.
+                step, self.in_flight = self.in_flight, None
+                self._collect(step)
         except BaseException:
             # An interrupted call takes its unfinished requests with it: their blocks are freed, and
             # a later call does not compute them for nobody.
+            self._settle_in_flight()
             for seq in seqs:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)

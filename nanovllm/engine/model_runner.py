@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import capture_decode_graphs
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.linear import agree_min
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.models.qwen3 import head_dim_of
-from nanovllm.utils.context import get_context, reset_context, set_decode_context, set_prefill_context
+from nanovllm.utils.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
 from nanovllm.utils.loader import build_model
 
 __all__ = [
     "NOT_SAMPLED",
     "ModelRunner",
+    "SampledTokens",
     "kv_block_bytes",
     "max_useful_blocks",
     "num_kv_blocks",
@@ -45,7 +47,10 @@ def prepare_prefill(
         if count < 1:
             raise ValueError(f"sequence {seq.seq_id} has no scheduled tokens in this prefill step")
         # A chunk sees its cached prefix plus itself, not the whole prompt.
-        input_ids += seq.scheduled_token_ids
+        ids = seq.scheduled_token_ids
+        if ids[-1] == PENDING_TOKEN:
+            raise ValueError(f"sequence {seq.seq_id} is prefilled before its last token was computed")
+        input_ids += ids
         positions += range(start, start + count)
         seqlens_q.append(count)
         seqlens_k.append(start + count)
@@ -55,20 +60,27 @@ def prepare_prefill(
 
 
 def prepare_decode(
-    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu", previous: SampledTokens | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and positions of a decode step (one token per sequence); installs the context."""
+    """input_ids and positions of a decode step (one token per sequence); installs the context.
+
+    A sequence whose last token is still pending takes it from ``previous``, the step that samples it.
+    """
     for seq in seqs:
         if seq.num_scheduled_tokens != 1 or seq.num_cached_tokens != len(seq) - 1:
             raise ValueError(f"sequence {seq.seq_id} is not ready to decode: {seq!r}")
     input_ids = [seq.last_token for seq in seqs]
     positions = [len(seq) - 1 for seq in seqs]
     set_decode_context([len(seq) for seq in seqs], [seq.block_table for seq in seqs], block_size, device)
+    if PENDING_TOKEN in input_ids:
+        if previous is None:
+            raise ValueError("a sequence's last token is still pending: pass the step that samples it")
+        return previous.input_ids_for(seqs, input_ids), _tensor(positions, device)
     return _tensor(input_ids, device), _tensor(positions, device)
 
 
 def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    return host_to_device(values, torch.int64, device)
 
 
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -97,6 +109,51 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
             f"available; raise kvcache_memory_gb / gpu_memory_utilization or lower kvcache_block_size"
         )
     return blocks
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
+    on_device: torch.Tensor  # [len(rows)] int64
+    on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor) -> SampledTokens:
+        """Queue the copy of ``sampled`` to the host and return without waiting for it."""
+        if sampled.device.type != "cuda":
+            return cls(seqs, rows, sampled, sampled)
+        on_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        on_host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, rows, sampled, on_host, ready)
+
+    def token_ids(self) -> list[int]:
+        """One token per sequence (NOT_SAMPLED for a partial chunk); waits until the step has run."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens = [NOT_SAMPLED] * len(self.seqs)
+        for i, token in zip(self.rows, self.on_host.tolist(), strict=True):
+            tokens[i] = token
+        return tokens
+
+    def input_ids_for(self, seqs: list[Sequence], input_ids: list[int]) -> torch.Tensor:
+        """The next decode step's input ids on the device: each PENDING_TOKEN replaced by this step's sample."""
+        row_of = {self.seqs[i].seq_id: row for row, i in enumerate(self.rows)}
+        rows = []
+        for seq, token in zip(seqs, input_ids, strict=True):
+            if token == PENDING_TOKEN and seq.seq_id not in row_of:
+                raise ValueError(f"sequence {seq.seq_id}'s pending token is not one this step samples")
+            rows.append(row_of[seq.seq_id] if token == PENDING_TOKEN else -1)
+        device = self.on_device.device
+        known = _tensor([max(token, 0) for token in input_ids], device)
+        row = _tensor(rows, device)
+        # Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
+        return torch.where(row >= 0, self.on_device[row.clamp(min=0)], known)
 
 
 NOT_SAMPLED = -1
@@ -207,18 +264,25 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
-        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
+    def compute_logits(
+        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
+    ) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
+
+        ``previous``: the step before, when it may still be running (pending tokens come from it).
+        """
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
-        prepare = prepare_prefill if is_prefill else prepare_decode
         too_long = next((s for s in seqs if len(s) > self.config.max_model_len), None)
         if too_long is not None:
             # The engine refuses such requests up front; the graphs' block-table buffer relies on it.
             raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
                              f"({self.config.max_model_len})")
         try:
-            input_ids, positions = prepare(seqs, self.block_size, self.device)
+            if is_prefill:
+                input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
+            else:
+                input_ids, positions = prepare_decode(seqs, self.block_size, self.device, previous)
             if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
                 hidden = self.graphs.replay(input_ids, positions, get_context())  # chapter 09
             else:
@@ -227,22 +291,28 @@ class ModelRunner:
         finally:
             reset_context()
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
-        logits = self.compute_logits(seqs, is_prefill)
-        if logits is None:  # a tensor-parallel rank other than 0: rank 0 alone samples (chapter 10)
-            return []
+        step = self.launch(seqs, is_prefill)
+        return [] if step is None else step.token_ids()
+
+    @torch.inference_mode()
+    def launch(
+        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
+    ) -> SampledTokens | None:
+        """Queue one step on the device and return without waiting for it (None on tensor-parallel ranks
+        other than 0, where rank 0 alone samples: chapter 10). ``previous``: see `compute_logits`."""
+        logits = self.compute_logits(seqs, is_prefill, previous)
+        if logits is None:
+            return None
         # Only rows whose whole sequence has been computed want a token.
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
-        tokens = [NOT_SAMPLED] * len(seqs)
-        if rows:
-            wanted = [seqs[i] for i in rows]
-            inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
-            sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs).tolist()
-            for i, token in zip(rows, sampled, strict=True):
-                tokens[i] = token
-        return tokens
+        if not rows:
+            return SampledTokens.start(seqs, rows, torch.empty(0, dtype=torch.int64, device=logits.device))
+        wanted = [seqs[i] for i in rows]
+        inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
+        sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs)
+        return SampledTokens.start(seqs, rows, sampled)
 
     def exit(self) -> None:
         """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""

@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from nanovllm.engine.block_manager import BlockManager, positive_int
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 __all__ = [
     "Observer",
@@ -187,31 +187,76 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the step ------------------------------------------------------
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> None:
-        """Record a step's results: cache the computed tokens, append samples, finish sequences."""
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+        """Record a step's results: cache the computed tokens, append samples, finish sequences.
+
+        Returns the sequences that finished. It is `advance` and `resolve` back to back; chapter 11's
+        asynchronous engine calls them one step apart.
+        """
         if len(token_ids) != len(seqs):
             raise ValueError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled sequences")
+        return self.resolve(seqs, self.advance(seqs, is_prefill), token_ids)
+
+    def advance(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+        """Count a computed step before its tokens are known: returns where each sequence's new token goes.
+
+        The index is None for a partial prefill chunk (it samples nothing). A sequence that reaches
+        ``max_tokens`` with this token ends with it, whatever it is: it leaves ``running`` and gives
+        back its blocks now, as it would in a synchronous engine, so that the next schedule can use them.
+        """
         kind = "prefill" if is_prefill else "decode"
         for seq in seqs:
             if seq.num_scheduled_tokens < 1 or (not is_prefill and seq.num_scheduled_tokens != 1):
                 raise ValueError(f"sequence {seq.seq_id} was not scheduled in this {kind} step")
-        finished: list[Sequence] = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        indices: list[int | None] = []
+        for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            # The KV of those tokens is written now: full blocks can be published.
-            self.block_manager.publish_full_blocks(seq)
             if seq.num_cached_tokens < len(seq):
-                continue  # a partial prefill chunk: no new token (the model runner passes -1), append nothing
-            seq.append_token(token_id)
-            params = seq.sampling_params
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or (
-                seq.num_completion_tokens >= params.max_tokens
-            ):
-                seq.status = SequenceStatus.FINISHED
+                indices.append(None)  # a partial prefill chunk: no new token (the model runner passes -1)
+                continue
+            indices.append(seq.append_pending_token())
+            if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
+                # Publish the blocks whose tokens are all known: asynchronously, the token this step
+                # computed (the last cached one) may still be pending, and a hash needs its value.
+                if seq.token_ids[seq.num_cached_tokens - 1] == PENDING_TOKEN:
+                    seq.num_cached_tokens -= 1
+                self.block_manager.publish_full_blocks(seq)
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
-                self._live_ids.discard(seq.seq_id)
+        return indices
+
+    def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
+        """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
+        if not len(seqs) == len(indices) == len(token_ids):
+            raise ValueError(f"got {len(token_ids)} tokens and {len(indices)} indices for {len(seqs)} sequences")
+        finished: list[Sequence] = []
+        for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
+            if seq.is_finished:
+                continue  # it finished in an earlier step: this token was computed past its end
+            # The KV of the step's tokens is written (or, asynchronously, queued on the GPU ahead of
+            # any step that could read it): full blocks can be published.
+            self.block_manager.publish_full_blocks(seq)
+            if index is None:
+                continue
+            seq.set_token(index, token_id)
+            params = seq.sampling_params
+            completion_tokens = index + 1 - seq.num_prompt_tokens
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
+                self._finish(seq, num_tokens=index + 1)
                 finished.append(seq)
         if self.observer is not None:
             self.observer("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+        return finished
+
+    def _finish(self, seq: Sequence, num_tokens: int) -> None:
+        # Asynchronously, the sequence may already hold one more (pending) token, and may even sit in
+        # `waiting` after a preemption: drop the token, leave whichever queue it is in.
+        seq.truncate(num_tokens)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq.block_table:
+            self.block_manager.deallocate(seq)
+        self._live_ids.discard(seq.seq_id)

@@ -12,6 +12,7 @@ from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
+    "PENDING_TOKEN",
     "Sequence",
     "SequenceStatus",
 ]
@@ -25,7 +26,7 @@ class SequenceStatus(Enum):
 
 # Which status may follow which (the arrows of the drawing).
 ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
-    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING}),
+    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
     SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
     SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
 }
@@ -125,6 +126,29 @@ class Sequence:
         self.token_ids.append(_token_id(token_id, self.num_tokens))
         self.num_tokens += 1
 
+    # Asynchronous scheduling (chapter 11) counts a token before the GPU has computed it:
+    # the three methods below reserve its place, fill it in, and drop what came after a finish.
+    def append_pending_token(self) -> int:
+        """Reserve the place of a token the GPU is still computing; returns its index."""
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_tokens += 1
+        return self.num_tokens - 1
+
+    def set_token(self, index: int, token_id: int) -> None:
+        """Fill in the pending token at ``index``."""
+        offset = index - self.first_token_index
+        if not 0 <= offset < len(self.token_ids) or self.token_ids[offset] != PENDING_TOKEN:
+            raise RuntimeError(f"sequence {self.seq_id}: token {index} is not pending")
+        self.token_ids[offset] = _token_id(token_id, index)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
+        if not max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens:
+            raise ValueError(f"sequence {self.seq_id}: cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        del self.token_ids[num_tokens - self.first_token_index :]
+        self.num_tokens = num_tokens
+        self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+
     # ---- blocks -------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
@@ -202,6 +226,10 @@ class Sequence:
             f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
             f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
         )
+
+
+# The value of a token that the GPU is still computing; never a real token id (those are >= 0).
+PENDING_TOKEN = -1
 
 
 def _token_id(value: object, position: int) -> int:

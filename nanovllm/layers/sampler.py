@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import host_to_device
 
 __all__ = [
     "Sampler",
@@ -143,10 +144,10 @@ def sampling_inputs(
         raise ValueError(f"need one position per request: {len(params)} params, {len(positions)} positions")
     seeded = any(p.seed is not None for p in params)
     return {
-        "temperatures": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-        "top_ks": torch.tensor([p.top_k or 0 for p in params], dtype=torch.int64, device=device)
+        "temperatures": host_to_device([p.temperature for p in params], torch.float32, device),
+        "top_ks": host_to_device([p.top_k or 0 for p in params], torch.int64, device)
         if any((p.top_k or 0) > 0 for p in params) else None,
-        "top_ps": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        "top_ps": host_to_device([p.top_p for p in params], torch.float32, device)
         if any(p.top_p < 1.0 for p in params) else None,
         "generators": [
             None if p.seed is None else seeded_generator(p.seed, position, device)

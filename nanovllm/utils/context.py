@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ import torch
 __all__ = [
     "Context",
     "get_context",
+    "host_to_device",
     "reset_context",
     "set_context",
     "set_decode_context",
@@ -62,6 +64,13 @@ def reset_context() -> None:
     _CONTEXT = Context()
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
+    """``values`` as a tensor on ``device``; to a GPU through pinned memory, without waiting for queued work."""
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _slot(block_table: list[int], position: int, block_size: int) -> int:
     block_index = position // block_size
     if block_index >= len(block_table) or block_table[block_index] < 0:
@@ -72,7 +81,7 @@ def _slot(block_table: list[int], position: int, block_size: int) -> int:
 def _block_table_tensor(block_tables: list[list[int]], device: torch.device | str | None) -> torch.Tensor:
     width = max(1, max(len(table) for table in block_tables))
     rows = [list(table) + [-1] * (width - len(table)) for table in block_tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device)
+    return host_to_device(rows, torch.int32, device)
 
 
 def set_prefill_context(
@@ -98,7 +107,7 @@ def set_prefill_context(
             for q, k, table in zip(seqlens_q, seqlens_k, block_tables, strict=True)
             for position in range(k - q, k)
         ]
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        slot_mapping = host_to_device(slots, torch.int64, device)
         # Only a cached prefix needs the block tables: without one, attention reads the fresh k, v.
         if any(k > q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
             tables = _block_table_tensor(block_tables, device)
@@ -106,7 +115,7 @@ def set_prefill_context(
         raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
-        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return host_to_device([0, *itertools.accumulate(lengths)], torch.int32, device)
 
     return set_context(
         True, cumulative(seqlens_q), cumulative(seqlens_k), max(seqlens_q), max(seqlens_k), slot_mapping, None, tables
@@ -125,7 +134,7 @@ def set_decode_context(
     slots = [_slot(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
     return set_context(
         False,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        slot_mapping=host_to_device(slots, torch.int64, device),
+        context_lens=host_to_device(context_lens, torch.int32, device),
         block_tables=_block_table_tensor(block_tables, device),
     )
