@@ -224,7 +224,7 @@ def matmul_flops(n: int = 8192) -> float:
 def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
     """Time `LLM.generate` on the workload (config: `LLM` keyword arguments).
 
-    breakdown: a dict that receives the seconds and steps spent inside `ModelRunner.run` (prefill, decode).
+    breakdown: a dict that receives the seconds and steps of the engine's steps, per kind (prefill, decode).
     """
     from nanovllm.llm import LLM
 
@@ -234,18 +234,19 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
     if breakdown is not None:
-        inner = llm.model_runner.run
+        inner = llm.step
 
-        def timed(seqs: list, is_prefill: bool) -> list[int]:
-            # run() ends with a device-to-host copy of the tokens, so wall time here includes the GPU's.
+        def timed() -> tuple[list, int, bool]:
+            # step() returns once the step it reports has run on the GPU (with async scheduling, after
+            # queueing the next one), so its wall time is that step's, GPU included.
             began = time.perf_counter()
-            tokens = inner(seqs, is_prefill)
+            finished, num_tokens, is_prefill = inner()
             kind = "prefill" if is_prefill else "decode"
             breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
-            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + 1
-            return tokens
+            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
+            return finished, num_tokens, is_prefill
 
-        llm.model_runner.run = timed
+        llm.step = timed
     try:
         _sync(device)
         start = time.perf_counter()
@@ -278,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
     parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                        help="overlap scheduling with the GPU (auto: on for CUDA)")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -308,16 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         report["device"] = torch.cuda.get_device_name()
     results = {}
     if not args.no_engine:
-        compile_ops = {"auto": "auto", "on": True, "off": False}[args.compile_small_ops]
+        switch = {"auto": "auto", "on": True, "off": False}
         breakdown: dict[str, float] = {}
         results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype,
-                                       enforce_eager=args.enforce_eager, compile_small_ops=compile_ops,
-                                       breakdown=breakdown)
+                                       enforce_eager=args.enforce_eager,
+                                       compile_small_ops=switch[args.compile_small_ops],
+                                       async_scheduling=switch[args.async_scheduling], breakdown=breakdown)
         print(results["engine"])
         outside = results["engine"].seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
-        print(f"  inside ModelRunner.run: prefill {breakdown.get('prefill', 0):.2f} s in "
+        print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
               f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
-              f"{breakdown.get('decode_steps', 0)} steps; outside it (scheduler, engine loop): {outside:.2f} s")
+              f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
         report["breakdown"] = breakdown
     if not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))

@@ -668,7 +668,8 @@ assert [first, second] == expected
 # - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
 #   which samples only the rows that want a token.
 #   Its forward half is a method of its own, `compute_logits` (chapter 10's ranks use it too);
-#   `exit()` releases the KV cache.
+#   `exit()` releases the KV cache. `launch` queues a step and returns `SampledTokens` at once:
+#   tokens on the device (the next decode step's inputs) and a queued copy to the host.
 #
 # Chapter 11 puts the scheduler and the runner in one loop.
 #
@@ -689,6 +690,8 @@ assert [first, second] == expected
 # - `kv_block_bytes`、`num_kv_blocks`：分页 KV 缓存有多大——来自 CPU 预算、预热后 GPU 的剩余显存，或者显式给出的块数。
 # - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
 #   它的前向部分 `compute_logits` 单独成为一个方法（第 10 章的各个 rank 也用它）；`exit()` 释放 KV 缓存。
+#   `launch` 把一步排进队列并立即返回 `SampledTokens`：设备上的 token（下一个 decode 步的输入），以及一次已排队的
+#   拷回主机的操作。
 #
 # 第 11 章把调度器和执行器放进同一个循环。
 #

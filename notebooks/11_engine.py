@@ -1241,7 +1241,7 @@ def matmul_flops(n: int = 8192) -> float:
 def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
     """Time `LLM.generate` on the workload (config: `LLM` keyword arguments).
 
-    breakdown: a dict that receives the seconds and steps spent inside `ModelRunner.run` (prefill, decode).
+    breakdown: a dict that receives the seconds and steps of the engine's steps, per kind (prefill, decode).
     """
     from nanovllm.llm import LLM
 
@@ -1251,19 +1251,21 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
     if breakdown is not None:
-        inner = llm.model_runner.run
+        inner = llm.step
 
-        def timed(seqs: list, is_prefill: bool) -> list[int]:
-            # en: run() ends with a device-to-host copy of the tokens, so wall time here includes the GPU's.
-            # zh: run() 以把 token 拷回主机结束，所以这里的墙钟时间包含 GPU 的时间。
+        def timed() -> tuple[list, int, bool]:
+            # en: step() returns once the step it reports has run on the GPU (with async scheduling, after
+            # en: queueing the next one), so its wall time is that step's, GPU included.
+            # zh: step() 在它所报告的那一步于 GPU 上算完之后才返回（异步调度时，是在把下一步排进队列之后），
+            # zh: 所以它的墙钟时间就是那一步的时间，包括 GPU 的时间。
             began = time.perf_counter()
-            tokens = inner(seqs, is_prefill)
+            finished, num_tokens, is_prefill = inner()
             kind = "prefill" if is_prefill else "decode"
             breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
-            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + 1
-            return tokens
+            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
+            return finished, num_tokens, is_prefill
 
-        llm.model_runner.run = timed
+        llm.step = timed
     try:
         _sync(device)
         start = time.perf_counter()
@@ -1297,6 +1299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
     parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                        help="overlap scheduling with the GPU (auto: on for CUDA)")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -1327,16 +1331,17 @@ def main(argv: list[str] | None = None) -> int:
         report["device"] = torch.cuda.get_device_name()
     results = {}
     if not args.no_engine:
-        compile_ops = {"auto": "auto", "on": True, "off": False}[args.compile_small_ops]
+        switch = {"auto": "auto", "on": True, "off": False}
         breakdown: dict[str, float] = {}
         results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype,
-                                       enforce_eager=args.enforce_eager, compile_small_ops=compile_ops,
-                                       breakdown=breakdown)
+                                       enforce_eager=args.enforce_eager,
+                                       compile_small_ops=switch[args.compile_small_ops],
+                                       async_scheduling=switch[args.async_scheduling], breakdown=breakdown)
         print(results["engine"])
         outside = results["engine"].seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
-        print(f"  inside ModelRunner.run: prefill {breakdown.get('prefill', 0):.2f} s in "
+        print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
               f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
-              f"{breakdown.get('decode_steps', 0)} steps; outside it (scheduler, engine loop): {outside:.2f} s")
+              f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
         report["breakdown"] = breakdown
     if not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
@@ -1435,6 +1440,7 @@ print("benchmark checks hold")
 # step():   seqs, is_prefill = scheduler.schedule()
 #           tokens = model_runner.run(seqs, is_prefill)
 #           scheduler.postprocess(seqs, tokens, is_prefill)     -> finished sequences
+#           (with async scheduling, in another order: see below)
 # generate(prompts, params): add them all, step until done, return texts in prompt order
 # ```
 #
@@ -1461,6 +1467,7 @@ print("benchmark checks hold")
 # step():   seqs, is_prefill = scheduler.schedule()
 #           tokens = model_runner.run(seqs, is_prefill)
 #           scheduler.postprocess(seqs, tokens, is_prefill)     -> 已结束的序列
+#           （异步调度时顺序不同：见下文）
 # generate(prompts, params)：全部加入，不断 step 直到完成，按提示词顺序返回文本
 # ```
 #
@@ -1816,6 +1823,103 @@ for what, call in refusals.items():
 assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqdm=False)[0]["token_ids"]) == 12
 
 # %% [markdown] tags=["en"]
+# ### Asynchronous scheduling: the host works while the GPU computes
+#
+# On the H200 a decode step of the benchmark keeps the GPU busy for about 6 ms, and the host
+# needs about 1 ms of its own per step: scheduling, building the inputs, reading the tokens back,
+# postprocessing. One after the other, the GPU idles for that millisecond, which added up to
+# about 1.5 s of an 8 s run. So `step()` changes its order (vLLM calls this *async scheduling*):
+# it first schedules step *n + 1* and queues it on the GPU, and only then waits for step *n*'s
+# tokens and records them, while the GPU is already computing *n + 1*.
+#
+# ```
+# host:  schedule n+1 | queue n+1 | wait n | resolve n | schedule n+2 | queue n+2 | wait n+1 | ...
+# GPU:   ...... step n ......... | .............. step n+1 ............. | ...... step n+2 ...
+# ```
+#
+# Three pieces of earlier chapters make it work:
+#
+# - **The scheduler needs counts, not values.** `Scheduler.advance` (chapter 04) counts a step
+#   as soon as it is queued: every sequence gets a *pending* token (chapter 01), its length
+#   grows, and the next schedule allocates blocks as usual. `Scheduler.resolve` fills in the
+#   values later and applies EOS. `postprocess`, the synchronous path, is the two back to back.
+#   A sequence that reaches `max_tokens` is known to end at `advance`, and gives back its blocks
+#   there, as it would synchronously.
+# - **The next inputs stay on the GPU.** The pending tokens are the previous step's samples:
+#   `ModelRunner.launch` returns them as `SampledTokens` (chapter 08), whose `input_ids_for`
+#   gathers them on the device; no token value has to travel through the host first.
+# - **No copy waits for the GPU.** Every host-to-device copy goes through pinned memory
+#   (chapter 06's `host_to_device`), because an ordinary one would wait for the queued step.
+#
+# The price is small. A sequence that ends on EOS in step *n* was already scheduled in step
+# *n + 1*: that token is computed for nothing and dropped (`Sequence.truncate`), and if the
+# sequence was preempted in the meantime it finishes straight from `waiting` (chapter 01's new
+# arrow). The tokens are the same as the synchronous engine's: the test suite compares both
+# under every scheduling regime, with sequences ending on EOS mid-batch.
+#
+# `async_scheduling="auto"` turns it on for CUDA with one rank. On a CPU there is nothing to
+# overlap with (PyTorch runs CPU ops as they are called), and chapter 10's ranks receive the
+# sequences pickled at every step, where a pending token has no value to send. Chapter 09
+# records what it buys on the H200.
+#
+# On a CPU the order is still visible. Below, each call of `step()` queues one step and reports
+# the one before, and the tokens are those of the synchronous run above:
+
+# %% [markdown] tags=["zh"]
+# ### 异步调度：GPU 计算时主机也在干活
+#
+# 在 H200 上，基准负载的一个 decode 步让 GPU 忙约 6 ms，而主机每步自己也要约 1 ms：调度、构造输入、把 token
+# 读回来、后处理。两者一前一后，GPU 就要空等这一毫秒，在一次 8 s 的运行中累计约 1.5 s。所以 `step()` 换了顺序
+# （vLLM 称之为*异步调度*）：先调度第 *n + 1* 步并把它排进 GPU 队列，然后才等待第 *n* 步的 token 并记录它们，
+# 而这时 GPU 已经在计算第 *n + 1* 步了。
+#
+# ```
+# 主机：调度 n+1 | 排队 n+1 | 等待 n | 解析 n | 调度 n+2 | 排队 n+2 | 等待 n+1 | ...
+# GPU： ...... 第 n 步 ...... | ........... 第 n+1 步 ........... | ...... 第 n+2 步 ...
+# ```
+#
+# 前面几章的三处设计让它成为可能：
+#
+# - **调度器需要的是数量，而不是值。** `Scheduler.advance`（第 04 章）在一步排进队列后立即把它计入：每个序列
+#   得到一个*待定*的 token（第 01 章），长度随之增加，下一次调度照常分配块。`Scheduler.resolve` 稍后填入
+#   token 的值，并处理 EOS。同步路径 `postprocess` 就是二者紧接着调用。达到 `max_tokens` 的序列在 `advance`
+#   时就知道会结束，于是当场归还它的块，与同步时一样。
+# - **下一步的输入留在 GPU 上。** 待定的 token 就是上一步的采样结果：`ModelRunner.launch` 把它们作为
+#   `SampledTokens`（第 08 章）返回，它的 `input_ids_for` 在设备上把它们取过来；没有哪个 token 的值需要先经过主机。
+# - **没有拷贝会等待 GPU。** 每次从主机到设备的拷贝都经过锁页内存（第 06 章的 `host_to_device`），因为普通的
+#   拷贝会等待排在前面的那一步。
+#
+# 代价很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
+# （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（第 01 章新增的那条箭头）。
+# 生成的 token 与同步引擎完全相同：测试套件在每种调度情形下比较二者，其中包括批次中途遇到 EOS 结束的序列。
+#
+# `async_scheduling="auto"` 在 CUDA 且只有一个 rank 时打开。CPU 上没有什么可以重叠的（PyTorch 在调用时就执行
+# CPU 上的运算）；第 10 章的各个 rank 每步都要接收序列化后的序列，而待定的 token 还没有值可发。第 09 章记录了它在
+# H200 上带来的收益。
+#
+# 在 CPU 上这个顺序依然看得见。下面每次调用 `step()` 都会排队一步、报告前一步，而得到的 token 与上面同步运行的结果相同：
+
+# %%
+async_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10,
+                max_num_batched_tokens=16, async_scheduling=True)
+queued = []
+async_llm.scheduler.observer = lambda event, data: queued.append(data) if event == "schedule" else None
+ids = [async_llm.add_request(prompt, greedy) for prompt in prompts]
+tokens_of, calls = {}, 0
+while not async_llm.is_finished():
+    seen = len(queued)
+    finished, num_tokens, is_prefill = async_llm.step()
+    calls += 1
+    launched = ("prefill" if queued[-1]["is_prefill"] else "decode ") if len(queued) > seen else "nothing"
+    collected = f"{'prefill' if is_prefill else 'decode '} of {num_tokens:2d} tokens" if num_tokens else "nothing"
+    if calls <= 6 or async_llm.is_finished():
+        print(f"call {calls:2d}: queued {launched}, collected {collected}, finished {[i for i, _ in finished]}")
+    tokens_of.update(finished)
+assert [tokens_of[i] for i in ids] == [o["token_ids"] for o in outputs]
+assert calls == len(queued) + 1  # one call more than steps: the first collects nothing
+print(f"{calls} calls for {len(queued)} steps; the tokens equal the synchronous run's")
+
+# %% [markdown] tags=["en"]
 # ### The demo: SmolLM2 on this CPU
 #
 # The real model, through the command line's code path. The first run converts SmolLM2 (about
@@ -1856,7 +1960,8 @@ else:
 # - `nanovllm.bench`: nano-vllm's workload, and a fair `transformers` peer.
 # - `nanovllm.engine.llm_engine.LLMEngine` and `nanovllm.llm.LLM`: the loop schedule → run →
 #   postprocess, requests checked before they are queued, every EOS id honoured, outputs in
-#   prompt order, token-exact with `transformers` under greedy decoding.
+#   prompt order, token-exact with `transformers` under greedy decoding; with
+#   `async_scheduling`, the next step is queued on the GPU before the last one is collected.
 #
 # ## Exercises
 #
@@ -1879,7 +1984,8 @@ else:
 # - `python -m nanovllm`：基于公开的 `LLM` API 编写的命令行。
 # - `nanovllm.bench`：nano-vllm 的基准负载，以及一个公平的 `transformers` 对照组。
 # - `nanovllm.engine.llm_engine.LLMEngine` 与 `nanovllm.llm.LLM`：调度 → 运行 → 后处理的主循环；请求在入队前检查；
-#   遵守每一个 EOS id；按提示词顺序输出；贪心解码时与 `transformers` 逐 token 一致。
+#   遵守每一个 EOS id；按提示词顺序输出；贪心解码时与 `transformers` 逐 token 一致；打开 `async_scheduling` 时，
+#   先把下一步排进 GPU 队列，再收取上一步的结果。
 #
 # ## 练习
 #

@@ -121,8 +121,14 @@ def test_engine_side_of_the_benchmark(tiny: Path) -> None:
     from nanovllm.bench import make_workload, run_engine
 
     workload = make_workload(4, (3, 9), (1, 6), vocab_size=TINY_VOCAB_SIZE, seed=0)
-    result = run_engine(str(tiny), workload, kvcache_block_size=4, num_kvcache_blocks=64)
-    assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
+    for scheduling in (False, True):
+        breakdown: dict = {}
+        result = run_engine(str(tiny), workload, kvcache_block_size=4, num_kvcache_blocks=64,
+                            async_scheduling=scheduling, breakdown=breakdown)
+        assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
+        # One prefill step for the four prompts, then one decode step per token after the first.
+        assert breakdown["prefill_steps"] == 1 and breakdown["decode_steps"] == max(workload.output_lens) - 1
+        assert 0 < breakdown["prefill"] + breakdown["decode"] <= result.seconds
 
 
 def _flaky(llm: LLM, fail_on_call: int, error: type[BaseException]) -> None:
