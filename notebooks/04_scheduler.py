@@ -706,8 +706,9 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # - `max_kv_tokens(seq)`：一个请求最多需要多少 KV；`add` 拒绝整个缓存都装不下的请求。
 # - `Scheduler`：`waiting` 和 `running` 两个队列；`schedule`（在 token 预算和序列数上限之内 prefill 优先，每步最多一个
 #   分块且它是最后一个；否则 decode，从最新的序列开始抢占）；`postprocess`（记为已缓存、发布、除分块外追加 token、
-#   遇到 EOS 或 `max_tokens` 时结束），它由两半组成，第 11 章的异步引擎把它们相隔一步调用：`advance`（计入这一步，
-#   为每个新 token 占位）和 `resolve`（填入 token、发布、结束序列）；`is_finished`；以及可选的 `observer(event, data)` 钩子。
+#   遇到 EOS 或 `max_tokens` 时结束），它由两半组成，第 11 章的异步引擎把它们相隔一步调用：
+#   `advance`（计入这一步，为每个新 token 占位）和 `resolve`（填入 token、发布、结束序列）；`is_finished`；
+#   以及可选的 `observer(event, data)` 钩子。
 #
 # 模型执行器（第 08 章）读取 `schedule` 留在每个序列上的信息：`block_table`、`num_cached_tokens`、
 # `num_scheduled_tokens` 和 `scheduled_token_ids`。测试套件还包括随机工作负载上的性质测试，以及第 03 章的溯源模糊测试。
