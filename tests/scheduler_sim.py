@@ -87,8 +87,14 @@ def simulate(
     after_postprocess: StepHook | None = None,
     max_steps: int | None = None,
     observer: Observer | None = None,
+    asynchronous: bool = False,
 ) -> tuple[list[Sequence], int]:
-    """Run the workload to the end; return the sequences (in request order) and the step count."""
+    """Run the workload to the end; return the sequences (in request order) and the step count.
+
+    asynchronous: what chapter 11's async engine does: each step is counted (``advance``) as soon as
+    it is scheduled, and its tokens are resolved only after the next step has been scheduled. The
+    fake model then "computes" a token when it is resolved, from the (by then known) prefix.
+    """
     sched = workload.scheduler()
     sched.observer = observer
     pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival)
@@ -97,7 +103,21 @@ def simulate(
         total = sum(len(r.prompt) + r.max_tokens for r in workload.requests)
         max_steps = 50 * total + 100
     now, steps = 0, 0
-    while pending or not sched.is_finished():
+    in_flight: tuple[list[Sequence], list[int | None], bool] | None = None
+
+    def resolve(step: tuple[list[Sequence], list[int | None], bool]) -> None:
+        done, indices, was_prefill = step
+        tokens = [-1 if i is None or s.is_finished else next_token(tuple(s.token_ids[:i]))
+                  for s, i in zip(done, indices, strict=True)]
+        sched.resolve(done, indices, tokens)
+        if after_postprocess is not None:
+            after_postprocess(sched, done, was_prefill)
+
+    while pending or not sched.is_finished() or in_flight is not None:
+        if sched.is_finished() and in_flight is not None:
+            step, in_flight = in_flight, None
+            resolve(step)  # the last step in flight: nothing left to schedule before it
+            continue
         if sched.is_finished():
             now = max(now, pending[0][1].arrival)  # idle: jump to the next arrival
         while pending and pending[0][1].arrival <= now:
@@ -108,12 +128,18 @@ def simulate(
         scheduled, is_prefill = sched.schedule()
         if after_schedule is not None:
             after_schedule(sched, scheduled, is_prefill)
-        tokens = [
-            next_token(tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])) for s in scheduled
-        ]
-        sched.postprocess(scheduled, tokens, is_prefill)
-        if after_postprocess is not None:
-            after_postprocess(sched, scheduled, is_prefill)
+        if asynchronous:
+            launched = (scheduled, sched.advance(scheduled, is_prefill), is_prefill)
+            if in_flight is not None:
+                resolve(in_flight)
+            in_flight = launched
+        else:
+            tokens = [
+                next_token(tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])) for s in scheduled
+            ]
+            sched.postprocess(scheduled, tokens, is_prefill)
+            if after_postprocess is not None:
+                after_postprocess(sched, scheduled, is_prefill)
         steps += 1
         now += 1
         check(steps <= max_steps, f"no end after {steps} steps: the scheduler hangs")

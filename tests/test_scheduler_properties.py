@@ -70,6 +70,28 @@ def test_invariants_hold_every_step_and_every_workload_finishes(workload):
 
 
 @SETTINGS
+@given(workloads())
+def test_async_scheduling_keeps_the_invariants_and_the_completions(workload):
+    """Each step resolved one step late (chapter 11): the same invariants between steps, every request
+    finishes exactly once with the completion a synchronous run gives, the pool ends whole."""
+    checker, seen = InvariantChecker(workload), {}
+
+    def after_resolve(sched, seqs, is_prefill):
+        checker.after_postprocess(sched, seqs, is_prefill)
+        seen["bm"] = sched.block_manager
+
+    seqs, _steps = simulate(workload, checker.after_schedule, after_resolve, asynchronous=True)
+    eos = frozenset(workload.eos)
+    for seq, request in zip(seqs, workload.requests, strict=True):
+        assert seq.is_finished and not seq.block_table
+        assert seq.completion_token_ids == reference_completion(request.prompt, request.max_tokens, request.ignore_eos,
+                                                                eos)
+    assert set(checker.finished) == {s.seq_id for s in seqs}
+    bm = seen["bm"]
+    assert bm.num_free_blocks == bm.num_blocks and all(block.ref_count == 0 for block in bm.blocks)
+
+
+@SETTINGS
 @given(workloads(fit=False))
 def test_add_rejects_exactly_the_requests_that_can_never_fit(workload):
     fitting = Workload(**{**workload.__dict__, "requests": [r for r in workload.requests if workload.fits(r)]})
