@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers import triton_sampler
 from nanovllm.layers.sampler import (
     Sampler,
@@ -18,8 +20,9 @@ from nanovllm.layers.sampler import (
     seeded_generator,
     temperature_sample,
 )
-from nanovllm.layers.triton_sampler import triton_temperature_sample
+from nanovllm.layers.triton_sampler import race_chunk_kernel, race_pick_kernel, triton_temperature_sample
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.tiny_models import build_tiny_model
 
 sampler = Sampler()
 
@@ -273,3 +276,42 @@ def test_gpu_triton_sampler_on_the_qwen3_vocabulary() -> None:
     expected = n * (base.float() / temperature).softmax(-1).double()
     assert ((counts - expected) ** 2 / expected).sum().item() < 18.5  # 4 degrees of freedom, 99.9%
 
+
+def _compiled_variants() -> int:
+    return sum(len(cache[0]) for k in (race_chunk_kernel, race_pick_kernel) for cache in k.device_caches.values())
+
+
+def _seed_for(condition) -> int:
+    """A torch.manual_seed value after which the wrapper's seed (its first CPU draw) meets ``condition``."""
+    for s in range(1000):
+        torch.manual_seed(s)
+        if condition(2**32 + int(torch.randint(2**62, ()))):
+            return s
+    raise AssertionError("no such seed in range(1000)")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Path:
+    return build_tiny_model("qwen3")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_runner_samples_with_the_triton_kernels_compiled_at_start_up(tiny: Path) -> None:
+    config = Config.from_kwargs(tiny, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=128,
+                                max_num_seqs=4, enforce_eager=True, compile_small_ops=False)
+    runner = ModelRunner(config)
+    assert runner.sampler.sample_plain is triton_temperature_sample
+    compiled = _compiled_variants()
+    assert compiled >= 2
+    # Later calls compile nothing new: not for another batch size, nor for a seed divisible by 16 or odd.
+    vocab = config.hf_config.vocab_size
+    seeds = (_seed_for(lambda seed: seed % 16 == 0), _seed_for(lambda seed: seed % 2 == 1), 0, 1)
+    for batch, seed in zip((1, 3, 16, 17), seeds, strict=True):
+        with torch.inference_mode():
+            logits = torch.randn(batch, vocab, dtype=runner.dtype, device="cuda")
+            torch.manual_seed(seed)
+            tokens = runner.sampler(logits, torch.rand(batch, device="cuda"))
+        assert tokens.shape == (batch,)
+    assert _compiled_variants() == compiled
+    runner.exit()
