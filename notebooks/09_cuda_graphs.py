@@ -440,10 +440,11 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # GPU the fast path is now chapter 07's two Triton kernels, which split every row into chunks of
 # 4,096 columns themselves; chapter 08's runner puts them in the sampler's place.
 #
-# It is behind the config switch `compile_small_ops` (`"auto"`: on for CUDA, off for CPU,
-# where compilation costs far more than it saves for a tiny model). The compilation happens in
-# the warm-ups, before the KV cache is sized and the graphs are captured; they run in inference
-# mode, as the real steps do, so that no guard of the compiled functions fails in a real step.
+# Compiling the small ops is behind the config switch `compile_small_ops` (`"auto"`: on for
+# CUDA, off for CPU, where compilation costs far more than it saves for a tiny model). The
+# compilation happens in the warm-ups, before the KV cache is sized and the graphs are captured;
+# they run in inference mode, as the real steps do, so that no guard of the compiled functions
+# fails in a real step.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：编译小算子
@@ -462,9 +463,9 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # 内核不如原来的好。现在，GPU 上的快速路径是第 07 章的两个 Triton 内核，它们自己把每行切成 4,096 列一段；第 08 章
 # 的执行器用它们替换采样器的快速路径。
 #
-# 它由配置开关 `compile_small_ops` 控制（`"auto"`：CUDA 上打开，CPU 上关闭——对小模型来说，CPU 上编译的花费远大于
-# 收益）。编译发生在各个预热中，早于 KV 缓存定大小和图捕获；预热和真实的步一样在推理模式下运行，这样编译好的函数的
-# 守卫不会在真实的步里失效。
+# 小算子的编译由配置开关 `compile_small_ops` 控制（`"auto"`：CUDA 上打开，CPU 上关闭——对小模型来说，CPU 上编译的
+# 花费远大于收益）。编译发生在各个预热中，早于 KV 缓存定大小和图捕获；预热和真实的步一样在推理模式下运行，这样
+# 编译好的函数的守卫不会在真实的步里失效。
 
 # %% compiled ops
 #| export layers.compiled_ops
