@@ -128,18 +128,18 @@ def seeded_generator(seed: int, position: int, device: torch.device | str = "cpu
 #
 # Most batches use none of top-k, top-p or seeds (the benchmark of chapter 11 uses only a
 # temperature). For them `temperature_sample` is the whole sampler: it never reads a value back
-# from the GPU, so the CPU can queue it right behind the forward pass, and chapter 09 compiles it
-# into a few fused kernels. `sampling_inputs` decides on the host which path a batch takes: it
-# passes `None` for a feature no row uses. The general path reads back a few flags from the GPU
-# to skip the filters no row asks for.
+# from the GPU, so the CPU can queue it right behind the forward pass; on a GPU it runs as two
+# Triton kernels (the last section of this chapter). `sampling_inputs` decides on the host which
+# path a batch takes: it passes `None` for a feature no row uses. The general path reads back a
+# few flags from the GPU to skip the filters no row asks for.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：掩码与采样器
 #
 # 大多数批次既不用 top-k、top-p，也不用种子（第 11 章的基准测试只用温度）。对它们来说，`temperature_sample` 就是
-# 整个采样器：它从不从 GPU 读回任何值，所以 CPU 可以把它紧跟在前向计算之后排进队列；第 09 章还会把它编译成几个
-# 融合内核。走哪条路径由 `sampling_inputs` 在主机端决定：没有任何一行用到的功能，它就传 `None`。通用路径会从 GPU
-# 读回几个标志，以跳过没有任何一行需要的过滤。
+# 整个采样器：它从不从 GPU 读回任何值，所以 CPU 可以把它紧跟在前向计算之后排进队列；在 GPU 上它由两个 Triton
+# 内核完成（见本章最后一节）。走哪条路径由 `sampling_inputs` 在主机端决定：没有任何一行用到的功能，它就传
+# `None`。通用路径会从 GPU 读回几个标志，以跳过没有任何一行需要的过滤。
 
 # %% sampler
 #| export
@@ -179,7 +179,7 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     """The common case, no top-k, top-p or seed in the batch: one token per row, without a host sync.
 
     It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
-    greedy rows; chapter 09 compiles it into a few fused kernels.
+    greedy rows. On a GPU, ``triton_temperature_sample`` (the end of this chapter) takes its place.
     """
     logits = logits.float()
     greedy = temperatures == 0
@@ -194,8 +194,8 @@ class Sampler(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        # en: The function for batches without top-k, top-p or seeds; chapter 09 swaps in a compiled one.
-        # zh: 批次中没有 top-k、top-p 和种子时使用的函数；第 09 章会把它换成编译后的版本。
+        # en: The function for batches without top-k, top-p or seeds; on a GPU chapter 08 swaps in the Triton one.
+        # zh: 批次中没有 top-k、top-p 和种子时使用的函数；在 GPU 上，第 08 章会把它换成 Triton 版本。
         self.sample_plain = temperature_sample
 
     def forward(
@@ -361,6 +361,357 @@ assert alone == in_three == in_five
 assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 
 # %% [markdown] tags=["en"]
+# ## On the GPU: the race in one pass
+#
+# On a GPU the sampler is the busiest code after the model itself: every decode step turns one
+# row of 151,936 logits (Qwen3's vocabulary) per sequence into a token. `temperature_sample`
+# makes several passes over that `[batch, vocab]` tensor (a maximum, the softmax's sums, the
+# noise, an argmax), and even compiled by `torch.compile` each row reduction runs in a single
+# thread block per row: a batch of 100 rows keeps 100 thread blocks busy on a GPU that runs
+# thousands at once. In chapter 11's benchmark on an H200 the compiled version took 0.55 s of a
+# 7.7 s run. Three observations turn it into one pass that fills the GPU.
+#
+# **1. No softmax.** With `p_i = exp(l_i / T) / Z`,
+#
+# ```
+# argmax_i  p_i / E_i  =  argmax_i (l_i / T − log Z − log E_i)  =  argmax_i (l_i / T − log E_i)
+# ```
+#
+# because `log` is increasing and the log-sum-exp `log Z` is the same for the whole row: no
+# maximum, no sum, nothing that must see the whole row first. Multiplying by `T > 0` moves no
+# argmax either, so the kernel scores `l_i − T · log E_i`. That has no division, so not even a
+# temperature of 1e-45 can overflow (the torch path subtracts each row's maximum for the same
+# reason). A greedy row (`T = 0`) scores the bare logits: an exact argmax.
+#
+# **2. Noise from a counter.** `E = −log(1 − U)` is Exp(1) when `U` is uniform. Triton's
+# `tl.randint4x(seed, counter)` is Philox, a *counter-based* generator: its output is a ten-round
+# cipher of `counter` under the key `seed`. It carries no state from one number to the next, so
+# every program computes its own numbers without talking to the others, and distinct counters
+# give numbers that behave as independent draws. One evaluation yields four 32-bit numbers,
+# which serve four columns; the counter `(row · chunks + chunk) · BLOCK/4 + i` numbers the groups
+# of four columns of the call, so every (row, column) gets its own draw and shares its counter
+# with nobody. Why `1 − U` rather than `U`: the noise that decides the race is a *small* `E` (it
+# makes its token win), and a small `E` means `U` near 0, where a float made of 32 random bits is
+# finely spaced (steps of 2⁻³¹), while near 1 its values are 2⁻²⁴ apart. Below `U = 1/128` the
+# kernel takes `−log(1 − U)` from its series `U + U²/2 + U³/3 + U⁴/4`, which keeps the digits
+# that computing `1 − U` in float32 would round away (and that a fast approximate `log` may blur
+# next to 1).
+#
+# **3. Split the row.** The vocabulary is cut into chunks of `BLOCK` columns (4,096 by default:
+# 38 chunks for Qwen3). Program `(row, chunk)` scores its chunk and writes the chunk's best score
+# and its column; a batch of 100 rows runs 3,800 such programs, enough to fill every SM. A
+# second, tiny kernel, one program per row, reads the row's 38 pairs and keeps the best.
+#
+# ```
+#           chunk 0      chunk 1           chunk 37
+# row 0   [ 4096 cols  | 4096 cols  | ... | 384 cols ]  → 38 (score, column) → pick → token
+# row 1   [ ...                                      ]  → 38 (score, column) → pick → token
+#           race_chunk_kernel: grid (rows, chunks)          race_pick_kernel: grid (rows,)
+# ```
+#
+# **Ties** go to the lowest column, as with `torch.argmax`: `tl.max(..., return_indices=True)`
+# and `tl.argmax` return the first of equal maxima, and the pick kernel prefers the lower chunk.
+#
+# **The seed** of each call is drawn on the host from torch's CPU generator: no round trip to the
+# GPU, and `torch.manual_seed(s)` before a call replays its noise. It is the Philox key, so every
+# call gets a fresh stream; with a 62-bit key no step repeats an earlier step's noise (with 31
+# bits, a server taking ten steps a second would likely repeat one within two hours).
+
+# %% [markdown] tags=["zh"]
+# ## 在 GPU 上：一遍完成的赛跑
+#
+# 在 GPU 上，采样器是仅次于模型本身最繁忙的代码：每个 decode 步都要把每个序列的一行 151,936 个 logits（Qwen3
+# 的词表大小）变成一个 token。`temperature_sample` 要把这个 `[batch, vocab]` 张量读好几遍（求最大值、softmax 的
+# 求和、生成噪声、argmax）；即使用 `torch.compile` 编译，每个按行归约也只用一个线程块处理一行：100 行的批次只让
+# 100 个线程块忙碌，而 GPU 能同时运行数千个。在 H200 上跑第 11 章的基准测试时，编译后的版本在 7.7 s 中占了
+# 0.55 s。下面三点观察把它变成一遍完成、又能占满 GPU 的计算。
+#
+# **1. 不需要 softmax。** 设 `p_i = exp(l_i / T) / Z`，则
+#
+# ```
+# argmax_i  p_i / E_i  =  argmax_i (l_i / T − log Z − log E_i)  =  argmax_i (l_i / T − log E_i)
+# ```
+#
+# 因为 `log` 是增函数，而 log-sum-exp `log Z` 对整行都一样：不求最大值，不求和，没有任何一步必须先看完整行。
+# 乘以 `T > 0` 也不改变 argmax，所以内核的分数是 `l_i − T · log E_i`。其中没有除法，因此哪怕温度是 1e-45 也不会
+# 溢出（torch 版本出于同样的原因先减去每行的最大值）。贪心行（`T = 0`）的分数就是 logits 本身：精确的 argmax。
+#
+# **2. 由计数器产生噪声。** 若 `U` 服从均匀分布，则 `E = −log(1 − U)` 服从 Exp(1)。Triton 的
+# `tl.randint4x(seed, counter)` 就是 Philox，一种*基于计数器*的生成器：它的输出是以 `seed` 为密钥、对 `counter`
+# 做十轮加密的结果。它不在前后两个数之间保留任何状态，所以每个程序各自计算自己的随机数，不必与其他程序打交道；
+# 不同的计数器给出的数，表现得就像相互独立的抽样。算一次得到四个 32 位的数，供四列使用；计数器
+# `(row · chunks + chunk) · BLOCK/4 + i` 为这次调用中每组四列编号，所以每个（行，列）都有自己的一次抽样，
+# 计数器不与任何人共用。为什么用 `1 − U` 而不是 `U`：决定赛跑胜负的是*小*的 `E`（它让对应的 token 胜出），
+# 而 `E` 小意味着 `U` 接近 0，由 32 个随机位构成的浮点数在那里非常密（间隔 2⁻³¹），在 1 附近却相隔 2⁻²⁴。
+# 当 `U < 1/128` 时，内核用级数 `U + U²/2 + U³/3 + U⁴/4` 计算 `−log(1 − U)`，保住了在 float32 中计算 `1 − U`
+# 时会被舍入掉的那些位（快速的近似 `log` 在 1 附近也可能把它们弄模糊）。
+#
+# **3. 把一行切开。** 词表被切成若干段（chunk），每段 `BLOCK` 列（默认 4,096：Qwen3 共 38 段）。程序
+# `(row, chunk)` 为自己那一段打分，写下这一段的最高分和它所在的列；100 行的批次会启动 3,800 个这样的程序，足以
+# 占满所有 SM。第二个很小的内核每行一个程序，读出该行的 38 对结果，留下最好的那个。
+#
+# ```
+#           第 0 段      第 1 段           第 37 段
+# 第 0 行 [ 4096 列    | 4096 列    | ... | 384 列   ]  → 38 个（分数，列）→ 挑选 → token
+# 第 1 行 [ ...                                      ]  → 38 个（分数，列）→ 挑选 → token
+#           race_chunk_kernel：网格 (rows, chunks)          race_pick_kernel：网格 (rows,)
+# ```
+#
+# **并列**时取最小的列，与 `torch.argmax` 一致：`tl.max(..., return_indices=True)` 和 `tl.argmax` 在多个相等的
+# 最大值中返回第一个，挑选内核也优先选编号较小的段。
+#
+# **种子**：每次调用的种子都在主机端从 torch 的 CPU 生成器中抽取：不用与 GPU 往返，而且在调用前执行
+# `torch.manual_seed(s)` 就能重现这次调用的噪声。种子就是 Philox 的密钥，所以每次调用都得到一条新的随机流；
+# 密钥有 62 位，任何一步都不会重复先前某一步的噪声（如果只有 31 位，每秒十步的服务器很可能在两小时内就重复一次）。
+
+# %% [markdown] tags=["en"]
+# As in chapter 06b, Triton decides when a kernel is *decorated* whether it is compiled or
+# interpreted, so without a CUDA device this cell sets `TRITON_INTERPRET=1` before the kernel
+# module is imported. The interpreter runs the programs one after another in Python, a few
+# milliseconds each, so the checks below use small shapes.
+
+# %% [markdown] tags=["zh"]
+# 和第 06b 章一样，Triton 在*装饰*内核时就决定它是编译还是解释执行，所以没有 CUDA 设备时，这个单元会在导入内核
+# 模块之前设置 `TRITON_INTERPRET=1`。解释器在 Python 中一个接一个地运行各个程序，每个要几毫秒，所以下面的检查
+# 都用很小的形状。
+
+# %%
+import os
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRET", "0"))
+
+# %% triton sampler imports
+#| export layers.triton_sampler
+"""The sampler's fast path on a GPU: the exponential race as two Triton kernels (chapter 07)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
+# zh: 下面的内核在装饰时是否处于解释器模式（导入时 TRITON_INTERPRET=1）。
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+
+# %% [markdown] tags=["en"]
+# ### Build it: the chunk kernel and the pick kernel
+#
+# The chunk kernel works on its `BLOCK` columns as a `[4, BLOCK/4]` tile: row `q` of the tile
+# holds the columns `q · BLOCK/4 + i` and takes the `q`-th of the four numbers of Philox draw
+# `i`. Flattened row by row, the tile is the chunk's columns in order, so one `tl.max` finds the
+# best score and its column, the lowest on a tie. Columns past the vocabulary load as `−inf`
+# and never win.
+
+# %% [markdown] tags=["zh"]
+# ### 动手：分段内核与挑选内核
+#
+# 分段内核把自己的 `BLOCK` 列当作一个 `[4, BLOCK/4]` 的 tile 处理：tile 的第 `q` 行存放第 `q · BLOCK/4 + i` 列，
+# 使用第 `i` 次 Philox 抽样所得四个数中的第 `q` 个。按行展平后，这个 tile 正好是这一段的各列按顺序排列，所以一次
+# `tl.max` 就能找到最高分及其所在的列，并列时取最小的列。超出词表的列以 `−inf` 载入，永远不会胜出。
+
+# %% race kernels
+#| export layers.triton_sampler
+# en: A new seed every call: do_not_specialize lets one compiled variant serve them all (see the wrapper).
+# zh: 每次调用的种子都不同：do_not_specialize 让一个编译好的变体服务所有种子（见包装函数）。
+@triton.jit(do_not_specialize=["seed"])
+def race_chunk_kernel(
+    logits_ptr, temperatures_ptr, chunk_score_ptr, chunk_column_ptr, seed, vocab, BLOCK: tl.constexpr
+):
+    # en: This program races columns [chunk * BLOCK, (chunk + 1) * BLOCK) of one row.
+    # zh: 本程序让某一行的第 [chunk * BLOCK, (chunk + 1) * BLOCK) 列参加赛跑。
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    QUARTER: tl.constexpr = BLOCK // 4
+    # en: One Philox counter per group of four columns, unique within the call; each yields four 32-bit numbers.
+    # zh: 每组四列一个 Philox 计数器，在本次调用内唯一；每个计数器产生四个 32 位的数。
+    i = tl.arange(0, QUARTER)
+    r0, r1, r2, r3 = tl.randint4x(seed, (row * num_chunks + chunk) * QUARTER + i)
+    # en: The chunk as a [4, QUARTER] tile: row q holds columns q * QUARTER + i and the q-th number of draw i.
+    # zh: 把这一段看作 [4, QUARTER] 的 tile：第 q 行存放第 q * QUARTER + i 列，以及第 i 次抽样的第 q 个数。
+    q = tl.arange(0, 4)[:, None]
+    bits = tl.where(q == 0, r0[None, :], tl.where(q == 1, r1[None, :], tl.where(q == 2, r2[None, :], r3[None, :])))
+    cols = chunk * BLOCK + q * QUARTER + i[None, :]
+    # en: E = -log(1 - U) ~ Exp(1). U is finely spaced near 0, where E is small; there the series keeps E exact.
+    # zh: E = -log(1 - U) ~ Exp(1)。U 在 0 附近很密，那里 E 很小；在那里用级数计算，E 才精确。
+    u = tl.uint_to_uniform_float(bits)
+    noise = tl.where(u < 0.0078125, u * (1.0 + u * (0.5 + u * (0.33333334 + u * 0.25))), -tl.log(1.0 - u))
+    # en: The torch path's floor: U = 0 exactly would give E = 0 and log E = -inf.
+    # zh: 与 torch 版本相同的下限：U 恰好为 0 时 E = 0，log E = -inf。
+    noise = tl.maximum(noise, 1e-10)
+    x = tl.load(logits_ptr + row * vocab + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    # en: T * (l / T - log E): the race without a softmax or a division; T = 0 (greedy) scores the bare logits.
+    # zh: T * (l / T - log E)：不用 softmax、也不用除法的赛跑；T = 0（贪心）时分数就是 logits 本身。
+    t = tl.load(temperatures_ptr + row)
+    score = tl.where(t > 0, x - t * tl.log(noise), x)
+    # en: Flattened row by row the tile is in column order, so a tie goes to the lowest column.
+    # zh: 按行展平后 tile 按列的顺序排列，所以并列时取最小的列。
+    best, at = tl.max(tl.reshape(score, [BLOCK]), axis=0, return_indices=True)
+    tl.store(chunk_score_ptr + row * num_chunks + chunk, best)
+    tl.store(chunk_column_ptr + row * num_chunks + chunk, chunk * BLOCK + at)
+
+
+@triton.jit
+def race_pick_kernel(chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, CHUNKS: tl.constexpr):
+    # en: One program per row: the best of the row's chunk winners; tl.argmax prefers the lower chunk on a tie.
+    # zh: 每行一个程序：在该行各段的胜者中挑出最好的；并列时 tl.argmax 选编号较小的段。
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, CHUNKS)
+    scores = tl.load(chunk_score_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
+    best = tl.argmax(scores, axis=0)
+    tl.store(token_ptr + row, tl.load(chunk_column_ptr + row * num_chunks + best).to(tl.int64))
+
+# %% [markdown] tags=["en"]
+# ### The wrapper, and what Triton compiles
+#
+# `triton_temperature_sample` has the contract of `temperature_sample`, so chapter 08 can put it
+# in the sampler's place on a GPU. It draws the seed, allocates the `[rows, chunks]` scratch
+# pairs and launches both kernels; it reads nothing back from the GPU.
+#
+# Triton compiles a kernel again for each new *variant* of its arguments: a new value of a
+# `constexpr`, a new type of an integer argument (an `int` below 2³¹ is passed as int32, one of
+# 2³² or more as int64), and a new class of an integer's value (equal to 1, divisible by 16, or
+# neither). The seed changes with every call, so `do_not_specialize=["seed"]` keeps its class out
+# of the variant, and the seed is kept in `[2³², 2³² + 2⁶²)` so that its type is always int64.
+# `vocab` is the same in every call for a model, so it stays specialized (Qwen3's 151,936 is
+# divisible by 16, which lets the loads be vectorized); the batch only sets the grid. One model
+# and one logits dtype therefore need exactly one variant of each kernel, which chapter 08's
+# `warm_up_sampler` compiles before the first step.
+
+# %% [markdown] tags=["zh"]
+# ### 包装函数，以及 Triton 编译了什么
+#
+# `triton_temperature_sample` 的约定与 `temperature_sample` 完全相同，所以第 08 章可以在 GPU 上用它替换采样器的
+# 快速路径。它抽取种子、分配 `[rows, chunks]` 的临时（分数，列）对，然后启动两个内核；它不从 GPU 读回任何东西。
+#
+# 参数每出现一个新的*变体*，Triton 就要重新编译一次内核：`constexpr` 取了新值、整数参数换了类型（小于 2³¹ 的
+# `int` 以 int32 传入，大于等于 2³² 的以 int64 传入），或整数的值落入了新的类别（等于 1、能被 16 整除、或都不是）。
+# 种子每次调用都不同，所以用 `do_not_specialize=["seed"]` 让它的类别不进入变体，并把种子限制在
+# `[2³², 2³² + 2⁶²)` 之内，使它的类型总是 int64。对同一个模型，每次调用的 `vocab` 都相同，所以保留对它的特化
+# （Qwen3 的 151,936 能被 16 整除，载入可以向量化）；批大小只决定网格。因此一个模型、一种 logits 数据类型，每个
+# 内核恰好只需要一个变体，第 08 章的 `warm_up_sampler` 会在第一步之前把它编译好。
+
+# %% triton sampler wrapper
+#| export layers.triton_sampler
+def _check_device(tensor: torch.Tensor) -> None:
+    if tensor.device.type == "cpu" and not INTERPRETED:
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
+            "nanovllm.layers.triton_sampler"
+        )
+
+
+def triton_temperature_sample(
+    logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
+) -> torch.Tensor:
+    """``temperature_sample`` as two Triton kernels: logits [B, V] (float32, bfloat16 or float16), temperatures [B]
+    (0 = greedy) -> [B] int64 on the logits' device. Nothing is read back from the GPU; the noise's seed comes
+    from torch's CPU generator, so ``torch.manual_seed`` before a call makes it reproducible."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    batch, vocab = logits.shape
+    if tuple(temperatures.shape) != (batch,):
+        raise ValueError(f"temperatures must have shape ({batch},), got {tuple(temperatures.shape)}")
+    if vocab == 0:
+        raise ValueError("logits have no columns: an empty vocabulary has no token to sample")
+    if block_size < 4 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 4, got {block_size}")
+    num_chunks = triton.cdiv(vocab, block_size)
+    if num_chunks > 65535:
+        raise ValueError(f"{vocab} columns in blocks of {block_size} are more than 65535 chunks (the grid's limit)")
+    _check_device(logits)
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        logits = logits.float()
+    # en: The kernel finds row r at r * vocab elements: only an unusual layout is copied.
+    # zh: 内核在第 r * vocab 个元素处找到第 r 行：只有布局不寻常时才会复制。
+    logits = logits.contiguous()
+    temperatures = temperatures.to(device=logits.device, dtype=torch.float32).contiguous()
+    tokens = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return tokens
+    chunk_score = torch.empty(batch, num_chunks, dtype=torch.float32, device=logits.device)
+    chunk_column = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
+    # en: Drawn on the host from torch's CPU generator: no GPU sync, and torch.manual_seed replays it.
+    # en: In [2**32, 2**32 + 2**62) Triton always passes it as int64 (one variant), a 62-bit Philox key.
+    # zh: 在主机端从 torch 的 CPU 生成器中抽取：不必与 GPU 同步，torch.manual_seed 也能重现它。
+    # zh: 落在 [2**32, 2**32 + 2**62) 内，Triton 总是以 int64 传入（只有一个变体），作为 62 位的 Philox 密钥。
+    seed = 2**32 + int(torch.randint(2**62, ()))
+    race_chunk_kernel[(batch, num_chunks)](
+        logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size
+    )
+    race_pick_kernel[(batch,)](
+        chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks)
+    )
+    return tokens
+
+# %% [markdown] tags=["en"]
+# ### Check it: the kernels sample the softmax, and greedy rows are torch's argmax
+#
+# The same six logits as above, now at temperature 2.5, with `block_size=4`: the vocabulary of
+# 6 is two chunks, the second one half past the end. On a CPU the interpreter runs three
+# programs per row, so the chi-square test uses 500 draws (60,000 on a GPU); the high
+# temperature flattens the distribution enough that every token still expects more than 20.
+# Then greedy rows on random float32 and bfloat16 logits of 1,000 columns in chunks of 256 (the
+# last one partial), with planted ties; a batch that mixes greedy and sampled rows; and the
+# seed: two calls draw different noise, and `torch.manual_seed` replays a call exactly.
+
+# %% [markdown] tags=["zh"]
+# ### 验证：内核采样得到的是 softmax 分布，贪心行与 torch 的 argmax 一致
+#
+# 仍用上面那六个 logits，这次温度为 2.5，`block_size=4`：大小为 6 的词表分成两段，第二段有一半超出末尾。在 CPU
+# 上解释器每行要运行三个程序，所以卡方检验只抽 500 次（GPU 上抽 60,000 次）；较高的温度让分布足够平坦，每个
+# token 的期望次数仍大于 20。然后是
+# 贪心行：1,000 列的随机 float32 和 bfloat16 logits，每段 256 列（最后一段不满），并人为放入并列的最大值；一个
+# 贪心行与采样行混合的批次；最后是种子：两次调用抽到的噪声不同，而 `torch.manual_seed` 能完全重现一次调用。
+
+# %%
+from nanovllm.layers.triton_sampler import triton_temperature_sample
+
+torch.manual_seed(0)
+N6, T6 = (60_000 if DEVICE == "cuda" else 500), 2.5
+kernel_tokens = triton_temperature_sample(
+    base.repeat(N6, 1).to(DEVICE), torch.full((N6,), T6, device=DEVICE), block_size=4
+)
+observed6 = torch.bincount(kernel_tokens.cpu(), minlength=6).double()
+expected6 = N6 * (base / T6).softmax(-1).double()
+chi_square6 = ((observed6 - expected6) ** 2 / expected6).sum().item()
+print("expected  ", [round(x) for x in expected6.tolist()])
+print("observed  ", [int(x) for x in observed6.tolist()])
+print(f"chi-square = {chi_square6:.2f} over {N6} draws (5 degrees of freedom; 99.9% quantile 20.5)")
+assert chi_square6 < 20.5
+
+wide = torch.randn(8, 1000)
+# en: Planted ties, row 3 across chunks 0 and 3, row 5 inside chunk 1: the first column must win.
+# zh: 人为放入的并列，第 3 行跨第 0 段和第 3 段，第 5 行在第 1 段内部：必须是靠前的那一列胜出。
+wide[3, [10, 900]] = 10.0
+wide[5, [300, 301]] = 10.0
+for dtype in (torch.float32, torch.bfloat16):
+    logits_d = wide.to(DEVICE, dtype)
+    greedy_tokens = triton_temperature_sample(logits_d, torch.zeros(8, device=DEVICE), block_size=256)
+    assert torch.equal(greedy_tokens.cpu(), logits_d.float().argmax(-1).cpu()), dtype
+    print(f"{dtype!s:15s} greedy == torch.argmax: {greedy_tokens.tolist()}")
+mixed_t = torch.tensor([0.0, 1.0] * 4, device=DEVICE)
+mixed_tokens = triton_temperature_sample(wide.to(DEVICE), mixed_t, block_size=256)
+assert torch.equal(mixed_tokens[::2].cpu(), wide[::2].argmax(-1))
+
+# en: Every token equally likely, so the tokens drawn show the noise itself.
+# zh: 所有 token 的概率相同，所以抽到的 token 反映的就是噪声本身。
+flat = torch.zeros(16, 64, device=DEVICE)
+ones = torch.ones(16, device=DEVICE)
+torch.manual_seed(7)
+first = triton_temperature_sample(flat, ones, block_size=32)
+second = triton_temperature_sample(flat, ones, block_size=32)
+torch.manual_seed(7)
+replay = triton_temperature_sample(flat, ones, block_size=32)
+print("two calls:", first.tolist(), second.tolist(), sep="\n  ")
+assert torch.equal(first, replay) and not torch.equal(first, second)
+
+# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `nanovllm/layers/sampler.py`: `Sampler` (`sampler(logits, temperatures, top_ks, top_ps,
@@ -368,6 +719,10 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 #   `sampling_inputs(params, positions)` that turns a batch's `SamplingParams` into the
 #   sampler's arguments (`None` for a feature no row uses), and `temperature_sample`, the
 #   sampler's path for batches without top-k, top-p or seeds, which never reads back from the GPU.
+# - `nanovllm/layers/triton_sampler.py`: `triton_temperature_sample(logits, temperatures,
+#   block_size=4096)`, the same contract as two Triton kernels, `race_chunk_kernel` (one program
+#   per row and chunk of columns) and `race_pick_kernel` (one per row), with Philox noise from a
+#   seed drawn on the host; chapter 08 puts it in the sampler's place on a GPU.
 #
 # Note on ties: `top_k` keeps every token whose logit equals the k-th largest, so exact ties can
 # keep more than `k` tokens (as in vLLM's reference path).
@@ -378,6 +733,9 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 #    same noise.
 # 2. With `top_k=3` and `top_p=0.5` on the six logits above, which tokens can be drawn?
 # 3. Why must `position` (not a step counter of the engine) feed the seed?
+# 4. The chunk kernel scores `l − T · log E` rather than `l / T − log E`. Check that both pick the
+#    same token for `T = 0.7` on random logits and noise, and that only the kernel's form stays
+#    finite at `T = 1e-45`.
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
@@ -386,6 +744,9 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 #   `apply_top_k`、`apply_top_p`、`seeded_generator(seed, position)`，以及把一个批次的 `SamplingParams` 变成
 #   采样器参数的 `sampling_inputs(params, positions)`（没有任何一行用到的功能传 `None`），以及 `temperature_sample`：
 #   批次中没有 top-k、top-p 和种子时采样器走的路径，它从不从 GPU 读回数据。
+# - `nanovllm/layers/triton_sampler.py`：`triton_temperature_sample(logits, temperatures, block_size=4096)`，
+#   以两个 Triton 内核实现同样的约定：`race_chunk_kernel`（每行、每段列一个程序）和 `race_pick_kernel`（每行一个
+#   程序），噪声来自 Philox，种子在主机端抽取；第 08 章在 GPU 上用它替换采样器的快速路径。
 #
 # 关于并列：`top_k` 会保留所有 logit 等于第 k 大值的 token，所以恰好并列时可能保留多于 `k` 个 token
 # （与 vLLM 的参考实现相同）。
@@ -395,6 +756,8 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # 1. 用数值验证：对同一份噪声，`argmax(log p - log E)` 与 `argmax(p / E)` 选出同一个 token。
 # 2. 在上面六个 logits 上同时使用 `top_k=3` 和 `top_p=0.5`，可能抽到哪些 token？
 # 3. 为什么送入种子的必须是 `position`，而不是引擎的步数计数器？
+# 4. 分段内核的分数是 `l − T · log E`，而不是 `l / T − log E`。在随机的 logits 和噪声上验证：`T = 0.7` 时两者选出
+#    同一个 token；`T = 1e-45` 时只有内核的写法保持有限。
 
 # %%
 # en: 1: log is increasing, and log(p / E) = log p - log E.
@@ -409,4 +772,11 @@ assert set(both.tolist()) == {0}
 # en: chunking; its token positions do not, so (seed, position) gives the same draw every time.
 # zh: 3：被抢占的序列会重算，步数随之改变，而且序列经历的步数还取决于分块方式；token 的位置则不会变，
 # zh: 所以 (seed, position) 每次都给出相同的抽样。
+# en: 4: multiplying every score of a row by the same T > 0 keeps their order; l - T log E has no division,
+# en: so a tiny T leaves (nearly) the bare logits instead of pushing them to infinity.
+# zh: 4：一行的所有分数乘以同一个 T > 0，顺序不变；l - T log E 里没有除法，所以极小的 T 留下的（几乎）就是
+# zh: logits 本身，而不会把它们推向无穷大。
+logits4, noise4 = torch.randn(1000, 50), torch.empty(1000, 50).exponential_()
+assert torch.equal((logits4 / 0.7 - noise4.log()).argmax(-1), (logits4 - 0.7 * noise4.log()).argmax(-1))
+assert torch.isinf(logits4 / 1e-45).any() and torch.isfinite(logits4 - 1e-45 * noise4.log()).all()
 print("all exercise answers check out")

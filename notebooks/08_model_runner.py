@@ -376,10 +376,11 @@ class SampledTokens:
 # small element-wise ops are compiled, and on a GPU with the Triton backend `self.graphs` holds
 # the captured decode graphs, which `run` replays for decode steps instead of calling the model.
 #
-# On a GPU the constructor also *warms up* everything that compiles on first use, so that no
-# step of a real run pays for a compile: a prefill that reads a cached prefix
+# On a GPU the constructor also points the sampler's fast path at chapter 07's Triton kernels
+# (`triton_temperature_sample`), and it *warms up* everything that compiles on first use, so that
+# no step of a real run pays for a compile: a prefill that reads a cached prefix
 # (`warm_paged_prefill`), every variant of the attention backend's prefill kernel
-# (`warm_up_attention`, chapter 06b's `warm_up_prefill`) and the sampler at batch sizes 1 and 2
+# (`warm_up_attention`, chapter 06b's `warm_up_prefill`) and the sampler's two kernels
 # (`warm_up_sampler`). They run in inference mode, like `run`: compiled functions check how their
 # inputs were made and would compile again for tensors made outside it.
 
@@ -397,10 +398,11 @@ class SampledTokens:
 # 有两个挂钩属于第 09 章，在 CPU 上什么也不做：打开 `compile_small_ops` 时，模型中的逐元素小算子会被编译；在 GPU 上
 # 使用 Triton 后端时，`self.graphs` 保存捕获好的 decode 图，`run` 在 decode 步重放它们，而不是直接调用模型。
 #
-# 在 GPU 上，构造函数还会把所有首次使用时才编译的东西*预热*一遍，这样真实运行中没有哪一步要为编译买单：一次读取
-# 已缓存前缀的 prefill（`warm_paged_prefill`）、注意力后端 prefill 内核的每个变体（`warm_up_attention`，即第 06b
-# 章的 `warm_up_prefill`），以及 batch 为 1 和 2 的采样器（`warm_up_sampler`）。它们和 `run` 一样在推理模式下运行：
-# 编译好的函数会检查输入是怎样创建的，对推理模式之外创建的张量会重新编译。
+# 在 GPU 上，构造函数还会让采样器的快速路径改用第 07 章的 Triton 内核（`triton_temperature_sample`），并把所有
+# 首次使用时才编译的东西*预热*一遍，这样真实运行中没有哪一步要为编译买单：一次读取已缓存前缀的 prefill
+# （`warm_paged_prefill`）、注意力后端 prefill 内核的每个变体（`warm_up_attention`，即第 06b 章的
+# `warm_up_prefill`），以及采样器的两个内核（`warm_up_sampler`）。它们和 `run` 一样在推理模式下运行：编译好的
+# 函数会检查输入是怎样创建的，对推理模式之外创建的张量会重新编译。
 
 # %% model runner
 #| export
@@ -436,8 +438,15 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        if self.device.type == "cuda":
+            # en: Chapter 07's Triton kernels take the sampler's fast path; imported only on a GPU, so that a CPU
+            # en: run never imports Triton. warm_up_sampler compiles them below.
+            # zh: 采样器的快速路径改用第 07 章的 Triton 内核；只在 GPU 上导入，这样 CPU 上的运行永远不会导入
+            # zh: Triton。下面的 warm_up_sampler 会编译它们。
+            sampler_kernels = importlib.import_module("nanovllm.layers.triton_sampler")
+            self.sampler.sample_plain = sampler_kernels.triton_temperature_sample
         if config.compile_small_ops:
-            compile_small_ops(self.model, self.sampler)  # chapter 09; compiled during the warm-ups below
+            compile_small_ops(self.model)  # chapter 09; compiled during the warm-ups below
         self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
@@ -522,11 +531,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
-        """Run the sampler's fast path on batches of 1 and 2 (a compiled function specializes on size 1)."""
-        vocab = self.config.hf_config.vocab_size
-        for batch in (1, 2):
-            logits = torch.zeros(batch, vocab, dtype=self.dtype, device=self.device)
-            self.sampler(logits, torch.ones(batch, device=self.device))
+        """Run the sampler's fast path once, so that Triton compiles chapter 07's two kernels now: one variant
+        each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
+        the grid and the seed, new in every call, is not specialized on."""
+        logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
+        self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))  # a greedy row and a sampled one
 
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 ------------------------------------------------------------------

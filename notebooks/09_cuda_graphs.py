@@ -430,18 +430,21 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # kernels per layer down to two: at batch 1 every kernel costs a few microseconds whatever its
 # size, so fewer kernels is most of what there is to win.
 #
-# The sampler's fast path (chapter 07's `temperature_sample`) is compiled too: eager, it is
-# about ten passes over a `[batch, vocab]` float32 tensor (151,936 columns for Qwen3), each its
-# own kernel; compiled, it is four kernels that read the bf16 logits, and its share of the
-# benchmark's GPU time fell from 0.80 s to 0.55 s. We also tried a version written for the
-# compiler (no softmax, since `argmax(p / E) = argmax(log p − log E)`, and row reductions split
-# into 128 slices so that a small batch still spreads over many SMs): on the H200 it was slower,
-# 0.95 s, because the generated kernels for the padded slices were worse than the plain ones.
+# The sampler is not compiled here. An earlier version of this chapter compiled its fast path
+# (chapter 07's `temperature_sample`) too: eager it is about ten passes over a `[batch, vocab]`
+# float32 tensor (151,936 columns for Qwen3), compiled four kernels that read the bf16 logits,
+# and its share of the benchmark's GPU time fell from 0.80 s to 0.55 s. But each generated row
+# reduction gives a row a single thread block, so a batch of a hundred rows leaves most of the
+# GPU idle; a version that split the rows into 128 slices for the compiler was slower still
+# (0.95 s), the generated kernels for the padded slices being worse than the plain ones. On a
+# GPU the fast path is now chapter 07's two Triton kernels, which split every row into chunks of
+# 4,096 columns themselves; chapter 08's runner puts them in the sampler's place.
 #
-# It is behind the config switch `compile_small_ops` (`"auto"`: on for CUDA, off for CPU,
-# where compilation costs far more than it saves for a tiny model). The compilation happens in
-# the warm-ups, before the KV cache is sized and the graphs are captured; they run in inference
-# mode, as the real steps do, so that no guard of the compiled functions fails in a real step.
+# Compiling the small ops is behind the config switch `compile_small_ops` (`"auto"`: on for
+# CUDA, off for CPU, where compilation costs far more than it saves for a tiny model). The
+# compilation happens in the warm-ups, before the KV cache is sized and the graphs are captured;
+# they run in inference mode, as the real steps do, so that no guard of the compiled functions
+# fails in a real step.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：编译小算子
@@ -453,15 +456,16 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # bf16 步骤的舍入可能不同（融合内核把它们保留在 float32）。把 q/k 归一化与 RoPE 融合后，每层的内核从四个降到两个：
 # batch 为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
 #
-# 采样器的快速路径（第 07 章的 `temperature_sample`）也会被编译：eager 模式下，它要对一个 `[batch, vocab]` 的
-# float32 张量（Qwen3 有 151,936 列）做大约十遍读写，每遍一个内核；编译后是四个直接读取 bf16 logits 的内核，它在基准
-# 测试中占用的 GPU 时间从 0.80 s 降到 0.55 s。我们还试过一个专为编译器改写的版本（不算 softmax，因为
-# `argmax(p / E) = argmax(log p − log E)`；并把按行归约拆成 128 个切片，让小批次也能分散到许多 SM 上）：在 H200 上
-# 它反而更慢，0.95 s，因为对补齐后的切片生成的内核不如原来的好。
+# 这里不编译采样器。本章较早的版本也编译过它的快速路径（第 07 章的 `temperature_sample`）：eager 模式下，它要对
+# 一个 `[batch, vocab]` 的 float32 张量（Qwen3 有 151,936 列）做大约十遍读写，编译后是四个直接读取 bf16 logits 的
+# 内核，它在基准测试中占用的 GPU 时间从 0.80 s 降到 0.55 s。但生成的每个按行归约只给一行分配一个线程块，所以一百行
+# 的批次让 GPU 的大部分闲着；专为编译器把每行拆成 128 个切片的版本反而更慢（0.95 s），因为对补齐后的切片生成的
+# 内核不如原来的好。现在，GPU 上的快速路径是第 07 章的两个 Triton 内核，它们自己把每行切成 4,096 列一段；第 08 章
+# 的执行器用它们替换采样器的快速路径。
 #
-# 它由配置开关 `compile_small_ops` 控制（`"auto"`：CUDA 上打开，CPU 上关闭——对小模型来说，CPU 上编译的花费远大于
-# 收益）。编译发生在各个预热中，早于 KV 缓存定大小和图捕获；预热和真实的步一样在推理模式下运行，这样编译好的函数的
-# 守卫不会在真实的步里失效。
+# 小算子的编译由配置开关 `compile_small_ops` 控制（`"auto"`：CUDA 上打开，CPU 上关闭——对小模型来说，CPU 上编译的
+# 花费远大于收益）。编译发生在各个预热中，早于 KV 缓存定大小和图捕获；预热和真实的步一样在推理模式下运行，这样
+# 编译好的函数的守卫不会在真实的步里失效。
 
 # %% compiled ops
 #| export layers.compiled_ops
@@ -476,7 +480,6 @@ from torch import nn
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from nanovllm.layers.sampler import Sampler, temperature_sample
 
 
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
@@ -507,8 +510,8 @@ def qk_norm_rotary(
     return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
 
 
-def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
-    """Point the model's small ops (and the sampler's fast path) at compiled functions; returns how many."""
+def compile_small_ops(model: nn.Module) -> int:
+    """Point the model's small ops at compiled functions; returns how many modules now use one."""
     norm = torch.compile(rms_norm, dynamic=True)
     act = torch.compile(silu_and_mul, dynamic=True)
     rope = torch.compile(rotary, dynamic=True)
@@ -531,9 +534,6 @@ def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
             )
         else:
             continue
-        count += 1
-    if sampler is not None:
-        sampler.sample_plain = torch.compile(temperature_sample, dynamic=True)
         count += 1
     return count
 
@@ -578,7 +578,7 @@ print("compiled-op functions == chapter 05 modules (uncompiled, on CPU)")
 #
 # Chapter 08's runner gets two lines in its constructor and one branch in `run`:
 #
-# - after the model is built, `compile_small_ops(model, sampler)` when `config.compile_small_ops`;
+# - after the model is built, `compile_small_ops(model)` when `config.compile_small_ops`;
 # - after the KV cache is allocated, `self.graphs = capture_decode_graphs(model, config)`
 #   (`None` when `graphs_unavailable_reason` gives a reason);
 # - in `run`, a decode step whose batch fits a graph calls `self.graphs.replay(...)` instead of
@@ -594,7 +594,7 @@ print("compiled-op functions == chapter 05 modules (uncompiled, on CPU)")
 #
 # 第 08 章的执行器在构造函数里多了两行，在 `run` 里多了一个分支：
 #
-# - 模型构建之后，若 `config.compile_small_ops` 为真，调用 `compile_small_ops(model, sampler)`；
+# - 模型构建之后，若 `config.compile_small_ops` 为真，调用 `compile_small_ops(model)`；
 # - KV 缓存分配之后，`self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason`
 #   给出原因时为 `None`）；
 # - 在 `run` 中，批次能放进某个图的 decode 步调用 `self.graphs.replay(...)`，而不是 `self.model(...)`。两条路径的

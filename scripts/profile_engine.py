@@ -110,11 +110,13 @@ class StepTimer:
 
 
 def compiled_variants() -> dict[str, int]:
-    """Compiled variants held by each of the attention kernels (Triton compiles one per new specialization)."""
-    import nanovllm.layers.triton_attention as kernels
+    """Compiled variants held by each attention and sampler kernel (Triton compiles one per new specialization)."""
+    import nanovllm.layers.triton_attention as attention
+    import nanovllm.layers.triton_sampler as sampler
 
-    names = ("store_kvcache_kernel", "prefill_attention_kernel", "decode_attention_kernel", "decode_reduce_kernel")
-    return {name: sum(len(c[0]) for c in getattr(kernels, name).device_caches.values()) for name in names}
+    kernels = [attention.store_kvcache_kernel, attention.prefill_attention_kernel, attention.decode_attention_kernel,
+               attention.decode_reduce_kernel, sampler.race_chunk_kernel, sampler.race_pick_kernel]  # fmt: skip
+    return {kernel.fn.__name__: sum(len(c[0]) for c in kernel.device_caches.values()) for kernel in kernels}
 
 
 def summarize(steps: list[dict]) -> dict:

@@ -234,27 +234,6 @@ def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_compiled_sampler_is_greedy_at_zero_and_samples_the_softmax() -> None:
-    from nanovllm.layers.compiled_ops import compile_small_ops
-    from nanovllm.layers.sampler import Sampler, temperature_sample
-
-    sampler = Sampler()
-    assert compile_small_ops(torch.nn.Identity(), sampler) == 1 and sampler.sample_plain is not temperature_sample
-    torch.manual_seed(0)
-    logits = torch.randn(64, 151936, dtype=torch.bfloat16, device="cuda")
-    temperatures = torch.tensor([0.0, 0.6] * 32, device="cuda")
-    tokens = sampler(logits, temperatures)
-    assert torch.equal(tokens[::2], logits[::2].float().argmax(-1))
-    # The softmax at T = 1.3 over five logits, 50,000 draws (a chi-square test as in chapter 07).
-    base, n = torch.tensor([1.5, 1.0, 0.2, -0.5, -2.0], device="cuda"), 50_000
-    draws = sampler(base.repeat(n, 1), torch.full((n,), 1.3, device="cuda"))
-    counts = torch.bincount(draws, minlength=5).double().cpu()
-    expected = n * (base.cpu() / 1.3).softmax(-1).double()
-    assert ((counts - expected) ** 2 / expected).sum().item() < 18.5
-
-
-@pytest.mark.gpu
-@gpu
 def test_gpu_kv_sizing_stays_within_the_memory_budget(tmp_path: Path) -> None:
     # A model whose KV blocks are big enough that the budget, not max_useful_blocks, sets the count.
     model = build_tiny_model("qwen3", tmp_path / "wide-kv", num_key_value_heads=2, num_attention_heads=4,

@@ -177,8 +177,13 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
         self.sampler = Sampler()
+        if self.device.type == "cuda":
+            # Chapter 07's Triton kernels take the sampler's fast path; imported only on a GPU, so that a CPU
+            # run never imports Triton. warm_up_sampler compiles them below.
+            sampler_kernels = importlib.import_module("nanovllm.layers.triton_sampler")
+            self.sampler.sample_plain = sampler_kernels.triton_temperature_sample
         if config.compile_small_ops:
-            compile_small_ops(self.model, self.sampler)  # chapter 09; compiled during the warm-ups below
+            compile_small_ops(self.model)  # chapter 09; compiled during the warm-ups below
         self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
@@ -256,11 +261,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
-        """Run the sampler's fast path on batches of 1 and 2 (a compiled function specializes on size 1)."""
-        vocab = self.config.hf_config.vocab_size
-        for batch in (1, 2):
-            logits = torch.zeros(batch, vocab, dtype=self.dtype, device=self.device)
-            self.sampler(logits, torch.ones(batch, device=self.device))
+        """Run the sampler's fast path once, so that Triton compiles chapter 07's two kernels now: one variant
+        each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
+        the grid and the seed, new in every call, is not specialized on."""
+        logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
+        self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))  # a greedy row and a sampled one
 
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()

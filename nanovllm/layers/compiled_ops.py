@@ -11,7 +11,6 @@ from torch import nn
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from nanovllm.layers.sampler import Sampler, temperature_sample
 
 __all__ = [
     "compile_small_ops",
@@ -50,8 +49,8 @@ def qk_norm_rotary(
     return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
 
 
-def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
-    """Point the model's small ops (and the sampler's fast path) at compiled functions; returns how many."""
+def compile_small_ops(model: nn.Module) -> int:
+    """Point the model's small ops at compiled functions; returns how many modules now use one."""
     norm = torch.compile(rms_norm, dynamic=True)
     act = torch.compile(silu_and_mul, dynamic=True)
     rope = torch.compile(rotary, dynamic=True)
@@ -72,8 +71,5 @@ def compile_small_ops(model: nn.Module, sampler: Sampler | None = None) -> int:
             )
         else:
             continue
-        count += 1
-    if sampler is not None:
-        sampler.sample_plain = torch.compile(temperature_sample, dynamic=True)
         count += 1
     return count

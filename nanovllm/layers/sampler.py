@@ -74,7 +74,7 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     """The common case, no top-k, top-p or seed in the batch: one token per row, without a host sync.
 
     It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
-    greedy rows; chapter 09 compiles it into a few fused kernels.
+    greedy rows. On a GPU, ``triton_temperature_sample`` (the end of this chapter) takes its place.
     """
     logits = logits.float()
     greedy = temperatures == 0
@@ -89,7 +89,7 @@ class Sampler(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        # The function for batches without top-k, top-p or seeds; chapter 09 swaps in a compiled one.
+        # The function for batches without top-k, top-p or seeds; on a GPU chapter 08 swaps in the Triton one.
         self.sample_plain = temperature_sample
 
     def forward(
