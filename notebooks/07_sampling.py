@@ -409,8 +409,8 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 #           race_chunk_kernel: grid (rows, chunks)          race_pick_kernel: grid (rows,)
 # ```
 #
-# **Ties** go to the lowest column, as with `torch.argmax`: `tl.max(..., return_indices=True)`
-# and `tl.argmax` return the first of equal maxima, and the pick kernel prefers the lower chunk.
+# **Ties** go to the lowest column, as with `torch.argmax`: the chunk kernel keeps the lowest
+# column holding its best score, and the pick kernel's `tl.argmax` prefers the lower chunk.
 #
 # **The seed** of each call is drawn on the host from torch's CPU generator: no round trip to the
 # GPU, and `torch.manual_seed(s)` before a call replays its noise. It is the Philox key, so every
@@ -457,8 +457,8 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 #           race_chunk_kernel：网格 (rows, chunks)          race_pick_kernel：网格 (rows,)
 # ```
 #
-# **并列**时取最小的列，与 `torch.argmax` 一致：`tl.max(..., return_indices=True)` 和 `tl.argmax` 在多个相等的
-# 最大值中返回第一个，挑选内核也优先选编号较小的段。
+# **并列**时取最小的列，与 `torch.argmax` 一致：分段内核保留取得最高分的最小列号，挑选内核的 `tl.argmax`
+# 也优先选编号较小的段。
 #
 # **种子**：每次调用的种子都在主机端从 torch 的 CPU 生成器中抽取：不用与 GPU 往返，而且在调用前执行
 # `torch.manual_seed(s)` 就能重现这次调用的噪声。种子就是 Philox 的密钥，所以每次调用都得到一条新的随机流；
@@ -503,16 +503,15 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 #
 # The chunk kernel works on its `BLOCK` columns as a `[4, BLOCK/4]` tile: row `q` of the tile
 # holds the columns `q · BLOCK/4 + i` and takes the `q`-th of the four numbers of Philox draw
-# `i`. Flattened row by row, the tile is the chunk's columns in order, so one `tl.max` finds the
-# best score and its column, the lowest on a tie. Columns past the vocabulary load as `−inf`
-# and never win.
+# `i`. Two reductions over the tile give its best score, then the lowest column holding that
+# score. Columns past the vocabulary load as `−inf` and never win.
 
 # %% [markdown] tags=["zh"]
 # ### 动手：分段内核与挑选内核
 #
 # 分段内核把自己的 `BLOCK` 列当作一个 `[4, BLOCK/4]` 的 tile 处理：tile 的第 `q` 行存放第 `q · BLOCK/4 + i` 列，
-# 使用第 `i` 次 Philox 抽样所得四个数中的第 `q` 个。按行展平后，这个 tile 正好是这一段的各列按顺序排列，所以一次
-# `tl.max` 就能找到最高分及其所在的列，并列时取最小的列。超出词表的列以 `−inf` 载入，永远不会胜出。
+# 使用第 `i` 次 Philox 抽样所得四个数中的第 `q` 个。对 tile 做两次归约，先得到最高分，再得到取得这个分数的最小
+# 列号。超出词表的列以 `−inf` 载入，永远不会胜出。
 
 # %% race kernels
 #| export layers.triton_sampler
@@ -549,11 +548,15 @@ def race_chunk_kernel(
     # zh: T * (l / T - log E)：不用 softmax、也不用除法的赛跑；T = 0（贪心）时分数就是 logits 本身。
     t = tl.load(temperatures_ptr + row)
     score = tl.where(t > 0, x - t * tl.log(noise), x)
-    # en: Flattened row by row the tile is in column order, so a tie goes to the lowest column.
-    # zh: 按行展平后 tile 按列的顺序排列，所以并列时取最小的列。
-    best, at = tl.max(tl.reshape(score, [BLOCK]), axis=0, return_indices=True)
+    # en: The best score of the tile, then the lowest column holding it (torch.argmax's choice on a tie).
+    # en: Not tl.reshape to one row and one tl.max: compiled, reshape may reorder the elements (on the
+    # en: H200 it returned wrong columns), and the column order is what the tie rule needs.
+    # zh: 先求 tile 中的最高分，再求取得它的最小列号（并列时 torch.argmax 的选择）。不用 tl.reshape 展平成一行再做
+    # zh: 一次 tl.max：编译后 reshape 可能打乱元素的顺序（在 H200 上它返回了错误的列），而并列规则依赖列的顺序。
+    best = tl.max(tl.max(score, axis=1), axis=0)
+    at = tl.min(tl.min(tl.where(score == best, cols, 2147483647), axis=1), axis=0)
     tl.store(chunk_score_ptr + row * num_chunks + chunk, best)
-    tl.store(chunk_column_ptr + row * num_chunks + chunk, chunk * BLOCK + at)
+    tl.store(chunk_column_ptr + row * num_chunks + chunk, at)
 
 
 @triton.jit

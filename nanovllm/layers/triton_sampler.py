@@ -47,10 +47,13 @@ def race_chunk_kernel(
     # T * (l / T - log E): the race without a softmax or a division; T = 0 (greedy) scores the bare logits.
     t = tl.load(temperatures_ptr + row)
     score = tl.where(t > 0, x - t * tl.log(noise), x)
-    # Flattened row by row the tile is in column order, so a tie goes to the lowest column.
-    best, at = tl.max(tl.reshape(score, [BLOCK]), axis=0, return_indices=True)
+    # The best score of the tile, then the lowest column holding it (torch.argmax's choice on a tie).
+    # Not tl.reshape to one row and one tl.max: compiled, reshape may reorder the elements (on the
+    # H200 it returned wrong columns), and the column order is what the tie rule needs.
+    best = tl.max(tl.max(score, axis=1), axis=0)
+    at = tl.min(tl.min(tl.where(score == best, cols, 2147483647), axis=1), axis=0)
     tl.store(chunk_score_ptr + row * num_chunks + chunk, best)
-    tl.store(chunk_column_ptr + row * num_chunks + chunk, chunk * BLOCK + at)
+    tl.store(chunk_column_ptr + row * num_chunks + chunk, at)
 
 
 @triton.jit
