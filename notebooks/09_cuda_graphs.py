@@ -930,34 +930,42 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # sequences, prompts and outputs of 100–1024 tokens, random token ids, `ignore_eos`,
 # temperature 0.6 — on Qwen3-0.6B's shapes with random bf16 weights, then the same workload
 # through `transformers` (sorted batches of 64), then measures the copy bandwidth and the matmul
-# rate for the bound. **Recorded** on the H200 (2026-11-29, CUDA graphs and compiled small ops
-# on):
+# rate for the bound. **Recorded** on the H200 (2026-11-29; CUDA graphs, compiled small ops,
+# chapter 07's Triton sampler and chapter 11's asynchronous scheduling on, all by default):
 #
 # | | tokens/s | vs transformers | of the bound |
 # |---|---|---|---|
-# | this book's engine, `--no-peer` run | 17,405 | | 49% (at 4.25 TB/s) |
-# | this book's engine, run with the peer (an earlier sampler, 0.4 s slower) | 15,338 | 19.8× | 44% |
-# | `transformers` 5.17 `generate`, batches of 64 | 774 | 1× | 2.2% |
-# | bound: 15.07 TB at 4.25 TB/s + 0.182 PFLOP at 709 TFLOP/s | 35,199 | | 100% |
+# | this book's engine | 20,471 | 22.5× | 58% |
+# | `transformers` 5.17 `generate`, batches of 64 | 909 | 1× | 2.6% |
+# | bound: 15.07 TB at 4.24 TB/s + 0.182 PFLOP at 679 TFLOP/s | 35,085 | | 100% |
 #
-# Where the engine's 7.70 s went: 0.45 s in 9 prefill steps, 6.80 s in 1,023 decode steps,
-# 0.45 s in the scheduler and the engine loop. `scripts/profile_engine.py` splits the decode
-# steps further (GPU time from CUDA events, on a second run): the decode attention kernel,
-# 3.9 s, reads the KV cache at about 3.6 TB/s (84% of a copy: this workload's contexts are
-# short, 200–2,000 tokens, so each program's start-up weighs more than in the long-context
-# plot of chapter 06b); the other kernels of the forward, 1.5 s, are mostly a fixed cost per
-# step (1.6 ms at batch 1, the floor of some 340 small kernels); the LM head 0.1 s; the sampler
-# 0.55 s; and about 0.6 s of host work inside the runner (building the step's inputs, reading
-# the tokens back) during which the GPU waits.
+# The engine's 6.54 s: 0.45 s in 9 prefill steps, 5.72 s in 1,023 decode steps (the wall time of
+# each `step()` call), 0.38 s of `generate`'s own loop. The copy rate the bound uses varies from
+# run to run on this machine (3.80 to 4.25 TB/s in this session), and so does the engine, by a
+# few percent: `scripts/profile_engine.py` measured 21,096 tokens/s on its cold run.
 #
-# Three changes took the engine from 13,761 to 17,405 tokens/s: compiling every prefill kernel
-# variant at start-up instead of in the first step that needs it (`warm_up_prefill`, chapter
-# 06b; 2.3 s of compiles had been inside the measured run), running the warm-ups in inference
-# mode so that no compiled function recompiles in a real step, and the sync-free compiled
-# sampler. The 20,000 tokens/s goal is not reached. The remaining gap is mostly host time that
-# does not overlap with the GPU (about 1 s in all: the runner's 0.6 s plus the scheduler's
-# 0.45 s); closing it means preparing step *n + 1* while the GPU computes step *n*, which needs
-# the next step's input tokens to stay on the GPU (vLLM calls this asynchronous scheduling).
+# The same script answers "where does the time go" by running the workload four times on one
+# engine: with async scheduling 6.19 s (21,642 tokens/s), without it 7.01 s (19,098), and once
+# more without it, every step timed by CUDA events. That timed run's GPU work adds up to 6.17 s:
+# the decode forward 5.61 s, of which the decode attention kernel takes 3.9 s (it reads the KV
+# cache at about 3.6 TB/s, 84% of a copy: this workload's contexts are short, 200–2,000 tokens,
+# so each program's start-up weighs more than in chapter 06b's long-context plot); prefill
+# 0.37 s; the LM head 0.10 s; the sampler 0.08 s. So the asynchronous engine's 6.19 s is its GPU
+# work and almost nothing else: the host no longer makes the GPU wait. What is left is on the
+# GPU: the attention kernel, and the ~1.7 s of the forward's other kernels, mostly a fixed cost
+# per step (1.55 ms at batch 1: some 340 small kernels).
+#
+# How the engine got from 13,761 tokens/s to here, each step measured on the H200:
+#
+# - every prefill kernel variant compiled at start-up rather than in the first step that needs it
+#   (`warm_up_prefill`, chapter 06b: 2.3 s of compiles had been inside the measured run), and
+#   the warm-ups run in inference mode so that no compiled function compiles again in a real step;
+# - a sampler that never reads back from the GPU, first compiled (0.80 → 0.55 s), then chapter
+#   07's two Triton kernels (0.08 s: the compiled version gave each 151,936-wide row to a single
+#   thread block);
+# - asynchronous scheduling (chapter 11): step *n + 1* is queued before step *n* is collected.
+#   Measured in one process, it took the engine from 16,059 to 20,758 tokens/s with the compiled
+#   sampler, and from 19,098 to 21,642 with the Triton one.
 
 # %% [markdown] tags=["zh"]
 # ## 基准测试：整个引擎对比 `transformers`
@@ -965,27 +973,34 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # `python -m nanovllm.bench --preset nano-vllm`（第 11 章）在 Qwen3-0.6B 形状、随机 bf16 权重的模型上运行
 # nano-vllm 的负载——256 个序列，提示词和输出都是 100–1024 个 token，token id 随机，`ignore_eos`，温度 0.6——
 # 然后让 `transformers` 跑同一个负载（排好序的 64 个一批），最后测量拷贝带宽和矩阵乘速率以计算上限。
-# H200 上的**记录值**（2026-11-29，CUDA Graph 和编译小算子均打开）：
+# H200 上的**记录值**（2026-11-29；CUDA Graph、编译小算子、第 07 章的 Triton 采样器和第 11 章的异步调度均打开，
+# 都是默认设置）：
 #
 # | | tokens/s | 相对 transformers | 占上限 |
 # |---|---|---|---|
-# | 本书的引擎，`--no-peer` 运行 | 17,405 | | 49%（按 4.25 TB/s） |
-# | 本书的引擎，与对照组同一次运行（较早的采样器，慢 0.4 s） | 15,338 | 19.8 倍 | 44% |
-# | `transformers` 5.17 `generate`，64 个一批 | 774 | 1 倍 | 2.2% |
-# | 上限：15.07 TB 以 4.25 TB/s + 0.182 PFLOP 以 709 TFLOP/s | 35,199 | | 100% |
+# | 本书的引擎 | 20,471 | 22.5 倍 | 58% |
+# | `transformers` 5.17 `generate`，64 个一批 | 909 | 1 倍 | 2.6% |
+# | 上限：15.07 TB 以 4.24 TB/s + 0.182 PFLOP 以 679 TFLOP/s | 35,085 | | 100% |
 #
-# 引擎的 7.70 s 花在哪里：9 个 prefill 步 0.45 s，1,023 个 decode 步 6.80 s，调度器和引擎循环 0.45 s。
-# `scripts/profile_engine.py` 把 decode 步拆得更细（在第二次运行中用 CUDA 事件测 GPU 时间）：decode 注意力内核
-# 3.9 s，以约 3.6 TB/s 读取 KV 缓存（拷贝速度的 84%：这个负载的上下文很短，200–2,000 个 token，所以每个程序的启动
-# 开销比第 06b 章长上下文的图里占比更大）；前向中的其他内核 1.5 s，主要是每步固定的开销（batch 为 1 时 1.6 ms，
-# 约 340 个小内核的下限）；LM head 0.1 s；采样器 0.55 s；另有约 0.6 s 是执行器内部的主机端工作（构造这一步的
-# 输入、把 token 读回来），这段时间 GPU 在等待。
+# 引擎的 6.54 s：9 个 prefill 步 0.45 s，1,023 个 decode 步 5.72 s（每次调用 `step()` 的墙钟时间），`generate`
+# 自身的循环 0.38 s。上限所用的拷贝速率在这台机器上每次运行都不一样（本次会话中在 3.80 到 4.25 TB/s 之间），引擎的
+# 结果也会有几个百分点的波动：`scripts/profile_engine.py` 的冷启动运行测得 21,096 tokens/s。
 #
-# 三个改动让引擎从 13,761 提高到 17,405 tokens/s：在启动时编译 prefill 内核的每个变体，而不是在第一个需要它的步
-# 里编译（第 06b 章的 `warm_up_prefill`；原来有 2.3 s 的编译落在计时之内）；让各个预热在推理模式下运行，这样编译好
-# 的函数不会在真实的步里重新编译；以及不需要同步的编译采样器。20,000 tokens/s 的目标没有达到。剩下的差距主要是
-# 不与 GPU 重叠的主机端时间（合计约 1 s：执行器的 0.6 s 加上调度器的 0.45 s）；要消除它，就得在 GPU 计算第 *n*
-# 步时准备第 *n + 1* 步，这要求下一步的输入 token 留在 GPU 上（vLLM 称之为异步调度）。
+# 同一个脚本在一个引擎上把负载跑四遍，回答“时间花在哪里”：打开异步调度 6.19 s（21,642 tokens/s），关闭时 7.01 s
+# （19,098），再关闭运行一次，并用 CUDA 事件给每一步计时。这次计时运行的 GPU 工作合计 6.17 s：decode 前向 5.61 s，
+# 其中 decode 注意力内核占 3.9 s（它以约 3.6 TB/s 读取 KV 缓存，是拷贝速度的 84%：这个负载的上下文很短，
+# 200–2,000 个 token，所以每个程序的启动开销比第 06b 章长上下文的图里占比更大）；prefill 0.37 s；LM head 0.10 s；
+# 采样器 0.08 s。所以异步引擎的 6.19 s 就是它的 GPU 工作，几乎没有别的：主机不再让 GPU 等待。剩下的都在 GPU 上：
+# 注意力内核，以及前向中其他内核的约 1.7 s，主要是每步固定的开销（batch 为 1 时 1.55 ms：约 340 个小内核）。
+#
+# 引擎是怎样从 13,761 tokens/s 走到这里的，每一步都在 H200 上测过：
+#
+# - 在启动时编译 prefill 内核的每个变体，而不是在第一个需要它的步里编译（第 06b 章的 `warm_up_prefill`：原来有
+#   2.3 s 的编译落在计时之内），并让各个预热在推理模式下运行，这样编译好的函数不会在真实的步里重新编译；
+# - 从不从 GPU 读回数据的采样器，先是编译版（0.80 → 0.55 s），然后是第 07 章的两个 Triton 内核（0.08 s：编译版
+#   让单个线程块处理一整行 151,936 个元素）；
+# - 异步调度（第 11 章）：先把第 *n + 1* 步排进队列，再收取第 *n* 步。在同一个进程里测量，使用编译采样器时它让引擎
+#   从 16,059 提高到 20,758 tokens/s，使用 Triton 采样器时从 19,098 提高到 21,642。
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -1033,9 +1048,10 @@ print("all checks passed")
 #   its guard against sequences longer than `max_model_len`.
 # - `python -m nanovllm.bench_graphs`: decode-step latency eager vs graph, a profiler table, and
 #   a sweep of the decode kernel's launch configurations.
-# - `scripts/profile_engine.py` (a GPU diagnosis): the benchmark's workload run cold, warm with
-#   every step timed (host, and GPU time of forward, LM head and sampler by CUDA events), then
-#   under `torch.profiler`; it also counts Triton variants compiled during a run.
+# - `scripts/profile_engine.py` (a GPU diagnosis): the benchmark's workload run cold, warm and
+#   synchronous with every step timed (host, and GPU time of forward, LM head and sampler by CUDA
+#   events), warm with async scheduling on and off, then under `torch.profiler`; it also counts
+#   Triton variants compiled during a run.
 #
 # Chapter 10 splits the model across GPUs; chapter 11 runs the whole engine.
 #
@@ -1057,9 +1073,9 @@ print("all checks passed")
 # - 第 08 章 `ModelRunner` 里的两个挂钩（编译、捕获；`run` 重放 decode 步），以及它对长于 `max_model_len` 的序列
 #   的防线。
 # - `python -m nanovllm.bench_graphs`：eager 与 graph 的 decode 步延迟、性能剖析表，以及 decode 内核启动配置的扫描。
-# - `scripts/profile_engine.py`（GPU 上的诊断工具）：把基准测试的负载先冷跑一次，再热跑一次并为每一步计时（主机端
-#   时间，以及用 CUDA 事件测得的前向、LM head 和采样器的 GPU 时间），最后在 `torch.profiler` 下再跑一次；它还会统计
-#   运行期间新编译了多少个 Triton 变体。
+# - `scripts/profile_engine.py`（GPU 上的诊断工具）：把基准测试的负载先冷跑一次，再以同步方式热跑一次并为每一步计时
+#   （主机端时间，以及用 CUDA 事件测得的前向、LM head 和采样器的 GPU 时间），然后分别打开和关闭异步调度各热跑一次，
+#   最后在 `torch.profiler` 下再跑一次；它还会统计运行期间新编译了多少个 Triton 变体。
 #
 # 第 10 章把模型切分到多块 GPU 上；第 11 章运行整个引擎。
 #
