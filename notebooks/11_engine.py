@@ -1827,8 +1827,9 @@ assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqd
 #
 # On the H200 a decode step of the benchmark keeps the GPU busy for about 6 ms, and the host
 # needs about 1 ms of its own per step: scheduling, building the inputs, reading the tokens back,
-# postprocessing. One after the other, the GPU idles for that millisecond, which added up to
-# about 1.5 s of an 8 s run. So `step()` changes its order (vLLM calls this *async scheduling*):
+# postprocessing. One after the other, the GPU idles for that millisecond at every step: the
+# whole workload took 7.01 s that way, against 6.19 s once `step()` changes its order (vLLM calls
+# this *async scheduling*; both measured in one process, chapter 09):
 # it first schedules step *n + 1* and queues it on the GPU, and only then waits for step *n*'s
 # tokens and records them, while the GPU is already computing *n + 1*.
 #
@@ -1869,9 +1870,9 @@ assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqd
 # ### 异步调度：GPU 计算时主机也在干活
 #
 # 在 H200 上，基准负载的一个 decode 步让 GPU 忙约 6 ms，而主机每步自己也要约 1 ms：调度、构造输入、把 token
-# 读回来、后处理。两者一前一后，GPU 就要空等这一毫秒，在一次 8 s 的运行中累计约 1.5 s。所以 `step()` 换了顺序
-# （vLLM 称之为*异步调度*）：先调度第 *n + 1* 步并把它排进 GPU 队列，然后才等待第 *n* 步的 token 并记录它们，
-# 而这时 GPU 已经在计算第 *n + 1* 步了。
+# 读回来、后处理。两者一前一后，GPU 每一步都要空等这一毫秒：这样跑完整个负载要 7.01 s，而让 `step()` 换了顺序之后
+# 只要 6.19 s（vLLM 称之为*异步调度*；两者在同一个进程中测得，见第 09 章）：先调度第 *n + 1* 步并把它排进 GPU
+# 队列，然后才等待第 *n* 步的 token 并记录它们，而这时 GPU 已经在计算第 *n + 1* 步了。
 #
 # ```
 # 主机：调度 n+1 | 排队 n+1 | 等待 n | 解析 n | 调度 n+2 | 排队 n+2 | 等待 n+1 | ...
