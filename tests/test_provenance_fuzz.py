@@ -8,8 +8,9 @@ and ``pos``. Before each step, every position a scheduled sequence reads from th
 *its own* prefix; and a step may only write into blocks that nobody else holds and that are not
 published. Twenty thousand small random workloads (a few seconds) with a three-token vocabulary,
 so that prefixes collide constantly, run through the real scheduler; five thousand more run it
-the way chapter 11's asynchronous engine does, each step resolved after the next is scheduled. The last tests plant known
-bugs (upstream's stale hash entry; publishing at allocation) and check that the fuzz catches each.
+the way chapter 11's asynchronous engine does, each step resolved after the next is scheduled.
+The last tests plant known bugs (upstream's stale hash entry; publishing at allocation) and check
+that the fuzz catches each.
 """
 
 import random
