@@ -234,10 +234,11 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
     if breakdown is not None:
-        inner = llm.step
+        # generate() calls _step(), the step() that reports finished sequences rather than pairs.
+        inner = llm._step
 
         def timed() -> tuple[list, int, bool]:
-            # step() returns once the step it reports has run on the GPU (with async scheduling, after
+            # A step returns once the step it reports has run on the GPU (with async scheduling, after
             # queueing the next one), so its wall time is that step's, GPU included.
             began = time.perf_counter()
             finished, num_tokens, is_prefill = inner()
@@ -246,7 +247,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
             breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
             return finished, num_tokens, is_prefill
 
-        llm.step = timed
+        llm._step = timed
     try:
         _sync(device)
         start = time.perf_counter()
