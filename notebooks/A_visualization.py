@@ -150,6 +150,10 @@ def seq_state(seq: Any) -> dict:
         "num_cached_tokens": seq.num_cached_tokens,
         "num_scheduled_tokens": seq.num_scheduled_tokens,
         "block_table": list(seq.block_table),
+        # en: Parallel sampling (chapter 04b): the request it samples for, and which sample it is.
+        # zh: 并行采样（第 04b 章）：它为哪个请求采样，以及它是第几个样本。
+        "request_id": seq.request_id,
+        "sample_index": seq.sample_index,
     }
 
 
@@ -251,12 +255,28 @@ class Recorder:
                 "preempted": [s.seq_id for s in payload.get("preempted", [])],
                 "cache_hits": [{"seq": int(seq_id), "blocks": list(blocks)}
                                for seq_id, blocks in payload.get("cache_hits", {}).items() if blocks],
+                # en: Copy-on-write (chapter 04b): a sequence about to write into a shared block got a fresh one.
+                # zh: 写时复制（第 04b 章）：要写入共享块的序列换到了一个新块。
+                "copies": [{"seq": s.seq_id, "from": source, "to": destination}
+                           for s in payload["seqs"] for source, destination in s.blocks_to_copy],
             })
         elif event == "postprocess":
             before = {s["id"]: s["num_tokens"] for s in self.frames[-1]["seqs"]}
-            tokens = [{"seq": s.seq_id, "token": int(t), "appended": s.num_tokens > before.get(s.seq_id, s.num_tokens)}
+            # en: Sequences the recorder has not seen are siblings this step forked (chapter 04b).
+            # zh: 记录器没见过的序列，是这一步分叉出来的兄弟序列（第 04b 章）。
+            forked: dict[int, list[int]] = {}
+            for s in payload["seqs"]:
+                if s.seq_id not in self._seqs:
+                    self._seqs[s.seq_id] = s
+                    forked.setdefault(s.request_id, [s.request_id]).append(s.seq_id)
+            tokens = [{"seq": s.seq_id, "token": int(t),
+                       "appended": s.seq_id not in before or s.num_tokens > before[s.seq_id]}
                       for s, t in zip(payload["seqs"], payload["token_ids"], strict=True)]
-            self._add_frame("postprocess", {"tokens": tokens, "finished": [s.seq_id for s in payload["finished"]]})
+            self._add_frame("postprocess", {
+                "tokens": tokens,
+                "finished": [s.seq_id for s in payload["finished"]],
+                "forked": [{"seq": request, "into": ids} for request, ids in forked.items()],
+            })
         elif event == "preempt":
             # en: Not a scheduler event: a tool (the live panel) preempted a sequence by hand.
             # zh: 这不是调度器发出的事件：是工具（实时面板）手动抢占了一个序列。
@@ -307,9 +327,9 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.viz.recorder import Recorder
 
 
-def fake_token(seq: Sequence) -> int:
-    """A deterministic "sampled" token: depends only on the sequence id and its length."""
-    return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7) % 97
+def fake_token(seq: Sequence, sample_index: int = 0) -> int:
+    """A deterministic "sampled" token: depends only on the sequence id, its length and which sample draws it."""
+    return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7 + sample_index * 13) % 97
 
 
 class FakeEngine:
@@ -329,9 +349,10 @@ class FakeEngine:
         self.seqs: list[Sequence] = []
         self.steps = 0
 
-    def add(self, token_ids: TokenList[int], max_tokens: int = 4) -> Sequence:
-        """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens."""
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    def add(self, token_ids: TokenList[int], max_tokens: int = 4, n: int = 1) -> Sequence:
+        """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens (in each of its ``n``
+        samples: after its prefill it forks, chapter 04b)."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
         seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
         self.scheduler.add(seq)
         self.seqs.append(seq)
@@ -340,7 +361,11 @@ class FakeEngine:
     def step(self) -> tuple[list[Sequence], bool]:
         """One engine step with the fake model. Returns what was scheduled."""
         seqs, is_prefill = self.scheduler.schedule()
-        self.scheduler.postprocess(seqs, [fake_token(s) for s in seqs], is_prefill)
+        tokens = [fake_token(s, s.sample_index) for s in seqs]
+        # en: A request that forks gets its siblings' first tokens after the step's own, as from the runner.
+        # zh: 要分叉的请求，其兄弟序列的第一个 token 排在本步各序列的 token 之后，和执行器给出的一样。
+        tokens += [fake_token(s, j) for s in seqs if s.num_samples for j in range(1, s.pending_forks + 1)]
+        self.scheduler.postprocess(seqs, tokens, is_prefill)
         self.steps += 1
         return seqs, is_prefill
 
@@ -469,11 +494,19 @@ def caption(frame: dict, lang: str = "en") -> str:
         if event["preempted"]:
             ids = _seq_list(event["preempted"], zh)
             parts.append(f"抢占序列 {ids}" if zh else f"preempted seq {ids}")
+        for copy in event.get("copies", []):
+            parts.append(f"写时复制：序列 {copy['seq']} 把共享的块 {copy['from']} 拷贝到块 {copy['to']}" if zh
+                         else f"copy-on-write: seq {copy['seq']} copies shared block {copy['from']} "
+                              f"into block {copy['to']}")
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
         parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队首）" if zh
                      else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)")
     elif phase == "postprocess":
+        for fork in event.get("forked", []):
+            ids = _seq_list(fork["into"], zh)
+            parts.append(f"序列 {fork['seq']} 分叉为序列 {ids}，共享它的块" if zh
+                         else f"seq {fork['seq']} forked into seq {ids}, sharing its blocks")
         appended = [t["seq"] for t in event["tokens"] if t["appended"]]
         discarded = [t["seq"] for t in event["tokens"] if not t["appended"]]
         if appended:

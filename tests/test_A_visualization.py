@@ -175,6 +175,34 @@ def test_chunked_prefill_is_recorded():
     assert "partial chunk, no token yet" in caption(posts[0], "en")
 
 
+def test_fork_and_copy_on_write_are_recorded():
+    """Chapter 04b's story in frames: the fork shares both blocks (ref count 2), the first decode step copies
+    the shared partial block for one sample (caption and event say which), the other writes in place."""
+    engine = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+    parent = engine.add(list(range(30, 37)), max_tokens=3, n=2)  # 7 tokens: a full block and a partial one
+    engine.run()
+    frames = engine.recording["frames"]
+    fork = next(f for f in frames if f["phase"] == "postprocess" and f["event"]["forked"])
+    ((child_id,),) = [[i for i in e["into"] if i != parent.seq_id] for e in fork["event"]["forked"]]
+    assert fork["event"]["forked"] == [{"seq": parent.seq_id, "into": [parent.seq_id, child_id]}]
+    assert all(t["appended"] for t in fork["event"]["tokens"])
+    table = seq_of(fork, parent.seq_id)["block_table"]
+    assert seq_of(fork, child_id)["block_table"] == table and seq_of(fork, child_id)["sample_index"] == 1
+    assert [fork["blocks"][b]["ref_count"] for b in table] == [2, 2]
+    assert f"forked into seq {parent.seq_id}, {child_id}" in caption(fork, "en")
+    copy_frame = next(f for f in frames if f["phase"] == "schedule" and f["event"]["copies"])
+    (copy,) = copy_frame["event"]["copies"]
+    assert copy["seq"] == parent.seq_id and copy["from"] == table[1]
+    assert seq_of(copy_frame, parent.seq_id)["block_table"] == [table[0], copy["to"]]
+    assert seq_of(copy_frame, child_id)["block_table"] == table
+    assert [copy_frame["blocks"][b]["ref_count"] for b in (*table, copy["to"])] == [2, 1, 1]
+    assert f"copies shared block {table[1]} into block {copy['to']}" in caption(copy_frame, "en")
+    assert f"把共享的块 {table[1]} 拷贝到块 {copy['to']}" in caption(copy_frame, "zh")
+    for frame in frames:
+        check_invariants(frame, 4)
+    assert sorted(frames[-1]["free_list"]) == list(range(8))
+
+
 def test_preemption_storm_is_recorded_and_recovers():
     engine = FakeEngine(num_kvcache_blocks=6, kvcache_block_size=4)
     for i in range(4):

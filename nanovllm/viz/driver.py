@@ -16,9 +16,9 @@ __all__ = [
 ]
 
 
-def fake_token(seq: Sequence) -> int:
-    """A deterministic "sampled" token: depends only on the sequence id and its length."""
-    return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7) % 97
+def fake_token(seq: Sequence, sample_index: int = 0) -> int:
+    """A deterministic "sampled" token: depends only on the sequence id, its length and which sample draws it."""
+    return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7 + sample_index * 13) % 97
 
 
 class FakeEngine:
@@ -38,9 +38,10 @@ class FakeEngine:
         self.seqs: list[Sequence] = []
         self.steps = 0
 
-    def add(self, token_ids: TokenList[int], max_tokens: int = 4) -> Sequence:
-        """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens."""
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    def add(self, token_ids: TokenList[int], max_tokens: int = 4, n: int = 1) -> Sequence:
+        """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens (in each of its ``n``
+        samples: after its prefill it forks, chapter 04b)."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
         seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
         self.scheduler.add(seq)
         self.seqs.append(seq)
@@ -49,7 +50,10 @@ class FakeEngine:
     def step(self) -> tuple[list[Sequence], bool]:
         """One engine step with the fake model. Returns what was scheduled."""
         seqs, is_prefill = self.scheduler.schedule()
-        self.scheduler.postprocess(seqs, [fake_token(s) for s in seqs], is_prefill)
+        tokens = [fake_token(s, s.sample_index) for s in seqs]
+        # A request that forks gets its siblings' first tokens after the step's own, as from the runner.
+        tokens += [fake_token(s, j) for s in seqs if s.num_samples for j in range(1, s.pending_forks + 1)]
+        self.scheduler.postprocess(seqs, tokens, is_prefill)
         self.steps += 1
         return seqs, is_prefill
 

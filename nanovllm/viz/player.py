@@ -77,11 +77,19 @@ def caption(frame: dict, lang: str = "en") -> str:
         if event["preempted"]:
             ids = _seq_list(event["preempted"], zh)
             parts.append(f"抢占序列 {ids}" if zh else f"preempted seq {ids}")
+        for copy in event.get("copies", []):
+            parts.append(f"写时复制：序列 {copy['seq']} 把共享的块 {copy['from']} 拷贝到块 {copy['to']}" if zh
+                         else f"copy-on-write: seq {copy['seq']} copies shared block {copy['from']} "
+                              f"into block {copy['to']}")
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
         parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队首）" if zh
                      else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)")
     elif phase == "postprocess":
+        for fork in event.get("forked", []):
+            ids = _seq_list(fork["into"], zh)
+            parts.append(f"序列 {fork['seq']} 分叉为序列 {ids}，共享它的块" if zh
+                         else f"seq {fork['seq']} forked into seq {ids}, sharing its blocks")
         appended = [t["seq"] for t in event["tokens"] if t["appended"]]
         discarded = [t["seq"] for t in event["tokens"] if not t["appended"]]
         if appended:

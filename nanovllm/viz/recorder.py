@@ -35,6 +35,9 @@ def seq_state(seq: Any) -> dict:
         "num_cached_tokens": seq.num_cached_tokens,
         "num_scheduled_tokens": seq.num_scheduled_tokens,
         "block_table": list(seq.block_table),
+        # Parallel sampling (chapter 04b): the request it samples for, and which sample it is.
+        "request_id": seq.request_id,
+        "sample_index": seq.sample_index,
     }
 
 
@@ -133,12 +136,26 @@ class Recorder:
                 "preempted": [s.seq_id for s in payload.get("preempted", [])],
                 "cache_hits": [{"seq": int(seq_id), "blocks": list(blocks)}
                                for seq_id, blocks in payload.get("cache_hits", {}).items() if blocks],
+                # Copy-on-write (chapter 04b): a sequence about to write into a shared block got a fresh one.
+                "copies": [{"seq": s.seq_id, "from": source, "to": destination}
+                           for s in payload["seqs"] for source, destination in s.blocks_to_copy],
             })
         elif event == "postprocess":
             before = {s["id"]: s["num_tokens"] for s in self.frames[-1]["seqs"]}
-            tokens = [{"seq": s.seq_id, "token": int(t), "appended": s.num_tokens > before.get(s.seq_id, s.num_tokens)}
+            # Sequences the recorder has not seen are siblings this step forked (chapter 04b).
+            forked: dict[int, list[int]] = {}
+            for s in payload["seqs"]:
+                if s.seq_id not in self._seqs:
+                    self._seqs[s.seq_id] = s
+                    forked.setdefault(s.request_id, [s.request_id]).append(s.seq_id)
+            tokens = [{"seq": s.seq_id, "token": int(t),
+                       "appended": s.seq_id not in before or s.num_tokens > before[s.seq_id]}
                       for s, t in zip(payload["seqs"], payload["token_ids"], strict=True)]
-            self._add_frame("postprocess", {"tokens": tokens, "finished": [s.seq_id for s in payload["finished"]]})
+            self._add_frame("postprocess", {
+                "tokens": tokens,
+                "finished": [s.seq_id for s in payload["finished"]],
+                "forked": [{"seq": request, "into": ids} for request, ids in forked.items()],
+            })
         elif event == "preempt":
             # Not a scheduler event: a tool (the live panel) preempted a sequence by hand.
             self._add_frame("preempt", {"preempted": [s.seq_id for s in payload["seqs"]]})
