@@ -272,6 +272,47 @@ assert free_after[-1] == 6 and all(s.is_finished and not s.block_table for s in 
 assert sched.block_manager.blocks[0].ref_count == 0
 
 # %% [markdown] tags=["en"]
+# ### The same, animated
+#
+# The player (appendix A) replays a recording of the real scheduler with a fake model: the
+# article's 7-token prompt with `n=2`, and a second request with `n=3` whose prompt ends exactly
+# on a block boundary (8 tokens). Press *step* and watch: the fork (both tables point at the same
+# blocks, reference count 2 or 3), the copy-on-write at the first decode step (the copied block
+# and its source are outlined, and the caption says which sample copied what), the in-place
+# write of the last holder, and the frees. The second request never copies: its first decode
+# step writes into new blocks. In JupyterLab, the live panel of appendix A can do the same with
+# requests you type (its *samples* box sets n).
+
+# %% [markdown] tags=["zh"]
+# ### 同样的过程，动画版
+#
+# 播放器（附录 A）回放真实调度器配合假模型录下的过程：文章里那个 7 个 token 的提示词，`n=2`；另一个请求 `n=3`，
+# 它的提示词恰好在块边界上结束（8 个 token）。点击*单步*，依次看到：分叉（两张块表指向同样的块，引用计数为 2 或 3）、
+# 第一个 decode 步的写时复制（被拷贝的块和它的源块加了轮廓，说明文字写明哪个样本拷贝了什么）、最后一个持有者的
+# 原地写入，以及释放。第二个请求从不拷贝：它的第一个 decode 步写进的是新块。在 JupyterLab 里，附录 A 的实时面板
+# 可以用你输入的请求做同样的事（*样本数*输入框设置 n）。
+
+# %% fork animated
+from IPython.display import display
+
+from nanovllm.viz import FakeEngine, Player
+
+fake = FakeEngine(num_kvcache_blocks=12, kvcache_block_size=4)
+article = fake.add(prompt, max_tokens=3, n=2)
+boundary = fake.add(list(range(40, 48)), max_tokens=2, n=3)
+fake.run()
+forking = fake.recording
+display(Player(forking))
+
+frames = forking["frames"]
+forks = {e["seq"]: e["into"] for f in frames if f["phase"] == "postprocess" for e in f["event"]["forked"]}
+copies = [c for f in frames if f["phase"] == "schedule" for c in f["event"]["copies"]]
+assert len(forks[article.seq_id]) == 2 and len(forks[boundary.seq_id]) == 3
+assert len(copies) == 1 and copies[0]["seq"] in forks[article.seq_id]  # one copy, for the article's prompt
+assert sorted(frames[-1]["free_list"]) == list(range(12))
+print(f"forks: {forks}; copies: {copies}")
+
+# %% [markdown] tags=["en"]
 # ## Measure it: what sharing saves
 #
 # Three ways to get four completions of one prompt, on a tiny Qwen3 (chapter 05) on the CPU:
