@@ -152,7 +152,7 @@ display(SVG(architecture_svg()))
 # | 章节 | 构建的内容 |
 # |---|---|
 # | [01 · 一个请求的一生](../01_sequence/) | `SamplingParams`、`Sequence`：计数器、状态、块表 |
-# | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲链表 |
+# | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲队列 |
 # | [03 · 前缀缓存](../03_prefix_caching/) | 链式哈希、缓存命中、过期条目陷阱 |
 # | [04 · 调度器](../04_scheduler/) | prefill 优先、分块预填充、抢占 |
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
