@@ -231,8 +231,8 @@ assert (contiguous_admitted, paged_admitted) == (2, 3)
 # ## 动手：块
 #
 # `Block` 只有四个字段。`ref_count` 是持有它的块表个数。`hash` 和 `token_ids` 属于前缀缓存（第 03 章）：
-# 一个*写满*的块的 KV 写入之后，这个块会以其内容的哈希值*发布*出去，以后有相同前缀的提示词就能复用它；
-# 在此之前，`hash` 为 `-1`，`token_ids` 为空。
+# 一个*写满*的块的 KV 写入之后，这个块会以其内容的哈希值*发布*出去（也就是登记到前缀缓存），以后有相同前缀的
+# 提示词就能复用它；在此之前，`hash` 为 `-1`，`token_ids` 为空。
 
 # %% default module
 #| default_exp engine.block_manager
