@@ -21,7 +21,7 @@
 # %% [markdown] tags=["zh"]
 # # 00 · 导览：从提示词到文本
 #
-# **目标。** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，一个请求如何依次流经它们。
+# **目标：** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，一个请求如何依次流经它们。
 # 本章的一切都能在笔记本电脑的 CPU 上运行。
 
 # %% [markdown] tags=["en"]
@@ -139,7 +139,7 @@ display(SVG(architecture_svg()))
 # | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
 # | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
 # | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
-# | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; the race in Triton |
+# | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
 # | [08 · The model runner](../08_model_runner/) | flat step inputs, KV cache sizing |
 # | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
 # | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
@@ -158,7 +158,7 @@ display(SVG(architecture_svg()))
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
 # | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
-# | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 完成的赛跑 |
+# | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
 # | [08 · 模型执行器](../08_model_runner/) | 扁平的单步输入、KV 缓存大小 |
 # | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
 # | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |

@@ -94,7 +94,7 @@
 #
 # 每一步**要么全是 prefill，要么全是 decode**，而且 prefill 优先：
 #
-# - **Prefill。** 只要这一步还有余量，就从 `waiting` 队头取序列：最多 `max_num_seqs` 个序列、
+# - **Prefill：** 只要这一步还有余量，就从 `waiting` 队头取序列：最多 `max_num_seqs` 个序列、
 #   `max_num_batched_tokens` 个 token（即 **token 预算**），并且块管理器能给队头序列分配块（缓存命中会同时降低
 #   这两种开销）。如果队头序列剩余的提示词超出剩余预算，它就得到一个**分块**：预算能容纳多少 token 就算多少。
 #   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块不产生新 token：它最后一行
@@ -441,11 +441,11 @@ class Scheduler:
 # %% [markdown] tags=["zh"]
 # ### `_schedule_decode` 里的两个 Python 写法
 #
-# **`while … else`。** 循环的 `else` 块在循环因条件变为假而结束时执行；如果是 `break` 跳出的，就跳过它。
+# **`while … else`：** 循环的 `else` 块在循环因条件变为假而结束时执行；如果是 `break` 跳出的，就跳过它。
 # `_schedule_decode` 的内层循环不断抢占，直到 `can_append(seq)` 成立：走到这一步，`else` 块就给 `seq` 分配块并
 # 调度它；如果 `seq` 只能抢占自己，`break` 会跳过这个块，已回到 `waiting` 的 `seq` 就不会被调度。
 #
-# **`extendleft(reversed(...))`。** `deque.extendleft` 把元素逐个插到队头，结果顺序正好反过来；先反转一次，
+# **`extendleft(reversed(...))`：** `deque.extendleft` 把元素逐个插到队头，结果顺序正好反过来；先反转一次，
 # 就能保持原来的顺序。`_schedule_decode` 从 `running` 队头逐个弹出要调度的序列，最后再按原顺序放回队头：
 # `running` 始终是最旧的在前、最新的在队尾，而抢占正是从队尾挑选对象。`rollback` 对 `waiting` 也用了同样的写法。
 
@@ -573,14 +573,14 @@ steps = run(sched, names)
 # %% [markdown] tags=["zh"]
 # 逐步来看：
 #
-# - **第 1 步。** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
+# - **第 1 步：** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
 #   `waiting` 队头，没有得到 token（后处理忽略我们的假模型为它返回的值）。它的三个写满的块被发布。
-# - **第 2 步。** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
+# - **第 2 步：** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
 #   只计算自己的 token。三个序列都开始运行。
-# - **第 3、4 步。** decode 步。第 4 步用掉了最后一个空闲块。
-# - **第 5 步。** A 需要新块，却没有空闲块：最新的 C 被**抢占**（块被释放，回到 `waiting`）；A 和 B 继续。
+# - **第 3、4 步：** decode 步。第 4 步用掉了最后一个空闲块。
+# - **第 5 步：** A 需要新块，却没有空闲块：最新的 C 被**抢占**（块被释放，回到 `waiting`）；A 和 B 继续。
 #   缓存满着的时候不会有 prefill：直到 A 和 B 在第 7 步结束，C 才能分配到块。
-# - **第 8 步。** C 重新 prefill：它的 10 个 token，减去在缓存中找到的系统提示词块。它自己的旧块在此期间已被
+# - **第 8 步：** C 重新 prefill：它的 10 个 token，减去在缓存中找到的系统提示词块。它自己的旧块在此期间已被
 #   覆盖，所以要重算。
 
 # %% [markdown] tags=["en"]
