@@ -145,6 +145,7 @@ display(SVG(architecture_svg()))
 # | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, the demo, the benchmark |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
+# | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
 # (The links work on the book's site; in JupyterLab open the chapter files in `notebooks/`.)
 
@@ -164,6 +165,7 @@ display(SVG(architecture_svg()))
 # | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、演示、基准测试 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
+# | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #
 # （这些链接在本书网站上可用；在 JupyterLab 中请打开 `notebooks/` 下对应的章节文件。）
 
