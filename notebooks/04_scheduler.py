@@ -63,7 +63,8 @@
 #   of `waiting`; the next step continues it. A chunk yields no new token: its last logits
 #   predict a position *inside* the prompt, so the model runner (chapter 08) does not sample
 #   them (it returns `-1`) and postprocess appends nothing.
-# - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`)
+# - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`,
+#   and never more than the token budget)
 #   computes its last token. If one needs a new block and none is free, the scheduler
 #   **preempts** from the *tail* of `running`, the newest sequence first, until a block is free,
 #   down to the sequence itself. A preempted sequence gives back all its blocks, returns to
@@ -99,7 +100,8 @@
 #   这两种开销）。如果队头序列剩余的提示词超出剩余预算，它就得到一个**分块**：预算能容纳多少 token 就算多少。
 #   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块不产生新 token：它最后一行
 #   logits 预测的是提示词*内部*的某个位置，所以模型执行器（第 08 章）不对它采样（返回 `-1`），后处理也不追加任何东西。
-# - **Decode**，当没有任何序列可以 prefill 时：每个运行中的序列（最多 `max_num_seqs` 个）计算它的最后一个 token。
+# - **Decode**，当没有任何序列可以 prefill 时：每个运行中的序列（最多 `max_num_seqs` 个，也不超过 token 预算）计算它的
+#   最后一个 token。
 #   如果某个序列需要新块而没有空闲块，调度器就从 `running` 的*队尾*开始**抢占**——最新的序列先被抢占——直到腾出
 #   一个块，最坏情况下抢占它自己。被抢占的序列归还所有块，回到 WAITING，排在 `waiting` 的*队头*，之后重新
 #   prefill（**重算**）；前缀缓存可能发现它的许多旧块仍然完好。
@@ -784,6 +786,37 @@ assert abcd["C"].block_table == [] and abcd["D"].status is SequenceStatus.WAITIN
 assert pair_steps[1]["scheduled"] == ["A"] and pair_steps[1]["preempted"] == ["B"]
 assert pair_steps[1]["waiting"] == ["B"] and ab["B"].block_table == []
 assert all(seq.is_finished and seq.num_completion_tokens == 4 for seq in ab.values())
+
+# %% [markdown] tags=["en"]
+# ### The decode cap
+#
+# A decode step computes one token per sequence, and the token budget bounds every step, decode
+# steps included: at most `min(max_num_seqs, max_num_batched_tokens)` sequences decode together.
+# Upstream caps decode at `max_num_seqs` alone, so with a budget smaller than `max_num_seqs` its
+# decode steps can be larger than any step the model runner measured in its warm-up forward
+# when it sized the KV cache (chapter 08). Below, five sequences run with `max_num_seqs=8` and a
+# budget of 3: every decode step takes three of them, and all five finish.
+
+# %% [markdown] tags=["zh"]
+# ### decode 的上限
+#
+# decode 步为每个序列计算一个 token，而 token 预算约束每一步，decode 步也不例外：同时 decode 的序列最多
+# `min(max_num_seqs, max_num_batched_tokens)` 个。上游只用 `max_num_seqs` 限制 decode，所以当预算小于
+# `max_num_seqs` 时，它的 decode 步可能比模型执行器在确定 KV 缓存大小时做的预热前向（第 08 章）还要大。
+# 下面五个序列在 `max_num_seqs=8`、预算为 3 的设置下运行：每个 decode 步取其中三个，五个序列最终都完成了。
+
+# %%
+capped = Scheduler(num_kvcache_blocks=16, kvcache_block_size=4, max_num_seqs=8, max_num_batched_tokens=3)
+five = {name: Sequence([i], SamplingParams(max_tokens=3, ignore_eos=True), block_size=4)
+        for i, name in enumerate("VWXYZ")}
+for seq in five.values():
+    capped.add(seq)
+capped_steps = []
+while not capped.is_finished():
+    capped_steps.append(one_step(capped, {seq.seq_id: name for name, seq in five.items()}))
+decode_sizes = [len(step["scheduled"]) for step in capped_steps if step["kind"] == "decode"]
+print(f"decode batch sizes: {decode_sizes} (max_num_seqs=8, budget 3)")
+assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 
 # %% [markdown] tags=["en"]
 # ### Why admission stops at the head of the queue
