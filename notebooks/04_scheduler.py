@@ -64,12 +64,11 @@
 #   predict a position *inside* the prompt, so the model runner (chapter 08) does not sample
 #   them (it returns `-1`) and postprocess appends nothing.
 # - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`,
-#   and never more than the token budget)
-#   computes its last token. If one needs a new block and none is free, the scheduler
-#   **preempts** from the *tail* of `running`, the newest sequence first, until a block is free,
-#   down to the sequence itself. A preempted sequence gives back all its blocks, returns to
-#   WAITING at the *head* of `waiting` and is prefilled again later (**recompute**); prefix
-#   caching may find many of its old blocks still intact.
+#   and never more than the token budget) computes its last token. If one needs a new block and
+#   none is free, the scheduler **preempts** from the *tail* of `running`, the newest sequence
+#   first, until a block is free, down to the sequence itself. A preempted sequence gives back
+#   all its blocks, returns to WAITING at the *head* of `waiting` and is prefilled again later
+#   (**recompute**); prefix caching may find many of its old blocks still intact.
 # - **Postprocess** marks the computed tokens as cached, publishes full blocks (chapter 03),
 #   appends each sampled token whose prompt is complete, and finishes sequences that sampled an
 #   end-of-sequence token (unless `ignore_eos`) or reached `max_tokens`.
