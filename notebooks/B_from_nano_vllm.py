@@ -557,7 +557,7 @@
 # | status changes | `engine.sequence.Sequence.status`, `engine.sequence.ALLOWED_TRANSITIONS` | 01 | any assignment | only along the state diagram's arrows: a scheduler bug fails loudly instead of corrupting the cache |
 # | a request that can never fit | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.add`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
 # | stale prefix-cache entries | `engine.prefix_cache.PrefixCache.forget` | 03 | kept until 2026-04-26 (silently wrong KV); since `f64d821` removed when the block is reused | removed when the block is reused, only if the entry still points at it; a provenance fuzz guards it |
-# | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: rank processes compute decode slots with the default 256 | travels with each pickled sequence, and the rank checks it against its own |
+# | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
 # | sampling | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | temperature only; greedy refused | greedy at temperature 0, top-k, top-p, per-request seeds tied to the token position; Triton kernels on a GPU |
 # | attention kernels | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn (`flash_attn_varlen_func`, `flash_attn_with_kvcache`) and a Triton store kernel | our own Triton kernels (varlen prefill over cached prefixes, split-K decode), a plain-torch reference that runs on a CPU; flash-attn kept as an unverified option |
 # | asynchronous scheduling | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 11 | none: each step waits for its tokens | on CUDA, step n + 1 is queued before step n's tokens are collected |
@@ -566,7 +566,7 @@
 # | end of sequence | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 11 | the tokenizer's one `eos_token_id` | every id the model declares (chat models often declare two) |
 # | unknown settings | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 11 | silently dropped | refused, with the closest valid name |
 # | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
-# | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | the engine is left inconsistent | the schedule is undone and the same step can run again |
+# | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
 # | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
 
 # %% [markdown] tags=["zh"]
@@ -577,7 +577,7 @@
 # | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
 # | 永远放不下的请求 | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.add`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
 # | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
-# | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：rank 进程按默认值 256 计算 decode 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
+# | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
 # | 采样 | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | 只有温度；不接受贪心解码 | 温度为 0 时贪心、top-k、top-p、与 token 位置绑定的按请求种子；GPU 上用 Triton 内核 |
 # | 注意力内核 | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn（`flash_attn_varlen_func`、`flash_attn_with_kvcache`）和一个 Triton 写入内核 | 我们自己的 Triton 内核（读取已缓存前缀的变长 prefill、split-K decode），以及能在 CPU 上运行的纯 torch 参考实现；flash-attn 作为未验证的选项保留 |
 # | 异步调度 | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 11 | 没有：每一步都等自己的 token | 在 CUDA 上，先把第 n + 1 步排进队列，再收取第 n 步的 token |
@@ -586,7 +586,7 @@
 # | 结束符 | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 11 | 分词器的唯一一个 `eos_token_id` | 模型声明的每一个 id（聊天模型常常声明两个） |
 # | 未知的配置项 | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 11 | 悄悄丢掉 | 拒绝，并提示最接近的合法名字 |
 # | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
-# | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | 引擎处于不一致的状态 | 撤销这一步的调度，同一步可以再跑一次 |
+# | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
 # | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
 
 # %% [markdown] tags=["en"]
