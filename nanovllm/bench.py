@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import time
@@ -234,10 +235,11 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
     if breakdown is not None:
-        inner = llm.step
+        # generate() calls _step(), the step() that reports finished sequences rather than pairs.
+        inner = llm._step
 
         def timed() -> tuple[list, int, bool]:
-            # step() returns once the step it reports has run on the GPU (with async scheduling, after
+            # A step returns once the step it reports has run on the GPU (with async scheduling, after
             # queueing the next one), so its wall time is that step's, GPU included.
             began = time.perf_counter()
             finished, num_tokens, is_prefill = inner()
@@ -246,7 +248,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
             breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
             return finished, num_tokens, is_prefill
 
-        llm.step = timed
+        llm._step = timed
     try:
         _sync(device)
         start = time.perf_counter()
@@ -281,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                         help="overlap scheduling with the GPU (auto: on for CUDA)")
+    parser.add_argument("--parallel-sampling", type=int, metavar="N",
+                        help="instead: the first 64 prompts with N forked samples vs N independent requests each "
+                             "(chapter 04b)")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -310,6 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     if config.device == "cuda":
         report["device"] = torch.cuda.get_device_name()
     results = {}
+    if args.parallel_sampling:
+        from nanovllm.bench_parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+
+        runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
+                                         args.parallel_sampling, device=config.device, dtype=config.dtype)
+        report["parallel_sampling"] = parallel_sampling_report(runs)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as file:
+                json.dump(report, file, indent=2)
+        return 0
     if not args.no_engine:
         switch = {"auto": "auto", "on": True, "off": False}
         breakdown: dict[str, float] = {}
@@ -345,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result.name}: {result.tokens_per_s / bound.tokens_per_s:.1%} of the bound")
             report[key]["fraction_of_bound"] = result.tokens_per_s / bound.tokens_per_s
     if args.out:
-        import json
-
         with open(args.out, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
     return 0

@@ -132,6 +132,7 @@ class Config:
     kvcache_memory_gb: float = 1.0
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
+    fork_samples: bool = True
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -154,7 +155,7 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if _int_field("tensor_parallel_size", self.tensor_parallel_size, 1) > 8:
             raise ValueError(f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "fork_samples"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         block_size = _int_field("kvcache_block_size", self.kvcache_block_size, 1)

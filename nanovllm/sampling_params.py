@@ -35,6 +35,8 @@ class SamplingParams:
     top_k: keep only the k most likely tokens (None: no limit).
     top_p: keep the smallest set of tokens whose probability reaches top_p (1.0: no limit).
     seed: makes sampling of this request reproducible, whatever else is in the batch.
+    n: how many completions to sample for the prompt (parallel sampling, chapter 04b): the
+    prompt is computed once and its n samples share its KV blocks until they diverge.
     """
 
     temperature: float = 1.0
@@ -43,6 +45,7 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if _check_real("temperature", self.temperature) < 0:
@@ -57,6 +60,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not 0 <= _check_int("seed", self.seed) < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if _check_int("n", self.n) < 1:
+            raise ValueError(f"n (completions per prompt) must be >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:

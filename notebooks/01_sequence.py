@@ -166,6 +166,8 @@ class SamplingParams:
     top_k: keep only the k most likely tokens (None: no limit).
     top_p: keep the smallest set of tokens whose probability reaches top_p (1.0: no limit).
     seed: makes sampling of this request reproducible, whatever else is in the batch.
+    n: how many completions to sample for the prompt (parallel sampling, chapter 04b): the
+    prompt is computed once and its n samples share its KV blocks until they diverge.
     """
 
     temperature: float = 1.0
@@ -174,6 +176,7 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if _check_real("temperature", self.temperature) < 0:
@@ -188,6 +191,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not 0 <= _check_int("seed", self.seed) < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
+        if _check_int("n", self.n) < 1:
+            raise ValueError(f"n (completions per prompt) must be >= 1, got {self.n!r}")
 
     @property
     def greedy(self) -> bool:
@@ -345,6 +350,20 @@ class Sequence:
         # zh: token_ids[0] 在整个序列中的下标：在这里是 0；在工作进程反序列化得到的精简副本中更大
         # zh: （见下文“把序列传给另一个进程”）。
         self.first_token_index = 0
+        # en: Parallel sampling (chapter 04b). A request with n > 1 starts as one sequence that
+        # en: computes the prompt; when its first token is sampled it forks n - 1 siblings that
+        # en: share its blocks. request_id names the request (the first sequence's id) and
+        # en: sample_index which of its n samples this is (0 for the first; it picks the random
+        # en: stream). blocks_to_copy holds the copy-on-write copies (source block, destination
+        # en: block) that the next step must make before it writes K/V.
+        # zh: 并行采样（第 04b 章）。n > 1 的请求一开始只是一个序列，由它计算提示词；它的第一个 token 采样出来时，
+        # zh: 它分叉出 n - 1 个共享它的块的兄弟序列。request_id 指明所属请求（第一个序列的 id），sample_index
+        # zh: 表示这是 n 个样本中的第几个（第一个为 0；它决定随机数流）。blocks_to_copy 记录写时复制要做的拷贝
+        # zh: （源块，目标块），下一步在写入 K/V 之前必须完成。
+        self.request_id = self.seq_id
+        self.sample_index = 0
+        self.pending_forks = sampling_params.n - 1
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     # en: ---- status -------------------------------------------------------------
     # zh: ---- 状态 ---------------------------------------------------------------
@@ -391,6 +410,14 @@ class Sequence:
         start = self.num_cached_tokens - self.first_token_index
         return self.token_ids[start : start + self.num_scheduled_tokens]
 
+    @property
+    def num_samples(self) -> int:
+        """Tokens the scheduled step samples for this sequence: none for a partial prefill chunk, else
+        one, plus one for each sibling it forks when its prompt is done (chapter 04b)."""
+        if self.num_cached_tokens + self.num_scheduled_tokens < self.num_tokens:
+            return 0
+        return 1 + self.pending_forks
+
     def append_token(self, token_id: int) -> None:
         """Record a generated token (its KV is computed by the next step, not this one)."""
         self.token_ids.append(_token_id(token_id, self.num_tokens))
@@ -420,6 +447,17 @@ class Sequence:
         del self.token_ids[num_tokens - self.first_token_index :]
         self.num_tokens = num_tokens
         self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+
+    def fork(self, sample_index: int) -> Sequence:
+        """A sibling for sample ``sample_index`` of the same request: the same tokens, progress and block
+        table (the block manager adds its references to the blocks), a new seq_id, no forks of its own."""
+        self._require_whole("fork()")
+        child = copy.copy(self)
+        child.seq_id = next(Sequence._ids)
+        child.sample_index = sample_index
+        child.pending_forks = 0
+        child.blocks_to_copy = []
+        return child
 
     # en: ---- blocks -------------------------------------------------------------
     # zh: ---- 块 -----------------------------------------------------------------
@@ -462,6 +500,10 @@ class Sequence:
             self.num_scheduled_tokens,
             self.block_table,
             tail,
+            self.request_id,
+            self.sample_index,
+            self.pending_forks,
+            self.blocks_to_copy,
         )
 
     def __setstate__(self, state: tuple) -> None:
@@ -475,6 +517,10 @@ class Sequence:
             self.num_scheduled_tokens,
             self.block_table,
             self.token_ids,
+            self.request_id,
+            self.sample_index,
+            self.pending_forks,
+            self.blocks_to_copy,
         ) = state
         self.first_token_index = self.num_cached_tokens
         # en: Sampling happens on rank 0 only, so workers never need the parameters.
@@ -488,6 +534,7 @@ class Sequence:
         clone.__dict__.update(self.__dict__)
         clone.token_ids = list(self.token_ids)
         clone.block_table = list(self.block_table)
+        clone.blocks_to_copy = list(self.blocks_to_copy)
         return clone
 
     def __deepcopy__(self, memo: dict) -> Sequence:

@@ -291,6 +291,60 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
     return blocks
 
 # %% [markdown] tags=["en"]
+# ## Build it: the copy in copy-on-write
+#
+# Chapter 04b lets the samples of one prompt share its blocks. When one of them is about to
+# write into a block that another still holds, the block manager gives it a fresh block and
+# writes the pair *(source, destination)* into `seq.blocks_to_copy`; the runner moves the data.
+# All of a step's copies, in every layer, keys and values alike, are **one** indexed read and
+# **one** indexed write on the single KV tensor: dimension 2 is the block, so
+# `kv_cache[:, :, dst] = kv_cache[:, :, src]` copies whole blocks across all layers at once. The
+# runner does it at the very start of a step, before the forward, so it is queued ahead of the
+# step's K/V stores and stays outside any CUDA graph (chapter 09); with tensor parallelism every
+# rank does the same on its own heads (chapter 10).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：写时复制中的“复制”
+#
+# 第 04b 章让同一个提示词的多个样本共享它的块。当其中一个样本要写入一个仍被别的样本持有的块时，块管理器给它一个新块，
+# 并把 *(源块, 目标块)* 记进 `seq.blocks_to_copy`；搬数据的是执行器。一步中的所有拷贝，不论哪一层、K 还是 V，
+# 都只是对那一个 KV 张量做**一次**按索引读取和**一次**按索引写入：第 2 维是块，所以
+# `kv_cache[:, :, dst] = kv_cache[:, :, src]` 一次就把整块在所有层中拷贝过去。执行器在一步的最开头、前向计算
+# 之前做这件事，因此它排在这一步写入 K/V 之前，也不在任何 CUDA Graph 之内（第 09 章）；张量并行时，每个 rank 对
+# 自己的那部分头做同样的事（第 10 章）。
+
+# %% copy blocks
+#| export
+def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """For each (source, destination) pair, give block destination the keys and values of block source, in
+    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
+    if not copies:
+        return
+    sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
+    destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
+    kv_cache[:, :, destinations] = kv_cache[:, :, sources]
+
+# %% [markdown] tags=["en"]
+# A check on a small KV tensor: blocks 5 and 6 receive blocks 1 and 2 in both layers, keys and
+# values, and no other block changes.
+
+# %% [markdown] tags=["zh"]
+# 在一个小 KV 张量上检查：块 5、6 在两层中、K 和 V 都收到了块 1、2 的内容，其余块都没有变。
+
+# %%
+import torch
+
+from nanovllm.engine.model_runner import copy_kv_blocks
+
+kv = torch.randn(2, 2, 8, 4, 1, 3)  # [K/V, layers, blocks, block_size, kv_heads, head_dim]
+before = kv.clone()
+copy_kv_blocks(kv, [(1, 5), (2, 6)])
+assert torch.equal(kv[:, :, 5], before[:, :, 1]) and torch.equal(kv[:, :, 6], before[:, :, 2])
+untouched = [b for b in range(8) if b not in (5, 6)]
+assert torch.equal(kv[:, :, untouched], before[:, :, untouched])
+print("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchanged")
+
+# %% [markdown] tags=["en"]
 # ## Build it: a step's tokens, before and after they exist
 #
 # `run` returns the sampled tokens as a Python list, which means waiting for the GPU to finish
@@ -319,7 +373,11 @@ class SampledTokens:
 
     seqs: list[Sequence]
     rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
-    on_device: torch.Tensor  # [len(rows)] int64
+    # en: [len(rows) + forks] int64: then the first tokens of the siblings this step forks, in the
+    # en: order the scheduler forks them (chapter 04b), until `add_forks` names their sequences.
+    # zh: [len(rows) + 分叉数] int64：之后是本步分叉出的兄弟序列的第一个 token，顺序与调度器分叉的顺序相同
+    # zh: （第 04b 章），直到 `add_forks` 指明它们属于哪些序列。
+    on_device: torch.Tensor
     on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
     ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
 
@@ -335,13 +393,24 @@ class SampledTokens:
         return cls(seqs, rows, sampled, on_host, ready)
 
     def token_ids(self) -> list[int]:
-        """One token per sequence (NOT_SAMPLED for a partial chunk); waits until the step has run."""
+        """One token per sequence (NOT_SAMPLED for a partial chunk), then the forked siblings' first tokens;
+        waits until the step has run."""
         if self.ready is not None:
             self.ready.synchronize()
+        values = self.on_host.tolist()
         tokens = [NOT_SAMPLED] * len(self.seqs)
-        for i, token in zip(self.rows, self.on_host.tolist(), strict=True):
+        for i, token in zip(self.rows, values[: len(self.rows)], strict=True):
             tokens[i] = token
-        return tokens
+        return tokens + values[len(self.rows) :]
+
+    def add_forks(self, siblings: list[Sequence]) -> None:
+        """Name the sequences that this step's extra samples belong to: the siblings the scheduler forked,
+        in its order. Then the next step can take their pending first tokens from here."""
+        extra = self.on_device.shape[0] - len(self.rows)
+        if len(siblings) != extra:
+            raise ValueError(f"this step sampled {extra} tokens for forked siblings, got {len(siblings)} siblings")
+        self.rows = self.rows + list(range(len(self.seqs), len(self.seqs) + extra))
+        self.seqs = self.seqs + list(siblings)
 
     def input_ids_for(self, seqs: list[Sequence], input_ids: list[int]) -> torch.Tensor:
         """The next decode step's input ids on the device: each PENDING_TOKEN replaced by this step's sample."""
@@ -555,6 +624,13 @@ class ModelRunner:
             # zh: 引擎会提前拒绝这样的请求；CUDA Graph 的块表缓冲区依赖这一点。
             raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
                              f"({self.config.max_model_len})")
+        copies = [pair for seq in seqs for pair in seq.blocks_to_copy]
+        if copies:
+            # en: Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the
+            # en: shared blocks' K/V. Here, outside any CUDA graph, and queued ahead of the step's stores.
+            # zh: 写时复制（第 04b 章）：在这一步写入新块之前，先把共享块的 K/V 拷贝进去。放在任何 CUDA Graph 之外，
+            # zh: 排在这一步的写入之前。
+            copy_kv_blocks(self.kv_cache, copies)
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
@@ -582,14 +658,21 @@ class ModelRunner:
         logits = self.compute_logits(seqs, is_prefill, previous)
         if logits is None:
             return None
-        # en: Only rows whose whole sequence has been computed want a token.
-        # zh: 只有整个序列都已算完的行才需要 token。
-        rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
+        # en: Only rows whose whole sequence has been computed want a token. A request that forks
+        # en: (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
+        # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 04b 章）还要从它这一行为兄弟序列抽取第一个
+        # zh: token，排在本步各行之后。
+        rows = [i for i, seq in enumerate(seqs) if seq.num_samples]
+        forks = [(i, j) for i in rows for j in range(1, seqs[i].pending_forks + 1)]
         if not rows:
             return SampledTokens.start(seqs, rows, torch.empty(0, dtype=torch.int64, device=logits.device))
-        wanted = [seqs[i] for i in rows]
-        inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
-        sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs)
+        picks = rows + [i for i, _ in forks]
+        wanted = [seqs[i] for i in picks]
+        sample_indices = [seqs[i].sample_index for i in rows] + [j for _, j in forks]
+        inputs = sampling_inputs(
+            [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
+        )
+        sampled = self.sampler(logits if len(picks) == len(seqs) else logits[picks], **inputs)
         return SampledTokens.start(seqs, rows, sampled)
 
     def exit(self) -> None:

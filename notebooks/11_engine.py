@@ -103,6 +103,7 @@
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
 # | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
 # | `async_scheduling` | "auto" | schedule step *n + 1* while the GPU computes step *n* (below); auto: CUDA, TP=1 |
+# | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -143,6 +144,7 @@
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
 # | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
 # | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上且不用张量并行时打开 |
+# | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -301,6 +303,7 @@ class Config:
     kvcache_memory_gb: float = 1.0
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
+    fork_samples: bool = True
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -324,7 +327,7 @@ class Config:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if _int_field("tensor_parallel_size", self.tensor_parallel_size, 1) > 8:
             raise ValueError(f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}")
-        for name in ("enforce_eager", "enable_prefix_caching"):
+        for name in ("enforce_eager", "enable_prefix_caching", "fork_samples"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         block_size = _int_field("kvcache_block_size", self.kvcache_block_size, 1)
@@ -1202,6 +1205,7 @@ print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, pref
 # %% bench engine
 #| export bench
 import argparse
+import json
 import sys
 
 
@@ -1251,12 +1255,14 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
     if breakdown is not None:
-        inner = llm.step
+        # en: generate() calls _step(), the step() that reports finished sequences rather than pairs.
+        # zh: generate() 调用的是 _step()，即返回已结束序列本身（而非二元组）的 step()。
+        inner = llm._step
 
         def timed() -> tuple[list, int, bool]:
-            # en: step() returns once the step it reports has run on the GPU (with async scheduling, after
+            # en: A step returns once the step it reports has run on the GPU (with async scheduling, after
             # en: queueing the next one), so its wall time is that step's, GPU included.
-            # zh: step() 在它所报告的那一步于 GPU 上算完之后才返回（异步调度时，是在把下一步排进队列之后），
+            # zh: 一步在它所报告的那一步于 GPU 上算完之后才返回（异步调度时，是在把下一步排进队列之后），
             # zh: 所以它的墙钟时间就是那一步的时间，包括 GPU 的时间。
             began = time.perf_counter()
             finished, num_tokens, is_prefill = inner()
@@ -1265,7 +1271,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
             breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
             return finished, num_tokens, is_prefill
 
-        llm.step = timed
+        llm._step = timed
     try:
         _sync(device)
         start = time.perf_counter()
@@ -1301,6 +1307,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                         help="overlap scheduling with the GPU (auto: on for CUDA)")
+    parser.add_argument("--parallel-sampling", type=int, metavar="N",
+                        help="instead: the first 64 prompts with N forked samples vs N independent requests each "
+                             "(chapter 04b)")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -1330,6 +1339,16 @@ def main(argv: list[str] | None = None) -> int:
     if config.device == "cuda":
         report["device"] = torch.cuda.get_device_name()
     results = {}
+    if args.parallel_sampling:
+        from nanovllm.bench_parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+
+        runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
+                                         args.parallel_sampling, device=config.device, dtype=config.dtype)
+        report["parallel_sampling"] = parallel_sampling_report(runs)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as file:
+                json.dump(report, file, indent=2)
+        return 0
     if not args.no_engine:
         switch = {"auto": "auto", "on": True, "off": False}
         breakdown: dict[str, float] = {}
@@ -1365,8 +1384,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{result.name}: {result.tokens_per_s / bound.tokens_per_s:.1%} of the bound")
             report[key]["fraction_of_bound"] = result.tokens_per_s / bound.tokens_per_s
     if args.out:
-        import json
-
         with open(args.out, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
     return 0
@@ -1494,7 +1511,7 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
-from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.sampling_params import SamplingParams
@@ -1565,21 +1582,27 @@ class LLMEngine:
                 f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
                 f"max_model_len={limit}; shorten the prompt or lower max_tokens"
             )
-        # en: The scheduler refuses this too, but generate() checks every request before adding any.
-        # zh: 调度器也会拒绝这种请求，但 generate() 要在加入任何请求之前把所有请求都检查一遍。
-        pool = self.scheduler.block_manager.num_blocks
-        if -(-max_kv_tokens(seq) // self.config.kvcache_block_size) > pool:
-            raise ValueError(
-                f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} can never fit the KV cache "
-                f"({pool} blocks of {self.config.kvcache_block_size} tokens); lower max_tokens or enlarge the cache"
-            )
+        # en: The scheduler's admission check (add() runs it too): generate() checks every request
+        # en: before adding any.
+        # zh: 调度器的准入检查（add() 也会执行它）：generate() 要在加入任何请求之前把所有请求都检查一遍。
+        self.scheduler.check_fits(seq)
         return seq
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id."""
+    def make_sequences(self, prompt: Prompt, sampling_params: SamplingParams) -> list[Sequence]:
+        """The sequences of one request: one that forks into its n samples after its prefill (chapter 04b),
+        or, with ``fork_samples=False``, n independent sequences that each compute the prompt."""
         seq = self.make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq.seq_id
+        if self.config.fork_samples:
+            return [seq]
+        seq.pending_forks = 0
+        return [seq] + [seq.fork(sample_index) for sample_index in range(1, sampling_params.n)]
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
+        seqs = self.make_sequences(prompt, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs[0].seq_id
 
     # en: ---- the loop -------------------------------------------------------------
     # zh: ---- 主循环 ----------------------------------------------------------------
@@ -1588,7 +1611,13 @@ class LLMEngine:
 
         With async scheduling, the step it launches is not the one it reports: it queues step n + 1
         on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
+        The forked samples of a request with ``n > 1`` finish under their own seq_ids.
         """
+        finished, num_tokens, is_prefill = self._step()
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens, is_prefill
+
+    def _step(self) -> tuple[list[Sequence], int, bool]:
+        """`step`, reporting the finished sequences themselves (generate groups them by request)."""
         if not self.config.async_scheduling:
             return self._collect(self._launch(previous=None))
         # en: Schedule and queue the next step before waiting for the one in flight: while the host
@@ -1619,13 +1648,19 @@ class LLMEngine:
             # zh: 什么都没算（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接重跑。
             self.scheduler.rollback(seqs, is_prefill)
             raise
-        return LaunchedStep(seqs, is_prefill, num_tokens, self.scheduler.advance(seqs, is_prefill), tokens)
+        counted, indices = self.scheduler.advance(seqs, is_prefill)
+        if isinstance(tokens, SampledTokens):
+            # en: Siblings forked in this step (chapter 04b) take the step's extra samples, so that the
+            # en: next step can find their pending first tokens.
+            # zh: 本步分叉出的兄弟序列（第 04b 章）认领这一步额外的采样结果，下一步才能找到它们待定的第一个 token。
+            tokens.add_forks(counted[len(seqs) :])
+        return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
-    def _collect(self, step: LaunchedStep) -> tuple[list[tuple[int, list[int]]], int, bool]:
+    def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
         """Wait for a launched step's tokens and let the scheduler record them."""
         token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
         finished = self.scheduler.resolve(step.seqs, step.indices, token_ids)
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], step.num_tokens, step.is_prefill
+        return finished, step.num_tokens, step.is_prefill
 
     def _settle_in_flight(self) -> None:
         """After an interruption: record the step in flight if it completed, else drop its sequences."""
@@ -1672,28 +1707,33 @@ class LLMEngine:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         # en: Check every request first: a bad one must not leave the others half-queued.
         # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
-        seqs = []
+        requests = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             try:
-                seqs.append(self.make_sequence(prompt, params))
+                requests.append(self.make_sequences(prompt, params))
             except (TypeError, ValueError) as error:
                 raise type(error)(f"prompt {index}: {error}") from error
-        for seq in seqs:
-            self.scheduler.add(seq)
-        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        outputs: dict[int, list[int]] = {}
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        for seqs in requests:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        # en: Completions by request id, then by sample index (a request with n > 1 has n of them).
+        # zh: 按请求 id、再按样本序号存放的生成结果（n > 1 的请求有 n 个）。
+        outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
+        total = sum(params.n for params in sampling_params)
+        done = 0
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         try:
-            while len(outputs) < len(seqs):
+            while done < total:
                 start = time.perf_counter()
-                finished, num_tokens, is_prefill = self.step()
+                finished, num_tokens, is_prefill = self._step()
                 rate = num_tokens / max(time.perf_counter() - start, 1e-9)
                 prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
                 bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
-                for seq_id, token_ids in finished:
-                    if seq_id in order:
-                        outputs[seq_id] = token_ids
+                for seq in finished:
+                    if seq.request_id in outputs:
+                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                        done += 1
                         bar.update(1)
             if self.in_flight is not None and self.scheduler.is_finished():
                 # en: A last step computed tokens past the end of sequences that have finished: record it
@@ -1703,21 +1743,29 @@ class LLMEngine:
                 step, self.in_flight = self.in_flight, None
                 self._collect(step)
         except BaseException:
-            # en: An interrupted call takes its unfinished requests with it: their blocks are freed, and
-            # en: a later call does not compute them for nobody.
-            # zh: 被中断的调用会带走它尚未完成的请求：释放它们的块，之后的调用也不会白白计算它们。
+            # en: An interrupted call takes its unfinished requests with it (forked samples included):
+            # en: their blocks are freed, and a later call does not compute them for nobody.
+            # zh: 被中断的调用会带走它尚未完成的请求（包括分叉出的样本）：释放它们的块，之后的调用也不会白白计算它们。
             self._settle_in_flight()
-            for seq in seqs:
-                if not seq.is_finished:
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                if seq.request_id in outputs:
                     self.scheduler.abort(seq)
             raise
         finally:
             bar.close()
-        ordered = sorted(outputs, key=order.__getitem__)
-        return [
-            {"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}
-            for i in ordered
+        return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+    def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
+        """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
+        ``"outputs"``: every sample's ``{"text", "token_ids"}``, in sample order."""
+        completions = [
+            {"text": self.tokenizer.decode(samples[i], skip_special_tokens=True), "token_ids": samples[i]}
+            for i in sorted(samples)
         ]
+        result = dict(completions[0])
+        if len(completions) > 1:
+            result["outputs"] = completions
+        return result
 
 # %% llm
 #| export llm

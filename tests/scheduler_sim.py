@@ -20,16 +20,19 @@ VOCAB = 5
 EOS = 0
 
 
-def next_token(context: tuple[int, ...]) -> int:
-    """The fake model: a deterministic function of the whole context."""
-    return hash(context) % VOCAB
+def next_token(context: tuple[int, ...], sample_index: int = 0) -> int:
+    """The fake model and sampler: a deterministic function of the whole context and of which of its
+    request's samples draws (the n samples of parallel sampling diverge, as sampled ones would)."""
+    return hash(context if sample_index == 0 else (context, sample_index)) % VOCAB
 
 
-def reference_completion(prompt: list[int], max_tokens: int, ignore_eos: bool, eos: frozenset[int]) -> list[int]:
-    """What a request must generate, computed without any scheduler."""
+def reference_completion(
+    prompt: list[int], max_tokens: int, ignore_eos: bool, eos: frozenset[int], sample_index: int = 0
+) -> list[int]:
+    """What a request (or sample ``sample_index`` of it) must generate, computed without any scheduler."""
     tokens, out = list(prompt), []
     while len(out) < max_tokens:
-        token = next_token(tuple(tokens))
+        token = next_token(tuple(tokens), sample_index)
         tokens.append(token)
         out.append(token)
         if not ignore_eos and token in eos:
@@ -43,6 +46,7 @@ class Request:
     prompt: list[int]
     max_tokens: int
     ignore_eos: bool
+    n: int = 1  # samples of the prompt (parallel sampling: one prefill, then n - 1 forks)
 
 
 @dataclass
@@ -66,7 +70,12 @@ class Workload:
         )
 
     def fits(self, request: Request) -> bool:
-        return math.ceil((len(request.prompt) + request.max_tokens - 1) / self.block_size) <= self.num_blocks
+        kv_fits = math.ceil((len(request.prompt) + request.max_tokens - 1) / self.block_size) <= self.num_blocks
+        return kv_fits and request.n <= self.max_num_seqs
+
+    def samples(self) -> list[tuple[Request, int]]:
+        """(request, sample index) for every sequence the workload ends with, in `simulate`'s order."""
+        return [(request, j) for request in self.requests for j in range(request.n)]
 
 
 class Violation(AssertionError):
@@ -89,25 +98,42 @@ def simulate(
     observer: Observer | None = None,
     asynchronous: bool = False,
 ) -> tuple[list[Sequence], int]:
-    """Run the workload to the end; return the sequences (in request order) and the step count.
+    """Run the workload to the end; return the sequences and the step count.
+
+    The sequences come in request order, each request's samples in sample order (``Workload.samples``):
+    a request with n > 1 forks n - 1 siblings after its prefill. Hooks receive a step's sequences
+    together with the siblings it forked.
 
     asynchronous: what chapter 11's async engine does: each step is counted (``advance``) as soon as
     it is scheduled, and its tokens are resolved only after the next step has been scheduled. The
     fake model then "computes" a token when it is resolved, from the (by then known) prefix.
     """
     sched = workload.scheduler()
-    sched.observer = observer
     pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival)
     seqs: list[Sequence | None] = [None] * len(workload.requests)
+    forked: dict[int, list[Sequence]] = {}  # request's first seq_id -> its siblings
+    postprocessed: list[Sequence] = []
+
+    def watch(event: str, data: dict) -> None:
+        # The postprocess event lists the step's sequences with the siblings it forked.
+        if event == "postprocess":
+            postprocessed[:] = data["seqs"]
+            for seq in data["seqs"]:
+                if seq.sample_index and seq not in forked.setdefault(seq.request_id, []):
+                    forked[seq.request_id].append(seq)
+        if observer is not None:
+            observer(event, data)
+
+    sched.observer = watch
     if max_steps is None:
-        total = sum(len(r.prompt) + r.max_tokens for r in workload.requests)
+        total = sum((len(r.prompt) + r.max_tokens) * r.n for r in workload.requests)
         max_steps = 50 * total + 100
     now, steps = 0, 0
     in_flight: tuple[list[Sequence], list[int | None], bool] | None = None
 
     def resolve(step: tuple[list[Sequence], list[int | None], bool]) -> None:
         done, indices, was_prefill = step
-        tokens = [-1 if i is None or s.is_finished else next_token(tuple(s.token_ids[:i]))
+        tokens = [-1 if i is None or s.is_finished else next_token(tuple(s.token_ids[:i]), s.sample_index)
                   for s, i in zip(done, indices, strict=True)]
         sched.resolve(done, indices, tokens)
         if after_postprocess is not None:
@@ -122,28 +148,32 @@ def simulate(
             now = max(now, pending[0][1].arrival)  # idle: jump to the next arrival
         while pending and pending[0][1].arrival <= now:
             index, request = pending.pop(0)
-            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
+            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, n=request.n)
             seqs[index] = Sequence(request.prompt, params, block_size=workload.block_size)
             sched.add(seqs[index])
         scheduled, is_prefill = sched.schedule()
         if after_schedule is not None:
             after_schedule(sched, scheduled, is_prefill)
         if asynchronous:
-            launched = (scheduled, sched.advance(scheduled, is_prefill), is_prefill)
+            launched = (*sched.advance(scheduled, is_prefill), is_prefill)
             if in_flight is not None:
                 resolve(in_flight)
             in_flight = launched
         else:
-            tokens = [
-                next_token(tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])) for s in scheduled
-            ]
+            def context(s: Sequence) -> tuple[int, ...]:
+                return tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])
+
+            # One token per sequence, then the forked siblings' first tokens, as the model runner samples them.
+            tokens = [next_token(context(s), s.sample_index) for s in scheduled]
+            tokens += [next_token(context(s), j) for s in scheduled if s.num_samples
+                       for j in range(1, s.pending_forks + 1)]
             sched.postprocess(scheduled, tokens, is_prefill)
             if after_postprocess is not None:
-                after_postprocess(sched, scheduled, is_prefill)
+                after_postprocess(sched, list(postprocessed), is_prefill)
         steps += 1
         now += 1
         check(steps <= max_steps, f"no end after {steps} steps: the scheduler hangs")
-    return [s for s in seqs if s is not None], steps
+    return [s for first in seqs if first is not None for s in (first, *forked.get(first.seq_id, []))], steps
 
 
 class InvariantChecker:
@@ -196,6 +226,16 @@ class InvariantChecker:
             check(len(s.block_table) == self._blocks(len(s)), f"seq {s.seq_id}: wrong number of blocks")
             check(s.num_scheduled_tokens >= 1, f"seq {s.seq_id} scheduled with no tokens")
             check(s.num_cached_tokens + s.num_scheduled_tokens <= len(s), f"seq {s.seq_id} computes past its end")
+            # No step writes K/V into a block that another table holds (copy-on-write gave it its own).
+            bm = sched.block_manager
+            for pos in range(s.num_cached_tokens, s.num_cached_tokens + s.num_scheduled_tokens):
+                block_id = s.block_table[pos // self.bs]
+                check(bm.blocks[block_id].ref_count == 1,
+                      f"seq {s.seq_id} writes position {pos} into block {block_id} with ref count "
+                      f"{bm.blocks[block_id].ref_count}")
+            for source, destination in s.blocks_to_copy:
+                check(destination == s.block_table[s.num_cached_tokens // self.bs] and source != destination,
+                      f"seq {s.seq_id}: copy {source} -> {destination} is not into the block it writes")
         if is_prefill:
             partial = [s for s in seqs if s.num_cached_tokens + s.num_scheduled_tokens < len(s)]
             check(len(partial) <= 1, "more than one partial prefill in a step")

@@ -308,7 +308,7 @@ def test_advance_counts_the_step_and_resolve_fills_in_the_tokens() -> None:
     a, b = seq(5), seq(3)
     s.add(a), s.add(b)
     seqs, is_prefill = s.schedule()
-    indices = s.advance(seqs, is_prefill)
+    seqs, indices = s.advance(seqs, is_prefill)
     assert indices == [5, 3] and a.last_token == b.last_token == PENDING_TOKEN
     assert a.num_cached_tokens == 5 and a.num_scheduled_tokens == 0
     # The next step is scheduled before the tokens are known: each decodes its pending token.
@@ -323,9 +323,9 @@ def test_resolve_finishes_on_eos_and_drops_the_token_computed_after_it() -> None
     a = seq(4, max_tokens=10)
     s.add(a)
     first, _ = s.schedule()
-    first_indices = s.advance(first, True)
+    first, first_indices = s.advance(first, True)
     second, _ = s.schedule()  # a's pending token is decoded before anyone knows it is EOS
-    second_indices = s.advance(second, False)
+    second, second_indices = s.advance(second, False)
     assert len(a) == 6
     assert s.resolve(first, first_indices, [2]) == [a]
     assert a.is_finished and a.token_ids == [100, 101, 102, 103, 2] and not a.block_table
@@ -339,7 +339,7 @@ def test_max_tokens_frees_the_blocks_at_advance_and_finishes_at_resolve() -> Non
     s.add(a), s.add(b)
     first, _ = s.schedule()
     assert first == [a]  # one block, a's: b must wait for it
-    indices = s.advance(first, True)
+    first, indices = s.advance(first, True)
     assert not a.block_table and not s.running and not a.is_finished
     second, _ = s.schedule()  # b gets the blocks a gave back, before a's token is known
     assert second == [b]
@@ -351,10 +351,10 @@ def test_a_sequence_preempted_with_a_pending_token_can_finish_in_waiting() -> No
     a, b = seq(4, max_tokens=8), seq(3, max_tokens=8)
     s.add(a), s.add(b)
     prefill, _ = s.schedule()
-    indices = s.advance(prefill, True)
+    prefill, indices = s.advance(prefill, True)
     s.resolve(prefill, indices, [5, 6])
     decode, _ = s.schedule()
-    decode_indices = s.advance(decode, False)
+    decode, decode_indices = s.advance(decode, False)
     # Both now need a third block and one is free: the next schedule preempts b, whose token is pending.
     step_three, _ = s.schedule()
     assert b.status is WAITING and list(s.waiting) == [b] and step_three == [a]

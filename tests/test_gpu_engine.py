@@ -78,3 +78,21 @@ def test_auto_backend_on_cuda_is_triton_and_bf16_runs_end_to_end() -> None:
     outputs = llm.generate(prompts(151936, [30, 200, 7]), SamplingParams(temperature=0.6, max_tokens=20,
                                                                           ignore_eos=True), use_tqdm=False)
     assert [len(o["token_ids"]) for o in outputs] == [20, 20, 20]
+
+
+def test_parallel_sampling_with_graphs_and_async_scheduling_matches_transformers() -> None:
+    """n = 3 greedy samples of each prompt, forked after one prefill, all equal transformers' greedy
+    completion: on CUDA with decode graphs, asynchronous scheduling and the Triton kernels. The KV cache
+    starts as NaN, so a copy-on-write copy that is skipped or lands in the wrong block poisons a sample."""
+    model_dir = build_tiny_model("qwen3")
+    batch = prompts(512, [17, 33, 5, 48])  # 48 tokens end on a block boundary: its samples need no copy
+    reference = hf_greedy(model_dir, batch)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64,
+              compile_small_ops=False)
+    assert llm.model_runner.graphs is not None and llm.config.async_scheduling is True
+    llm.model_runner.kv_cache.fill_(float("nan"))
+    outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=3), use_tqdm=False)
+    for output, expected in zip(outputs, reference, strict=True):
+        assert [sample["token_ids"] for sample in output["outputs"]] == [expected] * 3
+    pool = llm.scheduler.block_manager
+    assert pool.num_free_blocks == pool.num_blocks

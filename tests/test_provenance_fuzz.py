@@ -6,11 +6,14 @@ real K and V would depend on: the whole prefix up to and including ``pos`` (inte
 and ``pos``. Before each step, every position a scheduled sequence reads from the cache (all of
 ``0 .. num_cached_tokens - 1``, which includes every prefix-cache hit) must hold the record for
 *its own* prefix; and a step may only write into blocks that nobody else holds and that are not
-published. Twenty thousand small random workloads (a few seconds) with a three-token vocabulary,
-so that prefixes collide constantly, run through the real scheduler; five thousand more run it
-the way chapter 11's asynchronous engine does, each step resolved after the next is scheduled.
-The last tests plant known bugs (upstream's stale hash entry; publishing at allocation) and check
-that the fuzz catches each.
+published. Some requests ask for n > 1 samples: they fork after their prefill and share the
+prompt's blocks, and a copy-on-write copies a block's records the way the model runner copies its
+K/V, before the step's reads and writes. Twenty thousand small random workloads (a few seconds)
+with a three-token vocabulary, so that prefixes collide constantly, run through the real
+scheduler; five thousand more run it the way chapter 11's asynchronous engine does, each step
+resolved after the next is scheduled. The last tests plant known bugs (upstream's stale hash
+entry; publishing at allocation; a write into a shared block; a skipped or misdirected copy) and
+check that the fuzz catches each.
 """
 
 import random
@@ -41,6 +44,7 @@ class ProvenanceKV:
         self.slots: dict[int, tuple] = {}
         self.trie: dict[tuple[int, int], int] = {}  # (parent prefix id, token) -> prefix id
         self.prefix_ids: dict[int, list[int]] = {}  # seq_id -> prefix id of each position
+        self.copies = 0  # copy-on-write copies made
 
     def ids(self, seq: Sequence) -> list[int]:
         ids = self.prefix_ids.setdefault(seq.seq_id, [])
@@ -63,7 +67,16 @@ class ProvenanceKV:
 
     def after_schedule(self, sched, seqs: list[Sequence], is_prefill: bool) -> None:
         bs, blocks = self.bs, sched.block_manager.blocks
-        for seq in seqs:  # reads first: all of them see the cache as it was before the step
+        for seq in seqs:  # copy-on-write first: the runner copies before the step's forward
+            for source, destination in seq.blocks_to_copy:
+                self.copies += 1
+                for offset in range(bs):
+                    record = self.slots.get(source * bs + offset)
+                    if record is None:
+                        self.slots.pop(destination * bs + offset, None)
+                    else:
+                        self.slots[destination * bs + offset] = record
+        for seq in seqs:  # reads next: all of them see the cache as it was before the step
             table = seq.block_table
             for pos in range(seq.num_cached_tokens):
                 slot = table[pos // bs] * bs + pos % bs
@@ -88,12 +101,13 @@ def random_workload(rng: random.Random) -> Workload:
     for _ in range(rng.randint(1, 6)):
         prefix = rng.choice([[], *shared])
         prompt = prefix + [rng.randrange(3) for _ in range(rng.randint(0 if prefix else 1, 5))]
-        requests.append(Request(rng.randint(0, 6), prompt, rng.randint(1, 6), rng.random() < 0.5))
+        n = rng.choice([1, 1, 1, 2, 3])  # parallel sampling: forks that share the prompt's blocks
+        requests.append(Request(rng.randint(0, 6), prompt, rng.randint(1, 6), rng.random() < 0.5, n))
     need = max(-(-(len(r.prompt) + r.max_tokens - 1) // block_size) for r in requests)
     return Workload(
         num_blocks=need + rng.randint(0, 6),
         block_size=block_size,
-        max_num_seqs=rng.randint(1, 4),
+        max_num_seqs=max(rng.randint(1, 4), *(r.n for r in requests)),
         max_num_batched_tokens=rng.randint(1, 12),
         enable_prefix_caching=True,
         eos=(0,) if rng.random() < 0.3 else (),
@@ -101,12 +115,13 @@ def random_workload(rng: random.Random) -> Workload:
     )
 
 
-def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False) -> tuple[int, int]:
-    """Run the fuzz; return (workloads run, cache-hit blocks seen). Raises Violation on the first bad read.
+def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False) -> tuple[int, int, int]:
+    """Run the fuzz; return (workloads run, cache-hit blocks seen, copy-on-write copies made).
+    Raises Violation on the first bad read or write.
 
     asynchronous: each step's tokens are resolved after the next step is scheduled (chapter 11)."""
     rng = random.Random(seed)
-    hit_blocks = 0
+    hit_blocks = copies = 0
 
     def count_hits(event: str, data: dict) -> None:
         nonlocal hit_blocks
@@ -120,20 +135,22 @@ def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False) -> tu
             simulate(workload, after_schedule=kv.after_schedule, observer=count_hits, asynchronous=asynchronous)
         except Violation as error:
             raise Violation(f"workload {i}: {error}\n{workload}") from None
-    return num_workloads, hit_blocks
+        copies += kv.copies
+    return num_workloads, hit_blocks, copies
 
 
 def test_every_cached_read_has_the_right_provenance():
-    runs, hit_blocks = fuzz(NUM_WORKLOADS)
+    runs, hit_blocks, copies = fuzz(NUM_WORKLOADS)
     assert runs == NUM_WORKLOADS
     assert hit_blocks > NUM_WORKLOADS  # the workloads exercise the cache: many thousands of hits
+    assert copies > NUM_WORKLOADS // 10  # and copy-on-write: thousands of copies
 
 
 def test_every_cached_read_has_the_right_provenance_with_async_scheduling():
     """Blocks are published when a step is resolved, which is after the next step was queued: still,
     no step reads a slot before the step that writes it (the GPU runs the queue in order)."""
-    runs, hit_blocks = fuzz(NUM_WORKLOADS // 4, seed=SEED + 1, asynchronous=True)
-    assert hit_blocks > runs
+    runs, hit_blocks, copies = fuzz(NUM_WORKLOADS // 4, seed=SEED + 1, asynchronous=True)
+    assert hit_blocks > runs and copies > runs // 10
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -160,4 +177,36 @@ def test_fuzz_detects_publishing_at_allocation(monkeypatch):
 
     monkeypatch.setattr(BlockManager, "allocate", allocate_and_publish_at_once)
     with pytest.raises(Violation):
+        fuzz(NUM_WORKLOADS)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_fuzz_detects_a_write_into_a_shared_block(monkeypatch, asynchronous: bool):
+    monkeypatch.setattr(BlockManager, "_shared_write_block", lambda self, seq: None)  # no copy-on-write
+    with pytest.raises(Violation, match="shared or published"):
+        fuzz(NUM_WORKLOADS, asynchronous=asynchronous)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_fuzz_detects_a_skipped_copy(monkeypatch, asynchronous: bool):
+    may_append = BlockManager.may_append
+
+    def may_append_and_lose_the_copy(self, seq):  # the runner never sees the copy
+        may_append(self, seq)
+        seq.blocks_to_copy = []
+
+    monkeypatch.setattr(BlockManager, "may_append", may_append_and_lose_the_copy)
+    with pytest.raises(Violation, match="whose KV was"):
+        fuzz(NUM_WORKLOADS, asynchronous=asynchronous)
+
+
+def test_fuzz_detects_a_copy_into_the_wrong_block(monkeypatch):
+    may_append = BlockManager.may_append
+
+    def may_append_and_misdirect(self, seq):  # the copy lands in the source's neighbour
+        may_append(self, seq)
+        seq.blocks_to_copy = [(s, (d + 1) % self.num_blocks) for s, d in seq.blocks_to_copy]
+
+    monkeypatch.setattr(BlockManager, "may_append", may_append_and_misdirect)
+    with pytest.raises(Violation, match="whose KV was"):
         fuzz(NUM_WORKLOADS)

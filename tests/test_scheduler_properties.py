@@ -6,9 +6,11 @@ ref counts equal the number of block tables holding a block; free and used parti
 every scheduled sequence holds exactly ceil(len(seq) / block_size) blocks, which covers every
 slot the step writes; running sequences between steps hold ceil(num_cached_tokens / block_size)
 blocks with every token but the last cached; at most one partial prefill per step, the last one,
-at the head of waiting; queues never lose or duplicate a sequence. Every workload whose
-requests fit the pool finishes within a bounded number of steps, and every completion equals
-the request's completion computed without any scheduler.
+at the head of waiting; queues never lose or duplicate a sequence; no step writes K/V into a
+block whose ref count is above 1 (requests with n > 1 fork after their prefill and share their
+blocks; copy-on-write gives a writer its own). Every workload whose requests fit the pool
+finishes within a bounded number of steps, and every completion (every sample's) equals the one
+computed without any scheduler.
 """
 
 import math
@@ -37,12 +39,16 @@ def workloads(draw, fit: bool = True) -> Workload:
             prompt=prompt,
             max_tokens=draw(st.integers(1, 6)),
             ignore_eos=draw(st.booleans()),
+            n=draw(st.sampled_from([1, 1, 2, 3])),
         )
         requests.append(request)
+    max_num_seqs = draw(st.integers(1, 5))
+    if fit:
+        max_num_seqs = max(max_num_seqs, *(r.n for r in requests))
     workload = Workload(
         num_blocks=num_blocks,
         block_size=block_size,
-        max_num_seqs=draw(st.integers(1, 5)),
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=draw(st.integers(1, 16)),
         enable_prefix_caching=draw(st.booleans()),
         eos=(EOS,) if draw(st.booleans()) else (),
@@ -60,13 +66,19 @@ def workloads(draw, fit: bool = True) -> Workload:
 def test_invariants_hold_every_step_and_every_workload_finishes(workload):
     checker = InvariantChecker(workload)
     seqs, _steps = simulate(workload, checker.after_schedule, checker.after_postprocess)
-    eos = frozenset(workload.eos)
-    assert len(seqs) == len(workload.requests)
-    for seq, request in zip(seqs, workload.requests, strict=True):
-        assert seq.is_finished and not seq.block_table
-        assert seq.completion_token_ids == reference_completion(request.prompt, request.max_tokens, request.ignore_eos,
-                                                                eos)
+    check_completions(workload, seqs)
     assert set(checker.finished) == {s.seq_id for s in seqs}  # each finished exactly once, none lost
+
+
+def check_completions(workload: Workload, seqs: list[Sequence]) -> None:
+    """Every sample of every request finished, with the completion computed without a scheduler."""
+    eos = frozenset(workload.eos)
+    assert len(seqs) == len(workload.samples())
+    for seq, (request, sample_index) in zip(seqs, workload.samples(), strict=True):
+        assert seq.is_finished and not seq.block_table and seq.sample_index == sample_index
+        assert seq.completion_token_ids == reference_completion(
+            request.prompt, request.max_tokens, request.ignore_eos, eos, sample_index
+        )
 
 
 @SETTINGS
@@ -81,11 +93,7 @@ def test_async_scheduling_keeps_the_invariants_and_the_completions(workload):
         seen["bm"] = sched.block_manager
 
     seqs, _steps = simulate(workload, checker.after_schedule, after_resolve, asynchronous=True)
-    eos = frozenset(workload.eos)
-    for seq, request in zip(seqs, workload.requests, strict=True):
-        assert seq.is_finished and not seq.block_table
-        assert seq.completion_token_ids == reference_completion(request.prompt, request.max_tokens, request.ignore_eos,
-                                                                eos)
+    check_completions(workload, seqs)
     assert set(checker.finished) == {s.seq_id for s in seqs}
     bm = seen["bm"]
     assert bm.num_free_blocks == bm.num_blocks and all(block.ref_count == 0 for block in bm.blocks)
@@ -97,12 +105,13 @@ def test_add_rejects_exactly_the_requests_that_can_never_fit(workload):
     fitting = Workload(**{**workload.__dict__, "requests": [r for r in workload.requests if workload.fits(r)]})
     sched = workload.scheduler()
     for request in workload.requests:
-        seq = Sequence(request.prompt, SamplingParams(max_tokens=request.max_tokens), block_size=workload.block_size)
+        params = SamplingParams(max_tokens=request.max_tokens, n=request.n)
+        seq = Sequence(request.prompt, params, block_size=workload.block_size)
         try:
             sched.add(seq)
             accepted = True
         except ValueError as error:
-            assert "can never fit" in str(error)
+            assert "can never fit" in str(error) or "raise max_num_seqs" in str(error)
             accepted = False
         assert accepted == workload.fits(request)
     assert len(sched.waiting) == len(fitting.requests)

@@ -161,24 +161,52 @@ class BlockManager(BlockPool):
             self.release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        # A copy planned into a block it no longer holds is moot.
+        seq.blocks_to_copy = []
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` (a fork of ``parent``) share every block of ``parent``: one more reference each."""
+        self._check(child)
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self.hold(block_id)
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
+        # The next step writes the KV of token num_cached_tokens; with forks (chapter 04b) the
+        # block it falls in may still be shared with a sibling.
+        i = seq.num_cached_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         self._check(seq)
         if not seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: allocate it before decoding")
-        # Equal to `len(seq) % block_size == 1` in decode when block_size > 1 (see the text above).
-        return seq.num_blocks - len(seq.block_table)
+        # Equal to `len(seq) % block_size == 1` in decode when block_size > 1 (see the text above),
+        # plus one block for a copy-on-write.
+        copy = self._shared_write_block(seq) is not None
+        return seq.num_blocks - len(seq.block_table) + copy
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the blocks for ``seq``'s next decode step are available."""
         return self._blocks_to_append(seq) <= len(self.free_block_ids)
 
     def may_append(self, seq: Sequence) -> None:
-        """Make ``seq``'s block table cover all its tokens before a decode step (adds 0 or 1 block)."""
+        """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
+        give it a private copy of a shared block the step would write into (copy-on-write, chapter 04b)."""
         needed = self._blocks_to_append(seq)
         if needed > len(self.free_block_ids):
             raise RuntimeError(f"sequence {seq.seq_id} needs a free block and none is left (ask can_append first)")
-        seq.block_table += [self.take_free_block() for _ in range(needed)]
+        i = self._shared_write_block(seq)
+        if i is not None:
+            # Copy-on-write: a fresh block replaces the shared one in this table only; the runner
+            # copies the K/V into it before the step writes. The other holders keep the original.
+            source, seq.block_table[i] = seq.block_table[i], self.take_free_block()
+            self.release(source)
+            seq.blocks_to_copy.append((source, seq.block_table[i]))
+        seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
-from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.sampling_params import SamplingParams
@@ -87,20 +87,26 @@ class LLMEngine:
                 f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
                 f"max_model_len={limit}; shorten the prompt or lower max_tokens"
             )
-        # The scheduler refuses this too, but generate() checks every request before adding any.
-        pool = self.scheduler.block_manager.num_blocks
-        if -(-max_kv_tokens(seq) // self.config.kvcache_block_size) > pool:
-            raise ValueError(
-                f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} can never fit the KV cache "
-                f"({pool} blocks of {self.config.kvcache_block_size} tokens); lower max_tokens or enlarge the cache"
-            )
+        # The scheduler's admission check (add() runs it too): generate() checks every request
+        # before adding any.
+        self.scheduler.check_fits(seq)
         return seq
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id."""
+    def make_sequences(self, prompt: Prompt, sampling_params: SamplingParams) -> list[Sequence]:
+        """The sequences of one request: one that forks into its n samples after its prefill (chapter 04b),
+        or, with ``fork_samples=False``, n independent sequences that each compute the prompt."""
         seq = self.make_sequence(prompt, sampling_params)
-        self.scheduler.add(seq)
-        return seq.seq_id
+        if self.config.fork_samples:
+            return [seq]
+        seq.pending_forks = 0
+        return [seq] + [seq.fork(sample_index) for sample_index in range(1, sampling_params.n)]
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
+        seqs = self.make_sequences(prompt, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs[0].seq_id
 
     # ---- the loop -------------------------------------------------------------
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
@@ -108,7 +114,13 @@ class LLMEngine:
 
         With async scheduling, the step it launches is not the one it reports: it queues step n + 1
         on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
+        The forked samples of a request with ``n > 1`` finish under their own seq_ids.
         """
+        finished, num_tokens, is_prefill = self._step()
+        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens, is_prefill
+
+    def _step(self) -> tuple[list[Sequence], int, bool]:
+        """`step`, reporting the finished sequences themselves (generate groups them by request)."""
         if not self.config.async_scheduling:
             return self._collect(self._launch(previous=None))
         # Schedule and queue the next step before waiting for the one in flight: while the host
@@ -136,13 +148,18 @@ class LLMEngine:
             # engine stays consistent and the same step can simply run again.
             self.scheduler.rollback(seqs, is_prefill)
             raise
-        return LaunchedStep(seqs, is_prefill, num_tokens, self.scheduler.advance(seqs, is_prefill), tokens)
+        counted, indices = self.scheduler.advance(seqs, is_prefill)
+        if isinstance(tokens, SampledTokens):
+            # Siblings forked in this step (chapter 04b) take the step's extra samples, so that the
+            # next step can find their pending first tokens.
+            tokens.add_forks(counted[len(seqs) :])
+        return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
-    def _collect(self, step: LaunchedStep) -> tuple[list[tuple[int, list[int]]], int, bool]:
+    def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
         """Wait for a launched step's tokens and let the scheduler record them."""
         token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
         finished = self.scheduler.resolve(step.seqs, step.indices, token_ids)
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], step.num_tokens, step.is_prefill
+        return finished, step.num_tokens, step.is_prefill
 
     def _settle_in_flight(self) -> None:
         """After an interruption: record the step in flight if it completed, else drop its sequences."""
@@ -188,28 +205,32 @@ class LLMEngine:
         elif len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         # Check every request first: a bad one must not leave the others half-queued.
-        seqs = []
+        requests = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
             try:
-                seqs.append(self.make_sequence(prompt, params))
+                requests.append(self.make_sequences(prompt, params))
             except (TypeError, ValueError) as error:
                 raise type(error)(f"prompt {index}: {error}") from error
-        for seq in seqs:
-            self.scheduler.add(seq)
-        order = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        outputs: dict[int, list[int]] = {}
-        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        for seqs in requests:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        # Completions by request id, then by sample index (a request with n > 1 has n of them).
+        outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
+        total = sum(params.n for params in sampling_params)
+        done = 0
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_rate = decode_rate = 0.0
         try:
-            while len(outputs) < len(seqs):
+            while done < total:
                 start = time.perf_counter()
-                finished, num_tokens, is_prefill = self.step()
+                finished, num_tokens, is_prefill = self._step()
                 rate = num_tokens / max(time.perf_counter() - start, 1e-9)
                 prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
                 bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
-                for seq_id, token_ids in finished:
-                    if seq_id in order:
-                        outputs[seq_id] = token_ids
+                for seq in finished:
+                    if seq.request_id in outputs:
+                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                        done += 1
                         bar.update(1)
             if self.in_flight is not None and self.scheduler.is_finished():
                 # A last step computed tokens past the end of sequences that have finished: record it
@@ -217,17 +238,25 @@ class LLMEngine:
                 step, self.in_flight = self.in_flight, None
                 self._collect(step)
         except BaseException:
-            # An interrupted call takes its unfinished requests with it: their blocks are freed, and
-            # a later call does not compute them for nobody.
+            # An interrupted call takes its unfinished requests with it (forked samples included):
+            # their blocks are freed, and a later call does not compute them for nobody.
             self._settle_in_flight()
-            for seq in seqs:
-                if not seq.is_finished:
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                if seq.request_id in outputs:
                     self.scheduler.abort(seq)
             raise
         finally:
             bar.close()
-        ordered = sorted(outputs, key=order.__getitem__)
-        return [
-            {"text": self.tokenizer.decode(outputs[i], skip_special_tokens=True), "token_ids": outputs[i]}
-            for i in ordered
+        return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+    def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
+        """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
+        ``"outputs"``: every sample's ``{"text", "token_ids"}``, in sample order."""
+        completions = [
+            {"text": self.tokenizer.decode(samples[i], skip_special_tokens=True), "token_ids": samples[i]}
+            for i in sorted(samples)
         ]
+        result = dict(completions[0])
+        if len(completions) > 1:
+            result["outputs"] = completions
+        return result

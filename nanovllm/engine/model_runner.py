@@ -23,6 +23,7 @@ __all__ = [
     "NOT_SAMPLED",
     "ModelRunner",
     "SampledTokens",
+    "copy_kv_blocks",
     "kv_block_bytes",
     "max_useful_blocks",
     "num_kv_blocks",
@@ -111,13 +112,25 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
     return blocks
 
 
+def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """For each (source, destination) pair, give block destination the keys and values of block source, in
+    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
+    if not copies:
+        return
+    sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
+    destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
+    kv_cache[:, :, destinations] = kv_cache[:, :, sources]
+
+
 @dataclass
 class SampledTokens:
     """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
 
     seqs: list[Sequence]
     rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
-    on_device: torch.Tensor  # [len(rows)] int64
+    # [len(rows) + forks] int64: then the first tokens of the siblings this step forks, in the
+    # order the scheduler forks them (chapter 04b), until `add_forks` names their sequences.
+    on_device: torch.Tensor
     on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
     ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
 
@@ -133,13 +146,24 @@ class SampledTokens:
         return cls(seqs, rows, sampled, on_host, ready)
 
     def token_ids(self) -> list[int]:
-        """One token per sequence (NOT_SAMPLED for a partial chunk); waits until the step has run."""
+        """One token per sequence (NOT_SAMPLED for a partial chunk), then the forked siblings' first tokens;
+        waits until the step has run."""
         if self.ready is not None:
             self.ready.synchronize()
+        values = self.on_host.tolist()
         tokens = [NOT_SAMPLED] * len(self.seqs)
-        for i, token in zip(self.rows, self.on_host.tolist(), strict=True):
+        for i, token in zip(self.rows, values[: len(self.rows)], strict=True):
             tokens[i] = token
-        return tokens
+        return tokens + values[len(self.rows) :]
+
+    def add_forks(self, siblings: list[Sequence]) -> None:
+        """Name the sequences that this step's extra samples belong to: the siblings the scheduler forked,
+        in its order. Then the next step can take their pending first tokens from here."""
+        extra = self.on_device.shape[0] - len(self.rows)
+        if len(siblings) != extra:
+            raise ValueError(f"this step sampled {extra} tokens for forked siblings, got {len(siblings)} siblings")
+        self.rows = self.rows + list(range(len(self.seqs), len(self.seqs) + extra))
+        self.seqs = self.seqs + list(siblings)
 
     def input_ids_for(self, seqs: list[Sequence], input_ids: list[int]) -> torch.Tensor:
         """The next decode step's input ids on the device: each PENDING_TOKEN replaced by this step's sample."""
@@ -283,6 +307,11 @@ class ModelRunner:
             # The engine refuses such requests up front; the graphs' block-table buffer relies on it.
             raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
                              f"({self.config.max_model_len})")
+        copies = [pair for seq in seqs for pair in seq.blocks_to_copy]
+        if copies:
+            # Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the
+            # shared blocks' K/V. Here, outside any CUDA graph, and queued ahead of the step's stores.
+            copy_kv_blocks(self.kv_cache, copies)
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
@@ -310,13 +339,19 @@ class ModelRunner:
         logits = self.compute_logits(seqs, is_prefill, previous)
         if logits is None:
             return None
-        # Only rows whose whole sequence has been computed want a token.
-        rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
+        # Only rows whose whole sequence has been computed want a token. A request that forks
+        # (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
+        rows = [i for i, seq in enumerate(seqs) if seq.num_samples]
+        forks = [(i, j) for i in rows for j in range(1, seqs[i].pending_forks + 1)]
         if not rows:
             return SampledTokens.start(seqs, rows, torch.empty(0, dtype=torch.int64, device=logits.device))
-        wanted = [seqs[i] for i in rows]
-        inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device)
-        sampled = self.sampler(logits if len(rows) == len(seqs) else logits[rows], **inputs)
+        picks = rows + [i for i, _ in forks]
+        wanted = [seqs[i] for i in picks]
+        sample_indices = [seqs[i].sample_index for i in rows] + [j for _, j in forks]
+        inputs = sampling_inputs(
+            [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
+        )
+        sampled = self.sampler(logits if len(picks) == len(seqs) else logits[picks], **inputs)
         return SampledTokens.start(seqs, rows, sampled)
 
     def exit(self) -> None:

@@ -90,6 +90,26 @@ class Scheduler:
         self._live_ids.discard(seq.seq_id)
 
     # ---- admission -----------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone, or its
+        request asks for more samples (``n``, decoded side by side) than a step may hold."""
+        if seq.sampling_params is None:
+            raise ValueError(f"sequence {seq.seq_id} has no sampling parameters (a worker's slim copy?)")
+        bm, params = self.block_manager, seq.sampling_params
+        blocks = -(-max_kv_tokens(seq) // bm.block_size)
+        if blocks > bm.num_blocks:
+            raise ValueError(
+                f"request {seq.seq_id} can never fit the KV cache: its {seq.num_prompt_tokens} prompt tokens and "
+                f"max_tokens={params.max_tokens} need up to {blocks} blocks of {bm.block_size} tokens, "
+                f"but the cache has {bm.num_blocks}; shorten the prompt, lower max_tokens or enlarge the cache"
+            )
+        if params.n > self.max_num_seqs:
+            raise ValueError(
+                f"request {seq.seq_id} asks for n={params.n} samples, but a step holds at most "
+                f"max_num_seqs={self.max_num_seqs} sequences and the samples decode side by side; "
+                f"raise max_num_seqs or lower n"
+            )
+
     def add(self, seq: Sequence) -> None:
         """Queue a new request; refuse one that could never fit the KV cache, even alone."""
         if not isinstance(seq, Sequence):
@@ -103,16 +123,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id} was already added")
         if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_cached_tokens:
             raise ValueError(f"sequence {seq.seq_id} is not a new request (status {seq.status.name}, holds blocks)")
-        if seq.sampling_params is None:
-            raise ValueError(f"sequence {seq.seq_id} has no sampling parameters (a worker's slim copy?)")
-        tokens = max_kv_tokens(seq)
-        blocks = -(-tokens // bm.block_size)
-        if blocks > bm.num_blocks:
-            raise ValueError(
-                f"request {seq.seq_id} can never fit the KV cache: its {seq.num_prompt_tokens} prompt tokens and "
-                f"max_tokens={seq.sampling_params.max_tokens} need up to {blocks} blocks of {bm.block_size} tokens, "
-                f"but the cache has {bm.num_blocks}; shorten the prompt, lower max_tokens or enlarge the cache"
-            )
+        self.check_fits(seq)
         self.waiting.append(seq)
         self._live_ids.add(seq.seq_id)
         if self.observer is not None:
@@ -193,29 +204,43 @@ class Scheduler:
         Returns the sequences that finished. It is `advance` and `resolve` back to back; chapter 11's
         asynchronous engine calls them one step apart.
         """
-        if len(token_ids) != len(seqs):
-            raise ValueError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled sequences")
-        return self.resolve(seqs, self.advance(seqs, is_prefill), token_ids)
+        # One token per sequence, plus the first token of each sibling forked in this step (chapter 04b).
+        expected = len(seqs) + sum(seq.pending_forks for seq in seqs if seq.num_samples)
+        if len(token_ids) != expected:
+            raise ValueError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled sequences "
+                             f"({expected} expected)")
+        seqs, indices = self.advance(seqs, is_prefill)
+        return self.resolve(seqs, indices, token_ids)
 
-    def advance(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """Count a computed step before its tokens are known: returns where each sequence's new token goes.
+    def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[int | None]]:
+        """Count a computed step before its tokens are known.
 
-        The index is None for a partial prefill chunk (it samples nothing). A sequence that reaches
-        ``max_tokens`` with this token ends with it, whatever it is: it leaves ``running`` and gives
-        back its blocks now, as it would in a synchronous engine, so that the next schedule can use them.
+        Returns the step's sequences followed by the siblings forked in this step, and where each
+        one's new token goes: None for a partial prefill chunk (it samples nothing). A request with
+        ``n > 1`` forks when its prompt's first token is sampled (chapter 04b); the model runner
+        sampled the siblings' first tokens after the step's own, in the same order. A sequence that
+        reaches ``max_tokens`` with this token ends with it, whatever it is: it leaves ``running``
+        and gives back its blocks now, as it would in a synchronous engine, so that the next
+        schedule can use them.
         """
         kind = "prefill" if is_prefill else "decode"
         for seq in seqs:
             if seq.num_scheduled_tokens < 1 or (not is_prefill and seq.num_scheduled_tokens != 1):
                 raise ValueError(f"sequence {seq.seq_id} was not scheduled in this {kind} step")
         indices: list[int | None] = []
+        forked: list[Sequence] = []
         for seq in seqs:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
+            # The model runner made the step's copy-on-write copies when it launched the step.
+            seq.blocks_to_copy = []
             if seq.num_cached_tokens < len(seq):
                 indices.append(None)  # a partial prefill chunk: no new token (the model runner passes -1)
                 continue
             indices.append(seq.append_pending_token())
+            forked += self._fork(seq)
+        sampled = [seq for seq, index in zip(seqs, indices, strict=True) if index is not None] + forked
+        for seq in sampled:
             if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
                 # Publish the blocks whose tokens are all known: asynchronously, the token this step
                 # computed (the last cached one) may still be pending, and a hash needs its value.
@@ -224,7 +249,20 @@ class Scheduler:
                 self.block_manager.publish_full_blocks(seq)
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
-        return indices
+        return seqs + forked, indices + [len(child) - 1 for child in forked]
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """A request with n > 1 becomes n sequences when its first token is sampled (chapter 04b): the
+        siblings share every block of ``seq``, and each takes its own first token from the same logits."""
+        siblings = []
+        for sample_index in range(1, seq.pending_forks + 1):
+            child = seq.fork(sample_index)
+            self.block_manager.fork(seq, child)
+            self.running.append(child)
+            self._live_ids.add(child.seq_id)
+            siblings.append(child)
+        seq.pending_forks = 0
+        return siblings
 
     def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
         """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""

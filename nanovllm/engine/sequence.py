@@ -77,6 +77,16 @@ class Sequence:
         # Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
         # that a worker process unpickled (see "Shipping a sequence to another process" below).
         self.first_token_index = 0
+        # Parallel sampling (chapter 04b). A request with n > 1 starts as one sequence that
+        # computes the prompt; when its first token is sampled it forks n - 1 siblings that
+        # share its blocks. request_id names the request (the first sequence's id) and
+        # sample_index which of its n samples this is (0 for the first; it picks the random
+        # stream). blocks_to_copy holds the copy-on-write copies (source block, destination
+        # block) that the next step must make before it writes K/V.
+        self.request_id = self.seq_id
+        self.sample_index = 0
+        self.pending_forks = sampling_params.n - 1
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     # ---- status -------------------------------------------------------------
     @property
@@ -121,6 +131,14 @@ class Sequence:
         start = self.num_cached_tokens - self.first_token_index
         return self.token_ids[start : start + self.num_scheduled_tokens]
 
+    @property
+    def num_samples(self) -> int:
+        """Tokens the scheduled step samples for this sequence: none for a partial prefill chunk, else
+        one, plus one for each sibling it forks when its prompt is done (chapter 04b)."""
+        if self.num_cached_tokens + self.num_scheduled_tokens < self.num_tokens:
+            return 0
+        return 1 + self.pending_forks
+
     def append_token(self, token_id: int) -> None:
         """Record a generated token (its KV is computed by the next step, not this one)."""
         self.token_ids.append(_token_id(token_id, self.num_tokens))
@@ -148,6 +166,17 @@ class Sequence:
         del self.token_ids[num_tokens - self.first_token_index :]
         self.num_tokens = num_tokens
         self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+
+    def fork(self, sample_index: int) -> Sequence:
+        """A sibling for sample ``sample_index`` of the same request: the same tokens, progress and block
+        table (the block manager adds its references to the blocks), a new seq_id, no forks of its own."""
+        self._require_whole("fork()")
+        child = copy.copy(self)
+        child.seq_id = next(Sequence._ids)
+        child.sample_index = sample_index
+        child.pending_forks = 0
+        child.blocks_to_copy = []
+        return child
 
     # ---- blocks -------------------------------------------------------------
     @property
@@ -187,6 +216,10 @@ class Sequence:
             self.num_scheduled_tokens,
             self.block_table,
             tail,
+            self.request_id,
+            self.sample_index,
+            self.pending_forks,
+            self.blocks_to_copy,
         )
 
     def __setstate__(self, state: tuple) -> None:
@@ -200,6 +233,10 @@ class Sequence:
             self.num_scheduled_tokens,
             self.block_table,
             self.token_ids,
+            self.request_id,
+            self.sample_index,
+            self.pending_forks,
+            self.blocks_to_copy,
         ) = state
         self.first_token_index = self.num_cached_tokens
         # Sampling happens on rank 0 only, so workers never need the parameters.
@@ -211,6 +248,7 @@ class Sequence:
         clone.__dict__.update(self.__dict__)
         clone.token_ids = list(self.token_ids)
         clone.block_table = list(self.block_table)
+        clone.blocks_to_copy = list(self.blocks_to_copy)
         return clone
 
     def __deepcopy__(self, memo: dict) -> Sequence:

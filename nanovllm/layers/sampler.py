@@ -31,10 +31,17 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seeded_generator(seed: int, position: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator that depends only on (seed, position): the noise of one token of one request."""
-    # Hash the pair so that nearby seeds and positions give unrelated streams.
-    mixed = _splitmix64(_splitmix64(seed) ^ position) >> 1  # manual_seed wants < 2**63
+def seeded_generator(
+    seed: int, position: int, device: torch.device | str = "cpu", sample_index: int = 0
+) -> torch.Generator:
+    """A generator that depends only on (seed, position, sample_index): the noise of one token of one
+    sample of a request (``sample_index`` tells apart the n samples of parallel sampling, chapter 04b)."""
+    # Hash the numbers so that nearby seeds, positions and samples give unrelated streams.
+    # Sample 0 keeps the stream of a request with n = 1.
+    stream = _splitmix64(seed)
+    if sample_index:
+        stream = _splitmix64(stream ^ _splitmix64(sample_index))
+    mixed = _splitmix64(stream ^ position) >> 1  # manual_seed wants < 2**63
     generator = torch.Generator(device=device)
     generator.manual_seed(mixed)
     return generator
@@ -133,15 +140,23 @@ class Sampler(nn.Module):
 
 
 def sampling_inputs(
-    params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device | str = "cpu"
+    params: Sequence[SamplingParams],
+    positions: Sequence[int],
+    device: torch.device | str = "cpu",
+    sample_indices: Sequence[int] | None = None,
 ) -> dict[str, object]:
-    """The Sampler's keyword arguments for a batch: ``positions[i]`` is the index of the token row i draws.
+    """The Sampler's keyword arguments for a batch: ``positions[i]`` is the index of the token row i draws,
+    ``sample_indices[i]`` which of its request's n samples it is (default: all 0).
 
     top_ks, top_ps and generators are None when no row of the batch uses them: the sampler then
     takes its fast path, decided here on the host rather than by asking the GPU.
     """
     if len(params) != len(positions):
         raise ValueError(f"need one position per request: {len(params)} params, {len(positions)} positions")
+    if sample_indices is None:
+        sample_indices = [0] * len(params)
+    elif len(sample_indices) != len(params):
+        raise ValueError(f"need one sample index per row: {len(params)} params, {len(sample_indices)} indices")
     seeded = any(p.seed is not None for p in params)
     return {
         "temperatures": host_to_device([p.temperature for p in params], torch.float32, device),
@@ -150,7 +165,7 @@ def sampling_inputs(
         "top_ps": host_to_device([p.top_p for p in params], torch.float32, device)
         if any(p.top_p < 1.0 for p in params) else None,
         "generators": [
-            None if p.seed is None else seeded_generator(p.seed, position, device)
-            for p, position in zip(params, positions, strict=True)
+            None if p.seed is None else seeded_generator(p.seed, position, device, sample)
+            for p, position, sample in zip(params, positions, sample_indices, strict=True)
         ] if seeded else None,
     }  # fmt: skip

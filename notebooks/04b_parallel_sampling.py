@@ -1,0 +1,673 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 04b · One prompt, n answers: parallel sampling and copy-on-write
+#
+# **Goal.** By the end of this chapter you can ask the engine for several completions of one
+# prompt, `SamplingParams(n=4)`, and explain what happens to memory: the prompt is computed
+# **once**, its blocks are **shared** by the n samples (reference count n), and a sample that is
+# about to write into a block somebody else still holds gets a private copy first:
+# **copy-on-write**, the trick a forked Unix process plays with its parent's pages. You will see
+# the fork, the reference counts, the copy and the frees step by step, measure what sharing saves
+# against n identical prompts sent as separate requests, and check that sharing changes no token.
+#
+# nano-vllm has none of this; vLLM has it. The source article that this book answers (a walk
+# through vLLM's memory management) tells this story with the vLLM paper's figure, and so do we.
+
+# %% [markdown] tags=["zh"]
+# # 04b · 一个提示词，n 个回答：并行采样与写时复制
+#
+# **目标：** 读完本章，你可以向引擎要同一个提示词的多个生成结果（`SamplingParams(n=4)`），并说清楚内存里发生了
+# 什么：提示词只计算**一次**，它的块由 n 个样本**共享**（引用计数为 n）；某个样本要往一个仍被别人持有的块里写入时，
+# 先得到一份私有副本——这就是**写时复制**（copy-on-write），和 Unix 里 fork 出来的子进程对待父进程内存页的办法一样。
+# 你会一步步看到分叉、引用计数、拷贝和释放，测量共享比“把 n 个相同提示词当作独立请求发送”省下了多少，并验证共享
+# 不会改变任何一个 token。
+#
+# nano-vllm 没有这些，vLLM 有。本书所回应的那篇源文章（讲解 vLLM 内存管理的文章）用 vLLM 论文里的插图讲了这个
+# 故事，我们也照着讲一遍。
+
+# %% [markdown] tags=["en"]
+# ## The idea: fork, share, copy on the first write
+#
+# The article's example, after the vLLM paper: the prompt *"Four score and seven years ago our"*
+# (7 tokens; blocks of 4 tokens) and two samples, A1 and A2.
+#
+# 1. **Prefill once.** The prompt's K and V go into two blocks: block 0 is full (*Four score and
+#    seven*), block 1 holds three tokens (*years ago our*) and has one free slot.
+# 2. **Fork.** The prefill's logits give each sample its own first token: A1 draws *fathers*,
+#    A2 draws *mothers*. The request becomes two sequences whose block tables both read `[0, 1]`:
+#    each block's reference count is 2, *the partly filled block 1 included*.
+# 3. **Copy on write.** The next step writes the K and V of *fathers* (A1) and *mothers* (A2)
+#    into slot 3 of block 1. Block 1 is shared, so A1 may not write there: the block manager gives
+#    A1 a fresh block, records *copy block 1 into it*, and drops block 1's count to 1. The runner
+#    copies the three tokens' K and V before the step runs; then A1 writes *fathers* into its copy.
+# 4. **The last holder writes in place.** A2 is now block 1's only holder: it writes *mothers*
+#    there, no copy needed.
+# 5. **Free.** When a sample finishes it releases its references; the prompt's blocks return to
+#    the free list when the last sample lets go.
+#
+# Only the block being written is ever copied: block 0 stays shared until the end. With n
+# samples, the prompt costs its blocks once plus at most n − 1 copies of its last, partial block.
+#
+# **When does the fork happen?** When the prompt's first token is sampled: the model runner draws
+# n tokens from the prompt's one logits row (each sample with its own random stream), and the
+# scheduler's `advance` turns the request into n sequences. Until then there is only one
+# sequence, so a chunked prefill, a prefix-cache hit or a preemption during prefill work exactly
+# as before.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：分叉、共享、首次写入时复制
+#
+# 文章里的例子取自 vLLM 论文：提示词 *"Four score and seven years ago our"*（7 个 token，每块 4 个 token），两个样本
+# A1 和 A2。
+#
+# 1. **只 prefill 一次。** 提示词的 K、V 写进两个块：块 0 写满了（*Four score and seven*），块 1 存了三个 token
+#    （*years ago our*），还剩一个空槽位。
+# 2. **分叉。** prefill 得到的 logits 为每个样本各自抽出第一个 token：A1 抽到 *fathers*，A2 抽到 *mothers*。
+#    这个请求变成两个序列，它们的块表都是 `[0, 1]`：每个块的引用计数都是 2，*连只写了一部分的块 1 也不例外*。
+# 3. **写时复制。** 下一步要把 *fathers*（A1）和 *mothers*（A2）的 K、V 写进块 1 的第 3 个槽位。块 1 是共享的，
+#    A1 不能往里写：块管理器给 A1 一个新块，记下“把块 1 拷贝进去”，并把块 1 的计数减到 1。执行器在这一步运行之前
+#    拷贝那三个 token 的 K、V，然后 A1 把 *fathers* 写进自己的副本。
+# 4. **最后一个持有者原地写入。** 现在 A2 是块 1 唯一的持有者：它直接把 *mothers* 写在那里，不需要拷贝。
+# 5. **释放。** 样本结束时释放自己的引用；最后一个样本放手时，提示词的块回到空闲队列。
+#
+# 被拷贝的永远只是正要写入的那个块：块 0 一直共享到最后。n 个样本时，提示词的开销是它的块各一份，外加最后那个
+# 未写满的块最多 n − 1 份副本。
+#
+# **分叉发生在什么时候？** 在提示词的第一个 token 被采样的时候：执行器从提示词那唯一一行 logits 里抽出 n 个
+# token（每个样本用自己的随机数流），调度器的 `advance` 把这个请求变成 n 个序列。在此之前只有一个序列，所以分块
+# prefill、前缀缓存命中、prefill 期间的抢占都和以前完全一样。
+
+# %% [markdown] tags=["en"]
+# ## Where the code lives
+#
+# A module belongs to one chapter, so the few lines that make this work sit in the chapters that
+# own the data structures; this chapter opens those boxes:
+#
+# | what | module (chapter) |
+# |---|---|
+# | `SamplingParams(n=...)`, checked (`n >= 1`) | `sampling_params` (01) |
+# | `Sequence`: `request_id`, `sample_index`, `pending_forks`, `blocks_to_copy` | `engine.sequence` (01) |
+# | `Sequence.fork(sample_index)`, `Sequence.num_samples` | `engine.sequence` (01) |
+# | `BlockManager.fork(parent, child)`: hold every block once more | `engine.block_manager` (02) |
+# | copy-on-write in `BlockManager.may_append`, counted by `can_append` | `engine.block_manager` (02) |
+# | `Scheduler.advance` forks (`_fork`), returns the step's sequences and siblings | `engine.scheduler` (04) |
+# | `Scheduler.check_fits`: refuses `n > max_num_seqs` | `engine.scheduler` (04) |
+# | a seeded stream per sample: `seeded_generator(..., sample_index)` | `layers.sampler` (07) |
+# | the siblings' first tokens are sampled; `copy_kv_blocks` runs before the forward | `engine.model_runner` (08) |
+# | `generate` groups the samples; `fork_samples=False` makes them independent | `engine.llm_engine`, `config` (11) |
+#
+# Three decisions shape the code:
+#
+# - **The copy is decided at schedule time, in the block manager.** `may_append` already runs for
+#   every sequence before a decode step; it now also asks whether the block this step writes
+#   into is shared. If so it takes a fresh block, swaps it into this sequence's table, releases
+#   the shared one and appends `(source, destination)` to `seq.blocks_to_copy`. Because the
+#   decision is part of `schedule()`, chapter 11's asynchronous engine sees it like any other
+#   allocation, and a tensor-parallel rank receives it with the sequence (chapter 10).
+# - **The copy is one batched operation, done by the runner before the step's forward.** All
+#   pairs of all sequences of a step become one indexed read and one indexed write on the single
+#   KV tensor (chapter 08's `copy_kv_blocks`), in every layer at once. It runs before the
+#   forward, so it is queued ahead of the step's K/V stores, and outside the CUDA graph that
+#   replays the forward (chapter 09).
+# - **The fork is a scheduler event, not a runner event.** The runner only samples
+#   `1 + seq.pending_forks` tokens for a sequence whose prompt is done (the extra ones after
+#   the step's regular rows); `advance` creates the siblings in the same order, each with its
+#   first token. The siblings are ordinary sequences from then on: they decode, get preempted,
+#   finish on their own.
+
+# %% [markdown] tags=["zh"]
+# ## 代码在哪里
+#
+# 一个模块只属于一章，所以实现这一功能的几行代码分布在拥有相应数据结构的那几章里；本章把这些盒子一一打开：
+#
+# | 内容 | 模块（章） |
+# |---|---|
+# | `SamplingParams(n=...)`，带检查（`n >= 1`） | `sampling_params`（01） |
+# | `Sequence`：`request_id`、`sample_index`、`pending_forks`、`blocks_to_copy` | `engine.sequence`（01） |
+# | `Sequence.fork(sample_index)`、`Sequence.num_samples` | `engine.sequence`（01） |
+# | `BlockManager.fork(parent, child)`：把每个块再持有一次 | `engine.block_manager`（02） |
+# | `BlockManager.may_append` 中的写时复制，由 `can_append` 计入所需块数 | `engine.block_manager`（02） |
+# | `Scheduler.advance` 负责分叉（`_fork`），返回本步的序列和兄弟序列 | `engine.scheduler`（04） |
+# | `Scheduler.check_fits`：拒绝 `n > max_num_seqs` | `engine.scheduler`（04） |
+# | 每个样本一条带种子的随机数流：`seeded_generator(..., sample_index)` | `layers.sampler`（07） |
+# | 为兄弟序列采样第一个 token；前向计算之前调用 `copy_kv_blocks` | `engine.model_runner`（08） |
+# | `generate` 按请求归拢样本；`fork_samples=False` 让它们各自独立 | `engine.llm_engine`、`config`（11） |
+#
+# 代码的形状由三个决定塑造：
+#
+# - **拷贝在调度时、由块管理器决定。** `may_append` 本来就会在每个 decode 步之前对每个序列调用一次；现在它还要问：
+#   这一步要写入的块是不是共享的？如果是，就取一个新块换进这个序列的块表，释放共享块，并把 `(源块, 目标块)`
+#   追加到 `seq.blocks_to_copy`。因为这个决定是 `schedule()` 的一部分，第 11 章的异步引擎像对待其他分配一样看得到它，
+#   张量并行的 rank 也会随序列一起收到它（第 10 章）。
+# - **拷贝是一次批量操作，由执行器在这一步的前向计算之前完成。** 一步中所有序列的所有拷贝对，变成对那一个 KV 张量
+#   的一次按索引读取和一次按索引写入（第 08 章的 `copy_kv_blocks`），所有层一起完成。它在前向计算之前运行，所以
+#   排在这一步写入 K/V 之前，也不在重放前向计算的 CUDA Graph 之内（第 09 章）。
+# - **分叉是调度器的事，不是执行器的事。** 对提示词已算完的序列，执行器只是采样 `1 + seq.pending_forks` 个 token
+#   （多出来的排在本步常规各行之后）；`advance` 按同样的顺序创建兄弟序列，各自带上第一个 token。从此兄弟序列就是
+#   普通的序列：各自 decode、各自被抢占、各自结束。
+
+# %% [markdown] tags=["en"]
+# ## See it: the article's example, step by step
+#
+# The real scheduler and block manager, a word per token, blocks of 4, and a KV cache that we
+# model as *which word's K/V sits in each slot*: a copy copies the words, a step writes its
+# tokens' words. We play the model: the first tokens are the article's, the rest are fixed.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：文章里的例子，一步一步来
+#
+# 用真实的调度器和块管理器，一个单词一个 token，每块 4 个 token；KV 缓存则简化成“每个槽位里存的是哪个词的 K/V”：
+# 拷贝就是拷贝这些词，一步计算就是把这一步的 token 写进去。模型由我们扮演：第一个 token 用文章里的，其余的固定。
+
+# %%
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+WORDS = "Four score and seven years ago our fathers mothers brought forth".split()
+ID = {word: i for i, word in enumerate(WORDS)}
+BLOCK_SIZE = 4
+
+
+class WordCache:
+    """The KV cache as words: slot -> the word whose K and V were written there."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, str] = {}
+
+    def run_step(self, seqs: list[Sequence]) -> None:
+        """What the runner does for a step: the copies first, then every scheduled token's write."""
+        for seq in seqs:
+            for source, destination in seq.blocks_to_copy:
+                for offset in range(BLOCK_SIZE):
+                    word = self.slots.get(source * BLOCK_SIZE + offset)
+                    if word is not None:
+                        self.slots[destination * BLOCK_SIZE + offset] = word
+        for seq in seqs:
+            for pos in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens):
+                block = seq.block_table[pos // BLOCK_SIZE]
+                self.slots[block * BLOCK_SIZE + pos % BLOCK_SIZE] = WORDS[seq.token_ids[pos]]
+
+    def block(self, block_id: int) -> str:
+        words = [self.slots.get(block_id * BLOCK_SIZE + i, "_") for i in range(BLOCK_SIZE)]
+        return " ".join(words)
+
+
+def show(title: str, sched: Scheduler, samples: dict[str, Sequence], cache: WordCache) -> None:
+    bm = sched.block_manager
+    print(title)
+    for name, seq in samples.items():
+        tables = ", ".join(f"{b}(ref {bm.blocks[b].ref_count})" for b in seq.block_table)
+        print(f"  {name}: table [{tables}]  copies {seq.blocks_to_copy or '-'}")
+    used = sorted({b for seq in samples.values() for b in seq.block_table})
+    for b in used:
+        print(f"    block {b}: {cache.block(b)}")
+
+
+sched = Scheduler(num_kvcache_blocks=6, kvcache_block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=32)
+prompt = [ID[w] for w in "Four score and seven years ago our".split()]
+a1 = Sequence(prompt, SamplingParams(n=2, max_tokens=3, ignore_eos=True), block_size=BLOCK_SIZE)
+sched.add(a1)
+cache = WordCache()
+
+seqs, is_prefill = sched.schedule()  # the prefill: one sequence, the whole prompt
+cache.run_step(seqs)
+sched.postprocess(seqs, [ID["fathers"], ID["mothers"]], is_prefill)  # two samples from one logits row
+a2 = next(s for s in sched.running if s.request_id == a1.seq_id and s is not a1)
+samples = {"A1": a1, "A2": a2}
+show("after the prefill and the fork", sched, samples, cache)
+assert a1.block_table == a2.block_table == [0, 1]
+assert [sched.block_manager.blocks[b].ref_count for b in (0, 1)] == [2, 2]
+assert (a1.token_ids[-1], a2.token_ids[-1]) == (ID["fathers"], ID["mothers"])
+
+seqs, is_prefill = sched.schedule()  # the first decode step: both write slot 3 of block 1
+show("\nthe first decode step, as scheduled (before it runs)", sched, samples, cache)
+assert a1.blocks_to_copy == [(1, 2)] and a1.block_table == [0, 2]
+assert a2.blocks_to_copy == [] and a2.block_table == [0, 1]
+assert [sched.block_manager.blocks[b].ref_count for b in (0, 1, 2)] == [2, 1, 1]
+cache.run_step(seqs)
+sched.postprocess(seqs, [ID["brought"], ID["brought"]], is_prefill)
+show("\nafter it ran: A1 wrote into its copy, A2 in place", sched, samples, cache)
+assert cache.block(2) == "years ago our fathers" and cache.block(1) == "years ago our mothers"
+
+# %% [markdown] tags=["en"]
+# Read the three pictures from the top. After the fork both tables are `[0, 1]` and both
+# blocks count 2 references; block 1 has a free slot (`_`). The decode step is *scheduled*
+# before it runs: A1, first in the running queue, found block 1 shared, so its table now points
+# at block 2, a fresh block, with the copy `(1, 2)` waiting for the runner, and block 1 counts 1.
+# A2, block 1's only holder, keeps it. After the step ran, block 2 holds *years ago our fathers*
+# (three copied tokens plus A1's own) and block 1 *years ago our mothers*. Block 0 was never
+# copied. Now the two samples run to their end; the blocks come back as each lets go.
+
+# %% [markdown] tags=["zh"]
+# 从上往下读这三张图。分叉之后两张块表都是 `[0, 1]`，两个块的引用计数都是 2；块 1 还有一个空槽位（`_`）。decode
+# 步在运行之前先被*调度*：A1 排在运行队列最前面，发现块 1 是共享的，于是它的块表改指向一个新块——块 2，拷贝
+# `(1, 2)` 等着执行器去做，块 1 的计数变成 1。A2 是块 1 唯一的持有者，保留它。这一步跑完后，块 2 存着
+# *years ago our fathers*（三个拷贝来的 token 加上 A1 自己的），块 1 存着 *years ago our mothers*。块 0 从未被
+# 拷贝。接下来两个样本各自跑到结束；每个样本放手时，块就回来了。
+
+# %%
+free_after = []
+while not sched.is_finished():
+    seqs, is_prefill = sched.schedule()
+    cache.run_step(seqs)
+    finished = sched.postprocess(seqs, [ID["forth"]] * len(seqs), is_prefill)
+    free_after.append(sched.block_manager.num_free_blocks)
+print("free blocks after each remaining step:", free_after)
+print("A1:", " ".join(WORDS[t] for t in a1.token_ids))
+print("A2:", " ".join(WORDS[t] for t in a2.token_ids))
+assert free_after[-1] == 6 and all(s.is_finished and not s.block_table for s in (a1, a2))
+assert sched.block_manager.blocks[0].ref_count == 0
+
+# %% [markdown] tags=["en"]
+# ## Measure it: what sharing saves
+#
+# Three ways to get four completions of one prompt, on a tiny Qwen3 (chapter 05) on the CPU:
+#
+# - **one request with `n=4`**: one prefill, then a fork;
+# - **four identical prompts in one `generate` call**: four sequences that share *nothing*. Their
+#   prefills run in the same step, and a block is findable by prefix caching only after its K/V
+#   has been written (chapter 03), so none of them can hit another's blocks;
+# - **the same prompt again, later**: its full blocks are found in the prefix cache, but only
+#   *full* blocks, and only after they were published.
+#
+# A small function watches the scheduler through its observer hook: tokens computed in prefill
+# steps, and the most blocks in use at once. It is the same function the GPU benchmark below
+# uses, so it lives in a module, `nanovllm.bench_parallel_sampling`.
+
+# %% [markdown] tags=["zh"]
+# ## 测一测：共享省下了什么
+#
+# 在 CPU 上用一个小 Qwen3（第 05 章）得到同一个提示词的四个生成结果，有三种办法：
+#
+# - **一个 `n=4` 的请求**：一次 prefill，然后分叉；
+# - **在一次 `generate` 调用里发送四个相同的提示词**：四个*什么也不共享*的序列。它们的 prefill 在同一步里运行，
+#   而一个块只有在它的 K/V 写入之后才能被前缀缓存找到（第 03 章），所以谁也命中不了别人的块；
+# - **稍后再发一次同一个提示词**：它的整块能在前缀缓存里找到，但只有*写满的*块，而且要在它们发布之后。
+#
+# 一个小函数通过调度器的观察者钩子记录两样东西：prefill 步计算的 token 数，以及同一时刻最多用了多少个块。
+# 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench_parallel_sampling`。
+
+# %% default module
+#| default_exp bench_parallel_sampling
+
+# %% sampling run
+#| export
+"""Parallel sampling against independent requests: blocks in use, prefill tokens and speed (chapter 04b)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRun:
+    """What one `generate` call cost: time, tokens produced, tokens prefilled, most blocks in use at once."""
+
+    name: str
+    seconds: float
+    output_tokens: int
+    prefill_tokens: int
+    peak_blocks: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def __str__(self) -> str:
+        return (f"{self.name}: {self.output_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:,.1f} tok/s, "
+                f"{self.prefill_tokens} prefill tokens, at most {self.peak_blocks} blocks in use")
+
+
+def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams], name: str) -> SamplingRun:
+    """Run ``llm.generate`` once, watching the scheduler (its observer hook, chapter 04): the tokens computed by
+    prefill steps, and after each schedule, when a step's blocks are all allocated, the blocks in use."""
+    pool = llm.scheduler.block_manager
+    seen = {"prefill": 0, "peak": 0}
+
+    def watch(event: str, data: dict) -> None:
+        if event == "schedule":
+            if data["is_prefill"]:
+                seen["prefill"] += sum(seq.num_scheduled_tokens for seq in data["seqs"])
+            seen["peak"] = max(seen["peak"], pool.num_blocks - pool.num_free_blocks)
+
+    previous, llm.scheduler.observer = llm.scheduler.observer, watch
+    try:
+        _sync(llm.config.device)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(llm.config.device)
+        seconds = time.perf_counter() - start
+    finally:
+        llm.scheduler.observer = previous
+    made = sum(len(sample["token_ids"]) for output in outputs for sample in output.get("outputs", [output]))
+    return SamplingRun(name, seconds, made, seen["prefill"], seen["peak"])
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+# %%
+import random
+
+from nanovllm.bench_parallel_sampling import measure_generate
+from nanovllm.llm import LLM
+from nanovllm.utils.tiny_models import build_tiny_model
+
+tiny_qwen = str(build_tiny_model("qwen3"))
+rng = random.Random(0)
+prompt = [rng.randrange(3, 512) for _ in range(30)]  # 7 full blocks of 4 and a partial one (2 tokens)
+sample = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+
+def engine() -> LLM:
+    """A fresh engine each time, so that no run finds another's blocks in the prefix cache by accident."""
+    return LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
+
+
+forked = measure_generate(engine(), [prompt], [SamplingParams(**{**sample.__dict__, "n": 4})], "one request, n=4")
+separate_engine = engine()
+separate = measure_generate(separate_engine, [prompt] * 4, [sample] * 4, "4 identical requests")
+later = measure_generate(separate_engine, [prompt], [sample], "the same prompt, later")
+print(f"{'':<24} {'prefill tokens':>14} {'peak blocks':>12}")
+for run in (forked, separate, later):
+    print(f"{run.name:<24} {run.prefill_tokens:>14} {run.peak_blocks:>12}")
+
+assert forked.prefill_tokens == 30 and separate.prefill_tokens == 4 * 30  # no sharing among the four
+assert later.prefill_tokens == 30 - 7 * 4  # seven full blocks found in the cache, two tokens computed
+assert forked.peak_blocks == 7 + 4 * 3 and separate.peak_blocks == 4 * 10  # explained below
+assert forked.output_tokens == separate.output_tokens == 32
+
+# %% [markdown] tags=["en"]
+# The request with `n=4` prefilled its 30 tokens once; the four identical requests prefilled
+# them four times, because they arrived together and nothing was published yet. The same prompt
+# sent later found its seven full blocks and computed only its last two tokens (a prompt's last
+# token is always computed: its logits are needed). And at the peak, the fork held 7 shared
+# blocks plus 3 private blocks per sample (a copy of block 7, then two new ones); the four
+# separate requests held 10 blocks each.
+
+# %% [markdown] tags=["zh"]
+# `n=4` 的请求只 prefill 了一次它的 30 个 token；四个相同的请求 prefill 了四次，因为它们同时到达，而那时还什么都
+# 没有发布。稍后再发的同一个提示词找到了它的七个整块，只计算了最后两个 token（提示词的最后一个 token 总要计算：
+# 需要它的 logits）。峰值时，分叉的做法持有 7 个共享块，外加每个样本 3 个私有块（块 7 的一份副本，再加两个新块）；
+# 四个独立请求则各持有 10 个块。
+
+# %% [markdown] tags=["en"]
+# ## Check it: sharing changes no token
+#
+# Sharing is an optimization, so it must be invisible in the output. `Config(fork_samples=False)`
+# switches it off: a request with `n=4` then becomes four independent sequences, each computing
+# the prompt itself, but each sample keeps its own random stream (`sample_index` picks it, and
+# with a `seed` the stream depends only on the seed, the sample and the position). So the same
+# seeded request must give exactly the same four completions either way. To make a missed or
+# misdirected copy visible, we fill the KV cache with NaN before running: a sample that reads a
+# slot nobody wrote for it gets NaN logits and a different token. (The test suite runs this under
+# chunked prefill, preemption, asynchronous scheduling and two tensor-parallel ranks, and checks
+# that it *fails* when the runner's copy is switched off.)
+
+# %% [markdown] tags=["zh"]
+# ## 验证：共享不改变任何 token
+#
+# 共享只是一种优化，所以在输出上必须看不出来。`Config(fork_samples=False)` 把它关掉：这时一个 `n=4` 的请求变成四个
+# 独立的序列，各自计算提示词，但每个样本仍保留自己的随机数流（由 `sample_index` 选定；设置了 `seed` 时，随机数流只
+# 取决于种子、样本序号和位置）。所以同一个带种子的请求，两种方式下都必须给出完全相同的四个结果。为了让漏掉或拷错的
+# 拷贝显形，运行前先把 KV 缓存填满 NaN：读到一个不是为它写入的槽位的样本会得到 NaN 的 logits，从而得到不同的 token。
+# （测试套件还在分块 prefill、抢占、异步调度和两个张量并行 rank 下运行这项检查，并确认关掉执行器的拷贝后它会*失败*。）
+
+# %%
+seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=4, seed=2026)
+completions = {}
+for fork in (True, False):
+    llm = LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=64, fork_samples=fork)
+    llm.model_runner.kv_cache.fill_(float("nan"))
+    output = llm.generate([prompt], seeded, use_tqdm=False)[0]
+    completions[fork] = [s["token_ids"] for s in output["outputs"]]
+    assert llm.scheduler.block_manager.num_free_blocks == 64  # every block came back
+for i, tokens in enumerate(completions[True]):
+    print(f"sample {i}: {tokens}")
+assert completions[True] == completions[False]
+assert len({tuple(t) for t in completions[True]}) > 1  # four streams, not one sample four times
+print("forked samples == independent requests, token for token")
+
+# %% [markdown] tags=["en"]
+# ## The benchmark: n = 4 against four independent requests, on a GPU
+#
+# The same comparison at scale: the first 64 prompts of nano-vllm's benchmark workload (chapter
+# 11: random prompts of 100 to 1,024 tokens, Qwen3-0.6B shapes, bf16), each asked for n = 4
+# samples with its workload output length, against the same 64 prompts as 256 independent
+# requests (`fork_samples=False`), in one run:
+#
+# ```bash
+# python3 -m nanovllm.bench --preset nano-vllm --parallel-sampling 4
+# ```
+#
+# Each side gets a fresh engine, so that neither finds the other's blocks in the prefix cache.
+
+# %% [markdown] tags=["zh"]
+# ## 基准测试：在 GPU 上比较 n = 4 和四个独立请求
+#
+# 同样的比较，放大规模：取 nano-vllm 基准负载（第 11 章：随机提示词，长度 100 到 1,024 个 token，Qwen3-0.6B 的
+# 形状，bf16）的前 64 个提示词，每个要 n = 4 个样本、输出长度按负载里的设定；对照组是把这 64 个提示词当作 256 个
+# 独立请求（`fork_samples=False`）。两者在同一次运行中测量：
+#
+# ```bash
+# python3 -m nanovllm.bench --preset nano-vllm --parallel-sampling 4
+# ```
+#
+# 两边各用一个新引擎，谁也不会在前缀缓存里找到对方的块。
+
+# %% compare
+#| export
+def compare_parallel_sampling(
+    model: str, prompts: list[list[int]], output_lens: list[int], n: int, **config: Any
+) -> list[SamplingRun]:
+    """Each prompt with ``n`` forked samples, then as ``n`` independent requests (``fork_samples=False``): one
+    fresh engine each, the same sampled lengths (``ignore_eos``). ``config``: `LLM` keyword arguments."""
+    if n < 2:
+        raise ValueError(f"n must be >= 2 to compare sharing with independent requests, got {n}")
+    longest = max(len(p) + m for p, m in zip(prompts, output_lens, strict=True))
+    config.setdefault("max_model_len", max(4096, longest))
+    config.setdefault("max_num_seqs", max(512, n))
+    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, n=n) for m in output_lens]
+    runs = []
+    for fork, name in ((True, f"forked: n={n}"), (False, f"independent: {n} requests per prompt")):
+        llm = LLM(model, fork_samples=fork, **config)
+        try:
+            # en: Warm-up on a prompt unrelated to the workload (nothing it publishes can be hit).
+            # zh: 用一个与负载无关的提示词预热（它发布的块不会被命中）。
+            llm.generate([list(range(3, 11))], SamplingParams(max_tokens=2, n=2), use_tqdm=False)
+            runs.append(measure_generate(llm, prompts, params, name))
+        finally:
+            llm.exit()
+            if llm.config.device == "cuda":
+                torch.cuda.empty_cache()
+    return runs
+
+
+def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
+    """Print the runs side by side (and their ratios); return them as JSON-ready data."""
+    forked, independent = runs
+    print(f"{'':<38} {'tok/s':>10} {'prefill tokens':>15} {'peak blocks':>12}")
+    for run in runs:
+        print(f"{run.name:<38} {run.tokens_per_s:>10,.0f} {run.prefill_tokens:>15,} {run.peak_blocks:>12,}")
+    ratios = {
+        "tokens_per_s": forked.tokens_per_s / independent.tokens_per_s,
+        "prefill_tokens": forked.prefill_tokens / independent.prefill_tokens,
+        "peak_blocks": forked.peak_blocks / independent.peak_blocks,
+    }
+    print(f"{'forked / independent':<38} {ratios['tokens_per_s']:>9.2f}x {ratios['prefill_tokens']:>14.2f}x "
+          f"{ratios['peak_blocks']:>11.2f}x")
+    return {"runs": [run.__dict__ | {"tokens_per_s": run.tokens_per_s} for run in runs], "ratios": ratios}
+
+# %% [markdown] tags=["en"]
+# On the CPU, the same function on the tiny model and a handful of prompts (what CI runs; the
+# speed of a tiny model on a CPU says nothing, the counts do):
+
+# %% [markdown] tags=["zh"]
+# 在 CPU 上，用同一个函数、小模型和几个提示词跑一遍（CI 运行的就是这个；小模型在 CPU 上的速度说明不了什么，
+# 计数才有意义）：
+
+# %%
+from nanovllm.bench_parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+
+few = [[rng.randrange(3, 512) for _ in range(rng.randint(10, 40))] for _ in range(4)]
+runs = compare_parallel_sampling(tiny_qwen, few, [6, 9, 4, 7], 4, device="cpu", kvcache_block_size=4,
+                                 num_kvcache_blocks=256)
+summary = parallel_sampling_report(runs)
+assert summary["ratios"]["prefill_tokens"] == 0.25  # each prompt prefilled once instead of four times
+assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1].output_tokens == 4 * 26
+
+# %% [markdown] tags=["en"]
+# ## The other user of copy-on-write: beam search
+#
+# Beam search keeps the k most likely sequences (beams) and, at every step, extends each by its
+# likeliest tokens and keeps the k best of all those extensions. A beam that wins twice becomes
+# two beams; a beam that wins nothing is dropped. In memory that is exactly this chapter's
+# machinery, used at *every* step instead of once: a beam that continues in two ways **forks**
+# (its block table is shared, reference counts go up), the next write into the shared last block
+# **copies** it, and a dropped beam **releases** its references, so blocks that only it held
+# return to the free list. vLLM implemented beam search this way. We do not build it (the
+# engine's API samples; it does not search), but the exercises below fork in the middle of a
+# decode to show that nothing else is needed on the memory side.
+
+# %% [markdown] tags=["zh"]
+# ## 写时复制的另一个用户：束搜索
+#
+# 束搜索（beam search）保留 k 个最可能的序列（束），每一步把每个束按它最可能的几个 token 延伸，再从所有延伸中留下
+# 最好的 k 个。一个束若两次胜出就变成两个束；一无所获的束则被丢弃。在内存上，这恰好就是本章的机制，只不过每一步
+# 都要用到，而不只是一次：以两种方式延续的束会**分叉**（共享块表，引用计数增加），下一次写入共享的最后一块时
+# **复制**它；被丢弃的束**释放**自己的引用，只被它持有的块回到空闲队列。vLLM 当年就是这样实现束搜索的。我们不实现
+# 它（引擎的接口是采样，不是搜索），但下面的练习在 decode 中途分叉，说明在内存这一侧不需要别的东西。
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `SamplingParams(n=...)`: several samples of one prompt; `generate` returns nano-vllm's
+#   `{"text", "token_ids"}` (the first sample) plus `"outputs"`, every sample's
+#   `{"text", "token_ids"}` in sample order, when `n > 1`.
+# - The fork: the prompt is prefilled once (chunked, with cache hits, as usual); the runner draws
+#   the n first tokens from its one logits row, each sample from its own random stream; the
+#   scheduler's `advance` creates the n − 1 siblings, which share every block (reference count n,
+#   the partial last block included).
+# - Copy-on-write, decided at schedule time by `BlockManager.may_append`, made by the runner as
+#   one batched copy before the forward (`copy_kv_blocks`), outside CUDA graphs, on every
+#   tensor-parallel rank; the last holder writes in place.
+# - `fork_samples=False`, which runs the samples as independent requests, and the benchmark
+#   `python -m nanovllm.bench --parallel-sampling N` that compares the two.
+# - Tests: unit tests of each step above, the property tests and the provenance fuzz of the
+#   scheduler extended to forks (no step ever writes into a block whose reference count is above
+#   1; every slot read holds the K/V of the same prefix), and token-for-token parity of forked and
+#   independent samples.
+#
+# Next, chapter 05 builds the model that computes those K and V vectors.
+#
+# ## Exercises
+#
+# 1. A 1,000-token prompt, blocks of 16 tokens, n = 4. How many blocks do the prompt's samples
+#    hold once the first decode step is scheduled, forked and as four independent requests? How
+#    many blocks does sharing save?
+# 2. For which prompt lengths does a sample need no copy at its first decode step (blocks of 4,
+#    n = 2)? And which of the n samples never needs one?
+# 3. Beam search forks in the middle of a decode. Fork a sequence that has already generated a
+#    few tokens, with `Sequence.fork` and `BlockManager.fork`: which block is copied at the next
+#    step, and what are the reference counts?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `SamplingParams(n=...)`：同一个提示词的多个样本；`n > 1` 时，`generate` 返回 nano-vllm 的
+#   `{"text", "token_ids"}`（第一个样本），外加 `"outputs"`：按样本顺序排列的每个样本的 `{"text", "token_ids"}`。
+# - 分叉：提示词只 prefill 一次（照常分块、照常命中缓存）；执行器从它那一行 logits 里抽出 n 个第一 token，每个样本
+#   用自己的随机数流；调度器的 `advance` 创建 n − 1 个兄弟序列，它们共享每一个块（引用计数为 n，连未写满的最后一块
+#   也算在内）。
+# - 写时复制：由 `BlockManager.may_append` 在调度时决定，由执行器在前向计算之前用一次批量拷贝完成
+#   （`copy_kv_blocks`），不在 CUDA Graph 之内，每个张量并行 rank 都做；最后一个持有者原地写入。
+# - `fork_samples=False`：把样本当作独立请求运行；基准测试 `python -m nanovllm.bench --parallel-sampling N`
+#   比较这两种做法。
+# - 测试：上面每一步的单元测试；调度器的性质测试和来源模糊测试扩展到了分叉（任何一步都不会写入引用计数大于 1 的
+#   块；读到的每个槽位存的都是同一前缀的 K/V）；以及分叉样本与独立样本逐 token 一致。
+#
+# 下一章（第 05 章）构建计算这些 K、V 向量的模型。
+#
+# ## 练习
+#
+# 1. 一个 1,000 个 token 的提示词，每块 16 个 token，n = 4。第一个 decode 步调度完成时，分叉的做法和四个独立请求
+#    的做法，这些样本分别持有多少个块？共享省下了多少个块？
+# 2. 每块 4 个 token、n = 2 时，提示词长度为多少时样本在第一个 decode 步不需要拷贝？n 个样本中哪一个永远不需要拷贝？
+# 3. 束搜索会在 decode 中途分叉。用 `Sequence.fork` 和 `BlockManager.fork` 把一个已经生成了几个 token 的序列分叉：
+#    下一步会拷贝哪个块？引用计数各是多少？
+#
+# 下面的单元检查答案。
+
+# %%
+def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 16) -> tuple[int, int]:
+    """Blocks held by the samples once the first decode step is scheduled, and the copies it makes."""
+    sched = Scheduler(num_kvcache_blocks=1024, kvcache_block_size=block_size, max_num_seqs=n,
+                      max_num_batched_tokens=n * prompt_len)
+    params = SamplingParams(n=n if fork else 1, max_tokens=4, ignore_eos=True)
+    for _ in range(1 if fork else n):
+        sched.add(Sequence(range(prompt_len), params, block_size=block_size))
+    seqs, is_prefill = sched.schedule()
+    sched.postprocess(seqs, [1] * (len(seqs) + sum(s.pending_forks for s in seqs)), is_prefill)
+    decode, _ = sched.schedule()
+    return sched.block_manager.num_blocks - sched.block_manager.num_free_blocks, sum(
+        len(s.blocks_to_copy) for s in decode
+    )
+
+
+# en: Exercise 1: 62 full blocks + a partial one (8 tokens). Forked: the 62 stay shared and the partial
+# en: block is written by all four: three copies, the last writes in place -> 62 + 4 = 66 blocks.
+# en: Independent: 4 x 63 = 252. Sharing saves 186 blocks.
+# zh: 练习 1：62 个整块加一个未写满的块（8 个 token）。分叉：62 个整块保持共享，四个样本都要写那个未写满的块：
+# zh: 三份拷贝，最后一个原地写入 -> 62 + 4 = 66 块。独立请求：4 x 63 = 252 块。共享省下 186 块。
+forked_blocks, copies = first_decode_blocks(1000, 4, fork=True)
+independent_blocks, _ = first_decode_blocks(1000, 4, fork=False)
+assert (forked_blocks, copies, independent_blocks) == (66, 3, 252)
+
+# en: Exercise 2: when the prompt fills its last block exactly (a multiple of 4), the first decode writes
+# en: into a new block for each sample: no copy. And the last holder of a shared block never copies.
+# zh: 练习 2：提示词恰好写满最后一块时（4 的倍数），第一个 decode 步为每个样本各写一个新块：不需要拷贝。
+# zh: 共享块的最后一个持有者永远不需要拷贝。
+no_copy = [length for length in range(1, 13) if first_decode_blocks(length, 2, fork=True, block_size=4)[1] == 0]
+assert no_copy == [4, 8, 12]
+
+# en: Exercise 3: a sequence 6 tokens long (5 with KV) forks: both hold blocks [0, 1], ref 2 each. The next
+# en: step writes position 5, in block 1: the first to be scheduled copies block 1, the other writes in place.
+# zh: 练习 3：一个长 6 个 token（其中 5 个已有 KV）的序列分叉：两者都持有块 [0, 1]，引用计数各为 2。下一步写第 5 个
+# zh: 位置，在块 1 中：先被调度的那个拷贝块 1，另一个原地写入。
+beams = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+beam = Sequence([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), block_size=4)
+beams.add(beam)
+for token in (4, 5, 6):
+    seqs, is_prefill = beams.schedule()
+    beams.postprocess(seqs, [token], is_prefill)
+other = beam.fork(1)
+beams.block_manager.fork(beam, other)
+beams.running.append(other)
+assert beam.block_table == other.block_table == [0, 1]
+assert [beams.block_manager.blocks[b].ref_count for b in (0, 1)] == [2, 2]
+decode, _ = beams.schedule()
+assert beam.blocks_to_copy == [(1, 2)] and other.blocks_to_copy == [] and other.block_table == [0, 1]
+print("all exercise answers check out")
