@@ -136,6 +136,7 @@ display(SVG(architecture_svg()))
 # | [02 · Paged KV memory](../02_block_manager/) | blocks, block tables, reference counts, the free list |
 # | [03 · Prefix caching](../03_prefix_caching/) | chained hashes, cache hits, the stale-entry trap |
 # | [04 · The scheduler](../04_scheduler/) | prefill first, chunked prefill, preemption |
+# | [04b · One prompt, n answers](../04b_parallel_sampling/) | parallel sampling: fork, shared blocks, copy-on-write |
 # | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
 # | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
 # | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
@@ -156,6 +157,7 @@ display(SVG(architecture_svg()))
 # | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲队列 |
 # | [03 · 前缀缓存](../03_prefix_caching/) | 链式哈希、缓存命中、过期条目陷阱 |
 # | [04 · 调度器](../04_scheduler/) | prefill 优先、分块预填充、抢占 |
+# | [04b · 一个提示词，n 个回答](../04b_parallel_sampling/) | 并行采样：分叉、共享块、写时复制 |
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
 # | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |

@@ -68,6 +68,7 @@
 # | `SamplingParams.max_tokens`, `SamplingParams.ignore_eos` | = | 01 | same |
 # | `SamplingParams.__post_init__` | = | 01 | checks every field; upstream only asserts `temperature > 1e-10` |
 # | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 07 | new: top-k, top-p, a per-request seed |
+# | — | `SamplingParams.n` | 04b | new: several samples of one prompt (parallel sampling) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/sampling_params.py` → `nanovllm/sampling_params.py`
@@ -79,6 +80,7 @@
 # | `SamplingParams.max_tokens`, `SamplingParams.ignore_eos` | = | 01 | 相同 |
 # | `SamplingParams.__post_init__` | = | 01 | 检查每个字段；上游只断言 `temperature > 1e-10` |
 # | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 07 | 新增：top-k、top-p、按请求设置的种子 |
+# | — | `SamplingParams.n` | 04b | 新增：一个提示词采样多个结果（并行采样） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
@@ -98,6 +100,7 @@
 # | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01 | no indexing: a slim copy holds only the tail of the tokens (`first_token_index` says where it starts) |
 # | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 01, 10 | ships the tokens whose KV is not cached yet, with `block_size`, id and status; upstream ships all tokens during prefill and the last one during decode |
 # | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 11 | new: tokens still being computed (asynchronous scheduling) |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.num_samples`, `Sequence.blocks_to_copy` | 04b | new: a request's samples as sibling sequences, and the copy-on-write copies of a step |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
@@ -117,6 +120,7 @@
 # | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01 | 不支持下标访问：精简副本只带着 token 的尾部（`first_token_index` 记录它从哪里开始） |
 # | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 01, 10 | 传送 KV 尚未缓存的 token，连同 `block_size`、编号和状态；上游在 prefill 时传送全部 token，decode 时只传最后一个 |
 # | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 11 | 新增：尚在计算中的 token（异步调度） |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.num_samples`, `Sequence.blocks_to_copy` | 04b | 新增：把一个请求的各个样本表示为兄弟序列，以及一步中写时复制要拷贝的块 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
@@ -138,6 +142,7 @@
 # | `BlockManager.deallocate` | = | 02 | same, last block first |
 # | `BlockManager.can_append`, `BlockManager.may_append` | = | 02 | a block is added when the table stops covering `len(seq)`; upstream tests `len(seq) % block_size == 1`, the same unless `block_size` is 1 |
 # | `BlockManager.hash_blocks` | `BlockManager.publish_full_blocks`, `engine.prefix_cache.PrefixCache.publish` | 03 | called by postprocess once the step has written the KV, as upstream does |
+# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | new: siblings share their blocks; `may_append` gives a writer of a shared block its own copy |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
@@ -159,6 +164,7 @@
 # | `BlockManager.deallocate` | = | 02 | 相同，从最后一块开始释放 |
 # | `BlockManager.can_append`, `BlockManager.may_append` | = | 02 | 块表不再覆盖 `len(seq)` 时加一块；上游判断 `len(seq) % block_size == 1`，除非 `block_size` 为 1，两者等价 |
 # | `BlockManager.hash_blocks` | `BlockManager.publish_full_blocks`, `engine.prefix_cache.PrefixCache.publish` | 03 | 和上游一样，在这一步写完 KV 之后由后处理调用 |
+# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 新增：兄弟序列共享块；要写入共享块的序列由 `may_append` 给它一份自己的副本 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
@@ -175,6 +181,7 @@
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | same |
 # | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 11 | two halves that asynchronous scheduling calls one step apart; returns the finished sequences |
 # | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 11, A | new: undo a step that failed, drop a request, watch the scheduler |
+# | — | `Scheduler._fork`, `Scheduler.check_fits` | 04b | new: a request forks when its first token is sampled; `add` also refuses `n > max_num_seqs` |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
@@ -191,6 +198,7 @@
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | 相同 |
 # | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 11 | 分成两半，异步调度时相隔一步调用；返回已结束的序列 |
 # | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 11, A | 新增：撤销失败的一步、丢弃一个请求、观察调度器 |
+# | — | `Scheduler._fork`, `Scheduler.check_fits` | 04b | 新增：请求在采样出第一个 token 时分叉；`add` 还会拒绝 `n > max_num_seqs` 的请求 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
@@ -426,7 +434,7 @@
 # | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | the same names and defaults |
 # | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | every end-of-sequence id of `generation_config.json` or `config.json` |
 # | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `read_model_dir` | 11 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
-# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling` | 11 | new settings, for the CPU and for the features of chapters 06b, 09 and 11 |
+# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | new settings, for the CPU and for the features of chapters 04b, 06b, 09 and 11 |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/config.py` → `nanovllm/config.py`
@@ -436,7 +444,7 @@
 # | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | 名字和默认值相同 |
 # | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | `generation_config.json` 或 `config.json` 里的每一个结束符 id |
 # | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `read_model_dir` | 11 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
-# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling` | 11 | 新增的配置项，用于 CPU，以及第 06b、09、11 章的功能 |
+# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | 新增的配置项，用于 CPU，以及第 04b、06b、09、11 章的功能 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/llm_engine.py` → `nanovllm/engine/llm_engine.py`
@@ -568,6 +576,7 @@
 # | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
 # | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
 # | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
+# | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
 
 # %% [markdown] tags=["zh"]
 # | 差异 | 本书 | 章 | 上游 | 本书的做法及原因 |
@@ -588,6 +597,7 @@
 # | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
 # | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
 # | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
+# | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
 
 # %% [markdown] tags=["en"]
 # ## Check it
