@@ -21,7 +21,7 @@
 # %% [markdown] tags=["zh"]
 # # 00 · 导览：从提示词到文本
 #
-# **目标。** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，一个请求如何依次流经它们。
+# **目标：** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，一个请求如何依次流经它们。
 # 本章的一切都能在笔记本电脑的 CPU 上运行。
 
 # %% [markdown] tags=["en"]
@@ -136,15 +136,17 @@ display(SVG(architecture_svg()))
 # | [02 · Paged KV memory](../02_block_manager/) | blocks, block tables, reference counts, the free list |
 # | [03 · Prefix caching](../03_prefix_caching/) | chained hashes, cache hits, the stale-entry trap |
 # | [04 · The scheduler](../04_scheduler/) | prefill first, chunked prefill, preemption |
+# | [04b · One prompt, n answers](../04b_parallel_sampling/) | parallel sampling: fork, shared blocks, copy-on-write |
 # | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
 # | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
 # | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
-# | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; the race in Triton |
+# | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
 # | [08 · The model runner](../08_model_runner/) | flat step inputs, KV cache sizing |
 # | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
 # | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, the demo, the benchmark |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
+# | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
 # (The links work on the book's site; in JupyterLab open the chapter files in `notebooks/`.)
 
@@ -152,18 +154,20 @@ display(SVG(architecture_svg()))
 # | 章节 | 构建的内容 |
 # |---|---|
 # | [01 · 一个请求的一生](../01_sequence/) | `SamplingParams`、`Sequence`：计数器、状态、块表 |
-# | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲链表 |
+# | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲队列 |
 # | [03 · 前缀缓存](../03_prefix_caching/) | 链式哈希、缓存命中、过期条目陷阱 |
 # | [04 · 调度器](../04_scheduler/) | prefill 优先、分块预填充、抢占 |
+# | [04b · 一个提示词，n 个回答](../04b_parallel_sampling/) | 并行采样：分叉、共享块、写时复制 |
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
 # | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
-# | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 完成的赛跑 |
+# | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
 # | [08 · 模型执行器](../08_model_runner/) | 扁平的单步输入、KV 缓存大小 |
 # | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
 # | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、演示、基准测试 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
+# | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #
 # （这些链接在本书网站上可用；在 JupyterLab 中请打开 `notebooks/` 下对应的章节文件。）
 

@@ -26,7 +26,7 @@
 # %% [markdown] tags=["zh"]
 # # 01 · 一个请求的一生
 #
-# **目标。** 读完本章，你只需看五个计数器和一串块编号，就能跟踪一个请求在引擎中的全过程。
+# **目标：** 读完本章，你只需看五个计数器和一串块编号，就能跟踪一个请求在引擎中的全过程。
 # 本章构建引擎里最小的两个对象：`SamplingParams` 描述*怎样*生成；`Sequence` 记录*到目前为止发生了什么*：
 # 有哪些 token、其中多少个的 KV 已在缓存里、当前这一步要计算多少个、它们存放在哪些缓存块中。
 #
@@ -258,7 +258,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 # %% [markdown] tags=["en"]
 # ### The counters
 #
-# Five numbers and a list describe where a sequence stands. Picture its tokens on a line:
+# Five counters and a block table tell how far a sequence has got. Picture its tokens on a line:
 #
 # ```
 # token index:   0 ........................................ num_tokens-1
@@ -282,7 +282,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 # %% [markdown] tags=["zh"]
 # ### 计数器
 #
-# 五个数和一个列表描述了一个序列所处的位置。把它的 token 排成一行：
+# 五个计数器加一张块表，刻画了序列当前的进度。把它的 token 排成一行：
 #
 # ```
 # token 下标：   0 ........................................ num_tokens-1
@@ -581,6 +581,12 @@ def _token_id(value: object, position: int) -> int:
 # has been computed**. After a partial chunk the last logits only predict a position inside
 # the prompt, so the model runner (chapter 08) samples nothing for it (it passes `-1`) and
 # postprocess ignores the value; our `finish_step` ignores its `sampled_token` the same way.
+#
+# Watch the status column too. A sequence whose prompt is only partly computed is still
+# **WAITING**: the scheduler keeps it at the head of the waiting queue, holding its blocks, and
+# sets it RUNNING in the step that schedules its **last** chunk (chapter 04). The drawing above
+# says the same: "prefill chunk" loops on WAITING. The test suite runs this very example
+# through chapter 04's scheduler and fails if the two chapters ever disagree.
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：分块 prefill 与三个 decode 步中的计数器
@@ -590,6 +596,10 @@ def _token_id(value: object, position: int) -> int:
 # `finish_step` 一样：算过的 token 变为已缓存；**只有整个提示词都算完时**，才把采样得到的 token 追加上去。
 # 分块未完成时，最后一行 logits 只是对提示词内部某个位置的预测，所以模型执行器（第 08 章）不为它采样（传入 `-1`），
 # 后处理也忽略这个值；这里的 `finish_step` 同样忽略它的 `sampled_token`。
+#
+# 也留意状态这一列。提示词只算了一部分的序列仍处于 **WAITING**：调度器让它带着自己的块留在等待队列队头，直到调度
+# 它的**最后一个**分块的那一步，才把它设为 RUNNING（第 04 章）。上面的状态图也是这么画的：“prefill chunk”是 WAITING
+# 上的自环。测试套件会把这个例子原样交给第 04 章的调度器去跑，两章的说法一旦不一致，测试就会失败。
 
 # %%
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -610,15 +620,15 @@ def row(step: str, seq: Sequence) -> tuple:
             seq.num_blocks, seq.last_block_num_tokens)
 
 
-seq = Sequence(list(range(100, 110)), SamplingParams(temperature=0, max_tokens=3), block_size=4)
+seq = Sequence(list(range(100, 110)), SamplingParams(temperature=0, max_tokens=8), block_size=4)
 trace = [row("created", seq)]
 
-seq.status = SequenceStatus.RUNNING
-seq.num_scheduled_tokens = 6  # chunk 1: tokens 0..5
+seq.num_scheduled_tokens = 6  # chunk 1: tokens 0..5; the prompt is not done, so it stays WAITING
 trace.append(row("prefill chunk 1", seq))
 assert finish_step(seq, sampled_token=999) is False
 trace.append(row("  after step", seq))
 
+seq.status = SequenceStatus.RUNNING  # its last chunk is scheduled: from this step on it runs
 seq.num_scheduled_tokens = 4  # chunk 2: tokens 6..9
 assert seq.scheduled_token_ids == [106, 107, 108, 109]
 trace.append(row("prefill chunk 2", seq))
@@ -632,9 +642,9 @@ for sampled in (8, 9, 10):
     trace.append(row("  after step", seq))
 
 header = ("step", "status", "num_tokens", "cached", "scheduled", "num_blocks", "last_block")
-print("".join(f"{h:>16}" for h in header))
+print(f"{header[0]:<16}" + "".join(f"{h:>11}" for h in header[1:]))
 for r in trace:
-    print("".join(f"{v!s:>16}" for v in r))
+    print(f"{r[0]:<16}" + "".join(f"{v!s:>11}" for v in r[1:]))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -656,8 +666,8 @@ for r in trace:
 # %%
 expected = [
     ("created", "WAITING", 10, 0, 0, 3, 2),
-    ("prefill chunk 1", "RUNNING", 10, 0, 6, 3, 2),
-    ("  after step", "RUNNING", 10, 6, 0, 3, 2),
+    ("prefill chunk 1", "WAITING", 10, 0, 6, 3, 2),
+    ("  after step", "WAITING", 10, 6, 0, 3, 2),
     ("prefill chunk 2", "RUNNING", 10, 6, 4, 3, 2),
     ("  after step", "RUNNING", 11, 10, 0, 3, 3),
     ("decode", "RUNNING", 11, 10, 1, 3, 3),

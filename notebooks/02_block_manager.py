@@ -27,18 +27,116 @@
 # %% [markdown] tags=["zh"]
 # # 02 · 分页 KV 内存
 #
-# **目标。** 读完本章，对任意一个序列、任意一步，你都能说出它的键和值存放在哪些缓存块中、每个块被多少个块表持有、
-# 哪些块是空闲的。本章构建 `BlockManager`（块管理器）：一个固定大小的 KV **块**池、一个**空闲链表**、一个
+# **目标：** 读完本章，对任意一个序列、任意一步，你都能说出它的键和值存放在哪些缓存块中、每个块被多少个块表持有、
+# 哪些块是空闲的。本章构建 `BlockManager`（块管理器）：一个固定大小的 KV **块**池、一个**空闲队列**（free list）、一个
 # **已用集合**、每块一个**引用计数**，以及调度器（第 04 章）要调用的操作：为提示词分配块、decode 时在最后一块
 # 写满后再添一块、序列结束或被抢占时归还全部块。
 #
 # 块管理器只做记账。KV 张量本身在模型执行器里（第 08 章）；块编号只是指向这些张量的下标。
 
 # %% [markdown] tags=["en"]
-# ## The idea: why pages?
+# ## First: why may we cache K and V at all?
 #
 # Attention needs the K and V vectors of every earlier token, so the engine keeps them in a
-# **KV cache** on the GPU. How should that memory be handed out to requests?
+# **KV cache** instead of recomputing them at every step. That this is *exact*, not an
+# approximation, follows from the **causal mask**. In an attention layer, token `i`'s key and
+# value are projections of token `i`'s own input, and with a causal mask token `i` attends to
+# tokens `0 … i` only. Appending tokens therefore changes nothing at positions `0 … i`: not
+# their outputs, hence not the next layer's inputs there, hence not the keys and values of any
+# layer. Compute them once, keep them, and a decode step only has to compute the new token.
+#
+# With **bidirectional** attention (BERT-style encoders), every position attends to every
+# other. A new token enters the softmax of every earlier position, their outputs change, and
+# from the second layer on so do their keys and values: a cache would serve stale ones.
+#
+# The cell checks both halves on two random attention layers with residual connections:
+# 7 tokens, then the same 7 with an 8th appended, under each mask; and, with the causal mask,
+# the 8th token computed from the 7 tokens' cached K and V against its full recomputation.
+
+# %% [markdown] tags=["zh"]
+# ## 先问一句：K 和 V 凭什么可以缓存？
+#
+# 注意力需要此前每个 token 的 K 和 V 向量，所以引擎把它们保存在 **KV 缓存**里，而不是每一步都重新计算。
+# 这样做是*精确*的，而不是近似，原因在于**因果掩码**。在注意力层里，第 `i` 个 token 的键和值只是它自己的输入
+# 经过投影得到的；有了因果掩码，第 `i` 个 token 只关注第 `0 … i` 个 token。因此在后面追加 token，不会改变
+# 位置 `0 … i` 上的任何东西：它们的输出不变，下一层在这些位置的输入也就不变，于是每一层的键和值都不变。
+# 算一次、存起来，decode 步就只需计算新 token。
+#
+# 换成**双向**注意力（BERT 一类的编码器），每个位置都关注所有位置。新 token 会进入此前每个位置的 softmax，
+# 它们的输出随之改变，从第二层起它们的键和值也跟着变：这时缓存给出的就是过时的 K、V。
+#
+# 下面的单元在两个带残差连接的随机注意力层上验证这两半结论：先算 7 个 token，再算追加了第 8 个 token 的同一序列，
+# 两种掩码各做一遍；并且在因果掩码下，用前 7 个 token 缓存的 K、V 算出第 8 个 token，与完整重算的结果比较。
+
+# %% why a KV cache is exact
+import torch
+
+torch.manual_seed(0)
+dim = 16
+# en: Two random attention layers, each with query, key and value projections (no training needed).
+# zh: 两个随机的注意力层，各有查询、键、值三个投影（不需要训练）。
+layers = [[torch.randn(dim, dim, dtype=torch.float64) / dim**0.5 for _ in range(3)] for _ in range(2)]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    scores = q @ k.T / dim**0.5
+    if causal:
+        # en: The last query sits at the last key; query j may look at keys up to its own position.
+        # zh: 最后一个查询对应最后一个键；查询 j 只能看到不超过它自己位置的键。
+        later = torch.ones(len(q), len(k), dtype=torch.bool).triu(len(k) - len(q) + 1)
+        scores = scores.masked_fill(later, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+def forward(x: torch.Tensor, causal: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """All tokens at once: every layer's (keys, values), and the last layer's output."""
+    kv = []
+    for w_q, w_k, w_v in layers:
+        k, v = x @ w_k, x @ w_v
+        kv.append((k, v))
+        x = x + attend(x @ w_q, k, v, causal)  # with the residual: the next layer's input
+    return kv, x
+
+
+def decode(x_new: torch.Tensor, cached: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One new token through the layers, reading the earlier tokens' K and V from the cache."""
+    for (w_q, w_k, w_v), (k_old, v_old) in zip(layers, cached, strict=True):
+        k, v = torch.cat([k_old, x_new @ w_k]), torch.cat([v_old, x_new @ w_v])
+        x_new = x_new + attend(x_new @ w_q, k, v, causal=True)
+    return x_new
+
+
+tokens = torch.randn(8, dim, dtype=torch.float64)  # the embeddings of 8 tokens
+kept = {}
+for mask, causal in (("causal mask", True), ("bidirectional", False)):
+    kv7, out7 = forward(tokens[:7], causal)
+    kv8, out8 = forward(tokens, causal)
+    kept[mask] = [all(torch.allclose(new[:7], old) for new, old in zip(kv8[i], kv7[i], strict=True))
+                  for i in range(2)] + [torch.allclose(out8[:7], out7)]
+    if causal:
+        decode_exact = torch.allclose(decode(tokens[7:], kv7), out8[7:])
+print(f"{'':<16}{'layer 0 K,V kept':>18}{'layer 1 K,V kept':>18}{'outputs 0-6 kept':>18}")
+for mask, row in kept.items():
+    print(f"{mask:<16}" + "".join(f"{value!s:>18}" for value in row))
+print(f"causal: token 8 from the cached K,V equals its full recomputation: {decode_exact}")
+assert kept["causal mask"] == [True, True, True] and decode_exact
+assert kept["bidirectional"] == [True, False, False]
+
+# %% [markdown] tags=["en"]
+# Under the causal mask nothing earlier moves, and decoding from the cache is exact. Under the
+# bidirectional mask, layer 0's keys and values survive (they are projections of the
+# embeddings), but the outputs move and so do layer 1's keys and values. Every model this book
+# runs is a causal decoder, which is why the rest of the book may keep K and V for good.
+
+# %% [markdown] tags=["zh"]
+# 因果掩码下，前面的一切都不动，从缓存 decode 是精确的。双向掩码下，第 0 层的键和值保持不变（它们只是嵌入的投影），
+# 但输出变了，第 1 层的键和值也跟着变了。本书运行的模型都是因果解码器，所以后面各章可以放心地把 K 和 V 一直存着。
+
+# %% [markdown] tags=["en"]
+# ## The idea: why pages?
+#
+# The KV cache lives on the GPU, and each sequence's part of it grows by one token per decode
+# step. How should that memory be handed out to requests?
 #
 # The naive answer gives each request one contiguous region big enough for its longest possible
 # length (prompt + `max_tokens`). Nobody knows in advance when a request will stop, so most of
@@ -56,12 +154,17 @@
 # (chapter 03). A block's **reference count** says how many block tables hold it; a block
 # returns to the free list when its count drops to zero.
 #
+# Paging also ends **external fragmentation**. Contiguous regions that come and go leave holes
+# between them, and a request may find enough free memory in total but no single hole large
+# enough for it; to a block table, any free block will do. What is left is **internal
+# fragmentation**, the unused tail of each sequence's last block. "Check it" below shows both.
+#
 # The drawing below is computed, not typed: three requests in a cache of 48 token slots.
 
 # %% [markdown] tags=["zh"]
 # ## 思路：为什么要分页？
 #
-# 注意力需要此前每个 token 的 K 和 V 向量，所以引擎把它们保存在 GPU 上的 **KV 缓存**里。这块内存该怎样分给各个请求？
+# KV 缓存放在 GPU 上，每个序列占用的那一份每个 decode 步增长一个 token。这块内存该怎样分给各个请求？
 #
 # 最朴素的做法是给每个请求一段连续空间，大小足够容纳它可能达到的最大长度（提示词 + `max_tokens`）。可是谁也无法
 # 预知请求何时结束，这段空间大多空着：内存被*预留*了却没有被*使用*，能同时容纳的请求也就少了。操作系统管理内存时
@@ -72,7 +175,11 @@
 # **块表**按顺序列出它的块，于是第 `i` 个 token 位于块 `block_table[i // block_size]` 的第 `i % block_size`
 # 个槽位。序列只在最后一块写满时才申请新块，所以不管 `max_tokens` 多大，每个序列最多浪费 `block_size - 1` 个槽位。
 # 又因为块表只是一串编号，两个序列可以指向*同一个*块：相同的提示词前缀可以共享 KV（第 03 章）。块的**引用计数**
-# 表示有多少个块表持有它；计数降到零时，块回到空闲链表。
+# 表示有多少个块表持有它；计数降到零时，块回到空闲队列。
+#
+# 分页还消除了**外部碎片**。连续区域来来去去，会在彼此之间留下空洞：一个请求可能发现空闲内存的总量足够，却没有
+# 哪一个空洞单独放得下它；而对块表来说，任何一个空闲块都行。剩下的只有**内部碎片**，即每个序列最后一块没用上的
+# 尾部。后面的“验证”一节会把两者都展示出来。
 #
 # 下图是算出来的，不是手画的：一个有 48 个 token 槽位的缓存，三个请求。
 
@@ -124,8 +231,8 @@ assert (contiguous_admitted, paged_admitted) == (2, 3)
 # ## 动手：块
 #
 # `Block` 只有四个字段。`ref_count` 是持有它的块表个数。`hash` 和 `token_ids` 属于前缀缓存（第 03 章）：
-# 一个*写满*的块的 KV 写入之后，这个块会以其内容的哈希值*发布*出去，以后有相同前缀的提示词就能复用它；
-# 在此之前，`hash` 为 `-1`，`token_ids` 为空。
+# 一个*写满*的块的 KV 写入之后，这个块会以其内容的哈希值*发布*出去（也就是登记到前缀缓存），以后有相同前缀的
+# 提示词就能复用它；在此之前，`hash` 为 `-1`，`token_ids` 为空。
 
 # %% default module
 #| default_exp engine.block_manager
@@ -185,10 +292,10 @@ class Block:
 # %% [markdown] tags=["zh"]
 # ## 动手：块池
 #
-# `BlockPool`（块池）只认识块，不认识序列。一开始所有块都在**空闲链表**（一个存放块编号的 `deque`）里，**已用集合**
+# `BlockPool`（块池）只认识块，不认识序列。一开始所有块都在**空闲队列**（一个存放块编号的 `deque`）里，**已用集合**
 # 为空。每个块总是恰好属于两者之一：已用块的 `ref_count >= 1`，空闲块的 `ref_count == 0`。改变这一状态的操作只有
-# 三个：`take_free_block`（空闲链表队头的块 → 已用，计数为 1）、`hold`（给某块再加一个引用；计数原为 0 时把它从
-# 空闲链表中复活）和 `release`（去掉一个引用；降到 0 时排到空闲链表队尾）。
+# 三个：`take_free_block`（空闲队列队头的块 → 已用，计数为 1）、`hold`（给某块再加一个引用；计数原为 0 时把它从
+# 空闲队列中复活）和 `release`（去掉一个引用；降到 0 时排到空闲队列队尾）。
 #
 # 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV 和哈希值，前缀缓存（第 03 章）
 # 仍能让它复活；这个队列决定了哪些缓存内容先被覆盖。而在一个块即将被覆盖之前，`take_free_block` 会让前缀缓存
@@ -310,7 +417,7 @@ class BlockPool:
 #   个块。开启前缀缓存时，开头的若干块可能是**缓存命中**，即已经存着恰好这段前缀的 KV 的块：这些块被*持有*（共享）
 #   而不是新取，`seq.num_cached_tokens` 告诉调度器有多少个 token 不必计算。命中另一个序列正在使用的块不占空闲块；
 #   命中一个*空闲*块则要消耗这个块。（`prefix_cache.match` 由第 03 章构建。）
-# - `deallocate(seq)` **倒着**释放块表，于是这些块按“最后一块最先、*第一*块最后”的顺序排到空闲链表队尾。新块从队头取，
+# - `deallocate(seq)` **倒着**释放块表，于是这些块按“最后一块最先、*第一*块最后”的顺序排到空闲队列队尾。新块从队头取，
 #   所以提示词最前面的块——最可能被共享的那些（比如系统提示词！）——最后才被覆盖。
 # - `can_append(seq)` / `may_append(seq)` 在每个 decode 步之前调用。这一步计算的是序列的*最后*一个 token：上一步采样、
 #   由后处理追加上去的那个。它的 KV 写入槽位 `len(seq) - 1`，所以块表必须覆盖 `len(seq)` 个 token：恰好在
@@ -513,8 +620,8 @@ record("free A")
 # %% [markdown] tags=["zh"]
 # 从上往下读这段轨迹。prefill 之后，A 有 11 个 token，占 3 个块（12 个槽位）。第一个 decode 步计算 A 的第 11 个
 # token（槽位 10）并追加第 12 个；第二步计算第 12 个（槽位 11，即块 2 的最后一个槽位）并追加第 13 个。此时
-# `len(A) == 13`，`13 % 4 == 1`：第三个 decode 步要写槽位 12，于是 `may_append` 从空闲链表队头取走块 5。
-# 释放 A 时倒着释放块表，所以空闲链表以 `5, 2, 1, 0` 结尾：A 的第一块（块 0）会最后被覆盖。
+# `len(A) == 13`，`13 % 4 == 1`：第三个 decode 步要写槽位 12，于是 `may_append` 从空闲队列队头取走块 5。
+# 释放 A 时倒着释放块表，所以空闲队列以 `5, 2, 1, 0` 结尾：A 的第一块（块 0）会最后被覆盖。
 
 # %% [markdown] tags=["en"]
 # ### Sharing, in one picture
@@ -625,6 +732,120 @@ assert [shared.blocks[i].ref_count for i in second.block_table] == [1, 1, 1]
 print("trace and invariants hold")
 
 # %% [markdown] tags=["en"]
+# ### Paging's two promises about waste
+#
+# The idea section made two claims. The first is about **external fragmentation**: with
+# contiguous regions, memory that is free in total can still be unusable, because it is split
+# into holes that are each too small for the next request. Below, five requests hold 12, 8, 12,
+# 8 and 8 slots of a 48-slot cache; B and D finish, leaving 16 free slots; then F needs 12. The
+# contiguous allocator (first fit) finds no hole of 12 and refuses; the block pool, with the
+# same 48 slots as 12 blocks of 4, gives F three blocks wherever they are. Each character is a
+# slot; in the paged rows `[....]` is one block.
+#
+# The second is about **internal fragmentation**: a sequence wastes only the unused tail of its
+# last block, fewer than `block_size` slots, whatever its `max_tokens`. We check it after every
+# step of 50 random sequences, for four block sizes.
+
+# %% [markdown] tags=["zh"]
+# ### 分页对浪费的两个承诺
+#
+# “思路”一节给出了两个论断。第一个关于**外部碎片**：按连续区域分配时，空闲内存的总量也许够用，却可能被切成一个个
+# 小空洞，每个都放不下下一个请求。下面五个请求在 48 个槽位的缓存里分别占用 12、8、12、8、8 个槽位；B 和 D 结束后
+# 空出 16 个槽位；接着 F 需要 12 个。连续分配器（首次适配）找不到 12 个槽位的空洞，只能拒绝；块池用同样的 48 个
+# 槽位（12 个块，每块 4 个），在哪里有空闲块就给 F 哪三个。每个字符是一个槽位；分页那几行里，`[....]` 是一个块。
+#
+# 第二个关于**内部碎片**：无论 `max_tokens` 多大，一个序列浪费的只是最后一块没用上的尾部，少于 `block_size`
+# 个槽位。我们对 50 个随机序列、四种块大小，在每一步之后都检查一遍。
+
+# %% external fragmentation
+class ContiguousAllocator:
+    """Each request gets one run of adjacent slots, the first run that is long enough."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.slots = ["."] * num_slots
+
+    def holes(self) -> list[int]:
+        """The lengths of the runs of free slots."""
+        runs = "".join(slot if slot == "." else " " for slot in self.slots).split()
+        return [len(run) for run in runs]
+
+    def allocate(self, name: str, size: int) -> bool:
+        run = 0
+        for i, slot in enumerate(self.slots):
+            run = run + 1 if slot == "." else 0
+            if run == size:
+                self.slots[i - size + 1 : i + 1] = [name] * size
+                return True
+        return False
+
+    def free(self, name: str) -> None:
+        self.slots = ["." if slot == name else slot for slot in self.slots]
+
+
+def paged_slots(bm: BlockManager, named: dict[str, Sequence]) -> str:
+    """The block pool slot by slot: each block's owner once per token it holds, '.' for empty slots."""
+    cells = ["." * bm.block_size] * bm.num_blocks
+    for name, seq in named.items():
+        for i, block_id in enumerate(seq.block_table):
+            used = min(bm.block_size, len(seq) - i * bm.block_size)
+            cells[block_id] = name * used + "." * (bm.block_size - used)
+    return "".join(f"[{cell}]" for cell in cells)
+
+
+requests = {"A": 12, "B": 8, "C": 12, "D": 8, "E": 8}
+contiguous = ContiguousAllocator(48)
+paged = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=False)
+holders = {name: Sequence(list(range(size)), block_size=4) for name, size in requests.items()}
+for name, size in requests.items():
+    assert contiguous.allocate(name, size)
+    paged.allocate(holders[name])
+for name in ("B", "D"):
+    contiguous.free(name)
+    paged.deallocate(holders.pop(name))
+free_slots, holes = contiguous.slots.count("."), contiguous.holes()
+contiguous_served = contiguous.allocate("F", 12)
+print(f"{'contiguous':<12} {''.join(contiguous.slots)}")
+print(f"{'':<12} F needs 12 adjacent slots: {free_slots} free, in holes of {holes}: "
+      f"{'served' if contiguous_served else 'refused'}")
+print(f"{'paged':<12} {paged_slots(paged, holders)}")
+holders["F"] = Sequence(list(range(12)), block_size=4)
+paged_served = paged.can_allocate(holders["F"])
+paged.allocate(holders["F"])
+print(f"{'paged + F':<12} {paged_slots(paged, holders)}")
+print(f"{'':<12} F takes blocks {holders['F'].block_table}: {'served' if paged_served else 'refused'}")
+
+# en: Claim 1: enough free slots in total, no hole large enough, refused; the pool serves F
+# en: from blocks that are not adjacent.
+# zh: 论断 1：空闲槽位总数足够，却没有足够大的空洞，于是被拒绝；块池用互不相邻的块为 F 服务。
+assert free_slots >= 12 > max(holes) and not contiguous_served
+table = holders["F"].block_table
+assert paged_served and max(table) - min(table) >= len(table)  # not one run of adjacent blocks
+
+# %%
+import random
+
+rng = random.Random(2)
+for block_size in (1, 2, 4, 16):
+    pool = BlockManager(num_blocks=128, block_size=block_size, enable_prefix_caching=False)
+    worst = 0
+    for _ in range(50):
+        seq = Sequence([rng.randrange(100) for _ in range(rng.randint(1, 40))], block_size=block_size)
+        prefill(pool, seq, sampled=0)
+        for step in range(rng.randint(1, 41)):
+            if step:
+                decode(pool, seq, sampled=0)
+            # en: Slots held minus slots whose KV is written: the unused tail of the last block.
+            # zh: 持有的槽位减去已写入 KV 的槽位：最后一块没用上的尾部。
+            waste = len(seq.block_table) * block_size - seq.num_cached_tokens
+            assert 0 <= waste < block_size, (block_size, waste)
+            worst = max(worst, waste)
+        pool.deallocate(seq)
+    print(f"block_size={block_size:>2}: at most {worst} empty slots per sequence (bound: {block_size - 1})")
+    # en: Claim 2, and the bound is tight: some step leaves a whole block but one slot empty.
+    # zh: 论断 2，而且这个上界是紧的：某一步会让最后一块只用了一个槽位。
+    assert worst == block_size - 1
+
+# %% [markdown] tags=["en"]
 # The decode rule, over block sizes 1 to 6 and 40 decode steps each: a block is added exactly
 # when the table no longer covers `len(seq)`, which is `len(seq) % block_size == 1` for every
 # block size but 1. The last line shows the corner the modulo test misses.
@@ -709,7 +930,7 @@ for bad_call in (
 # ## 本章小结
 #
 # - `Block`：编号、引用计数，以及前缀缓存发布的哈希值和 token。
-# - `BlockPool`：所有块、一个空闲链表（队列：它的顺序决定哪些内容先被覆盖）和一个已用集合；`take_free_block`、
+# - `BlockPool`：所有块、一个空闲队列（它的顺序决定哪些内容先被覆盖）和一个已用集合；`take_free_block`、
 #   `hold`、`release`。
 # - `BlockManager`：序列的块表。`can_allocate`/`allocate`（含缓存命中）、`deallocate`（倒序释放）、
 #   `can_append`/`may_append`（恰好在块表不再覆盖 `len(seq)` 时多加一块），以及供后处理调用的 `publish_full_blocks`。
@@ -720,7 +941,7 @@ for bad_call in (
 #
 # 1. `block_size=16`，提示词 100 个 token，`max_tokens=60`。这个序列最多会持有几个块？（注意：最后一个采样得到的
 #    token 的 KV 永远不会被计算。）
-# 2. 为什么 `hold` 必须把空闲块*移出*空闲链表，而不只是增加它的计数？
+# 2. 为什么 `hold` 必须把空闲块*移出*空闲队列，而不只是增加它的计数？
 # 3. 8 个块、每块 4 个 token 的池子，长度为 10、3、7 的三个序列刚分配好块（prefill 尚未运行）。
 #    有多少个槽位已分配却空着？
 #

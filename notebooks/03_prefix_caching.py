@@ -24,9 +24,10 @@
 # %% [markdown] tags=["zh"]
 # # 03 · 前缀缓存
 #
-# **目标。** 读完本章，给定一个新提示词，你能说出它的哪些块不必计算（因为 KV 已在缓存中），并能解释保证这种复用
+# **目标：** 读完本章，给定一个新提示词，你能说出它的哪些块不必计算（因为 KV 已在缓存中），并能解释保证这种复用
 # *正确*的四条规则。本章构建第 02 章的 `BlockManager` 要查询的 `PrefixCache`（前缀缓存）：链式块哈希、比较 token 的
-# 查找、KV 写入之后才发布，以及小心地删除过期条目。然后我们故意把它弄坏，亲眼看到一次缓存命中把别人的 KV 交给了请求。
+# 查找、KV 写入之后才发布（即把块登记到前缀缓存），以及小心地删除过期条目。然后我们故意把它弄坏，亲眼看到一次缓存
+# 命中把别人的 KV 交给了请求。
 
 # %% [markdown] tags=["en"]
 # ## The idea: name a block by everything before it
@@ -84,9 +85,9 @@
 # 2. **命中时比较 token。** 字典把哈希映射到块；块保存着发布时的 token，查找时会核对（哈希碰撞绝不能变成错误的 KV）。
 # 3. **至少计算一个提示词 token。** 模型必须在提示词的最后一个 token 上运行，才能得到第一个新 token 的 logits。
 #    所以只有在提示词最后一个 token *之前*结束的块才能命中；即使整个提示词都已缓存，也要计算它的最后一块。
-# 4. **块被覆盖时删除它的条目——但只删它自己的。** 释放的块保留哈希值（“已释放但仍在缓存中”），命中会让它复活。
-#    当空闲链表把它分出去装新内容时，仍指向它的那个条目必须删除；而同一哈希值、但现在指向*另一个*块的条目必须保留。
-#    本章后半部分展示不这样做会出什么错。
+# 4. **块被覆盖时删除它的条目——但只删它自己的。** 释放的块保留哈希值（“已释放但仍在缓存中”），命中会让它复活
+#    （把它从空闲队列取回、直接复用，不必重算）。当空闲队列把它分出去装新内容时，仍指向它的那个条目必须删除；
+#    而同一哈希值、但现在指向*另一个*块的条目必须保留。本章后半部分展示不这样做会出什么错。
 
 # %% [markdown] tags=["en"]
 # ## Build it: the hash
@@ -313,7 +314,7 @@ show(bm, f"prompt == system, hits {hits_exact}")
 # %% [markdown] tags=["zh"]
 # 每个块显示为 `编号:r<引用计数>/<哈希值的前几位十六进制>`。A 发布了块 0 和块 1（写满且 KV 已写入），没有发布只有
 # 3 个 token 的块 2。B 找到了系统提示词的两个块：它们的计数变为 2，B 只计算了自己的 2 个 token。两者结束后，这些块
-# 是空闲的，*但仍带着哈希值*；C 正好复活了块 0 和块 1，它们离开了空闲链表。最后一个提示词*就是*系统提示词本身：8 个
+# 是空闲的，*但仍带着哈希值*；C 正好复活了块 0 和块 1，它们离开了空闲队列。最后一个提示词*就是*系统提示词本身：8 个
 # token 都在缓存里，却只有块 0 命中，因为它的最后一个 token 必须计算才能得到 logits（规则 3）。于是它的第二块是一个
 # 新块，哈希值与块 1 *相同*：发布之后，字典指向这个较新的块。没有出现 `!!` 行：没有任何命中读到别人的 KV。
 
@@ -390,8 +391,8 @@ print("a colliding entry with other tokens is not a hit")
 # %% [markdown] tags=["zh"]
 # ### 复活，动画版
 #
-# 请求 C 单独运行并完成：它的块回到空闲链表，但两个写满的块保留着哈希——**空闲但仍被缓存**（画成虚线）。
-# 随后请求 D 到达，前 8 个 token 与 C 相同，它的缓存命中把*正是这两个块*从空闲链表中取了回来。
+# 请求 C 单独运行并完成：它的块回到空闲队列，但两个写满的块保留着哈希——**空闲但仍被缓存**（画成虚线）。
+# 随后请求 D 到达，前 8 个 token 与 C 相同，它的缓存命中把*正是这两个块*从空闲队列中取了回来。
 # 单步播放下面的播放器（由附录 A 构建），把鼠标移到块上看看。
 
 # %% revival animated
@@ -419,10 +420,15 @@ print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {r
 # %% [markdown] tags=["en"]
 # ## The stale-entry trap
 #
-# Rule 4 is one `if` in `forget`. Upstream nano-vllm shipped without it: when a free block was
-# reused, its old hash entry stayed in the dictionary. The token comparison of rule 2 does not
-# save us, because it compares only the block's *own* tokens. Here is the recipe for a false
-# hit, three requests in a pool of 3 blocks of 2 tokens:
+# Rule 4 is one `if` in `forget`. For its first ten months (June 2025 to April 2026) upstream
+# nano-vllm had no such check: when a free block was reused, its old hash entry stayed in the
+# dictionary. Upstream added the check on 2026-04-26, in commit `f64d821` ("fix chunked prefill
+# bugs and refactor"), inside its `_allocate_block`. That is the version the line-by-line
+# annotation of upstream's `sequence.py` and `scheduler.py` reads: a reader holding it finds the
+# same `if` in its `block_manager.py`. The trap keeps its section here: the check is easy to lose
+# in a rewrite, and only a workload that reuses blocks notices it is gone. The token comparison
+# of rule 2 does not save us, because it compares only the block's *own* tokens. Here is the
+# recipe for a false hit, three requests in a pool of 3 blocks of 2 tokens:
 #
 # 1. A = `[1 2 | 3 4 | 9]` publishes block 0 = `(-, 1 2)` and block 1 = `(1 2, 3 4)`; A finishes.
 #    The free list is now `2, 1, 0` (backwards).
@@ -438,11 +444,14 @@ print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {r
 # %% [markdown] tags=["zh"]
 # ## 过期条目的陷阱
 #
-# 规则 4 就是 `forget` 里的一个 `if`。上游 nano-vllm 发布时没有它：空闲块被重新使用时，它的旧哈希条目仍留在字典里。
-# 规则 2 的 token 比较救不了我们，因为它只比较块*自己*的 token。下面是制造一次错误命中的配方：3 个块、每块 2 个 token
-# 的池子，三个请求：
+# 规则 4 就是 `forget` 里的一个 `if`。上游 nano-vllm 在最初的十个月里（2025 年 6 月到 2026 年 4 月）没有这个检查：
+# 空闲块被重新使用时，它的旧哈希条目仍留在字典里。上游在 2026-04-26 的提交 `f64d821`（“fix chunked prefill bugs and
+# refactor”）中，在 `_allocate_block` 里加上了同样的检查。逐行注解上游 `sequence.py` 和 `scheduler.py` 的那篇文章
+# 读的正是这个版本：手里拿着这个版本的读者，会在它的 `block_manager.py` 里看到同一个 `if`。这个陷阱在本书里仍值得
+# 专门一节：重写代码时很容易把这个检查弄丢，而只有会复用块的负载才能发现它不见了。规则 2 的 token 比较救不了我们，
+# 因为它只比较块*自己*的 token。下面是制造一次错误命中的配方：3 个块、每块 2 个 token 的池子，三个请求：
 #
-# 1. A = `[1 2 | 3 4 | 9]` 发布块 0 = `(-, 1 2)` 和块 1 = `(1 2, 3 4)`；A 结束。空闲链表变为 `2, 1, 0`（倒序）。
+# 1. A = `[1 2 | 3 4 | 9]` 发布块 0 = `(-, 1 2)` 和块 1 = `(1 2, 3 4)`；A 结束。空闲队列变为 `2, 1, 0`（倒序）。
 # 2. B = `[7 7 | 3 4]` 取走块 2 和块 1。块 1 现在存的是*跟在 `7 7` 之后*的 `3 4` 的 KV，并以 B 的哈希值发布，
 #    token 为 `3 4`。如果 A 关于块 1 的条目还活着……
 # 3. C = `[1 2 | 3 4 | 5]` 查找 `(1 2, 3 4)`，找到块 1，比较 token：`3 4` 等于 `3 4`。命中。C 的注意力于是用上了
@@ -452,7 +461,7 @@ print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {r
 
 # %%
 class ForgetfulPrefixCache(PrefixCache):
-    """Upstream's bug: an overwritten block's old entry stays in the dictionary."""
+    """Upstream's bug until 2026-04-26: an overwritten block's old entry stays in the dictionary."""
 
     def forget(self, block) -> None:
         pass
@@ -615,7 +624,7 @@ for pool in (8, 10, 12, 14, 16, 24):
 
 # %% [markdown] tags=["zh"]
 # 关闭缓存时什么也找不到。理论上限是 12 个聊天中有 11 个在 22 个提示词 token 里找到全部 16 个系统提示词 token：67%。
-# 倒序释放在 12 个块时就达到上限；正序释放需要 16 个块，因为文档请求从空闲链表队头取 8 个块，最先吃掉的就是系统提示词。
+# 倒序释放在 12 个块时就达到上限；正序释放需要 16 个块，因为文档请求从空闲队列队头取 8 个块，最先吃掉的就是系统提示词。
 # 介于两者之间时，倒序释放保住了提示词的一部分（它的前几块）——而链式前缀本来也只能用上前几块。
 
 # %%

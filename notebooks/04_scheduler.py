@@ -31,7 +31,7 @@
 # %% [markdown] tags=["zh"]
 # # 04 · 调度器
 #
-# **目标。** 读完本章，对任意一组请求，你都能预测引擎每一步计算什么：哪些序列、各算多少个 token、是 prefill 步还是
+# **目标：** 读完本章，对任意一组请求，你都能预测引擎每一步计算什么：哪些序列、各算多少个 token、是 prefill 步还是
 # decode 步，以及缓存不够时谁会被抢占。本章构建 `Scheduler`（调度器）：两个队列、带 token 预算和分块 prefill 的
 # prefill 优先策略、带抢占的 decode，以及把一步的采样结果变成进度的后处理。
 #
@@ -63,23 +63,24 @@
 #   of `waiting`; the next step continues it. A chunk yields no new token: its last logits
 #   predict a position *inside* the prompt, so the model runner (chapter 08) does not sample
 #   them (it returns `-1`) and postprocess appends nothing.
-# - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`)
-#   computes its last token. If one needs a new block and none is free, the scheduler
-#   **preempts** from the *tail* of `running`, the newest sequence first, until a block is free,
-#   down to the sequence itself. A preempted sequence gives back all its blocks, returns to
-#   WAITING at the *head* of `waiting` and is prefilled again later (**recompute**); prefix
-#   caching may find many of its old blocks still intact.
+# - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`,
+#   and never more than the token budget) computes its last token. If one needs a new block and
+#   none is free, the scheduler **preempts** from the *tail* of `running`, the newest sequence
+#   first, until a block is free, down to the sequence itself. A preempted sequence gives back
+#   all its blocks, returns to WAITING at the *head* of `waiting` and is prefilled again later
+#   (**recompute**); prefix caching may find many of its old blocks still intact.
 # - **Postprocess** marks the computed tokens as cached, publishes full blocks (chapter 03),
 #   appends each sampled token whose prompt is complete, and finishes sequences that sampled an
 #   end-of-sequence token (unless `ignore_eos`) or reached `max_tokens`.
 #
-# One more rule, at the door: a request whose KV could **never** fit the whole cache is refused
-# by `add`. Upstream nano-vllm accepts it and then crashes or loops forever: alone in the cache,
-# the sequence needs a block, no victim is left, it preempts itself, is prefilled again, and
-# runs out at the same point again. The sequence writes KV for its prompt and for every sampled
-# token but the last, so it needs at most `ceil((prompt + max_tokens - 1) / block_size)` blocks;
-# `add` requires that many to exist. (A weaker check, "the prompt plus one token fits", would
-# let exactly the looping requests through.)
+# One more rule, the **admission check**: a request whose KV could **never** fit the whole
+# cache is refused by `add`. Upstream nano-vllm accepts it and then crashes or loops forever:
+# alone in the cache, the sequence needs a block, no victim is left, it preempts itself, is
+# prefilled again, and runs out at the same point again. The sequence writes KV for its prompt
+# and for every sampled token but the last, so it needs at most
+# `ceil((prompt + max_tokens - 1) / block_size)` blocks; `add` requires that many to exist. (A
+# weaker check, "the prompt plus one token fits", would let exactly the looping requests
+# through.)
 
 # %% [markdown] tags=["zh"]
 # ## 思路：两个队列，每步一个决定
@@ -93,19 +94,20 @@
 #
 # 每一步**要么全是 prefill，要么全是 decode**，而且 prefill 优先：
 #
-# - **Prefill。** 只要这一步还有余量，就从 `waiting` 队头取序列：最多 `max_num_seqs` 个序列、
+# - **Prefill：** 只要这一步还有余量，就从 `waiting` 队头取序列：最多 `max_num_seqs` 个序列、
 #   `max_num_batched_tokens` 个 token（即 **token 预算**），并且块管理器能给队头序列分配块（缓存命中会同时降低
 #   这两种开销）。如果队头序列剩余的提示词超出剩余预算，它就得到一个**分块**：预算能容纳多少 token 就算多少。
 #   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块不产生新 token：它最后一行
 #   logits 预测的是提示词*内部*的某个位置，所以模型执行器（第 08 章）不对它采样（返回 `-1`），后处理也不追加任何东西。
-# - **Decode**，当没有任何序列可以 prefill 时：每个运行中的序列（最多 `max_num_seqs` 个）计算它的最后一个 token。
+# - **Decode**，当没有任何序列可以 prefill 时：每个运行中的序列（最多 `max_num_seqs` 个，也不超过 token 预算）计算它的
+#   最后一个 token。
 #   如果某个序列需要新块而没有空闲块，调度器就从 `running` 的*队尾*开始**抢占**——最新的序列先被抢占——直到腾出
 #   一个块，最坏情况下抢占它自己。被抢占的序列归还所有块，回到 WAITING，排在 `waiting` 的*队头*，之后重新
 #   prefill（**重算**）；前缀缓存可能发现它的许多旧块仍然完好。
 # - **后处理**把算过的 token 记为已缓存，发布写满的块（第 03 章），为提示词已算完的序列追加采样得到的 token，
 #   并结束那些采样到结束符（除非 `ignore_eos`）或达到 `max_tokens` 的序列。
 #
-# 还有一条规则，在门口执行：KV **永远**放不进整个缓存的请求会被 `add` 拒绝。上游 nano-vllm 会接受它，
+# 还有一条规则，即**准入检查**：KV **永远**放不进整个缓存的请求会被 `add` 拒绝。上游 nano-vllm 会接受它，
 # 然后崩溃或陷入死循环：缓存里只剩它一个序列时，它需要新块，却没有可抢占的对象，只能抢占自己，重新 prefill，
 # 又在同一个地方用完缓存。序列要为提示词和除最后一个以外的每个采样 token 写 KV，所以它最多需要
 # `ceil((prompt + max_tokens - 1) / block_size)` 个块；`add` 要求缓存至少有这么多块。（更弱的检查
@@ -463,6 +465,60 @@ class Scheduler:
         self._live_ids.discard(seq.seq_id)
 
 # %% [markdown] tags=["en"]
+# ### Two Python idioms in `_schedule_decode`
+#
+# **`while … else`.** The `else` block of a loop runs when the loop ends because its condition
+# became false, and is skipped when `break` leaves it. In `_schedule_decode` the inner loop
+# preempts until `can_append(seq)` holds: if it gets there, the `else` block gives `seq` its
+# block and schedules it; if `seq` had to preempt itself, `break` skips that block, and `seq`,
+# now back in `waiting`, is not scheduled.
+#
+# **`extendleft(reversed(...))`.** `deque.extendleft` inserts its items one at a time at the
+# front, so they end up in reverse order; reversing them first keeps their order.
+# `_schedule_decode` pops the sequences it schedules off the front of `running` and puts them
+# back in front at the end, in their order: `running` stays oldest first, newest at the tail,
+# where preemption takes its victims. `rollback` uses the same idiom on `waiting`.
+
+# %% [markdown] tags=["zh"]
+# ### `_schedule_decode` 里的两个 Python 写法
+#
+# **`while … else`：** 循环的 `else` 块在循环因条件变为假而结束时执行；如果是 `break` 跳出的，就跳过它。
+# `_schedule_decode` 的内层循环不断抢占，直到 `can_append(seq)` 成立：走到这一步，`else` 块就给 `seq` 分配块并
+# 调度它；如果 `seq` 只能抢占自己，`break` 会跳过这个块，已回到 `waiting` 的 `seq` 就不会被调度。
+#
+# **`extendleft(reversed(...))`：** `deque.extendleft` 把元素逐个插到队头，结果顺序正好反过来；先反转一次，
+# 就能保持原来的顺序。`_schedule_decode` 从 `running` 队头逐个弹出要调度的序列，最后再按原顺序放回队头：
+# `running` 始终是最旧的在前、最新的在队尾，而抢占正是从队尾挑选对象。`rollback` 对 `waiting` 也用了同样的写法。
+
+# %%
+from collections import deque
+
+
+def make_room(blocks_needed: int, victims: list[str]) -> str:
+    """The shape of `_schedule_decode`'s inner loop, with names instead of sequences."""
+    preempted = []
+    while len(preempted) < blocks_needed:
+        if not victims:
+            break  # nobody left to preempt: the else block is skipped
+        preempted.append(victims.pop())
+    else:
+        return f"scheduled, preempted {preempted}"
+    return "preempted itself"
+
+
+assert make_room(0, ["B"]) == "scheduled, preempted []"
+assert make_room(1, ["B", "C"]) == "scheduled, preempted ['C']"
+assert make_room(1, []) == "preempted itself"
+
+front_first = deque(["D", "E"])
+front_first.extendleft(["A", "B", "C"])
+order_kept = deque(["D", "E"])
+order_kept.extendleft(reversed(["A", "B", "C"]))
+print(f"extendleft:           {list(front_first)}")
+print(f"extendleft(reversed): {list(order_kept)}")
+assert list(front_first) == ["C", "B", "A", "D", "E"] and list(order_kept) == ["A", "B", "C", "D", "E"]
+
+# %% [markdown] tags=["en"]
 # ## See it: three requests, a small cache, every mechanism at once
 #
 # A stand-in for the model: `fake_model` returns, for each scheduled sequence, a token computed
@@ -558,14 +614,14 @@ steps = run(sched, names)
 # %% [markdown] tags=["zh"]
 # 逐步来看：
 #
-# - **第 1 步。** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
+# - **第 1 步：** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
 #   `waiting` 队头，没有得到 token（后处理忽略我们的假模型为它返回的值）。它的三个写满的块被发布。
-# - **第 2 步。** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
+# - **第 2 步：** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
 #   只计算自己的 token。三个序列都开始运行。
-# - **第 3、4 步。** decode 步。第 4 步用掉了最后一个空闲块。
-# - **第 5 步。** A 需要新块，却没有空闲块：最新的 C 被**抢占**（块被释放，回到 `waiting`）；A 和 B 继续。
+# - **第 3、4 步：** decode 步。第 4 步用掉了最后一个空闲块。
+# - **第 5 步：** A 需要新块，却没有空闲块：最新的 C 被**抢占**（块被释放，回到 `waiting`）；A 和 B 继续。
 #   缓存满着的时候不会有 prefill：直到 A 和 B 在第 7 步结束，C 才能分配到块。
-# - **第 8 步。** C 重新 prefill：它的 10 个 token，减去在缓存中找到的系统提示词块。它自己的旧块在此期间已被
+# - **第 8 步：** C 重新 prefill：它的 10 个 token，减去在缓存中找到的系统提示词块。它自己的旧块在此期间已被
 #   覆盖，所以要重算。
 
 # %% [markdown] tags=["en"]
@@ -679,14 +735,366 @@ for name, seq in busy_seqs.items():
     assert seq.is_finished and seq.completion_token_ids == alone(busy_prompts[name], busy_params[name]), name
 
 # %% [markdown] tags=["en"]
-# ### At the door
+# ### Preemption, one step at a time
+#
+# The line-by-line annotation of upstream's scheduler explains preemption with four running
+# sequences, A, B, C and D (oldest first), no free block, and every one of them needing a new
+# block for its next token. A takes the front and preempts D, the newest; D's block goes to A.
+# B preempts C. C and D go back to the *head* of `waiting`: C in front, since it was preempted
+# last and `_preempt` uses `appendleft`. The step decodes A and B only. Here it is, run by our
+# scheduler: four 4-token prompts fill a pool of four 4-token blocks, and after the prefill step
+# every sequence holds 5 tokens, so each needs a second block.
+#
+# A sequence can also **preempt itself**. Two sequences share three blocks of 2 tokens; after
+# the prefill both need a block and one is free. A, in front, takes it. When B's turn comes,
+# nothing behind it is left in `running` (A was popped and already got its block), so B
+# preempts itself: it gives back its blocks, returns to `waiting` and is not scheduled. It is
+# prefilled again once A has finished.
+
+# %% [markdown] tags=["zh"]
+# ### 抢占，一步一步看
+#
+# 逐行注解上游调度器的那篇文章，用四个运行中的序列讲解抢占：A、B、C、D（从旧到新），没有空闲块，而每个序列的下一个
+# token 都需要一个新块。A 排在最前，它抢占最新的 D，D 的块归 A。B 抢占 C。C 和 D 回到 `waiting` 的*队头*：C 在前，
+# 因为它最后被抢占，而 `_preempt` 用的是 `appendleft`。这一步只 decode A 和 B。下面用我们的调度器把它跑一遍：
+# 四个 4 token 的提示词正好占满四个 4 token 的块；prefill 之后每个序列有 5 个 token，所以都需要第二个块。
+#
+# 序列还可能**抢占自己**。两个序列共用三个 2 token 的块；prefill 之后两者都需要新块，而空闲块只有一个。排在前面的
+# A 拿走了它。轮到 B 时，`running` 里已经没有排在它后面的序列了（A 已被弹出，并且拿到了块），于是 B 抢占自己：
+# 归还自己的块，回到 `waiting`，这一步不被调度。等 A 结束后，B 再重新 prefill。
+
+# %%
+def one_step(sched: Scheduler, names: dict[int, str]) -> dict:
+    """Schedule and postprocess one step; what it scheduled and preempted, and the queues after it."""
+    events: list[tuple[str, dict]] = []
+    sched.observer = lambda event, data: events.append((event, data))
+    seqs, is_prefill = sched.schedule()
+    sched.postprocess(seqs, fake_model(seqs, is_prefill), is_prefill)
+    sched.observer = None
+    preempted = next(data["preempted"] for event, data in events if event == "schedule")
+    return {
+        "kind": "prefill" if is_prefill else "decode",
+        "scheduled": [names[s.seq_id] for s in seqs],
+        "preempted": [names[s.seq_id] for s in preempted],
+        "running": [names[s.seq_id] for s in sched.running],
+        "waiting": [names[s.seq_id] for s in sched.waiting],
+        "free": sched.block_manager.num_free_blocks,
+    }
+
+
+def show_step(step: dict) -> None:
+    print(f"{step['kind']:<8} scheduled {','.join(step['scheduled']):<10} preempted "
+          f"{','.join(step['preempted']) or '-':<4} running {','.join(step['running']) or '-':<10} "
+          f"waiting {','.join(step['waiting']) or '-':<10} free {step['free']}")
+
+
+quad = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+abcd = {name: Sequence([10 * i + t for t in range(4)], SamplingParams(max_tokens=3, ignore_eos=True), block_size=4)
+        for i, name in enumerate("ABCD")}
+abcd_names = {seq.seq_id: name for name, seq in abcd.items()}
+for seq in abcd.values():
+    quad.add(seq)
+print("four sequences, four blocks:")
+quad_steps = [one_step(quad, abcd_names)]
+assert quad_steps[0]["free"] == 0 and all(len(seq) % 4 == 1 for seq in abcd.values())
+quad_steps.append(one_step(quad, abcd_names))
+for step in quad_steps:
+    show_step(step)
+
+pair = Scheduler(num_kvcache_blocks=3, kvcache_block_size=2, max_num_seqs=2, max_num_batched_tokens=8,
+                 enable_prefix_caching=False)
+ab = {name: Sequence(prompt, SamplingParams(max_tokens=4, ignore_eos=True), block_size=2)
+      for name, prompt in (("A", [1, 2]), ("B", [3, 4]))}
+ab_names = {seq.seq_id: name for name, seq in ab.items()}
+for seq in ab.values():
+    pair.add(seq)
+print("two sequences, three blocks:")
+pair_steps = []
+while not pair.is_finished():
+    pair_steps.append(one_step(pair, ab_names))
+    show_step(pair_steps[-1])
+
+# %%
+# en: The annotation's example: A preempts D, B preempts C, and C, D wait at the head in that order.
+# zh: 注解文章的例子：A 抢占 D，B 抢占 C，C、D 按这个顺序在队头等待。
+assert quad_steps[1]["scheduled"] == ["A", "B"] and quad_steps[1]["preempted"] == ["D", "C"]
+assert quad_steps[1]["running"] == ["A", "B"] and quad_steps[1]["waiting"] == ["C", "D"]
+assert abcd["C"].block_table == [] and abcd["D"].status is SequenceStatus.WAITING
+# en: Self-preemption: B has nobody left to preempt and gives up its own blocks; it finishes anyway.
+# zh: 自我抢占：B 没有别人可抢占，只能交出自己的块；它最后照样完成。
+assert pair_steps[1]["scheduled"] == ["A"] and pair_steps[1]["preempted"] == ["B"]
+assert pair_steps[1]["waiting"] == ["B"] and ab["B"].block_table == []
+assert all(seq.is_finished and seq.num_completion_tokens == 4 for seq in ab.values())
+
+# %% [markdown] tags=["en"]
+# ### The decode cap
+#
+# A decode step computes one token per sequence, and the token budget bounds every step, decode
+# steps included: at most `min(max_num_seqs, max_num_batched_tokens)` sequences decode together.
+# Upstream caps decode at `max_num_seqs` alone, so with a budget smaller than `max_num_seqs` its
+# decode steps can be larger than any step the model runner measured in its warm-up forward
+# when it sized the KV cache (chapter 08). Below, five sequences run with `max_num_seqs=8` and a
+# budget of 3: every decode step takes three of them, and all five finish.
+
+# %% [markdown] tags=["zh"]
+# ### decode 的上限
+#
+# decode 步为每个序列计算一个 token，而 token 预算约束每一步，decode 步也不例外：同时 decode 的序列最多
+# `min(max_num_seqs, max_num_batched_tokens)` 个。上游只用 `max_num_seqs` 限制 decode，所以当预算小于
+# `max_num_seqs` 时，它的 decode 步可能比模型执行器在确定 KV 缓存大小时做的预热前向（第 08 章）还要大。
+# 下面五个序列在 `max_num_seqs=8`、预算为 3 的设置下运行：每个 decode 步取其中三个，五个序列最终都完成了。
+
+# %%
+capped = Scheduler(num_kvcache_blocks=16, kvcache_block_size=4, max_num_seqs=8, max_num_batched_tokens=3)
+five = {name: Sequence([i], SamplingParams(max_tokens=3, ignore_eos=True), block_size=4)
+        for i, name in enumerate("VWXYZ")}
+for seq in five.values():
+    capped.add(seq)
+capped_steps = []
+while not capped.is_finished():
+    capped_steps.append(one_step(capped, {seq.seq_id: name for name, seq in five.items()}))
+decode_sizes = [len(step["scheduled"]) for step in capped_steps if step["kind"] == "decode"]
+print(f"decode batch sizes: {decode_sizes} (max_num_seqs=8, budget 3)")
+assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
+
+# %% [markdown] tags=["en"]
+# ### Why admission stops at the head of the queue
+#
+# When the head of `waiting` cannot get its blocks, `_schedule_prefill` stops (`break`); it does
+# not look further down the queue for a smaller request that would fit. Skipping ahead would
+# fill the step better for a moment, but a long request could then wait forever: as long as
+# short requests keep arriving, each block that running sequences give back would go to
+# whichever short request fits, and the long one would never see enough free blocks at once.
+# Stopping at the head makes `waiting` first-in, first-out: the head waits only for blocks that
+# running sequences return as they finish (or are preempted), and nothing behind it can take
+# them first. The head is never starved. Below, `Long` needs 3 blocks and `Short` 1, and 2 are
+# free: `Short` would fit, but it waits behind `Long`.
+
+# %% [markdown] tags=["zh"]
+# ### 为什么准入在队头停下
+#
+# 当 `waiting` 队头分不到块时，`_schedule_prefill` 就停下（`break`），而不是继续往后找一个放得下的小请求。
+# 跳过队头一时能把这一步填得更满，但长请求可能因此永远等下去：只要短请求源源不断地到来，运行序列每归还一个块，
+# 都会被某个放得下的短请求拿走，长请求永远等不到足够多的空闲块同时出现。在队头停下，让 `waiting` 成为先进先出
+# 的队列：队头只需等待运行序列结束（或被抢占）时归还的块，排在它后面的请求不能抢先拿走。队头永远不会被饿死。
+# 下面 `Long` 需要 3 个块，`Short` 需要 1 个，空闲的有 2 个：`Short` 放得下，却要排在 `Long` 后面等。
+
+# %%
+fifo = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                 enable_prefix_caching=False)
+fifo_seqs = {
+    "Old": Sequence(list(range(8)), SamplingParams(max_tokens=3, ignore_eos=True), block_size=4),
+    "Long": Sequence(list(range(20, 32)), SamplingParams(max_tokens=1, ignore_eos=True), block_size=4),
+    "Short": Sequence([40, 41], SamplingParams(max_tokens=2, ignore_eos=True), block_size=4),
+}
+fifo_names = {seq.seq_id: name for name, seq in fifo_seqs.items()}
+fifo.add(fifo_seqs["Old"])
+first = one_step(fifo, fifo_names)  # Old is prefilled and holds 2 of the 4 blocks
+fifo.add(fifo_seqs["Long"])
+fifo.add(fifo_seqs["Short"])
+fifo_steps = [first]
+while not fifo.is_finished():
+    fifo_steps.append(one_step(fifo, fifo_names))
+for step in fifo_steps:
+    show_step(step)
+assert fifo_steps[1]["kind"] == "decode" and fifo_steps[1]["waiting"] == ["Long", "Short"]
+assert fifo_steps[1]["free"] == 1  # Old's decode took one of the two free blocks; Short would have fit before
+started = [next(i for i, step in enumerate(fifo_steps) if name in step["scheduled"]) for name in ("Long", "Short")]
+assert started[0] <= started[1]  # Short never starts before Long
+
+# %% [markdown] tags=["en"]
+# ### Recompute, not swap
+#
+# A preempted sequence loses its KV, and recomputes it when it is prefilled again. vLLM's
+# original engine could instead *swap* the victim's blocks out to CPU memory and copy them back
+# later. nano-vllm, and this book, only recompute, for three reasons. Simplicity: swapping
+# needs a second block pool in host memory, copies on their own stream, and a third state for
+# a sequence whose KV lives on the host. Cost: KV is large (Qwen3-0.6B keeps 2 × 28 layers × 8
+# KV heads × 128 × 2 bytes = 112 KiB per token in bf16, so a 2,000-token sequence moves about
+# 450 MiB over PCIe out and back), while prefill is the step a GPU computes fastest, thousands of
+# tokens at a time. And prefix caching softens the blow: the victim's blocks keep their hashes
+# when freed, so the first blocks of its prompt are often still in the cache when it returns
+# (step 8 of the trace above found the system prompt's block). vLLM's current engine (V1)
+# recomputes preempted requests too.
+
+# %% [markdown] tags=["zh"]
+# ### 重算，而不是换出
+#
+# 被抢占的序列失去它的 KV，再次 prefill 时重新计算。vLLM 最初的引擎还可以把被抢占序列的块*换出*到 CPU 内存，
+# 以后再拷回来。nano-vllm 和本书只做重算，原因有三。一是简单：换出需要在主机内存里再建一个块池，需要在单独的
+# 流上做拷贝，序列还要多一个“KV 在主机上”的状态。二是代价：KV 很大（Qwen3-0.6B 在 bf16 下每个 token 要存
+# 2 × 28 层 × 8 个 KV 头 × 128 × 2 字节 = 112 KiB，一个 2,000 token 的序列换出再换入，要经 PCIe 搬运约 450 MiB），
+# 而 prefill 恰恰是 GPU 算得最快的一种步，一次就能处理成千上万个 token。三是前缀缓存能减轻损失：被释放的块保留着
+# 哈希值，序列回来时，它提示词开头的几块往往还在缓存里（上面轨迹的第 8 步就找到了系统提示词的块）。vLLM 现在的引擎
+# （V1）同样对被抢占的请求做重算。
+
+# %% [markdown] tags=["en"]
+# ## Which sequence may be chunked? Upstream's rule and ours
+#
+# The two schedulers chunk differently, and it is worth saying so. Upstream nano-vllm lets only
+# the **first** sequence of a step be a chunk (its comment: "only allow chunked prefill for the
+# first seq"): when a later sequence does not fit the budget that is left, the step ends without
+# it. Ours chunks **whichever** sequence runs out the budget. With a budget of 10 tokens and
+# prompts of 6 and 8 tokens, ours schedules 6 + a 4-token chunk of the second; upstream
+# schedules the 6 and leaves the second waiting for the next step.
+#
+# Below, upstream's rule is a small subclass that lives only in this chapter: the same
+# `_schedule_prefill` with one more test, marked in the code. Both rules run on that example,
+# then on 16 prompts of 3 to 14 tokens with a budget of 10.
+
+# %% [markdown] tags=["zh"]
+# ## 哪个序列可以被分块？上游的规则与我们的规则
+#
+# 两个调度器的分块方式不同，这一点值得说清楚。上游 nano-vllm 只允许一步中的**第一个**序列成为分块（它的注释是
+# “only allow chunked prefill for the first seq”）：后面的序列放不进剩余预算时，这一步就不带它结束。我们的调度器
+# 则让**哪个**序列用完预算，就把哪个序列分块。预算 10 个 token，两个提示词分别有 6 和 8 个 token：我们调度 6 个
+# token 加上第二个提示词的 4 个 token 的分块；上游只调度那 6 个，第二个提示词留到下一步。
+#
+# 下面用一个只存在于本章的小子类表示上游的规则：同样的 `_schedule_prefill`，只多了一个判断（代码中已标出）。
+# 两种规则先在这个例子上各跑一遍，再在 16 个 3 到 14 个 token 的提示词上、以 10 个 token 的预算各跑一遍。
+
+# %%
+class FirstSeqChunkScheduler(Scheduler):
+    """Upstream nano-vllm's rule: only the first sequence of a prefill step may be a chunk."""
+
+    def _schedule_prefill(self) -> tuple[list[Sequence], dict[int, list[int]]]:
+        scheduled: list[Sequence] = []
+        cache_hits: dict[int, list[int]] = {}
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if seq.block_table:
+                remaining = len(seq) - seq.num_cached_tokens
+            else:
+                if not bm.can_allocate(seq):
+                    break
+                hits = bm.prefix_cache.match(seq) if bm.prefix_cache is not None else []
+                remaining = len(seq) - len(hits) * bm.block_size
+            if remaining > budget and scheduled:
+                break  # the one difference: a sequence that is not first must fit whole
+            if not seq.block_table:
+                bm.allocate(seq)
+                if self.observer is not None and seq.num_cached_tokens:
+                    cache_hits[seq.seq_id] = seq.block_table[: seq.num_cached_blocks]
+            seq.num_scheduled_tokens = min(remaining, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < remaining:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled, cache_hits
+
+
+def first_prefill(rule: type[Scheduler]) -> list[tuple[int, int]]:
+    """The first step of a budget of 10 on prompts of 6 and 8 tokens: (prompt length, tokens scheduled)."""
+    sched = rule(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=10)
+    for length in (6, 8):
+        sched.add(Sequence(list(range(length)), SamplingParams(max_tokens=2), block_size=4))
+    seqs, _ = sched.schedule()
+    return [(len(seq), seq.num_scheduled_tokens) for seq in seqs]
+
+
+def chunking_stats(rule: type[Scheduler], prompts: list[list[int]], budget: int) -> dict[str, float]:
+    """Run the prompts to the end; count steps, chunks, budget use and blocks held half-prefilled."""
+    sched = rule(num_kvcache_blocks=256, kvcache_block_size=4, max_num_seqs=8, max_num_batched_tokens=budget)
+    seqs = [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True), block_size=4) for p in prompts]
+    for seq in seqs:
+        sched.add(seq)
+    steps = prefill_steps = prefilled = chunks = held = most_at_once = 0
+    first_token_step: dict[int, int] = {}
+    while not sched.is_finished():
+        batch, is_prefill = sched.schedule()
+        steps += 1
+        if is_prefill:
+            prefill_steps += 1
+            prefilled += sum(s.num_scheduled_tokens for s in batch)
+            chunks += sum(s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in batch)
+        sched.postprocess(batch, fake_model(batch, is_prefill), is_prefill)
+        # en: A sequence in `waiting` that holds blocks is a chunked prefill in progress.
+        # zh: `waiting` 中持有块的序列，就是进行到一半的分块 prefill。
+        half_prefilled = [s for s in sched.waiting if s.block_table]
+        held += sum(len(s.block_table) for s in half_prefilled)
+        most_at_once = max(most_at_once, len(half_prefilled))
+        for s in batch:
+            if s.num_completion_tokens and s.seq_id not in first_token_step:
+                first_token_step[s.seq_id] = steps
+    return {
+        "steps": steps,
+        "prefill steps": prefill_steps,
+        "budget used per prefill step": prefilled / prefill_steps / budget,
+        "mean steps to first token": sum(first_token_step.values()) / len(seqs),
+        "chunked prefills": chunks,
+        "half-prefilled block-steps": held,
+        "most half-prefilled at once": most_at_once,
+    }
+
+
+rules = {"ours": Scheduler, "upstream": FirstSeqChunkScheduler}
+example = {name: first_prefill(rule) for name, rule in rules.items()}
+for name, scheduled in example.items():
+    print(f"budget 10, prompts of 6 and 8 tokens, {name:<8}: first step schedules {scheduled}")
+
+chunk_rng = random.Random(7)
+mixed_prompts = [[chunk_rng.randrange(50) for _ in range(chunk_rng.randint(3, 14))] for _ in range(16)]
+stats = {name: chunking_stats(rule, mixed_prompts, budget=10) for name, rule in rules.items()}
+print(f"\n{'16 prompts of 3-14 tokens, budget 10':<36}{'ours':>10}{'upstream':>10}")
+for key in stats["ours"]:
+    ours, upstream = stats["ours"][key], stats["upstream"][key]
+    if key == "budget used per prefill step":
+        print(f"{key:<36}{ours:>10.0%}{upstream:>10.0%}")
+    else:
+        print(f"{key:<36}{ours:>10.3g}{upstream:>10.3g}")
+
+# %%
+assert example["ours"] == [(6, 6), (8, 4)] and example["upstream"] == [(6, 6)]
+ours, upstream = stats["ours"], stats["upstream"]
+# en: Ours fills the budget, takes fewer steps and gives the first token sooner ...
+# zh: 我们的规则填满预算，步数更少，第一个 token 来得更早……
+assert ours["budget used per prefill step"] == 1 > upstream["budget used per prefill step"]
+assert ours["steps"] < upstream["steps"] and ours["mean steps to first token"] < upstream["mean steps to first token"]
+# en: ... at the price of more chunks and more blocks held by half-prefilled sequences; never more than one at a time.
+# zh: ……代价是更多的分块，以及被预填充了一半的序列占着的块更多；但同一时刻最多只有一个这样的序列。
+assert ours["chunked prefills"] > upstream["chunked prefills"]
+assert ours["half-prefilled block-steps"] > upstream["half-prefilled block-steps"]
+assert ours["most half-prefilled at once"] == upstream["most half-prefilled at once"] == 1
+
+# %% [markdown] tags=["en"]
+# The trade-off, read from the table. Our rule spends every step's whole budget: fewer steps,
+# and each request's first token comes sooner. Its price is more chunked prefills. A chunked
+# sequence holds the blocks of its whole prompt while it waits for its next chunk, blocks that
+# could have admitted another request; the logits of its partial step are thrown away; and the
+# next chunk reads the first chunk's KV back from the cache. Upstream's rule chunks only a
+# prompt that exceeds the whole budget by itself, and pays with steps that leave part of the
+# budget unused.
+#
+# The book keeps its rule. A prefill step's cost hardly depends on whether it computes 7 or 10
+# tokens when the weights have to be read anyway, so the unused budget is throughput given
+# away. And the price is bounded: in both schedulers a chunk is the last sequence of its step
+# and the first of the next, so at most one half-prefilled sequence exists at any time (the
+# last row of the table) and its wait for the next chunk is a single step.
+
+# %% [markdown] tags=["zh"]
+# 从表中读出权衡。我们的规则每一步都用满预算：步数更少，每个请求的第一个 token 来得更早。代价是分块 prefill 更多。
+# 被分块的序列在等待下一个分块时，占着整个提示词所需的块，而这些块本可以接纳另一个请求；它那一步不完整的 logits
+# 被丢弃；下一个分块还要把前一个分块的 KV 从缓存里读回来。上游的规则只对本身就超出整个预算的提示词分块，代价是
+# 有些步用不满预算。
+#
+# 本书保留自己的规则。反正每一步都要把权重读一遍，prefill 步算 7 个还是 10 个 token，成本几乎一样，用不满的预算就是
+# 白白放弃的吞吐量。而且代价有上限：在两个调度器里，分块都是本步的最后一个序列、下一步的第一个序列，所以任何时刻
+# 最多只有一个预填充了一半的序列（表的最后一行），它等下一个分块也只需等一步。
+
+# %% [markdown] tags=["en"]
+# ### The admission check
 #
 # A request that could never fit, a sequence built for another block size, and bad
 # configuration values are refused with a message that says what is wrong. The scheduler keeps
 # serving everything it accepted.
 
 # %% [markdown] tags=["zh"]
-# ### 在门口
+# ### 准入检查
 #
 # 永远放不下的请求、按另一种块大小构造的序列、错误的配置值，都会被拒绝，错误信息说明问题所在。调度器继续为已接受的
 # 请求服务。

@@ -28,7 +28,7 @@
 # %% [markdown] tags=["zh"]
 # # 05 · 模型：Qwen3 与 Llama，以及加载权重
 #
-# **目标。** 用一些小层搭出引擎要运行的网络——Qwen3（以及它的两个近亲 Qwen2 和 Llama）——把 Hugging Face
+# **目标：** 用一些小层搭出引擎要运行的网络——Qwen3（以及它的两个近亲 Qwen2 和 Llama）——把 Hugging Face
 # 检查点目录加载进来，并证明它算出的 logits 与 `transformers` 相同：无论是一次性处理整个提示词，还是通过
 # 第 06 章的分页 KV 缓存逐个 token 地计算。
 #
@@ -76,11 +76,11 @@
 # 但可能处处带偏置（`attention_bias`、`mlp_bias`），而 SmolLM2 这样的小 Llama 会把 LM head 与嵌入层
 # **绑定**（tie，一个矩阵两用）。
 #
-# **带融合残差的 RMSNorm。** 除第一个以外，每个归一化之前都要“加上残差”。`RMSNorm(x, residual)` 把两件事
+# **带融合残差的 RMSNorm：** 除第一个以外，每个归一化之前都要“加上残差”。`RMSNorm(x, residual)` 把两件事
 # 一起做，返回归一化后的和*以及*和本身，后者成为下一个残差。求和在模型的数据类型下进行，归一化在 float32 下
 # 进行，与 `transformers` 完全一致，因此两者在 float32 下逐位相同，在 bf16 下也非常接近。
 #
-# **RoPE。** 旋转位置编码把 q 和 k 的坐标两两配对，按与 token 位置成正比的角度旋转。我们采用 NeoX 布局
+# **RoPE：** 旋转位置编码把 q 和 k 的坐标两两配对，按与 token 位置成正比的角度旋转。我们采用 NeoX 布局
 # （即 `transformers` 的 `rotate_half`：第 `i` 个坐标与第 `i + d/2` 个配对），并为每个位置一次性预先算好
 # `cos` 和 `sin`。
 
@@ -912,7 +912,7 @@ assert all(layer.self_attn.rotary_emb is layers[0].self_attn.rotary_emb for laye
 # prefill, so to compare *every* position we reset the context before `compute_logits`.
 
 # %% [markdown] tags=["zh"]
-# **一次 prefill，不用缓存。** 整个提示词作为一个序列，`positions = 0 … n-1`，不用 KV 缓存（第 06 章的预热路径）。
+# **一次 prefill，不用缓存：** 整个提示词作为一个序列，`positions = 0 … n-1`，不用 KV 缓存（第 06 章的预热路径）。
 # prefill 时 LM head 只保留最后一行，为了比较*每个*位置，我们在 `compute_logits` 之前重置上下文。
 
 # %%
@@ -934,7 +934,7 @@ print(f"{len(ids)} tokens, logits std {reference.std():.2f}, max |ours - transfo
 # step. Each step's logits must match `transformers` run on the whole text so far.
 
 # %% [markdown] tags=["zh"]
-# **经过分页缓存。** 现在按引擎的方式来：给每个注意力层一个 KV 缓存（第 08 章的模型执行器做的事），把提示词分成
+# **经过分页缓存：** 现在按引擎的方式来：给每个注意力层一个 KV 缓存（第 08 章的模型执行器做的事），把提示词分成
 # **两个分块**做 prefill——第二个分块通过块表读取第一个分块的 KV——然后贪心解码，每步一个 token。每一步的 logits 都必须与
 # `transformers` 对到目前为止的完整文本的计算结果一致。
 

@@ -28,7 +28,7 @@
 # %% [markdown] tags=["zh"]
 # # 06 · 分页注意力：参考后端
 #
-# **目标。** 构建引擎的注意力层：它把每个新 token 的键（K）和值（V）写入**分页 KV 缓存**，并通过序列的
+# **目标：** 构建引擎的注意力层：它把每个新 token 的键（K）和值（V）写入**分页 KV 缓存**，并通过序列的
 # **块表**读取缓存，对序列的全部历史计算注意力。一个批次里混着长度不同的序列，其中一些带有已缓存的前缀
 # （前缀缓存命中，或分块预填充中靠后的分块），所以所有张量都是*展平*的，由一个小小的**上下文**（context）对象
 # 说明每个序列从哪里开始、到哪里结束。
@@ -349,13 +349,13 @@ def get_attention_backend(name: str) -> AttentionBackend:
 # %% [markdown] tags=["zh"]
 # ## 动手：纯 torch 后端
 #
-# **存储。** 一次 scatter：展平后的缓存的第 `slot_mapping[t]` 行接收第 `t` 个 token。对缓存只用 `view`，
+# **存储：** 一次 scatter：展平后的缓存的第 `slot_mapping[t]` 行接收第 `t` 个 token。对缓存只用 `view`，
 # 不用 `reshape`：如果缓存不连续，`reshape` 会悄悄写进一份拷贝，而 `view` 会直接报错。
 #
-# **通过块表读取。** `gather_paged` 把位置 `0 … n-1` 换算成槽位，再索引展平的缓存：一个序列的分页 KV
+# **通过块表读取：** `gather_paged` 把位置 `0 … n-1` 换算成槽位，再索引展平的缓存：一个序列的分页 KV
 # 就变成了稠密的 `[n, kv_heads, d]`。
 #
-# **计算注意力。** `F.scaled_dot_product_attention` 配合 `enable_gqa=True` 处理分组查询注意力（GQA，每个
+# **计算注意力：** `F.scaled_dot_product_attention` 配合 `enable_gqa=True` 处理分组查询注意力（GQA，每个
 # KV 头服务 `num_heads / num_kv_heads` 个查询头）。prefill 逐个序列计算，因果掩码按已缓存前缀的长度平移；
 # decode 也逐个序列计算，每个序列只读取自己的上下文，所以既没有填充也不需要掩码。参考实现负担得起这个 Python
 # 循环；Triton 内核（第 06b 章）则一次启动处理整个批次。

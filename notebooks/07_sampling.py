@@ -23,7 +23,7 @@
 # %% [markdown] tags=["zh"]
 # # 07 · 采样
 #
-# **目标。** 把每个序列的一行 logits 变成每个序列的一个 token，并遵循每个请求自己的设置：`temperature == 0`
+# **目标：** 把每个序列的一行 logits 变成每个序列的一个 token，并遵循每个请求自己的设置：`temperature == 0`
 # 时贪心；否则按它的温度随机抽取，受 `top_k` 和 `top_p` 限制；请求带有 `seed` 时结果可复现——而且*无论批次里
 # 还有什么别的请求*都可复现，这在把素不相识的请求拼成一批的服务器里正是难点。
 
@@ -434,7 +434,7 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # bits, a server taking ten steps a second would likely repeat one within two hours).
 
 # %% [markdown] tags=["zh"]
-# ## 在 GPU 上：一遍完成的赛跑
+# ## 在 GPU 上：一遍扫完词表的指数赛跑采样
 #
 # 在 GPU 上，采样器是仅次于模型本身最繁忙的代码：每个 decode 步都要把每个序列的一行 151,936 个 logits（Qwen3
 # 的词表大小）变成一个 token。`temperature_sample` 要把这个 `[batch, vocab]` 张量读好几遍（求最大值、softmax 的
@@ -443,7 +443,7 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # 0.55 s；下面的内核在同样的运行中只占 0.08 s（两者都记录在第 09 章）。下面三点观察把它变成一遍完成、又能占满
 # GPU 的计算。
 #
-# **1. 不需要 softmax。** 设 `p_i = exp(l_i / T) / Z`，则
+# **1. 不需要 softmax：** 设 `p_i = exp(l_i / T) / Z`，则
 #
 # ```
 # argmax_i  p_i / E_i  =  argmax_i (l_i / T − log Z − log E_i)  =  argmax_i (l_i / T − log E_i)
@@ -453,7 +453,7 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # 乘以 `T > 0` 也不改变 argmax，所以内核的分数是 `l_i − T · log E_i`。其中没有除法，因此哪怕温度是 1e-45 也不会
 # 溢出（torch 版本出于同样的原因先减去每行的最大值）。贪心行（`T = 0`）的分数就是 logits 本身：精确的 argmax。
 #
-# **2. 由计数器产生噪声。** 若 `U` 服从均匀分布，则 `E = −log(1 − U)` 服从 Exp(1)。Triton 的
+# **2. 由计数器产生噪声：** 若 `U` 服从均匀分布，则 `E = −log(1 − U)` 服从 Exp(1)。Triton 的
 # `tl.randint4x(seed, counter)` 就是 Philox，一种*基于计数器*的生成器：它的输出是以 `seed` 为密钥、对 `counter`
 # 做十轮加密的结果。它不在前后两个数之间保留任何状态，所以每个程序各自计算自己的随机数，不必与其他程序打交道；
 # 不同的计数器给出的数，表现得就像相互独立的抽样。算一次得到四个 32 位的数，供四列使用；计数器
@@ -463,7 +463,7 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # 当 `U < 1/128` 时，内核用级数 `U + U²/2 + U³/3 + U⁴/4` 计算 `−log(1 − U)`，保住了在 float32 中计算 `1 − U`
 # 时会被舍入掉的那些位（快速的近似 `log` 在 1 附近也可能把它们弄模糊）。
 #
-# **3. 把一行切开。** 词表被切成若干段（chunk），每段 `BLOCK` 列（默认 4,096：Qwen3 共 38 段）。程序
+# **3. 把一行切开：** 词表被切成若干段（chunk），每段 `BLOCK` 列（默认 4,096：Qwen3 共 38 段）。程序
 # `(row, chunk)` 为自己那一段打分，写下这一段的最高分和它所在的列；100 行的批次会启动 3,800 个这样的程序，足以
 # 占满所有 SM。第二个很小的内核每行一个程序，读出该行的 38 对结果，留下最好的那个。
 #

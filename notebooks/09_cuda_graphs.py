@@ -29,7 +29,7 @@
 # %% [markdown] tags=["zh"]
 # # 09 · CUDA Graph、编译小算子与 KV 缓存大小
 #
-# **目标。** 让 GPU 上的 decode 步变快，同时不改变它产生的任何一个 token。读完本章，你将能够：
+# **目标：** 让 GPU 上的 decode 步变快，同时不改变它产生的任何一个 token。读完本章，你将能够：
 #
 # - 解释为什么小批次的 decode 步受**启动开销限制**（launch-bound）：GPU 在等 Python；
 # - 把 decode 前向捕获成 **CUDA Graph**，每个批大小档位一个，并用静态输入缓冲区、填充行和按 `max_model_len`
@@ -107,17 +107,17 @@
 # **CUDA Graph** 把一串内核启动连同参数（包括指针）录制一次，之后一次调用就能重放整串启动。代价是死板：重放时
 # 在*同样*的内存上以*同样*的形状运行*同样*的内核。于是有了这些规则：
 #
-# 1. **静态缓冲区。** 输入被拷贝进只分配一次的张量（`input_ids`、`positions`、`slot_mapping`、`context_lens`、
+# 1. **静态缓冲区：** 输入被拷贝进只分配一次的张量（`input_ids`、`positions`、`slot_mapping`、`context_lens`、
 #    `block_tables`）；输出也落在一个固定的张量里。
-# 2. **档位。** 每个批大小档位（1、2、4、8、16、32、48……）一个图；5 个序列的批次重放 8 的图，外加 3 个**填充行**。
+# 2. **档位：** 每个批大小档位（1、2、4、8、16、32、48……）一个图；5 个序列的批次重放 8 的图，外加 3 个**填充行**。
 #    填充行什么都不存（`slot_mapping = -1`），也什么都不关注（`context_len = 0`）。
-# 3. **固定宽度。** 块表缓冲区有 `ceil(max_model_len / block_size)` 列，比 `max_model_len` 更长的序列放不进去：
+# 3. **固定宽度：** 块表缓冲区有 `ceil(max_model_len / block_size)` 列，比 `max_model_len` 更长的序列放不进去：
 #    必须在到达这里之前就被拒绝（第 11 章会拒绝；图执行器还会再查一次）。
-# 4. **不与主机同步。** 被捕获的前向里不能有任何等待 GPU 的操作：不能有 `.item()`、`.tolist()`，也不能有依赖数据的
+# 4. **不与主机同步：** 被捕获的前向里不能有任何等待 GPU 的操作：不能有 `.item()`、`.tolist()`，也不能有依赖数据的
 #    Python 分支。第 06 章的 torch 参考注意力会遍历 `context_lens.tolist()`，所以无法被捕获：只有 Triton 后端才使用
 #    CUDA Graph。Triton decode 内核从显存读取 `context_lens`，而它的 split-K 选择只取决于形状（批大小档位和缓冲区
 #    宽度），因此每个捕获的图都是固定的。
-# 5. **只用于 decode。** prefill 步每次的 token 数都不同，它保持 eager（而且它本来就受算力限制）。
+# 5. **只用于 decode：** prefill 步每次的 token 数都不同，它保持 eager（而且它本来就受算力限制）。
 
 # %% default module
 #| default_exp engine.cuda_graphs

@@ -29,7 +29,7 @@
 # %% [markdown] tags=["zh"]
 # # 11 · 引擎：`LLMEngine`、`LLM`、演示与基准测试
 #
-# **目标。** 本章给引擎装上用户最先接触到的几样东西：一个经过校验的 `Config`（所有配置项，每种错误都有清楚的
+# **目标：** 本章给引擎装上用户最先接触到的几样东西：一个经过校验的 `Config`（所有配置项，每种错误都有清楚的
 # 报错）、一个能在笔记本电脑 CPU 上运行的真实模型（SmolLM2-135M-Instruct）、一个命令行入口
 # （`python -m nanovllm "你的提示词"`），以及一个基准测试：在同一台机器、同一批提示词上，把引擎和 Hugging Face
 # `transformers` 放在一起比较。
@@ -146,12 +146,12 @@
 # | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上且不用张量并行时打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
 #
-# **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
+# **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
 # bfloat16 或 float16 就用它，否则用 bfloat16。`attention_backend`：CUDA 上用 triton，CPU 上用 torch
 # （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。
 #
-# **块大小的规则。** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
+# **块大小的规则：** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
 # 2 的幂（Triton 的 `tl.arange` 长度必须是 2 的幂），torch 参考实现则什么都能接受；而本书正是靠小块来演示各种机制。
 # 所以这里的规则是：**2 的幂，从 1 到 1024**。
 #
@@ -998,13 +998,13 @@ def make_workload(
 # `generate` 运行的是*静态*批次：同一批次的每一行都要填充（padding）到最长的提示词，并一直解码到批次里最长的
 # 请求结束。要公平地测量它，需要三条规则：
 #
-# 1. **强制长度。** 令 `min_new_tokens == max_new_tokens`，以免提前出现的 EOS 让 `transformers` 显得更快
+# 1. **强制长度：** 令 `min_new_tokens == max_new_tokens`，以免提前出现的 EOS 让 `transformers` 显得更快
 #    （我们的引擎用 `ignore_eos=True` 运行）。
-# 2. **按长度分组。** 请求按要求的输出长度（其次按提示词长度）排序，再切成大小为 `batch_size` 的批次；
+# 2. **按长度分组：** 请求按要求的输出长度（其次按提示词长度）排序，再切成大小为 `batch_size` 的批次；
 #    每个批次生成其中最长请求所需的 token 数。排序让多余的 token 尽量少——这是 `generate` 的用户在没有连续批处理
 #    （continuous batching）时能做到的最好情况；在我们的 H200 上，排好序的 64 个一批也确实比 256 个一批更快
 #    （813 对 674 tok/s）。
-# 3. **只计要求的 token。** 同一批次中较短请求多生成的 token 是静态批处理的代价：它们花了时间，但不计入。
+# 3. **只计要求的 token：** 同一批次中较短请求多生成的 token 是静态批处理的代价：它们花了时间，但不计入。
 #    指标是 `workload.num_output_tokens / 秒数`，分子与引擎一侧相同。
 #
 # 两边使用同一个模型目录、设备和数据类型，并各有一次不计时的预热调用。

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import copy
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
+import jupytext
 import numpy as np
 import pytest
 
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
+
+CHAPTER_01 = Path(__file__).resolve().parent.parent / "notebooks" / "01_sequence.py"
 
 
 # ---- SamplingParams ----------------------------------------------------------------------
@@ -234,3 +240,40 @@ def test_a_preempted_sequence_may_finish_while_waiting() -> None:
     seq.status = SequenceStatus.WAITING  # preempted while its newest token was being computed
     seq.status = SequenceStatus.FINISHED  # ... which turned out to end it
     assert seq.is_finished
+
+
+# ---- chapter 01's worked trace against chapter 04's scheduler ----------------------------------
+def chapter_01_expected_trace() -> list[tuple]:
+    """The table that chapter 01's "Check it" cell asserts its hand-played trace against."""
+    for cell in jupytext.read(CHAPTER_01, fmt="py:percent").cells:
+        if cell.cell_type != "code" or "expected = [" not in cell.source:
+            continue
+        for node in ast.parse(cell.source).body:
+            if isinstance(node, ast.Assign) and [t.id for t in node.targets if isinstance(t, ast.Name)] == ["expected"]:
+                return ast.literal_eval(node.value)
+    raise AssertionError("chapter 01 has no `expected = [...]` table any more: update this test")
+
+
+def counters(seq: Sequence) -> tuple:
+    """A row of chapter 01's trace without its label."""
+    return (seq.status.name, seq.num_tokens, seq.num_cached_tokens, seq.num_scheduled_tokens,
+            seq.num_blocks, seq.last_block_num_tokens)
+
+
+def test_chapter_01_trace_is_what_the_scheduler_does() -> None:
+    # Chapter 01 plays the scheduler by hand: a 10-token prompt, blocks of 4, a budget of 6
+    # tokens, sampled tokens 999 (ignored after the partial chunk), 7, 8, 9, 10. Chapter 04's
+    # scheduler on the same example must produce every row, the status column included.
+    expected = chapter_01_expected_trace()
+    sched = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=1, max_num_batched_tokens=6)
+    seq = Sequence(list(range(100, 110)), SamplingParams(temperature=0, max_tokens=8), block_size=4)
+    rows = [counters(seq)]
+    sched.add(seq)
+    for sampled in (999, 7, 8, 9, 10):
+        seqs, is_prefill = sched.schedule()
+        rows.append(counters(seq))
+        sched.postprocess(seqs, [sampled], is_prefill)
+        rows.append(counters(seq))
+    assert rows == [row[1:] for row in expected]
+    # The point of contention: a partly prefilled sequence is still WAITING.
+    assert [row[1] for row in expected[1:4]] == ["WAITING", "WAITING", "RUNNING"]

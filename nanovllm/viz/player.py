@@ -208,7 +208,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
                        f'<text x="{x + 20}" y="{y + 14}" class="nvv-mid">s{seq_id}</text></g>')
         width = max(width, TABLE_X + len(frame[name]) * 44 + 4)
         y += 24
-    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{_t("free list", "空闲链表", lang)}</text>')
+    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{_t("free list", "空闲队列", lang)}</text>')
     shown = frame["free_list"][:24]
     for j, block_id in enumerate(shown):
         x = TABLE_X + j * 24

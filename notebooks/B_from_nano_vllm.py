@@ -1,0 +1,901 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # B · From nano-vllm to this book
+#
+# **Goal.** This appendix is for the reader who holds upstream nano-vllm's files open. For every
+# upstream file, class, function and field it gives this book's module and name and the chapter
+# that explains it; then it lists every place where the two engines *behave* differently, with
+# the reason and the chapter that shows it. The last section checks the map against the code.
+#
+# The map is taken at upstream's `main`, commit `bb823b3` of 2026-04-26: the version with chunked
+# prefill and the stale-entry fix (`f64d821`), the one the line-by-line annotation of
+# `sequence.py` and `scheduler.py` reads.
+
+# %% [markdown] tags=["zh"]
+# # B · 从 nano-vllm 到本书
+#
+# **目标：** 本附录写给手边开着上游 nano-vllm 源码的读者。对上游的每个文件、类、函数和字段，它给出本书中对应的
+# 模块和名字，以及讲解它的章节；然后列出两个引擎*行为*不同的每一处，并给出原因和展示它的章节。最后一节用代码
+# 检查这张对照表。
+#
+# 对照的是上游 `main` 分支 2026-04-26 的提交 `bb823b3`：这个版本带有分块 prefill 和过期条目的修复（`f64d821`），
+# 逐行注解 `sequence.py` 和 `scheduler.py` 的那篇文章读的也是它。
+
+# %% [markdown] tags=["en"]
+# ## How to read the tables
+#
+# One table per upstream file; the heading names the upstream file, then the module of ours that
+# holds most of its names. In the column *this book*, a name is relative to that module
+# (`Sequence.num_cached_tokens`), unless it starts from the package root
+# (`engine.scheduler.Scheduler.schedule`, that is `nanovllm.engine.scheduler.Scheduler.schedule`);
+# `=` means the same names, in our module; `./` marks a file of this repository; `—` means
+# that nothing corresponds. A class's row covers its constructor. Rows whose upstream column is
+# `—` list what this book adds in that place.
+
+# %% [markdown] tags=["zh"]
+# ## 怎样读这些表
+#
+# 上游每个文件一张表；标题先写上游文件，再写本书中容纳其大部分名字的模块。*本书*一列中的名字相对于这个模块
+# （`Sequence.num_cached_tokens`），除非它从包的根写起（`engine.scheduler.Scheduler.schedule`，即
+# `nanovllm.engine.scheduler.Scheduler.schedule`）；`=` 表示在本书的模块中名字完全相同；`./` 表示本仓库中的文件；
+# `—` 表示没有对应的东西。类所在的那一行也涵盖它的构造函数。上游一列为 `—` 的行，列出本书在这个位置新增的内容。
+
+# %% [markdown] tags=["en"]
+# ## Names
+
+# %% [markdown] tags=["zh"]
+# ## 名字对照
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/sampling_params.py` → `nanovllm/sampling_params.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `SamplingParams` | = | 01 | frozen; a bad value raises `TypeError` or `ValueError` naming the field |
+# | `SamplingParams.temperature` | = | 01, 07 | `0` means greedy; upstream refuses it |
+# | `SamplingParams.max_tokens`, `SamplingParams.ignore_eos` | = | 01 | same |
+# | `SamplingParams.__post_init__` | = | 01 | checks every field; upstream only asserts `temperature > 1e-10` |
+# | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 07 | new: top-k, top-p, a per-request seed |
+# | — | `SamplingParams.n` | 04b | new: several samples of one prompt (parallel sampling) |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/sampling_params.py` → `nanovllm/sampling_params.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `SamplingParams` | = | 01 | 不可变；错误的取值抛出 `TypeError` 或 `ValueError`，并指明是哪个字段 |
+# | `SamplingParams.temperature` | = | 01, 07 | `0` 表示贪心解码；上游不接受 0 |
+# | `SamplingParams.max_tokens`, `SamplingParams.ignore_eos` | = | 01 | 相同 |
+# | `SamplingParams.__post_init__` | = | 01 | 检查每个字段；上游只断言 `temperature > 1e-10` |
+# | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 07 | 新增：top-k、top-p、按请求设置的种子 |
+# | — | `SamplingParams.n` | 04b | 新增：一个提示词采样多个结果（并行采样） |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `SequenceStatus`, `SequenceStatus.WAITING`, `SequenceStatus.RUNNING`, `SequenceStatus.FINISHED` | = | 01 | the same three states |
+# | `Sequence` | = | 01 | `block_size` is a required keyword argument |
+# | `Sequence.block_size` | = | 01, 10 | a field of each sequence that travels in its pickle; upstream's is a class attribute that `LLMEngine` sets in the driver process only |
+# | `Sequence.counter` | `Sequence._ids` | 01 | the id counter |
+# | `Sequence.seq_id`, `Sequence.token_ids`, `Sequence.num_tokens`, `Sequence.num_prompt_tokens`, `Sequence.num_cached_tokens`, `Sequence.num_scheduled_tokens`, `Sequence.block_table` | = | 01 | same meaning |
+# | `Sequence.status` | `Sequence.status`, `ALLOWED_TRANSITIONS` | 01 | a property whose setter refuses a move the state diagram does not have |
+# | `Sequence.last_token` | = | 01 | a property reading `token_ids`, not a second copy |
+# | `Sequence.is_prefill` | `engine.scheduler.Scheduler.schedule`, `Sequence.num_cached_tokens` | 04 | gone: a whole step is prefill or decode (`schedule` returns the flag), and a sequence still has prompt to compute while `num_cached_tokens < len(seq)` |
+# | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01 | the whole `SamplingParams` is kept (`None` on a worker's slim copy) |
+# | `Sequence.__len__`, `Sequence.is_finished`, `Sequence.num_completion_tokens`, `Sequence.prompt_token_ids`, `Sequence.completion_token_ids`, `Sequence.num_blocks`, `Sequence.last_block_num_tokens`, `Sequence.block`, `Sequence.append_token` | = | 01 | same |
+# | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01 | no indexing: a slim copy holds only the tail of the tokens (`first_token_index` says where it starts) |
+# | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 01, 10 | ships the tokens whose KV is not cached yet, with `block_size`, id and status; upstream ships all tokens during prefill and the last one during decode |
+# | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 11 | new: tokens still being computed (asynchronous scheduling) |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.num_samples`, `Sequence.blocks_to_copy` | 04b | new: a request's samples as sibling sequences, and the copy-on-write copies of a step |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `SequenceStatus`, `SequenceStatus.WAITING`, `SequenceStatus.RUNNING`, `SequenceStatus.FINISHED` | = | 01 | 同样的三个状态 |
+# | `Sequence` | = | 01 | `block_size` 是必须给出的关键字参数 |
+# | `Sequence.block_size` | = | 01, 10 | 每个序列自己的字段，随序列化数据一起传送；上游的是类属性，只在驱动进程里由 `LLMEngine` 设置 |
+# | `Sequence.counter` | `Sequence._ids` | 01 | 序列编号计数器 |
+# | `Sequence.seq_id`, `Sequence.token_ids`, `Sequence.num_tokens`, `Sequence.num_prompt_tokens`, `Sequence.num_cached_tokens`, `Sequence.num_scheduled_tokens`, `Sequence.block_table` | = | 01 | 含义相同 |
+# | `Sequence.status` | `Sequence.status`, `ALLOWED_TRANSITIONS` | 01 | 一个属性，它的 setter 拒绝状态图里没有的转换 |
+# | `Sequence.last_token` | = | 01 | 读取 `token_ids` 的属性，而不是另存一份 |
+# | `Sequence.is_prefill` | `engine.scheduler.Scheduler.schedule`, `Sequence.num_cached_tokens` | 04 | 去掉了：一整步要么是 prefill 要么是 decode（由 `schedule` 返回这个标志）；序列在 `num_cached_tokens < len(seq)` 时还有提示词要算 |
+# | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01 | 保留整个 `SamplingParams`（工作进程收到的精简副本上为 `None`） |
+# | `Sequence.__len__`, `Sequence.is_finished`, `Sequence.num_completion_tokens`, `Sequence.prompt_token_ids`, `Sequence.completion_token_ids`, `Sequence.num_blocks`, `Sequence.last_block_num_tokens`, `Sequence.block`, `Sequence.append_token` | = | 01 | 相同 |
+# | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01 | 不支持下标访问：精简副本只带着 token 的尾部（`first_token_index` 记录它从哪里开始） |
+# | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 01, 10 | 传送 KV 尚未缓存的 token，连同 `block_size`、编号和状态；上游在 prefill 时传送全部 token，decode 时只传最后一个 |
+# | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 11 | 新增：尚在计算中的 token（异步调度） |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.num_samples`, `Sequence.blocks_to_copy` | 04b | 新增：把一个请求的各个样本表示为兄弟序列，以及一步中写时复制要拷贝的块 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `Block` | = | 02 | same, with `__slots__` |
+# | `Block.block_id`, `Block.ref_count`, `Block.hash`, `Block.token_ids` | = | 02, 03 | same |
+# | `Block.update` | `engine.prefix_cache.PrefixCache.publish` | 03 | publication sets `hash` and `token_ids` |
+# | `Block.reset` | = | 02 | forgets the contents only; `take_free_block` sets the count to 1 |
+# | `BlockManager` | `BlockManager`, `BlockPool` | 02 | split in two: the pool knows blocks, the manager knows sequences |
+# | `BlockManager.block_size`, `BlockManager.blocks`, `BlockManager.free_block_ids`, `BlockManager.used_block_ids` | `BlockPool.block_size`, `BlockPool.blocks`, `BlockPool.free_block_ids`, `BlockPool.used_block_ids` | 02 | same |
+# | `BlockManager.hash_to_block_id` | `engine.prefix_cache.PrefixCache.hash_to_block_id`, `BlockPool.hash_to_block_id` | 03 | owned by the prefix cache; the pool shows it read-only |
+# | `BlockManager.compute_hash` | `engine.prefix_cache.block_hash` | 03 | the same chained xxHash64, the same digests (checked below) |
+# | `BlockManager._allocate_block` | `BlockPool.take_free_block`, `engine.prefix_cache.PrefixCache.forget` | 02, 03 | the stale-entry check lives in `forget` |
+# | `BlockManager._deallocate_block` | `BlockPool.release` | 02 | drops one reference; at zero the block joins the free list's tail |
+# | `BlockManager.can_allocate` | = | 02 | returns a bool; upstream returns the number of cached blocks, or -1 |
+# | `BlockManager.allocate` | `BlockManager.allocate`, `engine.prefix_cache.PrefixCache.match`, `BlockPool.hold` | 02, 03 | `allocate(seq)` finds the cache hits itself; upstream passes in the count from `can_allocate` |
+# | `BlockManager.deallocate` | = | 02 | same, last block first |
+# | `BlockManager.can_append`, `BlockManager.may_append` | = | 02 | a block is added when the table stops covering `len(seq)`; upstream tests `len(seq) % block_size == 1`, the same unless `block_size` is 1 |
+# | `BlockManager.hash_blocks` | `BlockManager.publish_full_blocks`, `engine.prefix_cache.PrefixCache.publish` | 03 | called by postprocess once the step has written the KV, as upstream does |
+# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | new: siblings share their blocks; `may_append` gives a writer of a shared block its own copy |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `Block` | = | 02 | 相同，加了 `__slots__` |
+# | `Block.block_id`, `Block.ref_count`, `Block.hash`, `Block.token_ids` | = | 02, 03 | 相同 |
+# | `Block.update` | `engine.prefix_cache.PrefixCache.publish` | 03 | 发布时设置 `hash` 和 `token_ids` |
+# | `Block.reset` | = | 02 | 只清除内容；引用计数由 `take_free_block` 设为 1 |
+# | `BlockManager` | `BlockManager`, `BlockPool` | 02 | 拆成两层：块池只认识块，块管理器认识序列 |
+# | `BlockManager.block_size`, `BlockManager.blocks`, `BlockManager.free_block_ids`, `BlockManager.used_block_ids` | `BlockPool.block_size`, `BlockPool.blocks`, `BlockPool.free_block_ids`, `BlockPool.used_block_ids` | 02 | 相同 |
+# | `BlockManager.hash_to_block_id` | `engine.prefix_cache.PrefixCache.hash_to_block_id`, `BlockPool.hash_to_block_id` | 03 | 归前缀缓存所有；块池只提供只读视图 |
+# | `BlockManager.compute_hash` | `engine.prefix_cache.block_hash` | 03 | 同样的链式 xxHash64，摘要完全相同（见下文的检查） |
+# | `BlockManager._allocate_block` | `BlockPool.take_free_block`, `engine.prefix_cache.PrefixCache.forget` | 02, 03 | 过期条目的检查在 `forget` 里 |
+# | `BlockManager._deallocate_block` | `BlockPool.release` | 02 | 去掉一个引用；降到零时块排到空闲队列队尾 |
+# | `BlockManager.can_allocate` | = | 02 | 返回布尔值；上游返回命中的块数，或 -1 |
+# | `BlockManager.allocate` | `BlockManager.allocate`, `engine.prefix_cache.PrefixCache.match`, `BlockPool.hold` | 02, 03 | `allocate(seq)` 自己查找缓存命中；上游要传入 `can_allocate` 得到的块数 |
+# | `BlockManager.deallocate` | = | 02 | 相同，从最后一块开始释放 |
+# | `BlockManager.can_append`, `BlockManager.may_append` | = | 02 | 块表不再覆盖 `len(seq)` 时加一块；上游判断 `len(seq) % block_size == 1`，除非 `block_size` 为 1，两者等价 |
+# | `BlockManager.hash_blocks` | `BlockManager.publish_full_blocks`, `engine.prefix_cache.PrefixCache.publish` | 03 | 和上游一样，在这一步写完 KV 之后由后处理调用 |
+# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 新增：兄弟序列共享块；要写入共享块的序列由 `may_append` 给它一份自己的副本 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `Scheduler` | = | 04 | keyword settings instead of a `Config` |
+# | `Scheduler.max_num_seqs`, `Scheduler.max_num_batched_tokens`, `Scheduler.block_manager`, `Scheduler.waiting`, `Scheduler.running` | = | 04 | same |
+# | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 11 | a set: every end-of-sequence id the model declares |
+# | `Scheduler.block_size` | `engine.block_manager.BlockPool.block_size` | 04 | read from the block manager |
+# | `Scheduler.is_finished` | = | 04 | same |
+# | `Scheduler.add` | `Scheduler.add`, `max_kv_tokens` | 04 | refuses a request that could never fit the cache (the admission check) |
+# | `Scheduler.schedule` | `Scheduler.schedule`, `Scheduler._schedule_prefill`, `Scheduler._schedule_decode` | 04 | chunks whichever sequence runs out the budget; decode is capped by the token budget too |
+# | `Scheduler.preempt` | `Scheduler._preempt` | 04 | same |
+# | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 11 | two halves that asynchronous scheduling calls one step apart; returns the finished sequences |
+# | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 11, A | new: undo a step that failed, drop a request, watch the scheduler |
+# | — | `Scheduler._fork`, `Scheduler.check_fits` | 04b | new: a request forks when its first token is sampled; `add` also refuses `n > max_num_seqs` |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `Scheduler` | = | 04 | 用关键字参数配置，而不是传入 `Config` |
+# | `Scheduler.max_num_seqs`, `Scheduler.max_num_batched_tokens`, `Scheduler.block_manager`, `Scheduler.waiting`, `Scheduler.running` | = | 04 | 相同 |
+# | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 11 | 一个集合：模型声明的每一个结束符 id |
+# | `Scheduler.block_size` | `engine.block_manager.BlockPool.block_size` | 04 | 从块管理器读取 |
+# | `Scheduler.is_finished` | = | 04 | 相同 |
+# | `Scheduler.add` | `Scheduler.add`, `max_kv_tokens` | 04 | 拒绝永远放不进缓存的请求（准入检查） |
+# | `Scheduler.schedule` | `Scheduler.schedule`, `Scheduler._schedule_prefill`, `Scheduler._schedule_decode` | 04 | 哪个序列用完预算就把哪个分块；decode 同样受 token 预算限制 |
+# | `Scheduler.preempt` | `Scheduler._preempt` | 04 | 相同 |
+# | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 11 | 分成两半，异步调度时相隔一步调用；返回已结束的序列 |
+# | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 11, A | 新增：撤销失败的一步、丢弃一个请求、观察调度器 |
+# | — | `Scheduler._fork`, `Scheduler.check_fits` | 04b | 新增：请求在采样出第一个 token 时分叉；`add` 还会拒绝 `n > max_num_seqs` 的请求 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `SiluAndMul`, `SiluAndMul.forward` | = | 05 | plain PyTorch; on a GPU chapter 09 compiles it (`layers.compiled_ops.silu_and_mul`) |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `SiluAndMul`, `SiluAndMul.forward` | = | 05 | 纯 PyTorch；在 GPU 上由第 09 章编译（`layers.compiled_ops.silu_and_mul`） |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/layernorm.py` → `nanovllm/layers/layernorm.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.rms_forward`, `RMSNorm.forward` | = | 05 | same; the residual is added in the model's dtype, as `transformers` does |
+# | `RMSNorm.add_rms_forward` | `RMSNorm.forward`, `layers.compiled_ops.rms_norm` | 05, 09 | the `residual` branch of `forward`; compiled on a GPU |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/layernorm.py` → `nanovllm/layers/layernorm.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.rms_forward`, `RMSNorm.forward` | = | 05 | 相同；残差按模型的数据类型相加，与 `transformers` 一致 |
+# | `RMSNorm.add_rms_forward` | `RMSNorm.forward`, `layers.compiled_ops.rms_norm` | 05, 09 | 即 `forward` 中带 `residual` 的分支；GPU 上会被编译 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/rotary_embedding.py` → `nanovllm/layers/rotary_embedding.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `apply_rotary_emb` | `apply_rotary` | 05 | same rotation (NeoX layout) |
+# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | = | 05 | adds `linear` and `llama3` scaling; refuses a position beyond the table on a CPU |
+# | `get_rope` | `get_rope`, `rope_settings` | 05 | not cached by `lru_cache`: a model builds one and its layers share it |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/rotary_embedding.py` → `nanovllm/layers/rotary_embedding.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `apply_rotary_emb` | `apply_rotary` | 05 | 同样的旋转（NeoX 布局） |
+# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | = | 05 | 新增 `linear` 与 `llama3` 缩放；在 CPU 上拒绝超出表长的位置 |
+# | `get_rope` | `get_rope`, `rope_settings` | 05 | 没有用 `lru_cache` 缓存：模型构建一个，各层共用 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | our own Triton kernel (slot `-1` skipped), and a plain-torch store for the CPU |
+# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | same |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `get_attention_backend` | 06, 06b | hands the math to a registered backend: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (upstream's calls, unverified) |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | 我们自己的 Triton 内核（跳过槽位 `-1`），以及供 CPU 使用的纯 torch 写入 |
+# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | 相同 |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `get_attention_backend` | 06, 06b | 把计算交给注册过的后端：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（上游的调用方式，未验证） |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 10 | same |
+# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local` | 10 | the loader checks the shape; `forward_local` is the part before the all-reduce |
+# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local` | 10 | same: the last token of each sequence during prefill, slices gathered on rank 0 |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 10 | 相同 |
+# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local` | 10 | 加载器会检查形状；`forward_local` 是 all-reduce 之前的那部分 |
+# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local` | 10 | 相同：prefill 时每个序列只取最后一个 token，各分片在 rank 0 上 gather |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/linear.py` → `nanovllm/layers/linear.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `divide` | = | 10 | raises a `ValueError` naming what does not split |
+# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world` | 10 | rank and size come from `tp_world` (explicit, or `torch.distributed`, or 1 process) |
+# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 10 | same split; every loader refuses a shape that does not fit (`copy_checked`) |
+# | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | same |
+# | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | same |
+# | — | `agree_min`, `check_tensor_parallel_size` | 10 | new: the ranks agree on the KV block count; a rank count that does not divide the model is refused |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/linear.py` → `nanovllm/layers/linear.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `divide` | = | 10 | 抛出 `ValueError`，指明哪个量不能整除 |
+# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world` | 10 | rank 与进程数来自 `tp_world`（显式给出、`torch.distributed`，或单进程） |
+# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 10 | 切分方式相同；每个加载器都拒绝形状不符的张量（`copy_checked`） |
+# | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | 相同 |
+# | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | 相同 |
+# | — | `agree_min`, `check_tensor_parallel_size` | 10 | 新增：各 rank 就 KV 块数达成一致；不能整除模型各维度的 rank 数会被拒绝 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/layers/sampler.py` → `nanovllm/layers/sampler.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `Sampler`, `Sampler.forward` | `Sampler`, `Sampler.forward`, `temperature_sample`, `sampling_inputs` | 07 | the same exponential race, plus greedy rows, top-k, top-p and seeds |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/layers/sampler.py` → `nanovllm/layers/sampler.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `Sampler`, `Sampler.forward` | `Sampler`, `Sampler.forward`, `temperature_sample`, `sampling_inputs` | 07 | 同样的指数赛跑，另加贪心行、top-k、top-p 和种子 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/models/qwen3.py` → `nanovllm/models/qwen3.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward` | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward`, `Qwen3Attention.norm_and_rotate` | 05 | same; the rotary table is shared by all layers |
+# | `Qwen3Attention.total_num_heads`, `Qwen3Attention.total_num_kv_heads` | `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads` | 05, 10 | only the per-rank counts are kept |
+# | `Qwen3Attention.scaling` | `layers.attention.Attention.scale` | 05 | kept by the attention layer |
+# | `Qwen3Attention.qkv_bias` | `Qwen3ForCausalLM.switches`, `Qwen3Attention.qk_norm` | 05 | explicit switches per architecture; upstream turns q/k norm on exactly when there is no q/k/v bias |
+# | `Qwen3MLP`, `Qwen3MLP.gate_up_proj`, `Qwen3MLP.down_proj`, `Qwen3MLP.act_fn`, `Qwen3MLP.forward` | = | 05 | same |
+# | `Qwen3DecoderLayer`, `Qwen3DecoderLayer.self_attn`, `Qwen3DecoderLayer.mlp`, `Qwen3DecoderLayer.input_layernorm`, `Qwen3DecoderLayer.post_attention_layernorm`, `Qwen3DecoderLayer.forward` | = | 05 | same |
+# | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 05 | same |
+# | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 05 | same |
+# | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | new: Qwen2 and Llama with the same layers, chosen from `architectures` |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/models/qwen3.py` → `nanovllm/models/qwen3.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward` | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward`, `Qwen3Attention.norm_and_rotate` | 05 | 相同；各层共用一张旋转位置编码表 |
+# | `Qwen3Attention.total_num_heads`, `Qwen3Attention.total_num_kv_heads` | `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads` | 05, 10 | 只保存每个 rank 上的头数 |
+# | `Qwen3Attention.scaling` | `layers.attention.Attention.scale` | 05 | 由注意力层保存 |
+# | `Qwen3Attention.qkv_bias` | `Qwen3ForCausalLM.switches`, `Qwen3Attention.qk_norm` | 05 | 每种架构显式给出开关；上游恰好在没有 q/k/v 偏置时才打开 q/k 归一化 |
+# | `Qwen3MLP`, `Qwen3MLP.gate_up_proj`, `Qwen3MLP.down_proj`, `Qwen3MLP.act_fn`, `Qwen3MLP.forward` | = | 05 | 相同 |
+# | `Qwen3DecoderLayer`, `Qwen3DecoderLayer.self_attn`, `Qwen3DecoderLayer.mlp`, `Qwen3DecoderLayer.input_layernorm`, `Qwen3DecoderLayer.post_attention_layernorm`, `Qwen3DecoderLayer.forward` | = | 05 | 相同 |
+# | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 05 | 相同 |
+# | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 05 | 相同 |
+# | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | 新增：用同一套层实现 Qwen2 和 Llama，按 `architectures` 选择 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/utils/context.py` → `nanovllm/utils/context.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 06 | the same fields |
+# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_CONTEXT`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | same, plus two builders from lengths and block tables |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/utils/context.py` → `nanovllm/utils/context.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 06 | 字段相同 |
+# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_CONTEXT`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | 相同，另加两个根据长度和块表构造上下文的函数 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/engine/model_runner.py` → `nanovllm/engine/model_runner.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `ModelRunner`, `ModelRunner.config`, `ModelRunner.block_size`, `ModelRunner.model`, `ModelRunner.sampler`, `ModelRunner.kv_cache` | = | 08 | one process's runner; a rank wraps it in `engine.tp_runtime.RankWorker` |
+# | `ModelRunner.enforce_eager` | `config.Config.enforce_eager`, `engine.cuda_graphs.graphs_unavailable_reason` | 09 | read from the config when graphs are captured |
+# | `ModelRunner.world_size`, `ModelRunner.rank` | `engine.tp_runtime.TPRunner.world_size`, `layers.linear.tp_world` | 10 | the driver knows the size; a layer asks `torch.distributed` for its rank |
+# | `ModelRunner.event`, `ModelRunner.shm` | `engine.tp_runtime.TPRunner._conns` | 10 | one two-way pipe per rank instead of shared memory and events |
+# | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 09 | a runner of their own (`ModelRunner.graphs` holds it); the buffers are a `DecodeBuffers` |
+# | `ModelRunner.exit` | = | 08, 10 | releases the KV cache; the TP runner stops its ranks |
+# | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | a rank's loop reads calls from its pipe and replies, errors included |
+# | `ModelRunner.warmup_model` | `ModelRunner.warmup` | 08 | the same warm-up forward |
+# | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `layers.linear.agree_min` | 08, 10 | the same formula; with tensor parallelism every rank takes the smallest count |
+# | `ModelRunner.prepare_block_tables` | `utils.context.set_prefill_context`, `utils.context.set_decode_context` | 06 | built with the rest of the attention context |
+# | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | functions of the module; a chunk's `seqlen_k` is `num_cached + num_scheduled` |
+# | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | temperatures, top-k, top-p and seeded generators |
+# | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager, or a decode graph's replay |
+# | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 08, 11 | samples only rows that want a token; `launch` returns before the GPU is done |
+# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | same order (largest first, one pool) |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/engine/model_runner.py` → `nanovllm/engine/model_runner.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `ModelRunner`, `ModelRunner.config`, `ModelRunner.block_size`, `ModelRunner.model`, `ModelRunner.sampler`, `ModelRunner.kv_cache` | = | 08 | 单个进程的执行器；每个 rank 用 `engine.tp_runtime.RankWorker` 包装它 |
+# | `ModelRunner.enforce_eager` | `config.Config.enforce_eager`, `engine.cuda_graphs.graphs_unavailable_reason` | 09 | 捕获图时从配置读取 |
+# | `ModelRunner.world_size`, `ModelRunner.rank` | `engine.tp_runtime.TPRunner.world_size`, `layers.linear.tp_world` | 10 | 驱动进程知道进程数；各层向 `torch.distributed` 询问自己的 rank |
+# | `ModelRunner.event`, `ModelRunner.shm` | `engine.tp_runtime.TPRunner._conns` | 10 | 每个 rank 一条双向管道，取代共享内存和事件 |
+# | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 09 | 单独成为一个执行器（由 `ModelRunner.graphs` 持有）；缓冲区是一个 `DecodeBuffers` |
+# | `ModelRunner.exit` | = | 08, 10 | 释放 KV 缓存；张量并行的执行器还会停掉各 rank |
+# | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | rank 的循环从管道读取调用并回复，出错时也回复 |
+# | `ModelRunner.warmup_model` | `ModelRunner.warmup` | 08 | 同样的预热前向 |
+# | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `layers.linear.agree_min` | 08, 10 | 公式相同；张量并行时每个 rank 都取最小的块数 |
+# | `ModelRunner.prepare_block_tables` | `utils.context.set_prefill_context`, `utils.context.set_decode_context` | 06 | 与注意力上下文的其余部分一起构造 |
+# | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | 模块级函数；分块的 `seqlen_k` 是 `num_cached + num_scheduled` |
+# | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | 温度、top-k、top-p 和带种子的生成器 |
+# | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager 执行，或重放 decode 图 |
+# | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 08, 11 | 只为需要 token 的行采样；`launch` 不等 GPU 算完就返回 |
+# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | 顺序相同（从最大的开始，共用一个内存池） |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/utils/loader.py` → `nanovllm/utils/loader.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 05 | a parameter without a loader is copied after a shape check |
+# | `load_model` | `load_model`, `build_model` | 05 | refuses missing, unexpected and twice-loaded tensors by name |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/utils/loader.py` → `nanovllm/utils/loader.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 05 | 没有加载器的参数在检查形状后直接拷贝 |
+# | `load_model` | `load_model`, `build_model` | 05 | 按名字拒绝缺失的、多余的和重复加载的张量 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/config.py` → `nanovllm/config.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | the same names and defaults |
+# | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | every end-of-sequence id of `generation_config.json` or `config.json` |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `read_model_dir` | 11 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
+# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | new settings, for the CPU and for the features of chapters 04b, 06b, 09 and 11 |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/config.py` → `nanovllm/config.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | 名字和默认值相同 |
+# | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | `generation_config.json` 或 `config.json` 里的每一个结束符 id |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `read_model_dir` | 11 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
+# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | 新增的配置项，用于 CPU，以及第 04b、06b、09、11 章的功能 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/engine/llm_engine.py` → `nanovllm/engine/llm_engine.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `LLMEngine`, `LLMEngine.model_runner`, `LLMEngine.tokenizer`, `LLMEngine.scheduler`, `LLMEngine.is_finished`, `LLMEngine.exit` | = | 11 | same |
+# | `LLMEngine.ps`, `LLMEngine.events` | `engine.tp_runtime.TPRunner._procs`, `engine.tp_runtime.TPRunner._conns` | 10 | the rank processes and their pipes belong to the TP runner |
+# | `LLMEngine.add_request` | `LLMEngine.add_request`, `LLMEngine.make_sequence` | 11 | checks the request first (vocabulary, `max_model_len`, the cache) and returns its id |
+# | `LLMEngine.step` | = | 11 | returns `(finished, num_tokens, is_prefill)`; upstream counts decode tokens as negative |
+# | `LLMEngine.generate` | = | 11 | checks every request before queueing any |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/engine/llm_engine.py` → `nanovllm/engine/llm_engine.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `LLMEngine`, `LLMEngine.model_runner`, `LLMEngine.tokenizer`, `LLMEngine.scheduler`, `LLMEngine.is_finished`, `LLMEngine.exit` | = | 11 | 相同 |
+# | `LLMEngine.ps`, `LLMEngine.events` | `engine.tp_runtime.TPRunner._procs`, `engine.tp_runtime.TPRunner._conns` | 10 | rank 进程及其管道归张量并行执行器所有 |
+# | `LLMEngine.add_request` | `LLMEngine.add_request`, `LLMEngine.make_sequence` | 11 | 先检查请求（词表、`max_model_len`、缓存），再返回它的编号 |
+# | `LLMEngine.step` | = | 11 | 返回 `(finished, num_tokens, is_prefill)`；上游用负数表示 decode 的 token 数 |
+# | `LLMEngine.generate` | = | 11 | 在排入任何请求之前先检查所有请求 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/llm.py` → `nanovllm/llm.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `LLM` | = | 11 | same |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/llm.py` → `nanovllm/llm.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `LLM` | = | 11 | 相同 |
+
+# %% [markdown] tags=["en"]
+# ### `nanovllm/__init__.py` → `nanovllm/__init__.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `LLM`, `SamplingParams` | = | 00 | the same public API |
+
+# %% [markdown] tags=["zh"]
+# ### `nanovllm/__init__.py` → `nanovllm/__init__.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `LLM`, `SamplingParams` | = | 00 | 相同的公开 API |
+
+# %% [markdown] tags=["en"]
+# ### `bench.py` → `nanovllm/bench.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `main` | `main`, `make_workload` | 11 | `python -m nanovllm.bench`: the same workload, and a `transformers` peer |
+
+# %% [markdown] tags=["zh"]
+# ### `bench.py` → `nanovllm/bench.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `main` | `main`, `make_workload` | 11 | `python -m nanovllm.bench`：同样的负载，外加一个 `transformers` 对照组 |
+
+# %% [markdown] tags=["en"]
+# ### `example.py` → `nanovllm/__main__.py`
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `main` | = | 11 | `python -m nanovllm`: the command line; chapter 00 generates text |
+
+# %% [markdown] tags=["zh"]
+# ### `example.py` → `nanovllm/__main__.py`
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `main` | = | 11 | `python -m nanovllm`：命令行；第 00 章生成文本 |
+
+# %% [markdown] tags=["en"]
+# ### Files without code
+#
+# | upstream | this book | ch. | note |
+# |---|---|---|---|
+# | `README.md` | `./README.md` | — | both languages, the two commands |
+# | `pyproject.toml` | `./pyproject.toml` | — | pinned versions, the dev tools |
+# | `LICENSE` | — | — | this repository has none yet |
+# | `.gitignore` | `./.gitignore` | — | same role |
+# | `assets/logo.png` | — | — | — |
+
+# %% [markdown] tags=["zh"]
+# ### 不含代码的文件
+#
+# | 上游 | 本书 | 章 | 说明 |
+# |---|---|---|---|
+# | `README.md` | `./README.md` | — | 中英双语，两个命令 |
+# | `pyproject.toml` | `./pyproject.toml` | — | 固定的版本，开发工具 |
+# | `LICENSE` | — | — | 本仓库尚未附带 |
+# | `.gitignore` | `./.gitignore` | — | 作用相同 |
+# | `assets/logo.png` | — | — | — |
+
+# %% [markdown] tags=["en"]
+# ## Behaviour: where the two engines differ
+#
+# Each row names the code of ours where the difference lives, and the chapter that shows it
+# (most of them with an executed, asserted cell).
+
+# %% [markdown] tags=["zh"]
+# ## 行为：两个引擎哪里不同
+#
+# 每一行都给出差异所在的代码，以及展示它的章节（其中大多数配有执行过、带断言的代码单元）。
+
+# %% [markdown] tags=["en"]
+# | difference | this book | ch. | upstream | this book, and why |
+# |---|---|---|---|---|
+# | which sequence may be a chunk | `engine.scheduler.Scheduler._schedule_prefill` | 04 | only the first of a step | whichever runs out the budget: full steps, first tokens sooner; at most one half-prefilled sequence at a time |
+# | decode batch size | `engine.scheduler.Scheduler._schedule_decode` | 04 | up to `max_num_seqs` | up to `min(max_num_seqs, max_num_batched_tokens)`: each sequence computes one token, and the budget bounds every step (the warm-up that sized the KV cache measured no larger step) |
+# | status changes | `engine.sequence.Sequence.status`, `engine.sequence.ALLOWED_TRANSITIONS` | 01 | any assignment | only along the state diagram's arrows: a scheduler bug fails loudly instead of corrupting the cache |
+# | a request that can never fit | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.add`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
+# | stale prefix-cache entries | `engine.prefix_cache.PrefixCache.forget` | 03 | kept until 2026-04-26 (silently wrong KV); since `f64d821` removed when the block is reused | removed when the block is reused, only if the entry still points at it; a provenance fuzz guards it |
+# | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
+# | sampling | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | temperature only; greedy refused | greedy at temperature 0, top-k, top-p, per-request seeds tied to the token position; Triton kernels on a GPU |
+# | attention kernels | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn (`flash_attn_varlen_func`, `flash_attn_with_kvcache`) and a Triton store kernel | our own Triton kernels (varlen prefill over cached prefixes, split-K decode), a plain-torch reference that runs on a CPU; flash-attn kept as an unverified option |
+# | asynchronous scheduling | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 11 | none: each step waits for its tokens | on CUDA, step n + 1 is queued before step n's tokens are collected |
+# | tensor-parallel processes | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 10 | rank 0 in your process; shared memory (1 MiB, fixed name) and events; a fixed port; each rank sizes its own KV pool | every rank a process, yours only drives; a two-way pipe per rank reports errors; a free port; all ranks take the smallest block count; gloo on a CPU |
+# | CUDA-graph batch sizes | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 09 | 1, 2, 4, 8, then multiples of 16 up to `min(max_num_seqs, 512)`: with `max_num_seqs=100` a batch of 97 to 100 finds no graph and `next(...)` raises | the same, plus `min(max_num_seqs, 512)` itself |
+# | end of sequence | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 11 | the tokenizer's one `eos_token_id` | every id the model declares (chat models often declare two) |
+# | unknown settings | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 11 | silently dropped | refused, with the closest valid name |
+# | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
+# | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
+# | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
+# | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
+
+# %% [markdown] tags=["zh"]
+# | 差异 | 本书 | 章 | 上游 | 本书的做法及原因 |
+# |---|---|---|---|---|
+# | 哪个序列可以被分块 | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 只有一步中的第一个序列 | 哪个序列用完预算就分块哪个：每步都用满预算，第一个 token 来得更早；同一时刻最多一个预填充到一半的序列 |
+# | decode 批次大小 | `engine.scheduler.Scheduler._schedule_decode` | 04 | 最多 `max_num_seqs` 个 | 最多 `min(max_num_seqs, max_num_batched_tokens)` 个：每个序列计算一个 token，而预算约束每一步（确定 KV 缓存大小的预热没有测量过更大的步） |
+# | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
+# | 永远放不下的请求 | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.add`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
+# | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
+# | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
+# | 采样 | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | 只有温度；不接受贪心解码 | 温度为 0 时贪心、top-k、top-p、与 token 位置绑定的按请求种子；GPU 上用 Triton 内核 |
+# | 注意力内核 | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn（`flash_attn_varlen_func`、`flash_attn_with_kvcache`）和一个 Triton 写入内核 | 我们自己的 Triton 内核（读取已缓存前缀的变长 prefill、split-K decode），以及能在 CPU 上运行的纯 torch 参考实现；flash-attn 作为未验证的选项保留 |
+# | 异步调度 | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 11 | 没有：每一步都等自己的 token | 在 CUDA 上，先把第 n + 1 步排进队列，再收取第 n 步的 token |
+# | 张量并行的进程 | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 10 | rank 0 在你的进程里；共享内存（1 MiB，固定名字）加事件；固定端口；每个 rank 各自确定 KV 块池大小 | 每个 rank 都是独立进程，你的进程只负责驱动；每个 rank 一条双向管道，出错会报告；空闲端口；所有 rank 取最小的块数；CPU 上用 gloo |
+# | CUDA Graph 的批大小 | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 09 | 1、2、4、8，然后是 16 的倍数，直到 `min(max_num_seqs, 512)`：`max_num_seqs=100` 时，97 到 100 的批次找不到图，`next(...)` 抛出异常 | 相同，另加 `min(max_num_seqs, 512)` 本身 |
+# | 结束符 | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 11 | 分词器的唯一一个 `eos_token_id` | 模型声明的每一个 id（聊天模型常常声明两个） |
+# | 未知的配置项 | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 11 | 悄悄丢掉 | 拒绝，并提示最接近的合法名字 |
+# | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
+# | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
+# | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
+# | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# A map that nobody checks goes stale. The cells below keep this one honest, and the test suite
+# runs them too (`tests/test_B_from_nano_vllm.py`):
+#
+# - `UPSTREAM_NAMES` is upstream's inventory at `bb823b3`: every file, and in each Python file
+#   every class, function, method (constructors aside) and field, the fields being what a class
+#   body assigns or what a method assigns to `self`. It was read from upstream's source with
+#   Python's `ast`; the test suite can compare it with a checkout again.
+# - `check_map` reads this very chapter, finds every table, and checks that each name in a
+#   *this book* column exists in the package (imported and looked up; a field set on `self` in
+#   a method counts, as instances are not built here), that the English and Chinese tables name
+#   the same things row by row, and that the upstream columns list exactly the inventory.
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 没人检查的对照表迟早会过时。下面的单元让这张表保持可靠，测试套件也会运行它们（`tests/test_B_from_nano_vllm.py`）：
+#
+# - `UPSTREAM_NAMES` 是上游在 `bb823b3` 时的清单：每个文件，以及每个 Python 文件中的每个类、函数、方法（构造函数
+#   除外）和字段；字段指类体中赋值的名字，以及方法中赋给 `self` 的名字。它是用 Python 的 `ast` 从上游源码读出来的；
+#   测试套件可以再拿它与上游的检出副本比较。
+# - `check_map` 读取本章自身，找出每一张表，然后检查：*本书*一列中的每个名字都存在于包中（导入后查找；由于这里不
+#   构造实例，方法里赋给 `self` 的字段也算存在）；中英文表格逐行列出相同的名字；上游一列恰好列出清单中的全部名字。
+
+# %% upstream inventory
+UPSTREAM_COMMIT = "bb823b3e06983d71485a8e1f23715ebd87d98ef8"  # main on 2026-04-26
+# en: Upstream files without Python code are listed under the key "".
+# zh: 上游中不含 Python 代码的文件列在键 "" 之下。
+UPSTREAM_NAMES: dict[str, list[str]] = {
+    "": [".gitignore", "LICENSE", "README.md", "assets/logo.png", "pyproject.toml"],
+    "bench.py": ["main"],
+    "example.py": ["main"],
+    "nanovllm/__init__.py": ["LLM", "SamplingParams"],
+    "nanovllm/config.py": ["Config", "Config.model", "Config.max_num_batched_tokens", "Config.max_num_seqs",
+        "Config.max_model_len", "Config.gpu_memory_utilization", "Config.tensor_parallel_size",
+        "Config.enforce_eager", "Config.hf_config", "Config.eos", "Config.kvcache_block_size",
+        "Config.num_kvcache_blocks", "Config.__post_init__"],
+    "nanovllm/engine/block_manager.py": ["Block", "Block.update", "Block.reset", "Block.block_id",
+        "Block.ref_count", "Block.hash", "Block.token_ids", "BlockManager", "BlockManager.compute_hash",
+        "BlockManager._allocate_block", "BlockManager._deallocate_block", "BlockManager.can_allocate",
+        "BlockManager.allocate", "BlockManager.deallocate", "BlockManager.can_append", "BlockManager.may_append",
+        "BlockManager.hash_blocks", "BlockManager.block_size", "BlockManager.blocks",
+        "BlockManager.hash_to_block_id", "BlockManager.free_block_ids", "BlockManager.used_block_ids"],
+    "nanovllm/engine/llm_engine.py": ["LLMEngine", "LLMEngine.exit", "LLMEngine.add_request", "LLMEngine.step",
+        "LLMEngine.is_finished", "LLMEngine.generate", "LLMEngine.ps", "LLMEngine.events",
+        "LLMEngine.model_runner", "LLMEngine.tokenizer", "LLMEngine.scheduler"],
+    "nanovllm/engine/model_runner.py": ["ModelRunner", "ModelRunner.exit", "ModelRunner.loop",
+        "ModelRunner.read_shm", "ModelRunner.write_shm", "ModelRunner.call", "ModelRunner.warmup_model",
+        "ModelRunner.allocate_kv_cache", "ModelRunner.prepare_block_tables", "ModelRunner.prepare_prefill",
+        "ModelRunner.prepare_decode", "ModelRunner.prepare_sample", "ModelRunner.run_model", "ModelRunner.run",
+        "ModelRunner.capture_cudagraph", "ModelRunner.config", "ModelRunner.block_size",
+        "ModelRunner.enforce_eager", "ModelRunner.world_size", "ModelRunner.rank", "ModelRunner.event",
+        "ModelRunner.model", "ModelRunner.sampler", "ModelRunner.shm", "ModelRunner.kv_cache",
+        "ModelRunner.graph_bs", "ModelRunner.graphs", "ModelRunner.graph_pool", "ModelRunner.graph_vars"],
+    "nanovllm/engine/scheduler.py": ["Scheduler", "Scheduler.is_finished", "Scheduler.add", "Scheduler.schedule",
+        "Scheduler.preempt", "Scheduler.postprocess", "Scheduler.max_num_seqs", "Scheduler.max_num_batched_tokens",
+        "Scheduler.eos", "Scheduler.block_size", "Scheduler.block_manager", "Scheduler.waiting",
+        "Scheduler.running"],
+    "nanovllm/engine/sequence.py": ["SequenceStatus", "SequenceStatus.WAITING", "SequenceStatus.RUNNING",
+        "SequenceStatus.FINISHED", "Sequence", "Sequence.block_size", "Sequence.counter", "Sequence.__len__",
+        "Sequence.__getitem__", "Sequence.is_finished", "Sequence.num_completion_tokens",
+        "Sequence.prompt_token_ids", "Sequence.completion_token_ids", "Sequence.num_blocks",
+        "Sequence.last_block_num_tokens", "Sequence.block", "Sequence.append_token", "Sequence.__getstate__",
+        "Sequence.__setstate__", "Sequence.seq_id", "Sequence.status", "Sequence.token_ids", "Sequence.last_token",
+        "Sequence.num_tokens", "Sequence.num_prompt_tokens", "Sequence.num_cached_tokens",
+        "Sequence.num_scheduled_tokens", "Sequence.is_prefill", "Sequence.block_table", "Sequence.temperature",
+        "Sequence.max_tokens", "Sequence.ignore_eos"],
+    "nanovllm/layers/activation.py": ["SiluAndMul", "SiluAndMul.forward"],
+    "nanovllm/layers/attention.py": ["store_kvcache_kernel", "store_kvcache", "Attention", "Attention.forward",
+        "Attention.num_heads", "Attention.head_dim", "Attention.scale", "Attention.num_kv_heads",
+        "Attention.k_cache", "Attention.v_cache"],
+    "nanovllm/layers/embed_head.py": ["VocabParallelEmbedding", "VocabParallelEmbedding.weight_loader",
+        "VocabParallelEmbedding.forward", "VocabParallelEmbedding.tp_rank", "VocabParallelEmbedding.tp_size",
+        "VocabParallelEmbedding.num_embeddings", "VocabParallelEmbedding.num_embeddings_per_partition",
+        "VocabParallelEmbedding.vocab_start_idx", "VocabParallelEmbedding.vocab_end_idx",
+        "VocabParallelEmbedding.weight", "ParallelLMHead", "ParallelLMHead.forward"],
+    "nanovllm/layers/layernorm.py": ["RMSNorm", "RMSNorm.rms_forward", "RMSNorm.add_rms_forward",
+        "RMSNorm.forward", "RMSNorm.eps", "RMSNorm.weight"],
+    "nanovllm/layers/linear.py": ["divide", "LinearBase", "LinearBase.forward", "LinearBase.tp_dim",
+        "LinearBase.tp_rank", "LinearBase.tp_size", "LinearBase.weight", "LinearBase.bias", "ReplicatedLinear",
+        "ReplicatedLinear.weight_loader", "ReplicatedLinear.forward", "ColumnParallelLinear",
+        "ColumnParallelLinear.weight_loader", "ColumnParallelLinear.forward", "MergedColumnParallelLinear",
+        "MergedColumnParallelLinear.weight_loader", "MergedColumnParallelLinear.output_sizes", "QKVParallelLinear",
+        "QKVParallelLinear.weight_loader", "QKVParallelLinear.head_size", "QKVParallelLinear.num_heads",
+        "QKVParallelLinear.num_kv_heads", "RowParallelLinear", "RowParallelLinear.weight_loader",
+        "RowParallelLinear.forward"],
+    "nanovllm/layers/rotary_embedding.py": ["apply_rotary_emb", "RotaryEmbedding", "RotaryEmbedding.forward",
+        "RotaryEmbedding.head_size", "RotaryEmbedding.cos_sin_cache", "get_rope"],
+    "nanovllm/layers/sampler.py": ["Sampler", "Sampler.forward"],
+    "nanovllm/llm.py": ["LLM"],
+    "nanovllm/models/qwen3.py": ["Qwen3Attention", "Qwen3Attention.forward", "Qwen3Attention.total_num_heads",
+        "Qwen3Attention.num_heads", "Qwen3Attention.total_num_kv_heads", "Qwen3Attention.num_kv_heads",
+        "Qwen3Attention.head_dim", "Qwen3Attention.q_size", "Qwen3Attention.kv_size", "Qwen3Attention.scaling",
+        "Qwen3Attention.qkv_bias", "Qwen3Attention.qkv_proj", "Qwen3Attention.o_proj", "Qwen3Attention.rotary_emb",
+        "Qwen3Attention.attn", "Qwen3Attention.q_norm", "Qwen3Attention.k_norm", "Qwen3MLP", "Qwen3MLP.forward",
+        "Qwen3MLP.gate_up_proj", "Qwen3MLP.down_proj", "Qwen3MLP.act_fn", "Qwen3DecoderLayer",
+        "Qwen3DecoderLayer.forward", "Qwen3DecoderLayer.self_attn", "Qwen3DecoderLayer.mlp",
+        "Qwen3DecoderLayer.input_layernorm", "Qwen3DecoderLayer.post_attention_layernorm", "Qwen3Model",
+        "Qwen3Model.forward", "Qwen3Model.embed_tokens", "Qwen3Model.layers", "Qwen3Model.norm",
+        "Qwen3ForCausalLM", "Qwen3ForCausalLM.packed_modules_mapping", "Qwen3ForCausalLM.forward",
+        "Qwen3ForCausalLM.compute_logits", "Qwen3ForCausalLM.model", "Qwen3ForCausalLM.lm_head"],
+    "nanovllm/sampling_params.py": ["SamplingParams", "SamplingParams.temperature", "SamplingParams.max_tokens",
+        "SamplingParams.ignore_eos", "SamplingParams.__post_init__"],
+    "nanovllm/utils/context.py": ["Context", "Context.is_prefill", "Context.cu_seqlens_q", "Context.cu_seqlens_k",
+        "Context.max_seqlen_q", "Context.max_seqlen_k", "Context.slot_mapping", "Context.context_lens",
+        "Context.block_tables", "_CONTEXT", "get_context", "set_context", "reset_context"],
+    "nanovllm/utils/loader.py": ["default_weight_loader", "load_model"],
+}
+
+# %% the map checker
+import ast
+import importlib
+import inspect
+import re
+import textwrap
+from pathlib import Path
+
+import jupytext
+
+CODE_SPAN = re.compile(r"`([^`]+)`")
+
+
+def chapter_path(name: str = "B_from_nano_vllm.py") -> Path:
+    """This chapter's source file: notebooks/ under the working directory or a folder above it."""
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "notebooks" / name).is_file():
+            return folder / "notebooks" / name
+    raise FileNotFoundError(f"notebooks/{name} is neither under {Path.cwd()} nor under a folder above it")
+
+
+def instance_fields(cls: type) -> set[str]:
+    """What a class of ours sets on `self` or registers as a buffer, and its dataclass fields."""
+    fields = set(getattr(cls, "__dataclass_fields__", {}))
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("nanovllm"):
+            continue
+        for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(klass)))):
+            if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                    and isinstance(node.value, ast.Name) and node.value.id == "self"):
+                fields.add(node.attr)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("register_buffer", "register_parameter")
+                  and node.args and isinstance(node.args[0], ast.Constant)):
+                fields.add(node.args[0].value)
+    return fields
+
+
+def lookup(dotted: str) -> bool:
+    """True if `dotted` is a module, an attribute reached from one, or an instance field of a class."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for position, name in enumerate(parts[cut:], start=cut):
+            if hasattr(obj, name):
+                obj = getattr(obj, name)
+            else:
+                last = position == len(parts) - 1
+                return last and inspect.isclass(obj) and name in instance_fields(obj)
+        return True
+    return False
+
+
+def resolve(ref: str, module: str | None, root: Path) -> bool:
+    """A name of ours from a table: relative to the section's module, else to the package root."""
+    if ref.startswith("./"):
+        return (root / ref[2:]).exists()
+    bases = ([module] if module else []) + ["nanovllm"]
+    return any(lookup(f"{base}.{ref}") for base in bases)
+
+
+def module_of(path: str) -> str:
+    """nanovllm/engine/sequence.py -> nanovllm.engine.sequence (a package's __init__ -> the package)."""
+    return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def map_rows(source: str) -> dict[str, list[tuple]]:
+    """Per language, every table row: (upstream file, our module, upstream names, our names).
+
+    The upstream file is None outside the name tables (where the first column is prose) and ""
+    in the table of files without code (where the first column lists files).
+    """
+    rows: dict[str, list[tuple]] = {"en": [], "zh": []}
+    for cell in jupytext.reads(source, fmt="py:percent").cells:
+        lang = next((tag for tag in cell.metadata.get("tags", []) if tag in rows), None)
+        if cell.cell_type != "markdown" or lang is None:
+            continue
+        upstream, module = None, None  # a table's heading is in its own cell
+        for line in cell.source.splitlines():
+            if line.startswith("#"):
+                spans = CODE_SPAN.findall(line)
+                if line.startswith("### ") and len(spans) == 2:
+                    upstream, module = spans[0], module_of(spans[1])
+                elif line.startswith("### "):
+                    upstream, module = "", None
+                else:
+                    upstream, module = None, None
+            elif line.startswith("|") and not set(line) <= set("|-: "):
+                columns = [column.strip() for column in line.strip().strip("|").split("|")]
+                names = tuple(CODE_SPAN.findall(columns[0])) if upstream is not None else ()
+                refs = names if columns[1] == "=" else tuple(CODE_SPAN.findall(columns[1]))
+                rows[lang].append((upstream, module, names, refs))
+    return rows
+
+
+def check_map(source: str, root: Path, inventory: dict[str, list[str]]) -> tuple[list[str], dict[str, int]]:
+    """Every problem with the map in `source` (empty when it holds), and what was checked."""
+    tables = map_rows(source)
+    problems = []
+    checked: set[tuple[str | None, str]] = set()
+    for lang, rows in tables.items():
+        for upstream, module, _, refs in rows:
+            for ref in refs:
+                checked.add((module, ref))
+                if not resolve(ref, module, root):
+                    where = f"the table of {upstream}" if upstream else "the table of differences"
+                    problems.append(f"{lang}: `{ref}` in {where} is not in this repository")
+    if len(tables["en"]) != len(tables["zh"]):
+        problems.append(f"the English tables have {len(tables['en'])} rows, the Chinese ones {len(tables['zh'])}")
+    for en_row, zh_row in zip(tables["en"], tables["zh"], strict=False):
+        if en_row != zh_row:
+            problems.append(f"English and Chinese rows differ: {en_row} vs {zh_row}")
+            break
+    listed = {(upstream, name) for upstream, _, names, _ in tables["en"] if upstream is not None for name in names}
+    wanted = {(file, name) for file, names in inventory.items() for name in names}
+    problems += [f"upstream's `{name}` ({file or 'a file'}) is missing from the map" for file, name in
+                 sorted(wanted - listed)]
+    problems += [f"`{name}` is listed for {file or 'the files without code'} but upstream has no such name"
+                 for file, name in sorted(listed - wanted)]
+    counts = {"upstream names": len(listed), "names of ours": len(checked), "rows per language": len(tables["en"])}
+    return problems, counts
+
+# %%
+path = chapter_path()
+problems, counts = check_map(path.read_text(encoding="utf-8"), path.parent.parent, UPSTREAM_NAMES)
+print(", ".join(f"{count} {what}" for what, count in counts.items()))
+print(f"upstream files: {len(UPSTREAM_NAMES) - 1 + len(UPSTREAM_NAMES[''])}, problems: {len(problems)}")
+for problem in problems:
+    print(" ", problem)
+assert problems == []
+assert counts["upstream names"] == sum(len(names) for names in UPSTREAM_NAMES.values())
+
+# %% [markdown] tags=["en"]
+# Two rows of the tables are claims about numbers, so they are checked here too: the block
+# hashes are byte-for-byte upstream's (a prefix cache could be shared between the two), and
+# upstream's graph sizes leave the largest batches without a graph when `max_num_seqs` is not
+# a multiple of 16, where ours capture that size as well.
+
+# %% [markdown] tags=["zh"]
+# 表中有两行是关于数值的论断，所以也在这里检查：块哈希与上游的逐字节相同（两者的前缀缓存可以互通）；当
+# `max_num_seqs` 不是 16 的倍数时，上游的图档位让最大的几种批次没有图可用，而我们把这个批大小本身也捕获了。
+
+# %%
+import numpy as np
+import xxhash
+
+from nanovllm.engine.cuda_graphs import capture_sizes, graph_batch_size
+from nanovllm.engine.prefix_cache import NO_HASH, block_hash
+
+
+def upstream_digest(token_ids: list[int], parent: int = NO_HASH) -> int:
+    """The bytes upstream's `compute_hash` digests: the parent's 8 bytes, then the ids as NumPy int64."""
+    prefix = parent.to_bytes(8, "little") if parent != NO_HASH else b""
+    return xxhash.xxh64(prefix + np.asarray(token_ids, dtype=np.int64).tobytes()).intdigest()
+
+
+parent = NO_HASH
+for block in ([1, 2, 3, 4], [151_643, 0, 7, 99_999], [5, 5, 5, 5]):
+    ours = block_hash(block, parent)
+    assert ours == upstream_digest(block, parent)
+    parent = ours
+print(f"three chained block hashes equal upstream's; the last is {parent:#018x}")
+
+upstream_sizes = [1, 2, 4, 8, *range(16, 100 + 1, 16)]  # max_num_seqs=100
+uncovered = [batch for batch in range(1, 101) if batch > max(upstream_sizes)]
+print(f"max_num_seqs=100: upstream has no graph for batches {uncovered[0]}-{uncovered[-1]}; "
+      f"ours replays {graph_batch_size(uncovered[-1], capture_sizes(100))} for them")
+assert uncovered == [97, 98, 99, 100] and all(graph_batch_size(b, capture_sizes(100)) == 100 for b in uncovered)
+
+# %% [markdown] tags=["en"]
+# ## What this appendix gives you
+#
+# - A name-by-name map from upstream nano-vllm (`bb823b3`) to this book, with chapters, checked
+#   against the package every time the book is built.
+# - The behavioural differences in one table, each with its reason and the code where it lives.
+#
+# If you find an upstream name this map misses, or a name of ours it gets wrong, the check above
+# fails: add the row in both languages.
+
+# %% [markdown] tags=["zh"]
+# ## 本附录小结
+#
+# - 从上游 nano-vllm（`bb823b3`）到本书的逐名对照表，附有章节，每次构建本书时都会与包中的代码核对。
+# - 一张表列出全部行为差异，每一处都给出原因和所在的代码。
+#
+# 如果你发现这张表漏掉了上游的某个名字，或者写错了本书的某个名字，上面的检查就会失败：请用两种语言补上这一行。
