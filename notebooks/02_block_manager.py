@@ -368,7 +368,7 @@ class BlockPool:
         block = self.blocks[block_id]
         if block.ref_count == 0:
             # en: Freed but still cached: this exact block leaves the free list.
-            # zh: 已释放但仍在缓存中：正是这个块离开空闲链表。
+            # zh: 已释放但仍在缓存中：正是这个块离开空闲队列。
             self.free_block_ids.remove(block_id)
             self.used_block_ids.add(block_id)
         block.ref_count += 1
@@ -464,7 +464,7 @@ class BlockManager(BlockPool):
                 "(ask can_allocate first)"
             )
         # en: Hits first: a hit on a free block must be revived before the misses draw from the free list.
-        # zh: 先处理命中：命中的空闲块必须在未命中的块从空闲链表取块之前复活。
+        # zh: 先处理命中：命中的空闲块必须在未命中的块从空闲队列取块之前复活。
         for block_id in hits:
             self.hold(block_id)
         seq.block_table = hits + [self.take_free_block() for _ in range(seq.num_blocks - len(hits))]
