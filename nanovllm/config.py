@@ -133,6 +133,7 @@ class Config:
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
+    rank_timeout_s: float = 60.0
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -166,6 +167,8 @@ class Config:
             raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
         if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
             raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
+        if _real_field("rank_timeout_s", self.rank_timeout_s) <= 0:
+            raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s!r}")
 
     def _resolve_device(self) -> None:
         device = _choice_field("device", self.device, DEVICES)
@@ -199,10 +202,8 @@ class Config:
         overlap = self.async_scheduling
         if not isinstance(overlap, bool) and overlap != "auto":
             raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
-        if overlap is True and self.tensor_parallel_size > 1:
-            # Chapter 10's ranks receive pickled sequences each step; a pending token cannot travel.
-            raise ValueError("async_scheduling=True needs tensor_parallel_size=1")
-        self.async_scheduling = device == "cuda" and self.tensor_parallel_size == 1 if overlap == "auto" else overlap
+        # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+        self.async_scheduling = device == "cuda" if overlap == "auto" else overlap
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -102,8 +102,9 @@
 # | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
 # | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
-# | `async_scheduling` | "auto" | schedule step *n + 1* while the GPU computes step *n* (below); auto: CUDA, TP=1 |
+# | `async_scheduling` | "auto" | schedule step *n + 1* while the GPU computes step *n* (below); auto: on for CUDA |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
+# | `rank_timeout_s` | 60.0 | TP: seconds to wait for a rank's reply to a step before naming the stalled rank (ch. 10) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -143,8 +144,9 @@
 # | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
 # | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
-# | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上且不用张量并行时打开 |
+# | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
+# | `rank_timeout_s` | 60.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
 #
 # **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -304,6 +306,7 @@ class Config:
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
+    rank_timeout_s: float = 60.0
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -338,6 +341,8 @@ class Config:
             raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
         if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
             raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
+        if _real_field("rank_timeout_s", self.rank_timeout_s) <= 0:
+            raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s!r}")
 
     def _resolve_device(self) -> None:
         device = _choice_field("device", self.device, DEVICES)
@@ -372,10 +377,8 @@ class Config:
         overlap = self.async_scheduling
         if not isinstance(overlap, bool) and overlap != "auto":
             raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
-        if overlap is True and self.tensor_parallel_size > 1:
-            # Chapter 10's ranks receive pickled sequences each step; a pending token cannot travel.
-            raise ValueError("async_scheduling=True needs tensor_parallel_size=1")
-        self.async_scheduling = device == "cuda" and self.tensor_parallel_size == 1 if overlap == "auto" else overlap
+        # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+        self.async_scheduling = device == "cuda" if overlap == "auto" else overlap
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property
@@ -1513,7 +1516,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_runtime import TPRunner
+from nanovllm.engine.tp_runtime import TPRunner, TPStep
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -1527,7 +1530,7 @@ class LaunchedStep:
     is_prefill: bool
     num_tokens: int  # tokens computed
     indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
-    tokens: SampledTokens | list[int]  # a list when the step already ran to the end (synchronous)
+    tokens: SampledTokens | TPStep | list[int]  # a list when the step already ran to the end (synchronous)
 
 
 class LLMEngine:
@@ -1649,7 +1652,7 @@ class LLMEngine:
             self.scheduler.rollback(seqs, is_prefill)
             raise
         counted, indices = self.scheduler.advance(seqs, is_prefill)
-        if isinstance(tokens, SampledTokens):
+        if not isinstance(tokens, list):  # SampledTokens, or chapter 10's TPStep
             # en: Siblings forked in this step (chapter 04b) take the step's extra samples, so that the
             # en: next step can find their pending first tokens.
             # zh: 本步分叉出的兄弟序列（第 04b 章）认领这一步额外的采样结果，下一步才能找到它们待定的第一个 token。
