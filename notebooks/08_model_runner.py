@@ -673,7 +673,12 @@ class ModelRunner:
             inputs = sampling_inputs(
                 [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
             )
-            sampled = self.sampler(logits if len(picks) == len(seqs) else logits[picks], **inputs)
+            # en: All of the logits only when the picks are exactly rows 0..n-1: a forked sibling may take a row's
+            # en: place when another row is a partial chunk (same count, other rows).
+            # zh: 只有挑选的恰好是第 0..n-1 行时才直接用全部 logits：某行是不完整的分块时，分叉出的兄弟序列可能
+            # zh: 顶替它的位置（行数相同，行却不同）。
+            whole = picks == list(range(len(seqs)))
+            sampled = self.sampler(logits if whole else logits[picks], **inputs)
         sampled = share_from_rank0(sampled, len(rows) + len(forks), self.device)
         # en: Only the rank that sampled needs the tokens on the host (the others never read them there).
         # zh: 只有做了采样的 rank 需要把 token 拷回主机（其他 rank 从不在主机上读它们）。

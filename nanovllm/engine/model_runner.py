@@ -352,7 +352,10 @@ class ModelRunner:
             inputs = sampling_inputs(
                 [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
             )
-            sampled = self.sampler(logits if len(picks) == len(seqs) else logits[picks], **inputs)
+            # All of the logits only when the picks are exactly rows 0..n-1: a forked sibling may take a row's
+            # place when another row is a partial chunk (same count, other rows).
+            whole = picks == list(range(len(seqs)))
+            sampled = self.sampler(logits if whole else logits[picks], **inputs)
         sampled = share_from_rank0(sampled, len(rows) + len(forks), self.device)
         # Only the rank that sampled needs the tokens on the host (the others never read them there).
         return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
