@@ -437,6 +437,32 @@ def test_async_tp2_gives_the_tokens_of_sync_tp2_and_of_tp1(tiny: Path, regime: s
     assert stops >= 2, "the test needs sequences that stop on EOS before max_tokens"
 
 
+def test_parallel_samples_fork_and_copy_on_write_on_every_rank(tiny: Path) -> None:
+    """n > 1 (chapter 04b): each rank copies its own KV shard before a step writes into a shared block, and
+    with async scheduling each rank feeds the forked siblings' pending first tokens from its copy of the
+    samples. Seeded sampling: the same samples synchronously and asynchronously; greedy: TP=1's tokens."""
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 40, "max_num_batched_tokens": 16}
+    prompts = ["Question: Where do fish live? Answer:", "Small steps make"]
+    seeded = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=9, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, n=2, max_tokens=9, ignore_eos=True)
+
+    def samples(outputs: list[dict]) -> list[list[list[int]]]:
+        return [[o["token_ids"] for o in output["outputs"]] for output in outputs]
+
+    expected = samples(LLM(str(tiny), **settings).generate(prompts, greedy, use_tqdm=False))
+    copies = []
+    with LLM(str(tiny), tensor_parallel_size=2, async_scheduling=False, **settings) as tp2:
+        tp2.scheduler.observer = lambda event, data: copies.extend(
+            pair for seq in data["seqs"] for pair in seq.blocks_to_copy) if event == "schedule" else None
+        runs = {}
+        for scheduling in (False, True):
+            tp2.config.async_scheduling = scheduling
+            runs[scheduling] = samples(tp2.generate(prompts, seeded, use_tqdm=False))
+            assert samples(tp2.generate(prompts, greedy, use_tqdm=False)) == expected
+    assert runs[True] == runs[False] and len({tuple(s) for s in runs[True][0]}) > 1  # the samples differ
+    assert copies, "the test needs copy-on-write copies"
+
+
 def test_async_tp_step_queues_the_next_step_before_collecting(tiny: Path) -> None:
     with LLM(str(tiny), tensor_parallel_size=2, async_scheduling=True, **SMALL) as llm:
         seq_id = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
