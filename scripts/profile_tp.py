@@ -36,6 +36,7 @@ import pickle
 import shutil
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -98,36 +99,51 @@ class StepProbe:
         self.undo.clear()
 
     def install(self) -> None:
-        self.patch(model_runner.ModelRunner, "run", self._wrap_run)
-        self.patch(model_runner.ModelRunner, "compute_logits", self._wrap_host("launch_s"))
-        self.patch(model_runner.SampledTokens, "token_ids", self._wrap_host("wait_tokens_s"))
+        self.patch(model_runner.ModelRunner, "launch", self._wrap_launch)
+        self.patch(model_runner.ModelRunner, "compute_logits", self._wrap_host("forward_s"))
+        self.patch(model_runner.SampledTokens, "token_ids", self._wrap_tokens)
         for name in ("all_reduce", "gather", "broadcast", "all_gather"):
             self.patch(dist, name, self._wrap_collective)
 
-    def _wrap_run(self, inner: Callable) -> Callable:
+    def _wrap_launch(self, inner: Callable) -> Callable:
         probe = self
 
-        def run(runner: Any, seqs: list, is_prefill: bool) -> Any:
+        def launch(runner: Any, seqs: list, is_prefill: bool, previous: Any = None) -> Any:
             if not probe.enabled:
-                return inner(runner, seqs, is_prefill)
+                return inner(runner, seqs, is_prefill, previous)
             record = {"kind": "prefill" if is_prefill else "decode", "batch": len(seqs),
                       "tokens": sum(s.num_scheduled_tokens for s in seqs), "coll_host_s": 0.0, "coll_calls": 0,
-                      "coll_events": [], "launch_s": 0.0, "wait_tokens_s": 0.0}
+                      "coll_events": [], "forward_s": 0.0, "wait_tokens_s": 0.0}
             probe.current = record
             probe.trace.before_step(record["kind"])
             record["t_run_start"] = now()
             start = _event()
             try:
-                result = inner(runner, seqs, is_prefill)
+                step = inner(runner, seqs, is_prefill, previous)
             finally:
-                record["t_run_end"] = now()
+                record["t_launched"] = record["t_run_end"] = now()
+                record["launch_s"] = record["t_launched"] - record["t_run_start"]
                 record["gpu_events"] = (start, _event())
                 probe.trace.after_step()
                 probe.current = None
             probe.records.append(record)
-            return result
+            step._probe_record = record  # the wait for its tokens (token_ids) is added to this record
+            return step
 
-        return run
+        return launch
+
+    def _wrap_tokens(self, inner: Callable) -> Callable:
+        def token_ids(step: Any) -> Any:
+            began = now()
+            try:
+                return inner(step)
+            finally:
+                record = getattr(step, "_probe_record", None)
+                if record is not None:
+                    record["t_run_end"] = now()
+                    record["wait_tokens_s"] += record["t_run_end"] - began
+
+        return token_ids
 
     def _wrap_host(self, key: str) -> Callable[[Callable], Callable]:
         probe = self
@@ -228,6 +244,10 @@ class _TraceWindow:
         raw.unlink()
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 class TimedConn:
     """A pipe end that stamps what crosses it: the time each message finished arriving or leaving, and its size."""
 
@@ -239,11 +259,11 @@ class TimedConn:
         self._conn.send_bytes(data)
         ended = now()
         self.log.append({"dir": "send", "t0": began, "t": ended, "s": ended - began, "bytes": len(data),
-                         "peer": self.peer})
+                         "peer": self.peer, "main": _main_thread()})
 
     def recv_bytes(self) -> bytes:
         data = self._conn.recv_bytes()
-        self.log.append({"dir": "recv", "t": now(), "bytes": len(data), "peer": self.peer})
+        self.log.append({"dir": "recv", "t": now(), "bytes": len(data), "peer": self.peer, "main": _main_thread()})
         return data
 
     def __getattr__(self, name: str) -> Any:  # poll, fileno, close, ...
@@ -260,13 +280,13 @@ class TimedPickle:
     def dumps(self, obj: Any, protocol: int | None = None) -> bytes:
         began = now()
         data = pickle.dumps(obj, protocol=protocol)
-        self.log.append({"op": "dumps", "t": now(), "s": now() - began})
+        self.log.append({"op": "dumps", "t": now(), "s": now() - began, "main": _main_thread()})
         return data
 
     def loads(self, data: bytes) -> Any:
         began = now()
         obj = pickle.loads(data)
-        self.log.append({"op": "loads", "t": now(), "s": now() - began})
+        self.log.append({"op": "loads", "t": now(), "s": now() - began, "main": _main_thread()})
         return obj
 
 
@@ -299,33 +319,35 @@ def profiled_rank_main(rank: int, world_size: int, config: Any, store_port: int,
 
 
 def rank_calls(channel: list[dict]) -> list[dict]:
-    """A rank's channel log cut into calls: header and args arrive, args unpickled, reply pickled and sent."""
-    calls, i = [], 0
-    while i < len(channel):
-        event = channel[i]
-        if event.get("dir") != "recv":
-            i += 1
-            continue
-        # header recv, header loads, [args recv, args loads, [extra loads]], ..., reply dumps, reply send
-        call = {"t_header": event["t"], "bytes_in": event["bytes"], "unpickle_s": 0.0}
-        j = i + 1
-        while j < len(channel) and channel[j].get("dir") != "send":
-            e = channel[j]
-            if e.get("dir") == "recv":
-                call["t_args"] = e["t"]
-                call["bytes_in"] += e["bytes"]
-            elif e.get("op") == "loads":
-                call["unpickle_s"] += e["s"]
-                call["t_loaded"] = e["t"]
-            elif e.get("op") == "dumps":
-                call["reply_pickle_s"] = e["s"]
-            j += 1
-        if j < len(channel):
-            call["t_reply_sent"] = channel[j]["t0"]  # when the write began: the pipe's time starts there
-            call["reply_send_s"] = channel[j]["s"]
-            call["bytes_out"] = channel[j]["bytes"]
-        calls.append(call)
-        i = j + 1
+    """A rank's channel log cut into calls: header and args arrive, args unpickled, reply pickled and sent.
+
+    The main thread receives and unpickles; the reply thread pickles and sends, possibly later than the next
+    call arrives. A call is a header and its args (two receives); its reply is the first reply written after
+    the call's args were unpickled."""
+    calls: list[dict] = []
+    for event in (e for e in channel if e["main"]):
+        if event.get("dir") == "recv":
+            if calls and "t_args" not in calls[-1]:
+                calls[-1]["t_args"] = event["t"]
+                calls[-1]["bytes_in"] += event["bytes"]
+            else:
+                calls.append({"t_header": event["t"], "bytes_in": event["bytes"], "unpickle_s": 0.0})
+        elif event.get("op") == "loads" and calls:
+            calls[-1]["unpickle_s"] += event["s"]
+            calls[-1]["t_loaded"] = event["t"]
+    replies = [e for e in channel if not e["main"]]
+    sends = [(i, e) for i, e in enumerate(replies) if e.get("dir") == "send"]
+    position = 0
+    for call in calls:
+        while position < len(sends) and sends[position][1]["t0"] < call.get("t_loaded", call["t_header"]):
+            position += 1
+        if position == len(sends):
+            break
+        index, send = sends[position]
+        dumps = [e for e in replies[:index] if e.get("op") == "dumps"]
+        call.update(t_reply_sent=send["t0"], reply_send_s=send["s"], bytes_out=send["bytes"],
+                    reply_pickle_s=dumps[-1]["s"] if dumps else 0.0)
+        position += 1
     return calls
 
 
@@ -333,46 +355,50 @@ def rank_calls(channel: list[dict]) -> list[dict]:
 
 
 class DriverProbe:
-    """Times each TPRunner.run call in the driver: pickling, writing, waiting, reading, unpickling."""
+    """Times each step call in the driver: encoding and pickling, writing the pipes, waiting, reading replies."""
 
     def __init__(self, runner: tp_runtime.TPRunner) -> None:
         self.runner = runner
         self.channel: list[dict] = []
-        self.calls: list[dict] = []
+        self.calls: dict[int, dict] = {}
         self.enabled = False
         self._saved_pickle = tp_runtime.pickle
         tp_runtime.pickle = TimedPickle(self.channel)
         runner._conns[:] = [TimedConn(conn, self.channel, rank) for rank, conn in enumerate(runner._conns)]
-        inner = runner.run
+        launch, collect = runner.launch, runner.collect
 
-        def run(seqs: list, is_prefill: bool) -> Any:
+        def timed_launch(seqs: list, is_prefill: bool, previous: Any = None) -> Any:
             if not self.enabled:
-                return inner(seqs, is_prefill)
+                return launch(seqs, is_prefill, previous)
             mark, began = len(self.channel), now()
-            result = inner(seqs, is_prefill)
-            self.calls.append(self._summarize(self.channel[mark:], began, now(), is_prefill, len(seqs)))
+            step = launch(seqs, is_prefill, previous)
+            events = self.channel[mark:]
+            sends = [e for e in events if e.get("dir") == "send"]
+            self.calls[step.call] = {
+                "kind": "prefill" if is_prefill else "decode", "batch": len(seqs), "t_start": began,
+                "launch_s": now() - began, "pickle_s": sum(e["s"] for e in events if e.get("op") == "dumps"),
+                "send_s": sum(e["s"] for e in sends), "bytes_per_rank": sum(e["bytes"] for e in sends) / len(
+                    runner._conns), "t_args_sent": [max((e["t0"] for e in sends if e["peer"] == r), default=None)
+                                                    for r in range(len(runner._conns))]}
+            return step
+
+        def timed_collect(call: int, *args: Any, **kwargs: Any) -> Any:
+            record = self.calls.get(call) if self.enabled else None
+            if record is None:
+                return collect(call, *args, **kwargs)
+            mark, began = len(self.channel), now()
+            result = collect(call, *args, **kwargs)
+            events = self.channel[mark:]
+            record["wait_s"] = now() - began
+            record["unpickle_s"] = sum(e["s"] for e in events if e.get("op") == "loads")
+            record["t_end"] = now()
+            record["total_s"] = record["t_end"] - record["t_start"]
+            # Replies are read in call order per rank: the last one read from each rank is this call's.
+            replies = {e["peer"]: e["t"] for e in events if e.get("dir") == "recv"}
+            record["t_replies"] = [replies.get(r) for r in range(len(runner._conns))]
             return result
 
-        runner.run = run
-
-    def _summarize(self, events: list[dict], began: float, ended: float, is_prefill: bool, batch: int) -> dict:
-        sends = [e for e in events if e.get("dir") == "send"]
-        recvs = [e for e in events if e.get("dir") == "recv"]
-        dumps = [e for e in events if e.get("op") == "dumps"]
-        loads = [e for e in events if e.get("op") == "loads"]
-        last_send = sends[-1]["t"] if sends else began
-        world = self.runner.world_size
-        # Each rank gets a header, then the args: the last write to a rank is its args.
-        args_sent = {e["peer"]: e["t0"] for e in sends}
-        replies = {e["peer"]: e["t"] for e in recvs}
-        return {
-            "kind": "prefill" if is_prefill else "decode", "batch": batch, "t_start": began, "t_end": ended,
-            "total_s": ended - began, "pickle_s": sum(e["s"] for e in dumps), "send_s": sum(e["s"] for e in sends),
-            "unpickle_s": sum(e["s"] for e in loads), "bytes_per_rank": sum(e["bytes"] for e in sends) / world,
-            "t_args_sent": [args_sent.get(r) for r in range(world)],
-            "t_replies": [replies.get(r) for r in range(world)],
-            "wait_s": (max(replies.values()) if replies else ended) - last_send,
-        }
+        runner.launch, runner.collect = timed_launch, timed_collect
 
     def restore(self) -> None:
         tp_runtime.pickle = self._saved_pickle
@@ -435,7 +461,8 @@ def profile_setting(setting: dict, model: str, workload: Any, args: argparse.Nam
     startup_s = time.perf_counter() - began
     driver = DriverProbe(llm.model_runner) if setting["channel"] else None
     steps: list[dict] = []
-    inner_step = llm.step
+    step_name = "_step" if hasattr(llm, "_step") else "step"  # generate() calls _step where it exists
+    inner_step = getattr(llm, step_name)
 
     def step() -> tuple:
         began = now()
@@ -447,12 +474,15 @@ def profile_setting(setting: dict, model: str, workload: Any, args: argparse.Nam
         # Warm-up: the first steps of a fresh engine compile kernels; measure what follows.
         llm.generate([p[:64] for p in workload.prompts[:4]], SamplingParams(max_tokens=4, ignore_eos=True),
                      use_tqdm=False)
+        first_call = None
         if driver is not None:
-            llm.model_runner.call("profile_reset")
+            first_call = llm.model_runner.post("profile_reset")
+            llm.model_runner.collect(first_call)
+            first_call += 1
             driver.enabled = True
         else:
             local.reset()
-        llm.step = step
+        setattr(llm, step_name, step)
         began = time.perf_counter()
         llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
         seconds = time.perf_counter() - began
@@ -461,6 +491,13 @@ def profile_setting(setting: dict, model: str, workload: Any, args: argparse.Nam
             ranks = llm.model_runner.call("profile_stats")
         else:
             ranks = [{"steps": local.stats(), "channel": []}]
+            local.enabled = False
+        delattr(llm, step_name)
+        # The same workload with asynchronous scheduling (what the benchmark runs), untimed per step.
+        llm.config.async_scheduling = True
+        began = time.perf_counter()
+        llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+        async_seconds = time.perf_counter() - began
     finally:
         if driver is not None:
             driver.restore()
@@ -468,17 +505,23 @@ def profile_setting(setting: dict, model: str, workload: Any, args: argparse.Nam
             local.restore()
         llm.exit()
         # The next setting needs this one's GPU memory (graph pools included) back.
-        del llm.step, llm  # the timing wrapper holds the engine too
+        del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return {"setting": setting, "startup_s": startup_s, "seconds": seconds,
             "tokens_per_s": workload.num_output_tokens / seconds, "engine_steps": steps,
-            "driver_calls": driver.calls if driver else None,
+            "async_tokens_per_s": workload.num_output_tokens / async_seconds,
+            "driver_calls": driver.calls if driver else None, "first_call": first_call,
             "ranks": [{"steps": r["steps"], "calls": rank_calls(r["channel"])} for r in ranks]}
 
 
 # ---- summary ------------------------------------------------------------------------------------
+
+
+def _ms(values: list[float]) -> float | None:
+    middle = _median(values)
+    return None if middle is None else middle * 1e3
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -497,44 +540,43 @@ def summarize(result: dict) -> dict[str, float | None]:
     rank_steps = [[s for s in r["steps"] if s["kind"] == "decode"] for r in ranks]
     driver = result["driver_calls"]
     if driver is not None:
-        # Calls after profile_reset: run calls only (profile_stats is not a step); align by position.
-        decode_calls = [i for i, c in enumerate(driver) if c["kind"] == "decode"]
-        calls = [c for c in driver if c["kind"] == "decode"]
-        row["driver: run() call"] = _median([c["total_s"] for c in calls]) * ms
-        row["driver: pickle args"] = _median([c["pickle_s"] for c in calls]) * ms
-        row["driver: write pipes"] = _median([c["send_s"] for c in calls]) * ms
-        row["driver: wait for replies"] = _median([c["wait_s"] for c in calls]) * ms
-        row["driver: unpickle replies"] = _median([c["unpickle_s"] for c in calls]) * ms
-        row["message bytes per rank"] = _median([c["bytes_per_rank"] for c in calls])
+        first = result["first_call"]  # rank call k (after the reset cleared its log) is call first + k
+        calls = {n: c for n, c in driver.items() if c["kind"] == "decode" and "total_s" in c}
+        values = list(calls.values())
+        row["driver: step call (launch to tokens)"] = _median([c["total_s"] for c in values]) * ms
+        row["driver: encode + pickle + write"] = _median([c["launch_s"] for c in values]) * ms
+        row["driver: pickle"] = _median([c["pickle_s"] for c in values]) * ms
+        row["driver: write pipes"] = _median([c["send_s"] for c in values]) * ms
+        row["driver: wait for replies"] = _median([c["wait_s"] for c in values]) * ms
+        row["driver: unpickle replies"] = _median([c["unpickle_s"] for c in values]) * ms
+        row["message bytes per rank"] = _median([c["bytes_per_rank"] for c in values])
         for r, rank in enumerate(ranks):
-            # Rank call k after the reset is driver call k (the log was cleared by the reset).
-            run_calls = rank["calls"][: len(driver)]
-            pairs = [(driver[i], run_calls[i]) for i in decode_calls if i < len(run_calls)]
-            row[f"rank {r}: pipe driver->rank"] = _median(
-                [rc.get("t_args", rc["t_header"]) - dc["t_args_sent"][r] for dc, rc in pairs
-                 if dc["t_args_sent"][r] is not None]
-            ) * ms if pairs else None
-            row[f"rank {r}: unpickle"] = _median([rc["unpickle_s"] for _, rc in pairs]) * ms if pairs else None
-            row[f"rank {r}: reply pickle + write"] = _median(
-                [rc.get("reply_pickle_s", 0) + rc.get("reply_send_s", 0) for _, rc in pairs]) * ms if pairs else None
-            row[f"rank {r}: pipe rank->driver"] = _median(
-                [dc["t_replies"][r] - rc["t_reply_sent"] for dc, rc in pairs
-                 if dc["t_replies"][r] is not None and "t_reply_sent" in rc]) * ms if pairs else None
-            idle = [run_calls[k + 1]["t_header"] - run_calls[k]["t_reply_sent"] for k in range(len(run_calls) - 1)
-                    if "t_reply_sent" in run_calls[k] and k + 1 in decode_calls]
-            row[f"rank {r}: idle between calls"] = _median(idle) * ms if idle else None
+            by_call = {first + k: call for k, call in enumerate(rank["calls"])}
+            pairs = [(calls[n], by_call[n]) for n in calls if n in by_call]
+            row[f"rank {r}: pipe driver->rank"] = _ms([rc.get("t_args", rc["t_header"]) - dc["t_args_sent"][r]
+                                                      for dc, rc in pairs if dc["t_args_sent"][r] is not None])
+            row[f"rank {r}: unpickle"] = _ms([rc["unpickle_s"] for _, rc in pairs])
+            row[f"rank {r}: reply pickle + write"] = _ms([rc.get("reply_pickle_s", 0) + rc.get("reply_send_s", 0)
+                                                         for _, rc in pairs])
+            row[f"rank {r}: pipe rank->driver"] = _ms([dc["t_replies"][r] - rc["t_reply_sent"] for dc, rc in pairs
+                                                      if dc["t_replies"][r] is not None and "t_reply_sent" in rc])
+            row[f"rank {r}: idle between calls"] = _ms([by_call[n]["t_header"] - by_call[n - 1]["t_reply_sent"]
+                                                       for n in calls if n - 1 in by_call and n in by_call
+                                                       and "t_reply_sent" in by_call[n - 1]])
     for key in [k for k in row if k.startswith("rank ")]:
         row[key] = row.pop(key)  # rank rows after the driver's, per rank
     for r, steps in enumerate(rank_steps):
         prefix = f"rank {r}"  # at tp1 without the channel, "rank 0" is the driver process itself
         row[f"{prefix}: step host time"] = _median([s["t_run_end"] - s["t_run_start"] for s in steps]) * ms
-        row[f"{prefix}: launch (inputs, forward, head)"] = _median([s["launch_s"] for s in steps]) * ms
+        row[f"{prefix}: launch (whole step queued)"] = _median([s["launch_s"] for s in steps]) * ms
+        row[f"{prefix}: of which inputs + forward + head"] = _median([s["forward_s"] for s in steps]) * ms
         row[f"{prefix}: in collectives (host)"] = _median([s["coll_host_s"] for s in steps]) * ms
         row[f"{prefix}: collective calls"] = _median([s["coll_calls"] for s in steps])
         row[f"{prefix}: wait for sampled tokens"] = _median([s["wait_tokens_s"] for s in steps]) * ms
         row[f"{prefix}: device time of the step"] = _median([s["gpu_step_ms"] for s in steps])
         row[f"{prefix}: device time in collectives"] = _median([s["gpu_coll_ms"] for s in steps])
     row["tokens/s (whole run, synchronous)"] = result["tokens_per_s"]
+    row["tokens/s (whole run, asynchronous)"] = result["async_tokens_per_s"]
     return row
 
 

@@ -36,6 +36,7 @@ from nanovllm.engine.tp_runtime import (
     deferred_interrupt,
     init_rank,
     process_state,
+    step_states,
 )
 from nanovllm.layers.linear import agree_min, check_tensor_parallel_size
 from nanovllm.llm import LLM
@@ -267,7 +268,7 @@ def test_block_size_travels_with_the_sequence_and_is_checked(tiny: Path) -> None
     # A rank's worker (here at world size 1, in this process) refuses a sequence of another block size.
     worker = RankWorker(Config.from_kwargs(tiny, kvcache_block_size=8, num_kvcache_blocks=4))
     with pytest.raises(ValueError, match=r"block_size 4, .* uses 8"):
-        worker.run([slim], False)
+        worker.run(step_states([slim]), False)
 
 
 def test_large_messages_cross_the_control_channel_intact(engines) -> None:

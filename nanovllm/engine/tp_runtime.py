@@ -48,6 +48,8 @@ __all__ = [
     "parse_fault",
     "process_state",
     "rank_main",
+    "step_sequences",
+    "step_states",
 ]
 
 
@@ -98,6 +100,22 @@ def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size)
 
 
+def step_states(seqs: list[Sequence]) -> list[tuple]:
+    """What a step ships of each sequence: its slim state, as chapter 01's `__getstate__` defines it (the one
+    place that says what travels), as plain tuples, without the pickle protocol's per-object work."""
+    return [seq.__getstate__() for seq in seqs]
+
+
+def step_sequences(states: list[tuple]) -> list[Sequence]:
+    """The rank's slim copies of a step's sequences, rebuilt from `step_states`."""
+    seqs = []
+    for state in states:
+        seq = Sequence.__new__(Sequence)
+        seq.__setstate__(state)
+        seqs.append(seq)
+    return seqs
+
+
 class RankWorker:
     """One rank's side of the control channel: the calls a driver may make, by name."""
 
@@ -110,23 +128,30 @@ class RankWorker:
         self.rank = tp_world()[0]
         self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
         self.recent: dict[int, SampledTokens] = {}
+        self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
 
     def run(
         self,
-        seqs: list[Sequence],
+        states: list[tuple],
         is_prefill: bool,
         previous: tuple[int, list[int]] | None = None,
-        params: list[SamplingParams] | None = None,
+        params: tuple[dict[int, SamplingParams], list[int]] | None = None,
     ) -> SampledTokens | None:
         """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
 
-        ``previous``: (call, forked seq_ids) of the step whose samples are this step's pending tokens
-        (asynchronous scheduling), or None.
+        ``states``: the step's sequences (`step_states`). ``previous``: (call, forked seq_ids) of the step whose
+        samples are this step's pending tokens (asynchronous scheduling), or None. ``params`` (rank 0 only):
+        the sampling params of new sequences, and the ids of finished ones to forget.
         """
+        seqs = step_sequences(states)
         self._check(seqs)
         if params is not None:
-            for seq, sampling_params in zip(seqs, params, strict=True):
-                seq.sampling_params = sampling_params
+            new, gone = params
+            self.params.update(new)
+            for seq_id in gone:
+                self.params.pop(seq_id, None)
+            for seq in seqs:
+                seq.sampling_params = self.params[seq.seq_id]
         before = None if previous is None else self._samples_of(*previous)
         step = self.runner.launch(seqs, is_prefill, before)
         # Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
@@ -351,6 +376,7 @@ class TPRunner:
         self._sent: dict[int, tuple[str, float]] = {0: ("start-up", time.monotonic())}
         self._next_reply = [0] * self.world_size
         self._results: dict[tuple[int, int], Any] = {}
+        self._params_sent: dict[int, Sequence] = {}  # sequences whose sampling params rank 0 holds
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stop = {"graceful": True}
@@ -460,9 +486,18 @@ class TPRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
         """Queue one step on every rank and return at once; ``previous``: the step whose samples are this
         step's pending tokens (asynchronous scheduling). Every rank has them: nothing waits for rank 0."""
-        params = pickle.dumps([seq.sampling_params for seq in seqs], protocol=pickle.HIGHEST_PROTOCOL)
         before = None if previous is None else (previous.call, previous.forks)
-        return TPStep(self, self.post("run", seqs, is_prefill, before, rank0_extra=params))
+        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
+
+    def _params_update(self, seqs: list[Sequence]) -> tuple[dict[int, SamplingParams], list[int]]:
+        """For rank 0: the sampling params of sequences it has not seen, and the ids of those it may forget."""
+        gone = [seq_id for seq_id, seq in self._params_sent.items() if seq.is_finished]
+        for seq_id in gone:
+            del self._params_sent[seq_id]
+        new = {seq.seq_id: seq.sampling_params for seq in seqs if seq.seq_id not in self._params_sent}
+        self._params_sent.update((seq.seq_id, seq) for seq in seqs)
+        return new, gone
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step on every rank; rank 0's sampled tokens."""
