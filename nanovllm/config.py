@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.linear import check_tensor_parallel_size
+from nanovllm.utils.loader import LOAD_FORMATS
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -71,8 +72,8 @@ def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
-    """Load and sanity-check the Hugging Face config of a model directory."""
+def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
+    """Load and sanity-check the Hugging Face config of a model directory (require_weights: *.safetensors)."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
     path = Path(model).expanduser()
@@ -94,7 +95,7 @@ def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
     missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
-    if not any(path.glob("*.safetensors")):
+    if require_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
     return hf_config
 
@@ -134,12 +135,14 @@ class Config:
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
     rank_timeout_s: float = 60.0
+    load_format: str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        self.hf_config = read_model_dir(self.model)
+        load_format = _choice_field("load_format", self.load_format, LOAD_FORMATS)
+        self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
         check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)

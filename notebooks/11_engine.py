@@ -105,6 +105,7 @@
 # | `async_scheduling` | "auto" | schedule step *n + 1* while the GPU computes step *n* (below); auto: on for CUDA |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
 # | `rank_timeout_s` | 60.0 | TP: seconds to wait for a rank's reply to a step before naming the stalled rank (ch. 10) |
+# | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -147,6 +148,7 @@
 # | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
 # | `rank_timeout_s` | 60.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
+# | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 #
 # **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -178,6 +180,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.linear import check_tensor_parallel_size
+from nanovllm.utils.loader import LOAD_FORMATS
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -233,8 +236,8 @@ def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
-    """Load and sanity-check the Hugging Face config of a model directory."""
+def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
+    """Load and sanity-check the Hugging Face config of a model directory (require_weights: *.safetensors)."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
     path = Path(model).expanduser()
@@ -256,7 +259,7 @@ def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
     missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
-    if not any(path.glob("*.safetensors")):
+    if require_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
     return hf_config
 
@@ -307,13 +310,15 @@ class Config:
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
     rank_timeout_s: float = 60.0
+    load_format: str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        self.hf_config = read_model_dir(self.model)
+        load_format = _choice_field("load_format", self.load_format, LOAD_FORMATS)
+        self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
         check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
