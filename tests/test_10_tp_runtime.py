@@ -514,7 +514,7 @@ if __name__ == "__main__":
     model, device = sys.argv[1], sys.argv[2]
     settings = {"device": device, "kvcache_block_size": 4, "max_num_batched_tokens": 64, "async_scheduling": True}
     if device == "cuda":
-        settings["dtype"] = "float32"
+        settings.update(dtype="float32", max_num_seqs=32)  # graphs: few sizes to capture
     prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write clear code"]
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     expected = [o["token_ids"] for o in LLM(model, **settings).generate(prompts, greedy, use_tqdm=False)]
@@ -526,7 +526,8 @@ if __name__ == "__main__":
     started = time.monotonic()
     try:
         long = [[3 + (5 * i + j) % 300 for j in range(20)] for i in range(24)]
-        llm.generate(long, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
+        for _ in range(100):  # until Ctrl-C arrives (a GPU runs one of these in about a second)
+            llm.generate(long, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
         report["error"] = "generate finished before Ctrl-C"
     except KeyboardInterrupt:
         report["interrupted_after_s"] = round(time.monotonic() - started, 2)
@@ -632,3 +633,58 @@ def test_nccl_failing_rank_is_reported_and_stopped(tiny: Path, monkeypatch: pyte
     with pytest.raises(TPWorkerError, match="rank 1 failed during run"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_graphs_on_every_rank_and_async_scheduling_give_the_tokens_of_one_gpu(tiny: Path) -> None:
+    """Decode graphs captured on both ranks (all-reduces inside), asynchronous scheduling (the default on CUDA):
+    greedy tokens equal one GPU's, under chunked prefill, preemption and prefix hits, and seeded samples with
+    forks (n = 3) are the same synchronously and asynchronously."""
+    settings = {**SMALL, "device": "cuda", "dtype": "float32", "attention_backend": "triton", "max_num_seqs": 8}
+    with LLM(str(tiny), **settings) as tp1:
+        assert tp1.model_runner.graphs is not None
+        expected = token_ids(tp1.generate(PROMPTS, GREEDY, use_tqdm=False))
+    seeded = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=9, ignore_eos=True)
+    with LLM(str(tiny), tensor_parallel_size=2, **settings) as tp2:
+        assert tp2.config.async_scheduling is True
+        assert [w["graphs"] for w in tp2.model_runner.call("world")] == [True, True]
+        for _ in range(2):  # the second round also hits the prefix cache
+            assert token_ids(tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        runs = {}
+        for scheduling in (True, False):
+            tp2.config.async_scheduling = scheduling
+            runs[scheduling] = [[o["token_ids"] for o in out["outputs"]]
+                                for out in tp2.generate(PROMPTS[:2], seeded, use_tqdm=False)]
+        assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_nccl_a_stalled_rank_is_named_and_nothing_is_left_behind(tiny: Path, stalled: int) -> None:
+    shm = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    settings = {**SMALL, "device": "cuda", "dtype": "float32", "max_num_seqs": 8, "rank_timeout_s": 5.0}
+    llm = LLM(str(tiny), tensor_parallel_size=2, **settings)
+    pids = llm.model_runner.pids
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    os.kill(pids[stalled], signal.SIGSTOP)
+    try:
+        with pytest.raises(TPTimeoutError) as caught:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pids[stalled], signal.SIGCONT)
+    assert str(caught.value).startswith(f"tensor-parallel rank {stalled} (pid {pids[stalled]}, stopped)")
+    assert all(gone(pid) for pid in pids)
+    left = (set(os.listdir(SHM)) if SHM.is_dir() else set()) - shm
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_ctrl_c_during_generate_leaves_the_tp_engine_serving(tiny: Path, tmp_path: Path) -> None:
+    report = run_ctrl_c(tiny, tmp_path, "cuda", after_s=1.0)
+    assert "interrupted_after_s" in report, report
+    assert report["engine_idle"] and report["ranks_alive"] == [True, True], report
+    assert report["same_tokens"] and report["runner_alive"], report
