@@ -134,7 +134,7 @@ class Config:
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
-    rank_timeout_s: float = 60.0
+    rank_timeout_s: float = 120.0
     load_format: str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)

@@ -104,7 +104,7 @@
 # | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
 # | `async_scheduling` | "auto" | schedule step *n + 1* while the GPU computes step *n* (below); auto: on for CUDA |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
-# | `rank_timeout_s` | 60.0 | TP: seconds to wait for a rank's reply to a step before naming the stalled rank (ch. 10) |
+# | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply to a step before naming the stalled rank (ch 10) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
@@ -147,7 +147,7 @@
 # | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
 # | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（见下文）；auto：CUDA 上打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
-# | `rank_timeout_s` | 60.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
+# | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 #
 # **`"auto"` 的含义。** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
@@ -309,7 +309,7 @@ class Config:
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
-    rank_timeout_s: float = 60.0
+    rank_timeout_s: float = 120.0
     load_format: str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。

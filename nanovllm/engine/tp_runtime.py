@@ -222,6 +222,7 @@ class Replier:
 
     def __init__(self, conn: Connection, fail: Callable[[BaseException, str], None]) -> None:
         self.conn, self.fail = conn, fail
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
         self.lock = threading.Lock()  # one writer at a time: this thread, or the main thread's error report
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="nanovllm-replies", daemon=True).start()
@@ -234,6 +235,8 @@ class Replier:
             _send(self.conn, message)
 
     def _loop(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0, not on this rank's
         while True:
             where, result = self.queue.get()
             try:
