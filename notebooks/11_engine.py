@@ -1203,6 +1203,14 @@ print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, pref
 # random bf16 weights (chapter 05's `build_tiny_model` with overrides) in a temporary folder:
 # no checkpoint is needed, and the speed of a model depends on its shapes, not on its weights.
 # `--no-peer` skips `transformers` (a few minutes on this workload).
+#
+# **Tensor parallelism.** `--tensor-parallel-size N` (chapter 10) measures the engine on N GPUs
+# and then, in the same invocation and on the same workload, on one GPU, and prints both and
+# their ratio (`--no-tp1` skips the second run); the one-GPU engine is then the peer, and the
+# N-GPU figure is held to N times one GPU's bound. `--preset qwen3-8b` runs the same workload on
+# a Qwen3-8B-shaped model whose 16 GB of bf16 weights are drawn directly on each GPU
+# (`load_format="dummy"`, chapter 05) instead of being written to disk and read back; it has no
+# `transformers` peer, since there are no weights to give it.
 
 # %% [markdown] tags=["zh"]
 # ### 我们这一侧，以及命令行
@@ -1212,6 +1220,12 @@ print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, pref
 # 且不给 `--model` 时，它会在临时目录里按 Qwen3-0.6B 的形状构建一个随机 bf16 权重的模型（第 05 章的
 # `build_tiny_model` 加上覆盖参数）：不需要任何检查点，模型的速度取决于形状，而不取决于权重。`--no-peer` 跳过
 # `transformers`（在这个负载上要跑几分钟）。
+#
+# **张量并行。** `--tensor-parallel-size N`（第 10 章）先用 N 块 GPU 测引擎，再在同一次调用中、用同样的负载用一块
+# GPU 测，打印两者及其比值（`--no-tp1` 跳过第二次运行）；这时单 GPU 的引擎就是对照组，而 N 块 GPU 的数字对照的是
+# 单 GPU 上限的 N 倍。`--preset qwen3-8b` 在 Qwen3-8B 形状的模型上跑同样的负载，它 16 GB 的 bf16 权重直接在每块 GPU
+# 上生成（`load_format="dummy"`，第 05 章），而不是先写到磁盘再读回来；它没有 `transformers` 对照组，因为根本没有
+# 权重可以交给它。
 
 # %% bench engine
 #| export bench
@@ -1519,6 +1533,39 @@ assert sorted(i for b in batches for i in b) == list(range(6))
 longest = [max(mini.output_lens[i] for i in b) for b in batches]
 assert longest == sorted(longest)  # batches go from short to long outputs
 print("benchmark checks hold")
+
+# %% [markdown] tags=["en"]
+# The tensor-parallel comparison, in miniature: two gloo ranks on this CPU against one process,
+# through the command line's code path. The figures of a shared CPU say nothing about GPUs
+# (chapter 10 has those); what is checked is that one invocation measures both and reports
+# their ratio, and that the 8B preset's directory holds Qwen3-8B's shapes and no weights.
+
+# %% [markdown] tags=["zh"]
+# 张量并行的对比，缩小版：这台 CPU 上的两个 gloo rank 对一个进程，走的是命令行的同一条代码路径。共享 CPU 上的数字
+# 说明不了 GPU 上的情况（那些在第 10 章）；这里检查的是：一次调用就测出两者并报告比值，以及 8B 预设的目录里是
+# Qwen3-8B 的形状、没有权重。
+
+# %%
+import contextlib
+import io
+
+from nanovllm.bench import main as bench
+from nanovllm.bench import model_params, qwen3_8b_shapes
+from nanovllm.utils.tiny_models import build_tiny_model
+
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    status = bench(["--model", str(build_tiny_model("qwen3")), "--device", "cpu", "--num-seqs", "4", "--input-len",
+                    "8", "16", "--output-len", "4", "8", "--tensor-parallel-size", "2",
+                    "--out", str(workdir / "tp.json")])
+print(printed.getvalue())
+tp_report = json.loads((workdir / "tp.json").read_text())
+assert status == 0 and {"engine", "engine_tp1", "ratio_tp"} <= set(tp_report)
+assert tp_report["ratio_tp"] == tp_report["engine"]["tokens_per_s"] / tp_report["engine_tp1"]["tokens_per_s"]
+eight = Config.from_kwargs(qwen3_8b_shapes(str(workdir / "qwen3-8b")), device="cpu", load_format="dummy")
+print(f"qwen3-8b preset: {model_params(eight.hf_config) / 1e9:.2f} B parameters, "
+      f"{len(list(Path(eight.model).glob('*.safetensors')))} weight files")
+assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 
 # %% [markdown] tags=["en"]
 # ## Build it: the engine loop, `LLMEngine`
@@ -1981,10 +2028,12 @@ assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqd
 # arrow). The tokens are the same as the synchronous engine's: the test suite compares both
 # under every scheduling regime, with sequences ending on EOS mid-batch.
 #
-# `async_scheduling="auto"` turns it on for CUDA with one rank. On a CPU there is nothing to
-# overlap with (PyTorch runs CPU ops as they are called), and chapter 10's ranks receive the
-# sequences pickled at every step, where a pending token has no value to send. Chapter 09
-# records what it buys on the H200.
+# `async_scheduling="auto"` turns it on for CUDA, with one rank or several. On a CPU there is
+# nothing to overlap with (PyTorch runs CPU ops as they are called); it can still be turned on,
+# which is how the tests check it there. With tensor parallelism (chapter 10) the driver queues
+# step *n + 1* on every rank before it collects step *n*: a pending token has no value the
+# driver could send, so each rank takes it from its own copy of rank 0's samples, broadcast on
+# the device. Chapter 09 records what it buys on the H200 with one GPU; chapter 10 with two.
 #
 # On a CPU the order is still visible. Below, each call of `step()` queues one step and reports
 # the one before, and the tokens are those of the synchronous run above:
@@ -2017,9 +2066,10 @@ assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqd
 # （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（第 01 章新增的那条箭头）。
 # 生成的 token 与同步引擎完全相同：测试套件在每种调度情形下比较二者，其中包括批次中途遇到 EOS 结束的序列。
 #
-# `async_scheduling="auto"` 在 CUDA 且只有一个 rank 时打开。CPU 上没有什么可以重叠的（PyTorch 在调用时就执行
-# CPU 上的运算）；第 10 章的各个 rank 每步都要接收序列化后的序列，而待定的 token 还没有值可发。第 09 章记录了它在
-# H200 上带来的收益。
+# `async_scheduling="auto"` 在 CUDA 上打开，不论是一个 rank 还是多个。CPU 上没有什么可以重叠的（PyTorch 在调用时
+# 就执行 CPU 上的运算）；不过仍然可以手动打开，测试就是这样在 CPU 上检查它的。用张量并行（第 10 章）时，驱动进程
+# 先把第 *n + 1* 步排给每个 rank，再收取第 *n* 步：待定的 token 还没有值，驱动进程无从发送，于是每个 rank 从自己
+# 保存的、rank 0 在设备上广播来的采样结果里取。第 09 章记录了它在一块 H200 上带来的收益，第 10 章记录两块的。
 #
 # 在 CPU 上这个顺序依然看得见。下面每次调用 `step()` 都会排队一步、报告前一步，而得到的 token 与上面同步运行的结果相同：
 
