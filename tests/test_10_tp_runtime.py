@@ -260,6 +260,26 @@ def test_ranks_with_different_budgets_agree_on_the_smallest_block_count() -> Non
     assert [proc.exitcode for proc in procs] == [0, 0]
 
 
+def test_a_step_message_rebuilds_the_slim_sequences_and_sends_params_once() -> None:
+    from nanovllm.engine.sequence import SequenceStatus
+    from nanovllm.engine.tp_runtime import TPRunner, step_sequences
+
+    seqs = [Sequence(list(range(10 + i)), SamplingParams(temperature=0.5 + i), block_size=4) for i in range(3)]
+    for seq in seqs:
+        seq.block_table = [7, 3, 9, 1][: seq.num_blocks]
+        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+    rebuilt = step_sequences(pickle.loads(pickle.dumps(step_states(seqs))))
+    for seq, copy in zip(seqs, rebuilt, strict=True):
+        assert vars(copy) == vars(pickle.loads(pickle.dumps(seq)))  # what chapter 01's slim pickling gives
+        assert copy.token_ids == [seq.last_token] and copy.sampling_params is None
+    driver = SimpleNamespace(_params_sent={})  # the part of a TPRunner this method uses
+    new, gone = TPRunner._params_update(driver, seqs)
+    assert new == {seq.seq_id: seq.sampling_params for seq in seqs} and gone == []
+    assert TPRunner._params_update(driver, seqs[:2]) == ({}, [])  # known sequences: nothing to send
+    seqs[0].status = SequenceStatus.FINISHED
+    assert TPRunner._params_update(driver, seqs[1:]) == ({}, [seqs[0].seq_id])  # rank 0 may forget it
+
+
 def test_block_size_travels_with_the_sequence_and_is_checked(tiny: Path) -> None:
     seq = Sequence(list(range(30)), block_size=4)
     seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = list(range(8)), 29, 1
