@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,6 +19,7 @@ from nanovllm.sampling_params import SamplingParams
 __all__ = [
     "PRESETS",
     "QWEN3_06B_SHAPES",
+    "QWEN3_8B_SHAPES",
     "BenchResult",
     "Bound",
     "Workload",
@@ -27,7 +30,9 @@ __all__ = [
     "matmul_flops",
     "model_params",
     "peer_batches",
+    "print_breakdown",
     "qwen3_06b_random",
+    "qwen3_8b_shapes",
     "run_engine",
     "run_transformers",
     "workload_bound",
@@ -36,6 +41,8 @@ __all__ = [
 
 PRESETS: dict[str, dict] = {
     "nano-vllm": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
+    # The same workload on a Qwen3-8B-shaped model (chapter 10's second goal): it fits one H200.
+    "qwen3-8b": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
     "cpu": {"num_seqs": 16, "input_len": (32, 256), "output_len": (32, 256)},
 }
 
@@ -206,6 +213,36 @@ def qwen3_06b_random(path: str | None = None) -> Any:
     return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
 
 
+QWEN3_8B_SHAPES: dict[str, Any] = {
+    "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False,
+    "max_position_embeddings": 40960,
+}
+
+
+def qwen3_8b_shapes(path: str | None = None) -> Path:
+    """A model directory with Qwen3-8B's shapes and no weights, to run with ``load_format="dummy"``: the weights
+    (16 GB in bf16) are drawn on each GPU instead of written to disk and read back."""
+    import shutil
+    import tempfile
+
+    from transformers import Qwen3Config
+
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    tiny = build_tiny_model("qwen3")  # its tokenizer and EOS ids: the prompts are token ids anyway
+    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, target / name)
+    ids = Qwen3Config.from_pretrained(tiny)
+    config = Qwen3Config(**QWEN3_8B_SHAPES, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
+                         bos_token_id=None, architectures=["Qwen3ForCausalLM"])
+    config.dtype = "bfloat16"
+    config.save_pretrained(target)
+    return target
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes per second of a device-to-device copy (read + written), measured now."""
     from nanovllm.bench_attention import copy_bandwidth as measure
@@ -257,13 +294,24 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
         seconds = time.perf_counter() - start
     finally:
         # Free the KV cache (most of the GPU) for whatever runs next, such as the transformers peer.
+        tp = llm.config.tensor_parallel_size
         llm.exit()
+        del llm
+        gc.collect()  # the graphs' memory pool goes with the last reference to the runner
         if device == "cuda":
             torch.cuda.empty_cache()
     made = [len(o["token_ids"]) for o in outputs]
     if made != workload.output_lens:
         raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")
-    return BenchResult("nano-vllm (this book)", seconds, workload.num_output_tokens)
+    return BenchResult(f"nano-vllm (this book), TP={tp}", seconds, workload.num_output_tokens)
+
+
+def print_breakdown(result: BenchResult, breakdown: dict[str, float]) -> None:
+    """Where an engine run's time went: prefill and decode steps, and generate's loop outside them."""
+    outside = result.seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
+    print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
+          f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
+          f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel-sampling", type=int, metavar="N",
                         help="instead: the first 64 prompts with N forked samples vs N independent requests each "
                              "(chapter 04b)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="N > 1: the engine on N GPUs, and on one GPU in the same invocation, with their ratio")
+    parser.add_argument("--no-tp1", action="store_true", help="with --tensor-parallel-size N: skip the TP=1 run")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -297,9 +348,13 @@ def main(argv: list[str] | None = None) -> int:
             model = args.model
         elif args.preset == "nano-vllm":
             model = str(qwen3_06b_random())
+        elif args.preset == "qwen3-8b":
+            model = str(qwen3_8b_shapes())
         else:
             model = str(smollm2_dir())
-        config = Config.from_kwargs(model, device=args.device, dtype=args.dtype)
+        load_format = "dummy" if args.preset == "qwen3-8b" and not args.model else "auto"
+        config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
+                                    tensor_parallel_size=args.tensor_parallel_size)
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
         for key in ("num_seqs", "input_len", "output_len"):
             if getattr(args, key) is not None:
@@ -325,29 +380,38 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.out, "w", encoding="utf-8") as file:
                 json.dump(report, file, indent=2)
         return 0
+    tp = args.tensor_parallel_size
     if not args.no_engine:
         switch = {"auto": "auto", "on": True, "off": False}
-        breakdown: dict[str, float] = {}
-        results["engine"] = run_engine(model, workload, device=config.device, dtype=config.dtype,
-                                       enforce_eager=args.enforce_eager,
-                                       compile_small_ops=switch[args.compile_small_ops],
-                                       async_scheduling=switch[args.async_scheduling], breakdown=breakdown)
-        print(results["engine"])
-        outside = results["engine"].seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
-        print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
-              f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
-              f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
-        report["breakdown"] = breakdown
-    if not args.no_peer:
+        settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
+                    "compile_small_ops": switch[args.compile_small_ops], "load_format": load_format,
+                    "async_scheduling": switch[args.async_scheduling]}
+        # The N-GPU engine first: its ranks leave the GPUs empty for the one-process engine after it.
+        runs = [tp, 1] if tp > 1 and not args.no_tp1 else [tp]
+        for size in runs:
+            key = "engine" if size == tp else "engine_tp1"
+            breakdown: dict[str, float] = {}
+            results[key] = run_engine(model, workload, tensor_parallel_size=size, breakdown=breakdown, **settings)
+            print(results[key])
+            print_breakdown(results[key], breakdown)
+            report[f"breakdown_tp{size}"] = breakdown
+    peer_skipped = "the model has no weights (load_format='dummy')" if load_format == "dummy" else \
+        f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
+    if not args.no_peer and peer_skipped:
+        print(f"transformers peer skipped: {peer_skipped}")
+    elif not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
         results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
                                            batch_size=batch_size)
         print(results["peer"])
     for key, result in results.items():
         report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
-    if len(results) == 2:
+    if "engine" in results and "peer" in results:
         report["ratio"] = results["engine"].tokens_per_s / results["peer"].tokens_per_s
         print(f"engine / transformers: {report['ratio']:.2f}x")
+    if "engine" in results and "engine_tp1" in results:
+        report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
+        print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
@@ -357,8 +421,11 @@ def main(argv: list[str] | None = None) -> int:
         report["bound"] = {"tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes,
                            "bandwidth": bandwidth, "matmul_flops": flops}
         for key, result in results.items():
-            print(f"{result.name}: {result.tokens_per_s / bound.tokens_per_s:.1%} of the bound")
-            report[key]["fraction_of_bound"] = result.tokens_per_s / bound.tokens_per_s
+            # N GPUs read N times as fast: an engine on N GPUs is held to N times one GPU's bound.
+            gpus = tp if key == "engine" else 1
+            fraction = result.tokens_per_s / (gpus * bound.tokens_per_s)
+            print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else ""))
+            report[key]["fraction_of_bound"] = fraction
     if args.out:
         with open(args.out, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.linear import check_tensor_parallel_size
+from nanovllm.utils.loader import LOAD_FORMATS
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -71,8 +72,8 @@ def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
-    """Load and sanity-check the Hugging Face config of a model directory."""
+def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
+    """Load and sanity-check the Hugging Face config of a model directory (require_weights: *.safetensors)."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
     path = Path(model).expanduser()
@@ -94,7 +95,7 @@ def read_model_dir(model: str | os.PathLike) -> PretrainedConfig:
     missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
-    if not any(path.glob("*.safetensors")):
+    if require_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
     return hf_config
 
@@ -133,12 +134,15 @@ class Config:
     compile_small_ops: bool | str = "auto"
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
+    rank_timeout_s: float = 120.0
+    load_format: str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        self.hf_config = read_model_dir(self.model)
+        load_format = _choice_field("load_format", self.load_format, LOAD_FORMATS)
+        self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
         check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
@@ -166,6 +170,8 @@ class Config:
             raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
         if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
             raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
+        if _real_field("rank_timeout_s", self.rank_timeout_s) <= 0:
+            raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s!r}")
 
     def _resolve_device(self) -> None:
         device = _choice_field("device", self.device, DEVICES)
@@ -199,10 +205,8 @@ class Config:
         overlap = self.async_scheduling
         if not isinstance(overlap, bool) and overlap != "auto":
             raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
-        if overlap is True and self.tensor_parallel_size > 1:
-            # Chapter 10's ranks receive pickled sequences each step; a pending token cannot travel.
-            raise ValueError("async_scheduling=True needs tensor_parallel_size=1")
-        self.async_scheduling = device == "cuda" and self.tensor_parallel_size == 1 if overlap == "auto" else overlap
+        # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+        self.async_scheduling = device == "cuda" if overlap == "auto" else overlap
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -653,10 +653,18 @@ def load_model(model: nn.Module, path: str | Path) -> None:
         raise ModelLoadError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def build_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto"
 ) -> nn.Module:
-    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights."""
+    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights.
+
+    load_format="dummy": no weights are read; seeded random values are drawn where the model lives (benchmarks).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     config = load_hf_config(path)
     model_class = get_model_class(config.architectures)
     previous = torch.get_default_dtype()
@@ -666,8 +674,25 @@ def build_model(
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
-    load_model(model, path)
+    if load_format == "dummy":
+        init_random_weights(model)
+    else:
+        load_model(model, path)
     return model.eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter with seeded random values, in place, on its device and in its dtype: norms near 1,
+    matrices scaled by 1/sqrt(fan-in) so activations stay near unit scale (speed does not depend on values)."""
+    for index, (name, param) in enumerate(model.named_parameters()):
+        generator = torch.Generator(device=param.device).manual_seed(seed + index)
+        if name.endswith("norm.weight"):
+            param.normal_(1.0, 0.1, generator=generator)
+        elif param.dim() == 1:
+            param.normal_(0.0, 0.1, generator=generator)
+        else:
+            param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
 
 # %% [markdown] tags=["en"]
 # ## Build it: tiny models to test with
@@ -1047,6 +1072,38 @@ except ValueError as error:
 shutil.rmtree(scratch)
 
 # %% [markdown] tags=["en"]
+# ### Random weights without a checkpoint
+#
+# Speed does not depend on the values of the weights, and a benchmark of a large shape (chapter
+# 11 measures a Qwen3-8B-shaped model) should not have to write and read 16 GB of random numbers
+# first. `build_model(..., load_format="dummy")` (vLLM's name for the same thing) reads only
+# `config.json` and fills each parameter where it already lives, on the GPU and in bf16 if that
+# is where the model is built. With tensor parallelism (chapter 10) each rank fills its own
+# shards, so the shards are not slices of one model: the tokens are meaningless, only the speed
+# is real.
+
+# %% [markdown] tags=["zh"]
+# ### 不用检查点的随机权重
+#
+# 速度与权重的数值无关，而对一个大尺寸模型做基准测试（第 11 章测的是 Qwen3-8B 形状的模型）时，不该先写出再读回
+# 16 GB 的随机数。`build_model(..., load_format="dummy")`（vLLM 对同一件事的叫法）只读 `config.json`，然后在每个
+# 参数所在的地方直接填上随机值：模型建在 GPU 上、用 bf16，就在 GPU 上、用 bf16 填。用张量并行（第 10 章）时，
+# 每个 rank 只填自己的分片，所以这些分片拼不回同一个模型：生成的 token 没有意义，只有速度是真实的。
+
+# %%
+dummy = build_model(qwen_dir, load_format="dummy")
+again = build_model(qwen_dir, load_format="dummy")
+for (name, param), (_, same) in zip(dummy.named_parameters(), again.named_parameters(), strict=True):
+    assert torch.equal(param, same) and torch.isfinite(param).all(), name  # seeded: the same every time
+assert abs(dummy.model.norm.weight.mean().item() - 1.0) < 0.1
+with torch.inference_mode():
+    set_prefill_context([3], [3])  # no KV cache: a plain forward of three tokens
+    logits = dummy.compute_logits(dummy(torch.tensor([1, 2, 3]), torch.arange(3)))
+    reset_context()
+print(f"dummy weights: logits {tuple(logits.shape)} of scale {logits.std().item():.2f}, all finite")
+assert torch.isfinite(logits).all()
+
+# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `layers/layernorm.py` (`RMSNorm` with a fused residual add), `layers/activation.py`
@@ -1055,7 +1112,8 @@ shutil.rmtree(scratch)
 # - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
 #   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
 # - `utils/loader.py`: `load_hf_config`, `load_model` (fused and tied weights, a ledger of
-#   missing and unexpected tensors), `build_model`.
+#   missing and unexpected tensors), `build_model` (and `load_format="dummy"`: seeded random weights
+#   drawn where the model lives, for benchmarks).
 # - `utils/tiny_models.py`: `build_tiny_model("qwen3" | "qwen2" | "llama")`, cached real HF
 #   directories that `transformers` loads.
 #
@@ -1076,7 +1134,7 @@ shutil.rmtree(scratch)
 # - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
 #   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
 # - `utils/loader.py`：`load_hf_config`、`load_model`（融合权重与绑定权重，记账发现缺失和多余的张量）、
-#   `build_model`。
+#   `build_model`（以及 `load_format="dummy"`：在模型所在之处直接生成带种子的随机权重，供基准测试使用）。
 # - `utils/tiny_models.py`：`build_tiny_model("qwen3" | "qwen2" | "llama")`，带缓存的、`transformers`
 #   可以加载的真实 HF 目录。
 #

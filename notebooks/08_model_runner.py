@@ -382,9 +382,11 @@ class SampledTokens:
     ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
 
     @classmethod
-    def start(cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor) -> SampledTokens:
-        """Queue the copy of ``sampled`` to the host and return without waiting for it."""
-        if sampled.device.type != "cuda":
+    def start(
+        cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor, to_host: bool = True
+    ) -> SampledTokens:
+        """Queue the copy of ``sampled`` to the host and return without waiting for it (to_host=False: no copy)."""
+        if sampled.device.type != "cuda" or not to_host:
             return cls(seqs, rows, sampled, sampled)
         on_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         on_host.copy_(sampled, non_blocking=True)
@@ -480,7 +482,7 @@ import importlib
 from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.layers.attention import Attention, get_attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
-from nanovllm.layers.linear import agree_min
+from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs
 from nanovllm.utils.loader import build_model
 
@@ -502,7 +504,7 @@ class ModelRunner:
             # zh: 这样 CPU 上的运行永远不会导入 Triton。
             importlib.import_module("nanovllm.layers.triton_attention")
         get_attention_backend(config.attention_backend)  # a clear error if it is not registered
-        self.model = build_model(config.model, dtype=self.dtype, device=self.device)
+        self.model = build_model(config.model, dtype=self.dtype, device=self.device, load_format=config.load_format)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = config.attention_backend
@@ -646,34 +648,41 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
-        step = self.launch(seqs, is_prefill)
-        return [] if step is None else step.token_ids()
+        return self.launch(seqs, is_prefill).token_ids()
 
     @torch.inference_mode()
     def launch(
         self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
-    ) -> SampledTokens | None:
-        """Queue one step on the device and return without waiting for it (None on tensor-parallel ranks
-        other than 0, where rank 0 alone samples: chapter 10). ``previous``: see `compute_logits`."""
+    ) -> SampledTokens:
+        """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`.
+
+        With tensor parallelism (chapter 10) rank 0 alone has logits and samples; every other rank receives
+        its tokens on the device, so that each rank can feed a pending token to the next step by itself."""
         logits = self.compute_logits(seqs, is_prefill, previous)
-        if logits is None:
-            return None
         # en: Only rows whose whole sequence has been computed want a token. A request that forks
         # en: (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
         # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 04b 章）还要从它这一行为兄弟序列抽取第一个
         # zh: token，排在本步各行之后。
         rows = [i for i, seq in enumerate(seqs) if seq.num_samples]
         forks = [(i, j) for i in rows for j in range(1, seqs[i].pending_forks + 1)]
-        if not rows:
-            return SampledTokens.start(seqs, rows, torch.empty(0, dtype=torch.int64, device=logits.device))
-        picks = rows + [i for i, _ in forks]
-        wanted = [seqs[i] for i in picks]
-        sample_indices = [seqs[i].sample_index for i in rows] + [j for _, j in forks]
-        inputs = sampling_inputs(
-            [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
-        )
-        sampled = self.sampler(logits if len(picks) == len(seqs) else logits[picks], **inputs)
-        return SampledTokens.start(seqs, rows, sampled)
+        sampled = None
+        if logits is not None and rows:
+            picks = rows + [i for i, _ in forks]
+            wanted = [seqs[i] for i in picks]
+            sample_indices = [seqs[i].sample_index for i in rows] + [j for _, j in forks]
+            inputs = sampling_inputs(
+                [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
+            )
+            # en: All of the logits only when the picks are exactly rows 0..n-1: a forked sibling may take a row's
+            # en: place when another row is a partial chunk (same count, other rows).
+            # zh: 只有挑选的恰好是第 0..n-1 行时才直接用全部 logits：某行是不完整的分块时，分叉出的兄弟序列可能
+            # zh: 顶替它的位置（行数相同，行却不同）。
+            whole = picks == list(range(len(seqs)))
+            sampled = self.sampler(logits if whole else logits[picks], **inputs)
+        sampled = share_from_rank0(sampled, len(rows) + len(forks), self.device)
+        # en: Only the rank that sampled needs the tokens on the host (the others never read them there).
+        # zh: 只有做了采样的 rank 需要把 token 拷回主机（其他 rank 从不在主机上读它们）。
+        return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
 
     def exit(self) -> None:
         """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""

@@ -292,23 +292,33 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # ## Build it: when graphs can be used
 #
 # Graphs need CUDA, a capture-safe attention backend and the user's consent
-# (`enforce_eager=False`). We have not verified capture across tensor-parallel ranks, so TP > 1
-# runs eagerly. The function returns the *reason* graphs are off, or `None`.
+# (`enforce_eager=False`). The function returns the *reason* graphs are off, or `None`.
+#
+# Tensor parallelism (chapter 10) is not on the list. Every rank builds the same runner from the
+# same config, so every rank captures the same sizes in the same order, and each graph records
+# its rank's NCCL all-reduces along with the matmuls: a replay on every rank replays the
+# collectives too, in the order they were captured, which is the only thing NCCL asks. The
+# warm-up forward before each capture runs those all-reduces for real, so the NCCL communicator
+# exists before any recording starts. The LM head's gather and the sampling stay outside the
+# graph, as they do with one GPU.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：什么时候能用 CUDA Graph
 #
-# CUDA Graph 需要 CUDA、一个可以安全捕获的注意力后端，以及用户的同意（`enforce_eager=False`）。我们没有验证过跨张量
-# 并行 rank 的捕获，所以 TP > 1 时以 eager 方式运行。这个函数返回 CUDA Graph 被关闭的*原因*，或者 `None`。
+# CUDA Graph 需要 CUDA、一个可以安全捕获的注意力后端，以及用户的同意（`enforce_eager=False`）。这个函数返回
+# CUDA Graph 被关闭的*原因*，或者 `None`。
+#
+# 张量并行（第 10 章）不在这张清单上。每个 rank 用同一份配置构建同样的执行器，所以每个 rank 都按同样的顺序捕获同样的
+# 档位，而每个图连同矩阵乘法一起，也录下了本 rank 的 NCCL all-reduce：每个 rank 重放时，集合通信也按捕获时的顺序
+# 一起重放，这正是 NCCL 唯一的要求。每次捕获之前的热身前向会真正执行这些 all-reduce，所以在开始录制之前 NCCL 通信器
+# 就已经建好了。LM head 的 gather 和采样留在图外，和单 GPU 时一样。
 
 # %% graphs unavailable
 #| export
 CAPTURE_SAFE_BACKENDS = ("triton",)
 
 
-def graphs_unavailable_reason(
-    device: str, attention_backend: str, enforce_eager: bool = False, tensor_parallel_size: int = 1
-) -> str | None:
+def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager: bool = False) -> str | None:
     """Why decode runs eagerly under these settings, or None when it can replay CUDA graphs."""
     if enforce_eager:
         return "enforce_eager=True"
@@ -317,8 +327,6 @@ def graphs_unavailable_reason(
     if attention_backend not in CAPTURE_SAFE_BACKENDS:
         return (f"attention backend {attention_backend!r} is not capture-safe (it reads lengths on the host); "
                 f"use one of {list(CAPTURE_SAFE_BACKENDS)}")
-    if tensor_parallel_size > 1:
-        return "tensor_parallel_size > 1 (graph capture across ranks is not verified here)"
     return None
 
 
@@ -406,9 +414,7 @@ class CudaGraphRunner:
 
 def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner | None:
     """Capture the decode graphs when the settings allow it (see graphs_unavailable_reason), else None."""
-    reason = graphs_unavailable_reason(
-        config.device, config.attention_backend, config.enforce_eager, config.tensor_parallel_size
-    )
+    reason = graphs_unavailable_reason(config.device, config.attention_backend, config.enforce_eager)
     if reason is not None:
         return None
     runner = CudaGraphRunner(model, config)

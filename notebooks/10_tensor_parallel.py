@@ -770,6 +770,17 @@ def agree_min(value: int, device: torch.device | str = "cpu") -> int:
     return int(tensor.item())
 
 
+def share_from_rank0(values: torch.Tensor | None, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rank 0's `count` int64 values on every rank (rank 0 passes them, the others None); no host wait."""
+    if values is None:
+        values = torch.empty(count, dtype=torch.int64, device=device)
+    if count and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # en: Queued on the device like the forward: the host of no rank waits for it.
+        # zh: 和前向计算一样排进设备队列：没有哪个 rank 的主机要等它。
+        dist.broadcast(values, src=0)
+    return values
+
+
 TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
 
 
@@ -806,6 +817,23 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 #   watches the driver: if the driver dies, the rank exits too (no orphans, even when stuck in a
 #   collective). `NANOVLLM_TP_FAULT="rank:call"` is a test hook that makes one rank raise on its
 #   n-th call (0: during start-up), so that this path is tested, not hoped for.
+#
+# Four more serve speed and robustness (the section "Making it pay" below says why):
+#
+# - **A step arrives as plain tuples.** The driver ships each sequence's slim state, exactly what
+#   chapter 01's `__getstate__` returns (the one place that decides what travels: chapter 04b's
+#   copy-on-write pairs and fork counts come along by themselves), but as tuples, which pickle
+#   several times faster than objects; `step_sequences` rebuilds the slim `Sequence`s. Sampling
+#   parameters reach rank 0 once per sequence, not at every step.
+# - **Every rank keeps the step's samples.** `ModelRunner.launch` (chapter 08) ends with
+#   `share_from_rank0`: rank 0 broadcasts its sampled tokens on the device, and every rank keeps
+#   them by call number. With asynchronous scheduling the next step names the call whose samples
+#   are its pending tokens, and each rank fills them in by itself: no token goes through the host.
+# - **Replies come from a thread, in call order.** Rank 0's reply to a step is its tokens, which
+#   means waiting for the device; a `Replier` thread does that waiting, so the main thread is
+#   already receiving and queueing the next step. The other ranks reply at once.
+# - **Ctrl-C is the driver's business.** A terminal sends Ctrl-C (SIGINT) to every process of
+#   the group; the ranks ignore it, so that an interrupted `generate` leaves them serving.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：一个 rank 的一生
@@ -824,6 +852,19 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 #   也许正在某个集合通信里等它。另有一个线程盯着驱动进程：驱动进程一死，rank 也随之退出（即使卡在集合通信里也不会
 #   变成孤儿进程）。`NANOVLLM_TP_FAULT="rank:call"` 是一个测试钩子，让某个 rank 在第 n 次调用时抛出异常
 #   （0 表示在启动阶段），这样这条路径是被测试过的，而不是靠运气。
+#
+# 另外几处是为了速度和稳健（下文“让它划算”一节说明原因）：
+#
+# - **一步以普通元组的形式到达。** 驱动进程为每个序列发送它的精简状态，正是第 01 章 `__getstate__` 返回的内容
+#   （决定传什么的唯一地方：第 04b 章的写时复制块对、分叉计数都会自动跟过来），只不过是元组，序列化起来比对象快好几倍；
+#   `step_sequences` 再把精简的 `Sequence` 重建出来。采样参数每个序列只发给 rank 0 一次，而不是每步都发。
+# - **每个 rank 都留着这一步的采样结果。** `ModelRunner.launch`（第 08 章）最后调用 `share_from_rank0`：rank 0
+#   在设备上广播它采样出的 token，每个 rank 按调用编号把它们存下来。异步调度时，下一步会指明它的待定 token
+#   来自哪一次调用的采样结果，每个 rank 自己把它们填进去：没有哪个 token 要经过主机。
+# - **回复由一个线程按调用顺序发出。** rank 0 对一步的回复就是它的 token，也就意味着要等设备算完；这件事由
+#   `Replier` 线程去等，于是主线程已经在接收并排队下一步了。其他 rank 立即回复。
+# - **Ctrl-C 是驱动进程的事。** 终端会把 Ctrl-C（SIGINT）发给进程组里的每个进程；各 rank 忽略它，这样被打断的
+#   `generate` 不会连累它们，它们照常服务。
 
 # %% rank side
 #| export engine.tp_runtime
@@ -833,21 +874,26 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import signal
 import threading
 import time
 import traceback
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.linear import check_tensor_parallel_size, tp_world
 from nanovllm.sampling_params import SamplingParams
 
 # en: Test hook: "rank:call" makes that rank raise on its call-th call after start-up (0: during start-up).
@@ -900,24 +946,77 @@ def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size)
 
 
+def step_states(seqs: list[Sequence]) -> list[tuple]:
+    """What a step ships of each sequence: its slim state, as chapter 01's `__getstate__` defines it (the one
+    place that says what travels), as plain tuples, without the pickle protocol's per-object work."""
+    return [seq.__getstate__() for seq in seqs]
+
+
+def step_sequences(states: list[tuple]) -> list[Sequence]:
+    """The rank's slim copies of a step's sequences, rebuilt from `step_states`."""
+    seqs = []
+    for state in states:
+        seq = Sequence.__new__(Sequence)
+        seq.__setstate__(state)
+        seqs.append(seq)
+    return seqs
+
+
 class RankWorker:
     """One rank's side of the control channel: the calls a driver may make, by name."""
 
     CALLS = ("run", "logits", "world", "shard", "kv_cache_shape", "echo")
+    KEEP_STEPS = 8  # recent steps whose samples a later step may take its pending tokens from
 
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.block_size = config.kvcache_block_size
+        self.rank = tp_world()[0]
+        self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
+        self.recent: dict[int, SampledTokens] = {}
+        self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
 
     def run(
-        self, seqs: list[Sequence], is_prefill: bool, params: list[SamplingParams] | None = None
-    ) -> list[int] | None:
-        """One step; rank 0 (which receives the sampling params) returns the tokens, the others None."""
+        self,
+        states: list[tuple],
+        is_prefill: bool,
+        previous: tuple[int, list[int]] | None = None,
+        params: tuple[dict[int, SamplingParams], list[int]] | None = None,
+    ) -> SampledTokens | None:
+        """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
+
+        ``states``: the step's sequences (`step_states`). ``previous``: (call, forked seq_ids) of the step whose
+        samples are this step's pending tokens (asynchronous scheduling), or None. ``params`` (rank 0 only):
+        the sampling params of new sequences, and the ids of finished ones to forget.
+        """
+        seqs = step_sequences(states)
         self._check(seqs)
         if params is not None:
-            for seq, sampling_params in zip(seqs, params, strict=True):
-                seq.sampling_params = sampling_params
-        return self.runner.run(seqs, is_prefill) or None
+            new, gone = params
+            self.params.update(new)
+            for seq_id in gone:
+                self.params.pop(seq_id, None)
+            for seq in seqs:
+                seq.sampling_params = self.params[seq.seq_id]
+        before = None if previous is None else self._samples_of(*previous)
+        step = self.runner.launch(seqs, is_prefill, before)
+        # en: Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
+        # zh: 每个 rank 都留着这一步的采样结果（rank 0 广播来的）：之后的某一步可能要用。
+        self.recent[self.call_no] = step
+        self.recent.pop(self.call_no - self.KEEP_STEPS, None)
+        return step if self.rank == 0 else None
+
+    def _samples_of(self, call: int, forks: list[int]) -> SampledTokens:
+        """The samples of an earlier step, with the siblings it forked named (as the engine names them)."""
+        samples = self.recent.get(call)
+        if samples is None:
+            raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
+                               f"no longer holds")
+        if forks and len(samples.rows) < samples.on_device.shape[0]:
+            # en: add_forks reads only the siblings' seq_ids; a rank knows no more about them yet.
+            # zh: add_forks 只读取兄弟序列的 seq_id；rank 此时对它们也只知道这么多。
+            samples.add_forks([SimpleNamespace(seq_id=seq_id) for seq_id in forks])
+        return samples
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
@@ -927,7 +1026,8 @@ class RankWorker:
 
     def world(self) -> dict[str, Any]:
         return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
-                "pid": os.getpid(), "device": str(self.runner.kv_cache.device)}  # cuda:<rank> on GPUs
+                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),  # cuda:<rank> on GPUs
+                "graphs": self.runner.graphs is not None}
 
     def shard(self, name: str) -> torch.Tensor:
         """This rank's slice of a parameter, by its name in the model."""
@@ -964,17 +1064,64 @@ def _send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+class Replier:
+    """A rank's replies, sent in call order by a thread: waiting for a step's tokens never keeps the main
+    thread from receiving and queueing the next step."""
+
+    def __init__(self, conn: Connection, fail: Callable[[BaseException, str], None]) -> None:
+        self.conn, self.fail = conn, fail
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+        self.lock = threading.Lock()  # one writer at a time: this thread, or the main thread's error report
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="nanovllm-replies", daemon=True).start()
+
+    def put(self, where: str, result: Any) -> None:
+        self.queue.put((where, result))
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            _send(self.conn, message)
+
+    def _loop(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0, not on this rank's
+        while True:
+            where, result = self.queue.get()
+            try:
+                if isinstance(result, SampledTokens):
+                    result = result.token_ids()  # en: waits for the device / zh: 等待设备算完
+                self.send(("ok", result))
+            except BaseException as error:
+                self.fail(error, where)
+
+
 def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn: Connection) -> None:
     """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone)."""
+    # en: Ctrl-C in a terminal reaches every process of the group; it is the driver's to handle.
+    # zh: 终端里的 Ctrl-C 会发给进程组里的每个进程；处理它是驱动进程的事。
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     call, count = "start-up", 0
+    send_lock = threading.Lock()
+
+    def fail(error: BaseException, where: str) -> None:
+        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
+        # en: Report and leave at once; no clean-up that could block: the peers may wait for us in a collective.
+        # zh: 报告后立即离开；不做任何可能阻塞的清理：对端也许正在某个集合通信里等我们。
+        with contextlib.suppress(Exception):
+            if send_lock.acquire(timeout=1.0):
+                _send(conn, ("error", failure))
+        os._exit(1)
+
     try:
         fault = parse_fault(os.environ.get(FAULT_ENV), world_size)
         if fault == (rank, 0):
             raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:0 makes rank {rank} fail during start-up")
         init_rank(rank, world_size, config.device, store_port)
         worker = RankWorker(config)
-        _send(conn, ("ok", config.num_kvcache_blocks))
+        replier = Replier(conn, fail)
+        send_lock = replier.lock
+        replier.send(("ok", config.num_kvcache_blocks))
         while True:
             try:
                 call, extra = pickle.loads(conn.recv_bytes())
@@ -990,15 +1137,10 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
                 raise ValueError(f"unknown call {call!r}; a rank answers {', '.join(RankWorker.CALLS)}")
             if extra is not None:
                 args = (*args, pickle.loads(extra))
-            _send(conn, ("ok", getattr(worker, call)(*args)))
+            worker.call_no = count
+            replier.put(f"{call} (call {count})", getattr(worker, call)(*args))
     except BaseException as error:
-        where = f"{call} (call {count})" if count else call
-        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
-        with contextlib.suppress(Exception):
-            _send(conn, ("error", failure))
-        # en: No clean-up that could block: the peers may wait for us inside a collective.
-        # zh: 不做任何可能阻塞的清理：对端也许正在某个集合通信里等我们。
-        os._exit(1)
+        fail(error, f"{call} (call {count})" if count else call)
     finally:  # reached on a normal return only (os._exit skips it)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1007,15 +1149,31 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # ## Build it: the driver
 #
 # `TPRunner` has the interface of chapter 08's `ModelRunner` — `run(seqs, is_prefill)` returns
-# one token per sequence, `config.num_kvcache_blocks` is set when it is built, `exit()` — so the
-# engine (chapter 11) uses one or the other and nothing else changes.
+# one token per sequence, `launch(seqs, is_prefill, previous)` queues a step and returns at once,
+# `config.num_kvcache_blocks` is set when it is built, `exit()` — so the engine (chapter 11)
+# uses one or the other, asynchronous scheduling included, and nothing else changes.
 #
-# - `call(name, *args)` pickles the arguments **once**, writes them to every rank, then waits for
-#   every reply. While waiting, it also watches each process's sentinel. The first failure starts
-#   a short grace period (the other ranks' reports follow: with gloo, a peer's disappearance makes
+# - A call has two halves. `post(name, *args)` pickles the arguments **once**, writes them to
+#   every rank and returns the call's number; `collect(number)` waits for every rank's reply to
+#   it. Each rank answers its calls in order, so the k-th reply of a rank is the answer to call
+#   k, and a reply may be read long after it arrived. `call` is the two back to back; `launch`
+#   posts a step and returns a `TPStep`, whose `token_ids()` collects it: the engine holds it
+#   where it held chapter 08's `SampledTokens`.
+# - While waiting, `collect` also watches each process's sentinel. The first failure starts a
+#   short grace period (the other ranks' reports follow: with gloo, a peer's disappearance makes
 #   their collectives fail), then every rank is stopped and `TPWorkerError` names the *first*
 #   failure (by the rank's own clock) with its traceback. The runner is then closed: any later
-#   call says so.
+#   call says why — an error, or `exit()` when that is what happened.
+# - A rank that neither answers nor dies (stopped by SIGSTOP or a debugger, stuck in a loop) is
+#   caught by a deadline: `rank_timeout_s` (a `Config` setting, 120 s by default) after a call
+#   was written. `collect` then names the rank that holds the others up — a stopped process if
+#   there is one (the kernel says so in `/proc`), else a rank other than 0 that did not answer (its
+#   reply needs only its host, while rank 0's waits for the device, which waits for every peer) —
+#   stops every rank and raises `TPTimeoutError`.
+# - Ctrl-C may arrive at any moment. Writing a message or reading one is done under
+#   `deferred_interrupt`, which holds the signal back until the message is whole, so the pipes
+#   never carry half a message; waiting can be interrupted. Nothing else needs undoing: the ranks
+#   compute the interrupted step anyway, and its reply is read, and dropped, before the next one.
 # - Stopping is one function, `_stop_ranks`, registered with `weakref.finalize`: it runs on
 #   `exit()`, when the runner is garbage-collected, and at interpreter exit, whichever comes
 #   first, exactly once. A normal stop asks the ranks to leave and waits for them; after an
@@ -1026,13 +1184,25 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # %% [markdown] tags=["zh"]
 # ## 动手：驱动端
 #
-# `TPRunner` 的接口与第 08 章的 `ModelRunner` 相同——`run(seqs, is_prefill)` 为每个序列返回一个 token，构建时设置
-# `config.num_kvcache_blocks`，还有 `exit()`——所以引擎（第 11 章）用这个或那个都行，别的什么都不用改。
+# `TPRunner` 的接口与第 08 章的 `ModelRunner` 相同——`run(seqs, is_prefill)` 为每个序列返回一个 token，
+# `launch(seqs, is_prefill, previous)` 把一步排进队列后立即返回，构建时设置 `config.num_kvcache_blocks`，还有
+# `exit()`——所以引擎（第 11 章）用这个或那个都行，包括异步调度在内，别的什么都不用改。
 #
-# - `call(name, *args)` 只把参数序列化**一次**，写给每个 rank，然后等待所有回复。等待期间它还盯着每个进程的
-#   哨兵。第一个失败出现后，会再给一小段宽限时间（其他 rank 的报告随后就到：用 gloo 时，对端消失会让它们的集合
-#   通信失败），然后停掉所有 rank，并抛出 `TPWorkerError`，指明*最早*的那个失败（按出错 rank 自己的时钟）及其调用栈。
-#   此后执行器即告关闭：之后的任何调用都会明确说明这一点。
+# - 一次调用分两半。`post(name, *args)` 只把参数序列化**一次**，写给每个 rank，并返回这次调用的编号；
+#   `collect(编号)` 等待每个 rank 对它的回复。每个 rank 按顺序回答调用，所以某个 rank 的第 k 个回复就是对第 k 次
+#   调用的回答，回复到达之后可以过很久再读。`call` 就是二者紧接着调用；`launch` 发出一步并返回一个 `TPStep`，它的
+#   `token_ids()` 负责收取：引擎拿着它，就像拿着第 08 章的 `SampledTokens` 一样。
+# - 等待期间，`collect` 还盯着每个进程的哨兵。第一个失败出现后，会再给一小段宽限时间（其他 rank 的报告随后就到：
+#   用 gloo 时，对端消失会让它们的集合通信失败），然后停掉所有 rank，并抛出 `TPWorkerError`，指明*最早*的那个失败
+#   （按出错 rank 自己的时钟）及其调用栈。此后执行器即告关闭：之后的任何调用都会说明原因——出了错，或者确实调用了
+#   `exit()`。
+# - 既不回答也没有退出的 rank（被 SIGSTOP 或调试器暂停、卡在某个循环里）由一个期限抓住：调用写出后
+#   `rank_timeout_s` 秒（`Config` 的一个设置，默认 120 s）。这时 `collect` 会指出拖住大家的那个 rank——如果有被暂停
+#   的进程，就是它（内核在 `/proc` 里写着）；否则就是某个没有回答的非 0 号 rank（它的回复只需要它自己的主机，而
+#   rank 0 的回复要等设备，设备又要等所有对端）——然后停掉所有 rank，抛出 `TPTimeoutError`。
+# - Ctrl-C 随时可能到来。写一条消息或读一条消息都在 `deferred_interrupt` 之下进行，它把信号压到消息完整为止，
+#   所以管道里绝不会出现半条消息；等待则可以被打断。别的都不需要撤销：被打断的那一步各 rank 照样会算完，它的回复
+#   会在下一次调用之前被读出并丢弃。
 # - 停止只由一个函数 `_stop_ranks` 负责，它通过 `weakref.finalize` 注册：调用 `exit()` 时、执行器被垃圾回收时、
 #   解释器退出时，以最先发生者为准，恰好运行一次。正常停止时请各 rank 自行退出并等待它们；出错后则立即终止它们
 #   （某个 rank 可能卡在集合通信里），剩下的再强制杀掉。
@@ -1044,18 +1214,75 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 import weakref
 from multiprocessing.process import BaseProcess
 
-from nanovllm.layers.linear import check_tensor_parallel_size
-
 ERROR_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
 EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on their own
 
 
 class TPWorkerError(RuntimeError):
-    """A tensor-parallel rank failed or died; every rank has been stopped. The message holds its traceback."""
+    """A tensor-parallel rank failed, died or stalled; every rank has been stopped. The message says which."""
+
+
+class TPTimeoutError(TPWorkerError, TimeoutError):
+    """A rank did not answer a call within `Config.rank_timeout_s`; every rank has been stopped."""
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Any:
+    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it: a message to the ranks is
+    written or read whole, never half, so that the channel stays usable after the interruption."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are delivered to the main thread only
+        return
+    caught: list[Any] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if caught:
+            if callable(before):
+                before(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt here
+            elif before == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's word for a process's state ("stopped", "sleeping", ...), from /proc; "" where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+            code = file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    names = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait", "T": "stopped",
+             "t": "stopped by a debugger", "Z": "a zombie"}
+    return names.get(code, code)
+
+
+@dataclass
+class TPStep:
+    """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
+
+    It stands where chapter 08's `SampledTokens` stands in the engine: the engine passes it back as the
+    ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
+    """
+
+    runner: TPRunner
+    call: int
+    tokens: list[int] | None = None
+    forks: list[int] = field(default_factory=list)  # seq_ids of the siblings this step forked (chapter 04b)
+
+    def token_ids(self) -> list[int]:
+        if self.tokens is None:
+            self.tokens = self.runner.collect(self.call)[0]
+        return self.tokens
+
+    def add_forks(self, siblings: list[Sequence]) -> None:
+        """As `SampledTokens.add_forks`: the next step tells the ranks which sequences the extra samples are."""
+        self.forks = [seq.seq_id for seq in siblings]
 
 
 class TPRunner:
-    """Tensor-parallel ranks as processes, driven from this one; the same `run` as `ModelRunner`."""
+    """Tensor-parallel ranks as processes, driven from this one; the same `run` and `launch` as `ModelRunner`."""
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
@@ -1063,7 +1290,16 @@ class TPRunner:
         parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
         self.config = config
         self.block_size = config.kvcache_block_size
-        self.failure: str | None = None
+        self.timeout_s = config.rank_timeout_s
+        self.failure: str | None = None  # why the ranks were stopped, once they are
+        # en: Calls are numbered from 1 (0 is the start-up reply). Each rank answers its calls in order,
+        # en: so reply k of a rank is the answer to call k: replies can be read later than they arrive.
+        # zh: 调用从 1 开始编号（0 是启动时的回复）。每个 rank 按顺序回答调用，所以某个 rank 的第 k 个回复
+        # zh: 就是对第 k 次调用的回答：回复可以晚于它到达的时间再读。
+        self._sent: dict[int, tuple[str, float]] = {0: ("start-up", time.monotonic())}
+        self._next_reply = [0] * self.world_size
+        self._results: dict[tuple[int, int], Any] = {}
+        self._params_sent: dict[int, Sequence] = {}  # sequences whose sampling params rank 0 holds
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stop = {"graceful": True}
@@ -1081,13 +1317,14 @@ class TPRunner:
                 theirs.close()  # the rank holds the other end now
                 self._procs.append(proc)
                 self._conns.append(ours)
-            blocks = self._replies("start-up")
-        except BaseException:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
-            self._stop["graceful"] = False
-            self._finalizer()
+            # en: No timeout here: loading a large model and capturing its graphs may take minutes.
+            # zh: 这里不设超时：加载大模型并捕获它的图可能要好几分钟。
+            blocks = self.collect(0, timeout_s=None)
+        except BaseException as error:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+            self._shut(self.failure or f"{type(error).__name__} during start-up", graceful=False)
             raise
         if len(set(blocks)) != 1:
-            self._finalizer()
+            self._shut(f"ranks disagree on the KV block count: {blocks}", graceful=False)
             raise RuntimeError(f"ranks disagree on the KV block count: {blocks}")
         config.num_kvcache_blocks = blocks[0]
 
@@ -1100,31 +1337,96 @@ class TPRunner:
         """True until exit() or a failure stopped the ranks."""
         return self._finalizer.alive
 
-    def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
-        """Run `name(*args)` on every rank; return each rank's result, in rank order."""
-        if not self.alive:
-            reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
-            raise RuntimeError(f"the tensor-parallel ranks are stopped {reason}")
+    # ---- sending and receiving ---------------------------------------------------------
+    def post(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> int:
+        """Write call `name(*args)` to every rank without waiting; returns the call's number for `collect`."""
+        self._check_alive()
         if name not in RankWorker.CALLS:
             raise ValueError(f"unknown call {name!r}; a rank answers {', '.join(RankWorker.CALLS)}")
         payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
+        with deferred_interrupt():
+            call = max(self._sent) + 1
+            self._sent[call] = (name, time.monotonic())
             for rank, conn in enumerate(self._conns):
                 try:
                     _send(conn, (name, rank0_extra if rank == 0 else None))
                     conn.send_bytes(payload)
                 except OSError:
-                    break  # a rank is gone: _replies reports it
-            return self._replies(name)
-        except BaseException:
-            self._stop["graceful"] = False
-            self._finalizer()
-            raise
+                    break  # a rank is gone: collect reports it
+        return call
+
+    def collect(self, call: int, timeout_s: float | None = -1.0) -> list[Any]:
+        """Wait for every rank's reply to `call`; on a failure or a stall, stop every rank and raise.
+
+        timeout_s: -1 (the default) is `Config.rank_timeout_s`, counted from when the call was written;
+        None waits for as long as it takes. Replies to earlier calls that nobody collected are dropped.
+        """
+        self._check_alive()
+        timeout_s = self.timeout_s if timeout_s == -1.0 else timeout_s
+        deadline = None if timeout_s is None else self._sent[call][1] + timeout_s
+        failures: list[RankFailure] = []
+        grace = False
+        while True:
+            pending = [r for r in range(self.world_size) if self._next_reply[r] <= call]
+            if not pending:
+                break
+            owners = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
+            limit = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(owners), limit)
+            if not ready:
+                if failures:
+                    break  # the grace period after a failure is over
+                self._stalled(call, pending)
+            for rank in sorted({owners[obj] for obj in ready}):
+                self._read_one(rank, call, failures)
+            if failures and not grace:
+                grace, deadline = True, time.monotonic() + ERROR_GRACE_S
+        if failures:
+            self._fail(failures)
+        for key in [key for key in self._results if key[1] < call]:
+            del self._results[key]
+        for old in [number for number in self._sent if number < call]:
+            del self._sent[old]
+        return [self._results.pop((rank, call)) for rank in range(self.world_size)]
+
+    def _read_one(self, rank: int, call: int, failures: list[RankFailure]) -> None:
+        """Read one reply of `rank` (or notice that it died) and file it under its call number."""
+        with deferred_interrupt():
+            message = self._receive(rank)
+        if message is None:
+            failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
+            self._next_reply[rank] = call + 1  # nothing more will come from it
+        elif message[0] == "ok":
+            self._results[(rank, self._next_reply[rank])] = message[1]
+            self._next_reply[rank] += 1
+        else:
+            failures.append(message[1])
+            self._next_reply[rank] = call + 1
+
+    def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
+        """Run `name(*args)` on every rank; return each rank's result, in rank order."""
+        return self.collect(self.post(name, *args, rank0_extra=rank0_extra))
+
+    # ---- the model runner's interface ----------------------------------------------------
+    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
+        """Queue one step on every rank and return at once; ``previous``: the step whose samples are this
+        step's pending tokens (asynchronous scheduling). Every rank has them: nothing waits for rank 0."""
+        before = None if previous is None else (previous.call, previous.forks)
+        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
+
+    def _params_update(self, seqs: list[Sequence]) -> tuple[dict[int, SamplingParams], list[int]]:
+        """For rank 0: the sampling params of sequences it has not seen, and the ids of those it may forget."""
+        gone = [seq_id for seq_id, seq in self._params_sent.items() if seq.is_finished]
+        for seq_id in gone:
+            del self._params_sent[seq_id]
+        new = {seq.seq_id: seq.sampling_params for seq in seqs if seq.seq_id not in self._params_sent}
+        self._params_sent.update((seq.seq_id, seq) for seq in seqs)
+        return new, gone
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step on every rank; rank 0's sampled tokens."""
-        params = pickle.dumps([seq.sampling_params for seq in seqs], protocol=pickle.HIGHEST_PROTOCOL)
-        return self.call("run", seqs, is_prefill, rank0_extra=params)[0]
+        return self.launch(seqs, is_prefill).token_ids()
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""
@@ -1132,34 +1434,20 @@ class TPRunner:
 
     def exit(self) -> None:
         """Stop the rank processes (at most once; also runs at garbage collection and interpreter exit)."""
+        if self.alive:
+            self.failure = None
         self._finalizer()
 
-    def _replies(self, call: str) -> list[Any]:
-        """Wait for every rank's reply to `call`; on a failure, stop all ranks and raise TPWorkerError."""
-        results: dict[int, Any] = {}
-        failures: list[RankFailure] = []
-        pending = set(range(self.world_size))
-        deadline: float | None = None
-        while pending:
-            owners = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(list(owners), timeout)
-            if not ready:
-                break  # the grace period after a failure is over
-            for rank in sorted({owners[obj] for obj in ready}):
-                pending.discard(rank)
-                message = self._receive(rank)
-                if message is None:
-                    failures.append(self._silent_exit(rank, call))
-                elif message[0] == "ok":
-                    results[rank] = message[1]
-                else:
-                    failures.append(message[1])
-            if failures and deadline is None:
-                deadline = time.monotonic() + ERROR_GRACE_S
-        if failures:
-            self._fail(failures)
-        return [results[rank] for rank in range(self.world_size)]
+    # ---- failures ----------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if not self.alive:
+            reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
+            raise RuntimeError(f"the tensor-parallel ranks are stopped {reason}")
+
+    def _shut(self, reason: str | None, graceful: bool) -> None:
+        self.failure = reason
+        self._stop["graceful"] = graceful
+        self._finalizer()
 
     def _receive(self, rank: int) -> tuple | None:
         conn = self._conns[rank]
@@ -1174,17 +1462,34 @@ class TPRunner:
         error = f"the process exited (code {proc.exitcode}) without a reply"
         if call == "start-up":
             # en: The usual cause: spawn re-imports the driver's script, which starts an engine again.
-            # zh: 最常见的原因：spawn 会重新导入驱动进程的脚本，而脚本又一次启动了引擎。
+            # zh: 常见原因：spawn 会重新导入驱动进程的脚本，而脚本又启动了一个引擎。
             error += ('; if the engine is created by a script, put that code under `if __name__ == "__main__":` '
                       "(each rank process imports the main module)")
         return RankFailure(rank, call, error, "", time.time())
 
+    def _stalled(self, call: int, pending: list[int]) -> None:
+        """No reply within the timeout: name the rank that holds the others up, stop every rank, raise."""
+        name = self._sent[call][0]
+        states = {rank: process_state(self._procs[rank].pid) for rank in pending}
+        # en: A stopped process is the culprit. Otherwise a rank other than 0 that did not answer: its reply
+        # en: needs only its host, while rank 0's waits for the device, which waits for every peer.
+        # zh: 被暂停的进程就是罪魁。否则就是没有回答的非 0 号 rank：它的回复只需要它自己的主机，而 rank 0 的回复
+        # zh: 要等设备，设备又要等所有对端。
+        stopped = [rank for rank in pending if states[rank].startswith("stopped")]
+        culprit = (stopped or [rank for rank in pending if rank != 0] or pending)[0]
+        state = states[culprit] or "state unknown"
+        reason = (f"rank {culprit} (pid {self._procs[culprit].pid}, {state}) did not answer call {call} ({name}) "
+                  f"within rank_timeout_s={self.timeout_s:g} s")
+        self._shut(reason, graceful=False)
+        others = [f"rank {r}: {'answered' if r not in pending else 'no answer'}"
+                  f"{', ' + states[r] if states.get(r) else ''}" for r in range(self.world_size)]
+        raise TPTimeoutError(f"tensor-parallel {reason}; all {self.world_size} rank processes have been stopped "
+                             f"({'; '.join(others)}). Raise rank_timeout_s if a step really takes that long.")
+
     def _fail(self, failures: list[RankFailure]) -> None:
         failures.sort(key=lambda failure: failure.when)
         first = failures[0]
-        self.failure = f"rank {first.rank} failed during {first.call}: {first.error}"
-        self._stop["graceful"] = False
-        self._finalizer()
+        self._shut(f"rank {first.rank} failed during {first.call}: {first.error}", graceful=False)
         lines = [f"tensor-parallel {self.failure}; all {self.world_size} rank processes have been stopped"]
         lines += [f"  then rank {f.rank}: {f.error}" for f in failures[1:]]
         if first.traceback:
@@ -1205,6 +1510,8 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
             proc.join(2.0)
         if proc.is_alive():
             proc.kill()
@@ -1231,6 +1538,7 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
 
 # %%
 import os
+import textwrap
 import time
 
 import torch
@@ -1410,6 +1718,71 @@ except RuntimeError as error:
 assert llm_tp2.generate(prompts[:1], greedy, use_tqdm=False)[0]["token_ids"] == out_tp1[0]["token_ids"]
 
 # %% [markdown] tags=["en"]
+# ### Ctrl-C, and a rank that stalls
+#
+# Ctrl-C in the middle of `generate` must not cost the ranks: the one-process engine survives it
+# and serves again, so the TP engine must too. Below, a timer sends SIGINT to this process (what
+# Jupyter's "interrupt" button and a terminal's Ctrl-C do) while a long `generate` runs. The
+# driver stops where it is; the ranks, which ignore SIGINT, finish the step they were given; the
+# next call reads and drops that step's reply first, and the engine gives the same tokens as
+# before.
+
+# %% [markdown] tags=["zh"]
+# ### Ctrl-C，以及一个停滞的 rank
+#
+# 在 `generate` 中途按下 Ctrl-C，不该让各个 rank 付出代价：单进程引擎挨了这一下之后照样服务，张量并行的引擎也必须
+# 如此。下面用一个定时器在一个很长的 `generate` 运行期间向本进程发送 SIGINT（Jupyter 的“中断”按钮和终端里的 Ctrl-C
+# 做的就是这件事）。驱动进程停在当下；各 rank 忽略 SIGINT，把手上那一步算完；下一次调用先把那一步的回复读出来丢掉，
+# 引擎给出的 token 与之前完全相同。
+
+# %%
+import signal
+import threading
+from contextlib import suppress
+
+from nanovllm.engine.tp_runtime import TPTimeoutError
+
+many = [[3 + (5 * i + j) % 300 for j in range(8)] for i in range(6)]
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+started = time.perf_counter()
+try:
+    for _ in range(500):  # until Ctrl-C arrives
+        llm_tp2.generate(many, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    raise AssertionError("Ctrl-C never arrived")
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt after {time.perf_counter() - started:.2f} s; ranks alive: {ranks.alive}, "
+          f"engine idle: {llm_tp2.is_finished()}")
+assert ranks.alive and llm_tp2.is_finished() and all(not gone(pid) for pid in ranks.pids)
+assert [o["token_ids"] for o in llm_tp2.generate(prompts, greedy, use_tqdm=False)] == [o["token_ids"] for o in out_tp1]
+print("and it serves again, with the same tokens")
+
+# %% [markdown] tags=["en"]
+# A rank that stops answering without dying is the other trap: a debugger, SIGSTOP, a host that
+# hangs. Before this chapter's fix the driver waited forever. With `rank_timeout_s=2`, the
+# engine gives up two seconds after the step was sent, names the rank and its state, and stops
+# every process:
+
+# %% [markdown] tags=["zh"]
+# 另一个陷阱是不回答却也没有退出的 rank：调试器、SIGSTOP、卡死的主机。在本章修好之前，驱动进程会一直等下去。
+# 设置 `rank_timeout_s=2` 后，引擎在这一步发出两秒后放弃，指出是哪个 rank、处于什么状态，并停掉所有进程：
+
+# %%
+stalling = LLM(str(tiny), tensor_parallel_size=2, rank_timeout_s=2.0, **settings)
+stalling_pids = stalling.model_runner.pids
+os.kill(stalling_pids[1], signal.SIGSTOP)
+started = time.perf_counter()
+try:
+    stalling.generate(prompts, greedy, use_tqdm=False)
+    raise AssertionError("the stalled rank went unnoticed")
+except TPTimeoutError as error:
+    print(f"after {time.perf_counter() - started:.1f} s:", "\n".join(textwrap.wrap(str(error), 100)))
+    assert str(error).startswith(f"tensor-parallel rank 1 (pid {stalling_pids[1]}, stopped) did not answer")
+finally:
+    with suppress(ProcessLookupError):
+        os.kill(stalling_pids[1], signal.SIGCONT)
+assert all(gone(pid) for pid in stalling_pids) and not stalling.model_runner.alive
+
+# %% [markdown] tags=["en"]
 # ### On GPUs: NCCL
 #
 # With two GPUs the same comparison runs with NCCL, rank `r` on `cuda:r` (float32 here, like the
@@ -1422,17 +1795,197 @@ assert llm_tp2.generate(prompts[:1], greedy, use_tqdm=False)[0]["token_ids"] == 
 # 这个单元会说明这一点。
 
 # %%
+gpu_ref_tokens = None
 if torch.cuda.device_count() >= 2:
-    gpu_settings = {**settings, "device": "cuda", "dtype": "float32"}
+    gpu_settings = {**settings, "device": "cuda", "dtype": "float32", "max_num_seqs": 8}
     with LLM(str(tiny), tensor_parallel_size=2, **gpu_settings) as gpu_tp2:
         gpu_out = gpu_tp2.generate(prompts, greedy, use_tqdm=False)
         print("NCCL ranks:", [info["backend"] + " " + info["device"] for info in gpu_tp2.model_runner.call("world")])
     with LLM(str(tiny), **gpu_settings) as gpu_tp1:
         gpu_ref = gpu_tp1.generate(prompts, greedy, use_tqdm=False)
-    assert [o["token_ids"] for o in gpu_out] == [o["token_ids"] for o in gpu_ref]
+    gpu_ref_tokens = [o["token_ids"] for o in gpu_ref]
+    assert [o["token_ids"] for o in gpu_out] == gpu_ref_tokens
     print("TP=2 over NCCL gives the same greedy tokens as one GPU")
 else:
     print(f"{torch.cuda.device_count()} CUDA device(s): the NCCL run needs two (the tests have it, marked gpu)")
+
+# %% [markdown] tags=["en"]
+# ## Making it pay
+#
+# Tensor parallelism exists for models that do not fit one GPU, but it should also make a model
+# that does fit *faster*: two GPUs read the weights and the KV cache twice as fast. The first
+# version of this chapter did the opposite: on two H200s, the nano-vllm benchmark (chapter 11)
+# ran at 3,319 tok/s with TP = 2 against 20,843 with one GPU, a decode step taking 39 ms instead
+# of 5.4. `scripts/profile_tp.py` times a decode step on both sides of the control channel with
+# one clock (every process of a host reads the same `CLOCK_MONOTONIC`): in the driver, pickling,
+# writing, waiting, reading; in each rank, the message's arrival, unpickling, queueing the step,
+# the time inside collectives, the wait for the tokens; on a GPU, CUDA events time each rank's
+# device work. On one H200 (256 sequences of the benchmark, 64 tokens each, synchronous steps so
+# that each step's times are its own; medians per decode step):
+#
+# | | one process, graphs | one process, eager | one rank behind the channel |
+# |---|---|---|---|
+# | device time of a step | 7.4 ms | 22.9 ms | 8.0 ms |
+# | host time to queue the step | 1.0 ms | 22.2 ms | 1.6 ms |
+# | driver: pickling the step (256 `Sequence`s + their sampling params) | — | — | 1.24 ms |
+# | rank: unpickling it | — | — | 0.80 ms |
+# | rank: idle between two steps | — | — | 3.4 ms |
+# | tokens/s, whole run | 14,119 | 6,101 | 10,474 |
+#
+# Two findings. **Eager decode is launch-bound**: queueing the kernels of 28 layers one by one
+# takes the host 22 ms, three times what the GPU needs to run them; that, not NCCL, is where most
+# of TP = 2's 39 ms went, since graphs were off for TP. **The channel costs milliseconds**, not
+# microseconds, for a batch of 256: pickling objects is slow in Python, and while the driver
+# pickles and the rank unpickles, synchronously, the GPU waits. Three changes follow:
+#
+# 1. **Graphs on every rank** (chapter 09): each rank captures the same sizes in the same order,
+#    its NCCL all-reduces inside the graphs. Queueing a step is a replay again.
+# 2. **Asynchronous scheduling with TP** (chapter 11): the driver queues step *n + 1* on the
+#    ranks before it waits for step *n*'s tokens. The ranks need step *n*'s samples as the
+#    inputs of step *n + 1*, and only rank 0 samples; so rank 0 broadcasts them on the device
+#    (`share_from_rank0`), every rank keeps them under the step's call number, and the next
+#    message names that call. Each rank fills in its pending tokens itself, exactly as one GPU
+#    does with chapter 08's `SampledTokens`; no token value travels through any host.
+# 3. **A lighter message**: tuples instead of objects (`step_states`), and sampling parameters
+#    once per sequence instead of at every step.
+#
+# The cell below measures the message of such a step on this machine, old and new, and checks
+# that the new one rebuilds the same sequences.
+
+# %% [markdown] tags=["zh"]
+# ## 让它划算
+#
+# 张量并行是为单块 GPU 放不下的模型准备的，但对放得下的模型，它也应该让模型*更快*：两块 GPU 读权重和 KV 缓存的
+# 速度是一块的两倍。本章的第一版恰恰相反：在两块 H200 上，nano-vllm 基准负载（第 11 章）TP = 2 时跑出 3,319 tok/s，
+# 单 GPU 却有 20,843，一个 decode 步要 39 ms 而不是 5.4 ms。`scripts/profile_tp.py` 用同一个时钟（同一台主机上的
+# 所有进程读到的是同一个 `CLOCK_MONOTONIC`）在控制通道两侧为一个 decode 步计时：在驱动进程中，计序列化、写入、等待、
+# 读取；在每个 rank 中，计消息到达、反序列化、把这一步排进队列、花在集合通信里的时间、等待 token 的时间；在 GPU 上，
+# 用 CUDA 事件给每个 rank 的设备工作计时。在一块 H200 上（基准负载的 256 个序列，每个 64 个 token，同步执行，
+# 好让每一步的时间只属于它自己；取每个 decode 步的中位数）：
+#
+# | | 单进程，CUDA Graph | 单进程，eager | 控制通道之后的一个 rank |
+# |---|---|---|---|
+# | 一步的设备时间 | 7.4 ms | 22.9 ms | 8.0 ms |
+# | 主机把这一步排进队列的时间 | 1.0 ms | 22.2 ms | 1.6 ms |
+# | 驱动进程：序列化这一步（256 个 `Sequence` 及其采样参数） | — | — | 1.24 ms |
+# | rank：反序列化它 | — | — | 0.80 ms |
+# | rank：两步之间的空闲 | — | — | 3.4 ms |
+# | tokens/s，整个运行 | 14,119 | 6,101 | 10,474 |
+#
+# 两个发现。**eager 的 decode 受限于内核启动**：把 28 层的内核一个个排进队列，主机要花 22 ms，是 GPU 执行它们所需
+# 时间的三倍；TP = 2 的 39 ms 大部分就耗在这里，而不是 NCCL 上，因为张量并行时 CUDA Graph 是关着的。**控制通道的
+# 开销是毫秒级**，而不是微秒级（批大小 256 时）：在 Python 里序列化对象很慢，而驱动进程序列化、rank 反序列化的时候，
+# 在同步执行下，GPU 只能等着。于是有三处改动：
+#
+# 1. **每个 rank 都用 CUDA Graph**（第 09 章）：每个 rank 按同样的顺序捕获同样的档位，它的 NCCL all-reduce 就在图里。
+#    把一步排进队列重新变成一次重放。
+# 2. **张量并行下的异步调度**（第 11 章）：驱动进程先把第 *n + 1* 步排给各 rank，再等第 *n* 步的 token。各 rank
+#    需要第 *n* 步的采样结果作为第 *n + 1* 步的输入，而只有 rank 0 采样；所以 rank 0 在设备上广播它们
+#    （`share_from_rank0`），每个 rank 按这一步的调用编号存下来，下一条消息指明是哪次调用。每个 rank 自己填入待定的
+#    token，和单 GPU 用第 08 章的 `SampledTokens` 做的完全一样；没有哪个 token 的值要经过任何主机。
+# 3. **更轻的消息**：用元组代替对象（`step_states`），采样参数每个序列只发一次，而不是每步都发。
+#
+# 下面的单元在这台机器上测量这样一步的消息，新旧各一次，并检查新消息重建出的序列与原来的相同。
+
+# %%
+import pickle
+import random
+
+from nanovllm.engine.tp_runtime import step_sequences, step_states
+
+
+def decode_batch(count: int = 256, block_size: int = 256) -> list[Sequence]:
+    """A decode step of the benchmark's shape: contexts of 100 to 2,048 tokens, one new token each."""
+    rng, batch = random.Random(0), []
+    for i in range(count):
+        n = rng.randint(100, 2048)
+        tokens = [rng.randint(0, 10_000) for _ in range(n)]
+        seq = Sequence(tokens, SamplingParams(temperature=0.6), block_size=block_size)
+        seq.block_table = list(range(8 * i, 8 * i + -(-n // block_size)))
+        seq.num_cached_tokens, seq.num_scheduled_tokens = n - 1, 1
+        batch.append(seq)
+    return batch
+
+
+def best_ms(work: object, repeat: int = 30) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    return 1e3 * min(times)
+
+
+batch = decode_batch()
+old_message = pickle.dumps((batch, False), protocol=pickle.HIGHEST_PROTOCOL)
+old_params = pickle.dumps([seq.sampling_params for seq in batch], protocol=pickle.HIGHEST_PROTOCOL)
+new_message = pickle.dumps((step_states(batch), False), protocol=pickle.HIGHEST_PROTOCOL)
+costs = {
+    "objects + params every step": (
+        best_ms(lambda: (pickle.dumps((batch, False), protocol=5), pickle.dumps([s.sampling_params for s in batch]))),
+        best_ms(lambda: (pickle.loads(old_message), pickle.loads(old_params))), len(old_message) + len(old_params)),
+    "tuples, params once": (
+        best_ms(lambda: pickle.dumps((step_states(batch), False), protocol=5)),
+        best_ms(lambda: step_sequences(pickle.loads(new_message)[0])), len(new_message)),
+}
+for name, (pack, unpack, size) in costs.items():
+    print(f"{name:28}: driver {pack:.2f} ms, rank {unpack:.2f} ms, {size / 1024:.1f} KiB")
+rebuilt = step_sequences(pickle.loads(new_message)[0])
+for seq, copy in zip(batch, rebuilt, strict=True):
+    assert (copy.seq_id, copy.block_table, copy.token_ids, len(copy)) == (seq.seq_id, seq.block_table,
+                                                                          [seq.last_token], len(seq))
+    assert copy.num_cached_tokens == seq.num_cached_tokens and copy.block_size == seq.block_size
+
+# %% [markdown] tags=["en"]
+# ### See it: an asynchronous TP engine, step by step
+#
+# The same two gloo ranks, now with asynchronous scheduling (`LLMEngine` reads the setting at
+# every step). Each `step()` queues one step on both ranks and collects the one before; the
+# decode steps' inputs are pending tokens that each rank took from its own copy of rank 0's
+# samples. The tokens equal the synchronous run's, TP = 1's.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：逐步执行的异步张量并行引擎
+#
+# 还是那两个 gloo rank，现在打开异步调度（`LLMEngine` 每一步都会读这个设置）。每次 `step()` 把一步排给两个 rank，
+# 并收取前一步；decode 步的输入是待定的 token，由每个 rank 从自己保存的 rank 0 采样结果里取出。得到的 token 与同步
+# 运行、与 TP = 1 的结果完全相同。
+
+# %%
+llm_tp2.config.async_scheduling = True
+ids = [llm_tp2.add_request(prompt, greedy) for prompt in prompts]
+tokens_of, calls = {}, 0
+while not llm_tp2.is_finished():
+    finished, num_tokens, is_prefill = llm_tp2.step()
+    calls += 1
+    if calls <= 4:
+        kind = ("prefill" if is_prefill else "decode") if num_tokens else "nothing"
+        print(f"step() {calls}: collected {kind} ({num_tokens} tokens), finished {[i for i, _ in finished]}")
+    tokens_of.update(finished)
+llm_tp2.config.async_scheduling = False
+assert [tokens_of[i] for i in ids] == [o["token_ids"] for o in out_tp1]
+print(f"{calls} calls of step(); the tokens equal TP = 1's")
+
+# %% [markdown] tags=["en"]
+# On two GPUs, the graphs and the asynchronous steps are what the engine does by default; this
+# cell checks that both ranks captured their graphs. The speed itself is measured by
+# `python3 -m nanovllm.bench --tensor-parallel-size 2` (chapter 11), which runs the engine on two
+# GPUs and on one in the same invocation and prints their ratio.
+
+# %% [markdown] tags=["zh"]
+# 在两块 GPU 上，CUDA Graph 和异步执行都是引擎的默认行为；这个单元检查两个 rank 都捕获了自己的图。速度本身由
+# `python3 -m nanovllm.bench --tensor-parallel-size 2`（第 11 章）测量：它在同一次调用中分别用两块 GPU 和一块 GPU
+# 运行引擎，并打印二者之比。
+
+# %%
+if torch.cuda.device_count() >= 2:
+    with LLM(str(tiny), tensor_parallel_size=2, **gpu_settings) as gpu_tp2:
+        worlds = gpu_tp2.model_runner.call("world")
+        print("graphs captured:", [w["graphs"] for w in worlds], "async scheduling:", gpu_tp2.config.async_scheduling)
+        assert all(w["graphs"] for w in worlds) and gpu_tp2.config.async_scheduling
+        assert [o["token_ids"] for o in gpu_tp2.generate(prompts, greedy, use_tqdm=False)] == gpu_ref_tokens
+else:
+    print(f"{torch.cuda.device_count()} CUDA device(s): graphs on every rank need two (the tests have it, marked gpu)")
 
 # %% [markdown] tags=["en"]
 # ### Shutting down
@@ -1475,6 +2028,12 @@ print("ranks", pids, "are gone")
 #   and the `NANOVLLM_TP_FAULT` test hook.
 # - Chapter 11's engine uses `TPRunner` when `tensor_parallel_size > 1`; TP=2 gives the same
 #   greedy tokens as TP=1, with logits within 1e-4 in float32.
+# - Making it pay: decode graphs on every rank (chapter 09), asynchronous scheduling with TP
+#   (`share_from_rank0` broadcasts rank 0's samples; each rank keeps them by call number; the
+#   `Replier` thread answers in order), a lighter step message (`step_states`, sampling params
+#   once); `post`/`collect` and `TPStep`; Ctrl-C that leaves the ranks serving
+#   (`deferred_interrupt`, ranks ignore SIGINT); `rank_timeout_s` and `TPTimeoutError` naming a
+#   stalled rank; `scripts/profile_tp.py`, which times a step on both sides of the channel.
 #
 # ## Exercises
 #
@@ -1508,6 +2067,10 @@ print("ranks", pids, "are gone")
 #   持有的 store），以及测试钩子 `NANOVLLM_TP_FAULT`。
 # - 第 11 章的引擎在 `tensor_parallel_size > 1` 时使用 `TPRunner`；TP=2 给出与 TP=1 相同的贪心 token，
 #   float32 下 logits 相差不超过 1e-4。
+# - 让它划算：每个 rank 都用 decode CUDA Graph（第 09 章）；张量并行下的异步调度（`share_from_rank0` 广播 rank 0 的
+#   采样结果，每个 rank 按调用编号保存，`Replier` 线程按顺序回复）；更轻的单步消息（`step_states`，采样参数只发
+#   一次）；`post`/`collect` 与 `TPStep`；不会连累各 rank 的 Ctrl-C（`deferred_interrupt`，rank 忽略 SIGINT）；
+#   `rank_timeout_s` 与指出停滞 rank 的 `TPTimeoutError`；以及在控制通道两侧为一步计时的 `scripts/profile_tp.py`。
 #
 # ## 练习
 #

@@ -178,3 +178,16 @@ def test_launch_then_token_ids_equals_run(tiny: Path) -> None:
         seq = scheduled([3, 4, 5, 6, 7], [0, 1], cached=0, count=5)
         tokens[how] = runner.run([seq], True) if how == "run" else runner.launch([seq], True).token_ids()
     assert tokens["run"] == tokens["launch"] and tokens["run"][0] >= 0
+
+
+def test_a_forked_sibling_samples_from_its_own_row_next_to_a_partial_chunk(tiny: Path) -> None:
+    """A step with a finished prompt that forks (n = 2) and a partial chunk: two picks for two rows, but not
+    rows 0 and 1. The sibling's first token comes from the finished prompt's row, never the chunk's."""
+    runner = ModelRunner(Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16))
+    done = Sequence(list(range(5, 14)), SamplingParams(temperature=0, n=2), block_size=4)
+    chunk = Sequence(list(range(40, 60)), SamplingParams(temperature=0), block_size=4)
+    done.block_table, chunk.block_table = [0, 1, 2], [3, 4, 5, 6, 7]
+    done.num_scheduled_tokens, chunk.num_scheduled_tokens = len(done), 8  # the chunk stops short
+    tokens = runner.launch([done, chunk], True).token_ids()
+    assert tokens[1] == NOT_SAMPLED and len(tokens) == 3  # the chunk's row, then the sibling's extra sample
+    assert tokens[2] == tokens[0], tokens  # greedy: the sibling's first token is the prompt's

@@ -101,7 +101,6 @@ def test_graphs_unavailable_reason() -> None:
     assert "enforce_eager" in graphs_unavailable_reason("cuda", "triton", enforce_eager=True)
     assert "CUDA" in graphs_unavailable_reason("cpu", "torch")
     assert "not capture-safe" in graphs_unavailable_reason("cuda", "torch")
-    assert "tensor_parallel_size" in graphs_unavailable_reason("cuda", "triton", tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")

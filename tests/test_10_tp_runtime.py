@@ -6,6 +6,7 @@ so the tests share engines where they can.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
+from contextlib import suppress
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,7 +28,16 @@ from safetensors import safe_open
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_runtime import FAULT_ENV, RankWorker, TPWorkerError, init_rank
+from nanovllm.engine.tp_runtime import (
+    FAULT_ENV,
+    RankWorker,
+    TPTimeoutError,
+    TPWorkerError,
+    deferred_interrupt,
+    init_rank,
+    process_state,
+    step_states,
+)
 from nanovllm.layers.linear import agree_min, check_tensor_parallel_size
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -248,6 +260,26 @@ def test_ranks_with_different_budgets_agree_on_the_smallest_block_count() -> Non
     assert [proc.exitcode for proc in procs] == [0, 0]
 
 
+def test_a_step_message_rebuilds_the_slim_sequences_and_sends_params_once() -> None:
+    from nanovllm.engine.sequence import SequenceStatus
+    from nanovllm.engine.tp_runtime import TPRunner, step_sequences
+
+    seqs = [Sequence(list(range(10 + i)), SamplingParams(temperature=0.5 + i), block_size=4) for i in range(3)]
+    for seq in seqs:
+        seq.block_table = [7, 3, 9, 1][: seq.num_blocks]
+        seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+    rebuilt = step_sequences(pickle.loads(pickle.dumps(step_states(seqs))))
+    for seq, copy in zip(seqs, rebuilt, strict=True):
+        assert vars(copy) == vars(pickle.loads(pickle.dumps(seq)))  # what chapter 01's slim pickling gives
+        assert copy.token_ids == [seq.last_token] and copy.sampling_params is None
+    driver = SimpleNamespace(_params_sent={})  # the part of a TPRunner this method uses
+    new, gone = TPRunner._params_update(driver, seqs)
+    assert new == {seq.seq_id: seq.sampling_params for seq in seqs} and gone == []
+    assert TPRunner._params_update(driver, seqs[:2]) == ({}, [])  # known sequences: nothing to send
+    seqs[0].status = SequenceStatus.FINISHED
+    assert TPRunner._params_update(driver, seqs[1:]) == ({}, [seqs[0].seq_id])  # rank 0 may forget it
+
+
 def test_block_size_travels_with_the_sequence_and_is_checked(tiny: Path) -> None:
     seq = Sequence(list(range(30)), block_size=4)
     seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = list(range(8)), 29, 1
@@ -256,7 +288,7 @@ def test_block_size_travels_with_the_sequence_and_is_checked(tiny: Path) -> None
     # A rank's worker (here at world size 1, in this process) refuses a sequence of another block size.
     worker = RankWorker(Config.from_kwargs(tiny, kvcache_block_size=8, num_kvcache_blocks=4))
     with pytest.raises(ValueError, match=r"block_size 4, .* uses 8"):
-        worker.run([slim], False)
+        worker.run(step_states([slim]), False)
 
 
 def test_large_messages_cross_the_control_channel_intact(engines) -> None:
@@ -388,6 +420,197 @@ def test_nothing_is_left_behind(engines, shm_before: set[str]) -> None:
     assert shm_entries() <= shm_before
 
 
+# ---- asynchronous scheduling --------------------------------------------------------------------------
+ASYNC_REGIMES = {
+    "preemption": {"kvcache_block_size": 4, "num_kvcache_blocks": 12},
+    "chunks": {"kvcache_block_size": 4, "num_kvcache_blocks": 128, "max_num_batched_tokens": 7},
+    "everything": {"kvcache_block_size": 2, "num_kvcache_blocks": 24, "max_num_batched_tokens": 9, "max_num_seqs": 3},
+}
+
+
+@pytest.mark.parametrize("regime", list(ASYNC_REGIMES))
+def test_async_tp2_gives_the_tokens_of_sync_tp2_and_of_tp1(tiny: Path, regime: str) -> None:
+    """Greedy and seeded requests, sequences ending on EOS mid-batch (the next step already queued on the
+    ranks, whose pending tokens come from each rank's copy of rank 0's samples), max_tokens of 1."""
+    settings = ASYNC_REGIMES[regime]
+    prompts = [[3 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate([10, 9, 11, 6, 12, 1, 23, 5])]
+    params = [SamplingParams(temperature=0, max_tokens=25), SamplingParams(temperature=1.0, seed=3, max_tokens=25),
+              SamplingParams(temperature=0, max_tokens=1), SamplingParams(temperature=0.7, seed=8, max_tokens=9,
+                                                                         ignore_eos=True)] * 2
+    greedy = [SamplingParams(temperature=0, max_tokens=25, ignore_eos=p.ignore_eos) for p in params]
+    tp1 = LLM(str(tiny), async_scheduling=False, **settings)
+    warm = tp1.generate(prompts, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True), use_tqdm=False)
+    eos = frozenset(t for t, _ in Counter(t for o in warm for t in o["token_ids"][2:]).most_common(5))
+    tp1.scheduler.eos_token_ids = eos
+    expected_greedy = token_ids(tp1.generate(prompts, greedy, use_tqdm=False))
+    with LLM(str(tiny), tensor_parallel_size=2, async_scheduling=False, **settings) as tp2:
+        tp2.scheduler.eos_token_ids = eos
+        outputs = {}
+        for scheduling in (False, True):
+            tp2.config.async_scheduling = scheduling  # the engine reads it at every step
+            outputs[scheduling] = token_ids(tp2.generate(prompts, params, use_tqdm=False))
+            assert tp2.is_finished() and tp2.in_flight is None
+            pool = tp2.scheduler.block_manager
+            assert len(pool.free_block_ids) == pool.num_blocks
+        assert token_ids(tp2.generate(prompts, greedy, use_tqdm=False)) == expected_greedy  # async, greedy
+    assert outputs[True] == outputs[False]
+    stops = sum(o[-1] in eos and len(o) < p.max_tokens for o, p in zip(outputs[True], params, strict=True))
+    assert stops >= 2, "the test needs sequences that stop on EOS before max_tokens"
+
+
+def test_parallel_samples_fork_and_copy_on_write_on_every_rank(tiny: Path) -> None:
+    """n > 1 (chapter 04b): each rank copies its own KV shard before a step writes into a shared block, and
+    with async scheduling each rank feeds the forked siblings' pending first tokens from its copy of the
+    samples. Seeded sampling: the same samples synchronously and asynchronously; greedy: TP=1's tokens."""
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 40, "max_num_batched_tokens": 16}
+    prompts = ["Question: Where do fish live? Answer:", "Small steps make"]
+    seeded = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=9, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, n=2, max_tokens=9, ignore_eos=True)
+
+    def samples(outputs: list[dict]) -> list[list[list[int]]]:
+        return [[o["token_ids"] for o in output["outputs"]] for output in outputs]
+
+    expected = samples(LLM(str(tiny), **settings).generate(prompts, greedy, use_tqdm=False))
+    copies = []
+    with LLM(str(tiny), tensor_parallel_size=2, async_scheduling=False, **settings) as tp2:
+        tp2.scheduler.observer = lambda event, data: copies.extend(
+            pair for seq in data["seqs"] for pair in seq.blocks_to_copy) if event == "schedule" else None
+        runs = {}
+        for scheduling in (False, True):
+            tp2.config.async_scheduling = scheduling
+            runs[scheduling] = samples(tp2.generate(prompts, seeded, use_tqdm=False))
+            assert samples(tp2.generate(prompts, greedy, use_tqdm=False)) == expected
+    assert runs[True] == runs[False] and len({tuple(s) for s in runs[True][0]}) > 1  # the samples differ
+    assert copies, "the test needs copy-on-write copies"
+
+
+def test_async_tp_step_queues_the_next_step_before_collecting(tiny: Path) -> None:
+    with LLM(str(tiny), tensor_parallel_size=2, async_scheduling=True, **SMALL) as llm:
+        seq_id = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        assert llm.step() == ([], 0, True)  # the prefill is queued on both ranks, nothing collected yet
+        assert llm.step()[1:] == (3, True)  # queues decode 1, collects the prefill
+        assert llm.step()[1:] == (1, False)  # queues decode 2 (its input: decode 1's pending token)
+        finished, num_tokens, is_prefill = llm.step()  # nothing left to queue: collects decode 2
+        assert [seq_id] == [i for i, _ in finished] and (num_tokens, is_prefill) == (1, False)
+        assert llm.is_finished()
+        reference = LLM(str(tiny), **SMALL).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3,
+                                                                                ignore_eos=True), use_tqdm=False)
+        assert finished[0][1] == reference[0]["token_ids"]
+
+
+# ---- Ctrl-C and stalled ranks -------------------------------------------------------------------------
+def test_deferred_interrupt_delivers_ctrl_c_after_the_block() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the signal has arrived by now; without the deferral it would raise here
+            done.append("the block finished")
+    assert done == ["the block finished"] and signal.getsignal(signal.SIGINT) is before
+
+
+def test_process_state_reads_the_kernel() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(child.pid) != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(child.pid) == "stopped"
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(os.getpid()) == "running" and process_state(child.pid) == ""
+
+
+CTRL_C = """
+import json, os, signal, sys, threading, time
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+if __name__ == "__main__":
+    model, device = sys.argv[1], sys.argv[2]
+    settings = {"device": device, "kvcache_block_size": 4, "max_num_batched_tokens": 64, "async_scheduling": True}
+    if device == "cuda":
+        settings.update(dtype="float32", max_num_seqs=32)  # graphs: few sizes to capture
+    prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write clear code"]
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o["token_ids"] for o in LLM(model, **settings).generate(prompts, greedy, use_tqdm=False)]
+    llm = LLM(model, tensor_parallel_size=2, **settings)
+    pids = llm.model_runner.pids
+    report = {}
+    # Ctrl-C as a terminal sends it: to every process of the foreground group, the ranks included.
+    threading.Timer(float(sys.argv[3]), os.killpg, (os.getpgrp(), signal.SIGINT)).start()
+    started = time.monotonic()
+    try:
+        long = [[3 + (5 * i + j) % 300 for j in range(20)] for i in range(24)]
+        for _ in range(100):  # until Ctrl-C arrives (a GPU runs one of these in about a second)
+            llm.generate(long, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True), use_tqdm=False)
+        report["error"] = "generate finished before Ctrl-C"
+    except KeyboardInterrupt:
+        report["interrupted_after_s"] = round(time.monotonic() - started, 2)
+    report["engine_idle"] = llm.is_finished()
+    report["ranks_alive"] = [os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids]
+    report["same_tokens"] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+    report["runner_alive"] = llm.model_runner.alive
+    llm.exit()
+    print(json.dumps(report))
+"""
+
+
+def run_ctrl_c(tiny: Path, tmp_path: Path, device: str, after_s: float) -> dict:
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop(FAULT_ENV, None)
+    # Its own session: the Ctrl-C it sends to its process group does not reach pytest.
+    done = subprocess.run([sys.executable, str(script), str(tiny), device, str(after_s)], capture_output=True,
+                          text=True, env=env, timeout=300, start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_ctrl_c_during_generate_leaves_the_tp_engine_serving(tiny: Path, tmp_path: Path) -> None:
+    report = run_ctrl_c(tiny, tmp_path, "cpu", after_s=4.0)
+    assert "interrupted_after_s" in report, report
+    assert report["engine_idle"] and report["ranks_alive"] == [True, True], report
+    assert report["same_tokens"] and report["runner_alive"], report
+
+
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_a_stalled_rank_is_named_and_nothing_is_left_behind(tiny: Path, shm_before: set[str], stalled: int) -> None:
+    llm = LLM(str(tiny), tensor_parallel_size=2, rank_timeout_s=2.0, **SMALL)
+    pids = llm.model_runner.pids
+    assert len(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)[0]["token_ids"]) == GREEDY.max_tokens
+    os.kill(pids[stalled], signal.SIGSTOP)  # what a debugger, or a stuck host, looks like from outside
+    started = time.monotonic()
+    try:
+        with pytest.raises(TPTimeoutError) as caught:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pids[stalled], signal.SIGCONT)
+    waited = time.monotonic() - started
+    message = str(caught.value)
+    assert isinstance(caught.value, TimeoutError)
+    assert message.startswith(f"tensor-parallel rank {stalled} (pid {pids[stalled]}, stopped) did not answer"), message
+    assert "rank_timeout_s=2 s" in message and "all 2 rank processes have been stopped" in message
+    assert waited < 2.0 + 8.0, waited  # the timeout, then stopping the ranks
+    assert all(gone(pid) for pid in pids) and not llm.model_runner.alive
+    with pytest.raises(RuntimeError, match=f"stopped after an error: rank {stalled} .* did not answer"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    assert shm_entries() <= shm_before
+
+
+def test_the_stop_message_says_exit_only_after_exit(tiny: Path) -> None:
+    llm = LLM(str(tiny), tensor_parallel_size=2, **SMALL)
+    llm.exit()
+    with pytest.raises(RuntimeError, match=r"ranks are stopped \(exit\(\) was called\)"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+
+
 # ---- GPUs: NCCL --------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @two_gpus
@@ -430,3 +653,58 @@ def test_nccl_failing_rank_is_reported_and_stopped(tiny: Path, monkeypatch: pyte
     with pytest.raises(TPWorkerError, match="rank 1 failed during run"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(gone(pid) for pid in pids)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_graphs_on_every_rank_and_async_scheduling_give_the_tokens_of_one_gpu(tiny: Path) -> None:
+    """Decode graphs captured on both ranks (all-reduces inside), asynchronous scheduling (the default on CUDA):
+    greedy tokens equal one GPU's, under chunked prefill, preemption and prefix hits, and seeded samples with
+    forks (n = 3) are the same synchronously and asynchronously."""
+    settings = {**SMALL, "device": "cuda", "dtype": "float32", "attention_backend": "triton", "max_num_seqs": 8}
+    with LLM(str(tiny), **settings) as tp1:
+        assert tp1.model_runner.graphs is not None
+        expected = token_ids(tp1.generate(PROMPTS, GREEDY, use_tqdm=False))
+    seeded = SamplingParams(temperature=0.9, seed=7, n=3, max_tokens=9, ignore_eos=True)
+    with LLM(str(tiny), tensor_parallel_size=2, **settings) as tp2:
+        assert tp2.config.async_scheduling is True
+        assert [w["graphs"] for w in tp2.model_runner.call("world")] == [True, True]
+        for _ in range(2):  # the second round also hits the prefix cache
+            assert token_ids(tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+        runs = {}
+        for scheduling in (True, False):
+            tp2.config.async_scheduling = scheduling
+            runs[scheduling] = [[o["token_ids"] for o in out["outputs"]]
+                                for out in tp2.generate(PROMPTS[:2], seeded, use_tqdm=False)]
+        assert runs[True] == runs[False]
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("stalled", [1, 0])
+def test_nccl_a_stalled_rank_is_named_and_nothing_is_left_behind(tiny: Path, stalled: int) -> None:
+    shm = set(os.listdir(SHM)) if SHM.is_dir() else set()
+    settings = {**SMALL, "device": "cuda", "dtype": "float32", "max_num_seqs": 8, "rank_timeout_s": 5.0}
+    llm = LLM(str(tiny), tensor_parallel_size=2, **settings)
+    pids = llm.model_runner.pids
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    os.kill(pids[stalled], signal.SIGSTOP)
+    try:
+        with pytest.raises(TPTimeoutError) as caught:
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(pids[stalled], signal.SIGCONT)
+    assert str(caught.value).startswith(f"tensor-parallel rank {stalled} (pid {pids[stalled]}, stopped)")
+    assert all(gone(pid) for pid in pids)
+    left = (set(os.listdir(SHM)) if SHM.is_dir() else set()) - shm
+    assert not left, f"left in /dev/shm: {sorted(left)}"
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_nccl_ctrl_c_during_generate_leaves_the_tp_engine_serving(tiny: Path, tmp_path: Path) -> None:
+    report = run_ctrl_c(tiny, tmp_path, "cuda", after_s=1.0)
+    assert "interrupted_after_s" in report, report
+    assert report["engine_idle"] and report["ranks_alive"] == [True, True], report
+    assert report["same_tokens"] and report["runner_alive"], report

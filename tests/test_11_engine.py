@@ -409,3 +409,41 @@ def test_engine_on_smollm2_matches_transformers_greedy() -> None:
 def test_flash_attn_backend_needs_cuda_and_the_package(tiny: Path) -> None:
     with pytest.raises(ValueError, match=r"flash-attn.*needs CUDA and the flash_attn package"):
         Config.from_kwargs(str(tiny), attention_backend="flash-attn")
+
+
+# ---- tensor parallelism in the benchmark, random weights, rank timeout (chapters 05, 10) ------------------
+def test_qwen3_8b_shapes_is_a_weightless_directory_for_dummy_weights(tmp_path: Path) -> None:
+    from nanovllm.bench import QWEN3_8B_SHAPES, model_params, qwen3_8b_shapes
+
+    directory = qwen3_8b_shapes(str(tmp_path / "qwen3-8b"))
+    assert not list(directory.glob("*.safetensors"))
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        Config.from_kwargs(directory, device="cpu")
+    config = Config.from_kwargs(directory, device="cpu", load_format="dummy", tensor_parallel_size=2)
+    assert all(getattr(config.hf_config, k) == v for k, v in QWEN3_8B_SHAPES.items())
+    assert 8.0e9 < model_params(config.hf_config) < 8.4e9  # Qwen3-8B: 8.2 B parameters
+    assert config.dtype == "float32"  # on CPU; bf16 on a GPU (the directory says bfloat16)
+
+
+def test_load_format_and_rank_timeout_are_checked(tiny: Path) -> None:
+    for key, value, error in (("load_format", "pt", ValueError), ("load_format", 1, TypeError),
+                              ("rank_timeout_s", 0, ValueError), ("rank_timeout_s", "5", TypeError)):
+        with pytest.raises(error, match=key):
+            Config.from_kwargs(tiny, **{key: value})
+    assert Config.from_kwargs(tiny, rank_timeout_s=2.5).rank_timeout_s == 2.5
+
+
+def test_bench_compares_tp2_with_tp1_in_one_invocation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from nanovllm.bench import main
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(build_tiny_model("qwen3")), "--device", "cpu", "--num-seqs", "4", "--input-len", "8", "16",
+            "--output-len", "4", "8", "--tensor-parallel-size", "2", "--async-scheduling", "on", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "TP=2: " in printed and "TP=1: " in printed and "TP=2 / TP=1: " in printed
+    assert "transformers peer skipped" in printed
+    report = json.loads(out.read_text())
+    assert report["ratio_tp"] == pytest.approx(report["engine"]["tokens_per_s"] / report["engine_tp1"]["tokens_per_s"])
+    assert report["engine"]["name"].endswith("TP=2") and report["breakdown_tp2"]["decode_steps"] > 0

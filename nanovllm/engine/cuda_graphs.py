@@ -104,9 +104,7 @@ class DecodeBuffers:
 CAPTURE_SAFE_BACKENDS = ("triton",)
 
 
-def graphs_unavailable_reason(
-    device: str, attention_backend: str, enforce_eager: bool = False, tensor_parallel_size: int = 1
-) -> str | None:
+def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager: bool = False) -> str | None:
     """Why decode runs eagerly under these settings, or None when it can replay CUDA graphs."""
     if enforce_eager:
         return "enforce_eager=True"
@@ -115,8 +113,6 @@ def graphs_unavailable_reason(
     if attention_backend not in CAPTURE_SAFE_BACKENDS:
         return (f"attention backend {attention_backend!r} is not capture-safe (it reads lengths on the host); "
                 f"use one of {list(CAPTURE_SAFE_BACKENDS)}")
-    if tensor_parallel_size > 1:
-        return "tensor_parallel_size > 1 (graph capture across ranks is not verified here)"
     return None
 
 
@@ -169,9 +165,7 @@ class CudaGraphRunner:
 
 def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner | None:
     """Capture the decode graphs when the settings allow it (see graphs_unavailable_reason), else None."""
-    reason = graphs_unavailable_reason(
-        config.device, config.attention_backend, config.enforce_eager, config.tensor_parallel_size
-    )
+    reason = graphs_unavailable_reason(config.device, config.attention_backend, config.enforce_eager)
     if reason is not None:
         return None
     runner = CudaGraphRunner(model, config)

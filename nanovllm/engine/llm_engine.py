@@ -14,7 +14,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_runtime import TPRunner
+from nanovllm.engine.tp_runtime import TPRunner, TPStep
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -35,7 +35,7 @@ class LaunchedStep:
     is_prefill: bool
     num_tokens: int  # tokens computed
     indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
-    tokens: SampledTokens | list[int]  # a list when the step already ran to the end (synchronous)
+    tokens: SampledTokens | TPStep | list[int]  # a list when the step already ran to the end (synchronous)
 
 
 class LLMEngine:
@@ -149,7 +149,7 @@ class LLMEngine:
             self.scheduler.rollback(seqs, is_prefill)
             raise
         counted, indices = self.scheduler.advance(seqs, is_prefill)
-        if isinstance(tokens, SampledTokens):
+        if not isinstance(tokens, list):  # SampledTokens, or chapter 10's TPStep
             # Siblings forked in this step (chapter 04b) take the step's extra samples, so that the
             # next step can find their pending first tokens.
             tokens.add_forks(counted[len(seqs) :])

@@ -6,24 +6,28 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import signal
 import threading
 import time
 import traceback
 import weakref
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.linear import check_tensor_parallel_size
+from nanovllm.layers.linear import check_tensor_parallel_size, tp_world
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -33,12 +37,19 @@ __all__ = [
     "STORE_TIMEOUT",
     "RankFailure",
     "RankWorker",
+    "Replier",
     "TPRunner",
+    "TPStep",
+    "TPTimeoutError",
     "TPWorkerError",
     "backend_for",
+    "deferred_interrupt",
     "init_rank",
     "parse_fault",
+    "process_state",
     "rank_main",
+    "step_sequences",
+    "step_states",
 ]
 
 
@@ -89,24 +100,75 @@ def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size)
 
 
+def step_states(seqs: list[Sequence]) -> list[tuple]:
+    """What a step ships of each sequence: its slim state, as chapter 01's `__getstate__` defines it (the one
+    place that says what travels), as plain tuples, without the pickle protocol's per-object work."""
+    return [seq.__getstate__() for seq in seqs]
+
+
+def step_sequences(states: list[tuple]) -> list[Sequence]:
+    """The rank's slim copies of a step's sequences, rebuilt from `step_states`."""
+    seqs = []
+    for state in states:
+        seq = Sequence.__new__(Sequence)
+        seq.__setstate__(state)
+        seqs.append(seq)
+    return seqs
+
+
 class RankWorker:
     """One rank's side of the control channel: the calls a driver may make, by name."""
 
     CALLS = ("run", "logits", "world", "shard", "kv_cache_shape", "echo")
+    KEEP_STEPS = 8  # recent steps whose samples a later step may take its pending tokens from
 
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.block_size = config.kvcache_block_size
+        self.rank = tp_world()[0]
+        self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
+        self.recent: dict[int, SampledTokens] = {}
+        self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
 
     def run(
-        self, seqs: list[Sequence], is_prefill: bool, params: list[SamplingParams] | None = None
-    ) -> list[int] | None:
-        """One step; rank 0 (which receives the sampling params) returns the tokens, the others None."""
+        self,
+        states: list[tuple],
+        is_prefill: bool,
+        previous: tuple[int, list[int]] | None = None,
+        params: tuple[dict[int, SamplingParams], list[int]] | None = None,
+    ) -> SampledTokens | None:
+        """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
+
+        ``states``: the step's sequences (`step_states`). ``previous``: (call, forked seq_ids) of the step whose
+        samples are this step's pending tokens (asynchronous scheduling), or None. ``params`` (rank 0 only):
+        the sampling params of new sequences, and the ids of finished ones to forget.
+        """
+        seqs = step_sequences(states)
         self._check(seqs)
         if params is not None:
-            for seq, sampling_params in zip(seqs, params, strict=True):
-                seq.sampling_params = sampling_params
-        return self.runner.run(seqs, is_prefill) or None
+            new, gone = params
+            self.params.update(new)
+            for seq_id in gone:
+                self.params.pop(seq_id, None)
+            for seq in seqs:
+                seq.sampling_params = self.params[seq.seq_id]
+        before = None if previous is None else self._samples_of(*previous)
+        step = self.runner.launch(seqs, is_prefill, before)
+        # Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
+        self.recent[self.call_no] = step
+        self.recent.pop(self.call_no - self.KEEP_STEPS, None)
+        return step if self.rank == 0 else None
+
+    def _samples_of(self, call: int, forks: list[int]) -> SampledTokens:
+        """The samples of an earlier step, with the siblings it forked named (as the engine names them)."""
+        samples = self.recent.get(call)
+        if samples is None:
+            raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
+                               f"no longer holds")
+        if forks and len(samples.rows) < samples.on_device.shape[0]:
+            # add_forks reads only the siblings' seq_ids; a rank knows no more about them yet.
+            samples.add_forks([SimpleNamespace(seq_id=seq_id) for seq_id in forks])
+        return samples
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
@@ -116,7 +178,8 @@ class RankWorker:
 
     def world(self) -> dict[str, Any]:
         return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
-                "pid": os.getpid(), "device": str(self.runner.kv_cache.device)}  # cuda:<rank> on GPUs
+                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),  # cuda:<rank> on GPUs
+                "graphs": self.runner.graphs is not None}
 
     def shard(self, name: str) -> torch.Tensor:
         """This rank's slice of a parameter, by its name in the model."""
@@ -153,17 +216,62 @@ def _send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+class Replier:
+    """A rank's replies, sent in call order by a thread: waiting for a step's tokens never keeps the main
+    thread from receiving and queueing the next step."""
+
+    def __init__(self, conn: Connection, fail: Callable[[BaseException, str], None]) -> None:
+        self.conn, self.fail = conn, fail
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+        self.lock = threading.Lock()  # one writer at a time: this thread, or the main thread's error report
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="nanovllm-replies", daemon=True).start()
+
+    def put(self, where: str, result: Any) -> None:
+        self.queue.put((where, result))
+
+    def send(self, message: tuple) -> None:
+        with self.lock:
+            _send(self.conn, message)
+
+    def _loop(self) -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0, not on this rank's
+        while True:
+            where, result = self.queue.get()
+            try:
+                if isinstance(result, SampledTokens):
+                    result = result.token_ids()  # en: waits for the device / zh: 等待设备算完
+                self.send(("ok", result))
+            except BaseException as error:
+                self.fail(error, where)
+
+
 def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn: Connection) -> None:
     """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone)."""
+    # Ctrl-C in a terminal reaches every process of the group; it is the driver's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     call, count = "start-up", 0
+    send_lock = threading.Lock()
+
+    def fail(error: BaseException, where: str) -> None:
+        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
+        # Report and leave at once; no clean-up that could block: the peers may wait for us in a collective.
+        with contextlib.suppress(Exception):
+            if send_lock.acquire(timeout=1.0):
+                _send(conn, ("error", failure))
+        os._exit(1)
+
     try:
         fault = parse_fault(os.environ.get(FAULT_ENV), world_size)
         if fault == (rank, 0):
             raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:0 makes rank {rank} fail during start-up")
         init_rank(rank, world_size, config.device, store_port)
         worker = RankWorker(config)
-        _send(conn, ("ok", config.num_kvcache_blocks))
+        replier = Replier(conn, fail)
+        send_lock = replier.lock
+        replier.send(("ok", config.num_kvcache_blocks))
         while True:
             try:
                 call, extra = pickle.loads(conn.recv_bytes())
@@ -179,14 +287,10 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
                 raise ValueError(f"unknown call {call!r}; a rank answers {', '.join(RankWorker.CALLS)}")
             if extra is not None:
                 args = (*args, pickle.loads(extra))
-            _send(conn, ("ok", getattr(worker, call)(*args)))
+            worker.call_no = count
+            replier.put(f"{call} (call {count})", getattr(worker, call)(*args))
     except BaseException as error:
-        where = f"{call} (call {count})" if count else call
-        failure = RankFailure(rank, where, f"{type(error).__name__}: {error}", traceback.format_exc(), time.time())
-        with contextlib.suppress(Exception):
-            _send(conn, ("error", failure))
-        # No clean-up that could block: the peers may wait for us inside a collective.
-        os._exit(1)
+        fail(error, f"{call} (call {count})" if count else call)
     finally:  # reached on a normal return only (os._exit skips it)
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -197,11 +301,70 @@ EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on th
 
 
 class TPWorkerError(RuntimeError):
-    """A tensor-parallel rank failed or died; every rank has been stopped. The message holds its traceback."""
+    """A tensor-parallel rank failed, died or stalled; every rank has been stopped. The message says which."""
+
+
+class TPTimeoutError(TPWorkerError, TimeoutError):
+    """A rank did not answer a call within `Config.rank_timeout_s`; every rank has been stopped."""
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Any:
+    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it: a message to the ranks is
+    written or read whole, never half, so that the channel stays usable after the interruption."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signals are delivered to the main thread only
+        return
+    caught: list[Any] = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if caught:
+            if callable(before):
+                before(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt here
+            elif before == signal.SIG_DFL:
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+def process_state(pid: int) -> str:
+    """The kernel's word for a process's state ("stopped", "sleeping", ...), from /proc; "" where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+            code = file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+    names = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait", "T": "stopped",
+             "t": "stopped by a debugger", "Z": "a zombie"}
+    return names.get(code, code)
+
+
+@dataclass
+class TPStep:
+    """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
+
+    It stands where chapter 08's `SampledTokens` stands in the engine: the engine passes it back as the
+    ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
+    """
+
+    runner: TPRunner
+    call: int
+    tokens: list[int] | None = None
+    forks: list[int] = field(default_factory=list)  # seq_ids of the siblings this step forked (chapter 04b)
+
+    def token_ids(self) -> list[int]:
+        if self.tokens is None:
+            self.tokens = self.runner.collect(self.call)[0]
+        return self.tokens
+
+    def add_forks(self, siblings: list[Sequence]) -> None:
+        """As `SampledTokens.add_forks`: the next step tells the ranks which sequences the extra samples are."""
+        self.forks = [seq.seq_id for seq in siblings]
 
 
 class TPRunner:
-    """Tensor-parallel ranks as processes, driven from this one; the same `run` as `ModelRunner`."""
+    """Tensor-parallel ranks as processes, driven from this one; the same `run` and `launch` as `ModelRunner`."""
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
@@ -209,7 +372,14 @@ class TPRunner:
         parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
         self.config = config
         self.block_size = config.kvcache_block_size
-        self.failure: str | None = None
+        self.timeout_s = config.rank_timeout_s
+        self.failure: str | None = None  # why the ranks were stopped, once they are
+        # Calls are numbered from 1 (0 is the start-up reply). Each rank answers its calls in order,
+        # so reply k of a rank is the answer to call k: replies can be read later than they arrive.
+        self._sent: dict[int, tuple[str, float]] = {0: ("start-up", time.monotonic())}
+        self._next_reply = [0] * self.world_size
+        self._results: dict[tuple[int, int], Any] = {}
+        self._params_sent: dict[int, Sequence] = {}  # sequences whose sampling params rank 0 holds
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stop = {"graceful": True}
@@ -226,13 +396,13 @@ class TPRunner:
                 theirs.close()  # the rank holds the other end now
                 self._procs.append(proc)
                 self._conns.append(ours)
-            blocks = self._replies("start-up")
-        except BaseException:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
-            self._stop["graceful"] = False
-            self._finalizer()
+            # No timeout here: loading a large model and capturing its graphs may take minutes.
+            blocks = self.collect(0, timeout_s=None)
+        except BaseException as error:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+            self._shut(self.failure or f"{type(error).__name__} during start-up", graceful=False)
             raise
         if len(set(blocks)) != 1:
-            self._finalizer()
+            self._shut(f"ranks disagree on the KV block count: {blocks}", graceful=False)
             raise RuntimeError(f"ranks disagree on the KV block count: {blocks}")
         config.num_kvcache_blocks = blocks[0]
 
@@ -245,31 +415,96 @@ class TPRunner:
         """True until exit() or a failure stopped the ranks."""
         return self._finalizer.alive
 
-    def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
-        """Run `name(*args)` on every rank; return each rank's result, in rank order."""
-        if not self.alive:
-            reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
-            raise RuntimeError(f"the tensor-parallel ranks are stopped {reason}")
+    # ---- sending and receiving ---------------------------------------------------------
+    def post(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> int:
+        """Write call `name(*args)` to every rank without waiting; returns the call's number for `collect`."""
+        self._check_alive()
         if name not in RankWorker.CALLS:
             raise ValueError(f"unknown call {name!r}; a rank answers {', '.join(RankWorker.CALLS)}")
         payload = pickle.dumps(args, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
+        with deferred_interrupt():
+            call = max(self._sent) + 1
+            self._sent[call] = (name, time.monotonic())
             for rank, conn in enumerate(self._conns):
                 try:
                     _send(conn, (name, rank0_extra if rank == 0 else None))
                     conn.send_bytes(payload)
                 except OSError:
-                    break  # a rank is gone: _replies reports it
-            return self._replies(name)
-        except BaseException:
-            self._stop["graceful"] = False
-            self._finalizer()
-            raise
+                    break  # a rank is gone: collect reports it
+        return call
+
+    def collect(self, call: int, timeout_s: float | None = -1.0) -> list[Any]:
+        """Wait for every rank's reply to `call`; on a failure or a stall, stop every rank and raise.
+
+        timeout_s: -1 (the default) is `Config.rank_timeout_s`, counted from when the call was written;
+        None waits for as long as it takes. Replies to earlier calls that nobody collected are dropped.
+        """
+        self._check_alive()
+        timeout_s = self.timeout_s if timeout_s == -1.0 else timeout_s
+        deadline = None if timeout_s is None else self._sent[call][1] + timeout_s
+        failures: list[RankFailure] = []
+        grace = False
+        while True:
+            pending = [r for r in range(self.world_size) if self._next_reply[r] <= call]
+            if not pending:
+                break
+            owners = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
+            limit = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(owners), limit)
+            if not ready:
+                if failures:
+                    break  # the grace period after a failure is over
+                self._stalled(call, pending)
+            for rank in sorted({owners[obj] for obj in ready}):
+                self._read_one(rank, call, failures)
+            if failures and not grace:
+                grace, deadline = True, time.monotonic() + ERROR_GRACE_S
+        if failures:
+            self._fail(failures)
+        for key in [key for key in self._results if key[1] < call]:
+            del self._results[key]
+        for old in [number for number in self._sent if number < call]:
+            del self._sent[old]
+        return [self._results.pop((rank, call)) for rank in range(self.world_size)]
+
+    def _read_one(self, rank: int, call: int, failures: list[RankFailure]) -> None:
+        """Read one reply of `rank` (or notice that it died) and file it under its call number."""
+        with deferred_interrupt():
+            message = self._receive(rank)
+        if message is None:
+            failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
+            self._next_reply[rank] = call + 1  # nothing more will come from it
+        elif message[0] == "ok":
+            self._results[(rank, self._next_reply[rank])] = message[1]
+            self._next_reply[rank] += 1
+        else:
+            failures.append(message[1])
+            self._next_reply[rank] = call + 1
+
+    def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
+        """Run `name(*args)` on every rank; return each rank's result, in rank order."""
+        return self.collect(self.post(name, *args, rank0_extra=rank0_extra))
+
+    # ---- the model runner's interface ----------------------------------------------------
+    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
+        """Queue one step on every rank and return at once; ``previous``: the step whose samples are this
+        step's pending tokens (asynchronous scheduling). Every rank has them: nothing waits for rank 0."""
+        before = None if previous is None else (previous.call, previous.forks)
+        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
+
+    def _params_update(self, seqs: list[Sequence]) -> tuple[dict[int, SamplingParams], list[int]]:
+        """For rank 0: the sampling params of sequences it has not seen, and the ids of those it may forget."""
+        gone = [seq_id for seq_id, seq in self._params_sent.items() if seq.is_finished]
+        for seq_id in gone:
+            del self._params_sent[seq_id]
+        new = {seq.seq_id: seq.sampling_params for seq in seqs if seq.seq_id not in self._params_sent}
+        self._params_sent.update((seq.seq_id, seq) for seq in seqs)
+        return new, gone
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step on every rank; rank 0's sampled tokens."""
-        params = pickle.dumps([seq.sampling_params for seq in seqs], protocol=pickle.HIGHEST_PROTOCOL)
-        return self.call("run", seqs, is_prefill, rank0_extra=params)[0]
+        return self.launch(seqs, is_prefill).token_ids()
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""
@@ -277,34 +512,20 @@ class TPRunner:
 
     def exit(self) -> None:
         """Stop the rank processes (at most once; also runs at garbage collection and interpreter exit)."""
+        if self.alive:
+            self.failure = None
         self._finalizer()
 
-    def _replies(self, call: str) -> list[Any]:
-        """Wait for every rank's reply to `call`; on a failure, stop all ranks and raise TPWorkerError."""
-        results: dict[int, Any] = {}
-        failures: list[RankFailure] = []
-        pending = set(range(self.world_size))
-        deadline: float | None = None
-        while pending:
-            owners = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = wait(list(owners), timeout)
-            if not ready:
-                break  # the grace period after a failure is over
-            for rank in sorted({owners[obj] for obj in ready}):
-                pending.discard(rank)
-                message = self._receive(rank)
-                if message is None:
-                    failures.append(self._silent_exit(rank, call))
-                elif message[0] == "ok":
-                    results[rank] = message[1]
-                else:
-                    failures.append(message[1])
-            if failures and deadline is None:
-                deadline = time.monotonic() + ERROR_GRACE_S
-        if failures:
-            self._fail(failures)
-        return [results[rank] for rank in range(self.world_size)]
+    # ---- failures ----------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if not self.alive:
+            reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
+            raise RuntimeError(f"the tensor-parallel ranks are stopped {reason}")
+
+    def _shut(self, reason: str | None, graceful: bool) -> None:
+        self.failure = reason
+        self._stop["graceful"] = graceful
+        self._finalizer()
 
     def _receive(self, rank: int) -> tuple | None:
         conn = self._conns[rank]
@@ -323,12 +544,27 @@ class TPRunner:
                       "(each rank process imports the main module)")
         return RankFailure(rank, call, error, "", time.time())
 
+    def _stalled(self, call: int, pending: list[int]) -> None:
+        """No reply within the timeout: name the rank that holds the others up, stop every rank, raise."""
+        name = self._sent[call][0]
+        states = {rank: process_state(self._procs[rank].pid) for rank in pending}
+        # A stopped process is the culprit. Otherwise a rank other than 0 that did not answer: its reply
+        # needs only its host, while rank 0's waits for the device, which waits for every peer.
+        stopped = [rank for rank in pending if states[rank].startswith("stopped")]
+        culprit = (stopped or [rank for rank in pending if rank != 0] or pending)[0]
+        state = states[culprit] or "state unknown"
+        reason = (f"rank {culprit} (pid {self._procs[culprit].pid}, {state}) did not answer call {call} ({name}) "
+                  f"within rank_timeout_s={self.timeout_s:g} s")
+        self._shut(reason, graceful=False)
+        others = [f"rank {r}: {'answered' if r not in pending else 'no answer'}"
+                  f"{', ' + states[r] if states.get(r) else ''}" for r in range(self.world_size)]
+        raise TPTimeoutError(f"tensor-parallel {reason}; all {self.world_size} rank processes have been stopped "
+                             f"({'; '.join(others)}). Raise rank_timeout_s if a step really takes that long.")
+
     def _fail(self, failures: list[RankFailure]) -> None:
         failures.sort(key=lambda failure: failure.when)
         first = failures[0]
-        self.failure = f"rank {first.rank} failed during {first.call}: {first.error}"
-        self._stop["graceful"] = False
-        self._finalizer()
+        self._shut(f"rank {first.rank} failed during {first.call}: {first.error}", graceful=False)
         lines = [f"tensor-parallel {self.failure}; all {self.world_size} rank processes have been stopped"]
         lines += [f"  then rank {f.rank}: {f.error}" for f in failures[1:]]
         if first.traceback:
@@ -349,6 +585,8 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
     for proc in procs:
         if proc.is_alive():
             proc.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
             proc.join(2.0)
         if proc.is_alive():
             proc.kill()

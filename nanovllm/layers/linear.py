@@ -20,6 +20,7 @@ __all__ = [
     "check_tensor_parallel_size",
     "copy_checked",
     "divide",
+    "share_from_rank0",
     "tp_world",
 ]
 
@@ -220,6 +221,16 @@ def agree_min(value: int, device: torch.device | str = "cpu") -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
     return int(tensor.item())
+
+
+def share_from_rank0(values: torch.Tensor | None, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rank 0's `count` int64 values on every rank (rank 0 passes them, the others None); no host wait."""
+    if values is None:
+        values = torch.empty(count, dtype=torch.int64, device=device)
+    if count and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Queued on the device like the forward: the host of no rank waits for it.
+        dist.broadcast(values, src=0)
+    return values
 
 
 TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")

@@ -15,8 +15,10 @@ from nanovllm.models.registry import get_model_class
 
 __all__ = [
     "IGNORED_SUFFIXES",
+    "LOAD_FORMATS",
     "ModelLoadError",
     "build_model",
+    "init_random_weights",
     "load_hf_config",
     "load_model",
 ]
@@ -121,10 +123,18 @@ def load_model(model: nn.Module, path: str | Path) -> None:
         raise ModelLoadError(f"checkpoint in {path} is missing {len(missing)} tensor(s): {shown}")
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def build_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto"
 ) -> nn.Module:
-    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights."""
+    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights.
+
+    load_format="dummy": no weights are read; seeded random values are drawn where the model lives (benchmarks).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     config = load_hf_config(path)
     model_class = get_model_class(config.architectures)
     previous = torch.get_default_dtype()
@@ -134,5 +144,22 @@ def build_model(
             model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
-    load_model(model, path)
+    if load_format == "dummy":
+        init_random_weights(model)
+    else:
+        load_model(model, path)
     return model.eval()
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter with seeded random values, in place, on its device and in its dtype: norms near 1,
+    matrices scaled by 1/sqrt(fan-in) so activations stay near unit scale (speed does not depend on values)."""
+    for index, (name, param) in enumerate(model.named_parameters()):
+        generator = torch.Generator(device=param.device).manual_seed(seed + index)
+        if name.endswith("norm.weight"):
+            param.normal_(1.0, 0.1, generator=generator)
+        elif param.dim() == 1:
+            param.normal_(0.0, 0.1, generator=generator)
+        else:
+            param.normal_(0.0, param.shape[1] ** -0.5, generator=generator)
