@@ -115,6 +115,8 @@ def answer_cells(cells: list) -> set[int]:
 
 def localize_outputs(outputs: list, lang: str) -> None:
     """Keep one language of the bilingual outputs (the book is executed once, for both sites)."""
+    if not outputs:
+        return
     from nanovllm.viz.player import keep_language  # the player defines the marks it writes
 
     for output in outputs:
