@@ -247,3 +247,12 @@ def test_screenshot_of_chapter_04(browser: Browser, served: str, lang: str) -> N
     shot = ROOT / "build" / f"site-04-{lang}.png"
     browser.screenshot(shot)
     assert shot.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_figures_have_alt_text_in_the_page_language(lang: str) -> None:
+    alts = {chapter: re.findall(r'<img\b[^>]*\balt="([^"]*)"', page(lang, "chapters", chapter)) for chapter in CHAPTERS}
+    assert [(c, a) for c, found in alts.items() for a in found if not a or "No description" in a] == []
+    state_machine = alts["01_sequence"][0]
+    assert ("WAITING becomes RUNNING" in state_machine) == (lang == "en")
+    assert ("被调度" in state_machine) == (lang == "zh")
