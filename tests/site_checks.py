@@ -244,9 +244,15 @@ def test_screenshot_of_chapter_04(browser: Browser, served: str, lang: str) -> N
     browser.open(f"{served}/{prefix}chapters/04_scheduler/")
     browser.js("[...document.querySelectorAll('.jp-OutputArea-output pre')]"
                ".find(p => p.textContent.startsWith('step kind')).scrollIntoView({block: 'center'})")
+    time.sleep(0.6)  # the header's title fades in after a scroll
     shot = ROOT / "build" / f"site-04-{lang}.png"
     browser.screenshot(shot)
     assert shot.stat().st_size > 10_000
+    browser.click(".nvv[id] [data-act=step]")  # the first player, one step in
+    time.sleep(0.6)
+    player = ROOT / "build" / f"site-04-player-{lang}.png"
+    browser.screenshot(player)
+    assert player.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize("lang", PAGES)
