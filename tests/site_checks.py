@@ -262,3 +262,17 @@ def test_figures_have_alt_text_in_the_page_language(lang: str) -> None:
     state_machine = alts["01_sequence"][0]
     assert ("WAITING becomes RUNNING" in state_machine) == (lang == "en")
     assert ("被调度" in state_machine) == (lang == "zh")
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_titles_navigation_and_contents_keep_their_code_and_their_anchors(lang: str) -> None:
+    for chapter in CHAPTERS:
+        html = page(lang, "chapters", chapter)
+        title = re.search(r"<title>([^<]*)</title>", html)[1]
+        assert not re.search(r"[:：]\s*[,、]|,\s*,|、、", title), f"{chapter}: a code span fell out of {title!r}"
+        ids = set(re.findall(r'\bid="([^"]+)"', html))
+        targets = re.findall(r'<a href="#([^"]*)" class="md-nav__link">', html)
+        assert targets and all(t and t in ids for t in targets), f"{chapter}: contents links without a target"
+    engine = page(lang, "chapters", "11_engine")
+    title = re.search(r"<title>([^<]*)</title>", engine)[1]
+    assert "LLMEngine" in title and "LLMEngine" in re.sub(r"<[^>]+>", "", engine[engine.index("md-nav--primary"):])
