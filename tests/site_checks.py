@@ -115,13 +115,12 @@ def test_the_chapter_02_player_steps_in_a_real_browser(lang: str) -> None:
 WINDOW = {"width": 1280, "height": 900}
 MAX_COLUMNS = 120  # the book's line length (ruff): code and traces up to this width must fit unwrapped
 CJK_JS = r"/[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]/"
-# Every output, code and prose code block: its widest line's natural width against the room it has.
-BLOCKS_JS = """[...document.querySelectorAll(
-    ".jp-OutputArea-output pre, .highlight-ipynb pre, .jp-MarkdownCell pre")].map(p => {
-  const room = p.clientWidth, was = [p.style.whiteSpace, p.style.width];
+# A block's widest line: its natural width (unwrapped) against the room it has.
+MEASURE_JS = """(p => { const room = p.clientWidth, was = [p.style.whiteSpace, p.style.width];
   p.style.whiteSpace = "pre"; p.style.width = "max-content";
   const r = {text: p.textContent, natural: p.getBoundingClientRect().width, room: room};
   [p.style.whiteSpace, p.style.width] = was; return r; })"""
+BLOCKS = ".jp-OutputArea-output pre, .highlight-ipynb pre, .jp-MarkdownCell pre"  # outputs, code, prose code
 
 
 def columns(line: str) -> int:
@@ -215,12 +214,17 @@ def test_the_chinese_player_shows_chinese_on_screen(browser: Browser, served: st
 def test_traces_and_code_fit_a_1280_pixel_window(browser: Browser, served: str, lang: str, chapter: str) -> None:
     prefix = "" if lang == "en" else "zh/"
     browser.open(f"{served}/{prefix}chapters/{chapter}/")
-    blocks = browser.js(BLOCKS_JS)
+    blocks = browser.js(f"[...document.querySelectorAll({json.dumps(BLOCKS)})].map({MEASURE_JS})")
     narrow = [b for b in blocks if max(map(columns, b["text"].splitlines() or [""])) <= MAX_COLUMNS]
     widest = max(narrow, key=lambda b: b["natural"])
     assert max(map(columns, widest["text"].splitlines())) > 100, "the chapter's widest trace was not measured"
     too_wide = [(b["natural"], b["room"], b["text"][:60]) for b in narrow if b["natural"] > b["room"]]
     assert too_wide == [], f"{chapter} ({lang}): blocks that wrap or scroll at 1280 px: {too_wide}"
+    # Not only today's traces: a full 120-column line fits an output block and a code cell.
+    for selector in (".jp-OutputArea-output pre", ".highlight-ipynb pre"):
+        probe = browser.js(f"(() => {{ const p = document.querySelector({json.dumps(selector)});"
+                           f" p.textContent = 'm'.repeat({MAX_COLUMNS}); return {MEASURE_JS}(p); }})()")
+        assert probe["natural"] <= probe["room"], f"{selector}: {MAX_COLUMNS} columns need {probe}"
 
 
 @pytest.mark.parametrize("lang", PAGES)
