@@ -109,6 +109,14 @@ def architecture_svg() -> str:
     ]
     parts = [
         '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="400" viewBox="0 0 660 400">',
+        '<title lang="en">The engine: LLM.generate (chapter 11) makes Sequences (01) for the Scheduler (04), which '
+        'uses the BlockManager (02) and the PrefixCache (03) and hands batches to the ModelRunner (08); it runs the '
+        'Qwen3 / Llama model (05), built from Attention (06) and parallel layers (10), and the Sampler (07).</title>'
+        '<title lang="zh">引擎全貌：LLM.generate（第 11 章）生成序列（Sequence，第 01 章）'
+        '交给调度器（Scheduler，第 04 章）；调度器使用块管理器（BlockManager，第 02 章）'
+        '和前缀缓存（PrefixCache，第 03 章），把批次交给模型执行器（ModelRunner，第 08 章）；'
+        '模型执行器运行由注意力（第 06 章）和并行层（第 10 章）构成的 Qwen3 / Llama 模型'
+        '（第 05 章）以及采样器（Sampler，第 07 章）。</title>',
         '<defs><marker id="tour-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#455a64"/></marker></defs>',
     ]

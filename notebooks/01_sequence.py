@@ -86,6 +86,11 @@ def state_machine_svg() -> str:
     )
     parts = [
         '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="270" viewBox="0 0 660 270">',
+        '<title lang="en">A sequence\'s states: WAITING becomes RUNNING when it is scheduled (prefill), RUNNING '
+        'becomes FINISHED on EOS or max_tokens, and RUNNING goes back to WAITING when it is preempted (its blocks '
+        'are freed, it is recomputed later).</title>'
+        '<title lang="zh">序列的状态：被调度（prefill）时 WAITING 变为 RUNNING；遇到 EOS 或达到 max_tokens 时 RUNNING '
+        '变为 FINISHED；被抢占时 RUNNING 回到 WAITING（它的块被释放，之后重算）。</title>',
         '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="8" markerHeight="8" '
         'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#37474f"/></marker></defs>',
     ]

@@ -96,6 +96,11 @@ def tp_layer_svg(tp: int = 2) -> str:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
         'font-family="sans-serif">',
+        f'<title lang="en">One decoder layer split over {tp} ranks: each rank holds a shard of every stage, from '
+        'embed_tokens to the sampler; the ranks all-reduce after embed_tokens, o_proj and down_proj, and gather '
+        'the logits on rank 0.</title>'
+        f'<title lang="zh">一个解码层切分到 {tp} 个 rank 上：从 embed_tokens 到采样器，每个 rank 持有每一级的一片；'
+        'rank 之间在 embed_tokens、o_proj、down_proj 之后做 all-reduce，并把 logits 汇集到 rank 0。</title>',
         '<defs><marker id="tp-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#37474f"/></marker></defs>',
     ]

@@ -431,24 +431,102 @@ class FakeEngine:
 # 播放器使用的元素 id 都是唯一的（`nvv-` 加 12 位随机十六进制数），每段脚本只在自己的元素内部工作，
 # 所以同一页面上可以放任意多个播放器。
 
-# %% player: captions
+# %% [markdown] tags=["en"]
+# ### One language at a time
+#
+# Every word the player shows exists in English and in Chinese, and `lang` picks: `"en"` or
+# `"zh"` draws one language, `"both"` draws both. A reader sees one language (the site of their
+# language, or a reading copy in JupyterLab, which starts with `set_language("en")` or `"zh"`),
+# but the book's chapters are executed **once**, in `"both"`, and that one output must serve
+# both sites. So in `"both"` each piece of text is wrapped in an HTML comment that names its
+# language, `<!--lang:zh-->块池<!--/lang-->`, and `keep_language(html, "zh")` keeps the Chinese
+# pieces and cuts the rest. Comments are invisible in a page, they may sit anywhere in HTML and
+# SVG (inside a `<title>`, a button, an SVG `<text>`), and cutting them is one regular expression,
+# because the player writes them and never nests them. The test that matters:
+# `keep_language(player_html(r, lang="both"), "zh") == player_html(r, lang="zh")`.
+#
+# Two details follow from this. No text may live in an attribute (a comment cannot sit inside a
+# tag), so the hover details come from each cell's `<title>` and the Play/Pause button holds both
+# labels and lets a CSS class choose. And the buttons draw their arrows as tiny inline SVG icons:
+# the "⏸" character is missing from many fonts and shows as an empty box.
+
+# %% [markdown] tags=["zh"]
+# ### 一次只显示一种语言
+#
+# 播放器显示的每个词都有英文和中文两个版本，由 `lang` 选择：`"en"` 或 `"zh"` 只画一种语言，`"both"` 两种都画。
+# 读者一次只看一种语言（自己语言的网站，或 JupyterLab 里的阅读副本，副本开头会调用 `set_language("en")` 或 `"zh"`），
+# 但书中各章只执行**一次**，用的是 `"both"`，这一份输出必须同时供两个网站使用。所以在 `"both"` 模式下，
+# 每段文字都包在一个注明语言的 HTML 注释里：`<!--lang:zh-->块池<!--/lang-->`，`keep_language(html, "zh")`
+# 保留中文片段、去掉其余部分。注释在页面上不可见，可以出现在 HTML 和 SVG 的任何位置（`<title>` 里、按钮里、
+# SVG 的 `<text>` 里）；而且注释由播放器自己写、从不嵌套，所以去掉它们只需一个正则表达式。关键的测试是：
+# `keep_language(player_html(r, lang="both"), "zh") == player_html(r, lang="zh")`。
+#
+# 由此带来两处细节。文字不能放在属性里（注释不能出现在标签内部），所以悬停详情取自每个格子的 `<title>`，
+# 播放/暂停按钮同时包含两个标签、由一个 CSS 类决定显示哪个。另外，按钮上的箭头画成很小的内联 SVG 图标：
+# 很多字体里没有 “⏸” 这个字符，它会显示成一个空方框。
+
+# %% player: one language at a time
 #| export viz.player
 from __future__ import annotations
 
 import html
+import re
 import uuid
 
 LANGS = ("en", "zh", "both")
+# en: The language players and panels use when none is given; the reading copies set it first thing.
+# zh: 未指定语言时播放器和面板使用的语言；阅读副本一开始就会设置它。
+_default = {"lang": "both"}
+# en: A piece of text in one language (or a separator only "both" shows): <!--lang:zh-->块池<!--/lang-->.
+# zh: 某种语言的一段文字（或只在 "both" 中出现的分隔符）：<!--lang:zh-->块池<!--/lang-->。
+LANG_PIECE = re.compile(r"<!--lang:(en|zh|both)-->(.*?)<!--/lang-->", re.S)
 
 
-def _seq_list(ids: list[int], zh: bool) -> str:
-    return ("、" if zh else ", ").join(str(i) for i in ids)
-
-
-def _check_lang(lang: str) -> str:
+def _check_lang(lang: str | None) -> str:
+    lang = _default["lang"] if lang is None else lang
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {LANGS}, got {lang!r}")
     return lang
+
+
+def set_language(lang: str) -> None:
+    """The default language of players and panels from now on: "en", "zh" or "both"."""
+    _default["lang"] = _check_lang(lang)
+
+
+def reading_language() -> str:
+    """The default language of players and panels ("both" unless ``set_language`` changed it)."""
+    return _default["lang"]
+
+
+def _esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _pick(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
+    """Markup in one language, or both: each marked so that ``keep_language`` can cut one out."""
+    lang = _check_lang(lang)
+    if lang != "both":
+        return en if lang == "en" else zh
+    joint = f"<!--lang:both-->{sep}<!--/lang-->" if sep else ""
+    return f"<!--lang:en-->{en}<!--/lang-->{joint}<!--lang:zh-->{zh}<!--/lang-->"
+
+
+def lang_text(en: str, zh: str, lang: str | None = None, sep: str = " ") -> str:
+    """A short text as HTML in the reading language (both, marked, when ``lang`` is "both")."""
+    return _pick(_esc(en), _esc(zh), lang, _esc(sep))
+
+
+def keep_language(markup: str, lang: str) -> str:
+    """Cut bilingual markup down to one language: keep ``lang``'s pieces, drop the others'."""
+    if lang not in ("en", "zh"):
+        raise ValueError(f"keep_language keeps 'en' or 'zh', got {lang!r}")
+    return LANG_PIECE.sub(lambda m: m[2] if m[1] == lang else "", markup)
+
+# %% player: captions
+#| export viz.player
+def _seq_list(ids: list[int], zh: bool) -> str:
+    return ("、" if zh else ", ").join(str(i) for i in ids)
 
 
 def caption(frame: dict, lang: str = "en") -> str:
@@ -534,35 +612,47 @@ def caption(frame: dict, lang: str = "en") -> str:
 #| export viz.player
 PITCH, CELL = 42, 38  # pool grid: distance between cells, cell size (px)
 ROW_CELL = 30  # block-table cells
-TABLE_X = 128  # where block-table cells start
+TABLE_X = 140  # where block-table cells start (room for "序列 12：130 token")
 NUM_COLORS = 8  # sequence colors cycle through nvv-c0 ... nvv-c7
+STATE_ZH = {"free": "空闲", "used": "已用", "cached": "已缓存"}
 
 
-def _t(en: str, zh: str, lang: str) -> str:
-    """A label in the player's language(s): both languages side by side by default."""
-    return {"en": en, "zh": zh}.get(lang, f"{en} {zh}")
+def _label(en: str, zh: str, lang: str | None) -> str:
+    """An SVG label. Its Chinese half is a <tspan lang="zh">, which the "both" drawing hides (no room for two)."""
+    return _pick(_esc(en), f'<tspan lang="zh">{_esc(zh)}</tspan>', lang, " ")
 
 
-def _esc(text: object) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def block_info(block: dict, block_size: int) -> str:
-    """The hover text of a block: id, state, ref count, hash, owners, tokens."""
+def block_info(block: dict, block_size: int, lang: str | None = "en") -> str:
+    """The hover text of a block: id, state, ref count, hash, owners, tokens (HTML-escaped, language-marked)."""
     owners = ", ".join(str(s) for s in block["owners"]) or "-"
-    return (f"block {block['id']} · {block['state']} · ref {block['ref_count']} · "
-            f"hash {block['hash'] or 'null'} · seqs {owners} · {block['num_tokens']}/{block_size} tokens")
+    hash_ = block["hash"] or "null"
+    en = (f"block {block['id']} · {block['state']} · ref {block['ref_count']} · hash {hash_} · seqs {owners} · "
+          f"{block['num_tokens']}/{block_size} tokens")
+    zh = (f"块 {block['id']} · {STATE_ZH.get(block['state'], block['state'])} · 引用计数 {block['ref_count']} · "
+          f"哈希 {hash_} · 序列 {owners} · {block['num_tokens']}/{block_size} 个 token")
+    return lang_text(en, zh, lang, "\n")
 
 
-def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str = "both") -> str:
+def seq_info(seq: dict, lang: str | None = "en") -> str:
+    """The hover text of a sequence row: status and counters (HTML-escaped, language-marked)."""
+    s = seq
+    en = (f"seq {s['id']} · {s['status']} · {s['num_tokens']} tokens (prompt {s['num_prompt_tokens']}) · "
+          f"cached {s['num_cached_tokens']} · scheduled {s['num_scheduled_tokens']}")
+    zh = (f"序列 {s['id']} · {s['status']} · {s['num_tokens']} 个 token（提示词 {s['num_prompt_tokens']} 个）· "
+          f"已缓存 {s['num_cached_tokens']} · 本步调度 {s['num_scheduled_tokens']}")
+    return lang_text(en, zh, lang, "\n")
+
+
+def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
     """Draw one frame: the block pool, the block tables, the queues and the free list."""
+    lang = _check_lang(lang)
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
     prev_state = {b["id"]: b["state"] for b in prev["blocks"]} if prev else {}
     cols = max(1, min(16, len(blocks)))
     out: list[str] = []
     y = 14
-    out.append(f'<text x="4" y="{y}" class="nvv-h">{_t("block pool", "块池", lang)}</text>')
+    out.append(f'<text x="4" y="{y}" class="nvv-h">{_label("block pool", "块池", lang)}</text>')
     top = y + 6
     for k, block in enumerate(blocks):
         x, yy = 4 + (k % cols) * PITCH, top + (k // cols) * PITCH
@@ -574,10 +664,11 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
             classes.append("nvv-new")
         elif before == "used" and block["state"] != "used":
             classes.append("nvv-freed")
-        info = block_info(block, block_size)
         owners = " ".join(str(s) for s in block["owners"])
-        out.append(f'<g class="{" ".join(classes)}" data-b="{block["id"]}" data-o="{owners}" '
-                   f'data-info="{_esc(info)}"><title>{_esc(info)}</title>')
+        # en: The <title> is the tooltip, and the script copies it under the drawing on hover.
+        # zh: <title> 是悬停提示，脚本在悬停时也会把它抄到图的下方。
+        out.append(f'<g class="{" ".join(classes)}" data-b="{block["id"]}" data-o="{owners}">'
+                   f"<title>{block_info(block, block_size, lang)}</title>")
         out.append(f'<rect class="nvv-box" x="{x}" y="{yy}" width="{CELL}" height="{CELL}" rx="4"/>')
         out.append(f'<text class="nvv-bid" x="{x + 3}" y="{yy + 10}">{block["id"]}</text>')
         if block["state"] != "free":
@@ -595,16 +686,15 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     # zh: 块表：每个活跃序列一行，运行中的在前。
     seqs = {s["id"]: s for s in frame["seqs"]}
     live = [seqs[i] for i in frame["running"] + frame["waiting"]]
-    out.append(f'<text x="4" y="{y}" class="nvv-h">{_t("block tables", "块表", lang)}</text>')
+    out.append(f'<text x="4" y="{y}" class="nvv-h">{_label("block tables", "块表", lang)}</text>')
     y += 8
     hit_by_seq = {hit["seq"]: set(hit["blocks"]) for hit in frame["event"].get("cache_hits", [])}
     for s in live:
         color = f"nvv-c{s['id'] % NUM_COLORS}"
-        info = (f"seq {s['id']} · {s['status']} · {s['num_tokens']} tokens (prompt {s['num_prompt_tokens']}) · "
-                f"cached {s['num_cached_tokens']} · scheduled {s['num_scheduled_tokens']}")
-        out.append(f'<g class="nvv-seq" data-s="{s["id"]}" data-info="{_esc(info)}"><title>{_esc(info)}</title>')
+        row = _label(f"seq {s['id']}: {s['num_tokens']} tok", f"序列 {s['id']}：{s['num_tokens']} token", lang)
+        out.append(f'<g class="nvv-seq" data-s="{s["id"]}"><title>{seq_info(s, lang)}</title>')
         out.append(f'<rect class="{color}" x="4" y="{y + 4}" width="10" height="12" rx="2"/>')
-        out.append(f'<text x="18" y="{y + 15}">seq {s["id"]}: {s["num_tokens"]} tok</text></g>')
+        out.append(f'<text x="18" y="{y + 15}">{row}</text></g>')
         for j, block_id in enumerate(s["block_table"]):
             x = TABLE_X + j * (ROW_CELL + 2)
             hit = " nvv-hit" if block_id in hit_by_seq.get(s["id"], ()) else ""
@@ -614,12 +704,12 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         width = max(width, TABLE_X + len(s["block_table"]) * (ROW_CELL + 2) + 4)
         y += 24
     if not live:
-        out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_t("(none)", "（无）", lang)}</text>')
+        out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_label("(none)", "（无）", lang)}</text>')
         y += 24
     # en: Queues as chips, in queue order (the head is on the left).
     # zh: 队列画成一串小标签，按队列顺序排列（队首在左）。
     y += 10
-    for name, label in (("running", _t("running", "运行", lang)), ("waiting", _t("waiting", "等待", lang))):
+    for name, label in (("running", _label("running", "运行", lang)), ("waiting", _label("waiting", "等待", lang))):
         out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{label}</text>')
         for j, seq_id in enumerate(frame[name]):
             x = TABLE_X + j * 44
@@ -628,7 +718,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
                        f'<text x="{x + 20}" y="{y + 14}" class="nvv-mid">s{seq_id}</text></g>')
         width = max(width, TABLE_X + len(frame[name]) * 44 + 4)
         y += 24
-    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{_t("free list", "空闲队列", lang)}</text>')
+    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{_label("free list", "空闲队列", lang)}</text>')
     shown = frame["free_list"][:24]
     for j, block_id in enumerate(shown):
         x = TABLE_X + j * 24
@@ -638,8 +728,11 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         out.append(f'<text x="{TABLE_X + len(shown) * 24 + 2}" y="{y + 14}">… +{len(frame["free_list"]) - 24}</text>')
     width = max(width, TABLE_X + len(shown) * 24 + 40, 420)
     y += 26
-    return (f'<svg width="{width}" height="{y}" viewBox="0 0 {width} {y}" '
-            f'role="img">{"".join(out)}</svg>')
+    # en: The drawing's accessible name says what it shows; the caption above it says what happened.
+    # zh: 图的无障碍名称说明它画了什么；图上方的说明文字讲发生了什么。
+    name = lang_text("block pool, block tables, queues and free list", "块池、块表、队列与空闲队列", lang, "\n")
+    return (f'<svg class="nvv-svg" width="{width}" height="{y}" viewBox="0 0 {width} {y}" role="img">'
+            f'<title>{name}</title>{"".join(out)}</svg>')
 
 # %% player: style and script
 #| export viz.player
@@ -651,22 +744,25 @@ PLAYER_CSS = """
 .nvv:focus{outline:2px solid #90caf9}
 .nvv-bar{display:flex;gap:6px;align-items:center;flex-wrap:wrap;margin-bottom:4px}
 .nvv-bar button{font:inherit;padding:1px 8px;border:1px solid #90a4ae;border-radius:4px;background:#eceff1;
-  color:#263238;cursor:pointer}
+  color:#263238;cursor:pointer;white-space:nowrap}
 .nvv-bar button:hover{background:#cfd8dc}
-.nvv-slider{flex:1;min-width:120px}
+.nvv-ico{width:10px;height:10px;fill:currentColor;vertical-align:-1px;display:inline-block}
+.nvv-playing .nvv-when-stopped,.nvv:not(.nvv-playing) .nvv-when-playing{display:none}
+.nvv-sr{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0);white-space:nowrap}
+.nvv-slide{flex:1;min-width:120px;display:flex}
+.nvv-slider{flex:1;min-width:0}
 .nvv-count{font-family:ui-monospace,Menlo,Consolas,monospace;min-width:5em}
 .nvv-frame[hidden]{display:none}
 .nvv-cap{min-height:2.9em;margin:2px 0 4px}
-.nvv-cap .nvv-zh{color:#546e7a}
 .nvv-info{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:#37474f;min-height:1.5em}
 .nvv-nojs{font-size:12px;color:#8d6e63}
-.nvv svg{display:block;max-width:100%;height:auto}
-.nvv svg text{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;fill:#263238}
-.nvv svg text.nvv-h{font-family:system-ui,sans-serif;font-weight:600;fill:#455a64}
-.nvv svg text.nvv-mid,.nvv svg text.nvv-rc{text-anchor:middle}
-.nvv svg text.nvv-rc{font-size:15px;font-weight:700}
-.nvv svg text.nvv-bid{font-size:9px;fill:#607d8b}
-.nvv svg text.nvv-dim{fill:#90a4ae}
+.nvv-svg{display:block;max-width:100%;height:auto}
+.nvv-svg text{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;fill:#263238}
+.nvv-svg text.nvv-h{font-family:system-ui,sans-serif;font-weight:600;fill:#455a64}
+.nvv-svg text.nvv-mid,.nvv-svg text.nvv-rc{text-anchor:middle}
+.nvv-svg text.nvv-rc{font-size:15px;font-weight:700}
+.nvv-svg text.nvv-bid{font-size:9px;fill:#607d8b}
+.nvv-svg text.nvv-dim{fill:#90a4ae}
 .nvv-box{stroke-width:1.5}
 .nvv-free .nvv-box{fill:#f5f5f5;stroke:#b0bec5}
 .nvv-used .nvv-box{fill:#d6e6fb;stroke:#1e5aa8}
@@ -689,11 +785,34 @@ PLAYER_CSS = """
 .nvv-legend .nvv-l-new{border:2.5px solid #0d47a1}
 .nvv-legend .nvv-l-freed{border:2.5px solid #c62828}
 """
+# en: Only a drawing in both languages carries this style (keep_language cuts it): the Chinese caption is
+# en: greyed, and the SVG labels show English only, since a label has room for one language.
+# zh: 只有双语绘图带有这段样式（keep_language 会把它去掉）：中文说明文字显示为灰色，
+# zh: SVG 标签只显示英文，因为一个标签只放得下一种语言。
+BOTH_CSS = (".nvv:has(>style.nvv-both) .nvv-cap [lang=zh]{color:#546e7a}"
+            ".nvv:has(>style.nvv-both) .nvv-svg [lang=zh]{display:none}")
+
+# en: Icons drawn as SVG paths: glyphs such as ⏸ are missing from many fonts (an empty box instead).
+# zh: 图标用 SVG 路径画出：⏸ 这类字符在很多字体里没有（会显示成空方框）。
+ICONS = {
+    "first": "M1 1h1.6v8H1zM9 1v8L3 5z",
+    "back": "M8 1v8L2 5z",
+    "play": "M2 1v8l7-4z",
+    "pause": "M2 1h2.2v8H2zM5.8 1H8v8H5.8z",
+    "last": "M1 1v8l6-4zM7.4 1H9v8H7.4z",
+}
+
+
+def _icon(name: str) -> str:
+    return f'<svg class="nvv-ico" viewBox="0 0 10 10" aria-hidden="true"><path d="{ICONS[name]}"/></svg>'
+
 
 # en: The player's behaviour. "__ROOT__" is replaced by the player's own element id, so each player on a page
-# en: drives only its own frames. Everything it needs is already in the page: no network, no kernel.
+# en: drives only its own frames. Everything it needs is already in the page: no network, no kernel, and no
+# en: text (the labels of both languages are in the HTML, so keep_language can pick one).
 # zh: 播放器的行为。"__ROOT__" 会被替换为该播放器自己的元素 id，因此同一页面上的每个播放器只控制自己的帧。
-# zh: 它需要的一切都已在页面里：不联网，也不需要内核。
+# zh: 它需要的一切都已在页面里：不联网，不需要内核，也不含文字
+# zh: （两种语言的标签都在 HTML 里，keep_language 才能挑出一种）。
 PLAYER_JS = """
 (function () {
   var root = document.getElementById("__ROOT__");
@@ -701,7 +820,7 @@ PLAYER_JS = """
   root.setAttribute("data-ready", "1");
   var frames = root.querySelectorAll(".nvv-frame"), n = frames.length, cur = 0, timer = null;
   var slider = root.querySelector(".nvv-slider"), count = root.querySelector(".nvv-count");
-  var info = root.querySelector(".nvv-info"), play = root.querySelector("[data-act=play]");
+  var info = root.querySelector(".nvv-info");
   var nojs = root.querySelector(".nvv-nojs");
   if (nojs) nojs.parentNode.removeChild(nojs);
   function show(k) {
@@ -714,11 +833,11 @@ PLAYER_JS = """
   function stop() {
     if (timer) clearInterval(timer);
     timer = null;
-    play.textContent = play.getAttribute("data-play");
+    root.classList.remove("nvv-playing");
   }
   function start() {
     if (cur >= n - 1) show(0);
-    play.textContent = play.getAttribute("data-pause");
+    root.classList.add("nvv-playing");
     timer = setInterval(function () { if (cur >= n - 1) stop(); else show(cur + 1); },
                         +root.getAttribute("data-interval"));
   }
@@ -744,22 +863,24 @@ PLAYER_JS = """
     var els = frames[cur].querySelectorAll(sel);
     for (var i = 0; i < els.length; i++) els[i].classList.toggle("nvv-lit", on);
   }
+  function tell(g) {
+    var t = g && g.querySelector("title");
+    if (t) info.textContent = t.textContent;
+  }
   function hover(e, on) {
     var g = e.target.closest ? e.target.closest("[data-b],[data-s]") : null;
     if (!g) return;
     var b = g.getAttribute("data-b"), s = g.getAttribute("data-s");
     if (b !== null) {
       light('[data-b="' + b + '"]', on);
-      var cell = frames[cur].querySelector('.nvv-blk[data-b="' + b + '"]');
-      if (on && cell) info.textContent = cell.getAttribute("data-info");
+      if (on) tell(frames[cur].querySelector('.nvv-blk[data-b="' + b + '"]'));
     } else {
       var owned = frames[cur].querySelectorAll(".nvv-blk");
       for (var i = 0; i < owned.length; i++) {
         if ((" " + owned[i].getAttribute("data-o") + " ").indexOf(" " + s + " ") >= 0)
           owned[i].classList.toggle("nvv-lit", on);
       }
-      var row = frames[cur].querySelector('.nvv-seq[data-s="' + s + '"]');
-      if (on) info.textContent = row ? row.getAttribute("data-info") : "seq " + s;
+      if (on) tell(frames[cur].querySelector('.nvv-seq[data-s="' + s + '"]'));
     }
   }
   root.addEventListener("mouseover", function (e) { hover(e, true); });
@@ -790,75 +911,94 @@ def _check_recording(recording: object) -> dict:
 
 
 def _caption_html(frame: dict, lang: str) -> str:
-    if lang == "both":
-        return (f'<div class="nvv-cap"><div>{_esc(caption(frame, "en"))}</div>'
-                f'<div class="nvv-zh">{_esc(caption(frame, "zh"))}</div></div>')
-    return f'<div class="nvv-cap">{_esc(caption(frame, lang))}</div>'
+    en, zh = (f'<div lang="{x}">{_esc(caption(frame, x))}</div>' for x in ("en", "zh"))
+    return f'<div class="nvv-cap">{_pick(en, zh, lang)}</div>'
 
 
 def _legend(lang: str) -> str:
     items = [("free", "空闲"), ("used", "已用"), ("cached", "空闲但仍被缓存"), ("hit", "缓存命中"),
              ("new", "新分配"), ("freed", "刚释放")]
-    parts = "".join(f'<span class="nvv-l-{en}"></span>{_t(en, zh, lang)}' for en, zh in items)
-    note = _t("number = ref count; bar = tokens in the block", "数字 = 引用计数；横条 = 块中的 token 数", lang)
-    return f'<div class="nvv-legend">{parts} · {_esc(note)}</div>'
+    parts = "".join(f'<span class="nvv-l-{en}"></span>{lang_text(en, zh, lang)}' for en, zh in items)
+    note = lang_text("number = ref count; bar = tokens in the block", "数字 = 引用计数；横条 = 块中的 token 数", lang)
+    return f'<div class="nvv-legend">{parts} · {note}</div>'
 
 
-def frame_html(recording: dict, index: int = -1, lang: str = "both", since: int | None = None) -> str:
+def _style(lang: str) -> str:
+    both = f'<!--lang:both--><style class="nvv-both">{BOTH_CSS}</style><!--/lang-->' if lang == "both" else ""
+    return f"<style>{PLAYER_CSS}</style>{both}"
+
+
+def frame_html(recording: dict, index: int = -1, lang: str | None = None, since: int | None = None) -> str:
     """One frame as static HTML (captions, drawing, legend): no script, so it also works inside widgets.
 
     since: also caption the frames from ``since`` up to ``index`` (what one action of the live panel did).
     """
     frames = _check_recording(recording)["frames"]
-    _check_lang(lang)
+    lang = _check_lang(lang)
     index = _frame_index(frames, index, "index")
     since = index if since is None else _frame_index(frames, since, "since")
     prev = frames[index - 1] if index > 0 else None
     svg = frame_svg(frames[index], recording["block_size"], prev, lang)
     captions = "".join(_caption_html(frames[k], lang) for k in range(min(since, index), index + 1))
-    return f'<div class="nvv"><style>{PLAYER_CSS}</style>{captions}{svg}{_legend(lang)}</div>'
+    return f'<div class="nvv">{_style(lang)}{captions}{svg}{_legend(lang)}</div>'
 
 
-def player_html(recording: dict, *, lang: str = "both", start: int = 0, interval_ms: int = 900,
+def _button(act: str, inner: str) -> str:
+    return f'<button type="button" data-act="{act}">{inner}</button>'
+
+
+def _controls(lang: str, frames: int, start: int) -> str:
+    """The buttons, the slider and the frame counter: every label in the page's language, every arrow an icon."""
+    def t(en: str, zh: str) -> str:
+        return lang_text(en, zh, lang)
+
+    def hidden(en: str, zh: str) -> str:  # a name for screen readers where the button shows only an icon
+        return f'<span class="nvv-sr">{t(en, zh)}</span>'
+
+    play = (f'<span class="nvv-when-stopped">{_icon("play")} {t("Play", "播放")}</span>'
+            f'<span class="nvv-when-playing">{_icon("pause")} {t("Pause", "暂停")}</span>')
+    return (
+        '<div class="nvv-bar">'
+        + _button("first", _icon("first") + hidden("first frame", "第一帧"))
+        + _button("back", f'{_icon("back")} {t("Back", "后退")}')
+        + _button("play", play)
+        + _button("step", f'{t("Step", "单步")} {_icon("play")}')
+        + _button("last", _icon("last") + hidden("last frame", "最后一帧"))
+        + f'<label class="nvv-slide">{hidden("frame", "帧")}<input class="nvv-slider" type="range" min="0" '
+          f'max="{frames - 1}" value="{start}"></label>'
+        + f'<span class="nvv-count">{start + 1} / {frames}</span></div>'
+    )
+
+
+def player_html(recording: dict, *, lang: str | None = None, start: int = 0, interval_ms: int = 900,
                 player_id: str | None = None) -> str:
     """A self-contained HTML + SVG + JS player of ``recording`` (no CDN, no fonts, no kernel).
 
-    lang: "en", "zh", or "both" (labels in both languages; the same output serves both sites).
+    lang: "en", "zh", or "both" (each piece of text marked with its language, for ``keep_language``);
+    by default the reading language (see ``set_language``).
     start: the frame shown first (and the only one shown where scripts do not run).
     """
     frames = _check_recording(recording)["frames"]
-    _check_lang(lang)
+    lang = _check_lang(lang)
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
         raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
     start = _frame_index(frames, start, "start")
     root = player_id or f"nvv-{uuid.uuid4().hex[:12]}"
     if not root.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"player_id may hold letters, digits, '-' and '_' only, got {root!r}")
-    bar = (
-        f'<div class="nvv-bar">'
-        f'<button type="button" data-act="first" title="first frame">|◀</button>'
-        f'<button type="button" data-act="back">◀ {_t("Back", "后退", lang)}</button>'
-        f'<button type="button" data-act="play" data-play="▶ {_t("Play", "播放", lang)}" '
-        f'data-pause="⏸ {_t("Pause", "暂停", lang)}">▶ {_t("Play", "播放", lang)}</button>'
-        f'<button type="button" data-act="step">{_t("Step", "单步", lang)} ▶</button>'
-        f'<button type="button" data-act="last" title="last frame">▶|</button>'
-        f'<input class="nvv-slider" type="range" min="0" max="{len(frames) - 1}" value="{start}" '
-        f'aria-label="frame">'
-        f'<span class="nvv-count">{start + 1} / {len(frames)}</span></div>'
-    )
     body = []
     for k, frame in enumerate(frames):
         hidden = "" if k == start else " hidden"
         svg = frame_svg(frame, recording["block_size"], frames[k - 1] if k else None, lang)
         body.append(f'<div class="nvv-frame" data-frame="{k}"{hidden}>{_caption_html(frame, lang)}{svg}</div>')
-    nojs = _t("Static view: JavaScript did not run here (run the cell, or trust the notebook).",
-              "静态视图：这里没有运行 JavaScript（请运行该单元，或信任此 notebook）。", lang)
-    hint = _t("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
+    nojs = lang_text("Static view: JavaScript did not run here (run the cell, or trust the notebook).",
+                     "静态视图：这里没有运行 JavaScript（请运行该单元，或信任此 notebook）。", lang)
+    hint = lang_text("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
     return (
         f'<div class="nvv" id="{root}" tabindex="0" data-start="{start}" data-interval="{interval_ms}">'
-        f"<style>{PLAYER_CSS}</style>{bar}{''.join(body)}"
-        f'<div class="nvv-info">{_esc(hint)}</div>{_legend(lang)}'
-        f'<div class="nvv-nojs">{_esc(nojs)}</div>'
+        f"{_style(lang)}{_controls(lang, len(frames), start)}{''.join(body)}"
+        f'<div class="nvv-info">{hint}</div>{_legend(lang)}'
+        f'<div class="nvv-nojs">{nojs}</div>'
         f"<script>{PLAYER_JS.replace('__ROOT__', root)}</script></div>"
     )
 
@@ -880,7 +1020,7 @@ class Player:
 #| export viz.__init__
 from nanovllm.viz.driver import FakeEngine, fake_token
 from nanovllm.viz.panel import LivePanel, parse_prompt
-from nanovllm.viz.player import Player, caption, frame_html, frame_svg, player_html
+from nanovllm.viz.player import Player, caption, frame_html, frame_svg, keep_language, player_html, set_language
 from nanovllm.viz.recorder import Recorder, snapshot
 
 __all__ = [
@@ -892,8 +1032,10 @@ __all__ = [
     "fake_token",
     "frame_html",
     "frame_svg",
+    "keep_language",
     "parse_prompt",
     "player_html",
+    "set_language",
     "snapshot",
 ]
 
@@ -1164,11 +1306,10 @@ from __future__ import annotations
 
 import os
 import re
-from html import escape as html_escape
 from typing import Any
 
 from nanovllm.viz.driver import FakeEngine
-from nanovllm.viz.player import Player, frame_html
+from nanovllm.viz.player import Player, _check_lang, frame_html, lang_text
 
 
 def parse_prompt(text: str) -> list[int]:
@@ -1187,6 +1328,13 @@ def interactive_frontend() -> bool:
     return any(name in os.environ for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
 
 
+def static_note(lang: str | None = None) -> str:
+    """What shows instead of the buttons where no frontend can show them (an executed page, the site)."""
+    note = lang_text("LivePanel: open this chapter in JupyterLab to get its buttons.",
+                     "实时面板：在 JupyterLab 中打开本章才会出现按钮。", lang, " · ")
+    return f"<p><i>{note}</i></p>"
+
+
 class LivePanel:
     """A control panel over a live scheduler driven by the fake model.
 
@@ -1194,12 +1342,13 @@ class LivePanel:
     actions so far are replayed on the new pool) and ``preempt`` (the newest running sequence).
     ``html`` is the same drawing as the player's, as a static snapshot (a widget runs no script).
     ``widget`` builds the ipywidgets buttons on first use; each button calls one of the methods,
-    which is how the tests drive the panel without a browser.
+    which is how the tests drive the panel without a browser. ``lang`` is fixed when the panel is
+    made (by default the reading language).
     """
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
-                 max_num_batched_tokens: int = 16, lang: str = "both") -> None:
-        self.lang = lang
+                 max_num_batched_tokens: int = 16, lang: str | None = None) -> None:
+        self.lang = _check_lang(lang)
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
         self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
@@ -1210,11 +1359,15 @@ class LivePanel:
         self._widgets: dict[str, Any] | None = None
         self.redraw()
 
+    def _text(self, en: str, zh: str) -> str:
+        """A label for a widget: plain text, so "both" shows the two languages side by side."""
+        return {"en": en, "zh": zh}.get(self.lang, f"{en} {zh}")
+
     # en: ---- actions (the buttons call these) ---------------------------------------------------
     # zh: ---- 动作（按钮调用这些方法）------------------------------------------------------------
     def step(self) -> None:
         if self.engine.scheduler.is_finished():
-            self.say("nothing to do: add a request first · 无事可做：请先添加请求")
+            self.say("nothing to do: add a request first", "无事可做：请先添加请求")
             return
         self.engine.step()
         self.actions.append(("step",))
@@ -1231,14 +1384,14 @@ class LivePanel:
             tokens = parse_prompt(prompt)
             self.engine.add(tokens, max_tokens)
         except (TypeError, ValueError) as error:
-            self.say(f"not added · 未添加: {error}")
+            self.say(f"not added: {error}", f"未添加：{error}")
             return
         self.actions.append(("add", tokens, max_tokens))
         self.redraw()
 
     def preempt(self) -> None:
         if self.engine.preempt_newest() is None:
-            self.say("no running sequence to preempt · 没有可抢占的运行序列")
+            self.say("no running sequence to preempt", "没有可抢占的运行序列")
             return
         self.actions.append(("preempt",))
         self.redraw()
@@ -1246,7 +1399,6 @@ class LivePanel:
     def rebuild(self, num_kvcache_blocks: int) -> None:
         """A new pool of ``num_kvcache_blocks`` blocks; the actions so far are replayed on it."""
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
-        self._seen = 0
         skipped = []
         for action in self.actions:
             if action[0] == "add":
@@ -1258,14 +1410,22 @@ class LivePanel:
                 self.engine.step()
             elif action[0] == "preempt":
                 self.engine.preempt_newest()
+        # en: Caption only where the replay ended: one line per replayed frame would bury the drawing.
+        # zh: 只给重放结束时的那一帧配说明：给每个重放的帧都配一行，会把图淹没。
+        self._seen = len(self.engine.recorder.frames) - 1
         self.redraw()
+        n = len(self.actions)
+        en = f"rebuilt a pool of {num_kvcache_blocks} blocks and replayed {n} actions"
+        zh = f"已重建 {num_kvcache_blocks} 个块的块池，并重放了 {n} 个操作"
         if skipped:
-            self.say("rebuilt; skipped requests that cannot fit · 已重建；跳过放不下的请求: " + "; ".join(skipped))
+            en += "; skipped requests that cannot fit: " + "; ".join(skipped)
+            zh += "；跳过放不下的请求：" + "；".join(skipped)
+        self.say(en, zh)
 
     # en: ---- drawing -----------------------------------------------------------------------
     # zh: ---- 绘制 --------------------------------------------------------------------------
-    def say(self, text: str) -> None:
-        self.message = f"<b>{html_escape(text)}</b>"
+    def say(self, en: str, zh: str) -> None:
+        self.message = f"<b>{lang_text(en, zh, self.lang, ' · ')}</b>"
         self._sync()
 
     def redraw(self) -> None:
@@ -1278,7 +1438,7 @@ class LivePanel:
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""
-        return Player(self.engine.recording, **options)
+        return Player(self.engine.recording, **{"lang": self.lang, **options})
 
     # en: ---- widgets -----------------------------------------------------------------------
     # zh: ---- 控件 --------------------------------------------------------------------------
@@ -1295,24 +1455,30 @@ class LivePanel:
         import ipywidgets as widgets
 
         w: dict[str, Any] = {}
+        t = self._text
+        # en: A label as wide as its text: the default width cuts "prompt 提示词" to "prompt 提…".
+        # zh: 标签宽度随文字而定：默认宽度会把 “prompt 提示词” 截成 “prompt 提…”。
+        wide = {"description_width": "initial"}
 
         def button(name: str, description: str, handler: Any) -> Any:
             w[name] = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
             w[name].on_click(lambda _button: handler())
             return w[name]
 
-        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
-        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
+        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description=t("prompt", "提示词"), style=wide)
+        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens", style=wide)
         w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
-                                                max=512, description="blocks 块数")
+                                                max=512, description=t("blocks", "块数"), style=wide)
         w["message"], w["view"] = widgets.HTML(), widgets.HTML()
         w["box"] = widgets.VBox([
-            widgets.HBox([button("step", "Step 单步", self.step), button("run", "Run to end 运行到底", self.run),
-                          button("preempt", "Preempt newest 抢占最新", self.preempt)]),
+            widgets.HBox([button("step", t("Step", "单步"), self.step),
+                          button("run", t("Run to end", "运行到底"), self.run),
+                          button("preempt", t("Preempt newest", "抢占最新"), self.preempt)]),
             widgets.HBox([w["prompt"], w["max_tokens"], button(
-                "add", "Add request 添加请求", lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+                "add", t("Add request", "添加请求"),
+                lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
             widgets.HBox([w["pool_size"], button(
-                "rebuild", "Rebuild pool 重建块池", lambda: self.rebuild(w["pool_size"].value))]),
+                "rebuild", t("Rebuild pool", "重建块池"), lambda: self.rebuild(w["pool_size"].value))]),
             w["message"],
             w["view"],
         ])
@@ -1331,7 +1497,7 @@ class LivePanel:
 # %%
 from IPython.display import HTML, display
 
-from nanovllm.viz.panel import LivePanel, interactive_frontend
+from nanovllm.viz.panel import LivePanel, interactive_frontend, static_note
 
 panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
 if interactive_frontend():
@@ -1340,8 +1506,7 @@ if interactive_frontend():
     # zh: 只在能显示按钮的前端里创建它们：否则执行后的 notebook 会保存控件状态，静态网站就会从 CDN 加载控件管理器。
     display(panel.widget)
 else:
-    display(HTML("<p><i>LivePanel: open this chapter in JupyterLab to get its buttons. · "
-                 "实时面板：在 JupyterLab 中打开本章才会出现按钮。</i></p>"))
+    display(HTML(static_note()))
 
 # %%
 # en: The same actions as clicks on Add, Step, Add, Step, Preempt, Rebuild (5 blocks), Run to end.
@@ -1368,7 +1533,8 @@ panel.player()
 #   recordings on a CPU in milliseconds.
 # - `nanovllm.viz.player`: `caption`, `frame_svg`, `frame_html`, `player_html` and `Player`: a
 #   self-contained animation with play, pause, step, slider and hover details, safe to put many
-#   on one page.
+#   on one page; and `set_language`, `lang_text`, `keep_language`: one language at a time, from
+#   one bilingual output.
 # - `nanovllm.viz.panel`: `LivePanel`, buttons over a live scheduler in JupyterLab (and
 #   `interactive_frontend()`, which tells whether buttons can be shown).
 #
@@ -1390,7 +1556,8 @@ panel.player()
 #   把每一帧记录成可直接转成 JSON 的普通数据。
 # - `nanovllm.viz.driver`：`FakeEngine`，用确定性的假模型驱动调度器，在 CPU 上几毫秒就能录好。
 # - `nanovllm.viz.player`：`caption`、`frame_svg`、`frame_html`、`player_html` 与 `Player`：自包含的动画，
-#   支持播放、暂停、单步、滑块和悬停详情，一个页面上放多少个都不会冲突。
+#   支持播放、暂停、单步、滑块和悬停详情，一个页面上放多少个都不会冲突；以及 `set_language`、`lang_text`、
+#   `keep_language`：从同一份双语输出中，一次只取一种语言。
 # - `nanovllm.viz.panel`：`LivePanel`，JupyterLab 中驱动实时调度器的按钮面板（以及判断能否显示按钮的
 #   `interactive_frontend()`）。
 #

@@ -12,11 +12,22 @@ from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.viz.driver import FakeEngine, fake_token
-from nanovllm.viz.panel import LivePanel, interactive_frontend, parse_prompt
-from nanovllm.viz.player import Player, caption, frame_html, frame_svg, player_html
+from nanovllm.viz.panel import LivePanel, interactive_frontend, parse_prompt, static_note
+from nanovllm.viz.player import (
+    Player,
+    caption,
+    frame_html,
+    frame_svg,
+    keep_language,
+    lang_text,
+    player_html,
+    reading_language,
+    set_language,
+)
 from nanovllm.viz.recorder import Recorder, hash_hex
 
 PREFIX = [11, 12, 13, 14, 15, 16, 17, 18]
+CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
 
 
 def seq_of(frame: dict, seq_id: int) -> dict:
@@ -312,7 +323,7 @@ def test_captions_say_what_happened():
 def test_frame_svg_draws_block_states_ref_counts_and_tooltips():
     recording = hand_made()
     frames = recording["frames"]
-    svg = frame_svg(frames[3], 4, prev=frames[2])
+    svg = frame_svg(frames[3], 4, prev=frames[2], lang="en")
     cells = {b: c for c, b in re.findall(r'<g class="(nvv-blk[^"]*)" data-b="(\d+)"', svg)}
     assert cells["0"] == "nvv-blk nvv-used nvv-hit"
     assert cells["2"] == "nvv-blk nvv-cached nvv-freed" and cells["3"] == "nvv-blk nvv-free nvv-freed"
@@ -321,7 +332,7 @@ def test_frame_svg_draws_block_states_ref_counts_and_tooltips():
     # The block table row of seq 0 links to blocks 0 and 1; the queues show s0 running, s1 waiting.
     assert re.findall(r'<g class="nvv-ref[^"]*" data-b="(\d+)"', svg) == ["0", "1"]
     assert '<g class="nvv-chip" data-s="0">' in svg and '<g class="nvv-chip" data-s="1">' in svg
-    first = frame_svg(frames[2], 4, prev=frames[1])
+    first = frame_svg(frames[2], 4, prev=frames[1], lang="en")
     assert first.count("nvv-new") == 4  # the four blocks of the prefill are newly allocated
 
 
@@ -343,8 +354,9 @@ def test_player_structure_and_controls():
     for act in ("first", "back", "play", "step", "last"):
         assert f'data-act="{act}"' in html
     assert 'max="4" value="2"' in html and "3 / 5" in html
-    assert "Play 播放" in html and "Step 单步" in html
-    assert "Play 播放" not in player_html(recording, lang="en") and "播放" in player_html(recording, lang="zh")
+    both = keep_language(html, "en") + keep_language(html, "zh")
+    assert "Play" in both and "Step" in both and "播放" in both and "单步" in both
+    assert "播放" not in player_html(recording, lang="en") and "Play" not in player_html(recording, lang="zh")
 
 
 def test_players_on_one_page_do_not_collide():
@@ -379,7 +391,7 @@ def test_player_displays_in_notebooks_and_frame_html_needs_no_script():
     player = Player(recording, player_id="shown")
     assert player._repr_html_() == player_html(recording, player_id="shown")
     assert repr(player) == "Player(5 frames)"
-    static = frame_html(recording, -1)
+    static = frame_html(recording, -1, lang="en")
     assert "<script" not in static and "finished seq 0" in static and static.count("<svg") == 1
 
 
@@ -403,7 +415,7 @@ def test_parse_prompt():
 
 
 def test_live_panel_buttons_drive_the_scheduler():
-    panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4, max_num_batched_tokens=16)
+    panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4, max_num_batched_tokens=16, lang="en")
     w = panel._build()
     view, message = w["view"], w["message"]
     assert "empty pool: 8 blocks" in view.value and w["pool_size"].value == 8
@@ -434,8 +446,12 @@ def test_live_panel_buttons_drive_the_scheduler():
     assert panel.widget is w["box"]
 
 
+def view_of(panel: LivePanel) -> str:
+    return panel._build()["view"].value
+
+
 def test_live_panel_rebuild_replays_on_a_new_pool():
-    panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
+    panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4, lang="en")
     w = panel._build()
     w["prompt"].value = "1 2 3 4 5 6"
     w["add"].click()
@@ -447,7 +463,8 @@ def test_live_panel_rebuild_replays_on_a_new_pool():
     recording = panel.engine.recording
     assert recording["num_blocks"] == 3 and "empty pool: 3 blocks" in caption(recording["frames"][0], "en")
     assert [(f["phase"], f["step"]) for f in recording["frames"]] == before  # same actions, new pool
-    assert w["message"].value == ""
+    assert "rebuilt a pool of 3 blocks and replayed 3 actions" in w["message"].value
+    assert "empty pool" not in view_of(panel) and view_of(panel).count('class="nvv-cap"') == 1  # the last frame only
     panel.rebuild(1)  # now the request (6 tokens + 4) can never fit: it is skipped, with a message
     assert "skipped" in w["message"].value and panel.engine.seqs == []
 
@@ -467,3 +484,62 @@ def test_the_package_front_door():
     assert viz.player_html is player_html and viz.Player is Player and viz.Recorder is Recorder
     assert viz.LivePanel is LivePanel and viz.FakeEngine is FakeEngine
     assert sorted(viz.__all__) == viz.__all__ and all(hasattr(viz, name) for name in viz.__all__)
+
+
+# ---- one language at a time ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_keep_language_cuts_the_bilingual_output_down_to_exactly_one_language(lang):
+    recording = hand_made()
+    both = player_html(recording, lang="both", start=3, player_id="p")
+    assert keep_language(both, lang) == player_html(recording, lang=lang, start=3, player_id="p")
+    assert keep_language(frame_html(recording, 3, "both", since=1), lang) == frame_html(recording, 3, lang, since=1)
+    assert keep_language(static_note("both"), lang) == static_note(lang)
+    assert "<!--lang:" not in keep_language(both, lang)
+
+
+def test_one_language_means_no_word_of_the_other():
+    recording = shared_prefix_run()[0].recording
+    en, zh = player_html(recording, lang="en"), player_html(recording, lang="zh")
+    assert not CJK.search(en), CJK.findall(en)[:10]
+    for chinese in ("块池", "块表", "等待", "空闲队列", "后退", "播放", "暂停", "单步", "第 1 步", "缓存命中"):
+        assert chinese in zh, chinese
+    visible_zh = re.sub(r"<style>.*?</style>|<script>.*?</script>|<[^>]+>", " ", zh, flags=re.S)
+    for english in ("block pool", "Back", "Play", "Pause", "Step", "prefill:", "free list", "Hover"):
+        assert english not in visible_zh, english
+
+
+def test_no_text_hides_in_attributes_and_no_glyph_needs_a_font():
+    html = player_html(hand_made(), lang="both")
+    attributes = " ".join(re.findall(r'="([^"]*)"', html))
+    assert not CJK.search(attributes) and "block 0" not in attributes
+    for glyph in ("⏸", "◀", "▶"):
+        assert glyph not in html, glyph
+    assert html.count('class="nvv-ico"') == 6  # first, back, play, pause, step, last: drawn, not typed
+
+
+def test_set_language_changes_the_default_and_lang_text_marks_both():
+    assert reading_language() == "both"
+    try:
+        set_language("zh")
+        assert player_html(hand_made(), player_id="x") == player_html(hand_made(), lang="zh", player_id="x")
+        assert LivePanel().lang == "zh" and "实时面板" in static_note() and "LivePanel" not in static_note()
+    finally:
+        set_language("both")
+    with pytest.raises(ValueError, match="lang must be one of"):
+        set_language("fr")
+    assert lang_text("a<b", "甲", "en") == "a&lt;b"
+    assert keep_language(lang_text("a", "甲", "both", " / "), "zh") == "甲"
+    with pytest.raises(ValueError, match="keeps 'en' or 'zh'"):
+        keep_language("", "both")
+
+
+def test_live_panel_speaks_its_language_and_shows_whole_labels():
+    panel = LivePanel(lang="zh")
+    w = panel._build()
+    assert w["step"].description == "单步" and w["prompt"].description == "提示词"
+    assert w["prompt"].style.description_width == "initial" and w["pool_size"].style.description_width == "initial"
+    w["step"].click()
+    assert "无事可做" in w["message"].value and "nothing" not in w["message"].value
+    assert not CJK.search(LivePanel(lang="en")._build()["box"].children[0].children[0].description)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import jupytext
@@ -46,3 +47,56 @@ def test_localize_keeps_one_language_and_tags_hidden_cells() -> None:
         assert "hide" in code[0].metadata["tags"] and "hide" not in code[1].metadata.get("tags", [])
         assert code[1].source == f"{comment}\ny = 2"
         nbformat.validate(notebook)
+
+
+EXERCISES = """# %% [markdown] tags=["en"]
+# ## Exercises
+#
+# 1. Two plus two?
+
+# %% [markdown] tags=["zh"]
+# ## 练习
+#
+# 1. 二加二？
+
+# %%
+assert 2 + 2 == 4
+
+# %%
+print("all exercise answers check out")
+
+# %% [markdown] tags=["en"]
+# Not an exercise.
+
+# %% [markdown] tags=["zh"]
+# 不是练习。
+
+# %%
+x = 1
+"""
+
+
+def test_the_code_cells_after_the_exercises_are_tagged_as_answers() -> None:
+    for lang in ("en", "zh"):
+        notebook = book.localize(jupytext.reads(EXERCISES, fmt="py:percent"), lang)
+        code = [c for c in notebook.cells if c.cell_type == "code"]
+        assert [("answers" in c.metadata.get("tags", [])) for c in code] == [True, True, False]
+
+
+def test_every_chapter_with_exercises_has_answers() -> None:
+    for chapter in book.chapter_files(book.ROOT):
+        cells = jupytext.read(chapter, fmt="py:percent").cells
+        if any(c.cell_type == "markdown" and book.EXERCISES.search(c.source) for c in cells):
+            assert book.answer_cells(cells), f"{chapter.name}: no code cell right after its exercises"
+
+
+def test_localize_keeps_one_language_of_bilingual_outputs() -> None:
+    from nanovllm.viz.player import player_html
+    from tests.test_A_visualization import hand_made
+
+    notebook = jupytext.reads("# %%\nx = 1\n", fmt="py:percent")
+    both = player_html(hand_made(), lang="both", player_id="p")
+    notebook.cells[0].outputs = [nbformat.v4.new_output("display_data", data={"text/html": both})]
+    for lang in ("en", "zh"):
+        output = book.localize(copy.deepcopy(notebook), lang).cells[0].outputs[0]
+        assert output["data"]["text/html"] == player_html(hand_made(), lang=lang, player_id="p")

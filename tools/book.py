@@ -2,13 +2,15 @@
 
 ``python -m tools.book execute [chapter.py ...]``
     runs every chapter (or the ones named) top to bottom in a fresh kernel and writes the
-    executed notebooks to ``build/executed/``. A cell that raises stops the build with the
-    chapter's name and the error (exit status 1).
+    executed notebooks to ``build/executed/``, printing each chapter's time. A cell that raises
+    stops the build with the chapter's name and the error (exit status 1).
 ``python -m tools.book site``
     turns the executed notebooks into one docs tree per language (``build/docs/en``,
-    ``build/docs/zh``: markdown cells of the other language and its code comments removed,
-    ``#| hide`` cells' code hidden) and runs ``mkdocs build --strict`` on both:
-    English into ``build/site/``, Chinese into ``build/site/zh/``.
+    ``build/docs/zh``: markdown cells of the other language, its code comments and its half of
+    every bilingual output removed, ``#| hide`` cells' code hidden, exercise answers tagged to
+    be folded) and runs ``mkdocs build --strict`` on both: English into ``build/site/``, Chinese
+    into ``build/site/zh/``. A chapter that was not executed yet is built without outputs, with a
+    warning, so that executing two chapters is enough to look at the site.
 ``python -m tools.book all``
     both of the above.
 
@@ -18,15 +20,19 @@ mkdocs-static-i18n does not work with mkdocs-jupyter, hence one filtered tree pe
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import jupytext
 import nbformat
+from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -37,6 +43,10 @@ from tools.tangle import DIRECTIVE, ROOT, chapter_files
 BUILD = ROOT / "build"
 LANGUAGES = {"en": "mkdocs.yml", "zh": "mkdocs.zh.yml"}
 COMMENT = re.compile(r"^(?P<indent>\s*)# (?P<lang>en|zh): ?(?P<text>.*)$")
+# The heading of a chapter's exercises; the code cells right after that prose are the answers.
+EXERCISES = re.compile(r"^#{2,3}\s+(Exercises|练习)\s*$", re.M)
+# Outputs that may hold both languages, marked by nanovllm.viz (players, the live panel's note).
+BILINGUAL_OUTPUTS = ("text/html", "image/svg+xml")
 CELL_TIMEOUT_S = 900
 
 
@@ -48,24 +58,36 @@ def execute(chapters: list[Path], out_dir: Path) -> list[Path]:
     """Run each chapter in a fresh kernel from the project root; write the executed notebooks."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for chapter in chapters:
+    began = time.monotonic()
+    for k, chapter in enumerate(chapters, start=1):
         notebook = jupytext.read(chapter, fmt="py:percent")
-        client = NotebookClient(
-            notebook,
-            timeout=CELL_TIMEOUT_S,
-            kernel_name="python3",
-            allow_errors=False,
-            resources={"metadata": {"path": str(ROOT)}},
-        )
-        print(f"book: executing {chapter.name}", flush=True)
-        try:
-            client.execute()
-        except CellExecutionError as error:
-            raise ChapterError(f"{chapter.name} raised while executing:\n{error}") from error
+        print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end=" ", flush=True)
+        started = time.monotonic()
+        # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
+        # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
+        with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
+            kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
+            client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
+                                    resources={"metadata": {"path": str(ROOT)}})
+            try:
+                client.execute()
+            except CellExecutionError as error:
+                print("failed", flush=True)
+                raise ChapterError(f"{chapter.name} raised while executing:\n{error}") from error
+            finally:  # nbclient leaves a kernel it did not create running
+                if kernel.has_kernel:
+                    kernel.shutdown_kernel(now=True)
+        print(f"{time.monotonic() - started:6.1f} s", flush=True)
         target = out_dir / chapter.with_suffix(".ipynb").name
         nbformat.write(notebook, target)
         written.append(target)
+    if len(chapters) > 1:
+        print(f"book: executed {len(chapters)} chapters in {minutes(time.monotonic() - began)}", flush=True)
     return written
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:.0f} s" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 def localize_code(source: str, lang: str) -> str:
@@ -80,10 +102,35 @@ def localize_code(source: str, lang: str) -> str:
     return "\n".join(lines)
 
 
+def answer_cells(cells: list) -> set[int]:
+    """Positions of the exercise answers: the code cells right after prose headed "Exercises" / "练习"."""
+    answers, after_exercises = set(), False
+    for i, cell in enumerate(cells):
+        if cell.cell_type == "markdown":
+            after_exercises = bool(EXERCISES.search(cell.source))
+        elif cell.cell_type == "code" and after_exercises:
+            answers.add(i)
+    return answers
+
+
+def localize_outputs(outputs: list, lang: str) -> None:
+    """Keep one language of the bilingual outputs (the book is executed once, for both sites)."""
+    if not outputs:
+        return
+    from nanovllm.viz.player import keep_language  # the player defines the marks it writes
+
+    for output in outputs:
+        data = output.get("data", {})
+        for mime in BILINGUAL_OUTPUTS:
+            if isinstance(data.get(mime), str):
+                data[mime] = keep_language(data[mime], lang)
+
+
 def localize(notebook: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode:
-    """The notebook as readers of ``lang`` see it (outputs are shared by both languages)."""
+    """The notebook as readers of ``lang`` see it: its prose, comments and outputs, answers tagged."""
+    answers = answer_cells(notebook.cells)
     cells = []
-    for cell in notebook.cells:
+    for i, cell in enumerate(notebook.cells):
         tags = cell.metadata.get("tags", [])
         if cell.cell_type == "markdown":
             if lang in tags:
@@ -92,14 +139,49 @@ def localize(notebook: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNod
         if cell.cell_type == "code":
             first_lines = cell.source.splitlines()[:4]
             if any((m := DIRECTIVE.match(line)) and m["name"] == "hide" for line in first_lines):
-                cell.metadata["tags"] = [*tags, "hide"]
+                tags = [*tags, "hide"]
+            if i in answers:
+                tags = [*tags, "answers"]
+            if tags:
+                cell.metadata["tags"] = tags
             cell.source = localize_code(cell.source, lang)
+            localize_outputs(cell.get("outputs", []), lang)
         cells.append(cell)
     notebook.cells = cells
     return notebook
 
 
-def docs_tree(lang: str, executed: list[Path]) -> Path:
+NOT_EXECUTED = {
+    "en": "> **Built without outputs**: this chapter was not executed for this build "
+          "(`python -m tools.book execute notebooks/{name}.py`).",
+    "zh": "> **未执行，没有输出**：构建本网站时没有执行这一章（`python -m tools.book execute notebooks/{name}.py`）。",
+}
+
+
+def chapter_notebooks(executed_dir: Path) -> dict[str, nbformat.NotebookNode]:
+    """Every chapter, executed where ``executed_dir`` has it, else as its source with a banner (and a warning)."""
+    notebooks, missing, stale = {}, [], []
+    for chapter in chapter_files(ROOT):
+        path = executed_dir / chapter.with_suffix(".ipynb").name
+        if path.exists():
+            notebooks[chapter.stem] = nbformat.read(path, as_version=4)
+            if path.stat().st_mtime < chapter.stat().st_mtime:
+                stale.append(chapter.stem)
+            continue
+        notebook = jupytext.read(chapter, fmt="py:percent")
+        banners = [nbformat.v4.new_markdown_cell(text.format(name=chapter.stem), metadata={"tags": [lang]})
+                   for lang, text in NOT_EXECUTED.items()]
+        notebook.cells = banners + notebook.cells
+        notebooks[chapter.stem] = notebook
+        missing.append(chapter.stem)
+    if missing:
+        print(f"book: warning: not executed, built without outputs: {', '.join(missing)}", flush=True)
+    if stale:
+        print(f"book: warning: executed before their chapter last changed: {', '.join(stale)}", flush=True)
+    return notebooks
+
+
+def docs_tree(lang: str, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
     """Assemble ``build/docs/<lang>``: landing pages, glossary, assets and chapters."""
     target = BUILD / "docs" / lang
     if target.exists():
@@ -109,20 +191,18 @@ def docs_tree(lang: str, executed: list[Path]) -> Path:
     shutil.copy(ROOT / "docs" / "glossary.md", target / "glossary.md")
     chapters = target / "chapters"
     chapters.mkdir()
-    for path in executed:
-        notebook = localize(nbformat.read(path, as_version=4), lang)
-        nbformat.write(notebook, chapters / path.name)
+    for name, notebook in notebooks.items():
+        nbformat.write(localize(copy.deepcopy(notebook), lang), chapters / f"{name}.ipynb")
     return target
 
 
-def build_sites(executed: list[Path]) -> None:
-    if not executed:
-        raise ChapterError("no executed chapters under build/executed: run `python -m tools.book execute` first")
+def build_sites(executed_dir: Path) -> None:
+    notebooks = chapter_notebooks(executed_dir)
     site = BUILD / "site"
     if site.exists():
         shutil.rmtree(site)
     for lang, config in LANGUAGES.items():  # English first: it would clean the zh/ subfolder
-        docs_tree(lang, executed)
+        docs_tree(lang, notebooks)
         print(f"book: building the {lang} site", flush=True)
         command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / config)]
         subprocess.run(command, check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
@@ -139,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.action in ("execute", "all"):
             execute([c.resolve() for c in args.chapters] or chapter_files(ROOT), args.out)
         if args.action in ("site", "all"):
-            build_sites(sorted(args.out.glob("*.ipynb")))
+            build_sites(args.out)
     except ChapterError as error:
         print(f"book: error: {error}", file=sys.stderr)
         return 1

@@ -1,17 +1,178 @@
-"""mkdocs hooks: keep pages free of requests to other hosts when they are viewed.
+"""mkdocs hooks: the site keeps the reader's place, shows whole titles, and loads nothing remote.
 
-mkdocs-jupyter's page template always carries a small module script that would import
-mermaid.js from a CDN if a notebook contained a mermaid diagram. The book has none and must
-load nothing from the internet, so the script is removed from every page.
+* The language switcher links each page to the same page in the other language (Material's
+  own "stay on page" needs a ``site_url`` and a sitemap, and then only works on that host).
+* mkdocs-jupyter takes titles and the table of contents from a markdown export that drops code
+  spans ("The engine: , , the demo") and gives Chinese headings empty ids; both are rebuilt here
+  from the rendered headings, which get unique, non-empty ids.
+* Exercise answers (cells that tools/book.py tagged ``answers``) are folded in ``<details>``.
+* Figures get alt text from their SVG ``<title>`` (or their labels) instead of nbconvert's
+  "No description has been provided for this image".
+* The "Chapters" section heading speaks the site's language.
+* mkdocs-jupyter's page template carries a module script that would import mermaid.js from a
+  CDN if a notebook held a mermaid diagram; the book has none and loads nothing from the
+  internet, so the script is removed.
+
+HTML is edited with BeautifulSoup (nbconvert already parses and re-serializes every page with
+it), except on the final page, where two regular expressions are enough.
 """
 
 from __future__ import annotations
 
+import base64
+import html
 import re
+from typing import Any
+
+from bs4 import BeautifulSoup
+from mkdocs.structure.toc import get_toc
 
 NOT_SCRIPT_END = r"(?:(?!</script>).)*"
 CDN_MODULE_SCRIPT = re.compile(rf'<script type="module">{NOT_SCRIPT_END}https://cdnjs\.{NOT_SCRIPT_END}</script>', re.S)
+ALTERNATE_TAG = re.compile(r'<(?:a|link)\b[^>]*\bhreflang="(?P<lang>[^"]+)"[^>]*>')
+HREF = re.compile(r'\bhref="[^"]*"')
+NO_ALT = "No description has been provided for this image"
+TOC_DEPTH = 3
+WORDS = {
+    "en": {"answers": "Answers (try the exercises first)", "figure": "Figure"},
+    "zh": {"answers": "答案（先自己做练习）", "figure": "图", "Chapters": "章节"},
+}
 
 
-def on_post_page(output: str, page: object, config: object) -> str:
-    return CDN_MODULE_SCRIPT.sub("", output)
+def language(config: Any) -> str:
+    return config["theme"]["language"]
+
+
+def word(config: Any, key: str) -> str:
+    return WORDS.get(language(config), WORDS["en"]).get(key, key)
+
+
+# ---- titles, ids and the table of contents ------------------------------------------------------
+
+
+def slug(text: str) -> str:
+    """An anchor id that keeps letters of every script (Chinese headings included)."""
+    return re.sub(r"[\s-]+", "-", re.sub(r"[^\w\s-]", "", text.lower())).strip("-") or "section"
+
+
+def heading_text(heading: Any) -> str:
+    return "".join(t for t in heading.find_all(string=True) if t.parent.name != "a" or t != "¶").strip()
+
+
+def nest(flat: list[dict]) -> list[dict]:
+    """Python-Markdown's nested toc tokens from a flat list of headings."""
+    root: list[dict] = []
+    stack: list[dict] = []
+    for token in flat:
+        while stack and stack[-1]["level"] >= token["level"]:
+            stack.pop()
+        (stack[-1]["children"] if stack else root).append(token)
+        stack.append(token)
+    return root
+
+
+def fix_headings(soup: BeautifulSoup) -> list[dict]:
+    """Give every prose heading a unique id; return them as flat toc tokens."""
+    seen: dict[str, int] = {}
+    tokens = []
+    for heading in soup.select(".jp-MarkdownCell h1, .jp-MarkdownCell h2, .jp-MarkdownCell h3, "
+                               ".jp-MarkdownCell h4, .jp-MarkdownCell h5, .jp-MarkdownCell h6"):
+        text = heading_text(heading)
+        base = slug(text)
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        anchor = base if n == 0 else f"{base}_{n}"
+        heading["id"] = anchor
+        link = heading.find("a", class_="anchor-link")
+        if link is not None:
+            link["href"] = f"#{anchor}"
+        tokens.append({"level": int(heading.name[1]), "id": anchor, "name": html.escape(text), "children": []})
+    return tokens
+
+
+# ---- answers and figures --------------------------------------------------------------------------
+
+
+def fold_answers(soup: BeautifulSoup, summary: str) -> None:
+    """Wrap each run of answer cells in one closed <details>."""
+    for cell in soup.select("div.jp-Cell.celltag_answers"):
+        if cell.find_parent("details") is not None:
+            continue
+        run = [cell]
+        nxt = cell.find_next_sibling()
+        while nxt is not None and "celltag_answers" in (nxt.get("class") or []):
+            run.append(nxt)
+            nxt = nxt.find_next_sibling()
+        details = soup.new_tag("details", attrs={"class": "answers"})
+        label = soup.new_tag("summary")
+        label.string = summary
+        details.append(label)
+        cell.insert_before(details)
+        for member in run:
+            details.append(member.extract())
+
+
+def figure_alt(svg: str, lang: str, figure: str) -> str:
+    """The SVG's <title> in the page's language (or its first), else its labels."""
+    titles = re.findall(r'<title(?:\s+lang="([^"]*)")?\s*>(.*?)</title>', svg, re.S)
+    chosen = next((t for lang_, t in titles if lang_ == lang), titles[0][1] if titles else "")
+    text = re.sub(r"<[^>]+>", "", chosen).strip()
+    if not text:
+        labels = dict.fromkeys(re.sub(r"<[^>]+>", "", t).strip() for t in re.findall(r"<text\b[^>]*>(.*?)</text>", svg))
+        text = ", ".join(label for label in labels if label)[:200]
+    return f"{figure}: {html.unescape(text)}" if text else figure
+
+
+def describe_figures(soup: BeautifulSoup, lang: str, figure: str) -> None:
+    prefix = "data:image/svg+xml;base64,"
+    for img in soup.select("img"):
+        if img.get("alt") not in (None, "", NO_ALT):
+            continue
+        src = img.get("src", "")
+        svg = base64.b64decode(src[len(prefix):]).decode("utf-8", "replace") if src.startswith(prefix) else ""
+        img["alt"] = figure_alt(svg, lang, figure)
+
+
+# ---- mkdocs events --------------------------------------------------------------------------------
+
+
+def on_page_content(content: str, page: Any, config: Any, files: Any) -> str:
+    if not page.file.src_uri.endswith(".ipynb"):
+        return content
+    soup = BeautifulSoup(content, "html.parser")
+    tokens = fix_headings(soup)
+    first = next((t for t in tokens if t["level"] == 1), None)
+    if first is not None:
+        page.title = html.unescape(first["name"])
+    page.toc = get_toc(nest([t for t in tokens if t["level"] <= TOC_DEPTH]))
+    fold_answers(soup, word(config, "answers"))
+    describe_figures(soup, language(config), word(config, "figure"))
+    return str(soup)
+
+
+def on_nav(nav: Any, config: Any, files: Any) -> Any:
+    for item in nav.items:
+        if item.is_section:
+            item.title = word(config, item.title)
+    return nav
+
+
+def alternate_href(page_url: str, root: str) -> str:
+    """The same page in another language's site, relative to this page (any host, any prefix).
+
+    root: that site's root relative to this one ("zh/" from English, "../" from Chinese).
+    """
+    up = "../" * page_url.count("/")
+    return (up + root.removeprefix("./") + page_url) or "./"
+
+
+def on_post_page(output: str, page: Any, config: Any) -> str:
+    output = CDN_MODULE_SCRIPT.sub("", output)
+    roots = {alt["lang"]: alt["link"] for alt in config["extra"].get("alternate", [])}
+
+    def relink(match: re.Match) -> str:
+        if match["lang"] not in roots:
+            return match[0]
+        return HREF.sub(f'href="{alternate_href(page.url, roots[match["lang"]])}"', match[0], count=1)
+
+    return ALTERNATE_TAG.sub(relink, output)

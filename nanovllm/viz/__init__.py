@@ -2,7 +2,7 @@
 
 from nanovllm.viz.driver import FakeEngine, fake_token
 from nanovllm.viz.panel import LivePanel, parse_prompt
-from nanovllm.viz.player import Player, caption, frame_html, frame_svg, player_html
+from nanovllm.viz.player import Player, caption, frame_html, frame_svg, keep_language, player_html, set_language
 from nanovllm.viz.recorder import Recorder, snapshot
 
 __all__ = [
@@ -14,7 +14,9 @@ __all__ = [
     "fake_token",
     "frame_html",
     "frame_svg",
+    "keep_language",
     "parse_prompt",
     "player_html",
+    "set_language",
     "snapshot",
 ]

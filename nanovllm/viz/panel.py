@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import os
 import re
-from html import escape as html_escape
 from typing import Any
 
 from nanovllm.viz.driver import FakeEngine
-from nanovllm.viz.player import Player, frame_html
+from nanovllm.viz.player import Player, _check_lang, frame_html, lang_text
 
 __all__ = [
     "LivePanel",
     "interactive_frontend",
     "parse_prompt",
+    "static_note",
 ]
 
 
@@ -33,6 +33,13 @@ def interactive_frontend() -> bool:
     return any(name in os.environ for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
 
 
+def static_note(lang: str | None = None) -> str:
+    """What shows instead of the buttons where no frontend can show them (an executed page, the site)."""
+    note = lang_text("LivePanel: open this chapter in JupyterLab to get its buttons.",
+                     "实时面板：在 JupyterLab 中打开本章才会出现按钮。", lang, " · ")
+    return f"<p><i>{note}</i></p>"
+
+
 class LivePanel:
     """A control panel over a live scheduler driven by the fake model.
 
@@ -40,12 +47,13 @@ class LivePanel:
     actions so far are replayed on the new pool) and ``preempt`` (the newest running sequence).
     ``html`` is the same drawing as the player's, as a static snapshot (a widget runs no script).
     ``widget`` builds the ipywidgets buttons on first use; each button calls one of the methods,
-    which is how the tests drive the panel without a browser.
+    which is how the tests drive the panel without a browser. ``lang`` is fixed when the panel is
+    made (by default the reading language).
     """
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
-                 max_num_batched_tokens: int = 16, lang: str = "both") -> None:
-        self.lang = lang
+                 max_num_batched_tokens: int = 16, lang: str | None = None) -> None:
+        self.lang = _check_lang(lang)
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
         self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
@@ -56,10 +64,14 @@ class LivePanel:
         self._widgets: dict[str, Any] | None = None
         self.redraw()
 
+    def _text(self, en: str, zh: str) -> str:
+        """A label for a widget: plain text, so "both" shows the two languages side by side."""
+        return {"en": en, "zh": zh}.get(self.lang, f"{en} {zh}")
+
     # ---- actions (the buttons call these) ---------------------------------------------------
     def step(self) -> None:
         if self.engine.scheduler.is_finished():
-            self.say("nothing to do: add a request first · 无事可做：请先添加请求")
+            self.say("nothing to do: add a request first", "无事可做：请先添加请求")
             return
         self.engine.step()
         self.actions.append(("step",))
@@ -76,14 +88,14 @@ class LivePanel:
             tokens = parse_prompt(prompt)
             self.engine.add(tokens, max_tokens)
         except (TypeError, ValueError) as error:
-            self.say(f"not added · 未添加: {error}")
+            self.say(f"not added: {error}", f"未添加：{error}")
             return
         self.actions.append(("add", tokens, max_tokens))
         self.redraw()
 
     def preempt(self) -> None:
         if self.engine.preempt_newest() is None:
-            self.say("no running sequence to preempt · 没有可抢占的运行序列")
+            self.say("no running sequence to preempt", "没有可抢占的运行序列")
             return
         self.actions.append(("preempt",))
         self.redraw()
@@ -91,7 +103,6 @@ class LivePanel:
     def rebuild(self, num_kvcache_blocks: int) -> None:
         """A new pool of ``num_kvcache_blocks`` blocks; the actions so far are replayed on it."""
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
-        self._seen = 0
         skipped = []
         for action in self.actions:
             if action[0] == "add":
@@ -103,13 +114,20 @@ class LivePanel:
                 self.engine.step()
             elif action[0] == "preempt":
                 self.engine.preempt_newest()
+        # Caption only where the replay ended: one line per replayed frame would bury the drawing.
+        self._seen = len(self.engine.recorder.frames) - 1
         self.redraw()
+        n = len(self.actions)
+        en = f"rebuilt a pool of {num_kvcache_blocks} blocks and replayed {n} actions"
+        zh = f"已重建 {num_kvcache_blocks} 个块的块池，并重放了 {n} 个操作"
         if skipped:
-            self.say("rebuilt; skipped requests that cannot fit · 已重建；跳过放不下的请求: " + "; ".join(skipped))
+            en += "; skipped requests that cannot fit: " + "; ".join(skipped)
+            zh += "；跳过放不下的请求：" + "；".join(skipped)
+        self.say(en, zh)
 
     # ---- drawing -----------------------------------------------------------------------
-    def say(self, text: str) -> None:
-        self.message = f"<b>{html_escape(text)}</b>"
+    def say(self, en: str, zh: str) -> None:
+        self.message = f"<b>{lang_text(en, zh, self.lang, ' · ')}</b>"
         self._sync()
 
     def redraw(self) -> None:
@@ -122,7 +140,7 @@ class LivePanel:
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""
-        return Player(self.engine.recording, **options)
+        return Player(self.engine.recording, **{"lang": self.lang, **options})
 
     # ---- widgets -----------------------------------------------------------------------
     @property
@@ -137,24 +155,29 @@ class LivePanel:
         import ipywidgets as widgets
 
         w: dict[str, Any] = {}
+        t = self._text
+        # A label as wide as its text: the default width cuts "prompt 提示词" to "prompt 提…".
+        wide = {"description_width": "initial"}
 
         def button(name: str, description: str, handler: Any) -> Any:
             w[name] = widgets.Button(description=description, layout=widgets.Layout(width="auto"))
             w[name].on_click(lambda _button: handler())
             return w[name]
 
-        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description="prompt 提示词")
-        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens")
+        w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description=t("prompt", "提示词"), style=wide)
+        w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens", style=wide)
         w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
-                                                max=512, description="blocks 块数")
+                                                max=512, description=t("blocks", "块数"), style=wide)
         w["message"], w["view"] = widgets.HTML(), widgets.HTML()
         w["box"] = widgets.VBox([
-            widgets.HBox([button("step", "Step 单步", self.step), button("run", "Run to end 运行到底", self.run),
-                          button("preempt", "Preempt newest 抢占最新", self.preempt)]),
+            widgets.HBox([button("step", t("Step", "单步"), self.step),
+                          button("run", t("Run to end", "运行到底"), self.run),
+                          button("preempt", t("Preempt newest", "抢占最新"), self.preempt)]),
             widgets.HBox([w["prompt"], w["max_tokens"], button(
-                "add", "Add request 添加请求", lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+                "add", t("Add request", "添加请求"),
+                lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
             widgets.HBox([w["pool_size"], button(
-                "rebuild", "Rebuild pool 重建块池", lambda: self.rebuild(w["pool_size"].value))]),
+                "rebuild", t("Rebuild pool", "重建块池"), lambda: self.rebuild(w["pool_size"].value))]),
             w["message"],
             w["view"],
         ])
