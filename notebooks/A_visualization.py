@@ -648,6 +648,10 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     lang = _check_lang(lang)
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
+    # en: Copy-on-write (chapter 04b): the fresh blocks copies go into, and the shared blocks they come from.
+    # zh: 写时复制（第 04b 章）：拷贝写入的新块，以及被拷贝的共享块。
+    copy_into = {c["to"] for c in frame["event"].get("copies", [])}
+    copy_from = {c["from"] for c in frame["event"].get("copies", [])}
     prev_state = {b["id"]: b["state"] for b in prev["blocks"]} if prev else {}
     cols = max(1, min(16, len(blocks)))
     out: list[str] = []
@@ -658,7 +662,11 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         x, yy = 4 + (k % cols) * PITCH, top + (k // cols) * PITCH
         classes = ["nvv-blk", f"nvv-{block['state']}"]
         before = prev_state.get(block["id"])
-        if block["id"] in hits:
+        if block["id"] in copy_into:
+            classes.append("nvv-copy")
+        elif block["id"] in copy_from:
+            classes.append("nvv-copysrc")
+        elif block["id"] in hits:
             classes.append("nvv-hit")
         elif before is not None and before != "used" and block["state"] == "used":
             classes.append("nvv-new")
@@ -698,6 +706,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         for j, block_id in enumerate(s["block_table"]):
             x = TABLE_X + j * (ROW_CELL + 2)
             hit = " nvv-hit" if block_id in hit_by_seq.get(s["id"], ()) else ""
+            hit += " nvv-copy" if block_id in copy_into else ""
             out.append(f'<g class="nvv-ref{hit}" data-b="{block_id}"><rect class="{color}" x="{x}" y="{y}" '
                        f'width="{ROW_CELL}" height="20" rx="3"/>'
                        f'<text x="{x + ROW_CELL // 2}" y="{y + 14}" class="nvv-mid">{block_id}</text></g>')
@@ -771,6 +780,8 @@ PLAYER_CSS = """
 .nvv-new .nvv-box{stroke:#0d47a1;stroke-width:3}
 .nvv-freed .nvv-box{stroke:#c62828;stroke-width:2.5}
 .nvv-hit .nvv-box,.nvv-ref.nvv-hit rect{stroke:#ef6c00;stroke-width:3}
+.nvv-copy .nvv-box,.nvv-ref.nvv-copy rect{stroke:#6a1b9a;stroke-width:3}
+.nvv-copysrc .nvv-box{stroke:#6a1b9a;stroke-width:2.5;stroke-dasharray:3 2}
 .nvv-fill{fill:#1e5aa8}
 .nvv-fl rect{fill:#fafafa;stroke:#b0bec5}
 .nvv .nvv-lit .nvv-box,.nvv .nvv-ref.nvv-lit rect,.nvv .nvv-chip.nvv-lit rect{stroke:#d81b60;stroke-width:3}
@@ -784,6 +795,8 @@ PLAYER_CSS = """
 .nvv-legend .nvv-l-hit{border:2.5px solid #ef6c00}
 .nvv-legend .nvv-l-new{border:2.5px solid #0d47a1}
 .nvv-legend .nvv-l-freed{border:2.5px solid #c62828}
+.nvv-legend .nvv-l-copy{border:2.5px solid #6a1b9a}
+.nvv-legend .nvv-l-copysrc{border:2.5px dashed #6a1b9a}
 """
 # en: Only a drawing in both languages carries this style (keep_language cuts it): the Chinese caption is
 # en: greyed, and the SVG labels show English only, since a label has room for one language.
@@ -916,9 +929,10 @@ def _caption_html(frame: dict, lang: str) -> str:
 
 
 def _legend(lang: str) -> str:
-    items = [("free", "空闲"), ("used", "已用"), ("cached", "空闲但仍被缓存"), ("hit", "缓存命中"),
-             ("new", "新分配"), ("freed", "刚释放")]
-    parts = "".join(f'<span class="nvv-l-{en}"></span>{lang_text(en, zh, lang)}' for en, zh in items)
+    items = [("free", "free", "空闲"), ("used", "used", "已用"), ("cached", "cached", "空闲但仍被缓存"),
+             ("hit", "hit", "缓存命中"), ("new", "new", "新分配"), ("freed", "freed", "刚释放"),
+             ("copy", "copy", "写时复制的副本"), ("copysrc", "copied from", "被复制的块")]
+    parts = "".join(f'<span class="nvv-l-{key}"></span>{lang_text(en, zh, lang)}' for key, en, zh in items)
     note = lang_text("number = ref count; bar = tokens in the block", "数字 = 引用计数；横条 = 块中的 token 数", lang)
     return f'<div class="nvv-legend">{parts} · {note}</div>'
 
@@ -1379,14 +1393,15 @@ class LivePanel:
                 break
             self.step()
 
-    def add_request(self, prompt: str, max_tokens: int = 4) -> None:
+    def add_request(self, prompt: str, max_tokens: int = 4, n: int = 1) -> None:
+        """Add a request of ``n`` samples (n > 1: it forks after its prefill, chapter 04b)."""
         try:
             tokens = parse_prompt(prompt)
-            self.engine.add(tokens, max_tokens)
+            self.engine.add(tokens, max_tokens, n)
         except (TypeError, ValueError) as error:
             self.say(f"not added: {error}", f"未添加：{error}")
             return
-        self.actions.append(("add", tokens, max_tokens))
+        self.actions.append(("add", tokens, max_tokens, n))
         self.redraw()
 
     def preempt(self) -> None:
@@ -1403,7 +1418,7 @@ class LivePanel:
         for action in self.actions:
             if action[0] == "add":
                 try:
-                    self.engine.add(action[1], action[2])
+                    self.engine.add(*action[1:])
                 except ValueError as error:
                     skipped.append(str(error))
             elif action[0] == "step" and not self.engine.scheduler.is_finished():
@@ -1467,6 +1482,7 @@ class LivePanel:
 
         w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description=t("prompt", "提示词"), style=wide)
         w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens", style=wide)
+        w["n"] = widgets.BoundedIntText(value=1, min=1, max=8, description=t("samples n", "样本数 n"), style=wide)
         w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
                                                 max=512, description=t("blocks", "块数"), style=wide)
         w["message"], w["view"] = widgets.HTML(), widgets.HTML()
@@ -1474,9 +1490,9 @@ class LivePanel:
             widgets.HBox([button("step", t("Step", "单步"), self.step),
                           button("run", t("Run to end", "运行到底"), self.run),
                           button("preempt", t("Preempt newest", "抢占最新"), self.preempt)]),
-            widgets.HBox([w["prompt"], w["max_tokens"], button(
+            widgets.HBox([w["prompt"], w["max_tokens"], w["n"], button(
                 "add", t("Add request", "添加请求"),
-                lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+                lambda: self.add_request(w["prompt"].value, w["max_tokens"].value, w["n"].value))]),
             widgets.HBox([w["pool_size"], button(
                 "rebuild", t("Rebuild pool", "重建块池"), lambda: self.rebuild(w["pool_size"].value))]),
             w["message"],

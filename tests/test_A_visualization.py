@@ -209,6 +209,9 @@ def test_fork_and_copy_on_write_are_recorded():
     assert [copy_frame["blocks"][b]["ref_count"] for b in (*table, copy["to"])] == [2, 1, 1]
     assert f"copies shared block {table[1]} into block {copy['to']}" in caption(copy_frame, "en")
     assert f"把共享的块 {table[1]} 拷贝到块 {copy['to']}" in caption(copy_frame, "zh")
+    svg = frame_svg(copy_frame, 4, frames[copy_frame["index"] - 1], lang="en")
+    assert f'class="nvv-blk nvv-used nvv-copy" data-b="{copy["to"]}"' in svg  # the copy, outlined
+    assert f'class="nvv-blk nvv-used nvv-copysrc" data-b="{copy["from"]}"' in svg  # and its source
     for frame in frames:
         check_invariants(frame, 4)
     assert sorted(frames[-1]["free_list"]) == list(range(8))
@@ -424,7 +427,7 @@ def test_live_panel_buttons_drive_the_scheduler():
     w["prompt"].value = "1 2 3 4 5 6 7 8 9"
     w["max_tokens"].value = 3
     w["add"].click()
-    assert "added seq" in view.value and panel.actions == [("add", [1, 2, 3, 4, 5, 6, 7, 8, 9], 3)]
+    assert "added seq" in view.value and panel.actions == [("add", [1, 2, 3, 4, 5, 6, 7, 8, 9], 3, 1)]
     w["step"].click()
     assert "step 1: prefill" in view.value and "step 1 done" in view.value
     assert "nvv-used" in view.value and "added seq" not in view.value
@@ -444,6 +447,20 @@ def test_live_panel_buttons_drive_the_scheduler():
     assert "<script" not in view.value and view.value == panel.html
     assert panel.player().recording["frames"] == panel.engine.recording["frames"]
     assert panel.widget is w["box"]
+
+
+def test_live_panel_adds_a_request_with_n_samples_and_shows_the_fork_and_the_copy():
+    panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4, lang="en")
+    w = panel._build()
+    w["prompt"].value, w["max_tokens"].value, w["n"].value = "1 2 3 4 5 6", 3, 2
+    w["add"].click()
+    w["step"].click()
+    assert "forked into seq" in w["view"].value
+    w["step"].click()
+    assert "copy-on-write" in w["view"].value and "nvv-copy" in w["view"].value
+    panel.rebuild(6)  # the replay keeps n
+    assert panel.actions[0] == ("add", [1, 2, 3, 4, 5, 6], 3, 2)
+    assert any(f["event"].get("copies") for f in panel.engine.recording["frames"])
 
 
 def view_of(panel: LivePanel) -> str:

@@ -83,14 +83,15 @@ class LivePanel:
                 break
             self.step()
 
-    def add_request(self, prompt: str, max_tokens: int = 4) -> None:
+    def add_request(self, prompt: str, max_tokens: int = 4, n: int = 1) -> None:
+        """Add a request of ``n`` samples (n > 1: it forks after its prefill, chapter 04b)."""
         try:
             tokens = parse_prompt(prompt)
-            self.engine.add(tokens, max_tokens)
+            self.engine.add(tokens, max_tokens, n)
         except (TypeError, ValueError) as error:
             self.say(f"not added: {error}", f"未添加：{error}")
             return
-        self.actions.append(("add", tokens, max_tokens))
+        self.actions.append(("add", tokens, max_tokens, n))
         self.redraw()
 
     def preempt(self) -> None:
@@ -107,7 +108,7 @@ class LivePanel:
         for action in self.actions:
             if action[0] == "add":
                 try:
-                    self.engine.add(action[1], action[2])
+                    self.engine.add(*action[1:])
                 except ValueError as error:
                     skipped.append(str(error))
             elif action[0] == "step" and not self.engine.scheduler.is_finished():
@@ -166,6 +167,7 @@ class LivePanel:
 
         w["prompt"] = widgets.Text(value="1 2 3 4 5 6 7 8 9 10", description=t("prompt", "提示词"), style=wide)
         w["max_tokens"] = widgets.BoundedIntText(value=4, min=1, max=256, description="max_tokens", style=wide)
+        w["n"] = widgets.BoundedIntText(value=1, min=1, max=8, description=t("samples n", "样本数 n"), style=wide)
         w["pool_size"] = widgets.BoundedIntText(value=len(self.engine.scheduler.block_manager.blocks), min=1,
                                                 max=512, description=t("blocks", "块数"), style=wide)
         w["message"], w["view"] = widgets.HTML(), widgets.HTML()
@@ -173,9 +175,9 @@ class LivePanel:
             widgets.HBox([button("step", t("Step", "单步"), self.step),
                           button("run", t("Run to end", "运行到底"), self.run),
                           button("preempt", t("Preempt newest", "抢占最新"), self.preempt)]),
-            widgets.HBox([w["prompt"], w["max_tokens"], button(
+            widgets.HBox([w["prompt"], w["max_tokens"], w["n"], button(
                 "add", t("Add request", "添加请求"),
-                lambda: self.add_request(w["prompt"].value, w["max_tokens"].value))]),
+                lambda: self.add_request(w["prompt"].value, w["max_tokens"].value, w["n"].value))]),
             widgets.HBox([w["pool_size"], button(
                 "rebuild", t("Rebuild pool", "重建块池"), lambda: self.rebuild(w["pool_size"].value))]),
             w["message"],

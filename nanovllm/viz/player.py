@@ -202,6 +202,9 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     lang = _check_lang(lang)
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
+    # Copy-on-write (chapter 04b): the fresh blocks copies go into, and the shared blocks they come from.
+    copy_into = {c["to"] for c in frame["event"].get("copies", [])}
+    copy_from = {c["from"] for c in frame["event"].get("copies", [])}
     prev_state = {b["id"]: b["state"] for b in prev["blocks"]} if prev else {}
     cols = max(1, min(16, len(blocks)))
     out: list[str] = []
@@ -212,7 +215,11 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         x, yy = 4 + (k % cols) * PITCH, top + (k // cols) * PITCH
         classes = ["nvv-blk", f"nvv-{block['state']}"]
         before = prev_state.get(block["id"])
-        if block["id"] in hits:
+        if block["id"] in copy_into:
+            classes.append("nvv-copy")
+        elif block["id"] in copy_from:
+            classes.append("nvv-copysrc")
+        elif block["id"] in hits:
             classes.append("nvv-hit")
         elif before is not None and before != "used" and block["state"] == "used":
             classes.append("nvv-new")
@@ -250,6 +257,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         for j, block_id in enumerate(s["block_table"]):
             x = TABLE_X + j * (ROW_CELL + 2)
             hit = " nvv-hit" if block_id in hit_by_seq.get(s["id"], ()) else ""
+            hit += " nvv-copy" if block_id in copy_into else ""
             out.append(f'<g class="nvv-ref{hit}" data-b="{block_id}"><rect class="{color}" x="{x}" y="{y}" '
                        f'width="{ROW_CELL}" height="20" rx="3"/>'
                        f'<text x="{x + ROW_CELL // 2}" y="{y + 14}" class="nvv-mid">{block_id}</text></g>')
@@ -319,6 +327,8 @@ PLAYER_CSS = """
 .nvv-new .nvv-box{stroke:#0d47a1;stroke-width:3}
 .nvv-freed .nvv-box{stroke:#c62828;stroke-width:2.5}
 .nvv-hit .nvv-box,.nvv-ref.nvv-hit rect{stroke:#ef6c00;stroke-width:3}
+.nvv-copy .nvv-box,.nvv-ref.nvv-copy rect{stroke:#6a1b9a;stroke-width:3}
+.nvv-copysrc .nvv-box{stroke:#6a1b9a;stroke-width:2.5;stroke-dasharray:3 2}
 .nvv-fill{fill:#1e5aa8}
 .nvv-fl rect{fill:#fafafa;stroke:#b0bec5}
 .nvv .nvv-lit .nvv-box,.nvv .nvv-ref.nvv-lit rect,.nvv .nvv-chip.nvv-lit rect{stroke:#d81b60;stroke-width:3}
@@ -332,6 +342,8 @@ PLAYER_CSS = """
 .nvv-legend .nvv-l-hit{border:2.5px solid #ef6c00}
 .nvv-legend .nvv-l-new{border:2.5px solid #0d47a1}
 .nvv-legend .nvv-l-freed{border:2.5px solid #c62828}
+.nvv-legend .nvv-l-copy{border:2.5px solid #6a1b9a}
+.nvv-legend .nvv-l-copysrc{border:2.5px dashed #6a1b9a}
 """
 # Only a drawing in both languages carries this style (keep_language cuts it): the Chinese caption is
 # greyed, and the SVG labels show English only, since a label has room for one language.
@@ -457,9 +469,10 @@ def _caption_html(frame: dict, lang: str) -> str:
 
 
 def _legend(lang: str) -> str:
-    items = [("free", "空闲"), ("used", "已用"), ("cached", "空闲但仍被缓存"), ("hit", "缓存命中"),
-             ("new", "新分配"), ("freed", "刚释放")]
-    parts = "".join(f'<span class="nvv-l-{en}"></span>{lang_text(en, zh, lang)}' for en, zh in items)
+    items = [("free", "free", "空闲"), ("used", "used", "已用"), ("cached", "cached", "空闲但仍被缓存"),
+             ("hit", "hit", "缓存命中"), ("new", "new", "新分配"), ("freed", "freed", "刚释放"),
+             ("copy", "copy", "写时复制的副本"), ("copysrc", "copied from", "被复制的块")]
+    parts = "".join(f'<span class="nvv-l-{key}"></span>{lang_text(en, zh, lang)}' for key, en, zh in items)
     note = lang_text("number = ref count; bar = tokens in the block", "数字 = 引用计数；横条 = 块中的 token 数", lang)
     return f'<div class="nvv-legend">{parts} · {note}</div>'
 
