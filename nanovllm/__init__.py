@@ -5,4 +5,5 @@
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
+# notebooks/00_tour.py · cell "package front door"
 __all__ = ["LLM", "SamplingParams"]

@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 
+# notebooks/11_engine.py · cell "cli"
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -59,6 +60,7 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     ]
 
 
+# notebooks/11_engine.py · cell "cli main"
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from nanovllm.sampling_params import SamplingParams
@@ -83,6 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# In a notebook this cell also runs as __main__; only a real `python -m nanovllm` should act.
+# A notebook also runs this code as __main__; only a real `python -m nanovllm` should act.
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 
+# notebooks/11_engine.py · cell "bench workload"
 PRESETS: dict[str, dict] = {
     "nano-vllm": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
     # The same workload on a Qwen3-8B-shaped model (chapter 10's second goal): it fits one H200.
@@ -93,6 +94,7 @@ def make_workload(
     return Workload(prompts, output_lens, temperature)
 
 
+# notebooks/11_engine.py · cell "bench peer"
 @dataclass(frozen=True)
 class BenchResult:
     name: str
@@ -122,7 +124,8 @@ def _sync(device: str) -> None:
 
 def run_transformers(model: str, workload: Workload, *, device: str, dtype: torch.dtype,
                      batch_size: int = 64) -> BenchResult:
-    """Time Hugging Face `generate` on the workload (rules above)."""
+    """Time Hugging Face `generate` on the workload: sorted batches (peer_batches), left-padded, every
+    row forced to its batch's longest output length."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
@@ -153,6 +156,7 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
     return BenchResult(f"transformers generate (batches of {batch_size})", seconds, workload.num_output_tokens)
 
 
+# notebooks/11_engine.py · cell "bench bound"
 def layer_params(hf_config: Any) -> int:
     """Parameters of one decoder layer (projections, MLP, norms; biases ignored)."""
     hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
@@ -196,6 +200,7 @@ def workload_bound(workload: Workload, hf_config: Any, dtype_bytes: int, bandwid
     return Bound(decode_bytes, prefill_flops, seconds, workload.num_output_tokens / seconds)
 
 
+# notebooks/11_engine.py · cell "bench engine"
 QWEN3_06B_SHAPES: dict[str, Any] = {
     "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
     "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
@@ -432,6 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# In a notebook this cell also runs as __main__; only a real `python -m nanovllm.bench` should act.
+# A notebook also runs this code as __main__; only a real `python -m nanovllm.bench` should act.
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())

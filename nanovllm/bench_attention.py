@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 
+# notebooks/06b_triton_attention.py · cell "bench"
 # Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128; nano-vllm's block size 256.
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
@@ -230,6 +231,6 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=1)
 
 
-# Run as `python -m nanovllm.bench_attention`, not when this cell runs inside the chapter's notebook.
+# Run as `python -m nanovllm.bench_attention`, not when a notebook executes this code as __main__.
 if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovllm.bench_attention":
     main()

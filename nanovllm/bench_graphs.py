@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 
+# notebooks/09_cuda_graphs.py · cell "bench graphs"
 def decode_batch(batch: int, context_len: int, block_size: int, vocab_size: int, seed: int = 0) -> list[Sequence]:
     """`batch` sequences of `context_len` random tokens, ready to decode, on disjoint blocks 0, 1, 2, ..."""
     generator = torch.Generator().manual_seed(seed)
@@ -165,6 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# In a notebook this cell also runs as __main__; only a real `python -m nanovllm.bench_graphs` should act.
+# A notebook also runs this code as __main__; only a real `python -m nanovllm.bench_graphs` should act.
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())

@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 
+# notebooks/04b_parallel_sampling.py · cell "sampling run"
 @dataclass
 class SamplingRun:
     """What one `generate` call cost: time, tokens produced, tokens prefilled, most blocks in use at once."""
@@ -70,6 +71,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# notebooks/04b_parallel_sampling.py · cell "compare"
 def compare_parallel_sampling(
     model: str, prompts: list[list[int]], output_lens: list[int], n: int, **config: Any
 ) -> list[SamplingRun]:

@@ -30,6 +30,7 @@ __all__ = [
 ]
 
 
+# notebooks/11_engine.py · cell "config checks"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
@@ -69,6 +70,7 @@ def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
     return value
 
 
+# notebooks/11_engine.py · cell "read the model directory"
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -113,9 +115,11 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 
+# notebooks/11_engine.py · cell "config"
 @dataclass
 class Config:
-    """Everything the engine needs to know before it loads a model. See the chapter's table."""
+    """Everything the engine needs to know before it loads a model: the settings of `LLM(model, **settings)`
+    (chapter 11 tabulates them) and what is derived from the model directory."""
 
     model: str
     max_num_batched_tokens: int = 16384

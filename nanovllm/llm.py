@@ -9,5 +9,6 @@ __all__ = [
 ]
 
 
+# notebooks/11_engine.py · cell "llm"
 class LLM(LLMEngine):
     """The public entry point, as in nano-vllm: `LLM(model_path, **config).generate(prompts, params)`."""

@@ -10,6 +10,7 @@ __all__ = [
 ]
 
 
+# notebooks/01_sequence.py · cell "sampling params"
 def _check_int(name: str, value: object) -> int:
     # bool is a subclass of int, but `max_tokens=True` is surely a mistake.
     if isinstance(value, bool) or not isinstance(value, int):

@@ -252,8 +252,10 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
-# en: Which status may follow which (the arrows of the drawing).
-# zh: 每个状态之后允许出现哪些状态（即图中的箭头）。
+# en: Which status may follow which: WAITING -> RUNNING (scheduled), RUNNING -> WAITING (preempted),
+# en: either -> FINISHED; staying put is allowed.
+# zh: 每个状态之后允许出现哪些状态：WAITING -> RUNNING（被调度）、RUNNING -> WAITING（被抢占），
+# zh: 两者都可以 -> FINISHED；保持不变也允许。
 ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
     SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
@@ -351,9 +353,9 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params: SamplingParams | None = sampling_params
         # en: Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
-        # en: that a worker process unpickled (see "Shipping a sequence to another process" below).
+        # en: that a worker process unpickled (see __getstate__).
         # zh: token_ids[0] 在整个序列中的下标：在这里是 0；在工作进程反序列化得到的精简副本中更大
-        # zh: （见下文“把序列传给另一个进程”）。
+        # zh: （见 __getstate__）。
         self.first_token_index = 0
         # en: Parallel sampling (chapter 04b). A request with n > 1 starts as one sequence that
         # en: computes the prompt; when its first token is sampled it forks n - 1 siblings that

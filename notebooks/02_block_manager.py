@@ -502,9 +502,11 @@ class BlockManager(BlockPool):
         self._check(seq)
         if not seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: allocate it before decoding")
-        # en: Equal to `len(seq) % block_size == 1` in decode when block_size > 1 (see the text above),
-        # en: plus one block for a copy-on-write.
-        # zh: decode 中、block_size > 1 时，第一项等价于 `len(seq) % block_size == 1`（见上文）；写时复制再加一块。
+        # en: In decode, the token appended last has no KV yet: a new block is needed exactly when it
+        # en: starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
+        # en: Plus one block for a copy-on-write.
+        # zh: decode 中最后追加的 token 还没有 KV：恰好在它开启新的一块时才需要新块，当 block_size > 1 时
+        # zh: 这就是上游的 `len(seq) % block_size == 1`。写时复制再加一块。
         copy = self._shared_write_block(seq) is not None
         return seq.num_blocks - len(seq.block_table) + copy
 

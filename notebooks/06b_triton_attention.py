@@ -797,7 +797,7 @@ def decode_attention(
 # %% backend
 #| export
 class TritonBackend:
-    """Attention through this chapter's Triton kernels (compiled on CUDA, interpreted on CPU)."""
+    """Attention through the Triton kernels of this module (compiled on CUDA, interpreted on CPU)."""
 
     name = "triton"
 
@@ -1231,8 +1231,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f, indent=1)
 
 
-# en: Run as `python -m nanovllm.bench_attention`, not when this cell runs inside the chapter's notebook.
-# zh: 以 `python -m nanovllm.bench_attention` 运行时才执行；本章的 notebook 执行这个单元时不执行。
+# en: Run as `python -m nanovllm.bench_attention`, not when a notebook executes this code as __main__.
+# zh: 以 `python -m nanovllm.bench_attention` 运行时才执行；notebook 以 __main__ 身份执行这段代码时不执行。
 if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovllm.bench_attention":
     main()
 

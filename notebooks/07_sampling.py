@@ -186,7 +186,7 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     """The common case, no top-k, top-p or seed in the batch: one token per row, without a host sync.
 
     It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
-    greedy rows. On a GPU, ``triton_temperature_sample`` (the end of this chapter) takes its place.
+    greedy rows. On a GPU, ``layers.triton_sampler.triton_temperature_sample`` takes its place.
     """
     logits = logits.float()
     greedy = temperatures == 0

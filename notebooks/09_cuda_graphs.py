@@ -805,8 +805,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm.bench_graphs` should act.
-# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm.bench_graphs` 才应执行。
+# en: A notebook also runs this code as __main__; only a real `python -m nanovllm.bench_graphs` should act.
+# zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m nanovllm.bench_graphs` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
 

@@ -290,7 +290,8 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
 #| export config
 @dataclass
 class Config:
-    """Everything the engine needs to know before it loads a model. See the chapter's table."""
+    """Everything the engine needs to know before it loads a model: the settings of `LLM(model, **settings)`
+    (chapter 11 tabulates them) and what is derived from the model directory."""
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -709,8 +710,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# en: In a notebook this cell also runs as __main__; only a real `python -m` should act.
-# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m` 才应执行。
+# en: A notebook also runs this code as __main__; only a real `python -m` should act.
+# zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
 
@@ -869,8 +870,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm` should act.
-# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm` 才应执行。
+# en: A notebook also runs this code as __main__; only a real `python -m nanovllm` should act.
+# zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m nanovllm` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
 
@@ -1056,7 +1057,8 @@ def _sync(device: str) -> None:
 
 def run_transformers(model: str, workload: Workload, *, device: str, dtype: torch.dtype,
                      batch_size: int = 64) -> BenchResult:
-    """Time Hugging Face `generate` on the workload (rules above)."""
+    """Time Hugging Face `generate` on the workload: sorted batches (peer_batches), left-padded, every
+    row forced to its batch's longest output length."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
@@ -1478,8 +1480,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# en: In a notebook this cell also runs as __main__; only a real `python -m nanovllm.bench` should act.
-# zh: 在 notebook 中这个单元同样以 __main__ 身份运行；只有真正的 `python -m nanovllm.bench` 才应执行。
+# en: A notebook also runs this code as __main__; only a real `python -m nanovllm.bench` should act.
+# zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m nanovllm.bench` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
 

@@ -95,6 +95,47 @@ def test_writes_modules_with_header_hoisted_imports_and_all(tmp_path: Path) -> N
     assert result.stdout.strip() == "0", result.stderr
 
 
+def test_each_exported_cell_is_marked_with_its_chapter_and_title(tmp_path: Path) -> None:
+    chapter(tmp_path, "01_counter.py", GOOD)
+    counter = tangle.tangle(tmp_path)[Path("nanovllm/engine/counter.py")]
+    lines = counter.splitlines()
+    # The marker opens each cell's code (its imports are hoisted above, so they come first).
+    first = lines.index('# notebooks/01_counter.py · cell "counter"')
+    assert lines[first + 1] == "# A counter that says why it exists."
+    second = lines.index('# notebooks/01_counter.py · cell "helper"')
+    assert lines[second + 1] == "def _home() -> str:" and first < second
+    assert counter.count("# notebooks/01_counter.py · cell") == 2  # the unexported cell has none
+
+
+@pytest.mark.parametrize(
+    "comment",
+    [
+        "# en: Equal to upstream's test (see the text above).",
+        "# en: Which status may follow which (the arrows of the drawing).",
+        '# en: A slim copy (see "Shipping a sequence" below).',
+        '"""Attention through this chapter\'s kernels."""',
+        "# en: Not when this cell runs inside a notebook.",
+        '"""Everything the engine needs. See the chapter\'s table."""',
+    ],
+    ids=["text-above", "drawing", "quoted-section-below", "docstring-this-chapter", "this-cell", "the-chapter"],
+)
+def test_a_comment_that_points_at_the_prose_is_an_error(tmp_path: Path, comment: str) -> None:
+    body = f"# %%\n#| default_exp a\n\n# %% words\n#| export\ndef f() -> None:\n    {comment}\n    return None\n"
+    message = error_for(tmp_path, {"01_a.py": body})
+    assert 'notebooks/01_a.py, cell 2 "words": line 2' in message and "prose" in message
+
+
+def test_comments_about_the_code_itself_may_say_above_and_below(tmp_path: Path) -> None:
+    code = (
+        "# en: The kernels below are compiled once; chapter 09 explains why.\n"
+        "# zh: 见上文。\n"
+        "NOTE = 'open this chapter in JupyterLab'  # a message, not a comment\n"
+        "# en: Keys every query sees (below its first position) need no mask.\n"
+    )
+    chapter(tmp_path, "01_a.py", f"# %%\n#| default_exp a\n\n# %% fine\n#| export\n{code}")
+    assert "kernels below" in tangle.tangle(tmp_path)[Path("nanovllm/a.py")]
+
+
 def test_a_chapter_can_own_a_package_init(tmp_path: Path) -> None:
     chapter(tmp_path, "01_a.py", "# %%\n#| default_exp viz.player\n\n# %% front door\n#| export viz.__init__\nX = 1\n")
     files = tangle.tangle(tmp_path)

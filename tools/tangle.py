@@ -16,6 +16,11 @@ Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``
 comments in the package and ``# zh: ...`` lines are left out, so the package reads in English
 while each language's site shows its own lines.
 
+Each exported cell's code starts, in its module, with one comment line naming the chapter and the
+cell's title (``# notebooks/04_scheduler.py · cell "scheduler"``): the cell to edit. A comment or
+docstring that only makes sense next to the chapter's prose ("see the text above", "this
+chapter", "the drawing") is an error, since the package is read without the prose.
+
 nbdev cannot read percent-format ``.py`` notebooks, which is why this small tangler exists. It
 reads chapters with jupytext, so it sees exactly the cells that JupyterLab shows.
 
@@ -31,8 +36,10 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import io
 import re
 import sys
+import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,10 +48,21 @@ import jupytext
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "nanovllm"
 DIRECTIVE = re.compile(r"^#\|\s*(?P<name>[\w-]+)\s*(?P<arg>.*?)\s*$")
+MAX_LINE = 120  # ruff's line length for the package (pyproject.toml)
 KNOWN_DIRECTIVES = {"default_exp", "export", "exporti", "hide"}
 MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 EN_COMMENT = re.compile(r"^(?P<indent>\s*)# en: ?(?P<text>.*)$")
 ZH_COMMENT = re.compile(r"^\s*# zh: ?.*$")
+# Phrases that point at the chapter's prose or layout, which a reader of the package does not have.
+# "The kernels below" (code further down the module) is fine; "the text above" is not.
+PROSE_REFERENCES = re.compile(
+    r"\bthis (?:chapter|cell|notebook|section|page)\b"
+    r"|\bthe chapter(?:'s)?\b(?! \d)"
+    r"|\b(?:text|prose|section|table|drawing|picture|figure|diagram|rules|explanation)s? (?:above|below)\b"
+    r"|\bof the (?:drawing|picture|figure|diagram)\b"
+    r"|\"[^\"]+\" (?:above|below)\b",
+    re.IGNORECASE,
+)
 
 
 class TangleError(Exception):
@@ -64,6 +82,14 @@ class Cell:
     def where(self) -> str:
         name = f'"{self.title}"' if self.title else "(untitled)"
         return f"{self.chapter}, cell {self.index} {name}"
+
+    def marker(self) -> str:
+        """The comment that opens the cell's code in its module: which cell of which chapter to edit."""
+        if not self.title:
+            return f"# {self.chapter} · cell {self.index}"
+        start = f'# {self.chapter} · cell "'
+        title = self.title if len(start) + len(self.title) < MAX_LINE else self.title[: MAX_LINE - len(start) - 2] + "…"
+        return f'{start}{title}"'
 
 
 @dataclass
@@ -142,6 +168,21 @@ def top_level_names(tree: ast.Module) -> list[str]:
     return [name for name in names if not name.startswith("_")]
 
 
+def prose_references(code: str) -> list[tuple[int, str]]:
+    """(line, phrase) of each comment or docstring in ``code`` that points at the chapter's prose.
+
+    Other strings are left alone: a message printed into a notebook may well say "this chapter".
+    """
+    found = []
+    statement_start = True  # a string that starts a statement is a docstring (or a bare string)
+    for token in tokenize.generate_tokens(io.StringIO(code).readline):
+        if token.type == tokenize.COMMENT or (token.type == tokenize.STRING and statement_start):
+            found += [(token.start[0], match[0]) for match in PROSE_REFERENCES.finditer(token.string)]
+        if token.type not in (tokenize.NL, tokenize.COMMENT):
+            statement_start = token.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    return found
+
+
 def add_cell(module: Module, cell: Cell, public: bool) -> None:
     """Parse an exported cell, hoist its top-level imports, keep the rest as the body."""
     code = english_comments(cell.code)
@@ -151,6 +192,13 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
         raise TangleError(
             f"{cell.where()}: exported code does not parse: {error.msg} (line {error.lineno} of the cell)"
         ) from error
+    references = prose_references(code)
+    if references:
+        line, phrase = references[0]
+        raise TangleError(
+            f"{cell.where()}: line {line} of the cell says {phrase!r}, which points at the chapter's prose; "
+            "the package is read without it: name the chapter (\"chapter 04\") or say it in the comment"
+        )
     lines = code.splitlines()
     hoisted_lines: set[int] = set()
     first = tree.body[0] if tree.body else None
@@ -170,7 +218,7 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             hoisted_lines.update(range(node.lineno - 1, node.end_lineno))
     body = "\n".join(line for i, line in enumerate(lines) if i not in hoisted_lines).strip("\n")
     if body:
-        module.bodies.append(body)
+        module.bodies.append(f"{cell.marker()}\n{body}")
     if public:
         module.public_names += [n for n in top_level_names(tree) if n not in module.public_names]
 

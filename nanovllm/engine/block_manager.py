@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 
+# notebooks/02_block_manager.py · cell "block"
 class Block:
     """Bookkeeping for one block of the paged KV cache (the KV tensors live in the model runner)."""
 
@@ -37,6 +38,7 @@ class Block:
         return f"Block({self.block_id}, ref_count={self.ref_count}{published})"
 
 
+# notebooks/02_block_manager.py · cell "block pool"
 def positive_int(name: str, value: object) -> int:
     """``value`` if it is an int >= 1, else a TypeError or ValueError naming ``name`` (the scheduler uses it too)."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -113,6 +115,7 @@ class BlockPool:
             self.free_block_ids.append(block_id)
 
 
+# notebooks/02_block_manager.py · cell "block manager"
 class BlockManager(BlockPool):
     """Gives sequences their block tables: allocate, grow during decode, free, publish for reuse."""
 
@@ -184,8 +187,9 @@ class BlockManager(BlockPool):
         self._check(seq)
         if not seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: allocate it before decoding")
-        # Equal to `len(seq) % block_size == 1` in decode when block_size > 1 (see the text above),
-        # plus one block for a copy-on-write.
+        # In decode, the token appended last has no KV yet: a new block is needed exactly when it
+        # starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
+        # Plus one block for a copy-on-write.
         copy = self._shared_write_block(seq) is not None
         return seq.num_blocks - len(seq.block_table) + copy
 

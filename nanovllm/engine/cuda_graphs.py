@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 
+# notebooks/09_cuda_graphs.py · cell "capture sizes"
 MAX_GRAPH_BATCH = 512
 
 
@@ -46,6 +47,7 @@ def graph_batch_size(batch: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+# notebooks/09_cuda_graphs.py · cell "decode buffers"
 @dataclass
 class DecodeBuffers:
     """The static inputs of the decode graphs (rows = the largest captured batch size)."""
@@ -101,6 +103,7 @@ class DecodeBuffers:
         )
 
 
+# notebooks/09_cuda_graphs.py · cell "graphs unavailable"
 CAPTURE_SAFE_BACKENDS = ("triton",)
 
 
@@ -116,6 +119,7 @@ def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager
     return None
 
 
+# notebooks/09_cuda_graphs.py · cell "graph runner"
 class CudaGraphRunner:
     """Decode forwards captured as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
 

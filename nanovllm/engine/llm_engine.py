@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 
+# notebooks/11_engine.py · cell "llm engine"
 Prompt = str | list[int]
 
 

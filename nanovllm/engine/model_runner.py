@@ -32,6 +32,7 @@ __all__ = [
 ]
 
 
+# notebooks/08_model_runner.py · cell "prepare inputs"
 def prepare_prefill(
     seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu", *, with_cache: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +85,7 @@ def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
     return host_to_device(values, torch.int64, device)
 
 
+# notebooks/08_model_runner.py · cell "kv cache sizing"
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads)."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
@@ -112,6 +114,7 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
     return blocks
 
 
+# notebooks/08_model_runner.py · cell "copy blocks"
 def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
     every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
@@ -122,6 +125,7 @@ def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> Non
     kv_cache[:, :, destinations] = kv_cache[:, :, sources]
 
 
+# notebooks/08_model_runner.py · cell "sampled tokens"
 @dataclass
 class SampledTokens:
     """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
@@ -182,6 +186,7 @@ class SampledTokens:
         return torch.where(row >= 0, self.on_device[row.clamp(min=0)], known)
 
 
+# notebooks/08_model_runner.py · cell "model runner"
 NOT_SAMPLED = -1
 
 

@@ -16,6 +16,7 @@ __all__ = [
 ]
 
 
+# notebooks/03_prefix_caching.py · cell "block hash"
 if TYPE_CHECKING:
     from nanovllm.engine.block_manager import Block
 
@@ -31,6 +32,7 @@ def block_hash(token_ids: list[int], parent: int = NO_HASH) -> int:
     return h.intdigest()
 
 
+# notebooks/03_prefix_caching.py · cell "prefix cache"
 class PrefixCache:
     """Published full blocks by chained hash, so that a new prompt can reuse their KV."""
 

@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 
+# notebooks/04_scheduler.py · cell "admission"
 # The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
 Observer = Callable[[str, dict], None]
 
@@ -34,6 +35,7 @@ def _token_ids(name: str, values: Iterable[int]) -> frozenset[int]:
     return ids
 
 
+# notebooks/04_scheduler.py · cell "scheduler"
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
 

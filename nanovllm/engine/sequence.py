@@ -18,13 +18,15 @@ __all__ = [
 ]
 
 
+# notebooks/01_sequence.py · cell "sequence status"
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
 
 
-# Which status may follow which (the arrows of the drawing).
+# Which status may follow which: WAITING -> RUNNING (scheduled), RUNNING -> WAITING (preempted),
+# either -> FINISHED; staying put is allowed.
 ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
     SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
@@ -32,6 +34,7 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 }
 
 
+# notebooks/01_sequence.py · cell "sequence"
 class Sequence:
     """One request inside the engine: its tokens, its progress and its cache blocks.
 
@@ -75,7 +78,7 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params: SamplingParams | None = sampling_params
         # Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
-        # that a worker process unpickled (see "Shipping a sequence to another process" below).
+        # that a worker process unpickled (see __getstate__).
         self.first_token_index = 0
         # Parallel sampling (chapter 04b). A request with n > 1 starts as one sequence that
         # computes the prompt; when its first token is sampled it forks n - 1 siblings that

@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 
+# notebooks/10_tensor_parallel.py · cell "rank side"
 # Test hook: "rank:call" makes that rank raise on its call-th call after start-up (0: during start-up).
 FAULT_ENV = "NANOVLLM_TP_FAULT"
 STORE_TIMEOUT = timedelta(seconds=120)
@@ -296,6 +297,7 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
             dist.destroy_process_group()
 
 
+# notebooks/10_tensor_parallel.py · cell "driver side"
 ERROR_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
 EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on their own
 

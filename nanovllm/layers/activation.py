@@ -9,6 +9,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "activation"
 class SiluAndMul(nn.Module):
     """[gate | up] -> SiLU(gate) * up: the SwiGLU of the MLP, after one fused gate_up matmul."""
 

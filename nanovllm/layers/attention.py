@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 
+# notebooks/06_attention.py · cell "backend registry"
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
 
@@ -63,6 +64,7 @@ def get_attention_backend(name: str) -> AttentionBackend:
     return ATTENTION_BACKENDS[name]
 
 
+# notebooks/06_attention.py · cell "torch backend"
 def flat_cache(cache: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, kv_heads, d] -> [num_slots, kv_heads, d], as a view."""
     return cache.view(-1, *cache.shape[2:])
@@ -159,6 +161,7 @@ class TorchBackend:
 register_attention_backend(TorchBackend())
 
 
+# notebooks/06_attention.py · cell "attention layer"
 class Attention(nn.Module):
     """Paged attention over flat batches; the math is delegated to a registered backend."""
 

@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 
+# notebooks/09_cuda_graphs.py · cell "compiled ops"
 def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
     """RMSNorm.forward as one function (x + residual first when a residual is given)."""
     if residual is not None:

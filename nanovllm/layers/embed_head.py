@@ -16,6 +16,7 @@ __all__ = [
 ]
 
 
+# notebooks/10_tensor_parallel.py · cell "embedding and lm head"
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose rows (the vocabulary) are split across ranks."""
 

@@ -10,6 +10,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "rmsnorm"
 class RMSNorm(nn.Module):
     """x / rms(x) * weight; with ``residual``, first x = x + residual and return (normed, x)."""
 

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 
+# notebooks/10_tensor_parallel.py · cell "tp world"
 # Which part of a fused layer a checkpoint tensor is: "q"/"k"/"v", 0/1 for gate/up, None for all of it.
 ShardId = str | int | None
 
@@ -55,6 +56,7 @@ def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+# notebooks/10_tensor_parallel.py · cell "linear layers"
 class LinearBase(nn.Module):
     """A linear layer whose weight is (possibly) one shard of a larger matrix."""
 
@@ -213,6 +215,7 @@ class RowParallelLinear(LinearBase):
         return y
 
 
+# notebooks/10_tensor_parallel.py · cell "rank agreement"
 def agree_min(value: int, device: torch.device | str = "cpu") -> int:
     """The smallest `value` over the tensor-parallel ranks (the value itself in one process)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

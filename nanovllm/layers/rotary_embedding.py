@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "rope"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

@@ -21,6 +21,7 @@ __all__ = [
 ]
 
 
+# notebooks/07_sampling.py · cell "generators"
 _MASK64 = (1 << 64) - 1
 
 
@@ -47,6 +48,7 @@ def seeded_generator(
     return generator
 
 
+# notebooks/07_sampling.py · cell "sampler"
 def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the logits >= the k-th largest (k <= 0 or k >= V: keep all)."""
     vocab = logits.shape[-1]
@@ -81,7 +83,7 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     """The common case, no top-k, top-p or seed in the batch: one token per row, without a host sync.
 
     It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
-    greedy rows. On a GPU, ``triton_temperature_sample`` (the end of this chapter) takes its place.
+    greedy rows. On a GPU, ``layers.triton_sampler.triton_temperature_sample`` takes its place.
     """
     logits = logits.float()
     greedy = temperatures == 0

@@ -33,10 +33,12 @@ __all__ = [
 ]
 
 
+# notebooks/06b_triton_attention.py · cell "imports"
 # Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
+# notebooks/06b_triton_attention.py · cell "store kernel"
 @triton.jit
 def store_kvcache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -62,6 +64,7 @@ def store_kvcache_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+# notebooks/06b_triton_attention.py · cell "store wrapper"
 def _check_device(tensor: torch.Tensor) -> None:
     if tensor.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
@@ -98,6 +101,7 @@ def store_kvcache(
     )  # fmt: skip
 
 
+# notebooks/06b_triton_attention.py · cell "key rows"
 @triton.jit
 def paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
     """Cache rows (slots) of key positions ``n`` [BLOCK_N] of one sequence, read through its block table."""
@@ -106,6 +110,7 @@ def paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
 
 
+# notebooks/06b_triton_attention.py · cell "prefill kernel"
 @triton.jit
 def _prefill_tile(
     acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
@@ -198,6 +203,7 @@ def prefill_attention_kernel(
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+# notebooks/06b_triton_attention.py · cell "prefill wrapper"
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
 
@@ -265,6 +271,7 @@ def prefill_attention(
     return out
 
 
+# notebooks/06b_triton_attention.py · cell "prefill warm-up"
 def prefill_launch_configs(device: torch.device, head_dim: int, dtype: torch.dtype) -> list[tuple[int, ...]]:
     """Every launch configuration ``_prefill_launch`` can pick for these shapes (small grid, large grid)."""
     small = _prefill_launch(device, head_dim, dtype, programs_128=0)
@@ -298,6 +305,7 @@ def warm_up_prefill(
     return launches
 
 
+# notebooks/06b_triton_attention.py · cell "decode kernels"
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr,
@@ -383,6 +391,7 @@ def decode_reduce_kernel(
     tl.store(o_ptr + b * stride_o_b + h * stride_o_h + offs_d, out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+# notebooks/06b_triton_attention.py · cell "decode wrapper"
 def choose_num_splits(
     batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 128, max_splits: int = 32
 ) -> int:
@@ -458,8 +467,9 @@ def decode_attention(
     return out
 
 
+# notebooks/06b_triton_attention.py · cell "backend"
 class TritonBackend:
-    """Attention through this chapter's Triton kernels (compiled on CUDA, interpreted on CPU)."""
+    """Attention through the Triton kernels of this module (compiled on CUDA, interpreted on CPU)."""
 
     name = "triton"
 

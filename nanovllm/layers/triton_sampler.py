@@ -17,10 +17,12 @@ __all__ = [
 ]
 
 
+# notebooks/07_sampling.py · cell "triton sampler imports"
 # Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
 INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
+# notebooks/07_sampling.py · cell "race kernels"
 # A new seed every call: do_not_specialize lets one compiled variant serve them all (see the wrapper).
 @triton.jit(do_not_specialize=["seed"])
 def race_chunk_kernel(
@@ -66,6 +68,7 @@ def race_pick_kernel(chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, C
     tl.store(token_ptr + row, tl.load(chunk_column_ptr + row * num_chunks + best).to(tl.int64))
 
 
+# notebooks/07_sampling.py · cell "triton sampler wrapper"
 def _check_device(tensor: torch.Tensor) -> None:
     if tensor.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(

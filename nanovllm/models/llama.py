@@ -11,6 +11,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "llama"
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Llama (and SmolLM2): no q/k norm; attention_bias on q/k/v/o, mlp_bias on the MLP."""
 

@@ -26,6 +26,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "qwen3 layers"
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
 
@@ -156,6 +157,7 @@ class Qwen3Model(nn.Module):
         return hidden_states
 
 
+# notebooks/05_model.py · cell "causal lm"
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3: per-head q/k RMSNorm; biases on q/k/v/o when config.attention_bias."""
 

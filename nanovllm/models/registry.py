@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "registry"
 # The names Hugging Face writes in config.json's "architectures".
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,

@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 
+# notebooks/06_attention.py · cell "context"
 @dataclass
 class Context:
     """Attention metadata of the current step (see chapter 06 for every field)."""
@@ -64,6 +65,7 @@ def reset_context() -> None:
     _CONTEXT = Context()
 
 
+# notebooks/06_attention.py · cell "context helpers"
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """``values`` as a tensor on ``device``; to a GPU through pinned memory, without waiting for queued work."""
     if device is not None and torch.device(device).type == "cuda":

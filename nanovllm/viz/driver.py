@@ -16,6 +16,7 @@ __all__ = [
 ]
 
 
+# notebooks/A_visualization.py · cell "driver: a fake model"
 def fake_token(seq: Sequence, sample_index: int = 0) -> int:
     """A deterministic "sampled" token: depends only on the sequence id, its length and which sample draws it."""
     return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7 + sample_index * 13) % 97

@@ -17,6 +17,7 @@ __all__ = [
 ]
 
 
+# notebooks/A_visualization.py · cell "panel"
 def parse_prompt(text: str) -> list[int]:
     """Token ids typed as "1 2 3" or "1, 2, 3"."""
     words = [w for w in re.split(r"[\s,]+", text.strip()) if w]

@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 
+# notebooks/A_visualization.py · cell "player: one language at a time"
 LANGS = ("en", "zh", "both")
 # The language players and panels use when none is given; the reading copies set it first thing.
 _default = {"lang": "both"}
@@ -80,6 +81,7 @@ def keep_language(markup: str, lang: str) -> str:
     return LANG_PIECE.sub(lambda m: m[2] if m[1] == lang else "", markup)
 
 
+# notebooks/A_visualization.py · cell "player: captions"
 def _seq_list(ids: list[int], zh: bool) -> str:
     return ("、" if zh else ", ").join(str(i) for i in ids)
 
@@ -164,6 +166,7 @@ def caption(frame: dict, lang: str = "en") -> str:
     return head + ("：" if zh else ": ") + ("；" if zh else " · ").join(parts)
 
 
+# notebooks/A_visualization.py · cell "player: drawing one frame"
 PITCH, CELL = 42, 38  # pool grid: distance between cells, cell size (px)
 ROW_CELL = 30  # block-table cells
 TABLE_X = 140  # where block-table cells start (room for "序列 12：130 token")
@@ -293,6 +296,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
             f'<title>{name}</title>{"".join(out)}</svg>')
 
 
+# notebooks/A_visualization.py · cell "player: style and script"
 # One stylesheet for every player; class names start with "nvv-" so they cannot clash with the page.
 PLAYER_CSS = """
 .nvv{font:13px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#263238;background:#fff;
@@ -444,6 +448,7 @@ PLAYER_JS = """
 """
 
 
+# notebooks/A_visualization.py · cell "player: the html"
 def _frame_index(frames: list, index: int, name: str) -> int:
     if isinstance(index, bool) or not isinstance(index, int):
         raise TypeError(f"{name} must be an int, got {type(index).__name__}")

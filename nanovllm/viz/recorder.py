@@ -15,6 +15,7 @@ __all__ = [
 ]
 
 
+# notebooks/A_visualization.py · cell "recorder: snapshot"
 RECORDING_FORMAT = "nanovllm-viz"
 RECORDING_VERSION = 1
 _U64 = (1 << 64) - 1
@@ -85,6 +86,7 @@ def snapshot(scheduler: Any, known: list[Any] = ()) -> dict:
     }
 
 
+# notebooks/A_visualization.py · cell "recorder: the observer"
 class Recorder:
     """Observes a scheduler and records one frame of plain data per event.
 
