@@ -23,7 +23,6 @@ __all__ = [
     "BenchResult",
     "Bound",
     "Workload",
-    "copy_bandwidth",
     "layer_params",
     "main",
     "make_workload",
@@ -248,13 +247,6 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
     return target
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + written), measured now."""
-    from nanovllm.bench_attention import copy_bandwidth as measure
-
-    return measure(nbytes)
-
-
 def matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on an n x n x n product, measured now."""
     from nanovllm.bench_attention import time_ms
@@ -346,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from nanovllm.config import Config
-    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         if args.model:
@@ -365,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) is not None:
                 preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
         workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")
@@ -418,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
         print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
+        from nanovllm.bench_attention import copy_bandwidth  # Triton: imported only on a GPU
+
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
         print(f"bound: decode reads {bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "

@@ -4,29 +4,26 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.linear import check_tensor_parallel_size
-from nanovllm.utils.loader import LOAD_FORMATS
+from nanovllm.utils.checks import check
+from nanovllm.utils.loader import LOAD_FORMATS, read_model_dir
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "DEVICES",
     "DTYPES",
     "MAX_BLOCK_SIZE",
-    "REQUIRED_HF_FIELDS",
     "Config",
     "UnknownConfigKeyError",
     "declared_eos_ids",
-    "read_model_dir",
 ]
 
 
@@ -45,61 +42,8 @@ class UnknownConfigKeyError(TypeError, ValueError):
     """
 
 
-def _int_field(name: str, value: object, minimum: int) -> int:
-    # bool is an int subclass, but `max_num_seqs=True` is surely a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _real_field(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
-def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value).__name__} {value!r}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-
-# notebooks/11_engine.py · cell "read the model directory"
-REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-
-
-def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
-    """Load and sanity-check the Hugging Face config of a model directory (require_weights: *.safetensors)."""
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ValueError(f"model {str(path)!r} is not a directory (expected a Hugging Face model directory)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
-    try:
-        json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for bad configs
-        raise ValueError(f"{config_file} cannot be read by transformers: {error}") from error
-    missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
-    if missing:
-        raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
-    if require_weights and not any(path.glob("*.safetensors")):
-        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
-    return hf_config
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    return check(name, value, str, lambda v: v in choices, f"one of {list(choices)}")
 
 
 def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
@@ -145,42 +89,37 @@ class Config:
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        load_format = _choice_field("load_format", self.load_format, LOAD_FORMATS)
+        load_format = _choice("load_format", self.load_format, LOAD_FORMATS)
+        # The one read of config.json (chapter 05); the result travels in this object, to every rank.
         self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
         check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
         self._resolve_device()
-        self.max_model_len = min(self.max_model_len, _max_positions(self.hf_config))
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)
 
     def _check_numbers(self) -> None:
-        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _int_field("max_num_seqs", self.max_num_seqs, 1)
-        _int_field("max_model_len", self.max_model_len, 1)
-        utilization = _real_field("gpu_memory_utilization", self.gpu_memory_utilization)
-        if not 0 < utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if _int_field("tensor_parallel_size", self.tensor_parallel_size, 1) > 8:
-            raise ValueError(f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            check(name, getattr(self, name), int, lambda n: n >= 1, ">= 1")
+        check("gpu_memory_utilization", self.gpu_memory_utilization, float, lambda u: 0 < u <= 1, "in (0, 1]")
+        check("tensor_parallel_size", self.tensor_parallel_size, int, lambda n: 1 <= n <= 8, "in [1, 8]")
         for name in ("enforce_eager", "enable_prefix_caching", "fork_samples"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        block_size = _int_field("kvcache_block_size", self.kvcache_block_size, 1)
-        if block_size & (block_size - 1) or block_size > MAX_BLOCK_SIZE:
-            raise ValueError(f"kvcache_block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
-        blocks = _int_field("num_kvcache_blocks", self.num_kvcache_blocks, -1)
-        if blocks == 0:
-            raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
-        if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
-            raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
-        if _real_field("rank_timeout_s", self.rank_timeout_s) <= 0:
-            raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s!r}")
+            check(name, getattr(self, name), bool)
+        check("kvcache_block_size", self.kvcache_block_size, int,
+              lambda b: 1 <= b <= MAX_BLOCK_SIZE and not b & (b - 1), f"a power of two from 1 to {MAX_BLOCK_SIZE}")
+        check("num_kvcache_blocks", self.num_kvcache_blocks, int, lambda n: n == -1 or n >= 1,
+              "-1 (size from memory) or >= 1")
+        for name in ("kvcache_memory_gb", "rank_timeout_s"):
+            check(name, getattr(self, name), float, lambda x: x > 0, "> 0")
+        for name in ("compile_small_ops", "async_scheduling"):
+            check(name, getattr(self, name), object, lambda v: isinstance(v, bool) or v == "auto",
+                  "True, False or 'auto'")
 
     def _resolve_device(self) -> None:
-        device = _choice_field("device", self.device, DEVICES)
-        dtype = _choice_field("dtype", self.dtype, ("auto", *DTYPES))
-        backend = _choice_field("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        device = _choice("device", self.device, DEVICES)
+        dtype = _choice("dtype", self.dtype, ("auto", *DTYPES))
+        backend = _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
@@ -202,15 +141,11 @@ class Config:
         elif backend == "flash-attn" and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
             # nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
             raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
-        compile_ops = self.compile_small_ops
-        if not isinstance(compile_ops, bool) and compile_ops != "auto":
-            raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
-        self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
-        overlap = self.async_scheduling
-        if not isinstance(overlap, bool) and overlap != "auto":
-            raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
-        # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
-        self.async_scheduling = device == "cuda" if overlap == "auto" else overlap
+        if self.compile_small_ops == "auto":
+            self.compile_small_ops = device == "cuda"
+        if self.async_scheduling == "auto":
+            # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+            self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property
@@ -233,11 +168,6 @@ class Config:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
         return cls(model, **kwargs)
-
-
-def _max_positions(hf_config: PretrainedConfig) -> int:
-    value = getattr(hf_config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else 2**31 - 1
 
 
 def _half_dtype_of(hf_config: PretrainedConfig) -> str:

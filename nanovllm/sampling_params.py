@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from nanovllm.utils.checks import check
 
 __all__ = [
     "SamplingParams",
@@ -11,21 +12,6 @@ __all__ = [
 
 
 # notebooks/01_sequence.py · cell "sampling params"
-def _check_int(name: str, value: object) -> int:
-    # bool is a subclass of int, but `max_tokens=True` is surely a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate the continuation of one prompt.
@@ -49,20 +35,15 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if _check_real("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if _check_int("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
-        if self.top_k is not None and _check_int("top_k", self.top_k) < 1:
-            raise ValueError(f"top_k must be >= 1 or None (no limit), got {self.top_k!r}")
-        if not 0 < _check_real("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not 0 <= _check_int("seed", self.seed) < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if _check_int("n", self.n) < 1:
-            raise ValueError(f"n (completions per prompt) must be >= 1, got {self.n!r}")
+        check("temperature", self.temperature, float, lambda t: t >= 0, ">= 0 (0 means greedy)")
+        check("max_tokens", self.max_tokens, int, lambda n: n >= 1, ">= 1")
+        check("ignore_eos", self.ignore_eos, bool)
+        if self.top_k is not None:
+            check("top_k", self.top_k, int, lambda k: k >= 1, ">= 1 or None (no limit)")
+        check("top_p", self.top_p, float, lambda p: 0 < p <= 1, "in (0, 1]")
+        if self.seed is not None:
+            check("seed", self.seed, int, lambda seed: 0 <= seed < 2**63, "in [0, 2**63)")
+        check("n", self.n, int, lambda n: n >= 1, ">= 1 (completions per prompt)")
 
     @property
     def greedy(self) -> bool:

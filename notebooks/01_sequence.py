@@ -122,7 +122,10 @@ display(SVG(state_machine_svg()))
 # `top_k`, `top_p` and a per-request `seed` (chapter 07 implements them).
 #
 # Parameters are checked when the object is built, not deep inside a GPU step: a wrong type
-# raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field.
+# raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field. This
+# is one of the three places where input enters the engine (the others are the prompt, below,
+# and chapter 11's `Config`): each checks what it receives once, with one small helper, `check`,
+# and the engine's inner parts trust what they are handed, as upstream's do.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：采样参数
@@ -132,33 +135,47 @@ display(SVG(state_machine_svg()))
 # `temperature=0` 表示**贪心**解码，另有 `top_k`、`top_p` 和按请求设置的 `seed`（由第 07 章实现）。
 #
 # 参数在对象创建时就检查，而不是等到 GPU 计算的深处才出错：类型不对抛出 `TypeError`，取值不对抛出
-# `ValueError`，两种错误信息都会指明是哪个字段。
+# `ValueError`，两种错误信息都会指明是哪个字段。输入进入引擎的地方有三处，这是其中之一（另外两处是下面的
+# 提示词和第 11 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
+# 交给它们的数据，上游也是这样做的。
 
 # %% default module
 #| default_exp engine.sequence
+
+# %% check
+#| export utils.checks
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+
+def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> Any:
+    """``value`` if it is a ``kind`` and ``ok(value)`` holds, else a TypeError or ValueError that names ``name``
+    and states ``rule``. A ``float`` field takes any finite number; ``object`` leaves the test to ``ok``."""
+    if kind is float:
+        valid, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    else:
+        # en: bool is a subclass of int, but `max_tokens=True` is surely a mistake.
+        # zh: bool 是 int 的子类，但 `max_tokens=True` 一定是写错了。
+        valid = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        what = f"{'an' if kind is int else 'a'} {kind.__name__}"
+    if not valid:
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if ok is not None and not ok(value):
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+    return value
 
 # %% sampling params
 #| export sampling_params
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-
-def _check_int(name: str, value: object) -> int:
-    # en: bool is a subclass of int, but `max_tokens=True` is surely a mistake.
-    # zh: bool 是 int 的子类，但 `max_tokens=True` 一定是写错了。
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+from nanovllm.utils.checks import check
 
 
 @dataclass(frozen=True)
@@ -184,20 +201,15 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        if _check_real("temperature", self.temperature) < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if _check_int("max_tokens", self.max_tokens) < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} {self.ignore_eos!r}")
-        if self.top_k is not None and _check_int("top_k", self.top_k) < 1:
-            raise ValueError(f"top_k must be >= 1 or None (no limit), got {self.top_k!r}")
-        if not 0 < _check_real("top_p", self.top_p) <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not 0 <= _check_int("seed", self.seed) < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed!r}")
-        if _check_int("n", self.n) < 1:
-            raise ValueError(f"n (completions per prompt) must be >= 1, got {self.n!r}")
+        check("temperature", self.temperature, float, lambda t: t >= 0, ">= 0 (0 means greedy)")
+        check("max_tokens", self.max_tokens, int, lambda n: n >= 1, ">= 1")
+        check("ignore_eos", self.ignore_eos, bool)
+        if self.top_k is not None:
+            check("top_k", self.top_k, int, lambda k: k >= 1, ">= 1 or None (no limit)")
+        check("top_p", self.top_p, float, lambda p: 0 < p <= 1, "in (0, 1]")
+        if self.seed is not None:
+            check("seed", self.seed, int, lambda seed: 0 <= seed < 2**63, "in [0, 2**63)")
+        check("n", self.n, int, lambda n: n >= 1, ">= 1 (completions per prompt)")
 
     @property
     def greedy(self) -> bool:
@@ -334,14 +346,7 @@ class Sequence:
         token_ids = list(token_ids)
         if len(token_ids) == 0:
             raise ValueError("token_ids is empty: a prompt needs at least one token")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
         self._status = SequenceStatus.WAITING
         self.token_ids = [_token_id(t, i) for i, t in enumerate(token_ids)]
@@ -403,12 +408,10 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        self._require_whole("prompt_token_ids")
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def completion_token_ids(self) -> list[int]:
-        self._require_whole("completion_token_ids")
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
@@ -443,14 +446,12 @@ class Sequence:
     def set_token(self, index: int, token_id: int) -> None:
         """Fill in the pending token at ``index``."""
         offset = index - self.first_token_index
-        if not 0 <= offset < len(self.token_ids) or self.token_ids[offset] != PENDING_TOKEN:
-            raise RuntimeError(f"sequence {self.seq_id}: token {index} is not pending")
-        self.token_ids[offset] = _token_id(token_id, index)
+        assert self.token_ids[offset] == PENDING_TOKEN, f"sequence {self.seq_id}: token {index} is not pending"
+        self.token_ids[offset] = token_id
 
     def truncate(self, num_tokens: int) -> None:
         """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
-        if not max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens:
-            raise ValueError(f"sequence {self.seq_id}: cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        assert max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens
         del self.token_ids[num_tokens - self.first_token_index :]
         self.num_tokens = num_tokens
         self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
@@ -458,7 +459,6 @@ class Sequence:
     def fork(self, sample_index: int) -> Sequence:
         """A sibling for sample ``sample_index`` of the same request: the same tokens, progress and block
         table (the block manager adds its references to the blocks), a new seq_id, no forks of its own."""
-        self._require_whole("fork()")
         child = copy.copy(self)
         child.seq_id = next(Sequence._ids)
         child.sample_index = sample_index
@@ -485,9 +485,7 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """The token ids that block ``i`` of this sequence holds (the last one may be partial)."""
-        self._require_whole("block()")
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block index {i} out of range for a sequence of {self.num_blocks} blocks")
+        assert 0 <= i < self.num_blocks, f"block {i} of a sequence of {self.num_blocks} blocks"
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     # en: ---- shipping to worker processes (chapter 10) --------------------------
@@ -496,39 +494,11 @@ class Sequence:
         # en: Only tokens whose KV is not cached yet travel: during decode that is the
         # en: last token alone, whatever the length of the sequence.
         # zh: 只传送 KV 尚未缓存的 token：decode 时只有最后一个 token，与序列长度无关。
-        tail = self.token_ids[self.num_cached_tokens - self.first_token_index :]
-        return (
-            self.seq_id,
-            self._status,
-            self.block_size,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_scheduled_tokens,
-            self.block_table,
-            tail,
-            self.request_id,
-            self.sample_index,
-            self.pending_forks,
-            self.blocks_to_copy,
-        )
+        return (*_shipped(self), self.token_ids[self.num_cached_tokens - self.first_token_index :])
 
     def __setstate__(self, state: tuple) -> None:
-        (
-            self.seq_id,
-            self._status,
-            self.block_size,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_scheduled_tokens,
-            self.block_table,
-            self.token_ids,
-            self.request_id,
-            self.sample_index,
-            self.pending_forks,
-            self.blocks_to_copy,
-        ) = state
+        *fields, self.token_ids = state
+        self.__dict__.update(zip(SHIPPED_FIELDS, fields, strict=True))
         self.first_token_index = self.num_cached_tokens
         # en: Sampling happens on rank 0 only, so workers never need the parameters.
         # zh: 只有 rank 0 做采样，工作进程用不到采样参数。
@@ -547,10 +517,6 @@ class Sequence:
     def __deepcopy__(self, memo: dict) -> Sequence:
         return copy.copy(self)
 
-    def _require_whole(self, what: str) -> None:
-        if self.first_token_index:
-            raise RuntimeError(f"{what} is not available on a slim copy shipped to a worker process")
-
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
@@ -562,6 +528,12 @@ class Sequence:
 # en: The value of a token that the GPU is still computing; never a real token id (those are >= 0).
 # zh: GPU 尚在计算的 token 的值；绝不会是真实的 token id（真实 id 都 >= 0）。
 PENDING_TOKEN = -1
+# en: What a sequence ships to a worker process (chapter 10), followed by its uncached tokens.
+# zh: 序列传送给工作进程（第 10 章）的字段，后面再跟上它尚未缓存的 token。
+SHIPPED_FIELDS = ("seq_id", "_status", "block_size", "num_tokens", "num_prompt_tokens", "num_cached_tokens",
+                  "num_scheduled_tokens", "block_table", "request_id", "sample_index", "pending_forks",
+                  "blocks_to_copy")
+_shipped = operator.attrgetter(*SHIPPED_FIELDS)
 
 
 def _token_id(value: object, position: int) -> int:
@@ -710,7 +682,6 @@ for bad_call in (
     lambda: Sequence("hello", block_size=4),
     lambda: Sequence([1, 2.5], block_size=4),
     lambda: Sequence([1, -2], block_size=4),
-    lambda: Sequence([1, 2], block_size=0),
     lambda: SamplingParams(temperature=-0.5),
     lambda: SamplingParams(max_tokens="8"),
 ):

@@ -340,8 +340,7 @@ class Qwen3MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        assert hidden_act == "silu", "check_supported refuses the others"
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -386,6 +385,8 @@ def head_dim_of(config: Any) -> int:
 
 def check_supported(config: Any) -> None:
     """Refuse, by name, the config features this engine does not implement."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
@@ -398,7 +399,6 @@ def check_supported(config: Any) -> None:
 class Qwen3Model(nn.Module):
     def __init__(self, config: Any, switches: dict[str, bool]) -> None:
         super().__init__()
-        check_supported(config)
         base, scaling = rope_settings(config)
         head_dim = head_dim_of(config)
         # en: One rotary table for all layers: its cos/sin cache can be tens of MB for long-context models.
@@ -544,44 +544,74 @@ def get_model_class(architectures: Sequence[str] | str) -> type[nn.Module]:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.models.qwen3 import check_supported
 from nanovllm.models.registry import get_model_class
+from nanovllm.utils.checks import check
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# en: The numbers of config.json that size the model; a model may add head_dim.
+# zh: config.json 中决定模型尺寸的数；模型还可以另给 head_dim。
+MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")
 
 
 class ModelLoadError(ValueError):
     """A model directory cannot be loaded; the message names the file or tensor at fault."""
 
 
-def load_hf_config(path: str | Path) -> Any:
-    """Read and check ``config.json`` of a model directory; return the transformers config."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"model directory {path} does not exist")
+def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
+    """The one reader of a model directory's config.json: its transformers config, checked so that each way a
+    directory can be broken gets its own message (require_weights: it must hold *.safetensors files)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
+    path = Path(model).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model path {path} is not a directory")
+        raise ModelLoadError(f"model directory {path} {'is not a directory' if path.exists() else 'does not exist'}")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelLoadError(f"model directory {path} has no config.json")
+        raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        json.loads(config_file.read_text(encoding="utf-8"))  # only for a clear message; transformers parses it again
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("architectures"), list):
-        raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
-    get_model_class(raw["architectures"])  # raises a ValueError naming unsupported architectures
     try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises many kinds for a bad config
-        raise ModelLoadError(f"transformers cannot read {config_file}: {error}") from error
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for a bad config
+        raise ModelLoadError(f"{config_file} cannot be read by transformers: {error}") from error
+    check_model_config(hf_config, config_file)
+    if require_weights and not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"model directory {path} has no *.safetensors files")
+    return hf_config
+
+
+def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
+    """Refuse, naming the field and the file, a config that no model of ours can be built from."""
+    missing = [name for name in MODEL_SIZES if getattr(hf_config, name, None) is None]
+    if missing:
+        raise ModelLoadError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
+    if not isinstance(getattr(hf_config, "architectures", None), list):
+        raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
+    get_model_class(hf_config.architectures)  # a ValueError naming the supported architectures
+    head_dim = getattr(hf_config, "head_dim", None)
+    for name in MODEL_SIZES + (("head_dim",) if head_dim is not None else ()):
+        check(f"{config_file}: {name}", getattr(hf_config, name), int, lambda size: size >= 1, ">= 1")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % kv_heads or (head_dim is None and hf_config.hidden_size % heads):
+        raise ModelLoadError(f"{config_file}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                             f"({kv_heads}) and, without a head_dim, divide hidden_size ({hf_config.hidden_size})")
+    check(f"{config_file}: rms_norm_eps", getattr(hf_config, "rms_norm_eps", None), float, lambda e: e > 0, "> 0")
+    try:
+        check_supported(hf_config)
+    except ValueError as error:
+        raise ModelLoadError(f"{config_file}: {error}") from None
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:
@@ -612,10 +642,7 @@ def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]
 
 def load_model(model: nn.Module, path: str | Path) -> None:
     """Load every ``*.safetensors`` file of ``path`` into ``model``, checking that nothing is missing or extra."""
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        raise ModelLoadError(f"model directory {path} has no *.safetensors files")
+    files = sorted(Path(path).glob("*.safetensors"))
     expected = _expected_loads(model)
     loaded: dict[tuple[str, str | int | None], str] = {}
     tied = getattr(model, "tie_word_embeddings", False)
@@ -657,15 +684,16 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def build_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto",
+    hf_config: PretrainedConfig | None = None,
 ) -> nn.Module:
-    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights.
+    """Build the model class of a model directory in ``dtype`` on ``device`` and load its weights.
 
+    hf_config: the directory's config when the caller has read it already (the engine's `Config` has).
     load_format="dummy": no weights are read; seeded random values are drawn where the model lives (benchmarks).
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
-    config = load_hf_config(path)
+    assert load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"
+    config = hf_config if hf_config is not None else read_model_dir(path, require_weights=load_format != "dummy")
     model_class = get_model_class(config.architectures)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -778,9 +806,29 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
 _FORMAT_VERSION = 1  # bump when the files written here change
 
 
+class CacheNotWritableError(OSError):
+    """The model cache cannot be written; the message names the directory and NANOVLLM_CACHE."""
+
+
 def cache_root() -> Path:
-    """Where tiny models are cached: $NANOVLLM_CACHE, else ~/.cache/nanovllm."""
-    return Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
+    """Where built and converted models are cached: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else
+    ~/.cache/nanovllm."""
+    if os.environ.get("NANOVLLM_CACHE"):
+        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "nanovllm"
+
+
+def writable_dir(directory: Path) -> Path:
+    """``directory``, created if needed, or a CacheNotWritableError that says how to move the cache."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {directory}")
+    except OSError as error:
+        raise CacheNotWritableError(
+            f"cannot write the model cache at {directory} ({error}); set NANOVLLM_CACHE to a writable directory"
+        ) from None
+    return directory
 
 
 def _config_class(kind: str) -> Any:
@@ -881,8 +929,7 @@ def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: 
         return directory
     # en: Build next to the target and rename: a concurrent or interrupted build never leaves half a model.
     # zh: 在目标旁边构建再改名：并发或中断的构建绝不会留下半个模型。
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=writable_dir(directory.parent)))
     try:
         _write(staging, kind, seed, overrides, key)
         try:
@@ -1030,10 +1077,17 @@ print("ours == transformers for Qwen3, Llama (tied) and Qwen2")
 
 # %% [markdown] tags=["en"]
 # The loader refuses a broken checkpoint with a message that names the problem. We copy the
-# tiny model and damage it in three ways, then name an architecture we do not support:
+# tiny model and damage it in three ways, then name an architecture we do not support, then
+# write sizes no model can have. `read_model_dir` is the only function that reads
+# `config.json`: the engine's `Config` (chapter 11) calls it once, and its result travels from
+# there, to the model runner and to every tensor-parallel rank, so that a nonsense number is
+# refused here, by name, and not as a "negative dimension" deep inside `torch`.
 
 # %% [markdown] tags=["zh"]
-# 加载器会拒绝损坏的检查点，并在错误信息中指明问题所在。我们复制一份小模型，用三种方式把它弄坏，再写上一个不支持的架构：
+# 加载器会拒绝损坏的检查点，并在错误信息中指明问题所在。我们复制一份小模型，用三种方式把它弄坏，再写上一个不支持的架构，
+# 最后写入任何模型都不可能有的尺寸。`read_model_dir` 是唯一读取 `config.json` 的函数：引擎的 `Config`（第 11 章）
+# 调用它一次，它的结果从那里传下去，交给模型执行器和每个张量并行 rank。这样，荒谬的数值在这里就会被点名拒绝，
+# 而不是在 `torch` 深处变成一句 “negative dimension”。
 
 # %%
 import shutil
@@ -1069,6 +1123,14 @@ try:
 except ValueError as error:
     print("ValueError:", error)
     assert "MambaForCausalLM" in str(error), error  # not one of the weight errors above
+for field, value in (("hidden_size", -64), ("num_attention_heads", 0)):
+    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"], field: value}))
+    try:
+        build_model(broken)
+        raise AssertionError(f"{field}={value} was accepted")
+    except ValueError as error:
+        print("ValueError:", error)
+        assert f"config.json: {field} must be >= 1" in str(error), error
 shutil.rmtree(scratch)
 
 # %% [markdown] tags=["en"]
@@ -1111,7 +1173,8 @@ assert torch.isfinite(logits).all()
 #   and `llama3` scaling).
 # - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
 #   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
-# - `utils/loader.py`: `load_hf_config`, `load_model` (fused and tied weights, a ledger of
+# - `utils/loader.py`: `read_model_dir` (the one reader of `config.json`, which refuses a config
+#   we cannot build by naming the field and the file), `load_model` (fused and tied weights, a ledger of
 #   missing and unexpected tensors), `build_model` (and `load_format="dummy"`: seeded random weights
 #   drawn where the model lives, for benchmarks).
 # - `utils/tiny_models.py`: `build_tiny_model("qwen3" | "qwen2" | "llama")`, cached real HF
@@ -1133,7 +1196,8 @@ assert torch.isfinite(logits).all()
 #   `layers/rotary_embedding.py`（`get_rope`，NeoX 布局；支持 `default`、`linear` 和 `llama3` 缩放）。
 # - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
 #   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
-# - `utils/loader.py`：`load_hf_config`、`load_model`（融合权重与绑定权重，记账发现缺失和多余的张量）、
+# - `utils/loader.py`：`read_model_dir`（`config.json` 的唯一读取者；我们无法构建的配置会被拒绝，
+#   报错时指明字段和文件）、`load_model`（融合权重与绑定权重，记账发现缺失和多余的张量）、
 #   `build_model`（以及 `load_format="dummy"`：在模型所在之处直接生成带种子的随机权重，供基准测试使用）。
 # - `utils/tiny_models.py`：`build_tiny_model("qwen3" | "qwen2" | "llama")`，带缓存的、`transformers`
 #   可以加载的真实 HF 目录。

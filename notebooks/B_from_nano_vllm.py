@@ -417,6 +417,7 @@
 # |---|---|---|---|
 # | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 05 | a parameter without a loader is copied after a shape check |
 # | `load_model` | `load_model`, `build_model` | 05 | refuses missing, unexpected and twice-loaded tensors by name |
+# | — | `read_model_dir`, `check_model_config` | 05 | new: the one reader of `config.json` (`Config` calls it); a size no model can have is refused by field and file |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/utils/loader.py` → `nanovllm/utils/loader.py`
@@ -425,6 +426,7 @@
 # |---|---|---|---|
 # | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 05 | 没有加载器的参数在检查形状后直接拷贝 |
 # | `load_model` | `load_model`, `build_model` | 05 | 按名字拒绝缺失的、多余的和重复加载的张量 |
+# | — | `read_model_dir`, `check_model_config` | 05 | 新增：`config.json` 唯一的读取者（由 `Config` 调用）；任何模型都不可能有的尺寸会被拒绝，并指明字段和文件 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/config.py` → `nanovllm/config.py`
@@ -433,7 +435,7 @@
 # |---|---|---|---|
 # | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | the same names and defaults |
 # | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | every end-of-sequence id of `generation_config.json` or `config.json` |
-# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `read_model_dir` | 11 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `utils.loader.read_model_dir`, `utils.checks.check` | 11 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
 # | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | new settings, for the CPU and for the features of chapters 04b, 06b, 09 and 11 |
 
 # %% [markdown] tags=["zh"]
@@ -443,7 +445,7 @@
 # |---|---|---|---|
 # | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | 名字和默认值相同 |
 # | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | `generation_config.json` 或 `config.json` 里的每一个结束符 id |
-# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `read_model_dir` | 11 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `utils.loader.read_model_dir`, `utils.checks.check` | 11 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
 # | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | 新增的配置项，用于 CPU，以及第 04b、06b、09、11 章的功能 |
 
 # %% [markdown] tags=["en"]

@@ -77,15 +77,10 @@ def test_bad_prompts_are_refused(token_ids: object, error: type, fragment: str) 
         Sequence(token_ids, block_size=4)  # type: ignore[arg-type]
 
 
-def test_bad_block_size_and_params() -> None:
-    with pytest.raises(ValueError, match="block_size"):
-        Sequence([1], block_size=0)
+def test_block_size_must_be_explicit() -> None:
+    # Its value is checked where it enters, as Config.kvcache_block_size (chapter 11).
     with pytest.raises(TypeError, match="block_size"):
-        Sequence([1], block_size=4.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="block_size"):
-        Sequence([1])  # type: ignore[call-arg]  # block size must be explicit
-    with pytest.raises(TypeError, match="sampling_params"):
-        Sequence([1], {"temperature": 0}, block_size=4)  # type: ignore[arg-type]
+        Sequence([1])  # type: ignore[call-arg]
 
 
 def test_numpy_token_ids_become_python_ints() -> None:
@@ -110,9 +105,9 @@ def test_block_arithmetic(block_size: int, length: int) -> None:
     assert seq.last_block_num_tokens == length - (expected_blocks - 1) * block_size
     assert 1 <= seq.last_block_num_tokens <= block_size
     assert [t for i in range(seq.num_blocks) for t in seq.block(i)] == seq.token_ids
-    with pytest.raises(IndexError):
+    with pytest.raises(AssertionError):
         seq.block(seq.num_blocks)
-    with pytest.raises(IndexError):
+    with pytest.raises(AssertionError):
         seq.block(-1)
 
 
@@ -177,10 +172,6 @@ def test_prefill_pickle_ships_uncached_tokens_and_survives_a_second_trip() -> No
     assert shipped.token_ids == list(range(8, 20)) and shipped.scheduled_token_ids == list(range(8, 20))
     again = pickle.loads(pickle.dumps(shipped))
     assert again.token_ids == list(range(8, 20)) and again.first_token_index == 8
-    with pytest.raises(RuntimeError, match="slim copy"):
-        shipped.block(0)
-    with pytest.raises(RuntimeError, match="slim copy"):
-        _ = shipped.prompt_token_ids
 
 
 def test_block_size_travels_explicitly_to_another_process() -> None:
@@ -213,11 +204,8 @@ def test_a_pending_token_is_counted_then_filled_in() -> None:
     assert index == 3 and len(seq) == 4 and seq.last_token == PENDING_TOKEN and seq.num_blocks == 2
     seq.set_token(3, 9)
     assert seq.completion_token_ids == [9]
-    with pytest.raises(RuntimeError, match="not pending"):
+    with pytest.raises(AssertionError, match="not pending"):
         seq.set_token(3, 10)  # already filled in
-    with pytest.raises(ValueError, match="negative"):
-        seq.append_pending_token()
-        seq.set_token(4, -5)
 
 
 def test_truncate_drops_tokens_past_a_finish_but_never_the_prompt() -> None:
@@ -230,7 +218,7 @@ def test_truncate_drops_tokens_past_a_finish_but_never_the_prompt() -> None:
     seq.truncate(3)
     assert seq.token_ids == [1, 2, 3] and seq.num_cached_tokens == 3
     for bad in (2, 5):
-        with pytest.raises(ValueError, match="truncate"):
+        with pytest.raises(AssertionError):
             seq.truncate(bad)
 
 

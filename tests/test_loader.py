@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from nanovllm.utils.loader import ModelLoadError, build_model, load_hf_config
+from nanovllm.utils.loader import ModelLoadError, build_model, read_model_dir
 from nanovllm.utils.tiny_models import build_tiny_model
 
 
@@ -124,7 +125,7 @@ def test_broken_directories(tmp_path: Path, copy_of) -> None:
         build_model(directory)
     (directory / "config.json").write_text(json.dumps({**config, "architectures": ["BertForMaskedLM"]}))
     with pytest.raises(ValueError, match=r"unsupported model architecture \['BertForMaskedLM'\]; supported: Qwen3"):
-        load_hf_config(directory)
+        read_model_dir(directory)
     (directory / "config.json").write_text(config_text)
     (directory / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ModelLoadError, match="is not a readable safetensors file"):
@@ -132,6 +133,53 @@ def test_broken_directories(tmp_path: Path, copy_of) -> None:
     (directory / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match=r"has no \*.safetensors files"):
         build_model(directory)
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "message"),
+    [
+        ({"hidden_size": -64}, ValueError, "hidden_size must be >= 1, got -64"),
+        ({"num_attention_heads": 0}, ValueError, "num_attention_heads must be >= 1, got 0"),
+        # transformers checks the types itself; the message still names the field and the file.
+        ({"num_hidden_layers": 2.5}, ValueError, "cannot be read by transformers: .*'num_hidden_layers'"),
+        ({"num_key_value_heads": 3}, ValueError, r"num_attention_heads \(4\) must be a multiple of num_key_value"),
+        ({"head_dim": 0}, ValueError, "head_dim must be >= 1"),
+        ({"rms_norm_eps": -1e-6}, ValueError, "rms_norm_eps must be > 0"),
+        ({"hidden_act": "gelu"}, ValueError, "unsupported hidden_act 'gelu'"),
+    ],
+    ids=["negative-size", "no-heads", "float-layers", "kv-heads", "head-dim", "eps", "activation"],
+)
+def test_nonsense_model_configs_are_refused_by_field_and_file(copy_of, change: dict, error: type,
+                                                              message: str) -> None:
+    directory = copy_of()
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(error, match=message) as caught:
+        read_model_dir(directory)
+    assert str(directory / "config.json") in str(caught.value)
+
+
+def test_config_json_is_read_once_per_engine(qwen_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Config reads it; the model runner builds the model from that result, not from the file again."""
+    from transformers import AutoConfig
+
+    from nanovllm import LLM, SamplingParams
+
+    original, ours = AutoConfig.from_pretrained.__func__, []
+
+    def counting(cls, *args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("nanovllm"):
+            ours.append(caller)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(counting))
+    llm = LLM(str(qwen_dir), num_kvcache_blocks=8, kvcache_block_size=16, max_model_len=64, max_num_seqs=2)
+    try:
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
+    finally:
+        llm.exit()
+    assert ours == ["nanovllm.utils.loader"]
 
 
 def test_unsupported_features_are_refused(tmp_path: Path) -> None:

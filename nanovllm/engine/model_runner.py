@@ -203,7 +203,7 @@ class ModelRunner:
             # imported only here, so that a CPU run never imports Triton.
             importlib.import_module("nanovllm.layers.triton_attention")
         get_attention_backend(config.attention_backend)  # a clear error if it is not registered
-        self.model = build_model(config.model, dtype=self.dtype, device=self.device, load_format=config.load_format)
+        self.model = build_model(config.model, self.dtype, self.device, config.load_format, config.hf_config)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = config.attention_backend

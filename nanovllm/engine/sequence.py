@@ -13,6 +13,7 @@ from nanovllm.sampling_params import SamplingParams
 __all__ = [
     "ALLOWED_TRANSITIONS",
     "PENDING_TOKEN",
+    "SHIPPED_FIELDS",
     "Sequence",
     "SequenceStatus",
 ]
@@ -59,14 +60,7 @@ class Sequence:
         token_ids = list(token_ids)
         if len(token_ids) == 0:
             raise ValueError("token_ids is empty: a prompt needs at least one token")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int):
-            raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
         self._status = SequenceStatus.WAITING
         self.token_ids = [_token_id(t, i) for i, t in enumerate(token_ids)]
@@ -120,12 +114,10 @@ class Sequence:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        self._require_whole("prompt_token_ids")
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def completion_token_ids(self) -> list[int]:
-        self._require_whole("completion_token_ids")
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
@@ -158,14 +150,12 @@ class Sequence:
     def set_token(self, index: int, token_id: int) -> None:
         """Fill in the pending token at ``index``."""
         offset = index - self.first_token_index
-        if not 0 <= offset < len(self.token_ids) or self.token_ids[offset] != PENDING_TOKEN:
-            raise RuntimeError(f"sequence {self.seq_id}: token {index} is not pending")
-        self.token_ids[offset] = _token_id(token_id, index)
+        assert self.token_ids[offset] == PENDING_TOKEN, f"sequence {self.seq_id}: token {index} is not pending"
+        self.token_ids[offset] = token_id
 
     def truncate(self, num_tokens: int) -> None:
         """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
-        if not max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens:
-            raise ValueError(f"sequence {self.seq_id}: cannot truncate {self.num_tokens} tokens to {num_tokens}")
+        assert max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens
         del self.token_ids[num_tokens - self.first_token_index :]
         self.num_tokens = num_tokens
         self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
@@ -173,7 +163,6 @@ class Sequence:
     def fork(self, sample_index: int) -> Sequence:
         """A sibling for sample ``sample_index`` of the same request: the same tokens, progress and block
         table (the block manager adds its references to the blocks), a new seq_id, no forks of its own."""
-        self._require_whole("fork()")
         child = copy.copy(self)
         child.seq_id = next(Sequence._ids)
         child.sample_index = sample_index
@@ -199,48 +188,18 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         """The token ids that block ``i`` of this sequence holds (the last one may be partial)."""
-        self._require_whole("block()")
-        if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block index {i} out of range for a sequence of {self.num_blocks} blocks")
+        assert 0 <= i < self.num_blocks, f"block {i} of a sequence of {self.num_blocks} blocks"
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     # ---- shipping to worker processes (chapter 10) --------------------------
     def __getstate__(self) -> tuple:
         # Only tokens whose KV is not cached yet travel: during decode that is the
         # last token alone, whatever the length of the sequence.
-        tail = self.token_ids[self.num_cached_tokens - self.first_token_index :]
-        return (
-            self.seq_id,
-            self._status,
-            self.block_size,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_scheduled_tokens,
-            self.block_table,
-            tail,
-            self.request_id,
-            self.sample_index,
-            self.pending_forks,
-            self.blocks_to_copy,
-        )
+        return (*_shipped(self), self.token_ids[self.num_cached_tokens - self.first_token_index :])
 
     def __setstate__(self, state: tuple) -> None:
-        (
-            self.seq_id,
-            self._status,
-            self.block_size,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.num_cached_tokens,
-            self.num_scheduled_tokens,
-            self.block_table,
-            self.token_ids,
-            self.request_id,
-            self.sample_index,
-            self.pending_forks,
-            self.blocks_to_copy,
-        ) = state
+        *fields, self.token_ids = state
+        self.__dict__.update(zip(SHIPPED_FIELDS, fields, strict=True))
         self.first_token_index = self.num_cached_tokens
         # Sampling happens on rank 0 only, so workers never need the parameters.
         self.sampling_params = None
@@ -257,10 +216,6 @@ class Sequence:
     def __deepcopy__(self, memo: dict) -> Sequence:
         return copy.copy(self)
 
-    def _require_whole(self, what: str) -> None:
-        if self.first_token_index:
-            raise RuntimeError(f"{what} is not available on a slim copy shipped to a worker process")
-
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
@@ -271,6 +226,11 @@ class Sequence:
 
 # The value of a token that the GPU is still computing; never a real token id (those are >= 0).
 PENDING_TOKEN = -1
+# What a sequence ships to a worker process (chapter 10), followed by its uncached tokens.
+SHIPPED_FIELDS = ("seq_id", "_status", "block_size", "num_tokens", "num_prompt_tokens", "num_cached_tokens",
+                  "num_scheduled_tokens", "block_table", "request_id", "sample_index", "pending_forks",
+                  "blocks_to_copy")
+_shipped = operator.attrgetter(*SHIPPED_FIELDS)
 
 
 def _token_id(value: object, position: int) -> int:

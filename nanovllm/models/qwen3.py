@@ -79,8 +79,7 @@ class Qwen3MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}: only 'silu' is implemented")
+        assert hidden_act == "silu", "check_supported refuses the others"
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -125,6 +124,8 @@ def head_dim_of(config: Any) -> int:
 
 def check_supported(config: Any) -> None:
     """Refuse, by name, the config features this engine does not implement."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
@@ -137,7 +138,6 @@ def check_supported(config: Any) -> None:
 class Qwen3Model(nn.Module):
     def __init__(self, config: Any, switches: dict[str, bool]) -> None:
         super().__init__()
-        check_supported(config)
         base, scaling = rope_settings(config)
         head_dim = head_dim_of(config)
         # One rotary table for all layers: its cos/sin cache can be tens of MB for long-context models.

@@ -3,56 +3,87 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
+from nanovllm.models.qwen3 import check_supported
 from nanovllm.models.registry import get_model_class
+from nanovllm.utils.checks import check
 
 __all__ = [
     "IGNORED_SUFFIXES",
     "LOAD_FORMATS",
+    "MODEL_SIZES",
     "ModelLoadError",
     "build_model",
+    "check_model_config",
     "init_random_weights",
-    "load_hf_config",
     "load_model",
+    "read_model_dir",
 ]
 
 
 # notebooks/05_model.py · cell "loader"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# The numbers of config.json that size the model; a model may add head_dim.
+MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "max_position_embeddings")
 
 
 class ModelLoadError(ValueError):
     """A model directory cannot be loaded; the message names the file or tensor at fault."""
 
 
-def load_hf_config(path: str | Path) -> Any:
-    """Read and check ``config.json`` of a model directory; return the transformers config."""
-    path = Path(path)
-    if not path.exists():
-        raise ModelLoadError(f"model directory {path} does not exist")
+def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
+    """The one reader of a model directory's config.json: its transformers config, checked so that each way a
+    directory can be broken gets its own message (require_weights: it must hold *.safetensors files)."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
+    path = Path(model).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model path {path} is not a directory")
+        raise ModelLoadError(f"model directory {path} {'is not a directory' if path.exists() else 'does not exist'}")
     config_file = path / "config.json"
     if not config_file.is_file():
-        raise ModelLoadError(f"model directory {path} has no config.json")
+        raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        json.loads(config_file.read_text(encoding="utf-8"))  # only for a clear message; transformers parses it again
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("architectures"), list):
-        raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
-    get_model_class(raw["architectures"])  # raises a ValueError naming unsupported architectures
     try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises many kinds for a bad config
-        raise ModelLoadError(f"transformers cannot read {config_file}: {error}") from error
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for a bad config
+        raise ModelLoadError(f"{config_file} cannot be read by transformers: {error}") from error
+    check_model_config(hf_config, config_file)
+    if require_weights and not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"model directory {path} has no *.safetensors files")
+    return hf_config
+
+
+def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
+    """Refuse, naming the field and the file, a config that no model of ours can be built from."""
+    missing = [name for name in MODEL_SIZES if getattr(hf_config, name, None) is None]
+    if missing:
+        raise ModelLoadError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
+    if not isinstance(getattr(hf_config, "architectures", None), list):
+        raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
+    get_model_class(hf_config.architectures)  # a ValueError naming the supported architectures
+    head_dim = getattr(hf_config, "head_dim", None)
+    for name in MODEL_SIZES + (("head_dim",) if head_dim is not None else ()):
+        check(f"{config_file}: {name}", getattr(hf_config, name), int, lambda size: size >= 1, ">= 1")
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    if heads % kv_heads or (head_dim is None and hf_config.hidden_size % heads):
+        raise ModelLoadError(f"{config_file}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                             f"({kv_heads}) and, without a head_dim, divide hidden_size ({hf_config.hidden_size})")
+    check(f"{config_file}: rms_norm_eps", getattr(hf_config, "rms_norm_eps", None), float, lambda e: e > 0, "> 0")
+    try:
+        check_supported(hf_config)
+    except ValueError as error:
+        raise ModelLoadError(f"{config_file}: {error}") from None
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:
@@ -83,10 +114,7 @@ def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]
 
 def load_model(model: nn.Module, path: str | Path) -> None:
     """Load every ``*.safetensors`` file of ``path`` into ``model``, checking that nothing is missing or extra."""
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    if not files:
-        raise ModelLoadError(f"model directory {path} has no *.safetensors files")
+    files = sorted(Path(path).glob("*.safetensors"))
     expected = _expected_loads(model)
     loaded: dict[tuple[str, str | int | None], str] = {}
     tied = getattr(model, "tie_word_embeddings", False)
@@ -128,15 +156,16 @@ LOAD_FORMATS = ("auto", "dummy")
 
 
 def build_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto",
+    hf_config: PretrainedConfig | None = None,
 ) -> nn.Module:
-    """Read the config, build the right model class in ``dtype`` on ``device``, load its weights.
+    """Build the model class of a model directory in ``dtype`` on ``device`` and load its weights.
 
+    hf_config: the directory's config when the caller has read it already (the engine's `Config` has).
     load_format="dummy": no weights are read; seeded random values are drawn where the model lives (benchmarks).
     """
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
-    config = load_hf_config(path)
+    assert load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"
+    config = hf_config if hf_config is not None else read_model_dir(path, require_weights=load_format != "dummy")
     model_class = get_model_class(config.architectures)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -10,13 +10,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from nanovllm.utils.tiny_models import CacheNotWritableError, cache_root, writable_dir
+
 __all__ = [
     "INSTALL_HINT",
     "MODEL_NAME",
     "PACKAGE",
     "STAMP",
     "SmolLM2NotInstalledError",
-    "cache_root",
     "convert",
     "find_gguf",
     "is_converted",
@@ -54,14 +55,6 @@ def find_gguf() -> Path:
     return ggufs[0]
 
 
-def cache_root() -> Path:
-    """Where converted models live: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else ~/.cache/nanovllm."""
-    if os.environ.get("NANOVLLM_CACHE"):
-        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "nanovllm"
-
-
 def _source(gguf: Path) -> dict:
     # What the cached directory was made from: a different package version is reconverted.
     return {"package": PACKAGE, "version": importlib.metadata.version(PACKAGE), "gguf": gguf.name,
@@ -82,8 +75,7 @@ def convert(gguf: Path, target: Path) -> Path:
     """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=writable_dir(target.parent)))
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -127,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         print(smollm2_dir())
-    except SmolLM2NotInstalledError as error:
+    except (SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0

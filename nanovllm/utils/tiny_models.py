@@ -19,8 +19,10 @@ __all__ = [
     "TINY_MODELS",
     "TINY_TEXT",
     "TINY_VOCAB_SIZE",
+    "CacheNotWritableError",
     "build_tiny_model",
     "cache_root",
+    "writable_dir",
 ]
 
 
@@ -67,9 +69,29 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
 _FORMAT_VERSION = 1  # bump when the files written here change
 
 
+class CacheNotWritableError(OSError):
+    """The model cache cannot be written; the message names the directory and NANOVLLM_CACHE."""
+
+
 def cache_root() -> Path:
-    """Where tiny models are cached: $NANOVLLM_CACHE, else ~/.cache/nanovllm."""
-    return Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
+    """Where built and converted models are cached: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else
+    ~/.cache/nanovllm."""
+    if os.environ.get("NANOVLLM_CACHE"):
+        return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "nanovllm"
+
+
+def writable_dir(directory: Path) -> Path:
+    """``directory``, created if needed, or a CacheNotWritableError that says how to move the cache."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise PermissionError(f"no write permission on {directory}")
+    except OSError as error:
+        raise CacheNotWritableError(
+            f"cannot write the model cache at {directory} ({error}); set NANOVLLM_CACHE to a writable directory"
+        ) from None
+    return directory
 
 
 def _config_class(kind: str) -> Any:
@@ -169,8 +191,7 @@ def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: 
         _write(directory, kind, seed, overrides, key)
         return directory
     # Build next to the target and rename: a concurrent or interrupted build never leaves half a model.
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=directory.parent))
+    staging = Path(tempfile.mkdtemp(prefix=directory.name + ".", dir=writable_dir(directory.parent)))
     try:
         _write(staging, kind, seed, overrides, key)
         try:
