@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
+from nanovllm.layers.attention import ATTENTION_BACKENDS
 from nanovllm.layers.linear import check_tensor_parallel_size
 from nanovllm.utils.checks import check
 from nanovllm.utils.loader import LOAD_FORMATS, read_model_dir
 
 __all__ = [
-    "ATTENTION_BACKENDS",
     "DEVICES",
     "DTYPES",
     "MAX_BLOCK_SIZE",
@@ -30,7 +30,6 @@ __all__ = [
 # notebooks/11_engine.py · cell "config checks"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 MAX_BLOCK_SIZE = 1024
 
 
@@ -119,7 +118,7 @@ class Config:
     def _resolve_device(self) -> None:
         device = _choice("device", self.device, DEVICES)
         dtype = _choice("dtype", self.dtype, ("auto", *DTYPES))
-        backend = _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        backend = _choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():

@@ -60,6 +60,11 @@
 # **RoPE.** Rotary position embedding rotates pairs of q and k coordinates by an angle
 # proportional to the token's position. We use the NeoX layout (`transformers`' `rotate_half`:
 # coordinate `i` pairs with `i + d/2`), and precompute `cos` and `sin` for every position once.
+#
+# Each of these small layers keeps its maths in a plain function (`rms_norm`, `silu_and_mul`,
+# `rotary`) and calls it through a class attribute `op`. That is the one hook chapter 09 needs:
+# on a GPU the model runner hands every such layer a `torch.compile`d version of the same
+# function, so the maths is written once and `forward` is never replaced.
 
 # %% [markdown] tags=["zh"]
 # ## 思路：一个解码层
@@ -83,6 +88,10 @@
 # **RoPE：** 旋转位置编码把 q 和 k 的坐标两两配对，按与 token 位置成正比的角度旋转。我们采用 NeoX 布局
 # （即 `transformers` 的 `rotate_half`：第 `i` 个坐标与第 `i + d/2` 个配对），并为每个位置一次性预先算好
 # `cos` 和 `sin`。
+#
+# 这几个小层都把自己的数学写在一个普通函数里（`rms_norm`、`silu_and_mul`、`rotary`），并通过类属性 `op` 调用它。
+# 这正是第 09 章需要的唯一挂钩：在 GPU 上，模型执行器把同一个函数经 `torch.compile` 编译后的版本交给每个这样的层，
+# 所以数学只写一遍，`forward` 也从不被替换。
 
 # %% default module
 #| default_exp models.qwen3
@@ -95,29 +104,36 @@ import torch
 from torch import nn
 
 
-class RMSNorm(nn.Module):
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / rms(x) * weight; with ``residual``, first x = x + residual and return (normed, x)."""
+    if residual is not None:
+        # en: Add in the model's dtype, as transformers does, so the residual stream matches it exactly.
+        # zh: 与 transformers 一样在模型的数据类型下相加，使残差流与它完全一致。
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` with a learned weight."""
+
+    # en: The maths; on a GPU chapter 09 hands each norm a compiled version of it.
+    # zh: 数学本身；在 GPU 上，第 09 章把它编译后的版本交给每个归一化层。
+    op = staticmethod(rms_norm)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self.rms_forward(x)
-        # en: Add in the model's dtype, as transformers does, so the residual stream matches it exactly.
-        # zh: 与 transformers 一样在模型的数据类型下相加，使残差流与它完全一致。
-        x = x + residual
-        return self.rms_forward(x), x
+        return self.op(x, residual, self.weight, self.eps)
 
 # %% activation
 #| export layers.activation
@@ -126,12 +142,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[gate | up] -> SiLU(gate) * up: the SwiGLU of the MLP, after one fused gate_up matmul."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    op = staticmethod(silu_and_mul)  # as in RMSNorm: chapter 09 may hand it a compiled version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
+        return self.op(x)
 
 # %% [markdown] tags=["en"]
 # ### RoPE and its scaled variants
@@ -198,8 +219,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+def rotary(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by their positions, with cos and sin read from the precomputed table."""
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
+
+    op = staticmethod(rotary)  # as in RMSNorm: chapter 09 may hand it a compiled version
 
     def __init__(
         self,
@@ -210,8 +241,7 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if rotary_dim > head_size or rotary_dim % 2:
-            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and at most head_size ({head_size})")
+        assert rotary_dim <= head_size and rotary_dim % 2 == 0
         self.head_size, self.rotary_dim = head_size, rotary_dim
         inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)
         freqs = torch.arange(max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -220,17 +250,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # en: Checked on a CPU only: on a GPU, reading the maximum back would stall every layer and
-        # en: cannot be captured in a CUDA graph (chapter 09); there the engine's max_model_len check
-        # en: (chapter 11, max_model_len <= max_position_embeddings) already guarantees it.
-        # zh: 只在 CPU 上检查：在 GPU 上把最大值读回主机会让每一层都停下来等待，也无法被 CUDA Graph 捕获
-        # zh: （第 09 章）；在那里，引擎对 max_model_len 的检查（第 11 章，max_model_len <= max_position_embeddings）
-        # zh: 已经保证了这一点。
-        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin_cache.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
-                             f"({self.cos_sin_cache.shape[0]})")
-        cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.op(self.cos_sin_cache, positions, q, k)
 
 
 def get_rope(
@@ -291,6 +311,8 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_set
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
 
+    fused_op = None  # see norm_and_rotate
+
     def __init__(
         self,
         hidden_size: int,
@@ -329,7 +351,11 @@ class Qwen3Attention(nn.Module):
     def norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE; one method so chapter 09 can fuse it."""
+        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE; on a GPU, chapter 09 hands Qwen3's attention
+        one compiled function for all three (``fused_op``)."""
+        if self.fused_op is not None:
+            rope, q_norm = self.rotary_emb, self.q_norm
+            return self.fused_op(rope.cos_sin_cache, positions, q, k, q_norm.weight, self.k_norm.weight, q_norm.eps)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary_emb(positions, q, k)

@@ -267,21 +267,25 @@ def set_decode_context(
 # ## Build it: the backend interface
 #
 # An attention **backend** is three functions: store the new K/V into the cache, prefill
-# attention, decode attention. Backends register under a name; each `Attention` layer has a
-# `backend` attribute (the model runner sets it from the `attention_backend` config), so the
-# Triton chapter only has to register `"triton"`.
+# attention, decode attention. Each `Attention` layer holds a `backend` object (this chapter's
+# torch reference until told otherwise). The model runner (chapter 08) builds one backend, the
+# kind the `attention_backend` setting names, with `attention_backend(name)`, and hands that
+# object to every layer: no registry to fill by importing modules, and chapter 06b's Triton
+# kernels are imported only when a run asks for them, so a CPU run never imports Triton.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：后端接口
 #
-# 一个注意力**后端**由三个函数组成：把新的 K/V 存进缓存、prefill 注意力、decode 注意力。后端以名字注册；
-# 每个 `Attention` 层有一个 `backend` 属性（模型执行器根据配置项 `attention_backend` 设置它），所以 Triton
-# 那一章只需注册 `"triton"`。
+# 一个注意力**后端**由三个函数组成：把新的 K/V 存进缓存、prefill 注意力、decode 注意力。每个 `Attention`
+# 层持有一个 `backend` 对象（在被告知用别的之前，是本章的 torch 参考实现）。模型执行器（第 08 章）用
+# `attention_backend(name)` 按配置项 `attention_backend` 构建一个后端，再把这个对象交给每一层：不需要靠导入模块
+# 来填充注册表；第 06b 章的 Triton 内核只有在运行时被要求使用时才导入，所以 CPU 上的运行从不导入 Triton。
 
-# %% backend registry
+# %% backend interface
 #| export
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 import torch
@@ -290,45 +294,35 @@ from torch import nn
 
 from nanovllm.utils.context import Context, get_context
 
+# en: The kinds the attention_backend setting may name: the torch reference and chapter 06b's kernels.
+# zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及第 06b 章的内核。
+ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
+
 
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
-
-    name: str
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
 
     def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context: Context,
-        scale: float,
-    ) -> torch.Tensor: ...
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        context: Context, scale: float,
+    ) -> torch.Tensor: ...  # fmt: skip
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor: ...
 
 
-ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
-
-
-def register_attention_backend(backend: AttentionBackend) -> AttentionBackend:
-    """Make a backend selectable by its name (``Attention.backend = name``)."""
-    ATTENTION_BACKENDS[backend.name] = backend
-    return backend
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name]
+def attention_backend(name: str) -> AttentionBackend:
+    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). Chapter 06b's kernels
+    are imported only here, when asked for: a CPU run never imports Triton."""
+    if name == "torch":
+        return TorchBackend()
+    kernels = importlib.import_module("nanovllm.layers.triton_attention")
+    return {"triton": kernels.TritonBackend, "flash-attn": kernels.FlashAttnBackend}[name]()
 
 # %% [markdown] tags=["en"]
 # ## Build it: the plain-torch backend
@@ -401,8 +395,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchBackend:
     """The reference backend: readable, runs on any device, defines correctness."""
 
-    name = "torch"
-
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
@@ -464,8 +456,6 @@ class TorchBackend:
         return out
 
 
-register_attention_backend(TorchBackend())
-
 # %% [markdown] tags=["en"]
 # ## Build it: the layer
 #
@@ -483,26 +473,24 @@ register_attention_backend(TorchBackend())
 # %% attention layer
 #| export
 class Attention(nn.Module):
-    """Paged attention over flat batches; the math is delegated to a registered backend."""
+    """Paged attention over flat batches; the math is delegated to its backend."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
-        self.backend: str = "torch"
+        # en: The torch reference until the model runner hands every layer the configured backend.
+        # zh: 在模型执行器把配置的后端交给每一层之前，用的是 torch 参考实现。
+        self.backend: AttentionBackend = TorchBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
         context = get_context()
-        backend = get_attention_backend(self.backend)
-        has_cache = self.k_cache.numel() > 0
-        if has_cache and context.slot_mapping is not None:
-            backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        if self.k_cache.numel() and context.slot_mapping is not None:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         if context.is_prefill:
-            return backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
-        return backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
 
 # %% [markdown] tags=["en"]
 # ## See it: a batch with a cached prefix, then decode
@@ -623,9 +611,9 @@ print("a padded row stores nothing and returns zeros")
 # - `nanovllm/utils/context.py`: `Context`, `set_context`, `get_context`, `reset_context`, and
 #   `set_prefill_context` / `set_decode_context` to build one from lengths and block tables.
 # - `nanovllm/layers/attention.py`: `Attention(num_heads, head_dim, scale, num_kv_heads)`, a
-#   backend registry, and `TorchBackend`: store via `slot_mapping` (−1 skipped), varlen causal
-#   prefill reading cached prefixes through block tables, paged decode (one sequence at a time,
-#   each reading exactly its context), GQA.
+#   `backend` object that `attention_backend(name)` builds, and `TorchBackend`: store via
+#   `slot_mapping` (−1 skipped), varlen causal prefill reading cached prefixes through block
+#   tables, paged decode (one sequence at a time, each reading exactly its context), GQA.
 #
 # ## Exercises
 #
@@ -642,9 +630,9 @@ print("a padded row stores nothing and returns zeros")
 #
 # - `nanovllm/utils/context.py`：`Context`、`set_context`、`get_context`、`reset_context`，以及根据长度和
 #   块表构造上下文的 `set_prefill_context` / `set_decode_context`。
-# - `nanovllm/layers/attention.py`：`Attention(num_heads, head_dim, scale, num_kv_heads)`、后端注册表和
-#   `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、通过块表读取已缓存前缀的变长因果 prefill、逐个序列的
-#   分页 decode（每个序列只读取自己的上下文），以及 GQA。
+# - `nanovllm/layers/attention.py`：`Attention(num_heads, head_dim, scale, num_kv_heads)`、由
+#   `attention_backend(name)` 构建的 `backend` 对象，以及 `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、
+#   通过块表读取已缓存前缀的变长因果 prefill、逐个序列的分页 decode（每个序列只读取自己的上下文），以及 GQA。
 #
 # ## 练习
 #

@@ -14,8 +14,8 @@
 # %% [markdown] tags=["en"]
 # # 06b · Paged attention in Triton
 #
-# **Goal.** Write the three attention kernels of the engine in Triton and plug them into the
-# backend registry of chapter 06 under the name `"triton"`:
+# **Goal.** Write the three attention kernels of the engine in Triton and wrap them as
+# `TritonBackend`, the backend that chapter 06's `attention_backend("triton")` builds:
 #
 # 1. **store**: scatter each new token's K and V into the paged cache through `slot_mapping`
 #    (slot `-1` = padding, skipped);
@@ -34,7 +34,8 @@
 # %% [markdown] tags=["zh"]
 # # 06b · 用 Triton 写分页注意力
 #
-# **目标：** 用 Triton 写出引擎的三个注意力内核，并以 `"triton"` 之名接入第 06 章的后端注册表：
+# **目标：** 用 Triton 写出引擎的三个注意力内核，并把它们包装成 `TritonBackend`，也就是第 06 章的
+# `attention_backend("triton")` 构建的后端：
 #
 # 1. **存储**：按 `slot_mapping` 把每个新 token 的 K、V 分散写入分页缓存（槽位 `-1` 是填充，跳过）；
 # 2. **prefill**：flash-attention 风格的变长因果注意力，通过块表读取已缓存的前缀（前缀缓存命中，或分块预填充中
@@ -102,15 +103,19 @@
 # Triton decides at *decoration* time (`@triton.jit`) whether a kernel is compiled or
 # interpreted, reading `TRITON_INTERPRET`. So the variable must be set before the kernel module
 # is imported. This chapter sets it when there is no CUDA device; the module records what it
-# saw in `INTERPRETED`, and `resolve_attention_backend` refuses `"triton"` on a CPU unless the
-# kernels really are interpreted.
+# saw in `INTERPRETED`, and `check_triton_device` refuses a CPU tensor unless the kernels really
+# are interpreted (chapter 07's sampler kernels use the same two). The engine's `Config`
+# (chapter 11) refuses `attention_backend="triton"` on a CPU without `TRITON_INTERPRET=1` before
+# anything is loaded.
 
 # %% [markdown] tags=["zh"]
 # ## 没有 GPU 时怎么运行
 #
 # Triton 在*装饰*（`@triton.jit`）时读取 `TRITON_INTERPRET`，决定内核是编译还是解释执行。所以必须在导入内核
 # 模块之前设置这个变量。没有 CUDA 设备时，本章会设置它；模块把它看到的结果记在 `INTERPRETED` 里，而
-# `resolve_attention_backend` 在 CPU 上只有当内核确实以解释方式运行时才接受 `"triton"`。
+# `check_triton_device` 只有当内核确实以解释方式运行时才接受 CPU 上的张量（第 07 章采样器的内核也用这两样）。
+# 引擎的 `Config`（第 11 章）在加载任何东西之前，就会拒绝没有 `TRITON_INTERPRET=1` 的 CPU 上的
+# `attention_backend="triton"`。
 
 # %%
 import os
@@ -129,7 +134,6 @@ print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRE
 #| export
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
@@ -137,7 +141,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from nanovllm.layers.attention import Attention, register_attention_backend
+from nanovllm.layers.attention import Attention
 from nanovllm.utils.context import Context
 
 # en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
@@ -199,11 +203,12 @@ def store_kvcache_kernel(
 
 # %% store wrapper
 #| export
-def _check_device(tensor: torch.Tensor) -> None:
+def check_triton_device(tensor: torch.Tensor) -> None:
+    """Refuse a CPU tensor unless the kernels were decorated in interpreter mode."""
     if tensor.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
-            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
-            "nanovllm.layers.triton_attention"
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before Triton is "
+            "first imported"
         )
 
 
@@ -212,7 +217,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {k_cache.shape}, {v_cache.shape}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the Triton kernels need contiguous K/V caches (a per-layer view of the one KV tensor is)")
-    _check_device(k_cache)
+    check_triton_device(k_cache)
 
 
 def store_kvcache(
@@ -455,7 +460,7 @@ def prefill_attention(
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
         stride_v_t, stride_v_h = stride_k_t, stride_k_h
     else:
-        _check_device(q)
+        check_triton_device(q)
         keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
@@ -770,14 +775,14 @@ def decode_attention(
 # %% [markdown] tags=["en"]
 # ## Build it: the backend, and choosing one
 #
-# `TritonBackend` is three one-line methods over the functions above; registering it makes
-# `Attention.backend = "triton"` work. `resolve_attention_backend` turns the engine's
-# `attention_backend` config value into a registered name: `"auto"` means Triton on a GPU and
-# the torch reference on a CPU; `"triton"` on a CPU is accepted only when the kernels run in the
-# interpreter.
+# `TritonBackend` is three one-line methods over the functions above; chapter 06's
+# `attention_backend("triton")` builds one, and the model runner hands it to every layer.
+# Which backend a run uses is the engine's `attention_backend` setting, resolved by `Config`
+# (chapter 11): `"auto"` means Triton on a GPU and the torch reference on a CPU; `"triton"` on
+# a CPU is accepted only when the kernels run in the interpreter.
 #
 # A third backend, `"flash-attn"`, wraps the two calls nano-vllm makes into the `flash_attn`
-# package. It is registered only when `flash_attn` can be imported. **UNVERIFIED: flash-attn is
+# package; `Config` accepts it only on a GPU where `flash_attn` can be imported. **UNVERIFIED: flash-attn is
 # not installed on any machine of this project, so this path has never run here.** Known
 # constraints: flash-attn's paged KV wants a block size that is a multiple of 256 (nano-vllm's
 # default), and we do not know what it returns for padded decode rows (context length 0).
@@ -785,11 +790,13 @@ def decode_attention(
 # %% [markdown] tags=["zh"]
 # ## 动手：后端，以及如何选择后端
 #
-# `TritonBackend` 的三个方法各只有一行，调用上面的函数；注册之后，`Attention.backend = "triton"` 就能用了。
-# `resolve_attention_backend` 把引擎配置项 `attention_backend` 的值转换成一个已注册的名字：`"auto"` 在 GPU 上
-# 表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器方式运行时才接受 `"triton"`。
+# `TritonBackend` 的三个方法各只有一行，调用上面的函数；第 06 章的 `attention_backend("triton")` 构建它，
+# 模型执行器再把它交给每一层。一次运行用哪个后端，由引擎的配置项 `attention_backend` 决定，并由 `Config`
+# （第 11 章）解析：`"auto"` 在 GPU 上表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器
+# 方式运行时才接受 `"triton"`。
 #
-# 第三个后端 `"flash-attn"` 包装了 nano-vllm 对 `flash_attn` 包的两个调用。只有能导入 `flash_attn` 时才注册它。
+# 第三个后端 `"flash-attn"` 包装了 nano-vllm 对 `flash_attn` 包的两个调用；只有在能导入 `flash_attn` 的 GPU 上
+# `Config` 才接受它。
 # **未验证：本项目的任何机器上都没有安装 flash-attn，所以这条路径在这里从未运行过。** 已知限制：flash-attn 的
 # 分页 KV 要求块大小是 256 的倍数（nano-vllm 的默认值），而且我们不知道它对填充的 decode 行（上下文长度为 0）
 # 返回什么。
@@ -798,8 +805,6 @@ def decode_attention(
 #| export
 class TritonBackend:
     """Attention through the Triton kernels of this module (compiled on CUDA, interpreted on CPU)."""
-
-    name = "triton"
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -829,17 +834,8 @@ class TritonBackend:
                         layer.scale)  # fmt: skip
 
 
-register_attention_backend(TritonBackend())
-
-
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 class FlashAttnBackend:
     """UNVERIFIED (flash-attn is not installed here): nano-vllm's calls into the flash_attn package."""
-
-    name = "flash-attn"
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -877,34 +873,6 @@ class FlashAttnBackend:
         ).squeeze(1)  # fmt: skip
 
 
-if flash_attn_available():
-    register_attention_backend(FlashAttnBackend())
-
-
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
-    """The registered backend for config value ``name`` on ``device``: "auto", "torch", "triton" or "flash-attn"."""
-    device_type = torch.device(device).type
-    if name == "auto":
-        return "triton" if device_type == "cuda" else "torch"
-    if name == "torch":
-        return name
-    if name == "triton":
-        if device_type == "cuda" or (device_type == "cpu" and INTERPRETED):
-            return name
-        if device_type == "cpu":
-            raise ValueError(
-                "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                "nanovllm.layers.triton_attention is imported (slow: for tests and teaching), or use 'torch'"
-            )
-        raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device_type!r}")
-    if name == "flash-attn":
-        if device_type != "cuda":
-            raise ValueError(f"attention_backend='flash-attn' needs a CUDA device, got {device_type!r}")
-        if not flash_attn_available():
-            raise ValueError("attention_backend='flash-attn' needs the flash_attn package, which is not installed")
-        return name
-    raise ValueError(f"unknown attention_backend {name!r}; choose 'auto', 'torch', 'triton' or 'flash-attn'")
-
 # %% [markdown] tags=["en"]
 # ## See it: the kernels against the reference
 #
@@ -925,7 +893,7 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> str:
 import time
 
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.triton_attention import decode_attention, resolve_attention_backend
+from nanovllm.layers.triton_attention import TritonBackend, decode_attention
 from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
 
 torch.manual_seed(0)
@@ -933,7 +901,8 @@ H, KVH, D, BS, NUM_BLOCKS = 4, 2, 16, 16, 8
 layers = {}
 for backend in ("torch", "triton"):
     layer = Attention(H, D, scale=D**-0.5, num_kv_heads=KVH)
-    layer.backend = backend
+    if backend == "triton":
+        layer.backend = TritonBackend()
     layer.k_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D, device=DEVICE)
     layer.v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D, device=DEVICE)
     layers[backend] = layer
@@ -981,7 +950,6 @@ reset_context()
 assert all(r["max_err"] < 1e-4 for r in report.values()), report
 assert torch.equal(layers["triton"].k_cache, layers["torch"].k_cache)  # store: bit-identical scatter
 assert torch.equal(layers["triton"].v_cache, layers["torch"].v_cache)
-assert resolve_attention_backend("auto", "cpu") == "torch" and resolve_attention_backend("auto", "cuda") == "triton"
 print("Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical")
 
 # %% [markdown] tags=["en"]
@@ -1382,9 +1350,9 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 # - `nanovllm/layers/triton_attention.py`: `store_kvcache`, `prefill_attention` (varlen,
 #   causal, cached prefix read through the block table, GQA), `decode_attention` (plain or
 #   split-K with `num_splits`, chosen by `choose_num_splits` when left out), the kernels behind
-#   them, `TritonBackend` (registered as `"triton"`), an optional `FlashAttnBackend`
-#   (`"flash-attn"`, UNVERIFIED, registered only when `flash_attn` imports), and
-#   `resolve_attention_backend(name, device)` for the engine's `attention_backend` config.
+#   them, `TritonBackend` (what `attention_backend("triton")` builds), an optional
+#   `FlashAttnBackend` (`"flash-attn"`, UNVERIFIED), and `INTERPRETED` /
+#   `check_triton_device`, which chapter 07's sampler kernels share.
 # - `nanovllm/bench_attention.py`: `python -m nanovllm.bench_attention` prints decode bandwidth
 #   vs copy bandwidth and prefill vs SDPA flash on a GPU.
 #
@@ -1403,9 +1371,9 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 #
 # - `nanovllm/layers/triton_attention.py`：`store_kvcache`、`prefill_attention`（变长、因果、通过块表读取已缓存
 #   前缀、GQA）、`decode_attention`（普通版，或用 `num_splits` 指定的 split-K 版；不指定时由 `choose_num_splits`
-#   选择），以及它们背后的内核；`TritonBackend`（注册为 `"triton"`）；可选的 `FlashAttnBackend`（`"flash-attn"`，
-#   未验证，只有能导入 `flash_attn` 时才注册）；还有供引擎配置项 `attention_backend` 使用的
-#   `resolve_attention_backend(name, device)`。
+#   选择），以及它们背后的内核；`TritonBackend`（`attention_backend("triton")` 构建的就是它）；可选的
+#   `FlashAttnBackend`（`"flash-attn"`，未验证）；还有第 07 章采样器内核共用的 `INTERPRETED` 与
+#   `check_triton_device`。
 # - `nanovllm/bench_attention.py`：在 GPU 上运行 `python -m nanovllm.bench_attention`，打印 decode 带宽与拷贝带宽的
 #   对比，以及 prefill 与 SDPA flash 的对比。
 #

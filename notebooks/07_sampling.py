@@ -96,7 +96,7 @@
 #| export
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -199,11 +199,13 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
 class Sampler(nn.Module):
     """One token per row of logits: greedy at temperature 0, else an exponential race over top-k/top-p."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample_plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = temperature_sample) -> None:
         super().__init__()
-        # en: The function for batches without top-k, top-p or seeds; on a GPU chapter 08 swaps in the Triton one.
-        # zh: 批次中没有 top-k、top-p 和种子时使用的函数；在 GPU 上，第 08 章会把它换成 Triton 版本。
-        self.sample_plain = temperature_sample
+        # en: The function for batches without top-k, top-p or seeds; on a GPU chapter 08's runner passes
+        # en: the Triton one (layers.triton_sampler.triton_temperature_sample).
+        # zh: 批次中没有 top-k、top-p 和种子时使用的函数；在 GPU 上，第 08 章的执行器传入 Triton 版本
+        # zh: （layers.triton_sampler.triton_temperature_sample）。
+        self.sample_plain = sample_plain
 
     def forward(
         self,
@@ -215,14 +217,6 @@ class Sampler(nn.Module):
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] (0 = greedy); top_ks [B] int (<= 0: off); top_ps [B] (1.0: off);
         generators: B entries, a generator for each seeded row, None for the others. Returns [B] int64."""
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
-        batch = logits.shape[0]
-        for name, value in (("temperatures", temperatures), ("top_ks", top_ks), ("top_ps", top_ps)):
-            if value is not None and tuple(value.shape) != (batch,):
-                raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
-        if generators is not None and len(generators) != batch:
-            raise ValueError(f"need one generator (or None) per row: {batch} rows, {len(generators)} generators")
         if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
             return self.sample_plain(logits, temperatures)
         logits = logits.float()
@@ -259,12 +253,7 @@ def sampling_inputs(
     top_ks, top_ps and generators are None when no row of the batch uses them: the sampler then
     takes its fast path, decided here on the host rather than by asking the GPU.
     """
-    if len(params) != len(positions):
-        raise ValueError(f"need one position per request: {len(params)} params, {len(positions)} positions")
-    if sample_indices is None:
-        sample_indices = [0] * len(params)
-    elif len(sample_indices) != len(params):
-        raise ValueError(f"need one sample index per row: {len(params)} params, {len(sample_indices)} indices")
+    sample_indices = sample_indices or [0] * len(params)
     seeded = any(p.seed is not None for p in params)
     return {
         "temperatures": host_to_device([p.temperature for p in params], torch.float32, device),
@@ -509,11 +498,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
 
-# en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
-# zh: 下面的内核在装饰时是否处于解释器模式（导入时 TRITON_INTERPRET=1）。
-INTERPRETED: bool = bool(knobs.runtime.interpret)
+from nanovllm.layers.triton_attention import check_triton_device
 
 # %% [markdown] tags=["en"]
 # ### Build it: the chunk kernel and the pick kernel
@@ -618,14 +604,6 @@ def race_pick_kernel(chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, C
 
 # %% triton sampler wrapper
 #| export layers.triton_sampler
-def _check_device(tensor: torch.Tensor) -> None:
-    if tensor.device.type == "cpu" and not INTERPRETED:
-        raise RuntimeError(
-            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
-            "nanovllm.layers.triton_sampler"
-        )
-
-
 def triton_temperature_sample(
     logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
 ) -> torch.Tensor:
@@ -644,7 +622,7 @@ def triton_temperature_sample(
     num_chunks = triton.cdiv(vocab, block_size)
     if num_chunks > 65535:
         raise ValueError(f"{vocab} columns in blocks of {block_size} are more than 65535 chunks (the grid's limit)")
-    _check_device(logits)
+    check_triton_device(logits)
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         logits = logits.float()
     # en: The kernel finds row r at r * vocab elements: only an unusual layout is copied.

@@ -447,9 +447,11 @@ class SampledTokens:
 # small element-wise ops are compiled, and on a GPU with the Triton backend `self.graphs` holds
 # the captured decode graphs, which `run` replays for decode steps instead of calling the model.
 #
-# On a GPU the constructor also points the sampler's fast path at chapter 07's Triton kernels
-# (`triton_temperature_sample`), and it *warms up* everything that compiles on first use, so that
-# no step of a real run pays for a compile: a prefill that reads a cached prefix
+# The runner builds what the layers compute with once and hands it down: one attention backend
+# object (`attention_backend(config.attention_backend)`, chapter 06) given to every `Attention`
+# layer, and a `Sampler` whose fast path, on a GPU, is chapter 07's Triton kernels
+# (`triton_temperature_sample`). On a GPU it also *warms up* everything that compiles on first
+# use, so that no step of a real run pays for a compile: a prefill that reads a cached prefix
 # (`warm_paged_prefill`), every variant of the attention backend's prefill kernel
 # (`warm_up_attention`, chapter 06b's `warm_up_prefill`) and the sampler's two kernels
 # (`warm_up_sampler`). They run in inference mode, like `run`: compiled functions check how their
@@ -469,7 +471,9 @@ class SampledTokens:
 # 有两个挂钩属于第 09 章，在 CPU 上什么也不做：打开 `compile_small_ops` 时，模型中的逐元素小算子会被编译；在 GPU 上
 # 使用 Triton 后端时，`self.graphs` 保存捕获好的 decode 图，`run` 在 decode 步重放它们，而不是直接调用模型。
 #
-# 在 GPU 上，构造函数还会让采样器的快速路径改用第 07 章的 Triton 内核（`triton_temperature_sample`），并把所有
+# 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
+# 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核
+# （`triton_temperature_sample`）。在 GPU 上，它还会把所有
 # 首次使用时才编译的东西*预热*一遍，这样真实运行中没有哪一步要为编译买单：一次读取已缓存前缀的 prefill
 # （`warm_paged_prefill`）、注意力后端 prefill 内核的每个变体（`warm_up_attention`，即第 06b 章的
 # `warm_up_prefill`），以及采样器的两个内核（`warm_up_sampler`）。它们和 `run` 一样在推理模式下运行：编译好的
@@ -480,10 +484,10 @@ class SampledTokens:
 import importlib
 
 from nanovllm.engine.cuda_graphs import capture_decode_graphs
-from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.linear import agree_min, share_from_rank0
-from nanovllm.layers.sampler import Sampler, sampling_inputs
+from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
 from nanovllm.utils.loader import build_model
 
 NOT_SAMPLED = -1
@@ -497,25 +501,19 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        if config.attention_backend != "torch":
-            # en: The kernel module registers "triton" (and "flash-attn" when importable) as it loads;
-            # en: imported only here, so that a CPU run never imports Triton.
-            # zh: 内核模块在加载时注册 "triton"（以及可导入时的 "flash-attn"）；只在这里导入，
-            # zh: 这样 CPU 上的运行永远不会导入 Triton。
-            importlib.import_module("nanovllm.layers.triton_attention")
-        get_attention_backend(config.attention_backend)  # a clear error if it is not registered
         self.model = build_model(config.model, self.dtype, self.device, config.load_format, config.hf_config)
+        # en: What the model's layers compute with is built once here and handed down: one attention backend
+        # en: for every layer (chapter 06b's kernels are imported only when chosen), and on a GPU the
+        # en: sampler's fast path as chapter 07's Triton kernels (imported only there).
+        # zh: 模型各层用来计算的东西都在这里构建一次，再交下去：所有层共用一个注意力后端（只有被选中时才导入
+        # zh: 第 06b 章的内核）；在 GPU 上，采样器的快速路径用第 07 章的 Triton 内核（只在那里导入）。
+        self.attention = attention_backend(config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
-            layer.backend = config.attention_backend
-        self.sampler = Sampler()
-        if self.device.type == "cuda":
-            # en: Chapter 07's Triton kernels take the sampler's fast path; imported only on a GPU, so that a CPU
-            # en: run never imports Triton. warm_up_sampler compiles them below.
-            # zh: 采样器的快速路径改用第 07 章的 Triton 内核；只在 GPU 上导入，这样 CPU 上的运行永远不会导入
-            # zh: Triton。下面的 warm_up_sampler 会编译它们。
-            sampler_kernels = importlib.import_module("nanovllm.layers.triton_sampler")
-            self.sampler.sample_plain = sampler_kernels.triton_temperature_sample
+            layer.backend = self.attention
+        on_gpu = self.device.type == "cuda"
+        kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
+        self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
         if config.compile_small_ops:
             compile_small_ops(self.model)  # chapter 09; compiled during the warm-ups below
         self.stopped = False
@@ -596,7 +594,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_attention(self) -> None:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
-        warm_up = getattr(get_attention_backend(self.config.attention_backend), "warm_up", None)
+        warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
             warm_up(self.attention_layers[0])  # every layer has the same shapes: one compiles them all
 

@@ -430,9 +430,15 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # `torch.compile` fuses such chains of element-wise ops into one generated kernel. We compile
 # small functions (RMSNorm with and without the residual add, SiLU-and-mul, the rotary
 # embedding, and Qwen3's q/k RMSNorm fused with the rotary embedding that follows it) with
-# `dynamic=True`, so that one compilation serves every batch size, and point the model's modules
-# at them. The math is the same as chapter 05's; only the rounding of intermediate bf16 steps
-# may differ (the fused kernel keeps them in float32). Fusing q/k norm with RoPE takes four
+# `dynamic=True`, so that one compilation serves every batch size, and hand them to the model's
+# modules. They are chapter 05's own functions: each small layer calls its maths through a class
+# attribute `op`, and `compile_small_ops` gives each instance a compiled `op` (and Qwen3's
+# attention a `fused_op`); the maths is written once and no `forward` is replaced. Why hooks on
+# the built model rather than a flag passed to every constructor? The model is built by chapter
+# 05's loader, which knows nothing of GPUs, and compiling is a decision of the runner (CUDA or
+# not, the config switch); a flag would have to travel through four constructors for a speed-up
+# that changes no result. Only the rounding of intermediate bf16 steps may differ (the fused
+# kernel keeps them in float32). Fusing q/k norm with RoPE takes four
 # kernels per layer down to two: at batch 1 every kernel costs a few microseconds whatever its
 # size, so fewer kernels is most of what there is to win.
 #
@@ -458,8 +464,12 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # CUDA Graph 去掉了*启动开销*，但没有去掉启动本身：重放时，用 eager PyTorch 写的 RMSNorm 仍然是六七个内核，
 # 每个都把整个激活读写一遍。`torch.compile` 能把这样一串逐元素操作融合成一个生成的内核。我们用 `dynamic=True`
 # 编译几个小函数（带与不带残差相加的 RMSNorm、SiLU-and-mul、旋转位置编码，以及 Qwen3 的 q/k RMSNorm 与紧随其后的
-# 旋转位置编码的融合），这样一次编译就能服务所有批大小，然后让模型的各个模块改用它们。数学与第 05 章相同；只有中间
-# bf16 步骤的舍入可能不同（融合内核把它们保留在 float32）。把 q/k 归一化与 RoPE 融合后，每层的内核从四个降到两个：
+# 旋转位置编码的融合），这样一次编译就能服务所有批大小，然后把它们交给模型的各个模块。它们就是第 05 章自己的函数：
+# 每个小层都通过类属性 `op` 调用自己的数学，`compile_small_ops` 给每个实例一个编译后的 `op`（给 Qwen3 的注意力一个
+# `fused_op`）；数学只写一遍，也没有哪个 `forward` 被替换。为什么在建好的模型上挂钩子，而不是给每个构造函数传一个
+# 开关？模型由第 05 章的加载器构建，它对 GPU 一无所知；要不要编译是执行器的决定（是不是 CUDA、配置开关怎么设）。
+# 为了一个不改变任何结果的提速，让开关穿过四层构造函数并不值得。只有中间 bf16 步骤的舍入可能不同（融合内核把它们
+# 保留在 float32）。把 q/k 归一化与 RoPE 融合后，每层的内核从四个降到两个：
 # batch 为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
 #
 # 这里不编译采样器。本章较早的版本也编译过它的快速路径（第 07 章的 `temperature_sample`）：eager 模式下，它要对
@@ -480,104 +490,68 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-
-
-def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """RMSNorm.forward as one function (x + residual first when a residual is given)."""
-    if residual is not None:
-        x = x + residual
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, x)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
-
-
-def rotary(cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+from nanovllm.layers.layernorm import RMSNorm, rms_norm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, rotary
 
 
 def qk_norm_rotary(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-):  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Qwen3's per-head q/k RMSNorm followed by RoPE, as one function (compiled: one kernel for q, one for k)."""
     return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
 
 
 def compile_small_ops(model: nn.Module) -> int:
-    """Point the model's small ops at compiled functions; returns how many modules now use one."""
-    norm = torch.compile(rms_norm, dynamic=True)
-    act = torch.compile(silu_and_mul, dynamic=True)
-    rope = torch.compile(rotary, dynamic=True)
-    norm_rope = torch.compile(qk_norm_rotary, dynamic=True)
+    """Hand every small-op module of ``model`` a compiled version of its ``op``; returns how many got one."""
+    compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
+    fused = torch.compile(qk_norm_rotary, dynamic=True)
     count = 0
     for module in model.modules():
-        # en: An instance attribute `forward` wins over the class's method when nn.Module calls it.
-        # zh: nn.Module 调用时，实例属性 `forward` 优先于类的方法。
-        if isinstance(module, RMSNorm):
-            module.forward = lambda x, residual=None, m=module: norm(x, residual, m.weight, m.eps)
-        elif isinstance(module, SiluAndMul):
-            module.forward = act
-        elif isinstance(module, RotaryEmbedding):
-            module.forward = lambda positions, q, k, m=module: rope(m.cos_sin_cache, positions, q, k)
-        elif getattr(module, "qk_norm", False) and hasattr(module, "norm_and_rotate"):
+        if type(module) in compiled:
+            module.op = compiled[type(module)]
+        elif getattr(module, "qk_norm", False):
             # en: Qwen3's attention: its q_norm, k_norm and rotary calls become one fused function.
             # zh: Qwen3 的注意力：它的 q_norm、k_norm 和旋转编码三次调用合成一个融合函数。
-            module.norm_and_rotate = lambda positions, q, k, m=module: norm_rope(
-                m.rotary_emb.cos_sin_cache, positions, q, k, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps
-            )
+            module.fused_op = fused
         else:
             continue
         count += 1
     return count
 
-
 # %% [markdown] tags=["en"]
-# On a CPU we only check that the functions are the same math as the modules (compiling here
-# would take longer than the whole chapter); the GPU tests compare the compiled model's logits
-# and tokens with the eager model's.
+# On a CPU we check that the fused function is the same maths as chapter 05's layers, and that
+# `compile_small_ops` hands a compiled function to each small layer: `torch.compile` compiles at
+# the first call, so handing them down costs nothing here (running them would take longer than
+# the whole chapter). The GPU tests compare the compiled model's logits and tokens with the
+# eager model's.
 
 # %% [markdown] tags=["zh"]
-# 在 CPU 上我们只检查这些函数与模块的数学一致（在这里编译会比整章运行还慢）；GPU 测试会比较编译后模型与 eager
-# 模型的 logits 和 token。
+# 在 CPU 上，我们检查融合函数与第 05 章各层的数学一致，并检查 `compile_small_ops` 把编译后的函数交给了每个小层：
+# `torch.compile` 在第一次调用时才编译，所以在这里交下去不花什么时间（真要运行它们，会比整章还慢）。GPU 测试会比较
+# 编译后模型与 eager 模型的 logits 和 token。
 
 # %%
-from nanovllm.layers.compiled_ops import rms_norm, rotary, silu_and_mul
-from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.compiled_ops import compile_small_ops, qk_norm_rotary
+from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-
-torch.manual_seed(0)
-x, res = torch.randn(3, 8), torch.randn(3, 8)
-norm = RMSNorm(8)
-norm.weight.data = torch.rand(8) + 0.5
-assert torch.equal(rms_norm(x, None, norm.weight, norm.eps), norm(x))
-assert all(torch.equal(a, b) for a, b in zip(rms_norm(x, res, norm.weight, norm.eps), norm(x, res), strict=True))
-g = torch.randn(3, 8)
-assert torch.equal(silu_and_mul(g), SiluAndMul()(g))
-rope = RotaryEmbedding(8, 8, 32, 10000.0)
-q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.tensor([0, 5, 31])
-assert all(torch.equal(a, b) for a, b in zip(rotary(rope.cos_sin_cache, pos, q, k), rope(pos, q, k), strict=True))
-from nanovllm.layers.compiled_ops import qk_norm_rotary
 from nanovllm.models.qwen3 import Qwen3Attention
 
+torch.manual_seed(0)
+rope = RotaryEmbedding(8, 8, 32, 10000.0)
 attention = Qwen3Attention(16, 2, 1, 8, rope)
+q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.tensor([0, 5, 31])
 fused = qk_norm_rotary(rope.cos_sin_cache, pos, q, k, attention.q_norm.weight, attention.k_norm.weight,
                        attention.q_norm.eps)  # fmt: skip
 assert all(torch.equal(a, b) for a, b in zip(fused, attention.norm_and_rotate(pos, q, k), strict=True))
-print("compiled-op functions == chapter 05 modules (uncompiled, on CPU)")
+# en: Handed down: the rotary table, q_norm and k_norm get a compiled op, the attention its fused_op.
+# zh: 交下去之后：旋转表、q_norm 和 k_norm 各得到一个编译后的 op，注意力层得到它的 fused_op。
+assert compile_small_ops(attention) == 4 and attention.fused_op is not None
+assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_norm  # per instance, not the class
+print("the fused function == chapter 05's layers; compile_small_ops handed 4 modules a compiled function")
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two hooks in `ModelRunner`

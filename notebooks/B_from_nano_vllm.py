@@ -205,30 +205,30 @@
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `SiluAndMul`, `SiluAndMul.forward` | = | 05 | plain PyTorch; on a GPU chapter 09 compiles it (`layers.compiled_ops.silu_and_mul`) |
+# | `SiluAndMul`, `SiluAndMul.forward` | `SiluAndMul`, `SiluAndMul.forward`, `SiluAndMul.op`, `silu_and_mul` | 05, 09 | plain PyTorch in `silu_and_mul`; on a GPU chapter 09 hands the layer a compiled version (`op`) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `SiluAndMul`, `SiluAndMul.forward` | = | 05 | 纯 PyTorch；在 GPU 上由第 09 章编译（`layers.compiled_ops.silu_and_mul`） |
+# | `SiluAndMul`, `SiluAndMul.forward` | `SiluAndMul`, `SiluAndMul.forward`, `SiluAndMul.op`, `silu_and_mul` | 05, 09 | 纯 PyTorch，写在 `silu_and_mul` 里；在 GPU 上由第 09 章把编译后的版本交给这一层（`op`） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/layernorm.py` → `nanovllm/layers/layernorm.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.rms_forward`, `RMSNorm.forward` | = | 05 | same; the residual is added in the model's dtype, as `transformers` does |
-# | `RMSNorm.add_rms_forward` | `RMSNorm.forward`, `layers.compiled_ops.rms_norm` | 05, 09 | the `residual` branch of `forward`; compiled on a GPU |
+# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.forward` | = | 05 | same; the residual is added in the model's dtype, as `transformers` does |
+# | `RMSNorm.rms_forward`, `RMSNorm.add_rms_forward` | `rms_norm`, `RMSNorm.op` | 05, 09 | one function, with and without the residual; on a GPU chapter 09 hands each norm a compiled version (`op`) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/layernorm.py` → `nanovllm/layers/layernorm.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.rms_forward`, `RMSNorm.forward` | = | 05 | 相同；残差按模型的数据类型相加，与 `transformers` 一致 |
-# | `RMSNorm.add_rms_forward` | `RMSNorm.forward`, `layers.compiled_ops.rms_norm` | 05, 09 | 即 `forward` 中带 `residual` 的分支；GPU 上会被编译 |
+# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.forward` | = | 05 | 相同；残差按模型的数据类型相加，与 `transformers` 一致 |
+# | `RMSNorm.rms_forward`, `RMSNorm.add_rms_forward` | `rms_norm`, `RMSNorm.op` | 05, 09 | 带与不带残差的同一个函数；在 GPU 上由第 09 章把编译后的版本交给每个归一化层（`op`） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/rotary_embedding.py` → `nanovllm/layers/rotary_embedding.py`
@@ -236,7 +236,7 @@
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
 # | `apply_rotary_emb` | `apply_rotary` | 05 | same rotation (NeoX layout) |
-# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | = | 05 | adds `linear` and `llama3` scaling; refuses a position beyond the table on a CPU |
+# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward`, `RotaryEmbedding.op`, `rotary` | 05, 09 | adds `linear` and `llama3` scaling; the maths is `rotary`, compiled on a GPU (`op`, chapter 09) |
 # | `get_rope` | `get_rope`, `rope_settings` | 05 | not cached by `lru_cache`: a model builds one and its layers share it |
 
 # %% [markdown] tags=["zh"]
@@ -245,7 +245,7 @@
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
 # | `apply_rotary_emb` | `apply_rotary` | 05 | 同样的旋转（NeoX 布局） |
-# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | = | 05 | 新增 `linear` 与 `llama3` 缩放；在 CPU 上拒绝超出表长的位置 |
+# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward`, `RotaryEmbedding.op`, `rotary` | 05, 09 | 新增 `linear` 与 `llama3` 缩放；数学在 `rotary` 里，GPU 上会被编译（`op`，第 09 章） |
 # | `get_rope` | `get_rope`, `rope_settings` | 05 | 没有用 `lru_cache` 缓存：模型构建一个，各层共用 |
 
 # %% [markdown] tags=["en"]
@@ -255,7 +255,7 @@
 # |---|---|---|---|
 # | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | our own Triton kernel (slot `-1` skipped), and a plain-torch store for the CPU |
 # | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | same |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `get_attention_backend` | 06, 06b | hands the math to a registered backend: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (upstream's calls, unverified) |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (upstream's calls, unverified) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
@@ -264,7 +264,7 @@
 # |---|---|---|---|
 # | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | 我们自己的 Triton 内核（跳过槽位 `-1`），以及供 CPU 使用的纯 torch 写入 |
 # | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | 相同 |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `get_attention_backend` | 06, 06b | 把计算交给注册过的后端：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（上游的调用方式，未验证） |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（上游的调用方式，未验证） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`

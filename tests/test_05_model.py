@@ -106,7 +106,7 @@ def test_rope_rotates_pairs_and_rejects_unsupported_scaling() -> None:
         get_rope(8, 8, 32, 10000.0, {"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="needs the key 'low_freq_factor'"):
         get_rope(8, 8, 32, 10000.0, {"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ValueError, match="beyond max_position_embeddings"):
+    with pytest.raises(IndexError):  # Config keeps max_model_len <= max_position_embeddings; torch names the index
         rope(torch.tensor([32]), q[:1], k[:1])
     # both config styles: transformers 5's rope_parameters and the older rope_theta / rope_scaling
     assert rope_settings(SimpleNamespace(rope_parameters={"rope_theta": 5.0, "rope_type": "default"}))[0] == 5.0

@@ -11,7 +11,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.layers import triton_sampler
+from nanovllm.layers import triton_attention
 from nanovllm.layers.sampler import (
     Sampler,
     apply_top_k,
@@ -110,17 +110,11 @@ def test_seeded_generators_differ_by_seed_and_position() -> None:
     assert not torch.equal(noise(0, 1), noise(1, 0))
 
 
-def test_sampling_inputs_and_bad_shapes() -> None:
+def test_sampling_inputs() -> None:
     inputs = sampling_inputs([SamplingParams(temperature=0), SamplingParams(top_k=4, top_p=0.5, seed=3)], [7, 9])
     assert inputs["temperatures"].tolist() == [0.0, 1.0] and inputs["top_ks"].tolist() == [0, 4]
     assert inputs["top_ps"].tolist() == [1.0, 0.5]
     assert inputs["generators"][0] is None and isinstance(inputs["generators"][1], torch.Generator)
-    with pytest.raises(ValueError, match=r"temperatures must have shape \(2,\)"):
-        sampler(torch.randn(2, 5), torch.ones(3))
-    with pytest.raises(ValueError, match=r"logits must be \[batch, vocab\]"):
-        sampler(torch.randn(5), torch.ones(5))
-    with pytest.raises(ValueError, match="one generator"):
-        sampler(torch.randn(2, 5), torch.ones(2), generators=[None])
 
 
 @pytest.mark.parametrize("temperature", [1e-3, 1e-38, 1e-40, 1e-45])
@@ -138,8 +132,6 @@ def test_sampling_inputs_pass_none_for_unused_features() -> None:
     only_top_p = sampling_inputs([SamplingParams(top_p=0.9), SamplingParams()], [3, 4])
     assert only_top_p["top_ks"] is None and only_top_p["generators"] is None
     assert only_top_p["top_ps"].tolist() == pytest.approx([0.9, 1.0])
-    with pytest.raises(ValueError, match="one position per request"):
-        sampling_inputs([SamplingParams()], [1, 2])
 
 
 def test_fast_path_draws_what_the_general_path_draws() -> None:
@@ -161,8 +153,7 @@ def test_fast_path_is_taken_only_without_top_k_top_p_and_seeds() -> None:
         calls.append(len(logits))
         return temperature_sample(logits, temperatures)
 
-    probe = Sampler()
-    probe.sample_plain = counting
+    probe = Sampler(counting)
     logits = torch.randn(2, 9)
     probe(logits, **sampling_inputs([SamplingParams(), SamplingParams(temperature=0)], [1, 1]))
     probe(logits, **sampling_inputs([SamplingParams(), SamplingParams(top_k=3)], [1, 1]))
@@ -244,7 +235,7 @@ def test_triton_bad_inputs_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     empty = triton_temperature_sample(torch.randn(0, 5, device=DEVICE), torch.ones(0, device=DEVICE))
     assert empty.shape == (0,) and empty.dtype == torch.int64
     # Without the interpreter, CPU tensors cannot reach a Triton kernel: the error says what to set.
-    monkeypatch.setattr(triton_sampler, "INTERPRETED", False)
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)  # chapter 06b's, shared by both kernel modules
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         triton_temperature_sample(torch.randn(2, 5), torch.ones(2))
 

@@ -11,10 +11,10 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from nanovllm.layers.attention import Attention, get_attention_backend
+from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.linear import agree_min, share_from_rank0
-from nanovllm.layers.sampler import Sampler, sampling_inputs
+from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
 from nanovllm.models.qwen3 import head_dim_of
 from nanovllm.utils.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
 from nanovllm.utils.loader import build_model
@@ -198,21 +198,17 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
-        if config.attention_backend != "torch":
-            # The kernel module registers "triton" (and "flash-attn" when importable) as it loads;
-            # imported only here, so that a CPU run never imports Triton.
-            importlib.import_module("nanovllm.layers.triton_attention")
-        get_attention_backend(config.attention_backend)  # a clear error if it is not registered
         self.model = build_model(config.model, self.dtype, self.device, config.load_format, config.hf_config)
+        # What the model's layers compute with is built once here and handed down: one attention backend
+        # for every layer (chapter 06b's kernels are imported only when chosen), and on a GPU the
+        # sampler's fast path as chapter 07's Triton kernels (imported only there).
+        self.attention = attention_backend(config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
-            layer.backend = config.attention_backend
-        self.sampler = Sampler()
-        if self.device.type == "cuda":
-            # Chapter 07's Triton kernels take the sampler's fast path; imported only on a GPU, so that a CPU
-            # run never imports Triton. warm_up_sampler compiles them below.
-            sampler_kernels = importlib.import_module("nanovllm.layers.triton_sampler")
-            self.sampler.sample_plain = sampler_kernels.triton_temperature_sample
+            layer.backend = self.attention
+        on_gpu = self.device.type == "cuda"
+        kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
+        self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
         if config.compile_small_ops:
             compile_small_ops(self.model)  # chapter 09; compiled during the warm-ups below
         self.stopped = False
@@ -286,7 +282,7 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_attention(self) -> None:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
-        warm_up = getattr(get_attention_backend(self.config.attention_backend), "warm_up", None)
+        warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
             warm_up(self.attention_layers[0])  # every layer has the same shapes: one compiles them all
 

@@ -6,13 +6,19 @@ from torch import nn
 
 __all__ = [
     "SiluAndMul",
+    "silu_and_mul",
 ]
 
 
 # notebooks/05_model.py · cell "activation"
-class SiluAndMul(nn.Module):
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[gate | up] -> SiLU(gate) * up: the SwiGLU of the MLP, after one fused gate_up matmul."""
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    op = staticmethod(silu_and_mul)  # as in RMSNorm: chapter 09 may hand it a compiled version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, -1)
-        return F.silu(gate) * up
+        return self.op(x)

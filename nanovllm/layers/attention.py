@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 import torch
@@ -15,53 +16,42 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "TorchBackend",
+    "attention_backend",
     "causal_attention",
     "flat_cache",
     "gather_paged",
-    "get_attention_backend",
-    "register_attention_backend",
 ]
 
 
-# notebooks/06_attention.py · cell "backend registry"
+# notebooks/06_attention.py · cell "backend interface"
+# The kinds the attention_backend setting may name: the torch reference and chapter 06b's kernels.
+ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
+
+
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
-
-    name: str
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None: ...
 
     def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context: Context,
-        scale: float,
-    ) -> torch.Tensor: ...
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        context: Context, scale: float,
+    ) -> torch.Tensor: ...  # fmt: skip
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor: ...
 
 
-ATTENTION_BACKENDS: dict[str, AttentionBackend] = {}
-
-
-def register_attention_backend(backend: AttentionBackend) -> AttentionBackend:
-    """Make a backend selectable by its name (``Attention.backend = name``)."""
-    ATTENTION_BACKENDS[backend.name] = backend
-    return backend
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name]
+def attention_backend(name: str) -> AttentionBackend:
+    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). Chapter 06b's kernels
+    are imported only here, when asked for: a CPU run never imports Triton."""
+    if name == "torch":
+        return TorchBackend()
+    kernels = importlib.import_module("nanovllm.layers.triton_attention")
+    return {"triton": kernels.TritonBackend, "flash-attn": kernels.FlashAttnBackend}[name]()
 
 
 # notebooks/06_attention.py · cell "torch backend"
@@ -99,8 +89,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class TorchBackend:
     """The reference backend: readable, runs on any device, defines correctness."""
-
-    name = "torch"
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -158,28 +146,22 @@ class TorchBackend:
         return out
 
 
-register_attention_backend(TorchBackend())
-
-
 # notebooks/06_attention.py · cell "attention layer"
 class Attention(nn.Module):
-    """Paged attention over flat batches; the math is delegated to a registered backend."""
+    """Paged attention over flat batches; the math is delegated to its backend."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
-        self.backend: str = "torch"
+        # The torch reference until the model runner hands every layer the configured backend.
+        self.backend: AttentionBackend = TorchBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
         context = get_context()
-        backend = get_attention_backend(self.backend)
-        has_cache = self.k_cache.numel() > 0
-        if has_cache and context.slot_mapping is not None:
-            backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+        if self.k_cache.numel() and context.slot_mapping is not None:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         if context.is_prefill:
-            return backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
-        return backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)

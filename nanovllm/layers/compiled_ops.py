@@ -5,71 +5,38 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from nanovllm.layers.layernorm import RMSNorm, rms_norm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, rotary
 
 __all__ = [
     "compile_small_ops",
     "qk_norm_rotary",
-    "rms_norm",
-    "rotary",
-    "silu_and_mul",
 ]
 
 
 # notebooks/09_cuda_graphs.py · cell "compiled ops"
-def rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
-    """RMSNorm.forward as one function (x + residual first when a residual is given)."""
-    if residual is not None:
-        x = x + residual
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, x)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up
-
-
-def rotary(cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
-
 def qk_norm_rotary(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-):  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Qwen3's per-head q/k RMSNorm followed by RoPE, as one function (compiled: one kernel for q, one for k)."""
     return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
 
 
 def compile_small_ops(model: nn.Module) -> int:
-    """Point the model's small ops at compiled functions; returns how many modules now use one."""
-    norm = torch.compile(rms_norm, dynamic=True)
-    act = torch.compile(silu_and_mul, dynamic=True)
-    rope = torch.compile(rotary, dynamic=True)
-    norm_rope = torch.compile(qk_norm_rotary, dynamic=True)
+    """Hand every small-op module of ``model`` a compiled version of its ``op``; returns how many got one."""
+    compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
+    fused = torch.compile(qk_norm_rotary, dynamic=True)
     count = 0
     for module in model.modules():
-        # An instance attribute `forward` wins over the class's method when nn.Module calls it.
-        if isinstance(module, RMSNorm):
-            module.forward = lambda x, residual=None, m=module: norm(x, residual, m.weight, m.eps)
-        elif isinstance(module, SiluAndMul):
-            module.forward = act
-        elif isinstance(module, RotaryEmbedding):
-            module.forward = lambda positions, q, k, m=module: rope(m.cos_sin_cache, positions, q, k)
-        elif getattr(module, "qk_norm", False) and hasattr(module, "norm_and_rotate"):
+        if type(module) in compiled:
+            module.op = compiled[type(module)]
+        elif getattr(module, "qk_norm", False):
             # Qwen3's attention: its q_norm, k_norm and rotary calls become one fused function.
-            module.norm_and_rotate = lambda positions, q, k, m=module: norm_rope(
-                m.rotary_emb.cos_sin_cache, positions, q, k, m.q_norm.weight, m.k_norm.weight, m.q_norm.eps
-            )
+            module.fused_op = fused
         else:
             continue
         count += 1

@@ -7,29 +7,36 @@ from torch import nn
 
 __all__ = [
     "RMSNorm",
+    "rms_norm",
 ]
 
 
 # notebooks/05_model.py · cell "rmsnorm"
-class RMSNorm(nn.Module):
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / rms(x) * weight; with ``residual``, first x = x + residual and return (normed, x)."""
+    if residual is not None:
+        # Add in the model's dtype, as transformers does, so the residual stream matches it exactly.
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+class RMSNorm(nn.Module):
+    """``rms_norm`` with a learned weight."""
+
+    # The maths; on a GPU chapter 09 hands each norm a compiled version of it.
+    op = staticmethod(rms_norm)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def rms_forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self.rms_forward(x)
-        # Add in the model's dtype, as transformers does, so the residual stream matches it exactly.
-        x = x + residual
-        return self.rms_forward(x), x
+        return self.op(x, residual, self.weight, self.eps)

@@ -15,6 +15,7 @@ __all__ = [
     "get_rope",
     "rope_inv_freq",
     "rope_settings",
+    "rotary",
 ]
 
 
@@ -55,8 +56,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
 
 
+def rotary(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by their positions, with cos and sin read from the precomputed table."""
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
+
+    op = staticmethod(rotary)  # as in RMSNorm: chapter 09 may hand it a compiled version
 
     def __init__(
         self,
@@ -67,8 +78,7 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if rotary_dim > head_size or rotary_dim % 2:
-            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and at most head_size ({head_size})")
+        assert rotary_dim <= head_size and rotary_dim % 2 == 0
         self.head_size, self.rotary_dim = head_size, rotary_dim
         inv_freq = rope_inv_freq(rotary_dim, base, rope_scaling)
         freqs = torch.arange(max_position_embeddings, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -76,14 +86,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Checked on a CPU only: on a GPU, reading the maximum back would stall every layer and
-        # cannot be captured in a CUDA graph (chapter 09); there the engine's max_model_len check
-        # (chapter 11, max_model_len <= max_position_embeddings) already guarantees it.
-        if positions.device.type == "cpu" and positions.numel() and int(positions.max()) >= self.cos_sin_cache.shape[0]:
-            raise ValueError(f"position {int(positions.max())} is beyond max_position_embeddings "
-                             f"({self.cos_sin_cache.shape[0]})")
-        cos, sin = self.cos_sin_cache[positions].float().chunk(2, dim=-1)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.op(self.cos_sin_cache, positions, q, k)
 
 
 def get_rope(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -96,10 +96,11 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
 class Sampler(nn.Module):
     """One token per row of logits: greedy at temperature 0, else an exponential race over top-k/top-p."""
 
-    def __init__(self) -> None:
+    def __init__(self, sample_plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = temperature_sample) -> None:
         super().__init__()
-        # The function for batches without top-k, top-p or seeds; on a GPU chapter 08 swaps in the Triton one.
-        self.sample_plain = temperature_sample
+        # The function for batches without top-k, top-p or seeds; on a GPU chapter 08's runner passes
+        # the Triton one (layers.triton_sampler.triton_temperature_sample).
+        self.sample_plain = sample_plain
 
     def forward(
         self,
@@ -111,14 +112,6 @@ class Sampler(nn.Module):
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] (0 = greedy); top_ks [B] int (<= 0: off); top_ps [B] (1.0: off);
         generators: B entries, a generator for each seeded row, None for the others. Returns [B] int64."""
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
-        batch = logits.shape[0]
-        for name, value in (("temperatures", temperatures), ("top_ks", top_ks), ("top_ps", top_ps)):
-            if value is not None and tuple(value.shape) != (batch,):
-                raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
-        if generators is not None and len(generators) != batch:
-            raise ValueError(f"need one generator (or None) per row: {batch} rows, {len(generators)} generators")
         if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
             return self.sample_plain(logits, temperatures)
         logits = logits.float()
@@ -153,12 +146,7 @@ def sampling_inputs(
     top_ks, top_ps and generators are None when no row of the batch uses them: the sampler then
     takes its fast path, decided here on the host rather than by asking the GPU.
     """
-    if len(params) != len(positions):
-        raise ValueError(f"need one position per request: {len(params)} params, {len(positions)} positions")
-    if sample_indices is None:
-        sample_indices = [0] * len(params)
-    elif len(sample_indices) != len(params):
-        raise ValueError(f"need one sample index per row: {len(params)} params, {len(sample_indices)} indices")
+    sample_indices = sample_indices or [0] * len(params)
     seeded = any(p.seed is not None for p in params)
     return {
         "temperatures": host_to_device([p.temperature for p in params], torch.float32, device),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import torch
@@ -10,23 +9,22 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from nanovllm.layers.attention import Attention, register_attention_backend
+from nanovllm.layers.attention import Attention
 from nanovllm.utils.context import Context
 
 __all__ = [
     "INTERPRETED",
     "FlashAttnBackend",
     "TritonBackend",
+    "check_triton_device",
     "choose_num_splits",
     "decode_attention",
     "decode_attention_kernel",
     "decode_reduce_kernel",
-    "flash_attn_available",
     "paged_rows",
     "prefill_attention",
     "prefill_attention_kernel",
     "prefill_launch_configs",
-    "resolve_attention_backend",
     "store_kvcache",
     "store_kvcache_kernel",
     "warm_up_prefill",
@@ -65,11 +63,12 @@ def store_kvcache_kernel(
 
 
 # notebooks/06b_triton_attention.py · cell "store wrapper"
-def _check_device(tensor: torch.Tensor) -> None:
+def check_triton_device(tensor: torch.Tensor) -> None:
+    """Refuse a CPU tensor unless the kernels were decorated in interpreter mode."""
     if tensor.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
-            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
-            "nanovllm.layers.triton_attention"
+            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before Triton is "
+            "first imported"
         )
 
 
@@ -78,7 +77,7 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {k_cache.shape}, {v_cache.shape}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the Triton kernels need contiguous K/V caches (a per-layer view of the one KV tensor is)")
-    _check_device(k_cache)
+    check_triton_device(k_cache)
 
 
 def store_kvcache(
@@ -251,7 +250,7 @@ def prefill_attention(
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
         stride_v_t, stride_v_h = stride_k_t, stride_k_h
     else:
-        _check_device(q)
+        check_triton_device(q)
         keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
@@ -471,8 +470,6 @@ def decode_attention(
 class TritonBackend:
     """Attention through the Triton kernels of this module (compiled on CUDA, interpreted on CPU)."""
 
-    name = "triton"
-
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
@@ -501,17 +498,8 @@ class TritonBackend:
                         layer.scale)  # fmt: skip
 
 
-register_attention_backend(TritonBackend())
-
-
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 class FlashAttnBackend:
     """UNVERIFIED (flash-attn is not installed here): nano-vllm's calls into the flash_attn package."""
-
-    name = "flash-attn"
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -547,32 +535,3 @@ class FlashAttnBackend:
             q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
             block_table=context.block_tables, softmax_scale=scale, causal=True,
         ).squeeze(1)  # fmt: skip
-
-
-if flash_attn_available():
-    register_attention_backend(FlashAttnBackend())
-
-
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
-    """The registered backend for config value ``name`` on ``device``: "auto", "torch", "triton" or "flash-attn"."""
-    device_type = torch.device(device).type
-    if name == "auto":
-        return "triton" if device_type == "cuda" else "torch"
-    if name == "torch":
-        return name
-    if name == "triton":
-        if device_type == "cuda" or (device_type == "cpu" and INTERPRETED):
-            return name
-        if device_type == "cpu":
-            raise ValueError(
-                "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                "nanovllm.layers.triton_attention is imported (slow: for tests and teaching), or use 'torch'"
-            )
-        raise ValueError(f"attention_backend='triton' needs a CUDA device, got {device_type!r}")
-    if name == "flash-attn":
-        if device_type != "cuda":
-            raise ValueError(f"attention_backend='flash-attn' needs a CUDA device, got {device_type!r}")
-        if not flash_attn_available():
-            raise ValueError("attention_backend='flash-attn' needs the flash_attn package, which is not installed")
-        return name
-    raise ValueError(f"unknown attention_backend {name!r}; choose 'auto', 'torch', 'triton' or 'flash-attn'")

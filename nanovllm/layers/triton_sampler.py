@@ -7,19 +7,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton import knobs
+
+from nanovllm.layers.triton_attention import check_triton_device
 
 __all__ = [
-    "INTERPRETED",
     "race_chunk_kernel",
     "race_pick_kernel",
     "triton_temperature_sample",
 ]
-
-
-# notebooks/07_sampling.py · cell "triton sampler imports"
-# Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
-INTERPRETED: bool = bool(knobs.runtime.interpret)
 
 
 # notebooks/07_sampling.py · cell "race kernels"
@@ -69,14 +64,6 @@ def race_pick_kernel(chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, C
 
 
 # notebooks/07_sampling.py · cell "triton sampler wrapper"
-def _check_device(tensor: torch.Tensor) -> None:
-    if tensor.device.type == "cpu" and not INTERPRETED:
-        raise RuntimeError(
-            "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before importing "
-            "nanovllm.layers.triton_sampler"
-        )
-
-
 def triton_temperature_sample(
     logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
 ) -> torch.Tensor:
@@ -95,7 +82,7 @@ def triton_temperature_sample(
     num_chunks = triton.cdiv(vocab, block_size)
     if num_chunks > 65535:
         raise ValueError(f"{vocab} columns in blocks of {block_size} are more than 65535 chunks (the grid's limit)")
-    _check_device(logits)
+    check_triton_device(logits)
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         logits = logits.float()
     # The kernel finds row r at r * vocab elements: only an unusual layout is copied.

@@ -30,6 +30,8 @@ __all__ = [
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
 
+    fused_op = None  # see norm_and_rotate
+
     def __init__(
         self,
         hidden_size: int,
@@ -68,7 +70,11 @@ class Qwen3Attention(nn.Module):
     def norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE; one method so chapter 09 can fuse it."""
+        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE; on a GPU, chapter 09 hands Qwen3's attention
+        one compiled function for all three (``fused_op``)."""
+        if self.fused_op is not None:
+            rope, q_norm = self.rotary_emb, self.q_norm
+            return self.fused_op(rope.cos_sin_cache, positions, q, k, q_norm.weight, self.k_norm.weight, q_norm.eps)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary_emb(positions, q, k)
