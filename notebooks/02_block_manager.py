@@ -286,8 +286,9 @@ class Block:
 # `take_free_block` asks the prefix cache to `forget` it: its old contents must no longer be
 # findable.
 #
-# Bad arguments fail here, with the argument's name in the message: a pool built with zero
-# blocks would otherwise fail much later, deep inside the scheduler.
+# The pool trusts its arguments: the engine builds it from a `Config` that has checked them
+# (chapter 11), so inside the engine a broken invariant is a plain `assert`, as upstream writes
+# it, and what a user types is checked once, where it enters.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块池
@@ -301,19 +302,11 @@ class Block:
 # 仍能让它复活；这个队列决定了哪些缓存内容先被覆盖。而在一个块即将被覆盖之前，`take_free_block` 会让前缀缓存
 # `forget`（忘掉）它：旧内容不能再被找到。
 #
-# 参数错误在这里就报出来，错误信息里带着参数名：否则用零个块构造的块池要到很久以后、在调度器深处才会出错。
+# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 11 章）来构建它。所以在引擎内部，被破坏的不变式
+# 只是一句普通的 `assert`（上游也是这么写的）；用户输入的东西只在它进入的地方检查一次。
 
 # %% block pool
 #| export
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int >= 1, else a TypeError or ValueError naming ``name`` (the scheduler uses it too)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 class BlockPool:
     """The blocks of the paged KV cache, a free list, a used set and reference counts.
 
@@ -326,10 +319,6 @@ class BlockPool:
     prefix_cache_class = PrefixCache
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        positive_int("num_blocks", num_blocks)
-        positive_int("block_size", block_size)
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -376,8 +365,7 @@ class BlockPool:
     def release(self, block_id: int) -> None:
         """Drop a reference; at zero the block joins the tail of the free list, contents kept."""
         block = self.blocks[block_id]
-        if block.ref_count < 1:
-            raise RuntimeError(f"block {block_id} released more often than it was held")
+        assert block.ref_count >= 1, f"block {block_id} released more often than it was held"
         block.ref_count -= 1
         if block.ref_count == 0:
             self.used_block_ids.remove(block_id)
@@ -431,14 +419,6 @@ class BlockPool:
 class BlockManager(BlockPool):
     """Gives sequences their block tables: allocate, grow during decode, free, publish for reuse."""
 
-    def _check(self, seq: Sequence) -> None:
-        if not isinstance(seq, Sequence):
-            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
-        if seq.block_size != self.block_size:
-            raise ValueError(
-                f"sequence {seq.seq_id} has block_size={seq.block_size} but the KV cache uses {self.block_size}"
-            )
-
     def _cache_hits(self, seq: Sequence) -> list[int]:
         return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
 
@@ -448,21 +428,13 @@ class BlockManager(BlockPool):
 
     def can_allocate(self, seq: Sequence) -> bool:
         """True when the free list can supply every block ``seq`` needs (after cache hits)."""
-        self._check(seq)
         return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
-        self._check(seq)
-        if seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
-        needed = self._free_blocks_needed(seq, hits)
-        if needed > len(self.free_block_ids):
-            raise RuntimeError(
-                f"sequence {seq.seq_id} needs {needed} free blocks but {len(self.free_block_ids)} are free "
-                "(ask can_allocate first)"
-            )
+        assert self._free_blocks_needed(seq, hits) <= len(self.free_block_ids), "ask can_allocate first"
         # en: Hits first: a hit on a free block must be revived before the misses draw from the free list.
         # zh: 先处理命中：命中的空闲块必须在未命中的块从空闲队列取块之前复活。
         for block_id in hits:
@@ -472,7 +444,6 @@ class BlockManager(BlockPool):
 
     def deallocate(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
-        self._check(seq)
         for block_id in reversed(seq.block_table):
             self.release(block_id)
         seq.block_table = []
@@ -483,7 +454,6 @@ class BlockManager(BlockPool):
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` (a fork of ``parent``) share every block of ``parent``: one more reference each."""
-        self._check(child)
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self.hold(block_id)
@@ -499,9 +469,7 @@ class BlockManager(BlockPool):
         return None
 
     def _blocks_to_append(self, seq: Sequence) -> int:
-        self._check(seq)
-        if not seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: allocate it before decoding")
+        assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
         # en: In decode, the token appended last has no KV yet: a new block is needed exactly when it
         # en: starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
         # en: Plus one block for a copy-on-write.
@@ -517,9 +485,7 @@ class BlockManager(BlockPool):
     def may_append(self, seq: Sequence) -> None:
         """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
         give it a private copy of a shared block the step would write into (copy-on-write, chapter 04b)."""
-        needed = self._blocks_to_append(seq)
-        if needed > len(self.free_block_ids):
-            raise RuntimeError(f"sequence {seq.seq_id} needs a free block and none is left (ask can_append first)")
+        assert self.can_append(seq), "ask can_append first"
         i = self._shared_write_block(seq)
         if i is not None:
             # en: Copy-on-write: a fresh block replaces the shared one in this table only; the runner
@@ -533,7 +499,6 @@ class BlockManager(BlockPool):
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
-        self._check(seq)
         if self.prefix_cache is not None:
             self.prefix_cache.publish(seq)
 
@@ -874,12 +839,13 @@ for block_size in range(1, 7):
     print(f"block_size={block_size}: grew at {sum(grew)} of 40 steps, modulo rule agrees: {grew == modulo_says}")
 
 # %% [markdown] tags=["en"]
-# Running out, and bad input. `can_append` says no when the pool is exhausted (the scheduler
-# then preempts, chapter 04), and mistakes are refused with a message that names the problem.
+# Running out, and misuse. `can_append` says no when the pool is exhausted (the scheduler then
+# preempts, chapter 04). A call that breaks the manager's contract, say allocating twice, is a
+# bug in the caller, not bad input: it fails an `assert` that says which rule was broken.
 
 # %% [markdown] tags=["zh"]
-# 块用完的情形，以及错误输入。池子耗尽时 `can_append` 返回 False（调度器随后会抢占，见第 04 章）；错误的用法会被拒绝，
-# 错误信息指明问题所在。
+# 块用完的情形，以及误用。池子耗尽时 `can_append` 返回 False（调度器随后会抢占，见第 04 章）。违反块管理器约定的调用，
+# 比如分配两次，是调用方的 bug，而不是错误的输入：它会让一句 `assert` 失败，并说明违反了哪条规则。
 
 # %%
 tiny = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=False)
@@ -888,22 +854,17 @@ prefill(tiny, full, sampled=5)  # len 5: the next decode needs a third block
 assert tiny.num_free_blocks == 0 and not tiny.can_append(full)
 assert not tiny.can_allocate(Sequence([1], block_size=2))
 
-for bad_call in (
-    lambda: BlockManager(num_blocks=0, block_size=4),
-    lambda: BlockManager(num_blocks=8, block_size=0),
-    lambda: BlockManager(num_blocks=-3, block_size=4),
-    lambda: BlockManager(num_blocks=8, block_size=2.5),
-    lambda: BlockManager(num_blocks=8, block_size=4, enable_prefix_caching="yes"),
-    lambda: tiny.allocate(Sequence([1, 2], block_size=4)),
+for misuse in (
     lambda: tiny.allocate(full),
     lambda: tiny.may_append(full),
     lambda: tiny.may_append(Sequence([1], block_size=2)),
 ):
     try:
-        bad_call()
-        raise AssertionError("bad input was accepted")
-    except (TypeError, ValueError, RuntimeError) as error:
-        print(f"{type(error).__name__}: {error}")
+        misuse()
+    except AssertionError as error:
+        print(f"AssertionError: {error}")
+    else:
+        raise AssertionError("a broken contract went unnoticed")
 
 # %% [markdown] tags=["en"]
 # ## What we built

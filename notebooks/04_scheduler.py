@@ -74,11 +74,12 @@
 #   end-of-sequence token (unless `ignore_eos`) or reached `max_tokens`.
 #
 # One more rule, the **admission check**: a request whose KV could **never** fit the whole
-# cache is refused by `add`. Upstream nano-vllm accepts it and then crashes or loops forever:
+# cache is refused by `check_fits`, which the engine runs once, where a request enters (chapter
+# 11). Upstream nano-vllm accepts it and then crashes or loops forever:
 # alone in the cache, the sequence needs a block, no victim is left, it preempts itself, is
 # prefilled again, and runs out at the same point again. The sequence writes KV for its prompt
 # and for every sampled token but the last, so it needs at most
-# `ceil((prompt + max_tokens - 1) / block_size)` blocks; `add` requires that many to exist. (A
+# `ceil((prompt + max_tokens - 1) / block_size)` blocks; `check_fits` requires that many to exist. (A
 # weaker check, "the prompt plus one token fits", would let exactly the looping requests
 # through.)
 
@@ -107,22 +108,25 @@
 # - **后处理**把算过的 token 记为已缓存，发布写满的块（第 03 章），为提示词已算完的序列追加采样得到的 token，
 #   并结束那些采样到结束符（除非 `ignore_eos`）或达到 `max_tokens` 的序列。
 #
-# 还有一条规则，即**准入检查**：KV **永远**放不进整个缓存的请求会被 `add` 拒绝。上游 nano-vllm 会接受它，
-# 然后崩溃或陷入死循环：缓存里只剩它一个序列时，它需要新块，却没有可抢占的对象，只能抢占自己，重新 prefill，
-# 又在同一个地方用完缓存。序列要为提示词和除最后一个以外的每个采样 token 写 KV，所以它最多需要
-# `ceil((prompt + max_tokens - 1) / block_size)` 个块；`add` 要求缓存至少有这么多块。（更弱的检查
-# “提示词加一个 token 放得下”恰好会把那些会死循环的请求放进来。）
+# 还有一条规则，即**准入检查**：KV **永远**放不进整个缓存的请求会被 `check_fits` 拒绝，
+# 引擎在请求进入的地方（第 11 章）只运行它一次。上游 nano-vllm 会接受它，然后崩溃或陷入死循环：
+# 缓存里只剩它一个序列时，它需要新块，却没有可抢占的对象，只能抢占自己，重新 prefill，又在同一个地方用完缓存。
+# 序列要为提示词和除最后一个以外的每个采样 token 写 KV，所以它最多需要
+# `ceil((prompt + max_tokens - 1) / block_size)` 个块；`check_fits` 要求缓存至少有这么多块。
+# （更弱的检查“提示词加一个 token 放得下”恰好会把那些会死循环的请求放进来。）
 
 # %% [markdown] tags=["en"]
 # ## Build it: admission
 #
-# `max_kv_tokens` is the rule above in one line. The configuration is checked too: every
-# number must be a positive int, and the end-of-sequence ids a collection of token ids.
+# `max_kv_tokens` is the rule above in one line. The settings are not checked again here: the
+# engine builds the scheduler from a `Config` that checked every number where it entered
+# (chapter 11), so the scheduler states its own invariants as plain `assert`s, as upstream does.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：准入检查
 #
-# `max_kv_tokens` 用一行代码表达上面的规则。配置也要检查：每个数都必须是正整数，结束符 id 必须是一组 token id。
+# `max_kv_tokens` 用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 11 章）
+# 已经在每个数进入的地方检查过它们；所以调度器自己的不变式只用普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
 #| default_exp engine.scheduler
@@ -134,7 +138,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from nanovllm.engine.block_manager import BlockManager, positive_int
+from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 # en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
@@ -146,16 +150,6 @@ def max_kv_tokens(seq: Sequence) -> int:
     """The most tokens whose KV ``seq`` will ever hold: the prompt and all sampled tokens but the last."""
     return seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
 
-
-def _token_ids(name: str, values: Iterable[int]) -> frozenset[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} must be a collection of token ids, got {type(values).__name__} {values!r}")
-    ids = frozenset(values)
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"{name} must hold non-negative int token ids, got {token!r}")
-    return ids
-
 # %% [markdown] tags=["en"]
 # ## Build it: the scheduler
 #
@@ -164,7 +158,7 @@ def _token_ids(name: str, values: Iterable[int]) -> frozenset[int]:
 # - `__init__` builds the block manager and the two queues. `observer` is `None` by default; when
 #   set (the visualizations of the appendix do), it is called after `add`, `schedule` and
 #   `postprocess` with plain data. When it is `None` nothing at all is collected for it.
-# - `add` refuses what can never run and queues the rest.
+# - `check_fits` refuses what can never run; `add` queues the rest and asserts that it is new.
 # - `schedule` tries a prefill step and falls back to a decode step. Note how little the chunk
 #   needs: a sequence that still holds blocks at the head of `waiting` is a chunked prefill in
 #   progress, so it is not allocated again, and `num_cached_tokens` says where it stopped.
@@ -178,7 +172,7 @@ def _token_ids(name: str, values: Iterable[int]) -> frozenset[int]:
 #
 # - `__init__` 构造块管理器和两个队列。`observer` 默认为 `None`；设置之后（附录中的可视化会设置它），它会在 `add`、
 #   `schedule` 和 `postprocess` 之后以普通数据为参数被调用。为 `None` 时，不会为它收集任何东西。
-# - `add` 拒绝永远无法运行的请求，其余的排入队列。
+# - `check_fits` 拒绝永远无法运行的请求；`add` 把其余的排入队列，并断言它是新请求。
 # - `schedule` 先尝试 prefill 步，不行再做 decode 步。注意分块需要的东西多么少：`waiting` 队头的序列如果还持有块，
 #   那就是一个进行中的分块 prefill，所以不必再分配，`num_cached_tokens` 记录了它停在哪里。
 # - `_preempt` 是重算式抢占：释放一切，回到 `waiting` 队头。
@@ -199,15 +193,15 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
     ) -> None:
-        self.max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.eos_token_ids = _token_ids("eos_token_ids", eos_token_ids)
-        positive_int("num_kvcache_blocks", num_kvcache_blocks)
-        positive_int("kvcache_block_size", kvcache_block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.observer: Observer | None = None
+        # en: The seq_ids of the sequences added and not yet finished or aborted.
+        # zh: 已加入、尚未结束或中止的序列的 seq_id。
         self._live_ids: set[int] = set()
 
     def is_finished(self) -> bool:
@@ -246,8 +240,6 @@ class Scheduler:
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone, or its
         request asks for more samples (``n``, decoded side by side) than a step may hold."""
-        if seq.sampling_params is None:
-            raise ValueError(f"sequence {seq.seq_id} has no sampling parameters (a worker's slim copy?)")
         bm, params = self.block_manager, seq.sampling_params
         blocks = -(-max_kv_tokens(seq) // bm.block_size)
         if blocks > bm.num_blocks:
@@ -264,19 +256,13 @@ class Scheduler:
             )
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; refuse one that could never fit the KV cache, even alone."""
-        if not isinstance(seq, Sequence):
-            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
-        bm = self.block_manager
-        if seq.block_size != bm.block_size:
-            raise ValueError(
-                f"sequence {seq.seq_id} has block_size={seq.block_size} but the KV cache uses {bm.block_size}"
-            )
-        if seq.seq_id in self._live_ids:
-            raise ValueError(f"sequence {seq.seq_id} was already added")
-        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_cached_tokens:
-            raise ValueError(f"sequence {seq.seq_id} is not a new request (status {seq.status.name}, holds blocks)")
-        self.check_fits(seq)
+        """Queue a new request. Admission is `check_fits`, run once where a request enters (the engine's
+        ``make_sequence``): what reaches ``add`` fits, and ``add`` only asserts the queue's invariants."""
+        # en: The one place the block size is compared: every sequence enters the engine here.
+        # zh: 唯一比较块大小的地方：每个序列都从这里进入引擎。
+        assert seq.block_size == self.block_manager.block_size, "the sequence and the KV cache use other block sizes"
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} is not new"
+        assert seq.seq_id not in self._live_ids, f"sequence {seq.seq_id} was already added"
         self.waiting.append(seq)
         self._live_ids.add(seq.seq_id)
         if self.observer is not None:
@@ -286,14 +272,12 @@ class Scheduler:
     # zh: ---- 一步 -----------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick this step's sequences and set their ``num_scheduled_tokens``; True if it is a prefill step."""
-        if self.is_finished():
-            raise RuntimeError("nothing to schedule: no waiting or running sequence")
+        assert not self.is_finished(), "nothing to schedule"
         seqs, cache_hits = self._schedule_prefill()
         is_prefill, preempted = bool(seqs), []
         if not is_prefill:
             seqs, preempted = self._schedule_decode()
-        if not seqs:
-            raise RuntimeError("the scheduler could not schedule anything (a bug: add() admits only what fits)")
+        assert seqs, "nothing can run: was a request added without check_fits?"
         if self.observer is not None:
             self.observer(
                 "schedule",
@@ -363,10 +347,7 @@ class Scheduler:
         """
         # en: One token per sequence, plus the first token of each sibling forked in this step (chapter 04b).
         # zh: 每个序列一个 token，外加本步分叉出的每个兄弟序列的第一个 token（第 04b 章）。
-        expected = len(seqs) + sum(seq.pending_forks for seq in seqs if seq.num_samples)
-        if len(token_ids) != expected:
-            raise ValueError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled sequences "
-                             f"({expected} expected)")
+        assert len(token_ids) == len(seqs) + sum(seq.pending_forks for seq in seqs if seq.num_samples)
         seqs, indices = self.advance(seqs, is_prefill)
         return self.resolve(seqs, indices, token_ids)
 
@@ -381,10 +362,7 @@ class Scheduler:
         and gives back its blocks now, as it would in a synchronous engine, so that the next
         schedule can use them.
         """
-        kind = "prefill" if is_prefill else "decode"
-        for seq in seqs:
-            if seq.num_scheduled_tokens < 1 or (not is_prefill and seq.num_scheduled_tokens != 1):
-                raise ValueError(f"sequence {seq.seq_id} was not scheduled in this {kind} step")
+        assert all(seq.num_scheduled_tokens == 1 or (is_prefill and seq.num_scheduled_tokens) for seq in seqs)
         indices: list[int | None] = []
         forked: list[Sequence] = []
         for seq in seqs:
@@ -427,8 +405,7 @@ class Scheduler:
 
     def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
         """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
-        if not len(seqs) == len(indices) == len(token_ids):
-            raise ValueError(f"got {len(token_ids)} tokens and {len(indices)} indices for {len(seqs)} sequences")
+        assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
         finished: list[Sequence] = []
         for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
             if seq.is_finished:
@@ -1089,36 +1066,34 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 # %% [markdown] tags=["en"]
 # ### The admission check
 #
-# A request that could never fit, a sequence built for another block size, and bad
-# configuration values are refused with a message that says what is wrong. The scheduler keeps
-# serving everything it accepted.
+# A request that could never fit is refused by `check_fits` with a message that says what is
+# wrong, and the scheduler keeps serving everything it accepted. Everything else a user types
+# was checked before the scheduler sees it (the settings by `Config`, the prompt and the sampling
+# parameters where they enter, chapter 11), so a sequence of another block size, or one added
+# twice, is a bug in the caller: it fails an `assert`.
 
 # %% [markdown] tags=["zh"]
 # ### 准入检查
 #
-# 永远放不下的请求、按另一种块大小构造的序列、错误的配置值，都会被拒绝，错误信息说明问题所在。调度器继续为已接受的
-# 请求服务。
+# 永远放不下的请求会被 `check_fits` 拒绝，错误信息说明问题所在；调度器继续为已接受的请求服务。用户输入的其他东西在
+# 到达调度器之前都已检查过（配置由 `Config` 检查，提示词和采样参数在进入的地方检查，见第 11 章），所以按另一种块大小
+# 构造的序列、或者被加入两次的序列，是调用方的 bug：它会让一句 `assert` 失败。
 
 # %%
 door = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
 fits = Sequence(list(range(10)), SamplingParams(max_tokens=7), block_size=4)  # 10 + 7 - 1 = 16 tokens: 4 blocks
+door.check_fits(fits)
 door.add(fits)
-for bad_call in (
-    lambda: door.add(Sequence(list(range(10)), SamplingParams(max_tokens=8), block_size=4)),  # 17 tokens
-    lambda: door.add(Sequence(list(range(40)), SamplingParams(max_tokens=1), block_size=4)),
-    lambda: door.add(Sequence([1, 2], block_size=8)),
-    lambda: door.add(fits),
-    lambda: door.add([1, 2, 3]),
-    lambda: Scheduler(num_kvcache_blocks=0, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=8),
-    lambda: Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=-1, max_num_batched_tokens=8),
-    lambda: Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=0),
-    lambda: Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=8,
-                      eos_token_ids=2),
+for error_type, bad_call in (
+    (ValueError, lambda: door.check_fits(Sequence(list(range(10)), SamplingParams(max_tokens=8), block_size=4))),
+    (ValueError, lambda: door.check_fits(Sequence(list(range(40)), SamplingParams(max_tokens=1), block_size=4))),
+    (AssertionError, lambda: door.add(Sequence([1, 2], block_size=8))),
+    (AssertionError, lambda: door.add(fits)),
 ):
     try:
         bad_call()
-        raise AssertionError("bad input was accepted")
-    except (TypeError, ValueError) as error:
+        raise RuntimeError("bad input was accepted")
+    except error_type as error:
         print(f"{type(error).__name__}: {error}")
 run(door, {fits.seq_id: "fits"}, show=False)
 assert fits.is_finished and fits.num_completion_tokens == 7
@@ -1126,7 +1101,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `max_kv_tokens(seq)`: the most KV a request will ever need; `add` refuses what the whole
+# - `max_kv_tokens(seq)`: the most KV a request will ever need; `check_fits` refuses what the whole
 #   cache could not hold.
 # - `Scheduler`: `waiting` and `running` queues; `schedule` (prefill first under a token budget
 #   and a sequence cap, at most one chunk per step, the last one; otherwise decode with
@@ -1142,7 +1117,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # ## Exercises
 #
 # 1. `block_size=8`, a prompt of 30 tokens, `max_tokens=10`. What is the smallest cache, in
-#    blocks, that `add` accepts?
+#    blocks, that `check_fits` accepts?
 # 2. A single 20-token prompt, a budget of 8 tokens. In which step is its first token appended,
 #    and how many steps ran before it without appending anything?
 # 3. Why preempt the *newest* running sequence rather than the oldest? Think of what each has
@@ -1151,7 +1126,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `max_kv_tokens(seq)`：一个请求最多需要多少 KV；`add` 拒绝整个缓存都装不下的请求。
+# - `max_kv_tokens(seq)`：一个请求最多需要多少 KV；`check_fits` 拒绝整个缓存都装不下的请求。
 # - `Scheduler`：`waiting` 和 `running` 两个队列；`schedule`（在 token 预算和序列数上限之内 prefill 优先，每步最多一个
 #   分块且它是最后一个；否则 decode，从最新的序列开始抢占）；`postprocess`（记为已缓存、发布、除分块外追加 token、
 #   遇到 EOS 或 `max_tokens` 时结束），它由两半组成，第 11 章的异步引擎把它们相隔一步调用：
@@ -1163,7 +1138,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 #
 # ## 练习
 #
-# 1. `block_size=8`，提示词 30 个 token，`max_tokens=10`。`add` 能接受的最小缓存是多少个块？
+# 1. `block_size=8`，提示词 30 个 token，`max_tokens=10`。`check_fits` 能接受的最小缓存是多少个块？
 # 2. 一个 20 个 token 的提示词，预算 8 个 token。第一个 token 在第几步追加？在它之前有几步什么也没追加？
 # 3. 为什么抢占*最新*的运行序列，而不是最旧的？想想每个序列已经得到了什么。
 
@@ -1173,7 +1148,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 for blocks, accepted in ((4, False), (5, True)):
     s = Scheduler(num_kvcache_blocks=blocks, kvcache_block_size=8, max_num_seqs=1, max_num_batched_tokens=64)
     try:
-        s.add(Sequence(list(range(30)), SamplingParams(max_tokens=10), block_size=8))
+        s.check_fits(Sequence(list(range(30)), SamplingParams(max_tokens=10), block_size=8))
         assert accepted
     except ValueError:
         assert not accepted

@@ -813,8 +813,8 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 # Three details carry the upstream traps:
 #
 # - **Block size travels with the sequences.** A slim `Sequence` (chapter 01) carries its
-#   `block_size` in the pickle, and the rank *checks* it against its own config: there is no
-#   class default to fall back on.
+#   `block_size` in the pickle: there is no class default to fall back on. (Every sequence is
+#   made with `Config.kvcache_block_size`, and the scheduler asserts it once, in `add`.)
 # - **Sampling parameters go to rank 0 only**: slim pickling drops them (the other ranks never
 #   sample), so the driver appends them to rank 0's message.
 # - **On an error, report and leave at once.** The rank sends its traceback, then `os._exit(1)`:
@@ -849,8 +849,8 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 #
 # 上游的几个陷阱落在三个细节上：
 #
-# - **块大小随序列一起传递。** 精简的 `Sequence`（第 01 章）在序列化数据里带着 `block_size`，rank 还会拿它和
-#   自己的配置*核对*：根本没有可以退回的类默认值。
+# - **块大小随序列一起传递。** 精简的 `Sequence`（第 01 章）在序列化数据里带着 `block_size`：根本没有可以退回的
+#   类默认值。（每个序列都用 `Config.kvcache_block_size` 创建，调度器只在 `add` 里断言一次。）
 # - **采样参数只发给 rank 0**：精简序列化会丢掉它们（其他 rank 从不采样），所以驱动进程把它们附在发给
 #   rank 0 的消息后面。
 # - **出错时，报告后立刻离开。** rank 先发出自己的调用栈，然后 `os._exit(1)`：不做任何可能阻塞的清理，因为对端
@@ -898,7 +898,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.linear import check_tensor_parallel_size, tp_world
+from nanovllm.layers.linear import tp_world
 from nanovllm.sampling_params import SamplingParams
 
 # en: Test hook: "rank:call" makes that rank raise on its call-th call after start-up (0: during start-up).
@@ -975,7 +975,6 @@ class RankWorker:
 
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
-        self.block_size = config.kvcache_block_size
         self.rank = tp_world()[0]
         self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
         self.recent: dict[int, SampledTokens] = {}
@@ -995,7 +994,6 @@ class RankWorker:
         the sampling params of new sequences, and the ids of finished ones to forget.
         """
         seqs = step_sequences(states)
-        self._check(seqs)
         if params is not None:
             new, gone = params
             self.params.update(new)
@@ -1025,7 +1023,6 @@ class RankWorker:
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
-        self._check(seqs)
         logits = self.runner.compute_logits(seqs, is_prefill)
         return None if logits is None else logits.float().cpu()
 
@@ -1044,12 +1041,6 @@ class RankWorker:
     def echo(self, payload: bytes) -> tuple[int, int]:
         """Length and CRC-32 of what arrived: checks that a large message crosses the channel intact."""
         return len(payload), zlib.crc32(payload)
-
-    def _check(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            if seq.block_size != self.block_size:
-                raise ValueError(f"sequence {seq.seq_id} has block_size {seq.block_size}, this rank's KV cache "
-                                 f"uses {self.block_size}")
 
 
 def _exit_with_parent() -> None:
@@ -1291,7 +1282,6 @@ class TPRunner:
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
-        check_tensor_parallel_size(config.hf_config, self.world_size)
         parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
         self.config = config
         self.block_size = config.kvcache_block_size

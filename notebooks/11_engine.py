@@ -1622,9 +1622,8 @@ class LLMEngine:
                 f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
                 f"max_model_len={limit}; shorten the prompt or lower max_tokens"
             )
-        # en: The scheduler's admission check (add() runs it too): generate() checks every request
-        # en: before adding any.
-        # zh: 调度器的准入检查（add() 也会执行它）：generate() 要在加入任何请求之前把所有请求都检查一遍。
+        # en: The scheduler's admission check, run once, here: generate() checks every request before adding any.
+        # zh: 调度器的准入检查只在这里运行一次：generate() 要在加入任何请求之前把所有请求都检查一遍。
         self.scheduler.check_fits(seq)
         return seq
 

@@ -23,24 +23,6 @@ def check_partition(bm: BlockManager, seqs: list[Sequence]) -> None:
     assert all(block.ref_count == holders[block.block_id] for block in bm.blocks)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "text"),
-    [
-        ({"num_blocks": 0, "block_size": 4}, ValueError, "num_blocks"),
-        ({"num_blocks": -1, "block_size": 4}, ValueError, "num_blocks"),
-        ({"num_blocks": 4, "block_size": 0}, ValueError, "block_size"),
-        ({"num_blocks": 4, "block_size": -16}, ValueError, "block_size"),
-        ({"num_blocks": 4.0, "block_size": 4}, TypeError, "num_blocks"),
-        ({"num_blocks": 4, "block_size": "16"}, TypeError, "block_size"),
-        ({"num_blocks": True, "block_size": 4}, TypeError, "num_blocks"),
-        ({"num_blocks": 4, "block_size": 4, "enable_prefix_caching": 1}, TypeError, "enable_prefix_caching"),
-    ],
-)
-def test_bad_construction(kwargs, error, text):
-    with pytest.raises(error, match=text):
-        BlockManager(**kwargs)
-
-
 def test_fresh_pool():
     bm = BlockManager(num_blocks=5, block_size=4)
     assert isinstance(bm, BlockPool) and bm.block_size == 4 and bm.num_blocks == 5
@@ -78,7 +60,7 @@ def test_can_allocate_is_exact_at_the_boundary():
     bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
     assert bm.can_allocate(Sequence(list(range(12)), block_size=4))
     assert not bm.can_allocate(Sequence(list(range(13)), block_size=4))
-    with pytest.raises(RuntimeError, match="free blocks"):
+    with pytest.raises(AssertionError, match="ask can_allocate first"):
         bm.allocate(Sequence(list(range(13)), block_size=4))
     check_partition(bm, [])
 
@@ -110,7 +92,7 @@ def test_can_append_false_when_pool_exhausted():
     compute(bm, seq, 4)
     seq.append_token(5)
     assert not bm.can_append(seq)
-    with pytest.raises(RuntimeError, match="none is left"):
+    with pytest.raises(AssertionError, match="ask can_append first"):
         bm.may_append(seq)
     assert seq.block_table == [0, 1]
     check_partition(bm, [seq])
@@ -119,18 +101,15 @@ def test_can_append_false_when_pool_exhausted():
 def test_misuse_is_reported():
     bm = BlockManager(num_blocks=4, block_size=2)
     seq = Sequence([1, 2, 3], block_size=2)
-    with pytest.raises(RuntimeError, match="allocate it before decoding"):
+    # The scheduler never does these: its contract with the block manager is asserted, not validated.
+    with pytest.raises(AssertionError, match="allocate it before decoding"):
         bm.may_append(seq)
-    with pytest.raises(RuntimeError, match="allocate it before decoding"):
+    with pytest.raises(AssertionError, match="allocate it before decoding"):
         bm.can_append(seq)
     bm.allocate(seq)
-    with pytest.raises(RuntimeError, match="already holds blocks"):
+    with pytest.raises(AssertionError, match="already holds blocks"):
         bm.allocate(seq)
-    with pytest.raises(ValueError, match="block_size=4"):
-        bm.allocate(Sequence([1], block_size=4))
-    with pytest.raises(TypeError, match="Sequence"):
-        bm.can_allocate([1, 2, 3])
-    with pytest.raises(RuntimeError, match="released more often"):
+    with pytest.raises(AssertionError, match="released more often"):
         bm.release(3)
     check_partition(bm, [seq])
 

@@ -108,6 +108,7 @@ def test_add_rejects_exactly_the_requests_that_can_never_fit(workload):
         params = SamplingParams(max_tokens=request.max_tokens, n=request.n)
         seq = Sequence(request.prompt, params, block_size=workload.block_size)
         try:
+            sched.check_fits(seq)
             sched.add(seq)
             accepted = True
         except ValueError as error:

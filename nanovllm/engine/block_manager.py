@@ -11,7 +11,6 @@ __all__ = [
     "Block",
     "BlockManager",
     "BlockPool",
-    "positive_int",
 ]
 
 
@@ -39,15 +38,6 @@ class Block:
 
 
 # notebooks/02_block_manager.py · cell "block pool"
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is an int >= 1, else a TypeError or ValueError naming ``name`` (the scheduler uses it too)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
-
-
 class BlockPool:
     """The blocks of the paged KV cache, a free list, a used set and reference counts.
 
@@ -59,10 +49,6 @@ class BlockPool:
     prefix_cache_class = PrefixCache
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        positive_int("num_blocks", num_blocks)
-        positive_int("block_size", block_size)
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -107,8 +93,7 @@ class BlockPool:
     def release(self, block_id: int) -> None:
         """Drop a reference; at zero the block joins the tail of the free list, contents kept."""
         block = self.blocks[block_id]
-        if block.ref_count < 1:
-            raise RuntimeError(f"block {block_id} released more often than it was held")
+        assert block.ref_count >= 1, f"block {block_id} released more often than it was held"
         block.ref_count -= 1
         if block.ref_count == 0:
             self.used_block_ids.remove(block_id)
@@ -119,14 +104,6 @@ class BlockPool:
 class BlockManager(BlockPool):
     """Gives sequences their block tables: allocate, grow during decode, free, publish for reuse."""
 
-    def _check(self, seq: Sequence) -> None:
-        if not isinstance(seq, Sequence):
-            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
-        if seq.block_size != self.block_size:
-            raise ValueError(
-                f"sequence {seq.seq_id} has block_size={seq.block_size} but the KV cache uses {self.block_size}"
-            )
-
     def _cache_hits(self, seq: Sequence) -> list[int]:
         return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
 
@@ -136,21 +113,13 @@ class BlockManager(BlockPool):
 
     def can_allocate(self, seq: Sequence) -> bool:
         """True when the free list can supply every block ``seq`` needs (after cache hits)."""
-        self._check(seq)
         return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
-        self._check(seq)
-        if seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         hits = self._cache_hits(seq)
-        needed = self._free_blocks_needed(seq, hits)
-        if needed > len(self.free_block_ids):
-            raise RuntimeError(
-                f"sequence {seq.seq_id} needs {needed} free blocks but {len(self.free_block_ids)} are free "
-                "(ask can_allocate first)"
-            )
+        assert self._free_blocks_needed(seq, hits) <= len(self.free_block_ids), "ask can_allocate first"
         # Hits first: a hit on a free block must be revived before the misses draw from the free list.
         for block_id in hits:
             self.hold(block_id)
@@ -159,7 +128,6 @@ class BlockManager(BlockPool):
 
     def deallocate(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
-        self._check(seq)
         for block_id in reversed(seq.block_table):
             self.release(block_id)
         seq.block_table = []
@@ -169,7 +137,6 @@ class BlockManager(BlockPool):
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` (a fork of ``parent``) share every block of ``parent``: one more reference each."""
-        self._check(child)
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self.hold(block_id)
@@ -184,9 +151,7 @@ class BlockManager(BlockPool):
         return None
 
     def _blocks_to_append(self, seq: Sequence) -> int:
-        self._check(seq)
-        if not seq.block_table:
-            raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: allocate it before decoding")
+        assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
         # In decode, the token appended last has no KV yet: a new block is needed exactly when it
         # starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
         # Plus one block for a copy-on-write.
@@ -200,9 +165,7 @@ class BlockManager(BlockPool):
     def may_append(self, seq: Sequence) -> None:
         """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
         give it a private copy of a shared block the step would write into (copy-on-write, chapter 04b)."""
-        needed = self._blocks_to_append(seq)
-        if needed > len(self.free_block_ids):
-            raise RuntimeError(f"sequence {seq.seq_id} needs a free block and none is left (ask can_append first)")
+        assert self.can_append(seq), "ask can_append first"
         i = self._shared_write_block(seq)
         if i is not None:
             # Copy-on-write: a fresh block replaces the shared one in this table only; the runner
@@ -214,6 +177,5 @@ class BlockManager(BlockPool):
 
     def publish_full_blocks(self, seq: Sequence) -> None:
         """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
-        self._check(seq)
         if self.prefix_cache is not None:
             self.prefix_cache.publish(seq)

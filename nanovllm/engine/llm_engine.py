@@ -88,8 +88,7 @@ class LLMEngine:
                 f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
                 f"max_model_len={limit}; shorten the prompt or lower max_tokens"
             )
-        # The scheduler's admission check (add() runs it too): generate() checks every request
-        # before adding any.
+        # The scheduler's admission check, run once, here: generate() checks every request before adding any.
         self.scheduler.check_fits(seq)
         return seq
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from nanovllm.engine.block_manager import BlockManager, positive_int
+from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 
 __all__ = [
@@ -25,16 +25,6 @@ def max_kv_tokens(seq: Sequence) -> int:
     return seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
 
 
-def _token_ids(name: str, values: Iterable[int]) -> frozenset[int]:
-    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise TypeError(f"{name} must be a collection of token ids, got {type(values).__name__} {values!r}")
-    ids = frozenset(values)
-    for token in ids:
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"{name} must hold non-negative int token ids, got {token!r}")
-    return ids
-
-
 # notebooks/04_scheduler.py · cell "scheduler"
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
@@ -49,15 +39,14 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         enable_prefix_caching: bool = True,
     ) -> None:
-        self.max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-        self.eos_token_ids = _token_ids("eos_token_ids", eos_token_ids)
-        positive_int("num_kvcache_blocks", num_kvcache_blocks)
-        positive_int("kvcache_block_size", kvcache_block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size, enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.observer: Observer | None = None
+        # The seq_ids of the sequences added and not yet finished or aborted.
         self._live_ids: set[int] = set()
 
     def is_finished(self) -> bool:
@@ -95,8 +84,6 @@ class Scheduler:
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone, or its
         request asks for more samples (``n``, decoded side by side) than a step may hold."""
-        if seq.sampling_params is None:
-            raise ValueError(f"sequence {seq.seq_id} has no sampling parameters (a worker's slim copy?)")
         bm, params = self.block_manager, seq.sampling_params
         blocks = -(-max_kv_tokens(seq) // bm.block_size)
         if blocks > bm.num_blocks:
@@ -113,19 +100,12 @@ class Scheduler:
             )
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; refuse one that could never fit the KV cache, even alone."""
-        if not isinstance(seq, Sequence):
-            raise TypeError(f"expected a Sequence, got {type(seq).__name__}")
-        bm = self.block_manager
-        if seq.block_size != bm.block_size:
-            raise ValueError(
-                f"sequence {seq.seq_id} has block_size={seq.block_size} but the KV cache uses {bm.block_size}"
-            )
-        if seq.seq_id in self._live_ids:
-            raise ValueError(f"sequence {seq.seq_id} was already added")
-        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_cached_tokens:
-            raise ValueError(f"sequence {seq.seq_id} is not a new request (status {seq.status.name}, holds blocks)")
-        self.check_fits(seq)
+        """Queue a new request. Admission is `check_fits`, run once where a request enters (the engine's
+        ``make_sequence``): what reaches ``add`` fits, and ``add`` only asserts the queue's invariants."""
+        # The one place the block size is compared: every sequence enters the engine here.
+        assert seq.block_size == self.block_manager.block_size, "the sequence and the KV cache use other block sizes"
+        assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} is not new"
+        assert seq.seq_id not in self._live_ids, f"sequence {seq.seq_id} was already added"
         self.waiting.append(seq)
         self._live_ids.add(seq.seq_id)
         if self.observer is not None:
@@ -134,14 +114,12 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick this step's sequences and set their ``num_scheduled_tokens``; True if it is a prefill step."""
-        if self.is_finished():
-            raise RuntimeError("nothing to schedule: no waiting or running sequence")
+        assert not self.is_finished(), "nothing to schedule"
         seqs, cache_hits = self._schedule_prefill()
         is_prefill, preempted = bool(seqs), []
         if not is_prefill:
             seqs, preempted = self._schedule_decode()
-        if not seqs:
-            raise RuntimeError("the scheduler could not schedule anything (a bug: add() admits only what fits)")
+        assert seqs, "nothing can run: was a request added without check_fits?"
         if self.observer is not None:
             self.observer(
                 "schedule",
@@ -207,10 +185,7 @@ class Scheduler:
         asynchronous engine calls them one step apart.
         """
         # One token per sequence, plus the first token of each sibling forked in this step (chapter 04b).
-        expected = len(seqs) + sum(seq.pending_forks for seq in seqs if seq.num_samples)
-        if len(token_ids) != expected:
-            raise ValueError(f"got {len(token_ids)} sampled tokens for {len(seqs)} scheduled sequences "
-                             f"({expected} expected)")
+        assert len(token_ids) == len(seqs) + sum(seq.pending_forks for seq in seqs if seq.num_samples)
         seqs, indices = self.advance(seqs, is_prefill)
         return self.resolve(seqs, indices, token_ids)
 
@@ -225,10 +200,7 @@ class Scheduler:
         and gives back its blocks now, as it would in a synchronous engine, so that the next
         schedule can use them.
         """
-        kind = "prefill" if is_prefill else "decode"
-        for seq in seqs:
-            if seq.num_scheduled_tokens < 1 or (not is_prefill and seq.num_scheduled_tokens != 1):
-                raise ValueError(f"sequence {seq.seq_id} was not scheduled in this {kind} step")
+        assert all(seq.num_scheduled_tokens == 1 or (is_prefill and seq.num_scheduled_tokens) for seq in seqs)
         indices: list[int | None] = []
         forked: list[Sequence] = []
         for seq in seqs:
@@ -268,8 +240,7 @@ class Scheduler:
 
     def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
         """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
-        if not len(seqs) == len(indices) == len(token_ids):
-            raise ValueError(f"got {len(token_ids)} tokens and {len(indices)} indices for {len(seqs)} sequences")
+        assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
         finished: list[Sequence] = []
         for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
             if seq.is_finished:

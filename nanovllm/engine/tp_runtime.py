@@ -27,7 +27,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.linear import check_tensor_parallel_size, tp_world
+from nanovllm.layers.linear import tp_world
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -125,7 +125,6 @@ class RankWorker:
 
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
-        self.block_size = config.kvcache_block_size
         self.rank = tp_world()[0]
         self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
         self.recent: dict[int, SampledTokens] = {}
@@ -145,7 +144,6 @@ class RankWorker:
         the sampling params of new sequences, and the ids of finished ones to forget.
         """
         seqs = step_sequences(states)
-        self._check(seqs)
         if params is not None:
             new, gone = params
             self.params.update(new)
@@ -173,7 +171,6 @@ class RankWorker:
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
-        self._check(seqs)
         logits = self.runner.compute_logits(seqs, is_prefill)
         return None if logits is None else logits.float().cpu()
 
@@ -192,12 +189,6 @@ class RankWorker:
     def echo(self, payload: bytes) -> tuple[int, int]:
         """Length and CRC-32 of what arrived: checks that a large message crosses the channel intact."""
         return len(payload), zlib.crc32(payload)
-
-    def _check(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            if seq.block_size != self.block_size:
-                raise ValueError(f"sequence {seq.seq_id} has block_size {seq.block_size}, this rank's KV cache "
-                                 f"uses {self.block_size}")
 
 
 def _exit_with_parent() -> None:
@@ -370,7 +361,6 @@ class TPRunner:
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
-        check_tensor_parallel_size(config.hf_config, self.world_size)
         parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
         self.config = config
         self.block_size = config.kvcache_block_size

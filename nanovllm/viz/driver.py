@@ -44,6 +44,7 @@ class FakeEngine:
         samples: after its prefill it forks, chapter 04b)."""
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
         seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
+        self.scheduler.check_fits(seq)
         self.scheduler.add(seq)
         self.seqs.append(seq)
         return seq
