@@ -17,6 +17,8 @@ from nanovllm.engine.cuda_graphs import (
 )
 from nanovllm.engine.model_runner import ModelRunner, prepare_decode
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context, set_decode_context
 from nanovllm.utils.tiny_models import build_tiny_model
@@ -214,13 +216,46 @@ def test_gpu_batch_beyond_the_largest_graph_runs_eagerly(tiny: Path) -> None:
     assert runner.graphs.buffers.block_tables.shape == (4, 8)
 
 
+def test_compile_small_ops_runs_every_small_op_through_its_compiled_version(tiny: Path, monkeypatch) -> None:
+    """On a CPU, a stand-in for torch.compile records what the model calls: every RMSNorm, SiluAndMul and
+    Qwen3 attention module must run the function torch.compile returned, not the eager one."""
+    calls: dict[str, int] = {}
+
+    def recording_compile(fn, **kwargs):
+        assert kwargs == {"dynamic": True}
+
+        def compiled(*args):
+            calls[fn.__name__] = calls.get(fn.__name__, 0) + 1
+            return fn(*args)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    config = Config.from_kwargs(tiny, device="cpu", dtype="float32", kvcache_block_size=16, num_kvcache_blocks=32,
+                                max_model_len=128, max_num_seqs=4, enforce_eager=True, compile_small_ops=True)
+    runner = ModelRunner(config)
+    assert calls == {}  # nothing ran yet (a CPU runner does no warm-up forward)
+    _prefilled(runner, [9, 30], decode_steps=0, seed=3)
+    kinds = (RMSNorm, SiluAndMul)
+    small = [m for m in runner.model.modules() if isinstance(m, kinds)]
+    fused = [m for m in runner.model.modules() if getattr(m, "qk_norm", False)]
+    assert small and fused
+    assert all(m.op is not type(m).op for m in small) and all(m.fused_op is not None for m in fused)
+    # Qwen3 rotates through the fused q/k-norm + RoPE function, so the plain rotary op is never called.
+    assert calls.keys() == {"rms_norm", "silu_and_mul", "qk_norm_rotary"}, calls
+
+
 @pytest.mark.gpu
 @gpu
 def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
+    from torch._dynamo.utils import counters
+
     logits = {}
     for compiled in (False, True):
         config = Config.from_kwargs(tiny, dtype="float32", kvcache_block_size=16, num_kvcache_blocks=32,
                                     max_model_len=128, max_num_seqs=4, enforce_eager=True, compile_small_ops=compiled)
+        torch._dynamo.reset()
+        counters.clear()
         runner = ModelRunner(config)
         seqs = _prefilled(runner, [9, 30, 17], decode_steps=1, seed=3)
         _ready_to_decode(seqs)
@@ -228,6 +263,9 @@ def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
         with torch.inference_mode():
             logits[compiled] = runner.model.compute_logits(runner.model(input_ids, positions))
         reset_context()
+        # Something was compiled exactly when asked: RMSNorm, SiluAndMul and the fused q/k norm + RoPE.
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs >= 3 if compiled else graphs == 0, graphs
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
