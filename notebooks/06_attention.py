@@ -196,8 +196,7 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str 
 
 def _slot(block_table: list[int], position: int, block_size: int) -> int:
     block_index = position // block_size
-    if block_index >= len(block_table) or block_table[block_index] < 0:
-        raise ValueError(f"position {position} needs block {block_index}, but the block table is {block_table}")
+    assert 0 <= block_index < len(block_table), f"position {position} needs block {block_index}: {block_table}"
     return block_table[block_index] * block_size + position % block_size
 
 
@@ -219,10 +218,7 @@ def set_prefill_context(
     seqlens_q[i]: tokens sequence i computes now; seqlens_k[i]: its cached prefix plus those.
     block_tables=None means "no KV cache" (a warm-up forward): nothing is stored.
     """
-    if len(seqlens_q) != len(seqlens_k) or not seqlens_q:
-        raise ValueError(f"need one q and one k length per sequence, got {seqlens_q} and {seqlens_k}")
-    if any(q < 1 or k < q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
-        raise ValueError(f"need 1 <= seqlen_q <= seqlen_k, got {seqlens_q} and {seqlens_k}")
+    assert seqlens_q and all(1 <= q <= k for q, k in zip(seqlens_q, seqlens_k, strict=True)), (seqlens_q, seqlens_k)
     slot_mapping = tables = None
     if block_tables is not None:
         slots = [
@@ -235,8 +231,8 @@ def set_prefill_context(
         # zh: 只有存在已缓存前缀时才需要块表：没有前缀时，注意力直接读取新算出的 k、v。
         if any(k > q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
             tables = _block_table_tensor(block_tables, device)
-    elif seqlens_q != seqlens_k:
-        raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
+    else:
+        assert seqlens_q == seqlens_k, "a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from"
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
         return host_to_device([0, *itertools.accumulate(lengths)], torch.int32, device)
@@ -253,8 +249,6 @@ def set_decode_context(
     device: torch.device | str | None = None,
 ) -> Context:
     """Set the context of a decode step: one new token per sequence, at position context_len - 1."""
-    if len(context_lens) != len(block_tables) or not context_lens:
-        raise ValueError("need one context length and one block table per sequence")
     slots = [_slot(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
     return set_context(
         False,
@@ -416,8 +410,7 @@ class TorchBackend:
         scale: float,
     ) -> torch.Tensor:
         paged = context.block_tables is not None
-        if paged and k_cache.numel() == 0:
-            raise ValueError("the context has block tables (a cached prefix) but the layer has no KV cache")
+        assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
         cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
         out = torch.empty_like(q)
         for i in range(len(cu_q) - 1):
@@ -426,10 +419,8 @@ class TorchBackend:
             if paged:
                 keys = gather_paged(k_cache, context.block_tables[i], n_k)
                 values = gather_paged(v_cache, context.block_tables[i], n_k)
-            elif n_k == q_end - q_start:
+            else:  # no cached prefix: set_prefill_context made sure of it
                 keys, values = k[q_start:q_end], v[q_start:q_end]
-            else:
-                raise ValueError(f"sequence {i} has a cached prefix (seqlen_k {n_k} > seqlen_q) but no block table")
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out
 
@@ -438,8 +429,7 @@ class TorchBackend:
     ) -> torch.Tensor:
         # en: q: [B, H, d], one new token per sequence; its KV is already in the cache.
         # zh: q：[B, H, d]，每个序列一个新 token；它的 KV 已经在缓存里了。
-        if k_cache.numel() == 0:
-            raise ValueError("decode attention needs a KV cache, but the layer has none")
+        assert k_cache.numel(), "decode attention needs a KV cache"
         # en: One sequence at a time, like prefill: each reads exactly its context_len keys, so no
         # en: padding is read and nothing needs masking (on a CPU this also beats one padded call).
         # zh: 和 prefill 一样逐个序列计算：每个序列只读取恰好 context_len 个键，不读填充，也就无需掩码

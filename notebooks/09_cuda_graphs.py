@@ -149,9 +149,7 @@ MAX_GRAPH_BATCH = 512
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
     """Batch sizes to capture, ascending: 1, 2, 4, 8, multiples of 16, and min(max_num_seqs, limit) itself."""
-    for name, value in (("max_num_seqs", max_num_seqs), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    assert max_num_seqs >= 1 and limit >= 1, "Config checked max_num_seqs"
     top = min(max_num_seqs, limit)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
     if sizes[-1] != top:
@@ -161,8 +159,7 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
 
 def graph_batch_size(batch: int, sizes: list[int]) -> int | None:
     """The smallest captured size >= batch, or None when the batch is larger than every graph (eager)."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    assert batch >= 1, f"batch must be >= 1, got {batch}"
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if i < len(sizes) else None
 
@@ -183,8 +180,8 @@ assert graph_batch_size(600, capture_sizes(1024)) is None
 # `DecodeBuffers` holds the graph's inputs, allocated once for the largest size. `load` copies a
 # step's inputs into the first rows and turns the rows up to the bucket size into padding rows:
 # token 0 at position 0, `slot_mapping = -1` (the KV store skips it), `context_len = 0` (the
-# decode kernel reads no key and writes zeros) and a block table of `-1`. It also refuses a
-# block table wider than the buffer: that is the overrun the `max_model_len` rule prevents.
+# decode kernel reads no key and writes zeros) and a block table of `-1`. It asserts that no
+# block table is wider than the buffer: that is the overrun the `max_model_len` rule prevents.
 # `load` is plain tensor code, so we can watch it work on a CPU.
 
 # %% [markdown] tags=["zh"]
@@ -192,7 +189,7 @@ assert graph_batch_size(600, capture_sizes(1024)) is None
 #
 # `DecodeBuffers` 保存图的输入，按最大档位一次分配好。`load` 把一步的输入拷贝进前面的行，并把直到档位大小的
 # 其余行变成填充行：位置 0 上的 token 0，`slot_mapping = -1`（KV 写入会跳过它），`context_len = 0`（decode 内核
-# 不读任何 key，输出零），块表全为 `-1`。它还会拒绝比缓冲区更宽的块表：这正是 `max_model_len` 规则要防止的越界。
+# 不读任何 key，输出零），块表全为 `-1`。它还断言没有比缓冲区更宽的块表：这正是 `max_model_len` 规则要防止的越界。
 # `load` 只是普通的张量代码，所以可以在 CPU 上看它工作。
 
 # %% decode buffers
@@ -229,14 +226,11 @@ class DecodeBuffers:
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, graph_batch: int) -> None:
         """Copy one decode step into rows [0, n) and make rows [n, graph_batch) padding rows."""
         n, rows = input_ids.shape[0], self.input_ids.shape[0]
-        if not 1 <= n <= graph_batch <= rows:
-            raise ValueError(f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= buffer rows ({rows})")
+        assert 1 <= n <= graph_batch <= rows, f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= rows ({rows})"
         width = context.block_tables.shape[1]
-        if width > self.max_blocks:
-            raise ValueError(
-                f"a block table of {width} blocks does not fit the graph buffer of {self.max_blocks} blocks: "
-                f"a sequence is longer than max_model_len"
-            )
+        # en: The engine keeps every sequence within max_model_len, from which the buffer is sized.
+        # zh: 引擎保证每个序列都不超过 max_model_len，而缓冲区正是按它分配的。
+        assert width <= self.max_blocks, "a sequence is longer than max_model_len"
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(context.slot_mapping)
@@ -565,9 +559,9 @@ print("the fused function == chapter 05's layers; compile_small_ops handed 4 mod
 #   `self.model(...)`. The inputs come from the same `prepare_decode` either way, and logits and
 #   sampling are shared, so the two paths differ only in *how* the forward is launched.
 #
-# `run` also refuses a sequence longer than `max_model_len` (the engine refuses such requests
-# before they are scheduled; this is the runner's own guard for the block-table buffer). On
-# this CPU the runner simply has no graphs:
+# `run` also asserts that no sequence is longer than `max_model_len`: the engine refuses such
+# requests where they enter, so one that reaches the runner is a bug, and the assert keeps it
+# away from the block-table buffer. On this CPU the runner simply has no graphs:
 
 # %% [markdown] tags=["zh"]
 # ## 接进去：`ModelRunner` 里的两个挂钩
@@ -580,8 +574,8 @@ print("the fused function == chapter 05's layers; compile_small_ops handed 4 mod
 # - 在 `run` 中，批次能放进某个图的 decode 步调用 `self.graphs.replay(...)`，而不是 `self.model(...)`。两条路径的
 #   输入都来自同一个 `prepare_decode`，logits 和采样也共用，所以它们唯一的区别是前向*如何*被启动。
 #
-# `run` 还会拒绝比 `max_model_len` 更长的序列（引擎在调度之前就会拒绝这样的请求；这是执行器为块表缓冲区设的
-# 自家防线）。在这台 CPU 机器上，执行器干脆没有图：
+# `run` 还会断言没有序列比 `max_model_len` 更长：引擎在请求进入的地方就会拒绝这样的请求，所以到达执行器的
+# 超长序列是 bug，这句断言让它碰不到块表缓冲区。在这台 CPU 机器上，执行器干脆没有图：
 
 # %%
 from nanovllm.config import Config
@@ -601,10 +595,10 @@ too_long = Sequence(list(range(40)), SamplingParams(temperature=0), block_size=4
 too_long.block_table, too_long.num_cached_tokens, too_long.num_scheduled_tokens = list(range(10)), 39, 1
 try:
     runner.run([too_long], is_prefill=False)
-except ValueError as error:
-    print("refused:", error)
+except AssertionError as error:
+    print("asserted:", error)
 else:
-    raise AssertionError("a sequence longer than max_model_len reached the model")
+    raise RuntimeError("a sequence longer than max_model_len reached the model")
 
 # %% [markdown] tags=["en"]
 # ## Measure it: a decode step, eager vs graph
@@ -1008,10 +1002,10 @@ assert (runner.graphs is None) == (reason is not None) and graphs_unavailable_re
 check = DecodeBuffers.allocate(rows=4, max_blocks=2, device="cpu")
 try:
     check.load(torch.tensor([1]), torch.tensor([8]), set_decode_context([9], [[0, 1, 2]], block_size=4), 1)
-except ValueError as error:
+except AssertionError as error:
     assert "max_model_len" in str(error)
 else:
-    raise AssertionError("a block table wider than the buffer was accepted")
+    raise RuntimeError("a block table wider than the buffer was accepted")
 reset_context()
 print("all checks passed")
 

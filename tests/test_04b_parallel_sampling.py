@@ -223,7 +223,7 @@ def test_sampled_tokens_give_the_forked_siblings_their_rows() -> None:
     step = SampledTokens([parent, other], [0, 1], torch.tensor([70, 71, 72, 73]), torch.tensor([70, 71, 72, 73]))
     assert step.token_ids() == [70, 71, 72, 73]
     siblings = [parent.fork(1), parent.fork(2)]
-    with pytest.raises(ValueError, match="2 tokens"):
+    with pytest.raises(AssertionError, match="2 tokens"):
         step.add_forks(siblings[:1])
     step.add_forks(siblings)
     assert step.token_ids() == [70, 71, 72, 73]

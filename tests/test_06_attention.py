@@ -155,15 +155,18 @@ def test_decode_padded_row_returns_zeros_and_others_unaffected() -> None:
     assert torch.equal(out[1], torch.zeros(2, 4))
 
 
-def test_errors_name_the_problem() -> None:
+def test_broken_invariants_are_asserted() -> None:
+    # The model runner builds every context from the scheduler's sequences: these are bugs, not bad input.
     layer = Attention(2, 4, 0.5, 1)
-    with pytest.raises(ValueError, match="needs block tables"):
+    with pytest.raises(AssertionError, match="needs block tables"):
         set_prefill_context([2], [5])
-    with pytest.raises(ValueError, match="needs block 1"):
+    with pytest.raises(AssertionError, match="needs block 1"):
         set_prefill_context([5], [5], [[0]], block_size=4)
+    with pytest.raises(AssertionError):
+        set_prefill_context([3], [2], [[0]], block_size=4)
     set_context(False, slot_mapping=torch.tensor([0]), context_lens=torch.tensor([1]),
                 block_tables=torch.tensor([[0]]))
-    with pytest.raises(ValueError, match="needs a KV cache"):
+    with pytest.raises(AssertionError, match="needs a KV cache"):
         layer(torch.randn(1, 2, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4))
 
 

@@ -80,10 +80,10 @@ def test_decode_inputs() -> None:
     assert ctx.block_tables.tolist() == [[3, 8, -1], [0, 1, 5]]
 
 
-def test_inputs_refuse_sequences_in_the_wrong_state() -> None:
-    with pytest.raises(ValueError, match="no scheduled tokens"):
+def test_inputs_assert_sequences_in_the_right_state() -> None:
+    with pytest.raises(AssertionError, match="no scheduled tokens"):
         prepare_prefill([scheduled([1, 2], [0], 0, 0)], block_size=4)
-    with pytest.raises(ValueError, match="not ready to decode"):
+    with pytest.raises(AssertionError, match="not ready to decode"):
         prepare_decode([scheduled([1, 2, 3], [0], 0, 1)], block_size=4)
 
 
@@ -154,14 +154,14 @@ def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     input_ids, positions = prepare_decode([a, b, c], 4, "cpu", previous)
     assert input_ids.tolist() == [80, 11, 70] and positions.tolist() == [3, 2, 1]
     assert previous.token_ids() == [70, NOT_SAMPLED, 80]
-    with pytest.raises(ValueError, match="pending"):
+    with pytest.raises(AssertionError, match="pending"):
         prepare_decode([a, b, c], 4, "cpu")  # who computes a's token?
     orphan = SampledTokens([b], [0], torch.tensor([1]), torch.tensor([1]))
-    with pytest.raises(ValueError, match="not one this step samples"):
+    with pytest.raises(AssertionError, match="not one this step samples"):
         prepare_decode([a], 4, "cpu", orphan)
     pending = scheduled([1, 2], [0], cached=0, count=3)
     pending.append_pending_token()
-    with pytest.raises(ValueError, match="before its last token"):
+    with pytest.raises(AssertionError, match="before its last token"):
         prepare_prefill([pending], 4, "cpu")
 
 

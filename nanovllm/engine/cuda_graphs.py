@@ -29,9 +29,7 @@ MAX_GRAPH_BATCH = 512
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
     """Batch sizes to capture, ascending: 1, 2, 4, 8, multiples of 16, and min(max_num_seqs, limit) itself."""
-    for name, value in (("max_num_seqs", max_num_seqs), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    assert max_num_seqs >= 1 and limit >= 1, "Config checked max_num_seqs"
     top = min(max_num_seqs, limit)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
     if sizes[-1] != top:
@@ -41,8 +39,7 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
 
 def graph_batch_size(batch: int, sizes: list[int]) -> int | None:
     """The smallest captured size >= batch, or None when the batch is larger than every graph (eager)."""
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    assert batch >= 1, f"batch must be >= 1, got {batch}"
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if i < len(sizes) else None
 
@@ -73,14 +70,10 @@ class DecodeBuffers:
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, graph_batch: int) -> None:
         """Copy one decode step into rows [0, n) and make rows [n, graph_batch) padding rows."""
         n, rows = input_ids.shape[0], self.input_ids.shape[0]
-        if not 1 <= n <= graph_batch <= rows:
-            raise ValueError(f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= buffer rows ({rows})")
+        assert 1 <= n <= graph_batch <= rows, f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= rows ({rows})"
         width = context.block_tables.shape[1]
-        if width > self.max_blocks:
-            raise ValueError(
-                f"a block table of {width} blocks does not fit the graph buffer of {self.max_blocks} blocks: "
-                f"a sequence is longer than max_model_len"
-            )
+        # The engine keeps every sequence within max_model_len, from which the buffer is sized.
+        assert width <= self.max_blocks, "a sequence is longer than max_model_len"
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(context.slot_mapping)

@@ -46,12 +46,10 @@ def prepare_prefill(
     seqlens_k: list[int] = []
     for seq in seqs:
         start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
-        if count < 1:
-            raise ValueError(f"sequence {seq.seq_id} has no scheduled tokens in this prefill step")
+        assert count >= 1, f"sequence {seq.seq_id} has no scheduled tokens in this prefill step"
         # A chunk sees its cached prefix plus itself, not the whole prompt.
         ids = seq.scheduled_token_ids
-        if ids[-1] == PENDING_TOKEN:
-            raise ValueError(f"sequence {seq.seq_id} is prefilled before its last token was computed")
+        assert ids[-1] != PENDING_TOKEN, f"sequence {seq.seq_id} is prefilled before its last token was computed"
         input_ids += ids
         positions += range(start, start + count)
         seqlens_q.append(count)
@@ -69,14 +67,12 @@ def prepare_decode(
     A sequence whose last token is still pending takes it from ``previous``, the step that samples it.
     """
     for seq in seqs:
-        if seq.num_scheduled_tokens != 1 or seq.num_cached_tokens != len(seq) - 1:
-            raise ValueError(f"sequence {seq.seq_id} is not ready to decode: {seq!r}")
+        assert seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1, f"not ready to decode: {seq}"
     input_ids = [seq.last_token for seq in seqs]
     positions = [len(seq) - 1 for seq in seqs]
     set_decode_context([len(seq) for seq in seqs], [seq.block_table for seq in seqs], block_size, device)
     if PENDING_TOKEN in input_ids:
-        if previous is None:
-            raise ValueError("a sequence's last token is still pending: pass the step that samples it")
+        assert previous is not None, "a sequence's last token is still pending: pass the step that samples it"
         return previous.input_ids_for(seqs, input_ids), _tensor(positions, device)
     return _tensor(input_ids, device), _tensor(positions, device)
 
@@ -166,8 +162,7 @@ class SampledTokens:
         """Name the sequences that this step's extra samples belong to: the siblings the scheduler forked,
         in its order. Then the next step can take their pending first tokens from here."""
         extra = self.on_device.shape[0] - len(self.rows)
-        if len(siblings) != extra:
-            raise ValueError(f"this step sampled {extra} tokens for forked siblings, got {len(siblings)} siblings")
+        assert len(siblings) == extra, f"this step sampled {extra} tokens for forked siblings, got {len(siblings)}"
         self.rows = self.rows + list(range(len(self.seqs), len(self.seqs) + extra))
         self.seqs = self.seqs + list(siblings)
 
@@ -176,8 +171,7 @@ class SampledTokens:
         row_of = {self.seqs[i].seq_id: row for row, i in enumerate(self.rows)}
         rows = []
         for seq, token in zip(seqs, input_ids, strict=True):
-            if token == PENDING_TOKEN and seq.seq_id not in row_of:
-                raise ValueError(f"sequence {seq.seq_id}'s pending token is not one this step samples")
+            assert token != PENDING_TOKEN or seq.seq_id in row_of, f"{seq}'s pending token is not one this step samples"
             rows.append(row_of[seq.seq_id] if token == PENDING_TOKEN else -1)
         device = self.on_device.device
         known = _tensor([max(token, 0) for token in input_ids], device)
@@ -305,11 +299,8 @@ class ModelRunner:
         """
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
-        too_long = next((s for s in seqs if len(s) > self.config.max_model_len), None)
-        if too_long is not None:
-            # The engine refuses such requests up front; the graphs' block-table buffer relies on it.
-            raise ValueError(f"sequence {too_long.seq_id} has {len(too_long)} tokens, more than max_model_len "
-                             f"({self.config.max_model_len})")
+        # The engine refuses longer requests up front; the graphs' block-table buffer relies on it.
+        assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
         copies = [pair for seq in seqs for pair in seq.blocks_to_copy]
         if copies:
             # Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the

@@ -110,8 +110,7 @@ class TorchBackend:
         scale: float,
     ) -> torch.Tensor:
         paged = context.block_tables is not None
-        if paged and k_cache.numel() == 0:
-            raise ValueError("the context has block tables (a cached prefix) but the layer has no KV cache")
+        assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
         cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
         out = torch.empty_like(q)
         for i in range(len(cu_q) - 1):
@@ -120,10 +119,8 @@ class TorchBackend:
             if paged:
                 keys = gather_paged(k_cache, context.block_tables[i], n_k)
                 values = gather_paged(v_cache, context.block_tables[i], n_k)
-            elif n_k == q_end - q_start:
+            else:  # no cached prefix: set_prefill_context made sure of it
                 keys, values = k[q_start:q_end], v[q_start:q_end]
-            else:
-                raise ValueError(f"sequence {i} has a cached prefix (seqlen_k {n_k} > seqlen_q) but no block table")
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out
 
@@ -131,8 +128,7 @@ class TorchBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor:
         # q: [B, H, d], one new token per sequence; its KV is already in the cache.
-        if k_cache.numel() == 0:
-            raise ValueError("decode attention needs a KV cache, but the layer has none")
+        assert k_cache.numel(), "decode attention needs a KV cache"
         # One sequence at a time, like prefill: each reads exactly its context_len keys, so no
         # padding is read and nothing needs masking (on a CPU this also beats one padded call).
         out = torch.zeros_like(q)

@@ -75,8 +75,7 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str 
 
 def _slot(block_table: list[int], position: int, block_size: int) -> int:
     block_index = position // block_size
-    if block_index >= len(block_table) or block_table[block_index] < 0:
-        raise ValueError(f"position {position} needs block {block_index}, but the block table is {block_table}")
+    assert 0 <= block_index < len(block_table), f"position {position} needs block {block_index}: {block_table}"
     return block_table[block_index] * block_size + position % block_size
 
 
@@ -98,10 +97,7 @@ def set_prefill_context(
     seqlens_q[i]: tokens sequence i computes now; seqlens_k[i]: its cached prefix plus those.
     block_tables=None means "no KV cache" (a warm-up forward): nothing is stored.
     """
-    if len(seqlens_q) != len(seqlens_k) or not seqlens_q:
-        raise ValueError(f"need one q and one k length per sequence, got {seqlens_q} and {seqlens_k}")
-    if any(q < 1 or k < q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
-        raise ValueError(f"need 1 <= seqlen_q <= seqlen_k, got {seqlens_q} and {seqlens_k}")
+    assert seqlens_q and all(1 <= q <= k for q, k in zip(seqlens_q, seqlens_k, strict=True)), (seqlens_q, seqlens_k)
     slot_mapping = tables = None
     if block_tables is not None:
         slots = [
@@ -113,8 +109,8 @@ def set_prefill_context(
         # Only a cached prefix needs the block tables: without one, attention reads the fresh k, v.
         if any(k > q for q, k in zip(seqlens_q, seqlens_k, strict=True)):
             tables = _block_table_tensor(block_tables, device)
-    elif seqlens_q != seqlens_k:
-        raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
+    else:
+        assert seqlens_q == seqlens_k, "a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from"
 
     def cumulative(lengths: list[int]) -> torch.Tensor:
         return host_to_device([0, *itertools.accumulate(lengths)], torch.int32, device)
@@ -131,8 +127,6 @@ def set_decode_context(
     device: torch.device | str | None = None,
 ) -> Context:
     """Set the context of a decode step: one new token per sequence, at position context_len - 1."""
-    if len(context_lens) != len(block_tables) or not context_lens:
-        raise ValueError("need one context length and one block table per sequence")
     slots = [_slot(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
     return set_context(
         False,
