@@ -835,7 +835,15 @@ class TritonBackend:
 
 
 class FlashAttnBackend:
-    """UNVERIFIED (flash-attn is not installed here): nano-vllm's calls into the flash_attn package."""
+    """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
+    Hopper or newer GPU; the K/V store stays this module's Triton kernel. Verified on the H200 (chapter 06b)."""
+
+    def __init__(self) -> None:
+        # en: Imported when the backend is built, not with this module: most machines do not have it.
+        # zh: 构建后端时才导入，而不是随本模块一起导入：大多数机器上没有它。
+        from flash_attn.cute import flash_attn_varlen_func
+
+        self.attend = flash_attn_varlen_func
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -852,25 +860,34 @@ class FlashAttnBackend:
         context: Context,
         scale: float,
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func
-
-        if context.block_tables is not None:  # a cached prefix: read everything from the paged cache
-            k, v = k_cache, v_cache
-        return flash_attn_varlen_func(
-            q, k, v, max_seqlen_q=context.max_seqlen_q, cu_seqlens_q=context.cu_seqlens_q,
-            max_seqlen_k=context.max_seqlen_k, cu_seqlens_k=context.cu_seqlens_k,
-            softmax_scale=scale, causal=True, block_table=context.block_tables,
+        if context.block_tables is None:  # no cached prefix: this step's own K and V, packed like q
+            out, _ = self.attend(
+                q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
+                max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k, softmax_scale=scale, causal=True,
+            )  # fmt: skip
+            return out
+        # en: A cached prefix: every key is read from the paged cache (the store above already wrote this step's).
+        # en: FlashAttention takes the paged keys' lengths as seqused_k; it refuses cu_seqlens_k with a page table.
+        # zh: 有已缓存的前缀：所有键都从分页缓存读取（上面的存储已经写入了本步的键）。FlashAttention 以 seqused_k
+        # zh: 接收分页键的长度；有块表时它不接受 cu_seqlens_k。
+        seqlens_k = (context.cu_seqlens_k[1:] - context.cu_seqlens_k[:-1]).to(torch.int32)
+        out, _ = self.attend(
+            q, k_cache, v_cache, cu_seqlens_q=context.cu_seqlens_q, seqused_k=seqlens_k,
+            page_table=context.block_tables, max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+            softmax_scale=scale, causal=True,
         )  # fmt: skip
+        return out
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_with_kvcache
-
-        return flash_attn_with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
-            block_table=context.block_tables, softmax_scale=scale, causal=True,
-        ).squeeze(1)  # fmt: skip
+        # en: One query token per sequence: a batch of [B, 1, heads, d] against each sequence's pages.
+        # zh: 每个序列一个查询 token：形状为 [B, 1, heads, d] 的一批，对着各自序列的页计算。
+        out, _ = self.attend(
+            q.unsqueeze(1), k_cache, v_cache, seqused_k=context.context_lens, page_table=context.block_tables,
+            softmax_scale=scale, causal=True,
+        )  # fmt: skip
+        return out.squeeze(1)
 
 
 # %% [markdown] tags=["en"]
@@ -992,12 +1009,20 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.triton_attention import choose_num_splits, decode_attention, prefill_attention
+from nanovllm.layers.triton_attention import FlashAttnBackend, choose_num_splits, decode_attention, prefill_attention
 from nanovllm.utils.context import Context
 
 # en: Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128; nano-vllm's block size 256.
 # zh: Qwen3-0.6B 的注意力布局：16 个查询头、8 个 KV 头、head_dim 128；nano-vllm 的块大小 256。
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+
+
+def flash_attn_backend() -> FlashAttnBackend | None:
+    """FlashAttention 4's backend when ``flash_attn.cute`` can be imported (its timings join ours), else None."""
+    try:
+        return FlashAttnBackend()
+    except ImportError:
+        return None
 
 
 def time_ms(fn) -> float:
@@ -1036,8 +1061,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
-def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16) -> dict:
-    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count.
+def bench_decode(
+    batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16, flash: FlashAttnBackend | None = None
+) -> dict:
+    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count (and FlashAttention 4's
+    ms as ``fa4_ms`` when ``flash`` is given).
 
     Timed as the engine runs it, inside a CUDA graph (no Python launch overhead), over ``copies``
     batches with different blocks of one big cache, so that reads come from HBM, not from the L2 cache.
@@ -1070,11 +1098,17 @@ def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=to
     if row["auto_splits"] not in row["ms"]:
         row["ms"][row["auto_splits"]] = timed(None)
     row["best_splits"] = min(row["ms"], key=row["ms"].get)
+    if flash is not None:
+        row["fa4_ms"] = graph_time_ms(lambda: [flash.decode(q, k_cache, v_cache, ctx, HEAD_DIM**-0.5)
+                                               for ctx in ctxs]) / copies
     return row
 
 
-def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,)) -> dict:
-    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|."""
+def bench_prefill(
+    batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,), flash: FlashAttnBackend | None = None
+) -> dict:
+    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|
+    (and FlashAttention 4's varlen call as ``fa4_ms`` / ``fa4_tflops`` when ``flash`` is given)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(batch * seqlen, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -1106,6 +1140,9 @@ def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
     ours = prefill_attention(q, k, v, empty, empty, ctx, scale)
     row["max_abs_diff"] = (ours - sdpa().transpose(1, 2).reshape_as(ours)).abs().max().item()
+    if flash is not None:
+        row["fa4_ms"] = time_ms(lambda: flash.prefill(q, k, v, empty, empty, ctx, scale))
+        row["fa4_tflops"] = flops / (row["fa4_ms"] * 1e-3) / 1e12
     return row
 
 
@@ -1120,32 +1157,37 @@ def run(quick: bool = False) -> dict:
     }  # fmt: skip
     result["copy_bytes_per_s"] = copy = copy_bandwidth()
     print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
+    flash = flash_attn_backend()
+    result["flash_attn"] = flash is not None
+    fa4 = "FlashAttention 4" if flash is not None else "FlashAttention 4 not installed"
     batches = (1, 16, 64, 256) if quick else (1, 4, 16, 64, 128, 256)
     contexts = (512, 2048, 8192) if quick else (512, 1024, 2048, 4096, 8192)
     print("decode (bf16, 16 q / 8 kv heads, d 128, block 256): achieved KV bandwidth / copy bandwidth")
-    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}")
+    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}   {fa4}")
     result["decode"] = []
     for batch in batches:
         for context in contexts:
-            row = bench_decode(batch, context)
+            row = bench_decode(batch, context, flash=flash)
             result["decode"].append(row)
 
             def frac(s: int, row=row) -> float:
                 return row["kv_bytes"] / (row["ms"][s] * 1e-3) / copy
 
             best, auto = row["best_splits"], row["auto_splits"]
+            fa4_share = f"   {row['kv_bytes'] / (row['fa4_ms'] * 1e-3) / copy:>6.0%}" if flash is not None else ""
             print(f"{batch:>5} {context:>5} {frac(1):>11.0%} {frac(best):>9.0%} (S={best:>2}) "
-                  f"{frac(auto):>9.0%} (S={auto:>2})")
+                  f"{frac(auto):>9.0%} (S={auto:>2}){fa4_share}")
     print("prefill (bf16, dense causal): our kernel vs SDPA flash")
     shapes = ((1, 2048), (4, 4096)) if quick else ((1, 1024), (1, 4096), (1, 8192), (4, 2048), (16, 1024))
     launches = (None,) if quick else (None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
     result["prefill"] = []
     for batch, seqlen in shapes:
-        row = bench_prefill(batch, seqlen, launches=launches)
+        row = bench_prefill(batch, seqlen, launches=launches, flash=flash)
         result["prefill"].append(row)
         print(f"batch {batch:>2} seq {seqlen:>5}: ours {row['tflops']:6.1f} TFLOP/s, SDPA {row['sdpa_tflops']:6.1f}"
               f" TFLOP/s, time ratio {row['ratio']:.2f}x (best launch {row['best_launch']}), "
-              f"max|diff| {row['max_abs_diff']:.3f}")
+              f"max|diff| {row['max_abs_diff']:.3f}"
+              + (f"; FlashAttention 4 {row['fa4_tflops']:6.1f} TFLOP/s" if flash is not None else ""))
     return result
 
 

@@ -499,7 +499,14 @@ class TritonBackend:
 
 
 class FlashAttnBackend:
-    """UNVERIFIED (flash-attn is not installed here): nano-vllm's calls into the flash_attn package."""
+    """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
+    Hopper or newer GPU; the K/V store stays this module's Triton kernel. Verified on the H200 (chapter 06b)."""
+
+    def __init__(self) -> None:
+        # Imported when the backend is built, not with this module: most machines do not have it.
+        from flash_attn.cute import flash_attn_varlen_func
+
+        self.attend = flash_attn_varlen_func
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -516,22 +523,28 @@ class FlashAttnBackend:
         context: Context,
         scale: float,
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func
-
-        if context.block_tables is not None:  # a cached prefix: read everything from the paged cache
-            k, v = k_cache, v_cache
-        return flash_attn_varlen_func(
-            q, k, v, max_seqlen_q=context.max_seqlen_q, cu_seqlens_q=context.cu_seqlens_q,
-            max_seqlen_k=context.max_seqlen_k, cu_seqlens_k=context.cu_seqlens_k,
-            softmax_scale=scale, causal=True, block_table=context.block_tables,
+        if context.block_tables is None:  # no cached prefix: this step's own K and V, packed like q
+            out, _ = self.attend(
+                q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
+                max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k, softmax_scale=scale, causal=True,
+            )  # fmt: skip
+            return out
+        # A cached prefix: every key is read from the paged cache (the store above already wrote this step's).
+        # FlashAttention takes the paged keys' lengths as seqused_k; it refuses cu_seqlens_k with a page table.
+        seqlens_k = (context.cu_seqlens_k[1:] - context.cu_seqlens_k[:-1]).to(torch.int32)
+        out, _ = self.attend(
+            q, k_cache, v_cache, cu_seqlens_q=context.cu_seqlens_q, seqused_k=seqlens_k,
+            page_table=context.block_tables, max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+            softmax_scale=scale, causal=True,
         )  # fmt: skip
+        return out
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_with_kvcache
-
-        return flash_attn_with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
-            block_table=context.block_tables, softmax_scale=scale, causal=True,
-        ).squeeze(1)  # fmt: skip
+        # One query token per sequence: a batch of [B, 1, heads, d] against each sequence's pages.
+        out, _ = self.attend(
+            q.unsqueeze(1), k_cache, v_cache, seqused_k=context.context_lens, page_table=context.block_tables,
+            softmax_scale=scale, causal=True,
+        )  # fmt: skip
+        return out.squeeze(1)
