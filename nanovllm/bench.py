@@ -8,7 +8,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             results[key] = run_engine(model, workload, tensor_parallel_size=size, attention_backend=backend,
                                       breakdown=breakdown, **settings)
             if len(args.attention_backend) > 1:
-                results[key].name += f", attention_backend={backend}"
+                results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
             print(results[key])
             print_breakdown(results[key], breakdown)
             report[f"breakdown_tp{size}" + (f"_{backend}" if key.startswith("engine_") and size == tp else "")] = \

@@ -746,7 +746,11 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    bn, num_warps, num_stages = launch or ((64, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
+    # en: 128 keys per tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py)
+    # en: it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
+    # zh: GPU 上每个 tile 128 个键：在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
+    # zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。
+    bn, num_warps, num_stages = launch or ((128, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
     split = num_splits > 1
     # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。
@@ -781,11 +785,23 @@ def decode_attention(
 # (chapter 11): `"auto"` means Triton on a GPU and the torch reference on a CPU; `"triton"` on
 # a CPU is accepted only when the kernels run in the interpreter.
 #
-# A third backend, `"flash-attn"`, wraps the two calls nano-vllm makes into the `flash_attn`
-# package; `Config` accepts it only on a GPU where `flash_attn` can be imported. **UNVERIFIED: flash-attn is
-# not installed on any machine of this project, so this path has never run here.** Known
-# constraints: flash-attn's paged KV wants a block size that is a multiple of 256 (nano-vllm's
-# default), and we do not know what it returns for padded decode rows (context length 0).
+# A third backend, `"flash-attn"`, is nano-vllm's choice: FlashAttention. Version 2, the one
+# nano-vllm calls, ships no wheel for this machine (only sources that need a CUDA toolchain);
+# version 4 (`pip install --pre flash-attn-4`, module `flash_attn.cute`) is Python on top of
+# NVIDIA's CuTe DSL, compiled at the first call, for Hopper and newer GPUs. Its one entry point,
+# `flash_attn_varlen_func`, covers our three cases: prefill without a cache (the step's packed K
+# and V, `cu_seqlens_k`), prefill over a paged prefix (`page_table` is our block table; the keys'
+# lengths go in `seqused_k`, since it refuses `cu_seqlens_k` with a page table), and decode (a
+# batch of one query each against its pages, `seqused_k` = the context lengths). The store stays
+# our kernel. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
+# exactly one key tile (block size 128 there), so the unwritten rows of a sequence's last page
+# must hold finite numbers (0 × NaN is NaN): the engine's KV cache starts as zeros (chapter 08);
+# and it compiles a kernel per variant, so `warm_up` compiles both prefill variants before
+# anything is timed. `Config` accepts the backend only on a CUDA GPU of compute capability 9 or
+# more where `flash_attn.cute` can be imported, and says which of the three is missing; the
+# GPU tests compare it with the torch reference (block sizes 16 to 256, a padded decode row,
+# unused pages full of NaN) and run the engine on it with CUDA graphs, chunked prefill, prefix
+# hits and forks. `"auto"` stays our Triton kernels: the measurements below say why.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：后端，以及如何选择后端
@@ -795,11 +811,18 @@ def decode_attention(
 # （第 11 章）解析：`"auto"` 在 GPU 上表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器
 # 方式运行时才接受 `"triton"`。
 #
-# 第三个后端 `"flash-attn"` 包装了 nano-vllm 对 `flash_attn` 包的两个调用；只有在能导入 `flash_attn` 的 GPU 上
-# `Config` 才接受它。
-# **未验证：本项目的任何机器上都没有安装 flash-attn，所以这条路径在这里从未运行过。** 已知限制：flash-attn 的
-# 分页 KV 要求块大小是 256 的倍数（nano-vllm 的默认值），而且我们不知道它对填充的 decode 行（上下文长度为 0）
-# 返回什么。
+# 第三个后端 `"flash-attn"` 是 nano-vllm 的选择：FlashAttention。nano-vllm 调用的第 2 版在这台机器上没有 wheel
+# （只有需要 CUDA 工具链才能编译的源码）；第 4 版（`pip install --pre flash-attn-4`，模块 `flash_attn.cute`）是建立在
+# NVIDIA CuTe DSL 之上的 Python 代码，第一次调用时编译，支持 Hopper 及更新的 GPU。它唯一的入口
+# `flash_attn_varlen_func` 覆盖了我们的三种情形：没有缓存的 prefill（本步打包好的 K 和 V，`cu_seqlens_k`）、
+# 读取分页前缀的 prefill（`page_table` 就是我们的块表；键的长度放进 `seqused_k`，因为有块表时它不接受
+# `cu_seqlens_k`），以及 decode（一批查询，每个序列一个，对着各自的页计算，`seqused_k` 就是上下文长度）。存储仍用
+# 我们自己的内核。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
+# 读取，所以序列最后一页中未写入的行必须是有限的数（0 × NaN 还是 NaN）：引擎的 KV 缓存一开始就全是零（第 08 章）；
+# 另外，它为每个变体编译一个内核，所以 `warm_up` 在任何计时开始之前先编译好两个 prefill 变体。只有在计算能力 9 或
+# 以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了哪一个；GPU 测试把它
+# 与 torch 参考实现对照（块大小 16 到 256、一个填充的 decode 行、填满 NaN 的未用页），并让引擎在它上面带着
+# CUDA Graph、分块预填充、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。
 
 # %% backend
 #| export
@@ -888,6 +911,18 @@ class FlashAttnBackend:
             softmax_scale=scale, causal=True,
         )  # fmt: skip
         return out.squeeze(1)
+
+    def warm_up(self, layer: Attention) -> None:
+        """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
+        it reads block 0 of the cache and writes nothing. Decode compiles when chapter 09 captures its graphs."""
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        q = torch.zeros(2, layer.num_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+        k = torch.zeros(2, layer.num_kv_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+        cu = torch.tensor([0, 2], dtype=torch.int32, device=k_cache.device)
+        self.prefill(q, k, k, k_cache, v_cache, Context(True, cu, cu, 2, 2), layer.scale)
+        prefix = Context(True, cu, cu + torch.tensor([0, 1], dtype=torch.int32, device=cu.device), 2, 3,
+                         block_tables=torch.zeros(1, 1, dtype=torch.int32, device=cu.device))
+        self.prefill(q, k, k, k_cache, v_cache, prefix, layer.scale)
 
 
 # %% [markdown] tags=["en"]
@@ -1392,8 +1427,8 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 # - `nanovllm/layers/triton_attention.py`: `store_kvcache`, `prefill_attention` (varlen,
 #   causal, cached prefix read through the block table, GQA), `decode_attention` (plain or
 #   split-K with `num_splits`, chosen by `choose_num_splits` when left out), the kernels behind
-#   them, `TritonBackend` (what `attention_backend("triton")` builds), an optional
-#   `FlashAttnBackend` (`"flash-attn"`, UNVERIFIED), and `INTERPRETED` /
+#   them, `TritonBackend` (what `attention_backend("triton")` builds), `FlashAttnBackend`
+#   (`"flash-attn"`: FlashAttention 4, when it is installed, on Hopper or newer), and `INTERPRETED` /
 #   `check_triton_device`, which chapter 07's sampler kernels share.
 # - `nanovllm/bench_attention.py`: `python -m nanovllm.bench_attention` prints decode bandwidth
 #   vs copy bandwidth and prefill vs SDPA flash on a GPU.
@@ -1413,8 +1448,9 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 #
 # - `nanovllm/layers/triton_attention.py`：`store_kvcache`、`prefill_attention`（变长、因果、通过块表读取已缓存
 #   前缀、GQA）、`decode_attention`（普通版，或用 `num_splits` 指定的 split-K 版；不指定时由 `choose_num_splits`
-#   选择），以及它们背后的内核；`TritonBackend`（`attention_backend("triton")` 构建的就是它）；可选的
-#   `FlashAttnBackend`（`"flash-attn"`，未验证）；还有第 07 章采样器内核共用的 `INTERPRETED` 与
+#   选择），以及它们背后的内核；`TritonBackend`（`attention_backend("triton")` 构建的就是它）；
+#   `FlashAttnBackend`（`"flash-attn"`：装有 FlashAttention 4 时，在 Hopper 或更新的 GPU 上可用）；还有第 07 章
+#   采样器内核共用的 `INTERPRETED` 与
 #   `check_triton_device`。
 # - `nanovllm/bench_attention.py`：在 GPU 上运行 `python -m nanovllm.bench_attention`，打印 decode 带宽与拷贝带宽的
 #   对比，以及 prefill 与 SDPA flash 的对比。

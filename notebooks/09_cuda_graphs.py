@@ -304,7 +304,9 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # ## Build it: when graphs can be used
 #
 # Graphs need CUDA, a capture-safe attention backend and the user's consent
-# (`enforce_eager=False`). The function returns the *reason* graphs are off, or `None`.
+# (`enforce_eager=False`). The function returns the *reason* graphs are off, or `None`. The
+# capture-safe backends are our Triton kernels and FlashAttention 4 (chapter 06b): neither reads
+# a length on the host during decode, and both were captured and replayed on the H200.
 #
 # Tensor parallelism (chapter 10) is not on the list. Every rank builds the same runner from the
 # same config, so every rank captures the same sizes in the same order, and each graph records
@@ -318,7 +320,8 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # ## 动手：什么时候能用 CUDA Graph
 #
 # CUDA Graph 需要 CUDA、一个可以安全捕获的注意力后端，以及用户的同意（`enforce_eager=False`）。这个函数返回
-# CUDA Graph 被关闭的*原因*，或者 `None`。
+# CUDA Graph 被关闭的*原因*，或者 `None`。可以安全捕获的后端是我们的 Triton 内核和 FlashAttention 4（第 06b 章）：
+# 二者在 decode 时都不在主机端读取任何长度，而且都在 H200 上被捕获并重放过。
 #
 # 张量并行（第 10 章）不在这张清单上。每个 rank 用同一份配置构建同样的执行器，所以每个 rank 都按同样的顺序捕获同样的
 # 档位，而每个图连同矩阵乘法一起，也录下了本 rank 的 NCCL all-reduce：每个 rank 重放时，集合通信也按捕获时的顺序
@@ -327,7 +330,7 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 
 # %% graphs unavailable
 #| export
-CAPTURE_SAFE_BACKENDS = ("triton",)
+CAPTURE_SAFE_BACKENDS = ("triton", "flash-attn")
 
 
 def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager: bool = False) -> str | None:

@@ -862,7 +862,7 @@ assert parse_args([]).prompts == list(DEFAULT_PROMPTS)
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -1381,7 +1381,7 @@ def main(argv: list[str] | None = None) -> int:
             results[key] = run_engine(model, workload, tensor_parallel_size=size, attention_backend=backend,
                                       breakdown=breakdown, **settings)
             if len(args.attention_backend) > 1:
-                results[key].name += f", attention_backend={backend}"
+                results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
             print(results[key])
             print_breakdown(results[key], breakdown)
             report[f"breakdown_tp{size}" + (f"_{backend}" if key.startswith("engine_") and size == tp else "")] = \

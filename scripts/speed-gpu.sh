@@ -44,14 +44,14 @@ case ${1:-} in
     cp .fa4a/* /tmp/keep/ && ls -la /tmp/keep | tee "$out/keep.txt" ;;
   tests)
     install_fa4
-    export PYTHONPATH=$PWD:$site
+    export PYTHONPATH=$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
     python3 -c "import flash_attn.cute as fa; print('flash_attn.cute', fa.__version__)" 2>&1 | tee "$out/fa4-import.txt"
     timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tests.xml" \
-      tests/test_06b_triton_attention.py tests/test_09_cuda_graphs.py tests/test_gpu_engine.py 2>&1 \
+      ${TESTS_K:+-k "$TESTS_K"} tests/test_06b_triton_attention.py tests/test_09_cuda_graphs.py tests/test_gpu_engine.py 2>&1 \
       | tee "$out/tests.log" | tail -40 ;;
   bench)
     install_fa4
-    export PYTHONPATH=$PWD:$site
+    export PYTHONPATH=$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
     backends="triton"
     python3 -c "import flash_attn.cute" 2>/dev/null && backends="triton flash-attn"
     timeout 330 python3 -m nanovllm.bench --preset nano-vllm --no-peer --attention-backend $backends \
@@ -60,7 +60,7 @@ case ${1:-} in
       --out "$out/bench-base.json" 2>&1 | tee "$out/bench-base.log" | grep -v "^\s*$" ;;
   kernels)
     install_fa4
-    export PYTHONPATH=$PWD:$site
+    export PYTHONPATH=$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
     timeout 150 python3 scripts/decode_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log"
     timeout 330 python3 -m nanovllm.bench_attention --quick --out "$out/attention.json" 2>&1 | tee "$out/attention.log" ;;
   *) echo "usage: scripts/speed-gpu.sh keep|tests|bench|kernels" >&2; exit 2 ;;

@@ -398,7 +398,9 @@ flash = pytest.mark.skipif(not FLASH_ATTN, reason="needs CUDA and FlashAttention
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
 def test_gpu_flash_attn_matches_reference(block_size: int) -> None:
     """bf16, Qwen3-0.6B's layout: FlashAttention 4's prefill (without and with cached prefixes) and decode (with a
-    padded row, as CUDA graphs pad a batch) against the torch reference, on caches whose unwritten slots are NaN."""
+    padded row, as CUDA graphs pad a batch) against the torch reference. Its contract on the cache: pages no sequence
+    uses may hold NaN, but the unwritten rows of a used page must be finite (it loads whole pages when a page is one
+    key tile, 128 rows on the H200, and 0 x NaN is NaN); the engine's cache starts as zeros (chapter 08)."""
     from nanovllm.utils.context import Context
 
     fa = ta.FlashAttnBackend()
@@ -419,6 +421,8 @@ def test_gpu_flash_attn_matches_reference(block_size: int) -> None:
     decode_lens = [n + 1 for n in total]
     tables, num_blocks = random_tables(decode_lens, block_size, rng)
     caches = [nan_cache(num_blocks, block_size, kv_heads, d, dtype) for _ in range(2)]
+    for cache in caches:
+        cache[[block for table in tables for block in table]] = 0.0
     for i, c in enumerate(cached):
         if c:
             ctx = set_prefill_context([c], [c], [tables[i]], block_size, device=DEVICE)
