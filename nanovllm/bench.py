@@ -8,7 +8,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="N > 1: the engine on N GPUs, and on one GPU in the same invocation, with their ratio")
     parser.add_argument("--no-tp1", action="store_true", help="with --tensor-parallel-size N: skip the TP=1 run")
+    parser.add_argument("--attention-backend", nargs="+", default=["auto"], metavar="NAME",
+                        help="auto, torch, triton or flash-attn; several: one engine run each, in this invocation, "
+                             "with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -352,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
         load_format = "dummy" if args.preset == "qwen3-8b" and not args.model else "auto"
         config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
                                     tensor_parallel_size=args.tensor_parallel_size)
+        for backend in args.attention_backend:  # refuse a backend this machine cannot run before any run
+            Config.from_kwargs(model, device=args.device, attention_backend=backend, load_format=load_format)
+        if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
+            raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
         for key in ("num_seqs", "input_len", "output_len"):
             if getattr(args, key) is not None:
@@ -384,14 +391,21 @@ def main(argv: list[str] | None = None) -> int:
                     "compile_small_ops": switch[args.compile_small_ops], "load_format": load_format,
                     "async_scheduling": switch[args.async_scheduling]}
         # The N-GPU engine first: its ranks leave the GPUs empty for the one-process engine after it.
-        runs = [tp, 1] if tp > 1 and not args.no_tp1 else [tp]
-        for size in runs:
-            key = "engine" if size == tp else "engine_tp1"
+        # Several attention backends: one run each, on one GPU, the first being the one the others are compared to.
+        first = args.attention_backend[0]
+        runs = [(tp, first), (1, first)] if tp > 1 and not args.no_tp1 else \
+            [(tp, name) for name in args.attention_backend]
+        for i, (size, backend) in enumerate(runs):
+            key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}"
             breakdown: dict[str, float] = {}
-            results[key] = run_engine(model, workload, tensor_parallel_size=size, breakdown=breakdown, **settings)
+            results[key] = run_engine(model, workload, tensor_parallel_size=size, attention_backend=backend,
+                                      breakdown=breakdown, **settings)
+            if len(args.attention_backend) > 1:
+                results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
             print(results[key])
             print_breakdown(results[key], breakdown)
-            report[f"breakdown_tp{size}"] = breakdown
+            report[f"breakdown_tp{size}" + (f"_{backend}" if key.startswith("engine_") and size == tp else "")] = \
+                breakdown
     peer_skipped = "the model has no weights (load_format='dummy')" if load_format == "dummy" else \
         f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
     if not args.no_peer and peer_skipped:
@@ -409,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in results and "engine_tp1" in results:
         report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
         print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
+    for backend in args.attention_backend[1:]:
+        if f"engine_{backend}" in results:
+            ratio = results[f"engine_{backend}"].tokens_per_s / results["engine"].tokens_per_s
+            report[f"ratio_{backend}"] = ratio
+            print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
         from nanovllm.bench_attention import copy_bandwidth  # Triton: imported only on a GPU
 

@@ -14,13 +14,14 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.triton_attention import choose_num_splits, decode_attention, prefill_attention
+from nanovllm.layers.triton_attention import FlashAttnBackend, choose_num_splits, decode_attention, prefill_attention
 from nanovllm.utils.context import Context
 
 __all__ = [
     "bench_decode",
     "bench_prefill",
     "copy_bandwidth",
+    "flash_attn_backend",
     "graph_time_ms",
     "line_chart_svg",
     "main",
@@ -32,6 +33,14 @@ __all__ = [
 # notebooks/06b_triton_attention.py · cell "bench"
 # Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128; nano-vllm's block size 256.
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+
+
+def flash_attn_backend() -> FlashAttnBackend | None:
+    """FlashAttention 4's backend when ``flash_attn.cute`` can be imported (its timings join ours), else None."""
+    try:
+        return FlashAttnBackend()
+    except ImportError:
+        return None
 
 
 def time_ms(fn) -> float:
@@ -70,8 +79,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
-def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16) -> dict:
-    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count.
+def bench_decode(
+    batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16, flash: FlashAttnBackend | None = None
+) -> dict:
+    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count (and FlashAttention 4's
+    ms as ``fa4_ms`` when ``flash`` is given).
 
     Timed as the engine runs it, inside a CUDA graph (no Python launch overhead), over ``copies``
     batches with different blocks of one big cache, so that reads come from HBM, not from the L2 cache.
@@ -103,11 +115,17 @@ def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=to
     if row["auto_splits"] not in row["ms"]:
         row["ms"][row["auto_splits"]] = timed(None)
     row["best_splits"] = min(row["ms"], key=row["ms"].get)
+    if flash is not None:
+        row["fa4_ms"] = graph_time_ms(lambda: [flash.decode(q, k_cache, v_cache, ctx, HEAD_DIM**-0.5)
+                                               for ctx in ctxs]) / copies
     return row
 
 
-def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,)) -> dict:
-    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|."""
+def bench_prefill(
+    batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,), flash: FlashAttnBackend | None = None
+) -> dict:
+    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|
+    (and FlashAttention 4's varlen call as ``fa4_ms`` / ``fa4_tflops`` when ``flash`` is given)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(batch * seqlen, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -138,6 +156,9 @@ def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
     ours = prefill_attention(q, k, v, empty, empty, ctx, scale)
     row["max_abs_diff"] = (ours - sdpa().transpose(1, 2).reshape_as(ours)).abs().max().item()
+    if flash is not None:
+        row["fa4_ms"] = time_ms(lambda: flash.prefill(q, k, v, empty, empty, ctx, scale))
+        row["fa4_tflops"] = flops / (row["fa4_ms"] * 1e-3) / 1e12
     return row
 
 
@@ -152,32 +173,37 @@ def run(quick: bool = False) -> dict:
     }  # fmt: skip
     result["copy_bytes_per_s"] = copy = copy_bandwidth()
     print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
+    flash = flash_attn_backend()
+    result["flash_attn"] = flash is not None
+    fa4 = "FlashAttention 4" if flash is not None else "FlashAttention 4 not installed"
     batches = (1, 16, 64, 256) if quick else (1, 4, 16, 64, 128, 256)
     contexts = (512, 2048, 8192) if quick else (512, 1024, 2048, 4096, 8192)
     print("decode (bf16, 16 q / 8 kv heads, d 128, block 256): achieved KV bandwidth / copy bandwidth")
-    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}")
+    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}   {fa4}")
     result["decode"] = []
     for batch in batches:
         for context in contexts:
-            row = bench_decode(batch, context)
+            row = bench_decode(batch, context, flash=flash)
             result["decode"].append(row)
 
             def frac(s: int, row=row) -> float:
                 return row["kv_bytes"] / (row["ms"][s] * 1e-3) / copy
 
             best, auto = row["best_splits"], row["auto_splits"]
+            fa4_share = f"   {row['kv_bytes'] / (row['fa4_ms'] * 1e-3) / copy:>6.0%}" if flash is not None else ""
             print(f"{batch:>5} {context:>5} {frac(1):>11.0%} {frac(best):>9.0%} (S={best:>2}) "
-                  f"{frac(auto):>9.0%} (S={auto:>2})")
+                  f"{frac(auto):>9.0%} (S={auto:>2}){fa4_share}")
     print("prefill (bf16, dense causal): our kernel vs SDPA flash")
     shapes = ((1, 2048), (4, 4096)) if quick else ((1, 1024), (1, 4096), (1, 8192), (4, 2048), (16, 1024))
     launches = (None,) if quick else (None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
     result["prefill"] = []
     for batch, seqlen in shapes:
-        row = bench_prefill(batch, seqlen, launches=launches)
+        row = bench_prefill(batch, seqlen, launches=launches, flash=flash)
         result["prefill"].append(row)
         print(f"batch {batch:>2} seq {seqlen:>5}: ours {row['tflops']:6.1f} TFLOP/s, SDPA {row['sdpa_tflops']:6.1f}"
               f" TFLOP/s, time ratio {row['ratio']:.2f}x (best launch {row['best_launch']}), "
-              f"max|diff| {row['max_abs_diff']:.3f}")
+              f"max|diff| {row['max_abs_diff']:.3f}"
+              + (f"; FlashAttention 4 {row['fa4_tflops']:6.1f} TFLOP/s" if flash is not None else ""))
     return result
 
 

@@ -137,9 +137,8 @@ class Config:
                 "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
             )
-        elif backend == "flash-attn" and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
-            # nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
-            raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
+        elif backend == "flash-attn":
+            _check_flash_attn(device)
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.async_scheduling == "auto":
@@ -167,6 +166,23 @@ class Config:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
         return cls(model, **kwargs)
+
+
+def _check_flash_attn(device: str) -> None:
+    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run (chapter 06b)."""
+    if device != "cuda":
+        raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise ValueError(
+            f"attention_backend='flash-attn' needs a Hopper or newer GPU (FlashAttention 4 has no paged KV before "
+            f"compute capability 9.0); {torch.cuda.get_device_name()} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use attention_backend='triton'"
+        )
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise ValueError(
+            "attention_backend='flash-attn' needs FlashAttention 4: pip install --pre flash-attn-4 "
+            "(module flash_attn.cute; the older flash-attn 2 package is not supported)"
+        )
 
 
 def _half_dtype_of(hf_config: PretrainedConfig) -> str:

@@ -473,10 +473,12 @@ class Attention(nn.Module):
         # zh: 在模型执行器把配置的后端交给每一层之前，用的是 torch 参考实现。
         self.backend: AttentionBackend = TorchBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+
+        ``kv_stored``: the caller already wrote k and v into the cache (chapter 09's fused kernel)."""
         context = get_context()
-        if self.k_cache.numel() and context.slot_mapping is not None:
+        if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)

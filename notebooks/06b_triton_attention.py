@@ -746,7 +746,11 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    bn, num_warps, num_stages = launch or ((64, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
+    # en: 128 keys per tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py)
+    # en: it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
+    # zh: GPU 上每个 tile 128 个键：在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
+    # zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。
+    bn, num_warps, num_stages = launch or ((128, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
     split = num_splits > 1
     # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。
@@ -781,11 +785,23 @@ def decode_attention(
 # (chapter 11): `"auto"` means Triton on a GPU and the torch reference on a CPU; `"triton"` on
 # a CPU is accepted only when the kernels run in the interpreter.
 #
-# A third backend, `"flash-attn"`, wraps the two calls nano-vllm makes into the `flash_attn`
-# package; `Config` accepts it only on a GPU where `flash_attn` can be imported. **UNVERIFIED: flash-attn is
-# not installed on any machine of this project, so this path has never run here.** Known
-# constraints: flash-attn's paged KV wants a block size that is a multiple of 256 (nano-vllm's
-# default), and we do not know what it returns for padded decode rows (context length 0).
+# A third backend, `"flash-attn"`, is nano-vllm's choice: FlashAttention. Version 2, the one
+# nano-vllm calls, ships no wheel for this machine (only sources that need a CUDA toolchain);
+# version 4 (`pip install --pre flash-attn-4`, module `flash_attn.cute`) is Python on top of
+# NVIDIA's CuTe DSL, compiled at the first call, for Hopper and newer GPUs. Its one entry point,
+# `flash_attn_varlen_func`, covers our three cases: prefill without a cache (the step's packed K
+# and V, `cu_seqlens_k`), prefill over a paged prefix (`page_table` is our block table; the keys'
+# lengths go in `seqused_k`, since it refuses `cu_seqlens_k` with a page table), and decode (a
+# batch of one query each against its pages, `seqused_k` = the context lengths). The store stays
+# our kernel. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
+# exactly one key tile (block size 128 there), so the unwritten rows of a sequence's last page
+# must hold finite numbers (0 × NaN is NaN): the engine's KV cache starts as zeros (chapter 08);
+# and it compiles a kernel per variant, so `warm_up` compiles both prefill variants before
+# anything is timed. `Config` accepts the backend only on a CUDA GPU of compute capability 9 or
+# more where `flash_attn.cute` can be imported, and says which of the three is missing; the
+# GPU tests compare it with the torch reference (block sizes 16 to 256, a padded decode row,
+# unused pages full of NaN) and run the engine on it with CUDA graphs, chunked prefill, prefix
+# hits and forks. `"auto"` stays our Triton kernels: the measurements below say why.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：后端，以及如何选择后端
@@ -795,11 +811,18 @@ def decode_attention(
 # （第 11 章）解析：`"auto"` 在 GPU 上表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器
 # 方式运行时才接受 `"triton"`。
 #
-# 第三个后端 `"flash-attn"` 包装了 nano-vllm 对 `flash_attn` 包的两个调用；只有在能导入 `flash_attn` 的 GPU 上
-# `Config` 才接受它。
-# **未验证：本项目的任何机器上都没有安装 flash-attn，所以这条路径在这里从未运行过。** 已知限制：flash-attn 的
-# 分页 KV 要求块大小是 256 的倍数（nano-vllm 的默认值），而且我们不知道它对填充的 decode 行（上下文长度为 0）
-# 返回什么。
+# 第三个后端 `"flash-attn"` 是 nano-vllm 的选择：FlashAttention。nano-vllm 调用的第 2 版在这台机器上没有 wheel
+# （只有需要 CUDA 工具链才能编译的源码）；第 4 版（`pip install --pre flash-attn-4`，模块 `flash_attn.cute`）是建立在
+# NVIDIA CuTe DSL 之上的 Python 代码，第一次调用时编译，支持 Hopper 及更新的 GPU。它唯一的入口
+# `flash_attn_varlen_func` 覆盖了我们的三种情形：没有缓存的 prefill（本步打包好的 K 和 V，`cu_seqlens_k`）、
+# 读取分页前缀的 prefill（`page_table` 就是我们的块表；键的长度放进 `seqused_k`，因为有块表时它不接受
+# `cu_seqlens_k`），以及 decode（一批查询，每个序列一个，对着各自的页计算，`seqused_k` 就是上下文长度）。存储仍用
+# 我们自己的内核。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
+# 读取，所以序列最后一页中未写入的行必须是有限的数（0 × NaN 还是 NaN）：引擎的 KV 缓存一开始就全是零（第 08 章）；
+# 另外，它为每个变体编译一个内核，所以 `warm_up` 在任何计时开始之前先编译好两个 prefill 变体。只有在计算能力 9 或
+# 以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了哪一个；GPU 测试把它
+# 与 torch 参考实现对照（块大小 16 到 256、一个填充的 decode 行、填满 NaN 的未用页），并让引擎在它上面带着
+# CUDA Graph、分块预填充、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。
 
 # %% backend
 #| export
@@ -835,7 +858,15 @@ class TritonBackend:
 
 
 class FlashAttnBackend:
-    """UNVERIFIED (flash-attn is not installed here): nano-vllm's calls into the flash_attn package."""
+    """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
+    Hopper or newer GPU; the K/V store stays this module's Triton kernel. Verified on the H200 (chapter 06b)."""
+
+    def __init__(self) -> None:
+        # en: Imported when the backend is built, not with this module: most machines do not have it.
+        # zh: 构建后端时才导入，而不是随本模块一起导入：大多数机器上没有它。
+        from flash_attn.cute import flash_attn_varlen_func
+
+        self.attend = flash_attn_varlen_func
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
@@ -852,25 +883,46 @@ class FlashAttnBackend:
         context: Context,
         scale: float,
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_varlen_func
-
-        if context.block_tables is not None:  # a cached prefix: read everything from the paged cache
-            k, v = k_cache, v_cache
-        return flash_attn_varlen_func(
-            q, k, v, max_seqlen_q=context.max_seqlen_q, cu_seqlens_q=context.cu_seqlens_q,
-            max_seqlen_k=context.max_seqlen_k, cu_seqlens_k=context.cu_seqlens_k,
-            softmax_scale=scale, causal=True, block_table=context.block_tables,
+        if context.block_tables is None:  # no cached prefix: this step's own K and V, packed like q
+            out, _ = self.attend(
+                q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
+                max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k, softmax_scale=scale, causal=True,
+            )  # fmt: skip
+            return out
+        # en: A cached prefix: every key is read from the paged cache (the store above already wrote this step's).
+        # en: FlashAttention takes the paged keys' lengths as seqused_k; it refuses cu_seqlens_k with a page table.
+        # zh: 有已缓存的前缀：所有键都从分页缓存读取（上面的存储已经写入了本步的键）。FlashAttention 以 seqused_k
+        # zh: 接收分页键的长度；有块表时它不接受 cu_seqlens_k。
+        seqlens_k = (context.cu_seqlens_k[1:] - context.cu_seqlens_k[:-1]).to(torch.int32)
+        out, _ = self.attend(
+            q, k_cache, v_cache, cu_seqlens_q=context.cu_seqlens_q, seqused_k=seqlens_k,
+            page_table=context.block_tables, max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+            softmax_scale=scale, causal=True,
         )  # fmt: skip
+        return out
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
     ) -> torch.Tensor:
-        from flash_attn import flash_attn_with_kvcache
+        # en: One query token per sequence: a batch of [B, 1, heads, d] against each sequence's pages.
+        # zh: 每个序列一个查询 token：形状为 [B, 1, heads, d] 的一批，对着各自序列的页计算。
+        out, _ = self.attend(
+            q.unsqueeze(1), k_cache, v_cache, seqused_k=context.context_lens, page_table=context.block_tables,
+            softmax_scale=scale, causal=True,
+        )  # fmt: skip
+        return out.squeeze(1)
 
-        return flash_attn_with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache, cache_seqlens=context.context_lens,
-            block_table=context.block_tables, softmax_scale=scale, causal=True,
-        ).squeeze(1)  # fmt: skip
+    def warm_up(self, layer: Attention) -> None:
+        """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
+        it reads block 0 of the cache and writes nothing. Decode compiles when chapter 09 captures its graphs."""
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+        q = torch.zeros(2, layer.num_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+        k = torch.zeros(2, layer.num_kv_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+        cu = torch.tensor([0, 2], dtype=torch.int32, device=k_cache.device)
+        self.prefill(q, k, k, k_cache, v_cache, Context(True, cu, cu, 2, 2), layer.scale)
+        prefix = Context(True, cu, cu + torch.tensor([0, 1], dtype=torch.int32, device=cu.device), 2, 3,
+                         block_tables=torch.zeros(1, 1, dtype=torch.int32, device=cu.device))
+        self.prefill(q, k, k, k_cache, v_cache, prefix, layer.scale)
 
 
 # %% [markdown] tags=["en"]
@@ -992,12 +1044,20 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.triton_attention import choose_num_splits, decode_attention, prefill_attention
+from nanovllm.layers.triton_attention import FlashAttnBackend, choose_num_splits, decode_attention, prefill_attention
 from nanovllm.utils.context import Context
 
 # en: Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128; nano-vllm's block size 256.
 # zh: Qwen3-0.6B 的注意力布局：16 个查询头、8 个 KV 头、head_dim 128；nano-vllm 的块大小 256。
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
+
+
+def flash_attn_backend() -> FlashAttnBackend | None:
+    """FlashAttention 4's backend when ``flash_attn.cute`` can be imported (its timings join ours), else None."""
+    try:
+        return FlashAttnBackend()
+    except ImportError:
+        return None
 
 
 def time_ms(fn) -> float:
@@ -1036,8 +1096,11 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
 
 
-def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16) -> dict:
-    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count.
+def bench_decode(
+    batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=torch.bfloat16, flash: FlashAttnBackend | None = None
+) -> dict:
+    """Decode attention at ``batch`` sequences of ``context`` tokens each: ms per split count (and FlashAttention 4's
+    ms as ``fa4_ms`` when ``flash`` is given).
 
     Timed as the engine runs it, inside a CUDA graph (no Python launch overhead), over ``copies``
     batches with different blocks of one big cache, so that reads come from HBM, not from the L2 cache.
@@ -1070,11 +1133,17 @@ def bench_decode(batch: int, context: int, splits=(1, 2, 4, 8, 16, 32), dtype=to
     if row["auto_splits"] not in row["ms"]:
         row["ms"][row["auto_splits"]] = timed(None)
     row["best_splits"] = min(row["ms"], key=row["ms"].get)
+    if flash is not None:
+        row["fa4_ms"] = graph_time_ms(lambda: [flash.decode(q, k_cache, v_cache, ctx, HEAD_DIM**-0.5)
+                                               for ctx in ctxs]) / copies
     return row
 
 
-def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,)) -> dict:
-    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|."""
+def bench_prefill(
+    batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,), flash: FlashAttnBackend | None = None
+) -> dict:
+    """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|
+    (and FlashAttention 4's varlen call as ``fa4_ms`` / ``fa4_tflops`` when ``flash`` is given)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(batch * seqlen, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -1106,6 +1175,9 @@ def bench_prefill(batch: int, seqlen: int, dtype=torch.bfloat16, launches=(None,
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
     ours = prefill_attention(q, k, v, empty, empty, ctx, scale)
     row["max_abs_diff"] = (ours - sdpa().transpose(1, 2).reshape_as(ours)).abs().max().item()
+    if flash is not None:
+        row["fa4_ms"] = time_ms(lambda: flash.prefill(q, k, v, empty, empty, ctx, scale))
+        row["fa4_tflops"] = flops / (row["fa4_ms"] * 1e-3) / 1e12
     return row
 
 
@@ -1120,32 +1192,37 @@ def run(quick: bool = False) -> dict:
     }  # fmt: skip
     result["copy_bytes_per_s"] = copy = copy_bandwidth()
     print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
+    flash = flash_attn_backend()
+    result["flash_attn"] = flash is not None
+    fa4 = "FlashAttention 4" if flash is not None else "FlashAttention 4 not installed"
     batches = (1, 16, 64, 256) if quick else (1, 4, 16, 64, 128, 256)
     contexts = (512, 2048, 8192) if quick else (512, 1024, 2048, 4096, 8192)
     print("decode (bf16, 16 q / 8 kv heads, d 128, block 256): achieved KV bandwidth / copy bandwidth")
-    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}")
+    print(f"{'batch':>5} {'ctx':>5} {'plain':>12} {'best split':>16} {'heuristic':>16}   {fa4}")
     result["decode"] = []
     for batch in batches:
         for context in contexts:
-            row = bench_decode(batch, context)
+            row = bench_decode(batch, context, flash=flash)
             result["decode"].append(row)
 
             def frac(s: int, row=row) -> float:
                 return row["kv_bytes"] / (row["ms"][s] * 1e-3) / copy
 
             best, auto = row["best_splits"], row["auto_splits"]
+            fa4_share = f"   {row['kv_bytes'] / (row['fa4_ms'] * 1e-3) / copy:>6.0%}" if flash is not None else ""
             print(f"{batch:>5} {context:>5} {frac(1):>11.0%} {frac(best):>9.0%} (S={best:>2}) "
-                  f"{frac(auto):>9.0%} (S={auto:>2})")
+                  f"{frac(auto):>9.0%} (S={auto:>2}){fa4_share}")
     print("prefill (bf16, dense causal): our kernel vs SDPA flash")
     shapes = ((1, 2048), (4, 4096)) if quick else ((1, 1024), (1, 4096), (1, 8192), (4, 2048), (16, 1024))
     launches = (None,) if quick else (None, (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3))
     result["prefill"] = []
     for batch, seqlen in shapes:
-        row = bench_prefill(batch, seqlen, launches=launches)
+        row = bench_prefill(batch, seqlen, launches=launches, flash=flash)
         result["prefill"].append(row)
         print(f"batch {batch:>2} seq {seqlen:>5}: ours {row['tflops']:6.1f} TFLOP/s, SDPA {row['sdpa_tflops']:6.1f}"
               f" TFLOP/s, time ratio {row['ratio']:.2f}x (best launch {row['best_launch']}), "
-              f"max|diff| {row['max_abs_diff']:.3f}")
+              f"max|diff| {row['max_abs_diff']:.3f}"
+              + (f"; FlashAttention 4 {row['fa4_tflops']:6.1f} TFLOP/s" if flash is not None else ""))
     return result
 
 
@@ -1345,13 +1422,85 @@ for (batch, context), times in RECORDED["decode_us"].items():
 print("recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere")
 
 # %% [markdown] tags=["en"]
+# ### Tiles for the engine's own contexts, and FlashAttention 4 next to ours
+#
+# The table above times every sequence at one context length. The engine's benchmark decodes
+# 256 sequences whose contexts are spread from 100 to 2,048 tokens, so programs finish at
+# different times. `scripts/decode_sweep.py` times the decode kernel on exactly that (batches of
+# 256, 64 and 16, contexts drawn uniformly from 100 to 2,048) for several launch configurations:
+# tiles of 128 keys beat the 64 the kernel used until then at every batch (batch 256: 93 % →
+# 99 % of the copy rate), so 128 is the GPU default since 2026-12-01. The kernel table above
+# was recorded with 64.
+#
+# `python -m nanovllm.bench_attention --quick` adds FlashAttention 4's columns when it is
+# installed. Recorded on the H200 (2026-12-01, our decode still at 64 keys per tile): at 64
+# sequences and more the two decode kernels are level at long contexts, and ours is up to 1.2×
+# faster at 512 tokens; at 16 sequences FlashAttention 4 is 2–13 % faster than our split-K; for
+# a single sequence our split-K is 1.2–5.5× faster. In prefill FlashAttention 4 is as fast as our
+# kernel on one 2,048-token sequence and 1.36× faster on four of 4,096 (573 against
+# 421 TFLOP/s): the room left in our prefill kernel. The engine figures are in chapter 09.
+
+# %% [markdown] tags=["zh"]
+# ### 适合引擎自身上下文长度的 tile，以及与 FlashAttention 4 并排
+#
+# 上面的表格让每个序列都是同一个上下文长度。引擎的基准测试解码 256 个序列，上下文长度分布在 100 到 2,048 个
+# token 之间，所以各个程序结束的时间不同。`scripts/decode_sweep.py` 正是在这种情形下（256、64、16 个序列，上下文
+# 长度在 100 到 2,048 之间均匀抽取）为几种启动配置计时：每个 tile 128 个键在每个批大小上都胜过此前用的 64 个键
+# （batch 256：拷贝速率的 93 % → 99 %），所以从 2026-12-01 起 GPU 上默认用 128。上面的内核表格是用 64 记录的。
+#
+# 装有 FlashAttention 4 时，`python -m nanovllm.bench_attention --quick` 会加上它的几列。H200 上的记录（2026-12-01，
+# 我们的 decode 当时仍是每个 tile 64 个键）：序列数为 64 及以上时，长上下文下两个 decode 内核不相上下，512 个 token
+# 时我们的快到 1.2 倍；16 个序列时 FlashAttention 4 比我们的 split-K 快 2–13 %；单个序列时我们的 split-K 快
+# 1.2–5.5 倍。
+# prefill 方面，对一个 2,048 token 的序列，FlashAttention 4 与我们的内核一样快；对四个 4,096 token 的序列，它快
+# 1.36 倍（573 对 421 TFLOP/s）：这就是我们的 prefill 内核还能提升的空间。引擎层面的数字见第 09 章。
+
+# %%
+SWEEP = {  # scripts/decode_sweep.py, H200, 2026-12-01: microseconds per decode call, (BLOCK_N, warps, stages)
+    "copy_tb_per_s": 4.224,
+    "kv_bytes": {256: 1162772480, 64: 307113984, 16: 79257600},
+    "us": {
+        256: {(64, 4, 3): 295.0, (32, 4, 3): 323.7, (128, 4, 3): 277.5, (64, 8, 3): 325.0, (64, 4, 4): 296.4,
+              (64, 4, 2): 293.0, (128, 8, 2): 291.6, (32, 2, 3): 323.7, (16, 4, 3): 443.0},
+        64: {(64, 4, 3): 103.9, (32, 4, 3): 123.1, (128, 4, 3): 92.0, (64, 8, 3): 117.8, (64, 4, 4): 101.0,
+             (64, 4, 2): 96.7, (128, 8, 2): 99.0, (32, 2, 3): 119.5, (16, 4, 3): 181.7},
+        16: {(64, 4, 3): 32.8, (32, 4, 3): 36.2, (128, 4, 3): 31.0, (64, 8, 3): 36.2, (64, 4, 4): 32.2,
+             (64, 4, 2): 31.5, (128, 8, 2): 32.9, (32, 2, 3): 40.1, (16, 4, 3): 52.2},
+    },
+}
+FA4 = {  # python -m nanovllm.bench_attention --quick, H200, 2026-12-01, flash-attn-4 4.0.0b36
+    # (batch, context): (our best split count's us, FlashAttention 4's us), decode as above
+    "decode_us": {(1, 512): (8.5, 10.3), (1, 2048): (9.6, 28.4), (1, 8192): (18.3, 101.3),
+                  (16, 512): (16.0, 14.0), (16, 2048): (40.4, 37.3), (16, 8192): (131.6, 128.5),
+                  (64, 512): (38.0, 46.1), (64, 2048): (129.2, 135.4), (64, 8192): (481.6, 482.6),
+                  (256, 512): (147.2, 158.4), (256, 2048): (489.6, 504.8), (256, 8192): (1917.2, 1907.0)},
+    # (batch, seqlen): (SDPA flash ms, ours ms, FlashAttention 4 ms), dense causal prefill
+    "prefill_ms": {(1, 2048): (0.1108, 0.0758, 0.0730), (4, 4096): (0.8953, 0.6524, 0.4797)},
+}
+print("decode on the benchmark's contexts, % of the copy rate per launch (BLOCK_N, warps, stages):")
+for batch, times in SWEEP["us"].items():
+    shares = {launch: SWEEP["kv_bytes"][batch] / (us * 1e-6) / (SWEEP["copy_tb_per_s"] * 1e12) for launch, us
+              in times.items()}
+    best = max(shares, key=shares.get)
+    print(f"  batch {batch:>3}: 64 keys {shares[64, 4, 3]:.0%}, 128 keys {shares[128, 4, 3]:.0%}, best {best}")
+    assert best == (128, 4, 3)  # the default on a GPU since this sweep
+print("decode, FlashAttention 4 time / ours (best split):")
+for (batch, context), (ours, fa4) in FA4["decode_us"].items():
+    print(f"  batch {batch:>3} ctx {context:>5}: {fa4 / ours:4.2f}")
+    if batch >= 64:
+        assert 0.9 < fa4 / ours < 1.25  # the same bandwidth, within a few percent
+for (batch, seqlen), (sdpa, ours, fa4) in FA4["prefill_ms"].items():
+    print(f"prefill {batch} x {seqlen}: SDPA {sdpa:.3f} ms, ours {ours:.3f} ms, FlashAttention 4 {fa4:.3f} ms")
+assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3  # FA4's prefill: our room to grow
+
+# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `nanovllm/layers/triton_attention.py`: `store_kvcache`, `prefill_attention` (varlen,
 #   causal, cached prefix read through the block table, GQA), `decode_attention` (plain or
 #   split-K with `num_splits`, chosen by `choose_num_splits` when left out), the kernels behind
-#   them, `TritonBackend` (what `attention_backend("triton")` builds), an optional
-#   `FlashAttnBackend` (`"flash-attn"`, UNVERIFIED), and `INTERPRETED` /
+#   them, `TritonBackend` (what `attention_backend("triton")` builds), `FlashAttnBackend`
+#   (`"flash-attn"`: FlashAttention 4, when it is installed, on Hopper or newer), and `INTERPRETED` /
 #   `check_triton_device`, which chapter 07's sampler kernels share.
 # - `nanovllm/bench_attention.py`: `python -m nanovllm.bench_attention` prints decode bandwidth
 #   vs copy bandwidth and prefill vs SDPA flash on a GPU.
@@ -1371,8 +1520,9 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 #
 # - `nanovllm/layers/triton_attention.py`：`store_kvcache`、`prefill_attention`（变长、因果、通过块表读取已缓存
 #   前缀、GQA）、`decode_attention`（普通版，或用 `num_splits` 指定的 split-K 版；不指定时由 `choose_num_splits`
-#   选择），以及它们背后的内核；`TritonBackend`（`attention_backend("triton")` 构建的就是它）；可选的
-#   `FlashAttnBackend`（`"flash-attn"`，未验证）；还有第 07 章采样器内核共用的 `INTERPRETED` 与
+#   选择），以及它们背后的内核；`TritonBackend`（`attention_backend("triton")` 构建的就是它）；
+#   `FlashAttnBackend`（`"flash-attn"`：装有 FlashAttention 4 时，在 Hopper 或更新的 GPU 上可用）；还有第 07 章
+#   采样器内核共用的 `INTERPRETED` 与
 #   `check_triton_device`。
 # - `nanovllm/bench_attention.py`：在 GPU 上运行 `python -m nanovllm.bench_attention`，打印 decode 带宽与拷贝带宽的
 #   对比，以及 prefill 与 SDPA flash 的对比。

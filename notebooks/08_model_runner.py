@@ -534,7 +534,11 @@ class ModelRunner:
         blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
-        kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # en: Zeros, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an unwritten
+        # en: row of a sequence's last page would poison its output (0 x NaN). Filling costs milliseconds, once.
+        # zh: 用零，而不是未初始化的内存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里若残留
+        # zh: NaN，就会污染它的输出（0 × NaN）。填零只花几毫秒，而且只做一次。
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

@@ -119,6 +119,18 @@
 #    宽度），因此每个捕获的图都是固定的。
 # 5. **只用于 decode：** prefill 步每次的 token 数都不同，它保持 eager（而且它本来就受算力限制）。
 
+# %%
+# en: The fused q/k/v kernel of this chapter is Triton: without a GPU it runs in the interpreter, which must be
+# en: chosen before Triton is first imported (chapter 06b).
+# zh: 本章融合的 q/k/v 内核是 Triton 写的：没有 GPU 时它在解释器里运行，
+# zh: 而这必须在第一次导入 Triton 之前选定（第 06b 章）。
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # %% default module
 #| default_exp engine.cuda_graphs
 
@@ -286,7 +298,9 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # ## Build it: when graphs can be used
 #
 # Graphs need CUDA, a capture-safe attention backend and the user's consent
-# (`enforce_eager=False`). The function returns the *reason* graphs are off, or `None`.
+# (`enforce_eager=False`). The function returns the *reason* graphs are off, or `None`. The
+# capture-safe backends are our Triton kernels and FlashAttention 4 (chapter 06b): neither reads
+# a length on the host during decode, and both were captured and replayed on the H200.
 #
 # Tensor parallelism (chapter 10) is not on the list. Every rank builds the same runner from the
 # same config, so every rank captures the same sizes in the same order, and each graph records
@@ -300,7 +314,8 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # ## 动手：什么时候能用 CUDA Graph
 #
 # CUDA Graph 需要 CUDA、一个可以安全捕获的注意力后端，以及用户的同意（`enforce_eager=False`）。这个函数返回
-# CUDA Graph 被关闭的*原因*，或者 `None`。
+# CUDA Graph 被关闭的*原因*，或者 `None`。可以安全捕获的后端是我们的 Triton 内核和 FlashAttention 4（第 06b 章）：
+# 二者在 decode 时都不在主机端读取任何长度，而且都在 H200 上被捕获并重放过。
 #
 # 张量并行（第 10 章）不在这张清单上。每个 rank 用同一份配置构建同样的执行器，所以每个 rank 都按同样的顺序捕获同样的
 # 档位，而每个图连同矩阵乘法一起，也录下了本 rank 的 NCCL all-reduce：每个 rank 重放时，集合通信也按捕获时的顺序
@@ -309,7 +324,7 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 
 # %% graphs unavailable
 #| export
-CAPTURE_SAFE_BACKENDS = ("triton",)
+CAPTURE_SAFE_BACKENDS = ("triton", "flash-attn")
 
 
 def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager: bool = False) -> str | None:
@@ -423,17 +438,16 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # in eager PyTorch is still six or seven kernels that each read and write the whole activation.
 # `torch.compile` fuses such chains of element-wise ops into one generated kernel. We compile
 # small functions (RMSNorm with and without the residual add, SiLU-and-mul, the rotary
-# embedding, and Qwen3's q/k RMSNorm fused with the rotary embedding that follows it) with
-# `dynamic=True`, so that one compilation serves every batch size, and hand them to the model's
-# modules. They are chapter 05's own functions: each small layer calls its maths through a class
-# attribute `op`, and `compile_small_ops` gives each instance a compiled `op` (and Qwen3's
-# attention a `fused_op`); the maths is written once and no `forward` is replaced. Why hooks on
+# embedding) with `dynamic=True`, so that one compilation serves every batch size, and hand them
+# to the model's modules. They are chapter 05's own functions: each small layer calls its maths
+# through a class attribute `op`, and `compile_small_ops` gives each instance a compiled `op`
+# (and, on a GPU, each attention layer the fused kernel of the next section as its
+# `fused_input`); the maths is written once and no `forward` is replaced. Why hooks on
 # the built model rather than a flag passed to every constructor? The model is built by chapter
 # 05's loader, which knows nothing of GPUs, and compiling is a decision of the runner (CUDA or
 # not, the config switch); a flag would have to travel through four constructors for a speed-up
 # that changes no result. Only the rounding of intermediate bf16 steps may differ (the fused
-# kernel keeps them in float32). Fusing q/k norm with RoPE takes four
-# kernels per layer down to two: at batch 1 every kernel costs a few microseconds whatever its
+# kernels keep them in float32). At batch 1 every kernel costs a few microseconds whatever its
 # size, so fewer kernels is most of what there is to win.
 #
 # The sampler is not compiled here. An earlier version of this chapter compiled its fast path
@@ -457,14 +471,13 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 #
 # CUDA Graph 去掉了*启动开销*，但没有去掉启动本身：重放时，用 eager PyTorch 写的 RMSNorm 仍然是六七个内核，
 # 每个都把整个激活读写一遍。`torch.compile` 能把这样一串逐元素操作融合成一个生成的内核。我们用 `dynamic=True`
-# 编译几个小函数（带与不带残差相加的 RMSNorm、SiLU-and-mul、旋转位置编码，以及 Qwen3 的 q/k RMSNorm 与紧随其后的
-# 旋转位置编码的融合），这样一次编译就能服务所有批大小，然后把它们交给模型的各个模块。它们就是第 05 章自己的函数：
-# 每个小层都通过类属性 `op` 调用自己的数学，`compile_small_ops` 给每个实例一个编译后的 `op`（给 Qwen3 的注意力一个
-# `fused_op`）；数学只写一遍，也没有哪个 `forward` 被替换。为什么在建好的模型上挂钩子，而不是给每个构造函数传一个
+# 编译几个小函数（带与不带残差相加的 RMSNorm、SiLU-and-mul、旋转位置编码），这样一次编译就能服务所有批大小，然后把
+# 它们交给模型的各个模块。它们就是第 05 章自己的函数：每个小层都通过类属性 `op` 调用自己的数学，`compile_small_ops`
+# 给每个实例一个编译后的 `op`（在 GPU 上，还把下一节的融合内核作为 `fused_input` 交给每个注意力层）；数学只写一遍，
+# 也没有哪个 `forward` 被替换。为什么在建好的模型上挂钩子，而不是给每个构造函数传一个
 # 开关？模型由第 05 章的加载器构建，它对 GPU 一无所知；要不要编译是执行器的决定（是不是 CUDA、配置开关怎么设）。
 # 为了一个不改变任何结果的提速，让开关穿过四层构造函数并不值得。只有中间 bf16 步骤的舍入可能不同（融合内核把它们
-# 保留在 float32）。把 q/k 归一化与 RoPE 融合后，每层的内核从四个降到两个：
-# batch 为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
+# 保留在 float32）。batch 为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
 #
 # 这里不编译采样器。本章较早的版本也编译过它的快速路径（第 07 章的 `temperature_sample`）：eager 模式下，它要对
 # 一个 `[batch, vocab]` 的 float32 张量（Qwen3 有 151,936 列）做大约十遍读写，编译后是四个直接读取 bf16 logits 的
@@ -479,7 +492,7 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 
 # %% compiled ops
 #| export layers.compiled_ops
-"""torch.compile'd versions of the model's small element-wise ops (chapter 09)."""
+"""torch.compile'd versions of the model's small element-wise ops, and the fused q/k/v kernel (chapter 09)."""
 
 from __future__ import annotations
 
@@ -487,65 +500,212 @@ import torch
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
-from nanovllm.layers.layernorm import RMSNorm, rms_norm
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, rotary
-
-
-def qk_norm_rotary(
-    cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Qwen3's per-head q/k RMSNorm followed by RoPE, as one function (compiled: one kernel for q, one for k)."""
-    return rotary(cos_sin_cache, positions, rms_norm(q, None, q_weight, eps), rms_norm(k, None, k_weight, eps))
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
 
 def compile_small_ops(model: nn.Module) -> int:
-    """Hand every small-op module of ``model`` a compiled version of its ``op``; returns how many got one."""
+    """Hand every small-op module of ``model`` a compiled version of its ``op``, and, on a GPU, every attention
+    layer whose heads are rotated whole the fused q/k/v kernel below; returns how many modules got something."""
     compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
-    fused = torch.compile(qk_norm_rotary, dynamic=True)
+    on_gpu = next(model.parameters()).is_cuda
     count = 0
     for module in model.modules():
         if type(module) in compiled:
             module.op = compiled[type(module)]
-        elif getattr(module, "qk_norm", False):
-            # en: Qwen3's attention: its q_norm, k_norm and rotary calls become one fused function.
-            # zh: Qwen3 的注意力：它的 q_norm、k_norm 和旋转编码三次调用合成一个融合函数。
-            module.fused_op = fused
+        elif on_gpu and hasattr(module, "fused_input"):
+            from nanovllm.layers.fused_qkv import can_fuse, norm_rotate_store  # Triton: imported on a GPU only
+
+            if not can_fuse(module):
+                continue
+            module.fused_input = norm_rotate_store
         else:
             continue
         count += 1
     return count
 
 # %% [markdown] tags=["en"]
-# On a CPU we check that the fused function is the same maths as chapter 05's layers, and that
-# `compile_small_ops` hands a compiled function to each small layer: `torch.compile` compiles at
-# the first call, so handing them down costs nothing here (running them would take longer than
-# the whole chapter). The GPU tests compare the compiled model's logits and tokens with the
-# eager model's.
+# ### One kernel from the q/k/v projection to the KV cache
+#
+# After the projection, Qwen3's attention still ran three small kernels per layer before the
+# attention kernel: the compiled q norm + RoPE, the same for k, and chapter 06b's store of k and
+# v into the cache. Each reads what the previous one wrote. `norm_rotate_store` does all of it in
+# one Triton kernel that reads the projection's output once: one program per (token, head) of
+# the `q | k | v` row; a q or k head is normed (if the model has q/k norms) and rotated and
+# written out, and a k or v head is also written into its cache slot (slot `-1` skipped, as in
+# chapter 06b). That is 56 fewer kernels per decode step for Qwen3-0.6B's 28 layers. The
+# rounding follows chapter 05's functions: the norm in float32, rounded to the model's dtype
+# before the weight; the rotation in float32 on cos and sin rounded to the model's dtype,
+# rounded once at the end (as the compiled version does). The attention layer is told that its
+# K/V are already stored (`kv_stored=True`), so every backend keeps working: they all read the
+# same cache layout. `compile_small_ops` hands the kernel to every attention layer on a GPU;
+# models whose rotary embedding covers only part of a head keep the separate ops.
 
 # %% [markdown] tags=["zh"]
-# 在 CPU 上，我们检查融合函数与第 05 章各层的数学一致，并检查 `compile_small_ops` 把编译后的函数交给了每个小层：
-# `torch.compile` 在第一次调用时才编译，所以在这里交下去不花什么时间（真要运行它们，会比整章还慢）。GPU 测试会比较
-# 编译后模型与 eager 模型的 logits 和 token。
+# ### 从 q/k/v 投影到 KV 缓存，只用一个内核
+#
+# 投影之后、注意力内核之前，Qwen3 的注意力每层还要跑三个小内核：编译好的 q 归一化 + RoPE、k 的同样一套，以及
+# 第 06b 章把 k、v 写进缓存的存储内核。每个内核都要读回前一个写下的东西。`norm_rotate_store` 用一个 Triton 内核
+# 做完这一切，投影的输出只读一遍：`q | k | v` 这一行里的每个（token，头）一个程序；q 头或 k 头先归一化（如果模型有
+# q/k 归一化）再旋转，然后写出；k 头或 v 头还会写进它在缓存里的槽位（槽位 `-1` 跳过，与第 06b 章相同）。对
+# Qwen3-0.6B 的 28 层来说，每个 decode 步少了 56 个内核。舍入方式与第 05 章的函数一致：归一化在 float32 中进行，
+# 乘权重之前舍入到模型的数据类型；旋转在 float32 中进行，cos 和 sin 先舍入到模型的数据类型，最后只舍入一次（和编译
+# 版本一样）。注意力层会被告知它的 K/V 已经存好（`kv_stored=True`），所以每个后端都照常工作：它们读的是同一种缓存
+# 布局。`compile_small_ops` 在 GPU 上把这个内核交给每个注意力层；旋转位置编码只覆盖一个头的一部分的模型，仍然使用
+# 分开的算子。
+
+# %% fused qkv
+#| export layers.fused_qkv
+"""One Triton kernel from the q/k/v projection to the paged KV cache: q/k RMSNorm, RoPE, K/V store (chapter 09)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from nanovllm.utils.context import get_context
+
+
+@triton.jit
+def norm_rotate_store_kernel(
+    qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, k_out_ptr,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, stride_qkv, stride_cos_sin, stride_slot, stride_cache_head,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr,
+):  # fmt: skip
+    # en: Program (token t, head h) of the row q heads | k heads | v heads; each head as its two halves.
+    # zh: 程序（token t，头 h），对应 q 头 | k 头 | v 头这一行；每个头按前后两半处理。
+    t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < half
+    src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
+    x1 = tl.load(src + offs, mask=mask, other=0.0)
+    x2 = tl.load(src + half + offs, mask=mask, other=0.0)
+    slot = tl.load(slot_mapping_ptr + t) if STORE else -1
+    if h < NUM_HEADS + NUM_KV_HEADS:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        if NORM:
+            # en: rms_norm (chapter 05): float32, rounded to the model's dtype, then times the weight in that dtype.
+            # zh: rms_norm（第 05 章）：在 float32 中计算，舍入到模型的数据类型，再在该类型中乘以权重。
+            if h < NUM_HEADS:
+                w1 = tl.load(q_weight_ptr + offs, mask=mask, other=0.0)
+                w2 = tl.load(q_weight_ptr + half + offs, mask=mask, other=0.0)
+            else:
+                w1 = tl.load(k_weight_ptr + offs, mask=mask, other=0.0)
+                w2 = tl.load(k_weight_ptr + half + offs, mask=mask, other=0.0)
+            inv_rms = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / HEAD_DIM + eps)
+            a = (w1 * (a * inv_rms).to(x1.dtype)).to(tl.float32)
+            b = (w2 * (b * inv_rms).to(x1.dtype)).to(tl.float32)
+        # en: RoPE (NeoX halves), with cos and sin rounded to the model's dtype as apply_rotary does.
+        # zh: RoPE（NeoX 式的前后两半），cos 和 sin 像 apply_rotary 那样先舍入到模型的数据类型。
+        row = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cos_sin
+        cos = tl.load(row + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+        sin = tl.load(row + half + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+        o1, o2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+        if h < NUM_HEADS:
+            dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
+            tl.store(dst + offs, o1, mask=mask)
+            tl.store(dst + half + offs, o2, mask=mask)
+        else:
+            dst = k_out_ptr + (t * NUM_KV_HEADS + h - NUM_HEADS) * HEAD_DIM
+            tl.store(dst + offs, o1, mask=mask)
+            tl.store(dst + half + offs, o2, mask=mask)
+            if slot >= 0:
+                cache = k_cache_ptr + slot * stride_slot + (h - NUM_HEADS) * stride_cache_head
+                tl.store(cache + offs, o1, mask=mask)
+                tl.store(cache + half + offs, o2, mask=mask)
+    elif slot >= 0:
+        # en: A v head: only stored.
+        # zh: v 头：只需存储。
+        cache = v_cache_ptr + slot * stride_slot + (h - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head
+        tl.store(cache + offs, x1, mask=mask)
+        tl.store(cache + half + offs, x2, mask=mask)
+
+
+def can_fuse(attention: nn.Module) -> bool:
+    """Whether ``attention`` (chapter 05's Qwen3Attention) fits the kernel: RoPE over whole heads."""
+    return attention.rotary_emb.rotary_dim == attention.head_dim and attention.head_dim % 2 == 0
+
+
+def norm_rotate_store(
+    attention: nn.Module, positions: torch.Tensor, qkv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (normed and rotated) and v of the projection ``qkv`` [T, (H + 2 KVH) d] of ``attention``; k and v are
+    also written into its KV cache when the step has one (the context's slot mapping; slot -1 skipped)."""
+    layer, heads, kv_heads, d = attention.attn, attention.num_heads, attention.num_kv_heads, attention.head_dim
+    tokens = qkv.shape[0]
+    q = torch.empty(tokens, heads, d, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(tokens, kv_heads, d, dtype=qkv.dtype, device=qkv.device)
+    v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    slot_mapping = get_context().slot_mapping
+    store = layer.k_cache.numel() > 0 and slot_mapping is not None
+    k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)  # unused when not storing
+    norm = attention.qk_norm
+    q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)  # unused without
+    cos_sin = attention.rotary_emb.cos_sin_cache
+    if tokens:
+        norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
+            qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
+            slot_mapping if store else positions, attention.q_norm.eps if norm else 0.0,
+            qkv.stride(0), cos_sin.stride(0), k_cache.stride(-3) if store else 0, k_cache.stride(-2) if store else 0,
+            NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK_HALF=triton.next_power_of_2(d // 2),
+            NORM=norm, STORE=store,
+        )  # fmt: skip
+    return q, k, v
+
+# %% [markdown] tags=["en"]
+# On a CPU we check that `compile_small_ops` hands a compiled function to each small layer:
+# `torch.compile` compiles at the first call, so handing them down costs nothing here (running
+# them would take longer than the whole chapter). The fused q/k/v kernel is handed down on a GPU
+# only; here it runs in the Triton interpreter (the chapter sets `TRITON_INTERPRET=1` when there
+# is no GPU, before Triton is first imported) against chapter 05's layers and chapter 06's store,
+# on a cache whose other slots hold NaN. The GPU tests compare the compiled model's logits and
+# tokens with the eager model's.
+
+# %% [markdown] tags=["zh"]
+# 在 CPU 上，我们检查 `compile_small_ops` 把编译后的函数交给了每个小层：`torch.compile` 在第一次调用时才编译，所以
+# 在这里交下去不花什么时间（真要运行它们，会比整章还慢）。融合的 q/k/v 内核只在 GPU 上交下去；这里让它在 Triton
+# 解释器里运行（没有 GPU 时，本章在第一次导入 Triton 之前设置 `TRITON_INTERPRET=1`），与第 05 章的各层和第 06 章的
+# 存储对照，缓存里的其他槽位都是 NaN。GPU 测试会比较编译后模型与 eager 模型的 logits 和 token。
 
 # %%
-from nanovllm.layers.compiled_ops import compile_small_ops, qk_norm_rotary
+from nanovllm.layers.compiled_ops import compile_small_ops
+from nanovllm.layers.fused_qkv import norm_rotate_store
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.qwen3 import Qwen3Attention
+from nanovllm.utils.context import reset_context, set_prefill_context
 
 torch.manual_seed(0)
 rope = RotaryEmbedding(8, 8, 32, 10000.0)
 attention = Qwen3Attention(16, 2, 1, 8, rope)
-q, k, pos = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.tensor([0, 5, 31])
-fused = qk_norm_rotary(rope.cos_sin_cache, pos, q, k, attention.q_norm.weight, attention.k_norm.weight,
-                       attention.q_norm.eps)  # fmt: skip
-assert all(torch.equal(a, b) for a, b in zip(fused, attention.norm_and_rotate(pos, q, k), strict=True))
-# en: Handed down: the rotary table, q_norm and k_norm get a compiled op, the attention its fused_op.
-# zh: 交下去之后：旋转表、q_norm 和 k_norm 各得到一个编译后的 op，注意力层得到它的 fused_op。
-assert compile_small_ops(attention) == 4 and attention.fused_op is not None
+for norm in (attention.q_norm, attention.k_norm):
+    # en: Not all ones, so that a missing weight would show.
+    # zh: 不全为 1，这样漏乘权重就能看出来。
+    norm.weight.data.uniform_(0.5, 1.5)
+attention.attn.k_cache, attention.attn.v_cache = torch.full((2, 2, 4, 1, 8), float("nan")).unbind(0)
+expected_cache = attention.attn.k_cache.clone(), attention.attn.v_cache.clone()
+hidden, positions = torch.randn(3, 16), torch.tensor([0, 5, 31])
+slots = set_prefill_context([3], [3], [[1, 0]], 4).slot_mapping  # slots 4, 5, 6
+qkv = attention.qkv_proj(hidden)
+q, k, v = qkv.split([16, 8, 8], dim=-1)
+q_ref, k_ref = attention.norm_and_rotate(positions, q.reshape(3, 2, 8), k.reshape(3, 1, 8))
+attention.attn.backend.store_kvcache(k_ref, v.reshape(3, 1, 8), *expected_cache, slots)
+q_fused, k_fused, v_fused = norm_rotate_store(attention, positions, qkv)
+reset_context()
+torch.testing.assert_close((q_fused, k_fused), (q_ref, k_ref), rtol=1e-6, atol=1e-6)
+assert torch.equal(v_fused, v.reshape(3, 1, 8))
+for got, want in zip((attention.attn.k_cache, attention.attn.v_cache), expected_cache, strict=True):
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)  # NaN slots untouched
+print("one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)")
+# en: Handed down on a CPU: the rotary table, q_norm and k_norm get a compiled op; the fused kernel waits for a GPU.
+# zh: 在 CPU 上交下去：旋转表、q_norm 和 k_norm 各得到一个编译后的 op；融合内核要等到有 GPU 时才交下去。
+assert compile_small_ops(attention) == 3 and attention.fused_input is None
 assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_norm  # per instance, not the class
-print("the fused function == chapter 05's layers; compile_small_ops handed 4 modules a compiled function")
+print("compile_small_ops handed 3 modules a compiled function")
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two hooks in `ModelRunner`

@@ -309,10 +309,8 @@ class Config:
                 "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
             )
-        elif backend == "flash-attn" and (device != "cuda" or importlib.util.find_spec("flash_attn") is None):
-            # en: nano-vllm's flash-attn calls, kept as an option; never run in this project (see chapter 06b).
-            # zh: nano-vllm 调用 flash-attn 的方式，作为可选项保留；本项目从未实际运行过（见第 06b 章）。
-            raise ValueError("attention_backend='flash-attn' needs CUDA and the flash_attn package installed")
+        elif backend == "flash-attn":
+            _check_flash_attn(device)
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.async_scheduling == "auto":
@@ -340,6 +338,23 @@ class Config:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
         return cls(model, **kwargs)
+
+
+def _check_flash_attn(device: str) -> None:
+    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run (chapter 06b)."""
+    if device != "cuda":
+        raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise ValueError(
+            f"attention_backend='flash-attn' needs a Hopper or newer GPU (FlashAttention 4 has no paged KV before "
+            f"compute capability 9.0); {torch.cuda.get_device_name()} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use attention_backend='triton'"
+        )
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise ValueError(
+            "attention_backend='flash-attn' needs FlashAttention 4: pip install --pre flash-attn-4 "
+            "(module flash_attn.cute; the older flash-attn 2 package is not supported)"
+        )
 
 
 def _half_dtype_of(hf_config: PretrainedConfig) -> str:
@@ -847,7 +862,7 @@ assert parse_args([]).prompts == list(DEFAULT_PROMPTS)
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -1297,6 +1312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="N > 1: the engine on N GPUs, and on one GPU in the same invocation, with their ratio")
     parser.add_argument("--no-tp1", action="store_true", help="with --tensor-parallel-size N: skip the TP=1 run")
+    parser.add_argument("--attention-backend", nargs="+", default=["auto"], metavar="NAME",
+                        help="auto, torch, triton or flash-attn; several: one engine run each, in this invocation, "
+                             "with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -1315,6 +1333,10 @@ def main(argv: list[str] | None = None) -> int:
         load_format = "dummy" if args.preset == "qwen3-8b" and not args.model else "auto"
         config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
                                     tensor_parallel_size=args.tensor_parallel_size)
+        for backend in args.attention_backend:  # refuse a backend this machine cannot run before any run
+            Config.from_kwargs(model, device=args.device, attention_backend=backend, load_format=load_format)
+        if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
+            raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
         for key in ("num_seqs", "input_len", "output_len"):
             if getattr(args, key) is not None:
@@ -1348,14 +1370,22 @@ def main(argv: list[str] | None = None) -> int:
                     "async_scheduling": switch[args.async_scheduling]}
         # en: The N-GPU engine first: its ranks leave the GPUs empty for the one-process engine after it.
         # zh: 先跑 N 块 GPU 的引擎：它的各个 rank 退出后，GPU 就空出来留给之后的单进程引擎。
-        runs = [tp, 1] if tp > 1 and not args.no_tp1 else [tp]
-        for size in runs:
-            key = "engine" if size == tp else "engine_tp1"
+        # en: Several attention backends: one run each, on one GPU, the first being the one the others are compared to.
+        # zh: 多个注意力后端：每个跑一次，都在一块 GPU 上；第一个是其余后端的比较对象。
+        first = args.attention_backend[0]
+        runs = [(tp, first), (1, first)] if tp > 1 and not args.no_tp1 else \
+            [(tp, name) for name in args.attention_backend]
+        for i, (size, backend) in enumerate(runs):
+            key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}"
             breakdown: dict[str, float] = {}
-            results[key] = run_engine(model, workload, tensor_parallel_size=size, breakdown=breakdown, **settings)
+            results[key] = run_engine(model, workload, tensor_parallel_size=size, attention_backend=backend,
+                                      breakdown=breakdown, **settings)
+            if len(args.attention_backend) > 1:
+                results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
             print(results[key])
             print_breakdown(results[key], breakdown)
-            report[f"breakdown_tp{size}"] = breakdown
+            report[f"breakdown_tp{size}" + (f"_{backend}" if key.startswith("engine_") and size == tp else "")] = \
+                breakdown
     peer_skipped = "the model has no weights (load_format='dummy')" if load_format == "dummy" else \
         f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
     if not args.no_peer and peer_skipped:
@@ -1373,6 +1403,11 @@ def main(argv: list[str] | None = None) -> int:
     if "engine" in results and "engine_tp1" in results:
         report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
         print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
+    for backend in args.attention_backend[1:]:
+        if f"engine_{backend}" in results:
+            ratio = results[f"engine_{backend}"].tokens_per_s / results["engine"].tokens_per_s
+            report[f"ratio_{backend}"] = ratio
+            print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
         from nanovllm.bench_attention import copy_bandwidth  # Triton: imported only on a GPU
 

@@ -255,7 +255,7 @@
 # |---|---|---|---|
 # | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | our own Triton kernel (slot `-1` skipped), and a plain-torch store for the CPU |
 # | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | same |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (upstream's calls, unverified) |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (FlashAttention 4, verified on the H200) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
@@ -264,7 +264,7 @@
 # |---|---|---|---|
 # | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | 我们自己的 Triton 内核（跳过槽位 `-1`），以及供 CPU 使用的纯 torch 写入 |
 # | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | 相同 |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（上游的调用方式，未验证） |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（FlashAttention 4，已在 H200 上验证） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
@@ -569,7 +569,7 @@
 # | stale prefix-cache entries | `engine.prefix_cache.PrefixCache.forget` | 03 | kept until 2026-04-26 (silently wrong KV); since `f64d821` removed when the block is reused | removed when the block is reused, only if the entry still points at it; a provenance fuzz guards it |
 # | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
 # | sampling | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | temperature only; greedy refused | greedy at temperature 0, top-k, top-p, per-request seeds tied to the token position; Triton kernels on a GPU |
-# | attention kernels | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn (`flash_attn_varlen_func`, `flash_attn_with_kvcache`) and a Triton store kernel | our own Triton kernels (varlen prefill over cached prefixes, split-K decode), a plain-torch reference that runs on a CPU; flash-attn kept as an unverified option |
+# | attention kernels | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn (`flash_attn_varlen_func`, `flash_attn_with_kvcache`) and a Triton store kernel | our own Triton kernels (varlen prefill over cached prefixes, split-K decode), a plain-torch reference that runs on a CPU; FlashAttention 4 (not 2) as an option, verified on the H200 |
 # | asynchronous scheduling | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 11 | none: each step waits for its tokens | on CUDA, step n + 1 is queued before step n's tokens are collected |
 # | tensor-parallel processes | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 10 | rank 0 in your process; shared memory (1 MiB, fixed name) and events; a fixed port; each rank sizes its own KV pool | every rank a process, yours only drives; a two-way pipe per rank reports errors; a free port; all ranks take the smallest block count; gloo on a CPU |
 # | CUDA-graph batch sizes | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 09 | 1, 2, 4, 8, then multiples of 16 up to `min(max_num_seqs, 512)`: with `max_num_seqs=100` a batch of 97 to 100 finds no graph and `next(...)` raises | the same, plus `min(max_num_seqs, 512)` itself |
@@ -590,7 +590,7 @@
 # | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
 # | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
 # | 采样 | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | 只有温度；不接受贪心解码 | 温度为 0 时贪心、top-k、top-p、与 token 位置绑定的按请求种子；GPU 上用 Triton 内核 |
-# | 注意力内核 | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn（`flash_attn_varlen_func`、`flash_attn_with_kvcache`）和一个 Triton 写入内核 | 我们自己的 Triton 内核（读取已缓存前缀的变长 prefill、split-K decode），以及能在 CPU 上运行的纯 torch 参考实现；flash-attn 作为未验证的选项保留 |
+# | 注意力内核 | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn（`flash_attn_varlen_func`、`flash_attn_with_kvcache`）和一个 Triton 写入内核 | 我们自己的 Triton 内核（读取已缓存前缀的变长 prefill、split-K decode），以及能在 CPU 上运行的纯 torch 参考实现；FlashAttention 4（不是第 2 版）作为可选项，已在 H200 上验证 |
 # | 异步调度 | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 11 | 没有：每一步都等自己的 token | 在 CUDA 上，先把第 n + 1 步排进队列，再收取第 n 步的 token |
 # | 张量并行的进程 | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 10 | rank 0 在你的进程里；共享内存（1 MiB，固定名字）加事件；固定端口；每个 rank 各自确定 KV 块池大小 | 每个 rank 都是独立进程，你的进程只负责驱动；每个 rank 一条双向管道，出错会报告；空闲端口；所有 rank 取最小的块数；CPU 上用 gloo |
 # | CUDA Graph 的批大小 | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 09 | 1、2、4、8，然后是 16 的倍数，直到 `min(max_num_seqs, 512)`：`max_num_seqs=100` 时，97 到 100 的批次找不到图，`next(...)` 抛出异常 | 相同，另加 `min(max_num_seqs, 512)` 本身 |

@@ -8,6 +8,8 @@ interpreter's bf16 dot products are wrong). With CUDA the same tests run compile
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import itertools
 import os
 import random
 
@@ -243,7 +245,9 @@ def test_attention_backend_builds_the_kernels_and_cpu_tensors_need_the_interpret
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     assert isinstance(attention_backend("triton"), ta.TritonBackend)
-    assert isinstance(attention_backend("flash-attn"), ta.FlashAttnBackend)  # built, never run here
+    if importlib.util.find_spec("flash_attn") is None:  # FlashAttention 4 is imported when its backend is built
+        with pytest.raises(ModuleNotFoundError, match="flash_attn"):
+            attention_backend("flash-attn")
     monkeypatch.setattr(ta, "INTERPRETED", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         ta.store_kvcache(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 4, 1, 4),
@@ -380,3 +384,74 @@ def test_gpu_tiny_qwen3_forward_triton_equals_torch() -> None:
     err_torch = (tiny_qwen3_logits(torch.bfloat16, "torch") - reference).abs().max().item()
     err_triton = (tiny_qwen3_logits(torch.bfloat16, "triton") - reference).abs().max().item()
     assert err_triton <= 1.5 * err_torch + 1e-2, (err_triton, err_torch)
+
+
+# ---------------------------------------------------------------- FlashAttention 4 (GPU, when installed)
+
+FLASH_ATTN = CUDA and importlib.util.find_spec("flash_attn") is not None and \
+    importlib.util.find_spec("flash_attn.cute") is not None
+flash = pytest.mark.skipif(not FLASH_ATTN, reason="needs CUDA and FlashAttention 4 (pip install --pre flash-attn-4)")
+
+
+@pytest.mark.gpu
+@flash
+@pytest.mark.parametrize("block_size", [16, 64, 128, 256])
+def test_gpu_flash_attn_matches_reference(block_size: int) -> None:
+    """bf16, Qwen3-0.6B's layout: FlashAttention 4's prefill (without and with cached prefixes) and decode (with a
+    padded row, as CUDA graphs pad a batch) against the torch reference. Its contract on the cache: pages no sequence
+    uses may hold NaN, but the unwritten rows of a used page must be finite (it loads whole pages when a page is one
+    key tile, 128 rows on the H200, and 0 x NaN is NaN); the engine's cache starts as zeros (chapter 08)."""
+    from nanovllm.utils.context import Context
+
+    fa = ta.FlashAttnBackend()
+    rng = random.Random(block_size)
+    torch.manual_seed(block_size)
+    dtype, heads, kv_heads, d, scale = torch.bfloat16, 16, 8, 128, 128**-0.5
+    # Without a cache: the step's own K and V, packed like q (what a step with no prefix hit computes).
+    lens = [1, 17, 300, 1000, 256]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+    ctx = Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    q, k, v = torch.randn(sum(lens), heads, d, dtype=dtype, device=DEVICE), \
+        *torch.randn(2, sum(lens), kv_heads, d, dtype=dtype, device=DEVICE)
+    empty = torch.empty(0, dtype=dtype, device=DEVICE)
+    close(fa.prefill(q, k, v, empty, empty, ctx, scale), REF.prefill(q, k, v, empty, empty, ctx, scale), dtype)
+    # With cached prefixes, through the block tables.
+    total = [rng.randint(1, 1500) for _ in range(5)]
+    cached = [rng.choice([0, (n - 1) // block_size * block_size, rng.randint(0, n - 1)]) for n in total]
+    decode_lens = [n + 1 for n in total]
+    tables, num_blocks = random_tables(decode_lens, block_size, rng)
+    caches = [nan_cache(num_blocks, block_size, kv_heads, d, dtype) for _ in range(2)]
+    for cache in caches:
+        cache[[block for table in tables for block in table]] = 0.0
+    for i, c in enumerate(cached):
+        if c:
+            ctx = set_prefill_context([c], [c], [tables[i]], block_size, device=DEVICE)
+            fa.store_kvcache(*torch.randn(2, c, kv_heads, d, dtype=dtype, device=DEVICE), *caches, ctx.slot_mapping)
+    ctx = set_prefill_context([t - c for t, c in zip(total, cached, strict=True)], total, tables, block_size,
+                              device=DEVICE)
+    n = ctx.slot_mapping.numel()
+    q, k, v = torch.randn(n, heads, d, dtype=dtype, device=DEVICE), *torch.randn(2, n, kv_heads, d, dtype=dtype,
+                                                                                    device=DEVICE)
+    fa.store_kvcache(k, v, *caches, ctx.slot_mapping)
+    close(fa.prefill(q, k, v, *caches, ctx, scale), REF.prefill(q, k, v, *caches, ctx, scale), dtype)
+    # Decode, then the same batch with a padded row (context length 0, a block table of -1) appended.
+    ctx = set_decode_context(decode_lens, tables, block_size, device=DEVICE)
+    q, k, v = torch.randn(5, heads, d, dtype=dtype, device=DEVICE), *torch.randn(2, 5, kv_heads, d, dtype=dtype,
+                                                                                    device=DEVICE)
+    fa.store_kvcache(k, v, *caches, ctx.slot_mapping)
+    expected = REF.decode(q, *caches, ctx, scale)
+    close(fa.decode(q, *caches, ctx, scale), expected, dtype)
+    padded = Context(is_prefill=False, context_lens=torch.cat([ctx.context_lens, ctx.context_lens.new_zeros(1)]),
+                     block_tables=torch.cat([ctx.block_tables, torch.full_like(ctx.block_tables[:1], -1)]))
+    close(fa.decode(torch.cat([q, torch.randn_like(q[:1])]), *caches, padded, scale)[:5], expected, dtype)
+
+
+@pytest.mark.gpu
+@flash
+def test_gpu_tiny_qwen3_forward_flash_attn_is_as_accurate_as_torch() -> None:
+    """bf16 logits of chapter 06's scenario (a chunked prefill, a prefix hit, decode): FlashAttention 4 is no less
+    accurate than the torch reference, both measured against the torch reference in float32."""
+    reference = tiny_qwen3_logits(torch.float32, "torch")
+    err_torch = (tiny_qwen3_logits(torch.bfloat16, "torch") - reference).abs().max().item()
+    err_flash = (tiny_qwen3_logits(torch.bfloat16, "flash-attn") - reference).abs().max().item()
+    assert err_flash <= 1.5 * err_torch + 1e-2, (err_flash, err_torch)

@@ -19,6 +19,7 @@ from nanovllm.engine.model_runner import ModelRunner, prepare_decode
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context, set_decode_context
 from nanovllm.utils.tiny_models import build_tiny_model
@@ -234,13 +235,15 @@ def test_compile_small_ops_runs_every_small_op_through_its_compiled_version(tiny
     runner = ModelRunner(config)
     assert calls == {}  # nothing ran yet (a CPU runner does no warm-up forward)
     _prefilled(runner, [9, 30], decode_steps=0, seed=3)
-    kinds = (RMSNorm, SiluAndMul)
+    kinds = (RMSNorm, SiluAndMul, RotaryEmbedding)
     small = [m for m in runner.model.modules() if isinstance(m, kinds)]
-    fused = [m for m in runner.model.modules() if getattr(m, "qk_norm", False)]
-    assert small and fused
-    assert all(m.op is not type(m).op for m in small) and all(m.fused_op is not None for m in fused)
-    # Qwen3 rotates through the fused q/k-norm + RoPE function, so the plain rotary op is never called.
-    assert calls.keys() == {"rms_norm", "silu_and_mul", "qk_norm_rotary"}, calls
+    attention = [m for m in runner.model.modules() if hasattr(m, "fused_input")]
+    assert small and attention
+    assert all(m.op is not type(m).op for m in small)
+    # The fused q/k/v kernel is Triton and handed down on a GPU only: on a CPU the q/k norms and the rotary
+    # embedding run through their compiled ops.
+    assert all(m.fused_input is None for m in attention)
+    assert calls.keys() == {"rms_norm", "silu_and_mul", "rotary"}, calls
 
 
 @pytest.mark.gpu
@@ -261,9 +264,12 @@ def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
         with torch.inference_mode():
             logits[compiled] = runner.model.compute_logits(runner.model(input_ids, positions))
         reset_context()
-        # Something was compiled exactly when asked: RMSNorm, SiluAndMul and the fused q/k norm + RoPE.
+        # Something was compiled exactly when asked (RMSNorm, SiluAndMul, the rotary embedding), and every
+        # attention layer got the fused q/k/v kernel.
         graphs = counters["stats"]["unique_graphs"]
         assert graphs >= 3 if compiled else graphs == 0, graphs
+        fused = [m.fused_input for m in runner.model.modules() if hasattr(m, "fused_input")]
+        assert fused and all((f is not None) == compiled for f in fused)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
 
 
@@ -298,3 +304,69 @@ def test_paged_prefill_warm_up_runs_and_touches_only_the_first_block(tiny: Path)
     # block 0, slot 1 of every layer now holds the warm-up token's K/V; every other slot is untouched
     changed = (runner.kv_cache != 7.0).any(dim=(-1, -2))  # [2, layers, blocks, block_size]
     assert changed[:, :, 0, 1].all() and changed.sum() == changed[:, :, 0, 1].numel()
+
+
+# ---- the fused q/k/v kernel (Triton; interpreted on CPU) ---------------------------------------------
+
+
+def _fused_qkv_module():
+    import importlib
+    import os
+
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
+    import nanovllm.layers.fused_qkv as fused_qkv
+    from nanovllm.layers.triton_attention import INTERPRETED
+
+    if not CUDA and not INTERPRETED:  # Triton was imported earlier in this process without the interpreter
+        fused_qkv = importlib.reload(fused_qkv)
+    return fused_qkv
+
+
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
+@pytest.mark.parametrize("with_cache", [True, False], ids=["store", "no-cache"])
+def test_fused_qkv_kernel_matches_the_layers_and_the_store(qk_norm: bool, dtype: torch.dtype,
+                                                           with_cache: bool) -> None:
+    """norm_rotate_store == chapter 05's norm_and_rotate + chapter 06's store; slot -1 and other slots untouched."""
+    from nanovllm.models.qwen3 import Qwen3Attention
+    from nanovllm.utils.context import set_context
+
+    fused_qkv = _fused_qkv_module()
+    device = "cuda" if CUDA else "cpu"
+    torch.manual_seed(0)
+    heads, kv_heads, d, tokens, block_size = 4, 2, 16, 7, 4
+    attention = Qwen3Attention(64, heads, kv_heads, d, RotaryEmbedding(d, d, 64, 10000.0), qk_norm=qk_norm)
+    attention = attention.to(device=device, dtype=dtype)
+    if qk_norm:
+        for norm in (attention.q_norm, attention.k_norm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    layer = attention.attn
+    if with_cache:
+        layer.k_cache, layer.v_cache = torch.full((2, 5, block_size, kv_heads, d), float("nan"), dtype=dtype,
+                                                  device=device).unbind(0)
+    slots = torch.tensor([4, 5, -1, 9, 13, 2, 19], device=device)
+    set_context(True, slot_mapping=slots)
+    positions = torch.tensor([0, 1, 2, 40, 41, 63, 7], device=device)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device=device)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q_ref, k_ref = attention.norm_and_rotate(positions, q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d))
+    expected = [c.clone() for c in (layer.k_cache, layer.v_cache)]
+    if with_cache:
+        layer.backend.store_kvcache(k_ref, v.reshape(tokens, kv_heads, d), *expected, slots)
+    got_q, got_k, got_v = fused_qkv.norm_rotate_store(attention, positions, qkv)
+    # float32 maths inside the kernel, eager rounding of each op in the layers: about one unit in the last place.
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(got_q, q_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k, k_ref, rtol=tol, atol=tol)
+    assert torch.equal(got_v, v.reshape(tokens, kv_heads, d))
+    for got, want in zip((layer.k_cache, layer.v_cache), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_fused_qkv_is_refused_for_a_partial_rotary_embedding() -> None:
+    from nanovllm.models.qwen3 import Qwen3Attention
+
+    fused_qkv = _fused_qkv_module()
+    assert fused_qkv.can_fuse(Qwen3Attention(64, 4, 2, 16, RotaryEmbedding(16, 16, 64, 10000.0)))
+    assert not fused_qkv.can_fuse(Qwen3Attention(64, 4, 2, 16, RotaryEmbedding(16, 8, 64, 10000.0)))

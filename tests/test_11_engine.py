@@ -429,9 +429,9 @@ def test_engine_on_smollm2_matches_transformers_greedy() -> None:
         assert output["token_ids"] == ref[0, len(prompt):].tolist()
 
 
-def test_flash_attn_backend_needs_cuda_and_the_package(tiny: Path) -> None:
-    with pytest.raises(ValueError, match=r"flash-attn.*needs CUDA and the flash_attn package"):
-        Config.from_kwargs(str(tiny), attention_backend="flash-attn")
+def test_flash_attn_backend_needs_a_cuda_gpu(tiny: Path) -> None:
+    with pytest.raises(ValueError, match=r"attention_backend='flash-attn' needs a CUDA GPU, got device='cpu'"):
+        Config.from_kwargs(str(tiny), device="cpu", attention_backend="flash-attn")
 
 
 # ---- tensor parallelism in the benchmark, random weights, rank timeout (chapters 05, 10) ------------------

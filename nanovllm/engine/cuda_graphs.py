@@ -97,7 +97,7 @@ class DecodeBuffers:
 
 
 # notebooks/09_cuda_graphs.py · cell "graphs unavailable"
-CAPTURE_SAFE_BACKENDS = ("triton",)
+CAPTURE_SAFE_BACKENDS = ("triton", "flash-attn")
 
 
 def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager: bool = False) -> str | None:

@@ -225,7 +225,9 @@ class ModelRunner:
         blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
-        kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        # Zeros, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an unwritten
+        # row of a sequence's last page would poison its output (0 x NaN). Filling costs milliseconds, once.
+        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

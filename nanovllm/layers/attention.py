@@ -153,10 +153,12 @@ class Attention(nn.Module):
         # The torch reference until the model runner hands every layer the configured backend.
         self.backend: AttentionBackend = TorchBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+
+        ``kv_stored``: the caller already wrote k and v into the cache (chapter 09's fused kernel)."""
         context = get_context()
-        if self.k_cache.numel() and context.slot_mapping is not None:
+        if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)

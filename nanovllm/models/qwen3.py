@@ -30,7 +30,8 @@ __all__ = [
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
 
-    fused_op = None  # see norm_and_rotate
+    # Chapter 09, on a GPU: one kernel that norms and rotates q and k and writes k and v into the KV cache.
+    fused_input = None
 
     def __init__(
         self,
@@ -60,7 +61,11 @@ class Qwen3Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden_states)
+        if self.fused_input is not None:
+            q, k, v = self.fused_input(self, positions, qkv)
+            return self.o_proj(self.attn(q, k, v, kv_stored=True).flatten(1, -1))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -70,11 +75,7 @@ class Qwen3Attention(nn.Module):
     def norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE; on a GPU, chapter 09 hands Qwen3's attention
-        one compiled function for all three (``fused_op``)."""
-        if self.fused_op is not None:
-            rope, q_norm = self.rotary_emb, self.q_norm
-            return self.fused_op(rope.cos_sin_cache, positions, q, k, q_norm.weight, self.k_norm.weight, q_norm.eps)
+        """Per-head RMSNorm of q and k (Qwen3 only), then RoPE."""
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary_emb(positions, q, k)

@@ -1,0 +1,76 @@
+"""Decode attention launch configurations on the benchmark's own shapes (GPU): which (BLOCK_N, warps, stages) wins.
+
+    python3 scripts/decode_sweep.py [--out sweep.json]
+
+Batches of 256, 64 and 16 sequences whose context lengths are drawn like the nano-vllm workload's during decode
+(uniform in [100, 2048]), Qwen3-0.6B's heads, block size 256, bf16; each configuration timed as the engine runs
+it, in a CUDA graph, against the copy rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+
+import torch
+
+from nanovllm.bench_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth, graph_time_ms
+from nanovllm.layers.triton_attention import decode_attention
+from nanovllm.utils.context import Context
+
+LAUNCHES = [None, (32, 4, 3), (128, 4, 3), (64, 8, 3), (64, 4, 4), (64, 4, 2), (128, 8, 2), (32, 2, 3), (16, 4, 3)]
+
+
+def sweep(batch: int, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    lens = [rng.randint(100, 2048) for _ in range(batch)]
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in lens]
+    copies = 8  # different blocks each time, so that reads come from HBM
+    total_blocks = copies * sum(blocks)
+    k_cache = torch.randn(total_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(total_blocks).tolist()
+    ctxs = []
+    for c in range(copies):
+        table = torch.full((batch, max(blocks)), -1, dtype=torch.int32)
+        at = c * sum(blocks)
+        for i, b in enumerate(blocks):
+            table[i, :b] = torch.tensor(perm[at:at + b])
+            at += b
+        ctxs.append(Context(is_prefill=False, context_lens=torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                            block_tables=table.cuda()))
+    q = torch.randn(batch, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2
+    row = {"batch": batch, "kv_bytes": kv_bytes, "ms": {}}
+    for launch in LAUNCHES:
+        def fn(launch=launch) -> None:
+            for ctx in ctxs:
+                decode_attention(q, k_cache, v_cache, ctx, HEAD_DIM**-0.5, launch=launch)
+
+        try:
+            row["ms"][str(launch)] = graph_time_ms(fn) / copies
+        except Exception as error:  # a configuration that does not compile (shared memory) is reported, not fatal
+            row["ms"][str(launch)] = None
+            print(f"batch {batch} launch {launch}: {type(error).__name__}: {str(error)[:200]}")
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    copy = copy_bandwidth()
+    print(f"copy {copy / 1e12:.2f} TB/s")
+    rows = [sweep(b) for b in (256, 64, 16)]
+    for row in rows:
+        line = " ".join(f"{k}={row['kv_bytes'] / (v * 1e-3) / copy:.0%}" for k, v in row["ms"].items() if v)
+        print(f"batch {row['batch']}: {line}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"copy": copy, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
