@@ -426,8 +426,12 @@ class SampledTokens:
         known = _tensor([max(token, 0) for token in input_ids], device)
         row = _tensor(rows, device)
         # en: Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
+        # en: A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
+        # en: fail on the device, and the engine drops that sequence when it reads the mark (chapter 11).
         # zh: 已知 token 的行保留它；其余的行取来自己的采样结果（行号 -1 先被截到 0，随后不会被用到）。
-        return torch.where(row >= 0, self.on_device[row.clamp(min=0)], known)
+        # zh: 标记为 NON_FINITE（第 07 章）的采样结果同样截到 0：在设备上查嵌入表时 -2 会出错，而引擎读到这个标记时
+        # zh: 会丢弃那个序列（第 11 章）。
+        return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), known)
 
 # %% [markdown] tags=["en"]
 # ## Build it: `ModelRunner`

@@ -18,9 +18,9 @@ from nanovllm.engine.model_runner import (
     prepare_prefill,
 )
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context
-from nanovllm.utils.tiny_models import build_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -28,11 +28,6 @@ def _clean_context():
     reset_context()
     yield
     reset_context()
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    return build_tiny_model("qwen3")
 
 
 def scheduled(tokens: list[int], table: list[int], cached: int, count: int, block_size: int = 4) -> Sequence:
@@ -162,6 +157,10 @@ def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     assert previous.token_ids() == [70, NOT_SAMPLED, 80]
     with pytest.raises(ValueError, match="pending"):
         prepare_decode([a, b, c], 4, "cpu")  # who computes a's token?
+    # A sample the sampler marked NON_FINITE (chapter 07) must not reach the embedding as -2.
+    marked = SampledTokens([c, b, a], [0, 2], torch.tensor([NON_FINITE, 80]), torch.tensor([NON_FINITE, 80]))
+    assert prepare_decode([a, b, c], 4, "cpu", marked)[0].tolist() == [80, 11, 0]
+    assert marked.token_ids() == [NON_FINITE, NOT_SAMPLED, 80]  # the host still sees the mark
     orphan = SampledTokens([b], [0], torch.tensor([1]), torch.tensor([1]))
     with pytest.raises(ValueError, match="not one this step samples"):
         prepare_decode([a], 4, "cpu", orphan)

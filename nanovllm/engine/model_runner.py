@@ -179,7 +179,9 @@ class SampledTokens:
         known = _tensor([max(token, 0) for token in input_ids], device)
         row = _tensor(rows, device)
         # Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
-        return torch.where(row >= 0, self.on_device[row.clamp(min=0)], known)
+        # A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
+        # fail on the device, and the engine drops that sequence when it reads the mark (chapter 11).
+        return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), known)
 
 
 NOT_SAMPLED = -1
