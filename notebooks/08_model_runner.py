@@ -237,6 +237,11 @@ reset_context()
 # Either way, there is no point in more blocks than `max_num_seqs` sequences of `max_model_len`
 # tokens can ever use, so the count is capped there: a tiny model on a laptop does not reserve
 # a gigabyte it can never fill.
+#
+# A pool the machine cannot hold (`num_kvcache_blocks=10**9`, say) is refused with an error that
+# names the setting to change, not with the allocator's message about bytes. On a CPU the pool
+# is also compared with the machine's memory first: Linux may grant a huge allocation that it
+# cannot back, and the process would be killed later, when the blocks fill up.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：需要多少个 KV 块？
@@ -254,9 +259,15 @@ reset_context()
 #
 # 无论哪种情况，块数都不必超过 `max_num_seqs` 个长度为 `max_model_len` 的序列所能用到的数量，所以在那里封顶：
 # 笔记本电脑上的小模型不会预留一块永远填不满的 1 GB 内存。
+#
+# 机器容纳不下的块池（比如 `num_kvcache_blocks=10**9`）会被拒绝，报错指明应当修改哪个配置项，而不是分配器那条
+# 关于字节数的消息。在 CPU 上还会先把块池与机器的内存总量比较：Linux 可能答应一次它根本兑现不了的巨大分配，
+# 进程要等到块被逐渐填满时才会被杀掉。
 
 # %% kv cache sizing
 #| export
+import math
+import os
 from typing import Any
 
 from nanovllm.config import Config
@@ -289,6 +300,28 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
             f"available; raise kvcache_memory_gb / gpu_memory_utilization or lower kvcache_block_size"
         )
     return blocks
+
+
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, setting: str) -> torch.Tensor:
+    """The KV cache tensor; a pool the device cannot hold is a ValueError naming ``setting``, the knob to lower."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    what = f"the KV cache of {shape[2]} blocks needs {nbytes / 2**30:,.1f} GiB"
+    fix = f"lower {setting}" + (" (or leave it at -1 to size the cache from memory)"
+                                if setting == "num_kvcache_blocks" else "")
+    if device.type == "cpu" and nbytes > _physical_memory():
+        raise ValueError(f"{what}, more than this machine's {_physical_memory() / 2**30:,.1f} GiB of memory; {fix}")
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
+        cause = str(error).partition("\n")[0]
+        raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
+
+
+def _physical_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return math.inf
 
 # %% [markdown] tags=["en"]
 # ## Build it: the copy in copy-on-write
@@ -546,7 +579,9 @@ class ModelRunner:
         blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
-        kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
+            "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
+        kv_cache = allocate_kv(shape, self.dtype, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

@@ -11,6 +11,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import (
     NOT_SAMPLED,
     ModelRunner,
+    allocate_kv,
     kv_block_bytes,
     max_useful_blocks,
     num_kv_blocks,
@@ -97,6 +98,14 @@ def test_block_count_rules(tiny: Path) -> None:
     assert num_kv_blocks(fixed, block, available_bytes=0) == 5
     budget = Config.from_kwargs(tiny, kvcache_block_size=4, kvcache_memory_gb=block * 3 / 2**30)
     assert num_kv_blocks(budget, block) == 3
+
+
+@pytest.mark.parametrize("setting", ["num_kvcache_blocks", "kvcache_memory_gb"])
+def test_a_pool_the_machine_cannot_hold_names_the_setting(setting: str) -> None:
+    shape = (2, 28, 10**8, 16, 8, 128)  # 2.4 PiB of float16
+    with pytest.raises(ValueError, match=rf"KV cache of 100000000 blocks needs .* GiB, more than .*; lower {setting}"):
+        allocate_kv(shape, torch.float16, torch.device("cpu"), setting)
+    assert allocate_kv((2, 1, 3, 4, 1, 2), torch.float16, torch.device("cpu"), setting).shape == (2, 1, 3, 4, 1, 2)
 
 
 def test_runner_allocates_one_tensor_with_per_layer_views(tiny: Path) -> None:
