@@ -364,22 +364,22 @@ def test_peer_batches_group_similar_lengths() -> None:
         peer_batches(workload, 0)
 
 
-def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny: Path) -> None:
+def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny_llama: Path) -> None:
     from nanovllm.bench import make_workload, run_transformers
 
     workload = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0)
-    result = run_transformers(str(tiny), workload, device="cpu", dtype=torch.float32, batch_size=2)
+    result = run_transformers(str(tiny_llama), workload, device="cpu", dtype=torch.float32, batch_size=2)
     assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
     greedy = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0, temperature=0.0)
-    assert run_transformers(str(tiny), greedy, device="cpu", dtype=torch.float32, batch_size=3).output_tokens == \
+    assert run_transformers(str(tiny_llama), greedy, device="cpu", dtype=torch.float32, batch_size=3).output_tokens == \
         greedy.num_output_tokens
 
 
-def test_a_model_directory_without_a_tokenizer_is_a_clear_error(tiny: Path) -> None:
+def test_a_model_directory_without_a_tokenizer_is_a_clear_error(tiny_llama: Path) -> None:
     from nanovllm.llm import LLM
 
-    with pytest.raises(ValueError, match="cannot load the tokenizer"):
-        LLM(str(tiny), kvcache_block_size=16, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=8)
 
 
 @pytest.mark.slow
