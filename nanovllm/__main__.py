@@ -62,7 +62,7 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from nanovllm.sampling_params import SamplingParams
-    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+    from nanovllm.utils.smollm2 import SmolLM2CacheError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs = chat_prompts(llm.tokenizer, args.prompts) if use_template else args.prompts
         # A progress bar only for a person watching a terminal.
         outputs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty())
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, SmolLM2CacheError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (TypeError, ValueError)) else 1
     for prompt, output in zip(args.prompts, outputs, strict=True):

@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) is not None:
                 preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
         workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, OSError) as error:  # OSError: a cache it cannot write
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")

@@ -23,8 +23,10 @@ __all__ = [
     "DTYPES",
     "MAX_BLOCK_SIZE",
     "REQUIRED_HF_FIELDS",
+    "SIZES",
     "Config",
     "UnknownConfigKeyError",
+    "check_model_sizes",
     "declared_eos_ids",
     "read_model_dir",
 ]
@@ -70,6 +72,8 @@ def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
 
 
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# The sizes that, where a config gives them, must be positive integers.
+SIZES = (*REQUIRED_HF_FIELDS, "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
 
 
 def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
@@ -85,9 +89,11 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     if not config_file.is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
     try:
-        json.loads(config_file.read_text(encoding="utf-8"))
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    # Before transformers reads it: some config classes divide by the head count as they load.
+    check_model_sizes(fields if isinstance(fields, dict) else {}, config_file)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as error:  # transformers raises ValueError, KeyError, OSError... for bad configs
@@ -95,9 +101,25 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
+    check_model_sizes({name: getattr(hf_config, name, None) for name in SIZES}, config_file)
     if require_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
     return hf_config
+
+
+def check_model_sizes(sizes: dict[str, Any], config_file: Path) -> None:
+    """Refuse sizes no model can have, naming the field: each size given a positive integer, heads that divide."""
+    for name in SIZES:
+        value = sizes.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+    heads, kv_heads, hidden = (sizes.get(k) for k in ("num_attention_heads", "num_key_value_heads", "hidden_size"))
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(f"{config_file}: num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    if heads and hidden and sizes.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{config_file}: hidden_size ({hidden}) must be a multiple of "
+                         f"num_attention_heads ({heads}) when the config gives no head_dim")
 
 
 def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:

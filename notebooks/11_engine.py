@@ -225,15 +225,24 @@ def _choice_field(name: str, value: object, choices: tuple[str, ...]) -> str:
 # Reading the model directory gets its own function, so that each way a directory can be
 # broken gets its own message: a path that does not exist, a directory without `config.json`,
 # a `config.json` that is not JSON or names an architecture `transformers` does not know, a
-# config that lacks the sizes the engine needs, and weights that are missing.
+# config that lacks the sizes the engine needs or gives sizes no model can have (`hidden_size: -64`,
+# `num_attention_heads: 0`, heads that do not divide the hidden size), and weights that are
+# missing. Without the size check, such a directory fails later, deep inside torch, with
+# "negative dimension" or "q projection should have 0 rows".
 
 # %% [markdown] tags=["zh"]
 # 读取模型目录单独写成一个函数，这样目录的每一种损坏方式都有自己的报错：路径不存在、目录里没有 `config.json`、
-# `config.json` 不是合法 JSON 或者写了 `transformers` 不认识的架构、配置缺少引擎需要的尺寸、权重文件缺失。
+# `config.json` 不是合法 JSON 或者写了 `transformers` 不认识的架构、配置缺少引擎需要的尺寸或者给出了任何模型都
+# 不可能有的尺寸（`hidden_size: -64`、`num_attention_heads: 0`、头数不能整除隐藏维度）、权重文件缺失。没有尺寸
+# 检查的话，这样的目录要到很晚才失败，而且是在 torch 深处报出“negative dimension”或“q projection should have
+# 0 rows”。
 
 # %% read the model directory
 #| export config
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+# en: The sizes that, where a config gives them, must be positive integers.
+# zh: 配置中给出时必须是正整数的尺寸。
+SIZES = (*REQUIRED_HF_FIELDS, "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
 
 
 def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
@@ -249,9 +258,12 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     if not config_file.is_file():
         raise ValueError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
     try:
-        json.loads(config_file.read_text(encoding="utf-8"))
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{config_file} is not valid JSON: {error}") from None
+    # en: Before transformers reads it: some config classes divide by the head count as they load.
+    # zh: 在 transformers 读取之前检查：有些配置类在加载时就会用头数做除法。
+    check_model_sizes(fields if isinstance(fields, dict) else {}, config_file)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as error:  # transformers raises ValueError, KeyError, OSError... for bad configs
@@ -259,9 +271,25 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     missing = [name for name in REQUIRED_HF_FIELDS if getattr(hf_config, name, None) is None]
     if missing:
         raise ValueError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
+    check_model_sizes({name: getattr(hf_config, name, None) for name in SIZES}, config_file)
     if require_weights and not any(path.glob("*.safetensors")):
         raise ValueError(f"model directory {str(path)!r} has no *.safetensors weights")
     return hf_config
+
+
+def check_model_sizes(sizes: dict[str, Any], config_file: Path) -> None:
+    """Refuse sizes no model can have, naming the field: each size given a positive integer, heads that divide."""
+    for name in SIZES:
+        value = sizes.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+    heads, kv_heads, hidden = (sizes.get(k) for k in ("num_attention_heads", "num_key_value_heads", "hidden_size"))
+    if heads and kv_heads and heads % kv_heads:
+        raise ValueError(f"{config_file}: num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    if heads and hidden and sizes.get("head_dim") is None and hidden % heads:
+        raise ValueError(f"{config_file}: hidden_size ({hidden}) must be a multiple of "
+                         f"num_attention_heads ({heads}) when the config gives no head_dim")
 
 
 def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
@@ -489,6 +517,16 @@ no_weights = workdir / "no-weights"
 no_weights.mkdir()
 (no_weights / "config.json").write_text((tiny / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
 
+
+def config_only(name: str, **changes: object) -> Path:
+    """A directory holding only the tiny model's config.json, some of its fields changed."""
+    directory = workdir / name
+    directory.mkdir()
+    fields = json.loads((tiny / "config.json").read_text(encoding="utf-8")) | changes
+    (directory / "config.json").write_text(json.dumps(fields), encoding="utf-8")
+    return directory
+
+
 mistakes = {
     "misspelled key": lambda: Config.from_kwargs(tiny, max_num_seq=8),
     "derived field": lambda: Config.from_kwargs(tiny, eos_token_ids=(0,)),
@@ -502,6 +540,8 @@ mistakes = {
     "empty dir": lambda: Config.from_kwargs(workdir),
     "malformed config": lambda: Config.from_kwargs(broken),
     "no weights": lambda: Config.from_kwargs(no_weights),
+    "hidden size -64": lambda: Config.from_kwargs(config_only("negative", hidden_size=-64)),
+    "no heads": lambda: Config.from_kwargs(config_only("headless", num_attention_heads=0)),
 }
 caught = {}
 for what, make in mistakes.items():
@@ -686,12 +726,23 @@ def convert(gguf: Path, target: Path) -> Path:
     return target
 
 
+class SmolLM2CacheError(OSError):
+    """The converted model cannot be written where the cache is ($NANOVLLM_CACHE or the default)."""
+
+
 def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     """The SmolLM2-135M-Instruct model directory, converting it from the GGUF the first time."""
     gguf = find_gguf()
     target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
     if not is_converted(target, gguf):
-        convert(gguf, target)
+        try:
+            convert(gguf, target)
+        except OSError as error:  # read-only, not a directory, disk full...
+            where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
+            raise SmolLM2CacheError(
+                f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "
+                f"point {where} at a writable directory with about 600 MB free"
+            ) from error
     return target
 
 
@@ -703,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         print(smollm2_dir())
-    except SmolLM2NotInstalledError as error:
+    except (SmolLM2NotInstalledError, SmolLM2CacheError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
@@ -835,19 +886,20 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     ]
 
 # %% [markdown] tags=["en"]
-# `main` turns every predictable failure (no SmolLM2 package, a bad setting, a bad model
-# directory) into one line on stderr and exit status 1 or 2, instead of a traceback.
+# `main` turns every predictable failure (no SmolLM2 package, a cache it cannot write the
+# converted model to, a bad setting, a bad model directory) into one line on stderr and exit
+# status 1 or 2, instead of a traceback.
 
 # %% [markdown] tags=["zh"]
-# `main` 把所有可预见的失败（没装 SmolLM2 包、配置项错误、模型目录有问题）都变成 stderr 上的一行提示和
-# 退出码 1 或 2，而不是一长串 traceback。
+# `main` 把所有可预见的失败（没装 SmolLM2 包、缓存目录无法写入转换后的模型、配置项错误、模型目录有问题）
+# 都变成 stderr 上的一行提示和退出码 1 或 2，而不是一长串 traceback。
 
 # %% cli main
 #| export __main__
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from nanovllm.sampling_params import SamplingParams
-    from nanovllm.utils.smollm2 import SmolLM2NotInstalledError, smollm2_dir
+    from nanovllm.utils.smollm2 import SmolLM2CacheError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -861,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         # en: A progress bar only for a person watching a terminal.
         # zh: 只有在终端前有人看着时才显示进度条。
         outputs = llm.generate(inputs, params, use_tqdm=sys.stderr.isatty())
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, SmolLM2CacheError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2 if isinstance(error, (TypeError, ValueError)) else 1
     for prompt, output in zip(args.prompts, outputs, strict=True):
@@ -1404,7 +1456,7 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, key) is not None:
                 preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
         workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
-    except (TypeError, ValueError, SmolLM2NotInstalledError) as error:
+    except (TypeError, ValueError, SmolLM2NotInstalledError, OSError) as error:  # OSError: a cache it cannot write
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")

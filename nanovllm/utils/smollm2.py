@@ -15,6 +15,7 @@ __all__ = [
     "MODEL_NAME",
     "PACKAGE",
     "STAMP",
+    "SmolLM2CacheError",
     "SmolLM2NotInstalledError",
     "cache_root",
     "convert",
@@ -108,12 +109,23 @@ def convert(gguf: Path, target: Path) -> Path:
     return target
 
 
+class SmolLM2CacheError(OSError):
+    """The converted model cannot be written where the cache is ($NANOVLLM_CACHE or the default)."""
+
+
 def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     """The SmolLM2-135M-Instruct model directory, converting it from the GGUF the first time."""
     gguf = find_gguf()
     target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
     if not is_converted(target, gguf):
-        convert(gguf, target)
+        try:
+            convert(gguf, target)
+        except OSError as error:  # read-only, not a directory, disk full...
+            where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
+            raise SmolLM2CacheError(
+                f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "
+                f"point {where} at a writable directory with about 600 MB free"
+            ) from error
     return target
 
 
@@ -125,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         print(smollm2_dir())
-    except SmolLM2NotInstalledError as error:
+    except (SmolLM2NotInstalledError, SmolLM2CacheError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
