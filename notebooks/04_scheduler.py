@@ -235,6 +235,10 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         self._live_ids.discard(seq.seq_id)
 
+    def is_live(self, seq: Sequence) -> bool:
+        """True from `add` (or a fork) until the sequence finishes or is aborted."""
+        return seq.seq_id in self._live_ids
+
     # en: ---- admission -----------------------------------------------------------
     # zh: ---- 准入 -----------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
@@ -408,8 +412,12 @@ class Scheduler:
         assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
         finished: list[Sequence] = []
         for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
-            if seq.is_finished:
-                continue  # it finished in an earlier step: this token was computed past its end
+            if seq.seq_id not in self._live_ids:
+                # en: It finished in an earlier step (this token was computed past its end), or it was
+                # en: aborted while this step was in flight: nothing of it is recorded.
+                # zh: 它在更早的一步中已经结束（这个 token 是越过结尾多算的），或者在这一步计算期间被中止了：
+                # zh: 不记录它的任何东西。
+                continue
             # en: The KV of the step's tokens is written (or, asynchronously, queued on the GPU ahead of
             # en: any step that could read it): full blocks can be published.
             # zh: 这一步的 token 的 KV 已写入（异步时则是已排在 GPU 队列中、先于任何可能读取它的步骤）：

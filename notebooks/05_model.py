@@ -607,9 +607,16 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     if not config_file.is_file():
         raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     try:
-        json.loads(config_file.read_text(encoding="utf-8"))  # only for a clear message; transformers parses it again
+        fields = json.loads(config_file.read_text(encoding="utf-8"))  # for clear messages; transformers parses it again
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
+    # en: The sizes it gives, before transformers reads them: some config classes divide by the head count as they
+    # en: load, and `num_attention_heads: 0` would surface as a ZeroDivisionError.
+    # zh: 在 transformers 读取之前先检查其中给出的尺寸：有些配置类在加载时就会用头数做除法，
+    # zh: `num_attention_heads: 0` 会变成一个 ZeroDivisionError。
+    for name in (*MODEL_SIZES, "head_dim"):
+        if isinstance(fields, dict) and fields.get(name) is not None:
+            check(f"{config_file}: {name}", fields[name], int, lambda size: size >= 1, ">= 1")
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as error:  # transformers raises ValueError, KeyError, OSError... for a bad config

@@ -795,7 +795,7 @@ def decode_attention(
 # batch of one query each against its pages, `seqused_k` = the context lengths). The store stays
 # our kernel. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
 # exactly one key tile (block size 128 there), so the unwritten rows of a sequence's last page
-# must hold finite numbers (0 × NaN is NaN): the engine's KV cache starts as zeros (chapter 08);
+# must hold finite numbers (0 × NaN is NaN): the engine's KV cache on a GPU starts as zeros (chapter 08);
 # and it compiles a kernel per variant, so `warm_up` compiles both prefill variants before
 # anything is timed. `Config` accepts the backend only on a CUDA GPU of compute capability 9 or
 # more where `flash_attn.cute` can be imported, and says which of the three is missing; the
@@ -818,8 +818,8 @@ def decode_attention(
 # 读取分页前缀的 prefill（`page_table` 就是我们的块表；键的长度放进 `seqused_k`，因为有块表时它不接受
 # `cu_seqlens_k`），以及 decode（一批查询，每个序列一个，对着各自的页计算，`seqused_k` 就是上下文长度）。存储仍用
 # 我们自己的内核。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
-# 读取，所以序列最后一页中未写入的行必须是有限的数（0 × NaN 还是 NaN）：引擎的 KV 缓存一开始就全是零（第 08 章）；
-# 另外，它为每个变体编译一个内核，所以 `warm_up` 在任何计时开始之前先编译好两个 prefill 变体。只有在计算能力 9 或
+# 读取，所以序列最后一页中未写入的行必须是有限的数（0 × NaN 还是 NaN）：引擎在 GPU 上的 KV 缓存一开始就全是零
+# （第 08 章）；另外，它为每个变体编译一个内核，所以 `warm_up` 在任何计时开始之前先编译好两个 prefill 变体。只有在计算能力 9 或
 # 以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了哪一个；GPU 测试把它
 # 与 torch 参考实现对照（块大小 16 到 256、一个填充的 decode 行、填满 NaN 的未用页），并让引擎在它上面带着
 # CUDA Graph、分块预填充、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。

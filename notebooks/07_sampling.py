@@ -139,6 +139,16 @@ def seeded_generator(
 # Triton kernels (the last section of this chapter). `sampling_inputs` decides on the host which
 # path a batch takes: it passes `None` for a feature no row uses. The general path reads back a
 # few flags from the GPU to skip the filters no row asks for.
+#
+# **Logits that are not numbers.** A model whose weights hold NaN, or whose activations overflow
+# in float16, produces logits with NaN or `+inf`; `argmax` then returns a meaningless column
+# (often 0), and the engine would write token 0 forever without a word. Asking the GPU "is every
+# logit finite?" would stall every step on the fast path, so the sampler answers in its output
+# instead: a row whose maximum logit is not finite (a NaN propagates through the maximum, and a
+# row of nothing but `-inf` has no token either) gets the impossible token id `NON_FINITE` (−2),
+# computed on the device next to the real tokens. The host reads the tokens back anyway
+# (chapter 08), so the mark costs no extra synchronization, and chapter 11's engine raises a
+# clear error when it sees one. A single `-inf` among finite logits is a masked token, not an error.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：掩码与采样器
@@ -147,9 +157,27 @@ def seeded_generator(
 # 整个采样器：它从不从 GPU 读回任何值，所以 CPU 可以把它紧跟在前向计算之后排进队列；在 GPU 上它由两个 Triton
 # 内核完成（见本章最后一节）。走哪条路径由 `sampling_inputs` 在主机端决定：没有任何一行用到的功能，它就传
 # `None`。通用路径会从 GPU 读回几个标志，以跳过没有任何一行需要的过滤。
+#
+# **不是数的 logits：** 权重里含有 NaN 的模型，或者激活值在 float16 中溢出的模型，会产生含 NaN 或 `+inf` 的
+# logits；这时 `argmax` 返回的是一个毫无意义的列（常常是 0），引擎就会一声不响地一直写出 token 0。如果向 GPU
+# 询问“所有 logits 都有限吗？”，快速路径上的每一步都会因此停下来等待，所以采样器改用它的输出来回答：最大 logit
+# 不是有限值的行（NaN 会经由最大值传播开来；全是 `-inf` 的行也没有 token 可抽）得到一个不可能出现的 token id
+# `NON_FINITE`（−2），它和真正的 token 一起在设备上算出。主机反正要把 token 读回来（第 08 章），所以这个标记
+# 不需要额外的同步；第 11 章的引擎一看到它，就抛出清楚的错误。有限的 logits 中夹着一个 `-inf`，那是被屏蔽的
+# token，不算错误。
 
 # %% sampler
 #| export
+# en: The token id of a row whose logits are not numbers (above): no real token id is negative.
+# zh: logits 不是数的那一行得到的 token id（见上文）：真正的 token id 不会是负数。
+NON_FINITE = -2
+
+
+def mark_non_finite(tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``tokens`` [B], with NON_FINITE where a row's maximum logit (``row_max`` [B]) is NaN or +-inf."""
+    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE)
+
+
 def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the logits >= the k-th largest (k <= 0 or k >= V: keep all)."""
     vocab = logits.shape[-1]
@@ -190,10 +218,11 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     """
     logits = logits.float()
     greedy = temperatures == 0
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    probs = (shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]).softmax(dim=-1)
+    row_max = logits.max(dim=-1, keepdim=True).values
+    probs = ((logits - row_max) / torch.where(greedy, 1.0, temperatures.float())[:, None]).softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_().clamp_min_(1e-10)
-    return torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+    tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+    return mark_non_finite(tokens, row_max[:, 0])
 
 
 class Sampler(nn.Module):
@@ -220,14 +249,15 @@ class Sampler(nn.Module):
         if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
             return self.sample_plain(logits, temperatures)
         logits = logits.float()
-        greedy_tokens = logits.argmax(dim=-1)
+        row_max = logits.max(dim=-1, keepdim=True).values
+        greedy_tokens = mark_non_finite(logits.argmax(dim=-1), row_max[:, 0])
         greedy = temperatures == 0
         if bool(greedy.all()):
             return greedy_tokens
         # en: Subtract each row's maximum first: every value is then <= 0, so even a tiny temperature
         # en: cannot overflow to inf (and softmax cannot turn into NaN); the distribution is unchanged.
         # zh: 先减去每行的最大值：所有值都 <= 0，即使温度极小也不会溢出成 inf（softmax 也不会变成 NaN）；分布不变。
-        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        shifted = logits - row_max
         scaled = shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]
         # en: Both filters sort the vocabulary: skip them when no row asks for them.
         # zh: 两种过滤都要对整个词表排序：没有任何一行需要时就跳过。
@@ -238,7 +268,7 @@ class Sampler(nn.Module):
             scaled = apply_top_p(scaled, top_ps.to(scaled.device).float())
         probs = scaled.softmax(dim=-1)
         sampled = (probs / exponential_noise(tuple(probs.shape), generators, probs.device)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.where(greedy, greedy_tokens, mark_non_finite(sampled, row_max[:, 0]))
 
 
 def sampling_inputs(
@@ -324,7 +354,9 @@ print("greedy rows 0 and 2:", mixed.tolist())
 #
 # The chi-square statistic is below the threshold; top-k=2 only ever draws tokens 0 and 1;
 # top-p=0.8 draws exactly the smallest set reaching 0.8 (0.561 + 0.206 = 0.767 is not enough,
-# adding 0.125 is: tokens 0, 1 and 2); a tiny top-p still keeps one token; greedy rows take the argmax.
+# adding 0.125 is: tokens 0, 1 and 2); a tiny top-p still keeps one token; greedy rows take the argmax;
+# rows whose logits hold a NaN, a `+inf` or nothing but `-inf` get `NON_FINITE`, on both paths, while
+# a single `-inf` is only a masked token.
 #
 # Then the point of the seeds: a request with `seed=42` yields the same five tokens alone, in a
 # batch of three at row 1, and in a batch of five at row 4 next to different neighbours.
@@ -334,7 +366,8 @@ print("greedy rows 0 and 2:", mixed.tolist())
 #
 # 卡方统计量低于阈值；top-k=2 只会抽到 token 0 和 1；top-p=0.8 恰好在达到 0.8 的最小集合里抽取
 # （0.561 + 0.206 = 0.767 还不够，再加上 0.125 就够了：token 0、1 和 2）；很小的 top-p 也仍保留一个 token；
-# 贪心行取 argmax。
+# 贪心行取 argmax；logits 中含有 NaN、`+inf` 或全是 `-inf` 的行，在两条路径上都得到 `NON_FINITE`，而单个
+# `-inf` 只是一个被屏蔽的 token。
 #
 # 然后是种子的意义所在：一个 `seed=42` 的请求，单独运行、在三个请求的批次中位于第 1 行、在五个请求的批次中
 # 位于第 4 行且邻居不同，生成的五个 token 都相同。
@@ -343,6 +376,18 @@ print("greedy rows 0 and 2:", mixed.tolist())
 assert chi_square < 20.5
 assert draws == {"top_k=2": [0, 1], "top_p=0.8": [0, 1, 2], "top_p=0.01": [0]}
 assert mixed[0] == mixed[2] == 0
+
+from nanovllm.layers.sampler import NON_FINITE
+
+broken = base.repeat(4, 1)
+broken[0, 3], broken[1, 5], broken[2], broken[3, 0] = float("nan"), float("inf"), float("-inf"), float("-inf")
+# en: The fast path, then the general one (top-k).
+# zh: 先走快速路径，再走通用路径（top-k）。
+for top_k in (None, torch.full((4,), 3)):
+    for temperature in (0.0, 1.0):
+        marked = sampler(broken, torch.full((4,), temperature), top_k).tolist()
+        assert marked[:3] == [NON_FINITE] * 3 and marked[3] >= 0, marked
+print("rows with NaN, +inf, only -inf, one -inf:", marked)
 
 
 def run_steps(batch: list[SamplingParams], row: int, steps: int = 5, vocab: int = 50) -> list[int]:
@@ -499,6 +544,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.layers.triton_attention import check_triton_device
 
 # %% [markdown] tags=["en"]
@@ -507,14 +553,20 @@ from nanovllm.layers.triton_attention import check_triton_device
 # The chunk kernel works on its `BLOCK` columns as a `[4, BLOCK/4]` tile: row `q` of the tile
 # holds the columns `q · BLOCK/4 + i` and takes the `q`-th of the four numbers of Philox draw
 # `i`. Two reductions over the tile give its best score, then the lowest column holding that
-# score. Columns past the vocabulary load as `−inf` and never win.
+# score. Columns past the vocabulary load as `−inf` and never win. A chunk that holds a NaN or a
+# `+inf` logit reports column −1 instead, and the pick kernel writes `NON_FINITE` for a row with
+# such a chunk, or whose best score is `−inf` (a row of nothing but `−inf`): the torch path's
+# mark, at the price of a comparison per column that the kernel makes while the logits are
+# already in registers.
 
 # %% [markdown] tags=["zh"]
 # ### 动手：分段内核与挑选内核
 #
 # 分段内核把自己的 `BLOCK` 列当作一个 `[4, BLOCK/4]` 的 tile 处理：tile 的第 `q` 行存放第 `q · BLOCK/4 + i` 列，
 # 使用第 `i` 次 Philox 抽样所得四个数中的第 `q` 个。对 tile 做两次归约，先得到最高分，再得到取得这个分数的最小
-# 列号。超出词表的列以 `−inf` 载入，永远不会胜出。
+# 列号。超出词表的列以 `−inf` 载入，永远不会胜出。某一段里只要有 NaN 或 `+inf` 的 logit，它报告的列就是 −1；
+# 挑选内核对含有这种段的行，或最高分为 `−inf` 的行（整行都是 `−inf`），写入 `NON_FINITE`：与 torch 版本相同的
+# 标记，代价只是趁 logits 还在寄存器里时，每列多做一次比较。
 
 # %% race kernels
 #| export layers.triton_sampler
@@ -551,6 +603,10 @@ def race_chunk_kernel(
     # zh: T * (l / T - log E)：不用 softmax、也不用除法的赛跑；T = 0（贪心）时分数就是 logits 本身。
     t = tl.load(temperatures_ptr + row)
     score = tl.where(t > 0, x - t * tl.log(noise), x)
+    # en: A NaN logit leaves no meaningful winner (below); as -inf it keeps the reductions well defined.
+    # zh: NaN 的 logit 让胜者失去意义（见下文）；把它当作 -inf，归约的结果才有明确定义。
+    nan = x != x
+    score = tl.where(nan, float("-inf"), score)
     # en: The best score of the tile, then the lowest column holding it (torch.argmax's choice on a tie).
     # en: Not tl.reshape to one row and one tl.max: compiled, reshape may reorder the elements (on the
     # en: H200 it returned wrong columns), and the column order is what the tie rule needs.
@@ -558,19 +614,29 @@ def race_chunk_kernel(
     # zh: 一次 tl.max：编译后 reshape 可能打乱元素的顺序（在 H200 上它返回了错误的列），而并列规则依赖列的顺序。
     best = tl.max(tl.max(score, axis=1), axis=0)
     at = tl.min(tl.min(tl.where(score == best, cols, 2147483647), axis=1), axis=0)
+    # en: A NaN or +inf logit leaves no meaningful winner: column -1 tells the pick kernel.
+    # zh: 出现 NaN 或 +inf 的 logit 时不存在有意义的胜者：用列号 -1 告诉挑选内核。
+    broken = tl.max(tl.max((nan | (x == float("inf"))).to(tl.int32), axis=1), axis=0)
+    at = tl.where(broken > 0, -1, at)
     tl.store(chunk_score_ptr + row * num_chunks + chunk, best)
     tl.store(chunk_column_ptr + row * num_chunks + chunk, at)
 
 
 @triton.jit
-def race_pick_kernel(chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, CHUNKS: tl.constexpr):
+def race_pick_kernel(
+    chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, CHUNKS: tl.constexpr, NON_FINITE: tl.constexpr
+):
     # en: One program per row: the best of the row's chunk winners; tl.argmax prefers the lower chunk on a tie.
     # zh: 每行一个程序：在该行各段的胜者中挑出最好的；并列时 tl.argmax 选编号较小的段。
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     scores = tl.load(chunk_score_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-    best = tl.argmax(scores, axis=0)
-    tl.store(token_ptr + row, tl.load(chunk_column_ptr + row * num_chunks + best).to(tl.int64))
+    columns = tl.load(chunk_column_ptr + row * num_chunks + c, mask=c < num_chunks, other=0)
+    token = tl.load(chunk_column_ptr + row * num_chunks + tl.argmax(scores, axis=0)).to(tl.int64)
+    # en: A chunk saw NaN or +inf (column -1), or every logit is -inf: no token can be drawn.
+    # zh: 某一段见到了 NaN 或 +inf（列号 -1），或者所有 logit 都是 -inf：抽不出任何 token。
+    broken = (tl.min(columns, axis=0) < 0) | (tl.max(scores, axis=0) == float("-inf"))
+    tl.store(token_ptr + row, tl.where(broken, NON_FINITE, token))
 
 # %% [markdown] tags=["en"]
 # ### The wrapper, and what Triton compiles
@@ -608,8 +674,9 @@ def triton_temperature_sample(
     logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
 ) -> torch.Tensor:
     """``temperature_sample`` as two Triton kernels: logits [B, V] (float32, bfloat16 or float16), temperatures [B]
-    (0 = greedy) -> [B] int64 on the logits' device. Nothing is read back from the GPU; the noise's seed comes
-    from torch's CPU generator, so ``torch.manual_seed`` before a call makes it reproducible."""
+    (0 = greedy) -> [B] int64 on the logits' device, NON_FINITE for a row whose logits are not numbers. Nothing is
+    read back from the GPU; the noise's seed comes from torch's CPU generator, so ``torch.manual_seed`` before a
+    call makes it reproducible."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -643,7 +710,8 @@ def triton_temperature_sample(
         logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size
     )
     race_pick_kernel[(batch,)](
-        chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks)
+        chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks),
+        NON_FINITE=NON_FINITE,
     )
     return tokens
 
@@ -656,7 +724,8 @@ def triton_temperature_sample(
 # temperature flattens the distribution enough that every token still expects more than 20.
 # Then greedy rows on random float32 and bfloat16 logits of 1,000 columns in chunks of 256 (the
 # last one partial), with planted ties; a batch that mixes greedy and sampled rows; and the
-# seed: two calls draw different noise, and `torch.manual_seed` replays a call exactly.
+# seed: two calls draw different noise, and `torch.manual_seed` replays a call exactly. Last, the
+# rows whose logits are not numbers get the torch path's mark.
 
 # %% [markdown] tags=["zh"]
 # ### 验证：内核采样得到的是 softmax 分布，贪心行与 torch 的 argmax 一致
@@ -665,7 +734,8 @@ def triton_temperature_sample(
 # 上解释器每行要运行三个程序，所以卡方检验只抽 500 次（GPU 上抽 60,000 次）；较高的温度让分布足够平坦，每个
 # token 的期望次数仍大于 20。然后是
 # 贪心行：1,000 列的随机 float32 和 bfloat16 logits，每段 256 列（最后一段不满），并人为放入并列的最大值；一个
-# 贪心行与采样行混合的批次；最后是种子：两次调用抽到的噪声不同，而 `torch.manual_seed` 能完全重现一次调用。
+# 贪心行与采样行混合的批次；然后是种子：两次调用抽到的噪声不同，而 `torch.manual_seed` 能完全重现一次调用。最后，
+# logits 不是数的行得到与 torch 版本相同的标记。
 
 # %%
 from nanovllm.layers.triton_sampler import triton_temperature_sample
@@ -708,6 +778,12 @@ torch.manual_seed(7)
 replay = triton_temperature_sample(flat, ones, block_size=32)
 print("two calls:", first.tolist(), second.tolist(), sep="\n  ")
 assert torch.equal(first, replay) and not torch.equal(first, second)
+
+# en: The mark of logits that are not numbers, as on the torch path (row 0's NaN is in chunk 0, row 1's inf in chunk 1).
+# zh: 与 torch 版本相同的“不是数”标记（第 0 行的 NaN 在第 0 段，第 1 行的 inf 在第 1 段）。
+for temperature in (0.0, 1.0):
+    marked = triton_temperature_sample(broken.to(DEVICE), torch.full((4,), temperature, device=DEVICE), block_size=4)
+    assert marked[:3].tolist() == [NON_FINITE] * 3 and marked[3] >= 0, marked
 
 # %% [markdown] tags=["en"]
 # ## What we built

@@ -233,6 +233,11 @@ reset_context()
 # Either way, there is no point in more blocks than `max_num_seqs` sequences of `max_model_len`
 # tokens can ever use, so the count is capped there: a tiny model on a laptop does not reserve
 # a gigabyte it can never fill.
+#
+# A pool the machine cannot hold (`num_kvcache_blocks=10**9`, say) is refused with an error that
+# names the setting to change, not with the allocator's message about bytes. On a CPU the pool
+# is also compared with the machine's memory first: Linux may grant a huge allocation that it
+# cannot back, and the process would be killed later, when the blocks fill up.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：需要多少个 KV 块？
@@ -250,9 +255,15 @@ reset_context()
 #
 # 无论哪种情况，块数都不必超过 `max_num_seqs` 个长度为 `max_model_len` 的序列所能用到的数量，所以在那里封顶：
 # 笔记本电脑上的小模型不会预留一块永远填不满的 1 GB 内存。
+#
+# 机器容纳不下的块池（比如 `num_kvcache_blocks=10**9`）会被拒绝，报错指明应当修改哪个配置项，而不是分配器那条
+# 关于字节数的消息。在 CPU 上还会先把块池与机器的内存总量比较：Linux 可能答应一次它根本兑现不了的巨大分配，
+# 进程要等到块被逐渐填满时才会被杀掉。
 
 # %% kv cache sizing
 #| export
+import math
+import os
 from typing import Any
 
 from nanovllm.config import Config
@@ -285,6 +296,33 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
             f"available; raise kvcache_memory_gb / gpu_memory_utilization or lower kvcache_block_size"
         )
     return blocks
+
+
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, setting: str) -> torch.Tensor:
+    """The KV cache tensor; a pool the device cannot hold is a ValueError naming ``setting``, the knob to lower."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    what = f"the KV cache of {shape[2]} blocks needs {nbytes / 2**30:,.1f} GiB"
+    fix = f"lower {setting}" + (" (or leave it at -1 to size the cache from memory)"
+                                if setting == "num_kvcache_blocks" else "")
+    if device.type == "cpu" and nbytes > _physical_memory():
+        raise ValueError(f"{what}, more than this machine's {_physical_memory() / 2**30:,.1f} GiB of memory; {fix}")
+    try:
+        # en: Zeros on a GPU, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an
+        # en: unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
+        # zh: GPU 上用零，而不是未初始化的内存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里
+        # zh: 若残留 NaN，就会污染它的输出（0 × NaN）。这只花几毫秒，而且只做一次。
+        return torch.zeros(shape, dtype=dtype, device=device) if device.type == "cuda" else \
+            torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
+        cause = str(error).partition("\n")[0]
+        raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
+
+
+def _physical_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return math.inf
 
 # %% [markdown] tags=["en"]
 # ## Build it: the copy in copy-on-write
@@ -420,8 +458,12 @@ class SampledTokens:
         known = _tensor([max(token, 0) for token in input_ids], device)
         row = _tensor(rows, device)
         # en: Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
+        # en: A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
+        # en: fail on the device, and the engine drops that sequence when it reads the mark (chapter 11).
         # zh: 已知 token 的行保留它；其余的行取来自己的采样结果（行号 -1 先被截到 0，随后不会被用到）。
-        return torch.where(row >= 0, self.on_device[row.clamp(min=0)], known)
+        # zh: 标记为 NON_FINITE（第 07 章）的采样结果同样截到 0：在设备上查嵌入表时 -2 会出错，而引擎读到这个标记时
+        # zh: 会丢弃那个序列（第 11 章）。
+        return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), known)
 
 # %% [markdown] tags=["en"]
 # ## Build it: `ModelRunner`
@@ -534,11 +576,9 @@ class ModelRunner:
         blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
-        # en: Zeros, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an unwritten
-        # en: row of a sequence's last page would poison its output (0 x NaN). Filling costs milliseconds, once.
-        # zh: 用零，而不是未初始化的内存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里若残留
-        # zh: NaN，就会污染它的输出（0 × NaN）。填零只花几毫秒，而且只做一次。
-        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
+            "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
+        kv_cache = allocate_kv(shape, self.dtype, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

@@ -433,6 +433,16 @@ no_weights = workdir / "no-weights"
 no_weights.mkdir()
 (no_weights / "config.json").write_text((tiny / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
 
+
+def config_only(name: str, **changes: object) -> Path:
+    """A directory holding only the tiny model's config.json, some of its fields changed."""
+    directory = workdir / name
+    directory.mkdir()
+    fields = json.loads((tiny / "config.json").read_text(encoding="utf-8")) | changes
+    (directory / "config.json").write_text(json.dumps(fields), encoding="utf-8")
+    return directory
+
+
 mistakes = {
     "misspelled key": lambda: Config.from_kwargs(tiny, max_num_seq=8),
     "derived field": lambda: Config.from_kwargs(tiny, eos_token_ids=(0,)),
@@ -446,6 +456,8 @@ mistakes = {
     "empty dir": lambda: Config.from_kwargs(workdir),
     "malformed config": lambda: Config.from_kwargs(broken),
     "no weights": lambda: Config.from_kwargs(no_weights),
+    "hidden size -64": lambda: Config.from_kwargs(config_only("negative", hidden_size=-64)),
+    "no heads": lambda: Config.from_kwargs(config_only("headless", num_attention_heads=0)),
 }
 caught = {}
 for what, make in mistakes.items():
@@ -628,7 +640,14 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     gguf = find_gguf()
     target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
     if not is_converted(target, gguf):
-        convert(gguf, target)
+        try:
+            convert(gguf, target)
+        except OSError as error:  # read-only, not a directory, disk full...
+            where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
+            raise CacheNotWritableError(
+                f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "
+                f"point {where} at a writable directory with about 600 MB free"
+            ) from error
     return target
 
 
@@ -772,12 +791,13 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     ]
 
 # %% [markdown] tags=["en"]
-# `main` turns every predictable failure (no SmolLM2 package, a bad setting, a bad model
-# directory) into one line on stderr and exit status 1 or 2, instead of a traceback.
+# `main` turns every predictable failure (no SmolLM2 package, a cache it cannot write the
+# converted model to, a bad setting, a bad model directory) into one line on stderr and exit
+# status 1 or 2, instead of a traceback.
 
 # %% [markdown] tags=["zh"]
-# `main` 把所有可预见的失败（没装 SmolLM2 包、配置项错误、模型目录有问题）都变成 stderr 上的一行提示和
-# 退出码 1 或 2，而不是一长串 traceback。
+# `main` 把所有可预见的失败（没装 SmolLM2 包、缓存目录无法写入转换后的模型、配置项错误、模型目录有问题）
+# 都变成 stderr 上的一行提示和退出码 1 或 2，而不是一长串 traceback。
 
 # %% cli main
 #| export __main__
@@ -1543,6 +1563,16 @@ assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 # could never fit the KV pool (the scheduler's own check), a wrong type. `generate` checks
 # **all** its requests before adding any, so a bad one leaves the engine as it was.
 #
+# A prompt is text, or token ids: a list, a tuple, or a 1-D integer NumPy array or torch tensor
+# (what a tokenizer called with `return_tensors` gives, one row of it). A 2-D array is refused
+# rather than read as one long prompt, and so is an array of floats or booleans. Text must be
+# valid Unicode: a lone surrogate (what `errors="surrogateescape"` leaves of undecodable bytes)
+# is refused by name instead of reaching the tokenizer, whose message does not say which prompt
+# or character is wrong. The tokenizer itself is checked when the engine starts: a model
+# directory with none of the files a vocabulary is read from (`tokenizer.json`,
+# `tokenizer.model`, `vocab.json`, `vocab.txt`) is refused, since `transformers` would quietly
+# build a tokenizer that knows a single token, and every text prompt would come out empty.
+#
 # The engine stops a sequence on **every** EOS id the model declares (`Config.eos_token_ids`;
 # chat models often declare several), unless `ignore_eos`. The output keeps nano-vllm's shape:
 # `{"text", "token_ids"}`, where `token_ids` includes the final EOS (as nano-vllm) and `text`
@@ -1568,19 +1598,33 @@ assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 # 确定大小的块表）、永远放不进 KV 块池的请求（调度器自己的检查）、类型错误。`generate` 会在加入任何请求之前先检查
 # **全部**请求，所以一个坏请求不会改变引擎的状态。
 #
+# 提示词可以是文本，也可以是 token id：列表、元组，或者一维的整数 NumPy 数组、torch 张量（分词器在指定
+# `return_tensors` 时给出的结果中的一行）。二维数组会被拒绝，而不是被当作一个很长的提示词；浮点数或布尔值的数组
+# 也会被拒绝。文本必须是合法的 Unicode：孤立的代理码元（`errors="surrogateescape"` 处理无法解码的字节后留下的
+# 东西）会被指名拒绝，而不是交给分词器，因为分词器的报错不会说明是哪个提示词、哪个字符出了问题。分词器本身在引擎
+# 启动时检查：如果模型目录里没有任何一个可以读出词表的文件（`tokenizer.json`、`tokenizer.model`、`vocab.json`、
+# `vocab.txt`），目录就会被拒绝，因为 `transformers` 会悄悄地构造一个只认识一个 token 的分词器，每个文本提示词
+# 都会变成空的。
+#
 # 除非设置了 `ignore_eos`，引擎会在模型声明的**每一个** EOS id 上结束序列（`Config.eos_token_ids`；对话模型常常
 # 声明好几个）。输出保持 nano-vllm 的形式：`{"text", "token_ids"}`，其中 `token_ids` 包含最后的 EOS（与 nano-vllm
 # 相同），`text` 解码时去掉特殊 token。
 
-# %% llm engine
+# %% engine inputs
 #| export
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as ListLike
 from dataclasses import dataclass
-from typing import Any
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -1589,11 +1633,173 @@ from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner, TPStep
+from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | np.ndarray | torch.Tensor
+# en: What transformers reads a vocabulary from: a fast tokenizer, SentencePiece, BPE, WordPiece.
+# zh: transformers 读取词表的文件：快速分词器、SentencePiece、BPE、WordPiece。
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
+class EngineBusyError(RuntimeError):
+    """A call into the engine from inside another call of the same engine, on the same thread."""
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits were NaN or infinite for some requests, which were dropped (``request_ids``)."""
+
+    def __init__(self, message: str, request_ids: list[int]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model directory. Without tokenizer files transformers would quietly build one
+    that knows a single token, and every text prompt would come out empty: refuse the directory instead."""
+    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"model directory {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the checkpoint into it"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as error:  # transformers raises OSError, ValueError, ...
+        raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
+
+
+def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
+    """One prompt as token ids: text is tokenized; a list, a tuple or a 1-D integer NumPy array or torch
+    tensor already holds ids (Sequence checks each one)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is an empty string")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"prompt is not valid text: it holds a lone surrogate, {prompt[error.start]!r} at index "
+                f"{error.start} (bytes decoded with errors='surrogateescape'? decode them with errors='replace')"
+            ) from None
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return _array_token_ids(prompt)
+    if isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
+        return list(prompt)
+    raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
+                    f"got {type(prompt).__name__}")
+
+
+def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
+    kind = "NumPy array" if isinstance(array, np.ndarray) else "torch tensor"
+    if array.ndim != 1:
+        raise ValueError(f"a {kind} prompt must be 1-D, the token ids of one prompt; got shape "
+                         f"{tuple(array.shape)} (a batch is a list of prompts)")
+    dtype = array.dtype
+    if isinstance(array, np.ndarray):
+        integer = dtype.kind in "iu"
+    else:
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    if not integer:
+        raise TypeError(f"a {kind} prompt must hold integer token ids, got dtype {dtype}")
+    return array.tolist()
+
+
+def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
+    """Why a model's logits are NaN or infinite: weights that are (named), else an overflow in ``dtype``.
+
+    It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
+    """
+    if model is None:  # tensor parallelism: the weights live in the ranks
+        return f"NaN or inf in the weights, or activations that overflow {dtype}"
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    broken = [name for name, tensor in tensors if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        more = f" and {len(broken) - 1} more tensors" if len(broken) > 1 else ""
+        return f"the weights hold NaN or inf ({broken[0]}{more}): the checkpoint is damaged"
+    unwritten = "or the attention read KV that no step wrote (a bug of the engine)"
+    if dtype == "float32":
+        return f"the weights are finite: the activations overflowed float32, {unwritten}"
+    better = "'bfloat16' (float32's range) or 'float32'" if dtype == "float16" else "'float32'"
+    return f"the weights are finite: the activations likely overflowed {dtype} (try dtype={better}), {unwritten}"
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_call_at_a_time(method: _Method) -> _Method:
+    """Run an `LLMEngine` method under the engine's lock. A call from another thread waits until the call in
+    progress returns; a call from inside another call on the same thread (an observer, a callback) would find
+    the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself forever."""
+
+    @wraps(method)
+    def serialized(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise EngineBusyError(
+                f"{method.__name__}() was called from inside another call of this engine on the same thread "
+                "(an observer or a callback?), in the middle of a step; call it once that call has returned"
+            )
+        with self._lock:
+            self._lock_owner = me
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._lock_owner = None
+
+    return serialized  # type: ignore[return-value]
+
+# %% [markdown] tags=["en"]
+# Three rules of the engine as a whole, each one the answer to a way a user broke it:
+#
+# - **One call at a time.** The engine's state (queues, block tables, the step in flight) is
+#   changed by every `generate`, `add_request`, `step` and `exit`, so they run under one lock:
+#   calls from several threads run one after another, each `generate` with its own batch, and
+#   all of them return what they would return alone. To batch the requests of several threads
+#   together, let each thread `add_request` and one thread drive `step`: an `add_request` then
+#   waits for the step in progress, and its request joins the next one. A call from *inside*
+#   another call on the same thread (an observer of the scheduler that calls `generate`, say)
+#   would find the engine in the middle of a step and would wait for itself forever; it raises
+#   `EngineBusyError` instead.
+# - **`generate` and `add_request` together.** `generate` returns its own outputs, in prompt
+#   order. Requests queued earlier with `add_request` are not set aside: they share its steps
+#   (that is continuous batching), and those that finish meanwhile wait in the engine until
+#   `step` reports them, as it reports any finished request; the others keep their place and
+#   their blocks when `generate` returns. Nothing is computed for nobody, and nothing is lost:
+#   loop on `step` until `is_finished()`, as before.
+# - **Logits that are not numbers.** Chapter 07's sampler marks a row whose logits hold NaN or
+#   infinities with `NON_FINITE`. The engine looks for the mark in the tokens it reads anyway,
+#   so the check adds no wait for the GPU to any step (a `bool(torch.isfinite(logits).all())`
+#   per step would stall asynchronous scheduling at every step). When it sees one, it drops that
+#   request (all its samples, their blocks freed), finds the likely cause (it reads the weights,
+#   once, and names the first tensor that holds NaN or inf; if none does, the activations
+#   overflowed the dtype) and raises `NonFiniteLogitsError`, a `ValueError`: `generate` raises it
+#   for its own prompts, naming them, and `step` for requests of `add_request`. The other
+#   requests go on.
+
+# %% [markdown] tags=["zh"]
+# 整个引擎还有三条规则，每一条都回应了用户弄坏它的一种方式：
+#
+# - **一次只处理一个调用：** 引擎的状态（队列、块表、正在计算的那一步）会被每一次 `generate`、`add_request`、
+#   `step` 和 `exit` 改变，所以它们都在同一把锁下运行：来自多个线程的调用一个接一个地执行，每个 `generate` 各自
+#   组成一个批次，每个调用返回的结果都和它单独运行时一样。想把多个线程的请求合成一批，就让各线程调用
+#   `add_request`，由一个线程驱动 `step`：这时 `add_request` 会等正在进行的那一步结束，它的请求加入下一步。
+#   在同一个线程里、从另一个调用*内部*发起的调用（比如调度器的观察者调用 `generate`）会碰上一个做了一半的步骤，
+#   而且会永远等待它自己；这种调用改为抛出 `EngineBusyError`。
+# - **`generate` 与 `add_request` 一起使用：** `generate` 按提示词顺序返回它自己的输出。先前用 `add_request`
+#   加入的请求不会被搁在一边：它们和 `generate` 共享同样的步骤（这正是连续批处理），其间完成的请求留在引擎里，
+#   等 `step` 报告它们，就像 `step` 报告任何已完成的请求一样；其余请求在 `generate` 返回时保留原来的位置和它们的块。
+#   没有什么是白算的，也没有什么会丢失：照旧循环调用 `step`，直到 `is_finished()` 为真。
+# - **不是数的 logits：** 第 07 章的采样器会用 `NON_FINITE` 标记 logits 中含有 NaN 或无穷大的行。引擎在它反正
+#   要读回的 token 里找这个标记，所以这项检查不会让任何一步多等 GPU（每步做一次
+#   `bool(torch.isfinite(logits).all())` 会让异步调度在每一步都停下来等待）。一旦看到标记，引擎就丢弃那个请求
+#   （它的全部样本，释放它们的块），找出可能的原因（读一遍权重，只读一次，指出第一个含有 NaN 或 inf 的张量；
+#   如果没有，那就是激活值超出了数据类型的范围），并抛出 `NonFiniteLogitsError`（一种 `ValueError`）：
+#   `generate` 为它自己的提示词抛出这个错误，并指明是哪几个；`add_request` 加入的请求则由 `step` 抛出。其他请求
+#   照常进行。
+
+# %% llm engine
+#| export
 @dataclass
 class LaunchedStep:
     """A step the scheduler has counted (`advance`) whose tokens may still be on their way."""
@@ -1606,14 +1812,15 @@ class LaunchedStep:
 
 
 class LLMEngine:
-    """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`."""
+    """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`.
+
+    One call at a time: `generate`, `add_request`, `step` and `exit` called from several threads run one
+    after another, each waiting for the call in progress to return.
+    """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = config = Config.from_kwargs(model, **kwargs)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        except Exception as error:  # transformers raises OSError, ValueError, ... for a missing tokenizer
-            raise ValueError(f"cannot load the tokenizer of {config.model}: {error}") from error
+        self.tokenizer = load_tokenizer(config.model)
         # en: One process, or one process per tensor-parallel rank (chapter 10); both set config.num_kvcache_blocks.
         # zh: 单进程，或每个张量并行 rank 一个进程（第 10 章）；两者都会设置 config.num_kvcache_blocks。
         runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
@@ -1629,6 +1836,16 @@ class LLMEngine:
         # en: With async scheduling, the step the GPU may still be computing.
         # zh: 异步调度时，GPU 可能还在计算的那一步。
         self.in_flight: LaunchedStep | None = None
+        # en: Finished sequences of add_request's requests that step() has not reported yet (generate's
+        # en: steps finish them too); the requests of the generate call in progress; the requests dropped
+        # en: for non-finite logits that nobody was told about yet, with the likely cause.
+        # zh: add_request 加入的请求中已经结束、但 step() 还没报告的序列（generate 的步骤也会让它们结束）；
+        # zh: 正在进行的 generate 调用的请求；因 logits 不是有限值而被丢弃、尚未告知任何人的请求，及其可能的原因。
+        self.unreported: list[Sequence] = []
+        self._serving: Collection[int] = ()
+        self._dropped: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._lock_owner: int | None = None
 
     # en: ---- requests -------------------------------------------------------------
     # zh: ---- 请求 ------------------------------------------------------------------
@@ -1636,14 +1853,7 @@ class LLMEngine:
         """Tokenize and check one request; raise TypeError/ValueError naming the problem."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
-            token_ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
         if not token_ids:
             raise ValueError("prompt is empty: it has no tokens")
         seq = Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
@@ -1671,8 +1881,10 @@ class LLMEngine:
         seq.pending_forks = 0
         return [seq] + [seq.fork(sample_index) for sample_index in range(1, sampling_params.n)]
 
+    @one_call_at_a_time
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
+        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own).
+        `step` reports it when it finishes, also when a `generate` call's steps computed it."""
         seqs = self.make_sequences(prompt, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -1680,18 +1892,28 @@ class LLMEngine:
 
     # en: ---- the loop -------------------------------------------------------------
     # zh: ---- 主循环 ----------------------------------------------------------------
+    @one_call_at_a_time
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
         """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
 
         With async scheduling, the step it launches is not the one it reports: it queues step n + 1
         on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
-        The forked samples of a request with ``n > 1`` finish under their own seq_ids.
+        The forked samples of a request with ``n > 1`` finish under their own seq_ids. It also reports
+        the requests of `add_request` that a `generate` call finished, and raises NonFiniteLogitsError
+        once for requests dropped because their logits were not finite (the others go on).
         """
-        finished, num_tokens, is_prefill = self._step()
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens, is_prefill
+        num_tokens, is_prefill = 0, False
+        if not (self.scheduler.is_finished() and self.in_flight is None):
+            _, num_tokens, is_prefill = self._step()
+        error = self._take_dropped(None)
+        if error is not None:
+            raise error  # what finished stays in unreported, for the next call
+        reported, self.unreported = self.unreported, []
+        return [(seq.seq_id, seq.completion_token_ids) for seq in reported], num_tokens, is_prefill
 
     def _step(self) -> tuple[list[Sequence], int, bool]:
-        """`step`, reporting the finished sequences themselves (generate groups them by request)."""
+        """`step`, reporting the finished sequences of the generate call in progress (the others of the step
+        wait in `unreported`)."""
         if not self.config.async_scheduling:
             return self._collect(self._launch(previous=None))
         # en: Schedule and queue the next step before waiting for the one in flight: while the host
@@ -1731,10 +1953,48 @@ class LLMEngine:
         return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
     def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
-        """Wait for a launched step's tokens and let the scheduler record them."""
+        """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
         token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
-        finished = self.scheduler.resolve(step.seqs, step.indices, token_ids)
-        return finished, step.num_tokens, step.is_prefill
+        seqs, indices = step.seqs, step.indices
+        broken = []
+        # en: The sampler marks a row whose logits are not numbers (chapter 07). Looking for the mark in
+        # en: the tokens the host has read anyway costs no wait for the GPU on any step.
+        # zh: 采样器会标记 logits 不是数的行（第 07 章）。在主机反正要读回的 token 里找这个标记，
+        # zh: 任何一步都不必因此等待 GPU。
+        if NON_FINITE in token_ids:
+            broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
+            kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
+            seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
+        finished = self.scheduler.resolve(seqs, indices, token_ids)
+        if broken:
+            self._drop(broken)
+        mine = [seq for seq in finished if seq.request_id in self._serving]
+        self.unreported += [seq for seq in finished if seq.request_id not in self._serving]
+        return mine, step.num_tokens, step.is_prefill
+
+    def _drop(self, broken: list[Sequence]) -> None:
+        """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
+        `generate` call they belong to, else by the next `step`."""
+        requests = {seq.request_id for seq in broken if self.scheduler.is_live(seq)}
+        if not requests:
+            return  # dropped already, in an earlier step
+        cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
+            if seq.request_id in requests:
+                self.scheduler.abort(seq)
+        self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
+        self._dropped.update(dict.fromkeys(requests, cause))
+
+    def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
+        """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
+        ids = sorted(request for request in self._dropped if among is None or request in among)
+        if not ids:
+            return None
+        causes = sorted({self._dropped.pop(request) for request in ids})
+        some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
+        return NonFiniteLogitsError(
+            f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
+            "serving other requests", ids)
 
     def _settle_in_flight(self) -> None:
         """After an interruption: record the step in flight if it completed, else drop its sequences."""
@@ -1749,8 +2009,11 @@ class LLMEngine:
                     self.scheduler.abort(seq)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self.in_flight is None
+        """True when no request is queued or computing, and `step` has nothing left to report."""
+        idle = self.scheduler.is_finished() and self.in_flight is None
+        return idle and not self.unreported and not self._dropped
 
+    @one_call_at_a_time
     def exit(self) -> None:
         """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
         self.model_runner.exit()
@@ -1761,13 +2024,21 @@ class LLMEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.exit()
 
+    @one_call_at_a_time
     def generate(
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Generate a continuation of every prompt; outputs come back in prompt order."""
+        """Generate a continuation of every prompt; outputs come back in prompt order.
+
+        A prompt is a str, a list of token ids or a 1-D integer NumPy array / torch tensor. Requests queued
+        earlier with `add_request` are not set aside: they share this call's steps (continuous batching), and
+        those that finish meanwhile wait in the engine for `step` to report them; the others keep their place
+        and their blocks when it returns. Raises NonFiniteLogitsError, naming the prompts, when the model's
+        logits for one of them are NaN or infinite.
+        """
         if isinstance(prompts, str) or not isinstance(prompts, ListLike):
             raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         if sampling_params is None:
@@ -1793,6 +2064,7 @@ class LLMEngine:
         # en: Completions by request id, then by sample index (a request with n > 1 has n of them).
         # zh: 按请求 id、再按样本序号存放的生成结果（n > 1 的请求有 n 个）。
         outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
+        self._serving = outputs.keys()
         total = sum(params.n for params in sampling_params)
         done = 0
         bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -1801,14 +2073,15 @@ class LLMEngine:
             while done < total:
                 start = time.perf_counter()
                 finished, num_tokens, is_prefill = self._step()
+                if self._dropped:
+                    self._raise_dropped(requests)
                 rate = num_tokens / max(time.perf_counter() - start, 1e-9)
                 prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
                 bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
                 for seq in finished:
-                    if seq.request_id in outputs:
-                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
-                        done += 1
-                        bar.update(1)
+                    outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                bar.update(len(finished))
+                done += len(finished)
             if self.in_flight is not None and self.scheduler.is_finished():
                 # en: A last step computed tokens past the end of sequences that have finished: record it
                 # en: (it changes nothing) so that the engine is idle when generate returns.
@@ -1824,10 +2097,23 @@ class LLMEngine:
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 if seq.request_id in outputs:
                     self.scheduler.abort(seq)
+            for request in outputs:
+                self._dropped.pop(request, None)
             raise
         finally:
+            self._serving = ()
             bar.close()
         return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+    def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
+        """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
+        ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
+        error = self._take_dropped(ids)
+        if error is not None:
+            prompts = ", ".join(str(ids[request]) for request in error.request_ids)
+            alone = len(ids) == len(error.request_ids)
+            others = "" if alone else " (generate raised: its other prompts were dropped too)"
+            raise NonFiniteLogitsError(f"prompt {prompts}: {error}{others}", error.request_ids)
 
     def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
         """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
@@ -1928,6 +2214,8 @@ print("greedy tokens match transformers")
 # 坏请求在任何东西入队之前就被拒绝，引擎照常工作：
 
 # %%
+import numpy as np
+
 llm.scheduler.observer = None
 refusals = {
     "empty prompt": lambda: llm.generate(["fine", ""], greedy),
@@ -1935,6 +2223,8 @@ refusals = {
     "over max_model_len": lambda: llm.generate([[1] * 510], greedy),
     "never fits the pool": lambda: llm.generate([[1] * 30], SamplingParams(max_tokens=30)),
     "params mismatch": lambda: llm.generate(["a", "b"], [greedy]),
+    "a 2-D array": lambda: llm.generate([np.array([[1, 2], [3, 4]])], greedy),
+    "lone surrogate": lambda: llm.generate(["caf\udce9"], greedy),
 }
 for what, call in refusals.items():
     try:
@@ -1943,6 +2233,69 @@ for what, call in refusals.items():
     except (TypeError, ValueError) as error:
         print(f"{what:>19}: {type(error).__name__}: {error}")
 assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqdm=False)[0]["token_ids"]) == 12
+
+# %% [markdown] tags=["en"]
+# The three rules at work. Token ids may come as an array; three threads share the engine; a
+# request queued with `add_request` shares `generate`'s steps and `step` reports it afterwards;
+# and a NaN planted in one row of the embedding table makes the logits of the one request that
+# uses that token NaN: that request is dropped, with the tensor named, and a request queued
+# beside it finishes unharmed.
+
+# %% [markdown] tags=["zh"]
+# 三条规则的实际效果。token id 可以用数组给出；三个线程共享同一个引擎；用 `add_request` 加入的请求与 `generate`
+# 共享步骤，之后由 `step` 报告；在嵌入表的某一行放进一个 NaN，只有用到那个 token 的请求的 logits 会变成 NaN：
+# 那个请求被丢弃，报错指出是哪个张量，而与它一同排队的请求照常完成，不受影响。
+
+# %%
+import threading
+
+import torch
+
+from nanovllm.engine.llm_engine import NonFiniteLogitsError
+
+as_arrays = llm.generate([np.array(outputs[0]["token_ids"]), torch.tensor(outputs[1]["token_ids"])], greedy,
+                         use_tqdm=False)
+assert as_arrays == llm.generate([outputs[0]["token_ids"], outputs[1]["token_ids"]], greedy, use_tqdm=False)
+
+answers = {}
+threads = [threading.Thread(target=lambda i=i: answers.update({i: llm.generate([prompts[i]], greedy, use_tqdm=False)}))
+           for i in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert [answers[i][0] for i in range(3)] == outputs
+print("three threads, one engine: every call got its own tokens")
+
+queued = llm.add_request(prompts[0], greedy)
+mine = llm.generate([prompts[1]], greedy, use_tqdm=False)
+reported = {}
+while not llm.is_finished():
+    reported.update(dict(llm.step()[0]))
+assert mine == [outputs[1]] and reported == {queued: outputs[0]["token_ids"]}
+print(f"generate returned its prompt; step() then reported request {queued}, computed alongside")
+
+# en: A token that neither prompt 2 nor its completion uses: its embedding row becomes NaN.
+# zh: 选一个提示词 2 及其生成结果都用不到的 token：把它在嵌入表中的那一行变成 NaN。
+used = set(llm.tokenizer.encode(prompts[2])) | set(outputs[2]["token_ids"])
+poison = max(set(range(llm.config.hf_config.vocab_size)) - used)
+embedding = llm.model_runner.model.model.embed_tokens.weight
+saved = embedding[poison].clone()
+with torch.no_grad():
+    embedding[poison] = float("nan")
+other = llm.add_request(prompts[2], greedy)
+try:
+    llm.generate([[poison, 5, 6]], greedy, use_tqdm=False)
+    raise AssertionError("NaN logits went unnoticed")
+except NonFiniteLogitsError as error:
+    print(f"{type(error).__name__}: {error}")
+reported = {}
+while not llm.is_finished():
+    reported.update(dict(llm.step()[0]))
+with torch.no_grad():
+    embedding[poison] = saved
+assert reported == {other: outputs[2]["token_ids"]}
+print(f"request {other}, queued beside it, finished with the tokens it gets alone")
 
 # %% [markdown] tags=["en"]
 # ### Asynchronous scheduling: the host works while the GPU computes

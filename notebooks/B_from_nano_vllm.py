@@ -579,6 +579,8 @@
 # | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
 # | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
 # | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
+# | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 11 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
+# | several threads on one engine | `engine.llm_engine.one_call_at_a_time`, `engine.llm_engine.EngineBusyError` | 11 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
 
 # %% [markdown] tags=["zh"]
 # | 差异 | 本书 | 章 | 上游 | 本书的做法及原因 |
@@ -600,6 +602,8 @@
 # | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
 # | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
 # | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
+# | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 11 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
+# | 多个线程共用一个引擎 | `engine.llm_engine.one_call_at_a_time`, `engine.llm_engine.EngineBusyError` | 11 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
 
 # %% [markdown] tags=["en"]
 # ## Check it

@@ -1,15 +1,61 @@
-"""Shared test set-up.
+"""Shared test set-up: the engine's environment, the tiny models and the ``gpu`` marker.
 
-Without CUDA, Triton kernels run in its interpreter, which must be switched on before Triton is
-first imported: Triton's own ``tl.*`` helpers are decorated at import time, and transformers
-imports Triton early. So it is set here, before any test module is collected.
+Nothing here imports torch when the module is loaded, so that the tool tests (``TOOL_TESTS``: the
+tangler, the bilingual check, the book and lab tools) collect and run without the engine's
+dependencies. Before any other test module is imported, ``pytest_collectstart`` prepares the
+engine's environment: without CUDA, Triton kernels run in its interpreter, which must be switched on
+before Triton is first imported (Triton's own ``tl.*`` helpers are decorated at import time, and
+transformers imports Triton early).
 """
 
 from __future__ import annotations
 
 import os
+from functools import cache
+from pathlib import Path
 
-import torch
+import pytest
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+TOOL_TESTS = frozenset({"test_tangle.py", "test_bilingual.py", "test_book.py", "test_lab.py", "site_checks.py"})
+
+
+@cache
+def engine_environment() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    # Called just before a test module is imported, and only for the modules that are collected.
+    if isinstance(collector, pytest.Module) and collector.path.name not in TOOL_TESTS:
+        engine_environment()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` are skipped without CUDA (one marker: no skipif of their own)."""
+    gpu_tests = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_tests:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in gpu_tests:
+            item.add_marker(pytest.mark.skip(reason="marked gpu: needs CUDA"))
+
+
+@pytest.fixture(scope="session")
+def tiny() -> Path:
+    """Chapter 05's tiny Qwen3 (random weights, a real byte-level tokenizer), built once and cached."""
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    return build_tiny_model("qwen3")
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def tiny_arch(request: pytest.FixtureRequest) -> Path:
+    """The tiny model of each architecture family the engine serves: Qwen3 and Llama."""
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    return build_tiny_model(request.param)

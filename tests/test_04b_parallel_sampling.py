@@ -12,13 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import nanovllm.engine.model_runner as model_runner
+from nanovllm.engine.llm_engine import NonFiniteLogitsError
 from nanovllm.engine.model_runner import NOT_SAMPLED, SampledTokens, copy_kv_blocks
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.layers.sampler import sampling_inputs, seeded_generator
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE, build_tiny_model
+from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE
 
 
 def make(blocks: int = 16, bs: int = 4, seqs: int = 4, tokens: int = 64, caching: bool = True) -> Scheduler:
@@ -257,11 +258,6 @@ def test_each_sample_draws_from_its_own_seeded_stream() -> None:
 
 # ---- the engine end to end -------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
-def tiny(request: pytest.FixtureRequest) -> Path:
-    return build_tiny_model(request.param)
-
-
 def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
@@ -274,10 +270,10 @@ def poisoned(llm: LLM) -> LLM:
     return llm
 
 
-def test_n_greedy_samples_equal_transformers_greedy(tiny: Path) -> None:
+def test_n_greedy_samples_equal_transformers_greedy(tiny_arch: Path) -> None:
     batch = prompts_of([5, 9, 8, 14])  # blocks of 4: partial last blocks (copies) and a boundary (none)
-    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
-    llm = poisoned(LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64))
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch).eval()
+    llm = poisoned(LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=64))
     outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3), use_tqdm=False)
     for prompt, output in zip(batch, outputs, strict=True):
         with torch.inference_mode():
@@ -297,7 +293,7 @@ REGIMES = {
 
 @pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("regime", REGIMES.values(), ids=REGIMES.keys())
-def test_forked_samples_equal_independent_requests_with_the_same_streams(tiny: Path, regime: dict,
+def test_forked_samples_equal_independent_requests_with_the_same_streams(tiny_arch: Path, regime: dict,
                                                                          scheduling: bool) -> None:
     """With seeds, sharing the prompt's blocks changes no token: each sample equals the same sample run as an
     independent request (fork_samples=False). From a NaN-poisoned cache, a lost copy would show."""
@@ -305,7 +301,7 @@ def test_forked_samples_equal_independent_requests_with_the_same_streams(tiny: P
     params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, n=3, seed=11)
     runs = {}
     for fork in (True, False):
-        llm = poisoned(LLM(str(tiny), fork_samples=fork, async_scheduling=scheduling, **regime))
+        llm = poisoned(LLM(str(tiny_arch), fork_samples=fork, async_scheduling=scheduling, **regime))
         runs[fork] = [[s["token_ids"] for s in o["outputs"]] for o in llm.generate(batch, params, use_tqdm=False)]
         assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == regime["num_kvcache_blocks"]
     assert runs[True] == runs[False]
@@ -313,10 +309,10 @@ def test_forked_samples_equal_independent_requests_with_the_same_streams(tiny: P
     assert any(len({tuple(t) for t in samples}) > 1 for samples in runs[True])
 
 
-def test_a_later_request_for_the_same_prompt_hits_the_cache_and_gives_the_same_samples(tiny: Path) -> None:
+def test_a_later_request_for_the_same_prompt_hits_the_cache_and_gives_the_same_samples(tiny_arch: Path) -> None:
     prompt = prompts_of([13], seed=5)[0]
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=2, seed=3)
-    llm = poisoned(LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64))
+    llm = poisoned(LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=64))
     first = llm.generate([prompt], params, use_tqdm=False)
     hits = []
     llm.scheduler.observer = lambda event, data: hits.append(data["cache_hits"]) if event == "schedule" else None
@@ -324,8 +320,8 @@ def test_a_later_request_for_the_same_prompt_hits_the_cache_and_gives_the_same_s
     assert second == first and sum(len(blocks) for step in hits for blocks in step.values()) == 3
 
 
-def test_the_result_keeps_nano_vllms_shape_and_adds_the_samples(tiny: Path) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64)
+def test_the_result_keeps_nano_vllms_shape_and_adds_the_samples(tiny_arch: Path) -> None:
+    llm = LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=64)
     one, three = llm.generate(["hello", "hello"], [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, n=3)],
                               use_tqdm=False)
     assert set(one) == {"text", "token_ids"}
@@ -334,8 +330,8 @@ def test_the_result_keeps_nano_vllms_shape_and_adds_the_samples(tiny: Path) -> N
     assert all(set(sample) == {"text", "token_ids"} for sample in three["outputs"])
 
 
-def test_too_many_samples_are_refused_and_the_engine_keeps_serving(tiny: Path) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64, max_num_seqs=4)
+def test_too_many_samples_are_refused_and_the_engine_keeps_serving(tiny_arch: Path) -> None:
+    llm = LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=64, max_num_seqs=4)
     with pytest.raises(ValueError, match=r"prompt 1: .*n=5.*raise max_num_seqs"):
         llm.generate(["fine", "too many"], [SamplingParams(max_tokens=2), SamplingParams(n=5)], use_tqdm=False)
     assert llm.is_finished()
@@ -343,9 +339,9 @@ def test_too_many_samples_are_refused_and_the_engine_keeps_serving(tiny: Path) -
 
 
 @pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
-def test_an_interrupted_generate_drops_the_forked_samples_too(tiny: Path, scheduling: bool,
+def test_an_interrupted_generate_drops_the_forked_samples_too(tiny_arch: Path, scheduling: bool,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=scheduling)
+    llm = LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=scheduling)
     calls = {"n": 0}
     launch = llm.model_runner.launch
 
@@ -362,22 +358,22 @@ def test_an_interrupted_generate_drops_the_forked_samples_too(tiny: Path, schedu
     assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 32
 
 
-def test_tensor_parallel_ranks_copy_their_own_shards(tiny: Path) -> None:
+def test_tensor_parallel_ranks_copy_their_own_shards(tiny_arch: Path) -> None:
     """Two ranks (gloo on the CPU): each applies the step's copies to its own KV heads; the samples equal
     the one-process engine's."""
     batch = prompts_of([6, 9], seed=7)
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=3, seed=5)
-    expected = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32).generate(batch, params, use_tqdm=False)
-    with LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, tensor_parallel_size=2) as llm:
+    expected = LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=32).generate(batch, params, use_tqdm=False)
+    with LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=32, tensor_parallel_size=2) as llm:
         assert llm.generate(batch, params, use_tqdm=False) == expected
 
 
-def test_without_the_copy_the_samples_change(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The parity tests above can fail: with the runner's copy switched off, forked samples read NaN."""
+def test_without_the_copy_the_samples_change(tiny_arch: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parity tests above can fail: with the runner's copy switched off, forked samples read NaN, and the
+    engine refuses their NaN logits (chapter 11) instead of sampling from them."""
     batch = prompts_of([6], seed=3)
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=3, seed=11)
-    expected = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64).generate(batch, params, use_tqdm=False)
     monkeypatch.setattr(model_runner, "copy_kv_blocks", lambda kv_cache, copies: None)
-    got = poisoned(LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64)).generate(batch, params,
-                                                                                         use_tqdm=False)
-    assert got != expected
+    llm = poisoned(LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=64))
+    with pytest.raises(NonFiniteLogitsError, match="KV that no step wrote"):
+        llm.generate(batch, params, use_tqdm=False)

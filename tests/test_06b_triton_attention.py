@@ -271,7 +271,6 @@ def compiled_variants(kernel: object) -> int:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_warm_up_leaves_no_prefill_variant_to_compile() -> None:
     """After warm_up_prefill, prefills of every kind (fresh/paged, small/large grid, any width) compile nothing."""
     dtype, heads, kv_heads, d, bs = torch.bfloat16, 16, 8, 128, 16
@@ -293,11 +292,9 @@ def test_gpu_warm_up_leaves_no_prefill_variant_to_compile() -> None:
 
 # ---------------------------------------------------------------- GPU: bf16 at real shapes, the model
 
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
 def test_gpu_bf16_qwen3_layout(block_size: int) -> None:
     """16 q heads, 8 KV heads, head_dim 128, bf16: store, prefill with prefixes, decode plain/split/auto."""
@@ -335,7 +332,6 @@ def test_gpu_bf16_qwen3_layout(block_size: int) -> None:
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_long_context_decode_split_matches_plain() -> None:
     q, caches, ctx, scale = decode_setup(7, torch.bfloat16, [256], [2], 9000, d=128)
     plain = ta.decode_attention(q, *caches, ctx, scale, num_splits=1)
@@ -376,7 +372,6 @@ def tiny_qwen3_logits(dtype: torch.dtype, backend: str) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_tiny_qwen3_forward_triton_equals_torch() -> None:
     """float32: the two backends agree to 1e-3 on the logits; bf16: Triton is no less accurate than torch."""
     reference = tiny_qwen3_logits(torch.float32, "torch")

@@ -13,6 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers import triton_attention
 from nanovllm.layers.sampler import (
+    NON_FINITE,
     Sampler,
     apply_top_k,
     apply_top_p,
@@ -22,7 +23,6 @@ from nanovllm.layers.sampler import (
 )
 from nanovllm.layers.triton_sampler import race_chunk_kernel, race_pick_kernel, triton_temperature_sample
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
 
 sampler = Sampler()
 
@@ -161,11 +161,31 @@ def test_fast_path_is_taken_only_without_top_k_top_p_and_seeds() -> None:
     assert calls == [2]
 
 
+def _not_numbers(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows 0-2 hold no number to sample from (a NaN, a +inf, only -inf); rows 3-4 are fine (one -inf is a mask)."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, 40)
+    logits[0, 7], logits[1, 39], logits[2], logits[3, 0] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("path", ["fast", "top-k", "seeded"])
+def test_rows_whose_logits_are_not_numbers_are_marked(path: str) -> None:
+    logits = _not_numbers()
+    options = {"fast": {}, "top-k": {"top_ks": torch.full((5,), 10)},
+               "seeded": {"generators": [seeded_generator(1, 0)] * 5}}[path]
+    for temperature in (0.0, 0.9):
+        tokens = sampler(logits, torch.full((5,), temperature), **options)
+        assert tokens[:3].tolist() == [NON_FINITE] * 3
+        assert ((tokens[3:] >= 1) & (tokens[3:] < 40)).all()  # a real token; column 0 of row 3 is masked
+        if temperature == 0:
+            assert torch.equal(tokens[3:], logits[3:].argmax(-1))
+
+
 # ---- the fast path as Triton kernels (the interpreter on a CPU, compiled on a GPU) ------------------
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 def _chi_square(tokens: torch.Tensor, logits: torch.Tensor, temperature: float) -> float:
@@ -187,6 +207,18 @@ def test_triton_greedy_rows_are_torch_argmax(dtype: torch.dtype) -> None:
     assert tokens.dtype == torch.int64 and tokens.device.type == DEVICE
     assert torch.equal(tokens.cpu(), logits.float().argmax(-1))
     assert tokens.tolist()[1:5] == [5, 512, 999, 600]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_marks_rows_whose_logits_are_not_numbers(dtype: torch.dtype) -> None:
+    logits = _not_numbers(dtype)  # chunks of 16: the NaN in chunk 0, the inf in the partial chunk 2
+    for temperature in (0.0, 0.9):
+        tokens = triton_temperature_sample(logits.to(DEVICE), torch.full((5,), temperature, device=DEVICE),
+                                           block_size=16).cpu()
+        assert tokens[:3].tolist() == [NON_FINITE] * 3
+        assert ((tokens[3:] >= 1) & (tokens[3:] < 40)).all()
+        if temperature == 0:
+            assert torch.equal(tokens[3:], logits[3:].float().argmax(-1))
 
 
 def test_triton_mixed_batch_greedy_rows_and_sampled_rows() -> None:
@@ -246,7 +278,6 @@ def test_the_torch_sampler_module_does_not_import_triton() -> None:
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_triton_sampler_on_the_qwen3_vocabulary() -> None:
     vocab = 151_936
     torch.manual_seed(0)
@@ -281,13 +312,7 @@ def _seed_for(condition) -> int:
     raise AssertionError("no such seed in range(1000)")
 
 
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    return build_tiny_model("qwen3")
-
-
 @pytest.mark.gpu
-@gpu
 def test_gpu_runner_samples_with_the_triton_kernels_compiled_at_start_up(tiny: Path) -> None:
     config = Config.from_kwargs(tiny, kvcache_block_size=16, num_kvcache_blocks=32, max_model_len=128,
                                 max_num_seqs=4, enforce_eager=True, compile_small_ops=False)

@@ -11,6 +11,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import (
     NOT_SAMPLED,
     ModelRunner,
+    allocate_kv,
     kv_block_bytes,
     max_useful_blocks,
     num_kv_blocks,
@@ -19,9 +20,9 @@ from nanovllm.engine.model_runner import (
 )
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import TorchBackend
+from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import get_context, reset_context
-from nanovllm.utils.tiny_models import build_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -29,11 +30,6 @@ def _clean_context():
     reset_context()
     yield
     reset_context()
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    return build_tiny_model("qwen3")
 
 
 def scheduled(tokens: list[int], table: list[int], cached: int, count: int, block_size: int = 4) -> Sequence:
@@ -105,6 +101,14 @@ def test_block_count_rules(tiny: Path) -> None:
     assert num_kv_blocks(budget, block) == 3
 
 
+@pytest.mark.parametrize("setting", ["num_kvcache_blocks", "kvcache_memory_gb"])
+def test_a_pool_the_machine_cannot_hold_names_the_setting(setting: str) -> None:
+    shape = (2, 28, 10**8, 16, 8, 128)  # 2.4 PiB of float16
+    with pytest.raises(ValueError, match=rf"KV cache of 100000000 blocks needs .* GiB, more than .*; lower {setting}"):
+        allocate_kv(shape, torch.float16, torch.device("cpu"), setting)
+    assert allocate_kv((2, 1, 3, 4, 1, 2), torch.float16, torch.device("cpu"), setting).shape == (2, 1, 3, 4, 1, 2)
+
+
 def test_runner_allocates_one_tensor_with_per_layer_views(tiny: Path) -> None:
     config = Config.from_kwargs(tiny, kvcache_block_size=8, num_kvcache_blocks=6)
     runner = ModelRunner(config)
@@ -156,6 +160,10 @@ def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     assert previous.token_ids() == [70, NOT_SAMPLED, 80]
     with pytest.raises(AssertionError, match="pending"):
         prepare_decode([a, b, c], 4, "cpu")  # who computes a's token?
+    # A sample the sampler marked NON_FINITE (chapter 07) must not reach the embedding as -2.
+    marked = SampledTokens([c, b, a], [0, 2], torch.tensor([NON_FINITE, 80]), torch.tensor([NON_FINITE, 80]))
+    assert prepare_decode([a, b, c], 4, "cpu", marked)[0].tolist() == [80, 11, 0]
+    assert marked.token_ids() == [NON_FINITE, NOT_SAMPLED, 80]  # the host still sees the mark
     orphan = SampledTokens([b], [0], torch.tensor([1]), torch.tensor([1]))
     with pytest.raises(AssertionError, match="not one this step samples"):
         prepare_decode([a], 4, "cpu", orphan)

@@ -25,7 +25,6 @@ from nanovllm.utils.context import get_context, reset_context, set_decode_contex
 from nanovllm.utils.tiny_models import build_tiny_model
 
 CUDA = torch.cuda.is_available()
-gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
 
 @pytest.fixture(autouse=True)
@@ -104,11 +103,6 @@ def test_graphs_unavailable_reason() -> None:
     assert "not capture-safe" in graphs_unavailable_reason("cuda", "torch")
 
 
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    return build_tiny_model("qwen3")
-
-
 def test_compile_small_ops_setting(tiny: Path) -> None:
     if not CUDA:
         assert Config.from_kwargs(tiny).compile_small_ops is False  # auto: off on CPU
@@ -165,7 +159,6 @@ def graph_runner(tiny: Path) -> ModelRunner:
 
 
 @pytest.mark.gpu
-@gpu
 @pytest.mark.parametrize("batch", [1, 3, 5, 16, 17, 32])
 def test_gpu_graph_replay_equals_eager(graph_runner: ModelRunner, batch: int) -> None:
     runner = graph_runner
@@ -194,7 +187,6 @@ def test_gpu_graph_replay_equals_eager(graph_runner: ModelRunner, batch: int) ->
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_batch_beyond_the_largest_graph_runs_eagerly(tiny: Path) -> None:
     config = Config.from_kwargs(tiny, dtype="float32", kvcache_block_size=16, num_kvcache_blocks=64,
                                 max_model_len=128, max_num_seqs=4)
@@ -247,7 +239,6 @@ def test_compile_small_ops_runs_every_small_op_through_its_compiled_version(tiny
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
     from torch._dynamo.utils import counters
 
@@ -274,7 +265,6 @@ def test_gpu_compiled_small_ops_match_eager(tiny: Path) -> None:
 
 
 @pytest.mark.gpu
-@gpu
 def test_gpu_kv_sizing_stays_within_the_memory_budget(tmp_path: Path) -> None:
     # A model whose KV blocks are big enough that the budget, not max_useful_blocks, sets the count.
     model = build_tiny_model("qwen3", tmp_path / "wide-kv", num_key_value_heads=2, num_attention_heads=4,

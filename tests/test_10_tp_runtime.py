@@ -40,7 +40,6 @@ from nanovllm.engine.tp_runtime import (
 from nanovllm.layers.linear import agree_min, check_tensor_parallel_size
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tiny pool and budget: chunked prefill and preemption in a short run.
@@ -94,11 +93,6 @@ def shm_mappings(pid: int) -> list[str]:
 
 def token_ids(outputs: list[dict]) -> list[list[int]]:
     return [output["token_ids"] for output in outputs]
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    return build_tiny_model("qwen3")
 
 
 @pytest.fixture(scope="module")

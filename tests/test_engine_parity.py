@@ -11,14 +11,9 @@ from transformers import AutoModelForCausalLM
 
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE, build_tiny_model
+from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE
 
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
-def tiny(request: pytest.FixtureRequest) -> Path:
-    return build_tiny_model(request.param)
 
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
@@ -28,8 +23,8 @@ def scheduling(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(tiny: Path):
-    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+def hf_greedy(tiny_arch: Path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_arch).eval()
     memo: dict[tuple[int, ...], list[int]] = {}
 
     def reference(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -58,13 +53,13 @@ def check(llm: LLM, prompts: list[list[int]], hf_greedy) -> None:
     assert [o["token_ids"] for o in outputs] == [hf_greedy(p) for p in prompts]
 
 
-def test_plain_batch_of_mixed_lengths(tiny: Path, hf_greedy, scheduling: bool) -> None:
-    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128)
+def test_plain_batch_of_mixed_lengths(tiny_arch: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny_arch), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128)
     check(llm, prompts_of([1, 3, 4, 5, 9, 17, 33]), hf_greedy)
 
 
-def test_prefix_cache_hits_in_a_second_round(tiny: Path, hf_greedy, scheduling: bool) -> None:
-    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128)
+def test_prefix_cache_hits_in_a_second_round(tiny_arch: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny_arch), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128)
     shared = prompts_of([12], seed=1)[0]
     first = [shared + tail for tail in prompts_of([3, 6], seed=2)]
     check(llm, first, hf_greedy)
@@ -75,27 +70,27 @@ def test_prefix_cache_hits_in_a_second_round(tiny: Path, hf_greedy, scheduling: 
     assert any(hits), "the second round must reuse cached prefix blocks"
 
 
-def test_chunked_prefill(tiny: Path, hf_greedy, scheduling: bool) -> None:
-    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128,
+def test_chunked_prefill(tiny_arch: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny_arch), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=128,
               max_num_batched_tokens=7)
     check(llm, prompts_of([23, 2, 15, 7, 8]), hf_greedy)
 
 
-def test_preemption_with_a_tiny_pool(tiny: Path, hf_greedy, scheduling: bool) -> None:
-    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=12)
+def test_preemption_with_a_tiny_pool(tiny_arch: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny_arch), async_scheduling=scheduling, kvcache_block_size=4, num_kvcache_blocks=12)
     preempted = []
     llm.scheduler.observer = lambda event, data: preempted.extend(data["preempted"]) if event == "schedule" else None
     check(llm, prompts_of([10, 9, 11, 6, 12]), hf_greedy)
     assert preempted, "a 12-block pool must force preemption"
 
 
-def test_one_sequence_at_a_time(tiny: Path, hf_greedy, scheduling: bool) -> None:
-    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=8, num_kvcache_blocks=32, max_num_seqs=1)
+def test_one_sequence_at_a_time(tiny_arch: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny_arch), async_scheduling=scheduling, kvcache_block_size=8, num_kvcache_blocks=32, max_num_seqs=1)
     check(llm, prompts_of([5, 13, 2]), hf_greedy)
 
 
-def test_everything_at_once_without_prefix_caching(tiny: Path, hf_greedy, scheduling: bool) -> None:
-    llm = LLM(str(tiny), async_scheduling=scheduling, kvcache_block_size=2, num_kvcache_blocks=24,
+def test_everything_at_once_without_prefix_caching(tiny_arch: Path, hf_greedy, scheduling: bool) -> None:
+    llm = LLM(str(tiny_arch), async_scheduling=scheduling, kvcache_block_size=2, num_kvcache_blocks=24,
               max_num_batched_tokens=9, max_num_seqs=3, enable_prefix_caching=False)
     check(llm, prompts_of([14, 3, 9, 1, 20]), hf_greedy)
 
@@ -103,10 +98,10 @@ def test_everything_at_once_without_prefix_caching(tiny: Path, hf_greedy, schedu
 LOGITS_ATOL = 1e-4  # fp32 on CPU; the observed gap is about 1e-5
 
 
-def test_logits_match_transformers_at_every_step(tiny: Path) -> None:
+def test_logits_match_transformers_at_every_step(tiny_arch: Path) -> None:
     """Every row of logits the engine computes, in every step (chunks, cache hits, preemption, decode),
     is within LOGITS_ATOL of transformers' logits for the same token prefix."""
-    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=9)
+    llm = LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=14, max_num_batched_tokens=9)
     model, recorded, chunk_rows = llm.model_runner.model, [], []
     compute_logits, schedule = model.compute_logits, llm.scheduler.schedule
 
@@ -132,7 +127,7 @@ def test_logits_match_transformers_at_every_step(tiny: Path) -> None:
     assert len(recorded) > 10 and len(rows) > 40
     assert any(e["preempted"] for e in events) and any(e["cache_hits"] for e in events)
     assert chunk_rows, "the 9-token budget must split a prompt into chunks"
-    reference = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_arch).eval()
     worst = 0.0
     with torch.inference_mode():
         for prefix, logits in rows:

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from nanovllm.config import Config, UnknownConfigKeyError
+from nanovllm.engine.llm_engine import EngineBusyError, NonFiniteLogitsError
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE, build_tiny_model
+from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Path:
-    return build_tiny_model("qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,15 @@ def test_outputs_come_back_in_prompt_order(llm: LLM) -> None:
         ([[1], [2]], [GREEDY], ValueError, "1 sampling params for 2 prompts"),
         ("a single string", GREEDY, TypeError, "list of prompts"),
         ([b"bytes"], GREEDY, TypeError, "str or a list of token ids"),
+        (["fine", "half a pair: \ud83d"], GREEDY, ValueError, r"prompt 1: .*lone surrogate, '\\ud83d' at index 13"),
+        ([np.array([[1, 2], [3, 4]])], GREEDY, ValueError, r"prompt 0: a NumPy array prompt must be 1-D.*\(2, 2\)"),
+        ([np.array(7)], GREEDY, ValueError, r"must be 1-D.*shape \(\)"),
+        ([np.array([1.0, 2.0])], GREEDY, TypeError, "NumPy array prompt must hold integer token ids, got dtype float"),
+        ([torch.tensor([[1, 2]])], GREEDY, ValueError, r"torch tensor prompt must be 1-D.*\(1, 2\)"),
+        ([torch.tensor([1.0, 2.0])], GREEDY, TypeError, "torch tensor prompt must hold integer token ids"),
+        ([torch.tensor([True, False])], GREEDY, TypeError, "got dtype torch.bool"),
+        ([np.array([1, -2])], GREEDY, ValueError, "negative"),
+        ([torch.tensor([1, TINY_VOCAB_SIZE])], GREEDY, ValueError, "outside the vocabulary"),
     ],
 )
 def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm: LLM, prompts, params, error, message) -> None:
@@ -245,3 +254,142 @@ def test_async_scheduling_is_allowed_with_tensor_parallelism(tiny: Path) -> None
     # Chapter 10's ranks take pending tokens from their own copy of the previous step's samples.
     assert Config.from_kwargs(tiny, tensor_parallel_size=2, async_scheduling=True, device="cpu").async_scheduling
     assert not Config.from_kwargs(tiny, tensor_parallel_size=2, device="cpu").async_scheduling  # auto: CUDA only
+
+
+# ---- the edges a new user found (issue 18) ---------------------------------------------------------
+
+def test_token_id_arrays_are_prompts(llm: LLM) -> None:
+    ids = [5, 6, 7, 8]
+    arrays = [np.array(ids), np.array(ids, dtype=np.int32), np.array(ids, dtype=np.uint16), torch.tensor(ids),
+              torch.tensor(ids, dtype=torch.int32), tuple(ids)]
+    expected = llm.generate([ids], GREEDY, use_tqdm=False)[0]
+    assert llm.generate(arrays, GREEDY, use_tqdm=False) == [expected] * len(arrays)
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused(tiny: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    model = Path(shutil.copytree(tiny, tmp_path / "no-tokenizer"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    with pytest.raises(ValueError, match=r"has no tokenizer \(none of tokenizer\.json, .*\); copy the tokenizer"):
+        LLM(str(model))
+    from nanovllm.__main__ import main
+
+    assert main(["hello", "--model", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model directory") and str(model) in err and "Traceback" not in err
+
+
+def test_a_kv_pool_the_machine_cannot_hold_names_the_setting(tiny: Path) -> None:
+    with pytest.raises(ValueError, match=r"KV cache of 1000000000 blocks needs .* GiB.*; lower num_kvcache_blocks"):
+        LLM(str(tiny), device="cpu", num_kvcache_blocks=10**9)
+
+
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
+def test_concurrent_generate_calls_run_one_after_another(tiny: Path, scheduling: bool) -> None:
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=scheduling)
+    batches = [[[3 + t, 10 + i, 20 + t + i] for i in range(3)] for t in range(3)]
+    expected = [llm.generate(batch, GREEDY, use_tqdm=False) for batch in batches]
+    results: dict[int, list] = {t: [] for t in range(3)}
+    errors: list[BaseException] = []
+
+    def client(t: int) -> None:
+        try:
+            for _ in range(5):
+                results[t].append(llm.generate(batches[t], GREEDY, use_tqdm=False))
+        except BaseException as error:  # the assertion below shows it
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert results == {t: [expected[t]] * 5 for t in range(3)}
+    assert llm.is_finished() and len(llm.scheduler.block_manager.free_block_ids) == 32
+
+
+def test_a_call_from_inside_a_step_is_refused_and_the_engine_keeps_serving(tiny: Path) -> None:
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32)
+    refused = []
+
+    def observer(event: str, data: dict) -> None:
+        if event == "schedule" and not refused:
+            with pytest.raises(EngineBusyError, match=r"generate\(\) was called from inside another call"):
+                llm.generate([[1, 2]], GREEDY, use_tqdm=False)
+            refused.append(event)
+
+    llm.scheduler.observer = observer
+    first = llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+    llm.scheduler.observer = None
+    assert refused and first == llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
+def test_generate_shares_its_steps_with_earlier_requests_and_loses_none(tiny: Path, scheduling: bool) -> None:
+    """generate() returns its own outputs; what add_request queued before is computed alongside, and step()
+    reports it (finished meanwhile or not), n > 1 samples included, with the tokens of a fresh engine."""
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 48, "async_scheduling": scheduling}
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    pair = SamplingParams(temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, n=2)
+    earlier = [([9, 9, 9], short), ([8, 8], long), ([7, 7, 7, 7], pair)]
+    alone = LLM(str(tiny), **settings).generate([p for p, _ in earlier], [s for _, s in earlier], use_tqdm=False)
+
+    llm = LLM(str(tiny), **settings)
+    ids = [llm.add_request(prompt, params) for prompt, params in earlier]
+    mine = llm.generate([[5, 6]], GREEDY, use_tqdm=False)
+    assert mine == LLM(str(tiny), **settings).generate([[5, 6]], GREEDY, use_tqdm=False)
+    assert not llm.is_finished()  # the long request still runs, holding its blocks
+    reported: dict[int, list[int]] = {}
+    while not llm.is_finished():
+        reported.update(dict(llm.step()[0]))
+    assert reported[ids[0]] == alone[0]["token_ids"] and reported[ids[1]] == alone[1]["token_ids"]
+    samples = sorted(tokens for seq_id, tokens in reported.items() if seq_id not in ids[:2])
+    assert samples == sorted(o["token_ids"] for o in alone[2]["outputs"])
+    assert len(llm.scheduler.block_manager.free_block_ids) == 48
+
+
+def _poison(llm: LLM, token: int) -> None:
+    """Make the embedding of ``token`` NaN: a sequence holding it gets NaN logits, the others do not."""
+    with torch.no_grad():
+        llm.model_runner.model.model.embed_tokens.weight[token] = float("nan")
+
+
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
+def test_nan_weights_are_named_instead_of_generating_token_0(tiny: Path, tmp_path: Path, scheduling: bool) -> None:
+    model = Path(shutil.copytree(tiny, tmp_path / "nan-weights"))
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float("nan")
+    save_file(weights, str(model / "model.safetensors"))
+    llm = LLM(str(model), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=scheduling)
+    with pytest.raises(NonFiniteLogitsError, match=r"prompt 0, 1: the model's logits are NaN or infinite \(the "
+                       r"weights hold NaN or inf \(model\.layers\.1\.mlp\.down_proj\.weight\)"):
+        llm.generate(["Hello", [1, 2, 3]], GREEDY, use_tqdm=False)
+    assert llm.is_finished() and len(llm.scheduler.block_manager.free_block_ids) == 32
+
+
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
+def test_non_finite_logits_drop_their_request_and_the_engine_keeps_serving(tiny: Path, scheduling: bool) -> None:
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 32, "async_scheduling": scheduling}
+    clean = LLM(str(tiny), **settings).generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False)
+    llm = LLM(str(tiny), **settings)
+    _poison(llm, 400)
+    with pytest.raises(NonFiniteLogitsError, match=r"^prompt 1: .*\(model\.embed_tokens\.weight\)") as caught:
+        llm.generate([[5, 6, 7], [1, 400, 2]], GREEDY, use_tqdm=False)
+    assert caught.value.request_ids and llm.is_finished()
+    assert llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False) == clean
+    # Through add_request and step: the poisoned request is reported once, the others carry on.
+    good = llm.add_request([5, 6, 7], GREEDY)
+    bad = llm.add_request([400], GREEDY)
+    other = llm.add_request([8, 9], GREEDY)
+    reported, raised = {}, []
+    while not llm.is_finished():
+        try:
+            reported.update(dict(llm.step()[0]))
+        except NonFiniteLogitsError as error:
+            raised.append(error.request_ids)
+    assert raised == [[bad]]
+    assert reported == {good: clean[0]["token_ids"], other: clean[1]["token_ids"]}
+    assert len(llm.scheduler.block_manager.free_block_ids) == 32

@@ -17,7 +17,7 @@ from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.tiny_models import build_tiny_model
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = pytest.mark.gpu
 
 # Qwen3-0.6B's attention and MLP layout (16 query heads, 8 KV heads, head_dim 128, hidden 1024,
 # vocabulary 151936) with 2 layers instead of 28: the kernels see the real shapes, the test stays short.

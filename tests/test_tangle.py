@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -248,3 +249,16 @@ def test_runs_as_a_module_and_as_a_script() -> None:
         result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "matches the notebooks" in result.stdout
+
+
+def test_the_tool_tests_collect_without_torch() -> None:
+    """The tool tests need the notebook stack, not the engine: with torch and triton unimportable they still collect."""
+    spec = importlib.util.spec_from_file_location("tests_conftest", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    modules = [f"tests/{name}" for name in sorted(conftest.TOOL_TESTS)]
+    code = ("import sys; sys.modules['torch'] = sys.modules['triton'] = None; import pytest; "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', *{modules!r}]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert " tests collected in " in done.stdout.splitlines()[-1]

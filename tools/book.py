@@ -2,8 +2,9 @@
 
 ``python -m tools.book execute [chapter.py ...]``
     runs every chapter (or the ones named) top to bottom in a fresh kernel and writes the
-    executed notebooks to ``build/executed/``, printing each chapter's time. A cell that raises
-    stops the build with the chapter's name and the error (exit status 1).
+    executed notebooks to ``build/executed/``, printing each chapter's time. A chapter whose cell
+    raises is named with its error and left out; the others still run, and the exit status is 1.
+    ``./dev test`` runs the chapters this way, once, and builds the sites from the same notebooks.
 ``python -m tools.book site``
     turns the executed notebooks into one docs tree per language (``build/docs/en``,
     ``build/docs/zh``: markdown cells of the other language, its code comments and its half of
@@ -12,7 +13,7 @@
     into ``build/site/zh/``. A chapter that was not executed yet is built without outputs, with a
     warning, so that executing two chapters is enough to look at the site.
 ``python -m tools.book all``
-    both of the above.
+    both of the above (no site when a chapter failed).
 
 mkdocs-static-i18n does not work with mkdocs-jupyter, hence one filtered tree per language.
 """
@@ -55,35 +56,54 @@ class ChapterError(Exception):
 
 
 def execute(chapters: list[Path], out_dir: Path) -> list[Path]:
-    """Run each chapter in a fresh kernel from the project root; write the executed notebooks."""
+    """Run each chapter in a fresh kernel from the project root; write the executed notebooks.
+
+    A chapter whose cell raises is reported and left out (an older executed copy of it is removed, so
+    that no site shows stale outputs); the others still run, and ChapterError then names every failure.
+    This is the book's only execution: `./dev test` checks the chapters with it and builds the sites
+    from its notebooks.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, failures = [], []
     began = time.monotonic()
     for k, chapter in enumerate(chapters, start=1):
-        notebook = jupytext.read(chapter, fmt="py:percent")
         print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end=" ", flush=True)
         started = time.monotonic()
-        # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
-        # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
-        with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
-            kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
-            client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
-                                    resources={"metadata": {"path": str(ROOT)}})
-            try:
-                client.execute()
-            except CellExecutionError as error:
-                print("failed", flush=True)
-                raise ChapterError(f"{chapter.name} raised while executing:\n{error}") from error
-            finally:  # nbclient leaves a kernel it did not create running
-                if kernel.has_kernel:
-                    kernel.shutdown_kernel(now=True)
-        print(f"{time.monotonic() - started:6.1f} s", flush=True)
         target = out_dir / chapter.with_suffix(".ipynb").name
+        try:
+            notebook = run_chapter(chapter)
+        except ChapterError as error:
+            print("failed", flush=True)
+            target.unlink(missing_ok=True)
+            failures.append(str(error))
+            continue
+        print(f"{time.monotonic() - started:6.1f} s", flush=True)
         nbformat.write(notebook, target)
         written.append(target)
     if len(chapters) > 1:
         print(f"book: executed {len(chapters)} chapters in {minutes(time.monotonic() - began)}", flush=True)
+    if failures:
+        raise ChapterError("\n\n".join(failures))
     return written
+
+
+def run_chapter(chapter: Path) -> nbformat.NotebookNode:
+    """The chapter executed top to bottom in a fresh kernel; ChapterError if a cell raises."""
+    notebook = jupytext.read(chapter, fmt="py:percent")
+    # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
+    # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
+    with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
+        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
+        client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
+                                resources={"metadata": {"path": str(ROOT)}})
+        try:
+            client.execute()
+        except CellExecutionError as error:
+            raise ChapterError(f"{chapter.name} raised while executing:\n{error}") from error
+        finally:  # nbclient leaves a kernel it did not create running
+            if kernel.has_kernel:
+                kernel.shutdown_kernel(now=True)
+    return notebook
 
 
 def minutes(seconds: float) -> str:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as ListLike
 from dataclasses import dataclass
-from typing import Any
+from functools import wraps
+from pathlib import Path
+from typing import Any, TypeVar
 
+import numpy as np
+import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -15,19 +21,138 @@ from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner, TPStep
+from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
+    "TOKENIZER_FILES",
+    "EngineBusyError",
     "LLMEngine",
     "LaunchedStep",
+    "NonFiniteLogitsError",
     "Prompt",
+    "load_tokenizer",
+    "non_finite_cause",
+    "one_call_at_a_time",
+    "prompt_token_ids",
 ]
 
 
+# notebooks/11_engine.py · cell "engine inputs"
+Prompt = str | list[int] | np.ndarray | torch.Tensor
+# What transformers reads a vocabulary from: a fast tokenizer, SentencePiece, BPE, WordPiece.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+class EngineBusyError(RuntimeError):
+    """A call into the engine from inside another call of the same engine, on the same thread."""
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits were NaN or infinite for some requests, which were dropped (``request_ids``)."""
+
+    def __init__(self, message: str, request_ids: list[int]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model directory. Without tokenizer files transformers would quietly build one
+    that knows a single token, and every text prompt would come out empty: refuse the directory instead."""
+    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"model directory {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the checkpoint into it"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as error:  # transformers raises OSError, ValueError, ...
+        raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
+
+
+def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
+    """One prompt as token ids: text is tokenized; a list, a tuple or a 1-D integer NumPy array or torch
+    tensor already holds ids (Sequence checks each one)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is an empty string")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"prompt is not valid text: it holds a lone surrogate, {prompt[error.start]!r} at index "
+                f"{error.start} (bytes decoded with errors='surrogateescape'? decode them with errors='replace')"
+            ) from None
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return _array_token_ids(prompt)
+    if isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
+        return list(prompt)
+    raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
+                    f"got {type(prompt).__name__}")
+
+
+def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
+    kind = "NumPy array" if isinstance(array, np.ndarray) else "torch tensor"
+    if array.ndim != 1:
+        raise ValueError(f"a {kind} prompt must be 1-D, the token ids of one prompt; got shape "
+                         f"{tuple(array.shape)} (a batch is a list of prompts)")
+    dtype = array.dtype
+    if isinstance(array, np.ndarray):
+        integer = dtype.kind in "iu"
+    else:
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    if not integer:
+        raise TypeError(f"a {kind} prompt must hold integer token ids, got dtype {dtype}")
+    return array.tolist()
+
+
+def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
+    """Why a model's logits are NaN or infinite: weights that are (named), else an overflow in ``dtype``.
+
+    It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
+    """
+    if model is None:  # tensor parallelism: the weights live in the ranks
+        return f"NaN or inf in the weights, or activations that overflow {dtype}"
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    broken = [name for name, tensor in tensors if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        more = f" and {len(broken) - 1} more tensors" if len(broken) > 1 else ""
+        return f"the weights hold NaN or inf ({broken[0]}{more}): the checkpoint is damaged"
+    unwritten = "or the attention read KV that no step wrote (a bug of the engine)"
+    if dtype == "float32":
+        return f"the weights are finite: the activations overflowed float32, {unwritten}"
+    better = "'bfloat16' (float32's range) or 'float32'" if dtype == "float16" else "'float32'"
+    return f"the weights are finite: the activations likely overflowed {dtype} (try dtype={better}), {unwritten}"
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def one_call_at_a_time(method: _Method) -> _Method:
+    """Run an `LLMEngine` method under the engine's lock. A call from another thread waits until the call in
+    progress returns; a call from inside another call on the same thread (an observer, a callback) would find
+    the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself forever."""
+
+    @wraps(method)
+    def serialized(self: LLMEngine, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise EngineBusyError(
+                f"{method.__name__}() was called from inside another call of this engine on the same thread "
+                "(an observer or a callback?), in the middle of a step; call it once that call has returned"
+            )
+        with self._lock:
+            self._lock_owner = me
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self._lock_owner = None
+
+    return serialized  # type: ignore[return-value]
+
+
 # notebooks/11_engine.py · cell "llm engine"
-Prompt = str | list[int]
-
-
 @dataclass
 class LaunchedStep:
     """A step the scheduler has counted (`advance`) whose tokens may still be on their way."""
@@ -40,14 +165,15 @@ class LaunchedStep:
 
 
 class LLMEngine:
-    """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`."""
+    """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`.
+
+    One call at a time: `generate`, `add_request`, `step` and `exit` called from several threads run one
+    after another, each waiting for the call in progress to return.
+    """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = config = Config.from_kwargs(model, **kwargs)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        except Exception as error:  # transformers raises OSError, ValueError, ... for a missing tokenizer
-            raise ValueError(f"cannot load the tokenizer of {config.model}: {error}") from error
+        self.tokenizer = load_tokenizer(config.model)
         # One process, or one process per tensor-parallel rank (chapter 10); both set config.num_kvcache_blocks.
         runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.model_runner: ModelRunner | TPRunner = runner(config)
@@ -61,20 +187,21 @@ class LLMEngine:
         )
         # With async scheduling, the step the GPU may still be computing.
         self.in_flight: LaunchedStep | None = None
+        # Finished sequences of add_request's requests that step() has not reported yet (generate's
+        # steps finish them too); the requests of the generate call in progress; the requests dropped
+        # for non-finite logits that nobody was told about yet, with the likely cause.
+        self.unreported: list[Sequence] = []
+        self._serving: Collection[int] = ()
+        self._dropped: dict[int, str] = {}
+        self._lock = threading.Lock()
+        self._lock_owner: int | None = None
 
     # ---- requests -------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
         """Tokenize and check one request; raise TypeError/ValueError naming the problem."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is an empty string")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
-            token_ids = list(prompt)
-        else:
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        token_ids = prompt_token_ids(prompt, self.tokenizer)
         if not token_ids:
             raise ValueError("prompt is empty: it has no tokens")
         seq = Sequence(token_ids, sampling_params, block_size=self.config.kvcache_block_size)
@@ -101,26 +228,38 @@ class LLMEngine:
         seq.pending_forks = 0
         return [seq] + [seq.fork(sample_index) for sample_index in range(1, sampling_params.n)]
 
+    @one_call_at_a_time
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
+        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own).
+        `step` reports it when it finishes, also when a `generate` call's steps computed it."""
         seqs = self.make_sequences(prompt, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
         return seqs[0].seq_id
 
     # ---- the loop -------------------------------------------------------------
+    @one_call_at_a_time
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
         """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
 
         With async scheduling, the step it launches is not the one it reports: it queues step n + 1
         on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
-        The forked samples of a request with ``n > 1`` finish under their own seq_ids.
+        The forked samples of a request with ``n > 1`` finish under their own seq_ids. It also reports
+        the requests of `add_request` that a `generate` call finished, and raises NonFiniteLogitsError
+        once for requests dropped because their logits were not finite (the others go on).
         """
-        finished, num_tokens, is_prefill = self._step()
-        return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens, is_prefill
+        num_tokens, is_prefill = 0, False
+        if not (self.scheduler.is_finished() and self.in_flight is None):
+            _, num_tokens, is_prefill = self._step()
+        error = self._take_dropped(None)
+        if error is not None:
+            raise error  # what finished stays in unreported, for the next call
+        reported, self.unreported = self.unreported, []
+        return [(seq.seq_id, seq.completion_token_ids) for seq in reported], num_tokens, is_prefill
 
     def _step(self) -> tuple[list[Sequence], int, bool]:
-        """`step`, reporting the finished sequences themselves (generate groups them by request)."""
+        """`step`, reporting the finished sequences of the generate call in progress (the others of the step
+        wait in `unreported`)."""
         if not self.config.async_scheduling:
             return self._collect(self._launch(previous=None))
         # Schedule and queue the next step before waiting for the one in flight: while the host
@@ -156,10 +295,46 @@ class LLMEngine:
         return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
     def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
-        """Wait for a launched step's tokens and let the scheduler record them."""
+        """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
         token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
-        finished = self.scheduler.resolve(step.seqs, step.indices, token_ids)
-        return finished, step.num_tokens, step.is_prefill
+        seqs, indices = step.seqs, step.indices
+        broken = []
+        # The sampler marks a row whose logits are not numbers (chapter 07). Looking for the mark in
+        # the tokens the host has read anyway costs no wait for the GPU on any step.
+        if NON_FINITE in token_ids:
+            broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
+            kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
+            seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
+        finished = self.scheduler.resolve(seqs, indices, token_ids)
+        if broken:
+            self._drop(broken)
+        mine = [seq for seq in finished if seq.request_id in self._serving]
+        self.unreported += [seq for seq in finished if seq.request_id not in self._serving]
+        return mine, step.num_tokens, step.is_prefill
+
+    def _drop(self, broken: list[Sequence]) -> None:
+        """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
+        `generate` call they belong to, else by the next `step`."""
+        requests = {seq.request_id for seq in broken if self.scheduler.is_live(seq)}
+        if not requests:
+            return  # dropped already, in an earlier step
+        cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
+            if seq.request_id in requests:
+                self.scheduler.abort(seq)
+        self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
+        self._dropped.update(dict.fromkeys(requests, cause))
+
+    def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
+        """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
+        ids = sorted(request for request in self._dropped if among is None or request in among)
+        if not ids:
+            return None
+        causes = sorted({self._dropped.pop(request) for request in ids})
+        some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
+        return NonFiniteLogitsError(
+            f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
+            "serving other requests", ids)
 
     def _settle_in_flight(self) -> None:
         """After an interruption: record the step in flight if it completed, else drop its sequences."""
@@ -174,8 +349,11 @@ class LLMEngine:
                     self.scheduler.abort(seq)
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and self.in_flight is None
+        """True when no request is queued or computing, and `step` has nothing left to report."""
+        idle = self.scheduler.is_finished() and self.in_flight is None
+        return idle and not self.unreported and not self._dropped
 
+    @one_call_at_a_time
     def exit(self) -> None:
         """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
         self.model_runner.exit()
@@ -186,13 +364,21 @@ class LLMEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.exit()
 
+    @one_call_at_a_time
     def generate(
         self,
         prompts: list[Prompt],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Generate a continuation of every prompt; outputs come back in prompt order."""
+        """Generate a continuation of every prompt; outputs come back in prompt order.
+
+        A prompt is a str, a list of token ids or a 1-D integer NumPy array / torch tensor. Requests queued
+        earlier with `add_request` are not set aside: they share this call's steps (continuous batching), and
+        those that finish meanwhile wait in the engine for `step` to report them; the others keep their place
+        and their blocks when it returns. Raises NonFiniteLogitsError, naming the prompts, when the model's
+        logits for one of them are NaN or infinite.
+        """
         if isinstance(prompts, str) or not isinstance(prompts, ListLike):
             raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
         if sampling_params is None:
@@ -216,6 +402,7 @@ class LLMEngine:
                 self.scheduler.add(seq)
         # Completions by request id, then by sample index (a request with n > 1 has n of them).
         outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
+        self._serving = outputs.keys()
         total = sum(params.n for params in sampling_params)
         done = 0
         bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -224,14 +411,15 @@ class LLMEngine:
             while done < total:
                 start = time.perf_counter()
                 finished, num_tokens, is_prefill = self._step()
+                if self._dropped:
+                    self._raise_dropped(requests)
                 rate = num_tokens / max(time.perf_counter() - start, 1e-9)
                 prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
                 bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
                 for seq in finished:
-                    if seq.request_id in outputs:
-                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
-                        done += 1
-                        bar.update(1)
+                    outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                bar.update(len(finished))
+                done += len(finished)
             if self.in_flight is not None and self.scheduler.is_finished():
                 # A last step computed tokens past the end of sequences that have finished: record it
                 # (it changes nothing) so that the engine is idle when generate returns.
@@ -244,10 +432,23 @@ class LLMEngine:
             for seq in [*self.scheduler.waiting, *self.scheduler.running]:
                 if seq.request_id in outputs:
                     self.scheduler.abort(seq)
+            for request in outputs:
+                self._dropped.pop(request, None)
             raise
         finally:
+            self._serving = ()
             bar.close()
         return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+    def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
+        """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
+        ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
+        error = self._take_dropped(ids)
+        if error is not None:
+            prompts = ", ".join(str(ids[request]) for request in error.request_ids)
+            alone = len(ids) == len(error.request_ids)
+            others = "" if alone else " (generate raised: its other prompts were dropped too)"
+            raise NonFiniteLogitsError(f"prompt {prompts}: {error}{others}", error.request_ids)
 
     def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
         """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also

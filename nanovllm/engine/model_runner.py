@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,7 @@ __all__ = [
     "NOT_SAMPLED",
     "ModelRunner",
     "SampledTokens",
+    "allocate_kv",
     "copy_kv_blocks",
     "kv_block_bytes",
     "max_useful_blocks",
@@ -110,6 +113,31 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
     return blocks
 
 
+def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, setting: str) -> torch.Tensor:
+    """The KV cache tensor; a pool the device cannot hold is a ValueError naming ``setting``, the knob to lower."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    what = f"the KV cache of {shape[2]} blocks needs {nbytes / 2**30:,.1f} GiB"
+    fix = f"lower {setting}" + (" (or leave it at -1 to size the cache from memory)"
+                                if setting == "num_kvcache_blocks" else "")
+    if device.type == "cpu" and nbytes > _physical_memory():
+        raise ValueError(f"{what}, more than this machine's {_physical_memory() / 2**30:,.1f} GiB of memory; {fix}")
+    try:
+        # Zeros on a GPU, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an
+        # unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
+        return torch.zeros(shape, dtype=dtype, device=device) if device.type == "cuda" else \
+            torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
+        cause = str(error).partition("\n")[0]
+        raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
+
+
+def _physical_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        return math.inf
+
+
 # notebooks/08_model_runner.py · cell "copy blocks"
 def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
@@ -177,7 +205,9 @@ class SampledTokens:
         known = _tensor([max(token, 0) for token in input_ids], device)
         row = _tensor(rows, device)
         # Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
-        return torch.where(row >= 0, self.on_device[row.clamp(min=0)], known)
+        # A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
+        # fail on the device, and the engine drops that sequence when it reads the mark (chapter 11).
+        return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), known)
 
 
 # notebooks/08_model_runner.py · cell "model runner"
@@ -225,9 +255,9 @@ class ModelRunner:
         blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
-        # Zeros, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an unwritten
-        # row of a sequence's last page would poison its output (0 x NaN). Filling costs milliseconds, once.
-        kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
+            "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
+        kv_cache = allocate_kv(shape, self.dtype, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache

@@ -80,6 +80,10 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         self._live_ids.discard(seq.seq_id)
 
+    def is_live(self, seq: Sequence) -> bool:
+        """True from `add` (or a fork) until the sequence finishes or is aborted."""
+        return seq.seq_id in self._live_ids
+
     # ---- admission -----------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone, or its
@@ -243,8 +247,10 @@ class Scheduler:
         assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
         finished: list[Sequence] = []
         for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
-            if seq.is_finished:
-                continue  # it finished in an earlier step: this token was computed past its end
+            if seq.seq_id not in self._live_ids:
+                # It finished in an earlier step (this token was computed past its end), or it was
+                # aborted while this step was in flight: nothing of it is recorded.
+                continue
             # The KV of the step's tokens is written (or, asynchronously, queued on the GPU ahead of
             # any step that could read it): full blocks can be published.
             self.block_manager.publish_full_blocks(seq)

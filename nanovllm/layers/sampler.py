@@ -11,10 +11,12 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import host_to_device
 
 __all__ = [
+    "NON_FINITE",
     "Sampler",
     "apply_top_k",
     "apply_top_p",
     "exponential_noise",
+    "mark_non_finite",
     "sampling_inputs",
     "seeded_generator",
     "temperature_sample",
@@ -49,6 +51,15 @@ def seeded_generator(
 
 
 # notebooks/07_sampling.py · cell "sampler"
+# The token id of a row whose logits are not numbers (above): no real token id is negative.
+NON_FINITE = -2
+
+
+def mark_non_finite(tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """``tokens`` [B], with NON_FINITE where a row's maximum logit (``row_max`` [B]) is NaN or +-inf."""
+    return torch.where(torch.isfinite(row_max), tokens, NON_FINITE)
+
+
 def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the logits >= the k-th largest (k <= 0 or k >= V: keep all)."""
     vocab = logits.shape[-1]
@@ -87,10 +98,11 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     """
     logits = logits.float()
     greedy = temperatures == 0
-    shifted = logits - logits.max(dim=-1, keepdim=True).values
-    probs = (shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]).softmax(dim=-1)
+    row_max = logits.max(dim=-1, keepdim=True).values
+    probs = ((logits - row_max) / torch.where(greedy, 1.0, temperatures.float())[:, None]).softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_().clamp_min_(1e-10)
-    return torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+    tokens = torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+    return mark_non_finite(tokens, row_max[:, 0])
 
 
 class Sampler(nn.Module):
@@ -115,13 +127,14 @@ class Sampler(nn.Module):
         if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
             return self.sample_plain(logits, temperatures)
         logits = logits.float()
-        greedy_tokens = logits.argmax(dim=-1)
+        row_max = logits.max(dim=-1, keepdim=True).values
+        greedy_tokens = mark_non_finite(logits.argmax(dim=-1), row_max[:, 0])
         greedy = temperatures == 0
         if bool(greedy.all()):
             return greedy_tokens
         # Subtract each row's maximum first: every value is then <= 0, so even a tiny temperature
         # cannot overflow to inf (and softmax cannot turn into NaN); the distribution is unchanged.
-        shifted = logits - logits.max(dim=-1, keepdim=True).values
+        shifted = logits - row_max
         scaled = shifted / torch.where(greedy, 1.0, temperatures.float())[:, None]
         # Both filters sort the vocabulary: skip them when no row asks for them.
         vocab = logits.shape[-1]
@@ -131,7 +144,7 @@ class Sampler(nn.Module):
             scaled = apply_top_p(scaled, top_ps.to(scaled.device).float())
         probs = scaled.softmax(dim=-1)
         sampled = (probs / exponential_noise(tuple(probs.shape), generators, probs.device)).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled)
+        return torch.where(greedy, greedy_tokens, mark_non_finite(sampled, row_max[:, 0]))
 
 
 def sampling_inputs(

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.layers.triton_attention import check_triton_device
 
 __all__ = [
@@ -44,23 +45,34 @@ def race_chunk_kernel(
     # T * (l / T - log E): the race without a softmax or a division; T = 0 (greedy) scores the bare logits.
     t = tl.load(temperatures_ptr + row)
     score = tl.where(t > 0, x - t * tl.log(noise), x)
+    # A NaN logit leaves no meaningful winner (below); as -inf it keeps the reductions well defined.
+    nan = x != x
+    score = tl.where(nan, float("-inf"), score)
     # The best score of the tile, then the lowest column holding it (torch.argmax's choice on a tie).
     # Not tl.reshape to one row and one tl.max: compiled, reshape may reorder the elements (on the
     # H200 it returned wrong columns), and the column order is what the tie rule needs.
     best = tl.max(tl.max(score, axis=1), axis=0)
     at = tl.min(tl.min(tl.where(score == best, cols, 2147483647), axis=1), axis=0)
+    # A NaN or +inf logit leaves no meaningful winner: column -1 tells the pick kernel.
+    broken = tl.max(tl.max((nan | (x == float("inf"))).to(tl.int32), axis=1), axis=0)
+    at = tl.where(broken > 0, -1, at)
     tl.store(chunk_score_ptr + row * num_chunks + chunk, best)
     tl.store(chunk_column_ptr + row * num_chunks + chunk, at)
 
 
 @triton.jit
-def race_pick_kernel(chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, CHUNKS: tl.constexpr):
+def race_pick_kernel(
+    chunk_score_ptr, chunk_column_ptr, token_ptr, num_chunks, CHUNKS: tl.constexpr, NON_FINITE: tl.constexpr
+):
     # One program per row: the best of the row's chunk winners; tl.argmax prefers the lower chunk on a tie.
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     scores = tl.load(chunk_score_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
-    best = tl.argmax(scores, axis=0)
-    tl.store(token_ptr + row, tl.load(chunk_column_ptr + row * num_chunks + best).to(tl.int64))
+    columns = tl.load(chunk_column_ptr + row * num_chunks + c, mask=c < num_chunks, other=0)
+    token = tl.load(chunk_column_ptr + row * num_chunks + tl.argmax(scores, axis=0)).to(tl.int64)
+    # A chunk saw NaN or +inf (column -1), or every logit is -inf: no token can be drawn.
+    broken = (tl.min(columns, axis=0) < 0) | (tl.max(scores, axis=0) == float("-inf"))
+    tl.store(token_ptr + row, tl.where(broken, NON_FINITE, token))
 
 
 # notebooks/07_sampling.py · cell "triton sampler wrapper"
@@ -68,8 +80,9 @@ def triton_temperature_sample(
     logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
 ) -> torch.Tensor:
     """``temperature_sample`` as two Triton kernels: logits [B, V] (float32, bfloat16 or float16), temperatures [B]
-    (0 = greedy) -> [B] int64 on the logits' device. Nothing is read back from the GPU; the noise's seed comes
-    from torch's CPU generator, so ``torch.manual_seed`` before a call makes it reproducible."""
+    (0 = greedy) -> [B] int64 on the logits' device, NON_FINITE for a row whose logits are not numbers. Nothing is
+    read back from the GPU; the noise's seed comes from torch's CPU generator, so ``torch.manual_seed`` before a
+    call makes it reproducible."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -100,6 +113,7 @@ def triton_temperature_sample(
         logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size
     )
     race_pick_kernel[(batch,)](
-        chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks)
+        chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks),
+        NON_FINITE=NON_FINITE,
     )
     return tokens

@@ -107,7 +107,14 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     gguf = find_gguf()
     target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
     if not is_converted(target, gguf):
-        convert(gguf, target)
+        try:
+            convert(gguf, target)
+        except OSError as error:  # read-only, not a directory, disk full...
+            where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
+            raise CacheNotWritableError(
+                f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "
+                f"point {where} at a writable directory with about 600 MB free"
+            ) from error
     return target
 
 
