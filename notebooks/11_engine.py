@@ -642,7 +642,9 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     if not is_converted(target, gguf):
         try:
             convert(gguf, target)
-        except OSError as error:  # read-only, not a directory, disk full...
+        except CacheNotWritableError:
+            raise  # the cache folder itself: its message already says how to move the cache
+        except OSError as error:  # a write that fails midway: disk full...
             where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
             raise CacheNotWritableError(
                 f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "
