@@ -746,11 +746,14 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    # en: 128 keys per tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py)
-    # en: it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
-    # zh: GPU 上每个 tile 128 个键：在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
-    # zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。
-    bn, num_warps, num_stages = launch or ((128, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
+    # en: 128 keys per 16-bit tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens,
+    # en: scripts/decode_sweep.py) it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
+    # en: float32 tiles are twice the bytes: they keep 64 keys, measured before.
+    # zh: GPU 上 16 位数据每个 tile 128 个键：在引擎基准测试的上下文长度上（100–2,048 个 token，
+    # zh: scripts/decode_sweep.py），batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。
+    # zh: float32 的 tile 字节数翻倍：仍用之前测过的 64 个键。
+    keys = 128 if q.element_size() <= 2 else 64
+    bn, num_warps, num_stages = launch or ((keys, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
     split = num_splits > 1
     # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。
@@ -1430,8 +1433,8 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 # different times. `scripts/decode_sweep.py` times the decode kernel on exactly that (batches of
 # 256, 64 and 16, contexts drawn uniformly from 100 to 2,048) for several launch configurations:
 # tiles of 128 keys beat the 64 the kernel used until then at every batch (batch 256: 93 % →
-# 99 % of the copy rate), so 128 is the GPU default since 2026-12-01. The kernel table above
-# was recorded with 64.
+# 99 % of the copy rate), so 128 is the GPU default for bf16 and fp16 since 2026-12-01 (float32
+# keeps 64). The kernel table above was recorded with 64.
 #
 # `python -m nanovllm.bench_attention --quick` adds FlashAttention 4's columns when it is
 # installed. Recorded on the H200 (2026-12-01, our decode still at 64 keys per tile): at 64
@@ -1447,7 +1450,8 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 # 上面的表格让每个序列都是同一个上下文长度。引擎的基准测试解码 256 个序列，上下文长度分布在 100 到 2,048 个
 # token 之间，所以各个程序结束的时间不同。`scripts/decode_sweep.py` 正是在这种情形下（256、64、16 个序列，上下文
 # 长度在 100 到 2,048 之间均匀抽取）为几种启动配置计时：每个 tile 128 个键在每个批大小上都胜过此前用的 64 个键
-# （batch 256：拷贝速率的 93 % → 99 %），所以从 2026-12-01 起 GPU 上默认用 128。上面的内核表格是用 64 记录的。
+# （batch 256：拷贝速率的 93 % → 99 %），所以从 2026-12-01 起 GPU 上 bf16 与 fp16 默认用 128（float32 仍用 64）。
+# 上面的内核表格是用 64 记录的。
 #
 # 装有 FlashAttention 4 时，`python -m nanovllm.bench_attention --quick` 会加上它的几列。H200 上的记录（2026-12-01，
 # 我们的 decode 当时仍是每个 tile 64 个键）：序列数为 64 及以上时，长上下文下两个 decode 内核不相上下，512 个 token

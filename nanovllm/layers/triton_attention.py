@@ -440,9 +440,11 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    # 128 keys per tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py)
-    # it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
-    bn, num_warps, num_stages = launch or ((128, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
+    # 128 keys per 16-bit tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens,
+    # scripts/decode_sweep.py) it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
+    # float32 tiles are twice the bytes: they keep 64 keys, measured before.
+    keys = 128 if q.element_size() <= 2 else 64
+    bn, num_warps, num_stages = launch or ((keys, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
     split = num_splits > 1
     # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     if split:
