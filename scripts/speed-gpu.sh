@@ -4,8 +4,8 @@
 #   scripts/speed-gpu.sh keep            # copy the wheels carried in .fa4a/ to /tmp/keep (call 1)
 #   scripts/speed-gpu.sh tests           # join and install FlashAttention 4's wheels (.fa4b/ + /tmp/keep),
 #                                        # then the GPU tests of the FA4 backend and the fused q/k/v kernel
-#   scripts/speed-gpu.sh bench           # engine: triton vs flash-attn in one invocation; the tree before the
-#                                        # fused kernel (.bench-base/nanovllm) in a second one
+#   scripts/speed-gpu.sh bench           # engine: triton vs flash-attn in one invocation; a tree exported to
+#                                        # .bench-base/nanovllm (before a change) in a second one
 #   scripts/speed-gpu.sh kernels         # attention kernels with FA4 columns; decode launch sweep
 #
 # FlashAttention 4 is pure Python over nvidia-cutlass-dsl, whose cu13 library wheel (92 MB) is too big to travel
@@ -47,7 +47,8 @@ case ${1:-} in
     export PYTHONPATH=$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
     python3 -c "import flash_attn.cute as fa; print('flash_attn.cute', fa.__version__)" 2>&1 | tee "$out/fa4-import.txt"
     timeout 500 python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tests.xml" \
-      ${TESTS_K:+-k "$TESTS_K"} tests/test_06b_triton_attention.py tests/test_09_cuda_graphs.py tests/test_gpu_engine.py 2>&1 \
+      ${TESTS_K:+-k "$TESTS_K"} tests/test_06b_triton_attention.py tests/test_07_sampling.py tests/test_09_cuda_graphs.py \
+      tests/test_10_tp_runtime.py tests/test_gpu_engine.py 2>&1 \
       | tee "$out/tests.log" | tail -40 ;;
   bench)
     install_fa4
@@ -56,8 +57,9 @@ case ${1:-} in
     python3 -c "import flash_attn.cute" 2>/dev/null && backends="triton flash-attn"
     timeout 330 python3 -m nanovllm.bench --preset nano-vllm --no-peer --attention-backend $backends \
       --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "^\s*$"
-    PYTHONPATH=$PWD/.bench-base timeout 200 python3 -m nanovllm.bench --preset nano-vllm --no-peer \
-      --out "$out/bench-base.json" 2>&1 | tee "$out/bench-base.log" | grep -v "^\s*$" ;;
+    # The tree before a change, exported into .bench-base/ (git archive REV nanovllm | tar -x -C .bench-base).
+    [ -d .bench-base/nanovllm ] && PYTHONPATH=$PWD/.bench-base timeout 200 python3 -m nanovllm.bench \
+      --preset nano-vllm --no-peer --out "$out/bench-base.json" 2>&1 | tee "$out/bench-base.log" | grep -v "^\s*$" ;;
   kernels)
     install_fa4
     export PYTHONPATH=$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
