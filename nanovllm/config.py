@@ -138,7 +138,7 @@ class Config:
                 "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
             )
         elif backend == "flash-attn":
-            _check_flash_attn(device)
+            _check_flash_attn(device, dtype)
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.async_scheduling == "auto":
@@ -168,10 +168,13 @@ class Config:
         return cls(model, **kwargs)
 
 
-def _check_flash_attn(device: str) -> None:
+def _check_flash_attn(device: str, dtype: str) -> None:
     """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run (chapter 06b)."""
     if device != "cuda":
         raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
+    if dtype == "float32":
+        raise ValueError("attention_backend='flash-attn' computes in 16 bits: use dtype='bfloat16' or 'float16' "
+                         "(or attention_backend='triton' for float32)")
     if torch.cuda.get_device_capability()[0] < 9:
         raise ValueError(
             f"attention_backend='flash-attn' needs a Hopper or newer GPU (FlashAttention 4 has no paged KV before "

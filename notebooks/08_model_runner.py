@@ -480,7 +480,8 @@ class SampledTokens:
 # sampling pass on it.
 #
 # Two hooks belong to chapter 09 and do nothing on a CPU: with `compile_small_ops` the model's
-# small element-wise ops are compiled, and on a GPU with the Triton backend `self.graphs` holds
+# small element-wise ops are compiled, and on a GPU with a capture-safe attention backend (Triton or
+# FlashAttention 4) `self.graphs` holds
 # the captured decode graphs, which `run` replays for decode steps instead of calling the model.
 #
 # The runner builds what the layers compute with once and hands it down: one attention backend
@@ -505,7 +506,8 @@ class SampledTokens:
 # 位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
 #
 # 有两个挂钩属于第 09 章，在 CPU 上什么也不做：打开 `compile_small_ops` 时，模型中的逐元素小算子会被编译；在 GPU 上
-# 使用 Triton 后端时，`self.graphs` 保存捕获好的 decode 图，`run` 在 decode 步重放它们，而不是直接调用模型。
+# 使用可以安全捕获的注意力后端（Triton 或 FlashAttention 4）时，`self.graphs` 保存捕获好的 decode 图，`run` 在
+# decode 步重放它们，而不是直接调用模型。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核

@@ -57,8 +57,9 @@ case ${1:-} in
     python3 -c "import flash_attn.cute" 2>/dev/null && backends="triton flash-attn"
     timeout 330 python3 -m nanovllm.bench --preset nano-vllm --no-peer --attention-backend $backends \
       --out "$out/bench.json" 2>&1 | tee "$out/bench.log" | grep -v "^\s*$"
-    # The tree before a change, exported into .bench-base/ (git archive REV nanovllm | tar -x -C .bench-base).
-    [ -d .bench-base/nanovllm ] && PYTHONPATH=$PWD/.bench-base timeout 200 python3 -m nanovllm.bench \
+    # The tree before a change, exported into .bench-base/ (git archive REV nanovllm | tar -x -C .bench-base);
+    # -P: without it `python -m` puts the working folder, the current tree, ahead of PYTHONPATH.
+    [ -d .bench-base/nanovllm ] && PYTHONPATH=$PWD/.bench-base timeout 200 python3 -P -m nanovllm.bench \
       --preset nano-vllm --no-peer --out "$out/bench-base.json" 2>&1 | tee "$out/bench-base.log" | grep -v "^\s*$" ;;
   kernels)
     install_fa4

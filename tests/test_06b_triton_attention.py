@@ -214,7 +214,7 @@ def test_split_heuristic() -> None:
     assert ta.choose_num_splits(batch=16, num_kv_heads=8, max_context=8192, num_sms=132) == 4
 
 
-# ---------------------------------------------------------------- the layer, the registry, the resolver
+# ---------------------------------------------------------------- the layer, and the backends attention_backend builds
 
 def test_layer_through_triton_backend_matches_torch_layer() -> None:
     """A prefill with a prefix, then decode, through Attention layers set to each backend."""

@@ -132,3 +132,10 @@ def test_flash_attn_backend_generates_what_the_triton_backend_generates() -> Non
     total = sum(len(x) for x, _ in pairs)
     print(f"flash-attn vs triton: {common} of {total} tokens agree before each request's first difference")
     assert common >= 0.5 * total, (common, total)
+
+
+def test_flash_attn_backend_refuses_float32_before_loading_anything() -> None:
+    from nanovllm.config import Config
+
+    with pytest.raises(ValueError, match="attention_backend='flash-attn' computes in 16 bits"):
+        Config.from_kwargs(str(build_tiny_model("qwen3")), attention_backend="flash-attn", dtype="float32")

@@ -140,7 +140,7 @@ def test_broken_directories(tmp_path: Path, copy_of) -> None:
     [
         ({"hidden_size": -64}, ValueError, "hidden_size must be >= 1, got -64"),
         ({"num_attention_heads": 0}, ValueError, "num_attention_heads must be >= 1, got 0"),
-        # transformers checks the types itself; the message still names the field and the file.
+        # Refused from the raw JSON, before transformers reads it: the message names the field and the file.
         ({"num_hidden_layers": 2.5}, TypeError, "num_hidden_layers must be an int, got float 2.5"),
         ({"num_key_value_heads": 3}, ValueError, r"num_attention_heads \(4\) must be a multiple of num_key_value"),
         ({"head_dim": 0}, ValueError, "head_dim must be >= 1"),

@@ -35,7 +35,7 @@ import jupytext
 import nbformat
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
 if __package__ in (None, ""):  # run as `python tools/book.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -98,8 +98,10 @@ def run_chapter(chapter: Path) -> nbformat.NotebookNode:
                                 resources={"metadata": {"path": str(ROOT)}})
         try:
             client.execute()
-        except CellExecutionError as error:
-            raise ChapterError(f"{chapter.name} raised while executing:\n{error}") from error
+        except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
+            # A cell that raised, ran past CELL_TIMEOUT_S or took its kernel down: the chapter failed, the book goes on.
+            what = "raised" if isinstance(error, CellExecutionError) else f"failed ({type(error).__name__})"
+            raise ChapterError(f"{chapter.name} {what} while executing:\n{error}") from error
         finally:  # nbclient leaves a kernel it did not create running
             if kernel.has_kernel:
                 kernel.shutdown_kernel(now=True)

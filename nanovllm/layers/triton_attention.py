@@ -555,12 +555,14 @@ class FlashAttnBackend:
 
     def warm_up(self, layer: Attention) -> None:
         """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
-        it reads block 0 of the cache and writes nothing. Decode compiles when chapter 09 captures its graphs."""
+        it reads the first blocks of the cache and writes nothing. Decode compiles when chapter 09 captures its
+        graphs."""
         k_cache, v_cache = layer.k_cache, layer.v_cache
         q = torch.zeros(2, layer.num_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
         k = torch.zeros(2, layer.num_kv_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=k_cache.device)
         self.prefill(q, k, k, k_cache, v_cache, Context(True, cu, cu, 2, 2), layer.scale)
+        pages = -(-3 // k_cache.shape[1])  # three keys, whatever the block size: the first pages of the cache
         prefix = Context(True, cu, cu + torch.tensor([0, 1], dtype=torch.int32, device=cu.device), 2, 3,
-                         block_tables=torch.zeros(1, 1, dtype=torch.int32, device=cu.device))
+                         block_tables=torch.arange(pages, dtype=torch.int32, device=cu.device)[None])
         self.prefill(q, k, k, k_cache, v_cache, prefix, layer.scale)
