@@ -19,19 +19,20 @@ __all__ = [
 # notebooks/09_cuda_graphs.py · cell "compiled ops"
 def compile_small_ops(model: nn.Module) -> int:
     """Hand every small-op module of ``model`` a compiled version of its ``op``, and, on a GPU, every attention
-    layer whose heads are rotated whole the fused q/k/v kernel below; returns how many modules got something."""
+    layer whose heads are rotated whole the fused q/k/v kernel of ``layers.fused_qkv``; returns how many modules
+    got something."""
     compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
-    on_gpu = next(model.parameters()).is_cuda
+    fused = None
+    if next(model.parameters()).is_cuda:
+        from nanovllm.layers import fused_qkv  # Triton: imported on a GPU only
+
+        fused = fused_qkv
     count = 0
     for module in model.modules():
         if type(module) in compiled:
             module.op = compiled[type(module)]
-        elif on_gpu and hasattr(module, "fused_input"):
-            from nanovllm.layers.fused_qkv import can_fuse, norm_rotate_store  # Triton: imported on a GPU only
-
-            if not can_fuse(module):
-                continue
-            module.fused_input = norm_rotate_store
+        elif fused is not None and hasattr(module, "fused_input") and fused.can_fuse(module):
+            module.fused_input = fused.norm_rotate_store
         else:
             continue
         count += 1
