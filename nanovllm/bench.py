@@ -356,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
                                     tensor_parallel_size=args.tensor_parallel_size)
         for backend in args.attention_backend:  # refuse a backend this machine cannot run before any run
-            Config.from_kwargs(model, device=args.device, attention_backend=backend, load_format=load_format)
+            Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
+                               load_format=load_format)
         if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
             raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])

@@ -489,3 +489,23 @@ def test_bench_compares_tp2_with_tp1_in_one_invocation(tmp_path: Path, capsys: p
     report = json.loads(out.read_text())
     assert report["ratio_tp"] == pytest.approx(report["engine"]["tokens_per_s"] / report["engine_tp1"]["tokens_per_s"])
     assert report["engine"]["name"].endswith("TP=2") and report["breakdown_tp2"]["decode_steps"] > 0
+
+
+def test_bench_compares_attention_backends_in_one_invocation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from nanovllm.bench import main
+    from nanovllm.utils.tiny_models import build_tiny_model
+
+    model = str(build_tiny_model("qwen3"))
+    out = tmp_path / "bench.json"
+    argv = ["--model", model, "--device", "cpu", "--num-seqs", "3", "--input-len", "8", "16",
+            "--output-len", "3", "6", "--no-peer", "--out", str(out)]
+    assert main([*argv, "--attention-backend", "torch", "auto"]) == 0
+    printed = capsys.readouterr().out
+    assert "attention torch: " in printed and "attention auto: " in printed
+    assert "attention_backend=auto / torch" in printed
+    report = json.loads(out.read_text())
+    engines = report["engine_auto"]["tokens_per_s"], report["engine"]["tokens_per_s"]
+    assert report["ratio_auto"] == pytest.approx(engines[0] / engines[1])
+    # A backend this machine cannot run is refused before any run, by name.
+    assert main([*argv, "--attention-backend", "torch", "flash-attn"]) == 2
+    assert "attention_backend='flash-attn' needs a CUDA GPU" in capsys.readouterr().err
