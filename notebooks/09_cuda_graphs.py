@@ -691,9 +691,11 @@ for norm in (attention.q_norm, attention.k_norm):
     norm.weight.data.uniform_(0.5, 1.5)
 attention.attn.k_cache, attention.attn.v_cache = torch.full((2, 2, 4, 1, 8), float("nan"), device=DEVICE).unbind(0)
 expected_cache = attention.attn.k_cache.clone(), attention.attn.v_cache.clone()
-hidden, positions = torch.randn(3, 16, device=DEVICE), torch.tensor([0, 5, 31], device=DEVICE)
+positions = torch.tensor([0, 5, 31], device=DEVICE)
 slots = set_prefill_context([3], [3], [[1, 0]], 4, device=DEVICE).slot_mapping  # slots 4, 5, 6
-qkv = attention.qkv_proj(hidden)
+# en: A projection's output for 3 tokens: 2 q heads, 1 k head, 1 v head of 8 (the layer's weights are not loaded).
+# zh: 3 个 token 的投影输出：2 个 q 头、1 个 k 头、1 个 v 头，每头 8 维（这一层的权重没有加载）。
+qkv = torch.randn(3, 32, device=DEVICE)
 q, k, v = qkv.split([16, 8, 8], dim=-1)
 q_ref, k_ref = attention.norm_and_rotate(positions, q.reshape(3, 2, 8), k.reshape(3, 1, 8))
 attention.attn.backend.store_kvcache(k_ref, v.reshape(3, 1, 8), *expected_cache, slots)
