@@ -17,6 +17,7 @@ from nanovllm.engine.cuda_graphs import (
 )
 from nanovllm.engine.model_runner import ModelRunner, prepare_decode
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers import fused_qkv  # Triton: interpreted without CUDA (conftest switches it on)
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -299,20 +300,6 @@ def test_paged_prefill_warm_up_runs_and_touches_only_the_first_block(tiny: Path)
 # ---- the fused q/k/v kernel (Triton; interpreted on CPU) ---------------------------------------------
 
 
-def _fused_qkv_module():
-    import importlib
-    import os
-
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel module is first imported
-    import nanovllm.layers.fused_qkv as fused_qkv
-    from nanovllm.layers.triton_attention import INTERPRETED
-
-    if not CUDA and not INTERPRETED:  # Triton was imported earlier in this process without the interpreter
-        fused_qkv = importlib.reload(fused_qkv)
-    return fused_qkv
-
-
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if CUDA else []))
 @pytest.mark.parametrize("with_cache", [True, False], ids=["store", "no-cache"])
@@ -322,7 +309,6 @@ def test_fused_qkv_kernel_matches_the_layers_and_the_store(qk_norm: bool, dtype:
     from nanovllm.models.qwen3 import Qwen3Attention
     from nanovllm.utils.context import set_context
 
-    fused_qkv = _fused_qkv_module()
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)
     heads, kv_heads, d, tokens, block_size = 4, 2, 16, 7, 4
@@ -357,6 +343,5 @@ def test_fused_qkv_kernel_matches_the_layers_and_the_store(qk_norm: bool, dtype:
 def test_fused_qkv_is_refused_for_a_partial_rotary_embedding() -> None:
     from nanovllm.models.qwen3 import Qwen3Attention
 
-    fused_qkv = _fused_qkv_module()
     assert fused_qkv.can_fuse(Qwen3Attention(64, 4, 2, 16, RotaryEmbedding(16, 16, 64, 10000.0)))
     assert not fused_qkv.can_fuse(Qwen3Attention(64, 4, 2, 16, RotaryEmbedding(16, 8, 64, 10000.0)))
