@@ -12,12 +12,26 @@ nbdev-style directives are written into modules under ``nanovllm/``:
 ``#| hide``
     the cell runs but is not shown on the site (the tangler ignores it otherwise).
 
+Several chapters may export into one module: the chapter that introduces it writes its first cut, and
+a later chapter *extends* it where the book tells that feature's story. A later chapter adds a method
+to a class of the module, or replaces one, with d2l's idiom::
+
+    @add_to_class(Sequence)        # from nanovllm.book.literate: in the notebook it really sets the method
+    def fork(self, sample_index: int) -> Sequence:
+        ...
+
+and adds a class attribute with a plain assignment, ``Sequence.sample_index: int = 0``. The tangler
+splices each such member into the one ``class`` block of the module (a replaced method keeps its place,
+a new one goes last, a new attribute after the class's attributes), so the package stays plain Python.
+Imports of ``add_to_class`` and of names from the module being extended are notebook-only and dropped.
+
 Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``# ...``
 comments in the package and ``# zh: ...`` lines are left out, so the package reads in English
 while each language's site shows its own lines.
 
 Each exported cell's code starts, in its module, with one comment line naming the chapter and the
-cell's title (``# notebooks/04_scheduler.py · cell "scheduler"``): the cell to edit. A comment or
+cell's title (``# notebooks/04_scheduler.py · cell "scheduler"``): the cell to edit. Each spliced
+member carries the same line, indented, above it. A comment or
 docstring that only makes sense next to the chapter's prose ("see the text above", "this
 chapter", "the drawing") is an error, since the package is read without the prose.
 
@@ -39,6 +53,7 @@ import difflib
 import io
 import re
 import sys
+import textwrap
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +66,10 @@ DIRECTIVE = re.compile(r"^#\|\s*(?P<name>[\w-]+)\s*(?P<arg>.*?)\s*$")
 MAX_LINE = 120  # ruff's line length for the package (pyproject.toml)
 KNOWN_DIRECTIVES = {"default_exp", "export", "exporti", "hide"}
 MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+SPLICE_HELPER = "add_to_class"
+SPLICE_HELPER_MODULE = "nanovllm.book.literate"
+# A comment line that divides a class into sections ("# ---- blocks ----"): it belongs to no member.
+SECTION_COMMENT = re.compile(r"^\s*# -{3,}")
 EN_COMMENT = re.compile(r"^(?P<indent>\s*)# en: ?(?P<text>.*)$")
 ZH_COMMENT = re.compile(r"^\s*# zh: ?.*$")
 # Phrases that point at the chapter's prose or layout, which a reader of the package does not have.
@@ -97,7 +116,7 @@ class Module:
     """The text a module will receive, gathered from the cells that export to it."""
 
     name: str  # dotted, relative to the package: "engine.sequence"
-    chapter: str
+    chapters: list[str]  # the chapter that introduces it, then those that extend it, in book order
     docstring: str = ""
     imports: list[str] = field(default_factory=list)
     future_imports: list[str] = field(default_factory=list)
@@ -155,10 +174,10 @@ def read_cells(chapter_path: Path, root: Path) -> list[Cell]:
     return cells
 
 
-def top_level_names(tree: ast.Module) -> list[str]:
+def top_level_names(statements: list[ast.stmt]) -> list[str]:
     """Public names a cell defines at module level (its contribution to ``__all__``)."""
     names: list[str] = []
-    for node in tree.body:
+    for node in statements:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.append(node.name)
         elif isinstance(node, ast.Assign):
@@ -184,7 +203,7 @@ def prose_references(code: str) -> list[tuple[int, str]]:
 
 
 def add_cell(module: Module, cell: Cell, public: bool) -> None:
-    """Parse an exported cell, hoist its top-level imports, keep the rest as the body."""
+    """Parse an exported cell, hoist its top-level imports, splice its class extensions, keep the rest as the body."""
     code = english_comments(cell.code)
     try:
         tree = ast.parse(code)
@@ -200,27 +219,185 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             "the package is read without it: name the chapter (\"chapter 04\") or say it in the comment"
         )
     lines = code.splitlines()
-    hoisted_lines: set[int] = set()
+    taken_lines: set[int] = set()
+    spliced: list[ast.stmt] = []
     first = tree.body[0] if tree.body else None
     if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
         # A module docstring must stay the module's first statement, above the hoisted imports.
         if module.docstring or module.bodies or module.imports:
             raise TangleError(f"{cell.where()}: a module docstring must be in the first cell exported to the module")
         module.docstring = "\n".join(lines[first.lineno - 1 : first.end_lineno])
-        hoisted_lines.update(range(first.lineno - 1, first.end_lineno))
+        taken_lines.update(range(first.lineno - 1, first.end_lineno))
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
+            taken_lines.update(range(node.lineno - 1, node.end_lineno))
+            if notebook_only_import(node, module):
+                continue
             statement = ast.unparse(node)
             is_future = isinstance(node, ast.ImportFrom) and node.module == "__future__"
             target = module.future_imports if is_future else module.imports
             if statement not in target:
                 target.append(statement)
-            hoisted_lines.update(range(node.lineno - 1, node.end_lineno))
-    body = "\n".join(line for i, line in enumerate(lines) if i not in hoisted_lines).strip("\n")
+            continue
+        extension = class_extension(node, cell)
+        if extension is not None:
+            start = leading_comments_start(lines, first_line(node) - 1, taken_lines)
+            taken_lines.update(range(start, node.end_lineno))
+            spliced.append(node)
+            splice(module, cell, *extension, lines[start : node.end_lineno], node)
+    body = "\n".join(line for i, line in enumerate(lines) if i not in taken_lines).strip("\n")
     if body:
         module.bodies.append(f"{cell.marker()}\n{body}")
     if public:
-        module.public_names += [n for n in top_level_names(tree) if n not in module.public_names]
+        own = [node for node in tree.body if node not in spliced]
+        module.public_names += [n for n in top_level_names(own) if n not in module.public_names]
+
+
+def notebook_only_import(node: ast.Import | ast.ImportFrom, module: Module) -> bool:
+    """An import that only the notebook needs: the splice helper, or names from the module being exported into."""
+    if not isinstance(node, ast.ImportFrom):
+        return False
+    return node.module in (SPLICE_HELPER_MODULE, f"{PACKAGE}.{module.name}")
+
+
+def first_line(node: ast.stmt) -> int:
+    """1-based line where a statement starts, its decorators included."""
+    decorators = getattr(node, "decorator_list", [])
+    return min([node.lineno, *(d.lineno for d in decorators)])
+
+
+def leading_comments_start(lines: list[str], start: int, taken: set[int]) -> int:
+    """0-based index of the first line of the comment block directly above line ``start`` (its own comments)."""
+    while start > 0 and start - 1 not in taken and lines[start - 1].lstrip().startswith("#"):
+        if SECTION_COMMENT.match(lines[start - 1]):
+            break
+        start -= 1
+    return start
+
+
+def class_extension(node: ast.stmt, cell: Cell) -> tuple[str, str, str] | None:
+    """(class name, member name, kind) when ``node`` extends a class; kind is "method" or "attribute".
+
+    ``@add_to_class(Cls)`` above a def, or an assignment to ``Cls.name``; anything else is ordinary code.
+    """
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        helpers = [d for d in node.decorator_list if isinstance(d, ast.Call) and _is_helper(d.func)]
+        if not helpers:
+            return None
+        call = helpers[0]
+        if call is not node.decorator_list[0] or len(helpers) > 1:
+            raise TangleError(f"{cell.where()}: @{SPLICE_HELPER}(...) must be the outermost decorator of {node.name}")
+        if len(call.args) != 1 or call.keywords or not isinstance(call.args[0], ast.Name):
+            raise TangleError(f"{cell.where()}: @{SPLICE_HELPER} takes one argument, the class by its name")
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and inner.func.id == "super":
+                if not inner.args:
+                    raise TangleError(
+                        f"{cell.where()}: {node.name} calls super() without arguments, which fails outside a class "
+                        f"body in the notebook; write super({call.args[0].id}, self)"
+                    )
+        return call.args[0].id, node.name, "method"
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    if len(targets) == 1 and isinstance(targets[0], ast.Attribute) and isinstance(targets[0].value, ast.Name):
+        if isinstance(node, ast.AnnAssign) and node.value is None:
+            raise TangleError(f"{cell.where()}: a class attribute added by a later chapter needs a value")
+        return targets[0].value.id, targets[0].attr, "attribute"
+    return None
+
+
+def _is_helper(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Name) and func.id == SPLICE_HELPER) or (
+        isinstance(func, ast.Attribute) and func.attr == SPLICE_HELPER
+    )
+
+
+def member_text(source: list[str], node: ast.stmt, kind: str, indent: str) -> list[str]:
+    """The member as it reads inside the class: the helper decorator dropped, ``Cls.name`` as ``name``."""
+    text = textwrap.dedent("\n".join(source)).splitlines()
+    if kind == "method":
+        # Drop the helper decorator's lines (the outermost decorator; it may span lines).
+        decorator = node.decorator_list[0]
+        offset = len(source) - (node.end_lineno - first_line(node) + 1)  # comment lines above the statement
+        drop = range(offset + decorator.lineno - first_line(node), offset + decorator.end_lineno - first_line(node) + 1)
+        text = [line for i, line in enumerate(text) if i not in drop]
+    else:
+        offset = len(source) - (node.end_lineno - node.lineno + 1)
+        statement = text[offset]
+        name = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        prefix = f"{name.value.id}.{name.attr}"
+        assert statement.startswith(prefix), statement
+        text[offset] = statement[len(prefix.split(".")[0]) + 1 :]
+    return [f"{indent}{line}" if line.strip() else "" for line in text]
+
+
+def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, source: list[str],
+           node: ast.stmt) -> None:
+    """Put one member into the module's ``class class_name`` block: in place of its namesake, else at its spot."""
+    found = find_class(module, class_name)
+    if found is None:
+        raise TangleError(
+            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
+        )
+    index, cls = found
+    body = module.bodies[index]
+    if kind == "attribute" and any(_decorator_name(d) == "dataclass" for d in cls.decorator_list):
+        raise TangleError(
+            f"{cell.where()}: {class_name} is a dataclass: a later chapter cannot add its field {member!r} (the "
+            "notebook could not); give the field to the class where it is defined"
+        )
+    lines = body.splitlines()
+    indent = " " * cls.body[0].col_offset
+    new = [f"{indent}{cell.marker()}", *member_text(source, node, kind, indent)]
+    namesakes = [n for n in cls.body if _member_name(n) == member]
+    if len(namesakes) > 1:
+        raise TangleError(f"{cell.where()}: class {class_name} defines {member!r} more than once; cannot replace it")
+    if namesakes:
+        old = namesakes[0]
+        if (kind == "method") != isinstance(old, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise TangleError(f"{cell.where()}: {class_name}.{member} is replaced by a member of another kind")
+        start = first_line(old) - 1
+        start = leading_comments_start(lines, start, set())
+        lines[start : old.end_lineno] = new
+    elif kind == "attribute":
+        # After the class's last attribute (or its docstring); a class of methods only gets it on top.
+        attributes = [n for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))]
+        anchor = attributes[-1] if attributes else cls.body[0] if _is_docstring(cls.body[0]) else None
+        if anchor is not None:
+            lines[anchor.end_lineno : anchor.end_lineno] = new if attributes else ["", *new]
+        else:
+            at = leading_comments_start(lines, first_line(cls.body[0]) - 1, set())
+            lines[at:at] = [*new, ""]
+    else:
+        lines[cls.end_lineno : cls.end_lineno] = ["", *new]
+    module.bodies[index] = "\n".join(lines)
+    if cell.chapter not in module.chapters:
+        module.chapters.append(cell.chapter)
+
+
+def find_class(module: Module, name: str) -> tuple[int, ast.ClassDef] | None:
+    """(index in ``module.bodies``, the class statement) of the module's top-level class ``name``."""
+    for index, body in enumerate(module.bodies):
+        for node in ast.parse(body).body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return index, node
+    return None
+
+
+def _member_name(node: ast.stmt) -> str | None:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return node.name
+    target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else \
+        node.target if isinstance(node, ast.AnnAssign) else None
+    return target.id if isinstance(target, ast.Name) else None
+
+
+def _decorator_name(node: ast.expr) -> str:
+    func = node.func if isinstance(node, ast.Call) else node
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 def import_group(statement: str) -> tuple[int, str]:
@@ -242,8 +419,20 @@ def all_order(name: str) -> tuple[int, str]:
     return kind, name
 
 
+def render_header(chapters: list[str]) -> str:
+    """The DO-NOT-EDIT header: the chapter that introduces the module, and those that extend it."""
+    if len(chapters) == 1:
+        return f"# AUTOGENERATED from {chapters[0]} — edit the notebook, not this file.\n"
+    later = chapters[1:]
+    extended_by = ", ".join(later[:-1]) + f" and {later[-1]}" if len(later) > 1 else later[0]
+    text = (f"AUTOGENERATED from {chapters[0]}, extended by {extended_by} — edit the notebooks (each cell's "
+            "marker names one), not this file.")
+    lines = textwrap.wrap(text, width=MAX_LINE - 2, break_long_words=False, break_on_hyphens=False)
+    return "".join(f"# {line}\n" for line in lines)
+
+
 def render(module: Module) -> str:
-    header = f"# AUTOGENERATED from {module.chapter} — edit the notebook, not this file.\n"
+    header = render_header(module.chapters)
     blocks: list[str] = [module.docstring] if module.docstring else []
     if module.future_imports:
         blocks.append("\n".join(sorted(module.future_imports)))
@@ -294,13 +483,10 @@ def tangle(root: Path) -> dict[Path, str]:
                 raise TangleError(f"{cell.where()}: '#| {kinds[0]}' comes before the chapter's '#| default_exp'")
             if not MODULE_NAME.match(target):
                 raise TangleError(f"{cell.where()}: '#| {kinds[0]}' needs a dotted module name, got {target!r}")
-            module = modules.setdefault(target, Module(target, cell.chapter))
-            if module.chapter != cell.chapter:
-                raise TangleError(
-                    f"{cell.where()}: module {PACKAGE}.{target} is already exported by {module.chapter}; "
-                    "a module belongs to exactly one chapter"
-                )
+            module = modules.setdefault(target, Module(target, [cell.chapter]))
             add_cell(module, cell, public=kinds[0] == "export")
+            if cell.chapter not in module.chapters:
+                module.chapters.append(cell.chapter)
     files = {module.path: render(module) for module in modules.values()}
     # Every package directory needs an __init__.py; generate the ones no chapter owns.
     for path in list(files):
@@ -319,7 +505,8 @@ def existing_files(root: Path) -> dict[Path, str]:
     return {
         path.relative_to(root): path.read_text(encoding="utf-8")
         for path in sorted(package.rglob("*"))
-        if path.is_file() and "__pycache__" not in path.parts
+        # JupyterLab's checkpoints of a package file opened in it are not part of the package.
+        if path.is_file() and "__pycache__" not in path.parts and ".ipynb_checkpoints" not in path.parts
     }
 
 
