@@ -63,8 +63,8 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
 # notebooks/11_engine.py · cell "cli main"
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
     from nanovllm.sampling_params import SamplingParams
-    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)

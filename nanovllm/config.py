@@ -14,8 +14,8 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.attention import ATTENTION_BACKENDS
 from nanovllm.layers.linear import check_tensor_parallel_size
+from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 from nanovllm.utils.checks import check
-from nanovllm.utils.loader import LOAD_FORMATS, read_model_dir
 
 __all__ = [
     "DEVICES",

@@ -54,7 +54,7 @@ __all__ = ["LLM", "SamplingParams"]
 from transformers import AutoTokenizer
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.smollm2 import smollm2_dir
+from nanovllm.book.smollm2 import smollm2_dir
 
 model_dir = smollm2_dir()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -197,7 +197,7 @@ display(SVG(architecture_svg()))
 
 # %%
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 engine = LLMEngine(str(build_tiny_model("qwen3")), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
                    max_num_batched_tokens=16)

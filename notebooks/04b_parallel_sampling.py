@@ -326,7 +326,7 @@ print(f"forks: {forks}; copies: {copies}")
 #
 # A small function watches the scheduler through its observer hook: tokens computed in prefill
 # steps, and the most blocks in use at once. It is the same function the GPU benchmark below
-# uses, so it lives in a module, `nanovllm.bench_parallel_sampling`.
+# uses, so it lives in a module, `nanovllm.bench.parallel_sampling`.
 
 # %% [markdown] tags=["zh"]
 # ## 测一测：共享省下了什么
@@ -339,10 +339,10 @@ print(f"forks: {forks}; copies: {copies}")
 # - **稍后再发一次同一个提示词**：它的整块能在前缀缓存里找到，但只有*写满的*块，而且要在它们发布之后。
 #
 # 一个小函数通过调度器的观察者钩子记录两样东西：prefill 步计算的 token 数，以及同一时刻最多用了多少个块。
-# 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench_parallel_sampling`。
+# 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench.parallel_sampling`。
 
 # %% default module
-#| default_exp bench_parallel_sampling
+#| default_exp bench.parallel_sampling
 
 # %% sampling run
 #| export
@@ -411,9 +411,9 @@ def _sync(device: str) -> None:
 # %%
 import random
 
-from nanovllm.bench_parallel_sampling import measure_generate
+from nanovllm.bench.parallel_sampling import measure_generate
 from nanovllm.llm import LLM
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 tiny_qwen = str(build_tiny_model("qwen3"))
 rng = random.Random(0)
@@ -604,7 +604,7 @@ def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
 # 计数才有意义）：
 
 # %%
-from nanovllm.bench_parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
 
 few = [[rng.randrange(3, 512) for _ in range(rng.randint(10, 40))] for _ in range(4)]
 runs = compare_parallel_sampling(tiny_qwen, few, [6, 9, 4, 7], 4, device="cpu", kvcache_block_size=4,

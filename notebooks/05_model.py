@@ -568,7 +568,7 @@ def get_model_class(architectures: Sequence[str] | str) -> type[nn.Module]:
 # 一致）；旧检查点中的 `rotary_emb.inv_freq` 缓冲区被忽略（我们自己计算）。
 
 # %% loader
-#| export utils.loader
+#| export models.loader
 from __future__ import annotations
 
 import json
@@ -785,7 +785,7 @@ def init_random_weights(model: nn.Module, seed: int = 0) -> None:
 # `~/.cache/nanovllm/` 下，第二次调用几乎不花时间。
 
 # %% tiny models
-#| export utils.tiny_models
+#| export book.tiny_models
 from __future__ import annotations
 
 import hashlib
@@ -995,9 +995,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
-from nanovllm.utils.loader import build_model
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.models.loader import build_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 qwen_dir = build_tiny_model("qwen3")
 print(sorted(p.name for p in qwen_dir.iterdir()))
@@ -1131,7 +1131,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from nanovllm.utils.loader import ModelLoadError
+from nanovllm.models.loader import ModelLoadError
 
 scratch = Path(tempfile.mkdtemp())
 broken = shutil.copytree(qwen_dir, scratch / "broken")
@@ -1208,11 +1208,11 @@ assert torch.isfinite(logits).all()
 #   and `llama3` scaling).
 # - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
 #   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
-# - `utils/loader.py`: `read_model_dir` (the one reader of `config.json`, which refuses a config
+# - `models/loader.py`: `read_model_dir` (the one reader of `config.json`, which refuses a config
 #   we cannot build by naming the field and the file), `load_model` (fused and tied weights, a ledger of
 #   missing and unexpected tensors), `build_model` (and `load_format="dummy"`: seeded random weights
 #   drawn where the model lives, for benchmarks).
-# - `utils/tiny_models.py`: `build_tiny_model("qwen3" | "qwen2" | "llama")`, cached real HF
+# - `book/tiny_models.py`: `build_tiny_model("qwen3" | "qwen2" | "llama")`, cached real HF
 #   directories that `transformers` loads.
 #
 # ## Exercises
@@ -1231,10 +1231,10 @@ assert torch.isfinite(logits).all()
 #   `layers/rotary_embedding.py`（`get_rope`，NeoX 布局；支持 `default`、`linear` 和 `llama3` 缩放）。
 # - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
 #   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
-# - `utils/loader.py`：`read_model_dir`（`config.json` 的唯一读取者；我们无法构建的配置会被拒绝，
+# - `models/loader.py`：`read_model_dir`（`config.json` 的唯一读取者；我们无法构建的配置会被拒绝，
 #   报错时指明字段和文件）、`load_model`（融合权重与绑定权重，记账发现缺失和多余的张量）、
 #   `build_model`（以及 `load_format="dummy"`：在模型所在之处直接生成带种子的随机权重，供基准测试使用）。
-# - `utils/tiny_models.py`：`build_tiny_model("qwen3" | "qwen2" | "llama")`，带缓存的、`transformers`
+# - `book/tiny_models.py`：`build_tiny_model("qwen3" | "qwen2" | "llama")`，带缓存的、`transformers`
 #   可以加载的真实 HF 目录。
 #
 # ## 练习

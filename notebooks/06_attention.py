@@ -106,7 +106,7 @@
 #| default_exp layers.attention
 
 # %% context
-#| export utils.context
+#| export layers.context
 from __future__ import annotations
 
 import itertools
@@ -186,7 +186,7 @@ def reset_context() -> None:
 # 内存拷贝时，这次拷贝只需排在那些工作之后，主机可以继续做别的事。
 
 # %% context helpers
-#| export utils.context
+#| export layers.context
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """``values`` as a tensor on ``device``; to a GPU through pinned memory, without waiting for queued work."""
     if device is not None and torch.device(device).type == "cuda":
@@ -286,7 +286,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.context import Context, get_context
+from nanovllm.layers.context import Context, get_context
 
 # en: The kinds the attention_backend setting may name: the torch reference and chapter 06b's kernels.
 # zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及第 06b 章的内核。
@@ -504,7 +504,7 @@ class Attention(nn.Module):
 import torch
 
 from nanovllm.layers.attention import Attention
-from nanovllm.utils.context import get_context, reset_context, set_decode_context, set_prefill_context
+from nanovllm.layers.context import get_context, reset_context, set_decode_context, set_prefill_context
 
 torch.manual_seed(0)
 H, KVH, D, BS, NUM_BLOCKS = 2, 1, 8, 4, 12
@@ -587,7 +587,7 @@ print("paged attention matches dense attention; every key sits in its slot")
 # CUDA Graph（第 09 章）产生的填充行必须无害：槽位 `-1` 不写入任何东西，上下文长度为 0 时输出零而不是 NaN。
 
 # %%
-from nanovllm.utils.context import set_context
+from nanovllm.layers.context import set_context
 
 before = attn.k_cache.clone()
 set_context(False, slot_mapping=torch.tensor([-1]), context_lens=torch.tensor([0], dtype=torch.int32),
@@ -600,7 +600,7 @@ print("a padded row stores nothing and returns zeros")
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `nanovllm/utils/context.py`: `Context`, `set_context`, `get_context`, `reset_context`, and
+# - `nanovllm/layers/context.py`: `Context`, `set_context`, `get_context`, `reset_context`, and
 #   `set_prefill_context` / `set_decode_context` to build one from lengths and block tables.
 # - `nanovllm/layers/attention.py`: `Attention(num_heads, head_dim, scale, num_kv_heads)`, a
 #   `backend` object that `attention_backend(name)` builds, and `TorchBackend`: store via
@@ -620,7 +620,7 @@ print("a padded row stores nothing and returns zeros")
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `nanovllm/utils/context.py`：`Context`、`set_context`、`get_context`、`reset_context`，以及根据长度和
+# - `nanovllm/layers/context.py`：`Context`、`set_context`、`get_context`、`reset_context`，以及根据长度和
 #   块表构造上下文的 `set_prefill_context` / `set_decode_context`。
 # - `nanovllm/layers/attention.py`：`Attention(num_heads, head_dim, scale, num_kv_heads)`、由
 #   `attention_backend(name)` 构建的 `backend` 对象，以及 `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、

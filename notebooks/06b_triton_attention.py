@@ -142,7 +142,7 @@ import triton.language as tl
 from triton import knobs
 
 from nanovllm.layers.attention import Attention
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 # en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
 # zh: 下面的内核在装饰时是否处于解释器模式（导入时 TRITON_INTERPRET=1）。
@@ -957,7 +957,7 @@ import time
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.triton_attention import TritonBackend, decode_attention
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context
 
 torch.manual_seed(0)
 H, KVH, D, BS, NUM_BLOCKS = 4, 2, 16, 16, 8
@@ -1023,7 +1023,7 @@ print("Triton backend == torch reference (prefill with a cached prefix, decode, 
 # copy measured in the same run (the best a kernel that streams memory can hope for). Prefill
 # is compute-bound; its yardstick is PyTorch's `scaled_dot_product_attention` with the
 # flash-attention backend on the same dense causal shapes. The script below prints both; run it
-# on a GPU with `python -m nanovllm.bench_attention` (`--quick` for fewer shapes, `--out F.json`
+# on a GPU with `python -m nanovllm.bench.attention` (`--quick` for fewer shapes, `--out F.json`
 # to keep the figures). Decode is timed the way the engine runs it, replayed from a CUDA graph
 # (chapter 09), so the Python launch overhead is not in the figure, over enough different blocks
 # that the reads come from HBM rather than the L2 cache. Prefill uses `triton.testing.do_bench`
@@ -1035,13 +1035,13 @@ print("Triton backend == torch reference (prefill with a cached prefix, decode, 
 # decode 每一步把整个批次的 KV 缓存读一遍，算术量很小，所以衡量它的可靠标尺是**带宽**：读取的 KV 字节数 / 时间，
 # 并与同一次运行中测得的设备内拷贝带宽比较（只做内存流式读写的内核最多也就这么快）。prefill 受算力限制，它的标尺是
 # PyTorch 的 `scaled_dot_product_attention`（flash-attention 后端）在相同稠密因果形状上的速度。下面的脚本打印这两组
-# 数字；在 GPU 上用 `python -m nanovllm.bench_attention` 运行（`--quick` 只测较少的形状，`--out F.json` 保存结果）。
+# 数字；在 GPU 上用 `python -m nanovllm.bench.attention` 运行（`--quick` 只测较少的形状，`--out F.json` 保存结果）。
 # decode 按引擎实际运行的方式计时：从 CUDA Graph（第 09 章）重放，因此数字里不含 Python 启动开销；并轮流读取足够多的
 # 不同块，使数据来自 HBM 而不是 L2 缓存。prefill 用 `triton.testing.do_bench`（取中位数，每次重复之间清空 L2）。
 
 # %% bench
-#| export bench_attention
-"""Attention kernel benchmarks (GPU): ``python -m nanovllm.bench_attention [--quick] [--out results.json]``."""
+#| export bench.attention
+"""Attention kernel benchmarks (GPU): ``python -m nanovllm.bench.attention [--quick] [--out results.json]``."""
 
 from __future__ import annotations
 
@@ -1056,7 +1056,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.triton_attention import FlashAttnBackend, choose_num_splits, decode_attention, prefill_attention
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 # en: Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128; nano-vllm's block size 256.
 # zh: Qwen3-0.6B 的注意力布局：16 个查询头、8 个 KV 头、head_dim 128；nano-vllm 的块大小 256。
@@ -1199,7 +1199,7 @@ def run(quick: bool = False) -> dict:
         "device": props.name, "num_sms": props.multi_processor_count,
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
         "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "command": "python -m nanovllm.bench_attention" + (" --quick" if quick else ""),
+        "command": "python -m nanovllm.bench.attention" + (" --quick" if quick else ""),
     }  # fmt: skip
     result["copy_bytes_per_s"] = copy = copy_bandwidth()
     print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
@@ -1280,16 +1280,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention needs a CUDA GPU")
+        raise SystemExit("bench.attention needs a CUDA GPU")
     result = run(args.quick)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)
 
 
-# en: Run as `python -m nanovllm.bench_attention`, not when a notebook executes this code as __main__.
-# zh: 以 `python -m nanovllm.bench_attention` 运行时才执行；notebook 以 __main__ 身份执行这段代码时不执行。
-if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovllm.bench_attention":
+# en: Run as `python -m nanovllm.bench.attention`, not when a notebook executes this code as __main__.
+# zh: 以 `python -m nanovllm.bench.attention` 运行时才执行；notebook 以 __main__ 身份执行这段代码时不执行。
+if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovllm.bench.attention":
     main()
 
 # %% [markdown] tags=["en"]
@@ -1311,7 +1311,7 @@ if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovll
 # %%
 RECORDED = {
     "device": 'NVIDIA H200', "date": '2026-11-29', "torch": '2.11.0+cu130', "triton": '3.6.0', "num_sms": 132,
-    "command": "PYTHONPATH=$PWD python3 -m nanovllm.bench_attention --out bench.json",
+    "command": "PYTHONPATH=$PWD python3 -m nanovllm.bench.attention --out bench.json",
     "copy_tb_per_s": 4.249,
     # (batch, context): {num_splits: microseconds per decode call}, bf16, 16 q / 8 KV heads, d 128, block 256
     "decode_us": {
@@ -1363,7 +1363,7 @@ RECORDED = {
 
 from IPython.display import SVG, display
 
-from nanovllm.bench_attention import line_chart_svg
+from nanovllm.bench.attention import line_chart_svg
 from nanovllm.layers.triton_attention import choose_num_splits
 
 KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
@@ -1443,7 +1443,7 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 # 99 % of the copy rate), so 128 is the GPU default for bf16 and fp16 since 2026-12-01 (float32
 # keeps 64). The kernel table above was recorded with 64.
 #
-# `python -m nanovllm.bench_attention --quick` adds FlashAttention 4's columns when it is
+# `python -m nanovllm.bench.attention --quick` adds FlashAttention 4's columns when it is
 # installed. Recorded on the H200 (2026-12-01, our decode still at 64 keys per tile): at 64
 # sequences and more the two decode kernels are level at long contexts, and ours is up to 1.2×
 # faster at 512 tokens; at 16 sequences FlashAttention 4 is 2–13 % faster than our split-K; for
@@ -1460,7 +1460,7 @@ print("recorded figures meet both goals; the heuristic is within 10 % of the bes
 # （batch 256：拷贝速率的 93 % → 99 %），所以从 2026-12-01 起 GPU 上 bf16 与 fp16 默认用 128（float32 仍用 64）。
 # 上面的内核表格是用 64 记录的。
 #
-# 装有 FlashAttention 4 时，`python -m nanovllm.bench_attention --quick` 会加上它的几列。H200 上的记录（2026-12-01，
+# 装有 FlashAttention 4 时，`python -m nanovllm.bench.attention --quick` 会加上它的几列。H200 上的记录（2026-12-01，
 # 我们的 decode 当时仍是每个 tile 64 个键）：序列数为 64 及以上时，长上下文下两个 decode 内核不相上下，512 个 token
 # 时我们的快到 1.2 倍；16 个序列时 FlashAttention 4 比我们的 split-K 快 2–13 %；单个序列时我们的 split-K 快
 # 1.2–5.5 倍。
@@ -1480,7 +1480,7 @@ SWEEP = {  # scripts/decode_sweep.py, H200, 2026-12-01: microseconds per decode 
              (64, 4, 2): 31.5, (128, 8, 2): 32.9, (32, 2, 3): 40.1, (16, 4, 3): 52.2},
     },
 }
-FA4 = {  # python -m nanovllm.bench_attention --quick, H200, 2026-12-01, flash-attn-4 4.0.0b36
+FA4 = {  # python -m nanovllm.bench.attention --quick, H200, 2026-12-01, flash-attn-4 4.0.0b36
     # (batch, context): (our best split count's us, FlashAttention 4's us), decode as above
     "decode_us": {(1, 512): (8.5, 10.3), (1, 2048): (9.6, 28.4), (1, 8192): (18.3, 101.3),
                   (16, 512): (16.0, 14.0), (16, 2048): (40.4, 37.3), (16, 8192): (131.6, 128.5),
@@ -1514,7 +1514,7 @@ assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3  # FA
 #   them, `TritonBackend` (what `attention_backend("triton")` builds), `FlashAttnBackend`
 #   (`"flash-attn"`: FlashAttention 4, when it is installed, on Hopper or newer), and `INTERPRETED` /
 #   `check_triton_device`, which chapter 07's sampler kernels share.
-# - `nanovllm/bench_attention.py`: `python -m nanovllm.bench_attention` prints decode bandwidth
+# - `nanovllm/bench/attention.py`: `python -m nanovllm.bench.attention` prints decode bandwidth
 #   vs copy bandwidth and prefill vs SDPA flash on a GPU.
 #
 # ## Exercises
@@ -1536,7 +1536,7 @@ assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3  # FA
 #   `FlashAttnBackend`（`"flash-attn"`：装有 FlashAttention 4 时，在 Hopper 或更新的 GPU 上可用）；还有第 07 章
 #   采样器内核共用的 `INTERPRETED` 与
 #   `check_triton_device`。
-# - `nanovllm/bench_attention.py`：在 GPU 上运行 `python -m nanovllm.bench_attention`，打印 decode 带宽与拷贝带宽的
+# - `nanovllm/bench/attention.py`：在 GPU 上运行 `python -m nanovllm.bench.attention`，打印 decode 带宽与拷贝带宽的
 #   对比，以及 prefill 与 SDPA flash 的对比。
 #
 # ## 练习

@@ -102,7 +102,7 @@ import torch
 from torch import nn
 
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import host_to_device
+from nanovllm.layers.context import host_to_device
 
 _MASK64 = (1 << 64) - 1
 

@@ -105,7 +105,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from nanovllm.utils.context import (
+from nanovllm.layers.context import (
     get_context,
     host_to_device,
     reset_context,
@@ -177,7 +177,7 @@ def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
 
 # %%
 from nanovllm.engine.sequence import Sequence
-from nanovllm.utils.context import get_context, reset_context
+from nanovllm.layers.context import get_context, reset_context
 
 a = Sequence([10, 11, 12, 13, 14], block_size=4)
 a.block_table, a.num_scheduled_tokens = [7, 3], 5
@@ -526,7 +526,7 @@ from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
-from nanovllm.utils.loader import build_model
+from nanovllm.models.loader import build_model
 
 NOT_SAMPLED = -1
 
@@ -741,7 +741,7 @@ class ModelRunner:
 # %%
 from nanovllm.config import Config
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 tiny = build_tiny_model("qwen3")
 config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_memory_gb=1 / 1024)  # the CPU rule

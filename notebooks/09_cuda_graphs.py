@@ -210,7 +210,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.layers.context import Context, reset_context, set_context
 
 
 @dataclass
@@ -280,7 +280,7 @@ class DecodeBuffers:
 # 所以 `max_model_len = 16` 对应 4 列），把它装进 4 这个档位。
 
 # %%
-from nanovllm.utils.context import set_decode_context
+from nanovllm.layers.context import set_decode_context
 
 buffers = DecodeBuffers.allocate(rows=8, max_blocks=4, device="cpu")
 step = set_decode_context([6, 11, 3], [[3, 8], [0, 1, 5], [2]], block_size=4)
@@ -566,7 +566,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.utils.context import get_context
+from nanovllm.layers.context import get_context
 
 
 @triton.jit
@@ -679,7 +679,7 @@ from nanovllm.layers.fused_qkv import norm_rotate_store
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.qwen3 import Qwen3Attention
-from nanovllm.utils.context import reset_context, set_prefill_context
+from nanovllm.layers.context import reset_context, set_prefill_context
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
@@ -748,7 +748,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 tiny = build_tiny_model("qwen3")
 config = Config.from_kwargs(tiny, kvcache_block_size=4, num_kvcache_blocks=32, max_model_len=32)
@@ -769,7 +769,7 @@ else:
 # %% [markdown] tags=["en"]
 # ## Measure it: a decode step, eager vs graph
 #
-# `python -m nanovllm.bench_graphs` builds a runner for Qwen3-0.6B's shapes (random bf16
+# `python -m nanovllm.bench.graphs` builds a runner for Qwen3-0.6B's shapes (random bf16
 # weights), makes batches of decoding sequences with 512 tokens of context each, and times
 # `runner.run(seqs, is_prefill=False)` — inputs, forward, logits, sampling, the whole step —
 # with the graphs switched off and on. Both paths must return the same tokens (greedy).
@@ -777,14 +777,14 @@ else:
 # %% [markdown] tags=["zh"]
 # ## 测量：一个 decode 步，eager 对比 graph
 #
-# `python -m nanovllm.bench_graphs` 按 Qwen3-0.6B 的形状（随机 bf16 权重）构建一个执行器，构造若干批正在 decode
+# `python -m nanovllm.bench.graphs` 按 Qwen3-0.6B 的形状（随机 bf16 权重）构建一个执行器，构造若干批正在 decode
 # 的序列，每个序列有 512 个 token 的上下文，然后在关闭和打开 CUDA Graph 两种情况下为
 # `runner.run(seqs, is_prefill=False)` 计时——输入、前向、logits、采样，整整一步。两条路径必须返回相同的
 # token（贪心解码）。
 
 # %% bench graphs
-#| export bench_graphs
-"""Decode-step latency, eager vs CUDA graphs (GPU): ``python -m nanovllm.bench_graphs [--out F.json]``."""
+#| export bench.graphs
+"""Decode-step latency, eager vs CUDA graphs (GPU): ``python -m nanovllm.bench.graphs [--out F.json]``."""
 
 from __future__ import annotations
 
@@ -869,9 +869,9 @@ DECODE_LAUNCHES = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 2),
 
 def sweep_decode_launches(batch: int, context: int, launches=DECODE_LAUNCHES) -> list[dict]:
     """Decode attention (chapter 06b) at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
-    from nanovllm.bench_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_time_ms
+    from nanovllm.bench.attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_time_ms
+    from nanovllm.layers.context import Context
     from nanovllm.layers.triton_attention import decode_attention
-    from nanovllm.utils.context import Context
 
     blocks = -(-context // BLOCK_SIZE)
     k_cache = torch.randn(batch * blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -890,7 +890,7 @@ def sweep_decode_launches(batch: int, context: int, launches=DECODE_LAUNCHES) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench_graphs", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench.graphs", description=__doc__)
     parser.add_argument("--model", help="model directory (default: Qwen3-0.6B shapes, random weights)")
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
     parser.add_argument("--context-len", type=int, default=512)
@@ -910,7 +910,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"decode attention batch 256, context {context}, launch {row['launch']}: "
                       f"{row['ms'] * 1e3:.0f} us = {row['tb_per_s']:.2f} TB/s")
         return 0
-    from nanovllm.bench import qwen3_06b_random
+    from nanovllm.bench.engine import qwen3_06b_random
 
     model = args.model or str(qwen3_06b_random())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -930,7 +930,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_batch:
         print(profile_step(runner, args.profile_batch, args.context_len))
     report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "command": "python -m nanovllm.bench_graphs " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m nanovllm.bench.graphs " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "context_len": args.context_len, "setup_s": setup_s,
               "compile_small_ops": config.compile_small_ops, "rows": rows}  # fmt: skip
     if args.out:
@@ -939,8 +939,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# en: A notebook also runs this code as __main__; only a real `python -m nanovllm.bench_graphs` should act.
-# zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m nanovllm.bench_graphs` 才应执行。
+# en: A notebook also runs this code as __main__; only a real `python -m nanovllm.bench.graphs` should act.
+# zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m nanovllm.bench.graphs` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
 
@@ -952,8 +952,8 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # bf16 weights, 512 tokens of context per sequence, median of 10 steps. The commands were
 #
 # ```
-# python -m nanovllm.bench_graphs --compile-small-ops off --iters 10
-# python -m nanovllm.bench_graphs --compile-small-ops on --iters 10 --profile-batch 256
+# python -m nanovllm.bench.graphs --compile-small-ops off --iters 10
+# python -m nanovllm.bench.graphs --compile-small-ops on --iters 10 --profile-batch 256
 # ```
 #
 # Every row returned the same tokens eagerly and from the graph.
@@ -966,8 +966,8 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # 中位数。命令是
 #
 # ```
-# python -m nanovllm.bench_graphs --compile-small-ops off --iters 10
-# python -m nanovllm.bench_graphs --compile-small-ops on --iters 10 --profile-batch 256
+# python -m nanovllm.bench.graphs --compile-small-ops off --iters 10
+# python -m nanovllm.bench.graphs --compile-small-ops on --iters 10 --profile-batch 256
 # ```
 #
 # 每一行在 eager 和 graph 两种方式下都返回了相同的 token。
@@ -1047,7 +1047,7 @@ assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[tab
 # %%
 from types import SimpleNamespace
 
-from nanovllm.bench import QWEN3_06B_SHAPES, layer_params
+from nanovllm.bench.engine import QWEN3_06B_SHAPES, layer_params
 from nanovllm.engine.model_runner import kv_block_bytes
 
 qwen = SimpleNamespace(**QWEN3_06B_SHAPES)
@@ -1221,7 +1221,7 @@ print("all checks passed")
 #   `compile_small_ops` (`"auto"`: on for CUDA).
 # - Two hooks in chapter 08's `ModelRunner` (compile, capture; `run` replays decode steps) and
 #   its guard against sequences longer than `max_model_len`.
-# - `python -m nanovllm.bench_graphs`: decode-step latency eager vs graph, a profiler table, and
+# - `python -m nanovllm.bench.graphs`: decode-step latency eager vs graph, a profiler table, and
 #   a sweep of the decode kernel's launch configurations.
 # - `scripts/profile_engine.py` (a GPU diagnosis): the benchmark's workload run cold, warm and
 #   synchronous with every step timed (host, and GPU time of forward, LM head and sampler by CUDA
@@ -1247,7 +1247,7 @@ print("all checks passed")
 #   （`"auto"`：CUDA 上打开）。
 # - 第 08 章 `ModelRunner` 里的两个挂钩（编译、捕获；`run` 重放 decode 步），以及它对长于 `max_model_len` 的序列
 #   的防线。
-# - `python -m nanovllm.bench_graphs`：eager 与 graph 的 decode 步延迟、性能剖析表，以及 decode 内核启动配置的扫描。
+# - `python -m nanovllm.bench.graphs`：eager 与 graph 的 decode 步延迟、性能剖析表，以及 decode 内核启动配置的扫描。
 # - `scripts/profile_engine.py`（GPU 上的诊断工具）：把基准测试的负载先冷跑一次，再以同步方式热跑一次并为每一步计时
 #   （主机端时间，以及用 CUDA 事件测得的前向、LM head 和采样器的 GPU 时间），然后分别打开和关闭异步调度各热跑一次，
 #   最后在 `torch.profiler` 下再跑一次；它还会统计运行期间新编译了多少个 Triton 变体。

@@ -401,7 +401,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import ShardId, copy_checked, divide, tp_world
-from nanovllm.utils.context import get_context
+from nanovllm.layers.context import get_context
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -1543,7 +1543,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import FAULT_ENV, TPWorkerError
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 tiny = build_tiny_model("qwen3")
 settings = {"device": "cpu", "kvcache_block_size": 4, "num_kvcache_blocks": 12, "max_num_batched_tokens": 16}

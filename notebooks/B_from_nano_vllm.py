@@ -353,7 +353,7 @@
 # | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | 新增：用同一套层实现 Qwen2 和 Llama，按 `architectures` 选择 |
 
 # %% [markdown] tags=["en"]
-# ### `nanovllm/utils/context.py` → `nanovllm/utils/context.py`
+# ### `nanovllm/utils/context.py` → `nanovllm/layers/context.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
@@ -361,7 +361,7 @@
 # | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_CONTEXT`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | same, plus two builders from lengths and block tables |
 
 # %% [markdown] tags=["zh"]
-# ### `nanovllm/utils/context.py` → `nanovllm/utils/context.py`
+# ### `nanovllm/utils/context.py` → `nanovllm/layers/context.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
@@ -382,7 +382,7 @@
 # | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | a rank's loop reads calls from its pipe and replies, errors included |
 # | `ModelRunner.warmup_model` | `ModelRunner.warmup` | 08 | the same warm-up forward |
 # | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `layers.linear.agree_min` | 08, 10 | the same formula; with tensor parallelism every rank takes the smallest count |
-# | `ModelRunner.prepare_block_tables` | `utils.context.set_prefill_context`, `utils.context.set_decode_context` | 06 | built with the rest of the attention context |
+# | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 06 | built with the rest of the attention context |
 # | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | functions of the module; a chunk's `seqlen_k` is `num_cached + num_scheduled` |
 # | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | temperatures, top-k, top-p and seeded generators |
 # | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager, or a decode graph's replay |
@@ -403,7 +403,7 @@
 # | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | rank 的循环从管道读取调用并回复，出错时也回复 |
 # | `ModelRunner.warmup_model` | `ModelRunner.warmup` | 08 | 同样的预热前向 |
 # | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `layers.linear.agree_min` | 08, 10 | 公式相同；张量并行时每个 rank 都取最小的块数 |
-# | `ModelRunner.prepare_block_tables` | `utils.context.set_prefill_context`, `utils.context.set_decode_context` | 06 | 与注意力上下文的其余部分一起构造 |
+# | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 06 | 与注意力上下文的其余部分一起构造 |
 # | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | 模块级函数；分块的 `seqlen_k` 是 `num_cached + num_scheduled` |
 # | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | 温度、top-k、top-p 和带种子的生成器 |
 # | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager 执行，或重放 decode 图 |
@@ -411,7 +411,7 @@
 # | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | 顺序相同（从最大的开始，共用一个内存池） |
 
 # %% [markdown] tags=["en"]
-# ### `nanovllm/utils/loader.py` → `nanovllm/utils/loader.py`
+# ### `nanovllm/utils/loader.py` → `nanovllm/models/loader.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
@@ -420,7 +420,7 @@
 # | — | `read_model_dir`, `check_model_config` | 05 | new: the one reader of `config.json` (`Config` calls it); a size no model can have is refused by field and file |
 
 # %% [markdown] tags=["zh"]
-# ### `nanovllm/utils/loader.py` → `nanovllm/utils/loader.py`
+# ### `nanovllm/utils/loader.py` → `nanovllm/models/loader.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
@@ -435,7 +435,7 @@
 # |---|---|---|---|
 # | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | the same names and defaults |
 # | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | every end-of-sequence id of `generation_config.json` or `config.json` |
-# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `utils.loader.read_model_dir`, `utils.checks.check` | 11 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `models.loader.read_model_dir`, `utils.checks.check` | 11 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
 # | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | new settings, for the CPU and for the features of chapters 04b, 06b, 09 and 11 |
 
 # %% [markdown] tags=["zh"]
@@ -445,7 +445,7 @@
 # |---|---|---|---|
 # | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 11 | 名字和默认值相同 |
 # | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 11 | `generation_config.json` 或 `config.json` 里的每一个结束符 id |
-# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `utils.loader.read_model_dir`, `utils.checks.check` | 11 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `models.loader.read_model_dir`, `utils.checks.check` | 11 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
 # | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 11 | 新增的配置项，用于 CPU，以及第 04b、06b、09、11 章的功能 |
 
 # %% [markdown] tags=["en"]
@@ -499,14 +499,14 @@
 # | `LLM`, `SamplingParams` | = | 00 | 相同的公开 API |
 
 # %% [markdown] tags=["en"]
-# ### `bench.py` → `nanovllm/bench.py`
+# ### `bench.py` → `nanovllm/bench/engine.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
 # | `main` | `main`, `make_workload` | 11 | `python -m nanovllm.bench`: the same workload, and a `transformers` peer |
 
 # %% [markdown] tags=["zh"]
-# ### `bench.py` → `nanovllm/bench.py`
+# ### `bench.py` → `nanovllm/bench/engine.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|

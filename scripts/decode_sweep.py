@@ -16,9 +16,9 @@ import random
 
 import torch
 
-from nanovllm.bench_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth, graph_time_ms
+from nanovllm.bench.attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth, graph_time_ms
+from nanovllm.layers.context import Context
 from nanovllm.layers.triton_attention import decode_attention
-from nanovllm.utils.context import Context
 
 LAUNCHES = [(64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (64, 4, 4), (64, 4, 2), (128, 8, 2), (32, 2, 3),
             (16, 4, 3)]

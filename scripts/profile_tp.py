@@ -599,8 +599,8 @@ def table(summaries: dict[str, dict[str, float | None]]) -> str:
 
 
 def build_model(args: argparse.Namespace) -> str:
-    from nanovllm.bench import qwen3_06b_random
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.bench.engine import qwen3_06b_random
+    from nanovllm.book.tiny_models import build_tiny_model
 
     if args.model:
         return args.model
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace-first", type=int, default=8, help="first traced decode step")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
-    from nanovllm.bench import make_workload
+    from nanovllm.bench.engine import make_workload
     from nanovllm.config import Config
 
     if args.device == "auto":

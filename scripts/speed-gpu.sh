@@ -65,6 +65,6 @@ case ${1:-} in
     install_fa4
     export PYTHONPATH=$PWD:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
     timeout 150 python3 scripts/decode_sweep.py --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log"
-    timeout 330 python3 -m nanovllm.bench_attention --quick --out "$out/attention.json" 2>&1 | tee "$out/attention.log" ;;
+    timeout 330 python3 -m nanovllm.bench.attention --quick --out "$out/attention.json" 2>&1 | tee "$out/attention.log" ;;
   *) echo "usage: scripts/speed-gpu.sh keep|tests|bench|kernels" >&2; exit 2 ;;
 esac

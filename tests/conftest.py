@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny() -> Path:
     """Chapter 05's tiny Qwen3 (random weights, a real byte-level tokenizer), built once and cached."""
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3")
 
@@ -56,6 +56,6 @@ def tiny() -> Path:
 @pytest.fixture(scope="session", params=["qwen3", "llama"])
 def tiny_arch(request: pytest.FixtureRequest) -> Path:
     """The tiny model of each architecture family the engine serves: Qwen3 and Llama."""
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
 
     return build_tiny_model(request.param)

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import nanovllm.engine.model_runner as model_runner
+from nanovllm.book.tiny_models import TINY_VOCAB_SIZE
 from nanovllm.engine.llm_engine import NonFiniteLogitsError
 from nanovllm.engine.model_runner import NOT_SAMPLED, SampledTokens, copy_kv_blocks
 from nanovllm.engine.scheduler import Scheduler
@@ -19,7 +20,6 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.layers.sampler import sampling_inputs, seeded_generator
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE
 
 
 def make(blocks: int = 16, bs: int = 4, seqs: int = 4, tokens: int = 64, caching: bool = True) -> Scheduler:

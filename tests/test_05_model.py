@@ -10,16 +10,16 @@ from transformers import AutoModelForCausalLM
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import get_rope, rope_inv_freq, rope_settings
 from nanovllm.models.llama import LlamaForCausalLM
+from nanovllm.models.loader import build_model
 from nanovllm.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
 from nanovllm.models.registry import get_model_class
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
-from nanovllm.utils.loader import build_model
-from nanovllm.utils.tiny_models import build_tiny_model
 
 ATOL = 1e-4  # float32 logits of standard deviation ~4; observed differences are ~1e-5
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,

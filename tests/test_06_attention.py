@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanovllm.layers.attention import ATTENTION_BACKENDS, Attention, TorchBackend, attention_backend
-from nanovllm.utils.context import (
+from nanovllm.layers.context import (
     get_context,
     reset_context,
     set_context,

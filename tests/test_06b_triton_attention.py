@@ -27,7 +27,7 @@ if not CUDA and not ta.INTERPRETED:  # imported earlier in this process without 
     ta = importlib.reload(ta)
 
 from nanovllm.layers.attention import Attention, TorchBackend, attention_backend  # noqa: E402
-from nanovllm.utils.context import (  # noqa: E402
+from nanovllm.layers.context import (  # noqa: E402
     reset_context,
     set_context,
     set_decode_context,
@@ -341,8 +341,8 @@ def test_gpu_long_context_decode_split_matches_plain() -> None:
 
 def tiny_qwen3_logits(dtype: torch.dtype, backend: str) -> torch.Tensor:
     """The tiny Qwen3 on CUDA: a flat batch with a chunked prefill and a prefix hit, then decode; all logits."""
-    from nanovllm.utils.loader import build_model
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
+    from nanovllm.models.loader import build_model
 
     model = build_model(build_tiny_model("qwen3"), dtype=dtype, device=DEVICE)
     bs = 16
@@ -396,7 +396,7 @@ def test_gpu_flash_attn_matches_reference(block_size: int) -> None:
     padded row, as CUDA graphs pad a batch) against the torch reference. Its contract on the cache: pages no sequence
     uses may hold NaN, but the unwritten rows of a used page must be finite (it loads whole pages when a page is one
     key tile, 128 rows on the H200, and 0 x NaN is NaN); the engine's cache starts as zeros (chapter 08)."""
-    from nanovllm.utils.context import Context
+    from nanovllm.layers.context import Context
 
     fa = ta.FlashAttnBackend()
     rng = random.Random(block_size)

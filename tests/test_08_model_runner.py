@@ -20,9 +20,9 @@ from nanovllm.engine.model_runner import (
 )
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import TorchBackend
+from nanovllm.layers.context import get_context, reset_context
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import get_context, reset_context
 
 
 @pytest.fixture(autouse=True)

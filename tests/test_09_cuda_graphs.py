@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import (
     DecodeBuffers,
@@ -19,11 +20,10 @@ from nanovllm.engine.model_runner import ModelRunner, prepare_decode
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import fused_qkv  # Triton: interpreted without CUDA (conftest switches it on)
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.layers.context import get_context, reset_context, set_decode_context
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import get_context, reset_context, set_decode_context
-from nanovllm.utils.tiny_models import build_tiny_model
 
 CUDA = torch.cuda.is_available()
 
@@ -306,8 +306,8 @@ def test_paged_prefill_warm_up_runs_and_touches_only_the_first_block(tiny: Path)
 def test_fused_qkv_kernel_matches_the_layers_and_the_store(qk_norm: bool, dtype: torch.dtype,
                                                            with_cache: bool) -> None:
     """norm_rotate_store == chapter 05's norm_and_rotate + chapter 06's store; slot -1 and other slots untouched."""
+    from nanovllm.layers.context import set_context
     from nanovllm.models.qwen3 import Qwen3Attention
-    from nanovllm.utils.context import set_context
 
     device = "cuda" if CUDA else "cpu"
     torch.manual_seed(0)

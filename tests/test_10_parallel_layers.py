@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import nanovllm.layers.linear as linear_module
+from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import (
     ColumnParallelLinear,
@@ -15,7 +16,6 @@ from nanovllm.layers.linear import (
     RowParallelLinear,
     tp_world,
 )
-from nanovllm.utils.context import reset_context, set_decode_context, set_prefill_context
 
 IN = 8
 

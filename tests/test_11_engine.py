@@ -14,7 +14,7 @@ from transformers.utils import logging as hf_logging
 
 from nanovllm import config as config_module
 from nanovllm.config import Config, UnknownConfigKeyError
-from nanovllm.utils import smollm2, tiny_models
+from nanovllm.book import smollm2, tiny_models
 
 hf_logging.disable_progress_bar()
 
@@ -355,7 +355,7 @@ def test_chat_prompts_use_the_template(tiny_llama: Path) -> None:
 # ---- the benchmark ------------------------------------------------------------------------------
 
 def test_workload_is_deterministic_and_within_its_ranges() -> None:
-    from nanovllm.bench import make_workload
+    from nanovllm.bench.engine import make_workload
 
     a = make_workload(16, (32, 256), (32, 256), vocab_size=49152, seed=3)
     assert a == make_workload(16, (32, 256), (32, 256), vocab_size=49152, seed=3)
@@ -372,7 +372,7 @@ def test_workload_is_deterministic_and_within_its_ranges() -> None:
 def test_workload_matches_nano_vllm_bench_draw_for_draw() -> None:
     import random
 
-    from nanovllm.bench import make_workload
+    from nanovllm.bench.engine import make_workload
 
     state = random.getstate()
     try:
@@ -390,14 +390,14 @@ def test_workload_matches_nano_vllm_bench_draw_for_draw() -> None:
     [{"num_seqs": 0}, {"input_len": (0, 5)}, {"input_len": (9, 5)}, {"output_len": (3, 2)}, {"vocab_size": 0}],
 )
 def test_workload_refuses_bad_ranges(kwargs: dict) -> None:
-    from nanovllm.bench import make_workload
+    from nanovllm.bench.engine import make_workload
 
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         make_workload(**kwargs)
 
 
 def test_peer_batches_group_similar_lengths() -> None:
-    from nanovllm.bench import Workload, peer_batches
+    from nanovllm.bench.engine import Workload, peer_batches
 
     workload = Workload([[1] * n for n in (5, 3, 9, 1, 7)], [40, 10, 30, 20, 10])
     batches = peer_batches(workload, batch_size=2)
@@ -407,7 +407,7 @@ def test_peer_batches_group_similar_lengths() -> None:
 
 
 def test_peer_generates_forced_lengths_and_counts_requested_tokens(tiny_llama: Path) -> None:
-    from nanovllm.bench import make_workload, run_transformers
+    from nanovllm.bench.engine import make_workload, run_transformers
 
     workload = make_workload(3, (2, 6), (1, 5), vocab_size=128, seed=0)
     result = run_transformers(str(tiny_llama), workload, device="cpu", dtype=torch.float32, batch_size=2)
@@ -455,7 +455,7 @@ def test_flash_attn_backend_needs_a_cuda_gpu(tiny_llama: Path) -> None:
 
 # ---- tensor parallelism in the benchmark, random weights, rank timeout (chapters 05, 10) ------------------
 def test_qwen3_8b_shapes_is_a_weightless_directory_for_dummy_weights(tmp_path: Path) -> None:
-    from nanovllm.bench import QWEN3_8B_SHAPES, model_params, qwen3_8b_shapes
+    from nanovllm.bench.engine import QWEN3_8B_SHAPES, model_params, qwen3_8b_shapes
 
     directory = qwen3_8b_shapes(str(tmp_path / "qwen3-8b"))
     assert not list(directory.glob("*.safetensors"))
@@ -476,8 +476,8 @@ def test_load_format_and_rank_timeout_are_checked(tiny_llama: Path) -> None:
 
 
 def test_bench_compares_tp2_with_tp1_in_one_invocation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from nanovllm.bench import main
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.bench.engine import main
+    from nanovllm.book.tiny_models import build_tiny_model
 
     out = tmp_path / "bench.json"
     argv = ["--model", str(build_tiny_model("qwen3")), "--device", "cpu", "--num-seqs", "4", "--input-len", "8", "16",
@@ -492,8 +492,8 @@ def test_bench_compares_tp2_with_tp1_in_one_invocation(tmp_path: Path, capsys: p
 
 
 def test_bench_compares_attention_backends_in_one_invocation(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from nanovllm.bench import main
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.bench.engine import main
+    from nanovllm.book.tiny_models import build_tiny_model
 
     model = str(build_tiny_model("qwen3"))
     out = tmp_path / "bench.json"

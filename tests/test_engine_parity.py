@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from nanovllm.book.tiny_models import TINY_VOCAB_SIZE
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE
 
 MAX_TOKENS = 10
 

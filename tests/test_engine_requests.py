@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanovllm.book.tiny_models import TINY_VOCAB_SIZE
 from nanovllm.config import Config, UnknownConfigKeyError
 from nanovllm.engine.llm_engine import EngineBusyError, NonFiniteLogitsError
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import TINY_VOCAB_SIZE
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -127,7 +127,7 @@ def test_cli_generates_with_a_given_model(tiny: Path, capsys: pytest.CaptureFixt
 
 
 def test_engine_side_of_the_benchmark(tiny: Path) -> None:
-    from nanovllm.bench import make_workload, run_engine
+    from nanovllm.bench.engine import make_workload, run_engine
 
     workload = make_workload(4, (3, 9), (1, 6), vocab_size=TINY_VOCAB_SIZE, seed=0)
     for scheduling in (False, True):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.gpu
 

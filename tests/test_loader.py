@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from nanovllm.utils.loader import ModelLoadError, build_model, read_model_dir
-from nanovllm.utils.tiny_models import build_tiny_model
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.models.loader import ModelLoadError, build_model, read_model_dir
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_config_json_is_read_once_per_engine(tiny: Path, monkeypatch: pytest.Mon
         assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)[0]["token_ids"]
     finally:
         llm.exit()
-    assert ours == ["nanovllm.utils.loader"]
+    assert ours == ["nanovllm.models.loader"]
 
 
 def test_unsupported_features_are_refused(tmp_path: Path) -> None:

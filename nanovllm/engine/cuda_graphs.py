@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nanovllm.config import Config
-from nanovllm.utils.context import Context, reset_context, set_context
+from nanovllm.layers.context import Context, reset_context, set_context
 
 __all__ = [
     "CAPTURE_SAFE_BACKENDS",

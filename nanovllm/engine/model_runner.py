@@ -15,11 +15,11 @@ from nanovllm.engine.cuda_graphs import capture_decode_graphs
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
+from nanovllm.layers.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
+from nanovllm.models.loader import build_model
 from nanovllm.models.qwen3 import head_dim_of
-from nanovllm.utils.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
-from nanovllm.utils.loader import build_model
 
 __all__ = [
     "NOT_SAMPLED",

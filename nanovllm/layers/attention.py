@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.context import Context, get_context
+from nanovllm.layers.context import Context, get_context
 
 __all__ = [
     "ATTENTION_BACKENDS",

@@ -7,8 +7,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.context import get_context
 from nanovllm.layers.linear import ShardId, copy_checked, divide, tp_world
-from nanovllm.utils.context import get_context
 
 __all__ = [
     "ParallelLMHead",

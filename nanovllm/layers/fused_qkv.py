@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from nanovllm.utils.context import get_context
+from nanovllm.layers.context import get_context
 
 __all__ = [
     "can_fuse",

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from nanovllm.layers.context import host_to_device
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.context import host_to_device
 
 __all__ = [
     "NON_FINITE",

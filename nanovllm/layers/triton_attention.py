@@ -10,7 +10,7 @@ import triton.language as tl
 from triton import knobs
 
 from nanovllm.layers.attention import Attention
-from nanovllm.utils.context import Context
+from nanovllm.layers.context import Context
 
 __all__ = [
     "INTERPRETED",

@@ -211,7 +211,7 @@ def qwen3_06b_random(path: str | None = None) -> Any:
     """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
     import tempfile
 
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
 
     path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
     return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
@@ -232,7 +232,7 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
 
     from transformers import Qwen3Config
 
-    from nanovllm.utils.tiny_models import build_tiny_model
+    from nanovllm.book.tiny_models import build_tiny_model
 
     tiny = build_tiny_model("qwen3")  # its tokenizer and EOS ids: the prompts are token ids anyway
     target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
@@ -249,7 +249,7 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
 
 def matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on an n x n x n product, measured now."""
-    from nanovllm.bench_attention import time_ms
+    from nanovllm.bench.attention import time_ms
 
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
@@ -340,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
     from nanovllm.config import Config
-    from nanovllm.utils.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
         if args.model:
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         report["device"] = torch.cuda.get_device_name()
     results = {}
     if args.parallel_sampling:
-        from nanovllm.bench_parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+        from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
 
         runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
                                          args.parallel_sampling, device=config.device, dtype=config.dtype)
@@ -430,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             report[f"ratio_{backend}"] = ratio
             print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
-        from nanovllm.bench_attention import copy_bandwidth  # Triton: imported only on a GPU
+        from nanovllm.bench.attention import copy_bandwidth  # Triton: imported only on a GPU
 
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
@@ -449,8 +449,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
     return 0
-
-
-# A notebook also runs this code as __main__; only a real `python -m nanovllm.bench` should act.
-if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    raise SystemExit(main())

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nanovllm.utils.tiny_models import CacheNotWritableError, cache_root, writable_dir
+from nanovllm.book.tiny_models import CacheNotWritableError, cache_root, writable_dir
 
 __all__ = [
     "INSTALL_HINT",
@@ -121,10 +121,10 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m nanovllm.utils.smollm2`: print the model directory, converting it if needed."""
+    """`python -m nanovllm.book.smollm2`: print the model directory, converting it if needed."""
     args = sys.argv[1:] if argv is None else argv
     if args:
-        print("usage: python -m nanovllm.utils.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
+        print("usage: python -m nanovllm.book.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
         return 2
     try:
         print(smollm2_dir())
