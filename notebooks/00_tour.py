@@ -180,6 +180,105 @@ display(SVG(architecture_svg()))
 # （这些链接在本书网站上可用；在 JupyterLab 中请打开 `notebooks/` 下对应的章节文件。）
 
 # %% [markdown] tags=["en"]
+# ## How a chapter builds on the ones before it
+#
+# Each engine module is introduced by one chapter as a **first cut**: the shape of nano-vllm's
+# file, so that you can lay the chapter next to upstream's source and match it class by class.
+# A later chapter that tells a feature's story **extends** what is already there: chapter 04b
+# gives `Sequence` a `fork` method, chapter 09 gives the model runner its CUDA graphs, chapter 12
+# makes the scheduler asynchronous. The tool is d2l's `add_to_class`: a decorator that sets a
+# function as a method of a class that already exists.
+#
+# In a notebook the decorator really changes the class, for the rest of the session: edit an
+# extension cell, run it again, and the engine uses your version. In the package, which
+# `tools/tangle.py` writes from the chapters, nothing is patched at run time: the tangler moves
+# each extension into the one `class` block where it belongs, with a comment naming the chapter
+# and cell it came from, so the package reads as plain Python. A replaced method keeps its place;
+# the chapter that replaced it is the one to edit.
+
+# %% [markdown] tags=["zh"]
+# ## 每一章如何在前面各章之上构建
+#
+# 引擎的每个模块都由一章先给出**初版**：形状与 nano-vllm 的同名文件一致，你可以把这一章和上游源码并排对照，
+# 逐个类地找到对应。后面讲某个特性的那一章再**扩展**已有的代码：第 04b 章给 `Sequence` 加上 `fork` 方法，
+# 第 09 章给模型执行器加上 CUDA Graph，第 12 章让调度器异步起来。用的工具是 d2l 的 `add_to_class`：
+# 一个装饰器，把函数设为一个已有类的方法。
+#
+# 在 notebook 里，这个装饰器会真正改变那个类，并在整个会话中生效：修改一个扩展单元、重新运行它，引擎就会用上你的版本。
+# 而在由 `tools/tangle.py` 从各章生成的包里，运行时什么也不打补丁：抽取工具把每个扩展移到它所属的那个唯一的
+# `class` 块里，并附上一行注释，写明它来自哪一章的哪个单元，所以包读起来就是普通的 Python。被替换的方法留在原位；
+# 要修改它，就去改替换它的那一章。
+
+# %% add to class
+#| export book.literate
+"""The book's one literate helper: a later chapter adds a method to a class that an earlier chapter built."""
+
+from collections.abc import Callable
+from typing import Any
+
+
+def add_to_class(cls: type) -> Callable[[Any], Any]:
+    """Decorator: make the decorated function (or property, staticmethod, ...) a member of ``cls``, under its name.
+
+    The notebook's way of extending a class (d2l's ``add_to_class``). The package never calls it: the tangler
+    splices the same member into the class's own ``class`` block.
+    """
+
+    def add(member: Any) -> Any:
+        setattr(cls, _member_name(member), member)
+        return member
+
+    return add
+
+
+def _member_name(member: Any) -> str:
+    # en: A property has no name of its own; its getter has. A staticmethod or classmethod wraps a function.
+    # zh: property 自己没有名字，它的 getter 有；staticmethod 和 classmethod 包着一个函数。
+    for candidate in (member, getattr(member, "fget", None), getattr(member, "__func__", None)):
+        name = getattr(candidate, "__name__", None)
+        if isinstance(name, str):
+            return name
+    raise TypeError(f"add_to_class needs a named member (a function, property, ...), got {member!r}")
+
+# %% [markdown] tags=["en"]
+# A toy first: a class, then a later cell that replaces one method and adds a property.
+
+# %% [markdown] tags=["zh"]
+# 先看一个玩具例子：一个类，然后在后面的单元里替换它的一个方法、再加一个 property。
+
+# %%
+from nanovllm.book.literate import add_to_class
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        self.count += n
+
+
+tally = Tally()  # built before the extension: it gets the new members too
+
+
+@add_to_class(Tally)
+def add(self, n: int) -> None:
+    """Never count below zero."""
+    self.count = max(0, self.count + n)
+
+
+@add_to_class(Tally)
+@property
+def empty(self) -> bool:
+    return self.count == 0
+
+
+tally.add(2)
+tally.add(-5)
+print(tally.count, tally.empty)
+assert (tally.count, tally.empty) == (0, True)
+
+# %% [markdown] tags=["en"]
 # ## One request, step by step
 #
 # `generate` is a loop around `step()`: the scheduler picks the sequences of a step (all

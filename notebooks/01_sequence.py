@@ -47,11 +47,6 @@
 # scheduler **preempts** the newest running sequences. A preempted sequence gives back all its
 # blocks and returns to WAITING; when it is scheduled again, its whole token list (prompt *and*
 # what it generated so far) is prefilled again. This is *recompute* preemption, as in vLLM.
-#
-# One arrow goes from WAITING straight to FINISHED. Chapter 11's asynchronous engine schedules a
-# step while the GPU still computes the previous one, so a sequence can be preempted while its
-# newest token is being computed; when that token arrives and is an end-of-sequence token (or
-# the last one `max_tokens` allows), the waiting sequence is finished.
 
 # %% [markdown] tags=["zh"]
 # ## 思路：请求是一个小小的状态机
@@ -66,10 +61,6 @@
 # 有一条箭头是*反向*的：decode 时如果 KV 缓存没有空闲块，调度器会**抢占**最新加入的运行序列。
 # 被抢占的序列归还所有块，回到 WAITING；再次被调度时，它的全部 token（提示词*加上*已生成的部分）
 # 要重新 prefill。这就是 vLLM 中的*重算式*抢占。
-#
-# 还有一条箭头从 WAITING 直接指向 FINISHED。第 11 章的异步引擎在 GPU 还在计算上一步时就调度下一步，
-# 所以一个序列可能在它最新的 token 还在计算时被抢占；等这个 token 算出来，如果它是结束符（或是
-# `max_tokens` 允许的最后一个），这个等待中的序列就结束了。
 
 # %% state machine drawing
 #| hide
@@ -85,7 +76,7 @@ def state_machine_svg() -> str:
         'fill="#37474f">{text}</text>'
     )
     parts = [
-        '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="270" viewBox="0 0 660 270">',
+        '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="220" viewBox="0 0 660 220">',
         '<title lang="en">A sequence\'s states: WAITING becomes RUNNING when it is scheduled (prefill), RUNNING '
         'becomes FINISHED on EOS or max_tokens, and RUNNING goes back to WAITING when it is preempted (its blocks '
         'are freed, it is recomputed later).</title>'
@@ -102,7 +93,6 @@ def state_machine_svg() -> str:
         ("M330,126 C330,190 85,190 85,127", "preempt (free blocks, recompute later)", 207, 205),
         ("M300,68 C280,10 380,10 360,68", "decode step: +1 token", 330, 22),
         ("M55,68 C35,10 135,10 115,68", "prefill chunk", 85, 22),
-        ("M50,126 C50,265 575,265 575,127", "preempted, but its last token (still computing) ends it", 312, 262),
     ]
     for path, text, x, y in arrows:
         parts.append(f'<path d="{path}" fill="none" stroke="#37474f" stroke-width="2" marker-end="url(#arrow)"/>')
@@ -124,7 +114,7 @@ display(SVG(state_machine_svg()))
 # Parameters are checked when the object is built, not deep inside a GPU step: a wrong type
 # raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field. This
 # is one of the three places where input enters the engine (the others are the prompt, below,
-# and chapter 11's `Config`): each checks what it receives once, with one small helper, `check`,
+# and chapter 08's `Config`): each checks what it receives once, with one small helper, `check`,
 # and the engine's inner parts trust what they are handed, as upstream's do.
 
 # %% [markdown] tags=["zh"]
@@ -136,7 +126,7 @@ display(SVG(state_machine_svg()))
 #
 # 参数在对象创建时就检查，而不是等到 GPU 计算的深处才出错：类型不对抛出 `TypeError`，取值不对抛出
 # `ValueError`，两种错误信息都会指明是哪个字段。输入进入引擎的地方有三处，这是其中之一（另外两处是下面的
-# 提示词和第 11 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
+# 提示词和第 08 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
 # 交给它们的数据，上游也是这样做的。
 
 # %% default module
@@ -249,11 +239,11 @@ except ValueError as error:
 #| export
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Iterable, Mapping, Set
 from enum import Enum, auto
 from itertools import count
+from typing import ClassVar
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -262,17 +252,6 @@ class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
-
-
-# en: Which status may follow which: WAITING -> RUNNING (scheduled), RUNNING -> WAITING (preempted),
-# en: either -> FINISHED; staying put is allowed.
-# zh: 每个状态之后允许出现哪些状态：WAITING -> RUNNING（被调度）、RUNNING -> WAITING（被抢占），
-# zh: 两者都可以 -> FINISHED；保持不变也允许。
-ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
-    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
-    SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
-    SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
-}
 
 # %% [markdown] tags=["en"]
 # ### The counters
@@ -324,12 +303,20 @@ ALLOWED_TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
 class Sequence:
     """One request inside the engine: its tokens, its progress and its cache blocks.
 
-    ``block_size`` is passed explicitly and travels with the sequence when it is pickled:
-    a worker process must never fall back on a default of its own (upstream nano-vllm's
-    tensor-parallel path broke exactly that way).
+    ``block_size`` is passed explicitly: a sequence never falls back on a default of its own
+    (upstream nano-vllm's class-level default broke its tensor-parallel path, chapter 10).
     """
 
     _ids = count()
+    # en: Which status may follow which: WAITING -> RUNNING (scheduled), RUNNING -> WAITING
+    # en: (preempted), RUNNING -> FINISHED; staying put is allowed.
+    # zh: 每个状态之后允许出现哪些状态：WAITING -> RUNNING（被调度）、RUNNING -> WAITING（被抢占）、
+    # zh: RUNNING -> FINISHED；保持不变也允许。
+    ALLOWED_TRANSITIONS: ClassVar[dict[SequenceStatus, frozenset[SequenceStatus]]] = {
+        SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING}),
+        SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
+        SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
+    }
 
     def __init__(
         self,
@@ -338,44 +325,16 @@ class Sequence:
         *,
         block_size: int,
     ) -> None:
-        # en: Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered
-        # en: collections are mistakes.
-        # zh: 列表、元组、NumPy 数组和一维张量都可以；字符串和无序集合则是写错了。
-        if isinstance(token_ids, (str, bytes, Mapping, Set)) or not isinstance(token_ids, Iterable):
-            raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
-        token_ids = list(token_ids)
-        if len(token_ids) == 0:
-            raise ValueError("token_ids is empty: a prompt needs at least one token")
-        sampling_params = sampling_params or SamplingParams()
         self.seq_id = next(Sequence._ids)
         self._status = SequenceStatus.WAITING
-        self.token_ids = [_token_id(t, i) for i, t in enumerate(token_ids)]
+        self.token_ids = checked_token_ids(token_ids)
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
         self.block_table: list[int] = []
         self.block_size = block_size
-        self.sampling_params: SamplingParams | None = sampling_params
-        # en: Index of token_ids[0] in the whole sequence: 0 here, larger in a slim copy
-        # en: that a worker process unpickled (see __getstate__).
-        # zh: token_ids[0] 在整个序列中的下标：在这里是 0；在工作进程反序列化得到的精简副本中更大
-        # zh: （见 __getstate__）。
-        self.first_token_index = 0
-        # en: Parallel sampling (chapter 04b). A request with n > 1 starts as one sequence that
-        # en: computes the prompt; when its first token is sampled it forks n - 1 siblings that
-        # en: share its blocks. request_id names the request (the first sequence's id) and
-        # en: sample_index which of its n samples this is (0 for the first; it picks the random
-        # en: stream). blocks_to_copy holds the copy-on-write copies (source block, destination
-        # en: block) that the next step must make before it writes K/V.
-        # zh: 并行采样（第 04b 章）。n > 1 的请求一开始只是一个序列，由它计算提示词；它的第一个 token 采样出来时，
-        # zh: 它分叉出 n - 1 个共享它的块的兄弟序列。request_id 指明所属请求（第一个序列的 id），sample_index
-        # zh: 表示这是 n 个样本中的第几个（第一个为 0；它决定随机数流）。blocks_to_copy 记录写时复制要做的拷贝
-        # zh: （源块，目标块），下一步在写入 K/V 之前必须完成。
-        self.request_id = self.seq_id
-        self.sample_index = 0
-        self.pending_forks = sampling_params.n - 1
-        self.blocks_to_copy: list[tuple[int, int]] = []
+        self.sampling_params: SamplingParams | None = sampling_params or SamplingParams()
 
     # en: ---- status -------------------------------------------------------------
     # zh: ---- 状态 ---------------------------------------------------------------
@@ -385,7 +344,7 @@ class Sequence:
 
     @status.setter
     def status(self, new: SequenceStatus) -> None:
-        if new not in ALLOWED_TRANSITIONS[self._status]:
+        if new not in self.ALLOWED_TRANSITIONS[self._status]:
             raise RuntimeError(f"sequence {self.seq_id}: illegal status change {self._status.name} -> {new.name}")
         self._status = new
 
@@ -417,54 +376,12 @@ class Sequence:
     @property
     def scheduled_token_ids(self) -> list[int]:
         """The tokens this step computes: ``num_scheduled_tokens`` of them after the cached ones."""
-        start = self.num_cached_tokens - self.first_token_index
-        return self.token_ids[start : start + self.num_scheduled_tokens]
-
-    @property
-    def num_samples(self) -> int:
-        """Tokens the scheduled step samples for this sequence: none for a partial prefill chunk, else
-        one, plus one for each sibling it forks when its prompt is done (chapter 04b)."""
-        if self.num_cached_tokens + self.num_scheduled_tokens < self.num_tokens:
-            return 0
-        return 1 + self.pending_forks
+        return self.token_ids[self.num_cached_tokens : self.num_cached_tokens + self.num_scheduled_tokens]
 
     def append_token(self, token_id: int) -> None:
         """Record a generated token (its KV is computed by the next step, not this one)."""
         self.token_ids.append(_token_id(token_id, self.num_tokens))
         self.num_tokens += 1
-
-    # en: Asynchronous scheduling (chapter 11) counts a token before the GPU has computed it:
-    # en: the three methods below reserve its place, fill it in, and drop what came after a finish.
-    # zh: 异步调度（第 11 章）在 GPU 算出一个 token 之前就把它计入：下面三个方法为它占位、填入它的值、
-    # zh: 并丢掉结束之后多算的 token。
-    def append_pending_token(self) -> int:
-        """Reserve the place of a token the GPU is still computing; returns its index."""
-        self.token_ids.append(PENDING_TOKEN)
-        self.num_tokens += 1
-        return self.num_tokens - 1
-
-    def set_token(self, index: int, token_id: int) -> None:
-        """Fill in the pending token at ``index``."""
-        offset = index - self.first_token_index
-        assert self.token_ids[offset] == PENDING_TOKEN, f"sequence {self.seq_id}: token {index} is not pending"
-        self.token_ids[offset] = token_id
-
-    def truncate(self, num_tokens: int) -> None:
-        """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
-        assert max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens
-        del self.token_ids[num_tokens - self.first_token_index :]
-        self.num_tokens = num_tokens
-        self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
-
-    def fork(self, sample_index: int) -> Sequence:
-        """A sibling for sample ``sample_index`` of the same request: the same tokens, progress and block
-        table (the block manager adds its references to the blocks), a new seq_id, no forks of its own."""
-        child = copy.copy(self)
-        child.seq_id = next(Sequence._ids)
-        child.sample_index = sample_index
-        child.pending_forks = 0
-        child.blocks_to_copy = []
-        return child
 
     # en: ---- blocks -------------------------------------------------------------
     # zh: ---- 块 -----------------------------------------------------------------
@@ -488,35 +405,6 @@ class Sequence:
         assert 0 <= i < self.num_blocks, f"block {i} of a sequence of {self.num_blocks} blocks"
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
-    # en: ---- shipping to worker processes (chapter 10) --------------------------
-    # zh: ---- 传送给工作进程（第 10 章）-----------------------------------------
-    def __getstate__(self) -> tuple:
-        # en: Only tokens whose KV is not cached yet travel: during decode that is the
-        # en: last token alone, whatever the length of the sequence.
-        # zh: 只传送 KV 尚未缓存的 token：decode 时只有最后一个 token，与序列长度无关。
-        return (*_shipped(self), self.token_ids[self.num_cached_tokens - self.first_token_index :])
-
-    def __setstate__(self, state: tuple) -> None:
-        *fields, self.token_ids = state
-        self.__dict__.update(zip(SHIPPED_FIELDS, fields, strict=True))
-        self.first_token_index = self.num_cached_tokens
-        # en: Sampling happens on rank 0 only, so workers never need the parameters.
-        # zh: 只有 rank 0 做采样，工作进程用不到采样参数。
-        self.sampling_params = None
-
-    def __copy__(self) -> Sequence:
-        # en: copy.copy and copy.deepcopy would otherwise go through the slim pickling state.
-        # zh: 否则 copy.copy 和 copy.deepcopy 会走精简的序列化状态。
-        clone = Sequence.__new__(Sequence)
-        clone.__dict__.update(self.__dict__)
-        clone.token_ids = list(self.token_ids)
-        clone.block_table = list(self.block_table)
-        clone.blocks_to_copy = list(self.blocks_to_copy)
-        return clone
-
-    def __deepcopy__(self, memo: dict) -> Sequence:
-        return copy.copy(self)
-
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
@@ -525,15 +413,17 @@ class Sequence:
         )
 
 
-# en: The value of a token that the GPU is still computing; never a real token id (those are >= 0).
-# zh: GPU 尚在计算的 token 的值；绝不会是真实的 token id（真实 id 都 >= 0）。
-PENDING_TOKEN = -1
-# en: What a sequence ships to a worker process (chapter 10), followed by its uncached tokens.
-# zh: 序列传送给工作进程（第 10 章）的字段，后面再跟上它尚未缓存的 token。
-SHIPPED_FIELDS = ("seq_id", "_status", "block_size", "num_tokens", "num_prompt_tokens", "num_cached_tokens",
-                  "num_scheduled_tokens", "block_table", "request_id", "sample_index", "pending_forks",
-                  "blocks_to_copy")
-_shipped = operator.attrgetter(*SHIPPED_FIELDS)
+def checked_token_ids(token_ids: Iterable[int]) -> list[int]:
+    """A prompt's token ids as a list of ints, or a TypeError / ValueError that says what is wrong."""
+    # en: Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered
+    # en: collections are mistakes.
+    # zh: 列表、元组、NumPy 数组和一维张量都可以；字符串和无序集合则是写错了。
+    if isinstance(token_ids, (str, bytes, Mapping, Set)) or not isinstance(token_ids, Iterable):
+        raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
+    token_ids = [_token_id(token, i) for i, token in enumerate(token_ids)]
+    if not token_ids:
+        raise ValueError("token_ids is empty: a prompt needs at least one token")
+    return token_ids
 
 
 def _token_id(value: object, position: int) -> int:
@@ -692,49 +582,16 @@ for bad_call in (
         print(f"{type(error).__name__}: {error!s}")
 
 # %% [markdown] tags=["en"]
-# ## Shipping a sequence to another process
-#
-# With tensor parallelism (chapter 10), rank 0 runs the scheduler and sends every step's
-# sequences to the other ranks. Pickling a whole sequence each step would cost time that grows
-# with its length, so `Sequence` pickles *slim*: only the tokens whose KV is not cached yet
-# travel — for a decode step, just the last token. The block size travels too: a worker must
-# never guess it from a default. (`copy.copy` and `copy.deepcopy` still make whole copies.)
-
-# %% [markdown] tags=["zh"]
-# ## 把序列传给另一个进程
-#
-# 在张量并行（第 10 章）中，rank 0 运行调度器，每一步都要把序列发给其他 rank。如果每步都序列化整个序列，
-# 耗时会随序列长度增长；所以 `Sequence` 采用*精简*序列化：只传送 KV 尚未缓存的 token——decode 步只传最后
-# 一个 token。块大小也一起传送：工作进程绝不能从某个默认值去猜它。（`copy.copy` 和 `copy.deepcopy`
-# 仍然做完整拷贝。）
-
-# %%
-import copy
-import pickle
-
-long_seq = Sequence(list(range(5000)), block_size=16)
-long_seq.block_table = list(range(313))
-long_seq.num_cached_tokens = 4999  # decoding: everything but the last token is cached
-long_seq.num_scheduled_tokens = 1
-wire = pickle.dumps(long_seq)
-worker_copy = pickle.loads(wire)
-print(f"pickled decode sequence: {len(wire)} bytes for {len(long_seq)} tokens")
-assert worker_copy.token_ids == [4999] and worker_copy.scheduled_token_ids == [4999]
-assert worker_copy.block_size == 16 and worker_copy.block_table == long_seq.block_table
-assert worker_copy.num_tokens == 5000 and worker_copy.sampling_params is None
-assert len(pickle.dumps(long_seq)) < len(pickle.dumps(long_seq.token_ids)) / 5
-assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
-
-# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `SamplingParams`: validated generation settings; `temperature=0` is greedy.
 # - `Sequence`: tokens, the five counters, the block table and its arithmetic
-#   (`num_blocks`, `block(i)`, `last_block_num_tokens`), a guarded status, and a slim pickled
-#   form for worker processes.
-# - For chapter 11's asynchronous scheduling: `append_pending_token()` counts a token the GPU is
-#   still computing (its value is `PENDING_TOKEN` until `set_token` fills it in), and
-#   `truncate(n)` drops tokens computed after a sequence finished.
+#   (`num_blocks`, `block(i)`, `last_block_num_tokens`), and a guarded status.
+#
+# That is upstream's `Sequence`, checked. Later chapters add to this class where their story
+# needs it: chapter 04b the fields of parallel sampling (`fork`), chapter 10 the slim form in
+# which a sequence travels to the other ranks, chapter 12 the tokens that the GPU is still
+# computing.
 #
 # Next, chapter 02 gives the block table something to point at: a pool of KV blocks.
 #
@@ -742,8 +599,9 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 #
 # 1. A prompt of 37 tokens with `block_size=16`: how many blocks does it need, and how many
 #    tokens sit in the last one? After how many generated tokens is the next block needed?
-# 2. Why does the slim pickle send `token_ids[num_cached_tokens:]` rather than only the last
-#    token? (Hint: think of a preempted sequence that is prefilled again.)
+# 2. A sequence with a 10-token prompt is preempted after it generated 3 tokens: its blocks are
+#    freed and `num_cached_tokens` goes back to 0. How many tokens does its next prefill
+#    compute, and how many generated tokens does it hold after that step?
 # 3. A prompt of 10 tokens and a budget of 3 tokens per step: how many steps until the first
 #    generated token is appended?
 #
@@ -753,18 +611,19 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 # ## 本章小结
 #
 # - `SamplingParams`：经过校验的生成设置；`temperature=0` 即贪心解码。
-# - `Sequence`：token、五个计数器、块表及其算术（`num_blocks`、`block(i)`、`last_block_num_tokens`）、
-#   受保护的状态，以及供工作进程使用的精简序列化形式。
-# - 为第 11 章的异步调度准备的：`append_pending_token()` 把 GPU 仍在计算的 token 计入序列（在 `set_token`
-#   填入之前，它的值是 `PENDING_TOKEN`），`truncate(n)` 丢掉序列结束之后才算出的 token。
+# - `Sequence`：token、五个计数器、块表及其算术（`num_blocks`、`block(i)`、`last_block_num_tokens`），
+#   以及受保护的状态。
+#
+# 这就是上游的 `Sequence`，外加检查。后面各章在各自的故事需要时给这个类添加内容：第 04b 章添加并行采样的字段
+# （`fork`），第 10 章添加序列传给其他 rank 时的精简形式，第 12 章添加 GPU 仍在计算的 token。
 #
 # 下一章（第 02 章）为块表提供它所指向的东西：一个 KV 块池。
 #
 # ## 练习
 #
 # 1. 提示词 37 个 token，`block_size=16`：需要几个块？最后一块里有几个 token？生成多少个 token 后需要下一个块？
-# 2. 为什么精简序列化发送的是 `token_ids[num_cached_tokens:]`，而不只是最后一个 token？
-#    （提示：想想被抢占后重新 prefill 的序列。）
+# 2. 一个提示词为 10 个 token 的序列在生成了 3 个 token 后被抢占：它的块被释放，`num_cached_tokens` 回到 0。
+#    它下一次 prefill 要计算多少个 token？那一步之后它有多少个生成的 token？
 # 3. 提示词 10 个 token，每步预算 3 个 token：需要几步才能追加第一个生成的 token？
 #
 # 下面的单元会检查答案；先自己想，再看它。
@@ -782,12 +641,16 @@ for generated in range(1, 13):  # noqa: B007 (read after the loop)
         break
 assert generated == 12 and exercise.num_blocks == 4
 
-# en: Exercise 2: a preempted sequence is prefilled again from num_cached_tokens = 0,
-# en: so every one of its tokens must reach the workers.
-# zh: 练习 2：被抢占的序列从 num_cached_tokens = 0 重新 prefill，所以它的全部 token 都要发给工作进程。
-preempted = Sequence([1, 2, 3], block_size=16)
-preempted.append_token(4)
-assert pickle.loads(pickle.dumps(preempted)).token_ids == [1, 2, 3, 4]
+# en: Exercise 2: all 13 tokens (the prompt and the 3 generated ones: their KV is gone too); the
+# en: step samples the 4th generated token.
+# zh: 练习 2：全部 13 个 token（提示词加上已生成的 3 个：它们的 KV 也没了）；这一步采样出第 4 个生成的 token。
+preempted = Sequence(list(range(10)), block_size=4)
+for token in (1, 2, 3):
+    preempted.append_token(token)
+preempted.num_cached_tokens, preempted.block_table = 0, []  # what preemption does (chapter 04)
+preempted.num_scheduled_tokens = len(preempted) - preempted.num_cached_tokens
+assert preempted.num_scheduled_tokens == 13 and len(preempted.scheduled_token_ids) == 13
+assert finish_step(preempted, sampled_token=4) and preempted.num_completion_tokens == 4
 
 # en: Exercise 3: chunks of 3 + 3 + 3 + 1 tokens: four steps.
 # zh: 练习 3：分块为 3 + 3 + 3 + 1 个 token：共四步。

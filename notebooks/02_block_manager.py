@@ -222,17 +222,15 @@ assert (contiguous_admitted, paged_admitted) == (2, 3)
 # %% [markdown] tags=["en"]
 # ## Build it: a block
 #
-# A `Block` is four fields. `ref_count` is the number of block tables that hold it. `hash` and
-# `token_ids` belong to prefix caching (chapter 03): once the KV of a *full* block has been
-# written, the block is *published* under a hash of its contents so that a later prompt with the
-# same prefix can reuse it; until then `hash` is `-1` and `token_ids` is empty.
+# A `Block` is two fields: its id, the index of its slots in the model runner's KV tensor, and
+# `ref_count`, the number of block tables that hold it. Upstream's `Block` also carries a `hash`
+# and the block's `token_ids`; they belong to prefix caching, and chapter 03 adds them.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块
 #
-# `Block` 只有四个字段。`ref_count` 是持有它的块表个数。`hash` 和 `token_ids` 属于前缀缓存（第 03 章）：
-# 一个*写满*的块的 KV 写入之后，这个块会以其内容的哈希值*发布*出去（也就是登记到前缀缓存），以后有相同前缀的
-# 提示词就能复用它；在此之前，`hash` 为 `-1`，`token_ids` 为空。
+# `Block` 只有两个字段：它的编号，即它的槽位在模型执行器的 KV 张量中的下标；以及 `ref_count`，持有它的块表个数。
+# 上游的 `Block` 还带着 `hash` 和块中的 `token_ids`；它们属于前缀缓存，由第 03 章加上。
 
 # %% default module
 #| default_exp engine.block_manager
@@ -243,51 +241,34 @@ from __future__ import annotations
 
 from collections import deque
 
-from nanovllm.engine.prefix_cache import NO_HASH, PrefixCache
 from nanovllm.engine.sequence import Sequence
 
 
 class Block:
     """Bookkeeping for one block of the paged KV cache (the KV tensors live in the model runner)."""
 
-    __slots__ = ("block_id", "hash", "ref_count", "token_ids")
-
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        # en: The prefix-cache key of a full block whose KV is written; -1 until then.
-        # zh: 已写满且 KV 已写入的块的前缀缓存键；在此之前为 -1。
-        self.hash = NO_HASH
-        self.token_ids: list[int] = []
-
-    def reset(self) -> None:
-        """Forget the old contents: the block is about to hold new tokens."""
-        self.hash = NO_HASH
-        self.token_ids = []
 
     def __repr__(self) -> str:
-        published = f", hash={self.hash:#018x}" if self.hash != NO_HASH else ""
-        return f"Block({self.block_id}, ref_count={self.ref_count}{published})"
-
+        return f"Block({self.block_id}, ref_count={self.ref_count})"
 
 # %% [markdown] tags=["en"]
 # ## Build it: the pool
 #
 # `BlockPool` knows blocks, not sequences. It starts with every block in the **free list**, a
 # `deque` of block ids, and an empty **used set**. Each block is always in exactly one of the
-# two: used blocks have `ref_count >= 1`, free blocks `ref_count == 0`. Three operations change
-# that: `take_free_block` (head of the free list → used, count 1), `hold` (one more reference
-# to a block, reviving it from the free list if its count was 0) and `release` (one reference
+# two: used blocks have `ref_count >= 1`, free blocks `ref_count == 0`. Two operations change
+# that: `take_free_block` (head of the free list → used, count 1) and `release` (one reference
 # less; at 0 the block joins the tail of the free list).
 #
 # Why a queue and not a set for the free blocks? Its *order* is a policy. A freed block keeps
-# its KV and its hash, so prefix caching (chapter 03) can still revive it; the queue decides
-# which of those cached contents are overwritten first. And right before a block is overwritten,
-# `take_free_block` asks the prefix cache to `forget` it: its old contents must no longer be
-# findable.
+# its KV, so prefix caching (chapter 03) can still revive it; the queue decides which of those
+# cached contents are overwritten first.
 #
 # The pool trusts its arguments: the engine builds it from a `Config` that has checked them
-# (chapter 11), so inside the engine a broken invariant is a plain `assert`, as upstream writes
+# (chapter 08), so inside the engine a broken invariant is a plain `assert`, as upstream writes
 # it, and what a user types is checked once, where it enters.
 
 # %% [markdown] tags=["zh"]
@@ -295,14 +276,12 @@ class Block:
 #
 # `BlockPool`（块池）只认识块，不认识序列。一开始所有块都在**空闲队列**（一个存放块编号的 `deque`）里，**已用集合**
 # 为空。每个块总是恰好属于两者之一：已用块的 `ref_count >= 1`，空闲块的 `ref_count == 0`。改变这一状态的操作只有
-# 三个：`take_free_block`（空闲队列队头的块 → 已用，计数为 1）、`hold`（给某块再加一个引用；计数原为 0 时把它从
-# 空闲队列中复活）和 `release`（去掉一个引用；降到 0 时排到空闲队列队尾）。
+# 两个：`take_free_block`（空闲队列队头的块 → 已用，计数为 1）和 `release`（去掉一个引用；降到 0 时排到空闲队列队尾）。
 #
-# 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV 和哈希值，前缀缓存（第 03 章）
-# 仍能让它复活；这个队列决定了哪些缓存内容先被覆盖。而在一个块即将被覆盖之前，`take_free_block` 会让前缀缓存
-# `forget`（忘掉）它：旧内容不能再被找到。
+# 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV，前缀缓存（第 03 章）仍能让它
+# 复活；这个队列决定了哪些缓存内容先被覆盖。
 #
-# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 11 章）来构建它。所以在引擎内部，被破坏的不变式
+# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 08 章）来构建它。所以在引擎内部，被破坏的不变式
 # 只是一句普通的 `assert`（上游也是这么写的）；用户输入的东西只在它进入的地方检查一次。
 
 # %% block pool
@@ -314,18 +293,11 @@ class BlockPool:
     ``used_block_ids`` (``ref_count >= 1``).
     """
 
-    # en: Chapter 03 swaps this class to show what a subtly broken prefix cache does.
-    # zh: 第 03 章会替换这个类，演示一个有隐蔽缺陷的前缀缓存会造成什么后果。
-    prefix_cache_class = PrefixCache
-
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
-        self.prefix_cache: PrefixCache | None = (
-            self.prefix_cache_class(self.blocks, block_size) if enable_prefix_caching else None
-        )
 
     @property
     def num_blocks(self) -> int:
@@ -335,35 +307,15 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    @property
-    def hash_to_block_id(self) -> dict[int, int]:
-        """Published blocks by hash (read it, do not write it; empty when prefix caching is off)."""
-        return self.prefix_cache.hash_to_block_id if self.prefix_cache is not None else {}
-
     def take_free_block(self) -> int:
         """Take the block at the head of the free list, for new contents."""
         block = self.blocks[self.free_block_ids.popleft()]
-        if self.prefix_cache is not None:
-            # en: Its old contents are about to be overwritten: unpublish them (chapter 03).
-            # zh: 它的旧内容马上要被覆盖：先撤销发布（第 03 章）。
-            self.prefix_cache.forget(block)
-        block.reset()
         block.ref_count = 1
         self.used_block_ids.add(block.block_id)
         return block.block_id
 
-    def hold(self, block_id: int) -> None:
-        """Add a reference to a block whose contents we reuse, reviving it if it was free."""
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            # en: Freed but still cached: this exact block leaves the free list.
-            # zh: 已释放但仍在缓存中：正是这个块离开空闲队列。
-            self.free_block_ids.remove(block_id)
-            self.used_block_ids.add(block_id)
-        block.ref_count += 1
-
     def release(self, block_id: int) -> None:
-        """Drop a reference; at zero the block joins the tail of the free list, contents kept."""
+        """Drop a reference; at zero the block joins the tail of the free list."""
         block = self.blocks[block_id]
         assert block.ref_count >= 1, f"block {block_id} released more often than it was held"
         block.ref_count -= 1
@@ -377,11 +329,8 @@ class BlockPool:
 # `BlockManager` adds sequences to the pool. Five methods, called by the scheduler:
 #
 # - `can_allocate(seq)` / `allocate(seq)` give a sequence that has no blocks yet the
-#   `ceil(len(seq) / block_size)` blocks its tokens need. With prefix caching on, the leading
-#   blocks may be **cache hits**, blocks that already hold the KV of exactly this prefix: they
-#   are *held* (shared) instead of taken, and `seq.num_cached_tokens` tells the scheduler how
-#   many tokens need no computing. A hit on a block that another sequence uses costs no free
-#   block; a hit on a *free* block consumes that block. (Chapter 03 builds `prefix_cache.match`.)
+#   `ceil(len(seq) / block_size)` blocks its tokens need. (Chapter 03 lets the leading blocks be
+#   **cache hits**, blocks that already hold the KV of exactly this prefix.)
 # - `deallocate(seq)` releases the table **backwards**, so the blocks join the free list's tail
 #   last block first, *first* block last. New blocks come from the head, so the first blocks of
 #   a prompt, the ones most likely to be shared (a system prompt!), are overwritten last.
@@ -393,8 +342,8 @@ class BlockPool:
 #   the token that *just* overflowed the last block is the one whose KV this step writes.
 #   (With `block_size == 1` the modulo test would never fire, although every step needs a
 #   block; comparing lengths has no such corner.)
-# - `publish_full_blocks(seq)`, called by postprocess after a step, hands the blocks that the
-#   step just *filled* to the prefix cache (chapter 03).
+#
+# That is upstream's `block_manager.py` without its hashing, which chapter 03 adds.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块表
@@ -402,9 +351,7 @@ class BlockPool:
 # `BlockManager` 在块池之上加入了序列。它有五个方法，都由调度器调用：
 #
 # - `can_allocate(seq)` / `allocate(seq)` 给一个还没有块的序列分配它的 token 所需的 `ceil(len(seq) / block_size)`
-#   个块。开启前缀缓存时，开头的若干块可能是**缓存命中**，即已经存着恰好这段前缀的 KV 的块：这些块被*持有*（共享）
-#   而不是新取，`seq.num_cached_tokens` 告诉调度器有多少个 token 不必计算。命中另一个序列正在使用的块不占空闲块；
-#   命中一个*空闲*块则要消耗这个块。（`prefix_cache.match` 由第 03 章构建。）
+#   个块。（第 03 章让开头的若干块可以是**缓存命中**，即已经存着恰好这段前缀的 KV 的块。）
 # - `deallocate(seq)` **倒着**释放块表，于是这些块按“最后一块最先、*第一*块最后”的顺序排到空闲队列队尾。新块从队头取，
 #   所以提示词最前面的块——最可能被共享的那些（比如系统提示词！）——最后才被覆盖。
 # - `can_append(seq)` / `may_append(seq)` 在每个 decode 步之前调用。这一步计算的是序列的*最后*一个 token：上一步采样、
@@ -412,35 +359,23 @@ class BlockPool:
 #   `len(seq) > len(block_table) * block_size` 时需要再加一块。块大小大于 1 时，这就是著名的
 #   `len(seq) % block_size == 1`，看起来像差一错误，其实不是：*刚刚*溢出最后一块的那个 token，正是这一步要写入 KV 的
 #   token。（`block_size == 1` 时，取模判断永远不成立，可实际上每一步都需要新块；比较长度就没有这个死角。）
-# - `publish_full_blocks(seq)` 由后处理在一步之后调用，把这一步刚*写满*的块交给前缀缓存（第 03 章）。
+#
+# 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。
 
 # %% block manager
 #| export
 class BlockManager(BlockPool):
-    """Gives sequences their block tables: allocate, grow during decode, free, publish for reuse."""
-
-    def _cache_hits(self, seq: Sequence) -> list[int]:
-        return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
-
-    def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
-        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
-        return seq.num_blocks - shared
+    """Gives sequences their block tables: allocate, grow during decode, free."""
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """True when the free list can supply every block ``seq`` needs (after cache hits)."""
-        return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
+        """True when the free list can supply every block ``seq`` needs."""
+        return seq.num_blocks <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
+        """Give ``seq`` the blocks for all its tokens."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        hits = self._cache_hits(seq)
-        assert self._free_blocks_needed(seq, hits) <= len(self.free_block_ids), "ask can_allocate first"
-        # en: Hits first: a hit on a free block must be revived before the misses draw from the free list.
-        # zh: 先处理命中：命中的空闲块必须在未命中的块从空闲队列取块之前复活。
-        for block_id in hits:
-            self.hold(block_id)
-        seq.block_table = hits + [self.take_free_block() for _ in range(seq.num_blocks - len(hits))]
-        seq.num_cached_tokens = len(hits) * self.block_size
+        assert self.can_allocate(seq), "ask can_allocate first"
+        seq.block_table = [self.take_free_block() for _ in range(seq.num_blocks)]
 
     def deallocate(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
@@ -448,59 +383,23 @@ class BlockManager(BlockPool):
             self.release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
-        # en: A copy planned into a block it no longer holds is moot.
-        # zh: 目标块已不再持有，原先计划的拷贝也就作废了。
-        seq.blocks_to_copy = []
-
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` (a fork of ``parent``) share every block of ``parent``: one more reference each."""
-        child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
-            self.hold(block_id)
-
-    def _shared_write_block(self, seq: Sequence) -> int | None:
-        """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
-        # en: The next step writes the KV of token num_cached_tokens; with forks (chapter 04b) the
-        # en: block it falls in may still be shared with a sibling.
-        # zh: 下一步写入第 num_cached_tokens 个 token 的 KV；有分叉（第 04b 章）时，它所在的块可能仍与兄弟序列共享。
-        i = seq.num_cached_tokens // self.block_size
-        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
-            return i
-        return None
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
         # en: In decode, the token appended last has no KV yet: a new block is needed exactly when it
         # en: starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
-        # en: Plus one block for a copy-on-write.
-        # zh: decode 中最后追加的 token 还没有 KV：恰好在它开启新的一块时才需要新块，当 block_size > 1 时
-        # zh: 这就是上游的 `len(seq) % block_size == 1`。写时复制再加一块。
-        copy = self._shared_write_block(seq) is not None
-        return seq.num_blocks - len(seq.block_table) + copy
+        # zh: decode 时，最后追加的那个 token 还没有 KV：恰好当它开启一个新块时需要新块；block_size > 1 时，
+        # zh: 这就是上游的 `len(seq) % block_size == 1`。
+        return seq.num_blocks - len(seq.block_table)
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the blocks for ``seq``'s next decode step are available."""
         return self._blocks_to_append(seq) <= len(self.free_block_ids)
 
     def may_append(self, seq: Sequence) -> None:
-        """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
-        give it a private copy of a shared block the step would write into (copy-on-write, chapter 04b)."""
+        """Make ``seq``'s block table cover all its tokens before a decode step (0 or 1 new block)."""
         assert self.can_append(seq), "ask can_append first"
-        i = self._shared_write_block(seq)
-        if i is not None:
-            # en: Copy-on-write: a fresh block replaces the shared one in this table only; the runner
-            # en: copies the K/V into it before the step writes. The other holders keep the original.
-            # zh: 写时复制：只在这张块表里用一个新块替换共享块；运行器在这一步写入之前把 K/V 拷贝过去。
-            # zh: 其余持有者保留原块。
-            source, seq.block_table[i] = seq.block_table[i], self.take_free_block()
-            self.release(source)
-            seq.blocks_to_copy.append((source, seq.block_table[i]))
-        seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
-
-    def publish_full_blocks(self, seq: Sequence) -> None:
-        """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.publish(seq)
+        seq.block_table += [self.take_free_block() for _ in range(self._blocks_to_append(seq))]
 
 # %% [markdown] tags=["en"]
 # ## See it: two sequences in a pool of eight blocks
@@ -508,7 +407,8 @@ class BlockManager(BlockPool):
 # We play the scheduler and the model by hand, with two helpers that do what chapter 04's
 # scheduler does around a step: `prefill` allocates and computes the whole prompt, `decode`
 # makes room for the last token and computes it. Both then mark the computed tokens as cached,
-# publish full blocks, and append the sampled token, exactly like `finish_step` in chapter 01.
+# publish full blocks for chapter 03's prefix cache (nothing happens while it is off), and append
+# the sampled token, exactly like `finish_step` in chapter 01.
 # Prefix caching is off for now, so that only paging is at work. The map shows, for each
 # block, which sequence holds it (`.` is free).
 
@@ -516,9 +416,9 @@ class BlockManager(BlockPool):
 # ## 看它运行：八个块的池子里的两个序列
 #
 # 我们手动扮演调度器和模型，用两个小工具完成第 04 章的调度器在一步前后所做的事：`prefill` 分配块并计算整个提示词，
-# `decode` 为最后一个 token 腾出位置并计算它。二者随后都把算过的 token 记为已缓存、发布写满的块，并追加采样得到的
-# token，和第 01 章的 `finish_step` 完全一样。这里先关闭前缀缓存，只看分页本身。块图显示每个块被哪个序列持有
-# （`.` 表示空闲）。
+# `decode` 为最后一个 token 腾出位置并计算它。二者随后都把算过的 token 记为已缓存、为第 03 章的前缀缓存发布写满的块
+# （前缀缓存关闭时什么也不发生），并追加采样得到的 token，和第 01 章的 `finish_step` 完全一样。这里先关闭前缀缓存，
+# 只看分页本身。块图显示每个块被哪个序列持有（`.` 表示空闲）。
 
 # %%
 from nanovllm.engine.block_manager import BlockManager
@@ -869,12 +769,16 @@ for misuse in (
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `Block`: id, reference count, and the hash and tokens that prefix caching publishes.
+# - `Block`: id and reference count.
 # - `BlockPool`: the blocks, a free list (a queue: its order decides what is overwritten first)
-#   and a used set; `take_free_block`, `hold`, `release`.
-# - `BlockManager`: block tables for sequences. `can_allocate`/`allocate` (with cache hits),
-#   `deallocate` (backwards), `can_append`/`may_append` (one more block exactly when the table
-#   stops covering `len(seq)`), and `publish_full_blocks` for postprocess.
+#   and a used set; `take_free_block`, `release`.
+# - `BlockManager`: block tables for sequences. `can_allocate`/`allocate`, `deallocate`
+#   (backwards), `can_append`/`may_append` (one more block exactly when the table stops
+#   covering `len(seq)`).
+#
+# Chapter 03 adds prefix caching to these classes (a block's hash and tokens, `hold`, cache hits
+# in `allocate`, `publish_full_blocks`), and chapter 04b copy-on-write (`fork`, and a private
+# copy in `may_append`).
 #
 # Next, chapter 03 opens the prefix cache: how a prompt's blocks are found, and the one line
 # that separates a correct cache from one that silently reuses the wrong KV.
@@ -883,7 +787,8 @@ for misuse in (
 #
 # 1. `block_size=16`, a prompt of 100 tokens and `max_tokens=60`. How many blocks can the
 #    sequence hold at most? (Careful: the KV of the very last sampled token is never computed.)
-# 2. Why must `hold` take a free block *out* of the free list instead of just raising its count?
+# 2. A pool of 8 blocks of 4 tokens: A (9 tokens) and then B (6 tokens) are allocated, then A is
+#    freed. Which blocks does the next sequence of 8 tokens get, and why not A's first block?
 # 3. A pool of 8 blocks of 4 tokens, sequences of 10, 3 and 7 tokens, just allocated (before
 #    their prefill step runs). How many slots are allocated but empty?
 #
@@ -892,11 +797,13 @@ for misuse in (
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `Block`：编号、引用计数，以及前缀缓存发布的哈希值和 token。
-# - `BlockPool`：所有块、一个空闲队列（它的顺序决定哪些内容先被覆盖）和一个已用集合；`take_free_block`、
-#   `hold`、`release`。
-# - `BlockManager`：序列的块表。`can_allocate`/`allocate`（含缓存命中）、`deallocate`（倒序释放）、
-#   `can_append`/`may_append`（恰好在块表不再覆盖 `len(seq)` 时多加一块），以及供后处理调用的 `publish_full_blocks`。
+# - `Block`：编号和引用计数。
+# - `BlockPool`：所有块、一个空闲队列（它的顺序决定哪些内容先被覆盖）和一个已用集合；`take_free_block`、`release`。
+# - `BlockManager`：序列的块表。`can_allocate`/`allocate`、`deallocate`（倒序释放）、
+#   `can_append`/`may_append`（恰好在块表不再覆盖 `len(seq)` 时多加一块）。
+#
+# 第 03 章给这些类加上前缀缓存（块的哈希值和 token、`hold`、`allocate` 中的缓存命中、`publish_full_blocks`），
+# 第 04b 章加上写时复制（`fork`，以及 `may_append` 中的私有副本）。
 #
 # 下一章（第 03 章）打开前缀缓存：提示词的块是怎样被找到的，以及区分“正确的缓存”和“悄悄复用错误 KV 的缓存”的那一行代码。
 #
@@ -904,7 +811,8 @@ for misuse in (
 #
 # 1. `block_size=16`，提示词 100 个 token，`max_tokens=60`。这个序列最多会持有几个块？（注意：最后一个采样得到的
 #    token 的 KV 永远不会被计算。）
-# 2. 为什么 `hold` 必须把空闲块*移出*空闲队列，而不只是增加它的计数？
+# 2. 8 个块、每块 4 个 token 的池子：先给 A（9 个 token）、再给 B（6 个 token）分配块，然后释放 A。下一个 8 个 token
+#    的序列得到哪些块？为什么不是 A 的第一块？
 # 3. 8 个块、每块 4 个 token 的池子，长度为 10、3、7 的三个序列刚分配好块（prefill 尚未运行）。
 #    有多少个槽位已分配却空着？
 #
@@ -920,16 +828,17 @@ while seq.num_completion_tokens < 60:
     decode(pool, seq, sampled=0)
 assert len(seq.block_table) == 10
 
-# en: Exercise 2: otherwise take_free_block could hand the same block to another sequence,
-# en: which would overwrite KV that is in use.
-# zh: 练习 2：否则 take_free_block 可能把同一个块交给另一个序列，覆盖正在使用的 KV。
-pool = BlockManager(num_blocks=2, block_size=2)
-owner = Sequence([1, 2, 3], block_size=2)
-prefill(pool, owner, sampled=0)
-pool.deallocate(owner)  # block 0 is free but cached
-reuser = Sequence([1, 2, 4], block_size=2)
-pool.allocate(reuser)  # hits block 0
-assert reuser.block_table[0] == 0 and 0 not in pool.free_block_ids
+# en: Exercise 2: A takes 0, 1, 2 and B 3, 4; freeing A backwards leaves the free list 5, 6, 7, 2, 1, 0,
+# en: so the new sequence gets 5 and 6. A's first block, the one most likely to be shared, goes last.
+# zh: 练习 2：A 取 0、1、2，B 取 3、4；倒序释放 A 后空闲队列为 5、6、7、2、1、0，所以新序列得到 5 和 6。
+# zh: A 的第一块——最可能被共享的那块——最后才会被再次使用。
+pool = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+seq_a, seq_b, seq_c = (Sequence(list(range(n)), block_size=4) for n in (9, 6, 8))
+pool.allocate(seq_a)
+pool.allocate(seq_b)
+pool.deallocate(seq_a)
+pool.allocate(seq_c)
+assert seq_c.block_table == [5, 6] and list(pool.free_block_ids) == [7, 2, 1, 0]
 
 # en: Exercise 3: 10 -> 3 blocks (2 empty slots), 3 -> 1 block (1 empty), 7 -> 2 blocks (1 empty): 4.
 # zh: 练习 3：10 -> 3 块（空 2 个槽位），3 -> 1 块（空 1 个），7 -> 2 块（空 1 个）：共 4 个。

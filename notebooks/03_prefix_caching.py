@@ -205,6 +205,162 @@ class PrefixCache:
             del self.hash_to_block_id[block.hash]
 
 # %% [markdown] tags=["en"]
+# ## Build it: the block manager consults the cache
+#
+# Chapter 02's classes now learn about the cache; each change below extends the class that
+# chapter 02 built (the book's `add_to_class`, chapter 00), and the package's
+# `engine/block_manager.py` holds the result as one class each:
+#
+# - A `Block` gains its `hash` (`NO_HASH` until published) and the `token_ids` it was published
+#   with, and `reset()`, which forgets both before the block is given new contents.
+# - The pool owns the `PrefixCache` (or none, with `enable_prefix_caching=False`).
+#   `take_free_block` now asks the cache to `forget` the block before resetting it: rule 4 at the
+#   one place where contents are overwritten. `hold` is new: one more reference to a block whose
+#   contents we reuse; a block whose count was 0 is *revived*, which takes it out of the free
+#   list (otherwise the free list could hand it to somebody else while it is in use).
+# - `allocate` asks the cache for hits first: they are *held* instead of taken, and
+#   `num_cached_tokens` tells the scheduler how many tokens need no computing. `can_allocate`
+#   counts only the blocks that must come from the free list: a hit on a block that another
+#   sequence uses costs no free block; a hit on a *free* block consumes that very block.
+# - `publish_full_blocks(seq)`, called by the scheduler's postprocess after each step, hands the
+#   blocks that the step just *filled* to the cache (rule 1).
+
+# %% [markdown] tags=["zh"]
+# ## 动手：块管理器查询缓存
+#
+# 第 02 章的类现在要认识这个缓存；下面的每处改动都在扩展第 02 章构建的类（即本书的 `add_to_class`，见第 00 章），
+# 包中的 `engine/block_manager.py` 把结果保存为每个类一个整体：
+#
+# - `Block` 增加 `hash`（发布之前为 `NO_HASH`）和发布时的 `token_ids`，以及 `reset()`：在块装入新内容之前忘掉这两者。
+# - 块池拥有 `PrefixCache`（`enable_prefix_caching=False` 时没有）。`take_free_block` 现在先让缓存 `forget` 这个块，
+#   再重置它：规则 4 落在覆盖内容的唯一位置。`hold` 是新方法：给一个要复用其内容的块再加一个引用；计数原为 0 的块被
+#   *复活*，也就是把它移出空闲队列（否则空闲队列可能在它还被使用时把它交给别人）。
+# - `allocate` 先向缓存要命中的块：这些块被*持有*而不是新取，`num_cached_tokens` 告诉调度器有多少个 token 不必计算。
+#   `can_allocate` 只计算必须从空闲队列取的块：命中另一个序列正在使用的块不占空闲块；命中一个*空闲*块则恰好消耗这个块。
+# - `publish_full_blocks(seq)` 由调度器的后处理在每一步之后调用，把这一步刚*写满*的块交给缓存（规则 1）。
+
+# %% block learns its hash
+#| export engine.block_manager
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.block_manager import Block, BlockManager, BlockPool
+from nanovllm.engine.prefix_cache import NO_HASH, PrefixCache
+from nanovllm.engine.sequence import Sequence
+
+
+@add_to_class(Block)
+def __init__(self, block_id: int) -> None:
+    self.block_id = block_id
+    self.ref_count = 0
+    # en: The prefix-cache key of a full block whose KV is written; NO_HASH until then.
+    # zh: 一个 KV 已写入的写满的块的前缀缓存键；在此之前为 NO_HASH。
+    self.hash = NO_HASH
+    self.token_ids: list[int] = []
+
+
+@add_to_class(Block)
+def reset(self) -> None:
+    """Forget the old contents: the block is about to hold new tokens."""
+    self.hash = NO_HASH
+    self.token_ids = []
+
+
+@add_to_class(Block)
+def __repr__(self) -> str:
+    published = f", hash={self.hash:#018x}" if self.hash != NO_HASH else ""
+    return f"Block({self.block_id}, ref_count={self.ref_count}{published})"
+
+# %% pool owns the cache
+#| export engine.block_manager
+from collections import deque
+
+# en: A subclass may swap in another cache (to try a broken one, for example).
+# zh: 子类可以换上另一种缓存（比如为了试一个有缺陷的缓存）。
+BlockPool.prefix_cache_class = PrefixCache
+
+
+@add_to_class(BlockPool)
+def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    self.block_size = block_size
+    self.blocks = [Block(i) for i in range(num_blocks)]
+    self.free_block_ids: deque[int] = deque(range(num_blocks))
+    self.used_block_ids: set[int] = set()
+    self.prefix_cache: PrefixCache | None = (
+        self.prefix_cache_class(self.blocks, block_size) if enable_prefix_caching else None
+    )
+
+
+@add_to_class(BlockPool)
+@property
+def hash_to_block_id(self) -> dict[int, int]:
+    """Published blocks by hash (read it, do not write it; empty when prefix caching is off)."""
+    return self.prefix_cache.hash_to_block_id if self.prefix_cache is not None else {}
+
+
+@add_to_class(BlockPool)
+def take_free_block(self) -> int:
+    """Take the block at the head of the free list, for new contents."""
+    block = self.blocks[self.free_block_ids.popleft()]
+    if self.prefix_cache is not None:
+        # en: Its old contents are about to be overwritten: unpublish them (rule 4).
+        # zh: 它的旧内容即将被覆盖：取消发布（规则 4）。
+        self.prefix_cache.forget(block)
+    block.reset()
+    block.ref_count = 1
+    self.used_block_ids.add(block.block_id)
+    return block.block_id
+
+
+@add_to_class(BlockPool)
+def hold(self, block_id: int) -> None:
+    """Add a reference to a block whose contents we reuse, reviving it if it was free."""
+    block = self.blocks[block_id]
+    if block.ref_count == 0:
+        # en: Freed but still cached: this exact block leaves the free list.
+        # zh: 已释放但仍在缓存中：正是这个块离开空闲队列。
+        self.free_block_ids.remove(block_id)
+        self.used_block_ids.add(block_id)
+    block.ref_count += 1
+
+# %% allocate with hits
+#| export engine.block_manager
+@add_to_class(BlockManager)
+def _cache_hits(self, seq: Sequence) -> list[int]:
+    return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
+
+
+@add_to_class(BlockManager)
+def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+    shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
+    return seq.num_blocks - shared
+
+
+@add_to_class(BlockManager)
+def can_allocate(self, seq: Sequence) -> bool:
+    """True when the free list can supply every block ``seq`` needs (after cache hits)."""
+    return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
+
+
+@add_to_class(BlockManager)
+def allocate(self, seq: Sequence) -> None:
+    """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
+    assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+    hits = self._cache_hits(seq)
+    assert self._free_blocks_needed(seq, hits) <= len(self.free_block_ids), "ask can_allocate first"
+    # en: Hits first: a hit on a free block must be revived before the misses draw from the free list.
+    # zh: 先处理命中：命中的空闲块必须先复活，未命中的部分才能从空闲队列取块。
+    for block_id in hits:
+        self.hold(block_id)
+    seq.block_table = hits + [self.take_free_block() for _ in range(seq.num_blocks - len(hits))]
+    seq.num_cached_tokens = len(hits) * self.block_size
+
+
+@add_to_class(BlockManager)
+def publish_full_blocks(self, seq: Sequence) -> None:
+    """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
+    if self.prefix_cache is not None:
+        self.prefix_cache.publish(seq)
+
+# %% [markdown] tags=["en"]
 # ## See it: a shared system prompt, with a KV cache that remembers who wrote what
 #
 # To *see* whether a hit is correct we need more than block ids. `ProvenanceKV` stands in for

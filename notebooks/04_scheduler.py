@@ -120,12 +120,12 @@
 #
 # `max_kv_tokens` is the rule above in one line. The settings are not checked again here: the
 # engine builds the scheduler from a `Config` that checked every number where it entered
-# (chapter 11), so the scheduler states its own invariants as plain `assert`s, as upstream does.
+# (chapter 08), so the scheduler states its own invariants as plain `assert`s, as upstream does.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：准入检查
 #
-# `max_kv_tokens` 用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 11 章）
+# `max_kv_tokens` 用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 08 章）
 # 已经在每个数进入的地方检查过它们；所以调度器自己的不变式只用普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
@@ -139,10 +139,10 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 # en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
-# zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule" 或 "postprocess"。
+# zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule"、"postprocess" 之一。
 Observer = Callable[[str, dict], None]
 
 
@@ -163,7 +163,13 @@ def max_kv_tokens(seq: Sequence) -> int:
 #   needs: a sequence that still holds blocks at the head of `waiting` is a chunked prefill in
 #   progress, so it is not allocated again, and `num_cached_tokens` says where it stopped.
 # - `_preempt` is recompute preemption: free everything, back to the head of `waiting`.
-# - `postprocess` is chapter 01's `finish_step`, plus publishing and finishing.
+# - `postprocess` is chapter 01's `finish_step`, plus publishing and finishing: `_reached_end`
+#   says whether a sampled token ends its sequence, and `_finish` frees the sequence's blocks.
+#
+# This is upstream's `scheduler.py`, method for method, with one change of rule (which sequence
+# may be chunked, discussed at the end) and the admission check. Two later chapters add to this
+# class: chapter 04b lets `postprocess` fork a request into its n samples, and chapter 12 splits
+# `postprocess` in two for the asynchronous engine.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：调度器
@@ -176,7 +182,12 @@ def max_kv_tokens(seq: Sequence) -> int:
 # - `schedule` 先尝试 prefill 步，不行再做 decode 步。注意分块需要的东西多么少：`waiting` 队头的序列如果还持有块，
 #   那就是一个进行中的分块 prefill，所以不必再分配，`num_cached_tokens` 记录了它停在哪里。
 # - `_preempt` 是重算式抢占：释放一切，回到 `waiting` 队头。
-# - `postprocess` 就是第 01 章的 `finish_step`，再加上发布和结束处理。
+# - `postprocess` 就是第 01 章的 `finish_step`，再加上发布和结束处理：`_reached_end` 判断一个采样出的 token
+#   是否让序列结束，`_finish` 释放序列的块。
+#
+# 这就是上游的 `scheduler.py`，方法一一对应；只改了一条规则（哪个序列可以分块，本章末尾讨论），并加上了准入检查。
+# 后面有两章会扩展这个类：第 04b 章让 `postprocess` 把一个请求分叉成它的 n 个样本，第 12 章为异步引擎把
+# `postprocess` 一分为二。
 
 # %% scheduler
 #| export
@@ -200,63 +211,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.observer: Observer | None = None
-        # en: The seq_ids of the sequences added and not yet finished or aborted.
-        # zh: 已加入、尚未结束或中止的序列的 seq_id。
-        self._live_ids: set[int] = set()
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
-    def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
-        """Undo ``schedule()`` for a step that was never computed (the model raised), so it can run again.
-
-        Prefill moved the sequences it completes to ``running``; they go back to the head of
-        ``waiting`` in their order, keeping their blocks. Decode's new blocks and preemptions stay:
-        they left the queues consistent.
-        """
-        for seq in seqs:
-            seq.num_scheduled_tokens = 0
-        if is_prefill:
-            moved = [seq for seq in seqs if seq.status is SequenceStatus.RUNNING]
-            for seq in moved:
-                self.running.remove(seq)
-                seq.status = SequenceStatus.WAITING
-            self.waiting.extendleft(reversed(moved))
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request: out of its queue, its blocks freed (the caller gave up on it)."""
-        for queue in (self.waiting, self.running):
-            if seq in queue:
-                queue.remove(seq)
-        if seq.status is SequenceStatus.RUNNING:
-            seq.status = SequenceStatus.WAITING
-        seq.num_scheduled_tokens = 0
-        if seq.block_table:
-            self.block_manager.deallocate(seq)
-        self._live_ids.discard(seq.seq_id)
-
-    def is_live(self, seq: Sequence) -> bool:
-        """True from `add` (or a fork) until the sequence finishes or is aborted."""
-        return seq.seq_id in self._live_ids
-
     # en: ---- admission -----------------------------------------------------------
-    # zh: ---- 准入 -----------------------------------------------------------------
+    # zh: ---- 准入 ---------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
-        """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone, or its
-        request asks for more samples (``n``, decoded side by side) than a step may hold."""
-        bm, params = self.block_manager, seq.sampling_params
+        """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone."""
+        bm = self.block_manager
         blocks = -(-max_kv_tokens(seq) // bm.block_size)
         if blocks > bm.num_blocks:
             raise ValueError(
                 f"request {seq.seq_id} can never fit the KV cache: its {seq.num_prompt_tokens} prompt tokens and "
-                f"max_tokens={params.max_tokens} need up to {blocks} blocks of {bm.block_size} tokens, "
+                f"max_tokens={seq.sampling_params.max_tokens} need up to {blocks} blocks of {bm.block_size} tokens, "
                 f"but the cache has {bm.num_blocks}; shorten the prompt, lower max_tokens or enlarge the cache"
-            )
-        if params.n > self.max_num_seqs:
-            raise ValueError(
-                f"request {seq.seq_id} asks for n={params.n} samples, but a step holds at most "
-                f"max_num_seqs={self.max_num_seqs} sequences and the samples decode side by side; "
-                f"raise max_num_seqs or lower n"
             )
 
     def add(self, seq: Sequence) -> None:
@@ -266,14 +235,12 @@ class Scheduler:
         # zh: 唯一比较块大小的地方：每个序列都从这里进入引擎。
         assert seq.block_size == self.block_manager.block_size, "the sequence and the KV cache use other block sizes"
         assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} is not new"
-        assert seq.seq_id not in self._live_ids, f"sequence {seq.seq_id} was already added"
         self.waiting.append(seq)
-        self._live_ids.add(seq.seq_id)
         if self.observer is not None:
             self.observer("add", {"seq": seq})
 
     # en: ---- one step ------------------------------------------------------------
-    # zh: ---- 一步 -----------------------------------------------------------------
+    # zh: ---- 一步 ----------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick this step's sequences and set their ``num_scheduled_tokens``; True if it is a prefill step."""
         assert not self.is_finished(), "nothing to schedule"
@@ -297,7 +264,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table:
                 # en: New or preempted: it needs its blocks (a chunk in progress already has them).
-                # zh: 新来的或被抢占过的：它需要分配块（进行中的分块 prefill 已经有块了）。
+                # zh: 新来的或被抢占过的序列需要分配块（正在分块 prefill 的序列已经有块了）。
                 if not self.block_manager.can_allocate(seq):
                     break
                 self.block_manager.allocate(seq)
@@ -342,112 +309,38 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # en: ---- after the step ------------------------------------------------------
-    # zh: ---- 一步之后 -------------------------------------------------------------
+    # zh: ---- 这一步之后 -----------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
-        """Record a step's results: cache the computed tokens, append samples, finish sequences.
-
-        Returns the sequences that finished. It is `advance` and `resolve` back to back; chapter 11's
-        asynchronous engine calls them one step apart.
-        """
-        # en: One token per sequence, plus the first token of each sibling forked in this step (chapter 04b).
-        # zh: 每个序列一个 token，外加本步分叉出的每个兄弟序列的第一个 token（第 04b 章）。
-        assert len(token_ids) == len(seqs) + sum(seq.pending_forks for seq in seqs if seq.num_samples)
-        seqs, indices = self.advance(seqs, is_prefill)
-        return self.resolve(seqs, indices, token_ids)
-
-    def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[int | None]]:
-        """Count a computed step before its tokens are known.
-
-        Returns the step's sequences followed by the siblings forked in this step, and where each
-        one's new token goes: None for a partial prefill chunk (it samples nothing). A request with
-        ``n > 1`` forks when its prompt's first token is sampled (chapter 04b); the model runner
-        sampled the siblings' first tokens after the step's own, in the same order. A sequence that
-        reaches ``max_tokens`` with this token ends with it, whatever it is: it leaves ``running``
-        and gives back its blocks now, as it would in a synchronous engine, so that the next
-        schedule can use them.
-        """
-        assert all(seq.num_scheduled_tokens == 1 or (is_prefill and seq.num_scheduled_tokens) for seq in seqs)
-        indices: list[int | None] = []
-        forked: list[Sequence] = []
-        for seq in seqs:
+        """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
+        finish sequences. ``token_ids`` has one token per sequence; returns the sequences that finished."""
+        assert len(token_ids) == len(seqs) and all(seq.num_scheduled_tokens for seq in seqs), "not this step's tokens"
+        finished: list[Sequence] = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            # en: The model runner made the step's copy-on-write copies when it launched the step.
-            # zh: 运行器在发起这一步时已经完成了写时复制的拷贝。
-            seq.blocks_to_copy = []
-            if seq.num_cached_tokens < len(seq):
-                indices.append(None)  # a partial prefill chunk: no new token (the model runner passes -1)
-                continue
-            indices.append(seq.append_pending_token())
-            forked += self._fork(seq)
-        sampled = [seq for seq, index in zip(seqs, indices, strict=True) if index is not None] + forked
-        for seq in sampled:
-            if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
-                # en: Publish the blocks whose tokens are all known: asynchronously, the token this step
-                # en: computed (the last cached one) may still be pending, and a hash needs its value.
-                # zh: 发布那些 token 全部已知的块：异步时，这一步计算的 token（最后一个已缓存的）可能仍是待定的，
-                # zh: 而哈希需要它的值。
-                if seq.token_ids[seq.num_cached_tokens - 1] == PENDING_TOKEN:
-                    seq.num_cached_tokens -= 1
-                self.block_manager.publish_full_blocks(seq)
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
-        return seqs + forked, indices + [len(child) - 1 for child in forked]
-
-    def _fork(self, seq: Sequence) -> list[Sequence]:
-        """A request with n > 1 becomes n sequences when its first token is sampled (chapter 04b): the
-        siblings share every block of ``seq``, and each takes its own first token from the same logits."""
-        siblings = []
-        for sample_index in range(1, seq.pending_forks + 1):
-            child = seq.fork(sample_index)
-            self.block_manager.fork(seq, child)
-            self.running.append(child)
-            self._live_ids.add(child.seq_id)
-            siblings.append(child)
-        seq.pending_forks = 0
-        return siblings
-
-    def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
-        """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
-        assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
-        finished: list[Sequence] = []
-        for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
-            if seq.seq_id not in self._live_ids:
-                # en: It finished in an earlier step (this token was computed past its end), or it was
-                # en: aborted while this step was in flight: nothing of it is recorded.
-                # zh: 它在更早的一步中已经结束（这个 token 是越过结尾多算的），或者在这一步计算期间被中止了：
-                # zh: 不记录它的任何东西。
-                continue
-            # en: The KV of the step's tokens is written (or, asynchronously, queued on the GPU ahead of
-            # en: any step that could read it): full blocks can be published.
-            # zh: 这一步的 token 的 KV 已写入（异步时则是已排在 GPU 队列中、先于任何可能读取它的步骤）：
-            # zh: 写满的块可以发布了。
+            # en: The step wrote these tokens' KV: full blocks can be published (chapter 03).
+            # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章）。
             self.block_manager.publish_full_blocks(seq)
-            if index is None:
-                continue
-            seq.set_token(index, token_id)
-            params = seq.sampling_params
-            completion_tokens = index + 1 - seq.num_prompt_tokens
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
-                self._finish(seq, num_tokens=index + 1)
+            if seq.num_cached_tokens < len(seq):
+                continue  # a partial prefill chunk samples nothing (the model runner passes -1)
+            seq.append_token(token_id)
+            if self._reached_end(seq, token_id):
+                self._finish(seq)
                 finished.append(seq)
         if self.observer is not None:
             self.observer("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
         return finished
 
-    def _finish(self, seq: Sequence, num_tokens: int) -> None:
-        # en: Asynchronously, the sequence may already hold one more (pending) token, and may even sit in
-        # en: `waiting` after a preemption: drop the token, leave whichever queue it is in.
-        # zh: 异步时，序列可能已经多出一个（待定的）token，甚至可能因抢占而待在 `waiting` 里：丢掉那个
-        # zh: token，并离开它所在的队列。
-        seq.truncate(num_tokens)
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
+    def _reached_end(self, seq: Sequence, token_id: int) -> bool:
+        """An end-of-sequence token (unless ``ignore_eos``), or the last token ``max_tokens`` allows."""
+        params = seq.sampling_params
+        eos = not params.ignore_eos and token_id in self.eos_token_ids
+        return eos or seq.num_completion_tokens >= params.max_tokens
+
+    def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
-        if seq.block_table:
-            self.block_manager.deallocate(seq)
-        self._live_ids.discard(seq.seq_id)
+        self.block_manager.deallocate(seq)
+        self.running.remove(seq)
 
 # %% [markdown] tags=["en"]
 # ### Two Python idioms in `_schedule_decode`
@@ -462,7 +355,7 @@ class Scheduler:
 # front, so they end up in reverse order; reversing them first keeps their order.
 # `_schedule_decode` pops the sequences it schedules off the front of `running` and puts them
 # back in front at the end, in their order: `running` stays oldest first, newest at the tail,
-# where preemption takes its victims. `rollback` uses the same idiom on `waiting`.
+# where preemption takes its victims.
 
 # %% [markdown] tags=["zh"]
 # ### `_schedule_decode` 里的两个 Python 写法
@@ -473,7 +366,7 @@ class Scheduler:
 #
 # **`extendleft(reversed(...))`：** `deque.extendleft` 把元素逐个插到队头，结果顺序正好反过来；先反转一次，
 # 就能保持原来的顺序。`_schedule_decode` 从 `running` 队头逐个弹出要调度的序列，最后再按原顺序放回队头：
-# `running` 始终是最旧的在前、最新的在队尾，而抢占正是从队尾挑选对象。`rollback` 对 `waiting` 也用了同样的写法。
+# `running` 始终是最旧的在前、最新的在队尾，而抢占正是从队尾挑选对象。
 
 # %%
 from collections import deque
@@ -525,7 +418,7 @@ assert list(front_first) == ["C", "B", "A", "D", "E"] and list(order_kept) == ["
 import xxhash
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -1077,15 +970,15 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 # A request that could never fit is refused by `check_fits` with a message that says what is
 # wrong, and the scheduler keeps serving everything it accepted. Everything else a user types
 # was checked before the scheduler sees it (the settings by `Config`, the prompt and the sampling
-# parameters where they enter, chapter 11), so a sequence of another block size, or one added
-# twice, is a bug in the caller: it fails an `assert`.
+# parameters where they enter, chapters 08 and 11), so a sequence of another block size, or one
+# that already ran, is a bug in the caller: it fails an `assert`.
 
 # %% [markdown] tags=["zh"]
 # ### 准入检查
 #
 # 永远放不下的请求会被 `check_fits` 拒绝，错误信息说明问题所在；调度器继续为已接受的请求服务。用户输入的其他东西在
-# 到达调度器之前都已检查过（配置由 `Config` 检查，提示词和采样参数在进入的地方检查，见第 11 章），所以按另一种块大小
-# 构造的序列、或者被加入两次的序列，是调用方的 bug：它会让一句 `assert` 失败。
+# 到达调度器之前都已检查过（配置由 `Config` 检查，提示词和采样参数在进入的地方检查，见第 08 章和第 11 章），所以按
+# 另一种块大小构造的序列、或者已经运行过的序列，是调用方的 bug：它会让一句 `assert` 失败。
 
 # %%
 door = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
@@ -1096,7 +989,6 @@ for error_type, bad_call in (
     (ValueError, lambda: door.check_fits(Sequence(list(range(10)), SamplingParams(max_tokens=8), block_size=4))),
     (ValueError, lambda: door.check_fits(Sequence(list(range(40)), SamplingParams(max_tokens=1), block_size=4))),
     (AssertionError, lambda: door.add(Sequence([1, 2], block_size=8))),
-    (AssertionError, lambda: door.add(fits)),
 ):
     try:
         bad_call()
@@ -1105,6 +997,11 @@ for error_type, bad_call in (
         print(f"{type(error).__name__}: {error}")
 run(door, {fits.seq_id: "fits"}, show=False)
 assert fits.is_finished and fits.num_completion_tokens == 7
+try:
+    door.add(fits)  # a finished sequence cannot be queued again
+    raise RuntimeError("a finished sequence was queued again")
+except AssertionError as error:
+    print(f"AssertionError: {error}")
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -1114,9 +1011,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # - `Scheduler`: `waiting` and `running` queues; `schedule` (prefill first under a token budget
 #   and a sequence cap, at most one chunk per step, the last one; otherwise decode with
 #   preemption from the newest); `postprocess` (cache, publish, append unless a chunk, finish on
-#   EOS or `max_tokens`), made of two halves that chapter 11's asynchronous engine calls one step
-#   apart: `advance` (count the step, reserve each new token) and `resolve` (fill in the tokens,
-#   publish, finish); `is_finished`; and the optional `observer(event, data)` hook.
+#   EOS or `max_tokens`); `is_finished`; and the optional `observer(event, data)` hook.
 #
 # The model runner (chapter 08) reads what `schedule` leaves on each sequence:
 # `block_table`, `num_cached_tokens`, `num_scheduled_tokens` and `scheduled_token_ids`. The
@@ -1137,9 +1032,7 @@ assert fits.is_finished and fits.num_completion_tokens == 7
 # - `max_kv_tokens(seq)`：一个请求最多需要多少 KV；`check_fits` 拒绝整个缓存都装不下的请求。
 # - `Scheduler`：`waiting` 和 `running` 两个队列；`schedule`（在 token 预算和序列数上限之内 prefill 优先，每步最多一个
 #   分块且它是最后一个；否则 decode，从最新的序列开始抢占）；`postprocess`（记为已缓存、发布、除分块外追加 token、
-#   遇到 EOS 或 `max_tokens` 时结束），它由两半组成，第 11 章的异步引擎把它们相隔一步调用：
-#   `advance`（计入这一步，为每个新 token 占位）和 `resolve`（填入 token、发布、结束序列）；`is_finished`；
-#   以及可选的 `observer(event, data)` 钩子。
+#   遇到 EOS 或 `max_tokens` 时结束）；`is_finished`；以及可选的 `observer(event, data)` 钩子。
 #
 # 模型执行器（第 08 章）读取 `schedule` 留在每个序列上的信息：`block_table`、`num_cached_tokens`、
 # `num_scheduled_tokens` 和 `scheduled_token_ids`。测试套件还包括随机工作负载上的性质测试，以及第 03 章的溯源模糊测试。

@@ -90,73 +90,263 @@
 # prefill、前缀缓存命中、prefill 期间的抢占都和以前完全一样。
 
 # %% [markdown] tags=["en"]
-# ## Where the code lives
-#
-# A module belongs to one chapter, so the few lines that make this work sit in the chapters that
-# own the data structures; this chapter opens those boxes:
-#
-# | what | module (chapter) |
-# |---|---|
-# | `SamplingParams(n=...)`, checked (`n >= 1`) | `sampling_params` (01) |
-# | `Sequence`: `request_id`, `sample_index`, `pending_forks`, `blocks_to_copy` | `engine.sequence` (01) |
-# | `Sequence.fork(sample_index)`, `Sequence.num_samples` | `engine.sequence` (01) |
-# | `BlockManager.fork(parent, child)`: hold every block once more | `engine.block_manager` (02) |
-# | copy-on-write in `BlockManager.may_append`, counted by `can_append` | `engine.block_manager` (02) |
-# | `Scheduler.advance` forks (`_fork`), returns the step's sequences and siblings | `engine.scheduler` (04) |
-# | `Scheduler.check_fits`: refuses `n > max_num_seqs` | `engine.scheduler` (04) |
-# | a seeded stream per sample: `seeded_generator(..., sample_index)` | `layers.sampler` (07) |
-# | the siblings' first tokens are sampled; `copy_kv_blocks` runs before the forward | `engine.model_runner` (08) |
-# | `generate` groups the samples; `fork_samples=False` makes them independent | `engine.llm_engine`, `config` (11) |
+# ## Build it: the sequence's share
 #
 # Three decisions shape the code:
 #
+# - **The fork is a scheduler event, not a runner event.** The runner samples `n` tokens from the
+#   prompt's one logits row: the step's own token, then the first token of each sibling, in one
+#   order that `sibling_samples(seqs)` defines and every user of it follows. The scheduler's
+#   postprocess then creates the siblings, each with its first token. From then on they are
+#   ordinary sequences: they decode, get preempted and finish on their own.
 # - **The copy is decided at schedule time, in the block manager.** `may_append` already runs for
 #   every sequence before a decode step; it now also asks whether the block this step writes
 #   into is shared. If so it takes a fresh block, swaps it into this sequence's table, releases
-#   the shared one and appends `(source, destination)` to `seq.blocks_to_copy`. Because the
-#   decision is part of `schedule()`, chapter 11's asynchronous engine sees it like any other
+#   the shared one and records `(source, destination)` in `seq.blocks_to_copy`. Because the
+#   decision is part of `schedule()`, chapter 12's asynchronous engine sees it like any other
 #   allocation, and a tensor-parallel rank receives it with the sequence (chapter 10).
-# - **The copy is one batched operation, done by the runner before the step's forward.** All
-#   pairs of all sequences of a step become one indexed read and one indexed write on the single
-#   KV tensor (chapter 08's `copy_kv_blocks`), in every layer at once. It runs before the
-#   forward, so it is queued ahead of the step's K/V stores, and outside the CUDA graph that
-#   replays the forward (chapter 09).
-# - **The fork is a scheduler event, not a runner event.** The runner only samples
-#   `1 + seq.pending_forks` tokens for a sequence whose prompt is done (the extra ones after
-#   the step's regular rows); `advance` creates the siblings in the same order, each with its
-#   first token. The siblings are ordinary sequences from then on: they decode, get preempted,
-#   finish on their own.
+# - **The copy is one batched operation, done by the runner before the step's forward**
+#   (chapter 08's `copy_kv_blocks`): all pairs of all sequences of a step become one indexed
+#   read and one indexed write on the KV tensor, every layer at once, queued ahead of the step's
+#   K/V stores and outside the CUDA graph that replays the forward (chapter 09).
+#
+# First the sequence. Chapter 01's constructor gains four fields (the rest is unchanged):
+# `request_id` names the request, the `seq_id` of its first sequence; `sample_index` says which
+# of its n samples a sequence is (0 for the first; it picks the random stream, chapter 07);
+# `pending_forks` counts the siblings still to fork, `n - 1` until the first token is sampled;
+# `blocks_to_copy` holds the step's copy-on-write pairs. `fork` makes a sibling: the same tokens
+# and progress, a new `seq_id`, no blocks of its own yet (the block manager shares the parent's),
+# no forks of its own.
 
 # %% [markdown] tags=["zh"]
-# ## 代码在哪里
+# ## 动手：序列的部分
 #
-# 一个模块只属于一章，所以实现这一功能的几行代码分布在拥有相应数据结构的那几章里；本章把这些盒子一一打开：
+# 代码结构取决于三个设计决定：
 #
-# | 内容 | 模块（章） |
-# |---|---|
-# | `SamplingParams(n=...)`，带检查（`n >= 1`） | `sampling_params`（01） |
-# | `Sequence`：`request_id`、`sample_index`、`pending_forks`、`blocks_to_copy` | `engine.sequence`（01） |
-# | `Sequence.fork(sample_index)`、`Sequence.num_samples` | `engine.sequence`（01） |
-# | `BlockManager.fork(parent, child)`：把每个块再持有一次 | `engine.block_manager`（02） |
-# | `BlockManager.may_append` 中的写时复制，由 `can_append` 计入所需块数 | `engine.block_manager`（02） |
-# | `Scheduler.advance` 负责分叉（`_fork`），返回本步的序列和兄弟序列 | `engine.scheduler`（04） |
-# | `Scheduler.check_fits`：拒绝 `n > max_num_seqs` | `engine.scheduler`（04） |
-# | 每个样本一条带种子的随机数流：`seeded_generator(..., sample_index)` | `layers.sampler`（07） |
-# | 为兄弟序列采样第一个 token；前向计算之前调用 `copy_kv_blocks` | `engine.model_runner`（08） |
-# | `generate` 按请求归拢样本；`fork_samples=False` 让它们各自独立 | `engine.llm_engine`、`config`（11） |
+# - **分叉是调度器的事，不是执行器的事。** 执行器从提示词唯一的一行 logits 中采样 `n` 个 token：先是这一步自己的
+#   token，再是每个兄弟序列的首 token，顺序由 `sibling_samples(seqs)` 规定，所有使用方都遵循这个顺序。随后调度器的
+#   后处理创建这些兄弟序列，各自带着自己的首 token。从此它们就是普通的序列：各自 decode、被抢占、结束。
+# - **复制在调度时由块管理器决定。** 每个 decode 步之前，`may_append` 本来就会为每个序列运行一次；现在它还要判断
+#   这一步要写入的块是否被共享。如果是，就取一个新块，换进这个序列的块表，释放共享块，并把 `(源块, 目标块)` 记入
+#   `seq.blocks_to_copy`。由于这个决定是 `schedule()` 的一部分，第 12 章的异步引擎会像看待其他分配一样看到它，
+#   张量并行的各个 rank 也会随序列一起收到它（第 10 章）。
+# - **复制是一次批量操作，由执行器在这一步的前向计算之前完成**（第 08 章的 `copy_kv_blocks`）：一步里所有序列的所有
+#   块对合并成对 KV 张量的一次索引读和一次索引写，一次处理所有层，排在这一步写入 K/V 之前，并且在重放前向计算的
+#   CUDA Graph 之外（第 09 章）。
 #
-# 代码的形状由三个决定塑造：
+# 先看序列。第 01 章的构造函数增加四个字段（其余不变）：`request_id` 指明所属请求，即它第一个序列的 `seq_id`；
+# `sample_index` 表示这是 n 个样本中的第几个（第一个为 0；它决定随机数流，见第 07 章）；`pending_forks` 是还要分叉出的
+# 兄弟序列个数，在首 token 采样之前为 `n - 1`；`blocks_to_copy` 记录这一步的写时复制块对。`fork` 生成一个兄弟序列：
+# 相同的 token 和进度、新的 `seq_id`，还没有自己的块（块管理器让它共享父序列的块），自己也不再分叉。
+
+# %% sequence forks
+#| export engine.sequence
+import copy
+from collections.abc import Iterable
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.sequence import Sequence, SequenceStatus, checked_token_ids
+from nanovllm.sampling_params import SamplingParams
+
+
+@add_to_class(Sequence)
+def __init__(
+    self,
+    token_ids: Iterable[int],
+    sampling_params: SamplingParams | None = None,
+    *,
+    block_size: int,
+) -> None:
+    self.seq_id = next(Sequence._ids)
+    self._status = SequenceStatus.WAITING
+    self.token_ids = checked_token_ids(token_ids)
+    self.num_tokens = len(self.token_ids)
+    self.num_prompt_tokens = self.num_tokens
+    self.num_cached_tokens = 0
+    self.num_scheduled_tokens = 0
+    self.block_table: list[int] = []
+    self.block_size = block_size
+    self.sampling_params: SamplingParams | None = sampling_params or SamplingParams()
+    # en: Parallel sampling: the request, which of its samples this is, siblings still to fork,
+    # en: and the copy-on-write copies (source block, destination block) the next step must make.
+    # zh: 并行采样：所属请求、这是第几个样本、还要分叉出的兄弟序列个数，以及下一步必须完成的写时复制
+    # zh: （源块，目标块）。
+    self.request_id = self.seq_id
+    self.sample_index = 0
+    self.pending_forks = self.sampling_params.n - 1
+    self.blocks_to_copy: list[tuple[int, int]] = []
+
+
+@add_to_class(Sequence)
+def fork(self, sample_index: int) -> Sequence:
+    """A sibling for sample ``sample_index`` of the same request: the same tokens and progress, a new seq_id,
+    no blocks yet (the block manager's ``fork`` shares the parent's), no forks of its own."""
+    child = copy.copy(self)
+    child.seq_id = next(Sequence._ids)
+    child.token_ids = list(self.token_ids)
+    child.block_table = []
+    child.sample_index = sample_index
+    child.pending_forks = 0
+    child.blocks_to_copy = []
+    return child
+
+
+def sibling_samples(seqs: list[Sequence]) -> list[tuple[int, int]]:
+    """The siblings whose first tokens a step samples, in the order the model runner returns them after the
+    step's own tokens: ``(i, k)`` for sample ``k`` of the request of ``seqs[i]``, a sequence whose prompt the
+    step completes. The one definition of that order: the runner samples by it, the scheduler forks by it."""
+    done = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
+    return [(i, k) for i in done for k in range(1, seqs[i].pending_forks + 1)]
+
+# %% [markdown] tags=["en"]
+# ## Build it: the block manager's share
 #
-# - **拷贝在调度时、由块管理器决定。** `may_append` 本来就会在每个 decode 步之前对每个序列调用一次；现在它还要问：
-#   这一步要写入的块是不是共享的？如果是，就取一个新块换进这个序列的块表，释放共享块，并把 `(源块, 目标块)`
-#   追加到 `seq.blocks_to_copy`。因为这个决定是 `schedule()` 的一部分，第 11 章的异步引擎像对待其他分配一样看得到它，
-#   张量并行的 rank 也会随序列一起收到它（第 10 章）。
-# - **拷贝是一次批量操作，由执行器在这一步的前向计算之前完成。** 一步中所有序列的所有拷贝对，变成对那一个 KV 张量
-#   的一次按索引读取和一次按索引写入（第 08 章的 `copy_kv_blocks`），所有层一起完成。它在前向计算之前运行，所以
-#   排在这一步写入 K/V 之前，也不在重放前向计算的 CUDA Graph 之内（第 09 章）。
-# - **分叉是调度器的事，不是执行器的事。** 对提示词已算完的序列，执行器只是采样 `1 + seq.pending_forks` 个 token
-#   （多出来的排在本步常规各行之后）；`advance` 按同样的顺序创建兄弟序列，各自带上第一个 token。从此兄弟序列就是
-#   普通的序列：各自 decode、各自被抢占、各自结束。
+# `fork(parent, child)` gives the child the parent's table and one more reference to each block.
+# Copy-on-write lives in `may_append`: `_shared_write_block` finds the block that the step writes
+# into (the one holding token `num_cached_tokens`) when another table holds it too, and
+# `_blocks_to_append` counts one more free block for the copy, so that `can_append` says no when
+# the copy cannot be made. `deallocate` also drops a planned copy: a sequence that gives back its
+# blocks has nothing to copy into.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：块管理器的部分
+#
+# `fork(parent, child)` 让子序列得到父序列的块表，并给每个块再加一个引用。写时复制在 `may_append` 中：当这一步要写入的块
+# （存放第 `num_cached_tokens` 个 token 的块）也被别的块表持有时，`_shared_write_block` 找到它；`_blocks_to_append`
+# 为复制多算一个空闲块，这样复制做不了时 `can_append` 会说不行。`deallocate` 也会丢掉计划中的复制：归还了块的序列
+# 没有可以复制进去的地方。
+
+# %% block manager forks
+#| export engine.block_manager
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.block_manager import BlockManager
+
+
+@add_to_class(BlockManager)
+def fork(self, parent: Sequence, child: Sequence) -> None:
+    """Let ``child`` (a fork of ``parent``) share every block of ``parent``: one more reference each."""
+    child.block_table = list(parent.block_table)
+    for block_id in child.block_table:
+        self.hold(block_id)
+
+
+@add_to_class(BlockManager)
+def _shared_write_block(self, seq: Sequence) -> int | None:
+    """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
+    i = seq.num_cached_tokens // self.block_size
+    if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+        return i
+    return None
+
+
+@add_to_class(BlockManager)
+def _blocks_to_append(self, seq: Sequence) -> int:
+    assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
+    # en: The new block a decode step may need (chapter 02), plus one for a copy-on-write.
+    # zh: decode 步可能需要的新块（第 02 章），再加上写时复制需要的一块。
+    copy = self._shared_write_block(seq) is not None
+    return seq.num_blocks - len(seq.block_table) + copy
+
+
+@add_to_class(BlockManager)
+def may_append(self, seq: Sequence) -> None:
+    """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
+    give it a private copy of a shared block the step would write into (copy-on-write)."""
+    assert self.can_append(seq), "ask can_append first"
+    i = self._shared_write_block(seq)
+    if i is not None:
+        # en: A fresh block replaces the shared one in this table only; the runner copies the K/V
+        # en: into it before the step writes. The other holders keep the original.
+        # zh: 只在这个块表里用新块替换共享块；执行器在这一步写入之前把 K/V 复制进去。其他持有者保留原块。
+        source, seq.block_table[i] = seq.block_table[i], self.take_free_block()
+        self.release(source)
+        seq.blocks_to_copy.append((source, seq.block_table[i]))
+    seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+
+
+@add_to_class(BlockManager)
+def deallocate(self, seq: Sequence) -> None:
+    """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
+    for block_id in reversed(seq.block_table):
+        self.release(block_id)
+    seq.block_table = []
+    seq.num_cached_tokens = 0
+    # en: A copy planned into a block it no longer holds is moot.
+    # zh: 计划复制进一个已不再持有的块，这样的复制没有意义了。
+    seq.blocks_to_copy = []
+
+# %% [markdown] tags=["en"]
+# ## Build it: the scheduler's share
+#
+# Chapter 04's `postprocess` receives one token per sequence. Now a step may sample more: after
+# the step's own tokens come the first tokens of the siblings, in `sibling_samples` order. The
+# new `postprocess` forks those siblings *before* it records the step, so that each sibling
+# starts as an exact copy of its parent in the middle of the step (the same counters, the same
+# shared blocks) and is then recorded like any sequence of the step, with its own token. The
+# parent no longer has forks pending, and the siblings join the tail of `running`.
+#
+# The rest of the story lives where its box is built: chapter 07 gives each sample its own
+# random stream (`sample_index`), chapter 08's runner samples by `sibling_samples` and makes the
+# copies, chapter 11's engine groups the samples of a request (and `fork_samples=False` runs them
+# as independent requests instead), chapter 12 makes the fork asynchronous.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：调度器的部分
+#
+# 第 04 章的 `postprocess` 为每个序列接收一个 token。现在一步可能采样更多：这一步自己的 token 之后，按 `sibling_samples`
+# 的顺序跟着兄弟序列的首 token。新的 `postprocess` 在记录这一步*之前*先分叉出这些兄弟序列，于是每个兄弟序列一开始都是
+# 父序列在这一步中途的精确副本（同样的计数器、同样的共享块），然后像这一步的任何序列一样被记录，带着自己的 token。
+# 父序列不再有待分叉的兄弟，兄弟序列排到 `running` 的队尾。
+#
+# 故事的其余部分分别在构建相应部件的章节里：第 07 章给每个样本自己的随机数流（`sample_index`），第 08 章的执行器按
+# `sibling_samples` 采样并完成复制，第 11 章的引擎把一个请求的各个样本归在一起（`fork_samples=False` 则把它们当作独立
+# 请求运行），第 12 章让分叉异步进行。
+
+# %% scheduler forks
+#| export engine.scheduler
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import sibling_samples
+
+
+@add_to_class(Scheduler)
+def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
+    """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
+    finish sequences; returns the sequences that finished. ``token_ids`` has one token per sequence, then the
+    first token of each sibling that the step's sequences fork (`sibling_samples`)."""
+    expected = len(seqs) + len(sibling_samples(seqs))
+    assert len(token_ids) == expected and all(seq.num_scheduled_tokens for seq in seqs), "not this step's tokens"
+    seqs = [*seqs, *self._fork_siblings(seqs)]
+    finished: list[Sequence] = []
+    for seq, token_id in zip(seqs, token_ids, strict=True):
+        seq.num_cached_tokens += seq.num_scheduled_tokens
+        seq.num_scheduled_tokens = 0
+        seq.blocks_to_copy = []  # the model runner made them before the step wrote its K/V
+        self.block_manager.publish_full_blocks(seq)
+        if seq.num_cached_tokens < len(seq):
+            continue  # a partial prefill chunk samples nothing (the model runner passes -1)
+        seq.append_token(token_id)
+        if self._reached_end(seq, token_id):
+            self._finish(seq)
+            finished.append(seq)
+    if self.observer is not None:
+        self.observer("postprocess", {"seqs": seqs, "token_ids": list(token_ids), "finished": finished})
+    return finished
+
+
+@add_to_class(Scheduler)
+def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
+    """The siblings that a step's sequences fork, in `sibling_samples` order: each a copy of its parent in the
+    middle of the step, sharing the parent's blocks, at the tail of ``running``. The parents fork no more."""
+    siblings = []
+    for i, sample_index in sibling_samples(seqs):
+        child = seqs[i].fork(sample_index)
+        self.block_manager.fork(seqs[i], child)
+        self.running.append(child)
+        siblings.append(child)
+    for i, _ in sibling_samples(seqs):
+        seqs[i].pending_forks = 0
+    return siblings
 
 # %% [markdown] tags=["en"]
 # ## See it: the article's example, step by step

@@ -104,7 +104,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.context import (
     get_context,
     host_to_device,
@@ -407,12 +407,16 @@ class SampledTokens:
 
     seqs: list[Sequence]
     rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
-    # en: [len(rows) + forks] int64: then the first tokens of the siblings this step forks, in the
-    # en: order the scheduler forks them (chapter 04b), until `add_forks` names their sequences.
-    # zh: [len(rows) + 分叉数] int64：之后是本步分叉出的兄弟序列的第一个 token，顺序与调度器分叉的顺序相同
-    # zh: （第 04b 章），直到 `add_forks` 指明它们属于哪些序列。
+    # en: [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
+    # en: siblings it forks, in `sibling_samples` order (chapter 04b).
+    # zh: [len(samples)] int64：这一步自己的 token（每行一个），然后是它分叉出的兄弟序列的首 token，
+    # zh: 顺序同 `sibling_samples`（第 04b 章）。
     on_device: torch.Tensor
     on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    # en: Whose token each row of on_device is: (request_id, sample_index), a key that a sibling forked
+    # en: by this step will carry too.
+    # zh: on_device 的每一行是谁的 token：(request_id, sample_index)；这一步分叉出的兄弟序列也带着同样的键。
+    samples: list[tuple[int, int]]
     ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
 
     @classmethod
@@ -420,13 +424,15 @@ class SampledTokens:
         cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor, to_host: bool = True
     ) -> SampledTokens:
         """Queue the copy of ``sampled`` to the host and return without waiting for it (to_host=False: no copy)."""
+        samples = [(seqs[i].request_id, seqs[i].sample_index) for i in rows]
+        samples += [(seqs[i].request_id, k) for i, k in sibling_samples(seqs)]
         if sampled.device.type != "cuda" or not to_host:
-            return cls(seqs, rows, sampled, sampled)
+            return cls(seqs, rows, sampled, sampled, samples)
         on_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         on_host.copy_(sampled, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(seqs, rows, sampled, on_host, ready)
+        return cls(seqs, rows, sampled, on_host, samples, ready)
 
     def token_ids(self) -> list[int]:
         """One token per sequence (NOT_SAMPLED for a partial chunk), then the forked siblings' first tokens;
@@ -439,21 +445,14 @@ class SampledTokens:
             tokens[i] = token
         return tokens + values[len(self.rows) :]
 
-    def add_forks(self, siblings: list[Sequence]) -> None:
-        """Name the sequences that this step's extra samples belong to: the siblings the scheduler forked,
-        in its order. Then the next step can take their pending first tokens from here."""
-        extra = self.on_device.shape[0] - len(self.rows)
-        assert len(siblings) == extra, f"this step sampled {extra} tokens for forked siblings, got {len(siblings)}"
-        self.rows = self.rows + list(range(len(self.seqs), len(self.seqs) + extra))
-        self.seqs = self.seqs + list(siblings)
-
     def input_ids_for(self, seqs: list[Sequence], input_ids: list[int]) -> torch.Tensor:
         """The next decode step's input ids on the device: each PENDING_TOKEN replaced by this step's sample."""
-        row_of = {self.seqs[i].seq_id: row for row, i in enumerate(self.rows)}
+        row_of = {sample: row for row, sample in enumerate(self.samples)}
         rows = []
         for seq, token in zip(seqs, input_ids, strict=True):
-            assert token != PENDING_TOKEN or seq.seq_id in row_of, f"{seq}'s pending token is not one this step samples"
-            rows.append(row_of[seq.seq_id] if token == PENDING_TOKEN else -1)
+            key = (seq.request_id, seq.sample_index)
+            assert token != PENDING_TOKEN or key in row_of, f"{seq}'s pending token is not one this step samples"
+            rows.append(row_of[key] if token == PENDING_TOKEN else -1)
         device = self.on_device.device
         known = _tensor([max(token, 0) for token in input_ids], device)
         row = _tensor(rows, device)
@@ -698,8 +697,8 @@ class ModelRunner:
         # en: (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
         # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 04b 章）还要从它这一行为兄弟序列抽取第一个
         # zh: token，排在本步各行之后。
-        rows = [i for i, seq in enumerate(seqs) if seq.num_samples]
-        forks = [(i, j) for i in rows for j in range(1, seqs[i].pending_forks + 1)]
+        rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
+        forks = sibling_samples(seqs)
         sampled = None
         if logits is not None and rows:
             picks = rows + [i for i, _ in forks]

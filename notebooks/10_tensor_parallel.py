@@ -802,6 +802,111 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
             )
 
 # %% [markdown] tags=["en"]
+# ## Build it: a sequence on the wire
+#
+# Rank 0's scheduler lives in the driver; every step's sequences cross the control channel to
+# every rank. Pickling a whole sequence each step would cost time that grows with its length, so
+# `Sequence` now pickles *slim*: only the tokens whose KV is not cached yet travel (for a decode
+# step, just the last token), with the counters and the block table. The block size travels too:
+# a rank must never guess it from a default. That is upstream's bug: its `Sequence.block_size` is
+# a class attribute set by `Config`, which a rank process, importing the module afresh, never
+# sets, so a model configured with another block size computes wrong slots on every rank but 0.
+#
+# A slim copy does not hold the tokens before its first uncached one, so it remembers where its
+# `token_ids` start (`first_token_index`), and `scheduled_token_ids` counts from there. The
+# sampling parameters stay behind: only rank 0 samples, and it receives them once per sequence.
+# `copy.copy` and `copy.deepcopy` still make whole copies.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：线路上的序列
+#
+# rank 0 的调度器在驱动进程里；每一步的序列都要经控制通道发给每个 rank。如果每步都序列化整个序列，耗时会随序列长度
+# 增长；所以 `Sequence` 现在采用*精简*序列化：只传送 KV 尚未缓存的 token（decode 步只传最后一个 token），外加计数器和
+# 块表。块大小也一起传送：rank 绝不能从某个默认值去猜它。上游的 bug 正在于此：它的 `Sequence.block_size` 是由 `Config`
+# 设置的类属性，而 rank 进程重新导入模块时从不设置它，于是换了块大小的模型在除 0 以外的每个 rank 上都会算错槽位。
+#
+# 精简副本不含第一个未缓存 token 之前的 token，所以它记住自己的 `token_ids` 从哪里开始（`first_token_index`），
+# `scheduled_token_ids` 也从那里算起。采样参数不随序列传送：只有 rank 0 采样，每个序列的参数只发给它一次。
+# `copy.copy` 和 `copy.deepcopy` 仍然做完整拷贝。
+
+# %% sequence on the wire
+#| export engine.sequence
+import copy
+import operator
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.sequence import Sequence
+
+# en: What a sequence ships to a rank process, followed by its uncached tokens.
+# zh: 序列传送给 rank 进程的字段，后面再跟上它尚未缓存的 token。
+SHIPPED_FIELDS = ("seq_id", "_status", "block_size", "num_tokens", "num_prompt_tokens", "num_cached_tokens",
+                  "num_scheduled_tokens", "block_table", "request_id", "sample_index", "pending_forks",
+                  "blocks_to_copy")
+_shipped = operator.attrgetter(*SHIPPED_FIELDS)
+# en: Index of token_ids[0] in the whole sequence: 0, except in a slim copy that a rank unpickled.
+# zh: token_ids[0] 在整个序列中的下标：除了 rank 反序列化得到的精简副本，都是 0。
+Sequence.first_token_index: int = 0
+
+
+@add_to_class(Sequence)
+@property
+def scheduled_token_ids(self) -> list[int]:
+    """The tokens this step computes: ``num_scheduled_tokens`` of them after the cached ones."""
+    start = self.num_cached_tokens - self.first_token_index
+    return self.token_ids[start : start + self.num_scheduled_tokens]
+
+
+@add_to_class(Sequence)
+def __getstate__(self) -> tuple:
+    # en: Only tokens whose KV is not cached yet travel: during decode that is the
+    # en: last token alone, whatever the length of the sequence.
+    # zh: 只传送 KV 尚未缓存的 token：decode 时只有最后一个 token，与序列长度无关。
+    return (*_shipped(self), self.token_ids[self.num_cached_tokens - self.first_token_index :])
+
+
+@add_to_class(Sequence)
+def __setstate__(self, state: tuple) -> None:
+    *fields, self.token_ids = state
+    self.__dict__.update(zip(SHIPPED_FIELDS, fields, strict=True))
+    self.first_token_index = self.num_cached_tokens
+    # en: Sampling happens on rank 0 only, which receives the parameters separately.
+    # zh: 只有 rank 0 做采样，它另外收到采样参数。
+    self.sampling_params = None
+
+
+@add_to_class(Sequence)
+def __copy__(self) -> Sequence:
+    # en: copy.copy and copy.deepcopy would otherwise go through the slim pickling state.
+    # zh: 否则 copy.copy 和 copy.deepcopy 会走精简的序列化状态。
+    clone = Sequence.__new__(Sequence)
+    clone.__dict__.update(self.__dict__)
+    clone.token_ids = list(self.token_ids)
+    clone.block_table = list(self.block_table)
+    clone.blocks_to_copy = list(self.blocks_to_copy)
+    return clone
+
+
+@add_to_class(Sequence)
+def __deepcopy__(self, memo: dict) -> Sequence:
+    return copy.copy(self)
+
+# %%
+import pickle
+
+long_seq = Sequence(list(range(5000)), block_size=16)
+long_seq.block_table = list(range(313))
+long_seq.num_cached_tokens = 4999  # decoding: everything but the last token is cached
+long_seq.num_scheduled_tokens = 1
+wire = pickle.dumps(long_seq)
+worker_copy = pickle.loads(wire)
+print(f"pickled decode sequence: {len(wire)} bytes for {len(long_seq)} tokens")
+assert worker_copy.token_ids == [4999] and worker_copy.scheduled_token_ids == [4999]
+assert worker_copy.block_size == 16 and worker_copy.block_table == long_seq.block_table
+assert worker_copy.num_tokens == 5000 and worker_copy.sampling_params is None
+assert len(pickle.dumps(long_seq)) < len(pickle.dumps(long_seq.token_ids)) / 5
+assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
+
+# %% [markdown] tags=["en"]
 # ## Build it: one rank's life
 #
 # A rank process starts, joins the group (`init_rank`), builds its `ModelRunner` — the same class
@@ -886,10 +991,9 @@ import time
 import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -984,12 +1088,12 @@ class RankWorker:
         self,
         states: list[tuple],
         is_prefill: bool,
-        previous: tuple[int, list[int]] | None = None,
+        previous: int | None = None,
         params: tuple[dict[int, SamplingParams], list[int]] | None = None,
     ) -> SampledTokens | None:
         """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
 
-        ``states``: the step's sequences (`step_states`). ``previous``: (call, forked seq_ids) of the step whose
+        ``states``: the step's sequences (`step_states`). ``previous``: the call of the step whose
         samples are this step's pending tokens (asynchronous scheduling), or None. ``params`` (rank 0 only):
         the sampling params of new sequences, and the ids of finished ones to forget.
         """
@@ -1001,7 +1105,7 @@ class RankWorker:
                 self.params.pop(seq_id, None)
             for seq in seqs:
                 seq.sampling_params = self.params[seq.seq_id]
-        before = None if previous is None else self._samples_of(*previous)
+        before = None if previous is None else self._samples_of(previous)
         step = self.runner.launch(seqs, is_prefill, before)
         # en: Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
         # zh: 每个 rank 都留着这一步的采样结果（rank 0 广播来的）：之后的某一步可能要用。
@@ -1009,16 +1113,12 @@ class RankWorker:
         self.recent.pop(self.call_no - self.KEEP_STEPS, None)
         return step if self.rank == 0 else None
 
-    def _samples_of(self, call: int, forks: list[int]) -> SampledTokens:
+    def _samples_of(self, call: int) -> SampledTokens:
         """The samples of an earlier step, with the siblings it forked named (as the engine names them)."""
         samples = self.recent.get(call)
         if samples is None:
             raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
                                f"no longer holds")
-        if forks and len(samples.rows) < samples.on_device.shape[0]:
-            # en: add_forks reads only the siblings' seq_ids; a rank knows no more about them yet.
-            # zh: add_forks 只读取兄弟序列的 seq_id；rank 此时对它们也只知道这么多。
-            samples.add_forks([SimpleNamespace(seq_id=seq_id) for seq_id in forks])
         return samples
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
@@ -1265,16 +1365,11 @@ class TPStep:
     runner: TPRunner
     call: int
     tokens: list[int] | None = None
-    forks: list[int] = field(default_factory=list)  # seq_ids of the siblings this step forked (chapter 04b)
 
     def token_ids(self) -> list[int]:
         if self.tokens is None:
             self.tokens = self.runner.collect(self.call)[0]
         return self.tokens
-
-    def add_forks(self, siblings: list[Sequence]) -> None:
-        """As `SampledTokens.add_forks`: the next step tells the ranks which sequences the extra samples are."""
-        self.forks = [seq.seq_id for seq in siblings]
 
 
 class TPRunner:
@@ -1406,7 +1501,7 @@ class TPRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
         """Queue one step on every rank and return at once; ``previous``: the step whose samples are this
         step's pending tokens (asynchronous scheduling). Every rank has them: nothing waits for rank 0."""
-        before = None if previous is None else (previous.call, previous.forks)
+        before = None if previous is None else previous.call
         params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
         return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
 
@@ -1926,10 +2021,10 @@ costs = {
 for name, (pack, unpack, size) in costs.items():
     print(f"{name:28}: driver {pack:.2f} ms, rank {unpack:.2f} ms, {size / 1024:.1f} KiB")
 rebuilt = step_sequences(pickle.loads(new_message)[0])
-for seq, copy in zip(batch, rebuilt, strict=True):
-    assert (copy.seq_id, copy.block_table, copy.token_ids, len(copy)) == (seq.seq_id, seq.block_table,
-                                                                          [seq.last_token], len(seq))
-    assert copy.num_cached_tokens == seq.num_cached_tokens and copy.block_size == seq.block_size
+for seq, shipped in zip(batch, rebuilt, strict=True):
+    assert (shipped.seq_id, shipped.block_table, shipped.token_ids, len(shipped)) == (
+        seq.seq_id, seq.block_table, [seq.last_token], len(seq))
+    assert shipped.num_cached_tokens == seq.num_cached_tokens and shipped.block_size == seq.block_size
 
 # %% [markdown] tags=["en"]
 # ### See it: an asynchronous TP engine, step by step

@@ -1624,6 +1624,54 @@ assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 # 声明好几个）。输出保持 nano-vllm 的形式：`{"text", "token_ids"}`，其中 `token_ids` 包含最后的 EOS（与 nano-vllm
 # 相同），`text` 解码时去掉特殊 token。
 
+# %% scheduler undo and abort
+#| export engine.scheduler
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@add_to_class(Scheduler)
+def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
+    """Undo ``schedule()`` for a step that was never computed (the model raised), so it can run again.
+
+    Prefill moved the sequences it completes to ``running``; they go back to the head of
+    ``waiting`` in their order, keeping their blocks. Decode's new blocks and preemptions stay:
+    they left the queues consistent.
+    """
+    for seq in seqs:
+        seq.num_scheduled_tokens = 0
+    if is_prefill:
+        moved = [seq for seq in seqs if seq.status is SequenceStatus.RUNNING]
+        for seq in moved:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extendleft(reversed(moved))
+
+
+@add_to_class(Scheduler)
+def abort(self, seq: Sequence) -> None:
+    """Drop an unfinished request: out of its queue, its blocks freed, FINISHED (the caller gave up on it)."""
+    for queue in (self.waiting, self.running):
+        if seq in queue:
+            queue.remove(seq)
+    seq.num_scheduled_tokens = 0
+    if seq.block_table:
+        self.block_manager.deallocate(seq)
+    seq.status = SequenceStatus.FINISHED
+
+# %% a request can end while it waits
+#| export engine.sequence
+from typing import ClassVar
+
+# en: An aborted request ends wherever it is, so FINISHED may now follow WAITING too.
+# zh: 被中止的请求在哪里都会结束，所以 WAITING 之后现在也可以是 FINISHED。
+Sequence.ALLOWED_TRANSITIONS: ClassVar[dict[SequenceStatus, frozenset[SequenceStatus]]] = {
+    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
+    SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
+    SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
+}
+
 # %% engine inputs
 #| export
 from __future__ import annotations
@@ -1881,6 +1929,11 @@ class LLMEngine:
                 f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
                 f"max_model_len={limit}; shorten the prompt or lower max_tokens"
             )
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={sampling_params.n} samples, but a step holds at most max_num_seqs={self.config.max_num_seqs} "
+                "sequences and the samples decode side by side; raise max_num_seqs or lower n"
+            )
         # en: The scheduler's admission check, run once, here: generate() checks every request before adding any.
         # zh: 调度器的准入检查只在这里运行一次：generate() 要在加入任何请求之前把所有请求都检查一遍。
         self.scheduler.check_fits(seq)
@@ -1959,11 +2012,6 @@ class LLMEngine:
             self.scheduler.rollback(seqs, is_prefill)
             raise
         counted, indices = self.scheduler.advance(seqs, is_prefill)
-        if not isinstance(tokens, list):  # SampledTokens, or chapter 10's TPStep
-            # en: Siblings forked in this step (chapter 04b) take the step's extra samples, so that the
-            # en: next step can find their pending first tokens.
-            # zh: 本步分叉出的兄弟序列（第 04b 章）认领这一步额外的采样结果，下一步才能找到它们待定的第一个 token。
-            tokens.add_forks(counted[len(seqs) :])
         return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
     def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
@@ -1989,7 +2037,7 @@ class LLMEngine:
     def _drop(self, broken: list[Sequence]) -> None:
         """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
         `generate` call they belong to, else by the next `step`."""
-        requests = {seq.request_id for seq in broken if self.scheduler.is_live(seq)}
+        requests = {seq.request_id for seq in broken if not seq.is_finished}
         if not requests:
             return  # dropped already, in an earlier step
         cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)

@@ -322,7 +322,7 @@ from collections.abc import Sequence as TokenList
 from typing import Any
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, sibling_samples
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.viz.recorder import Recorder
 
@@ -365,7 +365,7 @@ class FakeEngine:
         tokens = [fake_token(s, s.sample_index) for s in seqs]
         # en: A request that forks gets its siblings' first tokens after the step's own, as from the runner.
         # zh: 要分叉的请求，其兄弟序列的第一个 token 排在本步各序列的 token 之后，和执行器给出的一样。
-        tokens += [fake_token(s, j) for s in seqs if s.num_samples for j in range(1, s.pending_forks + 1)]
+        tokens += [fake_token(seqs[i], k) for i, k in sibling_samples(seqs)]
         self.scheduler.postprocess(seqs, tokens, is_prefill)
         self.steps += 1
         return seqs, is_prefill

@@ -92,7 +92,7 @@
 # | `Sequence.block_size` | = | 01, 10 | a field of each sequence that travels in its pickle; upstream's is a class attribute that `LLMEngine` sets in the driver process only |
 # | `Sequence.counter` | `Sequence._ids` | 01 | the id counter |
 # | `Sequence.seq_id`, `Sequence.token_ids`, `Sequence.num_tokens`, `Sequence.num_prompt_tokens`, `Sequence.num_cached_tokens`, `Sequence.num_scheduled_tokens`, `Sequence.block_table` | = | 01 | same meaning |
-# | `Sequence.status` | `Sequence.status`, `ALLOWED_TRANSITIONS` | 01 | a property whose setter refuses a move the state diagram does not have |
+# | `Sequence.status` | `Sequence.status`, `Sequence.ALLOWED_TRANSITIONS` | 01 | a property whose setter refuses a move the state diagram does not have |
 # | `Sequence.last_token` | = | 01 | a property reading `token_ids`, not a second copy |
 # | `Sequence.is_prefill` | `engine.scheduler.Scheduler.schedule`, `Sequence.num_cached_tokens` | 04 | gone: a whole step is prefill or decode (`schedule` returns the flag), and a sequence still has prompt to compute while `num_cached_tokens < len(seq)` |
 # | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01 | the whole `SamplingParams` is kept (`None` on a worker's slim copy) |
@@ -100,7 +100,7 @@
 # | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01 | no indexing: a slim copy holds only the tail of the tokens (`first_token_index` says where it starts) |
 # | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 01, 10 | ships the tokens whose KV is not cached yet, with `block_size`, id and status; upstream ships all tokens during prefill and the last one during decode |
 # | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 11 | new: tokens still being computed (asynchronous scheduling) |
-# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.num_samples`, `Sequence.blocks_to_copy` | 04b | new: a request's samples as sibling sequences, and the copy-on-write copies of a step |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.blocks_to_copy`, `sibling_samples` | 04b | new: a request's samples as sibling sequences, and the copy-on-write copies of a step |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
@@ -112,7 +112,7 @@
 # | `Sequence.block_size` | = | 01, 10 | 每个序列自己的字段，随序列化数据一起传送；上游的是类属性，只在驱动进程里由 `LLMEngine` 设置 |
 # | `Sequence.counter` | `Sequence._ids` | 01 | 序列编号计数器 |
 # | `Sequence.seq_id`, `Sequence.token_ids`, `Sequence.num_tokens`, `Sequence.num_prompt_tokens`, `Sequence.num_cached_tokens`, `Sequence.num_scheduled_tokens`, `Sequence.block_table` | = | 01 | 含义相同 |
-# | `Sequence.status` | `Sequence.status`, `ALLOWED_TRANSITIONS` | 01 | 一个属性，它的 setter 拒绝状态图里没有的转换 |
+# | `Sequence.status` | `Sequence.status`, `Sequence.ALLOWED_TRANSITIONS` | 01 | 一个属性，它的 setter 拒绝状态图里没有的转换 |
 # | `Sequence.last_token` | = | 01 | 读取 `token_ids` 的属性，而不是另存一份 |
 # | `Sequence.is_prefill` | `engine.scheduler.Scheduler.schedule`, `Sequence.num_cached_tokens` | 04 | 去掉了：一整步要么是 prefill 要么是 decode（由 `schedule` 返回这个标志）；序列在 `num_cached_tokens < len(seq)` 时还有提示词要算 |
 # | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01 | 保留整个 `SamplingParams`（工作进程收到的精简副本上为 `None`） |
@@ -120,7 +120,7 @@
 # | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01 | 不支持下标访问：精简副本只带着 token 的尾部（`first_token_index` 记录它从哪里开始） |
 # | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 01, 10 | 传送 KV 尚未缓存的 token，连同 `block_size`、编号和状态；上游在 prefill 时传送全部 token，decode 时只传最后一个 |
 # | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 11 | 新增：尚在计算中的 token（异步调度） |
-# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.num_samples`, `Sequence.blocks_to_copy` | 04b | 新增：把一个请求的各个样本表示为兄弟序列，以及一步中写时复制要拷贝的块 |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.blocks_to_copy`, `sibling_samples` | 04b | 新增：把一个请求的各个样本表示为兄弟序列，以及一步中写时复制要拷贝的块 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
@@ -181,7 +181,7 @@
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | same |
 # | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 11 | two halves that asynchronous scheduling calls one step apart; returns the finished sequences |
 # | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 11, A | new: undo a step that failed, drop a request, watch the scheduler |
-# | — | `Scheduler._fork`, `Scheduler.check_fits` | 04b | new: a request forks when its first token is sampled; `check_fits` also refuses `n > max_num_seqs` |
+# | — | `Scheduler._fork_siblings` | 04b | new: a request forks when its first token is sampled |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
@@ -198,7 +198,7 @@
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | 相同 |
 # | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 11 | 分成两半，异步调度时相隔一步调用；返回已结束的序列 |
 # | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 11, A | 新增：撤销失败的一步、丢弃一个请求、观察调度器 |
-# | — | `Scheduler._fork`, `Scheduler.check_fits` | 04b | 新增：请求在采样出第一个 token 时分叉；`check_fits` 还会拒绝 `n > max_num_seqs` 的请求 |
+# | — | `Scheduler._fork_siblings` | 04b | 新增：请求在采样出第一个 token 时分叉 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
@@ -564,7 +564,7 @@
 # |---|---|---|---|---|
 # | which sequence may be a chunk | `engine.scheduler.Scheduler._schedule_prefill` | 04 | only the first of a step | whichever runs out the budget: full steps, first tokens sooner; at most one half-prefilled sequence at a time |
 # | decode batch size | `engine.scheduler.Scheduler._schedule_decode` | 04 | up to `max_num_seqs` | up to `min(max_num_seqs, max_num_batched_tokens)`: each sequence computes one token, and the budget bounds every step (the warm-up that sized the KV cache measured no larger step) |
-# | status changes | `engine.sequence.Sequence.status`, `engine.sequence.ALLOWED_TRANSITIONS` | 01 | any assignment | only along the state diagram's arrows: a scheduler bug fails loudly instead of corrupting the cache |
+# | status changes | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | any assignment | only along the state diagram's arrows: a scheduler bug fails loudly instead of corrupting the cache |
 # | a request that can never fit | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
 # | stale prefix-cache entries | `engine.prefix_cache.PrefixCache.forget` | 03 | kept until 2026-04-26 (silently wrong KV); since `f64d821` removed when the block is reused | removed when the block is reused, only if the entry still points at it; a provenance fuzz guards it |
 # | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
@@ -578,7 +578,7 @@
 # | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
 # | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
 # | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
-# | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
+# | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
 # | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 11 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
 # | several threads on one engine | `engine.llm_engine.one_call_at_a_time`, `engine.llm_engine.EngineBusyError` | 11 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
 
@@ -587,7 +587,7 @@
 # |---|---|---|---|---|
 # | 哪个序列可以被分块 | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 只有一步中的第一个序列 | 哪个序列用完预算就分块哪个：每步都用满预算，第一个 token 来得更早；同一时刻最多一个预填充到一半的序列 |
 # | decode 批次大小 | `engine.scheduler.Scheduler._schedule_decode` | 04 | 最多 `max_num_seqs` 个 | 最多 `min(max_num_seqs, max_num_batched_tokens)` 个：每个序列计算一个 token，而预算约束每一步（确定 KV 缓存大小的预热没有测量过更大的步） |
-# | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
+# | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
 # | 永远放不下的请求 | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
 # | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
 # | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
@@ -601,7 +601,7 @@
 # | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 11 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
 # | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 11 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
 # | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
-# | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
+# | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
 # | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 11 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
 # | 多个线程共用一个引擎 | `engine.llm_engine.one_call_at_a_time`, `engine.llm_engine.EngineBusyError` | 11 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanovllm.engine.scheduler import Observer, Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus, sibling_samples
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 5
@@ -70,8 +70,8 @@ class Workload:
         )
 
     def fits(self, request: Request) -> bool:
-        kv_fits = math.ceil((len(request.prompt) + request.max_tokens - 1) / self.block_size) <= self.num_blocks
-        return kv_fits and request.n <= self.max_num_seqs
+        # The scheduler refuses only what can never fit the KV cache; the engine also caps n (chapter 11).
+        return math.ceil((len(request.prompt) + request.max_tokens - 1) / self.block_size) <= self.num_blocks
 
     def samples(self) -> list[tuple[Request, int]]:
         """(request, sample index) for every sequence the workload ends with, in `simulate`'s order."""
@@ -165,8 +165,7 @@ def simulate(
 
             # One token per sequence, then the forked siblings' first tokens, as the model runner samples them.
             tokens = [next_token(context(s), s.sample_index) for s in scheduled]
-            tokens += [next_token(context(s), j) for s in scheduled if s.num_samples
-                       for j in range(1, s.pending_forks + 1)]
+            tokens += [next_token(context(scheduled[i]), k) for i, k in sibling_samples(scheduled)]
             sched.postprocess(scheduled, tokens, is_prefill)
             if after_postprocess is not None:
                 after_postprocess(sched, list(postprocessed), is_prefill)

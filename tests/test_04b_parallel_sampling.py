@@ -16,7 +16,7 @@ from nanovllm.book.tiny_models import TINY_VOCAB_SIZE
 from nanovllm.engine.llm_engine import NonFiniteLogitsError
 from nanovllm.engine.model_runner import NOT_SAMPLED, SampledTokens, copy_kv_blocks
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, sibling_samples
 from nanovllm.layers.sampler import sampling_inputs, seeded_generator
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -53,9 +53,13 @@ def test_n_is_checked(n: object, error: type[Exception]) -> None:
         SamplingParams(n=n)
 
 
-def test_n_above_max_num_seqs_is_refused_naming_the_setting() -> None:
-    with pytest.raises(ValueError, match="raise max_num_seqs"):
-        make(seqs=2).check_fits(request(5, n=3))
+def test_sibling_samples_is_the_one_order_of_a_steps_extra_samples() -> None:
+    """Sibling k of each sequence whose prompt the step completes, sequence by sequence; a chunk forks nothing."""
+    done, chunk, single = request(4, n=3), request(8, n=2, start=100), request(3, n=1, start=200)
+    done.num_scheduled_tokens, chunk.num_scheduled_tokens, single.num_scheduled_tokens = 4, 5, 3
+    assert sibling_samples([chunk, done, single]) == [(1, 1), (1, 2)]
+    chunk.num_scheduled_tokens = 8
+    assert sibling_samples([chunk, done, single]) == [(0, 1), (1, 1), (1, 2)]
 
 
 # ---- the fork --------------------------------------------------------------------------------------
@@ -140,11 +144,11 @@ def test_a_chunked_prompt_forks_only_after_its_last_chunk() -> None:
     sched.add(parent)
     for _ in range(2):  # chunks of 4 and 4: nothing sampled, nothing forked
         seqs, is_prefill = sched.schedule()
-        assert parent.num_samples == 0
+        assert sibling_samples(seqs) == []
         sched.postprocess(seqs, [NOT_SAMPLED], is_prefill)
         assert len(sched.running) == 0 and parent.pending_forks == 1
     seqs, is_prefill = sched.schedule()  # the last 2 tokens: 1 + 1 samples
-    assert parent.num_samples == 2
+    assert sibling_samples(seqs) == [(0, 1)]
     sched.postprocess(seqs, [7, 8], is_prefill)
     assert [s.completion_token_ids for s in sched.running] == [[7], [8]]
     assert refs(sched, parent.block_table) == [2, 2, 2]
@@ -186,7 +190,7 @@ def test_preempting_one_sample_releases_only_its_references_and_its_recompute_hi
         seqs, is_prefill = sched.schedule()
         if victim in seqs:
             assert is_prefill and victim.block_table[:2] == full and victim.num_cached_tokens >= 8
-        sched.postprocess(seqs, [4] * sum(1 + s.pending_forks if s.num_samples else 1 for s in seqs), is_prefill)
+        sched.postprocess(seqs, [4] * (len(seqs) + len(sibling_samples(seqs))), is_prefill)
 
 
 def test_async_advance_forks_with_pending_first_tokens() -> None:
@@ -220,14 +224,11 @@ def test_sampled_tokens_give_the_forked_siblings_their_rows() -> None:
     parent, other = request(6, n=3), request(3, n=1, start=200)
     for s in (parent, other):
         s.num_scheduled_tokens = len(s)
-    # Rows: parent, other, then the parent's two siblings.
-    step = SampledTokens([parent, other], [0, 1], torch.tensor([70, 71, 72, 73]), torch.tensor([70, 71, 72, 73]))
+    # Rows: parent, other, then the parent's two siblings (sibling_samples order), keyed by request and sample.
+    step = SampledTokens.start([parent, other], [0, 1], torch.tensor([70, 71, 72, 73]))
+    assert step.samples == [(parent.seq_id, 0), (other.seq_id, 0), (parent.seq_id, 1), (parent.seq_id, 2)]
     assert step.token_ids() == [70, 71, 72, 73]
     siblings = [parent.fork(1), parent.fork(2)]
-    with pytest.raises(AssertionError, match="2 tokens"):
-        step.add_forks(siblings[:1])
-    step.add_forks(siblings)
-    assert step.token_ids() == [70, 71, 72, 73]
     for s in [parent, other, *siblings]:
         s.append_pending_token()
     ids = step.input_ids_for([siblings[1], parent, siblings[0]], [PENDING_TOKEN] * 3)

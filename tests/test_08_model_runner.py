@@ -154,17 +154,17 @@ def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     c = scheduled([12, 13], [3], cached=1, count=1)
     # The previous step sampled c (row 0) and a (row 1); b's last token is known.
     a.token_ids[-1] = c.token_ids[-1] = PENDING_TOKEN
-    previous = SampledTokens([c, b, a], [0, 2], torch.tensor([70, 80]), torch.tensor([70, 80]))
+    previous = SampledTokens.start([c, b, a], [0, 2], torch.tensor([70, 80]))
     input_ids, positions = prepare_decode([a, b, c], 4, "cpu", previous)
     assert input_ids.tolist() == [80, 11, 70] and positions.tolist() == [3, 2, 1]
     assert previous.token_ids() == [70, NOT_SAMPLED, 80]
     with pytest.raises(AssertionError, match="pending"):
         prepare_decode([a, b, c], 4, "cpu")  # who computes a's token?
     # A sample the sampler marked NON_FINITE (chapter 07) must not reach the embedding as -2.
-    marked = SampledTokens([c, b, a], [0, 2], torch.tensor([NON_FINITE, 80]), torch.tensor([NON_FINITE, 80]))
+    marked = SampledTokens.start([c, b, a], [0, 2], torch.tensor([NON_FINITE, 80]))
     assert prepare_decode([a, b, c], 4, "cpu", marked)[0].tolist() == [80, 11, 0]
     assert marked.token_ids() == [NON_FINITE, NOT_SAMPLED, 80]  # the host still sees the mark
-    orphan = SampledTokens([b], [0], torch.tensor([1]), torch.tensor([1]))
+    orphan = SampledTokens.start([b], [0], torch.tensor([1]))
     with pytest.raises(AssertionError, match="not one this step samples"):
         prepare_decode([a], 4, "cpu", orphan)
     pending = scheduled([1, 2], [0], cached=0, count=3)

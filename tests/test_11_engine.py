@@ -13,8 +13,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.utils import logging as hf_logging
 
 from nanovllm import config as config_module
-from nanovllm.config import Config, UnknownConfigKeyError
 from nanovllm.book import smollm2, tiny_models
+from nanovllm.config import Config, UnknownConfigKeyError
 
 hf_logging.disable_progress_bar()
 

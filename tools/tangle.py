@@ -55,6 +55,7 @@ import re
 import sys
 import textwrap
 import tokenize
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -413,6 +414,26 @@ def import_group(statement: str) -> tuple[int, str]:
     return group, statement.startswith("from "), statement.lower()
 
 
+def merged_imports(statements: list[str]) -> list[str]:
+    """One ``from m import a, b`` per module, as isort writes it: names merged and ordered by type, an aliased
+    name on a line of its own, a statement longer than a line wrapped one name per line."""
+    names: dict[tuple[str, int], list[str]] = {}  # (module, level) -> names, in the order first seen
+    kept: list[str] = []
+    for statement in statements:
+        node = ast.parse(statement).body[0]
+        if isinstance(node, ast.ImportFrom) and not any(alias.asname for alias in node.names):
+            listed = names.setdefault((node.module or "", node.level), [])
+            listed += [alias.name for alias in node.names if alias.name not in listed]
+        else:
+            kept.append(statement)
+    for (module_name, level), listed in names.items():
+        head = f"from {'.' * level}{module_name} import "
+        ordered = sorted(listed, key=all_order)
+        line = head + ", ".join(ordered)
+        kept.append(line if len(line) <= MAX_LINE else head + "(\n" + "".join(f"    {n},\n" for n in ordered) + ")")
+    return kept
+
+
 def all_order(name: str) -> tuple[int, str]:
     """Order of ``__all__``: CONSTANTS, then Classes, then functions (ruff's RUF022 order)."""
     kind = 0 if name.isupper() else 1 if name[0].isupper() else 2
@@ -437,7 +458,7 @@ def render(module: Module) -> str:
     if module.future_imports:
         blocks.append("\n".join(sorted(module.future_imports)))
     groups: dict[int, list[str]] = {}
-    for statement in sorted(module.imports, key=import_group):
+    for statement in sorted(merged_imports(module.imports), key=import_group):
         groups.setdefault(import_group(statement)[0], []).append(statement)
     blocks += ["\n".join(group) for _, group in sorted(groups.items())]
     if module.public_names:
@@ -458,9 +479,8 @@ def chapter_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / "notebooks").glob("*.py") if not p.name.startswith("_"))
 
 
-def tangle(root: Path) -> dict[Path, str]:
-    """Return ``{path relative to the project root: module text}`` for every chapter."""
-    modules: dict[str, Module] = {}
+def exported_cells(root: Path) -> Iterator[tuple[Cell, str, bool]]:
+    """Every exported cell of the book, in book order: (cell, target module, whether its names are public)."""
     for chapter_path in chapter_files(root):
         default: str | None = None
         for cell in read_cells(chapter_path, root):
@@ -483,10 +503,17 @@ def tangle(root: Path) -> dict[Path, str]:
                 raise TangleError(f"{cell.where()}: '#| {kinds[0]}' comes before the chapter's '#| default_exp'")
             if not MODULE_NAME.match(target):
                 raise TangleError(f"{cell.where()}: '#| {kinds[0]}' needs a dotted module name, got {target!r}")
-            module = modules.setdefault(target, Module(target, [cell.chapter]))
-            add_cell(module, cell, public=kinds[0] == "export")
-            if cell.chapter not in module.chapters:
-                module.chapters.append(cell.chapter)
+            yield cell, target, kinds[0] == "export"
+
+
+def tangle(root: Path) -> dict[Path, str]:
+    """Return ``{path relative to the project root: module text}`` for every chapter."""
+    modules: dict[str, Module] = {}
+    for cell, target, public in exported_cells(root):
+        module = modules.setdefault(target, Module(target, [cell.chapter]))
+        add_cell(module, cell, public=public)
+        if cell.chapter not in module.chapters:
+            module.chapters.append(cell.chapter)
     files = {module.path: render(module) for module in modules.values()}
     # Every package directory needs an __init__.py; generate the ones no chapter owns.
     for path in list(files):

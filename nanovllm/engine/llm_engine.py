@@ -215,6 +215,11 @@ class LLMEngine:
                 f"prompt of {len(seq)} tokens + max_tokens={sampling_params.max_tokens} = {total} tokens exceeds "
                 f"max_model_len={limit}; shorten the prompt or lower max_tokens"
             )
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={sampling_params.n} samples, but a step holds at most max_num_seqs={self.config.max_num_seqs} "
+                "sequences and the samples decode side by side; raise max_num_seqs or lower n"
+            )
         # The scheduler's admission check, run once, here: generate() checks every request before adding any.
         self.scheduler.check_fits(seq)
         return seq
@@ -288,10 +293,6 @@ class LLMEngine:
             self.scheduler.rollback(seqs, is_prefill)
             raise
         counted, indices = self.scheduler.advance(seqs, is_prefill)
-        if not isinstance(tokens, list):  # SampledTokens, or chapter 10's TPStep
-            # Siblings forked in this step (chapter 04b) take the step's extra samples, so that the
-            # next step can find their pending first tokens.
-            tokens.add_forks(counted[len(seqs) :])
         return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
     def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
@@ -315,7 +316,7 @@ class LLMEngine:
     def _drop(self, broken: list[Sequence]) -> None:
         """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
         `generate` call they belong to, else by the next `step`."""
-        requests = {seq.request_id for seq in broken if self.scheduler.is_live(seq)}
+        requests = {seq.request_id for seq in broken if not seq.is_finished}
         if not requests:
             return  # dropped already, in an earlier step
         cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)

@@ -14,11 +14,10 @@ import traceback
 import weakref
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -134,12 +133,12 @@ class RankWorker:
         self,
         states: list[tuple],
         is_prefill: bool,
-        previous: tuple[int, list[int]] | None = None,
+        previous: int | None = None,
         params: tuple[dict[int, SamplingParams], list[int]] | None = None,
     ) -> SampledTokens | None:
         """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
 
-        ``states``: the step's sequences (`step_states`). ``previous``: (call, forked seq_ids) of the step whose
+        ``states``: the step's sequences (`step_states`). ``previous``: the call of the step whose
         samples are this step's pending tokens (asynchronous scheduling), or None. ``params`` (rank 0 only):
         the sampling params of new sequences, and the ids of finished ones to forget.
         """
@@ -151,22 +150,19 @@ class RankWorker:
                 self.params.pop(seq_id, None)
             for seq in seqs:
                 seq.sampling_params = self.params[seq.seq_id]
-        before = None if previous is None else self._samples_of(*previous)
+        before = None if previous is None else self._samples_of(previous)
         step = self.runner.launch(seqs, is_prefill, before)
         # Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
         self.recent[self.call_no] = step
         self.recent.pop(self.call_no - self.KEEP_STEPS, None)
         return step if self.rank == 0 else None
 
-    def _samples_of(self, call: int, forks: list[int]) -> SampledTokens:
+    def _samples_of(self, call: int) -> SampledTokens:
         """The samples of an earlier step, with the siblings it forked named (as the engine names them)."""
         samples = self.recent.get(call)
         if samples is None:
             raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
                                f"no longer holds")
-        if forks and len(samples.rows) < samples.on_device.shape[0]:
-            # add_forks reads only the siblings' seq_ids; a rank knows no more about them yet.
-            samples.add_forks([SimpleNamespace(seq_id=seq_id) for seq_id in forks])
         return samples
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
@@ -344,16 +340,11 @@ class TPStep:
     runner: TPRunner
     call: int
     tokens: list[int] | None = None
-    forks: list[int] = field(default_factory=list)  # seq_ids of the siblings this step forked (chapter 04b)
 
     def token_ids(self) -> list[int]:
         if self.tokens is None:
             self.tokens = self.runner.collect(self.call)[0]
         return self.tokens
-
-    def add_forks(self, siblings: list[Sequence]) -> None:
-        """As `SampledTokens.add_forks`: the next step tells the ranks which sequences the extra samples are."""
-        self.forks = [seq.seq_id for seq in siblings]
 
 
 class TPRunner:
@@ -481,7 +472,7 @@ class TPRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
         """Queue one step on every rank and return at once; ``previous``: the step whose samples are this
         step's pending tokens (asynchronous scheduling). Every rank has them: nothing waits for rank 0."""
-        before = None if previous is None else (previous.call, previous.forks)
+        before = None if previous is None else previous.call
         params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
         return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
 

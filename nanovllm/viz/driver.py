@@ -6,7 +6,7 @@ from collections.abc import Sequence as TokenList
 from typing import Any
 
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, sibling_samples
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.viz.recorder import Recorder
 
@@ -54,7 +54,7 @@ class FakeEngine:
         seqs, is_prefill = self.scheduler.schedule()
         tokens = [fake_token(s, s.sample_index) for s in seqs]
         # A request that forks gets its siblings' first tokens after the step's own, as from the runner.
-        tokens += [fake_token(s, j) for s in seqs if s.num_samples for j in range(1, s.pending_forks + 1)]
+        tokens += [fake_token(seqs[i], k) for i, k in sibling_samples(seqs)]
         self.scheduler.postprocess(seqs, tokens, is_prefill)
         self.steps += 1
         return seqs, is_prefill
