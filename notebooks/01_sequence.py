@@ -318,13 +318,7 @@ class Sequence:
         SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
     }
 
-    def __init__(
-        self,
-        token_ids: Iterable[int],
-        sampling_params: SamplingParams | None = None,
-        *,
-        block_size: int,
-    ) -> None:
+    def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
         self.seq_id = next(Sequence._ids)
         self._status = SequenceStatus.WAITING
         self.token_ids = checked_token_ids(token_ids)
@@ -406,11 +400,9 @@ class Sequence:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
-            f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
-            f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
-        )
+        return (f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
+                f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
+                f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})")
 
 
 def checked_token_ids(token_ids: Iterable[int]) -> list[int]:

@@ -150,13 +150,7 @@ from nanovllm.sampling_params import SamplingParams
 
 
 @add_to_class(Sequence)
-def __init__(
-    self,
-    token_ids: Iterable[int],
-    sampling_params: SamplingParams | None = None,
-    *,
-    block_size: int,
-) -> None:
+def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
     self.seq_id = next(Sequence._ids)
     self._status = SequenceStatus.WAITING
     self.token_ids = checked_token_ids(token_ids)

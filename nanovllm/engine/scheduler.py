@@ -30,16 +30,8 @@ def max_kv_tokens(seq: Sequence) -> int:
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
 
-    def __init__(
-        self,
-        *,
-        num_kvcache_blocks: int,
-        kvcache_block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        eos_token_ids: Iterable[int] = (),
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -51,13 +51,7 @@ class Sequence:
     first_token_index: int = 0
 
     # notebooks/04b_parallel_sampling.py · cell "sequence forks"
-    def __init__(
-        self,
-        token_ids: Iterable[int],
-        sampling_params: SamplingParams | None = None,
-        *,
-        block_size: int,
-    ) -> None:
+    def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
         self.seq_id = next(Sequence._ids)
         self._status = SequenceStatus.WAITING
         self.token_ids = checked_token_ids(token_ids)
@@ -144,11 +138,9 @@ class Sequence:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
-            f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
-            f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})"
-        )
+        return (f"Sequence(id={self.seq_id}, {self._status.name}, tokens={self.num_tokens} "
+                f"(prompt {self.num_prompt_tokens}), cached={self.num_cached_tokens}, "
+                f"scheduled={self.num_scheduled_tokens}, blocks={self.block_table})")
 
     # notebooks/04b_parallel_sampling.py · cell "sequence forks"
     def fork(self, sample_index: int) -> Sequence:
