@@ -86,6 +86,443 @@
 #| default_exp engine.model_runner
 
 # %% [markdown] tags=["en"]
+# ## Build it: the engine's settings, `Config`
+#
+# The runner is the first part of the engine that reads its settings, so they are built here:
+# `LLM(model, **settings)` (chapter 11) turns its keyword arguments into one `Config`, and every
+# part reads what it needs from it. Some settings belong to later chapters (graphs, ranks,
+# asynchronous scheduling); the table says which. The fields and defaults of nano-vllm come first,
+# then what running on a CPU needs:
+#
+# | field | default | meaning |
+# |---|---|---|
+# | `model` | — | a Hugging Face model directory (config.json + safetensors) |
+# | `max_num_batched_tokens` | 16384 | token budget of one step |
+# | `max_num_seqs` | 512 | sequences in one step at most |
+# | `max_model_len` | 4096 | prompt + completion of one sequence at most (≤ `max_position_embeddings`) |
+# | `gpu_memory_utilization` | 0.9 | share of the GPU's memory the engine may fill (CUDA) |
+# | `tensor_parallel_size` | 1 | ranks (chapter 10) |
+# | `enforce_eager` | False | no CUDA graphs (chapter 09) |
+# | `kvcache_block_size` | 256 | tokens per KV block |
+# | `num_kvcache_blocks` | -1 | KV blocks; -1 sizes the pool from memory |
+# | `device` | "auto" | "cpu", "cuda", or "auto" (CUDA when available) |
+# | `dtype` | "auto" | "float32", "bfloat16", "float16"; auto: see below |
+# | `attention_backend` | "auto" | "torch" (reference), "triton" (chapter 06); auto: see below |
+# | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
+# | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
+# | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
+# | `async_scheduling` | "auto" | queue step *n + 1* before step *n* is collected (chapter 12); auto: on for CUDA |
+# | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
+# | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10) |
+# | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
+#
+# **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
+# (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
+# on CUDA the checkpoint's own type when it is bfloat16 or float16, else bfloat16.
+# `attention_backend`: triton on CUDA, torch on CPU (Triton runs on a CPU only through its
+# interpreter, which is for tests).
+#
+# **Block size rule.** nano-vllm demands a multiple of 256 because flash-attn's paged kernels
+# want it. Our kernels only need a power of two (Triton's `tl.arange` ranges must have a
+# power-of-two length), and the torch reference takes anything; small blocks are how the book
+# shows the mechanisms. So the rule here is: **a power of two, from 1 to 1024**.
+#
+# After validation, the `"auto"` values are resolved in place, so that the rest of the engine
+# reads `config.device == "cpu"` rather than repeating the rules, and three fields are derived
+# from the model directory: `hf_config`, `eos_token_ids` (every end-of-sequence id the model
+# declares, in `generation_config.json` or `config.json`), and the capped `max_model_len`.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：引擎的设置 `Config`
+#
+# 执行器是引擎中第一个读取设置的部件，所以设置在这里构建：`LLM(model, **settings)`（第 11 章）把它的关键字参数变成
+# 一个 `Config`，各部件从中读取自己需要的东西。有些设置属于后面的章节（CUDA Graph、rank、异步调度），表中注明了
+# 是哪一章。先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段：
+#
+# | 字段 | 默认值 | 含义 |
+# |---|---|---|
+# | `model` | — | Hugging Face 模型目录（config.json + safetensors） |
+# | `max_num_batched_tokens` | 16384 | 一步的 token 预算 |
+# | `max_num_seqs` | 512 | 一步最多处理的序列数 |
+# | `max_model_len` | 4096 | 单个序列提示词加生成内容的最大 token 数（≤ `max_position_embeddings`） |
+# | `gpu_memory_utilization` | 0.9 | 引擎可以占用的 GPU 显存比例（CUDA） |
+# | `tensor_parallel_size` | 1 | rank 数（第 10 章） |
+# | `enforce_eager` | False | 不使用 CUDA Graph（第 09 章） |
+# | `kvcache_block_size` | 256 | 每个 KV 块的 token 数 |
+# | `num_kvcache_blocks` | -1 | KV 块数；-1 表示根据内存大小决定 |
+# | `device` | "auto" | "cpu"、"cuda"，或 "auto"（有 CUDA 就用 CUDA） |
+# | `dtype` | "auto" | "float32"、"bfloat16"、"float16"；auto 见下文 |
+# | `attention_backend` | "auto" | "torch"（参考实现）、"triton"（第 06 章）；auto 见下文 |
+# | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
+# | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
+# | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
+# | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（第 12 章）；auto：CUDA 上打开 |
+# | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
+# | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
+# | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
+#
+# **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
+# （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
+# bfloat16 或 float16 就用它，否则用 bfloat16。`attention_backend`：CUDA 上用 triton，CPU 上用 torch
+# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。
+#
+# **块大小的规则：** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
+# 2 的幂（Triton 的 `tl.arange` 长度必须是 2 的幂），torch 参考实现则什么都能接受；而本书正是靠小块来演示各种机制。
+# 所以这里的规则是：**2 的幂，从 1 到 1024**。
+#
+# 校验通过后，`"auto"` 会被就地解析成具体的值，这样引擎的其余部分只需读 `config.device == "cpu"`，不必重复这些规则；
+# 另有三个字段由模型目录推出：`hf_config`、`eos_token_ids`（模型在 `generation_config.json` 或 `config.json`
+# 中声明的每一个结束符 id）以及截断后的 `max_model_len`。
+
+# %% config checks
+#| export config
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PretrainedConfig
+
+from nanovllm.layers.attention import ATTENTION_BACKENDS
+from nanovllm.utils.checks import check
+from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_BLOCK_SIZE = 1024
+
+
+class UnknownConfigKeyError(TypeError, ValueError):
+    """An unknown keyword for `Config`.
+
+    A `TypeError`, like any unexpected keyword argument in Python, and a `ValueError`, like
+    every other bad configuration value, so that either `except` clause catches it.
+    """
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    return check(name, value, str, lambda v: v in choices, f"one of {list(choices)}")
+
+
+def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
+    """Every end-of-sequence id the model declares (generation_config.json first, then config.json)."""
+    eos: object = None
+    if (Path(model) / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else list(eos)
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+
+
+def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
+    """Refuse a tensor-parallel size that does not split every sharded dimension of the model evenly."""
+    for name in TP_DIVIDED:
+        value = getattr(hf_config, name, None)
+        if name == "num_key_value_heads" and value is None:
+            value = getattr(hf_config, "num_attention_heads", None)
+        if isinstance(value, int) and value % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} does not divide {name}={value}: every rank needs an equal "
+                f"share; use a divisor of {value}"
+            )
+
+# %% [markdown] tags=["en"]
+# Now the dataclass. `__post_init__` checks each field with chapter 01's `check` (the same
+# helper `SamplingParams` uses), resolves the `"auto"` values and reads the model directory with
+# chapter 05's `read_model_dir`, the one reader of `config.json`, which refuses a broken
+# directory or a nonsense model size by name. The config it returns travels in `Config.hf_config`
+# to the model runner and to every tensor-parallel rank: nothing else parses the file again.
+# `from_kwargs` is what `LLM(model, **kwargs)` calls: it refuses keys that are not fields
+# (suggesting the closest one), and also the derived fields, which are not settings.
+
+# %% [markdown] tags=["zh"]
+# 接下来是 dataclass 本身。`__post_init__` 用第 01 章的 `check`（`SamplingParams` 用的也是它）检查每个字段，
+# 解析 `"auto"`，再用第 05 章的 `read_model_dir` 读取模型目录。它是 `config.json` 唯一的读取者，损坏的目录或荒谬的
+# 模型尺寸都会被它点名拒绝。它返回的配置保存在 `Config.hf_config` 里，传给模型执行器和每个张量并行 rank：没有别的
+# 地方会再解析这个文件。`from_kwargs` 供 `LLM(model, **kwargs)` 调用：它拒绝不是字段的键（并提示最接近的那个），
+# 也拒绝派生字段，因为它们不是配置项。
+
+# %% config
+#| export config
+@dataclass
+class Config:
+    """Everything the engine needs to know before it loads a model: the settings of `LLM(model, **settings)`
+    (chapter 08 tabulates them) and what is derived from the model directory."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    enable_prefix_caching: bool = True
+    kvcache_memory_gb: float = 1.0
+    compile_small_ops: bool | str = "auto"
+    async_scheduling: bool | str = "auto"
+    fork_samples: bool = True
+    rank_timeout_s: float = 120.0
+    load_format: str = "auto"
+    # en: Derived from the model directory, not settings (from_kwargs refuses them).
+    # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
+    hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
+    eos_token_ids: tuple[int, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        load_format = _choice("load_format", self.load_format, LOAD_FORMATS)
+        # en: The one read of config.json (chapter 05); the result travels in this object, to every rank.
+        # zh: 对 config.json 的唯一一次读取（第 05 章）；结果随这个对象传下去，直到每个 rank。
+        self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
+        self.model = str(Path(self.model).expanduser())
+        self._check_numbers()
+        check_tensor_parallel_size(self.hf_config, self.tensor_parallel_size)
+        self._resolve_device()
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        self.eos_token_ids = declared_eos_ids(self.model, self.hf_config)
+
+    def _check_numbers(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            check(name, getattr(self, name), int, lambda n: n >= 1, ">= 1")
+        check("gpu_memory_utilization", self.gpu_memory_utilization, float, lambda u: 0 < u <= 1, "in (0, 1]")
+        check("tensor_parallel_size", self.tensor_parallel_size, int, lambda n: 1 <= n <= 8, "in [1, 8]")
+        for name in ("enforce_eager", "enable_prefix_caching", "fork_samples"):
+            check(name, getattr(self, name), bool)
+        check("kvcache_block_size", self.kvcache_block_size, int,
+              lambda b: 1 <= b <= MAX_BLOCK_SIZE and not b & (b - 1), f"a power of two from 1 to {MAX_BLOCK_SIZE}")
+        check("num_kvcache_blocks", self.num_kvcache_blocks, int, lambda n: n == -1 or n >= 1,
+              "-1 (size from memory) or >= 1")
+        for name in ("kvcache_memory_gb", "rank_timeout_s"):
+            check(name, getattr(self, name), float, lambda x: x > 0, "> 0")
+        for name in ("compile_small_ops", "async_scheduling"):
+            check(name, getattr(self, name), object, lambda v: isinstance(v, bool) or v == "auto",
+                  "True, False or 'auto'")
+
+    def _resolve_device(self) -> None:
+        device = _choice("device", self.device, DEVICES)
+        dtype = _choice("dtype", self.dtype, ("auto", *DTYPES))
+        backend = _choice("attention_backend", self.attention_backend, ("auto", *ATTENTION_BACKENDS))
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but torch sees no CUDA device (use device='cpu' or 'auto')")
+        if device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} but only "
+                f"{torch.cuda.device_count()} GPU(s) are visible"
+            )
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else _half_dtype_of(self.hf_config)
+        if backend == "auto":
+            backend = "triton" if device == "cuda" else "torch"
+        elif backend == "triton" and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "attention_backend='triton' on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before triton is first imported (slow; meant for tests), or use attention_backend='torch'"
+            )
+        elif backend == "flash-attn":
+            _check_flash_attn(device, dtype)
+        if self.compile_small_ops == "auto":
+            self.compile_small_ops = device == "cuda"
+        if self.async_scheduling == "auto":
+            # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+            self.async_scheduling = device == "cuda"
+        self.device, self.dtype, self.attention_backend = device, dtype, backend
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def settings(cls) -> list[str]:
+        """The keyword arguments `from_kwargs` accepts (every field but `model` and the derived ones)."""
+        return [f.name for f in fields(cls) if f.init and f.name != "model"]
+
+    @classmethod
+    def from_kwargs(cls, model: str | os.PathLike, /, **kwargs: Any) -> Config:
+        """Build a config from `LLM(model, **kwargs)`-style arguments; unknown keys are an error."""
+        valid = cls.settings()
+        unknown = [key for key in kwargs if key not in valid]
+        if unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UnknownConfigKeyError(f"unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}")
+        return cls(model, **kwargs)
+
+
+def _check_flash_attn(device: str, dtype: str) -> None:
+    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run (chapter 06b)."""
+    if device != "cuda":
+        raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
+    if dtype == "float32":
+        raise ValueError("attention_backend='flash-attn' computes in 16 bits: use dtype='bfloat16' or 'float16' "
+                         "(or attention_backend='triton' for float32)")
+    if torch.cuda.get_device_capability()[0] < 9:
+        raise ValueError(
+            f"attention_backend='flash-attn' needs a Hopper or newer GPU (FlashAttention 4 has no paged KV before "
+            f"compute capability 9.0); {torch.cuda.get_device_name()} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use attention_backend='triton'"
+        )
+    if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
+        raise ValueError(
+            "attention_backend='flash-attn' needs FlashAttention 4: pip install --pre flash-attn-4 "
+            "(module flash_attn.cute; the older flash-attn 2 package is not supported)"
+        )
+
+
+def _half_dtype_of(hf_config: PretrainedConfig) -> str:
+    # en: A checkpoint saved in bf16 or fp16 runs in that type; one saved in fp32 (like our
+    # en: dequantized SmolLM2) runs in bf16 on a GPU, which is what GPUs are fast at.
+    # zh: 以 bf16 或 fp16 保存的权重就用该类型运行；以 fp32 保存的（比如我们反量化得到的 SmolLM2）
+    # zh: 在 GPU 上用 bf16 运行，因为 GPU 擅长的正是它。
+    saved = getattr(hf_config, "dtype", None)
+    name = str(saved).removeprefix("torch.") if saved is not None else ""
+    return name if name in ("bfloat16", "float16") else "bfloat16"
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# A model directory for the examples: a tiny Llama with random weights (2 layers, hidden size
+# 64), saved by `transformers` exactly as a real checkpoint is. `Config` only reads its
+# `config.json`, `generation_config.json` and the names of its files.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 先准备一个供示例使用的模型目录：一个随机权重的小 Llama（2 层，隐藏维度 64），由 `transformers` 像保存真实
+# 权重一样保存下来。`Config` 只会读取其中的 `config.json`、`generation_config.json` 以及文件名。
+
+# %%
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.utils import logging as hf_logging
+
+from nanovllm.config import Config, UnknownConfigKeyError
+
+hf_logging.disable_progress_bar()  # keep the page free of "Writing model shards" bars
+
+
+def tiny_llama_dir(root: Path) -> Path:
+    """A 2-layer Llama with random weights, saved as a Hugging Face directory."""
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    path = root / "tiny-llama"
+    model = LlamaForCausalLM(hf)
+    # en: Like many chat models, it declares two end-of-sequence ids.
+    # zh: 和许多对话模型一样，它声明了两个结束符 id。
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    model.save_pretrained(path)
+    return path
+
+
+workdir = Path(tempfile.mkdtemp(prefix="nanovllm-ch08-"))
+tiny = tiny_llama_dir(workdir)
+config = Config.from_kwargs(tiny, kvcache_block_size=16, max_model_len=100_000)
+print(config)
+print("torch dtype:", config.torch_dtype, "| hidden size:", config.hf_config.hidden_size)
+
+# %% [markdown] tags=["en"]
+# `max_model_len=100_000` was capped at the model's 1024 positions, `"auto"` became concrete
+# choices (CPU, float32 and the torch backend here; on a GPU, CUDA, the model's half dtype and
+# the Triton kernels), and both EOS ids were found. Now the mistakes, each caught with a message that names
+# the field:
+
+# %% [markdown] tags=["zh"]
+# `max_model_len=100_000` 被截断为模型的 1024 个位置，`"auto"` 变成了具体的选择（这里是 CPU、float32 和 torch
+# 后端；在 GPU 上则是 CUDA、模型的半精度类型和 Triton 内核），两个 EOS id 都被找到了。
+# 下面是各种错误，每一个都会被拦下，报错信息指明是哪个字段：
+
+# %%
+broken = workdir / "broken"
+broken.mkdir()
+(broken / "config.json").write_text("{ not json", encoding="utf-8")
+no_weights = workdir / "no-weights"
+no_weights.mkdir()
+(no_weights / "config.json").write_text((tiny / "config.json").read_text(encoding="utf-8"), encoding="utf-8")
+
+
+def config_only(name: str, **changes: object) -> Path:
+    """A directory holding only the tiny model's config.json, some of its fields changed."""
+    directory = workdir / name
+    directory.mkdir()
+    fields = json.loads((tiny / "config.json").read_text(encoding="utf-8")) | changes
+    (directory / "config.json").write_text(json.dumps(fields), encoding="utf-8")
+    return directory
+
+
+mistakes = {
+    "misspelled key": lambda: Config.from_kwargs(tiny, max_num_seq=8),
+    "derived field": lambda: Config.from_kwargs(tiny, eos_token_ids=(0,)),
+    "block size 48": lambda: Config.from_kwargs(tiny, kvcache_block_size=48),
+    "bool as int": lambda: Config.from_kwargs(tiny, max_num_seqs=True),
+    "zero blocks": lambda: Config.from_kwargs(tiny, num_kvcache_blocks=0),
+    "utilization 1.5": lambda: Config.from_kwargs(tiny, gpu_memory_utilization=1.5),
+    "unknown device": lambda: Config.from_kwargs(tiny, device="tpu"),
+    "dtype float64": lambda: Config.from_kwargs(tiny, dtype="float64"),
+    "missing dir": lambda: Config.from_kwargs(workdir / "nowhere"),
+    "empty dir": lambda: Config.from_kwargs(workdir),
+    "malformed config": lambda: Config.from_kwargs(broken),
+    "no weights": lambda: Config.from_kwargs(no_weights),
+    "hidden size -64": lambda: Config.from_kwargs(config_only("negative", hidden_size=-64)),
+    "no heads": lambda: Config.from_kwargs(config_only("headless", num_attention_heads=0)),
+}
+caught = {}
+for what, make in mistakes.items():
+    try:
+        make()
+    except (TypeError, ValueError) as error:
+        caught[what] = error
+        print(f"{what:>17}: {type(error).__name__}: {str(error)[:150]}")
+assert caught.keys() == mistakes.keys(), "every mistake must be refused"
+
+# %% [markdown] tags=["en"]
+# ### Check it
+
+# %% [markdown] tags=["zh"]
+# ### 验证
+
+# %%
+assert config.max_model_len == 1024 and config.eos_token_ids == (2, 3)
+if torch.cuda.is_available():  # "auto": the GPU, the model's half dtype and chapter 06b's kernels
+    assert config.device == "cuda" and config.dtype in ("bfloat16", "float16") and config.attention_backend == "triton"
+else:
+    assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
+assert Config(str(tiny)).kvcache_block_size == 256  # nano-vllm's defaults when nothing is given
+assert isinstance(caught["misspelled key"], UnknownConfigKeyError)
+assert "did you mean 'max_num_seqs'" in str(caught["misspelled key"])
+assert all(name in str(caught["misspelled key"]) for name in Config.settings())
+assert "eos_token_ids" not in Config.settings() and "model" not in Config.settings()
+for block_size in (1, 2, 16, 256, 1024):
+    assert Config.from_kwargs(tiny, kvcache_block_size=block_size).kvcache_block_size == block_size
+# en: Resolution is idempotent: a resolved config can be rebuilt from its own fields.
+# zh: 解析是幂等的：已解析的配置可以用它自己的字段重新构造。
+again = Config.from_kwargs(config.model, **{name: getattr(config, name) for name in Config.settings()})
+assert (again.device, again.dtype, again.max_model_len) == (config.device, config.dtype, config.max_model_len)
+print("Config checks hold")
+
+# %% [markdown] tags=["en"]
 # ## Build it: the inputs of a step
 #
 # Chapter 06's `set_prefill_context` and `set_decode_context` turn per-sequence lengths and
@@ -104,14 +541,8 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
-from nanovllm.layers.context import (
-    get_context,
-    host_to_device,
-    reset_context,
-    set_decode_context,
-    set_prefill_context,
-)
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.context import host_to_device, reset_context, set_decode_context, set_prefill_context
 
 
 def prepare_prefill(
@@ -130,9 +561,7 @@ def prepare_prefill(
         assert count >= 1, f"sequence {seq.seq_id} has no scheduled tokens in this prefill step"
         # en: A chunk sees its cached prefix plus itself, not the whole prompt.
         # zh: 一个分块能看到的是它的已缓存前缀加上它自己，而不是整个提示词。
-        ids = seq.scheduled_token_ids
-        assert ids[-1] != PENDING_TOKEN, f"sequence {seq.seq_id} is prefilled before its last token was computed"
-        input_ids += ids
+        input_ids += seq.scheduled_token_ids
         positions += range(start, start + count)
         seqlens_q.append(count)
         seqlens_k.append(start + count)
@@ -142,20 +571,14 @@ def prepare_prefill(
 
 
 def prepare_decode(
-    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu", previous: SampledTokens | None = None
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and positions of a decode step (one token per sequence); installs the context.
-
-    A sequence whose last token is still pending takes it from ``previous``, the step that samples it.
-    """
+    """input_ids and positions of a decode step (one token per sequence); installs the context."""
     for seq in seqs:
         assert seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1, f"not ready to decode: {seq}"
     input_ids = [seq.last_token for seq in seqs]
     positions = [len(seq) - 1 for seq in seqs]
     set_decode_context([len(seq) for seq in seqs], [seq.block_table for seq in seqs], block_size, device)
-    if PENDING_TOKEN in input_ids:
-        assert previous is not None, "a sequence's last token is still pending: pass the step that samples it"
-        return previous.input_ids_for(seqs, input_ids), _tensor(positions, device)
     return _tensor(input_ids, device), _tensor(positions, device)
 
 
@@ -379,92 +802,6 @@ assert torch.equal(kv[:, :, untouched], before[:, :, untouched])
 print("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchanged")
 
 # %% [markdown] tags=["en"]
-# ## Build it: a step's tokens, before and after they exist
-#
-# `run` returns the sampled tokens as a Python list, which means waiting for the GPU to finish
-# the step. Chapter 11's asynchronous engine wants to hand the GPU the next step first, so the
-# runner also offers `launch`: it queues the step and returns a `SampledTokens` at once. Its
-# `on_device` tensor is usable straight away as the next decode step's input ids (the GPU runs
-# the queued work in order, so the next step reads them after they are written), and the copy to
-# the host is queued behind the sampler; `token_ids()` waits for that copy and no longer.
-
-# %% [markdown] tags=["zh"]
-# ## 动手：一步的 token，算出之前与之后
-#
-# `run` 以 Python 列表返回采样得到的 token，这意味着要等 GPU 算完这一步。第 11 章的异步引擎希望先把下一步交给
-# GPU，所以执行器还提供 `launch`：它把这一步排进队列，立即返回一个 `SampledTokens`。其中的 `on_device` 张量马上就能
-# 用作下一个 decode 步的输入 id（GPU 按顺序执行排队的工作，所以下一步读取它们时，它们已经写好了）；拷贝回主机的
-# 操作排在采样器之后，`token_ids()` 只等这次拷贝完成，不多等。
-
-# %% sampled tokens
-#| export
-from dataclasses import dataclass
-
-
-@dataclass
-class SampledTokens:
-    """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
-
-    seqs: list[Sequence]
-    rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
-    # en: [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
-    # en: siblings it forks, in `sibling_samples` order (chapter 04b).
-    # zh: [len(samples)] int64：这一步自己的 token（每行一个），然后是它分叉出的兄弟序列的首 token，
-    # zh: 顺序同 `sibling_samples`（第 04b 章）。
-    on_device: torch.Tensor
-    on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
-    # en: Whose token each row of on_device is: (request_id, sample_index), a key that a sibling forked
-    # en: by this step will carry too.
-    # zh: on_device 的每一行是谁的 token：(request_id, sample_index)；这一步分叉出的兄弟序列也带着同样的键。
-    samples: list[tuple[int, int]]
-    ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
-
-    @classmethod
-    def start(
-        cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor, to_host: bool = True
-    ) -> SampledTokens:
-        """Queue the copy of ``sampled`` to the host and return without waiting for it (to_host=False: no copy)."""
-        samples = [(seqs[i].request_id, seqs[i].sample_index) for i in rows]
-        samples += [(seqs[i].request_id, k) for i, k in sibling_samples(seqs)]
-        if sampled.device.type != "cuda" or not to_host:
-            return cls(seqs, rows, sampled, sampled, samples)
-        on_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        on_host.copy_(sampled, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(seqs, rows, sampled, on_host, samples, ready)
-
-    def token_ids(self) -> list[int]:
-        """One token per sequence (NOT_SAMPLED for a partial chunk), then the forked siblings' first tokens;
-        waits until the step has run."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        values = self.on_host.tolist()
-        tokens = [NOT_SAMPLED] * len(self.seqs)
-        for i, token in zip(self.rows, values[: len(self.rows)], strict=True):
-            tokens[i] = token
-        return tokens + values[len(self.rows) :]
-
-    def input_ids_for(self, seqs: list[Sequence], input_ids: list[int]) -> torch.Tensor:
-        """The next decode step's input ids on the device: each PENDING_TOKEN replaced by this step's sample."""
-        row_of = {sample: row for row, sample in enumerate(self.samples)}
-        rows = []
-        for seq, token in zip(seqs, input_ids, strict=True):
-            key = (seq.request_id, seq.sample_index)
-            assert token != PENDING_TOKEN or key in row_of, f"{seq}'s pending token is not one this step samples"
-            rows.append(row_of[key] if token == PENDING_TOKEN else -1)
-        device = self.on_device.device
-        known = _tensor([max(token, 0) for token in input_ids], device)
-        row = _tensor(rows, device)
-        # en: Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
-        # en: A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
-        # en: fail on the device, and the engine drops that sequence when it reads the mark (chapter 11).
-        # zh: 已知 token 的行保留它；其余的行取来自己的采样结果（行号 -1 先被截到 0，随后不会被用到）。
-        # zh: 标记为 NON_FINITE（第 07 章）的采样结果同样截到 0：在设备上查嵌入表时 -2 会出错，而引擎读到这个标记时
-        # zh: 会丢弃那个序列（第 11 章）。
-        return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), known)
-
-# %% [markdown] tags=["en"]
 # ## Build it: `ModelRunner`
 #
 # The runner builds the model (chapter 05's `build_model` picks the class from
@@ -520,10 +857,8 @@ class SampledTokens:
 #| export
 import importlib
 
-from nanovllm.engine.cuda_graphs import capture_decode_graphs
+from nanovllm.engine.sequence import sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
-from nanovllm.layers.compiled_ops import compile_small_ops
-from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
 from nanovllm.models.loader import build_model
 
@@ -542,8 +877,8 @@ class ModelRunner:
         # en: What the model's layers compute with is built once here and handed down: one attention backend
         # en: for every layer (chapter 06b's kernels are imported only when chosen), and on a GPU the
         # en: sampler's fast path as chapter 07's Triton kernels (imported only there).
-        # zh: 模型各层用来计算的东西都在这里构建一次，再交下去：所有层共用一个注意力后端（只有被选中时才导入
-        # zh: 第 06b 章的内核）；在 GPU 上，采样器的快速路径用第 07 章的 Triton 内核（只在那里导入）。
+        # zh: 模型各层计算所用的东西在这里构建一次，再分发下去：所有层共用一个注意力后端（只有选中时才导入第 06b 章
+        # zh: 的内核），GPU 上的采样器快速路径是第 07 章的 Triton 内核（只在 GPU 上导入）。
         self.attention = attention_backend(config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
@@ -551,30 +886,19 @@ class ModelRunner:
         on_gpu = self.device.type == "cuda"
         kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
         self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
-        if config.compile_small_ops:
-            compile_small_ops(self.model)  # chapter 09; compiled during the warm-ups below
         self.stopped = False
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
         config.num_kvcache_blocks = self.kv_cache.shape[2]
-        if self.device.type == "cuda":
-            self.warm_paged_prefill()
-            self.warm_up_attention()
-            self.warm_up_sampler()
-        # en: Chapter 09: decode graphs, captured once the KV cache exists (None: decode runs eagerly).
-        # zh: 第 09 章：decode 图，在 KV 缓存分配之后捕获（None：decode 以 eager 方式运行）。
-        self.graphs = capture_decode_graphs(self.model, config)
+        self.warm_up()
 
     # en: ---- the KV cache ---------------------------------------------------------
-    # zh: ---- KV 缓存 ---------------------------------------------------------------
+    # zh: ---- KV 缓存 -------------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
         hf = self.config.hf_config
         block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
-        available = self._cuda_budget() if self.device.type == "cuda" else None
-        # en: With tensor parallelism every rank sized its own pool; they must all use the smallest.
-        # zh: 张量并行时每个 rank 各自算出块池大小；所有 rank 必须采用其中最小的那个。
-        blocks = agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
+        blocks = self.kv_block_count(block_bytes)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
         shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
         setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
@@ -583,6 +907,11 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
         return kv_cache
+
+    def kv_block_count(self, block_bytes: int) -> int:
+        """How many KV blocks to allocate: the configured count, else what this device's memory holds."""
+        available = self._cuda_budget() if self.device.type == "cuda" else None
+        return num_kv_blocks(self.config, block_bytes, available_bytes=available)
 
     def _cuda_budget(self) -> float:
         """Bytes left for the KV cache after a warm-up forward of the largest possible step."""
@@ -598,8 +927,8 @@ class ModelRunner:
 
     # en: The warm-ups build their inputs inside inference mode, as run() does: a tensor made outside it
     # en: differs to torch.compile's guards, which would then compile again in the first real step.
-    # zh: 各个预热和 run() 一样在推理模式内构造输入：在推理模式之外创建的张量，在 torch.compile 的守卫看来是
-    # zh: 不同的，于是第一个真实的步会再编译一次。
+    # zh: 预热在推理模式中构造输入，和 run() 一样：在推理模式之外创建的张量在 torch.compile 的守卫看来是不同的，
+    # zh: 会导致第一个真实步骤再编译一次。
     @torch.inference_mode()
     def warmup(self) -> None:
         """One forward of the biggest prefill the scheduler may send, with no KV cache."""
@@ -613,6 +942,13 @@ class ModelRunner:
         self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
 
+    def warm_up(self) -> None:
+        """On a GPU, compile now what would otherwise compile during the first steps."""
+        if self.device.type == "cuda":
+            self.warm_paged_prefill()
+            self.warm_up_attention()
+            self.warm_up_sampler()
+
     @torch.inference_mode()
     def warm_paged_prefill(self) -> None:
         """One 1-token prefill after a 1-token cached prefix, through the whole model, so the path a chunked
@@ -621,7 +957,7 @@ class ModelRunner:
         if len(table) > self.kv_cache.shape[2]:
             return
         # en: The pool's first blocks are free; what this writes there is overwritten before anyone reads it.
-        # zh: 池中最前面的块是空闲的；这里写入的内容在任何人读取之前都会被覆盖。
+        # zh: 块池最前面的几个块是空闲的；这里写入的内容在被任何人读取之前就会被覆盖。
         seq = Sequence([0, 0], block_size=self.block_size)
         seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, 1, 1
         try:
@@ -646,77 +982,68 @@ class ModelRunner:
         self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))  # a greedy row and a sampled one
 
     # en: ---- one step -------------------------------------------------------------
-    # zh: ---- 一步 ------------------------------------------------------------------
+    # zh: ---- 一步 -----------------------------------------------------------------
     @torch.inference_mode()
-    def compute_logits(
-        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
-    ) -> torch.Tensor | None:
-        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
-
-        ``previous``: the step before, when it may still be running (pending tokens come from it).
-        """
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
-        # en: The engine refuses longer requests up front; the graphs' block-table buffer relies on it.
-        # zh: 引擎会提前拒绝更长的请求；CUDA Graph 的块表缓冲区依赖这一点。
+        # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
+        # zh: 引擎在入口处就拒绝更长的请求；KV 缓存是按 max_model_len 配置的。
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-        copies = [pair for seq in seqs for pair in seq.blocks_to_copy]
-        if copies:
-            # en: Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the
-            # en: shared blocks' K/V. Here, outside any CUDA graph, and queued ahead of the step's stores.
-            # zh: 写时复制（第 04b 章）：在这一步写入新块之前，先把共享块的 K/V 拷贝进去。放在任何 CUDA Graph 之外，
-            # zh: 排在这一步的写入之前。
-            copy_kv_blocks(self.kv_cache, copies)
+        # en: Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the
+        # en: shared blocks' K/V, queued ahead of the step's stores.
+        # zh: 写时复制（第 04b 章）：在这一步写入新块之前，先把共享块的 K/V 复制过去，排在这一步的写入之前。
+        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
             else:
-                input_ids, positions = prepare_decode(seqs, self.block_size, self.device, previous)
-            if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
-                hidden = self.graphs.replay(input_ids, positions, get_context())  # chapter 09
-            else:
-                hidden = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden)
+                input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
+            return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
         finally:
             reset_context()
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Compute one step; return one sampled token per sequence (NOT_SAMPLED for a partial chunk)."""
-        return self.launch(seqs, is_prefill).token_ids()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+        """The model's hidden states for a step's flat inputs (the attention context is installed)."""
+        return self.model(input_ids, positions)
 
     @torch.inference_mode()
-    def launch(
-        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
-    ) -> SampledTokens:
-        """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`.
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
+        first token of each sibling the step forks (chapter 04b); None where there are no logits to sample."""
+        logits = self.compute_logits(seqs, is_prefill)
+        rows, sampled = self.sample(seqs, logits)
+        if sampled is None:
+            return None
+        values = sampled.tolist()
+        tokens = [NOT_SAMPLED] * len(seqs)
+        for i, token in zip(rows, values[: len(rows)], strict=True):
+            tokens[i] = token
+        return tokens + values[len(rows) :]
 
-        With tensor parallelism (chapter 10) rank 0 alone has logits and samples; every other rank receives
-        its tokens on the device, so that each rank can feed a pending token to the next step by itself."""
-        logits = self.compute_logits(seqs, is_prefill, previous)
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
+        """The rows of ``seqs`` that want a token, and the sampled tokens (None without logits): those rows'
+        tokens, then the siblings' first tokens in `sibling_samples` order."""
         # en: Only rows whose whole sequence has been computed want a token. A request that forks
         # en: (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
-        # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 04b 章）还要从它这一行为兄弟序列抽取第一个
-        # zh: token，排在本步各行之后。
+        # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 04b 章）还要从它这一行为兄弟序列抽取首 token，
+        # zh: 排在本步各行之后。
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
-        forks = sibling_samples(seqs)
-        sampled = None
-        if logits is not None and rows:
-            picks = rows + [i for i, _ in forks]
-            wanted = [seqs[i] for i in picks]
-            sample_indices = [seqs[i].sample_index for i in rows] + [j for _, j in forks]
-            inputs = sampling_inputs(
-                [s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device, sample_indices
-            )
-            # en: All of the logits only when the picks are exactly rows 0..n-1: a forked sibling may take a row's
-            # en: place when another row is a partial chunk (same count, other rows).
-            # zh: 只有挑选的恰好是第 0..n-1 行时才直接用全部 logits：某行是不完整的分块时，分叉出的兄弟序列可能
-            # zh: 顶替它的位置（行数相同，行却不同）。
-            whole = picks == list(range(len(seqs)))
-            sampled = self.sampler(logits if whole else logits[picks], **inputs)
-        sampled = share_from_rank0(sampled, len(rows) + len(forks), self.device)
-        # en: Only the rank that sampled needs the tokens on the host (the others never read them there).
-        # zh: 只有做了采样的 rank 需要把 token 拷回主机（其他 rank 从不在主机上读它们）。
-        return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
+        if logits is None or not rows:
+            return rows, None if logits is None else logits.new_empty(0, dtype=torch.int64)
+        siblings = sibling_samples(seqs)
+        picks = rows + [i for i, _ in siblings]
+        sample_indices = [seqs[i].sample_index for i in rows] + [k for _, k in siblings]
+        wanted = [seqs[i] for i in picks]
+        inputs = sampling_inputs([s.sampling_params for s in wanted], [len(s) for s in wanted], logits.device,
+                                 sample_indices)
+        # en: All of the logits only when the picks are exactly rows 0..n-1: a forked sibling may take a row's
+        # en: place when another row is a partial chunk (same count, other rows).
+        # zh: 只有挑选的恰好是第 0..n-1 行时才直接用全部 logits：某行是不完整的分块时，分叉出的兄弟序列可能
+        # zh: 顶替它的位置（行数相同，行却不同）。
+        whole = picks == list(range(len(seqs)))
+        return rows, self.sampler(logits if whole else logits[picks], **inputs)
 
     def exit(self) -> None:
         """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""

@@ -714,34 +714,72 @@ assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_
 print(f"compile_small_ops handed {3 + on_gpu} modules a compiled function or the fused kernel")
 
 # %% [markdown] tags=["en"]
-# ## Wire it in: two hooks in `ModelRunner`
+# ## Wire it in: two methods of `ModelRunner`
 #
-# Chapter 08's runner gets two lines in its constructor and one branch in `run`:
+# Chapter 08's runner calls `warm_up()` once its KV cache exists, and `forward(...)` for the
+# model's part of every step. This chapter replaces both (the rest of the runner is unchanged):
 #
-# - after the model is built, `compile_small_ops(model)` when `config.compile_small_ops`;
-# - after the KV cache is allocated, `self.graphs = capture_decode_graphs(model, config)`
-#   (`None` when `graphs_unavailable_reason` gives a reason);
-# - in `run`, a decode step whose batch fits a graph calls `self.graphs.replay(...)` instead of
-#   `self.model(...)`. The inputs come from the same `prepare_decode` either way, and logits and
-#   sampling are shared, so the two paths differ only in *how* the forward is launched.
+# - `warm_up` first compiles the small ops when `config.compile_small_ops`, then runs chapter
+#   08's warm-ups (which now also compile them), and last captures the decode graphs,
+#   `self.graphs = capture_decode_graphs(model, config)` (`None` when `graphs_unavailable_reason`
+#   gives a reason). The graphs come last because they must see the KV cache and the compiled ops.
+# - `forward` replays a graph for a decode step whose batch fits one (`self.graphs.replay(...)`)
+#   and calls the model otherwise. The inputs come from the same `prepare_decode` either way, and
+#   logits and sampling are shared, so the two paths differ only in *how* the forward is launched.
 #
-# `run` also asserts that no sequence is longer than `max_model_len`: the engine refuses such
-# requests where they enter, so one that reaches the runner is a bug, and the assert keeps it
-# away from the block-table buffer. On this CPU the runner simply has no graphs:
+# `compute_logits` also asserts that no sequence is longer than `max_model_len`: the engine refuses
+# such requests where they enter, so one that reaches the runner is a bug, and the assert keeps it
+# away from the block-table buffer. On this CPU the runner simply has no graphs.
 
 # %% [markdown] tags=["zh"]
-# ## 接进去：`ModelRunner` 里的两个挂钩
+# ## 接进去：`ModelRunner` 的两个方法
 #
-# 第 08 章的执行器在构造函数里多了两行，在 `run` 里多了一个分支：
+# 第 08 章的执行器在 KV 缓存就绪后调用一次 `warm_up()`，每一步的模型部分则调用 `forward(...)`。本章替换这两个方法
+# （执行器的其余部分不变）：
 #
-# - 模型构建之后，若 `config.compile_small_ops` 为真，调用 `compile_small_ops(model)`；
-# - KV 缓存分配之后，`self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason`
-#   给出原因时为 `None`）；
-# - 在 `run` 中，批次能放进某个图的 decode 步调用 `self.graphs.replay(...)`，而不是 `self.model(...)`。两条路径的
+# - `warm_up` 先在 `config.compile_small_ops` 为真时编译小算子，再运行第 08 章的各项预热（它们现在也会编译这些算子），
+#   最后捕获 decode 图：`self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason`
+#   给出原因时为 `None`）。图放在最后捕获，因为它们必须看到 KV 缓存和编译好的算子。
+# - `forward` 对批次能放进某个图的 decode 步重放该图（`self.graphs.replay(...)`），其余情况调用模型。两条路径的
 #   输入都来自同一个 `prepare_decode`，logits 和采样也共用，所以它们唯一的区别是前向*如何*被启动。
 #
-# `run` 还会断言没有序列比 `max_model_len` 更长：引擎在请求进入的地方就会拒绝这样的请求，所以到达执行器的
-# 超长序列是 bug，这句断言让它碰不到块表缓冲区。在这台 CPU 机器上，执行器干脆没有图：
+# `compute_logits` 还会断言没有序列比 `max_model_len` 更长：引擎在请求进入的地方就会拒绝这样的请求，所以到达执行器的
+# 超长序列是 bug，这句断言让它碰不到块表缓冲区。在这台 CPU 机器上，执行器干脆没有图。
+
+# %% graphs in the runner
+#| export engine.model_runner
+import torch
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.cuda_graphs import CudaGraphRunner, capture_decode_graphs
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.layers.compiled_ops import compile_small_ops
+from nanovllm.layers.context import get_context
+
+# en: The captured decode graphs: None until warm_up captures them, and wherever graphs cannot be used.
+# zh: 捕获好的 decode 图：在 warm_up 捕获之前，以及无法使用图的场合，都是 None。
+ModelRunner.graphs: CudaGraphRunner | None = None
+
+
+@add_to_class(ModelRunner)
+def warm_up(self) -> None:
+    """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
+    then capture the decode graphs."""
+    if self.config.compile_small_ops:
+        compile_small_ops(self.model)
+    if self.device.type == "cuda":
+        self.warm_paged_prefill()
+        self.warm_up_attention()
+        self.warm_up_sampler()
+    self.graphs = capture_decode_graphs(self.model, self.config)
+
+
+@add_to_class(ModelRunner)
+def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+    """The model's hidden states for a step's flat inputs; a decode batch that fits a graph replays it."""
+    if not is_prefill and self.graphs is not None and self.graphs.covers(len(input_ids)):
+        return self.graphs.replay(input_ids, positions, get_context())
+    return self.model(input_ids, positions)
 
 # %%
 from nanovllm.config import Config

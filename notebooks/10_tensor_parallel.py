@@ -749,9 +749,11 @@ for bad in (
 # life: each rank sizes its KV pool from its own free memory (on GPUs the numbers differ, since
 # other processes may use some of a GPU), but the scheduler has **one** block pool and its block
 # ids index every rank's cache, so all ranks must take the smallest count. Upstream nano-vllm
-# skips this; a rank with fewer blocks then writes past its cache. `check_tensor_parallel_size`
-# refuses, before any process starts, a rank count that does not divide the heads, the KV
-# heads, the MLP width or the vocabulary.
+# skips this; a rank with fewer blocks then writes past its cache. `share_from_rank0` gives every
+# rank rank 0's sampled tokens on its device, without a host waiting for them; chapter 12's
+# asynchronous engine needs that. (Before any process starts, chapter 08's `Config` has already
+# refused a rank count that does not divide the heads, the KV heads, the MLP width or the
+# vocabulary.)
 
 # %% [markdown] tags=["zh"]
 # ## 动手：各 rank 必须达成一致的事
@@ -759,8 +761,9 @@ for bad in (
 # 层的模块里新增两个小函数。`agree_min` 是 rank 一生中的第一次集合通信：每个 rank 按自己的空闲内存确定 KV 块池
 # 的大小（GPU 上这些数字会不同，因为别的进程可能占用了某块 GPU 的一部分显存），但调度器只有**一个**块池，它的块号
 # 要用来索引每个 rank 的缓存，所以所有 rank 必须取其中最小的块数。上游 nano-vllm 没有这一步；块数较少的 rank
-# 就会写到缓存外面去。`check_tensor_parallel_size` 在任何进程启动之前，就拒绝不能整除注意力头数、KV 头数、
-# MLP 宽度或词表大小的 rank 数。
+# 就会写到缓存外面去。`share_from_rank0` 让每个 rank 在自己的设备上得到 rank 0 采样出的 token，不需要任何主机等待；
+# 第 12 章的异步引擎需要它。（在任何进程启动之前，第 08 章的 `Config` 就已经拒绝了不能整除注意力头数、KV 头数、
+# MLP 宽度或词表大小的 rank 数。）
 
 # %% rank agreement
 #| export
@@ -785,21 +788,25 @@ def share_from_rank0(values: torch.Tensor | None, count: int, device: torch.devi
         dist.broadcast(values, src=0)
     return values
 
+# %% [markdown] tags=["en"]
+# The runner's share: chapter 08's `kv_block_count` now takes the smallest count over the ranks.
 
-TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+# %% [markdown] tags=["zh"]
+# 执行器的部分：第 08 章的 `kv_block_count` 现在取所有 rank 中最小的块数。
+
+# %% runner agrees on the pool
+#| export engine.model_runner
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.model_runner import ModelRunner, num_kv_blocks
+from nanovllm.layers.linear import agree_min
 
 
-def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
-    """Refuse a tensor-parallel size that does not split every sharded dimension of the model evenly."""
-    for name in TP_DIVIDED:
-        value = getattr(hf_config, name, None)
-        if name == "num_key_value_heads" and value is None:
-            value = getattr(hf_config, "num_attention_heads", None)
-        if isinstance(value, int) and value % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size={tp_size} does not divide {name}={value}: every rank needs an equal "
-                f"share; use a divisor of {value}"
-            )
+@add_to_class(ModelRunner)
+def kv_block_count(self, block_bytes: int) -> int:
+    """How many KV blocks to allocate: the configured count, else what this device's memory holds; with
+    tensor parallelism the smallest count over the ranks, since the scheduler's one pool indexes every cache."""
+    available = self._cuda_budget() if self.device.type == "cuda" else None
+    return agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
 
 # %% [markdown] tags=["en"]
 # ## Build it: a sequence on the wire
@@ -1000,7 +1007,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.linear import tp_world
 from nanovllm.sampling_params import SamplingParams
@@ -1075,28 +1082,27 @@ class RankWorker:
     """One rank's side of the control channel: the calls a driver may make, by name."""
 
     CALLS = ("run", "logits", "world", "shard", "kv_cache_shape", "echo")
-    KEEP_STEPS = 8  # recent steps whose samples a later step may take its pending tokens from
 
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.rank = tp_world()[0]
         self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
-        self.recent: dict[int, SampledTokens] = {}
         self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
 
     def run(
-        self,
-        states: list[tuple],
-        is_prefill: bool,
-        previous: int | None = None,
-        params: tuple[dict[int, SamplingParams], list[int]] | None = None,
-    ) -> SampledTokens | None:
-        """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
+        self, states: list[tuple], is_prefill: bool, params: tuple[dict[int, SamplingParams], list[int]] | None = None
+    ) -> list[int] | None:
+        """One step; rank 0 (which receives the sampling params) returns its tokens, the others None.
 
-        ``states``: the step's sequences (`step_states`). ``previous``: the call of the step whose
-        samples are this step's pending tokens (asynchronous scheduling), or None. ``params`` (rank 0 only):
-        the sampling params of new sequences, and the ids of finished ones to forget.
+        ``states``: the step's sequences (`step_states`). ``params`` (rank 0 only): the sampling params of
+        new sequences, and the ids of finished ones to forget.
         """
+        return self.runner.run(self._sequences(states, params), is_prefill)
+
+    def _sequences(
+        self, states: list[tuple], params: tuple[dict[int, SamplingParams], list[int]] | None
+    ) -> list[Sequence]:
+        """The step's sequences, rebuilt from their slim states; on rank 0 with their sampling params."""
         seqs = step_sequences(states)
         if params is not None:
             new, gone = params
@@ -1105,21 +1111,7 @@ class RankWorker:
                 self.params.pop(seq_id, None)
             for seq in seqs:
                 seq.sampling_params = self.params[seq.seq_id]
-        before = None if previous is None else self._samples_of(previous)
-        step = self.runner.launch(seqs, is_prefill, before)
-        # en: Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
-        # zh: 每个 rank 都留着这一步的采样结果（rank 0 广播来的）：之后的某一步可能要用。
-        self.recent[self.call_no] = step
-        self.recent.pop(self.call_no - self.KEEP_STEPS, None)
-        return step if self.rank == 0 else None
-
-    def _samples_of(self, call: int) -> SampledTokens:
-        """The samples of an earlier step, with the siblings it forked named (as the engine names them)."""
-        samples = self.recent.get(call)
-        if samples is None:
-            raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
-                               f"no longer holds")
-        return samples
+        return seqs
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
@@ -1160,6 +1152,11 @@ def _send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def reply_value(result: Any) -> Any:
+    """What a call's reply carries: its result, as it is."""
+    return result
+
+
 class Replier:
     """A rank's replies, sent in call order by a thread: waiting for a step's tokens never keeps the main
     thread from receiving and queueing the next step."""
@@ -1184,9 +1181,7 @@ class Replier:
         while True:
             where, result = self.queue.get()
             try:
-                if isinstance(result, SampledTokens):
-                    result = result.token_ids()  # en: waits for the device / zh: 等待设备算完
-                self.send(("ok", result))
+                self.send(("ok", reply_value(result)))
             except BaseException as error:
                 self.fail(error, where)
 
@@ -1354,24 +1349,6 @@ def process_state(pid: int) -> str:
     return names.get(code, code)
 
 
-@dataclass
-class TPStep:
-    """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
-
-    It stands where chapter 08's `SampledTokens` stands in the engine: the engine passes it back as the
-    ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
-    """
-
-    runner: TPRunner
-    call: int
-    tokens: list[int] | None = None
-
-    def token_ids(self) -> list[int]:
-        if self.tokens is None:
-            self.tokens = self.runner.collect(self.call)[0]
-        return self.tokens
-
-
 class TPRunner:
     """Tensor-parallel ranks as processes, driven from this one; the same `run` and `launch` as `ModelRunner`."""
 
@@ -1498,13 +1475,6 @@ class TPRunner:
         return self.collect(self.post(name, *args, rank0_extra=rank0_extra))
 
     # ---- the model runner's interface ----------------------------------------------------
-    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
-        """Queue one step on every rank and return at once; ``previous``: the step whose samples are this
-        step's pending tokens (asynchronous scheduling). Every rank has them: nothing waits for rank 0."""
-        before = None if previous is None else previous.call
-        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
-        return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
-
     def _params_update(self, seqs: list[Sequence]) -> tuple[dict[int, SamplingParams], list[int]]:
         """For rank 0: the sampling params of sequences it has not seen, and the ids of those it may forget."""
         gone = [seq_id for seq_id, seq in self._params_sent.items() if seq.is_finished]
@@ -1516,7 +1486,8 @@ class TPRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step on every rank; rank 0's sampled tokens."""
-        return self.launch(seqs, is_prefill).token_ids()
+        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        return self.call("run", step_states(seqs), is_prefill, rank0_extra=params)[0]
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""
@@ -2183,7 +2154,7 @@ owner = VocabParallelEmbedding(151936, 1, tp_rank=1, tp_size=2)
 assert owner.vocab_start_idx <= 80000 < owner.vocab_end_idx and 80000 - owner.vocab_start_idx == 4032
 # en: 4: only 1 and 2: 4 would leave each rank half a KV head, 3 a third of the heads.
 # zh: 4：只有 1 和 2：取 4 时每个 rank 只分到半个 KV 头，取 3 时头数除不尽。
-from nanovllm.layers.linear import check_tensor_parallel_size
+from nanovllm.config import check_tensor_parallel_size
 
 
 def accepted(tp: int) -> bool:

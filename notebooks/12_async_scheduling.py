@@ -56,6 +56,8 @@
 
 # %% pending tokens
 #| export engine.sequence
+from __future__ import annotations
+
 from nanovllm.book.literate import add_to_class
 from nanovllm.engine.sequence import Sequence
 
@@ -87,6 +89,22 @@ def truncate(self, num_tokens: int) -> None:
     del self.token_ids[num_tokens - self.first_token_index :]
     self.num_tokens = num_tokens
     self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
+
+# %% a sequence can end while it waits
+#| export engine.sequence
+from typing import ClassVar
+
+from nanovllm.engine.sequence import SequenceStatus
+
+# en: A token still computing can end a sequence that was preempted meanwhile, so FINISHED may now
+# en: follow WAITING too (chapter 13's abort uses the same arrow).
+# zh: 仍在计算的 token 可能让一个在此期间被抢占的序列结束，所以 WAITING 之后现在也可以是 FINISHED
+# zh: （第 13 章的 abort 也用这条箭头）。
+Sequence.ALLOWED_TRANSITIONS: ClassVar[dict[SequenceStatus, frozenset[SequenceStatus]]] = {
+    SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
+    SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
+    SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
+}
 
 # %% [markdown] tags=["en"]
 # ## Build it: the scheduler in two halves
@@ -217,3 +235,561 @@ def _finish(self, seq: Sequence, num_tokens: int | None = None) -> None:
     seq.status = SequenceStatus.FINISHED
     if seq.block_table:
         self.block_manager.deallocate(seq)
+
+# %% [markdown] tags=["en"]
+# ## Build it: a step's tokens, before and after they exist
+#
+# Chapter 08's `run` returns the sampled tokens as a Python list, which means waiting for the GPU
+# to finish the step. The asynchronous engine wants to hand the GPU the next step first, so the
+# runner now also offers `launch`: it queues the step and returns a `SampledTokens` at once. Its
+# `on_device` tensor is usable straight away as the next decode step's input ids (the GPU runs
+# the queued work in order, so the next step reads them after they are written), and the copy to
+# the host is queued behind the sampler; `token_ids()` waits for that copy and no longer.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：一步的 token，算出之前与之后
+#
+# 第 08 章的 `run` 以 Python 列表返回采样得到的 token，这意味着要等 GPU 算完这一步。异步引擎希望先把下一步交给
+# GPU，所以执行器现在还提供 `launch`：它把这一步排进队列，立即返回一个 `SampledTokens`。其中的 `on_device` 张量马上就能
+# 用作下一个 decode 步的输入 id（GPU 按顺序执行排队的工作，所以下一步读取它们时，它们已经写好了）；拷贝回主机的
+# 操作排在采样器之后，`token_ids()` 只等这次拷贝完成，不多等。
+
+# %% sampled tokens
+#| export engine.model_runner
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.engine.model_runner import NOT_SAMPLED, _tensor
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
+
+    seqs: list[Sequence]
+    rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
+    # en: [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
+    # en: siblings it forks, in `sibling_samples` order (chapter 04b).
+    # zh: [len(samples)] int64：这一步自己的 token（每行一个），然后是它分叉出的兄弟序列的首 token，
+    # zh: 顺序同 `sibling_samples`（第 04b 章）。
+    on_device: torch.Tensor
+    on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    # en: Whose token each row of on_device is: (request_id, sample_index), a key that a sibling forked
+    # en: by this step will carry too.
+    # zh: on_device 的每一行是谁的 token：(request_id, sample_index)；这一步分叉出的兄弟序列也带着同样的键。
+    samples: list[tuple[int, int]]
+    ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
+
+    @classmethod
+    def start(
+        cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor, to_host: bool = True
+    ) -> SampledTokens:
+        """Queue the copy of ``sampled`` to the host and return without waiting for it (to_host=False: no copy)."""
+        samples = [(seqs[i].request_id, seqs[i].sample_index) for i in rows]
+        samples += [(seqs[i].request_id, k) for i, k in sibling_samples(seqs)]
+        if sampled.device.type != "cuda" or not to_host:
+            return cls(seqs, rows, sampled, sampled, samples)
+        on_host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        on_host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, rows, sampled, on_host, samples, ready)
+
+    def token_ids(self) -> list[int]:
+        """One token per sequence (NOT_SAMPLED for a partial chunk), then the forked siblings' first tokens;
+        waits until the step has run."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self.on_host.tolist()
+        tokens = [NOT_SAMPLED] * len(self.seqs)
+        for i, token in zip(self.rows, values[: len(self.rows)], strict=True):
+            tokens[i] = token
+        return tokens + values[len(self.rows) :]
+
+    def input_ids_for(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
+        """A decode step's input ids on the device: ``input_ids`` (one per sequence, chapter 08's `prepare_decode`)
+        with each pending token replaced by this step's sample of it."""
+        row_of = {sample: row for row, sample in enumerate(self.samples)}
+        rows = []
+        for seq in seqs:
+            pending, key = seq.last_token == PENDING_TOKEN, (seq.request_id, seq.sample_index)
+            assert not pending or key in row_of, f"{seq}'s pending token is not one this step samples"
+            rows.append(row_of[key] if pending else -1)
+        row = _tensor(rows, self.on_device.device)
+        # en: Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
+        # en: A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
+        # en: fail on the device, and the engine drops that sequence when it reads the mark (chapter 13).
+        # zh: 已知 token 的行保留它；其余的行取来自己的采样结果（行号 -1 先被截到 0，随后不会被用到）。
+        # zh: 标记为 NON_FINITE（第 07 章）的采样结果同样截到 0：在设备上查嵌入表时 -2 会出错，而引擎读到这个标记时
+        # zh: 会丢弃那个序列（第 13 章）。
+        return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), input_ids.clamp(min=0))
+
+# %% [markdown] tags=["en"]
+# The runner's share. `launch` does what `run` did, without waiting: the forward, the sampling
+# of the rows that want a token (`sample`, chapter 08), and `SampledTokens.start`. With tensor
+# parallelism (chapter 10) rank 0 alone has logits and samples; `share_from_rank0` broadcasts its
+# tokens on the device, so that every rank holds the step's samples and can feed a pending token
+# to the next step by itself. `compute_logits` gains a `previous` argument, the step whose samples
+# are this step's pending tokens: a decode step takes them from there, on the device. A prefill
+# never starts before its last token is known (the engine never schedules one; `launch` asserts
+# it). `run` is `launch` followed by `token_ids()`.
+
+# %% [markdown] tags=["zh"]
+# 执行器的部分。`launch` 做 `run` 做过的事，只是不等待：前向计算、为需要 token 的行采样（`sample`，第 08 章），以及
+# `SampledTokens.start`。在张量并行下（第 10 章），只有 rank 0 有 logits 并做采样；`share_from_rank0` 在设备上广播
+# 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。`compute_logits` 多了一个
+# `previous` 参数，即这一步的待定 token 所来自的那一步：decode 步在设备上从那里取得它们。prefill 在它的最后一个 token
+# 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。`run` 就是 `launch` 之后紧跟 `token_ids()`。
+
+# %% runner launches
+#| export engine.model_runner
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.model_runner import ModelRunner, copy_kv_blocks, prepare_decode, prepare_prefill
+from nanovllm.layers.context import reset_context
+from nanovllm.layers.linear import share_from_rank0
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def compute_logits(
+    self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
+) -> torch.Tensor | None:
+    """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
+
+    ``previous``: the step before, when it may still be running (pending tokens come from it).
+    """
+    if self.stopped:
+        raise RuntimeError("this model runner was stopped (exit() was called)")
+    # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
+    # zh: 引擎在入口处就拒绝更长的请求；KV 缓存是按 max_model_len 配置的。
+    assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
+    copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
+    try:
+        if is_prefill:
+            input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
+        else:
+            input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
+            if any(seq.last_token == PENDING_TOKEN for seq in seqs):
+                assert previous is not None, "a last token is still pending: pass the step that samples it"
+                input_ids = previous.input_ids_for(seqs, input_ids)
+        return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
+    finally:
+        reset_context()
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
+    """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""
+    assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
+    logits = self.compute_logits(seqs, is_prefill, previous)
+    rows, sampled = self.sample(seqs, logits)
+    sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)
+    # en: Only the rank that sampled needs the tokens on the host (the others never read them there).
+    # zh: 只有做了采样的 rank 需要把 token 拷回主机（其他 rank 从不在主机上读它们）。
+    return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
+
+
+@add_to_class(ModelRunner)
+def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+    """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
+    first token of each sibling the step forks (chapter 04b)."""
+    return self.launch(seqs, is_prefill).token_ids()
+
+# %% [markdown] tags=["en"]
+# ## Build it: ranks that keep the last steps
+#
+# With tensor parallelism (chapter 10) the driver queues step *n + 1* on every rank before it
+# collects step *n*. A pending token has no value the driver could send, so each rank takes it
+# from its own copy of rank 0's samples: `launch` broadcast them on the device, and each rank
+# keeps the samples of its last few steps (`recent`, by call number). A step names the call
+# whose samples are its pending tokens (`previous`), and a `TPStep` (the driver's handle of a
+# queued step, in place of `SampledTokens`) collects rank 0's tokens when the engine asks for
+# them. The rank's reply to a call, sent by its reply thread, waits for the device there, never
+# in the loop that receives the next call.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：记住最近几步的 rank
+#
+# 在张量并行下（第 10 章），驱动进程在收取第 *n* 步之前就把第 *n + 1* 步排进每个 rank 的队列。待定 token 没有可以
+# 由驱动进程发送的值，所以每个 rank 从自己那份 rank 0 的采样结果里取它：`launch` 已在设备上广播了这些结果，每个
+# rank 按调用编号保存最近几步的采样结果（`recent`）。一步会指明它的待定 token 来自哪一次调用（`previous`）；
+# `TPStep`（驱动进程手中代表一个已入队步骤的句柄，取代 `SampledTokens`）在引擎需要时收取 rank 0 的 token。rank 对
+# 一次调用的回复由它的回复线程发送，等待设备的事发生在那里，绝不发生在接收下一次调用的循环里。
+
+# %% ranks keep recent steps
+#| export engine.tp_runtime
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import nanovllm.engine.tp_runtime as tp_runtime
+from nanovllm.book.literate import add_to_class
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import RankWorker, TPRunner, step_states
+from nanovllm.layers.linear import tp_world
+from nanovllm.sampling_params import SamplingParams
+
+# en: Recent steps whose samples a later step may take its pending tokens from.
+# zh: 后面的步骤可能从中取待定 token 的最近几步。
+RankWorker.KEEP_STEPS = 8
+
+
+@add_to_class(RankWorker)
+def __init__(self, config: Config) -> None:
+    self.runner = ModelRunner(config)
+    self.rank = tp_world()[0]
+    self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
+    self.recent: dict[int, SampledTokens] = {}
+    self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
+
+
+@add_to_class(RankWorker)
+def run(
+    self,
+    states: list[tuple],
+    is_prefill: bool,
+    previous: int | None = None,
+    params: tuple[dict[int, SamplingParams], list[int]] | None = None,
+) -> SampledTokens | None:
+    """Queue one step; rank 0 (which receives the sampling params) returns its tokens, the others None.
+
+    ``states``: the step's sequences (`step_states`). ``previous``: the call of the step whose samples are
+    this step's pending tokens, or None. ``params`` (rank 0 only): the sampling params of new sequences, and
+    the ids of finished ones to forget.
+    """
+    seqs = self._sequences(states, params)
+    before = None if previous is None else self._samples_of(previous)
+    step = self.runner.launch(seqs, is_prefill, before)
+    # en: Every rank keeps the step's samples (rank 0's, broadcast): a later step may need them.
+    # zh: 每个 rank 都留着这一步的采样结果（rank 0 广播来的）：之后的某一步可能要用。
+    self.recent[self.call_no] = step
+    self.recent.pop(self.call_no - self.KEEP_STEPS, None)
+    return step if self.rank == 0 else None
+
+
+@add_to_class(RankWorker)
+def _samples_of(self, call: int) -> SampledTokens:
+    """The samples of an earlier step."""
+    samples = self.recent.get(call)
+    if samples is None:
+        raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
+                           f"no longer holds")
+    return samples
+
+
+@add_to_class(tp_runtime)
+def reply_value(result: Any) -> Any:
+    """What a call's reply carries: its result, and for a queued step its tokens (waiting for the device)."""
+    return result.token_ids() if isinstance(result, SampledTokens) else result
+
+
+@dataclass
+class TPStep:
+    """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
+
+    It stands where chapter 12's `SampledTokens` stands in the engine: the engine passes it back as the
+    ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
+    """
+
+    runner: TPRunner
+    call: int
+    tokens: list[int] | None = None
+
+    def token_ids(self) -> list[int]:
+        if self.tokens is None:
+            self.tokens = self.runner.collect(self.call)[0]
+        return self.tokens
+
+
+@add_to_class(TPRunner)
+def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
+    """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
+    pending tokens. Every rank has them: nothing waits for rank 0."""
+    before = None if previous is None else previous.call
+    params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+    return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
+
+
+@add_to_class(TPRunner)
+def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    """One step on every rank; rank 0's sampled tokens."""
+    return self.launch(seqs, is_prefill).token_ids()
+
+# %% [markdown] tags=["en"]
+# ## Build it: the engine keeps one step in flight
+#
+# On the H200 a decode step of the benchmark keeps the GPU busy for about 6 ms, and the host
+# needs about 1 ms of its own per step: scheduling, building the inputs, reading the tokens back,
+# postprocessing. One after the other, the GPU idles for that millisecond at every step: the
+# whole workload took 7.01 s that way, against 6.19 s once `step()` changes its order (vLLM calls
+# this *async scheduling*; both measured in one process, chapter 09): it first schedules step
+# *n + 1* and queues it on the GPU, and only then waits for step *n*'s tokens and records them,
+# while the GPU is already computing *n + 1*.
+#
+# ```
+# host:  schedule n+1 | queue n+1 | wait n | resolve n | schedule n+2 | queue n+2 | wait n+1 | ...
+# GPU:   ...... step n ......... | .............. step n+1 ............. | ...... step n+2 ...
+# ```
+#
+# Three pieces make it work, two of them built above:
+#
+# - **The scheduler needs counts, not values.** `Scheduler.advance` counts a step as soon as it
+#   is queued: every sequence gets a *pending* token, its length grows, and the next schedule
+#   allocates blocks as usual. `Scheduler.resolve` fills in the values later and applies EOS.
+# - **The next inputs stay on the GPU.** The pending tokens are the previous step's samples:
+#   `ModelRunner.launch` returns them as `SampledTokens`, whose `input_ids_for` gathers them on
+#   the device; no token value has to travel through the host first.
+# - **No copy waits for the GPU.** Every host-to-device copy goes through pinned memory
+#   (chapter 06's `host_to_device`), because an ordinary one would wait for the queued step.
+#
+# The engine's share is small. Chapter 11's `_step` becomes `_launch` (schedule, queue, `advance`;
+# the result is a `LaunchedStep`) followed by `_collect` (wait for the tokens, `resolve`). The
+# synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
+# collects step *n*, which waited in `in_flight`. A call of `step()` therefore reports the step
+# before the one it queued (the first reports nothing), and the engine is finished only when
+# nothing is in flight either.
+#
+# The price is small too. A sequence that ends on EOS in step *n* was already scheduled in step
+# *n + 1*: that token is computed for nothing and dropped (`Sequence.truncate`), and if the
+# sequence was preempted in the meantime it finishes straight from `waiting` (the arrow added
+# above). The tokens are the same as the synchronous engine's: the test suite compares both under
+# every scheduling regime, with sequences ending on EOS mid-batch.
+#
+# `async_scheduling="auto"` turns it on for CUDA, with one rank or several. On a CPU there is
+# nothing to overlap with (PyTorch runs CPU ops as they are called); it can still be turned on,
+# which is how the tests check it there. Chapter 09 records what it buys on the H200 with one
+# GPU; chapter 10 with two.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：引擎让一步始终在计算中
+#
+# 在 H200 上，基准负载的一个 decode 步让 GPU 忙约 6 ms，而主机每步自己也要约 1 ms：调度、构造输入、把 token
+# 读回来、后处理。两者一前一后，GPU 每一步都要空等这一毫秒：这样跑完整个负载要 7.01 s，而让 `step()` 换了顺序之后
+# 只要 6.19 s（vLLM 称之为*异步调度*；两者在同一个进程中测得，见第 09 章）：先调度第 *n + 1* 步并把它排进 GPU
+# 队列，然后才等待第 *n* 步的 token 并记录它们，而这时 GPU 已经在计算第 *n + 1* 步了。
+#
+# ```
+# 主机：调度 n+1 | 排队 n+1 | 等待 n | 解析 n | 调度 n+2 | 排队 n+2 | 等待 n+1 | ...
+# GPU： ...... 第 n 步 ...... | ........... 第 n+1 步 ........... | ...... 第 n+2 步 ...
+# ```
+#
+# 有三处设计让它成为可能，其中两处上面已经建好：
+#
+# - **调度器需要的是数量，而不是值。** `Scheduler.advance` 在一步排进队列后立即把它计入：每个序列得到一个*待定*
+#   token，长度随之增加，下一次调度照常分配块。`Scheduler.resolve` 稍后填入 token 的值，并处理 EOS。
+# - **下一步的输入留在 GPU 上。** 待定 token 就是上一步的采样结果：`ModelRunner.launch` 把它们作为 `SampledTokens`
+#   返回，它的 `input_ids_for` 在设备上把它们取过来；没有哪个 token 的值需要先经过主机。
+# - **没有拷贝会等待 GPU。** 每次从主机到设备的拷贝都经过锁页内存（第 06 章的 `host_to_device`），因为普通的
+#   拷贝会等待排在前面的那一步。
+#
+# 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、排队、`advance`，结果是一个 `LaunchedStep`）加上
+# `_collect`（等待 token、`resolve`）。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，再收取一直等在
+# `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也不报告），而且只有
+# 当没有任何一步在计算中时，引擎才算结束。
+#
+# 代价也很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
+# （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（上面新增的那条箭头）。生成的
+# token 与同步引擎完全相同：测试套件在每种调度情形下比较二者，其中包括批次中途遇到 EOS 结束的序列。
+#
+# `async_scheduling="auto"` 在 CUDA 上打开，不论是一个 rank 还是多个。CPU 上没有什么可以重叠的（PyTorch 在调用时
+# 就执行 CPU 上的运算）；不过仍然可以手动打开，测试就是这样在 CPU 上检查它的。第 09 章记录了它在一块 H200 上带来的
+# 收益，第 10 章记录两块的。
+
+# %% engine in flight
+#| export engine.llm_engine
+from dataclasses import dataclass
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.model_runner import SampledTokens
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import TPStep
+
+
+@dataclass
+class LaunchedStep:
+    """A step the scheduler has counted (`advance`) whose tokens may still be on their way."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_tokens: int  # tokens computed
+    indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
+    tokens: SampledTokens | TPStep | list[int]  # a list when the step already ran to the end (synchronous)
+
+
+# en: With asynchronous scheduling, the step the GPU may still be computing.
+# zh: 异步调度时，GPU 可能仍在计算的那一步。
+LLMEngine.in_flight: LaunchedStep | None = None
+
+
+@add_to_class(LLMEngine)
+def _step(self) -> tuple[list[Sequence], int, bool]:
+    """One step: the sequences it finished, the tokens it computed, whether it was a prefill. Asynchronously,
+    the step it launches is not the one it reports: it queues step n + 1, then collects step n."""
+    if not self.config.async_scheduling:
+        return self._collect(self._launch(previous=None))
+    # en: Schedule and queue the next step before waiting for the one in flight: while the host
+    # en: waits for (and then bookkeeps) step n, the GPU already computes step n + 1.
+    # zh: 先调度并排队下一步，再等待计算中的那一步：主机等待（然后记账）第 n 步时，GPU 已经在算第 n + 1 步了。
+    launched = None
+    if self.in_flight is None or not self.scheduler.is_finished():
+        launched = self._launch(previous=self.in_flight)
+    done, self.in_flight = self.in_flight, launched
+    if done is None:
+        return [], 0, launched.is_prefill
+    return self._collect(done)
+
+
+@add_to_class(LLMEngine)
+def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+    """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
+    seqs, is_prefill = self.scheduler.schedule()
+    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+    if self.config.async_scheduling:
+        tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+    else:
+        tokens = self.model_runner.run(seqs, is_prefill)
+    counted, indices = self.scheduler.advance(seqs, is_prefill)
+    return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+@add_to_class(LLMEngine)
+def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
+    """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
+    token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+    return self.scheduler.resolve(step.seqs, step.indices, token_ids), step.num_tokens, step.is_prefill
+
+
+@add_to_class(LLMEngine)
+def is_finished(self) -> bool:
+    """True when no request is queued or computing."""
+    return self.scheduler.is_finished() and self.in_flight is None
+
+# %% [markdown] tags=["en"]
+# ## See it: one step ahead
+#
+# On a CPU the order is still visible. The same tiny Qwen3 and prompts as chapter 11, first
+# synchronously, then with `async_scheduling=True`: each call of `step()` queues one step and
+# reports the one before, and the tokens are the synchronous run's.
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：提前一步
+#
+# 在 CPU 上这个顺序依然看得见。和第 11 章一样的小 Qwen3 和提示词，先同步运行，再用 `async_scheduling=True`：
+# 每次调用 `step()` 都会排队一步、报告前一步，而得到的 token 与同步运行的结果相同。
+
+# %%
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+tiny_qwen = build_tiny_model("qwen3")
+prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write clear code"]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+sync_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
+outputs = sync_llm.generate(prompts, greedy, use_tqdm=False)
+
+# %%
+async_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10,
+                max_num_batched_tokens=16, async_scheduling=True)
+queued = []
+async_llm.scheduler.observer = lambda event, data: queued.append(data) if event == "schedule" else None
+ids = [async_llm.add_request(prompt, greedy) for prompt in prompts]
+tokens_of, calls = {}, 0
+while not async_llm.is_finished():
+    seen = len(queued)
+    finished, num_tokens, is_prefill = async_llm.step()
+    calls += 1
+    launched = ("prefill" if queued[-1]["is_prefill"] else "decode ") if len(queued) > seen else "nothing"
+    collected = f"{'prefill' if is_prefill else 'decode '} of {num_tokens:2d} tokens" if num_tokens else "nothing"
+    if calls <= 6 or async_llm.is_finished():
+        print(f"call {calls:2d}: queued {launched}, collected {collected}, finished {[i for i, _ in finished]}")
+    tokens_of.update(finished)
+assert [tokens_of[i] for i in ids] == [o["token_ids"] for o in outputs]
+assert calls == len(queued) + 1  # one call more than steps: the first collects nothing
+print(f"{calls} calls for {len(queued)} steps; the tokens equal the synchronous run's")
+
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `Sequence`: `append_pending_token`, `set_token`, `truncate`, and the WAITING → FINISHED arrow.
+# - `Scheduler`: `advance` and `resolve`, the two halves of `postprocess`.
+# - `ModelRunner.launch` and `SampledTokens`: a step queued on the device, its tokens usable there
+#   at once by the next step, and on the host once they arrive; `run` is `launch` and wait.
+# - Tensor parallelism: every rank keeps its last steps' samples (`RankWorker.recent`), and the
+#   driver holds a `TPStep` in place of `SampledTokens`.
+# - `LLMEngine`: `_launch` and `_collect`, and one step `in_flight` when `async_scheduling` is on.
+#
+# Next, chapter 13 makes the engine survive what its users do to it.
+#
+# ## Exercises
+#
+# 1. A sequence of a 3-token prompt (`max_tokens=4`) has decoded one token; its next decode step
+#    is launched while that token is still pending, and then the pending token turns out to be an
+#    end-of-sequence token. What does `resolve` do with the token that the later step computed, and
+#    how long is the sequence in the end?
+# 2. With `async_scheduling=True`, one request with `max_tokens=3` runs alone. How many steps are
+#    launched, how many calls of `step()` are needed until `is_finished()`, and which call reports
+#    the request?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `Sequence`：`append_pending_token`、`set_token`、`truncate`，以及 WAITING → FINISHED 这条箭头。
+# - `Scheduler`：`advance` 与 `resolve`，即 `postprocess` 的两半。
+# - `ModelRunner.launch` 与 `SampledTokens`：排进设备队列的一步，它的 token 在设备上立即可供下一步使用，到达主机后
+#   也可在主机上读取；`run` 就是 `launch` 之后等待。
+# - 张量并行：每个 rank 保存最近几步的采样结果（`RankWorker.recent`），驱动进程手中拿的是 `TPStep` 而不是
+#   `SampledTokens`。
+# - `LLMEngine`：`_launch` 与 `_collect`，以及打开 `async_scheduling` 时始终处于计算中的一步（`in_flight`）。
+#
+# 下一章（第 13 章）让引擎经得起用户的各种用法。
+#
+# ## 练习
+#
+# 1. 一个提示词为 3 个 token 的序列（`max_tokens=4`）已经 decode 出一个 token；它的下一个 decode 步在那个 token 仍
+#    待定时就已发起，随后这个待定 token 被证明是结束符。`resolve` 怎样处理后一步算出的 token？序列最后有多长？
+# 2. 打开 `async_scheduling=True`，一个 `max_tokens=3` 的请求单独运行。一共发起几步？要调用几次 `step()` 才
+#    `is_finished()`？哪一次调用报告了这个请求？
+#
+# 下面的单元检查答案。
+
+# %%
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+
+# en: Exercise 1: the later step's token is dropped (the sequence is already finished when it resolves), and the
+# en: pending place it took is cut off: the sequence ends with the EOS, prompt + 2 tokens.
+# zh: 练习 1：后一步的 token 被丢弃（它被解析时序列已经结束），它占的待定位置也被截掉：
+# zh: 序列以结束符收尾，共提示词 + 2 个 token。
+EOS = 7
+sched = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=16,
+                  eos_token_ids=[EOS])
+seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4), block_size=4)
+sched.add(seq)
+prefill = sched.advance(*sched.schedule())  # the prefill, counted: one pending token
+sched.resolve(*prefill, [5])  # ... which turns out to be 5
+first = sched.advance(*sched.schedule())  # decode: token 5 computed, a new pending token
+second = sched.advance(*sched.schedule())  # launched before the first decode's token is known
+assert sched.resolve(*first, [EOS]) == [seq] and seq.is_finished  # EOS: finished, the later token cut off
+assert sched.resolve(*second, [9]) == [] and seq.token_ids == [1, 2, 3, 5, EOS]
+
+# en: Exercise 2: three steps (the prefill samples the first token, two decode steps the others); four calls,
+# en: since the first call only queues; the fourth reports the request.
+# zh: 练习 2：三步（prefill 采样出第一个 token，两个 decode 步采样其余的）；四次调用，因为第一次只排队；
+# zh: 第四次报告这个请求。
+alone = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, async_scheduling=True)
+request = alone.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+reports = []
+while not alone.is_finished():
+    reports.append(alone.step()[0])
+assert len(reports) == 4 and reports[-1][0][0] == request and not any(reports[:-1])
+print("all exercise answers check out")

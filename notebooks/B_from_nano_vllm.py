@@ -294,7 +294,7 @@
 # | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 10 | same split; every loader refuses a shape that does not fit (`copy_checked`) |
 # | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | same |
 # | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | same |
-# | — | `agree_min`, `check_tensor_parallel_size` | 10 | new: the ranks agree on the KV block count; a rank count that does not divide the model is refused |
+# | — | `agree_min`, `share_from_rank0` | 10 | new: the ranks agree on the KV block count; every rank gets rank 0's samples on its device |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/linear.py` → `nanovllm/layers/linear.py`
@@ -306,7 +306,7 @@
 # | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 10 | 切分方式相同；每个加载器都拒绝形状不符的张量（`copy_checked`） |
 # | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | 相同 |
 # | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | 相同 |
-# | — | `agree_min`, `check_tensor_parallel_size` | 10 | 新增：各 rank 就 KV 块数达成一致；不能整除模型各维度的 rank 数会被拒绝 |
+# | — | `agree_min`, `share_from_rank0` | 10 | 新增：各 rank 就 KV 块数达成一致；每个 rank 在自己的设备上得到 rank 0 的采样结果 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/sampler.py` → `nanovllm/layers/sampler.py`
@@ -580,7 +580,7 @@
 # | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
 # | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
 # | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 11 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
-# | several threads on one engine | `engine.llm_engine.one_call_at_a_time`, `engine.llm_engine.EngineBusyError` | 11 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
+# | several threads on one engine | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
 
 # %% [markdown] tags=["zh"]
 # | 差异 | 本书 | 章 | 上游 | 本书的做法及原因 |
@@ -603,7 +603,7 @@
 # | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 10, 11 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
 # | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
 # | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 11 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
-# | 多个线程共用一个引擎 | `engine.llm_engine.one_call_at_a_time`, `engine.llm_engine.EngineBusyError` | 11 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
+# | 多个线程共用一个引擎 | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
 
 # %% [markdown] tags=["en"]
 # ## Check it

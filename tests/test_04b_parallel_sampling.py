@@ -231,7 +231,7 @@ def test_sampled_tokens_give_the_forked_siblings_their_rows() -> None:
     siblings = [parent.fork(1), parent.fork(2)]
     for s in [parent, other, *siblings]:
         s.append_pending_token()
-    ids = step.input_ids_for([siblings[1], parent, siblings[0]], [PENDING_TOKEN] * 3)
+    ids = step.input_ids_for([siblings[1], parent, siblings[0]], torch.tensor([PENDING_TOKEN] * 3))
     assert ids.tolist() == [73, 70, 72]
 
 

@@ -144,7 +144,7 @@ def test_seeded_rows_draw_by_their_own_position(tiny: Path) -> None:
     assert draw(0) == draw(3)
 
 
-# ---- pending tokens: launch, SampledTokens (asynchronous scheduling, chapter 11) ----------------
+# ---- pending tokens: launch, SampledTokens (asynchronous scheduling, chapter 12) ----------------
 def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     from nanovllm.engine.model_runner import SampledTokens
     from nanovllm.engine.sequence import PENDING_TOKEN
@@ -155,22 +155,25 @@ def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     # The previous step sampled c (row 0) and a (row 1); b's last token is known.
     a.token_ids[-1] = c.token_ids[-1] = PENDING_TOKEN
     previous = SampledTokens.start([c, b, a], [0, 2], torch.tensor([70, 80]))
-    input_ids, positions = prepare_decode([a, b, c], 4, "cpu", previous)
-    assert input_ids.tolist() == [80, 11, 70] and positions.tolist() == [3, 2, 1]
+    input_ids, positions = prepare_decode([a, b, c], 4, "cpu")
+    reset_context()
+    assert previous.input_ids_for([a, b, c], input_ids).tolist() == [80, 11, 70] and positions.tolist() == [3, 2, 1]
     assert previous.token_ids() == [70, NOT_SAMPLED, 80]
-    with pytest.raises(AssertionError, match="pending"):
-        prepare_decode([a, b, c], 4, "cpu")  # who computes a's token?
     # A sample the sampler marked NON_FINITE (chapter 07) must not reach the embedding as -2.
     marked = SampledTokens.start([c, b, a], [0, 2], torch.tensor([NON_FINITE, 80]))
-    assert prepare_decode([a, b, c], 4, "cpu", marked)[0].tolist() == [80, 11, 0]
+    assert marked.input_ids_for([a, b, c], input_ids).tolist() == [80, 11, 0]
     assert marked.token_ids() == [NON_FINITE, NOT_SAMPLED, 80]  # the host still sees the mark
     orphan = SampledTokens.start([b], [0], torch.tensor([1]))
     with pytest.raises(AssertionError, match="not one this step samples"):
-        prepare_decode([a], 4, "cpu", orphan)
+        orphan.input_ids_for([a], input_ids[:1])
+    runner = ModelRunner(Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, num_kvcache_blocks=8))
+    with pytest.raises(AssertionError, match="still pending"):
+        runner.compute_logits([a, b, c], is_prefill=False)  # who computes a's token?
+    assert get_context().slot_mapping is None  # the context was reset
     pending = scheduled([1, 2], [0], cached=0, count=3)
     pending.append_pending_token()
     with pytest.raises(AssertionError, match="before its last token"):
-        prepare_prefill([pending], 4, "cpu")
+        runner.launch([pending], is_prefill=True)
 
 
 def test_launch_then_token_ids_equals_run(tiny: Path) -> None:

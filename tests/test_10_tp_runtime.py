@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from nanovllm.config import Config
+from nanovllm.config import Config, check_tensor_parallel_size
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import (
     FAULT_ENV,
@@ -37,7 +37,7 @@ from nanovllm.engine.tp_runtime import (
     process_state,
     step_states,
 )
-from nanovllm.layers.linear import agree_min, check_tensor_parallel_size
+from nanovllm.layers.linear import agree_min
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 

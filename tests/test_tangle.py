@@ -317,6 +317,52 @@ def test_a_later_chapter_extends_a_class_into_its_one_class_block(tmp_path: Path
     assert ruff.returncode == 0, ruff.stdout + ruff.stderr
 
 
+def test_a_later_chapter_replaces_a_module_function_in_place(tmp_path: Path) -> None:
+    first = """
+# %%
+#| default_exp engine.shapes
+
+# %% shapes
+#| export
+# en: The area of a square.
+def area(side: int) -> int:
+    return side * side
+
+
+def perimeter(side: int) -> int:
+    return 4 * side
+
+
+SIDES = 4
+"""
+    later = """
+# %% rounder
+#| export engine.shapes
+import nanovllm.engine.shapes as shapes
+from nanovllm.book.literate import add_to_class
+
+
+# en: The area of a square, never negative.
+@add_to_class(shapes)
+def area(side: int) -> int:
+    return max(side, 0) ** 2
+
+
+shapes.SIDES: int = 4  # still a square
+"""
+    chapter(tmp_path, "01_shapes.py", first)
+    chapter(tmp_path, "02_more.py", later)
+    text = tangle.tangle(tmp_path)[Path("nanovllm/engine/shapes.py")]
+    assert '# notebooks/02_more.py · cell "rounder"\n# The area of a square, never negative.\ndef area(' in text
+    assert "side * side" not in text and text.count("def area") == 1 and "import nanovllm" not in text
+    # The function that followed in the first cut keeps its own chapter's marker.
+    assert '# notebooks/01_shapes.py · cell "shapes"\ndef perimeter(' in text
+    assert text.index("def area") < text.index("def perimeter")
+    assert "SIDES: int = 4  # still a square" in text and "SIDES = 4\n" not in text and text.count("SIDES") == 2
+    message = error_for(tmp_path, {"03_bad.py": later.replace("def area", "def volume")})
+    assert "replaces volume" in message and "notebooks/03_bad.py" in message
+
+
 def test_a_header_names_every_chapter_that_writes_the_module(tmp_path: Path) -> None:
     chapters = [f"notebooks/{n:02d}_a_rather_long_chapter_name.py" for n in range(1, 6)]
     header = tangle.render_header(chapters)

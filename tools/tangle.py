@@ -229,6 +229,7 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             raise TangleError(f"{cell.where()}: a module docstring must be in the first cell exported to the module")
         module.docstring = "\n".join(lines[first.lineno - 1 : first.end_lineno])
         taken_lines.update(range(first.lineno - 1, first.end_lineno))
+    own_module = module_aliases(tree, module)
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             taken_lines.update(range(node.lineno - 1, node.end_lineno))
@@ -245,7 +246,10 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             start = leading_comments_start(lines, first_line(node) - 1, taken_lines)
             taken_lines.update(range(start, node.end_lineno))
             spliced.append(node)
-            splice(module, cell, *extension, lines[start : node.end_lineno], node)
+            if extension[0] in own_module:
+                replace_top_level(module, cell, *extension[1:], lines[start : node.end_lineno], node)
+            else:
+                splice(module, cell, *extension, lines[start : node.end_lineno], node)
     body = "\n".join(line for i, line in enumerate(lines) if i not in taken_lines).strip("\n")
     if body:
         module.bodies.append(f"{cell.marker()}\n{body}")
@@ -255,10 +259,19 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
 
 
 def notebook_only_import(node: ast.Import | ast.ImportFrom, module: Module) -> bool:
-    """An import that only the notebook needs: the splice helper, or names from the module being exported into."""
-    if not isinstance(node, ast.ImportFrom):
-        return False
-    return node.module in (SPLICE_HELPER_MODULE, f"{PACKAGE}.{module.name}")
+    """An import that only the notebook needs: the splice helper, or the module being exported into (its names,
+    or the module itself, which ``@add_to_class(module)`` extends)."""
+    own = f"{PACKAGE}.{module.name}"
+    if isinstance(node, ast.Import):
+        return all(alias.name == own for alias in node.names)
+    return node.module in (SPLICE_HELPER_MODULE, own)
+
+
+def module_aliases(tree: ast.Module, module: Module) -> set[str]:
+    """The names under which a cell imports the module it exports into (``import nanovllm.x as x``)."""
+    own = f"{PACKAGE}.{module.name}"
+    return {alias.asname or alias.name for node in tree.body if isinstance(node, ast.Import)
+            for alias in node.names if alias.name == own}
 
 
 def first_line(node: ast.stmt) -> int:
@@ -373,6 +386,42 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
     module.bodies[index] = "\n".join(lines)
     if cell.chapter not in module.chapters:
         module.chapters.append(cell.chapter)
+
+
+def replace_top_level(module: Module, cell: Cell, name: str, kind: str, source: list[str], node: ast.stmt) -> None:
+    """A later chapter's version of a module-level function (``@add_to_class(module)``) or constant
+    (``module.NAME = value``) takes the place of the earlier one."""
+    found = find_top_level(module, name)
+    if found is None:
+        raise TangleError(
+            f"{cell.where()}: replaces {name}, which no earlier cell exports to {PACKAGE}.{module.name} "
+            "(something new needs no decorator or module prefix)"
+        )
+    index, old = found
+    body = module.bodies[index]
+    old_kind = "method" if isinstance(old, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+        "attribute" if isinstance(old, (ast.Assign, ast.AnnAssign)) else "class"
+    if old_kind != kind:
+        raise TangleError(f"{cell.where()}: {name} in {PACKAGE}.{module.name} is replaced by a member of another kind")
+    lines = body.splitlines()
+    marker, code = lines[0], lines[1:]  # every body opens with its cell's marker
+    start = leading_comments_start(code, first_line(old) - 2, set())
+    before = "\n".join(code[:start]).strip("\n")
+    after = "\n".join(code[old.end_lineno - 1 :]).strip("\n")
+    new = f"{cell.marker()}\n" + "\n".join(member_text(source, node, kind, ""))
+    pieces = [f"{marker}\n{before}" if before else None, new, f"{marker}\n{after}" if after else None]
+    module.bodies[index : index + 1] = [piece for piece in pieces if piece]
+    if cell.chapter not in module.chapters:
+        module.chapters.append(cell.chapter)
+
+
+def find_top_level(module: Module, name: str) -> tuple[int, ast.stmt] | None:
+    """(index in ``module.bodies``, the statement) of the module-level definition of ``name``."""
+    for index, body in enumerate(module.bodies):
+        for node in ast.parse(body).body:
+            if _member_name(node) == name:
+                return index, node
+    return None
 
 
 def find_class(module: Module, name: str) -> tuple[int, ast.ClassDef] | None:

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
-    "TP_DIVIDED",
     "ColumnParallelLinear",
     "LinearBase",
     "MergedColumnParallelLinear",
@@ -17,7 +16,6 @@ __all__ = [
     "RowParallelLinear",
     "ShardId",
     "agree_min",
-    "check_tensor_parallel_size",
     "copy_checked",
     "divide",
     "share_from_rank0",
@@ -234,19 +232,3 @@ def share_from_rank0(values: torch.Tensor | None, count: int, device: torch.devi
         # Queued on the device like the forward: the host of no rank waits for it.
         dist.broadcast(values, src=0)
     return values
-
-
-TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
-
-
-def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
-    """Refuse a tensor-parallel size that does not split every sharded dimension of the model evenly."""
-    for name in TP_DIVIDED:
-        value = getattr(hf_config, name, None)
-        if name == "num_key_value_heads" and value is None:
-            value = getattr(hf_config, "num_attention_heads", None)
-        if isinstance(value, int) and value % tp_size:
-            raise ValueError(
-                f"tensor_parallel_size={tp_size} does not divide {name}={value}: every rank needs an equal "
-                f"share; use a divisor of {value}"
-            )

@@ -1,0 +1,779 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 13 · An engine users cannot break
+#
+# **Goal.** Chapter 11's engine computes the right tokens for a careful caller. Real callers are
+# not careful: they pass NumPy arrays and tensors, share one engine between threads, interrupt a
+# cell in JupyterLab in the middle of a step, queue requests with `add_request` and then call
+# `generate`, and load checkpoints whose weights hold NaN. By the end of this chapter the engine
+# answers each of these with the right tokens or a clear error, and keeps serving everything
+# else. Every rule below is the answer to a way a user broke the engine; each changes a few
+# methods of the classes built in chapters 04, 11 and 12.
+
+# %% [markdown] tags=["zh"]
+# # 13 · 用户弄不坏的引擎
+#
+# **目标：** 第 11 章的引擎对细心的调用者给出正确的 token。真实的调用者并不细心：他们传入 NumPy 数组和张量，在多个
+# 线程之间共用一个引擎，在 JupyterLab 里一步算到一半时中断单元，先用 `add_request` 排队请求、再调用 `generate`，
+# 还会加载权重里有 NaN 的检查点。读完本章，引擎对每一种情况要么给出正确的 token，要么给出清楚的报错，并继续为其他
+# 请求服务。下面每条规则都是对某种把引擎弄坏的用法的回应；每条只改动第 04、11、12 章所建的类中的几个方法。
+
+# %% [markdown] tags=["en"]
+# ## Prompts of every shape, and a tokenizer that exists
+#
+# A prompt is text, or token ids: a list, a tuple, or a 1-D integer NumPy array or torch tensor
+# (what a tokenizer called with `return_tensors` gives, one row of it). A 2-D array is refused
+# rather than read as one long prompt, and so is an array of floats or booleans. Text must be
+# valid Unicode: a lone surrogate (what `errors="surrogateescape"` leaves of undecodable bytes)
+# is refused by name instead of reaching the tokenizer, whose message does not say which prompt
+# or character is wrong; an empty string is refused too. The tokenizer itself is checked when
+# the engine starts: a model directory with none of the files a vocabulary is read from
+# (`tokenizer.json`, `tokenizer.model`, `vocab.json`, `vocab.txt`) is refused, since
+# `transformers` would quietly build a tokenizer that knows a single token, and every text
+# prompt would come out empty.
+#
+# Both are module-level functions of chapter 11's engine, replaced here in place: the book's
+# `add_to_class` also takes a module.
+
+# %% [markdown] tags=["zh"]
+# ## 各种形状的提示词，以及确实存在的分词器
+#
+# 提示词可以是文本，也可以是 token id：列表、元组，或者一维的整数 NumPy 数组、torch 张量（分词器在指定
+# `return_tensors` 时给出的结果中的一行）。二维数组会被拒绝，而不是被当作一个很长的提示词；浮点数或布尔值的数组
+# 也会被拒绝。文本必须是合法的 Unicode：孤立的代理码元（`errors="surrogateescape"` 处理无法解码的字节后留下的
+# 东西）会被指名拒绝，而不是交给分词器，因为分词器的报错不会说明是哪个提示词、哪个字符出了问题；空字符串也会被
+# 拒绝。分词器本身在引擎启动时检查：如果模型目录里没有任何一个可以读出词表的文件（`tokenizer.json`、
+# `tokenizer.model`、`vocab.json`、`vocab.txt`），目录就会被拒绝，因为 `transformers` 会悄悄地构造一个只认识
+# 一个 token 的分词器，每个文本提示词都会变成空的。
+#
+# 这两个都是第 11 章引擎模块里的函数，在这里原地替换：本书的 `add_to_class` 也接受一个模块。
+
+# %% prompts of every shape
+#| export engine.llm_engine
+from collections.abc import Sequence as ListLike
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+import nanovllm.engine.llm_engine as llm_engine
+from nanovllm.book.literate import add_to_class
+
+llm_engine.Prompt = str | list[int] | np.ndarray | torch.Tensor
+# en: What transformers reads a vocabulary from: a fast tokenizer, SentencePiece, BPE, WordPiece.
+# zh: transformers 从这些文件读取词表：快速分词器、SentencePiece、BPE、WordPiece。
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+@add_to_class(llm_engine)
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model directory. Without tokenizer files transformers would quietly build one
+    that knows a single token, and every text prompt would come out empty: refuse the directory instead."""
+    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"model directory {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "tokenizer files of the checkpoint into it"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except Exception as error:  # transformers raises OSError, ValueError, ...
+        raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
+
+
+@add_to_class(llm_engine)
+def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
+    """One prompt as token ids: text is tokenized; a list, a tuple or a 1-D integer NumPy array or torch
+    tensor already holds ids (Sequence checks each one)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt is an empty string")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ValueError(
+                f"prompt is not valid text: it holds a lone surrogate, {prompt[error.start]!r} at index "
+                f"{error.start} (bytes decoded with errors='surrogateescape'? decode them with errors='replace')"
+            ) from None
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return _array_token_ids(prompt)
+    if isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
+        return list(prompt)
+    raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
+                    f"got {type(prompt).__name__}")
+
+
+def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
+    kind = "NumPy array" if isinstance(array, np.ndarray) else "torch tensor"
+    if array.ndim != 1:
+        raise ValueError(f"a {kind} prompt must be 1-D, the token ids of one prompt; got shape "
+                         f"{tuple(array.shape)} (a batch is a list of prompts)")
+    dtype = array.dtype
+    if isinstance(array, np.ndarray):
+        integer = dtype.kind in "iu"
+    else:
+        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    if not integer:
+        raise TypeError(f"a {kind} prompt must hold integer token ids, got dtype {dtype}")
+    return array.tolist()
+
+# %% [markdown] tags=["en"]
+# ## A step that fails, and a call that is interrupted
+#
+# A step can fail after the scheduler has planned it: the model raises (out of memory, a
+# broken kernel) or the user presses Ctrl-C while the runner computes. Nothing was computed, so
+# the scheduler's plan must be undone, or the next step would find sequences that claim KV they
+# never got. `Scheduler.rollback` undoes `schedule()`: the prefills it completed go back to the
+# head of `waiting` (keeping their blocks), every scheduled count returns to zero; decode's new
+# blocks and preemptions stay, since they left the queues consistent. The engine's `_launch`
+# calls it whenever the runner raises, and re-raises.
+#
+# A `generate` call that is interrupted (an error, Ctrl-C) takes its own unfinished requests with
+# it: `Scheduler.abort` takes a sequence out of its queue, frees its blocks and marks it
+# FINISHED (an aborted request ends wherever it is), so a later call does not compute it for
+# nobody. With asynchronous scheduling the step in flight is settled first
+# (`_settle_in_flight`): recorded if it completed, else its sequences are aborted too.
+
+# %% [markdown] tags=["zh"]
+# ## 失败的一步，被中断的调用
+#
+# 一步可能在调度器规划好之后失败：模型抛出异常（显存不足、内核出错），或者用户在执行器计算时按下 Ctrl-C。什么也
+# 没算出来，所以调度器的规划必须撤销，否则下一步会遇到声称拥有 KV、其实从未得到过的序列。`Scheduler.rollback`
+# 撤销 `schedule()`：它完成的 prefill 回到 `waiting` 队头（保留它们的块），每个调度计数归零；decode 新分配的块和
+# 抢占则保留，因为它们让队列保持一致。引擎的 `_launch` 在执行器抛出异常时调用它，然后重新抛出。
+#
+# 被中断的 `generate` 调用（出错或 Ctrl-C）会带走它自己尚未完成的请求：`Scheduler.abort` 把序列移出它的队列、
+# 释放它的块，并把它标为 FINISHED（被中止的请求在哪里都可以结束），这样之后的调用就不会白白计算它。异步调度时，
+# 先处理计算中的那一步（`_settle_in_flight`）：如果它已算完就记下，否则把它的序列也中止。
+
+# %% scheduler undo and abort
+#| export engine.scheduler
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@add_to_class(Scheduler)
+def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
+    """Undo ``schedule()`` for a step that was never computed (the model raised), so it can run again.
+
+    Prefill moved the sequences it completes to ``running``; they go back to the head of
+    ``waiting`` in their order, keeping their blocks. Decode's new blocks and preemptions stay:
+    they left the queues consistent.
+    """
+    for seq in seqs:
+        seq.num_scheduled_tokens = 0
+    if is_prefill:
+        moved = [seq for seq in seqs if seq.status is SequenceStatus.RUNNING]
+        for seq in moved:
+            self.running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extendleft(reversed(moved))
+
+
+@add_to_class(Scheduler)
+def abort(self, seq: Sequence) -> None:
+    """Drop an unfinished request: out of its queue, its blocks freed, FINISHED (the caller gave up on it)."""
+    for queue in (self.waiting, self.running):
+        if seq in queue:
+            queue.remove(seq)
+    seq.num_scheduled_tokens = 0
+    if seq.block_table:
+        self.block_manager.deallocate(seq)
+    seq.status = SequenceStatus.FINISHED
+
+# %% step that fails
+#| export engine.llm_engine
+from collections.abc import Collection
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
+
+
+@add_to_class(LLMEngine)
+def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+    """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
+    seqs, is_prefill = self.scheduler.schedule()
+    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+    try:
+        if self.config.async_scheduling:
+            tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+        else:
+            tokens = self.model_runner.run(seqs, is_prefill)
+    except BaseException:
+        # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
+        # en: engine stays consistent and the same step can simply run again.
+        # zh: 什么也没算出来（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接再运行一次。
+        self.scheduler.rollback(seqs, is_prefill)
+        raise
+    counted, indices = self.scheduler.advance(seqs, is_prefill)
+    return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+@add_to_class(LLMEngine)
+def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
+    """After an interruption: record the step in flight if it completed, else drop its sequences. What it
+    finished waits for `step` to report it, except the requests in ``dropping`` (the interrupted call's)."""
+    step, self.in_flight = self.in_flight, None
+    if step is None:
+        return
+    try:
+        finished = self._collect(step)[0]
+        self.unreported += [seq for seq in finished if seq.request_id not in dropping]
+    except Exception:
+        for seq in step.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+
+# %% [markdown] tags=["en"]
+# ## One call at a time, and `generate` beside `add_request`
+#
+# Three rules of the engine as a whole, each one the answer to a way a user broke it:
+#
+# - **One call at a time.** The engine's state (queues, block tables, the step in flight) is
+#   changed by every `generate`, `add_request`, `step` and `exit`, so they run under one lock:
+#   calls from several threads run one after another, each `generate` with its own batch, and
+#   all of them return what they would return alone. To batch the requests of several threads
+#   together, let each thread `add_request` and one thread drive `step`: an `add_request` then
+#   waits for the step in progress, and its request joins the next one. A call from *inside*
+#   another call on the same thread (an observer of the scheduler that calls `generate`, say)
+#   would find the engine in the middle of a step and would wait for itself forever; it raises
+#   `EngineBusyError` instead.
+# - **`generate` and `add_request` together.** `generate` returns its own outputs, in prompt
+#   order. Requests queued earlier with `add_request` are not set aside: they share its steps
+#   (that is continuous batching), and those that finish meanwhile wait in the engine
+#   (`unreported`) until `step` reports them, as it reports any finished request; the others keep
+#   their place and their blocks when `generate` returns. Nothing is computed for nobody, and
+#   nothing is lost: loop on `step` until `is_finished()`, as before.
+# - **Logits that are not numbers.** Chapter 07's sampler marks a row whose logits hold NaN or
+#   infinities with `NON_FINITE`. The engine looks for the mark in the tokens it reads anyway,
+#   so the check adds no wait for the GPU to any step (a `bool(torch.isfinite(logits).all())`
+#   per step would stall asynchronous scheduling at every step). When it sees one, it drops that
+#   request (all its samples, their blocks freed), finds the likely cause (it reads the weights,
+#   once, and names the first tensor that holds NaN or inf; if none does, the activations
+#   overflowed the dtype) and raises `NonFiniteLogitsError`, a `ValueError`: `generate` raises it
+#   for its own prompts, naming them, and `step` for requests of `add_request`. The other
+#   requests go on.
+#
+# The constructor gains the state these rules need; `generate`, `add_request`, `step` and `exit`
+# take the lock; `_collect` sorts what a step finished into the current `generate` call's and
+# the others', and drops what is not a number.
+
+# %% [markdown] tags=["zh"]
+# ## 一次一个调用，以及与 `add_request` 并用的 `generate`
+#
+# 引擎整体上的三条规则，每一条都是对某种把引擎弄坏的用法的回应：
+#
+# - **一次一个调用。** 引擎的状态（各个队列、块表、计算中的那一步）会被每次 `generate`、`add_request`、`step` 和
+#   `exit` 改变，所以它们在同一把锁下运行：来自多个线程的调用依次执行，每次 `generate` 都有自己的批次，所有调用的
+#   返回值都与单独调用时相同。若想把多个线程的请求合成一批，就让每个线程调用 `add_request`，由一个线程驱动 `step`：
+#   这时 `add_request` 会等正在进行的那一步结束，它的请求加入下一步。在同一线程上、从另一个调用*内部*发起的调用
+#   （比如调度器的观察者调用了 `generate`）会发现引擎正处在一步的中间，并且会永远等待它自己；这种情况会抛出
+#   `EngineBusyError`。
+# - **`generate` 与 `add_request` 并用。** `generate` 按提示词顺序返回它自己的输出。之前用 `add_request` 排队的请求
+#   不会被搁置：它们与这次调用共享各个步（这就是连续批处理），其间结束的请求留在引擎里（`unreported`），直到 `step`
+#   报告它们，就像报告任何结束的请求一样；其余请求在 `generate` 返回时保留各自的位置和块。没有东西白算，也没有东西
+#   丢失：像以前一样循环调用 `step` 直到 `is_finished()` 即可。
+# - **不是数的 logits。** 第 07 章的采样器会用 `NON_FINITE` 标记 logits 含 NaN 或无穷大的行。引擎在它反正要读回的
+#   token 里寻找这个标记，所以这项检查不会让任何一步多等 GPU（每步做一次 `bool(torch.isfinite(logits).all())` 会让
+#   异步调度在每一步都停顿）。一旦看到标记，引擎就丢弃那个请求（它的所有样本，释放它们的块），找出最可能的原因（读一次
+#   权重，指出第一个含 NaN 或 inf 的张量；如果没有，就是激活值溢出了数据类型的范围），然后抛出 `NonFiniteLogitsError`
+#   （一种 `ValueError`）：属于 `generate` 自己提示词的由 `generate` 抛出并指明是哪些提示词，`add_request` 的请求则由
+#   `step` 抛出。其他请求照常进行。
+#
+# 构造函数增加这些规则需要的状态；`generate`、`add_request`、`step` 和 `exit` 获取这把锁；`_collect` 把一步中结束的
+# 序列分成当前 `generate` 调用的和其他的，并丢弃不是数的结果。
+
+# %% one call at a time
+#| export engine.llm_engine
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.llm_engine import LLMEngine
+
+
+class EngineBusyError(RuntimeError):
+    """A call into the engine from inside another call of the same engine, on the same thread."""
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits were NaN or infinite for some requests, which were dropped (``request_ids``)."""
+
+    def __init__(self, message: str, request_ids: list[int]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
+    """Why a model's logits are NaN or infinite: weights that are (named), else an overflow in ``dtype``.
+
+    It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
+    """
+    if model is None:  # tensor parallelism: the weights live in the ranks
+        return f"NaN or inf in the weights, or activations that overflow {dtype}"
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    broken = [name for name, tensor in tensors if not bool(torch.isfinite(tensor).all())]
+    if broken:
+        more = f" and {len(broken) - 1} more tensors" if len(broken) > 1 else ""
+        return f"the weights hold NaN or inf ({broken[0]}{more}): the checkpoint is damaged"
+    unwritten = "or the attention read KV that no step wrote (a bug of the engine)"
+    if dtype == "float32":
+        return f"the weights are finite: the activations overflowed float32, {unwritten}"
+    better = "'bfloat16' (float32's range) or 'float32'" if dtype == "float16" else "'float32'"
+    return f"the weights are finite: the activations likely overflowed {dtype} (try dtype={better}), {unwritten}"
+
+
+@add_to_class(LLMEngine)
+@contextlib.contextmanager
+def _one_call(self, name: str) -> Iterator[None]:
+    """Run the body of `LLMEngine` method ``name`` under the engine's lock. A call from another thread waits until
+    the call in progress returns; a call from inside another call on the same thread (an observer, a callback)
+    would find the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself."""
+    me = threading.get_ident()
+    if self._lock_owner == me:
+        raise EngineBusyError(
+            f"{name}() was called from inside another call of this engine on the same thread (an observer or a "
+            "callback?), in the middle of a step; call it once that call has returned"
+        )
+    with self._lock:
+        self._lock_owner = me
+        try:
+            yield
+        finally:
+            self._lock_owner = None
+
+# %% the engine's rules
+#| export engine.llm_engine
+import time
+from collections.abc import Collection
+
+from tqdm.auto import tqdm
+
+from nanovllm.config import Config
+from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine, Prompt, load_tokenizer
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import TPRunner
+from nanovllm.layers.sampler import NON_FINITE
+from nanovllm.sampling_params import SamplingParams
+
+
+@add_to_class(LLMEngine)
+def __init__(self, model: str, **kwargs: Any) -> None:
+    self.config = config = Config.from_kwargs(model, **kwargs)
+    self.tokenizer = load_tokenizer(config.model)
+    runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
+    self.model_runner: ModelRunner | TPRunner = runner(config)
+    self.scheduler = Scheduler(
+        num_kvcache_blocks=config.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        eos_token_ids=config.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
+    )
+    # en: Finished sequences that step() has not reported yet (a generate call's steps finish the
+    # en: requests of add_request too); the requests dropped for non-finite logits that nobody was told
+    # en: about yet, with the likely cause; the lock of one call at a time.
+    # zh: 已经结束、但 step() 还没报告的序列（generate 调用的各步也会让 add_request 的请求结束）；因 logits 不是有限值
+    # zh: 而被丢弃、尚未告知任何人的请求，及其可能的原因；“一次一个调用”的锁。
+    self.unreported: list[Sequence] = []
+    self._dropped: dict[int, str] = {}
+    self._lock = threading.Lock()
+    self._lock_owner: int | None = None
+
+
+@add_to_class(LLMEngine)
+def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
+    """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own).
+    `step` reports it when it finishes, also when a `generate` call's steps computed it."""
+    with self._one_call("add_request"):
+        seqs = self.make_sequences(prompt, sampling_params)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs[0].seq_id
+
+
+
+@add_to_class(LLMEngine)
+def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
+    """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
+
+    With async scheduling, the step it launches is not the one it reports: it queues step n + 1
+    on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
+    The forked samples of a request with ``n > 1`` finish under their own seq_ids. It also reports
+    the requests of `add_request` that a `generate` call finished, and raises NonFiniteLogitsError
+    once for requests dropped because their logits were not finite (the others go on).
+    """
+    with self._one_call("step"):
+        num_tokens, is_prefill = 0, False
+        if not (self.scheduler.is_finished() and self.in_flight is None):
+            finished, num_tokens, is_prefill = self._step()
+            self.unreported += finished
+        error = self._take_dropped(None)
+        if error is not None:
+            raise error  # what finished stays in unreported, for the next call
+        reported, self.unreported = self.unreported, []
+        return [(seq.seq_id, seq.completion_token_ids) for seq in reported], num_tokens, is_prefill
+
+
+@add_to_class(LLMEngine)
+def exit(self) -> None:
+    """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
+    with self._one_call("exit"):
+        self.model_runner.exit()
+
+
+@add_to_class(LLMEngine)
+def is_finished(self) -> bool:
+    """True when no request is queued or computing, and `step` has nothing left to report."""
+    idle = self.scheduler.is_finished() and self.in_flight is None
+    return idle and not self.unreported and not self._dropped
+
+
+@add_to_class(LLMEngine)
+def generate(
+    self,
+    prompts: list[Prompt],
+    sampling_params: SamplingParams | list[SamplingParams] | None = None,
+    use_tqdm: bool = True,
+) -> list[dict[str, Any]]:
+    """Generate a continuation of every prompt; outputs come back in prompt order.
+
+    A prompt is a str, a list of token ids or a 1-D integer NumPy array / torch tensor. Requests queued
+    earlier with `add_request` are not set aside: they share this call's steps (continuous batching), and
+    those that finish meanwhile wait in the engine for `step` to report them; the others keep their place
+    and their blocks when it returns. Raises NonFiniteLogitsError, naming the prompts, when the model's
+    logits for one of them are NaN or infinite.
+    """
+    with self._one_call("generate"):
+        if isinstance(prompts, str) or not isinstance(prompts, ListLike):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
+            kind = type(sampling_params).__name__
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        # en: Check every request first: a bad one must not leave the others half-queued.
+        # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
+        requests = []
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            try:
+                requests.append(self.make_sequences(prompt, params))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"prompt {index}: {error}") from error
+        for seqs in requests:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        # en: Completions by request id, then by sample index (a request with n > 1 has n of them).
+        # zh: 按请求 id、再按样本序号存放的生成结果（n > 1 的请求有 n 个）。
+        outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
+        total = sum(params.n for params in sampling_params)
+        done = 0
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_rate = decode_rate = 0.0
+        try:
+            while done < total:
+                start = time.perf_counter()
+                finished, num_tokens, is_prefill = self._step()
+                if self._dropped:
+                    self._raise_dropped(requests)
+                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+                prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
+                bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
+                for seq in finished:
+                    if seq.request_id in outputs:
+                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                    else:
+                        self.unreported.append(seq)  # a request of add_request: step() reports it
+                mine = sum(seq.request_id in outputs for seq in finished)
+                bar.update(mine)
+                done += mine
+            if self.in_flight is not None and self.scheduler.is_finished():
+                # en: A last step computed tokens past the end of sequences that have finished: record it
+                # en: (it changes nothing) so that the engine is idle when generate returns.
+                # zh: 最后一步为已经结束的序列多算了 token：把它记下（不改变任何东西），
+                # zh: 这样 generate 返回时引擎是空闲的。
+                step, self.in_flight = self.in_flight, None
+                self._collect(step)
+        except BaseException:
+            # en: An interrupted call takes its unfinished requests with it (forked samples included):
+            # en: their blocks are freed, and a later call does not compute them for nobody.
+            # zh: 被中断的调用会带走它尚未完成的请求（包括分叉出的样本）：释放它们的块，之后的调用也不会白白计算它们。
+            self._settle_in_flight(outputs)
+            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+                if seq.request_id in outputs:
+                    self.scheduler.abort(seq)
+            for request in outputs:
+                self._dropped.pop(request, None)
+            raise
+        finally:
+            bar.close()
+        return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+
+@add_to_class(LLMEngine)
+def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
+    """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
+    token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+    seqs, indices = step.seqs, step.indices
+    broken = []
+    # en: The sampler marks a row whose logits are not numbers (chapter 07). Looking for the mark in
+    # en: the tokens the host has read anyway costs no wait for the GPU on any step.
+    # zh: 采样器会标记 logits 不是数的行（第 07 章）。在主机反正要读回的 token 里找这个标记，
+    # zh: 任何一步都不必因此等待 GPU。
+    if NON_FINITE in token_ids:
+        broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
+        kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
+        seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
+    finished = self.scheduler.resolve(seqs, indices, token_ids)
+    if broken:
+        self._drop(broken)
+    return finished, step.num_tokens, step.is_prefill
+
+
+@add_to_class(LLMEngine)
+def _drop(self, broken: list[Sequence]) -> None:
+    """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
+    `generate` call they belong to, else by the next `step`."""
+    requests = {seq.request_id for seq in broken if not seq.is_finished}
+    if not requests:
+        return  # dropped already, in an earlier step
+    cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
+    for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
+        if seq.request_id in requests:
+            self.scheduler.abort(seq)
+    self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
+    self._dropped.update(dict.fromkeys(requests, cause))
+
+
+@add_to_class(LLMEngine)
+def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
+    """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
+    ids = sorted(request for request in self._dropped if among is None or request in among)
+    if not ids:
+        return None
+    causes = sorted({self._dropped.pop(request) for request in ids})
+    some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
+    return NonFiniteLogitsError(
+        f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
+        "serving other requests", ids)
+
+
+@add_to_class(LLMEngine)
+def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
+    """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
+    ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
+    error = self._take_dropped(ids)
+    if error is not None:
+        prompts = ", ".join(str(ids[request]) for request in error.request_ids)
+        alone = len(ids) == len(error.request_ids)
+        others = "" if alone else " (generate raised: its other prompts were dropped too)"
+        raise NonFiniteLogitsError(f"prompt {prompts}: {error}{others}", error.request_ids)
+
+
+# %% [markdown] tags=["en"]
+# ## See it: the rules at work
+#
+# Chapter 11's tiny Qwen3 and prompts again, first run alone for reference tokens. Then bad
+# requests, each refused before anything is queued, while the engine carries on:
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：这些规则的作用
+#
+# 再次用第 11 章的小 Qwen3 和提示词，先单独运行一遍，得到作为参照的 token。然后是各种坏请求：每一个都在任何东西
+# 排队之前就被拒绝，而引擎继续工作：
+
+# %%
+import numpy as np
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+tiny_qwen = build_tiny_model("qwen3")
+llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
+prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write clear code"]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+outputs = llm.generate(prompts, greedy, use_tqdm=False)
+
+# %% [markdown] tags=["en"]
+# Bad requests are refused before anything is queued, and the engine carries on:
+
+# %% [markdown] tags=["zh"]
+# 坏请求在任何东西入队之前就被拒绝，引擎照常工作：
+
+# %%
+refusals = {
+    "empty prompt": lambda: llm.generate(["fine", ""], greedy),
+    "id outside vocab": lambda: llm.generate([[1, 2, 10**6]], greedy),
+    "over max_model_len": lambda: llm.generate([[1] * 510], greedy),
+    "never fits the pool": lambda: llm.generate([[1] * 30], SamplingParams(max_tokens=30)),
+    "params mismatch": lambda: llm.generate(["a", "b"], [greedy]),
+    "a 2-D array": lambda: llm.generate([np.array([[1, 2], [3, 4]])], greedy),
+    "lone surrogate": lambda: llm.generate(["caf\udce9"], greedy),
+}
+for what, call in refusals.items():
+    try:
+        call()
+        raise AssertionError(f"{what} was accepted")
+    except (TypeError, ValueError) as error:
+        print(f"{what:>19}: {type(error).__name__}: {error}")
+assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqdm=False)[0]["token_ids"]) == 12
+
+# %% [markdown] tags=["en"]
+# The three rules at work. Token ids may come as an array; three threads share the engine; a
+# request queued with `add_request` shares `generate`'s steps and `step` reports it afterwards;
+# and a NaN planted in one row of the embedding table makes the logits of the one request that
+# uses that token NaN: that request is dropped, with the tensor named, and a request queued
+# beside it finishes unharmed.
+
+# %% [markdown] tags=["zh"]
+# 三条规则的实际效果。token id 可以用数组给出；三个线程共享同一个引擎；用 `add_request` 加入的请求与 `generate`
+# 共享步骤，之后由 `step` 报告；在嵌入表的某一行放进一个 NaN，只有用到那个 token 的请求的 logits 会变成 NaN：
+# 那个请求被丢弃，报错指出是哪个张量，而与它一同排队的请求照常完成，不受影响。
+
+# %%
+import threading
+
+import torch
+
+from nanovllm.engine.llm_engine import NonFiniteLogitsError
+
+as_arrays = llm.generate([np.array(outputs[0]["token_ids"]), torch.tensor(outputs[1]["token_ids"])], greedy,
+                         use_tqdm=False)
+assert as_arrays == llm.generate([outputs[0]["token_ids"], outputs[1]["token_ids"]], greedy, use_tqdm=False)
+
+answers = {}
+threads = [threading.Thread(target=lambda i=i: answers.update({i: llm.generate([prompts[i]], greedy, use_tqdm=False)}))
+           for i in range(3)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert [answers[i][0] for i in range(3)] == outputs
+print("three threads, one engine: every call got its own tokens")
+
+queued = llm.add_request(prompts[0], greedy)
+mine = llm.generate([prompts[1]], greedy, use_tqdm=False)
+reported = {}
+while not llm.is_finished():
+    reported.update(dict(llm.step()[0]))
+assert mine == [outputs[1]] and reported == {queued: outputs[0]["token_ids"]}
+print(f"generate returned its prompt; step() then reported request {queued}, computed alongside")
+
+# en: A token that neither prompt 2 nor its completion uses: its embedding row becomes NaN.
+# zh: 选一个提示词 2 及其生成结果都用不到的 token：把它在嵌入表中的那一行变成 NaN。
+used = set(llm.tokenizer.encode(prompts[2])) | set(outputs[2]["token_ids"])
+poison = max(set(range(llm.config.hf_config.vocab_size)) - used)
+embedding = llm.model_runner.model.model.embed_tokens.weight
+saved = embedding[poison].clone()
+with torch.no_grad():
+    embedding[poison] = float("nan")
+other = llm.add_request(prompts[2], greedy)
+try:
+    llm.generate([[poison, 5, 6]], greedy, use_tqdm=False)
+    raise AssertionError("NaN logits went unnoticed")
+except NonFiniteLogitsError as error:
+    print(f"{type(error).__name__}: {error}")
+reported = {}
+while not llm.is_finished():
+    reported.update(dict(llm.step()[0]))
+with torch.no_grad():
+    embedding[poison] = saved
+assert reported == {other: outputs[2]["token_ids"]}
+print(f"request {other}, queued beside it, finished with the tokens it gets alone")
+
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - Prompts of every shape (`prompt_token_ids`, a 1-D integer array or tensor), refused clearly
+#   when they are not token ids or valid text; a model directory without tokenizer files refused.
+# - `Scheduler.rollback` and `Scheduler.abort`: a step that failed is undone; an interrupted
+#   `generate` takes its requests with it, and the step in flight is settled.
+# - One call at a time (`one_call_at_a_time`, `EngineBusyError`), `generate` beside
+#   `add_request` (`unreported`, reported by `step`), and requests whose logits are not numbers
+#   dropped with their likely cause (`NonFiniteLogitsError`), the others going on.
+#
+# Next, chapter 14 measures the engine.
+#
+# ## Exercises
+#
+# 1. An observer of the scheduler (chapter 04) calls `llm.step()` from inside `generate`. What
+#    happens, and why not simply wait for the lock?
+# 2. A request queued with `add_request` finishes during a `generate` call. Which call returns
+#    its tokens, and what does `is_finished()` say right after `generate` returns?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - 各种形状的提示词（`prompt_token_ids`，一维整数数组或张量）；不是 token id 或不是合法文本时给出清楚的拒绝；
+#   没有分词器文件的模型目录会被拒绝。
+# - `Scheduler.rollback` 与 `Scheduler.abort`：失败的一步被撤销；被中断的 `generate` 带走它的请求，计算中的那一步
+#   也会被妥善处理。
+# - 一次一个调用（`one_call_at_a_time`、`EngineBusyError`）；与 `add_request` 并用的 `generate`（`unreported`，由
+#   `step` 报告）；logits 不是数的请求连同可能的原因一起被丢弃（`NonFiniteLogitsError`），其他请求照常进行。
+#
+# 下一章（第 14 章）测量这个引擎。
+#
+# ## 练习
+#
+# 1. 调度器的一个观察者（第 04 章）在 `generate` 内部调用 `llm.step()`。会发生什么？为什么不干脆等那把锁？
+# 2. 一个用 `add_request` 排队的请求在一次 `generate` 调用中结束。哪个调用返回它的 token？`generate` 刚返回时，
+#    `is_finished()` 是什么？
+#
+# 下面的单元检查答案。
+
+# %%
+from nanovllm.engine.llm_engine import EngineBusyError
+
+# en: Exercise 1: EngineBusyError. The lock is held by generate on this very thread, in the middle of a
+# en: step: waiting for it would wait for itself forever.
+# zh: 练习 1：EngineBusyError。锁正被同一线程上的 generate 持有，而且正处在一步的中间：等它就是永远等自己。
+caught = []
+
+
+def meddle(event: str, data: dict) -> None:
+    if event == "schedule" and not caught:
+        try:
+            llm.step()
+        except EngineBusyError as error:
+            caught.append(error)
+
+
+llm.scheduler.observer = meddle
+assert llm.generate([prompts[0]], greedy, use_tqdm=False) == [outputs[0]] and len(caught) == 1
+llm.scheduler.observer = None
+
+# en: Exercise 2: a later step() call returns it; right after generate, is_finished() is False, since a
+# en: finished request is still waiting to be reported.
+# zh: 练习 2：之后的一次 step() 调用返回它；generate 刚返回时 is_finished() 为 False，
+# zh: 因为还有一个已结束的请求等着被报告。
+queued = llm.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+llm.generate([prompts[2]], greedy, use_tqdm=False)
+assert not llm.is_finished() and llm.unreported[0].request_id == queued
+assert llm.step()[0] == [(queued, outputs[1]["token_ids"][:2])] and llm.is_finished()
+print("all exercise answers check out")
