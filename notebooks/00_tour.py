@@ -149,10 +149,13 @@ display(SVG(architecture_svg()))
 # | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
 # | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
 # | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
-# | [08 · The model runner](../08_model_runner/) | flat step inputs, KV cache sizing |
+# | [08 · The model runner](../08_model_runner/) | `Config`, flat step inputs, KV cache sizing |
 # | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
 # | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
-# | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, the demo, the benchmark |
+# | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, SmolLM2 on a laptop, the command line |
+# | [12 · Asynchronous scheduling](../12_async_scheduling/) | the next step queued while the GPU computes |
+# | [13 · An engine users cannot break](../13_robustness/) | threads, interrupts, odd prompts, NaN logits |
+# | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
 # | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
@@ -170,10 +173,13 @@ display(SVG(architecture_svg()))
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
 # | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
 # | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
-# | [08 · 模型执行器](../08_model_runner/) | 扁平的单步输入、KV 缓存大小 |
+# | [08 · 模型执行器](../08_model_runner/) | `Config`、扁平的单步输入、KV 缓存大小 |
 # | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
 # | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |
-# | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、演示、基准测试 |
+# | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、笔记本电脑上的 SmolLM2、命令行 |
+# | [12 · 异步调度](../12_async_scheduling/) | GPU 计算时就把下一步排进队列 |
+# | [13 · 用户弄不坏的引擎](../13_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |
+# | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
 # | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #

@@ -62,7 +62,7 @@
 #
 # **When does the fork happen?** When the prompt's first token is sampled: the model runner draws
 # n tokens from the prompt's one logits row (each sample with its own random stream), and the
-# scheduler's `advance` turns the request into n sequences. Until then there is only one
+# scheduler's `postprocess` turns the request into n sequences. Until then there is only one
 # sequence, so a chunked prefill, a prefix-cache hit or a preemption during prefill work exactly
 # as before.
 
@@ -86,7 +86,7 @@
 # 未写满的块最多 n − 1 份副本。
 #
 # **分叉发生在什么时候？** 在提示词的第一个 token 被采样的时候：执行器从提示词那唯一一行 logits 里抽出 n 个
-# token（每个样本用自己的随机数流），调度器的 `advance` 把这个请求变成 n 个序列。在此之前只有一个序列，所以分块
+# token（每个样本用自己的随机数流），调度器的 `postprocess` 把这个请求变成 n 个序列。在此之前只有一个序列，所以分块
 # prefill、前缀缓存命中、prefill 期间的抢占都和以前完全一样。
 
 # %% [markdown] tags=["en"]
@@ -678,7 +678,7 @@ print("forked samples == independent requests, token for token")
 # ## The benchmark: n = 4 against four independent requests, on a GPU
 #
 # The same comparison at scale: the first 64 prompts of nano-vllm's benchmark workload (chapter
-# 11: random prompts of 100 to 1,024 tokens, Qwen3-0.6B shapes, bf16), each asked for n = 4
+# 14: random prompts of 100 to 1,024 tokens, Qwen3-0.6B shapes, bf16), each asked for n = 4
 # samples with its workload output length, against the same 64 prompts as 256 independent
 # requests (`fork_samples=False`), in one run:
 #
@@ -691,7 +691,7 @@ print("forked samples == independent requests, token for token")
 # %% [markdown] tags=["zh"]
 # ## 基准测试：在 GPU 上比较 n = 4 和四个独立请求
 #
-# 同样的比较，放大规模：取 nano-vllm 基准负载（第 11 章：随机提示词，长度 100 到 1,024 个 token，Qwen3-0.6B 的
+# 同样的比较，放大规模：取 nano-vllm 基准负载（第 14 章：随机提示词，长度 100 到 1,024 个 token，Qwen3-0.6B 的
 # 形状，bf16）的前 64 个提示词，每个要 n = 4 个样本、输出长度按负载里的设定；对照组是把这 64 个提示词当作 256 个
 # 独立请求（`fork_samples=False`）。两者在同一次运行中测量：
 #
@@ -827,7 +827,7 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #   `{"text", "token_ids"}` in sample order, when `n > 1`.
 # - The fork: the prompt is prefilled once (chunked, with cache hits, as usual); the runner draws
 #   the n first tokens from its one logits row, each sample from its own random stream; the
-#   scheduler's `advance` creates the n − 1 siblings, which share every block (reference count n,
+#   scheduler's `postprocess` creates the n − 1 siblings, which share every block (reference count n,
 #   the partial last block included).
 # - Copy-on-write, decided at schedule time by `BlockManager.may_append`, made by the runner as
 #   one batched copy before the forward (`copy_kv_blocks`), outside CUDA graphs, on every
@@ -860,7 +860,7 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # - `SamplingParams(n=...)`：同一个提示词的多个样本；`n > 1` 时，`generate` 返回 nano-vllm 的
 #   `{"text", "token_ids"}`（第一个样本），外加 `"outputs"`：按样本顺序排列的每个样本的 `{"text", "token_ids"}`。
 # - 分叉：提示词只 prefill 一次（照常分块、照常命中缓存）；执行器从它那一行 logits 里抽出 n 个第一 token，每个样本
-#   用自己的随机数流；调度器的 `advance` 创建 n − 1 个兄弟序列，它们共享每一个块（引用计数为 n，连未写满的最后一块
+#   用自己的随机数流；调度器的 `postprocess` 创建 n − 1 个兄弟序列，它们共享每一个块（引用计数为 n，连未写满的最后一块
 #   也算在内）。
 # - 写时复制：由 `BlockManager.may_append` 在调度时决定，由执行器在前向计算之前用一次批量拷贝完成
 #   （`copy_kv_blocks`），不在 CUDA Graph 之内，每个张量并行 rank 都做；最后一个持有者原地写入。

@@ -1114,13 +1114,13 @@ print("ours == transformers for Qwen3, Llama (tied) and Qwen2")
 # The loader refuses a broken checkpoint with a message that names the problem. We copy the
 # tiny model and damage it in three ways, then name an architecture we do not support, then
 # write sizes no model can have. `read_model_dir` is the only function that reads
-# `config.json`: the engine's `Config` (chapter 11) calls it once, and its result travels from
+# `config.json`: the engine's `Config` (chapter 08) calls it once, and its result travels from
 # there, to the model runner and to every tensor-parallel rank, so that a nonsense number is
 # refused here, by name, and not as a "negative dimension" deep inside `torch`.
 
 # %% [markdown] tags=["zh"]
 # 加载器会拒绝损坏的检查点，并在错误信息中指明问题所在。我们复制一份小模型，用三种方式把它弄坏，再写上一个不支持的架构，
-# 最后写入任何模型都不可能有的尺寸。`read_model_dir` 是唯一读取 `config.json` 的函数：引擎的 `Config`（第 11 章）
+# 最后写入任何模型都不可能有的尺寸。`read_model_dir` 是唯一读取 `config.json` 的函数：引擎的 `Config`（第 08 章）
 # 调用它一次，它的结果从那里传下去，交给模型执行器和每个张量并行 rank。这样，荒谬的数值在这里就会被点名拒绝，
 # 而不是在 `torch` 深处变成一句 “negative dimension”。
 
@@ -1172,7 +1172,7 @@ shutil.rmtree(scratch)
 # ### Random weights without a checkpoint
 #
 # Speed does not depend on the values of the weights, and a benchmark of a large shape (chapter
-# 11 measures a Qwen3-8B-shaped model) should not have to write and read 16 GB of random numbers
+# 14 measures a Qwen3-8B-shaped model) should not have to write and read 16 GB of random numbers
 # first. `build_model(..., load_format="dummy")` (vLLM's name for the same thing) reads only
 # `config.json` and fills each parameter where it already lives, on the GPU and in bf16 if that
 # is where the model is built. With tensor parallelism (chapter 10) each rank fills its own
@@ -1182,7 +1182,7 @@ shutil.rmtree(scratch)
 # %% [markdown] tags=["zh"]
 # ### 不用检查点的随机权重
 #
-# 速度与权重的数值无关，而对一个大尺寸模型做基准测试（第 11 章测的是 Qwen3-8B 形状的模型）时，不该先写出再读回
+# 速度与权重的数值无关，而对一个大尺寸模型做基准测试（第 14 章测的是 Qwen3-8B 形状的模型）时，不该先写出再读回
 # 16 GB 的随机数。`build_model(..., load_format="dummy")`（vLLM 对同一件事的叫法）只读 `config.json`，然后在每个
 # 参数所在的地方直接填上随机值：模型建在 GPU 上、用 bf16，就在 GPU 上、用 bf16 填。用张量并行（第 10 章）时，
 # 每个 rank 只填自己的分片，所以这些分片拼不回同一个模型：生成的 token 没有意义，只有速度是真实的。

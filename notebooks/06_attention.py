@@ -175,14 +175,14 @@ def reset_context() -> None:
 # The lists become tensors on the device through `host_to_device`. A plain
 # `torch.tensor(values, device="cuda")` copies from ordinary (pageable) host memory, and PyTorch
 # then waits until the GPU has finished *all* the work queued before the copy. That costs little
-# while the engine waits for every step anyway, but chapter 11 prepares step *n + 1* while the GPU
+# while the engine waits for every step anyway, but chapter 12 prepares step *n + 1* while the GPU
 # still computes step *n*, and one such wait would undo it. From page-locked ("pinned") memory the
 # copy can simply be queued behind that work, and the host moves on.
 
 # %% [markdown] tags=["zh"]
 # 这些列表通过 `host_to_device` 变成设备上的张量。普通的 `torch.tensor(values, device="cuda")` 从普通（可分页）
 # 主机内存拷贝，PyTorch 随后会一直等到 GPU 完成拷贝之前排队的*全部*工作。引擎本来就等每一步算完时，这点代价
-# 不大；但第 11 章要在 GPU 还在计算第 *n* 步时准备第 *n + 1* 步，一次这样的等待就会前功尽弃。从锁页（pinned）
+# 不大；但第 12 章要在 GPU 还在计算第 *n* 步时准备第 *n + 1* 步，一次这样的等待就会前功尽弃。从锁页（pinned）
 # 内存拷贝时，这次拷贝只需排在那些工作之后，主机可以继续做别的事。
 
 # %% context helpers

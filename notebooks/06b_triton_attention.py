@@ -105,7 +105,7 @@
 # is imported. This chapter sets it when there is no CUDA device; the module records what it
 # saw in `INTERPRETED`, and `check_triton_device` refuses a CPU tensor unless the kernels really
 # are interpreted (chapter 07's sampler kernels use the same two). The engine's `Config`
-# (chapter 11) refuses `attention_backend="triton"` on a CPU without `TRITON_INTERPRET=1` before
+# (chapter 08) refuses `attention_backend="triton"` on a CPU without `TRITON_INTERPRET=1` before
 # anything is loaded.
 
 # %% [markdown] tags=["zh"]
@@ -114,7 +114,7 @@
 # Triton 在*装饰*（`@triton.jit`）时读取 `TRITON_INTERPRET`，决定内核是编译还是解释执行。所以必须在导入内核
 # 模块之前设置这个变量。没有 CUDA 设备时，本章会设置它；模块把它看到的结果记在 `INTERPRETED` 里，而
 # `check_triton_device` 只有当内核确实以解释方式运行时才接受 CPU 上的张量（第 07 章采样器的内核也用这两样）。
-# 引擎的 `Config`（第 11 章）在加载任何东西之前，就会拒绝没有 `TRITON_INTERPRET=1` 的 CPU 上的
+# 引擎的 `Config`（第 08 章）在加载任何东西之前，就会拒绝没有 `TRITON_INTERPRET=1` 的 CPU 上的
 # `attention_backend="triton"`。
 
 # %%
@@ -785,7 +785,7 @@ def decode_attention(
 # `TritonBackend` is three one-line methods over the functions above; chapter 06's
 # `attention_backend("triton")` builds one, and the model runner hands it to every layer.
 # Which backend a run uses is the engine's `attention_backend` setting, resolved by `Config`
-# (chapter 11): `"auto"` means Triton on a GPU and the torch reference on a CPU; `"triton"` on
+# (chapter 08): `"auto"` means Triton on a GPU and the torch reference on a CPU; `"triton"` on
 # a CPU is accepted only when the kernels run in the interpreter.
 #
 # A third backend, `"flash-attn"`, is nano-vllm's choice: FlashAttention. Version 2, the one
@@ -805,7 +805,7 @@ def decode_attention(
 # GPU tests compare it with the torch reference (block sizes 16 to 256, a padded decode row,
 # unused pages full of NaN) and run the engine on it with CUDA graphs, chunked prefill, prefix
 # hits and forks. `"auto"` stays our Triton kernels: the measurements below say why. One case is
-# left open: a request dropped because its logits were not finite (chapter 11) may leave NaN or
+# left open: a request dropped because its logits were not finite (chapter 13) may leave NaN or
 # infinities in blocks that go back to the free list, and under FlashAttention 4 a later sequence
 # whose last page is such a block would read them; our kernels mask those rows.
 
@@ -814,7 +814,7 @@ def decode_attention(
 #
 # `TritonBackend` 的三个方法各只有一行，调用上面的函数；第 06 章的 `attention_backend("triton")` 构建它，
 # 模型执行器再把它交给每一层。一次运行用哪个后端，由引擎的配置项 `attention_backend` 决定，并由 `Config`
-# （第 11 章）解析：`"auto"` 在 GPU 上表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器
+# （第 08 章）解析：`"auto"` 在 GPU 上表示 Triton，在 CPU 上表示 torch 参考实现；在 CPU 上只有当内核以解释器
 # 方式运行时才接受 `"triton"`。
 #
 # 第三个后端 `"flash-attn"` 是 nano-vllm 的选择：FlashAttention。nano-vllm 调用的第 2 版在这台机器上没有 wheel
@@ -830,7 +830,7 @@ def decode_attention(
 # 哪一个；GPU 测试把它
 # 与 torch 参考实现对照（块大小 16 到 256、一个填充的 decode 行、填满 NaN 的未用页），并让引擎在它上面带着
 # CUDA Graph、分块预填充、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。还有一种
-# 情形没有处理：因 logits 不是有限值而被丢弃的请求（第 11 章）可能在归还空闲队列的块里留下 NaN 或无穷大；在
+# 情形没有处理：因 logits 不是有限值而被丢弃的请求（第 13 章）可能在归还空闲队列的块里留下 NaN 或无穷大；在
 # FlashAttention 4 下，之后某个序列的最后一页若恰好是这样的块，就会读到它们；我们的内核会屏蔽这些行。
 
 # %% backend

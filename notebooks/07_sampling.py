@@ -133,7 +133,7 @@ def seeded_generator(
 # %% [markdown] tags=["en"]
 # ## Build it: masks and the sampler
 #
-# Most batches use none of top-k, top-p or seeds (the benchmark of chapter 11 uses only a
+# Most batches use none of top-k, top-p or seeds (the benchmark of chapter 14 uses only a
 # temperature). For them `temperature_sample` is the whole sampler: it never reads a value back
 # from the GPU, so the CPU can queue it right behind the forward pass; on a GPU it runs as two
 # Triton kernels (the last section of this chapter). `sampling_inputs` decides on the host which
@@ -147,13 +147,13 @@ def seeded_generator(
 # instead: a row whose maximum logit is not finite (a NaN propagates through the maximum, and a
 # row of nothing but `-inf` has no token either) gets the impossible token id `NON_FINITE` (−2),
 # computed on the device next to the real tokens. The host reads the tokens back anyway
-# (chapter 08), so the mark costs no extra synchronization, and chapter 11's engine raises a
+# (chapter 08), so the mark costs no extra synchronization, and chapter 13's engine raises a
 # clear error when it sees one. A single `-inf` among finite logits is a masked token, not an error.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：掩码与采样器
 #
-# 大多数批次既不用 top-k、top-p，也不用种子（第 11 章的基准测试只用温度）。对它们来说，`temperature_sample` 就是
+# 大多数批次既不用 top-k、top-p，也不用种子（第 14 章的基准测试只用温度）。对它们来说，`temperature_sample` 就是
 # 整个采样器：它从不从 GPU 读回任何值，所以 CPU 可以把它紧跟在前向计算之后排进队列；在 GPU 上它由两个 Triton
 # 内核完成（见本章最后一节）。走哪条路径由 `sampling_inputs` 在主机端决定：没有任何一行用到的功能，它就传
 # `None`。通用路径会从 GPU 读回几个标志，以跳过没有任何一行需要的过滤。
@@ -163,7 +163,7 @@ def seeded_generator(
 # 询问“所有 logits 都有限吗？”，快速路径上的每一步都会因此停下来等待，所以采样器改用它的输出来回答：最大 logit
 # 不是有限值的行（NaN 会经由最大值传播开来；全是 `-inf` 的行也没有 token 可抽）得到一个不可能出现的 token id
 # `NON_FINITE`（−2），它和真正的 token 一起在设备上算出。主机反正要把 token 读回来（第 08 章），所以这个标记
-# 不需要额外的同步；第 11 章的引擎一看到它，就抛出清楚的错误。有限的 logits 中夹着一个 `-inf`，那是被屏蔽的
+# 不需要额外的同步；第 13 章的引擎一看到它，就抛出清楚的错误。有限的 logits 中夹着一个 `-inf`，那是被屏蔽的
 # token，不算错误。
 
 # %% sampler
@@ -417,7 +417,7 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # makes several passes over that `[batch, vocab]` tensor (a maximum, the softmax's sums, the
 # noise, an argmax), and even compiled by `torch.compile` each row reduction runs in a single
 # thread block per row: a batch of 100 rows keeps 100 thread blocks busy on a GPU that runs
-# thousands at once. In chapter 11's benchmark on an H200 the compiled version took 0.55 s of a
+# thousands at once. In chapter 14's benchmark on an H200 the compiled version took 0.55 s of a
 # 7.7 s run; the kernels below take 0.08 s of the same run (chapter 09 records both). Three
 # observations turn it into one pass that fills the GPU.
 #
@@ -473,7 +473,7 @@ assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 # 在 GPU 上，采样器是仅次于模型本身最繁忙的代码：每个 decode 步都要把每个序列的一行 151,936 个 logits（Qwen3
 # 的词表大小）变成一个 token。`temperature_sample` 要把这个 `[batch, vocab]` 张量读好几遍（求最大值、softmax 的
 # 求和、生成噪声、argmax）；即使用 `torch.compile` 编译，每个按行归约也只用一个线程块处理一行：100 行的批次只让
-# 100 个线程块忙碌，而 GPU 能同时运行数千个。在 H200 上跑第 11 章的基准测试时，编译后的版本在 7.7 s 中占了
+# 100 个线程块忙碌，而 GPU 能同时运行数千个。在 H200 上跑第 14 章的基准测试时，编译后的版本在 7.7 s 中占了
 # 0.55 s；下面的内核在同样的运行中只占 0.08 s（两者都记录在第 09 章）。下面三点观察把它变成一遍完成、又能占满
 # GPU 的计算。
 #

@@ -809,16 +809,19 @@ print("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchan
 # allocates **one** KV tensor `[2, layers, blocks, block_size, kv_heads, head_dim]` and gives
 # each layer its two views `kv_cache[0, i]` and `kv_cache[1, i]`: one allocation, no copies.
 #
-# `run` is one step: inputs, forward, logits (`compute_logits` keeps one row per sequence: the
-# last computed token's), and sampling. A sequence whose prefill chunk does not reach the end
-# of its prompt gets no token: its "next token" would be a prediction for a prompt position,
-# which the scheduler throws away anyway. The runner returns `-1` for it instead of spending a
-# sampling pass on it.
+# `run` is one step: `compute_logits` (the copy-on-write copies of chapter 04b, the inputs, the
+# `forward`, one row of logits per sequence: the last computed token's), then `sample`. A
+# sequence whose prefill chunk does not reach the end of its prompt gets no token: its "next
+# token" would be a prediction for a prompt position, which the scheduler throws away anyway.
+# The runner returns `-1` for it instead of spending a sampling pass on it. A request that forks
+# (chapter 04b) gets its siblings' first tokens from its row too, after the step's own tokens, in
+# `sibling_samples` order.
 #
-# Two hooks belong to chapter 09 and do nothing on a CPU: with `compile_small_ops` the model's
-# small element-wise ops are compiled, and on a GPU with a capture-safe attention backend (Triton or
-# FlashAttention 4) `self.graphs` holds
-# the captured decode graphs, which `run` replays for decode steps instead of calling the model.
+# That is upstream's `model_runner.py`, minus its shared-memory plumbing for ranks and its CUDA
+# graphs: chapter 09 replaces `warm_up` (which then also compiles the small ops and captures the
+# graphs) and `forward` (which replays a graph for a decode step), chapter 10 replaces
+# `kv_block_count` (the ranks agree on the pool), and chapter 12 adds `launch`, a step queued
+# without waiting for its tokens.
 #
 # The runner builds what the layers compute with once and hands it down: one attention backend
 # object (`attention_backend(config.attention_backend)`, chapter 06) given to every `Attention`
@@ -837,13 +840,14 @@ print("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchan
 # 使用选定的后端，分配**一个** KV 张量 `[2, layers, blocks, block_size, kv_heads, head_dim]`，再把它的两个视图
 # `kv_cache[0, i]` 和 `kv_cache[1, i]` 交给第 `i` 层：只分配一次，没有拷贝。
 #
-# `run` 就是一步：准备输入、前向计算、计算 logits（`compute_logits` 为每个序列保留一行：它最后一个被计算的 token），
-# 然后采样。如果某个序列的 prefill 分块没有到达提示词末尾，它就得不到 token：它的“下一个 token”只是对提示词中某个
-# 位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
+# `run` 就是一步：`compute_logits`（第 04b 章的写时复制拷贝、准备输入、`forward`，为每个序列保留一行 logits：
+# 它最后一个被计算的 token），然后 `sample`。如果某个序列的 prefill 分块没有到达提示词末尾，它就得不到 token：
+# 它的“下一个 token”只是对提示词中某个位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
+# 要分叉的请求（第 04b 章）还从它这一行为兄弟序列抽取首 token，排在这一步自己的 token 之后，顺序同 `sibling_samples`。
 #
-# 有两个挂钩属于第 09 章，在 CPU 上什么也不做：打开 `compile_small_ops` 时，模型中的逐元素小算子会被编译；在 GPU 上
-# 使用可以安全捕获的注意力后端（Triton 或 FlashAttention 4）时，`self.graphs` 保存捕获好的 decode 图，`run` 在
-# decode 步重放它们，而不是直接调用模型。
+# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章替换 `warm_up`
+# （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10 章替换 `kv_block_count`（各 rank 就块池
+# 达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核
@@ -1127,11 +1131,12 @@ assert [first, second] == expected
 #   the computed tokens, block tables only when a prefix is cached.
 # - `kv_block_bytes`, `num_kv_blocks`: how big the paged KV cache is, from a CPU budget, the
 #   GPU's free memory after a warm-up, or an explicit block count.
+# - `Config`: nano-vllm's settings plus `device`, `dtype`, `attention_backend`,
+#   `enable_prefix_caching` and `kvcache_memory_gb`; every field checked, `"auto"` resolved,
+#   `max_model_len` capped, every EOS id collected; `Config.from_kwargs` refuses unknown keys.
 # - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
-#   which samples only the rows that want a token.
-#   Its forward half is a method of its own, `compute_logits` (chapter 10's ranks use it too);
-#   `exit()` releases the KV cache. `launch` queues a step and returns `SampledTokens` at once:
-#   tokens on the device (the next decode step's inputs) and a queued copy to the host.
+#   which samples only the rows that want a token. Its forward half is a method of its own,
+#   `compute_logits` (chapter 10's ranks use it too); `exit()` releases the KV cache.
 #
 # Chapter 11 puts the scheduler and the runner in one loop.
 #
@@ -1143,6 +1148,8 @@ assert [first, second] == expected
 #    tokens in float32? How many such blocks fit in 1 GiB?
 # 3. Why would `run` be wrong if it sampled a token for every row of a chunked prefill and the
 #    scheduler appended it?
+# 4. Why does `Config.from_kwargs` take `model` as a positional-only parameter? What would
+#    `Config.from_kwargs(path, model="other")` do otherwise?
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
@@ -1150,10 +1157,11 @@ assert [first, second] == expected
 # - `prepare_prefill` / `prepare_decode`：把一步的序列变成 `input_ids`、`positions` 和注意力上下文；能处理分块
 #   （`seqlen_k = num_cached + num_scheduled`），只为本步计算的 token 分配槽位，只在存在已缓存前缀时才给出块表。
 # - `kv_block_bytes`、`num_kv_blocks`：分页 KV 缓存有多大——来自 CPU 预算、预热后 GPU 的剩余显存，或者显式给出的块数。
+# - `Config`：nano-vllm 的设置，加上 `device`、`dtype`、`attention_backend`、`enable_prefix_caching` 和
+#   `kvcache_memory_gb`；每个字段都经过检查，`"auto"` 被解析为具体值，`max_model_len` 被截到模型上限，所有 EOS id
+#   都被收集；`Config.from_kwargs` 拒绝未知的键。
 # - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
 #   它的前向部分 `compute_logits` 单独成为一个方法（第 10 章的各个 rank 也用它）；`exit()` 释放 KV 缓存。
-#   `launch` 把一步排进队列并立即返回 `SampledTokens`：设备上的 token（下一个 decode 步的输入），以及一次已排队的
-#   拷回主机的操作。
 #
 # 第 11 章把调度器和执行器放进同一个循环。
 #
@@ -1163,6 +1171,8 @@ assert [first, second] == expected
 #    它们写入各自块表中的哪一块？
 # 2. SmolLM2 有 30 层、3 个维度为 64 的 KV 头。一个 256 token 的块在 float32 下占多少字节？1 GiB 能放多少个这样的块？
 # 3. 如果 `run` 为分块 prefill 的每一行都采样一个 token，而调度器又把它追加上去，会出什么错？
+# 4. 为什么 `Config.from_kwargs` 把 `model` 设为只能按位置传入的参数？否则 `Config.from_kwargs(path, model="other")`
+#    会怎样？
 
 # %%
 # en: Exercise 1: positions 5 and 10 (the last token of each), blocks at index 5 // 4 = 1 and 10 // 4 = 2.
@@ -1188,4 +1198,14 @@ assert kv_block_bytes(smol, 256, torch.float32) == 11.25 * 2**20 and 2**30 // (1
 partial = Sequence(prompt, SamplingParams(temperature=0), block_size=4)
 partial.block_table, partial.num_scheduled_tokens = [0, 1, 3], 8
 assert runner.run([partial], is_prefill=True) == [NOT_SAMPLED]
+
+# en: Exercise 4: the key "model" is then an unknown config key, refused with the list of valid
+# en: ones, instead of Python's "got multiple values for argument 'model'".
+# zh: 练习 4：这时键 "model" 就是一个未知的配置键，报错会列出所有合法的键，而不是 Python 的
+# zh: “got multiple values for argument 'model'”。
+try:
+    Config.from_kwargs(tiny, model="other")
+    raise AssertionError("model= must be refused")
+except UnknownConfigKeyError as error:
+    assert "'model'" in str(error)
 print("all exercise answers check out")

@@ -1104,12 +1104,12 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # %% [markdown] tags=["en"]
 # ## The benchmark: the whole engine against `transformers`
 #
-# `python -m nanovllm.bench --preset nano-vllm` (chapter 11) runs nano-vllm's workload — 256
+# `python -m nanovllm.bench --preset nano-vllm` (chapter 14) runs nano-vllm's workload — 256
 # sequences, prompts and outputs of 100–1024 tokens, random token ids, `ignore_eos`,
 # temperature 0.6 — on Qwen3-0.6B's shapes with random bf16 weights, then the same workload
 # through `transformers` (sorted batches of 64), then measures the copy bandwidth and the matmul
 # rate for the bound. **Recorded** on the H200 (2026-11-29; CUDA graphs, compiled small ops,
-# chapter 07's Triton sampler and chapter 11's asynchronous scheduling on, all by default):
+# chapter 07's Triton sampler and chapter 12's asynchronous scheduling on, all by default):
 #
 # | | tokens/s | vs transformers | of the bound |
 # |---|---|---|---|
@@ -1141,7 +1141,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # - a sampler that never reads back from the GPU, first compiled (0.80 → 0.55 s), then chapter
 #   07's two Triton kernels (0.08 s: the compiled version gave each 151,936-wide row to a single
 #   thread block);
-# - asynchronous scheduling (chapter 11): step *n + 1* is queued before step *n* is collected.
+# - asynchronous scheduling (chapter 12): step *n + 1* is queued before step *n* is collected.
 #   Measured in one process, it took the engine from 16,059 to 20,758 tokens/s with the compiled
 #   sampler, and from 19,098 to 21,642 with the Triton one.
 #
@@ -1168,10 +1168,10 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # %% [markdown] tags=["zh"]
 # ## 基准测试：整个引擎对比 `transformers`
 #
-# `python -m nanovllm.bench --preset nano-vllm`（第 11 章）在 Qwen3-0.6B 形状、随机 bf16 权重的模型上运行
+# `python -m nanovllm.bench --preset nano-vllm`（第 14 章）在 Qwen3-0.6B 形状、随机 bf16 权重的模型上运行
 # nano-vllm 的负载——256 个序列，提示词和输出都是 100–1024 个 token，token id 随机，`ignore_eos`，温度 0.6——
 # 然后让 `transformers` 跑同一个负载（排好序的 64 个一批），最后测量拷贝带宽和矩阵乘速率以计算上限。
-# H200 上的**记录值**（2026-11-29；CUDA Graph、编译小算子、第 07 章的 Triton 采样器和第 11 章的异步调度均打开，
+# H200 上的**记录值**（2026-11-29；CUDA Graph、编译小算子、第 07 章的 Triton 采样器和第 12 章的异步调度均打开，
 # 都是默认设置）：
 #
 # | | tokens/s | 相对 transformers | 占上限 |
@@ -1197,7 +1197,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #   2.3 s 的编译落在计时之内），并让各个预热在推理模式下运行，这样编译好的函数不会在真实的步里重新编译；
 # - 从不从 GPU 读回数据的采样器，先是编译版（0.80 → 0.55 s），然后是第 07 章的两个 Triton 内核（0.08 s：编译版
 #   让单个线程块处理一整行 151,936 个元素）；
-# - 异步调度（第 11 章）：先把第 *n + 1* 步排进队列，再收取第 *n* 步。在同一个进程里测量，使用编译采样器时它让引擎
+# - 异步调度（第 12 章）：先把第 *n + 1* 步排进队列，再收取第 *n* 步。在同一个进程里测量，使用编译采样器时它让引擎
 #   从 16,059 提高到 20,758 tokens/s，使用 Triton 采样器时从 19,098 提高到 21,642。
 #
 # 2026-12-01，目标是同一次运行中测得的上限的 75 %。加入了三项改进：

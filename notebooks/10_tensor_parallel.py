@@ -655,7 +655,7 @@ for bad in (
 #
 # Two kinds of wires, with different jobs. The **control channel** carries *what to do*: the
 # scheduler's sequences for this step (a decode step ships one token per sequence, thanks to
-# chapter 01's slim pickling) and, back, the sampled token ids or an error. The **data plane**
+# the slim pickling built below) and, back, the sampled token ids or an error. The **data plane**
 # carries activations, inside the forward pass, between ranks only.
 #
 # **Where rank 0 lives.** Upstream nano-vllm runs rank 0 inside your process and spawns the
@@ -714,7 +714,7 @@ for bad in (
 #   采样器（只在 rank 0）→ token id → 驱动进程
 # ```
 #
-# 两种连线，各司其职。**控制通道**传递“做什么”：调度器本步的序列（得益于第 01 章的精简序列化，decode 步每个序列
+# 两种连线，各司其职。**控制通道**传递“做什么”：调度器本步的序列（得益于下面构建的精简序列化，decode 步每个序列
 # 只传一个 token），以及回传的采样 token id 或错误。**数据面**在前向计算内部传递激活值，只在各 rank 之间流动。
 #
 # **rank 0 放在哪里：** 上游 nano-vllm 把 rank 0 放在你的进程里，只为其他 rank 创建子进程。我们为*每个* rank
@@ -924,7 +924,7 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 #
 # Three details carry the upstream traps:
 #
-# - **Block size travels with the sequences.** A slim `Sequence` (chapter 01) carries its
+# - **Block size travels with the sequences.** A slim `Sequence` (built above) carries its
 #   `block_size` in the pickle: there is no class default to fall back on. (Every sequence is
 #   made with `Config.kvcache_block_size`, and the scheduler asserts it once, in `add`.)
 # - **Sampling parameters go to rank 0 only**: slim pickling drops them (the other ranks never
@@ -938,17 +938,16 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 # Four more serve speed and robustness (the section "Making it pay" below says why):
 #
 # - **A step arrives as plain tuples.** The driver ships each sequence's slim state, exactly what
-#   chapter 01's `__getstate__` returns (the one place that decides what travels: chapter 04b's
+#   `Sequence.__getstate__` returns (the one place that decides what travels: chapter 04b's
 #   copy-on-write pairs and fork counts come along by themselves), but as tuples, which pickle
 #   several times faster than objects; `step_sequences` rebuilds the slim `Sequence`s. Sampling
 #   parameters reach rank 0 once per sequence, not at every step.
-# - **Every rank keeps the step's samples.** `ModelRunner.launch` (chapter 08) ends with
-#   `share_from_rank0`: rank 0 broadcasts its sampled tokens on the device, and every rank keeps
-#   them by call number. With asynchronous scheduling the next step names the call whose samples
-#   are its pending tokens, and each rank fills them in by itself: no token goes through the host.
 # - **Replies come from a thread, in call order.** Rank 0's reply to a step is its tokens, which
-#   means waiting for the device; a `Replier` thread does that waiting, so the main thread is
-#   already receiving and queueing the next step. The other ranks reply at once.
+#   means waiting for the device; a `Replier` thread does that waiting (`reply_value`), so the
+#   main thread is already receiving the next call. The other ranks reply at once. Chapter 12's
+#   asynchronous engine relies on it: there, the driver queues step *n + 1* on every rank before
+#   it collects step *n*, and each rank keeps its last steps' samples to feed the pending tokens
+#   of the next one.
 # - **Ctrl-C is the driver's business.** A terminal sends Ctrl-C (SIGINT) to every process of
 #   the group; the ranks ignore it, so that an interrupted `generate` leaves them serving.
 
@@ -961,7 +960,7 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 #
 # 上游的几个陷阱落在三个细节上：
 #
-# - **块大小随序列一起传递。** 精简的 `Sequence`（第 01 章）在序列化数据里带着 `block_size`：根本没有可以退回的
+# - **块大小随序列一起传递。** 精简的 `Sequence`（上面构建的）在序列化数据里带着 `block_size`：根本没有可以退回的
 #   类默认值。（每个序列都用 `Config.kvcache_block_size` 创建，调度器只在 `add` 里断言一次。）
 # - **采样参数只发给 rank 0**：精简序列化会丢掉它们（其他 rank 从不采样），所以驱动进程把它们附在发给
 #   rank 0 的消息后面。
@@ -972,14 +971,13 @@ assert copy.deepcopy(long_seq).token_ids == long_seq.token_ids
 #
 # 另外几处是为了速度和稳健（下文“让它划算”一节说明原因）：
 #
-# - **一步以普通元组的形式到达。** 驱动进程为每个序列发送它的精简状态，正是第 01 章 `__getstate__` 返回的内容
+# - **一步以普通元组的形式到达。** 驱动进程为每个序列发送它的精简状态，正是 `Sequence.__getstate__` 返回的内容
 #   （决定传什么的唯一地方：第 04b 章的写时复制块对、分叉计数都会自动跟过来），只不过是元组，序列化起来比对象快好几倍；
 #   `step_sequences` 再把精简的 `Sequence` 重建出来。采样参数每个序列只发给 rank 0 一次，而不是每步都发。
-# - **每个 rank 都留着这一步的采样结果。** `ModelRunner.launch`（第 08 章）最后调用 `share_from_rank0`：rank 0
-#   在设备上广播它采样出的 token，每个 rank 按调用编号把它们存下来。异步调度时，下一步会指明它的待定 token
-#   来自哪一次调用的采样结果，每个 rank 自己把它们填进去：没有哪个 token 要经过主机。
 # - **回复由一个线程按调用顺序发出。** rank 0 对一步的回复就是它的 token，也就意味着要等设备算完；这件事由
-#   `Replier` 线程去等，于是主线程已经在接收并排队下一步了。其他 rank 立即回复。
+#   `Replier` 线程去等（`reply_value`），于是主线程已经在接收下一次调用了。其他 rank 立即回复。第 12 章的异步引擎
+#   依赖这一点：在那里，驱动进程先把第 *n + 1* 步排给每个 rank，再收取第 *n* 步；每个 rank 保存最近几步的采样结果，
+#   用来填入下一步的待定 token。
 # - **Ctrl-C 是驱动进程的事。** 终端会把 Ctrl-C（SIGINT）发给进程组里的每个进程；各 rank 忽略它，这样被打断的
 #   `generate` 不会连累它们，它们照常服务。
 
@@ -1063,7 +1061,7 @@ def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
 
 
 def step_states(seqs: list[Sequence]) -> list[tuple]:
-    """What a step ships of each sequence: its slim state, as chapter 01's `__getstate__` defines it (the one
+    """What a step ships of each sequence: its slim state, as `Sequence.__getstate__` defines it (the one
     place that says what travels), as plain tuples, without the pickle protocol's per-object work."""
     return [seq.__getstate__() for seq in seqs]
 
@@ -1240,16 +1238,15 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # ## Build it: the driver
 #
 # `TPRunner` has the interface of chapter 08's `ModelRunner` — `run(seqs, is_prefill)` returns
-# one token per sequence, `launch(seqs, is_prefill, previous)` queues a step and returns at once,
-# `config.num_kvcache_blocks` is set when it is built, `exit()` — so the engine (chapter 11)
-# uses one or the other, asynchronous scheduling included, and nothing else changes.
+# one token per sequence, `config.num_kvcache_blocks` is set when it is built, `exit()` — so the
+# engine (chapter 11) uses one or the other, and nothing else changes. (Chapter 12 gives both the
+# `launch` of asynchronous scheduling.)
 #
 # - A call has two halves. `post(name, *args)` pickles the arguments **once**, writes them to
 #   every rank and returns the call's number; `collect(number)` waits for every rank's reply to
 #   it. Each rank answers its calls in order, so the k-th reply of a rank is the answer to call
-#   k, and a reply may be read long after it arrived. `call` is the two back to back; `launch`
-#   posts a step and returns a `TPStep`, whose `token_ids()` collects it: the engine holds it
-#   where it held chapter 08's `SampledTokens`.
+#   k, and a reply may be read long after it arrived. `call` is the two back to back;
+#   chapter 12 posts a step and collects it one step later.
 # - While waiting, `collect` also watches each process's sentinel. The first failure starts a
 #   short grace period (the other ranks' reports follow: with gloo, a peer's disappearance makes
 #   their collectives fail), then every rank is stopped and `TPWorkerError` names the *first*
@@ -1275,14 +1272,14 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # %% [markdown] tags=["zh"]
 # ## 动手：驱动端
 #
-# `TPRunner` 的接口与第 08 章的 `ModelRunner` 相同——`run(seqs, is_prefill)` 为每个序列返回一个 token，
-# `launch(seqs, is_prefill, previous)` 把一步排进队列后立即返回，构建时设置 `config.num_kvcache_blocks`，还有
-# `exit()`——所以引擎（第 11 章）用这个或那个都行，包括异步调度在内，别的什么都不用改。
+# `TPRunner` 的接口与第 08 章的 `ModelRunner` 相同——`run(seqs, is_prefill)` 为每个序列返回一个 token，构建时设置
+# `config.num_kvcache_blocks`，还有 `exit()`——所以引擎（第 11 章）用这个或那个都行，别的什么都不用改。（第 12 章给
+# 二者都加上异步调度所用的 `launch`。）
 #
 # - 一次调用分两半。`post(name, *args)` 只把参数序列化**一次**，写给每个 rank，并返回这次调用的编号；
 #   `collect(编号)` 等待每个 rank 对它的回复。每个 rank 按顺序回答调用，所以某个 rank 的第 k 个回复就是对第 k 次
-#   调用的回答，回复到达之后可以过很久再读。`call` 就是二者紧接着调用；`launch` 发出一步并返回一个 `TPStep`，它的
-#   `token_ids()` 负责收取：引擎拿着它，就像拿着第 08 章的 `SampledTokens` 一样。
+#   调用的回答，回复到达之后可以过很久再读。`call` 就是二者紧接着调用；
+#   第 12 章发出一步，隔一步再收取。
 # - 等待期间，`collect` 还盯着每个进程的哨兵。第一个失败出现后，会再给一小段宽限时间（其他 rank 的报告随后就到：
 #   用 gloo 时，对端消失会让它们的集合通信失败），然后停掉所有 rank，并抛出 `TPWorkerError`，指明*最早*的那个失败
 #   （按出错 rank 自己的时钟）及其调用栈。此后执行器即告关闭：之后的任何调用都会说明原因——出了错，或者确实调用了
@@ -1350,7 +1347,7 @@ def process_state(pid: int) -> str:
 
 
 class TPRunner:
-    """Tensor-parallel ranks as processes, driven from this one; the same `run` and `launch` as `ModelRunner`."""
+    """Tensor-parallel ranks as processes, driven from this one; the same interface as `ModelRunner`."""
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
@@ -1875,7 +1872,7 @@ else:
 #
 # Tensor parallelism exists for models that do not fit one GPU, but it should also make a model
 # that does fit *faster*: two GPUs read the weights and the KV cache twice as fast. The first
-# version of this chapter did the opposite: on two H200s, the nano-vllm benchmark (chapter 11)
+# version of this chapter did the opposite: on two H200s, the nano-vllm benchmark (chapter 14)
 # ran at 3,319 tok/s with TP = 2 against 20,843 with one GPU, a decode step taking 39 ms instead
 # of 5.4. `scripts/profile_tp.py` times a decode step on both sides of the control channel with
 # one clock (every process of a host reads the same `CLOCK_MONOTONIC`): in the driver, pickling,
@@ -1901,12 +1898,12 @@ else:
 #
 # 1. **Graphs on every rank** (chapter 09): each rank captures the same sizes in the same order,
 #    its NCCL all-reduces inside the graphs. Queueing a step is a replay again.
-# 2. **Asynchronous scheduling with TP** (chapter 11): the driver queues step *n + 1* on the
+# 2. **Asynchronous scheduling with TP** (chapter 12): the driver queues step *n + 1* on the
 #    ranks before it waits for step *n*'s tokens. The ranks need step *n*'s samples as the
 #    inputs of step *n + 1*, and only rank 0 samples; so rank 0 broadcasts them on the device
 #    (`share_from_rank0`), every rank keeps them under the step's call number, and the next
 #    message names that call. Each rank fills in its pending tokens itself, exactly as one GPU
-#    does with chapter 08's `SampledTokens`; no token value travels through any host.
+#    does with chapter 12's `SampledTokens`; no token value travels through any host.
 # 3. **A lighter message**: tuples instead of objects (`step_states`), and sampling parameters
 #    once per sequence instead of at every step.
 #
@@ -1917,7 +1914,7 @@ else:
 # ## 让它划算
 #
 # 张量并行是为单块 GPU 放不下的模型准备的，但对放得下的模型，它也应该让模型*更快*：两块 GPU 读权重和 KV 缓存的
-# 速度是一块的两倍。本章的第一版恰恰相反：在两块 H200 上，nano-vllm 基准负载（第 11 章）TP = 2 时跑出 3,319 tok/s，
+# 速度是一块的两倍。本章的第一版恰恰相反：在两块 H200 上，nano-vllm 基准负载（第 14 章）TP = 2 时跑出 3,319 tok/s，
 # 单 GPU 却有 20,843，一个 decode 步要 39 ms 而不是 5.4 ms。`scripts/profile_tp.py` 用同一个时钟（同一台主机上的
 # 所有进程读到的是同一个 `CLOCK_MONOTONIC`）在控制通道两侧为一个 decode 步计时：在驱动进程中，计序列化、写入、等待、
 # 读取；在每个 rank 中，计消息到达、反序列化、把这一步排进队列、花在集合通信里的时间、等待 token 的时间；在 GPU 上，
@@ -1940,10 +1937,10 @@ else:
 #
 # 1. **每个 rank 都用 CUDA Graph**（第 09 章）：每个 rank 按同样的顺序捕获同样的档位，它的 NCCL all-reduce 就在图里。
 #    把一步排进队列重新变成一次重放。
-# 2. **张量并行下的异步调度**（第 11 章）：驱动进程先把第 *n + 1* 步排给各 rank，再等第 *n* 步的 token。各 rank
+# 2. **张量并行下的异步调度**（第 12 章）：驱动进程先把第 *n + 1* 步排给各 rank，再等第 *n* 步的 token。各 rank
 #    需要第 *n* 步的采样结果作为第 *n + 1* 步的输入，而只有 rank 0 采样；所以 rank 0 在设备上广播它们
 #    （`share_from_rank0`），每个 rank 按这一步的调用编号存下来，下一条消息指明是哪次调用。每个 rank 自己填入待定的
-#    token，和单 GPU 用第 08 章的 `SampledTokens` 做的完全一样；没有哪个 token 的值要经过任何主机。
+#    token，和单 GPU 用第 12 章的 `SampledTokens` 做的完全一样；没有哪个 token 的值要经过任何主机。
 # 3. **更轻的消息**：用元组代替对象（`step_states`），采样参数每个序列只发一次，而不是每步都发。
 #
 # 下面的单元在这台机器上测量这样一步的消息，新旧各一次，并检查新消息重建出的序列与原来的相同。
@@ -2030,12 +2027,12 @@ print(f"{calls} calls of step(); the tokens equal TP = 1's")
 # %% [markdown] tags=["en"]
 # On two GPUs, the graphs and the asynchronous steps are what the engine does by default; this
 # cell checks that both ranks captured their graphs. The speed itself is measured by
-# `python3 -m nanovllm.bench --tensor-parallel-size 2` (chapter 11), which runs the engine on two
+# `python3 -m nanovllm.bench --tensor-parallel-size 2` (chapter 14), which runs the engine on two
 # GPUs and on one in the same invocation and prints their ratio.
 
 # %% [markdown] tags=["zh"]
 # 在两块 GPU 上，CUDA Graph 和异步执行都是引擎的默认行为；这个单元检查两个 rank 都捕获了自己的图。速度本身由
-# `python3 -m nanovllm.bench --tensor-parallel-size 2`（第 11 章）测量：它在同一次调用中分别用两块 GPU 和一块 GPU
+# `python3 -m nanovllm.bench --tensor-parallel-size 2`（第 14 章）测量：它在同一次调用中分别用两块 GPU 和一块 GPU
 # 运行引擎，并打印二者之比。
 
 # %%
@@ -2092,7 +2089,7 @@ print("ranks", pids, "are gone")
 # - Making it pay: decode graphs on every rank (chapter 09), asynchronous scheduling with TP
 #   (`share_from_rank0` broadcasts rank 0's samples; each rank keeps them by call number; the
 #   `Replier` thread answers in order), a lighter step message (`step_states`, sampling params
-#   once); `post`/`collect` and `TPStep`; Ctrl-C that leaves the ranks serving
+#   once); `post`/`collect` (chapter 12 adds `launch` and `TPStep`); Ctrl-C that leaves the ranks serving
 #   (`deferred_interrupt`, ranks ignore SIGINT); `rank_timeout_s` and `TPTimeoutError` naming a
 #   stalled rank; `scripts/profile_tp.py`, which times a step on both sides of the channel.
 #
@@ -2130,7 +2127,8 @@ print("ranks", pids, "are gone")
 #   float32 下 logits 相差不超过 1e-4。
 # - 让它划算：每个 rank 都用 decode CUDA Graph（第 09 章）；张量并行下的异步调度（`share_from_rank0` 广播 rank 0 的
 #   采样结果，每个 rank 按调用编号保存，`Replier` 线程按顺序回复）；更轻的单步消息（`step_states`，采样参数只发
-#   一次）；`post`/`collect` 与 `TPStep`；不会连累各 rank 的 Ctrl-C（`deferred_interrupt`，rank 忽略 SIGINT）；
+#   一次）；`post`/`collect`（第 12 章加上 `launch` 与 `TPStep`）；不会连累各 rank 的 Ctrl-C（`deferred_interrupt`，
+#   rank 忽略 SIGINT）；
 #   `rank_timeout_s` 与指出停滞 rank 的 `TPTimeoutError`；以及在控制通道两侧为一步计时的 `scripts/profile_tp.py`。
 #
 # ## 练习

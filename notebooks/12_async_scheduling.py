@@ -16,16 +16,20 @@
 #
 # **Goal.** By the end of this chapter you can explain how the engine keeps the GPU busy while the
 # host does its bookkeeping: step *n + 1* is scheduled and queued on the GPU before the tokens of
-# step *n* are known. You will extend three classes: a `Sequence` counts a token before its value
-# exists, the `Scheduler` records a step in two halves (`advance` when the step is queued,
-# `resolve` when its tokens arrive), and the engine of chapter 11 keeps one step in flight.
+# step *n* are known. You will extend the classes of earlier chapters, each with its share: a
+# `Sequence` counts a token before its value exists, the `Scheduler` records a step in two halves
+# (`advance` when the step is queued, `resolve` when its tokens arrive), the `ModelRunner` queues
+# a step without waiting for it (`launch`), the tensor-parallel ranks keep their last steps'
+# samples, and the engine of chapter 11 keeps one step in flight.
 
 # %% [markdown] tags=["zh"]
 # # 12 · 异步调度：GPU 计算时主机也在干活
 #
 # **目标：** 读完本章，你能解释引擎如何在主机做记账工作时让 GPU 保持忙碌：第 *n* 步的 token 还没算出来，第 *n + 1*
-# 步就已经调度好并排进 GPU 的队列。你将扩展三个类：`Sequence` 在一个 token 的值还不存在时就把它计入；`Scheduler`
-# 分两半记录一步（这一步入队时 `advance`，它的 token 到达时 `resolve`）；第 11 章的引擎始终让一步处于计算中。
+# 步就已经调度好并排进 GPU 的队列。你将扩展前面各章的类，每个类承担自己的一份：`Sequence` 在一个 token 的值还不
+# 存在时就把它计入；`Scheduler` 分两半记录一步（这一步入队时 `advance`，它的 token 到达时 `resolve`）；
+# `ModelRunner` 把一步排进队列而不等待它（`launch`）；张量并行的各个 rank 保存最近几步的采样结果；第 11 章的引擎
+# 始终让一步处于计算中。
 
 # %% [markdown] tags=["en"]
 # ## Build it: a token that is still computing
@@ -41,7 +45,7 @@
 #
 # One more arrow of the state machine: a sequence can be preempted while its newest token is
 # still computing; when that token arrives and ends the sequence, it finishes from WAITING
-# (chapter 11's `abort` uses the same arrow).
+# (chapter 13's `abort` uses the same arrow).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：仍在计算的 token
@@ -52,7 +56,7 @@
 # 读取它。又因为一步可能排在一个序列的最后一个 token（结果是结束符的那个）之后，`truncate` 会丢掉越过结尾算出的内容。
 #
 # 状态机还多一条箭头：一个序列可能在它最新的 token 还在计算时被抢占；等这个 token 到来并让序列结束时，序列从 WAITING
-# 直接结束（第 11 章的 `abort` 也用这条箭头）。
+# 直接结束（第 13 章的 `abort` 也用这条箭头）。
 
 # %% pending tokens
 #| export engine.sequence

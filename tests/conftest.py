@@ -16,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
-TOOL_TESTS = frozenset({"test_tangle.py", "test_bilingual.py", "test_book.py", "test_lab.py", "site_checks.py"})
+TOOL_TESTS = frozenset(
+    {"test_tangle.py", "test_first_cuts.py", "test_layout.py", "test_bilingual.py", "test_book.py", "test_lab.py",
+     "site_checks.py"}
+)
 
 
 @cache

@@ -23,7 +23,10 @@ to a class of the module, or replaces one, with d2l's idiom::
 and adds a class attribute with a plain assignment, ``Sequence.sample_index: int = 0``. The tangler
 splices each such member into the one ``class`` block of the module (a replaced method keeps its place,
 a new one goes last, a new attribute after the class's attributes), so the package stays plain Python.
-Imports of ``add_to_class`` and of names from the module being extended are notebook-only and dropped.
+A module-level function or constant is replaced the same way, through the module:
+``import nanovllm.engine.llm_engine as llm_engine``, then ``@add_to_class(llm_engine)`` above the new
+function or ``llm_engine.Prompt = ...``; the new version takes the old one's place.
+Imports of ``add_to_class`` and of the module being extended (or its names) are notebook-only and dropped.
 
 Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``# ...``
 comments in the package and ``# zh: ...`` lines are left out, so the package reads in English

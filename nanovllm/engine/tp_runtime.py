@@ -103,7 +103,7 @@ def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
 
 
 def step_states(seqs: list[Sequence]) -> list[tuple]:
-    """What a step ships of each sequence: its slim state, as chapter 01's `__getstate__` defines it (the one
+    """What a step ships of each sequence: its slim state, as `Sequence.__getstate__` defines it (the one
     place that says what travels), as plain tuples, without the pickle protocol's per-object work."""
     return [seq.__getstate__() for seq in seqs]
 
@@ -349,7 +349,7 @@ def process_state(pid: int) -> str:
 
 
 class TPRunner:
-    """Tensor-parallel ranks as processes, driven from this one; the same `run` and `launch` as `ModelRunner`."""
+    """Tensor-parallel ranks as processes, driven from this one; the same interface as `ModelRunner`."""
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size

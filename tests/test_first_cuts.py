@@ -1,0 +1,95 @@
+"""The book builds in reading order: each engine module's first cut is upstream-shaped (tools/first_cuts.py)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tools import first_cuts, tangle
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = (
+    "# ---\n# jupyter:\n#   kernelspec:\n#     display_name: Python 3\n#     language: python\n"
+    "#     name: python3\n# ---\n"
+)
+
+
+def test_code_lines_skip_blank_lines_comments_and_docstrings() -> None:
+    source = textwrap.dedent('''
+        """A module docstring
+        on two lines."""
+
+        # a comment
+        X = [1,
+             2]  # a trailing comment
+
+
+        class A:
+            """A class docstring."""
+
+            def f(self) -> str:
+                """A function docstring."""
+                return """not a docstring
+                but a string"""
+    ''')
+    # X's two lines, the class line, the def line, the return's two lines.
+    assert first_cuts.code_lines(source) == 6
+
+
+@pytest.fixture(scope="module")
+def book() -> dict[str, first_cuts.Growth]:
+    return first_cuts.measure(ROOT)
+
+
+@pytest.mark.parametrize("module", first_cuts.BOUNDED)
+def test_each_engine_module_first_cut_stays_within_its_bound(book: dict, module: str) -> None:
+    growth = book[module]
+    limit = first_cuts.MAX_RATIO * first_cuts.UPSTREAM_LINES[module]
+    assert growth.first_cut <= limit, (
+        f"{module}: the first cut in {growth.chapters[0]} has {growth.first_cut} code lines, more than "
+        f"{first_cuts.MAX_RATIO}x upstream's {first_cuts.UPSTREAM_LINES[module]}; move a later feature into the "
+        "chapter that tells its story (an extension)"
+    )
+
+
+def test_extensions_are_counted_by_chapter_and_notebook_only_imports_are_not(tmp_path: Path) -> None:
+    first = """
+# %%
+#| default_exp engine.sequence
+
+# %% seq
+#| export
+class Sequence:
+    def __init__(self) -> None:
+        self.tokens = []
+"""
+    later = """
+# %% forks
+#| export engine.sequence
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.sequence import Sequence
+
+
+@add_to_class(Sequence)
+def fork(self) -> Sequence:
+    return Sequence()
+"""
+    for name, body in (("01_sequence.py", first), ("04b_forks.py", later)):
+        path = tmp_path / "notebooks" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(HEADER + body, encoding="utf-8")
+    growth = first_cuts.measure(tmp_path)["engine.sequence"]
+    assert growth.chapters == ["notebooks/01_sequence.py", "notebooks/04b_forks.py"]
+    assert growth.first_cut == 3 and growth.by_chapter["notebooks/04b_forks.py"] == 3  # decorator, def, return
+    assert growth.total == 5  # the class block with both methods, no __all__
+    assert "engine.sequence" in first_cuts.report({"engine.sequence": growth})
+
+
+def test_the_report_names_every_bounded_module_and_its_extensions(book: dict) -> None:
+    table = first_cuts.report(book)
+    assert all(module in table for module in first_cuts.BOUNDED)
+    # The scheduler's first cut is chapter 04's; forks, asynchronous scheduling and robustness extend it.
+    assert book["engine.scheduler"].chapters[0] == "notebooks/04_scheduler.py"
+    assert len(book["engine.scheduler"].chapters) > 1 and tangle.chapter_files(ROOT)
