@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -47,16 +48,22 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
 
 
 def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
-    """Every end-of-sequence id the model declares (generation_config.json first, then config.json)."""
-    eos: object = None
-    if (Path(model) / "generation_config.json").is_file():
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    """Every end-of-sequence id the model declares (generation_config.json first, then config.json). Each one
+    must be a token of the vocabulary: a malformed file or a bad id is refused, naming the file and the field."""
+    path, eos = Path(model) / "generation_config.json", None
+    if path.is_file():
+        try:
+            eos = GenerationConfig.from_pretrained(model).eos_token_id
+        except Exception as error:  # transformers raises OSError, ValueError, ...
+            raise ValueError(f"{path} cannot be read: {error}") from error
     if eos is None:
-        eos = getattr(hf_config, "eos_token_id", None)
+        path, eos = Path(model) / "config.json", getattr(hf_config, "eos_token_id", None)
     if eos is None:
         return ()
-    ids = [eos] if isinstance(eos, int) else list(eos)
-    return tuple(dict.fromkeys(int(i) for i in ids))
+    vocab = hf_config.vocab_size
+    ids = [check(f"{path}: eos_token_id", token, int, lambda t: 0 <= t < vocab, f"a token id in [0, {vocab})")
+           for token in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    return tuple(dict.fromkeys(ids))
 
 
 TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
@@ -117,20 +124,22 @@ class Config:
 
     def _check_numbers(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            check(name, getattr(self, name), int, lambda n: n >= 1, ">= 1")
-        check("gpu_memory_utilization", self.gpu_memory_utilization, float, lambda u: 0 < u <= 1, "in (0, 1]")
-        check("tensor_parallel_size", self.tensor_parallel_size, int, lambda n: 1 <= n <= 8, "in [1, 8]")
+            self._check(name, int, lambda n: n >= 1, ">= 1")
+        self._check("gpu_memory_utilization", float, lambda u: 0 < u <= 1, "in (0, 1]")
+        self._check("tensor_parallel_size", int, lambda n: 1 <= n <= 8, "in [1, 8]")
         for name in ("enforce_eager", "enable_prefix_caching", "fork_samples"):
-            check(name, getattr(self, name), bool)
-        check("kvcache_block_size", self.kvcache_block_size, int,
-              lambda b: 1 <= b <= MAX_BLOCK_SIZE and not b & (b - 1), f"a power of two from 1 to {MAX_BLOCK_SIZE}")
-        check("num_kvcache_blocks", self.num_kvcache_blocks, int, lambda n: n == -1 or n >= 1,
-              "-1 (size from memory) or >= 1")
+            self._check(name, bool)
+        power_of_two = f"a power of two from 1 to {MAX_BLOCK_SIZE}"
+        self._check("kvcache_block_size", int, lambda b: 1 <= b <= MAX_BLOCK_SIZE and not b & (b - 1), power_of_two)
+        self._check("num_kvcache_blocks", int, lambda n: n == -1 or n >= 1, "-1 (size from memory) or >= 1")
         for name in ("kvcache_memory_gb", "rank_timeout_s"):
-            check(name, getattr(self, name), float, lambda x: x > 0, "> 0")
+            self._check(name, float, lambda x: x > 0, "> 0")
         for name in ("compile_small_ops", "async_scheduling"):
-            check(name, getattr(self, name), object, lambda v: isinstance(v, bool) or v == "auto",
-                  "True, False or 'auto'")
+            self._check(name, object, lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
+
+    def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
+        # Keep the plain value `check` hands back (chapter 01): np.int64(4) becomes 4.
+        setattr(self, name, check(name, getattr(self, name), kind, ok, rule))
 
     def _resolve_device(self) -> None:
         device = _choice("device", self.device, DEVICES)

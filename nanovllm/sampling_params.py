@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from nanovllm.utils.checks import check
 
@@ -35,15 +37,20 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        check("temperature", self.temperature, float, lambda t: t >= 0, ">= 0 (0 means greedy)")
-        check("max_tokens", self.max_tokens, int, lambda n: n >= 1, ">= 1")
-        check("ignore_eos", self.ignore_eos, bool)
+        self._check("temperature", float, lambda t: t >= 0, ">= 0 (0 means greedy)")
+        self._check("max_tokens", int, lambda n: n >= 1, ">= 1")
+        self._check("ignore_eos", bool)
         if self.top_k is not None:
-            check("top_k", self.top_k, int, lambda k: k >= 1, ">= 1 or None (no limit)")
-        check("top_p", self.top_p, float, lambda p: 0 < p <= 1, "in (0, 1]")
+            # The sampler clamps k to the vocabulary; the bound keeps k a 64-bit integer on the GPU.
+            self._check("top_k", int, lambda k: 1 <= k < 2**63, "in [1, 2**63) or None (no limit)")
+        self._check("top_p", float, lambda p: 0 < p <= 1, "in (0, 1]")
         if self.seed is not None:
-            check("seed", self.seed, int, lambda seed: 0 <= seed < 2**63, "in [0, 2**63)")
-        check("n", self.n, int, lambda n: n >= 1, ">= 1 (completions per prompt)")
+            self._check("seed", int, lambda seed: 0 <= seed < 2**63, "in [0, 2**63)")
+        self._check("n", int, lambda n: n >= 1, ">= 1 (completions per prompt)")
+
+    def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
+        # Keep the plain value `check` hands back (np.int64(4) becomes 4); the dataclass is frozen.
+        object.__setattr__(self, name, check(name, getattr(self, name), kind, ok, rule))
 
     @property
     def greedy(self) -> bool:

@@ -115,7 +115,9 @@ display(SVG(state_machine_svg()))
 # raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field. This
 # is one of the three places where input enters the engine (the others are the prompt, below,
 # and chapter 08's `Config`): each checks what it receives once, with one small helper, `check`,
-# and the engine's inner parts trust what they are handed, as upstream's do.
+# and the engine's inner parts trust what they are handed, as upstream's do. NumPy scalars
+# (`np.int64(4)`, `np.float32(0.5)`, `np.True_`) count as the numbers they hold: `check` hands
+# back the plain Python value, which is what the object stores.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：采样参数
@@ -127,7 +129,8 @@ display(SVG(state_machine_svg()))
 # 参数在对象创建时就检查，而不是等到 GPU 计算的深处才出错：类型不对抛出 `TypeError`，取值不对抛出
 # `ValueError`，两种错误信息都会指明是哪个字段。输入进入引擎的地方有三处，这是其中之一（另外两处是下面的
 # 提示词和第 08 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
-# 交给它们的数据，上游也是这样做的。
+# 交给它们的数据，上游也是这样做的。NumPy 标量（`np.int64(4)`、`np.float32(0.5)`、`np.True_`）按它们所代表的数
+# 处理：`check` 交回对应的普通 Python 值，对象里存的就是它。
 
 # %% default module
 #| default_exp engine.sequence
@@ -137,22 +140,36 @@ display(SVG(state_machine_svg()))
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 
 def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> Any:
-    """``value`` if it is a ``kind`` and ``ok(value)`` holds, else a TypeError or ValueError that names ``name``
-    and states ``rule``. A ``float`` field takes any finite number; ``object`` leaves the test to ``ok``."""
+    """``value`` as a plain ``kind`` if it is one and ``ok`` holds, else a TypeError or ValueError that names
+    ``name`` and states ``rule``. A ``float`` field takes any finite number; ``object`` leaves the test to ``ok``.
+    NumPy scalars count as the numbers they hold (``np.int64(4)`` is an int, ``np.True_`` a bool) and come
+    back as plain Python values, which pickle and print as users expect."""
+    # en: bool is a subclass of int, but `max_tokens=True` is surely a mistake.
+    # zh: bool 是 int 的子类，但 `max_tokens=True` 一定是写错了。
+    is_bool = isinstance(value, (bool, np.bool_))
     if kind is float:
-        valid, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        valid, what, plain = isinstance(value, numbers.Real) and not is_bool, "a number", float
+    elif kind is int:
+        valid, what, plain = isinstance(value, numbers.Integral) and not is_bool, "an int", int
+    elif kind is bool:
+        valid, what, plain = is_bool, "a bool", bool
     else:
-        # en: bool is a subclass of int, but `max_tokens=True` is surely a mistake.
-        # zh: bool 是 int 的子类，但 `max_tokens=True` 一定是写错了。
-        valid = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        what = f"{'an' if kind is int else 'a'} {kind.__name__}"
+        valid, what, plain = isinstance(value, kind), f"a {kind.__name__}", None
     if not valid:
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    if plain is not None:
+        try:
+            value = plain(value)
+        except OverflowError:  # float(10**400)
+            raise ValueError(f"{name} must be finite, got {value!r}") from None
     if kind is float and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if ok is not None and not ok(value):
@@ -163,7 +180,9 @@ def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = 
 #| export sampling_params
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from nanovllm.utils.checks import check
 
@@ -191,15 +210,22 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        check("temperature", self.temperature, float, lambda t: t >= 0, ">= 0 (0 means greedy)")
-        check("max_tokens", self.max_tokens, int, lambda n: n >= 1, ">= 1")
-        check("ignore_eos", self.ignore_eos, bool)
+        self._check("temperature", float, lambda t: t >= 0, ">= 0 (0 means greedy)")
+        self._check("max_tokens", int, lambda n: n >= 1, ">= 1")
+        self._check("ignore_eos", bool)
         if self.top_k is not None:
-            check("top_k", self.top_k, int, lambda k: k >= 1, ">= 1 or None (no limit)")
-        check("top_p", self.top_p, float, lambda p: 0 < p <= 1, "in (0, 1]")
+            # en: The sampler clamps k to the vocabulary; the bound keeps k a 64-bit integer on the GPU.
+            # zh: 采样器会把 k 截到词表大小；这个上界保证 k 在 GPU 上是一个 64 位整数。
+            self._check("top_k", int, lambda k: 1 <= k < 2**63, "in [1, 2**63) or None (no limit)")
+        self._check("top_p", float, lambda p: 0 < p <= 1, "in (0, 1]")
         if self.seed is not None:
-            check("seed", self.seed, int, lambda seed: 0 <= seed < 2**63, "in [0, 2**63)")
-        check("n", self.n, int, lambda n: n >= 1, ">= 1 (completions per prompt)")
+            self._check("seed", int, lambda seed: 0 <= seed < 2**63, "in [0, 2**63)")
+        self._check("n", int, lambda n: n >= 1, ">= 1 (completions per prompt)")
+
+    def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
+        # en: Keep the plain value `check` hands back (np.int64(4) becomes 4); the dataclass is frozen.
+        # zh: 存下 `check` 交回的普通 Python 值（np.int64(4) 变成 4）；这个 dataclass 是冻结的。
+        object.__setattr__(self, name, check(name, getattr(self, name), kind, ok, rule))
 
     @property
     def greedy(self) -> bool:
@@ -410,7 +436,7 @@ def checked_token_ids(token_ids: Iterable[int]) -> list[int]:
     # en: Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered
     # en: collections are mistakes.
     # zh: 列表、元组、NumPy 数组和一维张量都可以；字符串和无序集合则是写错了。
-    if isinstance(token_ids, (str, bytes, Mapping, Set)) or not isinstance(token_ids, Iterable):
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview, Mapping, Set)) or not isinstance(token_ids, Iterable):
         raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
     token_ids = [_token_id(token, i) for i, token in enumerate(token_ids)]
     if not token_ids:

@@ -42,6 +42,10 @@ def test_defaults_match_nano_vllm() -> None:
         ({"ignore_eos": 1}, TypeError, "ignore_eos"),
         ({"top_k": 0}, ValueError, "top_k"),
         ({"top_k": 2.5}, TypeError, "top_k"),
+        ({"top_k": 2**63}, ValueError, r"top_k must be in \[1, 2\*\*63\)"),  # would overflow the GPU's int64
+        ({"top_k": 10**30}, ValueError, "top_k"),
+        ({"n": np.bool_(True)}, TypeError, "n must be an int, got bool"),
+        ({"max_tokens": np.float64(8.0)}, TypeError, "max_tokens must be an int"),
         ({"top_p": 0.0}, ValueError, "top_p"),
         ({"top_p": 1.5}, ValueError, "top_p"),
         ({"seed": -1}, ValueError, "seed"),
@@ -51,6 +55,15 @@ def test_defaults_match_nano_vllm() -> None:
 def test_bad_sampling_params_are_refused_by_name(kwargs: dict, error: type, field: str) -> None:
     with pytest.raises(error, match=field):
         SamplingParams(**kwargs)
+
+
+def test_numpy_scalars_count_as_the_numbers_they_hold() -> None:
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(4), ignore_eos=np.True_,
+                            top_k=np.int32(3), top_p=np.float64(0.9), seed=np.uint8(7), n=np.int16(2))
+    assert params == SamplingParams(temperature=0.5, max_tokens=4, ignore_eos=True, top_k=3, top_p=0.9, seed=7, n=2)
+    # Stored as plain Python values: they pickle to the ranks and print as users expect.
+    assert [type(getattr(params, name)) for name in ("temperature", "max_tokens", "ignore_eos", "top_k", "seed")] \
+        == [float, int, bool, int, int]
 
 
 def test_sampling_params_are_immutable() -> None:
@@ -65,6 +78,8 @@ def test_sampling_params_are_immutable() -> None:
         ([], ValueError, "empty"),
         ("hello", TypeError, "list of ints"),
         (b"\x01", TypeError, "list of ints"),
+        (bytearray(b"\x01"), TypeError, "list of ints"),
+        (memoryview(b"\x01"), TypeError, "list of ints"),
         (None, TypeError, "list of ints"),
         ([1, 2.0], TypeError, "position 1"),
         ([1, "2"], TypeError, "position 1"),

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -66,6 +67,30 @@ def test_every_declared_eos_id_is_kept(tmp_path: Path) -> None:
     fallback = save_tiny_llama(tmp_path / "fallback", generation_eos=None)
     assert not (fallback / "generation_config.json").exists()
     assert Config(str(fallback)).eos_token_ids == (2,)  # from config.json
+
+
+@pytest.mark.parametrize(
+    ("content", "error", "message"),
+    [
+        ("{not json", ValueError, "generation_config.json cannot be read"),
+        ('{"eos_token_id": -1}', ValueError, r"generation_config.json: eos_token_id must be a token id in \[0, "),
+        ('{"eos_token_id": 1000000}', ValueError, "generation_config.json: eos_token_id must be a token id"),
+        ('{"eos_token_id": [2, "x"]}', TypeError, "generation_config.json: eos_token_id must be an int, got str"),
+        ('{"eos_token_id": 2.5}', TypeError, "generation_config.json: eos_token_id must be an int, got float"),
+    ],
+)
+def test_a_bad_generation_config_is_named(tmp_path: Path, content: str, error: type, message: str) -> None:
+    model = save_tiny_llama(tmp_path / "model", generation_eos=2)
+    (model / "generation_config.json").write_text(content)
+    with pytest.raises(error, match=message):
+        Config(str(model))
+
+
+def test_numpy_scalars_are_plain_config_values(tiny_llama: Path) -> None:
+    config = Config.from_kwargs(tiny_llama, max_num_seqs=np.int64(4), gpu_memory_utilization=np.float32(0.5),
+                                enforce_eager=np.True_)
+    assert (config.max_num_seqs, config.gpu_memory_utilization, config.enforce_eager) == (4, 0.5, True)
+    assert (type(config.max_num_seqs), type(config.enforce_eager)) == (int, bool)
 
 
 def test_unknown_key_is_refused_with_the_valid_keys_listed(tiny_llama: Path) -> None:

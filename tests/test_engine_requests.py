@@ -51,6 +51,8 @@ def test_outputs_come_back_in_prompt_order(llm: LLM) -> None:
         ([[1], [2]], [GREEDY], ValueError, "1 sampling params for 2 prompts"),
         ("a single string", GREEDY, TypeError, "list of prompts"),
         ([b"bytes"], GREEDY, TypeError, "str or a list of token ids"),
+        ([bytearray(b"bytes")], GREEDY, TypeError, "got bytearray: decode bytes to a str first"),
+        ([memoryview(b"bytes")], GREEDY, TypeError, "got memoryview: decode bytes to a str first"),
         (["fine", "half a pair: \ud83d"], GREEDY, ValueError, r"prompt 1: .*lone surrogate, '\\ud83d' at index 13"),
         ([np.array([[1, 2], [3, 4]])], GREEDY, ValueError, r"prompt 0: a NumPy array prompt must be 1-D.*\(2, 2\)"),
         ([np.array(7)], GREEDY, ValueError, r"must be 1-D.*shape \(\)"),

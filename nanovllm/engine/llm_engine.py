@@ -74,7 +74,11 @@ def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
         return tokenizer.encode(prompt)
     if isinstance(prompt, (np.ndarray, torch.Tensor)):
         return _array_token_ids(prompt)
-    if isinstance(prompt, ListLike) and not isinstance(prompt, bytes):
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        # Bytes iterate as small ints, which would pass for token ids: the text was not decoded.
+        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}: "
+                        "decode bytes to a str first (for example data.decode('utf-8'))")
+    if isinstance(prompt, ListLike):
         return list(prompt)
     raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
                     f"got {type(prompt).__name__}")

@@ -211,7 +211,7 @@ def checked_token_ids(token_ids: Iterable[int]) -> list[int]:
     """A prompt's token ids as a list of ints, or a TypeError / ValueError that says what is wrong."""
     # Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered
     # collections are mistakes.
-    if isinstance(token_ids, (str, bytes, Mapping, Set)) or not isinstance(token_ids, Iterable):
+    if isinstance(token_ids, (str, bytes, bytearray, memoryview, Mapping, Set)) or not isinstance(token_ids, Iterable):
         raise TypeError(f"token_ids must be a list of ints, got {type(token_ids).__name__}")
     token_ids = [_token_id(token, i) for i, token in enumerate(token_ids)]
     if not token_ids:

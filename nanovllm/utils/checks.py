@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "check",
@@ -13,16 +16,27 @@ __all__ = [
 
 # notebooks/01_sequence.py · cell "check"
 def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> Any:
-    """``value`` if it is a ``kind`` and ``ok(value)`` holds, else a TypeError or ValueError that names ``name``
-    and states ``rule``. A ``float`` field takes any finite number; ``object`` leaves the test to ``ok``."""
+    """``value`` as a plain ``kind`` if it is one and ``ok`` holds, else a TypeError or ValueError that names
+    ``name`` and states ``rule``. A ``float`` field takes any finite number; ``object`` leaves the test to ``ok``.
+    NumPy scalars count as the numbers they hold (``np.int64(4)`` is an int, ``np.True_`` a bool) and come
+    back as plain Python values, which pickle and print as users expect."""
+    # bool is a subclass of int, but `max_tokens=True` is surely a mistake.
+    is_bool = isinstance(value, (bool, np.bool_))
     if kind is float:
-        valid, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        valid, what, plain = isinstance(value, numbers.Real) and not is_bool, "a number", float
+    elif kind is int:
+        valid, what, plain = isinstance(value, numbers.Integral) and not is_bool, "an int", int
+    elif kind is bool:
+        valid, what, plain = is_bool, "a bool", bool
     else:
-        # bool is a subclass of int, but `max_tokens=True` is surely a mistake.
-        valid = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        what = f"{'an' if kind is int else 'a'} {kind.__name__}"
+        valid, what, plain = isinstance(value, kind), f"a {kind.__name__}", None
     if not valid:
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    if plain is not None:
+        try:
+            value = plain(value)
+        except OverflowError:  # float(10**400)
+            raise ValueError(f"{name} must be finite, got {value!r}") from None
     if kind is float and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if ok is not None and not ok(value):
