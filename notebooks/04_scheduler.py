@@ -156,8 +156,8 @@ def max_kv_tokens(seq: Sequence) -> int:
 # One class, read it top to bottom:
 #
 # - `__init__` builds the block manager and the two queues. `observer` is `None` by default; when
-#   set (the visualizations of the appendix do), it is called after `add`, `schedule` and
-#   `postprocess` with plain data. When it is `None` nothing at all is collected for it.
+#   set (the visualizations of the appendix do), `_notify` calls it at the end of `add`,
+#   `schedule` and `postprocess` with plain data. When it is `None` nothing at all is collected for it.
 # - `check_fits` refuses what can never run; `add` queues the rest and asserts that it is new.
 # - `schedule` tries a prefill step and falls back to a decode step. Note how little the chunk
 #   needs: a sequence that still holds blocks at the head of `waiting` is a chunked prefill in
@@ -177,7 +177,7 @@ def max_kv_tokens(seq: Sequence) -> int:
 # 只有一个类，从上往下读：
 #
 # - `__init__` 构造块管理器和两个队列。`observer` 默认为 `None`；设置之后（附录中的可视化会设置它），它会在 `add`、
-#   `schedule` 和 `postprocess` 之后以普通数据为参数被调用。为 `None` 时，不会为它收集任何东西。
+#   `schedule` 和 `postprocess` 的末尾由 `_notify` 以普通数据为参数调用它。为 `None` 时，不会为它收集任何东西。
 # - `check_fits` 拒绝永远无法运行的请求；`add` 把其余的排入队列，并断言它是新请求。
 # - `schedule` 先尝试 prefill 步，不行再做 decode 步。注意分块需要的东西多么少：`waiting` 队头的序列如果还持有块，
 #   那就是一个进行中的分块 prefill，所以不必再分配，`num_cached_tokens` 记录了它停在哪里。
@@ -228,8 +228,7 @@ class Scheduler:
         assert seq.block_size == self.block_manager.block_size, "the sequence and the KV cache use other block sizes"
         assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} is not new"
         self.waiting.append(seq)
-        if self.observer is not None:
-            self.observer("add", {"seq": seq})
+        self._notify("add", {"seq": seq})
 
     # en: ---- one step ------------------------------------------------------------
     # zh: ---- 一步 ----------------------------------------------------------------
@@ -241,11 +240,8 @@ class Scheduler:
         if not is_prefill:
             seqs, preempted = self._schedule_decode()
         assert seqs, "nothing can run: was a request added without check_fits?"
-        if self.observer is not None:
-            self.observer(
-                "schedule",
-                {"seqs": list(seqs), "is_prefill": is_prefill, "preempted": preempted, "cache_hits": cache_hits},
-            )
+        self._notify("schedule",
+                     {"seqs": list(seqs), "is_prefill": is_prefill, "preempted": preempted, "cache_hits": cache_hits})
         return seqs, is_prefill
 
     def _schedule_prefill(self) -> tuple[list[Sequence], dict[int, list[int]]]:
@@ -319,9 +315,14 @@ class Scheduler:
             if self._reached_end(seq, token_id):
                 self._finish(seq)
                 finished.append(seq)
-        if self.observer is not None:
-            self.observer("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+        self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
         return finished
+
+    def _notify(self, event: str, data: dict) -> None:
+        # en: Always the last thing a method does: the observer sees, and may interrupt, only a whole change.
+        # zh: 总是一个方法做的最后一件事：观察者看到的、以及可能打断的，只是一次完整的改动。
+        if self.observer is not None:
+            self.observer(event, data)
 
     def _reached_end(self, seq: Sequence, token_id: int) -> bool:
         """An end-of-sequence token (unless ``ignore_eos``), or the last token ``max_tokens`` allows."""

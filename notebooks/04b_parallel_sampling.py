@@ -323,8 +323,7 @@ def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bo
         if self._reached_end(seq, token_id):
             self._finish(seq)
             finished.append(seq)
-    if self.observer is not None:
-        self.observer("postprocess", {"seqs": seqs, "token_ids": list(token_ids), "finished": finished})
+    self._notify("postprocess", {"seqs": seqs, "token_ids": list(token_ids), "finished": finished})
     return finished
 
 

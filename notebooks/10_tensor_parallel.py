@@ -1297,10 +1297,63 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # - rank 用 `spawn` 方式启动：全新的解释器，不会复制驱动进程的线程或 CUDA 状态（对已经用过 CUDA 的进程做 fork，
 #   行为是未定义的）。
 
+# %% holding ctrl-c
+#| export utils.interrupts
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+# en: The handlers that the open `deferred_interrupt` blocks replaced (innermost last), and the
+# en: Ctrl-Cs they held back. Only the main thread receives signals, so only it touches these.
+# zh: 尚未结束的 `deferred_interrupt` 块替换掉的处理函数（最内层在最后），以及它们压下的 Ctrl-C。
+# zh: 只有主线程会收到信号，所以也只有主线程会碰这两个列表。
+_replaced: list[Any] = []
+_held: list[FrameType | None] = []
+
+
+def _hold(signum: int, frame: FrameType | None) -> None:
+    _held.append(frame)
+
+
+@contextlib.contextmanager
+def deferred_interrupt() -> Iterator[None]:
+    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it. A block inside a block that
+    already holds it back changes nothing: the outermost one delivers."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is _hold:
+        yield  # signals reach the main thread only; or an enclosing block holds them already
+        return
+    _replaced.append(signal.signal(signal.SIGINT, _hold))
+    try:
+        yield
+    finally:
+        handler = _replaced.pop()
+        signal.signal(signal.SIGINT, handler)
+        _deliver(handler)
+
+
+def _deliver(handler: Any) -> None:
+    """Deliver the Ctrl-C held back, if there is one, to the handler that would have received it."""
+    if not _held:
+        return
+    frame = _held[-1]
+    _held.clear()
+    if callable(handler):
+        handler(signal.SIGINT, frame)  # Python's default handler raises KeyboardInterrupt here
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signal.SIGINT)
+
 # %% driver side
 #| export engine.tp_runtime
 import weakref
 from multiprocessing.process import BaseProcess
+
+from nanovllm.utils.interrupts import deferred_interrupt
 
 ERROR_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
 EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on their own
@@ -1312,26 +1365,6 @@ class TPWorkerError(RuntimeError):
 
 class TPTimeoutError(TPWorkerError, TimeoutError):
     """A rank did not answer a call within `Config.rank_timeout_s`; every rank has been stopped."""
-
-
-@contextlib.contextmanager
-def deferred_interrupt() -> Any:
-    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it: a message to the ranks is
-    written or read whole, never half, so that the channel stays usable after the interruption."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals are delivered to the main thread only
-        return
-    caught: list[Any] = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-        if caught:
-            if callable(before):
-                before(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt here
-            elif before == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
 
 
 def process_state(pid: int) -> str:
@@ -1455,17 +1488,19 @@ class TPRunner:
 
     def _read_one(self, rank: int, call: int, failures: list[RankFailure]) -> None:
         """Read one reply of `rank` (or notice that it died) and file it under its call number."""
+        # en: Read and filed as one: a Ctrl-C delivered in between would drop a reply that has left the pipe.
+        # zh: 读出和归档是一体的：若在两者之间递送 Ctrl-C，一个已经离开管道的回复就会丢失。
         with deferred_interrupt():
             message = self._receive(rank)
-        if message is None:
-            failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
-            self._next_reply[rank] = call + 1  # nothing more will come from it
-        elif message[0] == "ok":
-            self._results[(rank, self._next_reply[rank])] = message[1]
-            self._next_reply[rank] += 1
-        else:
-            failures.append(message[1])
-            self._next_reply[rank] = call + 1
+            if message is None:
+                failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
+                self._next_reply[rank] = call + 1  # nothing more will come from it
+            elif message[0] == "ok":
+                self._results[(rank, self._next_reply[rank])] = message[1]
+                self._next_reply[rank] += 1
+            else:
+                failures.append(message[1])
+                self._next_reply[rank] = call + 1
 
     def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
         """Run `name(*args)` on every rank; return each rank's result, in rank order."""
@@ -1483,8 +1518,12 @@ class TPRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step on every rank; rank 0's sampled tokens."""
-        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
-        return self.call("run", step_states(seqs), is_prefill, rank0_extra=params)[0]
+        # en: What rank 0 is told about and the call that tells it go together, whenever Ctrl-C comes.
+        # zh: 记下要告诉 rank 0 的东西，和真正告诉它的那次调用，二者同进同退，无论 Ctrl-C 何时到来。
+        with deferred_interrupt():
+            params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+            call = self.post("run", step_states(seqs), is_prefill, rank0_extra=params)
+        return self.collect(call)[0]
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""

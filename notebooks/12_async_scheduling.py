@@ -220,8 +220,7 @@ def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: li
         if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
             self._finish(seq, num_tokens=index + 1)
             finished.append(seq)
-    if self.observer is not None:
-        self.observer("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+    self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
     return finished
 
 
@@ -437,6 +436,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import RankWorker, TPRunner, step_states
 from nanovllm.layers.linear import tp_world
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import deferred_interrupt
 
 # en: Recent steps whose samples a later step may take its pending tokens from.
 # zh: 后面的步骤可能从中取待定 token 的最近几步。
@@ -515,8 +515,10 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None
     """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
     pending tokens. Every rank has them: nothing waits for rank 0."""
     before = None if previous is None else previous.call
-    params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
-    return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
+    with deferred_interrupt():  # as in chapter 10's run: the params and their call go together
+        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+        call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
+    return TPStep(self, call)
 
 
 @add_to_class(TPRunner)

@@ -190,6 +190,26 @@ def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
         self.waiting.extendleft(reversed(moved))
 
 
+# en: Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
+# zh: 引擎在这里收集观察者抛出的异常；为 None 时（单独使用的调度器）立即抛出。
+Scheduler.observer_errors = None
+
+
+@add_to_class(Scheduler)
+def _notify(self, event: str, data: dict) -> None:
+    """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
+    raises it once the step is whole: an observer must not cut a step in half."""
+    if self.observer is None:
+        return
+    if self.observer_errors is None:
+        self.observer(event, data)
+        return
+    try:
+        self.observer(event, data)
+    except BaseException as error:  # even a KeyboardInterrupt the observer raises itself
+        self.observer_errors.append(error)
+
+
 @add_to_class(Scheduler)
 def abort(self, seq: Sequence) -> None:
     """Drop an unfinished request: out of its queue, its blocks freed, FINISHED (the caller gave up on it)."""
@@ -201,12 +221,44 @@ def abort(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
     seq.status = SequenceStatus.FINISHED
 
+# %% letting ctrl-c through
+#| export utils.interrupts
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+from nanovllm.utils.interrupts import _deliver, _hold, _replaced
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Inside `deferred_interrupt`: let Ctrl-C through for the duration of the block, first delivering one that
+    was held back. For work whose interruption the caller undoes (the engine: the model computing a step)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _hold:
+        yield
+        return
+    handler = _replaced[-1]
+    signal.signal(signal.SIGINT, handler)
+    try:
+        _deliver(handler)
+        yield
+    finally:
+        signal.signal(signal.SIGINT, _hold)
+
+
+def interruption_point() -> None:
+    """Inside `deferred_interrupt`: deliver now a Ctrl-C that was held back, where the caller can take it."""
+    with interruptible():
+        pass
+
 # %% step that fails
 #| export engine.llm_engine
 from collections.abc import Collection
 
 from nanovllm.book.literate import add_to_class
 from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
+from nanovllm.utils.interrupts import interruptible
 
 
 @add_to_class(LLMEngine)
@@ -215,10 +267,13 @@ def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     seqs, is_prefill = self.scheduler.schedule()
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
     try:
-        if self.config.async_scheduling:
-            tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-        else:
-            tokens = self.model_runner.run(seqs, is_prefill)
+        # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
+        # zh: 一步之中 Ctrl-C 能立刻生效的唯一一段：撤销它的正是 `rollback`。
+        with interruptible():
+            if self.config.async_scheduling:
+                tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+            else:
+                tokens = self.model_runner.run(seqs, is_prefill)
     except BaseException:
         # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
         # en: engine stays consistent and the same step can simply run again.
@@ -313,6 +368,7 @@ import torch
 
 from nanovllm.book.literate import add_to_class
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.utils.interrupts import deferred_interrupt
 
 
 class EngineBusyError(RuntimeError):
@@ -358,7 +414,11 @@ def _one_call(self, name: str) -> Iterator[None]:
             f"{name}() was called from inside another call of this engine on the same thread (an observer or a "
             "callback?), in the middle of a step; call it once that call has returned"
         )
-    with self._lock:
+    # en: Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
+    # en: safe). The lock is taken first: waiting for another thread's call stays interruptible.
+    # zh: Ctrl-C 要等到引擎的账目完整时才生效（`interruptible` 在安全的地方放它通过）。先拿锁：
+    # zh: 等待另一个线程的调用时仍然可以被打断。
+    with self._lock, deferred_interrupt():
         self._lock_owner = me
         try:
             yield
@@ -367,8 +427,10 @@ def _one_call(self, name: str) -> Iterator[None]:
 
 # %% the engine's rules
 #| export engine.llm_engine
+import sys
 import time
 from collections.abc import Collection
+from typing import Self
 
 from tqdm.auto import tqdm
 
@@ -380,6 +442,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import interruption_point
 
 
 @add_to_class(LLMEngine)
@@ -402,6 +465,9 @@ def __init__(self, model: str, **kwargs: Any) -> None:
     self._dropped: dict[int, str] = {}
     self._lock = threading.Lock()
     self._lock_owner: int | None = None
+    # en: What the scheduler's observer raises waits here until the step is whole (see `_notify`).
+    # zh: 调度器的观察者抛出的异常先存在这里，等这一步完整了再抛出（见 `_notify`）。
+    self.scheduler.observer_errors = []
 
 
 @add_to_class(LLMEngine)
@@ -412,30 +478,72 @@ def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
         seqs = self.make_sequences(prompt, sampling_params)
         for seq in seqs:
             self.scheduler.add(seq)
+        if self.scheduler.observer_errors:
+            for seq in seqs:  # the call fails: nothing of it stays queued
+                self.scheduler.abort(seq)
+            self._raise_observer_error()
         return seqs[0].seq_id
 
 
 
+class StepOutput(tuple):
+    """A finished sequence as `step` reports it. It unpacks as nano-vllm's ``(seq_id, token_ids)`` pair, and says
+    whose sample it is: ``request_id`` (what `add_request` returned) and ``sample_index`` (0 to n - 1). The samples
+    of a request with ``n > 1`` finish under seq_ids of their own, so the pair alone cannot say."""
+
+    request_id: int
+    sample_index: int
+
+    def __new__(cls, seq_id: int, token_ids: list[int], request_id: int, sample_index: int = 0) -> Self:
+        output = super().__new__(cls, (seq_id, token_ids))
+        output.request_id, output.sample_index = request_id, sample_index
+        return output
+
+    def __getnewargs__(self) -> tuple[int, list[int], int, int]:
+        return (*self, self.request_id, self.sample_index)
+
+    def __repr__(self) -> str:
+        return (f"StepOutput(seq_id={self[0]}, token_ids={self[1]}, request_id={self.request_id}, "
+                f"sample_index={self.sample_index})")
+
+
 @add_to_class(LLMEngine)
-def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
-    """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
+def step(self) -> tuple[list[StepOutput], int, bool]:
+    """One step: (the finished sequences, tokens computed, was it a prefill). Each finished sequence is a
+    `StepOutput`: a ``(seq_id, completion ids)`` pair that names its request and sample index.
 
     With async scheduling, the step it launches is not the one it reports: it queues step n + 1
     on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
-    The forked samples of a request with ``n > 1`` finish under their own seq_ids. It also reports
-    the requests of `add_request` that a `generate` call finished, and raises NonFiniteLogitsError
-    once for requests dropped because their logits were not finite (the others go on).
+    It also reports the requests of `add_request` that a `generate` call finished, and raises
+    NonFiniteLogitsError once for requests dropped because their logits were not finite (the others go on).
     """
-    with self._one_call("step"):
-        num_tokens, is_prefill = 0, False
-        if not (self.scheduler.is_finished() and self.in_flight is None):
-            finished, num_tokens, is_prefill = self._step()
-            self.unreported += finished
-        error = self._take_dropped(None)
-        if error is not None:
-            raise error  # what finished stays in unreported, for the next call
-        reported, self.unreported = self.unreported, []
-        return [(seq.seq_id, seq.completion_token_ids) for seq in reported], num_tokens, is_prefill
+    reported: list[Sequence] = []
+    try:
+        with self._one_call("step"):
+            num_tokens, is_prefill = 0, False
+            if not (self.scheduler.is_finished() and self.in_flight is None):
+                finished, num_tokens, is_prefill = self._step()
+                self.unreported += finished
+            # en: Whatever is raised from here on, what finished stays in unreported, for the next call.
+            # zh: 从这里起无论抛出什么，已结束的序列都留在 unreported 里，交给下一次调用。
+            self._raise_observer_error()
+            interruption_point()
+            error = self._take_dropped(None)
+            if error is not None:
+                raise error
+            reported, self.unreported = self.unreported, []
+            outputs = [StepOutput(seq.seq_id, seq.completion_token_ids, seq.request_id, seq.sample_index)
+                       for seq in reported]
+    except KeyboardInterrupt:
+        # en: A Ctrl-C that arrived in the last instants of the call is delivered as it ends: what the call
+        # en: was about to report waits for the next one rather than being lost with the return value.
+        # zh: 在调用最后一刻到来的 Ctrl-C 会在调用结束时递送：这次调用本要报告的东西留给下一次，
+        # zh: 而不是随返回值一起丢失。
+        if reported:
+            with self._lock:
+                self.unreported[:0] = reported
+        raise
+    return outputs, num_tokens, is_prefill
 
 
 @add_to_class(LLMEngine)
@@ -483,6 +591,7 @@ def generate(
         # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
         requests = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+            interruption_point()  # nothing is queued yet: Ctrl-C may stop a long tokenization here
             try:
                 requests.append(self.make_sequences(prompt, params))
             except (TypeError, ValueError) as error:
@@ -494,11 +603,17 @@ def generate(
         # zh: 按请求 id、再按样本序号存放的生成结果（n > 1 的请求有 n 个）。
         outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
         total = sum(params.n for params in sampling_params)
-        done = 0
-        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        done, bar = 0, None
         prefill_rate = decode_rate = 0.0
         try:
+            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm,
+                       file=BarStream(sys.stderr))
             while done < total:
+                # en: Between steps the engine's books are whole: a Ctrl-C held back during the last step,
+                # en: or what an observer raised, is raised here.
+                # zh: 两步之间引擎的账目是完整的：上一步中被压下的 Ctrl-C，或观察者抛出的异常，在这里抛出。
+                interruption_point()
+                self._raise_observer_error()
                 start = time.perf_counter()
                 finished, num_tokens, is_prefill = self._step()
                 if self._dropped:
@@ -521,6 +636,7 @@ def generate(
                 # zh: 这样 generate 返回时引擎是空闲的。
                 step, self.in_flight = self.in_flight, None
                 self._collect(step)
+            self._raise_observer_error()
         except BaseException:
             # en: An interrupted call takes its unfinished requests with it (forked samples included):
             # en: their blocks are freed, and a later call does not compute them for nobody.
@@ -531,10 +647,48 @@ def generate(
                     self.scheduler.abort(seq)
             for request in outputs:
                 self._dropped.pop(request, None)
+            self.scheduler.observer_errors.clear()  # the error this call raises comes first
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+
+class BarStream:
+    """Where `generate`'s progress bar writes: stderr, until writing to it fails once (a closed pipe, as in
+    ``python run.py 2>&1 | head``); from then on the bar is silent. A progress bar is a courtesy: it must not take
+    a call down, nor leave tqdm's lock held (tqdm does, when the stream raises while it draws)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        self._guarded(self.stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    def _guarded(self, operation: Any, *args: Any) -> None:
+        if not self.broken:
+            try:
+                operation(*args)
+            except (OSError, ValueError):  # a broken pipe; a closed file
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty: what tqdm asks a stream
+        return getattr(self.stream, name)
+
+
+@add_to_class(LLMEngine)
+def _raise_observer_error(self) -> None:
+    """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
+    errors = self.scheduler.observer_errors
+    if errors:
+        error = errors[0]
+        errors.clear()
+        raise error
 
 
 @add_to_class(LLMEngine)

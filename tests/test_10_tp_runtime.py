@@ -32,7 +32,6 @@ from nanovllm.engine.tp_runtime import (
     FAULT_ENV,
     TPTimeoutError,
     TPWorkerError,
-    deferred_interrupt,
     init_rank,
     process_state,
     step_states,
@@ -40,6 +39,7 @@ from nanovllm.engine.tp_runtime import (
 from nanovllm.layers.linear import agree_min
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import deferred_interrupt
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tiny pool and budget: chunked prefill and preemption in a short run.

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from collections.abc import Collection, Iterator
 from collections.abc import Sequence as ListLike
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
@@ -24,14 +25,17 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner, TPStep
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import deferred_interrupt, interruptible, interruption_point
 
 __all__ = [
     "TOKENIZER_FILES",
+    "BarStream",
     "EngineBusyError",
     "LLMEngine",
     "LaunchedStep",
     "NonFiniteLogitsError",
     "Prompt",
+    "StepOutput",
     "load_tokenizer",
     "non_finite_cause",
     "prompt_token_ids",
@@ -110,6 +114,8 @@ class LLMEngine:
         self._dropped: dict[int, str] = {}
         self._lock = threading.Lock()
         self._lock_owner: int | None = None
+        # What the scheduler's observer raises waits here until the step is whole (see `_notify`).
+        self.scheduler.observer_errors = []
 
     # ---- requests -------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
@@ -154,29 +160,47 @@ class LLMEngine:
             seqs = self.make_sequences(prompt, sampling_params)
             for seq in seqs:
                 self.scheduler.add(seq)
+            if self.scheduler.observer_errors:
+                for seq in seqs:  # the call fails: nothing of it stays queued
+                    self.scheduler.abort(seq)
+                self._raise_observer_error()
             return seqs[0].seq_id
 
     # ---- the loop -------------------------------------------------------------
     # notebooks/13_robustness.py · cell "the engine's rules"
-    def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
-        """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill).
+    def step(self) -> tuple[list[StepOutput], int, bool]:
+        """One step: (the finished sequences, tokens computed, was it a prefill). Each finished sequence is a
+        `StepOutput`: a ``(seq_id, completion ids)`` pair that names its request and sample index.
 
         With async scheduling, the step it launches is not the one it reports: it queues step n + 1
         on the GPU, then collects step n (the first call collects nothing: ``([], 0, is_prefill)``).
-        The forked samples of a request with ``n > 1`` finish under their own seq_ids. It also reports
-        the requests of `add_request` that a `generate` call finished, and raises NonFiniteLogitsError
-        once for requests dropped because their logits were not finite (the others go on).
+        It also reports the requests of `add_request` that a `generate` call finished, and raises
+        NonFiniteLogitsError once for requests dropped because their logits were not finite (the others go on).
         """
-        with self._one_call("step"):
-            num_tokens, is_prefill = 0, False
-            if not (self.scheduler.is_finished() and self.in_flight is None):
-                finished, num_tokens, is_prefill = self._step()
-                self.unreported += finished
-            error = self._take_dropped(None)
-            if error is not None:
-                raise error  # what finished stays in unreported, for the next call
-            reported, self.unreported = self.unreported, []
-            return [(seq.seq_id, seq.completion_token_ids) for seq in reported], num_tokens, is_prefill
+        reported: list[Sequence] = []
+        try:
+            with self._one_call("step"):
+                num_tokens, is_prefill = 0, False
+                if not (self.scheduler.is_finished() and self.in_flight is None):
+                    finished, num_tokens, is_prefill = self._step()
+                    self.unreported += finished
+                # Whatever is raised from here on, what finished stays in unreported, for the next call.
+                self._raise_observer_error()
+                interruption_point()
+                error = self._take_dropped(None)
+                if error is not None:
+                    raise error
+                reported, self.unreported = self.unreported, []
+                outputs = [StepOutput(seq.seq_id, seq.completion_token_ids, seq.request_id, seq.sample_index)
+                           for seq in reported]
+        except KeyboardInterrupt:
+            # A Ctrl-C that arrived in the last instants of the call is delivered as it ends: what the call
+            # was about to report waits for the next one rather than being lost with the return value.
+            if reported:
+                with self._lock:
+                    self.unreported[:0] = reported
+            raise
+        return outputs, num_tokens, is_prefill
 
     # notebooks/12_async_scheduling.py · cell "engine in flight"
     def _step(self) -> tuple[list[Sequence], int, bool]:
@@ -242,6 +266,7 @@ class LLMEngine:
             # Check every request first: a bad one must not leave the others half-queued.
             requests = []
             for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+                interruption_point()  # nothing is queued yet: Ctrl-C may stop a long tokenization here
                 try:
                     requests.append(self.make_sequences(prompt, params))
                 except (TypeError, ValueError) as error:
@@ -252,11 +277,16 @@ class LLMEngine:
             # Completions by request id, then by sample index (a request with n > 1 has n of them).
             outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
             total = sum(params.n for params in sampling_params)
-            done = 0
-            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            done, bar = 0, None
             prefill_rate = decode_rate = 0.0
             try:
+                bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm,
+                           file=BarStream(sys.stderr))
                 while done < total:
+                    # Between steps the engine's books are whole: a Ctrl-C held back during the last step,
+                    # or what an observer raised, is raised here.
+                    interruption_point()
+                    self._raise_observer_error()
                     start = time.perf_counter()
                     finished, num_tokens, is_prefill = self._step()
                     if self._dropped:
@@ -277,6 +307,7 @@ class LLMEngine:
                     # (it changes nothing) so that the engine is idle when generate returns.
                     step, self.in_flight = self.in_flight, None
                     self._collect(step)
+                self._raise_observer_error()
             except BaseException:
                 # An interrupted call takes its unfinished requests with it (forked samples included):
                 # their blocks are freed, and a later call does not compute them for nobody.
@@ -286,9 +317,11 @@ class LLMEngine:
                         self.scheduler.abort(seq)
                 for request in outputs:
                     self._dropped.pop(request, None)
+                self.scheduler.observer_errors.clear()  # the error this call raises comes first
                 raise
             finally:
-                bar.close()
+                if bar is not None:
+                    bar.close()
             return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
 
     def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
@@ -309,10 +342,12 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         try:
-            if self.config.async_scheduling:
-                tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-            else:
-                tokens = self.model_runner.run(seqs, is_prefill)
+            # The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
+            with interruptible():
+                if self.config.async_scheduling:
+                    tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+                else:
+                    tokens = self.model_runner.run(seqs, is_prefill)
         except BaseException:
             # Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
             # engine stays consistent and the same step can simply run again.
@@ -365,12 +400,23 @@ class LLMEngine:
                 f"{name}() was called from inside another call of this engine on the same thread (an observer or a "
                 "callback?), in the middle of a step; call it once that call has returned"
             )
-        with self._lock:
+        # Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
+        # safe). The lock is taken first: waiting for another thread's call stays interruptible.
+        with self._lock, deferred_interrupt():
             self._lock_owner = me
             try:
                 yield
             finally:
                 self._lock_owner = None
+
+    # notebooks/13_robustness.py · cell "the engine's rules"
+    def _raise_observer_error(self) -> None:
+        """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
+        errors = self.scheduler.observer_errors
+        if errors:
+            error = errors[0]
+            errors.clear()
+            raise error
 
     # notebooks/13_robustness.py · cell "the engine's rules"
     def _drop(self, broken: list[Sequence]) -> None:
@@ -476,3 +522,59 @@ def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
         return f"the weights are finite: the activations overflowed float32, {unwritten}"
     better = "'bfloat16' (float32's range) or 'float32'" if dtype == "float16" else "'float32'"
     return f"the weights are finite: the activations likely overflowed {dtype} (try dtype={better}), {unwritten}"
+
+
+# notebooks/13_robustness.py · cell "the engine's rules"
+class StepOutput(tuple):
+    """A finished sequence as `step` reports it. It unpacks as nano-vllm's ``(seq_id, token_ids)`` pair, and says
+    whose sample it is: ``request_id`` (what `add_request` returned) and ``sample_index`` (0 to n - 1). The samples
+    of a request with ``n > 1`` finish under seq_ids of their own, so the pair alone cannot say."""
+
+    request_id: int
+    sample_index: int
+
+    def __new__(cls, seq_id: int, token_ids: list[int], request_id: int, sample_index: int = 0) -> Self:
+        output = super().__new__(cls, (seq_id, token_ids))
+        output.request_id, output.sample_index = request_id, sample_index
+        return output
+
+    def __getnewargs__(self) -> tuple[int, list[int], int, int]:
+        return (*self, self.request_id, self.sample_index)
+
+    def __repr__(self) -> str:
+        return (f"StepOutput(seq_id={self[0]}, token_ids={self[1]}, request_id={self.request_id}, "
+                f"sample_index={self.sample_index})")
+
+
+
+
+
+
+
+
+
+
+class BarStream:
+    """Where `generate`'s progress bar writes: stderr, until writing to it fails once (a closed pipe, as in
+    ``python run.py 2>&1 | head``); from then on the bar is silent. A progress bar is a courtesy: it must not take
+    a call down, nor leave tqdm's lock held (tqdm does, when the stream raises while it draws)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.broken = stream, False
+
+    def write(self, text: str) -> int:
+        self._guarded(self.stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._guarded(self.stream.flush)
+
+    def _guarded(self, operation: Any, *args: Any) -> None:
+        if not self.broken:
+            try:
+                operation(*args)
+            except (OSError, ValueError):  # a broken pipe; a closed file
+                self.broken = True
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty: what tqdm asks a stream
+        return getattr(self.stream, name)

@@ -31,6 +31,10 @@ def max_kv_tokens(seq: Sequence) -> int:
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
 
+    # notebooks/13_robustness.py · cell "scheduler undo and abort"
+    # Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
+    observer_errors = None
+
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
@@ -63,8 +67,7 @@ class Scheduler:
         assert seq.block_size == self.block_manager.block_size, "the sequence and the KV cache use other block sizes"
         assert seq.status is SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} is not new"
         self.waiting.append(seq)
-        if self.observer is not None:
-            self.observer("add", {"seq": seq})
+        self._notify("add", {"seq": seq})
 
     # ---- one step ------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
@@ -75,11 +78,8 @@ class Scheduler:
         if not is_prefill:
             seqs, preempted = self._schedule_decode()
         assert seqs, "nothing can run: was a request added without check_fits?"
-        if self.observer is not None:
-            self.observer(
-                "schedule",
-                {"seqs": list(seqs), "is_prefill": is_prefill, "preempted": preempted, "cache_hits": cache_hits},
-            )
+        self._notify("schedule",
+                     {"seqs": list(seqs), "is_prefill": is_prefill, "preempted": preempted, "cache_hits": cache_hits})
         return seqs, is_prefill
 
     def _schedule_prefill(self) -> tuple[list[Sequence], dict[int, list[int]]]:
@@ -143,6 +143,20 @@ class Scheduler:
         assert len(token_ids) == expected, f"{len(token_ids)} tokens for {len(seqs)} sequences, expected {expected}"
         seqs, indices = self.advance(seqs, is_prefill)
         return self.resolve(seqs, indices, token_ids)
+
+    # notebooks/13_robustness.py · cell "scheduler undo and abort"
+    def _notify(self, event: str, data: dict) -> None:
+        """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
+        raises it once the step is whole: an observer must not cut a step in half."""
+        if self.observer is None:
+            return
+        if self.observer_errors is None:
+            self.observer(event, data)
+            return
+        try:
+            self.observer(event, data)
+        except BaseException as error:  # even a KeyboardInterrupt the observer raises itself
+            self.observer_errors.append(error)
 
     def _reached_end(self, seq: Sequence, token_id: int) -> bool:
         """An end-of-sequence token (unless ``ignore_eos``), or the last token ``max_tokens`` allows."""
@@ -228,8 +242,7 @@ class Scheduler:
             if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
                 self._finish(seq, num_tokens=index + 1)
                 finished.append(seq)
-        if self.observer is not None:
-            self.observer("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+        self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
         return finished
 
     # notebooks/13_robustness.py · cell "scheduler undo and abort"

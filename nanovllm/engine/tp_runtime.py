@@ -29,6 +29,7 @@ from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.linear import tp_world
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import deferred_interrupt
 
 __all__ = [
     "ERROR_GRACE_S",
@@ -43,7 +44,6 @@ __all__ = [
     "TPTimeoutError",
     "TPWorkerError",
     "backend_for",
-    "deferred_interrupt",
     "init_rank",
     "parse_fault",
     "process_state",
@@ -316,26 +316,6 @@ class TPTimeoutError(TPWorkerError, TimeoutError):
     """A rank did not answer a call within `Config.rank_timeout_s`; every rank has been stopped."""
 
 
-@contextlib.contextmanager
-def deferred_interrupt() -> Any:
-    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it: a message to the ranks is
-    written or read whole, never half, so that the channel stays usable after the interruption."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals are delivered to the main thread only
-        return
-    caught: list[Any] = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-        if caught:
-            if callable(before):
-                before(signal.SIGINT, caught[0])  # Python's default handler raises KeyboardInterrupt here
-            elif before == signal.SIG_DFL:
-                os.kill(os.getpid(), signal.SIGINT)
-
-
 def process_state(pid: int) -> str:
     """The kernel's word for a process's state ("stopped", "sleeping", ...), from /proc; "" where unknown."""
     try:
@@ -453,17 +433,18 @@ class TPRunner:
 
     def _read_one(self, rank: int, call: int, failures: list[RankFailure]) -> None:
         """Read one reply of `rank` (or notice that it died) and file it under its call number."""
+        # Read and filed as one: a Ctrl-C delivered in between would drop a reply that has left the pipe.
         with deferred_interrupt():
             message = self._receive(rank)
-        if message is None:
-            failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
-            self._next_reply[rank] = call + 1  # nothing more will come from it
-        elif message[0] == "ok":
-            self._results[(rank, self._next_reply[rank])] = message[1]
-            self._next_reply[rank] += 1
-        else:
-            failures.append(message[1])
-            self._next_reply[rank] = call + 1
+            if message is None:
+                failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
+                self._next_reply[rank] = call + 1  # nothing more will come from it
+            elif message[0] == "ok":
+                self._results[(rank, self._next_reply[rank])] = message[1]
+                self._next_reply[rank] += 1
+            else:
+                failures.append(message[1])
+                self._next_reply[rank] = call + 1
 
     def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
         """Run `name(*args)` on every rank; return each rank's result, in rank order."""
@@ -554,8 +535,10 @@ class TPRunner:
         """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
         pending tokens. Every rank has them: nothing waits for rank 0."""
         before = None if previous is None else previous.call
-        params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
-        return TPStep(self, self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params))
+        with deferred_interrupt():  # as in chapter 10's run: the params and their call go together
+            params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+            call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
+        return TPStep(self, call)
 
 
 def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, stop: dict[str, bool]) -> None:
