@@ -1352,6 +1352,15 @@ def process_state(pid: int) -> str:
     return names.get(code, code)
 
 
+def process_gone(pid: int) -> bool:
+    """True once no process has this pid (a rank that was stopped and reaped)."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    return False
+
+
 class TPRunner:
     """Tensor-parallel ranks as processes, driven from this one; the same `run` and `launch` as `ModelRunner`."""
 
@@ -1752,13 +1761,7 @@ assert seen["partial prefill"] and seen["preemption"]
 # 别的东西都没有命名，所以两者不会冲突。驱动进程报告 rank 1 的错误（附带其调用栈），停掉两个 rank，进程都消失了。
 
 # %%
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
+from nanovllm.engine.tp_runtime import process_gone
 
 os.environ[FAULT_ENV] = "1:3"
 try:
@@ -1772,7 +1775,7 @@ except TPWorkerError as error:
     print(f"reported and cleaned up {time.perf_counter() - started:.2f} s after the call")
 finally:
     del os.environ[FAULT_ENV]
-assert all(gone(pid) for pid in faulty_pids) and not faulty.model_runner.alive
+assert all(process_gone(pid) for pid in faulty_pids) and not faulty.model_runner.alive
 try:
     faulty.generate(prompts, greedy, use_tqdm=False)
 except RuntimeError as error:
@@ -1816,7 +1819,7 @@ try:
 except KeyboardInterrupt:
     print(f"KeyboardInterrupt after {time.perf_counter() - started:.2f} s; ranks alive: {ranks.alive}, "
           f"engine idle: {llm_tp2.is_finished()}")
-assert ranks.alive and llm_tp2.is_finished() and all(not gone(pid) for pid in ranks.pids)
+assert ranks.alive and llm_tp2.is_finished() and all(not process_gone(pid) for pid in ranks.pids)
 assert [o["token_ids"] for o in llm_tp2.generate(prompts, greedy, use_tqdm=False)] == [o["token_ids"] for o in out_tp1]
 print("and it serves again, with the same tokens")
 
@@ -1844,7 +1847,7 @@ except TPTimeoutError as error:
 finally:
     with suppress(ProcessLookupError):
         os.kill(stalling_pids[1], signal.SIGCONT)
-assert all(gone(pid) for pid in stalling_pids) and not stalling.model_runner.alive
+assert all(process_gone(pid) for pid in stalling_pids) and not stalling.model_runner.alive
 
 # %% [markdown] tags=["en"]
 # ### On GPUs: NCCL
@@ -2068,7 +2071,7 @@ else:
 pids = ranks.pids
 llm_tp2.exit()
 llm_tp1.exit()
-assert all(gone(pid) for pid in pids) and not ranks.alive
+assert all(process_gone(pid) for pid in pids) and not ranks.alive
 print("ranks", pids, "are gone")
 
 # %% [markdown] tags=["en"]
