@@ -796,7 +796,8 @@ def decode_attention(
 # and V, `cu_seqlens_k`), prefill over a paged prefix (`page_table` is our block table; the keys'
 # lengths go in `seqused_k`, since it refuses `cu_seqlens_k` with a page table), and decode (a
 # batch of one query each against its pages, `seqused_k` = the context lengths). The store stays
-# our kernel. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
+# our kernel: `FlashAttnBackend` is a `TritonBackend` whose prefill, decode and warm-up call
+# FlashAttention. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
 # exactly one key tile (block size 128 there), so the unwritten rows of a sequence's last page
 # must hold finite numbers (0 × NaN is NaN): the engine's KV cache on a GPU starts as zeros (chapter 08);
 # and it compiles a kernel per variant, so `warm_up` compiles both prefill variants before
@@ -823,7 +824,8 @@ def decode_attention(
 # `flash_attn_varlen_func` 覆盖了我们的三种情形：没有缓存的 prefill（本步打包好的 K 和 V，`cu_seqlens_k`）、
 # 读取分页前缀的 prefill（`page_table` 就是我们的块表；键的长度放进 `seqused_k`，因为有块表时它不接受
 # `cu_seqlens_k`），以及 decode（一批查询，每个序列一个，对着各自的页计算，`seqused_k` 就是上下文长度）。存储仍用
-# 我们自己的内核。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
+# 我们自己的内核：`FlashAttnBackend` 是一个 `TritonBackend`，只是它的 prefill、decode 和预热改为调用
+# FlashAttention。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
 # 读取，所以序列最后一页中未写入的行必须是有限的数（0 × NaN 还是 NaN）：引擎在 GPU 上的 KV 缓存一开始就全是零
 # （第 08 章）；另外，它为每个变体编译一个内核，所以 `warm_up` 在任何计时开始之前先编译好两个 prefill 变体。
 # 只有在计算能力 9 或以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了
@@ -866,9 +868,9 @@ class TritonBackend:
                         layer.scale)  # fmt: skip
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(TritonBackend):
     """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
-    Hopper or newer GPU; the K/V store stays this module's Triton kernel. Verified on the H200 (chapter 06b)."""
+    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200 (chapter 06b)."""
 
     def __init__(self) -> None:
         # en: Imported when the backend is built, not with this module: most machines do not have it.
@@ -876,11 +878,6 @@ class FlashAttnBackend:
         from flash_attn.cute import flash_attn_varlen_func
 
         self.attend = flash_attn_varlen_func
-
-    def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(
         self,
