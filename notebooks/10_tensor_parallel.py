@@ -1883,12 +1883,12 @@ else:
 # that does fit *faster*: two GPUs read the weights and the KV cache twice as fast. The first
 # version of this chapter did the opposite: on two H200s, the nano-vllm benchmark (chapter 11)
 # ran at 3,319 tok/s with TP = 2 against 20,843 with one GPU, a decode step taking 39 ms instead
-# of 5.4. `scripts/profile_tp.py` times a decode step on both sides of the control channel with
-# one clock (every process of a host reads the same `CLOCK_MONOTONIC`): in the driver, pickling,
-# writing, waiting, reading; in each rank, the message's arrival, unpickling, queueing the step,
-# the time inside collectives, the wait for the tokens; on a GPU, CUDA events time each rank's
-# device work. On one H200 (256 sequences of the benchmark, 64 tokens each, synchronous steps so
-# that each step's times are its own; medians per decode step):
+# of 5.4. `scripts/profile_tp.py` times a decode step on both sides of the control channel: in
+# the driver, queueing the call (pickling and writing it) and waiting for the tokens; in each
+# rank, the wait for the driver's message, unpickling it, queueing the step (collectives
+# included), the wait for the tokens; on a GPU, CUDA events time each rank's device work. On one
+# H200 (256 sequences of the benchmark, 64 tokens each, synchronous steps so that each step's
+# times are its own; medians per decode step):
 #
 # | | one process, graphs | one process, eager | one rank behind the channel |
 # |---|---|---|---|
@@ -1924,11 +1924,11 @@ else:
 #
 # 张量并行是为单块 GPU 放不下的模型准备的，但对放得下的模型，它也应该让模型*更快*：两块 GPU 读权重和 KV 缓存的
 # 速度是一块的两倍。本章的第一版恰恰相反：在两块 H200 上，nano-vllm 基准负载（第 11 章）TP = 2 时跑出 3,319 tok/s，
-# 单 GPU 却有 20,843，一个 decode 步要 39 ms 而不是 5.4 ms。`scripts/profile_tp.py` 用同一个时钟（同一台主机上的
-# 所有进程读到的是同一个 `CLOCK_MONOTONIC`）在控制通道两侧为一个 decode 步计时：在驱动进程中，计序列化、写入、等待、
-# 读取；在每个 rank 中，计消息到达、反序列化、把这一步排进队列、花在集合通信里的时间、等待 token 的时间；在 GPU 上，
-# 用 CUDA 事件给每个 rank 的设备工作计时。在一块 H200 上（基准负载的 256 个序列，每个 64 个 token，同步执行，
-# 好让每一步的时间只属于它自己；取每个 decode 步的中位数）：
+# 单 GPU 却有 20,843，一个 decode 步要 39 ms 而不是 5.4 ms。`scripts/profile_tp.py` 在控制通道
+# 两侧为一个 decode 步计时：在驱动进程中，计把调用发出去（序列化并写入管道）和等待 token 的时间；在每个 rank 中，
+# 计等待驱动进程消息、反序列化、把这一步排进队列（含集合通信）和等待 token 的时间；在 GPU 上，用 CUDA 事件给每个
+# rank 的设备工作计时。在一块 H200 上（基准负载的 256 个序列，每个 64 个 token，同步执行，好让每一步的时间只属于
+# 它自己；取每个 decode 步的中位数）：
 #
 # | | 单进程，CUDA Graph | 单进程，eager | 控制通道之后的一个 rank |
 # |---|---|---|---|
