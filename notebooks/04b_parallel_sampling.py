@@ -509,7 +509,9 @@ print(f"forks: {forks}; copies: {copies}")
 #
 # A small function watches the scheduler through its observer hook: tokens computed in prefill
 # steps, and the most blocks in use at once. It is the same function the GPU benchmark below
-# uses, so it lives in a module, `nanovllm.bench.parallel_sampling`.
+# uses, so it lives in a module, `nanovllm.bench.parallel_sampling`. Its clock is the one every
+# benchmark of the book uses, `Stopwatch` (module `nanovllm.bench.report`): a GPU runs behind the
+# host, so the clock waits for the device's queued work before it starts and before it stops.
 
 # %% [markdown] tags=["zh"]
 # ## 测一测：共享省下了什么
@@ -522,10 +524,43 @@ print(f"forks: {forks}; copies: {copies}")
 # - **稍后再发一次同一个提示词**：它的整块能在前缀缓存里找到，但只有*写满的*块，而且要在它们发布之后。
 #
 # 一个小函数通过调度器的观察者钩子记录两样东西：prefill 步计算的 token 数，以及同一时刻最多用了多少个块。
-# 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench.parallel_sampling`。
+# 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench.parallel_sampling`。它用的时钟是
+# 本书所有基准测试共用的 `Stopwatch`（模块 `nanovllm.bench.report`）：GPU 落后于主机执行，所以这个时钟在开始计时
+# 和停止计时之前，都要先等设备上排队的工作做完。
 
 # %% default module
 #| default_exp bench.parallel_sampling
+
+# %% stopwatch
+#| export bench.report
+"""What the benchmarks share: a clock that includes the device's queued work, and their JSON report."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class Stopwatch:
+    """Wall-clock seconds of a ``with`` block, up to the end of the work it queued on ``device`` ("cuda", "cpu").
+
+    A GPU runs behind the host: a clock that did not wait for it at both ends would time the queueing.
+    """
+
+    def __init__(self, device: str) -> None:
+        self.synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
+        self.seconds = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self.synchronize()
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, error_type: type[BaseException] | None, *_: object) -> None:
+        if error_type is None:  # a block that raised has no time, and its device may not be able to wait
+            self.synchronize()
+            self.seconds = time.perf_counter() - self.started
 
 # %% sampling run
 #| export
@@ -533,12 +568,12 @@ print(f"forks: {forks}; copies: {copies}")
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nanovllm.bench.report import Stopwatch
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -576,20 +611,12 @@ def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams],
 
     previous, llm.scheduler.observer = llm.scheduler.observer, watch
     try:
-        _sync(llm.config.device)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(llm.config.device)
-        seconds = time.perf_counter() - start
+        with Stopwatch(llm.config.device) as clock:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.scheduler.observer = previous
     made = sum(len(sample["token_ids"]) for output in outputs for sample in output.get("outputs", [output]))
-    return SamplingRun(name, seconds, made, seen["prefill"], seen["peak"])
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    return SamplingRun(name, clock.seconds, made, seen["prefill"], seen["peak"])
 
 # %%
 import random

@@ -796,7 +796,8 @@ def decode_attention(
 # and V, `cu_seqlens_k`), prefill over a paged prefix (`page_table` is our block table; the keys'
 # lengths go in `seqused_k`, since it refuses `cu_seqlens_k` with a page table), and decode (a
 # batch of one query each against its pages, `seqused_k` = the context lengths). The store stays
-# our kernel. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
+# our kernel: `FlashAttnBackend` is a `TritonBackend` whose prefill, decode and warm-up call
+# FlashAttention. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
 # exactly one key tile (block size 128 there), so the unwritten rows of a sequence's last page
 # must hold finite numbers (0 × NaN is NaN): the engine's KV cache on a GPU starts as zeros (chapter 08);
 # and it compiles a kernel per variant, so `warm_up` compiles both prefill variants before
@@ -823,7 +824,8 @@ def decode_attention(
 # `flash_attn_varlen_func` 覆盖了我们的三种情形：没有缓存的 prefill（本步打包好的 K 和 V，`cu_seqlens_k`）、
 # 读取分页前缀的 prefill（`page_table` 就是我们的块表；键的长度放进 `seqused_k`，因为有块表时它不接受
 # `cu_seqlens_k`），以及 decode（一批查询，每个序列一个，对着各自的页计算，`seqused_k` 就是上下文长度）。存储仍用
-# 我们自己的内核。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
+# 我们自己的内核：`FlashAttnBackend` 是一个 `TritonBackend`，只是它的 prefill、decode 和预热改为调用
+# FlashAttention。H200 教会了我们两件事：当一页恰好是一个键 tile 时（那里是块大小 128），FlashAttention 4 会整页
 # 读取，所以序列最后一页中未写入的行必须是有限的数（0 × NaN 还是 NaN）：引擎在 GPU 上的 KV 缓存一开始就全是零
 # （第 08 章）；另外，它为每个变体编译一个内核，所以 `warm_up` 在任何计时开始之前先编译好两个 prefill 变体。
 # 只有在计算能力 9 或以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了
@@ -866,9 +868,9 @@ class TritonBackend:
                         layer.scale)  # fmt: skip
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(TritonBackend):
     """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
-    Hopper or newer GPU; the K/V store stays this module's Triton kernel. Verified on the H200 (chapter 06b)."""
+    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200 (chapter 06b)."""
 
     def __init__(self) -> None:
         # en: Imported when the backend is built, not with this module: most machines do not have it.
@@ -876,11 +878,6 @@ class FlashAttnBackend:
         from flash_attn.cute import flash_attn_varlen_func
 
         self.attend = flash_attn_varlen_func
-
-    def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(
         self,
@@ -1027,7 +1024,9 @@ print("Triton backend == torch reference (prefill with a cached prefix, decode, 
 # to keep the figures). Decode is timed the way the engine runs it, replayed from a CUDA graph
 # (chapter 09), so the Python launch overhead is not in the figure, over enough different blocks
 # that the reads come from HBM rather than the L2 cache. Prefill uses `triton.testing.do_bench`
-# (median, L2 flushed between repetitions).
+# (median, L2 flushed between repetitions). Like every benchmark of the book, its JSON report
+# opens with how and where it ran (`report_header`) and goes where `--out` says (`write_report`):
+# two small functions that join chapter 04b's `Stopwatch` in `nanovllm.bench.report`.
 
 # %% [markdown] tags=["zh"]
 # ## 测量：decode 看带宽，prefill 对比 SDPA
@@ -1038,6 +1037,35 @@ print("Triton backend == torch reference (prefill with a cached prefix, decode, 
 # 数字；在 GPU 上用 `python -m nanovllm.bench.attention` 运行（`--quick` 只测较少的形状，`--out F.json` 保存结果）。
 # decode 按引擎实际运行的方式计时：从 CUDA Graph（第 09 章）重放，因此数字里不含 Python 启动开销；并轮流读取足够多的
 # 不同块，使数据来自 HBM 而不是 L2 缓存。prefill 用 `triton.testing.do_bench`（取中位数，每次重复之间清空 L2）。
+# 和本书所有的基准测试一样，它的 JSON 报告以运行的方式和环境开头（`report_header`），写到 `--out` 指定的地方
+# （`write_report`）：这两个小函数和第 04b 章的 `Stopwatch` 一起放在 `nanovllm.bench.report` 里。
+
+# %% bench report
+#| export bench.report
+import datetime
+import json
+import platform
+import shlex
+import sys
+from typing import Any
+
+
+def report_header(command: str, argv: list[str] | None, device: str) -> dict[str, Any]:
+    """The head of a benchmark's JSON report: the command line that ran it (``argv``: its arguments, None for
+    ``sys.argv``'s), the date, the versions and, on ``device`` "cuda", the GPU."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    header = {"command": " ".join([command, *map(shlex.quote, args)]), "date": datetime.date.today().isoformat(),
+              "python": platform.python_version(), "torch": torch.__version__}
+    if device == "cuda":
+        header["device"] = torch.cuda.get_device_name()
+    return header
+
+
+def write_report(report: dict[str, Any], path: str | None) -> None:
+    """Write a benchmark's report as JSON to ``path`` (its ``--out``; nothing without one)."""
+    if path:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=2)
 
 # %% bench
 #| export bench.attention
@@ -1046,15 +1074,13 @@ print("Triton backend == torch reference (prefill with a cached prefix, decode, 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+from nanovllm.bench.report import report_header, write_report
 from nanovllm.layers.triton_attention import FlashAttnBackend, choose_num_splits, decode_attention, prefill_attention
 from nanovllm.layers.context import Context
 
@@ -1195,12 +1221,8 @@ def bench_prefill(
 def run(quick: bool = False) -> dict:
     """All benchmarks; returns a JSON-able dict and prints tables as it goes."""
     props = torch.cuda.get_device_properties(0)
-    result = {
-        "device": props.name, "num_sms": props.multi_processor_count,
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "command": "python -m nanovllm.bench.attention" + (" --quick" if quick else ""),
-    }  # fmt: skip
+    result = report_header("python -m nanovllm.bench.attention", ["--quick"] if quick else [], "cuda")
+    result |= {"num_sms": props.multi_processor_count, "triton": __import__("triton").__version__}
     result["copy_bytes_per_s"] = copy = copy_bandwidth()
     print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
     flash = flash_attn_backend()
@@ -1281,10 +1303,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
-    result = run(args.quick)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    write_report(run(args.quick), args.out)
 
 
 # en: Run as `python -m nanovllm.bench.attention`, not when a notebook executes this code as __main__.

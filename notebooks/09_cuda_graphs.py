@@ -827,14 +827,13 @@ else:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import sys
 import time
 
 import torch
 
+from nanovllm.bench.report import report_header, write_report
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.sequence import Sequence
@@ -967,13 +966,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['same_tokens']}")
     if args.profile_batch:
         print(profile_step(runner, args.profile_batch, args.context_len))
-    report = {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
-              "command": "python -m nanovllm.bench.graphs " + " ".join(sys.argv[1:] if argv is None else argv),
-              "torch": torch.__version__, "context_len": args.context_len, "setup_s": setup_s,
-              "compile_small_ops": config.compile_small_ops, "rows": rows}  # fmt: skip
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as file:
-            json.dump(report, file, indent=2)
+    report = report_header("python -m nanovllm.bench.graphs", argv, "cuda")
+    report |= {"context_len": args.context_len, "setup_s": setup_s, "compile_small_ops": config.compile_small_ops,
+               "rows": rows}
+    write_report(report, args.out)
     return 0
 
 

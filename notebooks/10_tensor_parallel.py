@@ -198,16 +198,19 @@ def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
 # A `weight_loader(param, loaded_weight, shard_id=None)` is attached to each parameter: the
 # loader of chapter 05 hands it the **full** checkpoint tensor and the layer cuts out its rank's
 # slice. Merged layers (`qkv_proj` holds q, k and v; `gate_up_proj` holds gate and up) also get a
-# `shard_id` saying which part the tensor is, so it lands at the right offset. With GQA, q has
-# more heads than k and v, so the three parts have different sizes; each part is cut by heads,
-# and rank `r` keeps q heads `r·H/tp …` together with exactly the KV heads they use.
+# `shard_id` saying which part the tensor is, so it lands at the right offset. Both load a part
+# the same way (`load_part`): `QKVParallelLinear` is a merged layer whose three parts are named
+# `q`, `k` and `v`. With GQA, q has more heads than k and v, so the three parts have different
+# sizes; each part is cut by heads, and rank `r` keeps q heads `r·H/tp …` together with exactly
+# the KV heads they use.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：线性层
 #
 # 每个参数都挂着一个 `weight_loader(param, loaded_weight, shard_id=None)`：第 05 章的加载器把**完整**的
 # 检查点张量交给它，由层自己切出本 rank 的那一片。合并层（`qkv_proj` 包含 q、k、v；`gate_up_proj` 包含
-# gate 和 up）还会收到 `shard_id`，说明这个张量是哪一部分，以便放到正确的偏移处。在 GQA 中 q 的头比 k、v
+# gate 和 up）还会收到 `shard_id`，说明这个张量是哪一部分，以便放到正确的偏移处。两者加载一部分的方式相同
+# （`load_part`）：`QKVParallelLinear` 就是一个合并层，它的三部分分别叫 `q`、`k`、`v`。在 GQA 中 q 的头比 k、v
 # 多，三部分大小不同；每部分都按头切分，rank `r` 保留从 `r·H/tp` 开始的 q 头，以及它们用到的那些 KV 头。
 
 # %% linear layers
@@ -288,19 +291,25 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:  # a checkpoint that already stores the merged matrix
             for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
-                self.weight_loader(param, part, index)
+                self.load_part(param, part, index)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        if loaded_weight.shape[0] != self.output_sizes[shard_id]:
-            raise ValueError(f"part {shard_id} should have {self.output_sizes[shard_id]} rows, "
+        self.load_part(param, loaded_weight, shard_id)
+
+    def load_part(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, name: str = "") -> None:
+        """Part `index`, whole in `loaded_weight`: this rank's rows of it go to that part's rows of `param`."""
+        rows = self.output_sizes[index]
+        if loaded_weight.shape[0] != rows:
+            raise ValueError(f"{name or f'part {index}'} should have {rows} rows, "
                              f"got shape {tuple(loaded_weight.shape)}")
+        # en: Every part is split by rank, so on each rank the parts before this one take their sizes / tp_size rows.
+        # zh: 每一部分都按 rank 切分，所以在每个 rank 上，它前面的各部分占去它们大小的 1/tp_size 行。
+        offset, size = sum(self.output_sizes[:index]) // self.tp_size, rows // self.tp_size
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
+class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matrix, split by heads; GQA-aware (fewer k/v heads than q heads)."""
 
     def __init__(
@@ -318,24 +327,18 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, size, "number of attention heads")
         self.num_kv_heads = divide(total_num_kv_heads, size, "number of key/value heads")
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+        # en: Three parts, each split by rank at head boundaries: a rank keeps its q heads and the k/v heads they use.
+        # zh: 三部分各自按 rank 在头的边界处切分：每个 rank 保留自己的 q 头，以及这些头用到的 k/v 头。
+        kv_rows = total_num_kv_heads * head_size
+        super().__init__(hidden_size, [total_num_heads * head_size, kv_rows, kv_rows], bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         if shard_id is None:  # a checkpoint that already stores [q; k; v] for all heads
-            totals = [q_size * self.tp_size, kv_size * self.tp_size, kv_size * self.tp_size]
-            for part, name in zip(loaded_weight.split(totals, dim=0), "qkv", strict=True):
-                self.weight_loader(param, part, name)
+            super().weight_loader(param, loaded_weight)
             return
-        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        if shard_id not in offsets:
+        if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size = offsets[shard_id]
-        if loaded_weight.shape[0] != size * self.tp_size:
-            raise ValueError(f"{shard_id} projection should have {size * self.tp_size} rows, "
-                             f"got shape {tuple(loaded_weight.shape)}")
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+        self.load_part(param, loaded_weight, "qkv".index(shard_id), f"{shard_id} projection")
 
 
 class RowParallelLinear(LinearBase):
@@ -1379,6 +1382,15 @@ def process_state(pid: int) -> str:
     return names.get(code, code)
 
 
+def process_gone(pid: int) -> bool:
+    """True once no process has this pid (a rank that was stopped and reaped)."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    return False
+
+
 class TPRunner:
     """Tensor-parallel ranks as processes, driven from this one; the same interface as `ModelRunner`."""
 
@@ -1785,13 +1797,7 @@ assert seen["partial prefill"] and seen["preemption"]
 # 别的东西都没有命名，所以两者不会冲突。驱动进程报告 rank 1 的错误（附带其调用栈），停掉两个 rank，进程都消失了。
 
 # %%
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
+from nanovllm.engine.tp_runtime import process_gone
 
 os.environ[FAULT_ENV] = "1:3"
 try:
@@ -1805,7 +1811,7 @@ except TPWorkerError as error:
     print(f"reported and cleaned up {time.perf_counter() - started:.2f} s after the call")
 finally:
     del os.environ[FAULT_ENV]
-assert all(gone(pid) for pid in faulty_pids) and not faulty.model_runner.alive
+assert all(process_gone(pid) for pid in faulty_pids) and not faulty.model_runner.alive
 try:
     faulty.generate(prompts, greedy, use_tqdm=False)
 except RuntimeError as error:
@@ -1849,7 +1855,7 @@ try:
 except KeyboardInterrupt:
     print(f"KeyboardInterrupt after {time.perf_counter() - started:.2f} s; ranks alive: {ranks.alive}, "
           f"engine idle: {llm_tp2.is_finished()}")
-assert ranks.alive and llm_tp2.is_finished() and all(not gone(pid) for pid in ranks.pids)
+assert ranks.alive and llm_tp2.is_finished() and all(not process_gone(pid) for pid in ranks.pids)
 assert [o["token_ids"] for o in llm_tp2.generate(prompts, greedy, use_tqdm=False)] == [o["token_ids"] for o in out_tp1]
 print("and it serves again, with the same tokens")
 
@@ -1877,7 +1883,7 @@ except TPTimeoutError as error:
 finally:
     with suppress(ProcessLookupError):
         os.kill(stalling_pids[1], signal.SIGCONT)
-assert all(gone(pid) for pid in stalling_pids) and not stalling.model_runner.alive
+assert all(process_gone(pid) for pid in stalling_pids) and not stalling.model_runner.alive
 
 # %% [markdown] tags=["en"]
 # ### On GPUs: NCCL
@@ -1913,12 +1919,12 @@ else:
 # that does fit *faster*: two GPUs read the weights and the KV cache twice as fast. The first
 # version of this chapter did the opposite: on two H200s, the nano-vllm benchmark (chapter 14)
 # ran at 3,319 tok/s with TP = 2 against 20,843 with one GPU, a decode step taking 39 ms instead
-# of 5.4. `scripts/profile_tp.py` times a decode step on both sides of the control channel with
-# one clock (every process of a host reads the same `CLOCK_MONOTONIC`): in the driver, pickling,
-# writing, waiting, reading; in each rank, the message's arrival, unpickling, queueing the step,
-# the time inside collectives, the wait for the tokens; on a GPU, CUDA events time each rank's
-# device work. On one H200 (256 sequences of the benchmark, 64 tokens each, synchronous steps so
-# that each step's times are its own; medians per decode step):
+# of 5.4. `scripts/profile_tp.py` times a decode step on both sides of the control channel: in
+# the driver, queueing the call (pickling and writing it) and waiting for the tokens; in each
+# rank, the wait for the driver's message, unpickling it, queueing the step (collectives
+# included), the wait for the tokens; on a GPU, CUDA events time each rank's device work. On one
+# H200 (256 sequences of the benchmark, 64 tokens each, synchronous steps so that each step's
+# times are its own; medians per decode step):
 #
 # | | one process, graphs | one process, eager | one rank behind the channel |
 # |---|---|---|---|
@@ -1954,11 +1960,11 @@ else:
 #
 # 张量并行是为单块 GPU 放不下的模型准备的，但对放得下的模型，它也应该让模型*更快*：两块 GPU 读权重和 KV 缓存的
 # 速度是一块的两倍。本章的第一版恰恰相反：在两块 H200 上，nano-vllm 基准负载（第 14 章）TP = 2 时跑出 3,319 tok/s，
-# 单 GPU 却有 20,843，一个 decode 步要 39 ms 而不是 5.4 ms。`scripts/profile_tp.py` 用同一个时钟（同一台主机上的
-# 所有进程读到的是同一个 `CLOCK_MONOTONIC`）在控制通道两侧为一个 decode 步计时：在驱动进程中，计序列化、写入、等待、
-# 读取；在每个 rank 中，计消息到达、反序列化、把这一步排进队列、花在集合通信里的时间、等待 token 的时间；在 GPU 上，
-# 用 CUDA 事件给每个 rank 的设备工作计时。在一块 H200 上（基准负载的 256 个序列，每个 64 个 token，同步执行，
-# 好让每一步的时间只属于它自己；取每个 decode 步的中位数）：
+# 单 GPU 却有 20,843，一个 decode 步要 39 ms 而不是 5.4 ms。`scripts/profile_tp.py` 在控制通道
+# 两侧为一个 decode 步计时：在驱动进程中，计把调用发出去（序列化并写入管道）和等待 token 的时间；在每个 rank 中，
+# 计等待驱动进程消息、反序列化、把这一步排进队列（含集合通信）和等待 token 的时间；在 GPU 上，用 CUDA 事件给每个
+# rank 的设备工作计时。在一块 H200 上（基准负载的 256 个序列，每个 64 个 token，同步执行，好让每一步的时间只属于
+# 它自己；取每个 decode 步的中位数）：
 #
 # | | 单进程，CUDA Graph | 单进程，eager | 控制通道之后的一个 rank |
 # |---|---|---|---|
@@ -2101,7 +2107,7 @@ else:
 pids = ranks.pids
 llm_tp2.exit()
 llm_tp1.exit()
-assert all(gone(pid) for pid in pids) and not ranks.alive
+assert all(process_gone(pid) for pid in pids) and not ranks.alive
 print("ranks", pids, "are gone")
 
 # %% [markdown] tags=["en"]

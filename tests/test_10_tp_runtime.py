@@ -33,6 +33,7 @@ from nanovllm.engine.tp_runtime import (
     TPTimeoutError,
     TPWorkerError,
     init_rank,
+    process_gone,
     process_state,
     step_states,
 )
@@ -56,14 +57,6 @@ SHM = Path("/dev/shm")
 SHM_OURS = re.compile(r"nanovllm|torch|psm_|sem\.mp|wnsm_")
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-
-
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 def shm_entries() -> set[str]:
@@ -109,7 +102,7 @@ def engines(tiny: Path, shm_before: set[str]):
     pids = tp2.model_runner.pids
     tp2.exit()
     tp1.exit()
-    assert all(gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -320,7 +313,7 @@ def test_a_failing_rank_stops_every_rank_and_the_driver_says_which(
     message = str(caught.value)
     assert message.startswith("tensor-parallel rank 1 failed during run (call 3): RuntimeError: injected fault")
     assert "all 2 rank processes have been stopped" in message and "Traceback" in message
-    assert all(gone(pid) for pid in pids) and not llm.model_runner.alive
+    assert all(process_gone(pid) for pid in pids) and not llm.model_runner.alive
     with pytest.raises(RuntimeError, match="stopped after an error: rank 1 failed"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     llm.exit()  # idempotent
@@ -353,7 +346,7 @@ def test_two_engines_at_once_then_context_managers_stop_them(tiny: Path) -> None
                     done[key].update(engine.step()[0])
         for key in ("a", "b"):
             assert [done[key][i] for i in ids[key]] == expected
-    assert all(gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
     with pytest.raises(RuntimeError, match=r"ranks are stopped \(exit\(\) was called\)"):
         a.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
 
@@ -385,17 +378,17 @@ def test_no_orphans_when_the_driver_leaves_without_exit_or_is_killed(tiny: Path,
     hang = subprocess.Popen([*command, "hang"], stdout=subprocess.PIPE, text=True, env=env)
     try:
         hang_pids = [int(pid) for pid in hang.stdout.readline().split()]
-        assert len(hang_pids) == 2 and not any(gone(pid) for pid in hang_pids)
+        assert len(hang_pids) == 2 and not any(process_gone(pid) for pid in hang_pids)
         hang.send_signal(signal.SIGKILL)  # no clean-up code runs in the driver
         hang.wait(10)
         deadline = time.monotonic() + 15
-        while not all(gone(pid) for pid in hang_pids) and time.monotonic() < deadline:
+        while not all(process_gone(pid) for pid in hang_pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert all(gone(pid) for pid in hang_pids), "ranks outlived a killed driver"
+        assert all(process_gone(pid) for pid in hang_pids), "ranks outlived a killed driver"
         out, _ = leave.communicate(timeout=60)
         leave_pids = [int(pid) for pid in out.split()]
         assert leave.returncode == 0 and len(leave_pids) == 2
-        assert all(gone(pid) for pid in leave_pids), "ranks outlived a driver that exited without exit()"
+        assert all(process_gone(pid) for pid in leave_pids), "ranks outlived a driver that exited without exit()"
     finally:
         for proc in (leave, hang):
             if proc.poll() is None:
@@ -587,7 +580,7 @@ def test_a_stalled_rank_is_named_and_nothing_is_left_behind(tiny: Path, shm_befo
     assert message.startswith(f"tensor-parallel rank {stalled} (pid {pids[stalled]}, stopped) did not answer"), message
     assert "rank_timeout_s=2 s" in message and "all 2 rank processes have been stopped" in message
     assert waited < 2.0 + 8.0, waited  # the timeout, then stopping the ranks
-    assert all(gone(pid) for pid in pids) and not llm.model_runner.alive
+    assert all(process_gone(pid) for pid in pids) and not llm.model_runner.alive
     with pytest.raises(RuntimeError, match=f"stopped after an error: rank {stalled} .* did not answer"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert shm_entries() <= shm_before
@@ -620,7 +613,7 @@ def test_nccl_tp2_gives_the_tokens_of_one_gpu(tiny: Path, backend: str) -> None:
         with safe_open(str(tiny / "model.safetensors"), "pt") as checkpoint:
             assert torch.equal(torch.cat(shards), checkpoint.get_tensor("lm_head.weight"))
         pids = ranks.pids
-    assert all(gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
 
 
 @pytest.mark.gpu
@@ -641,7 +634,7 @@ def test_nccl_failing_rank_is_reported_and_stopped(tiny: Path, monkeypatch: pyte
     pids = llm.model_runner.pids
     with pytest.raises(TPWorkerError, match="rank 1 failed during run"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert all(gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
 
 
 @pytest.mark.gpu
@@ -685,7 +678,7 @@ def test_nccl_a_stalled_rank_is_named_and_nothing_is_left_behind(tiny: Path, sta
         with suppress(ProcessLookupError):
             os.kill(pids[stalled], signal.SIGCONT)
     assert str(caught.value).startswith(f"tensor-parallel rank {stalled} (pid {pids[stalled]}, stopped)")
-    assert all(gone(pid) for pid in pids)
+    assert all(process_gone(pid) for pid in pids)
     left = (set(os.listdir(SHM)) if SHM.is_dir() else set()) - shm
     assert not left, f"left in /dev/shm: {sorted(left)}"
 

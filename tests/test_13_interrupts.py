@@ -10,11 +10,8 @@ tokens they have alone, and a request that needs almost the whole KV pool must s
 
 from __future__ import annotations
 
-import os
-import random
 import signal
 import sys
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -75,10 +72,10 @@ class SignalAtLine:
     def __exit__(self, *exc_info: object) -> None:
         sys.settrace(None)
 
-    def _call(self, frame, event, arg):  # noqa: ANN001, ANN202 - the tracer protocol
+    def _call(self, frame, event, arg):
         return self._line if not self.fired and frame.f_code.co_filename in BOOKKEEPING else None
 
-    def _line(self, frame, event, arg):  # noqa: ANN001, ANN202
+    def _line(self, frame, event, arg):
         if event == "line" and not self.fired:
             self.lines += 1
             self.points.setdefault((frame.f_code.co_filename, frame.f_lineno), self.lines)

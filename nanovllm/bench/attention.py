@@ -5,15 +5,13 @@
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
 import statistics
 
 import torch
 import torch.nn.functional as F
 
+from nanovllm.bench.report import report_header, write_report
 from nanovllm.layers.context import Context
 from nanovllm.layers.triton_attention import FlashAttnBackend, choose_num_splits, decode_attention, prefill_attention
 
@@ -165,12 +163,8 @@ def bench_prefill(
 def run(quick: bool = False) -> dict:
     """All benchmarks; returns a JSON-able dict and prints tables as it goes."""
     props = torch.cuda.get_device_properties(0)
-    result = {
-        "device": props.name, "num_sms": props.multi_processor_count,
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "triton": __import__("triton").__version__, "python": platform.python_version(),
-        "command": "python -m nanovllm.bench.attention" + (" --quick" if quick else ""),
-    }  # fmt: skip
+    result = report_header("python -m nanovllm.bench.attention", ["--quick"] if quick else [], "cuda")
+    result |= {"num_sms": props.multi_processor_count, "triton": __import__("triton").__version__}
     result["copy_bytes_per_s"] = copy = copy_bandwidth()
     print(f"{props.name}: device-to-device copy {copy / 1e12:.2f} TB/s")
     flash = flash_attn_backend()
@@ -251,10 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.attention needs a CUDA GPU")
-    result = run(args.quick)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    write_report(run(args.quick), args.out)
 
 
 # Run as `python -m nanovllm.bench.attention`, not when a notebook executes this code as __main__.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -116,11 +116,6 @@ def peer_batches(workload: Workload, batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_transformers(model: str, workload: Workload, *, device: str, dtype: torch.dtype,
                      batch_size: int = 64) -> BenchResult:
     """Time Hugging Face `generate` on the workload: sorted batches (peer_batches), left-padded, every
@@ -146,13 +141,10 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
 
     with torch.inference_mode():
         generate([workload.prompts[0][:8]], 2)  # warm-up, untimed
-        _sync(device)
-        start = time.perf_counter()
-        for batch in peer_batches(workload, batch_size):
-            generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
-        _sync(device)
-        seconds = time.perf_counter() - start
-    return BenchResult(f"transformers generate (batches of {batch_size})", seconds, workload.num_output_tokens)
+        with Stopwatch(device) as clock:
+            for batch in peer_batches(workload, batch_size):
+                generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
+    return BenchResult(f"transformers generate (batches of {batch_size})", clock.seconds, workload.num_output_tokens)
 
 
 # notebooks/14_benchmark.py · cell "bench bound"
@@ -284,11 +276,8 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
 
         llm._step = timed
     try:
-        _sync(device)
-        start = time.perf_counter()
-        outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-        _sync(device)
-        seconds = time.perf_counter() - start
+        with Stopwatch(device) as clock:
+            outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
     finally:
         # Free the KV cache (most of the GPU) for whatever runs next, such as the transformers peer.
         tp = llm.config.tensor_parallel_size
@@ -300,7 +289,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     made = [len(o["token_ids"]) for o in outputs]
     if made != workload.output_lens:
         raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")
-    return BenchResult(f"nano-vllm (this book), TP={tp}", seconds, workload.num_output_tokens)
+    return BenchResult(f"nano-vllm (this book), TP={tp}", clock.seconds, workload.num_output_tokens)
 
 
 def print_breakdown(result: BenchResult, breakdown: dict[str, float]) -> None:
@@ -370,10 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"model: {model} on {config.device} ({config.dtype})")
     print(f"workload: {workload.describe()}")
-    report: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv, "model": model,
-                              "workload": workload.describe()}
-    if config.device == "cuda":
-        report["device"] = torch.cuda.get_device_name()
+    report = report_header("python -m nanovllm.bench", argv, config.device)
+    report |= {"model": model, "workload": workload.describe()}
     results = {}
     if args.parallel_sampling:
         from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
@@ -381,9 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
                                          args.parallel_sampling, device=config.device, dtype=config.dtype)
         report["parallel_sampling"] = parallel_sampling_report(runs)
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as file:
-                json.dump(report, file, indent=2)
+        write_report(report, args.out)
         return 0
     tp = args.tensor_parallel_size
     if not args.no_engine:
@@ -445,7 +430,5 @@ def main(argv: list[str] | None = None) -> int:
             fraction = result.tokens_per_s / (gpus * bound.tokens_per_s)
             print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else ""))
             report[key]["fraction_of_bound"] = fraction
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as file:
-            json.dump(report, file, indent=2)
+    write_report(report, args.out)
     return 0

@@ -4,12 +4,12 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from nanovllm.bench.report import Stopwatch
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -55,20 +55,12 @@ def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams],
 
     previous, llm.scheduler.observer = llm.scheduler.observer, watch
     try:
-        _sync(llm.config.device)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(llm.config.device)
-        seconds = time.perf_counter() - start
+        with Stopwatch(llm.config.device) as clock:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         llm.scheduler.observer = previous
     made = sum(len(sample["token_ids"]) for output in outputs for sample in output.get("outputs", [output]))
-    return SamplingRun(name, seconds, made, seen["prefill"], seen["peak"])
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    return SamplingRun(name, clock.seconds, made, seen["prefill"], seen["peak"])
 
 
 # notebooks/04b_parallel_sampling.py · cell "compare"

@@ -46,6 +46,7 @@ __all__ = [
     "backend_for",
     "init_rank",
     "parse_fault",
+    "process_gone",
     "process_state",
     "rank_main",
     "reply_value",
@@ -326,6 +327,15 @@ def process_state(pid: int) -> str:
     names = {"R": "running", "S": "sleeping", "D": "in an uninterruptible wait", "T": "stopped",
              "t": "stopped by a debugger", "Z": "a zombie"}
     return names.get(code, code)
+
+
+def process_gone(pid: int) -> bool:
+    """True once no process has this pid (a rank that was stopped and reaped)."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    return False
 
 
 class TPRunner:

@@ -131,19 +131,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         if shard_id is None:  # a checkpoint that already stores the merged matrix
             for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
-                self.weight_loader(param, part, index)
+                self.load_part(param, part, index)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        if loaded_weight.shape[0] != self.output_sizes[shard_id]:
-            raise ValueError(f"part {shard_id} should have {self.output_sizes[shard_id]} rows, "
+        self.load_part(param, loaded_weight, shard_id)
+
+    def load_part(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, name: str = "") -> None:
+        """Part `index`, whole in `loaded_weight`: this rank's rows of it go to that part's rows of `param`."""
+        rows = self.output_sizes[index]
+        if loaded_weight.shape[0] != rows:
+            raise ValueError(f"{name or f'part {index}'} should have {rows} rows, "
                              f"got shape {tuple(loaded_weight.shape)}")
+        # Every part is split by rank, so on each rank the parts before this one take their sizes / tp_size rows.
+        offset, size = sum(self.output_sizes[:index]) // self.tp_size, rows // self.tp_size
         copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
 
 
-class QKVParallelLinear(ColumnParallelLinear):
+class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matrix, split by heads; GQA-aware (fewer k/v heads than q heads)."""
 
     def __init__(
@@ -161,24 +166,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, size, "number of attention heads")
         self.num_kv_heads = divide(total_num_kv_heads, size, "number of key/value heads")
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
-        super().__init__(hidden_size, output_size, bias, tp_rank, tp_size)
+        # Three parts, each split by rank at head boundaries: a rank keeps its q heads and the k/v heads they use.
+        kv_rows = total_num_kv_heads * head_size
+        super().__init__(hidden_size, [total_num_heads * head_size, kv_rows, kv_rows], bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         if shard_id is None:  # a checkpoint that already stores [q; k; v] for all heads
-            totals = [q_size * self.tp_size, kv_size * self.tp_size, kv_size * self.tp_size]
-            for part, name in zip(loaded_weight.split(totals, dim=0), "qkv", strict=True):
-                self.weight_loader(param, part, name)
+            super().weight_loader(param, loaded_weight)
             return
-        offsets = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}
-        if shard_id not in offsets:
+        if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size = offsets[shard_id]
-        if loaded_weight.shape[0] != size * self.tp_size:
-            raise ValueError(f"{shard_id} projection should have {size * self.tp_size} rows, "
-                             f"got shape {tuple(loaded_weight.shape)}")
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+        self.load_part(param, loaded_weight, "qkv".index(shard_id), f"{shard_id} projection")
 
 
 class RowParallelLinear(LinearBase):

@@ -502,20 +502,15 @@ class TritonBackend:
                         layer.scale)  # fmt: skip
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(TritonBackend):
     """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
-    Hopper or newer GPU; the K/V store stays this module's Triton kernel. Verified on the H200 (chapter 06b)."""
+    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200 (chapter 06b)."""
 
     def __init__(self) -> None:
         # Imported when the backend is built, not with this module: most machines do not have it.
         from flash_attn.cute import flash_attn_varlen_func
 
         self.attend = flash_attn_varlen_func
-
-    def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(
         self,
