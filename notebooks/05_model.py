@@ -574,10 +574,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, PretrainedConfig
 
 from nanovllm.models.qwen3 import check_supported
@@ -718,6 +720,28 @@ def load_model(model: nn.Module, path: str | Path) -> None:
 LOAD_FORMATS = ("auto", "dummy")
 
 
+class DefaultFloatDtype(TorchFunctionMode):
+    """Within the block, on this thread only, a floating-point tensor created without a dtype (``torch.empty``,
+    ``zeros``, ``ones``, ``rand``, ``randn``: what layers build their parameters with) gets ``dtype``.
+
+    Upstream calls ``torch.set_default_dtype``, which is process-wide: two engines built at once on two
+    threads would each build with whichever dtype was set last, and the process would keep it. A torch
+    function mode, like ``with torch.device(...)``, belongs to the thread that enters it.
+    """
+
+    FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in self.FACTORIES and kwargs.get("dtype") is None:
+            kwargs["dtype"] = self.dtype
+        return func(*args, **kwargs)
+
+
 def build_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", load_format: str = "auto",
     hf_config: PretrainedConfig | None = None,
@@ -730,13 +754,8 @@ def build_model(
     assert load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"
     config = hf_config if hf_config is not None else read_model_dir(path, require_weights=load_format != "dummy")
     model_class = get_model_class(config.architectures)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = model_class(config)
-    finally:
-        torch.set_default_dtype(previous)
+    with DefaultFloatDtype(dtype), torch.device(device):
+        model = model_class(config)
     if load_format == "dummy":
         init_random_weights(model)
     else:

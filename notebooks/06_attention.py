@@ -93,14 +93,23 @@
 # ## Build it: the context
 #
 # The model runner (chapter 08) fills the context before each forward and every attention
-# layer reads it, so it lives in a module-level variable, as in nano-vllm. The model runner
-# of chapter 08 fills it, but the module lives here because attention is the code that reads it.
+# layer reads it, so it lives at module level, as in nano-vllm. The model runner of chapter 08
+# fills it, but the module lives here because attention is the code that reads it.
+#
+# One change from nano-vllm: the context belongs to a *thread*, not to the process. A step
+# sets the context and then reads it, always on one thread; two engines driven from two threads
+# of one process would otherwise overwrite each other's context in the middle of a forward, and
+# compute silently wrong tokens. A `threading.local` gives each thread its own.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：上下文
 #
 # 模型执行器（第 08 章）在每次前向计算之前填好上下文，每个注意力层都读取它，所以像 nano-vllm 一样把它放在
-# 模块级变量里。填写它的是第 08 章的模型执行器，但这个模块放在本章，因为读取它的正是注意力。
+# 模块一级。填写它的是第 08 章的模型执行器，但这个模块放在本章，因为读取它的正是注意力。
+#
+# 与 nano-vllm 有一处不同：上下文属于*线程*，而不属于进程。一步总是在同一个线程里先设置上下文再读取它；
+# 否则，同一进程中由两个线程分别驱动的两个引擎会在前向计算中途互相覆盖上下文，悄无声息地算出错误的 token。
+# `threading.local` 让每个线程都有自己的一份。
 
 # %% default module
 #| default_exp layers.attention
@@ -110,6 +119,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -129,12 +139,19 @@ class Context:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, -1 padded
 
 
-_CONTEXT = Context()
+class _StepContext(threading.local):
+    """The context of the step this thread is computing: each thread sees its own."""
+
+    def __init__(self) -> None:
+        self.context = Context()
+
+
+_STEP = _StepContext()
 
 
 def get_context() -> Context:
-    """The context of the step being computed."""
-    return _CONTEXT
+    """The context of the step being computed (on this thread)."""
+    return _STEP.context
 
 
 def set_context(
@@ -147,18 +164,16 @@ def set_context(
     context_lens: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
 ) -> Context:
-    """Install the metadata of the next forward pass (nano-vllm's signature)."""
-    global _CONTEXT
-    _CONTEXT = Context(
+    """Install the metadata of the next forward pass on this thread (nano-vllm's signature)."""
+    _STEP.context = Context(
         is_prefill, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, slot_mapping, context_lens, block_tables
     )
-    return _CONTEXT
+    return _STEP.context
 
 
 def reset_context() -> None:
     """Forget the metadata (a step is over)."""
-    global _CONTEXT
-    _CONTEXT = Context()
+    _STEP.context = Context()
 
 # %% [markdown] tags=["en"]
 # Building the context by hand is error-prone, so two helpers compute it from plain lists: the

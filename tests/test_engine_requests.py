@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import shutil
+import sys
 import threading
 from collections import Counter
 from pathlib import Path
@@ -13,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanovllm.book.tiny_models import TINY_VOCAB_SIZE
+from nanovllm.book.tiny_models import TINY_VOCAB_SIZE, build_tiny_model
 from nanovllm.config import Config, UnknownConfigKeyError
 from nanovllm.engine.llm_engine import EngineBusyError, NonFiniteLogitsError
 from nanovllm.llm import LLM
@@ -395,3 +398,113 @@ def test_non_finite_logits_drop_their_request_and_the_engine_keeps_serving(tiny:
     assert raised == [[bad]]
     assert reported == {good: clean[0]["token_ids"], other: clean[1]["token_ids"]}
     assert len(llm.scheduler.block_manager.free_block_ids) == 32
+
+
+# ---- issue 22: the progress bar, step() outputs of forked samples ------------------------------------------
+class BrokenStderr(io.TextIOBase):
+    """A stderr whose reader is gone, as in `python run.py 2>&1 | head`."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_progress_bar_that_cannot_write_does_not_take_the_engine_down(llm: LLM,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    monkeypatch.setattr(sys, "stderr", BrokenStderr())
+    assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=True) == expected  # the bar goes silent, the call goes on
+    monkeypatch.undo()
+    assert llm.is_finished()
+    # tqdm's lock is free, and the engine's: a call from another thread, with a bar, returns.
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=True)))
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive() and answers == [expected]
+
+
+def test_a_progress_bar_that_fails_to_start_takes_only_its_own_requests(llm: LLM,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import nanovllm.engine.llm_engine as llm_engine
+
+    queued = llm.add_request([3, 4, 5], GREEDY)
+
+    def no_bar(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no terminal")
+
+    monkeypatch.setattr(llm_engine, "tqdm", no_bar)
+    with pytest.raises(RuntimeError, match="no terminal"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY)
+    monkeypatch.undo()
+    assert [seq.request_id for seq in llm.scheduler.waiting] == [queued]  # the failed call's requests are gone
+    finished = dict(llm.step()[0])
+    while not llm.is_finished():
+        finished.update(dict(llm.step()[0]))
+    assert list(finished) == [queued]
+
+
+@pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
+def test_step_outputs_name_the_request_and_sample_of_forked_samples(tiny: Path, scheduling: bool) -> None:
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32, async_scheduling=scheduling)
+    sampled = SamplingParams(temperature=0.8, max_tokens=4, ignore_eos=True, n=2, seed=1)
+    requests = [llm.add_request([5, 6, 7], sampled), llm.add_request([8, 9], sampled)]
+    outputs = []
+    while not llm.is_finished():
+        outputs += llm.step()[0]
+    assert sorted((o.request_id, o.sample_index) for o in outputs) == [(r, i) for r in requests for i in (0, 1)]
+    for output in outputs:
+        seq_id, token_ids = output  # still nano-vllm's pair
+        assert len(token_ids) == 4 and (seq_id == output.request_id) == (output.sample_index == 0)
+    assert pickle.loads(pickle.dumps(outputs[0])) == outputs[0]
+    assert pickle.loads(pickle.dumps(outputs[0])).request_id == outputs[0].request_id
+    assert "request_id=" in repr(outputs[0])
+
+
+# ---- issue 22: two engines in one process ------------------------------------------------------------------
+def test_two_engines_on_two_threads_each_compute_their_own_tokens(tiny: Path) -> None:
+    """The attention context belongs to the thread computing the step: two engines driven at once from two
+    threads each give the tokens they give alone (a process-wide context gave wrong tokens or crashed)."""
+    engines = [LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=64),
+               LLM(str(build_tiny_model("llama")), kvcache_block_size=8, num_kvcache_blocks=32)]
+    prompts = [[[5, 6, 7, 8], [9, 10]], [[11, 12, 13], [14] * 9]]
+    expected = [llm.generate(p, GREEDY, use_tqdm=False) for llm, p in zip(engines, prompts, strict=True)]
+    results: dict[int, list] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def drive(i: int) -> None:
+        try:
+            for _ in range(15):
+                results[i].append(engines[i].generate(prompts[i], GREEDY, use_tqdm=False))
+        except BaseException as error:  # reported below, with the thread's traceback
+            errors.append(error)
+
+    threads = [threading.Thread(target=drive, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for i in (0, 1):
+        assert results[i] == [expected[i]] * 15
+
+
+def test_building_engines_concurrently_keeps_each_dtype_and_the_process_default(tiny: Path) -> None:
+    dtypes = ["float32", "bfloat16", "float16", "bfloat16"] * 2
+    built: dict[int, set] = {}
+    barrier = threading.Barrier(len(dtypes))
+
+    def build(i: int) -> None:
+        barrier.wait()
+        llm = LLM(str(tiny), dtype=dtypes[i], kvcache_block_size=4, num_kvcache_blocks=8, enforce_eager=True)
+        built[i] = {param.dtype for param in llm.model_runner.model.parameters()}
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(len(dtypes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert built == {i: {getattr(torch, dtype)} for i, dtype in enumerate(dtypes)}
+    assert torch.get_default_dtype() == torch.float32  # the process default was never touched

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,19 @@ class Context:
     block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, -1 padded
 
 
-_CONTEXT = Context()
+class _StepContext(threading.local):
+    """The context of the step this thread is computing: each thread sees its own."""
+
+    def __init__(self) -> None:
+        self.context = Context()
+
+
+_STEP = _StepContext()
 
 
 def get_context() -> Context:
-    """The context of the step being computed."""
-    return _CONTEXT
+    """The context of the step being computed (on this thread)."""
+    return _STEP.context
 
 
 def set_context(
@@ -51,18 +59,16 @@ def set_context(
     context_lens: torch.Tensor | None = None,
     block_tables: torch.Tensor | None = None,
 ) -> Context:
-    """Install the metadata of the next forward pass (nano-vllm's signature)."""
-    global _CONTEXT
-    _CONTEXT = Context(
+    """Install the metadata of the next forward pass on this thread (nano-vllm's signature)."""
+    _STEP.context = Context(
         is_prefill, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, slot_mapping, context_lens, block_tables
     )
-    return _CONTEXT
+    return _STEP.context
 
 
 def reset_context() -> None:
     """Forget the metadata (a step is over)."""
-    global _CONTEXT
-    _CONTEXT = Context()
+    _STEP.context = Context()
 
 
 # notebooks/06_attention.py · cell "context helpers"
