@@ -1122,7 +1122,7 @@ class RankWorker:
     def world(self) -> dict[str, Any]:
         return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
                 "pid": os.getpid(), "device": str(self.runner.kv_cache.device),  # cuda:<rank> on GPUs
-                "graphs": self.runner.graphs is not None}
+                "graphs": self.runner.graphs is not None, "params_held": len(self.params)}
 
     def shard(self, name: str) -> torch.Tensor:
         """This rank's slice of a parameter, by its name in the model."""

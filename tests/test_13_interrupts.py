@@ -27,6 +27,7 @@ import nanovllm.engine.model_runner
 import nanovllm.engine.prefix_cache
 import nanovllm.engine.scheduler
 import nanovllm.engine.sequence
+import nanovllm.engine.tp_runtime
 import nanovllm.utils.interrupts
 from nanovllm.engine.sequence import PENDING_TOKEN, SequenceStatus
 from nanovllm.llm import LLM
@@ -61,12 +62,16 @@ def engine(tiny: Path, request: pytest.FixtureRequest) -> LLM:
     return LLM(str(tiny), async_scheduling=request.param, **SETTINGS)
 
 
+# With tensor parallelism the driver's side of the control channel counts too.
+TP_BOOKKEEPING = BOOKKEEPING | {nanovllm.engine.tp_runtime.__file__}
+
+
 class SignalAtLine:
     """Send this process a real SIGINT when the engine's bookkeeping executes its ``at``-th line (counted from 1;
     None: only count). Python runs the handler at the next bytecode: exactly where a Ctrl-C could land."""
 
-    def __init__(self, at: int | None = None) -> None:
-        self.at, self.lines, self.fired = at, 0, False
+    def __init__(self, at: int | None = None, files: frozenset[str] = BOOKKEEPING) -> None:
+        self.at, self.files, self.lines, self.fired = at, files, 0, False
         self.points: dict[tuple[str, int], int] = {}  # each line of code: the count at which it first ran
 
     def __enter__(self) -> SignalAtLine:
@@ -77,7 +82,7 @@ class SignalAtLine:
         sys.settrace(None)
 
     def _call(self, frame, event, arg):
-        return self._line if not self.fired and frame.f_code.co_filename in BOOKKEEPING else None
+        return self._line if not self.fired and frame.f_code.co_filename in self.files else None
 
     def _line(self, frame, event, arg):
         if event == "line" and not self.fired:
@@ -127,9 +132,9 @@ def drain(llm: LLM) -> dict[int, list[int]]:
     return finished
 
 
-def interrupted_call(llm: LLM, at: int | None) -> tuple[bool, SignalAtLine]:
+def interrupted_call(llm: LLM, at: int | None, files: frozenset[str] = BOOKKEEPING) -> tuple[bool, SignalAtLine]:
     """A generate call with a SIGINT at bookkeeping line ``at``; whether it raised KeyboardInterrupt."""
-    tracer = SignalAtLine(at)
+    tracer = SignalAtLine(at, files)
     try:
         with tracer:
             llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -148,21 +153,26 @@ def check_after_interrupt(llm: LLM, queued: dict[int, int], reference: dict, ful
         assert llm.generate([[2] * 13], BIG, use_tqdm=False) == reference["big"]
 
 
-def test_a_sigint_at_every_line_of_a_step_leaves_the_engine_whole(engine: LLM, reference: dict) -> None:
-    queued = queue_requests(engine)
-    raised, census = interrupted_call(engine, at=None)  # count the lines, interrupting nothing
+def sigint_at_every_line(llm: LLM, reference: dict, files: frozenset[str], stride: int, only_new: int) -> None:
+    """Interrupt a generate call at each line of code it runs (at its first run), and every ``stride``-th line
+    besides; ``only_new``: keep one in that many of the first runs (the tensor-parallel engine is slower)."""
+    queue_requests(llm)
+    raised, census = interrupted_call(llm, None, files)  # count the lines, interrupting nothing
     assert not raised and census.lines > 1000, census.lines
-    drain(engine)
-    # Every line of code the call runs, at its first run, and every 29th line executed besides (a later
-    # call may run fewer lines: the prefix cache holds more by then).
-    trials = sorted(set(census.points.values()) | set(range(1, census.lines + 1, 29)))
+    drain(llm)
+    # A later call may run fewer lines: the prefix cache holds more by then.
+    trials = sorted(set(sorted(census.points.values())[::only_new]) | set(range(1, census.lines + 1, stride)))
     for k, at in enumerate(trials):
-        queued = queue_requests(engine)
-        raised, tracer = interrupted_call(engine, at)
+        queued = queue_requests(llm)
+        raised, tracer = interrupted_call(llm, at, files)
         # A Ctrl-C is never swallowed: it may wait until the step is whole, but the call raises it.
         assert raised == tracer.fired, f"SIGINT at line {at} of {tracer.lines} was lost"
-        check_after_interrupt(engine, queued, reference, full=k % 25 == 0)
-    check_after_interrupt(engine, {}, reference, full=True)
+        check_after_interrupt(llm, queued, reference, full=k % 25 == 0)
+    check_after_interrupt(llm, {}, reference, full=True)
+
+
+def test_a_sigint_at_every_line_of_a_step_leaves_the_engine_whole(engine: LLM, reference: dict) -> None:
+    sigint_at_every_line(engine, reference, BOOKKEEPING, stride=29, only_new=1)
 
 
 # ---- real SIGINTs at random moments --------------------------------------------------------------------
@@ -280,3 +290,42 @@ def test_a_bare_scheduler_raises_its_observers_errors_at_once() -> None:
     scheduler.observer = raising_observer("add", 1)
     with pytest.raises(Boom):
         scheduler.add(Sequence([1, 2], GREEDY, block_size=4))
+
+
+# ---- tensor parallelism (issue 22, item 7) -----------------------------------------------------------------
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tp_engine(tiny: Path, request: pytest.FixtureRequest):
+    llm = LLM(str(tiny), tensor_parallel_size=2, async_scheduling=request.param, rank_timeout_s=30.0, **SETTINGS)
+    yield llm
+    llm.exit()
+
+
+def test_tp_a_sigint_at_the_lines_of_a_step_leaves_the_engine_and_its_ranks_whole(tp_engine: LLM,
+                                                                                  reference: dict) -> None:
+    """As above, over gloo ranks, with the driver's side of the control channel counted as bookkeeping: a reply
+    read when Ctrl-C arrives is filed, and a step in flight is collected before the interrupt is delivered."""
+    sigint_at_every_line(tp_engine, reference, TP_BOOKKEEPING, stride=97, only_new=4)
+    # What rank 0 holds of the sampling params does not grow with interrupted requests: the driver's map and
+    # rank 0's forget every sequence that has finished, aborted ones included.
+    runner = tp_engine.model_runner
+    assert len(runner._params_sent) <= len(PROMPTS) + 1
+    assert runner.call("world")[0]["params_held"] <= len(PROMPTS) + 1
+
+
+def test_tp_a_reply_in_hand_when_ctrl_c_arrives_is_filed(tp_engine: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = tp_engine.model_runner
+    receive = runner._receive
+
+    def receive_then_ctrl_c(rank: int) -> tuple | None:
+        message = receive(rank)
+        signal.raise_signal(signal.SIGINT)  # arrives while the reply is read, before it is filed
+        return message
+
+    monkeypatch.setattr(runner, "_receive", receive_then_ctrl_c)
+    call = runner.post("echo", b"payload")
+    with pytest.raises(KeyboardInterrupt):
+        runner.collect(call)
+    monkeypatch.undo()
+    started = time.monotonic()
+    assert runner.collect(call) == runner.call("echo", b"payload")  # nothing was dropped: no wait for a timeout
+    assert time.monotonic() - started < 10 and runner.alive
