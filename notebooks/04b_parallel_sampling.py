@@ -22,8 +22,9 @@
 # the fork, the reference counts, the copy and the frees step by step, measure what sharing saves
 # against n identical prompts sent as separate requests, and check that sharing changes no token.
 #
-# nano-vllm has none of this; vLLM has it. The source article that this book answers (a walk
-# through vLLM's memory management) tells this story with the vLLM paper's figure, and so do we.
+# nano-vllm has none of this; vLLM has it. The second article that this book answers walks
+# through nano-vllm's scheduler and block manager with the vLLM paper's figures, and it tells this
+# story with the paper's figure; so do we.
 
 # %% [markdown] tags=["zh"]
 # # 04b · 一个提示词，n 个回答：并行采样与写时复制
@@ -34,8 +35,8 @@
 # 你会一步步看到分叉、引用计数、拷贝和释放，测量共享比“把 n 个相同提示词当作独立请求发送”省下了多少，并验证共享
 # 不会改变任何一个 token。
 #
-# nano-vllm 没有这些，vLLM 有。本书所回应的那篇源文章（讲解 vLLM 内存管理的文章）用 vLLM 论文里的插图讲了这个
-# 故事，我们也照着讲一遍。
+# nano-vllm 没有这些，vLLM 有。本书所回应的第二篇文章借用 vLLM 论文的插图讲解 nano-vllm 的调度器和块管理器，
+# 它用论文里的插图讲了这个故事，我们也照着讲一遍。
 
 # %% [markdown] tags=["en"]
 # ## The idea: fork, share, copy on the first write
@@ -801,8 +802,8 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # ## The other user of copy-on-write: beam search
 #
 # Beam search keeps the k most likely sequences (beams) and, at every step, extends each by its
-# likeliest tokens and keeps the k best of all those extensions. A beam that wins twice becomes
-# two beams; a beam that wins nothing is dropped. In memory that is exactly this chapter's
+# likeliest tokens and keeps the k best of all those extensions. A beam with two extensions among
+# the k best splits into two beams; a beam with none is dropped. In memory that is exactly this chapter's
 # machinery, used at *every* step instead of once: a beam that continues in two ways **forks**
 # (its block table is shared, reference counts go up), the next write into the shared last block
 # **copies** it, and a dropped beam **releases** its references, so blocks that only it held
@@ -811,13 +812,13 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # decode to show that nothing else is needed on the memory side.
 
 # %% [markdown] tags=["zh"]
-# ## 写时复制的另一个用户：束搜索
+# ## 写时复制的另一个用武之地：束搜索
 #
 # 束搜索（beam search）保留 k 个最可能的序列（束），每一步把每个束按它最可能的几个 token 延伸，再从所有延伸中留下
-# 最好的 k 个。一个束若两次胜出就变成两个束；一无所获的束则被丢弃。在内存上，这恰好就是本章的机制，只不过每一步
-# 都要用到，而不只是一次：以两种方式延续的束会**分叉**（共享块表，引用计数增加），下一次写入共享的最后一块时
-# **复制**它；被丢弃的束**释放**自己的引用，只被它持有的块回到空闲队列。vLLM 当年就是这样实现束搜索的。我们不实现
-# 它（引擎的接口是采样，不是搜索），但下面的练习在 decode 中途分叉，说明在内存这一侧不需要别的东西。
+# 最好的 k 个。若一个束有两种延伸同时入选，它就分裂成两个束；没有延伸入选的束被丢弃。在内存上，这恰好就是本章的
+# 机制，只不过每一步都要用到，而不只是一次：以两种方式延续的束会**分叉**（共享块表，引用计数增加），下一次写入共享的
+# 最后一块时**复制**它；被丢弃的束**释放**自己的引用，只被它持有的块回到空闲队列。vLLM 当年就是这样实现束搜索的。
+# 我们不实现它（引擎的接口是采样，不是搜索），但下面的练习在 decode 中途分叉，说明在内存这一侧不需要别的东西。
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -859,7 +860,7 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #
 # - `SamplingParams(n=...)`：同一个提示词的多个样本；`n > 1` 时，`generate` 返回 nano-vllm 的
 #   `{"text", "token_ids"}`（第一个样本），外加 `"outputs"`：按样本顺序排列的每个样本的 `{"text", "token_ids"}`。
-# - 分叉：提示词只 prefill 一次（照常分块、照常命中缓存）；执行器从它那一行 logits 里抽出 n 个第一 token，每个样本
+# - 分叉：提示词只 prefill 一次（照常分块、照常命中缓存）；执行器从它那一行 logits 里抽出 n 个首 token，每个样本
 #   用自己的随机数流；调度器的 `postprocess` 创建 n − 1 个兄弟序列，它们共享每一个块（引用计数为 n，连未写满的最后一块
 #   也算在内）。
 # - 写时复制：由 `BlockManager.may_append` 在调度时决定，由执行器在前向计算之前用一次批量拷贝完成
