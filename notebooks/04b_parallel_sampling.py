@@ -521,7 +521,7 @@ print(f"forks: {forks}; copies: {copies}")
 # - **一个 `n=4` 的请求**：一次 prefill，然后分叉；
 # - **在一次 `generate` 调用里发送四个相同的提示词**：四个*什么也不共享*的序列。它们的 prefill 在同一步里运行，
 #   而一个块只有在它的 K/V 写入之后才能被前缀缓存找到（第 03 章），所以谁也命中不了别人的块；
-# - **稍后再发一次同一个提示词**：它的整块能在前缀缓存里找到，但只有*写满的*块，而且要在它们发布之后。
+# - **稍后再发一次同一个提示词**：它的写满的块能在前缀缓存里找到，但只有*写满的*块才行，而且要在它们发布之后。
 #
 # 一个小函数通过调度器的观察者钩子记录两样东西：prefill 步计算的 token 数，以及同一时刻最多用了多少个块。
 # 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench.parallel_sampling`。
@@ -634,7 +634,7 @@ assert forked.output_tokens == separate.output_tokens == 32
 
 # %% [markdown] tags=["zh"]
 # `n=4` 的请求只 prefill 了一次它的 30 个 token；四个相同的请求 prefill 了四次，因为它们同时到达，而那时还什么都
-# 没有发布。稍后再发的同一个提示词找到了它的七个整块，只计算了最后两个 token（提示词的最后一个 token 总要计算：
+# 没有发布。稍后再发的同一个提示词找到了它的七个写满的块，只计算了最后两个 token（提示词的最后一个 token 总要计算：
 # 需要它的 logits）。峰值时，分叉的做法持有 7 个共享块，外加每个样本 3 个私有块（块 7 的一份副本，再加两个新块）；
 # 四个独立请求则各持有 10 个块。
 
@@ -732,7 +732,7 @@ print("forked samples == independent requests, token for token")
 # | 分叉 / 独立 | 1.14× | 0.25× | 0.69× |
 #
 # 每个提示词只 prefill 一次而不是四次，decode 也没有变慢：同样的 133,288 个 token 早了 14% 完成，差别主要来自省下
-# 的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个整块加一个未写满的块）
+# 的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个写满的块加一个未写满的块）
 # 来说，256 个 token 的块太大了。未写满的那块在第一个 decode 步被复制给除最后一个之外的所有样本，之后每个样本还要为
 # 最多 1,024 个输出 token 各自增加块。块小的时候，或者共享的提示词很长而回答很短时，共享几乎能省下提示词的全部块，
 # 下面的练习会算出来。
@@ -867,7 +867,7 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #   （`copy_kv_blocks`），不在 CUDA Graph 之内，每个张量并行 rank 都做；最后一个持有者原地写入。
 # - `fork_samples=False`：把样本当作独立请求运行；基准测试 `python -m nanovllm.bench --parallel-sampling N`
 #   比较这两种做法。
-# - 测试：上面每一步的单元测试；调度器的性质测试和来源模糊测试扩展到了分叉（任何一步都不会写入引用计数大于 1 的
+# - 测试：上面每一步的单元测试；调度器的性质测试和溯源模糊测试扩展到了分叉（任何一步都不会写入引用计数大于 1 的
 #   块；读到的每个槽位存的都是同一前缀的 K/V）；以及分叉样本与独立样本逐 token 一致。
 #
 # 下一章（第 05 章）构建计算这些 K、V 向量的模型。
@@ -901,7 +901,7 @@ def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 1
 # en: Exercise 1: 62 full blocks + a partial one (8 tokens). Forked: the 62 stay shared and the partial
 # en: block is written by all four: three copies, the last writes in place -> 62 + 4 = 66 blocks.
 # en: Independent: 4 x 63 = 252. Sharing saves 186 blocks.
-# zh: 练习 1：62 个整块加一个未写满的块（8 个 token）。分叉：62 个整块保持共享，四个样本都要写那个未写满的块：
+# zh: 练习 1：62 个写满的块加一个未写满的块（8 个 token）。分叉：62 个写满的块保持共享，四个样本都要写那个未写满的块：
 # zh: 三份拷贝，最后一个原地写入 -> 62 + 4 = 66 块。独立请求：4 x 63 = 252 块。共享省下 186 块。
 forked_blocks, copies = first_decode_blocks(1000, 4, fork=True)
 independent_blocks, _ = first_decode_blocks(1000, 4, fork=False)
