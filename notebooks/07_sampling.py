@@ -846,6 +846,19 @@ assert set(both.tolist()) == {0}
 # en: chunking; its token positions do not, so (seed, position) gives the same draw every time.
 # zh: 3：被抢占的序列会重算，步数随之改变，而且序列经历的步数还取决于分块方式；token 的位置则不会变，
 # zh: 所以 (seed, position) 每次都给出相同的抽样。
+weights = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
+
+
+def draw(key: int) -> int:
+    """One token drawn with the noise of seed 7 and ``key``."""
+    return int((weights / torch.empty(5).exponential_(generator=seeded_generator(7, key))).argmax())
+
+
+positions = range(10, 20)  # ten tokens of one request
+steps_alone = list(range(10))  # one token per step
+steps_preempted = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]  # after 4 tokens, one step goes to the recompute
+assert [draw(p) for p in positions] == [draw(p) for p in positions]  # keyed by position: the same tokens
+assert [draw(s) for s in steps_alone] != [draw(s) for s in steps_preempted]  # keyed by step: other tokens
 # en: 4: multiplying every score of a row by the same T > 0 keeps their order; l - T log E has no division,
 # en: so a tiny T leaves (nearly) the bare logits instead of pushing them to infinity.
 # zh: 4：一行的所有分数乘以同一个 T > 0，顺序不变；l - T log E 里没有除法，所以极小的 T 留下的（几乎）就是

@@ -1310,6 +1310,14 @@ assert graph_batch_size(70, capture_sizes(100)) == 80
 # zh: 练习 2：捕获的 KV 写入会把每一行的 K/V 写到它的槽位；若用槽位 0，填充行就会覆盖拥有块 0 的那个序列的
 # zh: 第一个 token。-1 让写入跳过它们。
 assert buffers.slot_mapping[3].item() == -1
+from nanovllm.layers.attention import TorchBackend
+
+for padding_slot in (-1, 0):
+    cache = torch.zeros(2, 4, 1, 2)  # 2 blocks of 4 slots; slot 0 holds the first token of block 0's owner
+    cache[0, 0] = 1.0
+    rows = torch.full((2, 1, 2), 5.0)  # row 0: a real token for slot 6; row 1: padding
+    TorchBackend().store_kvcache(rows, rows, cache, cache.clone(), torch.tensor([6, padding_slot]))
+    assert bool(cache[0, 0].eq(1.0).all()) is (padding_slot == -1)  # slot 0 survives only if the padding is -1
 
 # en: Exercise 3: 1.19e9 / 4.2e12 s = 0.28 ms; the recorded 1.87 ms is about 6.6x that: launches of
 # en: ~1,000 small kernels (even inside a graph each costs a few µs), the host work and the sampler.
