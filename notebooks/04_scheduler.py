@@ -717,8 +717,8 @@ print(f"chunks {chunks}; storm: {len(preemptions)} preemptions, all 4 requests f
 # 4. **第一个 decode 步**计算第 601 个 token（它已被采样出来，但它的 KV 还没算过），所以这一步之后已算完 601 个
 #    token，并追加第二个新 token。
 #
-# 要命中缓存，得先有一个能被命中的请求：一个前 256 个 token 相同的请求（比如系统提示词相同）已经运行并结束，它发布了
-# 自己的第一块，这个块虽已空闲，但仍在缓存中。下面用真正的调度器把两个请求都跑一遍，token 由 `fake_model` 给出。
+# 要命中缓存，先得有请求发布过这一块：一个前 256 个 token 相同的请求（比如系统提示词相同）已经运行并结束，它的
+# 第一块虽已空闲，但仍在缓存中。下面用真正的调度器把两个请求都跑一遍，token 由 `fake_model` 给出。
 
 # %% the article's worked example
 worked = Scheduler(num_kvcache_blocks=8, kvcache_block_size=256, max_num_seqs=4, max_num_batched_tokens=200)
@@ -967,8 +967,8 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 #
 # What bounds the batch is memory, which is why `max_num_seqs` exists: every running sequence
 # holds its KV blocks, so more of them fill the cache sooner and preempt more often, and
-# chapter 09 captures one CUDA graph, with its buffers, for every batch size up to
-# `max_num_seqs`.
+# chapter 09 captures CUDA graphs for batch sizes up to `max_num_seqs` (512 at most), with input buffers sized
+# for the largest.
 
 # %% [markdown] tags=["zh"]
 # ### 为什么要成批，又为什么要给批次设上限：每个 token 的 decode 开销
@@ -980,7 +980,8 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # 单元只断言它们的变化方向。
 #
 # 限制批次大小的是内存，这正是 `max_num_seqs` 存在的原因：每个运行中的序列都持有自己的 KV 块，序列越多，缓存越早
-# 被占满，抢占也越频繁；而且第 09 章要为不超过 `max_num_seqs` 的每一种批大小各捕获一个 CUDA Graph，各配一套缓冲区。
+# 被占满，抢占也越频繁；而且第 09 章要为不超过 `max_num_seqs`（最多 512）的一系列批大小捕获 CUDA Graph，输入缓冲区按其中
+# 最大的那个分配。
 
 # %% decode cost per token
 import statistics
