@@ -326,9 +326,10 @@ assert steps[-1][2][0][0] == seq_id and len(steps[-1][2][0][1]) == 3
 # ## Exercises
 #
 # 1. Run the tiny-model loop with `max_num_batched_tokens=8`: how many prefill steps now?
-# 2. Ask SmolLM2 something with `temperature=0.8` and a `seed`; run it twice.
+# 2. Ask SmolLM2 something with `temperature=0.8` and a `seed`; run it twice, once alone and once
+#    next to another prompt. Do the two answers agree? And with other seeds?
 #
-# The cell below checks the first answer.
+# The cells below check both answers.
 
 # %% [markdown] tags=["zh"]
 # 两个 prefill 分块（16 + 8 个提示词 token；第一个分块停在提示词内部，不为它采样 token），然后是两个 decode 步：
@@ -337,9 +338,10 @@ assert steps[-1][2][0][0] == seq_id and len(steps[-1][2][0][1]) == 3
 # ## 练习
 #
 # 1. 用 `max_num_batched_tokens=8` 运行小模型的循环：现在有几个 prefill 步？
-# 2. 用 `temperature=0.8` 和一个 `seed` 向 SmolLM2 提问，运行两次。
+# 2. 用 `temperature=0.8` 和一个 `seed` 向 SmolLM2 提问，运行两次：一次单独提问，一次和另一个提示词一起提问。
+#    两次的回答一样吗？换成别的种子呢？
 #
-# 下面的单元检查第一题的答案。
+# 下面的单元检查两道题的答案。
 
 # %%
 small_budget = LLMEngine(str(build_tiny_model("qwen3")), device="cpu", num_kvcache_blocks=16, kvcache_block_size=16,
@@ -350,3 +352,23 @@ while not small_budget.is_finished():
     prefill_steps += small_budget.step()[2]
 assert prefill_steps == 3  # 8 + 8 + 8 tokens
 print("exercise 1: three prefill steps")
+
+# %%
+# en: Exercise 2: a seed fixes the request's random draws, whatever else runs in the same batch, so the
+# en: two answers are the same text; other seeds draw other random numbers, and the answers change.
+# zh: 练习 2：种子固定了这个请求的随机抽样，不管同一批次里还有什么，所以两次回答一字不差；换成别的种子，
+# zh: 抽到的随机数不同，回答也就变了。
+story = tokenizer.apply_chat_template([{"role": "user", "content": "Begin a story about a cat."}], tokenize=False,
+                                      add_generation_prompt=True)
+seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=12)
+alone = llm.generate([story], seeded, use_tqdm=False)[0]["text"]
+beside_another = llm.generate([prompts[1], story], [SamplingParams(temperature=0.8, max_tokens=12), seeded],
+                              use_tqdm=False)[1]["text"]
+other_seeds = [out["text"] for out in llm.generate(
+    [story, story], [SamplingParams(temperature=0.8, seed=s, max_tokens=12) for s in (1, 2)], use_tqdm=False)]
+for label, text in (("seed 7, alone", alone), ("seed 7, beside another", beside_another),
+                    ("seed 1", other_seeds[0]), ("seed 2", other_seeds[1])):
+    print(f"{label:<23} {text!r}")
+assert alone == beside_another
+assert len({alone, *other_seeds}) > 1  # other seeds, other draws
+print("exercise 2: the same seed gives the same answer; other seeds give other answers")

@@ -281,7 +281,7 @@ class Block:
 # 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV，前缀缓存（第 03 章）仍能让它
 # 复活；这个队列决定了哪些缓存内容先被覆盖。
 #
-# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 08 章）来构建它。所以在引擎内部，被破坏的不变式
+# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 08 章）来构建它。所以在引擎内部，被破坏的不变量
 # 只是一句普通的 `assert`（上游也是这么写的）；用户输入的东西只在它进入的地方检查一次。
 
 # %% block pool
@@ -491,6 +491,135 @@ record("free A")
 # 释放 A 时倒着释放块表，所以空闲队列以 `5, 2, 1, 0` 结尾：A 的第一块（块 0）会最后被覆盖。
 
 # %% [markdown] tags=["en"]
+# ### The vLLM paper's figure, on the real block manager
+#
+# The vLLM paper draws paging with one request, and the second article (a walk through
+# nano-vllm's scheduler and block manager with the paper's figures) reuses the drawing: the
+# prompt *"Four score and seven years ago our"*, 7 tokens, in blocks of 4. Its logical blocks 0
+# and 1 live in physical blocks 7 and 1: the block table maps one to the other, and nothing asks
+# the physical blocks to be adjacent or in order. Then:
+#
+# - the next token, *fathers*, goes into the last free slot of physical block 1: no new block;
+# - the token after it, *brought*, finds logical block 1 full, so it needs a new block
+#   (physical block 3 in the figure).
+#
+# Our block manager hands out blocks from the head of the free list, so to get blocks 7, 1 and
+# 3 we set the free list up the way earlier requests could have left it: other requests hold all
+# eight blocks, then give them back in the order 7, 1, 3, 0, 2, 4, 5, 6. A released block joins
+# the tail of the free list, so that is the order in which they are handed out again. One word
+# is one token here (a real tokenizer cuts the sentence differently). The drawing is computed
+# from the block table after *brought* got its block.
+
+# %% [markdown] tags=["zh"]
+# ### vLLM 论文里的那张图，用真正的块管理器重现
+#
+# vLLM 论文用一个请求来画分页，第二篇文章（借用论文插图讲解 nano-vllm 的调度器和块管理器）也沿用了这张图：提示词
+# *"Four score and seven years ago our"*，7 个 token，每块 4 个 token。它的逻辑块 0 和 1 放在物理块 7 和 1 里：
+# 块表把前者映射到后者，物理块既不必相邻，也不必按顺序。接下来：
+#
+# - 下一个 token *fathers* 写进物理块 1 最后一个空槽位：不需要新块；
+# - 再下一个 token *brought* 发现逻辑块 1 已经写满，所以需要一个新块（图中是物理块 3）。
+#
+# 我们的块管理器从空闲队列队头分配块，所以为了拿到块 7、1、3，我们把空闲队列布置成先前的请求可能留下的样子：
+# 别的请求占着全部八个块，然后按 7、1、3、0、2、4、5、6 的顺序归还。释放的块排到空闲队列队尾，所以这也就是它们
+# 再被分配出去的顺序。这里一个词就是一个 token（真正的分词器切分这句话的方式不同）。下图根据 *brought* 拿到
+# 新块之后的块表算出。
+
+# %% the vLLM paper's figure
+words = "Four score and seven years ago our fathers brought".split()
+vocab = {word: i for i, word in enumerate(words)}  # one word, one token id
+paper = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+held_by_others = [paper.take_free_block() for _ in range(8)]  # other requests hold every block ...
+for block_id in (7, 1, 3, 0, 2, 4, 5, 6):  # ... and give them back in this order
+    paper.release(block_id)
+print(f"free list: {list(paper.free_block_ids)}")
+
+request = Sequence([vocab[word] for word in words[:7]], block_size=4)
+prefill(paper, request, sampled=vocab["fathers"])  # the prompt's KV; the prefill samples "fathers"
+table_after_prompt = list(request.block_table)
+fathers_position = len(request) - 1
+decode(paper, request, sampled=vocab["brought"])  # the step that writes the KV of "fathers"
+table_after_fathers = list(request.block_table)
+fathers_slot = request.block_table[fathers_position // 4] * 4 + fathers_position % 4
+paper.may_append(request)  # the next step must write the KV of "brought": it needs a block
+print(f"block table: after the prompt {table_after_prompt}, after 'fathers' {table_after_fathers}, "
+      f"once 'brought' has a place {request.block_table}")
+
+# %%
+# en: The figure's three facts: logical blocks 0 and 1 in physical blocks 7 and 1; "fathers" fills the
+# en: last slot of block 1; "brought" needs a new block.
+# zh: 图中的三个事实：逻辑块 0 和 1 在物理块 7 和 1 里；"fathers" 填满块 1 的最后一个槽位；"brought" 需要新块。
+assert table_after_prompt == [7, 1]
+assert table_after_fathers == [7, 1] and fathers_slot == 1 * 4 + 3
+assert request.block_table == [7, 1, 3] and paper.free_block_ids[0] == 0
+
+# %% paging figure
+#| hide
+from html import escape
+
+from IPython.display import SVG, display
+
+
+def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
+    """Logical blocks, the block table and the physical blocks of one sequence, computed from its block table."""
+    size, cell, row = bm.block_size, 62, 34
+    logical_x, table_x, physical_x, top = 70, 360, 660, 56
+    # en: Where each token lives: logical block, physical block, offset.
+    # zh: 每个 token 所在的位置：逻辑块、物理块、块内偏移。
+    placed = [(i // size, seq.block_table[i // size], i % size, names[token]) for i, token in enumerate(seq.token_ids)]
+    newest = names[seq.token_ids[-1]]  # its KV is written by the next step
+    parts = [
+        '<svg xmlns="http://www.w3.org/2000/svg" width="920" height="340" viewBox="0 0 920 340" '
+        'font-family="sans-serif" font-size="12">',
+        '<title lang="en">The vLLM paper\'s paging figure, from our block manager: the prompt "Four score and seven '
+        'years ago our" and the next tokens "fathers" and "brought", in blocks of 4 tokens. Logical block 0 is '
+        'physical block 7, logical block 1 is physical block 1, whose last slot "fathers" fills, and logical '
+        'block 2, started by "brought", is the new physical block 3.</title>'
+        '<title lang="zh">vLLM 论文中的分页示意图，由我们的块管理器算出：提示词 "Four score and seven years ago our" '
+        '及其后的 token "fathers" 和 "brought"，每块 4 个 token。逻辑块 0 是物理块 7；逻辑块 1 是物理块 1，'
+        '"fathers" 填满了它的最后一个槽位；由 "brought" 开始的逻辑块 2 是新分配的物理块 3。</title>',
+        '<defs><marker id="paging-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#78909c"/></marker></defs>',
+        f'<text x="{logical_x}" y="30" font-weight="bold">Logical KV blocks</text>',
+        f'<text x="{table_x}" y="30" font-weight="bold">Block table</text>',
+        f'<text x="{physical_x}" y="30" font-weight="bold">Physical KV blocks</text>',
+    ]
+
+    def block_row(x: float, y: float, label: str, tokens: dict[int, str]) -> None:
+        parts.append(f'<text x="{x - 8}" y="{y + 21}" text-anchor="end">{label}</text>')
+        for offset in range(size):
+            word = tokens.get(offset)
+            fill = "#ffe0b2" if word == newest else "#e3f2fd" if word else "#fafafa"
+            parts.append(f'<rect x="{x + offset * cell}" y="{y}" width="{cell}" height="28" fill="{fill}" '
+                         'stroke="#546e7a"/>')
+            if word:
+                parts.append(f'<text x="{x + offset * cell + cell / 2}" y="{y + 18}" text-anchor="middle">'
+                             f"{escape(word)}</text>")
+
+    for logical, physical in enumerate(seq.block_table):
+        tokens = {offset: word for lb, _, offset, word in placed if lb == logical}
+        y = top + logical * row
+        block_row(logical_x, y, f"Block {logical}", tokens)
+        parts.append(f'<text x="{table_x + 20}" y="{y + 18}" text-anchor="middle">{logical}</text>'
+                     f'<text x="{table_x + 80}" y="{y + 18}" text-anchor="middle" font-weight="bold">{physical}</text>'
+                     f'<text x="{table_x + 150}" y="{y + 18}" text-anchor="middle">{len(tokens)}</text>')
+        parts.append(f'<path d="M{table_x + 180},{y + 14} L{physical_x - 60},{top + physical * row + 14}" '
+                     'stroke="#78909c" stroke-width="1.2" fill="none" marker-end="url(#paging-arrow)"/>')
+    parts.append(f'<text x="{table_x + 20}" y="{top - 8}" text-anchor="middle" fill="#546e7a">logical</text>'
+                 f'<text x="{table_x + 80}" y="{top - 8}" text-anchor="middle" fill="#546e7a">physical</text>'
+                 f'<text x="{table_x + 150}" y="{top - 8}" text-anchor="middle" fill="#546e7a"># filled</text>')
+    for physical in range(bm.num_blocks):
+        tokens = {offset: word for _, pb, offset, word in placed if pb == physical}
+        block_row(physical_x, top + physical * row, f"Block {physical}", tokens)
+    parts.append(f'<text x="{logical_x - 50}" y="{top + len(seq.block_table) * row + 24}" fill="#546e7a">'
+                 f"orange: {escape(newest)}, whose KV the next step writes</text>")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+display(SVG(paging_figure_svg(request, paper, words)))
+
+# %% [markdown] tags=["en"]
 # ### Sharing, in one picture
 #
 # With prefix caching on (the default), a block whose KV was written is published, and a later
@@ -563,7 +692,7 @@ print(f"blocks {shared_ids}: ref count 2 at step {hit['step']}, 1 after A finish
 # %% [markdown] tags=["zh"]
 # ## 验证
 #
-# 先检查轨迹中的结论。再检查整个引擎所依赖的不变量（用一个下面还会复用的小函数）：空闲集合和已用集合划分了整个池子，
+# 先检查轨迹中的结论。再检查整个引擎所依赖的不变量（用一个下面还会复用的小函数）：空闲队列和已用集合划分了整个池子，
 # 每个块的引用计数等于持有它的块表个数。
 
 # %%

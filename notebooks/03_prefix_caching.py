@@ -579,12 +579,17 @@ print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {r
 # Rule 4 is one `if` in `forget`. For its first ten months (June 2025 to April 2026) upstream
 # nano-vllm had no such check: when a free block was reused, its old hash entry stayed in the
 # dictionary. Upstream added the check on 2026-04-26, in commit `f64d821` ("fix chunked prefill
-# bugs and refactor"), inside its `_allocate_block`. That is the version the line-by-line
-# annotation of upstream's `sequence.py` and `scheduler.py` reads: a reader holding it finds the
-# same `if` in its `block_manager.py`. The trap keeps its section here: the check is easy to lose
-# in a rewrite, and only a workload that reuses blocks notices it is gone. The token comparison
-# of rule 2 does not save us, because it compares only the block's *own* tokens. Here is the
-# recipe for a false hit, three requests in a pool of 3 blocks of 2 tokens:
+# bugs and refactor"), inside its `_allocate_block`. The two articles this book answers stand on
+# either side of that commit. The second one, the walk through the scheduler and the block
+# manager with the vLLM paper's figures, quotes upstream from before chunked prefill, and its
+# `_allocate_block` is the version with the stale-entry bug: it resets the block and moves it
+# from the free list to the used set, and leaves the block's old entry in `hash_to_block_id`.
+# The line-by-line annotation of `sequence.py` and `scheduler.py` reads upstream after the fix,
+# whose `_allocate_block` has the same `if` as our `forget`. The trap keeps its section either
+# way: the check is easy to lose in a rewrite, and only a workload that reuses blocks notices it
+# is gone. The token comparison of rule 2 does not save us, because it compares only the block's
+# *own* tokens. Here is the recipe for a false hit, three requests in a pool of 3 blocks of 2
+# tokens:
 #
 # 1. A = `[1 2 | 3 4 | 9]` publishes block 0 = `(-, 1 2)` and block 1 = `(1 2, 3 4)`; A finishes.
 #    The free list is now `2, 1, 0` (backwards).
@@ -602,10 +607,13 @@ print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {r
 #
 # 规则 4 就是 `forget` 里的一个 `if`。上游 nano-vllm 在最初的十个月里（2025 年 6 月到 2026 年 4 月）没有这个检查：
 # 空闲块被重新使用时，它的旧哈希条目仍留在字典里。上游在 2026-04-26 的提交 `f64d821`（“fix chunked prefill bugs and
-# refactor”）中，在 `_allocate_block` 里加上了同样的检查。逐行注解上游 `sequence.py` 和 `scheduler.py` 的那篇文章
-# 读的正是这个版本：手里拿着这个版本的读者，会在它的 `block_manager.py` 里看到同一个 `if`。这个陷阱在本书里仍值得
-# 专门一节：重写代码时很容易把这个检查弄丢，而只有会复用块的负载才能发现它不见了。规则 2 的 token 比较救不了我们，
-# 因为它只比较块*自己*的 token。下面是制造一次错误命中的配方：3 个块、每块 2 个 token 的池子，三个请求：
+# refactor”）中，在 `_allocate_block` 里加上了同样的检查。本书所回应的两篇文章恰好分处这个提交的两侧。第二篇文章
+# 借用 vLLM 论文的插图讲解调度器和块管理器，它引用的是分块 prefill 出现之前的上游代码，其中的 `_allocate_block`
+# 正是带着过期条目缺陷的版本：它重置块，把块从空闲队列移进已用集合，却把块的旧条目留在 `hash_to_block_id` 里。
+# 逐行注解 `sequence.py` 和 `scheduler.py` 的那篇文章读的是修复之后的上游，那里的 `_allocate_block` 有和我们的
+# `forget` 相同的 `if`。无论读的是哪个版本，这个陷阱在本书里都值得专门一节：重写代码时很容易把这个检查弄丢，
+# 而只有会复用块的负载才能发现它不见了。规则 2 的 token 比较救不了我们，因为它只比较块*自己*的 token。
+# 下面是制造一次错误命中的配方：3 个块、每块 2 个 token 的池子，三个请求：
 #
 # 1. A = `[1 2 | 3 4 | 9]` 发布块 0 = `(-, 1 2)` 和块 1 = `(1 2, 3 4)`；A 结束。空闲队列变为 `2, 1, 0`（倒序）。
 # 2. B = `[7 7 | 3 4]` 取走块 2 和块 1。块 1 现在存的是*跟在 `7 7` 之后*的 `3 4` 的 KV，并以 B 的哈希值发布，

@@ -100,8 +100,8 @@
 #   这两种开销）。如果队头序列剩余的提示词超出剩余预算，它就得到一个**分块**：预算能容纳多少 token 就算多少。
 #   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块不产生新 token：它最后一行
 #   logits 预测的是提示词*内部*的某个位置，所以模型执行器（第 08 章）不对它采样（返回 `-1`），后处理也不追加任何东西。
-# - **Decode**，当没有任何序列可以 prefill 时：每个运行中的序列（最多 `max_num_seqs` 个，也不超过 token 预算）计算它的
-#   最后一个 token。
+# - **Decode：** 没有序列可以 prefill 时，每个运行中的序列（最多 `max_num_seqs` 个，也不超过 token 预算）计算
+#   它的最后一个 token。
 #   如果某个序列需要新块而没有空闲块，调度器就从 `running` 的*队尾*开始**抢占**——最新的序列先被抢占——直到腾出
 #   一个块，最坏情况下抢占它自己。被抢占的序列归还所有块，回到 WAITING，排在 `waiting` 的*队头*，之后重新
 #   prefill（**重算**）；前缀缓存可能发现它的许多旧块仍然完好。
@@ -116,6 +116,148 @@
 # （更弱的检查“提示词加一个 token 放得下”恰好会把那些会死循环的请求放进来。）
 
 # %% [markdown] tags=["en"]
+# The same decision, drawn. The left half is `_schedule_prefill`, the right half
+# `_schedule_decode`, which runs only when the left half scheduled nothing; either way the step
+# goes to the model runner, and `postprocess` records its results. The code below fills in
+# each box.
+
+# %% [markdown] tags=["zh"]
+# 同一个决定，画成图。左半边是 `_schedule_prefill`；右半边是 `_schedule_decode`，只有左半边什么也没调度时才运行。
+# 无论哪种情况，这一步都交给模型执行器，再由 `postprocess` 记录结果。后面的代码逐一实现图中的每个方框。
+
+# %% schedule flowchart
+#| hide
+from html import escape
+
+from IPython.display import SVG, display
+
+import nanovllm.engine.block_manager as block_manager_module
+import nanovllm.engine.scheduler as scheduler_module
+
+FLOW_INK = "#37474f"
+
+
+def schedule_flow_svg() -> str:
+    """schedule() as a flowchart: the prefill loop, the decode loop, then the model runner and postprocess."""
+    # en: (key, shape, centre x, centre y, width, lines); a decision is drawn as a hexagon.
+    # zh: （键、形状、中心 x、中心 y、宽度、各行文字）；判断画成六边形。
+    nodes = [
+        ("start", "terminal", 220, 28, 150, ["schedule()"]),
+        ("p1", "decision", 220, 115, 340, ["① waiting non-empty, fewer than max_num_seqs,",
+                                           "budget left, and the head gets its blocks?"]),
+        ("p3", "process", 220, 195, 310, ["allocate (cache hits count as computed);",
+                                          "schedule min(rest of prompt, budget left)"]),
+        ("p4", "decision", 220, 270, 220, ["② the rest of the prompt fits?"]),
+        ("p5", "process", 95, 350, 150, ["head → running", "(RUNNING)"]),
+        ("p6", "process", 345, 350, 170, ["a chunk: keeps its blocks,", "stays at the head"]),
+        ("q", "decision", 345, 440, 170, ["prefilled anything?"]),
+        ("d1", "decision", 680, 115, 320, ["③ running non-empty and the batch", "< min(max_num_seqs, budget)?"]),
+        ("d2", "process", 680, 195, 260, ["seq ← front of running (the oldest)"]),
+        ("d3", "decision", 680, 270, 200, ["④ can_append(seq)?"]),
+        ("d4", "process", 580, 350, 150, ["may_append(seq);", "schedule 1 token"]),
+        ("d6", "process", 780, 360, 230, ["preempt the newest (tail of", "running), or seq itself if none:",
+                                          "free blocks, head of waiting"]),
+        ("run", "process", 460, 510, 720, [
+            "the model runner computes the step (chapter 08), then postprocess: cache the computed tokens,",
+            "publish full blocks, append each sampled token (not for a chunk), finish at EOS or max_tokens",
+        ]),
+    ]
+    line_height = 15
+    box, shapes = {}, []
+    for key, shape, x, y, w, lines in nodes:
+        h = 14 + line_height * len(lines) + (8 if shape == "decision" else 0)
+        box[key] = (x, y, w, h)
+        left, top = x - w / 2, y - h / 2
+        if shape == "decision":
+            corners = [(left, y), (left + h / 2, top), (left + w - h / 2, top), (left + w, y),
+                       (left + w - h / 2, top + h), (left + h / 2, top + h)]
+            points = " ".join(f"{px:g},{py:g}" for px, py in corners)
+            shapes.append(f'<polygon points="{points}" fill="#fff8e1" stroke="{FLOW_INK}" stroke-width="1.5"/>')
+        else:
+            fill = "#e8f5e9" if key == "run" else "#e3f2fd"
+            rx = h / 2 if shape == "terminal" else 6
+            shapes.append(f'<rect x="{left:g}" y="{top:g}" width="{w}" height="{h}" rx="{rx:g}" fill="{fill}" '
+                          f'stroke="{FLOW_INK}" stroke-width="1.5"/>')
+        first = y - line_height * (len(lines) - 1) / 2 + 4
+        for i, text in enumerate(lines):
+            shapes.append(f'<text x="{x}" y="{first + i * line_height:g}" text-anchor="middle" '
+                          f'font-family="sans-serif" font-size="12">{escape(text)}</text>')
+
+    def at(key: str, side: str, dx: float = 0) -> tuple[float, float]:
+        x, y, w, h = box[key]
+        return {"top": (x + dx, y - h / 2), "bottom": (x + dx, y + h / 2), "left": (x - w / 2, y),
+                "right": (x + w / 2, y)}[side]
+
+    d6_top = at("d6", "top")[1]
+    # en: Each arrow: its corners, and its label (text, x, y, anchor) or None.
+    # zh: 每条箭头：各个拐点，以及它的标签（文字、x、y、对齐方式），没有标签时为 None。
+    arrows = [
+        ([at("start", "bottom"), at("p1", "top")], None),
+        ([at("p1", "bottom"), at("p3", "top")], ("yes", 226, 158, "start")),
+        ([at("p3", "bottom"), at("p4", "top")], None),
+        ([at("p4", "left"), (95, 270), at("p5", "top")], ("yes", 80, 264, "end")),
+        ([at("p4", "right"), (345, 270), at("p6", "top")], ("no", 352, 264, "start")),
+        ([at("p5", "left"), (14, 350), (14, 115), at("p1", "left")], ("next head", 20, 395, "start")),
+        ([at("p1", "right"), (438, 115), (438, 400), (345, 400)], ("no", 398, 108, "start")),
+        ([at("p6", "bottom"), at("q", "top")], None),
+        ([at("q", "bottom"), at("run", "top", -115)], ("yes: a prefill step", 351, 478, "start")),
+        ([at("q", "right"), (472, 440), (472, 115), at("d1", "left")], ("no", 434, 434, "start")),
+        ([at("d1", "bottom"), at("d2", "top")], ("yes", 686, 158, "start")),
+        ([at("d2", "bottom"), at("d3", "top")], None),
+        ([(620, 288), at("d4", "top", 40)], ("yes", 626, 302, "start")),
+        ([at("d3", "right"), (820, 270), (820, d6_top)], ("no", 786, 264, "start")),
+        ([(740, d6_top), (740, 288)], ("retry", 746, 314, "start")),
+        ([at("d4", "left"), (490, 350), (490, 115)], ("next seq", 496, 394, "start")),
+        ([at("d6", "bottom"), (780, 428), (490, 428), (490, 350)], ("itself: next seq", 786, 420, "start")),
+        ([at("d1", "right"), (905, 115), (905, 510), at("run", "right")], ("no: a decode step", 899, 458, "end")),
+    ]
+    parts = [
+        '<svg xmlns="http://www.w3.org/2000/svg" width="920" height="550" viewBox="0 0 920 550">',
+        '<title lang="en">The scheduler\'s decision each step. Prefill first: while waiting is non-empty, the step '
+        "has fewer than max_num_seqs sequences and budget left, and the head of waiting gets its blocks, allocate "
+        "it and schedule as much of its prompt as the budget allows; if the rest of the prompt fits, the head moves "
+        "to running, otherwise it is a chunk and the step ends. If nothing was prefilled, decode: take running "
+        "sequences oldest first, up to min(max_num_seqs, budget); each that needs a block it cannot get preempts "
+        "the newest running sequence, or itself when none is left. Then the model runner computes the step and "
+        "postprocess records it.</title>"
+        '<title lang="zh">调度器每一步的决定。先 prefill：只要 waiting 非空、本步序列数少于 max_num_seqs、'
+        "还有预算，并且 waiting 队头能分到块，就为它分配块，并在预算之内调度它尽可能多的提示词；"
+        "剩下的提示词放得下，队头就进入 running，否则它是一个分块，本步到此为止。"
+        "如果什么都没 prefill，就 decode：从最旧的开始取运行序列，最多 min(max_num_seqs, 预算) 个；"
+        "需要新块却拿不到的序列抢占最新的运行序列，没有别的序列时抢占它自己。"
+        "然后模型执行器计算这一步，postprocess 记录结果。</title>",
+        '<defs><marker id="flow-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+        f'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="{FLOW_INK}"/></marker></defs>',
+        '<rect x="8" y="52" width="442" height="418" rx="10" fill="#fafafa" stroke="#cfd8dc"/>',
+        '<rect x="460" y="52" width="452" height="418" rx="10" fill="#fafafa" stroke="#cfd8dc"/>',
+        '<text x="18" y="70" font-family="monospace" font-size="12" fill="#1565c0">prefill first: _schedule_prefill'
+        "</text>",
+        '<text x="470" y="70" font-family="monospace" font-size="12" fill="#1565c0">else decode: _schedule_decode'
+        "</text>",
+    ]
+    for corners, _ in arrows:
+        path = " L".join(f"{x:g},{y:g}" for x, y in corners)
+        parts.append(f'<path d="M{path}" fill="none" stroke="{FLOW_INK}" stroke-width="1.5" '
+                     'marker-end="url(#flow-arrow)"/>')
+    parts += shapes
+    for _, label in arrows:
+        if label:
+            text, x, y, anchor = label
+            parts.append(f'<text x="{x}" y="{y}" text-anchor="{anchor}" font-family="sans-serif" font-size="11" '
+                         f'fill="#6a1b9a">{escape(text)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# en: The drawing names the code: every method it shows must exist.
+# zh: 图中写的是代码里的名字：它画出的每个方法都必须存在。
+assert all(hasattr(scheduler_module.Scheduler, name) for name in ("schedule", "_schedule_prefill",
+                                                                   "_schedule_decode", "_preempt", "postprocess"))
+assert all(hasattr(block_manager_module.BlockManager, name) for name in ("can_allocate", "allocate", "can_append",
+                                                                         "may_append"))
+display(SVG(schedule_flow_svg()))
+
+# %% [markdown] tags=["en"]
 # ## Build it: admission
 #
 # `max_kv_tokens` is the rule above in one line. The settings are not checked again here: the
@@ -126,7 +268,7 @@
 # ## 动手：准入检查
 #
 # `max_kv_tokens` 用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 08 章）
-# 已经在每个数进入的地方检查过它们；所以调度器自己的不变式只用普通的 `assert` 表达，上游也是这样做的。
+# 已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
 #| default_exp engine.scheduler
@@ -508,7 +650,7 @@ steps = run(sched, names)
 # ### 动画：分块预填充，然后是一场抢占风暴
 #
 # 下面是本调度器配合假模型录下的两段过程（播放器来自附录 A）。第一段：20 个 token 的提示词，每步预算 8 个 token，
-# 分块为 8 + 8 + 4，分块之间，序列在等待队列队首等候。第二段：4 个请求挤在 6 个块（每块 4 个 token）的块池里：
+# 分块为 8 + 8 + 4，分块之间，序列在等待队列队头等候。第二段：4 个请求挤在 6 个块（每块 4 个 token）的块池里：
 # decode 不断需要新块，最新的运行序列一次又一次被抢占，但所有请求最终都完成了。
 
 # %% animations
@@ -533,6 +675,90 @@ storm_frames = storm.recording["frames"]
 preemptions = [s for f in storm_frames if f["phase"] == "schedule" for s in f["event"]["preempted"]]
 assert len(preemptions) >= 2 and all(s["status"] == "FINISHED" for s in storm_frames[-1]["seqs"])
 print(f"chunks {chunks}; storm: {len(preemptions)} preemptions, all 4 requests finished")
+
+# %% [markdown] tags=["en"]
+# ### The article's worked example: a cache hit, then two chunks
+#
+# The line-by-line annotation of upstream's `sequence.py` and `scheduler.py` follows one request
+# through a prefix-cache hit and chunked prefill, with numbers. Blocks of 256 tokens, a step
+# budget (`max_num_batched_tokens`) of 200 tokens, and a 600-token prompt whose first block is
+# already in the cache:
+#
+# 1. **The first step is scheduled.** `allocate` finds the first block in the cache, so
+#    `num_cached_tokens` is 256 before anything runs. Of the 344 tokens left, the budget takes
+#    200: `num_scheduled_tokens` is 200. The rest does not fit, so this is a chunk: the request
+#    holds all three of its blocks and stays WAITING at the head of `waiting`.
+# 2. **After the step**, postprocess moves the scheduled tokens to the cached ones:
+#    256 + 200 = 456 tokens computed. Nothing is appended: the chunk's last logits predict
+#    position 456, which is inside the prompt.
+# 3. **The next step** schedules the remaining 600 − 456 = 144 tokens. They fit, so the request
+#    moves to `running` and becomes RUNNING. After the step all 600 prompt tokens are computed
+#    and the first new token is appended: 601 tokens.
+# 4. **The first decode step** computes token 601 (it was sampled, but its KV was never
+#    computed), so 601 tokens are computed after it, and it appends the second new token.
+#
+# For the hit, an earlier request must have published that block: one with the same first 256
+# tokens (the same system prompt, say) ran and finished, and left its first block free but still
+# cached. Below, the real scheduler runs both, with `fake_model` for the tokens.
+
+# %% [markdown] tags=["zh"]
+# ### 文章的算例：一次缓存命中，然后两个分块
+#
+# 逐行注解上游 `sequence.py` 和 `scheduler.py` 的那篇文章，用具体数字跟踪一个请求走过前缀缓存命中和分块 prefill。
+# 每块 256 个 token，每步预算（`max_num_batched_tokens`）200 个 token，一个 600 个 token 的提示词，它的第一块
+# 已经在缓存里：
+#
+# 1. **调度第一步。** `allocate` 在缓存里找到第一块，所以还没计算任何东西，`num_cached_tokens` 就是 256。剩下的
+#    344 个 token 中，预算取走 200 个：`num_scheduled_tokens` 为 200。其余的放不下，所以这是一个分块：请求持有
+#    它全部三个块，保持 WAITING，留在 `waiting` 队头。
+# 2. **这一步之后**，后处理把调度的 token 计入已缓存的 token：256 + 200 = 456 个 token 已算完。不追加任何 token：
+#    分块最后一行 logits 预测的是位置 456，还在提示词内部。
+# 3. **下一步**调度剩下的 600 − 456 = 144 个 token。它们放得下，于是请求进入 `running`，状态变为 RUNNING。这一步
+#    之后，600 个提示词 token 全部算完，并追加第一个新 token：共 601 个 token。
+# 4. **第一个 decode 步**计算第 601 个 token（它已被采样出来，但它的 KV 还没算过），所以这一步之后已算完 601 个
+#    token，并追加第二个新 token。
+#
+# 要命中缓存，先得有请求发布过这一块：一个前 256 个 token 相同的请求（比如系统提示词相同）已经运行并结束，它的
+# 第一块虽已空闲，但仍在缓存中。下面用真正的调度器把两个请求都跑一遍，token 由 `fake_model` 给出。
+
+# %% the article's worked example
+worked = Scheduler(num_kvcache_blocks=8, kvcache_block_size=256, max_num_seqs=4, max_num_batched_tokens=200)
+shared_prefix = list(range(1000, 1256))  # one block of 256 tokens
+earlier = Sequence([*shared_prefix, 7], SamplingParams(max_tokens=1), block_size=256)
+worked.add(earlier)
+run(worked, {earlier.seq_id: "earlier"}, show=False)
+published = list(worked.block_manager.hash_to_block_id.values())  # the earlier request's first block
+
+request = Sequence([*shared_prefix, *range(2000, 2344)], SamplingParams(max_tokens=3, ignore_eos=True),
+                   block_size=256)
+worked.add(request)
+worked_steps = []
+for _ in range(3):
+    batch, is_prefill = worked.schedule()
+    planned = {"kind": "prefill" if is_prefill else "decode", "cached": request.num_cached_tokens,
+               "scheduled": request.num_scheduled_tokens, "status": request.status.name,
+               "at the head": bool(worked.waiting) and worked.waiting[0] is request}
+    worked.postprocess(batch, fake_model(batch, is_prefill), is_prefill)
+    worked_steps.append({**planned, "computed after": request.num_cached_tokens, "len after": len(request)})
+print(f"prompt: {request.num_prompt_tokens} tokens; blocks {request.block_table}, the first a hit on {published}")
+print(f"{'step':>4} {'kind':<8} {'cached':>7} {'scheduled':>10} {'status':<8} {'computed after':>15} {'len after':>10}")
+for i, s in enumerate(worked_steps, start=1):
+    print(f"{i:>4} {s['kind']:<8} {s['cached']:>7} {s['scheduled']:>10} {s['status']:<8} {s['computed after']:>15} "
+          f"{s['len after']:>10}")
+
+# %%
+# en: The article's numbers: 256 cached + 200 scheduled, 456 computed; then 144 and RUNNING; 601 tokens.
+# zh: 文章里的数字：256 个已缓存 + 200 个调度，算完 456 个；然后是 144 个，状态 RUNNING；601 个 token。
+assert request.num_prompt_tokens == 600 and published == request.block_table[:1]
+chunk_step, last_chunk, decode_step = worked_steps
+assert (chunk_step["kind"], chunk_step["cached"], chunk_step["scheduled"]) == ("prefill", 256, 200)
+assert chunk_step["status"] == "WAITING" and chunk_step["at the head"]  # a chunk keeps its place
+assert chunk_step["computed after"] == 456 and chunk_step["len after"] == 600  # a chunk appends nothing
+assert (last_chunk["kind"], last_chunk["scheduled"], last_chunk["status"]) == ("prefill", 144, "RUNNING")
+assert not last_chunk["at the head"] and request in worked.running
+assert last_chunk["computed after"] == 600 and last_chunk["len after"] == 601  # the first new token
+assert (decode_step["kind"], decode_step["scheduled"]) == ("decode", 1)
+assert decode_step["computed after"] == 601 and decode_step["len after"] == 602
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -727,6 +953,74 @@ while not capped.is_finished():
 decode_sizes = [len(step["scheduled"]) for step in capped_steps if step["kind"] == "decode"]
 print(f"decode batch sizes: {decode_sizes} (max_num_seqs=8, budget 3)")
 assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
+
+# %% [markdown] tags=["en"]
+# ### Why batch, and why cap the batch: decode cost per token
+#
+# A decode step's cost hardly depends on how many sequences it carries. Every step reads all
+# the weights once (on a GPU, the bulk of a decode step's time) and pays a fixed overhead to
+# start its work; a batch of 16 sequences shares both, so each of its tokens costs a fraction
+# of a lone sequence's. Below, the engine of chapter 11 runs the tiny random Qwen3 of chapter
+# 00's tour on the CPU and times decode steps of 1, 4 and 16 sequences (three runs of each, the
+# median step). The time of a step grows far more slowly than its batch, so the cost per token
+# falls. The times vary from machine to machine and from run to run; the cell asserts only
+# their direction.
+#
+# What bounds the batch is memory, which is why `max_num_seqs` exists: every running sequence
+# holds its KV blocks, so more of them fill the cache sooner and preempt more often, and
+# chapter 09 captures CUDA graphs for batch sizes up to `max_num_seqs` (512 at most), with input buffers sized
+# for the largest.
+
+# %% [markdown] tags=["zh"]
+# ### 为什么要成批，又为什么要给批次设上限：每个 token 的 decode 开销
+#
+# 一个 decode 步的开销几乎不取决于它带着多少个序列。每一步都要把全部权重读一遍（在 GPU 上，这是 decode 步的主要耗时），
+# 还要付一笔启动计算的固定开销；一个 16 个序列的批次共同分摊这两项，所以其中每个 token 的开销只是单个序列的一小部分。
+# 下面用第 11 章的引擎在 CPU 上运行第 00 章导览中的随机小 Qwen3，分别给 1、4、16 个序列的 decode 步计时（每种跑三遍，
+# 取中位数）。一步的耗时远比批次增长得慢，所以每个 token 的开销随批次变大而下降。具体时间因机器而异，每次运行也不同；
+# 单元只断言它们的变化方向。
+#
+# 限制批次大小的是内存，这正是 `max_num_seqs` 存在的原因：每个运行中的序列都持有自己的 KV 块，序列越多，缓存越早
+# 被占满，抢占也越频繁；而且第 09 章要为不超过 `max_num_seqs`（最多 512）的一系列批大小捕获 CUDA Graph，输入缓冲区按其中
+# 最大的那个分配。
+
+# %% decode cost per token
+import statistics
+import time
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.engine.llm_engine import LLMEngine
+
+tiny = LLMEngine(str(build_tiny_model("qwen3")), device="cpu", max_num_seqs=16, num_kvcache_blocks=64,
+                 kvcache_block_size=16)
+
+
+def decode_step_times(batch: int, steps: int = 8) -> list[float]:
+    """Seconds per decode step while `batch` requests of 4-token prompts decode together."""
+    for i in range(batch):
+        tiny.add_request([1 + i, 2, 3, 4], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    times = []
+    while not tiny.is_finished():
+        started = time.perf_counter()
+        _, num_tokens, is_prefill = tiny.step()
+        if not is_prefill:
+            times.append(time.perf_counter() - started)
+            assert num_tokens == batch  # the whole batch decodes in one step
+    return times
+
+
+decode_step_times(16)  # warm up: the first steps of a fresh engine are slower
+step_times: dict[int, list[float]] = {1: [], 4: [], 16: []}
+for _ in range(3):
+    for batch_size in step_times:
+        step_times[batch_size] += decode_step_times(batch_size)
+per_token = {batch_size: statistics.median(times) / batch_size for batch_size, times in step_times.items()}
+print(f"{'batch':>5} {'ms per step':>12} {'µs per token':>13}")
+for batch_size, times in step_times.items():
+    print(f"{batch_size:>5} {statistics.median(times) * 1e3:>12.2f} {per_token[batch_size] * 1e6:>13.0f}")
+# en: Only the direction: a token costs less in a batch of 4 or 16 than alone.
+# zh: 只断言方向：在 4 个或 16 个序列的批次里，一个 token 的开销比单独 decode 时低。
+assert per_token[16] < per_token[1] and per_token[4] < per_token[1]
 
 # %% [markdown] tags=["en"]
 # ### Why admission stops at the head of the queue
@@ -1059,8 +1353,66 @@ while seq.num_completion_tokens == 0:
     step += 1
 assert step == 3 and seq.completion_token_ids == [99]
 
-# en: Exercise 3: the newest sequence has had the fewest steps, so recomputing it wastes the least
-# en: work, and the oldest requests, which users have waited longest for, keep going.
-# zh: 练习 3：最新的序列经历的步数最少，重算它浪费的工作最少；而用户等得最久的最旧请求得以继续。
-assert preemptions[0][1] == ["C"] and names[max(names)] == "C"
+# en: Exercise 3: the newest sequence has been given the fewest steps, so its KV is the least work to
+# en: throw away; the oldest has been given the most. Measured: the same arrivals under both rules,
+# en: counting the computed tokens each preemption throws away (they are computed again later).
+# zh: 练习 3：最新的序列得到的步数最少，扔掉它的 KV 损失的工作最少；最旧的序列得到的最多。下面实测：同样的请求
+# zh: 按同样的时间到达，两种规则各跑一遍，统计每次抢占扔掉的已算 token（它们之后要重算）。
+class CountingScheduler(Scheduler):
+    """Our rule, counting the computed tokens that preemption throws away."""
+
+    thrown_away = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.thrown_away += seq.num_cached_tokens
+        super()._preempt(seq)
+
+
+class OldestFirstScheduler(CountingScheduler):
+    """Preempts from the front of `running`: the oldest sequence still waiting for its turn this step."""
+
+    def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
+        scheduled: list[Sequence] = []
+        preempted: list[Sequence] = []
+        limit = min(self.max_num_seqs, self.max_num_batched_tokens)
+        while self.running and len(scheduled) < limit:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                victim = self.running.popleft() if self.running else seq  # the one difference: the front
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, preempted
+
+
+def staggered(rule: type[CountingScheduler]) -> tuple[int, list[int]]:
+    """Four 6-token requests, one every 3 steps, 8 blocks of 4 tokens: tokens thrown away, finishing steps."""
+    sched = rule(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                 enable_prefix_caching=False)
+    arrivals = [Sequence([10 * i + t for t in range(6)], SamplingParams(max_tokens=10, ignore_eos=True), block_size=4)
+                for i in range(4)]
+    finished_at, step = {}, 0
+    while len(finished_at) < len(arrivals):
+        if step % 3 == 0 and step // 3 < len(arrivals):
+            sched.add(arrivals[step // 3])
+        step += 1
+        if not sched.is_finished():
+            batch, is_prefill = sched.schedule()
+            sched.postprocess(batch, fake_model(batch, is_prefill), is_prefill)
+        finished_at.update({s.seq_id: step for s in arrivals if s.is_finished and s.seq_id not in finished_at})
+    return sched.thrown_away, [finished_at[s.seq_id] for s in arrivals]
+
+
+newest_rule, oldest_rule = staggered(CountingScheduler), staggered(OldestFirstScheduler)
+print(f"preempt the newest: {newest_rule[0]} tokens thrown away, requests finish at steps {newest_rule[1]}")
+print(f"preempt the oldest: {oldest_rule[0]} tokens thrown away, requests finish at steps {oldest_rule[1]}")
+assert preemptions[0][1] == ["C"] and names[max(names)] == "C"  # the trace above: C, the newest, was the victim
+assert newest_rule[0] < oldest_rule[0]  # less work thrown away
+assert newest_rule[1] == sorted(newest_rule[1])  # and requests finish in the order they came
 print("all exercise answers check out")

@@ -22,8 +22,9 @@
 # the fork, the reference counts, the copy and the frees step by step, measure what sharing saves
 # against n identical prompts sent as separate requests, and check that sharing changes no token.
 #
-# nano-vllm has none of this; vLLM has it. The source article that this book answers (a walk
-# through vLLM's memory management) tells this story with the vLLM paper's figure, and so do we.
+# nano-vllm has none of this; vLLM has it. The second article that this book answers walks
+# through nano-vllm's scheduler and block manager with the vLLM paper's figures, and it tells this
+# story with the paper's figure; so do we.
 
 # %% [markdown] tags=["zh"]
 # # 04b · 一个提示词，n 个回答：并行采样与写时复制
@@ -34,8 +35,8 @@
 # 你会一步步看到分叉、引用计数、拷贝和释放，测量共享比“把 n 个相同提示词当作独立请求发送”省下了多少，并验证共享
 # 不会改变任何一个 token。
 #
-# nano-vllm 没有这些，vLLM 有。本书所回应的那篇源文章（讲解 vLLM 内存管理的文章）用 vLLM 论文里的插图讲了这个
-# 故事，我们也照着讲一遍。
+# nano-vllm 没有这些，vLLM 有。本书所回应的第二篇文章借用 vLLM 论文的插图讲解 nano-vllm 的调度器和块管理器，
+# 它用论文里的插图讲了这个故事，我们也照着讲一遍。
 
 # %% [markdown] tags=["en"]
 # ## The idea: fork, share, copy on the first write
@@ -521,7 +522,7 @@ print(f"forks: {forks}; copies: {copies}")
 # - **一个 `n=4` 的请求**：一次 prefill，然后分叉；
 # - **在一次 `generate` 调用里发送四个相同的提示词**：四个*什么也不共享*的序列。它们的 prefill 在同一步里运行，
 #   而一个块只有在它的 K/V 写入之后才能被前缀缓存找到（第 03 章），所以谁也命中不了别人的块；
-# - **稍后再发一次同一个提示词**：它的整块能在前缀缓存里找到，但只有*写满的*块，而且要在它们发布之后。
+# - **稍后再发一次同一个提示词**：它的写满的块能在前缀缓存里找到，但只有*写满的*块才行，而且要在它们发布之后。
 #
 # 一个小函数通过调度器的观察者钩子记录两样东西：prefill 步计算的 token 数，以及同一时刻最多用了多少个块。
 # 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench.parallel_sampling`。它用的时钟是
@@ -659,7 +660,7 @@ assert forked.output_tokens == separate.output_tokens == 32
 
 # %% [markdown] tags=["zh"]
 # `n=4` 的请求只 prefill 了一次它的 30 个 token；四个相同的请求 prefill 了四次，因为它们同时到达，而那时还什么都
-# 没有发布。稍后再发的同一个提示词找到了它的七个整块，只计算了最后两个 token（提示词的最后一个 token 总要计算：
+# 没有发布。稍后再发的同一个提示词找到了它的七个写满的块，只计算了最后两个 token（提示词的最后一个 token 总要计算：
 # 需要它的 logits）。峰值时，分叉的做法持有 7 个共享块，外加每个样本 3 个私有块（块 7 的一份副本，再加两个新块）；
 # 四个独立请求则各持有 10 个块。
 
@@ -757,7 +758,7 @@ print("forked samples == independent requests, token for token")
 # | 分叉 / 独立 | 1.14× | 0.25× | 0.69× |
 #
 # 每个提示词只 prefill 一次而不是四次，decode 也没有变慢：同样的 133,288 个 token 早了 14% 完成，差别主要来自省下
-# 的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个整块加一个未写满的块）
+# 的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个写满的块加一个未写满的块）
 # 来说，256 个 token 的块太大了。未写满的那块在第一个 decode 步被复制给除最后一个之外的所有样本，之后每个样本还要为
 # 最多 1,024 个输出 token 各自增加块。块小的时候，或者共享的提示词很长而回答很短时，共享几乎能省下提示词的全部块，
 # 下面的练习会算出来。
@@ -827,8 +828,8 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # ## The other user of copy-on-write: beam search
 #
 # Beam search keeps the k most likely sequences (beams) and, at every step, extends each by its
-# likeliest tokens and keeps the k best of all those extensions. A beam that wins twice becomes
-# two beams; a beam that wins nothing is dropped. In memory that is exactly this chapter's
+# likeliest tokens and keeps the k best of all those extensions. A beam with two extensions among
+# the k best splits into two beams; a beam with none is dropped. In memory that is exactly this chapter's
 # machinery, used at *every* step instead of once: a beam that continues in two ways **forks**
 # (its block table is shared, reference counts go up), the next write into the shared last block
 # **copies** it, and a dropped beam **releases** its references, so blocks that only it held
@@ -837,13 +838,13 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # decode to show that nothing else is needed on the memory side.
 
 # %% [markdown] tags=["zh"]
-# ## 写时复制的另一个用户：束搜索
+# ## 写时复制的另一个用武之地：束搜索
 #
 # 束搜索（beam search）保留 k 个最可能的序列（束），每一步把每个束按它最可能的几个 token 延伸，再从所有延伸中留下
-# 最好的 k 个。一个束若两次胜出就变成两个束；一无所获的束则被丢弃。在内存上，这恰好就是本章的机制，只不过每一步
-# 都要用到，而不只是一次：以两种方式延续的束会**分叉**（共享块表，引用计数增加），下一次写入共享的最后一块时
-# **复制**它；被丢弃的束**释放**自己的引用，只被它持有的块回到空闲队列。vLLM 当年就是这样实现束搜索的。我们不实现
-# 它（引擎的接口是采样，不是搜索），但下面的练习在 decode 中途分叉，说明在内存这一侧不需要别的东西。
+# 最好的 k 个。若一个束有两种延伸同时入选，它就分裂成两个束；没有延伸入选的束被丢弃。在内存上，这恰好就是本章的
+# 机制，只不过每一步都要用到，而不只是一次：以两种方式延续的束会**分叉**（共享块表，引用计数增加），下一次写入共享的
+# 最后一块时**复制**它；被丢弃的束**释放**自己的引用，只被它持有的块回到空闲队列。vLLM 当年就是这样实现束搜索的。
+# 我们不实现它（引擎的接口是采样，不是搜索），但下面的练习在 decode 中途分叉，说明在内存这一侧不需要别的东西。
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -885,14 +886,14 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #
 # - `SamplingParams(n=...)`：同一个提示词的多个样本；`n > 1` 时，`generate` 返回 nano-vllm 的
 #   `{"text", "token_ids"}`（第一个样本），外加 `"outputs"`：按样本顺序排列的每个样本的 `{"text", "token_ids"}`。
-# - 分叉：提示词只 prefill 一次（照常分块、照常命中缓存）；执行器从它那一行 logits 里抽出 n 个第一 token，每个样本
+# - 分叉：提示词只 prefill 一次（照常分块、照常命中缓存）；执行器从它那一行 logits 里抽出 n 个首 token，每个样本
 #   用自己的随机数流；调度器的 `postprocess` 创建 n − 1 个兄弟序列，它们共享每一个块（引用计数为 n，连未写满的最后一块
 #   也算在内）。
 # - 写时复制：由 `BlockManager.may_append` 在调度时决定，由执行器在前向计算之前用一次批量拷贝完成
 #   （`copy_kv_blocks`），不在 CUDA Graph 之内，每个张量并行 rank 都做；最后一个持有者原地写入。
 # - `fork_samples=False`：把样本当作独立请求运行；基准测试 `python -m nanovllm.bench --parallel-sampling N`
 #   比较这两种做法。
-# - 测试：上面每一步的单元测试；调度器的性质测试和来源模糊测试扩展到了分叉（任何一步都不会写入引用计数大于 1 的
+# - 测试：上面每一步的单元测试；调度器的性质测试和溯源模糊测试扩展到了分叉（任何一步都不会写入引用计数大于 1 的
 #   块；读到的每个槽位存的都是同一前缀的 K/V）；以及分叉样本与独立样本逐 token 一致。
 #
 # 下一章（第 05 章）构建计算这些 K、V 向量的模型。
@@ -926,7 +927,7 @@ def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 1
 # en: Exercise 1: 62 full blocks + a partial one (8 tokens). Forked: the 62 stay shared and the partial
 # en: block is written by all four: three copies, the last writes in place -> 62 + 4 = 66 blocks.
 # en: Independent: 4 x 63 = 252. Sharing saves 186 blocks.
-# zh: 练习 1：62 个整块加一个未写满的块（8 个 token）。分叉：62 个整块保持共享，四个样本都要写那个未写满的块：
+# zh: 练习 1：62 个写满的块加一个未写满的块（8 个 token）。分叉：62 个写满的块保持共享，四个样本都要写那个未写满的块：
 # zh: 三份拷贝，最后一个原地写入 -> 62 + 4 = 66 块。独立请求：4 x 63 = 252 块。共享省下 186 块。
 forked_blocks, copies = first_decode_blocks(1000, 4, fork=True)
 independent_blocks, _ = first_decode_blocks(1000, 4, fork=False)

@@ -1268,6 +1268,8 @@ assert torch.isfinite(logits).all()
 total = sum(p.numel() for p in model.parameters())
 assert total == sum(t.numel() for t in load_file(qwen_dir / "model.safetensors").values())
 print(f"tiny Qwen3: {total:,} parameters; tied: {total - 512 * 64:,}")
+lm_head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+assert lm_head.shape == embedding.shape == (512, 64) and lm_head.data_ptr() != embedding.data_ptr()  # not tied yet
 # en: 2: rows [q_size, q_size + kv_size) = [4 * 16, 4 * 16 + 2 * 16) = [64, 96).
 # zh: 2：第 [q_size, q_size + kv_size) 行 = [4 * 16, 4 * 16 + 2 * 16) = [64, 96)。
 k_proj = load_file(qwen_dir / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"]
@@ -1275,4 +1277,9 @@ assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight[64:96], k_pro
 # en: 3: RoPE depends only on the position number; where the token came from does not matter,
 # en: which is why a decode step only needs `positions = [len(seq) - 1]`.
 # zh: 3：RoPE 只取决于位置编号，与 token 的来历无关；所以 decode 步只需要 `positions = [len(seq) - 1]`。
+rope = model.model.layers[0].self_attn.rotary_emb
+q_all, k_all = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
+q_rot, k_rot = rope(torch.arange(10), q_all, k_all)
+q_one, k_one = rope(torch.tensor([7]), q_all[7:8], k_all[7:8])  # token 7 alone, as a decode step sees it
+assert torch.equal(q_one, q_rot[7:8]) and torch.equal(k_one, k_rot[7:8])
 print("all exercise answers check out")

@@ -665,5 +665,6 @@ o1 = causal_attention(q1, k1, v1, scale=0.5)
 assert torch.equal(o1[1], torch.zeros(1, 4)) and o1[2].abs().sum() > 0
 # en: 3: every decode sequence has exactly one query, so query i is row i.
 # zh: 3：decode 时每个序列恰好一个查询，所以第 i 个查询就是第 i 行。
+assert ctx.cu_seqlens_q is None and ctx.context_lens.tolist() == [21]  # the decode context has none
 reset_context()
 print("all exercise answers check out")

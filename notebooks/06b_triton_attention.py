@@ -1574,6 +1574,9 @@ assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3  # FA
 assert choose_num_splits(8, 4, 64 * 16, 132) == 8
 # en: 2: query j of the tile sits at position prefix + m*BLOCK_M + j >= every such key, and those keys are < n_k.
 # zh: 2：tile 中第 j 个查询位于 prefix + m*BLOCK_M + j，不小于所有这些键的位置，而且这些键都 < n_k。
+for prefix, m, block_m in ((0, 0, 16), (5, 1, 16), (37, 3, 64)):
+    first_query = prefix + m * block_m
+    assert all(key <= first_query + j for key in range(first_query) for j in range(block_m))
 # en: 3: weights 2^(3-5) = 1/4 and 2^0 = 1: (a/4 + b) / (5/4) = (a + 4b) / 5. Checked with the kernel itself:
 # zh: 3：权重为 2^(3-5) = 1/4 与 2^0 = 1：(a/4 + b) / (5/4) = (a + 4b) / 5。用内核本身验证：
 from nanovllm.layers.triton_attention import decode_reduce_kernel

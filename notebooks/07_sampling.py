@@ -81,7 +81,7 @@
 # Unseeded rows share the global generator, as usual.
 
 # %% [markdown] tags=["zh"]
-# ## 不受批次影响的按请求种子
+# ## 与批次无关的逐请求随机种子
 #
 # 一个带种子的请求，无论单独运行还是与另外 50 个请求一起、位于第 0 行还是第 17 行、被抢占重算之前还是之后，
 # 都必须生成相同的 token。所以它的噪声只能取决于请求本身。我们为每个要采样的 token 从 `(seed, position)` 派生
@@ -154,7 +154,7 @@ def seeded_generator(
 # ## 动手：掩码与采样器
 #
 # 大多数批次既不用 top-k、top-p，也不用种子（第 14 章的基准测试只用温度）。对它们来说，`temperature_sample` 就是
-# 整个采样器：它从不从 GPU 读回任何值，所以 CPU 可以把它紧跟在前向计算之后排进队列；在 GPU 上它由两个 Triton
+# 整个采样器：它从不把数据从 GPU 读回主机，所以 CPU 可以把它紧跟在前向计算之后排进队列；在 GPU 上它由两个 Triton
 # 内核完成（见本章最后一节）。走哪条路径由 `sampling_inputs` 在主机端决定：没有任何一行用到的功能，它就传
 # `None`。通用路径会从 GPU 读回几个标志，以跳过没有任何一行需要的过滤。
 #
@@ -817,7 +817,7 @@ for temperature in (0.0, 1.0):
 # - `nanovllm/layers/sampler.py`：`Sampler`（`sampler(logits, temperatures, top_ks, top_ps, generators)`）、
 #   `apply_top_k`、`apply_top_p`、`seeded_generator(seed, position)`，以及把一个批次的 `SamplingParams` 变成
 #   采样器参数的 `sampling_inputs(params, positions)`（没有任何一行用到的功能传 `None`），以及 `temperature_sample`：
-#   批次中没有 top-k、top-p 和种子时采样器走的路径，它从不从 GPU 读回数据。
+#   批次中没有 top-k、top-p 和种子时采样器走的路径，它从不把数据从 GPU 读回主机。
 # - `nanovllm/layers/triton_sampler.py`：`triton_temperature_sample(logits, temperatures, block_size=4096)`，
 #   以两个 Triton 内核实现同样的约定：`race_chunk_kernel`（每行、每段列一个程序）和 `race_pick_kernel`（每行一个
 #   程序），噪声来自 Philox，种子在主机端抽取；第 08 章在 GPU 上用它替换采样器的快速路径。
@@ -846,6 +846,19 @@ assert set(both.tolist()) == {0}
 # en: chunking; its token positions do not, so (seed, position) gives the same draw every time.
 # zh: 3：被抢占的序列会重算，步数随之改变，而且序列经历的步数还取决于分块方式；token 的位置则不会变，
 # zh: 所以 (seed, position) 每次都给出相同的抽样。
+weights = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
+
+
+def draw(key: int) -> int:
+    """One token drawn with the noise of seed 7 and ``key``."""
+    return int((weights / torch.empty(5).exponential_(generator=seeded_generator(7, key))).argmax())
+
+
+positions = range(10, 20)  # ten tokens of one request
+steps_alone = list(range(10))  # one token per step
+steps_preempted = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]  # after 4 tokens, one step goes to the recompute
+assert [draw(p) for p in positions] == [draw(p) for p in positions]  # keyed by position: the same tokens
+assert [draw(s) for s in steps_alone] != [draw(s) for s in steps_preempted]  # keyed by step: other tokens
 # en: 4: multiplying every score of a row by the same T > 0 keeps their order; l - T log E has no division,
 # en: so a tiny T leaves (nearly) the bare logits instead of pushing them to infinity.
 # zh: 4：一行的所有分数乘以同一个 T > 0，顺序不变；l - T log E 里没有除法，所以极小的 T 留下的（几乎）就是

@@ -1191,7 +1191,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #
 # - 在启动时编译 prefill 内核的每个变体，而不是在第一个需要它的步里编译（第 06b 章的 `warm_up_prefill`：原来有
 #   2.3 s 的编译落在计时之内），并让各个预热在推理模式下运行，这样编译好的函数不会在真实的步里重新编译；
-# - 从不从 GPU 读回数据的采样器，先是编译版（0.80 → 0.55 s），然后是第 07 章的两个 Triton 内核（0.08 s：编译版
+# - 从不把数据从 GPU 读回主机的采样器，先是编译版（0.80 → 0.55 s），然后是第 07 章的两个 Triton 内核（0.08 s：编译版
 #   让单个线程块处理一整行 151,936 个元素）；
 # - 异步调度（第 12 章）：先把第 *n + 1* 步排进队列，再收取第 *n* 步。在同一个进程里测量，使用编译采样器时它让引擎
 #   从 16,059 提高到 20,758 tokens/s，使用 Triton 采样器时从 19,098 提高到 21,642。
@@ -1306,6 +1306,14 @@ assert graph_batch_size(70, capture_sizes(100)) == 80
 # zh: 练习 2：捕获的 KV 写入会把每一行的 K/V 写到它的槽位；若用槽位 0，填充行就会覆盖拥有块 0 的那个序列的
 # zh: 第一个 token。-1 让写入跳过它们。
 assert buffers.slot_mapping[3].item() == -1
+from nanovllm.layers.attention import TorchBackend
+
+for padding_slot in (-1, 0):
+    cache = torch.zeros(2, 4, 1, 2)  # 2 blocks of 4 slots; slot 0 holds the first token of block 0's owner
+    cache[0, 0] = 1.0
+    rows = torch.full((2, 1, 2), 5.0)  # row 0: a real token for slot 6; row 1: padding
+    TorchBackend().store_kvcache(rows, rows, cache, cache.clone(), torch.tensor([6, padding_slot]))
+    assert bool(cache[0, 0].eq(1.0).all()) is (padding_slot == -1)  # slot 0 survives only if the padding is -1
 
 # en: Exercise 3: 1.19e9 / 4.2e12 s = 0.28 ms; the recorded 1.87 ms is about 6.6x that: launches of
 # en: ~1,000 small kernels (even inside a graph each costs a few µs), the host work and the sampler.

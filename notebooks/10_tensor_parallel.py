@@ -2191,6 +2191,17 @@ print("ranks", pids, "are gone")
 assert QKVParallelLinear(1024, 128, 16, 8, tp_rank=1, tp_size=2).weight.shape == (2048, 1024)
 # en: 2: the all-reduce adds the ranks' outputs; a bias added on every rank would count tp_size times.
 # zh: 2：all-reduce 把各 rank 的输出相加；如果每个 rank 都加偏置，就会被加 tp_size 次。
+w2, b2, x2 = torch.randn(3, 4), torch.randn(3), torch.randn(5, 4)
+halves = []
+for r in range(2):
+    half = RowParallelLinear(4, 3, bias=True, tp_rank=r, tp_size=2)
+    half.weight.weight_loader(half.weight, w2)
+    half.bias.weight_loader(half.bias, b2)
+    halves.append((half, x2[:, 2 * r : 2 * r + 2]))
+reduced = sum(half.forward_local(xs) for half, xs in halves)  # what the all-reduce adds up
+bias_everywhere = sum(torch.nn.functional.linear(xs, half.weight, half.bias) for half, xs in halves)
+torch.testing.assert_close(reduced, torch.nn.functional.linear(x2, w2, b2))
+torch.testing.assert_close(bias_everywhere - reduced, b2.expand(5, 3))  # one bias too many
 # en: 3: 151936 / 2 = 75968 rows per rank: rank 1, local row 80000 - 75968 = 4032.
 # zh: 3：每个 rank 151936 / 2 = 75968 行：rank 1，本地第 80000 - 75968 = 4032 行。
 owner = VocabParallelEmbedding(151936, 1, tp_rank=1, tp_size=2)

@@ -96,7 +96,7 @@
 #   `ref_count`（引用计数）、`hash`（16 位十六进制；发布之前为 `null`）、`num_tokens`、
 #   `owners`（块表中含有它的序列编号）。
 # - `free_list`：空闲块编号，按块管理器分配它们的顺序排列。
-# - `waiting`、`running`：序列编号，队首在前。
+# - `waiting`、`running`：序列编号，队头在前。
 # - `seqs`，到目前为止见过的每个序列：`id`、`status`、`num_tokens`、`num_prompt_tokens`、
 #   `num_cached_tokens`、`num_scheduled_tokens`、`block_table`。
 #
@@ -579,7 +579,7 @@ def caption(frame: dict, lang: str = "en") -> str:
                               f"into block {copy['to']}")
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
-        parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队首）" if zh
+        parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队头）" if zh
                      else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)")
     elif phase == "postprocess":
         for fork in event.get("forked", []):
@@ -717,7 +717,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_label("(none)", "（无）", lang)}</text>')
         y += 24
     # en: Queues as chips, in queue order (the head is on the left).
-    # zh: 队列画成一串小标签，按队列顺序排列（队首在左）。
+    # zh: 队列画成一串小标签，按队列顺序排列（队头在左）。
     y += 10
     for name, label in (("running", _label("running", "运行", lang)), ("waiting", _label("waiting", "等待", lang))):
         out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{label}</text>')
@@ -1093,8 +1093,8 @@ assert recording["frames"][-1]["seqs"][0]["status"] == "FINISHED"
 # %% [markdown] tags=["zh"]
 # ## 看它运行：两个请求共享前缀
 #
-# 请求 A 的提示词有 10 个 token；请求 B 晚一步到达，前 8 个 token（两个满块）与 A 相同，结尾不同。
-# A 的满块在第 1 步的后处理中已经**发布**（算出了哈希），所以 B 预填充时能找到它们：两次缓存命中，
+# 请求 A 的提示词有 10 个 token；请求 B 晚一步到达，前 8 个 token（两个写满的块）与 A 相同，结尾不同。
+# A 的写满的块在第 1 步的后处理中已经**发布**（算出了哈希），所以 B 预填充时能找到它们：两次缓存命中，
 # 这两个块的**引用计数变为 2**，由 A 和 B 共同持有。A 完成后释放它的块：共享块的**引用计数回到 1**
 # （B 仍持有它们），A 独有的块变为空闲。
 
@@ -1147,7 +1147,7 @@ print(f"step {hit_frame['step']}: blocks {a_blocks[:2]} have ref count 2; "
 # %% [markdown] tags=["zh"]
 # ## 看它运行：缓存命中让已释放的块复活
 #
-# 请求 C 单独运行并完成：它的块全部释放，但两个满块保留了哈希，因此处于**空闲但仍被缓存**的状态（绿色虚线）。
+# 请求 C 单独运行并完成：它的块全部释放，但两个写满的块保留了哈希，因此处于**空闲但仍被缓存**的状态（绿色虚线）。
 # 请求 D 到达，前 8 个 token 与 C 相同：命中会把正是这两个块从空闲队列中取回，引用计数为 1。
 # D 的提示词长 10 个 token，它的最后一块是新分配的（提示词的最后一块永远不算命中：
 # 至少要计算一个 token 才能得到 logits）。
@@ -1189,7 +1189,7 @@ print(f"blocks {c_blocks[:2]}: cached after C finished, revived by D's cache hit
 # ## 看它运行：长提示词分块预填充
 #
 # 提示词 20 个 token，每步预算 `max_num_batched_tokens=8` 个 token：prefill 被**分块**为 8 + 8 + 4 个 token。
-# 分块之间，序列留在*等待*队列的队首并保留它的块；未完成的分块不追加 token（后处理忽略假模型为它给出的值）。
+# 分块之间，序列留在*等待*队列的队头并保留它的块；未完成的分块不追加 token（后处理忽略假模型为它给出的值）。
 
 # %%
 chunky = FakeEngine(num_kvcache_blocks=10, kvcache_block_size=4, max_num_batched_tokens=8)
@@ -1225,7 +1225,7 @@ print("chunks:", [f["event"]["scheduled"][0]["num_tokens"] for f in prefills])
 #
 # 6 个块，每块 4 个 token；4 个请求，每个提示词 6 个 token，还要再生成 8 个。预填充在块够用时接纳它们；
 # decode 时，每当某个序列需要新块而没有空闲块，调度器就**抢占**最新的运行序列：它的块回到空闲队列，
-# 它回到等待队列的队首，之后重新预填充。注意看队列如何来回变动，最后块池清空，所有请求都完成。
+# 它回到等待队列的队头，之后重新预填充。注意看队列如何来回变动，最后块池清空，所有请求都完成。
 
 # %%
 storm = FakeEngine(num_kvcache_blocks=6, kvcache_block_size=4)
@@ -1243,7 +1243,7 @@ assert all(s["status"] == "FINISHED" and s["num_tokens"] == 6 + 8 for s in final
 assert all(b["state"] != "used" and b["ref_count"] == 0 for b in final["blocks"])
 assert sorted(final["free_list"]) == list(range(6)) and final["waiting"] == final["running"] == []
 # en: A preempted sequence comes back: it is at the head of waiting right after its preemption.
-# zh: 被抢占的序列会回来：被抢占后，它立刻位于等待队列的队首。
+# zh: 被抢占的序列会回来：被抢占后，它立刻位于等待队列的队头。
 first_storm = next(f for f in frames if f["phase"] == "schedule" and f["event"]["preempted"])
 assert first_storm["waiting"][0] == first_storm["event"]["preempted"][-1]
 print(f"{steps} steps, {len(preempted)} preemptions (seq ids {preempted}), all 4 requests finished")
@@ -1589,7 +1589,7 @@ panel.player()
 # %%
 # en: Exercise 1: only full blocks are hashed, and B's second block differs in its last token:
 # en: one hit (the first block), the chain stops at the first miss.
-# zh: 练习 1：只有满块才有哈希，B 的第二块最后一个 token 不同：只命中一次（第一块），链在第一次未命中处断开。
+# zh: 练习 1：只有写满的块才有哈希，B 的第二块最后一个 token 不同：只命中一次（第一块），链在第一次未命中处断开。
 ex1 = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
 ex1.add([*prefix, 19, 20], max_tokens=3)
 ex1.step()

@@ -135,7 +135,7 @@ def caption(frame: dict, lang: str = "en") -> str:
                               f"into block {copy['to']}")
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
-        parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队首）" if zh
+        parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队头）" if zh
                      else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)")
     elif phase == "postprocess":
         for fork in event.get("forked", []):
