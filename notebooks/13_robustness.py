@@ -190,26 +190,6 @@ def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
         self.waiting.extendleft(reversed(moved))
 
 
-# en: Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
-# zh: 引擎在这里收集观察者抛出的异常；为 None 时（单独使用的调度器）立即抛出。
-Scheduler.observer_errors = None
-
-
-@add_to_class(Scheduler)
-def _notify(self, event: str, data: dict) -> None:
-    """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
-    raises it once the step is whole: an observer must not cut a step in half."""
-    if self.observer is None:
-        return
-    if self.observer_errors is None:
-        self.observer(event, data)
-        return
-    try:
-        self.observer(event, data)
-    except BaseException as error:  # even a KeyboardInterrupt the observer raises itself
-        self.observer_errors.append(error)
-
-
 @add_to_class(Scheduler)
 def abort(self, seq: Sequence) -> None:
     """Drop an unfinished request: out of its queue, its blocks freed, FINISHED (the caller gave up on it)."""
@@ -220,6 +200,85 @@ def abort(self, seq: Sequence) -> None:
     if seq.block_table:
         self.block_manager.deallocate(seq)
     seq.status = SequenceStatus.FINISHED
+
+# %% [markdown] tags=["en"]
+# ## Ctrl-C at any moment, and observers that raise
+#
+# `rollback` covers a step whose *model* is interrupted. But a step is mostly bookkeeping:
+# `schedule` moves sequences between queues and hands out blocks, `advance` counts the step and
+# forks samples, `resolve` writes the tokens, publishes blocks and frees finished sequences, and
+# the engine files what finished. A `KeyboardInterrupt` can land on any line of that, and
+# Python raises it wherever it lands: between taking a block off the free list and writing it
+# into a block table, say. One such half-done step leaks blocks, loses queued requests or leaves
+# a pending token behind, and every later call fails. Random Ctrl-Cs hit these windows rarely,
+# which is why they went unnoticed; the test below hits every one.
+#
+# **What a step promises.** An interrupted call leaves the engine as if the interrupted step had
+# not started, or had finished: no block leaked, no queued request lost or changed, the next call
+# correct. The call raises `KeyboardInterrupt` (a Ctrl-C is never swallowed), and an interrupted
+# `generate` takes its own requests with it, as before.
+#
+# **How.** Each call of the engine holds Ctrl-C back (`deferred_interrupt`, chapter 10, now
+# nestable) and lets it through in exactly two kinds of place, where nothing is half-changed:
+#
+# - while the model runner computes a step that is not counted yet (`interruptible`): an
+#   interrupt there is undone by `rollback`, and this is where a long step spends its time;
+# - between two steps of `generate` (`interruption_point`): the books are whole, and the call
+#   drops its own requests as any interrupted call does. `step()` takes one just before it hands
+#   its outputs over, which otherwise stay in `unreported` for the next call.
+#
+# Everywhere else, a Ctrl-C waits until the step is whole: at most one step's bookkeeping, a
+# fraction of a millisecond, or, with asynchronous scheduling, until the tokens of the step in
+# flight arrive. Deferring is the simpler half: the alternative, undoing every line of
+# `schedule`, `advance` and `resolve`, would need an undo for each of them. With tensor
+# parallelism the driver also reads and files each rank's reply as one (a reply read but not
+# filed was lost, and the next call waited for it until `rank_timeout_s`), and writes the
+# sampling params of a step together with the step.
+#
+# **Callbacks are the other half.** The engine calls code it does not own: the scheduler's
+# observer (the visualizations of appendix A) and the progress bar. Neither may cut a step in
+# half. The scheduler calls its observer last in `add`, `schedule` and `resolve`, through
+# `_notify`; inside an engine, `_notify` keeps what the observer raises in `observer_errors`,
+# and the engine raises it once the step is whole: from `generate` (which then drops its
+# requests), from `step` (what finished waits for the next call), from `add_request` (which
+# then queues nothing). A bare scheduler, as in chapter 04 and the tests, still raises at once.
+# The progress bar writes through `BarStream`, which falls silent after its first failed write
+# (`python run.py 2>&1 | head` closes stderr): a bar is a courtesy, and must not fail a call, nor
+# leave tqdm's global lock held (tqdm does when its stream raises while it draws).
+
+# %% [markdown] tags=["zh"]
+# ## 随时按下的 Ctrl-C，以及抛出异常的观察者
+#
+# `rollback` 处理的是*模型*计算被打断的一步。可是一步的大部分是记账：`schedule` 在队列之间挪动序列、分发块，
+# `advance` 记下这一步并分叉出样本，`resolve` 写入 token、发布块、释放结束的序列，引擎再把结束的请求归档。
+# `KeyboardInterrupt` 可能落在其中任何一行，而 Python 在哪里收到它就在哪里抛出：比如刚从空闲队列取下一个块、
+# 还没写进块表的时候。这样一个做了一半的步就会泄漏块、丢失排队的请求或留下待定 token，之后的每次调用都会失败。
+# 随机按下的 Ctrl-C 很少正好落进这些窗口，所以一直没人发现；下面的测试会逐一命中每一个。
+#
+# **一步的承诺。** 被中断的调用让引擎处于这样的状态：仿佛被中断的那一步还没开始，或者已经完成——没有泄漏的块，
+# 排队的请求既没丢也没被改动，下一次调用结果正确。调用会抛出 `KeyboardInterrupt`（Ctrl-C 绝不会被吞掉）；被中断的
+# `generate` 和以前一样带走它自己的请求。
+#
+# **做法。** 引擎的每个调用都把 Ctrl-C 压住（第 10 章的 `deferred_interrupt`，现在可以嵌套），只在两类地方放它
+# 通过，那里没有任何改到一半的东西：
+#
+# - 模型执行器计算一个尚未记账的步时（`interruptible`）：在这里打断由 `rollback` 撤销，而一个长步的时间也
+#   正花在这里；
+# - `generate` 的两步之间（`interruption_point`）：账目是完整的，调用像任何被中断的调用一样丢掉它自己的请求。
+#   `step()` 在交出结果之前也设了一个，否则这些结果会留在 `unreported` 里，交给下一次调用。
+#
+# 在其他任何地方，Ctrl-C 都要等这一步完整：最多是一步的记账，不到一毫秒；异步调度时，则要等到计算中那一步的
+# token 到达。推迟是较简单的那一半：另一种做法是撤销 `schedule`、`advance` 和 `resolve` 的每一行，那就要为每一行
+# 各写一个撤销。张量并行时，驱动进程还会把每个 rank 回复的读出和归档合为一体（读出但没有归档的回复会丢失，
+# 下一次调用便会一直等它，直到 `rank_timeout_s`），并把一步的采样参数和这一步一起写出。
+#
+# **回调是另一半。** 引擎会调用不属于它的代码：调度器的观察者（附录 A 的可视化）和进度条。二者都不能把一步截成
+# 两半。调度器在 `add`、`schedule` 和 `resolve` 的最后通过 `_notify` 调用观察者；在引擎里，`_notify` 把观察者
+# 抛出的异常存进 `observer_errors`，等这一步完整后由引擎抛出：在 `generate` 中抛出（随后丢掉它的请求），在
+# `step` 中抛出（已结束的序列留给下一次调用），在 `add_request` 中抛出（随后什么也不排队）。单独使用的调度器，
+# 比如第 04 章和测试中的，仍然立即抛出。进度条通过 `BarStream` 输出，第一次写入失败后它就不再作声
+# （`python run.py 2>&1 | head` 会关掉 stderr）：进度条只是一种礼貌，不能让调用失败，也不能让 tqdm 的全局锁一直
+# 被占着（它绘制时如果输出流抛出异常，tqdm 就会这样）。
 
 # %% letting ctrl-c through
 #| export utils.interrupts
@@ -251,6 +310,30 @@ def interruption_point() -> None:
     """Inside `deferred_interrupt`: deliver now a Ctrl-C that was held back, where the caller can take it."""
     with interruptible():
         pass
+
+# %% observers wait
+#| export engine.scheduler
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.scheduler import Scheduler
+
+# en: Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
+# zh: 引擎在这里收集观察者抛出的异常；为 None 时（单独使用的调度器）立即抛出。
+Scheduler.observer_errors = None
+
+
+@add_to_class(Scheduler)
+def _notify(self, event: str, data: dict) -> None:
+    """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
+    raises it once the step is whole: an observer must not cut a step in half."""
+    if self.observer is None:
+        return
+    if self.observer_errors is None:
+        self.observer(event, data)
+        return
+    try:
+        self.observer(event, data)
+    except BaseException as error:  # even a KeyboardInterrupt the observer raises itself
+        self.observer_errors.append(error)
 
 # %% step that fails
 #| export engine.llm_engine
@@ -863,6 +946,107 @@ with torch.no_grad():
 assert reported == {other: outputs[2]["token_ids"]}
 print(f"request {other}, queued beside it, finished with the tokens it gets alone")
 
+# %% [markdown] tags=["en"]
+# Last, Ctrl-C, aimed rather than random. `SignalAtLine` is a tracer (Python's `sys.settrace`)
+# that counts the lines the engine's bookkeeping runs and, at line *k*, sends this process a
+# real SIGINT: Python runs the handler at the next bytecode, exactly where a Ctrl-C pressed at
+# that moment would land. One `generate` call is counted first; then, for a spread of lines
+# across the whole call, the same call is interrupted there, beside two requests queued with
+# `add_request`. After each interrupt the call must have raised, the queued requests must finish
+# with the tokens they get alone, and every block must come back to the pool. (The tests do this
+# for every line, with asynchronous scheduling and tensor parallelism too; before this chapter's
+# deferral, about one such interrupt in three broke the engine.)
+
+# %% [markdown] tags=["zh"]
+# 最后是 Ctrl-C，这次不靠运气，而是瞄准。`SignalAtLine` 是一个追踪函数（Python 的 `sys.settrace`），它数着引擎
+# 记账代码执行的行，在第 *k* 行给本进程发一个真正的 SIGINT：Python 在下一条字节码处运行信号处理函数，正是那一刻
+# 按下 Ctrl-C 时它会落下的地方。先数一次 `generate` 调用的行数；然后在遍布整个调用的一组行上，把同一个调用在
+# 那里打断，旁边还有两个用 `add_request` 排队的请求。每次打断之后，调用必须抛出异常，排队的请求必须以单独运行
+# 时的 token 结束，每个块都必须回到块池。（测试对每一行都这样做，也覆盖异步调度和张量并行；在本章的推迟机制
+# 出现之前，大约每三次这样的打断就有一次弄坏引擎。）
+
+# %% signal at a line
+#| export book.faults
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Collection
+from types import FrameType
+from typing import Any
+
+
+class SignalAtLine:
+    """A tracer that sends this process a real SIGINT when code of ``files`` runs its ``at``-th line (from 1;
+    None only counts). ``lines``: the lines counted; ``points``: each line of code, with the count at which it
+    first ran. Use it as a context manager on the main thread."""
+
+    def __init__(self, files: Collection[str], at: int | None = None) -> None:
+        self.files, self.at = frozenset(files), at
+        self.lines, self.fired = 0, False
+        self.points: dict[tuple[str, int], int] = {}
+
+    def __enter__(self) -> SignalAtLine:
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.settrace(None)
+
+    def _call(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self._line if not self.fired and frame.f_code.co_filename in self.files else None
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line" and not self.fired:
+            self.lines += 1
+            self.points.setdefault((frame.f_code.co_filename, frame.f_lineno), self.lines)
+            if self.lines == self.at:
+                self.fired = True
+                signal.raise_signal(signal.SIGINT)
+        return self._line
+
+# %%
+import nanovllm.engine.block_manager
+import nanovllm.engine.llm_engine
+import nanovllm.engine.prefix_cache
+import nanovllm.engine.scheduler
+import nanovllm.engine.sequence
+from nanovllm.book.faults import SignalAtLine
+
+bookkeeping = {module.__file__ for module in (nanovllm.engine.block_manager, nanovllm.engine.llm_engine,
+                                              nanovllm.engine.prefix_cache, nanovllm.engine.scheduler,
+                                              nanovllm.engine.sequence)}
+short = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+alone = [llm.generate([prompt], short, use_tqdm=False)[0]["token_ids"] for prompt in prompts[:2]]
+
+
+def interrupted(at: int | None) -> tuple[bool, SignalAtLine]:
+    """generate(prompts[2]) with a SIGINT at bookkeeping line ``at``, beside two queued requests; check after."""
+    queued = [llm.add_request(prompt, short) for prompt in prompts[:2]]
+    tracer = SignalAtLine(bookkeeping, at)
+    try:
+        with tracer:
+            llm.generate([prompts[2]], short, use_tqdm=False)
+        raised = False
+    except KeyboardInterrupt:
+        raised = True
+    finished = {}
+    while not llm.is_finished():
+        finished.update((output.request_id, output[1]) for output in llm.step()[0])
+    assert raised == tracer.fired, f"the SIGINT at line {at} was lost"
+    assert finished == dict(zip(queued, alone, strict=True)), f"queued requests changed by a SIGINT at line {at}"
+    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks, "blocks leaked"
+    return raised, tracer
+
+
+census = interrupted(None)[1]
+points = sorted(census.points.values())
+for at in points[:: max(1, len(points) // 60)]:
+    interrupted(at)
+print(f"one generate call runs {census.lines} lines of bookkeeping ({len(points)} distinct); a SIGINT at "
+      f"{len(points[:: max(1, len(points) // 60)])} of them, each time: the call raised KeyboardInterrupt, the "
+      "queued requests finished with their own tokens, every block came back")
+
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -871,7 +1055,12 @@ print(f"request {other}, queued beside it, finished with the tokens it gets alon
 #   when they are not token ids or valid text; a model directory without tokenizer files refused.
 # - `Scheduler.rollback` and `Scheduler.abort`: a step that failed is undone; an interrupted
 #   `generate` takes its requests with it, and the step in flight is settled.
-# - One call at a time (`one_call_at_a_time`, `EngineBusyError`), `generate` beside
+# - Ctrl-C at any moment: each call holds it back (`deferred_interrupt`) and lets it through
+#   only where nothing is half-changed (`interruptible`, `interruption_point`); observers'
+#   errors wait until the step is whole (`_notify`, `observer_errors`); a progress bar that
+#   cannot write falls silent (`BarStream`); `step` reports `StepOutput` pairs that name their
+#   request and sample.
+# - One call at a time (`_one_call`, `EngineBusyError`), `generate` beside
 #   `add_request` (`unreported`, reported by `step`), and requests whose logits are not numbers
 #   dropped with their likely cause (`NonFiniteLogitsError`), the others going on.
 #
@@ -893,7 +1082,10 @@ print(f"request {other}, queued beside it, finished with the tokens it gets alon
 #   没有分词器文件的模型目录会被拒绝。
 # - `Scheduler.rollback` 与 `Scheduler.abort`：失败的一步被撤销；被中断的 `generate` 带走它的请求，计算中的那一步
 #   也会被妥善处理。
-# - 一次一个调用（`one_call_at_a_time`、`EngineBusyError`）；与 `add_request` 并用的 `generate`（`unreported`，由
+# - 随时按下的 Ctrl-C：每个调用都把它压住（`deferred_interrupt`），只在没有改到一半的地方放它通过
+#   （`interruptible`、`interruption_point`）；观察者的异常等这一步完整后再抛出（`_notify`、`observer_errors`）；
+#   写不出去的进度条不再作声（`BarStream`）；`step` 报告的 `StepOutput` 二元组指明所属请求和样本。
+# - 一次一个调用（`_one_call`、`EngineBusyError`）；与 `add_request` 并用的 `generate`（`unreported`，由
 #   `step` 报告）；logits 不是数的请求连同可能的原因一起被丢弃（`NonFiniteLogitsError`），其他请求照常进行。
 #
 # 下一章（第 14 章）测量这个引擎。

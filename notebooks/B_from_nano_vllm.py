@@ -361,7 +361,7 @@
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
 # | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 06 | the same fields |
-# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_CONTEXT`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | same, plus two builders from lengths and block tables |
+# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_STEP`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | the same, per thread (a `threading.local`, so that two engines on two threads do not share it), plus two builders from lengths and block tables |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/utils/context.py` → `nanovllm/layers/context.py`
@@ -369,7 +369,7 @@
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
 # | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 06 | 字段相同 |
-# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_CONTEXT`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | 相同，另加两个根据长度和块表构造上下文的函数 |
+# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_STEP`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | 相同，但每个线程一份（`threading.local`，两个线程上的两个引擎不会共用它），另加两个根据长度和块表构造上下文的函数 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/model_runner.py` → `nanovllm/engine/model_runner.py`
@@ -584,6 +584,10 @@
 # | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
 # | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 13 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
 # | several threads on one engine | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
+# | two engines in one process | `layers.context.get_context`, `models.loader.DefaultFloatDtype` | 05, 06 | one attention context for the process, and `torch.set_default_dtype` while a model is built: two engines on two threads compute wrong tokens, and build in each other's dtype | the context is per thread; a model is built in its dtype by a torch function mode of the building thread, and the process default is never touched |
+# | Ctrl-C in the middle of a step | `utils.interrupts.deferred_interrupt`, `utils.interrupts.interruptible`, `engine.llm_engine.LLMEngine._one_call` | 10, 13 | wherever it lands: a half-scheduled step, blocks leaked, requests lost | held back until the engine's books are whole; let through at once only while the model computes a step (which `rollback` undoes) and between `generate`'s steps |
+# | an observer that raises | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 13 | no observer | the engine keeps the error until the step is whole, then the call raises it; nothing else fails |
+# | what `step` reports | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` pairs | the same pairs, which also name the request and the sample index (the samples of `n > 1` finish under seq_ids of their own) |
 # | a chunk that ends inside its prompt | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | its row is sampled like every other, and postprocess throws the token away | its row is not sampled (the runner returns `-1` for it): the token could only be thrown away, since the row's logits predict a position inside the prompt |
 # | how many KV blocks | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | all the memory that `gpu_memory_utilization` leaves | the same on a GPU, but at most `max_num_seqs × ceil(max_model_len / block_size)`: more blocks could never be held at once (they would only keep more freed prefixes cached), and a small model on a laptop would reserve memory it never fills |
 # | RMSNorm after a residual | `layers.layernorm.rms_norm` | 05 | adds the residual in float32 and normalizes that float32 sum; returns the sum rounded to the model's dtype | adds in the model's dtype and normalizes the rounded sum, as `transformers` does, so the book's models match `transformers`, which the tests compare against; in bf16 the residual stream is the same and the normalized output can differ in its last bits (checked below) |
@@ -610,6 +614,10 @@
 # | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
 # | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 13 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
 # | 多个线程共用一个引擎 | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
+# | 同一进程中的两个引擎 | `layers.context.get_context`, `models.loader.DefaultFloatDtype` | 05, 06 | 整个进程只有一个注意力上下文，构建模型时调用 `torch.set_default_dtype`：两个线程上的两个引擎会算出错误的 token，还会用对方的数据类型构建模型 | 上下文每个线程一份；模型由构建它的线程上的一个 torch 函数模式按它自己的数据类型构建，进程的默认值从不改动 |
+# | 一步进行到一半时按下 Ctrl-C | `utils.interrupts.deferred_interrupt`, `utils.interrupts.interruptible`, `engine.llm_engine.LLMEngine._one_call` | 10, 13 | 落在哪里就在哪里生效：调度到一半的步、泄漏的块、丢失的请求 | 压到引擎的账目完整时才生效；只有模型计算一步时（由 `rollback` 撤销）和 `generate` 的两步之间才立刻放行 |
+# | 抛出异常的观察者 | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 13 | 没有观察者 | 引擎先把异常存起来，等这一步完整后由调用抛出；其他一切照常 |
+# | `step` 报告的内容 | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` 二元组 | 同样的二元组，另外指明所属请求和样本序号（`n > 1` 的样本以各自的 seq_id 结束） |
 # | 停在提示词内部的分块 | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | 它那一行和其他行一样被采样，再由后处理把 token 扔掉 | 不对它那一行采样（执行器为它返回 `-1`）：这一行的 logits 预测的是提示词内部的位置，采出的 token 只能被扔掉 |
 # | KV 块的数量 | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | `gpu_memory_utilization` 剩下的全部内存 | GPU 上相同，但最多 `max_num_seqs × ceil(max_model_len / block_size)` 个：更多的块永远不可能同时被持有（它们只能多留一些已释放的前缀在缓存里），而笔记本电脑上的小模型会预留一大块永远填不满的内存 |
 # | 加上残差之后的 RMSNorm | `layers.layernorm.rms_norm` | 05 | 在 float32 下加上残差，并对这个 float32 的和做归一化；返回的和舍入到模型的数据类型 | 按模型的数据类型相加，并对舍入后的和做归一化，与 `transformers` 一致，因此本书的模型与测试所对照的 `transformers` 相符；bf16 下残差流相同，归一化的输出在最后几位上可能不同（见下文的检查） |

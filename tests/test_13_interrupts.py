@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -29,6 +28,7 @@ import nanovllm.engine.scheduler
 import nanovllm.engine.sequence
 import nanovllm.engine.tp_runtime
 import nanovllm.utils.interrupts
+from nanovllm.book.faults import SignalAtLine
 from nanovllm.engine.sequence import PENDING_TOKEN, SequenceStatus
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -64,34 +64,6 @@ def engine(tiny: Path, request: pytest.FixtureRequest) -> LLM:
 
 # With tensor parallelism the driver's side of the control channel counts too.
 TP_BOOKKEEPING = BOOKKEEPING | {nanovllm.engine.tp_runtime.__file__}
-
-
-class SignalAtLine:
-    """Send this process a real SIGINT when the engine's bookkeeping executes its ``at``-th line (counted from 1;
-    None: only count). Python runs the handler at the next bytecode: exactly where a Ctrl-C could land."""
-
-    def __init__(self, at: int | None = None, files: frozenset[str] = BOOKKEEPING) -> None:
-        self.at, self.files, self.lines, self.fired = at, files, 0, False
-        self.points: dict[tuple[str, int], int] = {}  # each line of code: the count at which it first ran
-
-    def __enter__(self) -> SignalAtLine:
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        sys.settrace(None)
-
-    def _call(self, frame, event, arg):
-        return self._line if not self.fired and frame.f_code.co_filename in self.files else None
-
-    def _line(self, frame, event, arg):
-        if event == "line" and not self.fired:
-            self.lines += 1
-            self.points.setdefault((frame.f_code.co_filename, frame.f_lineno), self.lines)
-            if self.lines == self.at:
-                self.fired = True
-                signal.raise_signal(signal.SIGINT)
-        return self._line
 
 
 def assert_whole(llm: LLM, queued: set[int]) -> None:
@@ -134,7 +106,7 @@ def drain(llm: LLM) -> dict[int, list[int]]:
 
 def interrupted_call(llm: LLM, at: int | None, files: frozenset[str] = BOOKKEEPING) -> tuple[bool, SignalAtLine]:
     """A generate call with a SIGINT at bookkeeping line ``at``; whether it raised KeyboardInterrupt."""
-    tracer = SignalAtLine(at, files)
+    tracer = SignalAtLine(files, at)
     try:
         with tracer:
             llm.generate(PROMPTS, PARAMS, use_tqdm=False)

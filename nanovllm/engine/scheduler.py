@@ -31,7 +31,7 @@ def max_kv_tokens(seq: Sequence) -> int:
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
 
-    # notebooks/13_robustness.py · cell "scheduler undo and abort"
+    # notebooks/13_robustness.py · cell "observers wait"
     # Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
     observer_errors = None
 
@@ -144,7 +144,7 @@ class Scheduler:
         seqs, indices = self.advance(seqs, is_prefill)
         return self.resolve(seqs, indices, token_ids)
 
-    # notebooks/13_robustness.py · cell "scheduler undo and abort"
+    # notebooks/13_robustness.py · cell "observers wait"
     def _notify(self, event: str, data: dict) -> None:
         """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
         raises it once the step is whole: an observer must not cut a step in half."""
