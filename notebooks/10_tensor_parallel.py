@@ -1304,17 +1304,15 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #| export utils.interrupts
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-# en: The handlers that the open `deferred_interrupt` blocks replaced (innermost last), and the
-# en: Ctrl-Cs they held back. Only the main thread receives signals, so only it touches these.
-# zh: 尚未结束的 `deferred_interrupt` 块替换掉的处理函数（最内层在最后），以及它们压下的 Ctrl-C。
+# en: The handler that the outermost open `deferred_interrupt` block replaced, and the Ctrl-Cs it
+# en: held back. Only the main thread receives signals, so only it touches these.
+# zh: 最外层尚未结束的 `deferred_interrupt` 块替换掉的处理函数，以及它压下的 Ctrl-C。
 # zh: 只有主线程会收到信号，所以也只有主线程会碰这两个列表。
 _replaced: list[Any] = []
 _held: list[FrameType | None] = []
@@ -1324,20 +1322,30 @@ def _hold(signum: int, frame: FrameType | None) -> None:
     _held.append(frame)
 
 
-@contextlib.contextmanager
-def deferred_interrupt() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it. A block inside a block that
-    already holds it back changes nothing: the outermost one delivers."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is _hold:
-        yield  # signals reach the main thread only; or an enclosing block holds them already
-        return
-    _replaced.append(signal.signal(signal.SIGINT, _hold))
-    try:
-        yield
-    finally:
-        handler = _replaced.pop()
-        signal.signal(signal.SIGINT, handler)
-        _deliver(handler)
+def deferred_interrupt() -> Deferral:
+    """Hold back Ctrl-C (SIGINT) for the duration of a ``with`` block, then deliver it. A block inside a block
+    that already holds it back changes nothing: the outermost one delivers."""
+    return Deferral()
+
+
+class Deferral:
+    """The context manager of `deferred_interrupt`. A class, not a generator: a generator-based one that an
+    exception leaves suspended runs its ``finally`` whenever it is garbage-collected, long after its block."""
+
+    def __enter__(self) -> None:
+        # en: Signals reach the main thread only; and an enclosing block may hold them already.
+        # zh: 信号只会送到主线程；外层的块也可能已经压住了它们。
+        main = threading.current_thread() is threading.main_thread()
+        self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
+        if self.outermost:
+            _held.clear()  # left from an earlier block, whose exit raised another Ctrl-C instead
+            _replaced.append(signal.signal(signal.SIGINT, _hold))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.outermost:
+            handler = _replaced.pop()
+            signal.signal(signal.SIGINT, handler)
+            _deliver(handler)
 
 
 def _deliver(handler: Any) -> None:

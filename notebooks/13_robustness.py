@@ -282,28 +282,76 @@ def abort(self, seq: Sequence) -> None:
 
 # %% letting ctrl-c through
 #| export utils.interrupts
-import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from types import FrameType
 
-from nanovllm.utils.interrupts import _deliver, _hold, _replaced
+import nanovllm.utils.interrupts as interrupts
+from nanovllm.book.literate import add_to_class
+from nanovllm.utils.interrupts import Deferral, _deliver, _held, _replaced
 
 
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Inside `deferred_interrupt`: let Ctrl-C through for the duration of the block, first delivering one that
-    was held back. For work whose interruption the caller undoes (the engine: the model computing a step)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _hold:
-        yield
-        return
-    handler = _replaced[-1]
-    signal.signal(signal.SIGINT, handler)
-    try:
+class Gate:
+    """Whether Ctrl-C goes through at once although a `deferred_interrupt` block holds it back (`interruptible`)."""
+
+    open = False
+
+
+@add_to_class(interrupts)
+def _hold(signum: int, frame: FrameType | None) -> None:
+    _held.append(frame)
+    if Gate.open:
+        Gate.open = False  # the gate lets one interrupt through and closes behind it
+        _deliver(_replaced[-1])
+
+
+@add_to_class(Deferral)
+def __enter__(self) -> None:
+    main = threading.current_thread() is threading.main_thread()
+    self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
+    self.reopen = False
+    if self.outermost:
+        _held.clear()  # left from an earlier block, whose exit raised another Ctrl-C instead
+        _replaced.append(signal.signal(signal.SIGINT, _hold))
+    elif main and Gate.open:
+        # en: Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
+        # zh: 在 `interruptible` 里面，这个块重新压住 Ctrl-C，直到它结束。
+        Gate.open, self.reopen = False, True
+
+
+@add_to_class(Deferral)
+def __exit__(self, *exc_info: object) -> None:
+    if self.outermost:
+        handler = _replaced.pop()
+        signal.signal(signal.SIGINT, handler)
         _deliver(handler)
-        yield
-    finally:
-        signal.signal(signal.SIGINT, _hold)
+    elif self.reopen:
+        Gate.open = True
+        if _held:  # held back during the block: it goes through now, as the enclosing block lets it
+            Gate.open = False
+            _deliver(_replaced[-1])
+
+
+class Passage:
+    """The context manager of `interruptible`."""
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.active = main and signal.getsignal(signal.SIGINT) is _hold and not Gate.open
+        if self.active:
+            _deliver(_replaced[-1])
+            Gate.open = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.active:
+            Gate.open = False
+
+
+def interruptible() -> Passage:
+    """Inside `deferred_interrupt`: let Ctrl-C through at once for the duration of a ``with`` block, first
+    delivering one that was held back. For work whose interruption the caller undoes (the engine: the model
+    computing a step)."""
+    return Passage()
 
 
 def interruption_point() -> None:

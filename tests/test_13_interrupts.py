@@ -32,6 +32,7 @@ from nanovllm.book.faults import SignalAtLine
 from nanovllm.engine.sequence import PENDING_TOKEN, SequenceStatus
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import deferred_interrupt, interruptible, interruption_point
 
 # The files whose lines count as "the engine's bookkeeping" (the model's own layers do not).
 BOOKKEEPING = frozenset(module.__file__ for module in (
@@ -301,3 +302,48 @@ def test_tp_a_reply_in_hand_when_ctrl_c_arrives_is_filed(tp_engine: LLM, monkeyp
     started = time.monotonic()
     assert runner.collect(call) == runner.call("echo", b"payload")  # nothing was dropped: no wait for a timeout
     assert time.monotonic() - started < 10 and runner.alive
+
+
+# ---- the interrupts module -----------------------------------------------------------------------------------
+def ctrl_c() -> None:
+    """A real SIGINT to this process; its handler has run when this returns (at the next bytecode)."""
+    signal.raise_signal(signal.SIGINT)
+    time.sleep(0.001)
+
+
+def test_interruptible_lets_one_ctrl_c_through_and_holds_the_next_again() -> None:
+    before, steps = signal.getsignal(signal.SIGINT), []
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            ctrl_c()  # held: delivered when interruptible opens
+            with pytest.raises(KeyboardInterrupt):
+                with interruptible():
+                    steps.append("not reached")
+            with pytest.raises(KeyboardInterrupt):
+                with interruptible():
+                    ctrl_c()  # goes through at once
+                    steps.append("not reached")
+            ctrl_c()  # the gate closed behind the last one: held again
+            steps.append("held")
+    assert steps == ["held"] and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_deferral_inside_interruptible_holds_until_its_end() -> None:
+    steps = []
+    with deferred_interrupt():
+        with pytest.raises(KeyboardInterrupt):
+            with interruptible():
+                with deferred_interrupt():  # a message to a rank is written whole
+                    ctrl_c()
+                    steps.append("whole")
+                steps.append("not reached")  # delivered as the inner block ends, the outer one lets it through
+        interruption_point()  # nothing is held any more
+    assert steps == ["whole"]
+
+
+def test_interruption_point_outside_a_deferral_changes_nothing() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    interruption_point()
+    with interruptible():
+        pass
+    assert signal.getsignal(signal.SIGINT) is before

@@ -254,6 +254,8 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             else:
                 splice(module, cell, *extension, lines[start : node.end_lineno], node)
     body = "\n".join(line for i, line in enumerate(lines) if i not in taken_lines).strip("\n")
+    # What was spliced elsewhere leaves its blank lines behind: two in a row are the most PEP 8 allows.
+    body = re.sub(r"\n{4,}", "\n\n\n", body)
     if body:
         module.bodies.append(f"{cell.marker()}\n{body}")
     if public:

@@ -473,10 +473,6 @@ class LaunchedStep:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-
-
-
-
 def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
     kind = "NumPy array" if isinstance(array, np.ndarray) else "torch tensor"
     if array.ndim != 1:
@@ -544,14 +540,6 @@ class StepOutput(tuple):
     def __repr__(self) -> str:
         return (f"StepOutput(seq_id={self[0]}, token_ids={self[1]}, request_id={self.request_id}, "
                 f"sample_index={self.sample_index})")
-
-
-
-
-
-
-
-
 
 
 class BarStream:

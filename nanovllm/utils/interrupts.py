@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 __all__ = [
+    "Deferral",
+    "Gate",
+    "Passage",
     "deferred_interrupt",
     "interruptible",
     "interruption_point",
@@ -19,30 +20,54 @@ __all__ = [
 
 
 # notebooks/10_tensor_parallel.py · cell "holding ctrl-c"
-# The handlers that the open `deferred_interrupt` blocks replaced (innermost last), and the
-# Ctrl-Cs they held back. Only the main thread receives signals, so only it touches these.
+# The handler that the outermost open `deferred_interrupt` block replaced, and the Ctrl-Cs it
+# held back. Only the main thread receives signals, so only it touches these.
 _replaced: list[Any] = []
 _held: list[FrameType | None] = []
 
 
+# notebooks/13_robustness.py · cell "letting ctrl-c through"
 def _hold(signum: int, frame: FrameType | None) -> None:
     _held.append(frame)
+    if Gate.open:
+        Gate.open = False  # the gate lets one interrupt through and closes behind it
+        _deliver(_replaced[-1])
 
 
-@contextlib.contextmanager
-def deferred_interrupt() -> Iterator[None]:
-    """Hold back Ctrl-C (SIGINT) for the duration of the block, then deliver it. A block inside a block that
-    already holds it back changes nothing: the outermost one delivers."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is _hold:
-        yield  # signals reach the main thread only; or an enclosing block holds them already
-        return
-    _replaced.append(signal.signal(signal.SIGINT, _hold))
-    try:
-        yield
-    finally:
-        handler = _replaced.pop()
-        signal.signal(signal.SIGINT, handler)
-        _deliver(handler)
+# notebooks/10_tensor_parallel.py · cell "holding ctrl-c"
+def deferred_interrupt() -> Deferral:
+    """Hold back Ctrl-C (SIGINT) for the duration of a ``with`` block, then deliver it. A block inside a block
+    that already holds it back changes nothing: the outermost one delivers."""
+    return Deferral()
+
+
+class Deferral:
+    """The context manager of `deferred_interrupt`. A class, not a generator: a generator-based one that an
+    exception leaves suspended runs its ``finally`` whenever it is garbage-collected, long after its block."""
+
+    # notebooks/13_robustness.py · cell "letting ctrl-c through"
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
+        self.reopen = False
+        if self.outermost:
+            _held.clear()  # left from an earlier block, whose exit raised another Ctrl-C instead
+            _replaced.append(signal.signal(signal.SIGINT, _hold))
+        elif main and Gate.open:
+            # Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
+            Gate.open, self.reopen = False, True
+
+    # notebooks/13_robustness.py · cell "letting ctrl-c through"
+    def __exit__(self, *exc_info: object) -> None:
+        if self.outermost:
+            handler = _replaced.pop()
+            signal.signal(signal.SIGINT, handler)
+            _deliver(handler)
+        elif self.reopen:
+            Gate.open = True
+            if _held:  # held back during the block: it goes through now, as the enclosing block lets it
+                Gate.open = False
+                _deliver(_replaced[-1])
 
 
 def _deliver(handler: Any) -> None:
@@ -58,20 +83,32 @@ def _deliver(handler: Any) -> None:
 
 
 # notebooks/13_robustness.py · cell "letting ctrl-c through"
-@contextlib.contextmanager
-def interruptible() -> Iterator[None]:
-    """Inside `deferred_interrupt`: let Ctrl-C through for the duration of the block, first delivering one that
-    was held back. For work whose interruption the caller undoes (the engine: the model computing a step)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _hold:
-        yield
-        return
-    handler = _replaced[-1]
-    signal.signal(signal.SIGINT, handler)
-    try:
-        _deliver(handler)
-        yield
-    finally:
-        signal.signal(signal.SIGINT, _hold)
+class Gate:
+    """Whether Ctrl-C goes through at once although a `deferred_interrupt` block holds it back (`interruptible`)."""
+
+    open = False
+
+
+class Passage:
+    """The context manager of `interruptible`."""
+
+    def __enter__(self) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        self.active = main and signal.getsignal(signal.SIGINT) is _hold and not Gate.open
+        if self.active:
+            _deliver(_replaced[-1])
+            Gate.open = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.active:
+            Gate.open = False
+
+
+def interruptible() -> Passage:
+    """Inside `deferred_interrupt`: let Ctrl-C through at once for the duration of a ``with`` block, first
+    delivering one that was held back. For work whose interruption the caller undoes (the engine: the model
+    computing a step)."""
+    return Passage()
 
 
 def interruption_point() -> None:
