@@ -190,6 +190,23 @@ def test_check_fails_with_a_diff(tmp_path: Path, capsys: pytest.CaptureFixture, 
     assert out.startswith("---") and "+++" in out and expected_in_diff in out
 
 
+def test_jupyterlab_checkpoints_are_not_package_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A package file once opened in JupyterLab leaves a checkpoint (ignored by git): an old one, even one
+    holding a notebook's rewrite of the module, must not fail the check, and writing leaves it alone."""
+    chapter(tmp_path, "01_counter.py", GOOD)
+    assert tangle.main(["--root", str(tmp_path)]) == 0
+    checkpoints = tmp_path / "nanovllm" / "engine" / ".ipynb_checkpoints"
+    checkpoints.mkdir()
+    stale = checkpoints / "counter-checkpoint.py"
+    stale.write_text("# ---\n# jupyter:\n#   jupytext:\n#     text_representation: {}\n# ---\nx = 1\n")
+    (tmp_path / "nanovllm" / ".ipynb_checkpoints").mkdir()
+    (tmp_path / "nanovllm" / ".ipynb_checkpoints" / "stale-checkpoint.py").write_text("y = 2\n")
+    capsys.readouterr()
+    assert tangle.main(["--root", str(tmp_path), "--check"]) == 0, capsys.readouterr().out
+    assert tangle.main(["--root", str(tmp_path)]) == 0
+    assert stale.exists()
+
+
 def test_check_on_the_real_book() -> None:
     """The committed package is exactly what the committed chapters produce."""
     assert tangle.diff(tangle.tangle(ROOT), tangle.existing_files(ROOT)) == ""
