@@ -1,7 +1,7 @@
 """Shared test set-up: the engine's environment, the tiny models and the ``gpu`` marker.
 
 Nothing here imports torch when the module is loaded, so that the tool tests (``TOOL_TESTS``: the
-tangler, the bilingual check, the book and lab tools) collect and run without the engine's
+tangler, the bilingual check, the book and lab tools, packaging) collect and run without the engine's
 dependencies. Before any other test module is imported, ``pytest_collectstart`` prepares the
 engine's environment: without CUDA, Triton kernels run in its interpreter, which must be switched on
 before Triton is first imported (Triton's own ``tl.*`` helpers are decorated at import time, and
@@ -18,7 +18,7 @@ import pytest
 
 TOOL_TESTS = frozenset(
     {"test_tangle.py", "test_first_cuts.py", "test_layout.py", "test_bilingual.py", "test_book.py", "test_lab.py",
-     "site_checks.py"}
+     "test_lab_browser.py", "test_packaging.py", "site_checks.py"}
 )
 
 

@@ -1,0 +1,48 @@
+// A JupyterLab plugin, written by hand so that it needs no build step (tools/lab.py loads it with
+// --LabApp.extra_labextensions_path): it gives the book's chapters a file type of their own.
+//
+// JupyterLab picks a file's default viewer by file type, and a file type by the file's *name*
+// (an extension, or a pattern on the name), never by its folder. Making every .py file open as a
+// jupytext notebook therefore opened the package's generated modules as notebooks too, and saving
+// one rewrote it. So the chapters get their own type, "book-chapter", matched by their names
+// (NN_topic.py, NNb_topic.py, or a letter for an appendix: A_visualization.py), which no Python
+// module can carry (a module name cannot start with a digit); tests/test_lab.py checks that
+// the pattern names every chapter and no other .py file of the repository. Its default viewer is
+// set to "Jupytext Notebook" in ../../overrides.json; every other .py file keeps JupyterLab's own
+// default, the text editor.
+(function () {
+  // CHAPTER_NAME (tests read this line)
+  const CHAPTER_NAME = '^(\\d\\d[a-z]?|[A-Z])_[a-z0-9_]+\\.py$';
+
+  const plugin = {
+    id: 'nanovllm-book:chapters',
+    description: 'The chapters of the book open as notebooks; other Python files open as text.',
+    autoStart: true,
+    activate: app => {
+      const registry = app.docRegistry;
+      const notebook = registry.getFileType('notebook');
+      registry.addFileType(
+        {
+          name: 'book-chapter',
+          displayName: 'Chapter (jupytext notebook)',
+          extensions: [],
+          pattern: CHAPTER_NAME,
+          mimeTypes: ['text/x-python'],
+          contentType: 'file',
+          fileFormat: 'text',
+          icon: notebook ? notebook.icon : undefined
+        },
+        // The viewers that can open a chapter: "Open With" offers both.
+        ['Jupytext Notebook', 'Editor']
+      );
+    }
+  };
+
+  // The module-federation container JupyterLab loads extensions from (what a webpack build makes).
+  const modules = { './extension': () => ({ __esModule: true, default: [plugin] }) };
+  window._JUPYTERLAB = window._JUPYTERLAB || {};
+  window._JUPYTERLAB['nanovllm-book'] = {
+    get: module => Promise.resolve(modules[module]),
+    init: () => Promise.resolve()
+  };
+})();
