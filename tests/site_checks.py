@@ -7,6 +7,7 @@ exist first.
 from __future__ import annotations
 
 import functools
+import html as html_module
 import http.server
 import json
 import re
@@ -16,8 +17,10 @@ import time
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from bs4 import BeautifulSoup, Comment, NavigableString
 
 from tests.test_viz_browser import CHROMIUM, Browser, step_player_in_page
 from tools import tangle
@@ -280,3 +283,254 @@ def test_titles_navigation_and_contents_keep_their_code_and_their_anchors(lang: 
     engine = page(lang, "chapters", "11_engine")
     title = re.search(r"<title>([^<]*)</title>", engine)[1]
     assert "LLMEngine" in title and "LLMEngine" in re.sub(r"<[^>]+>", "", engine[engine.index("md-nav--primary"):])
+
+
+# ---- reading without surprises (issue 23): Chinese as Chinese, one language, phones, paths, search, dark ----
+
+CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"  # ideographs, CJK punctuation, fullwidth forms (as CJK_JS)
+SPACE_BETWEEN_CJK = re.compile(f"[{CJK}]\\s+[{CJK}]")
+PROSE = "p, li, td, th, h1, h2, h3, h4, h5, h6, dt, dd, summary, figcaption"
+NOT_PROSE = {"pre", "code", "kbd", "script", "style", "svg"}
+SITE_NAMES = {"en": "nano-vllm, literate edition", "zh": "nano-vllm 图解实现（文学编程版）"}
+
+
+# What a page's text needs no parser for: scripts, styles, drawings, images. (Parsing whole pages, players
+# included, would take seconds a page.)
+HEAVY = re.compile(r"<(script|style|svg)\b.*?</\1>|data:image/[^\"')]+", re.S)
+PRE = re.compile(r"<pre\b.*?</pre>", re.S)
+
+
+def pages(lang: str) -> list[Path]:
+    """Every content page of one site (the other site's folder and the 404 page left out)."""
+    found = sorted(PAGES[lang].rglob("index.html"))
+    return [p for p in found if lang == "zh" or "zh" not in p.relative_to(SITE).parts]
+
+
+@functools.cache
+def article(path: Path) -> str:
+    """The page's article (its content, without the site's navigation), scripts and drawings left out."""
+    html = path.read_text(encoding="utf-8")
+    return HEAVY.sub("", html[html.index("<article") : html.index("</article>")])
+
+
+def prose_text(element: Any) -> str:
+    """An element's text as a reader sees it flow, with code (which keeps its spaces) as one opaque mark."""
+    parts = []
+    for child in element.children:
+        if isinstance(child, NavigableString):
+            parts.append("" if isinstance(child, Comment) else str(child))
+        elif child.name in NOT_PROSE:
+            parts.append("\ufffc")
+        else:
+            parts.append(prose_text(child))
+    return "".join(parts)
+
+
+def test_chinese_prose_has_no_space_between_chinese_characters() -> None:
+    """A wrapped source line or a space typed after a bold label shows as "发生了 什么" (issue 23, item 5)."""
+    found = []
+    for path in pages("zh"):
+        content = BeautifulSoup(PRE.sub("<pre></pre>", article(path)), "html.parser")  # code blocks are not prose
+        for element in content.select(PROSE):
+            if element.find(["p", "li", "table"]) is None:  # innermost blocks only: nothing counted twice
+                found += [(path.parent.name, m) for m in SPACE_BETWEEN_CJK.findall(prose_text(element))]
+    assert found == [], f"{len(found)} spaces between Chinese characters, e.g. {found[:8]}"
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_the_navigation_speaks_one_language_and_names_the_site_once(lang: str) -> None:
+    for path in (PAGES[lang] / "index.html", PAGES[lang] / "glossary" / "index.html",
+                 PAGES[lang] / "chapters" / "04_scheduler" / "index.html"):
+        html = path.read_text(encoding="utf-8")
+        sidebar = html[html.index('<nav class="md-nav md-nav--primary') : html.index('<div class="md-content"')]
+        nav = BeautifulSoup(sidebar, "html.parser").select_one("nav.md-nav--primary")
+        entries = [e.get_text(" ", strip=True) for e in nav.select(".md-nav__link .md-ellipsis, .md-nav__title")]
+        entries = [e for e in entries if e]
+        assert entries.count(SITE_NAMES[lang]) == 1, f"{path}: the site's name in the navigation: {entries[:4]}"
+        glossary = [e for e in entries if "Glossary" in e or "术语表" in e]
+        assert glossary == ["术语表" if lang == "zh" else "Glossary"], glossary
+        if lang == "en":
+            assert [e for e in entries if re.search(f"[{CJK}]", e)] == []
+        else:
+            assert [e for e in entries if re.fullmatch(r"[A-Za-z ,.'-]+", e)] == []  # no English-only entry
+    glossary_page = page(lang, "glossary")
+    assert ("全书统一使用" in glossary_page) == (lang == "zh")
+    assert ("The book uses these terms" in glossary_page) == (lang == "en")
+
+
+# Absolute paths of a machine: a temporary folder, a home, a virtualenv's packages, a build folder.
+MACHINE_PATH = re.compile(r"(?<![\w.~…/-])/(?:tmp|home|root|Users|usr|opt|var|work|__w|pytorch)/"
+                          r"|(?<![\w.~…/-])/\S*?(?:site|dist)-packages/")
+
+
+def test_no_page_shows_a_path_of_the_build_machine() -> None:
+    """Temporary model folders, site-packages, torch's build folder (issue 23, item 9)."""
+    found = {}
+    for lang in PAGES:
+        for path in pages(lang):
+            text = html_module.unescape(re.sub(r"<[^>]+>", "", article(path)))
+            paths = [text[max(0, m.start() - 20):m.end() + 30] for m in MACHINE_PATH.finditer(text)]
+            paths += [str(ROOT)] * text.count(str(ROOT))
+            if paths:
+                found[str(path.relative_to(SITE))] = paths[:3]
+    assert found == {}
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_every_chapter_ends_with_links_to_the_previous_and_next_chapters(lang: str) -> None:
+    """Issue 23, item 11: Material's navigation footer."""
+    for k, chapter in enumerate(CHAPTERS):
+        html = page(lang, "chapters", chapter)
+        footer = html[html.find('<footer class="md-footer">') :]
+        found = re.findall(r'<a href="([^"]*)" class="md-footer__link md-footer__link--(prev|next)"', footer)
+        links = {direction: href for href, direction in found}
+        assert links.get("prev") == (f"../{CHAPTERS[k - 1]}/" if k > 0 else "../../glossary/"), (chapter, links)
+        if k + 1 < len(CHAPTERS):
+            assert links.get("next") == f"../{CHAPTERS[k + 1]}/", (chapter, links)
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_the_search_index_holds_prose_not_directives_or_buttons(lang: str) -> None:
+    """Issue 23, item 12: no "#| export" code, no "Copied!", and Chinese segmented into words."""
+    index = json.loads((PAGES[lang] / "search" / "search_index.json").read_text(encoding="utf-8"))
+    texts = [doc["text"] for doc in index["docs"]]
+    assert [t[:80] for t in texts if "Copied!" in t] == []
+    assert [b[:80] for t in texts for b in re.findall(r"<pre>.*?</pre>", t, re.S) if "#|" in b] == []
+    assert "\u200b" in "".join(doc["title"] for doc in index["docs"] if "04b" in doc["location"]) or lang == "en"
+
+
+# ---- in a real browser --------------------------------------------------------------------------------
+
+PHONE = {"width": 390, "height": 844}
+# Each printed output: its height as shown, and its height with its lines forced unwrapped (equal: no wrapping).
+WRAPPED_OUTPUTS_JS = """[...document.querySelectorAll('.jp-OutputArea-output pre')].map(p => {
+  const shown = p.getBoundingClientRect().height, was = p.style.whiteSpace;
+  p.style.whiteSpace = 'pre'; const unwrapped = p.getBoundingClientRect().height; p.style.whiteSpace = was;
+  return {shown, unwrapped, text: p.textContent.slice(0, 60)}; }).filter(o => o.shown > o.unwrapped + 1)"""
+PAGE_WIDTH_JS = "[document.documentElement.scrollWidth, window.innerWidth]"
+# The rendered height of a player's labels (11 px text: about 13 px tall when the drawing is not shrunk).
+PLAYER_LABELS_JS = """(() => { const p = document.querySelector('.nvv[id]'); p.scrollIntoView();
+  const labels = [...p.querySelectorAll('.nvv-frame:not([hidden]) .nvv-svg text')];
+  return {smallest: Math.min(...labels.map(t => t.getBoundingClientRect().height)),
+          width: p.querySelector('.nvv-frame:not([hidden]) .nvv-svg').getBoundingClientRect().width,
+          scrolls: p.scrollWidth > p.clientWidth}; })()"""
+
+
+def window(browser: Browser, size: dict, mobile: bool) -> None:
+    browser.page("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=mobile, **size)
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_outputs_keep_their_lines_and_players_stay_legible_on_a_phone(browser: Browser, served: str,
+                                                                      lang: str) -> None:
+    """Issue 23, items 8 and 9: outputs scroll instead of wrapping, at 1280 px (long lines broke mid-word:
+    "max_num_" / "_batched_tokens" in chapter 08's Config) and at 390 px (traces wrapped into columns);
+    on a phone the player keeps its size (its labels were 5-7 px tall) and scrolls."""
+    prefix = "" if lang == "en" else "zh/"
+    for size, mobile, chapters in ((WINDOW, False, ("08_model_runner", "11_engine")),
+                                   (PHONE, True, ("02_block_manager", "04_scheduler"))):
+        window(browser, size, mobile)
+        for chapter in chapters:
+            browser.open(f"{served}/{prefix}chapters/{chapter}/")
+            assert browser.js(WRAPPED_OUTPUTS_JS) == [], f"{chapter}: outputs wrap at {size['width']} px"
+            width, room = browser.js(PAGE_WIDTH_JS)
+            assert width <= room, f"{chapter}: the page is {width} px wide in a {room}-pixel window"
+            if mobile:
+                labels = browser.js(PLAYER_LABELS_JS)
+                assert labels["smallest"] >= 9, f"{chapter}: the player's labels are {labels['smallest']:.1f} px tall"
+                assert labels["scrolls"], "a player wider than a phone scrolls sideways"
+    browser.screenshot(ROOT / "build" / f"site-phone-04-{lang}.png")
+
+
+def resources_that_failed(browser: Browser) -> list:
+    """Every request of the page that got a 4xx or 5xx, once the page's own requests have settled."""
+    expression = ("performance.getEntriesByType('navigation').concat(performance.getEntriesByType('resource'))"
+                  ".map(e => [e.name, e.responseStatus])")
+    seen, stable_since = None, time.monotonic()
+    while time.monotonic() - stable_since < 0.5:  # Material fetches after load; wait until nothing new comes
+        time.sleep(0.1)
+        now = browser.js(expression)
+        if now != seen:
+            seen, stable_since = now, time.monotonic()
+    return [(url, status) for url, status in seen if status >= 400]
+
+
+def test_pages_make_no_failing_requests(browser: Browser, served: str) -> None:
+    """Issue 23, item 10: the language switcher's script fetched <page>/sitemap.xml twice per page (404)."""
+    for path in ("", "chapters/04_scheduler/", "zh/chapters/04_scheduler/"):
+        browser.open(f"{served}/{path}")
+        assert resources_that_failed(browser) == [], path
+
+
+SEARCH_JS = """(() => { const input = document.querySelector('.md-search__input');
+  input.focus(); input.value = %s; input.dispatchEvent(new Event('input', {bubbles: true})); })()"""
+RESULTS_JS = "[...document.querySelectorAll('.md-search-result__item > a')].map(a => a.getAttribute('href'))"
+
+
+@pytest.mark.parametrize(("lang", "query"), [("zh", "写时复制"), ("en", "copy-on-write")])
+def test_a_search_finds_the_chapter_whose_title_it_is_first(browser: Browser, served: str, lang: str,
+                                                            query: str) -> None:
+    """Issue 23, item 12: in Chinese, chapter 06b's code outranked chapter 04b's title."""
+    browser.open(f"{served}/{'zh/' if lang == 'zh' else ''}")
+    wait_for(browser, "document.querySelector('.md-search__input') !== null")
+    deadline = time.monotonic() + 20
+    results: list = []
+    while not results and time.monotonic() < deadline:  # the index loads in a worker after the page
+        browser.js(SEARCH_JS % json.dumps(query))
+        time.sleep(0.3)
+        results = browser.js(RESULTS_JS)
+    assert results, f"no result for {query!r}"
+    assert "chapters/04b_parallel_sampling/" in results[0], results[:3]
+
+
+# WCAG's contrast ratio of each text's color against what is behind it (the nearest opaque background):
+# the page's texts (outputs, code, tables, the players' HTML), the players' SVG labels, and the luminance
+# behind each figure.
+CONTRAST_JS = """(() => {
+  const rgba = c => { const v = (c.match(/[\\d.]+/g) || []).map(Number); return v.length < 3 ? null
+      : {r: v[0], g: v[1], b: v[2], a: v.length > 3 ? v[3] : 1}; };
+  const lum = c => { const f = x => { x /= 255; return x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4; };
+      return 0.2126 * f(c.r) + 0.7152 * f(c.g) + 0.0722 * f(c.b); };
+  const behind = el => { for (let e = el; e; e = e.parentElement) { const c = rgba(getComputedStyle(e).backgroundColor);
+      if (c && c.a > 0.5) return c; } return rgba(getComputedStyle(document.body).backgroundColor); };
+  const over = (fg, bg) => ({r: fg.r * fg.a + bg.r * (1 - fg.a), g: fg.g * fg.a + bg.g * (1 - fg.a),
+      b: fg.b * fg.a + bg.b * (1 - fg.a)});
+  const ratio = (a, b) => { const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p); return (x + 0.05) / (y + 0.05); };
+  const contrast = (e, color, bg) => [String(e.getAttribute('class') || e.tagName), e.textContent.trim().slice(0, 30),
+      ratio(over(rgba(color), bg), bg)];
+  const texts = [...document.querySelectorAll('.jp-OutputArea-output pre, .nvv *, .md-typeset table th,'
+      + ' .md-typeset table td, .highlight-ipynb pre, .highlight-ipynb pre span')]
+      .filter(e => !(e instanceof SVGElement) && [...e.childNodes].some(n => n.nodeType === 3 && n.textContent.trim()));
+  return {
+    html: texts.map(e => contrast(e, getComputedStyle(e).color, behind(e))),
+    svg: [...document.querySelectorAll('.nvv-svg text')].map(t => contrast(t, getComputedStyle(t).fill, behind(t))),
+    figures: [...document.querySelectorAll('.jp-OutputArea-output img')].map(i => [i.alt.slice(0, 30), lum(behind(i))]),
+  }; })()"""
+LEGIBLE = 3.0  # WCAG's minimum contrast for large text and for the parts of a drawing
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_a_dark_palette_keeps_the_book_legible(browser: Browser, served: str, lang: str) -> None:
+    """Issue 23, item 13: Material's palette toggle, and the book's own colors readable in both schemes.
+
+    Text of the page at WCAG's 3:1 at least; figures (dark labels drawn on a transparent background)
+    on a light background; the players' labels no less legible in the dark than in the light.
+    """
+    prefix = "" if lang == "en" else "zh/"
+    for chapter in ("01_sequence", "02_block_manager"):
+        browser.open(f"{served}/{prefix}chapters/{chapter}/")
+        toggle = "form[data-md-component=palette] label:not([hidden])"
+        assert browser.js(f"document.querySelector('{toggle}') !== null"), "no palette toggle"
+        seen = {}
+        for scheme in ("default", "slate"):
+            if browser.js("document.body.getAttribute('data-md-color-scheme')") != scheme:
+                browser.click(toggle)
+                assert wait_for(browser, f"document.body.getAttribute('data-md-color-scheme') === '{scheme}'")
+            seen[scheme] = browser.js(CONTRAST_JS)
+            assert len(seen[scheme]["html"]) > 100
+            assert [t for t in seen[scheme]["html"] if t[2] < LEGIBLE] == [], f"{chapter} ({scheme})"
+            assert [f for f in seen[scheme]["figures"] if f[1] < 0.8] == [], f"{chapter} ({scheme}): a dark figure"
+        worse = [(light, dark[2]) for light, dark in zip(seen["default"]["svg"], seen["slate"]["svg"], strict=True)
+                 if dark[2] < min(light[2], LEGIBLE) - 0.01]
+        assert worse == [], f"{chapter}: player labels less legible in the dark"
+    browser.screenshot(ROOT / "build" / f"site-dark-02-{lang}.png")

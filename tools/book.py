@@ -9,9 +9,11 @@
     turns the executed notebooks into one docs tree per language (``build/docs/en``,
     ``build/docs/zh``: markdown cells of the other language, its code comments and its half of
     every bilingual output removed, ``#| hide`` cells' code hidden, exercise answers tagged to
-    be folded) and runs ``mkdocs build --strict`` on both: English into ``build/site/``, Chinese
-    into ``build/site/zh/``. A chapter that was not executed yet is built without outputs, with a
-    warning, so that executing two chapters is enough to look at the site.
+    be folded, no stray spaces in Chinese prose (tools/cjk.py), no paths of the build machine
+    in outputs (tools/machine_paths.py)) and runs ``mkdocs build --strict`` on both: English
+    into ``build/site/``, Chinese into ``build/site/zh/``. A chapter that was not executed yet
+    is built without outputs, with a warning, so that executing two chapters is enough to look
+    at the site.
 ``python -m tools.book all``
     both of the above (no site when a chapter failed).
 
@@ -39,6 +41,8 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 if __package__ in (None, ""):  # run as `python tools/book.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.cjk import tidy_cjk
+from tools.machine_paths import scrub
 from tools.tangle import DIRECTIVE, ROOT, chapter_files
 
 BUILD = ROOT / "build"
@@ -146,6 +150,18 @@ def localize_outputs(outputs: list, lang: str) -> None:
         for mime in BILINGUAL_OUTPUTS:
             if isinstance(data.get(mime), str):
                 data[mime] = keep_language(data[mime], lang)
+    scrub_outputs(outputs)
+
+
+def scrub_outputs(outputs: list) -> None:
+    """The build machine's paths out of printed text and text-like outputs (tools/machine_paths.py)."""
+    for output in outputs:
+        if isinstance(output.get("text"), str):
+            output["text"] = scrub(output["text"])
+        data = output.get("data", {})
+        for mime, value in data.items():
+            if isinstance(value, str) and (mime.startswith("text/") or mime == "image/svg+xml"):
+                data[mime] = scrub(value)
 
 
 def localize(notebook: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNode:
@@ -156,6 +172,7 @@ def localize(notebook: nbformat.NotebookNode, lang: str) -> nbformat.NotebookNod
         tags = cell.metadata.get("tags", [])
         if cell.cell_type == "markdown":
             if lang in tags:
+                cell.source = tidy_cjk(cell.source)
                 cells.append(cell)
             continue
         if cell.cell_type == "code":
@@ -203,6 +220,27 @@ def chapter_notebooks(executed_dir: Path) -> dict[str, nbformat.NotebookNode]:
     return notebooks
 
 
+def glossary(lang: str) -> str:
+    """docs/glossary.md as one site shows it: its title, introduction and meanings in ``lang``.
+
+    The glossary is written once, in both languages: "# Glossary · 术语表", an English and a Chinese
+    introduction, and a table of terms (English | 中文 | meaning · 含义). Each site keeps both terms
+    and its own half of the rest, so that its navigation, heading and prose speak its language.
+    """
+    half = 1 if lang == "zh" else 0
+    text = (ROOT / "docs" / "glossary.md").read_text(encoding="utf-8")
+    head, table = text.split("\n|", 1)
+    title, *intro = head.split("\n")
+    chinese_line = re.compile(r"[\u4e00-\u9fff]")
+    kept = [line for line in intro if not line.strip() or bool(chinese_line.search(line)) == (lang == "zh")]
+    rows = []
+    for row in ("|" + table).split("\n"):
+        *terms, meaning, end = row.split("|") if row.startswith("|") else (row, "", "")
+        halves = meaning.split(" · ")
+        rows.append("|".join([*terms, f" {halves[half].strip()} ", end]) if len(halves) == 2 else row)
+    return "\n".join([f"# {title.removeprefix('# ').split(' · ')[half]}", *kept, *rows])
+
+
 def docs_tree(lang: str, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
     """Assemble ``build/docs/<lang>``: landing pages, glossary, assets and chapters."""
     target = BUILD / "docs" / lang
@@ -210,7 +248,9 @@ def docs_tree(lang: str, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
         shutil.rmtree(target)
     shutil.copytree(ROOT / "docs" / lang, target)
     shutil.copytree(ROOT / "docs" / "assets", target / "assets")
-    shutil.copy(ROOT / "docs" / "glossary.md", target / "glossary.md")
+    (target / "glossary.md").write_text(glossary(lang), encoding="utf-8")
+    for page in target.glob("*.md"):
+        page.write_text(tidy_cjk(page.read_text(encoding="utf-8")), encoding="utf-8")
     chapters = target / "chapters"
     chapters.mkdir()
     for name, notebook in notebooks.items():

@@ -8,7 +8,16 @@
 * Exercise answers (cells that tools/book.py tagged ``answers``) are folded in ``<details>``.
 * Figures get alt text from their SVG ``<title>`` (or their labels) instead of nbconvert's
   "No description has been provided for this image".
-* The "Chapters" section heading speaks the site's language.
+* The "Chapters" section heading speaks the site's language, and the landing page's entry in the
+  navigation is "Introduction" / "简介": under the site's title, which the navigation shows as
+  its heading, the site's title again read as a doubled line.
+* Code cells stay out of the search index: a search finds the prose that explains a thing, not
+  ``#| export`` lines, code comments or the copy button's "Copied!" (titles outrank text in
+  Material's index, so a chapter's title is the first hit for its subject).
+* Material's script fetches ``sitemap.xml`` next to every ``<link rel="alternate">`` of the
+  page's head, to find the same page in the other language; those links point at the same page
+  in the other language (not at its site's root), so the fetches went to ``<page>/sitemap.xml``
+  and failed. The language menu's own links do that job, so the head's alternate links are dropped.
 * mkdocs-jupyter's page template carries a module script that would import mermaid.js from a
   CDN if a notebook held a mermaid diagram; the book has none and loads nothing from the
   internet, so the script is removed.
@@ -21,21 +30,30 @@ from __future__ import annotations
 
 import base64
 import html
+import logging
 import re
 from typing import Any
 
 from bs4 import BeautifulSoup
 from mkdocs.structure.toc import get_toc
 
+try:  # Material's search segments Chinese with jieba when it is installed; its log is noise in the build
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
+except ImportError:
+    pass
+
 NOT_SCRIPT_END = r"(?:(?!</script>).)*"
 CDN_MODULE_SCRIPT = re.compile(rf'<script type="module">{NOT_SCRIPT_END}https://cdnjs\.{NOT_SCRIPT_END}</script>', re.S)
-ALTERNATE_TAG = re.compile(r'<(?:a|link)\b[^>]*\bhreflang="(?P<lang>[^"]+)"[^>]*>')
+ALTERNATE_TAG = re.compile(r'<a\b[^>]*\bhreflang="(?P<lang>[^"]+)"[^>]*>')
+ALTERNATE_HEAD_LINK = re.compile(r'\s*<link rel="alternate" href="[^"]*" hreflang="[^"]*">')
 HREF = re.compile(r'\bhref="[^"]*"')
 NO_ALT = "No description has been provided for this image"
 TOC_DEPTH = 3
 WORDS = {
-    "en": {"answers": "Answers (try the exercises first)", "figure": "Figure"},
-    "zh": {"answers": "答案（先自己做练习）", "figure": "图", "Chapters": "章节"},
+    "en": {"answers": "Answers (try the exercises first)", "figure": "Figure", "home": "Introduction"},
+    "zh": {"answers": "答案（先自己做练习）", "figure": "图", "home": "简介", "Chapters": "章节"},
 }
 
 
@@ -136,7 +154,21 @@ def describe_figures(soup: BeautifulSoup, lang: str, figure: str) -> None:
 # ---- mkdocs events --------------------------------------------------------------------------------
 
 
+def keep_code_out_of_search(soup: BeautifulSoup) -> None:
+    """Wrap each code cell in a <section data-search-exclude>, which Material's search skips.
+
+    Not the cell's own <div>: the search parser tells elements apart by tag name only, so the
+    first nested </div> would end the exclusion (and the rest of the cell would be indexed).
+    Nothing inside a cell is a <section>.
+    """
+    for cell in soup.select("div.jp-CodeCell"):
+        if cell.find_parent("div", class_="jp-CodeCell") is None:
+            cell.wrap(soup.new_tag("section", attrs={"class": "code-cell", "data-search-exclude": "code"}))
+
+
 def on_page_content(content: str, page: Any, config: Any, files: Any) -> str:
+    if page.is_homepage:
+        page.title = word(config, "home")  # its entry in the navigation; the browser's title stays the site's
     if not page.file.src_uri.endswith(".ipynb"):
         return content
     soup = BeautifulSoup(content, "html.parser")
@@ -147,6 +179,7 @@ def on_page_content(content: str, page: Any, config: Any, files: Any) -> str:
     page.toc = get_toc(nest([t for t in tokens if t["level"] <= TOC_DEPTH]))
     fold_answers(soup, word(config, "answers"))
     describe_figures(soup, language(config), word(config, "figure"))
+    keep_code_out_of_search(soup)
     return str(soup)
 
 
@@ -168,6 +201,7 @@ def alternate_href(page_url: str, root: str) -> str:
 
 def on_post_page(output: str, page: Any, config: Any) -> str:
     output = CDN_MODULE_SCRIPT.sub("", output)
+    output = ALTERNATE_HEAD_LINK.sub("", output)
     roots = {alt["lang"]: alt["link"] for alt in config["extra"].get("alternate", [])}
 
     def relink(match: re.Match) -> str:
