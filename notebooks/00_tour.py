@@ -83,6 +83,26 @@ assert all(len(o["token_ids"]) <= 40 for o in outputs)
 #
 # 一个请求会经过下面这些部分，每个部分由一章构建。箭头表示引擎一步之内的数据流向。
 
+# %% this chapter's phrases
+#| hide
+# en: What this chapter prints and draws, in Chinese for the Chinese site (nanovllm.book.lang, built below).
+# zh: 本章打印和画出的文字及其中文，中文网站打印中文（nanovllm.book.lang，在本章后面构建）。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "ch. {chapter}": "第 {chapter} 章",
+    "Parallel layers": "并行层",
+    "step {step}: {kind:<8} computed {tokens:>2} tokens   finished: {finished}":
+        "第 {step} 步：{kind:<8} 计算了 {tokens:>2} 个 token   完成：{finished}",
+    "exercise 1: three prefill steps": "练习 1：三个 prefill 步",
+    "seed 7, alone": "种子 7，单独提问",
+    "seed 7, beside another": "种子 7，与另一个提示词同批",
+    "seed 1": "种子 1",
+    "seed 2": "种子 2",
+    "exercise 2: the same seed gives the same answer; other seeds give other answers":
+        "练习 2：同一个种子给出同样的回答；别的种子给出别的回答",
+})
+
 # %% architecture map
 #| hide
 from IPython.display import SVG, display
@@ -125,11 +145,12 @@ def architecture_svg() -> str:
     for x, y, name, chapter in boxes:
         parts.append(f'<rect x="{x}" y="{y}" width="160" height="42" rx="8" fill="#e3f2fd" stroke="#37474f"/>')
         parts.append(
-            f'<text x="{x + 80}" y="{y + 26}" text-anchor="middle" font-family="monospace" font-size="14">{name}</text>'
+            f'<text x="{x + 80}" y="{y + 26}" text-anchor="middle" font-family="monospace" font-size="14">'
+            f'{say(name) if name == "Parallel layers" else name}</text>'
         )
         parts.append(
             f'<text x="{x + 154}" y="{y + 14}" text-anchor="end" font-family="sans-serif" font-size="11" '
-            f'fill="#1565c0">ch. {chapter}</text>'
+            f'fill="#1565c0">{say("ch. {chapter}", chapter=chapter)}</text>'
         )
     parts.append("</svg>")
     return "".join(parts)
@@ -394,7 +415,8 @@ steps = []
 while not engine.is_finished():
     finished, num_tokens, is_prefill = engine.step()
     steps.append(("prefill" if is_prefill else "decode", num_tokens, finished))
-    print(f"step {len(steps)}: {steps[-1][0]:<8} computed {num_tokens:>2} tokens   finished: {finished}")
+    print(say("step {step}: {kind:<8} computed {tokens:>2} tokens   finished: {finished}",
+              step=len(steps), kind=steps[-1][0], tokens=num_tokens, finished=finished))
 
 # %%
 assert [(kind, n) for kind, n, _ in steps] == [("prefill", 16), ("prefill", 8), ("decode", 1), ("decode", 1)]
@@ -434,7 +456,7 @@ prefill_steps = 0
 while not small_budget.is_finished():
     prefill_steps += small_budget.step()[2]
 assert prefill_steps == 3  # 8 + 8 + 8 tokens
-print("exercise 1: three prefill steps")
+print(say("exercise 1: three prefill steps"))
 
 # %%
 # en: Exercise 2: a seed fixes the request's random draws, whatever else runs in the same batch, so the
@@ -451,7 +473,7 @@ other_seeds = [out["text"] for out in llm.generate(
     [story, story], [SamplingParams(temperature=0.8, seed=s, max_tokens=12) for s in (1, 2)], use_tqdm=False)]
 for label, text in (("seed 7, alone", alone), ("seed 7, beside another", beside_another),
                     ("seed 1", other_seeds[0]), ("seed 2", other_seeds[1])):
-    print(f"{label:<23} {text!r}")
+    print(f"{say(label):<23} {text!r}")
 assert alone == beside_another
 assert len({alone, *other_seeds}) > 1  # other seeds, other draws
-print("exercise 2: the same seed gives the same answer; other seeds give other answers")
+print(say("exercise 2: the same seed gives the same answer; other seeds give other answers"))

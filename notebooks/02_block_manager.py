@@ -109,6 +109,16 @@ say = Phrases({
     "block_size={size}: grew at {grew} of 40 steps, modulo rule agrees: {agrees}":
         "block_size={size}：40 步中有 {grew} 步加了块，与取模规则一致：{agrees}",
     "all exercise answers check out": "练习答案全部验证通过",
+    # en: the paging figure
+    # zh: 分页示意图
+    "Logical KV blocks": "逻辑 KV 块",
+    "Block table": "块表",
+    "Physical KV blocks": "物理 KV 块",
+    "Block {block}": "块 {block}",
+    "logical": "逻辑",
+    "physical": "物理",
+    "# filled": "已填",
+    "orange: {token}, whose KV the next step writes": "橙色：{token}，下一步写入它的 KV",
 })
 
 # %% why a KV cache is exact
@@ -625,9 +635,9 @@ def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
         '"fathers" 填满了它的最后一个槽位；由 "brought" 开始的逻辑块 2 是新分配的物理块 3。</title>',
         '<defs><marker id="paging-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#78909c"/></marker></defs>',
-        f'<text x="{logical_x}" y="30" font-weight="bold">Logical KV blocks</text>',
-        f'<text x="{table_x}" y="30" font-weight="bold">Block table</text>',
-        f'<text x="{physical_x}" y="30" font-weight="bold">Physical KV blocks</text>',
+        f'<text x="{logical_x}" y="30" font-weight="bold">{say("Logical KV blocks")}</text>',
+        f'<text x="{table_x}" y="30" font-weight="bold">{say("Block table")}</text>',
+        f'<text x="{physical_x}" y="30" font-weight="bold">{say("Physical KV blocks")}</text>',
     ]
 
     def block_row(x: float, y: float, label: str, tokens: dict[int, str]) -> None:
@@ -644,20 +654,19 @@ def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
     for logical, physical in enumerate(seq.block_table):
         tokens = {offset: word for lb, _, offset, word in placed if lb == logical}
         y = top + logical * row
-        block_row(logical_x, y, f"Block {logical}", tokens)
+        block_row(logical_x, y, say("Block {block}", block=logical), tokens)
         parts.append(f'<text x="{table_x + 20}" y="{y + 18}" text-anchor="middle">{logical}</text>'
                      f'<text x="{table_x + 80}" y="{y + 18}" text-anchor="middle" font-weight="bold">{physical}</text>'
                      f'<text x="{table_x + 150}" y="{y + 18}" text-anchor="middle">{len(tokens)}</text>')
         parts.append(f'<path d="M{table_x + 180},{y + 14} L{physical_x - 60},{top + physical * row + 14}" '
                      'stroke="#78909c" stroke-width="1.2" fill="none" marker-end="url(#paging-arrow)"/>')
-    parts.append(f'<text x="{table_x + 20}" y="{top - 8}" text-anchor="middle" fill="#546e7a">logical</text>'
-                 f'<text x="{table_x + 80}" y="{top - 8}" text-anchor="middle" fill="#546e7a">physical</text>'
-                 f'<text x="{table_x + 150}" y="{top - 8}" text-anchor="middle" fill="#546e7a"># filled</text>')
+    for dx, heading in ((20, say("logical")), (80, say("physical")), (150, say("# filled"))):
+        parts.append(f'<text x="{table_x + dx}" y="{top - 8}" text-anchor="middle" fill="#546e7a">{heading}</text>')
     for physical in range(bm.num_blocks):
         tokens = {offset: word for _, pb, offset, word in placed if pb == physical}
-        block_row(physical_x, top + physical * row, f"Block {physical}", tokens)
+        block_row(physical_x, top + physical * row, say("Block {block}", block=physical), tokens)
     parts.append(f'<text x="{logical_x - 50}" y="{top + len(seq.block_table) * row + 24}" fill="#546e7a">'
-                 f"orange: {escape(newest)}, whose KV the next step writes</text>")
+                 f'{say("orange: {token}, whose KV the next step writes", token=escape(newest))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

@@ -125,6 +125,95 @@
 # 同一个决定，画成图。左半边是 `_schedule_prefill`；右半边是 `_schedule_decode`，只有左半边什么也没调度时才运行。
 # 无论哪种情况，这一步都交给模型执行器，再由 `postprocess` 记录结果。后面的代码逐一实现图中的每个方框。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases, display_width
+
+say = Phrases({
+    "step": "步",
+    "kind": "类型",
+    "scheduled": "已调度",
+    "preempted": "被抢占",
+    "cache hits": "缓存命中",
+    "finished": "完成",
+    "waiting": "等待",
+    "running": "运行",
+    "free": "空闲",
+    "chunks {chunks}; storm: {preempted} preemptions, all 4 requests finished":
+        "分块 {chunks}；抢占风暴：{preempted} 次抢占，4 个请求全部完成",
+    "prompt: {tokens} tokens; blocks {table}, the first a hit on {published}":
+        "提示词：{tokens} 个 token；块 {table}，第一块命中了 {published}",
+    "cached": "已缓存",
+    "status": "状态",
+    "computed after": "步后已计算",
+    "len after": "步后长度",
+    "the trace holds, and every completion equals the request's solo run":
+        "轨迹成立，且每个生成结果都与该请求单独运行时相同",
+    "{steps} steps, {preempted} preemptions, {chunked} chunked prefill steps":
+        "{steps} 步，{preempted} 次抢占，{chunked} 个分块 prefill 步",
+    "four sequences, four blocks:": "四个序列，四个块：",
+    "two sequences, three blocks:": "两个序列，三个块：",
+    "decode batch sizes: {sizes} (max_num_seqs=8, budget 3)": "decode 批大小：{sizes}（max_num_seqs=8，预算 3）",
+    "batch": "批量",
+    "ms per step": "每步毫秒",
+    "µs per token": "每 token 微秒",
+    "budget 10, prompts of 6 and 8 tokens, {rule}: first step schedules {scheduled}":
+        "预算 10，提示词 6 和 8 个 token，{rule}：第一步调度 {scheduled}",
+    "ours": "本书",
+    "upstream": "上游",
+    "16 prompts of 3-14 tokens, budget 10": "16 个 3-14 token 的提示词，预算 10",
+    "steps": "步数",
+    "prefill steps": "prefill 步数",
+    "budget used per prefill step": "每个 prefill 步用掉的预算",
+    "mean steps to first token": "到第一个 token 的平均步数",
+    "chunked prefills": "分块 prefill 次数",
+    "half-prefilled block-steps": "prefill 到一半时占用的块·步",
+    "most half-prefilled at once": "同时 prefill 到一半的最多序列数",
+    "preempt the newest: {thrown} tokens thrown away, requests finish at steps {finish}":
+        "抢占最新的：丢弃 {thrown} 个 token，请求在第 {finish} 步完成",
+    "preempt the oldest: {thrown} tokens thrown away, requests finish at steps {finish}":
+        "抢占最早的：丢弃 {thrown} 个 token，请求在第 {finish} 步完成",
+    "all exercise answers check out": "练习答案全部验证通过",
+    # en: the flowchart of schedule()
+    # zh: schedule() 的流程图
+    "schedule()": "schedule()",
+    "① waiting non-empty, fewer than max_num_seqs,": "① waiting 非空、序列数少于 max_num_seqs、",
+    "budget left, and the head gets its blocks?": "还有预算，且队头能分到块？",
+    "allocate (cache hits count as computed);": "allocate（缓存命中算作已计算）；",
+    "schedule min(rest of prompt, budget left)": "调度 min(剩余提示词, 剩余预算)",
+    "② the rest of the prompt fits?": "② 剩余的提示词放得下？",
+    "head → running": "队头 → running",
+    "(RUNNING)": "（RUNNING）",
+    "a chunk: keeps its blocks,": "分块：保留它的块，",
+    "stays at the head": "留在队头",
+    "prefilled anything?": "prefill 了吗？",
+    "③ running non-empty and the batch": "③ running 非空，且批大小",
+    "< min(max_num_seqs, budget)?": "< min(max_num_seqs, 预算)？",
+    "seq ← front of running (the oldest)": "seq ← running 队头（最旧的）",
+    "④ can_append(seq)?": "④ can_append(seq)？",
+    "may_append(seq);": "may_append(seq)；",
+    "schedule 1 token": "调度 1 个 token",
+    "preempt the newest (tail of": "抢占最新的（running 队尾），",
+    "running), or seq itself if none:": "没有别的就抢占 seq 自己：",
+    "free blocks, head of waiting": "释放块，回到 waiting 队头",
+    "the model runner computes the step (chapter 08), then postprocess: cache the computed tokens,":
+        "模型执行器计算这一步（第 08 章），然后 postprocess：把算完的 token 计入缓存，",
+    "publish full blocks, append each sampled token (not for a chunk), finish at EOS or max_tokens":
+        "发布写满的块，追加每个采样出的 token（分块不追加），遇到 EOS 或 max_tokens 时结束",
+    "yes": "是",
+    "no": "否",
+    "next head": "下一个队头",
+    "yes: a prefill step": "是：一个 prefill 步",
+    "retry": "重试",
+    "next seq": "下一个 seq",
+    "itself: next seq": "抢占自己：下一个 seq",
+    "no: a decode step": "否：一个 decode 步",
+    "prefill first: _schedule_prefill": "先 prefill：_schedule_prefill",
+    "else decode: _schedule_decode": "否则 decode：_schedule_decode",
+})
+
 # %% schedule flowchart
 #| hide
 from html import escape
@@ -181,7 +270,7 @@ def schedule_flow_svg() -> str:
         first = y - line_height * (len(lines) - 1) / 2 + 4
         for i, text in enumerate(lines):
             shapes.append(f'<text x="{x}" y="{first + i * line_height:g}" text-anchor="middle" '
-                          f'font-family="sans-serif" font-size="12">{escape(text)}</text>')
+                          f'font-family="sans-serif" font-size="12">{escape(say(text))}</text>')
 
     def at(key: str, side: str, dx: float = 0) -> tuple[float, float]:
         x, y, w, h = box[key]
@@ -230,10 +319,10 @@ def schedule_flow_svg() -> str:
         f'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="{FLOW_INK}"/></marker></defs>',
         '<rect x="8" y="52" width="442" height="418" rx="10" fill="#fafafa" stroke="#cfd8dc"/>',
         '<rect x="460" y="52" width="452" height="418" rx="10" fill="#fafafa" stroke="#cfd8dc"/>',
-        '<text x="18" y="70" font-family="monospace" font-size="12" fill="#1565c0">prefill first: _schedule_prefill'
-        "</text>",
-        '<text x="470" y="70" font-family="monospace" font-size="12" fill="#1565c0">else decode: _schedule_decode'
-        "</text>",
+        '<text x="18" y="70" font-family="monospace" font-size="12" fill="#1565c0">'
+        f'{say("prefill first: _schedule_prefill")}</text>',
+        '<text x="470" y="70" font-family="monospace" font-size="12" fill="#1565c0">'
+        f'{say("else decode: _schedule_decode")}</text>',
     ]
     for corners, _ in arrows:
         path = " L".join(f"{x:g},{y:g}" for x, y in corners)
@@ -244,7 +333,7 @@ def schedule_flow_svg() -> str:
         if label:
             text, x, y, anchor = label
             parts.append(f'<text x="{x}" y="{y}" text-anchor="{anchor}" font-family="sans-serif" font-size="11" '
-                         f'fill="#6a1b9a">{escape(text)}</text>')
+                         f'fill="#6a1b9a">{escape(say(text))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -548,59 +637,6 @@ assert list(front_first) == ["C", "B", "A", "D", "E"] and list(order_kept) == ["
 # 正如真实模型的贪心选择只取决于它的输入。三个请求共享一个 4 个 token 的系统提示词；A 的提示词很长。缓存有 7 个块、
 # 每块 4 个 token，每步最多 3 个序列、12 个 token。我们挂上一个只做记录的观察者，每步打印一行：`A:12+2` 表示 A
 # 已缓存 12 个 token，本步再算 2 个。
-
-# %% printed phrases
-#| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
-from nanovllm.book.lang import Phrases, display_width
-
-say = Phrases({
-    "step": "步",
-    "kind": "类型",
-    "scheduled": "已调度",
-    "preempted": "被抢占",
-    "cache hits": "缓存命中",
-    "finished": "完成",
-    "waiting": "等待",
-    "running": "运行",
-    "free": "空闲",
-    "chunks {chunks}; storm: {preempted} preemptions, all 4 requests finished":
-        "分块 {chunks}；抢占风暴：{preempted} 次抢占，4 个请求全部完成",
-    "prompt: {tokens} tokens; blocks {table}, the first a hit on {published}":
-        "提示词：{tokens} 个 token；块 {table}，第一块命中了 {published}",
-    "cached": "已缓存",
-    "status": "状态",
-    "computed after": "步后已计算",
-    "len after": "步后长度",
-    "the trace holds, and every completion equals the request's solo run":
-        "轨迹成立，且每个生成结果都与该请求单独运行时相同",
-    "{steps} steps, {preempted} preemptions, {chunked} chunked prefill steps":
-        "{steps} 步，{preempted} 次抢占，{chunked} 个分块 prefill 步",
-    "four sequences, four blocks:": "四个序列，四个块：",
-    "two sequences, three blocks:": "两个序列，三个块：",
-    "decode batch sizes: {sizes} (max_num_seqs=8, budget 3)": "decode 批大小：{sizes}（max_num_seqs=8，预算 3）",
-    "batch": "批量",
-    "ms per step": "每步毫秒",
-    "µs per token": "每 token 微秒",
-    "budget 10, prompts of 6 and 8 tokens, {rule}: first step schedules {scheduled}":
-        "预算 10，提示词 6 和 8 个 token，{rule}：第一步调度 {scheduled}",
-    "ours": "本书",
-    "upstream": "上游",
-    "16 prompts of 3-14 tokens, budget 10": "16 个 3-14 token 的提示词，预算 10",
-    "steps": "步数",
-    "prefill steps": "prefill 步数",
-    "budget used per prefill step": "每个 prefill 步用掉的预算",
-    "mean steps to first token": "到第一个 token 的平均步数",
-    "chunked prefills": "分块 prefill 次数",
-    "half-prefilled block-steps": "prefill 到一半时占用的块·步",
-    "most half-prefilled at once": "同时 prefill 到一半的最多序列数",
-    "preempt the newest: {thrown} tokens thrown away, requests finish at steps {finish}":
-        "抢占最新的：丢弃 {thrown} 个 token，请求在第 {finish} 步完成",
-    "preempt the oldest: {thrown} tokens thrown away, requests finish at steps {finish}":
-        "抢占最早的：丢弃 {thrown} 个 token，请求在第 {finish} 步完成",
-    "all exercise answers check out": "练习答案全部验证通过",
-})
 
 # %%
 import xxhash

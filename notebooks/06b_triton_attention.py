@@ -149,7 +149,7 @@ say = Phrases({
         "{device}，{date}，torch {torch}，triton {triton}：`{command}`；拷贝 {rate:.2f} TB/s",
     "context": "上下文",
     "best": "最佳",
-    "plain, ctx {context}": "普通内核，上下文 {context}",
+    "plain, ctx {context}": "普通，上下文 {context}",
     "heuristic, ctx {context}": "启发式，上下文 {context}",
     "decode attention, {device}: % of copy bandwidth": "decode 注意力，{device}：占拷贝带宽的 %",
     "batch size (sequences)": "批大小（序列数）",
