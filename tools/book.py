@@ -63,7 +63,7 @@ def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tu
     """Run each chapter in a fresh kernel from the project root, once per language; write the executed notebooks.
 
     ``out_dir/<lang>/<chapter>.ipynb`` holds the run whose printed traces and tables speak ``lang``. A
-    chapter whose cell raises (in either language) is reported and left out, in every language (an
+    chapter whose cell raises (in any language) is reported and left out of every language executed (an
     older executed copy of it is removed, so that no site shows stale outputs); the others still run,
     and ChapterError then names every failure. This is the book's only execution: `./dev test` checks
     the chapters with it and builds the sites from its notebooks.
