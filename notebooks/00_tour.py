@@ -83,6 +83,26 @@ assert all(len(o["token_ids"]) <= 40 for o in outputs)
 #
 # 一个请求会经过下面这些部分，每个部分由一章构建。箭头表示引擎一步之内的数据流向。
 
+# %% this chapter's phrases
+#| hide
+# en: What this chapter prints and draws, in Chinese for the Chinese site (nanovllm.book.lang, built below).
+# zh: 本章打印和画出的文字及其中文，中文网站打印中文（nanovllm.book.lang，在本章后面构建）。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "ch. {chapter}": "第 {chapter} 章",
+    "Parallel layers": "并行层",
+    "step {step}: {kind:<8} computed {tokens:>2} tokens   finished: {finished}":
+        "第 {step} 步：{kind:<8} 计算了 {tokens:>2} 个 token   完成：{finished}",
+    "exercise 1: three prefill steps": "练习 1：三个 prefill 步",
+    "seed 7, alone": "种子 7，单独提问",
+    "seed 7, beside another": "种子 7，与另一个提示词同批",
+    "seed 1": "种子 1",
+    "seed 2": "种子 2",
+    "exercise 2: the same seed gives the same answer; other seeds give other answers":
+        "练习 2：同一个种子给出同样的回答；别的种子给出别的回答",
+})
+
 # %% architecture map
 #| hide
 from IPython.display import SVG, display
@@ -125,11 +145,12 @@ def architecture_svg() -> str:
     for x, y, name, chapter in boxes:
         parts.append(f'<rect x="{x}" y="{y}" width="160" height="42" rx="8" fill="#e3f2fd" stroke="#37474f"/>')
         parts.append(
-            f'<text x="{x + 80}" y="{y + 26}" text-anchor="middle" font-family="monospace" font-size="14">{name}</text>'
+            f'<text x="{x + 80}" y="{y + 26}" text-anchor="middle" font-family="monospace" font-size="14">'
+            f'{say(name) if name == "Parallel layers" else name}</text>'
         )
         parts.append(
             f'<text x="{x + 154}" y="{y + 14}" text-anchor="end" font-family="sans-serif" font-size="11" '
-            f'fill="#1565c0">ch. {chapter}</text>'
+            f'fill="#1565c0">{say("ch. {chapter}", chapter=chapter)}</text>'
         )
     parts.append("</svg>")
     return "".join(parts)
@@ -285,6 +306,89 @@ print(tally.count, tally.empty)
 assert (tally.count, tally.empty) == (0, True)
 
 # %% [markdown] tags=["en"]
+# The book's other helper speaks your language. The traces and tables that chapters print are part of
+# the lesson, so they are printed in the reader's language: the English stays in the code, and each
+# chapter keeps the Chinese of what it prints in one hidden table of phrases. `say` looks a phrase up and
+# fills in its values; `NANOVLLM_BOOK_LANG=zh` (which the Chinese site's build and the Chinese reading
+# copies set) makes it speak Chinese. Numbers, identifiers and code stay as they are.
+
+# %% [markdown] tags=["zh"]
+# 本书的另一个辅助工具会说你的语言。各章打印的轨迹和表格是课程的一部分，所以按读者的语言打印：英文留在代码里，
+# 每一章把它所打印文字的中文放在一张隐藏的短语表里。`say` 查出一句短语并填入其中的值；设置
+# `NANOVLLM_BOOK_LANG=zh`（中文网站的构建和中文阅读副本都会设置）后，它就说中文。数字、标识符和代码保持原样。
+
+# %% printed phrases
+#| export book.lang
+"""What the book prints, in the reader's language: English by default, Chinese when NANOVLLM_BOOK_LANG=zh.
+
+A chapter's traces and tables are part of its lesson. Its code keeps the English (the key), and one
+``Phrases`` table per chapter holds the Chinese of what it prints. Numbers, identifiers and code are
+printed as they are: only the words around them are translated.
+"""
+
+import os
+import re
+import string
+import unicodedata
+
+LANG_ENV = "NANOVLLM_BOOK_LANG"
+LANGUAGES = ("en", "zh")
+# en: A width in a format spec, with its optional fill and alignment: "<22", ">4", "*^9", "12".
+# zh: 格式说明里的宽度，可带填充字符和对齐方式："<22"、">4"、"*^9"、"12"。
+_WIDTH_SPEC = re.compile(r"(?P<align>.?[<>^])?(?P<width>\d+)")
+
+
+def reading_language() -> str:
+    """The language the book prints in: ``NANOVLLM_BOOK_LANG`` ("en" or "zh"), English when it is unset."""
+    lang = os.environ.get(LANG_ENV) or "en"
+    if lang not in LANGUAGES:
+        raise ValueError(f"{LANG_ENV} must be one of {LANGUAGES}, got {lang!r}")
+    return lang
+
+
+def display_width(text: str) -> int:
+    """Columns ``text`` takes in a monospaced font: a Chinese character (or full-width punctuation) takes two."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+class Text(str):
+    """Printed text that pads by display width, so that a Chinese heading keeps its table's columns aligned."""
+
+    def __format__(self, spec: str) -> str:
+        match = _WIDTH_SPEC.fullmatch(spec)
+        if match is None:
+            return format(str(self), spec)
+        width = max(int(match["width"]) - (display_width(self) - len(self)), 0)
+        return format(str(self), f"{match['align'] or ''}{width}")
+
+
+def _fields(template: str) -> set[str]:
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+class Phrases:
+    """One chapter's printed phrases: the English templates, as the code reads them, and their Chinese.
+
+    ``say = Phrases({"free list: {free}": <its Chinese, with the same {free}>})``; then
+    ``say("free list: {free}", free=[3, 4])`` is ``free list: [3, 4]`` in English and the Chinese template,
+    filled with the same list, when the book reads in Chinese. A template missing from the table is an
+    error in both languages, so that an English run already finds a phrase without its Chinese.
+    """
+
+    def __init__(self, zh: dict[str, str]) -> None:
+        for en, text in zh.items():
+            if _fields(en) != _fields(text):
+                raise ValueError(f"{text!r} must fill the fields of {en!r}: {sorted(_fields(en))}")
+        self.zh = dict(zh)
+
+    def __call__(self, template: str, /, **values: object) -> Text:
+        """``template`` (English) in the reading language, its ``{fields}`` filled with ``values``."""
+        if template not in self.zh:
+            raise KeyError(f"no Chinese for the phrase {template!r}: add it to its chapter's Phrases table")
+        chosen = self.zh[template] if reading_language() == "zh" else template
+        return Text(chosen.format(**values))
+
+# %% [markdown] tags=["en"]
 # ## One request, step by step
 #
 # `generate` is a loop around `step()`: the scheduler picks the sequences of a step (all
@@ -311,7 +415,8 @@ steps = []
 while not engine.is_finished():
     finished, num_tokens, is_prefill = engine.step()
     steps.append(("prefill" if is_prefill else "decode", num_tokens, finished))
-    print(f"step {len(steps)}: {steps[-1][0]:<8} computed {num_tokens:>2} tokens   finished: {finished}")
+    print(say("step {step}: {kind:<8} computed {tokens:>2} tokens   finished: {finished}",
+              step=len(steps), kind=steps[-1][0], tokens=num_tokens, finished=finished))
 
 # %%
 assert [(kind, n) for kind, n, _ in steps] == [("prefill", 16), ("prefill", 8), ("decode", 1), ("decode", 1)]
@@ -351,7 +456,7 @@ prefill_steps = 0
 while not small_budget.is_finished():
     prefill_steps += small_budget.step()[2]
 assert prefill_steps == 3  # 8 + 8 + 8 tokens
-print("exercise 1: three prefill steps")
+print(say("exercise 1: three prefill steps"))
 
 # %%
 # en: Exercise 2: a seed fixes the request's random draws, whatever else runs in the same batch, so the
@@ -368,7 +473,7 @@ other_seeds = [out["text"] for out in llm.generate(
     [story, story], [SamplingParams(temperature=0.8, seed=s, max_tokens=12) for s in (1, 2)], use_tqdm=False)]
 for label, text in (("seed 7, alone", alone), ("seed 7, beside another", beside_another),
                     ("seed 1", other_seeds[0]), ("seed 2", other_seeds[1])):
-    print(f"{label:<23} {text!r}")
+    print(f"{say(label):<23} {text!r}")
 assert alone == beside_another
 assert len({alone, *other_seeds}) > 1  # other seeds, other draws
-print("exercise 2: the same seed gives the same answer; other seeds give other answers")
+print(say("exercise 2: the same seed gives the same answer; other seeds give other answers"))

@@ -62,6 +62,32 @@
 # 被抢占的序列归还所有块，回到 WAITING；再次被调度时，它的全部 token（提示词*加上*已生成的部分）
 # 要重新 prefill。这就是 vLLM 中的*重算式*抢占。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "step": "步骤",
+    "cached": "已缓存",
+    "scheduled": "本步调度",
+    "created": "创建",
+    "prefill chunk 1": "prefill 分块 1",
+    "prefill chunk 2": "prefill 分块 2",
+    "  after step": "  这一步之后",
+    "decode": "decode",
+    "the worked example holds": "算例成立",
+    "all exercise answers check out": "练习答案全部验证通过",
+    # en: the state machine
+    # zh: 状态机
+    "schedule (prefill)": "调度（prefill）",
+    "EOS / max_tokens": "EOS / max_tokens",
+    "preempt (free blocks, recompute later)": "抢占（释放块，之后重算）",
+    "decode step: +1 token": "decode 步：+1 个 token",
+    "prefill chunk": "prefill 分块",
+})
+
 # %% state machine drawing
 #| hide
 from IPython.display import SVG, display
@@ -96,7 +122,7 @@ def state_machine_svg() -> str:
     ]
     for path, text, x, y in arrows:
         parts.append(f'<path d="{path}" fill="none" stroke="#37474f" stroke-width="2" marker-end="url(#arrow)"/>')
-        parts.append(note.format(x=x, y=y, text=text))
+        parts.append(note.format(x=x, y=y, text=say(text)))
     parts.append("</svg>")
     return "".join(parts)
 
@@ -528,10 +554,10 @@ for sampled in (8, 9, 10):
     finish_step(seq, sampled)
     trace.append(row("  after step", seq))
 
-header = ("step", "status", "num_tokens", "cached", "scheduled", "num_blocks", "last_block")
+header = (say("step"), "status", "num_tokens", say("cached"), say("scheduled"), "num_blocks", "last_block")
 print(f"{header[0]:<16}" + "".join(f"{h:>11}" for h in header[1:]))
 for r in trace:
-    print(f"{r[0]:<16}" + "".join(f"{v!s:>11}" for v in r[1:]))
+    print(f"{say(r[0]):<16}" + "".join(f"{v!s:>11}" for v in r[1:]))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -567,7 +593,7 @@ expected = [
 assert trace == expected
 assert seq.completion_token_ids == [7, 8, 9, 10]  # the 999 passed after chunk 1 was ignored
 assert seq.block(3) == [9, 10] and seq.last_token == 10
-print("the worked example holds")
+print(say("the worked example holds"))
 
 # %% [markdown] tags=["en"]
 # The status only moves along the drawn arrows, and bad input is refused with a clear message:
@@ -678,4 +704,4 @@ while chunked.num_completion_tokens == 0:
     finish_step(chunked, sampled_token=1)
     steps += 1
 assert steps == 4
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

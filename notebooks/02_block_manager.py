@@ -68,6 +68,59 @@
 # 下面的单元在两个带残差连接的随机注意力层上验证这两半结论：先算 7 个 token，再算追加了第 8 个 token 的同一序列，
 # 两种掩码各做一遍；并且在因果掩码下，用前 7 个 token 缓存的 K、V 算出第 8 个 token，与完整重算的结果比较。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "layer 0 K,V kept": "第 0 层 K,V 不变",
+    "layer 1 K,V kept": "第 1 层 K,V 不变",
+    "outputs 0-6 kept": "输出 0-6 不变",
+    "causal mask": "因果掩码",
+    "bidirectional": "双向注意力",
+    "causal: token 8 from the cached K,V equals its full recomputation: {exact}":
+        "因果掩码：用缓存的 K、V 算出的第 8 个 token 等于完整重算的结果：{exact}",
+    "contiguous, 20 slots reserved per request:": "连续分配，每个请求预留 20 个槽位：",
+    "paged, blocks of 4 slots:": "分页，每块 4 个槽位：",
+    "-> {n} requests fit": "-> 放得下 {n} 个请求",
+    "free {name}": "释放 {name}",
+    "free={free}": "空闲队列={free}",
+    "free list: {free}": "空闲队列：{free}",
+    "block table: after the prompt {prompt}, after 'fathers' {fathers}, once 'brought' has a place {brought}":
+        "块表：提示词之后 {prompt}，'fathers' 之后 {fathers}，'brought' 有了位置之后 {brought}",
+    "ref counts: {counts}": "引用计数：{counts}",
+    "the second sequence found {found} of its {prompt} prompt tokens in the cache":
+        "第二个序列的 {prompt} 个提示词 token 中，有 {found} 个在缓存中找到",
+    "blocks {ids}: ref count 2 at step {hit}, 1 after A finished at step {done}":
+        "块 {ids}：第 {hit} 步时引用计数为 2，A 在第 {done} 步完成后为 1",
+    "trace and invariants hold": "轨迹与不变量均成立",
+    "contiguous": "连续分配",
+    "paged": "分页",
+    "paged + F": "分页 + F",
+    "served": "接纳",
+    "refused": "拒绝",
+    "F needs 12 adjacent slots: {free} free, in holes of {holes}: {verdict}":
+        "F 需要 12 个相邻槽位：空闲 {free} 个，分散在大小为 {holes} 的空洞里：{verdict}",
+    "F takes blocks {table}: {verdict}": "F 拿到块 {table}：{verdict}",
+    "block_size={size:>2}: at most {worst} empty slots per sequence (bound: {bound})":
+        "block_size={size:>2}：每个序列最多 {worst} 个空槽位（上界：{bound}）",
+    "block_size={size}: grew at {grew} of 40 steps, modulo rule agrees: {agrees}":
+        "block_size={size}：40 步中有 {grew} 步加了块，与取模规则一致：{agrees}",
+    "all exercise answers check out": "练习答案全部验证通过",
+    # en: the paging figure
+    # zh: 分页示意图
+    "Logical KV blocks": "逻辑 KV 块",
+    "Block table": "块表",
+    "Physical KV blocks": "物理 KV 块",
+    "Block {block}": "块 {block}",
+    "logical": "逻辑",
+    "physical": "物理",
+    "# filled": "已填",
+    "orange: {token}, whose KV the next step writes": "橙色：{token}，下一步写入它的 KV",
+})
+
 # %% why a KV cache is exact
 import torch
 
@@ -115,10 +168,10 @@ for mask, causal in (("causal mask", True), ("bidirectional", False)):
                   for i in range(2)] + [torch.allclose(out8[:7], out7)]
     if causal:
         decode_exact = torch.allclose(decode(tokens[7:], kv7), out8[7:])
-print(f"{'':<16}{'layer 0 K,V kept':>18}{'layer 1 K,V kept':>18}{'outputs 0-6 kept':>18}")
+print(f"{'':<16}{say('layer 0 K,V kept'):>18}{say('layer 1 K,V kept'):>18}{say('outputs 0-6 kept'):>18}")
 for mask, row in kept.items():
-    print(f"{mask:<16}" + "".join(f"{value!s:>18}" for value in row))
-print(f"causal: token 8 from the cached K,V equals its full recomputation: {decode_exact}")
+    print(f"{say(mask):<16}" + "".join(f"{value!s:>18}" for value in row))
+print(say("causal: token 8 from the cached K,V equals its full recomputation: {exact}", exact=decode_exact))
 assert kept["causal mask"] == [True, True, True] and decode_exact
 assert kept["bidirectional"] == [True, False, False]
 
@@ -215,8 +268,9 @@ def paged_picture(requests: dict[str, tuple[int, int]], num_slots: int, block_si
 paging_requests = {"A": (7, 20), "B": (5, 20), "C": (9, 20)}
 contiguous_row, contiguous_admitted = contiguous_picture(paging_requests, 48)
 paged_row, paged_admitted = paged_picture(paging_requests, 48, block_size=4)
-print(f"contiguous, 20 slots reserved per request: {contiguous_row}  -> {contiguous_admitted} requests fit")
-print(f"paged, blocks of 4 slots:                  {paged_row}  -> {paged_admitted} requests fit")
+for label, row, admitted in ((say("contiguous, 20 slots reserved per request:"), contiguous_row, contiguous_admitted),
+                             (say("paged, blocks of 4 slots:"), paged_row, paged_admitted)):
+    print(f"{label:<42} {row}  {say('-> {n} requests fit', n=admitted)}")
 assert (contiguous_admitted, paged_admitted) == (2, 3)
 
 # %% [markdown] tags=["en"]
@@ -463,7 +517,8 @@ rows = []
 
 def record(event: str) -> None:
     rows.append((event, len(a), list(a.block_table), len(b), list(b.block_table), list(bm.free_block_ids)))
-    print(f"{event:<22} len(A)={len(a):<3} len(B)={len(b):<3} {pool_map(bm, named)}   free={list(bm.free_block_ids)}")
+    print(f"{event:<22} len(A)={len(a):<3} len(B)={len(b):<3} {pool_map(bm, named)}   "
+          f"{say('free={free}', free=list(bm.free_block_ids))}")
 
 
 prefill(bm, a, sampled=1)
@@ -474,7 +529,7 @@ for token in (3, 4, 5):
     decode(bm, a, sampled=token)
     record(f"decode A (+{token})")
 bm.deallocate(a)
-record("free A")
+record(say("free {name}", name="A"))
 
 # %% [markdown] tags=["en"]
 # Read the trace from the top. After its prefill, A has 11 tokens in 3 blocks (12 slots). The
@@ -532,7 +587,7 @@ paper = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
 held_by_others = [paper.take_free_block() for _ in range(8)]  # other requests hold every block ...
 for block_id in (7, 1, 3, 0, 2, 4, 5, 6):  # ... and give them back in this order
     paper.release(block_id)
-print(f"free list: {list(paper.free_block_ids)}")
+print(say("free list: {free}", free=list(paper.free_block_ids)))
 
 request = Sequence([vocab[word] for word in words[:7]], block_size=4)
 prefill(paper, request, sampled=vocab["fathers"])  # the prompt's KV; the prefill samples "fathers"
@@ -542,8 +597,8 @@ decode(paper, request, sampled=vocab["brought"])  # the step that writes the KV 
 table_after_fathers = list(request.block_table)
 fathers_slot = request.block_table[fathers_position // 4] * 4 + fathers_position % 4
 paper.may_append(request)  # the next step must write the KV of "brought": it needs a block
-print(f"block table: after the prompt {table_after_prompt}, after 'fathers' {table_after_fathers}, "
-      f"once 'brought' has a place {request.block_table}")
+print(say("block table: after the prompt {prompt}, after 'fathers' {fathers}, once 'brought' has a place {brought}",
+          prompt=table_after_prompt, fathers=table_after_fathers, brought=request.block_table))
 
 # %%
 # en: The figure's three facts: logical blocks 0 and 1 in physical blocks 7 and 1; "fathers" fills the
@@ -580,9 +635,9 @@ def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
         '"fathers" 填满了它的最后一个槽位；由 "brought" 开始的逻辑块 2 是新分配的物理块 3。</title>',
         '<defs><marker id="paging-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#78909c"/></marker></defs>',
-        f'<text x="{logical_x}" y="30" font-weight="bold">Logical KV blocks</text>',
-        f'<text x="{table_x}" y="30" font-weight="bold">Block table</text>',
-        f'<text x="{physical_x}" y="30" font-weight="bold">Physical KV blocks</text>',
+        f'<text x="{logical_x}" y="30" font-weight="bold">{say("Logical KV blocks")}</text>',
+        f'<text x="{table_x}" y="30" font-weight="bold">{say("Block table")}</text>',
+        f'<text x="{physical_x}" y="30" font-weight="bold">{say("Physical KV blocks")}</text>',
     ]
 
     def block_row(x: float, y: float, label: str, tokens: dict[int, str]) -> None:
@@ -599,20 +654,19 @@ def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
     for logical, physical in enumerate(seq.block_table):
         tokens = {offset: word for lb, _, offset, word in placed if lb == logical}
         y = top + logical * row
-        block_row(logical_x, y, f"Block {logical}", tokens)
+        block_row(logical_x, y, say("Block {block}", block=logical), tokens)
         parts.append(f'<text x="{table_x + 20}" y="{y + 18}" text-anchor="middle">{logical}</text>'
                      f'<text x="{table_x + 80}" y="{y + 18}" text-anchor="middle" font-weight="bold">{physical}</text>'
                      f'<text x="{table_x + 150}" y="{y + 18}" text-anchor="middle">{len(tokens)}</text>')
         parts.append(f'<path d="M{table_x + 180},{y + 14} L{physical_x - 60},{top + physical * row + 14}" '
                      'stroke="#78909c" stroke-width="1.2" fill="none" marker-end="url(#paging-arrow)"/>')
-    parts.append(f'<text x="{table_x + 20}" y="{top - 8}" text-anchor="middle" fill="#546e7a">logical</text>'
-                 f'<text x="{table_x + 80}" y="{top - 8}" text-anchor="middle" fill="#546e7a">physical</text>'
-                 f'<text x="{table_x + 150}" y="{top - 8}" text-anchor="middle" fill="#546e7a"># filled</text>')
+    for dx, heading in ((20, say("logical")), (80, say("physical")), (150, say("# filled"))):
+        parts.append(f'<text x="{table_x + dx}" y="{top - 8}" text-anchor="middle" fill="#546e7a">{heading}</text>')
     for physical in range(bm.num_blocks):
         tokens = {offset: word for _, pb, offset, word in placed if pb == physical}
-        block_row(physical_x, top + physical * row, f"Block {physical}", tokens)
+        block_row(physical_x, top + physical * row, say("Block {block}", block=physical), tokens)
     parts.append(f'<text x="{logical_x - 50}" y="{top + len(seq.block_table) * row + 24}" fill="#546e7a">'
-                 f"orange: {escape(newest)}, whose KV the next step writes</text>")
+                 f'{say("orange: {token}, whose KV the next step writes", token=escape(newest))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -641,8 +695,9 @@ second = Sequence([*system_prompt, 7, 8], block_size=4)
 prefill(shared, first, sampled=9)
 found = prefill(shared, second, sampled=9)
 print(pool_map(shared, {"1": first, "2": second}))
-print("ref counts:", {i: shared.blocks[i].ref_count for i in sorted(shared.used_block_ids)})
-print(f"the second sequence found {found} of its {second.num_prompt_tokens} prompt tokens in the cache")
+print(say("ref counts: {counts}", counts={i: shared.blocks[i].ref_count for i in sorted(shared.used_block_ids)}))
+print(say("the second sequence found {found} of its {prompt} prompt tokens in the cache",
+          found=found, prompt=second.num_prompt_tokens))
 
 # %% [markdown] tags=["en"]
 # ### The same, animated
@@ -680,7 +735,8 @@ a_done = next(f for f in frames if f["phase"] == "postprocess" and seq_a.seq_id 
 assert len(shared_ids) == 2
 assert [hit["blocks"][i]["ref_count"] for i in shared_ids] == [2, 2]
 assert [a_done["blocks"][i]["ref_count"] for i in shared_ids] == [1, 1]
-print(f"blocks {shared_ids}: ref count 2 at step {hit['step']}, 1 after A finished at step {a_done['step']}")
+print(say("blocks {ids}: ref count 2 at step {hit}, 1 after A finished at step {done}",
+          ids=shared_ids, hit=hit["step"], done=a_done["step"]))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -725,7 +781,7 @@ check_invariants(shared, [first, second])
 shared.deallocate(first)
 check_invariants(shared, [second])
 assert [shared.blocks[i].ref_count for i in second.block_table] == [1, 1, 1]
-print("trace and invariants hold")
+print(say("trace and invariants hold"))
 
 # %% [markdown] tags=["en"]
 # ### Paging's two promises about waste
@@ -800,15 +856,16 @@ for name in ("B", "D"):
     paged.deallocate(holders.pop(name))
 free_slots, holes = contiguous.slots.count("."), contiguous.holes()
 contiguous_served = contiguous.allocate("F", 12)
-print(f"{'contiguous':<12} {''.join(contiguous.slots)}")
-print(f"{'':<12} F needs 12 adjacent slots: {free_slots} free, in holes of {holes}: "
-      f"{'served' if contiguous_served else 'refused'}")
-print(f"{'paged':<12} {paged_slots(paged, holders)}")
+print(f"{say('contiguous'):<12} {''.join(contiguous.slots)}")
+print(f"{'':<12} " + say("F needs 12 adjacent slots: {free} free, in holes of {holes}: {verdict}",
+                         free=free_slots, holes=holes, verdict=say("served" if contiguous_served else "refused")))
+print(f"{say('paged'):<12} {paged_slots(paged, holders)}")
 holders["F"] = Sequence(list(range(12)), block_size=4)
 paged_served = paged.can_allocate(holders["F"])
 paged.allocate(holders["F"])
-print(f"{'paged + F':<12} {paged_slots(paged, holders)}")
-print(f"{'':<12} F takes blocks {holders['F'].block_table}: {'served' if paged_served else 'refused'}")
+print(f"{say('paged + F'):<12} {paged_slots(paged, holders)}")
+print(f"{'':<12} " + say("F takes blocks {table}: {verdict}", table=holders["F"].block_table,
+                         verdict=say("served" if paged_served else "refused")))
 
 # en: Claim 1: enough free slots in total, no hole large enough, refused; the pool serves F
 # en: from blocks that are not adjacent.
@@ -836,7 +893,8 @@ for block_size in (1, 2, 4, 16):
             assert 0 <= waste < block_size, (block_size, waste)
             worst = max(worst, waste)
         pool.deallocate(seq)
-    print(f"block_size={block_size:>2}: at most {worst} empty slots per sequence (bound: {block_size - 1})")
+    print(say("block_size={size:>2}: at most {worst} empty slots per sequence (bound: {bound})",
+              size=block_size, worst=worst, bound=block_size - 1))
     # en: Claim 2, and the bound is tight: some step leaves a whole block but one slot empty.
     # zh: 论断 2，而且这个上界是紧的：某一步会让最后一块只用了一个槽位。
     assert worst == block_size - 1
@@ -865,7 +923,8 @@ for block_size in range(1, 7):
         assert grew == modulo_says
     else:
         assert all(grew) and not any(modulo_says)
-    print(f"block_size={block_size}: grew at {sum(grew)} of 40 steps, modulo rule agrees: {grew == modulo_says}")
+    print(say("block_size={size}: grew at {grew} of 40 steps, modulo rule agrees: {agrees}",
+              size=block_size, grew=sum(grew), agrees=grew == modulo_says))
 
 # %% [markdown] tags=["en"]
 # Running out, and misuse. `can_append` says no when the pool is exhausted (the scheduler then
@@ -976,4 +1035,4 @@ seqs = [Sequence(list(range(n)), block_size=4) for n in (10, 3, 7)]
 for s in seqs:
     pool.allocate(s)
 assert sum(len(s.block_table) * 4 - len(s) for s in seqs) == 4
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

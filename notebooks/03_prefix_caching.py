@@ -385,6 +385,40 @@ def publish_full_blocks(self, seq: Sequence) -> None:
 # `run_prompt` 按调度器将来的方式做一次 prefill：分配块（缓存命中会填写 `num_cached_tokens`），
 # 检查命中的块里存的是什么，计算（写入）其余 token，并在“后处理”中发布。`finish` 释放序列。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "  !! seq {seq}: cached positions {bad} hold KV written for another prefix":
+        "  !! 序列 {seq}：已缓存的位置 {bad} 存的是为另一个前缀写入的 KV",
+    "free={free}": "空闲队列={free}",
+    "{name} prefilled, hits {hits}": "{name} prefill 完毕，命中 {hits}",
+    "A and B finished": "A 和 B 完成",
+    "prompt == system, hits {hits}": "提示词 == 系统提示词，命中 {hits}",
+    "shared-prefix claims hold": "共享前缀的论断成立",
+    "published after the 6-token chunk: blocks {published}; the second request hits {hits}":
+        "6 个 token 的分块之后发布了块 {published}；第二个请求命中 {hits}",
+    "a colliding entry with other tokens is not a hit": "token 不同的碰撞条目不算命中",
+    "blocks {ids}: free but cached after C, revived by D's hit at step {step}":
+        "块 {ids}：C 之后空闲但仍被缓存，在第 {step} 步被 D 的命中复活",
+    "  C's position {pos} reads KV written for the prefix {written}, not {own}":
+        "  C 的位置 {pos} 读到的是为前缀 {written} 写入的 KV，而不是 {own}",
+    "broken (entry kept):": "有缺陷的版本（保留条目）：",
+    "  C's cache hits: {hits}, wrong positions: {wrong}": "  C 的缓存命中：{hits}，出错的位置：{wrong}",
+    "ours (entry removed only if it is the block's own):": "本书的版本（条目属于该块时才删除）：",
+    "delete by hash alone:": "只按哈希删除：",
+    "ours:": "本书：",
+    "pool (blocks of 4)": "块池（每块 4 个）",
+    "caching off": "关闭缓存",
+    "forward free": "正序释放",
+    "backward free": "倒序释放",
+    "experiment claims hold": "实验的论断成立",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.prefix_cache import NO_HASH, PrefixCache, block_hash
@@ -416,7 +450,7 @@ def run_prompt(bm: BlockManager, kv: ProvenanceKV, seq: Sequence, chunk: int | N
     hits = seq.block_table[: seq.num_cached_tokens // bm.block_size]
     bad = kv.wrong_reads(seq)
     if bad:
-        print(f"  !! seq {seq.seq_id}: cached positions {bad} hold KV written for another prefix")
+        print(say("  !! seq {seq}: cached positions {bad} hold KV written for another prefix", seq=seq.seq_id, bad=bad))
     todo = len(seq) - seq.num_cached_tokens if chunk is None else chunk
     kv.write(seq, todo)
     seq.num_cached_tokens += todo
@@ -435,7 +469,7 @@ def short(h: int) -> str:
 
 def show(bm: BlockManager, label: str) -> None:
     blocks = " ".join(f"{b.block_id}:r{b.ref_count}/{short(b.hash)}" for b in bm.blocks)
-    print(f"{label:<34} {blocks}   free={list(bm.free_block_ids)}")
+    print(f"{label:<34} {blocks}   {say('free={free}', free=list(bm.free_block_ids))}")
 
 
 bm = BlockManager(num_blocks=8, block_size=4)
@@ -445,17 +479,17 @@ a = Sequence([*system, 1, 2, 3], block_size=4)
 b = Sequence([*system, 4, 5], block_size=4)
 hits_a = run_prompt(bm, kv, a)
 a_table, a_hashes = list(a.block_table), [bm.blocks[i].hash for i in a.block_table]
-show(bm, f"A prefilled, hits {hits_a}")
+show(bm, say("{name} prefilled, hits {hits}", name="A", hits=hits_a))
 hits_b = run_prompt(bm, kv, b)
-show(bm, f"B prefilled, hits {hits_b}")
+show(bm, say("{name} prefilled, hits {hits}", name="B", hits=hits_b))
 finish(bm, a, b)
-show(bm, "A and B finished")
+show(bm, say("A and B finished"))
 c = Sequence([*system, 6], block_size=4)
 hits_c = run_prompt(bm, kv, c)
-show(bm, f"C prefilled, hits {hits_c}")
+show(bm, say("{name} prefilled, hits {hits}", name="C", hits=hits_c))
 exact = Sequence(list(system), block_size=4)
 hits_exact = run_prompt(bm, kv, exact)
-show(bm, f"prompt == system, hits {hits_exact}")
+show(bm, say("prompt == system, hits {hits}", hits=hits_exact))
 
 # %% [markdown] tags=["en"]
 # Each block shows `id:r<ref count>/<first hex digits of its hash>`. A published blocks 0
@@ -483,7 +517,7 @@ second_block = exact.block_table[1]
 assert second_block != 1 and bm.blocks[second_block].hash == bm.blocks[1].hash
 assert bm.hash_to_block_id[bm.blocks[1].hash] == second_block
 assert all(not kv.wrong_reads(s) for s in (a, b, c, exact))
-print("shared-prefix claims hold")
+print(say("shared-prefix claims hold"))
 
 # %% [markdown] tags=["en"]
 # ### Rule 1: publish after the write
@@ -514,7 +548,8 @@ bm.publish_full_blocks(first)
 published = sorted(bm.hash_to_block_id.values())
 second = Sequence(prompt, block_size=4)
 hits = run_prompt(bm, kv, second)
-print(f"published after the 6-token chunk: blocks {published}; the second request hits {hits}")
+print(say("published after the 6-token chunk: blocks {published}; the second request hits {hits}",
+          published=published, hits=hits))
 assert published == [first.block_table[0]] and hits == [first.block_table[0]] and not kv.wrong_reads(second)
 
 # %% [markdown] tags=["en"]
@@ -534,7 +569,7 @@ bm.prefix_cache.hash_to_block_id[block_hash([7, 7, 7, 7])] = first.block_table[0
 assert bm.blocks[first.block_table[0]].token_ids == [40, 41, 42, 43]
 assert bm.prefix_cache.match(probe) == []
 del bm.prefix_cache.hash_to_block_id[block_hash([7, 7, 7, 7])]
-print("a colliding entry with other tokens is not a hit")
+print(say("a colliding entry with other tokens is not a hit"))
 
 # %% [markdown] tags=["en"]
 # ### A revival, animated
@@ -571,7 +606,8 @@ hit_ids = revived["event"]["cache_hits"][0]["blocks"]
 assert len(hit_ids) == 2
 assert all(c_done["blocks"][i]["state"] == "cached" and i in c_done["free_list"] for i in hit_ids)
 assert all(revived["blocks"][i]["state"] == "used" and revived["blocks"][i]["ref_count"] == 1 for i in hit_ids)
-print(f"blocks {hit_ids}: free but cached after C, revived by D's hit at step {revived['step']}")
+print(say("blocks {ids}: free but cached after C, revived by D's hit at step {step}", ids=hit_ids,
+          step=revived["step"]))
 
 # %% [markdown] tags=["en"]
 # ## The stale-entry trap
@@ -647,16 +683,17 @@ def stale_recipe(manager_class: type[BlockManager]) -> tuple[list[int], list[int
     wrong = kv.wrong_reads(c)
     if wrong:
         written_for = kv.slots[kv.slot(c, wrong[0])][0]
-        print(f"  C's position {wrong[0]} reads KV written for the prefix {written_for}, not {tuple(c.token_ids[:3])}")
+        print(say("  C's position {pos} reads KV written for the prefix {written}, not {own}",
+                  pos=wrong[0], written=written_for, own=tuple(c.token_ids[:3])))
     return hits, wrong
 
 
-print("broken (entry kept):")
+print(say("broken (entry kept):"))
 broken_hits, broken_wrong = stale_recipe(ForgetfulBlockManager)
-print(f"  C's cache hits: {broken_hits}, wrong positions: {broken_wrong}")
-print("ours (entry removed only if it is the block's own):")
+print(say("  C's cache hits: {hits}, wrong positions: {wrong}", hits=broken_hits, wrong=broken_wrong))
+print(say("ours (entry removed only if it is the block's own):"))
 good_hits, good_wrong = stale_recipe(BlockManager)
-print(f"  C's cache hits: {good_hits}, wrong positions: {good_wrong}")
+print(say("  C's cache hits: {hits}, wrong positions: {wrong}", hits=good_hits, wrong=good_wrong))
 assert broken_hits == [0, 1] and broken_wrong == [2, 3]
 assert good_hits == [0] and good_wrong == []
 
@@ -698,8 +735,8 @@ def duplicate_recipe(manager_class: type[BlockManager]) -> list[int]:
     return hits
 
 
-print("delete by hash alone:", duplicate_recipe(OverEagerBlockManager))
-print("ours:                ", duplicate_recipe(BlockManager))
+print(format(say("delete by hash alone:"), "<21"), duplicate_recipe(OverEagerBlockManager))
+print(format(say("ours:"), "<21"), duplicate_recipe(BlockManager))
 assert duplicate_recipe(OverEagerBlockManager) == [0] and duplicate_recipe(BlockManager) == [0, 2]
 
 # %% [markdown] tags=["en"]
@@ -765,7 +802,7 @@ for _ in range(12):
 is_chat = [kind == "chat" for kind, _ in workload]
 chat_tokens = sum(len(p) for kind, p in workload if kind == "chat")
 
-print(f"{'pool (blocks of 4)':>18} {'caching off':>12} {'forward free':>13} {'backward free':>14}")
+print(f"{say('pool (blocks of 4)'):>18} {say('caching off'):>12} {say('forward free'):>13} {say('backward free'):>14}")
 table = {}
 for pool in (8, 10, 12, 14, 16, 24):
     rates = []
@@ -797,7 +834,7 @@ assert all(rates[0] == 0 for rates in table.values())
 assert all(rates[2] >= rates[1] for rates in table.values())
 assert table[12][2] == best and table[12][1] == 0 and table[16][1] == best
 assert 0 < table[10][2] < best
-print("experiment claims hold")
+print(say("experiment claims hold"))
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -872,4 +909,4 @@ run_prompt(bm, kv, Sequence(list(range(12)), block_size=4))
 again = Sequence(list(range(12)), block_size=4)
 bm.allocate(again)
 assert len(again) - again.num_cached_tokens == 4
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

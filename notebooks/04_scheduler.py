@@ -125,6 +125,95 @@
 # 同一个决定，画成图。左半边是 `_schedule_prefill`；右半边是 `_schedule_decode`，只有左半边什么也没调度时才运行。
 # 无论哪种情况，这一步都交给模型执行器，再由 `postprocess` 记录结果。后面的代码逐一实现图中的每个方框。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases, display_width
+
+say = Phrases({
+    "step": "步",
+    "kind": "类型",
+    "scheduled": "已调度",
+    "preempted": "被抢占",
+    "cache hits": "缓存命中",
+    "finished": "完成",
+    "waiting": "等待",
+    "running": "运行",
+    "free": "空闲",
+    "chunks {chunks}; storm: {preempted} preemptions, all 4 requests finished":
+        "分块 {chunks}；抢占风暴：{preempted} 次抢占，4 个请求全部完成",
+    "prompt: {tokens} tokens; blocks {table}, the first a hit on {published}":
+        "提示词：{tokens} 个 token；块 {table}，第一块命中了 {published}",
+    "cached": "已缓存",
+    "status": "状态",
+    "computed after": "步后已计算",
+    "len after": "步后长度",
+    "the trace holds, and every completion equals the request's solo run":
+        "轨迹成立，且每个生成结果都与该请求单独运行时相同",
+    "{steps} steps, {preempted} preemptions, {chunked} chunked prefill steps":
+        "{steps} 步，{preempted} 次抢占，{chunked} 个分块 prefill 步",
+    "four sequences, four blocks:": "四个序列，四个块：",
+    "two sequences, three blocks:": "两个序列，三个块：",
+    "decode batch sizes: {sizes} (max_num_seqs=8, budget 3)": "decode 批大小：{sizes}（max_num_seqs=8，预算 3）",
+    "batch": "批量",
+    "ms per step": "每步毫秒",
+    "µs per token": "每 token 微秒",
+    "budget 10, prompts of 6 and 8 tokens, {rule}: first step schedules {scheduled}":
+        "预算 10，提示词 6 和 8 个 token，{rule}：第一步调度 {scheduled}",
+    "ours": "本书",
+    "upstream": "上游",
+    "16 prompts of 3-14 tokens, budget 10": "16 个 3-14 token 的提示词，预算 10",
+    "steps": "步数",
+    "prefill steps": "prefill 步数",
+    "budget used per prefill step": "每个 prefill 步用掉的预算",
+    "mean steps to first token": "到第一个 token 的平均步数",
+    "chunked prefills": "分块 prefill 次数",
+    "half-prefilled block-steps": "prefill 到一半时占用的块·步",
+    "most half-prefilled at once": "同时 prefill 到一半的最多序列数",
+    "preempt the newest: {thrown} tokens thrown away, requests finish at steps {finish}":
+        "抢占最新的：丢弃 {thrown} 个 token，请求在第 {finish} 步完成",
+    "preempt the oldest: {thrown} tokens thrown away, requests finish at steps {finish}":
+        "抢占最早的：丢弃 {thrown} 个 token，请求在第 {finish} 步完成",
+    "all exercise answers check out": "练习答案全部验证通过",
+    # en: the flowchart of schedule()
+    # zh: schedule() 的流程图
+    "schedule()": "schedule()",
+    "① waiting non-empty, fewer than max_num_seqs,": "① waiting 非空、序列数少于 max_num_seqs、",
+    "budget left, and the head gets its blocks?": "还有预算，且队头能分到块？",
+    "allocate (cache hits count as computed);": "allocate（缓存命中算作已计算）；",
+    "schedule min(rest of prompt, budget left)": "调度 min(剩余提示词, 剩余预算)",
+    "② the rest of the prompt fits?": "② 剩余的提示词放得下？",
+    "head → running": "队头 → running",
+    "(RUNNING)": "（RUNNING）",
+    "a chunk: keeps its blocks,": "分块：保留它的块，",
+    "stays at the head": "留在队头",
+    "prefilled anything?": "prefill 了吗？",
+    "③ running non-empty and the batch": "③ running 非空，且批大小",
+    "< min(max_num_seqs, budget)?": "< min(max_num_seqs, 预算)？",
+    "seq ← front of running (the oldest)": "seq ← running 队头（最旧的）",
+    "④ can_append(seq)?": "④ can_append(seq)？",
+    "may_append(seq);": "may_append(seq)；",
+    "schedule 1 token": "调度 1 个 token",
+    "preempt the newest (tail of": "抢占最新的（running 队尾），",
+    "running), or seq itself if none:": "没有别的就抢占 seq 自己：",
+    "free blocks, head of waiting": "释放块，回到 waiting 队头",
+    "the model runner computes the step (chapter 08), then postprocess: cache the computed tokens,":
+        "模型执行器计算这一步（第 08 章），然后 postprocess：把算完的 token 计入缓存，",
+    "publish full blocks, append each sampled token (not for a chunk), finish at EOS or max_tokens":
+        "发布写满的块，追加每个采样出的 token（分块不追加），遇到 EOS 或 max_tokens 时结束",
+    "yes": "是",
+    "no": "否",
+    "next head": "下一个队头",
+    "yes: a prefill step": "是：一个 prefill 步",
+    "retry": "重试",
+    "next seq": "下一个 seq",
+    "itself: next seq": "抢占自己：下一个 seq",
+    "no: a decode step": "否：一个 decode 步",
+    "prefill first: _schedule_prefill": "先 prefill：_schedule_prefill",
+    "else decode: _schedule_decode": "否则 decode：_schedule_decode",
+})
+
 # %% schedule flowchart
 #| hide
 from html import escape
@@ -181,7 +270,7 @@ def schedule_flow_svg() -> str:
         first = y - line_height * (len(lines) - 1) / 2 + 4
         for i, text in enumerate(lines):
             shapes.append(f'<text x="{x}" y="{first + i * line_height:g}" text-anchor="middle" '
-                          f'font-family="sans-serif" font-size="12">{escape(text)}</text>')
+                          f'font-family="sans-serif" font-size="12">{escape(say(text))}</text>')
 
     def at(key: str, side: str, dx: float = 0) -> tuple[float, float]:
         x, y, w, h = box[key]
@@ -230,10 +319,10 @@ def schedule_flow_svg() -> str:
         f'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="{FLOW_INK}"/></marker></defs>',
         '<rect x="8" y="52" width="442" height="418" rx="10" fill="#fafafa" stroke="#cfd8dc"/>',
         '<rect x="460" y="52" width="452" height="418" rx="10" fill="#fafafa" stroke="#cfd8dc"/>',
-        '<text x="18" y="70" font-family="monospace" font-size="12" fill="#1565c0">prefill first: _schedule_prefill'
-        "</text>",
-        '<text x="470" y="70" font-family="monospace" font-size="12" fill="#1565c0">else decode: _schedule_decode'
-        "</text>",
+        '<text x="18" y="70" font-family="monospace" font-size="12" fill="#1565c0">'
+        f'{say("prefill first: _schedule_prefill")}</text>',
+        '<text x="470" y="70" font-family="monospace" font-size="12" fill="#1565c0">'
+        f'{say("else decode: _schedule_decode")}</text>',
     ]
     for corners, _ in arrows:
         path = " L".join(f"{x:g},{y:g}" for x, y in corners)
@@ -244,7 +333,7 @@ def schedule_flow_svg() -> str:
         if label:
             text, x, y, anchor = label
             parts.append(f'<text x="{x}" y="{y}" text-anchor="{anchor}" font-family="sans-serif" font-size="11" '
-                         f'fill="#6a1b9a">{escape(text)}</text>')
+                         f'fill="#6a1b9a">{escape(say(text))}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -604,8 +693,8 @@ seqs = {name: Sequence(p, params, block_size=4) for name, p in prompts.items()}
 names = {seq.seq_id: name for name, seq in seqs.items()}
 for seq in seqs.values():
     sched.add(seq)
-print(f"{'step':>4} {'kind':<8} {'scheduled':<24} {'preempted':<9} {'cache hits':<20} {'finished':<8} "
-      f"{'waiting':<16} {'running':<16} free")
+print(f"{say('step'):>4} {say('kind'):<8} {say('scheduled'):<24} {say('preempted'):<9} {say('cache hits'):<20} "
+      f"{say('finished'):<8} {say('waiting'):<16} {say('running'):<16} {say('free')}")
 steps = run(sched, names)
 
 # %% [markdown] tags=["en"]
@@ -674,7 +763,8 @@ display(Player(storm.recording))
 storm_frames = storm.recording["frames"]
 preemptions = [s for f in storm_frames if f["phase"] == "schedule" for s in f["event"]["preempted"]]
 assert len(preemptions) >= 2 and all(s["status"] == "FINISHED" for s in storm_frames[-1]["seqs"])
-print(f"chunks {chunks}; storm: {len(preemptions)} preemptions, all 4 requests finished")
+print(say("chunks {chunks}; storm: {preempted} preemptions, all 4 requests finished",
+          chunks=chunks, preempted=len(preemptions)))
 
 # %% [markdown] tags=["en"]
 # ### The article's worked example: a cache hit, then two chunks
@@ -740,8 +830,10 @@ for _ in range(3):
                "at the head": bool(worked.waiting) and worked.waiting[0] is request}
     worked.postprocess(batch, fake_model(batch, is_prefill), is_prefill)
     worked_steps.append({**planned, "computed after": request.num_cached_tokens, "len after": len(request)})
-print(f"prompt: {request.num_prompt_tokens} tokens; blocks {request.block_table}, the first a hit on {published}")
-print(f"{'step':>4} {'kind':<8} {'cached':>7} {'scheduled':>10} {'status':<8} {'computed after':>15} {'len after':>10}")
+print(say("prompt: {tokens} tokens; blocks {table}, the first a hit on {published}",
+          tokens=request.num_prompt_tokens, table=request.block_table, published=published))
+print(f"{say('step'):>4} {say('kind'):<8} {say('cached'):>7} {say('scheduled'):>10} {say('status'):<8} "
+      f"{say('computed after'):>15} {say('len after'):>10}")
 for i, s in enumerate(worked_steps, start=1):
     print(f"{i:>4} {s['kind']:<8} {s['cached']:>7} {s['scheduled']:>10} {s['status']:<8} {s['computed after']:>15} "
           f"{s['len after']:>10}")
@@ -798,7 +890,7 @@ def alone(prompt: list[int], params: SamplingParams) -> list[int]:
 
 for name, seq in seqs.items():
     assert seq.completion_token_ids == alone(prompts[name], params), name
-print("the trace holds, and every completion equals the request's solo run")
+print(say("the trace holds, and every completion equals the request's solo run"))
 
 # %% [markdown] tags=["en"]
 # The same on a busier workload, with end-of-sequence tokens this time: 12 requests with shared
@@ -826,7 +918,8 @@ for i in range(12):
 busy_steps = run(busy, {s.seq_id: n for n, s in busy_seqs.items()}, show=False)
 num_preempted = sum(len(s["preempted"]) for s in busy_steps)
 num_chunks = sum(1 for s in busy_steps if s["kind"] == "prefill" and s["waiting"][:1] == [s["planned"][-1][0]])
-print(f"{len(busy_steps)} steps, {num_preempted} preemptions, {num_chunks} chunked prefill steps")
+print(say("{steps} steps, {preempted} preemptions, {chunked} chunked prefill steps",
+          steps=len(busy_steps), preempted=num_preempted, chunked=num_chunks))
 assert num_preempted > 0 and num_chunks > 0 and busy.block_manager.num_free_blocks == 12
 for name, seq in busy_seqs.items():
     assert seq.is_finished and seq.completion_token_ids == alone(busy_prompts[name], busy_params[name]), name
@@ -880,9 +973,9 @@ def one_step(sched: Scheduler, names: dict[int, str]) -> dict:
 
 
 def show_step(step: dict) -> None:
-    print(f"{step['kind']:<8} scheduled {','.join(step['scheduled']):<10} preempted "
-          f"{','.join(step['preempted']) or '-':<4} running {','.join(step['running']) or '-':<10} "
-          f"waiting {','.join(step['waiting']) or '-':<10} free {step['free']}")
+    print(f"{step['kind']:<8} {say('scheduled')} {','.join(step['scheduled']):<10} {say('preempted')} "
+          f"{','.join(step['preempted']) or '-':<4} {say('running')} {','.join(step['running']) or '-':<10} "
+          f"{say('waiting')} {','.join(step['waiting']) or '-':<10} {say('free')} {step['free']}")
 
 
 quad = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
@@ -891,7 +984,7 @@ abcd = {name: Sequence([10 * i + t for t in range(4)], SamplingParams(max_tokens
 abcd_names = {seq.seq_id: name for name, seq in abcd.items()}
 for seq in abcd.values():
     quad.add(seq)
-print("four sequences, four blocks:")
+print(say("four sequences, four blocks:"))
 quad_steps = [one_step(quad, abcd_names)]
 assert quad_steps[0]["free"] == 0 and all(len(seq) % 4 == 1 for seq in abcd.values())
 quad_steps.append(one_step(quad, abcd_names))
@@ -905,7 +998,7 @@ ab = {name: Sequence(prompt, SamplingParams(max_tokens=4, ignore_eos=True), bloc
 ab_names = {seq.seq_id: name for name, seq in ab.items()}
 for seq in ab.values():
     pair.add(seq)
-print("two sequences, three blocks:")
+print(say("two sequences, three blocks:"))
 pair_steps = []
 while not pair.is_finished():
     pair_steps.append(one_step(pair, ab_names))
@@ -951,7 +1044,7 @@ capped_steps = []
 while not capped.is_finished():
     capped_steps.append(one_step(capped, {seq.seq_id: name for name, seq in five.items()}))
 decode_sizes = [len(step["scheduled"]) for step in capped_steps if step["kind"] == "decode"]
-print(f"decode batch sizes: {decode_sizes} (max_num_seqs=8, budget 3)")
+print(say("decode batch sizes: {sizes} (max_num_seqs=8, budget 3)", sizes=decode_sizes))
 assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 
 # %% [markdown] tags=["en"]
@@ -1015,7 +1108,7 @@ for _ in range(3):
     for batch_size in step_times:
         step_times[batch_size] += decode_step_times(batch_size)
 per_token = {batch_size: statistics.median(times) / batch_size for batch_size, times in step_times.items()}
-print(f"{'batch':>5} {'ms per step':>12} {'µs per token':>13}")
+print(f"{say('batch'):>5} {say('ms per step'):>12} {say('µs per token'):>13}")
 for batch_size, times in step_times.items():
     print(f"{batch_size:>5} {statistics.median(times) * 1e3:>12.2f} {per_token[batch_size] * 1e6:>13.0f}")
 # en: Only the direction: a token costs less in a batch of 4 or 16 than alone.
@@ -1199,19 +1292,21 @@ def chunking_stats(rule: type[Scheduler], prompts: list[list[int]], budget: int)
 
 rules = {"ours": Scheduler, "upstream": FirstSeqChunkScheduler}
 example = {name: first_prefill(rule) for name, rule in rules.items()}
+width = max(display_width(say(name)) for name in rules)
 for name, scheduled in example.items():
-    print(f"budget 10, prompts of 6 and 8 tokens, {name:<8}: first step schedules {scheduled}")
+    print(say("budget 10, prompts of 6 and 8 tokens, {rule}: first step schedules {scheduled}",
+              rule=f"{say(name):<{width}}", scheduled=scheduled))
 
 chunk_rng = random.Random(7)
 mixed_prompts = [[chunk_rng.randrange(50) for _ in range(chunk_rng.randint(3, 14))] for _ in range(16)]
 stats = {name: chunking_stats(rule, mixed_prompts, budget=10) for name, rule in rules.items()}
-print(f"\n{'16 prompts of 3-14 tokens, budget 10':<36}{'ours':>10}{'upstream':>10}")
+print(f"\n{say('16 prompts of 3-14 tokens, budget 10'):<36}{say('ours'):>10}{say('upstream'):>10}")
 for key in stats["ours"]:
     ours, upstream = stats["ours"][key], stats["upstream"][key]
     if key == "budget used per prefill step":
-        print(f"{key:<36}{ours:>10.0%}{upstream:>10.0%}")
+        print(f"{say(key):<36}{ours:>10.0%}{upstream:>10.0%}")
     else:
-        print(f"{key:<36}{ours:>10.3g}{upstream:>10.3g}")
+        print(f"{say(key):<36}{ours:>10.3g}{upstream:>10.3g}")
 
 # %%
 assert example["ours"] == [(6, 6), (8, 4)] and example["upstream"] == [(6, 6)]
@@ -1410,9 +1505,11 @@ def staggered(rule: type[CountingScheduler]) -> tuple[int, list[int]]:
 
 
 newest_rule, oldest_rule = staggered(CountingScheduler), staggered(OldestFirstScheduler)
-print(f"preempt the newest: {newest_rule[0]} tokens thrown away, requests finish at steps {newest_rule[1]}")
-print(f"preempt the oldest: {oldest_rule[0]} tokens thrown away, requests finish at steps {oldest_rule[1]}")
+print(say("preempt the newest: {thrown} tokens thrown away, requests finish at steps {finish}",
+          thrown=newest_rule[0], finish=newest_rule[1]))
+print(say("preempt the oldest: {thrown} tokens thrown away, requests finish at steps {finish}",
+          thrown=oldest_rule[0], finish=oldest_rule[1]))
 assert preemptions[0][1] == ["C"] and names[max(names)] == "C"  # the trace above: C, the newest, was the victim
 assert newest_rule[0] < oldest_rule[0]  # less work thrown away
 assert newest_rule[1] == sorted(newest_rule[1])  # and requests finish in the order they came
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

@@ -355,6 +355,31 @@ def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
 # 用真实的调度器和块管理器，一个单词一个 token，每块 4 个 token；KV 缓存则简化成“每个槽位里存的是哪个词的 K/V”：
 # 拷贝就是拷贝这些词，一步计算就是把这一步的 token 写进去。模型由我们扮演：第一个 token 用文章里的，其余的固定。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "after the prefill and the fork": "prefill 并分叉之后",
+    "the first decode step, as scheduled (before it runs)": "第一个 decode 步，刚调度完（还没运行）",
+    "after it ran: A1 wrote into its copy, A2 in place": "运行之后：A1 写进了它的副本，A2 原地写入",
+    "{block}(ref {count})": "{block}（引用 {count}）",
+    "  {name}: table [{blocks}]  copies {copies}": "  {name}：块表 [{blocks}]  拷贝 {copies}",
+    "    block {block}: {words}": "    块 {block}：{words}",
+    "free blocks after each remaining step: {free}": "之后每一步结束时的空闲块数：{free}",
+    "forks: {forks}; copies: {copies}": "分叉：{forks}；拷贝：{copies}",
+    "prefill tokens": "prefill token",
+    "peak blocks": "峰值占用块数",
+    "one request, n=4": "一个请求，n=4",
+    "4 identical requests": "4 个相同的请求",
+    "the same prompt, later": "稍后再发同一提示词",
+    "sample {i}: {tokens}": "样本 {i}：{tokens}",
+    "forked samples == independent requests, token for token": "分叉的样本 == 独立的请求，逐个 token 相同",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
@@ -393,11 +418,12 @@ def show(title: str, sched: Scheduler, samples: dict[str, Sequence], cache: Word
     bm = sched.block_manager
     print(title)
     for name, seq in samples.items():
-        tables = ", ".join(f"{b}(ref {bm.blocks[b].ref_count})" for b in seq.block_table)
-        print(f"  {name}: table [{tables}]  copies {seq.blocks_to_copy or '-'}")
+        blocks = ", ".join(say("{block}(ref {count})", block=b, count=bm.blocks[b].ref_count) for b in seq.block_table)
+        print(say("  {name}: table [{blocks}]  copies {copies}", name=name, blocks=blocks,
+                  copies=seq.blocks_to_copy or "-"))
     used = sorted({b for seq in samples.values() for b in seq.block_table})
     for b in used:
-        print(f"    block {b}: {cache.block(b)}")
+        print(say("    block {block}: {words}", block=b, words=cache.block(b)))
 
 
 sched = Scheduler(num_kvcache_blocks=6, kvcache_block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=32)
@@ -411,19 +437,19 @@ cache.run_step(seqs)
 sched.postprocess(seqs, [ID["fathers"], ID["mothers"]], is_prefill)  # two samples from one logits row
 a2 = next(s for s in sched.running if s.request_id == a1.seq_id and s is not a1)
 samples = {"A1": a1, "A2": a2}
-show("after the prefill and the fork", sched, samples, cache)
+show(say("after the prefill and the fork"), sched, samples, cache)
 assert a1.block_table == a2.block_table == [0, 1]
 assert [sched.block_manager.blocks[b].ref_count for b in (0, 1)] == [2, 2]
 assert (a1.token_ids[-1], a2.token_ids[-1]) == (ID["fathers"], ID["mothers"])
 
 seqs, is_prefill = sched.schedule()  # the first decode step: both write slot 3 of block 1
-show("\nthe first decode step, as scheduled (before it runs)", sched, samples, cache)
+show("\n" + say("the first decode step, as scheduled (before it runs)"), sched, samples, cache)
 assert a1.blocks_to_copy == [(1, 2)] and a1.block_table == [0, 2]
 assert a2.blocks_to_copy == [] and a2.block_table == [0, 1]
 assert [sched.block_manager.blocks[b].ref_count for b in (0, 1, 2)] == [2, 1, 1]
 cache.run_step(seqs)
 sched.postprocess(seqs, [ID["brought"], ID["brought"]], is_prefill)
-show("\nafter it ran: A1 wrote into its copy, A2 in place", sched, samples, cache)
+show("\n" + say("after it ran: A1 wrote into its copy, A2 in place"), sched, samples, cache)
 assert cache.block(2) == "years ago our fathers" and cache.block(1) == "years ago our mothers"
 
 # %% [markdown] tags=["en"]
@@ -449,7 +475,7 @@ while not sched.is_finished():
     cache.run_step(seqs)
     finished = sched.postprocess(seqs, [ID["forth"]] * len(seqs), is_prefill)
     free_after.append(sched.block_manager.num_free_blocks)
-print("free blocks after each remaining step:", free_after)
+print(say("free blocks after each remaining step: {free}", free=free_after))
 print("A1:", " ".join(WORDS[t] for t in a1.token_ids))
 print("A2:", " ".join(WORDS[t] for t in a2.token_ids))
 assert free_after[-1] == 6 and all(s.is_finished and not s.block_table for s in (a1, a2))
@@ -494,7 +520,7 @@ copies = [c for f in frames if f["phase"] == "schedule" for c in f["event"]["cop
 assert len(forks[article.seq_id]) == 2 and len(forks[boundary.seq_id]) == 3
 assert len(copies) == 1 and copies[0]["seq"] in forks[article.seq_id]  # one copy, for the article's prompt
 assert sorted(frames[-1]["free_list"]) == list(range(12))
-print(f"forks: {forks}; copies: {copies}")
+print(say("forks: {forks}; copies: {copies}", forks=forks, copies=copies))
 
 # %% [markdown] tags=["en"]
 # ## Measure it: what sharing saves
@@ -641,9 +667,9 @@ forked = measure_generate(engine(), [prompt], [SamplingParams(**{**sample.__dict
 separate_engine = engine()
 separate = measure_generate(separate_engine, [prompt] * 4, [sample] * 4, "4 identical requests")
 later = measure_generate(separate_engine, [prompt], [sample], "the same prompt, later")
-print(f"{'':<24} {'prefill tokens':>14} {'peak blocks':>12}")
+print(f"{'':<24} {say('prefill tokens'):>14} {say('peak blocks'):>12}")
 for run in (forked, separate, later):
-    print(f"{run.name:<24} {run.prefill_tokens:>14} {run.peak_blocks:>12}")
+    print(f"{say(run.name):<24} {run.prefill_tokens:>14} {run.peak_blocks:>12}")
 
 assert forked.prefill_tokens == 30 and separate.prefill_tokens == 4 * 30  # no sharing among the four
 assert later.prefill_tokens == 30 - 7 * 4  # seven full blocks found in the cache, two tokens computed
@@ -696,10 +722,10 @@ for fork in (True, False):
     completions[fork] = [s["token_ids"] for s in output["outputs"]]
     assert llm.scheduler.block_manager.num_free_blocks == 64  # every block came back
 for i, tokens in enumerate(completions[True]):
-    print(f"sample {i}: {tokens}")
+    print(say("sample {i}: {tokens}", i=i, tokens=tokens))
 assert completions[True] == completions[False]
 assert len({tuple(t) for t in completions[True]}) > 1  # four streams, not one sample four times
-print("forked samples == independent requests, token for token")
+print(say("forked samples == independent requests, token for token"))
 
 # %% [markdown] tags=["en"]
 # ## The benchmark: n = 4 against four independent requests, on a GPU
@@ -763,6 +789,21 @@ print("forked samples == independent requests, token for token")
 # 最多 1,024 个输出 token 各自增加块。块小的时候，或者共享的提示词很长而回答很短时，共享几乎能省下提示词的全部块，
 # 下面的练习会算出来。
 
+# %% report phrases
+#| exporti
+#| hide
+from nanovllm.book.lang import Phrases
+
+# en: The report's words in Chinese, printed when the book reads in Chinese (nanovllm.book.lang); English otherwise.
+# zh: 报告中文字的中文版本：本书以中文阅读时打印（nanovllm.book.lang），否则打印英文。
+_say = Phrases({
+    "forked: n={n}": "分叉：n={n}",
+    "independent: {n} requests per prompt": "独立：每个提示词 {n} 个请求",
+    "prefill tokens": "prefill token",
+    "peak blocks": "峰值占用块数",
+    "forked / independent": "分叉 / 独立",
+})
+
 # %% compare
 #| export
 def compare_parallel_sampling(
@@ -777,7 +818,8 @@ def compare_parallel_sampling(
     config.setdefault("max_num_seqs", max(512, n))
     params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, n=n) for m in output_lens]
     runs = []
-    for fork, name in ((True, f"forked: n={n}"), (False, f"independent: {n} requests per prompt")):
+    names = {True: _say("forked: n={n}", n=n), False: _say("independent: {n} requests per prompt", n=n)}
+    for fork, name in names.items():
         llm = LLM(model, fork_samples=fork, **config)
         try:
             # en: Warm-up on a prompt unrelated to the workload (nothing it publishes can be hit).
@@ -794,7 +836,7 @@ def compare_parallel_sampling(
 def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
     """Print the runs side by side (and their ratios); return them as JSON-ready data."""
     forked, independent = runs
-    print(f"{'':<38} {'tok/s':>10} {'prefill tokens':>15} {'peak blocks':>12}")
+    print(f"{'':<38} {'tok/s':>10} {_say('prefill tokens'):>15} {_say('peak blocks'):>12}")
     for run in runs:
         print(f"{run.name:<38} {run.tokens_per_s:>10,.0f} {run.prefill_tokens:>15,} {run.peak_blocks:>12,}")
     ratios = {
@@ -802,7 +844,7 @@ def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
         "prefill_tokens": forked.prefill_tokens / independent.prefill_tokens,
         "peak_blocks": forked.peak_blocks / independent.peak_blocks,
     }
-    print(f"{'forked / independent':<38} {ratios['tokens_per_s']:>9.2f}x {ratios['prefill_tokens']:>14.2f}x "
+    print(f"{_say('forked / independent'):<38} {ratios['tokens_per_s']:>9.2f}x {ratios['prefill_tokens']:>14.2f}x "
           f"{ratios['peak_blocks']:>11.2f}x")
     return {"runs": [run.__dict__ | {"tokens_per_s": run.tokens_per_s} for run in runs], "ratios": ratios}
 
@@ -957,4 +999,4 @@ assert beam.block_table == other.block_table == [0, 1]
 assert [beams.block_manager.blocks[b].ref_count for b in (0, 1)] == [2, 2]
 decode, _ = beams.schedule()
 assert beam.blocks_to_copy == [(1, 2)] and other.blocks_to_copy == [] and other.block_table == [0, 1]
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

@@ -1008,6 +1008,27 @@ def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: 
 # 构建小 Qwen3 目录，加载两次——一次进 `transformers`，一次进我们的模型——再看看我们的模型里有什么：
 # 融合后的参数，以及所有层共用的一张旋转表。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases, display_width
+
+say = Phrases({
+    "{n} tokens, logits std {std:.2f}, max |ours - transformers| = {error:.1e}":
+        "{n} 个 token，logits 标准差 {std:.2f}，最大 |我们的 - transformers| = {error:.1e}",
+    "ours:": "我们的：",
+    "transformers:": "transformers：",
+    "max |logit error| per step: {errors}": "每步最大 |logit 误差|：{errors}",
+    "{kind}: max |error| {error:.1e}": "{kind}：最大 |误差| {error:.1e}",
+    "ours == transformers for Qwen3, Llama (tied) and Qwen2":
+        "在 Qwen3、Llama（绑定嵌入）和 Qwen2 上，我们的结果 == transformers",
+    "dummy weights: logits {shape} of scale {scale:.2f}, all finite":
+        "假权重：logits {shape}，尺度 {scale:.2f}，全部有限",
+    "tiny Qwen3: {total:,} parameters; tied: {tied:,}": "小 Qwen3：{total:,} 个参数；绑定嵌入时：{tied:,}",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 import json
 
@@ -1051,7 +1072,8 @@ with torch.inference_mode():
     reset_context()
     logits = model.compute_logits(hidden)
 prefill_error = (logits - reference).abs().max().item()
-print(f"{len(ids)} tokens, logits std {reference.std():.2f}, max |ours - transformers| = {prefill_error:.1e}")
+print(say("{n} tokens, logits std {std:.2f}, max |ours - transformers| = {error:.1e}",
+          n=len(ids), std=reference.std(), error=prefill_error))
 
 # %% [markdown] tags=["en"]
 # **Through the paged cache.** Now the engine's way: we give every attention layer a KV cache
@@ -1095,9 +1117,10 @@ with torch.inference_mode():
         logits = model.compute_logits(model(torch.tensor(tokens[-1:]), torch.tensor([len(tokens) - 1])))
     reset_context()
     hf_tokens = hf_model.generate(ids[None], max_new_tokens=6, do_sample=False)[0].tolist()
-print("ours:        ", tokenizer.decode(tokens[len(ids):]))
-print("transformers:", tokenizer.decode(hf_tokens[len(ids):]))
-print("max |logit error| per step:", [f"{e:.1e}" for e in step_errors])
+width = max(display_width(say(label)) for label in ("ours:", "transformers:"))
+print(format(say("ours:"), f"<{width}"), tokenizer.decode(tokens[len(ids):]))
+print(format(say("transformers:"), f"<{width}"), tokenizer.decode(hf_tokens[len(ids):]))
+print(say("max |logit error| per step: {errors}", errors=[f"{e:.1e}" for e in step_errors]))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -1123,11 +1146,11 @@ for kind in ("llama", "qwen2"):
         hidden = ours(ids, torch.arange(len(ids)))
         reset_context()
         error = (ours.compute_logits(hidden) - theirs(ids[None]).logits[0]).abs().max().item()
-    print(f"{kind}: max |error| {error:.1e}")
+    print(say("{kind}: max |error| {error:.1e}", kind=kind, error=error))
     assert error < 1e-4
 llama = build_model(build_tiny_model("llama"))
 assert llama.lm_head.weight is llama.model.embed_tokens.weight  # tied: one matrix
-print("ours == transformers for Qwen3, Llama (tied) and Qwen2")
+print(say("ours == transformers for Qwen3, Llama (tied) and Qwen2"))
 
 # %% [markdown] tags=["en"]
 # The loader refuses a broken checkpoint with a message that names the problem. We copy the
@@ -1216,7 +1239,8 @@ with torch.inference_mode():
     set_prefill_context([3], [3])  # no KV cache: a plain forward of three tokens
     logits = dummy.compute_logits(dummy(torch.tensor([1, 2, 3]), torch.arange(3)))
     reset_context()
-print(f"dummy weights: logits {tuple(logits.shape)} of scale {logits.std().item():.2f}, all finite")
+print(say("dummy weights: logits {shape} of scale {scale:.2f}, all finite", shape=tuple(logits.shape),
+          scale=logits.std().item()))
 assert torch.isfinite(logits).all()
 
 # %% [markdown] tags=["en"]
@@ -1267,7 +1291,7 @@ assert torch.isfinite(logits).all()
 # zh: 1：统计不重复的参数；绑定嵌入省掉一个 vocab x hidden 的矩阵。
 total = sum(p.numel() for p in model.parameters())
 assert total == sum(t.numel() for t in load_file(qwen_dir / "model.safetensors").values())
-print(f"tiny Qwen3: {total:,} parameters; tied: {total - 512 * 64:,}")
+print(say("tiny Qwen3: {total:,} parameters; tied: {tied:,}", total=total, tied=total - 512 * 64))
 lm_head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
 assert lm_head.shape == embedding.shape == (512, 64) and lm_head.data_ptr() != embedding.data_ptr()  # not tied yet
 # en: 2: rows [q_size, q_size + kv_size) = [4 * 16, 4 * 16 + 2 * 16) = [64, 96).
@@ -1282,4 +1306,4 @@ q_all, k_all = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
 q_rot, k_rot = rope(torch.arange(10), q_all, k_all)
 q_one, k_one = rope(torch.tensor([7]), q_all[7:8], k_all[7:8])  # token 7 alone, as a decode step sees it
 assert torch.equal(q_one, q_rot[7:8]) and torch.equal(k_one, k_rot[7:8])
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

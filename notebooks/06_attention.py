@@ -515,6 +515,21 @@ class Attention(nn.Module):
 # 请求已经把它们缓存了），然后跑一个 prefill 步：A 和 C 从头开始，B 只计算它的 3 个新 token，并通过块表读取
 # 前缀。接着做两个 decode 步。对整个历史从头计算的稠密注意力必须给出相同的结果。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "prefill max |error| vs dense: {errors}": "prefill 与稠密注意力相比的最大 |误差|：{errors}",
+    "decode {step}: slots {slots}, max |error| {errors}": "decode {step}：槽位 {slots}，最大 |误差| {errors}",
+    "paged attention matches dense attention; every key sits in its slot":
+        "分页注意力与稠密注意力一致；每个键都在它的槽位里",
+    "a padded row stores nothing and returns zeros": "填充行什么也不写入，返回全零",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 import torch
 
@@ -561,14 +576,14 @@ print("slot_mapping", ctx.slot_mapping.tolist())
 print("block_tables", ctx.block_tables.tolist())
 outs = run([("A", 0, 5), ("B", 8, 11), ("C", 0, 2)])
 errors = {n: (outs[n] - dense(n, e)[s:e]).abs().max().item() for n, s, e in [("A", 0, 5), ("B", 8, 11), ("C", 0, 2)]}
-print("prefill max |error| vs dense:", {n: f"{x:.1e}" for n, x in errors.items()})
+print(say("prefill max |error| vs dense: {errors}", errors={n: f"{x:.1e}" for n, x in errors.items()}))
 for step in range(2):
     ends = {"A": 6 + step, "B": 12 + step, "C": 3 + step}
     ctx = set_decode_context([ends[n] for n in "ABC"], [tables[n] for n in "ABC"], BS)
     outs = run([(n, ends[n] - 1, ends[n]) for n in "ABC"])
     step_errors = {n: (outs[n] - dense(n, ends[n])[-1:]).abs().max().item() for n in "ABC"}
-    print(f"decode {step}: slots {ctx.slot_mapping.tolist()}, max |error|",
-          {n: f"{x:.1e}" for n, x in step_errors.items()})
+    print(say("decode {step}: slots {slots}, max |error| {errors}", step=step, slots=ctx.slot_mapping.tolist(),
+              errors={n: f"{x:.1e}" for n, x in step_errors.items()}))
     errors.update({f"{n}{step}": x for n, x in step_errors.items()})
 reset_context()
 
@@ -592,7 +607,7 @@ for name, n in lengths.items():
         block = tables[name][position // BS]
         assert torch.equal(attn.k_cache[block, position % BS], qkv[name][1][position])
 assert torch.equal(attn.k_cache[5, 1], qkv["B"][1][9])
-print("paged attention matches dense attention; every key sits in its slot")
+print(say("paged attention matches dense attention; every key sits in its slot"))
 
 # %% [markdown] tags=["en"]
 # Padding rows, as CUDA graphs produce them (chapter 09), must be harmless: slot `-1` stores
@@ -610,7 +625,7 @@ set_context(False, slot_mapping=torch.tensor([-1]), context_lens=torch.tensor([0
 padded = attn(torch.randn(1, H, D), torch.randn(1, KVH, D), torch.randn(1, KVH, D))
 reset_context()
 assert torch.equal(attn.k_cache, before) and torch.equal(padded, torch.zeros_like(padded))
-print("a padded row stores nothing and returns zeros")
+print(say("a padded row stores nothing and returns zeros"))
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -667,4 +682,4 @@ assert torch.equal(o1[1], torch.zeros(1, 4)) and o1[2].abs().sum() > 0
 # zh: 3：decode 时每个序列恰好一个查询，所以第 i 个查询就是第 i 行。
 assert ctx.cu_seqlens_q is None and ctx.context_lens.tolist() == [21]  # the decode context has none
 reset_context()
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

@@ -127,6 +127,50 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRET", "0"))
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang). Imported only
+# en: now: importing nanovllm imports Triton, which must see TRITON_INTERPRET first.
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。到这里才导入：导入 nanovllm
+# zh: 会导入 Triton，而 Triton 必须先看到 TRITON_INTERPRET。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "cache B's prefix": "缓存 B 的前缀",
+    "prefill with a prefix": "带前缀的 prefill",
+    "decode {i}": "decode {i}",
+    "split-K (3 slices) vs plain decode: max |diff| {diff}": "split-K（3 段）对比普通 decode：最大 |diff| {diff}",
+    "Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical":
+        "Triton 后端 == torch 参考实现（带缓存前缀的 prefill、decode、split-K）；缓存完全相同",
+    "batch": "批量",
+    "plain": "普通",
+    "heuristic": "启发式",
+    "{device}, {date}, torch {torch}, triton {triton}: `{command}`; copy {rate:.2f} TB/s":
+        "{device}，{date}，torch {torch}，triton {triton}：`{command}`；拷贝 {rate:.2f} TB/s",
+    "context": "上下文",
+    "best": "最佳",
+    "plain, ctx {context}": "普通，上下文 {context}",
+    "heuristic, ctx {context}": "启发式，上下文 {context}",
+    "decode attention, {device}: % of copy bandwidth": "decode 注意力，{device}：占拷贝带宽的 %",
+    "batch size (sequences)": "批大小（序列数）",
+    "% of copy bandwidth": "占拷贝带宽的 %",
+    "prefill, bf16 dense causal: time of our kernel (default launch) / SDPA flash":
+        "prefill，bf16 稠密因果：我们的内核（默认启动配置）与 SDPA flash 的时间比",
+    "batch {batch:>2} x {seqlen:>5}: ours {ours:5.0f} TFLOP/s, SDPA {sdpa:5.0f} TFLOP/s, ratio {ratio:.2f}x":
+        "批大小 {batch:>2} x {seqlen:>5}：我们的 {ours:5.0f} TFLOP/s，SDPA {sdpa:5.0f} TFLOP/s，时间比 {ratio:.2f}x",
+    "recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere":
+        "记录的数据达到了两个目标；启发式规则在每个形状上都与最佳分段数相差不到 10 %",
+    "decode on the benchmark's contexts, % of the copy rate per launch (BLOCK_N, warps, stages):":
+        "基准测试各上下文上的 decode，各启动配置（BLOCK_N, warps, stages）达到拷贝速度的 %：",
+    "  batch {batch:>3}: 64 keys {keys64:.0%}, 128 keys {keys128:.0%}, best {best}":
+        "  批大小 {batch:>3}：64 个键 {keys64:.0%}，128 个键 {keys128:.0%}，最佳 {best}",
+    "decode, FlashAttention 4 time / ours (best split):": "decode，FlashAttention 4 与我们（最佳分段）的时间比：",
+    "  batch {batch:>3} ctx {context:>5}: {ratio:4.2f}": "  批大小 {batch:>3} 上下文 {context:>5}：{ratio:4.2f}",
+    "prefill {batch} x {seqlen}: SDPA {sdpa:.3f} ms, ours {ours:.3f} ms, FlashAttention 4 {fa4:.3f} ms":
+        "prefill {batch} x {seqlen}：SDPA {sdpa:.3f} ms，我们的 {ours:.3f} ms，FlashAttention 4 {fa4:.3f} ms",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %% default module
 #| default_exp layers.triton_attention
 
@@ -984,20 +1028,20 @@ def step(parts: list[tuple[str, int, int]]) -> dict[str, float]:
 
 
 set_prefill_context([8], [8], [tables["B"]], BS, device=DEVICE)
-print("cache B's prefix     ", step([("B", 0, 8)]))
+print(format(say("cache B's prefix"), "<21"), step([("B", 0, 8)]))
 set_prefill_context([17, 27, 3], [17, 35, 3], [tables[n] for n in "ABC"], BS, device=DEVICE)
 report = {"prefill": step([("A", 0, 17), ("B", 8, 35), ("C", 0, 3)])}
-print("prefill with a prefix", report["prefill"])
+print(f"{say('prefill with a prefix'):<21}", report["prefill"])
 for i in range(2):
     ends = {"A": 18 + i, "B": 36 + i, "C": 4 + i}
     ctx = set_decode_context([ends[n] for n in "ABC"], [tables[n] for n in "ABC"], BS, device=DEVICE)
     report[f"decode {i}"] = step([(n, ends[n] - 1, ends[n]) for n in "ABC"])
-    print(f"decode {i}             ", report[f"decode {i}"])
+    print(f"{say('decode {i}', i=i):<21}", report[f"decode {i}"])
 q_last = torch.stack([qkv[n][0][ends[n] - 1] for n in "ABC"])
 plain = decode_attention(q_last, layers["triton"].k_cache, layers["triton"].v_cache, ctx, D**-0.5, num_splits=1)
 split = decode_attention(q_last, layers["triton"].k_cache, layers["triton"].v_cache, ctx, D**-0.5, num_splits=3)
 report["split-K vs plain"] = {"max_err": (split - plain).abs().max().item()}
-print("split-K (3 slices) vs plain decode: max |diff|", f"{report['split-K vs plain']['max_err']:.1e}")
+print(say("split-K (3 slices) vs plain decode: max |diff| {diff}", diff=f"{report['split-K vs plain']['max_err']:.1e}"))
 reset_context()
 
 # %% [markdown] tags=["en"]
@@ -1010,7 +1054,7 @@ reset_context()
 assert all(r["max_err"] < 1e-4 for r in report.values()), report
 assert torch.equal(layers["triton"].k_cache, layers["torch"].k_cache)  # store: bit-identical scatter
 assert torch.equal(layers["triton"].v_cache, layers["torch"].v_cache)
-print("Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical")
+print(say("Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical"))
 
 # %% [markdown] tags=["en"]
 # ## Measure it: bandwidth for decode, SDPA for prefill
@@ -1399,9 +1443,10 @@ def auto(batch: int, context: int) -> int:
     return choose_num_splits(batch, 8, context, RECORDED["num_sms"])
 
 
-print(f"{RECORDED['device']}, {RECORDED['date']}, torch {RECORDED['torch']}, triton {RECORDED['triton']}: "
-      f"`{RECORDED['command']}`; copy {RECORDED['copy_tb_per_s']:.2f} TB/s")
-print(f"{'batch':>5} {'context':>7} {'plain':>6} {'heuristic':>13} {'best':>11}")
+print(say("{device}, {date}, torch {torch}, triton {triton}: `{command}`; copy {rate:.2f} TB/s",
+          device=RECORDED["device"], date=RECORDED["date"], torch=RECORDED["torch"], triton=RECORDED["triton"],
+          command=RECORDED["command"], rate=RECORDED["copy_tb_per_s"]))
+print(f"{say('batch'):>5} {say('context'):>7} {say('plain'):>6} {say('heuristic'):>13} {say('best'):>11}")
 for (batch, context), times in RECORDED["decode_us"].items():
     best = min(times, key=times.get)
     chosen = auto(batch, context)
@@ -1410,10 +1455,11 @@ for (batch, context), times in RECORDED["decode_us"].items():
 batches = sorted({b for b, _ in RECORDED["decode_us"]})
 series = {}
 for context in (1024, 8192):
-    series[f"plain, ctx {context}"] = [(b, share(b, context, 1)) for b in batches]
-    series[f"heuristic, ctx {context}"] = [(b, share(b, context, auto(b, context))) for b in batches]
-display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % of copy bandwidth",
-                           "batch size (sequences)", "% of copy bandwidth")))
+    series[say("plain, ctx {context}", context=context)] = [(b, share(b, context, 1)) for b in batches]
+    series[say("heuristic, ctx {context}", context=context)] = [(b, share(b, context, auto(b, context)))
+                                                               for b in batches]
+display(SVG(line_chart_svg(series, say("decode attention, {device}: % of copy bandwidth", device=RECORDED["device"]),
+                           say("batch size (sequences)"), say("% of copy bandwidth"))))
 
 # %% [markdown] tags=["en"]
 # **Reading it.** With 64 or more sequences the plain kernel already has 512+ programs for 132
@@ -1435,13 +1481,14 @@ display(SVG(line_chart_svg(series, f"decode attention, {RECORDED['device']}: % o
 # 主要是固定开销）之外，我们的内核在每个形状上都比 SDPA 的 flash 后端快。
 
 # %%
-print("prefill, bf16 dense causal: time of our kernel (default launch) / SDPA flash")
+print(say("prefill, bf16 dense causal: time of our kernel (default launch) / SDPA flash"))
 for (batch, seqlen), (sdpa_ms, ours) in RECORDED["prefill_ms"].items():
     programs_128 = -(-seqlen // 128) * batch * 16
     default = (64, 64, 4, 3) if programs_128 < 2 * RECORDED["num_sms"] else (128, 128, 8, 3)
     flops = 4 * batch * 16 * 128 * seqlen * (seqlen + 1) / 2
-    print(f"batch {batch:>2} x {seqlen:>5}: ours {flops / ours[default] / 1e9:5.0f} TFLOP/s, "
-          f"SDPA {flops / sdpa_ms / 1e9:5.0f} TFLOP/s, ratio {ours[default] / sdpa_ms:.2f}x")
+    print(say("batch {batch:>2} x {seqlen:>5}: ours {ours:5.0f} TFLOP/s, SDPA {sdpa:5.0f} TFLOP/s, ratio {ratio:.2f}x",
+              batch=batch, seqlen=seqlen, ours=flops / ours[default] / 1e9, sdpa=flops / sdpa_ms / 1e9,
+              ratio=ours[default] / sdpa_ms))
     assert ours[default] / sdpa_ms <= 1.3  # the goal: within 1.3x of SDPA flash
 # en: The decode claims above, checked on the recorded data.
 # zh: 用记录下来的数据检查上面关于 decode 的说法。
@@ -1449,7 +1496,7 @@ for (batch, context), times in RECORDED["decode_us"].items():
     assert times[auto(batch, context)] <= 1.1 * min(times.values()), (batch, context)
     if batch >= 64 and context >= 2048:
         assert share(batch, context, 1) >= 70  # the goal: >= 70 % of the copy bandwidth
-print("recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere")
+print(say("recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere"))
 
 # %% [markdown] tags=["en"]
 # ### Tiles for the engine's own contexts, and FlashAttention 4 next to ours
@@ -1508,20 +1555,22 @@ FA4 = {  # python -m nanovllm.bench.attention --quick, H200, 2026-12-01, flash-a
     # (batch, seqlen): (SDPA flash ms, ours ms, FlashAttention 4 ms), dense causal prefill
     "prefill_ms": {(1, 2048): (0.1108, 0.0758, 0.0730), (4, 4096): (0.8953, 0.6524, 0.4797)},
 }
-print("decode on the benchmark's contexts, % of the copy rate per launch (BLOCK_N, warps, stages):")
+print(say("decode on the benchmark's contexts, % of the copy rate per launch (BLOCK_N, warps, stages):"))
 for batch, times in SWEEP["us"].items():
     shares = {launch: SWEEP["kv_bytes"][batch] / (us * 1e-6) / (SWEEP["copy_tb_per_s"] * 1e12) for launch, us
               in times.items()}
     best = max(shares, key=shares.get)
-    print(f"  batch {batch:>3}: 64 keys {shares[64, 4, 3]:.0%}, 128 keys {shares[128, 4, 3]:.0%}, best {best}")
+    print(say("  batch {batch:>3}: 64 keys {keys64:.0%}, 128 keys {keys128:.0%}, best {best}",
+              batch=batch, keys64=shares[64, 4, 3], keys128=shares[128, 4, 3], best=best))
     assert best == (128, 4, 3)  # the default on a GPU since this sweep
-print("decode, FlashAttention 4 time / ours (best split):")
+print(say("decode, FlashAttention 4 time / ours (best split):"))
 for (batch, context), (ours, fa4) in FA4["decode_us"].items():
-    print(f"  batch {batch:>3} ctx {context:>5}: {fa4 / ours:4.2f}")
+    print(say("  batch {batch:>3} ctx {context:>5}: {ratio:4.2f}", batch=batch, context=context, ratio=fa4 / ours))
     if batch >= 64:
         assert 0.9 < fa4 / ours < 1.25  # the same bandwidth, within a few percent
 for (batch, seqlen), (sdpa, ours, fa4) in FA4["prefill_ms"].items():
-    print(f"prefill {batch} x {seqlen}: SDPA {sdpa:.3f} ms, ours {ours:.3f} ms, FlashAttention 4 {fa4:.3f} ms")
+    print(say("prefill {batch} x {seqlen}: SDPA {sdpa:.3f} ms, ours {ours:.3f} ms, FlashAttention 4 {fa4:.3f} ms",
+              batch=batch, seqlen=seqlen, sdpa=sdpa, ours=ours, fa4=fa4))
 assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3  # FA4's prefill: our room to grow
 
 # %% [markdown] tags=["en"]
@@ -1588,4 +1637,4 @@ merged = torch.empty(1, 1, 16, device=DEVICE)
 decode_reduce_kernel[(1, 1)](parts, lse, merged, 2, *parts.stride()[:3], *merged.stride()[:2],
                              NUM_HEADS=1, HEAD_DIM=16, BLOCK_D=16, SPLITS_PAD=2)
 torch.testing.assert_close(merged.view(16), (a + 4 * b) / 5)
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

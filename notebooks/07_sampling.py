@@ -312,6 +312,31 @@ def sampling_inputs(
 # `N · softmax(logits / T)`。自由度为 5 时，如果采样器正确，该统计量超过 20.5 的概率只有千分之一（种子是固定的，
 # 所以这个单元每次打印的数字都一样）。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "token": "token",
+    "expected": "期望",
+    "observed": "观测",
+    "chi-square = {chi:.2f} (5 degrees of freedom; 99.9% quantile 20.5)":
+        "卡方 = {chi:.2f}（5 个自由度；99.9% 分位数 20.5）",
+    "probabilities": "概率",
+    "{label:11s} tokens drawn: {drawn}": "{label:11s} 抽到的 token：{drawn}",
+    "greedy rows 0 and 2: {tokens}": "第 0、2 行贪心：{tokens}",
+    "rows with NaN, +inf, only -inf, one -inf: {marked}": "含 NaN、+inf、全为 -inf、含一个 -inf 的行：{marked}",
+    "seed 42 alone: {alone}  in a batch of 3: {three}  in a batch of 5: {five}":
+        "种子 42 单独：{alone}  在 3 个请求的批次中：{three}  在 5 个请求的批次中：{five}",
+    "chi-square = {chi:.2f} over {n} draws (5 degrees of freedom; 99.9% quantile 20.5)":
+        "{n} 次抽样的卡方 = {chi:.2f}（5 个自由度；99.9% 分位数 20.5）",
+    "{dtype!s:15s} greedy == torch.argmax: {tokens}": "{dtype!s:15s} 贪心 == torch.argmax：{tokens}",
+    "two calls:": "两次调用：",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 import torch
 
@@ -326,10 +351,10 @@ tokens = sampler(base.repeat(N, 1), torch.full((N,), T))
 observed = torch.bincount(tokens, minlength=6).double()
 expected = N * (base / T).softmax(-1).double()
 chi_square = ((observed - expected) ** 2 / expected).sum().item()
-print("token     ", list(range(6)))
-print("expected  ", [round(x) for x in expected.tolist()])
-print("observed  ", [int(x) for x in observed.tolist()])
-print(f"chi-square = {chi_square:.2f} (5 degrees of freedom; 99.9% quantile 20.5)")
+print(format(say("token"), "<10"), list(range(6)))
+print(format(say("expected"), "<10"), [round(x) for x in expected.tolist()])
+print(format(say("observed"), "<10"), [int(x) for x in observed.tolist()])
+print(say("chi-square = {chi:.2f} (5 degrees of freedom; 99.9% quantile 20.5)", chi=chi_square))
 
 # %% [markdown] tags=["en"]
 # Now top-k and top-p on the same logits (probabilities at temperature 1 shown first), and
@@ -340,14 +365,14 @@ print(f"chi-square = {chi_square:.2f} (5 degrees of freedom; 99.9% quantile 20.5
 
 # %%
 probs = base.softmax(-1)
-print("probabilities", [f"{p:.3f}" for p in probs.tolist()])
+print(say("probabilities"), [f"{p:.3f}" for p in probs.tolist()])
 draws = {}
 for label, k, p in [("top_k=2", 2, 1.0), ("top_p=0.8", 0, 0.8), ("top_p=0.01", 0, 0.01)]:
     out = sampler(base.repeat(5000, 1), torch.ones(5000), torch.full((5000,), k), torch.full((5000,), p))
     draws[label] = sorted(set(out.tolist()))
-    print(f"{label:11s} tokens drawn: {draws[label]}")
+    print(say("{label:11s} tokens drawn: {drawn}", label=label, drawn=draws[label]))
 mixed = sampler(base.repeat(4, 1), torch.tensor([0.0, 1.0, 0.0, 1.0]))
-print("greedy rows 0 and 2:", mixed.tolist())
+print(say("greedy rows 0 and 2: {tokens}", tokens=mixed.tolist()))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -387,7 +412,7 @@ for top_k in (None, torch.full((4,), 3)):
     for temperature in (0.0, 1.0):
         marked = sampler(broken, torch.full((4,), temperature), top_k).tolist()
         assert marked[:3] == [NON_FINITE] * 3 and marked[3] >= 0, marked
-print("rows with NaN, +inf, only -inf, one -inf:", marked)
+print(say("rows with NaN, +inf, only -inf, one -inf: {marked}", marked=marked))
 
 
 def run_steps(batch: list[SamplingParams], row: int, steps: int = 5, vocab: int = 50) -> list[int]:
@@ -405,7 +430,8 @@ seeded = SamplingParams(temperature=1.0, seed=42)
 alone = run_steps([seeded], row=0)
 in_three = run_steps([SamplingParams(temperature=0.7), seeded, SamplingParams(seed=7)], row=1)
 in_five = run_steps([SamplingParams(top_k=3)] * 4 + [seeded], row=4)
-print("seed 42 alone:", alone, " in a batch of 3:", in_three, " in a batch of 5:", in_five)
+print(say("seed 42 alone: {alone}  in a batch of 3: {three}  in a batch of 5: {five}",
+          alone=alone, three=in_three, five=in_five))
 assert alone == in_three == in_five
 assert run_steps([SamplingParams(temperature=1.0, seed=43)], row=0) != alone
 
@@ -748,9 +774,9 @@ kernel_tokens = triton_temperature_sample(
 observed6 = torch.bincount(kernel_tokens.cpu(), minlength=6).double()
 expected6 = N6 * (base / T6).softmax(-1).double()
 chi_square6 = ((observed6 - expected6) ** 2 / expected6).sum().item()
-print("expected  ", [round(x) for x in expected6.tolist()])
-print("observed  ", [int(x) for x in observed6.tolist()])
-print(f"chi-square = {chi_square6:.2f} over {N6} draws (5 degrees of freedom; 99.9% quantile 20.5)")
+print(format(say("expected"), "<10"), [round(x) for x in expected6.tolist()])
+print(format(say("observed"), "<10"), [int(x) for x in observed6.tolist()])
+print(say("chi-square = {chi:.2f} over {n} draws (5 degrees of freedom; 99.9% quantile 20.5)", chi=chi_square6, n=N6))
 assert chi_square6 < 20.5
 
 wide = torch.randn(8, 1000)
@@ -762,7 +788,7 @@ for dtype in (torch.float32, torch.bfloat16):
     logits_d = wide.to(DEVICE, dtype)
     greedy_tokens = triton_temperature_sample(logits_d, torch.zeros(8, device=DEVICE), block_size=256)
     assert torch.equal(greedy_tokens.cpu(), logits_d.float().argmax(-1).cpu()), dtype
-    print(f"{dtype!s:15s} greedy == torch.argmax: {greedy_tokens.tolist()}")
+    print(say("{dtype!s:15s} greedy == torch.argmax: {tokens}", dtype=dtype, tokens=greedy_tokens.tolist()))
 mixed_t = torch.tensor([0.0, 1.0] * 4, device=DEVICE)
 mixed_tokens = triton_temperature_sample(wide.to(DEVICE), mixed_t, block_size=256)
 assert torch.equal(mixed_tokens[::2].cpu(), wide[::2].argmax(-1))
@@ -776,7 +802,7 @@ first = triton_temperature_sample(flat, ones, block_size=32)
 second = triton_temperature_sample(flat, ones, block_size=32)
 torch.manual_seed(7)
 replay = triton_temperature_sample(flat, ones, block_size=32)
-print("two calls:", first.tolist(), second.tolist(), sep="\n  ")
+print(say("two calls:"), first.tolist(), second.tolist(), sep="\n  ")
 assert torch.equal(first, replay) and not torch.equal(first, second)
 
 # en: The mark of logits that are not numbers, as on the torch path (row 0's NaN is in chunk 0, row 1's inf in chunk 1).
@@ -866,4 +892,4 @@ assert [draw(s) for s in steps_alone] != [draw(s) for s in steps_preempted]  # k
 logits4, noise4 = torch.randn(1000, 50), torch.empty(1000, 50).exponential_()
 assert torch.equal((logits4 / 0.7 - noise4.log()).argmax(-1), (logits4 - 0.7 * noise4.log()).argmax(-1))
 assert torch.isinf(logits4 / 1e-45).any() and torch.isfinite(logits4 - 1e-45 * noise4.log()).all()
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

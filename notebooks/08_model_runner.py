@@ -421,6 +421,39 @@ def _half_dtype_of(hf_config: PretrainedConfig) -> str:
 # 先准备一个供示例使用的模型目录：一个随机权重的小 Llama（2 层，隐藏维度 64），由 `transformers` 像保存真实
 # 权重一样保存下来。`Config` 只会读取其中的 `config.json`、`generation_config.json` 以及文件名。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "torch dtype: {dtype} | hidden size: {hidden}": "torch 数据类型：{dtype} | 隐藏层大小：{hidden}",
+    "misspelled key": "拼错的键",
+    "derived field": "派生字段",
+    "block size 48": "块大小 48",
+    "bool as int": "把 bool 当 int",
+    "zero blocks": "零个块",
+    "utilization 1.5": "利用率 1.5",
+    "unknown device": "未知设备",
+    "dtype float64": "dtype float64",
+    "missing dir": "目录不存在",
+    "empty dir": "空目录",
+    "malformed config": "格式错误的配置",
+    "no weights": "没有权重",
+    "hidden size -64": "隐藏层大小 -64",
+    "no heads": "没有注意力头",
+    "Config checks hold": "Config 的检查成立",
+    "decode: {ids} {positions} {lens} {slots}": "decode：{ids} {positions} {lens} {slots}",
+    "blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchanged":
+        "块 5、6 现在在每一层都存着块 1、2 的内容；其余六个块不变",
+    "one block: {size} bytes -> {blocks} blocks in 1 MiB": "一个块：{size} 字节 -> 1 MiB 放得下 {blocks} 个块",
+    "KV cache: {shape} = [2, layers, blocks, block_size, kv_heads, head_dim]":
+        "KV 缓存：{shape} = [2, layers, blocks, block_size, kv_heads, head_dim]",
+    "runner: {ours}  transformers: {theirs}": "执行器：{ours}  transformers：{theirs}",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 import json
 import tempfile
@@ -454,7 +487,8 @@ workdir = Path(tempfile.mkdtemp(prefix="nanovllm-ch08-"))
 tiny = tiny_llama_dir(workdir)
 config = Config.from_kwargs(tiny, kvcache_block_size=16, max_model_len=100_000)
 print(config)
-print("torch dtype:", config.torch_dtype, "| hidden size:", config.hf_config.hidden_size)
+print(say("torch dtype: {dtype} | hidden size: {hidden}", dtype=config.torch_dtype,
+          hidden=config.hf_config.hidden_size))
 
 # %% [markdown] tags=["en"]
 # `max_model_len=100_000` was capped at the model's 1024 positions, `"auto"` became concrete
@@ -507,7 +541,7 @@ for what, make in mistakes.items():
         make()
     except (TypeError, ValueError) as error:
         caught[what] = error
-        print(f"{what:>17}: {type(error).__name__}: {str(error)[:150]}")
+        print(f"{say(what):>17}: {type(error).__name__}: {str(error)[:150]}")
 assert caught.keys() == mistakes.keys(), "every mistake must be refused"
 
 # %% [markdown] tags=["en"]
@@ -533,7 +567,7 @@ for block_size in (1, 2, 16, 256, 1024):
 # zh: 解析是幂等的：已解析的配置可以用它自己的字段重新构造。
 again = Config.from_kwargs(config.model, **{name: getattr(config, name) for name in Config.settings()})
 assert (again.device, again.dtype, again.max_model_len) == (config.device, config.dtype, config.max_model_len)
-print("Config checks hold")
+print(say("Config checks hold"))
 
 # %% [markdown] tags=["en"]
 # ## Build it: the inputs of a step
@@ -645,7 +679,8 @@ for seq, token in ((a, 15), (b, 30)):
     seq.num_scheduled_tokens = 1
 input_ids, positions = prepare_decode([a, b], block_size=4)
 ctx = get_context()
-print("decode:", input_ids.tolist(), positions.tolist(), ctx.context_lens.tolist(), ctx.slot_mapping.tolist())
+print(say("decode: {ids} {positions} {lens} {slots}", ids=input_ids.tolist(), positions=positions.tolist(),
+          lens=ctx.context_lens.tolist(), slots=ctx.slot_mapping.tolist()))
 assert input_ids.tolist() == [15, 30] and positions.tolist() == [5, 10]
 assert ctx.context_lens.tolist() == [6, 11] and ctx.slot_mapping.tolist() == [13, 22]
 reset_context()
@@ -812,7 +847,7 @@ copy_kv_blocks(kv, [(1, 5), (2, 6)])
 assert torch.equal(kv[:, :, 5], before[:, :, 1]) and torch.equal(kv[:, :, 6], before[:, :, 2])
 untouched = [b for b in range(8) if b not in (5, 6)]
 assert torch.equal(kv[:, :, untouched], before[:, :, untouched])
-print("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchanged")
+print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are unchanged"))
 
 # %% [markdown] tags=["en"]
 # ## Build it: `ModelRunner`
@@ -1090,8 +1125,9 @@ tiny = build_tiny_model("qwen3")
 config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_memory_gb=1 / 1024)  # the CPU rule
 block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
 runner = ModelRunner(config)
-print(f"one block: {block_bytes} bytes -> {config.num_kvcache_blocks} blocks in 1 MiB")
-print("KV cache:", tuple(runner.kv_cache.shape), "= [2, layers, blocks, block_size, kv_heads, head_dim]")
+print(say("one block: {size} bytes -> {blocks} blocks in 1 MiB", size=block_bytes, blocks=config.num_kvcache_blocks))
+print(say("KV cache: {shape} = [2, layers, blocks, block_size, kv_heads, head_dim]",
+          shape=tuple(runner.kv_cache.shape)))
 assert config.num_kvcache_blocks == 2**20 // block_bytes
 for i, layer in enumerate(runner.attention_layers):
     # en: Views, not copies: layer i writes straight into the shared tensor.
@@ -1133,7 +1169,7 @@ hf = AutoModelForCausalLM.from_pretrained(tiny).eval()
 ids = torch.tensor([prompt])
 expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                        do_sample=False)[0, len(prompt):].tolist()
-print("runner:", [first, second], " transformers:", expected)
+print(say("runner: {ours}  transformers: {theirs}", ours=[first, second], theirs=expected))
 assert [first, second] == expected
 
 # %% [markdown] tags=["en"]
@@ -1221,4 +1257,4 @@ try:
     raise AssertionError("model= must be refused")
 except UnknownConfigKeyError as error:
     assert "'model'" in str(error)
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

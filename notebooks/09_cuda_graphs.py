@@ -176,11 +176,46 @@ def graph_batch_size(batch: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "batch 3 -> {three} | batch 17 -> {seventeen} | batch 600 -> {six_hundred}":
+        "批大小 3 -> {three} | 批大小 17 -> {seventeen} | 批大小 600 -> {six_hundred}",
+    "one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)":
+        "一个内核 == 第 05 章的 q/k 归一化与 RoPE + 第 06 章的写入（写了槽位 4-6，其余不动）",
+    "compile_small_ops handed {count} modules a compiled function or the fused kernel":
+        "compile_small_ops 给 {count} 个模块交了编译后的函数或融合内核",
+    "graphs: {graphs} | why: {reason} | compile_small_ops: {compiled}":
+        "graphs：{graphs} | 原因：{reason} | compile_small_ops：{compiled}",
+    "asserted: {error}": "断言失败：{error}",
+    "a CUDA device is present: run the commands above to measure it": "有 CUDA 设备：运行上面的命令来测量",
+    "no GPU here": "这里没有 GPU",
+    "RECORDED on {device}, {date} ({live}); ms per decode step, context 512":
+        "RECORDED：{device}，{date}（{live}）；每个 decode 步的毫秒数，上下文 512",
+    "batch": "批量",
+    "one block: {mib:.0f} MiB; budget {total:.1f} GiB x {utilization} = {budget:.1f} GiB":
+        "一个块：{mib:.0f} MiB；预算 {total:.1f} GiB x {utilization} = {budget:.1f} GiB",
+    "KV cache {blocks} blocks = {kv:.1f} GiB; the other {other:.1f} GiB: weights ({weights:.2f} GiB), "
+    "the warm-up's activation peak and the CUDA context":
+        "KV 缓存 {blocks} 个块 = {kv:.1f} GiB；其余 {other:.1f} GiB："
+        "权重（{weights:.2f} GiB）、预热前向的激活峰值和 CUDA 上下文",
+    "the benchmark needs at most {blocks} blocks at once (256 sequences x 2048 tokens): it never preempts":
+        "基准测试同时最多需要 {blocks} 个块（256 个序列 x 2048 个 token）：它从不抢占",
+    "all checks passed": "全部检查通过",
+    "weights {gb:.2f} GB -> {ms:.2f} ms at 4.2 TB/s; recorded graph step 1.87 ms":
+        "权重 {gb:.2f} GB -> 以 4.2 TB/s 读完需 {ms:.2f} ms；记录的 graph 步为 1.87 ms",
+})
+
 # %%
 print("max_num_seqs=512:", capture_sizes(512))
 print("max_num_seqs=40: ", capture_sizes(40))
-print("batch 3 ->", graph_batch_size(3, capture_sizes(512)), "| batch 17 ->", graph_batch_size(17, capture_sizes(512)),
-      "| batch 600 ->", graph_batch_size(600, capture_sizes(1024)))
+print(say("batch 3 -> {three} | batch 17 -> {seventeen} | batch 600 -> {six_hundred}",
+          three=graph_batch_size(3, capture_sizes(512)), seventeen=graph_batch_size(17, capture_sizes(512)),
+          six_hundred=graph_batch_size(600, capture_sizes(1024))))
 assert capture_sizes(512)[:6] == [1, 2, 4, 8, 16, 32] and capture_sizes(512)[-1] == 512
 assert capture_sizes(40) == [1, 2, 4, 8, 16, 32, 40] and capture_sizes(3) == [1, 2, 3]
 assert graph_batch_size(3, capture_sizes(512)) == 4 and graph_batch_size(17, capture_sizes(512)) == 32
@@ -705,13 +740,13 @@ torch.testing.assert_close((q_fused, k_fused), (q_ref, k_ref), rtol=1e-5, atol=1
 assert torch.equal(v_fused, v.reshape(3, 1, 8))
 for got, want in zip((attention.attn.k_cache, attention.attn.v_cache), expected_cache, strict=True):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)  # NaN slots untouched
-print("one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)")
+print(say("one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)"))
 # en: Handed down: the rotary table, q_norm and k_norm get a compiled op; on a GPU the attention also gets the kernel.
 # zh: 交下去之后：旋转表、q_norm 和 k_norm 各得到一个编译后的 op；在 GPU 上，注意力层还会得到融合内核。
 on_gpu = DEVICE == "cuda"
 assert compile_small_ops(attention) == 3 + on_gpu and (attention.fused_input is not None) == on_gpu
 assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_norm  # per instance, not the class
-print(f"compile_small_ops handed {3 + on_gpu} modules a compiled function or the fused kernel")
+print(say("compile_small_ops handed {count} modules a compiled function or the fused kernel", count=3 + on_gpu))
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`
@@ -792,7 +827,8 @@ tiny = build_tiny_model("qwen3")
 config = Config.from_kwargs(tiny, kvcache_block_size=4, num_kvcache_blocks=32, max_model_len=32)
 runner = ModelRunner(config)
 reason = graphs_unavailable_reason(config.device, config.attention_backend, config.enforce_eager)
-print("graphs:", runner.graphs, "| why:", reason, "| compile_small_ops:", config.compile_small_ops)
+print(say("graphs: {graphs} | why: {reason} | compile_small_ops: {compiled}", graphs=runner.graphs, reason=reason,
+          compiled=config.compile_small_ops))
 assert (runner.graphs is None) == (reason is not None)
 
 too_long = Sequence(list(range(40)), SamplingParams(temperature=0), block_size=4)
@@ -800,7 +836,7 @@ too_long.block_table, too_long.num_cached_tokens, too_long.num_scheduled_tokens 
 try:
     runner.run([too_long], is_prefill=False)
 except AssertionError as error:
-    print("asserted:", error)
+    print(say("asserted: {error}", error=error))
 else:
     raise RuntimeError("a sequence longer than max_model_len reached the model")
 
@@ -1016,9 +1052,11 @@ RECORDED = {
     "on": {1: (27.22, 1.87), 2: (30.59, 1.99), 4: (55.08, 2.34), 8: (26.22, 1.92), 16: (38.69, 2.53),
            32: (46.06, 2.53), 64: (26.33, 2.84), 128: (24.89, 4.01), 256: (24.22, 6.59)},
 }  # fmt: skip
-live = "a CUDA device is present: run the commands above to measure it" if torch.cuda.is_available() else "no GPU here"
-print(f"RECORDED on {RECORDED['device']}, {RECORDED['date']} ({live}); ms per decode step, context 512")
-print(f"{'batch':>5} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | graph+compiled")
+live = say("a CUDA device is present: run the commands above to measure it" if torch.cuda.is_available()
+           else "no GPU here")
+print(say("RECORDED on {device}, {date} ({live}); ms per decode step, context 512", device=RECORDED["device"],
+          date=RECORDED["date"], live=live))
+print(f"{say('batch'):>5} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | graph+compiled")
 print(f"{'':>5} | {'compile_small_ops off':^20} | {'compile_small_ops on':^20} |")
 for batch in RECORDED["off"]:
     (e0, g0), (e1, g1) = RECORDED["off"][batch], RECORDED["on"][batch]
@@ -1090,11 +1128,14 @@ total_gib, utilization, blocks = 143771 / 1024, 0.5, 2435  # recorded: nvidia-sm
 weights_gib = (28 * layer_params(qwen) + 151936 * 1024) * 2 / 2**30
 budget_gib = total_gib * utilization
 kv_gib = blocks * block / 2**30
-print(f"one block: {block / 2**20:.0f} MiB; budget {total_gib:.1f} GiB x {utilization} = {budget_gib:.1f} GiB")
-print(f"KV cache {blocks} blocks = {kv_gib:.1f} GiB; the other {budget_gib - kv_gib:.1f} GiB: weights "
-      f"({weights_gib:.2f} GiB), the warm-up's activation peak and the CUDA context")
+print(say("one block: {mib:.0f} MiB; budget {total:.1f} GiB x {utilization} = {budget:.1f} GiB", mib=block / 2**20,
+          total=total_gib, utilization=utilization, budget=budget_gib))
+print(say("KV cache {blocks} blocks = {kv:.1f} GiB; the other {other:.1f} GiB: weights ({weights:.2f} GiB), "
+          "the warm-up's activation peak and the CUDA context",
+          blocks=blocks, kv=kv_gib, other=budget_gib - kv_gib, weights=weights_gib))
 longest = 256 * -(-(1024 + 1024) // 256)
-print(f"the benchmark needs at most {longest} blocks at once (256 sequences x 2048 tokens): it never preempts")
+print(say("the benchmark needs at most {blocks} blocks at once (256 sequences x 2048 tokens): it never preempts",
+          blocks=longest))
 assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 
 # %% [markdown] tags=["en"]
@@ -1242,7 +1283,7 @@ except AssertionError as error:
 else:
     raise RuntimeError("a block table wider than the buffer was accepted")
 reset_context()
-print("all checks passed")
+print(say("all checks passed"))
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -1321,5 +1362,5 @@ for padding_slot in (-1, 0):
 # zh: 每个也要几微秒）、主机端工作和采样器。
 weights_gb = (28 * layer_params(qwen) + 151936 * 1024) * 2 / 1e9
 fastest_ms = weights_gb / 4.2e3 * 1e3
-print(f"weights {weights_gb:.2f} GB -> {fastest_ms:.2f} ms at 4.2 TB/s; recorded graph step 1.87 ms")
+print(say("weights {gb:.2f} GB -> {ms:.2f} ms at 4.2 TB/s; recorded graph step 1.87 ms", gb=weights_gb, ms=fastest_ms))
 assert abs(weights_gb - 1.19) < 0.01 and 6 < 1.87 / fastest_ms < 7

@@ -71,6 +71,75 @@
 # **一次 all-reduce**。嵌入层切分词表：每个 rank 只查找自己拥有的 token，其余 rank 贡献零，all-reduce
 # 之后每一行就完整了。LM head 也切分词表，由于采样在 rank 0 上进行，rank 0 **gather**（收集）各片 logits。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "rank {rank}: qkv weight {shape} = q rows of heads {heads} + {kv} k head + {kv} v head":
+        "rank {rank}：qkv 权重 {shape} = 头 {heads} 的 q 行 + {kv} 个 k 头 + {kv} 个 v 头",
+    "rank {rank}: gate_up {gate_up}, down {down}, partial sum of y[0,0] = {partial:+.3f}":
+        "rank {rank}：gate_up {gate_up}，down {down}，y[0,0] 的部分和 = {partial:+.3f}",
+    "all-reduce of the partial sums = {total:+.3f}; max |error| vs unsplit MLP {error:.1e}":
+        "部分和的 all-reduce = {total:+.3f}；与未切分的 MLP 相比，最大 |误差| {error:.1e}",
+    "every layer kind reassembles exactly at tp = 1, 2, 4": "tp = 1、2、4 时，每种层都能精确拼回原样",
+    "pickled decode sequence: {size} bytes for {tokens} tokens":
+        "pickle 后的 decode 序列：{tokens} 个 token 只占 {size} 字节",
+    "two ranks up in {seconds:.1f} s; KV pool: {blocks} blocks":
+        "两个 rank 在 {seconds:.1f} 秒内启动；KV 池：{blocks} 个块",
+    "  rank {rank}/{size} pid {pid} {backend} on {device}, KV cache {shape}":
+        "  rank {rank}/{size} pid {pid} {backend}，在 {device} 上，KV 缓存 {shape}",
+    "rank {rank}: {name} {shape} (full: {full})": "rank {rank}：{name} {shape}（完整：{full}）",
+    "{step:>7}: logits {shape}, scale {scale:.1f}, max |TP=1 - TP=2| = {gap:.1e}, "
+    "smallest top-1/top-2 margin {margin:.3f}":
+        "{step:>7}：logits {shape}，尺度 {scale:.1f}，max |TP=1 - TP=2| = {gap:.1e}，"
+        "top-1 与 top-2 的最小差距 {margin:.3f}",
+    "events in the TP=2 run: {seen}; generate took {tp2:.2f} s (TP=2) vs {tp1:.2f} s (TP=1)":
+        "TP=2 运行中的事件：{seen}；generate 用时 {tp2:.2f} 秒（TP=2），对比 {tp1:.2f} 秒（TP=1）",
+    "reported and cleaned up {seconds:.2f} s after the call": "调用后 {seconds:.2f} 秒报告了错误并清理完毕",
+    "a later call: {error}": "之后的调用：{error}",
+    "KeyboardInterrupt after {seconds:.2f} s; ranks alive: {alive}, engine idle: {idle}":
+        "{seconds:.2f} 秒后 KeyboardInterrupt；rank 仍存活：{alive}，引擎空闲：{idle}",
+    "and it serves again, with the same tokens": "之后它照常服务，token 不变",
+    "after {seconds:.1f} s:": "{seconds:.1f} 秒后：",
+    "NCCL ranks: {ranks}": "NCCL rank：{ranks}",
+    "TP=2 over NCCL gives the same greedy tokens as one GPU": "NCCL 上的 TP=2 给出与单块 GPU 相同的贪心 token",
+    "{count} CUDA device(s): the NCCL run needs two (the tests have it, marked gpu)":
+        "{count} 个 CUDA 设备：NCCL 运行需要两个（测试套件有这项检查，标记为 gpu）",
+    "objects + params every step": "每步发对象和参数",
+    "tuples, params once": "发元组，参数只发一次",
+    "{name}: driver {pack:.2f} ms, rank {unpack:.2f} ms, {size:.1f} KiB":
+        "{name}：驱动进程 {pack:.2f} ms，rank {unpack:.2f} ms，{size:.1f} KiB",
+    "nothing": "无",
+    "step() {calls}: collected {kind} ({tokens} tokens), finished {finished}":
+        "第 {calls} 次 step()：收取 {kind}（{tokens} 个 token），完成 {finished}",
+    "{calls} calls of step(); the tokens equal TP = 1's": "调用了 {calls} 次 step()；token 与 TP = 1 的相同",
+    "graphs captured: {graphs}, async scheduling: {asynchronous}": "已捕获的图：{graphs}，异步调度：{asynchronous}",
+    "{count} CUDA device(s): graphs on every rank need two (the tests have it, marked gpu)":
+        "{count} 个 CUDA 设备：在每个 rank 上捕获图需要两个（测试套件有这项检查，标记为 gpu）",
+    "ranks {pids} are gone": "rank {pids} 都已退出",
+    "decode message of a {length}-token sequence: {size} bytes, 1 token, {ids} block ids":
+        "{length} 个 token 的序列的 decode 消息：{size} 字节，1 个 token，{ids} 个块编号",
+    "all exercise answers check out": "练习答案全部验证通过",
+    # en: the drawing of a layer over the ranks
+    # zh: 一层切分到各 rank 上的示意图
+    "vocab rows": "词表行",
+    "column: heads": "列并行：按头",
+    "own heads + KV": "自己的头 + KV",
+    "row: heads": "行并行：按头",
+    "column": "列并行",
+    "local": "本地",
+    "row": "行并行",
+    "rank 0 only": "只在 rank 0",
+    "idle": "空闲",
+    "dashed: the ranks communicate (sum partial results, or collect logit slices on rank 0); everything else is "
+    "local, each rank with its own KV heads in its own KV cache":
+        "虚线：rank 之间通信（把部分结果相加，或把 logits 的各片收集到 rank 0）；其余都在本地完成，"
+        "每个 rank 在自己的 KV 缓存里存自己的 KV 头",
+})
+
 # %% tp drawing
 #| hide
 from IPython.display import SVG, display
@@ -111,8 +180,8 @@ def tp_layer_svg(tp: int = 2) -> str:
         for r in range(tp):
             y = top + r * rank_h
             idle = how == "rank 0 only" and r > 0
-            fill, label = ("#eceff1", "idle") if idle else (colors[r % 4], how if how == "rank 0 only" else
-                                                             f"{how} {r + 1}/{tp}")
+            fill, label = ("#eceff1", say("idle")) if idle else (colors[r % 4], say(how) if how == "rank 0 only" else
+                                                                  f"{say(how)} {r + 1}/{tp}")
             parts.append(f'<rect x="{x}" y="{y}" width="{box_w}" height="{rank_h - 16}" rx="6" '
                          f'fill="{fill}" stroke="#37474f"/>')
             parts.append(f'<text x="{x + box_w / 2}" y="{y + 20}" text-anchor="middle" font-size="11">'
@@ -128,9 +197,9 @@ def tp_layer_svg(tp: int = 2) -> str:
                          'stroke="#d84315" stroke-width="2" stroke-dasharray="6 4"/>')
             parts.append(f'<text x="{x + box_w / 2}" y="{y1 + 20}" text-anchor="middle" font-size="12" '
                          f'fill="#d84315">{talk}</text>')
-    parts.append(f'<text x="20" y="{height - 12}" font-size="11" fill="#546e7a">dashed: the ranks communicate '
-                 '(sum partial results, or collect logit slices on rank 0); everything else is local, each rank '
-                 'with its own KV heads in its own KV cache</text>')
+    parts.append(f'<text x="20" y="{height - 12}" font-size="11" fill="#546e7a">'
+                 + say("dashed: the ranks communicate (sum partial results, or collect logit slices on rank 0); "
+                       "everything else is local, each rank with its own KV heads in its own KV cache") + "</text>")
     parts.append("</svg>")
     return "".join(parts)
 
@@ -490,6 +559,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 # 对每种层，把同一份完整权重加载到 rank 0 和 rank 1 上，看看各 rank 持有什么。列并行的分片拼接回去，行并行
 # 的部分和相加：这正是集合通信做的事。所有计算都在一个进程里：`forward_local` 就是不含通信的单个 rank 的计算。
 
+
 # %%
 import torch
 import torch.nn.functional as F
@@ -515,9 +585,9 @@ ranks = [QKVParallelLinear(HIDDEN, HEAD_DIM, HEADS, KV_HEADS, tp_rank=r, tp_size
 for layer in ranks:
     for name, w in zip("qkv", (wq, wk, wv), strict=True):
         layer.weight.weight_loader(layer.weight, w, name)
-    print(f"rank {layer.tp_rank}: qkv weight {tuple(layer.weight.shape)} = q rows of heads "
-          f"{[int(layer.weight[i * HEAD_DIM, 0] * 100) // (HEAD_DIM * HIDDEN) for i in range(layer.num_heads)]}"
-          f" + {layer.num_kv_heads} k head + {layer.num_kv_heads} v head")
+    print(say("rank {rank}: qkv weight {shape} = q rows of heads {heads} + {kv} k head + {kv} v head",
+              rank=layer.tp_rank, shape=tuple(layer.weight.shape), kv=layer.num_kv_heads,
+              heads=[int(layer.weight[i * HEAD_DIM, 0] * 100) // (HEAD_DIM * HIDDEN) for i in range(layer.num_heads)]))
 
 # en: the MLP: gate_up (column) -> SiLU(gate) * up (local) -> down (row) -> add the partial sums.
 # zh: MLP：gate_up（列并行）-> SiLU(gate) * up（本地）-> down（行并行）-> 把部分和相加。
@@ -534,10 +604,11 @@ for r in range(TP):
     down = RowParallelLinear(INTER, HIDDEN, tp_rank=r, tp_size=TP)
     down.weight.weight_loader(down.weight, w_down)
     partials.append(down.forward_local(SiluAndMul()(gate_up(x))))
-    print(f"rank {r}: gate_up {tuple(gate_up.weight.shape)}, down {tuple(down.weight.shape)}, "
-          f"partial sum of y[0,0] = {partials[-1][0, 0].item():+.3f}")
+    print(say("rank {rank}: gate_up {gate_up}, down {down}, partial sum of y[0,0] = {partial:+.3f}", rank=r,
+              gate_up=tuple(gate_up.weight.shape), down=tuple(down.weight.shape), partial=partials[-1][0, 0].item()))
 mlp_error = (sum(partials) - full_mlp.T).abs().max().item()
-print(f"all-reduce of the partial sums = {sum(partials)[0, 0].item():+.3f}; max |error| vs unsplit MLP {mlp_error:.1e}")
+print(say("all-reduce of the partial sums = {total:+.3f}; max |error| vs unsplit MLP {error:.1e}",
+          total=sum(partials)[0, 0].item(), error=mlp_error))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -607,7 +678,7 @@ def check_split(tp: int) -> None:
 for tp in (1, 2, 4):
     check_split(tp)
 assert mlp_error < 1e-4
-print("every layer kind reassembles exactly at tp = 1, 2, 4")
+print(say("every layer kind reassembles exactly at tp = 1, 2, 4"))
 
 # %% [markdown] tags=["en"]
 # The model of a single process uses exactly these classes with rank 0 of 1, and bad shapes are
@@ -909,7 +980,7 @@ long_seq.num_cached_tokens = 4999  # decoding: everything but the last token is 
 long_seq.num_scheduled_tokens = 1
 wire = pickle.dumps(long_seq)
 worker_copy = pickle.loads(wire)
-print(f"pickled decode sequence: {len(wire)} bytes for {len(long_seq)} tokens")
+print(say("pickled decode sequence: {size} bytes for {tokens} tokens", size=len(wire), tokens=len(long_seq)))
 assert worker_copy.token_ids == [4999] and worker_copy.scheduled_token_ids == [4999]
 assert worker_copy.block_size == 16 and worker_copy.block_table == long_seq.block_table
 assert worker_copy.num_tokens == 5000 and worker_copy.sampling_params is None
@@ -1674,10 +1745,10 @@ llm_tp2 = LLM(str(tiny), tensor_parallel_size=2, **settings)
 startup_s = time.perf_counter() - started
 llm_tp1 = LLM(str(tiny), **settings)
 ranks = llm_tp2.model_runner
-print(f"two ranks up in {startup_s:.1f} s; KV pool: {llm_tp2.config.num_kvcache_blocks} blocks")
+print(say("two ranks up in {seconds:.1f} s; KV pool: {blocks} blocks", seconds=startup_s,
+          blocks=llm_tp2.config.num_kvcache_blocks))
 for info, shape in zip(ranks.call("world"), ranks.call("kv_cache_shape"), strict=True):
-    print(f"  rank {info['rank']}/{info['size']} pid {info['pid']} {info['backend']} on {info['device']}, "
-          f"KV cache {shape}")
+    print(say("  rank {rank}/{size} pid {pid} {backend} on {device}, KV cache {shape}", **info, shape=shape))
 
 # %% [markdown] tags=["en"]
 # Each rank loaded its slices from the full checkpoint. Rank `r`'s `qkv_proj` holds q heads
@@ -1696,7 +1767,8 @@ with safe_open(str(tiny / "model.safetensors"), "pt") as checkpoint:
 head_dim = llm_tp2.config.hf_config.head_dim
 q_rows, kv_rows = 2 * head_dim, 1 * head_dim  # per rank: 2 of 4 q heads, 1 of 2 KV heads
 for rank, shard in enumerate(shards):
-    print(f"rank {rank}: {name} {tuple(shard.shape)} (full: {tuple(torch.cat([q, k, v]).shape)})")
+    print(say("rank {rank}: {name} {shape} (full: {full})", rank=rank, name=name, shape=tuple(shard.shape),
+              full=tuple(torch.cat([q, k, v]).shape)))
     assert torch.equal(shard[:q_rows], q[rank * q_rows : (rank + 1) * q_rows])
     assert torch.equal(shard[q_rows : q_rows + kv_rows], k[rank * kv_rows : (rank + 1) * kv_rows])
     assert torch.equal(shard[q_rows + kv_rows :], v[rank * kv_rows : (rank + 1) * kv_rows])
@@ -1739,8 +1811,9 @@ for step, one, two in zip(("prefill", "decode"), two_steps(llm_tp1.model_runner)
     gap = (one - two).abs().max().item()
     top2 = one.topk(2).values
     margin = (top2[:, 0] - top2[:, 1]).min().item()
-    print(f"{step:>7}: logits {tuple(one.shape)}, scale {one.abs().max().item():.1f}, max |TP=1 - TP=2| = {gap:.1e}, "
-          f"smallest top-1/top-2 margin {margin:.3f}")
+    print(say("{step:>7}: logits {shape}, scale {scale:.1f}, max |TP=1 - TP=2| = {gap:.1e}, "
+              "smallest top-1/top-2 margin {margin:.3f}",
+              step=step, shape=tuple(one.shape), scale=one.abs().max().item(), gap=gap, margin=margin))
     assert gap < LOGIT_TOLERANCE and torch.equal(one.argmax(-1), two.argmax(-1))
 
 # %% [markdown] tags=["en"]
@@ -1776,7 +1849,8 @@ out_tp1 = llm_tp1.generate(prompts, greedy, use_tqdm=False)
 tp1_s = time.perf_counter() - started
 for prompt, one, two in zip(prompts, out_tp1, out_tp2, strict=True):
     print(f"{prompt!r:42} TP=1 {one['token_ids']}\n{'':42} TP=2 {two['token_ids']}")
-print(f"events in the TP=2 run: {seen}; generate took {tp2_s:.2f} s (TP=2) vs {tp1_s:.2f} s (TP=1)")
+print(say("events in the TP=2 run: {seen}; generate took {tp2:.2f} s (TP=2) vs {tp1:.2f} s (TP=1)",
+          seen=seen, tp2=tp2_s, tp1=tp1_s))
 assert [o["token_ids"] for o in out_tp2] == [o["token_ids"] for o in out_tp1]
 assert seen["partial prefill"] and seen["preemption"]
 
@@ -1816,14 +1890,14 @@ try:
     raise AssertionError("the injected fault did not surface")
 except TPWorkerError as error:
     print("\n".join(str(error).splitlines()[:3]), "\n  ...")
-    print(f"reported and cleaned up {time.perf_counter() - started:.2f} s after the call")
+    print(say("reported and cleaned up {seconds:.2f} s after the call", seconds=time.perf_counter() - started))
 finally:
     del os.environ[FAULT_ENV]
 assert all(process_gone(pid) for pid in faulty_pids) and not faulty.model_runner.alive
 try:
     faulty.generate(prompts, greedy, use_tqdm=False)
 except RuntimeError as error:
-    print("a later call:", error)
+    print(say("a later call: {error}", error=error))
 # en: The first engine never noticed.
 # zh: 第一个引擎完全没有受到影响。
 assert llm_tp2.generate(prompts[:1], greedy, use_tqdm=False)[0]["token_ids"] == out_tp1[0]["token_ids"]
@@ -1861,11 +1935,11 @@ try:
         llm_tp2.generate(many, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     raise AssertionError("Ctrl-C never arrived")
 except KeyboardInterrupt:
-    print(f"KeyboardInterrupt after {time.perf_counter() - started:.2f} s; ranks alive: {ranks.alive}, "
-          f"engine idle: {llm_tp2.is_finished()}")
+    print(say("KeyboardInterrupt after {seconds:.2f} s; ranks alive: {alive}, engine idle: {idle}",
+              seconds=time.perf_counter() - started, alive=ranks.alive, idle=llm_tp2.is_finished()))
 assert ranks.alive and llm_tp2.is_finished() and all(not process_gone(pid) for pid in ranks.pids)
 assert [o["token_ids"] for o in llm_tp2.generate(prompts, greedy, use_tqdm=False)] == [o["token_ids"] for o in out_tp1]
-print("and it serves again, with the same tokens")
+print(say("and it serves again, with the same tokens"))
 
 # %% [markdown] tags=["en"]
 # A rank that stops answering without dying is the other trap: a debugger, SIGSTOP, a host that
@@ -1886,7 +1960,8 @@ try:
     stalling.generate(prompts, greedy, use_tqdm=False)
     raise AssertionError("the stalled rank went unnoticed")
 except TPTimeoutError as error:
-    print(f"after {time.perf_counter() - started:.1f} s:", "\n".join(textwrap.wrap(str(error), 100)))
+    print(say("after {seconds:.1f} s:", seconds=time.perf_counter() - started),
+          "\n".join(textwrap.wrap(str(error), 100)))
     assert str(error).startswith(f"tensor-parallel rank 1 (pid {stalling_pids[1]}, stopped) did not answer")
 finally:
     with suppress(ProcessLookupError):
@@ -1911,14 +1986,16 @@ if torch.cuda.device_count() >= 2:
     gpu_settings = {**settings, "device": "cuda", "dtype": "float32", "max_num_seqs": 8}
     with LLM(str(tiny), tensor_parallel_size=2, **gpu_settings) as gpu_tp2:
         gpu_out = gpu_tp2.generate(prompts, greedy, use_tqdm=False)
-        print("NCCL ranks:", [info["backend"] + " " + info["device"] for info in gpu_tp2.model_runner.call("world")])
+        print(say("NCCL ranks: {ranks}",
+                  ranks=[info["backend"] + " " + info["device"] for info in gpu_tp2.model_runner.call("world")]))
     with LLM(str(tiny), **gpu_settings) as gpu_tp1:
         gpu_ref = gpu_tp1.generate(prompts, greedy, use_tqdm=False)
     gpu_ref_tokens = [o["token_ids"] for o in gpu_ref]
     assert [o["token_ids"] for o in gpu_out] == gpu_ref_tokens
-    print("TP=2 over NCCL gives the same greedy tokens as one GPU")
+    print(say("TP=2 over NCCL gives the same greedy tokens as one GPU"))
 else:
-    print(f"{torch.cuda.device_count()} CUDA device(s): the NCCL run needs two (the tests have it, marked gpu)")
+    print(say("{count} CUDA device(s): the NCCL run needs two (the tests have it, marked gpu)",
+              count=torch.cuda.device_count()))
 
 # %% [markdown] tags=["en"]
 # ## Making it pay
@@ -2040,7 +2117,8 @@ costs = {
         best_ms(lambda: step_sequences(pickle.loads(new_message)[0])), len(new_message)),
 }
 for name, (pack, unpack, size) in costs.items():
-    print(f"{name:28}: driver {pack:.2f} ms, rank {unpack:.2f} ms, {size / 1024:.1f} KiB")
+    print(say("{name}: driver {pack:.2f} ms, rank {unpack:.2f} ms, {size:.1f} KiB", name=format(say(name), "<28"),
+              pack=pack, unpack=unpack, size=size / 1024))
 rebuilt = step_sequences(pickle.loads(new_message)[0])
 for seq, shipped in zip(batch, rebuilt, strict=True):
     assert (shipped.seq_id, shipped.block_table, shipped.token_ids, len(shipped)) == (
@@ -2070,12 +2148,13 @@ while not llm_tp2.is_finished():
     finished, num_tokens, is_prefill = llm_tp2.step()
     calls += 1
     if calls <= 4:
-        kind = ("prefill" if is_prefill else "decode") if num_tokens else "nothing"
-        print(f"step() {calls}: collected {kind} ({num_tokens} tokens), finished {[i for i, _ in finished]}")
+        kind = ("prefill" if is_prefill else "decode") if num_tokens else say("nothing")
+        print(say("step() {calls}: collected {kind} ({tokens} tokens), finished {finished}", calls=calls, kind=kind,
+                  tokens=num_tokens, finished=[i for i, _ in finished]))
     tokens_of.update(finished)
 llm_tp2.config.async_scheduling = False
 assert [tokens_of[i] for i in ids] == [o["token_ids"] for o in out_tp1]
-print(f"{calls} calls of step(); the tokens equal TP = 1's")
+print(say("{calls} calls of step(); the tokens equal TP = 1's", calls=calls))
 
 # %% [markdown] tags=["en"]
 # On two GPUs, the graphs and the asynchronous steps are what the engine does by default; this
@@ -2092,11 +2171,13 @@ print(f"{calls} calls of step(); the tokens equal TP = 1's")
 if torch.cuda.device_count() >= 2:
     with LLM(str(tiny), tensor_parallel_size=2, **gpu_settings) as gpu_tp2:
         worlds = gpu_tp2.model_runner.call("world")
-        print("graphs captured:", [w["graphs"] for w in worlds], "async scheduling:", gpu_tp2.config.async_scheduling)
+        print(say("graphs captured: {graphs}, async scheduling: {asynchronous}", graphs=[w["graphs"] for w in worlds],
+                  asynchronous=gpu_tp2.config.async_scheduling))
         assert all(w["graphs"] for w in worlds) and gpu_tp2.config.async_scheduling
         assert [o["token_ids"] for o in gpu_tp2.generate(prompts, greedy, use_tqdm=False)] == gpu_ref_tokens
 else:
-    print(f"{torch.cuda.device_count()} CUDA device(s): graphs on every rank need two (the tests have it, marked gpu)")
+    print(say("{count} CUDA device(s): graphs on every rank need two (the tests have it, marked gpu)",
+              count=torch.cuda.device_count()))
 
 # %% [markdown] tags=["en"]
 # ### Shutting down
@@ -2116,7 +2197,7 @@ pids = ranks.pids
 llm_tp2.exit()
 llm_tp1.exit()
 assert all(process_gone(pid) for pid in pids) and not ranks.alive
-print("ranks", pids, "are gone")
+print(say("ranks {pids} are gone", pids=pids))
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -2237,6 +2318,6 @@ for length in (12, 400):
     seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = list(range(-(-length // 4))), length - 1, 1
     slim = pickle.loads(pickle.dumps(seq))
     assert slim.token_ids == [length - 1] and slim.block_table == seq.block_table and slim.block_size == 4
-    print(f"decode message of a {length}-token sequence: {len(pickle.dumps(seq))} bytes, 1 token, "
-          f"{len(slim.block_table)} block ids")
-print("all exercise answers check out")
+    print(say("decode message of a {length}-token sequence: {size} bytes, 1 token, {ids} block ids",
+              length=length, size=len(pickle.dumps(seq)), ids=len(slim.block_table)))
+print(say("all exercise answers check out"))

@@ -299,6 +299,22 @@ class LLM(LLMEngine):
 # 每步预算 16 个 token，这样一次短短的运行就能展示分块 prefill、decode 和抢占。调度器的观察者钩子（第 04 章）
 # 会打印每一步。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "seq {seq}: {tokens}": "序列 {seq}: {tokens}",
+    "   preempted {seqs}": "   抢占 {seqs}",
+    "step {step:2d} {kind} [{work}]{preempted}": "第 {step:2d} 步 {kind} [{work}]{preempted}",
+    "greedy tokens match transformers": "贪心解码的 token 与 transformers 完全一致",
+    "GGUF: {path} ({size:.0f} MiB)": "GGUF：{path}（{size:.0f} MiB）",
+    "model directory: {path} (converted: {converted})": "模型目录：{path}（已转换：{converted}）",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -314,10 +330,11 @@ steps = []
 def record(event: str, data: dict) -> None:
     if event == "schedule":
         kind = "prefill" if data["is_prefill"] else "decode "
-        work = ", ".join(f"seq {s.seq_id}: {s.num_scheduled_tokens}" for s in data["seqs"])
-        preempted = f"   preempted {[s.seq_id for s in data['preempted']]}" if data["preempted"] else ""
+        work = ", ".join(say("seq {seq}: {tokens}", seq=s.seq_id, tokens=s.num_scheduled_tokens) for s in data["seqs"])
+        preempted = say("   preempted {seqs}", seqs=[s.seq_id for s in data["preempted"]]) if data["preempted"] else ""
         steps.append((kind, data["preempted"]))
-        print(f"step {len(steps):2d} {kind} [{work}]{preempted}")
+        print(say("step {step:2d} {kind} [{work}]{preempted}", step=len(steps), kind=kind, work=work,
+                  preempted=preempted))
 
 
 llm.scheduler.observer = record
@@ -353,7 +370,7 @@ for prompt, output in zip(prompts, outputs, strict=True):
     assert output["token_ids"] == expected, (prompt, output["token_ids"], expected)
 assert any(kind == "prefill" for kind, _ in steps) and any(kind == "decode " for kind, _ in steps)
 assert any(preempted for _, preempted in steps), "this pool is small enough to force a preemption"
-print("greedy tokens match transformers")
+print(say("greedy tokens match transformers"))
 
 # %% [markdown] tags=["en"]
 # ## Build it: a real model for a laptop, SmolLM2-135M-Instruct
@@ -553,8 +570,9 @@ from nanovllm.book import smollm2
 try:
     gguf = smollm2.find_gguf()
     target = smollm2.cache_root() / smollm2.MODEL_NAME
-    print(f"GGUF: {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB)")
-    print(f"model directory: {target} (converted: {smollm2.is_converted(target, gguf)})")
+    print(say("GGUF: {path} ({size:.0f} MiB)", path=gguf, size=gguf.stat().st_size / 2**20))
+    print(say("model directory: {path} (converted: {converted})", path=target,
+              converted=smollm2.is_converted(target, gguf)))
 except smollm2.SmolLM2NotInstalledError as error:
     print(error)
 
@@ -816,4 +834,4 @@ budget = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blo
 budget.scheduler.observer = lambda event, data: kinds.append(data["is_prefill"]) if event == "schedule" else None
 budget.generate([list(range(1, 21))], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
 assert kinds == [True, True, True, False, False]
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

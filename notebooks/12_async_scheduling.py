@@ -700,6 +700,22 @@ greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 sync_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
 outputs = sync_llm.generate(prompts, greedy, use_tqdm=False)
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "nothing": "无",
+    "{kind:<7} of {tokens:2d} tokens": "{kind}，共 {tokens:2d} 个 token",
+    "call {call:2d}: queued {queued:<7}, collected {collected}, finished {finished}":
+        "第 {call:2d} 次调用：排入 {queued}，收取 {collected}，完成 {finished}",
+    "{calls} calls for {steps} steps; the tokens equal the synchronous run's":
+        "{steps} 步用了 {calls} 次调用；token 与同步运行的相同",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 async_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10,
                 max_num_batched_tokens=16, async_scheduling=True)
@@ -711,14 +727,16 @@ while not async_llm.is_finished():
     seen = len(queued)
     finished, num_tokens, is_prefill = async_llm.step()
     calls += 1
-    launched = ("prefill" if queued[-1]["is_prefill"] else "decode ") if len(queued) > seen else "nothing"
-    collected = f"{'prefill' if is_prefill else 'decode '} of {num_tokens:2d} tokens" if num_tokens else "nothing"
+    launched = ("prefill" if queued[-1]["is_prefill"] else "decode") if len(queued) > seen else say("nothing")
+    collected = (say("{kind:<7} of {tokens:2d} tokens", kind="prefill" if is_prefill else "decode", tokens=num_tokens)
+                 if num_tokens else say("nothing"))
     if calls <= 6 or async_llm.is_finished():
-        print(f"call {calls:2d}: queued {launched}, collected {collected}, finished {[i for i, _ in finished]}")
+        print(say("call {call:2d}: queued {queued:<7}, collected {collected}, finished {finished}", call=calls,
+                  queued=launched, collected=collected, finished=[i for i, _ in finished]))
     tokens_of.update(finished)
 assert [tokens_of[i] for i in ids] == [o["token_ids"] for o in outputs]
 assert calls == len(queued) + 1  # one call more than steps: the first collects nothing
-print(f"{calls} calls for {len(queued)} steps; the tokens equal the synchronous run's")
+print(say("{calls} calls for {steps} steps; the tokens equal the synchronous run's", calls=calls, steps=len(queued)))
 
 
 # %% [markdown] tags=["en"]
@@ -798,4 +816,4 @@ reports = []
 while not alone.is_finished():
     reports.append(alone.step()[0])
 assert len(reports) == 4 and reports[-1][0][0] == request and not any(reports[:-1])
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

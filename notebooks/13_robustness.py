@@ -913,6 +913,33 @@ outputs = llm.generate(prompts, greedy, use_tqdm=False)
 # %% [markdown] tags=["zh"]
 # 坏请求在任何东西入队之前就被拒绝，引擎照常工作：
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "empty prompt": "空提示词",
+    "id outside vocab": "词表之外的 id",
+    "over max_model_len": "超过 max_model_len",
+    "never fits the pool": "块池永远放不下",
+    "params mismatch": "采样参数个数不符",
+    "a 2-D array": "二维数组",
+    "lone surrogate": "孤立的代理字符",
+    "three threads, one engine: every call got its own tokens": "三个线程，一个引擎：每次调用都拿到了自己的 token",
+    "generate returned its prompt; step() then reported request {queued}, computed alongside":
+        "generate 返回了它自己提示词的结果；随后 step() 报告了一同计算的请求 {queued}",
+    "request {other}, queued beside it, finished with the tokens it gets alone":
+        "与它一同排队的请求 {other} 照常完成，token 与单独运行时相同",
+    "one generate call runs {lines} lines of bookkeeping ({distinct} distinct); a SIGINT at {count} of them, "
+    "each time: the call raised KeyboardInterrupt, the queued requests finished with their own tokens, "
+    "every block came back":
+        "一次 generate 调用执行 {lines} 行记账代码（其中 {distinct} 行各不相同）；在其中 {count} 行各发一次 SIGINT，"
+        "每一次：调用抛出 KeyboardInterrupt，排队的请求都以自己的 token 完成，所有块都已归还",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 refusals = {
     "empty prompt": lambda: llm.generate(["fine", ""], greedy),
@@ -928,7 +955,7 @@ for what, call in refusals.items():
         call()
         raise AssertionError(f"{what} was accepted")
     except (TypeError, ValueError) as error:
-        print(f"{what:>19}: {type(error).__name__}: {error}")
+        print(f"{say(what):>19}: {type(error).__name__}: {error}")
 assert llm.is_finished() and len(llm.generate(["still serving"], greedy, use_tqdm=False)[0]["token_ids"]) == 12
 
 # %% [markdown] tags=["en"]
@@ -962,7 +989,7 @@ for thread in threads:
 for thread in threads:
     thread.join()
 assert [answers[i][0] for i in range(3)] == outputs
-print("three threads, one engine: every call got its own tokens")
+print(say("three threads, one engine: every call got its own tokens"))
 
 queued = llm.add_request(prompts[0], greedy)
 mine = llm.generate([prompts[1]], greedy, use_tqdm=False)
@@ -970,7 +997,7 @@ reported = {}
 while not llm.is_finished():
     reported.update(dict(llm.step()[0]))
 assert mine == [outputs[1]] and reported == {queued: outputs[0]["token_ids"]}
-print(f"generate returned its prompt; step() then reported request {queued}, computed alongside")
+print(say("generate returned its prompt; step() then reported request {queued}, computed alongside", queued=queued))
 
 # en: A token that neither prompt 2 nor its completion uses: its embedding row becomes NaN.
 # zh: 选一个提示词 2 及其生成结果都用不到的 token：把它在嵌入表中的那一行变成 NaN。
@@ -992,7 +1019,7 @@ while not llm.is_finished():
 with torch.no_grad():
     embedding[poison] = saved
 assert reported == {other: outputs[2]["token_ids"]}
-print(f"request {other}, queued beside it, finished with the tokens it gets alone")
+print(say("request {other}, queued beside it, finished with the tokens it gets alone", other=other))
 
 # %% [markdown] tags=["en"]
 # Last, Ctrl-C, aimed rather than random. `SignalAtLine` is a tracer (Python's `sys.settrace`)
@@ -1091,9 +1118,10 @@ census = interrupted(None)[1]
 points = sorted(census.points.values())
 for at in points[:: max(1, len(points) // 60)]:
     interrupted(at)
-print(f"one generate call runs {census.lines} lines of bookkeeping ({len(points)} distinct); a SIGINT at "
-      f"{len(points[:: max(1, len(points) // 60)])} of them, each time: the call raised KeyboardInterrupt, the "
-      "queued requests finished with their own tokens, every block came back")
+print(say("one generate call runs {lines} lines of bookkeeping ({distinct} distinct); a SIGINT at {count} of them, "
+          "each time: the call raised KeyboardInterrupt, the queued requests finished with their own tokens, "
+          "every block came back",
+          lines=census.lines, distinct=len(points), count=len(points[:: max(1, len(points) // 60)])))
 
 
 # %% [markdown] tags=["en"]
@@ -1175,4 +1203,4 @@ queued = llm.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=2,
 llm.generate([prompts[2]], greedy, use_tqdm=False)
 assert not llm.is_finished() and llm.unreported[0].request_id == queued
 assert llm.step()[0] == [(queued, outputs[1]["token_ids"][:2])] and llm.is_finished()
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

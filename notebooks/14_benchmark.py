@@ -317,6 +317,24 @@ def workload_bound(workload: Workload, hf_config: Any, dtype_bytes: int, bandwid
     return Bound(decode_bytes, prefill_flops, seconds, workload.num_output_tokens / seconds)
 
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "Qwen3-0.6B: {params:.3f} B parameters": "Qwen3-0.6B：{params:.3f} B 参数",
+    "nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFLOP -> at most {rate:,.0f} output tok/s "
+    "on an H200":
+        "nano-vllm 负载：decode 读取 {tb:.1f} TB，prefill {pflop:.2f} PFLOP -> 在 H200 上最多 {rate:,.0f} 输出 tok/s",
+    "peer batch: {batch} (prompt, output)": "对照组批次：{batch}（提示词，输出）",
+    "benchmark checks hold": "基准测试的检查成立",
+    "qwen3-8b preset: {params:.2f} B parameters, {files} weight files":
+        "qwen3-8b 预设：{params:.2f} B 参数，{files} 个权重文件",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 from types import SimpleNamespace
 
@@ -326,7 +344,7 @@ from nanovllm.bench.engine import layer_params, model_params, workload_bound
 # zh: Qwen3-0.6B 的形状：约 6 亿参数（名字就是这么来的）。
 qwen3_06b = SimpleNamespace(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                             head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
-print(f"Qwen3-0.6B: {model_params(qwen3_06b) / 1e9:.3f} B parameters")
+print(say("Qwen3-0.6B: {params:.3f} B parameters", params=model_params(qwen3_06b) / 1e9))
 assert 0.59e9 < model_params(qwen3_06b) < 0.61e9
 # en: A one-sequence check by hand: prompt 3, output 3 -> 2 decode steps reading the KV of 4 and 5 tokens.
 # zh: 手算一个单序列的例子：提示词 3、输出 3 -> 2 个 decode 步，分别读取 4 个和 5 个 token 的 KV。
@@ -339,8 +357,8 @@ assert b.decode_bytes == 2 * (28 * layer_params(qwen3_06b) + 151936 * 1024) * 2 
 # zh: nano-vllm 负载在 H200 上（拷贝 4.26 TB/s、bf16 790 TFLOP/s，为早先一次实测；
 # zh: 第 09 章记录的那次运行测得 4.25 TB/s 和 709 TFLOP/s，所以那里的上限是 35,199 tok/s）。
 h200 = workload_bound(make_workload(), qwen3_06b, 2, bandwidth=4.26e12, flops=790e12)
-print(f"nano-vllm workload: decode reads {h200.decode_bytes / 1e12:.1f} TB, prefill {h200.prefill_flops / 1e15:.2f} "
-      f"PFLOP -> at most {h200.tokens_per_s:,.0f} output tok/s on an H200")
+print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFLOP -> at most {rate:,.0f} output tok/s "
+          "on an H200", tb=h200.decode_bytes / 1e12, pflop=h200.prefill_flops / 1e15, rate=h200.tokens_per_s))
 
 # %% [markdown] tags=["en"]
 # ### Our side, and the command
@@ -667,7 +685,8 @@ from nanovllm.bench.engine import make_workload, peer_batches, run_transformers
 mini = make_workload(6, (4, 24), (2, 12), vocab_size=config.hf_config.vocab_size, seed=1)
 print(mini.describe())
 for batch in peer_batches(mini, batch_size=3):
-    print("peer batch:", [(len(mini.prompts[i]), mini.output_lens[i]) for i in batch], "(prompt, output)")
+    print(say("peer batch: {batch} (prompt, output)",
+              batch=[(len(mini.prompts[i]), mini.output_lens[i]) for i in batch]))
 print(run_transformers(str(tiny), mini, device="cpu", dtype=torch.float32, batch_size=3))
 
 # %% [markdown] tags=["en"]
@@ -697,7 +716,7 @@ batches = peer_batches(mini, batch_size=3)
 assert sorted(i for b in batches for i in b) == list(range(6))
 longest = [max(mini.output_lens[i] for i in b) for b in batches]
 assert longest == sorted(longest)  # batches go from short to long outputs
-print("benchmark checks hold")
+print(say("benchmark checks hold"))
 
 # %% [markdown] tags=["en"]
 # The tensor-parallel comparison, in miniature: two gloo ranks on this CPU against one process,
@@ -728,8 +747,8 @@ tp_report = json.loads((workdir / "tp.json").read_text())
 assert status == 0 and {"engine", "engine_tp1", "ratio_tp"} <= set(tp_report)
 assert tp_report["ratio_tp"] == tp_report["engine"]["tokens_per_s"] / tp_report["engine_tp1"]["tokens_per_s"]
 eight = Config.from_kwargs(qwen3_8b_shapes(str(workdir / "qwen3-8b")), device="cpu", load_format="dummy")
-print(f"qwen3-8b preset: {model_params(eight.hf_config) / 1e9:.2f} B parameters, "
-      f"{len(list(Path(eight.model).glob('*.safetensors')))} weight files")
+print(say("qwen3-8b preset: {params:.2f} B parameters, {files} weight files",
+          params=model_params(eight.hf_config) / 1e9, files=len(list(Path(eight.model).glob("*.safetensors")))))
 assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 
 # %% [markdown] tags=["en"]
@@ -777,4 +796,4 @@ assert len(batch) * max(three.output_lens[i] for i in batch) == 900 and three.nu
 assert max(max(p) for p in make_workload(64, (50, 50), (1, 1), vocab_size=50).prompts) == 49
 
 shutil.rmtree(workdir)  # the chapter's temporary model directories
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

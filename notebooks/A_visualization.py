@@ -561,7 +561,7 @@ def caption(frame: dict, lang: str = "en") -> str:
                                  else f"seq {s['id']} (chunk of {n} tokens, {left} left)")
                 else:
                     items.append(f"序列 {s['id']}（{n} 个 token）" if zh else f"seq {s['id']} ({n} tokens)")
-            parts.append(("预填充：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
+            parts.append(("prefill：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
         else:
             ids = _seq_list([item["seq"] for item in scheduled], zh)
             parts.append(f"decode：序列 {ids}（各 1 个 token）" if zh else f"decode: seq {ids} (1 token each)")
@@ -1060,6 +1060,25 @@ __all__ = [
 # %% [markdown] tags=["zh"]
 # 第一份记录：一个 6 个 token 的请求，每块 4 个 token，生成两个 token。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases, reading_language
+
+say = Phrases({
+    "step {hit}: blocks {blocks} have ref count 2; step {done}: A finished, they have ref count 1":
+        "第 {hit} 步：块 {blocks} 的引用计数为 2；第 {done} 步：A 完成，它们的引用计数为 1",
+    "blocks {blocks}: cached after C finished, revived by D's cache hit in step {step}":
+        "块 {blocks}：C 完成后仍被缓存，在第 {step} 步被 D 的缓存命中复活",
+    "chunks: {chunks}": "分块：{chunks}",
+    "{steps} steps, {count} preemptions (seq ids {seqs}), all 4 requests finished":
+        "{steps} 步，{count} 次抢占（序列 {seqs}），4 个请求全部完成",
+    "{frames} frames checked": "检查了 {frames} 帧",
+    "pool of 3: {error}": "3 个块的块池：{error}",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
 # %%
 import json
 
@@ -1071,7 +1090,7 @@ first = engine.add(list(range(1, 7)), max_tokens=2)
 engine.run()
 recording = engine.recording
 for frame in recording["frames"]:
-    print(f"{frame['index']:2}  {caption(frame, 'en')}")
+    print(f"{frame['index']:2}  {caption(frame, reading_language())}")
 print(json.dumps(recording["frames"][2]["blocks"][:2]))
 Player(recording)
 
@@ -1132,8 +1151,8 @@ for block_id in a_blocks[:2]:
     assert block_of(a_done, block_id)["ref_count"] == 1
     assert block_of(a_done, block_id)["owners"] == [b.seq_id]
 assert block_of(a_done, a_blocks[2])["state"] != "used" and block_of(a_done, a_blocks[2])["ref_count"] == 0
-print(f"step {hit_frame['step']}: blocks {a_blocks[:2]} have ref count 2; "
-      f"step {a_done['step']}: A finished, they have ref count 1")
+print(say("step {hit}: blocks {blocks} have ref count 2; step {done}: A finished, they have ref count 1",
+          hit=hit_frame["step"], blocks=a_blocks[:2], done=a_done["step"]))
 
 # %% [markdown] tags=["en"]
 # ## See it: a cache hit revives a freed block
@@ -1175,7 +1194,8 @@ assert seq_of(d_hit, d.seq_id)["block_table"][:2] == c_blocks[:2]
 for block_id in c_blocks[:2]:
     assert block_of(d_hit, block_id)["state"] == "used" and block_of(d_hit, block_id)["ref_count"] == 1
     assert block_id not in d_hit["free_list"]
-print(f"blocks {c_blocks[:2]}: cached after C finished, revived by D's cache hit in step {d_hit['step']}")
+print(say("blocks {blocks}: cached after C finished, revived by D's cache hit in step {step}", blocks=c_blocks[:2],
+          step=d_hit["step"]))
 
 # %% [markdown] tags=["en"]
 # ## See it: a long prompt prefilled in chunks
@@ -1209,7 +1229,7 @@ for f in after[:2]:
     assert f["waiting"] == [long_seq.seq_id] and f["running"] == []
     assert len(seq_of(f, long_seq.seq_id)["block_table"]) >= seq_of(f, long_seq.seq_id)["num_cached_tokens"] // 4
 assert after[2]["running"] == [long_seq.seq_id]
-print("chunks:", [f["event"]["scheduled"][0]["num_tokens"] for f in prefills])
+print(say("chunks: {chunks}", chunks=[f["event"]["scheduled"][0]["num_tokens"] for f in prefills]))
 
 # %% [markdown] tags=["en"]
 # ## See it: a preemption storm in a tiny pool
@@ -1246,7 +1266,8 @@ assert sorted(final["free_list"]) == list(range(6)) and final["waiting"] == fina
 # zh: 被抢占的序列会回来：被抢占后，它立刻位于等待队列的队头。
 first_storm = next(f for f in frames if f["phase"] == "schedule" and f["event"]["preempted"])
 assert first_storm["waiting"][0] == first_storm["event"]["preempted"][-1]
-print(f"{steps} steps, {len(preempted)} preemptions (seq ids {preempted}), all 4 requests finished")
+print(say("{steps} steps, {count} preemptions (seq ids {seqs}), all 4 requests finished", steps=steps,
+          count=len(preempted), seqs=preempted))
 
 # %% [markdown] tags=["en"]
 # ## Check it: invariants in every frame of every recording
@@ -1288,7 +1309,7 @@ for rec in all_recordings:
         check_frame(frame, rec["block_size"])
     again = json.loads(json.dumps(rec))
     assert player_html(again, player_id="same") == player_html(rec, player_id="same")
-print(f"{sum(len(r['frames']) for r in all_recordings)} frames checked")
+print(say("{frames} frames checked", frames=sum(len(r["frames"]) for r in all_recordings)))
 
 # %% [markdown] tags=["en"]
 # ## The live panel (JupyterLab)
@@ -1610,7 +1631,7 @@ try:
     FakeEngine(num_kvcache_blocks=3, kvcache_block_size=4).add(list(range(6)), max_tokens=8)
     raise AssertionError("a request that can never fit must be rejected")
 except ValueError as error:
-    print("pool of 3:", error)
+    print(say("pool of 3: {error}", error=error))
 
 # en: Exercise 3: without prefix caching B gets no hits and fresh blocks: no block has ref count 2.
 # zh: 练习 3：关闭前缀缓存后 B 没有命中，拿到全新的块：没有任何块的引用计数为 2。
@@ -1621,4 +1642,4 @@ ex3.add([*prefix, 30, 31, 32], max_tokens=5)
 ex3.run()
 assert all(not f["event"].get("cache_hits") for f in ex3.recording["frames"])
 assert max(b["ref_count"] for f in ex3.recording["frames"] for b in f["blocks"]) == 1
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

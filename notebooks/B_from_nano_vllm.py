@@ -658,6 +658,24 @@
 # | 过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | `_allocate_block` 重置被重新使用的块，却把它的旧条目留在 `hash_to_block_id` 里：之后的提示词可能命中为另一段前缀写入的 KV | 条目仍指向这个块时将其删除（`f64d821`） | 同样的规则，写在 `forget` 里；第 03 章构造出这次错误命中，模糊测试防止它再次出现 |
 # | 分块 prefill | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 没有：提示词要么整个 prefill，要么等待；`Config` 要求 `max_num_batched_tokens >= max_model_len`，保证每个提示词都能在一步里放下 | 分块，但只限一步中的第一个序列（`8d63a98`） | 哪个序列用完预算就把哪个分块（第 04 章比较了两种规则），所以预算可以小于 `max_model_len` |
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "the book's side of the second article's five rows holds": "第二篇文章那五行里，本书这一侧的说法都成立",
+    "{upstream} upstream names, {ours} names of ours, {rows} rows per language":
+        "上游的名字 {upstream} 个，本书的名字 {ours} 个，每种语言 {rows} 行",
+    "upstream files: {files}, problems: {problems}": "上游文件：{files} 个，问题：{problems} 个",
+    "three chained block hashes equal upstream's; the last is {last:#018x}": "三个链式块哈希与上游的相同；最后一个是 {last:#018x}",
+    "max_num_seqs=100: upstream has no graph for batches {first}-{last}; ours replays {ours} for them":
+        "max_num_seqs=100：上游没有批大小 {first}-{last} 的图；本书为它们重放大小 {ours} 的图",
+    "RMSNorm in bf16: the same residual: {same}; outputs differ in {share:.0%} of the elements, by at most {ulps} units "
+    "in the last place": "bf16 的 RMSNorm：残差相同：{same}；{share:.0%} 的元素输出不同，最多相差最后一位的 {ulps} 个单位",
+})
+
 # %% the second article's rows
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.scheduler import Scheduler
@@ -712,7 +730,7 @@ long_prompt = Sequence(list(range(20)), SamplingParams(max_tokens=1), block_size
 sched.add(long_prompt)
 _, is_prefill = sched.schedule()
 assert is_prefill and long_prompt.num_scheduled_tokens == 8 < len(long_prompt)
-print("the book's side of the second article's five rows holds")
+print(say("the book's side of the second article's five rows holds"))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -953,8 +971,10 @@ def check_map(source: str, root: Path, inventory: dict[str, list[str]]) -> tuple
 # %%
 path = chapter_path()
 problems, counts = check_map(path.read_text(encoding="utf-8"), path.parent.parent, UPSTREAM_NAMES)
-print(", ".join(f"{count} {what}" for what, count in counts.items()))
-print(f"upstream files: {len(UPSTREAM_NAMES) - 1 + len(UPSTREAM_NAMES[''])}, problems: {len(problems)}")
+print(say("{upstream} upstream names, {ours} names of ours, {rows} rows per language", upstream=counts["upstream names"],
+          ours=counts["names of ours"], rows=counts["rows per language"]))
+print(say("upstream files: {files}, problems: {problems}", files=len(UPSTREAM_NAMES) - 1 + len(UPSTREAM_NAMES[""]),
+          problems=len(problems)))
 for problem in problems:
     print(" ", problem)
 assert problems == []
@@ -994,12 +1014,12 @@ for block in ([1, 2, 3, 4], [151_643, 0, 7, 99_999], [5, 5, 5, 5]):
     ours = block_hash(block, parent)
     assert ours == upstream_digest(block, parent)
     parent = ours
-print(f"three chained block hashes equal upstream's; the last is {parent:#018x}")
+print(say("three chained block hashes equal upstream's; the last is {last:#018x}", last=parent))
 
 upstream_sizes = [1, 2, 4, 8, *range(16, 100 + 1, 16)]  # max_num_seqs=100
 uncovered = [batch for batch in range(1, 101) if batch > max(upstream_sizes)]
-print(f"max_num_seqs=100: upstream has no graph for batches {uncovered[0]}-{uncovered[-1]}; "
-      f"ours replays {graph_batch_size(uncovered[-1], capture_sizes(100))} for them")
+print(say("max_num_seqs=100: upstream has no graph for batches {first}-{last}; ours replays {ours} for them",
+          first=uncovered[0], last=uncovered[-1], ours=graph_batch_size(uncovered[-1], capture_sizes(100))))
 assert uncovered == [97, 98, 99, 100] and all(graph_batch_size(b, capture_sizes(100)) == 100 for b in uncovered)
 
 
@@ -1019,8 +1039,9 @@ weight = (torch.rand(256, generator=norm_rng) + 0.5).to(torch.bfloat16)
 # en: Distance in units of the last place: adjacent bf16 values of one sign differ by 1 as 16-bit integers.
 # zh: 以最后一位为单位的距离：同号的相邻 bf16 数值，作为 16 位整数相差 1。
 last_places = (ours_out.view(torch.int16).int() - their_out.view(torch.int16).int()).abs()
-print(f"RMSNorm in bf16: the same residual: {torch.equal(ours_sum, their_sum)}; outputs differ in "
-      f"{(last_places > 0).float().mean():.0%} of the elements, by at most {last_places.max()} units in the last place")
+print(say("RMSNorm in bf16: the same residual: {same}; outputs differ in {share:.0%} of the elements, by at most {ulps} "
+          "units in the last place", same=torch.equal(ours_sum, their_sum), share=(last_places > 0).float().mean(),
+          ulps=last_places.max()))
 assert torch.equal(ours_sum, their_sum) and 0 < last_places.max() <= 2
 
 # %% [markdown] tags=["en"]

@@ -317,7 +317,9 @@ def test_captions_say_what_happened():
     assert caption(frames[3], "en") == (
         "step 2: decode: seq 0 (1 token each) · cache hit on block 0 (seq 0) · preempted seq 1")
     assert caption(frames[4], "en") == "step 2 done: appended a token to seq 0 · finished seq 0 (blocks freed)"
-    assert caption(frames[2], "zh") == "第 1 步：预填充：序列 0（6 个 token）、序列 1（6 个 token）"
+    # The glossary keeps prefill and decode in English in Chinese text: the two step kinds read alike.
+    assert caption(frames[2], "zh") == "第 1 步：prefill：序列 0（6 个 token）、序列 1（6 个 token）"
+    assert caption(frames[3], "zh").startswith("第 2 步：decode：序列 0（各 1 个 token）")
     assert "抢占序列 1" in caption(frames[3], "zh") and "缓存命中：块 0（序列 0）" in caption(frames[3], "zh")
     with pytest.raises(ValueError, match="one language at a time"):
         caption(frames[0], "both")

@@ -31,15 +31,37 @@ def test_a_raising_chapter_fails_execution_with_its_name(tmp_path: Path, capsys)
     fine.write_text(RAISING.split("# %%\nraise")[0], encoding="utf-8")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "98_broken.ipynb").write_text("an older run's outputs", encoding="utf-8")
+    for lang in book.LANGUAGES:
+        (out / lang).mkdir(parents=True)
+        (out / lang / "98_broken.ipynb").write_text("an older run's outputs", encoding="utf-8")
     assert book.main(["execute", str(broken), str(fine), "--out", str(out)]) == 1
     err = capsys.readouterr().err
-    assert "98_broken.py raised" in err and "the claim on this page is false" in err
-    # The failing chapter leaves no executed copy behind (not even an older one); the others still ran,
-    # with their outputs, as the site needs them.
-    assert not (out / "98_broken.ipynb").exists()
-    outputs = [o for c in nbformat.read(out / "99_fine.ipynb", as_version=4).cells for o in c.get("outputs", [])]
-    assert [o.get("text") for o in outputs] == ["before\n"]
+    assert "98_broken.py raised while executing in en" in err and "the claim on this page is false" in err
+    # The failing chapter leaves no executed copy behind, in any language (not even an older one); the
+    # others still ran, once per language, with their outputs, as the sites need them.
+    for lang in book.LANGUAGES:
+        assert not (out / lang / "98_broken.ipynb").exists()
+        outputs = [o for c in nbformat.read(out / lang / "99_fine.ipynb", as_version=4).cells
+                   for o in c.get("outputs", [])]
+        assert [o.get("text") for o in outputs] == ["before\n"]
+
+
+SPEAKING = """# %%
+import os
+
+print(os.environ.get("NANOVLLM_BOOK_LANG"))
+"""
+
+
+def test_each_language_runs_with_the_variable_that_the_book_reads(tmp_path: Path) -> None:
+    chapter = tmp_path / "97_speaking.py"
+    chapter.write_text(SPEAKING, encoding="utf-8")
+    assert book.main(["execute", str(chapter), "--out", str(tmp_path / "out")]) == 0
+    for lang in book.LANGUAGES:
+        cell = nbformat.read(tmp_path / "out" / lang / "97_speaking.ipynb", as_version=4).cells[0]
+        assert cell.outputs[0]["text"] == f"{lang}\n"
+    assert book.main(["execute", str(chapter), "--out", str(tmp_path / "zh-only"), "--lang", "zh"]) == 0
+    assert [p.parent.name for p in (tmp_path / "zh-only").rglob("*.ipynb")] == ["zh"]
 
 
 def test_localize_keeps_one_language_and_tags_hidden_cells() -> None:

@@ -1,12 +1,14 @@
 """Execute the chapters and build the English and Chinese sites.
 
-``python -m tools.book execute [chapter.py ...]``
-    runs every chapter (or the ones named) top to bottom in a fresh kernel and writes the
-    executed notebooks to ``build/executed/``, printing each chapter's time. A chapter whose cell
-    raises is named with its error and left out; the others still run, and the exit status is 1.
-    ``./dev test`` runs the chapters this way, once, and builds the sites from the same notebooks.
+``python -m tools.book execute [chapter.py ...] [--lang en|zh]``
+    runs every chapter (or the ones named) top to bottom in a fresh kernel, once per language, and
+    writes the executed notebooks to ``build/executed/<lang>/``, printing each run's time. A chapter
+    prints in the reader's language (``nanovllm.book.lang``: ``NANOVLLM_BOOK_LANG`` is set for the
+    kernel), so each site gets its own run. A chapter whose cell raises is named with its error and
+    left out; the others still run, and the exit status is 1. ``./dev test`` runs the chapters this
+    way, once per language, and builds the sites from the same notebooks.
 ``python -m tools.book site``
-    turns the executed notebooks into one docs tree per language (``build/docs/en``,
+    turns each language's executed notebooks into its docs tree (``build/docs/en``,
     ``build/docs/zh``: markdown cells of the other language, its code comments and its half of
     every bilingual output removed, ``#| hide`` cells' code hidden, exercise answers tagged to
     be folded, no stray spaces in Chinese prose (tools/cjk.py), no paths of the build machine
@@ -47,6 +49,8 @@ from tools.tangle import DIRECTIVE, ROOT, chapter_files
 
 BUILD = ROOT / "build"
 LANGUAGES = {"en": "mkdocs.yml", "zh": "mkdocs.zh.yml"}
+# The variable that nanovllm.book.lang reads: the language a chapter prints its traces and tables in.
+LANG_ENV = "NANOVLLM_BOOK_LANG"
 COMMENT = re.compile(r"^(?P<indent>\s*)# (?P<lang>en|zh): ?(?P<text>.*)$")
 # The heading of a chapter's exercises; the code cells right after that prose are the answers.
 EXERCISES = re.compile(r"^#{2,3}\s+(Exercises|练习)\s*$", re.M)
@@ -59,40 +63,48 @@ class ChapterError(Exception):
     """A chapter raised while it was executed."""
 
 
-def execute(chapters: list[Path], out_dir: Path) -> list[Path]:
-    """Run each chapter in a fresh kernel from the project root; write the executed notebooks.
+def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tuple(LANGUAGES)) -> list[Path]:
+    """Run each chapter in a fresh kernel from the project root, once per language; write the executed notebooks.
 
-    A chapter whose cell raises is reported and left out (an older executed copy of it is removed, so
-    that no site shows stale outputs); the others still run, and ChapterError then names every failure.
-    This is the book's only execution: `./dev test` checks the chapters with it and builds the sites
-    from its notebooks.
+    ``out_dir/<lang>/<chapter>.ipynb`` holds the run whose printed traces and tables speak ``lang``. A
+    chapter whose cell raises (in any language) is reported and left out of every language executed (an
+    older executed copy of it is removed, so that no site shows stale outputs); the others still run,
+    and ChapterError then names every failure. This is the book's only execution: `./dev test` checks
+    the chapters with it and builds the sites from its notebooks.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    for lang in languages:
+        (out_dir / lang).mkdir(parents=True, exist_ok=True)
     written, failures = [], []
     began = time.monotonic()
     for k, chapter in enumerate(chapters, start=1):
-        print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end=" ", flush=True)
-        started = time.monotonic()
-        target = out_dir / chapter.with_suffix(".ipynb").name
+        print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end="", flush=True)
+        targets = {lang: out_dir / lang / chapter.with_suffix(".ipynb").name for lang in languages}
+        runs = {}
         try:
-            notebook = run_chapter(chapter)
+            for lang in languages:
+                started = time.monotonic()
+                runs[lang] = run_chapter(chapter, lang)
+                print(f" {lang} {time.monotonic() - started:5.1f} s", end="", flush=True)
         except ChapterError as error:
-            print("failed", flush=True)
-            target.unlink(missing_ok=True)
+            print(f" {lang} failed", flush=True)
+            for target in targets.values():
+                target.unlink(missing_ok=True)
             failures.append(str(error))
             continue
-        print(f"{time.monotonic() - started:6.1f} s", flush=True)
-        nbformat.write(notebook, target)
-        written.append(target)
+        print(flush=True)
+        for lang, notebook in runs.items():
+            nbformat.write(notebook, targets[lang])
+            written.append(targets[lang])
     if len(chapters) > 1:
-        print(f"book: executed {len(chapters)} chapters in {minutes(time.monotonic() - began)}", flush=True)
+        print(f"book: executed {len(chapters)} chapters ({', '.join(languages)}) in "
+              f"{minutes(time.monotonic() - began)}", flush=True)
     if failures:
         raise ChapterError("\n\n".join(failures))
     return written
 
 
-def run_chapter(chapter: Path) -> nbformat.NotebookNode:
-    """The chapter executed top to bottom in a fresh kernel; ChapterError if a cell raises."""
+def run_chapter(chapter: Path, lang: str = "en") -> nbformat.NotebookNode:
+    """The chapter executed top to bottom in a fresh kernel, printing in ``lang``; ChapterError if a cell raises."""
     notebook = jupytext.read(chapter, fmt="py:percent")
     # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
     # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
@@ -101,11 +113,11 @@ def run_chapter(chapter: Path) -> nbformat.NotebookNode:
         client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
                                 resources={"metadata": {"path": str(ROOT)}})
         try:
-            client.execute()
+            client.execute(env={**os.environ, LANG_ENV: lang})
         except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
             # A cell that raised, ran past CELL_TIMEOUT_S or took its kernel down: the chapter failed, the book goes on.
             what = "raised" if isinstance(error, CellExecutionError) else f"failed ({type(error).__name__})"
-            raise ChapterError(f"{chapter.name} {what} while executing:\n{error}") from error
+            raise ChapterError(f"{chapter.name} {what} while executing in {lang}:\n{error}") from error
         finally:  # nbclient leaves a kernel it did not create running
             if kernel.has_kernel:
                 kernel.shutdown_kernel(now=True)
@@ -198,7 +210,7 @@ NOT_EXECUTED = {
 
 
 def chapter_notebooks(executed_dir: Path) -> dict[str, nbformat.NotebookNode]:
-    """Every chapter, executed where ``executed_dir`` has it, else as its source with a banner (and a warning)."""
+    """Every chapter, executed where ``executed_dir`` (one language's) has it, else as its source with a banner."""
     notebooks, missing, stale = {}, [], []
     for chapter in chapter_files(ROOT):
         path = executed_dir / chapter.with_suffix(".ipynb").name
@@ -214,9 +226,11 @@ def chapter_notebooks(executed_dir: Path) -> dict[str, nbformat.NotebookNode]:
         notebooks[chapter.stem] = notebook
         missing.append(chapter.stem)
     if missing:
-        print(f"book: warning: not executed, built without outputs: {', '.join(missing)}", flush=True)
+        print(f"book: warning: not executed in {executed_dir.name}, built without outputs: {', '.join(missing)}",
+              flush=True)
     if stale:
-        print(f"book: warning: executed before their chapter last changed: {', '.join(stale)}", flush=True)
+        print(f"book: warning: executed in {executed_dir.name} before their chapter last changed: {', '.join(stale)}",
+              flush=True)
     return notebooks
 
 
@@ -259,12 +273,11 @@ def docs_tree(lang: str, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
 
 
 def build_sites(executed_dir: Path) -> None:
-    notebooks = chapter_notebooks(executed_dir)
     site = BUILD / "site"
     if site.exists():
         shutil.rmtree(site)
     for lang, config in LANGUAGES.items():  # English first: it would clean the zh/ subfolder
-        docs_tree(lang, notebooks)
+        docs_tree(lang, chapter_notebooks(executed_dir / lang))  # each site from its own language's run
         print(f"book: building the {lang} site", flush=True)
         command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / config)]
         subprocess.run(command, check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
@@ -275,11 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Execute the book and build its sites.")
     parser.add_argument("action", choices=["execute", "site", "all"])
     parser.add_argument("chapters", nargs="*", type=Path, help="chapters to execute (default: all)")
-    parser.add_argument("--out", type=Path, default=BUILD / "executed", help="where executed notebooks go")
+    parser.add_argument("--out", type=Path, default=BUILD / "executed",
+                        help="where executed notebooks go (one folder per language)")
+    parser.add_argument("--lang", choices=list(LANGUAGES), action="append",
+                        help="execute in this language only (repeatable; default: every language)")
     args = parser.parse_args(argv)
     try:
         if args.action in ("execute", "all"):
-            execute([c.resolve() for c in args.chapters] or chapter_files(ROOT), args.out)
+            languages = tuple(args.lang or LANGUAGES)
+            execute([c.resolve() for c in args.chapters] or chapter_files(ROOT), args.out, languages)
         if args.action in ("site", "all"):
             build_sites(args.out)
     except ChapterError as error:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from nanovllm.bench.report import Stopwatch
+from nanovllm.book.lang import Phrases
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 
@@ -63,6 +64,17 @@ def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams],
     return SamplingRun(name, clock.seconds, made, seen["prefill"], seen["peak"])
 
 
+# notebooks/04b_parallel_sampling.py · cell "report phrases"
+# The report's words in Chinese, printed when the book reads in Chinese (nanovllm.book.lang); English otherwise.
+_say = Phrases({
+    "forked: n={n}": "分叉：n={n}",
+    "independent: {n} requests per prompt": "独立：每个提示词 {n} 个请求",
+    "prefill tokens": "prefill token",
+    "peak blocks": "峰值占用块数",
+    "forked / independent": "分叉 / 独立",
+})
+
+
 # notebooks/04b_parallel_sampling.py · cell "compare"
 def compare_parallel_sampling(
     model: str, prompts: list[list[int]], output_lens: list[int], n: int, **config: Any
@@ -76,7 +88,8 @@ def compare_parallel_sampling(
     config.setdefault("max_num_seqs", max(512, n))
     params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, n=n) for m in output_lens]
     runs = []
-    for fork, name in ((True, f"forked: n={n}"), (False, f"independent: {n} requests per prompt")):
+    names = {True: _say("forked: n={n}", n=n), False: _say("independent: {n} requests per prompt", n=n)}
+    for fork, name in names.items():
         llm = LLM(model, fork_samples=fork, **config)
         try:
             # Warm-up on a prompt unrelated to the workload (nothing it publishes can be hit).
@@ -92,7 +105,7 @@ def compare_parallel_sampling(
 def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
     """Print the runs side by side (and their ratios); return them as JSON-ready data."""
     forked, independent = runs
-    print(f"{'':<38} {'tok/s':>10} {'prefill tokens':>15} {'peak blocks':>12}")
+    print(f"{'':<38} {'tok/s':>10} {_say('prefill tokens'):>15} {_say('peak blocks'):>12}")
     for run in runs:
         print(f"{run.name:<38} {run.tokens_per_s:>10,.0f} {run.prefill_tokens:>15,} {run.peak_blocks:>12,}")
     ratios = {
@@ -100,6 +113,6 @@ def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
         "prefill_tokens": forked.prefill_tokens / independent.prefill_tokens,
         "peak_blocks": forked.peak_blocks / independent.peak_blocks,
     }
-    print(f"{'forked / independent':<38} {ratios['tokens_per_s']:>9.2f}x {ratios['prefill_tokens']:>14.2f}x "
+    print(f"{_say('forked / independent'):<38} {ratios['tokens_per_s']:>9.2f}x {ratios['prefill_tokens']:>14.2f}x "
           f"{ratios['peak_blocks']:>11.2f}x")
     return {"runs": [run.__dict__ | {"tokens_per_s": run.tokens_per_s} for run in runs], "ratios": ratios}

@@ -117,7 +117,7 @@ def caption(frame: dict, lang: str = "en") -> str:
                                  else f"seq {s['id']} (chunk of {n} tokens, {left} left)")
                 else:
                     items.append(f"序列 {s['id']}（{n} 个 token）" if zh else f"seq {s['id']} ({n} tokens)")
-            parts.append(("预填充：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
+            parts.append(("prefill：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
         else:
             ids = _seq_list([item["seq"] for item in scheduled], zh)
             parts.append(f"decode：序列 {ids}（各 1 个 token）" if zh else f"decode: seq {ids} (1 token each)")

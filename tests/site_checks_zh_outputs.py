@@ -1,0 +1,219 @@
+"""Checks on the built sites: what the chapters print speaks the reader's language (issue 23, item 6).
+
+Run by `./dev test` after the sites are built, like tests/site_checks.py (the file name does not start
+with test_: the sites must exist first). Each site is built from its own run of the chapters
+(tools/book.py sets NANOVLLM_BOOK_LANG for the kernel), so the printed traces, tables and charts of
+the Chinese site are Chinese, and the English site's are what they always were.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from tools import tangle
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "build" / "site"
+PAGES = {"en": SITE, "zh": SITE / "zh"}
+CHAPTERS = [p.stem for p in tangle.chapter_files(ROOT)]
+SVG_DATA = "data:image/svg+xml;base64,"
+CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
+
+# What stays English on the Chinese site, by the start of its output: the engine's own messages (errors
+# and refusals, shown as raised), a command line's help, a model's English text, data and identifiers.
+# An output that starts otherwise and holds no Chinese fails the check.
+ENGLISH_ON_PURPOSE = {
+    "00_tour": (">>> What is the capital of France?", "0 True"),
+    "01_sequence": ("SamplingParams(temperature=", "RuntimeError: sequence 0: illegal status change"),
+    "02_block_manager": ("AssertionError: sequence",),
+    "04_scheduler": ("extendleft:", "ValueError: request"),
+    "05_model": ("['.nanovllm-tiny'", "ModelLoadError:"),
+    "06b_triton_attention": ("device: cpu",),
+    "07_sampling": ("device: cpu",),
+    "08_model_runner": ("input_ids    [",),
+    "09_cuda_graphs": ("input_ids    [", "('cpu', 'torch') -> device is 'cpu'"),
+    "10_tensor_parallel": ("ValueError: number of key/value heads",),
+    "11_engine": ("usage: python -m nanovllm", ">>> What is the capital of France?"),
+}
+
+# Where the English site prints a word, a heading or a label, the Chinese site prints the glossary's
+# Chinese: (English, Chinese) pairs, each printed (or drawn) by the chapter on its own site.
+TRANSLATED = {
+    "00_tour": [
+        ("ch. 11", "第 11 章"), ("step 1: prefill  computed 16 tokens", "第 1 步：prefill  计算了 16 个 token"),
+        ("exercise 2: the same seed gives the same answer", "练习 2：同一个种子给出同样的回答"),
+    ],
+    "01_sequence": [
+        ("prefill chunk 1", "prefill 分块 1"), ("the worked example holds", "算例成立"),
+        ("preempt (free blocks, recompute later)", "抢占（释放块，之后重算）"),
+    ],
+    "02_block_manager": [
+        ("causal mask", "因果掩码"), ("requests fit", "个请求"), ("free A", "释放 A"), ("free=[", "空闲队列=["),
+        ("free list: [7, 1, 3", "空闲队列：[7, 1, 3"), ("ref counts:", "引用计数："),
+        ("trace and invariants hold", "轨迹与不变量均成立"), ("F needs 12 adjacent slots", "F 需要 12 个相邻槽位"),
+        ("empty slots per sequence", "个空槽位"), ("modulo rule agrees", "与取模规则一致"),
+        ("Physical KV blocks", "物理 KV 块"),  # the paging figure
+    ],
+    "03_prefix_caching": [
+        ("A prefilled, hits []", "A prefill 完毕，命中 []"), ("shared-prefix claims hold", "共享前缀的论断成立"),
+        ("backward free", "倒序释放"), ("wrong positions", "出错的位置"),
+    ],
+    "04_scheduler": [
+        ("step kind     scheduled", "  步 类型     已调度"), ("cache hits", "缓存命中"),
+        ("scheduled A,B,C,D    preempted -    running A,B,C,D", "已调度 A,B,C,D    被抢占 -    运行 A,B,C,D"),
+        ("four sequences, four blocks:", "四个序列，四个块："), ("chunked prefill steps", "个分块 prefill 步"),
+        ("mean steps to first token", "到第一个 token 的平均步数"), ("preempt the newest", "抢占最新的"),
+        ("budget left, and the head gets its blocks?", "还有预算，且队头能分到块？"),  # the flowchart
+    ],
+    "04b_parallel_sampling": [
+        ("after the prefill and the fork", "prefill 并分叉之后"),
+        ("A1: table [0(ref 2), 1(ref 2)]", "A1：块表 [0（引用 2）"),
+        ("    block 0: Four score and seven", "    块 0：Four score and seven"),
+        ("free blocks after each remaining step", "空闲块数"), ("forks: {", "分叉：{"),
+        ("peak blocks", "峰值占用块数"), ("4 identical requests", "4 个相同的请求"), ("sample 0: [", "样本 0：["),
+        ("forked / independent", "分叉 / 独立"),
+    ],
+    "05_model": [("ours == transformers for Qwen3", "我们的结果 == transformers"), ("all finite", "全部有限")],
+    "06_attention": [("paged attention matches dense attention", "分页注意力与稠密注意力一致")],
+    "06b_triton_attention": [
+        ("cache B's prefix", "缓存 B 的前缀"), ("prefill with a prefix", "带前缀的 prefill"),
+        ("caches identical", "缓存完全相同"), ("batch context  plain", "批量  上下文   普通"),
+        # the chart: its title, axes and series
+        ("% of copy bandwidth", "占拷贝带宽的 %"), ("batch size (sequences)", "批大小（序列数）"),
+        ("plain, ctx 1024", "普通，上下文 1024"), ("heuristic, ctx 8192", "启发式，上下文 8192"),
+        ("the heuristic is within 10 %", "启发式规则在每个形状上"), ("128 keys", "128 个键"),
+    ],
+    "07_sampling": [("chi-square =", "卡方 ="), ("tokens drawn:", "抽到的 token："), ("two calls:", "两次调用：")],
+    "08_model_runner": [("misspelled key", "拼错的键"), ("Config checks hold", "Config 的检查成立")],
+    "09_cuda_graphs": [("all checks passed", "全部检查通过"), ("it never preempts", "它从不抢占")],
+    "10_tensor_parallel": [
+        ("every layer kind reassembles exactly", "每种层都能精确拼回原样"), ("ranks alive:", "rank 仍存活："),
+        ("own heads + KV", "自己的头 + KV"),  # the drawing
+    ],
+    "11_engine": [
+        ("step  1 prefill [seq 0: 12", "第  1 步 prefill [序列 0: 12"), ("preempted [", "抢占 ["),
+        ("greedy tokens match transformers", "贪心解码的 token 与 transformers 完全一致"),
+        ("model directory:", "模型目录："), ("all exercise answers check out", "练习答案全部验证通过"),
+    ],
+    "12_async_scheduling": [("the tokens equal the synchronous run's", "token 与同步运行的相同")],
+    "13_robustness": [("three threads, one engine", "三个线程，一个引擎"), ("empty prompt", "空提示词")],
+    "14_benchmark": [("benchmark checks hold", "基准测试的检查成立"), ("peer batch:", "对照组批次：")],
+    "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
+    "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],
+}
+
+
+class Outputs(HTMLParser):
+    """The text of each code cell's output area in a built page (printed text, SVG labels, players)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.areas: list[str] = []
+        self.depth = 0  # divs open inside the current output area; 0: outside any
+        self.code = 0  # inside a player's <script> or <style>: not text a reader sees
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("script", "style"):
+            self.code += 1
+        src = dict(attrs).get("src") or ""
+        if tag == "img" and self.depth and src.startswith(SVG_DATA):  # a drawing or a chart: the labels it shows
+            svg = base64.b64decode(src.removeprefix(SVG_DATA)).decode("utf-8")
+            labels = re.findall(r"<text\b[^>]*>(.*?)</text>", svg, re.S)
+            self.areas[-1] += "".join(html.unescape(re.sub(r"<[^>]+>", "", label)) + "\n" for label in labels)
+        if tag != "div":
+            return
+        if self.depth:
+            self.depth += 1
+        elif "jp-Cell-outputArea" in (dict(attrs).get("class") or "").split():
+            self.depth = 1
+            self.areas.append("")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("script", "style"):
+            self.code -= 1
+        if tag == "div" and self.depth:
+            self.depth -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self.depth and not self.code:
+            self.areas[-1] += data
+
+
+def printed(lang: str, chapter: str) -> list[str]:
+    path = PAGES[lang] / "chapters" / chapter / "index.html"
+    assert path.exists(), f"{path} was not built"
+    parser = Outputs()
+    parser.feed(path.read_text(encoding="utf-8"))
+    return [area.strip("\n") + "\n" for area in parser.areas if area.strip()]
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_the_english_site_prints_no_chinese(chapter: str) -> None:
+    chinese = [area for area in printed("en", chapter) if CJK.search(area)]
+    assert chinese == [], f"{chapter}: Chinese in an English output: {chinese[0][:200]!r}"
+
+
+@pytest.mark.parametrize("chapter", TRANSLATED)
+def test_the_chinese_site_prints_chinese_where_the_english_site_prints_english(chapter: str) -> None:
+    en, zh = "\n".join(printed("en", chapter)), "\n".join(printed("zh", chapter))
+    for english, chinese in TRANSLATED[chapter]:
+        assert english in en, f"{chapter}: the English site no longer prints {english!r}"
+        assert chinese in zh, f"{chapter}: the Chinese site does not print {chinese!r}"
+        assert english not in zh, f"{chapter}: the Chinese site still prints {english!r}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_output_of_a_chinese_page_speaks_chinese(chapter: str) -> None:
+    en, zh = printed("en", chapter), printed("zh", chapter)
+    assert len(en) == len(zh), f"{chapter}: {len(en)} outputs on the English page, {len(zh)} on the Chinese one"
+    english = [area for area in zh if not CJK.search(area)
+               and not area.startswith(ENGLISH_ON_PURPOSE.get(chapter, ()))]
+    assert english == [], f"{chapter}: {len(english)} of {len(zh)} outputs print English only: {english[0][:200]!r}"
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chinese_outputs_keep_prefill_and_decode_in_english(chapter: str) -> None:
+    """The glossary keeps prefill and decode in English in Chinese text; the player's captions once said 预填充."""
+    for area in printed("zh", chapter):
+        assert "预填充" not in area and "解码：" not in area, f"{chapter}: {area[:200]!r}"
+
+
+ALIGNMENT_JS = """(() => {
+  const pre = [...document.querySelectorAll('.jp-OutputArea-output pre')].find(p => p.textContent.includes('A:12+2'));
+  const range = document.createRange();
+  const x = (index) => {  // the left edge of the character at index in the block's text
+    const walk = document.createTreeWalker(pre, NodeFilter.SHOW_TEXT);
+    for (let node, seen = 0; (node = walk.nextNode()); seen += node.length) {
+      if (index < seen + node.length) {
+        range.setStart(node, index - seen); range.setEnd(node, index - seen + 1);
+        return range.getBoundingClientRect().left;
+      }
+    }
+  };
+  const [header, first] = pre.textContent.split('\\n');
+  const row = header.length + 1;
+  // the first row's waiting, running and free columns: ['A', 'B', 'C'], [] and 3
+  return {header: ['等待', '运行', '空闲'].map(h => x(header.indexOf(h))),
+          column: [first.indexOf("['A'"), first.indexOf('[]'), first.lastIndexOf('3')].map(i => x(row + i))};
+})()"""
+
+
+def test_chinese_headings_stay_over_their_columns_in_a_browser() -> None:
+    """A Chinese character takes two monospace columns on the page too (docs/assets/extra.css), as the book pads it."""
+    from tests.test_viz_browser import CHROMIUM, Browser
+
+    assert CHROMIUM, "the browser check needs Chromium (./dev test installs Debian's chromium)"
+    browser = Browser(CHROMIUM)
+    try:
+        browser.open((PAGES["zh"] / "chapters" / "04_scheduler" / "index.html").as_uri())
+        where = browser.js(ALIGNMENT_JS)
+    finally:
+        browser.close()
+    drift = [round(h - c, 1) for h, c in zip(where["header"], where["column"], strict=True)]
+    assert all(abs(d) < 1 for d in drift), f"chapter 04's step table: headings off their columns by {drift} px"
