@@ -296,3 +296,56 @@ def test_an_engine_failure_fails_its_requests_only(tiny):
             assert llm.is_finished() and not llm.scheduler.block_manager.used_block_ids
     finally:
         llm.exit()
+
+
+# What the live page shows, read from the page: each frame's index, caption and used blocks.
+FRAMES_JS = """[...document.querySelectorAll('#live .nvv-frame')].map(f => ({
+    index: +f.getAttribute('data-frame'), caption: f.querySelector('.nvv-cap').textContent,
+    used: f.querySelectorAll('.nvv-blk.nvv-used').length, blocks: f.querySelectorAll('.nvv-blk').length}))"""
+
+
+def test_dashboard_browser_shows_blocks_taken_and_freed(server, client, tmp_path):
+    from test_viz_browser import CHROMIUM, ROOT, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    wait_idle(server)
+    browser = Browser(CHROMIUM)
+
+    def frames_until(done, timeout: float = 20.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            frames = browser.js(FRAMES_JS)
+            if done(frames) or time.monotonic() > deadline:
+                return frames
+            time.sleep(0.1)
+
+    try:
+        browser.open(f"{server.url}/dashboard")
+        start = frames_until(lambda f: len(f) >= 1)
+        assert start and start[-1]["blocks"] == 64 and start[-1]["used"] == 0, start
+        for i in range(3):
+            client.completions.create(model="tiny", prompt=f"Request {i} " * 8, max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        frames = frames_until(lambda f: f and "finished" in f[-1]["caption"] and f[-1]["used"] == 0)
+        assert any(f["used"] > 0 for f in frames), frames  # blocks were allocated ...
+        assert frames[-1]["used"] == 0 and "finished" in frames[-1]["caption"]  # ... and freed
+        assert any("prefill" in f["caption"] for f in frames) and any("decode" in f["caption"] for f in frames)
+        # A client that goes away: the page shows its request aborted and its blocks freed.
+        body = {"model": "tiny", "prompt": "A long story:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as reply:
+            next(reply.iter_lines())
+        frames = frames_until(lambda f: f and "client gone" in f[-1]["caption"])
+        assert "client gone" in frames[-1]["caption"] and frames[-1]["used"] == 0, frames[-3:]
+        assert browser.js("document.querySelector('#live').classList.contains('nvv-playing')")
+        browser.screenshot(ROOT / "build" / "serve-dashboard.png")
+        # The Chinese page speaks Chinese only.
+        browser.open(f"{server.url}/dashboard?lang=zh")
+        client.completions.create(model="tiny", prompt="你好", max_tokens=4, temperature=0)
+        frames = frames_until(lambda f: f and "完成" in f[-1]["caption"])
+        assert "完成" in frames[-1]["caption"] and "finished" not in frames[-1]["caption"]
+        assert "块池" in browser.js("document.body.innerText") and "block pool" not in browser.js(
+            "document.body.innerText")
+    finally:
+        browser.close()
+    wait_idle(server)

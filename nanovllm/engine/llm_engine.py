@@ -490,8 +490,8 @@ class LLMEngine:
 
     # notebooks/15_serving.py · cell "step tokens"
     def abort_request(self, request_id: int, sample_index: int | None = None) -> list[int]:
-        """Drop a request of `add_request`, or only its sample ``sample_index``: out of the queues, its blocks freed now,
-        never reported by `step`. Returns the seq_ids dropped (none once the request was reported, or if it never was)."""
+        """Drop a request of `add_request`, or only its sample ``sample_index``: out of the queues, its blocks freed
+        now, never reported by `step`. Returns the seq_ids dropped (none once it was reported, or if it never was)."""
         with self._one_call("abort_request"):
             dropped = []
             for seq in self._unreported_sequences().values():
