@@ -246,8 +246,7 @@ def test_backpressure_and_ctrl_c(tiny):
     exits 0 within seconds."""
     args = ["--model", tiny, "--served-model-name", "tiny", *ARGS, "--max-num-batched-tokens", "1",
             "--max-waiting", "2"]
-    process = ServerProcess(args).start()
-    try:
+    with ServerProcess(args) as process:
         body = {"model": "tiny", "prompt": [10 + i % 400 for i in range(300)], "max_tokens": 200, "temperature": 0,
                 "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=30) as http:
@@ -266,8 +265,6 @@ def test_backpressure_and_ctrl_c(tiny):
             status = process.process.wait(15)
         assert status == 0 and time.monotonic() - began < 10, process.output()
         assert "Traceback" not in process.output()
-    finally:
-        process.stop()
 
 
 def test_an_engine_failure_fails_its_requests_only(tiny):

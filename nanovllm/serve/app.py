@@ -196,6 +196,14 @@ class StatsCollector(Collector):
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).",
                       stats.num_preemptions)
+        steps = CounterMetricFamily("nanovllm:engine_steps", "Steps of the engine, by kind.", labels=[*labels, "kind"])
+        seconds = CounterMetricFamily("nanovllm:engine_step_seconds", "Wall time of the engine's steps, by kind.",
+                                      labels=[*labels, "kind"])
+        for kind in sorted(stats.steps):
+            steps.add_metric([*value, kind], stats.steps[kind])
+            seconds.add_metric([*value, kind], stats.step_seconds[kind])
+        yield steps
+        yield seconds
         finished = CounterMetricFamily("nanovllm:request_success", "Requests finished, by reason.",
                                        labels=[*labels, "finished_reason"])
         for reason, count in sorted(stats.requests_finished.items()):

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +69,9 @@ class ServerStats:
     prefix_cache_hits: int = 0  # of those, tokens whose KV was found in the prefix cache
     num_preemptions: int = 0
     requests_finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    # The engine's steps, by kind ("prefill", "decode"): how many, and their wall time in seconds.
+    steps: dict[str, int] = field(default_factory=dict)
+    step_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class SchedulerWatch:
@@ -77,6 +81,7 @@ class SchedulerWatch:
     def __init__(self, stats: ServerStats, block_size: int) -> None:
         self.stats, self.block_size = stats, block_size
         self.recorder: Callable[[str, dict], None] | None = None
+        self.is_prefill = False  # what the last step scheduled
 
     def __call__(self, event: str, payload: dict) -> None:
         if event == "schedule":
@@ -86,6 +91,7 @@ class SchedulerWatch:
                 if seqs[seq_id].num_completion_tokens == 0:
                     self.stats.prefix_cache_hits += len(blocks) * self.block_size
             self.stats.num_preemptions += len(payload["preempted"])
+            self.is_prefill = bool(payload["is_prefill"])
         if self.recorder is not None:
             self.recorder(event, payload)
 
@@ -204,6 +210,7 @@ class EngineDriver:
             message[1]()
 
     def _step(self) -> None:
+        began = time.perf_counter()
         try:
             news = self.engine.step_tokens()
         except NonFiniteLogitsError as error:
@@ -222,6 +229,9 @@ class EngineDriver:
                                                "internal_server_error"))
             self.streams.clear()
             return
+        kind = "prefill" if self.watch.is_prefill else "decode"
+        self.stats.steps[kind] = self.stats.steps.get(kind, 0) + 1
+        self.stats.step_seconds[kind] = self.stats.step_seconds.get(kind, 0.0) + time.perf_counter() - began
         for new in news:
             stream = self.streams.get(new.request_id)
             if stream is None:
