@@ -45,12 +45,13 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
             continue
         flag, kind = "--" + f.name.replace("_", "-"), hints[f.name]
         default = f.default if f.default is not MISSING else None
+        said = f"default: {default}"
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
         elif isinstance(kind, types.UnionType):  # bool | str: True, False or "auto"
-            group.add_argument(flag, choices=["auto", "on", "off"], default="auto")
+            group.add_argument(flag, choices=["auto", "on", "off"], default="auto", help="default: auto")
         else:
-            group.add_argument(flag, type=kind, default=default, metavar=f.name.upper())
+            group.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=said)
 
 
 def build_parser() -> argparse.ArgumentParser:
