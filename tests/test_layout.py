@@ -2,8 +2,9 @@
 
 Core: what upstream nano-vllm has (config, sampling parameters, the engine, the layers, the models,
 utils, the `LLM` front door). Book-only: the literate helper, tiny test models and the SmolLM2
-conversion (`nanovllm.book`), the visualization (`nanovllm.viz`), the benchmarks (`nanovllm.bench`)
-and the demo's command line (`nanovllm.__main__`). Read statically: no module is imported.
+conversion (`nanovllm.book`), the visualization (`nanovllm.viz`), the benchmarks (`nanovllm.bench`),
+the demo's command line (`nanovllm.__main__`) and the server on top of the engine (`nanovllm.serve`, which
+may import all of these). Read statically: no module is imported.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanovllm"
-BOOK_ONLY = ("nanovllm.book", "nanovllm.viz", "nanovllm.bench", "nanovllm.__main__")
+BOOK_ONLY = ("nanovllm.book", "nanovllm.viz", "nanovllm.bench", "nanovllm.__main__", "nanovllm.serve")
 # The core's layers, lowest first: a module may import its own layer and the layers below it.
 LAYERS = ("nanovllm.utils", "nanovllm.sampling_params", "nanovllm.layers", "nanovllm.models", "nanovllm.config",
           "nanovllm.engine", "nanovllm.llm", "nanovllm.__init__")
