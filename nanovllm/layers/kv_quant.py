@@ -54,18 +54,22 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
-    """Quantize ``x`` [n, kv_heads, d] into rows ``slots`` [n] of one layer's float8 cache
+    """Quantize ``x`` [n, kv_heads, d] into rows ``slots`` [n] (int64) of one layer's float8 cache
     [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]."""
     q, row_scale = quantize_kv(x)
-    block_size = cache.shape[1]
+    blocks, block_size, kv_heads, _ = cache.shape
     # Copied as bytes: indexing float8 tensors is missing on some devices and torch versions; bytes copy exactly.
-    cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = q.view(torch.uint8)
-    scales.transpose(1, 2)[slots // block_size, slots % block_size] = row_scale
+    # (index_copy_ and index_select, not t[index]: on a CPU advanced indexing is a hundred times slower.)
+    cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
+    # The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + offset.
+    heads = torch.arange(kv_heads, device=slots.device)
+    at = (slots // block_size * kv_heads * block_size + slots % block_size)[:, None] + heads * block_size
+    scales.view(-1).index_copy_(0, at.flatten(), row_scale.flatten())
 
 
 def gather_quantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d]."""
     blocks = block_table[: -(-length // cache.shape[1])].long()
-    q = cache.view(torch.uint8)[blocks].view(FP8).flatten(0, 1)[:length]
-    row_scale = scales[blocks].transpose(1, 2).flatten(0, 1)[:length]
+    q = cache.view(torch.uint8).index_select(0, blocks).view(FP8).flatten(0, 1)[:length]
+    row_scale = scales.index_select(0, blocks).transpose(1, 2).flatten(0, 1)[:length]
     return dequantize_kv(q, row_scale)
