@@ -697,6 +697,9 @@ reset_context()
 # tokens can ever use, so the count is capped there: a tiny model on a laptop does not reserve
 # a gigabyte it can never fill.
 #
+# `kv_cache_summary(config)` reports the pool the runner sized in one line (blocks, tokens, bytes;
+# the benchmark prints it).
+#
 # A pool the machine cannot hold (`num_kvcache_blocks=10**9`, say) is refused with an error that
 # names the setting to change, not with the allocator's message about bytes. On a CPU the pool
 # is also compared with the machine's memory first: Linux may grant a huge allocation that it
@@ -722,6 +725,8 @@ reset_context()
 # 无论哪种情况，块数都不必超过 `max_num_seqs` 个长度为 `max_model_len` 的序列所能用到的数量，所以在那里封顶：
 # 笔记本电脑上的小模型不会预留一块永远填不满的 1 GB 内存。
 #
+# `kv_cache_summary(config)` 用一行报告执行器定好的块池（块数、token 数、字节数；基准测试会打印它）。
+#
 # 机器容纳不下的块池（比如 `num_kvcache_blocks=10**9`）会被拒绝，报错指明应当修改哪个配置项，而不是分配器那条
 # 关于字节数的消息。在 CPU 上还会先把块池与机器的内存总量比较：Linux 可能答应一次它根本兑现不了的巨大分配，
 # 进程要等到块被逐渐填满时才会被杀掉。
@@ -743,6 +748,21 @@ def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_p
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
     row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
+
+
+def kv_cache_torch_dtype(config: Config) -> torch.dtype:
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8" (chapter 16), else the model's."""
+    return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
+
+
+def kv_cache_summary(config: Config) -> str:
+    """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
+    dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
+    block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
+    blocks, kind = config.num_kvcache_blocks, "float8 e4m3 + scales" if dtype == FP8 else config.dtype
+    rank = " per rank" if config.tensor_parallel_size > 1 else ""
+    return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
+            f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
 
 
 def max_useful_blocks(config: Config) -> int:
@@ -961,7 +981,7 @@ class ModelRunner:
     # zh: ---- KV 缓存 -------------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
         hf = self.config.hf_config
-        cache_dtype = FP8 if self.config.kv_cache_dtype == "fp8" else self.dtype
+        cache_dtype = kv_cache_torch_dtype(self.config)
         block_bytes = kv_block_bytes(hf, self.block_size, cache_dtype, self.config.tensor_parallel_size)
         blocks = self.kv_block_count(block_bytes)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
@@ -1148,6 +1168,7 @@ config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_me
 block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
 runner = ModelRunner(config)
 print(f"one block: {block_bytes} bytes -> {config.num_kvcache_blocks} blocks in 1 MiB")
+print(kv_cache_summary(config))
 print("KV cache:", tuple(runner.kv_cache.shape), "= [2, layers, blocks, block_size, kv_heads, head_dim]")
 assert config.num_kvcache_blocks == 2**20 // block_bytes
 for i, layer in enumerate(runner.attention_layers):

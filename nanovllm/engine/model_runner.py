@@ -31,6 +31,8 @@ __all__ = [
     "allocate_kv",
     "copy_kv_blocks",
     "kv_block_bytes",
+    "kv_cache_summary",
+    "kv_cache_torch_dtype",
     "max_useful_blocks",
     "num_kv_blocks",
     "prepare_decode",
@@ -86,6 +88,21 @@ def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_p
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
     row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
+
+
+def kv_cache_torch_dtype(config: Config) -> torch.dtype:
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8" (chapter 16), else the model's."""
+    return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
+
+
+def kv_cache_summary(config: Config) -> str:
+    """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
+    dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
+    block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
+    blocks, kind = config.num_kvcache_blocks, "float8 e4m3 + scales" if dtype == FP8 else config.dtype
+    rank = " per rank" if config.tensor_parallel_size > 1 else ""
+    return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
+            f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
 
 
 def max_useful_blocks(config: Config) -> int:
@@ -193,7 +210,7 @@ class ModelRunner:
     # ---- the KV cache ---------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
         hf = self.config.hf_config
-        cache_dtype = FP8 if self.config.kv_cache_dtype == "fp8" else self.dtype
+        cache_dtype = kv_cache_torch_dtype(self.config)
         block_bytes = kv_block_bytes(hf, self.block_size, cache_dtype, self.config.tensor_parallel_size)
         blocks = self.kv_block_count(block_bytes)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
