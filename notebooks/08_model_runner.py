@@ -460,6 +460,7 @@ say = Phrases({
     "utilization 1.5": "利用率 1.5",
     "unknown device": "未知设备",
     "dtype float64": "dtype float64",
+    "kv cache int8": "KV 缓存 int8",
     "missing dir": "目录不存在",
     "empty dir": "空目录",
     "malformed config": "格式错误的配置",
