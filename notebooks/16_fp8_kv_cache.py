@@ -45,7 +45,13 @@ SCALE_BYTES = 4  # one float32 per (token, KV head), for K and for V
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
     """One scale per row of ``x`` [..., head_dim]: the row's largest magnitude / FP8_MAX, as float32 [...]."""
-    return (x.float().abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    amax = x.float().abs().amax(-1)
+    # en: Divided by a tensor, not by the number: on a GPU torch divides by a Python number as a multiplication by
+    # en: its reciprocal, one rounding away from the exact quotient the Triton store computes, and 0.1 % of the
+    # en: bytes then differ (seen on the H200).
+    # zh: 除以一个张量，而不是除以这个数：在 GPU 上，torch 把除以 Python 数实现为乘以它的倒数，比 Triton 存储内核
+    # zh: 算出的精确商差一次舍入，于是约 0.1 % 的字节会不同（在 H200 上见到）。
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
 
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
