@@ -29,8 +29,9 @@
 # **目标：** 第 14 章拿引擎和负载的物理上限作比较：decode 必须读取一定数量的字节，而任何引擎的读取速度都快不过 GPU
 # 的拷贝速度。本章要移动的是上限本身。decode 读取的字节几乎全是 KV 缓存，所以我们把 K 和 V 以 **8 位浮点数**
 # （float8 e4m3）而不是 16 位存储，即 `LLM(..., kv_cache_dtype="fp8")`，和 vLLM、SGLang 提供的一样。读完本章，
-# 你能说清楚 decode 的字节花在哪里、e4m3 能表示什么不能表示什么、为什么每个（token，KV 头）的一行都有自己的缩放因子
-# 以及这个缩放因子怎样跟着它的块走、内核改了什么，以及在真实模型上它要付出多少精度代价（本章在 CPU 上实测）。
+# 你能说清楚 decode 的字节花在哪里、e4m3 能表示什么不能表示什么、为什么每个（token，KV 头）的一行都有自己的
+# 缩放因子（scale）以及这个缩放因子怎样跟着它的块走、内核改了什么，以及在真实模型上它要付出多少精度代价（本章在
+# CPU 上实测）。
 
 # %%
 import os
@@ -132,8 +133,8 @@ assert round(bounds["Qwen3-0.6B", "auto"].decode_bytes / 1e12, 2) == 15.07  # ch
 # float8 **e4m3**（`torch.float8_e4m3fn`）把 8 位分给 1 个符号位、4 个指数位和 3 个尾数位；指数偏置是 7，并且没有
 # 无穷大（`fn` 即 “finite”），每个符号只有一种 NaN 编码。于是：
 #
-# - 最大值是 `1.75 × 2^8 = 448`；更大的值只能**饱和**（截到最大值）；
-# - 正规数最小到 `2^-6 ≈ 0.0156`，次正规数最小到 `2^-9 ≈ 0.00195`；比它的一半还小的一律变成 0；
+# - 最大值是 `1.75 × 2^8 = 448`；更大的值只能**饱和**（saturate，即截到最大值）；
+# - 正规数最小到 `2^-6 ≈ 0.0156`，次正规数（subnormal）最小到 `2^-9 ≈ 0.00195`；比它的一半还小的一律变成 0；
 # - 两个相邻的 2 的幂之间只有 **8** 个值：步长是下面那个 2 的幂的 1/8，所以就近舍入最多损失半个步长，即数值的
 #   **6.25 %**（1/16），平均约 2.2 %。
 #
@@ -184,8 +185,8 @@ assert relative.max() <= 2**-4 + 1e-7 and 0.02 < relative.mean() < 0.025
 #
 # 真实模型的 K 和 V 与这个范围相比是什么样子？我们加载 SmolLM2-135M（演示模型，第 11 章），用它普通的缓存（CPU 上是
 # float32），通过引擎对一段固定英文文本的前 256 个 token 做 prefill；这段文本是第 01–04 章开头的正文，冻结在
-# `notebooks/data` 里。之后缓存里就存着这些 token 在全部 30 层的 K 和 V。然后用四种方法量化它们，比较往返误差
-# `‖x̂ − x‖ / ‖x‖`：
+# `notebooks/data` 里。之后缓存里就存着这些 token 在全部 30 层的 K 和 V。然后用四种方法量化（quantize）它们，
+# 比较往返（round trip）误差 `‖x̂ − x‖ / ‖x‖`：
 #
 # - **整个张量，缩放因子为 1**：原样转换；检查点不带缩放因子时，这是 vLLM 的默认做法；
 # - **整个张量，经过校准**：每层的 K 或 V 各一个缩放因子，取该层的最大绝对值除以 448，就像校准过程会设定的那样；
@@ -242,6 +243,11 @@ for name, scheme in SCHEMES.items():
     worst = max(error(values[i], v_hat[i]) for i in range(len(layers)))
     errors[name] = (error(keys, k_hat), error(values, v_hat), worst)
     print(f"{name:<30} {errors[name][0]:>8.2%} {errors[name][1]:>8.2%} {worst:>14.2%}")
+# en: How much of a row's squared norm its largest element carries: the part that max -> 448 gives back exactly.
+# zh: 一行的平方范数中，最大的那个元素占多少：这一部分，max -> 448 能原样还原。
+largest_share = {kv: (x.pow(2).amax(-1) / x.pow(2).sum(-1)).mean().item() for kv, x in (("K", keys), ("V", values))}
+print("the largest element's share of its row's squared norm, on average:",
+      {kv: f"{share:.0%}" for kv, share in largest_share.items()})
 
 # %% [markdown] tags=["en"]
 # Three things to read in the table. SmolLM2's keys reach about 20 and its values about 14: far
@@ -250,18 +256,21 @@ for name, scheme in SCHEMES.items():
 # bits as subnormals, so the unscaled cast is worst there; any scale fixes it, and a per-tensor
 # scale calibrated on this text would do, until a layer meets a value above what it was
 # calibrated on, and saturates it (Qwen models are known for keys in the hundreds). A **per-row**
-# scale needs no calibration and never saturates. And dividing by `max / 448` rather than by a
-# power of two takes a fifth off the keys' error and less off the values': the row's largest
-# value, the one that weighs most in `q · k`, lands exactly on 448 and comes back exact, and the
-# other large values land in the densest part of their binade.
+# scale needs no calibration and never saturates. A power of two changes no mantissa bit, so it
+# gives back the plain cast's errors, except where that cast fell into subnormals (layer 0).
+# Dividing by `max / 448` does better: the row's largest value lands exactly on 448 and comes back
+# exact. In a key's row that largest value carries over a third of the squared norm on average,
+# in a value's row only about a sixth, which is why the keys' error drops by a fifth and the
+# values' by less; and in `q · k` the largest element of a key is the one that weighs most.
 
 # %% [markdown] tags=["zh"]
 # 这张表里有三点值得读出来。SmolLM2 的键最大约 20，值最大约 14：远在 448 之内，所以直接转换什么都不会饱和，误差就是
 # e4m3 自身的 2.5 % 左右。但第 0 层的值非常小（最大约 0.6）：五分之二落在 `2^-6` 以下，成了次正规数，丢掉了几位精度，
 # 所以不加缩放的转换在那里最差；任何缩放因子都能解决它，在这段文本上校准的整张量缩放因子也行，直到某一层遇到比校准时
-# 更大的值，把它饱和掉（Qwen 系列模型以数百量级的键出名）。**按行**的缩放因子不需要校准，也永远不会饱和。而除以
-# `max / 448` 而不是 2 的幂，键的误差少了五分之一，值的误差也少了一些：这一行的最大值，也就是在 `q · k` 中分量最重的
-# 那个，正好落在 448 上，原样回来；其他较大的值也落在各自数量级里最密的那一段。
+# 更大的值，把它饱和掉（Qwen 系列模型以数百量级的键出名）。**按行**的缩放因子不需要校准，也永远不会饱和。乘以 2 的幂
+# 不改变任何尾数位，所以它的误差和直接转换一样，只有直接转换落入次正规数的地方（第 0 层）除外。除以 `max / 448`
+# 效果更好：这一行的最大值正好落在 448 上，原样回来。在键的一行里，这个最大值平均占平方范数的三分之一以上，在值的一行
+# 里只占六分之一左右，所以键的误差少了五分之一，值的误差少得没那么多；而在 `q · k` 中，键里最大的那个元素分量也最重。
 
 # %%
 best = min(errors, key=lambda name: errors[name][0] + errors[name][1])
@@ -270,6 +279,8 @@ assert 10 < keys.abs().max() < 40 and 5 < values.abs().max() < 40 and values[0].
 assert (values[0].abs() < 2**-6).float().mean() > 0.3  # layer 0: two fifths of its values are subnormal in e4m3
 assert errors["per (token, head), max -> 448"][0] < 0.85 * errors["per (token, head), 2^k"][0]  # a fifth off K's
 assert errors["per (token, head), max -> 448"][1] < errors["per (token, head), 2^k"][1]
+assert all(abs(errors["per (token, head), 2^k"][i] - errors["per tensor, scale 1"][i]) < 1e-3 for i in (0, 1))
+assert largest_share["K"] > 1 / 3 and 1 / 10 < largest_share["V"] < 1 / 5
 assert errors["per tensor, scale 1"][2] > errors["per (token, head), max -> 448"][2]  # layer 0's tiny values
 assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values())  # e4m3's own error
 
@@ -637,14 +648,14 @@ assert engines["fp8"].model_runner.kv_cache.dtype == FP8 and engines["auto"].mod
 #
 # 两项测量，都是 8 位缓存对比模型自身数据类型的缓存（CPU 上是 float32）：
 #
-# - 两段固定文本的**困惑度**（本书的英文和中文正文，各取前 3,000 个 SmolLM2 token）。它需要每个位置的 logits，
-#   而且 K/V 要从缓存读取，`generate` 不提供这些，所以 `perplexity` 直接驱动引擎的模型执行器：像分块预填充那样，
-#   把文本分块 prefill 进块池最前面的几个块，每个分块关注从（量化过的）缓存读回的前面各分块，LM head 为每一行打分。
-#   有了上面那条规则，第一个分块关注的也是量化过的 K/V，所以这个数字就是 decode 会看到的结果，并且与分块大小无关
-#   （测试会检查这一点）。
-# - **贪心一致性**：32 个提示词（两段文本各段落的开头，每个 24 个 token），每个生成 64 个 token，两种缓存都用贪心
-#   解码；统计公共前缀的平均长度，以及在两者第一次不同的地方，未量化的模型对自己选的 token 有多大把握（它最可能的
-#   两个 token 的概率差）。
+# - 两段固定文本（本书的英文和中文正文，各取前 3,000 个 SmolLM2 token）的**困惑度**（perplexity）。它需要每个
+#   位置的 logits，而且 K/V 要从缓存读取，`generate` 不提供这些，所以 `perplexity` 直接驱动引擎的模型执行器：
+#   像分块预填充那样，把文本分块 prefill 进块池最前面的几个块，每个分块关注从（量化过的）缓存读回的前面各分块，
+#   LM head 为每一行打分。有了上面那条规则，第一个分块关注的也是量化过的 K/V，所以这个数字就是 decode 会看到的
+#   结果，并且与分块大小无关（测试会检查这一点）。
+# - **贪心一致性**（greedy agreement）：32 个提示词（两段文本各段落的开头，每个 24 个 token），每个生成 64 个
+#   token，两种缓存都用贪心解码；统计公共前缀的平均长度，以及在两者第一次不同的地方，未量化的模型对自己选的 token
+#   有多大把握（它最可能的两个 token 的概率差）。
 #
 # `python -m nanovllm.bench.kv_cache_accuracy` 测量全部内容（在一台双核 CPU 上要 8 分钟；`--out F.json` 保存
 # 结果）。为了让本页运行得快，模块之后的单元只测每段文本的前 256 个 token，以及 8 个提示词、每个生成 16 个 token；
@@ -1046,8 +1057,8 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 # - `nanovllm/layers/kv_quant.py`：`kv_cache_dtype` 的取值；每个（token，KV 头）带一个 float32 缩放因子的 float8
 #   e4m3（`quantize_kv`、`dequantize_kv`、`round_trip`），以及参考实现的分页存储与读取（`store_quantized`、
 #   `gather_quantized`）。
-# - 第 06 章的参考后端和第 06b 章的内核存储、读取并反量化 float8 的 K/V（`fp8_scale`、`round_to_e4m3`、`to_e4m3`；
-#   缩放因子乘在分数列和权重列上；`DECODE_LAUNCH["fp8"]`），第 09 章的融合内核在存储时量化。
+# - 第 06 章的参考后端和第 06b 章的内核存储、读取并反量化（dequantize）float8 的 K/V（`fp8_scale`、
+#   `round_to_e4m3`、`to_e4m3`；缩放因子乘在分数列和权重列上；`DECODE_LAUNCH["fp8"]`），第 09 章的融合内核在存储时量化。
 # - `Config.kv_cache_dtype`（第 08 章）：经过检查，与 FlashAttention 4 同用或计算能力低于 8.9 时拒绝；执行器的
 #   `kv_scales` 与 `kv_cache` 并列，由 `kv_block_bytes` 确定大小，由 `copy_kv_blocks` 拷贝，由 `kv_cache_summary`
 #   报告。
