@@ -156,6 +156,7 @@ display(SVG(architecture_svg()))
 # | [12 · Asynchronous scheduling](../12_async_scheduling/) | the next step queued while the GPU computes |
 # | [13 · An engine users cannot break](../13_robustness/) | threads, interrupts, odd prompts, NaN logits |
 # | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound |
+# | [16 · An 8-bit KV cache](../16_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
 # | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
@@ -180,6 +181,7 @@ display(SVG(architecture_svg()))
 # | [12 · 异步调度](../12_async_scheduling/) | GPU 计算时就把下一步排进队列 |
 # | [13 · 用户弄不坏的引擎](../13_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |
 # | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限 |
+# | [16 · 8 位 KV 缓存](../16_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
 # | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #
