@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import nanovllm
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.layers.context import reset_context, set_prefill_context
 from nanovllm.sampling_params import SamplingParams
@@ -34,7 +35,7 @@ __all__ = [
 
 # notebooks/16_fp8_kv_cache.py · cell "kv accuracy"
 # The fixed texts: the prose of chapters 01-04 in each language, frozen in the repository (notebooks/data).
-TEXTS = Path(__file__).resolve().parents[2] / "notebooks" / "data"
+TEXTS = Path(nanovllm.__file__).resolve().parents[1] / "notebooks" / "data"
 LANGUAGES = ("en", "zh")
 
 
