@@ -2620,10 +2620,24 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # CPU: a stream's p50 ITL is within a few percent of the server's own decode step, so what serving
 # adds per token (the hand-over, detokenization, JSON, HTTP) is small next to a CPU step.
 #
-# On the H200 the goals are the issue's: served output tokens per second at least 90 % of the
-# offline engine's on the same prompts, at least 10× `transformers serve`, and at 16 concurrent
-# streams a p50 ITL within 1.5× of the engine's own decode step; `scripts/gpu-ci.sh` does not run
-# it yet, and those figures are to be measured next on the H200.
+# On the H200 the goals are the issue's, on the nano-vllm workload and Qwen3-0.6B's shapes
+# (`qwen3_06b_served`, above): (a) served output tokens per second at least 90 % of the offline
+# engine's on the same prompts, in the same run; (b) at least 10× `transformers serve`; (c) at 16
+# concurrent streams, a p50 ITL within 1.5× of the engine's own decode step. One command measures
+# the three, `scripts/gpu-ci.sh serve`: it installs the serving wheels carried in `.whl-serve/`
+# (`scripts/serve-wheels.sh` fetches them), builds the model, and runs `python -m
+# nanovllm.bench.serve --preset nano-vllm --device cuda --offline` twice. The first run sends 64 of
+# the workload's requests, at most 16 streams at a time, and gives (c): the streams' p50 ITL over
+# the server's mean decode step in that run (the offline engine's decode step at 16 sequences is
+# printed next to it). The second sends the 256 requests at once to our server, then runs
+# `LLM.generate` on the same prompts in the same process, then `transformers serve
+# --continuous-batching`, in bfloat16 like ours, on the first 128 prompts only (it is slow; the
+# ratio compares output tokens per second, and the peer's column says how many requests it got):
+# (a) and (b). Both runs write their figures to JSON (`serve-c16.json`, `serve-256.json`).
+#
+# > **H200 figures: not measured yet.** To be filled in from the first run of
+# > `scripts/gpu-ci.sh serve`: (a) served / offline output tok/s = …; (b) ours / `transformers
+# > serve` = …; (c) p50 ITL / decode step at 16 streams = ….
 
 # %% [markdown] tags=["zh"]
 # ### 在本书的 CPU 上跑基准测试
@@ -2646,9 +2660,19 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # 也是在同一台 CPU 上：一个流的 ITL p50 与服务器自己的 decode 步只差几个百分点，所以服务为每个 token 增加的开销
 # （交接、反分词、JSON、HTTP）与 CPU 上的一步相比很小。
 #
-# 在 H200 上，目标是该议题提出的那些：服务时每秒输出 token 数至少达到离线引擎在同样提示词上的 90%，至少是
-# `transformers serve` 的 10 倍，并且在 16 个并发流时，ITL 的 p50 不超过引擎自己 decode 步时间的 1.5 倍；
-# `scripts/gpu-ci.sh` 还没有运行它，这些数字接下来在 H200 上测量。
+# 在 H200 上，目标是该议题提出的那些，用 nano-vllm 的负载和 Qwen3-0.6B 的形状（上面的 `qwen3_06b_served`）：
+# (a) 服务时每秒输出 token 数至少达到离线引擎在同样提示词上、同一次运行中的 90%；(b) 至少是 `transformers serve` 的
+# 10 倍；(c) 在 16 个并发流时，ITL 的 p50 不超过引擎自己 decode 步时间的 1.5 倍。一条命令测出这三项：
+# `scripts/gpu-ci.sh serve`。它安装随代码带过去的 `.whl-serve/` 里的服务相关 wheel（由 `scripts/serve-wheels.sh`
+# 下载），构造模型，然后运行两次 `python -m nanovllm.bench.serve --preset nano-vllm --device cuda --offline`。第一次
+# 发送负载中的 64 个请求，同时最多 16 个流，给出 (c)：各个流的 ITL p50 除以服务器在这次运行中 decode 步的平均时间
+# （旁边还打印离线引擎在 16 个序列时的 decode 步时间）。第二次把 256 个请求一次全部发给我们的服务器，接着在同一个
+# 进程里对同样的提示词运行 `LLM.generate`，最后运行 `transformers serve --continuous-batching`（和我们一样用
+# bfloat16），但只给它前 128 个提示词（它很慢；比值比较的是每秒输出 token 数，对手那一列的名字写明它收到了多少个
+# 请求）：给出 (a) 和 (b)。两次运行都把数字写进 JSON（`serve-c16.json`、`serve-256.json`）。
+#
+# > **H200 上的数字：尚未测量。** 待 `scripts/gpu-ci.sh serve` 第一次运行后填入：(a) 服务 / 离线的每秒输出
+# > token 数 = …；(b) 我们 / `transformers serve` = …；(c) 16 个流时 ITL p50 / decode 步 = …。
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -2661,7 +2685,9 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 #   that frees blocks; `--max-waiting` backpressure; errors in OpenAI's shape with their status;
 #   Prometheus `/metrics`; a clean Ctrl-C; the live KV-cache page at `/dashboard`.
 # - `nanovllm.bench.serve` (`python -m nanovllm.bench.serve`): TTFT, TPOT, ITL and throughputs
-#   against any OpenAI-compatible server, ours and `transformers serve` side by side.
+#   against any OpenAI-compatible server, ours and `transformers serve` side by side, the offline
+#   engine on the same prompts (`--offline`), and the server's own decode step next to the ITL;
+#   `scripts/gpu-ci.sh serve` runs it on Qwen3-0.6B's shapes on a GPU.
 #
 # ## Exercises
 #
@@ -2681,7 +2707,8 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 #   通过队列进入，token 每步一批地离开；绝不拆开字符的增量反分词；停止字符串；会释放块的取消；`--max-waiting` 背压；
 #   OpenAI 格式、带对应状态码的错误；Prometheus 的 `/metrics`；干净的 Ctrl-C；`/dashboard` 上的实时 KV 缓存页面。
 # - `nanovllm.bench.serve`（`python -m nanovllm.bench.serve`）：对任何兼容 OpenAI 的服务器测量 TTFT、TPOT、ITL
-#   和吞吐量，把我们的服务器和 `transformers serve` 并排比较。
+#   和吞吐量，把我们的服务器和 `transformers serve` 并排比较，在同样的提示词上对比离线引擎（`--offline`），并把服务器
+#   自己的 decode 步时间放在 ITL 旁边；`scripts/gpu-ci.sh serve` 在 GPU 上用 Qwen3-0.6B 的形状运行它。
 #
 # ## 练习
 #

@@ -111,7 +111,7 @@ run_serve() {
   local bench=(python3 -m nanovllm.bench.serve --preset nano-vllm --device cuda --offline)
   # Each run ends within its `timeout`; its JSON keeps what it measured until then (the servers die with it).
   if [ "$part" != 256 ]; then
-    timeout 170 "${bench[@]}" --num-prompts 64 --max-concurrency 16 --out "$out/serve-c16.json" "$@" 2>&1 \
+    timeout 190 "${bench[@]}" --num-prompts 64 --max-concurrency 16 --out "$out/serve-c16.json" "$@" 2>&1 \
       | tee "$out/serve-c16.log" || status=1
   fi
   if [ "$part" != c16 ]; then
