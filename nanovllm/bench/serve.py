@@ -316,9 +316,9 @@ def transformers_command(model: str, port: int, device: str, dtype: str | None =
     """``transformers serve --continuous-batching`` on ``model``, on 127.0.0.1:``port`` (in ``dtype``, e.g. the
     one our engine runs in, rather than the checkpoint's)."""
     binary = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    if binary is None:
-        raise RuntimeError("transformers' command line is not installed (pip install 'transformers[serving]')")
-    return [binary, "serve", model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+    # Without its console script (a package copied rather than installed), the same command through this Python.
+    command = [binary] if binary else [sys.executable, "-m", "transformers.cli.transformers"]
+    return [*command, "serve", model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
             "--device", device, *(["--dtype", dtype] if dtype else [])]
 
 
