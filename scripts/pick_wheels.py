@@ -95,7 +95,8 @@ def main(argv: list[str]) -> int:
     wheels = {canonicalize_name(parse_wheel_filename(Path(p).name)[0]): p for p in argv[checking:]}
     if checking:
         return check(set(wheels))
-    print("\n".join(pick(wheels)))
+    for path in pick(wheels):
+        print(path)
     return 0
 
 
