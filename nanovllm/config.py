@@ -14,6 +14,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.attention import ATTENTION_BACKENDS
+from nanovllm.layers.kv_quant import KV_CACHE_DTYPES
 from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 from nanovllm.utils.checks import check
 
@@ -107,6 +108,7 @@ class Config:
     fork_samples: bool = True
     rank_timeout_s: float = 120.0
     load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -165,6 +167,8 @@ class Config:
             )
         elif backend == "flash-attn":
             _check_flash_attn(device, dtype)
+        if _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES) == "fp8":
+            _check_fp8_cache(device, backend)
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.async_scheduling == "auto":
@@ -211,6 +215,19 @@ def _check_flash_attn(device: str, dtype: str) -> None:
         raise ValueError(
             "attention_backend='flash-attn' needs FlashAttention 4: pip install --pre flash-attn-4 "
             "(module flash_attn.cute; the older flash-attn 2 package is not supported)"
+        )
+
+
+def _check_fp8_cache(device: str, backend: str) -> None:
+    """Refuse kv_cache_dtype='fp8' where it cannot run (chapter 16)."""
+    if backend == "flash-attn":
+        raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
+                         "reads 16-bit pages, not float8 rows with their scales")
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), where Triton "
+            f"converts float8 e4m3; {torch.cuda.get_device_name()} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use kv_cache_dtype='auto'"
         )
 
 

@@ -302,6 +302,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.context import Context, get_context
+from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
 
 # en: The kinds the attention_backend setting may name: the torch reference and chapter 06b's kernels.
 # zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及第 06b 章的内核。
@@ -309,20 +310,25 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 
 
 class AttentionBackend(Protocol):
-    """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
+    """What an attention implementation provides (shapes in the comments of `TorchBackend`).
+
+    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache (chapter 16), one float32
+    scale per token and KV head of each block, [blocks, kv_heads, block_size], beside the float8 K/V."""
 
     def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None: ...
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> None: ...  # fmt: skip
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        context: Context, scale: float,
+        context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
-    ) -> torch.Tensor: ...
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
 
 def attention_backend(name: str) -> AttentionBackend:
@@ -370,8 +376,12 @@ def flat_cache(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
-def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence, read through its block table."""
+def gather_paged(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``)."""
+    if scales is not None:
+        return gather_quantized(cache, scales, block_table, length)  # an 8-bit cache (chapter 16)
     # en: Whole blocks first (one index per block, not per token), then cut to the length.
     # zh: 先按整块取（每块一次索引，而不是每个 token 一次），再截到所需长度。
     num_blocks = -(-length // cache.shape[1])
@@ -405,12 +415,17 @@ class TorchBackend:
     """The reference backend: readable, runs on any device, defines correctness."""
 
     def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         # en: k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
         # zh: k、v：[T, kv_heads, d]；槽位 -1 标记不应写入的填充行。
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
+        if k_scales is not None:  # an 8-bit cache (chapter 16): each row in float8, with its own scale
+            store_quantized(k[keep], k_cache, k_scales, slots)
+            store_quantized(v[keep], v_cache, v_scales, slots)
+            return
         flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
@@ -423,6 +438,8 @@ class TorchBackend:
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         paged = context.block_tables is not None
         assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
@@ -432,16 +449,17 @@ class TorchBackend:
             q_start, q_end = cu_q[i], cu_q[i + 1]
             n_k = cu_k[i + 1] - cu_k[i]
             if paged:
-                keys = gather_paged(k_cache, context.block_tables[i], n_k)
-                values = gather_paged(v_cache, context.block_tables[i], n_k)
+                keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales)
+                values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales)
             else:  # no cached prefix: set_prefill_context made sure of it
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         # en: q: [B, H, d], one new token per sequence; its KV is already in the cache.
         # zh: q：[B, H, d]，每个序列一个新 token；它的 KV 已经在缓存里了。
         assert k_cache.numel(), "decode attention needs a KV cache"
@@ -455,8 +473,8 @@ class TorchBackend:
                 # en: A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
                 # zh: 填充行（context_len 为 0，例如 CUDA Graph 的批次）什么都不关注：输出 0。
                 continue
-            keys = gather_paged(k_cache, context.block_tables[i], n_k).to(q.dtype)
-            values = gather_paged(v_cache, context.block_tables[i], n_k).to(q.dtype)
+            keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
+            values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales).to(q.dtype)
             out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
         return out
 
@@ -484,6 +502,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        # en: An 8-bit cache (chapter 16) also holds one scale per token and KV head; None for a 16-bit cache.
+        # zh: 8 位缓存（第 16 章）还为每个 token 和 KV 头保存一个缩放因子；16 位缓存时为 None。
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         # en: The torch reference until the model runner hands every layer the configured backend.
         # zh: 在模型执行器把配置的后端交给每一层之前，用的是 torch 参考实现。
         self.backend: AttentionBackend = TorchBackend()
@@ -493,11 +515,18 @@ class Attention(nn.Module):
 
         ``kv_stored``: the caller already wrote k and v into the cache (chapter 09's fused kernel)."""
         context = get_context()
+        scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
         if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+            if self.k_scales is not None and context.block_tables is None:
+                # en: An 8-bit cache (chapter 16): a prefill without a cached prefix attends to what the cache now
+                # en: holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
+                # zh: 8 位缓存（第 16 章）：没有已缓存前缀的 prefill 也关注缓存里现在存的值，和之后每次读取一样，
+                # zh: 这样提示词的 token 不取决于它被怎样分块。
+                k, v = round_trip(k), round_trip(v)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
+        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)
 
 # %% [markdown] tags=["en"]
 # ## See it: a batch with a cached prefix, then decode

@@ -187,6 +187,7 @@ from triton import knobs
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.context import Context
+from nanovllm.layers.kv_quant import FP8
 
 # en: Whether the kernels below were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
 # zh: 下面的内核在装饰时是否处于解释器模式（导入时 TRITON_INTERPRET=1）。
@@ -207,13 +208,64 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 # tile 复制到缓存的那一行。`k`、`v` 通常是融合 QKV 投影的视图，所以要传入它们的 token 步长；缓存必须是连续的
 # （每个槽位一行，`kv_heads * head_dim` 个元素）。
 
+# %% [markdown] tags=["en"]
+# With an 8-bit KV cache (`kv_cache_dtype="fp8"`, chapter 16 tells the whole story) the store also
+# *quantizes*: each (token, KV head) row of K and of V is divided by its own scale, the row's
+# largest magnitude over 448, rounded to float8 e4m3, and the scale is written beside the block.
+# Three small helpers do it, shared with chapter 09's fused kernel. They divide exactly
+# (`tl.div_rn`; Triton's `/` is an approximation on a GPU) and round on e4m3's grid themselves,
+# so that the bytes are those of chapter 06's torch reference on every device (the Triton
+# interpreter's own float8 conversion does not carry a rounding into the exponent). With
+# `FP8 = False` their lines are not compiled at all.
+
+# %% [markdown] tags=["zh"]
+# 使用 8 位 KV 缓存时（`kv_cache_dtype="fp8"`，完整的来龙去脉见第 16 章），存储还要做*量化*：K 和 V 中每个
+# （token，KV 头）的一行都除以它自己的缩放因子（这一行的最大绝对值除以 448），舍入到 float8 e4m3，缩放因子写在块
+# 旁边。由三个小辅助函数完成，第 09 章的融合内核也用它们。它们做精确除法（`tl.div_rn`；Triton 的 `/` 在 GPU 上是
+# 近似的），并自己在 e4m3 的网格上舍入，这样在任何设备上写出的字节都与第 06 章的 torch 参考实现相同（Triton
+# 解释器自带的 float8 转换在舍入进位时不会进到指数位）。`FP8 = False` 时，这些代码根本不会被编译。
+
+# %% fp8 helpers
+#| export
+@triton.jit
+def fp8_scale(amax):
+    """The scale of rows whose largest magnitudes are ``amax``: amax / 448 (exact division), at least 2^-126."""
+    return tl.maximum(tl.div_rn(amax, 448.0), 1.1754943508222875e-38)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """float32 ``x`` rounded to the nearest float8 e4m3 value (ties to even), saturated at ±448; still float32."""
+    bits = x.to(tl.int32, bitcast=True)
+    # en: e4m3 keeps 3 bits after the leading one: at x the step is 2^(exponent - 3), and 2^-9 below 2^-6
+    # en: (subnormals); beyond 448 everything saturates, so the exponent is capped at 8.
+    # zh: e4m3 在最高位之后保留 3 位：在 x 处步长为 2^(指数 - 3)，低于 2^-6（次正规数）时为 2^-9；超过 448 的
+    # zh: 一律饱和，所以指数封顶为 8。
+    exponent = ((bits >> 23) & 0xFF) - 127
+    step = tl.minimum(tl.maximum(exponent, -6), 8) - 3
+    # en: Adding and then subtracting 1.5 * 2^(step + 23) rounds |x| to a multiple of 2^step, ties to even: the
+    # en: float32 addition itself does the rounding.
+    # zh: 先加上再减去 1.5 * 2^(step + 23)，就把 |x| 舍入到 2^step 的整数倍（平局取偶）：舍入由 float32 加法本身完成。
+    magic = (((step + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = tl.minimum((tl.abs(x) + magic) - magic, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    # en: x's sign bit back on: a negative value that rounds to 0 stays -0, as torch's conversion keeps it.
+    # zh: 把 x 的符号位放回去：舍入为 0 的负数仍是 -0，与 torch 的转换一致。
+    return (rounded.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def to_e4m3(x, scale):
+    """``x / scale`` as float8 e4m3 (x in any float dtype; scale float32, broadcastable)."""
+    return round_to_e4m3(tl.div_rn(x.to(tl.float32), scale)).to(tl.float8e4nv)
+
 # %% store kernel
 #| export
 @triton.jit
 def store_kvcache_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_k_t, stride_k_h, stride_v_t, stride_v_h,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_s_b, stride_s_h,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # en: This program stores token t; its slot is a row of the flat cache [num_slots, kv_heads, d].
     # zh: 本程序存储第 t 个 token；它的槽位是展平缓存 [num_slots, kv_heads, d] 的一行。
@@ -230,8 +282,20 @@ def store_kvcache_kernel(
     mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
     # en: Read token t's K and V tiles [kv_heads, d] (last dim contiguous, strides given).
     # zh: 读取第 t 个 token 的 K、V tile [kv_heads, d]（最后一维连续，其余步长由参数给出）。
-    k = tl.load(k_ptr + t * stride_k_t + h * stride_k_h + d, mask=mask)
-    v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask)
+    k = tl.load(k_ptr + t * stride_k_t + h * stride_k_h + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask, other=0.0)
+    if FP8:
+        # en: An 8-bit cache (chapter 16): each head's row is divided by its own scale, rounded to float8 e4m3,
+        # en: and the scales go beside the block, [blocks, kv_heads, block_size].
+        # zh: 8 位缓存（第 16 章）：每个头的这一行除以它自己的缩放因子，舍入到 float8 e4m3；缩放因子存在块旁边，
+        # zh: 形状为 [blocks, kv_heads, block_size]。
+        k_scale = fp8_scale(tl.max(tl.abs(k.to(tl.float32)), 1))
+        v_scale = fp8_scale(tl.max(tl.abs(v.to(tl.float32)), 1))
+        k, v = to_e4m3(k, k_scale[:, None]), to_e4m3(v, v_scale[:, None])
+        heads = tl.arange(0, BLOCK_H)
+        at = (slot // BLOCK_SIZE) * stride_s_b + heads * stride_s_h + slot % BLOCK_SIZE
+        tl.store(k_scale_ptr + at, k_scale, mask=heads < NUM_KV_HEADS)
+        tl.store(v_scale_ptr + at, v_scale, mask=heads < NUM_KV_HEADS)
     # en: Write them into row `slot` of the contiguous cache, converted to the cache's dtype.
     # zh: 写入连续缓存的第 `slot` 行，并转换为缓存的数据类型。
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
@@ -256,19 +320,34 @@ def check_triton_device(tensor: torch.Tensor) -> None:
         )
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _check_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+) -> bool:  # fmt: skip
+    """Check the caches (and scales); True for an 8-bit cache (chapter 16)."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {k_cache.shape}, {v_cache.shape}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the Triton kernels need contiguous K/V caches (a per-layer view of the one KV tensor is)")
     check_triton_device(k_cache)
+    fp8 = k_cache.dtype == FP8
+    blocks, block_size, kv_heads, _ = k_cache.shape
+    if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
+    if fp8 and not (k_scales.shape == v_scales.shape == (blocks, kv_heads, block_size)
+                    and k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.stride(-1) == 1):
+        raise ValueError(f"scales must be float32 [blocks, kv_heads, block_size] = {(blocks, kv_heads, block_size)}, "
+                         f"got {k_scales.dtype} {tuple(k_scales.shape)}, {v_scales.dtype} {tuple(v_scales.shape)}")
+    return fp8
 
 
 def store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Write k, v [T, kv_heads, d] into rows ``slot_mapping`` [T] of the caches; slot -1 is skipped."""
-    _check_cache(k_cache, v_cache)
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Write k, v [T, kv_heads, d] into rows ``slot_mapping`` [T] of the caches; slot -1 is skipped.
+    With a float8 cache, each (token, head) row is quantized and its scale written to ``k_scales``/``v_scales``."""
+    fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
     num_tokens, kv_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (kv_heads, head_dim) or slot_mapping.shape != (num_tokens,):
         raise ValueError(f"shape mismatch: k {k.shape}, v {v.shape}, cache {k_cache.shape}, slots {slot_mapping.shape}")
@@ -276,11 +355,13 @@ def store_kvcache(
         raise ValueError("k and v need a contiguous last dimension")
     if num_tokens == 0:
         return
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (k_cache, v_cache)  # unused without FP8
     store_kvcache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_scales.stride(0), k_scales.stride(1),
         NUM_KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1], FP8=fp8,
     )  # fmt: skip
 
 # %% [markdown] tags=["en"]
@@ -335,14 +416,20 @@ def paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
     block = tl.load(block_table_ptr + n // BLOCK_SIZE, mask=n_valid, other=0)
     return block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
 
+
+@triton.jit
+def row_scales(scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE: tl.constexpr):
+    """An 8-bit cache's scales of cache ``rows`` [BLOCK_N] (``scale_ptr``: one KV head's [blocks, ., block_size])."""
+    return tl.load(scale_ptr + (rows // BLOCK_SIZE) * stride_s_b + rows % BLOCK_SIZE, mask=n_valid, other=0.0)
+
 # %% prefill kernel
 #| export
 @triton.jit
 def _prefill_tile(
     acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
-    stride_k_t, stride_v_t, offs_d, d_mask, qk_scale,
+    stride_k_t, stride_v_t, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # en: Key positions of this tile [BLOCK_N] and their rows in k/v (fresh) or in the cache (paged).
     # zh: 本 tile 的键位置 [BLOCK_N]，以及它们在 k/v（新算出的）或缓存（分页）中的行号。
@@ -359,6 +446,10 @@ def _prefill_tile(
     # en: Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
     # zh: 分数 [BLOCK_M, BLOCK_N]，以 2 为底（qk_scale = scale * log2 e），fp32 累加。
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    if FP8:
+        # en: float8 keys (chapter 16): key n's scale multiplies its column of scores, not its d elements.
+        # zh: float8 的键（第 16 章）：键 n 的缩放因子乘在它那一列分数上，而不是乘在它的 d 个元素上。
+        s = s * row_scales(k_scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
     if MASKED:
         # en: Causal (key position <= query position) and bounds (key < n_k).
         # zh: 因果（键位置 <= 查询位置）与边界（键 < n_k）。
@@ -374,17 +465,22 @@ def _prefill_tile(
     # zh: V tile [BLOCK_N, BLOCK_D]；acc [BLOCK_M, BLOCK_D] 先缩放，再加上 p @ V。
     v_mask = n_valid[:, None] & d_mask[None, :]
     v = tl.load(v_ptr + rows[:, None] * stride_v_t + offs_d[None, :], mask=v_mask, other=0.0)
+    if FP8:
+        # en: ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
+        # zh: ……值 n 的缩放因子乘在它那一列权重上：p @ (scale * v) = (p * scale) @ v。
+        p = p * row_scales(v_scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def prefill_attention_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_bt,
-    qk_scale,
+    stride_s_b, stride_s_h, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     # en: Program (query tile m, sequence i, query head h); h reads KV head h // GROUP (GQA).
     # zh: 程序（查询 tile m，序列 i，查询头 h）；h 读取第 h // GROUP 个 KV 头（GQA）。
@@ -421,6 +517,8 @@ def prefill_attention_kernel(
     # zh: K/V 行的来源：KV 头 kv_h 的缓存（分页），或从 q_start 起的 k/v 行（新算出的）。
     k_base = k_ptr + kv_h * stride_k_h
     v_base = v_ptr + kv_h * stride_v_h
+    k_scale_base = k_scale_ptr + kv_h * stride_s_h
+    v_scale_base = v_scale_ptr + kv_h * stride_s_h
     bt_row = block_tables_ptr + i * stride_bt
     # en: Keys every query of the tile sees (below its first position), in whole tiles: no mask.
     # zh: tile 中所有查询都能看到的键（在第一个查询位置之前），按整 tile 计：无需掩码。
@@ -428,7 +526,8 @@ def prefill_attention_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
-            offs_d, d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION,
+            offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
+            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8,
         )  # fmt: skip
     # en: The diagonal tiles, up to the last query's position (or n_k): causal mask + bounds.
     # zh: 对角线上的 tile，直到最后一个查询的位置（或 n_k）：因果掩码 + 边界。
@@ -436,7 +535,8 @@ def prefill_attention_kernel(
     for start_n in range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
-            offs_d, d_mask, qk_scale, BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION,
+            offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
+            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8,
         )  # fmt: skip
     # en: Normalise (every real query sees key 0, so l_i > 0) and store [BLOCK_M, BLOCK_D] in q's dtype.
     # zh: 归一化（每个真实查询至少能看到键 0，所以 l_i > 0），以 q 的数据类型存储 [BLOCK_M, BLOCK_D]。
@@ -481,10 +581,13 @@ def prefill_attention(
     context: Context,
     scale: float,
     launch: tuple[int, int, int, int] | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention: q [T, H, d] -> [T, H, d]; prefixes read through ``context.block_tables``.
 
     ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
+    ``k_scales``/``v_scales``: a float8 cache's scales (chapter 16); the fresh k and v are used as given.
     """
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -498,8 +601,9 @@ def prefill_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
+    fp8 = False
     if paged:
-        _check_cache(k_cache, v_cache)
+        fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
         keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
         stride_v_t, stride_v_h = stride_k_t, stride_k_h
@@ -513,13 +617,14 @@ def prefill_attention(
     programs_128 = triton.cdiv(context.max_seqlen_q, 128) * num_seqs * heads
     bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype, programs_128)
     grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
     prefill_attention_kernel[grid](
-        q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables,
+        q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables, k_scales, v_scales,
         q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, out.stride(0), out.stride(1),
-        block_tables.stride(0), scale * math.log2(math.e),
+        block_tables.stride(0), k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 
@@ -558,14 +663,18 @@ def prefill_launch_configs(device: torch.device, head_dim: int, dtype: torch.dty
 
 
 def warm_up_prefill(
-    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
-) -> int:
+    num_heads: int, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+    dtype: torch.dtype | None = None, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+) -> int:  # fmt: skip
     """Launch every prefill kernel variant the engine can need, once, on 2 tokens; returns the launch count.
 
+    ``dtype``: the model's (default: the cache's; a float8 cache needs it, with its scales).
     The paged launches read (and only read) block 0 of the cache; their output is thrown away.
     """
-    _check_cache(k_cache, v_cache)
-    device, dtype = k_cache.device, k_cache.dtype
+    fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
+    if fp8 and dtype is None:
+        raise ValueError("a float8 cache holds no model dtype: pass dtype")
+    device, dtype = k_cache.device, dtype or k_cache.dtype
     q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
     k = torch.zeros(2, num_kv_heads, head_dim, dtype=dtype, device=device)
 
@@ -579,7 +688,7 @@ def warm_up_prefill(
     launches = 0
     for context, queries in ((fresh, q), (paged, q[:1])):
         for launch in prefill_launch_configs(device, head_dim, dtype):
-            prefill_attention(queries, k, k, k_cache, v_cache, context, scale, launch=launch)
+            prefill_attention(queries, k, k, k_cache, v_cache, context, scale, launch, k_scales, v_scales)
             launches += 1
     return launches
 
@@ -625,11 +734,12 @@ def warm_up_prefill(
 #| export
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def decode_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_bt, stride_o_b, stride_o_h, stride_o_s,
-    qk_scale, num_splits,
+    stride_s_b, stride_s_h, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     # en: Program (sequence b, KV head g, split s): query heads g*GROUP … g*GROUP + GROUP - 1.
     # zh: 程序（序列 b，KV 头 g，分段 s）：负责查询头 g*GROUP … g*GROUP + GROUP - 1。
@@ -647,6 +757,14 @@ def decode_attention_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     qd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :], mask=qd_mask, other=0.0)
+    if FP8 and q.dtype != tl.float32:
+        # en: float8 K and V (chapter 16) meet 16-bit queries in float16: every e4m3 value is exact in float16, and
+        # en: e4m3 -> float16 is one hardware conversion per pair (to bfloat16 takes more; measured on the H200,
+        # en: the float16 tiles made decode 14 % faster). q is clamped to float16's range first.
+        # zh: float8 的 K、V（第 16 章）与 16 位查询以 float16 相遇：每个 e4m3 值在 float16 中都能精确表示，而且
+        # zh: e4m3 -> float16 每两个值只需一条硬件转换指令（转成 bfloat16 要更多步；在 H200 上测得，float16 的 tile
+        # zh: 让 decode 快了 14 %）。q 先截到 float16 的范围之内。
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
     # en: Online-softmax state per query head [GROUP_PAD] and acc [GROUP_PAD, BLOCK_D], fp32.
     # zh: 每个查询头的在线 softmax 状态 [GROUP_PAD] 与 acc [GROUP_PAD, BLOCK_D]，fp32。
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -655,6 +773,8 @@ def decode_attention_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + g * stride_c_h
     v_base = v_cache_ptr + g * stride_c_h
+    k_scale_base = k_scale_ptr + g * stride_s_h
+    v_scale_base = v_scale_ptr + g * stride_s_h
     d_mask = offs_d < HEAD_DIM
     for start_n in range(start, end, BLOCK_N):
         # en: Key positions [BLOCK_N] of this tile and their cache rows, through the block table.
@@ -667,6 +787,10 @@ def decode_attention_kernel(
         # zh: K^T [BLOCK_D, BLOCK_N]；一次算出该组全部查询头的分数 [GROUP_PAD, BLOCK_N]。
         k = tl.load(k_base + rows[None, :] * stride_c_t + offs_d[:, None], mask=kv_mask, other=0.0)
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+        if FP8:
+            # en: float8 K (chapter 16): each key's scale multiplies its column of scores.
+            # zh: float8 的 K（第 16 章）：每个键的缩放因子乘在它那一列分数上。
+            scores = scores * row_scales(k_scale_base, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
         # en: Online softmax update, as in prefill.
         # zh: 在线 softmax 更新，与 prefill 相同。
@@ -678,6 +802,10 @@ def decode_attention_kernel(
         # zh: V [BLOCK_N, BLOCK_D]；acc [GROUP_PAD, BLOCK_D] += p @ V。
         v_mask = n_valid[:, None] & d_mask[None, :]
         v = tl.load(v_base + rows[:, None] * stride_c_t + offs_d[None, :], mask=v_mask, other=0.0)
+        if FP8:
+            # en: ... and each value's scale its column of weights (l_i keeps the unscaled sum).
+            # zh: ……每个值的缩放因子乘在它那一列权重上（l_i 保留未缩放的和）。
+            p = p * row_scales(v_scale_base, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
         m_i = m_new
     # en: Normalised output of this slice [GROUP_PAD, BLOCK_D]; an empty slice (l_i = 0) gives 0, not NaN.
@@ -752,6 +880,29 @@ def choose_num_splits(
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 
+# en: The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
+# en: 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
+# en: read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
+# en: bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys, 2 stages; at batch 256 it took
+# en: 0.256 ms against 0.296 ms with 3 stages and the 16-bit cache's 0.284 ms (scripts/decode_sweep.py's shapes).
+# en: That is only 55 % of the copy rate for half the bytes: this kernel is not bandwidth-bound on a float8 cache
+# en: yet (chapter 16 says what is known).
+# zh: GPU 上 decode 的启动配置（每个 tile 的键数 BLOCK_N、warp 数、stage 数），按缓存中一个元素的字节数选择。
+# zh: 16 位：每个 tile 128 个键；在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
+# zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。float32 的 tile 字节数翻倍：仍用之前
+# zh: 测过的 64 个键。float8（第 16 章）：128 个键、2 个 stage；batch 为 256 时用时 0.256 ms，3 个 stage 时是
+# zh: 0.296 ms，16 位缓存是 0.284 ms（scripts/decode_sweep.py 的形状）。字节减半，却只达到拷贝速率的 55 %：
+# zh: 在 float8 缓存上，这个内核还没有受限于带宽（第 16 章说明目前已知的情况）。
+DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 2)}
+
+
+def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
+    """The default (BLOCK_N, num_warps, num_stages) of decode for queries of ``dtype`` over a cache (8-bit if fp8)."""
+    if device.type != "cuda":
+        return 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+    return DECODE_LAUNCH["fp8" if fp8 else "float32" if dtype == torch.float32 else "16-bit"]
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1 << 20  # interpreter: programs run one after another, never split by default
@@ -766,14 +917,17 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     launch: tuple[int, int, int] | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel.
 
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
+    ``k_scales``/``v_scales``: a float8 cache's scales (chapter 16).
     """
     if k_cache.numel() == 0:
         raise ValueError("decode attention needs a KV cache, but the layer has none")
-    _check_cache(k_cache, v_cache)
+    fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
     batch, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if heads % kv_heads or k_cache.shape[3] != head_dim:
@@ -790,14 +944,7 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    # en: 128 keys per 16-bit tile on a GPU: on the engine benchmark's contexts (100-2,048 tokens,
-    # en: scripts/decode_sweep.py) it read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys.
-    # en: float32 tiles are twice the bytes: they keep 64 keys, measured before.
-    # zh: GPU 上 16 位数据每个 tile 128 个键：在引擎基准测试的上下文长度上（100–2,048 个 token，
-    # zh: scripts/decode_sweep.py），batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。
-    # zh: float32 的 tile 字节数翻倍：仍用之前测过的 64 个键。
-    keys = 128 if q.element_size() <= 2 else 64
-    bn, num_warps, num_stages = launch or ((keys, 4, 3) if q.device.type == "cuda" else (16, 4, 1))
+    bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
     split = num_splits > 1
     # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。
@@ -807,13 +954,14 @@ def decode_attention(
         dst, stride_s = part, part.stride(2)
     else:
         dst, lse, stride_s = out, out, 0  # lse is not written when SPLIT is False
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
     decode_attention_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context.context_lens, dst, lse,
+        q, k_cache, v_cache, block_tables, context.context_lens, dst, lse, k_scales, v_scales,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        dst.stride(0), dst.stride(1), stride_s, scale * math.log2(math.e), num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        dst.stride(0), dst.stride(1), stride_s, k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
+        num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         decode_reduce_kernel[(batch, heads)](
@@ -885,9 +1033,10 @@ class TritonBackend:
     """Attention through the Triton kernels of this module (compiled on CUDA, interpreted on CPU)."""
 
     def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
 
     def prefill(
         self,
@@ -898,18 +1047,27 @@ class TritonBackend:
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return prefill_attention(q, k, v, k_cache, v_cache, context, scale)
+        return prefill_attention(q, k, v, k_cache, v_cache, context, scale, None, k_scales, v_scales)
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
-    ) -> torch.Tensor:
-        return decode_attention(q, k_cache, v_cache, context, scale)
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return decode_attention(q, k_cache, v_cache, context, scale, k_scales=k_scales, v_scales=v_scales)
 
-    def warm_up(self, layer: Attention) -> None:
-        """Compile the prefill variants now (decode: when chapter 09 captures its graphs, else in the first steps)."""
+    def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
+        """Compile the prefill variants now (decode: when chapter 09 captures its graphs, else in the first steps);
+        ``dtype``: the model's (needed with a float8 cache)."""
         warm_up_prefill(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache,
-                        layer.scale)  # fmt: skip
+                        layer.scale, dtype, layer.k_scales, layer.v_scales)  # fmt: skip
+
+
+def _refuse_scales(k_scales: torch.Tensor | None) -> None:
+    if k_scales is not None:
+        raise ValueError("attention_backend='flash-attn' reads 16-bit pages only: kv_cache_dtype='fp8' needs 'triton'")
 
 
 class FlashAttnBackend(TritonBackend):
@@ -932,7 +1090,10 @@ class FlashAttnBackend(TritonBackend):
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        _refuse_scales(k_scales)
         if context.block_tables is None:  # no cached prefix: this step's own K and V, packed like q
             out, _ = self.attend(
                 q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
@@ -952,8 +1113,10 @@ class FlashAttnBackend(TritonBackend):
         return out
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        _refuse_scales(k_scales)
         # en: One query token per sequence: a batch of [B, 1, heads, d] against each sequence's pages.
         # zh: 每个序列一个查询 token：形状为 [B, 1, heads, d] 的一批，对着各自序列的页计算。
         out, _ = self.attend(
@@ -962,7 +1125,7 @@ class FlashAttnBackend(TritonBackend):
         )  # fmt: skip
         return out.squeeze(1)
 
-    def warm_up(self, layer: Attention) -> None:
+    def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
         """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
         it reads the first blocks of the cache and writes nothing. Decode compiles when chapter 09 captures its
         graphs."""

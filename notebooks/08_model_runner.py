@@ -115,12 +115,15 @@
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
 # | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
+# | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
 # on CUDA the checkpoint's own type when it is bfloat16 or float16, else bfloat16.
 # `attention_backend`: triton on CUDA, torch on CPU (Triton runs on a CPU only through its
-# interpreter, which is for tests).
+# interpreter, which is for tests). `kv_cache_dtype="fp8"` works with both of those backends, not
+# with `"flash-attn"`, and on a GPU only from compute capability 8.9 (Ada, Hopper), where Triton
+# converts float8 e4m3 in hardware; each refusal names the setting.
 #
 # **Block size rule.** nano-vllm demands a multiple of 256 because flash-attn's paged kernels
 # want it. Our kernels only need a power of two (Triton's `tl.arange` ranges must have a
@@ -162,11 +165,14 @@
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
 # | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
+# | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
 # bfloat16 或 float16 就用它，否则用 bfloat16。`attention_backend`：CUDA 上用 triton，CPU 上用 torch
-# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。
+# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。`kv_cache_dtype="fp8"` 能和这两个后端一起用，不能和
+# `"flash-attn"` 一起用；在 GPU 上只支持计算能力 8.9 及以上（Ada、Hopper），Triton 在那里用硬件转换 float8 e4m3；
+# 每一种拒绝都会指明是哪个配置项。
 #
 # **块大小的规则：** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
 # 2 的幂（Triton 的 `tl.arange` 长度必须是 2 的幂），torch 参考实现则什么都能接受；而本书正是靠小块来演示各种机制。
@@ -193,6 +199,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from nanovllm.layers.attention import ATTENTION_BACKENDS
+from nanovllm.layers.kv_quant import KV_CACHE_DTYPES
 from nanovllm.utils.checks import check
 from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 
@@ -289,6 +296,7 @@ class Config:
     fork_samples: bool = True
     rank_timeout_s: float = 120.0
     load_format: str = "auto"
+    kv_cache_dtype: str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -350,6 +358,8 @@ class Config:
             )
         elif backend == "flash-attn":
             _check_flash_attn(device, dtype)
+        if _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES) == "fp8":
+            _check_fp8_cache(device, backend)
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.async_scheduling == "auto":
@@ -399,6 +409,19 @@ def _check_flash_attn(device: str, dtype: str) -> None:
         )
 
 
+def _check_fp8_cache(device: str, backend: str) -> None:
+    """Refuse kv_cache_dtype='fp8' where it cannot run (chapter 16)."""
+    if backend == "flash-attn":
+        raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
+                         "reads 16-bit pages, not float8 rows with their scales")
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), where Triton "
+            f"converts float8 e4m3; {torch.cuda.get_device_name()} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use kv_cache_dtype='auto'"
+        )
+
+
 def _half_dtype_of(hf_config: PretrainedConfig) -> str:
     # en: A checkpoint saved in bf16 or fp16 runs in that type; one saved in fp32 (like our
     # en: dequantized SmolLM2) runs in bf16 on a GPU, which is what GPUs are fast at.
@@ -437,6 +460,7 @@ say = Phrases({
     "utilization 1.5": "利用率 1.5",
     "unknown device": "未知设备",
     "dtype float64": "dtype float64",
+    "kv cache int8": "KV 缓存 int8",
     "missing dir": "目录不存在",
     "empty dir": "空目录",
     "malformed config": "格式错误的配置",
@@ -528,6 +552,7 @@ mistakes = {
     "utilization 1.5": lambda: Config.from_kwargs(tiny, gpu_memory_utilization=1.5),
     "unknown device": lambda: Config.from_kwargs(tiny, device="tpu"),
     "dtype float64": lambda: Config.from_kwargs(tiny, dtype="float64"),
+    "kv cache int8": lambda: Config.from_kwargs(tiny, kv_cache_dtype="int8"),
     "missing dir": lambda: Config.from_kwargs(workdir / "nowhere"),
     "empty dir": lambda: Config.from_kwargs(workdir),
     "malformed config": lambda: Config.from_kwargs(broken),
@@ -692,6 +717,9 @@ reset_context()
 #
 # `block_bytes = 2 × layers × block_size × kv_heads × head_dim × dtype size`
 #
+# (An 8-bit cache, `kv_cache_dtype="fp8"`, stores one byte per element plus one 4-byte scale per
+# token and KV head: `2 × layers × block_size × kv_heads × (head_dim + 4)`; chapter 16.)
+#
 # - **On a GPU** (nano-vllm's rule): run one warm-up forward of the largest step the scheduler
 #   can make, so that the activations' peak is known, then give the KV cache what is left of
 #   `total × gpu_memory_utilization`: `total × utilization − used − peak + current`, where
@@ -705,6 +733,9 @@ reset_context()
 # tokens can ever use, so the count is capped there: a tiny model on a laptop does not reserve
 # a gigabyte it can never fill.
 #
+# `kv_cache_summary(config)` reports the pool the runner sized in one line (blocks, tokens, bytes;
+# the benchmark prints it).
+#
 # A pool the machine cannot hold (`num_kvcache_blocks=10**9`, say) is refused with an error that
 # names the setting to change, not with the allocator's message about bytes. On a CPU the pool
 # is also compared with the machine's memory first: Linux may grant a huge allocation that it
@@ -717,6 +748,9 @@ reset_context()
 #
 # `block_bytes = 2 × 层数 × block_size × kv_heads × head_dim × 数据类型字节数`
 #
+# （8 位缓存，即 `kv_cache_dtype="fp8"`，每个元素 1 字节，另外每个 token 的每个 KV 头有一个 4 字节的缩放因子：
+# `2 × 层数 × block_size × kv_heads × (head_dim + 4)`；见第 16 章。）
+#
 # - **GPU 上**（nano-vllm 的规则）：先用调度器可能产生的最大一步做一次预热前向，得到激活值的峰值，再把
 #   `total × gpu_memory_utilization` 剩下的部分交给 KV 缓存：`total × utilization − used − peak + current`。
 #   其中 `used` 是设备报告的已用显存（包括其他进程），`peak` 是预热时的最高分配量，
@@ -726,6 +760,8 @@ reset_context()
 #
 # 无论哪种情况，块数都不必超过 `max_num_seqs` 个长度为 `max_model_len` 的序列所能用到的数量，所以在那里封顶：
 # 笔记本电脑上的小模型不会预留一块永远填不满的 1 GB 内存。
+#
+# `kv_cache_summary(config)` 用一行报告执行器定好的块池（块数、token 数、字节数；基准测试会打印它）。
 #
 # 机器容纳不下的块池（比如 `num_kvcache_blocks=10**9`）会被拒绝，报错指明应当修改哪个配置项，而不是分配器那条
 # 关于字节数的消息。在 CPU 上还会先把块池与机器的内存总量比较：Linux 可能答应一次它根本兑现不了的巨大分配，
@@ -738,14 +774,31 @@ import os
 from typing import Any
 
 from nanovllm.config import Config
+from nanovllm.layers.kv_quant import FP8, SCALE_BYTES
 from nanovllm.models.qwen3 import head_dim_of
 
 
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads)."""
+    """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
+    cache's ``dtype``; a float8 cache (chapter 16) adds one float32 scale per token and KV head."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim_of(hf_config) * element
+    row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
+
+
+def kv_cache_torch_dtype(config: Config) -> torch.dtype:
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8" (chapter 16), else the model's."""
+    return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
+
+
+def kv_cache_summary(config: Config) -> str:
+    """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
+    dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
+    block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
+    blocks, kind = config.num_kvcache_blocks, "float8 e4m3 + scales" if dtype == FP8 else config.dtype
+    rank = " per rank" if config.tensor_parallel_size > 1 else ""
+    return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
+            f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
 
 
 def max_useful_blocks(config: Config) -> int:
@@ -782,8 +835,12 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         # en: unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
         # zh: GPU 上用零，而不是未初始化的内存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里
         # zh: 若残留 NaN，就会污染它的输出（0 × NaN）。这只花几毫秒，而且只做一次。
-        return torch.zeros(shape, dtype=dtype, device=device) if device.type == "cuda" else \
-            torch.empty(shape, dtype=dtype, device=device)
+        # en: A float8 cache (chapter 16) is allocated as bytes: filling float8 tensors is missing on some devices.
+        # zh: float8 缓存（第 16 章）按字节分配：某些设备不支持填充 float8 张量。
+        raw = torch.uint8 if dtype == FP8 else dtype
+        cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
+            torch.empty(shape, dtype=raw, device=device)
+        return cache.view(dtype)
     except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
         cause = str(error).partition("\n")[0]
         raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
@@ -820,14 +877,22 @@ def _physical_memory() -> float:
 
 # %% copy blocks
 #| export
-def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+def copy_kv_blocks(
+    kv_cache: torch.Tensor, copies: list[tuple[int, int]], kv_scales: torch.Tensor | None = None
+) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
-    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
+    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...];
+    ``kv_scales``: an 8-bit cache's scales (chapter 16), [2, layers, blocks, ...] too, copied alike."""
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
     destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
-    kv_cache[:, :, destinations] = kv_cache[:, :, sources]
+    for tensor in (kv_cache, kv_scales):
+        if tensor is not None:
+            # en: A float8 cache is copied as bytes: indexing float8 tensors is missing on some devices.
+            # zh: float8 缓存按字节拷贝：某些设备不支持对 float8 张量做索引。
+            data = tensor.view(torch.uint8) if tensor.dtype == FP8 else tensor
+            data[:, :, destinations] = data[:, :, sources]
 
 # %% [markdown] tags=["en"]
 # A check on a small KV tensor: blocks 5 and 6 receive blocks 1 and 2 in both layers, keys and
@@ -939,6 +1004,9 @@ class ModelRunner:
         kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
         self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
         self.stopped = False
+        # en: An 8-bit cache's scales (chapter 16), [2, layers, blocks, kv_heads, block_size]; None otherwise.
+        # zh: 8 位缓存的缩放因子（第 16 章），形状 [2, layers, blocks, kv_heads, block_size]；否则为 None。
+        self.kv_scales: torch.Tensor | None = None
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
@@ -949,15 +1017,24 @@ class ModelRunner:
     # zh: ---- KV 缓存 -------------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
         hf = self.config.hf_config
-        block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
+        cache_dtype = kv_cache_torch_dtype(self.config)
+        block_bytes = kv_block_bytes(hf, self.block_size, cache_dtype, self.config.tensor_parallel_size)
         blocks = self.kv_block_count(block_bytes)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
-        shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
+        layers = len(self.attention_layers)
+        shape = (2, layers, blocks, self.block_size, kv_heads, head_dim_of(hf))
         setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
             "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
-        kv_cache = allocate_kv(shape, self.dtype, self.device, setting)
+        kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
+        if cache_dtype == FP8:
+            # en: Chapter 16: each block's scales, one per token and KV head, indexed by block like the cache.
+            # zh: 第 16 章：每个块的缩放因子，每个 token 和 KV 头一个，和缓存一样按块编号索引。
+            scales = (2, layers, blocks, kv_heads, self.block_size)
+            self.kv_scales = allocate_kv(scales, torch.float32, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
         return kv_cache
 
     def kv_block_count(self, block_bytes: int) -> int:
@@ -1023,7 +1100,7 @@ class ModelRunner:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
-            warm_up(self.attention_layers[0])  # every layer has the same shapes: one compiles them all
+            warm_up(self.attention_layers[0], self.dtype)  # every layer has the same shapes: one compiles them all
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
@@ -1046,7 +1123,7 @@ class ModelRunner:
         # en: Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the
         # en: shared blocks' K/V, queued ahead of the step's stores.
         # zh: 写时复制（第 04b 章）：在这一步写入新块之前，先把共享块的 K/V 复制过去，排在这一步的写入之前。
-        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
+        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
@@ -1102,7 +1179,8 @@ class ModelRunner:
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = torch.tensor([])
+            layer.k_scales = layer.v_scales = None
+        self.kv_cache, self.kv_scales = torch.tensor([]), None
 
 
 # %% [markdown] tags=["en"]
@@ -1126,6 +1204,7 @@ config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_me
 block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
 runner = ModelRunner(config)
 print(say("one block: {size} bytes -> {blocks} blocks in 1 MiB", size=block_bytes, blocks=config.num_kvcache_blocks))
+print(kv_cache_summary(config))
 print(say("KV cache: {shape} = [2, layers, blocks, block_size, kv_heads, head_dim]",
           shape=tuple(runner.kv_cache.shape)))
 assert config.num_kvcache_blocks == 2**20 // block_bytes

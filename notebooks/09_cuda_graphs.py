@@ -575,7 +575,10 @@ def compile_small_ops(model: nn.Module) -> int:
 # rounded once at the end (as the compiled version does). The attention layer is told that its
 # K/V are already stored (`kv_stored=True`), so every backend keeps working: they all read the
 # same cache layout. `compile_small_ops` hands the kernel to every attention layer on a GPU;
-# models whose rotary embedding covers only part of a head keep the separate ops.
+# models whose rotary embedding covers only part of a head keep the separate ops. With an 8-bit
+# cache (`kv_cache_dtype="fp8"`, chapter 16) a program holds a whole head, both halves, so it
+# also quantizes the head as it stores it (its scale is the largest magnitude of the two halves
+# over 448), with chapter 06b's helpers: the bytes are those of the separate store.
 
 # %% [markdown] tags=["zh"]
 # ### 从 q/k/v 投影到 KV 缓存，只用一个内核
@@ -588,7 +591,8 @@ def compile_small_ops(model: nn.Module) -> int:
 # 乘权重之前舍入到模型的数据类型；旋转在 float32 中进行，cos 和 sin 先舍入到模型的数据类型，最后只舍入一次（和编译
 # 版本一样）。注意力层会被告知它的 K/V 已经存好（`kv_stored=True`），所以每个后端都照常工作：它们读的是同一种缓存
 # 布局。`compile_small_ops` 在 GPU 上把这个内核交给每个注意力层；旋转位置编码只覆盖一个头的一部分的模型，仍然使用
-# 分开的算子。
+# 分开的算子。使用 8 位缓存时（`kv_cache_dtype="fp8"`，第 16 章），一个程序掌握一整个头（前后两半），所以它在存储时
+# 顺便量化这个头（缩放因子是两半中的最大绝对值除以 448），用的是第 06b 章的辅助函数：写出的字节与分开存储时相同。
 
 # %% fused qkv
 #| export layers.fused_qkv
@@ -602,14 +606,34 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.context import get_context
+from nanovllm.layers.triton_attention import fp8_scale, to_e4m3
+
+
+@triton.jit
+def store_head(
+    cache_ptr, scale_ptr, x1, x2, offs, mask, slot, head, stride_slot, stride_cache_head, stride_s_b, stride_s_h,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Write one head, as its two halves, into its cache slot; a float8 cache (chapter 16) gets the head quantized
+    with its own scale (the largest magnitude of both halves / 448), and the scale beside the block."""
+    cache = cache_ptr + slot * stride_slot + head * stride_cache_head
+    if FP8:
+        scale = fp8_scale(tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 0), tl.max(tl.abs(x2.to(tl.float32)), 0)))
+        tl.store(cache + offs, to_e4m3(x1, scale), mask=mask)
+        tl.store(cache + HALF + offs, to_e4m3(x2, scale), mask=mask)
+        tl.store(scale_ptr + (slot // BLOCK_SIZE) * stride_s_b + head * stride_s_h + slot % BLOCK_SIZE, scale)
+    else:
+        tl.store(cache + offs, x1, mask=mask)
+        tl.store(cache + HALF + offs, x2, mask=mask)
 
 
 @triton.jit
 def norm_rotate_store_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, k_out_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, stride_qkv, stride_cos_sin, stride_slot, stride_cache_head,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps, stride_qkv, stride_cos_sin,
+    stride_slot, stride_cache_head, stride_s_b, stride_s_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # en: Program (token t, head h) of the row q heads | k heads | v heads; each head as its two halves.
     # zh: 程序（token t，头 h），对应 q 头 | k 头 | v 头这一行；每个头按前后两半处理。
@@ -650,15 +674,13 @@ def norm_rotate_store_kernel(
             tl.store(dst + offs, o1, mask=mask)
             tl.store(dst + half + offs, o2, mask=mask)
             if slot >= 0:
-                cache = k_cache_ptr + slot * stride_slot + (h - NUM_HEADS) * stride_cache_head
-                tl.store(cache + offs, o1, mask=mask)
-                tl.store(cache + half + offs, o2, mask=mask)
+                store_head(k_cache_ptr, k_scale_ptr, o1, o2, offs, mask, slot, h - NUM_HEADS, stride_slot,
+                           stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8)
     elif slot >= 0:
         # en: A v head: only stored.
         # zh: v 头：只需存储。
-        cache = v_cache_ptr + slot * stride_slot + (h - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head
-        tl.store(cache + offs, x1, mask=mask)
-        tl.store(cache + half + offs, x2, mask=mask)
+        store_head(v_cache_ptr, v_scale_ptr, x1, x2, offs, mask, slot, h - NUM_HEADS - NUM_KV_HEADS, stride_slot,
+                   stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8)
 
 
 def can_fuse(attention: nn.Module) -> bool:
@@ -679,16 +701,19 @@ def norm_rotate_store(
     slot_mapping = get_context().slot_mapping
     store = layer.k_cache.numel() > 0 and slot_mapping is not None
     k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)  # unused when not storing
+    fp8 = store and layer.k_scales is not None  # an 8-bit cache (chapter 16)
+    k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)  # unused without it
     norm = attention.qk_norm
     q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)  # unused without
     cos_sin = attention.rotary_emb.cos_sin_cache
     if tokens:
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
-            slot_mapping if store else positions, attention.q_norm.eps if norm else 0.0,
+            slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(-3) if store else 0, k_cache.stride(-2) if store else 0,
+            k_scales.stride(0), k_scales.stride(1),
             NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK_HALF=triton.next_power_of_2(d // 2),
-            NORM=norm, STORE=store,
+            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8,
         )  # fmt: skip
     return q, k, v
 

@@ -368,7 +368,7 @@ def compute_logits(
     # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
     # zh: 引擎在入口处就拒绝更长的请求；KV 缓存是按 max_model_len 配置的。
     assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-    copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
+    copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
     try:
         if is_prefill:
             input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)

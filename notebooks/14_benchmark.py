@@ -295,21 +295,32 @@ class Bound:
     tokens_per_s: float
 
 
-def workload_bound(workload: Workload, hf_config: Any, dtype_bytes: int, bandwidth: float, flops: float) -> Bound:
-    """The fastest this workload can run: decode bytes at `bandwidth` B/s plus prefill FLOPs at `flops` FLOP/s."""
+def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one token's keys and values in every layer: ``dtype_bytes`` per element, or with an 8-bit cache
+    (kv_cache_dtype="fp8", chapter 16) one byte per element plus one float32 scale per KV head."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    row = head_dim + 4 if kv_cache_dtype == "fp8" else head_dim * dtype_bytes
+    return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row
+
+
+def workload_bound(
+    workload: Workload, hf_config: Any, dtype_bytes: int, bandwidth: float, flops: float, kv_cache_dtype: str = "auto"
+) -> Bound:
+    """The fastest this workload can run: decode bytes at `bandwidth` B/s plus prefill FLOPs at `flops` FLOP/s
+    (``kv_cache_dtype``: the KV cache the decode steps read, as `kv_token_bytes` counts it)."""
     layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     # en: Weights one decode step reads: every layer and the LM head (the embedding reads one row per token).
     # zh: 一个 decode 步读取的权重：每一层加上 LM head（嵌入表每个 token 只读一行）。
     step_bytes = (layers * layer_params(hf_config) + hf_config.vocab_size * hidden) * dtype_bytes
-    kv_token_bytes = 2 * layers * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    token_bytes = kv_token_bytes(hf_config, dtype_bytes, kv_cache_dtype)
     steps = max(workload.output_lens) - 1
     # en: Sequence i reads the KV of p+1 ... p+o-1 tokens: (o-1) * p + (o-1) * o / 2.
     # zh: 序列 i 读取 p+1 ... p+o-1 个 token 的 KV：(o-1) * p + (o-1) * o / 2。
     kv_tokens = sum((o - 1) * len(p) + (o - 1) * o // 2 for p, o in zip(workload.prompts, workload.output_lens,
                                                                          strict=True))
-    decode_bytes = steps * step_bytes + kv_tokens * kv_token_bytes
+    decode_bytes = steps * step_bytes + kv_tokens * token_bytes
     prompt_tokens = sum(len(p) for p in workload.prompts)
     causal_pairs = sum(len(p) * (len(p) + 1) // 2 for p in workload.prompts)
     prefill_flops = 2 * model_params(hf_config) * prompt_tokens + 4 * layers * heads * head_dim * causal_pairs
@@ -378,6 +389,12 @@ print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFL
 # a Qwen3-8B-shaped model whose 16 GB of bf16 weights are drawn directly on each GPU
 # (`load_format="dummy"`, chapter 05) instead of being written to disk and read back; it has no
 # `transformers` peer, since there are no weights to give it.
+#
+# **An 8-bit KV cache.** `--kv-cache-dtype both` (the same as `auto fp8`) runs the engine once with
+# the model's dtype in the KV cache and once with float8 e4m3 (chapter 16), in one invocation, and
+# prints their ratio. Each run is held to its own bound: with `fp8` the decode steps read one byte
+# per cached element plus a 4-byte scale per token and KV head (`kv_token_bytes`), so the bound
+# itself moves.
 
 # %% [markdown] tags=["zh"]
 # ### 我们这一侧，以及命令行
@@ -393,6 +410,11 @@ print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFL
 # 单 GPU 上限的 N 倍。`--preset qwen3-8b` 在 Qwen3-8B 形状的模型上跑同样的负载，它 16 GB 的 bf16 权重直接在每块 GPU
 # 上生成（`load_format="dummy"`，第 05 章），而不是先写到磁盘再读回来；它没有 `transformers` 对照组，因为根本没有
 # 权重可以交给它。
+#
+# **8 位 KV 缓存。** `--kv-cache-dtype both`（等同于 `auto fp8`）在一次调用中把引擎跑两遍：一遍 KV 缓存用模型的
+# 数据类型，一遍用 float8 e4m3（第 16 章），并打印两者的比值。每次运行都对照它自己的上限：用 `fp8` 时，decode 步
+# 每个缓存元素只读一个字节，外加每个 token、每个 KV 头一个 4 字节的缩放因子（`kv_token_bytes`），所以上限本身也
+# 移动了。
 
 # %% bench engine
 #| export bench.engine
@@ -402,7 +424,7 @@ import sys
 from pathlib import Path
 
 from nanovllm.bench.report import report_header, write_report
-
+from nanovllm.engine.model_runner import kv_cache_summary
 
 QWEN3_06B_SHAPES: dict[str, Any] = {
     "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -473,6 +495,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
     if breakdown is not None:
+        breakdown["kv_cache"] = kv_cache_summary(llm.config)
         # en: generate() calls _step(), the step() that reports finished sequences rather than pairs.
         # zh: generate() 调用的是 _step()，即返回已结束序列本身（而非二元组）的 step()。
         inner = llm._step
@@ -508,8 +531,10 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     return BenchResult(f"nano-vllm (this book), TP={tp}", clock.seconds, workload.num_output_tokens)
 
 
-def print_breakdown(result: BenchResult, breakdown: dict[str, float]) -> None:
-    """Where an engine run's time went: prefill and decode steps, and generate's loop outside them."""
+def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
+    """Where an engine run's time went: prefill and decode steps, and generate's loop outside them; its KV pool."""
+    if "kv_cache" in breakdown:
+        print(f"  {breakdown['kv_cache']}")
     outside = result.seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
     print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
           f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
@@ -542,6 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-backend", nargs="+", default=["auto"], metavar="NAME",
                         help="auto, torch, triton or flash-attn; several: one engine run each, in this invocation, "
                              "with their ratios to the first")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "both"],
+                        metavar="DTYPE", help="auto or fp8 (chapter 16); several, or both (= auto fp8): one engine run "
+                        "each, in this invocation, each held to its own bound, with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
@@ -560,11 +588,18 @@ def main(argv: list[str] | None = None) -> int:
         load_format = "dummy" if args.preset == "qwen3-8b" and not args.model else "auto"
         config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
                                     tensor_parallel_size=args.tensor_parallel_size)
+        kv_dtypes = list(dict.fromkeys(kv for name in args.kv_cache_dtype
+                                       for kv in (("auto", "fp8") if name == "both" else (name,))))
         for backend in args.attention_backend:  # refuse a backend this machine cannot run before any run
-            Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
-                               load_format=load_format)
+            for kv in kv_dtypes:  # and a KV cache dtype
+                Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
+                                   load_format=load_format, kv_cache_dtype=kv)
         if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
             raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
+        compares_tp = args.tensor_parallel_size > 1 and not args.no_tp1
+        if len(kv_dtypes) > 1 and (len(args.attention_backend) > 1 or compares_tp):
+            raise ValueError("compare KV cache dtypes on their own: one attention backend, and --no-tp1 with "
+                             "--tensor-parallel-size")
         preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
         for key in ("num_seqs", "input_len", "output_len"):
             if getattr(args, key) is not None:
@@ -587,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, args.out)
         return 0
     tp = args.tensor_parallel_size
+    kv_of = {"peer": "auto"}  # the KV cache dtype of each run: its own bound (transformers keeps the model's dtype)
     if not args.no_engine:
         switch = {"auto": "auto", "on": True, "off": False}
         settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
@@ -594,22 +630,28 @@ def main(argv: list[str] | None = None) -> int:
                     "async_scheduling": switch[args.async_scheduling]}
         # en: The N-GPU engine first: its ranks leave the GPUs empty for the one-process engine after it.
         # zh: 先跑 N 块 GPU 的引擎：它的各个 rank 退出后，GPU 就空出来留给之后的单进程引擎。
-        # en: Several attention backends: one run each, on one GPU, the first being the one the others are compared to.
-        # zh: 多个注意力后端：每个跑一次，都在一块 GPU 上；第一个是其余后端的比较对象。
+        # en: Several attention backends (or KV cache dtypes): one run each, on one GPU, the first being the one the
+        # en: others are compared to.
+        # zh: 多个注意力后端（或多种 KV 缓存数据类型）：每个跑一次，都在一块 GPU 上；第一个是其余各项的比较对象。
         first = args.attention_backend[0]
-        runs = [(tp, first), (1, first)] if tp > 1 and not args.no_tp1 else \
-            [(tp, name) for name in args.attention_backend]
-        for i, (size, backend) in enumerate(runs):
-            key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}"
-            breakdown: dict[str, float] = {}
+        runs = [(tp, first, kv_dtypes[0]), (1, first, kv_dtypes[0])] if tp > 1 and not args.no_tp1 else \
+            [(tp, name, kv_dtypes[0]) for name in args.attention_backend] + [(tp, first, kv) for kv in kv_dtypes[1:]]
+        for i, (size, backend, kv) in enumerate(runs):
+            key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}" \
+                if kv == kv_dtypes[0] else f"engine_kv_{kv}"
+            breakdown: dict[str, Any] = {}
             results[key] = run_engine(model, workload, tensor_parallel_size=size, attention_backend=backend,
-                                      breakdown=breakdown, **settings)
+                                      kv_cache_dtype=kv, breakdown=breakdown, **settings)
             if len(args.attention_backend) > 1:
                 results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
+            if len(kv_dtypes) > 1:
+                results[key] = replace(results[key], name=f"{results[key].name}, kv cache {kv}")
+            kv_of[key] = kv
             print(results[key])
             print_breakdown(results[key], breakdown)
-            report[f"breakdown_tp{size}" + (f"_{backend}" if key.startswith("engine_") and size == tp else "")] = \
-                breakdown
+            suffix = f"_{backend}" if key.startswith("engine_") and size == tp and kv == kv_dtypes[0] else \
+                f"_kv_{kv}" if kv != kv_dtypes[0] else ""
+            report[f"breakdown_tp{size}{suffix}"] = breakdown
     peer_skipped = "the model has no weights (load_format='dummy')" if load_format == "dummy" else \
         f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
     if not args.no_peer and peer_skipped:
@@ -632,22 +674,35 @@ def main(argv: list[str] | None = None) -> int:
             ratio = results[f"engine_{backend}"].tokens_per_s / results["engine"].tokens_per_s
             report[f"ratio_{backend}"] = ratio
             print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
+    for kv in kv_dtypes[1:]:
+        if f"engine_kv_{kv}" in results:
+            ratio = results[f"engine_kv_{kv}"].tokens_per_s / results["engine"].tokens_per_s
+            report[f"ratio_kv_{kv}"] = ratio
+            print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
         from nanovllm.bench.attention import copy_bandwidth  # Triton: imported only on a GPU
 
         bandwidth, flops = copy_bandwidth(), matmul_flops()
-        bound = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth, flops)
-        print(f"bound: decode reads {bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
-              f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, measured) "
-              f"= {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
-        report["bound"] = {"tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes,
-                           "bandwidth": bandwidth, "matmul_flops": flops}
+        bounds = {}
+        for kv in dict.fromkeys([*kv_dtypes, *(kv_of[key] for key in results)]):
+            # en: Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes (chapter 16).
+            # zh: 每种 KV 缓存数据类型都有自己的上限：8 位缓存读取的 KV 字节只有一半（第 16 章）。
+            bound = bounds[kv] = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth,
+                                                flops, kv_cache_dtype=kv)
+            print(f"bound{f' (kv cache {kv})' if len(kv_dtypes) > 1 else ''}: decode reads "
+                  f"{bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
+                  f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, "
+                  f"measured) = {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
+            report["bound" if kv == kv_dtypes[0] else f"bound_kv_{kv}"] = {
+                "tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes, "bandwidth": bandwidth,
+                "matmul_flops": flops}
         for key, result in results.items():
             # en: N GPUs read N times as fast: an engine on N GPUs is held to N times one GPU's bound.
             # zh: N 块 GPU 的读取速度是 N 倍：用 N 块 GPU 的引擎，对照的是单 GPU 上限的 N 倍。
             gpus = tp if key == "engine" else 1
-            fraction = result.tokens_per_s / (gpus * bound.tokens_per_s)
-            print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else ""))
+            fraction = result.tokens_per_s / (gpus * bounds[kv_of[key]].tokens_per_s)
+            print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else "")
+                  + (f" (kv cache {kv_of[key]})" if len(kv_dtypes) > 1 else ""))
             report[key]["fraction_of_bound"] = fraction
     write_report(report, args.out)
     return 0

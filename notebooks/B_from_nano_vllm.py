@@ -590,6 +590,7 @@
 # | what `step` reports | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` pairs | the same pairs, which also name the request and the sample index (the samples of `n > 1` finish under seq_ids of their own) |
 # | a chunk that ends inside its prompt | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | its row is sampled like every other, and postprocess throws the token away | its row is not sampled (the runner returns `-1` for it): the token could only be thrown away, since the row's logits predict a position inside the prompt |
 # | how many KV blocks | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | all the memory that `gpu_memory_utilization` leaves | the same on a GPU, but at most `max_num_seqs × ceil(max_model_len / block_size)`: more blocks could never be held at once (they would only keep more freed prefixes cached), and a small model on a laptop would reserve memory it never fills |
+# | the KV cache's dtype | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 16 | the model's dtype | the model's dtype, or with `kv_cache_dtype="fp8"` float8 e4m3 with one float32 scale per token and KV head: about twice the blocks in the same memory and half the KV bytes for decode to read, at a perplexity within 2 % on SmolLM2 |
 # | RMSNorm after a residual | `layers.layernorm.rms_norm` | 05 | adds the residual in float32 and normalizes that float32 sum; returns the sum rounded to the model's dtype | adds in the model's dtype and normalizes the rounded sum, as `transformers` does, so the book's models match `transformers`, which the tests compare against; in bf16 the residual stream is the same and the normalized output can differ in its last bits (checked below) |
 
 # %% [markdown] tags=["zh"]
@@ -620,6 +621,7 @@
 # | `step` 报告的内容 | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` 二元组 | 同样的二元组，另外指明所属请求和样本序号（`n > 1` 的样本以各自的 seq_id 结束） |
 # | 停在提示词内部的分块 | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | 它那一行和其他行一样被采样，再由后处理把 token 扔掉 | 不对它那一行采样（执行器为它返回 `-1`）：这一行的 logits 预测的是提示词内部的位置，采出的 token 只能被扔掉 |
 # | KV 块的数量 | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | `gpu_memory_utilization` 剩下的全部内存 | GPU 上相同，但最多 `max_num_seqs × ceil(max_model_len / block_size)` 个：更多的块永远不可能同时被持有（它们只能多留一些已释放的前缀在缓存里），而笔记本电脑上的小模型会预留一大块永远填不满的内存 |
+# | KV 缓存的数据类型 | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 16 | 模型的数据类型 | 模型的数据类型；或者设 `kv_cache_dtype="fp8"`，用 float8 e4m3 存储，每个 token、每个 KV 头带一个 float32 缩放因子：同样的内存放下约两倍的块，decode 要读的 KV 字节减半，SmolLM2 上的困惑度变化在 2 % 以内 |
 # | 加上残差之后的 RMSNorm | `layers.layernorm.rms_norm` | 05 | 在 float32 下加上残差，并对这个 float32 的和做归一化；返回的和舍入到模型的数据类型 | 按模型的数据类型相加，并对舍入后的和做归一化，与 `transformers` 一致，因此本书的模型与测试所对照的 `transformers` 相符；bf16 下残差流相同，归一化的输出在最后几位上可能不同（见下文的检查） |
 
 # %% [markdown] tags=["en"]

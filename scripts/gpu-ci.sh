@@ -21,6 +21,11 @@
 #                                       # our server, then LLM.generate, then transformers serve --continuous-batching
 #                                       # on the first $PEER_PROMPTS (default 128); without PART: c16, then 256.
 #                                       # Needs the serving wheels in .whl-serve/ (scripts/serve-wheels.sh)
+#   scripts/gpu-ci.sh fp8 [PART]        # the 8-bit KV cache (chapter 16); PART: tests (its tests marked gpu), bench
+#                                       # (python -m nanovllm.bench --kv-cache-dtype both --no-peer, on the nano-vllm
+#                                       # preset, then on qwen3-8b), sweep (scripts/decode_sweep.py --kv-cache-dtype
+#                                       # fp8), accuracy (python -m nanovllm.bench.kv_cache_accuracy on the GPU);
+#                                       # without PART: tests, then bench
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (both folders are ignored by git): .whl/ holds the notebook stack
@@ -190,6 +195,31 @@ run_kernels() {
   python3 -m nanovllm.bench.attention "$@" --out "$out/attention.json" 2>&1 | tee "$out/attention.log" || status=1
 }
 
+run_fp8() {
+  local part=${1:-all} preset
+  case $part in tests | bench | sweep | accuracy | all) ;;
+    *) echo "gpu-ci: fp8 takes tests, bench, sweep or accuracy, not $part" >&2; exit 2 ;;
+  esac
+  if [ "$part" = tests ] || [ "$part" = all ]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/fp8-tests.xml" \
+      tests/test_16_fp8_kv_cache.py || status=1
+  fi
+  if [ "$part" = bench ] || [ "$part" = all ]; then
+    for preset in nano-vllm qwen3-8b; do
+      python3 -P -m nanovllm.bench --preset $preset --no-peer --kv-cache-dtype both --out "$out/fp8-$preset.json" \
+        2>&1 | tee "$out/fp8-$preset.log" || status=1
+    done
+  fi
+  if [ "$part" = sweep ]; then
+    python3 scripts/decode_sweep.py --kv-cache-dtype fp8 --out "$out/decode-sweep-fp8.json" 2>&1 \
+      | tee "$out/decode-sweep-fp8.log" || status=1
+  fi
+  if [ "$part" = accuracy ]; then
+    python3 -P -m nanovllm.bench.kv_cache_accuracy --out "$out/fp8-accuracy.json" 2>&1 \
+      | tee "$out/fp8-accuracy.log" || status=1
+  fi
+}
+
 keep() {
   local dir
   for dir in .whl .fa4 .whl-serve; do
@@ -211,8 +241,9 @@ case $what in
   tp) run_tp "$@" ;;
   kernels) run_kernels "$@" ;;
   serve) run_serve "$@" ;;
-  *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | tp [PART] | kernels [ARGS] | serve [PART]" \
-          "[ARGS] | keep]" >&2
+  fp8) run_fp8 "$@" ;;
+  *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
+          "| serve [PART] [ARGS] | keep]" >&2
      exit 2 ;;
 esac
 exit $status

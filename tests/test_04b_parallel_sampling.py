@@ -374,7 +374,7 @@ def test_without_the_copy_the_samples_change(tiny_arch: Path, monkeypatch: pytes
     engine refuses their NaN logits (chapter 11) instead of sampling from them."""
     batch = prompts_of([6], seed=3)
     params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, n=3, seed=11)
-    monkeypatch.setattr(model_runner, "copy_kv_blocks", lambda kv_cache, copies: None)
+    monkeypatch.setattr(model_runner, "copy_kv_blocks", lambda kv_cache, copies, kv_scales=None: None)
     llm = poisoned(LLM(str(tiny_arch), kvcache_block_size=4, num_kvcache_blocks=64))
     with pytest.raises(NonFiniteLogitsError, match="KV that no step wrote"):
         llm.generate(batch, params, use_tqdm=False)

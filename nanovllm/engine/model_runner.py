@@ -18,6 +18,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
+from nanovllm.layers.kv_quant import FP8, SCALE_BYTES
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
 from nanovllm.models.loader import build_model
@@ -30,6 +31,8 @@ __all__ = [
     "allocate_kv",
     "copy_kv_blocks",
     "kv_block_bytes",
+    "kv_cache_summary",
+    "kv_cache_torch_dtype",
     "max_useful_blocks",
     "num_kv_blocks",
     "prepare_decode",
@@ -80,10 +83,26 @@ def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
 
 # notebooks/08_model_runner.py · cell "kv cache sizing"
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads)."""
+    """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
+    cache's ``dtype``; a float8 cache (chapter 16) adds one float32 scale per token and KV head."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim_of(hf_config) * element
+    row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
+
+
+def kv_cache_torch_dtype(config: Config) -> torch.dtype:
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8" (chapter 16), else the model's."""
+    return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
+
+
+def kv_cache_summary(config: Config) -> str:
+    """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
+    dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
+    block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
+    blocks, kind = config.num_kvcache_blocks, "float8 e4m3 + scales" if dtype == FP8 else config.dtype
+    rank = " per rank" if config.tensor_parallel_size > 1 else ""
+    return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
+            f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
 
 
 def max_useful_blocks(config: Config) -> int:
@@ -118,8 +137,11 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     try:
         # Zeros on a GPU, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an
         # unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
-        return torch.zeros(shape, dtype=dtype, device=device) if device.type == "cuda" else \
-            torch.empty(shape, dtype=dtype, device=device)
+        # A float8 cache (chapter 16) is allocated as bytes: filling float8 tensors is missing on some devices.
+        raw = torch.uint8 if dtype == FP8 else dtype
+        cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
+            torch.empty(shape, dtype=raw, device=device)
+        return cache.view(dtype)
     except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
         cause = str(error).partition("\n")[0]
         raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
@@ -133,14 +155,21 @@ def _physical_memory() -> float:
 
 
 # notebooks/08_model_runner.py · cell "copy blocks"
-def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+def copy_kv_blocks(
+    kv_cache: torch.Tensor, copies: list[tuple[int, int]], kv_scales: torch.Tensor | None = None
+) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
-    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
+    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...];
+    ``kv_scales``: an 8-bit cache's scales (chapter 16), [2, layers, blocks, ...] too, copied alike."""
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
     destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
-    kv_cache[:, :, destinations] = kv_cache[:, :, sources]
+    for tensor in (kv_cache, kv_scales):
+        if tensor is not None:
+            # A float8 cache is copied as bytes: indexing float8 tensors is missing on some devices.
+            data = tensor.view(torch.uint8) if tensor.dtype == FP8 else tensor
+            data[:, :, destinations] = data[:, :, sources]
 
 
 # notebooks/08_model_runner.py · cell "model runner"
@@ -171,6 +200,8 @@ class ModelRunner:
         kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
         self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
         self.stopped = False
+        # An 8-bit cache's scales (chapter 16), [2, layers, blocks, kv_heads, block_size]; None otherwise.
+        self.kv_scales: torch.Tensor | None = None
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
@@ -179,15 +210,23 @@ class ModelRunner:
     # ---- the KV cache ---------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
         hf = self.config.hf_config
-        block_bytes = kv_block_bytes(hf, self.block_size, self.dtype, self.config.tensor_parallel_size)
+        cache_dtype = kv_cache_torch_dtype(self.config)
+        block_bytes = kv_block_bytes(hf, self.block_size, cache_dtype, self.config.tensor_parallel_size)
         blocks = self.kv_block_count(block_bytes)
         kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
-        shape = (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
+        layers = len(self.attention_layers)
+        shape = (2, layers, blocks, self.block_size, kv_heads, head_dim_of(hf))
         setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
             "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
-        kv_cache = allocate_kv(shape, self.dtype, self.device, setting)
+        kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
+        if cache_dtype == FP8:
+            # Chapter 16: each block's scales, one per token and KV head, indexed by block like the cache.
+            scales = (2, layers, blocks, kv_heads, self.block_size)
+            self.kv_scales = allocate_kv(scales, torch.float32, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
+            if self.kv_scales is not None:
+                layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
         return kv_cache
 
     # notebooks/10_tensor_parallel.py · cell "runner agrees on the pool"
@@ -257,7 +296,7 @@ class ModelRunner:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
-            warm_up(self.attention_layers[0])  # every layer has the same shapes: one compiles them all
+            warm_up(self.attention_layers[0], self.dtype)  # every layer has the same shapes: one compiles them all
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
@@ -281,7 +320,7 @@ class ModelRunner:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         # The engine refuses longer requests up front; the KV cache is sized for max_model_len.
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
+        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
@@ -331,7 +370,8 @@ class ModelRunner:
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = torch.tensor([])
+            layer.k_scales = layer.v_scales = None
+        self.kv_cache, self.kv_scales = torch.tensor([]), None
 
     # notebooks/12_async_scheduling.py · cell "runner launches"
     @torch.inference_mode()

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.context import Context, get_context
+from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -29,20 +30,25 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 
 
 class AttentionBackend(Protocol):
-    """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
+    """What an attention implementation provides (shapes in the comments of `TorchBackend`).
+
+    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache (chapter 16), one float32
+    scale per token and KV head of each block, [blocks, kv_heads, block_size], beside the float8 K/V."""
 
     def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None: ...
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> None: ...  # fmt: skip
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        context: Context, scale: float,
+        context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
-    ) -> torch.Tensor: ...
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...  # fmt: skip
 
 
 def attention_backend(name: str) -> AttentionBackend:
@@ -60,8 +66,12 @@ def flat_cache(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
-def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence, read through its block table."""
+def gather_paged(
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``)."""
+    if scales is not None:
+        return gather_quantized(cache, scales, block_table, length)  # an 8-bit cache (chapter 16)
     # Whole blocks first (one index per block, not per token), then cut to the length.
     num_blocks = -(-length // cache.shape[1])
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
@@ -91,11 +101,16 @@ class TorchBackend:
     """The reference backend: readable, runs on any device, defines correctness."""
 
     def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
         # k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
+        if k_scales is not None:  # an 8-bit cache (chapter 16): each row in float8, with its own scale
+            store_quantized(k[keep], k_cache, k_scales, slots)
+            store_quantized(v[keep], v_cache, v_scales, slots)
+            return
         flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
@@ -108,6 +123,8 @@ class TorchBackend:
         v_cache: torch.Tensor,
         context: Context,
         scale: float,
+        k_scales: torch.Tensor | None = None,
+        v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         paged = context.block_tables is not None
         assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
@@ -117,16 +134,17 @@ class TorchBackend:
             q_start, q_end = cu_q[i], cu_q[i + 1]
             n_k = cu_k[i + 1] - cu_k[i]
             if paged:
-                keys = gather_paged(k_cache, context.block_tables[i], n_k)
-                values = gather_paged(v_cache, context.block_tables[i], n_k)
+                keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales)
+                values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales)
             else:  # no cached prefix: set_prefill_context made sure of it
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
+        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         # q: [B, H, d], one new token per sequence; its KV is already in the cache.
         assert k_cache.numel(), "decode attention needs a KV cache"
         # One sequence at a time, like prefill: each reads exactly its context_len keys, so no
@@ -136,8 +154,8 @@ class TorchBackend:
             if n_k == 0:
                 # A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
                 continue
-            keys = gather_paged(k_cache, context.block_tables[i], n_k).to(q.dtype)
-            values = gather_paged(v_cache, context.block_tables[i], n_k).to(q.dtype)
+            keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
+            values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales).to(q.dtype)
             out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
         return out
 
@@ -150,6 +168,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
+        # An 8-bit cache (chapter 16) also holds one scale per token and KV head; None for a 16-bit cache.
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
         # The torch reference until the model runner hands every layer the configured backend.
         self.backend: AttentionBackend = TorchBackend()
 
@@ -158,8 +179,13 @@ class Attention(nn.Module):
 
         ``kv_stored``: the caller already wrote k and v into the cache (chapter 09's fused kernel)."""
         context = get_context()
+        scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
         if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
-        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
+            if self.k_scales is not None and context.block_tables is None:
+                # An 8-bit cache (chapter 16): a prefill without a cached prefix attends to what the cache now
+                # holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
+                k, v = round_trip(k), round_trip(v)
+            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
+        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)

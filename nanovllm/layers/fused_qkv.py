@@ -10,21 +10,42 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.context import get_context
+from nanovllm.layers.triton_attention import fp8_scale, to_e4m3
 
 __all__ = [
     "can_fuse",
     "norm_rotate_store",
     "norm_rotate_store_kernel",
+    "store_head",
 ]
 
 
 # notebooks/09_cuda_graphs.py · cell "fused qkv"
 @triton.jit
+def store_head(
+    cache_ptr, scale_ptr, x1, x2, offs, mask, slot, head, stride_slot, stride_cache_head, stride_s_b, stride_s_h,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    """Write one head, as its two halves, into its cache slot; a float8 cache (chapter 16) gets the head quantized
+    with its own scale (the largest magnitude of both halves / 448), and the scale beside the block."""
+    cache = cache_ptr + slot * stride_slot + head * stride_cache_head
+    if FP8:
+        scale = fp8_scale(tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 0), tl.max(tl.abs(x2.to(tl.float32)), 0)))
+        tl.store(cache + offs, to_e4m3(x1, scale), mask=mask)
+        tl.store(cache + HALF + offs, to_e4m3(x2, scale), mask=mask)
+        tl.store(scale_ptr + (slot // BLOCK_SIZE) * stride_s_b + head * stride_s_h + slot % BLOCK_SIZE, scale)
+    else:
+        tl.store(cache + offs, x1, mask=mask)
+        tl.store(cache + HALF + offs, x2, mask=mask)
+
+
+@triton.jit
 def norm_rotate_store_kernel(
     qkv_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, q_out_ptr, k_out_ptr,
-    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, eps, stride_qkv, stride_cos_sin, stride_slot, stride_cache_head,
+    k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps, stride_qkv, stride_cos_sin,
+    stride_slot, stride_cache_head, stride_s_b, stride_s_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     # Program (token t, head h) of the row q heads | k heads | v heads; each head as its two halves.
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -62,14 +83,12 @@ def norm_rotate_store_kernel(
             tl.store(dst + offs, o1, mask=mask)
             tl.store(dst + half + offs, o2, mask=mask)
             if slot >= 0:
-                cache = k_cache_ptr + slot * stride_slot + (h - NUM_HEADS) * stride_cache_head
-                tl.store(cache + offs, o1, mask=mask)
-                tl.store(cache + half + offs, o2, mask=mask)
+                store_head(k_cache_ptr, k_scale_ptr, o1, o2, offs, mask, slot, h - NUM_HEADS, stride_slot,
+                           stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8)
     elif slot >= 0:
         # A v head: only stored.
-        cache = v_cache_ptr + slot * stride_slot + (h - NUM_HEADS - NUM_KV_HEADS) * stride_cache_head
-        tl.store(cache + offs, x1, mask=mask)
-        tl.store(cache + half + offs, x2, mask=mask)
+        store_head(v_cache_ptr, v_scale_ptr, x1, x2, offs, mask, slot, h - NUM_HEADS - NUM_KV_HEADS, stride_slot,
+                   stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8)
 
 
 def can_fuse(attention: nn.Module) -> bool:
@@ -90,15 +109,18 @@ def norm_rotate_store(
     slot_mapping = get_context().slot_mapping
     store = layer.k_cache.numel() > 0 and slot_mapping is not None
     k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)  # unused when not storing
+    fp8 = store and layer.k_scales is not None  # an 8-bit cache (chapter 16)
+    k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)  # unused without it
     norm = attention.qk_norm
     q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)  # unused without
     cos_sin = attention.rotary_emb.cos_sin_cache
     if tokens:
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
-            slot_mapping if store else positions, attention.q_norm.eps if norm else 0.0,
+            slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(-3) if store else 0, k_cache.stride(-2) if store else 0,
+            k_scales.stride(0), k_scales.stride(1),
             NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK_HALF=triton.next_power_of_2(d // 2),
-            NORM=norm, STORE=store,
+            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8,
         )  # fmt: skip
     return q, k, v

@@ -1,0 +1,1143 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 16 · An 8-bit KV cache
+#
+# **Goal.** Chapter 14 measured the engine against the workload's physical bound: decode must
+# read a certain number of bytes, and no engine reads faster than the GPU can copy. This chapter
+# moves the bound itself. Almost all of the bytes decode reads are the KV cache, so we store K
+# and V in **8-bit floating point** (float8 e4m3) instead of 16 bits, `LLM(...,
+# kv_cache_dtype="fp8")`, as vLLM and SGLang offer. By the end you can say where decode's bytes
+# go, what e4m3 can and cannot represent, why each (token, KV head) row gets its own scale and how
+# that scale travels with its block, what the kernels change, and what it costs in accuracy on a
+# real model, measured here on the CPU.
+
+# %% [markdown] tags=["zh"]
+# # 16 · 8 位 KV 缓存
+#
+# **目标：** 第 14 章拿引擎和负载的物理上限作比较：decode 必须读取一定数量的字节，而任何引擎的读取速度都快不过 GPU
+# 的拷贝速度。本章要移动的是上限本身。decode 读取的字节几乎全是 KV 缓存，所以我们把 K 和 V 以 **8 位浮点数**
+# （float8 e4m3）而不是 16 位存储，即 `LLM(..., kv_cache_dtype="fp8")`，和 vLLM、SGLang 提供的一样。读完本章，
+# 你能说清楚 decode 的字节花在哪里、e4m3 能表示什么不能表示什么、为什么每个（token，KV 头）的一行都有自己的
+# 缩放因子（scale）以及这个缩放因子怎样跟着它的块走、内核改了什么，以及在真实模型上它要付出多少精度代价（本章在
+# CPU 上实测）。
+
+# %%
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels run in its interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+torch.manual_seed(0)
+
+# %% [markdown] tags=["en"]
+# ## Where decode's bytes go
+#
+# Chapter 14's bound for nano-vllm's workload (256 sequences, prompts and outputs of 100 to
+# 1,024 tokens) on Qwen3-0.6B's shapes: every decode step reads the weights once, and each
+# sequence reads the K and V of its whole context. With the copy rate and matmul rate of the
+# H200 run recorded in chapter 09 (4.24 TB/s, 679 TFLOP/s):
+
+# %% [markdown] tags=["zh"]
+# ## decode 的字节花在哪里
+#
+# 第 14 章为 nano-vllm 的负载（256 个序列，提示词和输出长度在 100 到 1,024 个 token 之间）在 Qwen3-0.6B 的形状上
+# 算出的上限：每个 decode 步把权重读一遍，每个序列读取它整个上下文的 K 和 V。用第 09 章记录的那次 H200 运行测得的
+# 拷贝速率和矩阵乘速率（4.24 TB/s、679 TFLOP/s）：
+
+# %%
+from types import SimpleNamespace
+
+from nanovllm.bench.engine import (
+    QWEN3_06B_SHAPES,
+    QWEN3_8B_SHAPES,
+    kv_token_bytes,
+    layer_params,
+    make_workload,
+    workload_bound,
+)
+
+H200_COPY, H200_MATMUL = 4.24e12, 679e12  # chapter 09's recorded run
+workload = make_workload()
+bounds = {}
+print(f"{'model':<11} {'KV cache':<8} {'weights':>8} {'KV':>8} {'decode':>8} {'KV share':>8} {'bound':>12}")
+for model, shapes in (("Qwen3-0.6B", QWEN3_06B_SHAPES), ("Qwen3-8B", QWEN3_8B_SHAPES)):
+    hf = SimpleNamespace(**shapes)
+    steps = max(workload.output_lens) - 1
+    weights = steps * (hf.num_hidden_layers * layer_params(hf) + hf.vocab_size * hf.hidden_size) * 2
+    for kv in ("auto", "fp8"):
+        b = bounds[model, kv] = workload_bound(workload, hf, 2, H200_COPY, H200_MATMUL, kv_cache_dtype=kv)
+        print(f"{model:<11} {kv:<8} {weights / 1e12:>6.2f}TB {(b.decode_bytes - weights) / 1e12:>6.2f}TB "
+              f"{b.decode_bytes / 1e12:>6.2f}TB {1 - weights / b.decode_bytes:>8.0%} {b.tokens_per_s:>8,.0f} tok/s")
+ratios = {model: bounds[model, "fp8"].tokens_per_s / bounds[model, "auto"].tokens_per_s
+          for model in ("Qwen3-0.6B", "Qwen3-8B")}
+print("fp8 bound / 16-bit bound:", {model: f"{r:.2f}x" for model, r in ratios.items()})
+
+# %% [markdown] tags=["en"]
+# On Qwen3-0.6B's shapes 92 % of decode's 15.07 TB is the KV cache: one token's K and V in every
+# layer are `2 × 28 × 8 × 128 × 2` = 57,344 bytes, the model's weights 1.2 GB, and 256 sequences
+# with contexts around a thousand tokens read 256,000 tokens' worth of KV per step, 12 times the
+# weights. Halve the KV bytes and the bound rises 1.71×. On Qwen3-8B's shapes the weights are 13×
+# larger and the KV only 1.3× (same 8 KV heads, 36 layers instead of 28), so the weights are 46 %
+# of decode and the bound rises only 1.22×: **an 8-bit cache pays where the KV cache dominates**
+# (small models, many sequences, long contexts). That is a property of the workload, not of the
+# kernels, and it also says what speed-up to expect on the H200 (last section).
+
+# %% [markdown] tags=["zh"]
+# 在 Qwen3-0.6B 的形状上，decode 的 15.07 TB 里有 92 % 是 KV 缓存：一个 token 在每一层的 K 和 V 是
+# `2 × 28 × 8 × 128 × 2` = 57,344 字节，模型权重是 1.2 GB，而 256 个上下文约一千 token 的序列每一步要读 256,000 个
+# token 的 KV，是权重的 12 倍。把 KV 的字节减半，上限就提高到 1.71 倍。在 Qwen3-8B 的形状上，权重大了 13 倍，KV 只
+# 大了 1.3 倍（同样是 8 个 KV 头，层数从 28 变成 36），于是权重占 decode 的 46 %，上限只提高到 1.22 倍：**8 位缓存在
+# KV 缓存占大头的地方才划算**（小模型、很多序列、长上下文）。这是负载的性质，与内核无关；它也告诉我们在 H200 上该期待
+# 多大的提速（见最后一节）。
+
+# %%
+assert kv_token_bytes(SimpleNamespace(**QWEN3_06B_SHAPES), 2) == 2 * 28 * 8 * 128 * 2
+assert 1.65 < ratios["Qwen3-0.6B"] < 1.8 and 1.15 < ratios["Qwen3-8B"] < 1.3
+assert round(bounds["Qwen3-0.6B", "auto"].decode_bytes / 1e12, 2) == 15.07  # chapter 14's figure
+
+# %% [markdown] tags=["en"]
+# ## What e4m3 can and cannot represent
+#
+# float8 **e4m3** (`torch.float8_e4m3fn`) spends its 8 bits as 1 sign bit, 4 exponent bits and
+# 3 mantissa bits; its exponent bias is 7, and it has no infinities (the `fn`: "finite"), only
+# one NaN pattern per sign. So:
+#
+# - the largest value is `1.75 × 2^8 = 448`; anything larger must be **saturated** (clamped);
+# - normal values go down to `2^-6 ≈ 0.0156`, subnormals down to `2^-9 ≈ 0.00195`; below half
+#   of that, everything is 0;
+# - between two powers of two there are only **8** values: the step is 1/8 of the power of two
+#   below, so rounding to nearest costs at most half of it, **6.25 %** of the value (1/16),
+#   about 2.2 % on average.
+#
+# That last line is the one that matters: e4m3 is a *floating-point* format, so its relative
+# precision is the same whatever the magnitude, as long as the value stays inside the range. A
+# scale does not make it more precise; it moves values into the range.
+
+# %% [markdown] tags=["zh"]
+# ## e4m3 能表示什么，不能表示什么
+#
+# float8 **e4m3**（`torch.float8_e4m3fn`）把 8 位分给 1 个符号位、4 个指数位和 3 个尾数位；指数偏置是 7，并且没有
+# 无穷大（`fn` 即 “finite”），每个符号只有一种 NaN 编码。于是：
+#
+# - 最大值是 `1.75 × 2^8 = 448`；更大的值只能**饱和**（saturate，即截到最大值）；
+# - 正规数最小到 `2^-6 ≈ 0.0156`，次正规数（subnormal）最小到 `2^-9 ≈ 0.00195`；比它的一半还小的一律变成 0；
+# - 两个相邻的 2 的幂之间只有 **8** 个值：步长是下面那个 2 的幂的 1/8，所以就近舍入最多损失半个步长，即数值的
+#   **6.25 %**（1/16），平均约 2.2 %。
+#
+# 最后一条才是关键：e4m3 是*浮点*格式，只要数值落在范围之内，它的相对精度就与数值大小无关。缩放因子不会让它更精确，
+# 它的作用是把数值挪进这个范围。
+
+# %%
+from nanovllm.layers.kv_quant import FP8, FP8_MAX
+
+codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+finite = codes[torch.isfinite(codes)]
+positive = finite[finite > 0].unique()
+print(f"{len(finite)} finite codes ({len(codes) - len(finite)} NaN); largest {finite.max():g}, "
+      f"smallest normal {positive[positive >= 2**-6].min():g}, smallest subnormal {positive.min():g}")
+print("the 8 values in [1, 2):", positive[(positive >= 1) & (positive < 2)].tolist())
+samples = torch.tensor([0.3, 1.0 / 3, 100.0, 1000.0, 1e-4, -0.0156])
+print("round trip:", [f"{x:g} -> {y:g}" for x, y in zip(samples.tolist(), samples.to(FP8).float().tolist(),
+                                                              strict=True)])
+x = torch.exp2(torch.rand(1_000_000) * 14 - 6)  # spread evenly over the binades of the normal range, 2^-6 to 2^8
+relative = ((x.to(FP8).float() - x).abs() / x)
+print(f"relative rounding error on values inside the range: max {relative.max():.2%}, mean {relative.mean():.2%}")
+
+# %%
+assert finite.max() == FP8_MAX == 448 and len(finite) == 254 and positive.min() == 2**-9
+assert positive[(positive >= 1) & (positive < 2)].tolist() == [1 + i / 8 for i in range(8)]
+assert samples.to(FP8).float()[3] == 448 and samples.to(FP8).float()[4] == 0  # saturated; flushed to 0
+assert relative.max() <= 2**-4 + 1e-7 and 0.02 < relative.mean() < 0.025
+
+# %% [markdown] tags=["en"]
+# ## Real keys and values
+#
+# What do a real model's K and V look like against that range? We load SmolLM2-135M (the demo
+# model, chapter 11) with its ordinary cache (float32 on a CPU) and prefill the first 256 tokens
+# of a fixed English text, the opening prose of chapters 01–04 frozen in `notebooks/data`,
+# through the engine; its cache then holds those tokens' K and V in all 30 layers. Then we
+# quantize them four ways and compare the round-trip error `‖x̂ − x‖ / ‖x‖`:
+#
+# - **per tensor, scale 1**: cast as they are; vLLM's default when a checkpoint ships no scales;
+# - **per tensor, calibrated**: one scale per layer and K or V, the layer's largest magnitude
+#   over 448, as a calibration pass would set it;
+# - **per (token, KV head), a power of two**: each row of `head_dim` values gets the power of two
+#   that brings its largest magnitude into (224, 448];
+# - **per (token, KV head), largest → 448**: each row is divided by its largest magnitude over
+#   448 (what this engine does).
+
+# %% [markdown] tags=["zh"]
+# ## 真实的键和值
+#
+# 真实模型的 K 和 V 与这个范围相比是什么样子？我们加载 SmolLM2-135M（演示模型，第 11 章），用它普通的缓存（CPU 上是
+# float32），通过引擎对一段固定英文文本的前 256 个 token 做 prefill；这段文本是第 01–04 章开头的正文，冻结在
+# `notebooks/data` 里。之后缓存里就存着这些 token 在全部 30 层的 K 和 V。然后用四种方法量化（quantize）它们，
+# 比较往返（round trip）误差 `‖x̂ − x‖ / ‖x‖`：
+#
+# - **整个张量，缩放因子为 1**：原样转换；检查点不带缩放因子时，这是 vLLM 的默认做法；
+# - **整个张量，经过校准**：每层的 K 或 V 各一个缩放因子，取该层的最大绝对值除以 448，就像校准过程会设定的那样；
+# - **每个（token，KV 头），2 的幂**：每行 `head_dim` 个值各取一个 2 的幂，把这一行的最大绝对值挪进 (224, 448]；
+# - **每个（token，KV 头），最大值 → 448**：每行除以它的最大绝对值再除以 448（本引擎的做法）。
+
+# %%
+from nanovllm import LLM
+from nanovllm.bench.kv_cache_accuracy import perplexity, text_token_ids
+from nanovllm.book.smollm2 import smollm2_dir
+
+SMOLLM2 = str(smollm2_dir())
+SLICE = 256  # tokens of each text measured here; python -m nanovllm.bench.kv_cache_accuracy measures 3,000
+engines = {kv: LLM(SMOLLM2, kv_cache_dtype=kv, device="cpu", kvcache_block_size=16, num_kvcache_blocks=24,
+                   enforce_eager=True) for kv in ("auto", "fp8")}
+live = {("en", "auto"): perplexity(engines["auto"], text_token_ids(engines["auto"].tokenizer, "en", SLICE), 128)}
+layers = engines["auto"].model_runner.attention_layers
+keys = torch.stack([layer.k_cache[: SLICE // 16].flatten(0, 1) for layer in layers])  # [layers, tokens, heads, d]
+values = torch.stack([layer.v_cache[: SLICE // 16].flatten(0, 1) for layer in layers])
+print(f"K {tuple(keys.shape)}: largest |k| {keys.abs().max():.1f}; V: largest |v| {values.abs().max():.1f}, "
+      f"layer 0's largest |v| {values[0].abs().max():.2f}")
+print(f"below e4m3's smallest normal (2^-6) unscaled: K {(keys.abs() < 2**-6).float().mean():.1%}, "
+      f"V {(values.abs() < 2**-6).float().mean():.1%} (layer 0's V: {(values[0].abs() < 2**-6).float().mean():.1%})")
+
+# %%
+from nanovllm.layers.kv_quant import round_trip
+
+
+def per_tensor(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    return (x / scale).to(FP8).float() * scale
+
+
+def power_of_two_rows(x: torch.Tensor) -> torch.Tensor:
+    scale = torch.exp2(torch.ceil(torch.log2(x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / FP8_MAX)))
+    return per_tensor(x, scale)
+
+
+SCHEMES = {
+    "per tensor, scale 1": lambda x: per_tensor(x, 1.0),
+    "per tensor, calibrated": lambda x: per_tensor(x, x.abs().amax((1, 2, 3), keepdim=True) / FP8_MAX),
+    "per (token, head), 2^k": power_of_two_rows,
+    "per (token, head), max -> 448": round_trip,
+}
+
+
+def error(x: torch.Tensor, y: torch.Tensor) -> float:
+    return ((y - x).norm() / x.norm()).item()
+
+
+errors = {}
+print(f"{'scheme':<30} {'K error':>8} {'V error':>8} {'worst layer V':>14}")
+for name, scheme in SCHEMES.items():
+    k_hat, v_hat = scheme(keys), scheme(values)
+    worst = max(error(values[i], v_hat[i]) for i in range(len(layers)))
+    errors[name] = (error(keys, k_hat), error(values, v_hat), worst)
+    print(f"{name:<30} {errors[name][0]:>8.2%} {errors[name][1]:>8.2%} {worst:>14.2%}")
+# en: How much of a row's squared norm its largest element carries: the part that max -> 448 gives back exactly.
+# zh: 一行的平方范数中，最大的那个元素占多少：这一部分，max -> 448 能原样还原。
+largest_share = {kv: (x.pow(2).amax(-1) / x.pow(2).sum(-1)).mean().item() for kv, x in (("K", keys), ("V", values))}
+print("the largest element's share of its row's squared norm, on average:",
+      {kv: f"{share:.0%}" for kv, share in largest_share.items()})
+
+# %% [markdown] tags=["en"]
+# Three things to read in the table. SmolLM2's keys reach about 20 and its values about 14: far
+# inside 448, so the plain cast saturates nothing, and the errors are e4m3's own 2.5 % or so. But
+# layer 0's values are tiny (largest about 0.6): two fifths of them fall below `2^-6` and lose
+# bits as subnormals, so the unscaled cast is worst there; any scale fixes it, and a per-tensor
+# scale calibrated on this text would do, until a layer meets a value above what it was
+# calibrated on, and saturates it (Qwen models are known for keys in the hundreds). A **per-row**
+# scale needs no calibration and never saturates. A power of two changes no mantissa bit, so it
+# gives back the plain cast's errors, except where that cast fell into subnormals (layer 0).
+# Dividing by `max / 448` does better: the row's largest value lands exactly on 448 and comes back
+# exact. In a key's row that largest value carries over a third of the squared norm on average,
+# in a value's row only about a sixth, which is why the keys' error drops by a fifth and the
+# values' by less; and in `q · k` the largest element of a key is the one that weighs most.
+
+# %% [markdown] tags=["zh"]
+# 这张表里有三点值得读出来。SmolLM2 的键最大约 20，值最大约 14：远在 448 之内，所以直接转换什么都不会饱和，误差就是
+# e4m3 自身的 2.5 % 左右。但第 0 层的值非常小（最大约 0.6）：五分之二落在 `2^-6` 以下，成了次正规数，丢掉了几位精度，
+# 所以不加缩放的转换在那里最差；任何缩放因子都能解决它，在这段文本上校准的整张量缩放因子也行，直到某一层遇到比校准时
+# 更大的值，把它饱和掉（Qwen 系列模型以数百量级的键出名）。**按行**的缩放因子不需要校准，也永远不会饱和。乘以 2 的幂
+# 不改变任何尾数位，所以它的误差和直接转换一样，只有直接转换落入次正规数的地方（第 0 层）除外。除以 `max / 448`
+# 效果更好：这一行的最大值正好落在 448 上，原样回来。在键的一行里，这个最大值平均占平方范数的三分之一以上，在值的一行
+# 里只占六分之一左右，所以键的误差少了五分之一，值的误差少得没那么多；而在 `q · k` 中，键里最大的那个元素分量也最重。
+
+# %%
+best = min(errors, key=lambda name: errors[name][0] + errors[name][1])
+assert best == "per (token, head), max -> 448", errors
+assert 10 < keys.abs().max() < 40 and 5 < values.abs().max() < 40 and values[0].abs().max() < 1  # far inside 448
+assert (values[0].abs() < 2**-6).float().mean() > 0.3  # layer 0: two fifths of its values are subnormal in e4m3
+assert errors["per (token, head), max -> 448"][0] < 0.85 * errors["per (token, head), 2^k"][0]  # a fifth off K's
+assert errors["per (token, head), max -> 448"][1] < errors["per (token, head), 2^k"][1]
+assert all(abs(errors["per (token, head), 2^k"][i] - errors["per tensor, scale 1"][i]) < 1e-3 for i in (0, 1))
+assert largest_share["K"] > 1 / 3 and 1 / 10 < largest_share["V"] < 1 / 5
+assert errors["per tensor, scale 1"][2] > errors["per (token, head), max -> 448"][2]  # layer 0's tiny values
+assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values())  # e4m3's own error
+
+# %% [markdown] tags=["en"]
+# ## The scaling: one float32 per token and KV head, stored beside the block
+#
+# | scaling | extra memory | calibration | can saturate | travels with the block |
+# |---|---|---|---|---|
+# | per tensor, static | none | needed (or scale 1) | yes | trivially (one number per layer) |
+# | per KV head, static | `layers × kv_heads` numbers | needed | yes | trivially |
+# | **per (token, KV head), at write** | **4 bytes per `head_dim` bytes** | **none** | **no** | **in the block** |
+# | per block, at write time | a little | none | no | but a block is written a token at a time |
+#
+# The last row looks cheapest, but a block fills over many steps (decode appends one token per
+# step), and a later token larger than the block's scale would force the earlier ones to be
+# re-quantized: rewriting K/V that other sequences may be reading through a prefix-cache hit or
+# a fork. A per-token scale is final the moment the token is written, like the token's K and V.
+#
+# We take the third row. Each (token, KV head) row of `head_dim` values is divided by its own
+# scale, `max |row| / 448` (at least `2^-126`, so that an all-zero row works), and the scale is
+# kept as a float32 in a second tensor with the same block index as the cache:
+#
+# ```
+# kv_cache   [2, layers, blocks, block_size, kv_heads, head_dim]   float8 e4m3
+# kv_scales  [2, layers, blocks, kv_heads, block_size]             float32
+# ```
+#
+# With Qwen3's `head_dim = 128`, a row costs 128 + 4 bytes instead of 256: the same memory holds
+# 1.94× the blocks. The scales of one head are contiguous inside a block, so a kernel that reads a
+# tile of keys reads their scales in one stretch. And because a scale belongs to a slot of a
+# block, everything that moves blocks moves scales:
+#
+# - **prefix-cache hits** read a block the way its writer left it, scales included;
+# - **copy-on-write** (chapter 04b): `copy_kv_blocks` copies `kv_scales[:, :, dst] = kv_scales[:, :, src]` with the K/V;
+# - **preemption and recompute** rewrite K, V and scales together;
+# - **CUDA graphs** capture the kernels with pointers into `kv_scales`, a tensor allocated once,
+#   before the capture, like the cache;
+# - **asynchronous scheduling** needs nothing new: the copies are decided at schedule time;
+# - **tensor parallelism**: each rank quantizes its own heads; a per-(token, head) scale does not
+#   depend on how the heads are split, so every rank stores what one GPU would.
+#
+# One more rule keeps the engine's results independent of how a prompt is scheduled. A prefill
+# without a cached prefix attends over the fresh `k` and `v` (chapter 06), a later chunk over
+# what the cache holds; with an 8-bit cache those differ, so the layer gives such a prefill the
+# round-tripped `k` and `v`, exactly what the cache now holds. Every attention then reads the same
+# numbers, whether the prompt came in one piece, in chunks, after a prefix-cache hit or after a
+# preemption; the tests compare the engine with `transformers` whose attention reads those same
+# numbers.
+#
+# Two details make the kernels write the same bytes as the torch reference on every device: the
+# division is exact (`tl.div_rn`; Triton's `/` is an approximation on a GPU), and the rounding to
+# e4m3 is done on e4m3's grid in float32 (the Triton interpreter's own conversion does not carry a
+# rounding into the exponent: it turns 127.9 into 64). The torch side is this chapter's module,
+# `nanovllm.layers.kv_quant`; chapter 06's reference backend calls it.
+
+# %% [markdown] tags=["zh"]
+# ## 缩放方式：每个 token、每个 KV 头一个 float32，存在块旁边
+#
+# | 缩放方式 | 额外内存 | 校准 | 会不会饱和 | 怎样跟着块走 |
+# |---|---|---|---|---|
+# | 整个张量，静态 | 无 | 需要（或取 1） | 会 | 不成问题（每层一个数） |
+# | 每个 KV 头，静态 | `层数 × kv_heads` 个数 | 需要 | 会 | 不成问题 |
+# | **每个（token，KV 头），写入时计算** | **每 `head_dim` 字节多 4 字节** | **不需要** | **不会** | **在块里** |
+# | 每个块，写入时计算 | 一点点 | 不需要 | 不会 | 但块是一个 token 一个 token 写满的 |
+#
+# 最后一行看起来最省，但一个块要经过很多步才写满（decode 每步追加一个 token），后来的 token 若比块的缩放因子大，
+# 前面的 token 就得重新量化：改写的 K/V 可能正被别的序列通过前缀缓存命中或分叉读取着。按 token 的缩放因子在 token
+# 写入的那一刻就定下来了，和这个 token 的 K、V 一样。
+#
+# 我们选第三行。每个（token，KV 头）的一行 `head_dim` 个值，除以它自己的缩放因子 `max |row| / 448`（至少为
+# `2^-126`，这样全零的行也能处理），缩放因子以 float32 存在第二个张量里，块编号与缓存相同：
+#
+# ```
+# kv_cache   [2, layers, blocks, block_size, kv_heads, head_dim]   float8 e4m3
+# kv_scales  [2, layers, blocks, kv_heads, block_size]             float32
+# ```
+#
+# Qwen3 的 `head_dim = 128`，一行占 128 + 4 字节而不是 256 字节：同样的内存能放下 1.94 倍的块。同一个头的缩放因子
+# 在块内是连续的，所以内核读取一个键 tile 时，它们的缩放因子也是一段连续的读取。又因为缩放因子属于某个块的某个槽位，
+# 凡是搬动块的机制也都搬动缩放因子：
+#
+# - **前缀缓存命中**读到的块就是写入者留下的样子，缩放因子也在内；
+# - **写时复制**（第 04b 章）：`copy_kv_blocks` 在拷贝 K/V 的同时执行 `kv_scales[:, :, dst] = kv_scales[:, :, src]`；
+# - **抢占与重算**把 K、V 和缩放因子一起重写；
+# - **CUDA Graph** 捕获的内核带着指向 `kv_scales` 的指针，这个张量和缓存一样，在捕获之前只分配一次；
+# - **异步调度**不需要任何新东西：拷贝在调度时就定下来了；
+# - **张量并行**：每个 rank 量化它自己的头；按（token，头）计算的缩放因子与头怎样切分无关，所以每个 rank 存下的
+#   就是单块 GPU 会存的东西。
+#
+# 还有一条规则，让引擎的结果与提示词怎样被调度无关。没有已缓存前缀的 prefill 关注的是新算出的 `k`、`v`（第 06 章），
+# 后面的分块关注的是缓存里的内容；用 8 位缓存时两者不同，所以注意力层给这样的 prefill 的是往返之后的 `k`、`v`，
+# 恰好是缓存此时存的值。于是每次注意力读到的都是同样的数，不论提示词是一次进来、分块进来、命中了前缀缓存，还是被抢占
+# 后重算；测试把引擎与注意力读取同样这些数的 `transformers` 作比较。
+#
+# 有两个细节让内核在任何设备上写出的字节都与 torch 参考实现相同：除法是精确的（`tl.div_rn`；Triton 的 `/` 在 GPU 上
+# 是近似的），舍入到 e4m3 是在 float32 中按 e4m3 的网格完成的（Triton 解释器自带的转换在舍入进位时不会进到指数位：
+# 它把 127.9 变成 64）。torch 这一侧就是本章的模块 `nanovllm.layers.kv_quant`；第 06 章的参考后端调用它。
+
+# %% default module
+#| default_exp layers.kv_quant
+
+# %% kv quant
+#| export
+"""The 8-bit KV cache: float8 e4m3 keys and values, one float32 scale per token and KV head (chapter 16)."""
+
+from __future__ import annotations
+
+import torch
+
+# en: The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
+# zh: 配置项 kv_cache_dtype：“auto” 以模型的数据类型存储 K/V，“fp8” 以带缩放因子的 float8 e4m3 存储。
+KV_CACHE_DTYPES = ("auto", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3 value, 1.75 * 2^8
+# en: The smallest normal float32: a scale is never 0 (an all-zero row) nor subnormal (flushed to 0 on some GPUs).
+# zh: 最小的正规 float32：缩放因子既不会是 0（全零的行），也不会是次正规数（某些 GPU 会把它冲刷成 0）。
+MIN_SCALE = 2.0**-126
+SCALE_BYTES = 4  # one float32 per (token, KV head), for K and for V
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """One scale per row of ``x`` [..., head_dim]: the row's largest magnitude / FP8_MAX, as float32 [...]."""
+    amax = x.float().abs().amax(-1)
+    # en: Divided by a tensor, not by the number: on a GPU torch divides by a Python number as a multiplication by
+    # en: its reciprocal, one rounding away from the exact quotient the Triton store computes, and 0.1 % of the
+    # en: bytes then differ (seen on the H200).
+    # zh: 除以一个张量，而不是除以这个数：在 GPU 上，torch 把除以 Python 数实现为乘以它的倒数，比 Triton 存储内核
+    # zh: 算出的精确商差一次舍入，于是约 0.1 % 的字节会不同（在 H200 上见到）。
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp(min=MIN_SCALE)
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., head_dim] -> (float8 e4m3 [..., head_dim], float32 scales [...]): x ≈ q * scale, per row."""
+    scales = row_scales(x)
+    # en: Exact division, then round to nearest (even) on e4m3's grid; |x / scale| <= 448 by construction.
+    # zh: 精确除法，再在 e4m3 的网格上就近（偶数）舍入；按构造 |x / scale| <= 448。
+    return (x.float() / scales[..., None]).to(FP8), scales
+
+
+def dequantize_kv(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values that float8 rows ``q`` [..., head_dim] with ``scales`` [...] stand for, in ``dtype``."""
+    return (q.float() * scales[..., None]).to(dtype)
+
+
+def round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What an 8-bit cache gives back for ``x``: quantized and dequantized, in x's dtype."""
+    return dequantize_kv(*quantize_kv(x), dtype=x.dtype)
+
+
+def store_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+    """Quantize ``x`` [n, kv_heads, d] into rows ``slots`` [n] (int64) of one layer's float8 cache
+    [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]."""
+    q, row_scale = quantize_kv(x)
+    blocks, block_size, kv_heads, _ = cache.shape
+    # en: Copied as bytes: indexing float8 tensors is missing on some devices and torch versions; bytes copy exactly.
+    # en: (index_copy_ and index_select, not t[index]: on a CPU advanced indexing is a hundred times slower.)
+    # zh: 按字节拷贝：某些设备和 torch 版本不支持对 float8 张量做索引；按字节拷贝是精确的。
+    # zh: （用 index_copy_ 和 index_select，而不是 t[index]：在 CPU 上高级索引要慢上百倍。）
+    cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
+    # en: The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + offset.
+    # zh: （槽位，头）的缩放因子位于 block * kv_heads * block_size + head * block_size + offset。
+    heads = torch.arange(kv_heads, device=slots.device)
+    at = (slots // block_size * kv_heads * block_size + slots % block_size)[:, None] + heads * block_size
+    scales.view(-1).index_copy_(0, at.flatten(), row_scale.flatten())
+
+
+def gather_quantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d]."""
+    blocks = block_table[: -(-length // cache.shape[1])].long()
+    q = cache.view(torch.uint8).index_select(0, blocks).view(FP8).flatten(0, 1)[:length]
+    row_scale = scales.index_select(0, blocks).transpose(1, 2).flatten(0, 1)[:length]
+    return dequantize_kv(q, row_scale)
+
+
+# %% [markdown] tags=["en"]
+# One row of a real key, through the module: its scale, the float8 values stored, and what comes
+# back.
+
+# %% [markdown] tags=["zh"]
+# 用这个模块处理一个真实键的一行：它的缩放因子、存下的 float8 值，以及读回来的结果。
+
+# %%
+from nanovllm.layers.kv_quant import dequantize_kv, quantize_kv
+
+row = keys[5, 100, 1]  # layer 5, token 100, KV head 1: 64 values
+q, scale = quantize_kv(row)
+back = dequantize_kv(q, scale)
+top = row.abs().argmax()
+print(f"scale = max |row| / 448 = {row.abs().max():.4f} / 448 = {scale:.6f}")
+print("first values:", [f"{x:.3f}" for x in row[:4].tolist()], "-> stored", q[:4].float().tolist(),
+      "-> back", [f"{x:.3f}" for x in back[:4].tolist()])
+print(f"the largest, {row[top]:.4f}, is stored as {q[top].float():g} and comes back as {back[top]:.4f}; "
+      f"row error {error(row, back):.2%}; one row costs {q.numel() * q.element_size() + scale.element_size()} "
+      f"bytes instead of {row.numel() * 2} in bfloat16")
+
+# %%
+assert abs(q[top].float()) == 448 and torch.isclose(back[top], row[top], rtol=1e-6)
+assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
+
+# %% [markdown] tags=["en"]
+# ## The kernels
+#
+# Chapter 06b's three kernels take the 8-bit path when the cache is float8 (a `FP8` constant;
+# with 16-bit caches its lines are not compiled):
+#
+# - **store** computes each (token, head) row's scale, divides, rounds on e4m3's grid, stores the
+#   byte per element and the scale beside the block (chapter 09's fused q/k/v kernel does the
+#   same as it stores);
+# - **decode** and **prefill** load float8 tiles, convert them to the queries' dtype (every e4m3
+#   value is exact in bfloat16 and float16), and apply the scales where they cost least. A key's
+#   scale multiplies one *column* of the scores, `q · (s k) = s (q · k)`, and a value's scale one
+#   column of the softmax weights, `p @ (s v) = (p s) @ v`: `BLOCK_N` multiplications per tile
+#   instead of `BLOCK_N × head_dim`, and the online softmax's running sum keeps the unscaled
+#   weights.
+#
+# The bytes a decode tile reads halve, so its tiling is a knob again: `DECODE_LAUNCH["fp8"]`
+# starts at the 16-bit tiles (128 keys, 4 warps, 3 stages), and `python3 scripts/decode_sweep.py
+# --kv-cache-dtype fp8` times it against longer tiles and deeper pipelines on the benchmark's own
+# contexts, for the H200 run to settle. Here, in the Triton interpreter, the kernels against the
+# reference on a small cache: the same bytes, the same attention.
+
+# %% [markdown] tags=["zh"]
+# ## 内核
+#
+# 缓存是 float8 时，第 06b 章的三个内核走 8 位的路径（一个 `FP8` 常量；16 位缓存时这些代码根本不会编译）：
+#
+# - **存储**：计算每个（token，头）一行的缩放因子，做除法，在 e4m3 的网格上舍入，每个元素存一个字节，缩放因子存在
+#   块旁边（第 09 章的融合 q/k/v 内核存储时也这样做）；
+# - **decode** 和 **prefill**：加载 float8 的 tile，转换成查询的数据类型（每个 e4m3 值在 bfloat16 和 float16 中都能
+#   精确表示），再把缩放因子乘在代价最小的地方。键的缩放因子乘在分数的一*列*上，`q · (s k) = s (q · k)`；值的缩放
+#   因子乘在 softmax 权重的一列上，`p @ (s v) = (p s) @ v`：每个 tile 只做 `BLOCK_N` 次乘法，而不是
+#   `BLOCK_N × head_dim` 次，在线 softmax 的累加和保留未缩放的权重。
+#
+# 一个 decode tile 读取的字节减半了，所以它的 tile 大小又成了一个可调的旋钮：`DECODE_LAUNCH["fp8"]` 从 16 位的 tile
+# （128 个键、4 个 warp、3 个 stage）起步，`python3 scripts/decode_sweep.py --kv-cache-dtype fp8` 在基准测试自己的
+# 上下文长度上，把它与更长的 tile、更深的流水线对比计时，由 H200 上的运行来定夺。下面在 Triton 解释器里，把内核与参考
+# 实现在一个小缓存上对照：字节相同，注意力结果相同。
+
+# %%
+import nanovllm.layers.triton_attention as ta
+from nanovllm.layers.attention import TorchBackend
+from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context
+
+H, KVH, D, BS = 4, 2, 16, 4
+caches = {}
+for name in ("torch", "triton"):
+    k_cache = torch.zeros(8, BS, KVH, D, dtype=torch.uint8, device=DEVICE).view(FP8)
+    caches[name] = [k_cache, k_cache.clone(), torch.ones(8, KVH, BS, device=DEVICE),
+                    torch.ones(8, KVH, BS, device=DEVICE)]
+k, v = torch.randn(11, KVH, D, device=DEVICE) * 5, torch.randn(11, KVH, D, device=DEVICE)
+table = [6, 1, 3]
+ctx = set_prefill_context([11], [11], [table], BS, device=DEVICE)
+TorchBackend().store_kvcache(k, v, *caches["torch"][:2], ctx.slot_mapping, *caches["torch"][2:])
+ta.store_kvcache(k, v, *caches["triton"][:2], ctx.slot_mapping, *caches["triton"][2:])
+same_bytes = all(torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a, b.view(torch.uint8) if b.dtype == FP8
+                             else b) for a, b in zip(caches["torch"], caches["triton"], strict=True))
+ctx = set_decode_context([11], [table], BS, device=DEVICE)
+q = torch.randn(1, H, D, device=DEVICE)
+want = TorchBackend().decode(q, *caches["torch"][:2], ctx, D**-0.5, *caches["torch"][2:])
+got = ta.decode_attention(q, *caches["triton"][:2], ctx, D**-0.5, k_scales=caches["triton"][2],
+                          v_scales=caches["triton"][3])
+reset_context()
+print(f"store: the same bytes and scales as the reference: {same_bytes}; decode: max |difference| "
+      f"{(got - want).abs().max():.1e}; the decode launch on a GPU for float8: {ta.DECODE_LAUNCH['fp8']}")
+
+# %%
+assert same_bytes and (got - want).abs().max() < 1e-4
+
+# %% [markdown] tags=["en"]
+# Why the kernels round by hand: in the interpreter, Triton's own conversion of 127.9 to float8
+# gives 64 (the rounding carries out of the mantissa and is lost), where a GPU, torch and our
+# `to_e4m3` give 128.
+
+# %% [markdown] tags=["zh"]
+# 内核为什么要自己舍入：在解释器里，Triton 自带的转换把 127.9 变成 float8 时得到 64（舍入从尾数进位出来，丢了），
+# 而 GPU、torch 和我们的 `to_e4m3` 得到的都是 128。
+
+# %%
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def both_conversions(x_ptr, plain_ptr, ours_ptr):
+    x = tl.load(x_ptr + tl.arange(0, 4))
+    tl.store(plain_ptr + tl.arange(0, 4), x.to(tl.float8e4nv))
+    tl.store(ours_ptr + tl.arange(0, 4), ta.to_e4m3(x, 1.0))
+
+
+x = torch.tensor([127.9, 0.3, -15.7, 1.95], device=DEVICE)
+plain, ours = (torch.empty(4, dtype=FP8, device=DEVICE) for _ in range(2))
+both_conversions[(1,)](x, plain, ours)
+print("x:", x.tolist(), "| torch:", x.to(FP8).float().tolist(), "| to_e4m3:", ours.float().tolist(),
+      "| Triton's own conversion here:", plain.float().tolist())
+
+# %%
+assert torch.equal(ours.view(torch.uint8), x.to(FP8).view(torch.uint8))
+
+# %% [markdown] tags=["en"]
+# ## The engine: a setting, and twice the blocks
+#
+# `LLM(model, kv_cache_dtype="fp8")` (chapter 08's `Config`) refuses what cannot work, naming the
+# setting: an unknown value, `attention_backend="flash-attn"` (FlashAttention 4 reads 16-bit
+# pages), and a GPU older than compute capability 8.9, where Triton has no float8 e4m3. The model
+# runner allocates the float8 cache and its scales, hands each layer its views (`k_scales`,
+# `v_scales` beside `k_cache`, `v_cache`), and sizes the pool with `kv_block_bytes`, which counts
+# the scales: the same memory holds about twice the blocks of a bfloat16 cache, and on a CPU,
+# where the model runs in float32, nearly four times. `kv_cache_summary` reports the pool.
+
+# %% [markdown] tags=["zh"]
+# ## 引擎：一个配置项，块数翻倍
+#
+# `LLM(model, kv_cache_dtype="fp8")`（第 08 章的 `Config`）会拒绝行不通的情况，并指明是哪个配置项：未知的取值、
+# `attention_backend="flash-attn"`（FlashAttention 4 读取的是 16 位的页），以及计算能力低于 8.9 的 GPU（Triton 在
+# 那里没有 float8 e4m3）。模型执行器分配 float8 缓存和它的缩放因子，把视图交给每一层（`k_scales`、`v_scales` 与
+# `k_cache`、`v_cache` 并列），并用 `kv_block_bytes` 确定块池大小，它把缩放因子也算进去：同样的内存能放下的块约为
+# bfloat16 缓存的两倍；在 CPU 上模型以 float32 运行，则接近四倍。`kv_cache_summary` 报告块池的情况。
+
+# %%
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import kv_block_bytes, kv_cache_summary
+
+try:
+    Config.from_kwargs(SMOLLM2, kv_cache_dtype="int8")
+    refusal = ""
+except ValueError as refused:
+    refusal = str(refused)
+print("refused:", refusal)
+qwen3_06b = SimpleNamespace(**QWEN3_06B_SHAPES)
+budget = 40 * 2**30  # what an H200 leaves the cache with Qwen3-0.6B, roughly
+per_block = {dtype: kv_block_bytes(qwen3_06b, 256, dtype) for dtype in (torch.bfloat16, FP8)}
+blocks = {dtype: budget // size for dtype, size in per_block.items()}
+print(f"Qwen3-0.6B, blocks of 256 tokens in 40 GiB: bfloat16 {blocks[torch.bfloat16]:,} blocks of "
+      f"{per_block[torch.bfloat16] / 2**20:.2f} MiB, float8 {blocks[FP8]:,} blocks of {per_block[FP8] / 2**20:.2f} MiB "
+      f"({blocks[FP8] / blocks[torch.bfloat16]:.2f}x)")
+smol = engines["fp8"].config.hf_config
+fp32_block, fp8_block = kv_block_bytes(smol, 16, torch.float32), kv_block_bytes(smol, 16, FP8)
+print(f"SmolLM2 on this CPU: float32 {fp32_block:,} bytes a block, float8 {fp8_block:,} "
+      f"({fp32_block / fp8_block:.2f}x)")
+print(kv_cache_summary(engines["fp8"].config))
+
+# %%
+assert "kv_cache_dtype" in refusal
+assert 1.9 < blocks[FP8] / blocks[torch.bfloat16] < 2.0
+assert engines["fp8"].model_runner.kv_cache.dtype == FP8 and engines["auto"].model_runner.kv_scales is None
+
+# %% [markdown] tags=["en"]
+# ## Accuracy, measured on a real model
+#
+# Two measurements, each with the 8-bit cache against the model's own dtype (float32 on a CPU):
+#
+# - **perplexity** of the two fixed texts (English and Chinese prose of this book, the first 3,000
+#   SmolLM2 tokens of each). It needs the logits of every position with the K/V read from the cache,
+#   which `generate` does not give, so `perplexity` drives the engine's model runner directly: it
+#   prefills the text in chunks into the first blocks of the pool, as chunked prefill does, each
+#   chunk attending to the earlier chunks read back from the (quantized) cache, and the LM head
+#   scores every row. With the rule above, the first chunk attends to quantized K/V too, so the
+#   figure is what decode would see, and it does not depend on the chunk size (the tests check it).
+# - **greedy agreement**: 32 prompts (openings of the texts' paragraphs, 24 tokens each), 64
+#   tokens each, greedy with both caches; the mean length of the common prefix, and, where a pair
+#   first differs, how sure the unquantized model was of its own token (the gap between its two
+#   most likely tokens).
+#
+# `python -m nanovllm.bench.kv_cache_accuracy` measures all of it (8 minutes on a 2-core
+# CPU; `--out F.json` keeps the figures). To keep this page fast, the cell after the
+# module measures the first 256 tokens of each text and 8 prompts with 16 tokens generated for
+# each; the full figures follow, recorded.
+
+# %% [markdown] tags=["zh"]
+# ## 在真实模型上测量精度
+#
+# 两项测量，都是 8 位缓存对比模型自身数据类型的缓存（CPU 上是 float32）：
+#
+# - 两段固定文本（本书的英文和中文正文，各取前 3,000 个 SmolLM2 token）的**困惑度**（perplexity）。它需要每个
+#   位置的 logits，而且 K/V 要从缓存读取，`generate` 不提供这些，所以 `perplexity` 直接驱动引擎的模型执行器：
+#   像分块预填充那样，把文本分块 prefill 进块池最前面的几个块，每个分块关注从（量化过的）缓存读回的前面各分块，
+#   LM head 为每一行打分。有了上面那条规则，第一个分块关注的也是量化过的 K/V，所以这个数字就是 decode 会看到的
+#   结果，并且与分块大小无关（测试会检查这一点）。
+# - **贪心一致性**（greedy agreement）：32 个提示词（两段文本各段落的开头，每个 24 个 token），每个生成 64 个
+#   token，两种缓存都用贪心解码；统计公共前缀的平均长度，以及在两者第一次不同的地方，未量化的模型对自己选的 token
+#   有多大把握（它最可能的两个 token 的概率差）。
+#
+# `python -m nanovllm.bench.kv_cache_accuracy` 测量全部内容（在一台双核 CPU 上要 8 分钟；`--out F.json` 保存
+# 结果）。为了让本页运行得快，模块之后的单元只测每段文本的前 256 个 token，以及 8 个提示词、每个生成 16 个 token；
+# 完整的数字随后列出，是记录下来的。
+
+# %% kv accuracy
+#| export bench.kv_cache_accuracy
+"""What an 8-bit KV cache costs on a real model (chapter 16): perplexity of two fixed texts and greedy agreement,
+kv_cache_dtype="fp8" against "auto". ``python -m nanovllm.bench.kv_cache_accuracy [--out results.json]``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import nanovllm
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.layers.context import reset_context, set_prefill_context
+from nanovllm.sampling_params import SamplingParams
+
+# en: The fixed texts: the prose of chapters 01-04 in each language, frozen in the repository (notebooks/data).
+# zh: 固定的文本：第 01–04 章各自语言的正文，冻结在仓库里（notebooks/data）。
+TEXTS = Path(nanovllm.__file__).resolve().parents[1] / "notebooks" / "data"
+LANGUAGES = ("en", "zh")
+
+
+def text_token_ids(tokenizer: Any, lang: str, limit: int | None = None, texts: Path = TEXTS) -> list[int]:
+    """The fixed text of ``lang`` ("en" or "zh") as token ids, at most ``limit`` of them."""
+    path = Path(texts) / f"kv_cache_{lang}.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: the fixed texts ship in the repository's notebooks/data "
+                                "(pass --texts DIR when the package runs outside the repository)")
+    return tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)[:limit]
+
+
+@torch.inference_mode()
+def perplexity(llm: Any, token_ids: list[int], chunk: int = 256) -> float:
+    """exp(mean negative log-likelihood) of each token of ``token_ids`` given the ones before it, under ``llm``'s
+    model, every logit computed through its attention backend and KV cache: the text is prefilled in chunks of
+    ``chunk`` tokens into the first blocks of the pool, each chunk attending to the earlier chunks read back from
+    the cache (float8 with kv_cache_dtype="fp8") and to itself. The engine must be idle (its pool is borrowed) and
+    run on one process (tensor_parallel_size=1)."""
+    runner, n = llm.model_runner, len(token_ids)
+    table = list(range(-(-n // runner.block_size)))
+    if n < 2 or chunk < 1:
+        raise ValueError(f"need at least 2 tokens and chunk >= 1, got {n} tokens and chunk={chunk}")
+    if llm.config.tensor_parallel_size != 1 or not llm.is_finished():
+        raise ValueError("perplexity borrows the KV pool of an idle one-process engine")
+    if len(table) > llm.config.num_kvcache_blocks or n > llm.config.max_model_len:
+        raise ValueError(f"{n} tokens need {len(table)} blocks and max_model_len >= {n}; the engine has "
+                         f"{llm.config.num_kvcache_blocks} blocks and max_model_len={llm.config.max_model_len}")
+    nll = 0.0
+    for start in range(0, n - 1, chunk):
+        end = min(start + chunk, n)
+        # en: Chunk [start, end) after a cached prefix of `start` tokens, as a chunked prefill computes it.
+        # zh: 在 `start` 个已缓存 token 之后的分块 [start, end)，和分块预填充的算法一样。
+        set_prefill_context([end - start], [end], [table], runner.block_size, runner.device)
+        try:
+            ids = torch.tensor(token_ids[start:end], device=runner.device)
+            hidden = runner.model(ids, torch.arange(start, end, device=runner.device))
+        finally:
+            reset_context()
+        # en: Without a context the LM head computes every row, not only the last one.
+        # zh: 没有上下文时，LM head 计算每一行，而不只是最后一行。
+        logits = runner.model.compute_logits(hidden).float()
+        targets = torch.tensor(token_ids[start + 1 : end + 1], device=runner.device)
+        nll += F.cross_entropy(logits[: len(targets)], targets, reduction="sum").item()
+    return math.exp(nll / (n - 1))
+
+
+@torch.inference_mode()
+def next_token_probs(llm: Any, token_ids: list[int]) -> torch.Tensor:
+    """The model's probabilities of the token after ``token_ids`` (one prefill, through the borrowed pool as in
+    `perplexity`)."""
+    runner, n = llm.model_runner, len(token_ids)
+    set_prefill_context([n], [n], [list(range(-(-n // runner.block_size)))], runner.block_size, runner.device)
+    try:
+        hidden = runner.model(torch.tensor(token_ids, device=runner.device), torch.arange(n, device=runner.device))
+    finally:
+        reset_context()
+    return runner.model.compute_logits(hidden[-1:]).float().softmax(-1)[0]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two generations share before they first differ."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def agreement_prompts(tokenizer: Any, count: int = 32, length: int = 24, texts: Path = TEXTS) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens: the openings of the texts' paragraphs, English and Chinese in turn."""
+    openings = {}
+    for lang in LANGUAGES:
+        paragraphs = (Path(texts) / f"kv_cache_{lang}.txt").read_text(encoding="utf-8").split("\n\n")
+        ids = [tokenizer.encode(p, add_special_tokens=False) for p in paragraphs]
+        openings[lang] = [p[:length] for p in ids if len(p) >= length]
+    prompts = [p for pair in zip(*openings.values(), strict=False) for p in pair][:count]
+    if len(prompts) < count:
+        raise ValueError(f"the texts have only {len(prompts)} paragraphs of {length} tokens or more")
+    return prompts
+
+
+def measure(
+    model: str, *, tokens: int = 3000, prompts: int = 32, max_tokens: int = 64, chunk: int = 256,
+    texts: Path = TEXTS, **settings: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Perplexity of the first ``tokens`` tokens of each text, and the greedy continuations of ``prompts`` prompts
+    (``max_tokens`` each), with kv_cache_dtype "auto" and "fp8" (settings: other `LLM` keyword arguments)."""
+    from nanovllm.llm import LLM
+
+    results: dict[str, Any] = {"perplexity": {}, "tokens": {}}
+    generations = {}
+    for kv_cache_dtype in ("fp8", "auto"):  # "auto" last: it then explains where the two part
+        with LLM(model, kv_cache_dtype=kv_cache_dtype, **settings) as llm:
+            for lang in LANGUAGES:
+                ids = text_token_ids(llm.tokenizer, lang, tokens, texts)
+                results["tokens"][lang] = len(ids)
+                results["perplexity"].setdefault(lang, {})[kv_cache_dtype] = perplexity(llm, ids, chunk)
+            greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            inputs = agreement_prompts(llm.tokenizer, prompts, texts=texts)
+            generations[kv_cache_dtype] = [o["token_ids"] for o in llm.generate(inputs, greedy, use_tqdm=False)]
+            results["dtype"], results["device"] = llm.config.dtype, llm.config.device
+            if kv_cache_dtype == "auto":
+                # en: Where a pair first differs, how sure was the unquantized model of its own token?
+                # zh: 两者第一次出现分歧的地方，未量化的模型对自己选的 token 有多大把握？
+                margins, second = [], 0
+                for prompt, ours, theirs in zip(inputs, generations["auto"], generations["fp8"], strict=True):
+                    at = common_prefix(ours, theirs)
+                    if at < max_tokens:
+                        top = next_token_probs(llm, prompt + ours[:at]).topk(2)
+                        margins.append((top.values[0] - top.values[1]).item())
+                        second += top.indices[1].item() == theirs[at]
+    for lang in LANGUAGES:
+        ppl = results["perplexity"][lang]
+        ppl["ratio"] = ppl["fp8"] / ppl["auto"]
+    shared = [common_prefix(a, b) for a, b in zip(generations["auto"], generations["fp8"], strict=True)]
+    results["agreement"] = {
+        "prompts": prompts, "max_tokens": max_tokens, "mean_common_prefix": sum(shared) / prompts,
+        "identical": sum(s == max_tokens for s in shared), "common_prefixes": shared,
+        # en: At each first difference: the auto model's top-1 minus top-2 probability, and whether fp8 took the
+        # en: second-best token.
+        # zh: 在每个第一次分歧处：auto 模型第一名与第二名的概率差，以及 fp8 是否选了第二名。
+        "margins_at_divergence": margins, "took_second_best": second,
+    }
+    return results
+
+
+def print_results(results: dict[str, Any]) -> None:
+    """The figures of `measure` as a small table."""
+    print(f"perplexity (model and 'auto' cache in {results['dtype']}):")
+    for lang, ppl in results["perplexity"].items():
+        print(f"  {lang}, {results['tokens'][lang]} tokens: auto {ppl['auto']:.3f}, fp8 {ppl['fp8']:.3f} "
+              f"({ppl['ratio'] - 1:+.2%})")
+    agreement = results["agreement"]
+    print(f"greedy agreement over {agreement['prompts']} prompts x {agreement['max_tokens']} tokens: mean common "
+          f"prefix {agreement['mean_common_prefix']:.1f} tokens, {agreement['identical']} identical")
+    margins = sorted(agreement["margins_at_divergence"])
+    if margins:
+        print(f"  at the {len(margins)} first differences: the auto model's top-2 probability gap, median "
+              f"{margins[len(margins) // 2]:.3f}; fp8 took the second-best token {agreement['took_second_best']} times")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench.kv_cache_accuracy",
+                                     description="Perplexity and greedy agreement: fp8 KV cache vs the model's dtype.")
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--tokens", type=int, default=3000, help="tokens of each text (default: 3000, all of it)")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=256, help="prefill chunk of the perplexity runs")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--texts", type=Path, default=TEXTS, help="the folder of kv_cache_en.txt and kv_cache_zh.txt")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
+
+    try:
+        model = args.model or str(smollm2_dir())
+        results = measure(model, tokens=args.tokens, prompts=args.prompts, max_tokens=args.max_tokens,
+                          chunk=args.chunk, texts=args.texts, device=args.device, enforce_eager=True)
+    except (TypeError, ValueError, FileNotFoundError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print_results(results)
+    write_report(report_header("python -m nanovllm.bench.kv_cache_accuracy", argv, results["device"])
+                 | {"model": model} | results, args.out)
+    return 0
+
+
+# en: A notebook also runs this code as __main__; only a real `python -m` should act.
+# zh: notebook 也会把这段代码当作 __main__ 运行；只有真正的 `python -m` 才应执行。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    raise SystemExit(main())
+
+# %%
+from nanovllm.bench.kv_cache_accuracy import agreement_prompts, common_prefix, next_token_probs
+from nanovllm.sampling_params import SamplingParams
+
+for lang in ("en", "zh"):
+    for kv in ("auto", "fp8"):
+        if (lang, kv) not in live:
+            live[lang, kv] = perplexity(engines[kv], text_token_ids(engines[kv].tokenizer, lang, SLICE), 128)
+    print(f"perplexity, {lang}, {SLICE} tokens: {engines['auto'].config.dtype} cache {live[lang, 'auto']:.3f}, "
+          f"fp8 cache {live[lang, 'fp8']:.3f} ({live[lang, 'fp8'] / live[lang, 'auto'] - 1:+.2%})")
+prompts = agreement_prompts(engines["auto"].tokenizer, 8)
+greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+outputs = {kv: [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] for kv, llm in engines.items()}
+shared = [common_prefix(a, b) for a, b in zip(outputs["auto"], outputs["fp8"], strict=True)]
+gaps = []
+for prompt, ours, at in zip(prompts, outputs["auto"], shared, strict=True):
+    if at < 16:
+        top = next_token_probs(engines["auto"], prompt + ours[:at]).topk(2).values
+        gaps.append((top[0] - top[1]).item())
+print(f"greedy, 8 prompts x 16 tokens: common prefixes {shared}; at the first differences the unquantized "
+      f"model's two best tokens were {[round(g, 3) for g in gaps]} apart in probability")
+
+# %%
+for lang in ("en", "zh"):
+    assert live[lang, "fp8"] != live[lang, "auto"] and abs(live[lang, "fp8"] / live[lang, "auto"] - 1) < 0.05
+assert len(gaps) == sum(s < 16 for s in shared)
+
+# %% [markdown] tags=["en"]
+# The full measurement: the first 3,000 tokens of each text, 32 prompts × 64 tokens. It takes
+# minutes, not seconds, so it is not run on this page: the dictionary below is what the command
+# it names printed and wrote (`--out`), and the cell after it checks the figures against each
+# other and against the issue's goal.
+
+# %% [markdown] tags=["zh"]
+# 完整的测量：每段文本的前 3,000 个 token，32 个提示词 × 64 个 token。它要跑几分钟而不是几秒，所以不在本页运行：
+# 下面的字典就是字典里那条命令打印并写出（`--out`）的结果，再下一个单元把这些数字相互核对，并与 issue 的目标对照。
+
+# %%
+RECORDED_ACCURACY = {  # python -m nanovllm.bench.kv_cache_accuracy --out accuracy.json, copied from its JSON
+    "command": "python -m nanovllm.bench.kv_cache_accuracy", "date": "2026-12-01",
+    "machine": "2-core Intel Xeon CPU (shared), torch 2.13.0+cpu, SmolLM2-135M-Instruct in float32; 8 min",
+    "tokens": {"en": 3000, "zh": 3000},
+    "perplexity": {"en": {"auto": 31.3555, "fp8": 31.8750}, "zh": {"auto": 12.3472, "fp8": 12.4885}},
+    "agreement": {
+        "prompts": 32, "max_tokens": 64, "mean_common_prefix": 25.375, "identical": 8,
+        "common_prefixes": [11, 5, 43, 16, 1, 64, 4, 4, 12, 7, 64, 0, 25, 64, 1, 11, 0, 64, 64, 18, 26, 0, 64, 9,
+                            25, 26, 64, 3, 3, 64, 40, 10],
+        "margins_at_divergence": [0.0020, 0.0530, 0.0117, 0.0303, 0.0021, 0.0038, 0.0002, 0.0158, 0.0038, 0.0017,
+                                  0.0334, 0.0288, 0.0087, 0.0577, 0.0025, 0.0102, 0.0104, 0.0066, 0.0401, 0.1252,
+                                  0.0093, 0.0220, 0.0614, 0.0436],
+        "took_second_best": 22,
+    },
+}
+
+print(f"{RECORDED_ACCURACY['command']} ({RECORDED_ACCURACY['date']}, {RECORDED_ACCURACY['machine']})")
+for lang, ppl in RECORDED_ACCURACY["perplexity"].items():
+    print(f"  perplexity, {lang}, {RECORDED_ACCURACY['tokens'][lang]} tokens: float32 cache {ppl['auto']:.3f}, "
+          f"fp8 cache {ppl['fp8']:.3f} ({ppl['fp8'] / ppl['auto'] - 1:+.2%})")
+agreement = RECORDED_ACCURACY["agreement"]
+margins = sorted(agreement["margins_at_divergence"])
+print(f"  greedy, {agreement['prompts']} prompts x {agreement['max_tokens']} tokens: mean common prefix "
+      f"{agreement['mean_common_prefix']:.1f} tokens, {agreement['identical']} identical; at the "
+      f"{len(margins)} first differences the median gap between the unquantized model's two best tokens was "
+      f"{margins[len(margins) // 2]:.3f}, and fp8 took the second best {agreement['took_second_best']} times")
+
+# %%
+for ppl in RECORDED_ACCURACY["perplexity"].values():
+    assert 1 < ppl["fp8"] / ppl["auto"] < 1.02  # the goal: within 2 % of the unquantized cache
+prefixes = agreement["common_prefixes"]
+assert len(prefixes) == agreement["prompts"] and sum(prefixes) / len(prefixes) == agreement["mean_common_prefix"]
+assert prefixes.count(agreement["max_tokens"]) == agreement["identical"] == len(prefixes) - len(margins)
+assert margins[len(margins) // 2] < 0.02 and agreement["took_second_best"] >= 0.8 * len(margins)  # near-ties
+
+# %% [markdown] tags=["en"]
+# The perplexity rises by 1.7 % on the English text and 1.1 % on the Chinese one: inside the
+# issue's goal of 2 %. Greedy agreement looks worse than that: the two caches produce the same
+# 64 tokens for only 8 of the 32 prompts, and share 25 tokens on average. But look at where they
+# part. In the median case the unquantized model's two best tokens were 1.2 percentage points
+# apart, and in 22 of the 24 partings the 8-bit cache took exactly the runner-up: a small model
+# decoding greedily passes many such near-ties, a perturbation of a few percent in K and V tips
+# some of them, and from there the two texts are different texts, so every later token counts
+# against the common prefix. The common prefix measures *where* the first near-tie falls more
+# than how good either text is; the perplexity, which scores every position of a fixed text, is
+# the measure of quality, and the first-parting margins say that fp8 changes the decision only
+# where the model itself could not tell.
+
+# %% [markdown] tags=["zh"]
+# 困惑度在英文文本上升高 1.7 %，在中文文本上升高 1.1 %：在 issue 设定的 2 % 目标之内。贪心一致性看起来要差一些：
+# 32 个提示词中只有 8 个在两种缓存下生成了完全相同的 64 个 token，平均公共前缀是 25 个 token。但要看它们在哪里分开。
+# 取中位数来看，未量化的模型最可能的两个 token 只差 1.2 个百分点；24 次分歧中有 22 次，8 位缓存选的恰好就是第二名：
+# 小模型做贪心解码时会经过许多这样几乎打平的位置，K 和 V 上几个百分点的扰动就会让其中一些翻转，而从那里开始两段文本
+# 就是不同的文本了，之后的每个 token 都不再计入公共前缀。公共前缀衡量的更多是第一个几乎打平的位置落在*哪里*，而不是
+# 哪段文本更好；衡量质量的是困惑度，它给固定文本的每个位置打分；而第一次分歧处的概率差说明，fp8 只在模型自己也分不清
+# 的地方改变了决定。
+
+# %%
+ratios_recorded = {lang: ppl["fp8"] / ppl["auto"] - 1 for lang, ppl in RECORDED_ACCURACY["perplexity"].items()}
+assert round(ratios_recorded["en"], 3) == 0.017 and round(ratios_recorded["zh"], 3) == 0.011
+assert (agreement["identical"], round(agreement["mean_common_prefix"]), len(margins)) == (8, 25, 24)
+assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_best"] == 22
+
+
+# %% [markdown] tags=["en"]
+# ## Speed, on the H200: to be measured
+#
+# **Not measured yet.** This chapter was written on a machine without a GPU, and every output on
+# this page comes from a CPU: the bounds of the first section are arithmetic on the recorded
+# H200 rates, the kernels ran in the Triton interpreter, and the accuracy was measured with
+# SmolLM2 in float32. No speed figure here is invented. One invocation per model shape measures
+# both caches in the same run, each against its own bound (the bound of this chapter's first
+# section, with the copy and matmul rates measured in that run), and prints their ratio:
+#
+# ```
+# python3 -P -m nanovllm.bench --preset nano-vllm --no-peer --kv-cache-dtype both
+# python3 -P -m nanovllm.bench --preset qwen3-8b --no-peer --kv-cache-dtype both
+# ```
+#
+# (`scripts/gpu-ci.sh fp8` runs the GPU tests of this chapter and then both;
+# `scripts/gpu-ci.sh fp8 sweep` times the float8 decode tiles.) What to expect is already in the
+# bounds: an engine that reaches the same fraction of each bound runs 1.71× faster with the
+# 8-bit cache on Qwen3-0.6B's shapes, but only 1.22× on Qwen3-8B's, whose decode reads almost as
+# many bytes of weights as of KV. The goals: on Qwen3-0.6B's shapes, the fp8 cache at least 1.5×
+# the 16-bit cache's tokens per second in the same run and at least 75 % of its own bound; on
+# Qwen3-8B's shapes 1.5× is beyond the bound itself, and 75 % of the fp8 bound is the goal that
+# means something. The cell below holds the place for the measured figures (`RECORDED_SPEED`):
+# until they are filled in, it prints only what the bounds predict.
+
+# %% [markdown] tags=["zh"]
+# ## 速度：有待在 H200 上测量
+#
+# **尚未测量。** 本章是在没有 GPU 的机器上写成的，本页的每个输出都来自 CPU：第一节的上限是用记录下来的 H200 速率
+# 算出来的，内核在 Triton 解释器里运行，精度是用 float32 的 SmolLM2 测得的。这里没有任何编造的速度数字。每种模型
+# 形状用一次调用，在同一次运行中测量两种缓存，各自对照自己的上限（即本章第一节的上限，拷贝速率和矩阵乘速率在那次
+# 运行中实测），并打印两者的比值：
+#
+# ```
+# python3 -P -m nanovllm.bench --preset nano-vllm --no-peer --kv-cache-dtype both
+# python3 -P -m nanovllm.bench --preset qwen3-8b --no-peer --kv-cache-dtype both
+# ```
+#
+# （`scripts/gpu-ci.sh fp8` 先运行本章的 GPU 测试，再运行这两条命令；`scripts/gpu-ci.sh fp8 sweep` 为 float8 的
+# decode tile 计时。）该期待什么，上限里已经写明了：如果引擎对两个上限达到同样的比例，那么在 Qwen3-0.6B 的形状上，
+# 8 位缓存快 1.71 倍，而在 Qwen3-8B 的形状上只快 1.22 倍，因为它的 decode 读取的权重字节几乎与 KV 字节一样多。
+# 目标是：在 Qwen3-0.6B 的形状上，同一次运行中 fp8 缓存的每秒 token 数至少是 16 位缓存的 1.5 倍，并且至少达到它
+# 自己上限的 75 %；在 Qwen3-8B 的形状上，1.5 倍超出了上限本身，有意义的目标是达到 fp8 上限的 75 %。下面的单元给实测
+# 数字留好了位置（`RECORDED_SPEED`）：填入之前，它只打印上限所预测的结果。
+
+# %%
+# en: TO BE FILLED from the H200 run: for each preset, the date and what the two commands above print: each cache's
+# en: output tokens per second and its fraction of its own bound, e.g.
+# en: {"date": "2026-12-02", "copy_tb_s": 4.2, "auto": {"tok_s": 23941, "of_bound": 0.758}, "fp8": {...}}.
+# zh: 待 H200 运行后填入：每个预设填日期，以及上面两条命令打印的结果：每种缓存每秒输出的 token 数，和它占自己上限的
+# zh: 比例，例如 {"date": "2026-12-02", "copy_tb_s": 4.2, "auto": {"tok_s": 23941, "of_bound": 0.758}, "fp8": {...}}。
+RECORDED_SPEED: dict[str, dict | None] = {"nano-vllm": None, "qwen3-8b": None}
+
+for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
+    run = RECORDED_SPEED[preset]
+    if run is None:
+        auto, fp8 = bounds[model, "auto"].tokens_per_s, bounds[model, "fp8"].tokens_per_s
+        print(f"--preset {preset} ({model}): not measured yet; at {H200_COPY / 1e12} TB/s the bounds are "
+              f"{auto:,.0f} tok/s (16-bit) and {fp8:,.0f} tok/s (fp8): the same fraction of each gives "
+              f"{fp8 / auto:.2f}x")
+    else:
+        print(f"--preset {preset} ({model}), H200, {run['date']}, copy {run['copy_tb_s']} TB/s: "
+              f"16-bit {run['auto']['tok_s']:,.0f} tok/s ({run['auto']['of_bound']:.1%} of its bound), "
+              f"fp8 {run['fp8']['tok_s']:,.0f} tok/s ({run['fp8']['of_bound']:.1%} of its bound), "
+              f"{run['fp8']['tok_s'] / run['auto']['tok_s']:.2f}x")
+        assert all(0 < run[kv]["of_bound"] <= 1 for kv in ("auto", "fp8"))  # no engine beats its bound
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm/layers/kv_quant.py`: `kv_cache_dtype`'s values, float8 e4m3 with one float32 scale
+#   per (token, KV head) (`quantize_kv`, `dequantize_kv`, `round_trip`), and the reference's
+#   paged store and gather (`store_quantized`, `gather_quantized`).
+# - Chapter 06's reference backend and chapter 06b's kernels store, read and dequantize float8
+#   K/V (`fp8_scale`, `round_to_e4m3`, `to_e4m3`; scales on score and weight columns;
+#   `DECODE_LAUNCH["fp8"]`), chapter 09's fused kernel quantizes as it stores.
+# - `Config.kv_cache_dtype` (chapter 08): checked, refused with FlashAttention 4 and below
+#   compute capability 8.9; the runner's `kv_scales` beside `kv_cache`, sized by
+#   `kv_block_bytes`, copied by `copy_kv_blocks`, reported by `kv_cache_summary`.
+# - `python -m nanovllm.bench --kv-cache-dtype both` (each cache against its own bound,
+#   `kv_token_bytes`) and `python -m nanovllm.bench.kv_cache_accuracy` (perplexity and greedy
+#   agreement on the fixed texts in `notebooks/data`).
+#
+# ## Exercises
+#
+# 1. An H200 leaves 40 GiB to Qwen3-0.6B's KV cache, in blocks of 256 tokens. How many sequences
+#    of 2,048 tokens fit with a bfloat16 cache, and how many with the 8-bit one?
+# 2. When does an 8-bit K hurt more than an 8-bit V? Think of what a key's error does to a score,
+#    and what a score's error does to the softmax.
+# 3. A row of a key has 1000 as its largest magnitude. What is stored for an element 3.0 of it,
+#    and what comes back?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm/layers/kv_quant.py`：`kv_cache_dtype` 的取值；每个（token，KV 头）带一个 float32 缩放因子的 float8
+#   e4m3（`quantize_kv`、`dequantize_kv`、`round_trip`），以及参考实现的分页存储与读取（`store_quantized`、
+#   `gather_quantized`）。
+# - 第 06 章的参考后端和第 06b 章的内核存储、读取并反量化（dequantize）float8 的 K/V（`fp8_scale`、
+#   `round_to_e4m3`、`to_e4m3`；缩放因子乘在分数列和权重列上；`DECODE_LAUNCH["fp8"]`），第 09 章的融合内核在存储时量化。
+# - `Config.kv_cache_dtype`（第 08 章）：经过检查，与 FlashAttention 4 同用或计算能力低于 8.9 时拒绝；执行器的
+#   `kv_scales` 与 `kv_cache` 并列，由 `kv_block_bytes` 确定大小，由 `copy_kv_blocks` 拷贝，由 `kv_cache_summary`
+#   报告。
+# - `python -m nanovllm.bench --kv-cache-dtype both`（每种缓存对照自己的上限，`kv_token_bytes`）和
+#   `python -m nanovllm.bench.kv_cache_accuracy`（在 `notebooks/data` 的固定文本上测困惑度和贪心一致性）。
+#
+# ## 练习
+#
+# 1. H200 给 Qwen3-0.6B 的 KV 缓存留了 40 GiB，块大小为 256 个 token。用 bfloat16 缓存能放下多少个 2,048 token 的
+#    序列？用 8 位缓存呢？
+# 2. 什么时候 8 位的 K 比 8 位的 V 伤得更重？想想键的误差对分数做了什么，分数的误差又对 softmax 做了什么。
+# 3. 某个键的一行中最大绝对值是 1000。其中值为 3.0 的元素存下来的是什么？读回来的又是什么？
+#
+# 下面的单元检查答案。
+
+# %%
+# en: 1: a bfloat16 block is 2 * 28 * 256 * 8 * 128 * 2 bytes = 28 MiB: 1,462 blocks, 182 sequences of 8 blocks;
+# en: a float8 block is 2 * 28 * 256 * 8 * (128 + 4) bytes, 14.4 MiB: 2,837 blocks, 354 sequences (1.94x).
+# zh: 1：一个 bfloat16 块是 2 * 28 * 256 * 8 * 128 * 2 字节 = 28 MiB：1,462 个块，每个序列 8 块，可放 182 个序列；
+# zh: 一个 float8 块是 2 * 28 * 256 * 8 * (128 + 4) 字节，14.4 MiB：2,837 个块，354 个序列（1.94 倍）。
+assert per_block[torch.bfloat16] == 2 * 28 * 256 * 8 * 128 * 2 and blocks[torch.bfloat16] // 8 == 182
+assert per_block[FP8] == 2 * 28 * 256 * 8 * 132 and blocks[FP8] == 2837 and blocks[FP8] // 8 == 354
+# en: 2: a key's error moves its score q.k by about |q||k| times e4m3's 2-3 %, and the softmax turns a score error d
+# en: into a factor e^d on that key's weight: the sharper the attention (the larger the scores), the larger the
+# en: damage, while a value's error stays e4m3's own, averaged by the weights. Flat attention hardly notices an 8-bit
+# en: K; sharp attention, which real models have, notices it more than an 8-bit V. Checked on random attention ...
+# zh: 2：键的误差让分数 q.k 大约移动 |q||k| 乘以 e4m3 的 2–3 %，softmax 再把分数误差 d 变成这个键的权重上的因子
+# zh: e^d：注意力越尖锐（分数越大），损伤越大；而值的误差始终是 e4m3 自身的误差，被权重平均。平缓的注意力几乎察觉
+# zh: 不到 8 位的 K；尖锐的注意力（真实模型就有）对它比对 8 位的 V 更敏感。先在随机的注意力上检查 ……
+from nanovllm.layers.attention import TorchBackend, causal_attention
+
+k_only, v_only = {}, {}
+keys_r, values_r = torch.randn(512, 1, 64), torch.randn(512, 1, 64)
+for sharpness in (0.1, 1.0, 3.0):
+    q_r = torch.randn(1, 1, 64) * sharpness
+    exact = causal_attention(q_r, keys_r, values_r, 64**-0.5)
+    k_only[sharpness] = error(exact, causal_attention(q_r, round_trip(keys_r), values_r, 64**-0.5))
+    v_only[sharpness] = error(exact, causal_attention(q_r, keys_r, round_trip(values_r), 64**-0.5))
+print("random attention, output error with 8-bit K only / V only:",
+      {s: f"{k_only[s]:.2%} / {v_only[s]:.2%}" for s in k_only})
+assert k_only[0.1] < v_only[0.1] and k_only[3.0] > v_only[3.0] and k_only[3.0] > 10 * k_only[0.1]
+assert max(v_only.values()) < 1.3 * min(v_only.values())  # V's error stays e4m3's own, whatever the sharpness
+
+
+# en: ... and on SmolLM2: the 256-token English slice with only K, then only V, in 8 bits (the 32-bit engine's store
+# en: quantizes one of the two; chunks of 32 tokens, so that all but the first read them back from the cache).
+# zh: …… 再在 SmolLM2 上检查：英文的前 256 个 token，只把 K、再只把 V 存成 8 位（32 位引擎的存储只量化其中之一；
+# zh: 分块为 32 个 token，这样除第一个分块外，都从缓存读回它们）。
+class OneOf8Bit(TorchBackend):
+    def __init__(self, which: str) -> None:
+        self.which = which
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scales=None, v_scales=None):
+        k, v = (round_trip(k), v) if self.which == "K" else (k, round_trip(v))
+        super().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+one_of = {}
+for which in ("K", "V"):
+    for layer in layers:
+        layer.backend = OneOf8Bit(which)
+    one_of[which] = perplexity(engines["auto"], text_token_ids(engines["auto"].tokenizer, "en", SLICE), 32)
+for layer in layers:
+    layer.backend = engines["auto"].model_runner.attention
+print({f"8-bit {which} only": f"{ppl / live['en', 'auto'] - 1:+.2%}" for which, ppl in one_of.items()},
+      f"both: {live['en', 'fp8'] / live['en', 'auto'] - 1:+.2%}")
+assert one_of["K"] - live["en", "auto"] > one_of["V"] - live["en", "auto"]
+# en: 3: scale = 1000 / 448 = 2.232; 3.0 / 2.232 = 1.344, whose nearest e4m3 values are 1.25 and 1.375: stored 1.375,
+# en: back 1.375 * 2.232 = 3.069 (2.3 % off, within the 1/16 of e4m3's worst case).
+# zh: 3：scale = 1000 / 448 = 2.232；3.0 / 2.232 = 1.344，离它最近的 e4m3 值是 1.25 和 1.375：存下 1.375，
+# zh: 读回 1.375 * 2.232 = 3.069（偏差 2.3 %，在 e4m3 最坏情况的 1/16 之内）。
+q3, s3 = quantize_kv(torch.tensor([1000.0, 3.0]))
+assert q3[1].float() == 1.375 and abs(dequantize_kv(q3, s3)[1] - 3.069) < 1e-3
+for llm in engines.values():
+    llm.exit()
+print("all exercise answers check out")
