@@ -15,6 +15,12 @@
 #                                       # time goes); without PART: tests, then bench
 #   scripts/gpu-ci.sh kernels [ARGS]    # the attention kernels: scripts/decode_sweep.py (decode launch
 #                                       # configurations), then python -m nanovllm.bench.attention ARGS (--quick)
+#   scripts/gpu-ci.sh serve [PART] [ARGS] # the serving benchmark (issue 24) on Qwen3-0.6B's shapes, random weights:
+#                                       # PART c16: 64 requests, 16 streams at a time, with the offline engine at 16
+#                                       # sequences (p50 ITL against the decode step); 256: the 256 requests at once to
+#                                       # our server, then LLM.generate, then transformers serve --continuous-batching
+#                                       # on the first $PEER_PROMPTS (default 128); without PART: c16, then 256.
+#                                       # Needs the serving wheels in .whl-serve/ (scripts/serve-wheels.sh)
 #   scripts/gpu-ci.sh fp8 [PART]        # the 8-bit KV cache (chapter 16); PART: tests (its tests marked gpu), bench
 #                                       # (python -m nanovllm.bench --kv-cache-dtype both --no-peer, on the nano-vllm
 #                                       # preset, then on qwen3-8b), sweep (scripts/decode_sweep.py --kv-cache-dtype
@@ -27,9 +33,9 @@
 # network), .fa4/ FlashAttention 4's (pip download --no-deps --pre --python-version 3.12 --only-binary=:all:
 # --platform manylinux_2_28_x86_64 flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
 # nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops
-# cuda-bindings). A wheel too large for one transfer travels in parts (split -b 45M X.whl X.whl.part-), if need be
+# cuda-bindings), .whl-serve/ the serving stack's (scripts/serve-wheels.sh). A wheel too large for one transfer travels in parts (split -b 45M X.whl X.whl.part-), if need be
 # over several calls on a machine that stays up (`keep` after each one); the parts are joined with cat before the
-# wheels are installed into /tmp/site and /tmp/fa4site, never over the machine's own packages.
+# wheels are installed into /tmp/site, /tmp/fa4site and /tmp/serve-site, never over the machine's own packages.
 # .bench-base/nanovllm is the package before a change: git archive REV nanovllm | tar -x -C .bench-base
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +84,45 @@ flash_attn4() {  # FlashAttention 4 from the wheels carried in .fa4/, in /tmp/fa
   fi
   export PYTHONPATH=$PYTHONPATH:$site:$site/nvidia_cutlass_dsl/dsl_packages  # what its .pth would add
   python3 -c "import flash_attn.cute as fa; print('gpu-ci: FlashAttention 4', fa.__version__)"
+}
+
+serving_stack() {  # fastapi, uvicorn, prometheus-client, openai...: the machine's where they fit, else the wheels
+                   # carried in .whl-serve/, in /tmp/serve-site (scripts/pick_wheels.py says which: no shadowing)
+  local site=/tmp/serve-site found=() chosen=()
+  mapfile -t found < <(wheels .whl-serve)
+  if [ ! -e $site/.picked ] && [ ${#found[@]} -gt 0 ]; then
+    mapfile -t chosen < <(python3 scripts/pick_wheels.py "${found[@]}")
+    if [ ${#chosen[@]} -gt 0 ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target $site "${chosen[@]}" 2>&1 | tail -3
+    fi
+    mkdir -p $site && touch $site/.picked
+  fi
+  export PYTHONPATH=$PYTHONPATH:$site PATH=$PATH:$site/bin  # the machine's `transformers` command stays first
+  [ ${#found[@]} -eq 0 ] || python3 scripts/pick_wheels.py --check "${found[@]}" || status=1
+  python3 -c "import fastapi, uvicorn, prometheus_client, httpx, openai
+from transformers.utils.import_utils import is_serve_available
+assert is_serve_available(), 'transformers serve lacks pydantic, fastapi, uvicorn or openai'
+import transformers; print('gpu-ci: serving stack: fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__,
+                           'openai', openai.__version__, 'transformers', transformers.__version__)" || {
+    echo "gpu-ci: the serving stack is missing: carry .whl-serve/ (scripts/serve-wheels.sh)" >&2; return 2; }
+}
+
+run_serve() {
+  local part=all
+  case ${1:-} in c16 | 256 | all) part=$1; shift ;; esac
+  serving_stack || exit 2
+  # Built once per machine (2.4 GB of float32 in /tmp): outside the timed runs.
+  python3 -c "from nanovllm.bench.serve import qwen3_06b_served; print('gpu-ci: model', qwen3_06b_served())" || exit 2
+  local bench=(python3 -m nanovllm.bench.serve --preset nano-vllm --device cuda --offline)
+  # Each run ends within its `timeout`; its JSON keeps what it measured until then (the servers die with it).
+  if [ "$part" != 256 ]; then
+    timeout 190 "${bench[@]}" --num-prompts 64 --max-concurrency 16 --out "$out/serve-c16.json" "$@" 2>&1 \
+      | tee "$out/serve-c16.log" || status=1
+  fi
+  if [ "$part" != c16 ]; then
+    timeout 330 "${bench[@]}" --launch both --peer-num-prompts "${PEER_PROMPTS:-128}" --out "$out/serve-256.json" \
+      "$@" 2>&1 | tee "$out/serve-256.log" || status=1
+  fi
 }
 
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
@@ -177,7 +222,7 @@ run_fp8() {
 
 keep() {
   local dir
-  for dir in .whl .fa4; do
+  for dir in .whl .fa4 .whl-serve; do
     [ -d $dir ] && mkdir -p /tmp/keep/$dir && cp $dir/* /tmp/keep/$dir/
   done
   ls -lR /tmp/keep
@@ -195,9 +240,10 @@ case $what in
   bench) run_bench "$@" ;;
   tp) run_tp "$@" ;;
   kernels) run_kernels "$@" ;;
+  serve) run_serve "$@" ;;
   fp8) run_fp8 "$@" ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| keep]" >&2
+          "| serve [PART] [ARGS] | keep]" >&2
      exit 2 ;;
 esac
 exit $status

@@ -8,9 +8,11 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -19,21 +21,29 @@ from typing import Any
 
 import httpx
 
-from nanovllm.bench.engine import PRESETS, make_workload
+from nanovllm.bench.engine import PRESETS, Workload, make_workload, qwen3_06b_random, run_engine
 from nanovllm.bench.report import report_header, write_report
 
 __all__ = [
+    "STEP_COUNTER",
     "RequestResult",
+    "engine_steps",
     "load_in_thread",
     "main",
     "percentiles",
+    "print_ratios",
     "print_table",
+    "qwen3_06b_served",
     "run_load",
+    "run_offline",
     "served_model",
+    "step_delta",
     "stream_one",
     "summarize",
     "transformers_command",
     "warm_up",
+    "with_word_tokenizer",
+    "word_tokenizer",
 ]
 
 
@@ -154,6 +164,122 @@ def summarize(name: str, results: list[RequestResult], seconds: float) -> dict[s
     }
 
 
+STEP_COUNTER = re.compile(r'^nanovllm:engine_(steps|step_seconds)_total\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', re.M)
+
+
+def engine_steps(url: str) -> dict[str, dict[str, float]]:
+    """Our server's own step counters (``nanovllm:engine_steps`` and ``engine_step_seconds``), by kind, from its
+    ``/metrics``: ``{"decode": {"steps": ..., "step_seconds": ...}, ...}``; empty for a server that has none."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    found: dict[str, dict[str, float]] = {}
+    for metric, kind, number in STEP_COUNTER.findall(text):
+        found.setdefault(kind, {})[metric] = float(number)
+    return found
+
+
+def step_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """The steps the server ran between two `engine_steps` readings: how many, their seconds, their mean in ms."""
+    delta = {}
+    for kind, counters in after.items():
+        steps = counters.get("steps", 0.0) - before.get(kind, {}).get("steps", 0.0)
+        seconds = counters.get("step_seconds", 0.0) - before.get(kind, {}).get("step_seconds", 0.0)
+        delta[kind] = {"steps": steps, "seconds": seconds, "mean_ms": seconds / steps * 1e3 if steps else 0.0}
+    return delta
+
+
+# notebooks/15_serving.py · cell "bench serve model"
+def word_tokenizer(directory: Path, vocab_size: int, specials: dict[int, str]) -> None:
+    """Write into ``directory`` a tokenizer of exactly ``vocab_size`` ids, one word each: ``t{id}``, or the special
+    token ``specials`` gives that id, or ``<unk>`` (the first free id: what any other word becomes). Text splits at
+    spaces, so the text of any ids tokenizes back to the same ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    unknown = next(i for i in range(vocab_size) if i not in specials)
+    words = {**specials, unknown: "<unk>"}
+    tokenizer = Tokenizer(models.WordLevel({words.get(i, f"t{i}"): i for i in range(vocab_size)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens(list(specials.values()))
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+def with_word_tokenizer(model: str | Path, target: str | Path) -> Path:
+    """``target``: the model directory ``model`` (config, generation config and weights, linked, not copied) with a
+    `word_tokenizer` as large as its vocabulary; the special tokens and their ids are those of ``model``'s tokenizer."""
+    model, target = Path(model), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (target / name).unlink(missing_ok=True)
+        (target / name).symlink_to((model / name).resolve())
+    config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+    added = json.loads((model / "tokenizer.json").read_text(encoding="utf-8"))["added_tokens"]
+    word_tokenizer(target, config["vocab_size"], {token["id"]: token["content"] for token in added})
+    settings = json.loads((model / "tokenizer_config.json").read_text(encoding="utf-8"))
+    settings |= {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>",
+                 "model_max_length": config["max_position_embeddings"]}
+    (target / "tokenizer_config.json").write_text(json.dumps(settings, indent=2), encoding="utf-8")
+    return target
+
+
+def qwen3_06b_served(path: str | None = None) -> Path:
+    """Chapter 14's Qwen3-0.6B-shaped model with random weights, with a `word_tokenizer` for all its 151,936 ids."""
+    return with_word_tokenizer(qwen3_06b_random(), path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-served")
+
+
+# notebooks/15_serving.py · cell "bench serve offline"
+def run_offline(model: str, tokenizer: Any, prompts: list[str], output_lens: list[int], *, temperature: float,
+                settings: dict[str, Any], concurrency: int | None) -> dict[str, Any]:
+    """`LLM.generate` on the prompts a server got, tokenized as the server tokenizes them, with its engine
+    ``settings``; with ``concurrency``, at most that many sequences at a time. Its figures, in `summarize`'s keys."""
+    from nanovllm.engine.llm_engine import prompt_token_ids
+
+    ids = [prompt_token_ids(prompt, tokenizer) for prompt in prompts]
+    config = dict(settings)
+    if concurrency:
+        config["max_num_seqs"] = min(config["max_num_seqs"], concurrency)
+    breakdown: dict[str, float] = {}
+    result = run_engine(model, Workload(ids, list(output_lens), temperature), breakdown=breakdown, **config)
+    steps = breakdown.get("decode_steps", 0)
+    return {"name": "offline LLM.generate", "seconds": result.seconds, "input_tokens": sum(map(len, ids)),
+            "output_tokens": result.output_tokens, "output_throughput": result.tokens_per_s,
+            "max_num_seqs": config["max_num_seqs"], "breakdown": breakdown,
+            "decode_step_ms": breakdown.get("decode", 0.0) / steps * 1e3 if steps else 0.0}
+
+
+def print_ratios(summaries: list[dict[str, Any]], offline: dict[str, Any] | None) -> dict[str, float]:
+    """The issue's comparisons, as far as this run has their terms: our server's output tok/s against the offline
+    engine's and against the peer's, and its p50 ITL against its own decode step (and the offline engine's)."""
+    ours = next((s for s in summaries if s["name"] == "nano-vllm"), None)
+    peer = next((s for s in summaries if s["name"].startswith("transformers")), None)
+    ratios: dict[str, float] = {}
+    if ours and offline:
+        ratios["served_over_offline"] = ours["output_throughput"] / offline["output_throughput"]
+        same = "same prompts" if ours["input_tokens"] == offline["input_tokens"] else \
+            f"PROMPTS DIFFER: {ours['input_tokens']} vs {offline['input_tokens']} input tokens"
+        print(f"served / offline output tok/s: {ratios['served_over_offline']:.2f}x (nano-vllm server "
+              f"{ours['output_throughput']:,.1f} tok/s, LLM.generate {offline['output_throughput']:,.1f} tok/s with "
+              f"max_num_seqs={offline['max_num_seqs']}; {same}, one invocation)")
+    if ours and peer:
+        ratios["ours_over_transformers"] = ours["output_throughput"] / max(peer["output_throughput"], 1e-9)
+        print(f"output tok/s, nano-vllm / {peer['name']}: {ratios['ours_over_transformers']:.2f}x "
+              f"({ours['completed']} and {peer['completed']} requests, one invocation)")
+    decode = (ours or {}).get("engine_steps", {}).get("decode", {})
+    if decode.get("steps"):
+        itl = ours["itl_ms"]["p50"]
+        ratios["itl_p50_over_decode_step"] = itl / decode["mean_ms"]
+        line = (f"p50 ITL / decode step: {ratios['itl_p50_over_decode_step']:.2f}x (p50 ITL {itl:.2f} ms; the "
+                f"server's decode step {decode['mean_ms']:.2f} ms, mean of its {decode['steps']:.0f} decode steps "
+                "in this run")
+        if offline and offline["decode_step_ms"]:
+            ratios["itl_p50_over_offline_decode_step"] = itl / offline["decode_step_ms"]
+            line += (f"; LLM.generate's {offline['decode_step_ms']:.2f} ms: "
+                     f"{ratios['itl_p50_over_offline_decode_step']:.2f}x")
+        print(line + ")")
+    return ratios
+
+
 # notebooks/15_serving.py · cell "bench serve main"
 def print_table(summaries: list[dict[str, Any]]) -> None:
     """One column per server, vLLM's rows."""
@@ -172,9 +298,6 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
         for stat in ("mean", "p50", "p90", "p99"):
             label = f"{stat.capitalize() if stat == 'mean' else stat.upper()} {title} (ms)"
             print(f"{label:34}" + "".join(f"{s[metric][stat]:>{width + 2}.1f}" for s in summaries))
-    if len(summaries) > 1:
-        ratio = summaries[0]["output_throughput"] / max(summaries[1]["output_throughput"], 1e-9)
-        print(f"output tok/s, {names[0]} / {names[1]}: {ratio:.2f}x (same prompts, same machine, one invocation)")
 
 
 def served_model(url: str) -> str:
@@ -189,13 +312,14 @@ def warm_up(url: str, model: str) -> None:
     httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 4}, timeout=600)
 
 
-def transformers_command(model: str, port: int, device: str) -> list[str]:
-    """``transformers serve --continuous-batching`` on ``model``, on 127.0.0.1:``port``."""
+def transformers_command(model: str, port: int, device: str, dtype: str | None = None) -> list[str]:
+    """``transformers serve --continuous-batching`` on ``model``, on 127.0.0.1:``port`` (in ``dtype``, e.g. the
+    one our engine runs in, rather than the checkpoint's)."""
     binary = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    if binary is None:
-        raise RuntimeError("transformers' command line is not installed (pip install 'transformers[serving]')")
-    return [binary, "serve", model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
-            "--device", device]
+    # Without its console script (a package copied rather than installed), the same command through this Python.
+    command = [binary] if binary else [sys.executable, "-m", "transformers.cli.transformers"]
+    return [*command, "serve", model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
+            "--device", device, *(["--dtype", dtype] if dtype else [])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launch", choices=["ours", "transformers", "both"], default="ours",
                         help="without --url: start our server, transformers serve --continuous-batching, or both "
                              "one after the other on the same prompts (default: ours)")
-    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct; with --preset nano-vllm, "
+                                        "Qwen3-0.6B's shapes with random weights, qwen3_06b_served)")
     parser.add_argument("--device", default="cpu", help="device of the launched servers (default cpu)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--num-prompts", type=int)
@@ -221,15 +346,36 @@ def main(argv: list[str] | None = None) -> int:
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", help="also write the figures to this JSON file")
+    parser.add_argument("--offline", action="store_true",
+                        help="also time LLM.generate on the same prompts, output lengths and engine options, in this "
+                             "process once the servers are gone, and print served / offline output tok/s (with "
+                             "--max-concurrency C: at most C sequences at a time)")
+    parser.add_argument("--peer-num-prompts", type=int, metavar="N",
+                        help="transformers serve gets the first N prompts only (it is slow on a GPU); the ratio "
+                             "compares output tok/s (default: all)")
+    parser.add_argument("--out", help="also write the figures to this JSON file (rewritten after each stage)")
     args = parser.parse_args(args_list)
+    if args.url and args.offline:
+        parser.error("--offline compares with the server this command launches, not with --url")
 
     from transformers import AutoTokenizer
 
     from nanovllm.book.smollm2 import smollm2_dir
+    from nanovllm.config import Config
+    from nanovllm.serve.cli import build_parser, engine_settings
     from nanovllm.serve.process import ServerProcess, free_port
 
-    model = args.model or str(smollm2_dir())
+    if args.model:
+        model = args.model
+    elif args.preset == "nano-vllm":
+        model = str(qwen3_06b_served())
+    elif args.preset == "cpu":
+        model = str(smollm2_dir())
+    else:
+        parser.error(f"--preset {args.preset} has no model with weights to serve: give --model")
+    # The engine options of our server, parsed as the server parses them: the offline engine gets the same.
+    server_argv = ["--model", model, "--device", args.device, *server_args]
+    settings = engine_settings(build_parser().parse_args(server_argv))
     tokenizer = AutoTokenizer.from_pretrained(model)
     preset = dict(PRESETS[args.preset])
     for key, value in (("num_seqs", args.num_prompts), ("input_len", args.input_len),
@@ -242,30 +388,49 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer.decode(ids) for ids in workload.prompts]
     print(f"workload: {workload.describe()} (sent as text)")
     report = report_header("python -m nanovllm.bench.serve", argv, args.device)
+    summaries: list[dict[str, Any]] = []
     report |= {"model": model, "workload": workload.describe(), "max_concurrency": args.max_concurrency,
-               "request_rate": args.request_rate}
+               "request_rate": args.request_rate, "server_args": server_args, "servers": summaries}
 
-    def measure(name: str, url: str, peer: bool) -> dict[str, Any]:
-        served = served_model(url)
+    def measure(name: str, url: str, peer: bool, model_id: str | None = None, count: int | None = None) -> None:
+        served = model_id or served_model(url)
         warm_up(url, served)
+        before = {} if peer else engine_steps(url)
         results, seconds = load_in_thread(
-            url, served, prompts, workload.output_lens, concurrency=args.max_concurrency,
+            url, served, prompts[:count], workload.output_lens[:count], concurrency=args.max_concurrency,
             request_rate=args.request_rate, seed=args.seed, temperature=args.temperature, peer_fields=peer)
-        return summarize(name, results, seconds)
+        summary = summarize(name, results, seconds)
+        if not peer and (steps := step_delta(before, engine_steps(url))):
+            summary["engine_steps"] = steps  # what the engine itself spent, in this run
+        summaries.append(summary)
+        write_report(report, args.out)  # a run cut short still leaves what it measured
 
-    summaries = []
     if args.url:
-        summaries.append(measure(args.url, args.url, peer=False))
+        measure(args.url, args.url, peer=False)
     else:
         if args.launch in ("ours", "both"):
-            with ServerProcess(["--model", model, "--device", args.device, *server_args]) as server:
-                summaries.append(measure("nano-vllm", server.url, peer=False))
+            with ServerProcess(server_argv) as server:
+                measure("nano-vllm", server.url, peer=False)
+        if args.offline:  # the server has exited: the device is the offline engine's alone
+            report["offline"] = run_offline(model, tokenizer, prompts, workload.output_lens,
+                                            temperature=args.temperature, settings=settings,
+                                            concurrency=args.max_concurrency)
+            write_report(report, args.out)
         if args.launch in ("transformers", "both"):
+            # The peer runs in our engine's dtype (bfloat16 on a GPU), not the float32 the random model is saved in.
+            dtype = Config.from_kwargs(model, device=settings["device"], dtype=settings["dtype"]).dtype
+            count = args.peer_num_prompts
+            name = "transformers" + (f" ({count} prompts)" if count and count < len(prompts) else "")
             port = free_port()
-            with ServerProcess(command=transformers_command(model, port, args.device), port=port) as server:
-                summaries.append(measure("transformers", server.url, peer=True))
+            with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
+                # Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
+                measure(name, server.url, peer=True, model_id=model, count=count)
     print_table(summaries)
-    report["servers"] = summaries
+    if "offline" in report:
+        offline = report["offline"]
+        print(f"{offline['name']}: {offline['output_tokens']} tokens in {offline['seconds']:.2f} s = "
+              f"{offline['output_throughput']:,.1f} tok/s (max_num_seqs={offline['max_num_seqs']})")
+    report["ratios"] = print_ratios(summaries, report.get("offline"))
     write_report(report, args.out)
     return 0
 
