@@ -40,8 +40,82 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels run in its interpreter
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases, display_width
+
+say = Phrases({
+    "model": "模型", "KV cache": "KV 缓存", "weights": "权重", "KV": "KV", "decode": "decode", "KV share": "KV 占比",
+    "bound": "上限",
+    "fp8 bound / 16-bit bound: {ratios}": "fp8 上限 / 16 位上限：{ratios}",
+    "{finite} finite codes ({nan} NaN); largest {largest:g}, smallest normal {normal:g}, "
+    "smallest subnormal {subnormal:g}":
+        "{finite} 个有限编码（{nan} 个 NaN）；最大 {largest:g}，最小正规数 {normal:g}，最小次正规数 {subnormal:g}",
+    "the 8 values in [1, 2): {values}": "[1, 2) 中的 8 个值：{values}",
+    "round trip: {pairs}": "往返：{pairs}",
+    "relative rounding error on values inside the range: max {max:.2%}, mean {mean:.2%}":
+        "范围内数值的相对舍入误差：最大 {max:.2%}，平均 {mean:.2%}",
+    "K {shape}: largest |k| {k:.1f}; V: largest |v| {v:.1f}, layer 0's largest |v| {v0:.2f}":
+        "K {shape}：最大 |k| {k:.1f}；V：最大 |v| {v:.1f}，第 0 层最大 |v| {v0:.2f}",
+    "below e4m3's smallest normal (2^-6) unscaled: K {k:.1%}, V {v:.1%} (layer 0's V: {v0:.1%})":
+        "不加缩放时低于 e4m3 最小正规数（2^-6）的比例：K {k:.1%}，V {v:.1%}（第 0 层的 V：{v0:.1%}）",
+    "scheme": "方案", "K error": "K 误差", "V error": "V 误差", "worst layer V": "最差一层的 V",
+    "per tensor, scale 1": "整个张量，缩放因子为 1", "per tensor, calibrated": "整个张量，经过校准",
+    "per (token, head), 2^k": "每个（token，头），2^k",
+    "per (token, head), max -> 448": "每个（token，头），最大值 -> 448",
+    "the largest element's share of its row's squared norm, on average: {shares}":
+        "每行最大元素占该行平方范数的平均比例：{shares}",
+    "scale = max |row| / 448 = {max:.4f} / 448 = {scale:.6f}":
+        "缩放因子 = max |row| / 448 = {max:.4f} / 448 = {scale:.6f}",
+    "first values: {values} -> stored {stored} -> back {back}": "前几个值：{values} -> 存下 {stored} -> 读回 {back}",
+    "the largest, {largest:.4f}, is stored as {stored:g} and comes back as {back:.4f}; row error {error:.2%}; "
+    "one row costs {bytes} bytes instead of {bf16} in bfloat16":
+        "最大的值 {largest:.4f} 存为 {stored:g}，读回 {back:.4f}；这一行的误差 {error:.2%}；"
+        "一行占 {bytes} 字节，bfloat16 则要 {bf16} 字节",
+    "store: the same bytes and scales as the reference: {same}; decode: max |difference| {diff:.1e}; "
+    "the decode launch on a GPU for float8: {launch}":
+        "存储：字节和缩放因子与参考实现相同：{same}；decode：最大 |差值| {diff:.1e}；"
+        "GPU 上 float8 的 decode 启动参数：{launch}",
+    "x: {x} | torch: {cast} | to_e4m3: {ours} | Triton's own conversion here: {plain}":
+        "x：{x} | torch：{cast} | to_e4m3：{ours} | 这里 Triton 自带的转换：{plain}",
+    "refused: {refusal}": "被拒绝：{refusal}",
+    "Qwen3-0.6B, blocks of 256 tokens in 40 GiB: bfloat16 {b16:,} blocks of {b16_mib:.2f} MiB, "
+    "float8 {f8:,} blocks of {f8_mib:.2f} MiB ({ratio:.2f}x)":
+        "Qwen3-0.6B，块大小 256 个 token，40 GiB 能放下：bfloat16 {b16:,} 块，每块 {b16_mib:.2f} MiB；"
+        "float8 {f8:,} 块，每块 {f8_mib:.2f} MiB（{ratio:.2f} 倍）",
+    "SmolLM2 on this CPU: float32 {fp32:,} bytes a block, float8 {fp8:,} ({ratio:.2f}x)":
+        "本机 CPU 上的 SmolLM2：float32 每块 {fp32:,} 字节，float8 每块 {fp8:,} 字节（{ratio:.2f} 倍）",
+    "perplexity, {lang}, {tokens} tokens: {dtype} cache {auto:.3f}, fp8 cache {fp8:.3f} ({change:+.2%})":
+        "困惑度，{lang}，{tokens} 个 token：{dtype} 缓存 {auto:.3f}，fp8 缓存 {fp8:.3f}（{change:+.2%}）",
+    "greedy, 8 prompts x 16 tokens: common prefixes {shared}; at the first differences the unquantized model's "
+    "two best tokens were {gaps} apart in probability":
+        "贪心解码，8 个提示词 × 16 个 token：公共前缀 {shared}；在第一次分歧处，未量化模型最可能的两个 token 的"
+        "概率差为 {gaps}",
+    "greedy, {prompts} prompts x {tokens} tokens: mean common prefix {mean:.1f} tokens, {identical} identical; "
+    "at the {parted} first differences the median gap between the unquantized model's two best tokens was "
+    "{median:.3f}, and fp8 took the second best {second} times":
+        "贪心解码，{prompts} 个提示词 × {tokens} 个 token：平均公共前缀 {mean:.1f} 个 token，{identical} 个完全相同；"
+        "在 {parted} 个第一次分歧的位置上，未量化模型最可能的两个 token 的概率差中位数为 {median:.3f}，"
+        "fp8 有 {second} 次选了第二名",
+    "--preset {preset} ({model}): not measured yet; at {copy} TB/s the bounds are {auto:,.0f} tok/s (16-bit) and "
+    "{fp8:,.0f} tok/s (fp8): the same fraction of each gives {ratio:.2f}x":
+        "--preset {preset}（{model}）：尚未测量；按 {copy} TB/s 计，上限是 {auto:,.0f} tok/s（16 位）和 "
+        "{fp8:,.0f} tok/s（fp8）：两者达到各自上限的同一比例时，是 {ratio:.2f} 倍",
+    "--preset {preset} ({model}), H200, {date}, copy {copy} TB/s: 16-bit {auto:,.0f} tok/s ({auto_share:.1%} of "
+    "its bound), fp8 {fp8:,.0f} tok/s ({fp8_share:.1%} of its bound), {ratio:.2f}x":
+        "--preset {preset}（{model}），H200，{date}，拷贝 {copy} TB/s：16 位 {auto:,.0f} tok/s（其上限的 "
+        "{auto_share:.1%}），fp8 {fp8:,.0f} tok/s（其上限的 {fp8_share:.1%}），{ratio:.2f} 倍",
+    "random attention, output error with 8-bit K only / V only: {errors}":
+        "随机注意力，只有 K 为 8 位 / 只有 V 为 8 位时的输出误差：{errors}",
+    "8-bit {which} only": "只有 {which} 为 8 位",
+    "{changes} both: {both:+.2%}": "{changes} 两者都为 8 位：{both:+.2%}",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
 
 # %% [markdown] tags=["en"]
 # ## Where decode's bytes go
@@ -73,7 +147,8 @@ from nanovllm.bench.engine import (
 H200_COPY, H200_MATMUL = 4.24e12, 679e12  # chapter 09's recorded run
 workload = make_workload()
 bounds = {}
-print(f"{'model':<11} {'KV cache':<8} {'weights':>8} {'KV':>8} {'decode':>8} {'KV share':>8} {'bound':>12}")
+print(f"{say('model'):<11} {say('KV cache'):<8} {say('weights'):>8} {say('KV'):>8} {say('decode'):>8} "
+      f"{say('KV share'):>8} {say('bound'):>12}")
 for model, shapes in (("Qwen3-0.6B", QWEN3_06B_SHAPES), ("Qwen3-8B", QWEN3_8B_SHAPES)):
     hf = SimpleNamespace(**shapes)
     steps = max(workload.output_lens) - 1
@@ -84,7 +159,7 @@ for model, shapes in (("Qwen3-0.6B", QWEN3_06B_SHAPES), ("Qwen3-8B", QWEN3_8B_SH
               f"{b.decode_bytes / 1e12:>6.2f}TB {1 - weights / b.decode_bytes:>8.0%} {b.tokens_per_s:>8,.0f} tok/s")
 ratios = {model: bounds[model, "fp8"].tokens_per_s / bounds[model, "auto"].tokens_per_s
           for model in ("Qwen3-0.6B", "Qwen3-8B")}
-print("fp8 bound / 16-bit bound:", {model: f"{r:.2f}x" for model, r in ratios.items()})
+print(say("fp8 bound / 16-bit bound: {ratios}", ratios={model: f"{r:.2f}x" for model, r in ratios.items()}))
 
 # %% [markdown] tags=["en"]
 # On Qwen3-0.6B's shapes 92 % of decode's 15.07 TB is the KV cache: one token's K and V in every
@@ -147,15 +222,18 @@ from nanovllm.layers.kv_quant import FP8, FP8_MAX
 codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
 finite = codes[torch.isfinite(codes)]
 positive = finite[finite > 0].unique()
-print(f"{len(finite)} finite codes ({len(codes) - len(finite)} NaN); largest {finite.max():g}, "
-      f"smallest normal {positive[positive >= 2**-6].min():g}, smallest subnormal {positive.min():g}")
-print("the 8 values in [1, 2):", positive[(positive >= 1) & (positive < 2)].tolist())
+print(say("{finite} finite codes ({nan} NaN); largest {largest:g}, smallest normal {normal:g}, "
+          "smallest subnormal {subnormal:g}", finite=len(finite), nan=len(codes) - len(finite), largest=finite.max(),
+          normal=positive[positive >= 2**-6].min(), subnormal=positive.min()))
+print(say("the 8 values in [1, 2): {values}", values=positive[(positive >= 1) & (positive < 2)].tolist()))
 samples = torch.tensor([0.3, 1.0 / 3, 100.0, 1000.0, 1e-4, -0.0156])
-print("round trip:", [f"{x:g} -> {y:g}" for x, y in zip(samples.tolist(), samples.to(FP8).float().tolist(),
-                                                              strict=True)])
+print(say("round trip: {pairs}", pairs=[f"{x:g} -> {y:g}" for x, y in zip(samples.tolist(),
+                                                                          samples.to(FP8).float().tolist(),
+                                                                          strict=True)]))
 x = torch.exp2(torch.rand(1_000_000) * 14 - 6)  # spread evenly over the binades of the normal range, 2^-6 to 2^8
 relative = ((x.to(FP8).float() - x).abs() / x)
-print(f"relative rounding error on values inside the range: max {relative.max():.2%}, mean {relative.mean():.2%}")
+print(say("relative rounding error on values inside the range: max {max:.2%}, mean {mean:.2%}",
+          max=relative.max(), mean=relative.mean()))
 
 # %%
 assert finite.max() == FP8_MAX == 448 and len(finite) == 254 and positive.min() == 2**-9
@@ -206,10 +284,11 @@ live = {("en", "auto"): perplexity(engines["auto"], text_token_ids(engines["auto
 layers = engines["auto"].model_runner.attention_layers
 keys = torch.stack([layer.k_cache[: SLICE // 16].flatten(0, 1) for layer in layers])  # [layers, tokens, heads, d]
 values = torch.stack([layer.v_cache[: SLICE // 16].flatten(0, 1) for layer in layers])
-print(f"K {tuple(keys.shape)}: largest |k| {keys.abs().max():.1f}; V: largest |v| {values.abs().max():.1f}, "
-      f"layer 0's largest |v| {values[0].abs().max():.2f}")
-print(f"below e4m3's smallest normal (2^-6) unscaled: K {(keys.abs() < 2**-6).float().mean():.1%}, "
-      f"V {(values.abs() < 2**-6).float().mean():.1%} (layer 0's V: {(values[0].abs() < 2**-6).float().mean():.1%})")
+print(say("K {shape}: largest |k| {k:.1f}; V: largest |v| {v:.1f}, layer 0's largest |v| {v0:.2f}",
+          shape=tuple(keys.shape), k=keys.abs().max(), v=values.abs().max(), v0=values[0].abs().max()))
+print(say("below e4m3's smallest normal (2^-6) unscaled: K {k:.1%}, V {v:.1%} (layer 0's V: {v0:.1%})",
+          k=(keys.abs() < 2**-6).float().mean(), v=(values.abs() < 2**-6).float().mean(),
+          v0=(values[0].abs() < 2**-6).float().mean()))
 
 # %%
 from nanovllm.layers.kv_quant import round_trip
@@ -237,17 +316,20 @@ def error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 errors = {}
-print(f"{'scheme':<30} {'K error':>8} {'V error':>8} {'worst layer V':>14}")
+# en: The first column fits the longest scheme name in the reading language, with a space to spare.
+# zh: 第一列的宽度按当前语言中最长的方案名来定，再多留一个空格。
+width = max(display_width(say(name)) for name in SCHEMES) + 1
+print(f"{say('scheme'):<{width}} {say('K error'):>8} {say('V error'):>8} {say('worst layer V'):>14}")
 for name, scheme in SCHEMES.items():
     k_hat, v_hat = scheme(keys), scheme(values)
     worst = max(error(values[i], v_hat[i]) for i in range(len(layers)))
     errors[name] = (error(keys, k_hat), error(values, v_hat), worst)
-    print(f"{name:<30} {errors[name][0]:>8.2%} {errors[name][1]:>8.2%} {worst:>14.2%}")
+    print(f"{say(name):<{width}} {errors[name][0]:>8.2%} {errors[name][1]:>8.2%} {worst:>14.2%}")
 # en: How much of a row's squared norm its largest element carries: the part that max -> 448 gives back exactly.
 # zh: 一行的平方范数中，最大的那个元素占多少：这一部分，max -> 448 能原样还原。
 largest_share = {kv: (x.pow(2).amax(-1) / x.pow(2).sum(-1)).mean().item() for kv, x in (("K", keys), ("V", values))}
-print("the largest element's share of its row's squared norm, on average:",
-      {kv: f"{share:.0%}" for kv, share in largest_share.items()})
+print(say("the largest element's share of its row's squared norm, on average: {shares}",
+          shares={kv: f"{share:.0%}" for kv, share in largest_share.items()}))
 
 # %% [markdown] tags=["en"]
 # Three things to read in the table. SmolLM2's keys reach about 20 and its values about 14: far
@@ -469,12 +551,13 @@ row = keys[5, 100, 1]  # layer 5, token 100, KV head 1: 64 values
 q, scale = quantize_kv(row)
 back = dequantize_kv(q, scale)
 top = row.abs().argmax()
-print(f"scale = max |row| / 448 = {row.abs().max():.4f} / 448 = {scale:.6f}")
-print("first values:", [f"{x:.3f}" for x in row[:4].tolist()], "-> stored", q[:4].float().tolist(),
-      "-> back", [f"{x:.3f}" for x in back[:4].tolist()])
-print(f"the largest, {row[top]:.4f}, is stored as {q[top].float():g} and comes back as {back[top]:.4f}; "
-      f"row error {error(row, back):.2%}; one row costs {q.numel() * q.element_size() + scale.element_size()} "
-      f"bytes instead of {row.numel() * 2} in bfloat16")
+print(say("scale = max |row| / 448 = {max:.4f} / 448 = {scale:.6f}", max=row.abs().max(), scale=scale))
+print(say("first values: {values} -> stored {stored} -> back {back}", values=[f"{x:.3f}" for x in row[:4].tolist()],
+          stored=q[:4].float().tolist(), back=[f"{x:.3f}" for x in back[:4].tolist()]))
+print(say("the largest, {largest:.4f}, is stored as {stored:g} and comes back as {back:.4f}; row error {error:.2%}; "
+          "one row costs {bytes} bytes instead of {bf16} in bfloat16", largest=row[top], stored=q[top].float(),
+          back=back[top], error=error(row, back), bytes=q.numel() * q.element_size() + scale.element_size(),
+          bf16=row.numel() * 2))
 
 # %%
 assert abs(q[top].float()) == 448 and torch.isclose(back[top], row[top], rtol=1e-6)
@@ -543,8 +626,9 @@ want = TorchBackend().decode(q, *caches["torch"][:2], ctx, D**-0.5, *caches["tor
 got = ta.decode_attention(q, *caches["triton"][:2], ctx, D**-0.5, k_scales=caches["triton"][2],
                           v_scales=caches["triton"][3])
 reset_context()
-print(f"store: the same bytes and scales as the reference: {same_bytes}; decode: max |difference| "
-      f"{(got - want).abs().max():.1e}; the decode launch on a GPU for float8: {ta.DECODE_LAUNCH['fp8']}")
+print(say("store: the same bytes and scales as the reference: {same}; decode: max |difference| {diff:.1e}; "
+          "the decode launch on a GPU for float8: {launch}", same=same_bytes, diff=(got - want).abs().max(),
+          launch=ta.DECODE_LAUNCH["fp8"]))
 
 # %%
 assert same_bytes and (got - want).abs().max() < 1e-4
@@ -573,8 +657,8 @@ def both_conversions(x_ptr, plain_ptr, ours_ptr):
 x = torch.tensor([127.9, 0.3, -15.7, 1.95], device=DEVICE)
 plain, ours = (torch.empty(4, dtype=FP8, device=DEVICE) for _ in range(2))
 both_conversions[(1,)](x, plain, ours)
-print("x:", x.tolist(), "| torch:", x.to(FP8).float().tolist(), "| to_e4m3:", ours.float().tolist(),
-      "| Triton's own conversion here:", plain.float().tolist())
+print(say("x: {x} | torch: {cast} | to_e4m3: {ours} | Triton's own conversion here: {plain}", x=x.tolist(),
+          cast=x.to(FP8).float().tolist(), ours=ours.float().tolist(), plain=plain.float().tolist()))
 
 # %%
 assert torch.equal(ours.view(torch.uint8), x.to(FP8).view(torch.uint8))
@@ -608,18 +692,19 @@ try:
     refusal = ""
 except ValueError as refused:
     refusal = str(refused)
-print("refused:", refusal)
+print(say("refused: {refusal}", refusal=refusal))
 qwen3_06b = SimpleNamespace(**QWEN3_06B_SHAPES)
 budget = 40 * 2**30  # what an H200 leaves the cache with Qwen3-0.6B, roughly
 per_block = {dtype: kv_block_bytes(qwen3_06b, 256, dtype) for dtype in (torch.bfloat16, FP8)}
 blocks = {dtype: budget // size for dtype, size in per_block.items()}
-print(f"Qwen3-0.6B, blocks of 256 tokens in 40 GiB: bfloat16 {blocks[torch.bfloat16]:,} blocks of "
-      f"{per_block[torch.bfloat16] / 2**20:.2f} MiB, float8 {blocks[FP8]:,} blocks of {per_block[FP8] / 2**20:.2f} MiB "
-      f"({blocks[FP8] / blocks[torch.bfloat16]:.2f}x)")
+print(say("Qwen3-0.6B, blocks of 256 tokens in 40 GiB: bfloat16 {b16:,} blocks of {b16_mib:.2f} MiB, "
+          "float8 {f8:,} blocks of {f8_mib:.2f} MiB ({ratio:.2f}x)", b16=blocks[torch.bfloat16],
+          b16_mib=per_block[torch.bfloat16] / 2**20, f8=blocks[FP8], f8_mib=per_block[FP8] / 2**20,
+          ratio=blocks[FP8] / blocks[torch.bfloat16]))
 smol = engines["fp8"].config.hf_config
 fp32_block, fp8_block = kv_block_bytes(smol, 16, torch.float32), kv_block_bytes(smol, 16, FP8)
-print(f"SmolLM2 on this CPU: float32 {fp32_block:,} bytes a block, float8 {fp8_block:,} "
-      f"({fp32_block / fp8_block:.2f}x)")
+print(say("SmolLM2 on this CPU: float32 {fp32:,} bytes a block, float8 {fp8:,} ({ratio:.2f}x)", fp32=fp32_block,
+          fp8=fp8_block, ratio=fp32_block / fp8_block))
 print(kv_cache_summary(engines["fp8"].config))
 
 # %%
@@ -869,8 +954,9 @@ for lang in ("en", "zh"):
     for kv in ("auto", "fp8"):
         if (lang, kv) not in live:
             live[lang, kv] = perplexity(engines[kv], text_token_ids(engines[kv].tokenizer, lang, SLICE), 128)
-    print(f"perplexity, {lang}, {SLICE} tokens: {engines['auto'].config.dtype} cache {live[lang, 'auto']:.3f}, "
-          f"fp8 cache {live[lang, 'fp8']:.3f} ({live[lang, 'fp8'] / live[lang, 'auto'] - 1:+.2%})")
+    print(say("perplexity, {lang}, {tokens} tokens: {dtype} cache {auto:.3f}, fp8 cache {fp8:.3f} ({change:+.2%})",
+              lang=lang, tokens=SLICE, dtype=engines["auto"].config.dtype, auto=live[lang, "auto"],
+              fp8=live[lang, "fp8"], change=live[lang, "fp8"] / live[lang, "auto"] - 1))
 prompts = agreement_prompts(engines["auto"].tokenizer, 8)
 greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 outputs = {kv: [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] for kv, llm in engines.items()}
@@ -880,8 +966,8 @@ for prompt, ours, at in zip(prompts, outputs["auto"], shared, strict=True):
     if at < 16:
         top = next_token_probs(engines["auto"], prompt + ours[:at]).topk(2).values
         gaps.append((top[0] - top[1]).item())
-print(f"greedy, 8 prompts x 16 tokens: common prefixes {shared}; at the first differences the unquantized "
-      f"model's two best tokens were {[round(g, 3) for g in gaps]} apart in probability")
+print(say("greedy, 8 prompts x 16 tokens: common prefixes {shared}; at the first differences the unquantized model's "
+          "two best tokens were {gaps} apart in probability", shared=shared, gaps=[round(g, 3) for g in gaps]))
 
 # %%
 for lang in ("en", "zh"):
@@ -917,14 +1003,17 @@ RECORDED_ACCURACY = {  # python -m nanovllm.bench.kv_cache_accuracy --out accura
 
 print(f"{RECORDED_ACCURACY['command']} ({RECORDED_ACCURACY['date']}, {RECORDED_ACCURACY['machine']})")
 for lang, ppl in RECORDED_ACCURACY["perplexity"].items():
-    print(f"  perplexity, {lang}, {RECORDED_ACCURACY['tokens'][lang]} tokens: float32 cache {ppl['auto']:.3f}, "
-          f"fp8 cache {ppl['fp8']:.3f} ({ppl['fp8'] / ppl['auto'] - 1:+.2%})")
+    print("  " + say("perplexity, {lang}, {tokens} tokens: {dtype} cache {auto:.3f}, fp8 cache {fp8:.3f} "
+                     "({change:+.2%})", lang=lang, tokens=RECORDED_ACCURACY["tokens"][lang], dtype="float32",
+                     auto=ppl["auto"], fp8=ppl["fp8"], change=ppl["fp8"] / ppl["auto"] - 1))
 agreement = RECORDED_ACCURACY["agreement"]
 margins = sorted(agreement["margins_at_divergence"])
-print(f"  greedy, {agreement['prompts']} prompts x {agreement['max_tokens']} tokens: mean common prefix "
-      f"{agreement['mean_common_prefix']:.1f} tokens, {agreement['identical']} identical; at the "
-      f"{len(margins)} first differences the median gap between the unquantized model's two best tokens was "
-      f"{margins[len(margins) // 2]:.3f}, and fp8 took the second best {agreement['took_second_best']} times")
+print("  " + say("greedy, {prompts} prompts x {tokens} tokens: mean common prefix {mean:.1f} tokens, {identical} "
+                 "identical; at the {parted} first differences the median gap between the unquantized model's two "
+                 "best tokens was {median:.3f}, and fp8 took the second best {second} times",
+                 prompts=agreement["prompts"], tokens=agreement["max_tokens"], mean=agreement["mean_common_prefix"],
+                 identical=agreement["identical"], parted=len(margins), median=margins[len(margins) // 2],
+                 second=agreement["took_second_best"]))
 
 # %%
 for ppl in RECORDED_ACCURACY["perplexity"].values():
@@ -1028,14 +1117,15 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
     run = RECORDED_SPEED[preset]
     if run is None:
         auto, fp8 = bounds[model, "auto"].tokens_per_s, bounds[model, "fp8"].tokens_per_s
-        print(f"--preset {preset} ({model}): not measured yet; at {H200_COPY / 1e12} TB/s the bounds are "
-              f"{auto:,.0f} tok/s (16-bit) and {fp8:,.0f} tok/s (fp8): the same fraction of each gives "
-              f"{fp8 / auto:.2f}x")
+        print(say("--preset {preset} ({model}): not measured yet; at {copy} TB/s the bounds are {auto:,.0f} tok/s "
+                  "(16-bit) and {fp8:,.0f} tok/s (fp8): the same fraction of each gives {ratio:.2f}x", preset=preset,
+                  model=model, copy=H200_COPY / 1e12, auto=auto, fp8=fp8, ratio=fp8 / auto))
     else:
-        print(f"--preset {preset} ({model}), H200, {run['date']}, copy {run['copy_tb_s']} TB/s: "
-              f"16-bit {run['auto']['tok_s']:,.0f} tok/s ({run['auto']['of_bound']:.1%} of its bound), "
-              f"fp8 {run['fp8']['tok_s']:,.0f} tok/s ({run['fp8']['of_bound']:.1%} of its bound), "
-              f"{run['fp8']['tok_s'] / run['auto']['tok_s']:.2f}x")
+        print(say("--preset {preset} ({model}), H200, {date}, copy {copy} TB/s: 16-bit {auto:,.0f} tok/s "
+                  "({auto_share:.1%} of its bound), fp8 {fp8:,.0f} tok/s ({fp8_share:.1%} of its bound), {ratio:.2f}x",
+                  preset=preset, model=model, date=run["date"], copy=run["copy_tb_s"], auto=run["auto"]["tok_s"],
+                  auto_share=run["auto"]["of_bound"], fp8=run["fp8"]["tok_s"], fp8_share=run["fp8"]["of_bound"],
+                  ratio=run["fp8"]["tok_s"] / run["auto"]["tok_s"]))
         assert all(0 < run[kv]["of_bound"] <= 1 for kv in ("auto", "fp8"))  # no engine beats its bound
 
 # %% [markdown] tags=["en"]
@@ -1116,8 +1206,8 @@ for sharpness in (0.1, 1.0, 3.0):
     exact = causal_attention(q_r, keys_r, values_r, 64**-0.5)
     k_only[sharpness] = error(exact, causal_attention(q_r, round_trip(keys_r), values_r, 64**-0.5))
     v_only[sharpness] = error(exact, causal_attention(q_r, keys_r, round_trip(values_r), 64**-0.5))
-print("random attention, output error with 8-bit K only / V only:",
-      {s: f"{k_only[s]:.2%} / {v_only[s]:.2%}" for s in k_only})
+print(say("random attention, output error with 8-bit K only / V only: {errors}",
+          errors={s: f"{k_only[s]:.2%} / {v_only[s]:.2%}" for s in k_only}))
 assert k_only[0.1] < v_only[0.1] and k_only[3.0] > v_only[3.0] and k_only[3.0] > 10 * k_only[0.1]
 assert max(v_only.values()) < 1.3 * min(v_only.values())  # V's error stays e4m3's own, whatever the sharpness
 
@@ -1142,8 +1232,9 @@ for which in ("K", "V"):
     one_of[which] = perplexity(engines["auto"], text_token_ids(engines["auto"].tokenizer, "en", SLICE), 32)
 for layer in layers:
     layer.backend = engines["auto"].model_runner.attention
-print({f"8-bit {which} only": f"{ppl / live['en', 'auto'] - 1:+.2%}" for which, ppl in one_of.items()},
-      f"both: {live['en', 'fp8'] / live['en', 'auto'] - 1:+.2%}")
+print(say("{changes} both: {both:+.2%}", both=live["en", "fp8"] / live["en", "auto"] - 1,
+          changes={say("8-bit {which} only", which=which): f"{ppl / live['en', 'auto'] - 1:+.2%}"
+                   for which, ppl in one_of.items()}))
 assert one_of["K"] - live["en", "auto"] > one_of["V"] - live["en", "auto"]
 # en: 3: scale = 1000 / 448 = 2.232; 3.0 / 2.232 = 1.344, whose nearest e4m3 values are 1.25 and 1.375: stored 1.375,
 # en: back 1.375 * 2.232 = 3.069 (2.3 % off, within the 1/16 of e4m3's worst case).
@@ -1162,4 +1253,4 @@ at_96 = 0.284 * (head_dim + SCALE_BYTES) / (2 * head_dim)
 assert abs(at_96 - 0.146) < 5e-4 and abs(0.284 / at_96 - 1.94) < 0.01
 for llm in engines.values():
     llm.exit()
-print("all exercise answers check out")
+print(say("all exercise answers check out"))

@@ -104,6 +104,12 @@ TRANSLATED = {
     "12_async_scheduling": [("the tokens equal the synchronous run's", "token 与同步运行的相同")],
     "13_robustness": [("three threads, one engine", "三个线程，一个引擎"), ("empty prompt", "空提示词")],
     "14_benchmark": [("benchmark checks hold", "基准测试的检查成立"), ("peer batch:", "对照组批次：")],
+    "16_fp8_kv_cache": [
+        ("KV share", "KV 占比"), ("254 finite codes", "254 个有限编码"), ("worst layer V", "最差一层的 V"),
+        ("per (token, head), max -> 448", "每个（token，头），最大值 -> 448"), ("refused: ", "被拒绝："),
+        ("perplexity, en, 256 tokens: float32 cache", "困惑度，en，256 个 token：float32 缓存"),
+        ("% of its bound)", "（其上限的 "), ("8-bit K only", "只有 K 为 8 位"),
+    ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],
 }
