@@ -2635,9 +2635,26 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # ratio compares output tokens per second, and the peer's column says how many requests it got):
 # (a) and (b). Both runs write their figures to JSON (`serve-c16.json`, `serve-256.json`).
 #
-# > **H200 figures: not measured yet.** To be filled in from the first run of
-# > `scripts/gpu-ci.sh serve`: (a) served / offline output tok/s = …; (b) ours / `transformers
-# > serve` = …; (c) p50 ITL / decode step at 16 streams = ….
+# **On the H200** (2026-12-01, `scripts/gpu-ci.sh serve`, one invocation per row):
+#
+# | | nano-vllm served | offline `LLM.generate` | `transformers serve` |
+# |---|---:|---:|---:|
+# | 256 requests at once: output tokens/s | 9,272.5 | 23,553.3 | 385.0 (128 requests) |
+# | 256 at once: TTFT p50, ITL p50 | 1,533 ms, 11.4 ms | | 2,733 ms, 191 ms |
+# | 256 at once: mean decode step | 12.20 ms (the server's) | 4.87 ms | |
+# | 16 streams: output tokens/s | 4,079.2 | 7,125.2 (16 sequences) | |
+# | 16 streams: ITL p50, mean decode step | 2.64 ms, 2.48 ms (the server's) | 1.69 ms | |
+#
+# (b) is met: 24.1× `transformers serve`'s output tokens per second. (c) is met against the
+# server's own decode step (p50 ITL 1.06× of it), and only just missed against the offline
+# engine's step at 16 sequences (1.56×). (a) is **not** met: served, the engine gives 0.39× of
+# its offline tokens per second with 256 requests at once, 0.57× with 16 streams. The table says
+# where the time goes: it is not the streams (their ITL equals the server's step), it is the step
+# itself, 2.5× longer inside the server than offline. Every step, the driver thread hands each
+# new token to the event loop, which detokenizes it and writes its chunk; the likely cost (not yet
+# profiled on the GPU) is that the engine, in the same Python interpreter, waits for the GIL to
+# launch the next step, where offline nothing competes. Taking that work off the step's path (batching the hand-over per step, detokenizing
+# outside the event loop's thread, or a server process apart from the engine's) is the next task.
 
 # %% [markdown] tags=["zh"]
 # ### 在本书的 CPU 上跑基准测试
@@ -2671,8 +2688,23 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # bfloat16），但只给它前 128 个提示词（它很慢；比值比较的是每秒输出 token 数，对手那一列的名字写明它收到了多少个
 # 请求）：给出 (a) 和 (b)。两次运行都把数字写进 JSON（`serve-c16.json`、`serve-256.json`）。
 #
-# > **H200 上的数字：尚未测量。** 待 `scripts/gpu-ci.sh serve` 第一次运行后填入：(a) 服务 / 离线的每秒输出
-# > token 数 = …；(b) 我们 / `transformers serve` = …；(c) 16 个流时 ITL p50 / decode 步 = …。
+# **在 H200 上**（2026-12-01，`scripts/gpu-ci.sh serve`，每一行来自同一次调用）：
+#
+# | | nano-vllm 服务 | 离线 `LLM.generate` | `transformers serve` |
+# |---|---:|---:|---:|
+# | 256 个请求一次发出：每秒输出 token 数 | 9,272.5 | 23,553.3 | 385.0（128 个请求） |
+# | 256 个一次发出：TTFT p50、ITL p50 | 1,533 ms、11.4 ms | | 2,733 ms、191 ms |
+# | 256 个一次发出：decode 步平均时间 | 12.20 ms（服务器的） | 4.87 ms | |
+# | 16 个流：每秒输出 token 数 | 4,079.2 | 7,125.2（16 个序列） | |
+# | 16 个流：ITL p50、decode 步平均时间 | 2.64 ms、2.48 ms（服务器的） | 1.69 ms | |
+#
+# (b) 达到了：每秒输出 token 数是 `transformers serve` 的 24.1 倍。(c) 对照服务器自己的 decode 步达到了（ITL p50 是
+# 它的 1.06 倍），对照离线引擎在 16 个序列时的 decode 步则差了一点（1.56 倍）。(a) **没有**达到：在服务中，256 个请求
+# 一次发出时引擎只给出离线每秒 token 数的 0.39 倍，16 个流时是 0.57 倍。表格说明了时间花在哪里：不在流上（它们的
+# ITL 与服务器的一步相等），而在这一步本身——在服务器里比离线长 2.5 倍。每一步，驱动线程都要把每个新 token 交给
+# 事件循环，由事件循环反分词、写出它的分块；代价很可能在于（还没有在 GPU 上做性能分析）引擎与它们在同一个 Python
+# 解释器里，要等拿回 GIL 才能启动下一步，而离线时没有谁和它争。把这些工作从这一步的路径上拿开（每步一次批量交接、在事件循环线程之外反分词，或者让服务器进程与引擎
+# 进程分开），是下一项工作。
 
 # %% [markdown] tags=["en"]
 # ## What we built
