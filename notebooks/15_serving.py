@@ -179,6 +179,31 @@ def abort_request(self, request_id: int, sample_index: int | None = None) -> lis
 # 一个随机权重的小 Qwen3（第 05 章）就足以看清这个机制：两个请求，第一个有三个样本。每一行是一次 `step_tokens()` 调用：
 # prefill 步给每个样本它的第一个 token（第一个请求在这里分叉成三个样本，第 04b 章），之后每个 decode 步再多一个。
 
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "req {request}.{sample} +{tokens}": "请求 {request}.{sample} +{tokens}",
+    "req {request}.{sample} +{tokens} done": "请求 {request}.{sample} +{tokens} 完成",
+    "blocks in use while it runs: {blocks}": "运行期间占用的块：{blocks}",
+    "aborted seq {seqs}; blocks in use: {blocks}": "已中止序列 {seqs}；占用的块：{blocks}",
+    "{characters} characters, {count} tokens: {ids}": "{characters} 个字符，{count} 个 token：{ids}",
+    "each token decoded alone: {pieces}": "每个 token 单独解码的结果：{pieces}",
+    "sent, token by token: {pieces}": "逐个 token 送出的片段：{pieces}",
+    "with stop=['世界']: {cut!r}": "设置 stop=['世界'] 时：{cut!r}",
+    "serving {models} at {url}": "正在提供 {models} 服务，地址 {url}",
+    "non-streamed: {text!r} {reason} {usage}": "非流式：{text!r} {reason} {usage}",
+    "streamed: {pieces}": "流式：{pieces}",
+    "{name:24} during the stream {during:8.3f}   after the client left {after:8.3f}":
+        "{name:24} 流进行中 {during:8.3f}   客户端离开后 {after:8.3f}",
+    "TPOT mean": "TPOT 均值", "decode step": "decode 步", "4 streams": "4 个流", "1 stream": "1 个流",
+    "all exercise answers check out; the server exited with status {status}":
+        "练习答案全部验证通过；服务器已退出，退出状态 {status}",
+})
+
 # %%
 from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.llm import LLM
@@ -192,8 +217,8 @@ ids = [llm.add_request(prompt, p) for prompt, p in zip(prompts, params, strict=T
 streamed: dict[tuple[int, int], list[int]] = {}
 while not llm.is_finished():
     news = llm.step_tokens()
-    print(" | ".join(f"req {n.request_id}.{n.sample_index} +{n.token_ids}{' done' if n.finished else ''}"
-                     for n in news))
+    print(" | ".join(say("req {request}.{sample} +{tokens} done" if n.finished else "req {request}.{sample} +{tokens}",
+                         request=n.request_id, sample=n.sample_index, tokens=n.token_ids) for n in news))
     for n in news:
         streamed.setdefault((n.request_id, n.sample_index), []).extend(n.token_ids)
 
@@ -217,9 +242,9 @@ assert streamed[(ids[1], 0)] == offline[1]["token_ids"]
 bm = llm.scheduler.block_manager
 request = llm.add_request(list(range(10, 60)), SamplingParams(max_tokens=50, n=2))
 llm.step_tokens(), llm.step_tokens()
-print(f"blocks in use while it runs: {len(bm.used_block_ids)}")
+print(say("blocks in use while it runs: {blocks}", blocks=len(bm.used_block_ids)))
 dropped = llm.abort_request(request)
-print(f"aborted seq {dropped}; blocks in use: {len(bm.used_block_ids)}")
+print(say("aborted seq {seqs}; blocks in use: {blocks}", seqs=dropped, blocks=len(bm.used_block_ids)))
 assert len(dropped) == 2 and not bm.used_block_ids and llm.is_finished()
 assert llm.step_tokens() == []  # nothing of it is ever reported
 
@@ -615,8 +640,9 @@ tokenizer = AutoTokenizer.from_pretrained(smol)
 greeting = "你好，世界 🙂"
 greeting_ids = tokenizer.encode(greeting)
 one_by_one = [tokenizer.decode([token]) for token in greeting_ids]
-print(f"{len(greeting)} characters, {len(greeting_ids)} tokens: {greeting_ids}")
-print("each token decoded alone:", one_by_one)
+print(say("{characters} characters, {count} tokens: {ids}", characters=len(greeting), count=len(greeting_ids),
+          ids=greeting_ids))
+print(say("each token decoded alone: {pieces}", pieces=one_by_one))
 assert "".join(one_by_one) != greeting and "\ufffd" in "".join(one_by_one)
 
 # %% [markdown] tags=["en"]
@@ -738,13 +764,13 @@ from nanovllm.serve.detokenize import IncrementalDetokenizer
 
 detokenizer = IncrementalDetokenizer(tokenizer)
 pieces = [detokenizer.add([token]) for token in greeting_ids] + [detokenizer.finish()]
-print("sent, token by token:", pieces)
+print(say("sent, token by token: {pieces}", pieces=pieces))
 assert "\ufffd" not in "".join(pieces) and "".join(pieces) == greeting
 assert pieces.count("") >= len(greeting_ids) - len(greeting)  # tokens that only completed half a character
 
 stopper = IncrementalDetokenizer(tokenizer, stop=["世界"])
 cut = "".join(stopper.add([token]) for token in greeting_ids) + stopper.finish()
-print(f"with stop=['世界']: {cut!r}")
+print(say("with stop=['世界']: {cut!r}", cut=cut))
 assert cut == "你好，" and stopper.stopped
 
 # %% [markdown] tags=["en"]
@@ -2492,7 +2518,7 @@ from nanovllm.serve.process import ServerProcess
 
 server = ServerProcess(["--model", smol, "--served-model-name", "smollm2", "--max-model-len", "1024"]).start()
 client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-print(f"serving {[m.id for m in client.models.list()]} at {server.url}")
+print(say("serving {models} at {url}", models=[m.id for m in client.models.list()], url=server.url))
 
 # %% [markdown] tags=["en"]
 # A question in Chinese: SmolLM2 answers with characters that take several tokens each. The
@@ -2510,8 +2536,9 @@ stream = client.chat.completions.create(model="smollm2", messages=question, max_
                                         stream=True, stream_options={"include_usage": True})
 chunks = list(stream)
 pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
-print("non-streamed:", repr(reply.choices[0].message.content), reply.choices[0].finish_reason, reply.usage)
-print("streamed:", pieces)
+print(say("non-streamed: {text!r} {reason} {usage}", text=reply.choices[0].message.content,
+          reason=reply.choices[0].finish_reason, usage=reply.usage))
+print(say("streamed: {pieces}", pieces=pieces))
 
 smol_llm = LLM(smol, max_model_len=1024)
 chat_ids = smol_llm.tokenizer.apply_chat_template(question, add_generation_prompt=True, tokenize=True,
@@ -2551,7 +2578,8 @@ while (after := gauges())["num_requests_running"] or after["kv_cache_usage_perc"
     assert time.monotonic() < deadline, after
     time.sleep(0.05)
 for name in ("num_requests_running", "kv_cache_usage_perc", "generation_tokens_total"):
-    print(f"{name:24} during the stream {during[name]:8.3f}   after the client left {after[name]:8.3f}")
+    print(say("{name:24} during the stream {during:8.3f}   after the client left {after:8.3f}", name=name,
+              during=during[name], after=after[name]))
 assert during["num_requests_running"] == 1 and during["kv_cache_usage_perc"] > 0
 assert after["generation_tokens_total"] < during["generation_tokens_total"] + 500  # it did not run to its end
 
@@ -2584,7 +2612,7 @@ def decode_steps() -> tuple[float, float]:
 
 
 texts = ["Write a poem about the sea.", "Explain what a KV cache is.", "List three fruits.", "Say hello."]
-print(f"{'':10} {'TTFT p50':>9} {'ITL p50':>9} {'ITL p90':>9} {'TPOT mean':>10} {'decode step':>12}   (ms)")
+print(f"{'':10} {'TTFT p50':>9} {'ITL p50':>9} {'ITL p90':>9} {say('TPOT mean'):>10} {say('decode step'):>12}   (ms)")
 for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
     steps_before, seconds_before = decode_steps()
     results, seconds = load_in_thread(server.url, "smollm2", batch, [24] * len(batch), concurrency=None,
@@ -2592,7 +2620,7 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
     steps_after, seconds_after = decode_steps()
     figures = summarize(name, results, seconds)
     step_ms = (seconds_after - seconds_before) / max(steps_after - steps_before, 1) * 1e3
-    print(f"{name:10} {figures['ttft_ms']['p50']:9.1f} {figures['itl_ms']['p50']:9.1f} "
+    print(f"{say(name):10} {figures['ttft_ms']['p50']:9.1f} {figures['itl_ms']['p50']:9.1f} "
           f"{figures['itl_ms']['p90']:9.1f} {figures['tpot_ms']['mean']:10.1f} {step_ms:12.1f}")
     assert figures["completed"] == len(batch) and figures["output_tokens"] == 24 * len(batch)
     assert steps_after - steps_before >= 23  # 24 tokens: a prefill step, then at least 23 decode steps
@@ -2781,4 +2809,4 @@ status = server.stop()
 assert status == 0 and server.process.poll() is not None, server.output()
 smol_llm.exit()
 llm.exit()
-print("all exercise answers check out; the server exited with status", status)
+print(say("all exercise answers check out; the server exited with status {status}", status=status))
