@@ -653,6 +653,14 @@ assert "".join(one_by_one) != greeting and "\ufffd" in "".join(one_by_one)
 # the sample ends, one full decode gives the exact text a non-streamed request gets, so the joined
 # stream equals it by construction, even if a sample ends in the middle of a character.
 #
+# The event loop runs this for every token of every stream, in the same interpreter as the engine
+# (the GIL is shared), so its cost is paid on the step's path. Written in Python it is two
+# `tokenizer.decode` calls a token, about 5.7 µs on this book's CPU; `tokenizers` ships the same
+# window in Rust, `DecodeStream`, one call a token, about 1.7 µs. The class below uses it whenever
+# `tokenizer.decode` is nothing more than the Rust decode (a fast tokenizer that does not clean up
+# spaces), keeps the Python window for any other tokenizer, and the check below holds them to the
+# same pieces.
+#
 # `stop` strings are matched on the text, not on tokens (a stop string may start in the middle of
 # a token). The text stops *before* the first match, and the last `len(longest stop) - 1`
 # characters are held back: they may be the start of a match that the next token completes, and a
@@ -663,6 +671,12 @@ assert "".join(one_by_one) != greeting and "\ufffd" in "".join(one_by_one)
 # 但只在它不再以 `�` 结尾时才发（字符还不完整：等它的下一个字节）。每当有文本发出，窗口（从 `prefix_offset` 到末尾）
 # 就向前滑动，所以第 10 个 token 和第 10,000 个 token 的开销一样。样本结束时，做一次完整解码，得到的正是非流式请求
 # 拿到的文本，所以拼接起来的流天然与它相等，即使样本恰好结束在一个字符的中间。
+#
+# 事件循环对每个流的每个 token 都要做一遍这件事，而且和引擎在同一个解释器里（共用 GIL），所以这笔开销落在每一步的
+# 路径上。用 Python 写，每个 token 要调用两次 `tokenizer.decode`，在本书的 CPU 上约 5.7 µs；`tokenizers` 自带了
+# 用 Rust 实现的同一个窗口 `DecodeStream`，每个 token 调用一次，约 1.7 µs。下面的类只要 `tokenizer.decode` 就是
+# Rust 解码本身（一个不清理空格的快速分词器），就用它；其他分词器仍用 Python 的窗口。后面的验证要求两者给出完全相同
+# 的片段。
 #
 # `stop` 字符串在文本上匹配，而不是在 token 上（停止字符串可能从一个 token 的中间开始）。文本在第一个匹配*之前*结束，
 # 最后 `len(最长的停止字符串) - 1` 个字符要扣住不发：它们可能是下一个 token 才补全的匹配的开头，而已经发出的字符
@@ -676,6 +690,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 
 class IncrementalDetokenizer:
     """Turns one sample's token ids, as they arrive, into text deltas whose concatenation is exactly
@@ -684,8 +701,9 @@ class IncrementalDetokenizer:
     A character that spans several tokens (a Chinese character or an emoji in a byte-level vocabulary) decodes
     to U+FFFD until its last byte arrives: such text is held back, never sent. Each new token is decoded within a
     short window of the tokens before it (from ``prefix_offset``), so a step costs the same at token 10 and at
-    token 10,000. ``stop`` strings end the text before their first match; the last ``len(longest stop) - 1``
-    characters wait, since they may be the start of a match.
+    token 10,000. With a fast tokenizer the window is `tokenizers`' own ``DecodeStream``: one call into Rust a
+    token instead of two full ``decode`` calls through Python. ``stop`` strings end the text before their first
+    match; the last ``len(longest stop) - 1`` characters wait, since they may be the start of a match.
     """
 
     def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()) -> None:
@@ -698,6 +716,11 @@ class IncrementalDetokenizer:
         self.text = ""  # every character decoded so far (sent or held back)
         self.sent = 0  # characters of ``text`` already sent
         self.stopped = False  # a stop string matched: the text ends at ``len(text)``
+        # en: The same window, kept by the Rust tokenizer itself, where its decode is the whole of tokenizer.decode.
+        # zh: 同样的窗口，由 Rust 分词器自己维护——前提是它的解码就是 tokenizer.decode 的全部。
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=True) if isinstance(self.backend, Tokenizer) and \
+            not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -708,14 +731,28 @@ class IncrementalDetokenizer:
             return ""
         for token in token_ids:
             self.token_ids.append(token)
-            before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-            after = self._decode(self.token_ids[self.prefix_offset :])
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                self.text += after[len(before) :]
+            piece = self._next_piece(token)
+            if piece:
+                self.text += piece
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
                 if self._find_stop():
                     break
         return self._release(len(self.text) - (0 if self.stopped else self.hold))
+
+    def _next_piece(self, token: int) -> str:
+        """The text that ``token``, the last of ``token_ids``, completes: "" while a character is incomplete."""
+        if self.stream is not None:
+            try:
+                return self.stream.step(self.backend, token) or ""
+            except Exception:
+                # en: A decoder that rewrote text already sent (DecodeStream refuses it): the window in Python from
+                # en: here on; the offsets above followed the stream, so it starts where the stream stopped.
+                # zh: 解码器改写了已经发出的文本（DecodeStream 拒绝这种情况）：从这里起改用 Python 里的窗口；
+                # zh: 上面的偏移量一直跟着流走，所以它从流停下的地方接着做。
+                self.stream = None
+        before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset :])
+        return after[len(before) :] if len(after) > len(before) and not after.endswith("\ufffd") else ""
 
     def finish(self) -> str:
         """The sample ended: the rest of its text, decoded once in full, so the whole equals the non-streamed text."""
@@ -760,6 +797,8 @@ class IncrementalDetokenizer:
 # 多个 token 的停止字符串会把文本截断在它之前。
 
 # %%
+import random
+
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 
 detokenizer = IncrementalDetokenizer(tokenizer)
@@ -767,6 +806,15 @@ pieces = [detokenizer.add([token]) for token in greeting_ids] + [detokenizer.fin
 print(say("sent, token by token: {pieces}", pieces=pieces))
 assert "\ufffd" not in "".join(pieces) and "".join(pieces) == greeting
 assert pieces.count("") >= len(greeting_ids) - len(greeting)  # tokens that only completed half a character
+# en: The Rust window (DecodeStream) gives exactly the Python window's pieces, on any ids, special ones included.
+# zh: Rust 的窗口（DecodeStream）给出的片段与 Python 的窗口完全相同，任何 id 都是，包括特殊 token。
+assert detokenizer.stream is not None
+rng = random.Random(0)
+random_ids = [rng.randrange(len(tokenizer)) for _ in range(400)] + greeting_ids
+in_rust, in_python = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(tokenizer)
+in_python.stream = None
+assert [in_rust.add([t]) for t in random_ids] == [in_python.add([t]) for t in random_ids]
+assert in_rust.finish() == in_python.finish() and in_rust.text == tokenizer.decode(random_ids, skip_special_tokens=True)
 
 stopper = IncrementalDetokenizer(tokenizer, stop=["世界"])
 cut = "".join(stopper.add([token]) for token in greeting_ids) + stopper.finish()
@@ -2684,6 +2732,22 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # launch the next step, where offline nothing competes. Taking that work off the step's path
 # (batching the hand-over per step, detokenizing outside the event loop's thread, or a server
 # process apart from the engine's) is the next task.
+#
+# These H200 figures predate the Rust detokenizer above (`DecodeStream`); they have not been
+# measured again since. On this book's CPU the change was measured so (2026-12-02, tiny Qwen3
+# model of the tests, 64 streams at once, prompts of 32-64 tokens, 128 output tokens each,
+# `OMP_NUM_THREADS=1`, the same server with the Python window and with the Rust one, interleaved,
+# three rounds each, medians; the load is `python -m nanovllm.bench.serve --model TINY --offline
+# --num-prompts 64 --max-concurrency 64 --input-len 32 64 --output-len 128 128 -- --max-model-len
+# 512 --max-num-seqs 64`): served output 4,393 → 4,560 tokens/s, the server's mean decode step
+# 11.33 → 10.70 ms, against 8,106 tokens/s and 7.55 ms offline. On two shared cores most of the
+# rest is not the GIL: reading the engine thread's scheduler counters, a server step was about
+# 6.3 ms on a core, 3.4 ms waiting for a free core (the benchmark's client and the event loop
+# share them) and 1.6 ms asleep, mostly waiting for the GIL; the event loop spent about 2.2 ms of
+# CPU a step, 35 µs a token. A shorter GIL switch interval (`sys.setswitchinterval(0.0005)`) made
+# no difference that three rounds could see, so the server does not set one. On the GPU, where a
+# step is mostly waiting for the device, the event loop's work a step is what competes with the
+# engine's: that, and the switch interval, are what the next H200 run should measure.
 
 # %% [markdown] tags=["zh"]
 # ### 在本书的 CPU 上跑基准测试
@@ -2734,6 +2798,17 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # 事件循环，由事件循环反分词、写出它的分块；代价很可能在于（还没有在 GPU 上做性能分析）引擎与它们在同一个 Python
 # 解释器里，要等拿回 GIL 才能启动下一步，而离线时没有谁和它争。把这些工作从这一步的路径上拿开（每步一次批量
 # 交接、在事件循环线程之外反分词，或者让服务器进程与引擎进程分开），是下一项工作。
+#
+# 这些 H200 上的数字早于上面的 Rust 反分词器（`DecodeStream`），此后没有重新测过。在本书的 CPU 上，这项改动是这样测的
+# （2026-12-02，测试用的微型 Qwen3 模型，64 个流同时进行，提示词 32-64 个 token，每个输出 128 个 token，
+# `OMP_NUM_THREADS=1`；同一个服务器分别用 Python 的窗口和 Rust 的窗口，交替运行，各三轮，取中位数；负载是
+# `python -m nanovllm.bench.serve --model TINY --offline --num-prompts 64 --max-concurrency 64 --input-len 32 64
+# --output-len 128 128 -- --max-model-len 512 --max-num-seqs 64`）：服务时每秒输出 token 数 4,393 → 4,560，服务器
+# decode 步的平均时间 11.33 → 10.70 ms，离线则是 8,106 个/秒、7.55 ms。在两个共享的核上，剩下的差距大多不是 GIL：
+# 读引擎线程的调度计数器可知，服务器的一步里约 6.3 ms 在核上运行，3.4 ms 在等空闲的核（基准测试的客户端和事件循环
+# 都在用这两个核），1.6 ms 在睡眠，主要是在等 GIL；事件循环每步花约 2.2 ms 的 CPU 时间，合每个 token 35 µs。缩短
+# GIL 的切换间隔（`sys.setswitchinterval(0.0005)`）在三轮测量中看不出差别，所以服务器不设置它。在 GPU 上，一步的
+# 大部分时间是在等设备，与引擎争抢的正是事件循环每步的工作：这一点，还有切换间隔，是下一次在 H200 上该测的。
 
 # %% [markdown] tags=["en"]
 # ## What we built

@@ -84,6 +84,52 @@ def test_detokenizer_never_splits_a_character(tiny):
     assert sent == "你好，" and stopper.stopped
 
 
+def test_detokenizer_in_rust_gives_the_python_windows_pieces(tiny):
+    """The fast tokenizer's DecodeStream is used, and sends exactly what the two-decode window in Python sends, on
+    random ids (special ids and ids past the vocabulary included) in chunks of several tokens, with a stop string."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    rng = random.Random(0)
+    for stop in ((), ("ab",)):
+        ids = [rng.randrange(len(tokenizer) + 8) for _ in range(600)] + tokenizer.encode("你好，世界 🙂")
+        cuts = sorted(rng.sample(range(1, len(ids)), len(ids) // 3))  # chunks of one to a few tokens
+        chunks = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+        in_rust, in_python = IncrementalDetokenizer(tokenizer, stop), IncrementalDetokenizer(tokenizer, stop)
+        in_python.stream = None
+        assert in_rust.stream is not None
+        rust = [in_rust.add(chunk) for chunk in chunks] + [in_rust.finish()]
+        python = [in_python.add(chunk) for chunk in chunks] + [in_python.finish()]
+        assert rust == python and in_rust.stopped == in_python.stopped
+        if not stop:
+            assert "".join(rust) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_detokenizer_falls_back_to_the_python_window(tiny):
+    """A DecodeStream that refuses a token midway (as it does when a decoder rewrites sent text): the Python window
+    takes over where it stopped, and the text is still the full decode."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    ids = tokenizer.encode("Once upon a time, 你好，世界 🙂 and café")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    real, calls = detokenizer.stream, []
+
+    class Refusing:
+        def step(self, backend, token):
+            calls.append(token)
+            if len(calls) == 9:
+                raise Exception("InvalidPrefix")
+            return real.step(backend, token)
+
+    detokenizer.stream = Refusing()
+    pieces = [detokenizer.add([token]) for token in ids] + [detokenizer.finish()]
+    assert len(calls) == 9 and detokenizer.stream is None
+    assert "\ufffd" not in "".join(pieces) and "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def test_greedy_completion_matches_offline_token_for_token(client, offline):
     for prompt in PROMPTS:
         params = SamplingParams(temperature=0, max_tokens=24)

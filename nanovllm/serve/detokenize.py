@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 __all__ = [
     "IncrementalDetokenizer",
 ]
@@ -19,8 +22,9 @@ class IncrementalDetokenizer:
     A character that spans several tokens (a Chinese character or an emoji in a byte-level vocabulary) decodes
     to U+FFFD until its last byte arrives: such text is held back, never sent. Each new token is decoded within a
     short window of the tokens before it (from ``prefix_offset``), so a step costs the same at token 10 and at
-    token 10,000. ``stop`` strings end the text before their first match; the last ``len(longest stop) - 1``
-    characters wait, since they may be the start of a match.
+    token 10,000. With a fast tokenizer the window is `tokenizers`' own ``DecodeStream``: one call into Rust a
+    token instead of two full ``decode`` calls through Python. ``stop`` strings end the text before their first
+    match; the last ``len(longest stop) - 1`` characters wait, since they may be the start of a match.
     """
 
     def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()) -> None:
@@ -33,6 +37,10 @@ class IncrementalDetokenizer:
         self.text = ""  # every character decoded so far (sent or held back)
         self.sent = 0  # characters of ``text`` already sent
         self.stopped = False  # a stop string matched: the text ends at ``len(text)``
+        # The same window, kept by the Rust tokenizer itself, where its decode is the whole of tokenizer.decode.
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.stream = DecodeStream(skip_special_tokens=True) if isinstance(self.backend, Tokenizer) and \
+            not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -43,14 +51,26 @@ class IncrementalDetokenizer:
             return ""
         for token in token_ids:
             self.token_ids.append(token)
-            before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-            after = self._decode(self.token_ids[self.prefix_offset :])
-            if len(after) > len(before) and not after.endswith("\ufffd"):
-                self.text += after[len(before) :]
+            piece = self._next_piece(token)
+            if piece:
+                self.text += piece
                 self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
                 if self._find_stop():
                     break
         return self._release(len(self.text) - (0 if self.stopped else self.hold))
+
+    def _next_piece(self, token: int) -> str:
+        """The text that ``token``, the last of ``token_ids``, completes: "" while a character is incomplete."""
+        if self.stream is not None:
+            try:
+                return self.stream.step(self.backend, token) or ""
+            except Exception:
+                # A decoder that rewrote text already sent (DecodeStream refuses it): the window in Python from
+                # here on; the offsets above followed the stream, so it starts where the stream stopped.
+                self.stream = None
+        before = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.token_ids[self.prefix_offset :])
+        return after[len(before) :] if len(after) > len(before) and not after.endswith("\ufffd") else ""
 
     def finish(self) -> str:
         """The sample ended: the rest of its text, decoded once in full, so the whole equals the non-streamed text."""
