@@ -2729,9 +2729,10 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # itself, 2.5× longer inside the server than offline. Every step, the driver thread hands each
 # new token to the event loop, which detokenizes it and writes its chunk; the likely cost (not yet
 # profiled on the GPU) is that the engine, in the same Python interpreter, waits for the GIL to
-# launch the next step, where offline nothing competes. Taking that work off the step's path
-# (batching the hand-over per step, detokenizing outside the event loop's thread, or a server
-# process apart from the engine's) is the next task.
+# launch the next step, where offline nothing competes. The hand-over is already one call per
+# step; what is left is the event loop's work for each token (its stream woken, its text, its
+# JSON, its HTTP write). Taking that work out of the engine's interpreter, with the HTTP server in
+# a process of its own, is the next task.
 #
 # These H200 figures predate the Rust detokenizer above (`DecodeStream`); they have not been
 # measured again since. On this book's CPU the change was measured so (2026-12-02, tiny Qwen3
@@ -2796,8 +2797,9 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # 一次发出时引擎只给出离线每秒 token 数的 0.39 倍，16 个流时是 0.57 倍。表格说明了时间花在哪里：不在流上（它们的
 # ITL 与服务器的一步相等），而在这一步本身——在服务器里比离线长 2.5 倍。每一步，驱动线程都要把每个新 token 交给
 # 事件循环，由事件循环反分词、写出它的分块；代价很可能在于（还没有在 GPU 上做性能分析）引擎与它们在同一个 Python
-# 解释器里，要等拿回 GIL 才能启动下一步，而离线时没有谁和它争。把这些工作从这一步的路径上拿开（每步一次批量
-# 交接、在事件循环线程之外反分词，或者让服务器进程与引擎进程分开），是下一项工作。
+# 解释器里，要等拿回 GIL 才能启动下一步，而离线时没有谁和它争。交接已经是每步一次调用；剩下的是事件循环为每个
+# token 做的事（唤醒它的流、它的文本、它的 JSON、它的 HTTP 写出）。把这些工作移出引擎所在的解释器，让 HTTP 服务器
+# 运行在自己的进程里，是下一项工作。
 #
 # 这些 H200 上的数字早于上面的 Rust 反分词器（`DecodeStream`），此后没有重新测过。在本书的 CPU 上，这项改动是这样测的
 # （2026-12-02，测试用的微型 Qwen3 模型，64 个流同时进行，提示词 32-64 个 token，每个输出 128 个 token，
