@@ -2001,7 +2001,10 @@ class ServerProcess:
         self.command = [sys.executable, "-m", "nanovllm.serve", *args, "--port", "0"] if self.ours else command
         self.url = None if self.ours else f"http://127.0.0.1:{port}"
         self.ready_timeout = ready_timeout
-        self.log = Path(tempfile.mkstemp(prefix="nanovllm-server-", suffix=".log")[1])
+        descriptor, log = tempfile.mkstemp(prefix="nanovllm-server-", suffix=".log")
+        os.close(descriptor)  # the child writes it through its own handle
+        self.log = Path(log)
+        self.final_output: str | None = None  # the log's text once the server has stopped and the file is gone
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
@@ -2012,6 +2015,7 @@ class ServerProcess:
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self.stop()
                 raise RuntimeError(f"the server exited with status {self.process.returncode}:\n{self.output()}")
             if self.url is None:
                 found = URL_LINE.search(self.output())
@@ -2030,14 +2034,14 @@ class ServerProcess:
             return False
 
     def output(self) -> str:
+        if self.final_output is not None:
+            return self.final_output
         return self.log.read_text(encoding="utf-8", errors="replace")
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 15.0) -> int | None:
         """Ask the server to stop (Ctrl-C); wait; kill it if it would not. Returns its exit status."""
         process = self.process
-        if process is None:
-            return None
-        if process.poll() is None:
+        if process is not None and process.poll() is None:
             process.send_signal(sig)
             try:
                 process.wait(timeout)
@@ -2045,14 +2049,17 @@ class ServerProcess:
                 process.kill()
                 process.wait()
         atexit.unregister(self.stop)
-        return process.returncode
+        # The log outlives the process only in memory: a stopped server leaves no file behind.
+        if self.final_output is None:
+            self.final_output = self.output()
+            self.log.unlink(missing_ok=True)
+        return None if process is None else process.returncode
 
     def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
-        self.log.unlink(missing_ok=True)
 
 # %% [markdown] tags=["en"]
 # ## The online benchmark

@@ -358,6 +358,24 @@ def test_backpressure_and_ctrl_c(tiny):
         assert "Traceback" not in process.output()
 
 
+def test_a_server_process_leaves_no_log_file_behind(tiny):
+    """The child's output lives in a temporary file while it runs; once stopped (or dead at start) the text stays
+    readable and the file is gone."""
+    import sys
+
+    from nanovllm.serve.process import free_port
+
+    dead = ServerProcess(command=[sys.executable, "-c", "print('no model here'); raise SystemExit(3)"],
+                         port=free_port())
+    with pytest.raises(RuntimeError, match="status 3"):
+        dead.start()
+    assert "no model here" in dead.output() and not dead.log.exists()
+    with ServerProcess(["--model", tiny, *ARGS]) as server:
+        assert server.log.exists()
+    assert server.process.returncode == 0 and not server.log.exists()
+    assert "serving" in server.output()
+
+
 def test_an_engine_failure_fails_its_requests_only(tiny):
     """In process: a step that raises fails the requests in the engine with a 500, and the next one is served."""
     from fastapi.testclient import TestClient
