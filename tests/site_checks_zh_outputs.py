@@ -9,19 +9,13 @@ the Chinese site are Chinese, and the English site's are what they always were.
 from __future__ import annotations
 
 import base64
-import html
 import re
-from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
+from bs4 import BeautifulSoup
 
-from tools import tangle
+from tests.site_checks import CHAPTERS, PAGES, page
 
-ROOT = Path(__file__).resolve().parent.parent
-SITE = ROOT / "build" / "site"
-PAGES = {"en": SITE, "zh": SITE / "zh"}
-CHAPTERS = [p.stem for p in tangle.chapter_files(ROOT)]
 SVG_DATA = "data:image/svg+xml;base64,"
 CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
 
@@ -128,48 +122,25 @@ TRANSLATED = {
 }
 
 
-class Outputs(HTMLParser):
-    """The text of each code cell's output area in a built page (printed text, SVG labels, players)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.areas: list[str] = []
-        self.depth = 0  # divs open inside the current output area; 0: outside any
-        self.code = 0  # inside a player's <script> or <style>: not text a reader sees
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag in ("script", "style"):
-            self.code += 1
-        src = dict(attrs).get("src") or ""
-        if tag == "img" and self.depth and src.startswith(SVG_DATA):  # a drawing or a chart: the labels it shows
-            svg = base64.b64decode(src.removeprefix(SVG_DATA)).decode("utf-8")
-            labels = re.findall(r"<text\b[^>]*>(.*?)</text>", svg, re.S)
-            self.areas[-1] += "".join(html.unescape(re.sub(r"<[^>]+>", "", label)) + "\n" for label in labels)
-        if tag != "div":
-            return
-        if self.depth:
-            self.depth += 1
-        elif "jp-Cell-outputArea" in (dict(attrs).get("class") or "").split():
-            self.depth = 1
-            self.areas.append("")
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("script", "style"):
-            self.code -= 1
-        if tag == "div" and self.depth:
-            self.depth -= 1
-
-    def handle_data(self, data: str) -> None:
-        if self.depth and not self.code:
-            self.areas[-1] += data
+def svg_labels(src: str) -> str:
+    """The labels a drawing or chart shows (an <img> whose src is an SVG data URI), one a line."""
+    svg = BeautifulSoup(base64.b64decode(src.removeprefix(SVG_DATA)).decode("utf-8"), "html.parser")
+    return "".join(label.get_text() + "\n" for label in svg.find_all("text"))
 
 
 def printed(lang: str, chapter: str) -> list[str]:
-    path = PAGES[lang] / "chapters" / chapter / "index.html"
-    assert path.exists(), f"{path} was not built"
-    parser = Outputs()
-    parser.feed(path.read_text(encoding="utf-8"))
-    return [area.strip("\n") + "\n" for area in parser.areas if area.strip()]
+    """The text of each code cell's output area in a built page: printed text, SVG labels, players (not their
+    scripts and styles, which a reader does not see)."""
+    areas = []
+    for area in BeautifulSoup(page(lang, "chapters", chapter), "html.parser").select("div.jp-Cell-outputArea"):
+        for code in area.find_all(["script", "style"]):
+            code.decompose()
+        for img in area.find_all("img", src=lambda src: bool(src) and src.startswith(SVG_DATA)):
+            img.replace_with(svg_labels(img["src"]))
+        text = area.get_text()
+        if text.strip():
+            areas.append(text.strip("\n") + "\n")
+    return areas
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
