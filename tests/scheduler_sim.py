@@ -273,3 +273,22 @@ class InvariantChecker:
             if s.is_finished:
                 check(not s.block_table, f"finished seq {s.seq_id} still holds blocks")
                 self.finished[s.seq_id] = s
+
+
+@dataclass
+class RegimesSeen:
+    """A scheduler observer that counts what a run went through: prefill steps that computed only part of a prompt
+    (chunked prefill), prefill steps that found blocks in the prefix cache, and preempted sequences. Tests set it as
+    ``scheduler.observer`` and then assert that the regime they meant to exercise happened."""
+
+    partial: int = 0
+    cached: int = 0
+    preempted: int = 0
+
+    def __call__(self, event: str, data: dict) -> None:
+        if event != "schedule":
+            return
+        if data["is_prefill"]:
+            self.partial += any(s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in data["seqs"])
+            self.cached += any(s.num_cached_tokens > 0 for s in data["seqs"])
+        self.preempted += len(data["preempted"])

@@ -41,6 +41,7 @@ from nanovllm.layers.linear import agree_min
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt
+from tests.scheduler_sim import RegimesSeen
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tiny pool and budget: chunked prefill and preemption in a short run.
@@ -135,23 +136,15 @@ def test_a_malformed_fault_hook_is_refused_before_spawning(tiny: Path, monkeypat
 # ---- parity ----------------------------------------------------------------------------------------
 def test_tp2_gives_the_tokens_of_tp1_under_chunked_prefill_preemption_and_prefix_hits(engines) -> None:
     tp2, tp1 = engines
-    seen = {"partial": 0, "preempted": 0, "cached": 0}
-
-    def watch(event: str, data: dict) -> None:
-        if event == "schedule":
-            if data["is_prefill"]:
-                seen["partial"] += any(s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in data["seqs"])
-                seen["cached"] += any(s.num_cached_tokens > 0 for s in data["seqs"])
-            seen["preempted"] += len(data["preempted"])
-
-    tp2.scheduler.observer = watch
+    seen = RegimesSeen()
+    tp2.scheduler.observer = seen
     try:
         for _ in range(2):  # the second round also finds the first round's blocks in the prefix cache
             expected = token_ids(tp1.generate(PROMPTS, GREEDY, use_tqdm=False))
             assert token_ids(tp2.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
     finally:
         tp2.scheduler.observer = None
-    assert seen["partial"] and seen["preempted"] and seen["cached"], seen
+    assert seen.partial and seen.preempted and seen.cached, seen
 
 
 def test_logits_of_tp2_are_within_tolerance_of_tp1(engines) -> None:

@@ -46,7 +46,7 @@ from nanovllm.layers.kv_quant import (  # noqa: E402
 )
 from nanovllm.llm import LLM  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
-from tests.scheduler_sim import Violation, simulate  # noqa: E402
+from tests.scheduler_sim import RegimesSeen, Violation, simulate  # noqa: E402
 from tests.test_provenance_fuzz import ProvenanceKV, random_workload  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -416,18 +416,12 @@ def test_the_engine_with_an_fp8_cache_follows_transformers_on_the_same_quantized
 ) -> None:
     llm = LLM(str(tiny_arch), kv_cache_dtype="fp8", async_scheduling=scheduling, kvcache_block_size=4,
               **REGIMES[regime])
-    seen = {"partial": 0, "preempted": 0}
-
-    def watch(event: str, data: dict) -> None:
-        if event == "schedule":
-            seen["partial"] += any(s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in data["seqs"])
-            seen["preempted"] += len(data["preempted"])
-
-    llm.scheduler.observer = watch
+    seen = RegimesSeen()
+    llm.scheduler.observer = seen
     check(llm, prompts_of([10, 9, 11, 6, 12, 1, 17]), fp8_ref)
     assert llm.model_runner.kv_cache.dtype == FP8
-    assert (seen["partial"] > 0) == (regime in ("chunked prefill", "everything"))
-    assert (seen["preempted"] > 0) == (regime in ("preemption", "everything"))
+    assert (seen.partial > 0) == (regime in ("chunked prefill", "everything"))
+    assert (seen.preempted > 0) == (regime in ("preemption", "everything"))
 
 
 def test_prefix_cache_hits_read_the_float8_blocks_and_their_scales(tiny_arch: Path, fp8_ref) -> None:
@@ -491,17 +485,9 @@ def test_tp2_over_gloo_follows_the_reference_with_an_fp8_cache(tiny: Path, fp8_r
                 "max_num_batched_tokens": 16, "async_scheduling": scheduling}
     shared = prompts_of([11], seed=8)[0]
     prompts = [shared, prompts_of([7], seed=9)[0], [*shared, 9, 10, 11], prompts_of([5], seed=10)[0]]
-    seen = {"partial": 0, "preempted": 0, "cached": 0}
-
-    def watch(event: str, data: dict) -> None:
-        if event == "schedule":
-            if data["is_prefill"]:
-                seen["partial"] += any(s.num_cached_tokens + s.num_scheduled_tokens < len(s) for s in data["seqs"])
-                seen["cached"] += any(s.num_cached_tokens > 0 for s in data["seqs"])
-            seen["preempted"] += len(data["preempted"])
-
+    seen = RegimesSeen()
     with LLM(str(tiny), tensor_parallel_size=2, **settings) as tp2:
-        tp2.scheduler.observer = watch
+        tp2.scheduler.observer = seen
         for _ in range(2):  # the second round finds the first round's blocks in the prefix cache
             outputs = tp2.generate(prompts, greedy(10), use_tqdm=False)
             fp8_ref_qwen3.check(prompts, [o["token_ids"] for o in outputs])
@@ -509,7 +495,7 @@ def test_tp2_over_gloo_follows_the_reference_with_an_fp8_cache(tiny: Path, fp8_r
         for prompt, pair in zip(prompts[:2], forked, strict=True):
             assert pair[0] == pair[1]
             fp8_ref_qwen3.check([prompt, prompt], pair)
-    assert seen["partial"] and seen["preempted"] and seen["cached"], seen
+    assert seen.partial and seen.preempted and seen.cached, seen
 
 
 # ---------------------------------------------------------------- provenance through the real float8 cache
