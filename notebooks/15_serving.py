@@ -2108,6 +2108,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy
 
 from nanovllm.bench.engine import PRESETS, Workload, make_workload, qwen3_06b_random, run_engine
 from nanovllm.bench.report import report_header, write_report
@@ -2201,15 +2202,8 @@ def percentiles(values: list[float]) -> dict[str, float]:
     """Mean, p50, p90 and p99 of ``values`` (milliseconds in, milliseconds out; zeros when empty)."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    ordered = sorted(values)
-
-    def rank(q: float) -> float:  # linear interpolation, as numpy.percentile does
-        position = (len(ordered) - 1) * q
-        low = int(position)
-        high = min(low + 1, len(ordered) - 1)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-    return {"mean": statistics.fmean(values), "p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99)}
+    p50, p90, p99 = numpy.percentile(values, [50, 90, 99]).tolist()  # linear interpolation, as vLLM's bench does
+    return {"mean": statistics.fmean(values), "p50": p50, "p90": p90, "p99": p99}
 
 
 def summarize(name: str, results: list[RequestResult], seconds: float) -> dict[str, Any]:
