@@ -13,6 +13,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,16 @@ def save_current(browser: Browser) -> None:
     run_js(browser, "jupyterapp.commands.execute('docmanager:save').then(() => true)")
 
 
+def text_once_saved(path: Path, expected: str, timeout_s: float = 15) -> str:
+    """``path``'s text once it holds ``expected`` (or after ``timeout_s``). The save command resolves when the
+    server answers, but an autosave that the same edit started may still be rewriting the file (it read empty
+    once, in CI)."""
+    deadline = time.monotonic() + timeout_s
+    while expected not in (text := path.read_text(encoding="utf-8")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return text
+
+
 def current_cells(browser: Browser) -> list[dict]:
     return run_js(browser, "jupyterapp.shell.currentWidget.context.model.toJSON().cells")
 
@@ -205,7 +216,7 @@ def test_a_reading_copy_opens_unmodified_says_where_edits_go_and_keeps_the_reade
     run_js(browser, "void jupyterapp.shell.currentWidget.content.model.sharedModel.insertCell(3, "
            "{cell_type: 'markdown', source: '我的笔记：块表就是页表。'})")
     save_current(browser)
-    assert "我的笔记" in (served.root / copy).read_text()
+    assert "我的笔记" in text_once_saved(served.root / copy, "我的笔记")
     done = lab.write_reading_copies(root=served.root)  # what the next `./dev lab` does first
     assert served.root / copy in done.kept and "我的笔记" in (served.root / copy).read_text()
     assert f"lab: {copy} holds your edits: kept as it is." in done.report(served.root)
