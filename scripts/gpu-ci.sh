@@ -18,7 +18,8 @@
 #   scripts/gpu-ci.sh serve [PART] [ARGS] # the serving benchmark (issue 24) on Qwen3-0.6B's shapes, random weights:
 #                                       # PART c16: 64 requests, 16 streams at a time, with the offline engine at 16
 #                                       # sequences (p50 ITL against the decode step); 256: the 256 requests at once to
-#                                       # our server, then LLM.generate, then transformers serve --continuous-batching
+#                                       # our server (from 4 client processes), then LLM.generate, then transformers
+#                                       # serve --continuous-batching
 #                                       # on the first $PEER_PROMPTS (default 128); without PART: c16, then 256.
 #                                       # Needs the serving wheels in .whl-serve/ (scripts/serve-wheels.sh)
 #   scripts/gpu-ci.sh fp8 [PART]        # the 8-bit KV cache (chapter 16); PART: tests (its tests marked gpu), bench
@@ -120,7 +121,8 @@ run_serve() {
       | tee "$out/serve-c16.log" || status=1
   fi
   if [ "$part" != c16 ]; then
-    timeout 330 "${bench[@]}" --launch both --peer-num-prompts "${PEER_PROMPTS:-128}" --out "$out/serve-256.json" \
+    timeout 330 "${bench[@]}" --launch both --peer-num-prompts "${PEER_PROMPTS:-128}" --client-processes 4 \
+      --out "$out/serve-256.json" \
       "$@" 2>&1 | tee "$out/serve-256.log" || status=1
   fi
 }

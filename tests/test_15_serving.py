@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -313,13 +315,15 @@ def test_word_tokenizer_knows_every_id_of_the_model(tiny, tmp_path):
 
 
 def test_bench_serve_offline_and_decode_step(tiny, tmp_path):
-    """`python -m nanovllm.bench.serve --offline --max-concurrency 2`: the offline engine got the prompts the server
-    got and made the same tokens, and the server's decode steps of that run sit next to the streams' ITL."""
+    """`python -m nanovllm.bench.serve --offline --max-concurrency 2 --client-processes 2`: the two client processes
+    sent every prompt, the offline engine got the prompts the server got and made the same tokens, and the server's
+    decode steps of that run sit next to the streams' ITL."""
     from nanovllm.bench.serve import main
 
     out = tmp_path / "serve.json"
     assert main(["--model", tiny, "--num-prompts", "4", "--input-len", "8", "16", "--output-len", "6", "12",
-                 "--max-concurrency", "2", "--offline", "--out", str(out), "--", *ARGS[2:]]) == 0
+                 "--max-concurrency", "2", "--client-processes", "2", "--offline", "--out", str(out), "--",
+                 *ARGS[2:]]) == 0
     report = json.loads(out.read_text())
     served, offline = report["servers"][0], report["offline"]
     assert served["completed"] == 4 and served["failed"] == 0
@@ -455,3 +459,104 @@ def test_dashboard_browser_shows_blocks_taken_and_freed(server, client, tmp_path
     finally:
         browser.close()
     wait_idle(server)
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The live processes that multiprocessing spawned for ``pid`` (its resource tracker aside), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            command = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in command:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(condition, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_engine_runs_in_a_process_of_its_own_that_ends_with_the_server(tiny):
+    """`python -m nanovllm.serve` steps the engine in a child process (the HTTP side's Python never waits for it);
+    Ctrl-C ends both, and a server killed outright (no clean-up code runs) takes its engine with it."""
+    args = ["--model", tiny, "--served-model-name", "tiny", *ARGS]
+    with ServerProcess(args) as process:
+        engines = engine_processes(process.process.pid)
+        assert len(engines) == 1, engines
+        reply = httpx.post(f"{process.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 4})
+        assert reply.status_code == 200
+        assert process.stop() == 0 and wait_until(lambda: not alive(engines[0]))
+    with ServerProcess(args) as process:
+        engines = engine_processes(process.process.pid)
+        process.process.send_signal(signal.SIGKILL)
+        process.process.wait(10)
+        assert wait_until(lambda: not alive(engines[0])), "the engine process outlived its killed server"
+
+
+def test_an_engine_process_that_dies_fails_the_open_streams_and_the_server_says_so(tiny):
+    """The engine process is killed mid-stream: the stream ends with a 500 error event, /health answers 503, and
+    Ctrl-C still ends the server cleanly."""
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS]) as process:
+        [engine] = engine_processes(process.process.pid)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{process.url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(engine, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "internal_server_error" and "engine process" in error["message"]
+        assert httpx.get(f"{process.url}/health").status_code == 503
+        assert process.stop() == 0, process.output()
+
+
+def test_a_stream_that_falls_behind_gets_several_steps_in_one_chunk(tiny):
+    """`Generation.events` merges what waits in its queue: three steps' tokens of one choice make one piece of
+    text, the same text the three would have made one by one."""
+    from types import SimpleNamespace
+
+    from nanovllm.engine.llm_engine import load_tokenizer
+    from nanovllm.serve.app import Generation
+
+    tokenizer = load_tokenizer(tiny)
+    ids = tokenizer.encode("Hello there, general Kenobi")
+    thirds = [ids[: len(ids) // 3], ids[len(ids) // 3 : 2 * len(ids) // 3], ids[2 * len(ids) // 3 :]]
+    engine = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(eos_token_ids=()), abort=lambda *a: None)
+
+    async def pieces(behind: bool) -> list[tuple[str, bool]]:
+        generation = Generation(engine, [[1, 2, 3]], SamplingParams(max_tokens=len(ids), ignore_eos=True), [])
+        stream = generation.streams[0]
+        events = [(stream, "tokens", (0, part, k == 2)) for k, part in enumerate(thirds)]
+        got = []
+        if behind:  # all three steps came before the response read any
+            for event in events:
+                generation.queue.put_nowait(event)
+            async for _choice, text, finished in generation.events():
+                got.append((text, finished))
+        else:
+            iterator = generation.events()
+            for event in events:
+                generation.queue.put_nowait(event)
+                _choice, text, finished = await iterator.__anext__()
+                got.append((text, finished))
+        return got
+
+    one_by_one, merged = asyncio.run(pieces(False)), asyncio.run(pieces(True))
+    assert len(one_by_one) == 3 and merged == [("".join(text for text, _ in one_by_one), True)]
+    assert merged[0][0] == tokenizer.decode(ids)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
+import queue
 import random
 import re
 import shutil
@@ -16,6 +18,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ __all__ = [
     "STEP_COUNTER",
     "RequestResult",
     "engine_steps",
+    "load_in_processes",
     "load_in_thread",
     "main",
     "percentiles",
@@ -131,6 +135,58 @@ def load_in_thread(*args: Any, **kwargs: Any) -> tuple[list, float]:
     own, with an event loop of its own."""
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(lambda: asyncio.run(run_load(*args, **kwargs))).result()
+
+
+def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[str, Any]) -> None:
+    """One client process of `load_in_processes`: ready, then its share of the load once ``start`` is set."""
+    done.put(("ready", share))
+    start.wait()
+    results, _ = asyncio.run(run_load(*args, **options))
+    done.put((share, results, time.perf_counter()))  # perf_counter is the system's monotonic clock on Linux
+
+
+def load_in_processes(processes: int, url: str, model: str, prompts: list[str], output_lens: list[int], *,
+                      concurrency: int | None, request_rate: float, seed: int, **options: Any) -> tuple[list, float]:
+    """`run_load` spread over ``processes`` client processes, each with every ``processes``-th prompt, its share of
+    the concurrency and of the request rate (Poisson arrivals add up to Poisson arrivals). One Python client
+    parsing a few hundred streams becomes the slowest part of a fast server: this measures the server instead.
+    Results come back in prompt order; the time runs from the common start to the last stream's end."""
+    context = multiprocessing.get_context("spawn")  # a clean client, whatever this process holds (CUDA)
+    start, done = context.Event(), context.Queue()
+    share_concurrency = None if concurrency is None else -(-concurrency // processes)
+    workers = [context.Process(target=_load_share, daemon=True, args=(
+        k, start, done, (url, model, prompts[k::processes], output_lens[k::processes]),
+        {**options, "concurrency": share_concurrency, "request_rate": request_rate / processes, "seed": seed + k}))
+        for k in range(processes)]  # fmt: skip
+    for worker in workers:
+        worker.start()
+    try:
+        shares: dict[int, list] = {}
+        began, ended, ready = 0.0, 0.0, 0
+        while len(shares) < processes:
+            try:
+                message = done.get(timeout=1.0)
+            except queue.Empty:
+                if any(w.exitcode not in (None, 0) for w in workers):
+                    raise RuntimeError("a client process of the benchmark failed (its error is above)") from None
+                continue
+            if message[0] == "ready":
+                ready += 1
+                if ready == processes:
+                    began = time.perf_counter()
+                    start.set()
+                continue
+            share, results, finished = message
+            shares[share], ended = results, max(ended, finished)
+    finally:
+        for worker in workers:
+            worker.join(5)
+            if worker.is_alive():
+                worker.kill()
+    results = [None] * len(prompts)
+    for share, share_results in shares.items():
+        results[share::processes] = share_results
+    return results, ended - began
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -336,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument("--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"))
     parser.add_argument("--max-concurrency", type=int, help="at most this many requests at once (default: all)")
+    parser.add_argument("--client-processes", type=int, default=1, metavar="N",
+                        help="send the load from N client processes (default 1): one Python client can be slower "
+                             "than a fast server with hundreds of streams")
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests per second, Poisson arrivals (default inf: all at once)")
     parser.add_argument("--temperature", type=float, default=0.6)
@@ -390,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         served = model_id or served_model(url)
         warm_up(url, served)
         before = {} if peer else engine_steps(url)
-        results, seconds = load_in_thread(
+        load = partial(load_in_processes, args.client_processes) if args.client_processes > 1 else load_in_thread
+        results, seconds = load(
             url, served, prompts[:count], workload.output_lens[:count], concurrency=args.max_concurrency,
             request_rate=args.request_rate, seed=args.seed, temperature=args.temperature, peer_fields=peer)
         summary = summarize(name, results, seconds)

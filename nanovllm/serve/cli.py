@@ -20,6 +20,8 @@ import uvicorn
 
 from nanovllm.config import Config
 from nanovllm.serve.app import create_app
+from nanovllm.serve.client import EngineProcess, EngineStartError
+from nanovllm.serve.dashboard import LiveRecorder
 
 __all__ = [
     "HIDDEN_SETTINGS",
@@ -118,11 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = args.model or str(smollm2_dir())
         name = args.served_model_name or Path(model).name
-        from nanovllm.llm import LLM
-
         print(f"nano-vllm: loading {model}", file=sys.stderr, flush=True)
-        engine = LLM(model, **engine_settings(args))
-    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
+        # The engine gets a process of its own (see "The engine in a process of its own").
+        engine = EngineProcess(model, engine_settings(args), LiveRecorder)
+    except (EngineStartError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -133,5 +134,5 @@ def main(argv: list[str] | None = None) -> int:
                                 timeout_graceful_shutdown=5, access_log=False)
         Server(config, name).run()
     finally:
-        engine.exit()
+        engine.close()
     return 0

@@ -71,15 +71,15 @@ def frame_piece(frame: dict, prev: dict | None, block_size: int, lang: str) -> s
 
 
 class DashboardHub:
-    """The live pages that are open, on the event loop's side. The first page to open attaches a `LiveRecorder`
-    to the scheduler (on the driver's thread, between steps); the last one to close detaches it, so a server
-    that nobody watches records nothing."""
+    """The live pages that are open, on the event loop's side. The first page to open has the driver attach a
+    `LiveRecorder` to the scheduler (between two steps, wherever the driver runs); the last one to close has it
+    detached, so a server that nobody watches records nothing."""
 
-    def __init__(self, driver: Any, keep: int = 2000) -> None:
-        self.driver, self.keep = driver, keep
+    def __init__(self, engine: Any, keep: int = 2000) -> None:
+        self.engine, self.keep = engine, keep  # an `EngineClient`
         self.pages: set[asyncio.Queue] = set()
         self.last: dict | None = None
-        driver.on_frame = self.publish
+        engine.on_frame = self.publish
 
     def publish(self, frames: list[dict]) -> None:
         self.last = frames[-1]
@@ -93,7 +93,7 @@ class DashboardHub:
         page: asyncio.Queue = asyncio.Queue()
         if not self.pages:
             self.last = None
-            self.driver.call(self._attach)
+            self.engine.watch(True)
         elif self.last is not None:
             page.put_nowait(self.last)
         self.pages.add(page)
@@ -102,23 +102,17 @@ class DashboardHub:
     def close(self, page: asyncio.Queue) -> None:
         self.pages.discard(page)
         if not self.pages:
-            self.driver.call(self._detach)
+            self.engine.watch(False)
 
     def close_all(self) -> None:
         """The server stops: every page's stream ends."""
         for page in self.pages:
             page.put_nowait(None)
 
-    def _attach(self) -> None:  # on the driver's thread
-        self.driver.watch.recorder = LiveRecorder(self.driver.engine.scheduler, self.driver.publish_frame)
-
-    def _detach(self) -> None:  # on the driver's thread
-        self.driver.watch.recorder = None
-
     async def stream(self, lang: str) -> AsyncIterator[str]:
         """Server-sent events for one page: each frame drawn in ``lang``, as ``{"index", "html"}``."""
         page = self.open()
-        block_size = self.driver.engine.config.kvcache_block_size
+        block_size = self.engine.info.kvcache_block_size
         prev = None
         try:
             while (frame := await page.get()) is not None:

@@ -6,7 +6,6 @@ signal, and never left behind (it also dies with the process that started it).""
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import re
 import signal
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import nanovllm
+from nanovllm.serve.client import die_with_parent
 
 __all__ = [
     "URL_LINE",
@@ -36,13 +36,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child, before exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG: Linux only
-    except (OSError, AttributeError):
-        pass
 
 
 class ServerProcess:
@@ -70,7 +63,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                            stdin=subprocess.DEVNULL, preexec_fn=die_with_parent)
         atexit.register(self.stop)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
