@@ -19,10 +19,10 @@
 # its tokens the moment they exist, and any of them may hang up half-way. By the end of this
 # chapter you can run `python -m nanovllm.serve` (`./dev serve`), an HTTP server that the official
 # `openai` client talks to unchanged, with tokens streamed as server-sent events; you will know why
-# exactly one loop drives the engine, and why that loop gets a process of its own, how text is cut into pieces without ever
-# cutting a character in two, what a client that disconnects frees, how the server says "too
-# busy", and what streaming costs, measured through a real server with `python -m
-# nanovllm.bench.serve`. Its live page (`/dashboard`) shows the KV cache of the running server
+# exactly one loop drives the engine, and why that loop gets a process of its own, how text is
+# cut into pieces without ever cutting a character in two, what a client that disconnects frees,
+# how the server says "too busy", and what streaming costs, measured through a real server with
+# `python -m nanovllm.bench.serve`. Its live page (`/dashboard`) shows the KV cache of the running server
 # with the player of appendix A.
 
 # %% [markdown] tags=["zh"]
@@ -31,10 +31,10 @@
 # **目标：** 到目前为止，引擎都是*离线*运行的：`generate` 一开始就拿到所有提示词，最后一个完成时才返回。服务器是
 # *在线*的：客户端随时到来，每个都希望 token 一产生就拿到，而且任何一个都可能中途挂断。读完本章，你能运行
 # `python -m nanovllm.serve`（`./dev serve`）：一个 HTTP 服务器，官方的 `openai` 客户端无需任何改动就能和它对话，
-# token 以服务器发送事件（server-sent events，SSE）的形式流式返回；你会知道为什么驱动引擎的循环恰好只有一个、为什么它有自己的进程，文本怎样
-# 切成片段而绝不把一个字符切成两半，断开连接的客户端会释放什么，服务器怎样说“太忙了”，以及流式输出的代价——通过一个
-# 真实的服务器用 `python -m nanovllm.bench.serve` 测出来。它的实时页面（`/dashboard`）用附录 A 的播放器展示运行中的
-# 服务器的 KV 缓存。
+# token 以服务器发送事件（server-sent events，SSE）的形式流式返回；你会知道为什么驱动引擎的循环恰好只有一个、为什么
+# 它有自己的进程，文本怎样切成片段而绝不把一个字符切成两半，断开连接的客户端会释放什么，服务器怎样说“太忙了”，
+# 以及流式输出的代价——通过一个真实的服务器用 `python -m nanovllm.bench.serve` 测出来。它的实时页面（`/dashboard`）
+# 用附录 A 的播放器展示运行中的服务器的 KV 缓存。
 
 # %% [markdown] tags=["en"]
 # ## From the offline loop to an online one
@@ -1866,9 +1866,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # 客户端在流的中途挂断之后，`num_requests_running` 回到 0，`kv_cache_usage_perc` 回到空闲时的值。
 #
 # **满载的服务器。** 连续批处理会接纳 KV 缓存装得下的所有请求；其余的在调度器的队列里等待，而长队列意味着无限增长的
-# 延迟：每个等待的客户端最终都会超时，在此之前还白白占用了内存和计算。`--max-waiting N` 在有 N 个请求等待时（在送往驱动的
-# 路上，或在调度器的等待队列中），用 503 和 `Retry-After: 1` 拒绝新请求，让负载均衡器或客户端的重试逻辑（`openai` 客户端
-# 会自动重试 503）把请求发往别处或稍后再发。尽早拒绝的代价很小：什么都没有送进引擎，一个块也没有占用。
+# 延迟：每个等待的客户端最终都会超时，在此之前还白白占用了内存和计算。`--max-waiting N` 在有 N 个请求等待时（在送往驱动
+# 的路上，或在调度器的等待队列中），用 503 和 `Retry-After: 1` 拒绝新请求，让负载均衡器或客户端的重试逻辑（`openai`
+# 客户端会自动重试 503）把请求发往别处或稍后再发。尽早拒绝的代价很小：什么都没有送进引擎，一个块也没有占用。
 #
 # **Ctrl-C。** uvicorn 捕获 SIGINT 和 SIGTERM；我们的 `Server` 先调用 `app.state.shutdown()`：驱动停止，每个打开的流
 # 以一个错误事件和 `[DONE]` 结束，实时页面关闭，然后 uvicorn 自己的优雅关闭发现没有请求需要等待。引擎进程退出（使用张量
@@ -3240,13 +3240,14 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # - `nanovllm.serve` (`python -m nanovllm.serve`, `./dev serve`): an OpenAI-compatible server; one
 #   driver owns the engine, in a process of its own (or a thread, `EngineThread`), requests enter as
 #   messages, tokens leave in one message per step and a stream that fell behind catches up in
-#   larger chunks; incremental detokenization that never splits a character; stop strings; cancellation
-#   that frees blocks; `--max-waiting` backpressure; errors in OpenAI's shape with their status;
+#   larger chunks; incremental detokenization that never splits a character; stop strings;
+#   cancellation that frees blocks; `--max-waiting` backpressure; errors in OpenAI's shape with their status;
 #   Prometheus `/metrics`; a clean Ctrl-C; the live KV-cache page at `/dashboard`.
 # - `nanovllm.bench.serve` (`python -m nanovllm.bench.serve`): TTFT, TPOT, ITL and throughputs
 #   against any OpenAI-compatible server, ours and `transformers serve` side by side, the offline
 #   engine on the same prompts (`--offline`), the server's own decode step next to the ITL, and the
-#   load sent from several client processes (`--client-processes`); `scripts/gpu-ci.sh serve` runs it on Qwen3-0.6B's shapes on a GPU.
+#   load sent from several client processes (`--client-processes`); `scripts/gpu-ci.sh serve` runs
+#   it on Qwen3-0.6B's shapes on a GPU.
 #
 # ## Exercises
 #
@@ -3262,12 +3263,14 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # ## 本章小结
 #
 # - `LLMEngine.step_tokens` 和 `abort_request`：一个报告每一步 token 的引擎，以及不论请求在哪里都能丢弃它。
-# - `nanovllm.serve`（`python -m nanovllm.serve`、`./dev serve`）：一个兼容 OpenAI 的服务器；一个驱动拥有引擎，住在它自己的
-#   进程里（或者一个线程里，`EngineThread`），请求以消息进入，token 每步一条消息地离开，落后的流用更大的分块追上；
-#   绝不拆开字符的增量反分词；停止字符串；会释放块的取消；`--max-waiting` 背压；OpenAI 格式、带对应状态码的错误；Prometheus 的 `/metrics`；干净的 Ctrl-C；`/dashboard` 上的实时 KV 缓存页面。
+# - `nanovllm.serve`（`python -m nanovllm.serve`、`./dev serve`）：一个兼容 OpenAI 的服务器；一个驱动拥有引擎，住在它
+#   自己的进程里（或者一个线程里，`EngineThread`），请求以消息进入，token 每步一条消息地离开，落后的流用更大的分块
+#   追上；绝不拆开字符的增量反分词；停止字符串；会释放块的取消；`--max-waiting` 背压；OpenAI 格式、带对应状态码的
+#   错误；Prometheus 的 `/metrics`；干净的 Ctrl-C；`/dashboard` 上的实时 KV 缓存页面。
 # - `nanovllm.bench.serve`（`python -m nanovllm.bench.serve`）：对任何兼容 OpenAI 的服务器测量 TTFT、TPOT、ITL
 #   和吞吐量，把我们的服务器和 `transformers serve` 并排比较，在同样的提示词上对比离线引擎（`--offline`），并把服务器
-#   自己的 decode 步时间放在 ITL 旁边，还能从多个客户端进程发出负载（`--client-processes`）；`scripts/gpu-ci.sh serve` 在 GPU 上用 Qwen3-0.6B 的形状运行它。
+#   自己的 decode 步时间放在 ITL 旁边，还能从多个客户端进程发出负载（`--client-processes`）；`scripts/gpu-ci.sh serve`
+#   在 GPU 上用 Qwen3-0.6B 的形状运行它。
 #
 # ## 练习
 #
