@@ -11,6 +11,7 @@ transformers imports Triton early).
 from __future__ import annotations
 
 import os
+import signal
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +21,14 @@ TOOL_TESTS = frozenset(
     {"test_tangle.py", "test_first_cuts.py", "test_layout.py", "test_bilingual.py", "test_book.py", "test_lab.py",
      "test_lab_browser.py", "test_packaging.py", "site_checks.py"}
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # A shell without job control starts a background job (`./dev test &`) with Ctrl-C ignored, and Python then
+    # keeps SIGINT ignored: the interrupt tests (chapters 10 and 13) would see no KeyboardInterrupt at all. They
+    # test the engine's handling of Ctrl-C, so the run starts from Python's own handler, as in a terminal.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @cache
