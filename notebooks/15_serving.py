@@ -275,7 +275,7 @@ assert llm.step_tokens() == []  # nothing of it is ever reported
 #   engine took it). One wake-up of the HTTP side per step, not one per token.
 # - The driver answers each request first with "admitted" (or with the engine's refusal, a
 #   `ValueError` that becomes a 400 *before* any byte of a response is sent), then with its tokens,
-#   and last with "done".
+#   and last with "done" (or with the "error" that ended it).
 # - A request the client gave up on is an "abort" message: `abort_request` frees its blocks at
 #   the next step boundary.
 # - A step that raises fails the requests in the engine with a 500 (chapter 13's rollback left the
@@ -309,7 +309,7 @@ assert llm.step_tokens() == []  # nothing of it is ever reported
 # - 每一步的事件在**一条**消息里离开：每个请求一个 `(key, kind, payload)`，其中 key 是 HTTP 一侧给请求编的号（引擎的
 #   请求 id 要等引擎接收了请求才存在）。每步唤醒 HTTP 一侧一次，而不是每个 token 一次。
 # - 驱动对每个请求先回答 “admitted”（或者引擎的拒绝：一个 `ValueError`，在响应的任何字节发出*之前*变成 400），然后是
-#   它的 token，最后是 “done”。
+#   它的 token，最后是 “done”（或者是结束它的那个 “error”）。
 # - 客户端放弃的请求是一条 “abort” 消息：`abort_request` 在下一个步边界释放它的块。
 # - 抛出异常的一步会让引擎中的请求以 500 失败（第 13 章的回滚让引擎保持一致），服务器继续运行；
 #   `NonFiniteLogitsError` 只让它点名的请求失败。
@@ -327,7 +327,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanovllm.engine.llm_engine import LLMEngine, NonFiniteLogitsError
@@ -569,8 +569,13 @@ class EngineDriver:
             self._event(request.key, "done", None)
 
     def _publish_frame(self, frame: dict) -> None:
-        """A frame of the live page's recorder: it leaves with the step's events."""
-        self.frames.append(frame)
+        """A frame of the live page's recorder: it leaves with the step's events. A frame that replaces the one
+        before it (the recorder gives consecutive adds one index) replaces it here too: 256 requests that arrive
+        together send one snapshot of the pool, not 256."""
+        if self.frames and self.frames[-1]["index"] == frame["index"]:
+            self.frames[-1] = frame
+        else:
+            self.frames.append(frame)
 
     def _update_stats(self) -> None:
         scheduler = self.engine.scheduler
@@ -584,7 +589,10 @@ class EngineDriver:
         self._update_stats()
         events, self.events = self.events, []
         frames, self.frames = self.frames, []
-        self.send(("step", events, frames, self.stats))
+        # en: A copy: in a thread, the HTTP side reads it while the driver goes on counting.
+        # zh: 发一份副本：在线程里，驱动接着计数的时候，HTTP 一侧还在读它。
+        stats = replace(self.stats, steps=dict(self.stats.steps), step_seconds=dict(self.stats.step_seconds))
+        self.send(("step", events, frames, stats))
 
     def _refuse_the_rest(self, receive: Receive) -> None:
         """Requests that arrived after the stop message are refused, so that no client waits forever."""
@@ -620,11 +628,15 @@ class EngineDriver:
 #   pickle: the engine's side of the pipe costs it a few microseconds a token.
 # - The server reads the pipe from its event loop (`loop.add_reader`): when it falls behind, several
 #   steps wait in the pipe, and a stream's tokens from all of them leave in **one** chunk
-#   (`Generation.events` merges them). The engine never waits for the server; the server catches
-#   up by sending fewer, larger chunks, which is also what vLLM's output collector does.
-# - Ctrl-C reaches every process of a terminal's group; the engine process ignores it and stops
-#   when the server tells it to, after the open streams have ended. If the server dies, the pipe's
-#   end tells the engine, which exits too.
+#   (`Generation.events` merges them). The engine waits for the server only once a megabyte of
+#   messages is waiting in the pipe; the server catches up by sending fewer, larger chunks, which
+#   is also what vLLM's output collector does. The other way, the server never waits for the
+#   engine: its messages leave through a writer thread, so a burst of long prompts cannot block
+#   the event loop while the engine is in the middle of a step.
+# - Ctrl-C reaches every process of a terminal's group; the engine process is started with it
+#   ignored and stops when the server tells it to, after the open streams have ended. If the
+#   server dies, Linux ends the engine process too (`die_with_parent`); elsewhere the end of the
+#   pipe tells it.
 # - `EngineThread` keeps the first design, the driver in a thread: for a notebook or a test that
 #   holds an `LLMEngine` (and can, say, make its model fail on purpose). Both are `EngineClient`s:
 #   the HTTP side cannot tell them apart.
@@ -650,10 +662,11 @@ class EngineDriver:
 #
 # - 消息用服务器选定的 `key` 指代请求；载荷是普通的元组，pickle 的代价很小：管道在引擎一侧每个 token 只花几微秒。
 # - 服务器在它的事件循环里读管道（`loop.add_reader`）：当它落后时，好几步的消息在管道里等着，一个流在这几步里的
-#   token 会合成**一个**分块发出（由 `Generation.events` 合并）。引擎从不等服务器；服务器靠发出更少、更大的分块追上
-#   进度，vLLM 的输出收集器也是这样做的。
-# - Ctrl-C 会送到终端进程组里的每个进程；引擎进程忽略它，等服务器通知它才停止，那时打开的流都已结束。如果服务器死了，
-#   管道的关闭会告诉引擎，引擎也随之退出。
+#   token 会合成**一个**分块发出（由 `Generation.events` 合并）。只有当管道里积压了一兆字节的消息时，引擎才会等
+#   服务器；服务器靠发出更少、更大的分块追上进度，vLLM 的输出收集器也是这样做的。反过来，服务器从不等引擎：它的
+#   消息由一个写线程发出，所以一批长提示词不会在引擎一步做到一半时堵住事件循环。
+# - Ctrl-C 会送到终端进程组里的每个进程；引擎进程启动时就忽略它，等服务器通知它才停止，那时打开的流都已结束。如果
+#   服务器死了，Linux 会让引擎进程也随之结束（`die_with_parent`）；在其他系统上，管道的关闭会告诉它。
 # - `EngineThread` 保留了第一种设计，即驱动作为一个线程：用于持有 `LLMEngine` 的 notebook 或测试（例如可以故意让它的
 #   模型失败）。两者都是 `EngineClient`：HTTP 一侧分不出它们。
 
@@ -675,7 +688,7 @@ import queue
 import signal
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -841,14 +854,30 @@ def die_with_parent() -> None:
         pass
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore Ctrl-C for the duration, so that a process started meanwhile inherits it ignored (dispositions
+    survive exec). Only the main thread may change a signal's handler; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Recorder | None,
                         requests: Connection, outputs: Connection) -> None:  # fmt: skip
     """The engine process: build the engine, say so (or say why not), then drive it until the server says stop or
     is gone."""
     from nanovllm.llm import LLM  # here: the server's process never builds an engine of its own
 
-    # en: Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops.
-    # zh: 终端里的 Ctrl-C 会送到整个进程组：何时停止引擎由服务器决定。
+    # en: Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops. (Started
+    # en: by `EngineProcess`, the process already ignores it; this covers one started from another thread.)
+    # zh: 终端里的 Ctrl-C 会送到整个进程组：何时停止引擎由服务器决定。（由 `EngineProcess` 启动时，进程已经忽略它；
+    # zh: 这一行照顾从别的线程启动的情况。）
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     try:
@@ -891,7 +920,8 @@ class EngineProcess(EngineClient):
                 fcntl.fcntl(self.outputs.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self.process = context.Process(target=engine_process_main, name="nanovllm-engine",
                                        args=(model, settings, make_recorder, requests_end, outputs_end))
-        self.process.start()
+        with sigint_ignored():  # from its first instruction on: it imports torch before its own code runs
+            self.process.start()
         # en: Only the engine process holds its ends now: when it exits, reading `outputs` gives EOFError.
         # zh: 现在只有引擎进程持有它那两端：它一退出，读 `outputs` 就会得到 EOFError。
         requests_end.close()
@@ -899,17 +929,28 @@ class EngineProcess(EngineClient):
         self.gone = False
         try:
             kind, detail = self.outputs.recv()
+            if kind == "failed":
+                raise EngineStartError(detail)
+            try:
+                tokenizer = load_tokenizer(model)
+            except Exception as error:
+                raise EngineStartError(f"the tokenizer of {model} did not load: {error}") from error
         except EOFError:
             self.process.join()
             raise EngineStartError(f"the engine process exited with status {self.process.exitcode}") from None
-        except BaseException:  # Ctrl-C while the model loads
+        except BaseException:  # a refusal, a tokenizer that would not load, Ctrl-C while the model loads
             self.process.kill()
             self.process.join()
             raise
-        if kind == "failed":
-            self.process.join()
-            raise EngineStartError(detail)
-        super().__init__(detail, load_tokenizer(model))
+        super().__init__(detail, tokenizer)
+        # en: The server's messages leave through a thread of their own: a write to a full pipe (a burst of long
+        # en: prompts while the engine is inside a step) then blocks that thread, never the event loop, which must
+        # en: keep reading the engine's side, or both processes would wait for each other.
+        # zh: 服务器的消息由一个专门的线程发出：写一个满了的管道（引擎正在一步之中时来了一批长提示词）只会阻塞这个线程，
+        # zh: 而不会阻塞事件循环；事件循环必须继续读引擎那一侧，否则两个进程会互相等待。
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, name="nanovllm-engine-writer", daemon=True)
+        self.writer.start()
 
     def _start(self) -> None:
         self.loop.add_reader(self.outputs.fileno(), self._readable)
@@ -929,10 +970,14 @@ class EngineProcess(EngineClient):
                            EngineError(500, "the engine process stopped", "internal_server_error"))
 
     def _post(self, message: Message) -> None:
-        try:
-            self.requests.send(message)
-        except OSError:  # the engine process is gone; `alive` says so
-            pass
+        self.outbox.put(message)
+
+    def _write(self) -> None:  # the writer thread
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.requests.send(message)
+            except OSError:  # the engine process is gone; `alive` says so
+                return
 
     def join(self, timeout: float) -> None:
         """Wait for the engine process to exit; make it exit if it does not."""
@@ -950,6 +995,8 @@ class EngineProcess(EngineClient):
             self.stopping = True
             self._post(("stop",))
             self.join(timeout)
+        self.outbox.put(None)
+        self.writer.join(5)
         self.requests.close()
         self.outputs.close()
 
@@ -1628,8 +1675,8 @@ class StatsCollector(Collector):
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
-    lifespan starts the driver and stops it. ``app.state.shutdown()`` ends every open stream, from any thread or
-    a signal handler."""
+    lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
+    every open stream, from any thread or a signal handler."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
     client.max_waiting = max_waiting
@@ -2566,18 +2613,29 @@ def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[st
     done.put((share, results, time.perf_counter()))  # perf_counter is the system's monotonic clock on Linux
 
 
+def split_concurrency(concurrency: int | None, processes: int) -> list[int | None]:
+    """Each client process's share of ``concurrency`` (None: no limit): they add up to it exactly."""
+    if concurrency is None:
+        return [None] * processes
+    if processes > concurrency:
+        raise ValueError(f"{processes} client processes for at most {concurrency} requests at once: some would "
+                         f"send nothing; use at most {concurrency}")
+    return [concurrency // processes + (k < concurrency % processes) for k in range(processes)]
+
+
 def load_in_processes(processes: int, url: str, model: str, prompts: list[str], output_lens: list[int], *,
                       concurrency: int | None, request_rate: float, seed: int, **options: Any) -> tuple[list, float]:
     """`run_load` spread over ``processes`` client processes, each with every ``processes``-th prompt, its share of
     the concurrency and of the request rate (Poisson arrivals add up to Poisson arrivals). One Python client
     parsing a few hundred streams becomes the slowest part of a fast server: this measures the server instead.
     Results come back in prompt order; the time runs from the common start to the last stream's end."""
+    shares_of_concurrency = split_concurrency(concurrency, processes)
     context = multiprocessing.get_context("spawn")  # a clean client, whatever this process holds (CUDA)
     start, done = context.Event(), context.Queue()
-    share_concurrency = None if concurrency is None else -(-concurrency // processes)
     workers = [context.Process(target=_load_share, daemon=True, args=(
         k, start, done, (url, model, prompts[k::processes], output_lens[k::processes]),
-        {**options, "concurrency": share_concurrency, "request_rate": request_rate / processes, "seed": seed + k}))
+        {**options, "concurrency": shares_of_concurrency[k], "request_rate": request_rate / processes,
+         "seed": seed + k}))
         for k in range(processes)]  # fmt: skip
     for worker in workers:
         worker.start()
@@ -2601,9 +2659,10 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
             shares[share], ended = results, max(ended, finished)
     finally:
         for worker in workers:
-            worker.join(5)
+            if len(shares) == processes:
+                worker.join(5)  # done: it is on its way out
             if worker.is_alive():
-                worker.kill()
+                worker.kill()  # a run that failed: the others stop now, not one after another
     results = [None] * len(prompts)
     for share, share_results in shares.items():
         results[share::processes] = share_results
@@ -2876,6 +2935,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     if args.url and args.offline:
         parser.error("--offline compares with the server this command launches, not with --url")
+    if args.client_processes < 1:
+        parser.error(f"--client-processes must be at least 1, got {args.client_processes}")
 
     from transformers import AutoTokenizer
 

@@ -560,3 +560,68 @@ def test_a_stream_that_falls_behind_gets_several_steps_in_one_chunk(tiny):
     one_by_one, merged = asyncio.run(pieces(False)), asyncio.run(pieces(True))
     assert len(one_by_one) == 3 and merged == [("".join(text for text, _ in one_by_one), True)]
     assert merged[0][0] == tokenizer.decode(ids)
+
+
+def test_a_message_to_an_engine_that_does_not_read_never_blocks_the_server(tiny):
+    """The server's messages leave through a writer thread: with the engine process stopped (SIGSTOP: it reads
+    nothing) and 2 MB of messages posted, far beyond a pipe's buffer, posting returns at once; once the engine
+    runs again, it receives them and stops when told to."""
+    import threading
+
+    from nanovllm.serve.client import EngineProcess
+
+    engine = EngineProcess(tiny, dict(ENGINE), None)
+    try:
+        os.kill(engine.process.pid, signal.SIGSTOP)
+        posted = threading.Event()
+
+        def post() -> None:
+            for key in range(20):  # unknown keys: the driver ignores these aborts, after reading them
+                engine._post(("abort", key, list(range(25_000))))
+            posted.set()
+
+        threading.Thread(target=post, daemon=True).start()
+        assert posted.wait(5), "posting blocked while the engine was not reading"
+        os.kill(engine.process.pid, signal.SIGCONT)
+    finally:
+        os.kill(engine.process.pid, signal.SIGCONT)
+        engine.close(timeout=30)
+    assert engine.process.exitcode == 0 and not engine.writer.is_alive()
+
+
+def test_a_process_started_while_sigint_is_ignored_inherits_it():
+    """`sigint_ignored` (around the engine process's start): the child ignores Ctrl-C from its first instruction,
+    before any of its own code runs; the parent's handler is back afterwards."""
+    import subprocess
+    import sys
+
+    from nanovllm.serve.client import sigint_ignored
+
+    before = signal.getsignal(signal.SIGINT)
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
+    with sigint_ignored():
+        ignored = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    assert ignored == "True" and signal.getsignal(signal.SIGINT) is before
+    assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_the_live_page_gets_one_frame_for_a_burst_of_adds():
+    """Frames that share an index (the recorder gives consecutive adds one) leave the driver as one, the last."""
+    from types import SimpleNamespace
+
+    from nanovllm.serve.driver import EngineDriver
+
+    engine = SimpleNamespace(config=SimpleNamespace(kvcache_block_size=16), scheduler=SimpleNamespace(observer=None))
+    driver = EngineDriver(engine, lambda message: None)
+    for frame in ({"index": 3, "adds": 1}, {"index": 3, "adds": 2}, {"index": 4}, {"index": 4, "last": True}):
+        driver._publish_frame(frame)
+    assert driver.frames == [{"index": 3, "adds": 2}, {"index": 4, "last": True}]
+
+
+def test_client_processes_share_the_concurrency_exactly():
+    from nanovllm.bench.serve import split_concurrency
+
+    assert split_concurrency(5, 4) == [2, 1, 1, 1] and split_concurrency(16, 4) == [4] * 4
+    assert split_concurrency(None, 3) == [None] * 3
+    with pytest.raises(ValueError, match="3 client processes for at most 2 requests"):
+        split_concurrency(2, 3)

@@ -42,6 +42,7 @@ __all__ = [
     "run_load",
     "run_offline",
     "served_model",
+    "split_concurrency",
     "step_delta",
     "stream_one",
     "summarize",
@@ -145,18 +146,29 @@ def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[st
     done.put((share, results, time.perf_counter()))  # perf_counter is the system's monotonic clock on Linux
 
 
+def split_concurrency(concurrency: int | None, processes: int) -> list[int | None]:
+    """Each client process's share of ``concurrency`` (None: no limit): they add up to it exactly."""
+    if concurrency is None:
+        return [None] * processes
+    if processes > concurrency:
+        raise ValueError(f"{processes} client processes for at most {concurrency} requests at once: some would "
+                         f"send nothing; use at most {concurrency}")
+    return [concurrency // processes + (k < concurrency % processes) for k in range(processes)]
+
+
 def load_in_processes(processes: int, url: str, model: str, prompts: list[str], output_lens: list[int], *,
                       concurrency: int | None, request_rate: float, seed: int, **options: Any) -> tuple[list, float]:
     """`run_load` spread over ``processes`` client processes, each with every ``processes``-th prompt, its share of
     the concurrency and of the request rate (Poisson arrivals add up to Poisson arrivals). One Python client
     parsing a few hundred streams becomes the slowest part of a fast server: this measures the server instead.
     Results come back in prompt order; the time runs from the common start to the last stream's end."""
+    shares_of_concurrency = split_concurrency(concurrency, processes)
     context = multiprocessing.get_context("spawn")  # a clean client, whatever this process holds (CUDA)
     start, done = context.Event(), context.Queue()
-    share_concurrency = None if concurrency is None else -(-concurrency // processes)
     workers = [context.Process(target=_load_share, daemon=True, args=(
         k, start, done, (url, model, prompts[k::processes], output_lens[k::processes]),
-        {**options, "concurrency": share_concurrency, "request_rate": request_rate / processes, "seed": seed + k}))
+        {**options, "concurrency": shares_of_concurrency[k], "request_rate": request_rate / processes,
+         "seed": seed + k}))
         for k in range(processes)]  # fmt: skip
     for worker in workers:
         worker.start()
@@ -180,9 +192,10 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
             shares[share], ended = results, max(ended, finished)
     finally:
         for worker in workers:
-            worker.join(5)
+            if len(shares) == processes:
+                worker.join(5)  # done: it is on its way out
             if worker.is_alive():
-                worker.kill()
+                worker.kill()  # a run that failed: the others stop now, not one after another
     results = [None] * len(prompts)
     for share, share_results in shares.items():
         results[share::processes] = share_results
@@ -410,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     if args.url and args.offline:
         parser.error("--offline compares with the server this command launches, not with --url")
+    if args.client_processes < 1:
+        parser.error(f"--client-processes must be at least 1, got {args.client_processes}")
 
     from transformers import AutoTokenizer
 

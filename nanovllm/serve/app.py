@@ -233,8 +233,8 @@ class StatsCollector(Collector):
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
-    lifespan starts the driver and stops it. ``app.state.shutdown()`` ends every open stream, from any thread or
-    a signal handler."""
+    lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
+    every open stream, from any thread or a signal handler."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
     client.max_waiting = max_waiting

@@ -16,7 +16,7 @@ import queue
 import signal
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "RequestStream",
     "die_with_parent",
     "engine_process_main",
+    "sigint_ignored",
 ]
 
 
@@ -195,13 +196,28 @@ def die_with_parent() -> None:
         pass
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Ignore Ctrl-C for the duration, so that a process started meanwhile inherits it ignored (dispositions
+    survive exec). Only the main thread may change a signal's handler; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Recorder | None,
                         requests: Connection, outputs: Connection) -> None:  # fmt: skip
     """The engine process: build the engine, say so (or say why not), then drive it until the server says stop or
     is gone."""
     from nanovllm.llm import LLM  # here: the server's process never builds an engine of its own
 
-    # Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops.
+    # Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops. (Started
+    # by `EngineProcess`, the process already ignores it; this covers one started from another thread.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
     try:
@@ -243,24 +259,34 @@ class EngineProcess(EngineClient):
                 fcntl.fcntl(self.outputs.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self.process = context.Process(target=engine_process_main, name="nanovllm-engine",
                                        args=(model, settings, make_recorder, requests_end, outputs_end))
-        self.process.start()
+        with sigint_ignored():  # from its first instruction on: it imports torch before its own code runs
+            self.process.start()
         # Only the engine process holds its ends now: when it exits, reading `outputs` gives EOFError.
         requests_end.close()
         outputs_end.close()
         self.gone = False
         try:
             kind, detail = self.outputs.recv()
+            if kind == "failed":
+                raise EngineStartError(detail)
+            try:
+                tokenizer = load_tokenizer(model)
+            except Exception as error:
+                raise EngineStartError(f"the tokenizer of {model} did not load: {error}") from error
         except EOFError:
             self.process.join()
             raise EngineStartError(f"the engine process exited with status {self.process.exitcode}") from None
-        except BaseException:  # Ctrl-C while the model loads
+        except BaseException:  # a refusal, a tokenizer that would not load, Ctrl-C while the model loads
             self.process.kill()
             self.process.join()
             raise
-        if kind == "failed":
-            self.process.join()
-            raise EngineStartError(detail)
-        super().__init__(detail, load_tokenizer(model))
+        super().__init__(detail, tokenizer)
+        # The server's messages leave through a thread of their own: a write to a full pipe (a burst of long
+        # prompts while the engine is inside a step) then blocks that thread, never the event loop, which must
+        # keep reading the engine's side, or both processes would wait for each other.
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self._write, name="nanovllm-engine-writer", daemon=True)
+        self.writer.start()
 
     def _start(self) -> None:
         self.loop.add_reader(self.outputs.fileno(), self._readable)
@@ -279,10 +305,14 @@ class EngineProcess(EngineClient):
                            EngineError(500, "the engine process stopped", "internal_server_error"))
 
     def _post(self, message: Message) -> None:
-        try:
-            self.requests.send(message)
-        except OSError:  # the engine process is gone; `alive` says so
-            pass
+        self.outbox.put(message)
+
+    def _write(self) -> None:  # the writer thread
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.requests.send(message)
+            except OSError:  # the engine process is gone; `alive` says so
+                return
 
     def join(self, timeout: float) -> None:
         """Wait for the engine process to exit; make it exit if it does not."""
@@ -300,6 +330,8 @@ class EngineProcess(EngineClient):
             self.stopping = True
             self._post(("stop",))
             self.join(timeout)
+        self.outbox.put(None)
+        self.writer.join(5)
         self.requests.close()
         self.outputs.close()
 

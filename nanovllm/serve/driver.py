@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nanovllm.engine.llm_engine import LLMEngine, NonFiniteLogitsError
@@ -253,8 +253,13 @@ class EngineDriver:
             self._event(request.key, "done", None)
 
     def _publish_frame(self, frame: dict) -> None:
-        """A frame of the live page's recorder: it leaves with the step's events."""
-        self.frames.append(frame)
+        """A frame of the live page's recorder: it leaves with the step's events. A frame that replaces the one
+        before it (the recorder gives consecutive adds one index) replaces it here too: 256 requests that arrive
+        together send one snapshot of the pool, not 256."""
+        if self.frames and self.frames[-1]["index"] == frame["index"]:
+            self.frames[-1] = frame
+        else:
+            self.frames.append(frame)
 
     def _update_stats(self) -> None:
         scheduler = self.engine.scheduler
@@ -268,7 +273,9 @@ class EngineDriver:
         self._update_stats()
         events, self.events = self.events, []
         frames, self.frames = self.frames, []
-        self.send(("step", events, frames, self.stats))
+        # A copy: in a thread, the HTTP side reads it while the driver goes on counting.
+        stats = replace(self.stats, steps=dict(self.stats.steps), step_seconds=dict(self.stats.step_seconds))
+        self.send(("step", events, frames, stats))
 
     def _refuse_the_rest(self, receive: Receive) -> None:
         """Requests that arrived after the stop message are refused, so that no client waits forever."""
