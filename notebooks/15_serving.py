@@ -346,6 +346,8 @@ _logger = logging.getLogger("nanovllm.serve")
 # zh: 请求 id）、"tokens"（(sample_index, token_ids, finished)）、"error"（一个 `EngineError`）或 "done"（不会再有了）。
 Message = tuple
 Receive = Callable[[bool], Message | None]  # receive(wait): the next message, or None if none came and not wait
+# make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
+Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
 
 
 @dataclass(frozen=True)
@@ -442,8 +444,7 @@ class EngineDriver:
     events leave through ``send``, in one message. ``make_recorder(scheduler, publish)`` builds the live page's
     recorder when a page asks to watch."""
 
-    def __init__(self, engine: LLMEngine, send: Callable[[Message], None],
-                 make_recorder: Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]] | None = None,
+    def __init__(self, engine: LLMEngine, send: Callable[[Message], None], make_recorder: Recorder | None = None,
                  ) -> None:  # fmt: skip
         self.engine, self.send, self.make_recorder = engine, send, make_recorder
         self.requests: dict[int, _Request] = {}  # by the engine's request id
@@ -695,9 +696,15 @@ from typing import Any
 
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineDriver, EngineError, EngineInfo, Message, ServerStats
-
-Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]  # EngineDriver's make_recorder
+from nanovllm.serve.driver import (
+    SHUTTING_DOWN_ERROR,
+    EngineDriver,
+    EngineError,
+    EngineInfo,
+    Message,
+    Recorder,
+    ServerStats,
+)
 
 
 @dataclass(eq=False)
@@ -1461,7 +1468,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
-from nanovllm.serve.driver import finish_reason
+from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -1475,7 +1482,7 @@ from nanovllm.serve.protocol import (
 )
 
 _logger = logging.getLogger("nanovllm.serve")
-SHUTTING_DOWN = ServerError(503, "the server is shutting down", "service_unavailable")
+SHUTTING_DOWN = ServerError(SHUTTING_DOWN_ERROR.status, SHUTTING_DOWN_ERROR.message, SHUTTING_DOWN_ERROR.kind)
 
 
 @dataclass

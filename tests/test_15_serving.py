@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.engine.tp_runtime import process_state
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.detokenize import IncrementalDetokenizer
@@ -476,10 +477,8 @@ def engine_processes(pid: int) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    """Running, sleeping or stopped: not gone, and not a zombie that nobody reaped yet."""
+    return process_state(pid) not in ("", "a zombie")
 
 
 def wait_until(condition, timeout: float = 15.0) -> bool:

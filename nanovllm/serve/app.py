@@ -25,7 +25,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
-from nanovllm.serve.driver import finish_reason
+from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,7 +50,7 @@ __all__ = [
 
 # notebooks/15_serving.py · cell "generation"
 _logger = logging.getLogger("nanovllm.serve")
-SHUTTING_DOWN = ServerError(503, "the server is shutting down", "service_unavailable")
+SHUTTING_DOWN = ServerError(SHUTTING_DOWN_ERROR.status, SHUTTING_DOWN_ERROR.message, SHUTTING_DOWN_ERROR.kind)
 
 
 @dataclass

@@ -23,14 +23,21 @@ from typing import Any
 
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineDriver, EngineError, EngineInfo, Message, ServerStats
+from nanovllm.serve.driver import (
+    SHUTTING_DOWN_ERROR,
+    EngineDriver,
+    EngineError,
+    EngineInfo,
+    Message,
+    Recorder,
+    ServerStats,
+)
 
 __all__ = [
     "EngineClient",
     "EngineProcess",
     "EngineStartError",
     "EngineThread",
-    "Recorder",
     "RequestStream",
     "die_with_parent",
     "engine_process_main",
@@ -39,9 +46,6 @@ __all__ = [
 
 
 # notebooks/15_serving.py · cell "engine client"
-Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]  # EngineDriver's make_recorder
-
-
 @dataclass(eq=False)
 class RequestStream:
     """One engine request as the HTTP side sees it. Its events go into ``events`` (an asyncio.Queue of the event

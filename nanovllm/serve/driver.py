@@ -21,6 +21,7 @@ __all__ = [
     "EngineInfo",
     "Message",
     "Receive",
+    "Recorder",
     "SchedulerWatch",
     "ServerStats",
     "finish_reason",
@@ -37,6 +38,8 @@ _logger = logging.getLogger("nanovllm.serve")
 # "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come).
 Message = tuple
 Receive = Callable[[bool], Message | None]  # receive(wait): the next message, or None if none came and not wait
+# make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
+Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,7 @@ class EngineDriver:
     events leave through ``send``, in one message. ``make_recorder(scheduler, publish)`` builds the live page's
     recorder when a page asks to watch."""
 
-    def __init__(self, engine: LLMEngine, send: Callable[[Message], None],
-                 make_recorder: Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]] | None = None,
+    def __init__(self, engine: LLMEngine, send: Callable[[Message], None], make_recorder: Recorder | None = None,
                  ) -> None:  # fmt: skip
         self.engine, self.send, self.make_recorder = engine, send, make_recorder
         self.requests: dict[int, _Request] = {}  # by the engine's request id
