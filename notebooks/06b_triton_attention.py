@@ -300,6 +300,11 @@ def store_kvcache_kernel(
     # zh: 写入连续缓存的第 `slot` 行，并转换为缓存的数据类型。
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size] (chapter 16).
+        # zh: float8 缓存把每个块的值按维度存放，[kv_heads, d, block_size]（第 16 章）。
+        block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = ((block * NUM_KV_HEADS + h) * HEAD_DIM + d) * BLOCK_SIZE + place
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 # %% [markdown] tags=["en"]
@@ -325,15 +330,20 @@ def _check_cache(
     v_scales: torch.Tensor | None = None,
 ) -> bool:  # fmt: skip
     """Check the caches (and scales); True for an 8-bit cache (chapter 16)."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {k_cache.shape}, {v_cache.shape}")
+    fp8 = k_cache.dtype == FP8
+    if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
+    if k_cache.dim() != 4:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {tuple(k_cache.shape)}")
+    blocks, block_size, kv_heads, head_dim = k_cache.shape
+    # A float8 cache keeps each block's values by dimension (chapter 16 says why).
+    v_shape = (blocks, kv_heads, head_dim, block_size) if fp8 else (blocks, block_size, kv_heads, head_dim)
+    if v_cache.shape != v_shape:
+        raise ValueError(f"the value cache must be {v_shape} beside keys {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the Triton kernels need contiguous K/V caches (a per-layer view of the one KV tensor is)")
     check_triton_device(k_cache)
-    fp8 = k_cache.dtype == FP8
-    blocks, block_size, kv_heads, _ = k_cache.shape
-    if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-        raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
     if fp8 and not (k_scales.shape == v_scales.shape == (blocks, kv_heads, block_size)
                     and k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.stride(-1) == 1):
         raise ValueError(f"scales must be float32 [blocks, kv_heads, block_size] = {(blocks, kv_heads, block_size)}, "
@@ -363,6 +373,44 @@ def store_kvcache(
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], FP8=fp8,
     )  # fmt: skip
+
+
+@triton.jit
+def round_trip_kernel(
+    x_ptr, out_ptr, stride_x_t, stride_x_h,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # en: Token t's rows [heads, d], quantized as the store quantizes them and back: what a float8 cache returns.
+    # zh: 第 t 个 token 的各行 [heads, d]，像存储内核那样量化再还原：正是 float8 缓存读回的值。
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
+    x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + d, mask=mask, other=0.0).to(tl.float32)
+    scale = fp8_scale(tl.max(tl.abs(x), 1))[:, None]
+    back = round_to_e4m3(tl.div_rn(x, scale)) * scale
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        # en: Rounded to bfloat16 here, ties to even as torch does: Triton's interpreter truncates when it converts.
+        # zh: 在这里舍入到 bfloat16（就近，平局取偶，与 torch 相同）：Triton 解释器转换时是直接截断的。
+        bits = back.to(tl.int32, bitcast=True)
+        back = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + (t * NUM_HEADS + h) * HEAD_DIM + d, back.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
+    """What a float8 cache gives back for ``x`` [T, heads, d] (chapter 16), in one pass: the same values as
+    ``kv_quant.round_trip``, whose eight torch operations took 18x a copy's time on the H200."""
+    check_triton_device(x)
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [tokens, heads, head_dim] with a contiguous last dimension, got {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    tokens, heads, head_dim = x.shape
+    if tokens:
+        round_trip_kernel[(tokens,)](
+            x, out, x.stride(0), x.stride(1), NUM_HEADS=heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
+    return out
 
 # %% [markdown] tags=["en"]
 # ## Build it: varlen causal prefill over a paged prefix
@@ -427,7 +475,7 @@ def row_scales(scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _prefill_tile(
     acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
-    stride_k_t, stride_v_t, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
+    stride_k_t, stride_v_t, stride_v_b, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
@@ -464,7 +512,13 @@ def _prefill_tile(
     # en: V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
     # zh: V tile [BLOCK_N, BLOCK_D]；acc [BLOCK_M, BLOCK_D] 先缩放，再加上 p @ V。
     v_mask = n_valid[:, None] & d_mask[None, :]
-    v = tl.load(v_ptr + rows[:, None] * stride_v_t + offs_d[None, :], mask=v_mask, other=0.0)
+    if FP8:
+        # en: A float8 cache (always paged) keeps each block's values by dimension, [kv_heads, d, block_size].
+        # zh: float8 缓存（总是分页的）把每个块的值按维度存放，[kv_heads, d, block_size]。
+        v_at = (rows // BLOCK_SIZE * stride_v_b + rows % BLOCK_SIZE)[:, None] + offs_d[None, :] * BLOCK_SIZE
+    else:
+        v_at = rows[:, None] * stride_v_t + offs_d[None, :]
+    v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
     if FP8:
         # en: ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
         # zh: ……值 n 的缩放因子乘在它那一列权重上：p @ (scale * v) = (p * scale) @ v。
@@ -476,8 +530,8 @@ def _prefill_tile(
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_bt,
-    stride_s_b, stride_s_h, qk_scale,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, stride_o_t, stride_o_h,
+    stride_bt, stride_s_b, stride_s_h, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
@@ -526,7 +580,7 @@ def prefill_attention_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
-            offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
+            stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
             BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8,
         )  # fmt: skip
     # en: The diagonal tiles, up to the last query's position (or n_k): causal mask + bounds.
@@ -535,7 +589,7 @@ def prefill_attention_kernel(
     for start_n in range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
-            offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
+            stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
             BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8,
         )  # fmt: skip
     # en: Normalise (every real query sees key 0, so l_i > 0) and store [BLOCK_M, BLOCK_D] in q's dtype.
@@ -606,11 +660,14 @@ def prefill_attention(
         fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
         keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
-        stride_v_t, stride_v_h = stride_k_t, stride_k_h
+        # A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
+        stride_v_t, stride_v_h = (0, v_cache.stride(1)) if fp8 else (stride_k_t, stride_k_h)
+        stride_v_b = v_cache.stride(0)
     else:
         check_triton_device(q)
         keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+        stride_v_b = 0  # no blocks
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
     num_seqs = context.cu_seqlens_q.numel() - 1
@@ -620,8 +677,8 @@ def prefill_attention(
     k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
     prefill_attention_kernel[grid](
         q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables, k_scales, v_scales,
-        q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, out.stride(0), out.stride(1),
-        block_tables.stride(0), k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
+        q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, out.stride(0),
+        out.stride(1), block_tables.stride(0), k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged, DOT_PRECISION=_dot_precision(q.dtype),
         FP8=fp8, num_warps=num_warps, num_stages=num_stages,
@@ -732,11 +789,90 @@ def warm_up_prefill(
 
 # %% decode kernels
 #| export
+@triton.jit
+def _decode_tile(
+    acc, l_i, m_i, q, start_n, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+    stride_c_t, stride_v_b, stride_s_b, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    # en: Key positions [BLOCK_N] of this tile: the cache block of each and its place in that block.
+    # zh: 本 tile 的键位置 [BLOCK_N]：每个键所在的缓存块，以及它在块中的位置。
+    n = start_n + tl.arange(0, BLOCK_N)
+    n_valid = n < end
+    if BLOCK_SIZE >= BLOCK_N:
+        # en: The whole tile lies in one block (both are powers of two and tiles start at multiples of BLOCK_N):
+        # en: one block-table read, and consecutive places, which Triton can load as wide vectors.
+        # zh: 整个 tile 落在同一个块里（两者都是 2 的幂，tile 从 BLOCK_N 的整数倍开始）：只读一次块表，
+        # zh: 位置连续，Triton 就能用宽向量加载。
+        block = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
+        place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        place = n % BLOCK_SIZE
+    rows = block * BLOCK_SIZE + place
+    # en: Masked loads where a tile may end before its last key (MASKED), or head_dim is not a power of two. A
+    # en: float8 tile inside one block loads whole instead: its values' mask would run along their consecutive
+    # en: keys and split the wide loads; the keys past the end are then zeroed in registers (never NaN).
+    # zh: 在 tile 可能在最后一个键之前结束时（MASKED），或 head_dim 不是 2 的幂时，用带掩码的加载。落在
+    # zh: 一个块内的 float8 tile 则整块加载：它的值的掩码会沿着连续的键方向，把宽向量加载拆碎；越过末尾的键
+    # zh: 随后在寄存器里置零（绝不会是 NaN）。
+    d_mask = offs_d < HEAD_DIM
+    masked_loads = BLOCK_D != HEAD_DIM or (MASKED and (BLOCK_SIZE < BLOCK_N or not FP8))
+    # en: K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
+    # zh: K^T [BLOCK_D, BLOCK_N]；一次算出该组全部查询头的分数 [GROUP_PAD, BLOCK_N]。
+    k_ptrs = k_base + rows[None, :] * stride_c_t + offs_d[:, None]
+    if masked_loads:
+        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    if FP8:
+        # en: float8 K (chapter 16): each key's scale multiplies its column of scores.
+        # zh: float8 的 K（第 16 章）：每个键的缩放因子乘在它那一列分数上。
+        scale_at = block * stride_s_b + place
+        if MASKED:
+            scores = scores * tl.load(k_scale_base + scale_at, mask=n_valid, other=0.0)[None, :]
+        else:
+            scores = scores * tl.load(k_scale_base + scale_at)[None, :]
+    if MASKED:
+        scores = tl.where(n_valid[None, :], scores, float("-inf"))
+    # en: Online softmax update, as in prefill.
+    # zh: 在线 softmax 更新，与 prefill 相同。
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # en: V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V. A float8 cache keeps each block's values by
+    # en: dimension, [kv_heads, d, block_size] (chapter 16), so that the keys of one dimension are consecutive.
+    # zh: V [BLOCK_N, BLOCK_D]；acc [GROUP_PAD, BLOCK_D] += p @ V。float8 缓存把每个块的值按维度存放，
+    # zh: [kv_heads, d, block_size]（第 16 章），这样同一维度上的各个键是连续的。
+    if FP8:
+        v_ptrs = v_base + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
+    else:
+        v_ptrs = v_base + rows[:, None] * stride_c_t + offs_d[None, :]
+    if masked_loads:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+        if MASKED:
+            v = tl.where(n_valid[:, None], v, 0.0)
+    if FP8:
+        # en: ... and each value's scale its column of weights (l_i keeps the unscaled sum).
+        # zh: ……每个值的缩放因子乘在它那一列权重上（l_i 保留未缩放的和）。
+        if MASKED:
+            p = p * tl.load(v_scale_base + scale_at, mask=n_valid, other=0.0)[None, :]
+        else:
+            p = p * tl.load(v_scale_base + scale_at)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
-    stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_bt, stride_o_b, stride_o_h, stride_o_s,
-    stride_s_b, stride_s_h, qk_scale, num_splits,
+    stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_v_b, stride_v_h, stride_bt, stride_o_b, stride_o_h,
+    stride_o_s, stride_s_b, stride_s_h, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
@@ -772,42 +908,36 @@ def decode_attention_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + g * stride_c_h
-    v_base = v_cache_ptr + g * stride_c_h
+    v_base = v_cache_ptr + g * stride_v_h
     k_scale_base = k_scale_ptr + g * stride_s_h
     v_scale_base = v_scale_ptr + g * stride_s_h
-    d_mask = offs_d < HEAD_DIM
-    for start_n in range(start, end, BLOCK_N):
-        # en: Key positions [BLOCK_N] of this tile and their cache rows, through the block table.
-        # zh: 本 tile 的键位置 [BLOCK_N]，以及经块表换算出的缓存行号。
-        n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = n < end
-        rows = paged_rows(bt_row, n, n_valid, BLOCK_SIZE)
-        kv_mask = n_valid[None, :] & d_mask[:, None]
-        # en: K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
-        # zh: K^T [BLOCK_D, BLOCK_N]；一次算出该组全部查询头的分数 [GROUP_PAD, BLOCK_N]。
-        k = tl.load(k_base + rows[None, :] * stride_c_t + offs_d[:, None], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        if FP8:
-            # en: float8 K (chapter 16): each key's scale multiplies its column of scores.
-            # zh: float8 的 K（第 16 章）：每个键的缩放因子乘在它那一列分数上。
-            scores = scores * row_scales(k_scale_base, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
-        scores = tl.where(n_valid[None, :], scores, float("-inf"))
-        # en: Online softmax update, as in prefill.
-        # zh: 在线 softmax 更新，与 prefill 相同。
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # en: V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V.
-        # zh: V [BLOCK_N, BLOCK_D]；acc [GROUP_PAD, BLOCK_D] += p @ V。
-        v_mask = n_valid[:, None] & d_mask[None, :]
-        v = tl.load(v_base + rows[:, None] * stride_c_t + offs_d[None, :], mask=v_mask, other=0.0)
-        if FP8:
-            # en: ... and each value's scale its column of weights (l_i keeps the unscaled sum).
-            # zh: ……每个值的缩放因子乘在它那一列权重上（l_i 保留未缩放的和）。
-            p = p * row_scales(v_scale_base, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # en: A float8 cache: whole tiles without masks first, then the slice's last, partial tile (if any) masked.
+    # en: Measured on the H200, a 16-bit cache runs faster with every tile masked, in one loop that Triton
+    # en: software-pipelines to the end: there the last tile's loads overlap the tile before.
+    # zh: float8 缓存：先处理不带掩码的完整 tile，再对本段最后那个不满的 tile（如果有）做掩码。在 H200 上
+    # zh: 测得，16 位缓存让每个 tile 都带掩码反而更快：只有一个循环，Triton 把它一直软件流水化到最后，
+    # zh: 最后一个 tile 的加载也能与前一个 tile 重叠。
+    if FP8:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(start, full_end, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, start_n, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+                stride_c_t, stride_v_b, stride_s_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False,
+                DOT_PRECISION, FP8,
+            )  # fmt: skip
+        if full_end < end:
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, full_end, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+                stride_c_t, stride_v_b, stride_s_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True,
+                DOT_PRECISION, FP8,
+            )  # fmt: skip
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, start_n, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+                stride_c_t, stride_v_b, stride_s_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True,
+                DOT_PRECISION, FP8,
+            )  # fmt: skip
     # en: Normalised output of this slice [GROUP_PAD, BLOCK_D]; an empty slice (l_i = 0) gives 0, not NaN.
     # zh: 本段的归一化输出 [GROUP_PAD, BLOCK_D]；空段（l_i = 0）输出 0，而不是 NaN。
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
@@ -883,24 +1013,29 @@ def choose_num_splits(
 # en: The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
 # en: 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
 # en: read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
-# en: bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys, 2 stages; at batch 256 it took
-# en: 0.256 ms against 0.296 ms with 3 stages and the 16-bit cache's 0.284 ms (scripts/decode_sweep.py's shapes).
-# en: That is only 55 % of the copy rate for half the bytes: this kernel is not bandwidth-bound on a float8 cache
-# en: yet (chapter 16 says what is known).
+# en: bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 3 stages, with the values kept
+# en: by dimension; at batch 256 it took 0.188 ms against the 16-bit cache's 0.283 ms (75 % of the copy rate, for
+# en: 52 % of the bytes; chapter 16 tells how it got there).
 # zh: GPU 上 decode 的启动配置（每个 tile 的键数 BLOCK_N、warp 数、stage 数），按缓存中一个元素的字节数选择。
 # zh: 16 位：每个 tile 128 个键；在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
 # zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。float32 的 tile 字节数翻倍：仍用之前
-# zh: 测过的 64 个键。float8（第 16 章）：128 个键、2 个 stage；batch 为 256 时用时 0.256 ms，3 个 stage 时是
-# zh: 0.296 ms，16 位缓存是 0.284 ms（scripts/decode_sweep.py 的形状）。字节减半，却只达到拷贝速率的 55 %：
-# zh: 在 float8 缓存上，这个内核还没有受限于带宽（第 16 章说明目前已知的情况）。
-DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 2)}
-# en: The float8 decode kernel (16-bit queries) asks for 196 registers a thread, which leaves room for 2 blocks of
-# en: 4 warps on an H200 SM; capped at 168 (Triton's `maxnreg`), a third block fits, and at batch 256 the kernel
-# en: took 0.232 ms instead of 0.264 ms (Nsight Compute's figures are in chapter 16).
-# zh: float8 的 decode 内核（16 位查询）每个线程要 196 个寄存器，一个 H200 SM 上只放得下 2 个 4-warp 的块；限制在
-# zh: 168 个（Triton 的 `maxnreg`）就能再放一个块，batch 为 256 时内核用时 0.232 ms，而不是 0.264 ms（Nsight
-# zh: Compute 的数字见第 16 章）。
-DECODE_MAX_REGISTERS = {"fp8": 168}
+# zh: 测过的 64 个键。float8（第 16 章）：128 个键、3 个 stage，值按维度存放；batch 为 256 时用时 0.188 ms，
+# zh: 16 位缓存是 0.283 ms（字节只有 52 %，达到拷贝速率的 75 %；第 16 章讲它是怎么做到的）。
+DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 3)}
+# en: Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`. Uncapped it
+# en: takes more than 168, and an H200 SM then holds 2 blocks of 4 warps. With programs enough for 4 blocks on every
+# en: SM, a cap of 128 lets 4 fit (at batch 256: 0.188 ms; 0.198 ms at 168, 0.229 ms uncapped); with fewer, 168
+# en: (at batch 32: 0.083 ms, and 0.089 ms at 128, whose spills then cost more than the blocks it adds).
+# zh: float8 decode 内核（16 位查询）每个线程的寄存器数，用 Triton 的 `maxnreg` 设上限。不设上限时它要用 168 个以上，
+# zh: 一个 H200 SM 只放得下 2 个 4-warp 的块。程序数足以让每个 SM 放 4 个块时，上限 128 让 4 个块都放得下（batch 为
+# zh: 256 时 0.188 ms；上限 168 时 0.198 ms，不设上限 0.229 ms）；程序更少时用 168（batch 为 32 时 0.083 ms，上限 128
+# zh: 时 0.089 ms：多放的块抵不过寄存器溢出的代价）。
+DECODE_MAX_REGISTERS = {"fp8": 168, "fp8, 4 blocks an SM": 128}
+
+
+def decode_max_registers(programs: int, num_sms: int) -> int:
+    """The register cap of the float8 decode kernel for a grid of ``programs`` on ``num_sms`` SMs."""
+    return DECODE_MAX_REGISTERS["fp8, 4 blocks an SM" if programs >= 4 * num_sms else "fp8"]
 
 
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
@@ -953,7 +1088,8 @@ def decode_attention(
         return out
     bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
     capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
-    registers = {"maxnreg": DECODE_MAX_REGISTERS["fp8"]} if capped else {}
+    programs = batch * kv_heads * num_splits
+    registers = {"maxnreg": decode_max_registers(programs, _num_sms(q.device))} if capped else {}
     split = num_splits > 1
     # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。
@@ -966,8 +1102,9 @@ def decode_attention(
     k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
     decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context.context_lens, dst, lse, k_scales, v_scales,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        dst.stride(0), dst.stride(1), stride_s, k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1 if fp8 else 2), block_tables.stride(0), dst.stride(0), dst.stride(1), stride_s,
+        k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
         num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
         DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages, **registers,
@@ -1046,6 +1183,9 @@ class TritonBackend:
         slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        return round_trip_kv(x)
 
     def prefill(
         self,

@@ -774,7 +774,7 @@ import os
 from typing import Any
 
 from nanovllm.config import Config
-from nanovllm.layers.kv_quant import FP8, SCALE_BYTES
+from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.models.qwen3 import head_dim_of
 
 
@@ -1035,6 +1035,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
             if self.kv_scales is not None:
                 layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
+                # Chapter 16: a float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                layer.v_cache = values_by_dim(layer.v_cache)
         return kv_cache
 
     def kv_block_count(self, block_bytes: int) -> int:

@@ -612,19 +612,26 @@ from nanovllm.layers.triton_attention import fp8_scale, to_e4m3
 @triton.jit
 def store_head(
     cache_ptr, scale_ptr, x1, x2, offs, mask, slot, head, stride_slot, stride_cache_head, stride_s_b, stride_s_h,
-    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, BY_DIM: tl.constexpr,
 ):  # fmt: skip
     """Write one head, as its two halves, into its cache slot; a float8 cache (chapter 16) gets the head quantized
-    with its own scale (the largest magnitude of both halves / 448), and the scale beside the block."""
-    cache = cache_ptr + slot * stride_slot + head * stride_cache_head
+    with its own scale (the largest magnitude of both halves / 448), and the scale beside the block. ``BY_DIM``:
+    the values of a float8 cache, kept by dimension, [kv_heads, d, block_size] per block (chapter 16)."""
+    if BY_DIM:
+        block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        cache = cache_ptr + (block * stride_slot + head * stride_cache_head) * BLOCK_SIZE + place
+        step = BLOCK_SIZE
+    else:
+        cache = cache_ptr + slot * stride_slot + head * stride_cache_head
+        step = 1
     if FP8:
         scale = fp8_scale(tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 0), tl.max(tl.abs(x2.to(tl.float32)), 0)))
-        tl.store(cache + offs, to_e4m3(x1, scale), mask=mask)
-        tl.store(cache + HALF + offs, to_e4m3(x2, scale), mask=mask)
+        tl.store(cache + offs * step, to_e4m3(x1, scale), mask=mask)
+        tl.store(cache + (HALF + offs) * step, to_e4m3(x2, scale), mask=mask)
         tl.store(scale_ptr + (slot // BLOCK_SIZE) * stride_s_b + head * stride_s_h + slot % BLOCK_SIZE, scale)
     else:
-        tl.store(cache + offs, x1, mask=mask)
-        tl.store(cache + HALF + offs, x2, mask=mask)
+        tl.store(cache + offs * step, x1, mask=mask)
+        tl.store(cache + (HALF + offs) * step, x2, mask=mask)
 
 
 @triton.jit
@@ -675,12 +682,12 @@ def norm_rotate_store_kernel(
             tl.store(dst + half + offs, o2, mask=mask)
             if slot >= 0:
                 store_head(k_cache_ptr, k_scale_ptr, o1, o2, offs, mask, slot, h - NUM_HEADS, stride_slot,
-                           stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8)
+                           stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8, False)
     elif slot >= 0:
         # en: A v head: only stored.
         # zh: v 头：只需存储。
         store_head(v_cache_ptr, v_scale_ptr, x1, x2, offs, mask, slot, h - NUM_HEADS - NUM_KV_HEADS, stride_slot,
-                   stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8)
+                   stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8, FP8)
 
 
 def can_fuse(attention: nn.Module) -> bool:

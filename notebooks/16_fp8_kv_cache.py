@@ -390,6 +390,13 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 # kv_scales  [2, layers, blocks, kv_heads, block_size]             float32
 # ```
 #
+# Inside a block the values are kept **by dimension**: layer `i`'s value cache is
+# `values_by_dim(kv_cache[1, i])`, the same bytes seen as `[blocks, kv_heads, head_dim,
+# block_size]`, so that the keys of one dimension sit side by side. The keys keep the 16-bit
+# layout. The reason is the decode kernel's speed, measured in the last section; every writer and
+# reader of the cache (the store kernels, the reference's `store_quantized` and `gather_quantized`
+# with `by_dim=True`) follows it, and whole blocks still move as one piece.
+#
 # With Qwen3's `head_dim = 128`, a row costs 128 + 4 bytes instead of 256: the same memory holds
 # 1.94× the blocks. The scales of one head are contiguous inside a block, so a kernel that reads a
 # tile of keys reads their scales in one stretch. And because a scale belongs to a slot of a
@@ -439,6 +446,11 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 # kv_cache   [2, layers, blocks, block_size, kv_heads, head_dim]   float8 e4m3
 # kv_scales  [2, layers, blocks, kv_heads, block_size]             float32
 # ```
+#
+# 块内的值**按维度**存放：第 `i` 层的值缓存是 `values_by_dim(kv_cache[1, i])`，即把同样的字节看成
+# `[blocks, kv_heads, head_dim, block_size]`，这样同一维度上的各个键挨在一起。键仍用 16 位缓存的布局。原因是
+# decode 内核的速度，在最后一节实测；缓存的每个写入者和读取者（各个存储内核，参考实现里带 `by_dim=True` 的
+# `store_quantized` 和 `gather_quantized`）都遵循这个布局，整块搬动时仍是一整块。
 #
 # Qwen3 的 `head_dim = 128`，一行占 128 + 4 字节而不是 256 字节：同样的内存能放下 1.94 倍的块。同一个头的缩放因子
 # 在块内是连续的，所以内核读取一个键 tile 时，它们的缩放因子也是一段连续的读取。又因为缩放因子属于某个块的某个槽位，
@@ -512,27 +524,52 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(*quantize_kv(x), dtype=x.dtype)
 
 
-def store_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+def values_by_dim(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's value cache [blocks, block_size, kv_heads, d] seen as a float8 cache keeps it, by dimension:
+    the same bytes as [blocks, kv_heads, d, block_size] (a view; the cache must be contiguous)."""
+    blocks, block_size, kv_heads, head_dim = cache.shape
+    return cache.view(blocks, kv_heads, head_dim, block_size)
+
+
+def store_quantized(
+    x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, by_dim: bool = False
+) -> None:
     """Quantize ``x`` [n, kv_heads, d] into rows ``slots`` [n] (int64) of one layer's float8 cache
-    [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]."""
+    [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]. ``by_dim``: the cache holds
+    values, by dimension, [blocks, kv_heads, d, block_size]."""
     q, row_scale = quantize_kv(x)
-    blocks, block_size, kv_heads, _ = cache.shape
+    blocks, kv_heads, block_size = scales.shape
+    block, place = slots // block_size, slots % block_size
     # en: Copied as bytes: indexing float8 tensors is missing on some devices and torch versions; bytes copy exactly.
     # en: (index_copy_ and index_select, not t[index]: on a CPU advanced indexing is a hundred times slower.)
     # zh: 按字节拷贝：某些设备和 torch 版本不支持对 float8 张量做索引；按字节拷贝是精确的。
     # zh: （用 index_copy_ 和 index_select，而不是 t[index]：在 CPU 上高级索引要慢上百倍。）
-    cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
-    # en: The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + offset.
-    # zh: （槽位，头）的缩放因子位于 block * kv_heads * block_size + head * block_size + offset。
+    if by_dim:
+        # en: Value (slot, head, i) sits at ((block * kv_heads + head) * d + i) * block_size + place.
+        # zh: 值（槽位，头，i）位于 ((block * kv_heads + head) * d + i) * block_size + place。
+        heads = torch.arange(kv_heads, device=slots.device)[:, None]
+        dims = torch.arange(x.shape[-1], device=slots.device)
+        at = ((block[:, None, None] * kv_heads + heads) * x.shape[-1] + dims) * block_size + place[:, None, None]
+        cache.view(torch.uint8).view(-1).index_copy_(0, at.flatten(), q.view(torch.uint8).flatten())
+    else:
+        cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
+    # en: The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + place.
+    # zh: （槽位，头）的缩放因子位于 block * kv_heads * block_size + head * block_size + place。
     heads = torch.arange(kv_heads, device=slots.device)
-    at = (slots // block_size * kv_heads * block_size + slots % block_size)[:, None] + heads * block_size
+    at = (block * kv_heads * block_size + place)[:, None] + heads * block_size
     scales.view(-1).index_copy_(0, at.flatten(), row_scale.flatten())
 
 
-def gather_quantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d]."""
-    blocks = block_table[: -(-length // cache.shape[1])].long()
-    q = cache.view(torch.uint8).index_select(0, blocks).view(FP8).flatten(0, 1)[:length]
+def gather_quantized(
+    cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int, by_dim: bool = False
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d].
+    ``by_dim``: the cache holds values, by dimension, [blocks, kv_heads, d, block_size]."""
+    blocks = block_table[: -(-length // scales.shape[2])].long()
+    q = cache.view(torch.uint8).index_select(0, blocks).view(FP8)
+    if by_dim:
+        q = q.permute(0, 3, 1, 2)  # [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+    q = q.flatten(0, 1)[:length]
     row_scale = scales.index_select(0, blocks).transpose(1, 2).flatten(0, 1)[:length]
     return dequantize_kv(q, row_scale)
 
@@ -577,13 +614,16 @@ assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
 #   scale multiplies one *column* of the scores, `q · (s k) = s (q · k)`, and a value's scale one
 #   column of the softmax weights, `p @ (s v) = (p s) @ v`: `BLOCK_N` multiplications per tile
 #   instead of `BLOCK_N × head_dim`, and the online softmax's running sum keeps the unscaled
-#   weights.
+#   weights. Decode reads a tile of values by dimension, and loads whole tiles without masks
+#   (only a slice's last tile masks its keys); the last section says why both matter.
+# - A prefill without a cached prefix attends to the round-tripped `k` and `v` (the rule above):
+#   `round_trip_kv` computes them in one kernel, with the store's rounding.
 #
 # The bytes a decode tile reads halve, so its tiling is a knob again: `DECODE_LAUNCH["fp8"]`
-# starts at the 16-bit tiles (128 keys, 4 warps, 3 stages), and `python3 scripts/decode_sweep.py
-# --kv-cache-dtype fp8` times it against longer tiles and deeper pipelines on the benchmark's own
-# contexts, for the H200 run to settle. Here, in the Triton interpreter, the kernels against the
-# reference on a small cache: the same bytes, the same attention.
+# and `DECODE_MAX_REGISTERS` hold what the H200 settled, and `python3 scripts/decode_sweep.py
+# --kv-cache-dtype fp8` times the tiles again on the benchmark's own contexts. Here, in the
+# Triton interpreter, the kernels against the reference on a small cache: the same bytes, the
+# same attention.
 
 # %% [markdown] tags=["zh"]
 # ## 内核
@@ -595,23 +635,27 @@ assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
 # - **decode** 和 **prefill**：加载 float8 的 tile，转换成查询的数据类型（每个 e4m3 值在 bfloat16 和 float16 中都能
 #   精确表示），再把缩放因子乘在代价最小的地方。键的缩放因子乘在分数的一*列*上，`q · (s k) = s (q · k)`；值的缩放
 #   因子乘在 softmax 权重的一列上，`p @ (s v) = (p s) @ v`：每个 tile 只做 `BLOCK_N` 次乘法，而不是
-#   `BLOCK_N × head_dim` 次，在线 softmax 的累加和保留未缩放的权重。
+#   `BLOCK_N × head_dim` 次，在线 softmax 的累加和保留未缩放的权重。decode 按维度读取值的 tile，并且整块加载、
+#   不带掩码（只有一段的最后一个 tile 才对键做掩码）；这两点为什么要紧，见最后一节。
+# - 没有已缓存前缀的 prefill 关注往返之后的 `k` 和 `v`（上面那条规则）：`round_trip_kv` 用一个内核算出它们，
+#   舍入方式与存储内核相同。
 #
-# 一个 decode tile 读取的字节减半了，所以它的 tile 大小又成了一个可调的旋钮：`DECODE_LAUNCH["fp8"]` 从 16 位的 tile
-# （128 个键、4 个 warp、3 个 stage）起步，`python3 scripts/decode_sweep.py --kv-cache-dtype fp8` 在基准测试自己的
-# 上下文长度上，把它与更长的 tile、更深的流水线对比计时，由 H200 上的运行来定夺。下面在 Triton 解释器里，把内核与参考
-# 实现在一个小缓存上对照：字节相同，注意力结果相同。
+# 一个 decode tile 读取的字节减半了，所以它的 tile 大小又成了一个可调的旋钮：`DECODE_LAUNCH["fp8"]` 和
+# `DECODE_MAX_REGISTERS` 记着 H200 上测定的配置，`python3 scripts/decode_sweep.py --kv-cache-dtype fp8` 在基准测试
+# 自己的上下文长度上重新为各种 tile 计时。下面在 Triton 解释器里，把内核与参考实现在一个小缓存上对照：字节相同，
+# 注意力结果相同。
 
 # %%
 import nanovllm.layers.triton_attention as ta
 from nanovllm.layers.attention import TorchBackend
 from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context
+from nanovllm.layers.kv_quant import values_by_dim
 
 H, KVH, D, BS = 4, 2, 16, 4
 caches = {}
 for name in ("torch", "triton"):
     k_cache = torch.zeros(8, BS, KVH, D, dtype=torch.uint8, device=DEVICE).view(FP8)
-    caches[name] = [k_cache, k_cache.clone(), torch.ones(8, KVH, BS, device=DEVICE),
+    caches[name] = [k_cache, values_by_dim(k_cache.clone()), torch.ones(8, KVH, BS, device=DEVICE),
                     torch.ones(8, KVH, BS, device=DEVICE)]
 k, v = torch.randn(11, KVH, D, device=DEVICE) * 5, torch.randn(11, KVH, D, device=DEVICE)
 table = [6, 1, 3]

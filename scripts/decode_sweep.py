@@ -20,7 +20,7 @@ import torch
 
 from nanovllm.bench.attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, copy_bandwidth, graph_time_ms
 from nanovllm.layers.context import Context
-from nanovllm.layers.kv_quant import FP8, SCALE_BYTES
+from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.layers.triton_attention import decode_attention
 
 LAUNCHES = [(64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (64, 4, 4), (64, 4, 2), (128, 8, 2), (32, 2, 3),
@@ -39,7 +39,8 @@ def sweep(batch: int, seed: int = 0, fp8: bool = False) -> dict:
     v_cache = torch.randn_like(k_cache)
     scales = {}
     if fp8:
-        k_cache, v_cache = k_cache.to(FP8), v_cache.to(FP8)  # values in [-448, 448]: any will do for timing
+        # Values in [-448, 448]: any will do for timing; a float8 cache keeps its values by dimension.
+        k_cache, v_cache = k_cache.to(FP8), values_by_dim(v_cache.to(FP8))
         scales = {name: torch.rand(total_blocks, KV_HEADS, BLOCK_SIZE, device="cuda") for name in ("k_scales",
                                                                                                   "v_scales")}
     perm = torch.randperm(total_blocks).tolist()

@@ -43,6 +43,7 @@ from nanovllm.layers.kv_quant import (  # noqa: E402
     gather_quantized,
     quantize_kv,
     round_trip,
+    values_by_dim,
 )
 from nanovllm.llm import LLM  # noqa: E402
 from nanovllm.sampling_params import SamplingParams  # noqa: E402
@@ -70,11 +71,11 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fp8_caches(blocks: int, block_size: int, kv_heads: int, d: int) -> list[torch.Tensor]:
-    """k_cache, v_cache (float8, unwritten bytes = 0x7F, e4m3's NaN) and k_scales, v_scales (NaN): a kernel that
-    reads an unwritten slot poisons its output."""
+    """k_cache, v_cache (float8, unwritten bytes = 0x7F, e4m3's NaN; values by dimension) and k_scales, v_scales
+    (NaN): a kernel that reads an unwritten slot poisons its output."""
     cache = torch.full((blocks, block_size, kv_heads, d), 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8)
     scales = torch.full((blocks, kv_heads, block_size), float("nan"), device=DEVICE)
-    return [cache, cache.clone(), scales, scales.clone()]
+    return [cache, values_by_dim(cache.clone()), scales, scales.clone()]
 
 
 # ---------------------------------------------------------------- the quantization
@@ -123,6 +124,14 @@ def test_the_reference_store_writes_rows_and_scales_where_the_slots_say_and_skip
     for position, row in ((1, 0), (11, 3)):  # slot 13 = block 3 offset 1; slot 23 = block 5 offset 3
         assert torch.equal(got[position], dequantize_kv(qk[row], sk[row]))
     assert same(gather_paged(k_cache, table, 12, k_scales), got)
+    # Values are kept by dimension: value i of (slot, head) at v_cache[block, head, i, offset].
+    qv, sv = quantize_kv(v)
+    assert v_cache.shape == (6, 2, 16, 4)
+    assert torch.equal(as_bytes(v_cache[3, :, :, 1]), as_bytes(qv[0])) and torch.equal(v_scales[3, :, 1], sv[0])
+    got = gather_quantized(v_cache, v_scales, table, 12, by_dim=True)
+    for position, row in ((1, 0), (11, 3)):
+        assert torch.equal(got[position], dequantize_kv(qv[row], sv[row]))
+    assert same(gather_paged(v_cache, table, 12, v_scales, by_dim=True), got)
 
 
 # ---------------------------------------------------------------- the kernels against the reference
@@ -147,6 +156,21 @@ def test_the_kernels_round_to_e4m3_exactly_as_torch_converts() -> None:
     y = torch.empty(len(x), dtype=FP8, device=DEVICE)
     convert[(len(x) // 4096,)](x, y, N=4096)
     assert torch.equal(as_bytes(y), as_bytes(x.to(FP8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,d", [(1, 16), (3, 24)])
+def test_the_round_trip_kernel_gives_the_references_values(dtype: torch.dtype, heads: int, d: int) -> None:
+    """What a prefill without a prefix attends to: the Triton round trip equals kv_quant's, bit for bit."""
+    torch.manual_seed(7)
+    x = (torch.randn(37, heads, d, device=DEVICE) * torch.logspace(-4, 4, 37, device=DEVICE)[:, None, None]).to(dtype)
+    x[3] = 0.0  # all-zero rows
+    got = ta.round_trip_kv(x)
+    assert got.dtype == dtype and torch.equal(got, round_trip(x))
+    assert not torch.equal(got, x)  # it did quantize
+    assert torch.equal(ta.TritonBackend().round_trip(x[:0]), x[:0])
+    with pytest.raises(ValueError, match="tokens, heads, head_dim"):
+        ta.round_trip_kv(x[0])
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
@@ -234,14 +258,18 @@ def test_a_float8_cache_and_its_scales_go_together() -> None:
     cache, _, scales, _ = fp8_caches(2, 4, 1, 16)
     k = torch.randn(1, 1, 16, device=DEVICE)
     slots = torch.tensor([0], device=DEVICE)
+    values = values_by_dim(cache.clone())
     with pytest.raises(ValueError, match="k_scales and v_scales"):
-        ta.store_kvcache(k, k, cache, cache.clone(), slots)
+        ta.store_kvcache(k, k, cache, values, slots)
     with pytest.raises(ValueError, match="k_scales and v_scales"):
         ta.store_kvcache(k, k, cache.float(), cache.float(), slots, scales, scales)
     with pytest.raises(ValueError, match=r"float32 \[blocks, kv_heads, block_size\]"):
-        ta.store_kvcache(k, k, cache, cache.clone(), slots, scales.transpose(1, 2), scales.transpose(1, 2))
+        ta.store_kvcache(k, k, cache, values, slots, scales.transpose(1, 2), scales.transpose(1, 2))
+    # A float8 cache keeps its values by dimension: values laid out like the keys are refused.
+    with pytest.raises(ValueError, match=r"the value cache must be \(2, 1, 16, 4\)"):
+        ta.store_kvcache(k, k, cache, cache.clone(), slots, scales, scales.clone())
     with pytest.raises(ValueError, match="pass dtype"):
-        ta.warm_up_prefill(2, 1, 16, cache, cache.clone(), 0.25, None, scales, scales.clone())
+        ta.warm_up_prefill(2, 1, 16, cache, values, 0.25, None, scales, scales.clone())
     caches = fp8_caches(2, 4, 1, 16)
     assert ta.warm_up_prefill(2, 1, 16, *caches[:2], 0.25, torch.float32, *caches[2:]) >= 2
 
@@ -378,8 +406,8 @@ def test_the_reference_sees_the_quantization_and_the_check_sees_a_wrong_cache(
                        for p in prompts]
     assert unquantized != generated
 
-    def without_scales(cache, scales, block_table, length):  # reads the float8 values as if every scale were 1
-        return gather_quantized(cache, torch.ones_like(scales), block_table, length)
+    def without_scales(cache, scales, block_table, length, by_dim):  # reads float8 values as if every scale were 1
+        return gather_quantized(cache, torch.ones_like(scales), block_table, length, by_dim)
 
     monkeypatch.setattr(attention_module, "gather_quantized", without_scales)
     broken = LLM(str(tiny), kv_cache_dtype="fp8", kvcache_block_size=4, num_kvcache_blocks=64)

@@ -18,7 +18,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
-from nanovllm.layers.kv_quant import FP8, SCALE_BYTES
+from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
 from nanovllm.models.loader import build_model
@@ -227,6 +227,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
             if self.kv_scales is not None:
                 layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
+                # Chapter 16: a float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                layer.v_cache = values_by_dim(layer.v_cache)
         return kv_cache
 
     # notebooks/10_tensor_parallel.py · cell "runner agrees on the pool"

@@ -40,6 +40,10 @@ class AttentionBackend(Protocol):
         slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> None: ...  # fmt: skip
 
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """What an 8-bit cache (chapter 16) gives back for ``x`` [T, kv_heads, d]."""
+        ...
+
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
@@ -67,11 +71,13 @@ def flat_cache(cache: torch.Tensor) -> torch.Tensor:
 
 
 def gather_paged(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``)."""
+    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+    by_dim: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``;
+    ``by_dim``: the values of an 8-bit cache, which it keeps by dimension)."""
     if scales is not None:
-        return gather_quantized(cache, scales, block_table, length)  # an 8-bit cache (chapter 16)
+        return gather_quantized(cache, scales, block_table, length, by_dim)  # an 8-bit cache (chapter 16)
     # Whole blocks first (one index per block, not per token), then cut to the length.
     num_blocks = -(-length // cache.shape[1])
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
@@ -109,10 +115,13 @@ class TorchBackend:
         slots = slot_mapping[keep].long()
         if k_scales is not None:  # an 8-bit cache (chapter 16): each row in float8, with its own scale
             store_quantized(k[keep], k_cache, k_scales, slots)
-            store_quantized(v[keep], v_cache, v_scales, slots)
+            store_quantized(v[keep], v_cache, v_scales, slots, by_dim=True)
             return
         flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        return round_trip(x)  # chapter 16
 
     def prefill(
         self,
@@ -135,7 +144,7 @@ class TorchBackend:
             n_k = cu_k[i + 1] - cu_k[i]
             if paged:
                 keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales)
-                values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales)
+                values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
             else:  # no cached prefix: set_prefill_context made sure of it
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
@@ -155,7 +164,7 @@ class TorchBackend:
                 # A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
                 continue
             keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
-            values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales).to(q.dtype)
+            values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True).to(q.dtype)
             out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
         return out
 
@@ -186,6 +195,6 @@ class Attention(nn.Module):
             if self.k_scales is not None and context.block_tables is None:
                 # An 8-bit cache (chapter 16): a prefill without a cached prefix attends to what the cache now
                 # holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
-                k, v = round_trip(k), round_trip(v)
+                k, v = self.backend.round_trip(k), self.backend.round_trip(v)
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
         return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)

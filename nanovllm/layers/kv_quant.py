@@ -18,6 +18,7 @@ __all__ = [
     "round_trip",
     "row_scales",
     "store_quantized",
+    "values_by_dim",
 ]
 
 
@@ -57,23 +58,47 @@ def round_trip(x: torch.Tensor) -> torch.Tensor:
     return dequantize_kv(*quantize_kv(x), dtype=x.dtype)
 
 
-def store_quantized(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> None:
+def values_by_dim(cache: torch.Tensor) -> torch.Tensor:
+    """One layer's value cache [blocks, block_size, kv_heads, d] seen as a float8 cache keeps it, by dimension:
+    the same bytes as [blocks, kv_heads, d, block_size] (a view; the cache must be contiguous)."""
+    blocks, block_size, kv_heads, head_dim = cache.shape
+    return cache.view(blocks, kv_heads, head_dim, block_size)
+
+
+def store_quantized(
+    x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, by_dim: bool = False
+) -> None:
     """Quantize ``x`` [n, kv_heads, d] into rows ``slots`` [n] (int64) of one layer's float8 cache
-    [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]."""
+    [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]. ``by_dim``: the cache holds
+    values, by dimension, [blocks, kv_heads, d, block_size]."""
     q, row_scale = quantize_kv(x)
-    blocks, block_size, kv_heads, _ = cache.shape
+    blocks, kv_heads, block_size = scales.shape
+    block, place = slots // block_size, slots % block_size
     # Copied as bytes: indexing float8 tensors is missing on some devices and torch versions; bytes copy exactly.
     # (index_copy_ and index_select, not t[index]: on a CPU advanced indexing is a hundred times slower.)
-    cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
-    # The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + offset.
+    if by_dim:
+        # Value (slot, head, i) sits at ((block * kv_heads + head) * d + i) * block_size + place.
+        heads = torch.arange(kv_heads, device=slots.device)[:, None]
+        dims = torch.arange(x.shape[-1], device=slots.device)
+        at = ((block[:, None, None] * kv_heads + heads) * x.shape[-1] + dims) * block_size + place[:, None, None]
+        cache.view(torch.uint8).view(-1).index_copy_(0, at.flatten(), q.view(torch.uint8).flatten())
+    else:
+        cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
+    # The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + place.
     heads = torch.arange(kv_heads, device=slots.device)
-    at = (slots // block_size * kv_heads * block_size + slots % block_size)[:, None] + heads * block_size
+    at = (block * kv_heads * block_size + place)[:, None] + heads * block_size
     scales.view(-1).index_copy_(0, at.flatten(), row_scale.flatten())
 
 
-def gather_quantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d]."""
-    blocks = block_table[: -(-length // cache.shape[1])].long()
-    q = cache.view(torch.uint8).index_select(0, blocks).view(FP8).flatten(0, 1)[:length]
+def gather_quantized(
+    cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int, by_dim: bool = False
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d].
+    ``by_dim``: the cache holds values, by dimension, [blocks, kv_heads, d, block_size]."""
+    blocks = block_table[: -(-length // scales.shape[2])].long()
+    q = cache.view(torch.uint8).index_select(0, blocks).view(FP8)
+    if by_dim:
+        q = q.permute(0, 3, 1, 2)  # [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+    q = q.flatten(0, 1)[:length]
     row_scale = scales.index_select(0, blocks).transpose(1, 2).flatten(0, 1)[:length]
     return dequantize_kv(q, row_scale)

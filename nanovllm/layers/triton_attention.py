@@ -24,6 +24,7 @@ __all__ = [
     "decode_attention",
     "decode_attention_kernel",
     "decode_launch",
+    "decode_max_registers",
     "decode_reduce_kernel",
     "fp8_scale",
     "paged_rows",
@@ -31,6 +32,8 @@ __all__ = [
     "prefill_attention_kernel",
     "prefill_launch_configs",
     "round_to_e4m3",
+    "round_trip_kernel",
+    "round_trip_kv",
     "row_scales",
     "store_kvcache",
     "store_kvcache_kernel",
@@ -107,6 +110,10 @@ def store_kvcache_kernel(
     # Write them into row `slot` of the contiguous cache, converted to the cache's dtype.
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size] (chapter 16).
+        block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        dst = ((block * NUM_KV_HEADS + h) * HEAD_DIM + d) * BLOCK_SIZE + place
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -125,15 +132,20 @@ def _check_cache(
     v_scales: torch.Tensor | None = None,
 ) -> bool:  # fmt: skip
     """Check the caches (and scales); True for an 8-bit cache (chapter 16)."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {k_cache.shape}, {v_cache.shape}")
+    fp8 = k_cache.dtype == FP8
+    if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+        raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
+    if k_cache.dim() != 4:
+        raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {tuple(k_cache.shape)}")
+    blocks, block_size, kv_heads, head_dim = k_cache.shape
+    # A float8 cache keeps each block's values by dimension (chapter 16 says why).
+    v_shape = (blocks, kv_heads, head_dim, block_size) if fp8 else (blocks, block_size, kv_heads, head_dim)
+    if v_cache.shape != v_shape:
+        raise ValueError(f"the value cache must be {v_shape} beside keys {tuple(k_cache.shape)}, "
+                         f"got {tuple(v_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the Triton kernels need contiguous K/V caches (a per-layer view of the one KV tensor is)")
     check_triton_device(k_cache)
-    fp8 = k_cache.dtype == FP8
-    blocks, block_size, kv_heads, _ = k_cache.shape
-    if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
-        raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
     if fp8 and not (k_scales.shape == v_scales.shape == (blocks, kv_heads, block_size)
                     and k_scales.dtype == v_scales.dtype == torch.float32 and k_scales.stride(-1) == 1):
         raise ValueError(f"scales must be float32 [blocks, kv_heads, block_size] = {(blocks, kv_heads, block_size)}, "
@@ -165,6 +177,42 @@ def store_kvcache(
     )  # fmt: skip
 
 
+@triton.jit
+def round_trip_kernel(
+    x_ptr, out_ptr, stride_x_t, stride_x_h,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Token t's rows [heads, d], quantized as the store quantizes them and back: what a float8 cache returns.
+    t = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_HEADS) & (d < HEAD_DIM)
+    x = tl.load(x_ptr + t * stride_x_t + h * stride_x_h + d, mask=mask, other=0.0).to(tl.float32)
+    scale = fp8_scale(tl.max(tl.abs(x), 1))[:, None]
+    back = round_to_e4m3(tl.div_rn(x, scale)) * scale
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        # Rounded to bfloat16 here, ties to even as torch does: Triton's interpreter truncates when it converts.
+        bits = back.to(tl.int32, bitcast=True)
+        back = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + (t * NUM_HEADS + h) * HEAD_DIM + d, back.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
+    """What a float8 cache gives back for ``x`` [T, heads, d] (chapter 16), in one pass: the same values as
+    ``kv_quant.round_trip``, whose eight torch operations took 18x a copy's time on the H200."""
+    check_triton_device(x)
+    if x.dim() != 3 or x.stride(-1) != 1:
+        raise ValueError(f"x must be [tokens, heads, head_dim] with a contiguous last dimension, got {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    tokens, heads, head_dim = x.shape
+    if tokens:
+        round_trip_kernel[(tokens,)](
+            x, out, x.stride(0), x.stride(1), NUM_HEADS=heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        )  # fmt: skip
+    return out
+
+
 # notebooks/06b_triton_attention.py · cell "key rows"
 @triton.jit
 def paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
@@ -184,7 +232,7 @@ def row_scales(scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _prefill_tile(
     acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
-    stride_k_t, stride_v_t, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
+    stride_k_t, stride_v_t, stride_v_b, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
@@ -214,7 +262,12 @@ def _prefill_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     # V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
     v_mask = n_valid[:, None] & d_mask[None, :]
-    v = tl.load(v_ptr + rows[:, None] * stride_v_t + offs_d[None, :], mask=v_mask, other=0.0)
+    if FP8:
+        # A float8 cache (always paged) keeps each block's values by dimension, [kv_heads, d, block_size].
+        v_at = (rows // BLOCK_SIZE * stride_v_b + rows % BLOCK_SIZE)[:, None] + offs_d[None, :] * BLOCK_SIZE
+    else:
+        v_at = rows[:, None] * stride_v_t + offs_d[None, :]
+    v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
     if FP8:
         # ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
         p = p * row_scales(v_scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
@@ -225,8 +278,8 @@ def _prefill_tile(
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_bt,
-    stride_s_b, stride_s_h, qk_scale,
+    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, stride_o_t, stride_o_h,
+    stride_bt, stride_s_b, stride_s_h, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
@@ -267,7 +320,7 @@ def prefill_attention_kernel(
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
-            offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
+            stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
             BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8,
         )  # fmt: skip
     # The diagonal tiles, up to the last query's position (or n_k): causal mask + bounds.
@@ -275,7 +328,7 @@ def prefill_attention_kernel(
     for start_n in range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
-            offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
+            stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
             BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8,
         )  # fmt: skip
     # Normalise (every real query sees key 0, so l_i > 0) and store [BLOCK_M, BLOCK_D] in q's dtype.
@@ -334,11 +387,14 @@ def prefill_attention(
         fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
         keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
-        stride_v_t, stride_v_h = stride_k_t, stride_k_h
+        # A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
+        stride_v_t, stride_v_h = (0, v_cache.stride(1)) if fp8 else (stride_k_t, stride_k_h)
+        stride_v_b = v_cache.stride(0)
     else:
         check_triton_device(q)
         keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+        stride_v_b = 0  # no blocks
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
     num_seqs = context.cu_seqlens_q.numel() - 1
@@ -348,8 +404,8 @@ def prefill_attention(
     k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
     prefill_attention_kernel[grid](
         q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables, k_scales, v_scales,
-        q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, out.stride(0), out.stride(1),
-        block_tables.stride(0), k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
+        q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, out.stride(0),
+        out.stride(1), block_tables.stride(0), k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_SIZE=block_size, PAGED=paged, DOT_PRECISION=_dot_precision(q.dtype),
         FP8=fp8, num_warps=num_warps, num_stages=num_stages,
@@ -396,11 +452,78 @@ def warm_up_prefill(
 
 
 # notebooks/06b_triton_attention.py · cell "decode kernels"
+@triton.jit
+def _decode_tile(
+    acc, l_i, m_i, q, start_n, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+    stride_c_t, stride_v_b, stride_s_b, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+):  # fmt: skip
+    # Key positions [BLOCK_N] of this tile: the cache block of each and its place in that block.
+    n = start_n + tl.arange(0, BLOCK_N)
+    n_valid = n < end
+    if BLOCK_SIZE >= BLOCK_N:
+        # The whole tile lies in one block (both are powers of two and tiles start at multiples of BLOCK_N):
+        # one block-table read, and consecutive places, which Triton can load as wide vectors.
+        block = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
+        place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:
+        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        place = n % BLOCK_SIZE
+    rows = block * BLOCK_SIZE + place
+    # Masked loads where a tile may end before its last key (MASKED), or head_dim is not a power of two. A
+    # float8 tile inside one block loads whole instead: its values' mask would run along their consecutive
+    # keys and split the wide loads; the keys past the end are then zeroed in registers (never NaN).
+    d_mask = offs_d < HEAD_DIM
+    masked_loads = BLOCK_D != HEAD_DIM or (MASKED and (BLOCK_SIZE < BLOCK_N or not FP8))
+    # K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
+    k_ptrs = k_base + rows[None, :] * stride_c_t + offs_d[:, None]
+    if masked_loads:
+        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
+    if FP8:
+        # float8 K (chapter 16): each key's scale multiplies its column of scores.
+        scale_at = block * stride_s_b + place
+        if MASKED:
+            scores = scores * tl.load(k_scale_base + scale_at, mask=n_valid, other=0.0)[None, :]
+        else:
+            scores = scores * tl.load(k_scale_base + scale_at)[None, :]
+    if MASKED:
+        scores = tl.where(n_valid[None, :], scores, float("-inf"))
+    # Online softmax update, as in prefill.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V. A float8 cache keeps each block's values by
+    # dimension, [kv_heads, d, block_size] (chapter 16), so that the keys of one dimension are consecutive.
+    if FP8:
+        v_ptrs = v_base + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
+    else:
+        v_ptrs = v_base + rows[:, None] * stride_c_t + offs_d[None, :]
+    if masked_loads:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+        if MASKED:
+            v = tl.where(n_valid[:, None], v, 0.0)
+    if FP8:
+        # ... and each value's scale its column of weights (l_i keeps the unscaled sum).
+        if MASKED:
+            p = p * tl.load(v_scale_base + scale_at, mask=n_valid, other=0.0)[None, :]
+        else:
+            p = p * tl.load(v_scale_base + scale_at)[None, :]
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
-    stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_bt, stride_o_b, stride_o_h, stride_o_s,
-    stride_s_b, stride_s_h, qk_scale, num_splits,
+    stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_v_b, stride_v_h, stride_bt, stride_o_b, stride_o_h,
+    stride_o_s, stride_s_b, stride_s_h, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
@@ -429,36 +552,33 @@ def decode_attention_kernel(
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     k_base = k_cache_ptr + g * stride_c_h
-    v_base = v_cache_ptr + g * stride_c_h
+    v_base = v_cache_ptr + g * stride_v_h
     k_scale_base = k_scale_ptr + g * stride_s_h
     v_scale_base = v_scale_ptr + g * stride_s_h
-    d_mask = offs_d < HEAD_DIM
-    for start_n in range(start, end, BLOCK_N):
-        # Key positions [BLOCK_N] of this tile and their cache rows, through the block table.
-        n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = n < end
-        rows = paged_rows(bt_row, n, n_valid, BLOCK_SIZE)
-        kv_mask = n_valid[None, :] & d_mask[:, None]
-        # K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
-        k = tl.load(k_base + rows[None, :] * stride_c_t + offs_d[:, None], mask=kv_mask, other=0.0)
-        scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
-        if FP8:
-            # float8 K (chapter 16): each key's scale multiplies its column of scores.
-            scores = scores * row_scales(k_scale_base, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
-        scores = tl.where(n_valid[None, :], scores, float("-inf"))
-        # Online softmax update, as in prefill.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V.
-        v_mask = n_valid[:, None] & d_mask[None, :]
-        v = tl.load(v_base + rows[:, None] * stride_c_t + offs_d[None, :], mask=v_mask, other=0.0)
-        if FP8:
-            # ... and each value's scale its column of weights (l_i keeps the unscaled sum).
-            p = p * row_scales(v_scale_base, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # A float8 cache: whole tiles without masks first, then the slice's last, partial tile (if any) masked.
+    # Measured on the H200, a 16-bit cache runs faster with every tile masked, in one loop that Triton
+    # software-pipelines to the end: there the last tile's loads overlap the tile before.
+    if FP8:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for start_n in range(start, full_end, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, start_n, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+                stride_c_t, stride_v_b, stride_s_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False,
+                DOT_PRECISION, FP8,
+            )  # fmt: skip
+        if full_end < end:
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, full_end, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+                stride_c_t, stride_v_b, stride_s_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True,
+                DOT_PRECISION, FP8,
+            )  # fmt: skip
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            acc, l_i, m_i = _decode_tile(
+                acc, l_i, m_i, q, start_n, end, bt_row, k_base, v_base, k_scale_base, v_scale_base, offs_d,
+                stride_c_t, stride_v_b, stride_s_b, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True,
+                DOT_PRECISION, FP8,
+            )  # fmt: skip
     # Normalised output of this slice [GROUP_PAD, BLOCK_D]; an empty slice (l_i = 0) gives 0, not NaN.
     out = tl.where(l_i[:, None] > 0, acc / tl.maximum(l_i, 1e-30)[:, None], 0.0)
     o_ptrs = o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + s * stride_o_s + offs_d[None, :]
@@ -510,15 +630,20 @@ def choose_num_splits(
 # The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
 # 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
 # read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
-# bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys, 2 stages; at batch 256 it took
-# 0.256 ms against 0.296 ms with 3 stages and the 16-bit cache's 0.284 ms (scripts/decode_sweep.py's shapes).
-# That is only 55 % of the copy rate for half the bytes: this kernel is not bandwidth-bound on a float8 cache
-# yet (chapter 16 says what is known).
-DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 2)}
-# The float8 decode kernel (16-bit queries) asks for 196 registers a thread, which leaves room for 2 blocks of
-# 4 warps on an H200 SM; capped at 168 (Triton's `maxnreg`), a third block fits, and at batch 256 the kernel
-# took 0.232 ms instead of 0.264 ms (Nsight Compute's figures are in chapter 16).
-DECODE_MAX_REGISTERS = {"fp8": 168}
+# bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 3 stages, with the values kept
+# by dimension; at batch 256 it took 0.188 ms against the 16-bit cache's 0.283 ms (75 % of the copy rate, for
+# 52 % of the bytes; chapter 16 tells how it got there).
+DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 3)}
+# Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`. Uncapped it
+# takes more than 168, and an H200 SM then holds 2 blocks of 4 warps. With programs enough for 4 blocks on every
+# SM, a cap of 128 lets 4 fit (at batch 256: 0.188 ms; 0.198 ms at 168, 0.229 ms uncapped); with fewer, 168
+# (at batch 32: 0.083 ms, and 0.089 ms at 128, whose spills then cost more than the blocks it adds).
+DECODE_MAX_REGISTERS = {"fp8": 168, "fp8, 4 blocks an SM": 128}
+
+
+def decode_max_registers(programs: int, num_sms: int) -> int:
+    """The register cap of the float8 decode kernel for a grid of ``programs`` on ``num_sms`` SMs."""
+    return DECODE_MAX_REGISTERS["fp8, 4 blocks an SM" if programs >= 4 * num_sms else "fp8"]
 
 
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
@@ -571,7 +696,8 @@ def decode_attention(
         return out
     bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
     capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
-    registers = {"maxnreg": DECODE_MAX_REGISTERS["fp8"]} if capped else {}
+    programs = batch * kv_heads * num_splits
+    registers = {"maxnreg": decode_max_registers(programs, _num_sms(q.device))} if capped else {}
     split = num_splits > 1
     # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     if split:
@@ -583,8 +709,9 @@ def decode_attention(
     k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
     decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context.context_lens, dst, lse, k_scales, v_scales,
-        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        dst.stride(0), dst.stride(1), stride_s, k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1 if fp8 else 2), block_tables.stride(0), dst.stride(0), dst.stride(1), stride_s,
+        k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
         num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
         DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages, **registers,
@@ -607,6 +734,9 @@ class TritonBackend:
         slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales)
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        return round_trip_kv(x)
 
     def prefill(
         self,
