@@ -215,15 +215,18 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 # Three small helpers do it, shared with chapter 09's fused kernel. They divide exactly
 # (`tl.div_rn`; Triton's `/` is an approximation on a GPU) and round on e4m3's grid themselves,
 # so that the bytes are those of chapter 06's torch reference on every device (the Triton
-# interpreter's own float8 conversion does not carry a rounding into the exponent). With
-# `FP8 = False` their lines are not compiled at all.
+# interpreter's own float8 conversion does not carry a rounding into the exponent). The values of
+# a float8 cache are stored by dimension, `[kv_heads, d, block_size]` in each block, for the
+# decode kernel's sake (chapter 16 shows why). With `FP8 = False` their lines are not compiled at
+# all.
 
 # %% [markdown] tags=["zh"]
 # 使用 8 位 KV 缓存时（`kv_cache_dtype="fp8"`，完整的来龙去脉见第 16 章），存储还要做*量化*：K 和 V 中每个
 # （token，KV 头）的一行都除以它自己的缩放因子（这一行的最大绝对值除以 448），舍入到 float8 e4m3，缩放因子写在块
 # 旁边。由三个小辅助函数完成，第 09 章的融合内核也用它们。它们做精确除法（`tl.div_rn`；Triton 的 `/` 在 GPU 上是
 # 近似的），并自己在 e4m3 的网格上舍入，这样在任何设备上写出的字节都与第 06 章的 torch 参考实现相同（Triton
-# 解释器自带的 float8 转换在舍入进位时不会进到指数位）。`FP8 = False` 时，这些代码根本不会被编译。
+# 解释器自带的 float8 转换在舍入进位时不会进到指数位）。float8 缓存的值按维度存放，每个块里是
+# `[kv_heads, d, block_size]`，这是为了 decode 内核（原因见第 16 章）。`FP8 = False` 时，这些代码根本不会被编译。
 
 # %% fp8 helpers
 #| export
@@ -1024,12 +1027,12 @@ def choose_num_splits(
 DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 3)}
 # en: Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`. Uncapped it
 # en: takes more than 168, and an H200 SM then holds 2 blocks of 4 warps. With programs enough for 4 blocks on every
-# en: SM, a cap of 128 lets 4 fit (at batch 256: 0.188 ms; 0.198 ms at 168, 0.229 ms uncapped); with fewer, 168
-# en: (at batch 32: 0.083 ms, and 0.089 ms at 128, whose spills then cost more than the blocks it adds).
+# en: SM, a cap of 128 lets 4 fit (at batch 256: 0.184 ms; 0.190 ms at 168, 0.226 ms uncapped); with fewer, 168
+# en: (at batch 32: 0.080 ms, against 0.089-0.090 ms at 112 or 128, whose spills cost more than the blocks they add).
 # zh: float8 decode 内核（16 位查询）每个线程的寄存器数，用 Triton 的 `maxnreg` 设上限。不设上限时它要用 168 个以上，
 # zh: 一个 H200 SM 只放得下 2 个 4-warp 的块。程序数足以让每个 SM 放 4 个块时，上限 128 让 4 个块都放得下（batch 为
-# zh: 256 时 0.188 ms；上限 168 时 0.198 ms，不设上限 0.229 ms）；程序更少时用 168（batch 为 32 时 0.083 ms，上限 128
-# zh: 时 0.089 ms：多放的块抵不过寄存器溢出的代价）。
+# zh: 256 时 0.184 ms；上限 168 时 0.190 ms，不设上限 0.226 ms）；程序更少时用 168（batch 为 32 时 0.080 ms，上限为
+# zh: 112 或 128 时 0.089–0.090 ms：多放的块抵不过寄存器溢出的代价）。
 DECODE_MAX_REGISTERS = {"fp8": 168, "fp8, 4 blocks an SM": 128}
 
 

@@ -1097,7 +1097,7 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 
 
 # %% [markdown] tags=["en"]
-# ## Speed, on the H200: the bound moved, the engine followed a little
+# ## Speed, on the H200: the bound moved, the engine followed part of the way
 #
 # Every other output on this page comes from a CPU: the bounds of the first section are
 # arithmetic on recorded H200 rates, the kernels ran in the Triton interpreter, and the accuracy
@@ -1113,42 +1113,60 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # (`scripts/gpu-ci.sh fp8 bench` runs both; `scripts/gpu-ci.sh fp8 sweep` times the float8
 # decode tiles.) The bounds promised 1.71× on Qwen3-0.6B's shapes and 1.22× on Qwen3-8B's, whose
 # decode reads almost as many bytes of weights as of KV. The cell below prints what the engine
-# did: on Qwen3-0.6B's shapes, **1.10×** with the float8 cache (with the register cap below; it
-# was 1.00× before it), and on Qwen3-8B's the same speed with either cache (measured before the
-# cap). The 8-bit cache halves the bytes, and the decode kernel does not go twice as fast for it:
-# timed alone on the benchmark's shapes (batch 256), it reads a 16-bit cache in 0.284 ms, 96 % of
-# the copy rate, and the float8 cache in about 0.26 ms before the cap, half the bytes at barely
-# 55 % of the copy rate. Something other than memory now limits each tile.
-# What was tried: float16 instead of bfloat16 tiles (one hardware conversion per pair of e4m3
-# values; it gave the 10-14 % that is in), every tile size and pipeline depth of the sweep,
-# loading K untransposed, and loading the scales one tile ahead (no gain, not kept). What is
-# left to try is the subject of the last exercise. The goal the book set itself (1.5× on
-# Qwen3-0.6B's shapes, 75 % of the fp8 bound) is not reached; the accuracy side and the doubled
-# KV budget are.
+# did: **1.14×** on Qwen3-0.6B's shapes (51 % of the float8 bound) and 1.06× on Qwen3-8B's
+# (74 %). The goal the book set itself (1.5× on Qwen3-0.6B's shapes, 75 % of the float8 bound)
+# is not reached; the accuracy and the doubled KV budget are. The rest of this section is how the
+# decode kernel got as far as it did: the way there is the useful part.
 #
-# What limits the float8 kernel was measured later the same day with Nsight Compute (`ncu`, one
-# launch at batch 256, context 1024, Qwen3-0.6B's heads; the kernels of this chapter):
+# **The first float8 kernel** read half the bytes and was barely faster. Timed alone at batch 256
+# on the benchmark's contexts, it took 0.264 ms against 0.284 ms for the 16-bit cache, about 55 %
+# of the copy rate. Nsight Compute (`ncu`, one launch at batch 256, context 1024, Qwen3-0.6B's
+# heads) said why:
 #
 # | decode kernel | registers / thread | blocks / SM | occupancy | warp instructions | DRAM, % of peak |
 # |---|---:|---:|---:|---:|---:|
 # | 16-bit cache | 168 | 3 | 18.75 % | 56 M | 86 % |
-# | float8 cache | 196 | 2 | 12.5 % | 91 M | 42 % |
+# | float8 cache, first version | 196 | 2 | 12.5 % | 91 M | 42 % |
 #
-# Half the bytes, 63 % more instructions (each pair of e4m3 values is gathered into a register and
-# converted, and every tile's scales are loaded and applied), and a third fewer warps to hide the
-# latency with: two warps per scheduler, 0.6 of them ready to issue in an average cycle. The
-# kernel is latency-bound, not bandwidth-bound. Capping the registers at 168 (Triton's `maxnreg`
-# launch option) fits a third block on each SM and took the kernel from 0.264 to 0.232 ms (61 % of
-# the copy rate); it is in (`DECODE_MAX_REGISTERS`, chapter 06b), and end to end it took the
-# float8 cache from 1.00× to 1.10× the 16-bit cache's tokens per second (the cell below). Two more
-# variants, timed the same way, say where the time is *not*: without the scales (a timing
-# experiment, its answers are wrong) the kernel takes 0.222 ms, and with the `q · k` product on
-# float8 tensor cores (q quantized per head, K never converted; 1.8 % mean error in the output)
-# 0.237 ms. Neither the conversions nor the scales are the wall; each tile's chain of dependent
-# steps, with so few warps to overlap it, is. Where to go from there is the last exercise.
+# Half the bytes, 63 % more instructions, and a third fewer warps to hide the latency with: the
+# kernel was latency-bound, not bandwidth-bound. Capping its registers at 168 (Triton's `maxnreg`
+# launch option) fitted a third block on each SM: 0.232 ms. Two variants said where the time was
+# *not*: without the scales (a timing experiment, its answers are wrong) 0.222 ms, and with
+# `q · k` on float8 tensor cores (K never converted) 0.237 ms.
+#
+# **Reading the machine code said where it was.** Triton compiles for an H200 without one
+# (`triton.compile` with a `GPUTarget("cuda", 90, 32)`), and the `nvdisasm` it ships prints the
+# SASS (`scripts/decode_sass.py` prints these figures for today's kernels). The key loop took 777
+# instructions a tile in the 16-bit kernel and 1,123 in the float8 one, and 128 of those were
+# `LDS.U8`: loads of *one byte* from shared memory, each with its own
+# address arithmetic. They were the values. `p @ V` reduces over the keys, and a register of a
+# tensor-core operand holds two consecutive elements along the reduced dimension: two *keys* of
+# one dimension. In a cache laid out `[block_size, kv_heads, d]` those sit `kv_heads × d` bytes
+# apart. A 16-bit cache has a transposing load from shared memory (`ldmatrix.trans`); one-byte
+# elements on this GPU have none, so the compiler gathered them byte by byte. The keys never had
+# the problem: `q · k` reduces over the dimensions, which are consecutive in a key's row.
+#
+# **So the float8 cache keeps its values by dimension** (`values_by_dim`, in the section on the
+# scaling), as vLLM's first paged-attention kernel kept its value cache. Two smaller changes came
+# with it. A tile lies inside one block (both sizes are powers of two), so it reads the block
+# table once and its rows are consecutive. And whole tiles load without masks: a mask per key, now
+# along the values' contiguous keys, would split the wide loads again (a slice's last, partial
+# tile still masks). The key loop went down to 755 instructions, with no `LDS.U8` left (the
+# 16-bit one to 668, with the same changes); at batch 256 the kernel takes **0.188 ms, 75 % of
+# the copy rate: 1.50× the 16-bit kernel** (registers capped at 128 when there are programs for 4
+# blocks on every SM, else at 168: `DECODE_MAX_REGISTERS`).
+#
+# **Why the engine gains less than the kernel.** The batch shrinks as sequences finish, and the
+# kernel's lead shrinks with it: at batch 64 it reads 52 % of the copy rate (the 16-bit kernel
+# 78 %), at batch 32 about 55 %. And the prefill is slower with the float8 cache, 0.75 s against
+# 0.49 s in the same run. In a profile of 40 prompts (24,095 tokens) that read their keys through
+# the cache (as a whole step does when one of its sequences carries on a chunked prompt), the
+# prefill attention took 33.6 ms against 11.1 ms (its tiles still gather rows and compute each value's address), and the
+# fused store 25.5 ms against 13.3 ms (each value byte now goes to its own dimension's row). Those
+# are the next places to work on.
 
 # %% [markdown] tags=["zh"]
-# ## 速度（H200）：上限移动了，引擎只跟上了一点
+# ## 速度（H200）：上限移动了，引擎跟上了一部分
 #
 # 本页其余的输出都来自 CPU：第一节的上限是用记录下来的 H200 速率算出来的，内核在 Triton 解释器里运行，精度是用
 # float32 的 SmolLM2 测得的。速度是在一块 H200 上测的：每种模型形状用一次调用，在同一次运行中测量两种缓存，各自
@@ -1161,44 +1179,58 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 #
 # （`scripts/gpu-ci.sh fp8 bench` 运行这两条；`scripts/gpu-ci.sh fp8 sweep` 为 float8 的 decode tile 计时。）
 # 上限许诺的是：Qwen3-0.6B 的形状上快 1.71 倍，Qwen3-8B 的形状上快 1.22 倍（它的 decode 读取的权重字节几乎与 KV
-# 字节一样多）。下面的单元打印引擎实际做到的：在 Qwen3-0.6B 的形状上，float8 缓存快 **1.10 倍**（用了下面说的寄存器
-# 上限；之前是 1.00 倍），在 Qwen3-8B 的形状上两种缓存一样快（在加上限之前测的）。8 位缓存把字节减半，decode 内核却
-# 没有因此快一倍：在基准测试的形状上（batch 为 256）单独计时，它读 16 位缓存用 0.284 ms，达到拷贝速率的 96 %；
-# 加上限之前读 float8 缓存约 0.26 ms，字节只有一半，却只有拷贝速率的 55 % 左右。现在限制每个 tile 的已经不是内存
-# 了。试过的做法：用 float16 而不是 bfloat16 的 tile（每两个 e4m3 值一条硬件转换指令；已采用的 10–14 % 来自它）、
-# 扫描中的每种 tile 大小和流水线深度、不转置地读取 K、提前一个 tile 读取缩放因子（没有收益，未保留）。还能尝试
-# 什么，是最后一道练习的主题。本书给自己定的目标（Qwen3-0.6B 形状上 1.5 倍，达到 fp8 上限的 75 %）没有达到；精度和
-# 翻倍的 KV 预算做到了。
+# 字节一样多）。下面的单元打印引擎实际做到的：Qwen3-0.6B 的形状上 **1.14 倍**（达到 float8 上限的 51 %），Qwen3-8B
+# 的形状上 1.06 倍（74 %）。本书给自己定的目标（Qwen3-0.6B 形状上 1.5 倍，达到 float8 上限的 75 %）没有达到；精度和
+# 翻倍的 KV 预算做到了。本节余下的部分讲 decode 内核是怎样走到这一步的：有用的正是这段路。
 #
-# 限制 float8 内核的是什么，同一天稍晚用 Nsight Compute（`ncu`）测了出来（一次启动，batch 256，上下文 1024，
-# Qwen3-0.6B 的头；本章的内核）：
+# **第一版 float8 内核**读的字节减半，却几乎没有变快。在 batch 为 256、基准测试的上下文长度上单独计时，它用
+# 0.264 ms，16 位缓存用 0.284 ms，只有拷贝速率的 55 % 左右。Nsight Compute（`ncu`，一次启动，batch 256，上下文
+# 1024，Qwen3-0.6B 的头）说明了原因：
 #
 # | decode 内核 | 每线程寄存器 | 每个 SM 的块数 | 占用率 | warp 指令数 | DRAM，占峰值 |
 # |---|---:|---:|---:|---:|---:|
 # | 16 位缓存 | 168 | 3 | 18.75 % | 5600 万 | 86 % |
-# | float8 缓存 | 196 | 2 | 12.5 % | 9100 万 | 42 % |
+# | float8 缓存，第一版 | 196 | 2 | 12.5 % | 9100 万 | 42 % |
 #
-# 字节减半，指令却多了 63 %（每两个 e4m3 值要先凑进一个寄存器再转换，每个 tile 的缩放因子都要读取并乘上），而用来
-# 掩盖延迟的 warp 少了三分之一：每个调度器两个 warp，平均每个周期只有 0.6 个可以发射。这个内核受延迟限制，而不是受
-# 带宽限制。把寄存器限制在 168 个（Triton 的 `maxnreg` 启动选项）能让每个 SM 多放一个块，在同一次扫描中把内核从
-# 0.264 ms 降到 0.232 ms（拷贝速率的 61 %）；它已经采用了（`DECODE_MAX_REGISTERS`，第 06b 章），端到端地把 float8
-# 缓存每秒的 token 数从 16 位缓存的 1.00 倍提高到 1.10 倍（见下面的单元）。用同样方法计时的另外两个变体说明了时间
-# *不*花在哪里：去掉缩放因子（只是计时实验，结果是错的）内核用 0.222 ms；把 `q · k` 放到 float8 张量核上（q 按头
-# 量化，K 根本不转换；输出的平均误差 1.8 %）用 0.237 ms。墙既不是转换，也不是缩放因子；而是每个 tile 那串前后依赖的
-# 步骤，加上能用来重叠它们的 warp 太少。接下来往哪里走，是最后一道练习。
+# 字节减半，指令却多了 63 %，用来掩盖延迟的 warp 还少了三分之一：这个内核受延迟限制，而不是受带宽限制。把寄存器
+# 限制在 168 个（Triton 的 `maxnreg` 启动选项）让每个 SM 多放下一个块：0.232 ms。两个变体说明了时间*不*花在哪里：
+# 去掉缩放因子（只是计时实验，结果是错的）用 0.222 ms；把 `q · k` 放到 float8 张量核上（K 根本不转换）用 0.237 ms。
+#
+# **读机器码才看出时间花在哪里。** 没有 H200 也能让 Triton 为它编译（`triton.compile` 加上
+# `GPUTarget("cuda", 90, 32)`），Triton 自带的 `nvdisasm` 能打印出 SASS（`scripts/decode_sass.py` 为今天的内核打印
+# 这些数字）。键循环每个 tile 在 16 位内核里是 777 条指令，在 float8 内核里是 1,123 条，其中 128 条是 `LDS.U8`：
+# 从共享内存里一次读*一个字节*，每条还带着自己的地址计算。它们读的是值。`p @ V` 沿着键的方向归约，而张量核
+# 操作数的一个寄存器装的是沿归约方向相邻的两个元素：同一维度上的两个*键*。在布局为 `[block_size, kv_heads, d]`
+# 的缓存里，它们相隔 `kv_heads × d` 个字节。16 位缓存有一条从共享内存转置加载的指令（`ldmatrix.trans`）；这块 GPU
+# 上一字节的元素没有，于是编译器只能一个字节一个字节地凑。键从来没有这个问题：`q · k` 沿着维度归约，而维度在一个
+# 键的行里是连续的。
+#
+# **所以 float8 缓存把值按维度存放**（`values_by_dim`，见讲缩放方式的那一节），vLLM 最早的分页注意力内核也是这样
+# 存放值缓存的。随之还有两处小改动。一个 tile 落在同一个块里（两种大小都是 2 的幂），所以它只读一次块表，各行也是
+# 连续的。完整的 tile 不带掩码地加载：逐键的掩码如今沿着值里连续的键方向，会再次把宽向量加载拆碎（一段最后那个
+# 不满的 tile 仍然做掩码）。键循环降到 755 条指令，一条 `LDS.U8` 也不剩（16 位内核做了同样的改动，降到 668 条）；
+# batch 为 256 时内核用 **0.188 ms，达到拷贝速率的
+# 75 %：是 16 位内核的 1.50 倍**（程序数足以让每个 SM 放 4 个块时寄存器上限为 128，否则为 168：
+# `DECODE_MAX_REGISTERS`）。
+#
+# **为什么引擎的收益比内核小。** 序列陆续结束，batch 随之变小，内核的领先也随之缩小：batch 为 64 时它只达到拷贝
+# 速率的 52 %（16 位内核 78 %），batch 为 32 时约 55 %。而且用 float8 缓存时 prefill 更慢，同一次运行里是 0.75 s
+# 对 0.49 s。在一次性能分析里，40 个提示词（24,095 个 token）经由缓存读取它们的键（一步里只要有一个序列是在接着
+# 一个分块的提示词往下算，整步都这样读），prefill 注意力用了 33.6 ms 对 11.1 ms（它的 tile 仍要逐行收集、逐个值
+# 计算地址），融合的存储内核用了 25.5 ms 对 13.3 ms（每个值字节现在要写到自己那一维的行里）。接下来该在这两处下
+# 功夫。
 
 # %%
-# en: Measured on one H200 on 2026-12-01: each cache's output tokens per second and its fraction of its own bound,
-# en: as the two commands above print them. Qwen3-0.6B's shapes with the register cap (the first command, run alone);
-# en: Qwen3-8B's with commit e8a2051's kernels, before the cap (scripts/gpu-ci.sh fp8 bench).
-# zh: 2026-12-01 在一块 H200 上测得：每种缓存每秒输出的 token 数，以及它占自己上限的比例，与上面两条命令打印的一致。
-# zh: Qwen3-0.6B 的形状用了寄存器上限（单独运行第一条命令）；Qwen3-8B 的形状用的是提交 e8a2051 的内核，在加上限之前
-# zh: （scripts/gpu-ci.sh fp8 bench）。
+# en: Measured on one H200 on 2026-12-02 (scripts/gpu-ci.sh fp8 bench, both shapes in one call, commit de4b6b2's
+# en: kernels): each cache's output tokens per second and its fraction of its own bound, as the two commands above
+# en: print them.
+# zh: 2026-12-02 在一块 H200 上测得（scripts/gpu-ci.sh fp8 bench，一次调用测两种形状，提交 de4b6b2 的内核）：每种
+# zh: 缓存每秒输出的 token 数，以及它占自己上限的比例，与上面两条命令打印的一致。
 RECORDED_SPEED: dict[str, dict | None] = {
-    "nano-vllm": {"date": "2026-12-01", "copy_tb_s": 3.80, "auto": {"tok_s": 23369.4, "of_bound": 0.738},
-                  "fp8": {"tok_s": 25734.2, "of_bound": 0.474}},
-    "qwen3-8b": {"date": "2026-12-01", "copy_tb_s": 3.78, "auto": {"tok_s": 9278.8, "of_bound": 0.851},
-                 "fp8": {"tok_s": 9178.7, "of_bound": 0.686}},
+    "nano-vllm": {"date": "2026-12-02", "copy_tb_s": 3.78, "auto": {"tok_s": 24144.3, "of_bound": 0.765},
+                  "fp8": {"tok_s": 27460.8, "of_bound": 0.506}},
+    "qwen3-8b": {"date": "2026-12-02", "copy_tb_s": 3.77, "auto": {"tok_s": 9320.9, "of_bound": 0.853},
+                 "fp8": {"tok_s": 9875.4, "of_bound": 0.735}},
 }
 
 for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
@@ -1221,10 +1253,12 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 #
 # - `nanovllm/layers/kv_quant.py`: `kv_cache_dtype`'s values, float8 e4m3 with one float32 scale
 #   per (token, KV head) (`quantize_kv`, `dequantize_kv`, `round_trip`), and the reference's
-#   paged store and gather (`store_quantized`, `gather_quantized`).
+#   paged store and gather (`store_quantized`, `gather_quantized`), with the values kept by
+#   dimension (`values_by_dim`).
 # - Chapter 06's reference backend and chapter 06b's kernels store, read and dequantize float8
-#   K/V (`fp8_scale`, `round_to_e4m3`, `to_e4m3`; scales on score and weight columns;
-#   `DECODE_LAUNCH["fp8"]`), chapter 09's fused kernel quantizes as it stores.
+#   K/V (`fp8_scale`, `round_to_e4m3`, `to_e4m3`; scales on score and weight columns; unmasked
+#   whole tiles; `DECODE_LAUNCH["fp8"]`, `DECODE_MAX_REGISTERS`; `round_trip_kv`), chapter 09's
+#   fused kernel quantizes as it stores.
 # - `Config.kv_cache_dtype` (chapter 08): checked, refused with FlashAttention 4 and below
 #   compute capability 8.9; the runner's `kv_scales` beside `kv_cache`, sized by
 #   `kv_block_bytes`, copied by `copy_kv_blocks`, reported by `kv_cache_summary`.
@@ -1240,9 +1274,11 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 #    and what a score's error does to the softmax.
 # 3. A row of a key has 1000 as its largest magnitude. What is stored for an element 3.0 of it,
 #    and what comes back?
-# 4. Timed alone at batch 256, the decode kernel reads the 16-bit cache in 0.284 ms, 96 % of the
-#    copy rate. How long would it take over the float8 cache (scales included) at the same 96 %,
-#    and how much faster would that be? Where would you look first for the time it loses today?
+# 4. Timed alone at batch 256, the decode kernel reads the 16-bit cache in 0.283 ms, 97 % of the
+#    copy rate, and the float8 cache in 0.188 ms. How long would the float8 read take at the same
+#    97 % (scales included)? And why did the first float8 kernel, with the values laid out like the
+#    keys, read them one byte at a time? (A register of a tensor-core operand holds two
+#    consecutive elements along the dimension the product sums over.)
 #
 # The cell below checks the answers.
 
@@ -1251,9 +1287,10 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 #
 # - `nanovllm/layers/kv_quant.py`：`kv_cache_dtype` 的取值；每个（token，KV 头）带一个 float32 缩放因子的 float8
 #   e4m3（`quantize_kv`、`dequantize_kv`、`round_trip`），以及参考实现的分页存储与读取（`store_quantized`、
-#   `gather_quantized`）。
+#   `gather_quantized`），值按维度存放（`values_by_dim`）。
 # - 第 06 章的参考后端和第 06b 章的内核存储、读取并反量化（dequantize）float8 的 K/V（`fp8_scale`、
-#   `round_to_e4m3`、`to_e4m3`；缩放因子乘在分数列和权重列上；`DECODE_LAUNCH["fp8"]`），第 09 章的融合内核在存储时量化。
+#   `round_to_e4m3`、`to_e4m3`；缩放因子乘在分数列和权重列上；完整的 tile 不带掩码；`DECODE_LAUNCH["fp8"]`、
+#   `DECODE_MAX_REGISTERS`；`round_trip_kv`），第 09 章的融合内核在存储时量化。
 # - `Config.kv_cache_dtype`（第 08 章）：经过检查，与 FlashAttention 4 同用或计算能力低于 8.9 时拒绝；执行器的
 #   `kv_scales` 与 `kv_cache` 并列，由 `kv_block_bytes` 确定大小，由 `copy_kv_blocks` 拷贝，由 `kv_cache_summary`
 #   报告。
@@ -1266,8 +1303,9 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 #    序列？用 8 位缓存呢？
 # 2. 什么时候 8 位的 K 比 8 位的 V 伤得更重？想想键的误差对分数做了什么，分数的误差又对 softmax 做了什么。
 # 3. 某个键的一行中最大绝对值是 1000。其中值为 3.0 的元素存下来的是什么？读回来的又是什么？
-# 4. 在 batch 为 256 时单独计时，decode 内核读 16 位缓存用 0.284 ms，达到拷贝速率的 96 %。如果读 float8 缓存（连同
-#    缩放因子）也达到同样的 96 %，要用多久？会快多少？今天它损失的时间，你会先从哪里找？
+# 4. 在 batch 为 256 时单独计时，decode 内核读 16 位缓存用 0.283 ms，达到拷贝速率的 97 %；读 float8 缓存用 0.188 ms。
+#    如果读 float8 缓存（连同缩放因子）也达到同样的 97 %，要用多久？第一版 float8 内核里值的布局与键相同，为什么它要
+#    一个字节一个字节地读值？（张量核操作数的一个寄存器装的是沿求和方向相邻的两个元素。）
 #
 # 下面的单元检查答案。
 
@@ -1330,20 +1368,20 @@ assert one_of["K"] - live["en", "auto"] > one_of["V"] - live["en", "auto"]
 # zh: 读回 1.375 * 2.232 = 3.069（偏差 2.3 %，在 e4m3 最坏情况的 1/16 之内）。
 q3, s3 = quantize_kv(torch.tensor([1000.0, 3.0]))
 assert q3[1].float() == 1.375 and abs(dequantize_kv(q3, s3)[1] - 3.069) < 1e-3
-# en: 4: a (token, KV head) row is 128 + 4 bytes instead of 256, so 0.284 ms * 132 / 256 = 0.146 ms, 1.94x. Where to
-# en: look: the profiler first (Nsight Compute), before guessing. Here it said latency, not bytes: few warps per SM
-# en: (registers), each walking a long chain of dependent steps per tile, while neither the conversions nor the scales
-# en: were the wall (the speed section's variants). So: more independent work per SM, e.g. each sequence's keys split
-# en: over more programs (split-K even at batch 256) or over warps that keep their own softmax state, and fewer
-# en: registers a thread (the group's 2 query heads are padded to 16 rows of the dot).
-# zh: 4：一个（token，KV 头）的行是 128 + 4 字节，而不是 256，所以是 0.284 ms * 132 / 256 = 0.146 ms，快 1.94 倍。
-# zh: 先看哪里：在猜之前先看性能分析器（Nsight Compute）。这里它说的是延迟而不是字节：每个 SM 上的 warp 太少（受寄存器
-# zh: 所限），每个 warp 在每个 tile 上都要走一长串前后依赖的步骤，而转换和缩放因子都不是那堵墙（速度一节的变体）。
-# zh: 所以：让每个 SM 上有更多相互独立的工作，例如把每个序列的键分给更多的程序（即使 batch 为 256 也做 split-K），或者
-# zh: 分给各自保留 softmax 状态的 warp；并减少每个线程的寄存器（一组 2 个查询头被补成了矩阵乘的 16 行）。
-head_dim = 128  # Qwen3-0.6B
-at_96 = 0.284 * (head_dim + SCALE_BYTES) / (2 * head_dim)
-assert abs(at_96 - 0.146) < 5e-4 and abs(0.284 / at_96 - 1.94) < 0.01
+# en: 4: a (token, KV head) row is 128 + 4 bytes instead of 256, so 0.283 ms * 132 / 256 = 0.146 ms, 1.94x the 16-bit
+# en: read and 1.29x today's 0.188 ms. p @ V sums over the keys, so a register of V's operand holds two keys of one
+# en: dimension; laid out like the keys, [block_size, kv_heads, d], those are kv_heads * d = 1,024 bytes apart in
+# en: Qwen3-0.6B's cache. A 16-bit tile is transposed on its way out of shared memory (ldmatrix.trans); a one-byte
+# en: tile on an H200 cannot be, so each byte was loaded alone. Kept by dimension, the two keys are neighbours.
+# zh: 4：一个（token，KV 头）的行是 128 + 4 字节，而不是 256，所以是 0.283 ms * 132 / 256 = 0.146 ms，比 16 位的读取快
+# zh: 1.94 倍，比今天的 0.188 ms 快 1.29 倍。p @ V 沿着键求和，所以 V 操作数的一个寄存器装的是同一维度上的两个键；
+# zh: 若像键那样按 [block_size, kv_heads, d] 存放，在 Qwen3-0.6B 的缓存里它们相隔 kv_heads * d = 1,024 个字节。
+# zh: 16 位的 tile 从共享内存读出时可以转置（ldmatrix.trans）；H200 上一字节的 tile 不行，于是每个字节只能单独读。
+# zh: 按维度存放后，这两个键就是邻居。
+head_dim, kv_heads = 128, 8  # Qwen3-0.6B
+at_97 = 0.283 * (head_dim + SCALE_BYTES) / (2 * head_dim)
+assert abs(at_97 - 0.146) < 5e-4 and abs(0.283 / at_97 - 1.94) < 0.01 and abs(0.188 / at_97 - 1.29) < 0.01
+assert kv_heads * head_dim * FP8.itemsize == 1024  # one key to the next, along one dimension, in the keys' layout
 for llm in engines.values():
     llm.exit()
 print(say("all exercise answers check out"))

@@ -173,6 +173,25 @@ def test_the_round_trip_kernel_gives_the_references_values(dtype: torch.dtype, h
         ta.round_trip_kv(x[0])
 
 
+def test_the_float8_decode_loads_its_values_whole_on_an_h200(tmp_path: Path) -> None:
+    """Compiled here for sm_90 (scripts/decode_sass.py): the float8 decode's key loop loads no single bytes from
+    shared memory (with values laid out like the keys it loaded 128 a thread a tile) and stays near the 16-bit
+    loop's length."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    out = tmp_path / "sass.json"
+    subprocess.run([sys.executable, "scripts/decode_sass.py", "--json", str(out)], cwd=root, env=env, check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    rows = {row["cache"]: row for row in json.loads(out.read_text())}
+    assert rows["float8"]["one_byte_shared_loads"] == 0 == rows["16-bit"]["one_byte_shared_loads"]
+    assert max(rows["float8"]["loop_instructions"]) < 1.25 * max(rows["16-bit"]["loop_instructions"])
+    assert rows["float8"]["registers"] <= ta.DECODE_MAX_REGISTERS["fp8, 4 blocks an SM"]
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("kv_heads,d", [(1, 16), (3, 24)])

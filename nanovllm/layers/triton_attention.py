@@ -636,8 +636,8 @@ def choose_num_splits(
 DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 3)}
 # Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`. Uncapped it
 # takes more than 168, and an H200 SM then holds 2 blocks of 4 warps. With programs enough for 4 blocks on every
-# SM, a cap of 128 lets 4 fit (at batch 256: 0.188 ms; 0.198 ms at 168, 0.229 ms uncapped); with fewer, 168
-# (at batch 32: 0.083 ms, and 0.089 ms at 128, whose spills then cost more than the blocks it adds).
+# SM, a cap of 128 lets 4 fit (at batch 256: 0.184 ms; 0.190 ms at 168, 0.226 ms uncapped); with fewer, 168
+# (at batch 32: 0.080 ms, against 0.089-0.090 ms at 112 or 128, whose spills cost more than the blocks they add).
 DECODE_MAX_REGISTERS = {"fp8": 168, "fp8, 4 blocks an SM": 128}
 
 
