@@ -393,7 +393,7 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 # Inside a block the values are kept **by dimension**: layer `i`'s value cache is
 # `values_by_dim(kv_cache[1, i])`, the same bytes seen as `[blocks, kv_heads, head_dim,
 # block_size]`, so that the keys of one dimension sit side by side. The keys keep the 16-bit
-# layout. The reason is the decode kernel's speed, measured in the last section; every writer and
+# layout. The reason is the decode kernel's speed, measured in the section on speed; every writer and
 # reader of the cache (the store kernels, the reference's `store_quantized` and `gather_quantized`
 # with `by_dim=True`) follows it, and whole blocks still move as one piece.
 #
@@ -449,7 +449,7 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 #
 # 块内的值**按维度**存放：第 `i` 层的值缓存是 `values_by_dim(kv_cache[1, i])`，即把同样的字节看成
 # `[blocks, kv_heads, head_dim, block_size]`，这样同一维度上的各个键挨在一起。键仍用 16 位缓存的布局。原因是
-# decode 内核的速度，在最后一节实测；缓存的每个写入者和读取者（各个存储内核，参考实现里带 `by_dim=True` 的
+# decode 内核的速度，在讲速度的那一节实测；缓存的每个写入者和读取者（各个存储内核，参考实现里带 `by_dim=True` 的
 # `store_quantized` 和 `gather_quantized`）都遵循这个布局，整块搬动时仍是一整块。
 #
 # Qwen3 的 `head_dim = 128`，一行占 128 + 4 字节而不是 256 字节：同样的内存能放下 1.94 倍的块。同一个头的缩放因子
@@ -615,7 +615,7 @@ assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
 #   column of the softmax weights, `p @ (s v) = (p s) @ v`: `BLOCK_N` multiplications per tile
 #   instead of `BLOCK_N × head_dim`, and the online softmax's running sum keeps the unscaled
 #   weights. Decode reads a tile of values by dimension, and loads whole tiles without masks
-#   (only a slice's last tile masks its keys); the last section says why both matter.
+#   (only a slice's last tile masks its keys); the section on speed says why both matter.
 # - A prefill without a cached prefix attends to the round-tripped `k` and `v` (the rule above):
 #   `round_trip_kv` computes them in one kernel, with the store's rounding.
 #
@@ -636,7 +636,7 @@ assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
 #   精确表示），再把缩放因子乘在代价最小的地方。键的缩放因子乘在分数的一*列*上，`q · (s k) = s (q · k)`；值的缩放
 #   因子乘在 softmax 权重的一列上，`p @ (s v) = (p s) @ v`：每个 tile 只做 `BLOCK_N` 次乘法，而不是
 #   `BLOCK_N × head_dim` 次，在线 softmax 的累加和保留未缩放的权重。decode 按维度读取值的 tile，并且整块加载、
-#   不带掩码（只有一段的最后一个 tile 才对键做掩码）；这两点为什么要紧，见最后一节。
+#   不带掩码（只有一段的最后一个 tile 才对键做掩码）；这两点为什么要紧，见讲速度的那一节。
 # - 没有已缓存前缀的 prefill 关注往返之后的 `k` 和 `v`（上面那条规则）：`round_trip_kv` 用一个内核算出它们，
 #   舍入方式与存储内核相同。
 #
