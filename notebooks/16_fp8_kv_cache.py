@@ -73,6 +73,10 @@ say = Phrases({
     "scale = max |row| / 448 = {max:.4f} / 448 = {scale:.6f}":
         "缩放因子 = max |row| / 448 = {max:.4f} / 448 = {scale:.6f}",
     "first values: {values} -> stored {stored} -> back {back}": "前几个值：{values} -> 存下 {stored} -> 读回 {back}",
+    "from one key to the next in one dimension: {keys} bytes in the keys' layout, {values} in the values' "
+    "(by dimension); the same bytes: {same}":
+        "同一维度上从一个键到下一个键：按键的布局相隔 {keys} 字节，按值的布局（按维度）相隔 {values} 字节；"
+        "字节是同一块：{same}",
     "the largest, {largest:.4f}, is stored as {stored:g} and comes back as {back:.4f}; row error {error:.2%}; "
     "one row costs {bytes} bytes instead of {bf16} in bfloat16":
         "最大的值 {largest:.4f} 存为 {stored:g}，读回 {back:.4f}；这一行的误差 {error:.2%}；"
@@ -599,6 +603,28 @@ print(say("the largest, {largest:.4f}, is stored as {stored:g} and comes back as
 # %%
 assert abs(q[top].float()) == 448 and torch.isclose(back[top], row[top], rtol=1e-6)
 assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
+
+# %% [markdown] tags=["en"]
+# And the values' layout, on one layer's cache of Qwen3-0.6B's shape (two blocks of 256 tokens, 8
+# KV heads of 128 dimensions): `values_by_dim` is a view, and it puts the keys of one dimension
+# side by side.
+
+# %% [markdown] tags=["zh"]
+# 再看值的布局，用的是 Qwen3-0.6B 形状的一层缓存（两个 256 token 的块，8 个 128 维的 KV 头）：`values_by_dim`
+# 只是一个视图，它让同一维度上的各个键挨在一起。
+
+# %%
+from nanovllm.layers.kv_quant import values_by_dim
+
+layer_cache = torch.zeros(2, 256, 8, 128, dtype=torch.uint8).view(FP8)  # [blocks, block_size, kv_heads, d]
+by_dim = values_by_dim(layer_cache)  # [blocks, kv_heads, d, block_size]
+print(say("from one key to the next in one dimension: {keys} bytes in the keys' layout, {values} in the values' "
+          "(by dimension); the same bytes: {same}", keys=layer_cache.stride(1) * FP8.itemsize,
+          values=by_dim.stride(3) * FP8.itemsize, same=by_dim.data_ptr() == layer_cache.data_ptr()))
+
+# %%
+assert layer_cache.stride(1) == 8 * 128 and by_dim.stride(3) == 1 and by_dim.shape == (2, 8, 128, 256)
+assert by_dim.data_ptr() == layer_cache.data_ptr()
 
 # %% [markdown] tags=["en"]
 # ## The kernels
