@@ -460,18 +460,20 @@ def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
 # %% key rows
 #| export
 @triton.jit
-def paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
-    """Cache rows (slots) of key positions ``n`` [BLOCK_N] of one sequence, read through its block table."""
-    # en: Block id of each position (one small gather, cached), then the slot inside the flat cache.
-    # zh: 每个位置所在块的编号（一次小的 gather，会命中缓存），再算出它在展平缓存中的槽位。
-    block = tl.load(block_table_ptr + n // BLOCK_SIZE, mask=n_valid, other=0)
-    return block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+def paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
+    """The cache block of each key position ``n`` [BLOCK_N] of one sequence, read through its block table, and the
+    position's place in that block (its slot is ``block * BLOCK_SIZE + place``)."""
+    # en: Block id of each position (one small gather, cached).
+    # zh: 每个位置所在块的编号（一次小的 gather，会命中缓存）。
+    block = tl.load(block_table_ptr + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+    return block, n % BLOCK_SIZE
 
 
 @triton.jit
-def row_scales(scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE: tl.constexpr):
-    """An 8-bit cache's scales of cache ``rows`` [BLOCK_N] (``scale_ptr``: one KV head's [blocks, ., block_size])."""
-    return tl.load(scale_ptr + (rows // BLOCK_SIZE) * stride_s_b + rows % BLOCK_SIZE, mask=n_valid, other=0.0)
+def row_scales(scale_ptr, block, place, n_valid, stride_s_b):
+    """An 8-bit cache's scales of the keys at ``place`` in ``block`` (``scale_ptr``: one KV head's
+    [blocks, ., block_size]); 0 for keys outside ``n_valid``."""
+    return tl.load(scale_ptr + block * stride_s_b + place, mask=n_valid, other=0.0)
 
 # %% prefill kernel
 #| export
@@ -487,7 +489,8 @@ def _prefill_tile(
     n = start_n + tl.arange(0, BLOCK_N)
     n_valid = n < n_k
     if PAGED:
-        rows = paged_rows(block_table_ptr, n, n_valid, BLOCK_SIZE)
+        block, place = paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE)
+        rows = block * BLOCK_SIZE + place
     else:
         rows = (k_row0 + n).to(tl.int64)
     # en: K loaded transposed, [BLOCK_D, BLOCK_N]; out-of-range keys read as 0 (never NaN from unwritten slots).
@@ -500,7 +503,7 @@ def _prefill_tile(
     if FP8:
         # en: float8 keys (chapter 16): key n's scale multiplies its column of scores, not its d elements.
         # zh: float8 的键（第 16 章）：键 n 的缩放因子乘在它那一列分数上，而不是乘在它的 d 个元素上。
-        s = s * row_scales(k_scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
+        s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
     if MASKED:
         # en: Causal (key position <= query position) and bounds (key < n_k).
         # zh: 因果（键位置 <= 查询位置）与边界（键 < n_k）。
@@ -518,14 +521,14 @@ def _prefill_tile(
     if FP8:
         # en: A float8 cache (always paged) keeps each block's values by dimension, [kv_heads, d, block_size].
         # zh: float8 缓存（总是分页的）把每个块的值按维度存放，[kv_heads, d, block_size]。
-        v_at = (rows // BLOCK_SIZE * stride_v_b + rows % BLOCK_SIZE)[:, None] + offs_d[None, :] * BLOCK_SIZE
+        v_at = (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
         v_at = rows[:, None] * stride_v_t + offs_d[None, :]
     v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
     if FP8:
         # en: ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
         # zh: ……值 n 的缩放因子乘在它那一列权重上：p @ (scale * v) = (p * scale) @ v。
-        p = p * row_scales(v_scale_ptr, rows, n_valid, stride_s_b, BLOCK_SIZE)[None, :]
+        p = p * row_scales(v_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -811,8 +814,7 @@ def _decode_tile(
         block = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
         place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
     else:
-        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        place = n % BLOCK_SIZE
+        block, place = paged_places(bt_row, n, n_valid, BLOCK_SIZE)
     rows = block * BLOCK_SIZE + place
     # en: Masked loads where a tile may end before its last key (MASKED), or head_dim is not a power of two. A
     # en: float8 tile inside one block loads whole instead: its values' mask would run along their consecutive
@@ -833,11 +835,10 @@ def _decode_tile(
     if FP8:
         # en: float8 K (chapter 16): each key's scale multiplies its column of scores.
         # zh: float8 的 K（第 16 章）：每个键的缩放因子乘在它那一列分数上。
-        scale_at = block * stride_s_b + place
         if MASKED:
-            scores = scores * tl.load(k_scale_base + scale_at, mask=n_valid, other=0.0)[None, :]
+            scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b)[None, :]
         else:
-            scores = scores * tl.load(k_scale_base + scale_at)[None, :]
+            scores = scores * tl.load(k_scale_base + block * stride_s_b + place)[None, :]
     if MASKED:
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
     # en: Online softmax update, as in prefill.
@@ -864,9 +865,9 @@ def _decode_tile(
         # en: ... and each value's scale its column of weights (l_i keeps the unscaled sum).
         # zh: ……每个值的缩放因子乘在它那一列权重上（l_i 保留未缩放的和）。
         if MASKED:
-            p = p * tl.load(v_scale_base + scale_at, mask=n_valid, other=0.0)[None, :]
+            p = p * row_scales(v_scale_base, block, place, n_valid, stride_s_b)[None, :]
         else:
-            p = p * tl.load(v_scale_base + scale_at)[None, :]
+            p = p * tl.load(v_scale_base + block * stride_s_b + place)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 

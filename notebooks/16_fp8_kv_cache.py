@@ -1177,7 +1177,7 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # with it. A tile lies inside one block (both sizes are powers of two), so it reads the block
 # table once and its rows are consecutive. And whole tiles load without masks: a mask per key, now
 # along the values' contiguous keys, would split the wide loads again (a slice's last, partial
-# tile still masks). The key loop went down to 755 instructions, with no `LDS.U8` left (the
+# tile still masks). The key loop went down to 744 instructions, with no `LDS.U8` left (the
 # 16-bit one to 668, with the same changes); at batch 256 the kernel takes **0.188 ms, 75 % of
 # the copy rate: 1.50× the 16-bit kernel** (registers capped at 128 when there are programs for 4
 # blocks on every SM, else at 168: `DECODE_MAX_REGISTERS`).
@@ -1234,7 +1234,7 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # **所以 float8 缓存把值按维度存放**（`values_by_dim`，见讲缩放方式的那一节），vLLM 最早的分页注意力内核也是这样
 # 存放值缓存的。随之还有两处小改动。一个 tile 落在同一个块里（两种大小都是 2 的幂），所以它只读一次块表，各行也是
 # 连续的。完整的 tile 不带掩码地加载：逐键的掩码如今沿着值里连续的键方向，会再次把宽向量加载拆碎（一段最后那个
-# 不满的 tile 仍然做掩码）。键循环降到 755 条指令，一条 `LDS.U8` 也不剩（16 位内核做了同样的改动，降到 668 条）；
+# 不满的 tile 仍然做掩码）。键循环降到 744 条指令，一条 `LDS.U8` 也不剩（16 位内核做了同样的改动，降到 668 条）；
 # batch 为 256 时内核用 **0.188 ms，达到拷贝速率的
 # 75 %：是 16 位内核的 1.50 倍**（程序数足以让每个 SM 放 4 个块时寄存器上限为 128，否则为 168：
 # `DECODE_MAX_REGISTERS`）。
