@@ -29,6 +29,7 @@ import copy
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -293,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lang", choices=list(LANGUAGES), action="append",
                         help="execute in this language only (repeatable; default: every language)")
     args = parser.parse_args(argv)
+    # A shell without job control starts a background job (./dev test runs the chapters beside the
+    # tests) with Ctrl-C ignored, and kernels would inherit that: chapter 13 interrupts its engine on
+    # purpose. A Python handler is reset to the default in each kernel, an ignored signal is not.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         if args.action in ("execute", "all"):
             languages = tuple(args.lang or LANGUAGES)
