@@ -470,6 +470,20 @@ def paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``paged_places`` of a tile of keys ``n`` = ``start_n`` + [0, BLOCK_N), ``start_n`` a multiple of BLOCK_N."""
+    if BLOCK_SIZE >= BLOCK_N:
+        # en: The whole tile lies in one block (both are powers of two): one block-table read, and consecutive
+        # en: places, which Triton can load as wide vectors.
+        # zh: 整个 tile 落在同一个块里（两者都是 2 的幂）：只读一次块表，位置连续，Triton 就能用宽向量加载。
+        block = tl.load(block_table_ptr + start_n // BLOCK_SIZE).to(tl.int64)
+        place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:
+        block, place = paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE)
+    return block, place
+
+
+@triton.jit
 def row_scales(scale_ptr, block, place, n_valid, stride_s_b):
     """An 8-bit cache's scales of the keys at ``place`` in ``block`` (``scale_ptr``: one KV head's
     [blocks, ., block_size]); 0 for keys outside ``n_valid``."""
@@ -482,21 +496,25 @@ def _prefill_tile(
     acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
     stride_k_t, stride_v_t, stride_v_b, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WHOLE: tl.constexpr,
 ):  # fmt: skip
     # en: Key positions of this tile [BLOCK_N] and their rows in k/v (fresh) or in the cache (paged).
     # zh: 本 tile 的键位置 [BLOCK_N]，以及它们在 k/v（新算出的）或缓存（分页）中的行号。
     n = start_n + tl.arange(0, BLOCK_N)
     n_valid = n < n_k
     if PAGED:
-        block, place = paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE)
+        block, place = tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N, BLOCK_SIZE)
         rows = block * BLOCK_SIZE + place
     else:
         rows = (k_row0 + n).to(tl.int64)
     # en: K loaded transposed, [BLOCK_D, BLOCK_N]; out-of-range keys read as 0 (never NaN from unwritten slots).
+    # en: WHOLE: a float8 tile inside one block loads without masks, as in decode (below); the causal mask then
+    # en: drops the scores of keys past n_k.
     # zh: 以转置形式加载 K，[BLOCK_D, BLOCK_N]；越界的键读作 0（绝不会读到未写槽位里的 NaN）。
-    kv_mask = n_valid[None, :] & d_mask[:, None]
-    k = tl.load(k_ptr + rows[None, :] * stride_k_t + offs_d[:, None], mask=kv_mask, other=0.0)
+    # zh: WHOLE：落在一个块内的 float8 tile 不带掩码地加载，与下文的 decode 相同；越过 n_k 的键的分数随后被
+    # zh: 因果掩码丢掉。
+    k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
+    k = tl.load(k_ptrs) if WHOLE else tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
     # en: Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
     # zh: 分数 [BLOCK_M, BLOCK_N]，以 2 为底（qk_scale = scale * log2 e），fp32 累加。
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
@@ -517,14 +535,18 @@ def _prefill_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     # en: V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
     # zh: V tile [BLOCK_N, BLOCK_D]；acc [BLOCK_M, BLOCK_D] 先缩放，再加上 p @ V。
-    v_mask = n_valid[:, None] & d_mask[None, :]
     if FP8:
         # en: A float8 cache (always paged) keeps each block's values by dimension, [kv_heads, d, block_size].
         # zh: float8 缓存（总是分页的）把每个块的值按维度存放，[kv_heads, d, block_size]。
-        v_at = (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
+        v_ptrs = v_ptr + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
-        v_at = rows[:, None] * stride_v_t + offs_d[None, :]
-    v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
+        v_ptrs = v_ptr + rows[:, None] * stride_v_t + offs_d[None, :]
+    if WHOLE:
+        v = tl.load(v_ptrs)
+        if MASKED:
+            v = tl.where(n_valid[:, None], v, 0.0)  # keys past n_k: weight 0, but 0 * NaN would be NaN
+    else:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
     if FP8:
         # en: ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
         # zh: ……值 n 的缩放因子乘在它那一列权重上：p @ (scale * v) = (p * scale) @ v。
@@ -568,6 +590,10 @@ def prefill_attention_kernel(
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP8 and q.dtype != tl.float32:
+        # en: float8 K and V meet 16-bit queries in float16, as in decode (below): one conversion per pair.
+        # zh: float8 的 K、V 与 16 位查询以 float16 相遇，与下文的 decode 相同：每两个值一条转换指令。
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
     # en: Online-softmax state per query row: max m_i, sum l_i [BLOCK_M], weighted values acc [BLOCK_M, BLOCK_D].
     # zh: 每行查询的在线 softmax 状态：最大值 m_i、和 l_i [BLOCK_M]，加权值 acc [BLOCK_M, BLOCK_D]。
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -580,6 +606,11 @@ def prefill_attention_kernel(
     k_scale_base = k_scale_ptr + kv_h * stride_s_h
     v_scale_base = v_scale_ptr + kv_h * stride_s_h
     bt_row = block_tables_ptr + i * stride_bt
+    # en: Float8 tiles inside one block load whole (as in decode, below): a mask per key would run along the
+    # en: values' consecutive keys and split the wide loads.
+    # zh: 落在一个块内的 float8 tile 整块加载（与下文的 decode 相同）：逐键的掩码会沿着值里连续的键方向，
+    # zh: 把宽向量加载拆碎。
+    WHOLE: tl.constexpr = FP8 and BLOCK_SIZE >= BLOCK_N and BLOCK_D == HEAD_DIM
     # en: Keys every query of the tile sees (below its first position), in whole tiles: no mask.
     # zh: tile 中所有查询都能看到的键（在第一个查询位置之前），按整 tile 计：无需掩码。
     full_end = (prefix + m * BLOCK_M) // BLOCK_N * BLOCK_N
@@ -587,7 +618,7 @@ def prefill_attention_kernel(
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
             stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
-            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8,
+            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8, WHOLE,
         )  # fmt: skip
     # en: The diagonal tiles, up to the last query's position (or n_k): causal mask + bounds.
     # zh: 对角线上的 tile，直到最后一个查询的位置（或 n_k）：因果掩码 + 边界。
@@ -596,7 +627,7 @@ def prefill_attention_kernel(
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
             stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
-            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8,
+            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8, WHOLE,
         )  # fmt: skip
     # en: Normalise (every real query sees key 0, so l_i > 0) and store [BLOCK_M, BLOCK_D] in q's dtype.
     # zh: 归一化（每个真实查询至少能看到键 0，所以 l_i > 0），以 q 的数据类型存储 [BLOCK_M, BLOCK_D]。
@@ -806,15 +837,7 @@ def _decode_tile(
     # zh: 本 tile 的键位置 [BLOCK_N]：每个键所在的缓存块，以及它在块中的位置。
     n = start_n + tl.arange(0, BLOCK_N)
     n_valid = n < end
-    if BLOCK_SIZE >= BLOCK_N:
-        # en: The whole tile lies in one block (both are powers of two and tiles start at multiples of BLOCK_N):
-        # en: one block-table read, and consecutive places, which Triton can load as wide vectors.
-        # zh: 整个 tile 落在同一个块里（两者都是 2 的幂，tile 从 BLOCK_N 的整数倍开始）：只读一次块表，
-        # zh: 位置连续，Triton 就能用宽向量加载。
-        block = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
-        place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
-    else:
-        block, place = paged_places(bt_row, n, n_valid, BLOCK_SIZE)
+    block, place = tile_places(bt_row, start_n, n, n_valid, BLOCK_N, BLOCK_SIZE)
     rows = block * BLOCK_SIZE + place
     # en: Masked loads where a tile may end before its last key (MASKED), or head_dim is not a power of two. A
     # en: float8 tile inside one block loads whole instead: its values' mask would run along their consecutive

@@ -37,6 +37,7 @@ __all__ = [
     "row_scales",
     "store_kvcache",
     "store_kvcache_kernel",
+    "tile_places",
     "to_e4m3",
     "warm_up_prefill",
 ]
@@ -224,6 +225,19 @@ def paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """``paged_places`` of a tile of keys ``n`` = ``start_n`` + [0, BLOCK_N), ``start_n`` a multiple of BLOCK_N."""
+    if BLOCK_SIZE >= BLOCK_N:
+        # The whole tile lies in one block (both are powers of two): one block-table read, and consecutive
+        # places, which Triton can load as wide vectors.
+        block = tl.load(block_table_ptr + start_n // BLOCK_SIZE).to(tl.int64)
+        place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
+    else:
+        block, place = paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE)
+    return block, place
+
+
+@triton.jit
 def row_scales(scale_ptr, block, place, n_valid, stride_s_b):
     """An 8-bit cache's scales of the keys at ``place`` in ``block`` (``scale_ptr``: one KV head's
     [blocks, ., block_size]); 0 for keys outside ``n_valid``."""
@@ -236,19 +250,21 @@ def _prefill_tile(
     acc, l_i, m_i, q, q_pos, start_n, n_k, k_ptr, v_ptr, k_row0, block_table_ptr,
     stride_k_t, stride_v_t, stride_v_b, offs_d, d_mask, qk_scale, k_scale_ptr, v_scale_ptr, stride_s_b,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, WHOLE: tl.constexpr,
 ):  # fmt: skip
     # Key positions of this tile [BLOCK_N] and their rows in k/v (fresh) or in the cache (paged).
     n = start_n + tl.arange(0, BLOCK_N)
     n_valid = n < n_k
     if PAGED:
-        block, place = paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE)
+        block, place = tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N, BLOCK_SIZE)
         rows = block * BLOCK_SIZE + place
     else:
         rows = (k_row0 + n).to(tl.int64)
     # K loaded transposed, [BLOCK_D, BLOCK_N]; out-of-range keys read as 0 (never NaN from unwritten slots).
-    kv_mask = n_valid[None, :] & d_mask[:, None]
-    k = tl.load(k_ptr + rows[None, :] * stride_k_t + offs_d[:, None], mask=kv_mask, other=0.0)
+    # WHOLE: a float8 tile inside one block loads without masks, as in decode (below); the causal mask then
+    # drops the scores of keys past n_k.
+    k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
+    k = tl.load(k_ptrs) if WHOLE else tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
     # Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
@@ -264,13 +280,17 @@ def _prefill_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
-    v_mask = n_valid[:, None] & d_mask[None, :]
     if FP8:
         # A float8 cache (always paged) keeps each block's values by dimension, [kv_heads, d, block_size].
-        v_at = (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
+        v_ptrs = v_ptr + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
-        v_at = rows[:, None] * stride_v_t + offs_d[None, :]
-    v = tl.load(v_ptr + v_at, mask=v_mask, other=0.0)
+        v_ptrs = v_ptr + rows[:, None] * stride_v_t + offs_d[None, :]
+    if WHOLE:
+        v = tl.load(v_ptrs)
+        if MASKED:
+            v = tl.where(n_valid[:, None], v, 0.0)  # keys past n_k: weight 0, but 0 * NaN would be NaN
+    else:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
     if FP8:
         # ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
         p = p * row_scales(v_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
@@ -308,6 +328,9 @@ def prefill_attention_kernel(
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_q_t + h * stride_q_h + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    if FP8 and q.dtype != tl.float32:
+        # float8 K and V meet 16-bit queries in float16, as in decode (below): one conversion per pair.
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
     # Online-softmax state per query row: max m_i, sum l_i [BLOCK_M], weighted values acc [BLOCK_M, BLOCK_D].
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -318,13 +341,16 @@ def prefill_attention_kernel(
     k_scale_base = k_scale_ptr + kv_h * stride_s_h
     v_scale_base = v_scale_ptr + kv_h * stride_s_h
     bt_row = block_tables_ptr + i * stride_bt
+    # Float8 tiles inside one block load whole (as in decode, below): a mask per key would run along the
+    # values' consecutive keys and split the wide loads.
+    WHOLE: tl.constexpr = FP8 and BLOCK_SIZE >= BLOCK_N and BLOCK_D == HEAD_DIM
     # Keys every query of the tile sees (below its first position), in whole tiles: no mask.
     full_end = (prefix + m * BLOCK_M) // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
             stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
-            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8,
+            BLOCK_N, BLOCK_SIZE, PAGED, False, DOT_PRECISION, FP8, WHOLE,
         )  # fmt: skip
     # The diagonal tiles, up to the last query's position (or n_k): causal mask + bounds.
     end = tl.minimum(n_k, prefix + (m + 1) * BLOCK_M)
@@ -332,7 +358,7 @@ def prefill_attention_kernel(
         acc, l_i, m_i = _prefill_tile(
             acc, l_i, m_i, q, q_pos, start_n, n_k, k_base, v_base, q_start, bt_row, stride_k_t, stride_v_t,
             stride_v_b, offs_d, d_mask, qk_scale, k_scale_base, v_scale_base, stride_s_b,
-            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8,
+            BLOCK_N, BLOCK_SIZE, PAGED, True, DOT_PRECISION, FP8, WHOLE,
         )  # fmt: skip
     # Normalise (every real query sees key 0, so l_i > 0) and store [BLOCK_M, BLOCK_D] in q's dtype.
     out = acc / l_i[:, None]
@@ -465,13 +491,7 @@ def _decode_tile(
     # Key positions [BLOCK_N] of this tile: the cache block of each and its place in that block.
     n = start_n + tl.arange(0, BLOCK_N)
     n_valid = n < end
-    if BLOCK_SIZE >= BLOCK_N:
-        # The whole tile lies in one block (both are powers of two and tiles start at multiples of BLOCK_N):
-        # one block-table read, and consecutive places, which Triton can load as wide vectors.
-        block = tl.load(bt_row + start_n // BLOCK_SIZE).to(tl.int64)
-        place = tl.multiple_of(start_n % BLOCK_SIZE, BLOCK_N) + tl.arange(0, BLOCK_N)
-    else:
-        block, place = paged_places(bt_row, n, n_valid, BLOCK_SIZE)
+    block, place = tile_places(bt_row, start_n, n, n_valid, BLOCK_N, BLOCK_SIZE)
     rows = block * BLOCK_SIZE + place
     # Masked loads where a tile may end before its last key (MASKED), or head_dim is not a power of two. A
     # float8 tile inside one block loads whole instead: its values' mask would run along their consecutive
