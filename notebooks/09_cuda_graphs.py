@@ -714,13 +714,16 @@ def norm_rotate_store(
     q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)  # unused without
     cos_sin = attention.rotary_emb.cos_sin_cache
     if tokens:
+        # One warp a program: a head's halves (64 values for d = 128) reduce with shuffles inside the warp, no
+        # shared memory. Measured on an H200 (Qwen3-0.6B's heads), against Triton's default of 4 warps: 256
+        # tokens 6.5 us against 7.2 (float8 cache: 7.5 against 10.8), 16,384 tokens 318 us against 373 (552/741).
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
             slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(-3) if store else 0, k_cache.stride(-2) if store else 0,
             k_scales.stride(0), k_scales.stride(1),
             NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK_HALF=triton.next_power_of_2(d // 2),
-            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8,
+            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8, num_warps=1,
         )  # fmt: skip
     return q, k, v
 
