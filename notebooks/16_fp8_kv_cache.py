@@ -640,8 +640,9 @@ assert by_dim.data_ptr() == layer_cache.data_ptr()
 #   scale multiplies one *column* of the scores, `q · (s k) = s (q · k)`, and a value's scale one
 #   column of the softmax weights, `p @ (s v) = (p s) @ v`: `BLOCK_N` multiplications per tile
 #   instead of `BLOCK_N × head_dim`, and the online softmax's running sum keeps the unscaled
-#   weights. Decode reads a tile of values by dimension, and loads whole tiles without masks
-#   (only a slice's last tile masks its keys); the section on speed says why both matter.
+#   weights. Both read a tile of values by dimension, and load whole tiles without masks (a
+#   slice's last tile zeroes the keys past its end in registers); the section on speed says why
+#   both matter.
 # - A prefill without a cached prefix attends to the round-tripped `k` and `v` (the rule above):
 #   `round_trip_kv` computes them in one kernel, with the store's rounding.
 #
@@ -661,8 +662,8 @@ assert by_dim.data_ptr() == layer_cache.data_ptr()
 # - **decode** 和 **prefill**：加载 float8 的 tile，转换成查询的数据类型（每个 e4m3 值在 bfloat16 和 float16 中都能
 #   精确表示），再把缩放因子乘在代价最小的地方。键的缩放因子乘在分数的一*列*上，`q · (s k) = s (q · k)`；值的缩放
 #   因子乘在 softmax 权重的一列上，`p @ (s v) = (p s) @ v`：每个 tile 只做 `BLOCK_N` 次乘法，而不是
-#   `BLOCK_N × head_dim` 次，在线 softmax 的累加和保留未缩放的权重。decode 按维度读取值的 tile，并且整块加载、
-#   不带掩码（只有一段的最后一个 tile 才对键做掩码）；这两点为什么要紧，见讲速度的那一节。
+#   `BLOCK_N × head_dim` 次，在线 softmax 的累加和保留未缩放的权重。两者都按维度读取值的 tile，并且整块加载、
+#   不带掩码（一段的最后一个 tile 在寄存器里把越过末尾的键置零）；这两点为什么要紧，见讲速度的那一节。
 # - 没有已缓存前缀的 prefill 关注往返之后的 `k` 和 `v`（上面那条规则）：`round_trip_kv` 用一个内核算出它们，
 #   舍入方式与存储内核相同。
 #
@@ -1139,8 +1140,8 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # (`scripts/gpu-ci.sh fp8 bench` runs both; `scripts/gpu-ci.sh fp8 sweep` times the float8
 # decode tiles.) The bounds promised 1.71× on Qwen3-0.6B's shapes and 1.22× on Qwen3-8B's, whose
 # decode reads almost as many bytes of weights as of KV. The cell below prints what the engine
-# did: **1.14×** on Qwen3-0.6B's shapes (51 % of the float8 bound) and 1.06× on Qwen3-8B's
-# (74 %). The goal the book set itself (1.5× on Qwen3-0.6B's shapes, 75 % of the float8 bound)
+# did: **1.20×** on Qwen3-0.6B's shapes (52 % of the float8 bound) and 1.08× on Qwen3-8B's
+# (73 %). The goal the book set itself (1.5× on Qwen3-0.6B's shapes, 75 % of the float8 bound)
 # is not reached; the accuracy and the doubled KV budget are. The rest of this section is how the
 # decode kernel got as far as it did: the way there is the useful part.
 #
@@ -1182,14 +1183,31 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # the copy rate: 1.50× the 16-bit kernel** (registers capped at 128 when there are programs for 4
 # blocks on every SM, else at 168: `DECODE_MAX_REGISTERS`).
 #
-# **Why the engine gains less than the kernel.** The batch shrinks as sequences finish, and the
-# kernel's lead shrinks with it: at batch 64 it reads 52 % of the copy rate (the 16-bit kernel
-# 78 %), at batch 32 about 55 %. And the prefill is slower with the float8 cache, 0.75 s against
-# 0.49 s in the same run. In a profile of 40 prompts (24,095 tokens) that read their keys through
-# the cache (as a whole step does when one of its sequences carries on a chunked prompt), the
-# prefill attention took 33.6 ms against 11.1 ms (its tiles still gather rows and compute each value's address), and the
-# fused store 25.5 ms against 13.3 ms (each value byte now goes to its own dimension's row). Those
-# are the next places to work on.
+# **Why the engine gains less than the kernel.** Three reasons, each measured on the H200.
+#
+# - *The rest of a decode step does not shrink.* In a profile of one step at batch 256, every
+#   context 1,024 keys, a layer's attention took 150.6 µs against 257.1 µs: 1.71×, the bounds'
+#   own ratio (with contexts all alike, the float8 kernel read 3.7 TB/s of cache). The matmuls
+#   and the sampler take the same time with either cache: with the fused q/k/v store, the rest of
+#   the step was 1.8 ms of the float8 step's 6.0 ms (1.5 ms of the 16-bit step's 8.7 ms).
+# - *The batch shrinks as sequences finish, and the kernel's lead with it*: on the benchmark's
+#   contexts the float8 kernel reads 71 % of the copy rate at batch 192, 53 % at batch 64 and
+#   42 % at batch 32 (the 16-bit kernel 95 %, 80 %, 68 %).
+# - *The float8 cache's own writes cost more.* Its values are kept by dimension, so a token's
+#   values are `d` lone bytes, one in each 32-byte sector of memory: the fused q/k/v store of one
+#   decode step at batch 256, in a 10 GB cache, takes 20.8 µs against 6.6 µs for a 16-bit cache.
+#   Writing each byte back with the whole run of 32 keys around it (read first, so that memory
+#   sees whole sectors) was slower still, 27.4 µs: the bytes stay lone.
+#
+# The prefill was the fourth reason and is mostly gone. It took 0.75 s against 0.49 s: the paged
+# prefill still gathered its values one byte at a time, from global memory this time (128
+# `LDG.E.U8` a tile). With the decode's tiles (inside one block, whole, float16 operands) its key
+# loop went from 1,446 instructions to 852, and the prefill to 0.60 s against 0.53 s. The fused
+# store now runs one warp a program (its reductions stay inside the warp), which took it from
+# 10.8 µs to 7.5 µs at 256 tokens in a small cache. The mid batches are the next place to work
+# on. Splitting every sequence alike (split-K, which today starts below one program per SM) made
+# the float8 kernel 3-17 % faster at batches 128 to 32 and is not adopted yet; a grid that gives
+# long sequences more programs than short ones is the likelier fix.
 
 # %% [markdown] tags=["zh"]
 # ## 速度（H200）：上限移动了，引擎跟上了一部分
@@ -1205,8 +1223,8 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 #
 # （`scripts/gpu-ci.sh fp8 bench` 运行这两条；`scripts/gpu-ci.sh fp8 sweep` 为 float8 的 decode tile 计时。）
 # 上限许诺的是：Qwen3-0.6B 的形状上快 1.71 倍，Qwen3-8B 的形状上快 1.22 倍（它的 decode 读取的权重字节几乎与 KV
-# 字节一样多）。下面的单元打印引擎实际做到的：Qwen3-0.6B 的形状上 **1.14 倍**（达到 float8 上限的 51 %），Qwen3-8B
-# 的形状上 1.06 倍（74 %）。本书给自己定的目标（Qwen3-0.6B 形状上 1.5 倍，达到 float8 上限的 75 %）没有达到；精度和
+# 字节一样多）。下面的单元打印引擎实际做到的：Qwen3-0.6B 的形状上 **1.20 倍**（达到 float8 上限的 52 %），Qwen3-8B
+# 的形状上 1.08 倍（73 %）。本书给自己定的目标（Qwen3-0.6B 形状上 1.5 倍，达到 float8 上限的 75 %）没有达到；精度和
 # 翻倍的 KV 预算做到了。本节余下的部分讲 decode 内核是怎样走到这一步的：有用的正是这段路。
 #
 # **第一版 float8 内核**读的字节减半，却几乎没有变快。在 batch 为 256、基准测试的上下文长度上单独计时，它用
@@ -1239,24 +1257,37 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # 75 %：是 16 位内核的 1.50 倍**（程序数足以让每个 SM 放 4 个块时寄存器上限为 128，否则为 168：
 # `DECODE_MAX_REGISTERS`）。
 #
-# **为什么引擎的收益比内核小。** 序列陆续结束，batch 随之变小，内核的领先也随之缩小：batch 为 64 时它只达到拷贝
-# 速率的 52 %（16 位内核 78 %），batch 为 32 时约 55 %。而且用 float8 缓存时 prefill 更慢，同一次运行里是 0.75 s
-# 对 0.49 s。在一次性能分析里，40 个提示词（24,095 个 token）经由缓存读取它们的键（一步里只要有一个序列是在接着
-# 一个分块的提示词往下算，整步都这样读），prefill 注意力用了 33.6 ms 对 11.1 ms（它的 tile 仍要逐行收集、逐个值
-# 计算地址），融合的存储内核用了 25.5 ms 对 13.3 ms（每个值字节现在要写到自己那一维的行里）。接下来该在这两处下
-# 功夫。
+# **为什么引擎的收益比内核小。** 有三个原因，每个都在 H200 上测过。
+#
+# - *decode 一步里其余的部分不会缩小。* 对 batch 256、每个上下文 1,024 个键的一步做性能分析，一层的注意力用了
+#   150.6 µs 对 257.1 µs：1.71 倍，正是两个上限之比（上下文一样长时，float8 内核每秒读取 3.7 TB 缓存）。矩阵乘和
+#   采样器用哪种缓存都一样耗时：连同融合的 q/k/v 存储，这一步其余的部分在 float8 一步的 6.0 ms 里占 1.8 ms（16 位
+#   一步的 8.7 ms 里占 1.5 ms）。
+# - *序列陆续结束，batch 随之变小，内核的领先也随之缩小*：在基准测试的上下文长度上，float8 内核在 batch 192 时
+#   达到拷贝速率的 71 %，batch 64 时 53 %，batch 32 时 42 %（16 位内核分别是 95 %、80 %、68 %）。
+# - *float8 缓存自己的写入更贵。* 它的值按维度存放，所以一个 token 的值是 `d` 个孤立的字节，各自落在内存里不同的
+#   32 字节扇区中：batch 256 时 decode 一步的融合 q/k/v 存储，在 10 GB 的缓存里用 20.8 µs，16 位缓存只要 6.6 µs。
+#   把每个字节连同它周围 32 个键的整段一起写回（先读出来，让内存看到的是完整的扇区）反而更慢，27.4 µs：所以字节
+#   仍然单独写。
+#
+# prefill 原本是第四个原因，现在基本消除了。它曾经用 0.75 s 对 0.49 s：分页的 prefill 仍然一个字节一个字节地收集
+# 值，这次是从全局内存（每个 tile 128 条 `LDG.E.U8`）。换上 decode 的 tile（落在一个块内、整块加载、float16 操作数）
+# 之后，它的键循环从 1,446 条指令降到 852 条，prefill 降到 0.60 s 对 0.53 s。融合的存储内核现在每个程序只用一个
+# warp（归约留在 warp 内部），在小缓存里 256 个 token 从 10.8 µs 降到 7.5 µs。接下来该在中等 batch 上下功夫。把
+# 每个序列一样地切分（split-K，如今只在每个 SM 不到一个程序时才启用）让 float8 内核在 batch 128 到 32 上快了
+# 3-17 %，还没有采用；让长序列比短序列得到更多程序的网格更可能解决问题。
 
 # %%
-# en: Measured on one H200 on 2026-12-02 (scripts/gpu-ci.sh fp8 bench, both shapes in one call, commit de4b6b2's
+# en: Measured on one H200 on 2026-12-02 (scripts/gpu-ci.sh fp8 bench, both shapes in one call, commit 7f3d844's
 # en: kernels): each cache's output tokens per second and its fraction of its own bound, as the two commands above
 # en: print them.
-# zh: 2026-12-02 在一块 H200 上测得（scripts/gpu-ci.sh fp8 bench，一次调用测两种形状，提交 de4b6b2 的内核）：每种
+# zh: 2026-12-02 在一块 H200 上测得（scripts/gpu-ci.sh fp8 bench，一次调用测两种形状，提交 7f3d844 的内核）：每种
 # zh: 缓存每秒输出的 token 数，以及它占自己上限的比例，与上面两条命令打印的一致。
 RECORDED_SPEED: dict[str, dict | None] = {
-    "nano-vllm": {"date": "2026-12-02", "copy_tb_s": 3.78, "auto": {"tok_s": 24144.3, "of_bound": 0.765},
-                  "fp8": {"tok_s": 27460.8, "of_bound": 0.506}},
-    "qwen3-8b": {"date": "2026-12-02", "copy_tb_s": 3.77, "auto": {"tok_s": 9320.9, "of_bound": 0.853},
-                 "fp8": {"tok_s": 9875.4, "of_bound": 0.735}},
+    "nano-vllm": {"date": "2026-12-02", "copy_tb_s": 3.80, "auto": {"tok_s": 23495.7, "of_bound": 0.741},
+                  "fp8": {"tok_s": 28114.9, "of_bound": 0.516}},
+    "qwen3-8b": {"date": "2026-12-02", "copy_tb_s": 3.80, "auto": {"tok_s": 9159.4, "of_bound": 0.835},
+                 "fp8": {"tok_s": 9880.0, "of_bound": 0.734}},
 }
 
 for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
