@@ -72,7 +72,9 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def fp8_caches(blocks: int, block_size: int, kv_heads: int, d: int) -> list[torch.Tensor]:
     """k_cache, v_cache (float8, unwritten bytes = 0x7F, e4m3's NaN; values by dimension) and k_scales, v_scales
-    (NaN): a kernel that reads an unwritten slot poisons its output."""
+    (NaN): a kernel that reads an unwritten slot poisons its output. On a CPU only through the scales: the Triton
+    interpreter converts the byte 0x7F to 480, not NaN, so the kernels' zeroing of keys read past a slice's end (a
+    float8 tile loaded whole) is tested by the GPU runs of these tests."""
     cache = torch.full((blocks, block_size, kv_heads, d), 0x7F, dtype=torch.uint8, device=DEVICE).view(FP8)
     scales = torch.full((blocks, kv_heads, block_size), float("nan"), device=DEVICE)
     return [cache, values_by_dim(cache.clone()), scales, scales.clone()]
