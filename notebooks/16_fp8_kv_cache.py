@@ -1163,7 +1163,7 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 #
 # **Reading the machine code said where it was.** Triton compiles for an H200 without one
 # (`triton.compile` with a `GPUTarget("cuda", 90, 32)`), and the `nvdisasm` it ships prints the
-# SASS (`scripts/decode_sass.py` prints these figures for today's kernels). The key loop took 777
+# SASS (`scripts/attention_sass.py` prints these figures for today's kernels). The key loop took 777
 # instructions a tile in the 16-bit kernel and 1,123 in the float8 one, and 128 of those were
 # `LDS.U8`: loads of *one byte* from shared memory, each with its own
 # address arithmetic. They were the values. `p @ V` reduces over the keys, and a register of a
@@ -1243,7 +1243,7 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # 去掉缩放因子（只是计时实验，结果是错的）用 0.222 ms；把 `q · k` 放到 float8 张量核上（K 根本不转换）用 0.237 ms。
 #
 # **读机器码才看出时间花在哪里。** 没有 H200 也能让 Triton 为它编译（`triton.compile` 加上
-# `GPUTarget("cuda", 90, 32)`），Triton 自带的 `nvdisasm` 能打印出 SASS（`scripts/decode_sass.py` 为今天的内核打印
+# `GPUTarget("cuda", 90, 32)`），Triton 自带的 `nvdisasm` 能打印出 SASS（`scripts/attention_sass.py` 为今天的内核打印
 # 这些数字）。键循环每个 tile 在 16 位内核里是 777 条指令，在 float8 内核里是 1,123 条，其中 128 条是 `LDS.U8`：
 # 从共享内存里一次读*一个字节*，每条还带着自己的地址计算。它们读的是值。`p @ V` 沿着键的方向归约，而张量核
 # 操作数的一个寄存器装的是沿归约方向相邻的两个元素：同一维度上的两个*键*。在布局为 `[block_size, kv_heads, d]`
