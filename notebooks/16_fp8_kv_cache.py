@@ -1206,10 +1206,10 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # store now runs one warp a program (its reductions stay inside the warp), which took it from
 # 10.8 µs to 7.5 µs at 256 tokens in a small cache. The mid batches are the next place to work
 # on. Splitting every sequence alike (split-K, which today starts below one program per SM) made
-# the float8 kernel 3 to 19 % faster at batches 128 to 32 in two runs, and is not adopted yet.
-# Giving long sequences more programs than short ones (fixed slices of 128 to 1,024 keys) did no
-# better (at batch 64, 0.0667 ms against 0.0650 ms for three equal slices): there the kernel
-# lacks warps to hide its latency, not balance.
+# the float8 kernel 3 to 17 % faster at batches 128 to 32 in two runs, and is not adopted yet.
+# Giving long sequences more programs than short ones (fixed slices of 128 to 1,024 keys) did
+# about as well as equal slices (at batch 64, 0.0667 ms against 0.0650 ms; at batch 32, 0.0383
+# against 0.0391): there the kernel lacks warps to hide its latency, not balance.
 
 # %% [markdown] tags=["zh"]
 # ## 速度（H200）：上限移动了，引擎跟上了一部分
@@ -1277,8 +1277,9 @@ assert round(margins[len(margins) // 2], 3) == 0.012 and agreement["took_second_
 # 之后，它的键循环从 1,446 条指令降到 852 条，prefill 降到 0.60 s 对 0.53 s。融合的存储内核现在每个程序只用一个
 # warp（归约留在 warp 内部），在小缓存里 256 个 token 从 10.8 µs 降到 7.5 µs。接下来该在中等 batch 上下功夫。把
 # 每个序列一样地切分（split-K，如今只在每个 SM 不到一个程序时才启用），在两次运行里让 float8 内核在 batch 128 到
-# 32 上快了 3 % 到 19 %，还没有采用。让长序列比短序列得到更多程序（固定长度的切片，128 到 1,024 个键）并没有更好
-# （batch 64 时 0.0667 ms，三段等分是 0.0650 ms）：在那里内核缺的是用来掩盖延迟的 warp，而不是负载均衡。
+# 32 上快了 3 % 到 17 %，还没有采用。让长序列比短序列得到更多程序（固定长度的切片，128 到 1,024 个键）与等分差不多
+# （batch 64 时 0.0667 ms 对 0.0650 ms；batch 32 时 0.0383 对 0.0391）：在那里内核缺的是用来掩盖延迟的 warp，而不是
+# 负载均衡。
 
 # %%
 # en: Measured on one H200 on 2026-12-02 (scripts/gpu-ci.sh fp8 bench, both shapes in one call, commit 7f3d844's
