@@ -484,10 +484,40 @@ def tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N: tl.constexpr, BLO
 
 
 @triton.jit
-def row_scales(scale_ptr, block, place, n_valid, stride_s_b):
+def row_scales(scale_ptr, block, place, n_valid, stride_s_b, MASKED: tl.constexpr):
     """An 8-bit cache's scales of the keys at ``place`` in ``block`` (``scale_ptr``: one KV head's
-    [blocks, ., block_size]); 0 for keys outside ``n_valid``."""
-    return tl.load(scale_ptr + block * stride_s_b + place, mask=n_valid, other=0.0)
+    [blocks, ., block_size]); MASKED: 0 for keys outside ``n_valid`` (else every key of the tile is read)."""
+    if MASKED:
+        scales = tl.load(scale_ptr + block * stride_s_b + place, mask=n_valid, other=0.0)
+    else:
+        scales = tl.load(scale_ptr + block * stride_s_b + place)
+    return scales
+
+
+@triton.jit
+def key_tile(k_ptr, rows, offs_d, n_valid, d_mask, stride_k_t, WHOLE: tl.constexpr):
+    """K^T [BLOCK_D, BLOCK_N] of rows ``rows`` of k or of the cache. WHOLE: loaded without masks (the caller drops
+    the scores of keys outside ``n_valid``); else those keys and the dimensions outside ``d_mask`` read as 0."""
+    k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
+    if WHOLE:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    return k
+
+
+@triton.jit
+def value_tile(v_ptrs, n_valid, d_mask, WHOLE: tl.constexpr, MASKED: tl.constexpr):
+    """V [BLOCK_N, BLOCK_D] at ``v_ptrs``. WHOLE: loaded without masks, and, in a MASKED tile, the keys outside
+    ``n_valid`` zeroed in registers: their weight is 0, but 0 * NaN (an unwritten slot) would be NaN. Else masked
+    loads, 0 outside ``n_valid`` and ``d_mask``."""
+    if WHOLE:
+        v = tl.load(v_ptrs)
+        if MASKED:
+            v = tl.where(n_valid[:, None], v, 0.0)
+    else:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    return v
 
 # %% prefill kernel
 #| export
@@ -513,15 +543,14 @@ def _prefill_tile(
     # zh: 以转置形式加载 K，[BLOCK_D, BLOCK_N]；越界的键读作 0（绝不会读到未写槽位里的 NaN）。
     # zh: WHOLE：落在一个块内的 float8 tile 不带掩码地加载，与下文的 decode 相同；越过 n_k 的键的分数随后被
     # zh: 因果掩码丢掉。
-    k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
-    k = tl.load(k_ptrs) if WHOLE else tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    k = key_tile(k_ptr, rows, offs_d, n_valid, d_mask, stride_k_t, WHOLE)
     # en: Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
     # zh: 分数 [BLOCK_M, BLOCK_N]，以 2 为底（qk_scale = scale * log2 e），fp32 累加。
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
         # en: float8 keys (chapter 16): key n's scale multiplies its column of scores, not its d elements.
         # zh: float8 的键（第 16 章）：键 n 的缩放因子乘在它那一列分数上，而不是乘在它的 d 个元素上。
-        s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
+        s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b, True)[None, :]
     if MASKED:
         # en: Causal (key position <= query position) and bounds (key < n_k).
         # zh: 因果（键位置 <= 查询位置）与边界（键 < n_k）。
@@ -541,16 +570,11 @@ def _prefill_tile(
         v_ptrs = v_ptr + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
         v_ptrs = v_ptr + rows[:, None] * stride_v_t + offs_d[None, :]
-    if WHOLE:
-        v = tl.load(v_ptrs)
-        if MASKED:
-            v = tl.where(n_valid[:, None], v, 0.0)  # keys past n_k: weight 0, but 0 * NaN would be NaN
-    else:
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    v = value_tile(v_ptrs, n_valid, d_mask, WHOLE, MASKED)
     if FP8:
         # en: ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
         # zh: ……值 n 的缩放因子乘在它那一列权重上：p @ (scale * v) = (p * scale) @ v。
-        p = p * row_scales(v_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
+        p = p * row_scales(v_scale_ptr, block, place, n_valid, stride_s_b, True)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -846,22 +870,15 @@ def _decode_tile(
     # zh: 一个块内的 float8 tile 则整块加载：它的值的掩码会沿着连续的键方向，把宽向量加载拆碎；越过末尾的键
     # zh: 随后在寄存器里置零（绝不会是 NaN）。
     d_mask = offs_d < HEAD_DIM
-    masked_loads = BLOCK_D != HEAD_DIM or (MASKED and (BLOCK_SIZE < BLOCK_N or not FP8))
+    WHOLE: tl.constexpr = BLOCK_D == HEAD_DIM and (not MASKED or (BLOCK_SIZE >= BLOCK_N and FP8))
     # en: K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
     # zh: K^T [BLOCK_D, BLOCK_N]；一次算出该组全部查询头的分数 [GROUP_PAD, BLOCK_N]。
-    k_ptrs = k_base + rows[None, :] * stride_c_t + offs_d[:, None]
-    if masked_loads:
-        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
+    k = key_tile(k_base, rows, offs_d, n_valid, d_mask, stride_c_t, WHOLE)
     scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
         # en: float8 K (chapter 16): each key's scale multiplies its column of scores.
         # zh: float8 的 K（第 16 章）：每个键的缩放因子乘在它那一列分数上。
-        if MASKED:
-            scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b)[None, :]
-        else:
-            scores = scores * tl.load(k_scale_base + block * stride_s_b + place)[None, :]
+        scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b, MASKED)[None, :]
     if MASKED:
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
     # en: Online softmax update, as in prefill.
@@ -878,19 +895,11 @@ def _decode_tile(
         v_ptrs = v_base + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
         v_ptrs = v_base + rows[:, None] * stride_c_t + offs_d[None, :]
-    if masked_loads:
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-        if MASKED:
-            v = tl.where(n_valid[:, None], v, 0.0)
+    v = value_tile(v_ptrs, n_valid, d_mask, WHOLE, MASKED)
     if FP8:
         # en: ... and each value's scale its column of weights (l_i keeps the unscaled sum).
         # zh: ……每个值的缩放因子乘在它那一列权重上（l_i 保留未缩放的和）。
-        if MASKED:
-            p = p * row_scales(v_scale_base, block, place, n_valid, stride_s_b)[None, :]
-        else:
-            p = p * tl.load(v_scale_base + block * stride_s_b + place)[None, :]
+        p = p * row_scales(v_scale_base, block, place, n_valid, stride_s_b, MASKED)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 

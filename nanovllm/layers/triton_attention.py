@@ -27,6 +27,7 @@ __all__ = [
     "decode_max_registers",
     "decode_reduce_kernel",
     "fp8_scale",
+    "key_tile",
     "paged_places",
     "prefill_attention",
     "prefill_attention_kernel",
@@ -39,6 +40,7 @@ __all__ = [
     "store_kvcache_kernel",
     "tile_places",
     "to_e4m3",
+    "value_tile",
     "warm_up_prefill",
 ]
 
@@ -238,10 +240,40 @@ def tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N: tl.constexpr, BLO
 
 
 @triton.jit
-def row_scales(scale_ptr, block, place, n_valid, stride_s_b):
+def row_scales(scale_ptr, block, place, n_valid, stride_s_b, MASKED: tl.constexpr):
     """An 8-bit cache's scales of the keys at ``place`` in ``block`` (``scale_ptr``: one KV head's
-    [blocks, ., block_size]); 0 for keys outside ``n_valid``."""
-    return tl.load(scale_ptr + block * stride_s_b + place, mask=n_valid, other=0.0)
+    [blocks, ., block_size]); MASKED: 0 for keys outside ``n_valid`` (else every key of the tile is read)."""
+    if MASKED:
+        scales = tl.load(scale_ptr + block * stride_s_b + place, mask=n_valid, other=0.0)
+    else:
+        scales = tl.load(scale_ptr + block * stride_s_b + place)
+    return scales
+
+
+@triton.jit
+def key_tile(k_ptr, rows, offs_d, n_valid, d_mask, stride_k_t, WHOLE: tl.constexpr):
+    """K^T [BLOCK_D, BLOCK_N] of rows ``rows`` of k or of the cache. WHOLE: loaded without masks (the caller drops
+    the scores of keys outside ``n_valid``); else those keys and the dimensions outside ``d_mask`` read as 0."""
+    k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
+    if WHOLE:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    return k
+
+
+@triton.jit
+def value_tile(v_ptrs, n_valid, d_mask, WHOLE: tl.constexpr, MASKED: tl.constexpr):
+    """V [BLOCK_N, BLOCK_D] at ``v_ptrs``. WHOLE: loaded without masks, and, in a MASKED tile, the keys outside
+    ``n_valid`` zeroed in registers: their weight is 0, but 0 * NaN (an unwritten slot) would be NaN. Else masked
+    loads, 0 outside ``n_valid`` and ``d_mask``."""
+    if WHOLE:
+        v = tl.load(v_ptrs)
+        if MASKED:
+            v = tl.where(n_valid[:, None], v, 0.0)
+    else:
+        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    return v
 
 
 # notebooks/06b_triton_attention.py · cell "prefill kernel"
@@ -263,13 +295,12 @@ def _prefill_tile(
     # K loaded transposed, [BLOCK_D, BLOCK_N]; out-of-range keys read as 0 (never NaN from unwritten slots).
     # WHOLE: a float8 tile inside one block loads without masks, as in decode (below); the causal mask then
     # drops the scores of keys past n_k.
-    k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
-    k = tl.load(k_ptrs) if WHOLE else tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
+    k = key_tile(k_ptr, rows, offs_d, n_valid, d_mask, stride_k_t, WHOLE)
     # Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
         # float8 keys (chapter 16): key n's scale multiplies its column of scores, not its d elements.
-        s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
+        s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b, True)[None, :]
     if MASKED:
         # Causal (key position <= query position) and bounds (key < n_k).
         visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
@@ -285,15 +316,10 @@ def _prefill_tile(
         v_ptrs = v_ptr + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
         v_ptrs = v_ptr + rows[:, None] * stride_v_t + offs_d[None, :]
-    if WHOLE:
-        v = tl.load(v_ptrs)
-        if MASKED:
-            v = tl.where(n_valid[:, None], v, 0.0)  # keys past n_k: weight 0, but 0 * NaN would be NaN
-    else:
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
+    v = value_tile(v_ptrs, n_valid, d_mask, WHOLE, MASKED)
     if FP8:
         # ... and value n's scale its column of weights: p @ (scale * v) = (p * scale) @ v.
-        p = p * row_scales(v_scale_ptr, block, place, n_valid, stride_s_b)[None, :]
+        p = p * row_scales(v_scale_ptr, block, place, n_valid, stride_s_b, True)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -497,20 +523,13 @@ def _decode_tile(
     # float8 tile inside one block loads whole instead: its values' mask would run along their consecutive
     # keys and split the wide loads; the keys past the end are then zeroed in registers (never NaN).
     d_mask = offs_d < HEAD_DIM
-    masked_loads = BLOCK_D != HEAD_DIM or (MASKED and (BLOCK_SIZE < BLOCK_N or not FP8))
+    WHOLE: tl.constexpr = BLOCK_D == HEAD_DIM and (not MASKED or (BLOCK_SIZE >= BLOCK_N and FP8))
     # K^T [BLOCK_D, BLOCK_N]; scores [GROUP_PAD, BLOCK_N] for all query heads of the group at once.
-    k_ptrs = k_base + rows[None, :] * stride_c_t + offs_d[:, None]
-    if masked_loads:
-        k = tl.load(k_ptrs, mask=n_valid[None, :] & d_mask[:, None], other=0.0)
-    else:
-        k = tl.load(k_ptrs)
+    k = key_tile(k_base, rows, offs_d, n_valid, d_mask, stride_c_t, WHOLE)
     scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
         # float8 K (chapter 16): each key's scale multiplies its column of scores.
-        if MASKED:
-            scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b)[None, :]
-        else:
-            scores = scores * tl.load(k_scale_base + block * stride_s_b + place)[None, :]
+        scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b, MASKED)[None, :]
     if MASKED:
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
     # Online softmax update, as in prefill.
@@ -524,18 +543,10 @@ def _decode_tile(
         v_ptrs = v_base + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
         v_ptrs = v_base + rows[:, None] * stride_c_t + offs_d[None, :]
-    if masked_loads:
-        v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-        if MASKED:
-            v = tl.where(n_valid[:, None], v, 0.0)
+    v = value_tile(v_ptrs, n_valid, d_mask, WHOLE, MASKED)
     if FP8:
         # ... and each value's scale its column of weights (l_i keeps the unscaled sum).
-        if MASKED:
-            p = p * row_scales(v_scale_base, block, place, n_valid, stride_s_b)[None, :]
-        else:
-            p = p * tl.load(v_scale_base + block * stride_s_b + place)[None, :]
+        p = p * row_scales(v_scale_base, block, place, n_valid, stride_s_b, MASKED)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
