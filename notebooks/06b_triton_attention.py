@@ -287,6 +287,7 @@ def store_kvcache_kernel(
     # zh: 读取第 t 个 token 的 K、V tile [kv_heads, d]（最后一维连续，其余步长由参数给出）。
     k = tl.load(k_ptr + t * stride_k_t + h * stride_k_h + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask, other=0.0)
+    block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if FP8:
         # en: An 8-bit cache (chapter 16): each head's row is divided by its own scale, rounded to float8 e4m3,
         # en: and the scales go beside the block, [blocks, kv_heads, block_size].
@@ -296,7 +297,7 @@ def store_kvcache_kernel(
         v_scale = fp8_scale(tl.max(tl.abs(v.to(tl.float32)), 1))
         k, v = to_e4m3(k, k_scale[:, None]), to_e4m3(v, v_scale[:, None])
         heads = tl.arange(0, BLOCK_H)
-        at = (slot // BLOCK_SIZE) * stride_s_b + heads * stride_s_h + slot % BLOCK_SIZE
+        at = block * stride_s_b + heads * stride_s_h + place
         tl.store(k_scale_ptr + at, k_scale, mask=heads < NUM_KV_HEADS)
         tl.store(v_scale_ptr + at, v_scale, mask=heads < NUM_KV_HEADS)
     # en: Write them into row `slot` of the contiguous cache, converted to the cache's dtype.
@@ -306,7 +307,6 @@ def store_kvcache_kernel(
     if FP8:
         # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size] (chapter 16).
         # zh: float8 缓存把每个块的值按维度存放，[kv_heads, d, block_size]（第 16 章）。
-        block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         dst = ((block * NUM_KV_HEADS + h) * HEAD_DIM + d) * BLOCK_SIZE + place
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

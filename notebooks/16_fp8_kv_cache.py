@@ -544,6 +544,7 @@ def store_quantized(
     q, row_scale = quantize_kv(x)
     blocks, kv_heads, block_size = scales.shape
     block, place = slots // block_size, slots % block_size
+    heads = torch.arange(kv_heads, device=slots.device)
     # en: Copied as bytes: indexing float8 tensors is missing on some devices and torch versions; bytes copy exactly.
     # en: (index_copy_ and index_select, not t[index]: on a CPU advanced indexing is a hundred times slower.)
     # zh: 按字节拷贝：某些设备和 torch 版本不支持对 float8 张量做索引；按字节拷贝是精确的。
@@ -551,15 +552,14 @@ def store_quantized(
     if by_dim:
         # en: Value (slot, head, i) sits at ((block * kv_heads + head) * d + i) * block_size + place.
         # zh: 值（槽位，头，i）位于 ((block * kv_heads + head) * d + i) * block_size + place。
-        heads = torch.arange(kv_heads, device=slots.device)[:, None]
         dims = torch.arange(x.shape[-1], device=slots.device)
-        at = ((block[:, None, None] * kv_heads + heads) * x.shape[-1] + dims) * block_size + place[:, None, None]
+        block_head = block[:, None, None] * kv_heads + heads[:, None]  # [n, kv_heads, 1]
+        at = (block_head * x.shape[-1] + dims) * block_size + place[:, None, None]
         cache.view(torch.uint8).view(-1).index_copy_(0, at.flatten(), q.view(torch.uint8).flatten())
     else:
         cache.view(torch.uint8).view(blocks * block_size, -1).index_copy_(0, slots, q.view(torch.uint8).flatten(1))
     # en: The scale of (slot, head) sits at block * kv_heads * block_size + head * block_size + place.
     # zh: （槽位，头）的缩放因子位于 block * kv_heads * block_size + head * block_size + place。
-    heads = torch.arange(kv_heads, device=slots.device)
     at = (block * kv_heads * block_size + place)[:, None] + heads * block_size
     scales.view(-1).index_copy_(0, at.flatten(), row_scale.flatten())
 

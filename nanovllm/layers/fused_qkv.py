@@ -29,8 +29,8 @@ def store_head(
     """Write one head, as its two halves, into its cache slot; a float8 cache (chapter 16) gets the head quantized
     with its own scale (the largest magnitude of both halves / 448), and the scale beside the block. ``BY_DIM``:
     the values of a float8 cache, kept by dimension, [kv_heads, d, block_size] per block (chapter 16)."""
+    block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if BY_DIM:
-        block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         cache = cache_ptr + (block * stride_slot + head * stride_cache_head) * BLOCK_SIZE + place
         step = BLOCK_SIZE
     else:
@@ -40,7 +40,7 @@ def store_head(
         scale = fp8_scale(tl.maximum(tl.max(tl.abs(x1.to(tl.float32)), 0), tl.max(tl.abs(x2.to(tl.float32)), 0)))
         tl.store(cache + offs * step, to_e4m3(x1, scale), mask=mask)
         tl.store(cache + (HALF + offs) * step, to_e4m3(x2, scale), mask=mask)
-        tl.store(scale_ptr + (slot // BLOCK_SIZE) * stride_s_b + head * stride_s_h + slot % BLOCK_SIZE, scale)
+        tl.store(scale_ptr + block * stride_s_b + head * stride_s_h + place, scale)
     else:
         tl.store(cache + offs * step, x1, mask=mask)
         tl.store(cache + (HALF + offs) * step, x2, mask=mask)

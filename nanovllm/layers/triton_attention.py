@@ -100,6 +100,7 @@ def store_kvcache_kernel(
     # Read token t's K and V tiles [kv_heads, d] (last dim contiguous, strides given).
     k = tl.load(k_ptr + t * stride_k_t + h * stride_k_h + d, mask=mask, other=0.0)
     v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask, other=0.0)
+    block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if FP8:
         # An 8-bit cache (chapter 16): each head's row is divided by its own scale, rounded to float8 e4m3,
         # and the scales go beside the block, [blocks, kv_heads, block_size].
@@ -107,7 +108,7 @@ def store_kvcache_kernel(
         v_scale = fp8_scale(tl.max(tl.abs(v.to(tl.float32)), 1))
         k, v = to_e4m3(k, k_scale[:, None]), to_e4m3(v, v_scale[:, None])
         heads = tl.arange(0, BLOCK_H)
-        at = (slot // BLOCK_SIZE) * stride_s_b + heads * stride_s_h + slot % BLOCK_SIZE
+        at = block * stride_s_b + heads * stride_s_h + place
         tl.store(k_scale_ptr + at, k_scale, mask=heads < NUM_KV_HEADS)
         tl.store(v_scale_ptr + at, v_scale, mask=heads < NUM_KV_HEADS)
     # Write them into row `slot` of the contiguous cache, converted to the cache's dtype.
@@ -115,7 +116,6 @@ def store_kvcache_kernel(
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if FP8:
         # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size] (chapter 16).
-        block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         dst = ((block * NUM_KV_HEADS + h) * HEAD_DIM + d) * BLOCK_SIZE + place
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
