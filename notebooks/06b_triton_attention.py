@@ -1049,29 +1049,29 @@ def choose_num_splits(
 # en: The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
 # en: 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
 # en: read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
-# en: bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 3 stages, with the values kept
-# en: by dimension; at batch 256 it took 0.188 ms against the 16-bit cache's 0.283 ms (75 % of the copy rate, for
-# en: 52 % of the bytes; chapter 16 tells how it got there).
+# en: bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 5 stages, with the values kept
+# en: by dimension. Triton's pipeliner spends a stage on the block-table read that addresses a tile, so at 3
+# en: stages it kept one buffer for K and one for V and loaded each tile only after the last one was used; at 5
+# en: it keeps two, and the next tile loads while this one is used (scripts/attention_sass.py counts the
+# en: buffers). At batch 256 that took 0.181 ms against 0.192 ms, at batch 32 0.038 ms against 0.045 ms; a 16-bit
+# en: tile is twice the bytes, and there 3 stages stayed as fast or faster (chapter 16 tells the whole story).
 # zh: GPU 上 decode 的启动配置（每个 tile 的键数 BLOCK_N、warp 数、stage 数），按缓存中一个元素的字节数选择。
 # zh: 16 位：每个 tile 128 个键；在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
 # zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。float32 的 tile 字节数翻倍：仍用之前
-# zh: 测过的 64 个键。float8（第 16 章）：128 个键、3 个 stage，值按维度存放；batch 为 256 时用时 0.188 ms，
-# zh: 16 位缓存是 0.283 ms（字节只有 52 %，达到拷贝速率的 75 %；第 16 章讲它是怎么做到的）。
-DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 3)}
-# en: Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`. Uncapped it
-# en: takes more than 168, and an H200 SM then holds 2 blocks of 4 warps. With programs enough for 4 blocks on every
-# en: SM, a cap of 128 lets 4 fit (at batch 256: 0.184 ms; 0.190 ms at 168, 0.226 ms uncapped); with fewer, 168
-# en: (at batch 32: 0.080 ms, against 0.089-0.090 ms at 112 or 128, whose spills cost more than the blocks they add).
-# zh: float8 decode 内核（16 位查询）每个线程的寄存器数，用 Triton 的 `maxnreg` 设上限。不设上限时它要用 168 个以上，
-# zh: 一个 H200 SM 只放得下 2 个 4-warp 的块。程序数足以让每个 SM 放 4 个块时，上限 128 让 4 个块都放得下（batch 为
-# zh: 256 时 0.184 ms；上限 168 时 0.190 ms，不设上限 0.226 ms）；程序更少时用 168（batch 为 32 时 0.080 ms，上限为
-# zh: 112 或 128 时 0.089–0.090 ms：多放的块抵不过寄存器溢出的代价）。
-DECODE_MAX_REGISTERS = {"fp8": 168, "fp8, 4 blocks an SM": 128}
-
-
-def decode_max_registers(programs: int, num_sms: int) -> int:
-    """The register cap of the float8 decode kernel for a grid of ``programs`` on ``num_sms`` SMs."""
-    return DECODE_MAX_REGISTERS["fp8, 4 blocks an SM" if programs >= 4 * num_sms else "fp8"]
+# zh: 测过的 64 个键。float8（第 16 章）：128 个键、5 个 stage，值按维度存放。Triton 的流水线器要为定位 tile 的
+# zh: 块表读取占用一个 stage，所以 3 个 stage 时 K 和 V 各只有一个缓冲区，每个 tile 都要等上一个用完才开始加载；
+# zh: 5 个 stage 时各有两个，下一个 tile 在这个 tile 被使用时就在加载（scripts/attention_sass.py 会数缓冲区）。
+# zh: batch 为 256 时用时 0.181 ms，原来是 0.192 ms；batch 为 32 时 0.038 ms，原来是 0.045 ms。16 位的 tile
+# zh: 字节数是两倍，在那里 3 个 stage 一样快或更快（完整的经过见第 16 章）。
+DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 5)}
+# en: Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`: two
+# en: buffers of K and V take 75 KB of shared memory, so an H200 SM holds 3 blocks of 4 warps, and 168 registers
+# en: let 3 fit. (With one buffer, a cap of 128 let 4 fit; with two, 128 was slower than 168 at every batch
+# en: measured, 32 to 256.)
+# zh: float8 decode 内核（16 位查询）每个线程的寄存器数，用 Triton 的 `maxnreg` 设上限：K 和 V 各两个缓冲区占
+# zh: 75 KB 共享内存，一个 H200 SM 能放 3 个 4-warp 的块，168 个寄存器正好让 3 个块都放得下。（只有一个缓冲区时，
+# zh: 上限 128 能放下 4 个块；有两个缓冲区时，在测过的每个 batch（32 到 256）上，128 都比 168 慢。）
+DECODE_MAX_REGISTERS = 168
 
 
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
@@ -1124,8 +1124,7 @@ def decode_attention(
         return out
     bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
     capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
-    programs = batch * kv_heads * num_splits
-    registers = {"maxnreg": decode_max_registers(programs, _num_sms(q.device))} if capped else {}
+    registers = {"maxnreg": DECODE_MAX_REGISTERS} if capped else {}
     split = num_splits > 1
     # en: Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     # zh: split-K：部分输出 [B, H, S, d] 及其 log-sum-exp [B, H, S]，都是 fp32。

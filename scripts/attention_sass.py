@@ -4,11 +4,13 @@
 
 Prints, for the decode kernel and the paged prefill kernel (one that reads its keys through the block table), each
 over a 16-bit and a float8 cache (Qwen3-0.6B's heads: 2 query heads a KV head, head_dim 128, blocks of 256), the
-registers a thread, the instructions of each key loop and the most frequent opcodes in them, and how many one-byte
-loads the loops hold, from shared memory (LDS.U8) and from global memory (LDG.E.U8). Chapter 16 reads these
-numbers: the first float8 decode kernel loaded its values one byte at a time from shared memory, 128 loads a
-thread a tile, until the cache kept them by dimension; the paged prefill then still gathered them byte by byte
-from global memory, until its tiles loaded whole.
+registers a thread, the instructions of each key loop and the most frequent opcodes in them, how many one-byte
+loads the loops hold, from shared memory (LDS.U8) and from global memory (LDG.E.U8), and how many shared-memory
+buffers the pipeliner gave the K and V tiles (from Triton's TTGIR: one means each tile loads only after the last
+one was used). Chapter 16 reads these numbers: the first float8 decode kernel loaded its values one byte at a time
+from shared memory, 128 loads a thread a tile, until the cache kept them by dimension; the paged prefill then
+still gathered them byte by byte from global memory, until its tiles loaded whole; and at 3 stages the decode
+kept one buffer, because the block-table read that addresses a tile takes a stage of the pipeline.
 
 Triton compiles for any target it knows (``triton.compile`` with a ``GPUTarget``), and its wheel ships
 ``nvdisasm`` and ``cuobjdump``; no other tool does this job here, hence this script. The figures come from this
@@ -53,6 +55,8 @@ PREFILL_ALIGNED = tuple(name for name in ta.prefill_attention_kernel.arg_names
                         if name.endswith("_ptr") or (name.startswith("stride") and name != "stride_bt"))
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 LABEL = re.compile(r"^\.(L_x_\d+):")
+# A loop's K or V tiles in shared memory: !ttg.memdesc<buffers x rows x columns x type> (mutable: the pipeliner's).
+TILE_BUFFERS = re.compile(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x")
 BRANCH = re.compile(r"BRA\s.*`?\(?\.(L_x_\d+)")
 
 
@@ -81,8 +85,8 @@ def compile_decode(fp8: bool) -> triton.compiler.CompiledKernel:
     """The decode kernel as the engine launches it on an H200 at batch 256 (its launch and register cap)."""
     block_n, num_warps, num_stages = ta.DECODE_LAUNCH["fp8" if fp8 else "16-bit"]
     options = {"num_warps": num_warps, "num_stages": num_stages}
-    if fp8:  # batch 256 x 8 KV heads: programs for 4 blocks on each of an H200's 132 SMs
-        options["maxnreg"] = ta.decode_max_registers(256 * 8, 132)
+    if fp8:
+        options["maxnreg"] = ta.DECODE_MAX_REGISTERS
     return compile_kernel(ta.decode_attention_kernel, fp8, {**DECODE_SHAPES, "BLOCK_N": block_n}, DECODE_ALIGNED,
                           options)
 
@@ -137,6 +141,7 @@ def summary(kernel: str, fp8: bool) -> dict:
         "kernel": kernel,
         "cache": "float8" if fp8 else "16-bit",
         "registers": registers(compiled),
+        "tile_buffers": min(int(n) for n in TILE_BUFFERS.findall(compiled.asm["ttgir"])),
         "loop_instructions": [len(loop) for loop in key_loops],
         "one_byte_shared_loads": opcodes["LDS.U8"],
         "one_byte_global_loads": sum(count for op, count in opcodes.items() if op.startswith("LDG") and
@@ -151,7 +156,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [summary(kernel, fp8) for kernel in ("decode", "prefill") for fp8 in (False, True)]
     for row in rows:
-        print(f"{row['kernel']}, {row['cache']} cache: {row['registers']} registers a thread; key loops of "
+        print(f"{row['kernel']}, {row['cache']} cache: {row['registers']} registers a thread, "
+              f"{row['tile_buffers']} buffer(s) a K or V tile; key loops of "
               f"{', '.join(map(str, row['loop_instructions']))} instructions, one-byte loads: "
               f"{row['one_byte_shared_loads']} shared (LDS.U8), {row['one_byte_global_loads']} global (LDG.E.U8); "
               "most frequent: " + ", ".join(f"{op} {count}" for op, count in row["top_opcodes"]))

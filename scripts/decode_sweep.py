@@ -26,7 +26,8 @@ from nanovllm.layers.triton_attention import decode_attention
 LAUNCHES = [(64, 4, 3), (32, 4, 3), (128, 4, 3), (64, 8, 3), (64, 4, 4), (64, 4, 2), (128, 8, 2), (32, 2, 3),
             (16, 4, 3)]
 # A float8 tile is half the bytes of a bf16 one: longer tiles and deeper pipelines are worth a try.
-FP8_LAUNCHES = [*LAUNCHES, (256, 4, 3), (256, 8, 3), (128, 4, 4), (128, 8, 3), (256, 8, 2)]
+FP8_LAUNCHES = [*LAUNCHES, (256, 4, 3), (256, 8, 3), (128, 4, 4), (128, 8, 3), (256, 8, 2), (128, 4, 5), (64, 4, 5),
+                (128, 8, 5)]
 
 
 def sweep(batch: int, seed: int = 0, fp8: bool = False) -> dict:

@@ -179,7 +179,8 @@ def test_the_float8_kernels_load_their_values_whole_on_an_h200(tmp_path: Path) -
     """Compiled here for sm_90 (scripts/attention_sass.py): the float8 key loops load no single bytes, from shared
     memory or global memory, and stay near the 16-bit loops' length. With values laid out like the keys the decode
     loaded 128 single bytes from shared memory a thread a tile; with per-key masks and gathers the paged prefill
-    loaded 128 from global memory, in a key loop 1.9 times the 16-bit one's."""
+    loaded 128 from global memory, in a key loop 1.9 times the 16-bit one's. And the float8 decode keeps two buffers
+    of each tile, so the next tile loads while this one is used: at 3 stages it kept one."""
     import json
     import subprocess
     import sys
@@ -193,7 +194,7 @@ def test_the_float8_kernels_load_their_values_whole_on_an_h200(tmp_path: Path) -
     assert all(row["one_byte_shared_loads"] == 0 == row["one_byte_global_loads"] for row in rows.values())
     decode, decode16 = rows["decode", "float8"], rows["decode", "16-bit"]
     assert max(decode["loop_instructions"]) < 1.25 * max(decode16["loop_instructions"])
-    assert decode["registers"] <= ta.DECODE_MAX_REGISTERS["fp8, 4 blocks an SM"]
+    assert decode["registers"] <= ta.DECODE_MAX_REGISTERS and decode["tile_buffers"] >= 2
     # The prefill's loop over whole tiles (its shorter one; the other masks the diagonal).
     prefill, prefill16 = rows["prefill", "float8"], rows["prefill", "16-bit"]
     assert min(prefill["loop_instructions"]) < 1.5 * min(prefill16["loop_instructions"])

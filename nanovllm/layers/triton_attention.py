@@ -24,7 +24,6 @@ __all__ = [
     "decode_attention",
     "decode_attention_kernel",
     "decode_launch",
-    "decode_max_registers",
     "decode_reduce_kernel",
     "fp8_scale",
     "key_tile",
@@ -662,20 +661,18 @@ def choose_num_splits(
 # The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
 # 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
 # read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
-# bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 3 stages, with the values kept
-# by dimension; at batch 256 it took 0.188 ms against the 16-bit cache's 0.283 ms (75 % of the copy rate, for
-# 52 % of the bytes; chapter 16 tells how it got there).
-DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 3)}
-# Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`. Uncapped it
-# takes more than 168, and an H200 SM then holds 2 blocks of 4 warps. With programs enough for 4 blocks on every
-# SM, a cap of 128 lets 4 fit (at batch 256: 0.184 ms; 0.190 ms at 168, 0.226 ms uncapped); with fewer, 168
-# (at batch 32: 0.080 ms, against 0.089-0.090 ms at 112 or 128, whose spills cost more than the blocks they add).
-DECODE_MAX_REGISTERS = {"fp8": 168, "fp8, 4 blocks an SM": 128}
-
-
-def decode_max_registers(programs: int, num_sms: int) -> int:
-    """The register cap of the float8 decode kernel for a grid of ``programs`` on ``num_sms`` SMs."""
-    return DECODE_MAX_REGISTERS["fp8, 4 blocks an SM" if programs >= 4 * num_sms else "fp8"]
+# bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 5 stages, with the values kept
+# by dimension. Triton's pipeliner spends a stage on the block-table read that addresses a tile, so at 3
+# stages it kept one buffer for K and one for V and loaded each tile only after the last one was used; at 5
+# it keeps two, and the next tile loads while this one is used (scripts/attention_sass.py counts the
+# buffers). At batch 256 that took 0.181 ms against 0.192 ms, at batch 32 0.038 ms against 0.045 ms; a 16-bit
+# tile is twice the bytes, and there 3 stages stayed as fast or faster (chapter 16 tells the whole story).
+DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 5)}
+# Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`: two
+# buffers of K and V take 75 KB of shared memory, so an H200 SM holds 3 blocks of 4 warps, and 168 registers
+# let 3 fit. (With one buffer, a cap of 128 let 4 fit; with two, 128 was slower than 168 at every batch
+# measured, 32 to 256.)
+DECODE_MAX_REGISTERS = 168
 
 
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
@@ -728,8 +725,7 @@ def decode_attention(
         return out
     bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
     capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
-    programs = batch * kv_heads * num_splits
-    registers = {"maxnreg": decode_max_registers(programs, _num_sms(q.device))} if capped else {}
+    registers = {"maxnreg": DECODE_MAX_REGISTERS} if capped else {}
     split = num_splits > 1
     # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     if split:
