@@ -1359,17 +1359,39 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 # the copy rate, every step. On Qwen3-8B's shapes even that engine stays below 1.5×, because the
 # prefill, which an 8-bit cache does not shorten, is a quarter of the 16-bit run. On Qwen3-0.6B's
 # shapes 1.5× needs the float8 decode to read its bytes at about 70 % of the copy rate over the
-# whole run, where it reads 56 % and the 16-bit decode 79 %. The kernel alone reads 78 % at batch
-# 256; what is missing is the mid batches and the rest of each step (the matmuls, the norms, the
-# sampler, the store), the same milliseconds in both runs and a larger share of the shorter one.
+# whole run, where it reads 56 % and the 16-bit decode 79 %. A profile of single steps (CUDA
+# graph replays, every context 1,024 keys, on the H200) shows where the rest goes:
+#
+# | batch | 16-bit step | its attention | float8 step | its attention | the rest, 16-bit / float8 |
+# |---:|---:|---:|---:|---:|---:|
+# | 64 | 3.17 ms | 2.14 ms | 2.47 ms | 1.43 ms | 1.03 / 1.04 ms |
+# | 128 | 4.83 ms | 3.68 ms | 3.49 ms | 2.30 ms | 1.15 / 1.19 ms |
+# | 256 | 8.68 ms | 7.20 ms | 5.99 ms | 4.29 ms | 1.48 / 1.70 ms |
+#
+# In the rest, a layer's four matmuls take 27-30 µs and read their 31.5 MB of weights at 0.6-1.9
+# TB/s (the copy rate is 4.2): 0.75-0.85 ms a step, with either cache. The float8 store takes
+# 0.42 ms at batch 256 against 0.19 ms. A faster matmul shortens both runs alike and lifts the
+# ratio only a little (0.55 ms off every step of both runs gives about 1.26×). 1.5× also needs
+# the float8 attention as close to its bound as the 16-bit one: at batch 64 it reads 64 % of the
+# copy rate, the 16-bit kernel 83 %.
 
 # %% [markdown] tags=["zh"]
 # **1.5 倍需要什么。** 把每次运行按基准测试打印的那样拆成 prefill、decode 各步和它们外面那层循环，再给 float8 的运行
 # 一个完美的 decode：每一步都以拷贝速率读完它的字节。在 Qwen3-8B 的形状上，就连这样的引擎也到不了 1.5 倍，因为
 # 8 位缓存缩短不了的 prefill 占了 16 位运行的四分之一。在 Qwen3-0.6B 的形状上，1.5 倍要求 float8 的 decode 在整次
-# 运行中以大约拷贝速率的 70 % 读取它的字节，而它现在是 56 %，16 位的 decode 是 79 %。内核单独在 batch 256 时能达到
-# 78 %；差的是中等 batch，以及每一步里其余的工作（矩阵乘、归一化、采样器、存储）：两次运行里这些毫秒数相同，在
-# 更短的那次运行里占的比例更大。
+# 运行中以大约拷贝速率的 70 % 读取它的字节，而它现在是 56 %，16 位的 decode 是 79 %。对单个 decode 步做性能分析
+# （重放 CUDA Graph，每个上下文都是 1,024 个键，在 H200 上）可以看到其余的时间花在哪里：
+#
+# | batch | 16 位一步 | 其中注意力 | float8 一步 | 其中注意力 | 其余部分，16 位 / float8 |
+# |---:|---:|---:|---:|---:|---:|
+# | 64 | 3.17 ms | 2.14 ms | 2.47 ms | 1.43 ms | 1.03 / 1.04 ms |
+# | 128 | 4.83 ms | 3.68 ms | 3.49 ms | 2.30 ms | 1.15 / 1.19 ms |
+# | 256 | 8.68 ms | 7.20 ms | 5.99 ms | 4.29 ms | 1.48 / 1.70 ms |
+#
+# 其余部分里，一层的四次矩阵乘用 27–30 µs，以 0.6–1.9 TB/s 读取 31.5 MB 的权重（拷贝速率是 4.2）：每一步
+# 0.75–0.85 ms，两种缓存都一样。float8 的存储在 batch 256 时用 0.42 ms，16 位是 0.19 ms。更快的矩阵乘让两次运行
+# 同样变短，比值只提高一点（两次运行的每一步都省下 0.55 ms，约为 1.26 倍）。1.5 倍还要求 float8 的注意力像 16 位的
+# 那样接近自己的上限：batch 64 时它只达到拷贝速率的 64 %，16 位内核是 83 %。
 
 # %%
 goal = 1.5
