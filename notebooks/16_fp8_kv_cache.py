@@ -1369,11 +1369,11 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 # | 256 | 8.68 ms | 7.20 ms | 5.99 ms | 4.29 ms | 1.48 / 1.70 ms |
 #
 # In the rest, a layer's four matmuls take 27-30 µs and read their 31.5 MB of weights at 0.6-1.9
-# TB/s (the copy rate is 4.2): 0.75-0.85 ms a step, with either cache. The float8 store takes
-# 0.42 ms at batch 256 against 0.19 ms. A faster matmul shortens both runs alike and lifts the
-# ratio only a little (0.55 ms off every step of both runs gives about 1.26×). 1.5× also needs
-# the float8 attention as close to its bound as the 16-bit one: at batch 64 it reads 64 % of the
-# copy rate, the 16-bit kernel 83 %.
+# TB/s (the copy rate is 4.2): 0.75-0.85 ms a step, with either cache. The fused norm, rotation
+# and store (chapter 09) takes 0.42 ms at batch 256 with a float8 cache, 0.19 ms with a 16-bit
+# one. A faster matmul shortens both runs alike and lifts the ratio only a little (0.55 ms off
+# every step of both runs gives about 1.26×). 1.5× also needs the float8 attention as close to
+# its bound as the 16-bit one: at batch 64 it reads 64 % of the copy rate, the 16-bit kernel 83 %.
 
 # %% [markdown] tags=["zh"]
 # **1.5 倍需要什么。** 把每次运行按基准测试打印的那样拆成 prefill、decode 各步和它们外面那层循环，再给 float8 的运行
@@ -1389,9 +1389,10 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
 # | 256 | 8.68 ms | 7.20 ms | 5.99 ms | 4.29 ms | 1.48 / 1.70 ms |
 #
 # 其余部分里，一层的四次矩阵乘用 27–30 µs，以 0.6–1.9 TB/s 读取 31.5 MB 的权重（拷贝速率是 4.2）：每一步
-# 0.75–0.85 ms，两种缓存都一样。float8 的存储在 batch 256 时用 0.42 ms，16 位是 0.19 ms。更快的矩阵乘让两次运行
-# 同样变短，比值只提高一点（两次运行的每一步都省下 0.55 ms，约为 1.26 倍）。1.5 倍还要求 float8 的注意力像 16 位的
-# 那样接近自己的上限：batch 64 时它只达到拷贝速率的 64 %，16 位内核是 83 %。
+# 0.75–0.85 ms，两种缓存都一样。融合的归一化、旋转和存储（第 09 章）在 batch 256 时，float8 缓存用 0.42 ms，16 位
+# 缓存用 0.19 ms。更快的矩阵乘让两次运行同样变短，比值只提高一点（两次运行的每一步都省下 0.55 ms，约为 1.26
+# 倍）。1.5 倍还要求 float8 的注意力像 16 位的那样接近自己的上限：batch 64 时它只达到拷贝速率的 64 %，16 位内核
+# 是 83 %。
 
 # %%
 goal = 1.5
