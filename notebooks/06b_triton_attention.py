@@ -179,6 +179,7 @@ say = Phrases({
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -662,13 +663,18 @@ def prefill_attention_kernel(
 # %% [markdown] tags=["en"]
 # The wrapper picks the key source and the launch configuration. Tile sizes matter on a GPU
 # (`BLOCK_M = 128` queries × `BLOCK_N = 128` keys for `head_dim = 128` on an H200); in the
-# interpreter small tiles keep each numpy step cheap. For float32 inputs the dot products use
-# IEEE precision: Triton's default on a GPU is TF32, which would not match the reference.
+# interpreter small tiles keep each numpy step cheap. Large tiles also need room: three stages of
+# 128-key tiles take 160-224 KB of shared memory a block, which an H200 or an A100 has and an
+# RTX 4090 or 4070 (99 KB) has not, so there every grid takes the small tiles
+# (`choose_prefill_launch`). For float32 inputs the dot products use IEEE precision: Triton's
+# default on a GPU is TF32, which would not match the reference.
 
 # %% [markdown] tags=["zh"]
 # 包装函数选择键的来源和启动配置。tile 大小在 GPU 上很重要（H200 上 `head_dim = 128` 时用 `BLOCK_M = 128`
-# 个查询 × `BLOCK_N = 128` 个键）；在解释器里，小 tile 让每一步 numpy 运算都很便宜。对 float32 输入，点积使用
-# IEEE 精度：Triton 在 GPU 上默认用 TF32，那样就与参考结果对不上了。
+# 个查询 × `BLOCK_N = 128` 个键）；在解释器里，小 tile 让每一步 numpy 运算都很便宜。大 tile 还需要空间：三个 stage
+# 的 128 键 tile 每个块要占 160–224 KB 共享内存，H200 和 A100 有这么多，RTX 4090 或 4070（99 KB）没有，所以在那里
+# 每个网格都用小 tile（`choose_prefill_launch`）。对 float32 输入，点积使用 IEEE 精度：Triton 在 GPU 上默认用
+# TF32，那样就与参考结果对不上了。
 
 # %% prefill wrapper
 #| export
@@ -676,15 +682,34 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
 
 
-def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``programs_128``: grid size with 128-query tiles."""
-    if device.type != "cuda":
-        return 16, 16, 4, 1
+# en: Shared memory that the large prefill launch, (128, 128, 8, 3), takes in its largest variant (16-bit, head_dim
+# en: 128, fresh keys), as Triton compiles it for each generation of GPU (scripts/attention_sass.py
+# en: --shared-memory): 224 KB on compute capability 9.0 and newer, 160 KB on 8.x. A block may use 227 KB of an
+# en: H200 and 163 KB of an A100, but only 99 KB of an RTX 4090 or 4070 (8.9), where that launch would fail to
+# en: start: there every grid takes the small tiles.
+# zh: 大的 prefill 启动配置 (128, 128, 8, 3) 在它最大的变体（16 位、head_dim 128、新键）下所需的共享内存，按 Triton
+# zh: 为每一代 GPU 编译的结果（scripts/attention_sass.py --shared-memory）：计算能力 9.0 及以上 224 KB，8.x 上
+# zh: 160 KB。一个块在 H200 上最多能用 227 KB，在 A100 上 163 KB，但在 RTX 4090 或 4070（8.9）上只有 99 KB，在那里这个
+# zh: 启动配置根本启动不了：所以那里的每个网格都用小 tile。
+LARGE_PREFILL_SHARED_MEMORY = {8: 163_840, 9: 229_376}
+
+
+def choose_prefill_launch(gpu: Any, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU with properties ``gpu`` (``major``, ``multi_processor_count``,
+    ``shared_memory_per_block_optin``: torch.cuda.get_device_properties); ``programs_128``: grid size with 128-query
+    tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    if programs_128 < 2 * torch.cuda.get_device_properties(device).multi_processor_count:
-        return 64, 64, 4, 3  # a small grid: smaller tiles keep more SMs busy
+    large_fits = getattr(gpu, "shared_memory_per_block_optin", 0) >= LARGE_PREFILL_SHARED_MEMORY[min(gpu.major, 9)]
+    if programs_128 < 2 * gpu.multi_processor_count or not large_fits:
+        return 64, 64, 4, 3  # a small grid (smaller tiles keep more SMs busy), or too little shared memory
     return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
+
+
+def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
+    if device.type != "cuda":
+        return 16, 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+    return choose_prefill_launch(torch.cuda.get_device_properties(device), head_dim, dtype, programs_128)
 
 
 def prefill_attention(

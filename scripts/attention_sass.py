@@ -1,6 +1,7 @@
 """The paged attention kernels' machine code for an H200 (sm_90), compiled on this machine, no GPU needed.
 
     python scripts/attention_sass.py [--json OUT]
+    python scripts/attention_sass.py --shared-memory [--json OUT]
 
 Prints, for the decode kernel and the paged prefill kernel (one that reads its keys through the block table), each
 over a 16-bit and a float8 cache (Qwen3-0.6B's heads: 2 query heads a KV head, head_dim 128, blocks of 256), the
@@ -11,6 +12,10 @@ one was used). Chapter 16 reads these numbers: the first float8 decode kernel lo
 from shared memory, 128 loads a thread a tile, until the cache kept them by dimension; the paged prefill then
 still gathered them byte by byte from global memory, until its tiles loaded whole; and at 3 stages the decode
 kept one buffer, because the block-table read that addresses a tile takes a stage of the pipeline.
+
+With --shared-memory it compiles, for an A100, an RTX 4090 and an H200, every attention launch the engine would pick
+there (``choose_prefill_launch``, ``DECODE_LAUNCH``) and prints the shared memory each takes against what a block of
+that GPU may use: a launch that asks for more fails to start.
 
 Triton compiles for any target it knows (``triton.compile`` with a ``GPUTarget``), and its wheel ships
 ``nvdisasm`` and ``cuobjdump``; no other tool does this job here, hence this script. The figures come from this
@@ -27,10 +32,12 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     raise SystemExit("attention_sass: compiling needs Triton's compiler; unset TRITON_INTERPRET")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -39,6 +46,9 @@ from nanovllm.layers import triton_attention as ta
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H200 = GPUTarget("cuda", 90, 32)
+# GPUs the shared-memory check covers: compute capability, the shared memory a block may opt into, and SMs (as
+# torch.cuda.get_device_properties reports them: major, shared_memory_per_block_optin, multi_processor_count).
+GPUS = {"A100": ((8, 0), 166_912, 108), "RTX 4090": ((8, 9), 101_376, 128), "H200": ((9, 0), 232_448, 132)}
 # Qwen3-0.6B: 16 query heads over 8 KV heads, head_dim 128; the engine's blocks of 256 tokens.
 SHAPES = {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 256}
 DECODE_SHAPES = {**SHAPES, "GROUP_PAD": 16, "SPLIT": False}
@@ -72,13 +82,14 @@ def argument_types(kernel: triton.JITFunction, fp8: bool) -> dict[str, str]:
 
 
 def compile_kernel(
-    kernel: triton.JITFunction, fp8: bool, constants: dict, aligned: tuple[str, ...], options: dict
-) -> triton.compiler.CompiledKernel:
-    """``kernel`` compiled for an H200 with ``constants``, the ``aligned`` arguments and launch ``options``."""
+    kernel: triton.JITFunction, fp8: bool, constants: dict, aligned: tuple[str, ...], options: dict,
+    target: GPUTarget = H200,
+) -> triton.compiler.CompiledKernel:  # fmt: skip
+    """``kernel`` compiled for ``target`` with ``constants``, the ``aligned`` arguments and launch ``options``."""
     constants = {**constants, "DOT_PRECISION": "ieee", "FP8": fp8}
     signature = {**argument_types(kernel, fp8), **dict.fromkeys(constants, "constexpr")}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
-    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200, options=options)
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options)
 
 
 def compile_decode(fp8: bool) -> triton.compiler.CompiledKernel:
@@ -150,10 +161,50 @@ def summary(kernel: str, fp8: bool) -> dict:
     }
 
 
+def shared_memory() -> list[dict]:
+    """For each GPU of GPUS, the shared memory of every attention launch the engine picks there, and its limit."""
+    rows = []
+    for gpu, ((major, minor), limit, sms) in GPUS.items():
+        target = GPUTarget("cuda", 10 * major + minor, 32)
+        props = SimpleNamespace(major=major, shared_memory_per_block_optin=limit, multi_processor_count=sms)
+        fp8s = (False, True) if (major, minor) >= (8, 9) else (False,)  # float8 needs compute capability 8.9
+        # The prefill, on a small grid and a large one: fresh keys (16-bit only) and keys read through the table.
+        for launch in dict.fromkeys(ta.choose_prefill_launch(props, 128, torch.bfloat16, programs)
+                                    for programs in (0, 1 << 30)):
+            block_m, block_n, num_warps, num_stages = launch
+            for paged, fp8 in [(False, False), *((True, fp8) for fp8 in fp8s)]:
+                compiled = compile_kernel(ta.prefill_attention_kernel, fp8,
+                                          {**SHAPES, "PAGED": paged, "BLOCK_M": block_m, "BLOCK_N": block_n},
+                                          PREFILL_ALIGNED, {"num_warps": num_warps, "num_stages": num_stages},
+                                          target)  # fmt: skip
+                rows.append({"gpu": gpu, "kernel": "prefill, " + ("paged" if paged else "fresh"), "fp8": fp8,
+                             "launch": launch, "shared": compiled.metadata.shared, "limit": limit})
+        for fp8 in fp8s:
+            block_n, num_warps, num_stages = ta.DECODE_LAUNCH["fp8" if fp8 else "16-bit"]
+            options = {"num_warps": num_warps, "num_stages": num_stages}
+            if fp8:
+                options["maxnreg"] = ta.DECODE_MAX_REGISTERS
+            compiled = compile_kernel(ta.decode_attention_kernel, fp8, {**DECODE_SHAPES, "BLOCK_N": block_n},
+                                      DECODE_ALIGNED, options, target)  # fmt: skip
+            rows.append({"gpu": gpu, "kernel": "decode", "fp8": fp8, "launch": (block_n, num_warps, num_stages),
+                         "shared": compiled.metadata.shared, "limit": limit})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.partition("\n")[0])
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
+    parser.add_argument("--shared-memory", action="store_true",
+                        help="the shared memory of the launches the engine picks on an A100, an RTX 4090, an H200")
     args = parser.parse_args()
+    if args.shared_memory:
+        rows = shared_memory()
+        for row in rows:
+            print(f"{row['gpu']}: {row['kernel']}, {'float8' if row['fp8'] else '16-bit'} cache, launch "
+                  f"{row['launch']}: {row['shared']:,} bytes of shared memory, of {row['limit']:,} a block may use")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return
     rows = [summary(kernel, fp8) for kernel in ("decode", "prefill") for fp8 in (False, True)]
     for row in rows:
         print(f"{row['kernel']}, {row['cache']} cache: {row['registers']} registers a thread, "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -71,3 +72,23 @@ def tiny_arch(request: pytest.FixtureRequest) -> Path:
     from nanovllm.book.tiny_models import build_tiny_model
 
     return build_tiny_model(request.param)
+
+
+@pytest.fixture()
+def attention_sass(tmp_path: Path) -> Callable[..., list[dict]]:
+    """scripts/attention_sass.py in a process of its own (it compiles for GPUs, which the interpreter mode of this
+    process rules out): a function of the script's arguments that returns the rows it writes as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+
+    def run(*args: str) -> list[dict]:
+        out = tmp_path / "attention_sass.json"
+        subprocess.run([sys.executable, "scripts/attention_sass.py", *args, "--json", str(out)], cwd=root, env=env,
+                       check=True, capture_output=True, timeout=600)  # fmt: skip
+        return json.loads(out.read_text())
+
+    return run

@@ -12,6 +12,8 @@ import importlib.util
 import itertools
 import os
 import random
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -252,6 +254,36 @@ def test_attention_backend_builds_the_kernels_and_cpu_tensors_need_the_interpret
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         ta.store_kvcache(torch.zeros(1, 1, 4), torch.zeros(1, 1, 4), torch.zeros(1, 4, 1, 4),
                          torch.zeros(1, 4, 1, 4), torch.tensor([0]))
+
+
+# ---------------------------------------------------------------- launches that fit the GPU
+
+@pytest.mark.parametrize("major,shared_memory,sms,large", [
+    (8, 166_912, 108, True),  # an A100
+    (8, 101_376, 128, False),  # an RTX 4090 (compute capability 8.9)
+    (9, 232_448, 132, True),  # an H200
+])  # fmt: skip
+def test_large_prefill_tiles_go_only_to_a_gpu_with_the_shared_memory_for_them(
+    major: int, shared_memory: int, sms: int, large: bool
+) -> None:
+    gpu = SimpleNamespace(major=major, shared_memory_per_block_optin=shared_memory, multi_processor_count=sms)
+    assert (ta.choose_prefill_launch(gpu, 128, torch.bfloat16, programs_128=2 * sms) == (128, 128, 8, 3)) is large
+    assert ta.choose_prefill_launch(gpu, 128, torch.bfloat16, programs_128=2 * sms - 1) == (64, 64, 4, 3)
+    # A torch that does not report the property: the small tiles, which fit each of these GPUs.
+    unknown = SimpleNamespace(major=major, multi_processor_count=sms)
+    assert ta.choose_prefill_launch(unknown, 128, torch.bfloat16, programs_128=1 << 30) == (64, 64, 4, 3)
+
+
+def test_every_attention_launch_fits_the_shared_memory_of_its_gpu(attention_sass: Callable[..., list[dict]]) -> None:
+    """Compiled here for an A100, an RTX 4090 and an H200 (scripts/attention_sass.py --shared-memory): each launch
+    the engine picks there asks for no more shared memory than a block of that GPU may use. Before
+    choose_prefill_launch checked, an RTX 4090's large prefill asked for 163,840 bytes of its 101,376 and could not
+    start."""
+    rows = attention_sass("--shared-memory")
+    assert {row["gpu"] for row in rows} == {"A100", "RTX 4090", "H200"}
+    assert [row for row in rows if row["shared"] > row["limit"]] == []
+    # The large tiles were among them, where they fit.
+    assert {row["gpu"] for row in rows if row["launch"] == [128, 128, 8, 3]} == {"A100", "H200"}
 
 
 # ---------------------------------------------------------------- warm-up

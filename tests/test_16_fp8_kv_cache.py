@@ -13,6 +13,7 @@ import importlib
 import math
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -175,22 +176,13 @@ def test_the_round_trip_kernel_gives_the_references_values(dtype: torch.dtype, h
         ta.round_trip_kv(x[0])
 
 
-def test_the_float8_kernels_load_their_values_whole_on_an_h200(tmp_path: Path) -> None:
+def test_the_float8_kernels_load_their_values_whole_on_an_h200(attention_sass: Callable[..., list[dict]]) -> None:
     """Compiled here for sm_90 (scripts/attention_sass.py): the float8 key loops load no single bytes, from shared
     memory or global memory, and stay near the 16-bit loops' length. With values laid out like the keys the decode
     loaded 128 single bytes from shared memory a thread a tile; with per-key masks and gathers the paged prefill
     loaded 128 from global memory, in a key loop 1.9 times the 16-bit one's. And the float8 decode keeps two buffers
     of each tile, so the next tile loads while this one is used: at 3 stages it kept one."""
-    import json
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
-    out = tmp_path / "sass.json"
-    subprocess.run([sys.executable, "scripts/attention_sass.py", "--json", str(out)], cwd=root, env=env, check=True,
-                   capture_output=True, timeout=600)  # fmt: skip
-    rows = {(row["kernel"], row["cache"]): row for row in json.loads(out.read_text())}
+    rows = {(row["kernel"], row["cache"]): row for row in attention_sass()}
     assert all(row["one_byte_shared_loads"] == 0 == row["one_byte_global_loads"] for row in rows.values())
     decode, decode16 = rows["decode", "float8"], rows["decode", "16-bit"]
     assert max(decode["loop_instructions"]) < 1.25 * max(decode16["loop_instructions"])

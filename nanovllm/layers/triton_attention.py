@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -17,10 +18,12 @@ __all__ = [
     "DECODE_LAUNCH",
     "DECODE_MAX_REGISTERS",
     "INTERPRETED",
+    "LARGE_PREFILL_SHARED_MEMORY",
     "FlashAttnBackend",
     "TritonBackend",
     "check_triton_device",
     "choose_num_splits",
+    "choose_prefill_launch",
     "decode_attention",
     "decode_attention_kernel",
     "decode_launch",
@@ -396,15 +399,30 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
 
 
-def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages); ``programs_128``: grid size with 128-query tiles."""
-    if device.type != "cuda":
-        return 16, 16, 4, 1
+# Shared memory that the large prefill launch, (128, 128, 8, 3), takes in its largest variant (16-bit, head_dim
+# 128, fresh keys), as Triton compiles it for each generation of GPU (scripts/attention_sass.py
+# --shared-memory): 224 KB on compute capability 9.0 and newer, 160 KB on 8.x. A block may use 227 KB of an
+# H200 and 163 KB of an A100, but only 99 KB of an RTX 4090 or 4070 (8.9), where that launch would fail to
+# start: there every grid takes the small tiles.
+LARGE_PREFILL_SHARED_MEMORY = {8: 163_840, 9: 229_376}
+
+
+def choose_prefill_launch(gpu: Any, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU with properties ``gpu`` (``major``, ``multi_processor_count``,
+    ``shared_memory_per_block_optin``: torch.cuda.get_device_properties); ``programs_128``: grid size with 128-query
+    tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    if programs_128 < 2 * torch.cuda.get_device_properties(device).multi_processor_count:
-        return 64, 64, 4, 3  # a small grid: smaller tiles keep more SMs busy
+    large_fits = getattr(gpu, "shared_memory_per_block_optin", 0) >= LARGE_PREFILL_SHARED_MEMORY[min(gpu.major, 9)]
+    if programs_128 < 2 * gpu.multi_processor_count or not large_fits:
+        return 64, 64, 4, 3  # a small grid (smaller tiles keep more SMs busy), or too little shared memory
     return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
+
+
+def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
+    if device.type != "cuda":
+        return 16, 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+    return choose_prefill_launch(torch.cuda.get_device_properties(device), head_dim, dtype, programs_128)
 
 
 def prefill_attention(
