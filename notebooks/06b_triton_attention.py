@@ -700,7 +700,8 @@ def choose_prefill_launch(gpu: Any, head_dim: int, dtype: torch.dtype, programs_
     tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    large_fits = getattr(gpu, "shared_memory_per_block_optin", 0) >= LARGE_PREFILL_SHARED_MEMORY[min(gpu.major, 9)]
+    needs = LARGE_PREFILL_SHARED_MEMORY[9 if gpu.major >= 9 else 8]  # 8.x's figure for older GPUs too
+    large_fits = getattr(gpu, "shared_memory_per_block_optin", 0) >= needs
     if programs_128 < 2 * gpu.multi_processor_count or not large_fits:
         return 64, 64, 4, 3  # a small grid (smaller tiles keep more SMs busy), or too little shared memory
     return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
