@@ -270,7 +270,7 @@ def test_large_prefill_tiles_go_only_to_a_gpu_with_the_shared_memory_for_them(
     gpu = SimpleNamespace(major=major, shared_memory_per_block_optin=shared_memory, multi_processor_count=sms)
     assert (ta.choose_prefill_launch(gpu, 128, torch.bfloat16, programs_128=2 * sms) == (128, 128, 8, 3)) is large
     assert ta.choose_prefill_launch(gpu, 128, torch.bfloat16, programs_128=2 * sms - 1) == (64, 64, 4, 3)
-    # A torch that does not report the property: the small tiles, which fit each of these GPUs.
+    # A torch that does not report the property: the small tiles (they fit the three GPUs the script compiles for).
     unknown = SimpleNamespace(major=major, multi_processor_count=sms)
     assert ta.choose_prefill_launch(unknown, 128, torch.bfloat16, programs_128=1 << 30) == (64, 64, 4, 3)
 
