@@ -52,8 +52,7 @@ GPUS = {"A100": ((8, 0), 166_912, 108), "RTX 4090": ((8, 9), 101_376, 128), "H20
 # Qwen3-0.6B: 16 query heads over 8 KV heads, head_dim 128; the engine's blocks of 256 tokens.
 SHAPES = {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 256}
 DECODE_SHAPES = {**SHAPES, "GROUP_PAD": 16, "SPLIT": False}
-# The paged prefill as a large step launches it (_prefill_launch: BLOCK_M, BLOCK_N, warps, stages).
-PREFILL_SHAPES = {**SHAPES, "PAGED": True}
+# The prefill as a large step launches it on an H200 (choose_prefill_launch: BLOCK_M, BLOCK_N, warps, stages).
 PREFILL_LAUNCH = (128, 128, 8, 3)
 # Arguments the JIT would specialize as multiples of 16 on the engine's tensors (aligned pointers, strides): the
 # decode's list as chapter 16's figures were compiled; the prefill's every pointer and stride but the block
@@ -92,22 +91,25 @@ def compile_kernel(
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options)
 
 
-def compile_decode(fp8: bool) -> triton.compiler.CompiledKernel:
-    """The decode kernel as the engine launches it on an H200 at batch 256 (its launch and register cap)."""
+def compile_decode(fp8: bool, target: GPUTarget = H200) -> triton.compiler.CompiledKernel:
+    """The decode kernel as the engine launches it on a GPU (its launch and register cap), for ``target``."""
     block_n, num_warps, num_stages = ta.DECODE_LAUNCH["fp8" if fp8 else "16-bit"]
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if fp8:
         options["maxnreg"] = ta.DECODE_MAX_REGISTERS
     return compile_kernel(ta.decode_attention_kernel, fp8, {**DECODE_SHAPES, "BLOCK_N": block_n}, DECODE_ALIGNED,
-                          options)
+                          options, target)  # fmt: skip
 
 
-def compile_prefill(fp8: bool) -> triton.compiler.CompiledKernel:
-    """The paged prefill kernel as a large prefill step launches it on an H200."""
-    block_m, block_n, num_warps, num_stages = PREFILL_LAUNCH
-    constants = {**PREFILL_SHAPES, "BLOCK_M": block_m, "BLOCK_N": block_n}
+def compile_prefill(
+    fp8: bool, launch: tuple[int, ...] = PREFILL_LAUNCH, paged: bool = True, target: GPUTarget = H200
+) -> triton.compiler.CompiledKernel:
+    """The prefill kernel with ``launch`` (default: as a large step launches it on an H200), its keys read through
+    the block table (``paged``) or fresh, for ``target``."""
+    block_m, block_n, num_warps, num_stages = launch
+    constants = {**SHAPES, "PAGED": paged, "BLOCK_M": block_m, "BLOCK_N": block_n}
     return compile_kernel(ta.prefill_attention_kernel, fp8, constants, PREFILL_ALIGNED,
-                          {"num_warps": num_warps, "num_stages": num_stages})
+                          {"num_warps": num_warps, "num_stages": num_stages}, target)  # fmt: skip
 
 
 def _tool(name: str, cubin: bytes, *args: str) -> str:
@@ -171,23 +173,14 @@ def shared_memory() -> list[dict]:
         # The prefill, on a small grid and a large one: fresh keys (16-bit only) and keys read through the table.
         for launch in dict.fromkeys(ta.choose_prefill_launch(props, 128, torch.bfloat16, programs)
                                     for programs in (0, 1 << 30)):
-            block_m, block_n, num_warps, num_stages = launch
             for paged, fp8 in [(False, False), *((True, fp8) for fp8 in fp8s)]:
-                compiled = compile_kernel(ta.prefill_attention_kernel, fp8,
-                                          {**SHAPES, "PAGED": paged, "BLOCK_M": block_m, "BLOCK_N": block_n},
-                                          PREFILL_ALIGNED, {"num_warps": num_warps, "num_stages": num_stages},
-                                          target)  # fmt: skip
+                compiled = compile_prefill(fp8, launch, paged, target)
                 rows.append({"gpu": gpu, "kernel": "prefill, " + ("paged" if paged else "fresh"), "fp8": fp8,
                              "launch": launch, "shared": compiled.metadata.shared, "limit": limit})
         for fp8 in fp8s:
-            block_n, num_warps, num_stages = ta.DECODE_LAUNCH["fp8" if fp8 else "16-bit"]
-            options = {"num_warps": num_warps, "num_stages": num_stages}
-            if fp8:
-                options["maxnreg"] = ta.DECODE_MAX_REGISTERS
-            compiled = compile_kernel(ta.decode_attention_kernel, fp8, {**DECODE_SHAPES, "BLOCK_N": block_n},
-                                      DECODE_ALIGNED, options, target)  # fmt: skip
-            rows.append({"gpu": gpu, "kernel": "decode", "fp8": fp8, "launch": (block_n, num_warps, num_stages),
-                         "shared": compiled.metadata.shared, "limit": limit})
+            launch = ta.DECODE_LAUNCH["fp8" if fp8 else "16-bit"]
+            rows.append({"gpu": gpu, "kernel": "decode", "fp8": fp8, "launch": launch,
+                         "shared": compile_decode(fp8, target).metadata.shared, "limit": limit})
     return rows
 
 
