@@ -343,6 +343,7 @@ say = Phrases({
     "benchmark checks hold": "基准测试的检查成立",
     "qwen3-8b preset: {params:.2f} B parameters, {files} weight files":
         "qwen3-8b 预设：{params:.2f} B 参数，{files} 个权重文件",
+    "Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights": "Qwen3-0.6B：一个 decode 步读取 {gb:.2f} GB 权重",
     "all exercise answers check out": "练习答案全部验证通过",
 })
 
@@ -542,7 +543,14 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--latency" in argv:  # the other benchmark of the same command: decode-step latency (nanovllm.bench.latency)
+        from nanovllm.bench.latency import main as latency
+
+        return latency([arg for arg in argv if arg != "--latency"])
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.",
+                                     epilog="python -m nanovllm.bench --latency [--help]: decode-step latency at "
+                                     "batches 1, 4, 16 and 64 instead, against each step's bound")
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="default: nano-vllm on CUDA, cpu otherwise")
     parser.add_argument("--num-seqs", type=int)
@@ -571,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="DTYPE", help="auto or fp8 (chapter 16); several, or both (= auto fp8): one engine run "
                         "each, in this invocation, each held to its own bound, with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
 
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
     from nanovllm.config import Config
@@ -807,11 +815,293 @@ print(say("qwen3-8b preset: {params:.2f} B parameters, {files} weight files",
 assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 
 # %% [markdown] tags=["en"]
+# ## Latency: one step at a time
+#
+# Throughput at 256 sequences hides what one reader or a chat with a handful of streams feels:
+# how long one decode step takes when the batch is small. Then every step reads all the weights
+# for very little work, and what was noise at 256 sequences, a few hundred kernel launches,
+# becomes most of the step. `python -m nanovllm.bench --latency` measures that: for each batch
+# (1, 4, 16 and 64 sequences on a GPU), prompts of 512 random tokens generating 1,024 each, it
+# times every decode step as the engine runs it (CUDA graphs, async scheduling), and prints per
+# batch the wall time of a step, its tokens per second, and the step's **bound**: the bytes a
+# step must read (every weight once, plus each sequence's KV cache at its current length) at the
+# copy rate measured in the same run. On a GPU, `torch.profiler` records a window of steps in the
+# middle of the run: how many kernels a step launches and how much of its wall time the GPU spent
+# inside them. What is left, between the kernels, is the step's fixed cost.
+#
+# On a CPU the same command runs SmolLM2 with smaller defaults (batches 1 and 4, 128-token
+# prompts, 64 tokens each), and says that its figures, and its bound (the CPU's copy rate), are
+# the CPU's.
+
+# %% [markdown] tags=["zh"]
+# ## 延迟：一步一步地看
+#
+# 256 个序列时的吞吐量，掩盖了单个读者或只有几路流的对话所感受到的东西：批很小时，一个 decode 步要花多长时间。
+# 这时每一步都为很少的计算把全部权重读一遍，而在 256 个序列时无足轻重的那几百次 kernel 启动，成了一步的大头。
+# `python -m nanovllm.bench --latency` 测的就是这个：对每个批大小（GPU 上为 1、4、16 和 64 个序列），提示词为
+# 512 个随机 token，各生成 1,024 个，按引擎实际运行的方式（CUDA graph、异步调度）给每个 decode 步计时，并为每个
+# 批大小打印一步的墙钟时间、每秒 token 数，以及这一步的**上限**：一步必须读取的字节数（每个权重读一次，加上每个
+# 序列当前长度的 KV 缓存），按同一次运行中测得的拷贝速率计算。在 GPU 上，`torch.profiler` 会记录运行中段的一段
+# 步：一步启动多少个 kernel，以及一步的墙钟时间里 GPU 有多少花在 kernel 内部。剩下的、kernel 之间的那部分，就是
+# 一步的固定开销。
+#
+# 在 CPU 上，同一条命令用 SmolLM2 和更小的默认值运行（批大小 1 和 4，提示词 128 个 token，各生成 64 个），并说明
+# 它的数字和上限（CPU 的拷贝速率）都是 CPU 上的。
+
+# %% bench latency
+#| export bench.latency
+"""``python -m nanovllm.bench --latency``: how long one decode step takes at small batches, against its bound."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from nanovllm.bench.engine import kv_token_bytes, layer_params, make_workload, qwen3_06b_random, qwen3_8b_shapes
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.sampling_params import SamplingParams
+
+# en: (batches, prompt tokens, generated tokens): the issue's figures on a GPU, a few minutes' worth on a CPU.
+# zh: （批大小，提示词 token 数，生成 token 数）：GPU 上用问题里的数字，CPU 上用几分钟能跑完的规模。
+LATENCY_DEFAULTS = {"cuda": ((1, 4, 16, 64), 512, 1024), "cpu": ((1, 4), 128, 64)}
+
+
+@dataclass(frozen=True)
+class StepLatency:
+    """One batch's decode steps: wall time, bound, and (on a GPU) what the profiler saw in a window of them."""
+
+    batch: int
+    steps: int  # decode steps timed
+    ms_per_step: float  # wall time of a step as the engine runs it, mean over the timed steps
+    host_launch_ms: float  # host time to schedule, prepare and launch a step (LLMEngine._launch), mean; on a CPU
+    # the launch computes the step itself
+    bound_ms: float  # bytes the step must read (weights + KV at the steps' mean length) at the copy rate
+    kernels_per_step: float | None  # GPU kernels a step launches (profiled window; None on a CPU)
+    gpu_ms_per_step: float | None  # time the GPU spent inside those kernels, per step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / (self.ms_per_step * 1e-3)
+
+    @property
+    def fraction_of_bound(self) -> float:
+        return self.bound_ms / self.ms_per_step
+
+
+def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
+    """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
+    return (hf_config.num_hidden_layers * layer_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) \
+        * dtype_bytes
+
+
+def measured_copy_rate(device: str) -> float:
+    """Bytes per second of a large copy on ``device`` (bytes read + bytes written), measured now."""
+    if device == "cuda":
+        from nanovllm.bench.attention import copy_bandwidth  # Triton's timer: imported only on a GPU
+
+        return copy_bandwidth()
+    source = torch.empty(1 << 28, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)  # touch the pages before timing
+    times = []
+    for _ in range(5):
+        began = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - began)
+    return 2 * source.numel() / sorted(times)[len(times) // 2]
+
+
+def count_kernels(profile: Any, steps: int) -> tuple[float, float]:
+    """(kernels per step, GPU milliseconds inside them per step) from a torch.profiler run over ``steps`` steps.
+    Copies and memsets are not kernels of the model: they are left out."""
+    kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
+               and not event.name.startswith(("Memcpy", "Memset"))]
+    return len(kernels) / steps, sum(event.device_time for event in kernels) / 1e3 / steps
+
+
+def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
+                  warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
+    """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
+    decode step after the first ``warmup_steps``; on a GPU, profile ``profile_steps`` of them in the middle
+    (left out of the timing, since the profiler slows the host)."""
+    config = llm.config
+    workload = make_workload(batch, (input_len, input_len), (output_len, output_len),
+                             vocab_size=config.hf_config.vocab_size, seed=seed)
+    for prompt, params in zip(workload.prompts, workload.sampling_params(), strict=True):
+        llm.add_request(prompt, params)
+    launch_seconds: list[float] = []
+    launch = llm._launch
+
+    def timed_launch(previous: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return launch(previous)
+        finally:
+            launch_seconds.append(time.perf_counter() - began)
+
+    llm._launch = timed_launch
+    profiled = config.device == "cuda" and output_len > warmup_steps + 2 * profile_steps
+    profile_from = (output_len - profile_steps) // 2
+    # en: After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
+    # zh: 分析窗口之后，异步调度的流水线要重新启动：紧接着的几步同样不计时。
+    untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
+    decode_step, step_seconds, contexts, launches, kernels = 0, [], [], [], None
+    try:
+        while not llm.is_finished():
+            if profiled and decode_step == profile_from:
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+                    for _ in range(profile_steps):
+                        llm.step()
+                    torch.cuda.synchronize()
+                kernels = count_kernels(profiler, profile_steps)
+                decode_step += profile_steps
+                continue
+            launched_before = len(launch_seconds)
+            began = time.perf_counter()
+            _, num_tokens, is_prefill = llm.step()
+            elapsed = time.perf_counter() - began
+            if is_prefill or num_tokens == 0:
+                continue
+            decode_step += 1
+            if decode_step > warmup_steps and decode_step not in untimed:
+                step_seconds.append(elapsed)
+                # en: Decode step k reads the KV of the prompt and of the k tokens generated before it.
+                # zh: 第 k 个 decode 步读取提示词和此前已生成的 k 个 token 的 KV。
+                contexts.append(input_len + decode_step)
+                launches += launch_seconds[launched_before:]
+    finally:
+        llm._launch = launch
+    if not step_seconds:
+        raise ValueError(f"no decode step was timed: --output-len {output_len} leaves none after {warmup_steps} "
+                         "warm-up steps")
+    mean_context = sum(contexts) / len(contexts)
+    dtype_bytes = config.torch_dtype.itemsize
+    step_bytes = weight_bytes_per_step(config.hf_config, dtype_bytes) \
+        + batch * mean_context * kv_token_bytes(config.hf_config, dtype_bytes, config.kv_cache_dtype)
+    return StepLatency(batch=batch, steps=len(step_seconds), ms_per_step=1e3 * sum(step_seconds) / len(step_seconds),
+                       host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
+                       bound_ms=1e3 * step_bytes / bandwidth,
+                       kernels_per_step=kernels[0] if kernels else None,
+                       gpu_ms_per_step=kernels[1] if kernels else None)
+
+
+def format_row(row: StepLatency) -> str:
+    kernels = f"{row.kernels_per_step:6.0f} kernels, GPU busy {row.gpu_ms_per_step:6.3f} ms" \
+        if row.kernels_per_step is not None else "kernels: not counted on a CPU"
+    return (f"batch {row.batch:3d}: {row.ms_per_step:7.3f} ms/step, {row.tokens_per_s:9,.0f} tok/s, bound "
+            f"{row.bound_ms:6.3f} ms ({row.fraction_of_bound:6.1%}), host launch {row.host_launch_ms:6.3f} ms, "
+            f"{kernels}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --latency",
+                                     description="Decode-step latency at small batches, against the step's bound.")
+    parser.add_argument("--model", help="model directory (default: Qwen3-0.6B's shapes on a GPU, SmolLM2 on a CPU)")
+    parser.add_argument("--preset", choices=["nano-vllm", "qwen3-8b", "cpu"],
+                        help="the model of the throughput benchmark's preset: nano-vllm is Qwen3-0.6B's shapes")
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 4 16 64 on a GPU, 1 4 on a CPU")
+    parser.add_argument("--input-len", type=int, help="prompt tokens (default: 512 on a GPU, 128 on a CPU)")
+    parser.add_argument("--output-len", type=int, help="tokens generated (default: 1024 on a GPU, 64 on a CPU)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
+    from nanovllm.llm import LLM
+
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    batches, input_len, output_len = LATENCY_DEFAULTS[device]
+    batches, input_len, output_len = args.batches or batches, args.input_len or input_len, args.output_len or output_len
+    try:
+        if min(batches) < 1 or input_len < 1 or output_len < 10:
+            raise ValueError("batches and --input-len must be at least 1, --output-len at least 10 (the first 8 decode "
+                             "steps warm up, untimed)")
+        preset = args.preset or ("nano-vllm" if device == "cuda" else "cpu")
+        model = args.model or str(qwen3_06b_random() if preset == "nano-vllm" else
+                                  qwen3_8b_shapes() if preset == "qwen3-8b" else smollm2_dir())
+        load_format = "dummy" if preset == "qwen3-8b" and not args.model else "auto"
+        llm = LLM(model, device=device, load_format=load_format, kv_cache_dtype=args.kv_cache_dtype,
+                  enforce_eager=args.enforce_eager, max_model_len=max(4096, input_len + output_len),
+                  max_num_seqs=max(batches))
+    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
+    print(f"model: {model} on {where} ({llm.config.dtype}, kv cache {llm.config.kv_cache_dtype}); prompts of "
+          f"{input_len} tokens, {output_len} generated each")
+    report = report_header("python -m nanovllm.bench --latency", argv, device)
+    report |= {"model": model, "input_len": input_len, "output_len": output_len, "rows": []}
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, untimed
+        bandwidth = measured_copy_rate(device)
+        print(f"copy rate, measured: {bandwidth / 1e12:.2f} TB/s; weights a step reads: "
+              f"{weight_bytes_per_step(llm.config.hf_config, llm.config.torch_dtype.itemsize) / 1e6:,.1f} MB")
+        report["bandwidth"] = bandwidth
+        for batch in batches:
+            row = measure_batch(llm, batch, input_len, output_len, bandwidth, seed=args.seed + batch)
+            print(format_row(row))
+            report["rows"].append(asdict(row) | {"tokens_per_s": row.tokens_per_s,
+                                                 "fraction_of_bound": row.fraction_of_bound})
+    finally:
+        llm.exit()
+    write_report(report, args.out)
+    return 0
+
+
+# %% [markdown] tags=["en"]
+# ### See it
+#
+# On the tiny Qwen3, two batches of 16-token prompts generating 24 tokens each: 23 decode steps,
+# the first 8 of which warm up untimed. What is checked is the arithmetic, not the timings: the
+# weights a step reads are the model's parameters once (the tied embedding counted as the LM
+# head, the final norm aside), which for Qwen3-0.6B is the 1.19 GB of the issue, and each row's
+# bound and fraction follow from the bytes and the copy rate the same run measured.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行
+#
+# 在小 Qwen3 上跑两个批大小，提示词 16 个 token，各生成 24 个：共 23 个 decode 步，其中前 8 步用于预热、不计时。
+# 这里检查的是算术，而不是计时：一步读取的权重就是模型参数各读一次（共享的词嵌入算作 LM head，最后的归一化层
+# 除外），对 Qwen3-0.6B 来说就是 1.19 GB；每一行的上限和比例都由同一次运行测得的字节数和拷贝速率推出。
+
+# %%
+from nanovllm.bench.engine import kv_token_bytes
+from nanovllm.bench.latency import weight_bytes_per_step
+
+tiny_qwen3 = build_tiny_model("qwen3")
+latency_status = bench(["--latency", "--model", str(tiny_qwen3), "--device", "cpu", "--batches", "1", "2",
+                        "--input-len", "16", "--output-len", "24", "--out", str(workdir / "latency.json")])
+latency = json.loads((workdir / "latency.json").read_text())
+assert latency_status == 0 and [row["batch"] for row in latency["rows"]] == [1, 2]
+tiny_config = Config.from_kwargs(tiny_qwen3, device="cpu").hf_config
+for row in latency["rows"]:
+    assert row["steps"] == 24 - 1 - 8  # decode steps after the prefill's token, less the warm-up
+    # en: Decode step k (9 to 23 are timed) reads the KV of the 16 prompt tokens and the k generated before it.
+    # zh: 第 k 个 decode 步（计时的是第 9 到 23 步）读取 16 个提示词 token 与此前生成的 k 个 token 的 KV。
+    step_bytes = weight_bytes_per_step(tiny_config, 4) + row["batch"] * (16 + 16) * kv_token_bytes(tiny_config, 4)
+    assert abs(row["bound_ms"] - 1e3 * step_bytes / latency["bandwidth"]) < 1e-9 * row["bound_ms"]
+    assert abs(row["fraction_of_bound"] - row["bound_ms"] / row["ms_per_step"]) < 1e-12
+    assert abs(row["tokens_per_s"] - row["batch"] / (row["ms_per_step"] * 1e-3)) < 1e-6 * row["tokens_per_s"]
+    assert row["kernels_per_step"] is None  # counted only on a GPU
+assert weight_bytes_per_step(qwen3_06b, 2) == 2 * (model_params(qwen3_06b) - 1024)  # all but the final norm
+print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_bytes_per_step(qwen3_06b, 2) / 1e9))
+
+# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `nanovllm.bench.engine` (`python -m nanovllm.bench`): nano-vllm's workload, draw for draw;
 #   a fair `transformers` peer; the workload's physical bound; the engine's side, with tensor
 #   parallelism or other attention backends compared in the same invocation.
+# - `nanovllm.bench.latency` (`python -m nanovllm.bench --latency`): one decode step at batches
+#   1, 4, 16 and 64 against its bound, with the kernels it launches and the GPU time inside them.
 #
 # ## Exercises
 #
@@ -826,6 +1116,8 @@ assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 #
 # - `nanovllm.bench.engine`（`python -m nanovllm.bench`）：逐次抽样复现的 nano-vllm 基准负载；一个公平的
 #   `transformers` 参照组；负载的物理上限；引擎一侧的测量，可在同一次调用中比较张量并行或不同的注意力后端。
+# - `nanovllm.bench.latency`（`python -m nanovllm.bench --latency`）：批大小为 1、4、16 和 64 时一个 decode 步
+#   对照其上限的耗时，以及它启动的 kernel 数和 GPU 花在其中的时间。
 #
 # ## 练习
 #

@@ -10,6 +10,8 @@
 #   scripts/gpu-ci.sh bench [ARGS]      # the engine benchmark: python -m nanovllm.bench --preset nano-vllm ARGS
 #                                       # (also on FlashAttention 4 when it is installed, in the same invocation);
 #                                       # then the tree in .bench-base/, if any, for a before/after comparison
+#   scripts/gpu-ci.sh latency [ARGS]    # decode-step latency: python -m nanovllm.bench --latency ARGS (batches 1, 4,
+#                                       # 16, 64 on Qwen3-0.6B's shapes: ms/step, bound, kernels per step)
 #   scripts/gpu-ci.sh tp [PART]         # tensor parallelism; PART: tests (two GPUs: the TP tests marked gpu),
 #                                       # bench (two GPUs: TP=2 against TP=1, Qwen3-0.6B shapes), bench-8b (the
 #                                       # same on Qwen3-8B shapes), profile (scripts/profile_tp.py: where a step's
@@ -179,6 +181,10 @@ run_bench() {
   fi
 }
 
+run_latency() {
+  python3 -m nanovllm.bench --latency "$@" --out "$out/latency.json" 2>&1 | tee "$out/latency.log" || status=1
+}
+
 run_tp() {
   local part=${1:-all} preset=""
   if [ "$part" != profile ] && [ "$(gpus)" -lt 2 ]; then
@@ -252,11 +258,12 @@ case $what in
   tests) run_tests ;;
   chapters) run_chapters "$@" ;;
   bench) run_bench "$@" ;;
+  latency) run_latency "$@" ;;
   tp) run_tp "$@" ;;
   kernels) run_kernels "$@" ;;
   serve) run_serve "$@" ;;
   fp8) run_fp8 "$@" ;;
-  *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
+  *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
           "| serve [PART] [ARGS] | keep]" >&2
      exit 2 ;;
 esac

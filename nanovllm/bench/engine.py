@@ -317,7 +317,14 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--latency" in argv:  # the other benchmark of the same command: decode-step latency (nanovllm.bench.latency)
+        from nanovllm.bench.latency import main as latency
+
+        return latency([arg for arg in argv if arg != "--latency"])
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.",
+                                     epilog="python -m nanovllm.bench --latency [--help]: decode-step latency at "
+                                     "batches 1, 4, 16 and 64 instead, against each step's bound")
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="default: nano-vllm on CUDA, cpu otherwise")
     parser.add_argument("--num-seqs", type=int)
@@ -346,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="DTYPE", help="auto or fp8 (chapter 16); several, or both (= auto fp8): one engine run "
                         "each, in this invocation, each held to its own bound, with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
 
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
     from nanovllm.config import Config
