@@ -104,6 +104,7 @@ class Config:
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
     compile_small_ops: bool | str = "auto"
+    fused_decode: bool | str = "auto"
     async_scheduling: bool | str = "auto"
     fork_samples: bool = True
     rank_timeout_s: float = 120.0
@@ -136,7 +137,7 @@ class Config:
         self._check("num_kvcache_blocks", int, lambda n: n == -1 or n >= 1, "-1 (size from memory) or >= 1")
         for name in ("kvcache_memory_gb", "rank_timeout_s"):
             self._check(name, float, lambda x: x > 0, "> 0")
-        for name in ("compile_small_ops", "async_scheduling"):
+        for name in ("compile_small_ops", "fused_decode", "async_scheduling"):
             self._check(name, object, lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
@@ -171,6 +172,11 @@ class Config:
             _check_fp8_cache(device, backend)
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
+        if self.fused_decode == "auto":
+            self.fused_decode = device == "cuda"
+        elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                             "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
         if self.async_scheduling == "auto":
             # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
             self.async_scheduling = device == "cuda"

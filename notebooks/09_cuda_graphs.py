@@ -187,6 +187,8 @@ say = Phrases({
         "批大小 3 -> {three} | 批大小 17 -> {seventeen} | 批大小 600 -> {six_hundred}",
     "one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)":
         "一个内核 == 第 05 章的 q/k 归一化与 RoPE + 第 06 章的写入（写了槽位 4-6，其余不动）",
+    "a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, float32)":
+        "四个矩阵乘内核完成的解码层 == 第 05 章的层（3 个 token，float32）",
     "compile_small_ops handed {count} modules a compiled function or the fused kernel":
         "compile_small_ops 给 {count} 个模块交了编译后的函数或融合内核",
     "graphs: {graphs} | why: {reason} | compile_small_ops: {compiled}":
@@ -784,6 +786,307 @@ assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_
 print(say("compile_small_ops handed {count} modules a compiled function or the fused kernel", count=3 + on_gpu))
 
 # %% [markdown] tags=["en"]
+# ### A decode layer in four matmul kernels
+#
+# With graphs and the fused q/k/v kernel, a decode layer still runs about eleven kernels: the
+# add + RMSNorm, the q/k/v matmul, the fused q/k/v kernel, attention, `o_proj`, the second
+# add + RMSNorm, `gate_up_proj`, SiLU × mul and `down_proj`. At a batch of one, each matmul reads
+# a few megabytes of weights and the others read a few kilobytes, so the step is mostly
+# boundaries between kernels: every kernel waits for the one before it to finish, and a launch
+# inside a graph still costs a microsecond or two before the first load.
+#
+# The norms and the activation need not be kernels of their own. An RMSNorm needs only its
+# row: every program of the matmul after it can load the few rows of a small batch (16 at most,
+# 2 KB each for Qwen3-0.6B), sum their squares and scale them as it feeds them to its tile, and
+# the residual add happens in the same load. SiLU × mul needs a column of `gate` and the same
+# column of `up`: a program that computes both columns can multiply them before it writes. So a
+# layer becomes four matmul kernels plus attention's two:
+#
+# 1. add + RMSNorm + q/k/v matmul (program 0 also writes the new residual);
+# 2. the fused q/k/v kernel, then attention (unchanged);
+# 3. `o_proj` (then the all-reduce, with tensor parallelism);
+# 4. add + RMSNorm + gate/up matmul + SiLU × mul;
+# 5. `down_proj` (then the all-reduce).
+#
+# `small_matmul` is that kernel: each program owns a slice of the weight's rows and walks the
+# whole input dimension, its tile of 16 rows (the smallest `tl.dot` tile; a batch of one leaves
+# 15 of them empty, which costs nothing next to the weight's bytes). The rounding follows chapter
+# 05's functions exactly: the residual added in the model's dtype, the norm in float32 rounded to
+# the model's dtype before the weight, the matmul accumulated in float32, `gate` and `up`
+# rounded before SiLU as when they were a tensor. `FusedDecodeLayer` runs chapter 05's decoder
+# layer with it when a step has at most 16 tokens (decode steps of up to 16 sequences; a longer
+# step keeps cuBLAS, which is the better kernel once the tile fills); the decoder layer asks it
+# through its `fused_forward` hook. The setting `fused_decode` (`"auto"`: on for CUDA) hands it
+# to every layer.
+
+# %% [markdown] tags=["zh"]
+# ### 四个矩阵乘内核完成一层 decode
+#
+# 有了 CUDA graph 和融合的 q/k/v 内核之后，一层 decode 仍要跑大约十一个内核：残差相加 + RMSNorm、q/k/v 矩阵乘、
+# 融合的 q/k/v 内核、注意力、`o_proj`、第二次残差相加 + RMSNorm、`gate_up_proj`、SiLU × mul 和 `down_proj`。批大小
+# 为 1 时，每个矩阵乘读几 MB 权重，其余内核只读几 KB，所以一步的时间大多花在内核之间的边界上：每个内核都要等前一个
+# 结束，而即使在 graph 里，一次启动在第一次读内存之前也要花一两微秒。
+#
+# 归一化和激活函数不必单独成为内核。RMSNorm 只需要它自己那一行：它后面那个矩阵乘的每个程序，都可以把小批次的那几行
+# （最多 16 行，Qwen3-0.6B 每行 2 KB）读进来，求平方和，在送进自己的 tile 时顺手缩放；残差相加也在同一次读取中完成。
+# SiLU × mul 需要 `gate` 的一列和 `up` 的同一列：一个同时算这两列的程序，可以在写出之前把它们乘起来。于是一层变成
+# 四个矩阵乘内核，加上注意力的两个：
+#
+# 1. 残差相加 + RMSNorm + q/k/v 矩阵乘（0 号程序同时写出新的残差）；
+# 2. 融合的 q/k/v 内核，然后是注意力（不变）；
+# 3. `o_proj`（张量并行时接 all-reduce）；
+# 4. 残差相加 + RMSNorm + gate/up 矩阵乘 + SiLU × mul；
+# 5. `down_proj`（接 all-reduce）。
+#
+# `small_matmul` 就是这个内核：每个程序负责权重的一段行，沿整个输入维度走下去；它的 tile 有 16 行（`tl.dot` 最小的
+# tile；批大小为 1 时其中 15 行是空的，和权重的字节数相比这点开销可以忽略）。舍入方式与第 05 章的函数完全一致：
+# 残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘在 float32 中累加，
+# `gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。一步不超过 16 个 token 时（最多 16 个序列的 decode 步），
+# `FusedDecodeLayer` 用它来运行第 05 章的解码层；更长的步仍用 cuBLAS，tile 填满之后它是更好的内核。解码层通过自己的
+# `fused_forward` 钩子询问它。配置项 `fused_decode`（`"auto"`：CUDA 上打开）把它交给每一层。
+
+# %% fused decode
+#| export layers.fused_decode
+"""A decoder layer in four matmul kernels for a step of a few tokens: each RMSNorm (and its residual add) folded
+into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from torch import nn
+
+# en: The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
+# zh: 一个 tl.dot tile 的行数：不超过这么多 token 的一步走融合路径。
+MAX_TOKENS = 16
+
+
+@triton.jit
+def load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD: tl.constexpr):
+    """A [rows, ks] tile of the input, plus the residual when ADD, added in the model's dtype."""
+    x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
+    if ADD:
+        # en: As torch adds two bfloat16 tensors: in float32, rounded once (spelled out, since the Triton
+        # en: interpreter gets arithmetic on 16-bit floats wrong).
+        # zh: 与 torch 把两个 bfloat16 张量相加的方式相同：在 float32 中相加，只舍入一次（显式写出来，因为 Triton
+        # zh: 解释器算 16 位浮点运算会出错）。
+        residual = tl.load(residual_ptr + rows[:, None] * stride_r + ks[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def small_matmul_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, M, N, K, eps,
+    stride_x, stride_r, stride_w, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+    GLU: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # en: Program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M (<= BLOCK_M) rows.
+    # zh: 第 p 个程序为全部 M（<= BLOCK_M）行计算输出列 [p * BLOCK_N, (p + 1) * BLOCK_N)。
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if NORM:
+        # en: First pass over the rows: the sum of squares (program 0 also writes x + residual, the new residual).
+        # zh: 第一遍扫描这些行：求平方和（0 号程序同时写出 x + residual，即新的残差）。
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (ks < K)[None, :]
+            x = load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD)
+            if ADD and pid == 0:
+                tl.store(residual_out_ptr + rows[:, None] * stride_x + ks[None, :], x, mask=mask)
+            squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
+        inv_rms = tl.rsqrt(squares / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = load_rows(x_ptr, residual_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], stride_x, stride_r, ADD)
+        if NORM:
+            # en: rms_norm (chapter 05): float32, rounded to the model's dtype, then times the weight in that dtype.
+            # zh: rms_norm（第 05 章）：在 float32 中计算，舍入到模型的数据类型，再在该类型中乘以权重。
+            norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
+            x = (norm_weight[None, :] * normed.to(tl.float32)).to(x.dtype)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        if UPCAST:
+            x = x.to(tl.float32)
+        w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+        acc = tl.dot(x, tl.trans(w.to(tl.float32) if UPCAST else w), acc, input_precision=PRECISION)
+        if GLU:
+            # en: The up rows sit N rows below the gate rows in the merged gate_up weight (chapter 10).
+            # zh: 在合并的 gate_up 权重里（第 10 章），up 的行在 gate 的行下方 N 行处。
+            w = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+            up = tl.dot(x, tl.trans(w.to(tl.float32) if UPCAST else w), up, input_precision=PRECISION)
+    if BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GLU:
+        # en: silu_and_mul (chapter 05) on gate and up rounded to the model's dtype, as the tensor held them.
+        # zh: silu_and_mul（第 05 章）作用在舍入到模型数据类型的 gate 和 up 上，和它们存在张量里时一样。
+        gate = acc.to(dtype).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=row_mask[:, None] & col_mask[None, :])
+
+
+def block_n_for(columns: int) -> int:
+    """Output columns per program: the widest tile (64, 32 or 16) that still gives 128 programs or more, so that
+    every SM of a large GPU streams a slice of the weight; 16 when even that gives fewer."""
+    return next((block for block in (64, 32) if triton.cdiv(columns, block) >= 128), 16)
+
+
+def small_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    glu: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.linear(x, weight, bias)`` for at most MAX_TOKENS rows of ``x``, with what comes before and after it:
+
+    - ``norm_weight``: the input is ``rms_norm(x + residual, norm_weight, eps)`` (``residual`` optional);
+    - ``glu``: ``weight`` is the merged [gate | up] weight and the result is ``SiLU(gate) * up``.
+
+    Returns (the result, the new residual: ``x + residual``, or ``x`` itself when there is no residual).
+    """
+    tokens, k = x.shape
+    if tokens > MAX_TOKENS:
+        raise ValueError(f"small_matmul takes at most {MAX_TOKENS} rows, not {tokens}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("a residual is added only before a norm: pass norm_weight with it")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride() != x.stride()):
+        raise ValueError("small_matmul needs rows of contiguous elements (and a residual laid out like x)")
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
+    # en: The Triton interpreter (3.7) gets tl.dot of 16-bit floats wrong too: there the tiles go up to float32 first,
+    # en: which is exact, and float32 accumulates as the GPU's tensor cores do.
+    # zh: Triton 解释器（3.7）算 16 位浮点的 tl.dot 会出错：在解释器里先把 tile 转成 float32（这种转换是精确的），
+    # zh: 再像 GPU 的 Tensor Core 那样在 float32 中累加。
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    if tokens:
+        block_n = block_n_for(n)
+        small_matmul_kernel[(triton.cdiv(n, block_n),)](
+            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+            bias if bias is not None else x, out, residual_out, tokens, n, k, eps,
+            x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
+            BLOCK_M=MAX_TOKENS, BLOCK_N=block_n, BLOCK_K=128, NORM=norm_weight is not None, ADD=residual is not None,
+            GLU=glu, BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
+            UPCAST=upcast,
+        )  # fmt: skip
+    return out, residual_out
+
+
+def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """RowParallelLinear.forward (chapter 10) with the small matmul: this rank's partial sum, then the all-reduce."""
+    y, _ = small_matmul(x, linear.weight, linear.bias if linear.tp_rank == 0 else None)
+    if linear.tp_size > 1:
+        dist.all_reduce(y)
+    return y
+
+
+class FusedDecodeLayer:
+    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most MAX_TOKENS tokens, in four matmul kernels
+    (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
+
+    @staticmethod
+    def applies(hidden_states: torch.Tensor) -> bool:
+        return hidden_states.shape[0] <= MAX_TOKENS
+
+    def __call__(
+        self, layer: nn.Module, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        attention, mlp = layer.self_attn, layer.mlp
+        norm = layer.input_layernorm
+        qkv, residual = small_matmul(hidden_states, attention.qkv_proj.weight, attention.qkv_proj.bias,
+                                     residual=residual, norm_weight=norm.weight, eps=norm.eps)
+        hidden_states = row_parallel(attention.o_proj, attention.attend(positions, qkv))
+        norm = layer.post_attention_layernorm
+        activated, residual = small_matmul(hidden_states, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                           residual=residual, norm_weight=norm.weight, eps=norm.eps, glu=True)
+        return row_parallel(mlp.down_proj, activated), residual
+
+
+def fuse_decode_layers(model: nn.Module) -> int:
+    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook) the fused layer; returns how
+    many got it."""
+    fused = FusedDecodeLayer()
+    layers = [module for module in model.modules() if hasattr(module, "fused_forward")]
+    for layer in layers:
+        layer.fused_forward = fused
+    return len(layers)
+
+# %% [markdown] tags=["en"]
+# ### Check it
+#
+# On a small layer with every weight drawn at random (so that a missing norm weight or a
+# swapped gate and up would show), in float32: `small_matmul` against `F.linear` after chapter
+# 05's `rms_norm` and `silu_and_mul`, then one whole decoder layer, fused against chapter 05's, for
+# a step of 3 tokens. On a GPU the kernel is compiled; on a CPU it runs in the Triton interpreter.
+
+# %% [markdown] tags=["zh"]
+# ### 验证
+#
+# 用一个所有权重都随机抽取的小层（这样漏乘归一化权重、或者把 gate 和 up 弄反，都能看出来），在 float32 下：先把
+# `small_matmul` 与第 05 章的 `rms_norm`、`silu_and_mul` 加 `F.linear` 对照，再把整个解码层的融合版本与第 05 章的版本
+# 对照，一步 3 个 token。在 GPU 上内核是编译运行的；在 CPU 上它在 Triton 解释器里运行。
+
+# %%
+import torch.nn.functional as F
+
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.fused_decode import FusedDecodeLayer, small_matmul
+from nanovllm.models.qwen3 import Qwen3DecoderLayer
+from types import SimpleNamespace
+
+torch.manual_seed(0)
+x, residual = torch.randn(3, 64, device=DEVICE), torch.randn(3, 64, device=DEVICE)
+norm_weight, weight = torch.rand(64, device=DEVICE) + 0.5, torch.randn(96, 64, device=DEVICE) / 8
+bias = torch.randn(96, device=DEVICE)
+normed, added = rms_norm(x, residual, norm_weight, 1e-6)
+out, new_residual = small_matmul(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=1e-6)
+torch.testing.assert_close(out, F.linear(normed, weight, bias), rtol=1e-5, atol=1e-5)
+assert torch.equal(new_residual, added)
+activated, _ = small_matmul(x, weight, norm_weight=norm_weight, eps=1e-6, glu=True)
+torch.testing.assert_close(activated, silu_and_mul(F.linear(rms_norm(x, None, norm_weight, 1e-6), weight)),
+                           rtol=1e-5, atol=1e-5)
+
+shapes = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         intermediate_size=96, hidden_act="silu", rms_norm_eps=1e-6)
+layer = Qwen3DecoderLayer(shapes, RotaryEmbedding(16, 16, 64, 10000.0),
+                          {"qkv_bias": True, "o_bias": False, "qk_norm": True, "mlp_bias": False}).to(DEVICE)
+for parameter in layer.parameters():
+    parameter.data.uniform_(-0.3, 0.3) if parameter.dim() > 1 else parameter.data.uniform_(0.5, 1.5)
+positions = torch.tensor([0, 1, 2], device=DEVICE)
+set_prefill_context([3], [3], device=DEVICE)  # one sequence of 3 tokens, no KV cache
+expected = layer(positions, x, residual)
+torch.testing.assert_close(FusedDecodeLayer()(layer, positions, x, residual), expected, rtol=1e-5, atol=1e-5)
+# en: Through the decoder layer's hook, as the engine calls it.
+# zh: 经由解码层的钩子调用，与引擎的调用方式相同。
+layer.fused_forward = FusedDecodeLayer()
+assert layer.fused_forward.applies(x) and not layer.fused_forward.applies(torch.empty(17, 64))
+torch.testing.assert_close(layer(positions, x, residual), expected, rtol=1e-5, atol=1e-5)
+reset_context()
+print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, float32)"))
+
+# %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`
 #
 # Chapter 08's runner calls `warm_up()` once its KV cache exists, and `forward(...)` for the
@@ -825,6 +1128,7 @@ from nanovllm.engine.cuda_graphs import CudaGraphRunner, capture_decode_graphs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context
+from nanovllm.layers.fused_decode import fuse_decode_layers
 
 # en: The captured decode graphs: None until warm_up captures them, and wherever graphs cannot be used.
 # zh: 捕获好的 decode 图：在 warm_up 捕获之前，以及无法使用图的场合，都是 None。
@@ -834,9 +1138,11 @@ ModelRunner.graphs: CudaGraphRunner | None = None
 @add_to_class(ModelRunner)
 def warm_up(self) -> None:
     """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
-    then capture the decode graphs."""
+    hand the decoder layers their fused small-step path (``fused_decode``), then capture the decode graphs."""
     if self.config.compile_small_ops:
         compile_small_ops(self.model)
+    if self.config.fused_decode:
+        fuse_decode_layers(self.model)
     if self.device.type == "cuda":
         self.warm_paged_prefill()
         self.warm_up_attention()

@@ -883,6 +883,9 @@ class StepLatency:
     bound_ms: float  # bytes the step must read (weights + KV at the steps' mean length) at the copy rate
     kernels_per_step: float | None  # GPU kernels a step launches (profiled window; None on a CPU)
     gpu_ms_per_step: float | None  # time the GPU spent inside those kernels, per step
+    # en: The kernels by name, the costliest first: (name, launches per step, microseconds per step).
+    # zh: 按名字归并的 kernel，耗时最多的在前：（名字，每步启动次数，每步微秒数）。
+    top_kernels: list[tuple[str, float, float]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -916,12 +919,19 @@ def measured_copy_rate(device: str) -> float:
     return 2 * source.numel() / sorted(times)[len(times) // 2]
 
 
-def count_kernels(profile: Any, steps: int) -> tuple[float, float]:
-    """(kernels per step, GPU milliseconds inside them per step) from a torch.profiler run over ``steps`` steps.
-    Copies and memsets are not kernels of the model: they are left out."""
+def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(kernels per step, GPU milliseconds inside them per step, the ``top`` kernels by time) from a torch.profiler
+    run over ``steps`` steps. Copies and memsets are not kernels of the model: they are left out."""
     kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
                and not event.name.startswith(("Memcpy", "Memset"))]
-    return len(kernels) / steps, sum(event.device_time for event in kernels) / 1e3 / steps
+    by_name: dict[str, list[float]] = {}
+    for event in kernels:
+        count_and_time = by_name.setdefault(event.name[:100], [0, 0.0])
+        count_and_time[0] += 1
+        count_and_time[1] += event.device_time
+    ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
+    return (len(kernels) / steps, sum(event.device_time for event in kernels) / 1e3 / steps,
+            [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
 
 
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
@@ -987,7 +997,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
-                       gpu_ms_per_step=kernels[1] if kernels else None)
+                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None)
 
 
 def format_row(row: StepLatency) -> str:
@@ -1010,16 +1020,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
+    parser.add_argument("--fused-decode", choices=["auto", "on", "off", "both"], default="auto",
+                        help="the fused decode layer (chapter 09); both: off, then on, in this invocation, with "
+                        "their ratio per batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
 
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
-    from nanovllm.llm import LLM
+    from nanovllm.config import Config
 
     device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     batches, input_len, output_len = LATENCY_DEFAULTS[device]
     batches, input_len, output_len = args.batches or batches, args.input_len or input_len, args.output_len or output_len
+    fused_settings = {"auto": ["auto"], "on": [True], "off": [False], "both": [False, True]}[args.fused_decode]
     try:
         if min(batches) < 1 or input_len < 1 or output_len < 10:
             raise ValueError("batches and --input-len must be at least 1, --output-len at least 10 (the first 8 decode "
@@ -1027,33 +1041,58 @@ def main(argv: list[str] | None = None) -> int:
         preset = args.preset or ("nano-vllm" if device == "cuda" else "cpu")
         model = args.model or str(qwen3_06b_random() if preset == "nano-vllm" else
                                   qwen3_8b_shapes() if preset == "qwen3-8b" else smollm2_dir())
-        load_format = "dummy" if preset == "qwen3-8b" and not args.model else "auto"
-        llm = LLM(model, device=device, load_format=load_format, kv_cache_dtype=args.kv_cache_dtype,
-                  enforce_eager=args.enforce_eager, max_model_len=max(4096, input_len + output_len),
-                  max_num_seqs=max(batches))
+        settings = {"device": device, "load_format": "dummy" if preset == "qwen3-8b" and not args.model else "auto",
+                    "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
+                    "max_model_len": max(4096, input_len + output_len), "max_num_seqs": max(batches)}
+        for fused in fused_settings:  # refuse what this machine cannot run before any run
+            config = Config.from_kwargs(model, fused_decode=fused, **settings)
     except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
-    print(f"model: {model} on {where} ({llm.config.dtype}, kv cache {llm.config.kv_cache_dtype}); prompts of "
+    print(f"model: {model} on {where} ({config.dtype}, kv cache {config.kv_cache_dtype}); prompts of "
           f"{input_len} tokens, {output_len} generated each")
     report = report_header("python -m nanovllm.bench --latency", argv, device)
     report |= {"model": model, "input_len": input_len, "output_len": output_len, "rows": []}
-    try:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, untimed
-        bandwidth = measured_copy_rate(device)
-        print(f"copy rate, measured: {bandwidth / 1e12:.2f} TB/s; weights a step reads: "
-              f"{weight_bytes_per_step(llm.config.hf_config, llm.config.torch_dtype.itemsize) / 1e6:,.1f} MB")
-        report["bandwidth"] = bandwidth
+    bandwidth = report["bandwidth"] = measured_copy_rate(device)
+    print(f"copy rate, measured: {bandwidth / 1e12:.2f} TB/s; weights a step reads: "
+          f"{weight_bytes_per_step(config.hf_config, config.torch_dtype.itemsize) / 1e6:,.1f} MB")
+    for fused in fused_settings:
+        rows = measure_setting(model, batches, input_len, output_len, bandwidth, seed=args.seed, fused_decode=fused,
+                               **settings)
+        report["rows"] += rows
+    if len(fused_settings) > 1:
+        report["ratio_fused"] = {}
         for batch in batches:
-            row = measure_batch(llm, batch, input_len, output_len, bandwidth, seed=args.seed + batch)
-            print(format_row(row))
-            report["rows"].append(asdict(row) | {"tokens_per_s": row.tokens_per_s,
-                                                 "fraction_of_bound": row.fraction_of_bound})
-    finally:
-        llm.exit()
+            off, on = (next(row for row in report["rows"] if row["batch"] == batch and row["fused_decode"] is fused)
+                       for fused in (False, True))
+            ratio = report["ratio_fused"][batch] = off["ms_per_step"] / on["ms_per_step"]
+            print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
+                  f"{on['ms_per_step']:.3f} ms/step, same invocation)")
     write_report(report, args.out)
     return 0
+
+
+def measure_setting(model: str, batches: list[int], input_len: int, output_len: int, bandwidth: float, *,
+                    seed: int, **config: Any) -> list[dict[str, Any]]:
+    """One engine (config: `LLM` keyword arguments), each batch measured in turn: the report's rows."""
+    from nanovllm.llm import LLM
+
+    llm = LLM(model, **config)
+    rows = []
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, untimed
+        print(f"fused_decode={llm.config.fused_decode}:")
+        for batch in batches:
+            row = measure_batch(llm, batch, input_len, output_len, bandwidth, seed=seed + batch)
+            print(format_row(row))
+            for name, launches, micros in (row.top_kernels or [])[:8] if batch == batches[0] else []:
+                print(f"    {micros:8.1f} us/step {launches:5.1f}x  {name}")
+            rows.append(asdict(row) | {"fused_decode": llm.config.fused_decode, "tokens_per_s": row.tokens_per_s,
+                                       "fraction_of_bound": row.fraction_of_bound})
+    finally:
+        llm.exit()
+    return rows
 
 
 # %% [markdown] tags=["en"]

@@ -18,6 +18,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
+from nanovllm.layers.fused_decode import fuse_decode_layers
 from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
@@ -268,9 +269,11 @@ class ModelRunner:
     # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
     def warm_up(self) -> None:
         """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
-        then capture the decode graphs."""
+        hand the decoder layers their fused small-step path (``fused_decode``), then capture the decode graphs."""
         if self.config.compile_small_ops:
             compile_small_ops(self.model)
+        if self.config.fused_decode:
+            fuse_decode_layers(self.model)
         if self.device.type == "cuda":
             self.warm_paged_prefill()
             self.warm_up_attention()

@@ -61,16 +61,19 @@ class Qwen3Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden_states)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """From the q/k/v projection ``qkv`` to the heads' output [T, heads * head_dim], before ``o_proj``."""
         if self.fused_input is not None:
             q, k, v = self.fused_input(self, positions, qkv)
-            return self.o_proj(self.attn(q, k, v, kv_stored=True).flatten(1, -1))
+            return self.attn(q, k, v, kv_stored=True).flatten(1, -1)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.norm_and_rotate(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1, -1))
+        return self.attn(q, k, v).flatten(1, -1)
 
     def norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -96,6 +99,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
+    # Chapter 09, on a GPU: the whole layer in a few fused kernels when a step has only a few tokens.
+    fused_forward = None
+
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool]) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(
@@ -116,6 +122,8 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused_forward is not None and self.fused_forward.applies(hidden_states):
+            return self.fused_forward(self, positions, hidden_states, residual)
         if residual is None:
             hidden_states, residual = self.input_layernorm(hidden_states), hidden_states
         else:

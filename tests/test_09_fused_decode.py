@@ -1,0 +1,170 @@
+"""Chapter 09's fused decode layer: small_matmul against chapter 05's functions (Triton interpreter on a CPU,
+compiled on a GPU), the layer's hook in the engine, and the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.config import Config
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.fused_decode import MAX_TOKENS, FusedDecodeLayer, block_n_for, small_matmul
+from nanovllm.layers.layernorm import rms_norm
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-6, glu=False):
+    """What the unfused layers compute: rms_norm (with the residual add), F.linear, silu_and_mul."""
+    new_residual = x
+    if norm_weight is not None:
+        if residual is not None:
+            x, new_residual = rms_norm(x, residual, norm_weight, eps)
+        else:
+            x = rms_norm(x, None, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    return (silu_and_mul(y) if glu else y), new_residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 5, MAX_TOKENS])
+@pytest.mark.parametrize(
+    "form", ["plain", "bias", "norm", "norm+residual", "norm+residual+glu", "glu+bias"],
+)
+def test_small_matmul_matches_the_unfused_layers(dtype: torch.dtype, tokens: int, form: str) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    # en: K and N not multiples of the tiles (130 of 128, 2 x 40 of 16): the masks are exercised.
+    k, n = 130, 40
+    glu = "glu" in form
+
+    def draw(*shape, scale=1.0, shift=0.0):
+        return (torch.randn(*shape, generator=generator) * scale + shift).to(dtype).to(DEVICE)
+
+    x, residual = draw(tokens, k), draw(tokens, k)
+    weight = draw(2 * n if glu else n, k, scale=0.1)
+    bias = draw(2 * n if glu else n) if "bias" in form else None
+    norm_weight = draw(k, scale=0.2, shift=1.0) if "norm" in form else None
+    kwargs = dict(residual=residual if "residual" in form else None, norm_weight=norm_weight, eps=1e-6, glu=glu)
+    got, got_residual = small_matmul(x, weight, bias, **kwargs)
+    want, want_residual = reference(x, weight, bias, **kwargs)
+    # bfloat16 keeps 8 bits of mantissa: a few units of 2^-8 apart where the sums run in another order, and in the
+    # Triton interpreter (3.7), which rounds float32 to bfloat16 toward zero, a unit more at each of its roundings.
+    # So in bfloat16 the error is bounded against the output's own scale: a missing norm weight or a swapped gate
+    # and up is off by the scale itself.
+    scale = want.abs().max().item()
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-5, atol=2**-5 * scale)
+    torch.testing.assert_close(got, want, **tolerance)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(got_residual, want_residual)  # the residual add is exact: the same add in the same dtype
+    else:
+        # The Triton interpreter (3.7) rounds float32 to bfloat16 toward zero, not to nearest: one unit off at most.
+        torch.testing.assert_close(got_residual, want_residual, rtol=2**-7, atol=0)
+
+
+def test_small_matmul_refuses_what_it_cannot_do() -> None:
+    weight = torch.randn(32, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=f"at most {MAX_TOKENS} rows"):
+        small_matmul(torch.randn(MAX_TOKENS + 1, 64, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="norm_weight"):
+        small_matmul(torch.randn(2, 64, device=DEVICE), weight, residual=torch.randn(2, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        small_matmul(torch.randn(64, 2, device=DEVICE).t(), weight)
+
+
+def test_block_n_gives_every_sm_of_a_large_gpu_work() -> None:
+    # Qwen3-0.6B's matmuls: q/k/v 4096 columns, gate/up 3072 (after SiLU x mul), o_proj and down_proj 1024.
+    assert [block_n_for(n) for n in (4096, 3072, 1024, 40)] == [32, 16, 16, 16]
+    assert block_n_for(12288 * 2) == 64  # Qwen3-8B's gate/up
+
+
+def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        assert Config.from_kwargs(tiny).fused_decode is False  # auto: off on a CPU
+        assert Config.from_kwargs(tiny, fused_decode=True).fused_decode is True  # the interpreter is on (conftest)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="fused_decode=True on CPU needs the Triton interpreter"):
+            Config.from_kwargs(tiny, fused_decode=True)
+    else:
+        assert Config.from_kwargs(tiny).fused_decode is True  # auto: on for CUDA
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="fused_decode"):
+            Config.from_kwargs(tiny, fused_decode=bad)
+
+
+def test_engine_with_the_fused_layer_generates_what_it_generates_without(
+    tiny_arch: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy, float32, 3 prompts with chunked prefill: steps of at most 16 tokens (decode steps, and the last
+    chunk of a prompt) take the fused path, longer ones do not; the tokens are those of the unfused engine, and
+    the fused path did run."""
+    prompts = [list(range(3, 40)), [7, 8, 9], list(range(100, 121))]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    step_tokens: list[int] = []
+    fused_call = FusedDecodeLayer.__call__
+
+    def recording_call(self, layer, positions, hidden_states, residual):
+        step_tokens.append(hidden_states.shape[0])
+        return fused_call(self, layer, positions, hidden_states, residual)
+
+    monkeypatch.setattr(FusedDecodeLayer, "__call__", recording_call)
+    tokens = {}
+    for fused in (False, True):
+        llm = LLM(str(tiny_arch), device=DEVICE, dtype="float32", fused_decode=fused, kvcache_block_size=16,
+                  num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
+        layers = [m for m in llm.model_runner.model.modules() if hasattr(m, "fused_forward")]
+        assert layers and all((m.fused_forward is not None) == fused for m in layers)
+        try:
+            tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        finally:
+            llm.exit()
+        assert bool(step_tokens) == fused and max(step_tokens, default=0) <= MAX_TOKENS
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_gpu_fused_decode_with_graphs_matches_the_unfused_engine(kv_cache_dtype: str) -> None:
+    """Qwen3-0.6B's layer shapes (2 layers), float32, CUDA graphs and async scheduling: the fused decode layer
+    generates the unfused engine's greedy tokens, with the 16-bit and the 8-bit KV cache."""
+    from nanovllm.book.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
+                             num_key_value_heads=8, head_dim=128, num_hidden_layers=2, vocab_size=151936,
+                             tie_word_embeddings=True)
+    prompts = [[(7 * i + j) % 151000 + 3 for j in range(n)] for i, n in enumerate([5, 40, 17, 200])]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for fused in (False, True):
+        llm = LLM(str(model), dtype="float32", fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
+                  num_kvcache_blocks=64)
+        assert llm.model_runner.graphs is not None
+        tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        llm.exit()
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.gpu
+def test_gpu_small_matmul_on_qwen3_shapes_in_bfloat16() -> None:
+    """The four matmuls of a Qwen3-0.6B decode layer, bf16, 1 and 16 tokens, against the unfused layers."""
+    torch.manual_seed(0)
+    for tokens in (1, 16):
+        x, residual = torch.randn(tokens, 1024, device="cuda").bfloat16(), torch.randn(tokens, 1024,
+                                                                                        device="cuda").bfloat16()
+        norm_weight = (torch.rand(1024, device="cuda") + 0.5).bfloat16()
+        for n, k, kwargs in [(4096, 1024, dict(residual=residual, norm_weight=norm_weight, eps=1e-6)),
+                             (1024, 2048, {}),
+                             (6144, 1024, dict(residual=residual, norm_weight=norm_weight, eps=1e-6, glu=True)),
+                             (1024, 3072, {})]:
+            inputs = x if k == 1024 else torch.randn(tokens, k, device="cuda").bfloat16()
+            weight = (torch.randn(n, k, device="cuda") / k**0.5).bfloat16()
+            got, got_residual = small_matmul(inputs, weight, **kwargs)
+            want, want_residual = reference(inputs, weight, **kwargs)
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            assert torch.equal(got_residual, want_residual)
