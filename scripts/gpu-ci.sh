@@ -245,7 +245,7 @@ keep() {
   for dir in .whl .fa4 .whl-serve .whl-smollm2; do
     [ -d $dir ] && mkdir -p /tmp/keep/$dir && cp $dir/* /tmp/keep/$dir/
   done
-  ls -lR /tmp/keep
+  du -sh /tmp/keep/.[!.]*  # the folders kept so far
 }
 
 what=${1:-all}

@@ -13,8 +13,8 @@
 # parts and installs everything. The plan printed at the end names the paths to carry in each call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part_size_mb=${PART_SIZE_MB:-30}  # a transfer's 64 MiB hold the tree (4 MiB) and about 50 MB of wheels
-transfer_budget_mb=${TRANSFER_BUDGET_MB:-50}
+part_size_mb=${PART_SIZE_MB:-30}  # a transfer holds 64 MiB: the tree (about 4 MiB) and up to 58 MiB of wheels
+transfer_budget_mb=${TRANSFER_BUDGET_MB:-58}
 
 download() {  # download DIR PACKAGE...: cp312 manylinux wheels (with their dependencies) into DIR
   local dest=$1; shift
