@@ -853,6 +853,7 @@ into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -943,10 +944,23 @@ def small_matmul_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=row_mask[:, None] & col_mask[None, :])
 
 
-def block_n_for(columns: int) -> int:
-    """Output columns per program: the widest tile (64, 32 or 16) that still gives 128 programs or more, so that
-    every SM of a large GPU streams a slice of the weight; 16 when even that gives fewer."""
-    return next((block for block in (64, 32) if triton.cdiv(columns, block) >= 128), 16)
+@dataclass(frozen=True)
+class SmallMatmulLaunch:
+    """How `small_matmul` splits the work: output columns per program, input elements per loop step, and
+    Triton's warps and pipeline stages (loads in flight while the tile before them is multiplied)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def choose_launch(columns: int, inputs: int) -> SmallMatmulLaunch:
+    """The launch for a weight of ``columns`` output columns and ``inputs`` input elements: the widest tile
+    (64, 32 or 16 columns) that still gives 128 programs or more, so that every SM of a large GPU streams a
+    slice of the weight (16 when even that gives fewer)."""
+    block_n = next((block for block in (64, 32) if triton.cdiv(columns, block) >= 128), 16)
+    return SmallMatmulLaunch(block_n=block_n)
 
 
 def small_matmul(
@@ -958,6 +972,7 @@ def small_matmul(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     glu: bool = False,
+    launch: SmallMatmulLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``F.linear(x, weight, bias)`` for at most MAX_TOKENS rows of ``x``, with what comes before and after it:
 
@@ -965,6 +980,7 @@ def small_matmul(
     - ``glu``: ``weight`` is the merged [gate | up] weight and the result is ``SiLU(gate) * up``.
 
     Returns (the result, the new residual: ``x + residual``, or ``x`` itself when there is no residual).
+    ``launch``: how to split the work (default: `choose_launch`).
     """
     tokens, k = x.shape
     if tokens > MAX_TOKENS:
@@ -982,14 +998,15 @@ def small_matmul(
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(x) if residual is not None else x
     if tokens:
-        block_n = block_n_for(n)
-        small_matmul_kernel[(triton.cdiv(n, block_n),)](
+        launch = launch or choose_launch(n, k)
+        small_matmul_kernel[(triton.cdiv(n, launch.block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
             bias if bias is not None else x, out, residual_out, tokens, n, k, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
-            BLOCK_M=MAX_TOKENS, BLOCK_N=block_n, BLOCK_K=128, NORM=norm_weight is not None, ADD=residual is not None,
-            GLU=glu, BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
-            UPCAST=upcast,
+            BLOCK_M=MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NORM=norm_weight is not None,
+            ADD=residual is not None, GLU=glu, BIAS=bias is not None,
+            PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
     return out, residual_out
 

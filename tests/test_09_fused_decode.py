@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from nanovllm.config import Config
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.fused_decode import MAX_TOKENS, FusedDecodeLayer, block_n_for, small_matmul
+from nanovllm.layers.fused_decode import MAX_TOKENS, FusedDecodeLayer, SmallMatmulLaunch, choose_launch, small_matmul
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -76,10 +76,21 @@ def test_small_matmul_refuses_what_it_cannot_do() -> None:
         small_matmul(torch.randn(64, 2, device=DEVICE).t(), weight)
 
 
-def test_block_n_gives_every_sm_of_a_large_gpu_work() -> None:
+def test_launch_gives_every_sm_of_a_large_gpu_work() -> None:
     # Qwen3-0.6B's matmuls: q/k/v 4096 columns, gate/up 3072 (after SiLU x mul), o_proj and down_proj 1024.
-    assert [block_n_for(n) for n in (4096, 3072, 1024, 40)] == [32, 16, 16, 16]
-    assert block_n_for(12288 * 2) == 64  # Qwen3-8B's gate/up
+    assert [choose_launch(n, 1024).block_n for n in (4096, 3072, 1024, 40)] == [32, 16, 16, 16]
+    assert choose_launch(12288 * 2, 4096).block_n == 64  # Qwen3-8B's gate/up
+
+
+@pytest.mark.parametrize("launch", [SmallMatmulLaunch(16, 64, 2, 1), SmallMatmulLaunch(32, 256, 8, 4)])
+def test_small_matmul_gives_the_same_result_with_any_launch(launch: SmallMatmulLaunch) -> None:
+    torch.manual_seed(0)
+    x, residual, norm_weight = (torch.randn(4, 300, device=DEVICE), torch.randn(4, 300, device=DEVICE),
+                                torch.rand(300, device=DEVICE) + 0.5)
+    weight = torch.randn(2 * 48, 300, device=DEVICE) / 16
+    kwargs = dict(residual=residual, norm_weight=norm_weight, eps=1e-6, glu=True)
+    got, _ = small_matmul(x, weight, launch=launch, **kwargs)
+    torch.testing.assert_close(got, reference(x, weight, **kwargs)[0], rtol=1e-5, atol=1e-5)
 
 
 def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
