@@ -816,8 +816,8 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # rounded before SiLU as when they were a tensor. `FusedDecodeLayer` runs chapter 05's decoder
 # layer with it when a step has at most 16 tokens (decode steps of up to 16 sequences; a longer
 # step keeps cuBLAS, which is the better kernel once the tile fills); the decoder layer asks it
-# through its `fused_forward` hook. The setting `fused_decode` (`"auto"`: on for CUDA) hands it
-# to every layer.
+# through its `fused_forward` hook. The setting `fused_decode=True` hands it to every layer; its
+# `"auto"` leaves it off for now, for the reason measured below.
 
 # %% [markdown] tags=["zh"]
 # ### 四个矩阵乘内核完成一层 decode
@@ -843,7 +843,8 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘在 float32 中累加，
 # `gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。一步不超过 16 个 token 时（最多 16 个序列的 decode 步），
 # `FusedDecodeLayer` 用它来运行第 05 章的解码层；更长的步仍用 cuBLAS，tile 填满之后它是更好的内核。解码层通过自己的
-# `fused_forward` 钩子询问它。配置项 `fused_decode`（`"auto"`：CUDA 上打开）把它交给每一层。
+# `fused_forward` 钩子询问它。配置项 `fused_decode=True` 把它交给每一层；它的 `"auto"` 目前让它保持关闭，原因见
+# 下面的测量。
 
 # %% fused decode
 #| export layers.fused_decode
@@ -1102,6 +1103,56 @@ assert layer.fused_forward.applies(x) and not layer.fused_forward.applies(torch.
 torch.testing.assert_close(layer(positions, x, residual), expected, rtol=1e-5, atol=1e-5)
 reset_context()
 print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, float32)"))
+
+# %% [markdown] tags=["en"]
+# ### What it measured: fewer kernels are not yet a faster step
+#
+# Recorded on an H200 (2026-12-03) with `python -m nanovllm.bench --latency --fused-decode both`
+# (chapter 14): Qwen3-0.6B's shapes, bf16, prompts of 512 tokens, 1,024 generated, CUDA graphs and
+# async scheduling, both engines in one invocation, the bound at the copy rate measured there
+# (4.25 TB/s).
+#
+# | batch | ms per step, unfused | kernels | GPU busy | ms per step, fused | kernels | GPU busy | bound |
+# |---:|---:|---:|---:|---:|---:|---:|---:|
+# | 1 | 1.410 | 321 | 1.241 ms | 1.690 | 208 | 1.572 ms | 0.308 ms |
+# | 4 | 1.504 | 322 | 1.347 ms | 1.849 | 209 | 1.734 ms | 0.392 ms |
+# | 16 | 1.816 | 322 | 1.649 ms | 2.253 | 209 | 2.136 ms | 0.725 ms |
+# | 64 | 3.381 | 294 | 3.226 ms | 3.384 | 293 | 3.225 ms | 2.057 ms |
+#
+# The profile says where the unfused step's 1.24 ms of GPU time goes at batch 1: cuBLAS's four
+# matmuls per layer take 729 µs (112 launches, about 1.2 TB/s: a third of the copy rate),
+# attention 209 µs (its two kernels), the compiled add + RMSNorm 83 µs, the LM head 76 µs, the
+# fused q/k/v kernel 47 µs. So the step is slow less because of the number of kernels than because
+# the matmuls at one row leave two thirds of the bandwidth unused. The fused layer removed 113
+# kernels a step (the norms and SiLU × mul), but its `small_matmul`, in this first launch (16 to
+# 32 columns a program, 128 inputs a loop step), streamed its weights at about 0.7 TB/s: 1,221 µs
+# for the 112 matmuls, slower than cuBLAS. Hence `"auto"` keeps it off. What comes next is the
+# launch: more bytes in flight per program (longer loop steps, more pipeline stages), and
+# split-K for `o_proj` and `down_proj`, whose 1,024 columns make only 64 programs of 16 for 132
+# SMs. `scripts/small_matmul_sweep.py` times launches against cuBLAS on these four shapes.
+
+# %% [markdown] tags=["zh"]
+# ### 测量结果：内核少了，一步还没有变快
+#
+# 2026-12-03 在 H200 上用 `python -m nanovllm.bench --latency --fused-decode both`（第 14 章）记录：Qwen3-0.6B 的
+# 形状，bf16，提示词 512 个 token，生成 1,024 个，使用 CUDA graph 和异步调度，两个引擎在同一次调用中测量，上限按
+# 当时测得的拷贝速率（4.25 TB/s）计算。
+#
+# | 批大小 | 不融合：每步 ms | 内核数 | GPU 忙碌 | 融合：每步 ms | 内核数 | GPU 忙碌 | 上限 |
+# |---:|---:|---:|---:|---:|---:|---:|---:|
+# | 1 | 1.410 | 321 | 1.241 ms | 1.690 | 208 | 1.572 ms | 0.308 ms |
+# | 4 | 1.504 | 322 | 1.347 ms | 1.849 | 209 | 1.734 ms | 0.392 ms |
+# | 16 | 1.816 | 322 | 1.649 ms | 2.253 | 209 | 2.136 ms | 0.725 ms |
+# | 64 | 3.381 | 294 | 3.226 ms | 3.384 | 293 | 3.225 ms | 2.057 ms |
+#
+# 性能分析告诉我们，批大小为 1 时不融合的一步那 1.24 ms GPU 时间花在哪里：cuBLAS 每层四个矩阵乘共 729 µs（112 次
+# 启动，约 1.2 TB/s，只有拷贝速率的三分之一），注意力 209 µs（它的两个内核），编译好的残差相加 + RMSNorm 83 µs，
+# LM head 76 µs，融合的 q/k/v 内核 47 µs。所以这一步慢，与其说是因为内核多，不如说是因为只有一行时矩阵乘让三分之二
+# 的带宽闲着。融合层每步少了 113 个内核（归一化和 SiLU × mul），但它的 `small_matmul` 在这第一版启动配置下（每个程序
+# 16 到 32 列，每步循环 128 个输入元素）读权重只有约 0.7 TB/s：112 个矩阵乘共 1,221 µs，比 cuBLAS 还慢。所以 `"auto"`
+# 让它保持关闭。下一步要做的是启动配置：每个程序同时在途的字节更多（更长的循环步、更多流水级），以及给 `o_proj` 和
+# `down_proj` 做 split-K——它们只有 1,024 列，按每程序 16 列只有 64 个程序，而 GPU 有 132 个 SM。
+# `scripts/small_matmul_sweep.py` 在这四种形状上把各种启动配置与 cuBLAS 对比计时。
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`

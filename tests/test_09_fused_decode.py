@@ -94,14 +94,13 @@ def test_small_matmul_gives_the_same_result_with_any_launch(launch: SmallMatmulL
 
 
 def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # auto: off everywhere until the kernels measure faster than cuBLAS (0.81-0.83x on an H200 so far)
+    assert Config.from_kwargs(tiny).fused_decode is False
+    assert Config.from_kwargs(tiny, fused_decode=True).fused_decode is True  # on a CPU: the interpreter (conftest)
     if DEVICE == "cpu":
-        assert Config.from_kwargs(tiny).fused_decode is False  # auto: off on a CPU
-        assert Config.from_kwargs(tiny, fused_decode=True).fused_decode is True  # the interpreter is on (conftest)
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="fused_decode=True on CPU needs the Triton interpreter"):
             Config.from_kwargs(tiny, fused_decode=True)
-    else:
-        assert Config.from_kwargs(tiny).fused_decode is True  # auto: on for CUDA
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="fused_decode"):
             Config.from_kwargs(tiny, fused_decode=bad)
