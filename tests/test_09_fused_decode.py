@@ -76,6 +76,18 @@ def test_small_matmul_refuses_what_it_cannot_do() -> None:
         small_matmul(torch.randn(64, 2, device=DEVICE).t(), weight)
 
 
+def test_small_matmul_reads_rows_of_a_wider_buffer() -> None:
+    """Inputs that are column slices of wider buffers (rows further apart than their length) are read as such,
+    and the new residual is a tensor of its own."""
+    x, residual = torch.randn(3, 100, device=DEVICE)[:, :64], torch.randn(3, 80, device=DEVICE)[:, 8:72]
+    weight, norm_weight = torch.randn(32, 64, device=DEVICE) / 8, torch.rand(64, device=DEVICE) + 0.5
+    kwargs = dict(residual=residual, norm_weight=norm_weight, eps=1e-6)
+    got, got_residual = small_matmul(x, weight, **kwargs)
+    want, want_residual = reference(x, weight, **kwargs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_residual, want_residual) and got_residual.is_contiguous()
+
+
 def test_launch_gives_every_sm_of_a_large_gpu_work() -> None:
     # Qwen3-0.6B's matmuls: q/k/v 4096 columns, gate/up 3072 (after SiLU x mul), o_proj and down_proj 1024.
     assert [choose_launch(n, 1024).block_n for n in (4096, 3072, 1024, 40)] == [32, 16, 16, 16]

@@ -47,7 +47,7 @@ def load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD: tl.c
 @triton.jit
 def small_matmul_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, M, N, K, eps,
-    stride_x, stride_r, stride_w, stride_out,
+    stride_x, stride_r, stride_w, stride_out, stride_r_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
     GLU: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
@@ -65,7 +65,7 @@ def small_matmul_kernel(
             mask = row_mask[:, None] & (ks < K)[None, :]
             x = load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD)
             if ADD and pid == 0:
-                tl.store(residual_out_ptr + rows[:, None] * stride_x + ks[None, :], x, mask=mask)
+                tl.store(residual_out_ptr + rows[:, None] * stride_r_out + ks[None, :], x, mask=mask)
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
         inv_rms = tl.rsqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -109,9 +109,9 @@ class SmallMatmulLaunch:
     Triton's warps and pipeline stages (loads in flight while the tile before them is multiplied)."""
 
     block_n: int = 16
-    block_k: int = 256
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
 
 def choose_launch(columns: int, inputs: int) -> SmallMatmulLaunch:
@@ -146,20 +146,21 @@ def small_matmul(
         raise ValueError(f"small_matmul takes at most {MAX_TOKENS} rows, not {tokens}")
     if residual is not None and norm_weight is None:
         raise ValueError("a residual is added only before a norm: pass norm_weight with it")
-    if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride() != x.stride()):
-        raise ValueError("small_matmul needs rows of contiguous elements (and a residual laid out like x)")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("small_matmul needs rows of contiguous elements")
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     # The Triton interpreter (3.7) gets tl.dot of 16-bit floats wrong too: there the tiles go up to float32 first,
     # which is exact, and float32 accumulates as the GPU's tensor cores do.
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else x
+    residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
     if tokens:
         launch = launch or choose_launch(n, k)
         small_matmul_kernel[(triton.cdiv(n, launch.block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
             bias if bias is not None else x, out, residual_out, tokens, n, k, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
+            residual_out.stride(0),
             BLOCK_M=MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NORM=norm_weight is not None,
             ADD=residual is not None, GLU=glu, BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
