@@ -1197,7 +1197,6 @@ from nanovllm.engine.cuda_graphs import CudaGraphRunner, capture_decode_graphs
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context
-from nanovllm.layers.fused_decode import fuse_decode_layers
 
 # en: The captured decode graphs: None until warm_up captures them, and wherever graphs cannot be used.
 # zh: 捕获好的 decode 图：在 warm_up 捕获之前，以及无法使用图的场合，都是 None。
@@ -1211,6 +1210,12 @@ def warm_up(self) -> None:
     if self.config.compile_small_ops:
         compile_small_ops(self.model)
     if self.config.fused_decode:
+        # en: Triton: imported only when asked, so that a CPU engine never imports it (and a chapter that sets
+        # en: TRITON_INTERPRET=1 does so before Triton's first import).
+        # zh: Triton 只在需要时才导入：CPU 上的引擎从不导入它（设置 TRITON_INTERPRET=1 的章节也能在 Triton 第一次
+        # zh: 导入之前设置好）。
+        from nanovllm.layers.fused_decode import fuse_decode_layers
+
         fuse_decode_layers(self.model)
     if self.device.type == "cuda":
         self.warm_paged_prefill()

@@ -18,7 +18,6 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
-from nanovllm.layers.fused_decode import fuse_decode_layers
 from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs, temperature_sample
@@ -273,6 +272,10 @@ class ModelRunner:
         if self.config.compile_small_ops:
             compile_small_ops(self.model)
         if self.config.fused_decode:
+            # Triton: imported only when asked, so that a CPU engine never imports it (and a chapter that sets
+            # TRITON_INTERPRET=1 does so before Triton's first import).
+            from nanovllm.layers.fused_decode import fuse_decode_layers
+
             fuse_decode_layers(self.model)
         if self.device.type == "cuda":
             self.warm_paged_prefill()
