@@ -145,7 +145,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 contexts.append(input_len + decode_step)
                 launches += launch_seconds[launched_before:]
     finally:
-        llm._launch = launch
+        del llm._launch  # the class's method again
     if not step_seconds:
         raise ValueError(f"no decode step was timed: --output-len {output_len} leaves none after {warmup_steps} "
                          "warm-up steps")
