@@ -303,6 +303,12 @@ def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row
 
 
+def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
+    """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
+    return (hf_config.num_hidden_layers * layer_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) \
+        * dtype_bytes
+
+
 def workload_bound(
     workload: Workload, hf_config: Any, dtype_bytes: int, bandwidth: float, flops: float, kv_cache_dtype: str = "auto"
 ) -> Bound:
@@ -311,9 +317,7 @@ def workload_bound(
     layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    # en: Weights one decode step reads: every layer and the LM head (the embedding reads one row per token).
-    # zh: 一个 decode 步读取的权重：每一层加上 LM head（嵌入表每个 token 只读一行）。
-    step_bytes = (layers * layer_params(hf_config) + hf_config.vocab_size * hidden) * dtype_bytes
+    step_bytes = weight_bytes_per_step(hf_config, dtype_bytes)
     token_bytes = kv_token_bytes(hf_config, dtype_bytes, kv_cache_dtype)
     steps = max(workload.output_lens) - 1
     # en: Sequence i reads the KV of p+1 ... p+o-1 tokens: (o-1) * p + (o-1) * o / 2.
@@ -862,7 +866,13 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import kv_token_bytes, layer_params, make_workload, qwen3_06b_random, qwen3_8b_shapes
+from nanovllm.bench.engine import (
+    kv_token_bytes,
+    make_workload,
+    qwen3_06b_random,
+    qwen3_8b_shapes,
+    weight_bytes_per_step,
+)
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 
@@ -894,12 +904,6 @@ class StepLatency:
     @property
     def fraction_of_bound(self) -> float:
         return self.bound_ms / self.ms_per_step
-
-
-def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
-    """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
-    return (hf_config.num_hidden_layers * layer_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) \
-        * dtype_bytes
 
 
 def measured_copy_rate(device: str) -> float:
@@ -1112,8 +1116,7 @@ def measure_setting(model: str, batches: list[int], input_len: int, output_len: 
 # 除外），对 Qwen3-0.6B 来说就是 1.19 GB；每一行的上限和比例都由同一次运行测得的字节数和拷贝速率推出。
 
 # %%
-from nanovllm.bench.engine import kv_token_bytes
-from nanovllm.bench.latency import weight_bytes_per_step
+from nanovllm.bench.engine import kv_token_bytes, weight_bytes_per_step
 
 tiny_qwen3 = build_tiny_model("qwen3")
 latency_status = bench(["--latency", "--model", str(tiny_qwen3), "--device", "cpu", "--batches", "1", "2",

@@ -36,6 +36,7 @@ __all__ = [
     "qwen3_8b_shapes",
     "run_engine",
     "run_transformers",
+    "weight_bytes_per_step",
     "workload_bound",
 ]
 
@@ -181,6 +182,12 @@ def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row
 
 
+def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
+    """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
+    return (hf_config.num_hidden_layers * layer_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) \
+        * dtype_bytes
+
+
 def workload_bound(
     workload: Workload, hf_config: Any, dtype_bytes: int, bandwidth: float, flops: float, kv_cache_dtype: str = "auto"
 ) -> Bound:
@@ -189,8 +196,7 @@ def workload_bound(
     layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
-    # Weights one decode step reads: every layer and the LM head (the embedding reads one row per token).
-    step_bytes = (layers * layer_params(hf_config) + hf_config.vocab_size * hidden) * dtype_bytes
+    step_bytes = weight_bytes_per_step(hf_config, dtype_bytes)
     token_bytes = kv_token_bytes(hf_config, dtype_bytes, kv_cache_dtype)
     steps = max(workload.output_lens) - 1
     # Sequence i reads the KV of p+1 ... p+o-1 tokens: (o-1) * p + (o-1) * o / 2.

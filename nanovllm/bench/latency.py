@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import kv_token_bytes, layer_params, make_workload, qwen3_06b_random, qwen3_8b_shapes
+from nanovllm.bench.engine import (
+    kv_token_bytes,
+    make_workload,
+    qwen3_06b_random,
+    qwen3_8b_shapes,
+    weight_bytes_per_step,
+)
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 
@@ -25,7 +31,6 @@ __all__ = [
     "measure_batch",
     "measure_setting",
     "measured_copy_rate",
-    "weight_bytes_per_step",
 ]
 
 
@@ -56,12 +61,6 @@ class StepLatency:
     @property
     def fraction_of_bound(self) -> float:
         return self.bound_ms / self.ms_per_step
-
-
-def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
-    """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
-    return (hf_config.num_hidden_layers * layer_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) \
-        * dtype_bytes
 
 
 def measured_copy_rate(device: str) -> float:
