@@ -187,8 +187,10 @@ say = Phrases({
         "批大小 3 -> {three} | 批大小 17 -> {seventeen} | 批大小 600 -> {six_hundred}",
     "one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)":
         "一个内核 == 第 05 章的 q/k 归一化与 RoPE + 第 06 章的写入（写了槽位 4-6，其余不动）",
-    "a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, float32)":
-        "四个矩阵乘内核完成的解码层 == 第 05 章的层（3 个 token，float32）",
+    "PDL hides {hidden:.1f} µs a boundary; {left:.1f} µs a kernel remain":
+        "PDL 每个边界藏住 {hidden:.1f} µs；每个内核还剩 {left:.1f} µs",
+    "a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, then 1, float32)":
+        "四个矩阵乘内核完成的解码层 == 第 05 章的层（先 3 个 token，再 1 个，float32）",
     "compile_small_ops handed {count} modules a compiled function or the fused kernel":
         "compile_small_ops 给 {count} 个模块交了编译后的函数或融合内核",
     "graphs: {graphs} | why: {reason} | compile_small_ops: {compiled}":
@@ -808,16 +810,31 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 4. add + RMSNorm + gate/up matmul + SiLU × mul;
 # 5. `down_proj` (then the all-reduce).
 #
-# `small_matmul` is that kernel: each program owns a slice of the weight's rows and walks the
-# whole input dimension, its tile of 16 rows (the smallest `tl.dot` tile; a batch of one leaves
-# 15 of them empty, which costs nothing next to the weight's bytes). The rounding follows chapter
-# 05's functions exactly: the residual added in the model's dtype, the norm in float32 rounded to
-# the model's dtype before the weight, the matmul accumulated in float32, `gate` and `up`
+# `small_matmul` is that kernel, in two forms. For one token (a decode step of one sequence, the
+# case this section is for) it is a GEMV, a matrix times a vector: each program owns a few rows of
+# the weight (8 for q/k/v and gate/up, 4 for `o_proj` and `down_proj`, so that every matmul has at
+# least 256 programs for the H200's 132 SMs), loads its whole slice of them at once (16 KB for
+# q/k/v), and only then reads the input row. For 2 to 16 tokens it is a tile kernel: a tile of 16
+# rows (the smallest `tl.dot` tile) walks the input dimension. The rounding follows chapter 05's
+# functions exactly in both: the residual added in the model's dtype, the norm in float32 rounded
+# to the model's dtype before the weight, the matmul accumulated in float32, `gate` and `up`
 # rounded before SiLU as when they were a tensor. `FusedDecodeLayer` runs chapter 05's decoder
-# layer with it when a step has at most 16 tokens (decode steps of up to 16 sequences; a longer
-# step keeps cuBLAS, which is the better kernel once the tile fills); the decoder layer asks it
-# through its `fused_forward` hook. The setting `fused_decode=True` hands it to every layer; its
-# `"auto"` leaves it off for now, for the reason measured below.
+# layer with it; the decoder layer asks it through its `fused_forward` hook. The setting
+# `fused_decode` (on by default on a GPU) hands every layer one that takes steps of one token,
+# where it measured faster than cuBLAS; steps of 2 to 16 tokens take the tile kernel only when
+# asked (`FusedDecodeLayer(max_tokens=16)`), for the reason measured below.
+#
+# Why load the weights first? A kernel boundary costs more than a launch. Inside a graph, kernel
+# *n + 1* starts only when every program of kernel *n* has finished and its writes are visible;
+# then its programs issue their first loads, which take a microsecond to come back from memory.
+# For a weight of 4 MB, which the H200 reads in 1 µs, that wait and the slow tail of the kernel
+# before (its last programs running while most SMs sit idle) cost more than the reading. Yet the
+# weights do not depend on the kernel before; only the input row does. Hopper has *programmatic
+# dependent launch* for that: a kernel launched with it may start as soon as the kernel before
+# calls `gdc_launch_dependents`, and waits at `gdc_wait` for that kernel's end (and its writes)
+# only where it needs them. The GEMV calls the first as it starts, loads its weight slice, and
+# waits just before it reads the input row: the weights of matmul *n + 1* stream in while
+# matmul *n* finishes.
 
 # %% [markdown] tags=["zh"]
 # ### 四个矩阵乘内核完成一层 decode
@@ -838,13 +855,23 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 4. 残差相加 + RMSNorm + gate/up 矩阵乘 + SiLU × mul；
 # 5. `down_proj`（接 all-reduce）。
 #
-# `small_matmul` 就是这个内核：每个程序负责权重的一段行，沿整个输入维度走下去；它的 tile 有 16 行（`tl.dot` 最小的
-# tile；批大小为 1 时其中 15 行是空的，和权重的字节数相比这点开销可以忽略）。舍入方式与第 05 章的函数完全一致：
-# 残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘在 float32 中累加，
-# `gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。一步不超过 16 个 token 时（最多 16 个序列的 decode 步），
-# `FusedDecodeLayer` 用它来运行第 05 章的解码层；更长的步仍用 cuBLAS，tile 填满之后它是更好的内核。解码层通过自己的
-# `fused_forward` 钩子询问它。配置项 `fused_decode=True` 把它交给每一层；它的 `"auto"` 目前让它保持关闭，原因见
-# 下面的测量。
+# `small_matmul` 就是这个内核，它有两种形式。一个 token 时（一个序列的 decode 步，也就是本节关心的情形）它是 GEMV，
+# 即矩阵乘向量：每个程序负责权重的几行（q/k/v 和 gate/up 每个程序 8 行，`o_proj` 和 `down_proj` 4 行，这样每个矩阵
+# 乘都至少有 256 个程序，分给 H200 的 132 个 SM），一次把自己那一段权重全部读入（q/k/v 是 16 KB），然后才去读输入行。
+# 2 到 16 个 token 时它是 tile 内核：一个 16 行的 tile（`tl.dot` 最小的 tile）沿输入维度走下去。两种形式的舍入都与
+# 第 05 章的函数完全一致：残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘
+# 在 float32 中累加，`gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。`FusedDecodeLayer` 用它来运行第 05 章的
+# 解码层；解码层通过自己的 `fused_forward` 钩子询问它。配置项 `fused_decode`（在 GPU 上默认打开）交给每一层一个只接手
+# 一个 token 的步的融合层，因为那里它测得比 cuBLAS 快；2 到 16 个 token 的步只有在明确要求时
+# （`FusedDecodeLayer(max_tokens=16)`）才用 tile 内核，原因见下面的测量。
+#
+# 为什么先读权重？内核之间的边界比一次启动更贵。在 graph 里，第 *n + 1* 个内核要等第 *n* 个内核的所有程序都结束、
+# 它写的数据都可见之后才开始；然后它的程序才发出第一批读取，数据从显存回来又要一微秒左右。对一个 4 MB 的权重来说
+# （H200 读它只要 1 µs），这段等待，加上前一个内核慢吞吞的尾巴（最后几个程序还在跑，大多数 SM 已经闲着），比读权重
+# 本身还贵。可是权重并不依赖前一个内核，只有输入行依赖它。Hopper 为此提供了*程序化依赖启动*（programmatic
+# dependent launch）：用它启动的内核，在前一个内核调用 `gdc_launch_dependents` 之后就可以开始，只在真正需要的地方
+# 用 `gdc_wait` 等前一个内核结束（并看到它写出的数据）。GEMV 一开始就调用前者，读入自己那段权重，直到要读输入行之前
+# 才等待：第 *n* 个矩阵乘收尾的时候，第 *n + 1* 个矩阵乘的权重已经在源源不断地读进来了。
 
 # %% fused decode
 #| export layers.fused_decode
@@ -853,6 +880,7 @@ into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -865,6 +893,11 @@ from torch import nn
 # en: The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 # zh: 一个 tl.dot tile 的行数：不超过这么多 token 的一步走融合路径。
 MAX_TOKENS = 16
+# en: The steps that the engine runs fused: one token, where the GEMV measured faster than cuBLAS (below). Steps of
+# en: 2 to 16 tokens take the tile kernel only when asked (FusedDecodeLayer(max_tokens=...)): it measured slower.
+# zh: 引擎融合运行的步：一个 token 的步，那里 GEMV 测得比 cuBLAS 快（见下文）。2 到 16 个 token 的步只有在明确要求时
+# zh: （FusedDecodeLayer(max_tokens=...)）才用 tile 内核：它测得更慢。
+FUSED_STEP_TOKENS = 1
 
 
 @triton.jit
@@ -945,6 +978,84 @@ def small_matmul_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
+    stride_w, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+    GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # en: One token: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N), its whole slice of the
+    # en: weight loaded at once, before anything that an earlier kernel writes.
+    # zh: 一个 token：程序 p 计算输出列 [p * BLOCK_N, (p + 1) * BLOCK_N)；它那一段权重一次全部读入，而且在读取
+    # zh: 任何由前面内核写出的数据之前。
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, K_PAD)
+    k_mask = ks < K
+    w_mask = col_mask[:, None] & k_mask[None, :]
+    if PDL:
+        # en: Let the next kernel launch now: its own weight loads overlap this kernel's.
+        # zh: 让下一个内核现在就启动：它读自己权重的访存与本内核的访存重叠。
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+    if GLU:
+        w_up = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+    if NORM:
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    if PDL:
+        # en: Only now wait for the kernel before (and see what it wrote): the input row comes from it.
+        # zh: 直到这里才等待前一个内核结束（并看到它写出的数据）：输入行来自它。
+        tl.extra.cuda.gdc_wait()
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        if pid == 0:
+            tl.store(residual_out_ptr + ks, x, mask=k_mask)
+    if NORM:
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
+        x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+    x32 = x.to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
+    if BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if GLU:
+        up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+        if BIAS:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        gate = acc.to(dtype).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc.to(dtype)
+    tl.store(out_ptr + cols, result, mask=col_mask)
+
+
+# en: The most weight elements one GEMV program holds in registers (16K: 32 KB of bf16, 128 per thread at 4 warps).
+# zh: 一个 GEMV 程序放在寄存器里的权重元素上限（16K 个：32 KB 的 bf16，4 个 warp 时每个线程 128 个）。
+GEMV_SLICE = 1 << 14
+
+
+def gemv_block_n(columns: int, inputs: int, glu: bool) -> int:
+    """Output columns per GEMV program: the widest of 8, 4, 2, 1 whose weight slice fits GEMV_SLICE and that still
+    makes 256 programs (two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for o_proj and
+    down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one column fits."""
+    slice_width = triton.next_power_of_2(inputs) * (2 if glu else 1)
+    fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
+    return next((block for block in fitting if triton.cdiv(columns, block) >= 256), fitting[-1] if fitting else 0)
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may start before the kernel ahead of them ends (programmatic dependent launch:
+    Hopper and later, not in the interpreter)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 @dataclass(frozen=True)
 class SmallMatmulLaunch:
     """How `small_matmul` splits the work: output columns per program, input elements per loop step, and
@@ -981,7 +1092,8 @@ def small_matmul(
     - ``glu``: ``weight`` is the merged [gate | up] weight and the result is ``SiLU(gate) * up``.
 
     Returns (the result, the new residual: ``x + residual``, or ``x`` itself when there is no residual).
-    ``launch``: how to split the work (default: `choose_launch`).
+    One row takes `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split the work,
+    default `choose_launch`), take the tile kernel.
     """
     tokens, k = x.shape
     if tokens > MAX_TOKENS:
@@ -998,7 +1110,16 @@ def small_matmul(
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    if tokens:
+    block_n = gemv_block_n(n, k, glu) if tokens == 1 and launch is None else 0
+    if block_n:
+        pdl = programmatic_launch(x.device)
+        gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+            bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0),
+            K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
+            ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
+    elif tokens:
         launch = launch or choose_launch(n, k)
         small_matmul_kernel[(triton.cdiv(n, launch.block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
@@ -1022,12 +1143,16 @@ def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedDecodeLayer:
-    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most MAX_TOKENS tokens, in four matmul kernels
-    (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
+    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
+    four matmul kernels (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
 
-    @staticmethod
-    def applies(hidden_states: torch.Tensor) -> bool:
-        return hidden_states.shape[0] <= MAX_TOKENS
+    def __init__(self, max_tokens: int = FUSED_STEP_TOKENS) -> None:
+        if not 1 <= max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be from 1 to {MAX_TOKENS}, not {max_tokens}")
+        self.max_tokens = max_tokens
+
+    def applies(self, hidden_states: torch.Tensor) -> bool:
+        return hidden_states.shape[0] <= self.max_tokens
 
     def __call__(
         self, layer: nn.Module, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -1043,10 +1168,10 @@ class FusedDecodeLayer:
         return row_parallel(mlp.down_proj, activated), residual
 
 
-def fuse_decode_layers(model: nn.Module) -> int:
-    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook) the fused layer; returns how
-    many got it."""
-    fused = FusedDecodeLayer()
+def fuse_decode_layers(model: nn.Module, max_tokens: int = FUSED_STEP_TOKENS) -> int:
+    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook) the fused layer for steps of at
+    most ``max_tokens`` tokens; returns how many got it."""
+    fused = FusedDecodeLayer(max_tokens)
     layers = [module for module in model.modules() if hasattr(module, "fused_forward")]
     for layer in layers:
         layer.fused_forward = fused
@@ -1096,64 +1221,88 @@ for parameter in layer.parameters():
 positions = torch.tensor([0, 1, 2], device=DEVICE)
 set_prefill_context([3], [3], device=DEVICE)  # one sequence of 3 tokens, no KV cache
 expected = layer(positions, x, residual)
-torch.testing.assert_close(FusedDecodeLayer()(layer, positions, x, residual), expected, rtol=1e-5, atol=1e-5)
-# en: Through the decoder layer's hook, as the engine calls it.
-# zh: 经由解码层的钩子调用，与引擎的调用方式相同。
+torch.testing.assert_close(FusedDecodeLayer(3)(layer, positions, x, residual), expected, rtol=1e-5, atol=1e-5)
+# en: Through the decoder layer's hook, as the engine calls it: the engine's layer takes steps of one token (the GEMV).
+# zh: 经由解码层的钩子调用，与引擎的调用方式相同：引擎交给各层的融合层只接手一个 token 的步（GEMV）。
 layer.fused_forward = FusedDecodeLayer()
-assert layer.fused_forward.applies(x) and not layer.fused_forward.applies(torch.empty(17, 64))
-torch.testing.assert_close(layer(positions, x, residual), expected, rtol=1e-5, atol=1e-5)
+assert layer.fused_forward.applies(x[:1]) and not layer.fused_forward.applies(x)
+set_prefill_context([1], [1], device=DEVICE)
+one_token = (positions[:1], x[:1], residual[:1])
+fused_one = layer(*one_token)
+layer.fused_forward = None
+torch.testing.assert_close(fused_one, layer(*one_token), rtol=1e-5, atol=1e-5)
 reset_context()
-print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, float32)"))
+print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, then 1, float32)"))
 
 # %% [markdown] tags=["en"]
-# ### What it measured: fewer kernels are not yet a faster step
+# ### What it measured: the GEMV and its early start
 #
-# Recorded on an H200 (2026-12-03) with `python -m nanovllm.bench --latency --fused-decode both`
-# (chapter 14): Qwen3-0.6B's shapes, bf16, prompts of 512 tokens, 1,024 generated, CUDA graphs and
-# async scheduling, both engines in one invocation, the bound at the copy rate measured there
-# (4.25 TB/s).
+# Recorded on an H200 (2026-12-03, copy rate 4.22 TB/s) with
+# `PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py`: the 112 matmuls of a Qwen3-0.6B decode
+# step (881 MB of bf16 weights, far beyond the 50 MB L2 cache), chained as the step chains them,
+# replayed in one CUDA graph. cuBLAS computes the matmuls alone; the fused kernels also do the
+# norms and SiLU × mul. The bound is the weights read once at the copy rate: 209 µs.
 #
-# | batch | ms per step, unfused | kernels | GPU busy | ms per step, fused | kernels | GPU busy | bound |
-# |---:|---:|---:|---:|---:|---:|---:|---:|
-# | 1 | 1.410 | 321 | 1.241 ms | 1.690 | 208 | 1.572 ms | 0.308 ms |
-# | 4 | 1.504 | 322 | 1.347 ms | 1.849 | 209 | 1.734 ms | 0.392 ms |
-# | 16 | 1.816 | 322 | 1.649 ms | 2.253 | 209 | 2.136 ms | 0.725 ms |
-# | 64 | 3.381 | 294 | 3.226 ms | 3.384 | 293 | 3.225 ms | 2.057 ms |
+# | one token | µs | of the bound |
+# |---|---:|---:|
+# | cuBLAS (`F.linear`, matmuls only) | 873 | 24 % |
+# | GEMV, 8 / 4 columns a program, early start (PDL), as shipped | 332 | 63 % |
+# | the same GEMV without PDL | 569 | 37 % |
+# | GEMV, 8 / 8 columns a program, PDL | 372 | 56 % |
+# | GEMV, 16 / 4 columns a program, PDL | 368 | 57 % |
 #
-# The profile says where the unfused step's 1.24 ms of GPU time goes at batch 1: cuBLAS's four
-# matmuls per layer take 729 µs (112 launches, about 1.2 TB/s: a third of the copy rate),
-# attention 209 µs (its two kernels), the compiled add + RMSNorm 83 µs, the LM head 76 µs, the
-# fused q/k/v kernel 47 µs. So the step is slow less because of the number of kernels than because
-# the matmuls at one row leave two thirds of the bandwidth unused. The fused layer removed 113
-# kernels a step (the norms and SiLU × mul), but its `small_matmul`, in this first launch (16 to
-# 32 columns a program, 128 inputs a loop step), streamed its weights at about 0.7 TB/s: 1,221 µs
-# for the 112 matmuls, slower than cuBLAS. Hence `"auto"` keeps it off. What comes next is the
-# launch: more bytes in flight per program (longer loop steps, more pipeline stages), and
-# split-K for `o_proj` and `down_proj`, whose 1,024 columns make only 64 programs of 16 for 132
-# SMs. `scripts/small_matmul_sweep.py` times launches against cuBLAS on these four shapes.
+# At 4 and 16 tokens the tile kernel took 1,304 and 1,317 µs where cuBLAS took 776 and 702: a
+# tile that walks the input 128 elements at a time keeps too few bytes in flight, so steps of more
+# than one token stay with cuBLAS. The whole engine, with `python -m nanovllm.bench --latency
+# --fused-decode both` (chapter 14: prompts of 512 tokens, 1,024 generated, CUDA graphs, async
+# scheduling, both settings in one invocation):
+#
+# | batch | ms per step, unfused | kernels | ms per step, fused | kernels | bound | of the bound |
+# |---:|---:|---:|---:|---:|---:|---:|
+# | 1 | 1.389 | 321 | 1.065 | 208 | 0.310 ms | 22.3 % → 29.1 % |
+# | 4 | 1.467 | 322 | 1.466 | 321 | 0.394 ms | 26.8 % |
+# | 16 | 1.779 | 322 | 1.781 | 321 | 0.729 ms | 40.9 % |
+# | 64 | 3.311 | 294 | 3.313 | 293 | 2.068 ms | 62.4 % |
+#
+# A step of one sequence is 1.30× as fast; larger batches are unchanged (their steps are not
+# fused). The rest of the one-token step is now the kernels around the matmuls: attention's two
+# kernels (146 + 68 µs for some 117 MB of cached K/V, seven times their bound), the LM head (73 µs
+# for 311 MB, at the bound already), the fused q/k/v kernel (47 µs), and at least 0.1 ms a step
+# in which no kernel runs. The profiler's sum for the GEMVs (620 µs) overstates them: a
+# kernel that starts early is timed from its start, while it still waits for the one before.
 
 # %% [markdown] tags=["zh"]
-# ### 测量结果：内核少了，一步还没有变快
+# ### 测量结果：GEMV 和它的提前启动
 #
-# 2026-12-03 在 H200 上用 `python -m nanovllm.bench --latency --fused-decode both`（第 14 章）记录：Qwen3-0.6B 的
-# 形状，bf16，提示词 512 个 token，生成 1,024 个，使用 CUDA graph 和异步调度，两个引擎在同一次调用中测量，上限按
-# 当时测得的拷贝速率（4.25 TB/s）计算。
+# 2026-12-03 在 H200 上（拷贝速率 4.22 TB/s）用 `PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py` 记录：
+# Qwen3-0.6B 一个 decode 步的 112 个矩阵乘（881 MB 的 bf16 权重，远大于 50 MB 的 L2 缓存），像一步里那样首尾相接，
+# 在一个 CUDA graph 里重放。cuBLAS 只算矩阵乘；融合内核还要做归一化和 SiLU × mul。上限是按拷贝速率把权重读一遍：
+# 209 µs。
 #
-# | 批大小 | 不融合：每步 ms | 内核数 | GPU 忙碌 | 融合：每步 ms | 内核数 | GPU 忙碌 | 上限 |
-# |---:|---:|---:|---:|---:|---:|---:|---:|
-# | 1 | 1.410 | 321 | 1.241 ms | 1.690 | 208 | 1.572 ms | 0.308 ms |
-# | 4 | 1.504 | 322 | 1.347 ms | 1.849 | 209 | 1.734 ms | 0.392 ms |
-# | 16 | 1.816 | 322 | 1.649 ms | 2.253 | 209 | 2.136 ms | 0.725 ms |
-# | 64 | 3.381 | 294 | 3.226 ms | 3.384 | 293 | 3.225 ms | 2.057 ms |
+# | 一个 token | µs | 占上限 |
+# |---|---:|---:|
+# | cuBLAS（`F.linear`，只算矩阵乘） | 873 | 24 % |
+# | GEMV，每个程序 8 / 4 列，提前启动（PDL），即现在的实现 | 332 | 63 % |
+# | 同一个 GEMV，不用 PDL | 569 | 37 % |
+# | GEMV，每个程序 8 / 8 列，PDL | 372 | 56 % |
+# | GEMV，每个程序 16 / 4 列，PDL | 368 | 57 % |
 #
-# 性能分析告诉我们，批大小为 1 时不融合的一步那 1.24 ms GPU 时间花在哪里：cuBLAS 每层四个矩阵乘共 729 µs（112 次
-# 启动，约 1.2 TB/s，只有拷贝速率的三分之一），注意力 209 µs（它的两个内核），编译好的残差相加 + RMSNorm 83 µs，
-# LM head 76 µs，融合的 q/k/v 内核 47 µs。所以这一步慢，与其说是因为内核多，不如说是因为只有一行时矩阵乘让三分之二
-# 的带宽闲着。融合层每步少了 113 个内核（归一化和 SiLU × mul），但它的 `small_matmul` 在这第一版启动配置下（每个程序
-# 16 到 32 列，每步循环 128 个输入元素）读权重只有约 0.7 TB/s：112 个矩阵乘共 1,221 µs，比 cuBLAS 还慢。所以 `"auto"`
-# 让它保持关闭。下一步要做的是启动配置：每个程序同时在途的字节更多（更长的循环步、更多流水级），以及给 `o_proj` 和
-# `down_proj` 做 split-K——它们只有 1,024 列，按每程序 16 列只有 64 个程序，而 GPU 有 132 个 SM。
-# `scripts/small_matmul_sweep.py` 在这四种形状上把各种启动配置与 cuBLAS 对比计时。
+# 4 个和 16 个 token 时，tile 内核用了 1,304 和 1,317 µs，而 cuBLAS 只要 776 和 702：一个每次只沿输入走 128 个元素的
+# tile，同时在途的字节太少，所以多于一个 token 的步仍交给 cuBLAS。整个引擎用 `python -m nanovllm.bench --latency
+# --fused-decode both` 测量（第 14 章：提示词 512 个 token，生成 1,024 个，使用 CUDA graph 和异步调度，两种设置在
+# 同一次调用中测量）：
+#
+# | 批大小 | 不融合：每步 ms | 内核数 | 融合：每步 ms | 内核数 | 上限 | 占上限 |
+# |---:|---:|---:|---:|---:|---:|---:|
+# | 1 | 1.389 | 321 | 1.065 | 208 | 0.310 ms | 22.3 % → 29.1 % |
+# | 4 | 1.467 | 322 | 1.466 | 321 | 0.394 ms | 26.8 % |
+# | 16 | 1.779 | 322 | 1.781 | 321 | 0.729 ms | 40.9 % |
+# | 64 | 3.311 | 294 | 3.313 | 293 | 2.068 ms | 62.4 % |
+#
+# 单个序列的一步快了 1.30 倍；更大的批次不变（它们的步没有融合）。现在单 token 一步剩下的时间，在矩阵乘周围的那些
+# 内核里：注意力的两个内核（146 + 68 µs，读约 117 MB 缓存的 K/V，是其上限的七倍），LM head（311 MB 用 73 µs，
+# 已经到了上限），融合的 q/k/v 内核（47 µs），以及每步至少 0.1 ms 没有任何内核在跑的时间。性能分析器给 GEMV
+# 算出的总和（620 µs）偏大：提前启动的内核从它开始时就计时，而那时它还在等前一个内核。
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`
@@ -1717,6 +1866,10 @@ print(say("all checks passed"))
 #   synchronous with every step timed (host, and GPU time of forward, LM head and sampler by CUDA
 #   events), warm with async scheduling on and off, then under `torch.profiler`; it also counts
 #   Triton variants compiled during a run.
+# - `nanovllm/layers/fused_decode.py`: `small_matmul` (the GEMV for one token, started early with
+#   PDL on Hopper; the tile kernel for up to 16), `FusedDecodeLayer` and `fuse_decode_layers`, with
+#   the config switch `fused_decode` (`"auto"`: on for CUDA, one-token steps);
+#   `scripts/decode_matmul_chain.py` times a step's 112 matmuls against cuBLAS.
 #
 # Chapter 10 splits the model across GPUs; chapter 11 runs the whole engine.
 #
@@ -1726,6 +1879,9 @@ print(say("all checks passed"))
 # 2. Why must the padding rows have `slot_mapping = -1`? What would go wrong with slot 0?
 # 3. A decode step of batch 1 reads Qwen3-0.6B's 1.19 GB of weights. At 4.2 TB/s, what is the
 #    fastest such a step can be, and how far is the recorded graph step (1.87 ms) from it?
+# 4. The 112 one-token GEMVs of a step took 569 µs without the early start and 332 µs with it.
+#    How much of each kernel boundary did PDL hide? Had every matmul kept its weights' pace with
+#    PDL (209 µs for all), what would the boundaries still cost per kernel?
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
@@ -1741,6 +1897,9 @@ print(say("all checks passed"))
 # - `scripts/profile_engine.py`（GPU 上的诊断工具）：把基准测试的负载先冷跑一次，再以同步方式热跑一次并为每一步计时
 #   （主机端时间，以及用 CUDA 事件测得的前向、LM head 和采样器的 GPU 时间），然后分别打开和关闭异步调度各热跑一次，
 #   最后在 `torch.profiler` 下再跑一次；它还会统计运行期间新编译了多少个 Triton 变体。
+# - `nanovllm/layers/fused_decode.py`：`small_matmul`（一个 token 时是 GEMV，在 Hopper 上用 PDL 提前启动；最多 16 个
+#   token 时是 tile 内核）、`FusedDecodeLayer` 和 `fuse_decode_layers`，以及配置开关 `fused_decode`（`"auto"`：CUDA 上
+#   打开，只接手一个 token 的步）；`scripts/decode_matmul_chain.py` 把一步的 112 个矩阵乘与 cuBLAS 对比计时。
 #
 # 第 10 章把模型切分到多块 GPU 上；第 11 章运行整个引擎。
 #
@@ -1750,6 +1909,8 @@ print(say("all checks passed"))
 # 2. 为什么填充行必须是 `slot_mapping = -1`？如果用槽位 0 会出什么错？
 # 3. batch 为 1 的 decode 步要读取 Qwen3-0.6B 的 1.19 GB 权重。以 4.2 TB/s 计，这样一步最快能多快？记录下来的
 #    graph 步（1.87 ms）离它有多远？
+# 4. 一步里 112 个单 token 的 GEMV，不提前启动时用了 569 µs，提前启动时 332 µs。PDL 藏住了每个内核边界的多少时间？
+#    如果每个矩阵乘都能按读权重的速度跑（全部 209 µs），那么用了 PDL 之后每个内核的边界还剩多少开销？
 
 # %%
 # en: Exercise 1: 1, 2, 4, 8, 16, 32, 48, 64, 80, 96 and 100 itself; a batch of 70 replays the graph of 80.
@@ -1779,3 +1940,11 @@ weights_gb = (28 * layer_params(qwen) + 151936 * 1024) * 2 / 1e9
 fastest_ms = weights_gb / 4.2e3 * 1e3
 print(say("weights {gb:.2f} GB -> {ms:.2f} ms at 4.2 TB/s; recorded graph step 1.87 ms", gb=weights_gb, ms=fastest_ms))
 assert abs(weights_gb - 1.19) < 0.01 and 6 < 1.87 / fastest_ms < 7
+
+# en: Exercise 4: (569 - 332) / 112 = 2.1 µs hidden per boundary; (332 - 209) / 112 = 1.1 µs still paid per kernel
+# en: (the wait for the input row and the last programs' tail that no early start can hide).
+# zh: 练习 4：每个边界藏住了 (569 - 332) / 112 = 2.1 µs；每个内核仍要付 (332 - 209) / 112 = 1.1 µs（等输入行，以及
+# zh: 最后几个程序的尾巴，这些提前启动也藏不住）。
+hidden_us, left_us = (569 - 332) / 112, (332 - 209) / 112
+print(say("PDL hides {hidden:.1f} µs a boundary; {left:.1f} µs a kernel remain", hidden=hidden_us, left=left_us))
+assert round(hidden_us, 1) == 2.1 and round(left_us, 1) == 1.1

@@ -11,7 +11,16 @@ import torch.nn.functional as F
 
 from nanovllm.config import Config
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.fused_decode import MAX_TOKENS, FusedDecodeLayer, SmallMatmulLaunch, choose_launch, small_matmul
+from nanovllm.layers.fused_decode import (
+    FUSED_STEP_TOKENS,
+    MAX_TOKENS,
+    FusedDecodeLayer,
+    SmallMatmulLaunch,
+    choose_launch,
+    fuse_decode_layers,
+    gemv_block_n,
+    small_matmul,
+)
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -94,6 +103,52 @@ def test_launch_gives_every_sm_of_a_large_gpu_work() -> None:
     assert choose_launch(12288 * 2, 4096).block_n == 64  # Qwen3-8B's gate/up
 
 
+def test_gemv_slices_fit_registers_and_fill_the_gpu() -> None:
+    # Qwen3-0.6B: q/k/v and gate/up 8 columns a program, o_proj and down_proj 4 (256 programs each).
+    assert [gemv_block_n(n, k, glu) for n, k, glu in
+            [(4096, 1024, False), (3072, 1024, True), (1024, 2048, False), (1024, 3072, False)]] == [8, 8, 4, 4]
+    # Qwen3-8B: the slice bounds the width (down_proj's 12,288 inputs leave room for one column a program)...
+    assert [gemv_block_n(n, k, glu) for n, k, glu in
+            [(6144, 4096, False), (12288, 4096, True), (4096, 12288, False)]] == [4, 2, 1]
+    # ...and a row too long for registers goes to the tile kernel.
+    assert gemv_block_n(1024, 20000, False) == 0 and gemv_block_n(40, 130, False) == 1
+
+
+class _Recording:
+    """Stands in for a Triton kernel: records each launch's grid, then launches the kernel."""
+
+    def __init__(self, kernel, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("form", ["norm+residual+glu", "bias"])
+def test_one_row_takes_the_gemv_and_agrees_with_the_tile_kernel(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row: the GEMV runs (and the tile kernel does not), giving what the tile kernel gives for that row."""
+    import nanovllm.layers.fused_decode as fused_decode
+
+    torch.manual_seed(1)
+    x, residual = torch.randn(1, 200, device=DEVICE), torch.randn(1, 200, device=DEVICE)
+    glu = "glu" in form
+    weight = torch.randn(2 * 24 if glu else 24, 200, device=DEVICE) / 16
+    bias = torch.randn(weight.shape[0], device=DEVICE) if "bias" in form else None
+    kwargs = {}
+    if glu:
+        kwargs = dict(residual=residual, norm_weight=torch.rand(200, device=DEVICE) + 0.5, eps=1e-6, glu=True)
+    tile, tile_residual = small_matmul(x, weight, bias, launch=SmallMatmulLaunch(), **kwargs)
+    gemv_launches, tile_launches = [], []
+    monkeypatch.setattr(fused_decode, "gemv_kernel", _Recording(fused_decode.gemv_kernel, gemv_launches))
+    monkeypatch.setattr(fused_decode, "small_matmul_kernel", _Recording(fused_decode.small_matmul_kernel,
+                                                                        tile_launches))
+    got, got_residual = small_matmul(x, weight, bias, **kwargs)
+    assert gemv_launches and not tile_launches
+    torch.testing.assert_close(got, tile, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_residual, tile_residual)
+
+
 @pytest.mark.parametrize("launch", [SmallMatmulLaunch(16, 64, 2, 1), SmallMatmulLaunch(32, 256, 8, 4)])
 def test_small_matmul_gives_the_same_result_with_any_launch(launch: SmallMatmulLaunch) -> None:
     torch.manual_seed(0)
@@ -106,8 +161,8 @@ def test_small_matmul_gives_the_same_result_with_any_launch(launch: SmallMatmulL
 
 
 def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # auto: off everywhere until the kernels measure faster than cuBLAS (0.81-0.83x on an H200 so far)
-    assert Config.from_kwargs(tiny).fused_decode is False
+    # auto: on a GPU, where the one-token kernels measured faster than cuBLAS; on a CPU off (only the interpreter)
+    assert Config.from_kwargs(tiny).fused_decode is (DEVICE == "cuda")
     assert Config.from_kwargs(tiny, fused_decode=True).fused_decode is True  # on a CPU: the interpreter (conftest)
     if DEVICE == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET")
@@ -118,13 +173,17 @@ def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> No
             Config.from_kwargs(tiny, fused_decode=bad)
 
 
+@pytest.mark.parametrize("max_tokens", [FUSED_STEP_TOKENS, MAX_TOKENS])
 def test_engine_with_the_fused_layer_generates_what_it_generates_without(
-    tiny_arch: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_arch: Path, monkeypatch: pytest.MonkeyPatch, max_tokens: int
 ) -> None:
-    """Greedy, float32, 3 prompts with chunked prefill: steps of at most 16 tokens (decode steps, and the last
-    chunk of a prompt) take the fused path, longer ones do not; the tokens are those of the unfused engine, and
-    the fused path did run."""
+    """Greedy, float32, chunked prefill: steps of at most ``max_tokens`` tokens take the fused path, longer ones do
+    not; the tokens are those of the unfused engine, and the fused path did run. The engine's own setting fuses
+    one-token steps (one prompt, so its decode steps have one token); handed 16, the layers also fuse the decode
+    steps of 3 prompts and a prompt's last chunk."""
     prompts = [list(range(3, 40)), [7, 8, 9], list(range(100, 121))]
+    if max_tokens == 1:
+        prompts = prompts[:1]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     step_tokens: list[int] = []
     fused_call = FusedDecodeLayer.__call__
@@ -140,21 +199,42 @@ def test_engine_with_the_fused_layer_generates_what_it_generates_without(
                   num_kvcache_blocks=32, max_num_batched_tokens=32, enforce_eager=True)
         layers = [m for m in llm.model_runner.model.modules() if hasattr(m, "fused_forward")]
         assert layers and all((m.fused_forward is not None) == fused for m in layers)
+        if fused and max_tokens != FUSED_STEP_TOKENS:
+            assert fuse_decode_layers(llm.model_runner.model, max_tokens) == len(layers)
         try:
             tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
         finally:
             llm.exit()
-        assert bool(step_tokens) == fused and max(step_tokens, default=0) <= MAX_TOKENS
+        assert bool(step_tokens) == fused and max(step_tokens, default=0) <= max_tokens
+    if max_tokens > 1:
+        assert max(step_tokens) > 1  # steps of several tokens did take the fused path
     assert tokens[True] == tokens[False]
 
 
+def test_fused_layer_refuses_a_step_size_it_has_no_kernel_for() -> None:
+    for bad in (0, MAX_TOKENS + 1):
+        with pytest.raises(ValueError, match="max_tokens must be from 1 to 16"):
+            FusedDecodeLayer(bad)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("max_tokens", [FUSED_STEP_TOKENS, MAX_TOKENS])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_gpu_fused_decode_with_graphs_matches_the_unfused_engine(kv_cache_dtype: str) -> None:
+def test_gpu_fused_decode_with_graphs_matches_the_unfused_engine(
+    kv_cache_dtype: str, max_tokens: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Qwen3-0.6B's layer shapes (2 layers), float32, CUDA graphs and async scheduling: the fused decode layer
-    generates the unfused engine's greedy tokens, with the 16-bit and the 8-bit KV cache."""
+    generates the unfused engine's greedy tokens, with the 16-bit and the 8-bit KV cache. Each prompt alone
+    decodes a token a step (the GEMV, launched early inside the graph on Hopper), then all four together (the
+    tile kernel in the graphs when the layers fuse steps of up to 16 tokens)."""
+    import functools
+
+    import nanovllm.layers.fused_decode as fused_decode
     from nanovllm.book.tiny_models import build_tiny_model
 
+    # The runner imports fuse_decode_layers when it warms up: it gets this one.
+    monkeypatch.setattr(fused_decode, "fuse_decode_layers",
+                        functools.partial(fused_decode.fuse_decode_layers, max_tokens=max_tokens))
     model = build_tiny_model("qwen3", hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
                              num_key_value_heads=8, head_dim=128, num_hidden_layers=2, vocab_size=151936,
                              tie_word_embeddings=True)
@@ -165,7 +245,11 @@ def test_gpu_fused_decode_with_graphs_matches_the_unfused_engine(kv_cache_dtype:
         llm = LLM(str(model), dtype="float32", fused_decode=fused, kv_cache_dtype=kv_cache_dtype,
                   num_kvcache_blocks=64)
         assert llm.model_runner.graphs is not None
-        tokens[fused] = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        layers = [m for m in llm.model_runner.model.modules() if hasattr(m, "fused_forward")]
+        assert all((m.fused_forward is not None and m.fused_forward.max_tokens == max_tokens) == fused
+                   for m in layers)
+        tokens[fused] = [llm.generate([prompt], greedy, use_tqdm=False)[0]["token_ids"] for prompt in prompts]
+        tokens[fused] += [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
         llm.exit()
         del llm
         torch.cuda.empty_cache()
@@ -190,3 +274,29 @@ def test_gpu_small_matmul_on_qwen3_shapes_in_bfloat16() -> None:
             want, want_residual = reference(inputs, weight, **kwargs)
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
             assert torch.equal(got_residual, want_residual)
+
+
+@pytest.mark.gpu
+def test_gpu_gemv_chain_replayed_in_a_graph_matches_eager() -> None:
+    """Three dependent one-row matmuls (each reads the one before), launched early on Hopper (PDL), captured in a
+    CUDA graph and replayed: bit for bit what the same kernels give launched one by one, so no kernel read its
+    input before the kernel that writes it had finished."""
+    torch.manual_seed(0)
+    weights = [(torch.randn(1024, 1024, device="cuda") / 32).bfloat16() for _ in range(3)]
+    norm_weight = (torch.rand(1024, device="cuda") + 0.5).bfloat16()
+    x = torch.randn(1, 1024, device="cuda").bfloat16()
+
+    def chain() -> torch.Tensor:
+        h, residual = small_matmul(x, weights[0], residual=x, norm_weight=norm_weight, eps=1e-6)
+        h, _ = small_matmul(h, weights[1])
+        h, _ = small_matmul(h, weights[2], residual=residual, norm_weight=norm_weight, eps=1e-6)
+        return h
+
+    chain()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain()
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.testing.assert_close(captured, chain(), rtol=0, atol=0)

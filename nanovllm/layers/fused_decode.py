@@ -5,6 +5,7 @@ into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -15,12 +16,17 @@ import triton.language as tl
 from torch import nn
 
 __all__ = [
+    "FUSED_STEP_TOKENS",
+    "GEMV_SLICE",
     "MAX_TOKENS",
     "FusedDecodeLayer",
     "SmallMatmulLaunch",
     "choose_launch",
     "fuse_decode_layers",
+    "gemv_block_n",
+    "gemv_kernel",
     "load_rows",
+    "programmatic_launch",
     "row_parallel",
     "small_matmul",
     "small_matmul_kernel",
@@ -30,6 +36,9 @@ __all__ = [
 # notebooks/09_cuda_graphs.py · cell "fused decode"
 # The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 MAX_TOKENS = 16
+# The steps that the engine runs fused: one token, where the GEMV measured faster than cuBLAS (below). Steps of
+# 2 to 16 tokens take the tile kernel only when asked (FusedDecodeLayer(max_tokens=...)): it measured slower.
+FUSED_STEP_TOKENS = 1
 
 
 @triton.jit
@@ -103,6 +112,79 @@ def small_matmul_kernel(
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def gemv_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
+    stride_w, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
+    GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # One token: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N), its whole slice of the
+    # weight loaded at once, before anything that an earlier kernel writes.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, K_PAD)
+    k_mask = ks < K
+    w_mask = col_mask[:, None] & k_mask[None, :]
+    if PDL:
+        # Let the next kernel launch now: its own weight loads overlap this kernel's.
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+    if GLU:
+        w_up = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+    if NORM:
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    if PDL:
+        # Only now wait for the kernel before (and see what it wrote): the input row comes from it.
+        tl.extra.cuda.gdc_wait()
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        if pid == 0:
+            tl.store(residual_out_ptr + ks, x, mask=k_mask)
+    if NORM:
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
+        x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+    x32 = x.to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
+    if BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if GLU:
+        up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+        if BIAS:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
+        gate = acc.to(dtype).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc.to(dtype)
+    tl.store(out_ptr + cols, result, mask=col_mask)
+
+
+# The most weight elements one GEMV program holds in registers (16K: 32 KB of bf16, 128 per thread at 4 warps).
+GEMV_SLICE = 1 << 14
+
+
+def gemv_block_n(columns: int, inputs: int, glu: bool) -> int:
+    """Output columns per GEMV program: the widest of 8, 4, 2, 1 whose weight slice fits GEMV_SLICE and that still
+    makes 256 programs (two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for o_proj and
+    down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one column fits."""
+    slice_width = triton.next_power_of_2(inputs) * (2 if glu else 1)
+    fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
+    return next((block for block in fitting if triton.cdiv(columns, block) >= 256), fitting[-1] if fitting else 0)
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may start before the kernel ahead of them ends (programmatic dependent launch:
+    Hopper and later, not in the interpreter)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 @dataclass(frozen=True)
 class SmallMatmulLaunch:
     """How `small_matmul` splits the work: output columns per program, input elements per loop step, and
@@ -139,7 +221,8 @@ def small_matmul(
     - ``glu``: ``weight`` is the merged [gate | up] weight and the result is ``SiLU(gate) * up``.
 
     Returns (the result, the new residual: ``x + residual``, or ``x`` itself when there is no residual).
-    ``launch``: how to split the work (default: `choose_launch`).
+    One row takes `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split the work,
+    default `choose_launch`), take the tile kernel.
     """
     tokens, k = x.shape
     if tokens > MAX_TOKENS:
@@ -154,7 +237,16 @@ def small_matmul(
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    if tokens:
+    block_n = gemv_block_n(n, k, glu) if tokens == 1 and launch is None else 0
+    if block_n:
+        pdl = programmatic_launch(x.device)
+        gemv_kernel[(triton.cdiv(n, block_n),)](
+            x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
+            bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0),
+            K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
+            ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+        )  # fmt: skip
+    elif tokens:
         launch = launch or choose_launch(n, k)
         small_matmul_kernel[(triton.cdiv(n, launch.block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
@@ -178,12 +270,16 @@ def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedDecodeLayer:
-    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most MAX_TOKENS tokens, in four matmul kernels
-    (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
+    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
+    four matmul kernels (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
 
-    @staticmethod
-    def applies(hidden_states: torch.Tensor) -> bool:
-        return hidden_states.shape[0] <= MAX_TOKENS
+    def __init__(self, max_tokens: int = FUSED_STEP_TOKENS) -> None:
+        if not 1 <= max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be from 1 to {MAX_TOKENS}, not {max_tokens}")
+        self.max_tokens = max_tokens
+
+    def applies(self, hidden_states: torch.Tensor) -> bool:
+        return hidden_states.shape[0] <= self.max_tokens
 
     def __call__(
         self, layer: nn.Module, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -199,10 +295,10 @@ class FusedDecodeLayer:
         return row_parallel(mlp.down_proj, activated), residual
 
 
-def fuse_decode_layers(model: nn.Module) -> int:
-    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook) the fused layer; returns how
-    many got it."""
-    fused = FusedDecodeLayer()
+def fuse_decode_layers(model: nn.Module, max_tokens: int = FUSED_STEP_TOKENS) -> int:
+    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook) the fused layer for steps of at
+    most ``max_tokens`` tokens; returns how many got it."""
+    fused = FusedDecodeLayer(max_tokens)
     layers = [module for module in model.modules() if hasattr(module, "fused_forward")]
     for layer in layers:
         layer.fused_forward = fused
