@@ -896,6 +896,11 @@ class StepLatency:
     # en: The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     # zh: 按名字归并的 kernel，耗时最多的在前：（名字，每步启动次数，每步微秒数）。
     top_kernels: list[tuple[str, float, float]] | None = None
+    # en: One layer's kernels on the GPU's clock, from one layer's q/k/v store (LAYER_MARK) to the next layer's:
+    # en: (name, start, end) in microseconds from the first one's start. None on a CPU or where not found.
+    # zh: 一层的 kernel，按 GPU 的时钟：从一层的 q/k/v 写入（LAYER_MARK）到下一层的：（名字，开始，结束），单位
+    # zh: 微秒，从第一个的开始算起。在 CPU 上或找不到时为 None。
+    layer_timeline: list[tuple[str, float, float]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -938,6 +943,27 @@ def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float
             [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
 
 
+# en: The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store): a layer's
+# en: timeline runs from one launch of it to the next.
+# zh: GPU 上每层注意力开头的那个 kernel（第 09 章融合的 q/k 归一化、RoPE 与写入）：一层的时间线从它的一次启动到
+# zh: 下一次。
+LAYER_MARK = "norm_rotate_store_kernel"
+
+
+def layer_timeline(profile: Any) -> list[tuple[str, float, float]] | None:
+    """The kernels of one layer in the middle of a profiled window, as the GPU ran them: (name, start, end) in
+    microseconds from the layer's first kernel, the next layer's first kernel included to close the span."""
+    kernels = sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
+                      and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
+    marks = [i for i, event in enumerate(kernels) if event.name.startswith(LAYER_MARK)]
+    if len(marks) < 3:
+        return None
+    first, last = marks[len(marks) // 2 - 1], marks[len(marks) // 2]
+    origin = kernels[first].time_range.start
+    return [(event.name[:100], event.time_range.start - origin, event.time_range.end - origin)
+            for event in kernels[first:last + 1]]
+
+
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
                   warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
     """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
@@ -964,7 +990,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     # en: After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     # zh: 分析窗口之后，异步调度的流水线要重新启动：紧接着的几步同样不计时。
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
-    decode_step, step_seconds, contexts, launches, kernels = 0, [], [], [], None
+    decode_step, step_seconds, contexts, launches, kernels, timeline = 0, [], [], [], None, None
     try:
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
@@ -973,6 +999,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                         llm.step()
                     torch.cuda.synchronize()
                 kernels = count_kernels(profiler, profile_steps)
+                timeline = layer_timeline(profiler)
                 decode_step += profile_steps
                 continue
             launched_before = len(launch_seconds)
@@ -1001,7 +1028,8 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
-                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None)
+                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None,
+                       layer_timeline=timeline)
 
 
 def format_row(row: StepLatency) -> str:

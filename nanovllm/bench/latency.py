@@ -24,9 +24,11 @@ from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "LATENCY_DEFAULTS",
+    "LAYER_MARK",
     "StepLatency",
     "count_kernels",
     "format_row",
+    "layer_timeline",
     "main",
     "measure_batch",
     "measure_setting",
@@ -53,6 +55,9 @@ class StepLatency:
     gpu_ms_per_step: float | None  # time the GPU spent inside those kernels, per step
     # The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     top_kernels: list[tuple[str, float, float]] | None = None
+    # One layer's kernels on the GPU's clock, from one layer's q/k/v store (LAYER_MARK) to the next layer's:
+    # (name, start, end) in microseconds from the first one's start. None on a CPU or where not found.
+    layer_timeline: list[tuple[str, float, float]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,6 +100,25 @@ def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float
             [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
 
 
+# The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store): a layer's
+# timeline runs from one launch of it to the next.
+LAYER_MARK = "norm_rotate_store_kernel"
+
+
+def layer_timeline(profile: Any) -> list[tuple[str, float, float]] | None:
+    """The kernels of one layer in the middle of a profiled window, as the GPU ran them: (name, start, end) in
+    microseconds from the layer's first kernel, the next layer's first kernel included to close the span."""
+    kernels = sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
+                      and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
+    marks = [i for i, event in enumerate(kernels) if event.name.startswith(LAYER_MARK)]
+    if len(marks) < 3:
+        return None
+    first, last = marks[len(marks) // 2 - 1], marks[len(marks) // 2]
+    origin = kernels[first].time_range.start
+    return [(event.name[:100], event.time_range.start - origin, event.time_range.end - origin)
+            for event in kernels[first:last + 1]]
+
+
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
                   warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
     """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
@@ -120,7 +144,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     profile_from = (output_len - profile_steps) // 2
     # After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
-    decode_step, step_seconds, contexts, launches, kernels = 0, [], [], [], None
+    decode_step, step_seconds, contexts, launches, kernels, timeline = 0, [], [], [], None, None
     try:
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
@@ -129,6 +153,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                         llm.step()
                     torch.cuda.synchronize()
                 kernels = count_kernels(profiler, profile_steps)
+                timeline = layer_timeline(profiler)
                 decode_step += profile_steps
                 continue
             launched_before = len(launch_seconds)
@@ -156,7 +181,8 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
-                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None)
+                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None,
+                       layer_timeline=timeline)
 
 
 def format_row(row: StepLatency) -> str:
