@@ -240,6 +240,28 @@ def test_reading_copies_speak_one_language(served_book: Lab, lang: str) -> None:
         assert all(c["metadata"]["jupyter"] == {"source_hidden": True, "outputs_hidden": True} for c in answers)
 
 
+@pytest.mark.parametrize("lang", lab.LANGUAGES)
+def test_a_copy_run_in_a_real_kernel_prints_in_its_language(small_book: Path, lang: str) -> None:
+    """Chapter 01's reading copy, run by an IPython kernel as JupyterLab runs it, with the server's environment
+    saying the other language: every line the chapter prints comes out in the copy's language."""
+    import nbclient
+    import nbformat
+
+    copy = small_book / "read" / lang / f"{CHAPTERS[1].stem}.{lang}.ipynb"
+    lab.write_reading_copies(root=small_book)
+    notebook = nbformat.read(copy, as_version=4)
+    other = "zh" if lang == "en" else "en"
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(ROOT)}})
+    client.execute(env={**os.environ, "NANOVLLM_BOOK_LANG": other})
+    printed = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                      for output in cell.outputs if output.output_type == "stream")
+    verdict = {"en": "all exercise answers check out", "zh": "练习答案全部验证通过"}
+    assert verdict[lang] in printed and verdict[other] not in printed
+    if lang == "en":
+        assert not CJK.search(printed)
+
+
 # ---- the reading copies: rewritten when their chapter changes, unless the reader edited them ----------
 
 

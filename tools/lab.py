@@ -69,10 +69,15 @@ NOTE = {
            "章节一改就会被替换。要修改本书，请编辑章节本身（中英两种语言并排其中；改完运行 `python -m tools.tangle`）。"
            "English: [`read/en/{name}.en.ipynb`](../en/{name}.en.ipynb)."),
 }
+# The copy's first cell tells its kernel the language: the printed lines read NANOVLLM_BOOK_LANG
+# (nanovllm.book.lang), the players and the live panel their own default (nanovllm.viz). The kernel
+# is the reader's, started by JupyterLab for any copy, so the copy says it, not the server.
 SETUP = {
-    "en": "# Players and the live panel speak English in this copy.\n"
+    "en": "# This copy prints, plays and explains in English.\nimport os\n\n"
+          "os.environ[\"NANOVLLM_BOOK_LANG\"] = \"en\"\n"
           "from nanovllm.viz import set_language\n\nset_language(\"en\")",
-    "zh": "# 本副本中的播放器和实时面板使用中文。\n"
+    "zh": "# 本副本的输出、播放器和实时面板都使用中文。\nimport os\n\n"
+          "os.environ[\"NANOVLLM_BOOK_LANG\"] = \"zh\"\n"
           "from nanovllm.viz import set_language\n\nset_language(\"zh\")",
 }
 ANSWERS = {
