@@ -55,7 +55,8 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
     if path.is_file():
         try:
             eos = GenerationConfig.from_pretrained(model).eos_token_id
-        except Exception as error:  # transformers raises OSError, ValueError, ...
+        # transformers raises OSError, ValueError, ...
+        except Exception as error:
             raise ValueError(f"{path} cannot be read: {error}") from error
     if eos is None:
         path, eos = Path(model) / "config.json", getattr(hf_config, "eos_token_id", None)

@@ -289,7 +289,9 @@ class Tally:
         self.count += n
 
 
-tally = Tally()  # built before the extension: it gets the new members too
+# en: Built before the extension: it gets the new members too.
+# zh: 在扩展之前就已创建：它同样能用上新加的成员。
+tally = Tally()
 
 
 @add_to_class(Tally)
@@ -459,7 +461,9 @@ small_budget.add_request(list(range(1, 25)), SamplingParams(temperature=0, max_t
 prefill_steps = 0
 while not small_budget.is_finished():
     prefill_steps += small_budget.step()[2]
-assert prefill_steps == 3  # 8 + 8 + 8 tokens
+# en: 8 + 8 + 8 tokens
+# zh: 8 + 8 + 8 个 token
+assert prefill_steps == 3
 print(say("exercise 1: three prefill steps"))
 
 # %%
@@ -479,5 +483,7 @@ for label, text in (("seed 7, alone", alone), ("seed 7, beside another", beside_
                     ("seed 1", other_seeds[0]), ("seed 2", other_seeds[1])):
     print(f"{say(label):<23} {text!r}")
 assert alone == beside_another
-assert len({alone, *other_seeds}) > 1  # other seeds, other draws
+# en: Other seeds, other draws.
+# zh: 换了种子，抽到的随机数也不同。
+assert len({alone, *other_seeds}) > 1
 print(say("exercise 2: the same seed gives the same answer; other seeds give other answers"))

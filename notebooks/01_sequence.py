@@ -194,7 +194,9 @@ def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = 
     if plain is not None:
         try:
             value = plain(value)
-        except OverflowError:  # float(10**400)
+        # en: For example float(10**400).
+        # zh: 例如 float(10**400)。
+        except OverflowError:
             raise ValueError(f"{name} must be finite, got {value!r}") from None
     if kind is float and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
@@ -523,7 +525,9 @@ def finish_step(seq: Sequence, sampled_token: int) -> bool:
     seq.num_cached_tokens += seq.num_scheduled_tokens
     seq.num_scheduled_tokens = 0
     if seq.num_cached_tokens < seq.num_tokens:
-        return False  # partial prefill chunk: nothing to append, the value is ignored
+        # en: Partial prefill chunk: nothing to append, the value is ignored.
+        # zh: 只算了部分提示词的 prefill 分块：没有 token 可追加，传入的值被忽略。
+        return False
     seq.append_token(sampled_token)
     return True
 
@@ -536,20 +540,28 @@ def row(step: str, seq: Sequence) -> tuple:
 seq = Sequence(list(range(100, 110)), SamplingParams(temperature=0, max_tokens=8), block_size=4)
 trace = [row("created", seq)]
 
-seq.num_scheduled_tokens = 6  # chunk 1: tokens 0..5; the prompt is not done, so it stays WAITING
+# en: Chunk 1: tokens 0..5; the prompt is not done, so it stays WAITING.
+# zh: 分块 1：token 0..5；提示词还没算完，所以它仍是 WAITING。
+seq.num_scheduled_tokens = 6
 trace.append(row("prefill chunk 1", seq))
 assert finish_step(seq, sampled_token=999) is False
 trace.append(row("  after step", seq))
 
-seq.status = SequenceStatus.RUNNING  # its last chunk is scheduled: from this step on it runs
-seq.num_scheduled_tokens = 4  # chunk 2: tokens 6..9
+# en: Its last chunk is scheduled: from this step on it runs.
+# zh: 它的最后一个分块被调度了：从这一步起它处于运行状态。
+seq.status = SequenceStatus.RUNNING
+# en: Chunk 2: tokens 6..9.
+# zh: 分块 2：token 6..9。
+seq.num_scheduled_tokens = 4
 assert seq.scheduled_token_ids == [106, 107, 108, 109]
 trace.append(row("prefill chunk 2", seq))
 assert finish_step(seq, sampled_token=7) is True
 trace.append(row("  after step", seq))
 
 for sampled in (8, 9, 10):
-    seq.num_scheduled_tokens = 1  # decode: compute the last token
+    # en: Decode: compute the last token.
+    # zh: decode：计算最后一个 token。
+    seq.num_scheduled_tokens = 1
     trace.append(row("decode", seq))
     finish_step(seq, sampled)
     trace.append(row("  after step", seq))
@@ -591,7 +603,9 @@ expected = [
     ("  after step", "RUNNING", 14, 13, 0, 4, 2),
 ]
 assert trace == expected
-assert seq.completion_token_ids == [7, 8, 9, 10]  # the 999 passed after chunk 1 was ignored
+# en: The 999 passed after chunk 1 was ignored.
+# zh: 分块 1 之后传入的 999 被忽略了。
+assert seq.completion_token_ids == [7, 8, 9, 10]
 assert seq.block(3) == [9, 10] and seq.last_token == 10
 print(say("the worked example holds"))
 
@@ -602,7 +616,9 @@ print(say("the worked example holds"))
 # 状态只能沿着图中的箭头变化，错误的输入会被拒绝并给出清楚的说明：
 
 # %%
-seq.status = SequenceStatus.WAITING  # preempted: back to waiting
+# en: Preempted: back to waiting.
+# zh: 被抢占：回到等待状态。
+seq.status = SequenceStatus.WAITING
 seq.status = SequenceStatus.RUNNING
 seq.status = SequenceStatus.FINISHED
 try:
@@ -691,7 +707,9 @@ assert generated == 12 and exercise.num_blocks == 4
 preempted = Sequence(list(range(10)), block_size=4)
 for token in (1, 2, 3):
     preempted.append_token(token)
-preempted.num_cached_tokens, preempted.block_table = 0, []  # what preemption does (chapter 04)
+# en: What preemption does (chapter 04).
+# zh: 抢占所做的事（第 04 章）。
+preempted.num_cached_tokens, preempted.block_table = 0, []
 preempted.num_scheduled_tokens = len(preempted) - preempted.num_cached_tokens
 assert preempted.num_scheduled_tokens == 13 and len(preempted.scheduled_token_ids) == 13
 assert finish_step(preempted, sampled_token=4) and preempted.num_completion_tokens == 4

@@ -147,7 +147,9 @@ def forward(x: torch.Tensor, causal: bool) -> tuple[list[tuple[torch.Tensor, tor
     for w_q, w_k, w_v in layers:
         k, v = x @ w_k, x @ w_v
         kv.append((k, v))
-        x = x + attend(x @ w_q, k, v, causal)  # with the residual: the next layer's input
+        # en: With the residual: the next layer's input.
+        # zh: 加上残差：这就是下一层的输入。
+        x = x + attend(x @ w_q, k, v, causal)
     return kv, x
 
 
@@ -159,7 +161,9 @@ def decode(x_new: torch.Tensor, cached: list[tuple[torch.Tensor, torch.Tensor]])
     return x_new
 
 
-tokens = torch.randn(8, dim, dtype=torch.float64)  # the embeddings of 8 tokens
+# en: The embeddings of 8 tokens.
+# zh: 8 个 token 的嵌入向量。
+tokens = torch.randn(8, dim, dtype=torch.float64)
 kept = {}
 for mask, causal in (("causal mask", True), ("bidirectional", False)):
     kv7, out7 = forward(tokens[:7], causal)
@@ -484,7 +488,9 @@ def prefill(bm: BlockManager, seq: Sequence, sampled: int) -> int:
     bm.allocate(seq)
     found = seq.num_cached_tokens
     seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
-    seq.num_cached_tokens += seq.num_scheduled_tokens  # the model wrote their KV
+    # en: The model wrote their KV.
+    # zh: 模型写入了它们的 KV。
+    seq.num_cached_tokens += seq.num_scheduled_tokens
     seq.num_scheduled_tokens = 0
     bm.publish_full_blocks(seq)
     seq.append_token(sampled)
@@ -509,8 +515,12 @@ def pool_map(bm: BlockManager, named: dict[str, Sequence]) -> str:
 
 
 bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-a = Sequence(list(range(100, 110)), block_size=4)  # 10 tokens -> 3 blocks
-b = Sequence(list(range(200, 205)), block_size=4)  # 5 tokens -> 2 blocks
+# en: 10 tokens -> 3 blocks
+# zh: 10 个 token -> 3 块
+a = Sequence(list(range(100, 110)), block_size=4)
+# en: 5 tokens -> 2 blocks
+# zh: 5 个 token -> 2 块
+b = Sequence(list(range(200, 205)), block_size=4)
 named = {"A": a, "B": b}
 rows = []
 
@@ -582,21 +592,33 @@ record(say("free {name}", name="A"))
 
 # %% the vLLM paper's figure
 words = "Four score and seven years ago our fathers brought".split()
-vocab = {word: i for i, word in enumerate(words)}  # one word, one token id
+# en: One word, one token id.
+# zh: 一个词对应一个 token id。
+vocab = {word: i for i, word in enumerate(words)}
 paper = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-held_by_others = [paper.take_free_block() for _ in range(8)]  # other requests hold every block ...
-for block_id in (7, 1, 3, 0, 2, 4, 5, 6):  # ... and give them back in this order
+# en: Other requests hold every block ...
+# zh: 其他请求占着所有的块……
+held_by_others = [paper.take_free_block() for _ in range(8)]
+# en: ... and give them back in this order.
+# zh: ……再按这个顺序归还。
+for block_id in (7, 1, 3, 0, 2, 4, 5, 6):
     paper.release(block_id)
 print(say("free list: {free}", free=list(paper.free_block_ids)))
 
 request = Sequence([vocab[word] for word in words[:7]], block_size=4)
-prefill(paper, request, sampled=vocab["fathers"])  # the prompt's KV; the prefill samples "fathers"
+# en: The prompt's KV; the prefill samples "fathers".
+# zh: 提示词的 KV；prefill 采样出 "fathers"。
+prefill(paper, request, sampled=vocab["fathers"])
 table_after_prompt = list(request.block_table)
 fathers_position = len(request) - 1
-decode(paper, request, sampled=vocab["brought"])  # the step that writes the KV of "fathers"
+# en: The step that writes the KV of "fathers".
+# zh: 写入 "fathers" 的 KV 的那一步。
+decode(paper, request, sampled=vocab["brought"])
 table_after_fathers = list(request.block_table)
 fathers_slot = request.block_table[fathers_position // 4] * 4 + fathers_position % 4
-paper.may_append(request)  # the next step must write the KV of "brought": it needs a block
+# en: The next step must write the KV of "brought": it needs a block.
+# zh: 下一步要写入 "brought" 的 KV：它需要一个块。
+paper.may_append(request)
 print(say("block table: after the prompt {prompt}, after 'fathers' {fathers}, once 'brought' has a place {brought}",
           prompt=table_after_prompt, fathers=table_after_fathers, brought=request.block_table))
 
@@ -622,7 +644,9 @@ def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
     # en: Where each token lives: logical block, physical block, offset.
     # zh: 每个 token 所在的位置：逻辑块、物理块、块内偏移。
     placed = [(i // size, seq.block_table[i // size], i % size, names[token]) for i, token in enumerate(seq.token_ids)]
-    newest = names[seq.token_ids[-1]]  # its KV is written by the next step
+    # en: Its KV is written by the next step.
+    # zh: 它的 KV 由下一步写入。
+    newest = names[seq.token_ids[-1]]
     parts = [
         '<svg xmlns="http://www.w3.org/2000/svg" width="920" height="340" viewBox="0 0 920 340" '
         'font-family="sans-serif" font-size="12">',
@@ -689,7 +713,9 @@ display(SVG(paging_figure_svg(request, paper, words)))
 
 # %%
 shared = BlockManager(num_blocks=8, block_size=4)
-system_prompt = list(range(300, 308))  # two full blocks
+# en: Two full blocks.
+# zh: 两个写满的块。
+system_prompt = list(range(300, 308))
 first = Sequence([*system_prompt, 1, 2, 3], block_size=4)
 second = Sequence([*system_prompt, 7, 8], block_size=4)
 prefill(shared, first, sampled=9)
@@ -872,7 +898,9 @@ print(f"{'':<12} " + say("F takes blocks {table}: {verdict}", table=holders["F"]
 # zh: 论断 1：空闲槽位总数足够，却没有足够大的空洞，于是被拒绝；块池用互不相邻的块为 F 服务。
 assert free_slots >= 12 > max(holes) and not contiguous_served
 table = holders["F"].block_table
-assert paged_served and max(table) - min(table) >= len(table)  # not one run of adjacent blocks
+# en: Not one run of adjacent blocks.
+# zh: 不是一段连续相邻的块。
+assert paged_served and max(table) - min(table) >= len(table)
 
 # %%
 import random
@@ -938,7 +966,9 @@ for block_size in range(1, 7):
 # %%
 tiny = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=False)
 full = Sequence([1, 2, 3, 4], block_size=2)
-prefill(tiny, full, sampled=5)  # len 5: the next decode needs a third block
+# en: len 5: the next decode needs a third block.
+# zh: 长度为 5：下一次 decode 需要第三个块。
+prefill(tiny, full, sampled=5)
 assert tiny.num_free_blocks == 0 and not tiny.can_append(full)
 assert not tiny.can_allocate(Sequence([1], block_size=2))
 

@@ -454,7 +454,9 @@ def run_prompt(bm: BlockManager, kv: ProvenanceKV, seq: Sequence, chunk: int | N
     todo = len(seq) - seq.num_cached_tokens if chunk is None else chunk
     kv.write(seq, todo)
     seq.num_cached_tokens += todo
-    bm.publish_full_blocks(seq)  # postprocess: only now is the KV there
+    # en: Postprocess: only now is the KV there.
+    # zh: 后处理：直到这时 KV 才真正写好。
+    bm.publish_full_blocks(seq)
     return hits
 
 
@@ -474,7 +476,9 @@ def show(bm: BlockManager, label: str) -> None:
 
 bm = BlockManager(num_blocks=8, block_size=4)
 kv = ProvenanceKV(block_size=4)
-system = [11, 12, 13, 14, 15, 16, 17, 18]  # two full blocks
+# en: Two full blocks.
+# zh: 两个写满的块。
+system = [11, 12, 13, 14, 15, 16, 17, 18]
 a = Sequence([*system, 1, 2, 3], block_size=4)
 b = Sequence([*system, 4, 5], block_size=4)
 hits_a = run_prompt(bm, kv, a)
@@ -510,7 +514,9 @@ show(bm, say("prompt == system, hits {hits}", hits=hits_exact))
 
 # %%
 assert hits_a == [] and hits_b == a_table[:2] == [0, 1]
-assert a_hashes[2] == NO_HASH and NO_HASH not in a_hashes[:2]  # the partial block was not published
+# en: The partial block was not published.
+# zh: 未写满的块没有被发布。
+assert a_hashes[2] == NO_HASH and NO_HASH not in a_hashes[:2]
 assert hits_c == [0, 1] and c.block_table[:2] == [0, 1]
 assert hits_exact == [0] and exact.num_cached_tokens == 8
 second_block = exact.block_table[1]
@@ -541,7 +547,9 @@ kv = ProvenanceKV(block_size=4)
 prompt = list(range(40, 52))
 first = Sequence(prompt, block_size=4)
 bm.allocate(first)
-assert bm.hash_to_block_id == {}  # allocation publishes nothing
+# en: Allocation publishes nothing.
+# zh: 分配时不发布任何块。
+assert bm.hash_to_block_id == {}
 kv.write(first, 6)
 first.num_cached_tokens += 6
 bm.publish_full_blocks(first)
@@ -726,9 +734,13 @@ def duplicate_recipe(manager_class: type[BlockManager]) -> list[int]:
     kv = ProvenanceKV(block_size=2)
     a, b = Sequence([1, 2, 3, 4], block_size=2), Sequence([1, 2, 3, 4], block_size=2)
     run_prompt(bm, kv, a)
-    run_prompt(bm, kv, b)  # hits block 0 only (rule 3); its block for "3 4" duplicates A's block 1
+    # en: Hits block 0 only (rule 3); its block for "3 4" duplicates A's block 1.
+    # zh: 只命中块 0（规则 3）；它存放 "3 4" 的块与 A 的块 1 重复。
+    run_prompt(bm, kv, b)
     finish(bm, a, b)
-    run_prompt(bm, kv, other := Sequence([8, 8, 8, 8], block_size=2))  # reuses blocks 3 and 1
+    # en: Reuses blocks 3 and 1.
+    # zh: 复用块 3 和块 1。
+    run_prompt(bm, kv, other := Sequence([8, 8, 8, 8], block_size=2))
     finish(bm, other)
     hits = run_prompt(bm, kv, c := Sequence([1, 2, 3, 4, 5], block_size=2))
     assert not kv.wrong_reads(c)

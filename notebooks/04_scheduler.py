@@ -494,7 +494,9 @@ class Scheduler:
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             if seq.num_scheduled_tokens < remaining:
-                break  # a chunk: the budget is spent, and seq stays at the head of waiting
+                # en: A chunk: the budget is spent, and seq stays at the head of waiting.
+                # zh: 这是一个分块：预算用完了，seq 留在 waiting 的队头。
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -541,7 +543,9 @@ class Scheduler:
             # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章）。
             self.block_manager.publish_full_blocks(seq)
             if seq.num_cached_tokens < len(seq):
-                continue  # a partial prefill chunk samples nothing (the model runner passes -1)
+                # en: A partial prefill chunk samples nothing (the model runner passes -1).
+                # zh: 只算了部分提示词的 prefill 分块不采样（模型执行器传入 -1）。
+                continue
             seq.append_token(token_id)
             if self._reached_end(seq, token_id):
                 self._finish(seq)
@@ -601,7 +605,9 @@ def make_room(blocks_needed: int, victims: list[str]) -> str:
     preempted = []
     while len(preempted) < blocks_needed:
         if not victims:
-            break  # nobody left to preempt: the else block is skipped
+            # en: Nobody left to preempt: the else block is skipped.
+            # zh: 没有可抢占的序列了：else 子句不会执行。
+            break
         preempted.append(victims.pop())
     else:
         return f"scheduled, preempted {preempted}"
@@ -813,11 +819,15 @@ print(say("chunks {chunks}; storm: {preempted} preemptions, all 4 requests finis
 
 # %% the article's worked example
 worked = Scheduler(num_kvcache_blocks=8, kvcache_block_size=256, max_num_seqs=4, max_num_batched_tokens=200)
-shared_prefix = list(range(1000, 1256))  # one block of 256 tokens
+# en: One block of 256 tokens.
+# zh: 一个 256 个 token 的块。
+shared_prefix = list(range(1000, 1256))
 earlier = Sequence([*shared_prefix, 7], SamplingParams(max_tokens=1), block_size=256)
 worked.add(earlier)
 run(worked, {earlier.seq_id: "earlier"}, show=False)
-published = list(worked.block_manager.hash_to_block_id.values())  # the earlier request's first block
+# en: The earlier request's first block.
+# zh: 先前那个请求的第一个块。
+published = list(worked.block_manager.hash_to_block_id.values())
 
 request = Sequence([*shared_prefix, *range(2000, 2344)], SamplingParams(max_tokens=3, ignore_eos=True),
                    block_size=256)
@@ -844,11 +854,17 @@ for i, s in enumerate(worked_steps, start=1):
 assert request.num_prompt_tokens == 600 and published == request.block_table[:1]
 chunk_step, last_chunk, decode_step = worked_steps
 assert (chunk_step["kind"], chunk_step["cached"], chunk_step["scheduled"]) == ("prefill", 256, 200)
-assert chunk_step["status"] == "WAITING" and chunk_step["at the head"]  # a chunk keeps its place
-assert chunk_step["computed after"] == 456 and chunk_step["len after"] == 600  # a chunk appends nothing
+# en: A chunk keeps its place.
+# zh: 分块的序列保持原位。
+assert chunk_step["status"] == "WAITING" and chunk_step["at the head"]
+# en: A chunk appends nothing.
+# zh: 分块不追加 token。
+assert chunk_step["computed after"] == 456 and chunk_step["len after"] == 600
 assert (last_chunk["kind"], last_chunk["scheduled"], last_chunk["status"]) == ("prefill", 144, "RUNNING")
 assert not last_chunk["at the head"] and request in worked.running
-assert last_chunk["computed after"] == 600 and last_chunk["len after"] == 601  # the first new token
+# en: The first new token.
+# zh: 第一个新 token。
+assert last_chunk["computed after"] == 600 and last_chunk["len after"] == 601
 assert (decode_step["kind"], decode_step["scheduled"]) == ("decode", 1)
 assert decode_step["computed after"] == 601 and decode_step["len after"] == 602
 
@@ -1098,11 +1114,15 @@ def decode_step_times(batch: int, steps: int = 8) -> list[float]:
         _, num_tokens, is_prefill = tiny.step()
         if not is_prefill:
             times.append(time.perf_counter() - started)
-            assert num_tokens == batch  # the whole batch decodes in one step
+            # en: The whole batch decodes in one step.
+            # zh: 整批序列在同一步里完成 decode。
+            assert num_tokens == batch
     return times
 
 
-decode_step_times(16)  # warm up: the first steps of a fresh engine are slower
+# en: Warm up: the first steps of a fresh engine are slower.
+# zh: 预热：新建引擎的头几步比较慢。
+decode_step_times(16)
 step_times: dict[int, list[float]] = {1: [], 4: [], 16: []}
 for _ in range(3):
     for batch_size in step_times:
@@ -1147,7 +1167,9 @@ fifo_seqs = {
 }
 fifo_names = {seq.seq_id: name for name, seq in fifo_seqs.items()}
 fifo.add(fifo_seqs["Old"])
-first = one_step(fifo, fifo_names)  # Old is prefilled and holds 2 of the 4 blocks
+# en: Old is prefilled and holds 2 of the 4 blocks.
+# zh: Old 完成 prefill，占用 4 个块中的 2 个。
+first = one_step(fifo, fifo_names)
 fifo.add(fifo_seqs["Long"])
 fifo.add(fifo_seqs["Short"])
 fifo_steps = [first]
@@ -1156,9 +1178,13 @@ while not fifo.is_finished():
 for step in fifo_steps:
     show_step(step)
 assert fifo_steps[1]["kind"] == "decode" and fifo_steps[1]["waiting"] == ["Long", "Short"]
-assert fifo_steps[1]["free"] == 1  # Old's decode took one of the two free blocks; Short would have fit before
+# en: Old's decode took one of the two free blocks; Short would have fit before.
+# zh: Old 的 decode 用掉了两个空闲块中的一个；在此之前 Short 本来放得下。
+assert fifo_steps[1]["free"] == 1
 started = [next(i for i, step in enumerate(fifo_steps) if name in step["scheduled"]) for name in ("Long", "Short")]
-assert started[0] <= started[1]  # Short never starts before Long
+# en: Short never starts before Long.
+# zh: Short 从不会先于 Long 开始。
+assert started[0] <= started[1]
 
 # %% [markdown] tags=["en"]
 # ### Recompute, not swap
@@ -1230,7 +1256,9 @@ class FirstSeqChunkScheduler(Scheduler):
                 hits = bm.prefix_cache.match(seq) if bm.prefix_cache is not None else []
                 remaining = len(seq) - len(hits) * bm.block_size
             if remaining > budget and scheduled:
-                break  # the one difference: a sequence that is not first must fit whole
+                # en: The one difference: a sequence that is not first must fit whole.
+                # zh: 唯一的不同：不排在第一个的序列必须整个放进预算。
+                break
             if not seq.block_table:
                 bm.allocate(seq)
                 if self.observer is not None and seq.num_cached_tokens:
@@ -1364,7 +1392,9 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 
 # %%
 door = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
-fits = Sequence(list(range(10)), SamplingParams(max_tokens=7), block_size=4)  # 10 + 7 - 1 = 16 tokens: 4 blocks
+# en: 10 + 7 - 1 = 16 tokens: 4 blocks
+# zh: 10 + 7 - 1 = 16 个 token：4 块
+fits = Sequence(list(range(10)), SamplingParams(max_tokens=7), block_size=4)
 door.check_fits(fits)
 door.add(fits)
 for error_type, bad_call in (
@@ -1380,7 +1410,9 @@ for error_type, bad_call in (
 run(door, {fits.seq_id: "fits"}, show=False)
 assert fits.is_finished and fits.num_completion_tokens == 7
 try:
-    door.add(fits)  # a finished sequence cannot be queued again
+    # en: A finished sequence cannot be queued again.
+    # zh: 已完成的序列不能再次入队。
+    door.add(fits)
     raise RuntimeError("a finished sequence was queued again")
 except AssertionError as error:
     print(f"AssertionError: {error}")
@@ -1473,7 +1505,9 @@ class OldestFirstScheduler(CountingScheduler):
         while self.running and len(scheduled) < limit:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                victim = self.running.popleft() if self.running else seq  # the one difference: the front
+                # en: The one difference: the front.
+                # zh: 唯一的不同：取队首的序列。
+                victim = self.running.popleft() if self.running else seq
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -1509,7 +1543,13 @@ print(say("preempt the newest: {thrown} tokens thrown away, requests finish at s
           thrown=newest_rule[0], finish=newest_rule[1]))
 print(say("preempt the oldest: {thrown} tokens thrown away, requests finish at steps {finish}",
           thrown=oldest_rule[0], finish=oldest_rule[1]))
-assert preemptions[0][1] == ["C"] and names[max(names)] == "C"  # the trace above: C, the newest, was the victim
-assert newest_rule[0] < oldest_rule[0]  # less work thrown away
-assert newest_rule[1] == sorted(newest_rule[1])  # and requests finish in the order they came
+# en: The trace above: C, the newest, was the victim.
+# zh: 上面的轨迹：被抢占的是最新的 C。
+assert preemptions[0][1] == ["C"] and names[max(names)] == "C"
+# en: Less work thrown away.
+# zh: 扔掉的工作更少。
+assert newest_rule[0] < oldest_rule[0]
+# en: And requests finish in the order they came.
+# zh: 而且请求按到达的顺序完成。
+assert newest_rule[1] == sorted(newest_rule[1])
 print(say("all exercise answers check out"))

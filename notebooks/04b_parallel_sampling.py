@@ -316,10 +316,14 @@ def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bo
     for seq, token_id in zip(seqs, token_ids, strict=True):
         seq.num_cached_tokens += seq.num_scheduled_tokens
         seq.num_scheduled_tokens = 0
-        seq.blocks_to_copy = []  # the model runner made them before the step wrote its K/V
+        # en: The model runner made them before the step wrote its K/V.
+        # zh: 模型执行器在这一步写入 K/V 之前已经完成了这些拷贝。
+        seq.blocks_to_copy = []
         self.block_manager.publish_full_blocks(seq)
         if seq.num_cached_tokens < len(seq):
-            continue  # a partial prefill chunk samples nothing (the model runner passes -1)
+            # en: A partial prefill chunk samples nothing (the model runner passes -1).
+            # zh: 只算了部分提示词的 prefill 分块不采样（模型执行器传入 -1）。
+            continue
         seq.append_token(token_id)
         if self._reached_end(seq, token_id):
             self._finish(seq)
@@ -432,9 +436,13 @@ a1 = Sequence(prompt, SamplingParams(n=2, max_tokens=3, ignore_eos=True), block_
 sched.add(a1)
 cache = WordCache()
 
-seqs, is_prefill = sched.schedule()  # the prefill: one sequence, the whole prompt
+# en: The prefill: one sequence, the whole prompt.
+# zh: prefill：一个序列，整个提示词。
+seqs, is_prefill = sched.schedule()
 cache.run_step(seqs)
-sched.postprocess(seqs, [ID["fathers"], ID["mothers"]], is_prefill)  # two samples from one logits row
+# en: Two samples from one logits row.
+# zh: 从同一行 logits 采样出两个样本。
+sched.postprocess(seqs, [ID["fathers"], ID["mothers"]], is_prefill)
 a2 = next(s for s in sched.running if s.request_id == a1.seq_id and s is not a1)
 samples = {"A1": a1, "A2": a2}
 show(say("after the prefill and the fork"), sched, samples, cache)
@@ -442,7 +450,9 @@ assert a1.block_table == a2.block_table == [0, 1]
 assert [sched.block_manager.blocks[b].ref_count for b in (0, 1)] == [2, 2]
 assert (a1.token_ids[-1], a2.token_ids[-1]) == (ID["fathers"], ID["mothers"])
 
-seqs, is_prefill = sched.schedule()  # the first decode step: both write slot 3 of block 1
+# en: The first decode step: both write slot 3 of block 1.
+# zh: 第一个 decode 步：两者都要写块 1 的槽位 3。
+seqs, is_prefill = sched.schedule()
 show("\n" + say("the first decode step, as scheduled (before it runs)"), sched, samples, cache)
 assert a1.blocks_to_copy == [(1, 2)] and a1.block_table == [0, 2]
 assert a2.blocks_to_copy == [] and a2.block_table == [0, 1]
@@ -518,7 +528,9 @@ frames = forking["frames"]
 forks = {e["seq"]: e["into"] for f in frames if f["phase"] == "postprocess" for e in f["event"]["forked"]}
 copies = [c for f in frames if f["phase"] == "schedule" for c in f["event"]["copies"]]
 assert len(forks[article.seq_id]) == 2 and len(forks[boundary.seq_id]) == 3
-assert len(copies) == 1 and copies[0]["seq"] in forks[article.seq_id]  # one copy, for the article's prompt
+# en: One copy, for the article's prompt.
+# zh: 只有一次拷贝，属于文章例子里的那个提示词。
+assert len(copies) == 1 and copies[0]["seq"] in forks[article.seq_id]
 assert sorted(frames[-1]["free_list"]) == list(range(12))
 print(say("forks: {forks}; copies: {copies}", forks=forks, copies=copies))
 
@@ -585,7 +597,9 @@ class Stopwatch:
         return self
 
     def __exit__(self, error_type: type[BaseException] | None, *_: object) -> None:
-        if error_type is None:  # a block that raised has no time, and its device may not be able to wait
+        # en: A `with` block that raised has no time, and its device may not be able to wait.
+        # zh: 抛出异常的 with 代码块不计时，而且它的设备可能已经无法等待（同步）。
+        if error_type is None:
             self.synchronize()
             self.seconds = time.perf_counter() - self.started
 
@@ -654,7 +668,9 @@ from nanovllm.book.tiny_models import build_tiny_model
 
 tiny_qwen = str(build_tiny_model("qwen3"))
 rng = random.Random(0)
-prompt = [rng.randrange(3, 512) for _ in range(30)]  # 7 full blocks of 4 and a partial one (2 tokens)
+# en: 7 full blocks of 4 and a partial one (2 tokens).
+# zh: 7 个写满的块（每块 4 个 token），再加一个未写满的块（2 个 token）。
+prompt = [rng.randrange(3, 512) for _ in range(30)]
 sample = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
 
 
@@ -671,9 +687,15 @@ print(f"{'':<24} {say('prefill tokens'):>14} {say('peak blocks'):>12}")
 for run in (forked, separate, later):
     print(f"{say(run.name):<24} {run.prefill_tokens:>14} {run.peak_blocks:>12}")
 
-assert forked.prefill_tokens == 30 and separate.prefill_tokens == 4 * 30  # no sharing among the four
-assert later.prefill_tokens == 30 - 7 * 4  # seven full blocks found in the cache, two tokens computed
-assert forked.peak_blocks == 7 + 4 * 3 and separate.peak_blocks == 4 * 10  # explained below
+# en: No sharing among the four.
+# zh: 四个请求之间没有共享。
+assert forked.prefill_tokens == 30 and separate.prefill_tokens == 4 * 30
+# en: Seven full blocks found in the cache, two tokens computed.
+# zh: 在缓存中找到七个写满的块，只需计算两个 token。
+assert later.prefill_tokens == 30 - 7 * 4
+# en: Explained below.
+# zh: 原因见下文。
+assert forked.peak_blocks == 7 + 4 * 3 and separate.peak_blocks == 4 * 10
 assert forked.output_tokens == separate.output_tokens == 32
 
 # %% [markdown] tags=["en"]
@@ -720,11 +742,15 @@ for fork in (True, False):
     llm.model_runner.kv_cache.fill_(float("nan"))
     output = llm.generate([prompt], seeded, use_tqdm=False)[0]
     completions[fork] = [s["token_ids"] for s in output["outputs"]]
-    assert llm.scheduler.block_manager.num_free_blocks == 64  # every block came back
+    # en: Every block came back.
+    # zh: 所有块都已归还。
+    assert llm.scheduler.block_manager.num_free_blocks == 64
 for i, tokens in enumerate(completions[True]):
     print(say("sample {i}: {tokens}", i=i, tokens=tokens))
 assert completions[True] == completions[False]
-assert len({tuple(t) for t in completions[True]}) > 1  # four streams, not one sample four times
+# en: Four streams, not one sample four times.
+# zh: 四个独立的样本，而不是同一个样本重复四次。
+assert len({tuple(t) for t in completions[True]}) > 1
 print(say("forked samples == independent requests, token for token"))
 
 # %% [markdown] tags=["en"]
@@ -863,7 +889,9 @@ few = [[rng.randrange(3, 512) for _ in range(rng.randint(10, 40))] for _ in rang
 runs = compare_parallel_sampling(tiny_qwen, few, [6, 9, 4, 7], 4, device="cpu", kvcache_block_size=4,
                                  num_kvcache_blocks=256)
 summary = parallel_sampling_report(runs)
-assert summary["ratios"]["prefill_tokens"] == 0.25  # each prompt prefilled once instead of four times
+# en: Each prompt prefilled once instead of four times.
+# zh: 每个提示词只 prefill 一次，而不是四次。
+assert summary["ratios"]["prefill_tokens"] == 0.25
 assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1].output_tokens == 4 * 26
 
 # %% [markdown] tags=["en"]

@@ -149,7 +149,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    op = staticmethod(silu_and_mul)  # as in RMSNorm: chapter 09 may hand it a compiled version
+    # en: as in RMSNorm: chapter 09 may hand it a compiled version
+    # zh: 与 RMSNorm 一样：第 09 章可能把它换成编译后的版本。
+    op = staticmethod(silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x)
@@ -230,7 +232,9 @@ def rotary(
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
 
-    op = staticmethod(rotary)  # as in RMSNorm: chapter 09 may hand it a compiled version
+    # en: as in RMSNorm: chapter 09 may hand it a compiled version
+    # zh: 与 RMSNorm 一样：第 09 章可能把它换成编译后的版本。
+    op = staticmethod(rotary)
 
     def __init__(
         self,
@@ -618,7 +622,9 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     if not config_file.is_file():
         raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     try:
-        fields = json.loads(config_file.read_text(encoding="utf-8"))  # for clear messages; transformers parses it again
+        # en: for clear messages; transformers parses it again
+        # zh: 先自己读一遍，以便给出清楚的错误信息；transformers 还会再解析一次。
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
     # en: The sizes it gives, before transformers reads them: some config classes divide by the head count as they
@@ -630,7 +636,9 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
             check(f"{config_file}: {name}", fields[name], int, lambda size: size >= 1, ">= 1")
     try:
         hf_config = AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for a bad config
+    # en: transformers raises ValueError, KeyError, OSError... for a bad config
+    # zh: 配置有问题时，transformers 会抛出 ValueError、KeyError、OSError 等异常。
+    except Exception as error:
         raise ModelLoadError(f"{config_file} cannot be read by transformers: {error}") from error
     check_model_config(hf_config, config_file)
     if require_weights and not any(path.glob("*.safetensors")):
@@ -645,7 +653,9 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
         raise ModelLoadError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
     if not isinstance(getattr(hf_config, "architectures", None), list):
         raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
-    get_model_class(hf_config.architectures)  # a ValueError naming the supported architectures
+    # en: a ValueError naming the supported architectures
+    # zh: 架构不受支持时抛出 ValueError，并列出支持的架构。
+    get_model_class(hf_config.architectures)
     head_dim = getattr(hf_config, "head_dim", None)
     for name in MODEL_SIZES + (("head_dim",) if head_dim is not None else ()):
         check(f"{config_file}: {name}", getattr(hf_config, name), int, lambda size: size >= 1, ">= 1")
@@ -675,7 +685,9 @@ def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]
     """Every (parameter, shard) that must be loaded, with the checkpoint name it comes from."""
     mapping = getattr(model, "packed_modules_mapping", {})
     expected = {}
-    for param_name, _ in model.named_parameters():  # tied parameters are listed once
+    # en: tied parameters are listed once
+    # zh: 绑定的参数只列出一次。
+    for param_name, _ in model.named_parameters():
         parts = param_name.split(".")
         fused_at = [(i, source, shard) for i, p in enumerate(parts) for source, (fused, shard) in mapping.items()
                     if p == fused]
@@ -866,7 +878,9 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     "qwen2": {**_COMMON, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": False},
     "llama": {**_COMMON, "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True},
 }
-_FORMAT_VERSION = 1  # bump when the files written here change
+# en: bump when the files written here change
+# zh: 这里写出的文件有变化时，把版本号加一。
+_FORMAT_VERSION = 1
 
 
 class CacheNotWritableError(OSError):
@@ -942,13 +956,19 @@ def _random_weights(config: Any, seed: int) -> dict[str, torch.Tensor]:
     for name, shape in sorted(shapes.items()):
         noise = torch.randn(shape, generator=generator)
         if name.endswith("norm.weight"):
-            weights[name] = 1.0 + 0.1 * noise  # not all ones: a misplaced norm weight shows
+            # en: not all ones: a misplaced norm weight shows
+            # zh: 不全是 1：放错位置的归一化权重会显露出来。
+            weights[name] = 1.0 + 0.1 * noise
         elif name.endswith("bias"):
             weights[name] = 0.1 * noise
         elif "embed_tokens" in name or name == "lm_head.weight":
-            weights[name] = noise * (4.0 / shape[1] ** 0.5)  # logits with a standard deviation of about 4
+            # en: logits with a standard deviation of about 4
+            # zh: 使 logits 的标准差约为 4。
+            weights[name] = noise * (4.0 / shape[1] ** 0.5)
         else:
-            weights[name] = noise / shape[1] ** 0.5  # keeps activations near unit scale
+            # en: keeps activations near unit scale
+            # zh: 使激活值保持在单位量级附近。
+            weights[name] = noise / shape[1] ** 0.5
     return weights
 
 
@@ -997,7 +1017,9 @@ def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: 
         _write(staging, kind, seed, overrides, key)
         try:
             staging.rename(directory)
-        except OSError:  # another process finished first
+        # en: another process finished first
+        # zh: 另一个进程先完成了构建。
+        except OSError:
             if not marker.is_file():
                 raise
     finally:
@@ -1109,14 +1131,20 @@ def attach_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int) ->
 
 BLOCK_SIZE = 4
 attach_kv_cache(model, num_blocks=16, block_size=BLOCK_SIZE)
-block_table = [9, 2, 7, 4, 11, 0, 5, 13]  # any free blocks, in any order
+# en: any free blocks, in any order
+# zh: 任意空闲块，任意顺序。
+block_table = [9, 2, 7, 4, 11, 0, 5, 13]
 tokens = ids.tolist()
 step_errors = []
 with torch.inference_mode():
     split = 5
-    set_prefill_context([split], [split], [block_table], BLOCK_SIZE)  # chunk 1: tokens 0..4
+    # en: chunk 1: tokens 0..4
+    # zh: 分块 1：token 0..4。
+    set_prefill_context([split], [split], [block_table], BLOCK_SIZE)
     model.compute_logits(model(ids[:split], torch.arange(split)))
-    set_prefill_context([len(ids) - split], [len(ids)], [block_table], BLOCK_SIZE)  # chunk 2 reads chunk 1
+    # en: chunk 2 reads chunk 1
+    # zh: 分块 2 读取分块 1 的 KV。
+    set_prefill_context([len(ids) - split], [len(ids)], [block_table], BLOCK_SIZE)
     logits = model.compute_logits(model(ids[split:], torch.arange(split, len(ids))))
     for _ in range(6):
         expected = hf_model(torch.tensor([tokens])).logits[0, -1]
@@ -1158,7 +1186,9 @@ for kind in ("llama", "qwen2"):
     print(say("{kind}: max |error| {error:.1e}", kind=kind, error=error))
     assert error < 1e-4
 llama = build_model(build_tiny_model("llama"))
-assert llama.lm_head.weight is llama.model.embed_tokens.weight  # tied: one matrix
+# en: tied: one matrix
+# zh: 绑定：同一个矩阵。
+assert llama.lm_head.weight is llama.model.embed_tokens.weight
 print(say("ours == transformers for Qwen3, Llama (tied) and Qwen2"))
 
 # %% [markdown] tags=["en"]
@@ -1208,7 +1238,9 @@ try:
     raise AssertionError("an unsupported architecture was accepted")
 except ValueError as error:
     print("ValueError:", error)
-    assert "MambaForCausalLM" in str(error), error  # not one of the weight errors above
+    # en: not one of the weight errors above
+    # zh: 不是上面那些权重错误之一。
+    assert "MambaForCausalLM" in str(error), error
 for field, value in (("hidden_size", -64), ("num_attention_heads", 0)):
     (broken / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3ForCausalLM"], field: value}))
     try:
@@ -1242,10 +1274,14 @@ shutil.rmtree(scratch)
 dummy = build_model(qwen_dir, load_format="dummy")
 again = build_model(qwen_dir, load_format="dummy")
 for (name, param), (_, same) in zip(dummy.named_parameters(), again.named_parameters(), strict=True):
-    assert torch.equal(param, same) and torch.isfinite(param).all(), name  # seeded: the same every time
+    # en: seeded: the same every time
+    # zh: 设了随机种子：每次都相同。
+    assert torch.equal(param, same) and torch.isfinite(param).all(), name
 assert abs(dummy.model.norm.weight.mean().item() - 1.0) < 0.1
 with torch.inference_mode():
-    set_prefill_context([3], [3])  # no KV cache: a plain forward of three tokens
+    # en: no KV cache: a plain forward of three tokens
+    # zh: 没有 KV 缓存：对三个 token 做一次普通的前向计算。
+    set_prefill_context([3], [3])
     logits = dummy.compute_logits(dummy(torch.tensor([1, 2, 3]), torch.arange(3)))
     reset_context()
 print(say("dummy weights: logits {shape} of scale {scale:.2f}, all finite", shape=tuple(logits.shape),
@@ -1302,7 +1338,9 @@ total = sum(p.numel() for p in model.parameters())
 assert total == sum(t.numel() for t in load_file(qwen_dir / "model.safetensors").values())
 print(say("tiny Qwen3: {total:,} parameters; tied: {tied:,}", total=total, tied=total - 512 * 64))
 lm_head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
-assert lm_head.shape == embedding.shape == (512, 64) and lm_head.data_ptr() != embedding.data_ptr()  # not tied yet
+# en: not tied yet
+# zh: 还没有绑定。
+assert lm_head.shape == embedding.shape == (512, 64) and lm_head.data_ptr() != embedding.data_ptr()
 # en: 2: rows [q_size, q_size + kv_size) = [4 * 16, 4 * 16 + 2 * 16) = [64, 96).
 # zh: 2：第 [q_size, q_size + kv_size) 行 = [4 * 16, 4 * 16 + 2 * 16) = [64, 96)。
 k_proj = load_file(qwen_dir / "model.safetensors")["model.layers.0.self_attn.k_proj.weight"]
@@ -1313,6 +1351,8 @@ assert torch.equal(model.model.layers[0].self_attn.qkv_proj.weight[64:96], k_pro
 rope = model.model.layers[0].self_attn.rotary_emb
 q_all, k_all = torch.randn(10, 4, 16), torch.randn(10, 2, 16)
 q_rot, k_rot = rope(torch.arange(10), q_all, k_all)
-q_one, k_one = rope(torch.tensor([7]), q_all[7:8], k_all[7:8])  # token 7 alone, as a decode step sees it
+# en: token 7 alone, as a decode step sees it
+# zh: 单独计算 token 7，就像 decode 步看到的那样。
+q_one, k_one = rope(torch.tensor([7]), q_all[7:8], k_all[7:8])
 assert torch.equal(q_one, q_rot[7:8]) and torch.equal(k_one, k_rot[7:8])
 print(say("all exercise answers check out"))

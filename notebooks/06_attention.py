@@ -130,13 +130,23 @@ class Context:
     """Attention metadata of the current step (see chapter 06 for every field)."""
 
     is_prefill: bool = False
-    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
+    # en: [num_seqs + 1] int32
+    # zh: 形状 [num_seqs + 1]，int32。
+    cu_seqlens_q: torch.Tensor | None = None
+    # en: [num_seqs + 1] int32
+    # zh: 形状 [num_seqs + 1]，int32。
+    cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    slot_mapping: torch.Tensor | None = None  # [T] int32/int64, -1 = do not store
-    context_lens: torch.Tensor | None = None  # [num_seqs] int32, decode only
-    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, -1 padded
+    # en: [T] int32/int64, -1 = do not store
+    # zh: 形状 [T]，int32/int64，-1 表示不写入。
+    slot_mapping: torch.Tensor | None = None
+    # en: [num_seqs] int32, decode only
+    # zh: 形状 [num_seqs]，int32，仅 decode 使用。
+    context_lens: torch.Tensor | None = None
+    # en: [num_seqs, max_blocks] int32, -1 padded
+    # zh: 形状 [num_seqs, max_blocks]，int32，用 -1 填充。
+    block_tables: torch.Tensor | None = None
 
 
 class _StepContext(threading.local):
@@ -387,7 +397,9 @@ def gather_paged(
     """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``;
     ``by_dim``: the values of an 8-bit cache, which it keeps by dimension)."""
     if scales is not None:
-        return gather_quantized(cache, scales, block_table, length, by_dim)  # an 8-bit cache (chapter 16)
+        # en: an 8-bit cache (chapter 16)
+        # zh: 8 位缓存（第 16 章）。
+        return gather_quantized(cache, scales, block_table, length, by_dim)
     # en: Whole blocks first (one index per block, not per token), then cut to the length.
     # zh: 先按整块取（每块一次索引，而不是每个 token 一次），再截到所需长度。
     num_blocks = -(-length // cache.shape[1])
@@ -400,7 +412,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if n_q == n_k:
         mask, causal = None, True
     elif n_q == 1:
-        mask, causal = None, False  # a decode query is the last position: it sees every key
+        # en: a decode query is the last position: it sees every key
+        # zh: decode 的查询位于最后一个位置：它能看到所有键。
+        mask, causal = None, False
     else:
         # en: query j sits at absolute position n_k - n_q + j and sees keys 0 … that position.
         # zh: 第 j 个查询位于绝对位置 n_k - n_q + j，能看到 0 … 该位置的键。
@@ -428,7 +442,9 @@ class TorchBackend:
         # zh: k、v：[T, kv_heads, d]；槽位 -1 标记不应写入的填充行。
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        if k_scales is not None:  # an 8-bit cache (chapter 16): each row in float8, with its own scale
+        # en: an 8-bit cache (chapter 16): each row in float8, with its own scale
+        # zh: 8 位缓存（第 16 章）：每一行存为 float8，并带有自己的缩放因子。
+        if k_scales is not None:
             store_quantized(k[keep], k_cache, k_scales, slots)
             store_quantized(v[keep], v_cache, v_scales, slots, by_dim=True)
             return
@@ -436,7 +452,9 @@ class TorchBackend:
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        return round_trip(x)  # chapter 16
+        # en: see chapter 16
+        # zh: 见第 16 章。
+        return round_trip(x)
 
     def prefill(
         self,
@@ -460,7 +478,9 @@ class TorchBackend:
             if paged:
                 keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales)
                 values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
-            else:  # no cached prefix: set_prefill_context made sure of it
+            # en: no cached prefix: set_prefill_context made sure of it
+            # zh: 没有已缓存前缀：set_prefill_context 已经确保了这一点。
+            else:
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out
@@ -606,7 +626,9 @@ def run(step: list[tuple[str, int, int]]) -> dict[str, torch.Tensor]:
     return {name: o for (name, _, _), o in zip(step, out.split(sizes), strict=True)}
 
 
-set_prefill_context([8], [8], [tables["B"]], BS)  # an earlier request caches B's first 8 tokens
+# en: an earlier request caches B's first 8 tokens
+# zh: 先前的一个请求缓存了 B 的前 8 个 token。
+set_prefill_context([8], [8], [tables["B"]], BS)
 run([("B", 0, 8)])
 ctx = set_prefill_context([5, 3, 2], [5, 11, 2], [tables[n] for n in "ABC"], BS)
 print("cu_seqlens_q", ctx.cu_seqlens_q.tolist(), "cu_seqlens_k", ctx.cu_seqlens_k.tolist())
@@ -641,7 +663,9 @@ reset_context()
 # %%
 assert max(errors.values()) < 1e-5, errors
 for name, n in lengths.items():
-    for position in range(n - 1):  # the last decode token was stored too, but check all but it for brevity
+    # en: the last decode token was stored too, but check all but it for brevity
+    # zh: 最后一个 decode token 也已写入，但为简洁起见，只检查它之前的位置。
+    for position in range(n - 1):
         block = tables[name][position // BS]
         assert torch.equal(attn.k_cache[block, position % BS], qkv[name][1][position])
 assert torch.equal(attn.k_cache[5, 1], qkv["B"][1][9])
@@ -711,13 +735,17 @@ assert ctx.slot_mapping.tolist() == [76]
 # zh: 2：查询 j = 1 位于位置 10 - 3 + 1 = 8：可关注键 0 … 8。
 q1, k1 = torch.randn(3, 1, 4), torch.randn(10, 1, 4)
 v1 = torch.zeros(10, 1, 4)
-v1[9] = 1.0  # only key 9 carries a value: a query that cannot see it outputs exactly 0
+# en: only key 9 carries a value: a query that cannot see it outputs exactly 0
+# zh: 只有键 9 带有值：看不到它的查询输出恰好为 0。
+v1[9] = 1.0
 from nanovllm.layers.attention import causal_attention
 
 o1 = causal_attention(q1, k1, v1, scale=0.5)
 assert torch.equal(o1[1], torch.zeros(1, 4)) and o1[2].abs().sum() > 0
 # en: 3: every decode sequence has exactly one query, so query i is row i.
 # zh: 3：decode 时每个序列恰好一个查询，所以第 i 个查询就是第 i 行。
-assert ctx.cu_seqlens_q is None and ctx.context_lens.tolist() == [21]  # the decode context has none
+# en: the decode context has no cu_seqlens_q
+# zh: decode 的上下文没有 cu_seqlens_q。
+assert ctx.cu_seqlens_q is None and ctx.context_lens.tolist() == [21]
 reset_context()
 print(say("all exercise answers check out"))

@@ -340,7 +340,8 @@ def _check_cache(
     if k_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {tuple(k_cache.shape)}")
     blocks, block_size, kv_heads, head_dim = k_cache.shape
-    # A float8 cache keeps each block's values by dimension (chapter 16 says why).
+    # en: A float8 cache keeps each block's values by dimension (chapter 16 says why).
+    # zh: float8 缓存把每个块的值按维度存放（原因见第 16 章）。
     v_shape = (blocks, kv_heads, head_dim, block_size) if fp8 else (blocks, block_size, kv_heads, head_dim)
     if v_cache.shape != v_shape:
         raise ValueError(f"the value cache must be {v_shape} beside keys {tuple(k_cache.shape)}, "
@@ -369,7 +370,9 @@ def store_kvcache(
         raise ValueError("k and v need a contiguous last dimension")
     if num_tokens == 0:
         return
-    k_scales, v_scales = (k_scales, v_scales) if fp8 else (k_cache, v_cache)  # unused without FP8
+    # en: unused without FP8
+    # zh: 不用 FP8 时用不到这两个参数。
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (k_cache, v_cache)
     store_kvcache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_scales.stride(0), k_scales.stride(1),
@@ -580,7 +583,9 @@ def _prefill_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
+# en: the block-table width changes every step
+# zh: 块表的宽度每一步都在变。
+@triton.jit(do_not_specialize=["stride_bt"])
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, stride_o_t, stride_o_h,
@@ -679,7 +684,9 @@ def prefill_attention_kernel(
 # %% prefill wrapper
 #| export
 def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
+    # en: tf32 only matters for float32 inputs
+    # zh: tf32 只对 float32 输入有意义。
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # en: Shared memory that the large prefill launch, (128, 128, 8, 3), takes in its largest variant (16-bit, head_dim
@@ -700,16 +707,24 @@ def choose_prefill_launch(gpu: Any, head_dim: int, dtype: torch.dtype, programs_
     tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    needs = LARGE_PREFILL_SHARED_MEMORY[9 if gpu.major >= 9 else 8]  # 8.x's figure for older GPUs too
+    # en: 8.x's figure for older GPUs too
+    # zh: 更老的 GPU 也用 8.x 的数字。
+    needs = LARGE_PREFILL_SHARED_MEMORY[9 if gpu.major >= 9 else 8]
     large_fits = getattr(gpu, "shared_memory_per_block_optin", 0) >= needs
     if programs_128 < 2 * gpu.multi_processor_count or not large_fits:
-        return 64, 64, 4, 3  # a small grid (smaller tiles keep more SMs busy), or too little shared memory
-    return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
+        # en: a small grid (smaller tiles keep more SMs busy), or too little shared memory
+        # zh: 网格较小（较小的 tile 能让更多 SM 有活干），或共享内存不够。
+        return 64, 64, 4, 3
+    # en: the fastest of five configurations measured on an H200 (see "Measure it")
+    # zh: 在 H200 上测过的五种配置中最快的一种（见“测量”一节）。
+    return 128, 128, 8, 3
 
 
 def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
     if device.type != "cuda":
-        return 16, 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+        # en: the interpreter: small tiles keep each numpy step cheap
+        # zh: 解释器：小 tile 让每一步 numpy 计算都很便宜。
+        return 16, 16, 4, 1
     return choose_prefill_launch(torch.cuda.get_device_properties(device), head_dim, dtype, programs_128)
 
 
@@ -746,22 +761,31 @@ def prefill_attention(
     if paged:
         fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
         keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
-        stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
-        # A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
+        # en: a slot row is one step of dim 1
+        # zh: 相邻的槽位行在第 1 维上相差一步。
+        stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)
+        # en: A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
+        # zh: float8 缓存把值按维度存放，[blocks, kv_heads, d, block_size]（第 16 章）。
         stride_v_t, stride_v_h = (0, v_cache.stride(1)) if fp8 else (stride_k_t, stride_k_h)
         stride_v_b = v_cache.stride(0)
     else:
         check_triton_device(q)
-        keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
+        # en: block table unused
+        # zh: 用不到块表。
+        keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
-        stride_v_b = 0  # no blocks
+        # en: no blocks
+        # zh: 没有块。
+        stride_v_b = 0
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
     num_seqs = context.cu_seqlens_q.numel() - 1
     programs_128 = triton.cdiv(context.max_seqlen_q, 128) * num_seqs * heads
     bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype, programs_128)
     grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
-    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
+    # en: unused without FP8
+    # zh: 不用 FP8 时用不到这两个参数。
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)
     prefill_attention_kernel[grid](
         q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables, k_scales, v_scales,
         q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, out.stride(0),
@@ -930,7 +954,9 @@ def _decode_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
+# en: the block-table width changes every step
+# zh: 块表的宽度每一步都在变。
+@triton.jit(do_not_specialize=["stride_bt"])
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_v_b, stride_v_h, stride_bt, stride_o_b, stride_o_h,
@@ -1028,7 +1054,9 @@ def decode_reduce_kernel(
     # zh: 权重 w_s = 2^(lse_s - max lse) [SPLITS_PAD]；空段（lse = -inf）权重为 0。
     lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all slices empty: avoid -inf - -inf = NaN
+    # en: all slices empty: avoid -inf - -inf = NaN
+    # zh: 所有分段都为空：避免 -inf - -inf = NaN。
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
     w = tl.exp2(lse - lse_max)
     total = tl.sum(w, 0)
     # en: Partial outputs [SPLITS_PAD, BLOCK_D], weighted sum over the splits -> [BLOCK_D].
@@ -1066,9 +1094,13 @@ def choose_num_splits(
 ) -> int:
     """How many context slices per (sequence, KV head): 1 = the plain kernel, > 1 = split-K."""
     programs = batch * num_kv_heads
-    if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
+    # en: every SM already has a program: splitting only adds the reduction
+    # zh: 每个 SM 都已分到一个程序：再分段只会多出归约的开销。
+    if programs >= num_sms:
         return 1
-    wanted = 4 * num_sms // programs  # at most four programs per SM: no partial extra wave
+    # en: at most four programs per SM: no partial extra wave
+    # zh: 每个 SM 最多四个程序：不会多出一个跑不满的波次（wave）。
+    wanted = 4 * num_sms // programs
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 
@@ -1103,13 +1135,17 @@ DECODE_MAX_REGISTERS = 168
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
     """The default (BLOCK_N, num_warps, num_stages) of decode for queries of ``dtype`` over a cache (8-bit if fp8)."""
     if device.type != "cuda":
-        return 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+        # en: the interpreter: small tiles keep each numpy step cheap
+        # zh: 解释器：小 tile 让每一步 numpy 计算都很便宜。
+        return 16, 4, 1
     return DECODE_LAUNCH["fp8" if fp8 else "float32" if dtype == torch.float32 else "16-bit"]
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 1 << 20  # interpreter: programs run one after another, never split by default
+        # en: interpreter: programs run one after another, never split by default
+        # zh: 解释器：程序逐个依次运行，默认从不分段。
+        return 1 << 20
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -1159,8 +1195,12 @@ def decode_attention(
         lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
         dst, stride_s = part, part.stride(2)
     else:
-        dst, lse, stride_s = out, out, 0  # lse is not written when SPLIT is False
-    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
+        # en: lse is not written when SPLIT is False
+        # zh: SPLIT 为 False 时不会写 lse。
+        dst, lse, stride_s = out, out, 0
+    # en: unused without FP8
+    # zh: 不用 FP8 时用不到这两个参数。
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)
     decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context.context_lens, dst, lse, k_scales, v_scales,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
@@ -1304,7 +1344,9 @@ class FlashAttnBackend(TritonBackend):
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _refuse_scales(k_scales)
-        if context.block_tables is None:  # no cached prefix: this step's own K and V, packed like q
+        # en: no cached prefix: this step's own K and V, packed like q
+        # zh: 没有已缓存前缀：只用本步自己的 K 和 V，与 q 一样紧凑排布。
+        if context.block_tables is None:
             out, _ = self.attend(
                 q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
                 max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k, softmax_scale=scale, causal=True,
@@ -1344,7 +1386,9 @@ class FlashAttnBackend(TritonBackend):
         k = torch.zeros(2, layer.num_kv_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=k_cache.device)
         self.prefill(q, k, k, k_cache, v_cache, Context(True, cu, cu, 2, 2), layer.scale)
-        pages = -(-3 // k_cache.shape[1])  # three keys, whatever the block size: the first pages of the cache
+        # en: three keys, whatever the block size: the first pages of the cache
+        # zh: 三个键，不论块大小：用缓存最前面的几页。
+        pages = -(-3 // k_cache.shape[1])
         prefix = Context(True, cu, cu + torch.tensor([0, 1], dtype=torch.int32, device=cu.device), 2, 3,
                          block_tables=torch.arange(pages, dtype=torch.int32, device=cu.device)[None])
         self.prefill(q, k, k, k_cache, v_cache, prefix, layer.scale)
@@ -1384,7 +1428,9 @@ for backend in ("torch", "triton"):
     layer.v_cache = torch.zeros(NUM_BLOCKS, BS, KVH, D, device=DEVICE)
     layers[backend] = layer
 
-lengths = {"A": 20, "B": 37, "C": 5}  # prompt + decode tokens
+# en: prompt + decode tokens
+# zh: 提示词 + decode 的 token 数。
+lengths = {"A": 20, "B": 37, "C": 5}
 tables = {"A": [3, 7], "B": [0, 1, 5], "C": [6]}
 qkv = {n: (torch.randn(k, H, D, device=DEVICE), torch.randn(k, KVH, D, device=DEVICE),
            torch.randn(k, KVH, D, device=DEVICE)) for n, k in lengths.items()}
@@ -1425,7 +1471,9 @@ reset_context()
 
 # %%
 assert all(r["max_err"] < 1e-4 for r in report.values()), report
-assert torch.equal(layers["triton"].k_cache, layers["torch"].k_cache)  # store: bit-identical scatter
+# en: store: bit-identical scatter
+# zh: 存储：scatter 的结果逐位相同。
+assert torch.equal(layers["triton"].k_cache, layers["torch"].k_cache)
 assert torch.equal(layers["triton"].v_cache, layers["torch"].v_cache)
 print(say("Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical"))
 
@@ -1526,7 +1574,9 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compile and allocate outside the capture
+        # en: compile and allocate outside the capture
+        # zh: 在捕获之外完成编译与内存分配。
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -1618,13 +1668,17 @@ def bench_prefill(
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
 
-    flops = 4 * batch * HEADS * HEAD_DIM * seqlen * (seqlen + 1) / 2  # QK^T and PV over the causal half
+    # en: QK^T and PV over the causal half
+    # zh: QK^T 与 PV，只算因果的那一半。
+    flops = 4 * batch * HEADS * HEAD_DIM * seqlen * (seqlen + 1) / 2
     row = {"batch": batch, "seqlen": seqlen, "sdpa_ms": time_ms(sdpa), "triton_ms": {}}
     for launch in launches:
         row["triton_ms"][str(launch)] = time_ms(lambda launch=launch: prefill_attention(q, k, v, empty, empty, ctx,
                                                                                         scale, launch=launch))
     row["best_launch"] = min(row["triton_ms"], key=row["triton_ms"].get)
-    row["ratio"] = row["triton_ms"]["None"] / row["sdpa_ms"]  # default launch vs SDPA
+    # en: default launch vs SDPA
+    # zh: 默认启动配置与 SDPA 的耗时之比。
+    row["ratio"] = row["triton_ms"]["None"] / row["sdpa_ms"]
     row["tflops"] = flops / (row["triton_ms"]["None"] * 1e-3) / 1e12
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
     ours = prefill_attention(q, k, v, empty, empty, ctx, scale)
@@ -1749,7 +1803,8 @@ RECORDED = {
     "device": 'NVIDIA H200', "date": '2026-11-29', "torch": '2.11.0+cu130', "triton": '3.6.0', "num_sms": 132,
     "command": "PYTHONPATH=$PWD python3 -m nanovllm.bench.attention --out bench.json",
     "copy_tb_per_s": 4.249,
-    # (batch, context): {num_splits: microseconds per decode call}, bf16, 16 q / 8 KV heads, d 128, block 256
+    # en: (batch, context): {num_splits: microseconds per decode call}, bf16, 16 q / 8 KV heads, d 128, block 256
+    # zh: (batch, context): {num_splits: 每次 decode 调用的微秒数}，bf16，16 个 q 头 / 8 个 KV 头，d 128，块大小 256
     "decode_us": {
         (1, 512): {1: 16.6, 2: 11.2, 4: 8.4},
         (1, 1024): {1: 30.2, 2: 17.8, 4: 11.6, 8: 8.7},
@@ -1782,7 +1837,8 @@ RECORDED = {
         (256, 4096): {1: 990.5, 2: 1000.3, 4: 1015.9, 8: 1037.8, 16: 1078.4, 32: 1184.6},
         (256, 8192): {1: 1959.9, 2: 1969.1, 4: 1978.8, 8: 1998.6, 16: 2038.4, 32: 2128.1},
     },
-    # (batch, seqlen): (SDPA flash ms, {launch (BLOCK_M, BLOCK_N, warps, stages): ms}), bf16 dense causal
+    # en: (batch, seqlen): (SDPA flash ms, {launch (BLOCK_M, BLOCK_N, warps, stages): ms}), bf16 dense causal
+    # zh: (batch, seqlen): (SDPA flash ms, {启动配置 (BLOCK_M, BLOCK_N, warps, stages): ms})，bf16，稠密因果
     "prefill_ms": {
         (1, 1024): (0.0396, {(128, 128, 8, 3): 0.0532, (128, 64, 8, 3): 0.0752, (128, 128, 8, 2): 0.0677,
                      (64, 64, 4, 3): 0.0496, (64, 128, 4, 3): 0.0506}),
@@ -1802,7 +1858,9 @@ from IPython.display import SVG, display
 from nanovllm.bench.attention import line_chart_svg
 from nanovllm.layers.triton_attention import choose_num_splits
 
-KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2  # K and V, 8 KV heads, d 128, bf16
+# en: K and V, 8 KV heads, d 128, bf16
+# zh: K 和 V，8 个 KV 头，d 128，bf16。
+KV_BYTES_PER_TOKEN = 2 * 8 * 128 * 2
 copy = RECORDED["copy_tb_per_s"] * 1e12
 
 
@@ -1862,13 +1920,17 @@ for (batch, seqlen), (sdpa_ms, ours) in RECORDED["prefill_ms"].items():
     print(say("batch {batch:>2} x {seqlen:>5}: ours {ours:5.0f} TFLOP/s, SDPA {sdpa:5.0f} TFLOP/s, ratio {ratio:.2f}x",
               batch=batch, seqlen=seqlen, ours=flops / ours[default] / 1e9, sdpa=flops / sdpa_ms / 1e9,
               ratio=ours[default] / sdpa_ms))
-    assert ours[default] / sdpa_ms <= 1.3  # the goal: within 1.3x of SDPA flash
+    # en: the goal: within 1.3x of SDPA flash
+    # zh: 目标：不超过 SDPA flash 的 1.3 倍。
+    assert ours[default] / sdpa_ms <= 1.3
 # en: The decode claims above, checked on the recorded data.
 # zh: 用记录下来的数据检查上面关于 decode 的说法。
 for (batch, context), times in RECORDED["decode_us"].items():
     assert times[auto(batch, context)] <= 1.1 * min(times.values()), (batch, context)
     if batch >= 64 and context >= 2048:
-        assert share(batch, context, 1) >= 70  # the goal: >= 70 % of the copy bandwidth
+        # en: the goal: >= 70 % of the copy bandwidth
+        # zh: 目标：达到拷贝带宽的 70 % 以上。
+        assert share(batch, context, 1) >= 70
 print(say("recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere"))
 
 # %% [markdown] tags=["en"]
@@ -1907,7 +1969,9 @@ print(say("recorded figures meet both goals; the heuristic is within 10 % of the
 # 1.36 倍（573 对 421 TFLOP/s）：这就是我们的 prefill 内核还能提升的空间。引擎层面的数字见第 09 章。
 
 # %%
-SWEEP = {  # scripts/decode_sweep.py, H200, 2026-12-01: microseconds per decode call, (BLOCK_N, warps, stages)
+# en: scripts/decode_sweep.py, H200, 2026-12-01: microseconds per decode call, (BLOCK_N, warps, stages)
+# zh: scripts/decode_sweep.py，H200，2026-12-01：每次 decode 调用的微秒数，键为 (BLOCK_N, warps, stages)
+SWEEP = {
     "copy_tb_per_s": 4.224,
     "kv_bytes": {256: 1162772480, 64: 307113984, 16: 79257600},
     "us": {
@@ -1919,13 +1983,17 @@ SWEEP = {  # scripts/decode_sweep.py, H200, 2026-12-01: microseconds per decode 
              (64, 4, 2): 31.5, (128, 8, 2): 32.9, (32, 2, 3): 40.1, (16, 4, 3): 52.2},
     },
 }
-FA4 = {  # python -m nanovllm.bench.attention --quick, H200, 2026-12-01, flash-attn-4 4.0.0b36
-    # (batch, context): (our best split count's us, FlashAttention 4's us), decode as above
+# en: python -m nanovllm.bench.attention --quick, H200, 2026-12-01, flash-attn-4 4.0.0b36
+# zh: python -m nanovllm.bench.attention --quick，H200，2026-12-01，flash-attn-4 4.0.0b36
+FA4 = {
+    # en: (batch, context): (our best split count's us, FlashAttention 4's us), decode as above
+    # zh: (batch, context): (我们最佳分段数下的 us, FlashAttention 4 的 us)，decode 设置同上
     "decode_us": {(1, 512): (8.5, 10.3), (1, 2048): (9.6, 28.4), (1, 8192): (18.3, 101.3),
                   (16, 512): (16.0, 14.0), (16, 2048): (40.4, 37.3), (16, 8192): (131.6, 128.5),
                   (64, 512): (38.0, 46.1), (64, 2048): (129.2, 135.4), (64, 8192): (481.6, 482.6),
                   (256, 512): (147.2, 158.4), (256, 2048): (489.6, 504.8), (256, 8192): (1917.2, 1907.0)},
-    # (batch, seqlen): (SDPA flash ms, ours ms, FlashAttention 4 ms), dense causal prefill
+    # en: (batch, seqlen): (SDPA flash ms, ours ms, FlashAttention 4 ms), dense causal prefill
+    # zh: (batch, seqlen): (SDPA flash ms, 我们的 ms, FlashAttention 4 ms)，稠密因果 prefill
     "prefill_ms": {(1, 2048): (0.1108, 0.0758, 0.0730), (4, 4096): (0.8953, 0.6524, 0.4797)},
 }
 print(say("decode on the benchmark's contexts, % of the copy rate per launch (BLOCK_N, warps, stages):"))
@@ -1935,16 +2003,22 @@ for batch, times in SWEEP["us"].items():
     best = max(shares, key=shares.get)
     print(say("  batch {batch:>3}: 64 keys {keys64:.0%}, 128 keys {keys128:.0%}, best {best}",
               batch=batch, keys64=shares[64, 4, 3], keys128=shares[128, 4, 3], best=best))
-    assert best == (128, 4, 3)  # the default on a GPU since this sweep
+    # en: the default on a GPU since this sweep
+    # zh: 自这次扫描起，它就是 GPU 上的默认配置。
+    assert best == (128, 4, 3)
 print(say("decode, FlashAttention 4 time / ours (best split):"))
 for (batch, context), (ours, fa4) in FA4["decode_us"].items():
     print(say("  batch {batch:>3} ctx {context:>5}: {ratio:4.2f}", batch=batch, context=context, ratio=fa4 / ours))
     if batch >= 64:
-        assert 0.9 < fa4 / ours < 1.25  # the same bandwidth, within a few percent
+        # en: the same bandwidth, within a few percent
+        # zh: 带宽相同，相差在百分之几以内。
+        assert 0.9 < fa4 / ours < 1.25
 for (batch, seqlen), (sdpa, ours, fa4) in FA4["prefill_ms"].items():
     print(say("prefill {batch} x {seqlen}: SDPA {sdpa:.3f} ms, ours {ours:.3f} ms, FlashAttention 4 {fa4:.3f} ms",
               batch=batch, seqlen=seqlen, sdpa=sdpa, ours=ours, fa4=fa4))
-assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3  # FA4's prefill: our room to grow
+# en: FA4's prefill: our room to grow
+# zh: FA4 的 prefill：我们还能提升的空间。
+assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3
 
 # %% [markdown] tags=["en"]
 # ## What we built

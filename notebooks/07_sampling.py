@@ -125,7 +125,9 @@ def seeded_generator(
     stream = _splitmix64(seed)
     if sample_index:
         stream = _splitmix64(stream ^ _splitmix64(sample_index))
-    mixed = _splitmix64(stream ^ position) >> 1  # manual_seed wants < 2**63
+    # en: manual_seed wants < 2**63
+    # zh: manual_seed 要求种子 < 2**63。
+    mixed = _splitmix64(stream ^ position) >> 1
     generator = torch.Generator(device=device)
     generator.manual_seed(mixed)
     return generator
@@ -420,7 +422,9 @@ def run_steps(batch: list[SamplingParams], row: int, steps: int = 5, vocab: int 
     out = []
     for step in range(steps):
         logits = torch.sin(torch.arange(vocab)[None, :] * (step + 1) * 0.37 + torch.arange(len(batch))[:, None])
-        logits[row] = torch.sin(torch.arange(vocab) * (step + 1) * 0.37)  # the seeded request's own logits
+        # en: the seeded request's own logits
+        # zh: 带种子的那个请求自己的 logits。
+        logits[row] = torch.sin(torch.arange(vocab) * (step + 1) * 0.37)
         positions = [10 + step] * len(batch)
         out.append(int(sampler(logits, **sampling_inputs(batch, positions))[row]))
     return out
@@ -880,11 +884,21 @@ def draw(key: int) -> int:
     return int((weights / torch.empty(5).exponential_(generator=seeded_generator(7, key))).argmax())
 
 
-positions = range(10, 20)  # ten tokens of one request
-steps_alone = list(range(10))  # one token per step
-steps_preempted = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]  # after 4 tokens, one step goes to the recompute
-assert [draw(p) for p in positions] == [draw(p) for p in positions]  # keyed by position: the same tokens
-assert [draw(s) for s in steps_alone] != [draw(s) for s in steps_preempted]  # keyed by step: other tokens
+# en: ten tokens of one request
+# zh: 同一个请求的十个 token。
+positions = range(10, 20)
+# en: one token per step
+# zh: 每步一个 token。
+steps_alone = list(range(10))
+# en: after 4 tokens, one step goes to the recompute
+# zh: 生成 4 个 token 之后，有一步花在重算上。
+steps_preempted = [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+# en: keyed by position: the same tokens
+# zh: 以位置为键：得到相同的 token。
+assert [draw(p) for p in positions] == [draw(p) for p in positions]
+# en: keyed by step: other tokens
+# zh: 以步数为键：得到不同的 token。
+assert [draw(s) for s in steps_alone] != [draw(s) for s in steps_preempted]
 # en: 4: multiplying every score of a row by the same T > 0 keeps their order; l - T log E has no division,
 # en: so a tiny T leaves (nearly) the bare logits instead of pushing them to infinity.
 # zh: 4：一行的所有分数乘以同一个 T > 0，顺序不变；l - T log E 里没有除法，所以极小的 T 留下的（几乎）就是

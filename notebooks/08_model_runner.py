@@ -229,7 +229,9 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
     if path.is_file():
         try:
             eos = GenerationConfig.from_pretrained(model).eos_token_id
-        except Exception as error:  # transformers raises OSError, ValueError, ...
+        # en: transformers raises OSError, ValueError, ...
+        # zh: transformers 会抛出 OSError、ValueError 等异常。
+        except Exception as error:
             raise ValueError(f"{path} cannot be read: {error}") from error
     if eos is None:
         path, eos = Path(model) / "config.json", getattr(hf_config, "eos_token_id", None)
@@ -373,7 +375,8 @@ class Config:
             raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
         if self.async_scheduling == "auto":
-            # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+            # en: Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+            # zh: 第 10 章：每个 rank 从自己保存的上一步采样结果中取出待定 token。
             self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
@@ -499,7 +502,9 @@ from transformers.utils import logging as hf_logging
 
 from nanovllm.config import Config, UnknownConfigKeyError
 
-hf_logging.disable_progress_bar()  # keep the page free of "Writing model shards" bars
+# en: keep the page free of "Writing model shards" bars
+# zh: 不让页面上出现 "Writing model shards" 进度条。
+hf_logging.disable_progress_bar()
 
 
 def tiny_llama_dir(root: Path) -> Path:
@@ -587,11 +592,15 @@ assert caught.keys() == mistakes.keys(), "every mistake must be refused"
 
 # %%
 assert config.max_model_len == 1024 and config.eos_token_ids == (2, 3)
-if torch.cuda.is_available():  # "auto": the GPU, the model's half dtype and chapter 06b's kernels
+# en: "auto": the GPU, the model's half dtype and chapter 06b's kernels
+# zh: "auto" 的结果：GPU、模型的半精度类型和第 06b 章的内核。
+if torch.cuda.is_available():
     assert config.device == "cuda" and config.dtype in ("bfloat16", "float16") and config.attention_backend == "triton"
 else:
     assert (config.device, config.dtype, config.attention_backend) == ("cpu", "float32", "torch")
-assert Config(str(tiny)).kvcache_block_size == 256  # nano-vllm's defaults when nothing is given
+# en: nano-vllm's defaults when nothing is given
+# zh: 什么都不指定时，使用 nano-vllm 的默认值。
+assert Config(str(tiny)).kvcache_block_size == 256
 assert isinstance(caught["misspelled key"], UnknownConfigKeyError)
 assert "did you mean 'max_num_seqs'" in str(caught["misspelled key"])
 assert all(name in str(caught["misspelled key"]) for name in Config.settings())
@@ -851,7 +860,9 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
             torch.empty(shape, dtype=raw, device=device)
         return cache.view(dtype)
-    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
+    # en: torch.OutOfMemoryError on a GPU
+    # zh: 在 GPU 上是 torch.OutOfMemoryError。
+    except RuntimeError as error:
         cause = str(error).partition("\n")[0]
         raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
 
@@ -859,7 +870,9 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 def _physical_memory() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+    # en: no sysconf (Windows)
+    # zh: 没有 sysconf（Windows）。
+    except (AttributeError, ValueError, OSError):
         return math.inf
 
 # %% [markdown] tags=["en"]
@@ -916,7 +929,9 @@ import torch
 
 from nanovllm.engine.model_runner import copy_kv_blocks
 
-kv = torch.randn(2, 2, 8, 4, 1, 3)  # [K/V, layers, blocks, block_size, kv_heads, head_dim]
+# en: [K/V, layers, blocks, block_size, kv_heads, head_dim]
+# zh: 形状为 [K/V, layers, blocks, block_size, kv_heads, head_dim]。
+kv = torch.randn(2, 2, 8, 4, 1, 3)
 before = kv.clone()
 copy_kv_blocks(kv, [(1, 5), (2, 6)])
 assert torch.equal(kv[:, :, 5], before[:, :, 1]) and torch.equal(kv[:, :, 6], before[:, :, 2])
@@ -1045,7 +1060,8 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
             if self.kv_scales is not None:
                 layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
-                # Chapter 16: a float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                # en: Chapter 16: a float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                # zh: 第 16 章：float8 缓存把每个块的值按维度存放，形状为 [kv_heads, d, block_size]。
                 layer.v_cache = values_by_dim(layer.v_cache)
         return kv_cache
 
@@ -1057,7 +1073,9 @@ class ModelRunner:
     def _cuda_budget(self) -> float:
         """Bytes left for the KV cache after a warm-up forward of the largest possible step."""
         if self.config.num_kvcache_blocks > 0:
-            return 0.0  # unused: the block count is given
+            # en: unused: the block count is given
+            # zh: 用不上：块数已经给定。
+            return 0.0
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.warmup()
@@ -1112,7 +1130,9 @@ class ModelRunner:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
-            warm_up(self.attention_layers[0], self.dtype)  # every layer has the same shapes: one compiles them all
+            # en: every layer has the same shapes: one compiles them all
+            # zh: 每层的形状都相同：编译一层就覆盖了所有层。
+            warm_up(self.attention_layers[0], self.dtype)
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
@@ -1120,7 +1140,9 @@ class ModelRunner:
         each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
         the grid and the seed, new in every call, is not specialized on."""
         logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
-        self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))  # a greedy row and a sampled one
+        # en: a greedy row and a sampled one
+        # zh: 一行贪心，一行采样。
+        self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))
 
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 -----------------------------------------------------------------
@@ -1212,7 +1234,9 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.book.tiny_models import build_tiny_model
 
 tiny = build_tiny_model("qwen3")
-config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_memory_gb=1 / 1024)  # the CPU rule
+# en: the CPU rule
+# zh: CPU 上的规则：KV 缓存的预算由 kvcache_memory_gb 显式给出。
+config = Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, kvcache_memory_gb=1 / 1024)
 block_bytes = kv_block_bytes(config.hf_config, 4, torch.float32)
 runner = ModelRunner(config)
 print(say("one block: {size} bytes -> {blocks} blocks in 1 MiB", size=block_bytes, blocks=config.num_kvcache_blocks))
@@ -1245,15 +1269,21 @@ from transformers import AutoModelForCausalLM
 
 prompt = [17, 4, 250, 33, 9, 88, 120, 5, 61]
 seq = Sequence(prompt, SamplingParams(temperature=0, max_tokens=2), block_size=4)
-seq.block_table = [6, 2, 9]  # what the block manager would hand out
+# en: what the block manager would hand out
+# zh: 块管理器本来会分给它的块。
+seq.block_table = [6, 2, 9]
 
 seq.num_scheduled_tokens = 5
-assert runner.run([seq], is_prefill=True) == [NOT_SAMPLED]  # a chunk that stops inside the prompt
+# en: a chunk that stops inside the prompt
+# zh: 停在提示词中间的分块。
+assert runner.run([seq], is_prefill=True) == [NOT_SAMPLED]
 seq.num_cached_tokens, seq.num_scheduled_tokens = 5, 4
 (first,) = runner.run([seq], is_prefill=True)
 seq.num_cached_tokens, seq.num_scheduled_tokens = 9, 0
 seq.append_token(first)
-seq.num_scheduled_tokens = 1  # decode: position 9 goes to block 2 (index 9 // 4), slot 9*4 + 1 = 37
+# en: decode: position 9 goes to block 2 (index 9 // 4), slot 9*4 + 1 = 37
+# zh: decode：位置 9 写入块表下标 2（9 // 4）的块，槽位 9*4 + 1 = 37。
+seq.num_scheduled_tokens = 1
 (second,) = runner.run([seq], is_prefill=False)
 
 hf = AutoModelForCausalLM.from_pretrained(tiny).eval()

@@ -256,11 +256,15 @@ from nanovllm.layers.context import Context, reset_context, set_context
 class DecodeBuffers:
     """The static inputs of the decode graphs (rows = the largest captured batch size)."""
 
-    input_ids: torch.Tensor  # [rows] int64
-    positions: torch.Tensor  # [rows] int64
-    slot_mapping: torch.Tensor  # [rows] int64, -1 = padding
-    context_lens: torch.Tensor  # [rows] int32, 0 = padding
-    block_tables: torch.Tensor  # [rows, max_blocks] int32, -1 = no block
+    # en: Shapes and dtypes: [rows] int64 for the first two; slot_mapping [rows] int64 (-1: padding);
+    # en: context_lens [rows] int32 (0: padding); block_tables [rows, max_blocks] int32 (-1: no block).
+    # zh: 形状与类型：前两个是 [rows] int64；slot_mapping 是 [rows] int64（-1 表示填充行）；
+    # zh: context_lens 是 [rows] int32（0 表示填充行）；block_tables 是 [rows, max_blocks] int32（-1 表示没有块）。
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
 
     @classmethod
     def allocate(cls, rows: int, max_blocks: int, device: torch.device | str) -> DecodeBuffers:
@@ -550,7 +554,9 @@ def compile_small_ops(model: nn.Module) -> int:
     compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
     fused = None
     if next(model.parameters()).is_cuda:
-        from nanovllm.layers import fused_qkv  # Triton: imported on a GPU only
+        # en: Triton: imported on a GPU only.
+        # zh: Triton 只在 GPU 上导入。
+        from nanovllm.layers import fused_qkv
 
         fused = fused_qkv
     count = 0
@@ -711,16 +717,23 @@ def norm_rotate_store(
     v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
     slot_mapping = get_context().slot_mapping
     store = layer.k_cache.numel() > 0 and slot_mapping is not None
-    k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)  # unused when not storing
-    fp8 = store and layer.k_scales is not None  # an 8-bit cache (chapter 16)
-    k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)  # unused without it
+    # en: The stand-ins (k, q) are pointers the kernel never reads: no store, no 8-bit cache, no q/k norm.
+    # zh: 占位的 (k, q) 只是内核不会读取的指针：不写缓存、不是 8 位缓存、没有 q/k 归一化时都是如此。
+    k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)
+    # en: An 8-bit cache (chapter 16).
+    # zh: 8 位缓存（第 16 章）。
+    fp8 = store and layer.k_scales is not None
+    k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)
     norm = attention.qk_norm
-    q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)  # unused without
+    q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)
     cos_sin = attention.rotary_emb.cos_sin_cache
     if tokens:
-        # One warp a program: a head's halves (64 values for d = 128) reduce with shuffles inside the warp, no
-        # shared memory. Measured on an H200 (Qwen3-0.6B's heads), against Triton's default of 4 warps: 256
-        # tokens 6.5 us against 7.2 (float8 cache: 7.5 against 10.8), 16,384 tokens 318 us against 373 (552/741).
+        # en: One warp a program: a head's halves (64 values for d = 128) reduce with shuffles inside the warp, no
+        # en: shared memory. Measured on an H200 (Qwen3-0.6B's heads), against Triton's default of 4 warps: 256
+        # en: tokens 6.5 us against 7.2 (float8 cache: 7.5 against 10.8), 16,384 tokens 318 us against 373 (552/741).
+        # zh: 每个程序一个 warp：一个头的两半（d = 128 时各 64 个值）在 warp 内用 shuffle 归约，不用共享内存。
+        # zh: 在 H200 上（Qwen3-0.6B 的头）与 Triton 默认的 4 个 warp 对比：256 个 token 6.5 us 对 7.2
+        # zh: （float8 缓存：7.5 对 10.8），16,384 个 token 318 us 对 373（552/741）。
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
             slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
@@ -766,7 +779,9 @@ for norm in (attention.q_norm, attention.k_norm):
 attention.attn.k_cache, attention.attn.v_cache = torch.full((2, 2, 4, 1, 8), float("nan"), device=DEVICE).unbind(0)
 expected_cache = attention.attn.k_cache.clone(), attention.attn.v_cache.clone()
 positions = torch.tensor([0, 5, 31], device=DEVICE)
-slots = set_prefill_context([3], [3], [[1, 0]], 4, device=DEVICE).slot_mapping  # slots 4, 5, 6
+# en: Slots 4, 5, 6.
+# zh: 槽位 4、5、6。
+slots = set_prefill_context([3], [3], [[1, 0]], 4, device=DEVICE).slot_mapping
 # en: A projection's output for 3 tokens: 2 q heads, 1 k head, 1 v head of 8 (the layer's weights are not loaded).
 # zh: 3 个 token 的投影输出：2 个 q 头、1 个 k 头、1 个 v 头，每头 8 维（这一层的权重没有加载）。
 qkv = torch.randn(3, 32, device=DEVICE)
@@ -778,13 +793,17 @@ reset_context()
 torch.testing.assert_close((q_fused, k_fused), (q_ref, k_ref), rtol=1e-5, atol=1e-5)
 assert torch.equal(v_fused, v.reshape(3, 1, 8))
 for got, want in zip((attention.attn.k_cache, attention.attn.v_cache), expected_cache, strict=True):
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)  # NaN slots untouched
+    # en: The NaN slots stay untouched.
+    # zh: NaN 槽位保持不动。
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
 print(say("one kernel == chapter 05's q/k norm and RoPE + chapter 06's store (slots 4-6 written, the rest untouched)"))
 # en: Handed down: the rotary table, q_norm and k_norm get a compiled op; on a GPU the attention also gets the kernel.
 # zh: 交下去之后：旋转表、q_norm 和 k_norm 各得到一个编译后的 op；在 GPU 上，注意力层还会得到融合内核。
 on_gpu = DEVICE == "cuda"
 assert compile_small_ops(attention) == 3 + on_gpu and (attention.fused_input is not None) == on_gpu
-assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_norm  # per instance, not the class
+# en: Per instance, not the class.
+# zh: 按实例替换，而不是替换整个类。
+assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_norm
 print(say("compile_small_ops handed {count} modules a compiled function or the fused kernel", count=3 + on_gpu))
 
 # %% [markdown] tags=["en"]
@@ -1219,7 +1238,9 @@ layer = Qwen3DecoderLayer(shapes, RotaryEmbedding(16, 16, 64, 10000.0),
 for parameter in layer.parameters():
     parameter.data.uniform_(-0.3, 0.3) if parameter.dim() > 1 else parameter.data.uniform_(0.5, 1.5)
 positions = torch.tensor([0, 1, 2], device=DEVICE)
-set_prefill_context([3], [3], device=DEVICE)  # one sequence of 3 tokens, no KV cache
+# en: One sequence of 3 tokens, no KV cache.
+# zh: 一个 3 个 token 的序列，没有 KV 缓存。
+set_prefill_context([3], [3], device=DEVICE)
 expected = layer(positions, x, residual)
 torch.testing.assert_close(FusedDecodeLayer(3)(layer, positions, x, residual), expected, rtol=1e-5, atol=1e-5)
 # en: Through the decoder layer's hook, as the engine calls it: the engine's layer takes steps of one token (the GEMV).
@@ -1609,8 +1630,11 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # %%
 RECORDED = {
     "device": "NVIDIA H200", "date": "2026-11-29", "torch": "2.11.0+cu130", "context_len": 512,
-    "setup_s": {"off": 9.4, "on": 23.4},  # runner construction: load, warm-up (+ compile), KV, 20 captures
-    # batch: (eager ms, graph ms) with compile_small_ops off, then on
+    # en: Runner construction: load, warm-up (+ compile), KV, 20 captures.
+    # zh: 构造执行器：加载、预热（+ 编译）、KV、20 次捕获。
+    "setup_s": {"off": 9.4, "on": 23.4},
+    # en: batch: (eager ms, graph ms) with compile_small_ops off, then on.
+    # zh: 批大小：(eager ms, graph ms)，先关闭 compile_small_ops，再打开。
     "off": {1: (54.47, 4.63), 2: (54.68, 4.87), 4: (55.23, 5.07), 8: (53.91, 5.12), 16: (54.56, 5.48),
             32: (52.51, 5.85), 64: (52.40, 6.43), 128: (55.35, 7.88), 256: (54.78, 10.51)},
     "on": {1: (27.22, 1.87), 2: (30.59, 1.99), 4: (55.08, 2.34), 8: (26.22, 1.92), 16: (38.69, 2.53),
@@ -1688,7 +1712,9 @@ from nanovllm.engine.model_runner import kv_block_bytes
 
 qwen = SimpleNamespace(**QWEN3_06B_SHAPES)
 block = kv_block_bytes(qwen, 256, torch.bfloat16)
-total_gib, utilization, blocks = 143771 / 1024, 0.5, 2435  # recorded: nvidia-smi total, the runner's count
+# en: Recorded: nvidia-smi's total, the runner's block count.
+# zh: 记录值：nvidia-smi 给出的总显存，执行器算出的块数。
+total_gib, utilization, blocks = 143771 / 1024, 0.5, 2435
 weights_gib = (28 * layer_params(qwen) + 151936 * 1024) * 2 / 2**30
 budget_gib = total_gib * utilization
 kv_gib = blocks * block / 2**30
@@ -1926,11 +1952,17 @@ assert buffers.slot_mapping[3].item() == -1
 from nanovllm.layers.attention import TorchBackend
 
 for padding_slot in (-1, 0):
-    cache = torch.zeros(2, 4, 1, 2)  # 2 blocks of 4 slots; slot 0 holds the first token of block 0's owner
+    # en: 2 blocks of 4 slots; slot 0 holds the first token of block 0's owner.
+    # zh: 2 个块，每块 4 个槽位；槽位 0 存着块 0 所属序列的第一个 token。
+    cache = torch.zeros(2, 4, 1, 2)
     cache[0, 0] = 1.0
-    rows = torch.full((2, 1, 2), 5.0)  # row 0: a real token for slot 6; row 1: padding
+    # en: Row 0: a real token for slot 6; row 1: padding.
+    # zh: 第 0 行：写入槽位 6 的真实 token；第 1 行：填充行。
+    rows = torch.full((2, 1, 2), 5.0)
     TorchBackend().store_kvcache(rows, rows, cache, cache.clone(), torch.tensor([6, padding_slot]))
-    assert bool(cache[0, 0].eq(1.0).all()) is (padding_slot == -1)  # slot 0 survives only if the padding is -1
+    # en: Slot 0 survives only if the padding is -1.
+    # zh: 只有填充行是 -1 时，槽位 0 才能保住。
+    assert bool(cache[0, 0].eq(1.0).all()) is (padding_slot == -1)
 
 # en: Exercise 3: 1.19e9 / 4.2e12 s = 0.28 ms; the recorded 1.87 ms is about 6.6x that: launches of
 # en: ~1,000 small kernels (even inside a graph each costs a few µs), the host work and the sampler.

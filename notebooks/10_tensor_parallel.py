@@ -358,7 +358,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # a checkpoint that already stores the merged matrix
+        # en: a checkpoint that already stores the merged matrix
+        # zh: 检查点里存的已经是合并后的矩阵。
+        if shard_id is None:
             for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
                 self.load_part(param, part, index)
             return
@@ -402,7 +404,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().__init__(hidden_size, [total_num_heads * head_size, kv_rows, kv_rows], bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # a checkpoint that already stores [q; k; v] for all heads
+        # en: a checkpoint that already stores [q; k; v] for all heads
+        # zh: 检查点里已经存着所有头的 [q; k; v]。
+        if shard_id is None:
             super().weight_loader(param, loaded_weight)
             return
         if shard_id not in ("q", "k", "v"):
@@ -425,7 +429,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, size, "input size"), output_size, bias, 1, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if param.dim() == 1:  # the bias is not split: it is added once, by rank 0
+        # en: the bias is not split: it is added once, by rank 0
+        # zh: 偏置不切分：只由 rank 0 加一次。
+        if param.dim() == 1:
             copy_checked(param, loaded_weight)
             return
         shard = param.shape[1]
@@ -664,7 +670,9 @@ def check_split(tp: int) -> None:
     group = heads_total // kv_total
     for r in range(tp):
         qkv = QKVParallelLinear(HIDDEN, d, heads_total, kv_total, tp_rank=r, tp_size=tp)
-        qkv.weight.weight_loader(qkv.weight, wqkv)  # a merged checkpoint tensor: shard_id None
+        # en: a merged checkpoint tensor: shard_id None
+        # zh: 合并好的检查点张量：shard_id 为 None。
+        qkv.weight.weight_loader(qkv.weight, wqkv)
         q, k, _ = qkv(x).split([qkv.num_heads * d, qkv.num_kv_heads * d, qkv.num_kv_heads * d], -1)
         for h in range(qkv.num_heads):
             global_h = r * qkv.num_heads + h
@@ -976,7 +984,9 @@ import pickle
 
 long_seq = Sequence(list(range(5000)), block_size=16)
 long_seq.block_table = list(range(313))
-long_seq.num_cached_tokens = 4999  # decoding: everything but the last token is cached
+# en: decoding: everything but the last token is cached
+# zh: decode 中：除最后一个 token 外都已缓存。
+long_seq.num_cached_tokens = 4999
 long_seq.num_scheduled_tokens = 1
 wire = pickle.dumps(long_seq)
 worker_copy = pickle.loads(wire)
@@ -1158,8 +1168,12 @@ class RankWorker:
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.rank = tp_world()[0]
-        self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
-        self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
+        # en: set by rank_main before each call; the driver numbers its calls the same way
+        # zh: 由 rank_main 在每次调用前设置；驱动进程也用同样的方式给调用编号。
+        self.call_no = 0
+        # en: rank 0: each running sequence's, sent once
+        # zh: rank 0 持有：每个运行中序列的采样参数，只发送一次。
+        self.params: dict[int, SamplingParams] = {}
 
     def run(
         self, states: list[tuple], is_prefill: bool, params: tuple[dict[int, SamplingParams], list[int]] | None = None
@@ -1192,7 +1206,9 @@ class RankWorker:
 
     def world(self) -> dict[str, Any]:
         return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
-                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),  # cuda:<rank> on GPUs
+                # en: cuda:<rank> on GPUs
+                # zh: GPU 上是 cuda:<rank>。
+                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),
                 "graphs": self.runner.graphs is not None, "params_held": len(self.params)}
 
     def shard(self, name: str) -> torch.Tensor:
@@ -1236,7 +1252,9 @@ class Replier:
     def __init__(self, conn: Connection, fail: Callable[[BaseException, str], None]) -> None:
         self.conn, self.fail = conn, fail
         self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
-        self.lock = threading.Lock()  # one writer at a time: this thread, or the main thread's error report
+        # en: one writer at a time: this thread, or the main thread's error report
+        # zh: 一次只有一个写入者：这个线程，或主线程的错误报告。
+        self.lock = threading.Lock()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="nanovllm-replies", daemon=True).start()
 
@@ -1249,7 +1267,9 @@ class Replier:
 
     def _loop(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.set_device(self.device)  # a new thread starts on device 0, not on this rank's
+            # en: a new thread starts on device 0, not on this rank's
+            # zh: 新线程默认在设备 0 上，而不是本 rank 的设备上。
+            torch.cuda.set_device(self.device)
         while True:
             where, result = self.queue.get()
             try:
@@ -1292,7 +1312,9 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
                     return
                 args = pickle.loads(conn.recv_bytes())
             except EOFError:
-                return  # the driver closed its end: nothing left to do
+                # en: the driver closed its end: nothing left to do
+                # zh: 驱动进程关闭了它那一端：没有别的事可做了。
+                return
             count += 1
             if fault == (rank, count):
                 raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:{count} makes rank {rank} fail on call {count}")
@@ -1304,7 +1326,9 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
             replier.put(f"{call} (call {count})", getattr(worker, call)(*args))
     except BaseException as error:
         fail(error, f"{call} (call {count})" if count else call)
-    finally:  # reached on a normal return only (os._exit skips it)
+    # en: reached on a normal return only (os._exit skips it)
+    # zh: 只有正常返回时才会走到这里（os._exit 会跳过它）。
+    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -1409,7 +1433,9 @@ class Deferral:
         main = threading.current_thread() is threading.main_thread()
         self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
         if self.outermost:
-            _held.clear()  # left from an earlier block, whose exit raised another Ctrl-C instead
+            # en: left from an earlier block, whose exit raised another Ctrl-C instead
+            # zh: 之前某个块遗留下来的：那个块退出时改为抛出了另一个 Ctrl-C。
+            _held.clear()
             _replaced.append(signal.signal(signal.SIGINT, _hold))
 
     def __exit__(self, *exc_info: object) -> None:
@@ -1426,7 +1452,9 @@ def _deliver(handler: Any) -> None:
     frame = _held[-1]
     _held.clear()
     if callable(handler):
-        handler(signal.SIGINT, frame)  # Python's default handler raises KeyboardInterrupt here
+        # en: Python's default handler raises KeyboardInterrupt here
+        # zh: Python 的默认处理函数在这里抛出 KeyboardInterrupt。
+        handler(signal.SIGINT, frame)
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signal.SIGINT)
 
@@ -1437,8 +1465,12 @@ from multiprocessing.process import BaseProcess
 
 from nanovllm.utils.interrupts import deferred_interrupt
 
-ERROR_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
-EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on their own
+# en: after a first failure, how long to wait for the other ranks' reports
+# zh: 第一次失败之后，等待其他 rank 报告的时长。
+ERROR_GRACE_S = 2.0
+# en: how long a normal exit waits for the ranks to leave on their own
+# zh: 正常退出时，等各 rank 自行退出的时长。
+EXIT_GRACE_S = 10.0
 
 
 class TPWorkerError(RuntimeError):
@@ -1464,7 +1496,9 @@ def process_state(pid: int) -> str:
 def process_gone(pid: int) -> bool:
     """True once no process has this pid (a rank that was stopped and reaped)."""
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        # en: signal 0: only asks whether the process exists
+        # zh: 信号 0：只询问该进程是否存在。
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     return False
@@ -1475,11 +1509,15 @@ class TPRunner:
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
-        parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
+        # en: a malformed hook fails here, not in a rank
+        # zh: 格式错误的钩子在这里就报错，而不是在某个 rank 里。
+        parse_fault(os.environ.get(FAULT_ENV), self.world_size)
         self.config = config
         self.block_size = config.kvcache_block_size
         self.timeout_s = config.rank_timeout_s
-        self.failure: str | None = None  # why the ranks were stopped, once they are
+        # en: why the ranks were stopped, once they are
+        # zh: 各 rank 被停止的原因（停止之后才有值）。
+        self.failure: str | None = None
         # en: Calls are numbered from 1 (0 is the start-up reply). Each rank answers its calls in order,
         # en: so reply k of a rank is the answer to call k: replies can be read later than they arrive.
         # zh: 调用从 1 开始编号（0 是启动时的回复）。每个 rank 按顺序回答调用，所以某个 rank 的第 k 个回复
@@ -1487,7 +1525,9 @@ class TPRunner:
         self._sent: dict[int, tuple[str, float]] = {0: ("start-up", time.monotonic())}
         self._next_reply = [0] * self.world_size
         self._results: dict[tuple[int, int], Any] = {}
-        self._params_sent: dict[int, Sequence] = {}  # sequences whose sampling params rank 0 holds
+        # en: sequences whose sampling params rank 0 holds
+        # zh: rank 0 已持有其采样参数的序列。
+        self._params_sent: dict[int, Sequence] = {}
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stop = {"graceful": True}
@@ -1502,13 +1542,17 @@ class TPRunner:
                 proc = context.Process(target=rank_main, args=(rank, self.world_size, config, store.port, theirs),
                                        name=f"nanovllm-tp-rank{rank}", daemon=True)
                 proc.start()
-                theirs.close()  # the rank holds the other end now
+                # en: the rank holds the other end now
+                # zh: 另一端现在由该 rank 持有。
+                theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
             # en: No timeout here: loading a large model and capturing its graphs may take minutes.
             # zh: 这里不设超时：加载大模型并捕获它的图可能要好几分钟。
             blocks = self.collect(0, timeout_s=None)
-        except BaseException as error:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+        # en: a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+        # zh: 某个 rank 失败了（已被停止），或者比如在各 rank 启动期间按下了 Ctrl-C。
+        except BaseException as error:
             self._shut(self.failure or f"{type(error).__name__} during start-up", graceful=False)
             raise
         if len(set(blocks)) != 1:
@@ -1525,7 +1569,8 @@ class TPRunner:
         """True until exit() or a failure stopped the ranks."""
         return self._finalizer.alive
 
-    # ---- sending and receiving ---------------------------------------------------------
+    # en: ---- sending and receiving ---------------------------------------------------------
+    # zh: ---- 发送与接收 --------------------------------------------------------------------
     def post(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> int:
         """Write call `name(*args)` to every rank without waiting; returns the call's number for `collect`."""
         self._check_alive()
@@ -1540,7 +1585,9 @@ class TPRunner:
                     _send(conn, (name, rank0_extra if rank == 0 else None))
                     conn.send_bytes(payload)
                 except OSError:
-                    break  # a rank is gone: collect reports it
+                    # en: a rank is gone: collect reports it
+                    # zh: 某个 rank 已经退出：由 collect 报告。
+                    break
         return call
 
     def collect(self, call: int, timeout_s: float | None = -1.0) -> list[Any]:
@@ -1563,7 +1610,9 @@ class TPRunner:
             ready = wait(list(owners), limit)
             if not ready:
                 if failures:
-                    break  # the grace period after a failure is over
+                    # en: the grace period after a failure is over
+                    # zh: 失败之后的宽限期已过。
+                    break
                 self._stalled(call, pending)
             for rank in sorted({owners[obj] for obj in ready}):
                 self._read_one(rank, call, failures)
@@ -1585,7 +1634,9 @@ class TPRunner:
             message = self._receive(rank)
             if message is None:
                 failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
-                self._next_reply[rank] = call + 1  # nothing more will come from it
+                # en: nothing more will come from it
+                # zh: 它不会再发来任何东西。
+                self._next_reply[rank] = call + 1
             elif message[0] == "ok":
                 self._results[(rank, self._next_reply[rank])] = message[1]
                 self._next_reply[rank] += 1
@@ -1597,7 +1648,8 @@ class TPRunner:
         """Run `name(*args)` on every rank; return each rank's result, in rank order."""
         return self.collect(self.post(name, *args, rank0_extra=rank0_extra))
 
-    # ---- the model runner's interface ----------------------------------------------------
+    # en: ---- the model runner's interface ----------------------------------------------------
+    # zh: ---- 模型执行器的接口 ----------------------------------------------------------------
     def _params_update(self, seqs: list[Sequence]) -> tuple[dict[int, SamplingParams], list[int]]:
         """For rank 0: the sampling params of sequences it has not seen, and the ids of those it may forget."""
         gone = [seq_id for seq_id, seq in self._params_sent.items() if seq.is_finished]
@@ -1626,7 +1678,8 @@ class TPRunner:
             self.failure = None
         self._finalizer()
 
-    # ---- failures ----------------------------------------------------------------------
+    # en: ---- failures ----------------------------------------------------------------------
+    # zh: ---- 失败处理 ----------------------------------------------------------------------
     def _check_alive(self) -> None:
         if not self.alive:
             reason = f"after an error: {self.failure}" if self.failure else "(exit() was called)"
@@ -1699,7 +1752,9 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
         if proc.is_alive():
             proc.terminate()
             with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
+                # en: a stopped process acts on SIGTERM only once it runs
+                # zh: 被暂停的进程要恢复运行后才会响应 SIGTERM。
+                os.kill(proc.pid, signal.SIGCONT)
             proc.join(2.0)
         if proc.is_alive():
             proc.kill()
@@ -1765,7 +1820,9 @@ shards = ranks.call("shard", name)
 with safe_open(str(tiny / "model.safetensors"), "pt") as checkpoint:
     q, k, v = (checkpoint.get_tensor(f"model.layers.0.self_attn.{p}_proj.weight") for p in "qkv")
 head_dim = llm_tp2.config.hf_config.head_dim
-q_rows, kv_rows = 2 * head_dim, 1 * head_dim  # per rank: 2 of 4 q heads, 1 of 2 KV heads
+# en: per rank: 2 of 4 q heads, 1 of 2 KV heads
+# zh: 每个 rank：4 个 q 头中的 2 个，2 个 KV 头中的 1 个。
+q_rows, kv_rows = 2 * head_dim, 1 * head_dim
 for rank, shard in enumerate(shards):
     print(say("rank {rank}: {name} {shape} (full: {full})", rank=rank, name=name, shape=tuple(shard.shape),
               full=tuple(torch.cat([q, k, v]).shape)))
@@ -1931,7 +1988,9 @@ many = [[3 + (5 * i + j) % 300 for j in range(8)] for i in range(6)]
 threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
 started = time.perf_counter()
 try:
-    for _ in range(500):  # until Ctrl-C arrives
+    # en: until Ctrl-C arrives
+    # zh: 直到 Ctrl-C 到来。
+    for _ in range(500):
         llm_tp2.generate(many, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     raise AssertionError("Ctrl-C never arrived")
 except KeyboardInterrupt:
@@ -2287,10 +2346,14 @@ for r in range(2):
     half.weight.weight_loader(half.weight, w2)
     half.bias.weight_loader(half.bias, b2)
     halves.append((half, x2[:, 2 * r : 2 * r + 2]))
-reduced = sum(half.forward_local(xs) for half, xs in halves)  # what the all-reduce adds up
+# en: what the all-reduce adds up
+# zh: all-reduce 要相加的各部分。
+reduced = sum(half.forward_local(xs) for half, xs in halves)
 bias_everywhere = sum(torch.nn.functional.linear(xs, half.weight, half.bias) for half, xs in halves)
 torch.testing.assert_close(reduced, torch.nn.functional.linear(x2, w2, b2))
-torch.testing.assert_close(bias_everywhere - reduced, b2.expand(5, 3))  # one bias too many
+# en: one bias too many
+# zh: 偏置多加了一次。
+torch.testing.assert_close(bias_everywhere - reduced, b2.expand(5, 3))
 # en: 3: 151936 / 2 = 75968 rows per rank: rank 1, local row 80000 - 75968 = 4032.
 # zh: 3：每个 rank 151936 / 2 = 75968 行：rank 1，本地第 80000 - 75968 = 4032 行。
 owner = VocabParallelEmbedding(151936, 1, tp_rank=1, tp_size=2)

@@ -256,7 +256,9 @@ class LLMEngine:
             prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
             bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
             for seq in finished:
-                if seq.request_id in outputs:  # chapter 13: what finishes for add_request's requests
+                # en: chapter 13: what finishes for add_request's requests
+                # zh: 第 13 章：结束的也可能是 add_request 提交的请求。
+                if seq.request_id in outputs:
                     outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
             bar.update(len(finished))
         bar.close()
@@ -497,7 +499,9 @@ def convert(gguf: Path, target: Path) -> Path:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / STAMP).write_text(json.dumps(_source(gguf), indent=2) + "\n", encoding="utf-8")
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        # en: mkdtemp makes it private; the cache is an ordinary directory
+        # zh: mkdtemp 创建的目录只有自己能访问；缓存则是普通目录。
+        staging.chmod(0o755)
         if target.exists():
             # en: A stale or half-made directory from an older version: replace it.
             # zh: 旧版本留下的过期或不完整目录：替换掉。
@@ -507,7 +511,9 @@ def convert(gguf: Path, target: Path) -> Path:
         try:
             staging.rename(target)
         except OSError:
-            if not is_converted(target, gguf):  # another process won the race: keep its result
+            # en: another process won the race: keep its result
+            # zh: 另一个进程抢先完成了转换：保留它的结果。
+            if not is_converted(target, gguf):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -522,8 +528,12 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
         try:
             convert(gguf, target)
         except CacheNotWritableError:
-            raise  # the cache folder itself: its message already says how to move the cache
-        except OSError as error:  # a write that fails midway: disk full...
+            # en: the cache folder itself: its message already says how to move the cache
+            # zh: 缓存目录本身的问题：它的报错信息已经说明了如何把缓存换个位置。
+            raise
+        # en: a write that fails midway: disk full...
+        # zh: 写到一半失败：磁盘满了等等。
+        except OSError as error:
             where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
             raise CacheNotWritableError(
                 f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "

@@ -181,7 +181,9 @@ def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence
         # zh: 执行器在发起这一步时已经完成了写时复制的拷贝。
         seq.blocks_to_copy = []
         if seq.num_cached_tokens < len(seq):
-            indices.append(None)  # a partial prefill chunk: no new token (the model runner passes -1)
+            # en: a partial prefill chunk: no new token (the model runner passes -1)
+            # zh: 不完整的 prefill 分块：没有新 token（执行器传回 -1）。
+            indices.append(None)
             continue
         indices.append(seq.append_pending_token())
         if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
@@ -272,18 +274,24 @@ class SampledTokens:
     """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
 
     seqs: list[Sequence]
-    rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
+    # en: the indices in seqs that were sampled (a partial prefill chunk is not)
+    # zh: seqs 中做了采样的下标（不完整的 prefill 分块不采样）。
+    rows: list[int]
     # en: [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
     # en: siblings it forks, in `sibling_samples` order (chapter 04b).
     # zh: [len(samples)] int64：这一步自己的 token（每行一个），然后是它分叉出的兄弟序列的首 token，
     # zh: 顺序同 `sibling_samples`（第 04b 章）。
     on_device: torch.Tensor
-    on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    # en: the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    # zh: 同样的 token；在 GPU 上是一块锁页缓冲区，由排在队列中的拷贝填充。
+    on_host: torch.Tensor
     # en: Whose token each row of on_device is: (request_id, sample_index), a key that a sibling forked
     # en: by this step will carry too.
     # zh: on_device 的每一行是谁的 token：(request_id, sample_index)；这一步分叉出的兄弟序列也带着同样的键。
     samples: list[tuple[int, int]]
-    ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
+    # en: recorded after that copy; None on a CPU (nothing to wait for)
+    # zh: 在那次拷贝之后记录；在 CPU 上为 None（没有需要等待的）。
+    ready: torch.cuda.Event | None = None
 
     @classmethod
     def start(
@@ -447,9 +455,13 @@ RankWorker.KEEP_STEPS = 8
 def __init__(self, config: Config) -> None:
     self.runner = ModelRunner(config)
     self.rank = tp_world()[0]
-    self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
+    # en: set by rank_main before each call; the driver numbers its calls the same way
+    # zh: 由 rank_main 在每次调用前设置；驱动进程也用同样的方式给调用编号。
+    self.call_no = 0
     self.recent: dict[int, SampledTokens] = {}
-    self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
+    # en: rank 0: each running sequence's, sent once
+    # zh: rank 0 持有：每个运行中序列的采样参数，只发送一次。
+    self.params: dict[int, SamplingParams] = {}
 
 
 @add_to_class(RankWorker)
@@ -515,7 +527,9 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None
     """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
     pending tokens. Every rank has them: nothing waits for rank 0."""
     before = None if previous is None else previous.call
-    with deferred_interrupt():  # as in chapter 10's run: the params and their call go together
+    # en: as in chapter 10's run: the params and their call go together
+    # zh: 与第 10 章的 run 一样：采样参数和携带它们的那次调用同进同退。
+    with deferred_interrupt():
         params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
         call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
     return TPStep(self, call)
@@ -623,9 +637,15 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     is_prefill: bool
-    num_tokens: int  # tokens computed
-    indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
-    tokens: SampledTokens | TPStep | list[int]  # a list when the step already ran to the end (synchronous)
+    # en: tokens computed
+    # zh: 计算的 token 数。
+    num_tokens: int
+    # en: where each sequence's new token goes (`Scheduler.advance`)
+    # zh: 每个序列的新 token 放在哪里（`Scheduler.advance`）。
+    indices: list[int | None]
+    # en: a list when the step already ran to the end (synchronous)
+    # zh: 这一步已经跑完时（同步）是一个列表。
+    tokens: SampledTokens | TPStep | list[int]
 
 
 # en: With asynchronous scheduling, the step the GPU may still be computing.
@@ -735,7 +755,9 @@ while not async_llm.is_finished():
                   queued=launched, collected=collected, finished=[i for i, _ in finished]))
     tokens_of.update(finished)
 assert [tokens_of[i] for i in ids] == [o["token_ids"] for o in outputs]
-assert calls == len(queued) + 1  # one call more than steps: the first collects nothing
+# en: one call more than steps: the first collects nothing
+# zh: 调用比步数多一次：第一次调用什么也不收取。
+assert calls == len(queued) + 1
 print(say("{calls} calls for {steps} steps; the tokens equal the synchronous run's", calls=calls, steps=len(queued)))
 
 
@@ -799,11 +821,21 @@ sched = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=2, ma
                   eos_token_ids=[EOS])
 seq = Sequence([1, 2, 3], SamplingParams(max_tokens=4), block_size=4)
 sched.add(seq)
-prefill = sched.advance(*sched.schedule())  # the prefill, counted: one pending token
-sched.resolve(*prefill, [5])  # ... which turns out to be 5
-first = sched.advance(*sched.schedule())  # decode: token 5 computed, a new pending token
-second = sched.advance(*sched.schedule())  # launched before the first decode's token is known
-assert sched.resolve(*first, [EOS]) == [seq] and seq.is_finished  # EOS: finished, the later token cut off
+# en: the prefill, counted: one pending token
+# zh: prefill，已计入：一个待定 token。
+prefill = sched.advance(*sched.schedule())
+# en: ... which turns out to be 5
+# zh: ……结果是 5。
+sched.resolve(*prefill, [5])
+# en: decode: token 5 computed, a new pending token
+# zh: decode：计算 token 5，又产生一个新的待定 token。
+first = sched.advance(*sched.schedule())
+# en: launched before the first decode's token is known
+# zh: 在第一个 decode 的 token 揭晓之前就已发起。
+second = sched.advance(*sched.schedule())
+# en: EOS: finished, the later token cut off
+# zh: EOS：序列结束，后面那个 token 被截掉。
+assert sched.resolve(*first, [EOS]) == [seq] and seq.is_finished
 assert sched.resolve(*second, [9]) == [] and seq.token_ids == [1, 2, 3, 5, EOS]
 
 # en: Exercise 2: three steps (the prefill samples the first token, two decode steps the others); four calls,

@@ -90,7 +90,9 @@ def load_tokenizer(model: str) -> Any:
         )
     try:
         return AutoTokenizer.from_pretrained(model)
-    except Exception as error:  # transformers raises OSError, ValueError, ...
+    # en: transformers raises OSError, ValueError, ...
+    # zh: transformers 会抛出 OSError、ValueError 等异常。
+    except Exception as error:
         raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
 
 
@@ -301,7 +303,9 @@ class Gate:
 def _hold(signum: int, frame: FrameType | None) -> None:
     _held.append(frame)
     if Gate.open:
-        Gate.open = False  # the gate lets one interrupt through and closes behind it
+        # en: the gate lets one interrupt through and closes behind it
+        # zh: 闸门放过一个中断，随即在它身后关上。
+        Gate.open = False
         _deliver(_replaced[-1])
 
 
@@ -311,7 +315,9 @@ def __enter__(self) -> None:
     self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
     self.reopen = False
     if self.outermost:
-        _held.clear()  # left from an earlier block, whose exit raised another Ctrl-C instead
+        # en: left from an earlier block, whose exit raised another Ctrl-C instead
+        # zh: 之前某个块遗留下来的：那个块退出时改为抛出了另一个 Ctrl-C。
+        _held.clear()
         _replaced.append(signal.signal(signal.SIGINT, _hold))
     elif main and Gate.open:
         # en: Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
@@ -327,7 +333,9 @@ def __exit__(self, *exc_info: object) -> None:
         _deliver(handler)
     elif self.reopen:
         Gate.open = True
-        if _held:  # held back during the block: it goes through now, as the enclosing block lets it
+        # en: held back during the block: it goes through now, as the enclosing block lets it
+        # zh: 块执行期间被压住的中断：外层块允许放行，所以现在让它通过。
+        if _held:
             Gate.open = False
             _deliver(_replaced[-1])
 
@@ -380,7 +388,9 @@ def _notify(self, event: str, data: dict) -> None:
         return
     try:
         self.observer(event, data)
-    except BaseException as error:  # even a KeyboardInterrupt the observer raises itself
+    # en: even a KeyboardInterrupt the observer raises itself
+    # zh: 包括观察者自己抛出的 KeyboardInterrupt。
+    except BaseException as error:
         self.observer_errors.append(error)
 
 # %% step that fails
@@ -519,7 +529,9 @@ def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
 
     It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
     """
-    if model is None:  # tensor parallelism: the weights live in the ranks
+    # en: tensor parallelism: the weights live in the ranks
+    # zh: 张量并行：权重在各 rank 进程里。
+    if model is None:
         return f"NaN or inf in the weights, or activations that overflow {dtype}"
     tensors = [*model.named_parameters(), *model.named_buffers()]
     broken = [name for name, tensor in tensors if not bool(torch.isfinite(tensor).all())]
@@ -610,7 +622,9 @@ def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
         for seq in seqs:
             self.scheduler.add(seq)
         if self.scheduler.observer_errors:
-            for seq in seqs:  # the call fails: nothing of it stays queued
+            # en: the call fails: nothing of it stays queued
+            # zh: 这次调用失败：它的任何请求都不留在队列里。
+            for seq in seqs:
                 self.scheduler.abort(seq)
             self._raise_observer_error()
         return seqs[0].seq_id
@@ -722,7 +736,9 @@ def generate(
         # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
         requests = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            interruption_point()  # nothing is queued yet: Ctrl-C may stop a long tokenization here
+            # en: nothing is queued yet: Ctrl-C may stop a long tokenization here
+            # zh: 此时还没有任何请求入队：Ctrl-C 可以在这里打断耗时的分词。
+            interruption_point()
             try:
                 requests.append(self.make_sequences(prompt, params))
             except (TypeError, ValueError) as error:
@@ -756,7 +772,9 @@ def generate(
                     if seq.request_id in outputs:
                         outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
                     else:
-                        self.unreported.append(seq)  # a request of add_request: step() reports it
+                        # en: a request of add_request: step() reports it
+                        # zh: add_request 提交的请求：由 step() 报告。
+                        self.unreported.append(seq)
                 mine = sum(seq.request_id in outputs for seq in finished)
                 bar.update(mine)
                 done += mine
@@ -778,7 +796,9 @@ def generate(
                     self.scheduler.abort(seq)
             for request in outputs:
                 self._dropped.pop(request, None)
-            self.scheduler.observer_errors.clear()  # the error this call raises comes first
+            # en: the error this call raises comes first
+            # zh: 这次调用抛出的错误优先。
+            self.scheduler.observer_errors.clear()
             raise
         finally:
             if bar is not None:
@@ -805,10 +825,14 @@ class BarStream:
         if not self.broken:
             try:
                 operation(*args)
-            except (OSError, ValueError):  # a broken pipe; a closed file
+            # en: a broken pipe; a closed file
+            # zh: 管道断开；文件已关闭。
+            except (OSError, ValueError):
                 self.broken = True
 
-    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty: what tqdm asks a stream
+    # en: encoding, fileno, isatty: what tqdm asks a stream
+    # zh: encoding、fileno、isatty：tqdm 会向流查询这些属性。
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 
 
@@ -848,7 +872,9 @@ def _drop(self, broken: list[Sequence]) -> None:
     `generate` call they belong to, else by the next `step`."""
     requests = {seq.request_id for seq in broken if not seq.is_finished}
     if not requests:
-        return  # dropped already, in an earlier step
+        # en: dropped already, in an earlier step
+        # zh: 在更早的一步中已经丢弃了。
+        return
     cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
     for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
         if seq.request_id in requests:

@@ -230,7 +230,9 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
         return out
 
     with torch.inference_mode():
-        generate([workload.prompts[0][:8]], 2)  # warm-up, untimed
+        # en: A warm-up call, untimed.
+        # zh: 预热调用，不计时。
+        generate([workload.prompts[0][:8]], 2)
         with Stopwatch(device) as clock:
             for batch in peer_batches(workload, batch_size):
                 generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
@@ -465,7 +467,9 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
 
     from nanovllm.book.tiny_models import build_tiny_model
 
-    tiny = build_tiny_model("qwen3")  # its tokenizer and EOS ids: the prompts are token ids anyway
+    # en: Its tokenizer and EOS ids: the prompts are token ids anyway.
+    # zh: 只借用它的分词器和 EOS id：反正提示词本来就是 token id。
+    tiny = build_tiny_model("qwen3")
     target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
     target.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -498,7 +502,9 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     config.setdefault("max_model_len", max(4096, longest))
     llm = LLM(model, **config)
     device = llm.config.device
-    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    # en: A warm-up call, untimed.
+    # zh: 预热调用，不计时。
+    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     if breakdown is not None:
         breakdown["kv_cache"] = kv_cache_summary(llm.config)
         # en: generate() calls _step(), the step() that reports finished sequences rather than pairs.
@@ -527,7 +533,9 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
         tp = llm.config.tensor_parallel_size
         llm.exit()
         del llm
-        gc.collect()  # the graphs' memory pool goes with the last reference to the runner
+        # en: The graphs' memory pool goes with the last reference to the runner.
+        # zh: CUDA graph 的显存池随模型执行器的最后一个引用一起释放。
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     made = [len(o["token_ids"]) for o in outputs]
@@ -548,7 +556,9 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--latency" in argv:  # the other benchmark of the same command: decode-step latency (nanovllm.bench.latency)
+    # en: The other benchmark of the same command: decode-step latency (nanovllm.bench.latency).
+    # zh: 同一条命令的另一个基准测试：decode 步延迟（nanovllm.bench.latency）。
+    if "--latency" in argv:
         from nanovllm.bench.latency import main as latency
 
         return latency([arg for arg in argv if arg != "--latency"])
@@ -602,8 +612,12 @@ def main(argv: list[str] | None = None) -> int:
                                     tensor_parallel_size=args.tensor_parallel_size)
         kv_dtypes = list(dict.fromkeys(kv for name in args.kv_cache_dtype
                                        for kv in (("auto", "fp8") if name == "both" else (name,))))
-        for backend in args.attention_backend:  # refuse a backend this machine cannot run before any run
-            for kv in kv_dtypes:  # and a KV cache dtype
+        # en: Refuse a backend this machine cannot run before any run.
+        # zh: 在任何一次运行之前，就拒绝这台机器跑不了的注意力后端。
+        for backend in args.attention_backend:
+            # en: And a KV cache dtype it cannot run.
+            # zh: 以及它跑不了的 KV 缓存数据类型。
+            for kv in kv_dtypes:
                 Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
                                    load_format=load_format, kv_cache_dtype=kv)
         if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
@@ -634,7 +648,9 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, args.out)
         return 0
     tp = args.tensor_parallel_size
-    kv_of = {"peer": "auto"}  # the KV cache dtype of each run: its own bound (transformers keeps the model's dtype)
+    # en: The KV cache dtype of each run: its own bound (transformers keeps the model's dtype).
+    # zh: 每次运行的 KV 缓存数据类型，决定它自己的上限（transformers 保持模型的数据类型）。
+    kv_of = {"peer": "auto"}
     if not args.no_engine:
         switch = {"auto": "auto", "on": True, "off": False}
         settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
@@ -692,7 +708,9 @@ def main(argv: list[str] | None = None) -> int:
             report[f"ratio_kv_{kv}"] = ratio
             print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
-        from nanovllm.bench.attention import copy_bandwidth  # Triton: imported only on a GPU
+        # en: It uses Triton: imported only on a GPU.
+        # zh: 用到 Triton：只在 GPU 上导入。
+        from nanovllm.bench.attention import copy_bandwidth
 
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bounds = {}
@@ -765,10 +783,14 @@ print(run_transformers(str(tiny), mini, device="cpu", dtype=torch.float32, batch
 # %%
 import random
 
-assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=1) == mini  # same seed, same workload
+# en: Same seed, same workload.
+# zh: 种子相同，负载就相同。
+assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=1) == mini
 assert make_workload(6, (4, 24), (2, 12), vocab_size=512, seed=2) != mini
 assert all(4 <= len(p) <= 24 for p in mini.prompts) and all(2 <= n <= 12 for n in mini.output_lens)
-assert max(max(p) for p in mini.prompts) < 512  # ids stay inside the vocabulary
+# en: Token ids stay inside the vocabulary.
+# zh: token id 不会超出词表。
+assert max(max(p) for p in mini.prompts) < 512
 assert all(sp.ignore_eos and sp.max_tokens == n for sp, n in zip(mini.sampling_params(), mini.output_lens, strict=True))
 
 # en: Draw for draw, the workload of nano-vllm's bench.py (written here with the global `random`).
@@ -776,13 +798,17 @@ assert all(sp.ignore_eos and sp.max_tokens == n for sp, n in zip(mini.sampling_p
 random.seed(0)
 theirs = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
 their_lens = [random.randint(100, 1024) for _ in range(256)]
-ours = make_workload(vocab_size=151_936)  # Qwen3's vocabulary
+# en: Qwen3's vocabulary size.
+# zh: Qwen3 的词表大小。
+ours = make_workload(vocab_size=151_936)
 assert ours.prompts == theirs and ours.output_lens == their_lens
 
 batches = peer_batches(mini, batch_size=3)
 assert sorted(i for b in batches for i in b) == list(range(6))
 longest = [max(mini.output_lens[i] for i in b) for b in batches]
-assert longest == sorted(longest)  # batches go from short to long outputs
+# en: Batches go from short to long outputs.
+# zh: 批次按输出长度从短到长排列。
+assert longest == sorted(longest)
 print(say("benchmark checks hold"))
 
 # %% [markdown] tags=["en"]
@@ -886,13 +912,26 @@ class StepLatency:
     """One batch's decode steps: wall time, bound, and (on a GPU) what the profiler saw in a window of them."""
 
     batch: int
-    steps: int  # decode steps timed
-    ms_per_step: float  # wall time of a step as the engine runs it, mean over the timed steps
-    host_launch_ms: float  # host time to schedule, prepare and launch a step (LLMEngine._launch), mean; on a CPU
-    # the launch computes the step itself
-    bound_ms: float  # bytes the step must read (weights + KV at the steps' mean length) at the copy rate
-    kernels_per_step: float | None  # GPU kernels a step launches (profiled window; None on a CPU)
-    gpu_ms_per_step: float | None  # time the GPU spent inside those kernels, per step
+    # en: Decode steps timed.
+    # zh: 计时的 decode 步数。
+    steps: int
+    # en: Wall time of a step as the engine runs it, mean over the timed steps.
+    # zh: 引擎实际运行时一步的墙钟时间，取计时各步的平均值。
+    ms_per_step: float
+    # en: Host time to schedule, prepare and launch a step (LLMEngine._launch), mean; on a CPU
+    # en: the launch computes the step itself.
+    # zh: 主机上调度、准备并启动一步所花的时间（LLMEngine._launch），取平均值；
+    # zh: 在 CPU 上，启动本身就完成了这一步的计算。
+    host_launch_ms: float
+    # en: Bytes the step must read (weights + KV at the steps' mean length) at the copy rate.
+    # zh: 以拷贝速率读完一步必须读取的字节（权重 + 按各步平均长度计的 KV）所需的时间。
+    bound_ms: float
+    # en: GPU kernels a step launches (profiled window; None on a CPU).
+    # zh: 一步启动的 GPU kernel 数（取自分析窗口；在 CPU 上为 None）。
+    kernels_per_step: float | None
+    # en: Time the GPU spent inside those kernels, per step.
+    # zh: GPU 在这些 kernel 内部花的时间，按每步计。
+    gpu_ms_per_step: float | None
     # en: The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     # zh: 按名字归并的 kernel，耗时最多的在前：（名字，每步启动次数，每步微秒数）。
     top_kernels: list[tuple[str, float, float]] | None = None
@@ -914,12 +953,16 @@ class StepLatency:
 def measured_copy_rate(device: str) -> float:
     """Bytes per second of a large copy on ``device`` (bytes read + bytes written), measured now."""
     if device == "cuda":
-        from nanovllm.bench.attention import copy_bandwidth  # Triton's timer: imported only on a GPU
+        # en: It uses Triton's timer: imported only on a GPU.
+        # zh: 用到 Triton 的计时器：只在 GPU 上导入。
+        from nanovllm.bench.attention import copy_bandwidth
 
         return copy_bandwidth()
     source = torch.empty(1 << 28, dtype=torch.uint8)
     target = torch.empty_like(source)
-    target.copy_(source)  # touch the pages before timing
+    # en: Touch the pages before timing.
+    # zh: 计时之前先把内存页都触碰一遍。
+    target.copy_(source)
     times = []
     for _ in range(5):
         began = time.perf_counter()
@@ -1016,7 +1059,9 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 contexts.append(input_len + decode_step)
                 launches += launch_seconds[launched_before:]
     finally:
-        del llm._launch  # the class's method again
+        # en: Back to the class's method.
+        # zh: 恢复为类上的方法。
+        del llm._launch
     if not step_seconds:
         raise ValueError(f"no decode step was timed: --output-len {output_len} leaves none after {warmup_steps} "
                          "warm-up steps")
@@ -1076,7 +1121,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"device": device, "load_format": "dummy" if preset == "qwen3-8b" and not args.model else "auto",
                     "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
                     "max_model_len": max(4096, input_len + output_len), "max_num_seqs": max(batches)}
-        for fused in fused_settings:  # refuse what this machine cannot run before any run
+        # en: Refuse what this machine cannot run before any run.
+        # zh: 在任何一次运行之前，就拒绝这台机器跑不了的设置。
+        for fused in fused_settings:
             config = Config.from_kwargs(model, fused_decode=fused, **settings)
     except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -1113,7 +1160,9 @@ def measure_setting(model: str, batches: list[int], input_len: int, output_len: 
     llm = LLM(model, **config)
     rows = []
     try:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, untimed
+        # en: A warm-up call, untimed.
+        # zh: 预热调用，不计时。
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
         print(f"fused_decode={llm.config.fused_decode}:")
         for batch in batches:
             row = measure_batch(llm, batch, input_len, output_len, bandwidth, seed=seed + batch)
@@ -1153,15 +1202,21 @@ latency = json.loads((workdir / "latency.json").read_text())
 assert latency_status == 0 and [row["batch"] for row in latency["rows"]] == [1, 2]
 tiny_config = Config.from_kwargs(tiny_qwen3, device="cpu").hf_config
 for row in latency["rows"]:
-    assert row["steps"] == 24 - 1 - 8  # decode steps after the prefill's token, less the warm-up
+    # en: Decode steps after the prefill's token, less the warm-up.
+    # zh: prefill 产出的那个 token 之后的 decode 步，减去预热的步数。
+    assert row["steps"] == 24 - 1 - 8
     # en: Decode step k (9 to 23 are timed) reads the KV of the 16 prompt tokens and the k generated before it.
     # zh: 第 k 个 decode 步（计时的是第 9 到 23 步）读取 16 个提示词 token 与此前生成的 k 个 token 的 KV。
     step_bytes = weight_bytes_per_step(tiny_config, 4) + row["batch"] * (16 + 16) * kv_token_bytes(tiny_config, 4)
     assert abs(row["bound_ms"] - 1e3 * step_bytes / latency["bandwidth"]) < 1e-9 * row["bound_ms"]
     assert abs(row["fraction_of_bound"] - row["bound_ms"] / row["ms_per_step"]) < 1e-12
     assert abs(row["tokens_per_s"] - row["batch"] / (row["ms_per_step"] * 1e-3)) < 1e-6 * row["tokens_per_s"]
-    assert row["kernels_per_step"] is None  # counted only on a GPU
-assert weight_bytes_per_step(qwen3_06b, 2) == 2 * (model_params(qwen3_06b) - 1024)  # all but the final norm
+    # en: Counted only on a GPU.
+    # zh: 只在 GPU 上统计。
+    assert row["kernels_per_step"] is None
+# en: A decode step reads every weight but the final norm's.
+# zh: 一个 decode 步读取除最后的归一化层之外的全部权重。
+assert weight_bytes_per_step(qwen3_06b, 2) == 2 * (model_params(qwen3_06b) - 1024)
 print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_bytes_per_step(qwen3_06b, 2) / 1e9))
 
 # %% [markdown] tags=["en"]
@@ -1212,5 +1267,7 @@ assert len(batch) * max(three.output_lens[i] for i in batch) == 900 and three.nu
 # zh: 练习 2：id 在 [0, min(10000, vocab_size - 1)] 中抽取，所以是 49。
 assert max(max(p) for p in make_workload(64, (50, 50), (1, 1), vocab_size=50).prompts) == 49
 
-shutil.rmtree(workdir)  # the chapter's temporary model directories
+# en: Remove the chapter's temporary model directories.
+# zh: 删除本章的临时模型目录。
+shutil.rmtree(workdir)
 print(say("all exercise answers check out"))

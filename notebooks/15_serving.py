@@ -247,7 +247,9 @@ print(say("blocks in use while it runs: {blocks}", blocks=len(bm.used_block_ids)
 dropped = llm.abort_request(request)
 print(say("aborted seq {seqs}; blocks in use: {blocks}", seqs=dropped, blocks=len(bm.used_block_ids)))
 assert len(dropped) == 2 and not bm.used_block_ids and llm.is_finished()
-assert llm.step_tokens() == []  # nothing of it is ever reported
+# en: Nothing of it is ever reported
+# zh: 关于它的任何内容都不会再被报告
+assert llm.step_tokens() == []
 
 # %% [markdown] tags=["en"]
 # ## One driver, and a queue
@@ -346,8 +348,11 @@ _logger = logging.getLogger("nanovllm.serve")
 # zh: 每步一次：("step", events, frames, stats)，其中每个事件是 (key, kind, payload)，kind 为 "admitted"（payload：
 # zh: 请求 id）、"tokens"（(sample_index, token_ids, finished)）、"error"（一个 `EngineError`）或 "done"（不会再有了）。
 Message = tuple
-Receive = Callable[[bool], Message | None]  # receive(wait): the next message, or None if none came and not wait
-# make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
+# en: receive(wait): the next message, or None if none came and not wait
+# zh: receive(wait)：下一条消息；若没有消息到来且 wait 为假，则为 None
+Receive = Callable[[bool], Message | None]
+# en: make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
+# zh: make_recorder(scheduler, publish)：实时页面的记录器，一个发布帧的观察者。
 Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
 
 
@@ -372,8 +377,12 @@ class ServerStats:
     kv_cache_usage: float = 0.0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens of the requests scheduled so far
-    prefix_cache_hits: int = 0  # of those, tokens whose KV was found in the prefix cache
+    # en: Prompt tokens of the requests scheduled so far
+    # zh: 至今已调度的请求的提示词 token 数
+    prefix_cache_queries: int = 0
+    # en: Of those, tokens whose KV was found in the prefix cache
+    # zh: 其中 KV 在前缀缓存中找到的 token 数
+    prefix_cache_hits: int = 0
     num_preemptions: int = 0
     # en: The engine's steps, by kind ("prefill", "decode"): how many, and their wall time in seconds.
     # zh: 引擎的各步，按种类（"prefill"、"decode"）统计：多少步，以及它们的墙钟时间（秒）。
@@ -405,7 +414,9 @@ class SchedulerWatch:
     def __init__(self, stats: ServerStats, block_size: int) -> None:
         self.stats, self.block_size = stats, block_size
         self.recorder: Callable[[str, dict], None] | None = None
-        self.is_prefill = False  # what the last step scheduled
+        # en: What the last step scheduled
+        # zh: 上一步调度的是什么
+        self.is_prefill = False
 
     def __call__(self, event: str, payload: dict) -> None:
         if event == "schedule":
@@ -436,7 +447,9 @@ class _Request:
     key: int
     prompt_len: int
     samples_left: int
-    started: bool = False  # its first token came
+    # en: Its first token came
+    # zh: 它的第一个 token 已经到来
+    started: bool = False
 
 
 class EngineDriver:
@@ -448,12 +461,18 @@ class EngineDriver:
     def __init__(self, engine: LLMEngine, send: Callable[[Message], None], make_recorder: Recorder | None = None,
                  ) -> None:  # fmt: skip
         self.engine, self.send, self.make_recorder = engine, send, make_recorder
-        self.requests: dict[int, _Request] = {}  # by the engine's request id
-        self.request_ids: dict[int, int] = {}  # the server's key -> the engine's request id
+        # en: By the engine's request id
+        # zh: 按引擎的请求 id 索引
+        self.requests: dict[int, _Request] = {}
+        # en: The server's key -> the engine's request id
+        # zh: 服务器的 key -> 引擎的请求 id
+        self.request_ids: dict[int, int] = {}
         self.stats = ServerStats()
         self.watch = SchedulerWatch(self.stats, engine.config.kvcache_block_size)
         engine.scheduler.observer = self.watch
-        self.events: list[tuple] = []  # of the current step, sent in one message
+        # en: Of the current step, sent in one message
+        # zh: 当前这一步的事件，用一条消息发出
+        self.events: list[tuple] = []
         self.frames: list[dict] = []
 
     def run(self, receive: Receive) -> None:
@@ -465,7 +484,9 @@ class EngineDriver:
                 self._flush()
         except EOFError:
             return
-        except BaseException:  # a bug of the driver itself: fail what is left, loudly
+        # en: A bug of the driver itself: fail what is left, loudly
+        # zh: 驱动自身的 bug：让剩下的请求失败，并大声报错
+        except BaseException:
             _logger.exception("the engine driver stopped")
             raise
         finally:
@@ -502,7 +523,9 @@ class EngineDriver:
             _, key, sample_index = message
             request_id = self.request_ids.get(key)
             if request_id is None:
-                return  # finished, refused, or failed already
+                # en: Finished, refused, or failed already
+                # zh: 已经结束、被拒绝或已失败
+                return
             dropped = self.engine.abort_request(request_id, sample_index)
             if self.watch.recorder is not None and dropped:
                 self.watch.recorder("abort", {"seq_ids": dropped})
@@ -544,7 +567,9 @@ class EngineDriver:
         for new in news:
             request = self.requests.get(new.request_id)
             if request is None:
-                continue  # aborted while its last step ran
+                # en: Aborted while its last step ran
+                # zh: 在它的最后一步运行期间被中止了
+                continue
             if not request.started:
                 request.started = True
                 self.stats.prompt_tokens += request.prompt_len
@@ -717,9 +742,15 @@ class RequestStream:
     prompt: list[int]
     params: SamplingParams
     events: asyncio.Queue
-    index: int = 0  # which prompt of the HTTP request
-    request_id: int | None = None  # set once the engine took it
-    key: int = field(default=-1, init=False)  # the name the driver knows it by
+    # en: Which prompt of the HTTP request
+    # zh: HTTP 请求中的第几个提示词
+    index: int = 0
+    # en: Set once the engine took it
+    # zh: 引擎接收它之后才设置
+    request_id: int | None = None
+    # en: The name the driver knows it by
+    # zh: 驱动用来称呼它的名字
+    key: int = field(default=-1, init=False)
 
 
 class EngineStartError(RuntimeError):
@@ -732,14 +763,26 @@ class EngineClient:
 
     def __init__(self, info: EngineInfo, tokenizer: Any) -> None:
         self.info, self.tokenizer = info, tokenizer
-        self.max_waiting: int | None = None  # refuse new requests while this many wait (--max-waiting)
-        self.streams: dict[int, RequestStream] = {}  # by key, until the driver says a request is done
+        # en: Refuse new requests while this many wait (--max-waiting)
+        # zh: 等待的请求达到这个数时，拒绝新请求（--max-waiting）
+        self.max_waiting: int | None = None
+        # en: By key, until the driver says a request is done
+        # zh: 按 key 索引，直到驱动说某个请求已经完成
+        self.streams: dict[int, RequestStream] = {}
         self.keys = itertools.count()
-        self.stats = ServerStats()  # the driver's, as of its last step
-        self.requests_finished: dict[str, int] = {}  # responses that ended, by finish reason (the HTTP side's)
+        # en: The driver's, as of its last step
+        # zh: 驱动的统计，截至它的上一步
+        self.stats = ServerStats()
+        # en: Responses that ended, by finish reason (the HTTP side's)
+        # zh: 已结束的响应，按结束原因计数（HTTP 一侧的）
+        self.requests_finished: dict[str, int] = {}
         self.submitted = self.admitted = 0
-        self.on_frame: Callable[[list[dict]], None] | None = None  # the live page's hub (see `dashboard`)
-        self.stopping = False  # set by `stop`: new requests are refused
+        # en: The live page's hub (see `dashboard`)
+        # zh: 实时页面的 hub（见 `dashboard`）
+        self.on_frame: Callable[[list[dict]], None] | None = None
+        # en: Set by `stop`: new requests are refused
+        # zh: 由 `stop` 设置：拒绝新请求
+        self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -787,7 +830,9 @@ class EngineClient:
                 self.admitted += 1
             elif kind == "error":
                 del streams[key]
-                self.admitted += stream.request_id is None  # refused: it will not wait any more
+                # en: Refused: it will not wait any more
+                # zh: 被拒绝：它不会再等待了
+                self.admitted += stream.request_id is None
             elif kind == "done":
                 del streams[key]
                 continue
@@ -832,16 +877,22 @@ class EngineThread(EngineClient):
     def _post(self, message: Message) -> None:
         self.inbox.put(message)
 
-    def _receive(self, wait: bool) -> Message | None:  # on the driver's thread
+    # en: On the driver's thread
+    # zh: 在驱动的线程上运行
+    def _receive(self, wait: bool) -> Message | None:
         try:
             return self.inbox.get() if wait else self.inbox.get_nowait()
         except queue.Empty:
             return None
 
-    def _from_driver(self, message: Message) -> None:  # on the driver's thread
+    # en: On the driver's thread
+    # zh: 在驱动的线程上运行
+    def _from_driver(self, message: Message) -> None:
         try:
             self.loop.call_soon_threadsafe(self.receive, message)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
+        # en: The event loop is closed: nobody is listening any more
+        # zh: 事件循环已经关闭：没有人在听了
+        except RuntimeError:
             pass
 
     def join(self, timeout: float) -> None:
@@ -880,7 +931,9 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
                         requests: Connection, outputs: Connection) -> None:  # fmt: skip
     """The engine process: build the engine, say so (or say why not), then drive it until the server says stop or
     is gone."""
-    from nanovllm.llm import LLM  # here: the server's process never builds an engine of its own
+    # en: Here: the server's process never builds an engine of its own
+    # zh: 在这里导入：服务器进程自己从不构建引擎
+    from nanovllm.llm import LLM
 
     # en: Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops. (Started
     # en: by `EngineProcess`, the process already ignores it; this covers one started from another thread.)
@@ -891,7 +944,9 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
     try:
         engine = LLM(model, **settings)
     except Exception as error:
-        if not isinstance(error, (TypeError, ValueError)):  # not a setting the user can fix: show where it failed
+        # en: Not a setting the user can fix: show where it failed
+        # zh: 不是用户能修正的设置问题：显示出错的位置
+        if not isinstance(error, (TypeError, ValueError)):
             traceback.print_exc()
         outputs.send(("failed", str(error) if isinstance(error, (TypeError, ValueError))
                       else f"{type(error).__name__}: {error}"))
@@ -900,7 +955,9 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
     def send(message: Message) -> None:
         try:
             outputs.send(message)
-        except OSError:  # the server is gone: the next read of the requests says so (EOFError)
+        # en: The server is gone: the next read of the requests says so (EOFError)
+        # zh: 服务器已经不在了：下一次读取请求时会知道（EOFError）
+        except OSError:
             pass
 
     def receive(wait: bool) -> Message | None:
@@ -924,11 +981,15 @@ class EngineProcess(EngineClient):
         # en: A larger pipe (Linux: 1 MiB instead of 64 KiB) lets the engine run further ahead of a busy server.
         # zh: 更大的管道（Linux 上 1 MiB，而不是 64 KiB）让引擎在服务器忙时能多跑出去一些。
         if hasattr(fcntl, "F_SETPIPE_SZ"):
-            with contextlib.suppress(OSError):  # a limit set lower by the system (pipe-max-size) keeps 64 KiB
+            # en: A limit set lower by the system (pipe-max-size) keeps 64 KiB
+            # zh: 系统设置的上限（pipe-max-size）更低时，保持 64 KiB
+            with contextlib.suppress(OSError):
                 fcntl.fcntl(self.outputs.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self.process = context.Process(target=engine_process_main, name="nanovllm-engine",
                                        args=(model, settings, make_recorder, requests_end, outputs_end))
-        with sigint_ignored():  # from its first instruction on: it imports torch before its own code runs
+        # en: From its first instruction on: it imports torch before its own code runs
+        # zh: 子进程从第一条指令起就忽略 Ctrl-C：它在自己的代码运行之前就会导入 torch
+        with sigint_ignored():
             self.process.start()
         # en: Only the engine process holds its ends now: when it exits, reading `outputs` gives EOFError.
         # zh: 现在只有引擎进程持有它那两端：它一退出，读 `outputs` 就会得到 EOFError。
@@ -946,7 +1007,9 @@ class EngineProcess(EngineClient):
         except EOFError:
             self.process.join()
             raise EngineStartError(f"the engine process exited with status {self.process.exitcode}") from None
-        except BaseException:  # a refusal, a tokenizer that would not load, Ctrl-C while the model loads
+        # en: A refusal, a tokenizer that would not load, Ctrl-C while the model loads
+        # zh: 拒绝、加载不了的分词器、加载模型时按下的 Ctrl-C
+        except BaseException:
             self.process.kill()
             self.process.join()
             raise
@@ -980,11 +1043,15 @@ class EngineProcess(EngineClient):
     def _post(self, message: Message) -> None:
         self.outbox.put(message)
 
-    def _write(self) -> None:  # the writer thread
+    # en: The writer thread
+    # zh: 写线程
+    def _write(self) -> None:
         while (message := self.outbox.get()) is not None:
             try:
                 self.requests.send(message)
-            except OSError:  # the engine process is gone; `alive` says so
+            # en: The engine process is gone; `alive` says so
+            # zh: 引擎进程已经不在了；`alive` 会反映这一点
+            except OSError:
                 return
 
     def join(self, timeout: float) -> None:
@@ -1113,11 +1180,21 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.prefix_offset = 0  # where the decoding window starts
-        self.read_offset = 0  # tokens before it are already text
-        self.text = ""  # every character decoded so far (sent or held back)
-        self.sent = 0  # characters of ``text`` already sent
-        self.stopped = False  # a stop string matched: the text ends at ``len(text)``
+        # en: Where the decoding window starts
+        # zh: 解码窗口的起点
+        self.prefix_offset = 0
+        # en: Tokens before it are already text
+        # zh: 它之前的 token 已经变成文本
+        self.read_offset = 0
+        # en: Every character decoded so far (sent or held back)
+        # zh: 至今解码出的所有字符（已发出的或扣住的）
+        self.text = ""
+        # en: Characters of ``text`` already sent
+        # zh: ``text`` 中已经发出的字符数
+        self.sent = 0
+        # en: A stop string matched: the text ends at ``len(text)``
+        # zh: 匹配到了停止字符串：文本在 ``len(text)`` 处结束
+        self.stopped = False
         # en: The same window, kept by the Rust tokenizer itself, where its decode is the whole of tokenizer.decode.
         # zh: 同样的窗口，由 Rust 分词器自己维护——前提是它的解码就是 tokenizer.decode 的全部。
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -1207,7 +1284,9 @@ detokenizer = IncrementalDetokenizer(tokenizer)
 pieces = [detokenizer.add([token]) for token in greeting_ids] + [detokenizer.finish()]
 print(say("sent, token by token: {pieces}", pieces=pieces))
 assert "\ufffd" not in "".join(pieces) and "".join(pieces) == greeting
-assert pieces.count("") >= len(greeting_ids) - len(greeting)  # tokens that only completed half a character
+# en: Tokens that only completed half a character
+# zh: 只拼出半个字符的 token
+assert pieces.count("") >= len(greeting_ids) - len(greeting)
 # en: Which window ran depends on the installed tokenizers and transformers: say which, and check the result either
 # en: way. On any ids, special ones included, the Python window's text is the full decode, and where the Rust window
 # en: (DecodeStream) is there, its pieces are exactly the Python window's.
@@ -1315,7 +1394,9 @@ class SamplingRequest(BaseModel):
     # zh: 额外的请求体字段，与 vLLM 接受的一样（openai 客户端用 ``extra_body`` 发送它们）。
     top_k: int | None = None
     ignore_eos: bool = False
-    return_token_ids: bool = False  # each choice (each chunk) also carries its token ids, as vLLM's option does
+    # en: Each choice (each chunk) also carries its token ids, as vLLM's option does
+    # zh: 每个选项（每个分块）还带上它的 token id，与 vLLM 的同名选项一样
+    return_token_ids: bool = False
     # en: Accepted, but only where they change nothing.
     # zh: 可以接受，但只限于不改变任何东西的取值。
     presence_penalty: float | None = None
@@ -1339,7 +1420,9 @@ class SamplingRequest(BaseModel):
         """The engine's sampling parameters (``max_tokens``: what to use when the request gives none)."""
         for name, value in self.unsupported().items():
             raise ServerError(400, f"{name}={value!r} is not supported by this server", param=name)
-        top_k = None if self.top_k in (None, -1, 0) else self.top_k  # vLLM's "no limit" values
+        # en: vLLM's "no limit" values
+        # zh: vLLM 表示“不限制”的取值
+        top_k = None if self.top_k in (None, -1, 0) else self.top_k
         fields = {"temperature": 1.0 if self.temperature is None else self.temperature,
                   "top_p": 1.0 if self.top_p is None else self.top_p, "max_tokens": self.requested_max_tokens(),
                   "n": self.n, "seed": self.seed, "top_k": top_k, "ignore_eos": self.ignore_eos}
@@ -1500,7 +1583,9 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     num_tokens: int = 0
-    sent_tokens: int = 0  # tokens whose ids a chunk carried already (``return_token_ids``)
+    # en: Tokens whose ids a chunk carried already (``return_token_ids``)
+    # zh: id 已经由某个分块带出的 token 数（``return_token_ids``）
+    sent_tokens: int = 0
 
     def new_token_ids(self) -> list[int]:
         ids = self.detokenizer.token_ids[self.sent_tokens : self.num_tokens]
@@ -1520,7 +1605,9 @@ class Generation:
         self.choices = {(s.index, k): Choice(s.index * params.n + k, IncrementalDetokenizer(engine.tokenizer, stops))
                         for s in self.streams for k in range(params.n)}
         self.prompt_tokens = sum(len(p) for p in prompts)
-        self.early: list[tuple] = []  # events that came while other prompts were still being admitted
+        # en: Events that came while other prompts were still being admitted
+        # zh: 其他提示词还在等待被接收时到来的事件
+        self.early: list[tuple] = []
 
     @property
     def completion_tokens(self) -> int:
@@ -1590,7 +1677,9 @@ class Generation:
                 sample_index, token_ids, finished = payload
                 choice = self.choices[(stream.index, sample_index)]
                 if choice.finish_reason is not None:
-                    continue  # tokens computed after a stop string ended the sample
+                    # en: Tokens computed after a stop string ended the sample
+                    # zh: 停止字符串结束了样本之后才算出的 token
+                    continue
                 text = self._add(choice, stream, sample_index, token_ids, finished)
                 texts[choice.index] = (choice, texts[choice.index][1] + text if choice.index in texts else text)
             for choice, text in texts.values():
@@ -1702,7 +1791,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
 
-        def shutdown() -> None:  # safe in a signal handler: both calls only queue work
+        # en: Safe in a signal handler: both calls only queue work
+        # zh: 可以在信号处理函数中调用：两个调用都只是把工作排入队列
+        def shutdown() -> None:
             client.stop()
             loop.call_soon_threadsafe(hub.close_all)
 
@@ -1852,7 +1943,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         try:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                    return_dict=False)
-        except Exception as error:  # the template's own checks (jinja raises what it likes)
+        # en: The template's own checks (jinja raises what it likes)
+        # zh: 模板自己的检查（jinja 想抛什么异常就抛什么）
+        except Exception as error:
             raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
         return await generate(body, [list(prompt)], True, request)
 
@@ -2026,7 +2119,9 @@ class DashboardHub:
     detached, so a server that nobody watches records nothing."""
 
     def __init__(self, engine: Any, keep: int = 2000) -> None:
-        self.engine, self.keep = engine, keep  # an `EngineClient`
+        # en: An `EngineClient`
+        # zh: 一个 `EngineClient`
+        self.engine, self.keep = engine, keep
         self.pages: set[asyncio.Queue] = set()
         self.last: dict | None = None
         engine.on_frame = self.publish
@@ -2035,7 +2130,9 @@ class DashboardHub:
         self.last = frames[-1]
         for page in self.pages:
             for frame in frames:
-                if page.qsize() >= self.keep:  # a page that cannot keep up loses its oldest frames
+                # en: A page that cannot keep up loses its oldest frames
+                # zh: 跟不上的页面会丢掉它最旧的帧
+                if page.qsize() >= self.keep:
                     page.get_nowait()
                 page.put_nowait(frame)
 
@@ -2196,11 +2293,15 @@ llm.scheduler.observer = LiveRecorder(llm.scheduler, published.append)
 llm.add_request(list(range(10, 50)), SamplingParams(max_tokens=2))
 llm.step_tokens()
 llm.scheduler.observer = None
-while not llm.is_finished():  # the request's last step, unrecorded
+# en: The request's last step, unrecorded
+# zh: 请求的最后一步，不记录
+while not llm.is_finished():
     llm.step_tokens()
 print([f"{f['index']}: {f['phase']}" for f in published])
 assert [f["phase"] for f in published] == ["start", "add", "schedule", "postprocess"]
-assert sum(b["state"] == "used" for b in published[-1]["blocks"]) == 3  # 41 tokens in blocks of 16
+# en: 41 tokens in blocks of 16
+# zh: 41 个 token，每块 16 个
+assert sum(b["state"] == "used" for b in published[-1]["blocks"]) == 3
 assert [len(hit["blocks"]) for hit in published[2]["event"]["cache_hits"]] == [2]
 # en: The page draws each frame with the player's own functions; here, the last one as a static frame.
 # zh: 页面用播放器自己的函数画每一帧；这里把最后一帧画成静态的一帧。
@@ -2268,7 +2369,9 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
         said = f"default: {default}"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
-        elif isinstance(kind, types.UnionType):  # bool | str: True, False or "auto"
+        # en: bool | str: True, False or "auto"
+        # zh: bool | str：True、False 或 "auto"
+        elif isinstance(kind, types.UnionType):
             group.add_argument(flag, choices=["auto", "on", "off"], default="auto", help="default: auto")
         else:
             group.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=said)
@@ -2413,15 +2516,21 @@ class ServerProcess:
     def __init__(self, args: list[str] = (), *, command: list[str] | None = None, port: int | None = None,
                  ready_timeout: float = 180.0) -> None:
         self.ours = command is None
-        root = str(Path(nanovllm.__file__).resolve().parent.parent)  # the same package, in the child
+        # en: The same package, in the child
+        # zh: 子进程里用的是同一个包
+        root = str(Path(nanovllm.__file__).resolve().parent.parent)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.command = [sys.executable, "-m", "nanovllm.serve", *args, "--port", "0"] if self.ours else command
         self.url = None if self.ours else f"http://127.0.0.1:{port}"
         self.ready_timeout = ready_timeout
         descriptor, log = tempfile.mkstemp(prefix="nanovllm-server-", suffix=".log")
-        os.close(descriptor)  # the child writes it through its own handle
+        # en: The child writes it through its own handle
+        # zh: 子进程通过它自己的句柄写这个文件
+        os.close(descriptor)
         self.log = Path(log)
-        self.final_output: str | None = None  # the log's text once the server has stopped and the file is gone
+        # en: The log's text once the server has stopped and the file is gone
+        # zh: 服务器停止、文件删除之后，日志的文本
+        self.final_output: str | None = None
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:
@@ -2466,7 +2575,8 @@ class ServerProcess:
                 process.kill()
                 process.wait()
         atexit.unregister(self.stop)
-        # The log outlives the process only in memory: a stopped server leaves no file behind.
+        # en: The log outlives the process only in memory: a stopped server leaves no file behind.
+        # zh: 日志只在内存中比进程活得久：停止的服务器不会留下文件。
         if self.final_output is None:
             self.final_output = self.output()
             self.log.unlink(missing_ok=True)
@@ -2541,9 +2651,15 @@ class RequestResult:
     ok: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0  # seconds from sending to the first text
-    latency: float = 0.0  # seconds from sending to the end of the stream
-    itl: list[float] = field(default_factory=list)  # seconds between successive text chunks
+    # en: Seconds from sending to the first text
+    # zh: 从发送到第一段文本的秒数
+    ttft: float = 0.0
+    # en: Seconds from sending to the end of the stream
+    # zh: 从发送到流结束的秒数
+    latency: float = 0.0
+    # en: Seconds between successive text chunks
+    # zh: 相邻两个文本分块之间的秒数
+    itl: list[float] = field(default_factory=list)
     error: str = ""
 
 
@@ -2578,7 +2694,9 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.latency = time.perf_counter() - began
-    result.output_tokens = result.output_tokens or chunks  # a server that reports no usage: one token a chunk
+    # en: A server that reports no usage: one token a chunk
+    # zh: 不报告 usage 的服务器：按每个分块一个 token 计
+    result.output_tokens = result.output_tokens or chunks
     result.ok = chunks > 0
     return result
 
@@ -2597,7 +2715,9 @@ async def run_load(url: str, model: str, prompts: list[str], output_lens: list[i
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                     "stream": True, "stream_options": {"include_usage": True}}
             if not peer_fields:
-                body["ignore_eos"] = True  # every request makes exactly max_tokens tokens
+                # en: Every request makes exactly max_tokens tokens
+                # zh: 每个请求恰好生成 max_tokens 个 token
+                body["ignore_eos"] = True
             async with limit:
                 return await stream_one(http, url, body)
 
@@ -2623,7 +2743,9 @@ def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[st
     done.put(("ready", share))
     start.wait()
     results, _ = asyncio.run(run_load(*args, **options))
-    done.put((share, results, time.perf_counter()))  # perf_counter is the system's monotonic clock on Linux
+    # en: perf_counter is the system's monotonic clock on Linux
+    # zh: 在 Linux 上 perf_counter 就是系统的单调时钟
+    done.put((share, results, time.perf_counter()))
 
 
 def split_concurrency(concurrency: int | None, processes: int) -> list[int | None]:
@@ -2643,7 +2765,9 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
     parsing a few hundred streams becomes the slowest part of a fast server: this measures the server instead.
     Results come back in prompt order; the time runs from the common start to the last stream's end."""
     shares_of_concurrency = split_concurrency(concurrency, processes)
-    context = multiprocessing.get_context("spawn")  # a clean client, whatever this process holds (CUDA)
+    # en: A clean client, whatever this process holds (CUDA)
+    # zh: 干净的客户端进程，不管本进程持有什么（CUDA）
+    context = multiprocessing.get_context("spawn")
     start, done = context.Event(), context.Queue()
     workers = [context.Process(target=_load_share, daemon=True, args=(
         k, start, done, (url, model, prompts[k::processes], output_lens[k::processes]),
@@ -2673,9 +2797,13 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
     finally:
         for worker in workers:
             if len(shares) == processes:
-                worker.join(5)  # done: it is on its way out
+                # en: Done: it is on its way out
+                # zh: 已完成：它正在退出
+                worker.join(5)
             if worker.is_alive():
-                worker.kill()  # a run that failed: the others stop now, not one after another
+                # en: A run that failed: the others stop now, not one after another
+                # zh: 有一次运行失败了：其余的现在就停下，而不是一个接一个地等
+                worker.kill()
     results = [None] * len(prompts)
     for share, share_results in shares.items():
         results[share::processes] = share_results
@@ -2686,7 +2814,9 @@ def percentiles(values: list[float]) -> dict[str, float]:
     """Mean, p50, p90 and p99 of ``values`` (milliseconds in, milliseconds out; zeros when empty)."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    p50, p90, p99 = numpy.percentile(values, [50, 90, 99]).tolist()  # linear interpolation, as vLLM's bench does
+    # en: Linear interpolation, as vLLM's bench does
+    # zh: 线性插值，与 vLLM 的 bench 一样
+    p50, p90, p99 = numpy.percentile(values, [50, 90, 99]).tolist()
     return {"mean": statistics.fmean(values), "p50": p50, "p90": p90, "p99": p99}
 
 
@@ -2904,7 +3034,8 @@ def transformers_command(model: str, port: int, device: str, dtype: str | None =
     """``transformers serve --continuous-batching`` on ``model``, on 127.0.0.1:``port`` (in ``dtype``, e.g. the
     one our engine runs in, rather than the checkpoint's)."""
     binary = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    # Without its console script (a package copied rather than installed), the same command through this Python.
+    # en: Without its console script (a package copied rather than installed), the same command through this Python.
+    # zh: 没有它的控制台脚本时（包是拷贝来的而不是安装的），通过当前这个 Python 运行同样的命令。
     command = [binary] if binary else [sys.executable, "-m", "transformers.cli.transformers"]
     return [*command, "serve", model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
             "--device", device, *(["--dtype", dtype] if dtype else [])]
@@ -2997,9 +3128,13 @@ def main(argv: list[str] | None = None) -> int:
             request_rate=args.request_rate, seed=args.seed, temperature=args.temperature, peer_fields=peer)
         summary = summarize(name, results, seconds)
         if not peer and (steps := step_delta(before, engine_steps(url))):
-            summary["engine_steps"] = steps  # what the engine itself spent, in this run
+            # en: What the engine itself spent, in this run
+            # zh: 引擎自己在这次运行中花掉的
+            summary["engine_steps"] = steps
         summaries.append(summary)
-        write_report(report, args.out)  # a run cut short still leaves what it measured
+        # en: A run cut short still leaves what it measured
+        # zh: 提前中断的运行也会留下已经测得的结果
+        write_report(report, args.out)
 
     if args.url:
         measure(args.url, args.url, peer=False)
@@ -3007,7 +3142,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.launch in ("ours", "both"):
             with ServerProcess(server_argv) as server:
                 measure("nano-vllm", server.url, peer=False)
-        if args.offline:  # the server has exited: the device is the offline engine's alone
+        # en: The server has exited: the device is the offline engine's alone
+        # zh: 服务器已经退出：设备只归离线引擎使用
+        if args.offline:
             report["offline"] = run_offline(model, tokenizer, prompts, workload.output_lens,
                                             temperature=args.temperature, settings=settings,
                                             concurrency=args.max_concurrency)
@@ -3020,7 +3157,8 @@ def main(argv: list[str] | None = None) -> int:
             name = "transformers" + (f" ({count} prompts)" if count and count < len(prompts) else "")
             port = free_port()
             with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
-                # Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
+                # en: Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
+                # zh: 它的模型 id 就是传给它的路径（transformers 5.17 在 /v1/models 列出的是 Hub 缓存）。
                 measure(name, server.url, peer=True, model_id=model, count=count)
     print_table(summaries)
     if "offline" in report:
@@ -3109,7 +3247,9 @@ def gauges() -> dict[str, float]:
 body = {"model": "smollm2", "prompt": "Tell me a long story.", "max_tokens": 500, "stream": True,
         "ignore_eos": True}
 with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as streaming:
-    lines = streaming.iter_lines()  # keep it: a line iterator that is dropped closes the connection
+    # en: Keep it: a line iterator that is dropped closes the connection
+    # zh: 留着它：被丢弃的行迭代器会关闭连接
+    lines = streaming.iter_lines()
     first = next(lines)
     during = gauges()
 deadline = time.monotonic() + 30
@@ -3120,7 +3260,9 @@ for name in ("num_requests_running", "kv_cache_usage_perc", "generation_tokens_t
     print(say("{name:24} during the stream {during:8.3f}   after the client left {after:8.3f}", name=name,
               during=during[name], after=after[name]))
 assert during["num_requests_running"] == 1 and during["kv_cache_usage_perc"] > 0
-assert after["generation_tokens_total"] < during["generation_tokens_total"] + 500  # it did not run to its end
+# en: It did not run to its end
+# zh: 它没有运行到结束
+assert after["generation_tokens_total"] < during["generation_tokens_total"] + 500
 
 # %% [markdown] tags=["en"]
 # ### Streaming's cost, measured
@@ -3162,7 +3304,9 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
     print(f"{say(name):10} {figures['ttft_ms']['p50']:9.1f} {figures['itl_ms']['p50']:9.1f} "
           f"{figures['itl_ms']['p90']:9.1f} {figures['tpot_ms']['mean']:10.1f} {step_ms:12.1f}")
     assert figures["completed"] == len(batch) and figures["output_tokens"] == 24 * len(batch)
-    assert steps_after - steps_before >= 23  # 24 tokens: a prefill step, then at least 23 decode steps
+    # en: 24 tokens: a prefill step, then at least 23 decode steps
+    # zh: 24 个 token：一个 prefill 步，然后至少 23 个 decode 步
+    assert steps_after - steps_before >= 23
 
 # %% [markdown] tags=["en"]
 # ### The benchmark on this book's CPU

@@ -39,7 +39,9 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported: the kernels run in its interpreter
+    # en: Before Triton is first imported: the kernels run in its interpreter
+    # zh: 在第一次导入 Triton 之前设置：内核在它的解释器中运行
+    os.environ["TRITON_INTERPRET"] = "1"
 torch.manual_seed(0)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -154,7 +156,9 @@ from nanovllm.bench.engine import (
     workload_bound,
 )
 
-H200_COPY, H200_MATMUL = 4.24e12, 679e12  # chapter 09's recorded run
+# en: Chapter 09's recorded run
+# zh: 第 09 章记录的那次运行
+H200_COPY, H200_MATMUL = 4.24e12, 679e12
 workload = make_workload()
 bounds = {}
 print(f"{say('model'):<11} {say('KV cache'):<8} {say('weights'):>8} {say('KV'):>8} {say('decode'):>8} "
@@ -192,7 +196,9 @@ print(say("fp8 bound / 16-bit bound: {ratios}", ratios={model: f"{r:.2f}x" for m
 # %%
 assert kv_token_bytes(SimpleNamespace(**QWEN3_06B_SHAPES), 2) == 2 * 28 * 8 * 128 * 2
 assert 1.65 < ratios["Qwen3-0.6B"] < 1.8 and 1.15 < ratios["Qwen3-8B"] < 1.3
-assert round(bounds["Qwen3-0.6B", "auto"].decode_bytes / 1e12, 2) == 15.07  # chapter 14's figure
+# en: Chapter 14's figure
+# zh: 第 14 章的数字
+assert round(bounds["Qwen3-0.6B", "auto"].decode_bytes / 1e12, 2) == 15.07
 
 # %% [markdown] tags=["en"]
 # ## What e4m3 can and cannot represent
@@ -246,7 +252,9 @@ samples = torch.tensor([0.3, 1.0 / 3, 100.0, 1000.0, 1e-4, -0.0156])
 round_tripped = samples.clamp(-FP8_MAX, FP8_MAX).to(FP8).float()
 print(say("round trip: {pairs}", pairs=[f"{x:g} -> {y:g}" for x, y in zip(samples.tolist(), round_tripped.tolist(),
                                                                           strict=True)]))
-x = torch.exp2(torch.rand(1_000_000) * 14 - 6)  # spread evenly over the binades of the normal range, 2^-6 to 2^8
+# en: Spread evenly over the binades of the normal range, 2^-6 to 2^8
+# zh: 均匀分布在正规数范围（2^-6 到 2^8）的各个二进制数量级上
+x = torch.exp2(torch.rand(1_000_000) * 14 - 6)
 relative = ((x.to(FP8).float() - x).abs() / x)
 print(say("relative rounding error on values inside the range: max {max:.2%}, mean {mean:.2%}",
           max=relative.max(), mean=relative.mean()))
@@ -254,7 +262,9 @@ print(say("relative rounding error on values inside the range: max {max:.2%}, me
 # %%
 assert finite.max() == FP8_MAX == 448 and len(finite) == 254 and positive.min() == 2**-9
 assert positive[(positive >= 1) & (positive < 2)].tolist() == [1 + i / 8 for i in range(8)]
-assert round_tripped[3] == 448  # saturated
+# en: Saturated
+# zh: 饱和了
+assert round_tripped[3] == 448
 # en: Below the smallest subnormal: 0 or 2^-9, depending on the torch version; the guarantee is the error bound.
 # zh: 比最小的次正规数还小：得 0 还是 2^-9 取决于 torch 版本；能保证的是误差上界。
 assert round_tripped[4] in (0, 2**-9) and (round_tripped[4] - samples[4]).abs() <= 2**-9
@@ -296,12 +306,16 @@ from nanovllm.bench.kv_cache_accuracy import perplexity, text_token_ids
 from nanovllm.book.smollm2 import smollm2_dir
 
 SMOLLM2 = str(smollm2_dir())
-SLICE = 256  # tokens of each text measured here; python -m nanovllm.bench.kv_cache_accuracy measures 3,000
+# en: Tokens of each text measured here; python -m nanovllm.bench.kv_cache_accuracy measures 3,000
+# zh: 这里每段文本测量的 token 数；python -m nanovllm.bench.kv_cache_accuracy 测 3,000 个
+SLICE = 256
 engines = {kv: LLM(SMOLLM2, kv_cache_dtype=kv, device="cpu", kvcache_block_size=16, num_kvcache_blocks=24,
                    enforce_eager=True) for kv in ("auto", "fp8")}
 live = {("en", "auto"): perplexity(engines["auto"], text_token_ids(engines["auto"].tokenizer, "en", SLICE), 128)}
 layers = engines["auto"].model_runner.attention_layers
-keys = torch.stack([layer.k_cache[: SLICE // 16].flatten(0, 1) for layer in layers])  # [layers, tokens, heads, d]
+# en: [layers, tokens, heads, d]
+# zh: 形状 [layers, tokens, heads, d]
+keys = torch.stack([layer.k_cache[: SLICE // 16].flatten(0, 1) for layer in layers])
 values = torch.stack([layer.v_cache[: SLICE // 16].flatten(0, 1) for layer in layers])
 print(say("K {shape}: largest |k| {k:.1f}; V: largest |v| {v:.1f}, layer 0's largest |v| {v0:.2f}",
           shape=tuple(keys.shape), k=keys.abs().max(), v=values.abs().max(), v0=values[0].abs().max()))
@@ -376,14 +390,24 @@ print(say("the largest element's share of its row's squared norm, on average: {s
 # %%
 best = min(errors, key=lambda name: errors[name][0] + errors[name][1])
 assert best == "per (token, head), max -> 448", errors
-assert 10 < keys.abs().max() < 40 and 5 < values.abs().max() < 40 and values[0].abs().max() < 1  # far inside 448
-assert (values[0].abs() < 2**-6).float().mean() > 0.3  # layer 0: two fifths of its values are subnormal in e4m3
-assert errors["per (token, head), max -> 448"][0] < 0.85 * errors["per (token, head), 2^k"][0]  # a fifth off K's
+# en: Far inside 448
+# zh: 远在 448 以内
+assert 10 < keys.abs().max() < 40 and 5 < values.abs().max() < 40 and values[0].abs().max() < 1
+# en: Layer 0: two fifths of its values are subnormal in e4m3
+# zh: 第 0 层：五分之二的值在 e4m3 中是次正规数
+assert (values[0].abs() < 2**-6).float().mean() > 0.3
+# en: A fifth off K's
+# zh: K 的误差少了五分之一
+assert errors["per (token, head), max -> 448"][0] < 0.85 * errors["per (token, head), 2^k"][0]
 assert errors["per (token, head), max -> 448"][1] < errors["per (token, head), 2^k"][1]
 assert all(abs(errors["per (token, head), 2^k"][i] - errors["per tensor, scale 1"][i]) < 1e-3 for i in (0, 1))
 assert largest_share["K"] > 1 / 3 and 1 / 10 < largest_share["V"] < 1 / 5
-assert errors["per tensor, scale 1"][2] > errors["per (token, head), max -> 448"][2]  # layer 0's tiny values
-assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values())  # e4m3's own error
+# en: Layer 0's tiny values
+# zh: 第 0 层那些极小的值
+assert errors["per tensor, scale 1"][2] > errors["per (token, head), max -> 448"][2]
+# en: e4m3's own error
+# zh: e4m3 自身的误差
+assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values())
 
 # %% [markdown] tags=["en"]
 # ## The scaling: one float32 per token and KV head, stored beside the block
@@ -507,11 +531,15 @@ import torch
 # zh: 配置项 kv_cache_dtype：“auto” 以模型的数据类型存储 K/V，“fp8” 以带缩放因子的 float8 e4m3 存储。
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value, 1.75 * 2^8
+# en: The largest finite e4m3 value, 1.75 * 2^8
+# zh: e4m3 最大的有限值，1.75 * 2^8
+FP8_MAX = 448.0
 # en: The smallest normal float32: a scale is never 0 (an all-zero row) nor subnormal (flushed to 0 on some GPUs).
 # zh: 最小的正规 float32：缩放因子既不会是 0（全零的行），也不会是次正规数（某些 GPU 会把它冲刷成 0）。
 MIN_SCALE = 2.0**-126
-SCALE_BYTES = 4  # one float32 per (token, KV head), for K and for V
+# en: One float32 per (token, KV head), for K and for V
+# zh: 每个（token，KV 头）一个 float32，K 和 V 各一个
+SCALE_BYTES = 4
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -568,7 +596,9 @@ def store_quantized(
         # en: Value (slot, head, i) sits at ((block * kv_heads + head) * d + i) * block_size + place.
         # zh: 值（槽位，头，i）位于 ((block * kv_heads + head) * d + i) * block_size + place。
         dims = torch.arange(x.shape[-1], device=slots.device)
-        block_head = block[:, None, None] * kv_heads + heads[:, None]  # [n, kv_heads, 1]
+        # en: [n, kv_heads, 1]
+        # zh: 形状 [n, kv_heads, 1]
+        block_head = block[:, None, None] * kv_heads + heads[:, None]
         at = (block_head * x.shape[-1] + dims) * block_size + place[:, None, None]
         cache.view(torch.uint8).view(-1).index_copy_(0, at.flatten(), q.view(torch.uint8).flatten())
     else:
@@ -587,7 +617,9 @@ def gather_quantized(
     blocks = block_table[: -(-length // scales.shape[2])].long()
     q = cache.view(torch.uint8).index_select(0, blocks).view(FP8)
     if by_dim:
-        q = q.permute(0, 3, 1, 2)  # [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+        # en: [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+        # zh: 形状 [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+        q = q.permute(0, 3, 1, 2)
     q = q.flatten(0, 1)[:length]
     row_scale = scales.index_select(0, blocks).transpose(1, 2).flatten(0, 1)[:length]
     return dequantize_kv(q, row_scale)
@@ -603,7 +635,9 @@ def gather_quantized(
 # %%
 from nanovllm.layers.kv_quant import dequantize_kv, quantize_kv
 
-row = keys[5, 100, 1]  # layer 5, token 100, KV head 1: 64 values
+# en: Layer 5, token 100, KV head 1: 64 values
+# zh: 第 5 层、第 100 个 token、1 号 KV 头：64 个值
+row = keys[5, 100, 1]
 q, scale = quantize_kv(row)
 back = dequantize_kv(q, scale)
 top = row.abs().argmax()
@@ -631,8 +665,12 @@ assert ((back - row).abs() <= row.abs() * 2**-4 + scale * 2**-10).all()
 # %%
 from nanovllm.layers.kv_quant import values_by_dim
 
-layer_cache = torch.zeros(2, 256, 8, 128, dtype=torch.uint8).view(FP8)  # [blocks, block_size, kv_heads, d]
-by_dim = values_by_dim(layer_cache)  # [blocks, kv_heads, d, block_size]
+# en: [blocks, block_size, kv_heads, d]
+# zh: 形状 [blocks, block_size, kv_heads, d]
+layer_cache = torch.zeros(2, 256, 8, 128, dtype=torch.uint8).view(FP8)
+# en: [blocks, kv_heads, d, block_size]
+# zh: 形状 [blocks, kv_heads, d, block_size]
+by_dim = values_by_dim(layer_cache)
 print(say("from one key to the next in one dimension: {keys} bytes in the keys' layout, {values} in the values' "
           "(by dimension); the same bytes: {same}", keys=layer_cache.stride(1) * FP8.itemsize,
           values=by_dim.stride(3) * FP8.itemsize, same=by_dim.data_ptr() == layer_cache.data_ptr()))
@@ -780,7 +818,9 @@ except ValueError as refused:
     refusal = str(refused)
 print(say("refused: {refusal}", refusal=refusal))
 qwen3_06b = SimpleNamespace(**QWEN3_06B_SHAPES)
-budget = 40 * 2**30  # what an H200 leaves the cache with Qwen3-0.6B, roughly
+# en: What an H200 leaves the cache with Qwen3-0.6B, roughly
+# zh: 跑 Qwen3-0.6B 时，H200 大约留给缓存的显存
+budget = 40 * 2**30
 per_block = {dtype: kv_block_bytes(qwen3_06b, 256, dtype) for dtype in (torch.bfloat16, FP8)}
 blocks = {dtype: budget // size for dtype, size in per_block.items()}
 print(say("Qwen3-0.6B, blocks of 256 tokens in 40 GiB: bfloat16 {b16:,} blocks of {b16_mib:.2f} MiB, "
@@ -950,7 +990,9 @@ def measure(
 
     results: dict[str, Any] = {"perplexity": {}, "tokens": {}}
     generations = {}
-    for kv_cache_dtype in ("fp8", "auto"):  # "auto" last: it then explains where the two part
+    # en: "auto" last: it then explains where the two part
+    # zh: "auto" 放在最后：这样它就能解释两者在哪里出现分歧
+    for kv_cache_dtype in ("fp8", "auto"):
         with LLM(model, kv_cache_dtype=kv_cache_dtype, **settings) as llm:
             for lang in LANGUAGES:
                 ids = text_token_ids(llm.tokenizer, lang, tokens, texts)
@@ -1071,7 +1113,9 @@ assert len(gaps) == sum(s < 16 for s in shared)
 # 下面的字典就是字典里那条命令打印并写出（`--out`）的结果，再下一个单元把这些数字相互核对，并与 issue 的目标对照。
 
 # %%
-RECORDED_ACCURACY = {  # python -m nanovllm.bench.kv_cache_accuracy --out accuracy.json, copied from its JSON
+# en: python -m nanovllm.bench.kv_cache_accuracy --out accuracy.json, copied from its JSON
+# zh: python -m nanovllm.bench.kv_cache_accuracy --out accuracy.json 的结果，从它的 JSON 复制而来
+RECORDED_ACCURACY = {
     "command": "python -m nanovllm.bench.kv_cache_accuracy", "date": "2026-12-01",
     "machine": "2-core Intel Xeon CPU (shared), torch 2.13.0+cpu, SmolLM2-135M-Instruct in float32; 8 min",
     "tokens": {"en": 3000, "zh": 3000},
@@ -1103,11 +1147,15 @@ print("  " + say("greedy, {prompts} prompts x {tokens} tokens: mean common prefi
 
 # %%
 for ppl in RECORDED_ACCURACY["perplexity"].values():
-    assert 1 < ppl["fp8"] / ppl["auto"] < 1.02  # the goal: within 2 % of the unquantized cache
+    # en: The goal: within 2 % of the unquantized cache
+    # zh: 目标：与未量化的缓存相差不超过 2 %
+    assert 1 < ppl["fp8"] / ppl["auto"] < 1.02
 prefixes = agreement["common_prefixes"]
 assert len(prefixes) == agreement["prompts"] and sum(prefixes) / len(prefixes) == agreement["mean_common_prefix"]
 assert prefixes.count(agreement["max_tokens"]) == agreement["identical"] == len(prefixes) - len(margins)
-assert margins[len(margins) // 2] < 0.02 and agreement["took_second_best"] >= 0.8 * len(margins)  # near-ties
+# en: Near-ties
+# zh: 第一名与第二名几乎打平
+assert margins[len(margins) // 2] < 0.02 and agreement["took_second_best"] >= 0.8 * len(margins)
 
 # %% [markdown] tags=["en"]
 # The perplexity rises by 1.7 % on the English text and 1.1 % on the Chinese one: inside the
@@ -1360,7 +1408,9 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
                   preset=preset, model=model, date=run["date"], copy=run["copy_tb_s"], auto=run["auto"]["tok_s"],
                   auto_share=run["auto"]["of_bound"], fp8=run["fp8"]["tok_s"], fp8_share=run["fp8"]["of_bound"],
                   ratio=run["fp8"]["tok_s"] / run["auto"]["tok_s"]))
-        assert all(0 < run[kv]["of_bound"] <= 1 for kv in ("auto", "fp8"))  # no engine beats its bound
+        # en: No engine beats its bound
+        # zh: 没有引擎能超过它的上限
+        assert all(0 < run[kv]["of_bound"] <= 1 for kv in ("auto", "fp8"))
 
 # %% [markdown] tags=["en"]
 # **What 1.5× would take.** Split each run into its prefill, its decode steps and the loop around
@@ -1412,7 +1462,9 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
     # zh: 达到上限的 decode：它的字节数（本章第一节）按这次运行的拷贝速率读完。
     ideal = {kv: bounds[model, kv].decode_bytes / copy for kv in ("auto", "fp8")}
     fp8 = run["fp8"]
-    rest = fp8["seconds"] - fp8["decode_s"]  # the prefill and the loop around the steps
+    # en: The prefill and the loop around the steps
+    # zh: prefill，以及各步之外的循环
+    rest = fp8["seconds"] - fp8["decode_s"]
     best = run["auto"]["seconds"] / (rest + ideal["fp8"])
     # en: The float8 decode time, and so its share of its bound, that makes the run 1.5x the 16-bit one.
     # zh: 让这次运行达到 16 位运行 1.5 倍所需的 float8 decode 时间，以及它相应占自己上限的比例。
@@ -1428,7 +1480,9 @@ for preset, model in (("nano-vllm", "Qwen3-0.6B"), ("qwen3-8b", "Qwen3-8B")):
         # zh: 任何引擎都做不到：光是 prefill 就占 16 位运行的四分之一。
         assert best < goal and needed < ideal["fp8"] and run["auto"]["prefill_s"] > run["auto"]["seconds"] / 4.5
     else:
-        assert best > goal and fp8["decode_s"] > needed > ideal["fp8"]  # reachable, not reached
+        # en: Reachable, not reached
+        # zh: 可以达到，但没有达到
+        assert best > goal and fp8["decode_s"] > needed > ideal["fp8"]
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -1517,7 +1571,9 @@ for sharpness in (0.1, 1.0, 3.0):
 print(say("random attention, output error with 8-bit K only / V only: {errors}",
           errors={s: f"{k_only[s]:.2%} / {v_only[s]:.2%}" for s in k_only}))
 assert k_only[0.1] < v_only[0.1] and k_only[3.0] > v_only[3.0] and k_only[3.0] > 10 * k_only[0.1]
-assert max(v_only.values()) < 1.3 * min(v_only.values())  # V's error stays e4m3's own, whatever the sharpness
+# en: V's error stays e4m3's own, whatever the sharpness
+# zh: 不论注意力多尖锐，V 的误差都只是 e4m3 自身的误差
+assert max(v_only.values()) < 1.3 * min(v_only.values())
 
 
 # en: ... and on SmolLM2: the 256-token English slice with only K, then only V, in 8 bits (the 32-bit engine's store
@@ -1560,10 +1616,14 @@ assert q3[1].float() == 1.375 and abs(dequantize_kv(q3, s3)[1] - 3.069) < 1e-3
 # zh: 若像键那样按 [block_size, kv_heads, d] 存放，在 Qwen3-0.6B 的缓存里它们相隔 kv_heads * d = 1,024 个字节。
 # zh: 16 位的 tile 从共享内存读出时可以转置（ldmatrix.trans）；H200 上一字节的 tile 不行，于是每个字节只能单独读。
 # zh: 按维度存放后，这两个键就是邻居。
-head_dim, kv_heads = 128, 8  # Qwen3-0.6B
+# en: Qwen3-0.6B
+# zh: Qwen3-0.6B 的取值
+head_dim, kv_heads = 128, 8
 at_97 = 0.283 * (head_dim + SCALE_BYTES) / (2 * head_dim)
 assert abs(at_97 - 0.146) < 5e-4 and abs(0.283 / at_97 - 1.94) < 0.01 and abs(0.188 / at_97 - 1.29) < 0.01
-assert kv_heads * head_dim * FP8.itemsize == 1024  # one key to the next, along one dimension, in the keys' layout
+# en: One key to the next, along one dimension, in the keys' layout
+# zh: 在键的布局中，沿同一个维度从一个键到下一个键的距离
+assert kv_heads * head_dim * FP8.itemsize == 1024
 for llm in engines.values():
     llm.exit()
 print(say("all exercise answers check out"))

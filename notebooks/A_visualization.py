@@ -239,7 +239,9 @@ class Recorder:
             seq = payload["seq"]
             self._seqs[seq.seq_id] = seq
             last = self.frames[-1]
-            if last["phase"] == "add":  # consecutive adds share one frame
+            # en: Consecutive adds share one frame
+            # zh: 连续的 add 共用一帧
+            if last["phase"] == "add":
                 added = [*last["event"]["added"], seq.seq_id]
                 self.frames.pop()
                 self._add_frame("add", {"added": added})
@@ -611,10 +613,18 @@ def caption(frame: dict, lang: str = "en") -> str:
 
 # %% player: drawing one frame
 #| export viz.player
-PITCH, CELL = 42, 38  # pool grid: distance between cells, cell size (px)
-ROW_CELL = 30  # block-table cells
-TABLE_X = 140  # where block-table cells start (room for "序列 12：130 token")
-NUM_COLORS = 8  # sequence colors cycle through nvv-c0 ... nvv-c7
+# en: Pool grid: distance between cells, cell size (px)
+# zh: 块池网格：格子间距、格子大小（px）
+PITCH, CELL = 42, 38
+# en: Block-table cells
+# zh: 块表的格子
+ROW_CELL = 30
+# en: Where block-table cells start (room for "序列 12：130 token")
+# zh: 块表格子的起始位置（给“序列 12：130 token”留出空间）
+TABLE_X = 140
+# en: Sequence colors cycle through nvv-c0 ... nvv-c7
+# zh: 序列颜色在 nvv-c0 ... nvv-c7 之间循环
+NUM_COLORS = 8
 STATE_ZH = {"free": "空闲", "used": "已用", "cached": "已缓存"}
 
 
@@ -967,7 +977,9 @@ def _controls(lang: str, frames: int, start: int) -> str:
     def t(en: str, zh: str) -> str:
         return lang_text(en, zh, lang)
 
-    def hidden(en: str, zh: str) -> str:  # a name for screen readers where the button shows only an icon
+    # en: A name for screen readers where the button shows only an icon
+    # zh: 按钮只显示图标时，给屏幕阅读器读的名字
+    def hidden(en: str, zh: str) -> str:
         return f'<span class="nvv-sr">{t(en, zh)}</span>'
 
     play = (f'<span class="nvv-when-stopped">{_icon("play")} {t("Play", "播放")}</span>'
@@ -1095,7 +1107,9 @@ print(json.dumps(recording["frames"][2]["blocks"][:2]))
 Player(recording)
 
 # %%
-assert json.loads(json.dumps(recording)) == recording  # plain data, through JSON and back
+# en: Plain data, through JSON and back
+# zh: 普通数据：转成 JSON 再转回来，保持不变
+assert json.loads(json.dumps(recording)) == recording
 phases = [f["phase"] for f in recording["frames"]]
 assert phases == ["start", "add", "schedule", "postprocess", "schedule", "postprocess"]
 assert recording["frames"][-1]["seqs"][0]["status"] == "FINISHED"
@@ -1143,8 +1157,12 @@ assert hit_frame["event"]["cache_hits"] == [{"seq": b.seq_id, "blocks": a_blocks
 for block_id in a_blocks[:2]:
     assert block_of(hit_frame, block_id)["ref_count"] == 2
     assert block_of(hit_frame, block_id)["owners"] == [a.seq_id, b.seq_id]
-assert block_of(hit_frame, a_blocks[2])["ref_count"] == 1  # A's own tail block
-assert seq_of(hit_frame, b.seq_id)["num_cached_tokens"] == 8  # B prefills only its 3 new tokens
+# en: A's own tail block
+# zh: A 自己的尾块
+assert block_of(hit_frame, a_blocks[2])["ref_count"] == 1
+# en: B prefills only its 3 new tokens
+# zh: B 只需 prefill 它的 3 个新 token
+assert seq_of(hit_frame, b.seq_id)["num_cached_tokens"] == 8
 a_done = next(f for f in frames if f["phase"] == "postprocess" and a.seq_id in f["event"]["finished"])
 assert a_done["step"] > hit_frame["step"]
 for block_id in a_blocks[:2]:
@@ -1187,7 +1205,9 @@ c_blocks = seq_of(next(f for f in frames if f["phase"] == "schedule"), c.seq_id)
 for block_id in c_blocks[:2]:
     assert block_of(c_done, block_id)["state"] == "cached" and block_of(c_done, block_id)["ref_count"] == 0
     assert block_of(c_done, block_id)["hash"] is not None and block_id in c_done["free_list"]
-assert block_of(c_done, c_blocks[2])["state"] == "free"  # a partial block is never published
+# en: A partial block is never published
+# zh: 未写满的块从不发布
+assert block_of(c_done, c_blocks[2])["state"] == "free"
 d_hit = next(f for f in frames if f["phase"] == "schedule" and f["event"]["cache_hits"])
 assert d_hit["event"]["cache_hits"] == [{"seq": d.seq_id, "blocks": c_blocks[:2]}]
 assert seq_of(d_hit, d.seq_id)["block_table"][:2] == c_blocks[:2]
@@ -1222,7 +1242,9 @@ Player(chunking)
 frames = chunking["frames"]
 prefills = [f for f in frames if f["phase"] == "schedule" and f["event"]["is_prefill"]]
 assert [f["event"]["scheduled"][0]["num_tokens"] for f in prefills] == [8, 8, 4]
-after = [frames[f["index"] + 1] for f in prefills]  # the postprocess frame of each prefill step
+# en: The postprocess frame of each prefill step
+# zh: 每个 prefill 步的 postprocess 帧
+after = [frames[f["index"] + 1] for f in prefills]
 assert [f["event"]["tokens"][0]["appended"] for f in after] == [False, False, True]
 assert [seq_of(f, long_seq.seq_id)["num_cached_tokens"] for f in after] == [8, 16, 20]
 for f in after[:2]:
@@ -1387,11 +1409,15 @@ class LivePanel:
         self.lang = _check_lang(lang)
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
-        self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
+        # en: What the user did, replayed by rebuild()
+        # zh: 用户做过的操作，由 rebuild() 重放
+        self.actions: list[tuple] = []
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
         self.message = ""
         self.html = ""
-        self._seen = 0  # frames already shown
+        # en: Frames already shown
+        # zh: 已经显示过的帧
+        self._seen = 0
         self._widgets: dict[str, Any] | None = None
         self.redraw()
 

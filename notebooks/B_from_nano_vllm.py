@@ -761,7 +761,9 @@ print(say("the book's side of the second article's five rows holds"))
 #   构造实例，方法里赋给 `self` 的字段也算存在）；中英文表格逐行列出相同的名字；上游一列恰好列出清单中的全部名字。
 
 # %% upstream inventory
-UPSTREAM_COMMIT = "bb823b3e06983d71485a8e1f23715ebd87d98ef8"  # main on 2026-04-26
+# en: main on 2026-04-26
+# zh: 2026-04-26 的 main 分支
+UPSTREAM_COMMIT = "bb823b3e06983d71485a8e1f23715ebd87d98ef8"
 # en: Upstream files without Python code are listed under the key "".
 # zh: 上游中不含 Python 代码的文件列在键 "" 之下。
 UPSTREAM_NAMES: dict[str, list[str]] = {
@@ -925,7 +927,9 @@ def map_rows(source: str) -> dict[str, list[tuple]]:
         lang = next((tag for tag in cell.metadata.get("tags", []) if tag in rows), None)
         if cell.cell_type != "markdown" or lang is None:
             continue
-        upstream, module = None, None  # a table's heading is in its own cell
+        # en: A table's heading is in its own cell
+        # zh: 表格的标题单独在一个单元里
+        upstream, module = None, None
         for line in cell.source.splitlines():
             if line.startswith("#"):
                 spans = CODE_SPAN.findall(line)
@@ -1018,7 +1022,9 @@ for block in ([1, 2, 3, 4], [151_643, 0, 7, 99_999], [5, 5, 5, 5]):
     parent = ours
 print(say("three chained block hashes equal upstream's; the last is {last:#018x}", last=parent))
 
-upstream_sizes = [1, 2, 4, 8, *range(16, 100 + 1, 16)]  # max_num_seqs=100
+# en: max_num_seqs=100
+# zh: max_num_seqs=100 时
+upstream_sizes = [1, 2, 4, 8, *range(16, 100 + 1, 16)]
 uncovered = [batch for batch in range(1, 101) if batch > max(upstream_sizes)]
 print(say("max_num_seqs=100: upstream has no graph for batches {first}-{last}; ours replays {ours} for them",
           first=uncovered[0], last=uncovered[-1], ours=graph_batch_size(uncovered[-1], capture_sizes(100))))

@@ -20,7 +20,8 @@ def write(tmp_path: Path, body: str) -> Path:
 
 
 def test_a_complete_chapter_passes(tmp_path: Path) -> None:
-    code = "# %%\n# en: why\n# zh: 为什么\nx = 1\n    # plain comment\n"
+    code = ("# %%\n# en: why\n# zh: 为什么\nx = 1  # noqa: E501\n#| export x\ny = [0]  # -1, 4 x 16\n"
+            "s = 'a # string, no comment'\n# 只有中文的注释\n")
     assert bilingual.check_notebook(write(tmp_path, PAIR + code)) == []
 
 
@@ -33,8 +34,12 @@ def test_a_complete_chapter_passes(tmp_path: Path) -> None:
         ("# %%\n# en: only English\nx = 1\n", "'# en:' comment has no '# zh:' twin"),
         ("# %%\n# zh: 只有中文\nx = 1\n", "'# zh:' comment has no '# en:' twin"),
         ("# %%\ndef f():\n    # en: inner\n# zh: 外层\n    pass\n", "'# en:' comment has no '# zh:' twin"),
+        ("# %%\n# why this is so\nx = 1\n", "line 1: an English comment without its twin"),
+        ("# %%\nx = 1  # why this is so\n", "line 1: an English comment without its twin"),
+        ("# %%\n!ls  # a shell escape\n# why this is so\n", "line 2: an English comment without its twin"),
     ],
-    ids=["missing-zh", "missing-en", "untagged", "comment-missing-zh", "comment-missing-en", "indent-mismatch"],
+    ids=["missing-zh", "missing-en", "untagged", "comment-missing-zh", "comment-missing-en", "indent-mismatch",
+         "plain-english-comment", "trailing-english-comment", "english-comment-beside-a-magic"],
 )
 def test_missing_twin_is_named(tmp_path: Path, body: str, fragment: str) -> None:
     problems = bilingual.check_notebook(write(tmp_path, body))

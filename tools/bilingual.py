@@ -5,7 +5,11 @@ Rules, one per kind of text:
 * every markdown cell is tagged ``en`` or ``zh`` (exactly one of them), and each ``en`` cell is
   immediately followed by its ``zh`` twin;
 * in code cells, a run of ``# en:`` comment lines is immediately followed by a run of
-  ``# zh:`` lines at the same indentation, and no ``# zh:`` run stands alone.
+  ``# zh:`` lines at the same indentation, and no ``# zh:`` run stands alone;
+* in code cells, a comment in English prose is an ``# en:`` line: a plain ``# why ...`` comment,
+  whole-line or after code, would reach Chinese readers untranslated. Tool directives (``#|``,
+  ``# noqa``, ``# fmt:``, ``# type:``, ``# pragma``) and comments without a word of prose
+  (``# -1``, ``# 4 x 16``) are not prose.
 
 Usage: ``python tools/bilingual.py [chapter.py ...]`` (default: every chapter). Exit status 1
 and one line per problem, naming the file and the cell, when a twin is missing.
@@ -13,8 +17,10 @@ and one line per problem, naming the file and the cell, when a twin is missing.
 
 from __future__ import annotations
 
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import jupytext
@@ -25,6 +31,10 @@ from tools.tangle import ROOT, chapter_files
 
 LANGUAGES = ("en", "zh")
 COMMENT = re.compile(r"^(?P<indent>\s*)# (?P<lang>en|zh):")
+DIRECTIVE = re.compile(r"^#(\||\s*(noqa|fmt:|type:|pragma))")
+# A word of prose: three letters or more; Chinese text counts as translated.
+PROSE = re.compile(r"[A-Za-z]{3,}")
+CHINESE = re.compile(r"[\u4e00-\u9fff]")
 
 
 def describe(index: int, source: str) -> str:
@@ -47,6 +57,21 @@ def comment_runs(source: str) -> list[tuple[str, str, int]]:
             runs.append((key[0], key[1], number))
         previous = key
     return runs
+
+
+def english_comments(source: str) -> list[int]:
+    """Line numbers of the comments in English prose that are not ``# en:`` lines. Comments are found by
+    Python's tokenizer, so a ``#`` inside a string is no comment; a cell it cannot read (a shell escape, a
+    magic) falls back to whole-line comments."""
+    try:
+        comments = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if token.type == tokenize.COMMENT]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        comments = [(number, line.strip()) for number, line in enumerate(source.splitlines(), start=1)
+                    if line.lstrip().startswith("#")]
+    return [number for number, text in comments
+            if not COMMENT.match(text) and not DIRECTIVE.match(text) and PROSE.search(text)
+            and not CHINESE.search(text)]
 
 
 def check_notebook(path: Path) -> list[str]:
@@ -76,6 +101,9 @@ def check_notebook(path: Path) -> list[str]:
                         problems.append(f"{where}, line {line}: '# en:' comment has no '# zh:' twin after it")
                 elif j == 0 or runs[j - 1][0] != "en" or runs[j - 1][1] != indent:
                     problems.append(f"{where}, line {line}: '# zh:' comment has no '# en:' twin before it")
+            for line in english_comments(cell.source):
+                problems.append(f"{where}, line {line}: an English comment without its twin: write it as "
+                                "'# en:' lines followed by '# zh:' lines")
     return problems
 
 

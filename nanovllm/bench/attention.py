@@ -53,7 +53,8 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compile and allocate outside the capture
+        # compile and allocate outside the capture
+        fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -143,13 +144,15 @@ def bench_prefill(
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
 
-    flops = 4 * batch * HEADS * HEAD_DIM * seqlen * (seqlen + 1) / 2  # QK^T and PV over the causal half
+    # QK^T and PV over the causal half
+    flops = 4 * batch * HEADS * HEAD_DIM * seqlen * (seqlen + 1) / 2
     row = {"batch": batch, "seqlen": seqlen, "sdpa_ms": time_ms(sdpa), "triton_ms": {}}
     for launch in launches:
         row["triton_ms"][str(launch)] = time_ms(lambda launch=launch: prefill_attention(q, k, v, empty, empty, ctx,
                                                                                         scale, launch=launch))
     row["best_launch"] = min(row["triton_ms"], key=row["triton_ms"].get)
-    row["ratio"] = row["triton_ms"]["None"] / row["sdpa_ms"]  # default launch vs SDPA
+    # default launch vs SDPA
+    row["ratio"] = row["triton_ms"]["None"] / row["sdpa_ms"]
     row["tflops"] = flops / (row["triton_ms"]["None"] * 1e-3) / 1e12
     row["sdpa_tflops"] = flops / (row["sdpa_ms"] * 1e-3) / 1e12
     ours = prefill_attention(q, k, v, empty, empty, ctx, scale)

@@ -143,7 +143,8 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
         return out
 
     with torch.inference_mode():
-        generate([workload.prompts[0][:8]], 2)  # warm-up, untimed
+        # A warm-up call, untimed.
+        generate([workload.prompts[0][:8]], 2)
         with Stopwatch(device) as clock:
             for batch in peer_batches(workload, batch_size):
                 generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
@@ -245,7 +246,8 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
 
     from nanovllm.book.tiny_models import build_tiny_model
 
-    tiny = build_tiny_model("qwen3")  # its tokenizer and EOS ids: the prompts are token ids anyway
+    # Its tokenizer and EOS ids: the prompts are token ids anyway.
+    tiny = build_tiny_model("qwen3")
     target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
     target.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -278,7 +280,8 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     config.setdefault("max_model_len", max(4096, longest))
     llm = LLM(model, **config)
     device = llm.config.device
-    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up, untimed
+    # A warm-up call, untimed.
+    llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     if breakdown is not None:
         breakdown["kv_cache"] = kv_cache_summary(llm.config)
         # generate() calls _step(), the step() that reports finished sequences rather than pairs.
@@ -303,7 +306,8 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
         tp = llm.config.tensor_parallel_size
         llm.exit()
         del llm
-        gc.collect()  # the graphs' memory pool goes with the last reference to the runner
+        # The graphs' memory pool goes with the last reference to the runner.
+        gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
     made = [len(o["token_ids"]) for o in outputs]
@@ -324,7 +328,8 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--latency" in argv:  # the other benchmark of the same command: decode-step latency (nanovllm.bench.latency)
+    # The other benchmark of the same command: decode-step latency (nanovllm.bench.latency).
+    if "--latency" in argv:
         from nanovllm.bench.latency import main as latency
 
         return latency([arg for arg in argv if arg != "--latency"])
@@ -378,8 +383,10 @@ def main(argv: list[str] | None = None) -> int:
                                     tensor_parallel_size=args.tensor_parallel_size)
         kv_dtypes = list(dict.fromkeys(kv for name in args.kv_cache_dtype
                                        for kv in (("auto", "fp8") if name == "both" else (name,))))
-        for backend in args.attention_backend:  # refuse a backend this machine cannot run before any run
-            for kv in kv_dtypes:  # and a KV cache dtype
+        # Refuse a backend this machine cannot run before any run.
+        for backend in args.attention_backend:
+            # And a KV cache dtype it cannot run.
+            for kv in kv_dtypes:
                 Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
                                    load_format=load_format, kv_cache_dtype=kv)
         if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
@@ -410,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
         write_report(report, args.out)
         return 0
     tp = args.tensor_parallel_size
-    kv_of = {"peer": "auto"}  # the KV cache dtype of each run: its own bound (transformers keeps the model's dtype)
+    # The KV cache dtype of each run: its own bound (transformers keeps the model's dtype).
+    kv_of = {"peer": "auto"}
     if not args.no_engine:
         switch = {"auto": "auto", "on": True, "off": False}
         settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
@@ -466,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             report[f"ratio_kv_{kv}"] = ratio
             print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
     if config.device == "cuda":
-        from nanovllm.bench.attention import copy_bandwidth  # Triton: imported only on a GPU
+        # It uses Triton: imported only on a GPU.
+        from nanovllm.bench.attention import copy_bandwidth
 
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bounds = {}

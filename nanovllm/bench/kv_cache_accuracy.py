@@ -122,7 +122,8 @@ def measure(
 
     results: dict[str, Any] = {"perplexity": {}, "tokens": {}}
     generations = {}
-    for kv_cache_dtype in ("fp8", "auto"):  # "auto" last: it then explains where the two part
+    # "auto" last: it then explains where the two part
+    for kv_cache_dtype in ("fp8", "auto"):
         with LLM(model, kv_cache_dtype=kv_cache_dtype, **settings) as llm:
             for lang in LANGUAGES:
                 ids = text_token_ids(llm.tokenizer, lang, tokens, texts)

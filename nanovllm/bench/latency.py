@@ -46,13 +46,19 @@ class StepLatency:
     """One batch's decode steps: wall time, bound, and (on a GPU) what the profiler saw in a window of them."""
 
     batch: int
-    steps: int  # decode steps timed
-    ms_per_step: float  # wall time of a step as the engine runs it, mean over the timed steps
-    host_launch_ms: float  # host time to schedule, prepare and launch a step (LLMEngine._launch), mean; on a CPU
-    # the launch computes the step itself
-    bound_ms: float  # bytes the step must read (weights + KV at the steps' mean length) at the copy rate
-    kernels_per_step: float | None  # GPU kernels a step launches (profiled window; None on a CPU)
-    gpu_ms_per_step: float | None  # time the GPU spent inside those kernels, per step
+    # Decode steps timed.
+    steps: int
+    # Wall time of a step as the engine runs it, mean over the timed steps.
+    ms_per_step: float
+    # Host time to schedule, prepare and launch a step (LLMEngine._launch), mean; on a CPU
+    # the launch computes the step itself.
+    host_launch_ms: float
+    # Bytes the step must read (weights + KV at the steps' mean length) at the copy rate.
+    bound_ms: float
+    # GPU kernels a step launches (profiled window; None on a CPU).
+    kernels_per_step: float | None
+    # Time the GPU spent inside those kernels, per step.
+    gpu_ms_per_step: float | None
     # The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     top_kernels: list[tuple[str, float, float]] | None = None
     # One layer's kernels on the GPU's clock, from one layer's q/k/v store (LAYER_MARK) to the next layer's:
@@ -71,12 +77,14 @@ class StepLatency:
 def measured_copy_rate(device: str) -> float:
     """Bytes per second of a large copy on ``device`` (bytes read + bytes written), measured now."""
     if device == "cuda":
-        from nanovllm.bench.attention import copy_bandwidth  # Triton's timer: imported only on a GPU
+        # It uses Triton's timer: imported only on a GPU.
+        from nanovllm.bench.attention import copy_bandwidth
 
         return copy_bandwidth()
     source = torch.empty(1 << 28, dtype=torch.uint8)
     target = torch.empty_like(source)
-    target.copy_(source)  # touch the pages before timing
+    # Touch the pages before timing.
+    target.copy_(source)
     times = []
     for _ in range(5):
         began = time.perf_counter()
@@ -169,7 +177,8 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 contexts.append(input_len + decode_step)
                 launches += launch_seconds[launched_before:]
     finally:
-        del llm._launch  # the class's method again
+        # Back to the class's method.
+        del llm._launch
     if not step_seconds:
         raise ValueError(f"no decode step was timed: --output-len {output_len} leaves none after {warmup_steps} "
                          "warm-up steps")
@@ -229,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = {"device": device, "load_format": "dummy" if preset == "qwen3-8b" and not args.model else "auto",
                     "kv_cache_dtype": args.kv_cache_dtype, "enforce_eager": args.enforce_eager,
                     "max_model_len": max(4096, input_len + output_len), "max_num_seqs": max(batches)}
-        for fused in fused_settings:  # refuse what this machine cannot run before any run
+        # Refuse what this machine cannot run before any run.
+        for fused in fused_settings:
             config = Config.from_kwargs(model, fused_decode=fused, **settings)
     except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -266,7 +276,8 @@ def measure_setting(model: str, batches: list[int], input_len: int, output_len: 
     llm = LLM(model, **config)
     rows = []
     try:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, untimed
+        # A warm-up call, untimed.
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
         print(f"fused_decode={llm.config.fused_decode}:")
         for batch in batches:
             row = measure_batch(llm, batch, input_len, output_len, bandwidth, seed=seed + batch)

@@ -39,7 +39,8 @@ class Stopwatch:
         return self
 
     def __exit__(self, error_type: type[BaseException] | None, *_: object) -> None:
-        if error_type is None:  # a block that raised has no time, and its device may not be able to wait
+        # A `with` block that raised has no time, and its device may not be able to wait.
+        if error_type is None:
             self.synchronize()
             self.seconds = time.perf_counter() - self.started
 

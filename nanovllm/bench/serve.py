@@ -61,9 +61,12 @@ class RequestResult:
     ok: bool = False
     prompt_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0  # seconds from sending to the first text
-    latency: float = 0.0  # seconds from sending to the end of the stream
-    itl: list[float] = field(default_factory=list)  # seconds between successive text chunks
+    # Seconds from sending to the first text
+    ttft: float = 0.0
+    # Seconds from sending to the end of the stream
+    latency: float = 0.0
+    # Seconds between successive text chunks
+    itl: list[float] = field(default_factory=list)
     error: str = ""
 
 
@@ -98,7 +101,8 @@ async def stream_one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
         result.error = f"{type(error).__name__}: {error}"
         return result
     result.latency = time.perf_counter() - began
-    result.output_tokens = result.output_tokens or chunks  # a server that reports no usage: one token a chunk
+    # A server that reports no usage: one token a chunk
+    result.output_tokens = result.output_tokens or chunks
     result.ok = chunks > 0
     return result
 
@@ -117,7 +121,8 @@ async def run_load(url: str, model: str, prompts: list[str], output_lens: list[i
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                     "stream": True, "stream_options": {"include_usage": True}}
             if not peer_fields:
-                body["ignore_eos"] = True  # every request makes exactly max_tokens tokens
+                # Every request makes exactly max_tokens tokens
+                body["ignore_eos"] = True
             async with limit:
                 return await stream_one(http, url, body)
 
@@ -143,7 +148,8 @@ def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[st
     done.put(("ready", share))
     start.wait()
     results, _ = asyncio.run(run_load(*args, **options))
-    done.put((share, results, time.perf_counter()))  # perf_counter is the system's monotonic clock on Linux
+    # perf_counter is the system's monotonic clock on Linux
+    done.put((share, results, time.perf_counter()))
 
 
 def split_concurrency(concurrency: int | None, processes: int) -> list[int | None]:
@@ -163,7 +169,8 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
     parsing a few hundred streams becomes the slowest part of a fast server: this measures the server instead.
     Results come back in prompt order; the time runs from the common start to the last stream's end."""
     shares_of_concurrency = split_concurrency(concurrency, processes)
-    context = multiprocessing.get_context("spawn")  # a clean client, whatever this process holds (CUDA)
+    # A clean client, whatever this process holds (CUDA)
+    context = multiprocessing.get_context("spawn")
     start, done = context.Event(), context.Queue()
     workers = [context.Process(target=_load_share, daemon=True, args=(
         k, start, done, (url, model, prompts[k::processes], output_lens[k::processes]),
@@ -193,9 +200,11 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
     finally:
         for worker in workers:
             if len(shares) == processes:
-                worker.join(5)  # done: it is on its way out
+                # Done: it is on its way out
+                worker.join(5)
             if worker.is_alive():
-                worker.kill()  # a run that failed: the others stop now, not one after another
+                # A run that failed: the others stop now, not one after another
+                worker.kill()
     results = [None] * len(prompts)
     for share, share_results in shares.items():
         results[share::processes] = share_results
@@ -206,7 +215,8 @@ def percentiles(values: list[float]) -> dict[str, float]:
     """Mean, p50, p90 and p99 of ``values`` (milliseconds in, milliseconds out; zeros when empty)."""
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
-    p50, p90, p99 = numpy.percentile(values, [50, 90, 99]).tolist()  # linear interpolation, as vLLM's bench does
+    # Linear interpolation, as vLLM's bench does
+    p50, p90, p99 = numpy.percentile(values, [50, 90, 99]).tolist()
     return {"mean": statistics.fmean(values), "p50": p50, "p90": p90, "p99": p99}
 
 
@@ -470,9 +480,11 @@ def main(argv: list[str] | None = None) -> int:
             request_rate=args.request_rate, seed=args.seed, temperature=args.temperature, peer_fields=peer)
         summary = summarize(name, results, seconds)
         if not peer and (steps := step_delta(before, engine_steps(url))):
-            summary["engine_steps"] = steps  # what the engine itself spent, in this run
+            # What the engine itself spent, in this run
+            summary["engine_steps"] = steps
         summaries.append(summary)
-        write_report(report, args.out)  # a run cut short still leaves what it measured
+        # A run cut short still leaves what it measured
+        write_report(report, args.out)
 
     if args.url:
         measure(args.url, args.url, peer=False)
@@ -480,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.launch in ("ours", "both"):
             with ServerProcess(server_argv) as server:
                 measure("nano-vllm", server.url, peer=False)
-        if args.offline:  # the server has exited: the device is the offline engine's alone
+        # The server has exited: the device is the offline engine's alone
+        if args.offline:
             report["offline"] = run_offline(model, tokenizer, prompts, workload.output_lens,
                                             temperature=args.temperature, settings=settings,
                                             concurrency=args.max_concurrency)

@@ -86,7 +86,8 @@ def convert(gguf: Path, target: Path) -> Path:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / STAMP).write_text(json.dumps(_source(gguf), indent=2) + "\n", encoding="utf-8")
-        staging.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        # mkdtemp makes it private; the cache is an ordinary directory
+        staging.chmod(0o755)
         if target.exists():
             # A stale or half-made directory from an older version: replace it.
             if is_converted(target, gguf):
@@ -95,7 +96,8 @@ def convert(gguf: Path, target: Path) -> Path:
         try:
             staging.rename(target)
         except OSError:
-            if not is_converted(target, gguf):  # another process won the race: keep its result
+            # another process won the race: keep its result
+            if not is_converted(target, gguf):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -110,8 +112,10 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
         try:
             convert(gguf, target)
         except CacheNotWritableError:
-            raise  # the cache folder itself: its message already says how to move the cache
-        except OSError as error:  # a write that fails midway: disk full...
+            # the cache folder itself: its message already says how to move the cache
+            raise
+        # a write that fails midway: disk full...
+        except OSError as error:
             where = "the cache directory given" if cache is not None else "NANOVLLM_CACHE"
             raise CacheNotWritableError(
                 f"cannot write the converted SmolLM2 model to {target} ({error.strerror or error}); "

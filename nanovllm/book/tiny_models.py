@@ -66,7 +66,8 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     "qwen2": {**_COMMON, "architectures": ["Qwen2ForCausalLM"], "tie_word_embeddings": False},
     "llama": {**_COMMON, "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True},
 }
-_FORMAT_VERSION = 1  # bump when the files written here change
+# bump when the files written here change
+_FORMAT_VERSION = 1
 
 
 class CacheNotWritableError(OSError):
@@ -142,13 +143,16 @@ def _random_weights(config: Any, seed: int) -> dict[str, torch.Tensor]:
     for name, shape in sorted(shapes.items()):
         noise = torch.randn(shape, generator=generator)
         if name.endswith("norm.weight"):
-            weights[name] = 1.0 + 0.1 * noise  # not all ones: a misplaced norm weight shows
+            # not all ones: a misplaced norm weight shows
+            weights[name] = 1.0 + 0.1 * noise
         elif name.endswith("bias"):
             weights[name] = 0.1 * noise
         elif "embed_tokens" in name or name == "lm_head.weight":
-            weights[name] = noise * (4.0 / shape[1] ** 0.5)  # logits with a standard deviation of about 4
+            # logits with a standard deviation of about 4
+            weights[name] = noise * (4.0 / shape[1] ** 0.5)
         else:
-            weights[name] = noise / shape[1] ** 0.5  # keeps activations near unit scale
+            # keeps activations near unit scale
+            weights[name] = noise / shape[1] ** 0.5
     return weights
 
 
@@ -196,7 +200,8 @@ def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: 
         _write(staging, kind, seed, overrides, key)
         try:
             staging.rename(directory)
-        except OSError:  # another process finished first
+        # another process finished first
+        except OSError:
             if not marker.is_file():
                 raise
     finally:

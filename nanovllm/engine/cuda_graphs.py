@@ -49,11 +49,13 @@ def graph_batch_size(batch: int, sizes: list[int]) -> int | None:
 class DecodeBuffers:
     """The static inputs of the decode graphs (rows = the largest captured batch size)."""
 
-    input_ids: torch.Tensor  # [rows] int64
-    positions: torch.Tensor  # [rows] int64
-    slot_mapping: torch.Tensor  # [rows] int64, -1 = padding
-    context_lens: torch.Tensor  # [rows] int32, 0 = padding
-    block_tables: torch.Tensor  # [rows, max_blocks] int32, -1 = no block
+    # Shapes and dtypes: [rows] int64 for the first two; slot_mapping [rows] int64 (-1: padding);
+    # context_lens [rows] int32 (0: padding); block_tables [rows, max_blocks] int32 (-1: no block).
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
 
     @classmethod
     def allocate(cls, rows: int, max_blocks: int, device: torch.device | str) -> DecodeBuffers:

@@ -58,7 +58,8 @@ def load_tokenizer(model: str) -> Any:
         )
     try:
         return AutoTokenizer.from_pretrained(model)
-    except Exception as error:  # transformers raises OSError, ValueError, ...
+    # transformers raises OSError, ValueError, ...
+    except Exception as error:
         raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
 
 
@@ -162,7 +163,8 @@ class LLMEngine:
             for seq in seqs:
                 self.scheduler.add(seq)
             if self.scheduler.observer_errors:
-                for seq in seqs:  # the call fails: nothing of it stays queued
+                # the call fails: nothing of it stays queued
+                for seq in seqs:
                     self.scheduler.abort(seq)
                 self._raise_observer_error()
             return seqs[0].seq_id
@@ -267,7 +269,8 @@ class LLMEngine:
             # Check every request first: a bad one must not leave the others half-queued.
             requests = []
             for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-                interruption_point()  # nothing is queued yet: Ctrl-C may stop a long tokenization here
+                # nothing is queued yet: Ctrl-C may stop a long tokenization here
+                interruption_point()
                 try:
                     requests.append(self.make_sequences(prompt, params))
                 except (TypeError, ValueError) as error:
@@ -299,7 +302,8 @@ class LLMEngine:
                         if seq.request_id in outputs:
                             outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
                         else:
-                            self.unreported.append(seq)  # a request of add_request: step() reports it
+                            # a request of add_request: step() reports it
+                            self.unreported.append(seq)
                     mine = sum(seq.request_id in outputs for seq in finished)
                     bar.update(mine)
                     done += mine
@@ -318,7 +322,8 @@ class LLMEngine:
                         self.scheduler.abort(seq)
                 for request in outputs:
                     self._dropped.pop(request, None)
-                self.scheduler.observer_errors.clear()  # the error this call raises comes first
+                # the error this call raises comes first
+                self.scheduler.observer_errors.clear()
                 raise
             finally:
                 if bar is not None:
@@ -425,7 +430,8 @@ class LLMEngine:
         `generate` call they belong to, else by the next `step`."""
         requests = {seq.request_id for seq in broken if not seq.is_finished}
         if not requests:
-            return  # dropped already, in an earlier step
+            # dropped already, in an earlier step
+            return
         cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
         for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
             if seq.request_id in requests:
@@ -512,9 +518,12 @@ class LaunchedStep:
 
     seqs: list[Sequence]
     is_prefill: bool
-    num_tokens: int  # tokens computed
-    indices: list[int | None]  # where each sequence's new token goes (`Scheduler.advance`)
-    tokens: SampledTokens | TPStep | list[int]  # a list when the step already ran to the end (synchronous)
+    # tokens computed
+    num_tokens: int
+    # where each sequence's new token goes (`Scheduler.advance`)
+    indices: list[int | None]
+    # a list when the step already ran to the end (synchronous)
+    tokens: SampledTokens | TPStep | list[int]
 
 
 # notebooks/13_robustness.py · cell "prompts of every shape"
@@ -555,7 +564,8 @@ def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
 
     It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
     """
-    if model is None:  # tensor parallelism: the weights live in the ranks
+    # tensor parallelism: the weights live in the ranks
+    if model is None:
         return f"NaN or inf in the weights, or activations that overflow {dtype}"
     tensors = [*model.named_parameters(), *model.named_buffers()]
     broken = [name for name, tensor in tensors if not bool(torch.isfinite(tensor).all())]
@@ -610,10 +620,12 @@ class BarStream:
         if not self.broken:
             try:
                 operation(*args)
-            except (OSError, ValueError):  # a broken pipe; a closed file
+            # a broken pipe; a closed file
+            except (OSError, ValueError):
                 self.broken = True
 
-    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty: what tqdm asks a stream
+    # encoding, fileno, isatty: what tqdm asks a stream
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 
 

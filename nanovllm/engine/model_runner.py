@@ -142,7 +142,8 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
             torch.empty(shape, dtype=raw, device=device)
         return cache.view(dtype)
-    except RuntimeError as error:  # torch.OutOfMemoryError on a GPU
+    # torch.OutOfMemoryError on a GPU
+    except RuntimeError as error:
         cause = str(error).partition("\n")[0]
         raise ValueError(f"{what}, more than {device} can allocate ({cause}); {fix}") from error
 
@@ -150,7 +151,8 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 def _physical_memory() -> float:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+    # no sysconf (Windows)
+    except (AttributeError, ValueError, OSError):
         return math.inf
 
 
@@ -241,7 +243,8 @@ class ModelRunner:
     def _cuda_budget(self) -> float:
         """Bytes left for the KV cache after a warm-up forward of the largest possible step."""
         if self.config.num_kvcache_blocks > 0:
-            return 0.0  # unused: the block count is given
+            # unused: the block count is given
+            return 0.0
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         self.warmup()
@@ -304,7 +307,8 @@ class ModelRunner:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
-            warm_up(self.attention_layers[0], self.dtype)  # every layer has the same shapes: one compiles them all
+            # every layer has the same shapes: one compiles them all
+            warm_up(self.attention_layers[0], self.dtype)
 
     @torch.inference_mode()
     def warm_up_sampler(self) -> None:
@@ -312,7 +316,8 @@ class ModelRunner:
         each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
         the grid and the seed, new in every call, is not specialized on."""
         logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
-        self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))  # a greedy row and a sampled one
+        # a greedy row and a sampled one
+        self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))
 
     # ---- one step -------------------------------------------------------------
     # notebooks/12_async_scheduling.py · cell "runner launches"
@@ -399,15 +404,18 @@ class SampledTokens:
     """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
 
     seqs: list[Sequence]
-    rows: list[int]  # the indices in seqs that were sampled (a partial prefill chunk is not)
+    # the indices in seqs that were sampled (a partial prefill chunk is not)
+    rows: list[int]
     # [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
     # siblings it forks, in `sibling_samples` order (chapter 04b).
     on_device: torch.Tensor
-    on_host: torch.Tensor  # the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    # the same tokens; on a GPU, a pinned buffer that a queued copy fills
+    on_host: torch.Tensor
     # Whose token each row of on_device is: (request_id, sample_index), a key that a sibling forked
     # by this step will carry too.
     samples: list[tuple[int, int]]
-    ready: torch.cuda.Event | None = None  # recorded after that copy; None on a CPU (nothing to wait for)
+    # recorded after that copy; None on a CPU (nothing to wait for)
+    ready: torch.cuda.Event | None = None
 
     @classmethod
     def start(

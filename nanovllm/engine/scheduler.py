@@ -100,7 +100,8 @@ class Scheduler:
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             if seq.num_scheduled_tokens < remaining:
-                break  # a chunk: the budget is spent, and seq stays at the head of waiting
+                # A chunk: the budget is spent, and seq stays at the head of waiting.
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -155,7 +156,8 @@ class Scheduler:
             return
         try:
             self.observer(event, data)
-        except BaseException as error:  # even a KeyboardInterrupt the observer raises itself
+        # even a KeyboardInterrupt the observer raises itself
+        except BaseException as error:
             self.observer_errors.append(error)
 
     def _reached_end(self, seq: Sequence, token_id: int) -> bool:
@@ -208,7 +210,8 @@ class Scheduler:
             # The model runner made the step's copy-on-write copies when it launched the step.
             seq.blocks_to_copy = []
             if seq.num_cached_tokens < len(seq):
-                indices.append(None)  # a partial prefill chunk: no new token (the model runner passes -1)
+                # a partial prefill chunk: no new token (the model runner passes -1)
+                indices.append(None)
                 continue
             indices.append(seq.append_pending_token())
             if seq.num_completion_tokens >= seq.sampling_params.max_tokens:

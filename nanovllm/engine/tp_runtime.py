@@ -131,9 +131,11 @@ class RankWorker:
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.rank = tp_world()[0]
-        self.call_no = 0  # set by rank_main before each call; the driver numbers its calls the same way
+        # set by rank_main before each call; the driver numbers its calls the same way
+        self.call_no = 0
         self.recent: dict[int, SampledTokens] = {}
-        self.params: dict[int, SamplingParams] = {}  # rank 0: each running sequence's, sent once
+        # rank 0: each running sequence's, sent once
+        self.params: dict[int, SamplingParams] = {}
 
     # notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
     def run(
@@ -178,7 +180,8 @@ class RankWorker:
 
     def world(self) -> dict[str, Any]:
         return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
-                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),  # cuda:<rank> on GPUs
+                # cuda:<rank> on GPUs
+                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),
                 "graphs": self.runner.graphs is not None, "params_held": len(self.params)}
 
     def shard(self, name: str) -> torch.Tensor:
@@ -233,7 +236,8 @@ class Replier:
     def __init__(self, conn: Connection, fail: Callable[[BaseException, str], None]) -> None:
         self.conn, self.fail = conn, fail
         self.device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
-        self.lock = threading.Lock()  # one writer at a time: this thread, or the main thread's error report
+        # one writer at a time: this thread, or the main thread's error report
+        self.lock = threading.Lock()
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._loop, name="nanovllm-replies", daemon=True).start()
 
@@ -246,7 +250,8 @@ class Replier:
 
     def _loop(self) -> None:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.set_device(self.device)  # a new thread starts on device 0, not on this rank's
+            # a new thread starts on device 0, not on this rank's
+            torch.cuda.set_device(self.device)
         while True:
             where, result = self.queue.get()
             try:
@@ -287,7 +292,8 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
                     return
                 args = pickle.loads(conn.recv_bytes())
             except EOFError:
-                return  # the driver closed its end: nothing left to do
+                # the driver closed its end: nothing left to do
+                return
             count += 1
             if fault == (rank, count):
                 raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:{count} makes rank {rank} fail on call {count}")
@@ -299,14 +305,17 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
             replier.put(f"{call} (call {count})", getattr(worker, call)(*args))
     except BaseException as error:
         fail(error, f"{call} (call {count})" if count else call)
-    finally:  # reached on a normal return only (os._exit skips it)
+    # reached on a normal return only (os._exit skips it)
+    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 # notebooks/10_tensor_parallel.py · cell "driver side"
-ERROR_GRACE_S = 2.0  # after a first failure, how long to wait for the other ranks' reports
-EXIT_GRACE_S = 10.0  # how long a normal exit waits for the ranks to leave on their own
+# after a first failure, how long to wait for the other ranks' reports
+ERROR_GRACE_S = 2.0
+# how long a normal exit waits for the ranks to leave on their own
+EXIT_GRACE_S = 10.0
 
 
 class TPWorkerError(RuntimeError):
@@ -332,7 +341,8 @@ def process_state(pid: int) -> str:
 def process_gone(pid: int) -> bool:
     """True once no process has this pid (a rank that was stopped and reaped)."""
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        # signal 0: only asks whether the process exists
+        os.kill(pid, 0)
     except ProcessLookupError:
         return True
     return False
@@ -343,17 +353,20 @@ class TPRunner:
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
-        parse_fault(os.environ.get(FAULT_ENV), self.world_size)  # a malformed hook fails here, not in a rank
+        # a malformed hook fails here, not in a rank
+        parse_fault(os.environ.get(FAULT_ENV), self.world_size)
         self.config = config
         self.block_size = config.kvcache_block_size
         self.timeout_s = config.rank_timeout_s
-        self.failure: str | None = None  # why the ranks were stopped, once they are
+        # why the ranks were stopped, once they are
+        self.failure: str | None = None
         # Calls are numbered from 1 (0 is the start-up reply). Each rank answers its calls in order,
         # so reply k of a rank is the answer to call k: replies can be read later than they arrive.
         self._sent: dict[int, tuple[str, float]] = {0: ("start-up", time.monotonic())}
         self._next_reply = [0] * self.world_size
         self._results: dict[tuple[int, int], Any] = {}
-        self._params_sent: dict[int, Sequence] = {}  # sequences whose sampling params rank 0 holds
+        # sequences whose sampling params rank 0 holds
+        self._params_sent: dict[int, Sequence] = {}
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._stop = {"graceful": True}
@@ -367,12 +380,14 @@ class TPRunner:
                 proc = context.Process(target=rank_main, args=(rank, self.world_size, config, store.port, theirs),
                                        name=f"nanovllm-tp-rank{rank}", daemon=True)
                 proc.start()
-                theirs.close()  # the rank holds the other end now
+                # the rank holds the other end now
+                theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
             # No timeout here: loading a large model and capturing its graphs may take minutes.
             blocks = self.collect(0, timeout_s=None)
-        except BaseException as error:  # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+        # a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
+        except BaseException as error:
             self._shut(self.failure or f"{type(error).__name__} during start-up", graceful=False)
             raise
         if len(set(blocks)) != 1:
@@ -404,7 +419,8 @@ class TPRunner:
                     _send(conn, (name, rank0_extra if rank == 0 else None))
                     conn.send_bytes(payload)
                 except OSError:
-                    break  # a rank is gone: collect reports it
+                    # a rank is gone: collect reports it
+                    break
         return call
 
     def collect(self, call: int, timeout_s: float | None = -1.0) -> list[Any]:
@@ -427,7 +443,8 @@ class TPRunner:
             ready = wait(list(owners), limit)
             if not ready:
                 if failures:
-                    break  # the grace period after a failure is over
+                    # the grace period after a failure is over
+                    break
                 self._stalled(call, pending)
             for rank in sorted({owners[obj] for obj in ready}):
                 self._read_one(rank, call, failures)
@@ -448,7 +465,8 @@ class TPRunner:
             message = self._receive(rank)
             if message is None:
                 failures.append(self._silent_exit(rank, self._sent.get(call, ("?", 0))[0]))
-                self._next_reply[rank] = call + 1  # nothing more will come from it
+                # nothing more will come from it
+                self._next_reply[rank] = call + 1
             elif message[0] == "ok":
                 self._results[(rank, self._next_reply[rank])] = message[1]
                 self._next_reply[rank] += 1
@@ -545,7 +563,8 @@ class TPRunner:
         """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
         pending tokens. Every rank has them: nothing waits for rank 0."""
         before = None if previous is None else previous.call
-        with deferred_interrupt():  # as in chapter 10's run: the params and their call go together
+        # as in chapter 10's run: the params and their call go together
+        with deferred_interrupt():
             params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
             call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
         return TPStep(self, call)
@@ -565,7 +584,8 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
         if proc.is_alive():
             proc.terminate()
             with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
+                # a stopped process acts on SIGTERM only once it runs
+                os.kill(proc.pid, signal.SIGCONT)
             proc.join(2.0)
         if proc.is_alive():
             proc.kill()

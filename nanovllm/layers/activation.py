@@ -18,7 +18,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    op = staticmethod(silu_and_mul)  # as in RMSNorm: chapter 09 may hand it a compiled version
+    # as in RMSNorm: chapter 09 may hand it a compiled version
+    op = staticmethod(silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x)

@@ -77,7 +77,8 @@ def gather_paged(
     """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``;
     ``by_dim``: the values of an 8-bit cache, which it keeps by dimension)."""
     if scales is not None:
-        return gather_quantized(cache, scales, block_table, length, by_dim)  # an 8-bit cache (chapter 16)
+        # an 8-bit cache (chapter 16)
+        return gather_quantized(cache, scales, block_table, length, by_dim)
     # Whole blocks first (one index per block, not per token), then cut to the length.
     num_blocks = -(-length // cache.shape[1])
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
@@ -89,7 +90,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     if n_q == n_k:
         mask, causal = None, True
     elif n_q == 1:
-        mask, causal = None, False  # a decode query is the last position: it sees every key
+        # a decode query is the last position: it sees every key
+        mask, causal = None, False
     else:
         # query j sits at absolute position n_k - n_q + j and sees keys 0 … that position.
         rows = torch.arange(n_q, device=q.device)[:, None] + (n_k - n_q)
@@ -113,7 +115,8 @@ class TorchBackend:
         # k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        if k_scales is not None:  # an 8-bit cache (chapter 16): each row in float8, with its own scale
+        # an 8-bit cache (chapter 16): each row in float8, with its own scale
+        if k_scales is not None:
             store_quantized(k[keep], k_cache, k_scales, slots)
             store_quantized(v[keep], v_cache, v_scales, slots, by_dim=True)
             return
@@ -121,7 +124,8 @@ class TorchBackend:
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        return round_trip(x)  # chapter 16
+        # see chapter 16
+        return round_trip(x)
 
     def prefill(
         self,
@@ -145,7 +149,8 @@ class TorchBackend:
             if paged:
                 keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales)
                 values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
-            else:  # no cached prefix: set_prefill_context made sure of it
+            # no cached prefix: set_prefill_context made sure of it
+            else:
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out

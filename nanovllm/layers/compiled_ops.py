@@ -24,7 +24,8 @@ def compile_small_ops(model: nn.Module) -> int:
     compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
     fused = None
     if next(model.parameters()).is_cuda:
-        from nanovllm.layers import fused_qkv  # Triton: imported on a GPU only
+        # Triton: imported on a GPU only.
+        from nanovllm.layers import fused_qkv
 
         fused = fused_qkv
     count = 0

@@ -25,13 +25,18 @@ class Context:
     """Attention metadata of the current step (see chapter 06 for every field)."""
 
     is_prefill: bool = False
-    cu_seqlens_q: torch.Tensor | None = None  # [num_seqs + 1] int32
-    cu_seqlens_k: torch.Tensor | None = None  # [num_seqs + 1] int32
+    # [num_seqs + 1] int32
+    cu_seqlens_q: torch.Tensor | None = None
+    # [num_seqs + 1] int32
+    cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    slot_mapping: torch.Tensor | None = None  # [T] int32/int64, -1 = do not store
-    context_lens: torch.Tensor | None = None  # [num_seqs] int32, decode only
-    block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, -1 padded
+    # [T] int32/int64, -1 = do not store
+    slot_mapping: torch.Tensor | None = None
+    # [num_seqs] int32, decode only
+    context_lens: torch.Tensor | None = None
+    # [num_seqs, max_blocks] int32, -1 padded
+    block_tables: torch.Tensor | None = None
 
 
 class _StepContext(threading.local):

@@ -115,11 +115,13 @@ def norm_rotate_store(
     v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
     slot_mapping = get_context().slot_mapping
     store = layer.k_cache.numel() > 0 and slot_mapping is not None
-    k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)  # unused when not storing
-    fp8 = store and layer.k_scales is not None  # an 8-bit cache (chapter 16)
-    k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)  # unused without it
+    # The stand-ins (k, q) are pointers the kernel never reads: no store, no 8-bit cache, no q/k norm.
+    k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)
+    # An 8-bit cache (chapter 16).
+    fp8 = store and layer.k_scales is not None
+    k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)
     norm = attention.qk_norm
-    q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)  # unused without
+    q_weight, k_weight = (attention.q_norm.weight, attention.k_norm.weight) if norm else (q, q)
     cos_sin = attention.rotary_emb.cos_sin_cache
     if tokens:
         # One warp a program: a head's halves (64 values for d = 128) reduce with shuffles inside the warp, no

@@ -26,10 +26,12 @@ __all__ = [
 # The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
 KV_CACHE_DTYPES = ("auto", "fp8")
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3 value, 1.75 * 2^8
+# The largest finite e4m3 value, 1.75 * 2^8
+FP8_MAX = 448.0
 # The smallest normal float32: a scale is never 0 (an all-zero row) nor subnormal (flushed to 0 on some GPUs).
 MIN_SCALE = 2.0**-126
-SCALE_BYTES = 4  # one float32 per (token, KV head), for K and for V
+# One float32 per (token, KV head), for K and for V
+SCALE_BYTES = 4
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +82,8 @@ def store_quantized(
     if by_dim:
         # Value (slot, head, i) sits at ((block * kv_heads + head) * d + i) * block_size + place.
         dims = torch.arange(x.shape[-1], device=slots.device)
-        block_head = block[:, None, None] * kv_heads + heads[:, None]  # [n, kv_heads, 1]
+        # [n, kv_heads, 1]
+        block_head = block[:, None, None] * kv_heads + heads[:, None]
         at = (block_head * x.shape[-1] + dims) * block_size + place[:, None, None]
         cache.view(torch.uint8).view(-1).index_copy_(0, at.flatten(), q.view(torch.uint8).flatten())
     else:
@@ -98,7 +101,8 @@ def gather_quantized(
     blocks = block_table[: -(-length // scales.shape[2])].long()
     q = cache.view(torch.uint8).index_select(0, blocks).view(FP8)
     if by_dim:
-        q = q.permute(0, 3, 1, 2)  # [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+        # [n, kv_heads, d, block_size] -> [n, block_size, kv_heads, d]
+        q = q.permute(0, 3, 1, 2)
     q = q.flatten(0, 1)[:length]
     row_scale = scales.index_select(0, blocks).transpose(1, 2).flatten(0, 1)[:length]
     return dequantize_kv(q, row_scale)

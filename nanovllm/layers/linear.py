@@ -129,7 +129,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # a checkpoint that already stores the merged matrix
+        # a checkpoint that already stores the merged matrix
+        if shard_id is None:
             for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
                 self.load_part(param, part, index)
             return
@@ -171,7 +172,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         super().__init__(hidden_size, [total_num_heads * head_size, kv_rows, kv_rows], bias, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # a checkpoint that already stores [q; k; v] for all heads
+        # a checkpoint that already stores [q; k; v] for all heads
+        if shard_id is None:
             super().weight_loader(param, loaded_weight)
             return
         if shard_id not in ("q", "k", "v"):
@@ -194,7 +196,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, size, "input size"), output_size, bias, 1, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if param.dim() == 1:  # the bias is not split: it is added once, by rank 0
+        # the bias is not split: it is added once, by rank 0
+        if param.dim() == 1:
             copy_checked(param, loaded_weight)
             return
         shard = param.shape[1]

@@ -67,7 +67,8 @@ def rotary(
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
 
-    op = staticmethod(rotary)  # as in RMSNorm: chapter 09 may hand it a compiled version
+    # as in RMSNorm: chapter 09 may hand it a compiled version
+    op = staticmethod(rotary)
 
     def __init__(
         self,

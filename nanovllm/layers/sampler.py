@@ -44,7 +44,8 @@ def seeded_generator(
     stream = _splitmix64(seed)
     if sample_index:
         stream = _splitmix64(stream ^ _splitmix64(sample_index))
-    mixed = _splitmix64(stream ^ position) >> 1  # manual_seed wants < 2**63
+    # manual_seed wants < 2**63
+    mixed = _splitmix64(stream ^ position) >> 1
     generator = torch.Generator(device=device)
     generator.manual_seed(mixed)
     return generator

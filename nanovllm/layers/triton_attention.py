@@ -172,7 +172,8 @@ def store_kvcache(
         raise ValueError("k and v need a contiguous last dimension")
     if num_tokens == 0:
         return
-    k_scales, v_scales = (k_scales, v_scales) if fp8 else (k_cache, v_cache)  # unused without FP8
+    # unused without FP8
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (k_cache, v_cache)
     store_kvcache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping, k_scales, v_scales,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_scales.stride(0), k_scales.stride(1),
@@ -326,7 +327,8 @@ def _prefill_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
+# the block-table width changes every step
+@triton.jit(do_not_specialize=["stride_bt"])
 def prefill_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, cu_q_ptr, cu_k_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, stride_o_t, stride_o_h,
@@ -396,7 +398,8 @@ def prefill_attention_kernel(
 
 # notebooks/06b_triton_attention.py · cell "prefill wrapper"
 def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 only matters for float32 inputs
+    # tf32 only matters for float32 inputs
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # Shared memory that the large prefill launch, (128, 128, 8, 3), takes in its largest variant (16-bit, head_dim
@@ -413,16 +416,20 @@ def choose_prefill_launch(gpu: Any, head_dim: int, dtype: torch.dtype, programs_
     tiles."""
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
-    needs = LARGE_PREFILL_SHARED_MEMORY[9 if gpu.major >= 9 else 8]  # 8.x's figure for older GPUs too
+    # 8.x's figure for older GPUs too
+    needs = LARGE_PREFILL_SHARED_MEMORY[9 if gpu.major >= 9 else 8]
     large_fits = getattr(gpu, "shared_memory_per_block_optin", 0) >= needs
     if programs_128 < 2 * gpu.multi_processor_count or not large_fits:
-        return 64, 64, 4, 3  # a small grid (smaller tiles keep more SMs busy), or too little shared memory
-    return 128, 128, 8, 3  # the fastest of five configurations measured on an H200 (see "Measure it")
+        # a small grid (smaller tiles keep more SMs busy), or too little shared memory
+        return 64, 64, 4, 3
+    # the fastest of five configurations measured on an H200 (see "Measure it")
+    return 128, 128, 8, 3
 
 
 def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, programs_128: int) -> tuple[int, ...]:
     if device.type != "cuda":
-        return 16, 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+        # the interpreter: small tiles keep each numpy step cheap
+        return 16, 16, 4, 1
     return choose_prefill_launch(torch.cuda.get_device_properties(device), head_dim, dtype, programs_128)
 
 
@@ -459,22 +466,26 @@ def prefill_attention(
     if paged:
         fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
         keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
-        stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)  # a slot row is one step of dim 1
+        # a slot row is one step of dim 1
+        stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)
         # A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
         stride_v_t, stride_v_h = (0, v_cache.stride(1)) if fp8 else (stride_k_t, stride_k_h)
         stride_v_b = v_cache.stride(0)
     else:
         check_triton_device(q)
-        keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1  # block table unused
+        # block table unused
+        keys, values, block_tables, block_size = k, v, context.cu_seqlens_q, 1
         stride_k_t, stride_k_h, stride_v_t, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
-        stride_v_b = 0  # no blocks
+        # no blocks
+        stride_v_b = 0
     if q.stride(-1) != 1 or keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("q, k and v need a contiguous last dimension")
     num_seqs = context.cu_seqlens_q.numel() - 1
     programs_128 = triton.cdiv(context.max_seqlen_q, 128) * num_seqs * heads
     bm, bn, num_warps, num_stages = launch or _prefill_launch(q.device, head_dim, q.dtype, programs_128)
     grid = (triton.cdiv(context.max_seqlen_q, bm), num_seqs, heads)
-    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
+    # unused without FP8
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)
     prefill_attention_kernel[grid](
         q, keys, values, out, context.cu_seqlens_q, context.cu_seqlens_k, block_tables, k_scales, v_scales,
         q.stride(0), q.stride(1), stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_v_b, out.stride(0),
@@ -569,7 +580,8 @@ def _decode_tile(
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the block-table width changes every step
+# the block-table width changes every step
+@triton.jit(do_not_specialize=["stride_bt"])
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
     stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_v_b, stride_v_h, stride_bt, stride_o_b, stride_o_h,
@@ -653,7 +665,8 @@ def decode_reduce_kernel(
     # Weights w_s = 2^(lse_s - max lse) [SPLITS_PAD]; empty slices (lse = -inf) weigh 0.
     lse = tl.load(lse_ptr + (b * NUM_HEADS + h) * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)  # all slices empty: avoid -inf - -inf = NaN
+    # all slices empty: avoid -inf - -inf = NaN
+    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
     w = tl.exp2(lse - lse_max)
     total = tl.sum(w, 0)
     # Partial outputs [SPLITS_PAD, BLOCK_D], weighted sum over the splits -> [BLOCK_D].
@@ -671,9 +684,11 @@ def choose_num_splits(
 ) -> int:
     """How many context slices per (sequence, KV head): 1 = the plain kernel, > 1 = split-K."""
     programs = batch * num_kv_heads
-    if programs >= num_sms:  # every SM already has a program: splitting only adds the reduction
+    # every SM already has a program: splitting only adds the reduction
+    if programs >= num_sms:
         return 1
-    wanted = 4 * num_sms // programs  # at most four programs per SM: no partial extra wave
+    # at most four programs per SM: no partial extra wave
+    wanted = 4 * num_sms // programs
     return max(1, min(wanted, max_context // min_split_len, max_splits))
 
 
@@ -697,13 +712,15 @@ DECODE_MAX_REGISTERS = 168
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
     """The default (BLOCK_N, num_warps, num_stages) of decode for queries of ``dtype`` over a cache (8-bit if fp8)."""
     if device.type != "cuda":
-        return 16, 4, 1  # the interpreter: small tiles keep each numpy step cheap
+        # the interpreter: small tiles keep each numpy step cheap
+        return 16, 4, 1
     return DECODE_LAUNCH["fp8" if fp8 else "float32" if dtype == torch.float32 else "16-bit"]
 
 
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 1 << 20  # interpreter: programs run one after another, never split by default
+        # interpreter: programs run one after another, never split by default
+        return 1 << 20
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -752,8 +769,10 @@ def decode_attention(
         lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
         dst, stride_s = part, part.stride(2)
     else:
-        dst, lse, stride_s = out, out, 0  # lse is not written when SPLIT is False
-    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)  # unused without FP8
+        # lse is not written when SPLIT is False
+        dst, lse, stride_s = out, out, 0
+    # unused without FP8
+    k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)
     decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context.context_lens, dst, lse, k_scales, v_scales,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
@@ -840,7 +859,8 @@ class FlashAttnBackend(TritonBackend):
         v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _refuse_scales(k_scales)
-        if context.block_tables is None:  # no cached prefix: this step's own K and V, packed like q
+        # no cached prefix: this step's own K and V, packed like q
+        if context.block_tables is None:
             out, _ = self.attend(
                 q, k, v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
                 max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k, softmax_scale=scale, causal=True,
@@ -877,7 +897,8 @@ class FlashAttnBackend(TritonBackend):
         k = torch.zeros(2, layer.num_kv_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
         cu = torch.tensor([0, 2], dtype=torch.int32, device=k_cache.device)
         self.prefill(q, k, k, k_cache, v_cache, Context(True, cu, cu, 2, 2), layer.scale)
-        pages = -(-3 // k_cache.shape[1])  # three keys, whatever the block size: the first pages of the cache
+        # three keys, whatever the block size: the first pages of the cache
+        pages = -(-3 // k_cache.shape[1])
         prefix = Context(True, cu, cu + torch.tensor([0, 1], dtype=torch.int32, device=cu.device), 2, 3,
                          block_tables=torch.arange(pages, dtype=torch.int32, device=cu.device)[None])
         self.prefill(q, k, k, k_cache, v_cache, prefix, layer.scale)

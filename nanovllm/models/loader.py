@@ -54,7 +54,8 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
     if not config_file.is_file():
         raise ModelLoadError(f"model directory {path} has no config.json: not a Hugging Face model directory")
     try:
-        fields = json.loads(config_file.read_text(encoding="utf-8"))  # for clear messages; transformers parses it again
+        # for clear messages; transformers parses it again
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ModelLoadError(f"{config_file} is not valid JSON: {error}") from None
     # The sizes it gives, before transformers reads them: some config classes divide by the head count as they
@@ -64,7 +65,8 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
             check(f"{config_file}: {name}", fields[name], int, lambda size: size >= 1, ">= 1")
     try:
         hf_config = AutoConfig.from_pretrained(path)
-    except Exception as error:  # transformers raises ValueError, KeyError, OSError... for a bad config
+    # transformers raises ValueError, KeyError, OSError... for a bad config
+    except Exception as error:
         raise ModelLoadError(f"{config_file} cannot be read by transformers: {error}") from error
     check_model_config(hf_config, config_file)
     if require_weights and not any(path.glob("*.safetensors")):
@@ -79,7 +81,8 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
         raise ModelLoadError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
     if not isinstance(getattr(hf_config, "architectures", None), list):
         raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
-    get_model_class(hf_config.architectures)  # a ValueError naming the supported architectures
+    # a ValueError naming the supported architectures
+    get_model_class(hf_config.architectures)
     head_dim = getattr(hf_config, "head_dim", None)
     for name in MODEL_SIZES + (("head_dim",) if head_dim is not None else ()):
         check(f"{config_file}: {name}", getattr(hf_config, name), int, lambda size: size >= 1, ">= 1")
@@ -109,7 +112,8 @@ def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]
     """Every (parameter, shard) that must be loaded, with the checkpoint name it comes from."""
     mapping = getattr(model, "packed_modules_mapping", {})
     expected = {}
-    for param_name, _ in model.named_parameters():  # tied parameters are listed once
+    # tied parameters are listed once
+    for param_name, _ in model.named_parameters():
         parts = param_name.split(".")
         fused_at = [(i, source, shard) for i, p in enumerate(parts) for source, (fused, shard) in mapping.items()
                     if p == fused]

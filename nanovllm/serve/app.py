@@ -62,7 +62,8 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     num_tokens: int = 0
-    sent_tokens: int = 0  # tokens whose ids a chunk carried already (``return_token_ids``)
+    # Tokens whose ids a chunk carried already (``return_token_ids``)
+    sent_tokens: int = 0
 
     def new_token_ids(self) -> list[int]:
         ids = self.detokenizer.token_ids[self.sent_tokens : self.num_tokens]
@@ -82,7 +83,8 @@ class Generation:
         self.choices = {(s.index, k): Choice(s.index * params.n + k, IncrementalDetokenizer(engine.tokenizer, stops))
                         for s in self.streams for k in range(params.n)}
         self.prompt_tokens = sum(len(p) for p in prompts)
-        self.early: list[tuple] = []  # events that came while other prompts were still being admitted
+        # Events that came while other prompts were still being admitted
+        self.early: list[tuple] = []
 
     @property
     def completion_tokens(self) -> int:
@@ -150,7 +152,8 @@ class Generation:
                 sample_index, token_ids, finished = payload
                 choice = self.choices[(stream.index, sample_index)]
                 if choice.finish_reason is not None:
-                    continue  # tokens computed after a stop string ended the sample
+                    # Tokens computed after a stop string ended the sample
+                    continue
                 text = self._add(choice, stream, sample_index, token_ids, finished)
                 texts[choice.index] = (choice, texts[choice.index][1] + text if choice.index in texts else text)
             for choice, text in texts.values():
@@ -247,7 +250,8 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
 
-        def shutdown() -> None:  # safe in a signal handler: both calls only queue work
+        # Safe in a signal handler: both calls only queue work
+        def shutdown() -> None:
             client.stop()
             loop.call_soon_threadsafe(hub.close_all)
 
@@ -397,7 +401,8 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         try:
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                    return_dict=False)
-        except Exception as error:  # the template's own checks (jinja raises what it likes)
+        # The template's own checks (jinja raises what it likes)
+        except Exception as error:
             raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
         return await generate(body, [list(prompt)], True, request)
 

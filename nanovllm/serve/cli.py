@@ -50,7 +50,8 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
         said = f"default: {default}"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
-        elif isinstance(kind, types.UnionType):  # bool | str: True, False or "auto"
+        # bool | str: True, False or "auto"
+        elif isinstance(kind, types.UnionType):
             group.add_argument(flag, choices=["auto", "on", "off"], default="auto", help="default: auto")
         else:
             group.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=said)

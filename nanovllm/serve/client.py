@@ -55,9 +55,12 @@ class RequestStream:
     prompt: list[int]
     params: SamplingParams
     events: asyncio.Queue
-    index: int = 0  # which prompt of the HTTP request
-    request_id: int | None = None  # set once the engine took it
-    key: int = field(default=-1, init=False)  # the name the driver knows it by
+    # Which prompt of the HTTP request
+    index: int = 0
+    # Set once the engine took it
+    request_id: int | None = None
+    # The name the driver knows it by
+    key: int = field(default=-1, init=False)
 
 
 class EngineStartError(RuntimeError):
@@ -70,14 +73,20 @@ class EngineClient:
 
     def __init__(self, info: EngineInfo, tokenizer: Any) -> None:
         self.info, self.tokenizer = info, tokenizer
-        self.max_waiting: int | None = None  # refuse new requests while this many wait (--max-waiting)
-        self.streams: dict[int, RequestStream] = {}  # by key, until the driver says a request is done
+        # Refuse new requests while this many wait (--max-waiting)
+        self.max_waiting: int | None = None
+        # By key, until the driver says a request is done
+        self.streams: dict[int, RequestStream] = {}
         self.keys = itertools.count()
-        self.stats = ServerStats()  # the driver's, as of its last step
-        self.requests_finished: dict[str, int] = {}  # responses that ended, by finish reason (the HTTP side's)
+        # The driver's, as of its last step
+        self.stats = ServerStats()
+        # Responses that ended, by finish reason (the HTTP side's)
+        self.requests_finished: dict[str, int] = {}
         self.submitted = self.admitted = 0
-        self.on_frame: Callable[[list[dict]], None] | None = None  # the live page's hub (see `dashboard`)
-        self.stopping = False  # set by `stop`: new requests are refused
+        # The live page's hub (see `dashboard`)
+        self.on_frame: Callable[[list[dict]], None] | None = None
+        # Set by `stop`: new requests are refused
+        self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -125,7 +134,8 @@ class EngineClient:
                 self.admitted += 1
             elif kind == "error":
                 del streams[key]
-                self.admitted += stream.request_id is None  # refused: it will not wait any more
+                # Refused: it will not wait any more
+                self.admitted += stream.request_id is None
             elif kind == "done":
                 del streams[key]
                 continue
@@ -170,16 +180,19 @@ class EngineThread(EngineClient):
     def _post(self, message: Message) -> None:
         self.inbox.put(message)
 
-    def _receive(self, wait: bool) -> Message | None:  # on the driver's thread
+    # On the driver's thread
+    def _receive(self, wait: bool) -> Message | None:
         try:
             return self.inbox.get() if wait else self.inbox.get_nowait()
         except queue.Empty:
             return None
 
-    def _from_driver(self, message: Message) -> None:  # on the driver's thread
+    # On the driver's thread
+    def _from_driver(self, message: Message) -> None:
         try:
             self.loop.call_soon_threadsafe(self.receive, message)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
+        # The event loop is closed: nobody is listening any more
+        except RuntimeError:
             pass
 
     def join(self, timeout: float) -> None:
@@ -218,7 +231,8 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
                         requests: Connection, outputs: Connection) -> None:  # fmt: skip
     """The engine process: build the engine, say so (or say why not), then drive it until the server says stop or
     is gone."""
-    from nanovllm.llm import LLM  # here: the server's process never builds an engine of its own
+    # Here: the server's process never builds an engine of its own
+    from nanovllm.llm import LLM
 
     # Ctrl-C in a terminal reaches the whole process group: the server decides when the engine stops. (Started
     # by `EngineProcess`, the process already ignores it; this covers one started from another thread.)
@@ -227,7 +241,8 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
     try:
         engine = LLM(model, **settings)
     except Exception as error:
-        if not isinstance(error, (TypeError, ValueError)):  # not a setting the user can fix: show where it failed
+        # Not a setting the user can fix: show where it failed
+        if not isinstance(error, (TypeError, ValueError)):
             traceback.print_exc()
         outputs.send(("failed", str(error) if isinstance(error, (TypeError, ValueError))
                       else f"{type(error).__name__}: {error}"))
@@ -236,7 +251,8 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
     def send(message: Message) -> None:
         try:
             outputs.send(message)
-        except OSError:  # the server is gone: the next read of the requests says so (EOFError)
+        # The server is gone: the next read of the requests says so (EOFError)
+        except OSError:
             pass
 
     def receive(wait: bool) -> Message | None:
@@ -259,11 +275,13 @@ class EngineProcess(EngineClient):
         self.outputs, outputs_end = context.Pipe(duplex=False)
         # A larger pipe (Linux: 1 MiB instead of 64 KiB) lets the engine run further ahead of a busy server.
         if hasattr(fcntl, "F_SETPIPE_SZ"):
-            with contextlib.suppress(OSError):  # a limit set lower by the system (pipe-max-size) keeps 64 KiB
+            # A limit set lower by the system (pipe-max-size) keeps 64 KiB
+            with contextlib.suppress(OSError):
                 fcntl.fcntl(self.outputs.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self.process = context.Process(target=engine_process_main, name="nanovllm-engine",
                                        args=(model, settings, make_recorder, requests_end, outputs_end))
-        with sigint_ignored():  # from its first instruction on: it imports torch before its own code runs
+        # From its first instruction on: it imports torch before its own code runs
+        with sigint_ignored():
             self.process.start()
         # Only the engine process holds its ends now: when it exits, reading `outputs` gives EOFError.
         requests_end.close()
@@ -280,7 +298,8 @@ class EngineProcess(EngineClient):
         except EOFError:
             self.process.join()
             raise EngineStartError(f"the engine process exited with status {self.process.exitcode}") from None
-        except BaseException:  # a refusal, a tokenizer that would not load, Ctrl-C while the model loads
+        # A refusal, a tokenizer that would not load, Ctrl-C while the model loads
+        except BaseException:
             self.process.kill()
             self.process.join()
             raise
@@ -311,11 +330,13 @@ class EngineProcess(EngineClient):
     def _post(self, message: Message) -> None:
         self.outbox.put(message)
 
-    def _write(self) -> None:  # the writer thread
+    # The writer thread
+    def _write(self) -> None:
         while (message := self.outbox.get()) is not None:
             try:
                 self.requests.send(message)
-            except OSError:  # the engine process is gone; `alive` says so
+            # The engine process is gone; `alive` says so
+            except OSError:
                 return
 
     def join(self, timeout: float) -> None:

@@ -76,7 +76,8 @@ class DashboardHub:
     detached, so a server that nobody watches records nothing."""
 
     def __init__(self, engine: Any, keep: int = 2000) -> None:
-        self.engine, self.keep = engine, keep  # an `EngineClient`
+        # An `EngineClient`
+        self.engine, self.keep = engine, keep
         self.pages: set[asyncio.Queue] = set()
         self.last: dict | None = None
         engine.on_frame = self.publish
@@ -85,7 +86,8 @@ class DashboardHub:
         self.last = frames[-1]
         for page in self.pages:
             for frame in frames:
-                if page.qsize() >= self.keep:  # a page that cannot keep up loses its oldest frames
+                # A page that cannot keep up loses its oldest frames
+                if page.qsize() >= self.keep:
                     page.get_nowait()
                 page.put_nowait(frame)
 

@@ -32,11 +32,16 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.prefix_offset = 0  # where the decoding window starts
-        self.read_offset = 0  # tokens before it are already text
-        self.text = ""  # every character decoded so far (sent or held back)
-        self.sent = 0  # characters of ``text`` already sent
-        self.stopped = False  # a stop string matched: the text ends at ``len(text)``
+        # Where the decoding window starts
+        self.prefix_offset = 0
+        # Tokens before it are already text
+        self.read_offset = 0
+        # Every character decoded so far (sent or held back)
+        self.text = ""
+        # Characters of ``text`` already sent
+        self.sent = 0
+        # A stop string matched: the text ends at ``len(text)``
+        self.stopped = False
         # The same window, kept by the Rust tokenizer itself, where its decode is the whole of tokenizer.decode.
         self.backend = getattr(tokenizer, "backend_tokenizer", None)
         self.stream = DecodeStream(skip_special_tokens=True) if isinstance(self.backend, Tokenizer) and \

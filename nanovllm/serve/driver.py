@@ -37,7 +37,8 @@ _logger = logging.getLogger("nanovllm.serve")
 # frames, stats), where each event is (key, kind, payload) and kind is "admitted" (payload: the request id),
 # "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come).
 Message = tuple
-Receive = Callable[[bool], Message | None]  # receive(wait): the next message, or None if none came and not wait
+# receive(wait): the next message, or None if none came and not wait
+Receive = Callable[[bool], Message | None]
 # make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
 Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
 
@@ -63,8 +64,10 @@ class ServerStats:
     kv_cache_usage: float = 0.0
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens of the requests scheduled so far
-    prefix_cache_hits: int = 0  # of those, tokens whose KV was found in the prefix cache
+    # Prompt tokens of the requests scheduled so far
+    prefix_cache_queries: int = 0
+    # Of those, tokens whose KV was found in the prefix cache
+    prefix_cache_hits: int = 0
     num_preemptions: int = 0
     # The engine's steps, by kind ("prefill", "decode"): how many, and their wall time in seconds.
     steps: dict[str, int] = field(default_factory=dict)
@@ -95,7 +98,8 @@ class SchedulerWatch:
     def __init__(self, stats: ServerStats, block_size: int) -> None:
         self.stats, self.block_size = stats, block_size
         self.recorder: Callable[[str, dict], None] | None = None
-        self.is_prefill = False  # what the last step scheduled
+        # What the last step scheduled
+        self.is_prefill = False
 
     def __call__(self, event: str, payload: dict) -> None:
         if event == "schedule":
@@ -125,7 +129,8 @@ class _Request:
     key: int
     prompt_len: int
     samples_left: int
-    started: bool = False  # its first token came
+    # Its first token came
+    started: bool = False
 
 
 class EngineDriver:
@@ -137,12 +142,15 @@ class EngineDriver:
     def __init__(self, engine: LLMEngine, send: Callable[[Message], None], make_recorder: Recorder | None = None,
                  ) -> None:  # fmt: skip
         self.engine, self.send, self.make_recorder = engine, send, make_recorder
-        self.requests: dict[int, _Request] = {}  # by the engine's request id
-        self.request_ids: dict[int, int] = {}  # the server's key -> the engine's request id
+        # By the engine's request id
+        self.requests: dict[int, _Request] = {}
+        # The server's key -> the engine's request id
+        self.request_ids: dict[int, int] = {}
         self.stats = ServerStats()
         self.watch = SchedulerWatch(self.stats, engine.config.kvcache_block_size)
         engine.scheduler.observer = self.watch
-        self.events: list[tuple] = []  # of the current step, sent in one message
+        # Of the current step, sent in one message
+        self.events: list[tuple] = []
         self.frames: list[dict] = []
 
     def run(self, receive: Receive) -> None:
@@ -154,7 +162,8 @@ class EngineDriver:
                 self._flush()
         except EOFError:
             return
-        except BaseException:  # a bug of the driver itself: fail what is left, loudly
+        # A bug of the driver itself: fail what is left, loudly
+        except BaseException:
             _logger.exception("the engine driver stopped")
             raise
         finally:
@@ -191,7 +200,8 @@ class EngineDriver:
             _, key, sample_index = message
             request_id = self.request_ids.get(key)
             if request_id is None:
-                return  # finished, refused, or failed already
+                # Finished, refused, or failed already
+                return
             dropped = self.engine.abort_request(request_id, sample_index)
             if self.watch.recorder is not None and dropped:
                 self.watch.recorder("abort", {"seq_ids": dropped})
@@ -229,7 +239,8 @@ class EngineDriver:
         for new in news:
             request = self.requests.get(new.request_id)
             if request is None:
-                continue  # aborted while its last step ran
+                # Aborted while its last step ran
+                continue
             if not request.started:
                 request.started = True
                 self.stats.prompt_tokens += request.prompt_len

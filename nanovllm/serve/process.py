@@ -49,15 +49,18 @@ class ServerProcess:
     def __init__(self, args: list[str] = (), *, command: list[str] | None = None, port: int | None = None,
                  ready_timeout: float = 180.0) -> None:
         self.ours = command is None
-        root = str(Path(nanovllm.__file__).resolve().parent.parent)  # the same package, in the child
+        # The same package, in the child
+        root = str(Path(nanovllm.__file__).resolve().parent.parent)
         self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
         self.command = [sys.executable, "-m", "nanovllm.serve", *args, "--port", "0"] if self.ours else command
         self.url = None if self.ours else f"http://127.0.0.1:{port}"
         self.ready_timeout = ready_timeout
         descriptor, log = tempfile.mkstemp(prefix="nanovllm-server-", suffix=".log")
-        os.close(descriptor)  # the child writes it through its own handle
+        # The child writes it through its own handle
+        os.close(descriptor)
         self.log = Path(log)
-        self.final_output: str | None = None  # the log's text once the server has stopped and the file is gone
+        # The log's text once the server has stopped and the file is gone
+        self.final_output: str | None = None
         self.process: subprocess.Popen | None = None
 
     def start(self) -> ServerProcess:

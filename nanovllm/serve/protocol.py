@@ -65,7 +65,8 @@ class SamplingRequest(BaseModel):
     # Extra body fields, as vLLM accepts them (the openai client sends them with ``extra_body``).
     top_k: int | None = None
     ignore_eos: bool = False
-    return_token_ids: bool = False  # each choice (each chunk) also carries its token ids, as vLLM's option does
+    # Each choice (each chunk) also carries its token ids, as vLLM's option does
+    return_token_ids: bool = False
     # Accepted, but only where they change nothing.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -88,7 +89,8 @@ class SamplingRequest(BaseModel):
         """The engine's sampling parameters (``max_tokens``: what to use when the request gives none)."""
         for name, value in self.unsupported().items():
             raise ServerError(400, f"{name}={value!r} is not supported by this server", param=name)
-        top_k = None if self.top_k in (None, -1, 0) else self.top_k  # vLLM's "no limit" values
+        # vLLM's "no limit" values
+        top_k = None if self.top_k in (None, -1, 0) else self.top_k
         fields = {"temperature": 1.0 if self.temperature is None else self.temperature,
                   "top_p": 1.0 if self.top_p is None else self.top_p, "max_tokens": self.requested_max_tokens(),
                   "n": self.n, "seed": self.seed, "top_k": top_k, "ignore_eos": self.ignore_eos}

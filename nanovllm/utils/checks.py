@@ -35,7 +35,8 @@ def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = 
     if plain is not None:
         try:
             value = plain(value)
-        except OverflowError:  # float(10**400)
+        # For example float(10**400).
+        except OverflowError:
             raise ValueError(f"{name} must be finite, got {value!r}") from None
     if kind is float and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")

@@ -30,7 +30,8 @@ _held: list[FrameType | None] = []
 def _hold(signum: int, frame: FrameType | None) -> None:
     _held.append(frame)
     if Gate.open:
-        Gate.open = False  # the gate lets one interrupt through and closes behind it
+        # the gate lets one interrupt through and closes behind it
+        Gate.open = False
         _deliver(_replaced[-1])
 
 
@@ -51,7 +52,8 @@ class Deferral:
         self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
         self.reopen = False
         if self.outermost:
-            _held.clear()  # left from an earlier block, whose exit raised another Ctrl-C instead
+            # left from an earlier block, whose exit raised another Ctrl-C instead
+            _held.clear()
             _replaced.append(signal.signal(signal.SIGINT, _hold))
         elif main and Gate.open:
             # Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
@@ -65,7 +67,8 @@ class Deferral:
             _deliver(handler)
         elif self.reopen:
             Gate.open = True
-            if _held:  # held back during the block: it goes through now, as the enclosing block lets it
+            # held back during the block: it goes through now, as the enclosing block lets it
+            if _held:
                 Gate.open = False
                 _deliver(_replaced[-1])
 
@@ -77,7 +80,8 @@ def _deliver(handler: Any) -> None:
     frame = _held[-1]
     _held.clear()
     if callable(handler):
-        handler(signal.SIGINT, frame)  # Python's default handler raises KeyboardInterrupt here
+        # Python's default handler raises KeyboardInterrupt here
+        handler(signal.SIGINT, frame)
     elif handler == signal.SIG_DFL:
         os.kill(os.getpid(), signal.SIGINT)
 

@@ -57,11 +57,13 @@ class LivePanel:
         self.lang = _check_lang(lang)
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
-        self.actions: list[tuple] = []  # what the user did, replayed by rebuild()
+        # What the user did, replayed by rebuild()
+        self.actions: list[tuple] = []
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
         self.message = ""
         self.html = ""
-        self._seen = 0  # frames already shown
+        # Frames already shown
+        self._seen = 0
         self._widgets: dict[str, Any] | None = None
         self.redraw()
 

@@ -167,10 +167,14 @@ def caption(frame: dict, lang: str = "en") -> str:
 
 
 # notebooks/A_visualization.py · cell "player: drawing one frame"
-PITCH, CELL = 42, 38  # pool grid: distance between cells, cell size (px)
-ROW_CELL = 30  # block-table cells
-TABLE_X = 140  # where block-table cells start (room for "序列 12：130 token")
-NUM_COLORS = 8  # sequence colors cycle through nvv-c0 ... nvv-c7
+# Pool grid: distance between cells, cell size (px)
+PITCH, CELL = 42, 38
+# Block-table cells
+ROW_CELL = 30
+# Where block-table cells start (room for "序列 12：130 token")
+TABLE_X = 140
+# Sequence colors cycle through nvv-c0 ... nvv-c7
+NUM_COLORS = 8
 STATE_ZH = {"free": "空闲", "used": "已用", "cached": "已缓存"}
 
 
@@ -511,7 +515,8 @@ def _controls(lang: str, frames: int, start: int) -> str:
     def t(en: str, zh: str) -> str:
         return lang_text(en, zh, lang)
 
-    def hidden(en: str, zh: str) -> str:  # a name for screen readers where the button shows only an icon
+    # A name for screen readers where the button shows only an icon
+    def hidden(en: str, zh: str) -> str:
         return f'<span class="nvv-sr">{t(en, zh)}</span>'
 
     play = (f'<span class="nvv-when-stopped">{_icon("play")} {t("Play", "播放")}</span>'

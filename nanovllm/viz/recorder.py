@@ -122,7 +122,8 @@ class Recorder:
             seq = payload["seq"]
             self._seqs[seq.seq_id] = seq
             last = self.frames[-1]
-            if last["phase"] == "add":  # consecutive adds share one frame
+            # Consecutive adds share one frame
+            if last["phase"] == "add":
                 added = [*last["event"]["added"], seq.seq_id]
                 self.frames.pop()
                 self._add_frame("add", {"added": added})
