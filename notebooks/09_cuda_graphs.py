@@ -189,6 +189,14 @@ say = Phrases({
         "一个内核 == 第 05 章的 q/k 归一化与 RoPE + 第 06 章的写入（写了槽位 4-6，其余不动）",
     "PDL hides {hidden:.1f} µs a boundary; {left:.1f} µs a kernel remain":
         "PDL 每个边界藏住 {hidden:.1f} µs；每个内核还剩 {left:.1f} µs",
+    "unfused": "不融合",
+    "fused": "融合",
+    "the last layer of a step, batch 1 (H200)": "一步中的最后一层，批大小 1（H200）",
+    "across a step boundary, batch 1 (H200)": "跨过一个步边界，批大小 1（H200）",
+    "last layer: {unfused:.1f} -> {fused:.1f} µs, {before} -> {after} kernels; GPU idle before the next step: "
+    "{idle_unfused:.0f} and {idle_fused:.0f} µs":
+        "最后一层：{unfused:.1f} -> {fused:.1f} µs，{before} -> {after} 个 kernel；下一步之前 GPU 空闲："
+        "{idle_unfused:.0f} 和 {idle_fused:.0f} µs",
     "a decoder layer in four matmul kernels == chapter 05's layer (3 tokens, then 1, float32)":
         "四个矩阵乘内核完成的解码层 == 第 05 章的层（先 3 个 token，再 1 个，float32）",
     "compile_small_ops handed {count} modules a compiled function or the fused kernel":
@@ -1324,6 +1332,172 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # 内核里：注意力的两个内核（146 + 68 µs，读约 117 MB 缓存的 K/V，是其上限的七倍），LM head（311 MB 用 73 µs，
 # 已经到了上限），融合的 q/k/v 内核（47 µs），以及每步至少 0.1 ms 没有任何内核在跑的时间。性能分析器给 GEMV
 # 算出的总和（620 µs）偏大：提前启动的内核从它开始时就计时，而那时它还在等前一个内核。
+
+# %% [markdown] tags=["en"]
+# ### The timeline: one layer, then the wait for the host
+#
+# The same benchmark keeps, in its JSON, the kernels around the middle step boundary of its
+# profiled window (`boundary_timeline`: from the last layer's `norm_rotate_store_kernel` to the
+# next step's first one), each box from the kernel's start to its end on the GPU's clock.
+# Recorded on the H200 with `python -m nanovllm.bench --latency --fused-decode both --batches 1`;
+# blue boxes are matmuls, orange attention, grey the small work between them.
+#
+# The first picture is the last layer of a step. Unfused, it is nine kernels in 35.2 µs: the
+# cuBLAS matmuls (`o_proj` alone takes 10.2 µs for its 4 MB), most followed by a compiled add +
+# RMSNorm or SiLU × mul, and between every two a gap of about 0.1 µs plus the time the next one
+# takes to get going. Fused, the layer is six kernels in 20.3 µs, and the three GEMVs overlap:
+# `gate_up_proj` starts 0.9 µs after `o_proj`, while `o_proj` is still running, and spends its
+# first microseconds loading its weights.
+#
+# The second picture is the whole boundary, and it shows what the fused layer cannot fix. After
+# the LM head (75 µs, at its bound) and the sampler, the GPU runs a few small kernels of the next
+# step's inputs and then nothing for about 0.3 ms: it waits for the host to launch the next step.
+# In this invocation the host spent 1.02 ms (unfused) and 1.10 ms (fused) launching each step,
+# longer than the GPU needs for it, so the step took 1.319 and 1.176 ms: 1.12× where the first
+# invocation, on another machine of the same kind, measured 1.30×. At batch 1 the host is now the
+# wall; making the Python step cheaper is the next lever.
+
+# %% [markdown] tags=["zh"]
+# ### 时间线：一层，然后是等主机
+#
+# 同一个基准测试还会在它的 JSON 里保存分析窗口中间那个步边界前后的 kernel（`boundary_timeline`：从最后一层的
+# `norm_rotate_store_kernel` 到下一步第一层的那一个），每个方框按 GPU 的时钟从 kernel 开始画到结束。下面的数据是在
+# H200 上用 `python -m nanovllm.bench --latency --fused-decode both --batches 1` 记录的；蓝色方框是矩阵乘，橙色是
+# 注意力，灰色是它们之间的小活。
+#
+# 第一幅图是一步中的最后一层。不融合时它是九个 kernel，共 35.2 µs：cuBLAS 的矩阵乘（光是 `o_proj` 读它 4 MB 的权重
+# 就用了 10.2 µs），多数后面跟一个编译好的残差相加 + RMSNorm 或 SiLU × mul；每两个之间有约 0.1 µs 的空隙，再加上
+# 下一个 kernel 启动起来所需的时间。融合之后这一层是六个 kernel，共 20.3 µs，而且三个 GEMV 是重叠的：`gate_up_proj`
+# 在 `o_proj` 开始 0.9 µs 后就开始了，那时 `o_proj` 还在跑，它最初的几微秒用来读入自己的权重。
+#
+# 第二幅图是整个步边界，它显示了融合层解决不了的问题。LM head（75 µs，已经到了上限）和采样器之后，GPU 先跑了几个
+# 为下一步准备输入的小 kernel，然后大约 0.3 ms 什么也不做：它在等主机启动下一步。这一次调用里，主机启动每一步花了
+# 1.02 ms（不融合）和 1.10 ms（融合），比 GPU 算这一步还久，所以一步用了 1.319 和 1.176 ms：快了 1.12 倍，而第一次
+# 调用（在另一台同型号的机器上）测得 1.30 倍。批大小为 1 时，主机现在成了瓶颈；下一步要做的是让 Python 的一步更便宜。
+
+# %%
+from html import escape
+from itertools import pairwise
+
+from IPython.display import SVG, display
+
+# en: Recorded on an H200 (2026-12-03, torch 2.11) by the command above: (kernel, start µs, end µs), names cut short.
+# zh: 在 H200 上用上面的命令记录（2026-12-03，torch 2.11）：（kernel，开始 µs，结束 µs），名字截短了。
+BOUNDARY = {
+    "unfused": [
+        ("norm_rotate_store_kernel", 0.00, 1.66), ("decode_attention_kernel", 1.73, 6.69),
+        ("decode_reduce_kernel", 6.78, 9.25), ("nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN", 9.34, 19.58),
+        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt", 19.65, 21.09),
+        ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", 21.18, 26.97), ("triton_poi_fused_mul_silu_split_0", 27.04, 28.16),
+        ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", 28.29, 33.28),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, ", 33.53, 35.17),
+        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt", 35.26, 36.74), ("memcpy32_post", 36.80, 38.08),
+        ("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", 42.17, 117.92), ("race_chunk_kernel", 122.24, 127.65),
+        ("race_pick_kernel", 128.99, 130.65), ("void at::native::vectorized_elementwise_kernel<4", 156.86, 158.08),
+        ("void at::native::vectorized_elementwise_kernel<2", 159.23, 160.35),
+        ("void at::native::index_elementwise_kernel<128, 4", 161.38, 163.17),
+        ("void at::native::vectorized_elementwise_kernel<2", 164.32, 165.53),
+        ("void at::native::vectorized_elementwise_kernel<2", 166.72, 167.81),
+        ("void at::native::vectorized_elementwise_kernel<2", 168.96, 170.24),
+        ("void at::native::vectorized_elementwise_kernel<4", 179.10, 179.81),
+        ("void at::native::(anonymous namespace)::indexSel", 474.40, 476.64),
+        ("triton_per_fused__to_copy_mean_mul_pow_rsqrt_0", 476.73, 478.33),
+        ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", 478.49, 483.55), ("norm_rotate_store_kernel", 483.68, 485.47),
+    ],
+    "fused": [
+        ("norm_rotate_store_kernel", 0.00, 2.08), ("decode_attention_kernel", 2.14, 7.33),
+        ("decode_reduce_kernel", 7.39, 9.73), ("gemv_kernel", 9.57, 15.65), ("gemv_kernel", 10.43, 18.85),
+        ("gemv_kernel", 14.37, 20.32), ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt", 20.38, 21.92),
+        ("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", 26.62, 102.18), ("race_chunk_kernel", 105.89, 111.33),
+        ("race_pick_kernel", 113.02, 114.59), ("void at::native::vectorized_elementwise_kernel<4", 141.28, 142.50),
+        ("void at::native::vectorized_elementwise_kernel<2", 143.46, 144.45),
+        ("void at::native::index_elementwise_kernel<128, 4", 145.54, 147.39),
+        ("void at::native::vectorized_elementwise_kernel<2", 148.42, 149.66),
+        ("void at::native::vectorized_elementwise_kernel<2", 150.85, 151.94),
+        ("void at::native::vectorized_elementwise_kernel<2", 153.06, 154.37),
+        ("void at::native::vectorized_elementwise_kernel<4", 257.25, 257.92),
+        ("void at::native::(anonymous namespace)::indexSel", 507.71, 509.38), ("gemv_kernel", 510.66, 515.17),
+        ("norm_rotate_store_kernel", 515.26, 517.44),
+    ],
+}
+KIND_COLORS = {"matmul": "#1f77b4", "attention": "#ff7f0e", "other": "#9e9e9e"}
+
+
+def kernel_kind(name: str) -> str:
+    """What a kernel of a decode step does, from its name: a matmul, attention, or the small work between."""
+    if name.startswith(("nvjet", "gemv_kernel", "small_matmul")):
+        return "matmul"
+    return "attention" if name.startswith(("decode_attention", "decode_reduce")) else "other"
+
+
+def timeline_svg(lanes: dict[str, list[tuple[str, float, float]]], title: str, until: float, tick: int,
+                 width: int = 720) -> str:
+    """Kernels as boxes on one time axis from 0 to ``until`` µs, a lane per timeline: a gap is time in which the
+    GPU ran nothing of the step, and kernels that ran at the same time get rows of their own in the lane."""
+    left, right, top, row_height = 90, 20, 34, 14
+
+    def rows_of(kernels: list[tuple[str, float, float]]) -> list[int]:
+        # en: The end of the last kernel placed in each row: a kernel takes the first row already free.
+        # zh: 每一行最后放入的那个 kernel 的结束时间：一个 kernel 放进第一个已经空出来的行。
+        ends: list[float] = []
+        rows = []
+        for _, start, end in kernels:
+            row = next((r for r, last in enumerate(ends) if last <= start), len(ends))
+            ends[row:row + 1] = [end]
+            rows.append(row)
+        return rows
+
+    placed = {label: rows_of(kernels) for label, kernels in lanes.items()}
+    heights = {label: (max(rows) + 1) * row_height + 10 for label, rows in placed.items()}
+    scale = (width - left - right) / until
+    axis = top + sum(heights.values()) + 6
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{axis + 40}" font-family="sans-serif"'
+             f' font-size="11"><rect width="100%" height="100%" fill="white"/>',
+             f'<text x="{left}" y="18" font-size="13">{title}</text>']
+    for t in range(0, int(until) + 1, tick):
+        x = left + t * scale
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top - 4}" y2="{axis}" stroke="#eee"/>'
+                     f'<text x="{x:.1f}" y="{axis + 14}" text-anchor="middle">{t}</text>')
+    parts.append(f'<text x="{width - right}" y="{axis + 30}" text-anchor="end">µs</text>')
+    y = top
+    for label, kernels in lanes.items():
+        parts.append(f'<text x="{left - 8}" y="{y + row_height / 2 + 8:.1f}" text-anchor="end">{label}</text>')
+        for (name, start, end), row in zip(kernels, placed[label], strict=True):
+            if start >= until:
+                continue
+            parts.append(f'<rect x="{left + start * scale:.1f}" y="{y + 5 + row * row_height:.1f}" '
+                         f'width="{max((min(end, until) - start) * scale, 1.0):.1f}" height="{row_height - 2}" '
+                         f'fill="{KIND_COLORS[kernel_kind(name)]}" stroke="white" stroke-width="0.6">'
+                         f'<title>{escape(name)}: {end - start:.2f} µs</title></rect>')
+        y += heights[label]
+    return "".join(parts) + "</svg>"
+
+
+lanes = {say("unfused"): BOUNDARY["unfused"], say("fused"): BOUNDARY["fused"]}
+display(SVG(timeline_svg(lanes, say("the last layer of a step, batch 1 (H200)"), until=45, tick=5)))
+display(SVG(timeline_svg(lanes, say("across a step boundary, batch 1 (H200)"), until=520, tick=50)))
+
+
+def last_layer(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The last layer's kernels: those before the LM head (the widest matmul, 384 columns), less the model's final
+    norm and a copy."""
+    head = next(k for k, (name, _, _) in enumerate(kernels) if "384x8" in name)
+    return [kernel for kernel in kernels[:head] if not kernel[0].startswith("memcpy")][:-1]
+
+
+unfused_layer, fused_layer = last_layer(BOUNDARY["unfused"]), last_layer(BOUNDARY["fused"])
+gemvs = [kernel for kernel in fused_layer if kernel[0] == "gemv_kernel"]
+# en: Nine kernels become six; each GEMV starts before the one ahead of it ends (the early start).
+# zh: 九个 kernel 变成六个；每个 GEMV 都在前一个结束之前开始（提前启动）。
+assert (len(unfused_layer), len(fused_layer), len(gemvs)) == (9, 6, 3)
+assert all(after[1] < before[2] for before, after in pairwise(gemvs))
+gaps = {name: max(b[1] - a[2] for a, b in pairwise(kernels)) for name, kernels in BOUNDARY.items()}
+# en: And in both, the longest stretch without a kernel is the wait for the host's next launch.
+# zh: 两者中最长的一段没有 kernel 的时间，都是在等主机启动下一步。
+assert min(gaps.values()) > 200
+print(say("last layer: {unfused:.1f} -> {fused:.1f} µs, {before} -> {after} kernels; GPU idle before the next "
+          "step: {idle_unfused:.0f} and {idle_fused:.0f} µs", unfused=unfused_layer[-1][2], fused=fused_layer[-1][2],
+          before=len(unfused_layer), after=len(fused_layer), idle_unfused=gaps["unfused"], idle_fused=gaps["fused"]))
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`

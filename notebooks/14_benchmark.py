@@ -935,11 +935,11 @@ class StepLatency:
     # en: The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     # zh: 按名字归并的 kernel，耗时最多的在前：（名字，每步启动次数，每步微秒数）。
     top_kernels: list[tuple[str, float, float]] | None = None
-    # en: One layer's kernels on the GPU's clock, from one layer's q/k/v store (LAYER_MARK) to the next layer's:
-    # en: (name, start, end) in microseconds from the first one's start. None on a CPU or where not found.
-    # zh: 一层的 kernel，按 GPU 的时钟：从一层的 q/k/v 写入（LAYER_MARK）到下一层的：（名字，开始，结束），单位
-    # zh: 微秒，从第一个的开始算起。在 CPU 上或找不到时为 None。
-    layer_timeline: list[tuple[str, float, float]] | None = None
+    # en: The kernels across the middle step boundary of the profiled window, on the GPU's clock (see
+    # en: step_boundary_timeline): (name, start, end) in microseconds. None on a CPU or where not found.
+    # zh: 分析窗口中间那个步边界前后的 kernel，按 GPU 的时钟（见 step_boundary_timeline）：（名字，开始，结束），单位
+    # zh: 微秒。在 CPU 上或找不到时为 None。
+    boundary_timeline: list[tuple[str, float, float]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -986,22 +986,25 @@ def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float
             [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
 
 
-# en: The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store): a layer's
-# en: timeline runs from one launch of it to the next.
-# zh: GPU 上每层注意力开头的那个 kernel（第 09 章融合的 q/k 归一化、RoPE 与写入）：一层的时间线从它的一次启动到
-# zh: 下一次。
+# en: The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store), once a layer:
+# en: it marks where each layer is in a profile.
+# zh: GPU 上每层注意力开头的那个 kernel（第 09 章融合的 q/k 归一化、RoPE 与写入），每层一次：在性能分析记录里，
+# zh: 靠它找到每一层的位置。
 LAYER_MARK = "norm_rotate_store_kernel"
 
 
-def layer_timeline(profile: Any) -> list[tuple[str, float, float]] | None:
-    """The kernels of one layer in the middle of a profiled window, as the GPU ran them: (name, start, end) in
-    microseconds from the layer's first kernel, the next layer's first kernel included to close the span."""
+def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, float]] | None:
+    """The kernels around the middle step boundary of a profiled window of ``steps`` decode steps, as the GPU ran
+    them: from the last layer's LAYER_MARK of one step to the first layer's of the next, so the last layer, the
+    final norm, the LM head, the sampler, any time the GPU waited for the host's next launch, and the next step's
+    first layer up to its attention. (name, start, end) in microseconds from the first kernel's start."""
     kernels = sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
                       and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
     marks = [i for i, event in enumerate(kernels) if event.name.startswith(LAYER_MARK)]
-    if len(marks) < 3:
+    if steps < 2 or not marks or len(marks) % steps:
         return None
-    first, last = marks[len(marks) // 2 - 1], marks[len(marks) // 2]
+    boundary = steps // 2 * (len(marks) // steps)
+    first, last = marks[boundary - 1], marks[boundary]
     origin = kernels[first].time_range.start
     return [(event.name[:100], event.time_range.start - origin, event.time_range.end - origin)
             for event in kernels[first:last + 1]]
@@ -1042,7 +1045,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                         llm.step()
                     torch.cuda.synchronize()
                 kernels = count_kernels(profiler, profile_steps)
-                timeline = layer_timeline(profiler)
+                timeline = step_boundary_timeline(profiler, profile_steps)
                 decode_step += profile_steps
                 continue
             launched_before = len(launch_seconds)
@@ -1074,7 +1077,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
                        gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None,
-                       layer_timeline=timeline)
+                       boundary_timeline=timeline)
 
 
 def format_row(row: StepLatency) -> str:

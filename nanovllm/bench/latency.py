@@ -28,11 +28,11 @@ __all__ = [
     "StepLatency",
     "count_kernels",
     "format_row",
-    "layer_timeline",
     "main",
     "measure_batch",
     "measure_setting",
     "measured_copy_rate",
+    "step_boundary_timeline",
 ]
 
 
@@ -61,9 +61,9 @@ class StepLatency:
     gpu_ms_per_step: float | None
     # The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     top_kernels: list[tuple[str, float, float]] | None = None
-    # One layer's kernels on the GPU's clock, from one layer's q/k/v store (LAYER_MARK) to the next layer's:
-    # (name, start, end) in microseconds from the first one's start. None on a CPU or where not found.
-    layer_timeline: list[tuple[str, float, float]] | None = None
+    # The kernels across the middle step boundary of the profiled window, on the GPU's clock (see
+    # step_boundary_timeline): (name, start, end) in microseconds. None on a CPU or where not found.
+    boundary_timeline: list[tuple[str, float, float]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -108,20 +108,23 @@ def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float
             [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
 
 
-# The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store): a layer's
-# timeline runs from one launch of it to the next.
+# The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store), once a layer:
+# it marks where each layer is in a profile.
 LAYER_MARK = "norm_rotate_store_kernel"
 
 
-def layer_timeline(profile: Any) -> list[tuple[str, float, float]] | None:
-    """The kernels of one layer in the middle of a profiled window, as the GPU ran them: (name, start, end) in
-    microseconds from the layer's first kernel, the next layer's first kernel included to close the span."""
+def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, float]] | None:
+    """The kernels around the middle step boundary of a profiled window of ``steps`` decode steps, as the GPU ran
+    them: from the last layer's LAYER_MARK of one step to the first layer's of the next, so the last layer, the
+    final norm, the LM head, the sampler, any time the GPU waited for the host's next launch, and the next step's
+    first layer up to its attention. (name, start, end) in microseconds from the first kernel's start."""
     kernels = sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
                       and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
     marks = [i for i, event in enumerate(kernels) if event.name.startswith(LAYER_MARK)]
-    if len(marks) < 3:
+    if steps < 2 or not marks or len(marks) % steps:
         return None
-    first, last = marks[len(marks) // 2 - 1], marks[len(marks) // 2]
+    boundary = steps // 2 * (len(marks) // steps)
+    first, last = marks[boundary - 1], marks[boundary]
     origin = kernels[first].time_range.start
     return [(event.name[:100], event.time_range.start - origin, event.time_range.end - origin)
             for event in kernels[first:last + 1]]
@@ -161,7 +164,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                         llm.step()
                     torch.cuda.synchronize()
                 kernels = count_kernels(profiler, profile_steps)
-                timeline = layer_timeline(profiler)
+                timeline = step_boundary_timeline(profiler, profile_steps)
                 decode_step += profile_steps
                 continue
             launched_before = len(launch_seconds)
@@ -191,7 +194,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
                        gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None,
-                       layer_timeline=timeline)
+                       boundary_timeline=timeline)
 
 
 def format_row(row: StepLatency) -> str:
