@@ -188,9 +188,9 @@ display(SVG(architecture_svg()))
 # | 章节 | 构建的内容 |
 # |---|---|
 # | [01 · 一个请求的一生](../01_sequence/) | `SamplingParams`、`Sequence`：计数器、状态、块表 |
-# | [02 · 分页 KV 内存](../02_block_manager/) | 块、块表、引用计数、空闲队列 |
+# | [02 · 分页 KV 显存](../02_block_manager/) | 块、块表、引用计数、空闲队列 |
 # | [03 · 前缀缓存](../03_prefix_caching/) | 链式哈希、缓存命中、过期条目陷阱 |
-# | [04 · 调度器](../04_scheduler/) | prefill 优先、分块预填充、抢占 |
+# | [04 · 调度器](../04_scheduler/) | prefill 优先、分块 prefill、抢占 |
 # | [04b · 一个提示词，n 个回答](../04b_parallel_sampling/) | 并行采样：分叉、共享块、写时复制 |
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |

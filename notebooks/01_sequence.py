@@ -77,7 +77,7 @@ say = Phrases({
     "prefill chunk 2": "prefill 分块 2",
     "  after step": "  这一步之后",
     "decode": "decode",
-    "the worked example holds": "算例成立",
+    "the worked example holds": "例子核对无误",
     "all exercise answers check out": "练习答案全部验证通过",
     # en: the state machine
     # zh: 状态机
@@ -286,7 +286,7 @@ except ValueError as error:
 # %% [markdown] tags=["zh"]
 # ## 动手：序列
 #
-# `Sequence` 是请求在引擎内部的样子。它的状态只能沿着上图的箭头变化；`status` 的 setter 会强制这一点，
+# `Sequence` 是请求在引擎内部的表示。它的状态只能沿着上图的箭头变化；`status` 的 setter 会强制这一点，
 # 这样调度器如果出了错（比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。
 
 # %% sequence status
@@ -674,10 +674,10 @@ for bad_call in (
 # - `Sequence`：token、五个计数器、块表及其算术（`num_blocks`、`block(i)`、`last_block_num_tokens`），
 #   以及受保护的状态。
 #
-# 这就是上游的 `Sequence`，外加检查。后面各章在各自的故事需要时给这个类添加内容：第 04b 章添加并行采样的字段
+# 这就是上游的 `Sequence`，外加检查。后面几章会按需给这个类添加字段和方法：第 04b 章添加并行采样的字段
 # （`fork`），第 10 章添加序列传给其他 rank 时的精简形式，第 12 章添加 GPU 仍在计算的 token。
 #
-# 下一章（第 02 章）为块表提供它所指向的东西：一个 KV 块池。
+# 下一章（第 02 章）构建块表所指向的对象：KV 块池。
 #
 # ## 练习
 #

@@ -32,8 +32,8 @@
 # # 04 · 调度器
 #
 # **目标：** 读完本章，对任意一组请求，你都能预测引擎每一步计算什么：哪些序列、各算多少个 token、是 prefill 步还是
-# decode 步，以及缓存不够时谁会被抢占。本章构建 `Scheduler`（调度器）：两个队列、带 token 预算和分块 prefill 的
-# prefill 优先策略、带抢占的 decode，以及把一步的采样结果变成进度的后处理。
+# decode 步，以及缓存不够时谁会被抢占。本章构建 `Scheduler`（调度器）：两个队列、带 token 预算和
+# 分块 prefill（chunked prefill）的 prefill 优先策略、带抢占的 decode，以及把一步的采样结果变成进度的后处理。
 #
 # 引擎主循环（第 11 章）只有三行，其中两行属于本章：
 #
@@ -134,7 +134,7 @@ from nanovllm.book.lang import Phrases, display_width
 say = Phrases({
     "step": "步",
     "kind": "类型",
-    "scheduled": "已调度",
+    "scheduled": "本步调度",
     "preempted": "被抢占",
     "cache hits": "缓存命中",
     "finished": "完成",
@@ -156,9 +156,10 @@ say = Phrases({
     "four sequences, four blocks:": "四个序列，四个块：",
     "two sequences, three blocks:": "两个序列，三个块：",
     "decode batch sizes: {sizes} (max_num_seqs=8, budget 3)": "decode 批大小：{sizes}（max_num_seqs=8，预算 3）",
-    "batch": "批量",
+    "batch": "批大小",
     "ms per step": "每步毫秒",
     "µs per token": "每 token 微秒",
+    "µs per token against batch 1: {ratios}": "每 token 微秒数相对批大小 1：{ratios}",
     "budget 10, prompts of 6 and 8 tokens, {rule}: first step schedules {scheduled}":
         "预算 10，提示词 6 和 8 个 token，{rule}：第一步调度 {scheduled}",
     "ours": "本书",
@@ -742,7 +743,7 @@ steps = run(sched, names)
 # and again, and still every request finishes.
 
 # %% [markdown] tags=["zh"]
-# ### 动画：分块预填充，然后是一场抢占风暴
+# ### 动画：分块 prefill，然后是一场抢占风暴
 #
 # 下面是本调度器配合假模型录下的两段过程（播放器来自附录 A）。第一段：20 个 token 的提示词，每步预算 8 个 token，
 # 分块为 8 + 8 + 4，分块之间，序列在等待队列队头等候。第二段：4 个请求挤在 6 个块（每块 4 个 token）的块池里：
@@ -798,7 +799,7 @@ print(say("chunks {chunks}; storm: {preempted} preemptions, all 4 requests finis
 # cached. Below, the real scheduler runs both, with `fake_model` for the tokens.
 
 # %% [markdown] tags=["zh"]
-# ### 文章的算例：一次缓存命中，然后两个分块
+# ### 文章的例子：一次缓存命中，然后两个分块
 #
 # 逐行注解上游 `sequence.py` 和 `scheduler.py` 的那篇文章，用具体数字跟踪一个请求走过前缀缓存命中和分块 prefill。
 # 每块 256 个 token，每步预算（`max_num_batched_tokens`）200 个 token，一个 600 个 token 的提示词，它的第一块
@@ -1071,9 +1072,13 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # start its work; a batch of 16 sequences shares both, so each of its tokens costs a fraction
 # of a lone sequence's. Below, the engine of chapter 11 runs the tiny random Qwen3 of chapter
 # 00's tour on the CPU and times decode steps of 1, 4 and 16 sequences (three runs of each, the
-# median step). The time of a step grows far more slowly than its batch, so the cost per token
-# falls. The times vary from machine to machine and from run to run; the cell asserts only
-# their direction.
+# median step). What does not vary is the work's shape: a step is one call of the model whatever
+# its batch, so the weights are read once for all its tokens; the cell asserts that. What varies
+# is the time: on an idle machine a token in a batch of 4 or 16 costs a fraction of a lone
+# one's, but the curve flattens (on this small model a CPU spends real compute on each token),
+# and between 4 and 16 the cost may fall in one run and rise in the next (319 to 391 µs in one);
+# on a loaded machine, a CI runner with tests beside it, the ratios can come out anywhere. So the
+# times are printed, not asserted; chapter 14 measures them properly.
 #
 # What bounds the batch is memory, which is why `max_num_seqs` exists: every running sequence
 # holds its KV blocks, so more of them fill the cache sooner and preempt more often, and
@@ -1086,10 +1091,13 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # 一个 decode 步的开销几乎不取决于它带着多少个序列。每一步都要把全部权重读一遍（在 GPU 上，这是 decode 步的主要耗时），
 # 还要付一笔启动计算的固定开销；一个 16 个序列的批次共同分摊这两项，所以其中每个 token 的开销只是单个序列的一小部分。
 # 下面用第 11 章的引擎在 CPU 上运行第 00 章导览中的随机小 Qwen3，分别给 1、4、16 个序列的 decode 步计时（每种跑三遍，
-# 取中位数）。一步的耗时远比批次增长得慢，所以每个 token 的开销随批次变大而下降。具体时间因机器而异，每次运行也不同；
-# 单元只断言它们的变化方向。
+# 取中位数）。不随机器变化的是工作的形状：无论批次多大，一步都只调用一次模型，权重只为这一步的所有 token 读一遍；
+# 单元断言的是这一点。会变化的是时间：在空闲的机器上，批大小 4 或 16 时每个 token 只花单个序列时的一小部分开销，
+# 但曲线会变平（在这个小模型上，CPU 对每个 token 都要做实打实的计算），而在 4 到 16 之间，这一次每 token 开销下降，
+# 下一次可能上升（有一次从 319 µs 升到 391 µs）；在负载高的机器上（比如同时跑着测试的 CI 机器），这些比例什么样都
+# 可能。所以时间只打印、不断言；第 14 章会认真测量它们。
 #
-# 限制批次大小的是内存，这正是 `max_num_seqs` 存在的原因：每个运行中的序列都持有自己的 KV 块，序列越多，缓存越早
+# 限制批大小的是显存，这正是 `max_num_seqs` 存在的原因：每个运行中的序列都持有自己的 KV 块，序列越多，缓存越早
 # 被占满，抢占也越频繁；而且第 09 章要为不超过 `max_num_seqs`（最多 512）的一系列批大小捕获 CUDA Graph，输入缓冲区按其中
 # 最大的那个分配。
 
@@ -1104,19 +1112,25 @@ tiny = LLMEngine(str(build_tiny_model("qwen3")), device="cpu", max_num_seqs=16, 
                  kvcache_block_size=16)
 
 
+# en: Count the model's calls: a forward hook runs once per call of the model.
+# zh: 数一数模型被调用了几次：前向钩子在每次调用模型时运行一次。
+model_calls = [0]
+tiny.model_runner.model.register_forward_hook(lambda *_: model_calls.__setitem__(0, model_calls[0] + 1))
+
+
 def decode_step_times(batch: int, steps: int = 8) -> list[float]:
     """Seconds per decode step while `batch` requests of 4-token prompts decode together."""
     for i in range(batch):
         tiny.add_request([1 + i, 2, 3, 4], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     times = []
     while not tiny.is_finished():
-        started = time.perf_counter()
+        calls_before, started = model_calls[0], time.perf_counter()
         _, num_tokens, is_prefill = tiny.step()
         if not is_prefill:
             times.append(time.perf_counter() - started)
-            # en: The whole batch decodes in one step.
-            # zh: 整批序列在同一步里完成 decode。
-            assert num_tokens == batch
+            # en: The whole batch decodes in one step, one call of the model (one read of the weights).
+            # zh: 整批序列在同一步里完成 decode：只调用一次模型（权重只读一遍）。
+            assert num_tokens == batch and model_calls[0] - calls_before == 1
     return times
 
 
@@ -1128,12 +1142,13 @@ for _ in range(3):
     for batch_size in step_times:
         step_times[batch_size] += decode_step_times(batch_size)
 per_token = {batch_size: statistics.median(times) / batch_size for batch_size, times in step_times.items()}
-print(f"{say('batch'):>5} {say('ms per step'):>12} {say('µs per token'):>13}")
+print(f"{say('batch'):>6} {say('ms per step'):>12} {say('µs per token'):>13}")
 for batch_size, times in step_times.items():
-    print(f"{batch_size:>5} {statistics.median(times) * 1e3:>12.2f} {per_token[batch_size] * 1e6:>13.0f}")
-# en: Only the direction: a token costs less in a batch of 4 or 16 than alone.
-# zh: 只断言方向：在 4 个或 16 个序列的批次里，一个 token 的开销比单独 decode 时低。
-assert per_token[16] < per_token[1] and per_token[4] < per_token[1]
+    print(f"{batch_size:>6} {statistics.median(times) * 1e3:>12.2f} {per_token[batch_size] * 1e6:>13.0f}")
+# en: The cost per token against batch 1, printed, not asserted: a loaded machine can reorder these.
+# zh: 每个 token 的开销相对批大小 1 的比例，只打印、不断言：机器负载高时它们的顺序可能颠倒。
+print(say("µs per token against batch 1: {ratios}",
+          ratios=", ".join(f"{b}: {per_token[b] / per_token[1]:.2f}x" for b in (4, 16))))
 
 # %% [markdown] tags=["en"]
 # ### Why admission stops at the head of the queue
@@ -1204,7 +1219,7 @@ assert started[0] <= started[1]
 # %% [markdown] tags=["zh"]
 # ### 重算，而不是换出
 #
-# 被抢占的序列失去它的 KV，再次 prefill 时重新计算。vLLM 最初的引擎还可以把被抢占序列的块*换出*到 CPU 内存，
+# 被抢占的序列失去它的 KV，再次 prefill 时重算。vLLM 最初的引擎还可以把被抢占序列的块*换出*到 CPU 内存，
 # 以后再拷回来。nano-vllm 和本书只做重算，原因有三。一是简单：换出需要在主机内存里再建一个块池，需要在单独的
 # 流上做拷贝，序列还要多一个“KV 在主机上”的状态。二是代价：KV 很大（Qwen3-0.6B 在 bf16 下每个 token 要存
 # 2 × 28 层 × 8 个 KV 头 × 128 × 2 字节 = 112 KiB，一个 2,000 token 的序列换出再换入，要经 PCIe 搬运约 450 MiB），
@@ -1344,7 +1359,7 @@ ours, upstream = stats["ours"], stats["upstream"]
 assert ours["budget used per prefill step"] == 1 > upstream["budget used per prefill step"]
 assert ours["steps"] < upstream["steps"] and ours["mean steps to first token"] < upstream["mean steps to first token"]
 # en: ... at the price of more chunks and more blocks held by half-prefilled sequences; never more than one at a time.
-# zh: ……代价是更多的分块，以及被预填充了一半的序列占着的块更多；但同一时刻最多只有一个这样的序列。
+# zh: ……代价是更多的分块，以及 prefill 到一半的序列占着的块更多；但同一时刻最多只有一个这样的序列。
 assert ours["chunked prefills"] > upstream["chunked prefills"]
 assert ours["half-prefilled block-steps"] > upstream["half-prefilled block-steps"]
 assert ours["most half-prefilled at once"] == upstream["most half-prefilled at once"] == 1
@@ -1372,7 +1387,7 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 #
 # 本书保留自己的规则。反正每一步都要把权重读一遍，prefill 步算 7 个还是 10 个 token，成本几乎一样，用不满的预算就是
 # 白白放弃的吞吐量。而且代价有上限：在两个调度器里，分块都是本步的最后一个序列、下一步的第一个序列，所以任何时刻
-# 最多只有一个预填充了一半的序列（表的最后一行），它等下一个分块也只需等一步。
+# 最多只有一个 prefill 到一半的序列（表的最后一行），它等下一个分块也只需等一步。
 
 # %% [markdown] tags=["en"]
 # ### The admission check

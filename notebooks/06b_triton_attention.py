@@ -38,7 +38,7 @@
 # `attention_backend("triton")` 构建的后端：
 #
 # 1. **存储**：按 `slot_mapping` 把每个新 token 的 K、V 分散写入分页缓存（槽位 `-1` 是填充，跳过）；
-# 2. **prefill**：flash-attention 风格的变长因果注意力，通过块表读取已缓存的前缀（前缀缓存命中，或分块预填充中
+# 2. **prefill**：flash-attention 风格的变长因果注意力，通过块表读取已缓存的前缀（前缀缓存命中，或分块 prefill 中
 #    之前的分块），支持分组查询注意力（GQA）；
 # 3. **decode**：每个序列一个查询，关注它全部的分页历史。有两种写法：每个（序列，KV 头）一个程序；以及
 #    **split-K**（“flash-decoding”）版本，它还把上下文切成几段，再用一个小的归约内核合并。另有一个启发式
@@ -142,7 +142,7 @@ say = Phrases({
     "split-K (3 slices) vs plain decode: max |diff| {diff}": "split-K（3 段）对比普通 decode：最大 |diff| {diff}",
     "Triton backend == torch reference (prefill with a cached prefix, decode, split-K); caches identical":
         "Triton 后端 == torch 参考实现（带缓存前缀的 prefill、decode、split-K）；缓存完全相同",
-    "batch": "批量",
+    "batch": "批大小",
     "plain": "普通",
     "heuristic": "启发式",
     "{device}, {date}, torch {torch}, triton {triton}: `{command}`; copy {rate:.2f} TB/s":
@@ -1115,11 +1115,11 @@ def choose_num_splits(
 # en: tile is twice the bytes, and there 3 stages stayed as fast or faster (chapter 16 tells the whole story).
 # zh: GPU 上 decode 的启动配置（每个 tile 的键数 BLOCK_N、warp 数、stage 数），按缓存中一个元素的字节数选择。
 # zh: 16 位：每个 tile 128 个键；在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
-# zh: batch 为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。float32 的 tile 字节数翻倍：仍用之前
+# zh: 批大小为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。float32 的 tile 字节数翻倍：仍用之前
 # zh: 测过的 64 个键。float8（第 16 章）：128 个键、5 个 stage，值按维度存放。Triton 的流水线器要为定位 tile 的
 # zh: 块表读取占用一个 stage，所以 3 个 stage 时 K 和 V 各只有一个缓冲区，每个 tile 都要等上一个用完才开始加载；
 # zh: 5 个 stage 时各有两个，下一个 tile 在这个 tile 被使用时就在加载（scripts/attention_sass.py 会数缓冲区）。
-# zh: batch 为 256 时用时 0.181 ms，原来是 0.192 ms；batch 为 32 时 0.038 ms，原来是 0.045 ms。16 位的 tile
+# zh: 批大小为 256 时用时 0.181 ms，原来是 0.192 ms；批大小为 32 时 0.038 ms，原来是 0.045 ms。16 位的 tile
 # zh: 字节数是两倍，在那里 3 个 stage 一样快或更快（完整的经过见第 16 章）。
 DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 5)}
 # en: Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`: two
@@ -1128,7 +1128,7 @@ DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 5
 # en: measured, 32 to 256.)
 # zh: float8 decode 内核（16 位查询）每个线程的寄存器数，用 Triton 的 `maxnreg` 设上限：K 和 V 各两个缓冲区占
 # zh: 75 KB 共享内存，一个 H200 SM 能放 3 个 4-warp 的块，168 个寄存器正好让 3 个块都放得下。（只有一个缓冲区时，
-# zh: 上限 128 能放下 4 个块；有两个缓冲区时，在测过的每个 batch（32 到 256）上，128 都比 168 慢。）
+# zh: 上限 128 能放下 4 个块；有两个缓冲区时，在测过的每个批大小（32 到 256）上，128 都比 168 慢。）
 DECODE_MAX_REGISTERS = 168
 
 
@@ -1270,7 +1270,7 @@ def decode_attention(
 # 只有在计算能力 9 或以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了
 # 哪一个；GPU 测试把它
 # 与 torch 参考实现对照（块大小 16 到 256、一个填充的 decode 行、填满 NaN 的未用页），并让引擎在它上面带着
-# CUDA Graph、分块预填充、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。还有一种
+# CUDA Graph、分块 prefill、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。还有一种
 # 情形没有处理：因 logits 不是有限值而被丢弃的请求（第 13 章）可能在归还空闲队列的块里留下 NaN 或无穷大；在
 # FlashAttention 4 下，之后某个序列的最后一页若恰好是这样的块，就会读到它们；我们的内核会屏蔽这些行。
 
@@ -1497,7 +1497,7 @@ print(say("Triton backend == torch reference (prefill with a cached prefix, deco
 # ## 测量：decode 看带宽，prefill 对比 SDPA
 #
 # decode 每一步把整个批次的 KV 缓存读一遍，算术量很小，所以衡量它的可靠标尺是**带宽**：读取的 KV 字节数 / 时间，
-# 并与同一次运行中测得的设备内拷贝带宽比较（只做内存流式读写的内核最多也就这么快）。prefill 受算力限制，它的标尺是
+# 并与同一次运行中测得的设备内拷贝带宽比较（只做显存流式读写的内核最多也就这么快）。prefill 受算力限制，它的标尺是
 # PyTorch 的 `scaled_dot_product_attention`（flash-attention 后端）在相同稠密因果形状上的速度。下面的脚本打印这两组
 # 数字；在 GPU 上用 `python -m nanovllm.bench.attention` 运行（`--quick` 只测较少的形状，`--out F.json` 保存结果）。
 # decode 按引擎实际运行的方式计时：从 CUDA Graph（第 09 章）重放，因此数字里不含 Python 启动开销；并轮流读取足够多的
@@ -1575,7 +1575,7 @@ def graph_time_ms(fn, reps: int = 20) -> float:
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         # en: compile and allocate outside the capture
-        # zh: 在捕获之外完成编译与内存分配。
+        # zh: 在捕获之外完成编译与显存分配。
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
@@ -1877,11 +1877,11 @@ def auto(batch: int, context: int) -> int:
 print(say("{device}, {date}, torch {torch}, triton {triton}: `{command}`; copy {rate:.2f} TB/s",
           device=RECORDED["device"], date=RECORDED["date"], torch=RECORDED["torch"], triton=RECORDED["triton"],
           command=RECORDED["command"], rate=RECORDED["copy_tb_per_s"]))
-print(f"{say('batch'):>5} {say('context'):>7} {say('plain'):>6} {say('heuristic'):>13} {say('best'):>11}")
+print(f"{say('batch'):>6} {say('context'):>7} {say('plain'):>6} {say('heuristic'):>13} {say('best'):>11}")
 for (batch, context), times in RECORDED["decode_us"].items():
     best = min(times, key=times.get)
     chosen = auto(batch, context)
-    print(f"{batch:>5} {context:>7} {share(batch, context, 1):>5.0f}% {share(batch, context, chosen):>5.0f}%"
+    print(f"{batch:>6} {context:>7} {share(batch, context, 1):>5.0f}% {share(batch, context, chosen):>5.0f}%"
           f" (S={chosen:>2}) {share(batch, context, best):>4.0f}% (S={best:>2})")
 batches = sorted({b for b, _ in RECORDED["decode_us"]})
 series = {}
@@ -1958,7 +1958,7 @@ print(say("recorded figures meet both goals; the heuristic is within 10 % of the
 # 上面的表格让每个序列都是同一个上下文长度。引擎的基准测试解码 256 个序列，上下文长度分布在 100 到 2,048 个
 # token 之间，所以各个程序结束的时间不同。`scripts/decode_sweep.py` 正是在这种情形下（256、64、16 个序列，上下文
 # 长度在 100 到 2,048 之间均匀抽取）为几种启动配置计时：每个 tile 128 个键在每个批大小上都胜过此前用的 64 个键
-# （batch 256：拷贝速率的 93 % → 99 %），所以从 2026-12-01 起 GPU 上 bf16 与 fp16 默认用 128（float32 仍用 64）。
+# （批大小 256：拷贝速率的 93 % → 99 %），所以从 2026-12-01 起 GPU 上 bf16 与 fp16 默认用 128（float32 仍用 64）。
 # 上面的内核表格是用 64 记录的。
 #
 # 装有 FlashAttention 4 时，`python -m nanovllm.bench.attention --quick` 会加上它的几列。H200 上的记录（2026-12-01，

@@ -852,7 +852,7 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     try:
         # en: Zeros on a GPU, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an
         # en: unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
-        # zh: GPU 上用零，而不是未初始化的内存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里
+        # zh: GPU 上用零，而不是未初始化的显存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里
         # zh: 若残留 NaN，就会污染它的输出（0 × NaN）。这只花几毫秒，而且只做一次。
         # en: A float8 cache (chapter 16) is allocated as bytes: filling float8 tensors is missing on some devices.
         # zh: float8 缓存（第 16 章）按字节分配：某些设备不支持填充 float8 张量。

@@ -93,19 +93,19 @@
 #
 # ```
 # eager：  CPU  |启动|启动|启动|启动|启动|启动| ...      （每次 Python 开销约 5-20 µs）
-#          GPU     |k|  |k|  |k|  |k|  |k|  |k|         （batch 为 1 时每个内核的工作约 2-10 µs）
+#          GPU     |k|  |k|  |k|  |k|  |k|  |k|         （批大小为 1 时每个内核的工作约 2-10 µs）
 #                      ^ 空闲：GPU 在等下一次启动
 #
 # graph：  CPU  |拷贝输入|重放|
 #          GPU            |k|k|k|k|k|k|k|k|k|k|k|k| ...   （一个接一个，中间没有 Python）
 # ```
 #
-# batch 为 1 时单个内核的工作量很小：矩阵乘把权重读一遍，归一化只碰 1024 个数。GPU 早在 Python 发出下一次启动之前
+# 批大小为 1 时单个内核的工作量很小：矩阵乘把权重读一遍，归一化只碰 1024 个数。GPU 早在 Python 发出下一次启动之前
 # 就做完了手头的内核，于是这一步花的时间等于*启动*花的时间：它受**启动开销限制**。只有在大批次（或长上下文，
 # 注意力要读大量 KV）时，GPU 的工作量才追得上来。
 #
 # **CUDA Graph** 把一串内核启动连同参数（包括指针）录制一次，之后一次调用就能重放整串启动。代价是死板：重放时
-# 在*同样*的内存上以*同样*的形状运行*同样*的内核。于是有了这些规则：
+# 在*同样*的显存上以*同样*的形状运行*同样*的内核。于是有了这些规则：
 #
 # 1. **静态缓冲区：** 输入被拷贝进只分配一次的张量（`input_ids`、`positions`、`slot_mapping`、`context_lens`、
 #    `block_tables`）；输出也落在一个固定的张量里。
@@ -208,7 +208,7 @@ say = Phrases({
     "no GPU here": "这里没有 GPU",
     "RECORDED on {device}, {date} ({live}); ms per decode step, context 512":
         "RECORDED：{device}，{date}（{live}）；每个 decode 步的毫秒数，上下文 512",
-    "batch": "批量",
+    "batch": "批大小",
     "one block: {mib:.0f} MiB; budget {total:.1f} GiB x {utilization} = {budget:.1f} GiB":
         "一个块：{mib:.0f} MiB；预算 {total:.1f} GiB x {utilization} = {budget:.1f} GiB",
     "KV cache {blocks} blocks = {kv:.1f} GiB; the other {other:.1f} GiB: weights ({weights:.2f} GiB), "
@@ -412,7 +412,7 @@ assert "not capture-safe" in graphs_unavailable_reason("cuda", "torch")
 # ## 动手：捕获与重放
 #
 # `CudaGraphRunner` 拥有缓冲区、输出张量，以及每个档位一个图。捕获发生在 **KV 缓存分配之后**（图里固化了它的地址），
-# 并且**从最大的档位开始**：第一个图分配得最多，之后每个图都共享它的**内存池**，所以全部图加起来的显存大约只相当于
+# 并且**从最大的档位开始**：第一个图分配得最多，之后每个图都共享它的**显存池**，所以全部图加起来的显存大约只相当于
 # 最大的那一个。每次捕获之前，先用同样的形状 eager 跑一次，让 Triton 内核完成编译、让分配器热身（录制期间这些都不能
 # 发生）。重放就是：选档位、`load`、`replay()`，然后返回输出的前 `n` 行。logits 和采样留在图外：LM head 只是一次
 # 矩阵乘，而采样器反正要在主机上读结果。
@@ -446,7 +446,7 @@ class CudaGraphRunner:
             for size in reversed(self.sizes):
                 b.install_context(size)
                 # en: Warm-up: compile kernels and settle allocations outside the recording.
-                # zh: 热身：在录制之外完成内核编译、稳定内存分配。
+                # zh: 热身：在录制之外完成内核编译、稳定显存分配。
                 self.outputs[:size] = self.model(b.input_ids[:size], b.positions[:size])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, self.pool):
@@ -528,7 +528,7 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # 也没有哪个 `forward` 被替换。为什么在建好的模型上挂钩子，而不是给每个构造函数传一个
 # 开关？模型由第 05 章的加载器构建，它对 GPU 一无所知；要不要编译是执行器的决定（是不是 CUDA、配置开关怎么设）。
 # 为了一个不改变任何结果的提速，让开关穿过四层构造函数并不值得。只有中间 bf16 步骤的舍入可能不同（融合内核把它们
-# 保留在 float32）。batch 为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
+# 保留在 float32）。批大小为 1 时，每个内核不论大小都要花几微秒，所以减少内核数量就是能赢得的大部分收益。
 #
 # 这里不编译采样器。本章较早的版本也编译过它的快速路径（第 07 章的 `temperature_sample`）：eager 模式下，它要对
 # 一个 `[batch, vocab]` 的 float32 张量（Qwen3 有 151,936 列）做大约十遍读写，编译后是四个直接读取 bf16 logits 的
@@ -869,7 +869,7 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 有了 CUDA graph 和融合的 q/k/v 内核之后，一层 decode 仍要跑大约十一个内核：残差相加 + RMSNorm、q/k/v 矩阵乘、
 # 融合的 q/k/v 内核、注意力、`o_proj`、第二次残差相加 + RMSNorm、`gate_up_proj`、SiLU × mul 和 `down_proj`。批大小
 # 为 1 时，每个矩阵乘读几 MB 权重，其余内核只读几 KB，所以一步的时间大多花在内核之间的边界上：每个内核都要等前一个
-# 结束，而即使在 graph 里，一次启动在第一次读内存之前也要花一两微秒。
+# 结束，而即使在 graph 里，一次启动在第一次读显存之前也要花一两微秒。
 #
 # 归一化和激活函数不必单独成为内核。RMSNorm 只需要它自己那一行：它后面那个矩阵乘的每个程序，都可以把小批次的那几行
 # （最多 16 行，Qwen3-0.6B 每行 2 KB）读进来，求平方和，在送进自己的 tile 时顺手缩放；残差相加也在同一次读取中完成。
@@ -1818,11 +1818,11 @@ live = say("a CUDA device is present: run the commands above to measure it" if t
            else "no GPU here")
 print(say("RECORDED on {device}, {date} ({live}); ms per decode step, context 512", device=RECORDED["device"],
           date=RECORDED["date"], live=live))
-print(f"{say('batch'):>5} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | graph+compiled")
-print(f"{'':>5} | {'compile_small_ops off':^20} | {'compile_small_ops on':^20} |")
+print(f"{say('batch'):>6} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | graph+compiled")
+print(f"{'':>6} | {'compile_small_ops off':^20} | {'compile_small_ops on':^20} |")
 for batch in RECORDED["off"]:
     (e0, g0), (e1, g1) = RECORDED["off"][batch], RECORDED["on"][batch]
-    print(f"{batch:>5} | {e0:>6.2f} {g0:>6.2f} {e0 / g0:>5.1f} | {e1:>6.2f} {g1:>6.2f} {e1 / g1:>5.1f} | "
+    print(f"{batch:>6} | {e0:>6.2f} {g0:>6.2f} {e0 / g0:>5.1f} | {e1:>6.2f} {g1:>6.2f} {e1 / g1:>5.1f} | "
           + "#" * round(g1 * 4))
 assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[table].items() if b <= 16)
 
@@ -1849,9 +1849,9 @@ assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[tab
 #
 # - **eager 受启动开销限制**，而且几乎是平的：不管批多大，每步都是约 54 ms，因为时间花在启动约 1,700 个内核的
 #   Python 上，而不是内核本身（编译小算子让启动次数减半，所以是约 25 ms，个别行有噪声）。
-# - **CUDA Graph** 把 batch 为 1 的一步从 54 ms 降到 4.6 ms（12 倍），再加上编译小算子降到 1.9 ms（相对同样的
-#   eager 路径是 15 倍，相对普通 eager 是 29 倍）。目标是 batch ≤ 16 时达到 1.5 倍；batch ≤ 16 的每一行都超过 9 倍。
-# - 从 batch 64 开始，graph 的时间随批大小增长：GPU 的工作（主要是读取 KV 缓存）开始占主导。batch 256 时
+# - **CUDA Graph** 把批大小为 1 的一步从 54 ms 降到 4.6 ms（12 倍），再加上编译小算子降到 1.9 ms（相对同样的
+#   eager 路径是 15 倍，相对普通 eager 是 29 倍）。目标是批大小 ≤ 16 时达到 1.5 倍；批大小 ≤ 16 的每一行都超过 9 倍。
+# - 从批大小 64 开始，graph 的时间随批大小增长：GPU 的工作（主要是读取 KV 缓存）开始占主导。批大小 256 时
 #   （编译小算子、graph）的性能剖析显示了一步 5.5 ms 的 GPU 时间花在哪里：decode 注意力内核占 68%（每层 134 µs
 #   读 537 MB 的 KV：4.0 TB/s，接近 4.2 TB/s 的拷贝速率），四个矩阵乘约 14%，融合后的小算子约 7%。6.6 ms 中
 #   剩下的是主机端：构造输入、采样、把 token 拷回主机。
@@ -1990,7 +1990,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # 其中 decode 注意力内核占 3.9 s（它以约 3.6 TB/s 读取 KV 缓存，是拷贝速度的 84%：这个负载的上下文很短，
 # 200–2,000 个 token，所以每个程序的启动开销比第 06b 章长上下文的图里占比更大）；prefill 0.37 s；LM head 0.10 s；
 # 采样器 0.08 s。所以异步引擎的 6.19 s 就是它的 GPU 工作，几乎没有别的：主机不再让 GPU 等待。剩下的都在 GPU 上：
-# 注意力内核，以及前向中其他内核的约 1.7 s，主要是每步固定的开销（batch 为 1 时 1.55 ms：约 340 个小内核）。
+# 注意力内核，以及前向中其他内核的约 1.7 s，主要是每步固定的开销（批大小为 1 时 1.55 ms：约 340 个小内核）。
 #
 # 引擎是怎样从 13,761 tokens/s 走到这里的，每一步都在 H200 上测过：
 #
@@ -2004,8 +2004,8 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # 2026-12-01，目标是同一次运行中测得的上限的 75 %。加入了三项改进：
 #
 # - 融合的 q/k/v 内核（本章，每层一个内核代替三个：每步少 56 个内核）；
-# - decode 每个 tile 128 个键而不是 64 个（第 06b 章）：`scripts/decode_sweep.py` 中 batch 256 的 decode 注意力
-#   时间少了 6 %，batch 64 少了 11 %；
+# - decode 每个 tile 128 个键而不是 64 个（第 06b 章）：`scripts/decode_sweep.py` 中批大小 256 的 decode 注意力
+#   时间少了 6 %，批大小 64 少了 11 %；
 # - FlashAttention 4 作为可选的注意力后端（第 06b 章）。带 CUDA Graph、与我们的内核在同一次调用中：13,222 tokens/s，
 #   是我们的 0.56 倍。它的 decode 慢 8 %（5.45 对 5.06 s），prefill 用了 4.56 s，而我们是 0.49 s——尽管 `warm_up`
 #   已经先编译了它的两个 prefill 变体；原因没有找到（遇到新形状又编译，或是主机端的工作）。
@@ -2029,7 +2029,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # ## 验证
 #
 # 本页中 CPU 能检验的论断，在这里执行：捕获列表、选档规则、填充行、CPU 上退回 eager、拒绝过长的序列。GPU 上的
-# 论断（对 batch 1、3、5、16、17、32，重放与 eager 给出相同的 token；超过最大图的批次以 eager 方式运行；编译小算子
+# 论断（对批大小 1、3、5、16、17、32，重放与 eager 给出相同的 token；超过最大图的批次以 eager 方式运行；编译小算子
 # 结果一致；KV 缓存不超出预算）由 `tests/test_09_cuda_graphs.py` 中带 `gpu` 标记的测试检验。
 
 # %%
@@ -2088,7 +2088,7 @@ print(say("all checks passed"))
 #
 # - `nanovllm/engine/cuda_graphs.py`：`capture_sizes`、`graph_batch_size`（选档规则）、`DecodeBuffers`（静态输入、
 #   带填充行的 `load`、`max_model_len` 防线）、`graphs_unavailable_reason`、`CudaGraphRunner`（从最大档位开始捕获到
-#   同一个内存池、重放）以及 `capture_decode_graphs`。
+#   同一个显存池、重放）以及 `capture_decode_graphs`。
 # - `nanovllm/layers/compiled_ops.py`：`compile_small_ops(model)`，以及配置开关 `compile_small_ops`
 #   （`"auto"`：CUDA 上打开）。
 # - 第 08 章 `ModelRunner` 里的两个挂钩（编译、捕获；`run` 重放 decode 步），以及它对长于 `max_model_len` 的序列
@@ -2107,7 +2107,7 @@ print(say("all checks passed"))
 #
 # 1. `max_num_seqs=100` 时捕获哪些档位？70 个序列的批次重放哪个图？
 # 2. 为什么填充行必须是 `slot_mapping = -1`？如果用槽位 0 会出什么错？
-# 3. batch 为 1 的 decode 步要读取 Qwen3-0.6B 的 1.19 GB 权重。以 4.2 TB/s 计，这样一步最快能多快？记录下来的
+# 3. 批大小为 1 的 decode 步要读取 Qwen3-0.6B 的 1.19 GB 权重。以 4.2 TB/s 计，这样一步最快能多快？记录下来的
 #    graph 步（1.87 ms）离它有多远？
 # 4. 一步里 112 个单 token 的 GEMV，不提前启动时用了 569 µs，提前启动时 332 µs。PDL 藏住了每个内核边界的多少时间？
 #    如果每个矩阵乘都能按读权重的速度跑（全部 209 µs），那么用了 PDL 之后每个内核的边界还剩多少开销？

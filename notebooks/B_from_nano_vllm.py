@@ -411,7 +411,7 @@
 # | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | 温度、top-k、top-p 和带种子的生成器 |
 # | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager 执行，或重放 decode 图 |
 # | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 08, 12 | 只为需要 token 的行采样；`launch` 不等 GPU 算完就返回 |
-# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | 顺序相同（从最大的开始，共用一个内存池） |
+# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | 顺序相同（从最大的开始，共用一个显存池） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/utils/loader.py` → `nanovllm/models/loader.py`
@@ -596,8 +596,8 @@
 # %% [markdown] tags=["zh"]
 # | 差异 | 本书 | 章 | 上游 | 本书的做法及原因 |
 # |---|---|---|---|---|
-# | 哪个序列可以被分块 | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 只有一步中的第一个序列 | 哪个序列用完预算就分块哪个：每步都用满预算，第一个 token 来得更早；同一时刻最多一个预填充到一半的序列 |
-# | decode 批次大小 | `engine.scheduler.Scheduler._schedule_decode` | 04 | 最多 `max_num_seqs` 个 | 最多 `min(max_num_seqs, max_num_batched_tokens)` 个：每个序列计算一个 token，而预算约束每一步（确定 KV 缓存大小的预热没有测量过更大的步） |
+# | 哪个序列可以被分块 | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 只有一步中的第一个序列 | 哪个序列用完预算就分块哪个：每步都用满预算，第一个 token 来得更早；同一时刻最多一个 prefill 到一半的序列 |
+# | decode 批大小 | `engine.scheduler.Scheduler._schedule_decode` | 04 | 最多 `max_num_seqs` 个 | 最多 `min(max_num_seqs, max_num_batched_tokens)` 个：每个序列计算一个 token，而预算约束每一步（确定 KV 缓存大小的预热没有测量过更大的步） |
 # | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
 # | 永远放不下的请求 | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
 # | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
@@ -620,8 +620,8 @@
 # | 抛出异常的观察者 | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 13 | 没有观察者 | 引擎先把异常存起来，等这一步完整后由调用抛出；其他一切照常 |
 # | `step` 报告的内容 | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` 二元组 | 同样的二元组，另外指明所属请求和样本序号（`n > 1` 的样本以各自的 seq_id 结束） |
 # | 停在提示词内部的分块 | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | 它那一行和其他行一样被采样，再由后处理把 token 扔掉 | 不对它那一行采样（执行器为它返回 `-1`）：这一行的 logits 预测的是提示词内部的位置，采出的 token 只能被扔掉 |
-# | KV 块的数量 | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | `gpu_memory_utilization` 剩下的全部内存 | GPU 上相同，但最多 `max_num_seqs × ceil(max_model_len / block_size)` 个：更多的块永远不可能同时被持有（它们只能多留一些已释放的前缀在缓存里），而笔记本电脑上的小模型会预留一大块永远填不满的内存 |
-# | KV 缓存的数据类型 | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 16 | 模型的数据类型 | 模型的数据类型；或者设 `kv_cache_dtype="fp8"`，用 float8 e4m3 存储，每个 token、每个 KV 头带一个 float32 缩放因子：同样的内存放下约两倍的块，decode 要读的 KV 字节减半，SmolLM2 上的困惑度变化在 2 % 以内 |
+# | KV 块的数量 | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | `gpu_memory_utilization` 剩下的全部显存 | GPU 上相同，但最多 `max_num_seqs × ceil(max_model_len / block_size)` 个：更多的块永远不可能同时被持有（它们只能多留一些已释放的前缀在缓存里），而笔记本电脑上的小模型会预留一大块永远填不满的内存 |
+# | KV 缓存的数据类型 | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 16 | 模型的数据类型 | 模型的数据类型；或者设 `kv_cache_dtype="fp8"`，用 float8 e4m3 存储，每个 token、每个 KV 头带一个 float32 缩放因子：同样的显存放下约两倍的块，decode 要读的 KV 字节减半，SmolLM2 上的困惑度变化在 2 % 以内 |
 # | 加上残差之后的 RMSNorm | `layers.layernorm.rms_norm` | 05 | 在 float32 下加上残差，并对这个 float32 的和做归一化；返回的和舍入到模型的数据类型 | 按模型的数据类型相加，并对舍入后的和做归一化，与 `transformers` 一致，因此本书的模型与测试所对照的 `transformers` 相符；bf16 下残差流相同，归一化的输出在最后几位上可能不同（见下文的检查） |
 
 # %% [markdown] tags=["en"]
@@ -655,7 +655,7 @@
 # | 内容 | 本书 | 章 | 2026-04-14 之前的上游（`9e8507e`） | 上游后来的做法 | 本书的做法及原因 |
 # |---|---|---|---|---|---|
 # | 什么时候求块的哈希 | `engine.prefix_cache.PrefixCache.publish`, `engine.block_manager.BlockManager.publish_full_blocks` | 03 | 在 `allocate` 里为提示词的每个写满的块求哈希；在 `may_append` 里，当即将计算的 token 填满最后一块时为它求哈希：两者都在这一步写入 KV 之前 | 由后处理在这一步之后调用的 `hash_blocks`（`f64d821`） | 在写入 KV 的那一步之后（规则 1）。没有分块时先求哈希是安全的：写入某个块的那一步总在之后的任何查找之前运行，而同一个 prefill 步里的命中读到的 KV，已由前向计算逐层先行写入。分块 prefill 会让一个块在好几步里都没有写完，这期间别的请求可能命中它 |
-# | `can_allocate` | `engine.block_manager.BlockManager.can_allocate` | 02, 03 | `len(free_block_ids) >= seq.num_blocks`：不计缓存命中；预算检查也加上整个提示词（`num_batched_tokens + len(seq)`） | 命中正在使用的块不需要空闲块；预算只计未缓存的 token（`f64d821`） | 与上游现在的做法相同：只计必须从空闲队列取的块，只计将要计算的 token。旧的检查是安全的，只是太严：一个大部分块都能共享的提示词，可能要等它根本用不着的内存 |
+# | `can_allocate` | `engine.block_manager.BlockManager.can_allocate` | 02, 03 | `len(free_block_ids) >= seq.num_blocks`：不计缓存命中；预算检查也加上整个提示词（`num_batched_tokens + len(seq)`） | 命中正在使用的块不需要空闲块；预算只计未缓存的 token（`f64d821`） | 与上游现在的做法相同：只计必须从空闲队列取的块，只计将要计算的 token。旧的检查是安全的，只是太严：一个大部分块都能共享的提示词，可能要等它根本用不着的显存 |
 # | 全部命中缓存的提示词 | `engine.prefix_cache.PrefixCache.match` | 03 | 每个写满的块都可以命中，最后一块也不例外：所有块都已缓存的提示词没有任何东西要算，LM head 从另一个序列的那一行取 logits（序列单独成一步时则根本没有这一行） | 重新计算最后一个 token（`8d63a98`）；后来干脆不查找最后一块（`f64d821`） | 包含提示词最后一个 token 的块永远不会命中（规则 3）：这个 token 要计算，它的 logits 给出第一个新 token |
 # | 过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | `_allocate_block` 重置被重新使用的块，却把它的旧条目留在 `hash_to_block_id` 里：之后的提示词可能命中为另一段前缀写入的 KV | 条目仍指向这个块时将其删除（`f64d821`） | 同样的规则，写在 `forget` 里；第 03 章构造出这次错误命中，模糊测试防止它再次出现 |
 # | 分块 prefill | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 没有：提示词要么整个 prefill，要么等待；`Config` 要求 `max_num_batched_tokens >= max_model_len`，保证每个提示词都能在一步里放下 | 分块，但只限一步中的第一个序列（`8d63a98`） | 哪个序列用完预算就把哪个分块（第 04 章比较了两种规则），所以预算可以小于 `max_model_len` |
@@ -716,7 +716,7 @@ pool.allocate(again)
 assert again.num_cached_tokens == 4 and len(again) - again.num_cached_tokens == 4
 
 # en: Stale entries: chapter 03's recipe; C finds only the block that still holds its prefix.
-# zh: 过期条目：第 03 章的配方；C 只找到仍然存着它的前缀的那一块。
+# zh: 过期条目：重现第 03 章的场景；C 只找到仍然存着它的前缀的那一块。
 pool = BlockManager(num_blocks=3, block_size=2)
 for tokens in ([1, 2, 3, 4, 9], [7, 7, 3, 4]):
     seq = Sequence(tokens, block_size=2)

@@ -57,7 +57,7 @@ def test_every_chapter_page_exists_in_both_languages(lang: str, chapter: str) ->
 def test_chapter_01_shows_executed_outputs_and_the_state_machine(lang: str) -> None:
     html = page(lang, "chapters", "01_sequence")
     printed = {"en": ("the worked example holds", "all exercise answers check out"),
-               "zh": ("算例成立", "练习答案全部验证通过")}  # each site shows its own run (tools/book.py)
+               "zh": ("例子核对无误", "练习答案全部验证通过")}  # each site shows its own run (tools/book.py)
     assert all(text in html for text in printed[lang])
     assert "<svg" in html and "WAITING" in html and "preempt" in html  # the drawing is an output
     assert "def state_machine_svg" not in html  # its code cell is #| hide
@@ -455,6 +455,13 @@ def resources_that_failed(browser: Browser) -> list:
         if now != seen:
             seen, stable_since = now, time.monotonic()
     return [(url, status) for url, status in seen if status >= 400]
+
+
+@pytest.mark.parametrize("site", [SITE, SITE / "zh"], ids=["en", "zh"])
+def test_no_empty_sitemap_is_shipped(site: Path) -> None:
+    """Issue 33, part 3: without a site_url, mkdocs wrote a sitemap.xml that listed no page."""
+    assert (site / "index.html").is_file()
+    assert not (site / "sitemap.xml").exists() and not (site / "sitemap.xml.gz").exists()
 
 
 def test_pages_make_no_failing_requests(browser: Browser, served: str) -> None:

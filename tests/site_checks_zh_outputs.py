@@ -51,7 +51,7 @@ TRANSLATED = {
         ("exercise 2: the same seed gives the same answer", "练习 2：同一个种子给出同样的回答"),
     ],
     "01_sequence": [
-        ("prefill chunk 1", "prefill 分块 1"), ("the worked example holds", "算例成立"),
+        ("prefill chunk 1", "prefill 分块 1"), ("the worked example holds", "例子核对无误"),
         ("preempt (free blocks, recompute later)", "抢占（释放块，之后重算）"),
     ],
     "02_block_manager": [
@@ -66,8 +66,8 @@ TRANSLATED = {
         ("backward free", "倒序释放"), ("wrong positions", "出错的位置"),
     ],
     "04_scheduler": [
-        ("step kind     scheduled", "  步 类型     已调度"), ("cache hits", "缓存命中"),
-        ("scheduled A,B,C,D    preempted -    running A,B,C,D", "已调度 A,B,C,D    被抢占 -    运行 A,B,C,D"),
+        ("step kind     scheduled", "  步 类型     本步调度"), ("cache hits", "缓存命中"),
+        ("scheduled A,B,C,D    preempted -    running A,B,C,D", "本步调度 A,B,C,D    被抢占 -    运行 A,B,C,D"),
         ("four sequences, four blocks:", "四个序列，四个块："), ("chunked prefill steps", "个分块 prefill 步"),
         ("mean steps to first token", "到第一个 token 的平均步数"), ("preempt the newest", "抢占最新的"),
         ("budget left, and the head gets its blocks?", "还有预算，且队头能分到块？"),  # the flowchart
@@ -84,7 +84,7 @@ TRANSLATED = {
     "06_attention": [("paged attention matches dense attention", "分页注意力与稠密注意力一致")],
     "06b_triton_attention": [
         ("cache B's prefix", "缓存 B 的前缀"), ("prefill with a prefix", "带前缀的 prefill"),
-        ("caches identical", "缓存完全相同"), ("batch context  plain", "批量  上下文   普通"),
+        ("caches identical", "缓存完全相同"), ("batch context  plain", "批大小  上下文   普通"),
         # the chart: its title, axes and series
         ("% of copy bandwidth", "占拷贝带宽的 %"), ("batch size (sequences)", "批大小（序列数）"),
         ("plain, ctx 1024", "普通，上下文 1024"), ("heuristic, ctx 8192", "启发式，上下文 8192"),

@@ -21,6 +21,9 @@
 * mkdocs-jupyter's page template carries a module script that would import mermaid.js from a
   CDN if a notebook held a mermaid diagram; the book has none and loads nothing from the
   internet, so the script is removed.
+* The site has no fixed address (readers build it and serve it wherever they like: no
+  ``site_url``), so mkdocs' ``sitemap.xml`` would list no page at all; an empty sitemap is worse
+  than none, so neither it nor its ``.gz`` is shipped.
 
 HTML is edited with BeautifulSoup (nbconvert already parses and re-serializes every page with
 it), except on the final page, where two regular expressions are enough.
@@ -32,6 +35,7 @@ import base64
 import html
 import logging
 import re
+from pathlib import Path
 from typing import Any
 
 from bs4 import BeautifulSoup
@@ -210,3 +214,9 @@ def on_post_page(output: str, page: Any, config: Any) -> str:
         return HREF.sub(f'href="{alternate_href(page.url, roots[match["lang"]])}"', match[0], count=1)
 
     return ALTERNATE_TAG.sub(relink, output)
+
+
+def on_post_build(config: Any) -> None:
+    if not config.get("site_url"):
+        for name in ("sitemap.xml", "sitemap.xml.gz"):
+            (Path(config["site_dir"]) / name).unlink(missing_ok=True)
