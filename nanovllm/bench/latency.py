@@ -32,6 +32,7 @@ __all__ = [
     "measure_batch",
     "measure_setting",
     "measured_copy_rate",
+    "model_kernels",
     "step_boundary_timeline",
 ]
 
@@ -93,11 +94,17 @@ def measured_copy_rate(device: str) -> float:
     return 2 * source.numel() / sorted(times)[len(times) // 2]
 
 
+def model_kernels(profile: Any) -> list[Any]:
+    """The GPU kernels a torch.profiler run recorded, in the order the GPU started them. Copies and memsets are not
+    kernels of the model: they are left out."""
+    return sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
+                   and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
+
+
 def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float, list[tuple[str, float, float]]]:
     """(kernels per step, GPU milliseconds inside them per step, the ``top`` kernels by time) from a torch.profiler
-    run over ``steps`` steps. Copies and memsets are not kernels of the model: they are left out."""
-    kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
-               and not event.name.startswith(("Memcpy", "Memset"))]
+    run over ``steps`` steps (`model_kernels`)."""
+    kernels = model_kernels(profile)
     by_name: dict[str, list[float]] = {}
     for event in kernels:
         count_and_time = by_name.setdefault(event.name[:100], [0, 0.0])
@@ -118,8 +125,7 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
     them: from the last layer's LAYER_MARK of one step to the first layer's of the next, so the last layer, the
     final norm, the LM head, the sampler, any time the GPU waited for the host's next launch, and the next step's
     first layer up to its attention. (name, start, end) in microseconds from the first kernel's start."""
-    kernels = sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
-                      and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
+    kernels = model_kernels(profile)
     marks = [i for i, event in enumerate(kernels) if event.name.startswith(LAYER_MARK)]
     if steps < 2 or not marks or len(marks) % steps:
         return None
