@@ -236,7 +236,9 @@ assert graph_batch_size(600, capture_sizes(1024)) is None
 # %% [markdown] tags=["en"]
 # ## Build it: the static buffers and the padding rows
 #
-# `DecodeBuffers` holds the graph's inputs, allocated once for the largest size. `load` copies a
+# `DecodeBuffers` holds the graph's inputs, allocated once for the largest size, as views of one
+# block of bytes (`storage`): `carve` lays the five fields out in it, so that a step's inputs could
+# arrive in one copy (chapter 12 does that, when the host becomes the wall). `load` copies a
 # step's inputs into the first rows and turns the rows up to the bucket size into padding rows:
 # token 0 at position 0, `slot_mapping = -1` (the KV store skips it), `context_len = 0` (the
 # decode kernel reads no key and writes zeros) and a block table of `-1`. It asserts that no
@@ -246,9 +248,11 @@ assert graph_batch_size(600, capture_sizes(1024)) is None
 # %% [markdown] tags=["zh"]
 # ## 动手：静态缓冲区与填充行
 #
-# `DecodeBuffers` 保存图的输入，按最大档位一次分配好。`load` 把一步的输入拷贝进前面的行，并把直到档位大小的
-# 其余行变成填充行：位置 0 上的 token 0，`slot_mapping = -1`（KV 写入会跳过它），`context_len = 0`（decode 内核
-# 不读任何 key，输出零），块表全为 `-1`。它还断言没有比缓冲区更宽的块表：这正是 `max_model_len` 规则要防止的越界。
+# `DecodeBuffers` 保存图的输入，按最大档位一次分配好，五个字段都是同一块字节（`storage`）的视图：`carve` 在其中排好它
+# 们的位置，于是一步的输入可以一次拷贝就送到（第 12 章在主机成为瓶颈时正是这样做的）。`load` 把一步的输入拷贝进前面的
+# 行，并把直到档位大小的其余行变成填充行：位置 0 上的 token 0，`slot_mapping = -1`（KV 写入会跳过它），
+# `context_len = 0`（decode 内核不读任何 key，输出零），块表全为 `-1`。它还断言没有比缓冲区更宽的块表：这正是
+# `max_model_len` 规则要防止的越界。
 # `load` 只是普通的张量代码，所以可以在 CPU 上看它工作。
 
 # %% decode buffers
@@ -273,14 +277,56 @@ class DecodeBuffers:
     slot_mapping: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
+    # en: [nbytes(rows, max_blocks)] uint8: the one allocation the five fields are views of, in this order.
+    # zh: [nbytes(rows, max_blocks)] uint8：五个字段都是这一块分配的视图，按上面的顺序排列。
+    storage: torch.Tensor
+
+    # en: (name, dtype, one column per block?) of each field, in the order carve lays them out: the block tables
+    # en: come last, so the first rows of every field lie in one prefix of the storage (all a small bucket needs).
+    # zh: 各字段的 (名字, dtype, 是否每块一列)，即 carve 排布的顺序：块表放在最后，于是各字段的前几行都落在 storage 的
+    # zh: 一个前缀里（小档位的一步只需要这一段）。
+    LAYOUT = (("input_ids", torch.int64, False), ("positions", torch.int64, False),
+              ("slot_mapping", torch.int64, False), ("context_lens", torch.int32, False),
+              ("block_tables", torch.int32, True))  # fmt: skip
 
     @classmethod
-    def allocate(cls, rows: int, max_blocks: int, device: torch.device | str) -> DecodeBuffers:
-        def ints(*shape: int, dtype: torch.dtype = torch.int64, fill: int = 0) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=dtype, device=device)
+    def nbytes(cls, rows: int, max_blocks: int) -> int:
+        return sum(dtype.itemsize * rows * (max_blocks if wide else 1) for _, dtype, wide in cls.LAYOUT)
 
-        return cls(ints(rows), ints(rows), ints(rows, fill=-1), ints(rows, dtype=torch.int32),
-                   ints(rows, max_blocks, dtype=torch.int32, fill=-1))  # fmt: skip
+    @classmethod
+    def carve(cls, storage: torch.Tensor, rows: int, max_blocks: int) -> DecodeBuffers:
+        """The five fields as typed views of ``storage`` (uint8, `nbytes` long, on any device); nothing is filled."""
+        assert storage.dtype == torch.uint8 and storage.numel() == cls.nbytes(rows, max_blocks), "storage size"
+        fields, offset = {}, 0
+        for name, dtype, wide in cls.LAYOUT:
+            shape = (rows, max_blocks) if wide else (rows,)
+            size = dtype.itemsize * rows * (max_blocks if wide else 1)
+            fields[name] = storage[offset : offset + size].view(dtype).view(shape)
+            offset += size
+        return cls(**fields, storage=storage)
+
+    @classmethod
+    def allocate(
+        cls, rows: int, max_blocks: int, device: torch.device | str, pin_memory: bool = False
+    ) -> DecodeBuffers:
+        """Buffers of ``rows`` padding rows (pin_memory: in page-locked host memory, which a GPU copies from
+        without waiting for the host)."""
+        storage = torch.empty(cls.nbytes(rows, max_blocks), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        buffers = cls.carve(storage, rows, max_blocks)
+        # en: Every row starts as a padding row (see load).
+        # zh: 每一行一开始都是填充行（见 load）。
+        buffers.input_ids.zero_()
+        buffers.positions.zero_()
+        buffers.slot_mapping.fill_(-1)
+        buffers.context_lens.zero_()
+        buffers.block_tables.fill_(-1)
+        return buffers
+
+    def prefix_bytes(self, graph_batch: int) -> int:
+        """How many bytes at the start of storage hold rows [0, graph_batch) of every field: the four
+        one-column fields whole, then graph_batch rows of block tables."""
+        tables = self.block_tables.data_ptr() - self.storage.data_ptr()
+        return tables + graph_batch * self.max_blocks * 4
 
     @property
     def max_blocks(self) -> int:
@@ -461,14 +507,23 @@ class CudaGraphRunner:
     def covers(self, batch: int) -> bool:
         return graph_batch_size(batch, self.sizes) is not None
 
+    def bucket(self, batch: int) -> int:
+        """The captured size that runs a decode step of ``batch`` sequences."""
+        size = graph_batch_size(batch, self.sizes)
+        if size is None:
+            raise ValueError(f"batch {batch} is larger than the largest captured graph ({self.sizes[-1]}); "
+                             "run it eagerly")
+        return size
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Hidden states [n, hidden] of one decode step (context: chapter 08's decode context)."""
         n = input_ids.shape[0]
-        size = graph_batch_size(n, self.sizes)
-        if size is None:
-            raise ValueError(f"batch {n} is larger than the largest captured graph ({self.sizes[-1]}); run it eagerly")
-        self.buffers.load(input_ids, positions, context, size)
-        self.graphs[size].replay()
+        self.buffers.load(input_ids, positions, context, self.bucket(n))
+        return self.replay_loaded(n)
+
+    def replay_loaded(self, n: int) -> torch.Tensor:
+        """Replay the bucket of ``n`` sequences on what the buffers hold now: hidden states [n, hidden]."""
+        self.graphs[self.bucket(n)].replay()
         return self.outputs[:n]
 
 

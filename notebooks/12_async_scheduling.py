@@ -337,6 +337,166 @@ class SampledTokens:
         # zh: 会丢弃那个序列（第 13 章）。
         return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), input_ids.clamp(min=0))
 
+    def write_pending(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:
+        """`input_ids_for`, written in place into ``input_ids`` (a decode step's ids on the device)."""
+        keys = [(seq.request_id, seq.sample_index) for seq in seqs]
+        if self.samples[: len(seqs)] == keys and all(seq.last_token == PENDING_TOKEN for seq in seqs):
+            # en: The usual decode step: the same sequences in the same order, every token pending. One clamped copy
+            # en: does what input_ids_for does with six operations (the clamp: a NON_FINITE mark, as there).
+            # zh: 最常见的 decode 步：同样的序列、同样的顺序、每个 token 都待定。一次带截断的拷贝就完成了 input_ids_for
+            # zh: 用六个操作做的事（截断的原因同那里：NON_FINITE 标记）。
+            torch.clamp(self.on_device[: len(seqs)], min=0, out=input_ids)
+        else:
+            input_ids.copy_(self.input_ids_for(seqs, input_ids))
+
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "nothing": "无",
+    "{kind:<7} of {tokens:2d} tokens": "{kind}，共 {tokens:2d} 个 token",
+    "call {call:2d}: queued {queued:<7}, collected {collected}, finished {finished}":
+        "第 {call:2d} 次调用：排入 {queued}，收取 {collected}，完成 {finished}",
+    "{calls} calls for {steps} steps; the tokens equal the synchronous run's":
+        "{steps} 步用了 {calls} 次调用；token 与同步运行的相同",
+    "all exercise answers check out": "练习答案全部验证通过",
+    "one copy of {sent} of the buffers' {total} bytes; the same bytes as load: {same}":
+        "一次拷贝，送出缓冲区 {total} 字节中的 {sent} 字节；与 load 的字节相同：{same}",
+})
+
+# %% [markdown] tags=["en"]
+# ## Build it: one copy per step, because the host is now the wall
+#
+# Once the GPU no longer waits for the host's bookkeeping, what is left of the host's step is
+# *launching* it, and at batch 1 that became the wall: chapter 09's fused decode step needs about
+# 0.7 ms of GPU time on an H200, while the host took 1.0 ms to schedule, prepare and launch it
+# (`python -m nanovllm.bench --latency` prints both). A profile of the host (the script
+# `scripts/profile_host_step.py`) showed where: each decode step that replays a graph built five
+# small tensors on the host and copied each to the GPU (`prepare_decode`), gathered its pending
+# tokens with six more operations (`input_ids_for`), and then copied all of it into the graph's
+# buffers with ten more (`DecodeBuffers.load`). Every torch operation costs the host 5 to 20 µs
+# to dispatch, however small its work.
+#
+# `DecodeStaging` does the same work with two operations. It keeps two pinned host copies of the
+# graph's buffers, laid out exactly like them (chapter 09's `carve`), writes a step's inputs into
+# one of them straight from the sequences with numpy, and sends the prefix that the step's
+# bucket needs in **one** copy. Two copies in turn, because the copy is queued, not made: the
+# host must not rewrite a buffer that the GPU has yet to read, so before it writes one it waits
+# on the event recorded after that buffer's last copy (two steps ago, long done). The pending
+# tokens then take one clamped device-to-device copy (`write_pending`) in the usual case: the
+# same sequences in the same order as the step that samples them.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：每步一次拷贝，因为现在主机成了瓶颈
+#
+# GPU 不再等主机记账之后，主机在一步里剩下的工作就是*发起*这一步；在批大小 1 时，这成了瓶颈：第 09 章融合后的
+# decode 步在 H200 上只需约 0.7 ms 的 GPU 时间，主机调度、准备并发起它却要 1.0 ms（`python -m nanovllm.bench
+# --latency` 两个数都打印）。对主机的剖析（脚本 `scripts/profile_host_step.py`）指出了时间去向：每个重放图的
+# decode 步要在主机上建五个小张量，逐个拷贝到 GPU（`prepare_decode`），再用六个操作取来待定 token
+# （`input_ids_for`），然后再用十个操作把这一切拷进图的缓冲区（`DecodeBuffers.load`）。不管工作多小，每个 torch 操作
+# 都要花主机 5 到 20 µs 去分派。
+#
+# `DecodeStaging` 用两个操作完成同样的事。它保存图缓冲区的两份锁页主机副本，排布与缓冲区完全相同（第 09 章的
+# `carve`），用 numpy 直接从序列把一步的输入写进其中一份，再用**一次**拷贝把这一步的档位所需的前缀送过去。两份轮流
+# 使用，因为拷贝只是排进了队列，并没有立即发生：GPU 还没读走的缓冲区，主机不能改写，所以主机在写一份之前，先等待
+# 这份上一次拷贝之后记录的事件（那是两步之前的事，早已完成）。待定 token 随后在通常情况下只需一次带截断的设备内拷贝
+# （`write_pending`）：序列与采样它们的那一步相同、顺序也相同。
+
+# %% decode staging
+#| export engine.cuda_graphs
+import torch
+
+from nanovllm.engine.cuda_graphs import DecodeBuffers
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.context import _slot
+
+
+class DecodeStaging:
+    """A decode step's graph inputs, written on the host straight from the sequences and sent in one copy."""
+
+    def __init__(self, buffers: DecodeBuffers, block_size: int, copies: int = 2) -> None:
+        self.buffers, self.block_size = buffers, block_size
+        rows, on_gpu = buffers.input_ids.shape[0], buffers.storage.device.type == "cuda"
+        self.hosts = [DecodeBuffers.allocate(rows, buffers.max_blocks, "cpu", pin_memory=on_gpu) for _ in range(copies)]
+        # en: numpy views of each host copy: writing through numpy costs the host far less than torch operations.
+        # zh: 每份主机副本的 numpy 视图：通过 numpy 写入，主机的开销远小于 torch 操作。
+        self.arrays = [{name: getattr(host, name).numpy() for name, _, _ in DecodeBuffers.LAYOUT}
+                       for host in self.hosts]
+        # en: Recorded after each host copy's last transfer; None on a CPU, where a copy is made when it is called.
+        # zh: 在每份主机副本最近一次传输之后记录；CPU 上为 None，因为拷贝在调用时就已完成。
+        self.sent = [torch.cuda.Event() if on_gpu else None for _ in range(copies)]
+        self.turn = 0
+
+    def stage(self, seqs: list[Sequence], graph_batch: int) -> None:
+        """Write a decode step into rows [0, n) and padding rows up to graph_batch (what `DecodeBuffers.load`
+        writes from chapter 08's `prepare_decode`), then queue one copy of them to the buffers."""
+        n, rows = len(seqs), self.buffers.input_ids.shape[0]
+        assert 1 <= n <= graph_batch <= rows, f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= rows ({rows})"
+        turn, self.turn = self.turn, (self.turn + 1) % len(self.hosts)
+        if self.sent[turn] is not None:
+            self.sent[turn].synchronize()
+        host = self.arrays[turn]
+        lengths = [len(seq) for seq in seqs]
+        host["input_ids"][:n] = [seq.last_token for seq in seqs]
+        host["positions"][:n] = lengths
+        host["positions"][:n] -= 1
+        host["context_lens"][:n] = lengths
+        tables = host["block_tables"]
+        tables[:graph_batch] = -1
+        for i, (seq, length) in enumerate(zip(seqs, lengths, strict=True)):
+            assert seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == length - 1, f"not ready to decode: {seq}"
+            tables[i, : len(seq.block_table)] = seq.block_table
+            host["slot_mapping"][i] = _slot(seq.block_table, length - 1, self.block_size)
+        # en: Padding rows, as in chapter 09: token 0 at position 0, storing nothing, attending to nothing.
+        # zh: 填充行，同第 09 章：位置 0 上的 token 0，什么都不存，什么都不关注。
+        for name, padding in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0)):
+            host[name][n:graph_batch] = padding
+        size = self.buffers.prefix_bytes(graph_batch)
+        self.buffers.storage[:size].copy_(self.hosts[turn].storage[:size], non_blocking=True)
+        if self.sent[turn] is not None:
+            self.sent[turn].record()
+
+# %% [markdown] tags=["en"]
+# ### See it: the same buffers, from one copy
+#
+# Chapter 09's hand-made step of three sequences (block size 4, bucket of 4), once through
+# `prepare_decode` and `load`, once through `DecodeStaging`: the buffers hold the same bytes, and
+# the step's copy is the prefix that a bucket of 4 needs, not the whole buffer.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：同样的缓冲区，一次拷贝得来
+#
+# 第 09 章那个手工构造的三序列步（块大小 4，档位 4），一次经过 `prepare_decode` 和 `load`，一次经过
+# `DecodeStaging`：两份缓冲区的字节完全相同，而这一步拷贝的只是档位 4 所需的前缀，不是整个缓冲区。
+
+# %%
+from nanovllm.engine.cuda_graphs import DecodeBuffers
+from nanovllm.engine.model_runner import prepare_decode
+from nanovllm.layers.context import get_context, reset_context
+from nanovllm.sampling_params import SamplingParams
+
+
+def decoding(tokens: list[int], block_table: list[int]) -> Sequence:
+    """A sequence of ``tokens`` whose last token is the one this decode step computes."""
+    seq = Sequence(tokens, SamplingParams(), block_size=4)
+    seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = block_table, len(tokens) - 1, 1
+    return seq
+
+
+step = [decoding(list(range(10, 16)), [3, 8]), decoding(list(range(20, 31)), [0, 1, 5]), decoding([7, 8, 9], [2])]
+loaded = DecodeBuffers.allocate(rows=8, max_blocks=4, device="cpu")
+loaded.load(*prepare_decode(step, block_size=4), get_context(), graph_batch=4)
+reset_context()
+staged = DecodeBuffers.allocate(rows=8, max_blocks=4, device="cpu")
+DecodeStaging(staged, block_size=4).stage(step, graph_batch=4)
+print(say("one copy of {sent} of the buffers' {total} bytes; the same bytes as load: {same}",
+          sent=staged.prefix_bytes(4), total=staged.storage.numel(), same=torch.equal(loaded.storage, staged.storage)))
+assert torch.equal(loaded.storage, staged.storage)
+assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
+
 # %% [markdown] tags=["en"]
 # The runner's share. `launch` does what `run` did, without waiting: the forward, the sampling
 # of the rows that want a token (`sample`, chapter 08), and `SampledTokens.start`. With tensor
@@ -345,7 +505,9 @@ class SampledTokens:
 # to the next step by itself. `compute_logits` gains a `previous` argument, the step whose samples
 # are this step's pending tokens: a decode step takes them from there, on the device. A prefill
 # never starts before its last token is known (the engine never schedules one; `launch` asserts
-# it). `run` is `launch` followed by `token_ids()`.
+# it). `run` is `launch` followed by `token_ids()`. A decode step that a graph covers now takes
+# the staged path: `replay_decode` stages its inputs, writes its pending tokens and replays the
+# graph; every other step builds its inputs as before.
 
 # %% [markdown] tags=["zh"]
 # 执行器的部分。`launch` 做 `run` 做过的事，只是不等待：前向计算、为需要 token 的行采样（`sample`，第 08 章），以及
@@ -353,10 +515,12 @@ class SampledTokens:
 # 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。`compute_logits` 多了一个
 # `previous` 参数，即这一步的待定 token 所来自的那一步：decode 步在设备上从那里取得它们。prefill 在它的最后一个 token
 # 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。`run` 就是 `launch` 之后紧跟 `token_ids()`。
+# 能被某个图覆盖的 decode 步现在走暂存路径：`replay_decode` 暂存它的输入、写入待定 token、重放图；其他步照旧构建输入。
 
 # %% runner launches
 #| export engine.model_runner
 from nanovllm.book.literate import add_to_class
+from nanovllm.engine.cuda_graphs import DecodeStaging
 from nanovllm.engine.model_runner import ModelRunner, copy_kv_blocks, prepare_decode, prepare_prefill
 from nanovllm.layers.context import reset_context
 from nanovllm.layers.linear import share_from_rank0
@@ -377,17 +541,38 @@ def compute_logits(
     # zh: 引擎在入口处就拒绝更长的请求；KV 缓存是按 max_model_len 配置的。
     assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
     copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
+    pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
+    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+    if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+        return self.model.compute_logits(self.replay_decode(seqs, previous if pending else None))
     try:
         if is_prefill:
             input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
         else:
             input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
-            if any(seq.last_token == PENDING_TOKEN for seq in seqs):
-                assert previous is not None, "a last token is still pending: pass the step that samples it"
+            if pending:
                 input_ids = previous.input_ids_for(seqs, input_ids)
         return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
     finally:
         reset_context()
+
+
+# en: Built at the first decode step that replays a graph, over the graphs' buffers.
+# zh: 在第一个重放图的 decode 步建立，覆盖图的缓冲区。
+ModelRunner.staging: DecodeStaging | None = None
+
+
+@add_to_class(ModelRunner)
+def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+    """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
+    taken from ``previous`` on the device, then the graph replayed (chapter 09's `forward` in two operations,
+    not 22)."""
+    if self.staging is None:
+        self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
+    self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
+    if previous is not None:
+        previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
+    return self.graphs.replay_loaded(len(seqs))
 
 
 @add_to_class(ModelRunner)
@@ -719,22 +904,6 @@ prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Write c
 greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 sync_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_num_batched_tokens=16)
 outputs = sync_llm.generate(prompts, greedy, use_tqdm=False)
-
-# %% printed phrases
-#| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
-from nanovllm.book.lang import Phrases
-
-say = Phrases({
-    "nothing": "无",
-    "{kind:<7} of {tokens:2d} tokens": "{kind}，共 {tokens:2d} 个 token",
-    "call {call:2d}: queued {queued:<7}, collected {collected}, finished {finished}":
-        "第 {call:2d} 次调用：排入 {queued}，收取 {collected}，完成 {finished}",
-    "{calls} calls for {steps} steps; the tokens equal the synchronous run's":
-        "{steps} 步用了 {calls} 次调用；token 与同步运行的相同",
-    "all exercise answers check out": "练习答案全部验证通过",
-})
 
 # %%
 async_llm = LLM(str(tiny_qwen), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10,

@@ -145,6 +145,36 @@ def test_seeded_rows_draw_by_their_own_position(tiny: Path) -> None:
 
 
 # ---- pending tokens: launch, SampledTokens (asynchronous scheduling, chapter 12) ----------------
+def test_write_pending_writes_what_input_ids_for_returns(monkeypatch) -> None:
+    from nanovllm.engine.model_runner import SampledTokens
+    from nanovllm.engine.sequence import PENDING_TOKEN
+
+    def step_of(*tokens: list[int]) -> list[Sequence]:
+        seqs = [scheduled(t, [i], cached=len(t) - 1, count=1) for i, t in enumerate(tokens)]
+        for seq in seqs:
+            seq.token_ids[-1] = PENDING_TOKEN
+        return seqs
+
+    a, b, c = step_of([5, 6, 7], [9, 10], [12, 13, 14])
+    # The usual step: the sequences the previous step sampled, in its order, all pending (one marked NON_FINITE).
+    previous = SampledTokens.start([a, b, c], [0, 1, 2], torch.tensor([70, NON_FINITE, 90]))
+    expected = previous.input_ids_for([a, b, c], torch.full((3,), PENDING_TOKEN))
+    with monkeypatch.context() as patch:
+        patch.setattr(SampledTokens, "input_ids_for", lambda *args: pytest.fail("the usual step took the gather"))
+        written = torch.full((3,), PENDING_TOKEN)
+        previous.write_pending([a, b, c], written)
+    assert written.tolist() == expected.tolist() == [70, 0, 90]
+    # Any other step (a finished in between and c's token is known) takes the gather, with the same result.
+    c.token_ids[-1] = 14
+    written = torch.tensor([PENDING_TOKEN, 14])
+    previous.write_pending([b, c], written)
+    assert written.tolist() == [0, 14]
+    reordered = torch.full((2,), PENDING_TOKEN)
+    c.token_ids[-1] = PENDING_TOKEN
+    previous.write_pending([c, a], reordered)
+    assert reordered.tolist() == [90, 70]
+
+
 def test_a_pending_input_token_comes_from_the_previous_step(tiny: Path) -> None:
     from nanovllm.engine.model_runner import SampledTokens
     from nanovllm.engine.sequence import PENDING_TOKEN

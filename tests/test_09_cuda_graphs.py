@@ -12,6 +12,7 @@ from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import (
     DecodeBuffers,
+    DecodeStaging,
     capture_sizes,
     graph_batch_size,
     graphs_unavailable_reason,
@@ -95,6 +96,60 @@ def test_load_asserts_an_overrun_and_bad_sizes() -> None:
         buffers.load(torch.tensor([1, 2]), torch.tensor([1, 1]), ok, graph_batch=1)
     with pytest.raises(AssertionError, match="rows"):
         buffers.load(torch.tensor([1, 2]), torch.tensor([1, 1]), ok, graph_batch=8)
+
+
+def test_buffers_are_views_of_one_allocation_in_layout_order() -> None:
+    buffers = DecodeBuffers.allocate(rows=5, max_blocks=3, device="cpu")
+    assert buffers.storage.numel() == DecodeBuffers.nbytes(5, 3) == 5 * (8 + 8 + 8 + 4) + 5 * 3 * 4
+    starts = [getattr(buffers, name).data_ptr() - buffers.storage.data_ptr() for name, _, _ in DecodeBuffers.LAYOUT]
+    assert starts == [0, 40, 80, 120, 140]
+    buffers.context_lens[2] = 7  # a write through a field is a write into the storage
+    assert buffers.storage[120 + 2 * 4 : 120 + 3 * 4].view(torch.int32).item() == 7
+    # a bucket of 2 needs the four one-column fields and two rows of block tables
+    assert buffers.prefix_bytes(2) == 140 + 2 * 3 * 4 and buffers.prefix_bytes(5) == buffers.storage.numel()
+
+
+def _decoding(tokens: list[int], table: list[int]) -> Sequence:
+    seq = Sequence(tokens, SamplingParams(temperature=0), block_size=4)
+    seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, len(tokens) - 1, 1
+    return seq
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staging_writes_what_prepare_decode_and_load_write(seed: int) -> None:
+    """Steps of random sizes on the same buffers: the rows a bucket reads hold the same values either way."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, max_blocks = 16, 5
+    loaded = DecodeBuffers.allocate(rows, max_blocks, device="cpu")
+    staged = DecodeBuffers.allocate(rows, max_blocks, device="cpu")
+    staging = DecodeStaging(staged, block_size=4)
+    sizes = capture_sizes(rows)
+    for _ in range(8):
+        n = int(torch.randint(1, rows + 1, (), generator=generator))
+        seqs = []
+        for _ in range(n):
+            length = int(torch.randint(1, 4 * max_blocks + 1, (), generator=generator))
+            table = torch.randperm(64, generator=generator)[: -(-length // 4)].tolist()
+            seqs.append(_decoding(torch.randint(0, 100, (length,), generator=generator).tolist(), table))
+        bucket = graph_batch_size(n, sizes)
+        loaded.load(*prepare_decode(seqs, 4), get_context(), bucket)
+        reset_context()
+        staging.stage(seqs, bucket)
+        for name, _, _ in DecodeBuffers.LAYOUT:
+            assert torch.equal(getattr(staged, name)[:bucket], getattr(loaded, name)[:bucket]), name
+
+
+def test_staging_asserts_what_load_asserts() -> None:
+    staging = DecodeStaging(DecodeBuffers.allocate(rows=4, max_blocks=2, device="cpu"), block_size=4)
+    ready = [_decoding([1, 2, 3], [0]), _decoding([4, 5], [1])]
+    with pytest.raises(AssertionError, match="graph batch"):
+        staging.stage(ready, graph_batch=1)
+    with pytest.raises(AssertionError, match="rows"):
+        staging.stage(ready, graph_batch=8)
+    prefill = _decoding([1, 2, 3], [0])
+    prefill.num_cached_tokens, prefill.num_scheduled_tokens = 0, 3
+    with pytest.raises(AssertionError, match="not ready to decode"):
+        staging.stage([prefill], graph_batch=1)
 
 
 def test_graphs_unavailable_reason() -> None:
@@ -345,3 +400,36 @@ def test_fused_qkv_is_refused_for_a_partial_rotary_embedding() -> None:
 
     assert fused_qkv.can_fuse(Qwen3Attention(64, 4, 2, 16, RotaryEmbedding(16, 16, 64, 10000.0)))
     assert not fused_qkv.can_fuse(Qwen3Attention(64, 4, 2, 16, RotaryEmbedding(16, 8, 64, 10000.0)))
+
+
+@pytest.mark.gpu
+def test_gpu_staged_decode_with_async_scheduling_matches_the_eager_engine(tiny: Path, monkeypatch) -> None:
+    """The staged path (chapter 12) under async scheduling: sequences of different lengths finish at different
+    steps, so both the one-copy pending tokens and the gather run; the tokens are the eager engine's."""
+    if not CUDA:
+        pytest.skip("needs CUDA")
+    from nanovllm.engine.model_runner import SampledTokens
+    from nanovllm.llm import LLM
+
+    prompts = [[3 + i for i in range(n)] for n in (5, 17, 40, 9)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 7, 19, 44)]
+    gathers = []
+    real_gather = SampledTokens.input_ids_for
+    monkeypatch.setattr(SampledTokens, "input_ids_for", lambda *args: gathers.append(1) or real_gather(*args))
+    tokens, stages = {}, {}
+    for eager in (True, False):
+        llm = LLM(str(tiny), dtype="float32", enforce_eager=eager, async_scheduling=not eager, kvcache_block_size=16,
+                  num_kvcache_blocks=64, max_model_len=256, max_num_seqs=8)
+        try:
+            runner = llm.model_runner
+            if not eager:
+                def counted(seqs, previous, stage=runner.replay_decode):
+                    stages[len(seqs)] = stages.get(len(seqs), 0) + 1
+                    return stage(seqs, previous)
+
+                runner.replay_decode = counted
+            tokens[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.exit()
+    assert tokens[False] == tokens[True]
+    assert sorted(stages) == [1, 2, 3, 4] and gathers  # every batch size staged, and the gather ran too

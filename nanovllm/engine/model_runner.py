@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import CudaGraphRunner, capture_decode_graphs
+from nanovllm.engine.cuda_graphs import CudaGraphRunner, DecodeStaging, capture_decode_graphs
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
@@ -184,6 +184,9 @@ class ModelRunner:
     # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
     # The captured decode graphs: None until warm_up captures them, and wherever graphs cannot be used.
     graphs: CudaGraphRunner | None = None
+    # notebooks/12_async_scheduling.py · cell "runner launches"
+    # Built at the first decode step that replays a graph, over the graphs' buffers.
+    staging: DecodeStaging | None = None
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -334,13 +337,16 @@ class ModelRunner:
         # The engine refuses longer requests up front; the KV cache is sized for max_model_len.
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
+        pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
+        assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+        if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+            return self.model.compute_logits(self.replay_decode(seqs, previous if pending else None))
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
             else:
                 input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
-                if any(seq.last_token == PENDING_TOKEN for seq in seqs):
-                    assert previous is not None, "a last token is still pending: pass the step that samples it"
+                if pending:
                     input_ids = previous.input_ids_for(seqs, input_ids)
             return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
         finally:
@@ -385,6 +391,18 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
             layer.k_scales = layer.v_scales = None
         self.kv_cache, self.kv_scales = torch.tensor([]), None
+
+    # notebooks/12_async_scheduling.py · cell "runner launches"
+    def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+        """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
+        taken from ``previous`` on the device, then the graph replayed (chapter 09's `forward` in two operations,
+        not 22)."""
+        if self.staging is None:
+            self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
+        self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
+        if previous is not None:
+            previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
+        return self.graphs.replay_loaded(len(seqs))
 
     # notebooks/12_async_scheduling.py · cell "runner launches"
     @torch.inference_mode()
@@ -457,3 +475,13 @@ class SampledTokens:
         # A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
         # fail on the device, and the engine drops that sequence when it reads the mark (chapter 13).
         return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), input_ids.clamp(min=0))
+
+    def write_pending(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:
+        """`input_ids_for`, written in place into ``input_ids`` (a decode step's ids on the device)."""
+        keys = [(seq.request_id, seq.sample_index) for seq in seqs]
+        if self.samples[: len(seqs)] == keys and all(seq.last_token == PENDING_TOKEN for seq in seqs):
+            # The usual decode step: the same sequences in the same order, every token pending. One clamped copy
+            # does what input_ids_for does with six operations (the clamp: a NON_FINITE mark, as there).
+            torch.clamp(self.on_device[: len(seqs)], min=0, out=input_ids)
+        else:
+            input_ids.copy_(self.input_ids_for(seqs, input_ids))
