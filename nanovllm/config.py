@@ -174,7 +174,8 @@ class Config:
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.fused_decode == "auto":
-            # On a GPU, where its one-token kernels beat cuBLAS (chapter 09); on a CPU only the interpreter can.
+            # On a GPU, where its kernels for one or two tokens beat cuBLAS (chapter 09); on a CPU only the
+            # interpreter can run them.
             self.fused_decode = device == "cuda"
         elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "

@@ -893,18 +893,19 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 5. `down_proj` (then the all-reduce).
 #
 # `small_matmul` is that kernel, in two forms. For one token (a decode step of one sequence, the
-# case this section is for) it is a GEMV, a matrix times a vector: each program owns a few rows of
-# the weight (8 for q/k/v and gate/up, 4 for `o_proj` and `down_proj`, so that every matmul has at
-# least 256 programs for the H200's 132 SMs), loads its whole slice of them at once (16 KB for
-# q/k/v), and only then reads the input row. For 2 to 16 tokens it is a tile kernel: a tile of 16
-# rows (the smallest `tl.dot` tile) walks the input dimension. The rounding follows chapter 05's
+# case this section is for) or two it is a GEMV, a matrix times a vector: each program owns a few
+# rows of the weight (8 for q/k/v and gate/up, 4 for `o_proj` and `down_proj`, so that every matmul
+# has at least 256 programs for the H200's 132 SMs), loads its whole slice of them at once (16 KB
+# for q/k/v), and only then reads the input rows, one after another, while the slice stays in
+# registers. For more tokens, up to 16, it is a tile kernel: a tile of 16 rows (the smallest
+# `tl.dot` tile) walks the input dimension. The rounding follows chapter 05's
 # functions exactly in both: the residual added in the model's dtype, the norm in float32 rounded
 # to the model's dtype before the weight, the matmul accumulated in float32, `gate` and `up`
 # rounded before SiLU as when they were a tensor. `FusedDecodeLayer` runs chapter 05's decoder
 # layer with it; the decoder layer asks it through its `fused_forward` hook. The setting
-# `fused_decode` (on by default on a GPU) hands every layer one that takes steps of one token,
-# where it measured faster than cuBLAS; steps of 2 to 16 tokens take the tile kernel only when
-# asked (`FusedDecodeLayer(max_tokens=16)`), for the reason measured below.
+# `fused_decode` (on by default on a GPU) hands every layer one that takes steps of one or two
+# tokens (`GEMV_ROWS`), where the GEMV measured faster than cuBLAS; longer steps take the tile
+# kernel only when asked (`FusedDecodeLayer(max_tokens=16)`), for the reason measured below.
 #
 # Why load the weights first? A kernel boundary costs more than a launch. Inside a graph, kernel
 # *n + 1* starts only when every program of kernel *n* has finished and its writes are visible;
@@ -937,14 +938,15 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 4. 残差相加 + RMSNorm + gate/up 矩阵乘 + SiLU × mul；
 # 5. `down_proj`（接 all-reduce）。
 #
-# `small_matmul` 就是这个内核，它有两种形式。一个 token 时（一个序列的 decode 步，也就是本节关心的情形）它是 GEMV，
-# 即矩阵乘向量：每个程序负责权重的几行（q/k/v 和 gate/up 每个程序 8 行，`o_proj` 和 `down_proj` 4 行，这样每个矩阵
-# 乘都至少有 256 个程序，分给 H200 的 132 个 SM），一次把自己那一段权重全部读入（q/k/v 是 16 KB），然后才去读输入行。
-# 2 到 16 个 token 时它是 tile 内核：一个 16 行的 tile（`tl.dot` 最小的 tile）沿输入维度走下去。两种形式的舍入都与
+# `small_matmul` 就是这个内核，它有两种形式。一个 token（一个序列的 decode 步，也就是本节关心的情形）或两个 token
+# 时它是 GEMV，即矩阵乘向量：每个程序负责权重的几行（q/k/v 和 gate/up 每个程序 8 行，`o_proj` 和 `down_proj` 4 行，
+# 这样每个矩阵乘都至少有 256 个程序，分给 H200 的 132 个 SM），一次把自己那一段权重全部读入（q/k/v 是 16 KB），然后
+# 才去读输入行，一行接一行，那段权重一直留在寄存器里。更多 token（最多 16 个）时它是 tile 内核：一个 16 行的 tile
+# （`tl.dot` 最小的 tile）沿输入维度走下去。两种形式的舍入都与
 # 第 05 章的函数完全一致：残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘
 # 在 float32 中累加，`gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。`FusedDecodeLayer` 用它来运行第 05 章的
 # 解码层；解码层通过自己的 `fused_forward` 钩子询问它。配置项 `fused_decode`（在 GPU 上默认打开）交给每一层一个只接手
-# 一个 token 的步的融合层，因为那里它测得比 cuBLAS 快；2 到 16 个 token 的步只有在明确要求时
+# 一个或两个 token 的步（`GEMV_ROWS`）的融合层，因为那里 GEMV 测得比 cuBLAS 快；更长的步只有在明确要求时
 # （`FusedDecodeLayer(max_tokens=16)`）才用 tile 内核，原因见下面的测量。
 #
 # 为什么先读权重？内核之间的边界比一次启动更贵。在 graph 里，第 *n + 1* 个内核要等第 *n* 个内核的所有程序都结束、
@@ -975,11 +977,17 @@ from torch import nn
 # en: The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 # zh: 一个 tl.dot tile 的行数：不超过这么多 token 的一步走融合路径。
 MAX_TOKENS = 16
-# en: The steps that the engine runs fused: one token, where the GEMV measured faster than cuBLAS (below). Steps of
-# en: 2 to 16 tokens take the tile kernel only when asked (FusedDecodeLayer(max_tokens=...)): it measured slower.
-# zh: 引擎融合运行的步：一个 token 的步，那里 GEMV 测得比 cuBLAS 快（见下文）。2 到 16 个 token 的步只有在明确要求时
-# zh: （FusedDecodeLayer(max_tokens=...)）才用 tile 内核：它测得更慢。
-FUSED_STEP_TOKENS = 1
+# en: The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds, so
+# en: from 4 rows on the arithmetic, not the weights, sets its pace: measured on the H200 (below), 2 rows took
+# en: half of cuBLAS's time, 4 rows about as long, 8 and 16 rows two and four times as long.
+# zh: GEMV 最多处理的行数。每多一行，它就要对手里那段权重多做一遍乘加，所以从 4 行起决定速度的是算术，而不是读权重：
+# zh: 在 H200 上测得（见下文）2 行只用 cuBLAS 一半的时间，4 行差不多一样长，8 行和 16 行是它的两倍和四倍。
+GEMV_ROWS = 2
+# en: The steps that the engine runs fused: up to GEMV_ROWS tokens, where the GEMV measured faster than cuBLAS
+# en: (below). The tile kernel runs only when asked (a launch given to small_matmul): it measured slower.
+# zh: 引擎融合运行的步：不超过 GEMV_ROWS 个 token 的步，那里 GEMV 测得比 cuBLAS 快（见下文）。tile 内核只在明确
+# zh: 要求时运行（给 small_matmul 传入 launch）：它测得更慢。
+FUSED_STEP_TOKENS = GEMV_ROWS
 
 
 @triton.jit
@@ -1063,13 +1071,15 @@ def small_matmul_kernel(
 @triton.jit
 def gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
-    stride_w, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-    GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    stride_w, stride_x, stride_r, stride_out, stride_ro,
+    ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # en: One token: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N), its whole slice of the
-    # en: weight loaded at once, before anything that an earlier kernel writes.
-    # zh: 一个 token：程序 p 计算输出列 [p * BLOCK_N, (p + 1) * BLOCK_N)；它那一段权重一次全部读入，而且在读取
-    # zh: 任何由前面内核写出的数据之前。
+    # en: ROWS tokens: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of every row, its whole
+    # en: slice of the weight loaded at once, before anything that an earlier kernel writes, then kept in registers
+    # en: while the rows go by one after another: the weight is read once for all of them.
+    # zh: ROWS 个 token：程序 p 计算每一行的输出列 [p * BLOCK_N, (p + 1) * BLOCK_N)；它那一段权重一次全部读入，
+    # zh: 而且在读取任何由前面内核写出的数据之前，然后留在寄存器里，让各行依次用它：权重只为所有行读一次。
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -1080,40 +1090,47 @@ def gemv_kernel(
         # en: Let the next kernel launch now: its own weight loads overlap this kernel's.
         # zh: 让下一个内核现在就启动：它读自己权重的访存与本内核的访存重叠。
         tl.extra.cuda.gdc_launch_dependents()
+    # en: Held in the weight's own dtype (16K bfloat16 elements fill 64 registers a thread; float32 would take 128).
+    # zh: 以权重自己的数据类型保存（16K 个 bfloat16 元素占每个线程 64 个寄存器；float32 要占 128 个）。
     w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
     if GLU:
         w_up = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
     if NORM:
         norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    if BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if GLU:
+            bias_up = tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     if PDL:
-        # en: Only now wait for the kernel before (and see what it wrote): the input row comes from it.
+        # en: Only now wait for the kernel before (and see what it wrote): the input rows come from it.
         # zh: 直到这里才等待前一个内核结束（并看到它写出的数据）：输入行来自它。
         tl.extra.cuda.gdc_wait()
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-    if ADD:
-        residual = tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-        if pid == 0:
-            tl.store(residual_out_ptr + ks, x, mask=k_mask)
-    if NORM:
+    for row in tl.static_range(ROWS):
+        x = tl.load(x_ptr + row * stride_x + ks, mask=k_mask, other=0.0)
+        if ADD:
+            residual = tl.load(residual_ptr + row * stride_r + ks, mask=k_mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+            if pid == 0:
+                tl.store(residual_out_ptr + row * stride_ro + ks, x, mask=k_mask)
+        if NORM:
+            x32 = x.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
+            x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
         x32 = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
-        x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
-    x32 = x.to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
-    if BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if GLU:
-        up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+        acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
         if BIAS:
-            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
-        gate = acc.to(dtype).to(tl.float32)
-        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
-    else:
-        result = acc.to(dtype)
-    tl.store(out_ptr + cols, result, mask=col_mask)
+            acc += bias
+        if GLU:
+            up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+            if BIAS:
+                up += bias_up
+            gate = acc.to(dtype).to(tl.float32)
+            activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+            result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            result = acc.to(dtype)
+        tl.store(out_ptr + row * stride_out + cols, result, mask=col_mask)
 
 
 # en: The most weight elements one GEMV program holds in registers (16K: 32 KB of bf16, 128 per thread at 4 warps).
@@ -1174,8 +1191,8 @@ def small_matmul(
     - ``glu``: ``weight`` is the merged [gate | up] weight and the result is ``SiLU(gate) * up``.
 
     Returns (the result, the new residual: ``x + residual``, or ``x`` itself when there is no residual).
-    One row takes `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split the work,
-    default `choose_launch`), take the tile kernel.
+    Up to GEMV_ROWS rows take `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split
+    the work, default `choose_launch`), take the tile kernel.
     """
     tokens, k = x.shape
     if tokens > MAX_TOKENS:
@@ -1192,13 +1209,14 @@ def small_matmul(
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    block_n = gemv_block_n(n, k, glu) if tokens == 1 and launch is None else 0
-    if block_n:
+    block_n = gemv_block_n(n, k, glu) if tokens <= GEMV_ROWS and launch is None else 0
+    if block_n and tokens:
         pdl = programmatic_launch(x.device)
         gemv_kernel[(triton.cdiv(n, block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0),
-            K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
+            bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0), x.stride(0),
+            residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
+            ROWS=tokens, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
             ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     elif tokens:
@@ -1306,8 +1324,8 @@ positions = torch.tensor([0, 1, 2], device=DEVICE)
 set_prefill_context([3], [3], device=DEVICE)
 expected = layer(positions, x, residual)
 torch.testing.assert_close(FusedDecodeLayer(3)(layer, positions, x, residual), expected, rtol=1e-5, atol=1e-5)
-# en: Through the decoder layer's hook, as the engine calls it: the engine's layer takes steps of one token (the GEMV).
-# zh: 经由解码层的钩子调用，与引擎的调用方式相同：引擎交给各层的融合层只接手一个 token 的步（GEMV）。
+# en: Through the decoder layer's hook, as the engine calls it: the engine's layer takes steps of one or two tokens.
+# zh: 经由解码层的钩子调用，与引擎的调用方式相同：引擎交给各层的融合层只接手一个或两个 token 的步。
 layer.fused_forward = FusedDecodeLayer()
 assert layer.fused_forward.applies(x[:1]) and not layer.fused_forward.applies(x)
 set_prefill_context([1], [1], device=DEVICE)
@@ -1335,9 +1353,21 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # | GEMV, 8 / 8 columns a program, PDL | 372 | 56 % |
 # | GEMV, 16 / 4 columns a program, PDL | 368 | 57 % |
 #
-# At 4 and 16 tokens the tile kernel took 1,304 and 1,317 µs where cuBLAS took 776 and 702: a
-# tile that walks the input 128 elements at a time keeps too few bytes in flight, so steps of more
-# than one token stay with cuBLAS. The whole engine, with `python -m nanovllm.bench --latency
+# With several tokens (recorded later the same day, same script; µs, the GEMV taking every row):
+#
+# | tokens | cuBLAS | GEMV | tile kernel |
+# |---:|---:|---:|---:|
+# | 2 | 858 | 452 | 1,284 |
+# | 4 | 772 | 807 | 1,293 |
+# | 8 | 688 | 1,582 | 1,304 |
+# | 16 | 703 | 3,212 | 1,303 |
+#
+# The GEMV reads the weights once for all rows, but each row is one more pass of multiply-adds
+# over the slice it holds: at 2 rows it still takes half of cuBLAS's time, from 4 on the arithmetic
+# sets its pace, so it takes at most `GEMV_ROWS = 2`. The tile kernel walks the input 128 elements
+# at a time and keeps too few bytes in flight, so longer steps stay with cuBLAS.
+#
+# The whole engine, when the GEMV took one token only, with `python -m nanovllm.bench --latency
 # --fused-decode both` (chapter 14: prompts of 512 tokens, 1,024 generated, CUDA graphs, async
 # scheduling, both settings in one invocation):
 #
@@ -1371,8 +1401,20 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # | GEMV，每个程序 8 / 8 列，PDL | 372 | 56 % |
 # | GEMV，每个程序 16 / 4 列，PDL | 368 | 57 % |
 #
-# 4 个和 16 个 token 时，tile 内核用了 1,304 和 1,317 µs，而 cuBLAS 只要 776 和 702：一个每次只沿输入走 128 个元素的
-# tile，同时在途的字节太少，所以多于一个 token 的步仍交给 cuBLAS。整个引擎用 `python -m nanovllm.bench --latency
+# 多个 token 时（同一天稍晚用同一脚本记录；单位 µs，GEMV 接手每一行）：
+#
+# | token 数 | cuBLAS | GEMV | tile 内核 |
+# |---:|---:|---:|---:|
+# | 2 | 858 | 452 | 1,284 |
+# | 4 | 772 | 807 | 1,293 |
+# | 8 | 688 | 1,582 | 1,304 |
+# | 16 | 703 | 3,212 | 1,303 |
+#
+# GEMV 为所有行只读一遍权重，但每多一行，就要对手里那段权重多做一遍乘加：2 行时它仍只用 cuBLAS 一半的时间，从 4 行起
+# 决定速度的是算术，所以它最多接手 `GEMV_ROWS = 2` 行。tile 内核每次只沿输入走 128 个元素，同时在途的字节太少，所以
+# 更长的步仍交给 cuBLAS。
+#
+# GEMV 还只接手一个 token 时，整个引擎用 `python -m nanovllm.bench --latency
 # --fused-decode both` 测量（第 14 章：提示词 512 个 token，生成 1,024 个，使用 CUDA graph 和异步调度，两种设置在
 # 同一次调用中测量）：
 #
@@ -2121,9 +2163,10 @@ print(say("all checks passed"))
 #   synchronous with every step timed (host, and GPU time of forward, LM head and sampler by CUDA
 #   events), warm with async scheduling on and off, then under `torch.profiler`; it also counts
 #   Triton variants compiled during a run.
-# - `nanovllm/layers/fused_decode.py`: `small_matmul` (the GEMV for one token, started early with
-#   PDL on Hopper; the tile kernel for up to 16), `FusedDecodeLayer` and `fuse_decode_layers`, with
-#   the config switch `fused_decode` (`"auto"`: on for CUDA, one-token steps);
+# - `nanovllm/layers/fused_decode.py`: `small_matmul` (the GEMV for one or two tokens, started
+#   early with PDL on Hopper; the tile kernel for up to 16), `FusedDecodeLayer` and
+#   `fuse_decode_layers`, with the config switch `fused_decode` (`"auto"`: on for CUDA, steps of
+#   one or two tokens);
 #   `scripts/decode_matmul_chain.py` times a step's 112 matmuls against cuBLAS.
 #
 # Chapter 10 splits the model across GPUs; chapter 11 runs the whole engine.
@@ -2152,9 +2195,10 @@ print(say("all checks passed"))
 # - `scripts/profile_engine.py`（GPU 上的诊断工具）：把基准测试的负载先冷跑一次，再以同步方式热跑一次并为每一步计时
 #   （主机端时间，以及用 CUDA 事件测得的前向、LM head 和采样器的 GPU 时间），然后分别打开和关闭异步调度各热跑一次，
 #   最后在 `torch.profiler` 下再跑一次；它还会统计运行期间新编译了多少个 Triton 变体。
-# - `nanovllm/layers/fused_decode.py`：`small_matmul`（一个 token 时是 GEMV，在 Hopper 上用 PDL 提前启动；最多 16 个
-#   token 时是 tile 内核）、`FusedDecodeLayer` 和 `fuse_decode_layers`，以及配置开关 `fused_decode`（`"auto"`：CUDA 上
-#   打开，只接手一个 token 的步）；`scripts/decode_matmul_chain.py` 把一步的 112 个矩阵乘与 cuBLAS 对比计时。
+# - `nanovllm/layers/fused_decode.py`：`small_matmul`（一个或两个 token 时是 GEMV，在 Hopper 上用 PDL 提前启动；最多
+#   16 个 token 时是 tile 内核）、`FusedDecodeLayer` 和 `fuse_decode_layers`，以及配置开关 `fused_decode`（`"auto"`：
+#   CUDA 上打开，只接手一个或两个 token 的步）；`scripts/decode_matmul_chain.py` 把一步的 112 个矩阵乘与 cuBLAS
+#   对比计时。
 #
 # 第 10 章把模型切分到多块 GPU 上；第 11 章运行整个引擎。
 #

@@ -1,7 +1,7 @@
 """The matmuls of a Qwen3-0.6B decode step (28 layers: norm + q/k/v, o_proj, norm + gate/up + SiLU x mul, down_proj),
 chained as a step chains them and replayed in one CUDA graph: cuBLAS (F.linear alone, the norms and SiLU x mul not
-counted) against chapter 09's `small_matmul` (the GEMV at one token, the tile kernel above), the GEMV under several
-widths and with programmatic dependent launch (PDL) on and off. Weights are 881 MB, far beyond the L2 cache.
+counted) against chapter 09's `small_matmul` (the GEMV up to GEMV_ROWS tokens, and the tile kernel), the GEMV under
+several widths and with programmatic dependent launch (PDL) on and off. Weights are 881 MB, far beyond the L2 cache.
 
     PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py [--out FILE.json]
 """
@@ -66,10 +66,16 @@ def main() -> None:
         rows.append({"tokens": tokens, "kernel": kernel, "us": us, **launch})
 
     choose_width, choose_pdl = fused_decode.gemv_block_n, fused_decode.programmatic_launch
-    for tokens in (1, 4, 16):
+    for tokens in (1, 2, 4, 8, 16):
         x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
         record(tokens, "cuBLAS (matmuls only)", graph_time_ms(lambda x=x: cublas_chain(layers, x)) * 1e3)
         record(tokens, "small_matmul (fused, as shipped)", graph_time_ms(lambda x=x: fused_chain(layers, x)) * 1e3)
+        # The tile kernel (what steps of 2 to 16 tokens took before the GEMV took several rows).
+        fused_decode.GEMV_ROWS, shipped_rows = 0, fused_decode.GEMV_ROWS
+        try:
+            record(tokens, "small_matmul (tile kernel)", graph_time_ms(lambda x=x: fused_chain(layers, x)) * 1e3)
+        finally:
+            fused_decode.GEMV_ROWS = shipped_rows
         if tokens > 1:
             continue
         # The GEMV's width (columns a program) for the wide weights (q/k/v, gate/up) and the narrow ones (o_proj,

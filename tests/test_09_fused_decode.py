@@ -125,13 +125,18 @@ class _Recording:
         return self.kernel[grid]
 
 
+@pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("form", ["norm+residual+glu", "bias"])
-def test_one_row_takes_the_gemv_and_agrees_with_the_tile_kernel(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row: the GEMV runs (and the tile kernel does not), giving what the tile kernel gives for that row."""
+def test_up_to_gemv_rows_take_the_gemv_and_agree_with_the_tile_kernel(
+    form: str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Up to GEMV_ROWS rows: the GEMV runs (and the tile kernel does not), giving what the tile kernel gives; one row
+    more takes the tile kernel."""
     import nanovllm.layers.fused_decode as fused_decode
 
+    assert fused_decode.GEMV_ROWS == 2
     torch.manual_seed(1)
-    x, residual = torch.randn(1, 200, device=DEVICE), torch.randn(1, 200, device=DEVICE)
+    x, residual = torch.randn(rows, 200, device=DEVICE), torch.randn(rows, 200, device=DEVICE)
     glu = "glu" in form
     weight = torch.randn(2 * 24 if glu else 24, 200, device=DEVICE) / 16
     bias = torch.randn(weight.shape[0], device=DEVICE) if "bias" in form else None
@@ -147,6 +152,8 @@ def test_one_row_takes_the_gemv_and_agrees_with_the_tile_kernel(form: str, monke
     assert gemv_launches and not tile_launches
     torch.testing.assert_close(got, tile, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_residual, tile_residual)
+    small_matmul(torch.randn(fused_decode.GEMV_ROWS + 1, 200, device=DEVICE), weight, bias)
+    assert len(gemv_launches) == 1 and tile_launches
 
 
 @pytest.mark.parametrize("launch", [SmallMatmulLaunch(16, 64, 2, 1), SmallMatmulLaunch(32, 256, 8, 4)])
@@ -173,14 +180,14 @@ def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> No
             Config.from_kwargs(tiny, fused_decode=bad)
 
 
-@pytest.mark.parametrize("max_tokens", [FUSED_STEP_TOKENS, MAX_TOKENS])
+@pytest.mark.parametrize("max_tokens", [1, MAX_TOKENS])
 def test_engine_with_the_fused_layer_generates_what_it_generates_without(
     tiny_arch: Path, monkeypatch: pytest.MonkeyPatch, max_tokens: int
 ) -> None:
     """Greedy, float32, chunked prefill: steps of at most ``max_tokens`` tokens take the fused path, longer ones do
-    not; the tokens are those of the unfused engine, and the fused path did run. The engine's own setting fuses
-    one-token steps (one prompt, so its decode steps have one token); handed 16, the layers also fuse the decode
-    steps of 3 prompts and a prompt's last chunk."""
+    not; the tokens are those of the unfused engine, and the fused path did run. One token: one prompt, so its
+    decode steps have one token (the GEMV); handed 16, the layers also fuse the decode steps of 3 prompts and a
+    prompt's last chunk (the tile kernel beyond GEMV_ROWS tokens)."""
     prompts = [list(range(3, 40)), [7, 8, 9], list(range(100, 121))]
     if max_tokens == 1:
         prompts = prompts[:1]

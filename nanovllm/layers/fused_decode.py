@@ -17,6 +17,7 @@ from torch import nn
 
 __all__ = [
     "FUSED_STEP_TOKENS",
+    "GEMV_ROWS",
     "GEMV_SLICE",
     "MAX_TOKENS",
     "FusedDecodeLayer",
@@ -36,9 +37,13 @@ __all__ = [
 # notebooks/09_cuda_graphs.py · cell "fused decode"
 # The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 MAX_TOKENS = 16
-# The steps that the engine runs fused: one token, where the GEMV measured faster than cuBLAS (below). Steps of
-# 2 to 16 tokens take the tile kernel only when asked (FusedDecodeLayer(max_tokens=...)): it measured slower.
-FUSED_STEP_TOKENS = 1
+# The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds, so
+# from 4 rows on the arithmetic, not the weights, sets its pace: measured on the H200 (below), 2 rows took
+# half of cuBLAS's time, 4 rows about as long, 8 and 16 rows two and four times as long.
+GEMV_ROWS = 2
+# The steps that the engine runs fused: up to GEMV_ROWS tokens, where the GEMV measured faster than cuBLAS
+# (below). The tile kernel runs only when asked (a launch given to small_matmul): it measured slower.
+FUSED_STEP_TOKENS = GEMV_ROWS
 
 
 @triton.jit
@@ -115,11 +120,13 @@ def small_matmul_kernel(
 @triton.jit
 def gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
-    stride_w, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-    GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    stride_w, stride_x, stride_r, stride_out, stride_ro,
+    ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # One token: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N), its whole slice of the
-    # weight loaded at once, before anything that an earlier kernel writes.
+    # ROWS tokens: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of every row, its whole
+    # slice of the weight loaded at once, before anything that an earlier kernel writes, then kept in registers
+    # while the rows go by one after another: the weight is read once for all of them.
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -129,39 +136,45 @@ def gemv_kernel(
     if PDL:
         # Let the next kernel launch now: its own weight loads overlap this kernel's.
         tl.extra.cuda.gdc_launch_dependents()
+    # Held in the weight's own dtype (16K bfloat16 elements fill 64 registers a thread; float32 would take 128).
     w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
     if GLU:
         w_up = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
     if NORM:
         norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    if BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if GLU:
+            bias_up = tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
     if PDL:
-        # Only now wait for the kernel before (and see what it wrote): the input row comes from it.
+        # Only now wait for the kernel before (and see what it wrote): the input rows come from it.
         tl.extra.cuda.gdc_wait()
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + ks, mask=k_mask, other=0.0)
-    if ADD:
-        residual = tl.load(residual_ptr + ks, mask=k_mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-        if pid == 0:
-            tl.store(residual_out_ptr + ks, x, mask=k_mask)
-    if NORM:
+    for row in tl.static_range(ROWS):
+        x = tl.load(x_ptr + row * stride_x + ks, mask=k_mask, other=0.0)
+        if ADD:
+            residual = tl.load(residual_ptr + row * stride_r + ks, mask=k_mask, other=0.0)
+            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+            if pid == 0:
+                tl.store(residual_out_ptr + row * stride_ro + ks, x, mask=k_mask)
+        if NORM:
+            x32 = x.to(tl.float32)
+            inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
+            x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
         x32 = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
-        x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
-    x32 = x.to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
-    if BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if GLU:
-        up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+        acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
         if BIAS:
-            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
-        gate = acc.to(dtype).to(tl.float32)
-        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
-    else:
-        result = acc.to(dtype)
-    tl.store(out_ptr + cols, result, mask=col_mask)
+            acc += bias
+        if GLU:
+            up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+            if BIAS:
+                up += bias_up
+            gate = acc.to(dtype).to(tl.float32)
+            activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+            result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            result = acc.to(dtype)
+        tl.store(out_ptr + row * stride_out + cols, result, mask=col_mask)
 
 
 # The most weight elements one GEMV program holds in registers (16K: 32 KB of bf16, 128 per thread at 4 warps).
@@ -221,8 +234,8 @@ def small_matmul(
     - ``glu``: ``weight`` is the merged [gate | up] weight and the result is ``SiLU(gate) * up``.
 
     Returns (the result, the new residual: ``x + residual``, or ``x`` itself when there is no residual).
-    One row takes `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split the work,
-    default `choose_launch`), take the tile kernel.
+    Up to GEMV_ROWS rows take `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split
+    the work, default `choose_launch`), take the tile kernel.
     """
     tokens, k = x.shape
     if tokens > MAX_TOKENS:
@@ -237,13 +250,14 @@ def small_matmul(
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    block_n = gemv_block_n(n, k, glu) if tokens == 1 and launch is None else 0
-    if block_n:
+    block_n = gemv_block_n(n, k, glu) if tokens <= GEMV_ROWS and launch is None else 0
+    if block_n and tokens:
         pdl = programmatic_launch(x.device)
         gemv_kernel[(triton.cdiv(n, block_n),)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0),
-            K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
+            bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0), x.stride(0),
+            residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
+            ROWS=tokens, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
             ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     elif tokens:
