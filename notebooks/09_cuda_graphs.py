@@ -1138,13 +1138,15 @@ def gemv_kernel(
 GEMV_SLICE = 1 << 14
 
 
-def gemv_block_n(columns: int, inputs: int, glu: bool) -> int:
+def gemv_block_n(columns: int, inputs: int, glu: bool, min_programs: int = 256) -> int:
     """Output columns per GEMV program: the widest of 8, 4, 2, 1 whose weight slice fits GEMV_SLICE and that still
-    makes 256 programs (two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for o_proj and
-    down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one column fits."""
+    makes ``min_programs`` programs (256: two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for
+    o_proj and down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one
+    column fits."""
     slice_width = triton.next_power_of_2(inputs) * (2 if glu else 1)
     fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
-    return next((block for block in fitting if triton.cdiv(columns, block) >= 256), fitting[-1] if fitting else 0)
+    return next((block for block in fitting if triton.cdiv(columns, block) >= min_programs),
+                fitting[-1] if fitting else 0)  # fmt: skip
 
 
 @functools.cache
@@ -1206,10 +1208,14 @@ def small_matmul(
     # en: which is exact, and float32 accumulates as the GPU's tensor cores do.
     # zh: Triton 解释器（3.7）算 16 位浮点的 tl.dot 会出错：在解释器里先把 tile 转成 float32（这种转换是精确的），
     # zh: 再像 GPU 的 Tensor Core 那样在 float32 中累加。
-    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = interpreted and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    block_n = gemv_block_n(n, k, glu) if tokens <= GEMV_ROWS and launch is None else 0
+    # en: The interpreter runs the programs one after another: there the fewest (the widest slices) are the fastest.
+    # zh: 解释器一个接一个地运行程序：在那里程序越少（每段越宽）越快。
+    min_programs = 1 if interpreted else 256
+    block_n = gemv_block_n(n, k, glu, min_programs) if tokens <= GEMV_ROWS and launch is None else 0
     if block_n and tokens:
         pdl = programmatic_launch(x.device)
         gemv_kernel[(triton.cdiv(n, block_n),)](

@@ -181,13 +181,15 @@ def gemv_kernel(
 GEMV_SLICE = 1 << 14
 
 
-def gemv_block_n(columns: int, inputs: int, glu: bool) -> int:
+def gemv_block_n(columns: int, inputs: int, glu: bool, min_programs: int = 256) -> int:
     """Output columns per GEMV program: the widest of 8, 4, 2, 1 whose weight slice fits GEMV_SLICE and that still
-    makes 256 programs (two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for o_proj and
-    down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one column fits."""
+    makes ``min_programs`` programs (256: two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for
+    o_proj and down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one
+    column fits."""
     slice_width = triton.next_power_of_2(inputs) * (2 if glu else 1)
     fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
-    return next((block for block in fitting if triton.cdiv(columns, block) >= 256), fitting[-1] if fitting else 0)
+    return next((block for block in fitting if triton.cdiv(columns, block) >= min_programs),
+                fitting[-1] if fitting else 0)  # fmt: skip
 
 
 @functools.cache
@@ -247,10 +249,13 @@ def small_matmul(
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     # The Triton interpreter (3.7) gets tl.dot of 16-bit floats wrong too: there the tiles go up to float32 first,
     # which is exact, and float32 accumulates as the GPU's tensor cores do.
-    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = interpreted and x.dtype != torch.float32
     out = torch.empty(tokens, n, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(tokens, k, dtype=x.dtype, device=x.device) if residual is not None else x
-    block_n = gemv_block_n(n, k, glu) if tokens <= GEMV_ROWS and launch is None else 0
+    # The interpreter runs the programs one after another: there the fewest (the widest slices) are the fastest.
+    min_programs = 1 if interpreted else 256
+    block_n = gemv_block_n(n, k, glu, min_programs) if tokens <= GEMV_ROWS and launch is None else 0
     if block_n and tokens:
         pdl = programmatic_launch(x.device)
         gemv_kernel[(triton.cdiv(n, block_n),)](
