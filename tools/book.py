@@ -114,7 +114,9 @@ def run_chapter(chapter: Path, lang: str = "en") -> nbformat.NotebookNode:
         client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
                                 resources={"metadata": {"path": str(ROOT)}})
         try:
-            client.execute(env={**os.environ, LANG_ENV: lang})
+            # Progress bars off (transformers' "Loading weights" among them): in an executed notebook they are
+            # ipywidgets, whose saved views make the site fetch a widget renderer from a CDN.
+            client.execute(env={**os.environ, LANG_ENV: lang, "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
         except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
             # A cell that raised, ran past CELL_TIMEOUT_S or took its kernel down: the chapter failed, the book goes on.
             what = "raised" if isinstance(error, CellExecutionError) else f"failed ({type(error).__name__})"
