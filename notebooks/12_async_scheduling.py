@@ -576,8 +576,8 @@ ModelRunner.staging: DecodeStaging | None = None
 @add_to_class(ModelRunner)
 def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
     """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
-    taken from ``previous`` on the device, then the graph replayed (chapter 09's `forward` in two operations,
-    not 22)."""
+    taken from ``previous`` on the device, then the graph replayed (what chapter 09's path did with some twenty
+    torch operations, in two)."""
     if self.staging is None:
         self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
     self.staging.stage(seqs, self.graphs.bucket(len(seqs)))

@@ -415,6 +415,13 @@ FRAMES_JS = """[...document.querySelectorAll('#live .nvv-frame')].map(f => ({
     used: f.querySelectorAll('.nvv-blk.nvv-used').length, blocks: f.querySelectorAll('.nvv-blk').length}))"""
 
 
+def test_dashboard_page_fits_a_phone_and_asks_for_no_favicon(server):
+    for lang in ("en", "zh"):
+        page = httpx.get(f"{server.url}/dashboard?lang={lang}", timeout=10).text
+        assert '<meta name="viewport" content="width=device-width, initial-scale=1">' in page
+        assert '<link rel="icon" href="data:,">' in page
+
+
 def test_dashboard_browser_shows_blocks_taken_and_freed(server, client, tmp_path):
     from test_viz_browser import CHROMIUM, ROOT, Browser
 

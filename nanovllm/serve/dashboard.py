@@ -220,7 +220,10 @@ def page_html(model_name: str, num_blocks: int, block_size: int, lang: str, keep
     hint = t("Play follows the server; Pause, Back and Step look at earlier frames. Hover a block for details.",
              "播放：跟随服务器；暂停、后退、单步：查看之前的帧。把鼠标移到块上可查看详情。")
     return (
-        f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8"><title>{title}</title>'
+        # A phone lays the page out at its own width; the icon is inline, so no /favicon.ico is asked for (a 404).
+        f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
+        f"<title>{title}</title>"
         f"<style>{PAGE_CSS}</style></head><body><h1>{title}</h1>"
         f'<p class="meta">{meta} · <span id="status" data-live="{live}" data-lost="{lost}">…</span>{other}</p>'
         f'<div class="nvv" id="live" tabindex="0" data-lang="{lang}" data-keep="{keep}">{_style(lang)}'
