@@ -399,12 +399,15 @@ class EngineInfo:
     num_kvcache_blocks: int
     kvcache_block_size: int
     eos_token_ids: tuple[int, ...]
+    # en: The most sequences a step holds: a request's n can be no larger.
+    # zh: 一步最多容纳的序列数：请求的 n 不能比它大。
+    max_num_seqs: int
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         config = engine.config
         return cls(config.model, config.max_model_len, config.num_kvcache_blocks, config.kvcache_block_size,
-                   tuple(config.eos_token_ids))
+                   tuple(config.eos_token_ids), config.max_num_seqs)
 
 
 class SchedulerWatch:
@@ -1827,10 +1830,15 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         return JSONResponse(ServerError(error.status_code, str(error.detail), kind).body(),
                             status_code=error.status_code)
 
-    def check_model(body: SamplingRequest) -> None:
+    def check_request(body: SamplingRequest) -> None:
+        """What can be refused before anything is tokenized or built: the model's name, and an ``n`` beyond the
+        engine's limit (each of the n choices gets its state here, so an n of millions would stall the server)."""
         if body.model != model_name:
             raise ServerError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                               "not_found_error", param="model", code="model_not_found")
+        if body.n > info.max_num_seqs:
+            raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({info.max_num_seqs}): a "
+                              "request's samples are computed together", param="n")
 
     def default_max_tokens(prompts: list[list[int]], chat: bool) -> int:
         """OpenAI's defaults: 16 for a completion; for a chat, whatever room the model and the KV cache leave."""
@@ -1840,7 +1848,6 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         return max(1, room - max(len(p) for p in prompts))
 
     async def generate(body: SamplingRequest, prompts: list[list[int]], chat: bool, request: Request) -> Response:
-        check_model(body)
         stops = body.stop_strings()
         params = body.sampling_params(default_max_tokens(prompts, chat))
         generation = Generation(client, prompts, params, stops)
@@ -1925,6 +1932,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_request(body)
         prompts = []
         for i, prompt in enumerate(body.prompts()):
             try:
@@ -1936,6 +1944,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_request(body)
         if getattr(tokenizer, "chat_template", None) is None:
             raise ServerError(400, f"the model {model_name!r} has no chat template: use /v1/completions",
                               param="messages")

@@ -83,12 +83,14 @@ class EngineInfo:
     num_kvcache_blocks: int
     kvcache_block_size: int
     eos_token_ids: tuple[int, ...]
+    # The most sequences a step holds: a request's n can be no larger.
+    max_num_seqs: int
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         config = engine.config
         return cls(config.model, config.max_model_len, config.num_kvcache_blocks, config.kvcache_block_size,
-                   tuple(config.eos_token_ids))
+                   tuple(config.eos_token_ids), config.max_num_seqs)
 
 
 class SchedulerWatch:
