@@ -257,6 +257,10 @@ BAD_REQUESTS = [
     ({"prompt": "Hi", "frobnicate": True}, 400, "frobnicate"),
     ({"prompt": "Hi", "logprobs": 3}, 400, "logprobs"),
     ({"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
+    # strict types (issue 36, item 5): the engine's API refuses bools where numbers go, so does the server
+    ({"prompt": [True, False]}, 400, "prompt"),
+    ({"prompt": "Hi", "max_tokens": True}, 400, "max_tokens"),
+    ({"prompt": "Hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
 ]
 
 
@@ -271,6 +275,12 @@ def test_bad_input_gets_its_status_and_the_server_goes_on(server, fields, status
     good = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
                       timeout=30)
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stream_must_be_a_boolean(server):
+    reply = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "stream": "yes"},
+                       timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "stream"
 
 
 def test_a_huge_n_is_refused_before_anything_is_built(server, client):

@@ -42,15 +42,17 @@ class ServerError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """The fields both endpoints share. Unknown fields are refused (a typo must not pass silently); fields of
-    the OpenAI API that this server does not implement are accepted only at their neutral values."""
+    the OpenAI API that this server does not implement are accepted only at their neutral values. Types are
+    strict, as the engine's own API is: ``true`` is not a number of tokens, ``"yes"`` is not a boolean (an
+    integer is still a float)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -135,13 +137,13 @@ class CompletionRequest(SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
