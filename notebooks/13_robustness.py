@@ -551,22 +551,29 @@ def _one_call(self, name: str) -> Iterator[None]:
     """Run the body of `LLMEngine` method ``name`` under the engine's lock. A call from another thread waits until
     the call in progress returns; a call from inside another call on the same thread (an observer, a callback)
     would find the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself."""
-    me = threading.get_ident()
-    if self._lock_owner == me:
-        raise EngineBusyError(
-            f"{name}() was called from inside another call of this engine on the same thread (an observer or a "
-            "callback?), in the middle of a step; call it once that call has returned"
-        )
-    # en: Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
-    # en: safe). The lock is taken first: waiting for another thread's call stays interruptible.
-    # zh: Ctrl-C 要等到引擎的账目完整时才生效（`interruptible` 在安全的地方放它通过）。先拿锁：
-    # zh: 等待另一个线程的调用时仍然可以被打断。
-    with self._lock, deferred_interrupt():
-        self._lock_owner = me
-        try:
-            yield
-        finally:
-            self._lock_owner = None
+    # en: The lock is reentrant, and whether a call is in progress is asked once it is held. A signal handler
+    # en: that calls the engine while this thread's call is between taking the lock and marking itself begun
+    # en: then finds no call begun and runs whole, before it; one that lands later finds the mark and raises.
+    # en: (Asked before taking a plain lock, a handler landing between the two waited for its own thread forever.)
+    # zh: 锁是可重入的，“是否有调用正在进行”要在拿到锁之后再问。信号处理函数如果在本线程的调用拿到锁、但还没标记
+    # zh: 自己开始之间调用引擎，它看到的是没有调用开始，于是完整地先跑完；落在之后的则看到标记，抛出异常。
+    # zh: （若在拿一把普通锁之前就问，落在这两步之间的处理函数会永远等待它自己的线程。）
+    with self._lock:
+        if self._in_call:
+            raise EngineBusyError(
+                f"{name}() was called from inside another call of this engine on the same thread (an observer, a "
+                "callback or a signal handler?), in the middle of a step; call it once that call has returned"
+            )
+        # en: Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
+        # en: safe). The lock is taken first: waiting for another thread's call stays interruptible.
+        # zh: Ctrl-C 要等到引擎的账目完整时才生效（`interruptible` 在安全的地方放它通过）。先拿锁：
+        # zh: 等待另一个线程的调用时仍然可以被打断。
+        with deferred_interrupt():
+            self._in_call = True
+            try:
+                yield
+            finally:
+                self._in_call = False
 
 # %% the engine's rules
 #| export engine.llm_engine
@@ -606,8 +613,8 @@ def __init__(self, model: str, **kwargs: Any) -> None:
     # zh: 而被丢弃、尚未告知任何人的请求，及其可能的原因；“一次一个调用”的锁。
     self.unreported: list[Sequence] = []
     self._dropped: dict[int, str] = {}
-    self._lock = threading.Lock()
-    self._lock_owner: int | None = None
+    self._lock = threading.RLock()
+    self._in_call = False
     # en: What the scheduler's observer raises waits here until the step is whole (see `_notify`).
     # zh: 调度器的观察者抛出的异常先存在这里，等这一步完整了再抛出（见 `_notify`）。
     self.scheduler.observer_errors = []

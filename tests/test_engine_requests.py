@@ -6,6 +6,7 @@ import io
 import json
 import pickle
 import shutil
+import subprocess
 import sys
 import threading
 from collections import Counter
@@ -329,6 +330,65 @@ def test_a_call_from_inside_a_step_is_refused_and_the_engine_keeps_serving(tiny:
     first = llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
     llm.scheduler.observer = None
     assert refused and first == llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+
+
+def test_a_call_that_lands_between_taking_the_lock_and_beginning_runs_whole(tiny: Path, monkeypatch) -> None:
+    """Issue 36, item 7: a signal handler that called generate() right after the outer call took the engine's lock,
+    before it marked itself begun, waited for its own thread's lock forever. Here the handler is injected at that
+    moment (the Ctrl-C deferral that follows it); the whole exchange runs in a thread that must come back."""
+    import nanovllm.engine.llm_engine as llm_engine
+
+    llm = LLM(str(tiny), kvcache_block_size=4, num_kvcache_blocks=32)
+    expected = {tuple(prompt): llm.generate([prompt], GREEDY, use_tqdm=False) for prompt in ([3, 4, 5], [1, 2])}
+    real_deferral, landed, inner = llm_engine.deferred_interrupt, [], []
+
+    def landing_handler():
+        if not landed:  # once: the handler's own call passes here too
+            landed.append(True)
+            inner.append(llm.generate([[1, 2]], GREEDY, use_tqdm=False))
+        return real_deferral()
+
+    monkeypatch.setattr(llm_engine, "deferred_interrupt", landing_handler)
+    outer = []
+    call = threading.Thread(target=lambda: outer.append(llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)),
+                            daemon=True)
+    call.start()
+    call.join(timeout=60)
+    assert not call.is_alive(), "the call and the one that landed inside it deadlocked"
+    assert inner == [expected[(1, 2)]] and outer == [expected[(3, 4, 5)]]
+
+
+def test_a_real_timer_signal_calling_generate_gets_an_answer_or_busy_never_a_hang(tmp_path: Path, tiny: Path) -> None:
+    """Issue 36, item 7, with a real SIGALRM: one-shot timers at sub-millisecond offsets whose handler calls
+    generate() while the main thread is in generate(); every handler call returns tokens or raises EngineBusyError,
+    and the process ends (a deadlock would not)."""
+    script = tmp_path / "alarm.py"
+    script.write_text(f"""
+import random, signal
+from nanovllm.engine.llm_engine import EngineBusyError
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+llm = LLM({str(tiny)!r}, kvcache_block_size=4, num_kvcache_blocks=32)
+outcomes = {{"tokens": 0, "busy": 0}}
+def handler(signum, frame):
+    try:
+        llm.generate([[1, 2]], greedy, use_tqdm=False)
+        outcomes["tokens"] += 1
+    except EngineBusyError:
+        outcomes["busy"] += 1
+signal.signal(signal.SIGALRM, handler)
+random.seed(0)
+for _ in range(60):
+    signal.setitimer(signal.ITIMER_REAL, random.uniform(0.0001, 0.004))
+    llm.generate([[3, 4, 5]], greedy, use_tqdm=False)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+print(outcomes["tokens"], outcomes["busy"])
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tokens, busy = map(int, done.stdout.split()[-2:])
+    assert tokens + busy > 0  # the handler did run, and each call ended one way or the other
 
 
 @pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])

@@ -114,8 +114,8 @@ class LLMEngine:
         # about yet, with the likely cause; the lock of one call at a time.
         self.unreported: list[Sequence] = []
         self._dropped: dict[int, str] = {}
-        self._lock = threading.Lock()
-        self._lock_owner: int | None = None
+        self._lock = threading.RLock()
+        self._in_call = False
         # What the scheduler's observer raises waits here until the step is whole (see `_notify`).
         self.scheduler.observer_errors = []
 
@@ -400,20 +400,24 @@ class LLMEngine:
         """Run the body of `LLMEngine` method ``name`` under the engine's lock. A call from another thread waits until
         the call in progress returns; a call from inside another call on the same thread (an observer, a callback)
         would find the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself."""
-        me = threading.get_ident()
-        if self._lock_owner == me:
-            raise EngineBusyError(
-                f"{name}() was called from inside another call of this engine on the same thread (an observer or a "
-                "callback?), in the middle of a step; call it once that call has returned"
-            )
-        # Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
-        # safe). The lock is taken first: waiting for another thread's call stays interruptible.
-        with self._lock, deferred_interrupt():
-            self._lock_owner = me
-            try:
-                yield
-            finally:
-                self._lock_owner = None
+        # The lock is reentrant, and whether a call is in progress is asked once it is held. A signal handler
+        # that calls the engine while this thread's call is between taking the lock and marking itself begun
+        # then finds no call begun and runs whole, before it; one that lands later finds the mark and raises.
+        # (Asked before taking a plain lock, a handler landing between the two waited for its own thread forever.)
+        with self._lock:
+            if self._in_call:
+                raise EngineBusyError(
+                    f"{name}() was called from inside another call of this engine on the same thread (an observer, a "
+                    "callback or a signal handler?), in the middle of a step; call it once that call has returned"
+                )
+            # Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
+            # safe). The lock is taken first: waiting for another thread's call stays interruptible.
+            with deferred_interrupt():
+                self._in_call = True
+                try:
+                    yield
+                finally:
+                    self._in_call = False
 
     # notebooks/13_robustness.py · cell "the engine's rules"
     def _raise_observer_error(self) -> None:
