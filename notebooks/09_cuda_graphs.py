@@ -257,6 +257,7 @@ assert graph_batch_size(600, capture_sizes(1024)) is None
 
 # %% decode buffers
 #| export
+import math
 from dataclasses import dataclass
 
 import torch
@@ -281,26 +282,32 @@ class DecodeBuffers:
     # zh: [nbytes(rows, max_blocks)] uint8：五个字段都是这一块分配的视图，按上面的顺序排列。
     storage: torch.Tensor
 
-    # en: (name, dtype, one column per block?) of each field, in the order carve lays them out: the block tables
-    # en: come last, so the first rows of every field lie in one prefix of the storage (all a small bucket needs).
-    # zh: 各字段的 (名字, dtype, 是否每块一列)，即 carve 排布的顺序：块表放在最后，于是各字段的前几行都落在 storage 的
-    # zh: 一个前缀里（小档位的一步只需要这一段）。
-    LAYOUT = (("input_ids", torch.int64, False), ("positions", torch.int64, False),
-              ("slot_mapping", torch.int64, False), ("context_lens", torch.int32, False),
-              ("block_tables", torch.int32, True))  # fmt: skip
+    # en: (name, dtype, one column per block?, a padding row's value) of each field, in the order carve lays them
+    # en: out: the block tables come last, so the first rows of every field lie in one prefix of the storage (all
+    # en: a small bucket needs).
+    # zh: 各字段的 (名字, dtype, 是否每块一列, 填充行的值)，即 carve 排布的顺序：块表放在最后，于是各字段的前几行都
+    # zh: 落在 storage 的一个前缀里（小档位的一步只需要这一段）。
+    LAYOUT = (("input_ids", torch.int64, False, 0), ("positions", torch.int64, False, 0),
+              ("slot_mapping", torch.int64, False, -1), ("context_lens", torch.int32, False, 0),
+              ("block_tables", torch.int32, True, -1))  # fmt: skip
+
+    @staticmethod
+    def field_shape(rows: int, max_blocks: int, wide: bool) -> tuple[int, ...]:
+        return (rows, max_blocks) if wide else (rows,)
 
     @classmethod
     def nbytes(cls, rows: int, max_blocks: int) -> int:
-        return sum(dtype.itemsize * rows * (max_blocks if wide else 1) for _, dtype, wide in cls.LAYOUT)
+        return sum(dtype.itemsize * math.prod(cls.field_shape(rows, max_blocks, wide))
+                   for _, dtype, wide, _ in cls.LAYOUT)  # fmt: skip
 
     @classmethod
     def carve(cls, storage: torch.Tensor, rows: int, max_blocks: int) -> DecodeBuffers:
         """The five fields as typed views of ``storage`` (uint8, `nbytes` long, on any device); nothing is filled."""
         assert storage.dtype == torch.uint8 and storage.numel() == cls.nbytes(rows, max_blocks), "storage size"
         fields, offset = {}, 0
-        for name, dtype, wide in cls.LAYOUT:
-            shape = (rows, max_blocks) if wide else (rows,)
-            size = dtype.itemsize * rows * (max_blocks if wide else 1)
+        for name, dtype, wide, _ in cls.LAYOUT:
+            shape = cls.field_shape(rows, max_blocks, wide)
+            size = dtype.itemsize * math.prod(shape)
             fields[name] = storage[offset : offset + size].view(dtype).view(shape)
             offset += size
         return cls(**fields, storage=storage)
@@ -315,18 +322,15 @@ class DecodeBuffers:
         buffers = cls.carve(storage, rows, max_blocks)
         # en: Every row starts as a padding row (see load).
         # zh: 每一行一开始都是填充行（见 load）。
-        buffers.input_ids.zero_()
-        buffers.positions.zero_()
-        buffers.slot_mapping.fill_(-1)
-        buffers.context_lens.zero_()
-        buffers.block_tables.fill_(-1)
+        for name, _, _, padding in cls.LAYOUT:
+            getattr(buffers, name).fill_(padding)
         return buffers
 
     def prefix_bytes(self, graph_batch: int) -> int:
         """How many bytes at the start of storage hold rows [0, graph_batch) of every field: the four
         one-column fields whole, then graph_batch rows of block tables."""
         tables = self.block_tables.data_ptr() - self.storage.data_ptr()
-        return tables + graph_batch * self.max_blocks * 4
+        return tables + graph_batch * self.block_tables.stride(0) * self.block_tables.element_size()
 
     @property
     def max_blocks(self) -> int:
@@ -348,10 +352,11 @@ class DecodeBuffers:
         self.block_tables[:n, :width].copy_(context.block_tables)
         # en: Padding rows: a valid token at position 0 that stores nothing and attends to nothing.
         # zh: 填充行：位置 0 上一个合法的 token，它什么都不存，也什么都不关注。
-        self.input_ids[n:graph_batch].zero_()
-        self.positions[n:graph_batch].zero_()
-        self.slot_mapping[n:graph_batch].fill_(-1)
-        self.context_lens[n:graph_batch].zero_()
+        # en: (token 0, position 0, slot -1, context length 0: LAYOUT's padding values; the tables were filled above)
+        # zh: （token 0、位置 0、slot -1、上下文长度 0：即 LAYOUT 里的填充值；块表已在上面填好）
+        for name, _, wide, padding in self.LAYOUT:
+            if not wide:
+                getattr(self, name)[n:graph_batch].fill_(padding)
 
     def install_context(self, graph_batch: int) -> Context:
         """The decode context over the first graph_batch rows (what a captured forward reads)."""

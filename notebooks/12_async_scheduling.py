@@ -434,7 +434,7 @@ class DecodeStaging:
         self.hosts = [DecodeBuffers.allocate(rows, buffers.max_blocks, "cpu", pin_memory=on_gpu) for _ in range(copies)]
         # en: numpy views of each host copy: writing through numpy costs the host far less than torch operations.
         # zh: 每份主机副本的 numpy 视图：通过 numpy 写入，主机的开销远小于 torch 操作。
-        self.arrays = [{name: getattr(host, name).numpy() for name, _, _ in DecodeBuffers.LAYOUT}
+        self.arrays = [{name: getattr(host, name).numpy() for name, *_ in DecodeBuffers.LAYOUT}
                        for host in self.hosts]
         # en: Recorded after each host copy's last transfer; None on a CPU, where a copy is made when it is called.
         # zh: 在每份主机副本最近一次传输之后记录；CPU 上为 None，因为拷贝在调用时就已完成。
@@ -463,8 +463,9 @@ class DecodeStaging:
             host["slot_mapping"][i] = _slot(seq.block_table, length - 1, self.block_size)
         # en: Padding rows, as in chapter 09: token 0 at position 0, storing nothing, attending to nothing.
         # zh: 填充行，同第 09 章：位置 0 上的 token 0，什么都不存，什么都不关注。
-        for name, padding in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0)):
-            host[name][n:graph_batch] = padding
+        for name, _, wide, padding in DecodeBuffers.LAYOUT:
+            if not wide:
+                host[name][n:graph_batch] = padding
         size = self.buffers.prefix_bytes(graph_batch)
         self.buffers.storage[:size].copy_(self.hosts[turn].storage[:size], non_blocking=True)
         if self.sent[turn] is not None:

@@ -101,7 +101,7 @@ def test_load_asserts_an_overrun_and_bad_sizes() -> None:
 def test_buffers_are_views_of_one_allocation_in_layout_order() -> None:
     buffers = DecodeBuffers.allocate(rows=5, max_blocks=3, device="cpu")
     assert buffers.storage.numel() == DecodeBuffers.nbytes(5, 3) == 5 * (8 + 8 + 8 + 4) + 5 * 3 * 4
-    starts = [getattr(buffers, name).data_ptr() - buffers.storage.data_ptr() for name, _, _ in DecodeBuffers.LAYOUT]
+    starts = [getattr(buffers, name).data_ptr() - buffers.storage.data_ptr() for name, *_ in DecodeBuffers.LAYOUT]
     assert starts == [0, 40, 80, 120, 140]
     buffers.context_lens[2] = 7  # a write through a field is a write into the storage
     assert buffers.storage[120 + 2 * 4 : 120 + 3 * 4].view(torch.int32).item() == 7
@@ -135,7 +135,7 @@ def test_staging_writes_what_prepare_decode_and_load_write(seed: int) -> None:
         loaded.load(*prepare_decode(seqs, 4), get_context(), bucket)
         reset_context()
         staging.stage(seqs, bucket)
-        for name, _, _ in DecodeBuffers.LAYOUT:
+        for name, *_ in DecodeBuffers.LAYOUT:
             assert torch.equal(getattr(staged, name)[:bucket], getattr(loaded, name)[:bucket]), name
 
 

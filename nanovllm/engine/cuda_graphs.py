@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,24 +63,30 @@ class DecodeBuffers:
     # [nbytes(rows, max_blocks)] uint8: the one allocation the five fields are views of, in this order.
     storage: torch.Tensor
 
-    # (name, dtype, one column per block?) of each field, in the order carve lays them out: the block tables
-    # come last, so the first rows of every field lie in one prefix of the storage (all a small bucket needs).
-    LAYOUT = (("input_ids", torch.int64, False), ("positions", torch.int64, False),
-              ("slot_mapping", torch.int64, False), ("context_lens", torch.int32, False),
-              ("block_tables", torch.int32, True))  # fmt: skip
+    # (name, dtype, one column per block?, a padding row's value) of each field, in the order carve lays them
+    # out: the block tables come last, so the first rows of every field lie in one prefix of the storage (all
+    # a small bucket needs).
+    LAYOUT = (("input_ids", torch.int64, False, 0), ("positions", torch.int64, False, 0),
+              ("slot_mapping", torch.int64, False, -1), ("context_lens", torch.int32, False, 0),
+              ("block_tables", torch.int32, True, -1))  # fmt: skip
+
+    @staticmethod
+    def field_shape(rows: int, max_blocks: int, wide: bool) -> tuple[int, ...]:
+        return (rows, max_blocks) if wide else (rows,)
 
     @classmethod
     def nbytes(cls, rows: int, max_blocks: int) -> int:
-        return sum(dtype.itemsize * rows * (max_blocks if wide else 1) for _, dtype, wide in cls.LAYOUT)
+        return sum(dtype.itemsize * math.prod(cls.field_shape(rows, max_blocks, wide))
+                   for _, dtype, wide, _ in cls.LAYOUT)  # fmt: skip
 
     @classmethod
     def carve(cls, storage: torch.Tensor, rows: int, max_blocks: int) -> DecodeBuffers:
         """The five fields as typed views of ``storage`` (uint8, `nbytes` long, on any device); nothing is filled."""
         assert storage.dtype == torch.uint8 and storage.numel() == cls.nbytes(rows, max_blocks), "storage size"
         fields, offset = {}, 0
-        for name, dtype, wide in cls.LAYOUT:
-            shape = (rows, max_blocks) if wide else (rows,)
-            size = dtype.itemsize * rows * (max_blocks if wide else 1)
+        for name, dtype, wide, _ in cls.LAYOUT:
+            shape = cls.field_shape(rows, max_blocks, wide)
+            size = dtype.itemsize * math.prod(shape)
             fields[name] = storage[offset : offset + size].view(dtype).view(shape)
             offset += size
         return cls(**fields, storage=storage)
@@ -93,18 +100,15 @@ class DecodeBuffers:
         storage = torch.empty(cls.nbytes(rows, max_blocks), dtype=torch.uint8, device=device, pin_memory=pin_memory)
         buffers = cls.carve(storage, rows, max_blocks)
         # Every row starts as a padding row (see load).
-        buffers.input_ids.zero_()
-        buffers.positions.zero_()
-        buffers.slot_mapping.fill_(-1)
-        buffers.context_lens.zero_()
-        buffers.block_tables.fill_(-1)
+        for name, _, _, padding in cls.LAYOUT:
+            getattr(buffers, name).fill_(padding)
         return buffers
 
     def prefix_bytes(self, graph_batch: int) -> int:
         """How many bytes at the start of storage hold rows [0, graph_batch) of every field: the four
         one-column fields whole, then graph_batch rows of block tables."""
         tables = self.block_tables.data_ptr() - self.storage.data_ptr()
-        return tables + graph_batch * self.max_blocks * 4
+        return tables + graph_batch * self.block_tables.stride(0) * self.block_tables.element_size()
 
     @property
     def max_blocks(self) -> int:
@@ -124,10 +128,10 @@ class DecodeBuffers:
         self.block_tables[:graph_batch].fill_(-1)
         self.block_tables[:n, :width].copy_(context.block_tables)
         # Padding rows: a valid token at position 0 that stores nothing and attends to nothing.
-        self.input_ids[n:graph_batch].zero_()
-        self.positions[n:graph_batch].zero_()
-        self.slot_mapping[n:graph_batch].fill_(-1)
-        self.context_lens[n:graph_batch].zero_()
+        # (token 0, position 0, slot -1, context length 0: LAYOUT's padding values; the tables were filled above)
+        for name, _, wide, padding in self.LAYOUT:
+            if not wide:
+                getattr(self, name)[n:graph_batch].fill_(padding)
 
     def install_context(self, graph_batch: int) -> Context:
         """The decode context over the first graph_batch rows (what a captured forward reads)."""
@@ -231,7 +235,7 @@ class DecodeStaging:
         rows, on_gpu = buffers.input_ids.shape[0], buffers.storage.device.type == "cuda"
         self.hosts = [DecodeBuffers.allocate(rows, buffers.max_blocks, "cpu", pin_memory=on_gpu) for _ in range(copies)]
         # numpy views of each host copy: writing through numpy costs the host far less than torch operations.
-        self.arrays = [{name: getattr(host, name).numpy() for name, _, _ in DecodeBuffers.LAYOUT}
+        self.arrays = [{name: getattr(host, name).numpy() for name, *_ in DecodeBuffers.LAYOUT}
                        for host in self.hosts]
         # Recorded after each host copy's last transfer; None on a CPU, where a copy is made when it is called.
         self.sent = [torch.cuda.Event() if on_gpu else None for _ in range(copies)]
@@ -258,8 +262,9 @@ class DecodeStaging:
             tables[i, : len(seq.block_table)] = seq.block_table
             host["slot_mapping"][i] = _slot(seq.block_table, length - 1, self.block_size)
         # Padding rows, as in chapter 09: token 0 at position 0, storing nothing, attending to nothing.
-        for name, padding in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("context_lens", 0)):
-            host[name][n:graph_batch] = padding
+        for name, _, wide, padding in DecodeBuffers.LAYOUT:
+            if not wide:
+                host[name][n:graph_batch] = padding
         size = self.buffers.prefix_bytes(graph_batch)
         self.buffers.storage[:size].copy_(self.hosts[turn].storage[:size], non_blocking=True)
         if self.sent[turn] is not None:
