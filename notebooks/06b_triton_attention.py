@@ -178,7 +178,9 @@ say = Phrases({
 #| export
 from __future__ import annotations
 
+import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -963,17 +965,26 @@ def decode_attention_kernel(
     stride_o_s, stride_s_b, stride_s_h, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # en: Program (sequence b, KV head g, split s): query heads g*GROUP … g*GROUP + GROUP - 1.
     # zh: 程序（序列 b，KV 头 g，分段 s）：负责查询头 g*GROUP … g*GROUP + GROUP - 1。
     b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if PDL:
+        # en: Started early (PDL, see decode_attention): let the next kernel start too.
+        # zh: 提前启动（PDL，见 decode_attention）：也让下一个内核提前启动。
+        tl.extra.cuda.gdc_launch_dependents()
     n_ctx = tl.load(context_lens_ptr + b)
     # en: This split's slice of the context, in whole BLOCK_N tiles: [start, end) (empty if start >= n_ctx).
     # zh: 本段负责的上下文切片，按整 BLOCK_N tile 划分：[start, end)（若 start >= n_ctx 则为空）。
     chunk = tl.cdiv(tl.cdiv(n_ctx, num_splits), BLOCK_N) * BLOCK_N
     start = s * chunk
     end = tl.minimum(n_ctx, start + chunk)
+    if PDL:
+        # en: The context lengths and block tables come from the host, before the step; the queries and this
+        # en: token's K/V from the kernel before: wait for it here.
+        # zh: 上下文长度和块表由主机在这一步之前写好；查询以及本 token 的 K/V 来自前一个内核：在这里等它结束。
+        tl.extra.cuda.gdc_wait()
     # en: The GROUP query heads of KV head g as rows [GROUP_PAD, BLOCK_D] (padding rows masked to 0).
     # zh: KV 头 g 的 GROUP 个查询头作为行 [GROUP_PAD, BLOCK_D]（补齐的行掩码为 0）。
     offs_g = tl.arange(0, GROUP_PAD)
@@ -1043,10 +1054,16 @@ def decode_reduce_kernel(
     part_ptr, lse_ptr, o_ptr, num_splits,
     stride_p_b, stride_p_h, stride_p_s, stride_o_b, stride_o_h,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     # en: Program (sequence b, query head h) merges that head's num_splits partial outputs.
     # zh: 程序（序列 b，查询头 h）合并这个头的 num_splits 个部分输出。
     b, h = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        # en: Everything it reads comes from the split kernel: it only launches early, then waits.
+        # zh: 它读的一切都来自分段内核：只是提前启动，然后等待。
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
@@ -1086,6 +1103,30 @@ def decode_reduce_kernel(
 # 波次），但每段不短于 `min_split_len` 个键。
 # 它只用主机端已知的数（批大小和块表宽度，后者是所有上下文长度的上界），所以不需要 GPU→CPU 拷贝，
 # CUDA Graph 也能捕获这次启动。实测的分界点见下文“测量”一节。
+
+# %% [markdown] tags=["en"]
+# **A few sequences: short tiles and an early start.** At batch 1 a step of Qwen3-0.6B runs
+# attention in every one of its 28 layers over some 4 MB of cache, which the H200 reads in about
+# a microsecond; the kernel takes several, because each program reads one or two tiles and then
+# the grid waits for its slowest program, and because a kernel inside a graph starts only when
+# the one ahead of it has ended. Two things help there. Shorter tiles (32 keys instead of 128)
+# when a slice is only a few tiles long give four times the programs to read the same bytes. And
+# Hopper GPUs have *programmatic dependent launch* (PDL): a kernel launched with it may start
+# before the kernel ahead of it ends, once that kernel calls `gdc_launch_dependents`, and waits
+# with `gdc_wait` where it first needs what that kernel wrote. Our decode kernels need the
+# queries almost at once, so all they win is their launch, hidden behind the kernel ahead;
+# chapter 09 builds kernels that do real work before they wait. Both apply only where they
+# measured faster: 16 slices or more (one to four sequences here), a 16-bit cache.
+
+# %% [markdown] tags=["zh"]
+# **少数几个序列：短 tile，提前启动。** 批大小为 1 时，Qwen3-0.6B 的一步在 28 层的每一层都要对约 4 MB 的缓存做注意力，
+# H200 读完这些只要一微秒左右；内核却要花好几微秒，因为每个程序只读一两个 tile，整个网格要等最慢的那个程序，而且在
+# graph 里，一个内核要等前一个内核结束才开始。这里有两个办法。当每段只有几个 tile 长时，用更短的 tile（32 个键而不是
+# 128 个），读同样多的字节就有四倍的程序。另外，Hopper GPU 有*程序化依赖启动*（programmatic dependent launch，
+# PDL）：用它启动的内核，在前一个内核调用 `gdc_launch_dependents` 之后就可以开始，只在第一次需要前一个内核写出的
+# 数据时用 `gdc_wait` 等待。我们的 decode 内核几乎一开始就需要查询，所以它们赢到的只是启动本身，藏在前一个内核
+# 后面；第 09 章会写出在等待之前先做实事的内核。两者只用在测得更快的地方：16 段或更多（这里是一到四个序列）、
+# 16 位缓存。
 
 # %% decode wrapper
 #| export
@@ -1130,6 +1171,31 @@ DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 5
 # zh: 75 KB 共享内存，一个 H200 SM 能放 3 个 4-warp 的块，168 个寄存器正好让 3 个块都放得下。（只有一个缓冲区时，
 # zh: 上限 128 能放下 4 个块；有两个缓冲区时，在测过的每个批大小（32 到 256）上，128 都比 168 慢。）
 DECODE_MAX_REGISTERS = 168
+# en: Decode of a few sequences over a 16-bit cache: when choose_num_splits gives MANY_SPLITS slices or more (one to
+# en: four sequences of Qwen3-0.6B on an H200), each program's slice is a few tiles long, so shorter tiles of
+# en: MANY_SPLITS_BLOCK_N keys give the cache more programs to read it with, and both kernels start early (PDL,
+# en: programmatic_launch). Measured on the H200 with `python -m nanovllm.bench --latency` (its decode graph
+# en: replayed alone, Qwen3-0.6B shapes, 512-768 tokens of context), milliseconds per step at batch 1 / 2 / 4:
+# en: 0.652 / 0.823 / 1.276 as before, 0.631 / 0.788 / 1.256 with 32-key tiles, 0.580 / 0.720 / 1.256 with 32-key
+# en: tiles and the early start of these kernels and of chapter 09's q/k/v kernel. At batch 16 (4 slices) the
+# en: same launch took 1.578 ms against 1.456, and the early start alone 1.499: larger batches keep the default.
+# zh: 少数几个序列、16 位缓存时的 decode：choose_num_splits 给出 MANY_SPLITS 段或更多时（H200 上 Qwen3-0.6B 的一到四个
+# zh: 序列），每个程序负责的那一段只有几个 tile 长，于是用每个 MANY_SPLITS_BLOCK_N 个键的更短 tile，让更多程序一起读
+# zh: 缓存，两个内核也都提前启动（PDL，见 programmatic_launch）。在 H200 上用 `python -m nanovllm.bench --latency` 测量
+# zh: （单独重放它的 decode graph，Qwen3-0.6B 的形状，上下文 512–768 个 token），批大小 1 / 2 / 4 时每步毫秒数：原来
+# zh: 0.652 / 0.823 / 1.276，32 键 tile 时 0.631 / 0.788 / 1.256，32 键 tile 加上这两个内核和第 09 章的 q/k/v 内核
+# zh: 提前启动时 0.580 / 0.720 / 1.256。批大小 16（4 段）时同样的启动用了 1.578 ms，原来 1.456，只提前启动也要 1.499：
+# zh: 更大的批次保留默认配置。
+MANY_SPLITS = 16
+MANY_SPLITS_BLOCK_N = 32
+
+
+@functools.cache
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may start before the kernel ahead of them ends (programmatic dependent launch:
+    Hopper and later, not in the interpreter)."""
+    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
@@ -1185,6 +1251,12 @@ def decode_attention(
     if batch == 0:
         return out
     bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
+    # en: A few sequences over a 16-bit cache on a GPU: short tiles, and on Hopper an early start (MANY_SPLITS).
+    # zh: GPU 上少数几个序列、16 位缓存：短 tile，在 Hopper 上再加提前启动（见 MANY_SPLITS）。
+    few = q.device.type == "cuda" and not fp8 and q.dtype != torch.float32 and num_splits >= MANY_SPLITS
+    if few and launch is None:
+        bn = MANY_SPLITS_BLOCK_N
+    pdl = few and programmatic_launch(q.device)
     capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
     registers = {"maxnreg": DECODE_MAX_REGISTERS} if capped else {}
     split = num_splits > 1
@@ -1208,13 +1280,14 @@ def decode_attention(
         k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
         num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages, **registers,
+        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl, **registers,
     )  # fmt: skip
     if split:
         decode_reduce_kernel[(batch, heads)](
             part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
             NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
@@ -2082,6 +2155,6 @@ parts = torch.stack([a, b]).view(1, 1, 2, 16).contiguous()
 lse = torch.tensor([3.0, 5.0], device=DEVICE).view(1, 1, 2)
 merged = torch.empty(1, 1, 16, device=DEVICE)
 decode_reduce_kernel[(1, 1)](parts, lse, merged, 2, *parts.stride()[:3], *merged.stride()[:2],
-                             NUM_HEADS=1, HEAD_DIM=16, BLOCK_D=16, SPLITS_PAD=2)
+                             NUM_HEADS=1, HEAD_DIM=16, BLOCK_D=16, SPLITS_PAD=2, PDL=False)
 torch.testing.assert_close(merged.view(16), (a + 4 * b) / 5)
 print(say("all exercise answers check out"))

@@ -684,7 +684,7 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.context import get_context
-from nanovllm.layers.triton_attention import fp8_scale, to_e4m3
+from nanovllm.layers.triton_attention import fp8_scale, programmatic_launch, to_e4m3
 
 
 @triton.jit
@@ -718,7 +718,7 @@ def norm_rotate_store_kernel(
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps, stride_qkv, stride_cos_sin,
     stride_slot, stride_cache_head, stride_s_b, stride_s_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # en: Program (token t, head h) of the row q heads | k heads | v heads; each head as its two halves.
     # zh: 程序（token t，头 h），对应 q 头 | k 头 | v 头这一行；每个头按前后两半处理。
@@ -726,10 +726,23 @@ def norm_rotate_store_kernel(
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
+    if PDL:
+        # en: Started early (PDL, chapter 06b): let attention start early too.
+        # zh: 提前启动（PDL，第 06b 章）：也让注意力内核提前启动。
+        tl.extra.cuda.gdc_launch_dependents()
+    # en: The slot and the position's cos and sin were written by the host before the step: they load before the
+    # en: wait for the q/k/v projection, the only input the kernel before writes.
+    # zh: 槽位以及该位置的 cos 和 sin 由主机在这一步之前写好：它们在等待 q/k/v 投影之前就读入，只有投影是前一个内核
+    # zh: 写出的输入。
+    slot = tl.load(slot_mapping_ptr + t) if STORE else -1
+    row = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cos_sin
+    cos = tl.load(row + offs, mask=mask, other=0.0)
+    sin = tl.load(row + half + offs, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + half + offs, mask=mask, other=0.0)
-    slot = tl.load(slot_mapping_ptr + t) if STORE else -1
     if h < NUM_HEADS + NUM_KV_HEADS:
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         if NORM:
@@ -746,9 +759,7 @@ def norm_rotate_store_kernel(
             b = (w2 * (b * inv_rms).to(x1.dtype)).to(tl.float32)
         # en: RoPE (NeoX halves), with cos and sin rounded to the model's dtype as apply_rotary does.
         # zh: RoPE（NeoX 式的前后两半），cos 和 sin 像 apply_rotary 那样先舍入到模型的数据类型。
-        row = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cos_sin
-        cos = tl.load(row + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
-        sin = tl.load(row + half + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+        cos, sin = cos.to(x1.dtype).to(tl.float32), sin.to(x1.dtype).to(tl.float32)
         o1, o2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
         if h < NUM_HEADS:
             dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
@@ -802,13 +813,17 @@ def norm_rotate_store(
         # zh: 每个程序一个 warp：一个头的两半（d = 128 时各 64 个值）在 warp 内用 shuffle 归约，不用共享内存。
         # zh: 在 H200 上（Qwen3-0.6B 的头）与 Triton 默认的 4 个 warp 对比：256 个 token 6.5 us 对 7.2
         # zh: （float8 缓存：7.5 对 10.8），16,384 个 token 318 us 对 373（552/741）。
+        # en: On Hopper it starts early (PDL): in a one-token step, behind the q/k/v GEMV below, which lets it.
+        # zh: 在 Hopper 上它提前启动（PDL）：在一个 token 的步里，它排在允许它提前的 q/k/v GEMV（见下文）之后。
+        pdl = programmatic_launch(qkv.device)
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
             slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(-3) if store else 0, k_cache.stride(-2) if store else 0,
             k_scales.stride(0), k_scales.stride(1),
             NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK_HALF=triton.next_power_of_2(d // 2),
-            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8, num_warps=1,
+            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8, PDL=pdl, num_warps=1,
+            launch_pdl=pdl,
         )  # fmt: skip
     return q, k, v
 
@@ -969,7 +984,6 @@ into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -978,6 +992,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch import nn
+
+from nanovllm.layers.triton_attention import programmatic_launch
 
 # en: The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 # zh: 一个 tl.dot tile 的行数：不超过这么多 token 的一步走融合路径。
@@ -1152,14 +1168,6 @@ def gemv_block_n(columns: int, inputs: int, glu: bool, min_programs: int = 256) 
     fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
     return next((block for block in fitting if triton.cdiv(columns, block) >= min_programs),
                 fitting[-1] if fitting else 0)  # fmt: skip
-
-
-@functools.cache
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may start before the kernel ahead of them ends (programmatic dependent launch:
-    Hopper and later, not in the interpreter)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @dataclass(frozen=True)

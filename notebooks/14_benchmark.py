@@ -929,9 +929,16 @@ class StepLatency:
     # en: GPU kernels a step launches (profiled window; None on a CPU).
     # zh: 一步启动的 GPU kernel 数（取自分析窗口；在 CPU 上为 None）。
     kernels_per_step: float | None
-    # en: Time the GPU spent inside those kernels, per step.
-    # zh: GPU 在这些 kernel 内部花的时间，按每步计。
+    # en: Time in which at least one of those kernels ran, per step (kernels that start early overlap the one
+    # en: before them: their overlap counts once).
+    # zh: 每步中至少有一个这样的 kernel 在运行的时间（提前启动的 kernel 与前一个重叠：重叠部分只算一次）。
     gpu_ms_per_step: float | None
+    # en: The decode graph alone (the model's layers, without the LM head and the sampler), replayed back to back
+    # en: on the inputs of a step, milliseconds per replay: the GPU's share of the step with no host in the way.
+    # en: None on a CPU or when no graph covers the batch.
+    # zh: 单独的 decode graph（模型各层，不含 LM head 与采样器）在某一步的输入上背靠背重放，每次重放的毫秒数：
+    # zh: 没有主机拖后腿时 GPU 在一步里占的时间。在 CPU 上或没有 graph 覆盖该批次时为 None。
+    graph_ms: float | None = None
     # en: The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     # zh: 按名字归并的 kernel，耗时最多的在前：（名字，每步启动次数，每步微秒数）。
     top_kernels: list[tuple[str, float, float]] | None = None
@@ -988,8 +995,38 @@ def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float
         count_and_time[0] += 1
         count_and_time[1] += event.device_time
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    return (len(kernels) / steps, sum(event.device_time for event in kernels) / 1e3 / steps,
+    return (len(kernels) / steps, busy_microseconds(kernels) / 1e3 / steps,
             [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
+
+
+def busy_microseconds(kernels: list[Any]) -> float:
+    """Microseconds in which at least one of ``kernels`` (sorted by start) ran: the length of the union of their
+    intervals. Summing their durations would count twice the time in which a kernel that starts early (chapter
+    09's programmatic dependent launch) waits beside the kernel before it."""
+    busy, end = 0.0, float("-inf")
+    for event in kernels:
+        start, stop = event.time_range.start, event.time_range.end
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
+
+
+def graph_replay_ms(llm: Any, batch: int, replays: int = 50) -> float | None:
+    """Milliseconds per replay of the decode graph that runs ``batch`` sequences, replayed ``replays`` times back
+    to back on what its buffers hold (the last step's inputs: each replay recomputes that step and writes the same
+    K/V into the same slots, so the engine's state does not change). None without such a graph."""
+    graphs = getattr(llm.model_runner, "graphs", None)
+    if graphs is None or not graphs.covers(batch):
+        return None
+    torch.cuda.synchronize()
+    graphs.replay_loaded(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graphs.replay_loaded(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 # en: The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store), once a layer:
@@ -1041,7 +1078,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     # en: After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     # zh: 分析窗口之后，异步调度的流水线要重新启动：紧接着的几步同样不计时。
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
-    decode_step, step_seconds, contexts, launches, kernels, timeline = 0, [], [], [], None, None
+    decode_step, step_seconds, contexts, launches, kernels, timeline, graph_ms = 0, [], [], [], None, None, None
     try:
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
@@ -1051,6 +1088,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                     torch.cuda.synchronize()
                 kernels = count_kernels(profiler, profile_steps)
                 timeline = step_boundary_timeline(profiler, profile_steps)
+                graph_ms = graph_replay_ms(llm, batch)
                 decode_step += profile_steps
                 continue
             launched_before = len(launch_seconds)
@@ -1081,13 +1119,15 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
-                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None,
-                       boundary_timeline=timeline)
+                       gpu_ms_per_step=kernels[1] if kernels else None, graph_ms=graph_ms,
+                       top_kernels=kernels[2] if kernels else None, boundary_timeline=timeline)
 
 
 def format_row(row: StepLatency) -> str:
     kernels = f"{row.kernels_per_step:6.0f} kernels, GPU busy {row.gpu_ms_per_step:6.3f} ms" \
         if row.kernels_per_step is not None else "kernels: not counted on a CPU"
+    if row.graph_ms is not None:
+        kernels += f", graph alone {row.graph_ms:6.3f} ms"
     return (f"batch {row.batch:3d}: {row.ms_per_step:7.3f} ms/step, {row.tokens_per_s:9,.0f} tok/s, bound "
             f"{row.bound_ms:6.3f} ms ({row.fraction_of_bound:6.1%}), host launch {row.host_launch_ms:6.3f} ms, "
             f"{kernels}")
@@ -1221,7 +1261,17 @@ for row in latency["rows"]:
     assert abs(row["tokens_per_s"] - row["batch"] / (row["ms_per_step"] * 1e-3)) < 1e-6 * row["tokens_per_s"]
     # en: Counted only on a GPU.
     # zh: 只在 GPU 上统计。
-    assert row["kernels_per_step"] is None
+    assert row["kernels_per_step"] is None and row["graph_ms"] is None
+# en: GPU busy time is the union of the kernels' intervals: a kernel that starts early (PDL, chapter 09) and waits
+# en: beside the one before it adds only what sticks out. Three kernels, the second starting 3 µs early:
+# zh: GPU 忙碌时间是各 kernel 时间区间的并集：提前启动（PDL，第 09 章）、在前一个 kernel 旁边等待的 kernel，只算它
+# zh: 多出来的那一段。三个 kernel，第二个提前 3 µs 启动：
+from types import SimpleNamespace
+
+from nanovllm.bench.latency import busy_microseconds
+
+kernel_times = [SimpleNamespace(time_range=SimpleNamespace(start=a, end=b)) for a, b in [(0, 10), (7, 15), (20, 22)]]
+assert busy_microseconds(kernel_times) == 15 + 2
 # en: A decode step reads every weight but the final norm's.
 # zh: 一个 decode 步读取除最后的归一化层之外的全部权重。
 assert weight_bytes_per_step(qwen3_06b, 2) == 2 * (model_params(qwen3_06b) - 1024)

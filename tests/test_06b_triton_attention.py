@@ -372,6 +372,20 @@ def test_gpu_long_context_decode_split_matches_plain() -> None:
     close(ta.decode_attention(q, *caches, ctx, scale, num_splits=16), plain, torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_gpu_a_few_sequences_take_short_tiles_and_start_early_and_match(seed: int) -> None:
+    """One to three sequences (and a padding row) over a 16-bit cache: 16 or more slices take MANY_SPLITS_BLOCK_N-key
+    tiles and, on Hopper, the early start of both kernels; the result is the reference's, and the plain kernel's."""
+    # Qwen3-0.6B (8 KV heads), one sequence, a 4,096-token table: the engine's batch-1 step takes this launch.
+    assert ta.choose_num_splits(1, 8, 4096, ta._num_sms(torch.device(DEVICE))) >= ta.MANY_SPLITS
+    q, caches, ctx, scale = decode_setup(seed, torch.bfloat16, [16, 256], [1, 2, 4], 3000, d=128)
+    expected = REF.decode(q, *caches, ctx, scale)
+    for splits in (None, ta.MANY_SPLITS, 32):
+        close(ta.decode_attention(q, *caches, ctx, scale, num_splits=splits), expected, torch.bfloat16)
+    close(ta.decode_attention(q, *caches, ctx, scale, num_splits=1), expected, torch.bfloat16)
+
+
 def tiny_qwen3_logits(dtype: torch.dtype, backend: str) -> torch.Tensor:
     """The tiny Qwen3 on CUDA: a flat batch with a chunked prefill and a prefix hit, then decode; all logits."""
     from nanovllm.book.tiny_models import build_tiny_model

@@ -26,8 +26,10 @@ __all__ = [
     "LATENCY_DEFAULTS",
     "LAYER_MARK",
     "StepLatency",
+    "busy_microseconds",
     "count_kernels",
     "format_row",
+    "graph_replay_ms",
     "main",
     "measure_batch",
     "measure_setting",
@@ -58,8 +60,13 @@ class StepLatency:
     bound_ms: float
     # GPU kernels a step launches (profiled window; None on a CPU).
     kernels_per_step: float | None
-    # Time the GPU spent inside those kernels, per step.
+    # Time in which at least one of those kernels ran, per step (kernels that start early overlap the one
+    # before them: their overlap counts once).
     gpu_ms_per_step: float | None
+    # The decode graph alone (the model's layers, without the LM head and the sampler), replayed back to back
+    # on the inputs of a step, milliseconds per replay: the GPU's share of the step with no host in the way.
+    # None on a CPU or when no graph covers the batch.
+    graph_ms: float | None = None
     # The kernels by name, the costliest first: (name, launches per step, microseconds per step).
     top_kernels: list[tuple[str, float, float]] | None = None
     # The kernels across the middle step boundary of the profiled window, on the GPU's clock (see
@@ -111,8 +118,38 @@ def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float
         count_and_time[0] += 1
         count_and_time[1] += event.device_time
     ranked = sorted(by_name.items(), key=lambda item: -item[1][1])[:top]
-    return (len(kernels) / steps, sum(event.device_time for event in kernels) / 1e3 / steps,
+    return (len(kernels) / steps, busy_microseconds(kernels) / 1e3 / steps,
             [(name, count / steps, micros / steps) for name, (count, micros) in ranked])
+
+
+def busy_microseconds(kernels: list[Any]) -> float:
+    """Microseconds in which at least one of ``kernels`` (sorted by start) ran: the length of the union of their
+    intervals. Summing their durations would count twice the time in which a kernel that starts early (chapter
+    09's programmatic dependent launch) waits beside the kernel before it."""
+    busy, end = 0.0, float("-inf")
+    for event in kernels:
+        start, stop = event.time_range.start, event.time_range.end
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy
+
+
+def graph_replay_ms(llm: Any, batch: int, replays: int = 50) -> float | None:
+    """Milliseconds per replay of the decode graph that runs ``batch`` sequences, replayed ``replays`` times back
+    to back on what its buffers hold (the last step's inputs: each replay recomputes that step and writes the same
+    K/V into the same slots, so the engine's state does not change). None without such a graph."""
+    graphs = getattr(llm.model_runner, "graphs", None)
+    if graphs is None or not graphs.covers(batch):
+        return None
+    torch.cuda.synchronize()
+    graphs.replay_loaded(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graphs.replay_loaded(batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 # The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store), once a layer:
@@ -161,7 +198,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     profile_from = (output_len - profile_steps) // 2
     # After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
-    decode_step, step_seconds, contexts, launches, kernels, timeline = 0, [], [], [], None, None
+    decode_step, step_seconds, contexts, launches, kernels, timeline, graph_ms = 0, [], [], [], None, None, None
     try:
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
@@ -171,6 +208,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                     torch.cuda.synchronize()
                 kernels = count_kernels(profiler, profile_steps)
                 timeline = step_boundary_timeline(profiler, profile_steps)
+                graph_ms = graph_replay_ms(llm, batch)
                 decode_step += profile_steps
                 continue
             launched_before = len(launch_seconds)
@@ -199,13 +237,15 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
                        bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
-                       gpu_ms_per_step=kernels[1] if kernels else None, top_kernels=kernels[2] if kernels else None,
-                       boundary_timeline=timeline)
+                       gpu_ms_per_step=kernels[1] if kernels else None, graph_ms=graph_ms,
+                       top_kernels=kernels[2] if kernels else None, boundary_timeline=timeline)
 
 
 def format_row(row: StepLatency) -> str:
     kernels = f"{row.kernels_per_step:6.0f} kernels, GPU busy {row.gpu_ms_per_step:6.3f} ms" \
         if row.kernels_per_step is not None else "kernels: not counted on a CPU"
+    if row.graph_ms is not None:
+        kernels += f", graph alone {row.graph_ms:6.3f} ms"
     return (f"batch {row.batch:3d}: {row.ms_per_step:7.3f} ms/step, {row.tokens_per_s:9,.0f} tok/s, bound "
             f"{row.bound_ms:6.3f} ms ({row.fraction_of_bound:6.1%}), host launch {row.host_launch_ms:6.3f} ms, "
             f"{kernels}")

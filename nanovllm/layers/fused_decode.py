@@ -5,7 +5,6 @@ into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -14,6 +13,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 from torch import nn
+
+from nanovllm.layers.triton_attention import programmatic_launch
 
 __all__ = [
     "FUSED_STEP_TOKENS",
@@ -27,7 +28,6 @@ __all__ = [
     "gemv_block_n",
     "gemv_kernel",
     "load_rows",
-    "programmatic_launch",
     "row_parallel",
     "small_matmul",
     "small_matmul_kernel",
@@ -190,14 +190,6 @@ def gemv_block_n(columns: int, inputs: int, glu: bool, min_programs: int = 256) 
     fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
     return next((block for block in fitting if triton.cdiv(columns, block) >= min_programs),
                 fitting[-1] if fitting else 0)  # fmt: skip
-
-
-@functools.cache
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may start before the kernel ahead of them ends (programmatic dependent launch:
-    Hopper and later, not in the interpreter)."""
-    return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import triton.language as tl
 from torch import nn
 
 from nanovllm.layers.context import get_context
-from nanovllm.layers.triton_attention import fp8_scale, to_e4m3
+from nanovllm.layers.triton_attention import fp8_scale, programmatic_launch, to_e4m3
 
 __all__ = [
     "can_fuse",
@@ -52,17 +52,27 @@ def norm_rotate_store_kernel(
     k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr, eps, stride_qkv, stride_cos_sin,
     stride_slot, stride_cache_head, stride_s_b, stride_s_h,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
+    NORM: tl.constexpr, STORE: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (token t, head h) of the row q heads | k heads | v heads; each head as its two halves.
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     half: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
+    if PDL:
+        # Started early (PDL, chapter 06b): let attention start early too.
+        tl.extra.cuda.gdc_launch_dependents()
+    # The slot and the position's cos and sin were written by the host before the step: they load before the
+    # wait for the q/k/v projection, the only input the kernel before writes.
+    slot = tl.load(slot_mapping_ptr + t) if STORE else -1
+    row = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cos_sin
+    cos = tl.load(row + offs, mask=mask, other=0.0)
+    sin = tl.load(row + half + offs, mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
     x1 = tl.load(src + offs, mask=mask, other=0.0)
     x2 = tl.load(src + half + offs, mask=mask, other=0.0)
-    slot = tl.load(slot_mapping_ptr + t) if STORE else -1
     if h < NUM_HEADS + NUM_KV_HEADS:
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         if NORM:
@@ -77,9 +87,7 @@ def norm_rotate_store_kernel(
             a = (w1 * (a * inv_rms).to(x1.dtype)).to(tl.float32)
             b = (w2 * (b * inv_rms).to(x1.dtype)).to(tl.float32)
         # RoPE (NeoX halves), with cos and sin rounded to the model's dtype as apply_rotary does.
-        row = cos_sin_ptr + tl.load(positions_ptr + t) * stride_cos_sin
-        cos = tl.load(row + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
-        sin = tl.load(row + half + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+        cos, sin = cos.to(x1.dtype).to(tl.float32), sin.to(x1.dtype).to(tl.float32)
         o1, o2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
         if h < NUM_HEADS:
             dst = q_out_ptr + (t * NUM_HEADS + h) * HEAD_DIM
@@ -127,12 +135,15 @@ def norm_rotate_store(
         # One warp a program: a head's halves (64 values for d = 128) reduce with shuffles inside the warp, no
         # shared memory. Measured on an H200 (Qwen3-0.6B's heads), against Triton's default of 4 warps: 256
         # tokens 6.5 us against 7.2 (float8 cache: 7.5 against 10.8), 16,384 tokens 318 us against 373 (552/741).
+        # On Hopper it starts early (PDL): in a one-token step, behind the q/k/v GEMV below, which lets it.
+        pdl = programmatic_launch(qkv.device)
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
             slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
             qkv.stride(0), cos_sin.stride(0), k_cache.stride(-3) if store else 0, k_cache.stride(-2) if store else 0,
             k_scales.stride(0), k_scales.stride(1),
             NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=d, BLOCK_HALF=triton.next_power_of_2(d // 2),
-            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8, num_warps=1,
+            NORM=norm, STORE=store, BLOCK_SIZE=k_cache.shape[-3] if store else 1, FP8=fp8, PDL=pdl, num_warps=1,
+            launch_pdl=pdl,
         )  # fmt: skip
     return q, k, v
