@@ -779,6 +779,18 @@ def norm_rotate_store_kernel(
                    stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8, FP8)
 
 
+# en: The steps in which the kernel starts early (PDL): those of one or two tokens, where the q/k/v GEMV ahead of it
+# en: (below) lets it start as soon as the GEMV does. Measured on the H200 (`python -m nanovllm.bench --latency`,
+# en: the decode graph replayed alone): together with the decode kernels' early start (chapter 06b), batch 1 took
+# en: 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS, the early start took
+# en: 1.532-1.535 ms against 1.514-1.515.
+# zh: 这个内核提前启动（PDL）的步：一个或两个 token 的步，那里它前面的 q/k/v GEMV（见下文）让它在 GEMV 开始时就能
+# zh: 启动。在 H200 上测得（`python -m nanovllm.bench --latency`，单独重放 decode graph）：连同 decode 内核的提前启动
+# zh: （第 06b 章），批大小 1 用 0.581 ms，原来 0.656；批大小 2 用 0.729，原来 0.836；批大小 16 时前面是 cuBLAS，
+# zh: 提前启动用了 1.532–1.535 ms，原来 1.514–1.515。
+EARLY_START_TOKENS = 2
+
+
 def can_fuse(attention: nn.Module) -> bool:
     """Whether ``attention`` (chapter 05's Qwen3Attention) fits the kernel: RoPE over whole heads."""
     return attention.rotary_emb.rotary_dim == attention.head_dim and attention.head_dim % 2 == 0
@@ -813,9 +825,9 @@ def norm_rotate_store(
         # zh: 每个程序一个 warp：一个头的两半（d = 128 时各 64 个值）在 warp 内用 shuffle 归约，不用共享内存。
         # zh: 在 H200 上（Qwen3-0.6B 的头）与 Triton 默认的 4 个 warp 对比：256 个 token 6.5 us 对 7.2
         # zh: （float8 缓存：7.5 对 10.8），16,384 个 token 318 us 对 373（552/741）。
-        # en: On Hopper it starts early (PDL): in a one-token step, behind the q/k/v GEMV below, which lets it.
-        # zh: 在 Hopper 上它提前启动（PDL）：在一个 token 的步里，它排在允许它提前的 q/k/v GEMV（见下文）之后。
-        pdl = programmatic_launch(qkv.device)
+        # en: On Hopper it starts early (PDL) in steps of EARLY_START_TOKENS tokens or fewer.
+        # zh: 在 Hopper 上，不超过 EARLY_START_TOKENS 个 token 的步里它提前启动（PDL）。
+        pdl = tokens <= EARLY_START_TOKENS and programmatic_launch(qkv.device)
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
             slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,

@@ -13,6 +13,7 @@ from nanovllm.config import Config
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.fused_decode import (
     FUSED_STEP_TOKENS,
+    GEMV_ROWS,
     MAX_TOKENS,
     FusedDecodeLayer,
     SmallMatmulLaunch,
@@ -101,6 +102,13 @@ def test_launch_gives_every_sm_of_a_large_gpu_work() -> None:
     # Qwen3-0.6B's matmuls: q/k/v 4096 columns, gate/up 3072 (after SiLU x mul), o_proj and down_proj 1024.
     assert [choose_launch(n, 1024).block_n for n in (4096, 3072, 1024, 40)] == [32, 16, 16, 16]
     assert choose_launch(12288 * 2, 4096).block_n == 64  # Qwen3-8B's gate/up
+
+
+def test_the_qkv_kernel_starts_early_exactly_in_the_steps_the_gemv_runs() -> None:
+    """norm_rotate_store starts early (PDL) where the q/k/v GEMV ahead of it lets it: the same step sizes."""
+    from nanovllm.layers.fused_qkv import EARLY_START_TOKENS
+
+    assert EARLY_START_TOKENS == GEMV_ROWS == FUSED_STEP_TOKENS
 
 
 def test_gemv_slices_fit_registers_and_fill_the_gpu() -> None:

@@ -13,6 +13,7 @@ from nanovllm.layers.context import get_context
 from nanovllm.layers.triton_attention import fp8_scale, programmatic_launch, to_e4m3
 
 __all__ = [
+    "EARLY_START_TOKENS",
     "can_fuse",
     "norm_rotate_store",
     "norm_rotate_store_kernel",
@@ -106,6 +107,14 @@ def norm_rotate_store_kernel(
                    stride_cache_head, stride_s_b, stride_s_h, half, BLOCK_SIZE, FP8, FP8)
 
 
+# The steps in which the kernel starts early (PDL): those of one or two tokens, where the q/k/v GEMV ahead of it
+# (below) lets it start as soon as the GEMV does. Measured on the H200 (`python -m nanovllm.bench --latency`,
+# the decode graph replayed alone): together with the decode kernels' early start (chapter 06b), batch 1 took
+# 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS, the early start took
+# 1.532-1.535 ms against 1.514-1.515.
+EARLY_START_TOKENS = 2
+
+
 def can_fuse(attention: nn.Module) -> bool:
     """Whether ``attention`` (chapter 05's Qwen3Attention) fits the kernel: RoPE over whole heads."""
     return attention.rotary_emb.rotary_dim == attention.head_dim and attention.head_dim % 2 == 0
@@ -135,8 +144,8 @@ def norm_rotate_store(
         # One warp a program: a head's halves (64 values for d = 128) reduce with shuffles inside the warp, no
         # shared memory. Measured on an H200 (Qwen3-0.6B's heads), against Triton's default of 4 warps: 256
         # tokens 6.5 us against 7.2 (float8 cache: 7.5 against 10.8), 16,384 tokens 318 us against 373 (552/741).
-        # On Hopper it starts early (PDL): in a one-token step, behind the q/k/v GEMV below, which lets it.
-        pdl = programmatic_launch(qkv.device)
+        # On Hopper it starts early (PDL) in steps of EARLY_START_TOKENS tokens or fewer.
+        pdl = tokens <= EARLY_START_TOKENS and programmatic_launch(qkv.device)
         norm_rotate_store_kernel[(tokens, heads + 2 * kv_heads)](
             qkv, positions, cos_sin, q_weight, k_weight, q, k, k_cache, v_cache,
             slot_mapping if store else positions, k_scales, v_scales, attention.q_norm.eps if norm else 0.0,
