@@ -189,6 +189,9 @@ say = Phrases({
         "一个内核 == 第 05 章的 q/k 归一化与 RoPE + 第 06 章的写入（写了槽位 4-6，其余不动）",
     "PDL hides {hidden:.1f} µs a boundary; {left:.1f} µs a kernel remain":
         "PDL 每个边界藏住 {hidden:.1f} µs；每个内核还剩 {left:.1f} µs",
+    "batch {batch}: graph {before:.3f} -> {after:.3f} ms ({share:.0%} of the bound), "
+    "step {fast:.3f}-{slow:.3f} ms":
+        "批大小 {batch}：graph {before:.3f} -> {after:.3f} ms（上限的 {share:.0%}），每步 {fast:.3f}-{slow:.3f} ms",
     "unfused": "不融合",
     "fused": "融合",
     "the last layer of a step, batch 1 (H200)": "一步中的最后一层，批大小 1（H200）",
@@ -1626,6 +1629,61 @@ assert min(gaps.values()) > 200
 print(say("last layer: {unfused:.1f} -> {fused:.1f} µs, {before} -> {after} kernels; GPU idle before the next "
           "step: {idle_unfused:.0f} and {idle_fused:.0f} µs", unfused=unfused_layer[-1][2], fused=fused_layer[-1][2],
           before=len(unfused_layer), after=len(fused_layer), idle_unfused=gaps["unfused"], idle_fused=gaps["fused"]))
+
+# %% [markdown] tags=["en"]
+# ### Attention starts early too, and the host stays the wall
+#
+# The GPU's part of a step can be measured without the host: `python -m nanovllm.bench --latency`
+# also replays the decode graph of each batch fifty times back to back ("graph alone"). Recorded
+# on the H200 (2026-12-03, `--batches 1 2 4 16 --output-len 512`, before and after in one call,
+# twice), after chapter 12's one-copy step had already cut the host's work: the decode kernels of
+# a few sequences now take 32-key tiles and start early (chapter 06b), and so does the q/k/v
+# kernel in steps of one or two tokens.
+#
+# | batch | graph alone, before | after | bound | wall per step, after | host launch, after |
+# |---:|---:|---:|---:|---:|---:|
+# | 1 | 0.656 ms | 0.581 ms | 0.301 ms | 0.686 / 0.918 ms | 0.496 / 0.811 ms |
+# | 2 | 0.836 ms | 0.729 ms | 0.322 ms | 0.827 / 0.999 ms | 0.547 / 0.852 ms |
+# | 4 | 1.300 ms | 1.268 ms | 0.364 ms | 1.374 / 1.377 ms | 0.776 / 1.148 ms |
+#
+# At batch 1 the model's part of a step is now 52 % of the bound, but the step as the engine runs
+# it took 0.686 ms in one round and 0.918 ms in the next, because the host needed 0.50 ms to
+# launch a step in one and 0.81 ms in the other: with asynchronous scheduling a step lasts as long
+# as the slower of the two, and on this machine that is the Python that launches it. The LM head
+# (75 µs) and the sampler run outside the graph, launched from Python one by one each step; the
+# graph alone leaves them out.
+
+# %% [markdown] tags=["zh"]
+# ### 注意力也提前启动，而主机仍是瓶颈
+#
+# 一步里 GPU 的那部分可以撇开主机来测：`python -m nanovllm.bench --latency` 还会把每个批次的 decode graph 背靠背
+# 重放五十次（“单独的 graph”）。下面是在 H200 上记录的（2026-12-03，`--batches 1 2 4 16 --output-len 512`，改动前后
+# 在同一次调用里各测两轮），那时第 12 章的“一次拷贝”已经削减了主机的工作：少数几个序列的 decode 内核改用 32 键的
+# tile 并提前启动（第 06b 章），一个或两个 token 的步里 q/k/v 内核也提前启动。
+#
+# | 批大小 | 单独的 graph，改动前 | 改动后 | 上限 | 改动后每步实际用时 | 改动后主机启动用时 |
+# |---:|---:|---:|---:|---:|---:|
+# | 1 | 0.656 ms | 0.581 ms | 0.301 ms | 0.686 / 0.918 ms | 0.496 / 0.811 ms |
+# | 2 | 0.836 ms | 0.729 ms | 0.322 ms | 0.827 / 0.999 ms | 0.547 / 0.852 ms |
+# | 4 | 1.300 ms | 1.268 ms | 0.364 ms | 1.374 / 1.377 ms | 0.776 / 1.148 ms |
+#
+# 批大小为 1 时，模型那部分现在达到上限的 52 %，可引擎实际跑一步，一轮用了 0.686 ms，下一轮 0.918 ms，因为主机启动
+# 一步在前一轮要 0.50 ms，在后一轮要 0.81 ms：异步调度下，一步的长短取决于两者中较慢的那个，而在这台机器上较慢的是
+# 启动它的 Python。LM head（75 µs）和采样器在 graph 之外，每一步由 Python 逐个启动；单独的 graph 不包括它们。
+
+# %%
+# en: Recorded (H200, 2026-12-03): batch -> (graph alone before, after, bound, wall per step in the two rounds, ms).
+# zh: 记录的数字（H200，2026-12-03）：批大小 ->（改动前单独的 graph、改动后、上限、两轮的每步实际用时，单位 ms）。
+EARLY_START_LINE = ("batch {batch}: graph {before:.3f} -> {after:.3f} ms ({share:.0%} of the bound), "
+                    "step {fast:.3f}-{slow:.3f} ms")
+EARLY_START = {1: (0.656, 0.581, 0.301, (0.686, 0.918)), 2: (0.836, 0.729, 0.322, (0.827, 0.999)),
+               4: (1.300, 1.268, 0.364, (1.374, 1.377))}
+for batch, (before, after, bound, walls) in EARLY_START.items():
+    # en: Every batch's graph got faster, and no step ran faster than its graph alone.
+    # zh: 每个批次的 graph 都变快了，也没有哪一步比单独的 graph 还快。
+    assert after < before and min(walls) > after > bound
+    print(say(EARLY_START_LINE, batch=batch, before=before, after=after, share=bound / after,
+              fast=min(walls), slow=max(walls)))
 
 # %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`
