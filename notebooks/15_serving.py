@@ -1544,10 +1544,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -1563,6 +1564,7 @@ from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
+from nanovllm.serve.guards import BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -1779,15 +1781,25 @@ class StatsCollector(Collector):
         yield finished
 
 
-def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None) -> FastAPI:
+_T = TypeVar("_T")
+
+
+def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
-    every open stream, from any thread or a signal handler."""
+    every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
+    `default_max_body_bytes`)."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
     client.max_waiting = max_waiting
     tokenizer, info = client.tokenizer, client.info
+    max_chars = max_prompt_chars(tokenizer, info.max_model_len)
+    # en: One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
+    # en: tokenizer is not meant to be called from several threads at once.
+    # zh: 由一个线程负责分词：长提示词不会卡住事件循环（/health、其他流），而且分词器本来就不该被几个线程同时调用。
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
     hub = DashboardHub(client)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(client, model_name))
@@ -1809,9 +1821,14 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         finally:
             client.stop()
             hub.close_all()
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(client.join, 60)
 
     app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(info.max_model_len))
+
+    async def off_loop(work: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, work)
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, error: ServerError) -> JSONResponse:
@@ -1841,6 +1858,12 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         if body.n > info.max_num_seqs:
             raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({info.max_num_seqs}): a "
                               "request's samples are computed together", param="n")
+
+    def check_length(length: int, what: str, param: str) -> None:
+        """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""
+        if length > max_chars:
+            raise ServerError(400, f"{what} is {length} characters long: more than {info.max_model_len} tokens "
+                              f"(max_model_len) of this model can hold, at most {max_chars} characters", param=param)
 
     def default_max_tokens(prompts: list[list[int]], chat: bool) -> int:
         """OpenAI's defaults: 16 for a completion; for a chat, whatever room the model and the KV cache leave."""
@@ -1935,14 +1958,22 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
-        prompts = []
-        for i, prompt in enumerate(body.prompts()):
-            try:
-                prompts.append(prompt_token_ids(prompt, tokenizer))
-            except (TypeError, ValueError) as error:
-                where = f"prompt {i}: " if len(body.prompts()) > 1 else ""
-                raise ServerError(400, f"{where}{error}", param="prompt") from None
-        return await generate(body, prompts, False, request)
+        texts = body.prompts()
+        for i, prompt in enumerate(texts):
+            if isinstance(prompt, str):
+                check_length(len(prompt), f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
+
+        def tokenize() -> list[list[int]]:
+            prompts = []
+            for i, prompt in enumerate(texts):
+                try:
+                    prompts.append(prompt_token_ids(prompt, tokenizer))
+                except (TypeError, ValueError) as error:
+                    where = f"prompt {i}: " if len(texts) > 1 else ""
+                    raise ServerError(400, f"{where}{error}", param="prompt") from None
+            return prompts
+
+        return await generate(body, await off_loop(tokenize), False, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -1951,14 +1982,18 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
             raise ServerError(400, f"the model {model_name!r} has no chat template: use /v1/completions",
                               param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-        # en: The template's own checks (jinja raises what it likes)
-        # zh: 模板自己的检查（jinja 想抛什么异常就抛什么）
-        except Exception as error:
-            raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
-        return await generate(body, [list(prompt)], True, request)
+        check_length(sum(len(m["content"]) for m in messages), "the messages' text", "messages")
+
+        def tokenize() -> list[int]:
+            try:
+                return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+            # en: The template's own checks (jinja raises what it likes)
+            # zh: 模板自己的检查（jinja 想抛什么异常就抛什么）
+            except Exception as error:
+                raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
+
+        return await generate(body, [await off_loop(tokenize)], True, request)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -2038,6 +2073,110 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # 以一个错误事件和 `[DONE]` 结束，实时页面关闭，然后 uvicorn 自己的优雅关闭发现没有请求需要等待。引擎进程退出（使用张量
 # 并行时，它的 rank 进程也一起退出），服务器在几秒之内以状态 0 结束。测试还会直接杀死服务器：它的引擎进程随之退出；
 # 而死掉的引擎进程会让打开的流以 500 失败，同时 `/health` 回答 503。
+
+# %% [markdown] tags=["en"]
+# ## One careless client must not hurt the others
+#
+# Everything so far trusts the client to be reasonable. A public server cannot: one client that
+# sends a 50 MB prompt, opens a thousand sockets and sends nothing, or trickles its body a byte a
+# second, must cost the others nothing. vLLM's server sets the conventions we follow, in a module
+# of its own, `nanovllm.serve.guards`.
+#
+# **Bounded bodies and prompts.** Tokenizing is the expensive part of reading a request: a 4 MB
+# text takes this book's CPU some 20 s. So the body is limited before it is read (`--max-body-bytes`,
+# by default 256 bytes per token of `max_model_len`, at least 4 MiB: 413 in OpenAI's shape, from
+# the `Content-Length` header when there is one, else counted as the body arrives), and a prompt
+# with more characters than `max_model_len` tokens could hold is refused without being tokenized.
+# That bound is exact, not a guess: a token stands for at most its vocabulary entry (a byte-level
+# entry has one character per byte), so `max_model_len` × the longest entry characters is the
+# most a prompt that fits can have; a tokenizer with a Unicode normalizer (NFC merges at most four
+# code points into one character) gets four times that. Tokenizing itself runs on a thread of its
+# own, so `/health` and the other streams never wait for it.
+
+# %% [markdown] tags=["zh"]
+# ## 一个不讲理的客户端不能拖累别人
+#
+# 到目前为止，一切都假定客户端是讲理的。公开的服务器不能这样假定：一个客户端发来 50 MB 的提示词，或者打开一千个
+# 套接字却什么也不发，或者一秒一个字节地慢慢发请求体，都不应让其他客户端付出任何代价。vLLM 的服务器定下了这些惯例，
+# 我们照着做，代码放在单独的模块 `nanovllm.serve.guards` 里。
+#
+# **有上限的请求体和提示词。** 读请求时最贵的是分词：在本书的 CPU 上，4 MB 的文本要分词 20 秒左右。所以请求体在读之前
+# 就有上限（`--max-body-bytes`，默认是 `max_model_len` 的每个 token 256 字节，至少 4 MiB；超过时返回 OpenAI 格式的
+# 413：有 `Content-Length` 头时直接看它，没有时边收边数），而字符数超过 `max_model_len` 个 token 所能容纳的提示词，
+# 不分词就直接拒绝。这个上限是严格的，不是估计：一个 token 最多代表它在词表里的那一项（字节级词表的一项，每个字节
+# 对应一个字符），所以 `max_model_len` 乘以最长一项的字符数，就是放得下的提示词最多能有的字符数；分词器带 Unicode
+# 规范化（NFC 最多把四个码位合成一个字符）时，再乘以四。分词本身在单独的线程里进行，所以 `/health` 和其他流
+# 从不等它。
+
+# %% guards
+#| export serve.guards
+"""What keeps one careless or hostile client from costing the others: bounded bodies and prompts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from nanovllm.serve.protocol import ServerError
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """256 bytes per token of the model's length, at least 4 MiB: room for a full-length prompt of long tokens
+    written as JSON escapes, or for a batch of ordinary prompts."""
+    return max(4 << 20, 256 * max_model_len)
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a prompt of ``max_model_len`` tokens can have. A token stands for at most its vocabulary
+    entry (a byte-level entry has one character per byte, and a byte is at most one character; a special token is
+    its own text), and a Unicode normalizer (NFC, NFKC) merges at most four code points into one character. A
+    tokenizer that drops characters (BERT's drops whitespace) would break the bound; the byte-level and
+    SentencePiece tokenizers of generative models drop none."""
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    # en: A slow tokenizer's normalization is not known: assume there is one
+    # zh: 慢速分词器的规范化方式无从得知：假定它有
+    merges = 4 if backend is None or backend.normalizer is not None else 1
+    return max_model_len * longest * merges
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before it is read whole. A ``Content-Length``
+    over the limit is refused before a byte of the body is read (uvicorn then drops the rest as it arrives); a body
+    without one (chunked) is counted as it arrives, and reading stops at the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    def error(self, size: str) -> ServerError:
+        return ServerError(413, f"the request body is {size} bytes, more than this server takes ({self.max_bytes}, "
+                           "--max-body-bytes)")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            error = self.error(declared.decode())
+            await JSONResponse(error.body(), status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                # en: FastAPI passes an HTTPException raised while it reads the body on to the app's error handler.
+                # zh: FastAPI 读请求体时抛出的 HTTPException，会原样交给应用的错误处理函数。
+                raise HTTPException(413, self.error(f"over {self.max_bytes}").message)
+            return message
+
+        await self.app(scope, counted, send)
 
 # %% [markdown] tags=["en"]
 # ## The live page
@@ -2402,6 +2541,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
                         help="refuse new requests (503) while N requests wait (default: no limit)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                        help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
+                             "token of --max-model-len, at least 4 MiB)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine_options(parser)
     return parser
@@ -2467,7 +2609,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
+        app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False)
         Server(config, name).run()

@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
+from nanovllm.serve.guards import BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -233,15 +235,24 @@ class StatsCollector(Collector):
         yield finished
 
 
-def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None) -> FastAPI:
+_T = TypeVar("_T")
+
+
+def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
+               max_body_bytes: int | None = None) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
-    every open stream, from any thread or a signal handler."""
+    every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
+    `default_max_body_bytes`)."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
     client.max_waiting = max_waiting
     tokenizer, info = client.tokenizer, client.info
+    max_chars = max_prompt_chars(tokenizer, info.max_model_len)
+    # One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
+    # tokenizer is not meant to be called from several threads at once.
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
     hub = DashboardHub(client)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(client, model_name))
@@ -262,9 +273,14 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         finally:
             client.stop()
             hub.close_all()
+            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(client.join, 60)
 
     app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(info.max_model_len))
+
+    async def off_loop(work: Callable[[], _T]) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, work)
 
     @app.exception_handler(ServerError)
     async def server_error(request: Request, error: ServerError) -> JSONResponse:
@@ -294,6 +310,12 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         if body.n > info.max_num_seqs:
             raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({info.max_num_seqs}): a "
                               "request's samples are computed together", param="n")
+
+    def check_length(length: int, what: str, param: str) -> None:
+        """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""
+        if length > max_chars:
+            raise ServerError(400, f"{what} is {length} characters long: more than {info.max_model_len} tokens "
+                              f"(max_model_len) of this model can hold, at most {max_chars} characters", param=param)
 
     def default_max_tokens(prompts: list[list[int]], chat: bool) -> int:
         """OpenAI's defaults: 16 for a completion; for a chat, whatever room the model and the KV cache leave."""
@@ -388,14 +410,22 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
-        prompts = []
-        for i, prompt in enumerate(body.prompts()):
-            try:
-                prompts.append(prompt_token_ids(prompt, tokenizer))
-            except (TypeError, ValueError) as error:
-                where = f"prompt {i}: " if len(body.prompts()) > 1 else ""
-                raise ServerError(400, f"{where}{error}", param="prompt") from None
-        return await generate(body, prompts, False, request)
+        texts = body.prompts()
+        for i, prompt in enumerate(texts):
+            if isinstance(prompt, str):
+                check_length(len(prompt), f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
+
+        def tokenize() -> list[list[int]]:
+            prompts = []
+            for i, prompt in enumerate(texts):
+                try:
+                    prompts.append(prompt_token_ids(prompt, tokenizer))
+                except (TypeError, ValueError) as error:
+                    where = f"prompt {i}: " if len(texts) > 1 else ""
+                    raise ServerError(400, f"{where}{error}", param="prompt") from None
+            return prompts
+
+        return await generate(body, await off_loop(tokenize), False, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -404,13 +434,17 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
             raise ServerError(400, f"the model {model_name!r} has no chat template: use /v1/completions",
                               param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                   return_dict=False)
-        # The template's own checks (jinja raises what it likes)
-        except Exception as error:
-            raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
-        return await generate(body, [list(prompt)], True, request)
+        check_length(sum(len(m["content"]) for m in messages), "the messages' text", "messages")
+
+        def tokenize() -> list[int]:
+            try:
+                return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False))
+            # The template's own checks (jinja raises what it likes)
+            except Exception as error:
+                raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
+
+        return await generate(body, [await off_loop(tokenize)], True, request)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     parser.add_argument("--max-waiting", type=int, default=None, metavar="N",
                         help="refuse new requests (503) while N requests wait (default: no limit)")
+    parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
+                        help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
+                             "token of --max-model-len, at least 4 MiB)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine_options(parser)
     return parser
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        app = create_app(engine, model_name=name, max_waiting=args.max_waiting)
+        app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False)
         Server(config, name).run()

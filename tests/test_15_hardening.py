@@ -1,0 +1,104 @@
+"""Chapter 15, issue 36: the server holds against one careless or hostile client. Each test failed on the server as
+it was before: a 50 MB body read whole and tokenized on the event loop, no read deadline, an engine nobody watched,
+no API key. Bounds on time are generous ("within 5 s where it took minutes") and compared with the same run's
+figures where load could move them."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.serve.process import ServerProcess
+
+ARGS = ["--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-model-len", "512"]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(build_tiny_model("qwen3"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS]) as process:
+        yield process
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), in MB."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_huge_body_is_refused_before_it_is_read(server, client):
+    """Issue 36, item 1: a 50 MB prompt was read, parsed and tokenized on the event loop (80 s on SmolLM2, the
+    process grew by 6 GB). Its Content-Length is now refused with 413 in OpenAI's shape, and the server's peak
+    memory does not move; a chunked body, which has no Content-Length, is counted and cut at the limit."""
+    before = peak_rss_mb(server.process.pid)
+    began = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="tiny", prompt="x" * 50_000_000, max_tokens=2)
+    assert time.monotonic() - began < 10
+    assert refused.value.status_code == 413 and "--max-body-bytes" in refused.value.body["message"]
+    assert peak_rss_mb(server.process.pid) - before < 40  # the body was 50 MB: it was never held
+
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(80):
+            yield b"y" * 100_000
+        yield b'"}'
+
+    reply = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 413 and reply.json()["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_a_prompt_longer_than_the_model_by_its_characters_is_not_tokenized(server, client):
+    """A prompt with more characters than 512 tokens of the tiny tokenizer can hold (512 x its longest entry, 13
+    characters) is refused by its length alone; the message says so, on both endpoints."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model="tiny", prompt="z" * 7_000, max_tokens=2)
+    assert refused.value.body["param"] == "prompt" and "6656 characters" in refused.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "z" * 7_000}])
+    assert refused.value.body["param"] == "messages" and "6656 characters" in refused.value.body["message"]
+
+
+def test_tokenizing_never_holds_up_health(server):
+    """A request of 190 Chinese prompts (3.6 MB), each short enough by its characters, takes seconds to tokenize;
+    /health answers meanwhile. (Tokenized on the event loop, each /health waited for the whole request.)"""
+    body = json.dumps({"model": "tiny", "prompt": ["你好世界" * 1600] * 190, "max_tokens": 2}, ensure_ascii=False)
+    done: dict[str, float] = {}
+
+    def send() -> None:
+        began = time.monotonic()
+        done["status"] = httpx.post(f"{server.url}/v1/completions", content=body.encode(), timeout=120,
+                                    headers={"content-type": "application/json"}).status_code
+        done["seconds"] = time.monotonic() - began
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    probes = []
+    time.sleep(0.3)
+    while sender.is_alive():
+        began = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=120).status_code == 200
+        probes.append(time.monotonic() - began)
+        time.sleep(0.1)
+    sender.join()
+    # The prompts tokenize to more than max_model_len: refused, after seconds of tokenizing.
+    assert done["status"] == 400 and done["seconds"] > 1.0, done
+    assert probes and max(probes) < done["seconds"] / 3, (probes, done)
