@@ -1372,6 +1372,21 @@ class ServerError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
+def check_text(text: str, what: str, param: str) -> None:
+    """Refuse text that holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one) by name, as the engine refuses
+    such a prompt: no tokenizer should meet it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ServerError(400, f"{what} is not valid text: it holds a lone surrogate, {text[error.start]!r} at "
+                          f"index {error.start}", param=param) from None
+
+
+# en: OpenAI takes 4 stop strings; more than this is a way to make every token's check slow, not a stop list.
+# zh: OpenAI 只接受 4 个停止字符串；比这更多就不是停止列表，而是让每个 token 的检查都变慢的手段。
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -1416,9 +1431,18 @@ class SamplingRequest(BaseModel):
         return {name: getattr(self, name) for name, ok in neutral.items() if getattr(self, name) not in ok}
 
     def stop_strings(self) -> list[str]:
+        """The stop strings, checked: each generated token is looked for in all of them, and the text waits for the
+        longest one's length, so their number and length are bounded."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise ServerError(400, "stop strings must not be empty", param="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ServerError(400, f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", param="stop")
+        for i, stop in enumerate(stops):
+            if not stop:
+                raise ServerError(400, "stop strings must not be empty", param="stop")
+            if len(stop) > MAX_STOP_CHARS:
+                raise ServerError(400, f"stop string {i} is {len(stop)} characters long, more than {MAX_STOP_CHARS}",
+                                  param="stop")
+            check_text(stop, f"stop string {i}", "stop")
         return stops
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
@@ -1571,6 +1595,7 @@ from nanovllm.serve.protocol import (
     SamplingRequest,
     ServerError,
     chat_chunk,
+    check_text,
     completion_chunk,
     now,
     request_id,
@@ -1850,14 +1875,16 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
                             status_code=error.status_code)
 
     def check_request(body: SamplingRequest) -> None:
-        """What can be refused before anything is tokenized or built: the model's name, and an ``n`` beyond the
-        engine's limit (each of the n choices gets its state here, so an n of millions would stall the server)."""
+        """What can be refused before anything is tokenized or built: the model's name, an ``n`` beyond the engine's
+        limit (each of the n choices gets its state here, so an n of millions would stall the server), the stop
+        strings."""
         if body.model != model_name:
             raise ServerError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                               "not_found_error", param="model", code="model_not_found")
         if body.n > info.max_num_seqs:
             raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({info.max_num_seqs}): a "
                               "request's samples are computed together", param="n")
+        body.stop_strings()
 
     def check_length(length: int, what: str, param: str) -> None:
         """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""
@@ -1982,6 +2009,8 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
             raise ServerError(400, f"the model {model_name!r} has no chat template: use /v1/completions",
                               param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        for i, message in enumerate(messages):
+            check_text(message["content"], f"messages[{i}]", "messages")
         check_length(sum(len(m["content"]) for m in messages), "the messages' text", "messages")
 
         def tokenize() -> list[int]:
@@ -2091,7 +2120,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # entry has one character per byte), so `max_model_len` × the longest entry characters is the
 # most a prompt that fits can have; a tokenizer with a Unicode normalizer (NFC merges at most four
 # code points into one character) gets four times that. Tokenizing itself runs on a thread of its
-# own, so `/health` and the other streams never wait for it.
+# own, so `/health` and the other streams never wait for it. What costs per token is bounded as
+# `n` is: at most 16 stop strings of at most 1,024 characters. Text with a lone surrogate (JSON
+# can spell one, `"\ud800"`) is refused by name wherever it is: prompt, stop string, chat message.
 
 # %% [markdown] tags=["zh"]
 # ## 一个不讲理的客户端不能拖累别人
@@ -2106,7 +2137,8 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # 不分词就直接拒绝。这个上限是严格的，不是估计：一个 token 最多代表它在词表里的那一项（字节级词表的一项，每个字节
 # 对应一个字符），所以 `max_model_len` 乘以最长一项的字符数，就是放得下的提示词最多能有的字符数；分词器带 Unicode
 # 规范化（NFC 最多把四个码位合成一个字符）时，再乘以四。分词本身在单独的线程里进行，所以 `/health` 和其他流
-# 从不等它。
+# 从不等它。每个 token 都要付出代价的东西，像 `n` 一样有上限：停止字符串最多 16 个，每个最多 1,024 个字符。含有
+# 孤立代理项的文本（JSON 可以写出一个：`"\ud800"`）不论出现在哪里——提示词、停止字符串、聊天消息——都会被指名拒绝。
 
 # %% guards
 #| export serve.guards

@@ -102,3 +102,23 @@ def test_tokenizing_never_holds_up_health(server):
     # The prompts tokenize to more than max_model_len: refused, after seconds of tokenizing.
     assert done["status"] == 400 and done["seconds"] > 1.0, done
     assert probes and max(probes) < done["seconds"] / 3, (probes, done)
+
+
+def test_a_lone_surrogate_is_refused_by_name_in_stop_strings_and_messages(server):
+    """JSON's "\\ud800" decodes to a lone surrogate. In a prompt the engine refused it by name; in a stop string it
+    was accepted, and in a chat message it failed inside the tokenizer with an obscure message."""
+    def post(path: str, fields: str) -> dict:
+        body = '{"model": "tiny", "max_tokens": 2, ' + fields + "}"
+        reply = httpx.post(f"{server.url}{path}", content=body.encode(), timeout=30,
+                           headers={"content-type": "application/json"})
+        assert reply.status_code == 400, reply.text
+        return reply.json()["error"]
+
+    for path, fields in (("/v1/completions", '"prompt": "Hi"'),
+                         ("/v1/chat/completions", '"messages": [{"role": "user", "content": "Hi"}]')):
+        error = post(path, fields + ', "stop": ["ok", "bad \\ud800"]')
+        assert error["param"] == "stop" and "stop string 1 is not valid text: it holds a lone surrogate" in \
+            error["message"]
+    error = post("/v1/chat/completions", '"messages": [{"role": "system", "content": "Be brief."}, '
+                                         '{"role": "user", "content": [{"type": "text", "text": "Hi \\udc00"}]}]')
+    assert error["param"] == "messages" and "messages[1] is not valid text" in error["message"]

@@ -261,6 +261,9 @@ BAD_REQUESTS = [
     ({"prompt": [True, False]}, 400, "prompt"),
     ({"prompt": "Hi", "max_tokens": True}, 400, "max_tokens"),
     ({"prompt": "Hi", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    # stop strings bounded in number and length (issue 36, item 2)
+    ({"prompt": "Hi", "stop": ["a"] * 17}, 400, "stop"),
+    ({"prompt": "Hi", "stop": "s" * 1025}, 400, "stop"),
 ]
 
 

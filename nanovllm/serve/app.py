@@ -34,6 +34,7 @@ from nanovllm.serve.protocol import (
     SamplingRequest,
     ServerError,
     chat_chunk,
+    check_text,
     completion_chunk,
     now,
     request_id,
@@ -302,14 +303,16 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
                             status_code=error.status_code)
 
     def check_request(body: SamplingRequest) -> None:
-        """What can be refused before anything is tokenized or built: the model's name, and an ``n`` beyond the
-        engine's limit (each of the n choices gets its state here, so an n of millions would stall the server)."""
+        """What can be refused before anything is tokenized or built: the model's name, an ``n`` beyond the engine's
+        limit (each of the n choices gets its state here, so an n of millions would stall the server), the stop
+        strings."""
         if body.model != model_name:
             raise ServerError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
                               "not_found_error", param="model", code="model_not_found")
         if body.n > info.max_num_seqs:
             raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({info.max_num_seqs}): a "
                               "request's samples are computed together", param="n")
+        body.stop_strings()
 
     def check_length(length: int, what: str, param: str) -> None:
         """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""
@@ -434,6 +437,8 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
             raise ServerError(400, f"the model {model_name!r} has no chat template: use /v1/completions",
                               param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        for i, message in enumerate(messages):
+            check_text(message["content"], f"messages[{i}]", "messages")
         check_length(sum(len(m["content"]) for m in messages), "the messages' text", "messages")
 
         def tokenize() -> list[int]:

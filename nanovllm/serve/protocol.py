@@ -21,6 +21,7 @@ __all__ = [
     "StreamOptions",
     "TextPart",
     "chat_chunk",
+    "check_text",
     "completion_chunk",
     "now",
     "request_id",
@@ -39,6 +40,20 @@ class ServerError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def check_text(text: str, what: str, param: str) -> None:
+    """Refuse text that holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one) by name, as the engine refuses
+    such a prompt: no tokenizer should meet it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ServerError(400, f"{what} is not valid text: it holds a lone surrogate, {text[error.start]!r} at "
+                          f"index {error.start}", param=param) from None
+
+
+# OpenAI takes 4 stop strings; more than this is a way to make every token's check slow, not a stop list.
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
 
 
 class StreamOptions(BaseModel):
@@ -82,9 +97,18 @@ class SamplingRequest(BaseModel):
         return {name: getattr(self, name) for name, ok in neutral.items() if getattr(self, name) not in ok}
 
     def stop_strings(self) -> list[str]:
+        """The stop strings, checked: each generated token is looked for in all of them, and the text waits for the
+        longest one's length, so their number and length are bounded."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise ServerError(400, "stop strings must not be empty", param="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ServerError(400, f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", param="stop")
+        for i, stop in enumerate(stops):
+            if not stop:
+                raise ServerError(400, "stop strings must not be empty", param="stop")
+            if len(stop) > MAX_STOP_CHARS:
+                raise ServerError(400, f"stop string {i} is {len(stop)} characters long, more than {MAX_STOP_CHARS}",
+                                  param="stop")
+            check_text(stop, f"stop string {i}", "stop")
         return stops
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
