@@ -2123,6 +2123,15 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # own, so `/health` and the other streams never wait for it. What costs per token is bounded as
 # `n` is: at most 16 stop strings of at most 1,024 characters. Text with a lone surrogate (JSON
 # can spell one, `"\ud800"`) is refused by name wherever it is: prompt, stop string, chat message.
+#
+# **Connections that end.** uvicorn closes a kept-alive connection that stays idle after a response
+# (`--timeout-keep-alive`, 5 s), but it starts that timer only once a response is complete: a
+# socket that never sends a request, or sends it a byte a second, would keep its file descriptor
+# forever, and a thousand of them lock every client out. `ReadDeadline` is uvicorn's HTTP/1.1
+# protocol with one more timer: a request's head and body must have arrived `--timeout-read`
+# seconds (60) after its first byte, else the connection is closed. `--limit-concurrency N` is
+# uvicorn's: 503 to new requests while N connections are open. And the server raises its limit of
+# open files to what the system allows, as vLLM does.
 
 # %% [markdown] tags=["zh"]
 # ## 一个不讲理的客户端不能拖累别人
@@ -2139,18 +2148,28 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # 规范化（NFC 最多把四个码位合成一个字符）时，再乘以四。分词本身在单独的线程里进行，所以 `/health` 和其他流
 # 从不等它。每个 token 都要付出代价的东西，像 `n` 一样有上限：停止字符串最多 16 个，每个最多 1,024 个字符。含有
 # 孤立代理项的文本（JSON 可以写出一个：`"\ud800"`）不论出现在哪里——提示词、停止字符串、聊天消息——都会被指名拒绝。
+#
+# **会结束的连接。** 响应之后一直空闲的长连接，uvicorn 会关闭（`--timeout-keep-alive`，5 秒），但这个计时器要等一个
+# 响应完成才启动：一个从不发请求的套接字，或者一秒一个字节地发请求的套接字，会永远占着它的文件描述符，一千个这样的
+# 连接就能把所有客户端挡在门外。`ReadDeadline` 就是 uvicorn 的 HTTP/1.1 协议再加一个计时器：请求的头和体必须在它的
+# 第一个字节到达后 `--timeout-read` 秒（默认 60）之内收齐，否则关闭连接。`--limit-concurrency N` 是 uvicorn 自己的
+# 选项：已有 N 个连接时，新请求得到 503。服务器还会像 vLLM 那样，把可打开文件数的上限提到系统允许的最大值。
 
 # %% guards
 #| export serve.guards
-"""What keeps one careless or hostile client from costing the others: bounded bodies and prompts."""
+"""What keeps one careless or hostile client from costing the others: bounded bodies and prompts, a deadline on
+reading a request."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import h11
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanovllm.serve.protocol import ServerError
 
@@ -2209,6 +2228,55 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
+
+# %% read deadline
+#| export serve.guards
+class ReadDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on reading each request: its head and body must have arrived
+    `timeout` seconds after its first byte (after the connection opened, for a connection's first request), or
+    the connection is closed. uvicorn's keep-alive timer only starts once a response is complete, so without this a
+    socket that never sends a whole request holds its file descriptor forever. `read_deadline` sets the timeout."""
+
+    timeout: float = 60.0
+    deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        # en: The first bytes of a next request on a kept-alive connection
+        # zh: 长连接上下一个请求的第一批字节
+        if self.deadline is None and self.conn.their_state is h11.IDLE:
+            self._arm()
+        super().data_received(data)
+        # en: Read whole (or the connection failed): what happens next is the response's business
+        # zh: 已经读完（或者连接出错）：接下来是响应的事了
+        if self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self.deadline = self.loop.call_later(self.timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expired(self) -> None:
+        self.deadline = None
+        if self.conn.their_state in (h11.IDLE, h11.SEND_BODY) and not self.transport.is_closing():
+            self.transport.close()
+
+
+def read_deadline(seconds: float) -> type[ReadDeadline]:
+    """The protocol class for uvicorn's ``http`` setting, with a deadline of ``seconds``."""
+    return type("ReadDeadline", (ReadDeadline,), {"timeout": seconds})
 
 # %% [markdown] tags=["en"]
 # ## The live page
@@ -2521,6 +2589,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import resource
 import socket
 import sys
 import types
@@ -2537,6 +2606,7 @@ from nanovllm.config import Config
 from nanovllm.serve.app import create_app
 from nanovllm.serve.client import EngineProcess, EngineStartError
 from nanovllm.serve.dashboard import LiveRecorder
+from nanovllm.serve.guards import read_deadline
 
 # en: Engine options the command line does not offer: what only a program can pass.
 # zh: 命令行不提供的引擎选项：只有程序才能传入的那些。
@@ -2576,6 +2646,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
                              "token of --max-model-len, at least 4 MiB)")
+    parser.add_argument("--timeout-read", type=float, default=60.0, metavar="SECONDS",
+                        help="close a connection whose request (head and body) has not arrived SECONDS after its "
+                             "first byte, or after the connection opened (default 60)")
+    parser.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                        help="close a kept-alive connection idle this long after a response (uvicorn's; default 5)")
+    parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                        help="answer 503 to new requests while N connections are open (uvicorn's; default: no limit)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine_options(parser)
     return parser
@@ -2624,6 +2701,15 @@ class Server(uvicorn.Server):
                   f"(the KV cache, live: http://{host}:{port}/dashboard)", flush=True)
 
 
+def raise_open_files_limit(target: int = 65536) -> None:
+    """Every connection holds a file descriptor: allow up to ``target`` (as vLLM does), or what the system allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
@@ -2643,7 +2729,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5, access_log=False)
+                                timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
+                                timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+        raise_open_files_limit()
         Server(config, name).run()
     finally:
         engine.close()

@@ -6,8 +6,11 @@ figures where load could move them."""
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -24,9 +27,13 @@ def tiny() -> str:
     return str(build_tiny_model("qwen3"))
 
 
+# A deadline of 3 s on reading a request; 503 from uvicorn while 64 connections are open.
+GUARDS = ["--timeout-read", "3", "--limit-concurrency", "64"]
+
+
 @pytest.fixture(scope="module")
 def server(tiny):
-    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS]) as process:
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS, *GUARDS]) as process:
         yield process
 
 
@@ -122,3 +129,57 @@ def test_a_lone_surrogate_is_refused_by_name_in_stop_strings_and_messages(server
     error = post("/v1/chat/completions", '"messages": [{"role": "system", "content": "Be brief."}, '
                                          '{"role": "user", "content": [{"type": "text", "text": "Hi \\udc00"}]}]')
     assert error["param"] == "messages" and "messages[1] is not valid text" in error["message"]
+
+
+def seconds_until_closed(address: tuple[str, int], first: bytes, then: bytes, limit: float = 15.0) -> float | None:
+    """Connect, send ``first``, then ``then`` every half second: how long until the server closed the connection
+    (None: still open after ``limit`` seconds)."""
+    with socket.create_connection(address, timeout=limit) as sock:
+        began = time.monotonic()
+        sock.sendall(first)
+        while time.monotonic() - began < limit:
+            if select.select([sock], [], [], 0.5)[0]:
+                try:
+                    if not sock.recv(65536):
+                        return time.monotonic() - began
+                except ConnectionResetError:
+                    return time.monotonic() - began
+            try:
+                sock.sendall(then)
+            except OSError:
+                return time.monotonic() - began
+    return None
+
+
+def test_idle_and_trickling_connections_are_closed_at_the_read_deadline(server):
+    """Issue 36, item 3: idle sockets, header tricklers and body tricklers were never closed. With --timeout-read 3,
+    each one is closed 3 s after it connected (a few seconds' slack for a loaded machine); the tricklers would have
+    needed minutes to finish."""
+    address = (urlsplit(server.url).hostname, urlsplit(server.url).port)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    cases = {"idle": (b"", b""), "header trickler": (head, b"X"),
+             "body trickler": (head + b"Content-Length: 1000\r\n\r\n{", b" ")}
+    closed: dict[str, float | None] = {}
+    threads = [threading.Thread(target=lambda name=name, case=case: closed.__setitem__(
+        name, seconds_until_closed(address, *case))) for name, case in cases.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(seconds is not None and 2.5 < seconds < 10 for seconds in closed.values()), closed
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_limit_concurrency_answers_503_while_the_connections_are_open(server):
+    address = (urlsplit(server.url).hostname, urlsplit(server.url).port)
+    idle = [socket.create_connection(address) for _ in range(64)]
+    try:
+        time.sleep(0.3)
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{server.url}/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import resource
 import socket
 import sys
 import types
@@ -22,6 +23,7 @@ from nanovllm.config import Config
 from nanovllm.serve.app import create_app
 from nanovllm.serve.client import EngineProcess, EngineStartError
 from nanovllm.serve.dashboard import LiveRecorder
+from nanovllm.serve.guards import read_deadline
 
 __all__ = [
     "HIDDEN_SETTINGS",
@@ -30,6 +32,7 @@ __all__ = [
     "engine_options",
     "engine_settings",
     "main",
+    "raise_open_files_limit",
 ]
 
 
@@ -70,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
                              "token of --max-model-len, at least 4 MiB)")
+    parser.add_argument("--timeout-read", type=float, default=60.0, metavar="SECONDS",
+                        help="close a connection whose request (head and body) has not arrived SECONDS after its "
+                             "first byte, or after the connection opened (default 60)")
+    parser.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
+                        help="close a kept-alive connection idle this long after a response (uvicorn's; default 5)")
+    parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                        help="answer 503 to new requests while N connections are open (uvicorn's; default: no limit)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine_options(parser)
     return parser
@@ -117,6 +127,15 @@ class Server(uvicorn.Server):
                   f"(the KV cache, live: http://{host}:{port}/dashboard)", flush=True)
 
 
+def raise_open_files_limit(target: int = 65536) -> None:
+    """Every connection holds a file descriptor: allow up to ``target`` (as vLLM does), or what the system allows."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
@@ -135,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                timeout_graceful_shutdown=5, access_log=False)
+                                timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
+                                timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+        raise_open_files_limit()
         Server(config, name).run()
     finally:
         engine.close()
