@@ -348,9 +348,12 @@ _logger = logging.getLogger("nanovllm.serve")
 # zh: 每步一次：("step", events, frames, stats)，其中每个事件是 (key, kind, payload)，kind 为 "admitted"（payload：
 # zh: 请求 id）、"tokens"（(sample_index, token_ids, finished)）、"error"（一个 `EngineError`）或 "done"（不会再有了）。
 Message = tuple
-# en: receive(wait): the next message, or None if none came and not wait
-# zh: receive(wait)：下一条消息；若没有消息到来且 wait 为假，则为 None
+# en: receive(wait): the next message, or None if none came (at once; within HEARTBEAT_SECONDS if wait). An idle driver
+# en: thus sends an empty step message at least every HEARTBEAT_SECONDS: the server knows it is alive.
+# zh: receive(wait)：下一条消息；没有消息到来时为 None（不等待；wait 为真时最多等 HEARTBEAT_SECONDS）。于是空闲的驱动
+# zh: 至少每 HEARTBEAT_SECONDS 发出一条空的步消息：服务器由此知道它还活着。
 Receive = Callable[[bool], Message | None]
+HEARTBEAT_SECONDS = 1.0
 # en: make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
 # zh: make_recorder(scheduler, publish)：实时页面的记录器，一个发布帧的观察者。
 Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
@@ -717,6 +720,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -726,6 +730,7 @@ from typing import Any
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.driver import (
+    HEARTBEAT_SECONDS,
     SHUTTING_DOWN_ERROR,
     EngineDriver,
     EngineError,
@@ -787,10 +792,34 @@ class EngineClient:
         # zh: 由 `stop` 设置：拒绝新请求
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        # en: When the driver's last message came (its steps, its idle heartbeats), and how long a silence means that
+        # en: it is stopped or stuck (--engine-timeout)
+        # zh: 驱动上一条消息（它的步，或空闲时的心跳）到达的时刻，以及沉默多久就说明它停住或卡死了（--engine-timeout）
+        self.heard = time.monotonic()
+        self.engine_timeout = 60.0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.heard = time.monotonic()
         self._start()
+        loop.call_later(HEARTBEAT_SECONDS, self._watch)
+
+    @property
+    def responsive(self) -> bool:
+        return time.monotonic() - self.heard < self.engine_timeout
+
+    def silence_error(self) -> EngineError:
+        return EngineError(503, f"the engine has not answered for {time.monotonic() - self.heard:.0f} s "
+                           f"(--engine-timeout {self.engine_timeout:g})", "service_unavailable")
+
+    def _watch(self) -> None:
+        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (stopped, wedged in a step) fails the
+        open requests with 503 instead of leaving them waiting forever; requests that come meanwhile are refused."""
+        if self.stopping:
+            return
+        if not self.responsive and self.streams:
+            self._fail_all(self.silence_error())
+        self.loop.call_later(HEARTBEAT_SECONDS, self._watch)
 
     def submit(self, stream: RequestStream) -> None:
         stream.key = next(self.keys)
@@ -823,6 +852,7 @@ class EngineClient:
     def receive(self, message: Message) -> None:
         """One step's message from the driver (on the event loop's thread): each event to its stream's queue."""
         _, events, frames, self.stats = message
+        self.heard = time.monotonic()
         streams = self.streams
         for key, kind, payload in events:
             stream = streams.get(key)
@@ -844,9 +874,10 @@ class EngineClient:
             self.on_frame(frames)
 
     def _fail_all(self, error: EngineError) -> None:
-        """The driver is gone: every open request ends with ``error``."""
+        """The driver is gone or silent: every open request ends with ``error``."""
         for stream in self.streams.values():
             stream.events.put_nowait((stream, "error", error))
+            self.admitted += stream.request_id is None
         self.streams.clear()
 
     def _start(self) -> None:
@@ -884,7 +915,7 @@ class EngineThread(EngineClient):
     # zh: 在驱动的线程上运行
     def _receive(self, wait: bool) -> Message | None:
         try:
-            return self.inbox.get() if wait else self.inbox.get_nowait()
+            return self.inbox.get(timeout=HEARTBEAT_SECONDS) if wait else self.inbox.get_nowait()
         except queue.Empty:
             return None
 
@@ -964,7 +995,7 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
             pass
 
     def receive(wait: bool) -> Message | None:
-        return requests.recv() if wait or requests.poll() else None
+        return requests.recv() if requests.poll(HEARTBEAT_SECONDS if wait else 0) else None
 
     try:
         outputs.send(("ready", EngineInfo.of(engine)))
@@ -1017,6 +1048,10 @@ class EngineProcess(EngineClient):
             self.process.join()
             raise
         super().__init__(detail, tokenizer)
+        # en: Set when the engine process ended without being told to; then ``on_death()`` is called
+        # zh: 引擎进程没有接到指令就结束时设置；随后调用 ``on_death()``
+        self.died = False
+        self.on_death: Callable[[], None] | None = None
         # en: The server's messages leave through a thread of their own: a write to a full pipe (a burst of long
         # en: prompts while the engine is inside a step) then blocks that thread, never the event loop, which must
         # en: keep reading the engine's side, or both processes would wait for each other.
@@ -1039,9 +1074,13 @@ class EngineProcess(EngineClient):
                 self.receive(self.outputs.recv())
         except (EOFError, OSError):
             self.loop.remove_reader(self.outputs.fileno())
-            self.gone = True
+            self.gone, self.died = True, not self.stopping
             self._fail_all(SHUTTING_DOWN_ERROR if self.stopping else
                            EngineError(500, "the engine process stopped", "internal_server_error"))
+            # en: Nothing can be served any more: the server stops, so that a supervisor restarts it.
+            # zh: 已经无法再提供任何服务：服务器停下来，好让守护进程重启它。
+            if self.died and self.on_death is not None:
+                self.on_death()
 
     def _post(self, message: Message) -> None:
         self.outbox.put(message)
@@ -1654,6 +1693,9 @@ class Generation:
         engine = self.engine
         if engine.stopping or not engine.alive:
             raise SHUTTING_DOWN
+        if not engine.responsive:
+            silent = engine.silence_error()
+            raise ServerError(silent.status, silent.message, silent.kind)
         if engine.overloaded():
             raise ServerError(503, f"the server is overloaded: {engine.num_waiting} requests are waiting "
                                    f"(--max-waiting {engine.max_waiting}); retry later", "server_overloaded",
@@ -1810,15 +1852,16 @@ _T = TypeVar("_T")
 
 
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, engine_timeout: float = 60.0) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
     every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
-    `default_max_body_bytes`)."""
+    `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
+    requests waiting on it get 503."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
-    client.max_waiting = max_waiting
+    client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
     tokenizer, info = client.tokenizer, client.info
     max_chars = max_prompt_chars(tokenizer, info.max_model_len)
     # en: One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
@@ -2034,6 +2077,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     async def health() -> Response:
         if client.stopping or not client.alive:
             return JSONResponse(SHUTTING_DOWN.body(), status_code=503)
+        if not client.responsive:
+            silent = client.silence_error()
+            return JSONResponse(ServerError(silent.status, silent.message, silent.kind).body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -2083,7 +2129,8 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # and then uvicorn's own graceful shutdown finds no request left to wait for. The engine process
 # exits (with tensor parallelism, its rank processes too), and the server ends with status 0
 # within a few seconds. The tests also kill the server outright: its engine process follows it,
-# and an engine process that dies fails the open streams with a 500 while `/health` says 503.
+# and an engine process that dies fails the open streams with a 500, then the server exits with
+# status 1 (see "an engine that is watched", below).
 
 # %% [markdown] tags=["zh"]
 # ## 取消与背压
@@ -2101,7 +2148,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # **Ctrl-C。** uvicorn 捕获 SIGINT 和 SIGTERM；我们的 `Server` 先调用 `app.state.shutdown()`：驱动停止，每个打开的流
 # 以一个错误事件和 `[DONE]` 结束，实时页面关闭，然后 uvicorn 自己的优雅关闭发现没有请求需要等待。引擎进程退出（使用张量
 # 并行时，它的 rank 进程也一起退出），服务器在几秒之内以状态 0 结束。测试还会直接杀死服务器：它的引擎进程随之退出；
-# 而死掉的引擎进程会让打开的流以 500 失败，同时 `/health` 回答 503。
+# 而死掉的引擎进程会让打开的流以 500 失败，随后服务器以状态 1 退出（见下文“被看着的引擎”）。
 
 # %% [markdown] tags=["en"]
 # ## One careless client must not hurt the others
@@ -2132,6 +2179,16 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # seconds (60) after its first byte, else the connection is closed. `--limit-concurrency N` is
 # uvicorn's: 503 to new requests while N connections are open. And the server raises its limit of
 # open files to what the system allows, as vLLM does.
+#
+# **An engine that is watched.** A process that is alive is not a process that works: stopped
+# (SIGSTOP) or stuck in a step, the engine answered nothing while `/health` said 200 and every
+# request waited forever. Now the driver speaks at least once a second: each step's message, or
+# an empty one while it is idle (a heartbeat). Once it has been silent for `--engine-timeout`
+# seconds (60, like vLLM's iteration timeout: longer than any step), `/health` answers 503 and
+# the requests waiting on the engine end with a 503; when it speaks again, all is as before. An
+# engine process that dies ends the open streams with a 500, and then the server itself exits
+# with status 1 and one line saying why, so that a supervisor (systemd, Kubernetes) restarts it,
+# rather than answering "shutting down" forever.
 
 # %% [markdown] tags=["zh"]
 # ## 一个不讲理的客户端不能拖累别人
@@ -2154,6 +2211,12 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # 连接就能把所有客户端挡在门外。`ReadDeadline` 就是 uvicorn 的 HTTP/1.1 协议再加一个计时器：请求的头和体必须在它的
 # 第一个字节到达后 `--timeout-read` 秒（默认 60）之内收齐，否则关闭连接。`--limit-concurrency N` 是 uvicorn 自己的
 # 选项：已有 N 个连接时，新请求得到 503。服务器还会像 vLLM 那样，把可打开文件数的上限提到系统允许的最大值。
+#
+# **被看着的引擎。** 进程活着不等于进程在干活：引擎被停住（SIGSTOP）或卡在某一步里时，它什么也不回答，`/health` 却
+# 照样说 200，每个请求都永远等下去。现在驱动至少每秒说一次话：每一步的消息，或者空闲时一条空消息（心跳）。它沉默满
+# `--engine-timeout` 秒（默认 60，与 vLLM 的单步超时相同：比任何一步都长）之后，`/health` 回答 503，等着引擎的请求
+# 也以 503 结束；它重新开口，一切照旧。引擎进程死掉时，打开的流以 500 结束，然后服务器自己以状态 1 退出，并用一行
+# 日志说明原因，好让守护进程（systemd、Kubernetes）重启它，而不是永远回答“正在关闭”。
 
 # %% guards
 #| export serve.guards
@@ -2590,6 +2653,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import resource
+import signal
 import socket
 import sys
 import types
@@ -2646,6 +2710,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
                              "token of --max-model-len, at least 4 MiB)")
+    parser.add_argument("--engine-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="answer 503 (/health, and the requests waiting on it) once the engine has sent nothing, "
+                             "neither a step nor an idle heartbeat, for SECONDS (default 60: longer than a step)")
     parser.add_argument("--timeout-read", type=float, default=60.0, metavar="SECONDS",
                         help="close a connection whose request (head and body) has not arrived SECONDS after its "
                              "first byte, or after the connection opened (default 60)")
@@ -2678,6 +2745,10 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, name: str) -> None:
         super().__init__(config)
         self.name = name
+
+    def stop_soon(self) -> None:
+        """Shut down as after Ctrl-C (from the event loop's thread)."""
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         shutdown = getattr(self.config.app.state, "shutdown", None)
@@ -2727,14 +2798,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+        app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                         engine_timeout=args.engine_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
                                 timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
         raise_open_files_limit()
-        Server(config, name).run()
+        server = Server(config, name)
+        # en: A dead engine stops the server once the open streams have their error; status 1 tells a supervisor.
+        # zh: 引擎死了，服务器就在打开的流收到错误之后停下；退出状态 1 告诉守护进程。
+        engine.on_death = server.stop_soon
+        server.run()
     finally:
         engine.close()
+    if engine.died:
+        code = engine.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        print(f"nano-vllm: error: the engine process died ({how}); the server stopped (exit status 1)",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 # %% serve entry point

@@ -6,7 +6,9 @@ figures where load could move them."""
 from __future__ import annotations
 
 import json
+import os
 import select
+import signal
 import socket
 import threading
 import time
@@ -183,3 +185,52 @@ def test_limit_concurrency_answers_503_while_the_connections_are_open(server):
     while httpx.get(f"{server.url}/health", timeout=10).status_code != 200:
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+def test_a_stopped_engine_is_told_apart_and_a_dead_one_ends_the_server(tiny):
+    """Issue 36, item 4. With the engine process stopped (SIGSTOP), /health said 200 and a request waited forever; now
+    both get 503 once the engine has sent nothing (no step, no idle heartbeat) for --engine-timeout 2 s, and SIGCONT
+    brings the server back. When the engine process dies, the open stream ends with a 500 error event and the server
+    exits with status 1, saying why (it used to answer "shutting down" forever)."""
+    from test_15_serving import engine_processes, wait_until
+
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS, "--engine-timeout", "2"]) as process:
+        [engine] = engine_processes(process.process.pid)
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=30)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].finish_reason
+        stalled: dict[str, object] = {}
+
+        def waiting_request() -> None:
+            began = time.monotonic()
+            try:
+                client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+            except openai.APIError as error:
+                stalled["error"] = error
+            stalled["seconds"] = time.monotonic() - began
+
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            sender = threading.Thread(target=waiting_request)
+            sender.start()
+            assert wait_until(lambda: httpx.get(f"{process.url}/health", timeout=10).status_code == 503, 10)
+            health = httpx.get(f"{process.url}/health", timeout=10).json()["error"]
+            assert health["type"] == "service_unavailable" and "has not answered" in health["message"]
+            sender.join(15)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        error = stalled.get("error")
+        assert isinstance(error, openai.InternalServerError) and error.status_code == 503, stalled
+        assert "has not answered" in error.body["message"] and stalled["seconds"] < 10
+        assert wait_until(lambda: httpx.get(f"{process.url}/health", timeout=10).status_code == 200, 10)
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].finish_reason
+
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{process.url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(engine, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["error"]["type"] == "internal_server_error"
+        assert process.process.wait(15) == 1
+        assert "the engine process died (killed by SIGKILL)" in process.output()

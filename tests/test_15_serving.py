@@ -539,24 +539,6 @@ def test_the_engine_runs_in_a_process_of_its_own_that_ends_with_the_server(tiny)
         assert wait_until(lambda: not alive(engines[0])), "the engine process outlived its killed server"
 
 
-def test_an_engine_process_that_dies_fails_the_open_streams_and_the_server_says_so(tiny):
-    """The engine process is killed mid-stream: the stream ends with a 500 error event, /health answers 503, and
-    Ctrl-C still ends the server cleanly."""
-    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS]) as process:
-        [engine] = engine_processes(process.process.pid)
-        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.Client(timeout=30) as http, http.stream("POST", f"{process.url}/v1/completions", json=body) as reply:
-            lines = reply.iter_lines()
-            assert next(lines).startswith("data: ")
-            os.kill(engine, signal.SIGKILL)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        error = json.loads(rest[-2][6:])["error"]
-        assert error["type"] == "internal_server_error" and "engine process" in error["message"]
-        assert httpx.get(f"{process.url}/health").status_code == 503
-        assert process.stop() == 0, process.output()
-
-
 def test_a_stream_that_falls_behind_gets_several_steps_in_one_chunk(tiny):
     """`Generation.events` merges what waits in its queue: three steps' tokens of one choice make one piece of
     text, the same text the three would have made one by one."""

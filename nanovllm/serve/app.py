@@ -102,6 +102,9 @@ class Generation:
         engine = self.engine
         if engine.stopping or not engine.alive:
             raise SHUTTING_DOWN
+        if not engine.responsive:
+            silent = engine.silence_error()
+            raise ServerError(silent.status, silent.message, silent.kind)
         if engine.overloaded():
             raise ServerError(503, f"the server is overloaded: {engine.num_waiting} requests are waiting "
                                    f"(--max-waiting {engine.max_waiting}); retry later", "server_overloaded",
@@ -240,15 +243,16 @@ _T = TypeVar("_T")
 
 
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
-               max_body_bytes: int | None = None) -> FastAPI:
+               max_body_bytes: int | None = None, engine_timeout: float = 60.0) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
     every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
-    `default_max_body_bytes`)."""
+    `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
+    requests waiting on it get 503."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
-    client.max_waiting = max_waiting
+    client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
     tokenizer, info = client.tokenizer, client.info
     max_chars = max_prompt_chars(tokenizer, info.max_model_len)
     # One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
@@ -461,6 +465,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     async def health() -> Response:
         if client.stopping or not client.alive:
             return JSONResponse(SHUTTING_DOWN.body(), status_code=503)
+        if not client.responsive:
+            silent = client.silence_error()
+            return JSONResponse(ServerError(silent.status, silent.message, silent.kind).body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import resource
+import signal
 import socket
 import sys
 import types
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
                              "token of --max-model-len, at least 4 MiB)")
+    parser.add_argument("--engine-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="answer 503 (/health, and the requests waiting on it) once the engine has sent nothing, "
+                             "neither a step nor an idle heartbeat, for SECONDS (default 60: longer than a step)")
     parser.add_argument("--timeout-read", type=float, default=60.0, metavar="SECONDS",
                         help="close a connection whose request (head and body) has not arrived SECONDS after its "
                              "first byte, or after the connection opened (default 60)")
@@ -105,6 +109,10 @@ class Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, name: str) -> None:
         super().__init__(config)
         self.name = name
+
+    def stop_soon(self) -> None:
+        """Shut down as after Ctrl-C (from the event loop's thread)."""
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         shutdown = getattr(self.config.app.state, "shutdown", None)
@@ -152,12 +160,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes)
+        app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
+                         engine_timeout=args.engine_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
                                 timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
         raise_open_files_limit()
-        Server(config, name).run()
+        server = Server(config, name)
+        # A dead engine stops the server once the open streams have their error; status 1 tells a supervisor.
+        engine.on_death = server.stop_soon
+        server.run()
     finally:
         engine.close()
+    if engine.died:
+        code = engine.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        print(f"nano-vllm: error: the engine process died ({how}); the server stopped (exit status 1)",
+              file=sys.stderr, flush=True)
+        return 1
     return 0

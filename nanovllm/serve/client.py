@@ -15,6 +15,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any
 from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.driver import (
+    HEARTBEAT_SECONDS,
     SHUTTING_DOWN_ERROR,
     EngineDriver,
     EngineError,
@@ -88,10 +90,33 @@ class EngineClient:
         # Set by `stop`: new requests are refused
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        # When the driver's last message came (its steps, its idle heartbeats), and how long a silence means that
+        # it is stopped or stuck (--engine-timeout)
+        self.heard = time.monotonic()
+        self.engine_timeout = 60.0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.heard = time.monotonic()
         self._start()
+        loop.call_later(HEARTBEAT_SECONDS, self._watch)
+
+    @property
+    def responsive(self) -> bool:
+        return time.monotonic() - self.heard < self.engine_timeout
+
+    def silence_error(self) -> EngineError:
+        return EngineError(503, f"the engine has not answered for {time.monotonic() - self.heard:.0f} s "
+                           f"(--engine-timeout {self.engine_timeout:g})", "service_unavailable")
+
+    def _watch(self) -> None:
+        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (stopped, wedged in a step) fails the
+        open requests with 503 instead of leaving them waiting forever; requests that come meanwhile are refused."""
+        if self.stopping:
+            return
+        if not self.responsive and self.streams:
+            self._fail_all(self.silence_error())
+        self.loop.call_later(HEARTBEAT_SECONDS, self._watch)
 
     def submit(self, stream: RequestStream) -> None:
         stream.key = next(self.keys)
@@ -124,6 +149,7 @@ class EngineClient:
     def receive(self, message: Message) -> None:
         """One step's message from the driver (on the event loop's thread): each event to its stream's queue."""
         _, events, frames, self.stats = message
+        self.heard = time.monotonic()
         streams = self.streams
         for key, kind, payload in events:
             stream = streams.get(key)
@@ -144,9 +170,10 @@ class EngineClient:
             self.on_frame(frames)
 
     def _fail_all(self, error: EngineError) -> None:
-        """The driver is gone: every open request ends with ``error``."""
+        """The driver is gone or silent: every open request ends with ``error``."""
         for stream in self.streams.values():
             stream.events.put_nowait((stream, "error", error))
+            self.admitted += stream.request_id is None
         self.streams.clear()
 
     def _start(self) -> None:
@@ -183,7 +210,7 @@ class EngineThread(EngineClient):
     # On the driver's thread
     def _receive(self, wait: bool) -> Message | None:
         try:
-            return self.inbox.get() if wait else self.inbox.get_nowait()
+            return self.inbox.get(timeout=HEARTBEAT_SECONDS) if wait else self.inbox.get_nowait()
         except queue.Empty:
             return None
 
@@ -256,7 +283,7 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
             pass
 
     def receive(wait: bool) -> Message | None:
-        return requests.recv() if wait or requests.poll() else None
+        return requests.recv() if requests.poll(HEARTBEAT_SECONDS if wait else 0) else None
 
     try:
         outputs.send(("ready", EngineInfo.of(engine)))
@@ -304,6 +331,9 @@ class EngineProcess(EngineClient):
             self.process.join()
             raise
         super().__init__(detail, tokenizer)
+        # Set when the engine process ended without being told to; then ``on_death()`` is called
+        self.died = False
+        self.on_death: Callable[[], None] | None = None
         # The server's messages leave through a thread of their own: a write to a full pipe (a burst of long
         # prompts while the engine is inside a step) then blocks that thread, never the event loop, which must
         # keep reading the engine's side, or both processes would wait for each other.
@@ -323,9 +353,12 @@ class EngineProcess(EngineClient):
                 self.receive(self.outputs.recv())
         except (EOFError, OSError):
             self.loop.remove_reader(self.outputs.fileno())
-            self.gone = True
+            self.gone, self.died = True, not self.stopping
             self._fail_all(SHUTTING_DOWN_ERROR if self.stopping else
                            EngineError(500, "the engine process stopped", "internal_server_error"))
+            # Nothing can be served any more: the server stops, so that a supervisor restarts it.
+            if self.died and self.on_death is not None:
+                self.on_death()
 
     def _post(self, message: Message) -> None:
         self.outbox.put(message)

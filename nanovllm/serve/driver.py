@@ -15,6 +15,7 @@ from nanovllm.engine.llm_engine import LLMEngine, NonFiniteLogitsError
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
+    "HEARTBEAT_SECONDS",
     "SHUTTING_DOWN_ERROR",
     "EngineDriver",
     "EngineError",
@@ -37,8 +38,10 @@ _logger = logging.getLogger("nanovllm.serve")
 # frames, stats), where each event is (key, kind, payload) and kind is "admitted" (payload: the request id),
 # "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come).
 Message = tuple
-# receive(wait): the next message, or None if none came and not wait
+# receive(wait): the next message, or None if none came (at once; within HEARTBEAT_SECONDS if wait). An idle driver
+# thus sends an empty step message at least every HEARTBEAT_SECONDS: the server knows it is alive.
 Receive = Callable[[bool], Message | None]
+HEARTBEAT_SECONDS = 1.0
 # make_recorder(scheduler, publish): the live page's recorder, an observer that publishes frames.
 Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
 
