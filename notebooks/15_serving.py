@@ -1620,6 +1620,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanovllm.engine.llm_engine import LLMEngine, prompt_token_ids
 from nanovllm.sampling_params import SamplingParams
@@ -1627,7 +1628,7 @@ from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
-from nanovllm.serve.guards import BodyLimit, default_max_body_bytes, max_prompt_chars
+from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -1852,13 +1853,15 @@ _T = TypeVar("_T")
 
 
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
-               max_body_bytes: int | None = None, engine_timeout: float = 60.0) -> FastAPI:
+               max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
+               hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
     every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
     `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
-    requests waiting on it get 503."""
+    requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
+    `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
     client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
@@ -1892,8 +1895,14 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(client.join, 60)
 
-    app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    # en: The last one added runs first: the Host, then the key, then the body's size.
+    # zh: 最后加入的最先运行：先查 Host，再查密钥，最后查请求体的大小。
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(info.max_model_len))
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])
 
     async def off_loop(work: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, work)
@@ -2070,7 +2079,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "nanovllm", "root": info.model,
+                                            "owned_by": "nanovllm", "root": model_name,
                                             "max_model_len": info.max_model_len}]}
 
     @app.get("/health")
@@ -2189,6 +2198,18 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # engine process that dies ends the open streams with a 500, and then the server itself exits
 # with status 1 and one line saying why, so that a supervisor (systemd, Kubernetes) restarts it,
 # rather than answering "shutting down" forever.
+#
+# **Who may ask.** By default the server listens on 127.0.0.1, so other machines cannot reach it,
+# and there it answers only the loopback names in the `Host` header: a web page that makes its own
+# name resolve to 127.0.0.1 (DNS rebinding) is refused, and without CORS headers no other page can
+# read its answers. `/docs` and `/openapi.json` are off (`--docs` turns them on). `--api-key KEY`
+# (or `NANOVLLM_API_KEY`, which `ps` does not show) makes every `/v1/*` route and the live page
+# ask for `Authorization: Bearer KEY` (401 otherwise; the page takes the key as a Basic password);
+# `/health` and `/metrics` stay open, as in vLLM. What the defaults do not protect: any process
+# of the same machine may use a server without a key; over plain HTTP the key travels in clear
+# (put a TLS proxy in front of a server others reach); `/metrics` tells anyone the load; and
+# nothing limits one key holder against the others (`--max-waiting` and `--limit-concurrency`
+# bound the total, not each client).
 
 # %% [markdown] tags=["zh"]
 # ## 一个不讲理的客户端不能拖累别人
@@ -2217,15 +2238,27 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # `--engine-timeout` 秒（默认 60，与 vLLM 的单步超时相同：比任何一步都长）之后，`/health` 回答 503，等着引擎的请求
 # 也以 503 结束；它重新开口，一切照旧。引擎进程死掉时，打开的流以 500 结束，然后服务器自己以状态 1 退出，并用一行
 # 日志说明原因，好让守护进程（systemd、Kubernetes）重启它，而不是永远回答“正在关闭”。
+#
+# **谁可以提问。** 服务器默认监听 127.0.0.1，别的机器连不上；在那里它只接受 `Host` 头为本机回环名称的请求：一个让
+# 自己的域名解析到 127.0.0.1 的网页（DNS 重绑定）会被拒绝，而且没有 CORS 头，别的网页也读不到它的回答。`/docs` 和
+# `/openapi.json` 默认关闭（`--docs` 打开它们）。`--api-key KEY`（或 `NANOVLLM_API_KEY`，`ps` 看不到它）让每个
+# `/v1/*` 路由和实时页面都要求 `Authorization: Bearer KEY`（否则返回 401；实时页面也接受把密钥作为 Basic 认证的
+# 密码）；`/health` 和 `/metrics` 与 vLLM 一样保持开放。默认设置**不**保护的：没有密钥时，同一台机器上的任何进程都能
+# 使用服务器；在普通的 HTTP 上密钥以明文传送（别人能访问的服务器，前面要放一个 TLS 代理）；`/metrics` 把负载告诉
+# 任何人；也没有什么能让持有密钥的客户端之间互相设限（`--max-waiting` 和 `--limit-concurrency` 限制的是总量，
+# 而不是每个客户端）。
 
 # %% guards
 #| export serve.guards
 """What keeps one careless or hostile client from costing the others: bounded bodies and prompts, a deadline on
-reading a request."""
+reading a request, an API key, and the Host names the server answers."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import ipaddress
+import secrets
 from typing import Any
 
 import h11
@@ -2340,6 +2373,57 @@ class ReadDeadline(H11Protocol):
 def read_deadline(seconds: float) -> type[ReadDeadline]:
     """The protocol class for uvicorn's ``http`` setting, with a deadline of ``seconds``."""
     return type("ReadDeadline", (ReadDeadline,), {"timeout": seconds})
+
+# %% who may ask
+#| export serve.guards
+class ApiKey:
+    """ASGI middleware: every ``/v1`` route and the live page need ``Authorization: Bearer KEY``, or 401 in OpenAI's
+    shape. The live page also takes HTTP Basic with the key as the password, which a browser asks for by itself.
+    ``/health`` and ``/metrics`` stay open, as in vLLM: load balancers and Prometheus read them."""
+
+    PROTECTED = ("/v1", "/dashboard")
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    def authorized(self, header: bytes) -> bool:
+        scheme, _, credentials = header.partition(b" ")
+        if scheme.lower() == b"bearer":
+            given = credentials.strip()
+        elif scheme.lower() == b"basic":
+            try:
+                given = base64.b64decode(credentials, validate=True).partition(b":")[2]
+            except ValueError:
+                return False
+        else:
+            return False
+        # en: In constant time: how long a comparison takes says nothing of the key
+        # zh: 用常数时间比较：比较花了多久，不会透露密钥的任何信息
+        return secrets.compare_digest(given, self.key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith(self.PROTECTED) or \
+                self.authorized(dict(scope["headers"]).get(b"authorization", b"")):
+            await self.app(scope, receive, send)
+            return
+        error = ServerError(401, "this server needs an API key: send the header 'Authorization: Bearer KEY'",
+                            code="invalid_api_key")
+        challenge = 'Basic realm="nano-vllm"' if path.startswith("/dashboard") else "Bearer"
+        await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": challenge})(scope, receive, send)
+
+
+def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
+    """The Host headers the server answers (Starlette's `TrustedHostMiddleware` checks them): ``given``, else, when it
+    listens on a loopback address, the loopback names only. A web page that has its own name resolve to 127.0.0.1
+    (DNS rebinding) sends its own name as Host, and is refused. Elsewhere, any host."""
+    if given:
+        return given
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    return ["localhost", "127.0.0.1", "[::1]"] if loopback else ["*"]
 
 # %% [markdown] tags=["en"]
 # ## The live page
@@ -2652,6 +2736,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import resource
 import signal
 import socket
@@ -2670,7 +2755,7 @@ from nanovllm.config import Config
 from nanovllm.serve.app import create_app
 from nanovllm.serve.client import EngineProcess, EngineStartError
 from nanovllm.serve.dashboard import LiveRecorder
-from nanovllm.serve.guards import read_deadline
+from nanovllm.serve.guards import allowed_hosts, read_deadline
 
 # en: Engine options the command line does not offer: what only a program can pass.
 # zh: 命令行不提供的引擎选项：只有程序才能传入的那些。
@@ -2710,6 +2795,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
                              "token of --max-model-len, at least 4 MiB)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"), metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /dashboard (default: the environment's "
+                             "NANOVLLM_API_KEY, else none)")
+    parser.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                        help="answer only these Host headers (default: the loopback names when --host is a loopback "
+                             "address, which keeps out DNS rebinding; else any)")
+    parser.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
     parser.add_argument("--engine-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="answer 503 (/health, and the requests waiting on it) once the engine has sent nothing, "
                              "neither a step nor an idle heartbeat, for SECONDS (default 60: longer than a step)")
@@ -2799,7 +2891,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                         engine_timeout=args.engine_timeout)
+                         engine_timeout=args.engine_timeout, api_key=args.api_key, docs=args.docs,
+                         hosts=allowed_hosts(args.host, args.allowed_hosts))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
                                 timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)

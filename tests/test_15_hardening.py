@@ -29,8 +29,10 @@ def tiny() -> str:
     return str(build_tiny_model("qwen3"))
 
 
-# A deadline of 3 s on reading a request; 503 from uvicorn while 64 connections are open.
-GUARDS = ["--timeout-read", "3", "--limit-concurrency", "64"]
+# A deadline of 3 s on reading a request; 503 from uvicorn while 64 connections are open; an API key.
+KEY = "sesame-36"
+AUTH = {"authorization": f"Bearer {KEY}"}
+GUARDS = ["--timeout-read", "3", "--limit-concurrency", "64", "--api-key", KEY]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,7 @@ def server(tiny):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=30)
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -70,7 +72,7 @@ def test_a_huge_body_is_refused_before_it_is_read(server, client):
         yield b'"}'
 
     reply = httpx.post(f"{server.url}/v1/completions", content=chunks(), timeout=30,
-                       headers={"content-type": "application/json"})
+                       headers={"content-type": "application/json", **AUTH})
     assert reply.status_code == 413 and reply.json()["error"]["type"] == "invalid_request_error"
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].finish_reason
 
@@ -95,7 +97,7 @@ def test_tokenizing_never_holds_up_health(server):
     def send() -> None:
         began = time.monotonic()
         done["status"] = httpx.post(f"{server.url}/v1/completions", content=body.encode(), timeout=120,
-                                    headers={"content-type": "application/json"}).status_code
+                                    headers={"content-type": "application/json", **AUTH}).status_code
         done["seconds"] = time.monotonic() - began
 
     sender = threading.Thread(target=send)
@@ -119,7 +121,7 @@ def test_a_lone_surrogate_is_refused_by_name_in_stop_strings_and_messages(server
     def post(path: str, fields: str) -> dict:
         body = '{"model": "tiny", "max_tokens": 2, ' + fields + "}"
         reply = httpx.post(f"{server.url}{path}", content=body.encode(), timeout=30,
-                           headers={"content-type": "application/json"})
+                           headers={"content-type": "application/json", **AUTH})
         assert reply.status_code == 400, reply.text
         return reply.json()["error"]
 
@@ -234,3 +236,31 @@ def test_a_stopped_engine_is_told_apart_and_a_dead_one_ends_the_server(tiny):
         assert json.loads(rest[-2][6:])["error"]["type"] == "internal_server_error"
         assert process.process.wait(15) == 1
         assert "the engine process died (killed by SIGKILL)" in process.output()
+
+
+def test_an_api_key_guards_v1_and_the_live_page_and_the_host_is_checked(server, client):
+    """Issue 36, item 6: everything was open to anyone who could reach the port, /v1/models gave the model's absolute
+    path, and /docs described every route. Now /v1/* and the live page need the key (401 in OpenAI's shape; the page
+    also takes it as a Basic password, which a browser asks for), /health and /metrics stay open, the model's root is
+    its served name, /docs and /openapi.json are off, and a Host that is not a loopback name is refused (DNS
+    rebinding)."""
+    stranger = openai.OpenAI(base_url=f"{server.url}/v1", api_key="guess", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        stranger.models.list()
+    assert refused.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={}).status_code == 401
+    [model] = client.models.list().data
+    assert model.id == model.model_extra["root"] == "tiny"
+    assert httpx.get(f"{server.url}/health").status_code == httpx.get(f"{server.url}/metrics").status_code == 200
+    page = httpx.get(f"{server.url}/dashboard")
+    assert page.status_code == 401 and page.headers["www-authenticate"].startswith("Basic")
+    assert httpx.get(f"{server.url}/dashboard", auth=("", KEY)).status_code == 200
+    with httpx.stream("GET", f"{server.url}/dashboard/events", headers=AUTH, timeout=10) as events:
+        assert events.status_code == 200
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(f"{server.url}{path}", headers=AUTH).status_code == 404
+    port = server.url.rsplit(":", 1)[1]
+    assert httpx.get(f"{server.url}/health", headers={"host": f"rebound.example:{port}"}).status_code == 400
+    assert httpx.get(f"{server.url}/health", headers={"host": f"localhost:{port}"}).status_code == 200

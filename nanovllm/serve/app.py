@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanovllm.engine.llm_engine import LLMEngine, prompt_token_ids
 from nanovllm.sampling_params import SamplingParams
@@ -27,7 +28,7 @@ from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
-from nanovllm.serve.guards import BodyLimit, default_max_body_bytes, max_prompt_chars
+from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -243,13 +244,15 @@ _T = TypeVar("_T")
 
 
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
-               max_body_bytes: int | None = None, engine_timeout: float = 60.0) -> FastAPI:
+               max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
+               hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
     every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
     `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
-    requests waiting on it get 503."""
+    requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
+    `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
 
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
     client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
@@ -281,8 +284,13 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
             tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(client.join, 60)
 
-    app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
+    # The last one added runs first: the Host, then the key, then the body's size.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(info.max_model_len))
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])
 
     async def off_loop(work: Callable[[], _T]) -> _T:
         return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, work)
@@ -458,7 +466,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "nanovllm", "root": info.model,
+                                            "owned_by": "nanovllm", "root": model_name,
                                             "max_model_len": info.max_model_len}]}
 
     @app.get("/health")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import resource
 import signal
 import socket
@@ -24,7 +25,7 @@ from nanovllm.config import Config
 from nanovllm.serve.app import create_app
 from nanovllm.serve.client import EngineProcess, EngineStartError
 from nanovllm.serve.dashboard import LiveRecorder
-from nanovllm.serve.guards import read_deadline
+from nanovllm.serve.guards import allowed_hosts, read_deadline
 
 __all__ = [
     "HIDDEN_SETTINGS",
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=int, default=None, metavar="N",
                         help="refuse a request body over N bytes (413) before reading it whole (default: 256 per "
                              "token of --max-model-len, at least 4 MiB)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY"), metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /dashboard (default: the environment's "
+                             "NANOVLLM_API_KEY, else none)")
+    parser.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                        help="answer only these Host headers (default: the loopback names when --host is a loopback "
+                             "address, which keeps out DNS rebinding; else any)")
+    parser.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
     parser.add_argument("--engine-timeout", type=float, default=60.0, metavar="SECONDS",
                         help="answer 503 (/health, and the requests waiting on it) once the engine has sent nothing, "
                              "neither a step nor an idle heartbeat, for SECONDS (default 60: longer than a step)")
@@ -161,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
-                         engine_timeout=args.engine_timeout)
+                         engine_timeout=args.engine_timeout, api_key=args.api_key, docs=args.docs,
+                         hosts=allowed_hosts(args.host, args.allowed_hosts))
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
                                 timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
