@@ -3913,6 +3913,9 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 #   larger chunks; incremental detokenization that never splits a character; stop strings;
 #   cancellation that frees blocks; `--max-waiting` backpressure; errors in OpenAI's shape with their status;
 #   Prometheus `/metrics`; a clean Ctrl-C; the live KV-cache page at `/dashboard`.
+# - `nanovllm.serve.guards` and the options around it: bounded bodies, prompts and stop lists,
+#   tokenizing off the event loop, a deadline on reading a request, an engine watched through its
+#   heartbeat (and a server that exits when its engine dies), an API key and a `Host` allowlist.
 # - `nanovllm.bench.serve` (`python -m nanovllm.bench.serve`): TTFT, TPOT, ITL and throughputs
 #   against any OpenAI-compatible server, ours and `transformers serve` side by side, the offline
 #   engine on the same prompts (`--offline`), the server's own decode step next to the ITL, and the
@@ -3937,6 +3940,8 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 #   自己的进程里（或者一个线程里，`EngineThread`），请求以消息进入，token 每步一条消息地离开，落后的流用更大的分块
 #   追上；绝不拆开字符的增量反分词；停止字符串；会释放块的取消；`--max-waiting` 背压；OpenAI 格式、带对应状态码的
 #   错误；Prometheus 的 `/metrics`；干净的 Ctrl-C；`/dashboard` 上的实时 KV 缓存页面。
+# - `nanovllm.serve.guards` 以及围绕它的选项：有上限的请求体、提示词和停止列表，不在事件循环上做的分词，读请求的
+#   期限，靠心跳看着的引擎（引擎死了服务器就退出），API 密钥和 `Host` 白名单。
 # - `nanovllm.bench.serve`（`python -m nanovllm.bench.serve`）：对任何兼容 OpenAI 的服务器测量 TTFT、TPOT、ITL
 #   和吞吐量，把我们的服务器和 `transformers serve` 并排比较，在同样的提示词上对比离线引擎（`--offline`），并把服务器
 #   自己的 decode 步时间放在 ITL 旁边，还能从多个客户端进程发出负载（`--client-processes`）；`scripts/gpu-ci.sh serve`
