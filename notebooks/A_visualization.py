@@ -542,7 +542,16 @@ def caption(frame: dict, lang: str = "en") -> str:
     parts: list[str] = []
     if phase == "start":
         n, bs = event["num_blocks"], event["block_size"]
-        parts.append(f"空的块池：{n} 个块，每块 {bs} 个 token" if zh else f"empty pool: {n} blocks of {bs} tokens")
+        states = [block["state"] for block in frame["blocks"]]
+        used, cached = states.count("used"), states.count("cached")
+        if used or cached:
+            # en: Attached to an engine that has already run (the server's live page): say what the pool holds.
+            # zh: 挂到已经跑过的引擎上（服务器的实时页面）：说出块池里现在有什么。
+            free = n - used - cached
+            parts.append(f"块池：{n} 个块，每块 {bs} 个 token；{used} 个在用，{cached} 个已缓存，{free} 个空闲" if zh
+                         else f"pool of {n} blocks of {bs} tokens: {used} in use, {cached} cached, {free} free")
+        else:
+            parts.append(f"空的块池：{n} 个块，每块 {bs} 个 token" if zh else f"empty pool: {n} blocks of {bs} tokens")
     elif phase == "add":
         items = [(i, seqs[i]["num_prompt_tokens"]) for i in event["added"]]
         if zh:

@@ -325,6 +325,24 @@ def test_captions_say_what_happened():
         caption(frames[0], "both")
 
 
+def test_a_recorder_attached_to_a_pool_in_use_says_what_it_holds():
+    """The server's live page attaches its recorder to an engine that has run: its first frame must not call a
+    pool with used and cached blocks empty (it did, while drawing them as used and cached)."""
+    scheduler = Scheduler(num_kvcache_blocks=6, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    done = Sequence(list(range(8)), SamplingParams(max_tokens=1, ignore_eos=True), block_size=4)
+    running = Sequence(list(range(20, 25)), SamplingParams(max_tokens=6, ignore_eos=True), block_size=4)
+    for seq in (done, running):
+        scheduler.add(seq)
+    seqs, is_prefill = scheduler.schedule()
+    scheduler.postprocess(seqs, [7, 7], is_prefill)
+    assert done.is_finished and not running.is_finished
+    first = Recorder(scheduler, attach=False).frames[0]
+    states = [block["state"] for block in first["blocks"]]
+    assert (states.count("used"), states.count("cached")) == (2, 2)
+    assert caption(first, "en") == "before step 1: pool of 6 blocks of 4 tokens: 2 in use, 2 cached, 2 free"
+    assert caption(first, "zh") == "第 1 步之前：块池：6 个块，每块 4 个 token；2 个在用，2 个已缓存，2 个空闲"
+
+
 def test_frame_svg_draws_block_states_ref_counts_and_tooltips():
     recording = hand_made()
     frames = recording["frames"]
