@@ -1424,6 +1424,11 @@ def check_text(text: str, what: str, param: str) -> None:
 # en: OpenAI takes 4 stop strings; more than this is a way to make every token's check slow, not a stop list.
 # zh: OpenAI 只接受 4 个停止字符串；比这更多就不是停止列表，而是让每个 token 的检查都变慢的手段。
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
+# en: The most choices (prompts × n) one completion request may ask for: each gets its state (a sequence, a
+# en: detokenizer) before any is computed, and a 4 MiB body holds a million one-character prompts.
+# zh: 一个补全请求最多能要的选项数（提示词数 × n）：每个选项在计算之前就要有自己的状态（一个序列、一个反分词器），
+# zh: 而 4 MiB 的请求体能装下一百万个单字符的提示词。
+MAX_CHOICES = 4096
 
 
 class StreamOptions(BaseModel):
@@ -1630,6 +1635,7 @@ from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
 from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
@@ -2038,6 +2044,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
         texts = body.prompts()
+        if len(texts) * body.n > MAX_CHOICES:
+            raise ServerError(400, f"{len(texts)} prompts x n={body.n} make {len(texts) * body.n} choices, more than "
+                              f"one request may ask for ({MAX_CHOICES})", param="prompt")
         for i, prompt in enumerate(texts):
             if isinstance(prompt, str):
                 check_length(len(prompt), f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")

@@ -264,6 +264,8 @@ BAD_REQUESTS = [
     # stop strings bounded in number and length (issue 36, item 2)
     ({"prompt": "Hi", "stop": ["a"] * 17}, 400, "stop"),
     ({"prompt": "Hi", "stop": "s" * 1025}, 400, "stop"),
+    # a request's choices (prompts x n) are bounded: each gets its state before any is computed
+    ({"prompt": ["a"] * 2049, "n": 2}, 400, "prompt"),
 ]
 
 

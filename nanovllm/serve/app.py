@@ -30,6 +30,7 @@ from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
 from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
+    MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingRequest,
@@ -426,6 +427,9 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_request(body)
         texts = body.prompts()
+        if len(texts) * body.n > MAX_CHOICES:
+            raise ServerError(400, f"{len(texts)} prompts x n={body.n} make {len(texts) * body.n} choices, more than "
+                              f"one request may ask for ({MAX_CHOICES})", param="prompt")
         for i, prompt in enumerate(texts):
             if isinstance(prompt, str):
                 check_length(len(prompt), f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")

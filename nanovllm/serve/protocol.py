@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
+    "MAX_CHOICES",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -54,6 +55,9 @@ def check_text(text: str, what: str, param: str) -> None:
 
 # OpenAI takes 4 stop strings; more than this is a way to make every token's check slow, not a stop list.
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
+# The most choices (prompts × n) one completion request may ask for: each gets its state (a sequence, a
+# detokenizer) before any is computed, and a 4 MiB body holds a million one-character prompts.
+MAX_CHOICES = 4096
 
 
 class StreamOptions(BaseModel):
