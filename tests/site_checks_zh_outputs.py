@@ -9,6 +9,7 @@ the Chinese site are Chinese, and the English site's are what they always were.
 from __future__ import annotations
 
 import base64
+import functools
 import re
 
 import pytest
@@ -128,7 +129,8 @@ def svg_labels(src: str) -> str:
     return "".join(label.get_text() + "\n" for label in svg.find_all("text"))
 
 
-def printed(lang: str, chapter: str) -> list[str]:
+@functools.cache  # four tests read each page's outputs: a page is parsed once (a second or more each)
+def printed(lang: str, chapter: str) -> tuple[str, ...]:
     """The text of each code cell's output area in a built page: printed text, SVG labels, players (not their
     scripts and styles, which a reader does not see)."""
     areas = []
@@ -140,7 +142,7 @@ def printed(lang: str, chapter: str) -> list[str]:
         text = area.get_text()
         if text.strip():
             areas.append(text.strip("\n") + "\n")
-    return areas
+    return tuple(areas)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
