@@ -157,15 +157,24 @@ def served() -> Iterator[str]:
         server.shutdown()
 
 
-@pytest.fixture()
-def browser() -> Iterator[Browser]:
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Browser]:
+    """One Chromium for the module's browser checks (starting one takes a second or two)."""
     assert CHROMIUM, "the site's browser checks need Chromium (./dev test installs Debian's chromium)"
     chromium = Browser(CHROMIUM)
-    chromium.page("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=False, **WINDOW)
     try:
         yield chromium
     finally:
         chromium.close()
+
+
+@pytest.fixture()
+def browser(chromium: Browser) -> Browser:
+    """A new page in a browser context of its own: no test sees another's storage (the palette a test chose),
+    cookies, cache or window size."""
+    chromium.fresh_page()
+    chromium.page("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=False, **WINDOW)
+    return chromium
 
 
 def wait_for(browser: Browser, expression: str, timeout_s: float = 15) -> object:

@@ -49,8 +49,20 @@ class Browser:
         os.close(from_chrome_w)
         self._buffer = b""
         self._next_id = 0
-        target = self.call("Target.createTarget", url="about:blank")["targetId"]
-        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=self.target, flatten=True)["sessionId"]
+        self.context: str | None = None
+
+    def fresh_page(self) -> None:
+        """Replace the page with a new one in a browser context of its own (as a new incognito window): nothing
+        of the pages before it (storage, cookies, cache, window size) is seen, without starting another Chromium."""
+        target, context = self.target, self.context
+        self.context = self.call("Target.createBrowserContext")["browserContextId"]
+        self.target = self.call("Target.createTarget", url="about:blank", browserContextId=self.context)["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=self.target, flatten=True)["sessionId"]
+        self.call("Target.closeTarget", targetId=target)
+        if context is not None:
+            self.call("Target.disposeBrowserContext", browserContextId=context)
 
     def call(self, method: str, session: str | None = None, **params: object) -> dict:
         self._next_id += 1
