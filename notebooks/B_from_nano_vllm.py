@@ -628,17 +628,22 @@
 # ## The code the second article quotes: upstream before chunked prefill
 #
 # The second article this book answers walks through nano-vllm's scheduler and block manager
-# with the vLLM paper's figures. It quotes upstream as it was before chunked prefill arrived on
-# 2026-04-14 (`8d63a98`): the `block_manager.py` and `scheduler.py` of `9e8507e`, 2026-04-13.
-# The tables above map `bb823b3`, by which time five things in those two files had changed.
-# Each row says what the article shows, what upstream did since, and what this book does and
-# why; the cell after the table checks the book's side of every row. The fourth row is why
-# chapter 03 calls the article's `_allocate_block` the version with the stale-entry bug.
+# with the vLLM paper's figures. Its `block_manager.py` and `scheduler.py` are those of
+# upstream's `main` from `df99418` (2025-08-31, which dropped `BlockManager`'s
+# `assert num_blocks > 0`) until the merges of 2026-04-13. Two lines date it: its
+# `_allocate_block` still ends in `return self.blocks[block_id]`, which `9e8507e` shortened to
+# `return block` that evening, and its `deallocate` does not reset `seq.prefilled`, a line from
+# `82f5ca2` that the first of those merges (`7f967ed`) brought in. Chunked prefill arrived the
+# next day (`8d63a98`, 2026-04-14). The tables above map `bb823b3`, by which time five things in
+# those two files had changed. Each row says what the article shows, what upstream did since
+# (with the commit that did it), and what this book does and why; the cell after the table
+# checks the book's side of every row. The fourth row is why chapter 03 calls the article's
+# `_allocate_block` the version with the stale-entry bug.
 #
-# | what | this book | ch. | upstream before 2026-04-14 (`9e8507e`) | upstream since | this book, and why |
+# | what | this book | ch. | the article's upstream (`df99418` to 2026-04-13) | upstream since | this book, and why |
 # |---|---|---|---|---|---|
 # | when a block is hashed | `engine.prefix_cache.PrefixCache.publish`, `engine.block_manager.BlockManager.publish_full_blocks` | 03 | in `allocate`, every full block of the prompt; in `may_append`, the last block once the token about to be computed fills it: both before the step writes the KV | `hash_blocks`, called by postprocess after the step (`f64d821`) | after the step that wrote the KV (rule 1). Hashing first was safe without chunks: the step that writes a block runs before any later lookup, and a hit in that same prefill step reads KV that the forward stores first, layer by layer. A chunked prefill leaves a block unwritten for whole steps, during which another request could hit it |
-# | `can_allocate` | `engine.block_manager.BlockManager.can_allocate` | 02, 03 | `len(free_block_ids) >= seq.num_blocks`: cache hits are not counted; and the budget test adds the whole prompt (`num_batched_tokens + len(seq)`) | hits on blocks in use need no free block; the budget counts the uncached tokens (`f64d821`) | as upstream does now: only the blocks that must come from the free list count, and only the tokens that will be computed. The old test was safe but too strict: a prompt that shares most of its blocks could wait for memory it does not need |
+# | `can_allocate` | `engine.block_manager.BlockManager.can_allocate` | 02, 03 | `len(free_block_ids) >= seq.num_blocks`: cache hits are not counted; and the budget test adds the whole prompt (`num_batched_tokens + len(seq)`) | the budget counts only the uncached tokens, counted after the cache lookup (`77dd709`, 2026-04-20); hits on blocks in use need no free block (`f64d821`) | as upstream does now: only the blocks that must come from the free list count, and only the tokens that will be computed. The old test was safe but too strict: a prompt that shares most of its blocks could wait for memory it does not need |
 # | a fully cached prompt | `engine.prefix_cache.PrefixCache.match` | 03 | every full block may hit, the last one too: a prompt whose blocks are all cached has nothing left to compute, and the LM head takes its logits from another sequence's row (or finds no row when the sequence is alone in the step) | the last token is recomputed (`8d63a98`); then the last block is never looked up (`f64d821`) | the block that holds the prompt's last token is never a hit (rule 3): that token is computed, and its logits give the first new token |
 # | stale entries | `engine.prefix_cache.PrefixCache.forget` | 03 | `_allocate_block` resets a reused block and leaves its old entry in `hash_to_block_id`: a later prompt can hit KV written for another prefix | the entry is deleted when it still points at the block (`f64d821`) | the same rule, in `forget`; chapter 03 builds the false hit, and a fuzz test guards against it |
 # | chunked prefill | `engine.scheduler.Scheduler._schedule_prefill` | 04 | none: a prompt is prefilled whole or waits, and `Config` requires `max_num_batched_tokens >= max_model_len` so that every prompt fits one step | chunks, of the first sequence of a step only (`8d63a98`) | chunks whichever sequence runs out the budget (chapter 04 compares the two rules), so the budget may be smaller than `max_model_len` |
@@ -646,16 +651,19 @@
 # %% [markdown] tags=["zh"]
 # ## 第二篇文章引用的代码：分块 prefill 之前的上游
 #
-# 本书所回应的第二篇文章借用 vLLM 论文的插图讲解 nano-vllm 的调度器和块管理器。它引用的是分块 prefill 在
-# 2026-04-14（`8d63a98`）出现之前的上游：`9e8507e`（2026-04-13）的 `block_manager.py` 和 `scheduler.py`。上面的
-# 表格对照的是 `bb823b3`，那时这两个文件已有五处改变。每一行给出文章里的写法、上游后来的做法，以及本书的做法和
-# 原因；表格后面的单元逐行检查本书这一侧。第四行就是第 03 章把文章中的 `_allocate_block` 称为带着过期条目缺陷的
-# 版本的原因。
+# 本书所回应的第二篇文章借用 vLLM 论文的插图讲解 nano-vllm 的调度器和块管理器。它的 `block_manager.py` 和
+# `scheduler.py` 是上游 `main` 分支从 `df99418`（2025-08-31，去掉了 `BlockManager` 的 `assert num_blocks > 0`）
+# 到 2026-04-13 那几次合并之前的版本。有两行代码可以确定它的年代：它的 `_allocate_block` 仍以
+# `return self.blocks[block_id]` 结尾，当晚 `9e8507e` 才把它简化成 `return block`；它的 `deallocate` 没有重置
+# `seq.prefilled`，这一行来自 `82f5ca2`，由那几次合并中的第一次（`7f967ed`）并入。分块 prefill 在第二天
+# （`8d63a98`，2026-04-14）到来。上面的表格对照的是 `bb823b3`，那时这两个文件已有五处改变。每一行给出文章里的
+# 写法、上游后来的做法（附上做出改动的提交），以及本书的做法和原因；表格后面的单元逐行检查本书这一侧。第四行就是
+# 第 03 章把文章中的 `_allocate_block` 称为带着过期条目缺陷的版本的原因。
 #
-# | 内容 | 本书 | 章 | 2026-04-14 之前的上游（`9e8507e`） | 上游后来的做法 | 本书的做法及原因 |
+# | 内容 | 本书 | 章 | 文章所引用的上游（`df99418` 至 2026-04-13） | 上游后来的做法 | 本书的做法及原因 |
 # |---|---|---|---|---|---|
 # | 什么时候求块的哈希 | `engine.prefix_cache.PrefixCache.publish`, `engine.block_manager.BlockManager.publish_full_blocks` | 03 | 在 `allocate` 里为提示词的每个写满的块求哈希；在 `may_append` 里，当即将计算的 token 填满最后一块时为它求哈希：两者都在这一步写入 KV 之前 | 由后处理在这一步之后调用的 `hash_blocks`（`f64d821`） | 在写入 KV 的那一步之后（规则 1）。没有分块时先求哈希是安全的：写入某个块的那一步总在之后的任何查找之前运行，而同一个 prefill 步里的命中读到的 KV，已由前向计算逐层先行写入。分块 prefill 会让一个块在好几步里都没有写完，这期间别的请求可能命中它 |
-# | `can_allocate` | `engine.block_manager.BlockManager.can_allocate` | 02, 03 | `len(free_block_ids) >= seq.num_blocks`：不计缓存命中；预算检查也加上整个提示词（`num_batched_tokens + len(seq)`） | 命中正在使用的块不需要空闲块；预算只计未缓存的 token（`f64d821`） | 与上游现在的做法相同：只计必须从空闲队列取的块，只计将要计算的 token。旧的检查是安全的，只是太严：一个大部分块都能共享的提示词，可能要等它根本用不着的显存 |
+# | `can_allocate` | `engine.block_manager.BlockManager.can_allocate` | 02, 03 | `len(free_block_ids) >= seq.num_blocks`：不计缓存命中；预算检查也加上整个提示词（`num_batched_tokens + len(seq)`） | 预算只计未缓存的 token，并且在查找缓存之后才计算（`77dd709`，2026-04-20）；命中正在使用的块不需要空闲块（`f64d821`） | 与上游现在的做法相同：只计必须从空闲队列取的块，只计将要计算的 token。旧的检查是安全的，只是太严：一个大部分块都能共享的提示词，可能要等它根本用不着的显存 |
 # | 全部命中缓存的提示词 | `engine.prefix_cache.PrefixCache.match` | 03 | 每个写满的块都可以命中，最后一块也不例外：所有块都已缓存的提示词没有任何东西要算，LM head 从另一个序列的那一行取 logits（序列单独成一步时则根本没有这一行） | 重新计算最后一个 token（`8d63a98`）；后来干脆不查找最后一块（`f64d821`） | 包含提示词最后一个 token 的块永远不会命中（规则 3）：这个 token 要计算，它的 logits 给出第一个新 token |
 # | 过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | `_allocate_block` 重置被重新使用的块，却把它的旧条目留在 `hash_to_block_id` 里：之后的提示词可能命中为另一段前缀写入的 KV | 条目仍指向这个块时将其删除（`f64d821`） | 同样的规则，写在 `forget` 里；第 03 章构造出这次错误命中，模糊测试防止它再次出现 |
 # | 分块 prefill | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 没有：提示词要么整个 prefill，要么等待；`Config` 要求 `max_num_batched_tokens >= max_model_len`，保证每个提示词都能在一步里放下 | 分块，但只限一步中的第一个序列（`8d63a98`） | 哪个序列用完预算就把哪个分块（第 04 章比较了两种规则），所以预算可以小于 `max_model_len` |
@@ -1058,8 +1066,9 @@ assert torch.equal(ours_sum, their_sum) and 0 < last_places.max() <= 2
 # - A name-by-name map from upstream nano-vllm (`bb823b3`) to this book, with chapters, checked
 #   against the package every time the book is built.
 # - The behavioural differences in one table, each with its reason and the code where it lives.
-# - The five places where the upstream that the second article quotes (`9e8507e`, before chunked
-#   prefill) differs from `bb823b3` and from this book, each checked on the book's side.
+# - The five places where the upstream that the second article quotes (`df99418` to the merges of
+#   2026-04-13, before chunked prefill) differs from `bb823b3` and from this book, each with the
+#   upstream commit that changed it, and checked on the book's side.
 #
 # If you find an upstream name this map misses, or a name of ours it gets wrong, the check above
 # fails: add the row in both languages.
@@ -1069,7 +1078,7 @@ assert torch.equal(ours_sum, their_sum) and 0 < last_places.max() <= 2
 #
 # - 从上游 nano-vllm（`bb823b3`）到本书的逐名对照表，附有章节，每次构建本书时都会与包中的代码核对。
 # - 一张表列出全部行为差异，每一处都给出原因和所在的代码。
-# - 第二篇文章所引用的上游（`9e8507e`，分块 prefill 之前）与 `bb823b3`、与本书不同的五处，每一处都在本书这一侧
-#   做了检查。
+# - 第二篇文章所引用的上游（`df99418` 到 2026-04-13 的合并之前，分块 prefill 之前）与 `bb823b3`、与本书不同的
+#   五处，每一处都注明了上游做出改动的提交，并在本书这一侧做了检查。
 #
 # 如果你发现这张表漏掉了上游的某个名字，或者写错了本书的某个名字，上面的检查就会失败：请用两种语言补上这一行。
