@@ -78,6 +78,12 @@ say = Phrases({
     "  after step": "  这一步之后",
     "decode": "decode",
     "the worked example holds": "例子核对无误",
+    "a mutable default, changed by one caller, changed for all: {shared}; ours: a fresh, frozen SamplingParams per "
+    "sequence: {fresh}; the caller's prompt after generating: {prompt}":
+        "可变的默认参数被一个调用者改动后，所有调用者都跟着变：{shared}；本书：每个序列一个新的、冻结的 "
+        "SamplingParams：{fresh}；生成之后调用者的提示词：{prompt}",
+    "after a preemption at 3 generated tokens, the next prefill computes {plain} tokens; with prefix caching, {cached}":
+        "生成 3 个 token 后被抢占，下一次 prefill 计算 {plain} 个 token；有前缀缓存时计算 {cached} 个",
     "all exercise answers check out": "练习答案全部验证通过",
     # en: the state machine
     # zh: 状态机
@@ -487,6 +493,73 @@ def _token_id(value: object, position: int) -> int:
     return token
 
 # %% [markdown] tags=["en"]
+# ### Two Python lessons in upstream's constructor
+#
+# The first article stops at two lines of upstream's `Sequence.__init__`, and both deserve a cell.
+#
+# - `def __init__(self, token_ids, sampling_params = SamplingParams())`. Python evaluates a default
+#   once, when `def` runs, so every sequence built without parameters receives the *same* object.
+#   Upstream gets away with it: it copies three numbers out of the object and nobody changes it.
+#   Had one caller changed it, every later default would have changed too. Ours keeps the whole
+#   object, so its default is `None`, replaced by a new `SamplingParams()` in each call, and the
+#   dataclass is frozen besides.
+# - `self.token_ids = copy(token_ids)`. A shallow copy, a new list holding the same ints, is
+#   enough: ints never change, and the list is what the sequence appends to. Without it, every
+#   generated token would also grow the caller's prompt. `checked_token_ids` builds a new list too.
+
+# %% [markdown] tags=["zh"]
+# ### 上游构造函数里的两个 Python 知识点
+#
+# 第一篇文章在上游 `Sequence.__init__` 的两行代码上停下来讲解，两处都值得用一个单元验证。
+#
+# - `def __init__(self, token_ids, sampling_params = SamplingParams())`。Python 只在执行 `def` 时对默认值求值一次，
+#   所以不传参数构建的每个序列拿到的都是*同一个*对象。上游没出问题，是因为它只从这个对象里抄出三个数，而且没人改动它；
+#   一旦某个调用者改了它，之后所有用默认值的序列都会跟着变。本书保存的是整个对象，所以默认值写成 `None`，每次调用时
+#   再换成一个新的 `SamplingParams()`，而且这个 dataclass 本身是冻结的。
+# - `self.token_ids = copy(token_ids)`。浅拷贝（一个新列表，装着同样的 int）就够了：int 不会变，而序列要往列表里
+#   追加 token。不拷贝的话，每生成一个 token，调用者的提示词也会跟着变长。`checked_token_ids` 同样构建了一个新列表。
+
+# %% two Python lessons
+from dataclasses import FrozenInstanceError, dataclass
+
+
+@dataclass
+class MutableParams:
+    """Like upstream's SamplingParams: a plain dataclass, whose fields can be assigned."""
+
+    max_tokens: int = 64
+
+
+def upstream_style(params: MutableParams = MutableParams()) -> MutableParams:  # noqa: B008 (the pitfall itself)
+    return params
+
+
+first_call, second_call = upstream_style(), upstream_style()
+# en: One caller changes "its" parameters ...
+# zh: 一个调用者修改“自己的”参数……
+first_call.max_tokens = 1
+# en: ... and every caller had the same object: the default was built once, when `def` ran.
+# zh: ……而所有调用者拿到的是同一个对象：默认值只在执行 `def` 时构建了一次。
+shared = first_call is second_call and upstream_style().max_tokens == 1
+
+one, two = Sequence([1, 2], block_size=4), Sequence([3], block_size=4)
+fresh = one.sampling_params is not two.sampling_params and one.sampling_params == SamplingParams()
+try:
+    one.sampling_params.max_tokens = 1  # type: ignore[misc]
+    raise AssertionError("SamplingParams must be frozen")
+except FrozenInstanceError:
+    pass
+
+prompt = [5, 6, 7]
+generating = Sequence(prompt, block_size=4)
+generating.append_token(8)
+print(say("a mutable default, changed by one caller, changed for all: {shared}; ours: a fresh, frozen SamplingParams "
+          "per sequence: {fresh}; the caller's prompt after generating: {prompt}", shared=shared, fresh=fresh,
+          prompt=prompt))
+assert shared and fresh
+assert prompt == [5, 6, 7] and generating.token_ids == [5, 6, 7, 8]
+
+# %% [markdown] tags=["en"]
 # ## See it: the counters through a chunked prefill and three decode steps
 #
 # We play the scheduler by hand. A prompt of 10 tokens, blocks of 4 tokens, and a step budget
@@ -661,7 +734,8 @@ for bad_call in (
 #    tokens sit in the last one? After how many generated tokens is the next block needed?
 # 2. A sequence with a 10-token prompt is preempted after it generated 3 tokens: its blocks are
 #    freed and `num_cached_tokens` goes back to 0. How many tokens does its next prefill
-#    compute, and how many generated tokens does it hold after that step?
+#    compute, and how many generated tokens does it hold after that step? (Come back after
+#    chapter 03: prefix caching changes the first answer.)
 # 3. A prompt of 10 tokens and a budget of 3 tokens per step: how many steps until the first
 #    generated token is appended?
 #
@@ -683,7 +757,8 @@ for bad_call in (
 #
 # 1. 提示词 37 个 token，`block_size=16`：需要几个块？最后一块里有几个 token？生成多少个 token 后需要下一个块？
 # 2. 一个提示词为 10 个 token 的序列在生成了 3 个 token 后被抢占：它的块被释放，`num_cached_tokens` 回到 0。
-#    它下一次 prefill 要计算多少个 token？那一步之后它有多少个生成的 token？
+#    它下一次 prefill 要计算多少个 token？那一步之后它有多少个生成的 token？（读完第 03 章再回来看：前缀缓存会改变
+#    第一个答案。）
 # 3. 提示词 10 个 token，每步预算 3 个 token：需要几步才能追加第一个生成的 token？
 #
 # 下面的单元会检查答案；先自己想，再看它。
@@ -701,18 +776,31 @@ for generated in range(1, 13):  # noqa: B007 (read after the loop)
         break
 assert generated == 12 and exercise.num_blocks == 4
 
-# en: Exercise 2: all 13 tokens (the prompt and the 3 generated ones: their KV is gone too); the
-# en: step samples the 4th generated token.
-# zh: 练习 2：全部 13 个 token（提示词加上已生成的 3 个：它们的 KV 也没了）；这一步采样出第 4 个生成的 token。
-preempted = Sequence(list(range(10)), block_size=4)
-for token in (1, 2, 3):
-    preempted.append_token(token)
-# en: What preemption does (chapter 04).
-# zh: 抢占所做的事（第 04 章）。
-preempted.num_cached_tokens, preempted.block_table = 0, []
-preempted.num_scheduled_tokens = len(preempted) - preempted.num_cached_tokens
-assert preempted.num_scheduled_tokens == 13 and len(preempted.scheduled_token_ids) == 13
-assert finish_step(preempted, sampled_token=4) and preempted.num_completion_tokens == 4
+# en: Exercise 2, played through the real block manager and scheduler (appendix A's FakeEngine drives them
+# en: with a fake model): all 13 tokens, the prompt and the 3 generated ones, whose KV went with the blocks;
+# en: the step samples the 4th generated token. With prefix caching (chapter 03) the freed full blocks are
+# en: still cached, as long as nothing reused them: tokens 0-11 are hits and only token 12 is computed.
+# zh: 练习 2，交给真正的块管理器和调度器来跑（附录 A 的 FakeEngine 用一个假模型驱动它们）：全部 13 个 token，即提示词
+# zh: 加上已生成的 3 个，它们的 KV 随块一起没了；这一步采样出第 4 个生成的 token。有前缀缓存时（第 03 章），释放的
+# zh: 写满的块只要没被别人重新使用，就仍在缓存中：token 0-11 命中，只需计算 token 12。
+from nanovllm.viz import FakeEngine
+
+recomputed = {}
+for prefix_caching in (False, True):
+    engine = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4, enable_prefix_caching=prefix_caching)
+    preempted = engine.add(list(range(10)), max_tokens=8)
+    while preempted.num_completion_tokens < 3:
+        engine.step()
+    assert engine.preempt_newest() is preempted
+    assert (preempted.status, preempted.num_cached_tokens, preempted.block_table) == (SequenceStatus.WAITING, 0, [])
+    batch, is_prefill = engine.scheduler.schedule()
+    assert batch == [preempted] and is_prefill
+    recomputed[prefix_caching] = preempted.num_scheduled_tokens
+    engine.scheduler.postprocess(batch, [4], is_prefill)
+    assert preempted.num_cached_tokens == 13 and preempted.num_completion_tokens == 4
+print(say("after a preemption at 3 generated tokens, the next prefill computes {plain} tokens; with prefix caching, "
+          "{cached}", plain=recomputed[False], cached=recomputed[True]))
+assert recomputed == {False: 13, True: 1}
 
 # en: Exercise 3: chunks of 3 + 3 + 3 + 1 tokens: four steps.
 # zh: 练习 3：分块为 3 + 3 + 3 + 1 个 token：共四步。
