@@ -85,6 +85,9 @@ say = Phrases({
     "contiguous, 20 slots reserved per request:": "连续分配，每个请求预留 20 个槽位：",
     "paged, blocks of 4 slots:": "分页，每块 4 个槽位：",
     "-> {n} requests fit": "-> 放得下 {n} 个请求",
+    "keys each of 4 tokens may attend to: causal mask {causal}; keys before it only {before}; the first token's "
+    "weights then: {weights}":
+        "4 个 token 各自可以关注的键：因果掩码 {causal}；只看它之前的键 {before}；此时第一个 token 的权重：{weights}",
     "free {name}": "释放 {name}",
     "free={free}": "空闲队列={free}",
     "free list: {free}": "空闲队列：{free}",
@@ -188,6 +191,40 @@ assert kept["bidirectional"] == [True, False, False]
 # %% [markdown] tags=["zh"]
 # 因果掩码下，前面的一切都不动，从缓存 decode 是精确的。双向掩码下，第 0 层的键和值保持不变（它们只是嵌入的投影），
 # 但输出变了，第 1 层的键和值也跟着变了。本书运行的模型都是因果解码器，所以后面各章可以放心地把 K 和 V 一直存着。
+
+# %% [markdown] tags=["en"]
+# The second article derives the cache from the causal mask too, and overstates two things on the
+# way: it says that under bidirectional attention the cache 彻底失效 (becomes wholly invalid), and
+# it gives the range [1, i−1]. What is true, and checked: under bidirectional attention, appending
+# a token leaves layer 0's keys and values where they were (the table above); it is every layer
+# after the first whose cached keys and values go stale. That still rules a cache out for a real
+# model, whose dozens of layers all but one go stale, but not "wholly". And under the causal mask
+# token `i` attends to itself as well as to the tokens before it: `0 … i` here, [1, i] counting from
+# 1 as the article does. Keys before `i` only, [1, i−1], would leave the first token nothing to
+# attend to: its softmax has no term and comes out NaN.
+
+# %% [markdown] tags=["zh"]
+# 第二篇文章同样从因果掩码推出 KV 缓存成立，但途中有两处说得过头：它说双向注意力下缓存“彻底失效”，还给出了区间
+# [1, i−1]。真实的情况如下，并且都经过检查：双向注意力下，追加一个 token 后，第 0 层的键和值保持原样（见上表），
+# 过时的是第一层之后每一层缓存的键和值。对真实模型来说这依然意味着不能用缓存（几十层里只有一层没有过时），但谈不上
+# “彻底”。而因果掩码下，第 `i` 个 token 除了关注它之前的 token，也关注它自己：这里是 `0 … i`，按文章从 1 数起则是
+# [1, i]。如果只看 `i` 之前的键，即 [1, i−1]，第一个 token 就没有任何可以关注的对象：它的 softmax 一项也没有，
+# 算出来是 NaN。
+
+# %%
+# en: True where a query may not look: keys after it (the causal mask), or keys after it and its own.
+# zh: 为 True 的位置表示查询不能看：它之后的键（因果掩码），或者它之后的键再加上它自己。
+causal_hidden = torch.ones(4, 4, dtype=torch.bool).triu(1)
+before_only_hidden = torch.ones(4, 4, dtype=torch.bool).triu(0)
+seen = {name: [int((~row).sum()) for row in hidden] for name, hidden in
+        (("causal", causal_hidden), ("before", before_only_hidden))}
+scores = tokens[:4] @ tokens[:4].T
+before_only_weights = scores.masked_fill(before_only_hidden, float("-inf")).softmax(dim=-1)
+print(say("keys each of 4 tokens may attend to: causal mask {causal}; keys before it only {before}; the first token's "
+          "weights then: {weights}", causal=seen["causal"], before=seen["before"],
+          weights=before_only_weights[0].tolist()))
+assert seen == {"causal": [1, 2, 3, 4], "before": [0, 1, 2, 3]}
+assert before_only_weights[0].isnan().all() and not before_only_weights[1:].isnan().any()
 
 # %% [markdown] tags=["en"]
 # ## The idea: why pages?
@@ -574,6 +611,10 @@ record(say("free {name}", name="A"))
 # the tail of the free list, so that is the order in which they are handed out again. One word
 # is one token here (a real tokenizer cuts the sentence differently). The drawing is computed
 # from the block table after *brought* got its block.
+#
+# The block manager that the article quotes is upstream's from before chunked prefill, older than
+# the one this book maps; appendix B's section "The code the second article quotes" lists the
+# five places where it differs (its `can_allocate` among them) and what this book does instead.
 
 # %% [markdown] tags=["zh"]
 # ### vLLM 论文里的那张图，用真正的块管理器重现
@@ -589,6 +630,9 @@ record(say("free {name}", name="A"))
 # 别的请求占着全部八个块，然后按 7、1、3、0、2、4、5、6 的顺序归还。释放的块排到空闲队列队尾，所以这也就是它们
 # 再被分配出去的顺序。这里一个词就是一个 token（真正的分词器切分这句话的方式不同）。下图根据 *brought* 拿到
 # 新块之后的块表算出。
+#
+# 文章引用的块管理器是分块 prefill 之前的上游代码，比本书对照的版本更早；附录 B 的“第二篇文章引用的代码”一节列出了
+# 它与之不同的五处（其中包括 `can_allocate`），以及本书的做法。
 
 # %% the vLLM paper's figure
 words = "Four score and seven years ago our fathers brought".split()
