@@ -533,6 +533,12 @@ print(say("shared-prefix claims hold"))
 # same prompt arriving now reuses block 0 only. Had the blocks been published at allocation,
 # it would also have "hit" block 1 and read its last two slots (positions 6 and 7), which
 # nobody had written yet.
+#
+# So a hash of −1 (`NO_HASH`) means *not published yet*, not *not full*: after the chunk, blocks
+# 1 and 2 each hold four of the prompt's tokens, and both are still −1 (block 2 has no KV at all).
+# The second article reads −1 as 未填满 (not full), which was true of the code it quotes: that
+# code hashed every full block of a prompt at allocation, before its KV was written (appendix B,
+# section "The code the second article quotes").
 
 # %% [markdown] tags=["zh"]
 # ### 规则 1：写入之后再发布
@@ -540,6 +546,11 @@ print(say("shared-prefix claims hold"))
 # 一个 12 个 token 的提示词，先做一个 6 个 token 的 prefill 分块：这个分块算完后，块 0 已完整并发布，块 1 只写了一半，
 # 此时*绝不能*被找到。这时到来的另一个相同提示词的请求只复用块 0。如果在分配时就发布这些块，它还会“命中”块 1，
 # 读到其中最后两个槽位（位置 6 和 7）——那里还没有人写过。
+#
+# 所以哈希为 −1（`NO_HASH`）的意思是*尚未发布*，而不是*未填满*：这个分块之后，块 1 和块 2 各装着提示词的 4 个
+# token，哈希却都还是 −1（块 2 连一个 token 的 KV 都还没有）。第二篇文章把 −1 解读为“未填满”，这对它所引用的代码
+# 是成立的：那份代码在分配时就给提示词的每个写满的块求哈希，那时 KV 还没有写入（见附录 B 的“第二篇文章引用的代码”
+# 一节）。
 
 # %%
 bm = BlockManager(num_blocks=8, block_size=4)
@@ -554,6 +565,10 @@ kv.write(first, 6)
 first.num_cached_tokens += 6
 bm.publish_full_blocks(first)
 published = sorted(bm.hash_to_block_id.values())
+# en: Blocks 1 and 2 are full of the prompt's tokens, yet unpublished: -1 means "not published yet".
+# zh: 块 1 和块 2 装满了提示词的 token，却都没有发布：-1 的意思是“尚未发布”。
+assert [len(first.block(i)) for i in (1, 2)] == [4, 4]
+assert [bm.blocks[block_id].hash for block_id in first.block_table[1:]] == [NO_HASH, NO_HASH]
 second = Sequence(prompt, block_size=4)
 hits = run_prompt(bm, kv, second)
 print(say("published after the 6-token chunk: blocks {published}; the second request hits {hits}",
@@ -625,8 +640,9 @@ print(say("blocks {ids}: free but cached after C, revived by D's hit at step {st
 # dictionary. Upstream added the check on 2026-04-26, in commit `f64d821` ("fix chunked prefill
 # bugs and refactor"), inside its `_allocate_block`. The two articles this book answers stand on
 # either side of that commit. The second one, the walk through the scheduler and the block
-# manager with the vLLM paper's figures, quotes upstream from before chunked prefill, and its
-# `_allocate_block` is the version with the stale-entry bug: it resets the block and moves it
+# manager with the vLLM paper's figures, quotes upstream from before chunked prefill (appendix B
+# dates it: `main` between 2025-08-31 and 2026-04-13), and its `_allocate_block` is the version
+# with the stale-entry bug: it resets the block and moves it
 # from the free list to the used set, and leaves the block's old entry in `hash_to_block_id`.
 # The line-by-line annotation of `sequence.py` and `scheduler.py` reads upstream after the fix,
 # whose `_allocate_block` has the same `if` as our `forget`. The trap keeps its section either
@@ -652,7 +668,8 @@ print(say("blocks {ids}: free but cached after C, revived by D's hit at step {st
 # 规则 4 就是 `forget` 里的一个 `if`。上游 nano-vllm 在最初的十个月里（2025 年 6 月到 2026 年 4 月）没有这个检查：
 # 空闲块被重新使用时，它的旧哈希条目仍留在字典里。上游在 2026-04-26 的提交 `f64d821`（“fix chunked prefill bugs and
 # refactor”）中，在 `_allocate_block` 里加上了同样的检查。本书所回应的两篇文章恰好分处这个提交的两侧。第二篇文章
-# 借用 vLLM 论文的插图讲解调度器和块管理器，它引用的是分块 prefill 出现之前的上游代码，其中的 `_allocate_block`
+# 借用 vLLM 论文的插图讲解调度器和块管理器，它引用的是分块 prefill 出现之前的上游代码（附录 B 考证了它的年代：
+# 2025-08-31 到 2026-04-13 之间的 `main` 分支），其中的 `_allocate_block`
 # 正是带着过期条目缺陷的版本：它重置块，把块从空闲队列移进已用集合，却把块的旧条目留在 `hash_to_block_id` 里。
 # 逐行注解 `sequence.py` 和 `scheduler.py` 的那篇文章读的是修复之后的上游，那里的 `_allocate_block` 有和我们的
 # `forget` 相同的 `if`。无论读的是哪个版本，这个陷阱在本书里都值得专门一节：重写代码时很容易把这个检查弄丢，
