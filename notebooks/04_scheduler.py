@@ -120,10 +120,22 @@
 # `_schedule_decode`, which runs only when the left half scheduled nothing; either way the step
 # goes to the model runner, and `postprocess` records its results. The code below fills in
 # each box.
+#
+# The drawing shows this book's rules. The first article, the line-by-line annotation, draws
+# upstream's `schedule` too, and its figure differs in two places. It has one more box, "the
+# rest of the prompt does not fit and this is not the step's first sequence → stop": upstream
+# lets only the first sequence of a step be a chunk, where ours chunks whichever sequence runs
+# out the budget ("Which sequence may be chunked?" below compares the two). And its decode loop
+# stops at `max_num_seqs`, where ours stops at `min(max_num_seqs, budget)` ("The decode cap").
 
 # %% [markdown] tags=["zh"]
 # 同一个决定，画成图。左半边是 `_schedule_prefill`；右半边是 `_schedule_decode`，只有左半边什么也没调度时才运行。
 # 无论哪种情况，这一步都交给模型执行器，再由 `postprocess` 记录结果。后面的代码逐一实现图中的每个方框。
+#
+# 图中画的是本书的规则。第一篇文章（逐行注解上游代码的那篇）也画了上游 `schedule` 的流程图，和这张图有
+# 两处不同。它多一个方框：“剩余的提示词放不下，且不是本步的第一个序列 → 停止”：上游只允许一步中的第一个序列
+# 成为分块，本书则让用完预算的那个序列分块（下文“哪个序列可以被分块？”一节比较了两者）。另外，它的 decode
+# 循环以 `max_num_seqs` 为上限，本书则以 `min(max_num_seqs, 预算)` 为上限（见“decode 的上限”一节）。
 
 # %% printed phrases
 #| hide
@@ -838,7 +850,8 @@ for _ in range(3):
     batch, is_prefill = worked.schedule()
     planned = {"kind": "prefill" if is_prefill else "decode", "cached": request.num_cached_tokens,
                "scheduled": request.num_scheduled_tokens, "status": request.status.name,
-               "at the head": bool(worked.waiting) and worked.waiting[0] is request}
+               "at the head": bool(worked.waiting) and worked.waiting[0] is request,
+               "blocks": list(request.block_table)}
     worked.postprocess(batch, fake_model(batch, is_prefill), is_prefill)
     worked_steps.append({**planned, "computed after": request.num_cached_tokens, "len after": len(request)})
 print(say("prompt: {tokens} tokens; blocks {table}, the first a hit on {published}",
@@ -854,6 +867,10 @@ for i, s in enumerate(worked_steps, start=1):
 # zh: 文章里的数字：256 个已缓存 + 200 个调度，算完 456 个；然后是 144 个，状态 RUNNING；601 个 token。
 assert request.num_prompt_tokens == 600 and published == request.block_table[:1]
 chunk_step, last_chunk, decode_step = worked_steps
+# en: The chunk already holds all three blocks of its 600 tokens, the first the hit; the table never changes.
+# zh: 分块时它已持有 600 个 token 所需的全部三个块，第一块就是命中的那块；块表此后不再改变。
+assert len(chunk_step["blocks"]) == 3 and chunk_step["blocks"][0] == published[0]
+assert chunk_step["blocks"] == last_chunk["blocks"] == decode_step["blocks"] == request.block_table
 assert (chunk_step["kind"], chunk_step["cached"], chunk_step["scheduled"]) == ("prefill", 256, 200)
 # en: A chunk keeps its place.
 # zh: 分块的序列保持原位。
@@ -1067,18 +1084,25 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # %% [markdown] tags=["en"]
 # ### Why batch, and why cap the batch: decode cost per token
 #
-# A decode step's cost hardly depends on how many sequences it carries. Every step reads all
-# the weights once (on a GPU, the bulk of a decode step's time) and pays a fixed overhead to
-# start its work; a batch of 16 sequences shares both, so each of its tokens costs a fraction
-# of a lone sequence's. Below, the engine of chapter 11 runs the tiny random Qwen3 of chapter
-# 00's tour on the CPU and times decode steps of 1, 4 and 16 sequences (three runs of each, the
-# median step). What does not vary is the work's shape: a step is one call of the model whatever
-# its batch, so the weights are read once for all its tokens; the cell asserts that. What varies
-# is the time: on an idle machine a token in a batch of 4 or 16 costs a fraction of a lone
-# one's, but the curve flattens (on this small model a CPU spends real compute on each token),
-# and between 4 and 16 the cost may fall in one run and rise in the next (319 to 391 µs in one);
-# on a loaded machine, a CI runner with tests beside it, the ratios can come out anywhere. So the
-# times are printed, not asserted; chapter 14 measures them properly.
+# A decode step has a part that its tokens share and a part that each token adds. Shared: the
+# step reads all the weights once and pays a fixed cost to start its work; on a GPU these two
+# are most of a small decode step. Added: each token's own arithmetic and its own KV.
+# Per token, the shared part shrinks like 1/batch and the added part does not, so against a lone
+# sequence the cost per token falls fast over the first few sequences, then ever more slowly,
+# and flattens toward what one more token adds. Where it flattens depends on that added cost: on
+# a GPU one more token costs little next to reading the weights, so the cost per token keeps
+# falling over far larger batches (chapter 14 times decode steps of 1 to 64 sequences on an H200);
+# on a CPU running this tiny model, one more token adds a good share of a step, and the curve is
+# already flattening at 16.
+#
+# Below, the engine of chapter 11 runs the tiny random Qwen3 of chapter 00's tour on the CPU and
+# times decode steps of 1, 2, 4, 8 and 16 sequences (three runs of each, the median step). The
+# cell asserts what no load can change: a step is one call of the model whatever its batch, so
+# the weights are read once for all its tokens. The times are printed, not asserted. In one
+# quiet run, the cost per token against batch 1 was 0.59 at 2, 0.35 at 4, 0.23 at 8 and 0.17 at
+# 16. On a loaded machine, a CI runner with tests beside it, any step can be stretched and the
+# ratios can come out anywhere, even rising between 4 and 16 (319 to 391 µs per token in one
+# run). Chapter 14 measures on a GPU, properly.
 #
 # What bounds the batch is memory, which is why `max_num_seqs` exists: every running sequence
 # holds its KV blocks, so more of them fill the cache sooner and preempt more often, and
@@ -1088,14 +1112,19 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # %% [markdown] tags=["zh"]
 # ### 为什么要成批，又为什么要给批次设上限：每个 token 的 decode 开销
 #
-# 一个 decode 步的开销几乎不取决于它带着多少个序列。每一步都要把全部权重读一遍（在 GPU 上，这是 decode 步的主要耗时），
-# 还要付一笔启动计算的固定开销；一个 16 个序列的批次共同分摊这两项，所以其中每个 token 的开销只是单个序列的一小部分。
-# 下面用第 11 章的引擎在 CPU 上运行第 00 章导览中的随机小 Qwen3，分别给 1、4、16 个序列的 decode 步计时（每种跑三遍，
-# 取中位数）。不随机器变化的是工作的形状：无论批次多大，一步都只调用一次模型，权重只为这一步的所有 token 读一遍；
-# 单元断言的是这一点。会变化的是时间：在空闲的机器上，批大小 4 或 16 时每个 token 只花单个序列时的一小部分开销，
-# 但曲线会变平（在这个小模型上，CPU 对每个 token 都要做实打实的计算），而在 4 到 16 之间，这一次每 token 开销下降，
-# 下一次可能上升（有一次从 319 µs 升到 391 µs）；在负载高的机器上（比如同时跑着测试的 CI 机器），这些比例什么样都
-# 可能。所以时间只打印、不断言；第 14 章会认真测量它们。
+# 一个 decode 步的开销分两部分：一部分由这一步的所有 token 分摊，另一部分随每个 token 增加。分摊的部分：这一步要把
+# 全部权重读一遍，还要付一笔启动计算的固定开销（在 GPU 上，小批次 decode 步的时间大多花在这两项上）。增加的部分：每个
+# token 自己的计算和自己的 KV。摊到每个 token 上，分摊的部分按 1/批大小 缩小，增加的部分则不变；所以和单个序列相比，
+# 每个 token 的开销在头几个序列时下降很快，之后越降越慢，趋于平坦，逼近多算一个 token 所增加的开销。曲线在哪里变平，
+# 取决于这部分增加的开销：在 GPU 上，多算一个 token 的开销比读一遍权重小得多，批次大得多时每个 token 的开销仍在
+# 下降（第 14 章在 H200 上给 1 到 64 个序列的 decode 步计时）；在 CPU 上跑这个小模型，多一个 token 就要多花一步中
+# 相当大的一部分时间，到 16 时曲线已经在变平。
+#
+# 下面用第 11 章的引擎在 CPU 上运行第 00 章导览中的随机小 Qwen3，分别给 1、2、4、8、16 个序列的 decode 步计时（每种
+# 跑三遍，取中位数）。单元断言的是任何负载都改变不了的事：无论批次多大，一步都只调用一次模型，权重只为这一步的所有
+# token 读一遍。时间只打印、不断言。在一次机器比较空闲的运行中，每个 token 的开销相对批大小 1 的比例是：2 时 0.59，
+# 4 时 0.35，8 时 0.23，16 时 0.17。在负载高的机器上（比如同时跑着测试的 CI 机器），任何一步都可能被拖慢，这些比例
+# 什么样都可能，甚至从 4 到 16 反而上升（有一次每 token 从 319 µs 升到 391 µs）。第 14 章会在 GPU 上认真测量。
 #
 # 限制批大小的是显存，这正是 `max_num_seqs` 存在的原因：每个运行中的序列都持有自己的 KV 块，序列越多，缓存越早
 # 被占满，抢占也越频繁；而且第 09 章要为不超过 `max_num_seqs`（最多 512）的一系列批大小捕获 CUDA Graph，输入缓冲区按其中
@@ -1137,7 +1166,7 @@ def decode_step_times(batch: int, steps: int = 8) -> list[float]:
 # en: Warm up: the first steps of a fresh engine are slower.
 # zh: 预热：新建引擎的头几步比较慢。
 decode_step_times(16)
-step_times: dict[int, list[float]] = {1: [], 4: [], 16: []}
+step_times: dict[int, list[float]] = {1: [], 2: [], 4: [], 8: [], 16: []}
 for _ in range(3):
     for batch_size in step_times:
         step_times[batch_size] += decode_step_times(batch_size)
@@ -1148,7 +1177,7 @@ for batch_size, times in step_times.items():
 # en: The cost per token against batch 1, printed, not asserted: a loaded machine can reorder these.
 # zh: 每个 token 的开销相对批大小 1 的比例，只打印、不断言：机器负载高时它们的顺序可能颠倒。
 print(say("µs per token against batch 1: {ratios}",
-          ratios=", ".join(f"{b}: {per_token[b] / per_token[1]:.2f}x" for b in (4, 16))))
+          ratios=", ".join(f"{b}: {per_token[b] / per_token[1]:.2f}x" for b in (2, 4, 8, 16))))
 
 # %% [markdown] tags=["en"]
 # ### Why admission stops at the head of the queue
@@ -1235,7 +1264,10 @@ assert started[0] <= started[1]
 # first seq"): when a later sequence does not fit the budget that is left, the step ends without
 # it. Ours chunks **whichever** sequence runs out the budget. With a budget of 10 tokens and
 # prompts of 6 and 8 tokens, ours schedules 6 + a 4-token chunk of the second; upstream
-# schedules the 6 and leaves the second waiting for the next step.
+# schedules the 6 and leaves the second waiting for the next step. (The code the second article
+# quotes predates both rules: it has no chunks at all, and it admits a prompt only if the whole
+# prompt, cached blocks included, fits the budget left; appendix B, section "The code the second
+# article quotes".)
 #
 # Below, upstream's rule is a small subclass that lives only in this chapter: the same
 # `_schedule_prefill` with one more test, marked in the code. Both rules run on that example,
@@ -1247,7 +1279,9 @@ assert started[0] <= started[1]
 # 两个调度器的分块方式不同，这一点值得说清楚。上游 nano-vllm 只允许一步中的**第一个**序列成为分块（它的注释是
 # “only allow chunked prefill for the first seq”）：后面的序列放不进剩余预算时，这一步就不带它结束。我们的调度器
 # 则让**哪个**序列用完预算，就把哪个序列分块。预算 10 个 token，两个提示词分别有 6 和 8 个 token：我们调度 6 个
-# token 加上第二个提示词的 4 个 token 的分块；上游只调度那 6 个，第二个提示词留到下一步。
+# token 加上第二个提示词的 4 个 token 的分块；上游只调度那 6 个，第二个提示词留到下一步。（第二篇文章引用的代码比这两种
+# 规则都早：它根本不分块，而且只有整个提示词（连同已缓存的块）放得进剩余预算时才接纳它；见附录 B 的“第二篇文章引用的
+# 代码”一节。）
 #
 # 下面用一个只存在于本章的小子类表示上游的规则：同样的 `_schedule_prefill`，只多了一个判断（代码中已标出）。
 # 两种规则先在这个例子上各跑一遍，再在 16 个 3 到 14 个 token 的提示词上、以 10 个 token 的预算各跑一遍。
