@@ -947,7 +947,7 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #    n = 2)? And which of the n samples never needs one?
 # 3. Beam search forks in the middle of a decode. Fork a sequence that has already generated a
 #    few tokens, with `Sequence.fork` and `BlockManager.fork`: which block is copied at the next
-#    step, and what are the reference counts?
+#    step, and what are the reference counts before and after the copy?
 #
 # The cell below checks the answers.
 
@@ -974,13 +974,14 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #    的做法，这些样本分别持有多少个块？共享省下了多少个块？
 # 2. 每块 4 个 token、n = 2 时，提示词长度为多少时样本在第一个 decode 步不需要拷贝？n 个样本中哪一个永远不需要拷贝？
 # 3. 束搜索会在 decode 中途分叉。用 `Sequence.fork` 和 `BlockManager.fork` 把一个已经生成了几个 token 的序列分叉：
-#    下一步会拷贝哪个块？引用计数各是多少？
+#    下一步会拷贝哪个块？拷贝前后的引用计数各是多少？
 #
 # 下面的单元检查答案。
 
 # %%
-def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 16) -> tuple[int, int]:
-    """Blocks held by the samples once the first decode step is scheduled, and the copies it makes."""
+def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 16) -> tuple[int, dict[int, int]]:
+    """Blocks held by the samples once the first decode step is scheduled, and the copies each sample makes
+    then, by sample index (of a fork; independent requests are all sample 0, so only forks are asked)."""
     sched = Scheduler(num_kvcache_blocks=1024, kvcache_block_size=block_size, max_num_seqs=n,
                       max_num_batched_tokens=n * prompt_len)
     params = SamplingParams(n=n if fork else 1, max_tokens=4, ignore_eos=True)
@@ -989,9 +990,8 @@ def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 1
     seqs, is_prefill = sched.schedule()
     sched.postprocess(seqs, [1] * (len(seqs) + sum(s.pending_forks for s in seqs)), is_prefill)
     decode, _ = sched.schedule()
-    return sched.block_manager.num_blocks - sched.block_manager.num_free_blocks, sum(
-        len(s.blocks_to_copy) for s in decode
-    )
+    held = sched.block_manager.num_blocks - sched.block_manager.num_free_blocks
+    return held, {s.sample_index: len(s.blocks_to_copy) for s in decode}
 
 
 # en: Exercise 1: 62 full blocks + a partial one (8 tokens). Forked: the 62 stay shared and the partial
@@ -1001,19 +1001,28 @@ def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 1
 # zh: 三份拷贝，最后一个原地写入 -> 62 + 4 = 66 块。独立请求：4 x 63 = 252 块。共享省下 186 块。
 forked_blocks, copies = first_decode_blocks(1000, 4, fork=True)
 independent_blocks, _ = first_decode_blocks(1000, 4, fork=False)
-assert (forked_blocks, copies, independent_blocks) == (66, 3, 252)
+assert (forked_blocks, sum(copies.values()), independent_blocks) == (66, 3, 252)
 
 # en: Exercise 2: when the prompt fills its last block exactly (a multiple of 4), the first decode writes
-# en: into a new block for each sample: no copy. And the last holder of a shared block never copies.
-# zh: 练习 2：提示词恰好写满最后一块时（4 的倍数），第一个 decode 步为每个样本各写一个新块：不需要拷贝。
-# zh: 共享块的最后一个持有者永远不需要拷贝。
-no_copy = [length for length in range(1, 13) if first_decode_blocks(length, 2, fork=True, block_size=4)[1] == 0]
-assert no_copy == [4, 8, 12]
+# en: into a new block for each sample: no copy. And the last holder of a shared block never copies: the
+# en: siblings join the tail of `running` in sample order and decode takes it oldest first, so samples
+# en: 0 … n-2 each copy and drop their reference, and sample n-1 finds the block its own. Later steps write
+# en: into blocks each sample allocated itself.
+# zh: 练习 2：提示词恰好写满最后一块时（4 的倍数），第一个 decode 步为每个样本各写一个新块：不需要拷贝。共享块的
+# zh: 最后一个持有者永远不需要拷贝：兄弟序列按样本顺序排到 `running` 队尾，decode 从最旧的开始取，于是样本 0 … n-2
+# zh: 各拷贝一次并放掉自己的引用，样本 n-1 拿到时这个块已只归它所有。之后各步写入的都是每个样本自己分配的块。
+copies_by_length = {length: first_decode_blocks(length, 2, fork=True, block_size=4)[1] for length in range(1, 13)}
+assert [length for length, copies in copies_by_length.items() if sum(copies.values()) == 0] == [4, 8, 12]
+assert all(copies[1] == 0 for copies in copies_by_length.values())
+assert first_decode_blocks(7, 4, fork=True, block_size=4)[1] == {0: 1, 1: 1, 2: 1, 3: 0}
 
 # en: Exercise 3: a sequence 6 tokens long (5 with KV) forks: both hold blocks [0, 1], ref 2 each. The next
-# en: step writes position 5, in block 1: the first to be scheduled copies block 1, the other writes in place.
+# en: step writes position 5, in block 1: the first to be scheduled copies block 1 into a fresh block 2,
+# en: the other writes in place. After the copy block 0 is still shared (ref 2: full, never written again),
+# en: and blocks 1 and 2 have one holder each.
 # zh: 练习 3：一个长 6 个 token（其中 5 个已有 KV）的序列分叉：两者都持有块 [0, 1]，引用计数各为 2。下一步写第 5 个
-# zh: 位置，在块 1 中：先被调度的那个拷贝块 1，另一个原地写入。
+# zh: 位置，在块 1 中：先被调度的那个把块 1 拷贝到新块 2，另一个原地写入。拷贝之后块 0 仍然共享（引用计数 2：它已
+# zh: 写满，不会再被写入），块 1 和块 2 各只有一个持有者。
 beams = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
 beam = Sequence([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True), block_size=4)
 beams.add(beam)
@@ -1027,4 +1036,6 @@ assert beam.block_table == other.block_table == [0, 1]
 assert [beams.block_manager.blocks[b].ref_count for b in (0, 1)] == [2, 2]
 decode, _ = beams.schedule()
 assert beam.blocks_to_copy == [(1, 2)] and other.blocks_to_copy == [] and other.block_table == [0, 1]
+assert beam.block_table == [0, 2]
+assert [beams.block_manager.blocks[b].ref_count for b in (0, 1, 2)] == [2, 1, 1]
 print(say("all exercise answers check out"))
