@@ -149,6 +149,8 @@ def test_the_server_serves_every_chapter_as_a_notebook_and_saving_changes_nothin
         model = served_book.get(f"{path}?type=notebook&content=1")
         tags = {t for cell in model["content"]["cells"] for t in cell["metadata"].get("tags", [])}
         assert model["type"] == "notebook" and {"en", "zh"} <= tags, chapter.name
+        # What the kernel reports: JupyterLab would otherwise add it, marking the chapter unsaved on opening.
+        assert model["content"]["metadata"]["language_info"] == lab.LANGUAGE_INFO, chapter.name
         before = (served_book.root / "notebooks" / chapter.name).read_bytes()
         served_book.request("PUT", path, {"type": "notebook", "format": "json", "content": model["content"]})
         assert (served_book.root / "notebooks" / chapter.name).read_bytes() == before, chapter.name

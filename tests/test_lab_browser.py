@@ -169,6 +169,8 @@ def test_a_chapter_opens_as_a_notebook_and_saving_it_unedited_changes_nothing(se
     assert len(cells) > 20 and {"en", "zh"} <= {t for c in cells for t in c["metadata"].get("tags", [])}
     wait_for_the_kernel(browser)
     time.sleep(AUTOSAVE_S * 2.5)
+    # It was marked unsaved (JupyterLab added a language_info, then the kernel its own): tools/lab_contents.py.
+    assert run_js(browser, "jupyterapp.shell.currentWidget.context.model.dirty") is False
     save_current(browser)
     assert (served.root / chapter).read_bytes() == before
 

@@ -25,7 +25,9 @@
    settings overrides, found through ``LabApp.app_settings_dir``) makes jupytext's notebook its
    default viewer; every other ``.py`` file (the generated package, the tools, the tests) opens
    in the text editor. The overrides also turn off fetching Jupyter's news feed, so nothing asks
-   to reach the internet. As root it passes ``--allow-root``.
+   to reach the internet. Its contents manager (tools/lab_contents.py: jupytext's, which also gives a
+   chapter the kernel's ``language_info``) makes a chapter open unmodified, as the copies do. As root
+   it passes ``--allow-root``.
 
    Arguments after ``--`` go to JupyterLab and win over this command's own settings: read with
    JupyterLab's own command-line parser, a ``--port`` (or a token, an ip, a base URL) given there
@@ -287,6 +289,8 @@ def lab_options(port: int, token: str, lang: str, root: Path) -> dict[str, str]:
         "ServerApp.root_dir": str(root),
         "LabApp.app_settings_dir": str(SETTINGS),  # overrides.json: chapters open as notebooks
         "LabApp.extra_labextensions_path": str(EXTENSIONS),  # the plugin that tells chapters apart
+        # jupytext's contents manager, serving chapters with the kernel's language_info (opened unmodified)
+        "ServerApp.contents_manager_class": "tools.lab_contents.ChapterContentsManager",
         "ServerApp.port": str(port),
         "ServerApp.port_retries": "0",  # the port printed is the port used, or JupyterLab stops
         "IdentityProvider.token": token,
@@ -365,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_only:
         print(" ".join(command))
         return 0
+    if Path.cwd().resolve() != ROOT:  # `python tools/lab.py` run elsewhere: the server imports tools.lab_contents
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     os.execv(sys.executable, command)  # JupyterLab takes over this process (and Ctrl-C)
     return 0
 
