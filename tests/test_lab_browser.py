@@ -223,3 +223,20 @@ def test_a_reading_copy_opens_unmodified_says_where_edits_go_and_keeps_the_reade
     assert served.root / copy in done.kept and "我的笔记" in (served.root / copy).read_text()
     assert f"lab: {copy} holds your edits: kept as it is." in done.report(served.root)
     assert served.root / copy.replace("zh", "en") not in done.kept  # the English copy was not edited
+
+
+def test_on_a_phone_the_sidebar_starts_collapsed_and_a_notebook_gets_the_width(served: Lab, browser: Browser) -> None:
+    """At 390 px the file browser stayed open and the notebook beside it was 62 px wide."""
+    browser.page("Emulation.setDeviceMetricsOverride", width=390, height=800, deviceScaleFactor=1, mobile=True)
+    try:  # a workspace of its own: the layout it saves (sidebar collapsed) reaches no other test
+        open_lab(browser, url(served, "en").replace("/nanovllm-en/", "/phone/"))
+        wait_for(browser, "jupyterapp.shell.leftCollapsed", "the sidebar is open at 390 px", timeout_s=10)
+        run_js(browser, "jupyterapp.commands.execute('filebrowser:activate').then(() => true)")  # the reader opens it
+        assert run_js(browser, "jupyterapp.shell.leftCollapsed") is False
+        run_js(browser, "jupyterapp.commands.execute('docmanager:open', {path: 'read/en/01_sequence.en.ipynb'})"
+                        ".then(w => w.context.ready).then(() => true)")
+        wait_for(browser, "jupyterapp.shell.leftCollapsed", "the sidebar stayed open over the notebook", timeout_s=10)
+        width = run_js(browser, "jupyterapp.shell.currentWidget.node.getBoundingClientRect().width")
+        assert width > 300, width
+    finally:
+        browser.page("Emulation.clearDeviceMetricsOverride")

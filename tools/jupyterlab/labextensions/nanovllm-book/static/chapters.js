@@ -10,9 +10,17 @@
 // the pattern names every chapter and no other .py file of the repository. Its default viewer is
 // set to "Jupytext Notebook" in ../../overrides.json; every other .py file keeps JupyterLab's own
 // default, the text editor.
+//
+// It also keeps the left sidebar out of the way on a narrow screen (a phone: 390 px): JupyterLab
+// restores it open (the tree/ URL ./dev lab prints shows the file browser), and a notebook beside
+// it was 62 px wide. JupyterLab has no setting for this (its shell's startMode and layout settings
+// do not depend on the window's width), so on a narrow window the sidebar is collapsed once
+// JupyterLab has restored its layout, and again whenever a document becomes the current tab
+// (opened from the file browser, which then gives the notebook the whole width).
 (function () {
   // CHAPTER_NAME (tests read this line)
   const CHAPTER_NAME = '^(\\d\\d[a-z]?|[A-Z])_[a-z0-9_]+\\.py$';
+  const NARROW = '(max-width: 760px)';
 
   const plugin = {
     id: 'nanovllm-book:chapters',
@@ -35,6 +43,20 @@
         // The viewers that can open a chapter: "Open With" offers both.
         ['Jupytext Notebook', 'Editor']
       );
+      const shell = app.shell;
+      const collapseIfNarrow = () => {
+        if (window.matchMedia(NARROW).matches && typeof shell.collapseLeft === 'function') {
+          shell.collapseLeft();
+        }
+      };
+      app.restored.then(collapseIfNarrow);
+      if (shell.currentChanged) {
+        shell.currentChanged.connect((_, change) => {
+          if (change.newValue) {
+            collapseIfNarrow();
+          }
+        });
+      }
     }
   };
 
