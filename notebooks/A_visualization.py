@@ -1375,6 +1375,8 @@ import os
 import re
 from typing import Any
 
+from IPython.display import HTML, display
+
 from nanovllm.viz.driver import FakeEngine
 from nanovllm.viz.player import Player, _check_lang, frame_html, lang_text
 
@@ -1400,6 +1402,17 @@ def static_note(lang: str | None = None) -> str:
     note = lang_text("LivePanel: open this chapter in JupyterLab to get its buttons.",
                      "实时面板：在 JupyterLab 中打开本章才会出现按钮。", lang, " · ")
     return f"<p><i>{note}</i></p>"
+
+
+def rerun_hint(lang: str | None = None) -> str:
+    """Shown above the buttons: they live in the kernel, so a saved copy reopened later shows JupyterLab's "model
+    not found" where they were. A plain HTML output is saved with the notebook and stays readable then."""
+    note = lang_text("LivePanel: the buttons below live in the running kernel. Reopened later, a saved copy shows "
+                     "“model not found” in their place: run this cell again to get them back.",
+                     "实时面板：下面的按钮活在正在运行的内核里。以后重新打开保存过的副本时，那里会显示"
+                     "“model not found”：重新运行本单元即可找回按钮。", lang, " · ")
+    return f"<p><i>{note}</i></p>"
+
 
 
 class LivePanel:
@@ -1567,19 +1580,24 @@ class LivePanel:
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
 
-# %%
-from IPython.display import HTML, display
 
-from nanovllm.viz.panel import LivePanel, interactive_frontend, static_note
+def show_panel(panel: LivePanel) -> None:
+    """The panel's buttons with the hint above them, where a frontend can show them (`interactive_frontend`);
+    elsewhere (an executed page, the site) `static_note`. No widget is made there: an executed notebook would keep
+    the widgets' state, and the static site would then load a widget manager from a CDN."""
+    if interactive_frontend():
+        display(HTML(rerun_hint(panel.lang)), panel.widget)
+    else:
+        display(HTML(static_note(panel.lang)))
+
+
+# %%
+from nanovllm.viz.panel import LivePanel, show_panel
 
 panel = LivePanel(num_kvcache_blocks=8, kvcache_block_size=4)
-if interactive_frontend():
-    # en: Buttons only where a frontend can show them: an executed notebook would keep the widgets' state,
-    # en: and the static site would then load a widget manager from a CDN.
-    # zh: 只在能显示按钮的前端里创建它们：否则执行后的 notebook 会保存控件状态，静态网站就会从 CDN 加载控件管理器。
-    display(panel.widget)
-else:
-    display(HTML(static_note()))
+# en: Buttons only where a frontend can show them, with a hint for a copy reopened later (show_panel).
+# zh: 只在能显示按钮的前端里创建按钮，并为以后重新打开的副本留一句提示（见 show_panel）。
+show_panel(panel)
 
 # %%
 # en: The same actions as clicks on Add, Step, Add, Step, Preempt, Rebuild (5 blocks), Run to end.

@@ -580,3 +580,24 @@ def test_live_panel_speaks_its_language_and_shows_whole_labels():
     w["step"].click()
     assert "无事可做" in w["message"].value and "nothing" not in w["message"].value
     assert not CJK.search(LivePanel(lang="en")._build()["box"].children[0].children[0].description)
+
+
+def test_the_panel_is_shown_with_a_hint_that_outlives_its_buttons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In JupyterLab the buttons come with an HTML hint above them: a saved copy reopened later keeps the hint
+    (a plain output) where the buttons read "model not found". Elsewhere only the static note, no widget."""
+    import nanovllm.viz.panel as panel_module
+
+    shown: list[tuple] = []
+    monkeypatch.setattr(panel_module, "display", lambda *objects: shown.append(objects))
+    panel = LivePanel(num_kvcache_blocks=4, kvcache_block_size=4, lang="zh")
+    monkeypatch.setenv("JPY_SESSION_NAME", "read/zh/A_visualization.zh.ipynb")
+    panel_module.show_panel(panel)
+    (hint, widget), = shown
+    assert "重新运行本单元" in hint.data and "model not found" in hint.data and "run this cell" not in hint.data
+    assert widget is panel.widget
+    shown.clear()
+    for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"):
+        monkeypatch.delenv(name, raising=False)
+    panel_module.show_panel(LivePanel(num_kvcache_blocks=4, kvcache_block_size=4, lang="en"))
+    (note,), = shown
+    assert "open this chapter in JupyterLab" in note.data

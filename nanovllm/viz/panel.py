@@ -6,6 +6,8 @@ import os
 import re
 from typing import Any
 
+from IPython.display import HTML, display
+
 from nanovllm.viz.driver import FakeEngine
 from nanovllm.viz.player import Player, _check_lang, frame_html, lang_text
 
@@ -13,6 +15,8 @@ __all__ = [
     "LivePanel",
     "interactive_frontend",
     "parse_prompt",
+    "rerun_hint",
+    "show_panel",
     "static_note",
 ]
 
@@ -38,6 +42,16 @@ def static_note(lang: str | None = None) -> str:
     """What shows instead of the buttons where no frontend can show them (an executed page, the site)."""
     note = lang_text("LivePanel: open this chapter in JupyterLab to get its buttons.",
                      "实时面板：在 JupyterLab 中打开本章才会出现按钮。", lang, " · ")
+    return f"<p><i>{note}</i></p>"
+
+
+def rerun_hint(lang: str | None = None) -> str:
+    """Shown above the buttons: they live in the kernel, so a saved copy reopened later shows JupyterLab's "model
+    not found" where they were. A plain HTML output is saved with the notebook and stays readable then."""
+    note = lang_text("LivePanel: the buttons below live in the running kernel. Reopened later, a saved copy shows "
+                     "“model not found” in their place: run this cell again to get them back.",
+                     "实时面板：下面的按钮活在正在运行的内核里。以后重新打开保存过的副本时，那里会显示"
+                     "“model not found”：重新运行本单元即可找回按钮。", lang, " · ")
     return f"<p><i>{note}</i></p>"
 
 
@@ -197,3 +211,13 @@ class LivePanel:
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         return self.widget._repr_mimebundle_(**kwargs)
+
+
+def show_panel(panel: LivePanel) -> None:
+    """The panel's buttons with the hint above them, where a frontend can show them (`interactive_frontend`);
+    elsewhere (an executed page, the site) `static_note`. No widget is made there: an executed notebook would keep
+    the widgets' state, and the static site would then load a widget manager from a CDN."""
+    if interactive_frontend():
+        display(HTML(rerun_hint(panel.lang)), panel.widget)
+    else:
+        display(HTML(static_note(panel.lang)))
