@@ -683,7 +683,7 @@ def race_pick_kernel(
 # `vocab` is the same in every call for a model, so it stays specialized (Qwen3's 151,936 is
 # divisible by 16, which lets the loads be vectorized); the batch only sets the grid. One model
 # and one logits dtype therefore need exactly one variant of each kernel, which chapter 08's
-# `warm_up_sampler` compiles before the first step.
+# `compile_sampler_kernels` compiles before the first step.
 
 # %% [markdown] tags=["zh"]
 # ### 包装函数，以及 Triton 编译了什么
@@ -696,7 +696,7 @@ def race_pick_kernel(
 # 种子每次调用都不同，所以用 `do_not_specialize=["seed"]` 让它的类别不进入变体，并把种子限制在
 # `[2³², 2³² + 2⁶²)` 之内，使它的类型总是 int64。对同一个模型，每次调用的 `vocab` 都相同，所以保留对它的特化
 # （Qwen3 的 151,936 能被 16 整除，载入可以向量化）；批大小只决定网格。因此一个模型、一种 logits 数据类型，每个
-# 内核恰好只需要一个变体，第 08 章的 `warm_up_sampler` 会在第一步之前把它编译好。
+# 内核恰好只需要一个变体，第 08 章的 `compile_sampler_kernels` 会在第一步之前把它编译好。
 
 # %% triton sampler wrapper
 #| export layers.triton_sampler

@@ -957,7 +957,7 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # `sibling_samples` order.
 #
 # That is upstream's `model_runner.py`, minus its shared-memory plumbing for ranks and its CUDA
-# graphs: chapter 09 replaces `warm_up` (which then also compiles the small ops and captures the
+# graphs: chapter 09 replaces `compile_ahead` (which then also compiles the small ops and captures the
 # graphs) and `forward` (which replays a graph for a decode step), chapter 10 replaces
 # `kv_block_count` (the ranks agree on the pool), and chapter 12 adds `launch`, a step queued
 # without waiting for its tokens.
@@ -965,11 +965,11 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # The runner builds what the layers compute with once and hands it down: one attention backend
 # object (`attention_backend(config.attention_backend)`, chapter 06) given to every `Attention`
 # layer, and a `Sampler` whose fast path, on a GPU, is chapter 07's Triton kernels
-# (`triton_temperature_sample`). On a GPU it also *warms up* everything that compiles on first
-# use, so that no step of a real run pays for a compile: a prefill that reads a cached prefix
-# (`warm_paged_prefill`), every variant of the attention backend's prefill kernel
-# (`warm_up_attention`, chapter 06b's `warm_up_prefill`) and the sampler's two kernels
-# (`warm_up_sampler`). They run in inference mode, like `run`: compiled functions check how their
+# (`triton_temperature_sample`). On a GPU it also compiles ahead (`compile_ahead`) everything that
+# compiles on first use, so that no step of a real run pays for a compile: a prefill that reads a cached prefix
+# (`compile_paged_prefill`), every variant of the attention backend's prefill kernel
+# (`compile_attention_kernels`, chapter 06b's `warm_up_prefill`) and the sampler's two kernels
+# (`compile_sampler_kernels`). They run in inference mode, like `run`: compiled functions check how their
 # inputs were made and would compile again for tensors made outside it.
 
 # %% [markdown] tags=["zh"]
@@ -984,17 +984,17 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # 它的“下一个 token”只是对提示词中某个位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
 # 要分叉的请求（第 04b 章）还从它这一行为兄弟序列抽取首 token，排在这一步自己的 token 之后，顺序同 `sibling_samples`。
 #
-# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章替换 `warm_up`
+# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章替换 `compile_ahead`
 # （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10 章替换 `kv_block_count`（各 rank 就块池
 # 达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核
-# （`triton_temperature_sample`）。在 GPU 上，它还会把所有
-# 首次使用时才编译的东西*预热*一遍，这样真实运行中没有哪一步要为编译买单：一次读取已缓存前缀的 prefill
-# （`warm_paged_prefill`）、注意力后端 prefill 内核的每个变体（`warm_up_attention`，即第 06b 章的
-# `warm_up_prefill`），以及采样器的两个内核（`warm_up_sampler`）。它们和 `run` 一样在推理模式下运行：编译好的
-# 函数会检查输入是怎样创建的，对推理模式之外创建的张量会重新编译。
+# （`triton_temperature_sample`）。在 GPU 上，它还会把所有首次使用时才编译的东西提前编译好（`compile_ahead`），
+# 这样真实运行中没有哪一步要为编译买单：一次读取已缓存前缀的 prefill（`compile_paged_prefill`）、注意力后端
+# prefill 内核的每个变体（`compile_attention_kernels`，即第 06b 章的 `warm_up_prefill`），以及采样器的两个内核
+# （`compile_sampler_kernels`）。它们和 `run` 一样在推理模式下运行：编译好的函数会检查输入是怎样创建的，对推理模式
+# 之外创建的张量会重新编译。
 
 # %% model runner
 #| export
@@ -1037,7 +1037,7 @@ class ModelRunner:
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
         config.num_kvcache_blocks = self.kv_cache.shape[2]
-        self.warm_up()
+        self.compile_ahead()
 
     # en: ---- the KV cache ---------------------------------------------------------
     # zh: ---- KV 缓存 -------------------------------------------------------------
@@ -1091,7 +1091,8 @@ class ModelRunner:
     # zh: 会导致第一个真实步骤再编译一次。
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One forward of the biggest prefill the scheduler may send, with no KV cache."""
+        """One forward of the biggest prefill the scheduler may send, with no KV cache (upstream's `warmup_model`):
+        the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the KV cache."""
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
@@ -1102,15 +1103,15 @@ class ModelRunner:
         self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
 
-    def warm_up(self) -> None:
+    def compile_ahead(self) -> None:
         """On a GPU, compile now what would otherwise compile during the first steps."""
         if self.device.type == "cuda":
-            self.warm_paged_prefill()
-            self.warm_up_attention()
-            self.warm_up_sampler()
+            self.compile_paged_prefill()
+            self.compile_attention_kernels()
+            self.compile_sampler_kernels()
 
     @torch.inference_mode()
-    def warm_paged_prefill(self) -> None:
+    def compile_paged_prefill(self) -> None:
         """One 1-token prefill after a 1-token cached prefix, through the whole model, so the path a chunked
         prefill or a prefix-cache hit takes (compiled ops at 1 token included) is compiled now, not in a step."""
         table = list(range(-(-2 // self.block_size)))
@@ -1127,7 +1128,7 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
-    def warm_up_attention(self) -> None:
+    def compile_attention_kernels(self) -> None:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
@@ -1136,7 +1137,7 @@ class ModelRunner:
             warm_up(self.attention_layers[0], self.dtype)
 
     @torch.inference_mode()
-    def warm_up_sampler(self) -> None:
+    def compile_sampler_kernels(self) -> None:
         """Run the sampler's fast path once, so that Triton compiles chapter 07's two kernels now: one variant
         each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
         the grid and the seed, new in every call, is not specialized on."""

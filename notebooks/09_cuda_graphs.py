@@ -1688,10 +1688,10 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # %% [markdown] tags=["en"]
 # ## Wire it in: two methods of `ModelRunner`
 #
-# Chapter 08's runner calls `warm_up()` once its KV cache exists, and `forward(...)` for the
+# Chapter 08's runner calls `compile_ahead()` once its KV cache exists, and `forward(...)` for the
 # model's part of every step. This chapter replaces both (the rest of the runner is unchanged):
 #
-# - `warm_up` first compiles the small ops when `config.compile_small_ops`, then runs chapter
+# - `compile_ahead` first compiles the small ops when `config.compile_small_ops`, then runs chapter
 #   08's warm-ups (which now also compile them), and last captures the decode graphs,
 #   `self.graphs = capture_decode_graphs(model, config)` (`None` when `graphs_unavailable_reason`
 #   gives a reason). The graphs come last because they must see the KV cache and the compiled ops.
@@ -1706,11 +1706,11 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # %% [markdown] tags=["zh"]
 # ## 接进去：`ModelRunner` 的两个方法
 #
-# 第 08 章的执行器在 KV 缓存就绪后调用一次 `warm_up()`，每一步的模型部分则调用 `forward(...)`。本章替换这两个方法
+# 第 08 章的执行器在 KV 缓存就绪后调用一次 `compile_ahead()`，每一步的模型部分则调用 `forward(...)`。本章替换这两个方法
 # （执行器的其余部分不变）：
 #
-# - `warm_up` 先在 `config.compile_small_ops` 为真时编译小算子，再运行第 08 章的各项预热（它们现在也会编译这些算子），
-#   最后捕获 decode 图：`self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason`
+# - `compile_ahead` 先在 `config.compile_small_ops` 为真时编译小算子，再运行第 08 章的各项预热（它们现在也会编译
+#   这些算子），最后捕获 decode 图：`self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason`
 #   给出原因时为 `None`）。图放在最后捕获，因为它们必须看到 KV 缓存和编译好的算子。
 # - `forward` 对批次能放进某个图的 decode 步重放该图（`self.graphs.replay(...)`），其余情况调用模型。两条路径的
 #   输入都来自同一个 `prepare_decode`，logits 和采样也共用，所以它们唯一的区别是前向*如何*被启动。
@@ -1728,13 +1728,13 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers.compiled_ops import compile_small_ops
 from nanovllm.layers.context import get_context
 
-# en: The captured decode graphs: None until warm_up captures them, and wherever graphs cannot be used.
-# zh: 捕获好的 decode 图：在 warm_up 捕获之前，以及无法使用图的场合，都是 None。
+# en: The captured decode graphs: None until compile_ahead captures them, and wherever graphs cannot be used.
+# zh: 捕获好的 decode 图：在 compile_ahead 捕获之前，以及无法使用图的场合，都是 None。
 ModelRunner.graphs: CudaGraphRunner | None = None
 
 
 @add_to_class(ModelRunner)
-def warm_up(self) -> None:
+def compile_ahead(self) -> None:
     """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
     hand the decoder layers their fused small-step path (``fused_decode``), then capture the decode graphs."""
     if self.config.compile_small_ops:
@@ -1748,9 +1748,9 @@ def warm_up(self) -> None:
 
         fuse_decode_layers(self.model)
     if self.device.type == "cuda":
-        self.warm_paged_prefill()
-        self.warm_up_attention()
-        self.warm_up_sampler()
+        self.compile_paged_prefill()
+        self.compile_attention_kernels()
+        self.compile_sampler_kernels()
     self.graphs = capture_decode_graphs(self.model, self.config)
 
 
@@ -2140,7 +2140,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #   batch 256 in `scripts/decode_sweep.py`, 11 % at batch 64;
 # - FlashAttention 4 as an optional attention backend (chapter 06b). With graphs, in the same
 #   invocation as our kernels: 13,222 tokens/s, 0.56× ours. Its decode is 8 % slower (5.45
-#   against 5.06 s) and its prefill takes 4.56 s against 0.49 s, although `warm_up` compiles its
+#   against 5.06 s) and its prefill takes 4.56 s against 0.49 s, although `compile_ahead` compiles its
 #   two prefill variants first; why was not found (more compiles at new shapes, or host work).
 #
 # The engine with the first two: **23,737 tokens/s, 74.9 % of the bound of the same run**
@@ -2193,7 +2193,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # - decode 每个 tile 128 个键而不是 64 个（第 06b 章）：`scripts/decode_sweep.py` 中批大小 256 的 decode 注意力
 #   时间少了 6 %，批大小 64 少了 11 %；
 # - FlashAttention 4 作为可选的注意力后端（第 06b 章）。带 CUDA Graph、与我们的内核在同一次调用中：13,222 tokens/s，
-#   是我们的 0.56 倍。它的 decode 慢 8 %（5.45 对 5.06 s），prefill 用了 4.56 s，而我们是 0.49 s——尽管 `warm_up`
+#   是我们的 0.56 倍。它的 decode 慢 8 %（5.45 对 5.06 s），prefill 用了 4.56 s，而我们是 0.49 s——尽管 `compile_ahead`
 #   已经先编译了它的两个 prefill 变体；原因没有找到（遇到新形状又编译，或是主机端的工作）。
 #
 # 带着前两项改进的引擎：**23,737 tokens/s，是同一次运行所测上限的 74.9 %**（上限 31,688 tokens/s，拷贝速率

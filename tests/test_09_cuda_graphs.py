@@ -346,7 +346,7 @@ def test_gpu_kv_sizing_stays_within_the_memory_budget(tmp_path: Path) -> None:
 def test_paged_prefill_warm_up_runs_and_touches_only_the_first_block(tiny: Path) -> None:
     runner = ModelRunner(Config.from_kwargs(tiny, device="cpu", kvcache_block_size=4, num_kvcache_blocks=4))
     runner.kv_cache.fill_(7.0)
-    runner.warm_paged_prefill()
+    runner.compile_paged_prefill()
     # block 0, slot 1 of every layer now holds the warm-up token's K/V; every other slot is untouched
     changed = (runner.kv_cache != 7.0).any(dim=(-1, -2))  # [2, layers, blocks, block_size]
     assert changed[:, :, 0, 1].all() and changed.sum() == changed[:, :, 0, 1].numel()

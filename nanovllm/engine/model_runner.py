@@ -182,7 +182,7 @@ class ModelRunner:
     """Runs the model on the scheduler's steps; owns the model, the KV cache and the sampler."""
 
     # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
-    # The captured decode graphs: None until warm_up captures them, and wherever graphs cannot be used.
+    # The captured decode graphs: None until compile_ahead captures them, and wherever graphs cannot be used.
     graphs: CudaGraphRunner | None = None
     # notebooks/12_async_scheduling.py · cell "runner launches"
     # Built at the first decode step that replays a graph, over the graphs' buffers.
@@ -210,7 +210,7 @@ class ModelRunner:
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
-        self.warm_up()
+        self.compile_ahead()
 
     # ---- the KV cache ---------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
@@ -260,7 +260,8 @@ class ModelRunner:
     # differs to torch.compile's guards, which would then compile again in the first real step.
     @torch.inference_mode()
     def warmup(self) -> None:
-        """One forward of the biggest prefill the scheduler may send, with no KV cache."""
+        """One forward of the biggest prefill the scheduler may send, with no KV cache (upstream's `warmup_model`):
+        the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the KV cache."""
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
@@ -272,7 +273,7 @@ class ModelRunner:
         reset_context()
 
     # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
-    def warm_up(self) -> None:
+    def compile_ahead(self) -> None:
         """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
         hand the decoder layers their fused small-step path (``fused_decode``), then capture the decode graphs."""
         if self.config.compile_small_ops:
@@ -284,13 +285,13 @@ class ModelRunner:
 
             fuse_decode_layers(self.model)
         if self.device.type == "cuda":
-            self.warm_paged_prefill()
-            self.warm_up_attention()
-            self.warm_up_sampler()
+            self.compile_paged_prefill()
+            self.compile_attention_kernels()
+            self.compile_sampler_kernels()
         self.graphs = capture_decode_graphs(self.model, self.config)
 
     @torch.inference_mode()
-    def warm_paged_prefill(self) -> None:
+    def compile_paged_prefill(self) -> None:
         """One 1-token prefill after a 1-token cached prefix, through the whole model, so the path a chunked
         prefill or a prefix-cache hit takes (compiled ops at 1 token included) is compiled now, not in a step."""
         table = list(range(-(-2 // self.block_size)))
@@ -306,7 +307,7 @@ class ModelRunner:
             reset_context()
 
     @torch.inference_mode()
-    def warm_up_attention(self) -> None:
+    def compile_attention_kernels(self) -> None:
         """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
@@ -314,7 +315,7 @@ class ModelRunner:
             warm_up(self.attention_layers[0], self.dtype)
 
     @torch.inference_mode()
-    def warm_up_sampler(self) -> None:
+    def compile_sampler_kernels(self) -> None:
         """Run the sampler's fast path once, so that Triton compiles chapter 07's two kernels now: one variant
         each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
         the grid and the seed, new in every call, is not specialized on."""
