@@ -320,7 +320,7 @@ class Recorder:
 #| export viz.driver
 from __future__ import annotations
 
-from collections.abc import Sequence as TokenList
+from collections.abc import Sequence as ListLike
 from typing import Any
 
 from nanovllm.engine.scheduler import Scheduler
@@ -351,7 +351,7 @@ class FakeEngine:
         self.seqs: list[Sequence] = []
         self.steps = 0
 
-    def add(self, token_ids: TokenList[int], max_tokens: int = 4, n: int = 1) -> Sequence:
+    def add(self, token_ids: ListLike[int], max_tokens: int = 4, n: int = 1) -> Sequence:
         """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens (in each of its ``n``
         samples: after its prefill it forks, chapter 04b)."""
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
