@@ -2470,7 +2470,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from nanovllm.viz.player import _controls, _legend, _style, caption, frame_svg, lang_text
+from nanovllm.viz.player import caption, controls_html, frame_svg, lang_text, legend_html, style_html
 from nanovllm.viz.recorder import Recorder
 
 
@@ -2678,8 +2678,9 @@ def page_html(model_name: str, num_blocks: int, block_size: int, lang: str, keep
         f"<title>{title}</title>"
         f"<style>{PAGE_CSS}</style></head><body><h1>{title}</h1>"
         f'<p class="meta">{meta} · <span id="status" data-live="{live}" data-lost="{lost}">…</span>{other}</p>'
-        f'<div class="nvv" id="live" tabindex="0" data-lang="{lang}" data-keep="{keep}">{_style(lang)}'
-        f'{_controls(lang, 1, 0)}<div class="nvv-frames"></div><div class="nvv-info">{hint}</div>{_legend(lang)}'
+        f'<div class="nvv" id="live" tabindex="0" data-lang="{lang}" data-keep="{keep}">{style_html(lang)}'
+        f'{controls_html(lang, 1, 0)}<div class="nvv-frames"></div><div class="nvv-info">{hint}</div>'
+        f"{legend_html(lang)}"
         f"</div><script>{LIVE_JS}</script></body></html>"
     )
 

@@ -485,7 +485,8 @@ _default = {"lang": "both"}
 LANG_PIECE = re.compile(r"<!--lang:(en|zh|both)-->(.*?)<!--/lang-->", re.S)
 
 
-def _check_lang(lang: str | None) -> str:
+def check_lang(lang: str | None) -> str:
+    """The language asked for ("en", "zh" or "both"; None: the default, see ``set_language``), or a ValueError."""
     lang = _default["lang"] if lang is None else lang
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {LANGS}, got {lang!r}")
@@ -494,7 +495,7 @@ def _check_lang(lang: str | None) -> str:
 
 def set_language(lang: str) -> None:
     """The default language of players and panels from now on: "en", "zh" or "both"."""
-    _default["lang"] = _check_lang(lang)
+    _default["lang"] = check_lang(lang)
 
 
 def reading_language() -> str:
@@ -508,7 +509,7 @@ def _esc(text: object) -> str:
 
 def _pick(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
     """Markup in one language, or both: each marked so that ``keep_language`` can cut one out."""
-    lang = _check_lang(lang)
+    lang = check_lang(lang)
     if lang != "both":
         return en if lang == "en" else zh
     joint = f"<!--lang:both-->{sep}<!--/lang-->" if sep else ""
@@ -534,7 +535,7 @@ def _seq_list(ids: list[int], zh: bool) -> str:
 
 def caption(frame: dict, lang: str = "en") -> str:
     """One line that says what happened in ``frame``, in English (``"en"``) or Chinese (``"zh"``)."""
-    if _check_lang(lang) == "both":
+    if check_lang(lang) == "both":
         raise ValueError("caption() speaks one language at a time: lang must be 'en' or 'zh'")
     zh = lang == "zh"
     phase, event, step = frame["phase"], frame["event"], frame["step"]
@@ -665,7 +666,7 @@ def seq_info(seq: dict, lang: str | None = "en") -> str:
 
 def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
     """Draw one frame: the block pool, the block tables, the queues and the free list."""
-    lang = _check_lang(lang)
+    lang = check_lang(lang)
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
     # en: Copy-on-write (chapter 04b): the fresh blocks copies go into, and the shared blocks they come from.
@@ -948,7 +949,8 @@ def _caption_html(frame: dict, lang: str) -> str:
     return f'<div class="nvv-cap">{_pick(en, zh, lang)}</div>'
 
 
-def _legend(lang: str) -> str:
+def legend_html(lang: str) -> str:
+    """The legend under a frame: what each block colour means, and the count and bar on a block."""
     items = [("free", "free", "空闲"), ("used", "used", "已用"), ("cached", "cached", "空闲但仍被缓存"),
              ("hit", "hit", "缓存命中"), ("new", "new", "新分配"), ("freed", "freed", "刚释放"),
              ("copy", "copy", "写时复制的副本"), ("copysrc", "copied from", "被复制的块")]
@@ -957,7 +959,8 @@ def _legend(lang: str) -> str:
     return f'<div class="nvv-legend">{parts} · {note}</div>'
 
 
-def _style(lang: str) -> str:
+def style_html(lang: str) -> str:
+    """The player's CSS as a <style> element (with "both", also the rules that set the two languages' text apart)."""
     both = f'<!--lang:both--><style class="nvv-both">{BOTH_CSS}</style><!--/lang-->' if lang == "both" else ""
     return f"<style>{PLAYER_CSS}</style>{both}"
 
@@ -968,20 +971,20 @@ def frame_html(recording: dict, index: int = -1, lang: str | None = None, since:
     since: also caption the frames from ``since`` up to ``index`` (what one action of the live panel did).
     """
     frames = _check_recording(recording)["frames"]
-    lang = _check_lang(lang)
+    lang = check_lang(lang)
     index = _frame_index(frames, index, "index")
     since = index if since is None else _frame_index(frames, since, "since")
     prev = frames[index - 1] if index > 0 else None
     svg = frame_svg(frames[index], recording["block_size"], prev, lang)
     captions = "".join(_caption_html(frames[k], lang) for k in range(min(since, index), index + 1))
-    return f'<div class="nvv">{_style(lang)}{captions}{svg}{_legend(lang)}</div>'
+    return f'<div class="nvv">{style_html(lang)}{captions}{svg}{legend_html(lang)}</div>'
 
 
 def _button(act: str, inner: str) -> str:
     return f'<button type="button" data-act="{act}">{inner}</button>'
 
 
-def _controls(lang: str, frames: int, start: int) -> str:
+def controls_html(lang: str, frames: int, start: int) -> str:
     """The buttons, the slider and the frame counter: every label in the page's language, every arrow an icon."""
     def t(en: str, zh: str) -> str:
         return lang_text(en, zh, lang)
@@ -1015,7 +1018,7 @@ def player_html(recording: dict, *, lang: str | None = None, start: int = 0, int
     start: the frame shown first (and the only one shown where scripts do not run).
     """
     frames = _check_recording(recording)["frames"]
-    lang = _check_lang(lang)
+    lang = check_lang(lang)
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
         raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
     start = _frame_index(frames, start, "start")
@@ -1032,8 +1035,8 @@ def player_html(recording: dict, *, lang: str | None = None, start: int = 0, int
     hint = lang_text("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
     return (
         f'<div class="nvv" id="{root}" tabindex="0" data-start="{start}" data-interval="{interval_ms}">'
-        f"{_style(lang)}{_controls(lang, len(frames), start)}{''.join(body)}"
-        f'<div class="nvv-info">{hint}</div>{_legend(lang)}'
+        f"{style_html(lang)}{controls_html(lang, len(frames), start)}{''.join(body)}"
+        f'<div class="nvv-info">{hint}</div>{legend_html(lang)}'
         f'<div class="nvv-nojs">{nojs}</div>'
         f"<script>{PLAYER_JS.replace('__ROOT__', root)}</script></div>"
     )
@@ -1378,7 +1381,7 @@ from typing import Any
 from IPython.display import HTML, display
 
 from nanovllm.viz.driver import FakeEngine
-from nanovllm.viz.player import Player, _check_lang, frame_html, lang_text
+from nanovllm.viz.player import Player, check_lang, frame_html, lang_text
 
 
 def parse_prompt(text: str) -> list[int]:
@@ -1428,7 +1431,7 @@ class LivePanel:
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 16, lang: str | None = None) -> None:
-        self.lang = _check_lang(lang)
+        self.lang = check_lang(lang)
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
         # en: What the user did, replayed by rebuild()

@@ -9,7 +9,7 @@ from typing import Any
 from IPython.display import HTML, display
 
 from nanovllm.viz.driver import FakeEngine
-from nanovllm.viz.player import Player, _check_lang, frame_html, lang_text
+from nanovllm.viz.player import Player, check_lang, frame_html, lang_text
 
 __all__ = [
     "LivePanel",
@@ -68,7 +68,7 @@ class LivePanel:
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 16, lang: str | None = None) -> None:
-        self.lang = _check_lang(lang)
+        self.lang = check_lang(lang)
         self.options = {"kvcache_block_size": kvcache_block_size, "max_num_seqs": max_num_seqs,
                         "max_num_batched_tokens": max_num_batched_tokens}
         # What the user did, replayed by rebuild()
