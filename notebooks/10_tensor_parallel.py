@@ -266,21 +266,23 @@ def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
 #
 # A `weight_loader(param, loaded_weight, shard_id=None)` is attached to each parameter: the
 # loader of chapter 05 hands it the **full** checkpoint tensor and the layer cuts out its rank's
-# slice. Merged layers (`qkv_proj` holds q, k and v; `gate_up_proj` holds gate and up) also get a
-# `shard_id` saying which part the tensor is, so it lands at the right offset. Both load a part
-# the same way (`load_part`): `QKVParallelLinear` is a merged layer whose three parts are named
-# `q`, `k` and `v`. With GQA, q has more heads than k and v, so the three parts have different
-# sizes; each part is cut by heads, and rank `r` keeps q heads `r·H/tp …` together with exactly
-# the KV heads they use.
+# slice along its `tp_dim` (`load_rank_slice`: rows for a column-parallel layer, columns for a
+# row-parallel one). Merged layers (`qkv_proj` holds q, k and v; `gate_up_proj` holds gate and
+# up) also get a `shard_id` saying which part the tensor is, so it lands at the right offset.
+# Both load a part the same way (`load_part`): `QKVParallelLinear` is a merged layer whose three
+# parts are named `q`, `k` and `v`. With GQA, q has more heads than k and v, so the three parts
+# have different sizes; each part is cut by heads, and rank `r` keeps q heads `r·H/tp …` together
+# with exactly the KV heads they use.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：线性层
 #
 # 每个参数都挂着一个 `weight_loader(param, loaded_weight, shard_id=None)`：第 05 章的加载器把**完整**的
-# 检查点张量交给它，由层自己切出本 rank 的那一片。合并层（`qkv_proj` 包含 q、k、v；`gate_up_proj` 包含
-# gate 和 up）还会收到 `shard_id`，说明这个张量是哪一部分，以便放到正确的偏移处。两者加载一部分的方式相同
-# （`load_part`）：`QKVParallelLinear` 就是一个合并层，它的三部分分别叫 `q`、`k`、`v`。在 GQA 中 q 的头比 k、v
-# 多，三部分大小不同；每部分都按头切分，rank `r` 保留从 `r·H/tp` 开始的 q 头，以及它们用到的那些 KV 头。
+# 检查点张量交给它，由层自己沿它的 `tp_dim` 切出本 rank 的那一片（`load_rank_slice`：列并行层切行，行并行层
+# 切列）。合并层（`qkv_proj` 包含 q、k、v；`gate_up_proj` 包含 gate 和 up）还会收到 `shard_id`，说明这个
+# 张量是哪一部分，以便放到正确的偏移处。两者加载一部分的方式相同（`load_part`）：`QKVParallelLinear` 就是一个
+# 合并层，它的三部分分别叫 `q`、`k`、`v`。在 GQA 中 q 的头比 k、v 多，三部分大小不同；每部分都按头切分，
+# rank `r` 保留从 `r·H/tp` 开始的 q 头，以及它们用到的那些 KV 头。
 
 # %% linear layers
 #| export
@@ -310,6 +312,11 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
+    def load_rank_slice(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy into `param`, one rank's share, this rank's slice of the whole checkpoint tensor along `tp_dim`."""
+        shard = param.shape[self.tp_dim]
+        copy_checked(param, loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
@@ -336,8 +343,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, size, "output size"), bias, 0, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        shard = param.shape[0]
-        copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+        self.load_rank_slice(param, loaded_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -434,8 +440,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:
             copy_checked(param, loaded_weight)
             return
-        shard = param.shape[1]
-        copy_checked(param, loaded_weight.narrow(1, self.tp_rank * shard, shard))
+        self.load_rank_slice(param, loaded_weight)
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (the bias only on rank 0, so the reduced sum has it once)."""

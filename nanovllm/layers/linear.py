@@ -81,6 +81,11 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
+    def load_rank_slice(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy into `param`, one rank's share, this rank's slice of the whole checkpoint tensor along `tp_dim`."""
+        shard = param.shape[self.tp_dim]
+        copy_checked(param, loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
@@ -107,8 +112,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, divide(output_size, size, "output size"), bias, 0, tp_rank, tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        shard = param.shape[0]
-        copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+        self.load_rank_slice(param, loaded_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -200,8 +204,7 @@ class RowParallelLinear(LinearBase):
         if param.dim() == 1:
             copy_checked(param, loaded_weight)
             return
-        shard = param.shape[1]
-        copy_checked(param, loaded_weight.narrow(1, self.tp_rank * shard, shard))
+        self.load_rank_slice(param, loaded_weight)
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum (the bias only on rank 0, so the reduced sum has it once)."""
