@@ -1,23 +1,27 @@
-"""The engine core is a straight stack and never imports the book-only code (README, "Layout").
+"""The package is one straight stack: the engine core at the bottom, the book-only code on top (README, "Layout").
 
-Core: what upstream nano-vllm has (config, sampling parameters, the engine, the layers, the models,
-utils, the `LLM` front door). Book-only: the literate helper, tiny test models and the SmolLM2
-conversion (`nanovllm.book`), the visualization (`nanovllm.viz`), the benchmarks (`nanovllm.bench`),
-the demo's command line (`nanovllm.__main__`) and the server on top of the engine (`nanovllm.serve`, which
-may import all of these). Read statically: no module is imported.
+Core: what upstream nano-vllm has (utils, sampling parameters, the layers, the models, config, the engine, the
+`LLM` front door). Book-only, above it, from the bottom up: the literate helper, tiny test models and the SmolLM2
+conversion (`nanovllm.book`); the visualization (`nanovllm.viz`); the server on top of the engine, whose live page
+the visualization draws (`nanovllm.serve`); the benchmarks, one of which drives the server (`nanovllm.bench`); the
+demo's command line (`nanovllm.__main__`). A module may import its own layer and the layers below it, so the core
+never imports book-only code. Read statically: no module is imported.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nanovllm"
-BOOK_ONLY = ("nanovllm.book", "nanovllm.viz", "nanovllm.bench", "nanovllm.__main__", "nanovllm.serve")
-# The core's layers, lowest first: a module may import its own layer and the layers below it.
-LAYERS = ("nanovllm.utils", "nanovllm.sampling_params", "nanovllm.layers", "nanovllm.models", "nanovllm.config",
-          "nanovllm.engine", "nanovllm.llm", "nanovllm.__init__")
+# The core's layers, lowest first.
+CORE = ("nanovllm.utils", "nanovllm.sampling_params", "nanovllm.layers", "nanovllm.models", "nanovllm.config",
+        "nanovllm.engine", "nanovllm.llm", "nanovllm.__init__")
+# The book-only layers on top of the core, lowest first.
+BOOK_ONLY = ("nanovllm.book", "nanovllm.viz", "nanovllm.serve", "nanovllm.bench", "nanovllm.__main__")
+LAYERS = CORE + BOOK_ONLY
 
 
 def module_name(path: Path) -> str:
@@ -29,6 +33,8 @@ def within(name: str, prefix: str) -> bool:
 
 
 def layer(name: str) -> int:
+    # `import nanovllm` is the front door: the package's __init__.
+    name = "nanovllm.__init__" if name == "nanovllm" else name
     return next(i for i, prefix in enumerate(LAYERS) if within(name, prefix))
 
 
@@ -46,14 +52,17 @@ def imported(path: Path) -> set[str]:
     return {name for name in names if within(name, "nanovllm")}
 
 
+def modules() -> dict[str, set[str]]:
+    return {module_name(p): imported(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
 def core_modules() -> dict[str, set[str]]:
-    modules = {module_name(p): imported(p) for p in sorted(PACKAGE.rglob("*.py"))}
-    return {name: deps for name, deps in modules.items() if not any(within(name, b) for b in BOOK_ONLY)}
+    return {name: deps for name, deps in modules().items() if any(within(name, c) for c in CORE)}
 
 
-def test_every_module_is_core_or_book_only() -> None:
-    for name in core_modules():
-        assert any(within(name, prefix) for prefix in LAYERS), f"{name} belongs to no layer of the core"
+def test_every_module_belongs_to_a_layer() -> None:
+    for name in modules():
+        assert any(within(name, prefix) for prefix in LAYERS), f"{name} belongs to no layer of the package"
 
 
 def test_the_core_never_imports_book_only_code() -> None:
@@ -62,13 +71,20 @@ def test_the_core_never_imports_book_only_code() -> None:
         assert not leaks, f"{name} imports book-only code: {leaks}"
 
 
-def test_the_core_is_a_straight_stack() -> None:
-    for name, deps in core_modules().items():
-        upward = sorted(dep for dep in deps if dep != "nanovllm" and layer(dep) > layer(name))
+def test_the_package_is_a_straight_stack() -> None:
+    for name, deps in modules().items():
+        upward = sorted(dep for dep in deps if layer(dep) > layer(name))
         assert not upward, f"{name} (layer {LAYERS[layer(name)]}) imports a higher layer: {upward}"
 
 
 def test_the_layout_is_what_the_readme_says() -> None:
+    """The README's layout shows every book-only layer, bottom-up in the order of the stack."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    for prefix in BOOK_ONLY[:3]:
-        assert f"{prefix.removeprefix('nanovllm.')}/" in readme, f"the README's layout does not show {prefix}"
+    shown = []
+    for prefix in BOOK_ONLY:
+        entry = prefix.removeprefix("nanovllm.")
+        entry = f"{entry}.py" if entry.startswith("__") else f"{entry}/"
+        found = re.search(rf"^  {re.escape(entry)} ", readme, re.M)
+        assert found, f"the README's layout does not show {prefix}"
+        shown.append(found.start())
+    assert shown == sorted(shown), f"the README's layout shows the book-only layers out of order: {BOOK_ONLY}"
