@@ -1632,7 +1632,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
-from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, finish_reason
+from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineError, finish_reason
 from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
     MAX_CHOICES,
@@ -1649,7 +1649,14 @@ from nanovllm.serve.protocol import (
 )
 
 _logger = logging.getLogger("nanovllm.serve")
-SHUTTING_DOWN = ServerError(SHUTTING_DOWN_ERROR.status, SHUTTING_DOWN_ERROR.message, SHUTTING_DOWN_ERROR.kind)
+
+
+def from_engine(error: EngineError, param: str | None = None) -> ServerError:
+    """The driver's `EngineError` as the client gets it, in OpenAI's shape."""
+    return ServerError(error.status, error.message, error.kind, param=param)
+
+
+SHUTTING_DOWN = from_engine(SHUTTING_DOWN_ERROR)
 
 
 @dataclass
@@ -1701,8 +1708,7 @@ class Generation:
         if engine.stopping or not engine.alive:
             raise SHUTTING_DOWN
         if not engine.responsive:
-            silent = engine.silence_error()
-            raise ServerError(silent.status, silent.message, silent.kind)
+            raise from_engine(engine.silence_error())
         if engine.overloaded():
             raise ServerError(503, f"the server is overloaded: {engine.num_waiting} requests are waiting "
                                    f"(--max-waiting {engine.max_waiting}); retry later", "server_overloaded",
@@ -1726,7 +1732,7 @@ class Generation:
                     # en: the KV cache.
                     # zh: 引擎拒绝了它：``n`` 超过 max_num_seqs，或者提示词对模型或 KV 缓存来说太长。
                     param = ("n" if payload.message.startswith("n=") else "prompt") if payload.status == 400 else None
-                    raise ServerError(payload.status, payload.message, payload.kind, param=param)
+                    raise from_engine(payload, param=param)
                 else:
                     self.early.append(event)
         except BaseException:
@@ -1752,7 +1758,7 @@ class Generation:
             texts: dict[int, tuple[Choice, str]] = {}
             for stream, kind, payload in events:
                 if kind == "error":
-                    raise ServerError(payload.status, payload.message, payload.kind)
+                    raise from_engine(payload)
                 if kind != "tokens":
                     continue
                 sample_index, token_ids, finished = payload
@@ -2096,8 +2102,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         if client.stopping or not client.alive:
             return JSONResponse(SHUTTING_DOWN.body(), status_code=503)
         if not client.responsive:
-            silent = client.silence_error()
-            return JSONResponse(ServerError(silent.status, silent.message, silent.kind).body(), status_code=503)
+            return JSONResponse(from_engine(client.silence_error()).body(), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")
