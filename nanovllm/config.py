@@ -22,6 +22,7 @@ __all__ = [
     "DEVICES",
     "DTYPES",
     "MAX_BLOCK_SIZE",
+    "SPECULATIVE_METHODS",
     "TP_DIVIDED",
     "Config",
     "UnknownConfigKeyError",
@@ -34,6 +35,8 @@ __all__ = [
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
+# What speculative_method accepts besides None (chapter 17).
+SPECULATIVE_METHODS = ("ngram",)
 
 
 class UnknownConfigKeyError(TypeError, ValueError):
@@ -111,6 +114,8 @@ class Config:
     rank_timeout_s: float = 120.0
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -180,10 +185,28 @@ class Config:
         elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
+        self._check_speculation()
         if self.async_scheduling == "auto":
             # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
             self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
+
+    def _check_speculation(self) -> None:
+        """Refuse speculative settings that cannot work together (chapter 17); a method's default is 4 drafts."""
+        method, drafts = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if drafts is not None:
+                raise ValueError(f"num_speculative_tokens={drafts!r} needs a speculative_method (e.g. 'ngram')")
+            return
+        _choice("speculative_method", method, SPECULATIVE_METHODS)
+        self.num_speculative_tokens = 4 if drafts is None else check(
+            "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
+        if self.async_scheduling is True:
+            raise ValueError("speculative decoding runs synchronously for now: leave async_scheduling at 'auto' or "
+                             "pass async_scheduling=False")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
+        self.async_scheduling = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -179,6 +179,7 @@ display(SVG(architecture_svg()))
 # | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound |
 # | [15 · Serving](../15_serving/) | an OpenAI-compatible streaming server, the live KV-cache page, TTFT and ITL |
 # | [16 · An 8-bit KV cache](../16_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
+# | [17 · Speculative decoding](../17_speculative_decoding/) | drafts checked in one step, rolled back exactly |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
 # | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
@@ -205,6 +206,7 @@ display(SVG(architecture_svg()))
 # | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限 |
 # | [15 · 服务](../15_serving/) | 兼容 OpenAI 的流式服务器、实时 KV 缓存页面、TTFT 与 ITL |
 # | [16 · 8 位 KV 缓存](../16_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
+# | [17 · 投机解码](../17_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
 # | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #

@@ -117,6 +117,8 @@
 # | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 # | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
+# | `speculative_method` | None | "ngram": greedy decode steps verify drafts from prompt lookup (chapter 17) |
+# | `num_speculative_tokens` | None | drafts per step with a `speculative_method`; None: 4 (chapter 17) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -168,6 +170,8 @@
 # | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 # | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
+# | `speculative_method` | None | "ngram"：贪心 decode 步验证 prompt lookup 给出的草稿（第 17 章） |
+# | `num_speculative_tokens` | None | 设了 `speculative_method` 时每步的草稿数；None：4（第 17 章） |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -208,6 +212,9 @@ from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
+# en: What speculative_method accepts besides None (chapter 17).
+# zh: speculative_method 除 None 之外接受的值（第 17 章）。
+SPECULATIVE_METHODS = ("ngram",)
 
 
 class UnknownConfigKeyError(TypeError, ValueError):
@@ -302,6 +309,8 @@ class Config:
     rank_timeout_s: float = 120.0
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -375,11 +384,29 @@ class Config:
         elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
+        self._check_speculation()
         if self.async_scheduling == "auto":
             # en: Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
             # zh: 第 10 章：每个 rank 从自己保存的上一步采样结果中取出待定 token。
             self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
+
+    def _check_speculation(self) -> None:
+        """Refuse speculative settings that cannot work together (chapter 17); a method's default is 4 drafts."""
+        method, drafts = self.speculative_method, self.num_speculative_tokens
+        if method is None:
+            if drafts is not None:
+                raise ValueError(f"num_speculative_tokens={drafts!r} needs a speculative_method (e.g. 'ngram')")
+            return
+        _choice("speculative_method", method, SPECULATIVE_METHODS)
+        self.num_speculative_tokens = 4 if drafts is None else check(
+            "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
+        if self.async_scheduling is True:
+            raise ValueError("speculative decoding runs synchronously for now: leave async_scheduling at 'auto' or "
+                             "pass async_scheduling=False")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
+        self.async_scheduling = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

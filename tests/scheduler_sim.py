@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.engine.scheduler import Observer, Scheduler
+from nanovllm.engine.scheduler import Observer, Proposer, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus, sibling_samples
 from nanovllm.sampling_params import SamplingParams
 
@@ -97,6 +97,8 @@ def simulate(
     max_steps: int | None = None,
     observer: Observer | None = None,
     asynchronous: bool = False,
+    proposer: Proposer | None = None,
+    after_drafts: StepHook | None = None,
 ) -> tuple[list[Sequence], int]:
     """Run the workload to the end; return the sequences and the step count.
 
@@ -107,7 +109,12 @@ def simulate(
     asynchronous: what chapter 11's async engine does: each step is counted (``advance``) as soon as
     it is scheduled, and its tokens are resolved only after the next step has been scheduled. The
     fake model then "computes" a token when it is resolved, from the (by then known) prefix.
+
+    proposer: speculative decoding (chapter 17, synchronous only): every request decodes greedily, each decode
+    step reserves drafts from ``proposer`` (``after_drafts`` sees the step then), the fake model gives its token
+    after the last token and after each draft, and ``accept_drafts`` keeps what agrees.
     """
+    assert proposer is None or not asynchronous, "speculative decoding runs synchronously"
     sched = workload.scheduler()
     pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival)
     seqs: list[Sequence | None] = [None] * len(workload.requests)
@@ -148,7 +155,8 @@ def simulate(
             now = max(now, pending[0][1].arrival)  # idle: jump to the next arrival
         while pending and pending[0][1].arrival <= now:
             index, request = pending.pop(0)
-            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, n=request.n)
+            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, n=request.n,
+                                    temperature=0.0 if proposer is not None else 1.0)
             seqs[index] = Sequence(request.prompt, params, block_size=workload.block_size)
             sched.add(seqs[index])
         scheduled, is_prefill = sched.schedule()
@@ -163,9 +171,17 @@ def simulate(
             def context(s: Sequence) -> tuple[int, ...]:
                 return tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])
 
-            # One token per sequence, then the forked siblings' first tokens, as the model runner samples them.
-            tokens = [next_token(context(s), s.sample_index) for s in scheduled]
-            tokens += [next_token(context(scheduled[i]), k) for i, k in sibling_samples(scheduled)]
+            if proposer is not None and not is_prefill and sched.reserve_drafts(scheduled, proposer):
+                if after_drafts is not None:
+                    after_drafts(sched, scheduled, is_prefill)
+                # The model's token after the last token and after each draft: a verify step.
+                targets = [[next_token(tuple(s.token_ids[: s.num_cached_tokens + 1 + i]), s.sample_index)
+                            for i in range(s.num_scheduled_tokens)] for s in scheduled]
+                tokens = sched.accept_drafts(scheduled, targets)
+            else:
+                # One token per sequence, then the forked siblings' first tokens, as the model runner samples them.
+                tokens = [next_token(context(s), s.sample_index) for s in scheduled]
+                tokens += [next_token(context(scheduled[i]), k) for i, k in sibling_samples(scheduled)]
             sched.postprocess(scheduled, tokens, is_prefill)
             if after_postprocess is not None:
                 after_postprocess(sched, list(postprocessed), is_prefill)

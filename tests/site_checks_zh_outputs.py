@@ -118,6 +118,10 @@ TRANSLATED = {
         ("perplexity, en, 256 tokens: float32 cache", "困惑度，en，256 个 token：float32 缓存"),
         ("% of its bound)", "（其上限的 "), ("8-bit K only", "只有 K 为 8 位"),
     ],
+    "17_speculative_decoding": [
+        ("tokens per step for k", "时每步的 token 数"), ("drafts reserved", "预留草稿之后"),
+        ("identical to plain decoding: True", "与普通 decode 完全相同：True"), ("refused: ", "被拒绝："),
+    ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],
 }

@@ -1,0 +1,892 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 17 · Speculative decoding: several tokens from one step
+#
+# **Goal.** Chapter 09 measured a decode step at batch 1 and found a fixed cost: the step reads
+# every weight once whether it computes one token or five. This chapter spends that slack. A
+# cheap **proposer** guesses the next *k* tokens (**draft tokens**), one forward of the model
+# **verifies** all of them at once, and the engine keeps the drafts up to the first one the model
+# disagrees with, plus one token of the model's own. With greedy decoding the output is exactly
+# what the engine without speculation writes; only the number of steps changes. By the end you
+# can compute how many tokens a step yields from the **acceptance rate**, write the n-gram
+# proposer (prompt lookup), and follow a sequence's block table as it grows by *k* draft slots
+# and shrinks back to what the model accepted, without ever publishing a rejected token to the
+# prefix cache.
+
+# %% [markdown] tags=["zh"]
+# # 17 · 投机解码：一步得到多个 token
+#
+# **目标：** 第 09 章测过批大小为 1 时的 decode 步，发现它有固定开销：不管算一个 token 还是五个，一步都要把每个权重
+# 读一遍。本章把这部分余量用起来。一个廉价的**提议器**（proposer）猜出接下来的 *k* 个 token（**草稿 token**，draft
+# token），模型的一次前向计算把它们一起**验证**（verify），引擎保留草稿中直到模型第一次不同意之前的部分，再加上一个
+# 模型自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样，变的只是步数。读完本章，你能从**接受率**
+# （acceptance rate）算出一步能产出多少 token，写出 n-gram 提议器（prompt lookup），并跟着一个序列的块表看它先长出
+# *k* 个草稿槽位、再缩回模型接受的部分，而被拒绝的 token 从不发布到前缀缓存。
+
+# %%
+import torch
+
+torch.manual_seed(0)
+
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "acceptance rate": "接受率",
+    "tokens per step for k = {ks}": "k = {ks} 时每步的 token 数",
+    "drafts for {text!r}: {draft}": "{text!r} 的草稿：{draft}",
+    "no earlier occurrence: {draft}": "找不到更早的出现：{draft}",
+    "{when:<24} tokens {tokens}, cached {cached}, scheduled {scheduled}, blocks {blocks}, free {free}":
+        "{when:<12} token {tokens}，已缓存 {cached}，本步调度 {scheduled}，块 {blocks}，空闲 {free}",
+    "after the schedule": "调度之后",
+    "drafts reserved": "预留草稿之后",
+    "after acceptance": "接受之后",
+    "resolved": "记录之后",
+    "the model's tokens {target}: {kept} drafts kept, new token {new}":
+        "模型给出的 token {target}：保留 {kept} 个草稿，新 token {new}",
+    "published blocks: {published}": "已发布的块：{published}",
+    "verify rows: {rows} (each sequence's last token and its drafts)":
+        "验证的行数：{rows}（每个序列的最后一个 token 及其草稿）",
+    "greedy tokens at every position: {tokens}": "每个位置上的贪心 token：{tokens}",
+    "{name:<28} steps {steps:3d}, drafts {drafts:3d}, accepted {accepted:3d}, identical to plain decoding: {same}":
+        "{name:<14} 步数 {steps:3d}，草稿 {drafts:3d}，接受 {accepted:3d}，与普通 decode 完全相同：{same}",
+    "SmolLM2, {prompts} prompts that quote a passage, {tokens} tokens each: {plain} steps without speculation, "
+    "{spec} with it ({ratio:.2f}x fewer); acceptance rate {rate:.0%}, {mean:.2f} tokens per verify step; "
+    "identical output: {same}":
+        "SmolLM2，{prompts} 个引用一段文字的提示词，每个 {tokens} 个 token：不投机 {plain} 步，投机 {spec} 步（步数为"
+        "原来的 1/{ratio:.2f}）；接受率 {rate:.0%}，每个验证步 {mean:.2f} 个 token；输出完全相同：{same}",
+    "wall time on this CPU: {plain:.2f} s without, {spec:.2f} s with speculation":
+        "本机 CPU 上的耗时：不投机 {plain:.2f} 秒，投机 {spec:.2f} 秒",
+    "refused: {error}": "被拒绝：{error}",
+    "preemption": "抢占", "chunked prefill": "分块 prefill", "n = 2, copy-on-write": "n = 2，写时复制",
+    "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符",
+    "all exercise answers check out": "所有练习的答案都核对无误",
+})
+
+# %% [markdown] tags=["en"]
+# ## The arithmetic: what a step is worth
+#
+# Say the proposer offers *k* drafts and the model agrees with each one with probability *α*,
+# independently. The step keeps draft *i* only if it kept drafts 1 … *i* − 1, and it always adds
+# one token of the model's own (the correction at the first disagreement, or a **bonus token**
+# after the last draft). So a step yields
+#
+# $$E = 1 + \alpha + \alpha^2 + \dots + \alpha^k = \frac{1 - \alpha^{k+1}}{1 - \alpha}$$
+#
+# tokens. At *α* = 0 it is 1: a wasted guess costs the extra K/V rows of the verify forward and
+# nothing else. At *α* → 1 it tends to *k* + 1. The cost side is what chapter 09 measured: at
+# small batches a step costs about the same for one query token as for five, so the speed-up is
+# close to *E*. At large batches each step is already full of work, the *k* extra rows per
+# sequence are real work too, and speculation stops paying.
+
+# %% [markdown] tags=["zh"]
+# ## 算一笔账：一步值多少
+#
+# 假设提议器给出 *k* 个草稿，模型同意每一个的概率都是 *α*，彼此独立。只有保留了草稿 1 … *i* − 1，这一步才会保留
+# 草稿 *i*；而且它总会加上一个模型自己的 token（在第一次不同意的地方给出的更正，或者在最后一个草稿之后的
+# **附赠 token**，bonus token）。所以一步产出
+#
+# $$E = 1 + \alpha + \alpha^2 + \dots + \alpha^k = \frac{1 - \alpha^{k+1}}{1 - \alpha}$$
+#
+# 个 token。*α* = 0 时它是 1：猜错的代价只是验证那次前向计算多算的几行 K/V。*α* → 1 时它趋近 *k* + 1。成本这一侧
+# 就是第 09 章测到的：批大小小的时候，一步算一个查询 token 和算五个花费差不多，所以加速比接近 *E*。批大小大的时候，
+# 每一步本来就装满了活，每个序列多出的 *k* 行也是实打实的工作，投机就不再划算。
+
+# %%
+def tokens_per_step(alpha: float, k: int) -> float:
+    """Expected tokens of one verify step: 1 + alpha + ... + alpha^k."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+ks = (1, 2, 4, 8)
+print(f"{say('acceptance rate'):>10} | " + say("tokens per step for k = {ks}", ks=", ".join(map(str, ks))))
+for alpha in (0.0, 0.5, 0.7, 0.9):
+    print(f"{alpha:>10.1f} | " + "  ".join(f"{tokens_per_step(alpha, k):5.2f}" for k in ks))
+assert tokens_per_step(0.0, 4) == 1 and abs(tokens_per_step(0.8, 4) - (1 - 0.8**5) / 0.2) < 1e-12
+# en: more drafts never hurt the expectation, but their returns shrink geometrically
+# zh: 草稿越多，期望值不会变小，但收益按几何级数递减。
+assert tokens_per_step(0.7, 8) - tokens_per_step(0.7, 4) < tokens_per_step(0.7, 4) - tokens_per_step(0.7, 0)
+
+# %% [markdown] tags=["en"]
+# ## Build it: a proposer that reads the request's own tokens
+#
+# The cheapest proposer needs no model at all. Text that an LLM writes often repeats what it has
+# already seen: a summary quotes its source, code renames a variable it defined, an answer
+# repeats the question. **Prompt lookup** (an *n*-gram proposer) takes the last *n* tokens of the
+# sequence, finds an earlier place where the same *n* tokens occur, in the prompt or the output,
+# and proposes the tokens that followed them there. It tries the longest *n* first (3 here),
+# since a longer match is better evidence, and takes the first occurrence, whose continuation is
+# the longest. When nothing matches it proposes nothing, and the step is a plain decode step.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：读请求自己的 token 的提议器
+#
+# 最廉价的提议器根本不需要模型。LLM 写出的文本常常重复它已经见过的内容：摘要引用原文，代码重命名它定义过的变量，
+# 回答复述问题。**Prompt lookup**（一种 *n*-gram 提议器）取序列最后 *n* 个 token，在前面（提示词或输出里）找到这
+# *n* 个 token 出现过的地方，把那里紧跟着的 token 作为草稿。它先试最长的 *n*（这里是 3），因为匹配越长证据越足；
+# 它取第一次出现的位置，因为那里后面跟着的内容最长。什么都匹配不上时它不提议，这一步就是普通的 decode 步。
+
+# %% ngram proposer
+#| export engine.speculative
+"""Speculative decoding's proposers: the drafts a verify step checks (chapter 17)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    """Prompt lookup: after the sequence's last n tokens, propose what followed their first earlier occurrence."""
+
+    def __init__(self, num_speculative_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        """Up to ``num_speculative_tokens`` drafts (at most ``limit``) to follow ``token_ids``; [] if none match."""
+        k = self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
+        tokens = np.asarray(token_ids)
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            if k <= 0:
+                break
+            # en: Every window of n tokens that ends before the last token: each has at least one follower.
+            # zh: 每个在最后一个 token 之前结束的 n 个 token 的窗口：每个窗口后面至少跟着一个 token。
+            windows = sliding_window_view(tokens[:-1], n)
+            matches = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if matches.size:
+                start = matches[0] + n
+                return tokens[start : start + k].tolist()
+        return []
+
+
+# %% [markdown] tags=["en"]
+# On words instead of token ids, so that you can read it: the sequence ends with "the block",
+# which appeared before followed by "table grows by", and that is the proposal.
+
+# %% [markdown] tags=["zh"]
+# 用单词代替 token id，方便阅读：序列以 "the block" 结尾，它前面出现过，后面跟着 "table grows by"，这就是提议的草稿。
+
+# %%
+words = "the block table grows by k slots and then the block".split()
+vocabulary = {word: i for i, word in enumerate(dict.fromkeys(words))}
+spelled = {i: word for word, i in vocabulary.items()}
+proposer = NgramProposer(num_speculative_tokens=3)
+draft = proposer.propose([vocabulary[w] for w in words])
+print(say("drafts for {text!r}: {draft}", text=" ".join(words), draft=[spelled[t] for t in draft]))
+assert [spelled[t] for t in draft] == ["table", "grows", "by"]
+fresh = proposer.propose([vocabulary[w] for w in "the block table grows".split()])
+print(say("no earlier occurrence: {draft}", draft=fresh))
+assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1) == [vocabulary["table"]]
+
+# %% [markdown] tags=["en"]
+# ## Build it: draft slots in the block table
+#
+# A decode step computes each sequence's last token. A verify step computes the last token *and*
+# its *k* drafts, so the drafts must have slots in the KV cache before the step runs. The
+# scheduler has already picked the decode batch (and made room for one token per sequence,
+# preempting if it had to); `reserve_drafts` then goes through that batch and, for each sequence
+# that decodes greedily, appends the proposer's drafts to its tokens, as if they were real, and
+# asks the block manager for the blocks they need. Three limits keep this safe:
+#
+# - the step's **token budget**: each draft is one more token the step computes;
+# - `max_tokens`: a draft past the sequence's last allowed token could never be kept;
+# - the **free list**: when the drafts would need a block that is not free, the sequence simply
+#   decodes without them. Drafts never preempt anyone.
+#
+# Copy-on-write (chapter 04b) needs nothing new: the only block a verify step writes that could
+# be shared is the one holding the last token, and the schedule already gave the sequence its own
+# copy; the drafts' further blocks are fresh.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：块表里的草稿槽位
+#
+# decode 步计算每个序列的最后一个 token。验证步计算最后一个 token *以及*它的 *k* 个草稿，所以这一步运行之前，草稿
+# 必须在 KV 缓存里有槽位。调度器已经选好了 decode 批次（并为每个序列的一个 token 腾出了位置，必要时会抢占）；
+# `reserve_drafts` 接着遍历这个批次，对每个贪心解码的序列，把提议器的草稿当作真实 token 追加到它的 token 后面，
+# 并向块管理器要这些草稿需要的块。有三条限制保证安全：
+#
+# - 这一步的 **token 预算**：每个草稿都是这一步多算的一个 token；
+# - `max_tokens`：超出序列最后一个允许位置的草稿永远不可能被保留；
+# - **空闲队列**：草稿需要的块不空闲时，这个序列就不带草稿照常 decode。草稿从不抢占任何序列。
+#
+# 写时复制（第 04b 章）不需要新东西：验证步写入的块中，唯一可能被共享的是放最后一个 token 的那个，而调度已经给了
+# 这个序列一份自己的副本；草稿用到的后续块都是新块。
+
+# %% drafts in the block table
+#| export engine.sequence
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.sequence import Sequence
+
+# en: How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
+# zh: 序列末尾有多少个 token 是正在进行的这一步要验证的草稿（这一步之外为 0）。
+Sequence.num_draft_tokens: int = 0
+
+# %% block manager trims
+#| export engine.block_manager
+from nanovllm.engine.block_manager import BlockManager
+
+
+@add_to_class(BlockManager)
+def trim(self, seq: Sequence) -> None:
+    """Give back the blocks at the end of ``seq``'s table that hold none of its tokens (rejected draft slots)."""
+    while len(seq.block_table) > seq.num_blocks:
+        # en: Drafts only ever got fresh blocks, held by this table alone and never published: the release frees them.
+        # zh: 草稿只会拿到新块，只有这个块表持有，也从未发布：释放就把它们还回空闲队列。
+        self.release(seq.block_table.pop())
+
+
+# %% scheduler reserves drafts
+#| export engine.scheduler
+from typing import Protocol
+
+from nanovllm.engine.scheduler import Scheduler
+
+
+class Proposer(Protocol):
+    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one)."""
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
+
+
+@add_to_class(Scheduler)
+def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
+    """Append drafts to the greedy sequences of a scheduled decode step, with the blocks their K/V needs, within
+    the token budget; returns how many drafts the step now verifies."""
+    budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
+    reserved = 0
+    for seq in seqs:
+        params = seq.sampling_params
+        # en: The sequence's last allowed token is a model token, never a kept draft.
+        # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
+        room = min(budget, params.max_tokens - seq.num_completion_tokens - 1)
+        if params.temperature > 0 or room <= 0:
+            continue
+        draft = proposer.propose(seq.token_ids, room)
+        if not draft:
+            continue
+        for token_id in draft:
+            seq.append_token(token_id)
+        if not self.block_manager.can_append(seq):
+            # en: No free block for the drafts: decode without them (drafts never preempt).
+            # zh: 草稿没有空闲块可用：不带草稿照常 decode（草稿从不抢占）。
+            seq.truncate(len(seq) - len(draft))
+            continue
+        self.block_manager.may_append(seq)
+        seq.num_draft_tokens = len(draft)
+        seq.num_scheduled_tokens += len(draft)
+        budget -= len(draft)
+        reserved += len(draft)
+    return reserved
+
+
+# %% [markdown] tags=["en"]
+# ## Build it: keep what the model agrees with, roll back the rest
+#
+# After the verify forward we know the model's greedy token at each of the *k* + 1 positions:
+# `target[0]` after the last token, `target[i]` after draft *i*. Draft *i* is kept while it
+# equals `target[i − 1]` and every earlier draft was kept. Then one more token is the model's
+# own: `target[kept]`.
+#
+# The rollback is almost free, because of how the step is counted. `accept_drafts` cuts the
+# sequence back to its accepted tokens and then leaves it exactly as a plain decode step would
+# have found it *one token earlier*: the last kept token is "scheduled", everything before it
+# cached. The scheduler's `advance` and `resolve` (chapter 12) then record `target[kept]` as that
+# step's one sampled token, with everything they already do: the pending place, publishing the
+# blocks whose tokens are all known, EOS and `max_tokens`. Two rules make it exact:
+#
+# - a kept draft that ends the sequence (an EOS, or the last token `max_tokens` allows) is not
+#   kept as a draft: it becomes the new token, so that `resolve` finishes the sequence there;
+# - `trim` hands back every block that now holds none of the sequence's tokens. The K/V of the
+#   rejected positions inside the last kept block stays behind as garbage, which is harmless:
+#   attention reads a sequence only up to its length, the next steps overwrite those slots, and
+#   a block is published only once it is full of accepted tokens.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：保留模型同意的部分，回滚其余部分
+#
+# 验证的前向计算之后，我们知道模型在 *k* + 1 个位置上各自的贪心 token：`target[0]` 跟在最后一个 token 之后，
+# `target[i]` 跟在草稿 *i* 之后。只要草稿 *i* 等于 `target[i − 1]`，并且前面的草稿都被保留了，它就被保留。然后再加
+# 一个模型自己的 token：`target[kept]`。
+#
+# 回滚几乎不花力气，这得益于这一步的计数方式。`accept_drafts` 把序列截回到被接受的 token，然后让它恰好处于一个
+# 普通 decode 步*早一个 token* 时会看到的状态：最后一个保留的 token 是"本步调度"的，它之前的都已缓存。调度器的
+# `advance` 和 `resolve`（第 12 章）再把 `target[kept]` 当作那一步唯一采样出的 token 记录下来，它们原有的工作一样
+# 不少：待定位置、发布 token 全部已知的块、EOS 与 `max_tokens`。两条规则保证结果精确：
+#
+# - 一个会让序列结束的保留草稿（EOS，或 `max_tokens` 允许的最后一个 token）不作为草稿保留：它成为新 token，
+#   这样 `resolve` 就在那里结束序列；
+# - `trim` 交还所有已经不放序列任何 token 的块。最后一个保留的块里，被拒绝位置的 K/V 作为垃圾留下，但这无害：
+#   注意力只读到序列长度为止，后面的步会覆盖这些槽位，而一个块只有写满被接受的 token 后才会发布。
+
+# %% scheduler accepts drafts
+#| export engine.scheduler
+@add_to_class(Scheduler)
+def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[int]:
+    """Keep each sequence's drafts up to the first that its ``targets`` (the model's token after the last token and
+    after each draft) disagree with, and roll back the rest. Returns each sequence's one new token: the step is now
+    a plain decode step of the last kept token, for `advance` and `resolve` to record."""
+    new_tokens = []
+    for seq, target in zip(seqs, targets, strict=True):
+        assert len(target) == seq.num_scheduled_tokens, f"{len(target)} tokens to verify {seq}"
+        start = len(seq) - seq.num_draft_tokens
+        drafts = seq.token_ids[start - seq.first_token_index :]
+        seq.truncate(start)
+        for draft, token_id in zip(drafts, target, strict=False):
+            if draft != token_id:
+                break
+            seq.append_token(token_id)
+            if self._reached_end(seq, token_id):
+                # en: An accepted draft that ends the sequence is its new token: resolve finishes it there.
+                # zh: 会让序列结束的被接受草稿就是它的新 token：resolve 在那里结束序列。
+                seq.truncate(len(seq) - 1)
+                break
+        kept = len(seq) - start
+        self.drafted_tokens += len(drafts)
+        self.accepted_tokens += kept
+        self.verifications += bool(drafts)
+        seq.num_cached_tokens, seq.num_scheduled_tokens, seq.num_draft_tokens = len(seq) - 1, 1, 0
+        self.block_manager.trim(seq)
+        new_tokens.append(target[kept])
+    return new_tokens
+
+
+@add_to_class(Scheduler)
+def drop_drafts(self, seqs: list[Sequence]) -> None:
+    """Undo `reserve_drafts` for a step that was never computed: the drafts and the blocks only they needed go."""
+    for seq in seqs:
+        if seq.num_draft_tokens:
+            seq.truncate(len(seq) - seq.num_draft_tokens)
+            seq.num_scheduled_tokens -= seq.num_draft_tokens
+            seq.num_draft_tokens = 0
+            self.block_manager.trim(seq)
+
+
+# en: So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
+# en: verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
+# zh: 到目前为止：验证过的草稿数、被接受的草稿数（接受率就是二者之比），以及带草稿验证的序列数，每个序列每步
+# zh: 算一次（1 + 被接受数 / 验证次数就是平均每步产出的 token 数）。
+Scheduler.drafted_tokens = 0
+Scheduler.accepted_tokens = 0
+Scheduler.verifications = 0
+
+# %% [markdown] tags=["en"]
+# One step by hand, with the model's tokens chosen by us: a prompt that repeats itself, blocks of
+# 4 tokens. The schedule gives the decode step its one token; `reserve_drafts` adds three drafts
+# and a block; the "model" agrees with the first draft only, so the step keeps one draft, adds
+# its own token, and the block that held only rejected drafts goes back to the free list.
+
+# %% [markdown] tags=["zh"]
+# 手动走一步，模型给出的 token 由我们指定：一个自我重复的提示词，块大小为 4 个 token。调度给这个 decode 步分配一个
+# token；`reserve_drafts` 加上三个草稿和一个块；"模型"只同意第一个草稿，于是这一步保留一个草稿，加上它自己的
+# token，而只放了被拒绝草稿的那个块回到空闲队列。
+
+# %%
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.sampling_params import SamplingParams
+
+
+def show(when: str, seq: Sequence, scheduler: Scheduler) -> None:
+    print(say("{when:<24} tokens {tokens}, cached {cached}, scheduled {scheduled}, blocks {blocks}, free {free}",
+              when=say(when), tokens=seq.token_ids, cached=seq.num_cached_tokens, scheduled=seq.num_scheduled_tokens,
+              blocks=seq.block_table, free=scheduler.block_manager.num_free_blocks))
+
+
+scheduler = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+seq = Sequence([5, 6, 7, 8, 5, 6], SamplingParams(temperature=0, max_tokens=10), block_size=4)
+scheduler.add(seq)
+# en: the prefill, which samples 7
+# zh: prefill，采样出 7。
+seqs, _ = scheduler.schedule()
+scheduler.postprocess(seqs, [7], True)
+seqs, is_prefill = scheduler.schedule()
+show("after the schedule", seq, scheduler)
+assert not is_prefill and scheduler.reserve_drafts(seqs, NgramProposer(num_speculative_tokens=3)) == 3
+show("drafts reserved", seq, scheduler)
+assert seq.token_ids == [5, 6, 7, 8, 5, 6, 7, 8, 5, 6] and len(seq.block_table) == 3
+target = [8, 9, 4, 4]
+new_tokens = scheduler.accept_drafts(seqs, [target])
+print(say("the model's tokens {target}: {kept} drafts kept, new token {new}", target=target,
+          kept=scheduler.accepted_tokens, new=new_tokens))
+show("after acceptance", seq, scheduler)
+assert new_tokens == [9] and scheduler.accepted_tokens == 1
+assert seq.token_ids == [5, 6, 7, 8, 5, 6, 7, 8] and len(seq.block_table) == 2
+scheduler.postprocess(seqs, new_tokens, False)
+show("resolved", seq, scheduler)
+published = sorted(scheduler.block_manager.hash_to_block_id.values())
+print(say("published blocks: {published}", published=published))
+# en: the two full blocks hold accepted tokens only; the third block comes with the next decode step
+# zh: 两个写满的块里只有被接受的 token；第三个块在下一个 decode 步才分配。
+assert seq.token_ids[-1] == 9 and seq.num_cached_tokens == 8 and published == seq.block_table[:2]
+assert scheduler.block_manager.num_free_blocks == 8 - 2
+
+# %% [markdown] tags=["en"]
+# ## Build it: verify in one forward
+#
+# The verify step is a decode step with several query tokens per sequence: each sequence's last
+# token and its drafts, attending to the sequence's cached prefix and, causally, to each other.
+# That is exactly what chunked prefill (chapter 04) taught the model runner to compute:
+# `prepare_prefill` starts at `num_cached_tokens` and takes `num_scheduled_tokens` tokens. Two
+# things differ from a prefill. The LM head must give logits for *every* position, not only each
+# sequence's last: with no attention context installed it does. And every row is sampled
+# greedily, through the runner's own sampler, so that the tokens are the same ones a decode step
+# would pick (a non-finite row is marked exactly as chapter 07 marks it). A sequence that samples at a
+# temperature gets no drafts but may share the step with sequences that have them: its one row
+# is sampled with its own parameters, as a decode step would.
+#
+# This first version runs the verify forward eagerly: the decode graphs of chapter 09 hold one
+# query token per sequence. Capturing graphs for *k* + 1 query tokens is the next step.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：一次前向完成验证
+#
+# 验证步是每个序列带多个查询 token 的 decode 步：每个序列的最后一个 token 和它的草稿，关注序列已缓存的前缀，彼此之间
+# 按因果关系互相关注。这恰好是分块 prefill（第 04 章）教会模型执行器计算的东西：`prepare_prefill` 从
+# `num_cached_tokens` 开始，取 `num_scheduled_tokens` 个 token。和 prefill 不同的地方有两处。LM head 必须给*每个*
+# 位置输出 logits，而不只是每个序列的最后一个位置：不安装注意力上下文时它就是这样做的。每一行都用执行器自己的
+# 采样器贪心采样，这样得到的 token 和 decode 步会选的一样（非有限的行也和第 07 章一样被标记）。按温度采样的序列
+# 没有草稿，却可能和有草稿的序列同在一步：它唯一的那一行按它自己的参数采样，和 decode 步一样。
+#
+# 这个第一版以 eager 方式运行验证的前向计算：第 09 章的 decode 图每个序列只有一个查询 token。为 *k* + 1 个查询
+# token 捕获图是下一步的工作。
+
+# %% runner verifies
+#| export engine.model_runner
+from nanovllm.engine.model_runner import ModelRunner, copy_kv_blocks, prepare_prefill
+from nanovllm.layers.context import reset_context
+from nanovllm.layers.sampler import sampling_inputs
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def verify(self, seqs: list[Sequence]) -> list[list[int]]:
+    """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
+    returns, per sequence, the model's token after each of them: greedy after the drafts' positions, and after the
+    last one sampled with the sequence's own parameters."""
+    if self.stopped:
+        raise RuntimeError("this model runner was stopped (exit() was called)")
+    copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
+    try:
+        input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
+        hidden_states = self.model(input_ids, positions)
+    finally:
+        reset_context()
+    # en: No context installed: the LM head computes a row for every position, not only each sequence's last.
+    # zh: 没有安装上下文：LM head 为每个位置都算一行，而不只是每个序列的最后一个位置。
+    logits = self.model.compute_logits(hidden_states)
+    tokens = self.sampler(logits, torch.zeros(len(logits), device=logits.device))
+    # en: Each sequence's last row is sampled as a decode step samples it: a sequence that samples at a
+    # en: temperature has no drafts and shares the step with those that do, and its seed sees the same position.
+    # zh: 每个序列的最后一行按 decode 步的方式采样：按温度采样的序列没有草稿，却和有草稿的序列同在一步，
+    # zh: 它的种子看到的位置也和 decode 时一样。
+    counts = [seq.num_scheduled_tokens for seq in seqs]
+    last_rows = torch.tensor(counts, device=logits.device).cumsum(0) - 1
+    inputs = sampling_inputs([seq.sampling_params for seq in seqs], [len(seq) for seq in seqs], logits.device,
+                             [seq.sample_index for seq in seqs])
+    tokens[last_rows] = self.sampler(logits[last_rows], **inputs)
+    tokens = tokens.tolist()
+    rows, start = [], 0
+    for count in counts:
+        rows.append(tokens[start : start + count])
+        start += count
+    return rows
+
+
+# %% [markdown] tags=["en"]
+# On the tiny random Qwen3 of chapter 11: a plain engine decodes six tokens one step at a time;
+# a second engine computes the same request's prefill, then verifies three drafts in one forward,
+# the first two right (taken from the plain run) and the third wrong. The first three rows must be
+# the plain run's next three tokens. The step is then undone, as a failed step would be.
+
+# %% [markdown] tags=["zh"]
+# 用第 11 章的随机小 Qwen3 试一试：一个普通引擎一步一个地 decode 出六个 token；另一个引擎先算同一个请求的
+# prefill，再用一次前向验证三个草稿，前两个是对的（取自普通引擎的结果），第三个是错的。前三行必须就是普通引擎
+# 接下来的三个 token。然后这一步被撤销，就像失败的一步那样。
+
+# %%
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.llm import LLM
+
+tiny_qwen = str(build_tiny_model("qwen3"))
+six = SamplingParams(temperature=0, max_tokens=6)
+expected = LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16).generate(
+    ["Small steps make"], six, use_tqdm=False)[0]["token_ids"]
+
+
+class Known:
+    """Two right drafts (from the plain run), then a wrong one."""
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        return [expected[1], expected[2], expected[3] + 1]
+
+
+llm = LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16)
+llm.add_request("Small steps make", six)
+# en: the prefill, which samples the first token
+# zh: prefill，采样出第一个 token。
+llm.step()
+seqs, is_prefill = llm.scheduler.schedule()
+assert not is_prefill and llm.scheduler.reserve_drafts(seqs, Known()) == 3
+targets = llm.model_runner.verify(seqs)
+print(say("verify rows: {rows} (each sequence's last token and its drafts)", rows=len(targets[0])))
+print(say("greedy tokens at every position: {tokens}", tokens=targets[0]))
+assert targets[0][:3] == expected[1:4]
+llm.scheduler.drop_drafts(seqs)
+llm.scheduler.rollback(seqs, is_prefill)
+# en: back to the prompt and its first token, nothing scheduled
+# zh: 回到提示词加第一个 token，没有调度任何东西。
+assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 and not seqs[0].num_scheduled_tokens
+
+
+# %% [markdown] tags=["en"]
+# ## The engine: a decode step with drafts is a verify step
+#
+# `LLMEngine._launch` (chapter 13) gains one branch, and this is the whole of it: after the
+# schedule, a decode step asks the proposer for drafts; if it got any, the model runner verifies
+# instead of decoding, and `accept_drafts` turns the verified step into the plain decode step
+# that `advance` and `resolve` record. If the forward fails or Ctrl-C interrupts it, the drafts
+# are dropped before chapter 13's `rollback`, so the same step can run again.
+#
+# The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=4)` (4 is the
+# default once a method is chosen). This version is synchronous: with `async_scheduling` the
+# next step would be scheduled before this step's drafts were accepted, so the engine refuses the
+# combination with a clear error, and so it does for tensor parallelism, whose ranks have no
+# verify step yet. A sequence that samples (temperature > 0) decodes without drafts: accepting
+# drafts without changing its distribution needs rejection sampling, not built yet.
+
+# %% [markdown] tags=["zh"]
+# ## 引擎：带草稿的 decode 步就是验证步
+#
+# `LLMEngine._launch`（第 13 章）多了一个分支，全部改动就是它：调度之后，decode 步向提议器要草稿；如果拿到了，
+# 模型执行器就做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance` 和 `resolve` 记录的普通
+# decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，于是同一步可以再跑一次。
+#
+# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）。这个版本是同步的：
+# 打开 `async_scheduling` 时，下一步会在这一步的草稿被接受之前就调度，所以引擎以清楚的错误拒绝这种组合；张量并行
+# 也一样，因为它的各个 rank 还没有验证步。采样的序列（temperature > 0）不带草稿 decode：要在不改变它的分布的前提下
+# 接受草稿，需要拒绝采样，目前还没有实现。
+
+# %% engine verifies
+#| export engine.llm_engine
+from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
+from nanovllm.engine.scheduler import Proposer
+from nanovllm.engine.speculative import NgramProposer
+from nanovllm.utils.interrupts import interruptible
+
+
+# en: Where a verify step's drafts come from; None until the first decode step of an engine with a
+# en: speculative_method builds the method's proposer. Assign another one to try it.
+# zh: 验证步的草稿从哪里来；为 None 时，设置了 speculative_method 的引擎在第一个 decode 步建出该方法的提议器。
+# zh: 换一个赋值给它就可以试别的提议器。
+LLMEngine.proposer: Proposer | None = None
+
+
+@add_to_class(LLMEngine)
+def drafts_source(self) -> Proposer | None:
+    """The proposer of a speculating engine (built from the settings on first use); None without speculation."""
+    if self.config.speculative_method is None:
+        return None
+    if self.proposer is None:
+        self.proposer = NgramProposer(self.config.num_speculative_tokens)
+    return self.proposer
+
+
+@add_to_class(LLMEngine)
+def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+    """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
+    with drafts is verified, and what the model accepts is counted as a plain decode step."""
+    seqs, is_prefill = self.scheduler.schedule()
+    proposer = self.drafts_source()
+    verifying = not is_prefill and proposer is not None and self.scheduler.reserve_drafts(seqs, proposer) > 0
+    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+    try:
+        # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
+        # zh: 一步之中 Ctrl-C 能立刻生效的唯一一段：撤销它的是 `rollback`。
+        with interruptible():
+            if verifying:
+                targets = self.model_runner.verify(seqs)
+            elif self.config.async_scheduling:
+                tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+            else:
+                tokens = self.model_runner.run(seqs, is_prefill)
+    except BaseException:
+        # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
+        # en: engine stays consistent and the same step can simply run again.
+        # zh: 什么都没算成（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接再跑一次。
+        self.scheduler.drop_drafts(seqs)
+        self.scheduler.rollback(seqs, is_prefill)
+        raise
+    if verifying:
+        tokens = self.scheduler.accept_drafts(seqs, targets)
+    counted, indices = self.scheduler.advance(seqs, is_prefill)
+    return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+# %% [markdown] tags=["en"]
+# ## Try it: the same tokens in fewer steps
+#
+# Each engine below runs the same greedy requests with and without speculation, and must produce
+# the same tokens: with small blocks and a small cache, so that preemption happens; with chunked
+# prefill; and with `n = 2` samples of one prompt, whose forks share blocks until copy-on-write
+# separates them. After each run every block must be back on the free list.
+#
+# The tiny random Qwen3 of chapter 11 rarely repeats itself, so prompt lookup finds little to
+# propose, and what it proposes is mostly rejected: the rejection path gets exercised, and the
+# tokens must still be the same. To exercise acceptance as well, a second proposer replays what
+# the plain run wrote, with every fifth position wrong on purpose: a proposer of known quality,
+# so that runs of accepted drafts, a correction right after them and a bonus token after a fully
+# accepted draft all occur. One more case makes the end of a sequence fall inside a draft: an
+# end-of-sequence token chosen among the tokens the plain run wrote.
+
+# %% [markdown] tags=["zh"]
+# ## 试一试：更少的步数，同样的 token
+#
+# 下面每个引擎都分别在投机和不投机的情况下运行同样的贪心请求，二者必须产出同样的 token：块小、缓存小，以便发生
+# 抢占；分块 prefill；以及同一个提示词的 `n = 2` 个样本，它们分叉后共享块，直到写时复制把它们分开。每次运行之后，
+# 每个块都必须回到空闲队列。
+#
+# 第 11 章的随机小 Qwen3 很少重复自己，所以 prompt lookup 找不到多少可提议的内容，提议的也大多被拒绝：这走的是拒绝
+# 的路径，而 token 仍然必须相同。为了把接受的路径也走到，第二个提议器重放不投机那次运行写出的内容，并故意让每第五个
+# 位置出错：这是一个质量已知的提议器，于是连续被接受的草稿、紧随其后的更正、以及草稿全部被接受后的附赠 token 都会
+# 出现。还有一个情形让序列的结尾落在草稿里：从不投机那次运行写出的 token 中挑一个作为结束符。
+
+# %%
+prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Small steps make small progress"]
+
+
+class Replay:
+    """Proposes what a plain run wrote after the same tokens, with every fifth position wrong on purpose."""
+
+    def __init__(self, runs: list[list[int]], num_speculative_tokens: int = 4) -> None:
+        self.runs, self.num_speculative_tokens = runs, num_speculative_tokens
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        k, n = min(self.num_speculative_tokens, limit or self.num_speculative_tokens), len(token_ids)
+        for run in self.runs:
+            if run[:n] == token_ids:
+                return [token + 1 if (n + i) % 5 == 0 else token for i, token in enumerate(run[n : n + k])]
+        return []
+
+
+def run(settings: dict, params: SamplingParams, eos: set[int] = frozenset(), runs: list[list[int]] | None = None,
+        **speculation: object) -> tuple[list[list[int]], int, LLM]:
+    """The completions of ``prompts`` and the number of steps they took (runs: proposals replay these)."""
+    llm = LLM(tiny_qwen, device="cpu", **settings, **speculation)
+    llm.scheduler.eos_token_ids = frozenset(eos)
+    if runs is not None:
+        llm.proposer = Replay(runs)
+    for prompt in prompts:
+        llm.add_request(prompt, params)
+    outputs, steps = {}, 0
+    while not llm.is_finished():
+        for output in llm.step()[0]:
+            _, token_ids = output
+            outputs[output.request_id, output.sample_index] = token_ids
+        steps += 1
+    # en: nothing leaked: every block is back on the free list
+    # zh: 没有泄漏：每个块都回到了空闲队列。
+    assert llm.scheduler.block_manager.num_free_blocks == llm.config.num_kvcache_blocks
+    return [outputs[key] for key in sorted(outputs)], steps, llm
+
+
+greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=False)
+cases = {
+    "preemption": ({"kvcache_block_size": 4, "num_kvcache_blocks": 14}, greedy),
+    "chunked prefill": ({"kvcache_block_size": 4, "num_kvcache_blocks": 64, "max_num_batched_tokens": 6}, greedy),
+    "n = 2, copy-on-write": ({"kvcache_block_size": 4, "num_kvcache_blocks": 64},
+                             SamplingParams(temperature=0, max_tokens=20, n=2)),
+}
+for name, (settings, params) in cases.items():
+    plain, plain_steps, llm = run(settings, params)
+    runs = [llm.tokenizer(prompt)["input_ids"] + plain[i * params.n] for i, prompt in enumerate(prompts)]
+    eos = {plain[0][9]}
+    ended, _, _ = run(settings, params, eos=eos)
+    for proposer, kwargs in (("ngram", {}), ("replay", {"runs": runs}), ("replay, EOS", {"runs": runs, "eos": eos})):
+        spec, spec_steps, llm = run(settings, params, speculative_method="ngram", **kwargs)
+        expected, steps = (ended, None) if "eos" in kwargs else (plain, plain_steps)
+        print(say("{name:<28} steps {steps:3d}, drafts {drafts:3d}, accepted {accepted:3d}, identical to plain "
+                  "decoding: {same}", name=f"{say(name)}, {say(proposer)}: {steps or '-'} ->", steps=spec_steps,
+                  drafts=llm.scheduler.drafted_tokens, accepted=llm.scheduler.accepted_tokens, same=spec == expected))
+        assert spec == expected
+        if proposer == "replay":
+            assert llm.scheduler.accepted_tokens > len(prompts) and spec_steps < plain_steps
+    # en: the EOS run really ended early, inside an accepted stretch
+    # zh: 带结束符的那次运行确实提前结束了，就在被接受的一段草稿之内。
+    assert len(ended[0]) == 10 < len(plain[0])
+
+# %% [markdown] tags=["en"]
+# ## Measure it: SmolLM2's real weights on a passage it quotes
+#
+# Random weights loop; real text does not, so the acceptance rate that matters is measured on a
+# real model. SmolLM2-135M (chapter 11) gets prompts that quote a passage of this chapter and ask
+# it to go on; a model continuing a quotation copies, and prompt lookup finds what it copies. The
+# step counts are the gain a GPU would see at batch 1, where a step's cost hardly depends on its
+# query tokens; the CPU's wall time is printed too, but a CPU pays for every extra row.
+
+# %% [markdown] tags=["zh"]
+# ## 测一测：SmolLM2 的真实权重引用一段文字
+#
+# 随机权重会循环，真实的文本不会，所以真正有意义的接受率要在真实模型上测。SmolLM2-135M（第 11 章）拿到的提示词
+# 引用本章的一段文字并让它接着写；接着写引文的模型会照抄，而 prompt lookup 能找到它抄的内容。步数就是 GPU 在批大小
+# 为 1 时能看到的收益，因为那时一步的成本几乎不随查询 token 的数量变化；本机 CPU 的耗时也打印出来，但 CPU 要为
+# 多出的每一行付费。
+
+# %%
+import time
+
+from nanovllm.book.smollm2 import smollm2_dir
+
+passage = (
+    "A decode step computes each sequence's last token. A verify step computes the last token and its k drafts, "
+    "so the drafts must have slots in the KV cache before the step runs. The scheduler has already picked the "
+    "decode batch and made room for one token per sequence, preempting if it had to."
+)
+quoting = [f"Here is a paragraph from a book about inference engines.\n\n{passage}\n\nThe same paragraph, "
+           f"copied word for word:\n\n{passage[:length]}" for length in (40, 90, 150)]
+smollm2 = str(smollm2_dir())
+greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+results = {}
+for label, speculation in (("plain", {}), ("ngram", {"speculative_method": "ngram"})):
+    llm = LLM(smollm2, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, **speculation)
+    steps, began = 0, time.perf_counter()
+    for prompt in quoting:
+        llm.add_request(prompt, greedy)
+    outputs = {}
+    while not llm.is_finished():
+        outputs.update((output.request_id, output[1]) for output in llm.step()[0])
+        steps += 1
+    results[label] = ([outputs[key] for key in sorted(outputs)], steps, time.perf_counter() - began, llm.scheduler)
+(plain, plain_steps, plain_s, _), (spec, spec_steps, spec_s, stats) = results["plain"], results["ngram"]
+print(say("SmolLM2, {prompts} prompts that quote a passage, {tokens} tokens each: {plain} steps without "
+          "speculation, {spec} with it ({ratio:.2f}x fewer); acceptance rate {rate:.0%}, {mean:.2f} tokens per "
+          "verify step; identical output: {same}", prompts=len(quoting), tokens=greedy.max_tokens,
+          plain=plain_steps, spec=spec_steps, ratio=plain_steps / spec_steps,
+          rate=stats.accepted_tokens / stats.drafted_tokens, mean=1 + stats.accepted_tokens / stats.verifications,
+          same=spec == plain))
+print(say("wall time on this CPU: {plain:.2f} s without, {spec:.2f} s with speculation", plain=plain_s, spec=spec_s))
+assert spec == plain and spec_steps < plain_steps
+
+# %% [markdown] tags=["en"]
+# ## What it refuses
+#
+# Settings that cannot work together fail when the engine is built, with the fix in the message.
+
+# %% [markdown] tags=["zh"]
+# ## 它拒绝什么
+#
+# 不能一起工作的设置会在构建引擎时失败，错误信息里写着改法。
+
+# %%
+from nanovllm.config import Config
+
+refusals = {
+    "unknown method": {"speculative_method": "medusa"},
+    "drafts without a method": {"num_speculative_tokens": 4},
+    "no drafts": {"speculative_method": "ngram", "num_speculative_tokens": 0},
+    "asynchronous": {"speculative_method": "ngram", "async_scheduling": True},
+}
+for name, settings in refusals.items():
+    try:
+        Config.from_kwargs(tiny_qwen, device="cpu", **settings)
+    except ValueError as error:
+        print(say("refused: {error}", error=error))
+    else:
+        raise AssertionError(f"{name}: accepted {settings}")
+assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").num_speculative_tokens == 4
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `engine.speculative.NgramProposer`: prompt lookup over the request's own tokens.
+# - `Sequence.num_draft_tokens`, `BlockManager.trim`, and the scheduler's `reserve_drafts`,
+#   `accept_drafts` and `drop_drafts`: drafts get slots within the budget and the free list, and
+#   what the model rejects goes back, block by block, before anything is published.
+# - `ModelRunner.verify`: one forward over the last token and the drafts, greedy at every row.
+# - `LLMEngine._launch`: a decode step with drafts is a verify step; the settings
+#   `speculative_method` and `num_speculative_tokens`.
+#
+# Not built yet, and where it goes next: rejection sampling for temperature > 0; a draft model;
+# the verify step under CUDA graphs and with asynchronous scheduling and tensor parallelism; a
+# measured rule that turns speculation off when the batch is large; the server's flags and
+# metrics; and the H200 measurements.
+#
+# ## Exercises
+#
+# 1. With *k* = 4 drafts a step and an acceptance rate of 0.8, how many tokens does a verify step
+#    yield on average? How many drafts would a step need to yield 4 tokens on average?
+# 2. A sequence of 10 tokens (blocks of 4; the first 9 cached) gets 4 drafts, and the model keeps
+#    only the first. How many blocks does the sequence hold after `accept_drafts`, and how many
+#    of them does `resolve` publish?
+#
+# The cell below checks the answers.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `engine.speculative.NgramProposer`：在请求自己的 token 上做 prompt lookup。
+# - `Sequence.num_draft_tokens`、`BlockManager.trim`，以及调度器的 `reserve_drafts`、`accept_drafts` 和
+#   `drop_drafts`：草稿在 token 预算和空闲队列允许的范围内拿到槽位，模型拒绝的部分在任何东西发布之前逐块退回。
+# - `ModelRunner.verify`：对最后一个 token 和草稿做一次前向计算，每一行都贪心采样。
+# - `LLMEngine._launch`：带草稿的 decode 步就是验证步；设置项 `speculative_method` 和 `num_speculative_tokens`。
+#
+# 还没有实现、接下来要做的：temperature > 0 时的拒绝采样；草稿模型；在 CUDA 图下、配合异步调度和张量并行运行的
+# 验证步；批大小大时自动关掉投机的实测规则；服务器的参数和指标；以及 H200 上的测量。
+#
+# ## 练习
+#
+# 1. 每步 *k* = 4 个草稿、接受率 0.8 时，一个验证步平均产出多少个 token？要让一步平均产出 4 个 token，需要多少个
+#    草稿？
+# 2. 一个 10 个 token 的序列（块大小为 4，前 9 个已缓存）得到 4 个草稿，模型只保留第一个。`accept_drafts` 之后
+#    这个序列持有几个块？`resolve` 会发布其中几个？
+#
+# 下面的单元检查答案。
+
+# %%
+# en: Exercise 1: 1 + 0.8 + 0.64 + 0.512 + 0.4096 = 3.36 tokens. The sum never reaches 1 / (1 - 0.8) = 5, and it
+# en: first reaches 4 with k = 7 drafts (4.16).
+# zh: 练习 1：1 + 0.8 + 0.64 + 0.512 + 0.4096 = 3.36 个 token。这个和永远到不了 1 / (1 - 0.8) = 5，
+# zh: 到 k = 7 个草稿（4.16）时第一次达到 4。
+assert abs(tokens_per_step(0.8, 4) - 3.3616) < 1e-9
+assert min(k for k in range(1, 50) if tokens_per_step(0.8, k) >= 4) == 7
+
+# en: Exercise 2: 10 + 1 kept = 11 tokens need 3 blocks (the fourth, for drafts only, is freed); resolve publishes
+# en: the 2 blocks full of accepted tokens (tokens 0-7); the third holds 3 accepted tokens and the new one.
+# zh: 练习 2：10 + 1 个保留的 = 11 个 token 需要 3 个块（只为草稿分配的第四个被释放）；resolve 发布 2 个写满被接受
+# zh: token 的块（token 0-7）；第三个块放着 3 个被接受的 token 和新 token。
+scheduler = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+seq = Sequence(list(range(9)), SamplingParams(temperature=0, max_tokens=20), block_size=4)
+scheduler.add(seq)
+seqs, _ = scheduler.schedule()
+scheduler.postprocess(seqs, [9], True)
+
+
+class FourDrafts:
+    """A proposer that always offers the same four drafts."""
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        return [2, 3, 4, 5]
+
+
+seqs, _ = scheduler.schedule()
+assert len(seq) == 10 and seq.num_cached_tokens == 9
+assert scheduler.reserve_drafts(seqs, FourDrafts()) == 4 and len(seq.block_table) == 4
+scheduler.postprocess(seqs, scheduler.accept_drafts(seqs, [[2, 7, 7, 7, 7]]), False)
+assert len(seq.block_table) == 3 and len(scheduler.block_manager.hash_to_block_id) == 2
+print(say("all exercise answers check out"))

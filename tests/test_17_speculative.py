@@ -1,0 +1,301 @@
+"""Speculative decoding (chapter 17): prompt lookup, drafts reserved and rolled back, and lossless greedy output.
+
+The property tests drive the real scheduler and block manager with a fake model (``scheduler_sim``) and a
+proposer whose drafts are right or wrong by a drawn pattern: every step keeps the scheduler's invariants,
+nothing is published that holds a rejected draft, the pool ends whole, and every completion equals the one
+computed without speculation. The engine tests run tiny models and check token-for-token equality with the
+engine without speculation, through preemption, chunked prefill, prefix hits, forks, an 8-bit cache, EOS
+and max_tokens inside a run of accepted drafts, a failing verify step, and requests that sample.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.config import Config
+from nanovllm.engine.prefix_cache import NO_HASH
+from nanovllm.engine.speculative import NgramProposer
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+from tests.scheduler_sim import VOCAB, InvariantChecker, check, next_token, simulate
+from tests.test_scheduler_properties import check_completions, workloads
+
+SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- the proposer ----------------------------------------------------------------------------------------------
+def test_prompt_lookup_prefers_the_longest_match_and_its_first_occurrence():
+    proposer = NgramProposer(num_speculative_tokens=3)
+    # The last 3 tokens (1, 2, 3) occur at 0 and 5; the first occurrence has the longer continuation.
+    assert proposer.propose([1, 2, 3, 7, 8, 1, 2, 3, 9, 1, 2, 3]) == [7, 8, 1]
+    # Only the last token (5) occurs before: a 1-gram match.
+    assert proposer.propose([5, 6, 7, 5]) == [6, 7, 5]
+    assert proposer.propose([1, 2, 3, 4]) == [] and proposer.propose([1]) == []
+    assert proposer.propose([1, 2, 1], limit=1) == [2] and proposer.propose([1, 2, 1], limit=0) == []
+    assert NgramProposer(3, max_ngram=2, min_ngram=2).propose([4, 5, 6, 9, 5]) == []
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramProposer(3, max_ngram=1, min_ngram=2)
+
+
+# ---- the scheduler, with a fake model --------------------------------------------------------------------------
+class PatternProposer:
+    """Proposes the fake model's own continuation (of sample 0), with the drafts at the drawn positions wrong."""
+
+    def __init__(self, k: int, wrong: frozenset[int]) -> None:
+        self.k, self.wrong = k, wrong
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        context, draft = list(token_ids), []
+        for _ in range(min(self.k, self.k if limit is None else limit)):
+            token = next_token(tuple(context))
+            if len(context) % 7 in self.wrong:
+                token = (token + 1) % VOCAB
+            context.append(token)
+            draft.append(token)
+        return draft
+
+
+def check_drafts(sched, seqs, is_prefill):
+    """After reserve_drafts: the budget holds, every slot the step writes is in a block of this table alone."""
+    check(not is_prefill, "drafts in a prefill step")
+    check(sum(s.num_scheduled_tokens for s in seqs) <= sched.max_num_batched_tokens, "drafts exceed the budget")
+    bm = sched.block_manager
+    for s in seqs:
+        check(s.num_scheduled_tokens == 1 + s.num_draft_tokens, f"seq {s.seq_id}: drafts not scheduled")
+        check(len(s.block_table) == -(-len(s) // bm.block_size), f"seq {s.seq_id}: drafts without their blocks")
+        for pos in range(s.num_cached_tokens, len(s)):
+            block = bm.blocks[s.block_table[pos // bm.block_size]]
+            check(block.ref_count == 1 and block.hash == NO_HASH, f"seq {s.seq_id} writes a draft into {block}")
+
+
+def published_blocks_hold_accepted_tokens(sched, seqs, is_prefill):
+    """Every published block in a live table holds exactly that sequence's tokens: no rejected draft."""
+    for s in list(sched.running) + list(sched.waiting):
+        for i, block_id in enumerate(s.block_table):
+            block = sched.block_manager.blocks[block_id]
+            if block.hash != NO_HASH:
+                check(block.token_ids == s.block(i), f"seq {s.seq_id}: published block {block_id} holds a draft")
+
+
+@SETTINGS
+@given(workloads(), st.integers(1, 5), st.frozensets(st.integers(0, 6), max_size=7))
+def test_drafts_keep_the_invariants_and_the_completions(workload, k, wrong):
+    checker = InvariantChecker(workload)
+
+    def after_postprocess(sched, seqs, is_prefill):
+        checker.after_postprocess(sched, seqs, is_prefill)
+        published_blocks_hold_accepted_tokens(sched, seqs, is_prefill)
+
+    seen = {}
+
+    def remember(sched, seqs, is_prefill):
+        seen["sched"] = sched
+        check_drafts(sched, seqs, is_prefill)
+
+    seqs, _ = simulate(workload, checker.after_schedule, after_postprocess, proposer=PatternProposer(k, wrong),
+                       after_drafts=remember)
+    check_completions(workload, seqs)
+    assert set(checker.finished) == {s.seq_id for s in seqs}
+    if "sched" in seen:
+        bm = seen["sched"].block_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(block.ref_count == 0 for block in bm.blocks)
+
+
+def test_every_draft_right_means_k_plus_one_tokens_a_step():
+    from tests.scheduler_sim import Request, Workload
+
+    workload = Workload(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                        enable_prefix_caching=True, eos=(), requests=[Request(0, [1, 2, 3], 41, True, 1)])
+    seqs, steps = simulate(workload, proposer=PatternProposer(4, frozenset()))
+    check_completions(workload, seqs)
+    # One prefill (the first token), then 40 tokens at 5 a step.
+    assert steps == 1 + 40 // 5
+    seqs, steps = simulate(workload, proposer=PatternProposer(4, frozenset(range(7))))
+    assert steps == 41
+
+
+# ---- the engine, on tiny models --------------------------------------------------------------------------------
+class Replay:
+    """Proposes what a plain run wrote after the same tokens, with the positions in ``wrong`` (mod 5) wrong."""
+
+    def __init__(self, runs, k=4, wrong=(0,)):
+        self.runs, self.k, self.wrong = runs, k, wrong
+
+    def propose(self, token_ids, limit=None):
+        n, k = len(token_ids), min(self.k, self.k if limit is None else limit)
+        for run in self.runs:
+            if run[:n] == token_ids:
+                return [token + 1 if (n + i) % 5 in self.wrong else token for i, token in enumerate(run[n : n + k])]
+        return []
+
+
+PROMPTS = ["Question: Where do fish live? Answer:", "Small steps make", "Small steps make small progress",
+           "Write clear code"]
+
+
+def generate(model, settings, params, eos=None, runs=None, wrong=(0,), **speculation):
+    """Completions of PROMPTS by (request, sample), the number of steps, and the engine (``llm.regimes`` counts
+    the steps that preempted and those with prefix-cache hits)."""
+    llm = LLM(model, device="cpu", **settings, **speculation)
+    llm.regimes = Counter()
+
+    def watch(event, data):
+        if event == "schedule":
+            llm.regimes.update(preempted=bool(data["preempted"]), cache_hits=bool(data["cache_hits"]))
+
+    llm.scheduler.observer = watch
+    if eos is not None:
+        llm.scheduler.eos_token_ids = frozenset(eos)
+    if runs is not None:
+        llm.proposer = Replay(runs, wrong=wrong)
+    ids = [llm.add_request(prompt, params) for prompt in PROMPTS]
+    outputs, steps = {}, 0
+    while not llm.is_finished():
+        for output in llm.step()[0]:
+            outputs[ids.index(output.request_id), output.sample_index] = output[1]
+        steps += 1
+    bm = llm.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "a block leaked"
+    return outputs, steps, llm
+
+
+ENGINES = {
+    "preemption": {"kvcache_block_size": 4, "num_kvcache_blocks": 22},
+    "forks, copy-on-write": {"kvcache_block_size": 4, "num_kvcache_blocks": 64},
+    "chunked prefill": {"kvcache_block_size": 4, "num_kvcache_blocks": 64, "max_num_batched_tokens": 7},
+    "prefix hits": {"kvcache_block_size": 2, "num_kvcache_blocks": 96, "max_num_seqs": 1},
+    "fp8 cache": {"kvcache_block_size": 4, "num_kvcache_blocks": 64, "kv_cache_dtype": "fp8"},
+}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny(request):
+    return str(build_tiny_model(request.param))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_speculation_gives_the_tokens_of_plain_greedy_decoding(tiny, engine):
+    settings = ENGINES[engine]
+    params = SamplingParams(temperature=0, max_tokens=21, n=2 if engine.startswith("forks") else 1)
+    plain, plain_steps, llm = generate(tiny, settings, params)
+    runs = [llm.tokenizer(prompt)["input_ids"] + plain[i, 0] for i, prompt in enumerate(PROMPTS)]
+    ngram, _, _ = generate(tiny, settings, params, speculative_method="ngram")
+    assert ngram == plain
+    for wrong in ((0,), (1, 3), ()):
+        replayed, steps, llm = generate(tiny, settings, params, runs=runs, wrong=wrong, speculative_method="ngram")
+        assert replayed == plain, f"drafts wrong at {wrong}"
+        assert steps < plain_steps and llm.scheduler.accepted_tokens > 0
+        # The regime the case is named after did occur while drafts were verified.
+        if engine == "preemption":
+            assert llm.regimes["preempted"] > 0
+        if engine == "prefix hits":
+            assert llm.regimes["cache_hits"] > 0
+
+
+def test_an_end_inside_a_run_of_accepted_drafts(tiny):
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 64}
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain, _, llm = generate(tiny, settings, params)
+    runs = [llm.tokenizer(prompt)["input_ids"] + plain[i, 0] for i, prompt in enumerate(PROMPTS)]
+    # EOS: the first token that the first request writes from its 6th position on and not before it;
+    # max_tokens: 13, inside a run of 4 drafts.
+    first = plain[0, 0]
+    end = next(j for j in range(5, len(first)) if first[j] not in first[:j])
+    ended, _, _ = generate(tiny, settings, params, eos={first[end]})
+    assert len(ended[0, 0]) == end + 1
+    spec, _, _ = generate(tiny, settings, params, eos={first[end]}, runs=runs, wrong=(), speculative_method="ngram")
+    assert spec == ended
+    short = SamplingParams(temperature=0, max_tokens=13)
+    expected, _, _ = generate(tiny, settings, short)
+    spec, _, _ = generate(tiny, settings, short, runs=runs, wrong=(), speculative_method="ngram")
+    assert spec == expected and all(len(tokens) == 13 for tokens in spec.values())
+
+
+def test_sampling_requests_decode_beside_verified_ones_unchanged(tiny):
+    """Seeded sampled requests in the same steps as greedy ones that verify drafts: each keeps its own tokens."""
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 64}
+    params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.9, seed=7, max_tokens=16),
+              SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=1.2, seed=3, max_tokens=16)]
+
+    def run(runs=None, **speculation):
+        llm = LLM(tiny, device="cpu", **settings, **speculation)
+        if runs is not None:
+            llm.proposer = Replay(runs, wrong=(2,))
+        return llm.generate(PROMPTS, params, use_tqdm=False), llm
+
+    plain, llm = run()
+    runs = [llm.tokenizer(p)["input_ids"] + out["token_ids"] for p, out in zip(PROMPTS, plain, strict=True)]
+    spec, llm = run(runs, speculative_method="ngram")
+    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
+    assert llm.scheduler.accepted_tokens > 0
+
+
+def test_a_failing_verify_step_leaves_nothing_behind_and_runs_again(tiny, monkeypatch):
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 32}
+    params = SamplingParams(temperature=0, max_tokens=16)
+    plain, _, llm = generate(tiny, settings, params)
+    runs = [llm.tokenizer(prompt)["input_ids"] + plain[i, 0] for i, prompt in enumerate(PROMPTS)]
+    llm = LLM(tiny, device="cpu", speculative_method="ngram", **settings)
+    llm.proposer = Replay(runs)
+    ids = [llm.add_request(prompt, params) for prompt in PROMPTS]
+    verify, calls = llm.model_runner.verify, Counter()
+
+    def flaky(seqs):
+        calls["verify"] += 1
+        if calls["verify"] in (2, 5):
+            raise RuntimeError("the device fell over")
+        return verify(seqs)
+
+    monkeypatch.setattr(llm.model_runner, "verify", flaky)
+    outputs, failures = {}, 0
+    while not llm.is_finished():
+        free = llm.scheduler.block_manager.num_free_blocks
+        lengths = {seq.seq_id: len(seq) for seq in llm.scheduler.running}
+        try:
+            finished = llm.step()[0]
+        except RuntimeError:
+            failures += 1
+            # Drafts and their blocks are gone: lengths and the free list are as they were.
+            assert llm.scheduler.block_manager.num_free_blocks == free
+            assert {seq.seq_id: len(seq) for seq in llm.scheduler.running} == lengths
+            assert all(seq.num_draft_tokens == 0 and seq.num_scheduled_tokens == 0 for seq in llm.scheduler.running)
+            continue
+        for output in finished:
+            outputs[ids.index(output.request_id), 0] = output[1]
+    assert failures == 2 and outputs == plain
+
+
+def test_settings_that_cannot_work_together_are_refused(tiny):
+    assert Config.from_kwargs(tiny, device="cpu").speculative_method is None
+    config = Config.from_kwargs(tiny, device="cpu", speculative_method="ngram", num_speculative_tokens=6)
+    assert config.num_speculative_tokens == 6 and config.async_scheduling is False
+    refused = [
+        ({"speculative_method": "draft"}, ValueError, "must be one of"),
+        ({"num_speculative_tokens": 4}, ValueError, "needs a speculative_method"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 0}, ValueError, r"in \[1, 64\]"),
+        ({"speculative_method": "ngram", "num_speculative_tokens": 2.5}, TypeError, "must be an int"),
+        ({"speculative_method": "ngram", "async_scheduling": True}, ValueError, "synchronously"),
+        ({"speculative_method": "ngram", "tensor_parallel_size": 2}, ValueError, "tensor_parallel_size=1"),
+    ]
+    for wrong, error, message in refused:
+        with pytest.raises(error, match=message):
+            Config.from_kwargs(tiny, device="cpu", **wrong)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_speculation_on_the_gpu_gives_the_tokens_of_plain_greedy_decoding():
+    tiny = str(build_tiny_model("qwen3"))
+    settings = {"kvcache_block_size": 16, "num_kvcache_blocks": 64, "device": "cuda", "async_scheduling": False}
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(tiny, **settings).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny, speculative_method="ngram", **settings)
+    runs = [llm.tokenizer(p)["input_ids"] + out["token_ids"] for p, out in zip(PROMPTS, plain, strict=True)]
+    llm.proposer = Replay(runs)
+    spec = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
+    assert llm.scheduler.accepted_tokens > 0
