@@ -30,6 +30,8 @@
 #                                       # preset, then on qwen3-8b), sweep (scripts/decode_sweep.py --kv-cache-dtype
 #                                       # fp8), accuracy (python -m nanovllm.bench.kv_cache_accuracy on the GPU);
 #                                       # without PART: tests, then bench
+#   scripts/gpu-ci.sh speculative [ARGS] # speculative decoding (chapter 17): its GPU tests, then
+#                                       # scripts/speculative_probe.py ARGS (batch 1, SmolLM2, with and without drafts)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -242,6 +244,14 @@ run_fp8() {
   fi
 }
 
+run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then the batch-1 probe on SmolLM2
+  notebook_stack || exit 2
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/speculative-tests.xml" \
+    tests/test_17_speculative.py || status=1
+  python3 scripts/speculative_probe.py "$@" --out "$out/speculative-probe.json" 2>&1 \
+    | tee "$out/speculative-probe.log" || status=1
+}
+
 keep() {
   local dir
   for dir in .whl .fa4 .whl-serve .whl-smollm2; do
@@ -265,8 +275,9 @@ case $what in
   kernels) run_kernels "$@" ;;
   serve) run_serve "$@" ;;
   fp8) run_fp8 "$@" ;;
+  speculative) run_speculative "$@" ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | keep]" >&2
      exit 2 ;;
 esac
 exit $status
