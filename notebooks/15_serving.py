@@ -2791,8 +2791,13 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
         # en: bool | str: True, False or "auto"
         # zh: bool | str：True、False 或 "auto"
-        elif isinstance(kind, types.UnionType):
+        elif isinstance(kind, types.UnionType) and bool in typing.get_args(kind):
             group.add_argument(flag, choices=["auto", "on", "off"], default="auto", help="default: auto")
+        # en: X | None (speculative_method, num_speculative_tokens): an X, or left out
+        # zh: X | None（speculative_method、num_speculative_tokens）：一个 X，或者不给
+        elif isinstance(kind, types.UnionType):
+            value_type = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+            group.add_argument(flag, type=value_type, default=None, metavar=f.name.upper(), help="default: None")
         else:
             group.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=said)
 

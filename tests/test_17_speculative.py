@@ -299,3 +299,26 @@ def test_speculation_on_the_gpu_gives_the_tokens_of_plain_greedy_decoding():
     spec = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
     assert llm.scheduler.accepted_tokens > 0
+
+
+def test_the_server_streams_speculative_decoding_token_for_token():
+    """`python -m nanovllm.serve --speculative-method ngram --num-speculative-tokens 4`: a streamed greedy
+    completion (a chunk may carry several tokens) equals the offline engine's without speculation."""
+    openai = pytest.importorskip("openai")
+    from nanovllm.serve.process import ServerProcess
+
+    tiny = str(build_tiny_model("qwen3"))
+    engine = {"device": "cpu", "num_kvcache_blocks": 64, "kvcache_block_size": 16, "max_model_len": 512}
+    args = ["--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-model-len", "512",
+            "--speculative-method", "ngram", "--num-speculative-tokens", "4"]
+    prompt = "one two three four one two three four one two three"
+    offline = LLM(tiny, **engine)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    offline.exit()
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *args]) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stream=True,
+                                           extra_body={"return_token_ids": True})
+        chunks = [chunk for chunk in stream if chunk.choices]
+        assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == expected["token_ids"]
+        assert "".join(c.choices[0].text for c in chunks) == expected["text"]

@@ -56,8 +56,12 @@ def engine_options(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=said)
         # bool | str: True, False or "auto"
-        elif isinstance(kind, types.UnionType):
+        elif isinstance(kind, types.UnionType) and bool in typing.get_args(kind):
             group.add_argument(flag, choices=["auto", "on", "off"], default="auto", help="default: auto")
+        # X | None (speculative_method, num_speculative_tokens): an X, or left out
+        elif isinstance(kind, types.UnionType):
+            value_type = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+            group.add_argument(flag, type=value_type, default=None, metavar=f.name.upper(), help="default: None")
         else:
             group.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=said)
 
