@@ -38,8 +38,6 @@
 # %%
 import torch
 
-torch.manual_seed(0)
-
 # %% printed phrases
 #| hide
 # en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
