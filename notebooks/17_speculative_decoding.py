@@ -19,7 +19,8 @@
 # cheap **proposer** guesses the next *k* tokens (**draft tokens**), one forward of the model
 # **verifies** all of them at once, and the engine keeps the drafts up to the first one the model
 # disagrees with, plus one token of the model's own. With greedy decoding the output is exactly
-# what the engine without speculation writes; only the number of steps changes. By the end you
+# what the engine without speculation writes, and with sampling its distribution is the model's
+# (a seeded request writes the same tokens); only the number of steps changes. By the end you
 # can compute how many tokens a step yields from the **acceptance rate**, write the n-gram
 # proposer (prompt lookup), and follow a sequence's block table as it grows by *k* draft slots
 # and shrinks back to what the model accepted, without ever publishing a rejected token to the
@@ -31,7 +32,8 @@
 # **目标：** 第 09 章测过批大小为 1 时的 decode 步，发现它有固定开销：不管算一个 token 还是五个，一步都要把每个权重
 # 读一遍。本章把这部分余量用起来。一个廉价的**提议器**（proposer）猜出接下来的 *k* 个 token（**草稿 token**，draft
 # token），模型的一次前向计算把它们一起**验证**（verify），引擎保留草稿中直到模型第一次不同意之前的部分，再加上一个
-# 模型自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样，变的只是步数。读完本章，你能从**接受率**
+# 模型自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样；采样时，输出的分布就是模型的分布（带种子
+# 的请求写出同样的 token）；变的只是步数。读完本章，你能从**接受率**
 # （acceptance rate）算出一步能产出多少 token，写出 n-gram 提议器（prompt lookup），并跟着一个序列的块表看它先长出
 # *k* 个草稿槽位、再缩回模型接受的部分，而被拒绝的 token 从不发布到前缀缓存。
 
@@ -73,6 +75,11 @@ say = Phrases({
     "refused: {error}": "被拒绝：{error}",
     "preemption": "抢占", "chunked prefill": "分块 prefill", "n = 2, copy-on-write": "n = 2，写时复制",
     "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符",
+    "speculative sampling gives p back: max |difference| {general:.1e} with a random q, {point:.1e} with a "
+    "point mass; accepting every draft would give q, {tv:.2f} from p in total variation":
+        "投机采样还原出 p：随机的 q 下最大 |差值| 为 {general:.1e}，q 只有一个取值时为 {point:.1e}；若接受每一个草稿，"
+        "得到的是 q，与 p 的全变差距离为 {tv:.2f}",
+    "sampling, seeded": "采样，带种子", "{case}, {proposer}: {steps} ->": "{case}，{proposer}：{steps} ->",
     "all exercise answers check out": "所有练习的答案都核对无误",
 })
 
@@ -200,8 +207,8 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # A decode step computes each sequence's last token. A verify step computes the last token *and*
 # its *k* drafts, so the drafts must have slots in the KV cache before the step runs. The
 # scheduler has already picked the decode batch (and made room for one token per sequence,
-# preempting if it had to); `reserve_drafts` then goes through that batch and, for each sequence
-# that decodes greedily, appends the proposer's drafts to its tokens, as if they were real, and
+# preempting if it had to); `reserve_drafts` then goes through that batch and, for each sequence,
+# appends the proposer's drafts to its tokens, as if they were real, and
 # asks the block manager for the blocks they need. Three limits keep this safe:
 #
 # - the step's **token budget**: each draft is one more token the step computes;
@@ -218,7 +225,7 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 #
 # decode 步计算每个序列的最后一个 token。验证步计算最后一个 token *以及*它的 *k* 个草稿，所以这一步运行之前，草稿
 # 必须在 KV 缓存里有槽位。调度器已经选好了 decode 批次（并为每个序列的一个 token 腾出了位置，必要时会抢占）；
-# `reserve_drafts` 接着遍历这个批次，对每个贪心解码的序列，把提议器的草稿当作真实 token 追加到它的 token 后面，
+# `reserve_drafts` 接着遍历这个批次，对每个序列，把提议器的草稿当作真实 token 追加到它的 token 后面，
 # 并向块管理器要这些草稿需要的块。有三条限制保证安全：
 #
 # - 这一步的 **token 预算**：每个草稿都是这一步多算的一个 token；
@@ -266,8 +273,8 @@ class Proposer(Protocol):
 
 @add_to_class(Scheduler)
 def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
-    """Append drafts to the greedy sequences of a scheduled decode step, with the blocks their K/V needs, within
-    the token budget; returns how many drafts the step now verifies."""
+    """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
+    budget; returns how many drafts the step now verifies."""
     budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
     reserved = 0
     for seq in seqs:
@@ -275,7 +282,7 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         # en: The sequence's last allowed token is a model token, never a kept draft.
         # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
         room = min(budget, params.max_tokens - seq.num_completion_tokens - 1)
-        if params.temperature > 0 or room <= 0:
+        if room <= 0:
             continue
         draft = proposer.propose(seq.token_ids, room)
         if not draft:
@@ -298,7 +305,8 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
 # %% [markdown] tags=["en"]
 # ## Build it: keep what the model agrees with, roll back the rest
 #
-# After the verify forward we know the model's greedy token at each of the *k* + 1 positions:
+# After the verify forward we know the model's token at each of the *k* + 1 positions (its greedy
+# choice here; the section on sampling shows that a draw works the same way):
 # `target[0]` after the last token, `target[i]` after draft *i*. Draft *i* is kept while it
 # equals `target[i − 1]` and every earlier draft was kept. Then one more token is the model's
 # own: `target[kept]`.
@@ -320,7 +328,8 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
 # %% [markdown] tags=["zh"]
 # ## 动手：保留模型同意的部分，回滚其余部分
 #
-# 验证的前向计算之后，我们知道模型在 *k* + 1 个位置上各自的贪心 token：`target[0]` 跟在最后一个 token 之后，
+# 验证的前向计算之后，我们知道模型在 *k* + 1 个位置上各自的 token（这里是贪心的选择；讲采样的那一节说明，抽样
+# 得到的 token 也一样适用）：`target[0]` 跟在最后一个 token 之后，
 # `target[i]` 跟在草稿 *i* 之后。只要草稿 *i* 等于 `target[i − 1]`，并且前面的草稿都被保留了，它就被保留。然后再加
 # 一个模型自己的 token：`target[kept]`。
 #
@@ -443,11 +452,10 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 # That is exactly what chunked prefill (chapter 04) taught the model runner to compute:
 # `prepare_prefill` starts at `num_cached_tokens` and takes `num_scheduled_tokens` tokens. Two
 # things differ from a prefill. The LM head must give logits for *every* position, not only each
-# sequence's last: with no attention context installed it does. And every row is sampled
-# greedily, through the runner's own sampler, so that the tokens are the same ones a decode step
-# would pick (a non-finite row is marked exactly as chapter 07 marks it). A sequence that samples at a
-# temperature gets no drafts but may share the step with sequences that have them: its one row
-# is sampled with its own parameters, as a decode step would.
+# sequence's last: with no attention context installed it does. And every row is sampled through
+# the runner's own sampler with its sequence's parameters, as the token of its index: the token a
+# decode step would draw there (a non-finite row is marked exactly as chapter 07 marks it). The
+# next section shows why sampling each row is all that speculative sampling needs here.
 #
 # This first version runs the verify forward eagerly: the decode graphs of chapter 09 hold one
 # query token per sequence. Capturing graphs for *k* + 1 query tokens is the next step.
@@ -458,9 +466,9 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 # 验证步是每个序列带多个查询 token 的 decode 步：每个序列的最后一个 token 和它的草稿，关注序列已缓存的前缀，彼此之间
 # 按因果关系互相关注。这恰好是分块 prefill（第 04 章）教会模型执行器计算的东西：`prepare_prefill` 从
 # `num_cached_tokens` 开始，取 `num_scheduled_tokens` 个 token。和 prefill 不同的地方有两处。LM head 必须给*每个*
-# 位置输出 logits，而不只是每个序列的最后一个位置：不安装注意力上下文时它就是这样做的。每一行都用执行器自己的
-# 采样器贪心采样，这样得到的 token 和 decode 步会选的一样（非有限的行也和第 07 章一样被标记）。按温度采样的序列
-# 没有草稿，却可能和有草稿的序列同在一步：它唯一的那一行按它自己的参数采样，和 decode 步一样。
+# 位置输出 logits，而不只是每个序列的最后一个位置：不安装注意力上下文时它就是这样做的。每一行都通过执行器自己的
+# 采样器、用它所属序列的参数，作为它那个下标上的 token 来采样：也就是 decode 步在那里会抽出的 token（非有限的行
+# 也和第 07 章一样被标记）。下一节说明，为什么在这里对每一行采样就是投机采样所需要的全部。
 #
 # 这个第一版以 eager 方式运行验证的前向计算：第 09 章的 decode 图每个序列只有一个查询 token。为 *k* + 1 个查询
 # token 捕获图是下一步的工作。
@@ -476,8 +484,7 @@ from nanovllm.layers.sampler import sampling_inputs
 @torch.inference_mode()
 def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
-    returns, per sequence, the model's token after each of them: greedy after the drafts' positions, and after the
-    last one sampled with the sequence's own parameters."""
+    returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
     copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
@@ -489,17 +496,18 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     # en: No context installed: the LM head computes a row for every position, not only each sequence's last.
     # zh: 没有安装上下文：LM head 为每个位置都算一行，而不只是每个序列的最后一个位置。
     logits = self.model.compute_logits(hidden_states)
-    tokens = self.sampler(logits, torch.zeros(len(logits), device=logits.device))
-    # en: Each sequence's last row is sampled as a decode step samples it: a sequence that samples at a
-    # en: temperature has no drafts and shares the step with those that do, and its seed sees the same position.
-    # zh: 每个序列的最后一行按 decode 步的方式采样：按温度采样的序列没有草稿，却和有草稿的序列同在一步，
-    # zh: 它的种子看到的位置也和 decode 时一样。
+    # en: Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
+    # en: sequence's own parameters: what a decode step at that index would draw, seed included (chapter 07).
+    # zh: 序列的第 i 行抽取下标为 start + i 的 token（start：它第一个草稿的下标），用序列自己的参数：
+    # zh: 和在那个下标上的 decode 步抽取的一样，种子也一样（第 07 章）。
     counts = [seq.num_scheduled_tokens for seq in seqs]
-    last_rows = torch.tensor(counts, device=logits.device).cumsum(0) - 1
-    inputs = sampling_inputs([seq.sampling_params for seq in seqs], [len(seq) for seq in seqs], logits.device,
-                             [seq.sample_index for seq in seqs])
-    tokens[last_rows] = self.sampler(logits[last_rows], **inputs)
-    tokens = tokens.tolist()
+    params, positions, samples = [], [], []
+    for seq, count in zip(seqs, counts, strict=True):
+        start = len(seq) - count + 1
+        params += [seq.sampling_params] * count
+        positions += range(start, start + count)
+        samples += [seq.sample_index] * count
+    tokens = self.sampler(logits, **sampling_inputs(params, positions, logits.device, samples)).tolist()
     rows, start = [], 0
     for count in counts:
         rows.append(tokens[start : start + count])
@@ -554,6 +562,68 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 
 
 # %% [markdown] tags=["en"]
+# ## Sampling: why comparing is enough
+#
+# With a temperature, the model's token at a position is a draw from its distribution *p*, so
+# "the model agrees" needs a meaning. **Speculative sampling** (Leviathan et al. and Chen et al.,
+# 2023) gives one for any proposer that draws its draft *d* from a distribution *q*: accept *d*
+# with probability min(1, *p*(*d*) / *q*(*d*)); on a rejection, draw from max(0, *p* − *q*),
+# normalized; after the last accepted draft, draw the bonus token from *p*. The token that comes
+# out is distributed exactly as *p*: the acceptance branch yields each *x* with probability
+# min(*p*(*x*), *q*(*x*)), and the rejection branch, taken with probability 1 − Σ min(*p*, *q*) =
+# Σ max(0, *p* − *q*), supplies exactly the missing mass *p* − min(*p*, *q*). The cell below checks
+# that identity on a random *p* and *q*.
+#
+# Prompt lookup proposes deterministically: its *q* puts all its mass on *d*. The rule then reads:
+# keep *d* with probability *p*(*d*), otherwise draw from *p* without *d*. That is exactly what
+# drawing one token *x* from *p* and keeping the draft when *x* = *d* does. So the verify step
+# samples every row with the sequence's own parameters (temperature, top-k, top-p), and
+# `accept_drafts` compares, exactly as for greedy decoding, whose *p* is a point mass itself. One
+# more property comes for free: a seeded request draws the token of index *i* from a generator
+# seeded by (seed, *i*) (chapter 07), and a verify row draws the token of its own index, so a seeded
+# request writes the same tokens with and without speculation. (A draft *model* samples its
+# drafts, *q* is no longer a point mass, and the general rule above is the one it needs.)
+
+# %% [markdown] tags=["zh"]
+# ## 采样：为什么比较一下就够了
+#
+# 有温度时，模型在一个位置上的 token 是从它的分布 *p* 中抽出来的，所以"模型同意"需要一个含义。**投机采样**
+# （speculative sampling，Leviathan 等人与 Chen 等人，2023）为任何从分布 *q* 中抽草稿 *d* 的提议器给出了一个：以
+# min(1, *p*(*d*) / *q*(*d*)) 的概率接受 *d*；被拒绝时，从归一化后的 max(0, *p* − *q*) 中抽取；在最后一个被接受的
+# 草稿之后，从 *p* 中抽取附赠 token。这样得到的 token 的分布恰好是 *p*：接受分支以 min(*p*(*x*), *q*(*x*)) 的概率
+# 给出每个 *x*，而拒绝分支以 1 − Σ min(*p*, *q*) = Σ max(0, *p* − *q*) 的概率被走到，补上的恰好是缺少的那部分概率
+# *p* − min(*p*, *q*)。下面的单元在随机的 *p* 和 *q* 上检查这个等式。
+#
+# Prompt lookup 的提议是确定性的：它的 *q* 把全部概率放在 *d* 上。这时规则变成：以 *p*(*d*) 的概率保留 *d*，否则
+# 从去掉 *d* 的 *p* 中抽取。这恰好就是从 *p* 中抽一个 token *x*、在 *x* = *d* 时保留草稿所做的事。所以验证步用
+# 序列自己的参数（温度、top-k、top-p）对每一行采样，`accept_drafts` 做比较，和贪心解码时完全一样，而贪心解码的
+# *p* 本身就把全部概率放在一个 token 上。还有一个性质是白送的：带种子的请求从以（种子，*i*）为种子的生成器中抽取
+# 下标为 *i* 的 token（第 07 章），而验证步的每一行抽取的正是它自己那个下标的 token，所以带种子的请求不管投机与否
+# 都写出同样的 token。（草稿*模型*的草稿是采样出来的，*q* 不再把全部概率放在一个 token 上，它需要的是上面那条一般
+# 规则。）
+
+# %%
+def speculative_sample(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution of the token one round of speculative sampling emits, the draft drawn from q."""
+    accepted = torch.minimum(p, q)
+    missing = (p - q).clamp(min=0)
+    return accepted + (1 - accepted.sum()) * missing / missing.sum()
+
+
+generator = torch.Generator().manual_seed(0)
+p = (4 * torch.rand(8, generator=generator, dtype=torch.float64)).softmax(0)
+q = (4 * torch.rand(8, generator=generator, dtype=torch.float64)).softmax(0)
+point = torch.nn.functional.one_hot(torch.tensor(3), 8).double()
+general, pointed = (speculative_sample(p, q) - p).abs().max(), (speculative_sample(p, point) - p).abs().max()
+# en: the planted bug: accept every draft, and the output is distributed as q, not p
+# zh: 埋下的错误：接受每一个草稿，输出的分布就是 q，而不是 p。
+accept_all = 0.5 * (q - p).abs().sum()
+print(say("speculative sampling gives p back: max |difference| {general:.1e} with a random q, {point:.1e} with a "
+          "point mass; accepting every draft would give q, {tv:.2f} from p in total variation", general=general,
+          point=pointed, tv=accept_all))
+assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
+
+# %% [markdown] tags=["en"]
 # ## The engine: a decode step with drafts is a verify step
 #
 # `LLMEngine._launch` (chapter 13) gains one branch, and this is the whole of it: after the
@@ -566,8 +636,7 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 # default once a method is chosen). This version is synchronous: with `async_scheduling` the
 # next step would be scheduled before this step's drafts were accepted, so the engine refuses the
 # combination with a clear error, and so it does for tensor parallelism, whose ranks have no
-# verify step yet. A sequence that samples (temperature > 0) decodes without drafts: accepting
-# drafts without changing its distribution needs rejection sampling, not built yet.
+# verify step yet.
 
 # %% [markdown] tags=["zh"]
 # ## 引擎：带草稿的 decode 步就是验证步
@@ -578,8 +647,7 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 #
 # 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）。这个版本是同步的：
 # 打开 `async_scheduling` 时，下一步会在这一步的草稿被接受之前就调度，所以引擎以清楚的错误拒绝这种组合；张量并行
-# 也一样，因为它的各个 rank 还没有验证步。采样的序列（temperature > 0）不带草稿 decode：要在不改变它的分布的前提下
-# 接受草稿，需要拒绝采样，目前还没有实现。
+# 也一样，因为它的各个 rank 还没有验证步。
 
 # %% engine verifies
 #| export engine.llm_engine
@@ -640,10 +708,11 @@ def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
 # %% [markdown] tags=["en"]
 # ## Try it: the same tokens in fewer steps
 #
-# Each engine below runs the same greedy requests with and without speculation, and must produce
+# Each engine below runs the same requests with and without speculation, and must produce
 # the same tokens: with small blocks and a small cache, so that preemption happens; with chunked
-# prefill; and with `n = 2` samples of one prompt, whose forks share blocks until copy-on-write
-# separates them. After each run every block must be back on the free list.
+# prefill; with `n = 2` samples of one prompt, whose forks share blocks until copy-on-write
+# separates them; and with seeded sampling at temperature 0.8, which must give the same tokens
+# too. After each run every block must be back on the free list.
 #
 # The tiny random Qwen3 of chapter 11 rarely repeats itself, so prompt lookup finds little to
 # propose, and what it proposes is mostly rejected: the rejection path gets exercised, and the
@@ -656,9 +725,9 @@ def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
 # %% [markdown] tags=["zh"]
 # ## 试一试：更少的步数，同样的 token
 #
-# 下面每个引擎都分别在投机和不投机的情况下运行同样的贪心请求，二者必须产出同样的 token：块小、缓存小，以便发生
-# 抢占；分块 prefill；以及同一个提示词的 `n = 2` 个样本，它们分叉后共享块，直到写时复制把它们分开。每次运行之后，
-# 每个块都必须回到空闲队列。
+# 下面每个引擎都分别在投机和不投机的情况下运行同样的请求，二者必须产出同样的 token：块小、缓存小，以便发生
+# 抢占；分块 prefill；同一个提示词的 `n = 2` 个样本，它们分叉后共享块，直到写时复制把它们分开；以及温度 0.8、
+# 带种子的采样，它也必须给出同样的 token。每次运行之后，每个块都必须回到空闲队列。
 #
 # 第 11 章的随机小 Qwen3 很少重复自己，所以 prompt lookup 找不到多少可提议的内容，提议的也大多被拒绝：这走的是拒绝
 # 的路径，而 token 仍然必须相同。为了把接受的路径也走到，第二个提议器重放不投机那次运行写出的内容，并故意让每第五个
@@ -710,6 +779,8 @@ cases = {
     "chunked prefill": ({"kvcache_block_size": 4, "num_kvcache_blocks": 64, "max_num_batched_tokens": 6}, greedy),
     "n = 2, copy-on-write": ({"kvcache_block_size": 4, "num_kvcache_blocks": 64},
                              SamplingParams(temperature=0, max_tokens=20, n=2)),
+    "sampling, seeded": ({"kvcache_block_size": 4, "num_kvcache_blocks": 64},
+                         SamplingParams(temperature=0.8, seed=11, max_tokens=24)),
 }
 for name, (settings, params) in cases.items():
     plain, plain_steps, llm = run(settings, params)
@@ -719,9 +790,10 @@ for name, (settings, params) in cases.items():
     for proposer, kwargs in (("ngram", {}), ("replay", {"runs": runs}), ("replay, EOS", {"runs": runs, "eos": eos})):
         spec, spec_steps, llm = run(settings, params, speculative_method="ngram", **kwargs)
         expected, steps = (ended, None) if "eos" in kwargs else (plain, plain_steps)
+        label = say("{case}, {proposer}: {steps} ->", case=say(name), proposer=say(proposer), steps=steps or "-")
         print(say("{name:<28} steps {steps:3d}, drafts {drafts:3d}, accepted {accepted:3d}, identical to plain "
-                  "decoding: {same}", name=f"{say(name)}, {say(proposer)}: {steps or '-'} ->", steps=spec_steps,
-                  drafts=llm.scheduler.drafted_tokens, accepted=llm.scheduler.accepted_tokens, same=spec == expected))
+                  "decoding: {same}", name=label, steps=spec_steps, drafts=llm.scheduler.drafted_tokens,
+                  accepted=llm.scheduler.accepted_tokens, same=spec == expected))
         assert spec == expected
         if proposer == "replay":
             assert llm.scheduler.accepted_tokens > len(prompts) and spec_steps < plain_steps
@@ -816,7 +888,9 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # - `Sequence.num_draft_tokens`, `BlockManager.trim`, and the scheduler's `reserve_drafts`,
 #   `accept_drafts` and `drop_drafts`: drafts get slots within the budget and the free list, and
 #   what the model rejects goes back, block by block, before anything is published.
-# - `ModelRunner.verify`: one forward over the last token and the drafts, greedy at every row.
+# - `ModelRunner.verify`: one forward over the last token and the drafts, every row sampled as the
+#   token of its index with the sequence's parameters: with a deterministic proposer, that is
+#   speculative sampling, and the output distribution (the tokens, when seeded) is the model's.
 # - `LLMEngine._launch`: a decode step with drafts is a verify step; the settings
 #   `speculative_method` and `num_speculative_tokens`.
 #
@@ -831,7 +905,7 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # CPU in float32 the output is identical, as asserted above; on a GPU it will be once the verify
 # step runs through the decode path's kernels.
 #
-# Not built yet, and where it goes next: rejection sampling for temperature > 0; a draft model;
+# Not built yet, and where it goes next: a draft model (with the general acceptance rule);
 # the verify step under CUDA graphs and with asynchronous scheduling and tensor parallelism; a
 # measured rule that turns speculation off when the batch is large; the server's flags and
 # metrics; and the H200 measurements.
@@ -852,7 +926,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # - `engine.speculative.NgramProposer`：在请求自己的 token 上做 prompt lookup。
 # - `Sequence.num_draft_tokens`、`BlockManager.trim`，以及调度器的 `reserve_drafts`、`accept_drafts` 和
 #   `drop_drafts`：草稿在 token 预算和空闲队列允许的范围内拿到槽位，模型拒绝的部分在任何东西发布之前逐块退回。
-# - `ModelRunner.verify`：对最后一个 token 和草稿做一次前向计算，每一行都贪心采样。
+# - `ModelRunner.verify`：对最后一个 token 和草稿做一次前向计算，每一行都用序列的参数、作为它那个下标上的 token
+#   来采样：提议器是确定性的时候，这就是投机采样，输出的分布（带种子时就是 token 本身）和模型的一样。
 # - `LLMEngine._launch`：带草稿的 decode 步就是验证步；设置项 `speculative_method` 和 `num_speculative_tokens`。
 #
 # **GPU 上的记录：** 一块 H200（2026-12-04，`scripts/gpu-ci.sh speculative --repeats 1`，三个引用原文的提示词，
@@ -863,7 +938,7 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # 于是两个几乎并列的 token 可能选到另一个。在 CPU 上用 float32 时输出完全相同，上面已经断言；在 GPU 上，要等验证步
 # 也走 decode 路径的内核才会完全相同。
 #
-# 还没有实现、接下来要做的：temperature > 0 时的拒绝采样；草稿模型；在 CUDA 图下、配合异步调度和张量并行运行的
+# 还没有实现、接下来要做的：草稿模型（配上一般的接受规则）；在 CUDA 图下、配合异步调度和张量并行运行的
 # 验证步；批大小大时自动关掉投机的实测规则；服务器的参数和指标；以及 H200 上的测量。
 #
 # ## 练习

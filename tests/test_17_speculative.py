@@ -169,6 +169,7 @@ ENGINES = {
     "chunked prefill": {"kvcache_block_size": 4, "num_kvcache_blocks": 64, "max_num_batched_tokens": 7},
     "prefix hits": {"kvcache_block_size": 2, "num_kvcache_blocks": 96, "max_num_seqs": 1},
     "fp8 cache": {"kvcache_block_size": 4, "num_kvcache_blocks": 64, "kv_cache_dtype": "fp8"},
+    "seeded sampling": {"kvcache_block_size": 4, "num_kvcache_blocks": 64},
 }
 
 
@@ -181,6 +182,8 @@ def tiny(request):
 def test_speculation_gives_the_tokens_of_plain_greedy_decoding(tiny, engine):
     settings = ENGINES[engine]
     params = SamplingParams(temperature=0, max_tokens=21, n=2 if engine.startswith("forks") else 1)
+    if engine == "seeded sampling":
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=21)
     plain, plain_steps, llm = generate(tiny, settings, params)
     runs = [llm.tokenizer(prompt)["input_ids"] + plain[i, 0] for i, prompt in enumerate(PROMPTS)]
     ngram, _, _ = generate(tiny, settings, params, speculative_method="ngram")
@@ -215,11 +218,13 @@ def test_an_end_inside_a_run_of_accepted_drafts(tiny):
     assert spec == expected and all(len(tokens) == 13 for tokens in spec.values())
 
 
-def test_sampling_requests_decode_beside_verified_ones_unchanged(tiny):
-    """Seeded sampled requests in the same steps as greedy ones that verify drafts: each keeps its own tokens."""
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(tiny):
+    """Seeded requests at a temperature, with top-k and top-p, beside greedy ones, all verifying drafts: a verify
+    row draws the token of its index with the request's generator, so every request keeps its tokens."""
     settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 64}
     params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=0.9, seed=7, max_tokens=16),
-              SamplingParams(temperature=0, max_tokens=16), SamplingParams(temperature=1.2, seed=3, max_tokens=16)]
+              SamplingParams(temperature=0.7, seed=5, top_k=20, top_p=0.9, max_tokens=16),
+              SamplingParams(temperature=1.2, seed=3, max_tokens=16)]
 
     def run(runs=None, **speculation):
         llm = LLM(tiny, device="cpu", **settings, **speculation)
@@ -232,6 +237,53 @@ def test_sampling_requests_decode_beside_verified_ones_unchanged(tiny):
     spec, llm = run(runs, speculative_method="ngram")
     assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
     assert llm.scheduler.accepted_tokens > 0
+
+
+class Fixed:
+    """Always proposes the same drafts."""
+
+    def __init__(self, drafts):
+        self.drafts = drafts
+
+    def propose(self, token_ids, limit=None):
+        return self.drafts[: len(self.drafts) if limit is None else limit]
+
+
+def test_unseeded_sampling_keeps_the_models_distribution(monkeypatch):
+    """Many unseeded samples with fixed drafts: how often the first verified token equals the first draft matches
+    the plain engine's frequency within sampling noise, and an engine that accepts every draft is caught. (The tiny
+    Qwen3, whose second token at temperature 0.7 is uncertain; the tiny Llama's is all but certain.)"""
+    tiny = str(build_tiny_model("qwen3"))
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 768, "max_num_seqs": 256, "max_num_batched_tokens": 4096}
+    prompt, count = "Small steps make", 400
+    params = SamplingParams(temperature=0.7, max_tokens=3, ignore_eos=True)
+
+    def second_tokens(llm):
+        return [out["token_ids"][1] for out in llm.generate([prompt] * count, params, use_tqdm=False)]
+
+    plain = second_tokens(LLM(tiny, device="cpu", **settings))
+    draft = Counter(plain).most_common(1)[0][0]
+    rate = plain.count(draft) / count
+    assert 0.1 < rate < 0.9, f"the tiny model's most likely second token has {rate:.0%}: pick another prompt"
+    noise = 4 * (2 * rate * (1 - rate) / count) ** 0.5
+
+    def speculating(accept_everything=False):
+        llm = LLM(tiny, device="cpu", speculative_method="ngram", **settings)
+        llm.proposer = Fixed([draft, draft])
+        if accept_everything:
+            accept = llm.scheduler.accept_drafts
+
+            def planted_bug(seqs, targets):
+                return accept(seqs, [[*seq.token_ids[len(seq) - seq.num_draft_tokens :], row[-1]]
+                                     for seq, row in zip(seqs, targets, strict=True)])
+
+            monkeypatch.setattr(llm.scheduler, "accept_drafts", planted_bug)
+        tokens = second_tokens(llm)
+        assert llm.scheduler.drafted_tokens >= count
+        return tokens.count(draft) / count
+
+    assert abs(speculating() - rate) < noise
+    assert abs(speculating(accept_everything=True) - rate) > noise
 
 
 def test_a_failing_verify_step_leaves_nothing_behind_and_runs_again(tiny, monkeypatch):

@@ -23,7 +23,7 @@ import pytest
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.prefix_cache import NO_HASH, PrefixCache
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from tests.scheduler_sim import Request, Violation, Workload, simulate
+from tests.scheduler_sim import VOCAB, Request, Violation, Workload, next_token, simulate
 
 NUM_WORKLOADS = 20_000
 SEED = 20261129
@@ -38,16 +38,26 @@ class ProvenanceKV:
     token up to that position has been resolved (tokens never change once resolved).
     """
 
-    def __init__(self, block_size: int, deferred: bool = False) -> None:
+    def __init__(self, block_size: int, deferred: bool = False, speculative: bool = False) -> None:
         self.bs = block_size
         self.deferred = deferred
+        self.speculative = speculative
         self.slots: dict[int, tuple] = {}
         self.trie: dict[tuple[int, int], int] = {}  # (parent prefix id, token) -> prefix id
         self.prefix_ids: dict[int, list[int]] = {}  # seq_id -> prefix id of each position
+        self.tokens_seen: dict[int, list[int]] = {}  # seq_id -> the tokens those ids were computed for
         self.copies = 0  # copy-on-write copies made
 
     def ids(self, seq: Sequence) -> list[int]:
         ids = self.prefix_ids.setdefault(seq.seq_id, [])
+        if self.speculative:
+            # Speculative decoding (chapter 17) replaces rejected drafts: from the first token that changed since
+            # the ids were computed, compute them again.
+            seen = self.tokens_seen.setdefault(seq.seq_id, [])
+            same = next((pos for pos, (a, b) in enumerate(zip(seen, seq.token_ids, strict=False)) if a != b),
+                        min(len(seen), len(seq)))
+            del ids[same:]
+            seen[:] = seq.token_ids
         for pos in range(len(ids), len(seq)):
             key = (ids[-1] if ids else -1, seq.token_ids[pos])
             ids.append(self.trie.setdefault(key, len(self.trie)))
@@ -66,7 +76,7 @@ class ProvenanceKV:
         return written_pos == pos and writer.token_ids[: pos + 1] == mine
 
     def after_schedule(self, sched, seqs: list[Sequence], is_prefill: bool) -> None:
-        bs, blocks = self.bs, sched.block_manager.blocks
+        bs = self.bs
         for seq in seqs:  # copy-on-write first: the runner copies before the step's forward
             for source, destination in seq.blocks_to_copy:
                 self.copies += 1
@@ -86,12 +96,21 @@ class ProvenanceKV:
                         f"written for {self.slots.get(slot)} instead of {self.record(seq, pos)}"
                     )
         for seq in seqs:
-            table = seq.block_table
-            for pos in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens):
-                block = blocks[table[pos // bs]]
-                if block.ref_count != 1 or block.hash != NO_HASH:
-                    raise Violation(f"seq {seq.seq_id} writes into block {block.block_id}, shared or published")
-                self.slots[block.block_id * bs + pos % bs] = self.record(seq, pos)
+            self.write(sched, seq, range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens))
+
+    def after_drafts(self, sched, seqs: list[Sequence], is_prefill: bool) -> None:
+        """The drafts' slots (chapter 17), written by the same forward as the last tokens that after_schedule wrote,
+        after the same copies and reads."""
+        for seq in seqs:
+            self.write(sched, seq, range(seq.num_cached_tokens + 1, seq.num_cached_tokens + seq.num_scheduled_tokens))
+
+    def write(self, sched, seq: Sequence, positions: range) -> None:
+        bs, blocks, table = self.bs, sched.block_manager.blocks, seq.block_table
+        for pos in positions:
+            block = blocks[table[pos // bs]]
+            if block.ref_count != 1 or block.hash != NO_HASH:
+                raise Violation(f"seq {seq.seq_id} writes into block {block.block_id}, shared or published")
+            self.slots[block.block_id * bs + pos % bs] = self.record(seq, pos)
 
 
 def random_workload(rng: random.Random) -> Workload:
@@ -115,11 +134,30 @@ def random_workload(rng: random.Random) -> Workload:
     )
 
 
-def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False) -> tuple[int, int, int]:
+class GuessingProposer:
+    """Speculative decoding's drafts (chapter 17): 0 to 4 tokens of the fake model's own continuation (sample 0),
+    each wrong with probability 1/3, so that runs of accepted drafts and rejections both occur."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        context, draft = list(token_ids), []
+        for _ in range(min(self.rng.randint(0, 4), 4 if limit is None else limit)):
+            token = next_token(tuple(context))
+            token = (token + 1) % VOCAB if self.rng.random() < 1 / 3 else token
+            context.append(token)
+            draft.append(token)
+        return draft
+
+
+def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False,
+         speculative: bool = False) -> tuple[int, int, int]:
     """Run the fuzz; return (workloads run, cache-hit blocks seen, copy-on-write copies made).
     Raises Violation on the first bad read or write.
 
-    asynchronous: each step's tokens are resolved after the next step is scheduled (chapter 11)."""
+    asynchronous: each step's tokens are resolved after the next step is scheduled (chapter 11).
+    speculative: decode steps verify drafts (chapter 17), whose slots are written once they are reserved."""
     rng = random.Random(seed)
     hit_blocks = copies = 0
 
@@ -130,9 +168,11 @@ def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False) -> tu
 
     for i in range(num_workloads):
         workload = random_workload(rng)
-        kv = ProvenanceKV(workload.block_size, deferred=asynchronous)
+        kv = ProvenanceKV(workload.block_size, deferred=asynchronous, speculative=speculative)
+        speculation = {"proposer": GuessingProposer(rng), "after_drafts": kv.after_drafts} if speculative else {}
         try:
-            simulate(workload, after_schedule=kv.after_schedule, observer=count_hits, asynchronous=asynchronous)
+            simulate(workload, after_schedule=kv.after_schedule, observer=count_hits, asynchronous=asynchronous,
+                     **speculation)
         except Violation as error:
             raise Violation(f"workload {i}: {error}\n{workload}") from None
         copies += kv.copies
@@ -150,6 +190,14 @@ def test_every_cached_read_has_the_right_provenance_with_async_scheduling():
     """Blocks are published when a step is resolved, which is after the next step was queued: still,
     no step reads a slot before the step that writes it (the GPU runs the queue in order)."""
     runs, hit_blocks, copies = fuzz(NUM_WORKLOADS // 4, seed=SEED + 1, asynchronous=True)
+    assert hit_blocks > runs and copies > runs // 10
+
+
+def test_every_cached_read_has_the_right_provenance_with_speculative_decoding():
+    """Drafts write K/V into fresh slots and the model may reject them: still, every read finds the KV of its own
+    prefix (a rejected draft's slot is written again before anyone reads it), and no step writes into a shared or
+    published block."""
+    runs, hit_blocks, copies = fuzz(NUM_WORKLOADS // 8, seed=SEED + 2, speculative=True)
     assert hit_blocks > runs and copies > runs // 10
 
 

@@ -420,8 +420,7 @@ class ModelRunner:
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence]) -> list[list[int]]:
         """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
-        returns, per sequence, the model's token after each of them: greedy after the drafts' positions, and after the
-        last one sampled with the sequence's own parameters."""
+        returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
@@ -432,15 +431,16 @@ class ModelRunner:
             reset_context()
         # No context installed: the LM head computes a row for every position, not only each sequence's last.
         logits = self.model.compute_logits(hidden_states)
-        tokens = self.sampler(logits, torch.zeros(len(logits), device=logits.device))
-        # Each sequence's last row is sampled as a decode step samples it: a sequence that samples at a
-        # temperature has no drafts and shares the step with those that do, and its seed sees the same position.
+        # Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
+        # sequence's own parameters: what a decode step at that index would draw, seed included (chapter 07).
         counts = [seq.num_scheduled_tokens for seq in seqs]
-        last_rows = torch.tensor(counts, device=logits.device).cumsum(0) - 1
-        inputs = sampling_inputs([seq.sampling_params for seq in seqs], [len(seq) for seq in seqs], logits.device,
-                                 [seq.sample_index for seq in seqs])
-        tokens[last_rows] = self.sampler(logits[last_rows], **inputs)
-        tokens = tokens.tolist()
+        params, positions, samples = [], [], []
+        for seq, count in zip(seqs, counts, strict=True):
+            start = len(seq) - count + 1
+            params += [seq.sampling_params] * count
+            positions += range(start, start + count)
+            samples += [seq.sample_index] * count
+        tokens = self.sampler(logits, **sampling_inputs(params, positions, logits.device, samples)).tolist()
         rows, start = [], 0
         for count in counts:
             rows.append(tokens[start : start + count])

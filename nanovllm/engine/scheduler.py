@@ -288,15 +288,15 @@ class Scheduler:
 
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
-        """Append drafts to the greedy sequences of a scheduled decode step, with the blocks their K/V needs, within
-        the token budget; returns how many drafts the step now verifies."""
+        """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
+        budget; returns how many drafts the step now verifies."""
         budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
         reserved = 0
         for seq in seqs:
             params = seq.sampling_params
             # The sequence's last allowed token is a model token, never a kept draft.
             room = min(budget, params.max_tokens - seq.num_completion_tokens - 1)
-            if params.temperature > 0 or room <= 0:
+            if room <= 0:
                 continue
             draft = proposer.propose(seq.token_ids, room)
             if not draft:
