@@ -899,11 +899,13 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # the synchronous one 1,439, the synchronous one with prompt lookup 171 tok/s, with an acceptance
 # rate of 85 % and 4.37 tokens per verify step. The steps fell from 768 to 182, but each verify
 # step took about 25 ms against 0.7 ms for a decode step replayed from its CUDA graph: this eager
-# verify forward is what stands in the way, not the drafts. And in bfloat16 one of the three
-# outputs parted from the plain engine's at its 36th token: the verify step's kernels (those of
-# prefill) round differently from the decode step's, so a near tie can go the other way. On the
-# CPU in float32 the output is identical, as asserted above; on a GPU it will be once the verify
-# step runs through the decode path's kernels.
+# verify forward is what stands in the way, not the drafts. A profile says where
+# (`scripts/profile_verify.py`, Qwen3-0.6B's shapes, five query tokens a step): of a 41 ms verify
+# step, the GPU's kernels take 1.5 ms; the rest is the host, running the forward op by op. And in
+# bfloat16 one of the three outputs parted from the plain engine's at its 36th token: the verify
+# step's kernels (those of prefill) round differently from the decode step's, so a near tie can
+# go the other way. On the CPU in float32 the output is identical, as asserted above; on a GPU it
+# will be once the verify step runs through the decode path's kernels.
 #
 # Not built yet, and where it goes next: a draft model (with the general acceptance rule);
 # the verify step under CUDA graphs and with asynchronous scheduling and tensor parallelism; a
@@ -933,7 +935,9 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # **GPU 上的记录：** 一块 H200（2026-12-04，`scripts/gpu-ci.sh speculative --repeats 1`，三个引用原文的提示词，
 # 各 256 个 token，批大小为 1，bfloat16 的 SmolLM2）：默认引擎 1,844 tok/s，同步引擎 1,439，带 prompt lookup 的
 # 同步引擎 171 tok/s，接受率 85%，每个验证步 4.37 个 token。步数从 768 降到 182，但每个验证步约 25 毫秒，而从
-# CUDA 图重放的 decode 步只要 0.7 毫秒：挡路的是这个 eager 方式运行的验证前向，不是草稿。另外，在 bfloat16 下三个
+# CUDA 图重放的 decode 步只要 0.7 毫秒：挡路的是这个 eager 方式运行的验证前向，不是草稿。一次性能剖析说明了时间
+# 花在哪里（`scripts/profile_verify.py`，Qwen3-0.6B 的形状，每步五个查询 token）：41 毫秒的验证步里，GPU 内核只占
+# 1.5 毫秒，其余都是主机在逐个算子地执行前向计算。另外，在 bfloat16 下三个
 # 输出中有一个在第 36 个 token 处与普通引擎的输出分开：验证步用的内核（prefill 的内核）和 decode 步的舍入方式不同，
 # 于是两个几乎并列的 token 可能选到另一个。在 CPU 上用 float32 时输出完全相同，上面已经断言；在 GPU 上，要等验证步
 # 也走 decode 路径的内核才会完全相同。

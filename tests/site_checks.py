@@ -213,6 +213,11 @@ def test_the_language_switcher_keeps_the_page(browser: Browser, served: str) -> 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_players_speak_only_the_language_of_their_site(browser: Browser, served: str, chapter: str) -> None:
+    sources = {lang: page(lang, "chapters", chapter) for lang in PAGES}
+    if not any("nvv" in source for source in sources.values()):
+        # No player in either language's page (a player is static HTML, its class in the source): nothing to
+        # open in the browser, which costs some 3 s a chapter.
+        return
     texts = {}
     for lang, prefix in (("en", ""), ("zh", "zh/")):
         browser.open(f"{served}/{prefix}chapters/{chapter}/")
