@@ -117,7 +117,7 @@
 # | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 # | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
-# | `speculative_method` | None | "ngram": greedy decode steps verify drafts from prompt lookup (chapter 17) |
+# | `speculative_method` | None | "ngram": decode steps verify drafts from prompt lookup (chapter 17) |
 # | `num_speculative_tokens` | None | drafts per step with a `speculative_method`; None: 4 (chapter 17) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
@@ -170,7 +170,7 @@
 # | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 # | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
-# | `speculative_method` | None | "ngram"：贪心 decode 步验证 prompt lookup 给出的草稿（第 17 章） |
+# | `speculative_method` | None | "ngram"：decode 步验证 prompt lookup 给出的草稿（第 17 章） |
 # | `num_speculative_tokens` | None | 设了 `speculative_method` 时每步的草稿数；None：4（第 17 章） |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32

@@ -110,9 +110,9 @@ def simulate(
     it is scheduled, and its tokens are resolved only after the next step has been scheduled. The
     fake model then "computes" a token when it is resolved, from the (by then known) prefix.
 
-    proposer: speculative decoding (chapter 17, synchronous only): every request decodes greedily, each decode
-    step reserves drafts from ``proposer`` (``after_drafts`` sees the step then), the fake model gives its token
-    after the last token and after each draft, and ``accept_drafts`` keeps what agrees.
+    proposer: speculative decoding (chapter 17, synchronous only): each decode step reserves drafts from
+    ``proposer`` (``after_drafts`` sees the step then), the fake model gives its token after the last token and
+    after each draft, and ``accept_drafts`` keeps what agrees.
     """
     assert proposer is None or not asynchronous, "speculative decoding runs synchronously"
     sched = workload.scheduler()
@@ -155,8 +155,7 @@ def simulate(
             now = max(now, pending[0][1].arrival)  # idle: jump to the next arrival
         while pending and pending[0][1].arrival <= now:
             index, request = pending.pop(0)
-            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, n=request.n,
-                                    temperature=0.0 if proposer is not None else 1.0)
+            params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, n=request.n)
             seqs[index] = Sequence(request.prompt, params, block_size=workload.block_size)
             sched.add(seqs[index])
         scheduled, is_prefill = sched.schedule()
