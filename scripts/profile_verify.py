@@ -17,10 +17,13 @@ import io
 import json
 import pstats
 import statistics
-import time
 from pathlib import Path
 
 import torch
+
+# A synchronous step returns once its tokens are on the host: profile_host_step's timer serves as it is
+# (run as a script, this file's folder is on sys.path).
+from profile_host_step import decode_until
 
 from nanovllm.bench.engine import qwen3_06b_random
 from nanovllm.llm import LLM
@@ -35,33 +38,22 @@ class Fixed:
         return [1] * min(self.k, self.k if limit is None else limit)
 
 
-def decode_steps(llm: LLM, count: int) -> list[float]:
-    seconds = []
-    while len(seconds) < count and not llm.is_finished():
-        began = time.perf_counter()
-        _, num_tokens, is_prefill = llm.step()
-        torch.cuda.synchronize()
-        if not is_prefill and num_tokens:
-            seconds.append(time.perf_counter() - began)
-    return seconds
-
-
 def run(name: str, settings: dict, k: int, out: Path) -> dict:
     llm = LLM(str(qwen3_06b_random()), async_scheduling=False, **settings)
     if settings.get("speculative_method"):
         llm.proposer = Fixed(k)
     llm.add_request(list(range(1000, 1512)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
-    first = decode_steps(llm, 40)
-    steady = decode_steps(llm, 40)
+    first = decode_until(llm, 40)
+    steady = decode_until(llm, 40)
     profiler = cProfile.Profile()
     profiler.enable()
-    decode_steps(llm, 20)
+    decode_until(llm, 20)
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        decode_steps(llm, 20)
+        decode_until(llm, 20)
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
     cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     (out / f"{name}.txt").write_text(f"{text.getvalue()}\n\n{table}\n\n{cpu_table}")
