@@ -201,12 +201,8 @@ class Config:
         _choice("speculative_method", method, SPECULATIVE_METHODS)
         self.num_speculative_tokens = 4 if drafts is None else check(
             "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
-        if self.async_scheduling is True:
-            raise ValueError("speculative decoding runs synchronously for now: leave async_scheduling at 'auto' or "
-                             "pass async_scheduling=False")
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
-        self.async_scheduling = False
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -851,16 +851,26 @@ LLMEngine.in_flight: LaunchedStep | None = None
 
 
 @add_to_class(LLMEngine)
+def next_step_waits(self) -> bool:
+    """Whether the next step needs the tokens of the step in flight before it is scheduled (never here; a step whose
+    schedule reads the last tokens, such as chapter 17's verify step, does)."""
+    return False
+
+
+@add_to_class(LLMEngine)
 def _step(self) -> tuple[list[Sequence], int, bool]:
     """One step: the sequences it finished, the tokens it computed, whether it was a prefill. Asynchronously,
     the step it launches is not the one it reports: it queues step n + 1, then collects step n."""
-    if not self.config.async_scheduling:
+    waits = self.config.async_scheduling and self.next_step_waits()
+    if not self.config.async_scheduling or (waits and self.in_flight is None):
         return self._collect(self._launch(previous=None))
     # en: Schedule and queue the next step before waiting for the one in flight: while the host
-    # en: waits for (and then bookkeeps) step n, the GPU already computes step n + 1.
+    # en: waits for (and then bookkeeps) step n, the GPU already computes step n + 1. A step that
+    # en: waits is not queued: the one in flight is collected alone, and the next call runs it.
     # zh: 先调度并排队下一步，再等待计算中的那一步：主机等待（然后记账）第 n 步时，GPU 已经在算第 n + 1 步了。
+    # zh: 需要等待的那一步不排队：先单独收取计算中的那一步，下一次调用再运行它。
     launched = None
-    if self.in_flight is None or not self.scheduler.is_finished():
+    if not waits and (self.in_flight is None or not self.scheduler.is_finished()):
         launched = self._launch(previous=self.in_flight)
     done, self.in_flight = self.in_flight, launched
     if done is None:

@@ -427,6 +427,7 @@ print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFL
 #| export bench.engine
 import argparse
 import gc
+import importlib
 import sys
 from pathlib import Path
 
@@ -554,17 +555,21 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
           f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
 
 
+# en: The other benchmarks of the same command: a flag, and the module whose main() runs it with the other arguments
+# en: (later chapters add theirs).
+# zh: 同一条命令的其他基准测试：一个开关，以及用其余参数运行它的 main() 所在的模块（后面的章节会加上它们自己的）。
+OTHER_BENCHMARKS: dict[str, str] = {"--latency": "nanovllm.bench.latency"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # en: The other benchmark of the same command: decode-step latency (nanovllm.bench.latency).
-    # zh: 同一条命令的另一个基准测试：decode 步延迟（nanovllm.bench.latency）。
-    if "--latency" in argv:
-        from nanovllm.bench.latency import main as latency
-
-        return latency([arg for arg in argv if arg != "--latency"])
+    for flag, module in OTHER_BENCHMARKS.items():
+        if flag in argv:
+            return importlib.import_module(module).main([arg for arg in argv if arg != flag])
+    others = ", ".join(f"python -m nanovllm.bench {flag} [--help]" for flag in OTHER_BENCHMARKS)
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.",
-                                     epilog="python -m nanovllm.bench --latency [--help]: decode-step latency at "
-                                     "batches 1, 4, 16 and 64 instead, against each step's bound")
+                                     epilog=f"Other benchmarks: {others} (--latency: decode-step latency at batches "
+                                     "1, 4, 16 and 64, against each step's bound)")
     parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--preset", choices=sorted(PRESETS), help="default: nano-vllm on CUDA, cpu otherwise")
     parser.add_argument("--num-seqs", type=int)

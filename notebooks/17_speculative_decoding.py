@@ -67,11 +67,12 @@ say = Phrases({
         "{name:<14} 步数 {steps:3d}，草稿 {drafts:3d}，接受 {accepted:3d}，与普通 decode 完全相同：{same}",
     "SmolLM2, {prompts} prompts that quote a passage, {tokens} tokens each: {plain} steps without speculation, "
     "{spec} with it ({ratio:.2f}x fewer); acceptance rate {rate:.0%}, {mean:.2f} tokens per verify step; "
-    "identical output: {same}":
+    "identical outputs: {same} of {prompts}":
         "SmolLM2，{prompts} 个引用一段文字的提示词，每个 {tokens} 个 token：不投机 {plain} 步，投机 {spec} 步（步数为"
-        "原来的 1/{ratio:.2f}）；接受率 {rate:.0%}，每个验证步 {mean:.2f} 个 token；输出完全相同：{same}",
-    "wall time on this CPU: {plain:.2f} s without, {spec:.2f} s with speculation":
-        "本机 CPU 上的耗时：不投机 {plain:.2f} 秒，投机 {spec:.2f} 秒",
+        "原来的 1/{ratio:.2f}）；接受率 {rate:.0%}，每个验证步 {mean:.2f} 个 token；输出完全相同的：{same} 个，共 "
+        "{prompts} 个",
+    "on this CPU: {plain:.1f} tok/s without, {spec:.1f} tok/s with speculation ({ratio:.2f}x)":
+        "本机 CPU 上：不投机 {plain:.1f} tok/s，投机 {spec:.1f} tok/s（{ratio:.2f} 倍）",
     "refused: {error}": "被拒绝：{error}",
     "preemption": "抢占", "chunked prefill": "分块 prefill", "n = 2, copy-on-write": "n = 2，写时复制",
     "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符",
@@ -263,6 +264,7 @@ def trim(self, seq: Sequence) -> None:
 from typing import Protocol
 
 from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import PENDING_TOKEN
 
 
 class Proposer(Protocol):
@@ -271,17 +273,32 @@ class Proposer(Protocol):
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
 
 
+# en: At most this many rows in a verify step (a row: a sequence's last token or one of its drafts). The rule that
+# en: turns speculation down as the batch grows and off past 32 sequences; the section "When it pays" measures it.
+# zh: 一个验证步最多这么多行（一行：序列的最后一个 token 或它的一个草稿）。这条规则随着批变大减少草稿，超过 32 个
+# zh: 序列就关掉投机；"什么时候划算"一节测量了它。
+Scheduler.max_verify_rows: int = 64
+
+
+@add_to_class(Scheduler)
+def drafts_per_sequence(self, batch: int) -> int:
+    """How many drafts each sequence of a decode batch of ``batch`` may get within `max_verify_rows` (0: none)."""
+    return max(0, self.max_verify_rows // max(1, batch) - 1)
+
+
 @add_to_class(Scheduler)
 def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
     """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
-    budget; returns how many drafts the step now verifies."""
+    budget and `max_verify_rows`; returns how many drafts the step now verifies."""
     budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
+    per_sequence = self.drafts_per_sequence(len(seqs))
     reserved = 0
     for seq in seqs:
+        assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
         params = seq.sampling_params
         # en: The sequence's last allowed token is a model token, never a kept draft.
         # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
-        room = min(budget, params.max_tokens - seq.num_completion_tokens - 1)
+        room = min(budget, per_sequence, params.max_tokens - seq.num_completion_tokens - 1)
         if room <= 0:
             continue
         draft = proposer.propose(seq.token_ids, room)
@@ -447,37 +464,66 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 # %% [markdown] tags=["en"]
 # ## Build it: verify in one forward
 #
-# The verify step is a decode step with several query tokens per sequence: each sequence's last
-# token and its drafts, attending to the sequence's cached prefix and, causally, to each other.
-# That is exactly what chunked prefill (chapter 04) taught the model runner to compute:
-# `prepare_prefill` starts at `num_cached_tokens` and takes `num_scheduled_tokens` tokens. Two
-# things differ from a prefill. The LM head must give logits for *every* position, not only each
-# sequence's last: with no attention context installed it does. And every row is sampled through
-# the runner's own sampler with its sequence's parameters, as the token of its index: the token a
-# decode step would draw there (a non-finite row is marked exactly as chapter 07 marks it). The
-# next section shows why sampling each row is all that speculative sampling needs here.
+# The verify step computes several query tokens per sequence: its last token and its drafts,
+# each attending to the sequence's cached prefix and, causally, to the tokens before it. Chunked
+# prefill (chapter 04) computes exactly that, but through the prefill path, which runs eagerly:
+# at batch 1 on a GPU that costs tens of milliseconds of kernel launches, where a decode step
+# replays a CUDA graph in one (chapter 09). So the verify step is written as a decode step
+# instead. A sequence with *k* drafts becomes *k* + 1 decode rows that share its block table:
+# row *i* holds the token at index start + *i* (start: the sequence's cached length), stores its
+# K/V in that position's slot and sees the first start + *i* + 1 tokens. Each row is then exactly
+# the decode step that would compute that position once the tokens before it were accepted, and
+# since every layer stores the step's K/V before it attends, row *i* sees the drafts before it.
+# The decode graphs of chapter 09 run it unchanged: a batch of one sequence with four drafts
+# replays the graph captured for 8 rows. (The rows read the shared prefix's K/V once each, *k* + 1
+# times in all: nothing at the small batches where speculation pays.)
 #
-# This first version runs the verify forward eagerly: the decode graphs of chapter 09 hold one
-# query token per sequence. Capturing graphs for *k* + 1 query tokens is the next step.
+# Two things differ from a decode step. The LM head gives logits for every row, and every row is
+# sampled through the runner's own sampler with its sequence's parameters, as the token of its
+# index: the token a decode step would draw there (a non-finite row is marked exactly as
+# chapter 07 marks it). The next section shows why sampling each row is all that speculative
+# sampling needs here.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：一次前向完成验证
 #
-# 验证步是每个序列带多个查询 token 的 decode 步：每个序列的最后一个 token 和它的草稿，关注序列已缓存的前缀，彼此之间
-# 按因果关系互相关注。这恰好是分块 prefill（第 04 章）教会模型执行器计算的东西：`prepare_prefill` 从
-# `num_cached_tokens` 开始，取 `num_scheduled_tokens` 个 token。和 prefill 不同的地方有两处。LM head 必须给*每个*
-# 位置输出 logits，而不只是每个序列的最后一个位置：不安装注意力上下文时它就是这样做的。每一行都通过执行器自己的
-# 采样器、用它所属序列的参数，作为它那个下标上的 token 来采样：也就是 decode 步在那里会抽出的 token（非有限的行
-# 也和第 07 章一样被标记）。下一节说明，为什么在这里对每一行采样就是投机采样所需要的全部。
+# 验证步为每个序列计算多个查询 token：它的最后一个 token 和它的草稿，每个都关注序列已缓存的前缀，并按因果关系
+# 关注它前面的 token。分块 prefill（第 04 章）算的正是这个，但走的是 prefill 路径，是 eager 执行的：在 GPU 上
+# batch 为 1 时，这要花几十毫秒去启动 kernel，而 decode 步只需重放一张 CUDA 图（第 09 章）。所以验证步改写成
+# decode 步。带 *k* 个草稿的序列变成共享同一个块表的 *k* + 1 个 decode 行：第 *i* 行放下标为 start + *i* 的 token
+# （start：序列已缓存的长度），把它的 K/V 存进这个位置的槽，看到前 start + *i* + 1 个 token。于是每一行恰好就是
+# 它前面的 token 都被接受之后、计算这个位置的那个 decode 步；又因为每一层都先存下这一步的 K/V 再做注意力，第 *i*
+# 行能看到它前面的草稿。第 09 章的 decode 图原样运行它：一个带四个草稿的序列，重放的是为 8 行捕获的那张图。（这些行
+# 各自读一遍共享前缀的 K/V，一共 *k* + 1 遍：在投机解码划算的小 batch 上，这不算什么。）
 #
-# 这个第一版以 eager 方式运行验证的前向计算：第 09 章的 decode 图每个序列只有一个查询 token。为 *k* + 1 个查询
-# token 捕获图是下一步的工作。
+# 和 decode 步不同的地方有两处。LM head 为每一行都输出 logits；每一行都通过执行器自己的采样器、用它所属序列的
+# 参数，作为它那个下标上的 token 来采样：也就是 decode 步在那里会抽出的 token（非有限的行也和第 07 章一样被标记）。
+# 下一节说明，为什么在这里对每一行采样就是投机采样所需要的全部。
 
 # %% runner verifies
 #| export engine.model_runner
-from nanovllm.engine.model_runner import ModelRunner, copy_kv_blocks, prepare_prefill
-from nanovllm.layers.context import reset_context
+from nanovllm.engine.model_runner import ModelRunner, _tensor, copy_kv_blocks
+from nanovllm.layers.context import reset_context, set_decode_context
 from nanovllm.layers.sampler import sampling_inputs
+
+
+def prepare_verify(
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and positions of a verify step, one decode row per scheduled token; installs the decode context.
+
+    A sequence with k drafts becomes k + 1 rows that share its block table: row i holds the token at index
+    start + i and sees the first start + i + 1 tokens (start: the sequence's cached length)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    for seq in seqs:
+        start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
+        assert start + count == len(seq), f"not ready to verify: {seq}"
+        input_ids += seq.scheduled_token_ids
+        positions += range(start, start + count)
+    tables = [seq.block_table for seq in seqs for _ in range(seq.num_scheduled_tokens)]
+    set_decode_context([position + 1 for position in positions], tables, block_size, device)
+    return _tensor(input_ids, device), _tensor(positions, device)
 
 
 @add_to_class(ModelRunner)
@@ -489,12 +535,14 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
         raise RuntimeError("this model runner was stopped (exit() was called)")
     copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
     try:
-        input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
-        hidden_states = self.model(input_ids, positions)
+        input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
+        # en: A decode step of len(input_ids) rows: it replays the decode graph of that size when one covers it.
+        # zh: 一个有 len(input_ids) 行的 decode 步：有覆盖这个大小的 decode 图时，就重放那张图。
+        hidden_states = self.forward(input_ids, positions, is_prefill=False)
     finally:
         reset_context()
-    # en: No context installed: the LM head computes a row for every position, not only each sequence's last.
-    # zh: 没有安装上下文：LM head 为每个位置都算一行，而不只是每个序列的最后一个位置。
+    # en: Every row is a position to sample: the LM head computes them all.
+    # zh: 每一行都是要采样的位置：LM head 把它们全算出来。
     logits = self.model.compute_logits(hidden_states)
     # en: Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
     # en: sequence's own parameters: what a decode step at that index would draw, seed included (chapter 07).
@@ -633,10 +681,13 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # are dropped before chapter 13's `rollback`, so the same step can run again.
 #
 # The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=4)` (4 is the
-# default once a method is chosen). This version is synchronous: with `async_scheduling` the
-# next step would be scheduled before this step's drafts were accepted, so the engine refuses the
-# combination with a clear error, and so it does for tensor parallelism, whose ranks have no
-# verify step yet.
+# default once a method is chosen). A verify step is synchronous: its drafts come from the
+# sequences' last tokens, which asynchronous scheduling (chapter 12) has not brought back yet
+# when it schedules the next step. So chapter 12's `next_step_waits` hook says yes whenever the
+# next decode step may carry drafts: the step in flight is collected alone, and the verify step
+# runs to the end before the one after it is scheduled. Where the batch is too large to
+# speculate (the section "When it pays"), steps overlap as usual. Tensor parallelism is refused with a clear
+# error: its ranks have no verify step yet.
 
 # %% [markdown] tags=["zh"]
 # ## 引擎：带草稿的 decode 步就是验证步
@@ -645,9 +696,10 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # 模型执行器就做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance` 和 `resolve` 记录的普通
 # decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，于是同一步可以再跑一次。
 #
-# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）。这个版本是同步的：
-# 打开 `async_scheduling` 时，下一步会在这一步的草稿被接受之前就调度，所以引擎以清楚的错误拒绝这种组合；张量并行
-# 也一样，因为它的各个 rank 还没有验证步。
+# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）。验证步是同步的：
+# 它的草稿来自各序列的最后一个 token，而异步调度（第 12 章）在调度下一步时还没有把这些 token 取回来。所以只要下一个
+# decode 步可能带草稿，第 12 章的钩子 `next_step_waits` 就回答"是"：先单独收取计算中的那一步，验证步跑完之后才调度
+# 再下一步。批大到不值得投机时（见"什么时候划算"一节），各步照常重叠。张量并行会以清楚的错误被拒绝：它的各个 rank 还没有验证步。
 
 # %% engine verifies
 #| export engine.llm_engine
@@ -675,12 +727,23 @@ def drafts_source(self) -> Proposer | None:
 
 
 @add_to_class(LLMEngine)
+def next_step_waits(self) -> bool:
+    """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
+    proposer = self.drafts_source()
+    return proposer is not None and self.scheduler.drafts_per_sequence(len(self.scheduler.running)) > 0
+
+
+@add_to_class(LLMEngine)
 def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
     with drafts is verified, and what the model accepts is counted as a plain decode step."""
     seqs, is_prefill = self.scheduler.schedule()
     proposer = self.drafts_source()
-    verifying = not is_prefill and proposer is not None and self.scheduler.reserve_drafts(seqs, proposer) > 0
+    # en: Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
+    # zh: 草稿来自最后的 token：prefill 步里没有，计算中的那一步（previous）还在算它们时也没有。
+    verifying = False
+    if proposer is not None and not is_prefill and previous is None:
+        verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
     try:
         # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
@@ -818,40 +881,170 @@ for name, (settings, params) in cases.items():
 # 为 1 时能看到的收益，因为那时一步的成本几乎不随查询 token 的数量变化；本机 CPU 的耗时也打印出来，但 CPU 要为
 # 多出的每一行付费。
 
-# %%
+# %% [markdown] tags=["en"]
+# The measurement is a benchmark of the package, `python -m nanovllm.bench --speculative`: the
+# same requests through an engine without and with prompt lookup, built in one invocation, and per
+# batch size their tok/s, the ratio, the acceptance rate, the mean tokens a verify step gives, and
+# how many outputs are identical. `--workload nano-vllm` runs chapter 14's 256-sequence workload
+# instead, to check that speculation costs nothing where the rule turns it off.
+
+# %% [markdown] tags=["zh"]
+# 测量用的是包里的一个基准测试 `python -m nanovllm.bench --speculative`：同一批请求，在同一次调用里分别交给不带和
+# 带 prompt lookup 的引擎，对每个批大小打印 tok/s、二者之比、接受率、每个验证步平均产出的 token 数，以及有多少
+# 输出完全相同。`--workload nano-vllm` 改跑第 14 章那个 256 个序列的负载，检查在规则关掉投机的地方它不带来任何
+# 代价。
+
+# %% bench speculative flag
+#| export bench.engine
+from nanovllm.bench.engine import OTHER_BENCHMARKS
+
+OTHER_BENCHMARKS["--speculative"] = "nanovllm.bench.speculative"
+
+# %% bench speculative
+#| export bench.speculative
+"""``python -m nanovllm.bench --speculative``: the engine with and without prompt lookup, on the same requests."""
+
+from __future__ import annotations
+
+import argparse
+import gc
 import time
+from typing import Any
 
-from nanovllm.book.smollm2 import smollm2_dir
+import torch
 
-passage = (
+from nanovllm.bench.engine import PRESETS, make_workload, qwen3_06b_random
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.sampling_params import SamplingParams
+
+PASSAGE = (
     "A decode step computes each sequence's last token. A verify step computes the last token and its k drafts, "
     "so the drafts must have slots in the KV cache before the step runs. The scheduler has already picked the "
     "decode batch and made room for one token per sequence, preempting if it had to."
 )
-quoting = [f"Here is a paragraph from a book about inference engines.\n\n{passage}\n\nThe same paragraph, "
-           f"copied word for word:\n\n{passage[:length]}" for length in (40, 90, 150)]
-smollm2 = str(smollm2_dir())
+
+
+def quoting_prompts(count: int) -> list[str]:
+    """Prompts that quote PASSAGE and ask for it again, cut at different places: a model continuing a quotation
+    copies, and prompt lookup finds what it copies."""
+    head = (f"Here is a paragraph from a book about inference engines.\n\n{PASSAGE}\n\nThe same paragraph, copied "
+            "word for word:\n\n")
+    return [head + PASSAGE[: 40 + 50 * i % 200] for i in range(count)]
+
+
+def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
+            **settings: Any) -> dict[str, Any]:
+    """Generate ``prompts`` on one engine built with ``settings`` (`LLM` keyword arguments; ``verify_rows``
+    overrides `Scheduler.max_verify_rows`): tok/s, the token ids, and the speculation counters."""
+    from nanovllm.llm import LLM
+
+    llm = LLM(model, **settings)
+    try:
+        if verify_rows is not None:
+            llm.scheduler.max_verify_rows = verify_rows
+        # en: A warm-up request, untimed and not counted.
+        # zh: 一个预热请求，不计时也不计数。
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        scheduler = llm.scheduler
+        scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
+        steps, inner = [], llm._step
+
+        def counted() -> tuple:
+            # en: A step that computed tokens (the first asynchronous call only queues one).
+            # zh: 计算了 token 的一步（异步调度的第一次调用只是排队）。
+            finished, num_tokens, is_prefill = inner()
+            steps.append(num_tokens > 0)
+            return finished, num_tokens, is_prefill
+
+        llm._step = counted
+        began = time.perf_counter()
+        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
+        seconds = time.perf_counter() - began
+    finally:
+        llm.exit()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    tokens = sum(map(len, outputs))
+    return {"tok_s": tokens / seconds, "seconds": seconds, "steps": sum(steps), "outputs": outputs,
+            "drafted": scheduler.drafted_tokens, "accepted": scheduler.accepted_tokens,
+            "verifications": scheduler.verifications}
+
+
+def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
+            verify_rows: int | None, **settings: Any) -> dict[str, Any]:
+    """One row of the benchmark: the same requests without, then with prompt lookup."""
+    plain = measure(model, prompts, params, **settings)
+    spec = measure(model, prompts, params, verify_rows=verify_rows, speculative_method="ngram",
+                   num_speculative_tokens=num_speculative_tokens, **settings)
+    same = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"], strict=True))
+    return {"batch": len(prompts), "plain_tok_s": plain["tok_s"], "speculative_tok_s": spec["tok_s"],
+            "ratio": spec["tok_s"] / plain["tok_s"], "plain_steps": plain["steps"], "speculative_steps": spec["steps"],
+            "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
+            "tokens_per_verify": 1 + spec["accepted"] / spec["verifications"] if spec["verifications"] else None,
+            "drafted": spec["drafted"], "identical": same}
+
+
+def print_row(row: dict[str, Any]) -> None:
+    rate = "no drafts" if row["acceptance"] is None else (
+        f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
+    print(f"batch {row['batch']:4d}: {row['plain_tok_s']:9.1f} tok/s plain, {row['speculative_tok_s']:9.1f} with "
+          f"prompt lookup ({row['ratio']:.2f}x); {rate}; identical outputs {row['identical']}/{row['batch']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --speculative",
+                                     description="The engine with and without prompt lookup, on the same requests.")
+    parser.add_argument("--workload", choices=["quoting", "nano-vllm"], default="quoting",
+                        help="quoting: prompts that quote a passage (greedy), one row per --batches; nano-vllm: "
+                        "chapter 14's 256 random prompts (temperature 0.6)")
+    parser.add_argument("--model", help="default: SmolLM2-135M-Instruct (quoting), Qwen3-0.6B shapes (nano-vllm)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    if args.workload == "nano-vllm":
+        model = args.model or str(qwen3_06b_random())
+        workload = make_workload(**PRESETS["nano-vllm"])
+        cases = [(workload.prompts, workload.sampling_params())]
+    else:
+        from nanovllm.book.smollm2 import smollm2_dir
+
+        model = args.model or str(smollm2_dir())
+        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        cases = [(quoting_prompts(batch), [greedy] * batch) for batch in args.batches]
+    print(f"model: {model}; {args.workload} workload, {args.num_speculative_tokens} drafts a step")
+    report = report_header("python -m nanovllm.bench --speculative", argv, args.device) | {"model": model,
+                                                                                           "rows": []}
+    for prompts, params in cases:
+        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, device=args.device,
+                      max_model_len=4096)
+        print_row(row)
+        report["rows"].append(row)
+    write_report(report, args.out)
+    return 0
+
+
+# %%
+from nanovllm.bench.speculative import compare, quoting_prompts
+from nanovllm.book.smollm2 import smollm2_dir
+
 greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-results = {}
-for label, speculation in (("plain", {}), ("ngram", {"speculative_method": "ngram"})):
-    llm = LLM(smollm2, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, **speculation)
-    steps, began = 0, time.perf_counter()
-    for prompt in quoting:
-        llm.add_request(prompt, greedy)
-    outputs = {}
-    while not llm.is_finished():
-        outputs.update((output.request_id, output[1]) for output in llm.step()[0])
-        steps += 1
-    results[label] = ([outputs[key] for key in sorted(outputs)], steps, time.perf_counter() - began, llm.scheduler)
-(plain, plain_steps, plain_s, _), (spec, spec_steps, spec_s, stats) = results["plain"], results["ngram"]
-print(say("SmolLM2, {prompts} prompts that quote a passage, {tokens} tokens each: {plain} steps without "
-          "speculation, {spec} with it ({ratio:.2f}x fewer); acceptance rate {rate:.0%}, {mean:.2f} tokens per "
-          "verify step; identical output: {same}", prompts=len(quoting), tokens=greedy.max_tokens,
-          plain=plain_steps, spec=spec_steps, ratio=plain_steps / spec_steps,
-          rate=stats.accepted_tokens / stats.drafted_tokens, mean=1 + stats.accepted_tokens / stats.verifications,
-          same=spec == plain))
-print(say("wall time on this CPU: {plain:.2f} s without, {spec:.2f} s with speculation", plain=plain_s, spec=spec_s))
-assert spec == plain and spec_steps < plain_steps
+row = compare(str(smollm2_dir()), quoting_prompts(3), [greedy] * 3, num_speculative_tokens=4, verify_rows=None,
+              device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)
+print(say("SmolLM2, {prompts} prompts that quote a passage, {tokens} tokens each: {plain} steps without speculation, "
+          "{spec} with it ({ratio:.2f}x fewer); acceptance rate {rate:.0%}, {mean:.2f} tokens per verify step; "
+          "identical outputs: {same} of {prompts}", prompts=row["batch"], tokens=greedy.max_tokens,
+          plain=row["plain_steps"], spec=row["speculative_steps"], ratio=row["plain_steps"] / row["speculative_steps"],
+          rate=row["acceptance"], mean=row["tokens_per_verify"], same=row["identical"]))
+print(say("on this CPU: {plain:.1f} tok/s without, {spec:.1f} tok/s with speculation ({ratio:.2f}x)",
+          plain=row["plain_tok_s"], spec=row["speculative_tok_s"], ratio=row["ratio"]))
+assert row["identical"] == row["batch"] and row["tokens_per_verify"] > 2
+assert row["speculative_steps"] < row["plain_steps"]
 
 # %% [markdown] tags=["en"]
 # ## What it refuses
@@ -870,7 +1063,7 @@ refusals = {
     "unknown method": {"speculative_method": "medusa"},
     "drafts without a method": {"num_speculative_tokens": 4},
     "no drafts": {"speculative_method": "ngram", "num_speculative_tokens": 0},
-    "asynchronous": {"speculative_method": "ngram", "async_scheduling": True},
+    "tensor parallel": {"speculative_method": "ngram", "tensor_parallel_size": 2},
 }
 for name, settings in refusals.items():
     try:

@@ -31,7 +31,8 @@
 #                                       # fp8), accuracy (python -m nanovllm.bench.kv_cache_accuracy on the GPU);
 #                                       # without PART: tests, then bench
 #   scripts/gpu-ci.sh speculative [ARGS] # speculative decoding (chapter 17): its GPU tests, then
-#                                       # scripts/speculative_probe.py ARGS (batch 1, SmolLM2, with and without drafts)
+#                                       # python -m nanovllm.bench --speculative ARGS (SmolLM2 quoting a passage at
+#                                       # batches 1, 4, 16, 64, with and without prompt lookup)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -244,12 +245,12 @@ run_fp8() {
   fi
 }
 
-run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then the batch-1 probe on SmolLM2
+run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then its benchmark on SmolLM2
   notebook_stack || exit 2
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/speculative-tests.xml" \
     tests/test_17_speculative.py || status=1
-  python3 scripts/speculative_probe.py "$@" --out "$out/speculative-probe.json" 2>&1 \
-    | tee "$out/speculative-probe.log" || status=1
+  python3 -m nanovllm.bench --speculative "$@" --out "$out/speculative.json" 2>&1 \
+    | tee "$out/speculative.log" || status=1
 }
 
 keep() {

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.config import Config
 from nanovllm.engine.prefix_cache import NO_HASH
+from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.speculative import NgramProposer
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -199,6 +200,61 @@ def test_speculation_gives_the_tokens_of_plain_greedy_decoding(tiny, engine):
             assert llm.regimes["cache_hits"] > 0
 
 
+def test_drafts_shrink_as_the_batch_grows_and_stop_past_the_row_budget():
+    from nanovllm.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(num_kvcache_blocks=64, kvcache_block_size=4, max_num_seqs=8, max_num_batched_tokens=256)
+    assert [scheduler.drafts_per_sequence(b) for b in (1, 16, 21, 32, 33, 256)] == [63, 3, 2, 1, 0, 0]
+    scheduler.max_verify_rows = 12
+    params = SamplingParams(temperature=0, max_tokens=64)
+    for i in range(5):
+        scheduler.add(Sequence([1, 2, 3, i], params, block_size=4))
+    seqs, _ = scheduler.schedule()
+    scheduler.postprocess(seqs, [7] * len(seqs), True)
+
+    class Greedy:
+        """Proposes as many drafts as it is allowed."""
+
+        def propose(self, token_ids, limit=None):
+            return [5] * limit
+
+    seqs, is_prefill = scheduler.schedule()
+    assert not is_prefill and len(seqs) == 5
+    # 12 rows for 5 sequences: one draft each (10 rows); 4 sequences would get two each.
+    assert scheduler.reserve_drafts(seqs, Greedy()) == 5
+    assert sum(seq.num_scheduled_tokens for seq in seqs) <= scheduler.max_verify_rows
+    scheduler.drop_drafts(seqs)
+    scheduler.max_verify_rows = 9
+    assert scheduler.reserve_drafts(seqs, Greedy()) == 0 and all(seq.num_scheduled_tokens == 1 for seq in seqs)
+
+
+def test_asynchronous_steps_where_the_batch_is_too_large_to_speculate(tiny):
+    """With async scheduling, large batches pipeline their steps and small ones verify drafts synchronously; the
+    tokens are those of plain greedy decoding either way."""
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 96, "async_scheduling": True}
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (9, 14, 21, 30)]
+    plain_llm = LLM(tiny, device="cpu", **settings)
+    plain = [o["token_ids"] for o in plain_llm.generate(PROMPTS, params, use_tqdm=False)]
+    runs = [plain_llm.tokenizer(p)["input_ids"] + out for p, out in zip(PROMPTS, plain, strict=True)]
+    llm = LLM(tiny, device="cpu", speculative_method="ngram", **settings)
+    llm.proposer = Replay(runs, wrong=(1,))
+    # Drafts only once at most two sequences run: 4 and 3 sequences pipeline their steps.
+    llm.scheduler.max_verify_rows = 4
+    launches, inner = [], llm._launch
+
+    def watched(previous):
+        launched = inner(previous)
+        launches.append((previous is not None, len(launched.seqs), any(s.num_draft_tokens for s in launched.seqs)))
+        return launched
+
+    llm._launch = watched
+    assert [o["token_ids"] for o in llm.generate(PROMPTS, params, use_tqdm=False)] == plain
+    assert llm.scheduler.accepted_tokens > 0
+    assert any(pipelined for pipelined, _, _ in launches), "no step was queued behind another"
+    assert not any(pipelined and batch <= 2 for pipelined, batch, _ in launches), "a small batch did not wait"
+    assert not any(drafts for _, batch, drafts in launches if batch > 2)
+
+
 def test_an_end_inside_a_run_of_accepted_drafts(tiny):
     settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 64}
     params = SamplingParams(temperature=0, max_tokens=24)
@@ -270,6 +326,8 @@ def test_unseeded_sampling_keeps_the_models_distribution(monkeypatch):
     def speculating(accept_everything=False):
         llm = LLM(tiny, device="cpu", speculative_method="ngram", **settings)
         llm.proposer = Fixed([draft, draft])
+        # All 400 sequences verify their two drafts in one step (the default rule would not speculate at 400).
+        llm.scheduler.max_verify_rows = 3 * count
         if accept_everything:
             accept = llm.scheduler.accept_drafts
 
@@ -325,12 +383,13 @@ def test_settings_that_cannot_work_together_are_refused(tiny):
     assert Config.from_kwargs(tiny, device="cpu").speculative_method is None
     config = Config.from_kwargs(tiny, device="cpu", speculative_method="ngram", num_speculative_tokens=6)
     assert config.num_speculative_tokens == 6 and config.async_scheduling is False
+    # Asynchronous scheduling is kept: verify steps wait for the step in flight (see the async test).
+    assert Config.from_kwargs(tiny, device="cpu", speculative_method="ngram", async_scheduling=True).async_scheduling
     refused = [
         ({"speculative_method": "draft"}, ValueError, "must be one of"),
         ({"num_speculative_tokens": 4}, ValueError, "needs a speculative_method"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 0}, ValueError, r"in \[1, 64\]"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 2.5}, TypeError, "must be an int"),
-        ({"speculative_method": "ngram", "async_scheduling": True}, ValueError, "synchronously"),
         ({"speculative_method": "ngram", "tensor_parallel_size": 2}, ValueError, "tensor_parallel_size=1"),
     ]
     for wrong, error, message in refused:
@@ -342,15 +401,18 @@ def test_settings_that_cannot_work_together_are_refused(tiny):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_speculation_on_the_gpu_gives_the_tokens_of_plain_greedy_decoding():
     tiny = str(build_tiny_model("qwen3"))
-    settings = {"kvcache_block_size": 16, "num_kvcache_blocks": 64, "device": "cuda", "async_scheduling": False}
+    settings = {"kvcache_block_size": 16, "num_kvcache_blocks": 64, "device": "cuda"}
     params = SamplingParams(temperature=0, max_tokens=32)
     plain = LLM(tiny, **settings).generate(PROMPTS, params, use_tqdm=False)
     llm = LLM(tiny, speculative_method="ngram", **settings)
     runs = [llm.tokenizer(p)["input_ids"] + out["token_ids"] for p, out in zip(PROMPTS, plain, strict=True)]
     llm.proposer = Replay(runs)
+    # Every verify step replays a decode graph (one row per query token).
+    replays, replay = [], llm.model_runner.graphs.replay
+    llm.model_runner.graphs.replay = lambda *args: replays.append(len(args[0])) or replay(*args)
     spec = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o["token_ids"] for o in spec] == [o["token_ids"] for o in plain]
-    assert llm.scheduler.accepted_tokens > 0
+    assert llm.scheduler.accepted_tokens > 0 and len(replays) >= llm.scheduler.verifications // len(PROMPTS) > 0
 
 
 def test_the_server_streams_speculative_decoding_token_for_token():

@@ -215,12 +215,14 @@ class LLMEngine:
     def _step(self) -> tuple[list[Sequence], int, bool]:
         """One step: the sequences it finished, the tokens it computed, whether it was a prefill. Asynchronously,
         the step it launches is not the one it reports: it queues step n + 1, then collects step n."""
-        if not self.config.async_scheduling:
+        waits = self.config.async_scheduling and self.next_step_waits()
+        if not self.config.async_scheduling or (waits and self.in_flight is None):
             return self._collect(self._launch(previous=None))
         # Schedule and queue the next step before waiting for the one in flight: while the host
-        # waits for (and then bookkeeps) step n, the GPU already computes step n + 1.
+        # waits for (and then bookkeeps) step n, the GPU already computes step n + 1. A step that
+        # waits is not queued: the one in flight is collected alone, and the next call runs it.
         launched = None
-        if self.in_flight is None or not self.scheduler.is_finished():
+        if not waits and (self.in_flight is None or not self.scheduler.is_finished()):
             launched = self._launch(previous=self.in_flight)
         done, self.in_flight = self.in_flight, launched
         if done is None:
@@ -349,12 +351,21 @@ class LLMEngine:
         return result
 
     # notebooks/17_speculative_decoding.py · cell "engine verifies"
+    def next_step_waits(self) -> bool:
+        """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
+        proposer = self.drafts_source()
+        return proposer is not None and self.scheduler.drafts_per_sequence(len(self.scheduler.running)) > 0
+
+    # notebooks/17_speculative_decoding.py · cell "engine verifies"
     def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
         """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
         with drafts is verified, and what the model accepts is counted as a plain decode step."""
         seqs, is_prefill = self.scheduler.schedule()
         proposer = self.drafts_source()
-        verifying = not is_prefill and proposer is not None and self.scheduler.reserve_drafts(seqs, proposer) > 0
+        # Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
+        verifying = False
+        if proposer is not None and not is_prefill and previous is None:
+            verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         try:
             # The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.

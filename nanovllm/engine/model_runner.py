@@ -37,6 +37,7 @@ __all__ = [
     "num_kv_blocks",
     "prepare_decode",
     "prepare_prefill",
+    "prepare_verify",
 ]
 
 
@@ -425,11 +426,12 @@ class ModelRunner:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
         try:
-            input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
-            hidden_states = self.model(input_ids, positions)
+            input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
+            # A decode step of len(input_ids) rows: it replays the decode graph of that size when one covers it.
+            hidden_states = self.forward(input_ids, positions, is_prefill=False)
         finally:
             reset_context()
-        # No context installed: the LM head computes a row for every position, not only each sequence's last.
+        # Every row is a position to sample: the LM head computes them all.
         logits = self.model.compute_logits(hidden_states)
         # Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
         # sequence's own parameters: what a decode step at that index would draw, seed included (chapter 07).
@@ -517,3 +519,23 @@ class SampledTokens:
             torch.clamp(self.on_device[: len(seqs)], min=0, out=input_ids)
         else:
             input_ids.copy_(self.input_ids_for(seqs, input_ids))
+
+
+# notebooks/17_speculative_decoding.py · cell "runner verifies"
+def prepare_verify(
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and positions of a verify step, one decode row per scheduled token; installs the decode context.
+
+    A sequence with k drafts becomes k + 1 rows that share its block table: row i holds the token at index
+    start + i and sees the first start + i + 1 tokens (start: the sequence's cached length)."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    for seq in seqs:
+        start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
+        assert start + count == len(seq), f"not ready to verify: {seq}"
+        input_ids += seq.scheduled_token_ids
+        positions += range(start, start + count)
+    tables = [seq.block_table for seq in seqs for _ in range(seq.num_scheduled_tokens)]
+    set_decode_context([position + 1 for position in positions], tables, block_size, device)
+    return _tensor(input_ids, device), _tensor(positions, device)

@@ -36,6 +36,10 @@ class Scheduler:
     # notebooks/13_robustness.py · cell "observers wait"
     # Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
     observer_errors = None
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    # At most this many rows in a verify step (a row: a sequence's last token or one of its drafts). The rule that
+    # turns speculation down as the batch grows and off past 32 sequences; the section "When it pays" measures it.
+    max_verify_rows: int = 64
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     # So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
     # verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
@@ -287,15 +291,22 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    def drafts_per_sequence(self, batch: int) -> int:
+        """How many drafts each sequence of a decode batch of ``batch`` may get within `max_verify_rows` (0: none)."""
+        return max(0, self.max_verify_rows // max(1, batch) - 1)
+
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
-        budget; returns how many drafts the step now verifies."""
+        budget and `max_verify_rows`; returns how many drafts the step now verifies."""
         budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
+        per_sequence = self.drafts_per_sequence(len(seqs))
         reserved = 0
         for seq in seqs:
+            assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
             params = seq.sampling_params
             # The sequence's last allowed token is a model token, never a kept draft.
-            room = min(budget, params.max_tokens - seq.num_completion_tokens - 1)
+            room = min(budget, per_sequence, params.max_tokens - seq.num_completion_tokens - 1)
             if room <= 0:
                 continue
             draft = proposer.propose(seq.token_ids, room)
