@@ -244,6 +244,12 @@ from nanovllm.engine.sequence import Sequence
 # en: How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
 # zh: 序列末尾有多少个 token 是正在进行的这一步要验证的草稿（这一步之外为 0）。
 Sequence.num_draft_tokens: int = 0
+# en: The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
+# en: steps gave (None before the first), and the length it must reach before it gets drafts again.
+# zh: 退让规则对这个序列的记忆（"什么时候划算"一节）：它最近的验证步平均产出的 token 数（第一次之前为 None），
+# zh: 以及它要长到多少才能再拿到草稿。
+Sequence.recent_tokens_per_verify: float | None = None
+Sequence.drafts_resume_at: int = 0
 
 # %% block manager trims
 #| export engine.block_manager
@@ -273,17 +279,44 @@ class Proposer(Protocol):
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
 
 
-# en: At most this many rows in a verify step (a row: a sequence's last token or one of its drafts). The rule that
-# en: turns speculation down as the batch grows and off past 32 sequences; the section "When it pays" measures it.
-# zh: 一个验证步最多这么多行（一行：序列的最后一个 token 或它的一个草稿）。这条规则随着批变大减少草稿，超过 32 个
-# zh: 序列就关掉投机；"什么时候划算"一节测量了它。
-Scheduler.max_verify_rows: int = 64
+# en: The back-off rule, measured in the section "When it pays". At most max_verify_rows rows in a verify step (a
+# en: row: a sequence's last token or one of its drafts): fewer drafts as the batch grows, none past 8 sequences.
+# en: And a verify step costs about two decode steps: a sequence whose recent verify steps gave fewer than
+# en: min_tokens_per_verify tokens gets no drafts for its next draft_pause_tokens tokens.
+# zh: 退让规则，在"什么时候划算"一节里测量。一个验证步最多 max_verify_rows 行（一行：序列的最后一个 token 或它的一个
+# zh: 草稿）：批越大草稿越少，超过 8 个序列就没有草稿。另外，一个验证步的代价约为两个 decode 步：最近的验证步平均产出
+# zh: 少于 min_tokens_per_verify 个 token 的序列，在接下来的 draft_pause_tokens 个 token 里拿不到草稿。
+Scheduler.max_verify_rows: int = 16
+Scheduler.min_tokens_per_verify: float = 2.0
+Scheduler.draft_pause_tokens: int = 16
 
 
 @add_to_class(Scheduler)
 def drafts_per_sequence(self, batch: int) -> int:
     """How many drafts each sequence of a decode batch of ``batch`` may get within `max_verify_rows` (0: none)."""
     return max(0, self.max_verify_rows // max(1, batch) - 1)
+
+
+@add_to_class(Scheduler)
+def may_draft(self, seq: Sequence) -> bool:
+    """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
+    return len(seq) >= seq.drafts_resume_at
+
+
+@add_to_class(Scheduler)
+def note_verify(self, seq: Sequence, tokens: int) -> None:
+    """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
+    `min_tokens_per_verify`."""
+    # en: A new sequence starts trusted: two verify steps that keep nothing pause it.
+    # zh: 新序列一开始是被信任的：连续两个什么都没保留的验证步才让它暂停。
+    recent = seq.recent_tokens_per_verify
+    recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
+    if recent < self.min_tokens_per_verify:
+        seq.drafts_resume_at = len(seq) + self.draft_pause_tokens
+        # en: Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
+        # zh: 回到及格线上：暂停之后，一个好的验证步让它继续拿草稿，一个差的验证步让它再次暂停。
+        recent = self.min_tokens_per_verify
+    seq.recent_tokens_per_verify = recent
 
 
 @add_to_class(Scheduler)
@@ -299,7 +332,7 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         # en: The sequence's last allowed token is a model token, never a kept draft.
         # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
         room = min(budget, per_sequence, params.max_tokens - seq.num_completion_tokens - 1)
-        if room <= 0:
+        if room <= 0 or not self.may_draft(seq):
             continue
         draft = proposer.propose(seq.token_ids, room)
         if not draft:
@@ -383,6 +416,8 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[
                 seq.truncate(len(seq) - 1)
                 break
         kept = len(seq) - start
+        if drafts:
+            self.note_verify(seq, 1 + kept)
         self.drafted_tokens += len(drafts)
         self.accepted_tokens += kept
         self.verifications += bool(drafts)
@@ -729,8 +764,10 @@ def drafts_source(self) -> Proposer | None:
 @add_to_class(LLMEngine)
 def next_step_waits(self) -> bool:
     """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
-    proposer = self.drafts_source()
-    return proposer is not None and self.scheduler.drafts_per_sequence(len(self.scheduler.running)) > 0
+    scheduler = self.scheduler
+    if self.drafts_source() is None or scheduler.drafts_per_sequence(len(scheduler.running)) == 0:
+        return False
+    return any(scheduler.may_draft(seq) for seq in scheduler.running)
 
 
 @add_to_class(LLMEngine)
@@ -933,9 +970,10 @@ def quoting_prompts(count: int) -> list[str]:
 
 
 def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
-            **settings: Any) -> dict[str, Any]:
-    """Generate ``prompts`` on one engine built with ``settings`` (`LLM` keyword arguments; ``verify_rows``
-    overrides `Scheduler.max_verify_rows`): tok/s, the token ids, and the speculation counters."""
+            repeats: int = 1, **settings: Any) -> dict[str, Any]:
+    """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
+    ``verify_rows`` overrides `Scheduler.max_verify_rows`): the median tok/s, and the first run's token ids, steps
+    and speculation counters."""
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
@@ -957,24 +995,29 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
             return finished, num_tokens, is_prefill
 
         llm._step = counted
-        began = time.perf_counter()
-        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-        seconds = time.perf_counter() - began
+        runs = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            runs.append(([output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)],
+                         time.perf_counter() - began, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
+                         scheduler.verifications))
+            steps.clear()
+            scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
     finally:
         llm.exit()
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    tokens = sum(map(len, outputs))
-    return {"tok_s": tokens / seconds, "seconds": seconds, "steps": sum(steps), "outputs": outputs,
-            "drafted": scheduler.drafted_tokens, "accepted": scheduler.accepted_tokens,
-            "verifications": scheduler.verifications}
+    outputs, _, num_steps, drafted, accepted, verifications = runs[0]
+    rates = sorted(sum(map(len, run[0])) / run[1] for run in runs)
+    return {"tok_s": rates[len(rates) // 2], "steps": num_steps, "outputs": outputs, "drafted": drafted,
+            "accepted": accepted, "verifications": verifications}
 
 
 def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
             verify_rows: int | None, **settings: Any) -> dict[str, Any]:
-    """One row of the benchmark: the same requests without, then with prompt lookup."""
+    """One row of the benchmark: the same requests without, then with prompt lookup (settings: `measure`'s)."""
     plain = measure(model, prompts, params, **settings)
     spec = measure(model, prompts, params, verify_rows=verify_rows, speculative_method="ngram",
                    num_speculative_tokens=num_speculative_tokens, **settings)
@@ -990,7 +1033,8 @@ def print_row(row: dict[str, Any]) -> None:
     rate = "no drafts" if row["acceptance"] is None else (
         f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
     print(f"batch {row['batch']:4d}: {row['plain_tok_s']:9.1f} tok/s plain, {row['speculative_tok_s']:9.1f} with "
-          f"prompt lookup ({row['ratio']:.2f}x); {rate}; identical outputs {row['identical']}/{row['batch']}")
+          f"prompt lookup ({row['ratio']:.2f}x); steps {row['plain_steps']} -> {row['speculative_steps']}; {rate}; "
+          f"identical outputs {row['identical']}/{row['batch']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1004,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -1021,8 +1066,8 @@ def main(argv: list[str] | None = None) -> int:
     report = report_header("python -m nanovllm.bench --speculative", argv, args.device) | {"model": model,
                                                                                            "rows": []}
     for prompts, params in cases:
-        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, device=args.device,
-                      max_model_len=4096)
+        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
+                      device=args.device, max_model_len=4096)
         print_row(row)
         report["rows"].append(row)
     write_report(report, args.out)

@@ -204,7 +204,7 @@ def test_drafts_shrink_as_the_batch_grows_and_stop_past_the_row_budget():
     from nanovllm.engine.scheduler import Scheduler
 
     scheduler = Scheduler(num_kvcache_blocks=64, kvcache_block_size=4, max_num_seqs=8, max_num_batched_tokens=256)
-    assert [scheduler.drafts_per_sequence(b) for b in (1, 16, 21, 32, 33, 256)] == [63, 3, 2, 1, 0, 0]
+    assert [scheduler.drafts_per_sequence(b) for b in (1, 4, 5, 8, 9, 256)] == [15, 3, 2, 1, 0, 0]
     scheduler.max_verify_rows = 12
     params = SamplingParams(temperature=0, max_tokens=64)
     for i in range(5):
@@ -228,6 +228,26 @@ def test_drafts_shrink_as_the_batch_grows_and_stop_past_the_row_budget():
     assert scheduler.reserve_drafts(seqs, Greedy()) == 0 and all(seq.num_scheduled_tokens == 1 for seq in seqs)
 
 
+def test_a_sequence_whose_drafts_fail_pauses_them_and_tries_again(tiny):
+    """Drafts that are always wrong: two verify steps, then one every draft_pause_tokens + 1 tokens; always right:
+    every step verifies. The tokens are plain greedy decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 64}
+    plain_llm = LLM(tiny, device="cpu", **settings)
+    plain = plain_llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"]
+    runs = [plain_llm.tokenizer(PROMPTS[0])["input_ids"] + plain]
+    counts = {}
+    for name, wrong in (("always wrong", tuple(range(5))), ("always right", ())):
+        llm = LLM(tiny, device="cpu", speculative_method="ngram", **settings)
+        llm.proposer = Replay(runs, wrong=wrong)
+        assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"] == plain
+        counts[name] = llm.scheduler.verifications
+    pause = LLM(tiny, device="cpu", **settings).scheduler.draft_pause_tokens
+    # Two misses, then a pause of `pause` tokens and one miss, again and again, over 59 decode steps.
+    assert counts["always wrong"] == 2 + (59 - 2) // (pause + 1)
+    assert counts["always right"] == -(-59 // 5)
+
+
 def test_asynchronous_steps_where_the_batch_is_too_large_to_speculate(tiny):
     """With async scheduling, large batches pipeline their steps and small ones verify drafts synchronously; the
     tokens are those of plain greedy decoding either way."""
@@ -237,7 +257,8 @@ def test_asynchronous_steps_where_the_batch_is_too_large_to_speculate(tiny):
     plain = [o["token_ids"] for o in plain_llm.generate(PROMPTS, params, use_tqdm=False)]
     runs = [plain_llm.tokenizer(p)["input_ids"] + out for p, out in zip(PROMPTS, plain, strict=True)]
     llm = LLM(tiny, device="cpu", speculative_method="ngram", **settings)
-    llm.proposer = Replay(runs, wrong=(1,))
+    # Right drafts, so that no sequence pauses its drafts (a paused one pipelines: see the test above).
+    llm.proposer = Replay(runs, wrong=())
     # Drafts only once at most two sequences run: 4 and 3 sequences pipeline their steps.
     llm.scheduler.max_verify_rows = 4
     launches, inner = [], llm._launch
@@ -365,13 +386,18 @@ def test_a_failing_verify_step_leaves_nothing_behind_and_runs_again(tiny, monkey
     while not llm.is_finished():
         free = llm.scheduler.block_manager.num_free_blocks
         lengths = {seq.seq_id: len(seq) for seq in llm.scheduler.running}
+        tables = {seq.seq_id: len(seq.block_table) for seq in llm.scheduler.running}
         try:
             finished = llm.step()[0]
         except RuntimeError:
             failures += 1
-            # Drafts and their blocks are gone: lengths and the free list are as they were.
-            assert llm.scheduler.block_manager.num_free_blocks == free
-            assert {seq.seq_id: len(seq) for seq in llm.scheduler.running} == lengths
+            # Drafts and their blocks are gone: lengths are as they were, and each table holds the blocks of its
+            # tokens, the decode's own slot included (chapter 13's rollback keeps a decode step's new block).
+            running = llm.scheduler.running
+            assert {seq.seq_id: len(seq) for seq in running} == lengths
+            assert all(len(seq.block_table) == -(-len(seq) // 4) for seq in running)
+            grown = sum(len(seq.block_table) - tables[seq.seq_id] for seq in running)
+            assert llm.scheduler.block_manager.num_free_blocks == free - grown
             assert all(seq.num_draft_tokens == 0 and seq.num_scheduled_tokens == 0 for seq in llm.scheduler.running)
             continue
         for output in finished:

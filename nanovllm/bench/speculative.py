@@ -42,9 +42,10 @@ def quoting_prompts(count: int) -> list[str]:
 
 
 def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
-            **settings: Any) -> dict[str, Any]:
-    """Generate ``prompts`` on one engine built with ``settings`` (`LLM` keyword arguments; ``verify_rows``
-    overrides `Scheduler.max_verify_rows`): tok/s, the token ids, and the speculation counters."""
+            repeats: int = 1, **settings: Any) -> dict[str, Any]:
+    """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
+    ``verify_rows`` overrides `Scheduler.max_verify_rows`): the median tok/s, and the first run's token ids, steps
+    and speculation counters."""
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
@@ -64,24 +65,29 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
             return finished, num_tokens, is_prefill
 
         llm._step = counted
-        began = time.perf_counter()
-        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-        seconds = time.perf_counter() - began
+        runs = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            runs.append(([output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)],
+                         time.perf_counter() - began, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
+                         scheduler.verifications))
+            steps.clear()
+            scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
     finally:
         llm.exit()
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    tokens = sum(map(len, outputs))
-    return {"tok_s": tokens / seconds, "seconds": seconds, "steps": sum(steps), "outputs": outputs,
-            "drafted": scheduler.drafted_tokens, "accepted": scheduler.accepted_tokens,
-            "verifications": scheduler.verifications}
+    outputs, _, num_steps, drafted, accepted, verifications = runs[0]
+    rates = sorted(sum(map(len, run[0])) / run[1] for run in runs)
+    return {"tok_s": rates[len(rates) // 2], "steps": num_steps, "outputs": outputs, "drafted": drafted,
+            "accepted": accepted, "verifications": verifications}
 
 
 def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
             verify_rows: int | None, **settings: Any) -> dict[str, Any]:
-    """One row of the benchmark: the same requests without, then with prompt lookup."""
+    """One row of the benchmark: the same requests without, then with prompt lookup (settings: `measure`'s)."""
     plain = measure(model, prompts, params, **settings)
     spec = measure(model, prompts, params, verify_rows=verify_rows, speculative_method="ngram",
                    num_speculative_tokens=num_speculative_tokens, **settings)
@@ -97,7 +103,8 @@ def print_row(row: dict[str, Any]) -> None:
     rate = "no drafts" if row["acceptance"] is None else (
         f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
     print(f"batch {row['batch']:4d}: {row['plain_tok_s']:9.1f} tok/s plain, {row['speculative_tok_s']:9.1f} with "
-          f"prompt lookup ({row['ratio']:.2f}x); {rate}; identical outputs {row['identical']}/{row['batch']}")
+          f"prompt lookup ({row['ratio']:.2f}x); steps {row['plain_steps']} -> {row['speculative_steps']}; {rate}; "
+          f"identical outputs {row['identical']}/{row['batch']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -128,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     report = report_header("python -m nanovllm.bench --speculative", argv, args.device) | {"model": model,
                                                                                            "rows": []}
     for prompts, params in cases:
-        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, device=args.device,
-                      max_model_len=4096)
+        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
+                      device=args.device, max_model_len=4096)
         print_row(row)
         report["rows"].append(row)
     write_report(report, args.out)

@@ -353,8 +353,10 @@ class LLMEngine:
     # notebooks/17_speculative_decoding.py · cell "engine verifies"
     def next_step_waits(self) -> bool:
         """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
-        proposer = self.drafts_source()
-        return proposer is not None and self.scheduler.drafts_per_sequence(len(self.scheduler.running)) > 0
+        scheduler = self.scheduler
+        if self.drafts_source() is None or scheduler.drafts_per_sequence(len(scheduler.running)) == 0:
+            return False
+        return any(scheduler.may_draft(seq) for seq in scheduler.running)
 
     # notebooks/17_speculative_decoding.py · cell "engine verifies"
     def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:

@@ -37,9 +37,15 @@ class Scheduler:
     # Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
     observer_errors = None
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
-    # At most this many rows in a verify step (a row: a sequence's last token or one of its drafts). The rule that
-    # turns speculation down as the batch grows and off past 32 sequences; the section "When it pays" measures it.
-    max_verify_rows: int = 64
+    # The back-off rule, measured in the section "When it pays". At most max_verify_rows rows in a verify step (a
+    # row: a sequence's last token or one of its drafts): fewer drafts as the batch grows, none past 8 sequences.
+    # And a verify step costs about two decode steps: a sequence whose recent verify steps gave fewer than
+    # min_tokens_per_verify tokens gets no drafts for its next draft_pause_tokens tokens.
+    max_verify_rows: int = 16
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    min_tokens_per_verify: float = 2.0
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    draft_pause_tokens: int = 16
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     # So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
     # verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
@@ -296,6 +302,24 @@ class Scheduler:
         return max(0, self.max_verify_rows // max(1, batch) - 1)
 
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    def may_draft(self, seq: Sequence) -> bool:
+        """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
+        return len(seq) >= seq.drafts_resume_at
+
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    def note_verify(self, seq: Sequence, tokens: int) -> None:
+        """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
+        `min_tokens_per_verify`."""
+        # A new sequence starts trusted: two verify steps that keep nothing pause it.
+        recent = seq.recent_tokens_per_verify
+        recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
+        if recent < self.min_tokens_per_verify:
+            seq.drafts_resume_at = len(seq) + self.draft_pause_tokens
+            # Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
+            recent = self.min_tokens_per_verify
+        seq.recent_tokens_per_verify = recent
+
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
         budget and `max_verify_rows`; returns how many drafts the step now verifies."""
@@ -307,7 +331,7 @@ class Scheduler:
             params = seq.sampling_params
             # The sequence's last allowed token is a model token, never a kept draft.
             room = min(budget, per_sequence, params.max_tokens - seq.num_completion_tokens - 1)
-            if room <= 0:
+            if room <= 0 or not self.may_draft(seq):
                 continue
             draft = proposer.propose(seq.token_ids, room)
             if not draft:
@@ -345,6 +369,8 @@ class Scheduler:
                     seq.truncate(len(seq) - 1)
                     break
             kept = len(seq) - start
+            if drafts:
+                self.note_verify(seq, 1 + kept)
             self.drafted_tokens += len(drafts)
             self.accepted_tokens += kept
             self.verifications += bool(drafts)

@@ -56,6 +56,12 @@ class Sequence:
     # notebooks/17_speculative_decoding.py · cell "drafts in the block table"
     # How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
     num_draft_tokens: int = 0
+    # notebooks/17_speculative_decoding.py · cell "drafts in the block table"
+    # The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
+    # steps gave (None before the first), and the length it must reach before it gets drafts again.
+    recent_tokens_per_verify: float | None = None
+    # notebooks/17_speculative_decoding.py · cell "drafts in the block table"
+    drafts_resume_at: int = 0
 
     # notebooks/04b_parallel_sampling.py · cell "sequence forks"
     def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
