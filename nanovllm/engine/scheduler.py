@@ -38,10 +38,13 @@ class Scheduler:
     observer_errors = None
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     # The back-off rule, measured in the section "When it pays". At most max_verify_rows rows in a verify step (a
-    # row: a sequence's last token or one of its drafts): fewer drafts as the batch grows, none past 8 sequences.
-    # And a verify step costs about two decode steps: a sequence whose recent verify steps gave fewer than
-    # min_tokens_per_verify tokens gets no drafts for its next draft_pause_tokens tokens.
+    # row: a sequence's last token or one of its drafts), and no drafts at all when that leaves a sequence fewer
+    # than min_drafts: fewer drafts as the batch grows, none past 5 sequences. And a verify step costs two or more
+    # decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
+    # drafts for its next draft_pause_tokens tokens.
     max_verify_rows: int = 16
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    min_drafts: int = 2
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     min_tokens_per_verify: float = 2.0
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
@@ -298,8 +301,10 @@ class Scheduler:
 
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def drafts_per_sequence(self, batch: int) -> int:
-        """How many drafts each sequence of a decode batch of ``batch`` may get within `max_verify_rows` (0: none)."""
-        return max(0, self.max_verify_rows // max(1, batch) - 1)
+        """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves it, or 0
+        when that is fewer than `min_drafts`."""
+        drafts = self.max_verify_rows // max(1, batch) - 1
+        return drafts if drafts >= self.min_drafts else 0
 
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def may_draft(self, seq: Sequence) -> bool:
