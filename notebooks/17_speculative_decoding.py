@@ -76,8 +76,8 @@ say = Phrases({
     "refused: {error}": "被拒绝：{error}",
     "batch {batch:2d}: {ratio:.2f}x; a verify step cost {cost:.1f} decode steps and gave {tokens:.2f} tokens; the "
     "rule gives each sequence {drafts} drafts":
-        "批大小 {batch:2d}：{ratio:.2f} 倍；一个验证步值 {cost:.1f} 个 decode 步，产出 {tokens:.2f} 个 token；规则给每个"
-        "序列 {drafts} 个草稿",
+        "批大小 {batch:2d}：{ratio:.2f} 倍；一个验证步值 {cost:.1f} 个 decode 步，产出 {tokens:.2f} 个 token；"
+        "规则给每个序列 {drafts} 个草稿",
     "preemption": "抢占", "chunked prefill": "分块 prefill", "n = 2, copy-on-write": "n = 2，写时复制",
     "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符",
     "speculative sampling gives p back: max |difference| {general:.1e} with a random q, {point:.1e} with a "
