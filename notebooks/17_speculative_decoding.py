@@ -518,9 +518,11 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 # K/V in that position's slot and sees the first start + *i* + 1 tokens. Each row is then exactly
 # the decode step that would compute that position once the tokens before it were accepted, and
 # since every layer stores the step's K/V before it attends, row *i* sees the drafts before it.
-# The decode graphs of chapter 09 run it unchanged: a batch of one sequence with four drafts
+# The decode graphs of chapter 09 run it unchanged, its inputs written by chapter 12's
+# `DecodeStaging.stage_rows` and sent in one copy: a batch of one sequence with four drafts
 # replays the graph captured for 8 rows. (The rows read the shared prefix's K/V once each, *k* + 1
-# times in all: nothing at the small batches where speculation pays.)
+# times in all: nothing at the small batches where speculation pays.) Without a graph (on a CPU,
+# or past the largest one) the same rows run eagerly through `prepare_verify`.
 #
 # Two things differ from a decode step. The LM head gives logits for every row, and every row is
 # sampled through the runner's own sampler with its sequence's parameters, as the token of its
@@ -537,8 +539,10 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 # decode 步。带 *k* 个草稿的序列变成共享同一个块表的 *k* + 1 个 decode 行：第 *i* 行放下标为 start + *i* 的 token
 # （start：序列已缓存的长度），把它的 K/V 存进这个位置的槽，看到前 start + *i* + 1 个 token。于是每一行恰好就是
 # 它前面的 token 都被接受之后、计算这个位置的那个 decode 步；又因为每一层都先存下这一步的 K/V 再做注意力，第 *i*
-# 行能看到它前面的草稿。第 09 章的 decode 图原样运行它：一个带四个草稿的序列，重放的是为 8 行捕获的那张图。（这些行
-# 各自读一遍共享前缀的 K/V，一共 *k* + 1 遍：在投机解码划算的小 batch 上，这不算什么。）
+# 行能看到它前面的草稿。第 09 章的 decode 图原样运行它，输入由第 12 章的 `DecodeStaging.stage_rows` 写好、一次
+# 拷贝送出：一个带四个草稿的序列，重放的是为 8 行捕获的那张图。（这些行各自读一遍共享前缀的 K/V，一共 *k* + 1 遍：
+# 在投机解码划算的小 batch 上，这不算什么。）没有图的时候（在 CPU 上，或超出最大的那张图），同样的行经由
+# `prepare_verify` 以 eager 方式运行。
 #
 # 和 decode 步不同的地方有两处。LM head 为每一行都输出 logits；每一行都通过执行器自己的采样器、用它所属序列的
 # 参数，作为它那个下标上的 token 来采样：也就是 decode 步在那里会抽出的 token（非有限的行也和第 07 章一样被标记）。
@@ -546,28 +550,36 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 
 # %% runner verifies
 #| export engine.model_runner
+from nanovllm.engine.cuda_graphs import DecodeStaging
 from nanovllm.engine.model_runner import ModelRunner, _tensor, copy_kv_blocks
 from nanovllm.layers.context import reset_context, set_decode_context
 from nanovllm.layers.sampler import sampling_inputs
 
 
-def prepare_verify(
-    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and positions of a verify step, one decode row per scheduled token; installs the decode context.
-
-    A sequence with k drafts becomes k + 1 rows that share its block table: row i holds the token at index
-    start + i and sees the first start + i + 1 tokens (start: the sequence's cached length)."""
-    input_ids: list[int] = []
+def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
+    """The decode rows of a verify step: each row's sequence, token and position. A sequence with k drafts owns
+    k + 1 rows that share its block table: row i holds the token at index start + i (start: its cached length)."""
+    row_seqs: list[Sequence] = []
+    token_ids: list[int] = []
     positions: list[int] = []
     for seq in seqs:
         start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
         assert start + count == len(seq), f"not ready to verify: {seq}"
-        input_ids += seq.scheduled_token_ids
+        row_seqs += [seq] * count
+        token_ids += seq.scheduled_token_ids
         positions += range(start, start + count)
-    tables = [seq.block_table for seq in seqs for _ in range(seq.num_scheduled_tokens)]
+    return row_seqs, token_ids, positions
+
+
+def prepare_verify(
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and positions of a verify step's rows (see `verify_rows`); installs the decode context, in which
+    a row sees the tokens up to its own."""
+    row_seqs, token_ids, positions = verify_rows(seqs)
+    tables = [seq.block_table for seq in row_seqs]
     set_decode_context([position + 1 for position in positions], tables, block_size, device)
-    return _tensor(input_ids, device), _tensor(positions, device)
+    return _tensor(token_ids, device), _tensor(positions, device)
 
 
 @add_to_class(ModelRunner)
@@ -578,13 +590,20 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
     copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
-    try:
-        input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
-        # en: A decode step of len(input_ids) rows: it replays the decode graph of that size when one covers it.
-        # zh: 一个有 len(input_ids) 行的 decode 步：有覆盖这个大小的 decode 图时，就重放那张图。
-        hidden_states = self.forward(input_ids, positions, is_prefill=False)
-    finally:
-        reset_context()
+    num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
+    if self.graphs is not None and self.graphs.covers(num_rows):
+        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as chapter 12 runs one.
+        # zh: 一个 num_rows 行的 decode 步，像第 12 章那样一次拷贝送出输入，再从它的图重放。
+        if self.staging is None:
+            self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
+        self.staging.stage_rows(*verify_rows(seqs), self.graphs.bucket(num_rows))
+        hidden_states = self.graphs.replay_loaded(num_rows)
+    else:
+        try:
+            input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
+            hidden_states = self.model(input_ids, positions)
+        finally:
+            reset_context()
     # en: Every row is a position to sample: the LM head computes them all.
     # zh: 每一行都是要采样的位置：LM head 把它们全算出来。
     logits = self.model.compute_logits(hidden_states)

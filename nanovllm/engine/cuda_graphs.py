@@ -244,23 +244,29 @@ class DecodeStaging:
     def stage(self, seqs: list[Sequence], graph_batch: int) -> None:
         """Write a decode step into rows [0, n) and padding rows up to graph_batch (what `DecodeBuffers.load`
         writes from chapter 08's `prepare_decode`), then queue one copy of them to the buffers."""
+        for seq in seqs:
+            ready = seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1
+            assert ready, f"not ready to decode: {seq}"
+        self.stage_rows(seqs, [seq.last_token for seq in seqs], [len(seq) - 1 for seq in seqs], graph_batch)
+
+    def stage_rows(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], graph_batch: int) -> None:
+        """Write rows [0, n), row i computing ``token_ids[i]`` at ``positions[i]`` of ``seqs[i]`` (and seeing the
+        tokens up to it), and padding rows up to graph_batch; then queue one copy of them to the buffers."""
         n, rows = len(seqs), self.buffers.input_ids.shape[0]
         assert 1 <= n <= graph_batch <= rows, f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= rows ({rows})"
         turn, self.turn = self.turn, (self.turn + 1) % len(self.hosts)
         if self.sent[turn] is not None:
             self.sent[turn].synchronize()
         host = self.arrays[turn]
-        lengths = [len(seq) for seq in seqs]
-        host["input_ids"][:n] = [seq.last_token for seq in seqs]
-        host["positions"][:n] = lengths
-        host["positions"][:n] -= 1
-        host["context_lens"][:n] = lengths
+        host["input_ids"][:n] = token_ids
+        host["positions"][:n] = positions
+        host["context_lens"][:n] = positions
+        host["context_lens"][:n] += 1
         tables = host["block_tables"]
         tables[:graph_batch] = -1
-        for i, (seq, length) in enumerate(zip(seqs, lengths, strict=True)):
-            assert seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == length - 1, f"not ready to decode: {seq}"
+        for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
             tables[i, : len(seq.block_table)] = seq.block_table
-            host["slot_mapping"][i] = _slot(seq.block_table, length - 1, self.block_size)
+            host["slot_mapping"][i] = _slot(seq.block_table, position, self.block_size)
         # Padding rows, as in chapter 09: token 0 at position 0, storing nothing, attending to nothing.
         for name, _, wide, padding in DecodeBuffers.LAYOUT:
             if not wide:

@@ -38,6 +38,7 @@ __all__ = [
     "prepare_decode",
     "prepare_prefill",
     "prepare_verify",
+    "verify_rows",
 ]
 
 
@@ -425,12 +426,19 @@ class ModelRunner:
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
-        try:
-            input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
-            # A decode step of len(input_ids) rows: it replays the decode graph of that size when one covers it.
-            hidden_states = self.forward(input_ids, positions, is_prefill=False)
-        finally:
-            reset_context()
+        num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
+        if self.graphs is not None and self.graphs.covers(num_rows):
+            # A decode step of num_rows rows, staged in one copy and replayed from its graph, as chapter 12 runs one.
+            if self.staging is None:
+                self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
+            self.staging.stage_rows(*verify_rows(seqs), self.graphs.bucket(num_rows))
+            hidden_states = self.graphs.replay_loaded(num_rows)
+        else:
+            try:
+                input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
+                hidden_states = self.model(input_ids, positions)
+            finally:
+                reset_context()
         # Every row is a position to sample: the LM head computes them all.
         logits = self.model.compute_logits(hidden_states)
         # Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
@@ -522,20 +530,27 @@ class SampledTokens:
 
 
 # notebooks/17_speculative_decoding.py · cell "runner verifies"
-def prepare_verify(
-    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids and positions of a verify step, one decode row per scheduled token; installs the decode context.
-
-    A sequence with k drafts becomes k + 1 rows that share its block table: row i holds the token at index
-    start + i and sees the first start + i + 1 tokens (start: the sequence's cached length)."""
-    input_ids: list[int] = []
+def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
+    """The decode rows of a verify step: each row's sequence, token and position. A sequence with k drafts owns
+    k + 1 rows that share its block table: row i holds the token at index start + i (start: its cached length)."""
+    row_seqs: list[Sequence] = []
+    token_ids: list[int] = []
     positions: list[int] = []
     for seq in seqs:
         start, count = seq.num_cached_tokens, seq.num_scheduled_tokens
         assert start + count == len(seq), f"not ready to verify: {seq}"
-        input_ids += seq.scheduled_token_ids
+        row_seqs += [seq] * count
+        token_ids += seq.scheduled_token_ids
         positions += range(start, start + count)
-    tables = [seq.block_table for seq in seqs for _ in range(seq.num_scheduled_tokens)]
+    return row_seqs, token_ids, positions
+
+
+def prepare_verify(
+    seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids and positions of a verify step's rows (see `verify_rows`); installs the decode context, in which
+    a row sees the tokens up to its own."""
+    row_seqs, token_ids, positions = verify_rows(seqs)
+    tables = [seq.block_table for seq in row_seqs]
     set_decode_context([position + 1 for position in positions], tables, block_size, device)
-    return _tensor(input_ids, device), _tensor(positions, device)
+    return _tensor(token_ids, device), _tensor(positions, device)
