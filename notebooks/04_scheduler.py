@@ -385,8 +385,10 @@ from collections.abc import Callable, Iterable
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
 
-# en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
-# zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule"、"postprocess" 之一。
+# en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess" (and the
+# en: events later features add, such as speculative decoding's "drafts" and "verified").
+# zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule"、"postprocess" 之一（以及后面的
+# zh: 功能加上的事件，比如投机解码的 "drafts" 和 "verified"）。
 Observer = Callable[[str, dict], None]
 
 

@@ -74,6 +74,8 @@ say = Phrases({
     "on this CPU: {plain:.1f} tok/s without, {spec:.1f} tok/s with speculation ({ratio:.2f}x)":
         "本机 CPU 上：不投机 {plain:.1f} tok/s，投机 {spec:.1f} tok/s（{ratio:.2f} 倍）",
     "refused: {error}": "被拒绝：{error}",
+    "{frames} frames; blocks given back after rejected drafts: {given_back}":
+        "共 {frames} 帧；草稿被拒绝后交还的块（帧，块）：{given_back}",
     "batch {batch:2d}: {ratio:.2f}x; a verify step cost {cost:.1f} decode steps and gave {tokens:.2f} tokens; the "
     "rule gives each sequence {drafts} drafts":
         "批大小 {batch:2d}：{ratio:.2f} 倍；一个验证步值 {cost:.1f} 个 decode 步，产出 {tokens:.2f} 个 token；"
@@ -358,6 +360,8 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         seq.num_scheduled_tokens += len(draft)
         budget -= len(draft)
         reserved += len(draft)
+    if reserved:
+        self._notify("drafts", {"seqs": seqs})
     return reserved
 
 
@@ -409,7 +413,7 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[
     """Keep each sequence's drafts up to the first that its ``targets`` (the model's token after the last token and
     after each draft) disagree with, and roll back the rest. Returns each sequence's one new token: the step is now
     a plain decode step of the last kept token, for `advance` and `resolve` to record."""
-    new_tokens = []
+    new_tokens, drafted, kept_drafts = [], [], []
     for seq, target in zip(seqs, targets, strict=True):
         assert len(target) == seq.num_scheduled_tokens, f"{len(target)} tokens to verify {seq}"
         start = len(seq) - seq.num_draft_tokens
@@ -433,6 +437,9 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[
         seq.num_cached_tokens, seq.num_scheduled_tokens, seq.num_draft_tokens = len(seq) - 1, 1, 0
         self.block_manager.trim(seq)
         new_tokens.append(target[kept])
+        drafted.append(len(drafts))
+        kept_drafts.append(kept)
+    self._notify("verified", {"seqs": seqs, "drafted": drafted, "kept": kept_drafts})
     return new_tokens
 
 
@@ -504,6 +511,63 @@ print(say("published blocks: {published}", published=published))
 # zh: 两个写满的块里只有被接受的 token；第三个块在下一个 decode 步才分配。
 assert seq.token_ids[-1] == 9 and seq.num_cached_tokens == 8 and published == seq.block_table[:2]
 assert scheduler.block_manager.num_free_blocks == 8 - 2
+
+# %% [markdown] tags=["en"]
+# ### Watch it: draft slots appear, then roll back
+#
+# The player (appendix A) replays the real scheduler with a fake model that repeats each prompt
+# and breaks the pattern at every fifth index, so prompt lookup is right for a while and then
+# wrong. Each step shows three frames: the schedule, the drafts (the block table grows by their
+# slots, sometimes by a block), and what the model kept (the table shrinks back when drafts were
+# rejected). Hover a block for its ref count and tokens.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：草稿的槽位出现，然后回滚
+#
+# 播放器（附录 A）用一个假模型重放真实的调度器：这个模型重复每个提示词，并在下标为 5 的倍数处打破规律，所以
+# prompt lookup 一会儿猜对、一会儿猜错。每一步有三帧：调度、草稿（块表因为草稿的槽位变长，有时多出一个块），以及
+# 模型保留了什么（草稿被拒绝时块表缩回去）。把鼠标移到块上，可以看到它的引用计数和 token。
+
+# %% drafts animated
+from IPython.display import display
+
+from nanovllm.engine.speculative import NgramProposer
+from nanovllm.viz import FakeEngine, Player
+
+
+def repeating_model(seq: Sequence, index: int) -> int:
+    """The fake model's token at ``index`` of ``seq``: its prompt again and again, except 99 at every fifth index."""
+    prompt = seq.token_ids[: seq.num_prompt_tokens]
+    return 99 if index % 5 == 0 else prompt[index % len(prompt)]
+
+
+fake = FakeEngine(num_kvcache_blocks=12, kvcache_block_size=4)
+fake.add([1, 2, 3], max_tokens=10)
+fake.add([7, 8, 9, 10], max_tokens=10)
+watched, lookup = fake.scheduler, NgramProposer(num_speculative_tokens=4)
+while not watched.is_finished():
+    seqs, is_prefill = watched.schedule()
+    if not is_prefill and watched.reserve_drafts(seqs, lookup):
+        # en: row i of a sequence: the model's token after index start + i
+        # zh: 序列的第 i 行：模型在下标 start + i 之后给出的 token
+        targets = [[repeating_model(s, s.num_cached_tokens + i + 1) for i in range(s.num_scheduled_tokens)]
+                   for s in seqs]
+        tokens = watched.accept_drafts(seqs, targets)
+    else:
+        tokens = [repeating_model(s, len(s)) for s in seqs]
+    watched.postprocess(seqs, tokens, is_prefill)
+rolling = fake.recording
+display(Player(rolling))
+
+frames = rolling["frames"]
+given_back = [(i, v["freed"]) for i, f in enumerate(frames) if f["phase"] == "verified"
+              for v in f["event"]["verified"] if v["freed"]]
+# en: a block allocated only for drafts is free again in the frame that rejected them, and the pool ends whole
+# zh: 只为草稿分配的块，在拒绝草稿的那一帧里重新空闲；块池最后是完整的。
+assert given_back and all(set(blocks) <= set(frames[i]["free_list"]) for i, blocks in given_back)
+assert sorted(frames[-1]["free_list"]) == list(range(12))
+print(say("{frames} frames; blocks given back after rejected drafts: {given_back}", frames=len(frames),
+          given_back=given_back))
 
 # %% [markdown] tags=["en"]
 # ## Build it: verify in one forward
@@ -955,14 +1019,14 @@ for name, (settings, params) in cases.items():
 # The measurement is a benchmark of the package, `python -m nanovllm.bench --speculative`: the
 # same requests through an engine without and with prompt lookup, built in one invocation, and per
 # batch size their tok/s, the ratio, the acceptance rate, the mean tokens a verify step gives, and
-# how many outputs are identical. `--workload nano-vllm` runs chapter 14's 256-sequence workload
-# instead, to check that speculation costs nothing where the rule turns it off.
+# how many outputs are identical. On a GPU it also runs chapter 14's 256-sequence workload
+# (`--workloads nano-vllm`), to check that speculation costs nothing where the rule turns it off.
 
 # %% [markdown] tags=["zh"]
 # 测量用的是包里的一个基准测试 `python -m nanovllm.bench --speculative`：同一批请求，在同一次调用里分别交给不带和
 # 带 prompt lookup 的引擎，对每个批大小打印 tok/s、二者之比、接受率、每个验证步平均产出的 token 数，以及有多少
-# 输出完全相同。`--workload nano-vllm` 改跑第 14 章那个 256 个序列的负载，检查在规则关掉投机的地方它不带来任何
-# 代价。
+# 输出完全相同。在 GPU 上它还会跑第 14 章那个 256 个序列的负载（`--workloads nano-vllm`），检查在规则关掉投机的
+# 地方它不带来任何代价。
 
 # %% bench speculative flag
 #| export bench.engine
@@ -1070,14 +1134,26 @@ def print_row(row: dict[str, Any]) -> None:
           f"identical outputs {row['identical']}/{row['batch']}")
 
 
+def workload_cases(name: str, args: argparse.Namespace) -> tuple[str, list[tuple[list, list[SamplingParams]]]]:
+    """The model and the (prompts, params) of each row of one workload."""
+    if name == "nano-vllm":
+        workload = make_workload(**PRESETS["nano-vllm"])
+        return str(qwen3_06b_random()), [(workload.prompts, workload.sampling_params())]
+    from nanovllm.book.smollm2 import smollm2_dir
+
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    return args.model or str(smollm2_dir()), [(quoting_prompts(batch), [greedy] * batch) for batch in args.batches]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --speculative",
                                      description="The engine with and without prompt lookup, on the same requests.")
-    parser.add_argument("--workload", choices=["quoting", "nano-vllm"], default="quoting",
+    parser.add_argument("--workloads", nargs="+", choices=["quoting", "nano-vllm"],
                         help="quoting: prompts that quote a passage (greedy), one row per --batches; nano-vllm: "
-                        "chapter 14's 256 random prompts (temperature 0.6)")
-    parser.add_argument("--model", help="default: SmolLM2-135M-Instruct (quoting), Qwen3-0.6B shapes (nano-vllm)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+                        "chapter 14's 256 random prompts (temperature 0.6) on Qwen3-0.6B's shapes; default: both on "
+                        "CUDA, quoting on a CPU")
+    parser.add_argument("--model", help="the quoting workload's model (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
@@ -1085,24 +1161,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    if args.workload == "nano-vllm":
-        model = args.model or str(qwen3_06b_random())
-        workload = make_workload(**PRESETS["nano-vllm"])
-        cases = [(workload.prompts, workload.sampling_params())]
-    else:
-        from nanovllm.book.smollm2 import smollm2_dir
-
-        model = args.model or str(smollm2_dir())
-        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        cases = [(quoting_prompts(batch), [greedy] * batch) for batch in args.batches]
-    print(f"model: {model}; {args.workload} workload, {args.num_speculative_tokens} drafts a step")
-    report = report_header("python -m nanovllm.bench --speculative", argv, args.device) | {"model": model,
-                                                                                           "rows": []}
-    for prompts, params in cases:
-        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
-                      device=args.device, max_model_len=4096)
-        print_row(row)
-        report["rows"].append(row)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    workloads = args.workloads or (["quoting", "nano-vllm"] if cuda else ["quoting"])
+    report = report_header("python -m nanovllm.bench --speculative", argv, "cuda" if cuda else "cpu") | {"rows": []}
+    for name in workloads:
+        model, cases = workload_cases(name, args)
+        print(f"{name} workload on {model}, {args.num_speculative_tokens} drafts a step:")
+        for prompts, params in cases:
+            row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
+                          device=args.device, max_model_len=4096)
+            print_row(row)
+            report["rows"].append({"workload": name, "model": model} | row)
     write_report(report, args.out)
     return 0
 

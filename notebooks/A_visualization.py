@@ -209,8 +209,9 @@ class Recorder:
 
     Frames: "start" (when attached), "add" (consecutive adds share one frame), "schedule" (after
     the scheduler chose a batch: allocations, cache hits, preemptions are visible),
-    "postprocess" (after tokens were appended, hashes published and finished sequences freed)
-    and "preempt" (a preemption forced by hand, outside the scheduler).
+    "postprocess" (after tokens were appended, hashes published and finished sequences freed),
+    "drafts" and "verified" (speculative decoding: drafts reserved, then what the model kept and the
+    blocks given back) and "preempt" (a preemption forced by hand, outside the scheduler).
     ``recording`` is a JSON-serializable dict; ``player_html`` draws it.
     """
 
@@ -279,6 +280,20 @@ class Recorder:
                 "finished": [s.seq_id for s in payload["finished"]],
                 "forked": [{"seq": request, "into": ids} for request, ids in forked.items()],
             })
+        elif event == "drafts":
+            # en: Speculative decoding (chapter 17): drafts appended to a decode step, with the blocks they need.
+            # zh: 投机解码（第 17 章）：草稿追加到 decode 步里，连同它们需要的块。
+            self._add_frame("drafts", {"drafts": [{"seq": s.seq_id, "count": s.num_draft_tokens}
+                                                  for s in payload["seqs"] if s.num_draft_tokens]})
+        elif event == "verified":
+            # en: What the model kept of each sequence's drafts; the rest was rolled back, its blocks freed.
+            # zh: 模型保留了每个序列的哪些草稿；其余的已经回滚，它们的块也释放了。
+            before = {s["id"]: s["block_table"] for s in self.frames[-1]["seqs"]}
+            self._add_frame("verified", {"verified": [
+                {"seq": s.seq_id, "drafted": drafted, "kept": kept,
+                 "freed": before.get(s.seq_id, [])[len(s.block_table):]}
+                for s, drafted, kept in zip(payload["seqs"], payload["drafted"], payload["kept"], strict=True)
+                if drafted]})
         elif event == "preempt":
             # en: Not a scheduler event: a tool (the live panel) preempted a sequence by hand.
             # zh: 这不是调度器发出的事件：是工具（实时面板）手动抢占了一个序列。
@@ -533,6 +548,23 @@ def _seq_list(ids: list[int], zh: bool) -> str:
     return ("、" if zh else ", ").join(str(i) for i in ids)
 
 
+def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
+    """What a speculative decoding frame says (chapter 17): the drafts a step verifies, or what it kept of them."""
+    if phase == "drafts":
+        items = [(d["seq"], d["count"]) for d in event["drafts"]]
+        return [("草稿：" + "、".join(f"序列 {i}（+{n} 个 token）" for i, n in items)) if zh
+                else "drafts: " + ", ".join(f"seq {i} (+{n} token{'s' if n > 1 else ''})" for i, n in items)]
+    verified = [(v["seq"], v["kept"], v["drafted"]) for v in event["verified"]]
+    parts = [("验证：" + "、".join(f"序列 {i} 保留 {k}/{n} 个草稿" for i, k, n in verified)) if zh
+             else "verified: " + ", ".join(f"seq {i} kept {k} of {n} drafts" for i, k, n in verified)]
+    for v in event["verified"]:
+        if v["freed"]:
+            blocks = _seq_list(v["freed"], zh)
+            parts.append(f"序列 {v['seq']} 交还只为被拒绝的草稿分配的块 {blocks}" if zh
+                         else f"seq {v['seq']} gives back block {blocks}, allocated for rejected drafts only")
+    return parts
+
+
 def caption(frame: dict, lang: str = "en") -> str:
     """One line that says what happened in ``frame``, in English (``"en"``) or Chinese (``"zh"``)."""
     if check_lang(lang) == "both":
@@ -589,6 +621,8 @@ def caption(frame: dict, lang: str = "en") -> str:
             parts.append(f"写时复制：序列 {copy['seq']} 把共享的块 {copy['from']} 拷贝到块 {copy['to']}" if zh
                          else f"copy-on-write: seq {copy['seq']} copies shared block {copy['from']} "
                               f"into block {copy['to']}")
+    elif phase in ("drafts", "verified"):
+        parts += speculation_caption(phase, event, zh)
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
         parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队头）" if zh
@@ -613,7 +647,7 @@ def caption(frame: dict, lang: str = "en") -> str:
             parts.append(f"序列 {ids} 完成（释放其块）" if zh else f"finished seq {ids} (blocks freed)")
     else:
         raise ValueError(f"unknown frame phase {phase!r}")
-    if phase == "schedule":
+    if phase in ("schedule", "drafts", "verified"):
         head = f"第 {step} 步" if zh else f"step {step}"
     elif phase == "postprocess":
         head = f"第 {step} 步完成" if zh else f"step {step} done"

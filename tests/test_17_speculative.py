@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.config import Config
+from nanovllm.engine import model_runner
 from nanovllm.engine.prefix_cache import NO_HASH
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine import model_runner
 from nanovllm.engine.speculative import NgramProposer
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
@@ -256,6 +256,29 @@ def test_staged_verify_rows_are_the_eager_rows():
     assert staged.positions[:8].tolist() == [5, 6, 7, 8, 3, 4, 5, 0]
     assert staged.context_lens[:8].tolist() == [6, 7, 8, 9, 4, 5, 6, 0]
     assert torch.equal(staged.storage[: staged.prefix_bytes(8)], eager.storage[: eager.prefix_bytes(8)])
+
+
+def test_the_recorder_draws_drafts_and_what_the_model_kept():
+    """The scheduler tells its observer about drafts and verification; appendix A's recorder turns them into frames
+    whose captions (both languages) name the kept drafts and the blocks given back."""
+    from nanovllm.viz import FakeEngine
+    from nanovllm.viz.player import caption
+
+    fake = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
+    seq = fake.add([1, 2, 3, 4, 1, 2, 3], max_tokens=8)
+    scheduler = fake.scheduler
+    seqs, is_prefill = scheduler.schedule()
+    scheduler.postprocess(seqs, [4], is_prefill)
+    seqs, _ = scheduler.schedule()
+    # Drafts 1, 2, 3 (the prompt again) fill a new block; the model keeps none of them.
+    assert scheduler.reserve_drafts(seqs, NgramProposer(3)) == 3 and len(seq.block_table) == 3
+    scheduler.postprocess(seqs, scheduler.accept_drafts(seqs, [[9, 9, 9, 9]]), False)
+    drafts, verified = (next(f for f in fake.recording["frames"] if f["phase"] == phase)
+                        for phase in ("drafts", "verified"))
+    assert drafts["event"]["drafts"] == [{"seq": seq.seq_id, "count": 3}]
+    assert verified["event"]["verified"] == [{"seq": seq.seq_id, "drafted": 3, "kept": 0, "freed": [2]}]
+    assert "kept 0 of 3 drafts" in caption(verified) and "gives back block 2" in caption(verified)
+    assert "保留 0/3 个草稿" in caption(verified, "zh") and "+3 tokens" in caption(drafts)
 
 
 def test_a_sequence_whose_drafts_fail_pauses_them_and_tries_again(tiny):

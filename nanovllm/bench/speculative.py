@@ -22,6 +22,7 @@ __all__ = [
     "measure",
     "print_row",
     "quoting_prompts",
+    "workload_cases",
 ]
 
 
@@ -107,14 +108,26 @@ def print_row(row: dict[str, Any]) -> None:
           f"identical outputs {row['identical']}/{row['batch']}")
 
 
+def workload_cases(name: str, args: argparse.Namespace) -> tuple[str, list[tuple[list, list[SamplingParams]]]]:
+    """The model and the (prompts, params) of each row of one workload."""
+    if name == "nano-vllm":
+        workload = make_workload(**PRESETS["nano-vllm"])
+        return str(qwen3_06b_random()), [(workload.prompts, workload.sampling_params())]
+    from nanovllm.book.smollm2 import smollm2_dir
+
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    return args.model or str(smollm2_dir()), [(quoting_prompts(batch), [greedy] * batch) for batch in args.batches]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --speculative",
                                      description="The engine with and without prompt lookup, on the same requests.")
-    parser.add_argument("--workload", choices=["quoting", "nano-vllm"], default="quoting",
+    parser.add_argument("--workloads", nargs="+", choices=["quoting", "nano-vllm"],
                         help="quoting: prompts that quote a passage (greedy), one row per --batches; nano-vllm: "
-                        "chapter 14's 256 random prompts (temperature 0.6)")
-    parser.add_argument("--model", help="default: SmolLM2-135M-Instruct (quoting), Qwen3-0.6B shapes (nano-vllm)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+                        "chapter 14's 256 random prompts (temperature 0.6) on Qwen3-0.6B's shapes; default: both on "
+                        "CUDA, quoting on a CPU")
+    parser.add_argument("--model", help="the quoting workload's model (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
@@ -122,23 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
-    if args.workload == "nano-vllm":
-        model = args.model or str(qwen3_06b_random())
-        workload = make_workload(**PRESETS["nano-vllm"])
-        cases = [(workload.prompts, workload.sampling_params())]
-    else:
-        from nanovllm.book.smollm2 import smollm2_dir
-
-        model = args.model or str(smollm2_dir())
-        greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-        cases = [(quoting_prompts(batch), [greedy] * batch) for batch in args.batches]
-    print(f"model: {model}; {args.workload} workload, {args.num_speculative_tokens} drafts a step")
-    report = report_header("python -m nanovllm.bench --speculative", argv, args.device) | {"model": model,
-                                                                                           "rows": []}
-    for prompts, params in cases:
-        row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
-                      device=args.device, max_model_len=4096)
-        print_row(row)
-        report["rows"].append(row)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    workloads = args.workloads or (["quoting", "nano-vllm"] if cuda else ["quoting"])
+    report = report_header("python -m nanovllm.bench --speculative", argv, "cuda" if cuda else "cpu") | {"rows": []}
+    for name in workloads:
+        model, cases = workload_cases(name, args)
+        print(f"{name} workload on {model}, {args.num_speculative_tokens} drafts a step:")
+        for prompts, params in cases:
+            row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
+                          device=args.device, max_model_len=4096)
+            print_row(row)
+            report["rows"].append({"workload": name, "model": model} | row)
     write_report(report, args.out)
     return 0

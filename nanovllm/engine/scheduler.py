@@ -20,7 +20,8 @@ __all__ = [
 
 
 # notebooks/04_scheduler.py · cell "admission"
-# The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess".
+# The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess" (and the
+# events later features add, such as speculative decoding's "drafts" and "verified").
 Observer = Callable[[str, dict], None]
 
 
@@ -352,6 +353,8 @@ class Scheduler:
             seq.num_scheduled_tokens += len(draft)
             budget -= len(draft)
             reserved += len(draft)
+        if reserved:
+            self._notify("drafts", {"seqs": seqs})
         return reserved
 
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
@@ -359,7 +362,7 @@ class Scheduler:
         """Keep each sequence's drafts up to the first that its ``targets`` (the model's token after the last token and
         after each draft) disagree with, and roll back the rest. Returns each sequence's one new token: the step is now
         a plain decode step of the last kept token, for `advance` and `resolve` to record."""
-        new_tokens = []
+        new_tokens, drafted, kept_drafts = [], [], []
         for seq, target in zip(seqs, targets, strict=True):
             assert len(target) == seq.num_scheduled_tokens, f"{len(target)} tokens to verify {seq}"
             start = len(seq) - seq.num_draft_tokens
@@ -382,6 +385,9 @@ class Scheduler:
             seq.num_cached_tokens, seq.num_scheduled_tokens, seq.num_draft_tokens = len(seq) - 1, 1, 0
             self.block_manager.trim(seq)
             new_tokens.append(target[kept])
+            drafted.append(len(drafts))
+            kept_drafts.append(kept)
+        self._notify("verified", {"seqs": seqs, "drafted": drafted, "kept": kept_drafts})
         return new_tokens
 
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"

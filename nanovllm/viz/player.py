@@ -31,6 +31,7 @@ __all__ = [
     "reading_language",
     "seq_info",
     "set_language",
+    "speculation_caption",
     "style_html",
 ]
 
@@ -91,6 +92,23 @@ def _seq_list(ids: list[int], zh: bool) -> str:
     return ("、" if zh else ", ").join(str(i) for i in ids)
 
 
+def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
+    """What a speculative decoding frame says (chapter 17): the drafts a step verifies, or what it kept of them."""
+    if phase == "drafts":
+        items = [(d["seq"], d["count"]) for d in event["drafts"]]
+        return [("草稿：" + "、".join(f"序列 {i}（+{n} 个 token）" for i, n in items)) if zh
+                else "drafts: " + ", ".join(f"seq {i} (+{n} token{'s' if n > 1 else ''})" for i, n in items)]
+    verified = [(v["seq"], v["kept"], v["drafted"]) for v in event["verified"]]
+    parts = [("验证：" + "、".join(f"序列 {i} 保留 {k}/{n} 个草稿" for i, k, n in verified)) if zh
+             else "verified: " + ", ".join(f"seq {i} kept {k} of {n} drafts" for i, k, n in verified)]
+    for v in event["verified"]:
+        if v["freed"]:
+            blocks = _seq_list(v["freed"], zh)
+            parts.append(f"序列 {v['seq']} 交还只为被拒绝的草稿分配的块 {blocks}" if zh
+                         else f"seq {v['seq']} gives back block {blocks}, allocated for rejected drafts only")
+    return parts
+
+
 def caption(frame: dict, lang: str = "en") -> str:
     """One line that says what happened in ``frame``, in English (``"en"``) or Chinese (``"zh"``)."""
     if check_lang(lang) == "both":
@@ -146,6 +164,8 @@ def caption(frame: dict, lang: str = "en") -> str:
             parts.append(f"写时复制：序列 {copy['seq']} 把共享的块 {copy['from']} 拷贝到块 {copy['to']}" if zh
                          else f"copy-on-write: seq {copy['seq']} copies shared block {copy['from']} "
                               f"into block {copy['to']}")
+    elif phase in ("drafts", "verified"):
+        parts += speculation_caption(phase, event, zh)
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
         parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队头）" if zh
@@ -170,7 +190,7 @@ def caption(frame: dict, lang: str = "en") -> str:
             parts.append(f"序列 {ids} 完成（释放其块）" if zh else f"finished seq {ids} (blocks freed)")
     else:
         raise ValueError(f"unknown frame phase {phase!r}")
-    if phase == "schedule":
+    if phase in ("schedule", "drafts", "verified"):
         head = f"第 {step} 步" if zh else f"step {step}"
     elif phase == "postprocess":
         head = f"第 {step} 步完成" if zh else f"step {step} done"

@@ -92,8 +92,9 @@ class Recorder:
 
     Frames: "start" (when attached), "add" (consecutive adds share one frame), "schedule" (after
     the scheduler chose a batch: allocations, cache hits, preemptions are visible),
-    "postprocess" (after tokens were appended, hashes published and finished sequences freed)
-    and "preempt" (a preemption forced by hand, outside the scheduler).
+    "postprocess" (after tokens were appended, hashes published and finished sequences freed),
+    "drafts" and "verified" (speculative decoding: drafts reserved, then what the model kept and the
+    blocks given back) and "preempt" (a preemption forced by hand, outside the scheduler).
     ``recording`` is a JSON-serializable dict; ``player_html`` draws it.
     """
 
@@ -159,6 +160,18 @@ class Recorder:
                 "finished": [s.seq_id for s in payload["finished"]],
                 "forked": [{"seq": request, "into": ids} for request, ids in forked.items()],
             })
+        elif event == "drafts":
+            # Speculative decoding (chapter 17): drafts appended to a decode step, with the blocks they need.
+            self._add_frame("drafts", {"drafts": [{"seq": s.seq_id, "count": s.num_draft_tokens}
+                                                  for s in payload["seqs"] if s.num_draft_tokens]})
+        elif event == "verified":
+            # What the model kept of each sequence's drafts; the rest was rolled back, its blocks freed.
+            before = {s["id"]: s["block_table"] for s in self.frames[-1]["seqs"]}
+            self._add_frame("verified", {"verified": [
+                {"seq": s.seq_id, "drafted": drafted, "kept": kept,
+                 "freed": before.get(s.seq_id, [])[len(s.block_table):]}
+                for s, drafted, kept in zip(payload["seqs"], payload["drafted"], payload["kept"], strict=True)
+                if drafted]})
         elif event == "preempt":
             # Not a scheduler event: a tool (the live panel) preempted a sequence by hand.
             self._add_frame("preempt", {"preempted": [s.seq_id for s in payload["seqs"]]})
