@@ -370,6 +370,12 @@ class EngineError:
 
 SHUTTING_DOWN_ERROR = EngineError(503, "the server is shutting down", "service_unavailable")
 
+# en: Functions that read counters of an engine feature off the engine, for /metrics (see ServerStats.engine_counters):
+# en: later chapters append theirs.
+# zh: 从引擎上读出某个引擎功能的计数器、供 /metrics 使用的函数（见 ServerStats.engine_counters）：后面的章节把自己的
+# zh: 函数追加进来。
+ENGINE_COUNTERS: list[Callable[[LLMEngine], dict[str, float]]] = []
+
 
 @dataclass
 class ServerStats:
@@ -391,6 +397,11 @@ class ServerStats:
     # zh: 引擎的各步，按种类（"prefill"、"decode"）统计：多少步，以及它们的墙钟时间（秒）。
     steps: dict[str, int] = field(default_factory=dict)
     step_seconds: dict[str, float] = field(default_factory=dict)
+    # en: Counters of engine features that later chapters add, read by the functions in ENGINE_COUNTERS: metric
+    # en: name, with one label in Prometheus' braces when it has one ('name{position="0"}') -> value.
+    # zh: 后面的章节加上的引擎功能的计数器，由 ENGINE_COUNTERS 里的函数读出：指标名（有标签时用 Prometheus 的花括号
+    # zh: 写一个标签，如 'name{position="0"}'）-> 数值。
+    engine_counters: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -616,6 +627,8 @@ class EngineDriver:
         self.stats.num_requests_running = len({seq.request_id for seq in scheduler.running})
         self.stats.num_requests_waiting = len({seq.request_id for seq in scheduler.waiting})
         self.stats.kv_cache_usage = len(bm.used_block_ids) / bm.num_blocks
+        for read in ENGINE_COUNTERS:
+            self.stats.engine_counters.update(read(self.engine))
 
     def _flush(self) -> None:
         """Send the step's events, the live page's frames and the figures, in one message."""
@@ -624,7 +637,8 @@ class EngineDriver:
         frames, self.frames = self.frames, []
         # en: A copy: in a thread, the HTTP side reads it while the driver goes on counting.
         # zh: 发一份副本：在线程里，驱动接着计数的时候，HTTP 一侧还在读它。
-        stats = replace(self.stats, steps=dict(self.stats.steps), step_seconds=dict(self.stats.step_seconds))
+        stats = replace(self.stats, steps=dict(self.stats.steps), step_seconds=dict(self.stats.step_seconds),
+                        engine_counters=dict(self.stats.engine_counters))
         self.send(("step", events, frames, stats))
 
     def _refuse_the_rest(self, receive: Receive) -> None:
@@ -1612,6 +1626,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -1795,14 +1810,17 @@ class Generation:
 # handler may call it. `/metrics` is Prometheus text (`prometheus_client`), with vLLM's metric
 # names under the `nanovllm:` prefix: `num_requests_running`, `num_requests_waiting`,
 # `kv_cache_usage_perc` (blocks in use / all blocks), `prefix_cache_hit_rate`, and counters of
-# prompt and generated tokens, preemptions and finished requests.
+# prompt and generated tokens, preemptions and finished requests. An engine feature that a later
+# chapter adds brings its own counters: a function in `ENGINE_COUNTERS` that reads them off the
+# engine, and their help lines in `ENGINE_COUNTER_HELP`.
 
 # %% [markdown] tags=["zh"]
 # `create_app` 用 FastAPI 把这些连接起来。它的 *lifespan* 在服务器启动时启动驱动，在服务器停止时停止它；
 # `app.state.shutdown()` 只是把工作放进队列，所以信号处理函数可以调用它。`/metrics` 是 Prometheus 文本格式
 # （`prometheus_client`），指标名与 vLLM 相同，前缀为 `nanovllm:`：`num_requests_running`、`num_requests_waiting`、
 # `kv_cache_usage_perc`（在用的块 / 全部块）、`prefix_cache_hit_rate`，以及提示词 token、生成 token、抢占和已完成
-# 请求的计数器。
+# 请求的计数器。后面章节加上的引擎功能会带来自己的计数器：`ENGINE_COUNTERS` 里一个从引擎上读出它们的函数，以及
+# `ENGINE_COUNTER_HELP` 里它们的说明。
 
 # %% app
 #| export serve.app
@@ -1859,6 +1877,26 @@ class StatsCollector(Collector):
         for reason, count in sorted(self.engine.requests_finished.items()):
             finished.add_metric([*value, reason], count)
         yield finished
+        yield from engine_counter_families(stats.engine_counters, labels, value)
+
+
+# en: The help line of each engine counter (ServerStats.engine_counters), by metric name: later chapters add theirs.
+# zh: 每个引擎计数器（ServerStats.engine_counters）的说明，按指标名：后面的章节加上它们自己的。
+ENGINE_COUNTER_HELP: dict[str, str] = {}
+LABELED_NAME = re.compile(r'(\w+)\{(\w+)="([^"]*)"\}')
+
+
+def engine_counter_families(counters: dict[str, float], labels: list[str], value: list[str]) -> list:
+    """ServerStats.engine_counters as counter families, one per metric name, with its label when it has one."""
+    families: dict[str, CounterMetricFamily] = {}
+    for key, number in sorted(counters.items()):
+        labeled = LABELED_NAME.fullmatch(key)
+        name, extra = (labeled[1], [(labeled[2], labeled[3])]) if labeled else (key, [])
+        if name not in families:
+            families[name] = CounterMetricFamily(f"nanovllm:{name}", ENGINE_COUNTER_HELP.get(name, name),
+                                                 labels=[*labels, *(label for label, _ in extra)])
+        families[name].add_metric([*value, *(text for _, text in extra)], number)
+    return list(families.values())
 
 
 _T = TypeVar("_T")

@@ -74,6 +74,7 @@ say = Phrases({
     "on this CPU: {plain:.1f} tok/s without, {spec:.1f} tok/s with speculation ({ratio:.2f}x)":
         "本机 CPU 上：不投机 {plain:.1f} tok/s，投机 {spec:.1f} tok/s（{ratio:.2f} 倍）",
     "refused: {error}": "被拒绝：{error}",
+    "what /metrics adds for a speculating engine:\n{lines}": "投机引擎在 /metrics 里多出的内容：\n{lines}",
     "{frames} frames; blocks given back after rejected drafts: {given_back}":
         "共 {frames} 帧；草稿被拒绝后交还的块（帧，块）：{given_back}",
     "batch {batch:2d}: {ratio:.2f}x; a verify step cost {cost:.1f} decode steps and gave {tokens:.2f} tokens; the "
@@ -431,6 +432,9 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[
         kept = len(seq) - start
         if drafts:
             self.note_verify(seq, 1 + kept)
+            counts = self.accepted_by_position
+            counts += (0,) * (len(drafts) - len(counts))
+            self.accepted_by_position = tuple(count + (i < kept) for i, count in enumerate(counts))
         self.drafted_tokens += len(drafts)
         self.accepted_tokens += kept
         self.verifications += bool(drafts)
@@ -461,6 +465,9 @@ def drop_drafts(self, seqs: list[Sequence]) -> None:
 Scheduler.drafted_tokens = 0
 Scheduler.accepted_tokens = 0
 Scheduler.verifications = 0
+# en: Accepted drafts by their position in a step's drafts (0: the first draft), as far as any step drafted.
+# zh: 按草稿在一步里的位置（0：第一个草稿）统计的被接受草稿数，长度为任何一步草稿数的最大值。
+Scheduler.accepted_by_position: tuple[int, ...] = ()
 
 # %% [markdown] tags=["en"]
 # One step by hand, with the model's tokens chosen by us: a prompt that repeats itself, blocks of
@@ -1259,6 +1266,74 @@ assert (256 / 95) / (2050.0 / 1838.5) > rule.min_tokens_per_verify
 # en: The rule speculates at the batches that gained and not at 8, which lost with one draft per sequence.
 # zh: 规则在有收益的批大小上投机，在 8 上不投机：那里每个序列一个草稿，结果变慢了。
 assert rule.drafts_per_sequence(1) >= 4 and rule.drafts_per_sequence(4) == 3 and rule.drafts_per_sequence(8) == 0
+
+# %% [markdown] tags=["en"]
+# ## Serving it: the counters of `/metrics`
+#
+# `python -m nanovllm.serve --speculative-method ngram --num-speculative-tokens 4` serves with
+# speculation; a streamed chunk may carry several tokens. Its `/metrics` gains the counters vLLM
+# exports under the same names: verify steps (one per sequence and step with drafts), draft
+# tokens, accepted tokens, and accepted tokens by their position among a step's drafts, whose
+# falling counts show how quickly a run of right guesses ends. Chapter 15 left a place for them:
+# a function in `ENGINE_COUNTERS` reads them off the engine after every step.
+
+# %% [markdown] tags=["zh"]
+# ## 在服务中使用：`/metrics` 的计数器
+#
+# `python -m nanovllm.serve --speculative-method ngram --num-speculative-tokens 4` 以投机解码提供服务；流式返回的一个
+# 数据块可能带好几个 token。它的 `/metrics` 多了 vLLM 用同样名字导出的计数器：验证步数（每个序列每个带草稿的步算
+# 一次）、草稿 token 数、被接受的 token 数，以及按在一步草稿里的位置统计的被接受 token 数，它们逐位置下降的数字
+# 说明一串猜对的草稿多快就会中断。第 15 章给它们留了位置：`ENGINE_COUNTERS` 里的一个函数在每步之后从引擎上读出它们。
+
+# %% speculation counters
+#| export serve.driver
+from nanovllm.serve.driver import ENGINE_COUNTERS
+
+
+def speculation_counters(engine: LLMEngine) -> dict[str, float]:
+    """A speculating engine's counters for /metrics, with vLLM's names (none without speculation)."""
+    if engine.config.speculative_method is None:
+        return {}
+    scheduler = engine.scheduler
+    counters = {"spec_decode_num_drafts": scheduler.verifications,
+                "spec_decode_num_draft_tokens": scheduler.drafted_tokens,
+                "spec_decode_num_accepted_tokens": scheduler.accepted_tokens}
+    for position, count in enumerate(scheduler.accepted_by_position):
+        counters[f'spec_decode_num_accepted_tokens_per_pos{{position="{position}"}}'] = count
+    return counters
+
+
+ENGINE_COUNTERS.append(speculation_counters)
+
+# %% speculation counter help
+#| export serve.app
+from nanovllm.serve.app import ENGINE_COUNTER_HELP
+
+ENGINE_COUNTER_HELP.update({
+    "spec_decode_num_drafts": "Verify steps, one per sequence and step with drafts.",
+    "spec_decode_num_draft_tokens": "Draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by their position among a step's drafts.",
+})
+
+# %%
+from nanovllm.serve.app import engine_counter_families
+
+# en: the last case above again (seeded sampling, drafts replayed from the plain run)
+# zh: 再跑一遍上面最后一种情形（带种子的采样，草稿重放自普通引擎的结果）
+_, _, served = run(settings, params, runs=runs, speculative_method="ngram")
+counters = speculation_counters(served)
+lines = []
+for family in engine_counter_families(counters, ["model_name"], ["tiny"]):
+    for sample in family.samples:
+        labels = ",".join(f'{name}="{text}"' for name, text in sample.labels.items())
+        lines.append(f"  {sample.name}{{{labels}}} {sample.value:g}")
+print(say("what /metrics adds for a speculating engine:\n{lines}", lines="\n".join(lines)))
+by_position = served.scheduler.accepted_by_position
+# en: every accepted draft is counted at its position, and a later position is reached only through the earlier ones
+# zh: 每个被接受的草稿都按位置计了数，而且只有经过前面的位置才能到达后面的位置。
+assert sum(by_position) == counters["spec_decode_num_accepted_tokens"] > 0
+assert list(by_position) == sorted(by_position, reverse=True)
 
 # %% [markdown] tags=["en"]
 # ## What it refuses

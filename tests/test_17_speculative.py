@@ -8,6 +8,8 @@ engine without speculation, through preemption, chunked prefill, prefix hits, fo
 and max_tokens inside a run of accepted drafts, a failing verify step, and requests that sample.
 """
 
+import re
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -518,3 +520,14 @@ def test_the_server_streams_speculative_decoding_token_for_token():
         chunks = [chunk for chunk in stream if chunk.choices]
         assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == expected["token_ids"]
         assert "".join(c.choices[0].text for c in chunks) == expected["text"]
+        # /metrics counts what the stream's verify steps drafted and kept, by position too.
+        with urllib.request.urlopen(f"{server.url}/metrics") as response:
+            text = response.read().decode()
+        values = {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:spec_decode\S+) (\S+)$", text, re.MULTILINE)}
+        label = '{model_name="tiny"}'
+        drafted = values[f"nanovllm:spec_decode_num_draft_tokens_total{label}"]
+        accepted = values[f"nanovllm:spec_decode_num_accepted_tokens_total{label}"]
+        by_position = [v for k, v in values.items() if "_per_pos_total" in k]
+        # (The tiny random model rarely agrees with prompt lookup: chapter 17 checks the counts with replayed drafts.)
+        assert 0 <= accepted <= drafted and values[f"nanovllm:spec_decode_num_drafts_total{label}"] > 0
+        assert sum(by_position) == accepted and by_position == sorted(by_position, reverse=True)

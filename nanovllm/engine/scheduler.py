@@ -58,6 +58,9 @@ class Scheduler:
     accepted_tokens = 0
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     verifications = 0
+    # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
+    # Accepted drafts by their position in a step's drafts (0: the first draft), as far as any step drafted.
+    accepted_by_position: tuple[int, ...] = ()
 
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True):
@@ -379,6 +382,9 @@ class Scheduler:
             kept = len(seq) - start
             if drafts:
                 self.note_verify(seq, 1 + kept)
+                counts = self.accepted_by_position
+                counts += (0,) * (len(drafts) - len(counts))
+                self.accepted_by_position = tuple(count + (i < kept) for i, count in enumerate(counts))
             self.drafted_tokens += len(drafts)
             self.accepted_tokens += kept
             self.verifications += bool(drafts)
