@@ -1215,7 +1215,9 @@ assert row["speculative_steps"] < row["plain_steps"]
 # passage). A first rule allowed 64 rows: the 16-sequence batch verified three drafts each and ran
 # at 0.88× the plain engine, although its steps fell from 256 to 135. At batch 1 the steps fell
 # from 256 to 95 for only 1.12× the throughput: a verify step costs about 2.4 pipelined decode steps
-# there, because the host's work is no longer hidden behind the GPU's. Hence the rule of
+# there. Its five rows replay the graph of 8, whose matmuls run through cuBLAS (chapter 09's fused
+# GEMV takes at most two rows): 1.32 ms of GPU time against 0.58 ms for one row on Qwen3-0.6B's
+# shapes, and a verify step is synchronous besides. Hence the rule of
 # `reserve_drafts`: at most 16 rows, no drafts when that leaves a sequence fewer than two (so
 # none past 5 sequences), and a sequence whose recent verify steps gave fewer than two tokens
 # pauses its drafts for 16 tokens. (Batch 2 lost 6 % in this run, its verify step costing 2.9
@@ -1235,7 +1237,9 @@ assert row["speculative_steps"] < row["plain_steps"]
 #
 # 剩下的由基准测试决定（下面的表，在一块 H200 上用 SmolLM2 引用一段文字记录）。第一版规则允许 64 行：16 个序列的批
 # 每个验证三个草稿，只跑出普通引擎的 0.88 倍，尽管步数从 256 降到了 135。批大小为 1 时，步数从 256 降到 95，吞吐量
-# 却只有 1.12 倍：在那里一个验证步的代价约为 2.4 个流水线化的 decode 步，因为主机的工作不再藏在 GPU 的工作后面。
+# 却只有 1.12 倍：在那里一个验证步的代价约为 2.4 个流水线化的 decode 步。它的五行重放的是 8 行的图，其中的矩阵乘法
+# 走 cuBLAS（第 09 章融合的 GEMV 最多只接两行）：在 Qwen3-0.6B 的形状上，GPU 时间是 1.32 毫秒，而一行只要 0.58 毫秒；
+# 何况验证步还是同步的。
 # 于是有了 `reserve_drafts` 里的规则：最多 16 行；如果这样分到每个序列的草稿少于两个，就不要草稿（所以超过 5 个
 # 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿。（这次测量中批大小
 # 为 2 时慢了 6%，它的验证步值 2.9 个 decode 步，而批大小为 1 时是 2.4 个；这是噪声还是它那张 16 行的图带来的代价，
@@ -1380,21 +1384,26 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # - The back-off rule: at most 16 verify rows, at least two drafts a sequence, and a pause for a
 #   sequence whose verify steps give fewer than two tokens; `python -m nanovllm.bench
 #   --speculative`, which measured it.
+# - The scheduler's "drafts" and "verified" events, which appendix A's player draws, and the
+#   `spec_decode` counters of the server's `/metrics`.
 #
-# **On a GPU, recorded** (one H200, 2026-12-04, SmolLM2 in bfloat16, the table above): 1.12× at
-# batch 1 and 1.17× at batch 4, 3.6 tokens per verify step; the 256-sequence workload unchanged
-# (0.99×, as with drafts off). Before the verify step became a decode step it ran through the
-# eager prefill path: 171 tok/s at batch 1 against 1,439 for the synchronous engine, a 41 ms step
-# of which the GPU's kernels took 1.5 ms (`scripts/profile_verify.py`). In bfloat16 some outputs
-# part from the plain engine's after a few dozen tokens (3 of 4 identical at batch 4): a step's
-# rounding depends on how many rows it has, since cuBLAS picks its kernel by shape, and a near tie
-# can go the other way; in float32, on the CPU as asserted above and on the GPU in the tests, the
-# output is identical.
+# **On a GPU, recorded** (one H200, 2026-12-04, SmolLM2 in bfloat16): at batch 1, 3.6 tokens per
+# verify step and 1.12×, 1.46× and 1.23× the plain engine in three invocations (the plain engine's
+# own batch-1 rate moved between 1,336 and 1,838 tok/s); the 256-sequence workload unchanged
+# (0.99× and 1.01×, as with drafts switched off). Before the verify step became a decode step it
+# ran through the eager prefill path: 171 tok/s at batch 1 against 1,439 for the synchronous
+# engine, a 41 ms step of which the GPU's kernels took 1.5 ms. Now `scripts/profile_verify.py`
+# (Qwen3-0.6B's shapes, four drafts every step) measures a verify step at 1.54 ms against 0.93 ms
+# for a synchronous decode step, and most of it is the GPU's. In bfloat16 some outputs part from
+# the plain engine's after a few dozen tokens (3 of 4 identical at batch 4): a step's rounding
+# depends on how many rows it has, since cuBLAS picks its kernel by shape, and a near tie can go
+# the other way; in float32, on the CPU as asserted above and on the GPU in the tests, the output
+# is identical.
 #
-# Not built yet, and where it goes next: the verify step's host work, which now costs more than
-# its GPU time (its inputs staged in one copy as chapter 12 stages a decode step's, its sampling
-# inputs cached); a draft model (with the general acceptance rule); tensor parallelism; the
-# server's metrics.
+# Not built yet, and where it goes next: matmuls of 3 to 16 rows that read the weights once, as
+# the GEMV does for two (then a verify step costs about a decode step, and batch 1 could reach
+# the 2× that its 2.7× fewer steps promise); a draft model (with the general acceptance rule);
+# tensor parallelism.
 #
 # ## Exercises
 #
@@ -1418,16 +1427,20 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #   设置项 `speculative_method` 和 `num_speculative_tokens`。
 # - 退让规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿；以及测量它的
 #   `python -m nanovllm.bench --speculative`。
+# - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode`
+#   计数器。
 #
-# **GPU 上的记录**（一块 H200，2026-12-04，bfloat16 的 SmolLM2，即上面的表）：批大小为 1 时 1.12 倍，为 4 时 1.17 倍，
-# 每个验证步 3.6 个 token；256 个序列的负载不受影响（0.99 倍，和关掉草稿时一样）。在验证步改成 decode 步之前，它走的是
-# eager 的 prefill 路径：批大小为 1 时只有 171 tok/s，而同步引擎有 1,439；一步 41 毫秒，其中 GPU 内核只占 1.5 毫秒
-# （`scripts/profile_verify.py`）。在 bfloat16 下，有些输出在几十个 token 之后与普通引擎的输出分开（批大小为 4 时 4 个
-# 里 3 个完全相同）：一步的舍入取决于它有多少行，因为 cuBLAS 按形状挑选内核，于是两个几乎并列的 token 可能选到另一个；
-# 在 float32 下，不论是上面断言过的 CPU，还是测试里的 GPU，输出都完全相同。
+# **GPU 上的记录**（一块 H200，2026-12-04，bfloat16 的 SmolLM2）：批大小为 1 时每个验证步 3.6 个 token，三次调用
+# 分别是普通引擎的 1.12、1.46 和 1.23 倍（普通引擎自己在批大小为 1 时的速度在 1,336 到 1,838 tok/s 之间变动）；256 个
+# 序列的负载不受影响（0.99 和 1.01 倍，和完全关掉草稿时一样）。在验证步改成 decode 步之前，它走的是 eager 的 prefill
+# 路径：批大小为 1 时只有 171 tok/s，而同步引擎有 1,439；一步 41 毫秒，其中 GPU 内核只占 1.5 毫秒。现在
+# `scripts/profile_verify.py`（Qwen3-0.6B 的形状，每步四个草稿）测得一个验证步 1.54 毫秒，同步的 decode 步 0.93 毫秒，
+# 其中大部分是 GPU 的时间。在 bfloat16 下，有些输出在几十个 token 之后与普通引擎的输出分开（批大小为 4 时 4 个里 3 个
+# 完全相同）：一步的舍入取决于它有多少行，因为 cuBLAS 按形状挑选内核，于是两个几乎并列的 token 可能选到另一个；在
+# float32 下，不论是上面断言过的 CPU，还是测试里的 GPU，输出都完全相同。
 #
-# 还没有实现、接下来要做的：验证步在主机上的工作，它现在比它在 GPU 上的时间还多（像第 12 章准备 decode 步那样一次
-# 拷贝送出输入，缓存采样输入）；草稿模型（配上一般的接受规则）；张量并行；服务器的指标。
+# 还没有实现、接下来要做的：像 GEMV 对两行那样只读一遍权重的 3 到 16 行矩阵乘法（那时一个验证步的代价约等于一个
+# decode 步，批大小为 1 时就能拿到步数少 2.7 倍所许诺的 2 倍）；草稿模型（配上一般的接受规则）；张量并行。
 #
 # ## 练习
 #
