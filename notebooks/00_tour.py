@@ -41,15 +41,6 @@
 # 包发布的小型 Llama；`smollm2_dir()` 会把它一次性转换成本地缓存中的 safetensors 目录。
 # `temperature=0` 即贪心解码，所以下面的回答每次运行都一样。
 
-# %% package front door
-#| export __init__
-"""nano-vllm, literate edition: an LLM inference engine built chapter by chapter."""
-
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
-
-__all__ = ["LLM", "SamplingParams"]
-
 # %%
 from transformers import AutoTokenizer
 

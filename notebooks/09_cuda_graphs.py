@@ -1791,7 +1791,9 @@ else:
 # `python -m nanovllm.bench.graphs` builds a runner for Qwen3-0.6B's shapes (random bf16
 # weights), makes batches of decoding sequences with 512 tokens of context each, and times
 # `runner.run(seqs, is_prefill=False)` — inputs, forward, logits, sampling, the whole step —
-# with the graphs switched off and on. Both paths must return the same tokens (greedy).
+# with the graphs switched off and on. Both paths must return the same tokens (greedy). The
+# model directory comes from `nanovllm.bench.models`, built once in a temporary folder: a step's
+# speed depends on the shapes, not on the weights, and the later benchmarks use it too.
 
 # %% [markdown] tags=["zh"]
 # ## 测量：一个 decode 步，eager 对比 graph
@@ -1799,7 +1801,33 @@ else:
 # `python -m nanovllm.bench.graphs` 按 Qwen3-0.6B 的形状（随机 bf16 权重）构建一个执行器，构造若干批正在 decode
 # 的序列，每个序列有 512 个 token 的上下文，然后在关闭和打开 CUDA Graph 两种情况下为
 # `runner.run(seqs, is_prefill=False)` 计时——输入、前向、logits、采样，整整一步。两条路径必须返回相同的
-# token（贪心解码）。
+# token（贪心解码）。模型目录来自 `nanovllm.bench.models`，在临时目录里只构建一次：一步的速度取决于形状，而不取决于
+# 权重，后面的基准测试也用它。
+
+# %% bench models
+#| export bench.models
+"""Model directories for the benchmarks: real models' shapes, random (or no) weights, since a step's speed depends
+on the shapes, not on the weights' values."""
+
+from __future__ import annotations
+
+from typing import Any
+
+QWEN3_06B_SHAPES: dict[str, Any] = {
+    "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+    "max_position_embeddings": 40960,
+}
+
+
+def qwen3_06b_random(path: str | None = None) -> Any:
+    """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
+    import tempfile
+
+    from nanovllm.book.tiny_models import build_tiny_model
+
+    path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
+    return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
 
 # %% bench graphs
 #| export bench.graphs
@@ -1928,7 +1956,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"decode attention batch 256, context {context}, launch {row['launch']}: "
                       f"{row['ms'] * 1e3:.0f} us = {row['tb_per_s']:.2f} TB/s")
         return 0
-    from nanovllm.bench.engine import qwen3_06b_random
+    from nanovllm.bench.models import qwen3_06b_random
 
     model = args.model or str(qwen3_06b_random())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -2067,7 +2095,8 @@ assert all(e / g >= 1.5 for table in ("off", "on") for b, (e, g) in RECORDED[tab
 # %%
 from types import SimpleNamespace
 
-from nanovllm.bench.engine import QWEN3_06B_SHAPES, layer_params
+from nanovllm.bench.engine import layer_params
+from nanovllm.bench.models import QWEN3_06B_SHAPES
 from nanovllm.engine.model_runner import kv_block_bytes
 
 qwen = SimpleNamespace(**QWEN3_06B_SHAPES)

@@ -286,6 +286,17 @@ from nanovllm.engine.llm_engine import LLMEngine
 class LLM(LLMEngine):
     """The public entry point, as in nano-vllm: `LLM(model_path, **config).generate(prompts, params)`."""
 
+# %% package front door
+#| export __init__
+"""nano-vllm, literate edition: an LLM inference engine built chapter by chapter."""
+
+# en: The package's front door, now that the engine exists: `from nanovllm import LLM, SamplingParams`.
+# zh: 引擎已经有了，包的正门也就有了：`from nanovllm import LLM, SamplingParams`。
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
 # %% [markdown] tags=["en"]
 # ### See it: every step of a small run
 #

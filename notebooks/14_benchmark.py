@@ -423,33 +423,10 @@ print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFL
 # 每个缓存元素只读一个字节，外加每个 token、每个 KV 头一个 4 字节的缩放因子（`kv_token_bytes`），所以上限本身也
 # 移动了。
 
-# %% bench engine
-#| export bench.engine
-import argparse
-import gc
-import importlib
-import sys
+# %% bench models, 8B
+#| export bench.models
 from pathlib import Path
-
-from nanovllm.bench.report import report_header, write_report
-from nanovllm.engine.model_runner import kv_cache_summary
-
-QWEN3_06B_SHAPES: dict[str, Any] = {
-    "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
-    "max_position_embeddings": 40960,
-}
-
-
-def qwen3_06b_random(path: str | None = None) -> Any:
-    """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
-    import tempfile
-
-    from nanovllm.book.tiny_models import build_tiny_model
-
-    path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
-    return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
-
+from typing import Any
 
 QWEN3_8B_SHAPES: dict[str, Any] = {
     "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -481,6 +458,17 @@ def qwen3_8b_shapes(path: str | None = None) -> Path:
     config.dtype = "bfloat16"
     config.save_pretrained(target)
     return target
+
+# %% bench engine
+#| export bench.engine
+import argparse
+import gc
+import importlib
+import sys
+
+from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.engine.model_runner import kv_cache_summary
 
 
 def matmul_flops(n: int = 8192) -> float:
@@ -832,7 +820,8 @@ import contextlib
 import io
 
 from nanovllm.bench.engine import main as bench
-from nanovllm.bench.engine import model_params, qwen3_8b_shapes
+from nanovllm.bench.engine import model_params
+from nanovllm.bench.models import qwen3_8b_shapes
 from nanovllm.book.tiny_models import build_tiny_model
 
 printed = io.StringIO()
@@ -897,13 +886,8 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import (
-    kv_token_bytes,
-    make_workload,
-    qwen3_06b_random,
-    qwen3_8b_shapes,
-    weight_bytes_per_step,
-)
+from nanovllm.bench.engine import kv_token_bytes, make_workload, weight_bytes_per_step
+from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 

@@ -147,14 +147,8 @@ say = Phrases({
 # %%
 from types import SimpleNamespace
 
-from nanovllm.bench.engine import (
-    QWEN3_06B_SHAPES,
-    QWEN3_8B_SHAPES,
-    kv_token_bytes,
-    layer_params,
-    make_workload,
-    workload_bound,
-)
+from nanovllm.bench.engine import kv_token_bytes, layer_params, make_workload, workload_bound
+from nanovllm.bench.models import QWEN3_06B_SHAPES, QWEN3_8B_SHAPES
 
 # en: Chapter 09's recorded run
 # zh: 第 09 章记录的那次运行

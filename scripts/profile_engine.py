@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.bench.engine import PRESETS, make_workload, qwen3_06b_random
+from nanovllm.bench.engine import PRESETS, make_workload
+from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.llm import LLM
 
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.bench.engine import make_workload, qwen3_06b_random
+from nanovllm.bench.engine import make_workload
+from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 

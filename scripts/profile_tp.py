@@ -226,7 +226,8 @@ def main() -> int:
     if names and not all(SETTING.fullmatch(name) for name in names):
         parser.error(f"--settings {args.settings}: each one is tpN, tpN-eager or tp1-channel")
 
-    from nanovllm.bench.engine import make_workload, qwen3_06b_random
+    from nanovllm.bench.engine import make_workload
+    from nanovllm.bench.models import qwen3_06b_random
     from nanovllm.book.tiny_models import build_tiny_model
     from nanovllm.config import Config
 

@@ -25,7 +25,7 @@ import torch
 # (run as a script, this file's folder is on sys.path).
 from profile_host_step import decode_until
 
-from nanovllm.bench.engine import qwen3_06b_random
+from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 

@@ -480,7 +480,8 @@ def test_flash_attn_backend_needs_a_cuda_gpu(tiny_llama: Path) -> None:
 
 # ---- tensor parallelism in the benchmark, random weights, rank timeout (chapters 05, 10) ------------------
 def test_qwen3_8b_shapes_is_a_weightless_directory_for_dummy_weights(tmp_path: Path) -> None:
-    from nanovllm.bench.engine import QWEN3_8B_SHAPES, model_params, qwen3_8b_shapes
+    from nanovllm.bench.engine import model_params
+    from nanovllm.bench.models import QWEN3_8B_SHAPES, qwen3_8b_shapes
 
     directory = qwen3_8b_shapes(str(tmp_path / "qwen3-8b"))
     assert not list(directory.glob("*.safetensors"))

@@ -10,11 +10,11 @@ import random
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.engine.model_runner import kv_cache_summary
 from nanovllm.sampling_params import SamplingParams
@@ -22,8 +22,6 @@ from nanovllm.sampling_params import SamplingParams
 __all__ = [
     "OTHER_BENCHMARKS",
     "PRESETS",
-    "QWEN3_06B_SHAPES",
-    "QWEN3_8B_SHAPES",
     "BenchResult",
     "Bound",
     "Workload",
@@ -35,8 +33,6 @@ __all__ = [
     "model_params",
     "peer_batches",
     "print_breakdown",
-    "qwen3_06b_random",
-    "qwen3_8b_shapes",
     "run_engine",
     "run_transformers",
     "weight_bytes_per_step",
@@ -215,54 +211,6 @@ def workload_bound(
 
 
 # notebooks/14_benchmark.py · cell "bench engine"
-QWEN3_06B_SHAPES: dict[str, Any] = {
-    "hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
-    "max_position_embeddings": 40960,
-}
-
-
-def qwen3_06b_random(path: str | None = None) -> Any:
-    """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
-    import tempfile
-
-    from nanovllm.book.tiny_models import build_tiny_model
-
-    path = path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-random"
-    return build_tiny_model("qwen3", path, seed=0, **QWEN3_06B_SHAPES)
-
-
-QWEN3_8B_SHAPES: dict[str, Any] = {
-    "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False,
-    "max_position_embeddings": 40960,
-}
-
-
-def qwen3_8b_shapes(path: str | None = None) -> Path:
-    """A model directory with Qwen3-8B's shapes and no weights, to run with ``load_format="dummy"``: the weights
-    (16 GB in bf16) are drawn on each GPU instead of written to disk and read back."""
-    import shutil
-    import tempfile
-
-    from transformers import Qwen3Config
-
-    from nanovllm.book.tiny_models import build_tiny_model
-
-    # Its tokenizer and EOS ids: the prompts are token ids anyway.
-    tiny = build_tiny_model("qwen3")
-    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
-    target.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tiny / name, target / name)
-    ids = Qwen3Config.from_pretrained(tiny)
-    config = Qwen3Config(**QWEN3_8B_SHAPES, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
-                         bos_token_id=None, architectures=["Qwen3ForCausalLM"])
-    config.dtype = "bfloat16"
-    config.save_pretrained(target)
-    return target
-
-
 def matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on an n x n x n product, measured now."""
     from nanovllm.bench.attention import time_ms

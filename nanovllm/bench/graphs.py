@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"decode attention batch 256, context {context}, launch {row['launch']}: "
                       f"{row['ms'] * 1e3:.0f} us = {row['tb_per_s']:.2f} TB/s")
         return 0
-    from nanovllm.bench.engine import qwen3_06b_random
+    from nanovllm.bench.models import qwen3_06b_random
 
     model = args.model or str(qwen3_06b_random())
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

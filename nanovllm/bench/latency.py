@@ -12,13 +12,8 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import (
-    kv_token_bytes,
-    make_workload,
-    qwen3_06b_random,
-    qwen3_8b_shapes,
-    weight_bytes_per_step,
-)
+from nanovllm.bench.engine import kv_token_bytes, make_workload, weight_bytes_per_step
+from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 

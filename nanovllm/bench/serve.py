@@ -25,7 +25,8 @@ from typing import Any
 import httpx
 import numpy
 
-from nanovllm.bench.engine import PRESETS, Workload, make_workload, qwen3_06b_random, run_engine
+from nanovllm.bench.engine import PRESETS, Workload, make_workload, run_engine
+from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import report_header, write_report
 
 __all__ = [

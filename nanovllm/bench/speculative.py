@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import PRESETS, make_workload, qwen3_06b_random
+from nanovllm.bench.engine import PRESETS, make_workload
+from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 

@@ -1,0 +1,45 @@
+"""No chapter's exported code may import what a later chapter creates (issue 37, item 1).
+
+``tools.forward_imports`` computes them over every chapter's exported cells. The ones below are the debt
+left to pay, each with what paying it takes; the test fails on any other forward import, and on a listed
+one that is gone (so that the list only shrinks and never hides a fixed one).
+"""
+
+from pathlib import Path
+
+from tools.forward_imports import ForwardImport, forward_imports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+KNOWN = {
+    # bench.parallel_sampling measures the whole engine: its benchmark belongs after chapter 11.
+    ForwardImport("04b_parallel_sampling", "llm", "11_engine"),
+    # The model's first cut uses chapter 10's parallel layers and chapter 06's attention: plain first versions
+    # in chapter 05, which chapters 06 and 10 extend, would pay these three.
+    ForwardImport("05_model", "layers.attention", "06_attention"),
+    ForwardImport("05_model", "layers.embed_head", "10_tensor_parallel"),
+    ForwardImport("05_model", "layers.linear", "10_tensor_parallel"),
+    # The 8-bit KV cache's names (FP8, scales) reach the store, the kernels and the runner before chapter 16:
+    # chapter 16 should add its path to each of them.
+    ForwardImport("06_attention", "layers.kv_quant", "16_fp8_kv_cache"),
+    ForwardImport("06b_triton_attention", "layers.kv_quant", "16_fp8_kv_cache"),
+    ForwardImport("08_model_runner", "layers.kv_quant", "16_fp8_kv_cache"),
+    # The server's live page draws with appendix A's recorder and player.
+    ForwardImport("15_serving", "viz.player", "A_visualization"),
+    ForwardImport("15_serving", "viz.recorder", "A_visualization"),
+}
+
+
+def test_no_forward_import_beyond_the_known_debt():
+    found = set(forward_imports(ROOT))
+    assert not found - KNOWN, f"new forward imports: {sorted(found - KNOWN)}"
+    assert not KNOWN - found, f"paid, so remove them from KNOWN: {sorted(KNOWN - found)}"
+
+
+def test_a_planted_forward_import_is_found(tmp_path):
+    """The check itself: a chapter whose exported cell imports a module that only a later chapter creates."""
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "01_first.py").write_text(
+        '# %% uses\n#| export first\nfrom nanovllm.second import thing\n\nTHING = thing\n')
+    (tmp_path / "notebooks" / "02_second.py").write_text('# %% makes\n#| export second\nthing = 1\n')
+    assert forward_imports(tmp_path) == [ForwardImport("01_first", "second", "02_second")]
