@@ -1272,6 +1272,8 @@ print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_by
 # - `nanovllm.bench.engine` (`python -m nanovllm.bench`): nano-vllm's workload, draw for draw;
 #   a fair `transformers` peer; the workload's physical bound; the engine's side, with tensor
 #   parallelism or other attention backends compared in the same invocation.
+# - `nanovllm.bench.models` gains Qwen3-8B's shapes, a directory without weights for
+#   `load_format="dummy"`.
 # - `nanovllm.bench.latency` (`python -m nanovllm.bench --latency`): one decode step at batches
 #   1, 4, 16 and 64 against its bound, with the kernels it launches and the GPU time inside them.
 #
@@ -1288,6 +1290,7 @@ print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_by
 #
 # - `nanovllm.bench.engine`（`python -m nanovllm.bench`）：逐次抽样复现的 nano-vllm 基准负载；一个公平的
 #   `transformers` 参照组；负载的物理上限；引擎一侧的测量，可在同一次调用中比较张量并行或不同的注意力后端。
+# - `nanovllm.bench.models` 多了 Qwen3-8B 的形状：一个没有权重的目录，配合 `load_format="dummy"` 使用。
 # - `nanovllm.bench.latency`（`python -m nanovllm.bench --latency`）：批大小为 1、4、16 和 64 时一个 decode 步
 #   对照其上限的耗时，以及它启动的 kernel 数和 GPU 花在其中的时间。
 #
