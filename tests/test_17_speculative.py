@@ -499,6 +499,34 @@ def test_speculation_on_the_gpu_gives_the_tokens_of_plain_greedy_decoding(monkey
     assert llm.scheduler.accepted_tokens > 0 and max(replays) > len(PROMPTS)
 
 
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=60), st.integers(0, 10_000))
+@settings(max_examples=50, deadline=None)
+def test_a_stop_string_inside_a_run_of_accepted_tokens_cuts_the_text_where_one_token_at_a_time_does(chunks, seed):
+    """A verify step hands the server several tokens at once: the streamed text and where a stop string ends it
+    are those of the same tokens arriving one by one."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from nanovllm.serve.detokenize import IncrementalDetokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model("qwen3"))
+    rng = random.Random(seed)
+    tokens = [rng.randrange(3, 500) for _ in range(sum(chunks))]
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    start = rng.randrange(max(1, len(text) - 3))
+    stop = text[start : start + rng.randint(1, 3)] or "never"
+
+    def stream(sizes):
+        detokenizer, out, at = IncrementalDetokenizer(tokenizer, stop=[stop]), [], 0
+        for size in sizes:
+            out.append(detokenizer.add(tokens[at : at + size]))
+            at += size
+        return "".join(out) + detokenizer.finish(), detokenizer.stopped
+
+    assert stream(chunks) == stream([1] * len(tokens))
+
+
 def test_the_server_streams_speculative_decoding_token_for_token():
     """`python -m nanovllm.serve --speculative-method ngram --num-speculative-tokens 4`: a streamed greedy
     completion (a chunk may carry several tokens) equals the offline engine's without speculation."""
