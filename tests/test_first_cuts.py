@@ -93,3 +93,56 @@ def test_the_report_names_every_bounded_module_and_its_extensions(book: dict) ->
     # The scheduler's first cut is chapter 04's; forks, asynchronous scheduling and robustness extend it.
     assert book["engine.scheduler"].chapters[0] == "notebooks/04_scheduler.py"
     assert len(book["engine.scheduler"].chapters) > 1 and tangle.chapter_files(ROOT)
+
+
+def test_retyped_members_are_bounded() -> None:
+    retyped = first_cuts.retyped_members(ROOT)
+    total = sum(item.lines for item in retyped)
+    assert total <= first_cuts.MAX_RETYPED_LINES, (
+        f"{total} retyped code lines, more than {first_cuts.MAX_RETYPED_LINES}: extend with a seam or an addition "
+        f"instead of replacing a member whole\n{first_cuts.retyped_report(retyped)}"
+    )
+
+
+def test_a_member_replaced_by_a_later_chapter_is_counted_and_an_addition_is_not(tmp_path: Path) -> None:
+    first = """
+# %%
+#| default_exp engine.sequence
+
+# %% seq
+#| export
+class Sequence:
+    def __init__(self) -> None:
+        self.tokens = []
+
+    def size(self) -> int:
+        return len(self.tokens)
+"""
+    later = """
+# %% size again
+#| export engine.sequence
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.sequence import Sequence
+
+
+@add_to_class(Sequence)
+def size(self) -> int:
+    return len(self.tokens) + 0
+
+
+@add_to_class(Sequence)
+def fork(self) -> Sequence:
+    return Sequence()
+
+
+Sequence.limit = 4
+"""
+    for name, body in (("01_sequence.py", first), ("04b_forks.py", later)):
+        path = tmp_path / "notebooks" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(HEADER + body, encoding="utf-8")
+    retyped = first_cuts.retyped_members(tmp_path)
+    # size: decorator, def, return; fork and limit are additions.
+    assert retyped == [first_cuts.Retyped("notebooks/04b_forks.py", "engine.sequence", "Sequence.size",
+                                          "notebooks/01_sequence.py", 3)]
+    assert "1 members, 3 code lines" in first_cuts.retyped_report(retyped)
