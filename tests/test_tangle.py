@@ -288,6 +288,7 @@ SPLICED = '''class Counter:
     # notebooks/02_more.py · cell "counter, extended"
     ticks_per_tock: int = 2
 
+    # notebooks/01_counter.py · cell "counter"
     def __init__(self) -> None:
         self.value = 0
 
@@ -298,7 +299,6 @@ SPLICED = '''class Counter:
         self.value = min(self.value + self.step, LIMIT)
         return self.value
 
-    # notebooks/02_more.py · cell "counter, extended"
     # Ticks, rounded up to whole tocks.
     @property
     def tocks(self) -> int:

@@ -34,7 +34,8 @@ while each language's site shows its own lines.
 
 Each exported cell's code starts, in its module, with one comment line naming the chapter and the
 cell's title (``# notebooks/04_scheduler.py · cell "scheduler"``): the cell to edit. Each spliced
-member carries the same line, indented, above it. A comment or
+member carries the same line, indented, above it, unless the marker just above it already names that
+cell: the nearest marker above any line names the cell it came from. A comment or
 docstring that only makes sense next to the chapter's prose ("see the text above", "this
 chapter", "the drawing") is an error, since the package is read without the prose.
 
@@ -74,6 +75,8 @@ SPLICE_HELPER = "add_to_class"
 SPLICE_HELPER_MODULE = "nanovllm.book.literate"
 # A comment line that divides a class into sections ("# ---- blocks ----"): it belongs to no member.
 SECTION_COMMENT = re.compile(r"^\s*# -{3,}")
+# A cell's marker line in a generated module (see Cell.marker).
+MARKER_LINE = re.compile(r"^\s*# notebooks/\S+ · cell ")
 EN_COMMENT = re.compile(r"^(?P<indent>\s*)# en: ?(?P<text>.*)$")
 ZH_COMMENT = re.compile(r"^\s*# zh: ?.*$")
 # Phrases that point at the chapter's prose or layout, which a reader of the package does not have.
@@ -370,6 +373,8 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
     namesakes = [n for n in cls.body if _member_name(n) == member]
     if len(namesakes) > 1:
         raise TangleError(f"{cell.where()}: class {class_name} defines {member!r} more than once; cannot replace it")
+    # The class's own cell, named again above what follows an inserted member (its lines are that cell's).
+    own_marker = f"{indent}{lines[0].strip()}"
     if namesakes:
         old = namesakes[0]
         if (kind == "method") != isinstance(old, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -377,20 +382,36 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
         start = first_line(old) - 1
         start = leading_comments_start(lines, start, set())
         lines[start : old.end_lineno] = new
+        remark_class_lines(lines, start + len(new), own_marker)
     elif kind == "attribute":
         # After the class's last attribute (or its docstring); a class of methods only gets it on top.
         attributes = [n for n in cls.body if isinstance(n, (ast.Assign, ast.AnnAssign))]
         anchor = attributes[-1] if attributes else cls.body[0] if _is_docstring(cls.body[0]) else None
         if anchor is not None:
             lines[anchor.end_lineno : anchor.end_lineno] = new if attributes else ["", *new]
+            remark_class_lines(lines, anchor.end_lineno + len(new) + (0 if attributes else 1), own_marker)
         else:
             at = leading_comments_start(lines, first_line(cls.body[0]) - 1, set())
             lines[at:at] = [*new, ""]
+            remark_class_lines(lines, at + len(new) + 1, own_marker)
     else:
         lines[cls.end_lineno : cls.end_lineno] = ["", *new]
     module.bodies[index] = "\n".join(lines)
     if cell.chapter not in module.chapters:
         module.chapters.append(cell.chapter)
+
+
+def remark_class_lines(lines: list[str], at: int, marker: str) -> None:
+    """After a member spliced in before line ``at``: when the class goes on with a member of its own (no marker
+    above it), name the class's cell above that member again, so that the nearest marker above still says where
+    each line came from (`drop_repeated_markers` removes it where it repeats the one before)."""
+    following = at
+    while following < len(lines) and not lines[following].strip():
+        following += 1
+    indent = marker[: len(marker) - len(marker.lstrip())]
+    continues = following < len(lines) and lines[following].startswith(indent) and lines[following].strip()
+    if continues and not MARKER_LINE.match(lines[following]):
+        lines[following:following] = [marker]
 
 
 def replace_top_level(module: Module, cell: Cell, name: str, kind: str, source: list[str], node: ast.stmt) -> None:
@@ -525,7 +546,20 @@ def render(module: Module) -> str:
         definition = isinstance(first, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
         gap = "" if not blocks else "\n\n\n" if module.public_names or definition else "\n\n"
         text += gap + "\n\n\n".join(module.bodies)
-    return text.rstrip("\n") + "\n"
+    return drop_repeated_markers(text.rstrip("\n") + "\n")
+
+
+def drop_repeated_markers(text: str) -> str:
+    """One marker per run of lines from one cell: a marker line that repeats the last marker above it (the lines
+    between came from that same cell) is left out; the nearest marker above a line still names its cell."""
+    kept, last = [], None
+    for line in text.splitlines(keepends=True):
+        if MARKER_LINE.match(line):
+            if line.strip() == last:
+                continue
+            last = line.strip()
+        kept.append(line)
+    return "".join(kept)
 
 
 def chapter_files(root: Path) -> list[Path]:

@@ -28,12 +28,10 @@ class Block:
         self.hash = NO_HASH
         self.token_ids: list[int] = []
 
-    # notebooks/03_prefix_caching.py · cell "block learns its hash"
     def __repr__(self) -> str:
         published = f", hash={self.hash:#018x}" if self.hash != NO_HASH else ""
         return f"Block({self.block_id}, ref_count={self.ref_count}{published})"
 
-    # notebooks/03_prefix_caching.py · cell "block learns its hash"
     def reset(self) -> None:
         """Forget the old contents: the block is about to hold new tokens."""
         self.hash = NO_HASH
@@ -52,7 +50,6 @@ class BlockPool:
     # A subclass may swap in another cache (to try a broken one, for example).
     prefix_cache_class = PrefixCache
 
-    # notebooks/03_prefix_caching.py · cell "pool owns the cache"
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -62,6 +59,7 @@ class BlockPool:
             self.prefix_cache_class(self.blocks, block_size) if enable_prefix_caching else None
         )
 
+    # notebooks/02_block_manager.py · cell "block pool"
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
@@ -82,6 +80,7 @@ class BlockPool:
         self.used_block_ids.add(block.block_id)
         return block.block_id
 
+    # notebooks/02_block_manager.py · cell "block pool"
     def release(self, block_id: int) -> None:
         """Drop a reference; at zero the block joins the tail of the free list."""
         block = self.blocks[block_id]
@@ -97,7 +96,6 @@ class BlockPool:
         """Published blocks by hash (read it, do not write it; empty when prefix caching is off)."""
         return self.prefix_cache.hash_to_block_id if self.prefix_cache is not None else {}
 
-    # notebooks/03_prefix_caching.py · cell "pool owns the cache"
     def hold(self, block_id: int) -> None:
         """Add a reference to a block whose contents we reuse, reviving it if it was free."""
         block = self.blocks[block_id]
@@ -117,7 +115,6 @@ class BlockManager(BlockPool):
         """True when the free list can supply every block ``seq`` needs (after cache hits)."""
         return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
 
-    # notebooks/03_prefix_caching.py · cell "allocate with hits"
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
@@ -139,13 +136,13 @@ class BlockManager(BlockPool):
         # A copy planned into a block it no longer holds is moot.
         seq.blocks_to_copy = []
 
-    # notebooks/04b_parallel_sampling.py · cell "block manager forks"
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
         # The new block a decode step may need (chapter 02), plus one for a copy-on-write.
         copy = self._shared_write_block(seq) is not None
         return seq.num_blocks - len(seq.block_table) + copy
 
+    # notebooks/02_block_manager.py · cell "block manager"
     def can_append(self, seq: Sequence) -> bool:
         """True when the blocks for ``seq``'s next decode step are available."""
         return self._blocks_to_append(seq) <= len(self.free_block_ids)
@@ -168,12 +165,10 @@ class BlockManager(BlockPool):
     def _cache_hits(self, seq: Sequence) -> list[int]:
         return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
 
-    # notebooks/03_prefix_caching.py · cell "allocate with hits"
     def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
         shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
         return seq.num_blocks - shared
 
-    # notebooks/03_prefix_caching.py · cell "allocate with hits"
     def publish_full_blocks(self, seq: Sequence) -> None:
         """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
         if self.prefix_cache is not None:
@@ -186,7 +181,6 @@ class BlockManager(BlockPool):
         for block_id in child.block_table:
             self.hold(block_id)
 
-    # notebooks/04b_parallel_sampling.py · cell "block manager forks"
     def _shared_write_block(self, seq: Sequence) -> int | None:
         """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
         i = seq.num_cached_tokens // self.block_size

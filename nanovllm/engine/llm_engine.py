@@ -49,7 +49,6 @@ __all__ = [
 Prompt = str | list[int] | np.ndarray | torch.Tensor
 
 
-# notebooks/13_robustness.py · cell "prompts of every shape"
 def load_tokenizer(model: str) -> Any:
     """The tokenizer of a model directory. Without tokenizer files transformers would quietly build one
     that knows a single token, and every text prompt would come out empty: refuse the directory instead."""
@@ -65,7 +64,6 @@ def load_tokenizer(model: str) -> Any:
         raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
 
 
-# notebooks/13_robustness.py · cell "prompts of every shape"
 def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
     """One prompt as token ids: text is tokenized; a list, a tuple or a 1-D integer NumPy array or torch
     tensor already holds ids (Sequence checks each one)."""
@@ -125,6 +123,7 @@ class LLMEngine:
         # What the scheduler's observer raises waits here until the step is whole (see `_notify`).
         self.scheduler.observer_errors = []
 
+    # notebooks/11_engine.py · cell "llm engine"
     # ---- requests -------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
         """Tokenize and check one request; raise TypeError/ValueError naming the problem."""
@@ -175,6 +174,7 @@ class LLMEngine:
                 self._raise_observer_error()
             return seqs[0].seq_id
 
+    # notebooks/11_engine.py · cell "llm engine"
     # ---- the loop -------------------------------------------------------------
     # notebooks/13_robustness.py · cell "the engine's rules"
     def step(self) -> tuple[list[StepOutput], int, bool]:
@@ -235,12 +235,12 @@ class LLMEngine:
         idle = self.scheduler.is_finished() and self.in_flight is None
         return idle and not self.unreported and not self._dropped
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
     def exit(self) -> None:
         """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
         with self._one_call("exit"):
             self.model_runner.exit()
 
+    # notebooks/11_engine.py · cell "llm engine"
     def __enter__(self) -> LLMEngine:
         return self
 
@@ -338,6 +338,7 @@ class LLMEngine:
                     bar.close()
             return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
 
+    # notebooks/11_engine.py · cell "llm engine"
     def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
         """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
         ``"outputs"``: every sample's ``{"text", "token_ids"}``, in sample order."""
@@ -358,7 +359,6 @@ class LLMEngine:
             return False
         return any(scheduler.may_draft(seq) for seq in scheduler.running)
 
-    # notebooks/17_speculative_decoding.py · cell "engine verifies"
     def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
         """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
         with drafts is verified, and what the model accepts is counted as a plain decode step."""
@@ -455,7 +455,6 @@ class LLMEngine:
             errors.clear()
             raise error
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
     def _drop(self, broken: list[Sequence]) -> None:
         """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
         `generate` call they belong to, else by the next `step`."""
@@ -470,7 +469,6 @@ class LLMEngine:
         self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
         self._dropped.update(dict.fromkeys(requests, cause))
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
     def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
         """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
         ids = sorted(request for request in self._dropped if among is None or request in among)
@@ -482,7 +480,6 @@ class LLMEngine:
             f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
             "serving other requests", ids)
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
     def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
         """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
         ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
@@ -502,7 +499,6 @@ class LLMEngine:
             seqs += self.in_flight.seqs
         return {seq.seq_id: seq for seq in seqs}
 
-    # notebooks/15_serving.py · cell "step tokens"
     def step_tokens(self) -> list[NewTokens]:
         """One `step`, reported token by token: every sample that has completion tokens it has not reported yet, with
         those tokens, finished or not. A server streams them; ``step()`` alone reports only finished sequences."""
@@ -525,7 +521,6 @@ class LLMEngine:
                     seq.num_streamed_tokens = known
             return news
 
-    # notebooks/15_serving.py · cell "step tokens"
     def abort_request(self, request_id: int, sample_index: int | None = None) -> list[int]:
         """Drop a request of `add_request`, or only its sample ``sample_index``: out of the queues, its blocks freed
         now, never reported by `step`. Returns the seq_ids dropped (none once it was reported, or if it never was)."""

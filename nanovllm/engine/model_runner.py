@@ -190,6 +190,7 @@ class ModelRunner:
     # Built at the first decode step that replays a graph, over the graphs' buffers.
     staging: DecodeStaging | None = None
 
+    # notebooks/08_model_runner.py · cell "model runner"
     def __init__(self, config: Config) -> None:
         self.config = config
         self.block_size = config.kvcache_block_size
@@ -245,6 +246,7 @@ class ModelRunner:
         available = self._cuda_budget() if self.device.type == "cuda" else None
         return agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
 
+    # notebooks/08_model_runner.py · cell "model runner"
     def _cuda_budget(self) -> float:
         """Bytes left for the KV cache after a warm-up forward of the largest possible step."""
         if self.config.num_kvcache_blocks > 0:
@@ -292,6 +294,7 @@ class ModelRunner:
             self.compile_sampler_kernels()
         self.graphs = capture_decode_graphs(self.model, self.config)
 
+    # notebooks/08_model_runner.py · cell "model runner"
     @torch.inference_mode()
     def compile_paged_prefill(self) -> None:
         """One 1-token prefill after a 1-token cached prefix, through the whole model, so the path a chunked
@@ -368,6 +371,7 @@ class ModelRunner:
         first token of each sibling the step forks (chapter 04b)."""
         return self.launch(seqs, is_prefill).token_ids()
 
+    # notebooks/08_model_runner.py · cell "model runner"
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
         """The rows of ``seqs`` that want a token, and the sampled tokens (None without logits): those rows'
         tokens, then the siblings' first tokens in `sibling_samples` order."""
@@ -407,7 +411,6 @@ class ModelRunner:
             previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
         return self.graphs.replay_loaded(len(seqs))
 
-    # notebooks/12_async_scheduling.py · cell "runner launches"
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
         """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""

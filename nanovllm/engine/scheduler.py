@@ -44,24 +44,19 @@ class Scheduler:
     # decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
     # drafts for its next draft_pause_tokens tokens.
     max_verify_rows: int = 16
-    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     min_drafts: int = 2
-    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     min_tokens_per_verify: float = 2.0
-    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     draft_pause_tokens: int = 16
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     # So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
     # verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
     drafted_tokens = 0
-    # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     accepted_tokens = 0
-    # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     verifications = 0
-    # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     # Accepted drafts by their position in a step's drafts (0: the first draft), as far as any step drafted.
     accepted_by_position: tuple[int, ...] = ()
 
+    # notebooks/04_scheduler.py · cell "scheduler"
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
@@ -187,6 +182,7 @@ class Scheduler:
         except BaseException as error:
             self.observer_errors.append(error)
 
+    # notebooks/04_scheduler.py · cell "scheduler"
     def _reached_end(self, seq: Sequence, token_id: int) -> bool:
         """An end-of-sequence token (unless ``ignore_eos``), or the last token ``max_tokens`` allows."""
         params = seq.sampling_params
@@ -251,7 +247,6 @@ class Scheduler:
                 self.running.remove(seq)
         return seqs, indices
 
-    # notebooks/12_async_scheduling.py · cell "scheduler in two halves"
     def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
         """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
         assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
@@ -292,7 +287,6 @@ class Scheduler:
                 seq.status = SequenceStatus.WAITING
             self.waiting.extendleft(reversed(moved))
 
-    # notebooks/13_robustness.py · cell "scheduler undo and abort"
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request: out of its queue, its blocks freed, FINISHED (the caller gave up on it)."""
         for queue in (self.waiting, self.running):
@@ -310,12 +304,10 @@ class Scheduler:
         drafts = self.max_verify_rows // max(1, batch) - 1
         return drafts if drafts >= self.min_drafts else 0
 
-    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def may_draft(self, seq: Sequence) -> bool:
         """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
         return len(seq) >= seq.drafts_resume_at
 
-    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def note_verify(self, seq: Sequence, tokens: int) -> None:
         """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
         `min_tokens_per_verify`."""
@@ -328,7 +320,6 @@ class Scheduler:
             recent = self.min_tokens_per_verify
         seq.recent_tokens_per_verify = recent
 
-    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
     def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
         budget and `max_verify_rows`; returns how many drafts the step now verifies."""
@@ -396,7 +387,6 @@ class Scheduler:
         self._notify("verified", {"seqs": seqs, "drafted": drafted, "kept": kept_drafts})
         return new_tokens
 
-    # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     def drop_drafts(self, seqs: list[Sequence]) -> None:
         """Undo `reserve_drafts` for a step that was never computed: the drafts and the blocks only they needed go."""
         for seq in seqs:

@@ -56,11 +56,9 @@ class Sequence:
     # notebooks/17_speculative_decoding.py · cell "drafts in the block table"
     # How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
     num_draft_tokens: int = 0
-    # notebooks/17_speculative_decoding.py · cell "drafts in the block table"
     # The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
     # steps gave (None before the first), and the length it must reach before it gets drafts again.
     recent_tokens_per_verify: float | None = None
-    # notebooks/17_speculative_decoding.py · cell "drafts in the block table"
     drafts_resume_at: int = 0
 
     # notebooks/04b_parallel_sampling.py · cell "sequence forks"
@@ -82,6 +80,7 @@ class Sequence:
         self.pending_forks = self.sampling_params.n - 1
         self.blocks_to_copy: list[tuple[int, int]] = []
 
+    # notebooks/01_sequence.py · cell "sequence"
     # ---- status -------------------------------------------------------------
     @property
     def status(self) -> SequenceStatus:
@@ -124,6 +123,7 @@ class Sequence:
         start = self.num_cached_tokens - self.first_token_index
         return self.token_ids[start : start + self.num_scheduled_tokens]
 
+    # notebooks/01_sequence.py · cell "sequence"
     def append_token(self, token_id: int) -> None:
         """Record a generated token (its KV is computed by the next step, not this one)."""
         self.token_ids.append(_token_id(token_id, self.num_tokens))
@@ -174,7 +174,6 @@ class Sequence:
         # last token alone, whatever the length of the sequence.
         return (*_shipped(self), self.token_ids[self.num_cached_tokens - self.first_token_index :])
 
-    # notebooks/10_tensor_parallel.py · cell "sequence on the wire"
     def __setstate__(self, state: tuple) -> None:
         *fields, self.token_ids = state
         self.__dict__.update(zip(SHIPPED_FIELDS, fields, strict=True))
@@ -182,7 +181,6 @@ class Sequence:
         # Sampling happens on rank 0 only, which receives the parameters separately.
         self.sampling_params = None
 
-    # notebooks/10_tensor_parallel.py · cell "sequence on the wire"
     def __copy__(self) -> Sequence:
         # copy.copy and copy.deepcopy would otherwise go through the slim pickling state.
         clone = Sequence.__new__(Sequence)
@@ -192,7 +190,6 @@ class Sequence:
         clone.blocks_to_copy = list(self.blocks_to_copy)
         return clone
 
-    # notebooks/10_tensor_parallel.py · cell "sequence on the wire"
     def __deepcopy__(self, memo: dict) -> Sequence:
         return copy.copy(self)
 
@@ -203,14 +200,12 @@ class Sequence:
         self.num_tokens += 1
         return self.num_tokens - 1
 
-    # notebooks/12_async_scheduling.py · cell "pending tokens"
     def set_token(self, index: int, token_id: int) -> None:
         """Fill in the pending token at ``index``."""
         offset = index - self.first_token_index
         assert self.token_ids[offset] == PENDING_TOKEN, f"sequence {self.seq_id}: token {index} is not pending"
         self.token_ids[offset] = token_id
 
-    # notebooks/12_async_scheduling.py · cell "pending tokens"
     def truncate(self, num_tokens: int) -> None:
         """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
         assert max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens

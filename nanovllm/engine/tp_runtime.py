@@ -127,7 +127,6 @@ class RankWorker:
     # Recent steps whose samples a later step may take its pending tokens from.
     KEEP_STEPS = 8
 
-    # notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.rank = tp_world()[0]
@@ -137,7 +136,6 @@ class RankWorker:
         # rank 0: each running sequence's, sent once
         self.params: dict[int, SamplingParams] = {}
 
-    # notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
     def run(
         self,
         states: list[tuple],
@@ -159,6 +157,7 @@ class RankWorker:
         self.recent.pop(self.call_no - self.KEEP_STEPS, None)
         return step if self.rank == 0 else None
 
+    # notebooks/10_tensor_parallel.py · cell "rank side"
     def _sequences(
         self, states: list[tuple], params: tuple[dict[int, SamplingParams], list[int]] | None
     ) -> list[Sequence]:
@@ -222,7 +221,6 @@ def _send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-# notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
 def reply_value(result: Any) -> Any:
     """What a call's reply carries: its result, and for a queued step its tokens (waiting for the device)."""
     return result.token_ids() if isinstance(result, SampledTokens) else result
@@ -493,6 +491,7 @@ class TPRunner:
         """One step on every rank; rank 0's sampled tokens."""
         return self.launch(seqs, is_prefill).token_ids()
 
+    # notebooks/10_tensor_parallel.py · cell "driver side"
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""
         return self.call("logits", seqs, is_prefill)[0]
@@ -595,7 +594,6 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
     store.clear()
 
 
-# notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
 @dataclass
 class TPStep:
     """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.

@@ -59,7 +59,6 @@ class Deferral:
             # Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
             Gate.open, self.reopen = False, True
 
-    # notebooks/13_robustness.py · cell "letting ctrl-c through"
     def __exit__(self, *exc_info: object) -> None:
         if self.outermost:
             handler = _replaced.pop()
@@ -86,7 +85,6 @@ def _deliver(handler: Any) -> None:
         os.kill(os.getpid(), signal.SIGINT)
 
 
-# notebooks/13_robustness.py · cell "letting ctrl-c through"
 class Gate:
     """Whether Ctrl-C goes through at once although a `deferred_interrupt` block holds it back (`interruptible`)."""
 
