@@ -35,7 +35,7 @@ __all__ = [
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
-# What speculative_method accepts besides None (chapter 17).
+# What speculative_method accepts besides None.
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -122,7 +122,7 @@ class Config:
 
     def __post_init__(self) -> None:
         load_format = _choice("load_format", self.load_format, LOAD_FORMATS)
-        # The one read of config.json (chapter 05); the result travels in this object, to every rank.
+        # The one read of config.json; the result travels in this object, to every rank.
         self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
         self._check_numbers()
@@ -147,7 +147,7 @@ class Config:
             self._check(name, object, lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
-        # Keep the plain value `check` hands back (chapter 01): np.int64(4) becomes 4.
+        # Keep the plain value `check` hands back: np.int64(4) becomes 4.
         setattr(self, name, check(name, getattr(self, name), kind, ok, rule))
 
     def _resolve_device(self) -> None:
@@ -179,7 +179,7 @@ class Config:
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.fused_decode == "auto":
-            # On a GPU, where its kernels for one or two tokens beat cuBLAS (chapter 09); on a CPU only the
+            # On a GPU, where its kernels for one or two tokens beat cuBLAS; on a CPU only the
             # interpreter can run them.
             self.fused_decode = device == "cuda"
         elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -192,7 +192,7 @@ class Config:
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     def _check_speculation(self) -> None:
-        """Refuse speculative settings that cannot work together (chapter 17); a method's default is 4 drafts."""
+        """Refuse speculative settings that cannot work together; a method's default is 4 drafts."""
         method, drafts = self.speculative_method, self.num_speculative_tokens
         if method is None:
             if drafts is not None:
@@ -227,7 +227,7 @@ class Config:
 
 
 def _check_flash_attn(device: str, dtype: str) -> None:
-    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run (chapter 06b)."""
+    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run."""
     if device != "cuda":
         raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
     if dtype == "float32":
@@ -247,7 +247,7 @@ def _check_flash_attn(device: str, dtype: str) -> None:
 
 
 def _check_fp8_cache(device: str, backend: str) -> None:
-    """Refuse kv_cache_dtype='fp8' where it cannot run (chapter 16)."""
+    """Refuse kv_cache_dtype='fp8' where it cannot run."""
     if backend == "flash-attn":
         raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
                          "reads 16-bit pages, not float8 rows with their scales")

@@ -554,7 +554,7 @@ class Scheduler:
         for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            # en: The step wrote these tokens' KV: full blocks can be published (chapter 03).
+            # en: The step wrote these tokens' KV: full blocks can be published.
             # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章）。
             self.block_manager.publish_full_blocks(seq)
             if seq.num_cached_tokens < len(seq):

@@ -237,7 +237,7 @@ def _shared_write_block(self, seq: Sequence) -> int | None:
 @add_to_class(BlockManager)
 def _blocks_to_append(self, seq: Sequence) -> int:
     assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
-    # en: The new block a decode step may need (chapter 02), plus one for a copy-on-write.
+    # en: The new block a decode step may need, plus one for a copy-on-write.
     # zh: decode 步可能需要的新块（第 02 章），再加上写时复制需要的一块。
     copy = self._shared_write_block(seq) is not None
     return seq.num_blocks - len(seq.block_table) + copy
@@ -605,7 +605,7 @@ class Stopwatch:
 
 # %% sampling run
 #| export
-"""Parallel sampling against independent requests: blocks in use, prefill tokens and speed (chapter 04b)."""
+"""Parallel sampling against independent requests: blocks in use, prefill tokens and speed."""
 
 from __future__ import annotations
 

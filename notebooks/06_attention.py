@@ -322,7 +322,7 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`).
 
-    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache (chapter 16), one float32
+    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache, one float32
     scale per token and KV head of each block, [blocks, kv_heads, block_size], beside the float8 K/V."""
 
     def store_kvcache(
@@ -331,7 +331,7 @@ class AttentionBackend(Protocol):
     ) -> None: ...  # fmt: skip
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What an 8-bit cache (chapter 16) gives back for ``x`` [T, kv_heads, d]."""
+        """What an 8-bit cache gives back for ``x`` [T, kv_heads, d]."""
         ...
 
     def prefill(
@@ -397,7 +397,7 @@ def gather_paged(
     """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``;
     ``by_dim``: the values of an 8-bit cache, which it keeps by dimension)."""
     if scales is not None:
-        # en: an 8-bit cache (chapter 16)
+        # en: an 8-bit cache
         # zh: 8 位缓存（第 16 章）。
         return gather_quantized(cache, scales, block_table, length, by_dim)
     # en: Whole blocks first (one index per block, not per token), then cut to the length.
@@ -442,7 +442,7 @@ class TorchBackend:
         # zh: k、v：[T, kv_heads, d]；槽位 -1 标记不应写入的填充行。
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        # en: an 8-bit cache (chapter 16): each row in float8, with its own scale
+        # en: an 8-bit cache: each row in float8, with its own scale
         # zh: 8 位缓存（第 16 章）：每一行存为 float8，并带有自己的缩放因子。
         if k_scales is not None:
             store_quantized(k[keep], k_cache, k_scales, slots)
@@ -531,7 +531,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
-        # en: An 8-bit cache (chapter 16) also holds one scale per token and KV head; None for a 16-bit cache.
+        # en: An 8-bit cache also holds one scale per token and KV head; None for a 16-bit cache.
         # zh: 8 位缓存（第 16 章）还为每个 token 和 KV 头保存一个缩放因子；16 位缓存时为 None。
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
@@ -549,7 +549,7 @@ class Attention(nn.Module):
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
         if context.is_prefill:
             if self.k_scales is not None and context.block_tables is None:
-                # en: An 8-bit cache (chapter 16): a prefill without a cached prefix attends to what the cache now
+                # en: An 8-bit cache: a prefill without a cached prefix attends to what the cache now
                 # en: holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
                 # zh: 8 位缓存（第 16 章）：没有已缓存前缀的 prefill 也关注缓存里现在存的值，和之后每次读取一样，
                 # zh: 这样提示词的 token 不取决于它被怎样分块。

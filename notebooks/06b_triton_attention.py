@@ -292,7 +292,7 @@ def store_kvcache_kernel(
     v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask, other=0.0)
     block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if FP8:
-        # en: An 8-bit cache (chapter 16): each head's row is divided by its own scale, rounded to float8 e4m3,
+        # en: An 8-bit cache: each head's row is divided by its own scale, rounded to float8 e4m3,
         # en: and the scales go beside the block, [blocks, kv_heads, block_size].
         # zh: 8 位缓存（第 16 章）：每个头的这一行除以它自己的缩放因子，舍入到 float8 e4m3；缩放因子存在块旁边，
         # zh: 形状为 [blocks, kv_heads, block_size]。
@@ -308,7 +308,7 @@ def store_kvcache_kernel(
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if FP8:
-        # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size] (chapter 16).
+        # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
         # zh: float8 缓存把每个块的值按维度存放，[kv_heads, d, block_size]（第 16 章）。
         dst = ((block * NUM_KV_HEADS + h) * HEAD_DIM + d) * BLOCK_SIZE + place
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
@@ -335,7 +335,7 @@ def _check_cache(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> bool:  # fmt: skip
-    """Check the caches (and scales); True for an 8-bit cache (chapter 16)."""
+    """Check the caches (and scales); True for an 8-bit cache."""
     fp8 = k_cache.dtype == FP8
     if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
         raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
@@ -407,7 +407,7 @@ def round_trip_kernel(
 
 
 def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
-    """What a float8 cache gives back for ``x`` [T, heads, d] (chapter 16), in one pass: the same values as
+    """What a float8 cache gives back for ``x`` [T, heads, d], in one pass: the same values as
     ``kv_quant.round_trip``, whose eight torch operations took 18x a copy's time on the H200."""
     check_triton_device(x)
     if x.dim() != 3 or x.stride(-1) != 1:
@@ -554,7 +554,7 @@ def _prefill_tile(
     # zh: 分数 [BLOCK_M, BLOCK_N]，以 2 为底（qk_scale = scale * log2 e），fp32 累加。
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
-        # en: float8 keys (chapter 16): key n's scale multiplies its column of scores, not its d elements.
+        # en: float8 keys: key n's scale multiplies its column of scores, not its d elements.
         # zh: float8 的键（第 16 章）：键 n 的缩放因子乘在它那一列分数上，而不是乘在它的 d 个元素上。
         s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b, True)[None, :]
     if MASKED:
@@ -745,7 +745,7 @@ def prefill_attention(
     """Varlen causal attention: q [T, H, d] -> [T, H, d]; prefixes read through ``context.block_tables``.
 
     ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
-    ``k_scales``/``v_scales``: a float8 cache's scales (chapter 16); the fresh k and v are used as given.
+    ``k_scales``/``v_scales``: a float8 cache's scales; the fresh k and v are used as given.
     """
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -766,7 +766,7 @@ def prefill_attention(
         # en: a slot row is one step of dim 1
         # zh: 相邻的槽位行在第 1 维上相差一步。
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)
-        # en: A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
+        # en: A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size].
         # zh: float8 缓存把值按维度存放，[blocks, kv_heads, d, block_size]（第 16 章）。
         stride_v_t, stride_v_h = (0, v_cache.stride(1)) if fp8 else (stride_k_t, stride_k_h)
         stride_v_b = v_cache.stride(0)
@@ -928,7 +928,7 @@ def _decode_tile(
     k = key_tile(k_base, rows, offs_d, n_valid, d_mask, stride_c_t, WHOLE)
     scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
-        # en: float8 K (chapter 16): each key's scale multiplies its column of scores.
+        # en: float8 K: each key's scale multiplies its column of scores.
         # zh: float8 的 K（第 16 章）：每个键的缩放因子乘在它那一列分数上。
         scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b, MASKED)[None, :]
     if MASKED:
@@ -940,7 +940,7 @@ def _decode_tile(
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # en: V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V. A float8 cache keeps each block's values by
-    # en: dimension, [kv_heads, d, block_size] (chapter 16), so that the keys of one dimension are consecutive.
+    # en: dimension, [kv_heads, d, block_size], so that the keys of one dimension are consecutive.
     # zh: V [BLOCK_N, BLOCK_D]；acc [GROUP_PAD, BLOCK_D] += p @ V。float8 缓存把每个块的值按维度存放，
     # zh: [kv_heads, d, block_size]（第 16 章），这样同一维度上的各个键是连续的。
     if FP8:
@@ -993,7 +993,7 @@ def decode_attention_kernel(
     qd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :], mask=qd_mask, other=0.0)
     if FP8 and q.dtype != tl.float32:
-        # en: float8 K and V (chapter 16) meet 16-bit queries in float16: every e4m3 value is exact in float16, and
+        # en: float8 K and V meet 16-bit queries in float16: every e4m3 value is exact in float16, and
         # en: e4m3 -> float16 is one hardware conversion per pair (to bfloat16 takes more; measured on the H200,
         # en: the float16 tiles made the float8 decode 10-14 % faster). q is clamped to float16's range first.
         # zh: float8 的 K、V（第 16 章）与 16 位查询以 float16 相遇：每个 e4m3 值在 float16 中都能精确表示，而且
@@ -1148,7 +1148,7 @@ def choose_num_splits(
 # en: The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
 # en: 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
 # en: read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
-# en: bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 5 stages, with the values kept
+# en: bytes: they keep 64 keys, measured before. float8: 128 keys and 5 stages, with the values kept
 # en: by dimension. Triton's pipeliner spends a stage on the block-table read that addresses a tile, so at 3
 # en: stages it kept one buffer for K and one for V and loaded each tile only after the last one was used; at 5
 # en: it keeps two, and the next tile loads while this one is used (scripts/attention_sass.py counts the
@@ -1229,7 +1229,7 @@ def decode_attention(
     """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel.
 
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
-    ``k_scales``/``v_scales``: a float8 cache's scales (chapter 16).
+    ``k_scales``/``v_scales``: a float8 cache's scales.
     """
     if k_cache.numel() == 0:
         raise ValueError("decode attention needs a KV cache, but the layer has none")
@@ -1395,7 +1395,7 @@ def _refuse_scales(k_scales: torch.Tensor | None) -> None:
 
 class FlashAttnBackend(TritonBackend):
     """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
-    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200 (chapter 06b)."""
+    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200."""
 
     def __init__(self) -> None:
         # en: Imported when the backend is built, not with this module: most machines do not have it.

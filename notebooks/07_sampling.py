@@ -566,7 +566,7 @@ print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRE
 
 # %% triton sampler imports
 #| export layers.triton_sampler
-"""The sampler's fast path on a GPU: the exponential race as two Triton kernels (chapter 07)."""
+"""The sampler's fast path on a GPU: the exponential race as two Triton kernels."""
 
 from __future__ import annotations
 

@@ -212,7 +212,7 @@ from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
-# en: What speculative_method accepts besides None (chapter 17).
+# en: What speculative_method accepts besides None.
 # zh: speculative_method 除 None 之外接受的值（第 17 章）。
 SPECULATIVE_METHODS = ("ngram",)
 
@@ -318,7 +318,7 @@ class Config:
 
     def __post_init__(self) -> None:
         load_format = _choice("load_format", self.load_format, LOAD_FORMATS)
-        # en: The one read of config.json (chapter 05); the result travels in this object, to every rank.
+        # en: The one read of config.json; the result travels in this object, to every rank.
         # zh: 对 config.json 的唯一一次读取（第 05 章）；结果随这个对象传下去，直到每个 rank。
         self.hf_config = read_model_dir(self.model, require_weights=load_format != "dummy")
         self.model = str(Path(self.model).expanduser())
@@ -344,7 +344,7 @@ class Config:
             self._check(name, object, lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
-        # en: Keep the plain value `check` hands back (chapter 01): np.int64(4) becomes 4.
+        # en: Keep the plain value `check` hands back: np.int64(4) becomes 4.
         # zh: 存下 `check` 交回的普通 Python 值（第 01 章）：np.int64(4) 变成 4。
         setattr(self, name, check(name, getattr(self, name), kind, ok, rule))
 
@@ -377,7 +377,7 @@ class Config:
         if self.compile_small_ops == "auto":
             self.compile_small_ops = device == "cuda"
         if self.fused_decode == "auto":
-            # en: On a GPU, where its kernels for one or two tokens beat cuBLAS (chapter 09); on a CPU only the
+            # en: On a GPU, where its kernels for one or two tokens beat cuBLAS; on a CPU only the
             # en: interpreter can run them.
             # zh: 在 GPU 上打开，那里它处理一两个 token 的内核跑赢 cuBLAS（第 09 章）；在 CPU 上只有解释器能运行它们。
             self.fused_decode = device == "cuda"
@@ -392,7 +392,7 @@ class Config:
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     def _check_speculation(self) -> None:
-        """Refuse speculative settings that cannot work together (chapter 17); a method's default is 4 drafts."""
+        """Refuse speculative settings that cannot work together; a method's default is 4 drafts."""
         method, drafts = self.speculative_method, self.num_speculative_tokens
         if method is None:
             if drafts is not None:
@@ -427,7 +427,7 @@ class Config:
 
 
 def _check_flash_attn(device: str, dtype: str) -> None:
-    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run (chapter 06b)."""
+    """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run."""
     if device != "cuda":
         raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
     if dtype == "float32":
@@ -447,7 +447,7 @@ def _check_flash_attn(device: str, dtype: str) -> None:
 
 
 def _check_fp8_cache(device: str, backend: str) -> None:
-    """Refuse kv_cache_dtype='fp8' where it cannot run (chapter 16)."""
+    """Refuse kv_cache_dtype='fp8' where it cannot run."""
     if backend == "flash-attn":
         raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
                          "reads 16-bit pages, not float8 rows with their scales")
@@ -823,14 +823,14 @@ from nanovllm.models.qwen3 import head_dim_of
 
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
-    cache's ``dtype``; a float8 cache (chapter 16) adds one float32 scale per token and KV head."""
+    cache's ``dtype``; a float8 cache adds one float32 scale per token and KV head."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
     row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
 
 
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
-    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8" (chapter 16), else the model's."""
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8", else the model's."""
     return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
 
 
@@ -874,11 +874,11 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if device.type == "cpu" and nbytes > _physical_memory():
         raise ValueError(f"{what}, more than this machine's {_physical_memory() / 2**30:,.1f} GiB of memory; {fix}")
     try:
-        # en: Zeros on a GPU, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an
+        # en: Zeros on a GPU, not empty memory: FlashAttention 4 reads whole pages, and a NaN left in an
         # en: unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
         # zh: GPU 上用零，而不是未初始化的显存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里
         # zh: 若残留 NaN，就会污染它的输出（0 × NaN）。这只花几毫秒，而且只做一次。
-        # en: A float8 cache (chapter 16) is allocated as bytes: filling float8 tensors is missing on some devices.
+        # en: A float8 cache is allocated as bytes: filling float8 tensors is missing on some devices.
         # zh: float8 缓存（第 16 章）按字节分配：某些设备不支持填充 float8 张量。
         raw = torch.uint8 if dtype == FP8 else dtype
         cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
@@ -929,7 +929,7 @@ def copy_kv_blocks(
 ) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
     every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...];
-    ``kv_scales``: an 8-bit cache's scales (chapter 16), [2, layers, blocks, ...] too, copied alike."""
+    ``kv_scales``: an 8-bit cache's scales, [2, layers, blocks, ...] too, copied alike."""
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
@@ -1053,7 +1053,7 @@ class ModelRunner:
         kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
         self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
         self.stopped = False
-        # en: An 8-bit cache's scales (chapter 16), [2, layers, blocks, kv_heads, block_size]; None otherwise.
+        # en: An 8-bit cache's scales, [2, layers, blocks, kv_heads, block_size]; None otherwise.
         # zh: 8 位缓存的缩放因子（第 16 章），形状 [2, layers, blocks, kv_heads, block_size]；否则为 None。
         self.kv_scales: torch.Tensor | None = None
         self.kv_cache = self.allocate_kv_cache()
@@ -1152,7 +1152,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_attention_kernels(self) -> None:
-        """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
+        """Let the attention backend compile, now, every kernel variant a step may need."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
             # en: every layer has the same shapes: one compiles them all
@@ -1179,7 +1179,7 @@ class ModelRunner:
         # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
         # zh: 引擎在入口处就拒绝更长的请求；KV 缓存是按 max_model_len 配置的。
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-        # en: Copy-on-write (chapter 04b): before this step writes into the fresh blocks, give them the
+        # en: Copy-on-write: before this step writes into the fresh blocks, give them the
         # en: shared blocks' K/V, queued ahead of the step's stores.
         # zh: 写时复制（第 04b 章）：在这一步写入新块之前，先把共享块的 K/V 复制过去，排在这一步的写入之前。
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
@@ -1199,7 +1199,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
-        first token of each sibling the step forks (chapter 04b); None where there are no logits to sample."""
+        first token of each sibling the step forks; None where there are no logits to sample."""
         logits = self.compute_logits(seqs, is_prefill)
         rows, sampled = self.sample(seqs, logits)
         if sampled is None:
@@ -1214,7 +1214,7 @@ class ModelRunner:
         """The rows of ``seqs`` that want a token, and the sampled tokens (None without logits): those rows'
         tokens, then the siblings' first tokens in `sibling_samples` order."""
         # en: Only rows whose whole sequence has been computed want a token. A request that forks
-        # en: (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
+        # en: also draws its siblings' first tokens from its row, after the step's own rows.
         # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 04b 章）还要从它这一行为兄弟序列抽取首 token，
         # zh: 排在本步各行之后。
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]

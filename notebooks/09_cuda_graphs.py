@@ -606,7 +606,7 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 
 # %% compiled ops
 #| export layers.compiled_ops
-"""torch.compile'd versions of the model's small element-wise ops, and the fused q/k/v kernel (chapter 09)."""
+"""torch.compile'd versions of the model's small element-wise ops, and the fused q/k/v kernel."""
 
 from __future__ import annotations
 
@@ -677,7 +677,7 @@ def compile_small_ops(model: nn.Module) -> int:
 
 # %% fused qkv
 #| export layers.fused_qkv
-"""One Triton kernel from the q/k/v projection to the paged KV cache: q/k RMSNorm, RoPE, K/V store (chapter 09)."""
+"""One Triton kernel from the q/k/v projection to the paged KV cache: q/k RMSNorm, RoPE, K/V store."""
 
 from __future__ import annotations
 
@@ -695,9 +695,9 @@ def store_head(
     cache_ptr, scale_ptr, x1, x2, offs, mask, slot, head, stride_slot, stride_cache_head, stride_s_b, stride_s_h,
     HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, BY_DIM: tl.constexpr,
 ):  # fmt: skip
-    """Write one head, as its two halves, into its cache slot; a float8 cache (chapter 16) gets the head quantized
+    """Write one head, as its two halves, into its cache slot; a float8 cache gets the head quantized
     with its own scale (the largest magnitude of both halves / 448), and the scale beside the block. ``BY_DIM``:
-    the values of a float8 cache, kept by dimension, [kv_heads, d, block_size] per block (chapter 16)."""
+    the values of a float8 cache, kept by dimension, [kv_heads, d, block_size] per block."""
     block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if BY_DIM:
         cache = cache_ptr + (block * stride_slot + head * stride_cache_head) * BLOCK_SIZE + place
@@ -749,7 +749,7 @@ def norm_rotate_store_kernel(
     if h < NUM_HEADS + NUM_KV_HEADS:
         a, b = x1.to(tl.float32), x2.to(tl.float32)
         if NORM:
-            # en: rms_norm (chapter 05): float32, rounded to the model's dtype, then times the weight in that dtype.
+            # en: rms_norm: float32, rounded to the model's dtype, then times the weight in that dtype.
             # zh: rms_norm（第 05 章）：在 float32 中计算，舍入到模型的数据类型，再在该类型中乘以权重。
             if h < NUM_HEADS:
                 w1 = tl.load(q_weight_ptr + offs, mask=mask, other=0.0)
@@ -784,7 +784,7 @@ def norm_rotate_store_kernel(
 
 # en: The steps in which the kernel starts early (PDL): those of one or two tokens, where the q/k/v GEMV ahead of it
 # en: (below) lets it start as soon as the GEMV does. Measured on the H200 (`python -m nanovllm.bench --latency`,
-# en: the decode graph replayed alone): together with the decode kernels' early start (chapter 06b), batch 1 took
+# en: the decode graph replayed alone): together with the decode kernels' early start, batch 1 took
 # en: 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS, the early start took
 # en: 1.532-1.535 ms against 1.514-1.515.
 # zh: 这个内核提前启动（PDL）的步：一个或两个 token 的步，那里它前面的 q/k/v GEMV（见下文）让它在 GEMV 开始时就能
@@ -814,7 +814,7 @@ def norm_rotate_store(
     # en: The stand-ins (k, q) are pointers the kernel never reads: no store, no 8-bit cache, no q/k norm.
     # zh: 占位的 (k, q) 只是内核不会读取的指针：不写缓存、不是 8 位缓存、没有 q/k 归一化时都是如此。
     k_cache, v_cache = (layer.k_cache, layer.v_cache) if store else (k, k)
-    # en: An 8-bit cache (chapter 16).
+    # en: An 8-bit cache.
     # zh: 8 位缓存（第 16 章）。
     fp8 = store and layer.k_scales is not None
     k_scales, v_scales = (layer.k_scales, layer.v_scales) if fp8 else (k, k)
@@ -995,7 +995,7 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # %% fused decode
 #| export layers.fused_decode
 """A decoder layer in four matmul kernels for a step of a few tokens: each RMSNorm (and its residual add) folded
-into the matmul after it, SiLU x mul into the gate/up matmul (chapter 09)."""
+into the matmul after it, SiLU x mul into the gate/up matmul."""
 
 from __future__ import annotations
 
@@ -1073,7 +1073,7 @@ def small_matmul_kernel(
         k_mask = ks < K
         x = load_rows(x_ptr, residual_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], stride_x, stride_r, ADD)
         if NORM:
-            # en: rms_norm (chapter 05): float32, rounded to the model's dtype, then times the weight in that dtype.
+            # en: rms_norm: float32, rounded to the model's dtype, then times the weight in that dtype.
             # zh: rms_norm（第 05 章）：在 float32 中计算，舍入到模型的数据类型，再在该类型中乘以权重。
             norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             normed = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype)
@@ -1084,7 +1084,7 @@ def small_matmul_kernel(
         w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(x, tl.trans(w.to(tl.float32) if UPCAST else w), acc, input_precision=PRECISION)
         if GLU:
-            # en: The up rows sit N rows below the gate rows in the merged gate_up weight (chapter 10).
+            # en: The up rows sit N rows below the gate rows in the merged gate_up weight.
             # zh: 在合并的 gate_up 权重里（第 10 章），up 的行在 gate 的行下方 N 行处。
             w = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
             up = tl.dot(x, tl.trans(w.to(tl.float32) if UPCAST else w), up, input_precision=PRECISION)
@@ -1094,7 +1094,7 @@ def small_matmul_kernel(
             up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     dtype = out_ptr.dtype.element_ty
     if GLU:
-        # en: silu_and_mul (chapter 05) on gate and up rounded to the model's dtype, as the tensor held them.
+        # en: silu_and_mul on gate and up rounded to the model's dtype, as the tensor held them.
         # zh: silu_and_mul（第 05 章）作用在舍入到模型数据类型的 gate 和 up 上，和它们存在张量里时一样。
         gate = acc.to(dtype).to(tl.float32)
         activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
@@ -1269,7 +1269,7 @@ def small_matmul(
 
 
 def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """RowParallelLinear.forward (chapter 10) with the small matmul: this rank's partial sum, then the all-reduce."""
+    """RowParallelLinear.forward with the small matmul: this rank's partial sum, then the all-reduce."""
     y, _ = small_matmul(x, linear.weight, linear.bias if linear.tp_rank == 0 else None)
     if linear.tp_size > 1:
         dist.all_reduce(y)
@@ -1914,7 +1914,7 @@ DECODE_LAUNCHES = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 2),
 
 
 def sweep_decode_launches(batch: int, context: int, launches=DECODE_LAUNCHES) -> list[dict]:
-    """Decode attention (chapter 06b) at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
+    """Decode attention at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
     from nanovllm.bench.attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_time_ms
     from nanovllm.layers.context import Context
     from nanovllm.layers.triton_attention import decode_attention

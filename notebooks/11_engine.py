@@ -148,7 +148,7 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = config = Config.from_kwargs(model, **kwargs)
         self.tokenizer = load_tokenizer(config.model)
-        # en: One process, or one process per tensor-parallel rank (chapter 10); both set config.num_kvcache_blocks.
+        # en: One process, or one process per tensor-parallel rank; both set config.num_kvcache_blocks.
         # zh: 一个进程，或每个张量并行 rank 一个进程（第 10 章）；两者都会设置 config.num_kvcache_blocks。
         runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.model_runner: ModelRunner | TPRunner = runner(config)
@@ -187,7 +187,7 @@ class LLMEngine:
         return seq
 
     def make_sequences(self, prompt: Prompt, sampling_params: SamplingParams) -> list[Sequence]:
-        """The sequences of one request: one that forks into its n samples after its prefill (chapter 04b),
+        """The sequences of one request: one that forks into its n samples after its prefill,
         or, with ``fork_samples=False``, n independent sequences that each compute the prompt."""
         seq = self.make_sequence(prompt, sampling_params)
         if self.config.fork_samples:

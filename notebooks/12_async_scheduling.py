@@ -155,7 +155,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, si
 def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
     """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
     finish sequences; returns the sequences that finished. ``token_ids`` has one token per sequence, then the
-    first token of each sibling that the step's sequences fork (chapter 04b). It is `advance` and `resolve`
+    first token of each sibling that the step's sequences fork. It is `advance` and `resolve`
     back to back; the asynchronous engine calls them one step apart."""
     expected = len(seqs) + len(sibling_samples(seqs))
     assert len(token_ids) == expected, f"{len(token_ids)} tokens for {len(seqs)} sequences, expected {expected}"
@@ -278,7 +278,7 @@ class SampledTokens:
     # zh: seqs 中做了采样的下标（不完整的 prefill 分块不采样）。
     rows: list[int]
     # en: [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
-    # en: siblings it forks, in `sibling_samples` order (chapter 04b).
+    # en: siblings it forks, in `sibling_samples` order.
     # zh: [len(samples)] int64：这一步自己的 token（每行一个），然后是它分叉出的兄弟序列的首 token，
     # zh: 顺序同 `sibling_samples`（第 04b 章）。
     on_device: torch.Tensor
@@ -330,8 +330,8 @@ class SampledTokens:
             rows.append(row_of[key] if pending else -1)
         row = _tensor(rows, self.on_device.device)
         # en: Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
-        # en: A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
-        # en: fail on the device, and the engine drops that sequence when it reads the mark (chapter 13).
+        # en: A sample marked NON_FINITE is clamped to 0 too: an embedding lookup of -2 would
+        # en: fail on the device, and the engine drops that sequence when it reads the mark.
         # zh: 已知 token 的行保留它；其余的行取来自己的采样结果（行号 -1 先被截到 0，随后不会被用到）。
         # zh: 标记为 NON_FINITE（第 07 章）的采样结果同样截到 0：在设备上查嵌入表时 -2 会出错，而引擎读到这个标记时
         # zh: 会丢弃那个序列（第 13 章）。
@@ -609,7 +609,7 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens
 @add_to_class(ModelRunner)
 def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
     """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
-    first token of each sibling the step forks (chapter 04b)."""
+    first token of each sibling the step forks."""
     return self.launch(seqs, is_prefill).token_ids()
 
 # %% [markdown] tags=["en"]

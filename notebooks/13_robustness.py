@@ -527,7 +527,7 @@ class NonFiniteLogitsError(ValueError):
 def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
     """Why a model's logits are NaN or infinite: weights that are (named), else an overflow in ``dtype``.
 
-    It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
+    It reads every weight, once, and only after the sampler marked a row: never on the fast path.
     """
     # en: tensor parallelism: the weights live in the ranks
     # zh: 张量并行：权重在各 rank 进程里。
@@ -859,7 +859,7 @@ def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
     token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
     seqs, indices = step.seqs, step.indices
     broken = []
-    # en: The sampler marks a row whose logits are not numbers (chapter 07). Looking for the mark in
+    # en: The sampler marks a row whose logits are not numbers. Looking for the mark in
     # en: the tokens the host has read anyway costs no wait for the GPU on any step.
     # zh: 采样器会标记 logits 不是数的行（第 07 章）。在主机反正要读回的 token 里找这个标记，
     # zh: 任何一步都不必因此等待 GPU。

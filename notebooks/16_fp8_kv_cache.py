@@ -515,7 +515,7 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 
 # %% kv quant
 #| export
-"""The 8-bit KV cache: float8 e4m3 keys and values, one float32 scale per token and KV head (chapter 16)."""
+"""The 8-bit KV cache: float8 e4m3 keys and values, one float32 scale per token and KV head."""
 
 from __future__ import annotations
 
@@ -874,7 +874,7 @@ assert engines["fp8"].model_runner.kv_cache.dtype == FP8 and engines["auto"].mod
 
 # %% kv accuracy
 #| export bench.kv_cache_accuracy
-"""What an 8-bit KV cache costs on a real model (chapter 16): perplexity of two fixed texts and greedy agreement,
+"""What an 8-bit KV cache costs on a real model: perplexity of two fixed texts and greedy agreement,
 kv_cache_dtype="fp8" against "auto". ``python -m nanovllm.bench.kv_cache_accuracy [--out results.json]``."""
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ assert tokens_per_step(0.7, 8) - tokens_per_step(0.7, 4) < tokens_per_step(0.7, 
 
 # %% ngram proposer
 #| export engine.speculative
-"""Speculative decoding's proposers: the drafts a verify step checks (chapter 17)."""
+"""Speculative decoding's proposers: the drafts a verify step checks."""
 
 from __future__ import annotations
 
@@ -679,7 +679,7 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     # zh: 每一行都是要采样的位置：LM head 把它们全算出来。
     logits = self.model.compute_logits(hidden_states)
     # en: Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
-    # en: sequence's own parameters: what a decode step at that index would draw, seed included (chapter 07).
+    # en: sequence's own parameters: what a decode step at that index would draw, seed included.
     # zh: 序列的第 i 行抽取下标为 start + i 的 token（start：它第一个草稿的下标），用序列自己的参数：
     # zh: 和在那个下标上的 decode 步抽取的一样，种子也一样（第 07 章）。
     counts = [seq.num_scheduled_tokens for seq in seqs]

@@ -150,7 +150,7 @@ def seq_state(seq: Any) -> dict:
         "num_cached_tokens": seq.num_cached_tokens,
         "num_scheduled_tokens": seq.num_scheduled_tokens,
         "block_table": list(seq.block_table),
-        # en: Parallel sampling (chapter 04b): the request it samples for, and which sample it is.
+        # en: Parallel sampling: the request it samples for, and which sample it is.
         # zh: 并行采样（第 04b 章）：它为哪个请求采样，以及它是第几个样本。
         "request_id": seq.request_id,
         "sample_index": seq.sample_index,
@@ -258,14 +258,14 @@ class Recorder:
                 "preempted": [s.seq_id for s in payload.get("preempted", [])],
                 "cache_hits": [{"seq": int(seq_id), "blocks": list(blocks)}
                                for seq_id, blocks in payload.get("cache_hits", {}).items() if blocks],
-                # en: Copy-on-write (chapter 04b): a sequence about to write into a shared block got a fresh one.
+                # en: Copy-on-write: a sequence about to write into a shared block got a fresh one.
                 # zh: 写时复制（第 04b 章）：要写入共享块的序列换到了一个新块。
                 "copies": [{"seq": s.seq_id, "from": source, "to": destination}
                            for s in payload["seqs"] for source, destination in s.blocks_to_copy],
             })
         elif event == "postprocess":
             before = {s["id"]: s["num_tokens"] for s in self.frames[-1]["seqs"]}
-            # en: Sequences the recorder has not seen are siblings this step forked (chapter 04b).
+            # en: Sequences the recorder has not seen are siblings this step forked.
             # zh: 记录器没见过的序列，是这一步分叉出来的兄弟序列（第 04b 章）。
             forked: dict[int, list[int]] = {}
             for s in payload["seqs"]:
@@ -281,7 +281,7 @@ class Recorder:
                 "forked": [{"seq": request, "into": ids} for request, ids in forked.items()],
             })
         elif event == "drafts":
-            # en: Speculative decoding (chapter 17): drafts appended to a decode step, with the blocks they need.
+            # en: Speculative decoding: drafts appended to a decode step, with the blocks they need.
             # zh: 投机解码（第 17 章）：草稿追加到 decode 步里，连同它们需要的块。
             self._add_frame("drafts", {"drafts": [{"seq": s.seq_id, "count": s.num_draft_tokens}
                                                   for s in payload["seqs"] if s.num_draft_tokens]})
@@ -392,7 +392,7 @@ class FakeEngine:
         if not self.scheduler.running:
             return None
         seq = self.scheduler.running.pop()
-        # en: Exactly what the scheduler does to a decode victim (chapter 04); the scheduler does not
+        # en: Exactly what the scheduler does to a decode victim; the scheduler does not
         # en: announce it, since no schedule() call happened, so the recorder is told directly.
         # zh: 与调度器处理 decode 时被抢占序列的做法完全相同（第 04 章）；由于没有调用 schedule()，
         # zh: 调度器不会发出事件，所以直接通知记录器。
@@ -549,7 +549,7 @@ def _seq_list(ids: list[int], zh: bool) -> str:
 
 
 def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
-    """What a speculative decoding frame says (chapter 17): the drafts a step verifies, or what it kept of them."""
+    """What a speculative decoding frame says: the drafts a step verifies, or what it kept of them."""
     if phase == "drafts":
         items = [(d["seq"], d["count"]) for d in event["drafts"]]
         return [("草稿：" + "、".join(f"序列 {i}（+{n} 个 token）" for i, n in items)) if zh
@@ -703,7 +703,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     lang = check_lang(lang)
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
-    # en: Copy-on-write (chapter 04b): the fresh blocks copies go into, and the shared blocks they come from.
+    # en: Copy-on-write: the fresh blocks copies go into, and the shared blocks they come from.
     # zh: 写时复制（第 04b 章）：拷贝写入的新块，以及被拷贝的共享块。
     copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     copy_from = {c["from"] for c in frame["event"].get("copies", [])}

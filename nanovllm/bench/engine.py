@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-batch-size", type=int, help="transformers batch size (default: 64, all on CPU)")
     parser.add_argument("--no-engine", action="store_true", help="measure transformers only")
     parser.add_argument("--no-peer", action="store_true", help="measure the engine only")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--compile-small-ops", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                         help="overlap scheduling with the GPU (auto: on for CUDA)")
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto, torch, triton or flash-attn; several: one engine run each, in this invocation, "
                              "with their ratios to the first")
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "both"],
-                        metavar="DTYPE", help="auto or fp8 (chapter 16); several, or both (= auto fp8): one engine run "
+                        metavar="DTYPE", help="auto or fp8; several, or both (= auto fp8): one engine run "
                         "each, in this invocation, each held to its own bound, with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -435,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth, flops = copy_bandwidth(), matmul_flops()
         bounds = {}
         for kv in dict.fromkeys([*kv_dtypes, *(kv_of[key] for key in results)]):
-            # Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes (chapter 16).
+            # Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes.
             bound = bounds[kv] = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth,
                                                 flops, kv_cache_dtype=kv)
             print(f"bound{f' (kv cache {kv})' if len(kv_dtypes) > 1 else ''}: decode reads "

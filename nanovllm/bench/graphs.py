@@ -94,7 +94,7 @@ DECODE_LAUNCHES = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 2),
 
 
 def sweep_decode_launches(batch: int, context: int, launches=DECODE_LAUNCHES) -> list[dict]:
-    """Decode attention (chapter 06b) at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
+    """Decode attention at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
     from nanovllm.bench.attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_time_ms
     from nanovllm.layers.context import Context
     from nanovllm.layers.triton_attention import decode_attention

@@ -257,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, help="tokens generated (default: 1024 on a GPU, 64 on a CPU)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (chapter 09)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--fused-decode", choices=["auto", "on", "off", "both"], default="auto",
-                        help="the fused decode layer (chapter 09); both: off, then on, in this invocation, with "
+                        help="the fused decode layer; both: off, then on, in this invocation, with "
                         "their ratio per batch")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the figures to this JSON file")

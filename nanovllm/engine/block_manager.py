@@ -138,7 +138,7 @@ class BlockManager(BlockPool):
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
-        # The new block a decode step may need (chapter 02), plus one for a copy-on-write.
+        # The new block a decode step may need, plus one for a copy-on-write.
         copy = self._shared_write_block(seq) is not None
         return seq.num_blocks - len(seq.block_table) + copy
 

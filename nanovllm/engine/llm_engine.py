@@ -151,7 +151,7 @@ class LLMEngine:
         return seq
 
     def make_sequences(self, prompt: Prompt, sampling_params: SamplingParams) -> list[Sequence]:
-        """The sequences of one request: one that forks into its n samples after its prefill (chapter 04b),
+        """The sequences of one request: one that forks into its n samples after its prefill,
         or, with ``fork_samples=False``, n independent sequences that each compute the prompt."""
         seq = self.make_sequence(prompt, sampling_params)
         if self.config.fork_samples:
@@ -395,7 +395,7 @@ class LLMEngine:
         token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
         seqs, indices = step.seqs, step.indices
         broken = []
-        # The sampler marks a row whose logits are not numbers (chapter 07). Looking for the mark in
+        # The sampler marks a row whose logits are not numbers. Looking for the mark in
         # the tokens the host has read anyway costs no wait for the GPU on any step.
         if NON_FINITE in token_ids:
             broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
@@ -597,7 +597,7 @@ class NonFiniteLogitsError(ValueError):
 def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
     """Why a model's logits are NaN or infinite: weights that are (named), else an overflow in ``dtype``.
 
-    It reads every weight, once, and only after the sampler marked a row (chapter 07): never on the fast path.
+    It reads every weight, once, and only after the sampler marked a row: never on the fast path.
     """
     # tensor parallelism: the weights live in the ranks
     if model is None:

@@ -86,14 +86,14 @@ def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
 # notebooks/08_model_runner.py · cell "kv cache sizing"
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
-    cache's ``dtype``; a float8 cache (chapter 16) adds one float32 scale per token and KV head."""
+    cache's ``dtype``; a float8 cache adds one float32 scale per token and KV head."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
     row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
 
 
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
-    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8" (chapter 16), else the model's."""
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8", else the model's."""
     return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
 
 
@@ -137,9 +137,9 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     if device.type == "cpu" and nbytes > _physical_memory():
         raise ValueError(f"{what}, more than this machine's {_physical_memory() / 2**30:,.1f} GiB of memory; {fix}")
     try:
-        # Zeros on a GPU, not empty memory: FlashAttention 4 (chapter 06b) reads whole pages, and a NaN left in an
+        # Zeros on a GPU, not empty memory: FlashAttention 4 reads whole pages, and a NaN left in an
         # unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
-        # A float8 cache (chapter 16) is allocated as bytes: filling float8 tensors is missing on some devices.
+        # A float8 cache is allocated as bytes: filling float8 tensors is missing on some devices.
         raw = torch.uint8 if dtype == FP8 else dtype
         cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
             torch.empty(shape, dtype=raw, device=device)
@@ -164,7 +164,7 @@ def copy_kv_blocks(
 ) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
     every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...];
-    ``kv_scales``: an 8-bit cache's scales (chapter 16), [2, layers, blocks, ...] too, copied alike."""
+    ``kv_scales``: an 8-bit cache's scales, [2, layers, blocks, ...] too, copied alike."""
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
@@ -208,7 +208,7 @@ class ModelRunner:
         kernels = importlib.import_module("nanovllm.layers.triton_sampler") if on_gpu else None
         self.sampler = Sampler(kernels.triton_temperature_sample if on_gpu else temperature_sample)
         self.stopped = False
-        # An 8-bit cache's scales (chapter 16), [2, layers, blocks, kv_heads, block_size]; None otherwise.
+        # An 8-bit cache's scales, [2, layers, blocks, kv_heads, block_size]; None otherwise.
         self.kv_scales: torch.Tensor | None = None
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
@@ -313,7 +313,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_attention_kernels(self) -> None:
-        """Let the attention backend compile, now, every kernel variant a step may need (chapter 06b)."""
+        """Let the attention backend compile, now, every kernel variant a step may need."""
         warm_up = getattr(self.attention, "warm_up", None)
         if warm_up is not None and self.attention_layers:
             # every layer has the same shapes: one compiles them all
@@ -368,7 +368,7 @@ class ModelRunner:
     # notebooks/12_async_scheduling.py · cell "runner launches"
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
-        first token of each sibling the step forks (chapter 04b)."""
+        first token of each sibling the step forks."""
         return self.launch(seqs, is_prefill).token_ids()
 
     # notebooks/08_model_runner.py · cell "model runner"
@@ -376,7 +376,7 @@ class ModelRunner:
         """The rows of ``seqs`` that want a token, and the sampled tokens (None without logits): those rows'
         tokens, then the siblings' first tokens in `sibling_samples` order."""
         # Only rows whose whole sequence has been computed want a token. A request that forks
-        # (chapter 04b) also draws its siblings' first tokens from its row, after the step's own rows.
+        # also draws its siblings' first tokens from its row, after the step's own rows.
         rows = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
         if logits is None or not rows:
             return rows, None if logits is None else logits.new_empty(0, dtype=torch.int64)
@@ -445,7 +445,7 @@ class ModelRunner:
         # Every row is a position to sample: the LM head computes them all.
         logits = self.model.compute_logits(hidden_states)
         # Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
-        # sequence's own parameters: what a decode step at that index would draw, seed included (chapter 07).
+        # sequence's own parameters: what a decode step at that index would draw, seed included.
         counts = [seq.num_scheduled_tokens for seq in seqs]
         params, positions, samples = [], [], []
         for seq, count in zip(seqs, counts, strict=True):
@@ -470,7 +470,7 @@ class SampledTokens:
     # the indices in seqs that were sampled (a partial prefill chunk is not)
     rows: list[int]
     # [len(samples)] int64: the step's own tokens (one per row), then the first tokens of the
-    # siblings it forks, in `sibling_samples` order (chapter 04b).
+    # siblings it forks, in `sibling_samples` order.
     on_device: torch.Tensor
     # the same tokens; on a GPU, a pinned buffer that a queued copy fills
     on_host: torch.Tensor
@@ -517,8 +517,8 @@ class SampledTokens:
             rows.append(row_of[key] if pending else -1)
         row = _tensor(rows, self.on_device.device)
         # Rows with a known token keep it; the others gather their sample (row -1 is clamped, then unused).
-        # A sample marked NON_FINITE (chapter 07) is clamped to 0 too: an embedding lookup of -2 would
-        # fail on the device, and the engine drops that sequence when it reads the mark (chapter 13).
+        # A sample marked NON_FINITE is clamped to 0 too: an embedding lookup of -2 would
+        # fail on the device, and the engine drops that sequence when it reads the mark.
         return torch.where(row >= 0, self.on_device[row.clamp(min=0)].clamp(min=0), input_ids.clamp(min=0))
 
     def write_pending(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:

@@ -160,7 +160,7 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
         """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
         finish sequences; returns the sequences that finished. ``token_ids`` has one token per sequence, then the
-        first token of each sibling that the step's sequences fork (chapter 04b). It is `advance` and `resolve`
+        first token of each sibling that the step's sequences fork. It is `advance` and `resolve`
         back to back; the asynchronous engine calls them one step apart."""
         expected = len(seqs) + len(sibling_samples(seqs))
         assert len(token_ids) == expected, f"{len(token_ids)} tokens for {len(seqs)} sequences, expected {expected}"

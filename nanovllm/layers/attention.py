@@ -32,7 +32,7 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`).
 
-    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache (chapter 16), one float32
+    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache, one float32
     scale per token and KV head of each block, [blocks, kv_heads, block_size], beside the float8 K/V."""
 
     def store_kvcache(
@@ -41,7 +41,7 @@ class AttentionBackend(Protocol):
     ) -> None: ...  # fmt: skip
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What an 8-bit cache (chapter 16) gives back for ``x`` [T, kv_heads, d]."""
+        """What an 8-bit cache gives back for ``x`` [T, kv_heads, d]."""
         ...
 
     def prefill(
@@ -77,7 +77,7 @@ def gather_paged(
     """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``;
     ``by_dim``: the values of an 8-bit cache, which it keeps by dimension)."""
     if scales is not None:
-        # an 8-bit cache (chapter 16)
+        # an 8-bit cache
         return gather_quantized(cache, scales, block_table, length, by_dim)
     # Whole blocks first (one index per block, not per token), then cut to the length.
     num_blocks = -(-length // cache.shape[1])
@@ -115,7 +115,7 @@ class TorchBackend:
         # k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        # an 8-bit cache (chapter 16): each row in float8, with its own scale
+        # an 8-bit cache: each row in float8, with its own scale
         if k_scales is not None:
             store_quantized(k[keep], k_cache, k_scales, slots)
             store_quantized(v[keep], v_cache, v_scales, slots, by_dim=True)
@@ -182,7 +182,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         self.k_cache = self.v_cache = torch.tensor([])
-        # An 8-bit cache (chapter 16) also holds one scale per token and KV head; None for a 16-bit cache.
+        # An 8-bit cache also holds one scale per token and KV head; None for a 16-bit cache.
         self.k_scales: torch.Tensor | None = None
         self.v_scales: torch.Tensor | None = None
         # The torch reference until the model runner hands every layer the configured backend.
@@ -198,7 +198,7 @@ class Attention(nn.Module):
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
         if context.is_prefill:
             if self.k_scales is not None and context.block_tables is None:
-                # An 8-bit cache (chapter 16): a prefill without a cached prefix attends to what the cache now
+                # An 8-bit cache: a prefill without a cached prefix attends to what the cache now
                 # holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
                 k, v = self.backend.round_trip(k), self.backend.round_trip(v)
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)

@@ -109,7 +109,7 @@ def store_kvcache_kernel(
     v = tl.load(v_ptr + t * stride_v_t + h * stride_v_h + d, mask=mask, other=0.0)
     block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if FP8:
-        # An 8-bit cache (chapter 16): each head's row is divided by its own scale, rounded to float8 e4m3,
+        # An 8-bit cache: each head's row is divided by its own scale, rounded to float8 e4m3,
         # and the scales go beside the block, [blocks, kv_heads, block_size].
         k_scale = fp8_scale(tl.max(tl.abs(k.to(tl.float32)), 1))
         v_scale = fp8_scale(tl.max(tl.abs(v.to(tl.float32)), 1))
@@ -122,7 +122,7 @@ def store_kvcache_kernel(
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM + d
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     if FP8:
-        # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size] (chapter 16).
+        # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
         dst = ((block * NUM_KV_HEADS + h) * HEAD_DIM + d) * BLOCK_SIZE + place
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -141,7 +141,7 @@ def _check_cache(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> bool:  # fmt: skip
-    """Check the caches (and scales); True for an 8-bit cache (chapter 16)."""
+    """Check the caches (and scales); True for an 8-bit cache."""
     fp8 = k_cache.dtype == FP8
     if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
         raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
@@ -209,7 +209,7 @@ def round_trip_kernel(
 
 
 def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
-    """What a float8 cache gives back for ``x`` [T, heads, d] (chapter 16), in one pass: the same values as
+    """What a float8 cache gives back for ``x`` [T, heads, d], in one pass: the same values as
     ``kv_quant.round_trip``, whose eight torch operations took 18x a copy's time on the H200."""
     check_triton_device(x)
     if x.dim() != 3 or x.stride(-1) != 1:
@@ -307,7 +307,7 @@ def _prefill_tile(
     # Scores [BLOCK_M, BLOCK_N] in base-2 units (qk_scale = scale * log2 e), fp32 accumulation.
     s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
-        # float8 keys (chapter 16): key n's scale multiplies its column of scores, not its d elements.
+        # float8 keys: key n's scale multiplies its column of scores, not its d elements.
         s = s * row_scales(k_scale_ptr, block, place, n_valid, stride_s_b, True)[None, :]
     if MASKED:
         # Causal (key position <= query position) and bounds (key < n_k).
@@ -453,7 +453,7 @@ def prefill_attention(
     """Varlen causal attention: q [T, H, d] -> [T, H, d]; prefixes read through ``context.block_tables``.
 
     ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
-    ``k_scales``/``v_scales``: a float8 cache's scales (chapter 16); the fresh k and v are used as given.
+    ``k_scales``/``v_scales``: a float8 cache's scales; the fresh k and v are used as given.
     """
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -473,7 +473,7 @@ def prefill_attention(
         keys, values, block_tables, block_size = k_cache, v_cache, context.block_tables, k_cache.shape[1]
         # a slot row is one step of dim 1
         stride_k_t, stride_k_h = k_cache.stride(1), k_cache.stride(2)
-        # A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size] (chapter 16).
+        # A float8 cache keeps its values by dimension, [blocks, kv_heads, d, block_size].
         stride_v_t, stride_v_h = (0, v_cache.stride(1)) if fp8 else (stride_k_t, stride_k_h)
         stride_v_b = v_cache.stride(0)
     else:
@@ -562,7 +562,7 @@ def _decode_tile(
     k = key_tile(k_base, rows, offs_d, n_valid, d_mask, stride_c_t, WHOLE)
     scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale
     if FP8:
-        # float8 K (chapter 16): each key's scale multiplies its column of scores.
+        # float8 K: each key's scale multiplies its column of scores.
         scores = scores * row_scales(k_scale_base, block, place, n_valid, stride_s_b, MASKED)[None, :]
     if MASKED:
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
@@ -572,7 +572,7 @@ def _decode_tile(
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     # V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V. A float8 cache keeps each block's values by
-    # dimension, [kv_heads, d, block_size] (chapter 16), so that the keys of one dimension are consecutive.
+    # dimension, [kv_heads, d, block_size], so that the keys of one dimension are consecutive.
     if FP8:
         v_ptrs = v_base + (block * stride_v_b + place)[:, None] + offs_d[None, :] * BLOCK_SIZE
     else:
@@ -616,7 +616,7 @@ def decode_attention_kernel(
     qd_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :], mask=qd_mask, other=0.0)
     if FP8 and q.dtype != tl.float32:
-        # float8 K and V (chapter 16) meet 16-bit queries in float16: every e4m3 value is exact in float16, and
+        # float8 K and V meet 16-bit queries in float16: every e4m3 value is exact in float16, and
         # e4m3 -> float16 is one hardware conversion per pair (to bfloat16 takes more; measured on the H200,
         # the float16 tiles made the float8 decode 10-14 % faster). q is clamped to float16's range first.
         q = tl.minimum(tl.maximum(q, -65504.0), 65504.0).to(tl.float16)
@@ -712,7 +712,7 @@ def choose_num_splits(
 # The decode launch on a GPU, (BLOCK_N keys per tile, warps, stages), by the bytes of a cached element.
 # 16-bit: 128 keys per tile; on the engine benchmark's contexts (100-2,048 tokens, scripts/decode_sweep.py) it
 # read the cache at 99% of the copy rate at batch 256, against 93% with 64 keys. float32 tiles are twice the
-# bytes: they keep 64 keys, measured before. float8 (chapter 16): 128 keys and 5 stages, with the values kept
+# bytes: they keep 64 keys, measured before. float8: 128 keys and 5 stages, with the values kept
 # by dimension. Triton's pipeliner spends a stage on the block-table read that addresses a tile, so at 3
 # stages it kept one buffer for K and one for V and loaded each tile only after the last one was used; at 5
 # it keeps two, and the next tile loads while this one is used (scripts/attention_sass.py counts the
@@ -773,7 +773,7 @@ def decode_attention(
     """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel.
 
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
-    ``k_scales``/``v_scales``: a float8 cache's scales (chapter 16).
+    ``k_scales``/``v_scales``: a float8 cache's scales.
     """
     if k_cache.numel() == 0:
         raise ValueError("decode attention needs a KV cache, but the layer has none")
@@ -879,7 +879,7 @@ def _refuse_scales(k_scales: torch.Tensor | None) -> None:
 
 class FlashAttnBackend(TritonBackend):
     """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
-    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200 (chapter 06b)."""
+    Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200."""
 
     def __init__(self) -> None:
         # Imported when the backend is built, not with this module: most machines do not have it.

@@ -64,7 +64,7 @@ class FakeEngine:
         if not self.scheduler.running:
             return None
         seq = self.scheduler.running.pop()
-        # Exactly what the scheduler does to a decode victim (chapter 04); the scheduler does not
+        # Exactly what the scheduler does to a decode victim; the scheduler does not
         # announce it, since no schedule() call happened, so the recorder is told directly.
         self.scheduler._preempt(seq)
         self.recorder("preempt", {"seqs": [seq]})

@@ -93,7 +93,7 @@ def _seq_list(ids: list[int], zh: bool) -> str:
 
 
 def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
-    """What a speculative decoding frame says (chapter 17): the drafts a step verifies, or what it kept of them."""
+    """What a speculative decoding frame says: the drafts a step verifies, or what it kept of them."""
     if phase == "drafts":
         items = [(d["seq"], d["count"]) for d in event["drafts"]]
         return [("草稿：" + "、".join(f"序列 {i}（+{n} 个 token）" for i, n in items)) if zh
@@ -242,7 +242,7 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     lang = check_lang(lang)
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
-    # Copy-on-write (chapter 04b): the fresh blocks copies go into, and the shared blocks they come from.
+    # Copy-on-write: the fresh blocks copies go into, and the shared blocks they come from.
     copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     copy_from = {c["from"] for c in frame["event"].get("copies", [])}
     prev_state = {b["id"]: b["state"] for b in prev["blocks"]} if prev else {}

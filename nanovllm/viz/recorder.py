@@ -36,7 +36,7 @@ def seq_state(seq: Any) -> dict:
         "num_cached_tokens": seq.num_cached_tokens,
         "num_scheduled_tokens": seq.num_scheduled_tokens,
         "block_table": list(seq.block_table),
-        # Parallel sampling (chapter 04b): the request it samples for, and which sample it is.
+        # Parallel sampling: the request it samples for, and which sample it is.
         "request_id": seq.request_id,
         "sample_index": seq.sample_index,
     }
@@ -140,13 +140,13 @@ class Recorder:
                 "preempted": [s.seq_id for s in payload.get("preempted", [])],
                 "cache_hits": [{"seq": int(seq_id), "blocks": list(blocks)}
                                for seq_id, blocks in payload.get("cache_hits", {}).items() if blocks],
-                # Copy-on-write (chapter 04b): a sequence about to write into a shared block got a fresh one.
+                # Copy-on-write: a sequence about to write into a shared block got a fresh one.
                 "copies": [{"seq": s.seq_id, "from": source, "to": destination}
                            for s in payload["seqs"] for source, destination in s.blocks_to_copy],
             })
         elif event == "postprocess":
             before = {s["id"]: s["num_tokens"] for s in self.frames[-1]["seqs"]}
-            # Sequences the recorder has not seen are siblings this step forked (chapter 04b).
+            # Sequences the recorder has not seen are siblings this step forked.
             forked: dict[int, list[int]] = {}
             for s in payload["seqs"]:
                 if s.seq_id not in self._seqs:
@@ -161,7 +161,7 @@ class Recorder:
                 "forked": [{"seq": request, "into": ids} for request, ids in forked.items()],
             })
         elif event == "drafts":
-            # Speculative decoding (chapter 17): drafts appended to a decode step, with the blocks they need.
+            # Speculative decoding: drafts appended to a decode step, with the blocks they need.
             self._add_frame("drafts", {"drafts": [{"seq": s.seq_id, "count": s.num_draft_tokens}
                                                   for s in payload["seqs"] if s.num_draft_tokens]})
         elif event == "verified":
