@@ -91,7 +91,7 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 @dataclass
 class Config:
     """Everything the engine needs to know before it loads a model: the settings of `LLM(model, **settings)`
-    (chapter 08 tabulates them) and what is derived from the model directory."""
+    and what is derived from the model directory."""
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -187,7 +187,8 @@ class Config:
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
         self._check_speculation()
         if self.async_scheduling == "auto":
-            # Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
+            # Under tensor parallelism every rank takes the pending tokens from its copy of the previous
+            # step's samples.
             self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 

@@ -24,7 +24,7 @@ class SamplingParams:
     top_k: keep only the k most likely tokens (None: no limit).
     top_p: keep the smallest set of tokens whose probability reaches top_p (1.0: no limit).
     seed: makes sampling of this request reproducible, whatever else is in the batch.
-    n: how many completions to sample for the prompt (parallel sampling, chapter 04b): the
+    n: how many completions to sample for the prompt (parallel sampling): the
     prompt is computed once and its n samples share its KV blocks until they diverge.
     """
 

@@ -639,7 +639,7 @@ class SamplingRun:
 
 
 def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams], name: str) -> SamplingRun:
-    """Run ``llm.generate`` once, watching the scheduler (its observer hook, chapter 04): the tokens computed by
+    """Run ``llm.generate`` once, watching the scheduler (its observer hook): the tokens computed by
     prefill steps, and after each schedule, when a step's blocks are all allocated, the blocks in use."""
     pool = llm.scheduler.block_manager
     seen = {"prefill": 0, "peak": 0}

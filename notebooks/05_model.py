@@ -121,7 +121,7 @@ def rms_norm(
 class RMSNorm(nn.Module):
     """``rms_norm`` with a learned weight."""
 
-    # en: The maths; on a GPU chapter 09 hands each norm a compiled version of it.
+    # en: The maths; on a GPU compile_small_ops hands each norm a compiled version of it.
     # zh: 数学本身；在 GPU 上，第 09 章把它编译后的版本交给每个归一化层。
     op = staticmethod(rms_norm)
 
@@ -149,7 +149,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    # en: as in RMSNorm: chapter 09 may hand it a compiled version
+    # en: as in RMSNorm: compile_small_ops may hand it a compiled version
     # zh: 与 RMSNorm 一样：第 09 章可能把它换成编译后的版本。
     op = staticmethod(silu_and_mul)
 
@@ -232,7 +232,7 @@ def rotary(
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
 
-    # en: as in RMSNorm: chapter 09 may hand it a compiled version
+    # en: as in RMSNorm: compile_small_ops may hand it a compiled version
     # zh: 与 RMSNorm 一样：第 09 章可能把它换成编译后的版本。
     op = staticmethod(rotary)
 
@@ -315,7 +315,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_set
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
 
-    # en: Chapter 09, on a GPU: one kernel that norms and rotates q and k and writes k and v into the KV cache.
+    # en: On a GPU: one kernel that norms and rotates q and k and writes k and v into the KV cache.
     # zh: 第 09 章，在 GPU 上：一个内核完成 q、k 的归一化与旋转，并把 k、v 写入 KV 缓存。
     fused_input = None
 
@@ -385,7 +385,7 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    # en: Chapter 09, on a GPU: the whole layer in a few fused kernels when a step has only a few tokens.
+    # en: On a GPU: the whole layer in a few fused kernels when a step has only a few tokens.
     # zh: 第 09 章，在 GPU 上：一步只有几个 token 时，整层由几个融合内核完成。
     fused_forward = None
 

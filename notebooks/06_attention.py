@@ -127,7 +127,7 @@ import torch
 
 @dataclass
 class Context:
-    """Attention metadata of the current step (see chapter 06 for every field)."""
+    """Attention metadata of the current step."""
 
     is_prefill: bool = False
     # en: [num_seqs + 1] int32
@@ -314,7 +314,7 @@ from torch import nn
 from nanovllm.layers.context import Context, get_context
 from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
 
-# en: The kinds the attention_backend setting may name: the torch reference and chapter 06b's kernels.
+# en: The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
 # zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及第 06b 章的内核。
 ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 
@@ -346,7 +346,7 @@ class AttentionBackend(Protocol):
 
 
 def attention_backend(name: str) -> AttentionBackend:
-    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). Chapter 06b's kernels
+    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). The Triton kernels
     are imported only here, when asked for: a CPU run never imports Triton."""
     if name == "torch":
         return TorchBackend()
@@ -452,8 +452,8 @@ class TorchBackend:
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        # en: see chapter 16
-        # zh: 见第 16 章。
+        # en: what an 8-bit cache gives back for x: quantized, then dequantized
+        # zh: 8 位缓存为 x 给回的值：先量化，再反量化。
         return round_trip(x)
 
     def prefill(
@@ -542,7 +542,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
 
-        ``kv_stored``: the caller already wrote k and v into the cache (chapter 09's fused kernel)."""
+        ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
         context = get_context()
         scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
         if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:

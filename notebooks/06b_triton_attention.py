@@ -342,7 +342,7 @@ def _check_cache(
     if k_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {tuple(k_cache.shape)}")
     blocks, block_size, kv_heads, head_dim = k_cache.shape
-    # en: A float8 cache keeps each block's values by dimension (chapter 16 says why).
+    # en: A float8 cache keeps each block's values by dimension.
     # zh: float8 缓存把每个块的值按维度存放（原因见第 16 章）。
     v_shape = (blocks, kv_heads, head_dim, block_size) if fp8 else (blocks, block_size, kv_heads, head_dim)
     if v_cache.shape != v_shape:
@@ -1153,7 +1153,7 @@ def choose_num_splits(
 # en: stages it kept one buffer for K and one for V and loaded each tile only after the last one was used; at 5
 # en: it keeps two, and the next tile loads while this one is used (scripts/attention_sass.py counts the
 # en: buffers). At batch 256 that took 0.181 ms against 0.192 ms, at batch 32 0.038 ms against 0.045 ms; a 16-bit
-# en: tile is twice the bytes, and there 3 stages stayed as fast or faster (chapter 16 tells the whole story).
+# en: tile is twice the bytes, and there 3 stages stayed as fast or faster.
 # zh: GPU 上 decode 的启动配置（每个 tile 的键数 BLOCK_N、warp 数、stage 数），按缓存中一个元素的字节数选择。
 # zh: 16 位：每个 tile 128 个键；在引擎基准测试的上下文长度上（100–2,048 个 token，scripts/decode_sweep.py），
 # zh: 批大小为 256 时它读取缓存的速度达到拷贝速率的 99%，而 64 个键时是 93%。float32 的 tile 字节数翻倍：仍用之前
@@ -1177,7 +1177,7 @@ DECODE_MAX_REGISTERS = 168
 # en: programmatic_launch). Measured on the H200 with `python -m nanovllm.bench --latency` (its decode graph
 # en: replayed alone, Qwen3-0.6B shapes, 512-768 tokens of context), milliseconds per step at batch 1 / 2 / 4:
 # en: 0.652 / 0.823 / 1.276 as before, 0.631 / 0.788 / 1.256 with 32-key tiles, 0.580 / 0.720 / 1.256 with 32-key
-# en: tiles and the early start of these kernels and of chapter 09's q/k/v kernel. At batch 16 (4 slices) the
+# en: tiles and the early start of these kernels and of the fused q/k/v kernel. At batch 16 (4 slices) the
 # en: same launch took 1.578 ms against 1.456, and the early start alone 1.499: larger batches keep the default.
 # zh: 少数几个序列、16 位缓存时的 decode：choose_num_splits 给出 MANY_SPLITS 段或更多时（H200 上 Qwen3-0.6B 的一到四个
 # zh: 序列），每个程序负责的那一段只有几个 tile 长，于是用每个 MANY_SPLITS_BLOCK_N 个键的更短 tile，让更多程序一起读
@@ -1382,7 +1382,7 @@ class TritonBackend:
         return decode_attention(q, k_cache, v_cache, context, scale, k_scales=k_scales, v_scales=v_scales)
 
     def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
-        """Compile the prefill variants now (decode: when chapter 09 captures its graphs, else in the first steps);
+        """Compile the prefill variants now (decode: when the runner captures its graphs, else in the first steps);
         ``dtype``: the model's (needed with a float8 cache)."""
         warm_up_prefill(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache,
                         layer.scale, dtype, layer.k_scales, layer.v_scales)  # fmt: skip
@@ -1452,7 +1452,7 @@ class FlashAttnBackend(TritonBackend):
 
     def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
         """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
-        it reads the first blocks of the cache and writes nothing. Decode compiles when chapter 09 captures its
+        it reads the first blocks of the cache and writes nothing. Decode compiles when the runner captures its
         graphs."""
         k_cache, v_cache = layer.k_cache, layer.v_cache
         q = torch.zeros(2, layer.num_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)

@@ -118,7 +118,7 @@ def seeded_generator(
     seed: int, position: int, device: torch.device | str = "cpu", sample_index: int = 0
 ) -> torch.Generator:
     """A generator that depends only on (seed, position, sample_index): the noise of one token of one
-    sample of a request (``sample_index`` tells apart the n samples of parallel sampling, chapter 04b)."""
+    sample of a request (``sample_index`` tells apart the n samples of parallel sampling)."""
     # en: Hash the numbers so that nearby seeds, positions and samples give unrelated streams.
     # en: Sample 0 keeps the stream of a request with n = 1.
     # zh: 对这几个数做哈希，使相近的种子、位置和样本得到互不相关的随机流。样本 0 沿用 n = 1 时的随机流。
@@ -232,7 +232,7 @@ class Sampler(nn.Module):
 
     def __init__(self, sample_plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = temperature_sample) -> None:
         super().__init__()
-        # en: The function for batches without top-k, top-p or seeds; on a GPU chapter 08's runner passes
+        # en: The function for batches without top-k, top-p or seeds; on a GPU the model runner passes
         # en: the Triton one (layers.triton_sampler.triton_temperature_sample).
         # zh: 批次中没有 top-k、top-p 和种子时使用的函数；在 GPU 上，第 08 章的执行器传入 Triton 版本
         # zh: （layers.triton_sampler.triton_temperature_sample）。

@@ -286,7 +286,7 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 @dataclass
 class Config:
     """Everything the engine needs to know before it loads a model: the settings of `LLM(model, **settings)`
-    (chapter 08 tabulates them) and what is derived from the model directory."""
+    and what is derived from the model directory."""
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -386,8 +386,9 @@ class Config:
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
         self._check_speculation()
         if self.async_scheduling == "auto":
-            # en: Chapter 10: every rank takes the pending tokens from its copy of the previous step's samples.
-            # zh: 第 10 章：每个 rank 从自己保存的上一步采样结果中取出待定 token。
+            # en: Under tensor parallelism every rank takes the pending tokens from its copy of the previous
+            # en: step's samples.
+            # zh: 张量并行时，每个 rank 从自己保存的上一步采样结果中取出待定 token。
             self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
@@ -1041,8 +1042,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model = build_model(config.model, self.dtype, self.device, config.load_format, config.hf_config)
         # en: What the model's layers compute with is built once here and handed down: one attention backend
-        # en: for every layer (chapter 06b's kernels are imported only when chosen), and on a GPU the
-        # en: sampler's fast path as chapter 07's Triton kernels (imported only there).
+        # en: for every layer (the Triton kernels are imported only when chosen), and on a GPU the
+        # en: sampler's fast path as its Triton kernels (imported only there).
         # zh: 模型各层计算所用的东西在这里构建一次，再分发下去：所有层共用一个注意力后端（只有选中时才导入第 06b 章
         # zh: 的内核），GPU 上的采样器快速路径是第 07 章的 Triton 内核（只在 GPU 上导入）。
         self.attention = attention_backend(config.attention_backend)
@@ -1076,7 +1077,7 @@ class ModelRunner:
             "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
         kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
         if cache_dtype == FP8:
-            # en: Chapter 16: each block's scales, one per token and KV head, indexed by block like the cache.
+            # en: An 8-bit cache: each block's scales, one per token and KV head, indexed by block like the cache.
             # zh: 第 16 章：每个块的缩放因子，每个 token 和 KV 头一个，和缓存一样按块编号索引。
             scales = (2, layers, blocks, kv_heads, self.block_size)
             self.kv_scales = allocate_kv(scales, torch.float32, self.device, setting)
@@ -1084,7 +1085,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
             if self.kv_scales is not None:
                 layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
-                # en: Chapter 16: a float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
                 # zh: 第 16 章：float8 缓存把每个块的值按维度存放，形状为 [kv_heads, d, block_size]。
                 layer.v_cache = values_by_dim(layer.v_cache)
         return kv_cache
@@ -1161,7 +1162,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_sampler_kernels(self) -> None:
-        """Run the sampler's fast path once, so that Triton compiles chapter 07's two kernels now: one variant
+        """Run the sampler's fast path once, so that Triton compiles the sampler's two kernels now: one variant
         each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
         the grid and the seed, new in every call, is not specialized on."""
         logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
@@ -1234,7 +1235,7 @@ class ModelRunner:
         return rows, self.sampler(logits if whole else logits[picks], **inputs)
 
     def exit(self) -> None:
-        """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""
+        """Release the KV cache and refuse further steps (the tensor-parallel runner also stops its rank processes)."""
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])

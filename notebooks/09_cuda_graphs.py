@@ -524,7 +524,7 @@ class CudaGraphRunner:
         return size
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        """Hidden states [n, hidden] of one decode step (context: chapter 08's decode context)."""
+        """Hidden states [n, hidden] of one decode step (context: the step's decode context)."""
         n = input_ids.shape[0]
         self.buffers.load(input_ids, positions, context, self.bucket(n))
         return self.replay_loaded(n)
@@ -730,7 +730,7 @@ def norm_rotate_store_kernel(
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
     if PDL:
-        # en: Started early (PDL, chapter 06b): let attention start early too.
+        # en: Started early (PDL): let attention start early too.
         # zh: 提前启动（PDL，第 06b 章）：也让注意力内核提前启动。
         tl.extra.cuda.gdc_launch_dependents()
     # en: The slot and the position's cos and sin were written by the host before the step: they load before the
@@ -795,7 +795,7 @@ EARLY_START_TOKENS = 2
 
 
 def can_fuse(attention: nn.Module) -> bool:
-    """Whether ``attention`` (chapter 05's Qwen3Attention) fits the kernel: RoPE over whole heads."""
+    """Whether ``attention`` (a Qwen3Attention) fits the kernel: RoPE over whole heads."""
     return attention.rotary_emb.rotary_dim == attention.head_dim and attention.head_dim % 2 == 0
 
 
@@ -1277,7 +1277,7 @@ def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedDecodeLayer:
-    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
+    """``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
     four matmul kernels (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
 
     def __init__(self, max_tokens: int = FUSED_STEP_TOKENS) -> None:

@@ -101,7 +101,7 @@ from typing import ClassVar
 from nanovllm.engine.sequence import SequenceStatus
 
 # en: A token still computing can end a sequence that was preempted meanwhile, so FINISHED may now
-# en: follow WAITING too (chapter 13's abort uses the same arrow).
+# en: follow WAITING too (abort uses the same arrow).
 # zh: 仍在计算的 token 可能让一个在此期间被抢占的序列结束，所以 WAITING 之后现在也可以是 FINISHED
 # zh: （第 13 章的 abort 也用这条箭头）。
 Sequence.ALLOWED_TRANSITIONS: ClassVar[dict[SequenceStatus, frozenset[SequenceStatus]]] = {
@@ -320,7 +320,7 @@ class SampledTokens:
         return tokens + values[len(self.rows) :]
 
     def input_ids_for(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
-        """A decode step's input ids on the device: ``input_ids`` (one per sequence, chapter 08's `prepare_decode`)
+        """A decode step's input ids on the device: ``input_ids`` (one per sequence, from `prepare_decode`)
         with each pending token replaced by this step's sample of it."""
         row_of = {sample: row for row, sample in enumerate(self.samples)}
         rows = []
@@ -443,7 +443,7 @@ class DecodeStaging:
 
     def stage(self, seqs: list[Sequence], graph_batch: int) -> None:
         """Write a decode step into rows [0, n) and padding rows up to graph_batch (what `DecodeBuffers.load`
-        writes from chapter 08's `prepare_decode`), then queue one copy of them to the buffers."""
+        writes from `prepare_decode`), then queue one copy of them to the buffers."""
         for seq in seqs:
             ready = seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1
             assert ready, f"not ready to decode: {seq}"
@@ -467,7 +467,8 @@ class DecodeStaging:
         for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
             tables[i, : len(seq.block_table)] = seq.block_table
             host["slot_mapping"][i] = _slot(seq.block_table, position, self.block_size)
-        # en: Padding rows, as in chapter 09: token 0 at position 0, storing nothing, attending to nothing.
+        # en: Padding rows, as `DecodeBuffers.load` writes them: token 0 at position 0, storing nothing, attending
+        # en: to nothing.
         # zh: 填充行，同第 09 章：位置 0 上的 token 0，什么都不存，什么都不关注。
         for name, _, wide, padding in DecodeBuffers.LAYOUT:
             if not wide:
@@ -583,8 +584,8 @@ ModelRunner.staging: DecodeStaging | None = None
 @add_to_class(ModelRunner)
 def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
     """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
-    taken from ``previous`` on the device, then the graph replayed (what chapter 09's path did with some twenty
-    torch operations, in two)."""
+    taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
+    twenty torch operations, in two)."""
     if self.staging is None:
         self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
     self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
@@ -711,7 +712,7 @@ def reply_value(result: Any) -> Any:
 class TPStep:
     """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
 
-    It stands where chapter 12's `SampledTokens` stands in the engine: the engine passes it back as the
+    It stands where `SampledTokens` stands in the engine: the engine passes it back as the
     ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
     """
 
@@ -730,7 +731,7 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None
     """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
     pending tokens. Every rank has them: nothing waits for rank 0."""
     before = None if previous is None else previous.call
-    # en: as in chapter 10's run: the params and their call go together
+    # en: as in the synchronous run: the params and their call go together
     # zh: 与第 10 章的 run 一样：采样参数和携带它们的那次调用同进同退。
     with deferred_interrupt():
         params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)

@@ -85,7 +85,7 @@ from nanovllm.sampling_params import SamplingParams
 
 PRESETS: dict[str, dict] = {
     "nano-vllm": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
-    # en: The same workload on a Qwen3-8B-shaped model (chapter 10's second goal): it fits one H200.
+    # en: The same workload on a Qwen3-8B-shaped model (the tensor-parallel goal): it fits one H200.
     # zh: 同样的负载，换成 Qwen3-8B 形状的模型（第 10 章的第二个目标）：一块 H200 放得下。
     "qwen3-8b": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
     "cpu": {"num_seqs": 16, "input_len": (32, 256), "output_len": (32, 256)},
@@ -299,7 +299,7 @@ class Bound:
 
 def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one token's keys and values in every layer: ``dtype_bytes`` per element, or with an 8-bit cache
-    (kv_cache_dtype="fp8", chapter 16) one byte per element plus one float32 scale per KV head."""
+    (kv_cache_dtype="fp8") one byte per element plus one float32 scale per KV head."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     row = head_dim + 4 if kv_cache_dtype == "fp8" else head_dim * dtype_bytes
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row
@@ -574,8 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                         help="overlap scheduling with the GPU (auto: on for CUDA)")
     parser.add_argument("--parallel-sampling", type=int, metavar="N",
-                        help="instead: the first 64 prompts with N forked samples vs N independent requests each "
-                             "(chapter 04b)")
+                        help="instead: the first 64 prompts with N forked samples vs N independent requests each")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="N > 1: the engine on N GPUs, and on one GPU in the same invocation, with their ratio")
     parser.add_argument("--no-tp1", action="store_true", help="with --tensor-parallel-size N: skip the TP=1 run")
@@ -1018,7 +1017,7 @@ def graph_replay_ms(llm: Any, batch: int, replays: int = 50) -> float | None:
     return start.elapsed_time(end) / replays
 
 
-# en: The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store), once a layer:
+# en: The kernel that opens a layer's attention on a GPU (the fused q/k norm, RoPE and store), once a layer:
 # en: it marks where each layer is in a profile.
 # zh: GPU 上每层注意力开头的那个 kernel（第 09 章融合的 q/k 归一化、RoPE 与写入），每层一次：在性能分析记录里，
 # zh: 靠它找到每一层的位置。

@@ -2985,7 +2985,7 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 
 # %% server process
 #| export serve.process
-"""A server in a child process, for the tests, chapter 15 and the benchmark: started on a free port, stopped with a
+"""A server in a child process, for the tests, the book and the benchmark: started on a free port, stopped with a
 signal, and never left behind (it also dies with the process that started it)."""
 
 from __future__ import annotations
@@ -3434,7 +3434,7 @@ def with_word_tokenizer(model: str | Path, target: str | Path) -> Path:
 
 
 def qwen3_06b_served(path: str | None = None) -> Path:
-    """Chapter 14's Qwen3-0.6B-shaped model with random weights, with a `word_tokenizer` for all its 151,936 ids."""
+    """The benchmarks' Qwen3-0.6B-shaped model with random weights, with a `word_tokenizer` for all its 151,936 ids."""
     return with_word_tokenizer(qwen3_06b_random(), path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-served")
 
 

@@ -663,7 +663,8 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
     num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
     if self.graphs is not None and self.graphs.covers(num_rows):
-        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as chapter 12 runs one.
+        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_decode`
+        # en: runs one.
         # zh: 一个 num_rows 行的 decode 步，像第 12 章那样一次拷贝送出输入，再从它的图重放。
         if self.staging is None:
             self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
@@ -1158,8 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="The engine with and without prompt lookup, on the same requests.")
     parser.add_argument("--workloads", nargs="+", choices=["quoting", "nano-vllm"],
                         help="quoting: prompts that quote a passage (greedy), one row per --batches; nano-vllm: "
-                        "chapter 14's 256 random prompts (temperature 0.6) on Qwen3-0.6B's shapes; default: both on "
-                        "CUDA, quoting on a CPU")
+                        "the nano-vllm benchmark's 256 random prompts (temperature 0.6) on Qwen3-0.6B's shapes; "
+                        "default: both on CUDA, quoting on a CPU")
     parser.add_argument("--model", help="the quoting workload's model (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")

@@ -368,7 +368,7 @@ class FakeEngine:
 
     def add(self, token_ids: ListLike[int], max_tokens: int = 4, n: int = 1) -> Sequence:
         """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens (in each of its ``n``
-        samples: after its prefill it forks, chapter 04b)."""
+        samples: after its prefill it forks)."""
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
         seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
         self.scheduler.check_fits(seq)
@@ -1501,7 +1501,7 @@ class LivePanel:
             self.step()
 
     def add_request(self, prompt: str, max_tokens: int = 4, n: int = 1) -> None:
-        """Add a request of ``n`` samples (n > 1: it forks after its prefill, chapter 04b)."""
+        """Add a request of ``n`` samples (n > 1: it forks after its prefill)."""
         try:
             tokens = parse_prompt(prompt)
             self.engine.add(tokens, max_tokens, n)

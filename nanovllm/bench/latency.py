@@ -147,7 +147,7 @@ def graph_replay_ms(llm: Any, batch: int, replays: int = 50) -> float | None:
     return start.elapsed_time(end) / replays
 
 
-# The kernel that opens a layer's attention on a GPU (chapter 09's fused q/k norm, RoPE and store), once a layer:
+# The kernel that opens a layer's attention on a GPU (the fused q/k norm, RoPE and store), once a layer:
 # it marks where each layer is in a profile.
 LAYER_MARK = "norm_rotate_store_kernel"
 

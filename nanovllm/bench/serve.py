@@ -298,7 +298,7 @@ def with_word_tokenizer(model: str | Path, target: str | Path) -> Path:
 
 
 def qwen3_06b_served(path: str | None = None) -> Path:
-    """Chapter 14's Qwen3-0.6B-shaped model with random weights, with a `word_tokenizer` for all its 151,936 ids."""
+    """The benchmarks' Qwen3-0.6B-shaped model with random weights, with a `word_tokenizer` for all its 151,936 ids."""
     return with_word_tokenizer(qwen3_06b_random(), path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-served")
 
 

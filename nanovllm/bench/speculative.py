@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="The engine with and without prompt lookup, on the same requests.")
     parser.add_argument("--workloads", nargs="+", choices=["quoting", "nano-vllm"],
                         help="quoting: prompts that quote a passage (greedy), one row per --batches; nano-vllm: "
-                        "chapter 14's 256 random prompts (temperature 0.6) on Qwen3-0.6B's shapes; default: both on "
-                        "CUDA, quoting on a CPU")
+                        "the nano-vllm benchmark's 256 random prompts (temperature 0.6) on Qwen3-0.6B's shapes; "
+                        "default: both on CUDA, quoting on a CPU")
     parser.add_argument("--model", help="the quoting workload's model (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")

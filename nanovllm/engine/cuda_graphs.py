@@ -205,7 +205,7 @@ class CudaGraphRunner:
         return size
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        """Hidden states [n, hidden] of one decode step (context: chapter 08's decode context)."""
+        """Hidden states [n, hidden] of one decode step (context: the step's decode context)."""
         n = input_ids.shape[0]
         self.buffers.load(input_ids, positions, context, self.bucket(n))
         return self.replay_loaded(n)
@@ -243,7 +243,7 @@ class DecodeStaging:
 
     def stage(self, seqs: list[Sequence], graph_batch: int) -> None:
         """Write a decode step into rows [0, n) and padding rows up to graph_batch (what `DecodeBuffers.load`
-        writes from chapter 08's `prepare_decode`), then queue one copy of them to the buffers."""
+        writes from `prepare_decode`), then queue one copy of them to the buffers."""
         for seq in seqs:
             ready = seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1
             assert ready, f"not ready to decode: {seq}"
@@ -267,7 +267,8 @@ class DecodeStaging:
         for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
             tables[i, : len(seq.block_table)] = seq.block_table
             host["slot_mapping"][i] = _slot(seq.block_table, position, self.block_size)
-        # Padding rows, as in chapter 09: token 0 at position 0, storing nothing, attending to nothing.
+        # Padding rows, as `DecodeBuffers.load` writes them: token 0 at position 0, storing nothing, attending
+        # to nothing.
         for name, _, wide, padding in DecodeBuffers.LAYOUT:
             if not wide:
                 host[name][n:graph_batch] = padding

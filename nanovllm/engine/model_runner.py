@@ -198,8 +198,8 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.model = build_model(config.model, self.dtype, self.device, config.load_format, config.hf_config)
         # What the model's layers compute with is built once here and handed down: one attention backend
-        # for every layer (chapter 06b's kernels are imported only when chosen), and on a GPU the
-        # sampler's fast path as chapter 07's Triton kernels (imported only there).
+        # for every layer (the Triton kernels are imported only when chosen), and on a GPU the
+        # sampler's fast path as its Triton kernels (imported only there).
         self.attention = attention_backend(config.attention_backend)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
@@ -228,14 +228,14 @@ class ModelRunner:
             "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
         kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
         if cache_dtype == FP8:
-            # Chapter 16: each block's scales, one per token and KV head, indexed by block like the cache.
+            # An 8-bit cache: each block's scales, one per token and KV head, indexed by block like the cache.
             scales = (2, layers, blocks, kv_heads, self.block_size)
             self.kv_scales = allocate_kv(scales, torch.float32, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
             if self.kv_scales is not None:
                 layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
-                # Chapter 16: a float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
                 layer.v_cache = values_by_dim(layer.v_cache)
         return kv_cache
 
@@ -321,7 +321,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compile_sampler_kernels(self) -> None:
-        """Run the sampler's fast path once, so that Triton compiles chapter 07's two kernels now: one variant
+        """Run the sampler's fast path once, so that Triton compiles the sampler's two kernels now: one variant
         each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
         the grid and the seed, new in every call, is not specialized on."""
         logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
@@ -392,7 +392,7 @@ class ModelRunner:
         return rows, self.sampler(logits if whole else logits[picks], **inputs)
 
     def exit(self) -> None:
-        """Release the KV cache and refuse further steps (chapter 10's runner also stops its rank processes)."""
+        """Release the KV cache and refuse further steps (the tensor-parallel runner also stops its rank processes)."""
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
@@ -402,8 +402,8 @@ class ModelRunner:
     # notebooks/12_async_scheduling.py · cell "runner launches"
     def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
         """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
-        taken from ``previous`` on the device, then the graph replayed (what chapter 09's path did with some twenty
-        torch operations, in two)."""
+        taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
+        twenty torch operations, in two)."""
         if self.staging is None:
             self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
         self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
@@ -431,7 +431,8 @@ class ModelRunner:
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
         num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
         if self.graphs is not None and self.graphs.covers(num_rows):
-            # A decode step of num_rows rows, staged in one copy and replayed from its graph, as chapter 12 runs one.
+            # A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_decode`
+            # runs one.
             if self.staging is None:
                 self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
             self.staging.stage_rows(*verify_rows(seqs), self.graphs.bucket(num_rows))
@@ -507,7 +508,7 @@ class SampledTokens:
         return tokens + values[len(self.rows) :]
 
     def input_ids_for(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
-        """A decode step's input ids on the device: ``input_ids`` (one per sequence, chapter 08's `prepare_decode`)
+        """A decode step's input ids on the device: ``input_ids`` (one per sequence, from `prepare_decode`)
         with each pending token replaced by this step's sample of it."""
         row_of = {sample: row for row, sample in enumerate(self.samples)}
         rows = []

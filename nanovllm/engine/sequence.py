@@ -35,13 +35,13 @@ class Sequence:
     """One request inside the engine: its tokens, its progress and its cache blocks.
 
     ``block_size`` is passed explicitly: a sequence never falls back on a default of its own
-    (upstream nano-vllm's class-level default broke its tensor-parallel path, chapter 10).
+    (upstream nano-vllm's class-level default broke its tensor-parallel path).
     """
 
     _ids = count()
     # notebooks/12_async_scheduling.py · cell "a sequence can end while it waits"
     # A token still computing can end a sequence that was preempted meanwhile, so FINISHED may now
-    # follow WAITING too (chapter 13's abort uses the same arrow).
+    # follow WAITING too (abort uses the same arrow).
     ALLOWED_TRANSITIONS: ClassVar[dict[SequenceStatus, frozenset[SequenceStatus]]] = {
         SequenceStatus.WAITING: frozenset({SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED}),
         SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),

@@ -562,7 +562,7 @@ class TPRunner:
         """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
         pending tokens. Every rank has them: nothing waits for rank 0."""
         before = None if previous is None else previous.call
-        # as in chapter 10's run: the params and their call go together
+        # as in the synchronous run: the params and their call go together
         with deferred_interrupt():
             params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
             call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
@@ -598,7 +598,7 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
 class TPStep:
     """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
 
-    It stands where chapter 12's `SampledTokens` stands in the engine: the engine passes it back as the
+    It stands where `SampledTokens` stands in the engine: the engine passes it back as the
     ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
     """
 

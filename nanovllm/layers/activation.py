@@ -18,7 +18,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    # as in RMSNorm: chapter 09 may hand it a compiled version
+    # as in RMSNorm: compile_small_ops may hand it a compiled version
     op = staticmethod(silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

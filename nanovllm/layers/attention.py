@@ -25,7 +25,7 @@ __all__ = [
 
 
 # notebooks/06_attention.py · cell "backend interface"
-# The kinds the attention_backend setting may name: the torch reference and chapter 06b's kernels.
+# The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
 ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 
 
@@ -56,7 +56,7 @@ class AttentionBackend(Protocol):
 
 
 def attention_backend(name: str) -> AttentionBackend:
-    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). Chapter 06b's kernels
+    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). The Triton kernels
     are imported only here, when asked for: a CPU run never imports Triton."""
     if name == "torch":
         return TorchBackend()
@@ -124,7 +124,7 @@ class TorchBackend:
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        # see chapter 16
+        # what an 8-bit cache gives back for x: quantized, then dequantized
         return round_trip(x)
 
     def prefill(
@@ -191,7 +191,7 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
 
-        ``kv_stored``: the caller already wrote k and v into the cache (chapter 09's fused kernel)."""
+        ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
         context = get_context()
         scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
         if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:

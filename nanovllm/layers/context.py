@@ -22,7 +22,7 @@ __all__ = [
 # notebooks/06_attention.py · cell "context"
 @dataclass
 class Context:
-    """Attention metadata of the current step (see chapter 06 for every field)."""
+    """Attention metadata of the current step."""
 
     is_prefill: bool = False
     # [num_seqs + 1] int32

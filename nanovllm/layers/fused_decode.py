@@ -281,7 +281,7 @@ def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class FusedDecodeLayer:
-    """Chapter 05's ``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
+    """``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
     four matmul kernels (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
 
     def __init__(self, max_tokens: int = FUSED_STEP_TOKENS) -> None:

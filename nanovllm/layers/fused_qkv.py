@@ -61,7 +61,7 @@ def norm_rotate_store_kernel(
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
     if PDL:
-        # Started early (PDL, chapter 06b): let attention start early too.
+        # Started early (PDL): let attention start early too.
         tl.extra.cuda.gdc_launch_dependents()
     # The slot and the position's cos and sin were written by the host before the step: they load before the
     # wait for the q/k/v projection, the only input the kernel before writes.
@@ -116,7 +116,7 @@ EARLY_START_TOKENS = 2
 
 
 def can_fuse(attention: nn.Module) -> bool:
-    """Whether ``attention`` (chapter 05's Qwen3Attention) fits the kernel: RoPE over whole heads."""
+    """Whether ``attention`` (a Qwen3Attention) fits the kernel: RoPE over whole heads."""
     return attention.rotary_emb.rotary_dim == attention.head_dim and attention.head_dim % 2 == 0
 
 

@@ -28,7 +28,7 @@ def rms_norm(
 class RMSNorm(nn.Module):
     """``rms_norm`` with a learned weight."""
 
-    # The maths; on a GPU chapter 09 hands each norm a compiled version of it.
+    # The maths; on a GPU compile_small_ops hands each norm a compiled version of it.
     op = staticmethod(rms_norm)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

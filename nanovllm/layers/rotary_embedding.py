@@ -67,7 +67,7 @@ def rotary(
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
 
-    # as in RMSNorm: chapter 09 may hand it a compiled version
+    # as in RMSNorm: compile_small_ops may hand it a compiled version
     op = staticmethod(rotary)
 
     def __init__(

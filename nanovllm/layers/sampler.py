@@ -38,7 +38,7 @@ def seeded_generator(
     seed: int, position: int, device: torch.device | str = "cpu", sample_index: int = 0
 ) -> torch.Generator:
     """A generator that depends only on (seed, position, sample_index): the noise of one token of one
-    sample of a request (``sample_index`` tells apart the n samples of parallel sampling, chapter 04b)."""
+    sample of a request (``sample_index`` tells apart the n samples of parallel sampling)."""
     # Hash the numbers so that nearby seeds, positions and samples give unrelated streams.
     # Sample 0 keeps the stream of a request with n = 1.
     stream = _splitmix64(seed)
@@ -111,7 +111,7 @@ class Sampler(nn.Module):
 
     def __init__(self, sample_plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = temperature_sample) -> None:
         super().__init__()
-        # The function for batches without top-k, top-p or seeds; on a GPU chapter 08's runner passes
+        # The function for batches without top-k, top-p or seeds; on a GPU the model runner passes
         # the Triton one (layers.triton_sampler.triton_temperature_sample).
         self.sample_plain = sample_plain
 

@@ -148,7 +148,7 @@ def _check_cache(
     if k_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {tuple(k_cache.shape)}")
     blocks, block_size, kv_heads, head_dim = k_cache.shape
-    # A float8 cache keeps each block's values by dimension (chapter 16 says why).
+    # A float8 cache keeps each block's values by dimension.
     v_shape = (blocks, kv_heads, head_dim, block_size) if fp8 else (blocks, block_size, kv_heads, head_dim)
     if v_cache.shape != v_shape:
         raise ValueError(f"the value cache must be {v_shape} beside keys {tuple(k_cache.shape)}, "
@@ -717,7 +717,7 @@ def choose_num_splits(
 # stages it kept one buffer for K and one for V and loaded each tile only after the last one was used; at 5
 # it keeps two, and the next tile loads while this one is used (scripts/attention_sass.py counts the
 # buffers). At batch 256 that took 0.181 ms against 0.192 ms, at batch 32 0.038 ms against 0.045 ms; a 16-bit
-# tile is twice the bytes, and there 3 stages stayed as fast or faster (chapter 16 tells the whole story).
+# tile is twice the bytes, and there 3 stages stayed as fast or faster.
 DECODE_LAUNCH = {"float32": (64, 4, 3), "16-bit": (128, 4, 3), "fp8": (128, 4, 5)}
 # Registers a thread of the float8 decode kernel (16-bit queries), capped with Triton's `maxnreg`: two
 # buffers of K and V take 75 KB of shared memory, so an H200 SM holds 3 blocks of 4 warps, and 168 registers
@@ -730,7 +730,7 @@ DECODE_MAX_REGISTERS = 168
 # programmatic_launch). Measured on the H200 with `python -m nanovllm.bench --latency` (its decode graph
 # replayed alone, Qwen3-0.6B shapes, 512-768 tokens of context), milliseconds per step at batch 1 / 2 / 4:
 # 0.652 / 0.823 / 1.276 as before, 0.631 / 0.788 / 1.256 with 32-key tiles, 0.580 / 0.720 / 1.256 with 32-key
-# tiles and the early start of these kernels and of chapter 09's q/k/v kernel. At batch 16 (4 slices) the
+# tiles and the early start of these kernels and of the fused q/k/v kernel. At batch 16 (4 slices) the
 # same launch took 1.578 ms against 1.456, and the early start alone 1.499: larger batches keep the default.
 MANY_SPLITS = 16
 MANY_SPLITS_BLOCK_N = 32
@@ -866,7 +866,7 @@ class TritonBackend:
         return decode_attention(q, k_cache, v_cache, context, scale, k_scales=k_scales, v_scales=v_scales)
 
     def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
-        """Compile the prefill variants now (decode: when chapter 09 captures its graphs, else in the first steps);
+        """Compile the prefill variants now (decode: when the runner captures its graphs, else in the first steps);
         ``dtype``: the model's (needed with a float8 cache)."""
         warm_up_prefill(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache,
                         layer.scale, dtype, layer.k_scales, layer.v_scales)  # fmt: skip
@@ -931,7 +931,7 @@ class FlashAttnBackend(TritonBackend):
 
     def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
         """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
-        it reads the first blocks of the cache and writes nothing. Decode compiles when chapter 09 captures its
+        it reads the first blocks of the cache and writes nothing. Decode compiles when the runner captures its
         graphs."""
         k_cache, v_cache = layer.k_cache, layer.v_cache
         q = torch.zeros(2, layer.num_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)

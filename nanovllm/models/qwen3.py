@@ -30,7 +30,7 @@ __all__ = [
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
 
-    # Chapter 09, on a GPU: one kernel that norms and rotates q and k and writes k and v into the KV cache.
+    # On a GPU: one kernel that norms and rotates q and k and writes k and v into the KV cache.
     fused_input = None
 
     def __init__(
@@ -99,7 +99,7 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    # Chapter 09, on a GPU: the whole layer in a few fused kernels when a step has only a few tokens.
+    # On a GPU: the whole layer in a few fused kernels when a step has only a few tokens.
     fused_forward = None
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool]) -> None:

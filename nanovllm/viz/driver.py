@@ -41,7 +41,7 @@ class FakeEngine:
 
     def add(self, token_ids: ListLike[int], max_tokens: int = 4, n: int = 1) -> Sequence:
         """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens (in each of its ``n``
-        samples: after its prefill it forks, chapter 04b)."""
+        samples: after its prefill it forks)."""
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
         seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
         self.scheduler.check_fits(seq)

@@ -101,7 +101,7 @@ class LivePanel:
             self.step()
 
     def add_request(self, prompt: str, max_tokens: int = 4, n: int = 1) -> None:
-        """Add a request of ``n`` samples (n > 1: it forks after its prefill, chapter 04b)."""
+        """Add a request of ``n`` samples (n > 1: it forks after its prefill)."""
         try:
             tokens = parse_prompt(prompt)
             self.engine.add(tokens, max_tokens, n)
