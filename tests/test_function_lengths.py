@@ -16,7 +16,6 @@ KNOWN = {
     ("nanovllm/bench/serve.py", "main"): 120,
     ("nanovllm/viz/player.py", "frame_svg"): 94,
     ("nanovllm/engine/llm_engine.py", "LLMEngine.generate"): 89,  # check, queue, drain, abandon as named steps
-    ("nanovllm/viz/player.py", "caption"): 88,
     ("nanovllm/layers/triton_attention.py", "decode_attention"): 71,
     ("nanovllm/bench/latency.py", "measure_batch"): 66,
     ("nanovllm/bench/latency.py", "main"): 64,

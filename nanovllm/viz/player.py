@@ -28,10 +28,13 @@ __all__ = [
     "lang_text",
     "legend_html",
     "player_html",
+    "postprocess_caption",
     "reading_language",
+    "schedule_caption",
     "seq_info",
     "set_language",
     "speculation_caption",
+    "start_caption",
     "style_html",
 ]
 
@@ -109,6 +112,75 @@ def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
     return parts
 
 
+def start_caption(frame: dict, event: dict, zh: bool) -> list[str]:
+    """The pool a recording starts from."""
+    n, bs = event["num_blocks"], event["block_size"]
+    states = [block["state"] for block in frame["blocks"]]
+    used, cached = states.count("used"), states.count("cached")
+    if not (used or cached):
+        return [f"空的块池：{n} 个块，每块 {bs} 个 token" if zh else f"empty pool: {n} blocks of {bs} tokens"]
+    # Attached to an engine that has already run (the server's live page): say what the pool holds.
+    free = n - used - cached
+    return [f"块池：{n} 个块，每块 {bs} 个 token；{used} 个在用，{cached} 个已缓存，{free} 个空闲" if zh
+            else f"pool of {n} blocks of {bs} tokens: {used} in use, {cached} cached, {free} free"]
+
+
+def schedule_caption(event: dict, seqs: dict[int, dict], zh: bool) -> list[str]:
+    """What a schedule chose: the batch, its cache hits, preemptions and copy-on-write copies."""
+    scheduled, parts = event["scheduled"], []
+    if not scheduled:
+        parts.append("没有可调度的序列" if zh else "nothing to schedule")
+    elif event["is_prefill"]:
+        items = []
+        for item in scheduled:
+            s, n = seqs[item["seq"]], item["num_tokens"]
+            left = s["num_tokens"] - s["num_cached_tokens"] - n
+            if left > 0:
+                items.append(f"序列 {s['id']}（分块 {n} 个 token，还剩 {left} 个）" if zh
+                             else f"seq {s['id']} (chunk of {n} tokens, {left} left)")
+            else:
+                items.append(f"序列 {s['id']}（{n} 个 token）" if zh else f"seq {s['id']} ({n} tokens)")
+        parts.append(("prefill：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
+    else:
+        ids = _seq_list([item["seq"] for item in scheduled], zh)
+        parts.append(f"decode：序列 {ids}（各 1 个 token）" if zh else f"decode: seq {ids} (1 token each)")
+    for hit in event["cache_hits"]:
+        blocks = _seq_list(hit["blocks"], zh)
+        word = "block" if len(hit["blocks"]) == 1 else "blocks"
+        parts.append(f"缓存命中：块 {blocks}（序列 {hit['seq']}）" if zh
+                     else f"cache hit on {word} {blocks} (seq {hit['seq']})")
+    if event["preempted"]:
+        ids = _seq_list(event["preempted"], zh)
+        parts.append(f"抢占序列 {ids}" if zh else f"preempted seq {ids}")
+    for copy in event.get("copies", []):
+        parts.append(f"写时复制：序列 {copy['seq']} 把共享的块 {copy['from']} 拷贝到块 {copy['to']}" if zh
+                     else f"copy-on-write: seq {copy['seq']} copies shared block {copy['from']} "
+                          f"into block {copy['to']}")
+    return parts
+
+
+def postprocess_caption(event: dict, zh: bool) -> list[str]:
+    """What a step's tokens did: forks, tokens appended or not yet, finished sequences."""
+    parts = []
+    for fork in event.get("forked", []):
+        ids = _seq_list(fork["into"], zh)
+        parts.append(f"序列 {fork['seq']} 分叉为序列 {ids}，共享它的块" if zh
+                     else f"seq {fork['seq']} forked into seq {ids}, sharing its blocks")
+    appended = [t["seq"] for t in event["tokens"] if t["appended"]]
+    discarded = [t["seq"] for t in event["tokens"] if not t["appended"]]
+    if appended:
+        ids = _seq_list(appended, zh)
+        each = "各" if len(appended) > 1 else ""
+        parts.append(f"序列 {ids} {each}追加 1 个 token" if zh else f"appended a token to seq {ids}")
+    if discarded:
+        ids = _seq_list(discarded, zh)
+        parts.append(f"序列 {ids} 的分块未完成，暂不产生 token" if zh else f"seq {ids}: partial chunk, no token yet")
+    if event["finished"]:
+        ids = _seq_list(event["finished"], zh)
+        parts.append(f"序列 {ids} 完成（释放其块）" if zh else f"finished seq {ids} (blocks freed)")
+    return parts
+
+
 def caption(frame: dict, lang: str = "en") -> str:
     """One line that says what happened in ``frame``, in English (``"en"``) or Chinese (``"zh"``)."""
     if check_lang(lang) == "both":
@@ -116,78 +188,22 @@ def caption(frame: dict, lang: str = "en") -> str:
     zh = lang == "zh"
     phase, event, step = frame["phase"], frame["event"], frame["step"]
     seqs = {s["id"]: s for s in frame["seqs"]}
-    parts: list[str] = []
     if phase == "start":
-        n, bs = event["num_blocks"], event["block_size"]
-        states = [block["state"] for block in frame["blocks"]]
-        used, cached = states.count("used"), states.count("cached")
-        if used or cached:
-            # Attached to an engine that has already run (the server's live page): say what the pool holds.
-            free = n - used - cached
-            parts.append(f"块池：{n} 个块，每块 {bs} 个 token；{used} 个在用，{cached} 个已缓存，{free} 个空闲" if zh
-                         else f"pool of {n} blocks of {bs} tokens: {used} in use, {cached} cached, {free} free")
-        else:
-            parts.append(f"空的块池：{n} 个块，每块 {bs} 个 token" if zh else f"empty pool: {n} blocks of {bs} tokens")
+        parts = start_caption(frame, event, zh)
     elif phase == "add":
         items = [(i, seqs[i]["num_prompt_tokens"]) for i in event["added"]]
-        if zh:
-            parts.append("新请求：" + "、".join(f"序列 {i}（提示词 {n} 个 token）" for i, n in items))
-        else:
-            parts.append("added " + ", ".join(f"seq {i} (prompt {n} tokens)" for i, n in items))
+        parts = [("新请求：" + "、".join(f"序列 {i}（提示词 {n} 个 token）" for i, n in items)) if zh
+                 else "added " + ", ".join(f"seq {i} (prompt {n} tokens)" for i, n in items)]
     elif phase == "schedule":
-        scheduled = event["scheduled"]
-        if not scheduled:
-            parts.append("没有可调度的序列" if zh else "nothing to schedule")
-        elif event["is_prefill"]:
-            items = []
-            for item in scheduled:
-                s, n = seqs[item["seq"]], item["num_tokens"]
-                left = s["num_tokens"] - s["num_cached_tokens"] - n
-                if left > 0:
-                    items.append(f"序列 {s['id']}（分块 {n} 个 token，还剩 {left} 个）" if zh
-                                 else f"seq {s['id']} (chunk of {n} tokens, {left} left)")
-                else:
-                    items.append(f"序列 {s['id']}（{n} 个 token）" if zh else f"seq {s['id']} ({n} tokens)")
-            parts.append(("prefill：" + "、".join(items)) if zh else ("prefill: " + ", ".join(items)))
-        else:
-            ids = _seq_list([item["seq"] for item in scheduled], zh)
-            parts.append(f"decode：序列 {ids}（各 1 个 token）" if zh else f"decode: seq {ids} (1 token each)")
-        for hit in event["cache_hits"]:
-            blocks = _seq_list(hit["blocks"], zh)
-            word = "block" if len(hit["blocks"]) == 1 else "blocks"
-            parts.append(f"缓存命中：块 {blocks}（序列 {hit['seq']}）" if zh
-                         else f"cache hit on {word} {blocks} (seq {hit['seq']})")
-        if event["preempted"]:
-            ids = _seq_list(event["preempted"], zh)
-            parts.append(f"抢占序列 {ids}" if zh else f"preempted seq {ids}")
-        for copy in event.get("copies", []):
-            parts.append(f"写时复制：序列 {copy['seq']} 把共享的块 {copy['from']} 拷贝到块 {copy['to']}" if zh
-                         else f"copy-on-write: seq {copy['seq']} copies shared block {copy['from']} "
-                              f"into block {copy['to']}")
+        parts = schedule_caption(event, seqs, zh)
     elif phase in ("drafts", "verified"):
-        parts += speculation_caption(phase, event, zh)
+        parts = speculation_caption(phase, event, zh)
     elif phase == "preempt":
         ids = _seq_list(event["preempted"], zh)
-        parts.append(f"手动抢占序列 {ids}（释放其块，回到等待队列队头）" if zh
-                     else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)")
+        parts = [f"手动抢占序列 {ids}（释放其块，回到等待队列队头）" if zh
+                 else f"forced preemption of seq {ids} (blocks freed, back to the head of waiting)"]
     elif phase == "postprocess":
-        for fork in event.get("forked", []):
-            ids = _seq_list(fork["into"], zh)
-            parts.append(f"序列 {fork['seq']} 分叉为序列 {ids}，共享它的块" if zh
-                         else f"seq {fork['seq']} forked into seq {ids}, sharing its blocks")
-        appended = [t["seq"] for t in event["tokens"] if t["appended"]]
-        discarded = [t["seq"] for t in event["tokens"] if not t["appended"]]
-        if appended:
-            ids = _seq_list(appended, zh)
-            each = "各" if len(appended) > 1 else ""
-            parts.append(f"序列 {ids} {each}追加 1 个 token" if zh else f"appended a token to seq {ids}")
-        if discarded:
-            ids = _seq_list(discarded, zh)
-            parts.append(f"序列 {ids} 的分块未完成，暂不产生 token" if zh
-                         else f"seq {ids}: partial chunk, no token yet")
-        if event["finished"]:
-            ids = _seq_list(event["finished"], zh)
-            parts.append(f"序列 {ids} 完成（释放其块）" if zh else f"finished seq {ids} (blocks freed)")
+        parts = postprocess_caption(event, zh)
     else:
         raise ValueError(f"unknown frame phase {phase!r}")
     if phase in ("schedule", "drafts", "verified"):
