@@ -711,9 +711,8 @@ def seq_info(seq: dict, lang: str | None = "en") -> str:
     return lang_text(en, zh, lang, "\n")
 
 
-def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
-    """Draw one frame: the block pool, the block tables, the queues and the free list."""
-    lang = check_lang(lang)
+def pool_svg(frame: dict, block_size: int, prev: dict | None, lang: str) -> tuple[list[str], int, int]:
+    """The block pool as a grid of cells: (its SVG elements, the y below it, its width)."""
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
     # en: Copy-on-write: the fresh blocks copies go into, and the shared blocks they come from.
@@ -757,9 +756,13 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
                        f'width="5" height="5"/>')
         out.append("</g>")
     y = top + ((len(blocks) + cols - 1) // cols) * PITCH + 16
-    width = 8 + cols * PITCH
-    # en: Block tables: one row per live sequence, running ones first.
-    # zh: 块表：每个活跃序列一行，运行中的在前。
+    return out, y, 8 + cols * PITCH
+
+
+def tables_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], int, int]:
+    """The live sequences' block tables from ``y`` on: (SVG elements, the y below them, the width so far)."""
+    out: list[str] = []
+    copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     seqs = {s["id"]: s for s in frame["seqs"]}
     live = [seqs[i] for i in frame["running"] + frame["waiting"]]
     out.append(f'<text x="4" y="{y}" class="nvv-h">{_label("block tables", "块表", lang)}</text>')
@@ -783,6 +786,12 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     if not live:
         out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_label("(none)", "（无）", lang)}</text>')
         y += 24
+    return out, y, width
+
+
+def queues_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], int, int]:
+    """The running and waiting queues and the free list from ``y`` on: (SVG elements, the y below, the width)."""
+    out: list[str] = []
     # en: Queues as chips, in queue order (the head is on the left).
     # zh: 队列画成一串小标签，按队列顺序排列（队头在左）。
     y += 10
@@ -805,6 +814,18 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         out.append(f'<text x="{TABLE_X + len(shown) * 24 + 2}" y="{y + 14}">… +{len(frame["free_list"]) - 24}</text>')
     width = max(width, TABLE_X + len(shown) * 24 + 40, 420)
     y += 26
+    return out, y, width
+
+
+def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
+    """Draw one frame: the block pool, the block tables, the queues and the free list."""
+    lang = check_lang(lang)
+    pool, y, width = pool_svg(frame, block_size, prev, lang)
+    # en: Block tables: one row per live sequence, running ones first.
+    # zh: 块表：每个活跃序列一行，运行中的在前。
+    tables, y, width = tables_svg(frame, lang, y, width)
+    queues, y, width = queues_svg(frame, lang, y, width)
+    out = pool + tables + queues
     # en: The drawing's accessible name says what it shows; the caption above it says what happened.
     # zh: 图的无障碍名称说明它画了什么；图上方的说明文字讲发生了什么。
     name = lang_text("block pool, block tables, queues and free list", "块池、块表、队列与空闲队列", lang, "\n")

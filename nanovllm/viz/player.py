@@ -28,7 +28,9 @@ __all__ = [
     "lang_text",
     "legend_html",
     "player_html",
+    "pool_svg",
     "postprocess_caption",
+    "queues_svg",
     "reading_language",
     "schedule_caption",
     "seq_info",
@@ -36,6 +38,7 @@ __all__ = [
     "speculation_caption",
     "start_caption",
     "style_html",
+    "tables_svg",
 ]
 
 
@@ -253,9 +256,8 @@ def seq_info(seq: dict, lang: str | None = "en") -> str:
     return lang_text(en, zh, lang, "\n")
 
 
-def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
-    """Draw one frame: the block pool, the block tables, the queues and the free list."""
-    lang = check_lang(lang)
+def pool_svg(frame: dict, block_size: int, prev: dict | None, lang: str) -> tuple[list[str], int, int]:
+    """The block pool as a grid of cells: (its SVG elements, the y below it, its width)."""
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
     # Copy-on-write: the fresh blocks copies go into, and the shared blocks they come from.
@@ -297,8 +299,13 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
                        f'width="5" height="5"/>')
         out.append("</g>")
     y = top + ((len(blocks) + cols - 1) // cols) * PITCH + 16
-    width = 8 + cols * PITCH
-    # Block tables: one row per live sequence, running ones first.
+    return out, y, 8 + cols * PITCH
+
+
+def tables_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], int, int]:
+    """The live sequences' block tables from ``y`` on: (SVG elements, the y below them, the width so far)."""
+    out: list[str] = []
+    copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     seqs = {s["id"]: s for s in frame["seqs"]}
     live = [seqs[i] for i in frame["running"] + frame["waiting"]]
     out.append(f'<text x="4" y="{y}" class="nvv-h">{_label("block tables", "块表", lang)}</text>')
@@ -322,6 +329,12 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
     if not live:
         out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_label("(none)", "（无）", lang)}</text>')
         y += 24
+    return out, y, width
+
+
+def queues_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], int, int]:
+    """The running and waiting queues and the free list from ``y`` on: (SVG elements, the y below, the width)."""
+    out: list[str] = []
     # Queues as chips, in queue order (the head is on the left).
     y += 10
     for name, label in (("running", _label("running", "运行", lang)), ("waiting", _label("waiting", "等待", lang))):
@@ -343,6 +356,17 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
         out.append(f'<text x="{TABLE_X + len(shown) * 24 + 2}" y="{y + 14}">… +{len(frame["free_list"]) - 24}</text>')
     width = max(width, TABLE_X + len(shown) * 24 + 40, 420)
     y += 26
+    return out, y, width
+
+
+def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
+    """Draw one frame: the block pool, the block tables, the queues and the free list."""
+    lang = check_lang(lang)
+    pool, y, width = pool_svg(frame, block_size, prev, lang)
+    # Block tables: one row per live sequence, running ones first.
+    tables, y, width = tables_svg(frame, lang, y, width)
+    queues, y, width = queues_svg(frame, lang, y, width)
+    out = pool + tables + queues
     # The drawing's accessible name says what it shows; the caption above it says what happened.
     name = lang_text("block pool, block tables, queues and free list", "块池、块表、队列与空闲队列", lang, "\n")
     return (f'<svg class="nvv-svg" width="{width}" height="{y}" viewBox="0 0 {width} {y}" role="img">'
