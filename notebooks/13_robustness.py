@@ -328,8 +328,13 @@ def __enter__(self) -> None:
 @add_to_class(Deferral)
 def __exit__(self, *exc_info: object) -> None:
     if self.outermost:
-        handler = _replaced.pop()
+        # en: The handler goes back before it leaves the list: a signal handler that runs in between (one that calls
+        # en: the engine) finds either _hold with its entry, or the old handler back, never _hold without one.
+        # zh: 先装回原来的处理函数，再把它移出列表：在这两步之间运行的信号处理函数（比如调用引擎的那种）看到的，
+        # zh: 要么是带着对应条目的 _hold，要么是已经装回的原处理函数，绝不会是没有条目的 _hold。
+        handler = _replaced[-1]
         signal.signal(signal.SIGINT, handler)
+        _replaced.pop()
         _deliver(handler)
     elif self.reopen:
         Gate.open = True
@@ -728,89 +733,111 @@ def generate(
     logits for one of them are NaN or infinite.
     """
     with self._one_call("generate"):
-        if isinstance(prompts, str) or not isinstance(prompts, ListLike):
-            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
-            kind = type(sampling_params).__name__
-            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
-        elif len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-        # en: Check every request first: a bad one must not leave the others half-queued.
-        # zh: 先检查所有请求：一个坏请求不能让其他请求处于只加入了一半的状态。
-        requests = []
-        for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-            # en: nothing is queued yet: Ctrl-C may stop a long tokenization here
-            # zh: 此时还没有任何请求入队：Ctrl-C 可以在这里打断耗时的分词。
-            interruption_point()
-            try:
-                requests.append(self.make_sequences(prompt, params))
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"prompt {index}: {error}") from error
-        for seqs in requests:
-            for seq in seqs:
-                self.scheduler.add(seq)
+        params = params_per_prompt(prompts, sampling_params)
+        requests = self._queue_requests(prompts, params)
         # en: Completions by request id, then by sample index (a request with n > 1 has n of them).
         # zh: 按请求 id、再按样本序号存放的生成结果（n > 1 的请求有 n 个）。
         outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
-        total = sum(params.n for params in sampling_params)
-        done, bar = 0, None
-        prefill_rate = decode_rate = 0.0
         try:
-            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm,
-                       file=BarStream(sys.stderr))
-            while done < total:
-                # en: Between steps the engine's books are whole: a Ctrl-C held back during the last step,
-                # en: or what an observer raised, is raised here.
-                # zh: 两步之间引擎的账目是完整的：上一步中被压下的 Ctrl-C，或观察者抛出的异常，在这里抛出。
-                interruption_point()
-                self._raise_observer_error()
-                start = time.perf_counter()
-                finished, num_tokens, is_prefill = self._step()
-                if self._dropped:
-                    self._raise_dropped(requests)
-                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-                prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
-                bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
-                for seq in finished:
-                    if seq.request_id in outputs:
-                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
-                    else:
-                        # en: a request of add_request: step() reports it
-                        # zh: add_request 提交的请求：由 step() 报告。
-                        self.unreported.append(seq)
-                mine = sum(seq.request_id in outputs for seq in finished)
-                bar.update(mine)
-                done += mine
-            if self.in_flight is not None and self.scheduler.is_finished():
-                # en: A last step computed tokens past the end of sequences that have finished: record it
-                # en: (it changes nothing) so that the engine is idle when generate returns.
-                # zh: 最后一步为已经结束的序列多算了 token：把它记下（不改变任何东西），
-                # zh: 这样 generate 返回时引擎是空闲的。
-                step, self.in_flight = self.in_flight, None
-                self._collect(step)
-            self._raise_observer_error()
+            self._drain(requests, outputs, sum(p.n for p in params), use_tqdm)
         except BaseException:
-            # en: An interrupted call takes its unfinished requests with it (forked samples included):
-            # en: their blocks are freed, and a later call does not compute them for nobody.
-            # zh: 被中断的调用会带走它尚未完成的请求（包括分叉出的样本）：释放它们的块，之后的调用也不会白白计算它们。
-            self._settle_in_flight(outputs)
-            for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                if seq.request_id in outputs:
-                    self.scheduler.abort(seq)
-            for request in outputs:
-                self._dropped.pop(request, None)
-            # en: the error this call raises comes first
-            # zh: 这次调用抛出的错误优先。
-            self.scheduler.observer_errors.clear()
+            self._abandon(outputs)
             raise
-        finally:
-            if bar is not None:
-                bar.close()
         return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
+
+
+def params_per_prompt(
+    prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+) -> list[SamplingParams]:
+    """`generate`'s arguments checked: one SamplingParams per prompt (the default, or one shared by all)."""
+    if isinstance(prompts, str) or not isinstance(prompts, ListLike):
+        raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * len(prompts)
+    if isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
+        kind = type(sampling_params).__name__
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+    return list(sampling_params)
+
+
+@add_to_class(LLMEngine)
+def _queue_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Sequence]]:
+    """Make every request's sequences, then queue them all: a bad request raises before anything is queued."""
+    requests = []
+    for index, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+        # en: nothing is queued yet: Ctrl-C may stop a long tokenization here
+        # zh: 此时还没有任何请求入队：Ctrl-C 可以在这里打断耗时的分词。
+        interruption_point()
+        try:
+            requests.append(self.make_sequences(prompt, request_params))
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"prompt {index}: {error}") from error
+    for seqs in requests:
+        for seq in seqs:
+            self.scheduler.add(seq)
+    return requests
+
+
+@add_to_class(LLMEngine)
+def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, list[int]]], total: int,
+           use_tqdm: bool) -> None:
+    """Step until the ``total`` samples of ``requests`` finished, their completions in ``outputs``; then leave the
+    engine idle."""
+    done, prefill_rate, decode_rate = 0, 0.0, 0.0
+    bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm, file=BarStream(sys.stderr))
+    try:
+        while done < total:
+            # en: Between steps the engine's books are whole: a Ctrl-C held back during the last step,
+            # en: or what an observer raised, is raised here.
+            # zh: 两步之间引擎的账目是完整的：上一步中被压下的 Ctrl-C，或观察者抛出的异常，在这里抛出。
+            interruption_point()
+            self._raise_observer_error()
+            start = time.perf_counter()
+            finished, num_tokens, is_prefill = self._step()
+            if self._dropped:
+                self._raise_dropped(requests)
+            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+            prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
+            bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
+            for seq in finished:
+                if seq.request_id in outputs:
+                    outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                else:
+                    # en: a request of add_request: step() reports it
+                    # zh: add_request 提交的请求：由 step() 报告。
+                    self.unreported.append(seq)
+            mine = sum(seq.request_id in outputs for seq in finished)
+            bar.update(mine)
+            done += mine
+        if self.in_flight is not None and self.scheduler.is_finished():
+            # en: A last step computed tokens past the end of sequences that have finished: record it
+            # en: (it changes nothing) so that the engine is idle when generate returns.
+            # zh: 最后一步为已经结束的序列多算了 token：把它记下（不改变任何东西），
+            # zh: 这样 generate 返回时引擎是空闲的。
+            step, self.in_flight = self.in_flight, None
+            self._collect(step)
+        self._raise_observer_error()
+    finally:
+        bar.close()
+
+
+@add_to_class(LLMEngine)
+def _abandon(self, outputs: dict[int, dict[int, list[int]]]) -> None:
+    """An interrupted `generate` takes its unfinished requests with it (forked samples included): their blocks are
+    freed, and a later call does not compute them for nobody."""
+    self._settle_in_flight(outputs)
+    for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+        if seq.request_id in outputs:
+            self.scheduler.abort(seq)
+    for request in outputs:
+        self._dropped.pop(request, None)
+    # en: the error this call raises comes first
+    # zh: 这次调用抛出的错误优先。
+    self.scheduler.observer_errors.clear()
 
 
 class BarStream:

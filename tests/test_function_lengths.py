@@ -14,7 +14,6 @@ KNOWN = {
     ("nanovllm/serve/app.py", "create_app"): 259,  # FastAPI routers and module-level handlers would split it
     ("nanovllm/bench/engine.py", "main"): 171,
     ("nanovllm/bench/serve.py", "main"): 120,
-    ("nanovllm/engine/llm_engine.py", "LLMEngine.generate"): 89,  # check, queue, drain, abandon as named steps
     ("nanovllm/layers/triton_attention.py", "decode_attention"): 71,
     ("nanovllm/bench/latency.py", "measure_batch"): 66,
     ("nanovllm/bench/latency.py", "main"): 64,

@@ -41,6 +41,7 @@ __all__ = [
     "StepOutput",
     "load_tokenizer",
     "non_finite_cause",
+    "params_per_prompt",
     "prompt_token_ids",
 ]
 
@@ -263,79 +264,15 @@ class LLMEngine:
         logits for one of them are NaN or infinite.
         """
         with self._one_call("generate"):
-            if isinstance(prompts, str) or not isinstance(prompts, ListLike):
-                raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
-            if sampling_params is None:
-                sampling_params = SamplingParams()
-            if isinstance(sampling_params, SamplingParams):
-                sampling_params = [sampling_params] * len(prompts)
-            elif isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
-                kind = type(sampling_params).__name__
-                raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
-            elif len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
-            # Check every request first: a bad one must not leave the others half-queued.
-            requests = []
-            for index, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
-                # nothing is queued yet: Ctrl-C may stop a long tokenization here
-                interruption_point()
-                try:
-                    requests.append(self.make_sequences(prompt, params))
-                except (TypeError, ValueError) as error:
-                    raise type(error)(f"prompt {index}: {error}") from error
-            for seqs in requests:
-                for seq in seqs:
-                    self.scheduler.add(seq)
+            params = params_per_prompt(prompts, sampling_params)
+            requests = self._queue_requests(prompts, params)
             # Completions by request id, then by sample index (a request with n > 1 has n of them).
             outputs: dict[int, dict[int, list[int]]] = {seqs[0].seq_id: {} for seqs in requests}
-            total = sum(params.n for params in sampling_params)
-            done, bar = 0, None
-            prefill_rate = decode_rate = 0.0
             try:
-                bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm,
-                           file=BarStream(sys.stderr))
-                while done < total:
-                    # Between steps the engine's books are whole: a Ctrl-C held back during the last step,
-                    # or what an observer raised, is raised here.
-                    interruption_point()
-                    self._raise_observer_error()
-                    start = time.perf_counter()
-                    finished, num_tokens, is_prefill = self._step()
-                    if self._dropped:
-                        self._raise_dropped(requests)
-                    rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-                    prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
-                    bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
-                    for seq in finished:
-                        if seq.request_id in outputs:
-                            outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
-                        else:
-                            # a request of add_request: step() reports it
-                            self.unreported.append(seq)
-                    mine = sum(seq.request_id in outputs for seq in finished)
-                    bar.update(mine)
-                    done += mine
-                if self.in_flight is not None and self.scheduler.is_finished():
-                    # A last step computed tokens past the end of sequences that have finished: record it
-                    # (it changes nothing) so that the engine is idle when generate returns.
-                    step, self.in_flight = self.in_flight, None
-                    self._collect(step)
-                self._raise_observer_error()
+                self._drain(requests, outputs, sum(p.n for p in params), use_tqdm)
             except BaseException:
-                # An interrupted call takes its unfinished requests with it (forked samples included):
-                # their blocks are freed, and a later call does not compute them for nobody.
-                self._settle_in_flight(outputs)
-                for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-                    if seq.request_id in outputs:
-                        self.scheduler.abort(seq)
-                for request in outputs:
-                    self._dropped.pop(request, None)
-                # the error this call raises comes first
-                self.scheduler.observer_errors.clear()
+                self._abandon(outputs)
                 raise
-            finally:
-                if bar is not None:
-                    bar.close()
             return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
 
     # notebooks/11_engine.py · cell "llm engine"
@@ -447,6 +384,70 @@ class LLMEngine:
                     self._in_call = False
 
     # notebooks/13_robustness.py · cell "the engine's rules"
+    def _queue_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Sequence]]:
+        """Make every request's sequences, then queue them all: a bad request raises before anything is queued."""
+        requests = []
+        for index, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
+            # nothing is queued yet: Ctrl-C may stop a long tokenization here
+            interruption_point()
+            try:
+                requests.append(self.make_sequences(prompt, request_params))
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"prompt {index}: {error}") from error
+        for seqs in requests:
+            for seq in seqs:
+                self.scheduler.add(seq)
+        return requests
+
+    def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, list[int]]], total: int,
+               use_tqdm: bool) -> None:
+        """Step until the ``total`` samples of ``requests`` finished, their completions in ``outputs``; then leave the
+        engine idle."""
+        done, prefill_rate, decode_rate = 0, 0.0, 0.0
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm, file=BarStream(sys.stderr))
+        try:
+            while done < total:
+                # Between steps the engine's books are whole: a Ctrl-C held back during the last step,
+                # or what an observer raised, is raised here.
+                interruption_point()
+                self._raise_observer_error()
+                start = time.perf_counter()
+                finished, num_tokens, is_prefill = self._step()
+                if self._dropped:
+                    self._raise_dropped(requests)
+                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+                prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
+                bar.set_postfix(prefill=f"{prefill_rate:.0f} tok/s", decode=f"{decode_rate:.0f} tok/s")
+                for seq in finished:
+                    if seq.request_id in outputs:
+                        outputs[seq.request_id][seq.sample_index] = seq.completion_token_ids
+                    else:
+                        # a request of add_request: step() reports it
+                        self.unreported.append(seq)
+                mine = sum(seq.request_id in outputs for seq in finished)
+                bar.update(mine)
+                done += mine
+            if self.in_flight is not None and self.scheduler.is_finished():
+                # A last step computed tokens past the end of sequences that have finished: record it
+                # (it changes nothing) so that the engine is idle when generate returns.
+                step, self.in_flight = self.in_flight, None
+                self._collect(step)
+            self._raise_observer_error()
+        finally:
+            bar.close()
+
+    def _abandon(self, outputs: dict[int, dict[int, list[int]]]) -> None:
+        """An interrupted `generate` takes its unfinished requests with it (forked samples included): their blocks are
+        freed, and a later call does not compute them for nobody."""
+        self._settle_in_flight(outputs)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            if seq.request_id in outputs:
+                self.scheduler.abort(seq)
+        for request in outputs:
+            self._dropped.pop(request, None)
+        # the error this call raises comes first
+        self.scheduler.observer_errors.clear()
+
     def _raise_observer_error(self) -> None:
         """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
         errors = self.scheduler.observer_errors
@@ -634,6 +635,24 @@ class StepOutput(tuple):
     def __repr__(self) -> str:
         return (f"StepOutput(seq_id={self[0]}, token_ids={self[1]}, request_id={self.request_id}, "
                 f"sample_index={self.sample_index})")
+
+
+def params_per_prompt(
+    prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
+) -> list[SamplingParams]:
+    """`generate`'s arguments checked: one SamplingParams per prompt (the default, or one shared by all)."""
+    if isinstance(prompts, str) or not isinstance(prompts, ListLike):
+        raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * len(prompts)
+    if isinstance(sampling_params, str) or not isinstance(sampling_params, ListLike):
+        kind = type(sampling_params).__name__
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {kind}")
+    if len(sampling_params) != len(prompts):
+        raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+    return list(sampling_params)
 
 
 class BarStream:

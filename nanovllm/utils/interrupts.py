@@ -61,8 +61,11 @@ class Deferral:
 
     def __exit__(self, *exc_info: object) -> None:
         if self.outermost:
-            handler = _replaced.pop()
+            # The handler goes back before it leaves the list: a signal handler that runs in between (one that calls
+            # the engine) finds either _hold with its entry, or the old handler back, never _hold without one.
+            handler = _replaced[-1]
             signal.signal(signal.SIGINT, handler)
+            _replaced.pop()
             _deliver(handler)
         elif self.reopen:
             Gate.open = True
