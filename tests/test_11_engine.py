@@ -535,3 +535,31 @@ def test_bench_compares_attention_backends_in_one_invocation(tmp_path: Path, cap
     # A backend this machine cannot run is refused before any run, by name.
     assert main([*argv, "--attention-backend", "torch", "flash-attn"]) == 2
     assert "attention_backend='flash-attn' needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_holds_each_run_to_the_bound_of_its_kv_cache_dtype(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """print_bounds (a GPU's part of `python -m nanovllm.bench`), on made-up rates: the fp8 run is held to the fp8
+    bound, the others to the first dtype's, and a TP=N engine to N times one GPU's bound."""
+    import argparse
+
+    from nanovllm.bench import attention, engine
+    from nanovllm.book.tiny_models import build_tiny_model
+    from nanovllm.config import Config
+
+    monkeypatch.setattr(attention, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(engine, "matmul_flops", lambda: 8e14)
+    model = str(build_tiny_model("qwen3"))
+    config = Config.from_kwargs(model, device="cpu")
+    workload = engine.make_workload(4, (8, 16), (4, 8), vocab_size=config.hf_config.vocab_size)
+    setup = engine.BenchSetup(model, config, "auto", ["auto", "fp8"], workload)
+    results = {"engine": engine.BenchResult("a", 1.0, 100), "engine_kv_fp8": engine.BenchResult("b", 1.0, 100),
+               "peer": engine.BenchResult("c", 2.0, 100)}
+    report = {key: {} for key in results}
+    args = argparse.Namespace(tensor_parallel_size=2)
+    engine.print_bounds(args, setup, results, report)
+    bounds = {kv: engine.workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, 4e12, 8e14,
+                                        kv_cache_dtype=kv).tokens_per_s for kv in ("auto", "fp8")}
+    assert report["engine"]["fraction_of_bound"] == pytest.approx(100 / (2 * bounds["auto"]))
+    assert report["engine_kv_fp8"]["fraction_of_bound"] == pytest.approx(100 / bounds["fp8"])
+    assert report["peer"]["fraction_of_bound"] == pytest.approx(50 / bounds["auto"])
+    assert "of 2 GPUs" in capsys.readouterr().out

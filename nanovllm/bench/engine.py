@@ -23,8 +23,11 @@ __all__ = [
     "OTHER_BENCHMARKS",
     "PRESETS",
     "BenchResult",
+    "BenchSetup",
     "Bound",
     "Workload",
+    "build_parser",
+    "kv_cache_dtype_of",
     "kv_token_bytes",
     "layer_params",
     "main",
@@ -32,8 +35,12 @@ __all__ = [
     "matmul_flops",
     "model_params",
     "peer_batches",
+    "print_bounds",
     "print_breakdown",
+    "print_ratios",
+    "resolve_setup",
     "run_engine",
+    "run_engines",
     "run_transformers",
     "weight_bytes_per_step",
     "workload_bound",
@@ -282,11 +289,8 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
 OTHER_BENCHMARKS: dict[str, str] = {"--latency": "nanovllm.bench.latency"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    for flag, module in OTHER_BENCHMARKS.items():
-        if flag in argv:
-            return importlib.import_module(module).main([arg for arg in argv if arg != flag])
+def build_parser() -> argparse.ArgumentParser:
+    """The throughput benchmark's command line (the other benchmarks of OTHER_BENCHMARKS have their own)."""
     others = ", ".join(f"python -m nanovllm.bench {flag} [--help]" for flag in OTHER_BENCHMARKS)
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.",
                                      epilog=f"Other benchmarks: {others} (--latency: decode-step latency at batches "
@@ -318,99 +322,101 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="DTYPE", help="auto or fp8; several, or both (= auto fp8): one engine run "
                         "each, in this invocation, each held to its own bound, with their ratios to the first")
     parser.add_argument("--out", help="also write the figures to this JSON file")
-    args = parser.parse_args(argv)
+    return parser
 
-    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
+
+@dataclass
+class BenchSetup:
+    """What a throughput run resolved from its command line: the model, its config, the KV cache dtypes to
+    compare and the workload."""
+
+    model: str
+    config: Any
+    load_format: str
+    kv_dtypes: list[str]
+    workload: Workload
+
+
+def resolve_setup(args: argparse.Namespace) -> BenchSetup:
+    """The model, config and workload of ``args``; refuses (ValueError) what this machine or the flags cannot run,
+    before any run."""
+    from nanovllm.book.smollm2 import smollm2_dir
     from nanovllm.config import Config
 
-    try:
-        if args.model:
-            model = args.model
-        elif args.preset == "nano-vllm":
-            model = str(qwen3_06b_random())
-        elif args.preset == "qwen3-8b":
-            model = str(qwen3_8b_shapes())
-        else:
-            model = str(smollm2_dir())
-        load_format = "dummy" if args.preset == "qwen3-8b" and not args.model else "auto"
-        config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
-                                    tensor_parallel_size=args.tensor_parallel_size)
-        kv_dtypes = list(dict.fromkeys(kv for name in args.kv_cache_dtype
-                                       for kv in (("auto", "fp8") if name == "both" else (name,))))
-        # Refuse a backend this machine cannot run before any run.
-        for backend in args.attention_backend:
-            # And a KV cache dtype it cannot run.
-            for kv in kv_dtypes:
-                Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
-                                   load_format=load_format, kv_cache_dtype=kv)
-        if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
-            raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
-        compares_tp = args.tensor_parallel_size > 1 and not args.no_tp1
-        if len(kv_dtypes) > 1 and (len(args.attention_backend) > 1 or compares_tp):
-            raise ValueError("compare KV cache dtypes on their own: one attention backend, and --no-tp1 with "
-                             "--tensor-parallel-size")
-        preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
-        for key in ("num_seqs", "input_len", "output_len"):
-            if getattr(args, key) is not None:
-                preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
-        workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
-    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    print(f"model: {model} on {config.device} ({config.dtype})")
-    print(f"workload: {workload.describe()}")
-    report = report_header("python -m nanovllm.bench", argv, config.device)
-    report |= {"model": model, "workload": workload.describe()}
-    results = {}
-    if args.parallel_sampling:
-        from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+    if args.model:
+        model = args.model
+    elif args.preset == "nano-vllm":
+        model = str(qwen3_06b_random())
+    elif args.preset == "qwen3-8b":
+        model = str(qwen3_8b_shapes())
+    else:
+        model = str(smollm2_dir())
+    load_format = "dummy" if args.preset == "qwen3-8b" and not args.model else "auto"
+    config = Config.from_kwargs(model, device=args.device, dtype=args.dtype, load_format=load_format,
+                                tensor_parallel_size=args.tensor_parallel_size)
+    kv_dtypes = list(dict.fromkeys(kv for name in args.kv_cache_dtype
+                                   for kv in (("auto", "fp8") if name == "both" else (name,))))
+    # Refuse a backend this machine cannot run before any run.
+    for backend in args.attention_backend:
+        # And a KV cache dtype it cannot run.
+        for kv in kv_dtypes:
+            Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
+                               load_format=load_format, kv_cache_dtype=kv)
+    if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
+        raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
+    compares_tp = args.tensor_parallel_size > 1 and not args.no_tp1
+    if len(kv_dtypes) > 1 and (len(args.attention_backend) > 1 or compares_tp):
+        raise ValueError("compare KV cache dtypes on their own: one attention backend, and --no-tp1 with "
+                         "--tensor-parallel-size")
+    preset = dict(PRESETS[args.preset or ("nano-vllm" if config.device == "cuda" else "cpu")])
+    for key in ("num_seqs", "input_len", "output_len"):
+        if getattr(args, key) is not None:
+            preset[key] = tuple(getattr(args, key)) if key != "num_seqs" else args.num_seqs
+    workload = make_workload(**preset, vocab_size=config.hf_config.vocab_size, seed=args.seed)
+    return BenchSetup(model, config, load_format, kv_dtypes, workload)
 
-        runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
-                                         args.parallel_sampling, device=config.device, dtype=config.dtype)
-        report["parallel_sampling"] = parallel_sampling_report(runs)
-        write_report(report, args.out)
-        return 0
+
+def run_engines(args: argparse.Namespace, setup: BenchSetup, report: dict[str, Any]) -> dict[str, BenchResult]:
+    """The engine runs the flags ask for, each printed with where its time went (breakdowns into ``report``)."""
+    config, kv_dtypes, results = setup.config, setup.kv_dtypes, {}
     tp = args.tensor_parallel_size
-    # The KV cache dtype of each run: its own bound (transformers keeps the model's dtype).
-    kv_of = {"peer": "auto"}
-    if not args.no_engine:
-        switch = {"auto": "auto", "on": True, "off": False}
-        settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
-                    "compile_small_ops": switch[args.compile_small_ops], "load_format": load_format,
-                    "async_scheduling": switch[args.async_scheduling]}
-        # The N-GPU engine first: its ranks leave the GPUs empty for the one-process engine after it.
-        # Several attention backends (or KV cache dtypes): one run each, on one GPU, the first being the one the
-        # others are compared to.
-        first = args.attention_backend[0]
-        runs = [(tp, first, kv_dtypes[0]), (1, first, kv_dtypes[0])] if tp > 1 and not args.no_tp1 else \
-            [(tp, name, kv_dtypes[0]) for name in args.attention_backend] + [(tp, first, kv) for kv in kv_dtypes[1:]]
-        for i, (size, backend, kv) in enumerate(runs):
-            key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}" \
-                if kv == kv_dtypes[0] else f"engine_kv_{kv}"
-            breakdown: dict[str, Any] = {}
-            results[key] = run_engine(model, workload, tensor_parallel_size=size, attention_backend=backend,
-                                      kv_cache_dtype=kv, breakdown=breakdown, **settings)
-            if len(args.attention_backend) > 1:
-                results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
-            if len(kv_dtypes) > 1:
-                results[key] = replace(results[key], name=f"{results[key].name}, kv cache {kv}")
-            kv_of[key] = kv
-            print(results[key])
-            print_breakdown(results[key], breakdown)
-            suffix = f"_{backend}" if key.startswith("engine_") and size == tp and kv == kv_dtypes[0] else \
-                f"_kv_{kv}" if kv != kv_dtypes[0] else ""
-            report[f"breakdown_tp{size}{suffix}"] = breakdown
-    peer_skipped = "the model has no weights (load_format='dummy')" if load_format == "dummy" else \
-        f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
-    if not args.no_peer and peer_skipped:
-        print(f"transformers peer skipped: {peer_skipped}")
-    elif not args.no_peer:
-        batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
-        results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
-                                           batch_size=batch_size)
-        print(results["peer"])
-    for key, result in results.items():
-        report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
+    switch = {"auto": "auto", "on": True, "off": False}
+    settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
+                "compile_small_ops": switch[args.compile_small_ops], "load_format": setup.load_format,
+                "async_scheduling": switch[args.async_scheduling]}
+    # The N-GPU engine first: its ranks leave the GPUs empty for the one-process engine after it.
+    # Several attention backends (or KV cache dtypes): one run each, on one GPU, the first being the one the
+    # others are compared to.
+    first = args.attention_backend[0]
+    runs = [(tp, first, kv_dtypes[0]), (1, first, kv_dtypes[0])] if tp > 1 and not args.no_tp1 else \
+        [(tp, name, kv_dtypes[0]) for name in args.attention_backend] + [(tp, first, kv) for kv in kv_dtypes[1:]]
+    for i, (size, backend, kv) in enumerate(runs):
+        key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}" \
+            if kv == kv_dtypes[0] else f"engine_kv_{kv}"
+        breakdown: dict[str, Any] = {}
+        results[key] = run_engine(setup.model, setup.workload, tensor_parallel_size=size, attention_backend=backend,
+                                  kv_cache_dtype=kv, breakdown=breakdown, **settings)
+        if len(args.attention_backend) > 1:
+            results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
+        if len(kv_dtypes) > 1:
+            results[key] = replace(results[key], name=f"{results[key].name}, kv cache {kv}")
+        print(results[key])
+        print_breakdown(results[key], breakdown)
+        suffix = f"_{backend}" if key.startswith("engine_") and size == tp and kv == kv_dtypes[0] else \
+            f"_kv_{kv}" if kv != kv_dtypes[0] else ""
+        report[f"breakdown_tp{size}{suffix}"] = breakdown
+    return results
+
+
+def kv_cache_dtype_of(key: str, kv_dtypes: list[str]) -> str:
+    """The KV cache dtype of the run named ``key`` (runs named after one are held to that dtype's bound)."""
+    return next((kv for kv in kv_dtypes[1:] if key == f"engine_kv_{kv}"), kv_dtypes[0]) if key != "peer" else "auto"
+
+
+def print_ratios(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult],
+                 report: dict[str, Any]) -> None:
+    """Each comparison the invocation made, as a ratio of two runs measured in it."""
+    tp, first, kv_dtypes = args.tensor_parallel_size, args.attention_backend[0], setup.kv_dtypes
     if "engine" in results and "peer" in results:
         report["ratio"] = results["engine"].tokens_per_s / results["peer"].tokens_per_s
         print(f"engine / transformers: {report['ratio']:.2f}x")
@@ -427,30 +433,80 @@ def main(argv: list[str] | None = None) -> int:
             ratio = results[f"engine_kv_{kv}"].tokens_per_s / results["engine"].tokens_per_s
             report[f"ratio_kv_{kv}"] = ratio
             print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
-    if config.device == "cuda":
-        # It uses Triton: imported only on a GPU.
-        from nanovllm.bench.attention import copy_bandwidth
 
-        bandwidth, flops = copy_bandwidth(), matmul_flops()
-        bounds = {}
-        for kv in dict.fromkeys([*kv_dtypes, *(kv_of[key] for key in results)]):
-            # Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes.
-            bound = bounds[kv] = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth,
-                                                flops, kv_cache_dtype=kv)
-            print(f"bound{f' (kv cache {kv})' if len(kv_dtypes) > 1 else ''}: decode reads "
-                  f"{bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
-                  f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, "
-                  f"measured) = {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
-            report["bound" if kv == kv_dtypes[0] else f"bound_kv_{kv}"] = {
-                "tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes, "bandwidth": bandwidth,
-                "matmul_flops": flops}
-        for key, result in results.items():
-            # N GPUs read N times as fast: an engine on N GPUs is held to N times one GPU's bound.
-            gpus = tp if key == "engine" else 1
-            fraction = result.tokens_per_s / (gpus * bounds[kv_of[key]].tokens_per_s)
-            print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else "")
-                  + (f" (kv cache {kv_of[key]})" if len(kv_dtypes) > 1 else ""))
-            report[key]["fraction_of_bound"] = fraction
+
+def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult],
+                 report: dict[str, Any]) -> None:
+    """On a GPU: the workload's bound from the copy rate and matmul rate measured now, and each run's share."""
+    # It uses Triton: imported only on a GPU.
+    from nanovllm.bench.attention import copy_bandwidth
+
+    config, workload, kv_dtypes, tp = setup.config, setup.workload, setup.kv_dtypes, args.tensor_parallel_size
+    kv_of = {key: kv_cache_dtype_of(key, kv_dtypes) for key in results}
+    bandwidth, flops = copy_bandwidth(), matmul_flops()
+    bounds = {}
+    for kv in dict.fromkeys([*kv_dtypes, *(kv_of[key] for key in results)]):
+        # Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes.
+        bound = bounds[kv] = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth,
+                                            flops, kv_cache_dtype=kv)
+        print(f"bound{f' (kv cache {kv})' if len(kv_dtypes) > 1 else ''}: decode reads "
+              f"{bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
+              f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, "
+              f"measured) = {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
+        report["bound" if kv == kv_dtypes[0] else f"bound_kv_{kv}"] = {
+            "tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes, "bandwidth": bandwidth,
+            "matmul_flops": flops}
+    for key, result in results.items():
+        # N GPUs read N times as fast: an engine on N GPUs is held to N times one GPU's bound.
+        gpus = tp if key == "engine" else 1
+        fraction = result.tokens_per_s / (gpus * bounds[kv_of[key]].tokens_per_s)
+        print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else "")
+              + (f" (kv cache {kv_of[key]})" if len(kv_dtypes) > 1 else ""))
+        report[key]["fraction_of_bound"] = fraction
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for flag, module in OTHER_BENCHMARKS.items():
+        if flag in argv:
+            return importlib.import_module(module).main([arg for arg in argv if arg != flag])
+    args = build_parser().parse_args(argv)
+    from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError
+
+    try:
+        setup = resolve_setup(args)
+    except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model, config, workload = setup.model, setup.config, setup.workload
+    print(f"model: {model} on {config.device} ({config.dtype})")
+    print(f"workload: {workload.describe()}")
+    report = report_header("python -m nanovllm.bench", argv, config.device)
+    report |= {"model": model, "workload": workload.describe()}
+    if args.parallel_sampling:
+        from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
+
+        runs = compare_parallel_sampling(model, workload.prompts[:64], workload.output_lens[:64],
+                                         args.parallel_sampling, device=config.device, dtype=config.dtype)
+        report["parallel_sampling"] = parallel_sampling_report(runs)
+        write_report(report, args.out)
+        return 0
+    results = {} if args.no_engine else run_engines(args, setup, report)
+    tp = args.tensor_parallel_size
+    peer_skipped = "the model has no weights (load_format='dummy')" if setup.load_format == "dummy" else \
+        f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
+    if not args.no_peer and peer_skipped:
+        print(f"transformers peer skipped: {peer_skipped}")
+    elif not args.no_peer:
+        batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
+        results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
+                                           batch_size=batch_size)
+        print(results["peer"])
+    for key, result in results.items():
+        report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
+    print_ratios(args, setup, results, report)
+    if config.device == "cuda":
+        print_bounds(args, setup, results, report)
     write_report(report, args.out)
     return 0
 
