@@ -1209,9 +1209,10 @@ assert row["speculative_steps"] < row["plain_steps"]
 # *k* drafts each costs about *T*(*b*(*k* + 1)), plus what the host does while the GPU waits (a
 # verify step is synchronous), and gives *b* · *E* tokens, *E* being the mean tokens a verify step
 # gives a sequence. Speculation pays while the verify step costs fewer than *E* decode steps. On
-# the GPU's side, *T* grows slowly at small batches and then about linearly (one H200, Qwen3-0.6B's
-# shapes, the decode graph replayed alone: 0.58 ms for 1 row, 1.27 ms for 4, 1.49 ms for 16,
-# 2.55 ms for 64, 3.67 ms for 128), so rows are cheap only while the batch is small.
+# the GPU's side, *T* jumps between 2 and 4 rows, where the matmuls leave chapter 09's fused GEMV
+# for cuBLAS, grows slowly up to 16 rows, then about linearly (one H200, Qwen3-0.6B's shapes, the
+# decode graph replayed alone: 0.58 ms for 1 row, 0.72 for 2, 1.27 for 4, 1.49 for 16, 2.55 for 64,
+# 3.67 for 128), so rows are cheap only while the batch is small.
 #
 # The benchmark settled the rest (the table below, recorded on one H200 with SmolLM2 quoting a
 # passage). A first rule allowed 64 rows: the 16-sequence batch verified three drafts each and ran
@@ -1226,16 +1227,18 @@ assert row["speculative_steps"] < row["plain_steps"]
 # decode steps against 2.4 at batch 1; whether that is noise or a cost of its 16-row graph is not
 # yet known, and the rule still speculates there.) An engine in which no sequence may draft schedules
 # asynchronously as before: on chapter 14's 256-sequence workload the speculating engine ran at
-# 0.99× the plain one, exactly what the same harness measured with drafts switched off altogether.
+# 0.99× and 1.01× the plain one in two runs, as the same harness measured with drafts switched off
+# altogether (0.99×).
 
 # %% [markdown] tags=["zh"]
 # ## 什么时候划算：退让规则，实测得来
 #
 # 一个有 *b* 个序列的 decode 步花费时间 *T*(*b*)，产出 *b* 个 token。每个序列带 *k* 个草稿的验证步大约花费
 # *T*(*b*(*k* + 1))，再加上 GPU 等待期间主机做的事（验证步是同步的），产出 *b* · *E* 个 token，*E* 是一个验证步
-# 平均为一个序列产出的 token 数。只要验证步的花费少于 *E* 个 decode 步，投机就划算。在 GPU 这一侧，*T* 在小批上
-# 增长得很慢，之后大致线性增长（一块 H200，Qwen3-0.6B 的形状，单独重放 decode 图：1 行 0.58 毫秒，4 行 1.27 毫秒，
-# 16 行 1.49 毫秒，64 行 2.55 毫秒，128 行 3.67 毫秒），所以只有批小的时候，多出来的行才便宜。
+# 平均为一个序列产出的 token 数。只要验证步的花费少于 *E* 个 decode 步，投机就划算。在 GPU 这一侧，*T* 在 2 行到
+# 4 行之间跳了一大步（矩阵乘法从第 09 章融合的 GEMV 换成了 cuBLAS），到 16 行之前增长得很慢，之后大致线性增长
+# （一块 H200，Qwen3-0.6B 的形状，单独重放 decode 图：1 行 0.58 毫秒，2 行 0.72，4 行 1.27，16 行 1.49，64 行 2.55，
+# 128 行 3.67），所以只有批小的时候，多出来的行才便宜。
 #
 # 剩下的由基准测试决定（下面的表，在一块 H200 上用 SmolLM2 引用一段文字记录）。第一版规则允许 64 行：16 个序列的批
 # 每个验证三个草稿，只跑出普通引擎的 0.88 倍，尽管步数从 256 降到了 135。批大小为 1 时，步数从 256 降到 95，吞吐量
@@ -1246,8 +1249,8 @@ assert row["speculative_steps"] < row["plain_steps"]
 # 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿。（这次测量中批大小
 # 为 2 时慢了 6%，它的验证步值 2.9 个 decode 步，而批大小为 1 时是 2.4 个；这是噪声还是它那张 16 行的图带来的代价，
 # 目前还不知道，规则在那里仍然投机。）没有任何序列
-# 可以拿草稿的引擎照旧异步调度：在第 14 章 256 个序列的负载上，投机的引擎跑出普通引擎的 0.99 倍，和同一套测量
-# 在完全关掉草稿时测得的一样。
+# 可以拿草稿的引擎照旧异步调度：在第 14 章 256 个序列的负载上，投机的引擎在两次运行中跑出普通引擎的 0.99 倍和
+# 1.01 倍，和同一套测量在完全关掉草稿时测得的一样（0.99 倍）。
 
 # %%
 # en: Recorded on one H200 (2026-12-04): python -m nanovllm.bench --speculative --batches 1 2 4 8 16 --repeats 3,
