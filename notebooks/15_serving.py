@@ -3552,10 +3552,8 @@ def transformers_command(model: str, port: int, device: str, dtype: str | None =
             "--device", device, *(["--dtype", dtype] if dtype else [])]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args_list = sys.argv[1:] if argv is None else list(argv)
-    server_args = args_list[args_list.index("--") + 1 :] if "--" in args_list else []
-    args_list = args_list[: args_list.index("--")] if "--" in args_list else args_list
+def serve_bench_parser() -> argparse.ArgumentParser:
+    """The serving benchmark's command line."""
     parser = argparse.ArgumentParser(
         prog="python -m nanovllm.bench.serve",
         description="Serving benchmark (streaming): request throughput, output tok/s, TTFT, TPOT, ITL. "
@@ -3587,6 +3585,81 @@ def main(argv: list[str] | None = None) -> int:
                         help="transformers serve gets the first N prompts only (it is slow on a GPU); the ratio "
                              "compares output tok/s (default: all)")
     parser.add_argument("--out", help="also write the figures to this JSON file (rewritten after each stage)")
+    return parser
+
+
+@dataclass
+class ServeRun:
+    """One invocation's load and what it measured so far: its arguments, the prompts (text) and output lengths,
+    the servers' summaries and the JSON report (rewritten after each stage)."""
+
+    args: argparse.Namespace
+    prompts: list[str]
+    workload: Workload
+    summaries: list[dict[str, Any]]
+    report: dict[str, Any]
+
+
+def measure_server(run: ServeRun, name: str, url: str, peer: bool, model_id: str | None = None,
+                   count: int | None = None) -> None:
+    """Warm ``url``'s server up, send it the run's load and add its summary to the run's report."""
+    args, prompts, workload, summaries, report = run.args, run.prompts, run.workload, run.summaries, run.report
+    served = model_id or served_model(url)
+    warm_up(url, served)
+    before = {} if peer else engine_steps(url)
+    load = partial(load_in_processes, args.client_processes) if args.client_processes > 1 else load_in_thread
+    results, seconds = load(
+        url, served, prompts[:count], workload.output_lens[:count], concurrency=args.max_concurrency,
+        request_rate=args.request_rate, seed=args.seed, temperature=args.temperature, peer_fields=peer)
+    summary = summarize(name, results, seconds)
+    if not peer and (steps := step_delta(before, engine_steps(url))):
+        # en: What the engine itself spent, in this run
+        # zh: 引擎自己在这次运行中花掉的
+        summary["engine_steps"] = steps
+    summaries.append(summary)
+    # en: A run cut short still leaves what it measured
+    # zh: 提前中断的运行也会留下已经测得的结果
+    write_report(report, args.out)
+
+
+def launch_and_measure(run: ServeRun, model: str, server_argv: list[str], settings: dict[str, Any],
+                       tokenizer: Any) -> None:
+    """The servers the command asks for, one after the other (or the one at --url), then the offline engine."""
+    from nanovllm.config import Config
+    from nanovllm.serve.process import ServerProcess, free_port
+
+    args, prompts, workload, report = run.args, run.prompts, run.workload, run.report
+    if args.url:
+        measure_server(run, args.url, args.url, peer=False)
+    else:
+        if args.launch in ("ours", "both"):
+            with ServerProcess(server_argv) as server:
+                measure_server(run, "nano-vllm", server.url, peer=False)
+        # en: The server has exited: the device is the offline engine's alone
+        # zh: 服务器已经退出：设备只归离线引擎使用
+        if args.offline:
+            report["offline"] = run_offline(model, tokenizer, prompts, workload.output_lens,
+                                            temperature=args.temperature, settings=settings,
+                                            concurrency=args.max_concurrency)
+            write_report(report, args.out)
+        if args.launch in ("transformers", "both"):
+            # en: The peer runs in our engine's dtype (bfloat16 on a GPU), not the float32 the random model is saved in.
+            # zh: 对手使用我们引擎的数据类型（GPU 上是 bfloat16），而不是随机模型保存时的 float32。
+            dtype = Config.from_kwargs(model, device=settings["device"], dtype=settings["dtype"]).dtype
+            count = args.peer_num_prompts
+            name = "transformers" + (f" ({count} prompts)" if count and count < len(prompts) else "")
+            port = free_port()
+            with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
+                # en: Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
+                # zh: 它的模型 id 就是传给它的路径（transformers 5.17 在 /v1/models 列出的是 Hub 缓存）。
+                measure_server(run, name, server.url, peer=True, model_id=model, count=count)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    server_args = args_list[args_list.index("--") + 1 :] if "--" in args_list else []
+    args_list = args_list[: args_list.index("--")] if "--" in args_list else args_list
+    parser = serve_bench_parser()
     args = parser.parse_args(args_list)
     if args.url and args.offline:
         parser.error("--offline compares with the server this command launches, not with --url")
@@ -3596,9 +3669,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from nanovllm.book.smollm2 import smollm2_dir
-    from nanovllm.config import Config
     from nanovllm.serve.cli import build_parser, engine_settings
-    from nanovllm.serve.process import ServerProcess, free_port
 
     if args.model:
         model = args.model
@@ -3629,48 +3700,8 @@ def main(argv: list[str] | None = None) -> int:
     report |= {"model": model, "workload": workload.describe(), "max_concurrency": args.max_concurrency,
                "request_rate": args.request_rate, "server_args": server_args, "servers": summaries}
 
-    def measure(name: str, url: str, peer: bool, model_id: str | None = None, count: int | None = None) -> None:
-        served = model_id or served_model(url)
-        warm_up(url, served)
-        before = {} if peer else engine_steps(url)
-        load = partial(load_in_processes, args.client_processes) if args.client_processes > 1 else load_in_thread
-        results, seconds = load(
-            url, served, prompts[:count], workload.output_lens[:count], concurrency=args.max_concurrency,
-            request_rate=args.request_rate, seed=args.seed, temperature=args.temperature, peer_fields=peer)
-        summary = summarize(name, results, seconds)
-        if not peer and (steps := step_delta(before, engine_steps(url))):
-            # en: What the engine itself spent, in this run
-            # zh: 引擎自己在这次运行中花掉的
-            summary["engine_steps"] = steps
-        summaries.append(summary)
-        # en: A run cut short still leaves what it measured
-        # zh: 提前中断的运行也会留下已经测得的结果
-        write_report(report, args.out)
-
-    if args.url:
-        measure(args.url, args.url, peer=False)
-    else:
-        if args.launch in ("ours", "both"):
-            with ServerProcess(server_argv) as server:
-                measure("nano-vllm", server.url, peer=False)
-        # en: The server has exited: the device is the offline engine's alone
-        # zh: 服务器已经退出：设备只归离线引擎使用
-        if args.offline:
-            report["offline"] = run_offline(model, tokenizer, prompts, workload.output_lens,
-                                            temperature=args.temperature, settings=settings,
-                                            concurrency=args.max_concurrency)
-            write_report(report, args.out)
-        if args.launch in ("transformers", "both"):
-            # en: The peer runs in our engine's dtype (bfloat16 on a GPU), not the float32 the random model is saved in.
-            # zh: 对手使用我们引擎的数据类型（GPU 上是 bfloat16），而不是随机模型保存时的 float32。
-            dtype = Config.from_kwargs(model, device=settings["device"], dtype=settings["dtype"]).dtype
-            count = args.peer_num_prompts
-            name = "transformers" + (f" ({count} prompts)" if count and count < len(prompts) else "")
-            port = free_port()
-            with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
-                # en: Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
-                # zh: 它的模型 id 就是传给它的路径（transformers 5.17 在 /v1/models 列出的是 Hub 缓存）。
-                measure(name, server.url, peer=True, model_id=model, count=count)
+    run = ServeRun(args, prompts, workload, summaries, report)
+    launch_and_measure(run, model, server_argv, settings, tokenizer)
     print_table(summaries)
     if "offline" in report:
         offline = report["offline"]

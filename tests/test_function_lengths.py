@@ -12,7 +12,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanovllm"
 
 KNOWN = {
     ("nanovllm/serve/app.py", "create_app"): 259,  # FastAPI routers and module-level handlers would split it
-    ("nanovllm/bench/serve.py", "main"): 120,
     ("nanovllm/layers/triton_attention.py", "decode_attention"): 71,
     ("nanovllm/bench/latency.py", "measure_batch"): 66,
     ("nanovllm/bench/latency.py", "main"): 64,
