@@ -444,10 +444,14 @@ class DecodeStaging:
     def stage(self, seqs: list[Sequence], graph_batch: int) -> None:
         """Write a decode step into rows [0, n) and padding rows up to graph_batch (what `DecodeBuffers.load`
         writes from `prepare_decode`), then queue one copy of them to the buffers."""
+        # en: One pass over the batch for the positions and the check (this runs every decode step).
+        # zh: 位置和检查在同一遍里完成（每个 decode 步都要跑这里）。
+        positions = []
         for seq in seqs:
-            ready = seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1
-            assert ready, f"not ready to decode: {seq}"
-        self.stage_rows(seqs, [seq.last_token for seq in seqs], [len(seq) - 1 for seq in seqs], graph_batch)
+            position = len(seq) - 1
+            assert seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == position, f"not ready to decode: {seq}"
+            positions.append(position)
+        self.stage_rows(seqs, [seq.last_token for seq in seqs], positions, graph_batch)
 
     def stage_rows(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], graph_batch: int) -> None:
         """Write rows [0, n), row i computing ``token_ids[i]`` at ``positions[i]`` of ``seqs[i]`` (and seeing the

@@ -556,7 +556,8 @@ def test_bench_holds_each_run_to_the_bound_of_its_kv_cache_dtype(monkeypatch: py
                "peer": engine.BenchResult("c", 2.0, 100)}
     report = {key: {} for key in results}
     args = argparse.Namespace(tensor_parallel_size=2)
-    engine.print_bounds(args, setup, results, report)
+    kv_of = {"engine": "auto", "engine_kv_fp8": "fp8", "peer": "auto"}
+    engine.print_bounds(args, setup, results, kv_of, report)
     bounds = {kv: engine.workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, 4e12, 8e14,
                                         kv_cache_dtype=kv).tokens_per_s for kv in ("auto", "fp8")}
     assert report["engine"]["fraction_of_bound"] == pytest.approx(100 / (2 * bounds["auto"]))

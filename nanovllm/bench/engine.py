@@ -27,7 +27,6 @@ __all__ = [
     "Bound",
     "Workload",
     "build_parser",
-    "kv_cache_dtype_of",
     "kv_token_bytes",
     "layer_params",
     "main",
@@ -376,9 +375,11 @@ def resolve_setup(args: argparse.Namespace) -> BenchSetup:
     return BenchSetup(model, config, load_format, kv_dtypes, workload)
 
 
-def run_engines(args: argparse.Namespace, setup: BenchSetup, report: dict[str, Any]) -> dict[str, BenchResult]:
-    """The engine runs the flags ask for, each printed with where its time went (breakdowns into ``report``)."""
-    config, kv_dtypes, results = setup.config, setup.kv_dtypes, {}
+def run_engines(args: argparse.Namespace, setup: BenchSetup,
+                report: dict[str, Any]) -> tuple[dict[str, BenchResult], dict[str, str]]:
+    """The engine runs the flags ask for, each printed with where its time went (breakdowns into ``report``); the
+    runs by name, and the KV cache dtype of each (its own bound)."""
+    config, kv_dtypes, results, kv_of = setup.config, setup.kv_dtypes, {}, {}
     tp = args.tensor_parallel_size
     switch = {"auto": "auto", "on": True, "off": False}
     settings = {"device": config.device, "dtype": config.dtype, "enforce_eager": args.enforce_eager,
@@ -400,17 +401,13 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup, report: dict[str, A
             results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
         if len(kv_dtypes) > 1:
             results[key] = replace(results[key], name=f"{results[key].name}, kv cache {kv}")
+        kv_of[key] = kv
         print(results[key])
         print_breakdown(results[key], breakdown)
         suffix = f"_{backend}" if key.startswith("engine_") and size == tp and kv == kv_dtypes[0] else \
             f"_kv_{kv}" if kv != kv_dtypes[0] else ""
         report[f"breakdown_tp{size}{suffix}"] = breakdown
-    return results
-
-
-def kv_cache_dtype_of(key: str, kv_dtypes: list[str]) -> str:
-    """The KV cache dtype of the run named ``key`` (runs named after one are held to that dtype's bound)."""
-    return next((kv for kv in kv_dtypes[1:] if key == f"engine_kv_{kv}"), kv_dtypes[0]) if key != "peer" else "auto"
+    return results, kv_of
 
 
 def print_ratios(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult],
@@ -435,14 +432,14 @@ def print_ratios(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
             print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
 
 
-def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult],
+def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult], kv_of: dict[str, str],
                  report: dict[str, Any]) -> None:
-    """On a GPU: the workload's bound from the copy rate and matmul rate measured now, and each run's share."""
+    """On a GPU: the workload's bound from the copy rate and matmul rate measured now, and each run's share of the
+    bound of its KV cache dtype (``kv_of``)."""
     # It uses Triton: imported only on a GPU.
     from nanovllm.bench.attention import copy_bandwidth
 
     config, workload, kv_dtypes, tp = setup.config, setup.workload, setup.kv_dtypes, args.tensor_parallel_size
-    kv_of = {key: kv_cache_dtype_of(key, kv_dtypes) for key in results}
     bandwidth, flops = copy_bandwidth(), matmul_flops()
     bounds = {}
     for kv in dict.fromkeys([*kv_dtypes, *(kv_of[key] for key in results)]):
@@ -491,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
         report["parallel_sampling"] = parallel_sampling_report(runs)
         write_report(report, args.out)
         return 0
-    results = {} if args.no_engine else run_engines(args, setup, report)
+    results, kv_of = ({}, {}) if args.no_engine else run_engines(args, setup, report)
+    # The KV cache dtype of each run: its own bound (transformers keeps the model's dtype).
+    kv_of["peer"] = "auto"
     tp = args.tensor_parallel_size
     peer_skipped = "the model has no weights (load_format='dummy')" if setup.load_format == "dummy" else \
         f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
@@ -506,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
     print_ratios(args, setup, results, report)
     if config.device == "cuda":
-        print_bounds(args, setup, results, report)
+        print_bounds(args, setup, results, kv_of, report)
     write_report(report, args.out)
     return 0
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
+import statistics
 from typing import Any
 
 import torch
 
 from nanovllm.bench.engine import PRESETS, make_workload
 from nanovllm.bench.models import qwen3_06b_random
-from nanovllm.bench.report import report_header, write_report
+from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -57,7 +57,6 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
         # A warm-up request, untimed and not counted.
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         scheduler = llm.scheduler
-        scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
         steps, inner = [], llm._step
 
         def counted() -> tuple:
@@ -69,12 +68,13 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
         llm._step = counted
         runs = []
         for _ in range(repeats):
-            began = time.perf_counter()
-            runs.append(([output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)],
-                         time.perf_counter() - began, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
-                         scheduler.verifications))
+            # Each run counts its own steps and drafts (the warm-up's, or the run before's, are not counted).
             steps.clear()
             scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
+            with Stopwatch(llm.config.device) as clock:
+                outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
+            runs.append((outputs, clock.seconds, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
+                         scheduler.verifications))
     finally:
         llm.exit()
         del llm
@@ -82,9 +82,9 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     outputs, _, num_steps, drafted, accepted, verifications = runs[0]
-    rates = sorted(sum(map(len, run[0])) / run[1] for run in runs)
-    return {"tok_s": rates[len(rates) // 2], "steps": num_steps, "outputs": outputs, "drafted": drafted,
-            "accepted": accepted, "verifications": verifications}
+    tok_s = statistics.median(sum(map(len, run[0])) / run[1] for run in runs)
+    return {"tok_s": tok_s, "steps": num_steps, "outputs": outputs, "drafted": drafted, "accepted": accepted,
+            "verifications": verifications}
 
 
 def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
