@@ -929,6 +929,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -1089,16 +1091,9 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
             for event in kernels[first:last + 1]]
 
 
-def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
-                  warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
-    """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
-    decode step after the first ``warmup_steps``; on a GPU, profile ``profile_steps`` of them in the middle
-    (left out of the timing, since the profiler slows the host)."""
-    config = llm.config
-    workload = make_workload(batch, (input_len, input_len), (output_len, output_len),
-                             vocab_size=config.hf_config.vocab_size, seed=seed)
-    for prompt, params in zip(workload.prompts, workload.sampling_params(), strict=True):
-        llm.add_request(prompt, params)
+@contextmanager
+def timed_launches(llm: Any) -> Iterator[list[float]]:
+    """The seconds of each host launch of ``llm`` (its `_launch`, timed through an instance attribute) while inside."""
     launch_seconds: list[float] = []
     launch = llm._launch
 
@@ -1110,13 +1105,31 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
             launch_seconds.append(time.perf_counter() - began)
 
     llm._launch = timed_launch
+    try:
+        yield launch_seconds
+    finally:
+        # en: Back to the class's method.
+        # zh: 恢复为类上的方法。
+        del llm._launch
+
+
+def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
+                  warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
+    """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
+    decode step after the first ``warmup_steps``; on a GPU, profile ``profile_steps`` of them in the middle
+    (left out of the timing, since the profiler slows the host)."""
+    config = llm.config
+    workload = make_workload(batch, (input_len, input_len), (output_len, output_len),
+                             vocab_size=config.hf_config.vocab_size, seed=seed)
+    for prompt, params in zip(workload.prompts, workload.sampling_params(), strict=True):
+        llm.add_request(prompt, params)
     profiled = config.device == "cuda" and output_len > warmup_steps + 2 * profile_steps
     profile_from = (output_len - profile_steps) // 2
     # en: After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     # zh: 分析窗口之后，异步调度的流水线要重新启动：紧接着的几步同样不计时。
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
     decode_step, step_seconds, contexts, launches, kernels, timeline, graph_ms = 0, [], [], [], None, None, None
-    try:
+    with timed_launches(llm) as launch_seconds:
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -1141,10 +1154,6 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 # zh: 第 k 个 decode 步读取提示词和此前已生成的 k 个 token 的 KV。
                 contexts.append(input_len + decode_step)
                 launches += launch_seconds[launched_before:]
-    finally:
-        # en: Back to the class's method.
-        # zh: 恢复为类上的方法。
-        del llm._launch
     if not step_seconds:
         raise ValueError(f"no decode step was timed: --output-len {output_len} leaves none after {warmup_steps} "
                          "warm-up steps")
@@ -1226,15 +1235,21 @@ def main(argv: list[str] | None = None) -> int:
                                **settings)
         report["rows"] += rows
     if len(fused_settings) > 1:
-        report["ratio_fused"] = {}
-        for batch in batches:
-            off, on = (next(row for row in report["rows"] if row["batch"] == batch and row["fused_decode"] is fused)
-                       for fused in (False, True))
-            ratio = report["ratio_fused"][batch] = off["ms_per_step"] / on["ms_per_step"]
-            print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
-                  f"{on['ms_per_step']:.3f} ms/step, same invocation)")
+        report["ratio_fused"] = fused_ratios(report["rows"], batches)
     write_report(report, args.out)
     return 0
+
+
+def fused_ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[int, float]:
+    """Per batch, how many times as fast the fused decode layer ran as the unfused one (rows of both), printed."""
+    ratios = {}
+    for batch in batches:
+        off, on = (next(row for row in rows if row["batch"] == batch and row["fused_decode"] is fused)
+                   for fused in (False, True))
+        ratio = ratios[batch] = off["ms_per_step"] / on["ms_per_step"]
+        print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
+              f"{on['ms_per_step']:.3f} ms/step, same invocation)")
+    return ratios
 
 
 def measure_setting(model: str, batches: list[int], input_len: int, output_len: int, bandwidth: float, *,

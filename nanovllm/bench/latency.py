@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ __all__ = [
     "busy_microseconds",
     "count_kernels",
     "format_row",
+    "fused_ratios",
     "graph_replay_ms",
     "main",
     "measure_batch",
@@ -31,6 +34,7 @@ __all__ = [
     "measured_copy_rate",
     "model_kernels",
     "step_boundary_timeline",
+    "timed_launches",
 ]
 
 
@@ -168,16 +172,9 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
             for event in kernels[first:last + 1]]
 
 
-def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
-                  warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
-    """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
-    decode step after the first ``warmup_steps``; on a GPU, profile ``profile_steps`` of them in the middle
-    (left out of the timing, since the profiler slows the host)."""
-    config = llm.config
-    workload = make_workload(batch, (input_len, input_len), (output_len, output_len),
-                             vocab_size=config.hf_config.vocab_size, seed=seed)
-    for prompt, params in zip(workload.prompts, workload.sampling_params(), strict=True):
-        llm.add_request(prompt, params)
+@contextmanager
+def timed_launches(llm: Any) -> Iterator[list[float]]:
+    """The seconds of each host launch of ``llm`` (its `_launch`, timed through an instance attribute) while inside."""
     launch_seconds: list[float] = []
     launch = llm._launch
 
@@ -189,12 +186,29 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
             launch_seconds.append(time.perf_counter() - began)
 
     llm._launch = timed_launch
+    try:
+        yield launch_seconds
+    finally:
+        # Back to the class's method.
+        del llm._launch
+
+
+def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
+                  warmup_steps: int = 8, profile_steps: int = 16) -> StepLatency:
+    """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
+    decode step after the first ``warmup_steps``; on a GPU, profile ``profile_steps`` of them in the middle
+    (left out of the timing, since the profiler slows the host)."""
+    config = llm.config
+    workload = make_workload(batch, (input_len, input_len), (output_len, output_len),
+                             vocab_size=config.hf_config.vocab_size, seed=seed)
+    for prompt, params in zip(workload.prompts, workload.sampling_params(), strict=True):
+        llm.add_request(prompt, params)
     profiled = config.device == "cuda" and output_len > warmup_steps + 2 * profile_steps
     profile_from = (output_len - profile_steps) // 2
     # After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
     decode_step, step_seconds, contexts, launches, kernels, timeline, graph_ms = 0, [], [], [], None, None, None
-    try:
+    with timed_launches(llm) as launch_seconds:
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -218,9 +232,6 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 # Decode step k reads the KV of the prompt and of the k tokens generated before it.
                 contexts.append(input_len + decode_step)
                 launches += launch_seconds[launched_before:]
-    finally:
-        # Back to the class's method.
-        del llm._launch
     if not step_seconds:
         raise ValueError(f"no decode step was timed: --output-len {output_len} leaves none after {warmup_steps} "
                          "warm-up steps")
@@ -301,15 +312,21 @@ def main(argv: list[str] | None = None) -> int:
                                **settings)
         report["rows"] += rows
     if len(fused_settings) > 1:
-        report["ratio_fused"] = {}
-        for batch in batches:
-            off, on = (next(row for row in report["rows"] if row["batch"] == batch and row["fused_decode"] is fused)
-                       for fused in (False, True))
-            ratio = report["ratio_fused"][batch] = off["ms_per_step"] / on["ms_per_step"]
-            print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
-                  f"{on['ms_per_step']:.3f} ms/step, same invocation)")
+        report["ratio_fused"] = fused_ratios(report["rows"], batches)
     write_report(report, args.out)
     return 0
+
+
+def fused_ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[int, float]:
+    """Per batch, how many times as fast the fused decode layer ran as the unfused one (rows of both), printed."""
+    ratios = {}
+    for batch in batches:
+        off, on = (next(row for row in rows if row["batch"] == batch and row["fused_decode"] is fused)
+                   for fused in (False, True))
+        ratio = ratios[batch] = off["ms_per_step"] / on["ms_per_step"]
+        print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
+              f"{on['ms_per_step']:.3f} ms/step, same invocation)")
+    return ratios
 
 
 def measure_setting(model: str, batches: list[int], input_len: int, output_len: int, bandwidth: float, *,

@@ -438,6 +438,16 @@ def _prefill_launch(device: torch.device, head_dim: int, dtype: torch.dtype, pro
     return choose_prefill_launch(torch.cuda.get_device_properties(device), head_dim, dtype, programs_128)
 
 
+def _check_prefill_inputs(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, context: Context) -> None:
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kv_heads})")
+    if context.block_tables is not None and k_cache.numel() == 0:
+        raise ValueError("the context has block tables (a cached prefix) but the layer has no KV cache")
+    if context.block_tables is None and context.max_seqlen_k != context.max_seqlen_q:
+        raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -455,15 +465,10 @@ def prefill_attention(
     ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
     ``k_scales``/``v_scales``: a float8 cache's scales; the fresh k and v are used as given.
     """
+    _check_prefill_inputs(q, k, k_cache, context)
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
-    if heads % kv_heads:
-        raise ValueError(f"num_heads ({heads}) must be a multiple of num_kv_heads ({kv_heads})")
     paged = context.block_tables is not None
-    if paged and k_cache.numel() == 0:
-        raise ValueError("the context has block tables (a cached prefix) but the layer has no KV cache")
-    if not paged and context.max_seqlen_k != context.max_seqlen_q:
-        raise ValueError("a cached prefix (seqlen_k > seqlen_q) needs block tables to read it from")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return out
@@ -759,6 +764,33 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
+                         v_scales: torch.Tensor | None) -> bool:
+    """Refuse what decode cannot run; returns whether the cache is float8."""
+    if k_cache.numel() == 0:
+        raise ValueError("decode attention needs a KV cache, but the layer has none")
+    fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
+    heads, head_dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
+    if heads % kv_heads or k_cache.shape[3] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {kv_heads} KV heads of dim {k_cache.shape[3]}")
+    if q.stride(-1) != 1:
+        raise ValueError("q needs a contiguous last dimension")
+    return fp8
+
+
+def _decode_kernel_launch(q: torch.Tensor, fp8: bool, num_splits: int,
+                          launch: tuple[int, int, int] | None) -> tuple[int, int, int, bool, dict[str, int]]:
+    """(BLOCK_N, num_warps, num_stages, early start, register cap) of the decode kernel: ``launch`` or the default."""
+    bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
+    # A few sequences over a 16-bit cache on a GPU: short tiles, and on Hopper an early start (MANY_SPLITS).
+    few = q.device.type == "cuda" and not fp8 and q.dtype != torch.float32 and num_splits >= MANY_SPLITS
+    if few and launch is None:
+        bn = MANY_SPLITS_BLOCK_N
+    pdl = few and programmatic_launch(q.device)
+    capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
+    return bn, num_warps, num_stages, pdl, ({"maxnreg": DECODE_MAX_REGISTERS} if capped else {})
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -775,15 +807,9 @@ def decode_attention(
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
     ``k_scales``/``v_scales``: a float8 cache's scales.
     """
-    if k_cache.numel() == 0:
-        raise ValueError("decode attention needs a KV cache, but the layer has none")
-    fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
+    fp8 = _check_decode_inputs(q, k_cache, v_cache, k_scales, v_scales)
     batch, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if heads % kv_heads or k_cache.shape[3] != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} does not fit a cache of {kv_heads} KV heads of dim {k_cache.shape[3]}")
-    if q.stride(-1) != 1:
-        raise ValueError("q needs a contiguous last dimension")
     block_tables = context.block_tables
     if num_splits is None:
         max_context = block_tables.shape[1] * block_size
@@ -794,14 +820,7 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
-    # A few sequences over a 16-bit cache on a GPU: short tiles, and on Hopper an early start (MANY_SPLITS).
-    few = q.device.type == "cuda" and not fp8 and q.dtype != torch.float32 and num_splits >= MANY_SPLITS
-    if few and launch is None:
-        bn = MANY_SPLITS_BLOCK_N
-    pdl = few and programmatic_launch(q.device)
-    capped = fp8 and q.device.type == "cuda" and q.dtype != torch.float32
-    registers = {"maxnreg": DECODE_MAX_REGISTERS} if capped else {}
+    bn, num_warps, num_stages, pdl, registers = _decode_kernel_launch(q, fp8, num_splits, launch)
     split = num_splits > 1
     # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
     if split:

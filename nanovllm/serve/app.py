@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -47,14 +47,30 @@ from nanovllm.serve.protocol import (
 
 __all__ = [
     "ENGINE_COUNTER_HELP",
+    "ERROR_HANDLERS",
     "LABELED_NAME",
     "SHUTTING_DOWN",
+    "Api",
     "Choice",
     "Generation",
     "StatsCollector",
+    "api_of",
+    "chat_completions",
+    "check_lang",
+    "completions",
     "create_app",
+    "dashboard",
+    "dashboard_events",
     "engine_counter_families",
     "from_engine",
+    "health",
+    "http_error",
+    "invalid_request",
+    "lifespan",
+    "metrics",
+    "models",
+    "root",
+    "server_error",
     "sse",
 ]
 
@@ -275,118 +291,69 @@ def engine_counter_families(counters: dict[str, float], labels: list[str], value
 _T = TypeVar("_T")
 
 
-def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
-               max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
-               hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
-    """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
-    which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
-    lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
-    every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
-    `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
-    requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
-    `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
+class Api:
+    """What the routes of one application share: the engine's client, the model's name and limits, the thread that
+    tokenizes, the live page's hub and the metrics' registry. A route finds it at ``request.app.state.api``."""
 
-    client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
-    client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
-    tokenizer, info = client.tokenizer, client.info
-    max_chars = max_prompt_chars(tokenizer, info.max_model_len)
-    # One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
-    # tokenizer is not meant to be called from several threads at once.
-    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
-    hub = DashboardHub(client)
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(client, model_name))
+    def __init__(self, client: EngineClient, model_name: str) -> None:
+        self.client, self.model_name = client, model_name
+        self.tokenizer, self.info = client.tokenizer, client.info
+        self.max_chars = max_prompt_chars(self.tokenizer, self.info.max_model_len)
+        # One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
+        # tokenizer is not meant to be called from several threads at once.
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
+        self.hub = DashboardHub(client)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(StatsCollector(client, model_name))
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
+    async def off_loop(self, work: Callable[[], _T]) -> _T:
+        """``work()`` on the tokenizer's thread, awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
 
-        # Safe in a signal handler: both calls only queue work
-        def shutdown() -> None:
-            client.stop()
-            loop.call_soon_threadsafe(hub.close_all)
-
-        app.state.shutdown = shutdown
-        client.start(loop)
-        try:
-            yield
-        finally:
-            client.stop()
-            hub.close_all()
-            tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            await asyncio.to_thread(client.join, 60)
-
-    app = FastAPI(title="nano-vllm", lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
-                  openapi_url="/openapi.json" if docs else None)
-    # The last one added runs first: the Host, then the key, then the body's size.
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(info.max_model_len))
-    if api_key:
-        app.add_middleware(ApiKey, key=api_key)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])
-
-    async def off_loop(work: Callable[[], _T]) -> _T:
-        return await asyncio.get_running_loop().run_in_executor(tokenizer_thread, work)
-
-    @app.exception_handler(ServerError)
-    async def server_error(request: Request, error: ServerError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(where) or 'body'}: {first.get('msg')}"
-        param = where[0] if where else None
-        return JSONResponse(ServerError(400, message, param=param).body(), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return JSONResponse(ServerError(error.status_code, str(error.detail), kind).body(),
-                            status_code=error.status_code)
-
-    def check_request(body: SamplingRequest) -> None:
+    def check_request(self, body: SamplingRequest) -> None:
         """What can be refused before anything is tokenized or built: the model's name, an ``n`` beyond the engine's
         limit (each of the n choices gets its state here, so an n of millions would stall the server), the stop
         strings."""
-        if body.model != model_name:
-            raise ServerError(404, f"the model {body.model!r} does not exist; this server serves {model_name!r}",
-                              "not_found_error", param="model", code="model_not_found")
-        if body.n > info.max_num_seqs:
-            raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({info.max_num_seqs}): a "
-                              "request's samples are computed together", param="n")
+        if body.model != self.model_name:
+            raise ServerError(404, f"the model {body.model!r} does not exist; this server serves "
+                              f"{self.model_name!r}", "not_found_error", param="model", code="model_not_found")
+        if body.n > self.info.max_num_seqs:
+            raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({self.info.max_num_seqs}): "
+                              "a request's samples are computed together", param="n")
         body.stop_strings()
 
-    def check_length(length: int, what: str, param: str) -> None:
+    def check_length(self, length: int, what: str, param: str) -> None:
         """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""
-        if length > max_chars:
-            raise ServerError(400, f"{what} is {length} characters long: more than {info.max_model_len} tokens "
-                              f"(max_model_len) of this model can hold, at most {max_chars} characters", param=param)
+        if length > self.max_chars:
+            raise ServerError(400, f"{what} is {length} characters long: more than {self.info.max_model_len} tokens "
+                              f"(max_model_len) of this model can hold, at most {self.max_chars} characters",
+                              param=param)
 
-    def default_max_tokens(prompts: list[list[int]], chat: bool) -> int:
+    def default_max_tokens(self, prompts: list[list[int]], chat: bool) -> int:
         """OpenAI's defaults: 16 for a completion; for a chat, whatever room the model and the KV cache leave."""
         if not chat:
             return 16
-        room = min(info.max_model_len, info.num_kvcache_blocks * info.kvcache_block_size + 1)
+        room = min(self.info.max_model_len, self.info.num_kvcache_blocks * self.info.kvcache_block_size + 1)
         return max(1, room - max(len(p) for p in prompts))
 
-    async def generate(body: SamplingRequest, prompts: list[list[int]], chat: bool, request: Request) -> Response:
+    async def generate(self, body: SamplingRequest, prompts: list[list[int]], chat: bool,
+                       request: Request) -> Response:
+        """Run the request's prompts: a stream of server-sent events, or one response once every choice ended."""
         stops = body.stop_strings()
-        params = body.sampling_params(default_max_tokens(prompts, chat))
-        generation = Generation(client, prompts, params, stops)
+        params = body.sampling_params(self.default_max_tokens(prompts, chat))
+        generation = Generation(self.client, prompts, params, stops)
         await generation.start()
         rid, created = request_id("chatcmpl" if chat else "cmpl"), now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(stream_events(generation, rid, created, chat, include_usage,
-                                                   body.return_token_ids),
+            return StreamingResponse(self.stream_events(generation, rid, created, chat, include_usage,
+                                                        body.return_token_ids),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await collect(generation, rid, created, chat, request, body.return_token_ids)
+        return await self.collect(generation, rid, created, chat, request, body.return_token_ids)
 
-    async def stream_events(generation: Generation, rid: str, created: int, chat: bool, include_usage: bool,
+    async def stream_events(self, generation: Generation, rid: str, created: int, chat: bool, include_usage: bool,
                             token_ids: bool) -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
+        model_name, extra = self.model_name, {"usage": None} if include_usage else {}
         try:
             if chat:
                 for choice in sorted(generation.choices.values(), key=lambda c: c.index):
@@ -405,7 +372,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
                     chunk["choices"][0]["token_ids"] = choice.new_token_ids()
                 yield sse({**chunk, **extra})
                 if finished:
-                    count_finished(choice)
+                    self.count_finished(choice)
             if include_usage:
                 kind = "chat.completion.chunk" if chat else "text_completion"
                 yield sse({"id": rid, "object": kind, "created": created, "model": model_name, "choices": [],
@@ -417,12 +384,12 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         finally:
             generation.abort()
 
-    async def collect(generation: Generation, rid: str, created: int, chat: bool, request: Request,
+    async def collect(self, generation: Generation, rid: str, created: int, chat: bool, request: Request,
                       token_ids: bool) -> Response:
         async def run() -> None:
             async for choice, _text, finished in generation.events():
                 if finished:
-                    count_finished(choice)
+                    self.count_finished(choice)
 
         task = asyncio.ensure_future(run())
         try:
@@ -447,92 +414,184 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
         if token_ids:
             for choice, item in zip(choices, body, strict=True):
                 item["token_ids"] = choice.new_token_ids()
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name, "choices": body,
+        return JSONResponse({"id": rid, "object": kind, "created": created, "model": self.model_name,
+                             "choices": body,
                              "usage": usage(generation.prompt_tokens, generation.completion_tokens)})
 
-    def count_finished(choice: Choice) -> None:
-        finished = client.requests_finished
+    def count_finished(self, choice: Choice) -> None:
+        finished = self.client.requests_finished
         finished[choice.finish_reason] = finished.get(choice.finish_reason, 0) + 1
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_request(body)
-        texts = body.prompts()
-        if len(texts) * body.n > MAX_CHOICES:
-            raise ServerError(400, f"{len(texts)} prompts x n={body.n} make {len(texts) * body.n} choices, more than "
-                              f"one request may ask for ({MAX_CHOICES})", param="prompt")
+
+def api_of(request: Request) -> Api:
+    return request.app.state.api
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Starts the driver with the server and stops it, once, when the server stops; meanwhile
+    ``app.state.shutdown()`` ends every open stream, from any thread or a signal handler."""
+    api = app.state.api
+    client, hub = api.client, api.hub
+    loop = asyncio.get_running_loop()
+
+    # Safe in a signal handler: both calls only queue work
+    def shutdown() -> None:
+        client.stop()
+        loop.call_soon_threadsafe(hub.close_all)
+
+    app.state.shutdown = shutdown
+    client.start(loop)
+    try:
+        yield
+    finally:
+        client.stop()
+        hub.close_all()
+        api.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(client.join, 60)
+
+
+async def server_error(request: Request, error: ServerError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+    """FastAPI's validation error in OpenAI's shape: a 400 naming the first field at fault."""
+    first = error.errors()[0]
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    message = f"{'.'.join(where) or 'body'}: {first.get('msg')}"
+    param = where[0] if where else None
+    return JSONResponse(ServerError(400, message, param=param).body(), status_code=400)
+
+
+async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return JSONResponse(ServerError(error.status_code, str(error.detail), kind).body(), status_code=error.status_code)
+
+
+ERROR_HANDLERS = {ServerError: server_error, RequestValidationError: invalid_request, HTTPException: http_error}
+# OpenAI's routes, then the server's own (health, metrics, the live page).
+openai_routes, server_routes = APIRouter(), APIRouter()
+
+
+@openai_routes.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    api = api_of(request)
+    api.check_request(body)
+    texts = body.prompts()
+    if len(texts) * body.n > MAX_CHOICES:
+        raise ServerError(400, f"{len(texts)} prompts x n={body.n} make {len(texts) * body.n} choices, more than "
+                          f"one request may ask for ({MAX_CHOICES})", param="prompt")
+    for i, prompt in enumerate(texts):
+        if isinstance(prompt, str):
+            api.check_length(len(prompt), f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
+
+    def tokenize() -> list[list[int]]:
+        prompts = []
         for i, prompt in enumerate(texts):
-            if isinstance(prompt, str):
-                check_length(len(prompt), f"prompt {i}" if len(texts) > 1 else "the prompt", "prompt")
-
-        def tokenize() -> list[list[int]]:
-            prompts = []
-            for i, prompt in enumerate(texts):
-                try:
-                    prompts.append(prompt_token_ids(prompt, tokenizer))
-                except (TypeError, ValueError) as error:
-                    where = f"prompt {i}: " if len(texts) > 1 else ""
-                    raise ServerError(400, f"{where}{error}", param="prompt") from None
-            return prompts
-
-        return await generate(body, await off_loop(tokenize), False, request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_request(body)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ServerError(400, f"the model {model_name!r} has no chat template: use /v1/completions",
-                              param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        for i, message in enumerate(messages):
-            check_text(message["content"], f"messages[{i}]", "messages")
-        check_length(sum(len(m["content"]) for m in messages), "the messages' text", "messages")
-
-        def tokenize() -> list[int]:
             try:
-                return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                prompts.append(prompt_token_ids(prompt, api.tokenizer))
+            except (TypeError, ValueError) as error:
+                where = f"prompt {i}: " if len(texts) > 1 else ""
+                raise ServerError(400, f"{where}{error}", param="prompt") from None
+        return prompts
+
+    return await api.generate(body, await api.off_loop(tokenize), False, request)
+
+
+@openai_routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    api = api_of(request)
+    api.check_request(body)
+    if getattr(api.tokenizer, "chat_template", None) is None:
+        raise ServerError(400, f"the model {api.model_name!r} has no chat template: use /v1/completions",
+                          param="messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    for i, message in enumerate(messages):
+        check_text(message["content"], f"messages[{i}]", "messages")
+    api.check_length(sum(len(m["content"]) for m in messages), "the messages' text", "messages")
+
+    def tokenize() -> list[int]:
+        try:
+            return list(api.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                           return_dict=False))
-            # The template's own checks (jinja raises what it likes)
-            except Exception as error:
-                raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
+        # The template's own checks (jinja raises what it likes)
+        except Exception as error:
+            raise ServerError(400, f"the chat template refused the messages: {error}", param="messages") from None
 
-        return await generate(body, [await off_loop(tokenize)], True, request)
+    return await api.generate(body, [await api.off_loop(tokenize)], True, request)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": now(),
-                                            "owned_by": "nanovllm", "root": model_name,
-                                            "max_model_len": info.max_model_len}]}
 
-    @app.get("/health")
-    async def health() -> Response:
-        if client.stopping or not client.alive:
-            return JSONResponse(SHUTTING_DOWN.body(), status_code=503)
-        if not client.responsive:
-            return JSONResponse(from_engine(client.silence_error()).body(), status_code=503)
-        return Response(status_code=200)
+@openai_routes.get("/v1/models")
+async def models(request: Request) -> dict:
+    api = api_of(request)
+    return {"object": "list", "data": [{"id": api.model_name, "object": "model", "created": now(),
+                                        "owned_by": "nanovllm", "root": api.model_name,
+                                        "max_model_len": api.info.max_model_len}]}
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/")
-    async def root() -> RedirectResponse:
-        return RedirectResponse("/dashboard")
+@server_routes.get("/health")
+async def health(request: Request) -> Response:
+    client = api_of(request).client
+    if client.stopping or not client.alive:
+        return JSONResponse(SHUTTING_DOWN.body(), status_code=503)
+    if not client.responsive:
+        return JSONResponse(from_engine(client.silence_error()).body(), status_code=503)
+    return Response(status_code=200)
 
-    @app.get("/dashboard")
-    async def dashboard(lang: str = "en") -> HTMLResponse:
-        if lang not in ("en", "zh"):
-            raise ServerError(400, f"lang must be 'en' or 'zh', got {lang!r}", param="lang")
-        return HTMLResponse(page_html(model_name, info.num_kvcache_blocks, info.kvcache_block_size, lang))
 
-    @app.get("/dashboard/events")
-    async def dashboard_events(lang: str = "en") -> StreamingResponse:
-        if lang not in ("en", "zh"):
-            raise ServerError(400, f"lang must be 'en' or 'zh', got {lang!r}", param="lang")
-        return StreamingResponse(hub.stream(lang), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+@server_routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(api_of(request).registry), media_type=CONTENT_TYPE_LATEST)
 
+
+@server_routes.get("/")
+async def root() -> RedirectResponse:
+    return RedirectResponse("/dashboard")
+
+
+def check_lang(lang: str) -> None:
+    if lang not in ("en", "zh"):
+        raise ServerError(400, f"lang must be 'en' or 'zh', got {lang!r}", param="lang")
+
+
+@server_routes.get("/dashboard")
+async def dashboard(request: Request, lang: str = "en") -> HTMLResponse:
+    check_lang(lang)
+    api = api_of(request)
+    return HTMLResponse(page_html(api.model_name, api.info.num_kvcache_blocks, api.info.kvcache_block_size, lang))
+
+
+@server_routes.get("/dashboard/events")
+async def dashboard_events(request: Request, lang: str = "en") -> StreamingResponse:
+    check_lang(lang)
+    return StreamingResponse(api_of(request).hub.stream(lang), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
+               max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
+               hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
+    """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
+    which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
+    lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
+    every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
+    `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
+    requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
+    `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
+    client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
+    client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
+    app = FastAPI(title="nano-vllm", lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
+                  docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
+    app.state.api = Api(client, model_name)
+    # The last one added runs first: the Host, then the key, then the body's size.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(client.info.max_model_len))
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])
+    app.include_router(openai_routes)
+    app.include_router(server_routes)
     return app
 
 
