@@ -537,6 +537,27 @@ def test_bench_compares_attention_backends_in_one_invocation(tmp_path: Path, cap
     assert "attention_backend='flash-attn' needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_latency_bench_times_decode_steps_and_host_launches_on_a_cpu(tmp_path: Path, capsys) -> None:
+    """python -m nanovllm.bench --latency on the tiny model: a row per batch, each step's bound from the same run's copy
+    rate, the host launches timed (and the engine's own _launch back afterwards); unfit lengths refused."""
+    from nanovllm.bench.latency import main
+    from nanovllm.book.tiny_models import build_tiny_model
+
+    out = tmp_path / "latency.json"
+    argv = ["--model", str(build_tiny_model("qwen3")), "--device", "cpu", "--input-len", "16", "--output-len", "14"]
+    assert main([*argv, "--batches", "1", "2", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "this CPU (the figures and the bound are the CPU's)" in printed and "batch   2:" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    for row in rows:
+        # 14 tokens: a prefill, then 13 decode steps, of which the first 8 warm up
+        assert row["steps"] == 13 - 8 and row["ms_per_step"] > 0 and row["bound_ms"] > 0
+        assert 0 < row["host_launch_ms"] <= row["ms_per_step"] * 1.5 and row["kernels_per_step"] is None
+    assert main([*argv[:-1], "9", "--batches", "1"]) == 2
+    assert "--output-len at least 10" in capsys.readouterr().err
+
+
 def test_bench_holds_each_run_to_the_bound_of_its_kv_cache_dtype(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """print_bounds (a GPU's part of `python -m nanovllm.bench`), on made-up rates: the fp8 run is held to the fp8
     bound, the others to the first dtype's, and a TP=N engine to N times one GPU's bound."""
