@@ -168,7 +168,9 @@ display(SVG(architecture_svg()))
 # | [12 · Asynchronous scheduling](../12_async_scheduling/) | the next step queued while the GPU computes |
 # | [13 · An engine users cannot break](../13_robustness/) | threads, interrupts, odd prompts, NaN logits |
 # | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound |
-# | [15 · Serving](../15_serving/) | an OpenAI-compatible streaming server, the live KV-cache page, TTFT and ITL |
+# | [15 · Serving](../15_serving/) | one engine loop, many clients; incremental detokenization |
+# | [15b · An OpenAI-compatible server](../15b_openai_server/) | OpenAI's API, streaming, guards, the live page |
+# | [15c · Measuring a server](../15c_serving_benchmark/) | TTFT, TPOT and ITL against offline and peers |
 # | [16 · An 8-bit KV cache](../16_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
 # | [17 · Speculative decoding](../17_speculative_decoding/) | drafts checked in one step, rolled back exactly |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
@@ -195,7 +197,9 @@ display(SVG(architecture_svg()))
 # | [12 · 异步调度](../12_async_scheduling/) | GPU 计算时就把下一步排进队列 |
 # | [13 · 用户弄不坏的引擎](../13_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |
 # | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限 |
-# | [15 · 服务](../15_serving/) | 兼容 OpenAI 的流式服务器、实时 KV 缓存页面、TTFT 与 ITL |
+# | [15 · 服务](../15_serving/) | 一个引擎循环，许多客户端；增量反分词 |
+# | [15b · 兼容 OpenAI 的服务器](../15b_openai_server/) | OpenAI 的 API、流式输出、防护、实时页面 |
+# | [15c · 测量服务器](../15c_serving_benchmark/) | TTFT、TPOT 与 ITL，对比离线与同类服务器 |
 # | [16 · 8 位 KV 缓存](../16_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
 # | [17 · 投机解码](../17_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |

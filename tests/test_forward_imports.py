@@ -25,8 +25,8 @@ KNOWN = {
     ForwardImport("06b_triton_attention", "layers.kv_quant", "16_fp8_kv_cache"),
     ForwardImport("08_model_runner", "layers.kv_quant", "16_fp8_kv_cache"),
     # The server's live page draws with appendix A's recorder and player.
-    ForwardImport("15_serving", "viz.player", "A_visualization"),
-    ForwardImport("15_serving", "viz.recorder", "A_visualization"),
+    ForwardImport("15b_openai_server", "viz.player", "A_visualization"),
+    ForwardImport("15b_openai_server", "viz.recorder", "A_visualization"),
 }
 
 
