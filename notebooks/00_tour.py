@@ -163,7 +163,8 @@ display(SVG(architecture_svg()))
 # | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
 # | [08 · The model runner](../08_model_runner/) | `Config`, flat step inputs, KV cache sizing |
 # | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
-# | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks; ranks as processes |
+# | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks |
+# | [10b · Ranks that talk](../10b_tp_runtime/) | ranks as processes: gloo, NCCL, Ctrl-C, stalls |
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, SmolLM2 on a laptop, the command line |
 # | [12 · Asynchronous scheduling](../12_async_scheduling/) | the next step queued while the GPU computes |
 # | [13 · An engine users cannot break](../13_robustness/) | threads, interrupts, odd prompts, NaN logits |
@@ -192,7 +193,8 @@ display(SVG(architecture_svg()))
 # | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
 # | [08 · 模型执行器](../08_model_runner/) | `Config`、扁平的单步输入、KV 缓存大小 |
 # | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
-# | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层；rank 作为进程运行 |
+# | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层 |
+# | [10b · 相互通信的 rank](../10b_tp_runtime/) | rank 作为进程：gloo、NCCL、Ctrl-C、停滞 |
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、笔记本电脑上的 SmolLM2、命令行 |
 # | [12 · 异步调度](../12_async_scheduling/) | GPU 计算时就把下一步排进队列 |
 # | [13 · 用户弄不坏的引擎](../13_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |

@@ -722,7 +722,7 @@ for bad_call in (
 #   (`num_blocks`, `block(i)`, `last_block_num_tokens`), and a guarded status.
 #
 # That is upstream's `Sequence`, checked. Later chapters add to this class where their story
-# needs it: chapter 04b the fields of parallel sampling (`fork`), chapter 10 the slim form in
+# needs it: chapter 04b the fields of parallel sampling (`fork`), chapter 10b the slim form in
 # which a sequence travels to the other ranks, chapter 12 the tokens that the GPU is still
 # computing.
 #
@@ -749,7 +749,7 @@ for bad_call in (
 #   以及受保护的状态。
 #
 # 这就是上游的 `Sequence`，外加检查。后面几章会按需给这个类添加字段和方法：第 04b 章添加并行采样的字段
-# （`fork`），第 10 章添加序列传给其他 rank 时的精简形式，第 12 章添加 GPU 仍在计算的 token。
+# （`fork`），第 10b 章添加序列传给其他 rank 时的精简形式，第 12 章添加 GPU 仍在计算的 token。
 #
 # 下一章（第 02 章）构建块表所指向的对象：KV 块池。
 #

@@ -105,7 +105,7 @@
 #   into is shared. If so it takes a fresh block, swaps it into this sequence's table, releases
 #   the shared one and records `(source, destination)` in `seq.blocks_to_copy`. Because the
 #   decision is part of `schedule()`, chapter 12's asynchronous engine sees it like any other
-#   allocation, and a tensor-parallel rank receives it with the sequence (chapter 10).
+#   allocation, and a tensor-parallel rank receives it with the sequence (chapter 10b).
 # - **The copy is one batched operation, done by the runner before the step's forward**
 #   (chapter 08's `copy_kv_blocks`): all pairs of all sequences of a step become one indexed
 #   read and one indexed write on the KV tensor, every layer at once, queued ahead of the step's
@@ -130,7 +130,7 @@
 # - **复制在调度时由块管理器决定。** 每个 decode 步之前，`may_append` 本来就会为每个序列运行一次；现在它还要判断
 #   这一步要写入的块是否被共享。如果是，就取一个新块，换进这个序列的块表，释放共享块，并把 `(源块, 目标块)` 记入
 #   `seq.blocks_to_copy`。由于这个决定是 `schedule()` 的一部分，第 12 章的异步引擎会像看待其他分配一样看到它，
-#   张量并行的各个 rank 也会随序列一起收到它（第 10 章）。
+#   张量并行的各个 rank 也会随序列一起收到它（第 10b 章）。
 # - **复制是一次批量操作，由执行器在这一步的前向计算之前完成**（第 08 章的 `copy_kv_blocks`）：一步里所有序列的所有
 #   块对合并成对 KV 张量的一次索引读和一次索引写，一次处理所有层，排在这一步写入 K/V 之前，并且在重放前向计算的
 #   CUDA Graph 之外（第 09 章）。

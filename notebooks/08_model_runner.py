@@ -114,7 +114,7 @@
 # | `fused_decode` | "auto" | decode steps of 1 or 2 tokens run each layer in fused Triton kernels (ch. 09); auto: GPU |
 # | `async_scheduling` | "auto" | queue step *n + 1* before step *n* is collected (chapter 12); auto: on for CUDA |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
-# | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10) |
+# | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10b) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 # | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
 # | `speculative_method` | None | "ngram": decode steps verify drafts from prompt lookup (chapter 17) |
@@ -167,7 +167,7 @@
 # | `fused_decode` | "auto" | 一个或两个 token 的 decode 步，每层用融合的 Triton 内核（第 09 章）；auto：CUDA |
 # | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（第 12 章）；auto：CUDA 上打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
-# | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10 章） |
+# | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10b 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 # | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
 # | `speculative_method` | None | "ngram"：decode 步验证 prompt lookup 给出的草稿（第 17 章） |
@@ -982,7 +982,7 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 #
 # That is upstream's `model_runner.py`, minus its shared-memory plumbing for ranks and its CUDA
 # graphs: chapter 09 replaces `compile_ahead` (which then also compiles the small ops and captures the
-# graphs) and `forward` (which replays a graph for a decode step), chapter 10 replaces
+# graphs) and `forward` (which replays a graph for a decode step), chapter 10b replaces
 # `kv_block_count` (the ranks agree on the pool), and chapter 12 adds `launch`, a step queued
 # without waiting for its tokens.
 #
@@ -1009,7 +1009,7 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # 要分叉的请求（第 04b 章）还从它这一行为兄弟序列抽取首 token，排在这一步自己的 token 之后，顺序同 `sibling_samples`。
 #
 # 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章替换 `compile_ahead`
-# （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10 章替换 `kv_block_count`（各 rank 就块池
+# （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10b 章替换 `kv_block_count`（各 rank 就块池
 # 达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
@@ -1332,7 +1332,7 @@ assert [first, second] == expected
 #   `max_model_len` capped, every EOS id collected; `Config.from_kwargs` refuses unknown keys.
 # - `ModelRunner`: the model, one KV tensor with per-layer views, and `run(seqs, is_prefill)`,
 #   which samples only the rows that want a token. Its forward half is a method of its own,
-#   `compute_logits` (chapter 10's ranks use it too); `exit()` releases the KV cache.
+#   `compute_logits` (chapter 10b's ranks use it too); `exit()` releases the KV cache.
 #
 # Chapter 11 puts the scheduler and the runner in one loop.
 #
@@ -1357,7 +1357,7 @@ assert [first, second] == expected
 #   `kvcache_memory_gb`；每个字段都经过检查，`"auto"` 被解析为具体值，`max_model_len` 被截到模型上限，所有 EOS id
 #   都被收集；`Config.from_kwargs` 拒绝未知的键。
 # - `ModelRunner`：模型、一个带每层视图的 KV 张量，以及 `run(seqs, is_prefill)`——只为需要 token 的行采样。
-#   它的前向部分 `compute_logits` 单独成为一个方法（第 10 章的各个 rank 也用它）；`exit()` 释放 KV 缓存。
+#   它的前向部分 `compute_logits` 单独成为一个方法（第 10b 章的各个 rank 也用它）；`exit()` 释放 KV 缓存。
 #
 # 第 11 章把调度器和执行器放进同一个循环。
 #

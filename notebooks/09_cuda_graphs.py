@@ -407,7 +407,7 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # capture-safe backends are our Triton kernels and FlashAttention 4 (chapter 06b): neither reads
 # a length on the host during decode, and both were captured and replayed on the H200.
 #
-# Tensor parallelism (chapter 10) is not on the list. Every rank builds the same runner from the
+# Tensor parallelism (chapter 10b) is not on the list. Every rank builds the same runner from the
 # same config, so every rank captures the same sizes in the same order, and each graph records
 # its rank's NCCL all-reduces along with the matmuls: a replay on every rank replays the
 # collectives too, in the order they were captured, which is the only thing NCCL asks. The
@@ -422,7 +422,7 @@ assert buffers.block_tables[3].tolist() == [-1, -1, -1, -1]
 # CUDA Graph 被关闭的*原因*，或者 `None`。可以安全捕获的后端是我们的 Triton 内核和 FlashAttention 4（第 06b 章）：
 # 二者在 decode 时都不在主机端读取任何长度，而且都在 H200 上被捕获并重放过。
 #
-# 张量并行（第 10 章）不在这张清单上。每个 rank 用同一份配置构建同样的执行器，所以每个 rank 都按同样的顺序捕获同样的
+# 张量并行（第 10b 章）不在这张清单上。每个 rank 用同一份配置构建同样的执行器，所以每个 rank 都按同样的顺序捕获同样的
 # 档位，而每个图连同矩阵乘法一起，也录下了本 rank 的 NCCL all-reduce：每个 rank 重放时，集合通信也按捕获时的顺序
 # 一起重放，这正是 NCCL 唯一的要求。每次捕获之前的热身前向会真正执行这些 all-reduce，所以在开始录制之前 NCCL 通信器
 # 就已经建好了。LM head 的 gather 和采样留在图外，和单 GPU 时一样。

@@ -74,7 +74,7 @@
 # ## Build it: the engine loop, `LLMEngine`
 #
 # The constructor builds the three parts from one `Config`: the tokenizer, the model runner
-# (one process, or chapter 10's ranks when `tensor_parallel_size > 1`; both size the KV pool and
+# (one process, or chapter 10b's ranks when `tensor_parallel_size > 1`; both size the KV pool and
 # report its block count in `config.num_kvcache_blocks`) and the scheduler, whose block pool has
 # exactly that many blocks.
 #
@@ -98,7 +98,7 @@
 # ## 动手：引擎主循环 `LLMEngine`
 #
 # 构造函数用同一个 `Config` 构建三个部件：分词器；模型执行器（一个进程，或在 `tensor_parallel_size > 1` 时使用
-# 第 10 章的多个 rank；两者都会确定 KV 块池的大小，并把块数写进 `config.num_kvcache_blocks`）；以及调度器，它的块池
+# 第 10b 章的多个 rank；两者都会确定 KV 块池的大小，并把块数写进 `config.num_kvcache_blocks`）；以及调度器，它的块池
 # 恰好有这么多块。
 #
 # `make_sequence` 把一个请求变成 `Sequence` 并检查它：提示词是文本（会被分词）或 token id；id 必须在词表内；
@@ -149,7 +149,7 @@ class LLMEngine:
         self.config = config = Config.from_kwargs(model, **kwargs)
         self.tokenizer = load_tokenizer(config.model)
         # en: One process, or one process per tensor-parallel rank; both set config.num_kvcache_blocks.
-        # zh: 一个进程，或每个张量并行 rank 一个进程（第 10 章）；两者都会设置 config.num_kvcache_blocks。
+        # zh: 一个进程，或每个张量并行 rank 一个进程（第 10b 章）；两者都会设置 config.num_kvcache_blocks。
         runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.model_runner: ModelRunner | TPRunner = runner(config)
         self.scheduler = Scheduler(

@@ -523,7 +523,7 @@ assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
 # %% [markdown] tags=["en"]
 # The runner's share. `launch` does what `run` did, without waiting: the forward, the sampling
 # of the rows that want a token (`sample`, chapter 08), and `SampledTokens.start`. With tensor
-# parallelism (chapter 10) rank 0 alone has logits and samples; `share_from_rank0` broadcasts its
+# parallelism (chapter 10b) rank 0 alone has logits and samples; `share_from_rank0` broadcasts its
 # tokens on the device, so that every rank holds the step's samples and can feed a pending token
 # to the next step by itself. `compute_logits` gains a `previous` argument, the step whose samples
 # are this step's pending tokens: a decode step takes them from there, on the device. A prefill
@@ -534,7 +534,7 @@ assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
 
 # %% [markdown] tags=["zh"]
 # 执行器的部分。`launch` 做 `run` 做过的事，只是不等待：前向计算、为需要 token 的行采样（`sample`，第 08 章），以及
-# `SampledTokens.start`。在张量并行下（第 10 章），只有 rank 0 有 logits 并做采样；`share_from_rank0` 在设备上广播
+# `SampledTokens.start`。在张量并行下（第 10b 章），只有 rank 0 有 logits 并做采样；`share_from_rank0` 在设备上广播
 # 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。`compute_logits` 多了一个
 # `previous` 参数，即这一步的待定 token 所来自的那一步：decode 步在设备上从那里取得它们。prefill 在它的最后一个 token
 # 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。`run` 就是 `launch` 之后紧跟 `token_ids()`。
@@ -620,7 +620,7 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
 # %% [markdown] tags=["en"]
 # ## Build it: ranks that keep the last steps
 #
-# With tensor parallelism (chapter 10) the driver queues step *n + 1* on every rank before it
+# With tensor parallelism (chapter 10b) the driver queues step *n + 1* on every rank before it
 # collects step *n*. A pending token has no value the driver could send, so each rank takes it
 # from its own copy of rank 0's samples: `launch` broadcast them on the device, and each rank
 # keeps the samples of its last few steps (`recent`, by call number). A step names the call
@@ -632,7 +632,7 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
 # %% [markdown] tags=["zh"]
 # ## 动手：记住最近几步的 rank
 #
-# 在张量并行下（第 10 章），驱动进程在收取第 *n* 步之前就把第 *n + 1* 步排进每个 rank 的队列。待定 token 没有可以
+# 在张量并行下（第 10b 章），驱动进程在收取第 *n* 步之前就把第 *n + 1* 步排进每个 rank 的队列。待定 token 没有可以
 # 由驱动进程发送的值，所以每个 rank 从自己那份 rank 0 的采样结果里取它：`launch` 已在设备上广播了这些结果，每个
 # rank 按调用编号保存最近几步的采样结果（`recent`）。一步会指明它的待定 token 来自哪一次调用（`previous`）；
 # `TPStep`（驱动进程手中代表一个已入队步骤的句柄，取代 `SampledTokens`）在引擎需要时收取 rank 0 的 token。rank 对
@@ -736,7 +736,7 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None
     pending tokens. Every rank has them: nothing waits for rank 0."""
     before = None if previous is None else previous.call
     # en: as in the synchronous run: the params and their call go together
-    # zh: 与第 10 章的 run 一样：采样参数和携带它们的那次调用同进同退。
+    # zh: 与第 10b 章的 run 一样：采样参数和携带它们的那次调用同进同退。
     with deferred_interrupt():
         params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
         call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
@@ -791,7 +791,7 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # `async_scheduling="auto"` turns it on for CUDA, with one rank or several. On a CPU there is
 # nothing to overlap with (PyTorch runs CPU ops as they are called); it can still be turned on,
 # which is how the tests check it there. Chapter 09 records what it buys on the H200 with one
-# GPU; chapter 10 with two.
+# GPU; chapter 10b with two.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：引擎让一步始终在计算中
@@ -826,7 +826,7 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #
 # `async_scheduling="auto"` 在 CUDA 上打开，不论是一个 rank 还是多个。CPU 上没有什么可以重叠的（PyTorch 在调用时
 # 就执行 CPU 上的运算）；不过仍然可以手动打开，测试就是这样在 CPU 上检查它的。第 09 章记录了它在一块 H200 上带来的
-# 收益，第 10 章记录两块的。
+# 收益，第 10b 章记录两块的。
 
 # %% engine in flight
 #| export engine.llm_engine

@@ -220,7 +220,7 @@ def abort(self, seq: Sequence) -> None:
 # correct. The call raises `KeyboardInterrupt` (a Ctrl-C is never swallowed), and an interrupted
 # `generate` takes its own requests with it, as before.
 #
-# **How.** Each call of the engine holds Ctrl-C back (`deferred_interrupt`, chapter 10, which
+# **How.** Each call of the engine holds Ctrl-C back (`deferred_interrupt`, chapter 10b, which
 # nests) and lets it through in exactly two kinds of place, where nothing is half-changed:
 #
 # - while the model runner computes a step that is not counted yet (`interruptible`): an
@@ -261,7 +261,7 @@ def abort(self, seq: Sequence) -> None:
 # 排队的请求既没丢也没被改动，下一次调用结果正确。调用会抛出 `KeyboardInterrupt`（Ctrl-C 绝不会被吞掉）；被中断的
 # `generate` 和以前一样带走它自己的请求。
 #
-# **做法。** 引擎的每个调用都把 Ctrl-C 压住（第 10 章的 `deferred_interrupt`，它可以嵌套），只在两类地方放它
+# **做法。** 引擎的每个调用都把 Ctrl-C 压住（第 10b 章的 `deferred_interrupt`，它可以嵌套），只在两类地方放它
 # 通过，那里没有任何改到一半的东西：
 #
 # - 模型执行器计算一个尚未记账的步时（`interruptible`）：在这里打断由 `rollback` 撤销，而一个长步的时间也

@@ -86,7 +86,7 @@ from nanovllm.sampling_params import SamplingParams
 PRESETS: dict[str, dict] = {
     "nano-vllm": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
     # en: The same workload on a Qwen3-8B-shaped model (the tensor-parallel goal): it fits one H200.
-    # zh: 同样的负载，换成 Qwen3-8B 形状的模型（第 10 章的第二个目标）：一块 H200 放得下。
+    # zh: 同样的负载，换成 Qwen3-8B 形状的模型（第 10b 章的第二个目标）：一块 H200 放得下。
     "qwen3-8b": {"num_seqs": 256, "input_len": (100, 1024), "output_len": (100, 1024)},
     "cpu": {"num_seqs": 16, "input_len": (32, 256), "output_len": (32, 256)},
 }
@@ -389,7 +389,7 @@ print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFL
 # no checkpoint is needed, and the speed of a model depends on its shapes, not on its weights.
 # `--no-peer` skips `transformers` (a few minutes on this workload).
 #
-# **Tensor parallelism.** `--tensor-parallel-size N` (chapter 10) measures the engine on N GPUs
+# **Tensor parallelism.** `--tensor-parallel-size N` (chapter 10b) measures the engine on N GPUs
 # and then, in the same invocation and on the same workload, on one GPU, and prints both and
 # their ratio (`--no-tp1` skips the second run); the one-GPU engine is then the peer, and the
 # N-GPU figure is held to N times one GPU's bound. `--preset qwen3-8b` runs the same workload on
@@ -412,7 +412,7 @@ print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFL
 # `build_tiny_model` 加上覆盖参数）：不需要任何检查点，模型的速度取决于形状，而不取决于权重。`--no-peer` 跳过
 # `transformers`（在这个负载上要跑几分钟）。
 #
-# **张量并行。** `--tensor-parallel-size N`（第 10 章）先用 N 块 GPU 测引擎，再在同一次调用中、用同样的负载用一块
+# **张量并行。** `--tensor-parallel-size N`（第 10b 章）先用 N 块 GPU 测引擎，再在同一次调用中、用同样的负载用一块
 # GPU 测，打印两者及其比值（`--no-tp1` 跳过第二次运行）；这时单 GPU 的引擎就是对照组，而 N 块 GPU 的数字对照的是
 # 单 GPU 上限的 N 倍。`--preset qwen3-8b` 在 Qwen3-8B 形状的模型上跑同样的负载，它 16 GB 的 bf16 权重直接在每块 GPU
 # 上生成（`load_format="dummy"`，第 05 章），而不是先写到磁盘再读回来；它没有 `transformers` 对照组，因为根本没有
@@ -855,12 +855,12 @@ print(say("benchmark checks hold"))
 # %% [markdown] tags=["en"]
 # The tensor-parallel comparison, in miniature: two gloo ranks on this CPU against one process,
 # through the command line's code path. The figures of a shared CPU say nothing about GPUs
-# (chapter 10 has those); what is checked is that one invocation measures both and reports
+# (chapter 10b has those); what is checked is that one invocation measures both and reports
 # their ratio, and that the 8B preset's directory holds Qwen3-8B's shapes and no weights.
 
 # %% [markdown] tags=["zh"]
 # 张量并行的对比，缩小版：这台 CPU 上的两个 gloo rank 对一个进程，走的是命令行的同一条代码路径。共享 CPU 上的数字
-# 说明不了 GPU 上的情况（那些在第 10 章）；这里检查的是：一次调用就测出两者并报告比值，以及 8B 预设的目录里是
+# 说明不了 GPU 上的情况（那些在第 10b 章）；这里检查的是：一次调用就测出两者并报告比值，以及 8B 预设的目录里是
 # Qwen3-8B 的形状、没有权重。
 
 # %%

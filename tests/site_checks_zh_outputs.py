@@ -96,9 +96,11 @@ TRANSLATED = {
     "08_model_runner": [("misspelled key", "拼错的键"), ("Config checks hold", "Config 的检查成立")],
     "09_cuda_graphs": [("all checks passed", "全部检查通过"), ("it never preempts", "它从不抢占")],
     "10_tensor_parallel": [
-        ("every layer kind reassembles exactly", "每种层都能精确拼回原样"), ("ranks alive:", "rank 仍存活："),
+        ("every layer kind reassembles exactly", "每种层都能精确拼回原样"),
         ("own heads + KV", "自己的头 + KV"),  # the drawing
+        ("all exercise answers check out", "练习答案全部验证通过"),
     ],
+    "10b_tp_runtime": [("ranks alive:", "rank 仍存活："), ("all exercise answers check out", "练习答案全部验证通过")],
     "11_engine": [
         ("step  1 prefill [seq 0: 12", "第  1 步 prefill [序列 0: 12"), ("preempted [", "抢占 ["),
         ("greedy tokens match transformers", "贪心解码的 token 与 transformers 完全一致"),
