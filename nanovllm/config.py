@@ -71,7 +71,8 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
     return tuple(dict.fromkeys(ids))
 
 
-TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+# The model's dimensions that tensor parallelism splits (a mixture of experts also splits each expert's width).
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size")
 
 
 def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:

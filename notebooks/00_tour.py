@@ -174,6 +174,7 @@ display(SVG(architecture_svg()))
 # | [15c · Measuring a server](../15c_serving_benchmark/) | TTFT, TPOT and ITL against offline and peers |
 # | [16 · An 8-bit KV cache](../16_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
 # | [17 · Speculative decoding](../17_speculative_decoding/) | drafts checked in one step, rolled back exactly |
+# | [18 · Mixture of experts](../18_mixture_of_experts/) | Qwen3-MoE: a router, experts, where each token goes |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
 # | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
@@ -204,6 +205,7 @@ display(SVG(architecture_svg()))
 # | [15c · 测量服务器](../15c_serving_benchmark/) | TTFT、TPOT 与 ITL，对比离线与同类服务器 |
 # | [16 · 8 位 KV 缓存](../16_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
 # | [17 · 投机解码](../17_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
+# | [18 · 混合专家](../18_mixture_of_experts/) | Qwen3-MoE：路由器、专家，每个 token 去了哪里 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
 # | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #

@@ -285,7 +285,9 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 # `packed_modules_mapping` tells the loader that a checkpoint's `q_proj` is the `"q"` part of
 # our `qkv_proj`, and so on. The forward signature is the engine's:
 # `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`, then
-# `model.compute_logits(hidden)`.
+# `model.compute_logits(hidden)`. Two small seams let a model with other layers reuse the rest:
+# `Qwen3Model.make_layer` builds layer `index`, and a `Qwen3DecoderLayer` takes the MLP it is
+# handed (chapter 18's mixture of experts uses both).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：模型
@@ -294,6 +296,8 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 # 是第 10 章中融合的、可做张量并行的层，`packed_modules_mapping` 告诉加载器：检查点里的 `q_proj` 是我们
 # `qkv_proj` 的 `"q"` 部分，依此类推。前向签名就是引擎使用的：
 # `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`，然后 `model.compute_logits(hidden)`。
+# 两个小小的接缝让层不同的模型复用其余部分：`Qwen3Model.make_layer` 构建第 `index` 层，`Qwen3DecoderLayer` 使用
+# 交给它的 MLP（第 18 章的混合专家模型两者都用）。
 
 # %% qwen3 layers
 #| export
@@ -389,7 +393,9 @@ class Qwen3DecoderLayer(nn.Module):
     # zh: 第 09 章，在 GPU 上：一步只有几个 token 时，整层由几个融合内核完成。
     fused_forward = None
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool]) -> None:
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(
             hidden_size=config.hidden_size,
@@ -402,7 +408,10 @@ class Qwen3DecoderLayer(nn.Module):
             o_bias=switches["o_bias"],
             qk_norm=switches["qk_norm"],
         )
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act, switches["mlp_bias"])
+        # en: The dense MLP, unless the model hands the layer another one (a mixture of experts does).
+        # zh: 稠密的 MLP，除非模型给这一层另一个（混合专家模型就会）。
+        self.mlp = mlp or Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                                   switches["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -447,9 +456,13 @@ class Qwen3Model(nn.Module):
         rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, base, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, rotary_emb, switches) for _ in range(config.num_hidden_layers)]
+            [self.make_layer(config, rotary_emb, switches, index) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_layer(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], index: int) -> nn.Module:
+        """Decoder layer ``index``: the same for every layer here; a model whose layers differ overrides it."""
+        return Qwen3DecoderLayer(config, rotary_emb, switches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
@@ -480,6 +493,10 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # en: The model under the LM head; a variant with other layers names its own.
+    # zh: LM head 下面的模型；层不同的变体指定它自己的。
+    model_class: ClassVar[type[nn.Module]] = Qwen3Model
+
     @classmethod
     def switches(cls, config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
@@ -487,7 +504,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.model = Qwen3Model(config, self.switches(config))
+        self.model = self.model_class(config, self.switches(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -909,10 +926,10 @@ def writable_dir(directory: Path) -> Path:
 
 
 def _config_class(kind: str) -> Any:
-    import transformers
+    """transformers' config class of a model type ("qwen3", "llama"...: the kinds are model types)."""
+    from transformers import CONFIG_MAPPING
 
-    return {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
-            "llama": transformers.LlamaConfig}[kind]
+    return CONFIG_MAPPING[kind]
 
 
 def _train_tokenizer(directory: Path) -> dict[str, int]:
@@ -943,12 +960,28 @@ def _train_tokenizer(directory: Path) -> dict[str, int]:
     return ids
 
 
+def checkpoint_layout(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` renamed and split as ``model.save_pretrained`` writes it (transformers 5's weight conversions
+    reverted; unchanged where there are none)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    return revert_weight_conversion(model, state)
+
+
 def _random_weights(config: Any, seed: int) -> dict[str, torch.Tensor]:
     """Weights for every tensor transformers expects, drawn from a seeded generator (float32)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
+        model = AutoModelForCausalLM.from_config(config)
+        state = {name: torch.empty(t.shape) for name, t in model.state_dict().items()}
+    # en: The tensors as a checkpoint names them: transformers may hold some fused in memory (a mixture of experts'
+    # en: experts, one tensor each) and writes them apart, one per expert, as real checkpoints do.
+    # zh: 按检查点里的名字排列的张量：transformers 在内存里可能把一些张量合在一起（混合专家模型的各个专家合成
+    # zh: 一个张量），写入时再按专家分开，和真实的检查点一样。
+    shapes = {name: tuple(t.shape) for name, t in checkpoint_layout(model, state).items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     generator = torch.Generator().manual_seed(seed)

@@ -250,7 +250,9 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
     return tuple(dict.fromkeys(ids))
 
 
-TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+# en: The model's dimensions that tensor parallelism splits (a mixture of experts also splits each expert's width).
+# zh: 张量并行要切分的模型维度（混合专家模型还要切分每个专家的宽度）。
+TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size", "moe_intermediate_size")
 
 
 def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:

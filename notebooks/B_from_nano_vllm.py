@@ -339,6 +339,7 @@
 # | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 05 | same |
 # | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 05 | same |
 # | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | new: Qwen2 and Llama with the same layers, chosen from `architectures` |
+# | — | `Qwen3Model.make_layer`, `Qwen3ForCausalLM.model_class` | 05, 18 | new: where a model with other layers (Qwen3-MoE's sparse ones) plugs in |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/models/qwen3.py` → `nanovllm/models/qwen3.py`
@@ -354,6 +355,7 @@
 # | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 05 | 相同 |
 # | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 05 | 相同 |
 # | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | 新增：用同一套层实现 Qwen2 和 Llama，按 `architectures` 选择 |
+# | — | `Qwen3Model.make_layer`, `Qwen3ForCausalLM.model_class` | 05, 18 | 新增：层不同的模型（Qwen3-MoE 的稀疏层）从这里接入 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/utils/context.py` → `nanovllm/layers/context.py`
@@ -581,6 +583,7 @@
 # | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 08 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
 # | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 13 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
 # | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 08, 10 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
+# | mixture of experts | `models.qwen3_moe.SparseMoeBlock`, `models.qwen3_moe.Qwen3MoeForCausalLM` | 18 | none (new models are out of upstream's scope) | Qwen3-MoE, token-exact with `transformers`: a router's top-k with renormalized weights, experts split across tensor-parallel ranks with one all-reduce |
 # | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
 # | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 13 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
 # | several threads on one engine | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
@@ -612,6 +615,7 @@
 # | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 08 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
 # | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 13 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
 # | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 08, 10 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
+# | 混合专家 | `models.qwen3_moe.SparseMoeBlock`, `models.qwen3_moe.Qwen3MoeForCausalLM` | 18 | 没有（新模型不在上游的范围内） | Qwen3-MoE，与 `transformers` 逐 token 一致：路由器的 top-k 与重新归一化的权重，专家切分到张量并行的各 rank 上、只做一次 all-reduce |
 # | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
 # | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 13 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
 # | 多个线程共用一个引擎 | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |

@@ -307,10 +307,12 @@ class FusedDecodeLayer:
 
 
 def fuse_decode_layers(model: nn.Module, max_tokens: int = FUSED_STEP_TOKENS) -> int:
-    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook) the fused layer for steps of at
-    most ``max_tokens`` tokens; returns how many got it."""
+    """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook and a dense gated MLP) the fused
+    layer for steps of at most ``max_tokens`` tokens; returns how many got it. (A layer whose MLP is a router and
+    experts keeps its own path.)"""
     fused = FusedDecodeLayer(max_tokens)
-    layers = [module for module in model.modules() if hasattr(module, "fused_forward")]
+    layers = [module for module in model.modules()
+              if hasattr(module, "fused_forward") and hasattr(getattr(module, "mlp", None), "gate_up_proj")]
     for layer in layers:
         layer.fused_forward = fused
     return len(layers)

@@ -102,7 +102,9 @@ class Qwen3DecoderLayer(nn.Module):
     # On a GPU: the whole layer in a few fused kernels when a step has only a few tokens.
     fused_forward = None
 
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool]) -> None:
+    def __init__(
+        self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], mlp: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.self_attn = Qwen3Attention(
             hidden_size=config.hidden_size,
@@ -115,7 +117,9 @@ class Qwen3DecoderLayer(nn.Module):
             o_bias=switches["o_bias"],
             qk_norm=switches["qk_norm"],
         )
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act, switches["mlp_bias"])
+        # The dense MLP, unless the model hands the layer another one (a mixture of experts does).
+        self.mlp = mlp or Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                                   switches["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -159,9 +163,13 @@ class Qwen3Model(nn.Module):
         rotary_emb = get_rope(head_dim, head_dim, config.max_position_embeddings, base, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [Qwen3DecoderLayer(config, rotary_emb, switches) for _ in range(config.num_hidden_layers)]
+            [self.make_layer(config, rotary_emb, switches, index) for index in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def make_layer(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], index: int) -> nn.Module:
+        """Decoder layer ``index``: the same for every layer here; a model whose layers differ overrides it."""
+        return Qwen3DecoderLayer(config, rotary_emb, switches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
@@ -184,6 +192,9 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # The model under the LM head; a variant with other layers names its own.
+    model_class: ClassVar[type[nn.Module]] = Qwen3Model
+
     @classmethod
     def switches(cls, config: Any) -> dict[str, bool]:
         bias = bool(getattr(config, "attention_bias", False))
@@ -191,7 +202,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.model = Qwen3Model(config, self.switches(config))
+        self.model = self.model_class(config, self.switches(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

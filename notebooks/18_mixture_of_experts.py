@@ -1,0 +1,579 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 18 · Mixture of experts: where each token goes
+#
+# **Goal.** Run Qwen3-MoE models (Qwen3-30B-A3B is the one people ask for) token-exact with
+# `transformers`. In a mixture-of-experts (MoE) layer the MLP is many small MLPs, the
+# **experts**, and a **router** picks a few of them for each token. By the end of this chapter you
+# can say what a router computes and why its top-k weights are renormalized, you will have seen
+# which experts each token of a prompt picks, you will know why sorting tokens by expert turns
+# many small matmuls into one, and you can compute a decode step's bound when it reads only the
+# experts that the batch chose. Nothing before this chapter knows about experts: the model of
+# chapter 05 hands each layer its MLP, and this chapter hands some layers a different one.
+
+# %% [markdown] tags=["zh"]
+# # 18 · 混合专家：每个 token 去了哪里
+#
+# **目标：** 让 Qwen3-MoE 模型（大家问得最多的是 Qwen3-30B-A3B）与 `transformers` 逐 token 一致地运行。在混合专家
+# （mixture of experts，MoE）层里，MLP 是许多个小 MLP，即**专家**（expert），由一个**路由器**（router）为每个 token
+# 挑出其中几个。读完本章，你能说出路由器算的是什么、为什么它的 top-k 权重要重新归一化；你会看到一个提示词的每个
+# token 选了哪些专家；你会知道为什么按专家给 token 排序能把许多个小矩阵乘法变成一个；你还能算出一个 decode 步在只读
+# 批次选中的专家时的上限。本章之前的内容都不知道专家的存在：第 05 章的模型把 MLP 交给每一层，本章交给其中一些层
+# 另一种 MLP。
+
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "layer {layer}: {kind}": "第 {layer} 层：{kind}",
+    "experts": "专家", "dense MLP": "稠密 MLP",
+    "token {token!r:>10} -> experts {experts}, weights {weights}":
+        "token {token!r:>10} -> 专家 {experts}，权重 {weights}",
+    "greedy tokens match transformers: {same}": "贪心解码的 token 与 transformers 完全一致：{same}",
+    "{case}: {same}": "{case}：{same}",
+    "chunked prefill": "分块 prefill", "prefix hits": "前缀缓存命中", "preemption": "抢占", "n = 2": "n = 2",
+    "every expert, weighted: max |difference| {gap:.1e}": "每个专家都算、再加权：最大 |差值| {gap:.1e}",
+    "tokens in the step": "步中的 token 数", "experts touched (of {experts})": "用到的专家（共 {experts} 个）",
+    "uniform routing": "均匀路由",
+    "sorted by expert: {order}": "按专家排序后：{order}",
+    "tiles of {tile} rows: experts {experts}": "每个 tile {tile} 行：专家 {experts}",
+    "Qwen3-30B-A3B, batch {batch:>3}: reads {read:5.1f} GB of {dense:5.1f} GB ({share:5.1%}), "
+    "bound {ms:5.2f} ms":
+        "Qwen3-30B-A3B，批大小 {batch:>3}：读 {read:5.1f} GB（共 {dense:5.1f} GB，占 {share:5.1%}），上限 {ms:5.2f} ms",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
+# %% [markdown] tags=["en"]
+# ## The idea: a router, and experts that most tokens skip
+#
+# A dense decoder layer sends every token through the same MLP. A **sparse** layer of Qwen3-MoE
+# has `num_experts` MLPs of width `moe_intermediate_size` (Qwen3-30B-A3B: 128 experts of width
+# 768, where a dense MLP of the same model would be 6,144 wide). For each token:
+#
+# 1. the router, one linear layer `hidden_size → num_experts`, gives a logit per expert;
+# 2. a softmax (in float32) turns them into probabilities, and `topk` keeps the `k =
+#    num_experts_per_tok` largest (8 for Qwen3-30B-A3B);
+# 3. with `norm_topk_prob`, the k kept probabilities are divided by their sum, so that they add
+#    up to 1 (without it, a token whose top k hold 60 % of the mass would come out at 60 % of its
+#    size);
+# 4. the token goes through its k experts, and the layer's output is their outputs, weighted.
+#
+# The model's parameters count all the experts (30B), but a token computes with only k of them
+# (the "A3B": about 3B active). The config says which layers are sparse: layer `i` is, unless it
+# is in `mlp_only_layers`, when `(i + 1) % decoder_sparse_step == 0` (every layer, with the usual
+# step of 1). Attention, the norms, the embedding and the LM head are those of Qwen3.
+#
+# For the engine this changes one thing and raises one question. The thing: the MLP of a layer,
+# which chapter 05's `Qwen3DecoderLayer` takes as an argument (`mlp`), and `Qwen3Model.make_layer`
+# builds layer by layer. The question: a decode step no longer reads "every weight once". It
+# reads the experts the batch's tokens chose, and the router decides that while the step runs.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：一个路由器，以及大多数 token 都跳过的专家
+#
+# 稠密的解码层让每个 token 走同一个 MLP。Qwen3-MoE 的**稀疏**层有 `num_experts` 个宽度为 `moe_intermediate_size`
+# 的 MLP（Qwen3-30B-A3B：128 个宽 768 的专家，而同一个模型的稠密 MLP 宽 6,144）。对每个 token：
+#
+# 1. 路由器是一个线性层 `hidden_size → num_experts`，给每个专家一个 logit；
+# 2. softmax（在 float32 中计算）把它们变成概率，`topk` 保留最大的 `k = num_experts_per_tok` 个（Qwen3-30B-A3B 为 8）；
+# 3. 若设置了 `norm_topk_prob`，保留下来的 k 个概率除以它们的和，使其加起来为 1（不这样做的话，一个 top k 只占
+#    60% 概率质量的 token，输出就只有它应有大小的 60%）；
+# 4. token 经过它的 k 个专家，这一层的输出是这些专家输出的加权和。
+#
+# 模型的参数量把所有专家都算在内（30B），但一个 token 只用其中 k 个计算（"A3B"：大约 3B 个激活参数）。哪些层是
+# 稀疏层由配置决定：第 `i` 层若不在 `mlp_only_layers` 里，且 `(i + 1) % decoder_sparse_step == 0`，就是稀疏层
+# （通常的步长为 1，即每一层）。注意力、各个归一化、嵌入层和 LM head 都与 Qwen3 相同。
+#
+# 对引擎来说，这改变了一件事，也带来一个问题。改变的是一层的 MLP：第 05 章的 `Qwen3DecoderLayer` 把它当作参数
+# （`mlp`）接收，`Qwen3Model.make_layer` 逐层构建。问题是：一个 decode 步不再是"每个权重读一次"。它读的是批次里的
+# token 选中的那些专家，而这由路由器在这一步运行时才决定。
+
+# %% [markdown] tags=["en"]
+# ## Build it: the sparse block
+#
+# `SparseMoeBlock` holds the router (`gate`, a `ReplicatedLinear`: every tensor-parallel rank
+# routes every token the same way) and the experts, each chapter 05's `Qwen3MLP` of the expert
+# width. Keeping each expert a module of its own has a pleasant consequence: a checkpoint's
+# `mlp.experts.7.gate_proj.weight` lands in `mlp.experts.7.gate_up_proj` through the same
+# `packed_modules_mapping` as a dense model's, so the loader needs nothing new.
+#
+# `route` is steps 1 to 3 above, in the order and the dtypes `transformers` uses (logits in the
+# model's dtype, softmax and renormalization in float32, weights back to the model's dtype), since
+# the point is the same tokens. `chosen_experts` is step 4 the way `transformers` computes it:
+# for each expert that at least one token chose, gather its tokens, run the expert on them, scale
+# each row by its weight and add it into the output. With tensor parallelism each expert's width
+# is split like a dense MLP's (gate/up by columns, down by rows), so a rank's output is a partial
+# sum: the block adds the experts' partial sums locally (`forward_local`) and all-reduces once.
+#
+# That loop asks the host how many tokens each expert got, a different shape every step, and a
+# CUDA graph records fixed shapes. So while a graph is captured, `every_expert` runs instead:
+# every expert on every token, each row weighted by the router (zero where the token did not
+# choose the expert). Same sums, a fixed shape, and `num_experts / k` times the arithmetic of the
+# chosen experts: a correct stand-in until a fused kernel computes only the chosen experts inside
+# the graph (below, "one matmul of many", says how). The check below holds the two paths to each
+# other.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：稀疏块
+#
+# `SparseMoeBlock` 持有路由器（`gate`，一个 `ReplicatedLinear`：张量并行的每个 rank 都以同样的方式路由每个 token）
+# 和各个专家，每个专家都是第 05 章的 `Qwen3MLP`，宽度为专家宽度。让每个专家各自成为一个模块有个好处：检查点里的
+# `mlp.experts.7.gate_proj.weight` 通过与稠密模型相同的 `packed_modules_mapping` 落进 `mlp.experts.7.gate_up_proj`，
+# 加载器不需要任何新东西。
+#
+# `route` 就是上面的第 1 到 3 步，顺序和数据类型都与 `transformers` 相同（logits 用模型的数据类型，softmax 和重新
+# 归一化用 float32，权重再转回模型的数据类型），因为我们要的是同样的 token。`chosen_experts` 是按 `transformers` 的
+# 算法做第 4 步：对至少被一个 token 选中的每个专家，取出它的 token，用这个专家计算它们，每一行乘以自己的权重，
+# 再加到输出里。张量并行时，每个专家的宽度像稠密 MLP 一样切分（gate/up 按列，down 按行），所以一个 rank 的输出是
+# 部分和：这个块先在本地把各专家的部分和加起来（`forward_local`），最后只做一次 all-reduce。
+#
+# 这个循环要问主机每个专家分到了多少个 token，每一步的形状都不同，而 CUDA Graph 记录的是固定的形状。所以在捕获图
+# 的时候，运行的是 `every_expert`：每个专家都对每个 token 计算，每一行按路由器的权重加权（token 没有选中这个专家的
+# 地方权重为零）。和相同，形状固定，算术量是只算选中专家的 `num_experts / k` 倍：在融合内核能在图里只计算选中的
+# 专家之前，它是一个正确的替身（下面的"把许多个矩阵乘法变成一个"讲怎么做）。下面的检查让两条路径互相核对。
+
+# %% moe block
+#| export models.qwen3_moe
+"""Qwen3-MoE: decoder layers whose MLP is a router and experts (a mixture of experts)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanovllm.layers.linear import ReplicatedLinear, tp_world
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: a router picks ``top_k`` of ``num_experts`` experts per token; the output is
+    the chosen experts' outputs, weighted by the router."""
+
+    def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 hidden_act: str = "silu") -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be from 1 to num_experts ({num_experts}), not {top_k}")
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = nn.ModuleList(Qwen3MLP(hidden_size, expert_size, hidden_act) for _ in range(num_experts))
+        self.tp_size = tp_world()[1]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, top_k] in x's dtype, the chosen experts [T, top_k]), largest weight first."""
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), chosen
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.route(x)
+        # en: A CUDA graph records fixed shapes: while one is captured, every expert runs on every token.
+        # zh: CUDA Graph 记录的是固定的形状：捕获图的时候，每个专家都对每个 token 计算。
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        out = self.every_expert(x, weights, chosen) if capturing else self.chosen_experts(x, weights, chosen)
+        if self.tp_size > 1:
+            # en: each rank holds a slice of every expert's width: its sum is partial
+            # zh: 每个 rank 持有每个专家宽度的一片：它算出的和是部分和
+            dist.all_reduce(out)
+        return out
+
+    def expert_rows(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``index`` on rows ``x``: this rank's partial sum (no all-reduce)."""
+        expert = self.experts[index]
+        return expert.down_proj.forward_local(expert.act_fn(expert.gate_up_proj(x)))
+
+    def chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert on its own tokens, weighted, added up (as transformers computes it)."""
+        out = torch.zeros_like(x)
+        for index in chosen.unique().tolist():
+            rows, slots = torch.where(chosen == index)
+            out.index_add_(0, rows, (self.expert_rows(index, x[rows]) * weights[rows, slots, None]).to(out.dtype))
+        return out
+
+    def every_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The same sums in fixed shapes: every expert on every token, weighted 0 where the token did not choose it."""
+        out = torch.zeros_like(x)
+        for index in range(self.num_experts):
+            weight = (weights * (chosen == index)).sum(dim=-1, keepdim=True)
+            out += (self.expert_rows(index, x) * weight).to(out.dtype)
+        return out
+
+# %% [markdown] tags=["en"]
+# ## Build it: the model
+#
+# `Qwen3MoeModel` overrides one method of chapter 05's model, `make_layer`: a sparse layer gets a
+# `SparseMoeBlock`, the others the dense MLP. `Qwen3MoeForCausalLM` is Qwen3's causal LM with
+# that model under its LM head, and the registry learns the architecture's name, so that a
+# directory whose `config.json` says `Qwen3MoeForCausalLM` loads like any other. The tiny models
+# of chapter 05 gain a `qwen3_moe` kind: 8 experts of width 32, two per token, in both layers.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：模型
+#
+# `Qwen3MoeModel` 只覆盖第 05 章模型的一个方法 `make_layer`：稀疏层得到一个 `SparseMoeBlock`，其余层得到稠密 MLP。
+# `Qwen3MoeForCausalLM` 就是 Qwen3 的因果语言模型，只是 LM head 下面换成了这个模型；注册表记下这个架构的名字，
+# 于是 `config.json` 写着 `Qwen3MoeForCausalLM` 的目录能像其他模型一样加载。第 05 章的小模型多了一种
+# `qwen3_moe`：8 个宽 32 的专家，每个 token 选两个，两层都是稀疏层。
+
+# %% moe model
+#| export models.qwen3_moe
+def is_sparse_layer(config: Any, index: int) -> bool:
+    """Whether layer ``index`` has experts: not in mlp_only_layers, and on the decoder_sparse_step grid."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (index not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0
+            and (index + 1) % step == 0)
+
+
+class Qwen3MoeModel(Qwen3Model):
+    """Qwen3 whose sparse layers have a router and experts instead of the dense MLP."""
+
+    def make_layer(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], index: int) -> nn.Module:
+        mlp = None
+        if is_sparse_layer(config, index):
+            mlp = SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                                 config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act)
+        return Qwen3DecoderLayer(config, rotary_emb, switches, mlp)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B...): Qwen3 with sparse layers."""
+
+    model_class = Qwen3MoeModel
+
+# %% moe registry
+#| export models.registry
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from nanovllm.models.registry import MODEL_REGISTRY
+
+MODEL_REGISTRY["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
+
+# %% tiny moe
+#| export book.tiny_models
+from nanovllm.book.tiny_models import _COMMON, TINY_MODELS
+
+# en: Both layers sparse: 8 experts of width 32, two per token, their weights renormalized.
+# zh: 两层都是稀疏层：8 个宽 32 的专家，每个 token 选两个，权重重新归一化。
+TINY_MODELS["qwen3_moe"] = {
+    **_COMMON, "architectures": ["Qwen3MoeForCausalLM"], "tie_word_embeddings": False, "moe_intermediate_size": 32,
+    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+}
+
+# %% [markdown] tags=["en"]
+# ### See it: where the tokens of a prompt go
+#
+# The tiny MoE model, then the router of its first layer on one prompt: each token's two
+# experts, largest weight first. A hook on the block records what it receives; the router's
+# choice is a function of that.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：一个提示词的 token 都去了哪里
+#
+# 先建小的 MoE 模型，再看它第一层的路由器在一个提示词上的选择：每个 token 的两个专家，权重大的在前。块上的一个钩子
+# （hook）记录它收到的输入；路由器的选择由这个输入决定。
+
+# %%
+import torch
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.llm import LLM
+from nanovllm.models.qwen3_moe import SparseMoeBlock
+from nanovllm.sampling_params import SamplingParams
+
+tiny_moe = str(build_tiny_model("qwen3_moe"))
+llm = LLM(tiny_moe, device="cpu", kvcache_block_size=4, num_kvcache_blocks=96)
+model = llm.model_runner.model
+for index, layer in enumerate(model.model.layers):
+    print(say("layer {layer}: {kind}", layer=index, kind=say("experts") if isinstance(layer.mlp, SparseMoeBlock)
+              else say("dense MLP")))
+
+block = model.model.layers[0].mlp
+seen: list[torch.Tensor] = []
+hook = block.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0].detach().clone()))
+prompt = "The capital of France is Paris."
+llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+hook.remove()
+weights, chosen = block.route(seen[0])
+for token, experts, shares in zip(llm.tokenizer.encode(prompt), chosen.tolist(), weights.tolist(), strict=True):
+    print(say("token {token!r:>10} -> experts {experts}, weights {weights}", token=llm.tokenizer.decode([token]),
+              experts=experts, weights=[round(w, 2) for w in shares]))
+assert torch.allclose(weights.sum(-1), torch.ones(len(weights)))
+
+# %% [markdown] tags=["en"]
+# ### Check it: the same tokens as `transformers`
+#
+# Greedy decoding on the tiny MoE model, against `transformers` running the same directory, on
+# prompts that take the engine through its usual paths: whole prompts, chunked prefill (a budget
+# of 16 tokens a step), prefix-cache hits (prompts that share their first blocks), preemption (a
+# pool too small for all of them at once) and two samples of one prompt forked after the prefill.
+# Then the graph's path against the eager one, on the hidden states recorded above.
+
+# %% [markdown] tags=["zh"]
+# ### 验证：与 `transformers` 相同的 token
+#
+# 在小 MoE 模型上做贪心解码，与在同一个目录上运行的 `transformers` 比较；提示词覆盖引擎平常走的路径：整段提示词、
+# 分块 prefill（每步预算 16 个 token）、前缀缓存命中（前几个块相同的提示词）、抢占（块池小到装不下所有请求）、以及
+# 一个提示词在 prefill 之后分叉出的两个样本。然后用上面记录的隐藏状态，让图里的路径与 eager 路径互相核对。
+
+# %%
+from transformers import AutoModelForCausalLM
+
+hf = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+shared = list(range(30, 62))
+prompts = [[5, 6, 7, 8, 9], [*shared, 3, 4], [*shared, 9, 10, 11], list(range(100, 140))]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def reference(prompt: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+expected = [reference(p) for p in prompts]
+same = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)] == expected
+print(say("greedy tokens match transformers: {same}", same=same))
+assert same
+cases = {
+    "chunked prefill": dict(max_num_batched_tokens=16, max_num_seqs=4),
+    "prefix hits": dict(),
+    "preemption": dict(num_kvcache_blocks=20),
+}
+for case, settings in cases.items():
+    engine = LLM(tiny_moe, device="cpu", kvcache_block_size=4, **{"num_kvcache_blocks": 96, **settings})
+    if case == "prefix hits":
+        # en: the shared prefix is computed once, then found in the cache
+        # zh: 共享的前缀只算一次，之后在缓存里找到
+        engine.generate(prompts[1:2], greedy, use_tqdm=False)
+    outputs = [o["token_ids"] for o in engine.generate(prompts, greedy, use_tqdm=False)]
+    print(say("{case}: {same}", case=say(case), same=outputs == expected))
+    assert outputs == expected
+    engine.exit()
+forked = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2), use_tqdm=False)
+assert [o["token_ids"] for o in forked[0]["outputs"]] == [expected[0]] * 2
+print(say("{case}: {same}", case=say("n = 2"), same=True))
+
+weights, chosen = block.route(seen[0])
+gap = (block.every_expert(seen[0], weights, chosen) - block.chosen_experts(seen[0], weights, chosen)).abs().max()
+print(say("every expert, weighted: max |difference| {gap:.1e}", gap=gap.item()))
+assert gap < 1e-5
+
+# %% [markdown] tags=["en"]
+# ## How much of the weights a step reads
+#
+# A dense model's decode step reads every weight once, whatever the batch (chapter 14's bound).
+# A sparse layer's step reads the router, and then only the experts that at least one token of
+# the batch chose. One token reads k experts; a batch of B tokens reads the union of their
+# choices. If the router spread tokens uniformly, an expert would be missed by all B tokens with
+# probability (1 − k/E)^B, so a step would touch E · (1 − (1 − k/E)^B) experts on average. Below,
+# the tiny model's first layer on batches of 1, 4 and 16 decode tokens (the prompts of the check
+# above and more), next to that formula. (A trained router is not uniform; a random one is close
+# to it.)
+
+# %% [markdown] tags=["zh"]
+# ## 一步读多少权重
+#
+# 稠密模型的 decode 步不管批次多大，都把每个权重读一次（第 14 章的上限）。稀疏层的一步先读路由器，然后只读批次里
+# 至少被一个 token 选中的专家。一个 token 读 k 个专家；B 个 token 的批次读它们所选专家的并集。如果路由器把 token
+# 均匀地分出去，一个专家被 B 个 token 全部错过的概率是 (1 − k/E)^B，于是一步平均用到 E · (1 − (1 − k/E)^B) 个专家。
+# 下面是小模型的第一层在 1、4、16 个 decode token 的批次上的情况（提示词取自上面的检查，再加一些），旁边是这个公式。
+# （训练过的路由器并不均匀；随机的路由器接近均匀。）
+
+# %%
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts a step of ``tokens`` tokens touches on average when each token picks ``top_k`` of ``num_experts``
+    uniformly."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+touched: list[int] = []
+hook = block.register_forward_hook(lambda module, inputs, output: touched.append(
+    len(module.route(inputs[0])[1].unique())) if inputs[0].shape[0] == width else None)
+print(f"{say('tokens in the step'):>12} {say('experts touched (of {experts})', experts=8):>24} "
+      f"{say('uniform routing'):>14}")
+for width in (1, 4, 16):
+    touched.clear()
+    batch = [list(range(10 + 7 * i, 22 + 7 * i)) for i in range(width)]
+    llm.generate(batch, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    mean = sum(touched) / len(touched)
+    print(f"{width:>12} {mean:>24.2f} {expected_experts(8, 2, width):>14.2f}")
+    assert 2 <= mean <= 8
+hook.remove()
+
+# %% [markdown] tags=["en"]
+# On Qwen3-30B-A3B's shapes (48 layers, hidden 2,048, 32 query and 4 KV heads of 128, 128 experts
+# of width 768, 8 per token, a vocabulary of 151,936, bfloat16) an expert is 9.4 MB and a layer's
+# experts 1.2 GB. The step's bound then counts the attention weights, the LM head, the router and
+# the experts touched (KV left out here; at batch 1 it is small): at batch 1 a step reads about a
+# tenth of the weights, at 64 tokens almost all of them, since 128 · (1 − (120/128)^64) ≈ 126.
+# Batching buys less than in a dense model before the bound becomes "all the weights" again.
+# (The benchmark's router-aware bound, which counts the experts the router actually chose in each
+# step, is the next step of this chapter's issue.)
+
+# %% [markdown] tags=["zh"]
+# 按 Qwen3-30B-A3B 的形状（48 层，hidden 2,048，32 个查询头和 4 个 KV 头、每头 128，128 个宽 768 的专家、每个 token
+# 选 8 个，词表 151,936，bfloat16），一个专家 9.4 MB，一层的专家共 1.2 GB。一步的上限于是算上注意力权重、LM head、
+# 路由器和用到的专家（这里不算 KV；批大小为 1 时它很小）：批大小为 1 时一步只读大约十分之一的权重，64 个 token 时
+# 几乎全部都要读，因为 128 · (1 − (120/128)^64) ≈ 126。在上限重新变成"全部权重"之前，组批带来的好处比稠密模型少。
+# （基准测试里按路由器实际选择、逐步计算的上限，是本章议题的下一步。）
+
+# %%
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, WIDTH, VOCAB = 2048, 48, 32, 4, 128, 128, 8, 768, 151936
+BYTES, COPY_RATE = 2, 4.3e12
+expert_bytes = 3 * HIDDEN * WIDTH * BYTES
+attention_bytes = (HIDDEN * (HEADS + 2 * KV_HEADS) * HEAD_DIM + HEADS * HEAD_DIM * HIDDEN) * BYTES
+fixed_bytes = LAYERS * (attention_bytes + EXPERTS * HIDDEN * BYTES) + VOCAB * HIDDEN * BYTES
+dense_bytes = fixed_bytes + LAYERS * EXPERTS * expert_bytes
+reads = {}
+for batch in (1, 8, 64, 256):
+    reads[batch] = fixed_bytes + LAYERS * expected_experts(EXPERTS, TOP_K, batch) * expert_bytes
+    print(say("Qwen3-30B-A3B, batch {batch:>3}: reads {read:5.1f} GB of {dense:5.1f} GB ({share:5.1%}), "
+              "bound {ms:5.2f} ms", batch=batch, read=reads[batch] / 1e9, dense=dense_bytes / 1e9,
+              share=reads[batch] / dense_bytes, ms=reads[batch] / COPY_RATE * 1e3))
+assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and reads[64] > 0.97 * dense_bytes
+
+# %% [markdown] tags=["en"]
+# ## One matmul of many: sort the tokens by expert
+#
+# The loop of `chosen_experts` launches three matmuls per chosen expert: with 128 experts and a
+# batch that touches all of them, 384 small matmuls per layer, each too small to keep a GPU busy,
+# and a host that must learn each expert's token count before it can launch anything. The fused
+# MoE kernels of vLLM and SGLang start from one rearrangement: list the (token, expert) pairs,
+# sort them by expert, and pad each expert's run to a multiple of the kernel's tile height.
+# Then every tile of rows belongs to one expert, and a single grouped matmul, whose program for
+# tile t reads the weights of expert `tile_expert[t]`, computes every expert at once, in shapes
+# fixed by the batch (the padding is bounded by `num_experts · (tile − 1)` rows), which is what a
+# CUDA graph needs. The same sort gives the bound above for free: the experts with a non-empty
+# run are the ones the step must read. Below, the sort in torch, and the grouped product checked
+# against the loop; the Triton kernel that runs it on the GPU comes next in this chapter's issue.
+
+# %% [markdown] tags=["zh"]
+# ## 把许多个矩阵乘法变成一个：按专家给 token 排序
+#
+# `chosen_experts` 的循环对每个选中的专家启动三个矩阵乘法：有 128 个专家、而批次用到了全部专家时，每层就是 384 个
+# 小矩阵乘法，每个都小到喂不饱 GPU；而且主机得先知道每个专家分到多少 token，才能启动任何东西。vLLM 和 SGLang 的
+# 融合 MoE 内核都从同一个重排开始：列出（token，专家）对，按专家排序，再把每个专家的那一段补齐到内核 tile 高度的
+# 整数倍。这样每个 tile 的行都属于同一个专家，一个分组矩阵乘法（第 t 个 tile 的程序读取专家 `tile_expert[t]` 的
+# 权重）就能一次算完所有专家，而且形状只由批次决定（补齐的行数不超过 `num_experts · (tile − 1)`），这正是 CUDA
+# Graph 需要的。同一次排序还顺带给出了上面的上限：段不为空的专家，正是这一步必须读取的专家。下面是用 torch 写的
+# 排序，以及与循环核对过的分组乘积；在 GPU 上运行它的 Triton 内核是本章议题的下一步。
+
+# %%
+def align_by_expert(chosen: torch.Tensor, num_experts: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs sorted by expert, each expert's run padded to a multiple of ``tile`` with -1:
+    (pair index per row [rows], expert per tile [rows // tile])."""
+    pairs = chosen.flatten()
+    order = torch.argsort(pairs, stable=True)
+    counts = torch.bincount(pairs, minlength=num_experts)
+    padded = (counts + tile - 1) // tile * tile
+    rows = torch.full((int(padded.sum()),), -1, dtype=torch.long)
+    starts = torch.cumsum(padded, 0) - padded
+    ends = torch.cumsum(counts, 0) - counts
+    for expert in range(num_experts):
+        rows[starts[expert]:starts[expert] + counts[expert]] = order[ends[expert]:ends[expert] + counts[expert]]
+    tile_expert = torch.repeat_interleave(torch.arange(num_experts), padded // tile)
+    return rows, tile_expert
+
+
+x = seen[0]
+weights, chosen = block.route(x)
+rows, tile_expert = align_by_expert(chosen, block.num_experts, tile=4)
+print(say("sorted by expert: {order}", order=chosen.flatten()[rows.clamp(min=0)].where(rows >= 0, -1).tolist()))
+print(say("tiles of {tile} rows: experts {experts}", tile=4, experts=tile_expert.tolist()))
+grouped = torch.zeros_like(x)
+for t, expert in enumerate(tile_expert.tolist()):
+    pair = rows[4 * t:4 * t + 4]
+    pair = pair[pair >= 0]
+    token, slot = pair // block.top_k, pair % block.top_k
+    grouped.index_add_(0, token, block.expert_rows(expert, x[token]) * weights[token, slot, None])
+assert (grouped - block.chosen_experts(x, weights, chosen)).abs().max() < 1e-5
+assert len(rows) <= chosen.numel() + block.num_experts * 3
+assert set(tile_expert.tolist()) == set(chosen.unique().tolist())
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm.models.qwen3_moe`: `SparseMoeBlock` (router with top-k and `norm_topk_prob`, experts
+#   as `Qwen3MLP`s, the chosen-experts loop and its fixed-shape twin for CUDA graphs, one
+#   all-reduce under tensor parallelism), `is_sparse_layer`, `Qwen3MoeModel` and
+#   `Qwen3MoeForCausalLM`, registered under `Qwen3MoeForCausalLM`; token-exact with
+#   `transformers` on the tiny `qwen3_moe` model through chunked prefill, prefix hits, preemption
+#   and forks.
+# - Chapter 05's model gained the two seams this needed: `Qwen3DecoderLayer(..., mlp=...)` and
+#   `Qwen3Model.make_layer`; the tiny models write a MoE's experts as checkpoints do (one tensor
+#   per expert).
+# - The arithmetic of a step's reads with a router, and the sort by expert that a fused kernel
+#   starts from. Not yet here: the fused Triton kernel, the benchmark's router-aware bound and a
+#   Qwen3-30B-A3B-shaped preset, and a player of the routing (issue 38 keeps them).
+#
+# ## Exercises
+#
+# 1. A 6-layer Qwen3-MoE config has `decoder_sparse_step = 2` and `mlp_only_layers = [3]`. Which
+#    layers have experts?
+# 2. With uniform routing, 128 experts and 8 per token, how many experts does a step of 16 tokens
+#    touch on average?
+# 3. Turn `norm_topk_prob` off in the tiny model's first layer. What do a token's weights add up
+#    to, and why is that a problem for the layer's output?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm.models.qwen3_moe`：`SparseMoeBlock`（带 top-k 和 `norm_topk_prob` 的路由器，作为 `Qwen3MLP` 的专家，
+#   只算选中专家的循环以及它供 CUDA Graph 用的固定形状版本，张量并行时只做一次 all-reduce），`is_sparse_layer`，
+#   `Qwen3MoeModel` 与 `Qwen3MoeForCausalLM`，以 `Qwen3MoeForCausalLM` 之名注册；在小的 `qwen3_moe` 模型上与
+#   `transformers` 逐 token 一致，包括分块 prefill、前缀缓存命中、抢占和分叉。
+# - 第 05 章的模型为此多了两个接缝：`Qwen3DecoderLayer(..., mlp=...)` 与 `Qwen3Model.make_layer`；小模型按检查点的
+#   方式写出 MoE 的专家（每个专家一个张量）。
+# - 带路由器时一步读取量的算术，以及融合内核赖以开始的按专家排序。还没有做的：融合的 Triton 内核、基准测试里按
+#   路由器计算的上限和 Qwen3-30B-A3B 形状的预设、路由过程的播放器（议题 38 留着它们）。
+#
+# ## 练习
+#
+# 1. 一个 6 层的 Qwen3-MoE 配置里 `decoder_sparse_step = 2`、`mlp_only_layers = [3]`。哪些层有专家？
+# 2. 均匀路由、128 个专家、每个 token 选 8 个时，一步 16 个 token 平均用到多少个专家？
+# 3. 在小模型的第一层关掉 `norm_topk_prob`。一个 token 的权重加起来是多少？为什么这对这一层的输出是个问题？
+
+# %%
+from types import SimpleNamespace
+
+from nanovllm.models.qwen3_moe import is_sparse_layer
+
+# en: Exercise 1: (i + 1) % 2 == 0 gives layers 1, 3 and 5; mlp_only_layers takes 3 out: layers 1 and 5.
+# zh: 练习 1：(i + 1) % 2 == 0 得到第 1、3、5 层；mlp_only_layers 去掉第 3 层：第 1 层和第 5 层。
+six = SimpleNamespace(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3])
+assert [i for i in range(6) if is_sparse_layer(six, i)] == [1, 5]
+
+# en: Exercise 2: 128 * (1 - (120/128) ** 16), about 82.4 of the 128.
+# zh: 练习 2：128 * (1 - (120/128) ** 16)，大约是 128 个中的 82.4 个。
+assert abs(expected_experts(128, 8, 16) - 82.4) < 0.05
+
+# en: Exercise 3: to the probability mass of its top k, less than 1: the layer's output shrinks by that factor,
+# en: differently for every token, and the model was trained with weights that add up to 1.
+# zh: 练习 3：加起来是它的 top k 的概率质量，小于 1：这一层的输出按这个比例缩小，每个 token 缩小得不一样，而模型
+# zh: 是在权重加起来为 1 的情况下训练的。
+block.norm_topk_prob = False
+raw, _ = block.route(seen[0])
+block.norm_topk_prob = True
+assert (raw.sum(-1) < 1).all() and torch.allclose(block.route(seen[0])[0].sum(-1), torch.ones(len(raw)))
+llm.exit()
+print(say("all exercise answers check out"))

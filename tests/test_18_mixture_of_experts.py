@@ -1,0 +1,196 @@
+"""Chapter 18: Qwen3-MoE against transformers (greedy, token for token) on tiny random MoE models, the router, the
+fixed-shape path a CUDA graph captures, tensor parallelism over gloo, and what the rest of the engine must leave
+alone in a sparse layer."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from nanovllm.book.tiny_models import TINY_VOCAB_SIZE, build_tiny_model
+from nanovllm.config import check_tensor_parallel_size
+from nanovllm.llm import LLM
+from nanovllm.models.loader import ModelLoadError
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, is_sparse_layer
+from nanovllm.models.registry import get_model_class
+from nanovllm.sampling_params import SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Expert counts, top-k, renormalization and which layers are sparse: a spread of Qwen3-MoE configs.
+VARIANTS = {
+    "8x2-norm": {},
+    "4x1": {"num_experts": 4, "num_experts_per_tok": 1},
+    "6x3-raw": {"num_experts": 6, "num_experts_per_tok": 3, "norm_topk_prob": False},
+    "dense-first": {"num_hidden_layers": 3, "mlp_only_layers": [0]},
+    "every-second": {"num_hidden_layers": 4, "decoder_sparse_step": 2},
+}
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, TINY_VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(path: Path, prompts: list[list[int]]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, do_sample=False)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def generated(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe() -> Path:
+    return build_tiny_model("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_moe: Path) -> dict[str, list]:
+    prompts = prompts_of([1, 4, 9, 17, 33])
+    return {"prompts": prompts, "tokens": hf_greedy(tiny_moe, prompts)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_tokens_match_transformers_across_moe_configs(variant: str) -> None:
+    path = build_tiny_model("qwen3_moe", **VARIANTS[variant])
+    prompts = prompts_of([2, 7, 20], seed=1)
+    llm = LLM(str(path), kvcache_block_size=4, num_kvcache_blocks=64)
+    try:
+        assert generated(llm, prompts) == hf_greedy(path, prompts)
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("regime", ["chunked", "preempting", "prefix-hits"])
+def test_greedy_tokens_match_under_chunking_preemption_and_prefix_hits(tiny_moe: Path, reference, regime: str,
+                                                                       async_scheduling: bool) -> None:
+    settings = {"chunked": {"max_num_batched_tokens": 8, "max_num_seqs": 3}, "preempting": {"num_kvcache_blocks": 16},
+                "prefix-hits": {}}[regime]
+    llm = LLM(str(tiny_moe), kvcache_block_size=4, async_scheduling=async_scheduling,
+              **{"num_kvcache_blocks": 128, **settings})
+    hits: list[int] = []
+    try:
+        if regime == "prefix-hits":
+            generated(llm, reference["prompts"])
+            llm.scheduler.observer = lambda event, data: hits.extend(
+                len(blocks) for blocks in data["cache_hits"].values()) if event == "schedule" else None
+        assert generated(llm, reference["prompts"]) == reference["tokens"]
+        assert (sum(hits) > 0) == (regime == "prefix-hits")
+    finally:
+        llm.exit()
+
+
+def test_forked_samples_share_the_prompt_and_decode_as_one(tiny_moe: Path, reference) -> None:
+    """n = 2 forks after the prefill (the shared last block copied on the first write): both greedy samples are the
+    tokens of the prompt alone."""
+    llm = LLM(str(tiny_moe), kvcache_block_size=4, num_kvcache_blocks=64)
+    try:
+        outputs = llm.generate(reference["prompts"][2:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                         ignore_eos=True, n=2), use_tqdm=False)
+        assert [[s["token_ids"] for s in o["outputs"]] for o in outputs] == [[t, t] for t in reference["tokens"][2:4]]
+    finally:
+        llm.exit()
+
+
+def test_tensor_parallel_ranks_give_the_tokens_of_one_process(tiny_moe: Path, reference) -> None:
+    """TP=2 over gloo: each rank holds half of every expert's width; one all-reduce per sparse block."""
+    llm = LLM(str(tiny_moe), tensor_parallel_size=2, kvcache_block_size=4, num_kvcache_blocks=64)
+    try:
+        assert generated(llm, reference["prompts"]) == reference["tokens"]
+    finally:
+        llm.exit()
+
+
+def random_block(seed: int, **sizes: int | bool) -> SparseMoeBlock:
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(16, 8, **sizes)
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    return block
+
+
+def test_route_keeps_the_top_k_renormalized_largest_first() -> None:
+    block = random_block(0, num_experts=6, top_k=3, norm_topk_prob=True)
+    x = torch.randn(5, 16)
+    weights, chosen = block.route(x)
+    probs = torch.softmax(block.gate(x), dim=-1)
+    assert chosen.shape == (5, 3) and torch.allclose(weights.sum(-1), torch.ones(5))
+    assert torch.equal(chosen, probs.topk(3).indices) and (weights[:, :-1] >= weights[:, 1:]).all()
+    block.norm_topk_prob = False
+    raw, _ = block.route(x)
+    assert torch.allclose(raw, probs.topk(3).values)
+    with pytest.raises(ValueError, match="num_experts_per_tok must be from 1 to num_experts"):
+        SparseMoeBlock(16, 8, num_experts=4, top_k=5, norm_topk_prob=True)
+
+
+def test_the_fixed_shape_path_equals_the_chosen_experts_loop() -> None:
+    """What a CUDA graph captures (every expert on every token, weighted) against the eager loop."""
+    block = random_block(1, num_experts=8, top_k=2, norm_topk_prob=True)
+    x = torch.randn(11, 16)
+    weights, chosen = block.route(x)
+    torch.testing.assert_close(block.every_expert(x, weights, chosen), block.chosen_experts(x, weights, chosen))
+    # And the loop is the definition: each token, its k experts, weighted.
+    rows = [sum(w * block.expert_rows(e, x[t : t + 1])[0] for w, e in zip(weights[t], chosen[t].tolist(), strict=True))
+            for t in range(11)]
+    torch.testing.assert_close(block(x), torch.stack(rows))
+
+
+def test_sparse_layers_follow_the_config() -> None:
+    config = SimpleNamespace(num_experts=8, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert [i for i in range(6) if is_sparse_layer(config, i)] == [1, 5]
+    assert not any(is_sparse_layer(SimpleNamespace(num_experts=0, decoder_sparse_step=1, mlp_only_layers=[]), i)
+                   for i in range(4))
+    assert get_model_class(["Qwen3MoeForCausalLM"]) is Qwen3MoeForCausalLM
+
+
+def test_the_fused_decode_layer_leaves_sparse_layers_alone(tiny_moe: Path) -> None:
+    """Its kernels know a dense gated MLP: a layer with experts keeps its own path (the dense layers of a MoE
+    model still get it)."""
+    from nanovllm.layers.fused_decode import fuse_decode_layers
+
+    path = build_tiny_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    llm = LLM(str(path), kvcache_block_size=4, num_kvcache_blocks=32)
+    try:
+        model = llm.model_runner.model
+        assert fuse_decode_layers(model) == 1
+        assert [layer.fused_forward is not None for layer in model.model.layers] == [False, True, False]
+    finally:
+        llm.exit()
+
+
+def test_tensor_parallel_size_must_divide_the_expert_width() -> None:
+    config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64, vocab_size=512,
+                             moe_intermediate_size=30)
+    check_tensor_parallel_size(config, 2)
+    with pytest.raises(ValueError, match="does not divide moe_intermediate_size=30"):
+        check_tensor_parallel_size(config, 4)
+
+
+def test_a_checkpoint_missing_an_expert_is_refused_by_name(tiny_moe: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for file in tiny_moe.iterdir():
+        if file.is_file() and file.suffix != ".safetensors":
+            (broken / file.name).write_bytes(file.read_bytes())
+    weights = load_file(str(tiny_moe / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.5.up_proj.weight" in weights and "model.layers.0.mlp.gate.weight" in weights
+    del weights["model.layers.0.mlp.experts.5.up_proj.weight"]
+    save_file(weights, str(broken / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"experts\.5\.up_proj"):
+        LLM(str(broken), kvcache_block_size=4, num_kvcache_blocks=16)
