@@ -33,6 +33,18 @@
 # 批次选中的专家时的上限。本章之前的内容都不知道专家的存在：第 05 章的模型把 MLP 交给每一层，本章交给其中一些层
 # 另一种 MLP。
 
+# %%
+# en: The fused MoE kernel at the end of this chapter is Triton: without a GPU it runs in the interpreter, which must
+# en: be chosen before Triton is first imported (chapter 06b).
+# zh: 本章最后的融合 MoE 内核是 Triton 写的：没有 GPU 时它在解释器里运行，而这必须在第一次导入 Triton 之前选定
+# zh: （第 06b 章）。
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
 # %% printed phrases
 #| hide
 # en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
@@ -51,6 +63,7 @@ say = Phrases({
     "tokens in the step": "步中的 token 数", "experts touched (of {experts})": "用到的专家（共 {experts} 个）",
     "uniform routing": "均匀路由",
     "sorted by expert: {order}": "按专家排序后：{order}",
+    "fused kernels against the loop: max |difference| {gap:.1e}": "融合内核对比循环：最大 |差值| {gap:.1e}",
     "tiles of {tile} rows: experts {experts}": "每个 tile {tile} 行：专家 {experts}",
     "Qwen3-30B-A3B, batch {batch:>3}: reads {read:5.1f} GB of {dense:5.1f} GB ({share:5.1%}), "
     "bound {ms:5.2f} ms":
@@ -168,6 +181,10 @@ class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: a router picks ``top_k`` of ``num_experts`` experts per token; the output is
     the chosen experts' outputs, weighted by the router."""
 
+    # en: The experts in two grouped Triton kernels, once `fuse_moe_layers` hands the block them.
+    # zh: 两个分组的 Triton 内核完成所有专家的计算，由 `fuse_moe_layers` 交给这个块。
+    fused_experts = None
+
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  hidden_act: str = "silu") -> None:
         super().__init__()
@@ -189,10 +206,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.fused_experts is not None:
+            out = self.fused_experts(x, weights, chosen)
         # en: A CUDA graph records fixed shapes: while one is captured, every expert runs on every token.
         # zh: CUDA Graph 记录的是固定的形状：捕获图的时候，每个专家都对每个 token 计算。
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = self.every_expert(x, weights, chosen) if capturing else self.chosen_experts(x, weights, chosen)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self.every_expert(x, weights, chosen)
+        else:
+            out = self.chosen_experts(x, weights, chosen)
         if self.tp_size > 1:
             # en: each rank holds a slice of every expert's width: its sum is partial
             # zh: 每个 rank 持有每个专家宽度的一片：它算出的和是部分和
@@ -459,56 +480,233 @@ assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and
 # batch that touches all of them, 384 small matmuls per layer, each too small to keep a GPU busy,
 # and a host that must learn each expert's token count before it can launch anything. The fused
 # MoE kernels of vLLM and SGLang start from one rearrangement: list the (token, expert) pairs,
-# sort them by expert, and pad each expert's run to a multiple of the kernel's tile height.
-# Then every tile of rows belongs to one expert, and a single grouped matmul, whose program for
-# tile t reads the weights of expert `tile_expert[t]`, computes every expert at once, in shapes
-# fixed by the batch (the padding is bounded by `num_experts · (tile − 1)` rows), which is what a
-# CUDA graph needs. The same sort gives the bound above for free: the experts with a non-empty
-# run are the ones the step must read. Below, the sort in torch, and the grouped product checked
-# against the loop; the Triton kernel that runs it on the GPU comes next in this chapter's issue.
+# sort them by expert, and pad each expert's run to a multiple of the kernel's tile height
+# (`block_m`). Then every tile of rows belongs to one expert, and a single grouped matmul, whose
+# program for tile t reads the weights of expert `tile_expert[t]`, computes every expert at once.
+# `align_by_expert` does the sort without a loop and without asking the host anything: the
+# output has room for the worst case, `T · k + num_experts · (block_m − 1)` rows, so its shapes
+# depend on the number of tokens alone, which is what a CUDA graph needs; the rows it does not
+# use hold the pair count `T · k` (no pair), and the tiles past the last run name expert
+# `num_experts` (no expert). The same sort gives the bound above for free: the experts with a
+# non-empty run are the ones the step must read.
+#
+# `fused_moe` then runs two Triton kernels over those tiles. The first gathers each pair's token,
+# multiplies it by its expert's merged gate/up weight and applies SiLU × mul in registers,
+# writing one row per pair; the second multiplies those rows by the expert's down weight and
+# scales each by its router weight. Each token's k rows are then added up. The stacked weights
+# come from `fuse_moe_layers`, which stacks each block's experts once after loading and leaves
+# every expert's parameters as views into the stacks, so no weight is held twice.
 
 # %% [markdown] tags=["zh"]
 # ## 把许多个矩阵乘法变成一个：按专家给 token 排序
 #
 # `chosen_experts` 的循环对每个选中的专家启动三个矩阵乘法：有 128 个专家、而批次用到了全部专家时，每层就是 384 个
 # 小矩阵乘法，每个都小到喂不饱 GPU；而且主机得先知道每个专家分到多少 token，才能启动任何东西。vLLM 和 SGLang 的
-# 融合 MoE 内核都从同一个重排开始：列出（token，专家）对，按专家排序，再把每个专家的那一段补齐到内核 tile 高度的
-# 整数倍。这样每个 tile 的行都属于同一个专家，一个分组矩阵乘法（第 t 个 tile 的程序读取专家 `tile_expert[t]` 的
-# 权重）就能一次算完所有专家，而且形状只由批次决定（补齐的行数不超过 `num_experts · (tile − 1)`），这正是 CUDA
-# Graph 需要的。同一次排序还顺带给出了上面的上限：段不为空的专家，正是这一步必须读取的专家。下面是用 torch 写的
-# 排序，以及与循环核对过的分组乘积；在 GPU 上运行它的 Triton 内核是本章议题的下一步。
+# 融合 MoE 内核都从同一个重排开始：列出（token，专家）对，按专家排序，再把每个专家的那一段补齐到内核 tile 高度
+# （`block_m`）的整数倍。这样每个 tile 的行都属于同一个专家，一个分组矩阵乘法（第 t 个 tile 的程序读取专家
+# `tile_expert[t]` 的权重）就能一次算完所有专家。`align_by_expert` 做这个排序时既不用循环，也不问主机任何事：
+# 输出按最坏情况留足空间，`T · k + num_experts · (block_m − 1)` 行，所以它的形状只取决于 token 数，这正是 CUDA
+# Graph 需要的；没用到的行填的是对数 `T · k`（表示没有这一对），最后一段之后的 tile 标为专家 `num_experts`
+# （表示没有专家）。同一次排序还顺带给出了上面的上限：段不为空的专家，正是这一步必须读取的专家。
+#
+# 然后 `fused_moe` 在这些 tile 上运行两个 Triton 内核。第一个取出每一对的 token，乘以它的专家合并后的 gate/up
+# 权重，在寄存器里做 SiLU × mul，每一对写一行；第二个把这些行乘以专家的 down 权重，再按路由器权重缩放。最后把每个
+# token 的 k 行加起来。堆叠好的权重来自 `fuse_moe_layers`：它在加载之后把每个块的专家堆叠一次，并让每个专家的
+# 参数成为堆叠张量的视图，所以没有哪个权重存了两份。
+
+# %% fused moe
+#| export layers.fused_moe
+"""The experts of a sparse layer in two Triton kernels: tokens sorted by expert and padded to the tile, one grouped
+matmul for gate/up with SiLU x mul, one for down with the router's weights applied."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def align_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ``chosen`` [T, top_k], flattened (pair p is token p // top_k, slot p % top_k),
+    sorted by expert, each expert's run padded to a multiple of ``block_m`` rows with the pair count T * top_k:
+    (pair per row [rows], expert per tile of block_m rows [rows // block_m], num_experts past the last run).
+    Every shape depends on T alone, never on the routing, so a CUDA graph can capture it."""
+    pairs = chosen.flatten()
+    count = pairs.numel()
+    per_expert = torch.zeros(num_experts, dtype=torch.long, device=pairs.device)
+    per_expert.scatter_add_(0, pairs, torch.ones_like(pairs))
+    padded = (per_expert + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(pairs, stable=True)
+    by_expert = pairs[order]
+    # en: Where each pair goes: its expert's first padded row, plus its rank among that expert's pairs.
+    # zh: 每一对放到哪里：它的专家那一段的第一行，加上它在这个专家的各对里的名次。
+    rank = torch.arange(count, device=pairs.device) - (torch.cumsum(per_expert, 0) - per_expert)[by_expert]
+    max_rows = triton.cdiv(count + num_experts * (block_m - 1), block_m) * block_m
+    rows = torch.full((max_rows,), count, dtype=torch.long, device=pairs.device)
+    rows[(ends - padded)[by_expert] + rank] = order
+    tile_starts = torch.arange(0, max_rows, block_m, device=pairs.device)
+    return rows, torch.searchsorted(ends, tile_starts, right=True)
+
+
+@triton.jit
+def grouped_expert_kernel(
+    a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, weights_ptr, num_pairs, N, K, top_k,
+    stride_a, stride_we, stride_wn, stride_out,
+    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, GLU: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    # en: Program (tile t, column block c): the BLOCK_M rows of tile t, all of one expert, times that expert's
+    # en: weight, output columns [c * BLOCK_N, (c + 1) * BLOCK_N).
+    # zh: 程序（tile t，列块 c）：tile t 的 BLOCK_M 行（都属于同一个专家）乘以这个专家的权重，输出第
+    # zh: [c * BLOCK_N, (c + 1) * BLOCK_N) 列。
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < NUM_EXPERTS:
+        pairs = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pairs < num_pairs
+        # en: The first matmul reads the tokens' hidden states, the second the pairs' own rows.
+        # zh: 第一个矩阵乘法读 token 的隐藏状态，第二个读每一对自己的那一行。
+        a_rows = pairs // top_k if GATHER else pairs
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=valid[:, None] & k_mask[None, :],
+                        other=0.0)
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            if UPCAST:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc)
+            if GLU:
+                # en: The up rows sit N rows below the gate rows in the merged gate_up weight.
+                # zh: 在合并的 gate_up 权重里，up 的行在 gate 的行下方 N 行处。
+                w = tl.load(w_base + (N + cols)[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+                if UPCAST:
+                    w = w.to(tl.float32)
+                up = tl.dot(a, tl.trans(w), up)
+        dtype = out_ptr.dtype.element_ty
+        # en: Rounded to the model's dtype where the unfused layers hold a tensor of it.
+        # zh: 在不融合的各层持有该数据类型张量的地方，舍入到模型的数据类型。
+        result = acc.to(dtype).to(tl.float32)
+        if GLU:
+            result = (result * tl.sigmoid(result)).to(dtype).to(tl.float32) * up.to(dtype).to(tl.float32)
+        if WEIGHTED:
+            weight = tl.load(weights_ptr + pairs, mask=valid, other=0.0).to(tl.float32)
+            result = result * weight[:, None]
+        tl.store(out_ptr + pairs[:, None] * stride_out + cols[None, :], result.to(dtype),
+                 mask=valid[:, None] & col_mask[None, :])
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+              block_m: int = 16, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+    """The experts' output for tokens ``x`` [T, H]: ``w13`` [E, 2I, H] the experts' merged gate/up weights,
+    ``w2`` [E, H, I] their down weights, ``weights`` and ``chosen`` [T, top_k] the router's (`SparseMoeBlock.route`).
+    Two grouped matmuls over the pairs sorted by expert, then each token's top_k rows added up."""
+    tokens, hidden = x.shape
+    num_experts, width = w13.shape[0], w13.shape[1] // 2
+    top_k = chosen.shape[1]
+    if w2.shape != (num_experts, hidden, width) or w13.shape[2] != hidden:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit tokens of {hidden} and "
+                         f"{num_experts} experts of width {width}")
+    if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("fused_moe needs rows of contiguous elements")
+    pairs = tokens * top_k
+    rows, tile_expert = align_by_expert(chosen, num_experts, block_m)
+    # en: The Triton interpreter gets tl.dot of 16-bit floats wrong: there the tiles go up to float32 first.
+    # zh: Triton 解释器算 16 位浮点的 tl.dot 会出错：在那里 tile 先升到 float32。
+    upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    flat_weights = weights.reshape(pairs).contiguous()
+    activated = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
+    grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(width, block_n))](
+        x, w13, activated, rows, tile_expert, flat_weights, pairs, width, hidden, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=True, GLU=True,
+        WEIGHTED=False, UPCAST=upcast,
+    )  # fmt: skip
+    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
+        activated, w2, out, rows, tile_expert, flat_weights, pairs, hidden, width, top_k,
+        activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=False, GLU=False,
+        WEIGHTED=True, UPCAST=upcast,
+    )  # fmt: skip
+    return out.view(tokens, top_k, hidden).sum(dim=1)
+
+# %% fuse moe layers
+#| export models.qwen3_moe
+class FusedExperts:
+    """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
+
+    def __init__(self, block: SparseMoeBlock) -> None:
+        experts = block.experts
+        self.w13 = torch.stack([expert.gate_up_proj.weight.data for expert in experts])
+        self.w2 = torch.stack([expert.down_proj.weight.data for expert in experts])
+        # en: Each expert's parameters become views into the stacks: the weights are held once.
+        # zh: 每个专家的参数变成堆叠张量的视图：权重只存一份。
+        for index, expert in enumerate(experts):
+            expert.gate_up_proj.weight.data = self.w13[index]
+            expert.down_proj.weight.data = self.w2[index]
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        # en: Triton: imported only when the fused path is asked for (a CPU engine never imports it).
+        # zh: Triton 只在需要融合路径时才导入（CPU 上的引擎从不导入它）。
+        from nanovllm.layers.fused_moe import fused_moe
+
+        return fused_moe(x, self.w13, self.w2, weights, chosen)
+
+
+def fuse_moe_layers(model: nn.Module) -> int:
+    """Hand every sparse block of ``model`` its experts as two grouped kernels (`fused_moe`); returns how many."""
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    for block in blocks:
+        block.fused_experts = FusedExperts(block)
+    return len(blocks)
+
+# %% [markdown] tags=["en"]
+# ### See it: the sort, and the kernels against the loop
+#
+# The first layer's pairs for the prompt above, sorted by expert in tiles of 4 rows (`·` is an
+# unused row), then both kernels (in the Triton interpreter on a CPU) against the loop on the same
+# hidden states; then the engine with every sparse block fused, against `transformers`.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：排序，以及内核对比循环
+#
+# 上面那个提示词在第一层的各对，按专家排序、每个 tile 4 行（`·` 表示没用到的行）；然后在同样的隐藏状态上，让两个
+# 内核（在 CPU 上用 Triton 解释器运行）与循环比较；最后让所有稀疏块都融合的引擎与 `transformers` 比较。
 
 # %%
-def align_by_expert(chosen: torch.Tensor, num_experts: int, tile: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs sorted by expert, each expert's run padded to a multiple of ``tile`` with -1:
-    (pair index per row [rows], expert per tile [rows // tile])."""
-    pairs = chosen.flatten()
-    order = torch.argsort(pairs, stable=True)
-    counts = torch.bincount(pairs, minlength=num_experts)
-    padded = (counts + tile - 1) // tile * tile
-    rows = torch.full((int(padded.sum()),), -1, dtype=torch.long)
-    starts = torch.cumsum(padded, 0) - padded
-    ends = torch.cumsum(counts, 0) - counts
-    for expert in range(num_experts):
-        rows[starts[expert]:starts[expert] + counts[expert]] = order[ends[expert]:ends[expert] + counts[expert]]
-    tile_expert = torch.repeat_interleave(torch.arange(num_experts), padded // tile)
-    return rows, tile_expert
-
+from nanovllm.layers.fused_moe import align_by_expert, fused_moe
+from nanovllm.models.qwen3_moe import FusedExperts, fuse_moe_layers
 
 x = seen[0]
 weights, chosen = block.route(x)
-rows, tile_expert = align_by_expert(chosen, block.num_experts, tile=4)
-print(say("sorted by expert: {order}", order=chosen.flatten()[rows.clamp(min=0)].where(rows >= 0, -1).tolist()))
+rows, tile_expert = align_by_expert(chosen, block.num_experts, block_m=4)
+pairs = chosen.numel()
+used = [chosen.flatten()[row].item() if row < pairs else "·" for row in rows.tolist()]
+print(say("sorted by expert: {order}", order=" ".join(map(str, used))))
 print(say("tiles of {tile} rows: experts {experts}", tile=4, experts=tile_expert.tolist()))
-grouped = torch.zeros_like(x)
-for t, expert in enumerate(tile_expert.tolist()):
-    pair = rows[4 * t:4 * t + 4]
-    pair = pair[pair >= 0]
-    token, slot = pair // block.top_k, pair % block.top_k
-    grouped.index_add_(0, token, block.expert_rows(expert, x[token]) * weights[token, slot, None])
-assert (grouped - block.chosen_experts(x, weights, chosen)).abs().max() < 1e-5
-assert len(rows) <= chosen.numel() + block.num_experts * 3
-assert set(tile_expert.tolist()) == set(chosen.unique().tolist())
+assert len(rows) == (pairs + block.num_experts * 3 + 3) // 4 * 4
+assert set(tile_expert.tolist()) - {block.num_experts} == set(chosen.unique().tolist())
+
+fused = FusedExperts(block)
+gap = (fused_moe(x, fused.w13, fused.w2, weights, chosen) - block.chosen_experts(x, weights, chosen)).abs().max()
+print(say("fused kernels against the loop: max |difference| {gap:.1e}", gap=gap.item()))
+assert gap < 1e-5
+assert fuse_moe_layers(model) == 2
+# en: two of the prompts: every interpreted program costs milliseconds
+# zh: 只用其中两个提示词：解释执行的每个程序都要花几毫秒
+outputs = [o["token_ids"] for o in llm.generate(prompts[:2], greedy, use_tqdm=False)]
+print(say("greedy tokens match transformers: {same}", same=outputs == expected[:2]))
+assert outputs == expected[:2]
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -522,9 +720,14 @@ assert set(tile_expert.tolist()) == set(chosen.unique().tolist())
 # - Chapter 05's model gained the two seams this needed: `Qwen3DecoderLayer(..., mlp=...)` and
 #   `Qwen3Model.make_layer`; the tiny models write a MoE's experts as checkpoints do (one tensor
 #   per expert).
-# - The arithmetic of a step's reads with a router, and the sort by expert that a fused kernel
-#   starts from. Not yet here: the fused Triton kernel, the benchmark's router-aware bound and a
-#   Qwen3-30B-A3B-shaped preset, and a player of the routing (issue 38 keeps them).
+# - The arithmetic of a step's reads with a router.
+# - `nanovllm.layers.fused_moe`: `align_by_expert` (the pairs sorted by expert in tiles, in shapes
+#   that depend on the token count alone) and `fused_moe` (two grouped Triton kernels: gate/up
+#   with SiLU × mul, down with the router's weights); `fuse_moe_layers` and `FusedExperts` hand
+#   them to a model's sparse blocks, the experts' weights stacked and held once. Checked here in
+#   the Triton interpreter, token-exact in the engine. Not yet: measured on a GPU, and so not yet
+#   switched on by the engine; the benchmark's router-aware bound and a Qwen3-30B-A3B-shaped
+#   preset; a player of the routing (issue 38 keeps them).
 #
 # ## Exercises
 #
@@ -544,8 +747,12 @@ assert set(tile_expert.tolist()) == set(chosen.unique().tolist())
 #   `transformers` 逐 token 一致，包括分块 prefill、前缀缓存命中、抢占和分叉。
 # - 第 05 章的模型为此多了两个接缝：`Qwen3DecoderLayer(..., mlp=...)` 与 `Qwen3Model.make_layer`；小模型按检查点的
 #   方式写出 MoE 的专家（每个专家一个张量）。
-# - 带路由器时一步读取量的算术，以及融合内核赖以开始的按专家排序。还没有做的：融合的 Triton 内核、基准测试里按
-#   路由器计算的上限和 Qwen3-30B-A3B 形状的预设、路由过程的播放器（议题 38 留着它们）。
+# - 带路由器时一步读取量的算术。
+# - `nanovllm.layers.fused_moe`：`align_by_expert`（把各对按专家排序、分成 tile，形状只取决于 token 数）与
+#   `fused_moe`（两个分组的 Triton 内核：gate/up 加 SiLU × mul，down 加路由器权重）；`fuse_moe_layers` 和
+#   `FusedExperts` 把它们交给模型的稀疏块，专家权重堆叠起来、只存一份。这里在 Triton 解释器里检查过，在引擎里逐 token
+#   一致。还没有做的：在 GPU 上测量，因此引擎还没有默认打开它；基准测试里按路由器计算的上限和 Qwen3-30B-A3B 形状的
+#   预设；路由过程的播放器（议题 38 留着它们）。
 #
 # ## 练习
 #

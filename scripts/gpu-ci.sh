@@ -33,6 +33,8 @@
 #   scripts/gpu-ci.sh speculative [ARGS] # speculative decoding (chapter 17): its GPU tests, then
 #                                       # python -m nanovllm.bench --speculative ARGS (SmolLM2 quoting a passage at
 #                                       # batches 1, 4, 16, 64, with and without prompt lookup)
+#   scripts/gpu-ci.sh moe               # mixture of experts (chapter 18): its GPU tests, then scripts/moe_probe.py
+#                                       # (one Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -253,6 +255,12 @@ run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then it
     | tee "$out/speculative.log" || status=1
 }
 
+run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse layer's paths timed
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
+    tests/test_18_mixture_of_experts.py || status=1
+  python3 scripts/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
+}
+
 keep() {
   local dir
   for dir in .whl .fa4 .whl-serve .whl-smollm2; do
@@ -277,8 +285,9 @@ case $what in
   serve) run_serve "$@" ;;
   fp8) run_fp8 "$@" ;;
   speculative) run_speculative "$@" ;;
+  moe) run_moe ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | moe | keep]" >&2
      exit 2 ;;
 esac
 exit $status

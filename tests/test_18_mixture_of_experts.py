@@ -194,3 +194,110 @@ def test_a_checkpoint_missing_an_expert_is_refused_by_name(tiny_moe: Path, tmp_p
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"experts\.5\.up_proj"):
         LLM(str(broken), kvcache_block_size=4, num_kvcache_blocks=16)
+
+
+# ---- the fused kernels (the Triton interpreter on a CPU, compiled on a GPU) ----
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter gets 16-bit dots right only through float32 (fused_moe upcasts there): float16 checks that path.
+KERNEL_DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float32, torch.bfloat16]
+
+
+def stacked(block: SparseMoeBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    from nanovllm.models.qwen3_moe import FusedExperts
+
+    fused = FusedExperts(block)
+    return fused.w13, fused.w2
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_align_by_expert_sorts_every_pair_once_in_tiles_of_one_expert(tokens: int) -> None:
+    from nanovllm.layers.fused_moe import align_by_expert
+
+    num_experts, top_k, block_m = 6, 2, 4
+    generator = torch.Generator().manual_seed(tokens)
+    chosen = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    rows, tile_expert = align_by_expert(chosen, num_experts, block_m)
+    pairs = tokens * top_k
+    # Shapes from the token count alone: the worst case, rounded up to whole tiles.
+    assert len(rows) == -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    assert len(tile_expert) == len(rows) // block_m
+    used = rows[rows < pairs]
+    assert sorted(used.tolist()) == list(range(pairs)) and ((rows == pairs) | (rows < pairs)).all()
+    flat = chosen.flatten()
+    for tile, expert in enumerate(tile_expert.tolist()):
+        in_tile = rows[tile * block_m:(tile + 1) * block_m]
+        in_tile = in_tile[in_tile < pairs]
+        if expert == num_experts:
+            assert len(in_tile) == 0
+        else:
+            assert (flat[in_tile] == expert).all()
+    assert set(tile_expert.tolist()) - {num_experts} == set(flat.tolist())
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(("num_experts", "top_k", "tokens"), [(8, 2, 1), (8, 2, 13), (6, 3, 33), (4, 1, 7)])
+def test_fused_moe_matches_the_chosen_experts_loop(dtype: torch.dtype, num_experts: int, top_k: int,
+                                                   tokens: int) -> None:
+    from nanovllm.layers.fused_moe import fused_moe
+
+    block = random_block(tokens, num_experts=num_experts, top_k=top_k, norm_topk_prob=True).to(DEVICE, dtype)
+    x = torch.randn(tokens, 16, device=DEVICE, dtype=dtype)
+    weights, chosen = block.route(x)
+    expected = block.chosen_experts(x, weights, chosen)
+    w13, w2 = stacked(block)
+    got = fused_moe(x, w13, w2, weights, chosen, block_m=16, block_n=16, block_k=16)
+    tolerance = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_one_expert_for_every_token_and_bad_shapes() -> None:
+    from nanovllm.layers.fused_moe import fused_moe
+
+    block = random_block(5, num_experts=4, top_k=1, norm_topk_prob=True).to(DEVICE)
+    x = torch.randn(20, 16, device=DEVICE)
+    weights = torch.ones(20, 1, device=DEVICE)
+    chosen = torch.full((20, 1), 2, device=DEVICE)
+    w13, w2 = stacked(block)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, chosen, block_m=16, block_n=16, block_k=16),
+                               block.expert_rows(2, x))
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, w13, w2[:, :8], weights, chosen)
+
+
+def test_fused_experts_hold_the_weights_once_and_give_transformers_tokens(tiny_moe: Path, reference) -> None:
+    from nanovllm.models.qwen3_moe import fuse_moe_layers
+
+    llm = LLM(str(tiny_moe), kvcache_block_size=4, num_kvcache_blocks=64)
+    try:
+        model = llm.model_runner.model
+        assert fuse_moe_layers(model) == 2
+        block = model.model.layers[0].mlp
+        assert all(expert.gate_up_proj.weight.data_ptr() == block.fused_experts.w13[index].data_ptr()
+                   for index, expert in enumerate(block.experts))
+        prompts = reference["prompts"][:3]
+        assert generated(llm, prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) == [
+            tokens[:4] for tokens in reference["tokens"][:3]]
+    finally:
+        llm.exit()
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_in_a_cuda_graph() -> None:
+    """Its shapes depend on the token count alone: a captured graph gives the eager result for new routing."""
+    from nanovllm.layers.fused_moe import fused_moe
+
+    block = random_block(3, num_experts=8, top_k=2, norm_topk_prob=True).to("cuda", torch.bfloat16)
+    w13, w2 = stacked(block)
+    x = torch.randn(16, 16, device="cuda", dtype=torch.bfloat16)
+    weights, chosen = block.route(x)
+    fused_moe(x, w13, w2, weights, chosen)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, chosen)
+    new_x = torch.randn_like(x)
+    new_weights, new_chosen = block.route(new_x)
+    x.copy_(new_x), weights.copy_(new_weights), chosen.copy_(new_chosen)
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe(new_x, w13, w2, new_weights, new_chosen))
+    torch.testing.assert_close(out, block.chosen_experts(new_x, new_weights, new_chosen), atol=3e-2, rtol=3e-2)

@@ -15,9 +15,11 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
 
 __all__ = [
+    "FusedExperts",
     "Qwen3MoeForCausalLM",
     "Qwen3MoeModel",
     "SparseMoeBlock",
+    "fuse_moe_layers",
     "is_sparse_layer",
 ]
 
@@ -26,6 +28,9 @@ __all__ = [
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: a router picks ``top_k`` of ``num_experts`` experts per token; the output is
     the chosen experts' outputs, weighted by the router."""
+
+    # The experts in two grouped Triton kernels, once `fuse_moe_layers` hands the block them.
+    fused_experts = None
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  hidden_act: str = "silu") -> None:
@@ -48,9 +53,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.fused_experts is not None:
+            out = self.fused_experts(x, weights, chosen)
         # A CUDA graph records fixed shapes: while one is captured, every expert runs on every token.
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = self.every_expert(x, weights, chosen) if capturing else self.chosen_experts(x, weights, chosen)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self.every_expert(x, weights, chosen)
+        else:
+            out = self.chosen_experts(x, weights, chosen)
         if self.tp_size > 1:
             # each rank holds a slice of every expert's width: its sum is partial
             dist.all_reduce(out)
@@ -101,3 +110,31 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B...): Qwen3 with sparse layers."""
 
     model_class = Qwen3MoeModel
+
+
+# notebooks/18_mixture_of_experts.py · cell "fuse moe layers"
+class FusedExperts:
+    """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
+
+    def __init__(self, block: SparseMoeBlock) -> None:
+        experts = block.experts
+        self.w13 = torch.stack([expert.gate_up_proj.weight.data for expert in experts])
+        self.w2 = torch.stack([expert.down_proj.weight.data for expert in experts])
+        # Each expert's parameters become views into the stacks: the weights are held once.
+        for index, expert in enumerate(experts):
+            expert.gate_up_proj.weight.data = self.w13[index]
+            expert.down_proj.weight.data = self.w2[index]
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        # Triton: imported only when the fused path is asked for (a CPU engine never imports it).
+        from nanovllm.layers.fused_moe import fused_moe
+
+        return fused_moe(x, self.w13, self.w2, weights, chosen)
+
+
+def fuse_moe_layers(model: nn.Module) -> int:
+    """Hand every sparse block of ``model`` its experts as two grouped kernels (`fused_moe`); returns how many."""
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    for block in blocks:
+        block.fused_experts = FusedExperts(block)
+    return len(blocks)
