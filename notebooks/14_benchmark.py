@@ -271,22 +271,43 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
 
 # %% bench bound
 #| export bench.engine
+from collections.abc import Callable
 from typing import Any
 
+# en: How many parameters layer `index`'s MLP has, when it is not the dense gated MLP: a model with other MLPs adds
+# en: its rule (a mixture of experts does); a rule answers None for the layers it does not know.
+# zh: 第 `index` 层的 MLP 不是稠密的门控 MLP 时，它有多少参数：MLP 不同的模型加上自己的规则（混合专家模型就会）；
+# zh: 规则对它不认识的层返回 None。
+MLP_RULES: list[Callable[[Any, int], int | None]] = []
 
-def layer_params(hf_config: Any) -> int:
-    """Parameters of one decoder layer (projections, MLP, norms; biases ignored)."""
+
+def mlp_params(hf_config: Any, index: int) -> int:
+    """Parameters of layer ``index``'s MLP: a rule's answer, else gate, up and down of intermediate_size."""
+    for rule in MLP_RULES:
+        params = rule(hf_config, index)
+        if params is not None:
+            return params
+    return 3 * hf_config.hidden_size * hf_config.intermediate_size
+
+
+def layer_params(hf_config: Any, index: int = 0) -> int:
+    """Parameters of decoder layer ``index`` (projections, MLP, norms; biases ignored)."""
     hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
-    return attention + 3 * hidden * hf_config.intermediate_size + 2 * hidden + 2 * head_dim
+    return attention + mlp_params(hf_config, index) + 2 * hidden + 2 * head_dim
+
+
+def layers_params(hf_config: Any) -> int:
+    """Parameters of all the decoder layers."""
+    return sum(layer_params(hf_config, index) for index in range(hf_config.num_hidden_layers))
 
 
 def model_params(hf_config: Any) -> int:
     """All parameters: layers, embedding, LM head (once if tied), final norm."""
     embed = hf_config.vocab_size * hf_config.hidden_size
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    return hf_config.num_hidden_layers * layer_params(hf_config) + embed * (1 if tied else 2) + hf_config.hidden_size
+    return layers_params(hf_config) + embed * (1 if tied else 2) + hf_config.hidden_size
 
 
 @dataclass(frozen=True)
@@ -307,8 +328,7 @@ def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto
 
 def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
     """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
-    return (hf_config.num_hidden_layers * layer_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) \
-        * dtype_bytes
+    return (layers_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) * dtype_bytes
 
 
 def workload_bound(

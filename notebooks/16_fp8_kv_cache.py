@@ -147,7 +147,7 @@ say = Phrases({
 # %%
 from types import SimpleNamespace
 
-from nanovllm.bench.engine import kv_token_bytes, layer_params, make_workload, workload_bound
+from nanovllm.bench.engine import kv_token_bytes, layers_params, make_workload, workload_bound
 from nanovllm.bench.models import QWEN3_06B_SHAPES, QWEN3_8B_SHAPES
 
 # en: Chapter 09's recorded run
@@ -160,7 +160,7 @@ print(f"{say('model'):<11} {say('KV cache'):<8} {say('weights'):>8} {say('KV'):>
 for model, shapes in (("Qwen3-0.6B", QWEN3_06B_SHAPES), ("Qwen3-8B", QWEN3_8B_SHAPES)):
     hf = SimpleNamespace(**shapes)
     steps = max(workload.output_lens) - 1
-    weights = steps * (hf.num_hidden_layers * layer_params(hf) + hf.vocab_size * hf.hidden_size) * 2
+    weights = steps * (layers_params(hf) + hf.vocab_size * hf.hidden_size) * 2
     for kv in ("auto", "fp8"):
         b = bounds[model, kv] = workload_bound(workload, hf, 2, H200_COPY, H200_MATMUL, kv_cache_dtype=kv)
         print(f"{model:<11} {kv:<8} {weights / 1e12:>6.2f}TB {(b.decode_bytes - weights) / 1e12:>6.2f}TB "

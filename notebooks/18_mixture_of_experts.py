@@ -62,6 +62,7 @@ say = Phrases({
     "every expert, weighted: max |difference| {gap:.1e}": "每个专家都算、再加权：最大 |差值| {gap:.1e}",
     "tokens in the step": "步中的 token 数", "experts touched (of {experts})": "用到的专家（共 {experts} 个）",
     "uniform routing": "均匀路由",
+    "parameters: {counted:,} counted, {built:,} built": "参数：算出 {counted:,} 个，构建了 {built:,} 个",
     "sorted by expert: {order}": "按专家排序后：{order}",
     "fused kernels against the loop: max |difference| {gap:.1e}": "融合内核对比循环：最大 |差值| {gap:.1e}",
     "tiles of {tile} rows: experts {experts}": "每个 tile {tile} 行：专家 {experts}",
@@ -420,7 +421,40 @@ assert gap < 1e-5
 # 下面是小模型的第一层在 1、4、16 个 decode token 的批次上的情况（提示词取自上面的检查，再加一些），旁边是这个公式。
 # （训练过的路由器并不均匀；随机的路由器接近均匀。）
 
+# %% [markdown] tags=["en"]
+# The benchmark of chapter 14 counts a model's parameters layer by layer (`mlp_params`), and a
+# model whose MLPs differ adds a rule for its layers (`MLP_RULES`). A sparse layer's rule counts
+# the router and every expert: all a step can read, the dense-style bound. The check holds the
+# count to the parameters the engine actually built.
+
+# %% [markdown] tags=["zh"]
+# 第 14 章的基准测试逐层计算模型的参数量（`mlp_params`），MLP 不同的模型为自己的层加一条规则（`MLP_RULES`）。稀疏层
+# 的规则算上路由器和每一个专家：一步最多能读到的全部权重，也就是按稠密方式算的上限。下面的检查让这个数与引擎实际
+# 构建出的参数量相符。
+
+# %% moe params
+#| export bench.engine
+from nanovllm.bench.engine import MLP_RULES
+from nanovllm.models.qwen3_moe import is_sparse_layer
+
+
+def expert_mlp_params(hf_config: Any, index: int) -> int | None:
+    """A sparse layer's MLP: the router and every expert (gate, up and down of moe_intermediate_size)."""
+    if not getattr(hf_config, "num_experts", 0) or not is_sparse_layer(hf_config, index):
+        return None
+    return hf_config.hidden_size * hf_config.num_experts * (1 + 3 * hf_config.moe_intermediate_size)
+
+
+MLP_RULES.append(expert_mlp_params)
+
 # %%
+from nanovllm.bench.engine import model_params
+
+built = sum(param.numel() for param in model.parameters())
+print(say("parameters: {counted:,} counted, {built:,} built", counted=model_params(llm.config.hf_config), built=built))
+assert model_params(llm.config.hf_config) == built
+
+
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Experts a step of ``tokens`` tokens touches on average when each token picks ``top_k`` of ``num_experts``
     uniformly."""

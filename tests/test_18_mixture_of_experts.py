@@ -301,3 +301,20 @@ def test_fused_moe_replays_in_a_cuda_graph() -> None:
     graph.replay()
     torch.testing.assert_close(out, fused_moe(new_x, w13, w2, new_weights, new_chosen))
     torch.testing.assert_close(out, block.chosen_experts(new_x, new_weights, new_chosen), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("variant", ["8x2-norm", "dense-first", "every-second"])
+def test_the_benchmark_counts_the_parameters_the_engine_builds(variant: str) -> None:
+    """bench.engine.model_params, layer by layer (the sparse layers' router and experts through MLP_RULES), equals
+    the model's own count: the dense-style bound reads every expert."""
+    from nanovllm.bench.engine import model_params, weight_bytes_per_step
+
+    path = build_tiny_model("qwen3_moe", **VARIANTS[variant])
+    llm = LLM(str(path), kvcache_block_size=4, num_kvcache_blocks=16)
+    try:
+        hf_config, model = llm.config.hf_config, llm.model_runner.model
+        assert model_params(hf_config) == sum(param.numel() for param in model.parameters())
+        embed = hf_config.vocab_size * hf_config.hidden_size
+        assert weight_bytes_per_step(hf_config, 4) == 4 * (model_params(hf_config) - embed - hf_config.hidden_size)
+    finally:
+        llm.exit()
