@@ -476,6 +476,87 @@ for width in (1, 4, 16):
 hook.remove()
 
 # %% [markdown] tags=["en"]
+# ### See it: the router, step by step
+#
+# The same layer over a few steps of a small batch, played like the block tables of the earlier
+# chapters (appendix A's player): each row is a token of the step (a prefill step has every prompt
+# token; a decode step one per sequence), each column an expert, and a cell is coloured by the
+# router's weight when the token chose that expert. The last row marks the experts the step
+# touched: the weights it must read. Watch the prefill touch every expert, then the decode steps
+# of four sequences touch fewer, and the share fall as sequences finish.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：一步一步的路由
+#
+# 同一层在一个小批次的几步里的样子，用前面各章播放块表的方式播放（附录 A 的播放器）：每一行是这一步的一个 token
+# （prefill 步包含所有提示词 token；decode 步每个序列一个），每一列是一个专家，token 选中某个专家时，格子的颜色深浅
+# 表示路由器给的权重。最后一行标出这一步用到的专家：它必须读取的权重。可以看到 prefill 用到了每个专家，之后四个
+# 序列的 decode 步用到的少一些，序列陆续结束时比例也随之下降。
+
+# %%
+from IPython.display import HTML
+
+from nanovllm.layers.context import get_context
+from nanovllm.viz.player import lang_text, slides_html
+
+steps: list[tuple[bool, list[list[int]], list[list[float]]]] = []
+
+
+def record_routing(module: SparseMoeBlock, inputs: tuple, output: torch.Tensor) -> None:
+    weights, chosen = module.route(inputs[0])
+    steps.append((get_context().is_prefill, chosen.tolist(), weights.tolist()))
+
+
+def routing_svg(chosen: list[list[int]], weights: list[list[float]], num_experts: int) -> str:
+    """One step of one layer: a row per token, a column per expert, the chosen cells shaded by their weight."""
+    cell, left, top = 22, 64, 22
+    rows = len(chosen)
+    width, height = left + num_experts * cell + 10, top + (rows + 1) * cell + 14
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             f'font-size="11"><title>{lang_text("tokens by experts", "token 与专家", None)}</title>']
+    parts.append(f'<text x="{left - 6}" y="{top - 6}" text-anchor="end">{lang_text("expert", "专家", None)}</text>')
+    for expert in range(num_experts):
+        parts.append(f'<text x="{left + expert * cell + cell / 2}" y="{top - 6}" text-anchor="middle">{expert}</text>')
+    touched = {expert for row in chosen for expert in row}
+    for r, (experts, shares) in enumerate(zip(chosen, weights, strict=True)):
+        y = top + r * cell
+        parts.append(f'<text x="{left - 6}" y="{y + 15}" text-anchor="end">{r}</text>')
+        share = dict(zip(experts, shares, strict=True))
+        for expert in range(num_experts):
+            fill = f"rgba(21,101,192,{0.2 + 0.8 * share[expert]:.2f})" if expert in share else "#fafafa"
+            parts.append(f'<rect x="{left + expert * cell}" y="{y}" width="{cell - 2}" height="{cell - 2}" '
+                         f'fill="{fill}" stroke="#cfd8dc"/>')
+    y = top + rows * cell + 6
+    read = lang_text("read", "读取", None)
+    parts.append(f'<text x="{left - 6}" y="{y + 15}" text-anchor="end">{read}</text>')
+    for expert in range(num_experts):
+        fill = "#ef6c00" if expert in touched else "#eceff1"
+        parts.append(f'<rect x="{left + expert * cell}" y="{y}" width="{cell - 2}" height="{cell - 2}" fill="{fill}"/>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+hook = block.register_forward_hook(record_routing)
+batch = [[10, 11, 12, 13, 14], [40, 41, 42], [70, 71, 72, 73], [100, 101]]
+lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 4, 2)]
+llm.generate(batch, lengths, use_tqdm=False)
+hook.remove()
+slides = []
+for index, (prefill, chosen_rows, weight_rows) in enumerate(steps):
+    touched = len({expert for row in chosen_rows for expert in row})
+    kind_en, kind_zh = ("prefill", "prefill") if prefill else ("decode", "decode")
+    caption = lang_text(
+        f"step {index + 1}, {kind_en}: {len(chosen_rows)} token{'s' if len(chosen_rows) > 1 else ''} chose {touched} "
+        f"of {block.num_experts} experts; "
+        f"the step reads {touched / block.num_experts:.0%} of this layer's expert weights",
+        f"第 {index + 1} 步，{kind_zh}：{len(chosen_rows)} 个 token 选中了 {block.num_experts} 个专家中的 "
+        f"{touched} 个；这一步读取这一层专家权重的 {touched / block.num_experts:.0%}", None)
+    slides.append((f'<div class="nvv-cap">{caption}</div>', routing_svg(chosen_rows, weight_rows, block.num_experts)))
+decode_tokens = [len(rows) for prefill, rows, _ in steps if not prefill]
+assert steps[0][0] and decode_tokens == sorted(decode_tokens, reverse=True) and decode_tokens[0] == 4
+HTML(slides_html(slides, start=0, player_id="moe-routing"))
+
+# %% [markdown] tags=["en"]
 # On Qwen3-30B-A3B's shapes (48 layers, hidden 2,048, 32 query and 4 KV heads of 128, 128 experts
 # of width 768, 8 per token, a vocabulary of 151,936, bfloat16) an expert is 9.4 MB and a layer's
 # experts 1.2 GB. The step's bound then counts the attention weights, the LM head, the router and
@@ -754,14 +835,16 @@ assert outputs == expected[:2]
 # - Chapter 05's model gained the two seams this needed: `Qwen3DecoderLayer(..., mlp=...)` and
 #   `Qwen3Model.make_layer`; the tiny models write a MoE's experts as checkpoints do (one tensor
 #   per expert).
-# - The arithmetic of a step's reads with a router.
+# - The arithmetic of a step's reads with a router, the benchmark's parameter count for sparse
+#   layers (`expert_mlp_params` in `MLP_RULES`), and the router played step by step (appendix A's
+#   player around ready-made frames, `slides_html`).
 # - `nanovllm.layers.fused_moe`: `align_by_expert` (the pairs sorted by expert in tiles, in shapes
 #   that depend on the token count alone) and `fused_moe` (two grouped Triton kernels: gate/up
 #   with SiLU × mul, down with the router's weights); `fuse_moe_layers` and `FusedExperts` hand
 #   them to a model's sparse blocks, the experts' weights stacked and held once. Checked here in
 #   the Triton interpreter, token-exact in the engine. Not yet: measured on a GPU, and so not yet
-#   switched on by the engine; the benchmark's router-aware bound and a Qwen3-30B-A3B-shaped
-#   preset; a player of the routing (issue 38 keeps them).
+#   switched on by the engine; the benchmark's bound from the experts each step touched, and a
+#   Qwen3-30B-A3B-shaped preset (issue 38 keeps them).
 #
 # ## Exercises
 #
@@ -781,12 +864,13 @@ assert outputs == expected[:2]
 #   `transformers` 逐 token 一致，包括分块 prefill、前缀缓存命中、抢占和分叉。
 # - 第 05 章的模型为此多了两个接缝：`Qwen3DecoderLayer(..., mlp=...)` 与 `Qwen3Model.make_layer`；小模型按检查点的
 #   方式写出 MoE 的专家（每个专家一个张量）。
-# - 带路由器时一步读取量的算术。
+# - 带路由器时一步读取量的算术，基准测试对稀疏层参数的计数（`MLP_RULES` 里的 `expert_mlp_params`），以及一步一步
+#   播放的路由过程（附录 A 的播放器，套在现成的帧外面：`slides_html`）。
 # - `nanovllm.layers.fused_moe`：`align_by_expert`（把各对按专家排序、分成 tile，形状只取决于 token 数）与
 #   `fused_moe`（两个分组的 Triton 内核：gate/up 加 SiLU × mul，down 加路由器权重）；`fuse_moe_layers` 和
 #   `FusedExperts` 把它们交给模型的稀疏块，专家权重堆叠起来、只存一份。这里在 Triton 解释器里检查过，在引擎里逐 token
-#   一致。还没有做的：在 GPU 上测量，因此引擎还没有默认打开它；基准测试里按路由器计算的上限和 Qwen3-30B-A3B 形状的
-#   预设；路由过程的播放器（议题 38 留着它们）。
+#   一致。还没有做的：在 GPU 上测量，因此引擎还没有默认打开它；基准测试里按每一步实际用到的专家计算的上限，以及
+#   Qwen3-30B-A3B 形状的预设（议题 38 留着它们）。
 #
 # ## 练习
 #

@@ -467,6 +467,10 @@ class FakeEngine:
 # tag), so the hover details come from each cell's `<title>` and the Play/Pause button holds both
 # labels and lets a CSS class choose. And the buttons draw their arrows as tiny inline SVG icons:
 # the "⏸" character is missing from many fonts and shows as an empty box.
+#
+# The player itself does not know what a frame shows: `slides_html` puts the controls, the keys
+# and the static view around any list of (caption, SVG) pairs, and `player_html` is the block
+# tables' use of it. Chapter 18 plays a router's choices with it.
 
 # %% [markdown] tags=["zh"]
 # ### 一次只显示一种语言
@@ -482,6 +486,9 @@ class FakeEngine:
 # 由此带来两处细节。文字不能放在属性里（注释不能出现在标签内部），所以悬停详情取自每个格子的 `<title>`，
 # 播放/暂停按钮同时包含两个标签、由一个 CSS 类决定显示哪个。另外，按钮上的箭头画成很小的内联 SVG 图标：
 # 很多字体里没有 “⏸” 这个字符，它会显示成一个空方框。
+#
+# 播放器本身并不知道一帧里画的是什么：`slides_html` 把控制按钮、快捷键和静态视图套在任意一组（说明，SVG）上，
+# `player_html` 只是块表对它的一种用法。第 18 章用它播放路由器的选择。
 
 # %% player: one language at a time
 #| export viz.player
@@ -1087,24 +1094,36 @@ def player_html(recording: dict, *, lang: str | None = None, start: int = 0, int
     """
     frames = _check_recording(recording)["frames"]
     lang = check_lang(lang)
+    slides = [(_caption_html(frame, lang), frame_svg(frame, recording["block_size"], frames[k - 1] if k else None,
+                                                     lang)) for k, frame in enumerate(frames)]
+    hint = lang_text("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
+    return slides_html(slides, lang=lang, start=start, interval_ms=interval_ms, player_id=player_id, hint=hint,
+                       legend=legend_html(lang))
+
+
+def slides_html(slides: list[tuple[str, str]], *, lang: str | None = None, start: int = 0, interval_ms: int = 900,
+                player_id: str | None = None, hint: str = "", legend: str = "") -> str:
+    """The player around ready-made frames, each a (caption HTML, SVG) pair: the same controls, keys and static
+    view as `player_html`, which is one of its uses; ``hint`` goes under the frames, then ``legend``."""
+    lang = check_lang(lang)
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
         raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
-    start = _frame_index(frames, start, "start")
+    if not slides:
+        raise ValueError("a player needs at least one frame")
+    start = _frame_index(slides, start, "start")
     root = player_id or f"nvv-{uuid.uuid4().hex[:12]}"
     if not root.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"player_id may hold letters, digits, '-' and '_' only, got {root!r}")
     body = []
-    for k, frame in enumerate(frames):
+    for k, (caption_html, svg) in enumerate(slides):
         hidden = "" if k == start else " hidden"
-        svg = frame_svg(frame, recording["block_size"], frames[k - 1] if k else None, lang)
-        body.append(f'<div class="nvv-frame" data-frame="{k}"{hidden}>{_caption_html(frame, lang)}{svg}</div>')
+        body.append(f'<div class="nvv-frame" data-frame="{k}"{hidden}>{caption_html}{svg}</div>')
     nojs = lang_text("Static view: JavaScript did not run here (run the cell, or trust the notebook).",
                      "静态视图：这里没有运行 JavaScript（请运行该单元，或信任此 notebook）。", lang)
-    hint = lang_text("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
     return (
         f'<div class="nvv" id="{root}" tabindex="0" data-start="{start}" data-interval="{interval_ms}">'
-        f"{style_html(lang)}{controls_html(lang, len(frames), start)}{''.join(body)}"
-        f'<div class="nvv-info">{hint}</div>{legend_html(lang)}'
+        f"{style_html(lang)}{controls_html(lang, len(slides), start)}{''.join(body)}"
+        f'<div class="nvv-info">{hint}</div>{legend}'
         f'<div class="nvv-nojs">{nojs}</div>'
         f"<script>{PLAYER_JS.replace('__ROOT__', root)}</script></div>"
     )

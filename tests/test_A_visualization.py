@@ -601,3 +601,19 @@ def test_the_panel_is_shown_with_a_hint_that_outlives_its_buttons(monkeypatch: p
     panel_module.show_panel(LivePanel(num_kvcache_blocks=4, kvcache_block_size=4, lang="en"))
     (note,), = shown
     assert "open this chapter in JupyterLab" in note.data
+
+
+def test_slides_html_plays_ready_made_frames_in_one_language_at_a_time() -> None:
+    from nanovllm.viz.player import keep_language, lang_text, slides_html
+
+    def slides(lang: str) -> list[tuple[str, str]]:
+        return [(f'<div class="nvv-cap">{lang_text(f"frame {k}", f"第 {k} 帧", lang)}</div>',
+                 f"<svg><text>{lang_text('expert', '专家', lang)}</text></svg>") for k in range(3)]
+
+    both = slides_html(slides("both"), lang="both", start=1, player_id="slides")
+    assert keep_language(both, "zh") == slides_html(slides("zh"), lang="zh", start=1, player_id="slides")
+    assert both.count('class="nvv-frame"') == 3 and 'data-frame="1">' in both and 'data-frame="0" hidden>' in both
+    with pytest.raises(ValueError, match="at least one frame"):
+        slides_html([], lang="en")
+    with pytest.raises(ValueError, match="out of range"):
+        slides_html(slides("en"), lang="en", start=3)

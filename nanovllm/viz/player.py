@@ -35,6 +35,7 @@ __all__ = [
     "schedule_caption",
     "seq_info",
     "set_language",
+    "slides_html",
     "speculation_caption",
     "start_caption",
     "style_html",
@@ -619,24 +620,36 @@ def player_html(recording: dict, *, lang: str | None = None, start: int = 0, int
     """
     frames = _check_recording(recording)["frames"]
     lang = check_lang(lang)
+    slides = [(_caption_html(frame, lang), frame_svg(frame, recording["block_size"], frames[k - 1] if k else None,
+                                                     lang)) for k, frame in enumerate(frames)]
+    hint = lang_text("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
+    return slides_html(slides, lang=lang, start=start, interval_ms=interval_ms, player_id=player_id, hint=hint,
+                       legend=legend_html(lang))
+
+
+def slides_html(slides: list[tuple[str, str]], *, lang: str | None = None, start: int = 0, interval_ms: int = 900,
+                player_id: str | None = None, hint: str = "", legend: str = "") -> str:
+    """The player around ready-made frames, each a (caption HTML, SVG) pair: the same controls, keys and static
+    view as `player_html`, which is one of its uses; ``hint`` goes under the frames, then ``legend``."""
+    lang = check_lang(lang)
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
         raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
-    start = _frame_index(frames, start, "start")
+    if not slides:
+        raise ValueError("a player needs at least one frame")
+    start = _frame_index(slides, start, "start")
     root = player_id or f"nvv-{uuid.uuid4().hex[:12]}"
     if not root.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"player_id may hold letters, digits, '-' and '_' only, got {root!r}")
     body = []
-    for k, frame in enumerate(frames):
+    for k, (caption_html, svg) in enumerate(slides):
         hidden = "" if k == start else " hidden"
-        svg = frame_svg(frame, recording["block_size"], frames[k - 1] if k else None, lang)
-        body.append(f'<div class="nvv-frame" data-frame="{k}"{hidden}>{_caption_html(frame, lang)}{svg}</div>')
+        body.append(f'<div class="nvv-frame" data-frame="{k}"{hidden}>{caption_html}{svg}</div>')
     nojs = lang_text("Static view: JavaScript did not run here (run the cell, or trust the notebook).",
                      "静态视图：这里没有运行 JavaScript（请运行该单元，或信任此 notebook）。", lang)
-    hint = lang_text("Hover a block for details.", "把鼠标移到块上可查看详情。", lang)
     return (
         f'<div class="nvv" id="{root}" tabindex="0" data-start="{start}" data-interval="{interval_ms}">'
-        f"{style_html(lang)}{controls_html(lang, len(frames), start)}{''.join(body)}"
-        f'<div class="nvv-info">{hint}</div>{legend_html(lang)}'
+        f"{style_html(lang)}{controls_html(lang, len(slides), start)}{''.join(body)}"
+        f'<div class="nvv-info">{hint}</div>{legend}'
         f'<div class="nvv-nojs">{nojs}</div>'
         f"<script>{PLAYER_JS.replace('__ROOT__', root)}</script></div>"
     )
