@@ -794,8 +794,13 @@ class Deferral:
 
     def __exit__(self, *exc_info: object) -> None:
         if self.outermost:
-            handler = _replaced.pop()
+            # en: The handler goes back before it leaves the list: a signal handler that runs in between (one that
+            # en: calls the engine) finds either _hold with its entry, or the old handler back, never _hold without one.
+            # zh: 先把处理函数放回去，再把它移出列表：在这两步之间运行的信号处理函数（比如一个会调用引擎的）看到的要么是
+            # zh: 带着记录的 _hold，要么是已放回的旧处理函数，绝不会是没有记录的 _hold。
+            handler = _replaced[-1]
             signal.signal(signal.SIGINT, handler)
+            _replaced.pop()
             _deliver(handler)
 
 

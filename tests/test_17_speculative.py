@@ -179,7 +179,7 @@ ENGINES = {
 }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", "llama", "qwen3_moe"])
 def tiny(request):
     return str(build_tiny_model(request.param))
 
