@@ -3,7 +3,7 @@ time, with its weight slice loaded before it waits for its input (PDL) and the n
 (split-K, partial sums added with atomics, the last program of a column block finishing the sum). Timed on Qwen3-0.6B's
 28 layers of decode matmuls in one CUDA graph against cuBLAS and the shipped small_matmul.
 
-    PYTHONPATH=$PWD python3 scripts/tile_gemv_probe.py [--out FILE.json]
+    PYTHONPATH=$PWD python3 scripts/tile_gemv_probe.py [--out FILE.json]   # not yet run on a GPU
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import triton
 import triton.language as tl
 
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
-from nanovllm.layers.fused_decode import small_matmul
 from nanovllm.layers.triton_attention import programmatic_launch
-
-HIDDEN, Q, KV, INTERMEDIATE, LAYERS = 1024, 2048, 1024, 3072, 28
+from scripts.decode_matmul_chain import HIDDEN, INTERMEDIATE, Q, cublas_chain, make_layers
+from scripts.decode_matmul_chain import fused_chain as shipped_chain
 
 
 @triton.jit
@@ -108,26 +107,6 @@ def tile_gemv(x, weight, *, residual=None, norm_weight=None, eps=0.0, glu=False,
     return out, residual_out
 
 
-def make_layers():
-    def weight(rows, cols):
-        return torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / cols**0.5
-
-    ones = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
-    return [dict(qkv=weight(Q + 2 * KV, HIDDEN), o=weight(HIDDEN, Q), gate_up=weight(2 * INTERMEDIATE, HIDDEN),
-                 down=weight(HIDDEN, INTERMEDIATE), norm=ones) for _ in range(LAYERS)]
-
-
-def shipped_chain(layers, x):
-    residual = torch.zeros_like(x)
-    for layer in layers:
-        qkv, residual = small_matmul(x, layer["qkv"], residual=residual, norm_weight=layer["norm"], eps=1e-6)
-        hidden, _ = small_matmul(qkv[:, :Q], layer["o"])
-        activated, residual = small_matmul(hidden, layer["gate_up"], residual=residual, norm_weight=layer["norm"],
-                                           eps=1e-6, glu=True)
-        x, _ = small_matmul(activated, layer["down"])
-    return x
-
-
 def tile_chain(layers, x, cfg):
     residual = torch.zeros_like(x)
     for layer in layers:
@@ -137,13 +116,6 @@ def tile_chain(layers, x, cfg):
         activated, residual = tile_gemv(hidden, layer["gate_up"], residual=residual, norm_weight=layer["norm"],
                                         eps=1e-6, glu=True, **cfg["gate_up"])
         x, _ = tile_gemv(activated, layer["down"], **cfg["down"])
-    return x
-
-
-def cublas_chain(layers, x):
-    for layer in layers:
-        hidden = F.linear(F.linear(x, layer["qkv"])[:, :Q], layer["o"])
-        x = F.linear(F.linear(hidden, layer["gate_up"])[:, :INTERMEDIATE], layer["down"])
     return x
 
 
