@@ -539,7 +539,7 @@ def test_bench_compares_attention_backends_in_one_invocation(tmp_path: Path, cap
 
 def test_latency_bench_times_decode_steps_and_host_launches_on_a_cpu(tmp_path: Path, capsys) -> None:
     """python -m nanovllm.bench --latency on the tiny model: a row per batch, each step's bound from the same run's copy
-    rate, the host launches timed (and the engine's own _launch back afterwards); unfit lengths refused."""
+    rate, the host launches timed; unfit lengths refused."""
     from nanovllm.bench.latency import main
     from nanovllm.book.tiny_models import build_tiny_model
 
