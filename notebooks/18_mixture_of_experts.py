@@ -173,6 +173,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanovllm.layers.context import get_context
 from nanovllm.layers.linear import ReplicatedLinear, tp_world
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
@@ -185,6 +186,11 @@ class SparseMoeBlock(nn.Module):
     # en: The experts in two grouped Triton kernels, once `fuse_moe_layers` hands the block them.
     # zh: 两个分组的 Triton 内核完成所有专家的计算，由 `fuse_moe_layers` 交给这个块。
     fused_experts = None
+    # en: Set while a model is built (the MoE benchmark does): each block then counts in `touched`, on the device, the
+    # en: experts that each decode step's tokens chose, inside CUDA graphs too.
+    # zh: 在构建模型时打开（MoE 基准测试会这样做）：每个块就在设备上把每个 decode 步的 token 选中的专家数累加到
+    # zh: `touched` 里，在 CUDA Graph 里也一样。
+    count_touched = False
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  hidden_act: str = "silu") -> None:
@@ -195,6 +201,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = nn.ModuleList(Qwen3MLP(hidden_size, expert_size, hidden_act) for _ in range(num_experts))
         self.tp_size = tp_world()[1]
+        if self.count_touched:
+            self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
+        else:
+            self.touched = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] in x's dtype, the chosen experts [T, top_k]), largest weight first."""
@@ -207,6 +217,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.touched is not None:
+            self.count_step(chosen)
         if self.fused_experts is not None:
             out = self.fused_experts(x, weights, chosen)
         # en: A CUDA graph records fixed shapes: while one is captured, every expert runs on every token.
@@ -220,6 +232,17 @@ class SparseMoeBlock(nn.Module):
             # zh: 每个 rank 持有每个专家宽度的一片：它算出的和是部分和
             dist.all_reduce(out)
         return out
+
+    def count_step(self, chosen: torch.Tensor) -> None:
+        """Add to `touched` the number of experts a decode step's tokens chose: on the device, no host read, so that a
+        replayed graph counts too; a graph's padding rows (context length 0) choose nothing."""
+        context = get_context()
+        if context.is_prefill or context.context_lens is None:
+            return
+        real = context.context_lens[: chosen.shape[0]] > 0
+        hit = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=chosen.device)
+        hit[torch.where(real[:, None], chosen, self.num_experts).flatten()] = True
+        self.touched += hit[: self.num_experts].sum()
 
     def expert_rows(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` on rows ``x``: this rank's partial sum (no all-reduce)."""
@@ -587,6 +610,237 @@ for batch in (1, 8, 64, 256):
               "bound {ms:5.2f} ms", batch=batch, read=reads[batch] / 1e9, dense=dense_bytes / 1e9,
               share=reads[batch] / dense_bytes, ms=reads[batch] / COPY_RATE * 1e3))
 assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and reads[64] > 0.97 * dense_bytes
+
+# %% [markdown] tags=["en"]
+# ### The benchmark: tokens per second against both bounds
+#
+# `python -m nanovllm.bench --moe` runs a workload on a MoE model and holds its tokens per
+# second to two bounds: the dense-style one (every expert read in every decode step, what
+# chapter 14's bound now counts for a sparse layer) and the router-aware one, which counts the
+# experts the decode steps really chose. The count is the blocks' own: built with
+# `SparseMoeBlock.count_touched` set, each block adds, on the device, the experts that each
+# decode step's tokens chose (graph padding rows left out), so a replayed CUDA graph counts too.
+# On a GPU it defaults to Qwen3-30B-A3B's shapes with random weights drawn on the GPU
+# (`qwen3_moe_30b_shapes`, `load_format="dummy"`: no 60 GB checkpoint is written) and chapter
+# 14's nano-vllm workload; on a CPU, to the tiny MoE model and a few short requests, and there the
+# bound counts only the decode bytes, at this machine's copy rate. (Not run on a GPU yet.)
+
+# %% [markdown] tags=["zh"]
+# ### 基准测试：每秒 token 数对比两个上限
+#
+# `python -m nanovllm.bench --moe` 在一个 MoE 模型上跑一个负载，把它的每秒 token 数和两个上限比较：按稠密方式算的
+# 上限（每个 decode 步都读每一个专家，也就是第 14 章的上限现在为稀疏层算的数），以及按路由器算的上限，它只算
+# decode 步真正选中的专家。这个数由块自己来数：在设置了 `SparseMoeBlock.count_touched` 时构建的模型里，每个块
+# 都在设备上累加每个 decode 步的 token 选中的专家数（不算图的填充行），所以重放的 CUDA Graph 也会计数。在 GPU
+# 上它默认使用 Qwen3-30B-A3B 的形状、在 GPU 上直接生成随机权重（`qwen3_moe_30b_shapes`，`load_format="dummy"`：
+# 不用写出 60 GB 的检查点），以及第 14 章的 nano-vllm 负载；在 CPU 上默认使用小 MoE 模型和几个短请求，这时上限
+# 只算 decode 的字节数，按这台机器的拷贝速率计算。（还没有在 GPU 上运行过。）
+
+# %% moe preset
+#| export bench.models
+from pathlib import Path
+from typing import Any
+
+QWEN3_MOE_30B_SHAPES: dict[str, Any] = {
+    "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+}
+
+
+def qwen3_moe_30b_shapes(path: str | None = None, **overrides: Any) -> Path:
+    """A model directory with Qwen3-30B-A3B's shapes (``overrides``, e.g. fewer layers) and no weights, to run with
+    ``load_format="dummy"``: the 61 GB of bfloat16 weights are drawn on the GPU instead of written to disk."""
+    import shutil
+    import tempfile
+
+    from transformers import Qwen3MoeConfig
+
+    from nanovllm.book.tiny_models import build_tiny_model
+
+    # en: The tiny model's tokenizer and EOS ids: the prompts are token ids anyway.
+    # zh: 用小模型的分词器和结束符 id：反正提示词都是 token id。
+    tiny = build_tiny_model("qwen3")
+    shapes = {**QWEN3_MOE_30B_SHAPES, **overrides}
+    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-30b-a3b-shapes-{shapes['num_hidden_layers']}")
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(tiny / name, target / name)
+    ids = Qwen3MoeConfig.from_pretrained(tiny)
+    config = Qwen3MoeConfig(**shapes, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
+                            bos_token_id=None, architectures=["Qwen3MoeForCausalLM"])
+    config.dtype = "bfloat16"
+    config.save_pretrained(target)
+    return target
+
+# %% bench moe flag
+#| export bench.engine
+from nanovllm.bench.engine import OTHER_BENCHMARKS
+
+OTHER_BENCHMARKS["--moe"] = "nanovllm.bench.moe"
+
+# %% bench moe
+#| export bench.moe
+"""``python -m nanovllm.bench --moe``: a mixture-of-experts model's tokens per second against the dense-style bound
+and the router-aware one (the experts its decode steps chose)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from nanovllm.bench.engine import Workload, make_workload, matmul_flops, workload_bound
+from nanovllm.bench.latency import measured_copy_rate
+from nanovllm.bench.models import qwen3_moe_30b_shapes
+from nanovllm.bench.report import Stopwatch, report_header, write_report
+from nanovllm.models.qwen3_moe import SparseMoeBlock, is_sparse_layer
+from nanovllm.sampling_params import SamplingParams
+
+# en: (requests, prompt lengths, output lengths): chapter 14's nano-vllm workload on a GPU, a few short ones on a CPU.
+# zh: （请求数，提示词长度，输出长度）：GPU 上用第 14 章的 nano-vllm 负载，CPU 上用几个短请求。
+MOE_WORKLOADS = {"cuda": (256, (100, 1024), (100, 1024)), "cpu": (8, (16, 48), (8, 24))}
+
+
+@dataclass
+class ExpertReads:
+    """What a run's decode steps read of the experts: the experts they touched, summed over steps and layers."""
+
+    decode_steps: int
+    touched: int
+    sparse_layers: int
+    num_experts: int
+
+    @property
+    def share(self) -> float:
+        """The share of the sparse layers' expert weights an average decode step read."""
+        return self.touched / max(1, self.decode_steps * self.sparse_layers * self.num_experts)
+
+
+@contextmanager
+def counting_experts() -> Iterator[None]:
+    """Models built inside count the experts their decode steps touch (`SparseMoeBlock.count_touched`)."""
+    SparseMoeBlock.count_touched = True
+    try:
+        yield
+    finally:
+        SparseMoeBlock.count_touched = False
+
+
+def run_counted(model: str, workload: Workload, **config: Any) -> tuple[float, ExpertReads, Any]:
+    """Time `LLM.generate` on the workload (after an untimed warm-up) with the experts counted: (seconds, the
+    experts read, the engine's config)."""
+    from nanovllm.llm import LLM
+
+    with counting_experts():
+        llm = LLM(model, **config)
+    try:
+        if llm.config.tensor_parallel_size > 1:
+            raise ValueError("the experts are counted in the model of this process: tensor_parallel_size must be 1")
+        llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
+        blocks = [module for module in llm.model_runner.model.modules() if isinstance(module, SparseMoeBlock)]
+        if not blocks:
+            raise ValueError(f"{model} has no sparse layers: python -m nanovllm.bench --moe measures a mixture of "
+                             "experts")
+        for block in blocks:
+            block.touched.zero_()
+        decode_steps = 0
+        inner = llm._step
+
+        def counted() -> tuple[list, int, bool]:
+            nonlocal decode_steps
+            finished, num_tokens, is_prefill = inner()
+            decode_steps += num_tokens > 0 and not is_prefill
+            return finished, num_tokens, is_prefill
+
+        llm._step = counted
+        with Stopwatch(llm.config.device) as clock:
+            llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
+        touched = sum(int(block.touched) for block in blocks)
+        reads = ExpertReads(decode_steps, touched, len(blocks), blocks[0].num_experts)
+        return clock.seconds, reads, llm.config
+    finally:
+        llm.exit()
+
+
+def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, reads: ExpertReads, bandwidth: float,
+                       flops: float) -> tuple[Any, float]:
+    """(The dense-style bound, the router-aware tokens per second): the same bound with each decode step reading
+    the measured share of the sparse layers' experts instead of all of them."""
+    dense = workload_bound(workload, hf_config, dtype_bytes, bandwidth, flops)
+    sparse_layers = sum(is_sparse_layer(hf_config, index) for index in range(hf_config.num_hidden_layers))
+    all_experts = sparse_layers * hf_config.num_experts * 3 * hf_config.hidden_size \
+        * hf_config.moe_intermediate_size * dtype_bytes
+    steps = max(workload.output_lens) - 1
+    decode_bytes = dense.decode_bytes - steps * all_experts * (1 - reads.share)
+    seconds = decode_bytes / bandwidth + dense.prefill_flops / flops
+    return dense, workload.num_output_tokens / seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --moe", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a Qwen3-MoE directory (default: Qwen3-30B-A3B's shapes on a GPU, the tiny "
+                        "MoE model on a CPU)")
+    parser.add_argument("--layers", type=int, help="with the default GPU model: this many of its 48 layers")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--num-seqs", type=int)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from nanovllm.book.tiny_models import build_tiny_model
+
+    device = args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    num_seqs, input_len, output_len = MOE_WORKLOADS[device]
+    settings: dict[str, Any] = {"device": device, "enforce_eager": args.enforce_eager}
+    if args.model:
+        model = args.model
+    elif device == "cuda":
+        model = str(qwen3_moe_30b_shapes(**({"num_hidden_layers": args.layers} if args.layers else {})))
+        settings["load_format"] = "dummy"
+    else:
+        model = str(build_tiny_model("qwen3_moe"))
+        settings |= {"kvcache_block_size": 16, "num_kvcache_blocks": 128}
+    try:
+        vocab_size = AutoConfig.from_pretrained(model).vocab_size
+        workload = make_workload(args.num_seqs or num_seqs, input_len, output_len, vocab_size=vocab_size,
+                                 seed=args.seed)
+        seconds, reads, config = run_counted(model, workload, max_model_len=max(4096, sum(input_len + output_len)),
+                                             **settings)
+    except (TypeError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    tokens_per_s = workload.num_output_tokens / seconds
+    bandwidth = measured_copy_rate(device)
+    # en: On a CPU the bound counts the decode bytes only (no matmul rate is measured there).
+    # zh: 在 CPU 上上限只算 decode 的字节（那里不测矩阵乘法的速率）。
+    flops = matmul_flops() if device == "cuda" else float("inf")
+    dense, router = router_aware_bound(workload, config.hf_config, config.torch_dtype.itemsize, reads, bandwidth, flops)
+    where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
+    print(f"model: {model} on {where}; workload: {workload.describe()}")
+    print(f"engine: {workload.num_output_tokens} tokens in {seconds:.2f} s = {tokens_per_s:,.1f} tok/s")
+    print(f"experts read: {reads.share:.1%} of the sparse layers' expert weights in an average decode step "
+          f"({reads.touched} experts over {reads.decode_steps} steps and {reads.sparse_layers} layers)")
+    print(f"dense-style bound: {dense.tokens_per_s:,.0f} tok/s ({tokens_per_s / dense.tokens_per_s:.1%} of it); "
+          f"router-aware bound: {router:,.0f} tok/s ({tokens_per_s / router:.1%} of it), at "
+          f"{bandwidth / 1e12:.2f} TB/s (copy, measured)")
+    report = report_header("python -m nanovllm.bench --moe", argv, device)
+    report |= {"model": model, "workload": workload.describe(), "tokens_per_s": tokens_per_s, "seconds": seconds,
+               "expert_reads": asdict(reads) | {"share": reads.share}, "bandwidth": bandwidth,
+               "dense_bound_tokens_per_s": dense.tokens_per_s, "router_bound_tokens_per_s": router}
+    write_report(report, args.out)
+    return 0
+
+
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    sys.exit(main())
 
 # %% [markdown] tags=["en"]
 # ## One matmul of many: sort the tokens by expert

@@ -4,6 +4,7 @@ alone in a sparse layer."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from types import SimpleNamespace
@@ -318,3 +319,63 @@ def test_the_benchmark_counts_the_parameters_the_engine_builds(variant: str) -> 
         assert weight_bytes_per_step(hf_config, 4) == 4 * (model_params(hf_config) - embed - hf_config.hidden_size)
     finally:
         llm.exit()
+
+
+# ---- counting the experts a decode step reads, and python -m nanovllm.bench --moe ----
+
+
+def test_a_block_counts_the_experts_of_decode_steps_only_and_skips_padding_rows() -> None:
+    from nanovllm.bench.moe import counting_experts
+    from nanovllm.layers.context import reset_context, set_context
+
+    with counting_experts():
+        block = random_block(4, num_experts=8, top_k=2, norm_topk_prob=True)
+    chosen = torch.tensor([[1, 2], [2, 5], [3, 4]])
+    try:
+        set_context(True)
+        block.count_step(chosen)
+        assert int(block.touched) == 0
+        # The third row is a graph's padding row: context length 0.
+        set_context(False, context_lens=torch.tensor([7, 3, 0]))
+        block.count_step(chosen)
+        assert int(block.touched) == 3
+    finally:
+        reset_context()
+    assert SparseMoeBlock(16, 8, num_experts=4, top_k=1, norm_topk_prob=True).touched is None
+
+
+def test_the_device_count_equals_a_count_on_the_host(tiny_moe: Path) -> None:
+    """Each block's own count, over a run's decode steps, against the experts its routing chose, counted by hooks."""
+    from nanovllm.bench.moe import counting_experts
+    from nanovllm.layers.context import get_context
+
+    with counting_experts():
+        llm = LLM(str(tiny_moe), kvcache_block_size=4, num_kvcache_blocks=64)
+    try:
+        blocks = [m for m in llm.model_runner.model.modules() if isinstance(m, SparseMoeBlock)]
+        host = []
+        hooks = [block.register_forward_hook(lambda module, inputs, output: host.append(
+            0 if get_context().is_prefill else len(module.route(inputs[0])[1].unique()))) for block in blocks]
+        generated(llm, prompts_of([3, 9, 14], seed=5))
+        for hook in hooks:
+            hook.remove()
+        assert sum(int(block.touched) for block in blocks) == sum(host) > 0
+    finally:
+        llm.exit()
+
+
+def test_the_moe_benchmark_holds_a_run_to_both_bounds_on_a_cpu(tmp_path: Path, capsys) -> None:
+    from nanovllm.bench.moe import main
+
+    out = tmp_path / "moe.json"
+    assert main(["--device", "cpu", "--num-seqs", "4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "this CPU (the figures and the bound are the CPU's)" in printed and "router-aware bound" in printed
+    report = json.loads(out.read_text())
+    reads = report["expert_reads"]
+    assert reads["sparse_layers"] == 2 and reads["num_experts"] == 8 and reads["decode_steps"] > 0
+    assert 2 / 8 <= reads["share"] <= 1
+    assert report["router_bound_tokens_per_s"] >= report["dense_bound_tokens_per_s"] > 0
+    # A dense model has nothing to count: refused by name.
+    assert main(["--device", "cpu", "--num-seqs", "2", "--model", str(build_tiny_model("qwen3"))]) == 2
+    assert "has no sparse layers" in capsys.readouterr().err

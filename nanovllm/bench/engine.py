@@ -547,3 +547,7 @@ def expert_mlp_params(hf_config: Any, index: int) -> int | None:
 
 
 MLP_RULES.append(expert_mlp_params)
+
+
+# notebooks/18_mixture_of_experts.py · cell "bench moe flag"
+OTHER_BENCHMARKS["--moe"] = "nanovllm.bench.moe"

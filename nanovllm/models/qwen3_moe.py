@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanovllm.layers.context import get_context
 from nanovllm.layers.linear import ReplicatedLinear, tp_world
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP, Qwen3Model
@@ -31,6 +32,9 @@ class SparseMoeBlock(nn.Module):
 
     # The experts in two grouped Triton kernels, once `fuse_moe_layers` hands the block them.
     fused_experts = None
+    # Set while a model is built (the MoE benchmark does): each block then counts in `touched`, on the device, the
+    # experts that each decode step's tokens chose, inside CUDA graphs too.
+    count_touched = False
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  hidden_act: str = "silu") -> None:
@@ -41,6 +45,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = nn.ModuleList(Qwen3MLP(hidden_size, expert_size, hidden_act) for _ in range(num_experts))
         self.tp_size = tp_world()[1]
+        if self.count_touched:
+            self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
+        else:
+            self.touched = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] in x's dtype, the chosen experts [T, top_k]), largest weight first."""
@@ -53,6 +61,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        if self.touched is not None:
+            self.count_step(chosen)
         if self.fused_experts is not None:
             out = self.fused_experts(x, weights, chosen)
         # A CUDA graph records fixed shapes: while one is captured, every expert runs on every token.
@@ -64,6 +74,17 @@ class SparseMoeBlock(nn.Module):
             # each rank holds a slice of every expert's width: its sum is partial
             dist.all_reduce(out)
         return out
+
+    def count_step(self, chosen: torch.Tensor) -> None:
+        """Add to `touched` the number of experts a decode step's tokens chose: on the device, no host read, so that a
+        replayed graph counts too; a graph's padding rows (context length 0) choose nothing."""
+        context = get_context()
+        if context.is_prefill or context.context_lens is None:
+            return
+        real = context.context_lens[: chosen.shape[0]] > 0
+        hit = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=chosen.device)
+        hit[torch.where(real[:, None], chosen, self.num_experts).flatten()] = True
+        self.touched += hit[: self.num_experts].sum()
 
     def expert_rows(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` on rows ``x``: this rank's partial sum (no all-reduce)."""
