@@ -1096,9 +1096,14 @@ assert outputs == expected[:2]
 #   that depend on the token count alone) and `fused_moe` (two grouped Triton kernels: gate/up
 #   with SiLU × mul, down with the router's weights); `fuse_moe_layers` and `FusedExperts` hand
 #   them to a model's sparse blocks, the experts' weights stacked and held once. Checked here in
-#   the Triton interpreter, token-exact in the engine. Not yet: measured on a GPU, and so not yet
-#   switched on by the engine; the benchmark's bound from the experts each step touched, and a
-#   Qwen3-30B-A3B-shaped preset (issue 38 keeps them).
+#   the Triton interpreter, token-exact in the engine.
+# - `python -m nanovllm.bench --moe` (`nanovllm.bench.moe`): a run held to the dense-style bound and
+#   to the router-aware one, from the experts its decode steps chose, counted on the device by the
+#   blocks themselves (`SparseMoeBlock.count_touched`); on a GPU, Qwen3-30B-A3B's shapes with
+#   random weights (`qwen3_moe_30b_shapes`).
+#
+# Not yet: any of it measured on a GPU, and so the fused kernels not yet switched on by the
+# engine (issue 38 keeps that).
 #
 # ## Exercises
 #
@@ -1123,8 +1128,12 @@ assert outputs == expected[:2]
 # - `nanovllm.layers.fused_moe`：`align_by_expert`（把各对按专家排序、分成 tile，形状只取决于 token 数）与
 #   `fused_moe`（两个分组的 Triton 内核：gate/up 加 SiLU × mul，down 加路由器权重）；`fuse_moe_layers` 和
 #   `FusedExperts` 把它们交给模型的稀疏块，专家权重堆叠起来、只存一份。这里在 Triton 解释器里检查过，在引擎里逐 token
-#   一致。还没有做的：在 GPU 上测量，因此引擎还没有默认打开它；基准测试里按每一步实际用到的专家计算的上限，以及
-#   Qwen3-30B-A3B 形状的预设（议题 38 留着它们）。
+#   一致。
+# - `python -m nanovllm.bench --moe`（`nanovllm.bench.moe`）：把一次运行与按稠密方式算的上限、以及按路由器算的上限
+#   比较；后者来自这次运行的 decode 步实际选中的专家，由各个块自己在设备上计数（`SparseMoeBlock.count_touched`）；
+#   在 GPU 上默认使用 Qwen3-30B-A3B 的形状和随机权重（`qwen3_moe_30b_shapes`）。
+#
+# 还没有做的：这些都还没在 GPU 上测量过，因此引擎还没有默认打开融合内核（议题 38 留着它）。
 #
 # ## 练习
 #
