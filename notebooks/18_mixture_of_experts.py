@@ -187,10 +187,13 @@ class SparseMoeBlock(nn.Module):
     # zh: 两个分组的 Triton 内核完成所有专家的计算，由 `fuse_moe_layers` 交给这个块。
     fused_experts = None
     # en: Set while a model is built (the MoE benchmark does): each block then counts in `touched`, on the device, the
-    # en: experts that each decode step's tokens chose, inside CUDA graphs too.
+    # en: experts that each decode step's tokens chose, inside CUDA graphs too: row b holds the experts and the steps
+    # en: of the steps with b tokens (steps of more than COUNTED_ROWS tokens in the last row).
     # zh: 在构建模型时打开（MoE 基准测试会这样做）：每个块就在设备上把每个 decode 步的 token 选中的专家数累加到
-    # zh: `touched` 里，在 CUDA Graph 里也一样。
+    # zh: `touched` 里，在 CUDA Graph 里也一样：第 b 行是有 b 个 token 的那些步的专家数和步数（超过 COUNTED_ROWS
+    # zh: 个 token 的步记在最后一行）。
     count_touched = False
+    COUNTED_ROWS = 1024
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  hidden_act: str = "silu") -> None:
@@ -202,7 +205,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(Qwen3MLP(hidden_size, expert_size, hidden_act) for _ in range(num_experts))
         self.tp_size = tp_world()[1]
         if self.count_touched:
-            self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
+            self.register_buffer("touched", torch.zeros(self.COUNTED_ROWS + 1, 2, dtype=torch.long), persistent=False)
         else:
             self.touched = None
 
@@ -234,15 +237,18 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def count_step(self, chosen: torch.Tensor) -> None:
-        """Add to `touched` the number of experts a decode step's tokens chose: on the device, no host read, so that a
-        replayed graph counts too; a graph's padding rows (context length 0) choose nothing."""
+        """Add to `touched`, in the row of the step's token count, the number of experts a decode step's tokens chose
+        and one step: on the device, no host read, so that a replayed graph counts too; a graph's padding rows
+        (context length 0) choose nothing."""
         context = get_context()
         if context.is_prefill or context.context_lens is None:
             return
         real = context.context_lens[: chosen.shape[0]] > 0
         hit = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=chosen.device)
         hit[torch.where(real[:, None], chosen, self.num_experts).flatten()] = True
-        self.touched += hit[: self.num_experts].sum()
+        tokens = real.sum().clamp(max=self.COUNTED_ROWS).view(1)
+        experts_and_step = torch.stack([hit[: self.num_experts].sum(), torch.ones_like(tokens[0])])
+        self.touched.index_add_(0, tokens, experts_and_step[None])
 
     def expert_rows(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` on rows ``x``: this rank's partial sum (no all-reduce)."""
@@ -619,7 +625,9 @@ assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and
 # chapter 14's bound now counts for a sparse layer) and the router-aware one, which counts the
 # experts the decode steps really chose. The count is the blocks' own: built with
 # `SparseMoeBlock.count_touched` set, each block adds, on the device, the experts that each
-# decode step's tokens chose (graph padding rows left out), so a replayed CUDA graph counts too.
+# decode step's tokens chose (graph padding rows left out), so a replayed CUDA graph counts too,
+# and by the step's token count, so that the benchmark also prints the share read as the batch
+# drains.
 # On a GPU it defaults to Qwen3-30B-A3B's shapes with random weights drawn on the GPU
 # (`qwen3_moe_30b_shapes`, `load_format="dummy"`: no 60 GB checkpoint is written) and chapter
 # 14's nano-vllm workload; on a CPU, to the tiny MoE model and a few short requests, and there the
@@ -631,7 +639,8 @@ assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and
 # `python -m nanovllm.bench --moe` 在一个 MoE 模型上跑一个负载，把它的每秒 token 数和两个上限比较：按稠密方式算的
 # 上限（每个 decode 步都读每一个专家，也就是第 14 章的上限现在为稀疏层算的数），以及按路由器算的上限，它只算
 # decode 步真正选中的专家。这个数由块自己来数：在设置了 `SparseMoeBlock.count_touched` 时构建的模型里，每个块
-# 都在设备上累加每个 decode 步的 token 选中的专家数（不算图的填充行），所以重放的 CUDA Graph 也会计数。在 GPU
+# 都在设备上累加每个 decode 步的 token 选中的专家数（不算图的填充行），所以重放的 CUDA Graph 也会计数；计数按这一
+# 步的 token 数分开记，所以基准测试还能打印批次逐渐变小时每步读取的比例。在 GPU
 # 上它默认使用 Qwen3-30B-A3B 的形状、在 GPU 上直接生成随机权重（`qwen3_moe_30b_shapes`，`load_format="dummy"`：
 # 不用写出 60 GB 的检查点），以及第 14 章的 nano-vllm 负载；在 CPU 上默认使用小 MoE 模型和几个短请求，这时上限
 # 只算 decode 的字节数，按这台机器的拷贝速率计算。（还没有在 GPU 上运行过。）
@@ -711,17 +720,28 @@ MOE_WORKLOADS = {"cuda": (256, (100, 1024), (100, 1024)), "cpu": (8, (16, 48), (
 
 @dataclass
 class ExpertReads:
-    """What a run's decode steps read of the experts: the experts they touched, summed over steps and layers."""
+    """What a run's decode steps read of the experts: the experts they touched, summed over steps and layers, and
+    by the steps' token counts the share of the experts a step read (``by_tokens``, as the batch drains)."""
 
     decode_steps: int
     touched: int
     sparse_layers: int
     num_experts: int
+    by_tokens: dict[int, float]
 
     @property
     def share(self) -> float:
         """The share of the sparse layers' expert weights an average decode step read."""
         return self.touched / max(1, self.decode_steps * self.sparse_layers * self.num_experts)
+
+
+def expert_reads(blocks: list[SparseMoeBlock], decode_steps: int) -> ExpertReads:
+    """The blocks' counts (`SparseMoeBlock.touched`) as a run's `ExpertReads`."""
+    counts = sum(block.touched.cpu() for block in blocks)
+    num_experts = blocks[0].num_experts
+    by_tokens = {tokens: experts / (steps * num_experts) for tokens, (experts, steps) in enumerate(counts.tolist())
+                 if steps}
+    return ExpertReads(decode_steps, int(counts[:, 0].sum()), len(blocks), num_experts, by_tokens)
 
 
 @contextmanager
@@ -763,9 +783,7 @@ def run_counted(model: str, workload: Workload, **config: Any) -> tuple[float, E
         llm._step = counted
         with Stopwatch(llm.config.device) as clock:
             llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-        touched = sum(int(block.touched) for block in blocks)
-        reads = ExpertReads(decode_steps, touched, len(blocks), blocks[0].num_experts)
-        return clock.seconds, reads, llm.config
+        return clock.seconds, expert_reads(blocks, decode_steps), llm.config
     finally:
         llm.exit()
 
@@ -828,6 +846,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine: {workload.num_output_tokens} tokens in {seconds:.2f} s = {tokens_per_s:,.1f} tok/s")
     print(f"experts read: {reads.share:.1%} of the sparse layers' expert weights in an average decode step "
           f"({reads.touched} experts over {reads.decode_steps} steps and {reads.sparse_layers} layers)")
+    # en: As the batch drains: at most ten token counts, spread from the largest to the smallest.
+    # zh: 批次逐渐变小的过程：最多取十个 token 数，从最大到最小均匀分布。
+    counts = sorted(reads.by_tokens, reverse=True)
+    shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
+    print("as the batch drains, tokens in a step -> experts read: "
+          + ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown))
     print(f"dense-style bound: {dense.tokens_per_s:,.0f} tok/s ({tokens_per_s / dense.tokens_per_s:.1%} of it); "
           f"router-aware bound: {router:,.0f} tok/s ({tokens_per_s / router:.1%} of it), at "
           f"{bandwidth / 1e12:.2f} TB/s (copy, measured)")

@@ -334,11 +334,13 @@ def test_a_block_counts_the_experts_of_decode_steps_only_and_skips_padding_rows(
     try:
         set_context(True)
         block.count_step(chosen)
-        assert int(block.touched) == 0
-        # The third row is a graph's padding row: context length 0.
+        assert int(block.touched.sum()) == 0
+        # The third row is a graph's padding row: context length 0. A step of 2 tokens, 3 experts.
         set_context(False, context_lens=torch.tensor([7, 3, 0]))
         block.count_step(chosen)
-        assert int(block.touched) == 3
+        block.count_step(chosen[:1])
+        assert block.touched[2].tolist() == [3, 1] and block.touched[1].tolist() == [2, 1]
+        assert int(block.touched[:, 0].sum()) == 5 and int(block.touched[:, 1].sum()) == 2
     finally:
         reset_context()
     assert SparseMoeBlock(16, 8, num_experts=4, top_k=1, norm_topk_prob=True).touched is None
@@ -359,7 +361,7 @@ def test_the_device_count_equals_a_count_on_the_host(tiny_moe: Path) -> None:
         generated(llm, prompts_of([3, 9, 14], seed=5))
         for hook in hooks:
             hook.remove()
-        assert sum(int(block.touched) for block in blocks) == sum(host) > 0
+        assert sum(int(block.touched[:, 0].sum()) for block in blocks) == sum(host) > 0
     finally:
         llm.exit()
 
@@ -375,6 +377,10 @@ def test_the_moe_benchmark_holds_a_run_to_both_bounds_on_a_cpu(tmp_path: Path, c
     reads = report["expert_reads"]
     assert reads["sparse_layers"] == 2 and reads["num_experts"] == 8 and reads["decode_steps"] > 0
     assert 2 / 8 <= reads["share"] <= 1
+    # As the batch drains: a step of one token reads its 2 experts of 8 in each layer; of four, at most 8.
+    by_tokens = {int(tokens): share for tokens, share in reads["by_tokens"].items()}
+    assert by_tokens[1] == 2 / 8 and max(by_tokens) <= 4 and all(share <= 1 for share in by_tokens.values())
+    assert "as the batch drains" in printed
     assert report["router_bound_tokens_per_s"] >= report["dense_bound_tokens_per_s"] > 0
     # A dense model has nothing to count: refused by name.
     assert main(["--device", "cpu", "--num-seqs", "2", "--model", str(build_tiny_model("qwen3"))]) == 2

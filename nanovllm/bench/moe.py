@@ -26,6 +26,7 @@ __all__ = [
     "MOE_WORKLOADS",
     "ExpertReads",
     "counting_experts",
+    "expert_reads",
     "main",
     "router_aware_bound",
     "run_counted",
@@ -39,17 +40,28 @@ MOE_WORKLOADS = {"cuda": (256, (100, 1024), (100, 1024)), "cpu": (8, (16, 48), (
 
 @dataclass
 class ExpertReads:
-    """What a run's decode steps read of the experts: the experts they touched, summed over steps and layers."""
+    """What a run's decode steps read of the experts: the experts they touched, summed over steps and layers, and
+    by the steps' token counts the share of the experts a step read (``by_tokens``, as the batch drains)."""
 
     decode_steps: int
     touched: int
     sparse_layers: int
     num_experts: int
+    by_tokens: dict[int, float]
 
     @property
     def share(self) -> float:
         """The share of the sparse layers' expert weights an average decode step read."""
         return self.touched / max(1, self.decode_steps * self.sparse_layers * self.num_experts)
+
+
+def expert_reads(blocks: list[SparseMoeBlock], decode_steps: int) -> ExpertReads:
+    """The blocks' counts (`SparseMoeBlock.touched`) as a run's `ExpertReads`."""
+    counts = sum(block.touched.cpu() for block in blocks)
+    num_experts = blocks[0].num_experts
+    by_tokens = {tokens: experts / (steps * num_experts) for tokens, (experts, steps) in enumerate(counts.tolist())
+                 if steps}
+    return ExpertReads(decode_steps, int(counts[:, 0].sum()), len(blocks), num_experts, by_tokens)
 
 
 @contextmanager
@@ -91,9 +103,7 @@ def run_counted(model: str, workload: Workload, **config: Any) -> tuple[float, E
         llm._step = counted
         with Stopwatch(llm.config.device) as clock:
             llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
-        touched = sum(int(block.touched) for block in blocks)
-        reads = ExpertReads(decode_steps, touched, len(blocks), blocks[0].num_experts)
-        return clock.seconds, reads, llm.config
+        return clock.seconds, expert_reads(blocks, decode_steps), llm.config
     finally:
         llm.exit()
 
@@ -155,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine: {workload.num_output_tokens} tokens in {seconds:.2f} s = {tokens_per_s:,.1f} tok/s")
     print(f"experts read: {reads.share:.1%} of the sparse layers' expert weights in an average decode step "
           f"({reads.touched} experts over {reads.decode_steps} steps and {reads.sparse_layers} layers)")
+    # As the batch drains: at most ten token counts, spread from the largest to the smallest.
+    counts = sorted(reads.by_tokens, reverse=True)
+    shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
+    print("as the batch drains, tokens in a step -> experts read: "
+          + ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown))
     print(f"dense-style bound: {dense.tokens_per_s:,.0f} tok/s ({tokens_per_s / dense.tokens_per_s:.1%} of it); "
           f"router-aware bound: {router:,.0f} tok/s ({tokens_per_s / router:.1%} of it), at "
           f"{bandwidth / 1e12:.2f} TB/s (copy, measured)")

@@ -33,8 +33,10 @@ class SparseMoeBlock(nn.Module):
     # The experts in two grouped Triton kernels, once `fuse_moe_layers` hands the block them.
     fused_experts = None
     # Set while a model is built (the MoE benchmark does): each block then counts in `touched`, on the device, the
-    # experts that each decode step's tokens chose, inside CUDA graphs too.
+    # experts that each decode step's tokens chose, inside CUDA graphs too: row b holds the experts and the steps
+    # of the steps with b tokens (steps of more than COUNTED_ROWS tokens in the last row).
     count_touched = False
+    COUNTED_ROWS = 1024
 
     def __init__(self, hidden_size: int, expert_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
                  hidden_act: str = "silu") -> None:
@@ -46,7 +48,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(Qwen3MLP(hidden_size, expert_size, hidden_act) for _ in range(num_experts))
         self.tp_size = tp_world()[1]
         if self.count_touched:
-            self.register_buffer("touched", torch.zeros((), dtype=torch.long), persistent=False)
+            self.register_buffer("touched", torch.zeros(self.COUNTED_ROWS + 1, 2, dtype=torch.long), persistent=False)
         else:
             self.touched = None
 
@@ -76,15 +78,18 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def count_step(self, chosen: torch.Tensor) -> None:
-        """Add to `touched` the number of experts a decode step's tokens chose: on the device, no host read, so that a
-        replayed graph counts too; a graph's padding rows (context length 0) choose nothing."""
+        """Add to `touched`, in the row of the step's token count, the number of experts a decode step's tokens chose
+        and one step: on the device, no host read, so that a replayed graph counts too; a graph's padding rows
+        (context length 0) choose nothing."""
         context = get_context()
         if context.is_prefill or context.context_lens is None:
             return
         real = context.context_lens[: chosen.shape[0]] > 0
         hit = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=chosen.device)
         hit[torch.where(real[:, None], chosen, self.num_experts).flatten()] = True
-        self.touched += hit[: self.num_experts].sum()
+        tokens = real.sum().clamp(max=self.COUNTED_ROWS).view(1)
+        experts_and_step = torch.stack([hit[: self.num_experts].sum(), torch.ones_like(tokens[0])])
+        self.touched.index_add_(0, tokens, experts_and_step[None])
 
     def expert_rows(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` on rows ``x``: this rank's partial sum (no all-reduce)."""
