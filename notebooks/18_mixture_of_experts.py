@@ -467,11 +467,16 @@ from nanovllm.bench.engine import MLP_RULES
 from nanovllm.models.qwen3_moe import is_sparse_layer
 
 
+def experts_params(hf_config: Any) -> int:
+    """Parameters of one sparse layer's experts: gate, up and down of moe_intermediate_size, each expert."""
+    return hf_config.num_experts * 3 * hf_config.hidden_size * hf_config.moe_intermediate_size
+
+
 def expert_mlp_params(hf_config: Any, index: int) -> int | None:
-    """A sparse layer's MLP: the router and every expert (gate, up and down of moe_intermediate_size)."""
+    """A sparse layer's MLP: the router and every expert."""
     if not getattr(hf_config, "num_experts", 0) or not is_sparse_layer(hf_config, index):
         return None
-    return hf_config.hidden_size * hf_config.num_experts * (1 + 3 * hf_config.moe_intermediate_size)
+    return hf_config.hidden_size * hf_config.num_experts + experts_params(hf_config)
 
 
 MLP_RULES.append(expert_mlp_params)
@@ -706,7 +711,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from nanovllm.bench.engine import Workload, make_workload, matmul_flops, workload_bound
+from nanovllm.bench.engine import Workload, experts_params, make_workload, matmul_flops, workload_bound
 from nanovllm.bench.latency import measured_copy_rate
 from nanovllm.bench.models import qwen3_moe_30b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
@@ -794,8 +799,7 @@ def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, rea
     the measured share of the sparse layers' experts instead of all of them."""
     dense = workload_bound(workload, hf_config, dtype_bytes, bandwidth, flops)
     sparse_layers = sum(is_sparse_layer(hf_config, index) for index in range(hf_config.num_hidden_layers))
-    all_experts = sparse_layers * hf_config.num_experts * 3 * hf_config.hidden_size \
-        * hf_config.moe_intermediate_size * dtype_bytes
+    all_experts = sparse_layers * experts_params(hf_config) * dtype_bytes
     steps = max(workload.output_lens) - 1
     decode_bytes = dense.decode_bytes - steps * all_experts * (1 - reads.share)
     seconds = decode_bytes / bandwidth + dense.prefill_flops / flops
@@ -1039,6 +1043,11 @@ class FusedExperts:
     """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
 
     def __init__(self, block: SparseMoeBlock) -> None:
+        # en: Triton: imported only when the fused path is asked for (a CPU engine never imports it).
+        # zh: Triton 只在需要融合路径时才导入（CPU 上的引擎从不导入它）。
+        from nanovllm.layers.fused_moe import fused_moe
+
+        self.fused_moe = fused_moe
         experts = block.experts
         self.w13 = torch.stack([expert.gate_up_proj.weight.data for expert in experts])
         self.w2 = torch.stack([expert.down_proj.weight.data for expert in experts])
@@ -1049,11 +1058,7 @@ class FusedExperts:
             expert.down_proj.weight.data = self.w2[index]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        # en: Triton: imported only when the fused path is asked for (a CPU engine never imports it).
-        # zh: Triton 只在需要融合路径时才导入（CPU 上的引擎从不导入它）。
-        from nanovllm.layers.fused_moe import fused_moe
-
-        return fused_moe(x, self.w13, self.w2, weights, chosen)
+        return self.fused_moe(x, self.w13, self.w2, weights, chosen)
 
 
 def fuse_moe_layers(model: nn.Module) -> int:

@@ -20,6 +20,8 @@ from nanovllm.layers.fused_moe import fused_moe
 from nanovllm.models.qwen3_moe import FusedExperts, SparseMoeBlock
 
 HIDDEN, WIDTH, EXPERTS, TOP_K = 2048, 768, 128, 8
+# One expert in bfloat16: gate, up and down.
+EXPERT_BYTES = 3 * HIDDEN * WIDTH * 2
 LAUNCHES = [dict(block_m=16, block_n=64, block_k=64), dict(block_m=16, block_n=128, block_k=64),
             dict(block_m=32, block_n=64, block_k=64), dict(block_m=64, block_n=64, block_k=64)]
 
@@ -29,7 +31,7 @@ def measure(block: SparseMoeBlock, fused: FusedExperts, tokens: int, bandwidth: 
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     weights, chosen = block.route(x)
     touched = len(chosen.unique())
-    bound_us = touched * 3 * HIDDEN * WIDTH * 2 / bandwidth * 1e6
+    bound_us = touched * EXPERT_BYTES / bandwidth * 1e6
     reference = block.chosen_experts(x, weights, chosen)
     torch.cuda.synchronize()
     began = time.perf_counter()
@@ -62,8 +64,7 @@ def main() -> None:
         torch.nn.init.normal_(param, std=HIDDEN**-0.5)
     fused = FusedExperts(block)
     bandwidth = copy_bandwidth()
-    expert_mb = 3 * HIDDEN * WIDTH * 2 / 1e6
-    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; an expert {expert_mb:.1f} MB")
+    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; an expert {EXPERT_BYTES / 1e6:.1f} MB")
     rows = [row for tokens in (1, 8, 64, 256) for row in measure(block, fused, tokens, bandwidth)]
     if args.out:
         with open(args.out, "w") as file:

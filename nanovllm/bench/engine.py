@@ -31,6 +31,7 @@ __all__ = [
     "Workload",
     "build_parser",
     "expert_mlp_params",
+    "experts_params",
     "kv_token_bytes",
     "layer_params",
     "layers_params",
@@ -539,11 +540,16 @@ OTHER_BENCHMARKS["--speculative"] = "nanovllm.bench.speculative"
 
 
 # notebooks/18_mixture_of_experts.py · cell "moe params"
+def experts_params(hf_config: Any) -> int:
+    """Parameters of one sparse layer's experts: gate, up and down of moe_intermediate_size, each expert."""
+    return hf_config.num_experts * 3 * hf_config.hidden_size * hf_config.moe_intermediate_size
+
+
 def expert_mlp_params(hf_config: Any, index: int) -> int | None:
-    """A sparse layer's MLP: the router and every expert (gate, up and down of moe_intermediate_size)."""
+    """A sparse layer's MLP: the router and every expert."""
     if not getattr(hf_config, "num_experts", 0) or not is_sparse_layer(hf_config, index):
         return None
-    return hf_config.hidden_size * hf_config.num_experts * (1 + 3 * hf_config.moe_intermediate_size)
+    return hf_config.hidden_size * hf_config.num_experts + experts_params(hf_config)
 
 
 MLP_RULES.append(expert_mlp_params)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from nanovllm.bench.engine import Workload, make_workload, matmul_flops, workload_bound
+from nanovllm.bench.engine import Workload, experts_params, make_workload, matmul_flops, workload_bound
 from nanovllm.bench.latency import measured_copy_rate
 from nanovllm.bench.models import qwen3_moe_30b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
@@ -114,8 +114,7 @@ def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, rea
     the measured share of the sparse layers' experts instead of all of them."""
     dense = workload_bound(workload, hf_config, dtype_bytes, bandwidth, flops)
     sparse_layers = sum(is_sparse_layer(hf_config, index) for index in range(hf_config.num_hidden_layers))
-    all_experts = sparse_layers * hf_config.num_experts * 3 * hf_config.hidden_size \
-        * hf_config.moe_intermediate_size * dtype_bytes
+    all_experts = sparse_layers * experts_params(hf_config) * dtype_bytes
     steps = max(workload.output_lens) - 1
     decode_bytes = dense.decode_bytes - steps * all_experts * (1 - reads.share)
     seconds = decode_bytes / bandwidth + dense.prefill_flops / flops

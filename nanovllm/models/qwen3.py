@@ -118,8 +118,9 @@ class Qwen3DecoderLayer(nn.Module):
             qk_norm=switches["qk_norm"],
         )
         # The dense MLP, unless the model hands the layer another one (a mixture of experts does).
-        self.mlp = mlp or Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                                   switches["mlp_bias"])
+        if mlp is None:
+            mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, config.hidden_act, switches["mlp_bias"])
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -143,6 +143,10 @@ class FusedExperts:
     """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
 
     def __init__(self, block: SparseMoeBlock) -> None:
+        # Triton: imported only when the fused path is asked for (a CPU engine never imports it).
+        from nanovllm.layers.fused_moe import fused_moe
+
+        self.fused_moe = fused_moe
         experts = block.experts
         self.w13 = torch.stack([expert.gate_up_proj.weight.data for expert in experts])
         self.w2 = torch.stack([expert.down_proj.weight.data for expert in experts])
@@ -152,10 +156,7 @@ class FusedExperts:
             expert.down_proj.weight.data = self.w2[index]
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        # Triton: imported only when the fused path is asked for (a CPU engine never imports it).
-        from nanovllm.layers.fused_moe import fused_moe
-
-        return fused_moe(x, self.w13, self.w2, weights, chosen)
+        return self.fused_moe(x, self.w13, self.w2, weights, chosen)
 
 
 def fuse_moe_layers(model: nn.Module) -> int:
