@@ -715,7 +715,7 @@ from nanovllm.bench.engine import Workload, experts_params, make_workload, matmu
 from nanovllm.bench.latency import measured_copy_rate
 from nanovllm.bench.models import qwen3_moe_30b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
-from nanovllm.models.qwen3_moe import SparseMoeBlock, is_sparse_layer
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, is_sparse_layer
 from nanovllm.sampling_params import SamplingParams
 
 # en: (requests, prompt lengths, output lengths): chapter 14's nano-vllm workload on a GPU, a few short ones on a CPU.
@@ -750,21 +750,24 @@ def expert_reads(blocks: list[SparseMoeBlock], decode_steps: int) -> ExpertReads
 
 
 @contextmanager
-def counting_experts() -> Iterator[None]:
-    """Models built inside count the experts their decode steps touch (`SparseMoeBlock.count_touched`)."""
-    SparseMoeBlock.count_touched = True
+def counting_experts(fused: bool = True) -> Iterator[None]:
+    """Models built inside count the experts their decode steps touch (`SparseMoeBlock.count_touched`); with
+    ``fused=False`` their experts run as the loop on a GPU too (the fused kernels, built with `fused_moe`, are the
+    GPU's default: `Qwen3MoeForCausalLM.fused_experts_on_gpu`)."""
+    was_fused = getattr(Qwen3MoeForCausalLM, "fused_experts_on_gpu", True)
+    SparseMoeBlock.count_touched, Qwen3MoeForCausalLM.fused_experts_on_gpu = True, fused
     try:
         yield
     finally:
-        SparseMoeBlock.count_touched = False
+        SparseMoeBlock.count_touched, Qwen3MoeForCausalLM.fused_experts_on_gpu = False, was_fused
 
 
-def run_counted(model: str, workload: Workload, **config: Any) -> tuple[float, ExpertReads, Any]:
-    """Time `LLM.generate` on the workload (after an untimed warm-up) with the experts counted: (seconds, the
-    experts read, the engine's config)."""
+def run_counted(model: str, workload: Workload, fused: bool = True, **config: Any) -> tuple[float, ExpertReads, Any]:
+    """Time `LLM.generate` on the workload (after an untimed warm-up) with the experts counted, through the fused
+    kernels on a GPU unless ``fused`` is False: (seconds, the experts read, the engine's config)."""
     from nanovllm.llm import LLM
 
-    with counting_experts():
+    with counting_experts(fused):
         llm = LLM(model, **config)
     try:
         if llm.config.tensor_parallel_size > 1:
@@ -806,6 +809,13 @@ def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, rea
     return dense, workload.num_output_tokens / seconds
 
 
+def draining(reads: ExpertReads) -> str:
+    """The share of the experts read as the batch drains: at most ten token counts, from the largest down."""
+    counts = sorted(reads.by_tokens, reverse=True)
+    shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
+    return ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --moe", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a Qwen3-MoE directory (default: Qwen3-30B-A3B's shapes on a GPU, the tiny "
@@ -814,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--experts", choices=["fused", "loop"], default="fused",
+                        help="on a GPU: the experts in the fused kernels (the engine's default) or as the loop (every "
+                        "expert on every token inside CUDA graphs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -834,8 +847,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size = AutoConfig.from_pretrained(model).vocab_size
         workload = make_workload(args.num_seqs or num_seqs, input_len, output_len, vocab_size=vocab_size,
                                  seed=args.seed)
-        seconds, reads, config = run_counted(model, workload, max_model_len=max(4096, sum(input_len + output_len)),
-                                             **settings)
+        seconds, reads, config = run_counted(model, workload, fused=args.experts == "fused",
+                                             max_model_len=max(4096, sum(input_len + output_len)), **settings)
     except (TypeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -846,21 +859,18 @@ def main(argv: list[str] | None = None) -> int:
     flops = matmul_flops() if device == "cuda" else float("inf")
     dense, router = router_aware_bound(workload, config.hf_config, config.torch_dtype.itemsize, reads, bandwidth, flops)
     where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
-    print(f"model: {model} on {where}; workload: {workload.describe()}")
+    print(f"model: {model} on {where}, experts: {args.experts if device == 'cuda' else 'loop'}; workload: "
+          f"{workload.describe()}")
     print(f"engine: {workload.num_output_tokens} tokens in {seconds:.2f} s = {tokens_per_s:,.1f} tok/s")
     print(f"experts read: {reads.share:.1%} of the sparse layers' expert weights in an average decode step "
           f"({reads.touched} experts over {reads.decode_steps} steps and {reads.sparse_layers} layers)")
-    # en: As the batch drains: at most ten token counts, spread from the largest to the smallest.
-    # zh: 批次逐渐变小的过程：最多取十个 token 数，从最大到最小均匀分布。
-    counts = sorted(reads.by_tokens, reverse=True)
-    shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
-    print("as the batch drains, tokens in a step -> experts read: "
-          + ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown))
+    print(f"as the batch drains, tokens in a step -> experts read: {draining(reads)}")
     print(f"dense-style bound: {dense.tokens_per_s:,.0f} tok/s ({tokens_per_s / dense.tokens_per_s:.1%} of it); "
           f"router-aware bound: {router:,.0f} tok/s ({tokens_per_s / router:.1%} of it), at "
           f"{bandwidth / 1e12:.2f} TB/s (copy, measured)")
     report = report_header("python -m nanovllm.bench --moe", argv, device)
-    report |= {"model": model, "workload": workload.describe(), "tokens_per_s": tokens_per_s, "seconds": seconds,
+    report |= {"model": model, "experts": args.experts, "workload": workload.describe(), "tokens_per_s": tokens_per_s,
+               "seconds": seconds,
                "expert_reads": asdict(reads) | {"share": reads.share}, "bandwidth": bandwidth,
                "dense_bound_tokens_per_s": dense.tokens_per_s, "router_bound_tokens_per_s": router}
     write_report(report, args.out)
@@ -891,8 +901,12 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # multiplies it by its expert's merged gate/up weight and applies SiLU × mul in registers,
 # writing one row per pair; the second multiplies those rows by the expert's down weight and
 # scales each by its router weight. Each token's k rows are then added up. The stacked weights
-# come from `fuse_moe_layers`, which stacks each block's experts once after loading and leaves
-# every expert's parameters as views into the stacks, so no weight is held twice.
+# come from `fuse_moe_layers`, which stacks each block's experts once and leaves every expert's
+# parameters as views into the stacks, so no weight is held twice. On a GPU the model does this
+# as it is built (`Qwen3MoeForCausalLM.fused_experts_on_gpu`, on by default): the loaders then
+# copy each checkpoint tensor into its view, and every CUDA graph captures the two kernels
+# instead of every expert on every token. Here on a CPU the chapter hands a loaded model the
+# kernels itself, to run them in the Triton interpreter.
 
 # %% [markdown] tags=["zh"]
 # ## 把许多个矩阵乘法变成一个：按专家给 token 排序
@@ -908,8 +922,10 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 #
 # 然后 `fused_moe` 在这些 tile 上运行两个 Triton 内核。第一个取出每一对的 token，乘以它的专家合并后的 gate/up
 # 权重，在寄存器里做 SiLU × mul，每一对写一行；第二个把这些行乘以专家的 down 权重，再按路由器权重缩放。最后把每个
-# token 的 k 行加起来。堆叠好的权重来自 `fuse_moe_layers`：它在加载之后把每个块的专家堆叠一次，并让每个专家的
-# 参数成为堆叠张量的视图，所以没有哪个权重存了两份。
+# token 的 k 行加起来。堆叠好的权重来自 `fuse_moe_layers`：它把每个块的专家堆叠一次，并让每个专家的参数成为
+# 堆叠张量的视图，所以没有哪个权重存了两份。在 GPU 上，模型在构建时就这样做（`Qwen3MoeForCausalLM.fused_experts_on_gpu`，
+# 默认打开）：加载器随后把检查点里的每个张量拷进它的视图，每个 CUDA 图捕获的也是这两个内核，而不是让每个专家处理
+# 每个 token。这里在 CPU 上，本章自己把内核交给一个加载好的模型，在 Triton 解释器里运行它们。
 
 # %% fused moe
 #| export layers.fused_moe
@@ -953,7 +969,7 @@ def grouped_expert_kernel(
     a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, weights_ptr, num_pairs, N, K, top_k,
     stride_a, stride_we, stride_wn, stride_out,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER: tl.constexpr, GLU: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, GLU: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # en: Program (tile t, column block c): the BLOCK_M rows of tile t, all of one expert, times that expert's
     # en: weight, output columns [c * BLOCK_N, (c + 1) * BLOCK_N).
@@ -981,14 +997,14 @@ def grouped_expert_kernel(
             w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             if UPCAST:
                 a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
             if GLU:
                 # en: The up rows sit N rows below the gate rows in the merged gate_up weight.
                 # zh: 在合并的 gate_up 权重里，up 的行在 gate 的行下方 N 行处。
                 w = tl.load(w_base + (N + cols)[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
                 if UPCAST:
                     w = w.to(tl.float32)
-                up = tl.dot(a, tl.trans(w), up)
+                up = tl.dot(a, tl.trans(w), up, input_precision=PRECISION)
         dtype = out_ptr.dtype.element_ty
         # en: Rounded to the model's dtype where the unfused layers hold a tensor of it.
         # zh: 在不融合的各层持有该数据类型张量的地方，舍入到模型的数据类型。
@@ -1020,25 +1036,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     # en: The Triton interpreter gets tl.dot of 16-bit floats wrong: there the tiles go up to float32 first.
     # zh: Triton 解释器算 16 位浮点的 tl.dot 会出错：在那里 tile 先升到 float32。
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    # en: float32 stays float32 (tf32 would round it where the loop does not); 16-bit tiles ignore the setting.
+    # zh: float32 保持 float32（tf32 会在循环不舍入的地方舍入）；16 位的 tile 不受这个设置影响。
+    precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     flat_weights = weights.reshape(pairs).contiguous()
     activated = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
     grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(width, block_n))](
         x, w13, activated, rows, tile_expert, flat_weights, pairs, width, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=True, GLU=True,
-        WEIGHTED=False, UPCAST=upcast,
+        WEIGHTED=False, UPCAST=upcast, PRECISION=precision,
     )  # fmt: skip
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
         activated, w2, out, rows, tile_expert, flat_weights, pairs, hidden, width, top_k,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=False, GLU=False,
-        WEIGHTED=True, UPCAST=upcast,
+        WEIGHTED=True, UPCAST=upcast, PRECISION=precision,
     )  # fmt: skip
     return out.view(tokens, top_k, hidden).sum(dim=1)
 
 # %% fuse moe layers
 #| export models.qwen3_moe
+from nanovllm.book.literate import add_to_class
+
+
 class FusedExperts:
     """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
 
@@ -1067,6 +1089,21 @@ def fuse_moe_layers(model: nn.Module) -> int:
     for block in blocks:
         block.fused_experts = FusedExperts(block)
     return len(blocks)
+
+
+# en: On a GPU the engine runs the fused kernels: the model stacks its experts as it is built, before the weights
+# en: are loaded (the loaders copy into the stacks' views) and before any CUDA graph is captured. The MoE
+# en: benchmark turns this off (`--experts loop`) to compare.
+# zh: 在 GPU 上，引擎使用融合内核：模型在构建时就把专家堆叠起来，早于加载权重（加载器把权重拷进堆叠张量的视图），
+# zh: 也早于捕获任何 CUDA 图。MoE 基准测试可以关掉它（`--experts loop`）来作比较。
+Qwen3MoeForCausalLM.fused_experts_on_gpu: bool = True
+
+
+@add_to_class(Qwen3MoeForCausalLM)
+def __init__(self, config: Any) -> None:
+    Qwen3ForCausalLM.__init__(self, config)
+    if self.fused_experts_on_gpu and next(self.parameters()).is_cuda:
+        fuse_moe_layers(self)
 
 # %% [markdown] tags=["en"]
 # ### See it: the sort, and the kernels against the loop

@@ -35,7 +35,8 @@
 #                                       # batches 1, 4, 16, 64, with and without prompt lookup)
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 18): its GPU tests, scripts/moe_probe.py (one
 #                                       # Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe), then
-#                                       # python -m nanovllm.bench --moe --layers 8 (both bounds)
+#                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
+#                                       # --experts fused and loop
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -260,8 +261,13 @@ run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse l
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
     tests/test_18_mixture_of_experts.py || status=1
   python3 scripts/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
-  # 8 of Qwen3-30B-A3B's 48 layers: a first look at the router-aware bound (the fused kernels are not on yet)
-  python3 -m nanovllm.bench --moe --layers 8 --out "$out/moe-bench.json" 2>&1 | tee "$out/moe-bench.log" || status=1
+  # Qwen3-30B-A3B's 48 layers through the fused kernels (the engine's default), then 8 of them both ways
+  python3 -m nanovllm.bench --moe --out "$out/moe-bench.json" 2>&1 | tee "$out/moe-bench.log" || status=1
+  local experts
+  for experts in fused loop; do
+    python3 -m nanovllm.bench --moe --layers 8 --experts $experts --out "$out/moe-bench-8-$experts.json" 2>&1 \
+      | tee "$out/moe-bench-8-$experts.log" || status=1
+  done
 }
 
 keep() {

@@ -304,6 +304,67 @@ def test_fused_moe_replays_in_a_cuda_graph() -> None:
     torch.testing.assert_close(out, block.chosen_experts(new_x, new_weights, new_chosen), atol=3e-2, rtol=3e-2)
 
 
+def test_weights_load_into_experts_stacked_before_loading(tiny_moe: Path) -> None:
+    """What a GPU engine does (it stacks the experts as the model is built): the loaders copy each checkpoint
+    tensor into its view of the stacks, so the stacks hold the checkpoint's experts."""
+    from nanovllm.models.loader import load_model, read_model_dir
+    from nanovllm.models.qwen3_moe import fuse_moe_layers
+
+    model = Qwen3MoeForCausalLM(read_model_dir(tiny_moe))
+    assert fuse_moe_layers(model) == 2
+    load_model(model, tiny_moe)
+    checkpoint = load_file(str(tiny_moe / "model.safetensors"))
+    block = model.model.layers[1].mlp
+    for index in (0, block.num_experts - 1):
+        prefix = f"model.layers.1.mlp.experts.{index}."
+        gate_up = torch.cat([checkpoint[prefix + "gate_proj.weight"], checkpoint[prefix + "up_proj.weight"]])
+        assert torch.equal(block.fused_experts.w13[index], gate_up)
+        assert torch.equal(block.fused_experts.w2[index], checkpoint[prefix + "down_proj.weight"])
+        assert block.experts[index].down_proj.weight.data_ptr() == block.fused_experts.w2[index].data_ptr()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_fused_experts_work_with_the_8_bit_kv_cache(tiny_moe: Path, device: str) -> None:
+    """The experts never touch the KV cache: with an 8-bit cache the fused kernels give the loop's tokens (the
+    Triton interpreter on a CPU; the GPU's default path, under CUDA graphs, on a GPU)."""
+    from nanovllm.bench.moe import counting_experts
+    from nanovllm.models.qwen3_moe import fuse_moe_layers
+
+    prompts = prompts_of([3, 12, 26], seed=2)
+    outputs = {}
+    for fused in (False, True):
+        with counting_experts(fused):
+            llm = LLM(str(tiny_moe), kvcache_block_size=16, num_kvcache_blocks=32, kv_cache_dtype="fp8",
+                      device=device, dtype="float32")
+        try:
+            if fused and device == "cpu":
+                assert fuse_moe_layers(llm.model_runner.model) == 2
+            outputs[fused] = generated(llm, prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        finally:
+            llm.exit()
+    assert outputs[True] == outputs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "loop"])
+def test_the_gpu_engine_gives_transformers_tokens_through_its_graphs(tiny_moe: Path, reference, fused: bool) -> None:
+    """On a GPU a Qwen3-MoE model is built with its experts stacked (the fused kernels, the default) and its decode
+    steps replay CUDA graphs; float32, so that no kernel's rounding stands between it and transformers."""
+    from nanovllm.bench.moe import counting_experts
+
+    with counting_experts(fused):
+        llm = LLM(str(tiny_moe), kvcache_block_size=16, num_kvcache_blocks=64, device="cuda", dtype="float32")
+    try:
+        blocks = [module for module in llm.model_runner.model.modules() if isinstance(module, SparseMoeBlock)]
+        assert all((block.fused_experts is not None) == fused for block in blocks) and len(blocks) == 2
+        assert llm.model_runner.graphs is not None
+        assert generated(llm, reference["prompts"]) == reference["tokens"]
+        assert sum(int(block.touched[:, 1].sum()) for block in blocks) > 0  # decode steps ran (and were counted)
+    finally:
+        llm.exit()
+    assert Qwen3MoeForCausalLM.fused_experts_on_gpu
+
+
 @pytest.mark.parametrize("variant", ["8x2-norm", "dense-first", "every-second"])
 def test_the_benchmark_counts_the_parameters_the_engine_builds(variant: str) -> None:
     """bench.engine.model_params, layer by layer (the sparse layers' router and experts through MLP_RULES), equals

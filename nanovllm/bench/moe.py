@@ -19,13 +19,14 @@ from nanovllm.bench.engine import Workload, experts_params, make_workload, matmu
 from nanovllm.bench.latency import measured_copy_rate
 from nanovllm.bench.models import qwen3_moe_30b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
-from nanovllm.models.qwen3_moe import SparseMoeBlock, is_sparse_layer
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, is_sparse_layer
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "MOE_WORKLOADS",
     "ExpertReads",
     "counting_experts",
+    "draining",
     "expert_reads",
     "main",
     "router_aware_bound",
@@ -65,21 +66,24 @@ def expert_reads(blocks: list[SparseMoeBlock], decode_steps: int) -> ExpertReads
 
 
 @contextmanager
-def counting_experts() -> Iterator[None]:
-    """Models built inside count the experts their decode steps touch (`SparseMoeBlock.count_touched`)."""
-    SparseMoeBlock.count_touched = True
+def counting_experts(fused: bool = True) -> Iterator[None]:
+    """Models built inside count the experts their decode steps touch (`SparseMoeBlock.count_touched`); with
+    ``fused=False`` their experts run as the loop on a GPU too (the fused kernels, built with `fused_moe`, are the
+    GPU's default: `Qwen3MoeForCausalLM.fused_experts_on_gpu`)."""
+    was_fused = getattr(Qwen3MoeForCausalLM, "fused_experts_on_gpu", True)
+    SparseMoeBlock.count_touched, Qwen3MoeForCausalLM.fused_experts_on_gpu = True, fused
     try:
         yield
     finally:
-        SparseMoeBlock.count_touched = False
+        SparseMoeBlock.count_touched, Qwen3MoeForCausalLM.fused_experts_on_gpu = False, was_fused
 
 
-def run_counted(model: str, workload: Workload, **config: Any) -> tuple[float, ExpertReads, Any]:
-    """Time `LLM.generate` on the workload (after an untimed warm-up) with the experts counted: (seconds, the
-    experts read, the engine's config)."""
+def run_counted(model: str, workload: Workload, fused: bool = True, **config: Any) -> tuple[float, ExpertReads, Any]:
+    """Time `LLM.generate` on the workload (after an untimed warm-up) with the experts counted, through the fused
+    kernels on a GPU unless ``fused`` is False: (seconds, the experts read, the engine's config)."""
     from nanovllm.llm import LLM
 
-    with counting_experts():
+    with counting_experts(fused):
         llm = LLM(model, **config)
     try:
         if llm.config.tensor_parallel_size > 1:
@@ -121,6 +125,13 @@ def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, rea
     return dense, workload.num_output_tokens / seconds
 
 
+def draining(reads: ExpertReads) -> str:
+    """The share of the experts read as the batch drains: at most ten token counts, from the largest down."""
+    counts = sorted(reads.by_tokens, reverse=True)
+    shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
+    return ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --moe", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a Qwen3-MoE directory (default: Qwen3-30B-A3B's shapes on a GPU, the tiny "
@@ -129,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--num-seqs", type=int)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--experts", choices=["fused", "loop"], default="fused",
+                        help="on a GPU: the experts in the fused kernels (the engine's default) or as the loop (every "
+                        "expert on every token inside CUDA graphs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -149,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size = AutoConfig.from_pretrained(model).vocab_size
         workload = make_workload(args.num_seqs or num_seqs, input_len, output_len, vocab_size=vocab_size,
                                  seed=args.seed)
-        seconds, reads, config = run_counted(model, workload, max_model_len=max(4096, sum(input_len + output_len)),
-                                             **settings)
+        seconds, reads, config = run_counted(model, workload, fused=args.experts == "fused",
+                                             max_model_len=max(4096, sum(input_len + output_len)), **settings)
     except (TypeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -160,20 +174,18 @@ def main(argv: list[str] | None = None) -> int:
     flops = matmul_flops() if device == "cuda" else float("inf")
     dense, router = router_aware_bound(workload, config.hf_config, config.torch_dtype.itemsize, reads, bandwidth, flops)
     where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
-    print(f"model: {model} on {where}; workload: {workload.describe()}")
+    print(f"model: {model} on {where}, experts: {args.experts if device == 'cuda' else 'loop'}; workload: "
+          f"{workload.describe()}")
     print(f"engine: {workload.num_output_tokens} tokens in {seconds:.2f} s = {tokens_per_s:,.1f} tok/s")
     print(f"experts read: {reads.share:.1%} of the sparse layers' expert weights in an average decode step "
           f"({reads.touched} experts over {reads.decode_steps} steps and {reads.sparse_layers} layers)")
-    # As the batch drains: at most ten token counts, spread from the largest to the smallest.
-    counts = sorted(reads.by_tokens, reverse=True)
-    shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
-    print("as the batch drains, tokens in a step -> experts read: "
-          + ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown))
+    print(f"as the batch drains, tokens in a step -> experts read: {draining(reads)}")
     print(f"dense-style bound: {dense.tokens_per_s:,.0f} tok/s ({tokens_per_s / dense.tokens_per_s:.1%} of it); "
           f"router-aware bound: {router:,.0f} tok/s ({tokens_per_s / router:.1%} of it), at "
           f"{bandwidth / 1e12:.2f} TB/s (copy, measured)")
     report = report_header("python -m nanovllm.bench --moe", argv, device)
-    report |= {"model": model, "workload": workload.describe(), "tokens_per_s": tokens_per_s, "seconds": seconds,
+    report |= {"model": model, "experts": args.experts, "workload": workload.describe(), "tokens_per_s": tokens_per_s,
+               "seconds": seconds,
                "expert_reads": asdict(reads) | {"share": reads.share}, "bandwidth": bandwidth,
                "dense_bound_tokens_per_s": dense.tokens_per_s, "router_bound_tokens_per_s": router}
     write_report(report, args.out)

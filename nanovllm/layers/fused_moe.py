@@ -46,7 +46,7 @@ def grouped_expert_kernel(
     a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, weights_ptr, num_pairs, N, K, top_k,
     stride_a, stride_we, stride_wn, stride_out,
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER: tl.constexpr, GLU: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr,
+    GATHER: tl.constexpr, GLU: tl.constexpr, WEIGHTED: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # Program (tile t, column block c): the BLOCK_M rows of tile t, all of one expert, times that expert's
     # weight, output columns [c * BLOCK_N, (c + 1) * BLOCK_N).
@@ -71,13 +71,13 @@ def grouped_expert_kernel(
             w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             if UPCAST:
                 a, w = a.to(tl.float32), w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
             if GLU:
                 # The up rows sit N rows below the gate rows in the merged gate_up weight.
                 w = tl.load(w_base + (N + cols)[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
                 if UPCAST:
                     w = w.to(tl.float32)
-                up = tl.dot(a, tl.trans(w), up)
+                up = tl.dot(a, tl.trans(w), up, input_precision=PRECISION)
         dtype = out_ptr.dtype.element_ty
         # Rounded to the model's dtype where the unfused layers hold a tensor of it.
         result = acc.to(dtype).to(tl.float32)
@@ -107,19 +107,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     rows, tile_expert = align_by_expert(chosen, num_experts, block_m)
     # The Triton interpreter gets tl.dot of 16-bit floats wrong: there the tiles go up to float32 first.
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
+    # float32 stays float32 (tf32 would round it where the loop does not); 16-bit tiles ignore the setting.
+    precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     flat_weights = weights.reshape(pairs).contiguous()
     activated = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
     grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(width, block_n))](
         x, w13, activated, rows, tile_expert, flat_weights, pairs, width, hidden, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=True, GLU=True,
-        WEIGHTED=False, UPCAST=upcast,
+        WEIGHTED=False, UPCAST=upcast, PRECISION=precision,
     )  # fmt: skip
     out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
         activated, w2, out, rows, tile_expert, flat_weights, pairs, hidden, width, top_k,
         activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=False, GLU=False,
-        WEIGHTED=True, UPCAST=upcast,
+        WEIGHTED=True, UPCAST=upcast, PRECISION=precision,
     )  # fmt: skip
     return out.view(tokens, top_k, hidden).sum(dim=1)

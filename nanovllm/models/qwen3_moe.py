@@ -136,9 +136,18 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B...): Qwen3 with sparse layers."""
 
     model_class = Qwen3MoeModel
+    # notebooks/18_mixture_of_experts.py · cell "fuse moe layers"
+    # On a GPU the engine runs the fused kernels: the model stacks its experts as it is built, before the weights
+    # are loaded (the loaders copy into the stacks' views) and before any CUDA graph is captured. The MoE
+    # benchmark turns this off (`--experts loop`) to compare.
+    fused_experts_on_gpu: bool = True
+
+    def __init__(self, config: Any) -> None:
+        Qwen3ForCausalLM.__init__(self, config)
+        if self.fused_experts_on_gpu and next(self.parameters()).is_cuda:
+            fuse_moe_layers(self)
 
 
-# notebooks/18_mixture_of_experts.py · cell "fuse moe layers"
 class FusedExperts:
     """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
 
