@@ -923,9 +923,10 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # 然后 `fused_moe` 在这些 tile 上运行两个 Triton 内核。第一个取出每一对的 token，乘以它的专家合并后的 gate/up
 # 权重，在寄存器里做 SiLU × mul，每一对写一行；第二个把这些行乘以专家的 down 权重，再按路由器权重缩放。最后把每个
 # token 的 k 行加起来。堆叠好的权重来自 `fuse_moe_layers`：它把每个块的专家堆叠一次，并让每个专家的参数成为
-# 堆叠张量的视图，所以没有哪个权重存了两份。在 GPU 上，模型在构建时就这样做（`Qwen3MoeForCausalLM.fused_experts_on_gpu`，
-# 默认打开）：加载器随后把检查点里的每个张量拷进它的视图，每个 CUDA 图捕获的也是这两个内核，而不是让每个专家处理
-# 每个 token。这里在 CPU 上，本章自己把内核交给一个加载好的模型，在 Triton 解释器里运行它们。
+# 堆叠张量的视图，所以没有哪个权重存了两份。在 GPU 上，模型在构建时就这样做
+# （`Qwen3MoeForCausalLM.fused_experts_on_gpu`，默认打开）：加载器随后把检查点里的每个张量拷进它的视图，每个 CUDA
+# 图捕获的也是这两个内核，而不是让每个专家处理每个 token。这里在 CPU 上，本章自己把内核交给一个加载好的模型，在
+# Triton 解释器里运行它们。
 
 # %% fused moe
 #| export layers.fused_moe
