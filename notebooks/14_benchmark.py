@@ -485,6 +485,8 @@ import argparse
 import gc
 import importlib
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
@@ -498,6 +500,29 @@ def matmul_flops(n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3)
+
+
+@contextmanager
+def watch_calls(obj: Any, method: str, record: Callable[[float, Any], None]) -> Iterator[None]:
+    """While inside, each call of ``obj.method`` also hands ``record`` its wall seconds and what it returned (None
+    when it raised): the benchmarks' one way to look into the engine's steps and launches without changing them."""
+    inner = getattr(obj, method)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        began, result = time.perf_counter(), None
+        try:
+            result = inner(*args, **kwargs)
+            return result
+        finally:
+            record(time.perf_counter() - began, result)
+
+    # en: An instance attribute in front of the class's method, removed on the way out.
+    # zh: 一个挡在类方法前面的实例属性，离开时删掉。
+    setattr(obj, method, watched)
+    try:
+        yield
+    finally:
+        delattr(obj, method)
 
 
 def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
@@ -514,27 +539,26 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     # en: A warm-up call, untimed.
     # zh: 预热调用，不计时。
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
+    watching = nullcontext()
     if breakdown is not None:
         breakdown["kv_cache"] = kv_cache_summary(llm.config)
-        # en: generate() calls _step(), the step() that reports finished sequences rather than pairs.
-        # zh: generate() 调用的是 _step()，即返回已结束序列本身（而非二元组）的 step()。
-        inner = llm._step
 
-        def timed() -> tuple[list, int, bool]:
+        def add_step(seconds: float, step: tuple[list, int, bool] | None) -> None:
             # en: A step returns once the step it reports has run on the GPU (with async scheduling, after
             # en: queueing the next one), so its wall time is that step's, GPU included.
             # zh: 一步在它所报告的那一步于 GPU 上算完之后才返回（异步调度时，是在把下一步排进队列之后），
             # zh: 所以它的墙钟时间就是那一步的时间，包括 GPU 的时间。
-            began = time.perf_counter()
-            finished, num_tokens, is_prefill = inner()
-            kind = "prefill" if is_prefill else "decode"
-            breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
-            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
-            return finished, num_tokens, is_prefill
+            if step is not None:
+                _, num_tokens, is_prefill = step
+                kind = "prefill" if is_prefill else "decode"
+                breakdown[kind] = breakdown.get(kind, 0.0) + seconds
+                breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
 
-        llm._step = timed
+        # en: generate() calls _step(), the step() that reports finished sequences rather than pairs.
+        # zh: generate() 调用的是 _step()，即返回已结束序列本身（而非二元组）的 step()。
+        watching = watch_calls(llm, "_step", add_step)
     try:
-        with Stopwatch(device) as clock:
+        with watching, Stopwatch(device) as clock:
             outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
     finally:
         # en: Free the KV cache (most of the GPU) for whatever runs next, such as the transformers peer.
@@ -956,7 +980,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import kv_token_bytes, make_workload, weight_bytes_per_step
+from nanovllm.bench.engine import kv_token_bytes, make_workload, watch_calls, weight_bytes_per_step
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
@@ -1113,24 +1137,10 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
 
 @contextmanager
 def timed_launches(llm: Any) -> Iterator[list[float]]:
-    """The seconds of each host launch of ``llm`` (its `_launch`, timed through an instance attribute) while inside."""
+    """The seconds of each host launch of ``llm`` (its `_launch`) while inside."""
     launch_seconds: list[float] = []
-    launch = llm._launch
-
-    def timed_launch(previous: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return launch(previous)
-        finally:
-            launch_seconds.append(time.perf_counter() - began)
-
-    llm._launch = timed_launch
-    try:
+    with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)):
         yield launch_seconds
-    finally:
-        # en: Back to the class's method.
-        # zh: 恢复为类上的方法。
-        del llm._launch
 
 
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,

@@ -711,7 +711,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
-from nanovllm.bench.engine import Workload, experts_params, make_workload, matmul_flops, workload_bound
+from nanovllm.bench.engine import (Workload, experts_params, make_workload, matmul_flops, watch_calls,
+                                   workload_bound)
 from nanovllm.bench.latency import measured_copy_rate
 from nanovllm.bench.models import qwen3_moe_30b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
@@ -780,16 +781,12 @@ def run_counted(model: str, workload: Workload, fused: bool = True, **config: An
         for block in blocks:
             block.touched.zero_()
         decode_steps = 0
-        inner = llm._step
 
-        def counted() -> tuple[list, int, bool]:
+        def count_step(_: float, step: tuple[list, int, bool] | None) -> None:
             nonlocal decode_steps
-            finished, num_tokens, is_prefill = inner()
-            decode_steps += num_tokens > 0 and not is_prefill
-            return finished, num_tokens, is_prefill
+            decode_steps += step is not None and step[1] > 0 and not step[2]
 
-        llm._step = counted
-        with Stopwatch(llm.config.device) as clock:
+        with watch_calls(llm, "_step", count_step), Stopwatch(llm.config.device) as clock:
             llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
         return clock.seconds, expert_reads(blocks, decode_steps), llm.config
     finally:

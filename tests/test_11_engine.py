@@ -585,3 +585,21 @@ def test_bench_holds_each_run_to_the_bound_of_its_kv_cache_dtype(monkeypatch: py
     assert report["engine_kv_fp8"]["fraction_of_bound"] == pytest.approx(100 / bounds["fp8"])
     assert report["peer"]["fraction_of_bound"] == pytest.approx(50 / bounds["auto"])
     assert "of 2 GPUs" in capsys.readouterr().out
+
+
+def test_watch_calls_sees_each_call_and_leaves_the_method_as_it_was() -> None:
+    from nanovllm.bench.engine import watch_calls
+
+    class Engine:
+        def step(self, n: int) -> int:
+            if n < 0:
+                raise ValueError(n)
+            return 2 * n
+
+    engine, seen = Engine(), []
+    with watch_calls(engine, "step", lambda seconds, result: seen.append((seconds >= 0, result))):
+        assert engine.step(3) == 6
+        with pytest.raises(ValueError):
+            engine.step(-1)
+    assert seen == [(True, 6), (True, None)]
+    assert "step" not in vars(engine) and engine.step(1) == 2

@@ -9,7 +9,8 @@ import importlib
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "run_engine",
     "run_engines",
     "run_transformers",
+    "watch_calls",
     "weight_bytes_per_step",
     "workload_bound",
 ]
@@ -251,6 +253,28 @@ def matmul_flops(n: int = 8192) -> float:
     return 2 * n**3 / (time_ms(lambda: a @ b) * 1e-3)
 
 
+@contextmanager
+def watch_calls(obj: Any, method: str, record: Callable[[float, Any], None]) -> Iterator[None]:
+    """While inside, each call of ``obj.method`` also hands ``record`` its wall seconds and what it returned (None
+    when it raised): the benchmarks' one way to look into the engine's steps and launches without changing them."""
+    inner = getattr(obj, method)
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        began, result = time.perf_counter(), None
+        try:
+            result = inner(*args, **kwargs)
+            return result
+        finally:
+            record(time.perf_counter() - began, result)
+
+    # An instance attribute in front of the class's method, removed on the way out.
+    setattr(obj, method, watched)
+    try:
+        yield
+    finally:
+        delattr(obj, method)
+
+
 def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
     """Time `LLM.generate` on the workload (config: `LLM` keyword arguments).
 
@@ -264,24 +288,23 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     device = llm.config.device
     # A warm-up call, untimed.
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
+    watching = nullcontext()
     if breakdown is not None:
         breakdown["kv_cache"] = kv_cache_summary(llm.config)
-        # generate() calls _step(), the step() that reports finished sequences rather than pairs.
-        inner = llm._step
 
-        def timed() -> tuple[list, int, bool]:
+        def add_step(seconds: float, step: tuple[list, int, bool] | None) -> None:
             # A step returns once the step it reports has run on the GPU (with async scheduling, after
             # queueing the next one), so its wall time is that step's, GPU included.
-            began = time.perf_counter()
-            finished, num_tokens, is_prefill = inner()
-            kind = "prefill" if is_prefill else "decode"
-            breakdown[kind] = breakdown.get(kind, 0.0) + time.perf_counter() - began
-            breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
-            return finished, num_tokens, is_prefill
+            if step is not None:
+                _, num_tokens, is_prefill = step
+                kind = "prefill" if is_prefill else "decode"
+                breakdown[kind] = breakdown.get(kind, 0.0) + seconds
+                breakdown[kind + "_steps"] = breakdown.get(kind + "_steps", 0) + (num_tokens > 0)
 
-        llm._step = timed
+        # generate() calls _step(), the step() that reports finished sequences rather than pairs.
+        watching = watch_calls(llm, "_step", add_step)
     try:
-        with Stopwatch(device) as clock:
+        with watching, Stopwatch(device) as clock:
             outputs = llm.generate(workload.prompts, workload.sampling_params(), use_tqdm=False)
     finally:
         # Free the KV cache (most of the GPU) for whatever runs next, such as the transformers peer.

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import kv_token_bytes, make_workload, weight_bytes_per_step
+from nanovllm.bench.engine import kv_token_bytes, make_workload, watch_calls, weight_bytes_per_step
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
@@ -174,23 +174,10 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
 
 @contextmanager
 def timed_launches(llm: Any) -> Iterator[list[float]]:
-    """The seconds of each host launch of ``llm`` (its `_launch`, timed through an instance attribute) while inside."""
+    """The seconds of each host launch of ``llm`` (its `_launch`) while inside."""
     launch_seconds: list[float] = []
-    launch = llm._launch
-
-    def timed_launch(previous: Any) -> Any:
-        began = time.perf_counter()
-        try:
-            return launch(previous)
-        finally:
-            launch_seconds.append(time.perf_counter() - began)
-
-    llm._launch = timed_launch
-    try:
+    with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)):
         yield launch_seconds
-    finally:
-        # Back to the class's method.
-        del llm._launch
 
 
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
