@@ -86,7 +86,7 @@ class SparseMoeBlock(nn.Module):
             return
         real = context.context_lens[: chosen.shape[0]] > 0
         hit = torch.zeros(self.num_experts + 1, dtype=torch.bool, device=chosen.device)
-        hit[torch.where(real[:, None], chosen, self.num_experts).flatten()] = True
+        hit.index_fill_(0, torch.where(real[:, None], chosen, self.num_experts).flatten(), True)
         tokens = real.sum().clamp(max=self.COUNTED_ROWS).view(1)
         experts_and_step = torch.stack([hit[: self.num_experts].sum(), torch.ones_like(tokens[0])])
         self.touched.index_add_(0, tokens, experts_and_step[None])
