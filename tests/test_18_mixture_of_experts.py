@@ -443,6 +443,31 @@ def test_the_moe_benchmark_holds_a_run_to_both_bounds_on_a_cpu(tmp_path: Path, c
     assert by_tokens[1] == 2 / 8 and max(by_tokens) <= 4 and all(share <= 1 for share in by_tokens.values())
     assert "as the batch drains" in printed
     assert report["router_bound_tokens_per_s"] >= report["dense_bound_tokens_per_s"] > 0
+    # All four fit the cache at once: the run needed no more steps than the bound counts.
+    assert report["router_bound_at_run_steps_tokens_per_s"] == report["router_bound_tokens_per_s"]
+    assert "sequences at once" not in printed
     # A dense model has nothing to count: refused by name.
     assert main(["--device", "cpu", "--num-seqs", "2", "--model", str(build_tiny_model("qwen3"))]) == 2
     assert "has no sparse layers" in capsys.readouterr().err
+
+
+def test_the_router_aware_bound_at_more_steps_is_lower_by_the_weights_of_the_extra_steps() -> None:
+    """Where the KV cache holds fewer sequences than the workload, a run needs more decode steps than the bound
+    counts: each extra step reads the step's weights (the measured share of the experts) once more."""
+    from nanovllm.bench.engine import make_workload, weight_bytes_per_step
+    from nanovllm.bench.moe import ExpertReads, router_aware_bound
+    from nanovllm.models.loader import read_model_dir
+
+    hf_config = read_model_dir(build_tiny_model("qwen3_moe"))
+    workload = make_workload(4, (8, 16), (5, 9), vocab_size=hf_config.vocab_size, seed=0)
+    reads = ExpertReads(decode_steps=20, touched=40, sparse_layers=2, num_experts=8, by_tokens={})
+    bandwidth = 1e9
+    _, as_counted = router_aware_bound(workload, hf_config, 4, reads, bandwidth, float("inf"))
+    steps = max(workload.output_lens) - 1
+    _, same = router_aware_bound(workload, hf_config, 4, reads, bandwidth, float("inf"), steps)
+    _, more = router_aware_bound(workload, hf_config, 4, reads, bandwidth, float("inf"), steps + 12)
+    assert same == as_counted > more
+    experts = 2 * 3 * hf_config.hidden_size * hf_config.moe_intermediate_size * 8 * 4
+    step_bytes = weight_bytes_per_step(hf_config, 4) - experts * (1 - reads.share)
+    extra_seconds = workload.num_output_tokens / more - workload.num_output_tokens / as_counted
+    assert extra_seconds == pytest.approx(12 * step_bytes / bandwidth)
