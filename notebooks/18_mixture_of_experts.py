@@ -1203,8 +1203,10 @@ if fused_llm is not llm:
 # the graphed every-expert path. On all 48 layers the weights (61 GB) leave the 80 GB card room for
 # about 182 sequences' KV at a time, so the run needs 1,852 decode steps where the bound, which
 # assumes all 256 decode together, counts 1,023: 53 % of the bound, most of the gap being steps
-# the card cannot avoid rather than time per step. A 141 GB H200 holds the whole batch; that run
-# is still to be made.
+# the card cannot avoid rather than time per step. Counted at the steps the run needed (the
+# benchmark prints this second figure whenever the cache held fewer sequences than the workload
+# has), the same bound gives 75 %. A 141 GB H200 holds the whole batch; that run is still to be
+# made.
 
 # %% [markdown] tags=["zh"]
 # ## GPU 上的记录：循环、内核与上限
@@ -1220,7 +1222,8 @@ if fused_llm is not llm:
 # 8 层上，融合内核达到按路由器算的上限的 92%，是图里"每个专家处理每个 token"路径的 4.6 倍。在全部 48 层上，
 # 权重（61 GB）只给 80 GB 的卡留下同时装约 182 个序列 KV 的空间，所以这次运行需要 1,852 个 decode 步，而上限假设
 # 256 个序列一起 decode，只算 1,023 步：达到上限的 53%，差距主要来自这张卡躲不开的步数，而不是每一步的时间。
-# 141 GB 的 H200 能装下整个批次；那次运行还没做。
+# 按这次运行实际需要的步数来算（缓存同时装下的序列少于工作负载的序列数时，基准测试会打印这第二个数），同一个上限
+# 给出 75%。141 GB 的 H200 能装下整个批次；那次运行还没做。
 
 # %%
 # en: (tokens, experts the router touched, microseconds: the loop, every expert, fused_moe), one layer, H100
