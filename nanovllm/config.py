@@ -36,7 +36,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
 # What speculative_method accepts besides None.
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class UnknownConfigKeyError(TypeError, ValueError):
@@ -117,6 +117,7 @@ class Config:
     kv_cache_dtype: str = "auto"
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
     # Derived from the model directory, not settings (from_kwargs refuses them).
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
     eos_token_ids: tuple[int, ...] = field(default=(), init=False)
@@ -195,16 +196,30 @@ class Config:
 
     def _check_speculation(self) -> None:
         """Refuse speculative settings that cannot work together; a method's default is 4 drafts."""
-        method, drafts = self.speculative_method, self.num_speculative_tokens
+        method, drafts, draft_model = self.speculative_method, self.num_speculative_tokens, self.speculative_model
         if method is None:
             if drafts is not None:
                 raise ValueError(f"num_speculative_tokens={drafts!r} needs a speculative_method (e.g. 'ngram')")
+            if draft_model is not None:
+                raise ValueError(f"speculative_model={draft_model!r} needs speculative_method='draft'")
             return
         _choice("speculative_method", method, SPECULATIVE_METHODS)
         self.num_speculative_tokens = 4 if drafts is None else check(
             "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
+        if method != "draft":
+            if draft_model is not None:
+                raise ValueError(f"speculative_model is read by speculative_method='draft', not {method!r}")
+            return
+        if draft_model is None:
+            raise ValueError("speculative_method='draft' needs speculative_model: the directory of a smaller model "
+                             "that shares this model's tokenizer")
+        self.speculative_model = str(Path(draft_model).expanduser())
+        vocab = read_model_dir(self.speculative_model).vocab_size
+        if vocab != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
+                             f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
 
     @property
     def torch_dtype(self) -> torch.dtype:

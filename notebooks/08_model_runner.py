@@ -117,8 +117,9 @@
 # | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10b) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 # | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
-# | `speculative_method` | None | "ngram": decode steps verify drafts from prompt lookup (chapter 17) |
+# | `speculative_method` | None | decode steps verify drafts: "ngram" (prompt lookup), "draft" (a small model; ch. 17) |
 # | `num_speculative_tokens` | None | drafts per step with a `speculative_method`; None: 4 (chapter 17) |
+# | `speculative_model` | None | "draft": the smaller model's directory, sharing the model's tokenizer (chapter 17) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -170,8 +171,9 @@
 # | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10b 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 # | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
-# | `speculative_method` | None | "ngram"：decode 步验证 prompt lookup 给出的草稿（第 17 章） |
+# | `speculative_method` | None | decode 步验证草稿："ngram" 来自 prompt lookup，"draft" 来自小模型（第 17 章） |
 # | `num_speculative_tokens` | None | 设了 `speculative_method` 时每步的草稿数；None：4（第 17 章） |
+# | `speculative_model` | None | "draft"：那个更小模型的目录，与模型共用分词器（第 17 章） |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -214,7 +216,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_BLOCK_SIZE = 1024
 # en: What speculative_method accepts besides None.
 # zh: speculative_method 除 None 之外接受的值（第 17 章）。
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class UnknownConfigKeyError(TypeError, ValueError):
@@ -313,6 +315,7 @@ class Config:
     kv_cache_dtype: str = "auto"
     speculative_method: str | None = None
     num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -396,16 +399,30 @@ class Config:
 
     def _check_speculation(self) -> None:
         """Refuse speculative settings that cannot work together; a method's default is 4 drafts."""
-        method, drafts = self.speculative_method, self.num_speculative_tokens
+        method, drafts, draft_model = self.speculative_method, self.num_speculative_tokens, self.speculative_model
         if method is None:
             if drafts is not None:
                 raise ValueError(f"num_speculative_tokens={drafts!r} needs a speculative_method (e.g. 'ngram')")
+            if draft_model is not None:
+                raise ValueError(f"speculative_model={draft_model!r} needs speculative_method='draft'")
             return
         _choice("speculative_method", method, SPECULATIVE_METHODS)
         self.num_speculative_tokens = 4 if drafts is None else check(
             "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
         if self.tensor_parallel_size > 1:
             raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
+        if method != "draft":
+            if draft_model is not None:
+                raise ValueError(f"speculative_model is read by speculative_method='draft', not {method!r}")
+            return
+        if draft_model is None:
+            raise ValueError("speculative_method='draft' needs speculative_model: the directory of a smaller model "
+                             "that shares this model's tokenizer")
+        self.speculative_model = str(Path(draft_model).expanduser())
+        vocab = read_model_dir(self.speculative_model).vocab_size
+        if vocab != self.hf_config.vocab_size:
+            raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
+                             f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
 
     @property
     def torch_dtype(self) -> torch.dtype:

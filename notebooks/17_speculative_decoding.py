@@ -82,7 +82,8 @@ say = Phrases({
         "批大小 {batch:2d}：{ratio:.2f} 倍；一个验证步值 {cost:.1f} 个 decode 步，产出 {tokens:.2f} 个 token；"
         "规则给每个序列 {drafts} 个草稿",
     "preemption": "抢占", "chunked prefill": "分块 prefill", "n = 2, copy-on-write": "n = 2，写时复制",
-    "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符",
+    "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符", "first layer": "第一层",
+    "the model itself": "模型自己",
     "speculative sampling gives p back: max |difference| {general:.1e} with a random q, {point:.1e} with a "
     "point mass; accepting every draft would give q, {tv:.2f} from p in total variation":
         "投机采样还原出 p：随机的 q 下最大 |差值| 为 {general:.1e}，q 只有一个取值时为 {point:.1e}；若接受每一个草稿，"
@@ -208,6 +209,124 @@ assert [spelled[t] for t in draft] == ["table", "grows", "by"]
 fresh = proposer.propose([vocabulary[w] for w in "the block table grows".split()])
 print(say("no earlier occurrence: {draft}", draft=fresh))
 assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1) == [vocabulary["table"]]
+
+# %% [markdown] tags=["en"]
+# ### The other proposer: a smaller model
+#
+# Prompt lookup drafts only what the text has said before. A **draft model** drafts anything: a
+# smaller model that shares the model's tokenizer continues each sequence greedily for k tokens,
+# and the model verifies them as it verifies prompt lookup's. It needs its own KV cache, and an
+# engine already is the thing that keeps one: `DraftModelProposer` runs the draft model in an
+# `LLMEngine` of its own, with its own paged cache, block manager and prefix cache under the
+# rules of chapters 02 to 04. Each proposal hands it the sequence as it stands; its prefix cache
+# finds the blocks it filled before, so it computes only the tail since its last proposal (the
+# tokens the model accepted, and the one it added) and the k drafts. A draft it wrote that the
+# model rejected sits in a block that no prefix will ever match again: the cache is keyed by the
+# tokens, so it cannot be served for a different continuation. Its drafts are greedy, hence
+# deterministic: the acceptance rule of the section on sampling stays a comparison.
+#
+# Where no second checkpoint is at hand, `write_self_draft` makes one from the model itself: its
+# first layers, its embedding, its final norm and its LM head, as a model directory (a "self
+# draft": cheaper by the share of layers it drops, right as often as those first layers already
+# know the next token). The settings are `speculative_method="draft"` and
+# `speculative_model=DIRECTORY`; a vocabulary other than the model's is refused.
+
+# %% [markdown] tags=["zh"]
+# ### 另一种提议器：一个更小的模型
+#
+# Prompt lookup 只能提议文本前面说过的内容。**草稿模型**什么都能提议：一个与模型共用分词器的更小模型，对每个序列
+# 贪心地续写 k 个 token，模型像验证 prompt lookup 的草稿那样验证它们。草稿模型需要自己的 KV 缓存，而维护 KV 缓存
+# 正是引擎本来就做的事：`DraftModelProposer` 让草稿模型运行在它自己的一个 `LLMEngine` 里，有自己的分页缓存、
+# 块管理器和前缀缓存，遵守第 02 到 04 章的规则。每次提议时把序列当前的样子交给它；它的前缀缓存会找到它以前填满
+# 的块，所以它只计算上次提议之后的尾巴（模型接受的 token，以及模型补上的那一个）和 k 个草稿。它写下而被模型拒绝
+# 的草稿，留在一个再也不会被任何前缀匹配到的块里：缓存按 token 内容做键，所以不可能被拿去服务另一种续写。它的
+# 草稿是贪心得到的，因此是确定的：采样那一节的接受规则仍然只是一次比较。
+#
+# 手头没有第二个检查点时，`write_self_draft` 用模型自己做一个：它的前几层、嵌入层、最后的归一化和 LM head，写成
+# 一个模型目录（"自草稿"：省下的是它丢掉的那部分层，前几层已经知道下一个 token 的时候，它就提议得对）。设置是
+# `speculative_method="draft"` 和 `speculative_model=目录`；词表与模型不同的草稿模型会被拒绝。
+
+# %% draft proposer
+#| export engine.speculative
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from nanovllm.sampling_params import SamplingParams
+
+# en: The draft engine's pool holds this many sequences of the longest length at once: drafts come only at small
+# en: batches (the section "When it pays").
+# zh: 草稿引擎的块池能同时装下这么多个最长长度的序列：只有小批量时才会有草稿（见"什么时候划算"一节）。
+DRAFT_POOL_SEQUENCES = 8
+
+
+class DraftModelProposer:
+    """A smaller model's greedy continuation as the drafts. The draft model runs in an engine of its own (its own
+    paged KV cache, block manager and prefix cache, under the same rules as the model's); each proposal hands it
+    the sequence as it stands, and its prefix cache spares it what it computed before."""
+
+    def __init__(self, model: str, num_speculative_tokens: int, **settings: Any) -> None:
+        # en: Imported here: the engine's module imports this one.
+        # zh: 在这里导入：引擎所在的模块导入了本模块。
+        from nanovllm.engine.llm_engine import LLMEngine
+
+        self.num_speculative_tokens = num_speculative_tokens
+        self.engine = LLMEngine(model, **settings)
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
+        ``token_ids``; [] where they would pass its longest sequence."""
+        k = self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
+        if k <= 0 or len(token_ids) + k > self.engine.config.max_model_len:
+            return []
+        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+        return self.engine.generate([list(token_ids)], params, use_tqdm=False)[0]["token_ids"]
+
+    def exit(self) -> None:
+        self.engine.exit()
+
+
+def draft_engine_settings(config: Any) -> dict[str, Any]:
+    """The draft engine's settings, from the model's resolved `Config`: the same device, dtype, blocks and graphs;
+    a pool of `DRAFT_POOL_SEQUENCES` sequences; synchronous steps (each proposal waits for its drafts anyway)."""
+    blocks_per_sequence = -(-config.max_model_len // config.kvcache_block_size)
+    return {"device": config.device, "dtype": config.dtype, "kvcache_block_size": config.kvcache_block_size,
+            "num_kvcache_blocks": DRAFT_POOL_SEQUENCES * blocks_per_sequence, "max_model_len": config.max_model_len,
+            "enforce_eager": config.enforce_eager, "attention_backend": config.attention_backend,
+            "async_scheduling": False}
+
+
+def write_self_draft(model: str | Path, num_layers: int, path: str | Path) -> Path:
+    """A draft model made of ``model``'s first ``num_layers`` decoder layers with its embedding, final norm and LM
+    head, written as a model directory at ``path`` (config, tokenizer files, one safetensors file)."""
+    source, target = Path(model), Path(path)
+    config = json.loads((source / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    if not 1 <= num_layers < layers:
+        raise ValueError(f"num_layers must be from 1 to {layers - 1} (the model has {layers} layers), not {num_layers}")
+    target.mkdir(parents=True, exist_ok=True)
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    kept: dict = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < num_layers:
+                kept[name] = tensor
+    save_file(kept, str(target / "model.safetensors"))
+    # en: Everything else but the weights' index: tokenizer files, generation_config.json...
+    # zh: 除了权重索引之外的其余文件：分词器文件、generation_config.json……
+    for file in source.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json",
+                                                                                  "model.safetensors.index.json"):
+            shutil.copy2(file, target / file.name)
+    return target
 
 # %% [markdown] tags=["en"]
 # ## Build it: draft slots in the block table
@@ -841,7 +960,7 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 #| export engine.llm_engine
 from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
 from nanovllm.engine.scheduler import Proposer
-from nanovllm.engine.speculative import NgramProposer
+from nanovllm.engine.speculative import DraftModelProposer, NgramProposer, draft_engine_settings
 from nanovllm.utils.interrupts import interruptible
 
 
@@ -855,10 +974,14 @@ LLMEngine.proposer: Proposer | None = None
 @add_to_class(LLMEngine)
 def drafts_source(self) -> Proposer | None:
     """The proposer of a speculating engine (built from the settings on first use); None without speculation."""
-    if self.config.speculative_method is None:
+    config = self.config
+    if config.speculative_method is None:
         return None
-    if self.proposer is None:
-        self.proposer = NgramProposer(self.config.num_speculative_tokens)
+    if self.proposer is None and config.speculative_method == "draft":
+        self.proposer = DraftModelProposer(config.speculative_model, config.num_speculative_tokens,
+                                           **draft_engine_settings(config))
+    elif self.proposer is None:
+        self.proposer = NgramProposer(config.num_speculative_tokens)
     return self.proposer
 
 
@@ -1005,6 +1128,35 @@ for name, (settings, params) in cases.items():
     # en: the EOS run really ended early, inside an accepted stretch
     # zh: 带结束符的那次运行确实提前结束了，就在被接受的一段草稿之内。
     assert len(ended[0]) == 10 < len(plain[0])
+
+# %% [markdown] tags=["en"]
+# The draft model, on the same cases: a self draft of the tiny model's first layer (one of its
+# two), and, as the other extreme, the model drafting for itself, whose every draft the model
+# keeps. Both give the plain engine's tokens; what they change is the number of steps.
+
+# %% [markdown] tags=["zh"]
+# 草稿模型，用同样的几种情形：小模型第一层（两层中的一层）做成的自草稿；另一个极端是模型给自己打草稿，它的每个
+# 草稿模型都会保留。两者给出的 token 都与普通引擎相同；它们改变的只是步数。
+
+# %%
+import tempfile
+
+from nanovllm.engine.speculative import write_self_draft
+
+self_draft = str(write_self_draft(tiny_qwen, 1, Path(tempfile.mkdtemp()) / "self-draft"))
+for name, (settings, params) in cases.items():
+    plain, plain_steps, _ = run(settings, params)
+    for draft_name, draft_model in (("first layer", self_draft), ("the model itself", tiny_qwen)):
+        spec, spec_steps, llm = run(settings, params, speculative_method="draft", speculative_model=draft_model)
+        label = say("{case}, {proposer}: {steps} ->", case=say(name), proposer=say(draft_name), steps=plain_steps)
+        print(say("{name:<28} steps {steps:3d}, drafts {drafts:3d}, accepted {accepted:3d}, identical to plain "
+                  "decoding: {same}", name=label, steps=spec_steps, drafts=llm.scheduler.drafted_tokens,
+                  accepted=llm.scheduler.accepted_tokens, same=spec == plain))
+        assert spec == plain
+        if draft_model == tiny_qwen and name != "sampling, seeded":
+            # en: greedy drafts of the model itself are the model's greedy tokens: all kept
+            # zh: 模型自己的贪心草稿就是模型的贪心 token：全部保留
+            assert llm.scheduler.accepted_tokens == llm.scheduler.drafted_tokens > 0
 
 # %% [markdown] tags=["en"]
 # ## Measure it: SmolLM2's real weights on a passage it quotes
@@ -1363,6 +1515,10 @@ refusals = {
     "drafts without a method": {"num_speculative_tokens": 4},
     "no drafts": {"speculative_method": "ngram", "num_speculative_tokens": 0},
     "tensor parallel": {"speculative_method": "ngram", "tensor_parallel_size": 2},
+    "a draft method without a model": {"speculative_method": "draft"},
+    "a draft model for prompt lookup": {"speculative_method": "ngram", "speculative_model": tiny_qwen},
+    "another vocabulary": {"speculative_method": "draft",
+                           "speculative_model": str(build_tiny_model("qwen3", vocab_size=300))},
 }
 for name, settings in refusals.items():
     try:
@@ -1387,6 +1543,9 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # - `LLMEngine._launch`: a decode step with drafts is a verify step, and `next_step_waits` lets it
 #   see the last tokens under asynchronous scheduling; the settings `speculative_method` and
 #   `num_speculative_tokens`.
+# - `engine.speculative.DraftModelProposer`: a smaller model's greedy drafts, from an engine of
+#   its own (its paged cache, block manager and prefix cache); `write_self_draft` makes one of the
+#   model's first layers; the setting `speculative_model`.
 # - The back-off rule: at most 16 verify rows, at least two drafts a sequence, and a pause for a
 #   sequence whose verify steps give fewer than two tokens; `python -m nanovllm.bench
 #   --speculative`, which measured it.
@@ -1408,8 +1567,9 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #
 # Not built yet, and where it goes next: matmuls of 3 to 16 rows that read the weights once, as
 # the GEMV does for two (then a verify step costs about a decode step, and batch 1 could reach
-# the 2× that its 2.7× fewer steps promise); a draft model (with the general acceptance rule);
-# tensor parallelism.
+# the 2× that its 2.7× fewer steps promise); a draft model that samples its drafts (it would need
+# the general acceptance rule; greedy drafts do not), proposals batched across sequences (the draft
+# engine runs one sequence at a time), and the draft model measured on a GPU; tensor parallelism.
 #
 # ## Exercises
 #
@@ -1431,6 +1591,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #   下标上的 token 来采样：提议器是确定性的时候，这就是投机采样，输出的分布（带种子时就是 token 本身）和模型的一样。
 # - `LLMEngine._launch`：带草稿的 decode 步就是验证步，`next_step_waits` 让它在异步调度下也能看到最后的 token；
 #   设置项 `speculative_method` 和 `num_speculative_tokens`。
+# - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，来自它自己的引擎（自己的分页缓存、块管理器和
+#   前缀缓存）；`write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
 # - 退让规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿；以及测量它的
 #   `python -m nanovllm.bench --speculative`。
 # - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode`
@@ -1446,7 +1608,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # float32 下，不论是上面断言过的 CPU，还是测试里的 GPU，输出都完全相同。
 #
 # 还没有实现、接下来要做的：像 GEMV 对两行那样只读一遍权重的 3 到 16 行矩阵乘法（那时一个验证步的代价约等于一个
-# decode 步，批大小为 1 时就能拿到步数少 2.7 倍所许诺的 2 倍）；草稿模型（配上一般的接受规则）；张量并行。
+# decode 步，批大小为 1 时就能拿到步数少 2.7 倍所许诺的 2 倍）；对草稿采样的草稿模型（它需要一般的接受规则，
+# 贪心草稿不需要）、跨序列成批的提议（草稿引擎现在一次只跑一个序列），以及在 GPU 上测量草稿模型；张量并行。
 #
 # ## 练习
 #

@@ -8,6 +8,7 @@ engine without speculation, through preemption, chunked prefill, prefix hits, fo
 and max_tokens inside a run of accepted drafts, a failing verify step, and requests that sample.
 """
 
+import json
 import re
 import urllib.request
 from collections import Counter
@@ -203,6 +204,51 @@ def test_speculation_gives_the_tokens_of_plain_greedy_decoding(tiny, engine):
             assert llm.regimes["preempted"] > 0
         if engine == "prefix hits":
             assert llm.regimes["cache_hits"] > 0
+
+
+@pytest.fixture(scope="module")
+def self_draft(tiny, tmp_path_factory):
+    from nanovllm.engine.speculative import write_self_draft
+
+    return str(write_self_draft(tiny, 1, tmp_path_factory.mktemp("draft")))
+
+
+@pytest.mark.parametrize("engine", ["preemption", "forks, copy-on-write", "chunked prefill", "prefix hits",
+                                    "seeded sampling"])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(tiny, self_draft, engine):
+    """The draft proposer (a self draft of the model's first layer, and the model drafting for itself) through the
+    engine's regimes: the plain engine's tokens, no block leaked (generate checks); greedy drafts of the model
+    itself are all kept."""
+    settings = ENGINES[engine]
+    params = SamplingParams(temperature=0, max_tokens=21, n=2 if engine.startswith("forks") else 1)
+    if engine == "seeded sampling":
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=21)
+    plain, plain_steps, _ = generate(tiny, settings, params)
+    drafted, _, llm = generate(tiny, settings, params, speculative_method="draft", speculative_model=self_draft)
+    assert drafted == plain and llm.scheduler.drafted_tokens > 0
+    itself, steps, llm = generate(tiny, settings, params, speculative_method="draft", speculative_model=tiny)
+    assert itself == plain
+    if engine != "seeded sampling":
+        assert llm.scheduler.accepted_tokens == llm.scheduler.drafted_tokens > 0 and steps < plain_steps
+
+
+def test_a_self_draft_is_the_models_first_layers(tmp_path):
+    from safetensors.torch import load_file
+
+    from nanovllm.engine.speculative import write_self_draft
+
+    model = build_tiny_model("qwen3", num_hidden_layers=3)
+    draft = write_self_draft(model, 2, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and len(config.get("layer_types", [0, 0])) == 2
+    weights, original = load_file(str(draft / "model.safetensors")), load_file(str(model / "model.safetensors"))
+    assert not any(name.startswith("model.layers.2.") for name in weights)
+    assert all(torch.equal(tensor, original[name]) for name, tensor in weights.items())
+    assert set(original) - set(weights) == {name for name in original if name.startswith("model.layers.2.")}
+    assert (draft / "tokenizer.json").is_file()
+    for wrong in (0, 3):
+        with pytest.raises(ValueError, match="num_layers must be from 1 to 2"):
+            write_self_draft(model, wrong, tmp_path / f"wrong-{wrong}")
 
 
 def test_drafts_shrink_as_the_batch_grows_and_stop_past_the_row_budget():
@@ -467,7 +513,13 @@ def test_settings_that_cannot_work_together_are_refused(tiny):
     # Asynchronous scheduling is kept: verify steps wait for the step in flight (see the async test).
     assert Config.from_kwargs(tiny, device="cpu", speculative_method="ngram", async_scheduling=True).async_scheduling
     refused = [
-        ({"speculative_method": "draft"}, ValueError, "must be one of"),
+        ({"speculative_method": "medusa"}, ValueError, "must be one of"),
+        ({"speculative_method": "draft"}, ValueError, "needs speculative_model"),
+        ({"speculative_model": tiny}, ValueError, "needs speculative_method='draft'"),
+        ({"speculative_method": "ngram", "speculative_model": tiny}, ValueError, "read by speculative_method='draft'"),
+        ({"speculative_method": "draft", "speculative_model": str(build_tiny_model("qwen3", vocab_size=300))},
+         ValueError, "must share the model's tokenizer"),
+        ({"speculative_method": "draft", "speculative_model": "/no/such/model"}, Exception, "/no/such/model"),
         ({"num_speculative_tokens": 4}, ValueError, "needs a speculative_method"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 0}, ValueError, r"in \[1, 64\]"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 2.5}, TypeError, "must be an int"),

@@ -23,7 +23,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Proposer, Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
-from nanovllm.engine.speculative import NgramProposer
+from nanovllm.engine.speculative import DraftModelProposer, NgramProposer, draft_engine_settings
 from nanovllm.engine.tp_runtime import TPRunner, TPStep
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
@@ -540,10 +540,14 @@ class LLMEngine:
     # notebooks/17_speculative_decoding.py · cell "engine verifies"
     def drafts_source(self) -> Proposer | None:
         """The proposer of a speculating engine (built from the settings on first use); None without speculation."""
-        if self.config.speculative_method is None:
+        config = self.config
+        if config.speculative_method is None:
             return None
-        if self.proposer is None:
-            self.proposer = NgramProposer(self.config.num_speculative_tokens)
+        if self.proposer is None and config.speculative_method == "draft":
+            self.proposer = DraftModelProposer(config.speculative_model, config.num_speculative_tokens,
+                                               **draft_engine_settings(config))
+        elif self.proposer is None:
+            self.proposer = NgramProposer(config.num_speculative_tokens)
         return self.proposer
 
 

@@ -4,11 +4,24 @@
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+from safetensors.torch import load_file, save_file
+
+from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
+    "DRAFT_POOL_SEQUENCES",
+    "DraftModelProposer",
     "NgramProposer",
+    "draft_engine_settings",
+    "write_self_draft",
 ]
 
 
@@ -36,3 +49,72 @@ class NgramProposer:
                 start = matches[0] + n
                 return tokens[start : start + k].tolist()
         return []
+
+
+# notebooks/17_speculative_decoding.py · cell "draft proposer"
+# The draft engine's pool holds this many sequences of the longest length at once: drafts come only at small
+# batches (the section "When it pays").
+DRAFT_POOL_SEQUENCES = 8
+
+
+class DraftModelProposer:
+    """A smaller model's greedy continuation as the drafts. The draft model runs in an engine of its own (its own
+    paged KV cache, block manager and prefix cache, under the same rules as the model's); each proposal hands it
+    the sequence as it stands, and its prefix cache spares it what it computed before."""
+
+    def __init__(self, model: str, num_speculative_tokens: int, **settings: Any) -> None:
+        # Imported here: the engine's module imports this one.
+        from nanovllm.engine.llm_engine import LLMEngine
+
+        self.num_speculative_tokens = num_speculative_tokens
+        self.engine = LLMEngine(model, **settings)
+
+    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
+        """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
+        ``token_ids``; [] where they would pass its longest sequence."""
+        k = self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
+        if k <= 0 or len(token_ids) + k > self.engine.config.max_model_len:
+            return []
+        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
+        return self.engine.generate([list(token_ids)], params, use_tqdm=False)[0]["token_ids"]
+
+    def exit(self) -> None:
+        self.engine.exit()
+
+
+def draft_engine_settings(config: Any) -> dict[str, Any]:
+    """The draft engine's settings, from the model's resolved `Config`: the same device, dtype, blocks and graphs;
+    a pool of `DRAFT_POOL_SEQUENCES` sequences; synchronous steps (each proposal waits for its drafts anyway)."""
+    blocks_per_sequence = -(-config.max_model_len // config.kvcache_block_size)
+    return {"device": config.device, "dtype": config.dtype, "kvcache_block_size": config.kvcache_block_size,
+            "num_kvcache_blocks": DRAFT_POOL_SEQUENCES * blocks_per_sequence, "max_model_len": config.max_model_len,
+            "enforce_eager": config.enforce_eager, "attention_backend": config.attention_backend,
+            "async_scheduling": False}
+
+
+def write_self_draft(model: str | Path, num_layers: int, path: str | Path) -> Path:
+    """A draft model made of ``model``'s first ``num_layers`` decoder layers with its embedding, final norm and LM
+    head, written as a model directory at ``path`` (config, tokenizer files, one safetensors file)."""
+    source, target = Path(model), Path(path)
+    config = json.loads((source / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    if not 1 <= num_layers < layers:
+        raise ValueError(f"num_layers must be from 1 to {layers - 1} (the model has {layers} layers), not {num_layers}")
+    target.mkdir(parents=True, exist_ok=True)
+    config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    kept: dict = {}
+    for file in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer is None or int(layer.group(1)) < num_layers:
+                kept[name] = tensor
+    save_file(kept, str(target / "model.safetensors"))
+    # Everything else but the weights' index: tokenizer files, generation_config.json...
+    for file in source.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and file.name not in ("config.json",
+                                                                                  "model.safetensors.index.json"):
+            shutil.copy2(file, target / file.name)
+    return target
