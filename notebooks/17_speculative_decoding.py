@@ -1207,7 +1207,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.bench.engine import PRESETS, make_workload
+from nanovllm.bench.engine import PRESETS, make_workload, watch_calls
 from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.sampling_params import SamplingParams
@@ -1242,23 +1242,17 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
         # zh: 一个预热请求，不计时也不计数。
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         scheduler = llm.scheduler
-        steps, inner = [], llm._step
-
-        def counted() -> tuple:
-            # en: A step that computed tokens (the first asynchronous call only queues one).
-            # zh: 计算了 token 的一步（异步调度的第一次调用只是排队）。
-            finished, num_tokens, is_prefill = inner()
-            steps.append(num_tokens > 0)
-            return finished, num_tokens, is_prefill
-
-        llm._step = counted
+        steps: list[bool] = []
         runs = []
         for _ in range(repeats):
             # en: Each run counts its own steps and drafts (the warm-up's, or the run before's, are not counted).
             # zh: 每次运行只统计自己的步数和草稿（预热的、上一次运行的都不算）。
             steps.clear()
             scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
-            with Stopwatch(llm.config.device) as clock:
+            # en: A step that computed tokens counts (the first asynchronous call only queues one).
+            # zh: 计算了 token 的一步才算（异步调度的第一次调用只是排队）。
+            counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
+            with counting, Stopwatch(llm.config.device) as clock:
                 outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
             runs.append((outputs, clock.seconds, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
                          scheduler.verifications))
@@ -1275,24 +1269,28 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
 
 
 def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
-            verify_rows: int | None, **settings: Any) -> dict[str, Any]:
-    """One row of the benchmark: the same requests without, then with prompt lookup (settings: `measure`'s)."""
+            verify_rows: int | None, draft_model: str | None = None, **settings: Any) -> dict[str, Any]:
+    """One row of the benchmark: the same requests without, then with prompt lookup, or with ``draft_model``'s
+    drafts when one is given (settings: `measure`'s)."""
     plain = measure(model, prompts, params, **settings)
-    spec = measure(model, prompts, params, verify_rows=verify_rows, speculative_method="ngram",
-                   num_speculative_tokens=num_speculative_tokens, **settings)
+    method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
+        {"speculative_method": "ngram"}
+    spec = measure(model, prompts, params, verify_rows=verify_rows, num_speculative_tokens=num_speculative_tokens,
+                   **method, **settings)
     same = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"], strict=True))
     return {"batch": len(prompts), "plain_tok_s": plain["tok_s"], "speculative_tok_s": spec["tok_s"],
             "ratio": spec["tok_s"] / plain["tok_s"], "plain_steps": plain["steps"], "speculative_steps": spec["steps"],
             "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
             "tokens_per_verify": 1 + spec["accepted"] / spec["verifications"] if spec["verifications"] else None,
-            "drafted": spec["drafted"], "identical": same}
+            "drafted": spec["drafted"], "identical": same,
+            "proposer": "the draft model" if draft_model else "prompt lookup"}
 
 
 def print_row(row: dict[str, Any]) -> None:
     rate = "no drafts" if row["acceptance"] is None else (
         f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
     print(f"batch {row['batch']:4d}: {row['plain_tok_s']:9.1f} tok/s plain, {row['speculative_tok_s']:9.1f} with "
-          f"prompt lookup ({row['ratio']:.2f}x); steps {row['plain_steps']} -> {row['speculative_steps']}; {rate}; "
+          f"{row['proposer']} ({row['ratio']:.2f}x); steps {row['plain_steps']} -> {row['speculative_steps']}; {rate}; "
           f"identical outputs {row['identical']}/{row['batch']}")
 
 
@@ -1318,6 +1316,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
+                        "prompt lookup; it must share the model's tokenizer")
     parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -1330,8 +1330,8 @@ def main(argv: list[str] | None = None) -> int:
         model, cases = workload_cases(name, args)
         print(f"{name} workload on {model}, {args.num_speculative_tokens} drafts a step:")
         for prompts, params in cases:
-            row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, repeats=args.repeats,
-                          device=args.device, max_model_len=4096)
+            row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, args.draft_model,
+                          repeats=args.repeats, device=args.device, max_model_len=4096)
             print_row(row)
             report["rows"].append({"workload": name, "model": model} | row)
     write_report(report, args.out)

@@ -611,3 +611,18 @@ def test_the_server_streams_speculative_decoding_token_for_token():
         # (The tiny random model rarely agrees with prompt lookup: chapter 17 checks the counts with replayed drafts.)
         assert 0 <= accepted <= drafted and values[f"nanovllm:spec_decode_num_drafts_total{label}"] > 0
         assert sum(by_position) == accepted and by_position == sorted(by_position, reverse=True)
+
+
+def test_the_benchmark_compares_a_draft_model_with_plain_decoding(self_draft, tiny, tmp_path, capsys):
+    """`python -m nanovllm.bench --speculative --draft-model DIR`: the same requests without and with the draft
+    model's drafts, the outputs identical, the acceptance reported."""
+    from nanovllm.bench.speculative import main
+
+    out = tmp_path / "speculative.json"
+    assert main(["--model", tiny, "--draft-model", self_draft, "--batches", "1", "2", "--max-tokens", "16",
+                 "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+    assert "with the draft model" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 2]
+    assert all(row["proposer"] == "the draft model" and row["identical"] == row["batch"] and row["drafted"] > 0
+               for row in rows)
