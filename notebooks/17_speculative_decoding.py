@@ -228,8 +228,13 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # Where no second checkpoint is at hand, `write_self_draft` makes one from the model itself: its
 # first layers, its embedding, its final norm and its LM head, as a model directory (a "self
 # draft": cheaper by the share of layers it drops, right as often as those first layers already
-# know the next token). The settings are `speculative_method="draft"` and
-# `speculative_model=DIRECTORY`; a vocabulary other than the model's is refused.
+# know the next token). Do not expect much of it: layers trained to feed more layers guess the last
+# layer's answer poorly. On SmolLM2 (30 layers, greedy, 64 tokens of a quoting prompt and of a story
+# prompt, measured on this book's CPU machine), a self draft of its first 24 layers saw 16 and 10 %
+# of its drafts kept, one of its first 8 layers 2 and 1 %; the back-off rule of the section "When it
+# pays" then pauses it. Engines that speculate with a model ship one trained for the job. The
+# settings are `speculative_method="draft"` and `speculative_model=DIRECTORY`; a vocabulary other
+# than the model's is refused.
 
 # %% [markdown] tags=["zh"]
 # ### 另一种提议器：一个更小的模型
@@ -243,8 +248,12 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # 草稿是贪心得到的，因此是确定的：采样那一节的接受规则仍然只是一次比较。
 #
 # 手头没有第二个检查点时，`write_self_draft` 用模型自己做一个：它的前几层、嵌入层、最后的归一化和 LM head，写成
-# 一个模型目录（"自草稿"：省下的是它丢掉的那部分层，前几层已经知道下一个 token 的时候，它就提议得对）。设置是
-# `speculative_method="draft"` 和 `speculative_model=目录`；词表与模型不同的草稿模型会被拒绝。
+# 一个模型目录（"自草稿"：省下的是它丢掉的那部分层，前几层已经知道下一个 token 的时候，它就提议得对）。别对它
+# 期望太高：为了给后面的层提供输入而训练出来的层，猜不准最后一层的答案。在 SmolLM2 上（30 层，贪心解码，一个
+# 引用型提示词和一个故事型提示词各生成 64 个 token，在本书的 CPU 机器上测量），取前 24 层的自草稿有 16% 和 10% 的
+# 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退让规则就会让它暂停。用模型做投机的引擎，用的都是
+# 专门为此训练的草稿模型。设置是 `speculative_method="draft"` 和 `speculative_model=目录`；词表与模型不同的草稿模型
+# 会被拒绝。
 
 # %% draft proposer
 #| export engine.speculative

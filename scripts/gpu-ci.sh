@@ -32,7 +32,8 @@
 #                                       # without PART: tests, then bench
 #   scripts/gpu-ci.sh speculative [ARGS] # speculative decoding (chapter 17): its GPU tests, then
 #                                       # python -m nanovllm.bench --speculative ARGS (SmolLM2 quoting a passage at
-#                                       # batches 1, 4, 16, 64, with and without prompt lookup)
+#                                       # batches 1, 4, 16, 64, with and without prompt lookup), then the same
+#                                       # quoting rows with a self draft of SmolLM2's first 8 layers (--draft-model)
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 18): its GPU tests, scripts/moe_probe.py (one
 #                                       # Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe), then
 #                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
@@ -249,12 +250,18 @@ run_fp8() {
   fi
 }
 
-run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then its benchmark on SmolLM2
+run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then its benchmark on SmolLM2: prompt lookup,
+                     # then a self draft of SmolLM2's first $DRAFT_LAYERS layers (default 8 of 30)
   notebook_stack || exit 2
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/speculative-tests.xml" \
     tests/test_17_speculative.py || status=1
   python3 -m nanovllm.bench --speculative "$@" --out "$out/speculative.json" 2>&1 \
     | tee "$out/speculative.log" || status=1
+  local draft=/tmp/smollm2-self-draft
+  python3 -c "from nanovllm.book.smollm2 import smollm2_dir; from nanovllm.engine.speculative import write_self_draft
+write_self_draft(smollm2_dir(), ${DRAFT_LAYERS:-8}, '$draft')" || status=1
+  python3 -m nanovllm.bench --speculative --workloads quoting --draft-model $draft "$@" \
+    --out "$out/speculative-draft.json" 2>&1 | tee "$out/speculative-draft.log" || status=1
 }
 
 run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse layer's paths timed

@@ -89,7 +89,8 @@ def test_a_prompt_longer_than_the_model_by_its_characters_is_not_tokenized(serve
 
 
 def test_tokenizing_never_holds_up_health(server):
-    """A request of 190 Chinese prompts (3.6 MB), each short enough by its characters, takes seconds to tokenize;
+    """A request of 190 Chinese prompts (3.6 MB), each short enough by its characters, takes a second or more to
+    tokenize (0.75 s once, on a machine that ran the whole suite);
     /health answers meanwhile. (Tokenized on the event loop, each /health waited for the whole request.)"""
     body = json.dumps({"model": "tiny", "prompt": ["你好世界" * 1600] * 190, "max_tokens": 2}, ensure_ascii=False)
     done: dict[str, float] = {}
@@ -111,7 +112,7 @@ def test_tokenizing_never_holds_up_health(server):
         time.sleep(0.1)
     sender.join()
     # The prompts tokenize to more than max_model_len: refused, after seconds of tokenizing.
-    assert done["status"] == 400 and done["seconds"] > 1.0, done
+    assert done["status"] == 400 and done["seconds"] > 0.5, done
     assert probes and max(probes) < done["seconds"] / 3, (probes, done)
 
 
