@@ -289,11 +289,22 @@ class DraftModelProposer:
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
         ``token_ids``; [] where they would pass its longest sequence."""
-        k = self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
-        if k <= 0 or len(token_ids) + k > self.engine.config.max_model_len:
-            return []
-        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
-        return self.engine.generate([list(token_ids)], params, use_tqdm=False)[0]["token_ids"]
+        return self.propose_many([token_ids], [limit])[0]
+
+    def propose_many(self, token_lists: list[list[int]], limits: list[int | None]) -> list[list[int]]:
+        """`propose` for several sequences, in one batch of the draft engine."""
+        wanted = [self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
+                  for limit in limits]
+        longest = self.engine.config.max_model_len
+        asked = [i for i, (tokens, k) in enumerate(zip(token_lists, wanted, strict=True))
+                 if k > 0 and len(tokens) + k <= longest]
+        drafts: list[list[int]] = [[] for _ in token_lists]
+        if asked:
+            params = [SamplingParams(temperature=0, max_tokens=wanted[i], ignore_eos=True) for i in asked]
+            outputs = self.engine.generate([list(token_lists[i]) for i in asked], params, use_tqdm=False)
+            for i, output in zip(asked, outputs, strict=True):
+                drafts[i] = output["token_ids"]
+        return drafts
 
     def exit(self) -> None:
         self.engine.exit()
@@ -409,7 +420,9 @@ from nanovllm.engine.sequence import PENDING_TOKEN
 
 
 class Proposer(Protocol):
-    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one)."""
+    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one). A proposer
+    may also have ``propose_many(token_lists, limits)``, the drafts of several sequences at once (a draft model
+    batches them); `reserve_drafts` calls it where the token budget cannot run out before the last sequence."""
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
 
@@ -465,16 +478,26 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
     budget and `max_verify_rows`; returns how many drafts the step now verifies."""
     budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
     per_sequence = self.drafts_per_sequence(len(seqs))
-    reserved = 0
+    wanting: list[tuple[Sequence, int]] = []
     for seq in seqs:
         assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
-        params = seq.sampling_params
         # en: The sequence's last allowed token is a model token, never a kept draft.
         # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
-        room = min(budget, per_sequence, params.max_tokens - seq.num_completion_tokens - 1)
-        if room <= 0 or not self.may_draft(seq):
+        room = min(per_sequence, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
+        if room > 0 and self.may_draft(seq):
+            wanting.append((seq, room))
+    # en: All at once where the budget covers every room (then each sequence gets what it would one at a time).
+    # zh: 预算够所有序列的空间时一次要齐（这时每个序列得到的和一个一个要时一样）。
+    propose_many = getattr(proposer, "propose_many", None)
+    batched = None
+    if propose_many is not None and wanting and sum(room for _, room in wanting) <= budget:
+        batched = propose_many([seq.token_ids for seq, _ in wanting], [room for _, room in wanting])
+    reserved = 0
+    for index, (seq, room) in enumerate(wanting):
+        room = min(room, budget)
+        if room <= 0:
             continue
-        draft = proposer.propose(seq.token_ids, room)
+        draft = batched[index] if batched is not None else proposer.propose(seq.token_ids, room)
         if not draft:
             continue
         for token_id in draft:
@@ -1553,8 +1576,9 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #   see the last tokens under asynchronous scheduling; the settings `speculative_method` and
 #   `num_speculative_tokens`.
 # - `engine.speculative.DraftModelProposer`: a smaller model's greedy drafts, from an engine of
-#   its own (its paged cache, block manager and prefix cache); `write_self_draft` makes one of the
-#   model's first layers; the setting `speculative_model`.
+#   its own (its paged cache, block manager and prefix cache), the step's sequences in one batch
+#   (`propose_many`, which `reserve_drafts` calls where the budget covers every sequence's room);
+#   `write_self_draft` makes one of the model's first layers; the setting `speculative_model`.
 # - The back-off rule: at most 16 verify rows, at least two drafts a sequence, and a pause for a
 #   sequence whose verify steps give fewer than two tokens; `python -m nanovllm.bench
 #   --speculative`, which measured it.
@@ -1577,8 +1601,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # Not built yet, and where it goes next: matmuls of 3 to 16 rows that read the weights once, as
 # the GEMV does for two (then a verify step costs about a decode step, and batch 1 could reach
 # the 2× that its 2.7× fewer steps promise); a draft model that samples its drafts (it would need
-# the general acceptance rule; greedy drafts do not), proposals batched across sequences (the draft
-# engine runs one sequence at a time), and the draft model measured on a GPU; tensor parallelism.
+# the general acceptance rule; greedy drafts do not) and the draft model measured on a GPU (a
+# trained one: a self draft only teaches); tensor parallelism.
 #
 # ## Exercises
 #
@@ -1601,7 +1625,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # - `LLMEngine._launch`：带草稿的 decode 步就是验证步，`next_step_waits` 让它在异步调度下也能看到最后的 token；
 #   设置项 `speculative_method` 和 `num_speculative_tokens`。
 # - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，来自它自己的引擎（自己的分页缓存、块管理器和
-#   前缀缓存）；`write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
+#   前缀缓存），一步里的各个序列合成一批（`propose_many`；预算够每个序列的空间时，`reserve_drafts` 就调用它）；
+#   `write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
 # - 退让规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿；以及测量它的
 #   `python -m nanovllm.bench --speculative`。
 # - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode`
@@ -1618,7 +1643,7 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #
 # 还没有实现、接下来要做的：像 GEMV 对两行那样只读一遍权重的 3 到 16 行矩阵乘法（那时一个验证步的代价约等于一个
 # decode 步，批大小为 1 时就能拿到步数少 2.7 倍所许诺的 2 倍）；对草稿采样的草稿模型（它需要一般的接受规则，
-# 贪心草稿不需要）、跨序列成批的提议（草稿引擎现在一次只跑一个序列），以及在 GPU 上测量草稿模型；张量并行。
+# 贪心草稿不需要），以及在 GPU 上测量草稿模型（要用训练过的：自草稿只用来教学）；张量并行。
 #
 # ## 练习
 #

@@ -626,3 +626,41 @@ def test_the_benchmark_compares_a_draft_model_with_plain_decoding(self_draft, ti
     assert [row["batch"] for row in rows] == [1, 2]
     assert all(row["proposer"] == "the draft model" and row["identical"] == row["batch"] and row["drafted"] > 0
                for row in rows)
+
+
+class Batching:
+    """Proposes [3, 4, ...] up to the limit, one sequence at a time or all at once, and counts the calls."""
+
+    def __init__(self):
+        self.calls = Counter()
+
+    def propose(self, token_ids, limit=None):
+        self.calls["propose"] += 1
+        return list(range(3, 3 + (4 if limit is None else limit)))
+
+    def propose_many(self, token_lists, limits):
+        self.calls["propose_many"] += 1
+        return [list(range(3, 3 + limit)) for limit in limits]
+
+
+@pytest.mark.parametrize("budget", [64, 9])
+def test_a_proposer_for_many_sequences_is_asked_once_where_the_budget_covers_every_room(budget):
+    from nanovllm.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(num_kvcache_blocks=32, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [Sequence([5, 6, 7], SamplingParams(temperature=0, max_tokens=20), block_size=4) for _ in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduled, _ = scheduler.schedule()
+    scheduler.postprocess(scheduled, [9, 9, 9], True)
+    scheduled, is_prefill = scheduler.schedule()
+    assert not is_prefill and len(scheduled) == 3
+    scheduler.max_num_batched_tokens = budget
+    proposer = Batching()
+    reserved = scheduler.reserve_drafts(scheduled, proposer)
+    # 16 verify rows over 3 sequences: 4 drafts each; a budget of 9 leaves 6 after the 3 last tokens: 4, then 2.
+    if budget == 64:
+        assert proposer.calls == {"propose_many": 1} and reserved == 12
+    else:
+        assert proposer.calls == {"propose": 2} and reserved == 6
+        assert [seq.num_draft_tokens for seq in scheduled] == [4, 2, 0]

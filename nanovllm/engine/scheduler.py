@@ -325,15 +325,24 @@ class Scheduler:
         budget and `max_verify_rows`; returns how many drafts the step now verifies."""
         budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
         per_sequence = self.drafts_per_sequence(len(seqs))
-        reserved = 0
+        wanting: list[tuple[Sequence, int]] = []
         for seq in seqs:
             assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
-            params = seq.sampling_params
             # The sequence's last allowed token is a model token, never a kept draft.
-            room = min(budget, per_sequence, params.max_tokens - seq.num_completion_tokens - 1)
-            if room <= 0 or not self.may_draft(seq):
+            room = min(per_sequence, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
+            if room > 0 and self.may_draft(seq):
+                wanting.append((seq, room))
+        # All at once where the budget covers every room (then each sequence gets what it would one at a time).
+        propose_many = getattr(proposer, "propose_many", None)
+        batched = None
+        if propose_many is not None and wanting and sum(room for _, room in wanting) <= budget:
+            batched = propose_many([seq.token_ids for seq, _ in wanting], [room for _, room in wanting])
+        reserved = 0
+        for index, (seq, room) in enumerate(wanting):
+            room = min(room, budget)
+            if room <= 0:
                 continue
-            draft = proposer.propose(seq.token_ids, room)
+            draft = batched[index] if batched is not None else proposer.propose(seq.token_ids, room)
             if not draft:
                 continue
             for token_id in draft:
@@ -399,6 +408,8 @@ class Scheduler:
 
 # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
 class Proposer(Protocol):
-    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one)."""
+    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one). A proposer
+    may also have ``propose_many(token_lists, limits)``, the drafts of several sequences at once (a draft model
+    batches them); `reserve_drafts` calls it where the token budget cannot run out before the last sequence."""
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...

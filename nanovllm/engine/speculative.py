@@ -72,11 +72,22 @@ class DraftModelProposer:
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
         ``token_ids``; [] where they would pass its longest sequence."""
-        k = self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
-        if k <= 0 or len(token_ids) + k > self.engine.config.max_model_len:
-            return []
-        params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True)
-        return self.engine.generate([list(token_ids)], params, use_tqdm=False)[0]["token_ids"]
+        return self.propose_many([token_ids], [limit])[0]
+
+    def propose_many(self, token_lists: list[list[int]], limits: list[int | None]) -> list[list[int]]:
+        """`propose` for several sequences, in one batch of the draft engine."""
+        wanted = [self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
+                  for limit in limits]
+        longest = self.engine.config.max_model_len
+        asked = [i for i, (tokens, k) in enumerate(zip(token_lists, wanted, strict=True))
+                 if k > 0 and len(tokens) + k <= longest]
+        drafts: list[list[int]] = [[] for _ in token_lists]
+        if asked:
+            params = [SamplingParams(temperature=0, max_tokens=wanted[i], ignore_eos=True) for i in asked]
+            outputs = self.engine.generate([list(token_lists[i]) for i in asked], params, use_tqdm=False)
+            for i, output in zip(asked, outputs, strict=True):
+                drafts[i] = output["token_ids"]
+        return drafts
 
     def exit(self) -> None:
         self.engine.exit()
