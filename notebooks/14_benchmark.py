@@ -516,13 +516,18 @@ def watch_calls(obj: Any, method: str, record: Callable[[float, Any], None]) -> 
         finally:
             record(time.perf_counter() - began, result)
 
-    # en: An instance attribute in front of the class's method, removed on the way out.
-    # zh: 一个挡在类方法前面的实例属性，离开时删掉。
+    # en: An instance attribute in front of the class's method; on the way out, what stood there before (another
+    # en: watcher's, when they nest) or nothing.
+    # zh: 一个挡在类方法前面的实例属性；离开时恢复原来的样子（嵌套时是外层观察者的那个），原来没有就删掉。
+    own = vars(obj).get(method)
     setattr(obj, method, watched)
     try:
         yield
     finally:
-        delattr(obj, method)
+        if own is None:
+            delattr(obj, method)
+        else:
+            setattr(obj, method, own)
 
 
 def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:

@@ -603,3 +603,10 @@ def test_watch_calls_sees_each_call_and_leaves_the_method_as_it_was() -> None:
             engine.step(-1)
     assert seen == [(True, 6), (True, None)]
     assert "step" not in vars(engine) and engine.step(1) == 2
+    # Nested watchers: each sees every call, and leaving restores the outer one, then the class's method.
+    outer, inner = [], []
+    with watch_calls(engine, "step", lambda _, result: outer.append(result)):
+        with watch_calls(engine, "step", lambda _, result: inner.append(result)):
+            engine.step(1)
+        engine.step(2)
+    assert inner == [2] and outer == [2, 4] and "step" not in vars(engine)

@@ -267,12 +267,17 @@ def watch_calls(obj: Any, method: str, record: Callable[[float, Any], None]) -> 
         finally:
             record(time.perf_counter() - began, result)
 
-    # An instance attribute in front of the class's method, removed on the way out.
+    # An instance attribute in front of the class's method; on the way out, what stood there before (another
+    # watcher's, when they nest) or nothing.
+    own = vars(obj).get(method)
     setattr(obj, method, watched)
     try:
         yield
     finally:
-        delattr(obj, method)
+        if own is None:
+            delattr(obj, method)
+        else:
+            setattr(obj, method, own)
 
 
 def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None, **config: object) -> BenchResult:
