@@ -830,9 +830,9 @@ def print_bounds(workload: Workload, config: Any, reads: ExpertReads, tokens_per
           f"{bandwidth / 1e12:.2f} TB/s (copy, measured)")
     steps = max(workload.output_lens) - 1
     if reads.decode_steps > steps:
-        print(f"the KV cache held at most {max(reads.by_tokens)} sequences at once: {reads.decode_steps} decode steps "
-              f"where the bound counts {steps}; the router-aware bound at the steps this run needed: "
-              f"{at_steps:,.0f} tok/s ({tokens_per_s / at_steps:.1%} of it)")
+        print(f"at most {max(reads.by_tokens)} sequences decoded at once (the KV cache or max_num_seqs held the rest "
+              f"back): {reads.decode_steps} decode steps where the bound counts {steps}; the router-aware bound at the "
+              f"steps this run needed: {at_steps:,.0f} tok/s ({tokens_per_s / at_steps:.1%} of it)")
     return {"dense_bound_tokens_per_s": dense.tokens_per_s, "router_bound_tokens_per_s": router,
             "router_bound_at_run_steps_tokens_per_s": at_steps}
 

@@ -445,7 +445,7 @@ def test_the_moe_benchmark_holds_a_run_to_both_bounds_on_a_cpu(tmp_path: Path, c
     assert report["router_bound_tokens_per_s"] >= report["dense_bound_tokens_per_s"] > 0
     # All four fit the cache at once: the run needed no more steps than the bound counts.
     assert report["router_bound_at_run_steps_tokens_per_s"] == report["router_bound_tokens_per_s"]
-    assert "sequences at once" not in printed
+    assert "sequences decoded at once" not in printed
     # A dense model has nothing to count: refused by name.
     assert main(["--device", "cpu", "--num-seqs", "2", "--model", str(build_tiny_model("qwen3"))]) == 2
     assert "has no sparse layers" in capsys.readouterr().err
