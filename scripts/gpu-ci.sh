@@ -35,7 +35,8 @@
 #                                       # batches 1, 4, 16, 64, with and without prompt lookup), then the same
 #                                       # quoting rows with a self draft of SmolLM2's first 8 layers (--draft-model)
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 18): its GPU tests, scripts/moe_probe.py (one
-#                                       # Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe), then
+#                                       # Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
+#                                       # scripts/moe_align_probe.py (the sort in one Triton program), then
 #                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
 #                                       # --experts fused and loop
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
@@ -268,6 +269,8 @@ run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse l
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
     tests/test_18_mixture_of_experts.py || status=1
   python3 scripts/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
+  # align_by_expert's ~15 kernels against one Triton program (not in the engine: kept only if it measures faster)
+  python3 scripts/moe_align_probe.py --out "$out/moe-align.json" 2>&1 | tee "$out/moe-align.log" || status=1
   # Qwen3-30B-A3B's 48 layers through the fused kernels (the engine's default), then 8 of them both ways
   python3 -m nanovllm.bench --moe --out "$out/moe-bench.json" 2>&1 | tee "$out/moe-bench.log" || status=1
   local experts
