@@ -231,7 +231,9 @@ assert [streamed[(ids[0], k)] for k in range(3)] == [o["token_ids"] for o in off
 assert streamed[(ids[1], 0)] == offline[1]["token_ids"]
 
 bm = llm.scheduler.block_manager
-request = llm.add_request(list(range(10, 60)), SamplingParams(max_tokens=50, n=2))
+# en: ignore_eos: an unseeded sample that drew the end-of-sequence token would finish (and be reported) before the abort
+# zh: ignore_eos：没有种子的样本若抽到结束符，会在中止之前就结束（并被报告）
+request = llm.add_request(list(range(10, 60)), SamplingParams(max_tokens=50, n=2, ignore_eos=True))
 llm.step_tokens(), llm.step_tokens()
 print(say("blocks in use while it runs: {blocks}", blocks=len(bm.used_block_ids)))
 dropped = llm.abort_request(request)
