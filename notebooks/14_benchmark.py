@@ -455,29 +455,37 @@ QWEN3_8B_SHAPES: dict[str, Any] = {
 }
 
 
-def qwen3_8b_shapes(path: str | None = None) -> Path:
-    """A model directory with Qwen3-8B's shapes and no weights, to run with ``load_format="dummy"``: the weights
-    (16 GB in bf16) are drawn on each GPU instead of written to disk and read back."""
+def weightless_model_dir(target: Path, config_class: Any, shapes: dict[str, Any], architecture: str) -> Path:
+    """A model directory at ``target`` with ``shapes`` (a ``config_class`` config, bfloat16) and no weights, to run
+    with ``load_format="dummy"``: the weights are drawn on each GPU instead of written to disk and read back."""
     import shutil
-    import tempfile
 
     from transformers import Qwen3Config
 
     from nanovllm.book.tiny_models import build_tiny_model
 
-    # en: Its tokenizer and EOS ids: the prompts are token ids anyway.
-    # zh: 只借用它的分词器和 EOS id：反正提示词本来就是 token id。
+    # en: The tiny model's tokenizer and EOS ids: the prompts are token ids anyway.
+    # zh: 只借用小模型的分词器和 EOS id：反正提示词本来就是 token id。
     tiny = build_tiny_model("qwen3")
-    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
     target.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tiny / name, target / name)
     ids = Qwen3Config.from_pretrained(tiny)
-    config = Qwen3Config(**QWEN3_8B_SHAPES, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
-                         bos_token_id=None, architectures=["Qwen3ForCausalLM"])
+    config = config_class(**shapes, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id, bos_token_id=None,
+                          architectures=[architecture])
     config.dtype = "bfloat16"
     config.save_pretrained(target)
     return target
+
+
+def qwen3_8b_shapes(path: str | None = None) -> Path:
+    """A model directory with Qwen3-8B's shapes and no weights (16 GB in bf16, drawn on the GPU)."""
+    import tempfile
+
+    from transformers import Qwen3Config
+
+    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
+    return weightless_model_dir(target, Qwen3Config, QWEN3_8B_SHAPES, "Qwen3ForCausalLM")
 
 # %% bench engine
 #| export bench.engine

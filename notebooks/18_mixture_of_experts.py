@@ -663,6 +663,8 @@ assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and
 from pathlib import Path
 from typing import Any
 
+from nanovllm.bench.models import weightless_model_dir
+
 QWEN3_MOE_30B_SHAPES: dict[str, Any] = {
     "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
     "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
@@ -674,27 +676,13 @@ QWEN3_MOE_30B_SHAPES: dict[str, Any] = {
 def qwen3_moe_30b_shapes(path: str | None = None, **overrides: Any) -> Path:
     """A model directory with Qwen3-30B-A3B's shapes (``overrides``, e.g. fewer layers) and no weights, to run with
     ``load_format="dummy"``: the 61 GB of bfloat16 weights are drawn on the GPU instead of written to disk."""
-    import shutil
     import tempfile
 
     from transformers import Qwen3MoeConfig
 
-    from nanovllm.book.tiny_models import build_tiny_model
-
-    # en: The tiny model's tokenizer and EOS ids: the prompts are token ids anyway.
-    # zh: 用小模型的分词器和结束符 id：反正提示词都是 token id。
-    tiny = build_tiny_model("qwen3")
     shapes = {**QWEN3_MOE_30B_SHAPES, **overrides}
     target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-30b-a3b-shapes-{shapes['num_hidden_layers']}")
-    target.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tiny / name, target / name)
-    ids = Qwen3MoeConfig.from_pretrained(tiny)
-    config = Qwen3MoeConfig(**shapes, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
-                            bos_token_id=None, architectures=["Qwen3MoeForCausalLM"])
-    config.dtype = "bfloat16"
-    config.save_pretrained(target)
-    return target
+    return weightless_model_dir(target, Qwen3MoeConfig, shapes, "Qwen3MoeForCausalLM")
 
 # %% bench moe flag
 #| export bench.engine

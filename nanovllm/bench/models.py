@@ -16,6 +16,7 @@ __all__ = [
     "qwen3_06b_random",
     "qwen3_8b_shapes",
     "qwen3_moe_30b_shapes",
+    "weightless_model_dir",
 ]
 
 
@@ -45,28 +46,36 @@ QWEN3_8B_SHAPES: dict[str, Any] = {
 }
 
 
-def qwen3_8b_shapes(path: str | None = None) -> Path:
-    """A model directory with Qwen3-8B's shapes and no weights, to run with ``load_format="dummy"``: the weights
-    (16 GB in bf16) are drawn on each GPU instead of written to disk and read back."""
+def weightless_model_dir(target: Path, config_class: Any, shapes: dict[str, Any], architecture: str) -> Path:
+    """A model directory at ``target`` with ``shapes`` (a ``config_class`` config, bfloat16) and no weights, to run
+    with ``load_format="dummy"``: the weights are drawn on each GPU instead of written to disk and read back."""
     import shutil
-    import tempfile
 
     from transformers import Qwen3Config
 
     from nanovllm.book.tiny_models import build_tiny_model
 
-    # Its tokenizer and EOS ids: the prompts are token ids anyway.
+    # The tiny model's tokenizer and EOS ids: the prompts are token ids anyway.
     tiny = build_tiny_model("qwen3")
-    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
     target.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tiny / name, target / name)
     ids = Qwen3Config.from_pretrained(tiny)
-    config = Qwen3Config(**QWEN3_8B_SHAPES, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
-                         bos_token_id=None, architectures=["Qwen3ForCausalLM"])
+    config = config_class(**shapes, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id, bos_token_id=None,
+                          architectures=[architecture])
     config.dtype = "bfloat16"
     config.save_pretrained(target)
     return target
+
+
+def qwen3_8b_shapes(path: str | None = None) -> Path:
+    """A model directory with Qwen3-8B's shapes and no weights (16 GB in bf16, drawn on the GPU)."""
+    import tempfile
+
+    from transformers import Qwen3Config
+
+    target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-8b-shapes")
+    return weightless_model_dir(target, Qwen3Config, QWEN3_8B_SHAPES, "Qwen3ForCausalLM")
 
 
 # notebooks/18_mixture_of_experts.py · cell "moe preset"
@@ -81,23 +90,10 @@ QWEN3_MOE_30B_SHAPES: dict[str, Any] = {
 def qwen3_moe_30b_shapes(path: str | None = None, **overrides: Any) -> Path:
     """A model directory with Qwen3-30B-A3B's shapes (``overrides``, e.g. fewer layers) and no weights, to run with
     ``load_format="dummy"``: the 61 GB of bfloat16 weights are drawn on the GPU instead of written to disk."""
-    import shutil
     import tempfile
 
     from transformers import Qwen3MoeConfig
 
-    from nanovllm.book.tiny_models import build_tiny_model
-
-    # The tiny model's tokenizer and EOS ids: the prompts are token ids anyway.
-    tiny = build_tiny_model("qwen3")
     shapes = {**QWEN3_MOE_30B_SHAPES, **overrides}
     target = Path(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-30b-a3b-shapes-{shapes['num_hidden_layers']}")
-    target.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(tiny / name, target / name)
-    ids = Qwen3MoeConfig.from_pretrained(tiny)
-    config = Qwen3MoeConfig(**shapes, eos_token_id=ids.eos_token_id, pad_token_id=ids.pad_token_id,
-                            bos_token_id=None, architectures=["Qwen3MoeForCausalLM"])
-    config.dtype = "bfloat16"
-    config.save_pretrained(target)
-    return target
+    return weightless_model_dir(target, Qwen3MoeConfig, shapes, "Qwen3MoeForCausalLM")
