@@ -543,11 +543,10 @@ class LLMEngine:
         config = self.config
         if config.speculative_method is None:
             return None
-        if self.proposer is None and config.speculative_method == "draft":
-            self.proposer = DraftModelProposer(config.speculative_model, config.num_speculative_tokens,
-                                               **draft_engine_settings(config))
-        elif self.proposer is None:
-            self.proposer = NgramProposer(config.num_speculative_tokens)
+        if self.proposer is None:
+            drafts = config.num_speculative_tokens
+            self.proposer = NgramProposer(drafts) if config.speculative_method == "ngram" else \
+                DraftModelProposer(config.speculative_model, drafts, **draft_engine_settings(config))
         return self.proposer
 
 
