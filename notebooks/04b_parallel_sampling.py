@@ -374,11 +374,6 @@ say = Phrases({
     "    block {block}: {words}": "    块 {block}：{words}",
     "free blocks after each remaining step: {free}": "之后每一步结束时的空闲块数：{free}",
     "forks: {forks}; copies: {copies}": "分叉：{forks}；拷贝：{copies}",
-    "prefill tokens": "prefill token",
-    "peak blocks": "峰值占用块数",
-    "one request, n=4": "一个请求，n=4",
-    "4 identical requests": "4 个相同的请求",
-    "the same prompt, later": "稍后再发同一提示词",
     "sample {i}: {tokens}": "样本 {i}：{tokens}",
     "forked samples == independent requests, token for token": "分叉的样本 == 独立的请求，逐个 token 相同",
     "all exercise answers check out": "练习答案全部验证通过",
@@ -535,206 +530,43 @@ assert sorted(frames[-1]["free_list"]) == list(range(12))
 print(say("forks: {forks}; copies: {copies}", forks=forks, copies=copies))
 
 # %% [markdown] tags=["en"]
-# ## Measure it: what sharing saves
+# ## Check it: sharing changes no token
 #
-# Three ways to get four completions of one prompt, on a tiny Qwen3 (chapter 05) on the CPU:
-#
-# - **one request with `n=4`**: one prefill, then a fork;
-# - **four identical prompts in one `generate` call**: four sequences that share *nothing*. Their
-#   prefills run in the same step, and a block is findable by prefix caching only after its K/V
-#   has been written (chapter 03), so none of them can hit another's blocks;
-# - **the same prompt again, later**: its full blocks are found in the prefix cache, but only
-#   *full* blocks, and only after they were published.
-#
-# A small function watches the scheduler through its observer hook: tokens computed in prefill
-# steps, and the most blocks in use at once. It is the same function the GPU benchmark below
-# uses, so it lives in a module, `nanovllm.bench.parallel_sampling`. Its clock is the one every
-# benchmark of the book uses, `Stopwatch` (module `nanovllm.bench.report`): a GPU runs behind the
-# host, so the clock waits for the device's queued work before it starts and before it stops.
+# Sharing is an optimization, so it must be invisible in the output. We check it on the whole
+# engine, `LLM` (chapter 11 builds it; here it is only a caller), with a tiny Qwen3 (chapter 05)
+# on the CPU. `Config(fork_samples=False)` switches sharing off: a request with `n=4` then
+# becomes four independent sequences, each computing the prompt itself, but each sample keeps
+# its own random stream (`sample_index` picks it, and with a `seed` the stream depends only on
+# the seed, the sample and the position). So the same seeded request must give exactly the same
+# four completions either way. To make a missed or misdirected copy visible, we fill the KV cache
+# with NaN before running: a sample that reads a slot nobody wrote for it gets NaN logits and a
+# different token. (The test suite runs this under chunked prefill, preemption, asynchronous
+# scheduling and two tensor-parallel ranks, and checks that it *fails* when the runner's copy is
+# switched off.) What sharing saves, in prefill tokens, blocks and speed, chapter 14 measures, on
+# this tiny model and on a GPU.
 
 # %% [markdown] tags=["zh"]
-# ## 测一测：共享省下了什么
+# ## 验证：共享不改变任何 token
 #
-# 在 CPU 上用一个小 Qwen3（第 05 章）得到同一个提示词的四个生成结果，有三种办法：
-#
-# - **一个 `n=4` 的请求**：一次 prefill，然后分叉；
-# - **在一次 `generate` 调用里发送四个相同的提示词**：四个*什么也不共享*的序列。它们的 prefill 在同一步里运行，
-#   而一个块只有在它的 K/V 写入之后才能被前缀缓存找到（第 03 章），所以谁也命中不了别人的块；
-# - **稍后再发一次同一个提示词**：它的写满的块能在前缀缓存里找到，但只有*写满的*块才行，而且要在它们发布之后。
-#
-# 一个小函数通过调度器的观察者钩子记录两样东西：prefill 步计算的 token 数，以及同一时刻最多用了多少个块。
-# 下面的 GPU 基准测试用的也是这个函数，所以它放在一个模块里：`nanovllm.bench.parallel_sampling`。它用的时钟是
-# 本书所有基准测试共用的 `Stopwatch`（模块 `nanovllm.bench.report`）：GPU 异步执行主机排进队列的工作，
-# 进度落后于主机，所以这个时钟在开始计时和停止计时之前，都要先等设备上排队的工作做完。
-
-# %% default module
-#| default_exp bench.parallel_sampling
-
-# %% stopwatch
-#| export bench.report
-"""What the benchmarks share: a clock that includes the device's queued work, and their JSON report."""
-
-from __future__ import annotations
-
-import time
-
-import torch
-
-
-class Stopwatch:
-    """Wall-clock seconds of a ``with`` block, up to the end of the work it queued on ``device`` ("cuda", "cpu").
-
-    A GPU runs behind the host: a clock that did not wait for it at both ends would time the queueing.
-    """
-
-    def __init__(self, device: str) -> None:
-        self.synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
-        self.seconds = 0.0
-
-    def __enter__(self) -> Stopwatch:
-        self.synchronize()
-        self.started = time.perf_counter()
-        return self
-
-    def __exit__(self, error_type: type[BaseException] | None, *_: object) -> None:
-        # en: A `with` block that raised has no time, and its device may not be able to wait.
-        # zh: 抛出异常的 with 代码块不计时，而且它的设备可能已经无法等待（同步）。
-        if error_type is None:
-            self.synchronize()
-            self.seconds = time.perf_counter() - self.started
-
-# %% sampling run
-#| export
-"""Parallel sampling against independent requests: blocks in use, prefill tokens and speed."""
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-
-from nanovllm.bench.report import Stopwatch
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRun:
-    """What one `generate` call cost: time, tokens produced, tokens prefilled, most blocks in use at once."""
-
-    name: str
-    seconds: float
-    output_tokens: int
-    prefill_tokens: int
-    peak_blocks: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.output_tokens / self.seconds
-
-    def __str__(self) -> str:
-        return (f"{self.name}: {self.output_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:,.1f} tok/s, "
-                f"{self.prefill_tokens} prefill tokens, at most {self.peak_blocks} blocks in use")
-
-
-def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams], name: str) -> SamplingRun:
-    """Run ``llm.generate`` once, watching the scheduler (its observer hook): the tokens computed by
-    prefill steps, and after each schedule, when a step's blocks are all allocated, the blocks in use."""
-    pool = llm.scheduler.block_manager
-    seen = {"prefill": 0, "peak": 0}
-
-    def watch(event: str, data: dict) -> None:
-        if event == "schedule":
-            if data["is_prefill"]:
-                seen["prefill"] += sum(seq.num_scheduled_tokens for seq in data["seqs"])
-            seen["peak"] = max(seen["peak"], pool.num_blocks - pool.num_free_blocks)
-
-    previous, llm.scheduler.observer = llm.scheduler.observer, watch
-    try:
-        with Stopwatch(llm.config.device) as clock:
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.scheduler.observer = previous
-    made = sum(len(sample["token_ids"]) for output in outputs for sample in output.get("outputs", [output]))
-    return SamplingRun(name, clock.seconds, made, seen["prefill"], seen["peak"])
+# 共享只是一种优化，所以在输出上必须看不出来。我们在整个引擎 `LLM` 上检查（第 11 章才构建它，这里只是调用它），
+# 在 CPU 上用一个小 Qwen3（第 05 章）。`Config(fork_samples=False)` 把共享关掉：这时一个 `n=4` 的请求变成四个
+# 独立的序列，各自计算提示词，但每个样本仍保留自己的随机数流（由 `sample_index` 选定；设置了 `seed` 时，随机数流只
+# 取决于种子、样本序号和位置）。所以同一个带种子的请求，两种方式下都必须给出完全相同的四个结果。为了让漏掉或拷错的
+# 拷贝显形，运行前先把 KV 缓存填满 NaN：读到一个不是为它写入的槽位的样本会得到 NaN 的 logits，从而得到不同的 token。
+# （测试套件还在分块 prefill、抢占、异步调度和两个张量并行 rank 下运行这项检查，并确认关掉执行器的拷贝后它会*失败*。）
+# 共享省下了多少 prefill token、多少块、多少时间，由第 14 章在这个小模型上和 GPU 上测量。
 
 # %%
 import random
 
-from nanovllm.bench.parallel_sampling import measure_generate
-from nanovllm.llm import LLM
 from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.llm import LLM
 
 tiny_qwen = str(build_tiny_model("qwen3"))
 rng = random.Random(0)
 # en: 7 full blocks of 4 and a partial one (2 tokens).
 # zh: 7 个写满的块（每块 4 个 token），再加一个未写满的块（2 个 token）。
 prompt = [rng.randrange(3, 512) for _ in range(30)]
-sample = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-
-
-def engine() -> LLM:
-    """A fresh engine each time, so that no run finds another's blocks in the prefix cache by accident."""
-    return LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
-
-
-forked = measure_generate(engine(), [prompt], [SamplingParams(**{**sample.__dict__, "n": 4})], "one request, n=4")
-separate_engine = engine()
-separate = measure_generate(separate_engine, [prompt] * 4, [sample] * 4, "4 identical requests")
-later = measure_generate(separate_engine, [prompt], [sample], "the same prompt, later")
-print(f"{'':<24} {say('prefill tokens'):>14} {say('peak blocks'):>12}")
-for run in (forked, separate, later):
-    print(f"{say(run.name):<24} {run.prefill_tokens:>14} {run.peak_blocks:>12}")
-
-# en: No sharing among the four.
-# zh: 四个请求之间没有共享。
-assert forked.prefill_tokens == 30 and separate.prefill_tokens == 4 * 30
-# en: Seven full blocks found in the cache, two tokens computed.
-# zh: 在缓存中找到七个写满的块，只需计算两个 token。
-assert later.prefill_tokens == 30 - 7 * 4
-# en: Explained below.
-# zh: 原因见下文。
-assert forked.peak_blocks == 7 + 4 * 3 and separate.peak_blocks == 4 * 10
-assert forked.output_tokens == separate.output_tokens == 32
-
-# %% [markdown] tags=["en"]
-# The request with `n=4` prefilled its 30 tokens once; the four identical requests prefilled
-# them four times, because they arrived together and nothing was published yet. The same prompt
-# sent later found its seven full blocks and computed only its last two tokens (a prompt's last
-# token is always computed: its logits are needed). And at the peak, the fork held 7 shared
-# blocks plus 3 private blocks per sample (a copy of block 7, then two new ones); the four
-# separate requests held 10 blocks each.
-
-# %% [markdown] tags=["zh"]
-# `n=4` 的请求只 prefill 了一次它的 30 个 token；四个相同的请求 prefill 了四次，因为它们同时到达，而那时还什么都
-# 没有发布。稍后再发的同一个提示词找到了它的七个写满的块，只计算了最后两个 token（提示词的最后一个 token 总要计算：
-# 需要它的 logits）。峰值时，分叉的做法持有 7 个共享块，外加每个样本 3 个私有块（块 7 的一份副本，再加两个新块）；
-# 四个独立请求则各持有 10 个块。
-
-# %% [markdown] tags=["en"]
-# ## Check it: sharing changes no token
-#
-# Sharing is an optimization, so it must be invisible in the output. `Config(fork_samples=False)`
-# switches it off: a request with `n=4` then becomes four independent sequences, each computing
-# the prompt itself, but each sample keeps its own random stream (`sample_index` picks it, and
-# with a `seed` the stream depends only on the seed, the sample and the position). So the same
-# seeded request must give exactly the same four completions either way. To make a missed or
-# misdirected copy visible, we fill the KV cache with NaN before running: a sample that reads a
-# slot nobody wrote for it gets NaN logits and a different token. (The test suite runs this under
-# chunked prefill, preemption, asynchronous scheduling and two tensor-parallel ranks, and checks
-# that it *fails* when the runner's copy is switched off.)
-
-# %% [markdown] tags=["zh"]
-# ## 验证：共享不改变任何 token
-#
-# 共享只是一种优化，所以在输出上必须看不出来。`Config(fork_samples=False)` 把它关掉：这时一个 `n=4` 的请求变成四个
-# 独立的序列，各自计算提示词，但每个样本仍保留自己的随机数流（由 `sample_index` 选定；设置了 `seed` 时，随机数流只
-# 取决于种子、样本序号和位置）。所以同一个带种子的请求，两种方式下都必须给出完全相同的四个结果。为了让漏掉或拷错的
-# 拷贝显形，运行前先把 KV 缓存填满 NaN：读到一个不是为它写入的槽位的样本会得到 NaN 的 logits，从而得到不同的 token。
-# （测试套件还在分块 prefill、抢占、异步调度和两个张量并行 rank 下运行这项检查，并确认关掉执行器的拷贝后它会*失败*。）
-
-# %%
 seeded = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=4, seed=2026)
 completions = {}
 for fork in (True, False):
@@ -752,147 +584,6 @@ assert completions[True] == completions[False]
 # zh: 四个独立的样本，而不是同一个样本重复四次。
 assert len({tuple(t) for t in completions[True]}) > 1
 print(say("forked samples == independent requests, token for token"))
-
-# %% [markdown] tags=["en"]
-# ## The benchmark: n = 4 against four independent requests, on a GPU
-#
-# The same comparison at scale: the first 64 prompts of nano-vllm's benchmark workload (chapter
-# 14: random prompts of 100 to 1,024 tokens, Qwen3-0.6B shapes, bf16), each asked for n = 4
-# samples with its workload output length, against the same 64 prompts as 256 independent
-# requests (`fork_samples=False`), in one run:
-#
-# ```bash
-# python3 -m nanovllm.bench --preset nano-vllm --parallel-sampling 4
-# ```
-#
-# Each side gets a fresh engine, so that neither finds the other's blocks in the prefix cache.
-
-# %% [markdown] tags=["zh"]
-# ## 基准测试：在 GPU 上比较 n = 4 和四个独立请求
-#
-# 同样的比较，放大规模：取 nano-vllm 基准负载（第 14 章：随机提示词，长度 100 到 1,024 个 token，Qwen3-0.6B 的
-# 形状，bf16）的前 64 个提示词，每个要 n = 4 个样本、输出长度按负载里的设定；对照组是把这 64 个提示词当作 256 个
-# 独立请求（`fork_samples=False`）。两者在同一次运行中测量：
-#
-# ```bash
-# python3 -m nanovllm.bench --preset nano-vllm --parallel-sampling 4
-# ```
-#
-# 两边各用一个新引擎，谁也不会在前缀缓存里找到对方的块。
-
-# %% [markdown] tags=["en"]
-# Recorded on one H200 on 2026-12-01 (the command above, blocks of 256 tokens, asynchronous
-# scheduling and CUDA graphs on; the 64 prompts hold 34,428 tokens):
-#
-# | | output tok/s | prefill tokens | peak blocks in use |
-# |---|---|---|---|
-# | forked: n = 4 | 26,615 | 34,428 | 554 |
-# | independent: 4 requests per prompt | 23,336 | 137,712 | 800 |
-# | forked / independent | 1.14× | 0.25× | 0.69× |
-#
-# Each prompt is prefilled once instead of four times, and decode loses nothing: the same
-# 133,288 tokens came out 14% sooner, the prefill saved being most of the difference. The blocks
-# saved are fewer than one might hope, 31% at the peak, because blocks of 256 tokens are large
-# next to these prompts (540 tokens on average: two full blocks and a partial one). The partial
-# block is copied at the first decode step for all samples but the last, and every sample then
-# grows its own blocks for up to 1,024 output tokens. With small blocks, or long shared prompts
-# and short answers, sharing saves nearly all of the prompt's blocks, as the exercises below
-# compute.
-
-# %% [markdown] tags=["zh"]
-# 2026-12-01 在一块 H200 上记录（上面的命令，每块 256 个 token，打开异步调度和 CUDA Graph；这 64 个提示词共
-# 34,428 个 token）：
-#
-# | | 输出 tok/s | prefill token 数 | 峰值占用块数 |
-# |---|---|---|---|
-# | 分叉：n = 4 | 26,615 | 34,428 | 554 |
-# | 独立：每个提示词 4 个请求 | 23,336 | 137,712 | 800 |
-# | 分叉 / 独立 | 1.14× | 0.25× | 0.69× |
-#
-# 每个提示词只 prefill 一次而不是四次，decode 也没有变慢：同样的 133,288 个 token 早了 14% 完成，差别主要来自省下
-# 的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个写满的块加一个未写满的块）
-# 来说，256 个 token 的块太大了。未写满的那块在第一个 decode 步被复制给除最后一个之外的所有样本，之后每个样本还要为
-# 最多 1,024 个输出 token 各自增加块。块小的时候，或者共享的提示词很长而回答很短时，共享几乎能省下提示词的全部块，
-# 下面的练习会算出来。
-
-# %% report phrases
-#| exporti
-#| hide
-from nanovllm.book.lang import Phrases
-
-# en: The report's words in Chinese, printed when the book reads in Chinese (nanovllm.book.lang); English otherwise.
-# zh: 报告中文字的中文版本：本书以中文阅读时打印（nanovllm.book.lang），否则打印英文。
-_say = Phrases({
-    "forked: n={n}": "分叉：n={n}",
-    "independent: {n} requests per prompt": "独立：每个提示词 {n} 个请求",
-    "prefill tokens": "prefill token",
-    "peak blocks": "峰值占用块数",
-    "forked / independent": "分叉 / 独立",
-})
-
-# %% compare
-#| export
-def compare_parallel_sampling(
-    model: str, prompts: list[list[int]], output_lens: list[int], n: int, **config: Any
-) -> list[SamplingRun]:
-    """Each prompt with ``n`` forked samples, then as ``n`` independent requests (``fork_samples=False``): one
-    fresh engine each, the same sampled lengths (``ignore_eos``). ``config``: `LLM` keyword arguments."""
-    if n < 2:
-        raise ValueError(f"n must be >= 2 to compare sharing with independent requests, got {n}")
-    longest = max(len(p) + m for p, m in zip(prompts, output_lens, strict=True))
-    config.setdefault("max_model_len", max(4096, longest))
-    config.setdefault("max_num_seqs", max(512, n))
-    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, n=n) for m in output_lens]
-    runs = []
-    names = {True: _say("forked: n={n}", n=n), False: _say("independent: {n} requests per prompt", n=n)}
-    for fork, name in names.items():
-        llm = LLM(model, fork_samples=fork, **config)
-        try:
-            # en: Warm-up on a prompt unrelated to the workload (nothing it publishes can be hit).
-            # zh: 用一个与负载无关的提示词预热（它发布的块不会被命中）。
-            llm.generate([list(range(3, 11))], SamplingParams(max_tokens=2, n=2), use_tqdm=False)
-            runs.append(measure_generate(llm, prompts, params, name))
-        finally:
-            llm.exit()
-            if llm.config.device == "cuda":
-                torch.cuda.empty_cache()
-    return runs
-
-
-def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
-    """Print the runs side by side (and their ratios); return them as JSON-ready data."""
-    forked, independent = runs
-    print(f"{'':<38} {'tok/s':>10} {_say('prefill tokens'):>15} {_say('peak blocks'):>12}")
-    for run in runs:
-        print(f"{run.name:<38} {run.tokens_per_s:>10,.0f} {run.prefill_tokens:>15,} {run.peak_blocks:>12,}")
-    ratios = {
-        "tokens_per_s": forked.tokens_per_s / independent.tokens_per_s,
-        "prefill_tokens": forked.prefill_tokens / independent.prefill_tokens,
-        "peak_blocks": forked.peak_blocks / independent.peak_blocks,
-    }
-    print(f"{_say('forked / independent'):<38} {ratios['tokens_per_s']:>9.2f}x {ratios['prefill_tokens']:>14.2f}x "
-          f"{ratios['peak_blocks']:>11.2f}x")
-    return {"runs": [run.__dict__ | {"tokens_per_s": run.tokens_per_s} for run in runs], "ratios": ratios}
-
-# %% [markdown] tags=["en"]
-# On the CPU, the same function on the tiny model and a handful of prompts (what CI runs; the
-# speed of a tiny model on a CPU says nothing, the counts do):
-
-# %% [markdown] tags=["zh"]
-# 在 CPU 上，用同一个函数、小模型和几个提示词跑一遍（CI 运行的就是这个；小模型在 CPU 上的速度说明不了什么，
-# 计数才有意义）：
-
-# %%
-from nanovllm.bench.parallel_sampling import compare_parallel_sampling, parallel_sampling_report
-
-few = [[rng.randrange(3, 512) for _ in range(rng.randint(10, 40))] for _ in range(4)]
-runs = compare_parallel_sampling(tiny_qwen, few, [6, 9, 4, 7], 4, device="cpu", kvcache_block_size=4,
-                                 num_kvcache_blocks=256)
-summary = parallel_sampling_report(runs)
-# en: Each prompt prefilled once instead of four times.
-# zh: 每个提示词只 prefill 一次，而不是四次。
-assert summary["ratios"]["prefill_tokens"] == 0.25
-assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1].output_tokens == 4 * 26
 
 # %% [markdown] tags=["en"]
 # ## The other user of copy-on-write: beam search
@@ -929,8 +620,8 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # - Copy-on-write, decided at schedule time by `BlockManager.may_append`, made by the runner as
 #   one batched copy before the forward (`copy_kv_blocks`), outside CUDA graphs, on every
 #   tensor-parallel rank; the last holder writes in place.
-# - `fork_samples=False`, which runs the samples as independent requests, and the benchmark
-#   `python -m nanovllm.bench --parallel-sampling N` that compares the two.
+# - `fork_samples=False`, which runs the samples as independent requests (chapter 14 measures the
+#   two against each other: `python -m nanovllm.bench --parallel-sampling N`).
 # - Tests: unit tests of each step above, the property tests and the provenance fuzz of the
 #   scheduler extended to forks (no step ever writes into a block whose reference count is above
 #   1; every slot read holds the K/V of the same prefix), and token-for-token parity of forked and
@@ -961,8 +652,8 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 #   也算在内）。
 # - 写时复制：由 `BlockManager.may_append` 在调度时决定，由执行器在前向计算之前用一次批量拷贝完成
 #   （`copy_kv_blocks`），不在 CUDA Graph 之内，每个张量并行 rank 都做；最后一个持有者原地写入。
-# - `fork_samples=False`：把样本当作独立请求运行；基准测试 `python -m nanovllm.bench --parallel-sampling N`
-#   比较这两种做法。
+# - `fork_samples=False`：把样本当作独立请求运行（第 14 章用 `python -m nanovllm.bench --parallel-sampling N`
+#   比较这两种做法）。
 # - 测试：上面每一步的单元测试；调度器的性质测试和溯源模糊测试扩展到了分叉（任何一步都不会写入引用计数大于 1 的
 #   块；读到的每个槽位存的都是同一前缀的 K/V）；以及分叉样本与独立样本逐 token 一致。
 #

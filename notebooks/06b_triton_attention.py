@@ -1583,7 +1583,8 @@ print(say("Triton backend == torch reference (prefill with a cached prefix, deco
 # that the reads come from HBM rather than the L2 cache. Prefill uses `triton.testing.do_bench`
 # (median, L2 flushed between repetitions). Like every benchmark of the book, its JSON report
 # opens with how and where it ran (`report_header`) and goes where `--out` says (`write_report`):
-# two small functions that join chapter 04b's `Stopwatch` in `nanovllm.bench.report`.
+# two small functions that start `nanovllm.bench.report`, where chapter 14 adds the clock the
+# engine's benchmarks share.
 
 # %% [markdown] tags=["zh"]
 # ## 测量：decode 看带宽，prefill 对比 SDPA
@@ -1595,16 +1596,22 @@ print(say("Triton backend == torch reference (prefill with a cached prefix, deco
 # decode 按引擎实际运行的方式计时：从 CUDA Graph（第 09 章）重放，因此数字里不含 Python 启动开销；并轮流读取足够多的
 # 不同块，使数据来自 HBM 而不是 L2 缓存。prefill 用 `triton.testing.do_bench`（取中位数，每次重复之间清空 L2）。
 # 和本书所有的基准测试一样，它的 JSON 报告以运行的方式和环境开头（`report_header`），写到 `--out` 指定的地方
-# （`write_report`）：这两个小函数和第 04b 章的 `Stopwatch` 一起放在 `nanovllm.bench.report` 里。
+# （`write_report`）：这两个小函数放在 `nanovllm.bench.report` 里，第 14 章再往里加上引擎基准测试共用的计时器。
 
 # %% bench report
 #| export bench.report
+"""What the benchmarks share: their JSON report, and a clock that includes the device's queued work."""
+
+from __future__ import annotations
+
 import datetime
 import json
 import platform
 import shlex
 import sys
 from typing import Any
+
+import torch
 
 
 def report_header(command: str, argv: list[str] | None, device: str) -> dict[str, Any]:

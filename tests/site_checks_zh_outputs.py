@@ -79,8 +79,7 @@ TRANSLATED = {
         ("A1: table [0(ref 2), 1(ref 2)]", "A1：块表 [0（引用 2）"),
         ("    block 0: Four score and seven", "    块 0：Four score and seven"),
         ("free blocks after each remaining step", "空闲块数"), ("forks: {", "分叉：{"),
-        ("peak blocks", "峰值占用块数"), ("4 identical requests", "4 个相同的请求"), ("sample 0: [", "样本 0：["),
-        ("forked / independent", "分叉 / 独立"),
+        ("sample 0: [", "样本 0：["),
     ],
     "05_model": [("ours == transformers for Qwen3", "我们的结果 == transformers"), ("all finite", "全部有限")],
     "06_attention": [("paged attention matches dense attention", "分页注意力与稠密注意力一致")],
@@ -108,7 +107,11 @@ TRANSLATED = {
     ],
     "12_async_scheduling": [("the tokens equal the synchronous run's", "token 与同步运行的相同")],
     "13_robustness": [("three threads, one engine", "三个线程，一个引擎"), ("empty prompt", "空提示词")],
-    "14_benchmark": [("benchmark checks hold", "基准测试的检查成立"), ("peer batch:", "对照组批次：")],
+    "14_benchmark": [
+        ("benchmark checks hold", "基准测试的检查成立"), ("peer batch:", "对照组批次："),
+        ("peak blocks", "峰值占用块数"), ("4 identical requests", "4 个相同的请求"),
+        ("forked / independent", "分叉 / 独立"),
+    ],
     "15_serving": [
         ("req 0.0 +[", "请求 0.0 +["), ("blocks in use while it runs", "运行期间占用的块"),
         ("each token decoded alone", "每个 token 单独解码"), ("all exercise answers check out", "练习答案全部验证通过"),

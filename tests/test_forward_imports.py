@@ -12,8 +12,6 @@ from tools.forward_imports import ForwardImport, forward_imports
 ROOT = Path(__file__).resolve().parent.parent
 
 KNOWN = {
-    # bench.parallel_sampling measures the whole engine: its benchmark belongs after chapter 11.
-    ForwardImport("04b_parallel_sampling", "llm", "11_engine"),
     # The model's first cut uses chapter 10's parallel layers and chapter 06's attention: plain first versions
     # in chapter 05, which chapters 06 and 10 extend, would pay these three.
     ForwardImport("05_model", "layers.attention", "06_attention"),
