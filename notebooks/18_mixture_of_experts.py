@@ -74,6 +74,8 @@ say = Phrases({
     "{fused:>5.0f} us = {share:.0%} of the bound":
         "{tokens:>3} 个 token，{touched:>3} 个专家：循环 {loop:>7.0f} us，每个专家都算 {every:>6.0f} us，融合 "
         "{fused:>5.0f} us = 上限的 {share:.0%}",
+    "sort, batch of {tokens:>2}: align_by_expert {torch:.0f} us, one program {one:.0f} us ({ratio:.1f}x)":
+        "排序，批大小 {tokens:>2}：align_by_expert {torch:.0f} us，单程序 {one:.0f} us（{ratio:.1f} 倍）",
     "{name}: {rate:,.0f} tok/s, {share:.0%} of the router-aware bound":
         "{name}：{rate:,.0f} tok/s，按路由器算的上限的 {share:.0%}",
     "8 layers, every expert": "8 层，每个专家都算", "8 layers, fused": "8 层，融合",
@@ -908,6 +910,17 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # `num_experts` (no expert). The same sort gives the bound above for free: the experts with a
 # non-empty run are the ones the step must read.
 #
+# At a decode step of a few tokens, that sort costs more than it should: `align_by_expert` is a
+# dozen small torch operations (a histogram, cumulative sums, a radix sort, gathers, a scatter, a
+# search), some fifteen kernels a layer. For up to 128 pairs (16 tokens of top-8),
+# `align_in_one_program` finds the same rows and tile experts in one Triton program after a fill:
+# a one-hot tile of [pairs, experts] gives each expert's count (summed down its column) and each
+# pair's rank among its expert's pairs (a running sum down the column, so the order is the stable
+# sort's); the runs' starts then place every pair, and comparing the runs' ends with each tile's
+# first row answers the search. The tile lives in registers, so it stops at 128 pairs;
+# `sort_by_expert` picks one or the other by the pair count, which the shapes fix, so a CUDA
+# graph captures either.
+#
 # `fused_moe` then runs two Triton kernels over those tiles. The first gathers each pair's token,
 # multiplies it by its expert's merged gate/up weight and applies SiLU × mul in registers,
 # writing one row per pair; the second multiplies those rows by the expert's down weight and
@@ -930,6 +943,13 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # 输出按最坏情况留足空间，`T · k + num_experts · (block_m − 1)` 行，所以它的形状只取决于 token 数，这正是 CUDA
 # Graph 需要的；没用到的行填的是对数 `T · k`（表示没有这一对），最后一段之后的 tile 标为专家 `num_experts`
 # （表示没有专家）。同一次排序还顺带给出了上面的上限：段不为空的专家，正是这一步必须读取的专家。
+#
+# 在只有几个 token 的 decode 步里，这次排序花得太多了：`align_by_expert` 是十几个小的 torch 操作（直方图、累加和、
+# 基数排序、gather、scatter、查找），每层大约十五个内核。对不超过 128 对（16 个 token，每个选 8 个专家）的情况，
+# `align_in_one_program` 在一次填充之后用一个 Triton 程序得到同样的行和 tile 专家：一个 [对数, 专家数] 的独热 tile
+# 给出每个专家的对数（按列求和），以及每一对在它的专家的各对中的名次（沿列的累加和，所以顺序就是稳定排序的顺序）；
+# 各段的起点再把每一对放到位，把各段的终点与每个 tile 的第一行比较，就完成了查找。这个 tile 放在寄存器里，所以
+# 最多 128 对；`sort_by_expert` 按对数（由形状决定）选用其中一个，所以 CUDA 图捕获哪一个都可以。
 #
 # 然后 `fused_moe` 在这些 tile 上运行两个 Triton 内核。第一个取出每一对的 token，乘以它的专家合并后的 gate/up
 # 权重，在寄存器里做 SiLU × mul，每一对写一行；第二个把这些行乘以专家的 down 权重，再按路由器权重缩放。最后把每个
@@ -974,6 +994,63 @@ def align_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tup
     rows[(ends - padded)[by_expert] + rank] = order
     tile_starts = torch.arange(0, max_rows, block_m, device=pairs.device)
     return rows, torch.searchsorted(ends, tile_starts, right=True)
+
+
+# en: The most pairs the one-program sort takes (16 tokens of top-8): its [pairs, experts] tile lives in registers.
+# en: On an H100 it took a third of align_by_expert's time at 8 pairs, half at 128, and more at 256.
+# zh: 单程序排序最多处理的对数（16 个 token，每个选 8 个专家）：它的 [对数, 专家数] tile 放在寄存器里。在 H100 上，
+# zh: 8 对时它只用 align_by_expert 三分之一的时间，128 对时用一半，256 对时反而更慢。
+ONE_PROGRAM_PAIRS = 128
+
+
+@triton.jit
+def align_kernel(chosen_ptr, rows_ptr, tile_expert_ptr, count, num_tiles, NUM_EXPERTS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, PAIRS: tl.constexpr, EXPERTS: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+    pair = tl.arange(0, PAIRS)
+    valid = pair < count
+    # en: Padding pairs go to bin NUM_EXPERTS, which no run includes.
+    # zh: 补齐用的对放进第 NUM_EXPERTS 个桶，任何一段都不包含它。
+    expert = tl.load(chosen_ptr + pair, mask=valid, other=NUM_EXPERTS).to(tl.int32)
+    bins = tl.arange(0, EXPERTS)
+    # en: One-hot [pairs, experts]: summed down, each expert's count; summed down to a pair, its rank.
+    # zh: 独热矩阵 [对数, 专家数]：按列求和得到每个专家的对数；累加到某一对为止，得到它的名次。
+    hit = (expert[:, None] == bins[None, :]).to(tl.int32)
+    per_expert = tl.where(bins < NUM_EXPERTS, tl.sum(hit, axis=0), 0)
+    padded = (per_expert + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    # en: A pair's rank among its expert's pairs: how many come before it, the stable sort's order.
+    # zh: 一对在它的专家的各对中的名次：排在它前面的有几对，也就是稳定排序的顺序。
+    rank = tl.sum(tl.cumsum(hit, axis=0) * hit, axis=1) - 1
+    start = tl.sum(hit * (ends - padded)[None, :], axis=1)
+    tl.store(rows_ptr + start + rank, pair.to(tl.int64), mask=valid)
+    # en: searchsorted(ends, tile * BLOCK_M, right=True): the experts whose run ends at or before the tile.
+    # zh: searchsorted(ends, tile * BLOCK_M, right=True)：在这个 tile 之前（含）结束的专家有几个。
+    tile = tl.arange(0, TILES)
+    ended = (ends[None, :] <= (tile * BLOCK_M)[:, None]) & (bins[None, :] < NUM_EXPERTS)
+    tl.store(tile_expert_ptr + tile, tl.sum(ended.to(tl.int64), axis=1), mask=tile < num_tiles)
+
+
+def align_in_one_program(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s (rows, tile experts) from a fill and one Triton program, for at most ONE_PROGRAM_PAIRS
+    (token, slot) pairs: a decode step's few tokens, where align_by_expert's small kernels cost more than the sort."""
+    pairs = chosen.numel()
+    if pairs > ONE_PROGRAM_PAIRS:
+        raise ValueError(f"one program sorts at most {ONE_PROGRAM_PAIRS} pairs, not {pairs}")
+    max_rows = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
+    rows = torch.full((max_rows,), pairs, dtype=torch.long, device=chosen.device)
+    tiles = max_rows // block_m
+    tile_expert = torch.empty(tiles, dtype=torch.long, device=chosen.device)
+    align_kernel[(1,)](chosen.reshape(-1), rows, tile_expert, pairs, tiles, NUM_EXPERTS=num_experts, BLOCK_M=block_m,
+                       PAIRS=triton.next_power_of_2(max(pairs, 1)), EXPERTS=triton.next_power_of_2(num_experts + 1),
+                       TILES=triton.next_power_of_2(tiles), num_warps=8)  # fmt: skip
+    return rows, tile_expert
+
+
+def sort_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_by_expert`'s result, from one program when there are at most ONE_PROGRAM_PAIRS pairs."""
+    if chosen.numel() <= ONE_PROGRAM_PAIRS:
+        return align_in_one_program(chosen, num_experts, block_m)
+    return align_by_expert(chosen, num_experts, block_m)
 
 
 @triton.jit
@@ -1044,7 +1121,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("fused_moe needs rows of contiguous elements")
     pairs = tokens * top_k
-    rows, tile_expert = align_by_expert(chosen, num_experts, block_m)
+    rows, tile_expert = sort_by_expert(chosen, num_experts, block_m)
     # en: The Triton interpreter gets tl.dot of 16-bit floats wrong: there the tiles go up to float32 first.
     # zh: Triton 解释器算 16 位浮点的 tl.dot 会出错：在那里 tile 先升到 float32。
     upcast = os.environ.get("TRITON_INTERPRET") == "1" and x.dtype != torch.float32
@@ -1121,19 +1198,21 @@ def __init__(self, config: Any) -> None:
 # ### See it: the sort, and the kernels against the loop
 #
 # The first layer's pairs for the prompt above, sorted by expert in tiles of 4 rows (`·` is an
-# unused row), then both kernels (in the Triton interpreter on a CPU) against the loop on the same
-# hidden states; then the engine with every sparse block fused, against `transformers`.
+# unused row), and the same from the one-program sort; then both kernels (in the Triton
+# interpreter on a CPU) against the loop on the same hidden states; then the engine with every
+# sparse block fused, against `transformers`.
 
 # %% [markdown] tags=["zh"]
 # ### 看它运行：排序，以及内核对比循环
 #
-# 上面那个提示词在第一层的各对，按专家排序、每个 tile 4 行（`·` 表示没用到的行）；然后在同样的隐藏状态上，让两个
-# 内核（在 CPU 上用 Triton 解释器运行）与循环比较；最后让所有稀疏块都融合的引擎与 `transformers` 比较。
+# 上面那个提示词在第一层的各对，按专家排序、每个 tile 4 行（`·` 表示没用到的行），单程序排序给出同样的结果；
+# 然后在同样的隐藏状态上，让两个内核（在 CPU 上用 Triton 解释器运行）与循环比较；最后让所有稀疏块都融合的引擎与
+# `transformers` 比较。
 
 # %%
 import copy
 
-from nanovllm.layers.fused_moe import align_by_expert, fused_moe
+from nanovllm.layers.fused_moe import align_by_expert, align_in_one_program, fused_moe
 from nanovllm.models.qwen3_moe import FusedExperts, fuse_moe_layers
 
 x = seen[0]
@@ -1152,6 +1231,10 @@ assert set(tile_expert.tolist()) - {block.num_experts} == set(chosen.unique().to
 # zh: 不会动到 CPU 引擎里的那个块。
 kernel_device = "cuda" if torch.cuda.is_available() else "cpu"
 kernel_block, kernel_x = copy.deepcopy(block).to(kernel_device), x.to(kernel_device)
+# en: The one-program sort finds the same rows and tiles.
+# zh: 单程序排序得到同样的行和 tile。
+one_program = align_in_one_program(chosen.to(kernel_device), block.num_experts, block_m=4)
+assert torch.equal(one_program[0].cpu(), rows) and torch.equal(one_program[1].cpu(), tile_expert)
 fused = FusedExperts(kernel_block)
 looped = kernel_block.chosen_experts(kernel_x, weights.to(kernel_device), chosen.to(kernel_device))
 gap = (fused_moe(kernel_x, fused.w13, fused.w2, weights.to(kernel_device), chosen.to(kernel_device)) - looped)
@@ -1195,6 +1278,12 @@ if fused_llm is not llm:
 # benchmark prints this second figure whenever the cache held fewer sequences than the workload
 # has), the same bound gives 75 %. A 141 GB H200 holds the whole batch; that run is still to be
 # made.
+#
+# The sort alone (`scripts/moe_align_probe.py`, 128 experts, top-8, each replayed from a CUDA
+# graph): `align_by_expert` takes 47 µs at one token and 52 at 16, the one-program sort 16 and 26:
+# 3.0 times as fast at one token, about 1.5 ms of a 48-layer step's 7.4, and 2.0 times at 16
+# tokens. At 32 tokens (256 pairs) its tile no longer fits the registers and it is the slower, hence
+# its limit of 128 pairs. The engine's one-token step with it is not measured yet.
 
 # %% [markdown] tags=["zh"]
 # ## GPU 上的记录：循环、内核与上限
@@ -1212,8 +1301,15 @@ if fused_llm is not llm:
 # 256 个序列一起 decode，只算 1,023 步：达到上限的 53%，差距主要来自这张卡躲不开的步数，而不是每一步的时间。
 # 按这次运行实际需要的步数来算（缓存同时装下的序列少于工作负载的序列数时，基准测试会打印这第二个数），同一个上限
 # 给出 75%。141 GB 的 H200 能装下整个批次；那次运行还没做。
+#
+# 单看排序（`scripts/moe_align_probe.py`，128 个专家，每个 token 选 8 个，都从 CUDA 图重放）：`align_by_expert`
+# 在一个 token 时用 47 µs，16 个 token 时用 52 µs；单程序排序分别用 16 和 26 µs：一个 token 时快 3.0 倍，约合 48 层的
+# 一步 7.4 ms 里的 1.5 ms；16 个 token 时快 2.0 倍。到 32 个 token（256 对）时它的 tile 放不进寄存器，反而更慢，所以
+# 它最多处理 128 对。用上它之后引擎一个 token 的步还没有测。
 
 # %%
+from nanovllm.layers.fused_moe import ONE_PROGRAM_PAIRS
+
 # en: (tokens, experts the router touched, microseconds: the loop, every expert, fused_moe), one layer, H100
 # zh: （token 数，路由器用到的专家数，微秒：循环、每个专家、fused_moe），一层，H100
 one_layer = [(1, 8, 2375.9, 2922.9, 95.1), (8, 52, 9103.8, 3225.5, 241.6), (64, 126, 21711.5, 3561.9, 510.5),
@@ -1233,6 +1329,16 @@ for name, (tokens_per_s, router_bound) in engine_runs.items():
     print(say("{name}: {rate:,.0f} tok/s, {share:.0%} of the router-aware bound", name=say(name), rate=tokens_per_s,
               share=tokens_per_s / router_bound))
 assert engine_runs["8 layers, fused"][0] > 4 * engine_runs["8 layers, every expert"][0]
+# en: the sort alone: (tokens of top-8, microseconds: align_by_expert, align_in_one_program), H100
+# zh: 单看排序：（每个选 8 个专家的 token 数，微秒：align_by_expert、align_in_one_program），H100
+sorts = [(1, 47.4, 15.7), (4, 47.2, 19.3), (16, 51.6, 26.1), (32, 70.6, 75.9)]
+for tokens, torch_us, one_us in sorts:
+    print(say("sort, batch of {tokens:>2}: align_by_expert {torch:.0f} us, one program {one:.0f} us ({ratio:.1f}x)",
+              tokens=tokens, torch=torch_us, one=one_us, ratio=torch_us / one_us))
+# en: Faster wherever sort_by_expert picks it, slower past its limit.
+# zh: 在 sort_by_expert 选用它的地方都更快，超过上限就更慢。
+assert all(one_us < torch_us / 1.9 for tokens, torch_us, one_us in sorts if tokens * 8 <= ONE_PROGRAM_PAIRS)
+assert all(one_us > torch_us for tokens, torch_us, one_us in sorts if tokens * 8 > ONE_PROGRAM_PAIRS)
 
 # %% [markdown] tags=["en"]
 # ## What we built
@@ -1250,7 +1356,8 @@ assert engine_runs["8 layers, fused"][0] > 4 * engine_runs["8 layers, every expe
 #   layers (`expert_mlp_params` in `MLP_RULES`), and the router played step by step (appendix A's
 #   player around ready-made frames, `slides_html`).
 # - `nanovllm.layers.fused_moe`: `align_by_expert` (the pairs sorted by expert in tiles, in shapes
-#   that depend on the token count alone) and `fused_moe` (two grouped Triton kernels: gate/up
+#   that depend on the token count alone), the same sort in one Triton program for up to 128 pairs
+#   (`align_in_one_program`, picked by `sort_by_expert`), and `fused_moe` (two grouped Triton kernels: gate/up
 #   with SiLU × mul, down with the router's weights); `fuse_moe_layers` and `FusedExperts` hand
 #   them to a model's sparse blocks, the experts' weights stacked and held once. Checked here in
 #   the Triton interpreter, token-exact in the engine.
@@ -1260,8 +1367,8 @@ assert engine_runs["8 layers, fused"][0] > 4 * engine_runs["8 layers, every expe
 #   random weights (`qwen3_moe_30b_shapes`).
 #
 # On a GPU the fused kernels are the engine's default (recorded above on an H100). Not yet: the
-# whole 48-layer model measured where its batch fits (an H200), and the small-token overhead (the
-# sort and the router's small kernels, some 47 kernels a layer at one token).
+# whole 48-layer model measured where its batch fits (an H200), the engine's one-token step with
+# the one-program sort, and the rest of the small-token overhead (the router's small kernels).
 #
 # ## Exercises
 #
@@ -1283,7 +1390,8 @@ assert engine_runs["8 layers, fused"][0] > 4 * engine_runs["8 layers, every expe
 #   方式写出 MoE 的专家（每个专家一个张量）。
 # - 带路由器时一步读取量的算术，基准测试对稀疏层参数的计数（`MLP_RULES` 里的 `expert_mlp_params`），以及一步一步
 #   播放的路由过程（附录 A 的播放器，套在现成的帧外面：`slides_html`）。
-# - `nanovllm.layers.fused_moe`：`align_by_expert`（把各对按专家排序、分成 tile，形状只取决于 token 数）与
+# - `nanovllm.layers.fused_moe`：`align_by_expert`（把各对按专家排序、分成 tile，形状只取决于 token 数），不超过
+#   128 对时在一个 Triton 程序里做的同一排序（`align_in_one_program`，由 `sort_by_expert` 选用），以及
 #   `fused_moe`（两个分组的 Triton 内核：gate/up 加 SiLU × mul，down 加路由器权重）；`fuse_moe_layers` 和
 #   `FusedExperts` 把它们交给模型的稀疏块，专家权重堆叠起来、只存一份。这里在 Triton 解释器里检查过，在引擎里逐 token
 #   一致。
@@ -1292,7 +1400,7 @@ assert engine_runs["8 layers, fused"][0] > 4 * engine_runs["8 layers, every expe
 #   在 GPU 上默认使用 Qwen3-30B-A3B 的形状和随机权重（`qwen3_moe_30b_shapes`）。
 #
 # 在 GPU 上，融合内核是引擎的默认路径（上面有在 H100 上的记录）。还没有做的：在能装下整个批次的地方（H200）测量
-# 完整的 48 层模型，以及 token 很少时的额外开销（排序和路由器的小内核，一个 token 时每层约 47 个内核）。
+# 完整的 48 层模型，测量用上单程序排序之后引擎一个 token 的步，以及 token 很少时其余的额外开销（路由器的小内核）。
 #
 # ## 练习
 #

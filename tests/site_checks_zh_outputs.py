@@ -136,7 +136,7 @@ TRANSLATED = {
     "18_mixture_of_experts": [
         ("greedy tokens match transformers", "贪心解码的 token 与 transformers 完全一致"),
         ("layer 0: experts", "第 0 层：专家"), ("all exercise answers check out", "练习答案全部验证通过"),
-        ("8 layers, fused: ", "8 层，融合："),
+        ("8 layers, fused: ", "8 层，融合："), ("sort, batch of  1: align_by_expert", "排序，批大小  1："),
     ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],

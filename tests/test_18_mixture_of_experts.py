@@ -236,8 +236,47 @@ def test_align_by_expert_sorts_every_pair_once_in_tiles_of_one_expert(tokens: in
     assert set(tile_expert.tolist()) - {num_experts} == set(flat.tolist())
 
 
+def routing(tokens: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]).to(DEVICE)
+
+
+@pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"),
+                         [(1, 128, 8, 16), (16, 128, 8, 16), (5, 6, 2, 4), (13, 8, 2, 16), (3, 60, 4, 16)])
+def test_the_one_program_sort_equals_align_by_expert(tokens: int, num_experts: int, top_k: int, block_m: int) -> None:
+    """Rows and tile experts identical, up to the limit (16 tokens of top-8 over Qwen3-30B-A3B's 128 experts)."""
+    from nanovllm.layers.fused_moe import align_by_expert, align_in_one_program
+
+    chosen = routing(tokens, num_experts, top_k, seed=tokens)
+    for got, expected in zip(align_in_one_program(chosen, num_experts, block_m),
+                             align_by_expert(chosen, num_experts, block_m), strict=True):
+        assert torch.equal(got, expected)
+    # Every token on one expert: one long run, every other expert's run empty.
+    same = torch.full((20, 1), 7, device=DEVICE)
+    for got, expected in zip(align_in_one_program(same, 8, 4), align_by_expert(same, 8, 4), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_sort_by_expert_takes_one_program_up_to_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nanovllm.layers import fused_moe
+
+    limit = fused_moe.ONE_PROGRAM_PAIRS
+    small, large = routing(limit // 8, 128, 8, seed=1), routing(limit // 8 + 1, 128, 8, seed=2)
+    expected = fused_moe.align_by_expert(small, 128, 16)
+    with pytest.raises(ValueError, match=f"at most {limit} pairs"):
+        fused_moe.align_in_one_program(large, 128, 16)
+
+    def refused(*args: object) -> None:
+        raise AssertionError("align_by_expert ran")
+
+    monkeypatch.setattr(fused_moe, "align_by_expert", refused)
+    assert all(map(torch.equal, fused_moe.sort_by_expert(small, 128, 16), expected))
+    with pytest.raises(AssertionError, match="align_by_expert ran"):
+        fused_moe.sort_by_expert(large, 128, 16)
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
-@pytest.mark.parametrize(("num_experts", "top_k", "tokens"), [(8, 2, 1), (8, 2, 13), (6, 3, 33), (4, 1, 7)])
+@pytest.mark.parametrize(("num_experts", "top_k", "tokens"), [(8, 2, 1), (8, 2, 13), (6, 3, 33), (4, 1, 7), (8, 4, 40)])
 def test_fused_moe_matches_the_chosen_experts_loop(dtype: torch.dtype, num_experts: int, top_k: int,
                                                    tokens: int) -> None:
     from nanovllm.layers.fused_moe import fused_moe
