@@ -232,7 +232,11 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # layer's answer poorly. On SmolLM2 (30 layers, greedy, 64 tokens of a quoting prompt and of a story
 # prompt, measured on this book's CPU machine), a self draft of its first 24 layers saw 16 and 10 %
 # of its drafts kept, one of its first 8 layers 2 and 1 %; the back-off rule of the section "When it
-# pays" then pauses it. Engines that speculate with a model ship one trained for the job. The
+# pays" then pauses it. On an H100 (2026-12-05, `scripts/gpu-ci.sh speculative`, SmolLM2 quoting a
+# passage, one sequence) the 8-layer self draft had none of its drafts kept and ran at 0.56× the
+# plain engine: each time its pause of 16 tokens ended, the draft engine caught up and drafted for a
+# verify step that kept nothing. The pause now doubles while the drafts keep failing (not yet
+# measured on a GPU). Engines that speculate with a model ship one trained for the job. The
 # settings are `speculative_method="draft"` and `speculative_model=DIRECTORY`; a vocabulary other
 # than the model's is refused.
 
@@ -251,7 +255,10 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # 一个模型目录（"自草稿"：省下的是它丢掉的那部分层，前几层已经知道下一个 token 的时候，它就提议得对）。别对它
 # 期望太高：为了给后面的层提供输入而训练出来的层，猜不准最后一层的答案。在 SmolLM2 上（30 层，贪心解码，一个
 # 引用型提示词和一个故事型提示词各生成 64 个 token，在本书的 CPU 机器上测量），取前 24 层的自草稿有 16% 和 10% 的
-# 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退让规则就会让它暂停。用模型做投机的引擎，用的都是
+# 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退让规则就会让它暂停。在一块 H100 上
+# （2026-12-05，`scripts/gpu-ci.sh speculative`，SmolLM2 引用一段文字，一个序列），前 8 层的自草稿一个草稿也没有被
+# 保留，只跑出普通引擎的 0.56 倍：每当 16 个 token 的暂停结束，草稿引擎就要补算，再为一个什么也保留不了的验证步
+# 提议草稿。现在草稿一直失败时暂停会加倍（还没有在 GPU 上测量）。用模型做投机的引擎，用的都是
 # 专门为此训练的草稿模型。设置是 `speculative_method="draft"` 和 `speculative_model=目录`；词表与模型不同的草稿模型
 # 会被拒绝。
 
@@ -391,11 +398,13 @@ from nanovllm.engine.sequence import Sequence
 # zh: 序列末尾有多少个 token 是正在进行的这一步要验证的草稿（这一步之外为 0）。
 Sequence.num_draft_tokens: int = 0
 # en: The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
-# en: steps gave (None before the first), and the length it must reach before it gets drafts again.
+# en: steps gave (None before the first), the length it must reach before it gets drafts again, and how many times
+# en: in a row it paused them (each pause twice as long as the one before).
 # zh: 退让规则对这个序列的记忆（"什么时候划算"一节）：它最近的验证步平均产出的 token 数（第一次之前为 None），
-# zh: 以及它要长到多少才能再拿到草稿。
+# zh: 它要长到多少才能再拿到草稿，以及它已经连续暂停了几次（每次暂停都是上一次的两倍长）。
 Sequence.recent_tokens_per_verify: float | None = None
 Sequence.drafts_resume_at: int = 0
+Sequence.draft_pauses: int = 0
 
 # %% block manager trims
 #| export engine.block_manager
@@ -431,15 +440,18 @@ class Proposer(Protocol):
 # en: row: a sequence's last token or one of its drafts), and no drafts at all when that leaves a sequence fewer
 # en: than min_drafts: fewer drafts as the batch grows, none past 5 sequences. And a verify step costs two or more
 # en: decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
-# en: drafts for its next draft_pause_tokens tokens.
+# en: drafts for its next draft_pause_tokens tokens, twice that if it pauses again without a good verify step in
+# en: between, and so on up to max_draft_pause_tokens: drafts that never pay cost less and less.
 # zh: 退让规则，在"什么时候划算"一节里测量。一个验证步最多 max_verify_rows 行（一行：序列的最后一个 token 或它的一个
 # zh: 草稿），如果这样分到每个序列的草稿少于 min_drafts 个，就干脆不要草稿：批越大草稿越少，超过 5 个序列就没有草稿。
 # zh: 另外，一个验证步的代价是两个甚至更多 decode 步：最近的验证步平均产出少于 min_tokens_per_verify 个 token 的
-# zh: 序列，在接下来的 draft_pause_tokens 个 token 里拿不到草稿。
+# zh: 序列，在接下来的 draft_pause_tokens 个 token 里拿不到草稿；中间没有一个好的验证步又要暂停时，暂停加倍，
+# zh: 依此类推，最长 max_draft_pause_tokens：从来不划算的草稿，代价越来越小。
 Scheduler.max_verify_rows: int = 16
 Scheduler.min_drafts: int = 2
 Scheduler.min_tokens_per_verify: float = 2.0
 Scheduler.draft_pause_tokens: int = 16
+Scheduler.max_draft_pause_tokens: int = 512
 
 
 @add_to_class(Scheduler)
@@ -459,13 +471,17 @@ def may_draft(self, seq: Sequence) -> bool:
 @add_to_class(Scheduler)
 def note_verify(self, seq: Sequence, tokens: int) -> None:
     """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
-    `min_tokens_per_verify`."""
+    `min_tokens_per_verify` (for twice as long as the pause before, when no good verify step came in between)."""
     # en: A new sequence starts trusted: two verify steps that keep nothing pause it.
     # zh: 新序列一开始是被信任的：连续两个什么都没保留的验证步才让它暂停。
     recent = seq.recent_tokens_per_verify
     recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
+    if tokens >= self.min_tokens_per_verify:
+        seq.draft_pauses = 0
     if recent < self.min_tokens_per_verify:
-        seq.drafts_resume_at = len(seq) + self.draft_pause_tokens
+        pause = min(self.draft_pause_tokens << seq.draft_pauses, self.max_draft_pause_tokens)
+        seq.drafts_resume_at = len(seq) + pause
+        seq.draft_pauses += 1
         # en: Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
         # zh: 回到及格线上：暂停之后，一个好的验证步让它继续拿草稿，一个差的验证步让它再次暂停。
         recent = self.min_tokens_per_verify
@@ -1407,12 +1423,13 @@ assert row["speculative_steps"] < row["plain_steps"]
 # shapes, and a verify step is synchronous besides. Hence the rule of
 # `reserve_drafts`: at most 16 rows, no drafts when that leaves a sequence fewer than two (so
 # none past 5 sequences), and a sequence whose recent verify steps gave fewer than two tokens
-# pauses its drafts for 16 tokens. (Batch 2 lost 6 % in this run, its verify step costing 2.9
-# decode steps against 2.4 at batch 1; whether that is noise or a cost of its 16-row graph is not
-# yet known, and the rule still speculates there.) An engine in which no sequence may draft schedules
-# asynchronously as before: on chapter 14's 256-sequence workload the speculating engine ran at
-# 0.99× and 1.01× the plain one in two runs, as the same harness measured with drafts switched off
-# altogether (0.99×).
+# pauses its drafts for 16 tokens, then 32, 64 and so on up to 512 while no verify step gives two
+# (a draft model that never agreed ran at 0.56× with fixed pauses: see its section). (Batch 2 lost
+# 6 % in this run, its verify step costing 2.9 decode steps against 2.4 at batch 1; whether that is
+# noise or a cost of its 16-row graph is not yet known, and the rule still speculates there.) An
+# engine in which no sequence may draft schedules asynchronously as before: on chapter 14's
+# 256-sequence workload the speculating engine ran at 0.99× and 1.01× the plain one in two runs,
+# as the same harness measured with drafts switched off altogether (0.99×).
 
 # %% [markdown] tags=["zh"]
 # ## 什么时候划算：退让规则，实测得来
@@ -1430,7 +1447,9 @@ assert row["speculative_steps"] < row["plain_steps"]
 # 走 cuBLAS（第 09 章融合的 GEMV 最多只接两行）：在 Qwen3-0.6B 的形状上，GPU 时间是 1.32 毫秒，而一行只要 0.58 毫秒；
 # 何况验证步还是同步的。
 # 于是有了 `reserve_drafts` 里的规则：最多 16 行；如果这样分到每个序列的草稿少于两个，就不要草稿（所以超过 5 个
-# 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿。（这次测量中批大小
+# 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿，之后只要还没有
+# 一个验证步产出两个 token，就暂停 32、64……最长 512 个 token（一个从不猜对的草稿模型在固定长度的暂停下只跑出
+# 0.56 倍：见草稿模型那一节）。（这次测量中批大小
 # 为 2 时慢了 6%，它的验证步值 2.9 个 decode 步，而批大小为 1 时是 2.4 个；这是噪声还是它那张 16 行的图带来的代价，
 # 目前还不知道，规则在那里仍然投机。）没有任何序列
 # 可以拿草稿的引擎照旧异步调度：在第 14 章 256 个序列的负载上，投机的引擎在两次运行中跑出普通引擎的 0.99 倍和
@@ -1579,7 +1598,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #   (`propose_many`, which `reserve_drafts` calls where the budget covers every sequence's room);
 #   `write_self_draft` makes one of the model's first layers; the setting `speculative_model`.
 # - The back-off rule: at most 16 verify rows, at least two drafts a sequence, and a pause for a
-#   sequence whose verify steps give fewer than two tokens; `python -m nanovllm.bench
+#   sequence whose verify steps give fewer than two tokens, doubled while they keep failing;
+#   `python -m nanovllm.bench
 #   --speculative`, which measured it.
 # - The scheduler's "drafts" and "verified" events, which appendix A's player draws, and the
 #   `spec_decode` counters of the server's `/metrics`.
@@ -1626,7 +1646,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，来自它自己的引擎（自己的分页缓存、块管理器和
 #   前缀缓存），一步里的各个序列合成一批（`propose_many`；预算够每个序列的空间时，`reserve_drafts` 就调用它）；
 #   `write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
-# - 退让规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿；以及测量它的
+# - 退让规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿（一直失败就
+#   加倍暂停）；以及测量它的
 #   `python -m nanovllm.bench --speculative`。
 # - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode`
 #   计数器。

@@ -22,6 +22,7 @@ from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.config import Config
 from nanovllm.engine import model_runner
 from nanovllm.engine.prefix_cache import NO_HASH
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.speculative import NgramProposer
 from nanovllm.llm import LLM
@@ -330,9 +331,9 @@ def test_the_recorder_draws_drafts_and_what_the_model_kept():
 
 
 def test_a_sequence_whose_drafts_fail_pauses_them_and_tries_again(tiny):
-    """Drafts that are always wrong: two verify steps, then one every draft_pause_tokens + 1 tokens; always right:
-    every step verifies. The tokens are plain greedy decoding's either way."""
-    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    """Drafts that are always wrong: two verify steps, then one after each pause, each pause twice the one before;
+    always right: every step verifies. The tokens are plain greedy decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     settings = {"kvcache_block_size": 4, "num_kvcache_blocks": 64}
     plain_llm = LLM(tiny, device="cpu", **settings)
     plain = plain_llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"]
@@ -344,9 +345,30 @@ def test_a_sequence_whose_drafts_fail_pauses_them_and_tries_again(tiny):
         assert llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"] == plain
         counts[name] = llm.scheduler.verifications
     pause = LLM(tiny, device="cpu", **settings).scheduler.draft_pause_tokens
-    # Two misses, then a pause of `pause` tokens and one miss, again and again, over 59 decode steps.
-    assert counts["always wrong"] == 2 + (59 - 2) // (pause + 1)
-    assert counts["always right"] == -(-59 // 5)
+    # Over 119 decode steps: two misses, then pauses of 16, 32 and 64 tokens, each followed by one miss (a pause of
+    # a fixed 16 tokens would have verified 2 + 117 // 17 = 8 times).
+    steps, expected = 2, 2
+    while steps + pause + 1 <= 119:
+        steps, expected, pause = steps + pause + 1, expected + 1, 2 * pause
+    assert counts["always wrong"] == expected == 5
+    assert counts["always right"] == -(-119 // 5)
+
+
+def test_each_pause_in_a_row_is_twice_the_one_before_until_a_good_verify_step():
+    scheduler = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=64,
+                          eos_token_ids=(), enable_prefix_caching=True)
+    seq = Sequence(list(range(10)), SamplingParams(), block_size=4)
+    pauses = []
+    for _ in range(8):
+        scheduler.note_verify(seq, 1)
+        if seq.drafts_resume_at > len(seq):
+            pauses.append(seq.drafts_resume_at - len(seq))
+            seq.drafts_resume_at = 0
+    assert pauses == [16, 32, 64, 128, 256, 512, 512]
+    # A verify step that gives enough tokens ends the run of pauses: the next one is short again.
+    scheduler.note_verify(seq, 3)
+    scheduler.note_verify(seq, 1)
+    assert seq.drafts_resume_at == len(seq) + 16
 
 
 def test_asynchronous_steps_where_the_batch_is_too_large_to_speculate(tiny):

@@ -42,11 +42,13 @@ class Scheduler:
     # row: a sequence's last token or one of its drafts), and no drafts at all when that leaves a sequence fewer
     # than min_drafts: fewer drafts as the batch grows, none past 5 sequences. And a verify step costs two or more
     # decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
-    # drafts for its next draft_pause_tokens tokens.
+    # drafts for its next draft_pause_tokens tokens, twice that if it pauses again without a good verify step in
+    # between, and so on up to max_draft_pause_tokens: drafts that never pay cost less and less.
     max_verify_rows: int = 16
     min_drafts: int = 2
     min_tokens_per_verify: float = 2.0
     draft_pause_tokens: int = 16
+    max_draft_pause_tokens: int = 512
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     # So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
     # verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
@@ -310,12 +312,16 @@ class Scheduler:
 
     def note_verify(self, seq: Sequence, tokens: int) -> None:
         """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
-        `min_tokens_per_verify`."""
+        `min_tokens_per_verify` (for twice as long as the pause before, when no good verify step came in between)."""
         # A new sequence starts trusted: two verify steps that keep nothing pause it.
         recent = seq.recent_tokens_per_verify
         recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
+        if tokens >= self.min_tokens_per_verify:
+            seq.draft_pauses = 0
         if recent < self.min_tokens_per_verify:
-            seq.drafts_resume_at = len(seq) + self.draft_pause_tokens
+            pause = min(self.draft_pause_tokens << seq.draft_pauses, self.max_draft_pause_tokens)
+            seq.drafts_resume_at = len(seq) + pause
+            seq.draft_pauses += 1
             # Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
             recent = self.min_tokens_per_verify
         seq.recent_tokens_per_verify = recent

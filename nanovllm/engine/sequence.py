@@ -57,9 +57,11 @@ class Sequence:
     # How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
     num_draft_tokens: int = 0
     # The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
-    # steps gave (None before the first), and the length it must reach before it gets drafts again.
+    # steps gave (None before the first), the length it must reach before it gets drafts again, and how many times
+    # in a row it paused them (each pause twice as long as the one before).
     recent_tokens_per_verify: float | None = None
     drafts_resume_at: int = 0
+    draft_pauses: int = 0
 
     # notebooks/04b_parallel_sampling.py · cell "sequence forks"
     def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
