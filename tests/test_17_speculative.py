@@ -686,3 +686,20 @@ def test_a_proposer_for_many_sequences_is_asked_once_where_the_budget_covers_eve
     else:
         assert proposer.calls == {"propose": 2} and reserved == 6
         assert [seq.num_draft_tokens for seq in scheduled] == [4, 2, 0]
+
+
+def test_the_benchmark_compares_outputs_only_where_they_must_match(tiny, capsys):
+    """Greedy or seeded requests must come out the same with and without drafts; unseeded sampled ones differ from
+    run to run anyway, so the benchmark does not count them as identical or not."""
+    from nanovllm.bench.speculative import compare, print_row
+
+    prompts = [PROMPTS[0]] * 2
+    settings = {"device": "cpu", "kvcache_block_size": 4, "num_kvcache_blocks": 64}
+    for params, identical in ((SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True), None),
+                              (SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=3), 2),
+                              (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 2)):
+        row = compare(tiny, prompts, [params] * 2, 2, None, **settings)
+        assert row["identical"] == identical
+        print_row(row)
+    printed = capsys.readouterr().out
+    assert "sampled without a seed, not compared" in printed and printed.count("identical outputs 2/2") == 2
