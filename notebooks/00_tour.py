@@ -168,7 +168,7 @@ display(SVG(architecture_svg()))
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, SmolLM2 on a laptop, the command line |
 # | [12 · Asynchronous scheduling](../12_async_scheduling/) | the next step queued while the GPU computes |
 # | [13 · An engine users cannot break](../13_robustness/) | threads, interrupts, odd prompts, NaN logits |
-# | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound |
+# | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound, n samples measured |
 # | [15 · Serving](../15_serving/) | one engine loop, many clients; incremental detokenization |
 # | [15b · An OpenAI-compatible server](../15b_openai_server/) | OpenAI's API, streaming, guards, the live page |
 # | [15c · Measuring a server](../15c_serving_benchmark/) | TTFT, TPOT and ITL against offline and peers |
@@ -199,7 +199,7 @@ display(SVG(architecture_svg()))
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、笔记本电脑上的 SmolLM2、命令行 |
 # | [12 · 异步调度](../12_async_scheduling/) | GPU 计算时就把下一步排进队列 |
 # | [13 · 用户弄不坏的引擎](../13_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |
-# | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限 |
+# | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限、n 个样本实测 |
 # | [15 · 服务](../15_serving/) | 一个引擎循环，许多客户端；增量反分词 |
 # | [15b · 兼容 OpenAI 的服务器](../15b_openai_server/) | OpenAI 的 API、流式输出、防护、实时页面 |
 # | [15c · 测量服务器](../15c_serving_benchmark/) | TTFT、TPOT 与 ITL，对比离线与同类服务器 |
