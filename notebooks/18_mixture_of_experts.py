@@ -1129,21 +1129,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     # zh: float32 保持 float32（tf32 会在循环不舍入的地方舍入）；16 位的 tile 不受这个设置影响。
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     flat_weights = weights.reshape(pairs).contiguous()
-    activated = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(width, block_n))](
-        x, w13, activated, rows, tile_expert, flat_weights, pairs, width, hidden, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=True, GLU=True,
-        WEIGHTED=False, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
-    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
-        activated, w2, out, rows, tile_expert, flat_weights, pairs, hidden, width, top_k,
-        activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=False, GLU=False,
-        WEIGHTED=True, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+
+    def grouped(a: torch.Tensor, w: torch.Tensor, columns: int, inputs: int, first: bool) -> torch.Tensor:
+        # en: The first matmul gathers the tokens and applies SiLU x mul; the second weights each pair's row.
+        # zh: 第一个矩阵乘法取出 token 并做 SiLU x mul；第二个给每一对的那一行乘上权重。
+        out = torch.empty(pairs, columns, dtype=x.dtype, device=x.device)
+        grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(columns, block_n))](
+            a, w, out, rows, tile_expert, flat_weights, pairs, columns, inputs, top_k,
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=first, GLU=first,
+            WEIGHTED=not first, UPCAST=upcast, PRECISION=precision,
+        )  # fmt: skip
+        return out
+
+    activated = grouped(x, w13, width, hidden, first=True)
+    return grouped(activated, w2, hidden, width, first=False).view(tokens, top_k, hidden).sum(dim=1)
 
 # %% fuse moe layers
 #| export models.qwen3_moe

@@ -165,18 +165,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     # float32 stays float32 (tf32 would round it where the loop does not); 16-bit tiles ignore the setting.
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"
     flat_weights = weights.reshape(pairs).contiguous()
-    activated = torch.empty(pairs, width, dtype=x.dtype, device=x.device)
-    grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(width, block_n))](
-        x, w13, activated, rows, tile_expert, flat_weights, pairs, width, hidden, top_k,
-        x.stride(0), w13.stride(0), w13.stride(1), activated.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=True, GLU=True,
-        WEIGHTED=False, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
-    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(hidden, block_n))](
-        activated, w2, out, rows, tile_expert, flat_weights, pairs, hidden, width, top_k,
-        activated.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=False, GLU=False,
-        WEIGHTED=True, UPCAST=upcast, PRECISION=precision,
-    )  # fmt: skip
-    return out.view(tokens, top_k, hidden).sum(dim=1)
+
+    def grouped(a: torch.Tensor, w: torch.Tensor, columns: int, inputs: int, first: bool) -> torch.Tensor:
+        # The first matmul gathers the tokens and applies SiLU x mul; the second weights each pair's row.
+        out = torch.empty(pairs, columns, dtype=x.dtype, device=x.device)
+        grouped_expert_kernel[(tile_expert.numel(), triton.cdiv(columns, block_n))](
+            a, w, out, rows, tile_expert, flat_weights, pairs, columns, inputs, top_k,
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATHER=first, GLU=first,
+            WEIGHTED=not first, UPCAST=upcast, PRECISION=precision,
+        )  # fmt: skip
+        return out
+
+    activated = grouped(x, w13, width, hidden, first=True)
+    return grouped(activated, w2, hidden, width, first=False).view(tokens, top_k, hidden).sum(dim=1)
