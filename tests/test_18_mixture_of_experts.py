@@ -211,13 +211,17 @@ def stacked(block: SparseMoeBlock) -> tuple[torch.Tensor, torch.Tensor]:
     return fused.w13, fused.w2
 
 
+def routing(tokens: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]).to(DEVICE)
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_align_by_expert_sorts_every_pair_once_in_tiles_of_one_expert(tokens: int) -> None:
     from nanovllm.layers.fused_moe import align_by_expert
 
     num_experts, top_k, block_m = 6, 2, 4
-    generator = torch.Generator().manual_seed(tokens)
-    chosen = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    chosen = routing(tokens, num_experts, top_k, seed=tokens)
     rows, tile_expert = align_by_expert(chosen, num_experts, block_m)
     pairs = tokens * top_k
     # Shapes from the token count alone: the worst case, rounded up to whole tiles.
@@ -234,11 +238,6 @@ def test_align_by_expert_sorts_every_pair_once_in_tiles_of_one_expert(tokens: in
         else:
             assert (flat[in_tile] == expert).all()
     assert set(tile_expert.tolist()) - {num_experts} == set(flat.tolist())
-
-
-def routing(tokens: int, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)]).to(DEVICE)
 
 
 @pytest.mark.parametrize(("tokens", "num_experts", "top_k", "block_m"),
