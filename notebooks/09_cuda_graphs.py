@@ -933,7 +933,10 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # has at least 256 programs for the H200's 132 SMs), loads its whole slice of them at once (16 KB
 # for q/k/v), and only then reads the input rows, one after another, while the slice stays in
 # registers. For more tokens, up to 16, it is a tile kernel: a tile of 16 rows (the smallest
-# `tl.dot` tile) walks the input dimension. The rounding follows chapter 05's
+# `tl.dot` tile) walks the input dimension, and where a weight has too few output columns to give
+# every SM a share (`o_proj` and `down_proj`: 32 blocks of 32 columns), several programs split the
+# input between them (*split-K*), each leaving its partial sum in a workspace, the last to finish
+# adding them in a fixed order. The rounding follows chapter 05's
 # functions exactly in both: the residual added in the model's dtype, the norm in float32 rounded
 # to the model's dtype before the weight, the matmul accumulated in float32, `gate` and `up`
 # rounded before SiLU as when they were a tensor. `FusedDecodeLayer` runs chapter 05's decoder
@@ -977,7 +980,9 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # 时它是 GEMV，即矩阵乘向量：每个程序负责权重的几行（q/k/v 和 gate/up 每个程序 8 行，`o_proj` 和 `down_proj` 4 行，
 # 这样每个矩阵乘都至少有 256 个程序，分给 H200 的 132 个 SM），一次把自己那一段权重全部读入（q/k/v 是 16 KB），然后
 # 才去读输入行，一行接一行，那段权重一直留在寄存器里。更多 token（最多 16 个）时它是 tile 内核：一个 16 行的 tile
-# （`tl.dot` 最小的 tile）沿输入维度走下去。两种形式的舍入都与
+# （`tl.dot` 最小的 tile）沿输入维度走下去；如果权重的输出列太少，不够让每个 SM 分到一份（`o_proj` 和 `down_proj`：
+# 32 个 32 列的块），就由几个程序分担输入维度（*split-K*），各自把部分和留在工作区里，最后完成的那个按固定顺序把它们
+# 加起来。两种形式的舍入都与
 # 第 05 章的函数完全一致：残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘
 # 在 float32 中累加，`gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。`FusedDecodeLayer` 用它来运行第 05 章的
 # 解码层；解码层通过自己的 `fused_forward` 钩子询问它。配置项 `fused_decode`（在 GPU 上默认打开）交给每一层一个只接手
@@ -1041,15 +1046,38 @@ def load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD: tl.c
 
 
 @triton.jit
+def store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU: tl.constexpr,
+                 BIAS: tl.constexpr):  # fmt: skip
+    """The matmul's float32 sums (gate and up when GLU) plus the bias, activated when GLU, stored as the output."""
+    if BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GLU:
+        # en: silu_and_mul on gate and up rounded to the model's dtype, as the tensor held them.
+        # zh: silu_and_mul（第 05 章）作用在舍入到模型数据类型的 gate 和 up 上，和它们存在张量里时一样。
+        gate = acc.to(dtype).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=out_mask)
+
+
+@triton.jit
 def small_matmul_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, M, N, K, eps,
-    stride_x, stride_r, stride_w, stride_out, stride_r_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-    GLU: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, partial_ptr,
+    arrivals_ptr, M, N, K, K_CHUNK, eps, stride_x, stride_r, stride_w, stride_out, stride_r_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
+    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    # en: Program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M (<= BLOCK_M) rows.
-    # zh: 第 p 个程序为全部 M（<= BLOCK_M）行计算输出列 [p * BLOCK_N, (p + 1) * BLOCK_N)。
+    # en: Program (p, s) computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M (<= BLOCK_M) rows, over
+    # en: the s-th of SPLIT slices of the input (split-K: a narrow weight still gives every SM a share to stream).
+    # zh: 程序 (p, s) 为全部 M（<= BLOCK_M）行计算输出列 [p * BLOCK_N, (p + 1) * BLOCK_N)，只算输入的第 s 段
+    # zh: （共 SPLIT 段；split-K：窄的权重也能让每个 SM 分到一份去读）。
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -1062,13 +1090,13 @@ def small_matmul_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             mask = row_mask[:, None] & (ks < K)[None, :]
             x = load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD)
-            if ADD and pid == 0:
+            if ADD and pid == 0 and split == 0:
                 tl.store(residual_out_ptr + rows[:, None] * stride_r_out + ks[None, :], x, mask=mask)
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
         inv_rms = tl.rsqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_CHUNK, (split + 1) * K_CHUNK, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = load_rows(x_ptr, residual_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], stride_x, stride_r, ADD)
@@ -1088,20 +1116,25 @@ def small_matmul_kernel(
             # zh: 在合并的 gate_up 权重里（第 10 章），up 的行在 gate 的行下方 N 行处。
             w = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
             up = tl.dot(x, tl.trans(w.to(tl.float32) if UPCAST else w), up, input_precision=PRECISION)
-    if BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    if GLU:
-        # en: silu_and_mul on gate and up rounded to the model's dtype, as the tensor held them.
-        # zh: silu_and_mul（第 05 章）作用在舍入到模型数据类型的 gate 和 up 上，和它们存在张量里时一样。
-        gate = acc.to(dtype).to(tl.float32)
-        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT == 1:
+        store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU, BIAS)
     else:
-        result = acc.to(dtype)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=row_mask[:, None] & col_mask[None, :])
+        # en: Each program leaves its partial sum in its own slice of the workspace; the last of the column block's
+        # en: SPLIT programs to arrive adds them, in split order (the same sum whichever program comes last: the
+        # en: result does not change from run to run), and resets the counter for the next launch.
+        # zh: 每个程序把自己的部分和放进工作区里属于自己的那一片；同一列块的 SPLIT 个程序中最后到达的那个按段的顺序
+        # zh: 把它们加起来（无论哪个程序最后到达，和都一样：结果不会一次一个样），并把计数器清零，留给下一次启动。
+        partial = partial_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(partial + split * BLOCK_M * N, acc, mask=out_mask)
+        if tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for part in tl.static_range(SPLIT):
+                # en: .cg: read from L2, where the other SMs' stores are, not from this SM's L1
+                # zh: .cg：从 L2 读（其他 SM 的写入在那里），而不是从本 SM 的 L1 读。
+                acc += tl.load(partial + part * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(arrivals_ptr + pid, 0)
+            store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU, BIAS)
 
 
 @triton.jit
@@ -1194,14 +1227,45 @@ class SmallMatmulLaunch:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    # en: Split-K: how many programs share a column block, each over one slice of the input (not with glu: SiLU
+    # en: needs the whole sum).
+    # zh: split-K：一个列块由几个程序分担，每个程序只算输入的一段（glu 时不行：SiLU 要的是完整的和）。
+    split: int = 1
 
 
-def choose_launch(columns: int, inputs: int) -> SmallMatmulLaunch:
-    """The launch for a weight of ``columns`` output columns and ``inputs`` input elements: the widest tile
-    (64, 32 or 16 columns) that still gives 128 programs or more, so that every SM of a large GPU streams a
-    slice of the weight (16 when even that gives fewer)."""
-    block_n = next((block for block in (64, 32) if triton.cdiv(columns, block) >= 128), 16)
-    return SmallMatmulLaunch(block_n=block_n)
+def choose_launch(columns: int, inputs: int, glu: bool = False) -> SmallMatmulLaunch:
+    """The launch for a weight of ``columns`` output columns and ``inputs`` input elements: tiles of 32 columns and
+    128 inputs, five loads in flight, and the input split in 2, 4 or 8 (split-K) where the column blocks alone
+    make fewer than 128 programs, so that a narrow weight (Qwen3-0.6B's o_proj and down_proj: 32 blocks) still
+    gives every SM a share to stream; never with ``glu`` (SiLU needs the whole sum), nor into slices under 256
+    inputs."""
+    blocks = triton.cdiv(columns, 32)
+    splits = [split for split in (1, 2, 4, 8) if split == 1 or (not glu and inputs // split >= 256)]
+    split = next((split for split in splits if blocks * split >= 128), splits[-1])
+    return SmallMatmulLaunch(block_n=32, block_k=128, num_stages=5, split=split)
+
+
+# en: Split-K's workspace by (device, columns, launch): the partial sums [split, MAX_TOKENS, columns] in float32 and
+# en: one arrival counter per column block. Made on a launch's first use (the engine's eager warm-up before each
+# en: graph capture) and reused by every layer after it: their kernels run one after another, and the last
+# en: program of each column block leaves its counter at zero.
+# zh: split-K 的工作区，按（设备、列数、启动方式）存放：float32 的部分和 [split, MAX_TOKENS, 列数]，以及每个列块一个
+# zh: 到达计数器。某种启动方式第一次使用时创建（引擎在每次捕获图之前的预热就是在 eager 模式下运行的），之后每一层
+# zh: 都复用它：它们的内核一个接一个地运行，而每个列块的最后一个程序会把计数器清回零。
+_split_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device: torch.device, columns: int, launch: SmallMatmulLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial sums and arrival counters of a split-K launch over ``columns`` output columns on ``device``."""
+    key = (device, columns, launch.block_n, launch.split)
+    if key not in _split_workspaces:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"small_matmul: split-K workspace for {key} first asked for during a CUDA graph "
+                               "capture; run the same launch once outside the capture first (its counters start at 0)")
+        partial = torch.empty(launch.split, MAX_TOKENS, columns, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(triton.cdiv(columns, launch.block_n), dtype=torch.int32, device=device)
+        _split_workspaces[key] = (partial, arrivals)
+    return _split_workspaces[key]
 
 
 def small_matmul(
@@ -1231,6 +1295,8 @@ def small_matmul(
         raise ValueError("a residual is added only before a norm: pass norm_weight with it")
     if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("small_matmul needs rows of contiguous elements")
+    if launch is not None and launch.split > 1 and glu:
+        raise ValueError("a glu launch cannot split the input (SiLU needs the whole sum): use split=1")
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     # en: The Triton interpreter (3.7) gets tl.dot of 16-bit floats wrong too: there the tiles go up to float32 first,
     # en: which is exact, and float32 accumulates as the GPU's tensor cores do.
@@ -1254,14 +1320,18 @@ def small_matmul(
             ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     elif tokens:
-        launch = launch or choose_launch(n, k)
-        small_matmul_kernel[(triton.cdiv(n, launch.block_n),)](
+        launch = launch or choose_launch(n, k, glu)
+        # en: Each split's slice of the input, whole tiles of block_k (the last one may run past k: masked).
+        # zh: 每段输入的长度，取 block_k 的整数倍（最后一段可能超出 k：超出部分被屏蔽）。
+        k_chunk = triton.cdiv(triton.cdiv(k, launch.split), launch.block_k) * launch.block_k
+        partial, arrivals = split_workspace(x.device, n, launch) if launch.split > 1 else (out, out)
+        small_matmul_kernel[(triton.cdiv(n, launch.block_n), launch.split)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else x, out, residual_out, tokens, n, k, eps,
+            bias if bias is not None else x, out, residual_out, partial, arrivals, tokens, n, k, k_chunk, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
             residual_out.stride(0),
-            BLOCK_M=MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NORM=norm_weight is not None,
-            ADD=residual is not None, GLU=glu, BIAS=bias is not None,
+            BLOCK_M=MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT=launch.split,
+            NORM=norm_weight is not None, ADD=residual is not None, GLU=glu, BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
@@ -1403,6 +1473,30 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # sets its pace, so it takes at most `GEMV_ROWS = 2`. The tile kernel walks the input 128 elements
 # at a time and keeps too few bytes in flight, so longer steps stay with cuBLAS.
 #
+# A sweep of the tile kernel's launches then changed it, on an H100 (2026-12-05, copy rate
+# 3.01 TB/s, `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`: each weight shape timed alone over
+# its 28 layers, 42–48 launches each, at 1, 4, 8 and 16 rows). Tiles of 32 columns, five loads in
+# flight and split-K for the narrow weights were best at every row count (so `choose_launch`
+# gives those). Per 28 matmuls at 4 rows, µs:
+#
+# | weight | cuBLAS | tile kernel, best launch | best without split-K |
+# |---|---:|---:|---:|
+# | q/k/v (4096 × 1024) | 163 | 179 (split 2) | 182 |
+# | `o_proj` (1024 × 2048) | 167 | 148 (split 4) | 205 |
+# | gate/up (6144 × 1024) | 203 | 218 (split 2) | 220 |
+# | `down_proj` (1024 × 3072) | 219 | 165 (split 4) | 255 |
+#
+# (The sweep times gate/up as a plain matmul; fused with SiLU × mul it cannot split, and takes
+# 32-column blocks of gate and of up.) The whole chain with its norms and SiLU × mul went from 1,272
+# to 1,007 µs at 4 rows (1,297 to 1,033 at 16), against 737–750 for cuBLAS's matmuls alone. So the
+# tile kernel still loses. Its kernels, like cuBLAS's, average 40–55 % of the copy rate over their
+# 2–8 MB: a kernel that short pays for its boundary (the launch, the first loads' latency, the tail
+# of the kernel before, a few µs in all) about as much as for its reading. Letting the next kernel
+# launch early (PDL) does not help a tile kernel that must wait before it loads anything: 1,083
+# instead of 1,007 µs, and 2,152 instead of 1,272 with the old launches. The GEMV escapes the
+# boundary because it loads its whole weight slice before it waits; a tile kernel would have to do
+# the same with a tile of the weight in registers.
+#
 # The whole engine, when the GEMV took one token only, with `python -m nanovllm.bench --latency
 # --fused-decode both` (chapter 14: prompts of 512 tokens, 1,024 generated, CUDA graphs, async
 # scheduling, both settings in one invocation):
@@ -1449,6 +1543,26 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # GEMV 为所有行只读一遍权重，但每多一行，就要对手里那段权重多做一遍乘加：2 行时它仍只用 cuBLAS 一半的时间，从 4 行起
 # 决定速度的是算术，所以它最多接手 `GEMV_ROWS = 2` 行。tile 内核每次只沿输入走 128 个元素，同时在途的字节太少，所以
 # 更长的步仍交给 cuBLAS。
+#
+# 后来对 tile 内核的启动方式做了一次扫描，它因此改变了。在一块 H100 上（2026-12-05，拷贝速率 3.01 TB/s，
+# `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`：每种权重形状单独计时，各跑它的 28 层，每种形状 42–48 种启动方式，
+# 行数取 1、4、8、16）。在每种行数下最好的都是：每块 32 列、五批读取同时在途、窄权重用 split-K（所以 `choose_launch`
+# 给出的就是这些）。4 行时每 28 个矩阵乘的用时（µs）：
+#
+# | 权重 | cuBLAS | tile 内核，最佳启动方式 | 不用 split-K 的最佳 |
+# |---|---:|---:|---:|
+# | q/k/v（4096 × 1024） | 163 | 179（分 2 段） | 182 |
+# | `o_proj`（1024 × 2048） | 167 | 148（分 4 段） | 205 |
+# | gate/up（6144 × 1024） | 203 | 218（分 2 段） | 220 |
+# | `down_proj`（1024 × 3072） | 219 | 165（分 4 段） | 255 |
+#
+# （扫描把 gate/up 当作普通矩阵乘来计时；与 SiLU × mul 融合后它不能分段，每个程序取 gate 和 up 各 32 列。）
+# 带上归一化和 SiLU × mul 的整条链，4 行时从 1,272 µs 降到 1,007 µs（16 行时从 1,297 降到 1,033），而 cuBLAS 只算
+# 矩阵乘就是 737–750 µs。所以 tile 内核还是输。它的内核和 cuBLAS 的一样，读自己那 2–8 MB 时平均只达到拷贝速率的
+# 40–55 %：这么短的内核，为边界付出的代价（启动、第一批读取的延迟、前一个内核的尾巴，加起来几 µs）和读数据差不多。
+# 让下一个内核提前启动（PDL）帮不了必须先
+# 等待、才能读任何东西的 tile 内核：1,083 µs 而不是 1,007 µs；用旧的启动方式时是 2,152 而不是 1,272。GEMV 躲开了
+# 这个边界，因为它在等待之前就读入了自己的整段权重；tile 内核要做到这一点，就得把一块权重也放进寄存器。
 #
 # GEMV 还只接手一个 token 时，整个引擎用 `python -m nanovllm.bench --latency
 # --fused-decode both` 测量（第 14 章：提示词 512 个 token，生成 1,024 个，使用 CUDA graph 和异步调度，两种设置在

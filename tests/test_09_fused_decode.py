@@ -99,9 +99,14 @@ def test_small_matmul_reads_rows_of_a_wider_buffer() -> None:
 
 
 def test_launch_gives_every_sm_of_a_large_gpu_work() -> None:
-    # Qwen3-0.6B's matmuls: q/k/v 4096 columns, gate/up 3072 (after SiLU x mul), o_proj and down_proj 1024.
-    assert [choose_launch(n, 1024).block_n for n in (4096, 3072, 1024, 40)] == [32, 16, 16, 16]
-    assert choose_launch(12288 * 2, 4096).block_n == 64  # Qwen3-8B's gate/up
+    """128 programs or more: Qwen3-0.6B's q/k/v (4096 columns) has them in 32-column blocks, gate/up (3072 after
+    SiLU x mul) cannot split, o_proj (1024 from 2048) and down_proj (1024 from 3072) split the input in 4; a
+    weight too short to split keeps whole inputs."""
+    launches = [choose_launch(4096, 1024), choose_launch(3072, 1024, glu=True), choose_launch(1024, 2048),
+                choose_launch(1024, 3072), choose_launch(40, 300)]
+    assert [launch.split for launch in launches] == [1, 1, 4, 4, 1]
+    assert {(launch.block_n, launch.block_k) for launch in launches} == {(32, 128)}
+    assert choose_launch(1024, 1024).split == 4 and choose_launch(1024, 512).split == 2
 
 
 def test_the_qkv_kernel_starts_early_exactly_in_the_steps_the_gemv_runs() -> None:
@@ -164,7 +169,7 @@ def test_up_to_gemv_rows_take_the_gemv_and_agree_with_the_tile_kernel(
     assert len(gemv_launches) == 1 and tile_launches
 
 
-@pytest.mark.parametrize("launch", [SmallMatmulLaunch(16, 64, 2, 1), SmallMatmulLaunch(32, 256, 8, 4)])
+@pytest.mark.parametrize("launch", [SmallMatmulLaunch(16, 64, 2, 1), SmallMatmulLaunch(32, 256, 8, 2)])
 def test_small_matmul_gives_the_same_result_with_any_launch(launch: SmallMatmulLaunch) -> None:
     torch.manual_seed(0)
     x, residual, norm_weight = (torch.randn(4, 300, device=DEVICE), torch.randn(4, 300, device=DEVICE),
@@ -173,6 +178,32 @@ def test_small_matmul_gives_the_same_result_with_any_launch(launch: SmallMatmulL
     kwargs = dict(residual=residual, norm_weight=norm_weight, eps=1e-6, glu=True)
     got, _ = small_matmul(x, weight, launch=launch, **kwargs)
     torch.testing.assert_close(got, reference(x, weight, **kwargs)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("form", ["plain", "bias", "norm+residual"])
+def test_split_k_adds_the_slices_to_what_one_program_computes(split: int, form: str) -> None:
+    """Split-K (several programs per column block, each over a slice of the input, the last to arrive adding them)
+    gives the unfused layers' result, again and again (the arrival counters come back to zero); with 5 splits
+    of 300 inputs in tiles of 64 the last slice runs past the input and is masked."""
+    torch.manual_seed(split)
+    x, residual = torch.randn(5, 300, device=DEVICE), torch.randn(5, 300, device=DEVICE)
+    weight = torch.randn(40, 300, device=DEVICE) / 16
+    kwargs = {"bias": torch.randn(40, device=DEVICE)} if form == "bias" else {}
+    if form == "norm+residual":
+        kwargs = dict(residual=residual, norm_weight=torch.rand(300, device=DEVICE) + 0.5, eps=1e-6)
+    expected, expected_residual = reference(x, weight, **kwargs)
+    launch = SmallMatmulLaunch(block_n=16, block_k=64, num_warps=4, num_stages=2, split=split)
+    for _ in range(3):
+        got, got_residual = small_matmul(x, weight, launch=launch, **kwargs)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_residual, expected_residual)
+
+
+def test_split_k_refuses_glu() -> None:
+    x, weight = torch.randn(3, 64, device=DEVICE), torch.randn(2 * 16, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="SiLU needs the whole sum"):
+        small_matmul(x, weight, glu=True, launch=SmallMatmulLaunch(split=2))
 
 
 def test_fused_decode_setting(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:

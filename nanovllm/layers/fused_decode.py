@@ -31,6 +31,8 @@ __all__ = [
     "row_parallel",
     "small_matmul",
     "small_matmul_kernel",
+    "split_workspace",
+    "store_result",
 ]
 
 
@@ -59,14 +61,35 @@ def load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD: tl.c
 
 
 @triton.jit
+def store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU: tl.constexpr,
+                 BIAS: tl.constexpr):  # fmt: skip
+    """The matmul's float32 sums (gate and up when GLU) plus the bias, activated when GLU, stored as the output."""
+    if BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:
+            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    if GLU:
+        # silu_and_mul on gate and up rounded to the model's dtype, as the tensor held them.
+        gate = acc.to(dtype).to(tl.float32)
+        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        result = acc.to(dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=out_mask)
+
+
+@triton.jit
 def small_matmul_kernel(
-    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, M, N, K, eps,
-    stride_x, stride_r, stride_w, stride_out, stride_r_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr,
-    GLU: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, partial_ptr,
+    arrivals_ptr, M, N, K, K_CHUNK, eps, stride_x, stride_r, stride_w, stride_out, stride_r_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr,
+    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    # Program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M (<= BLOCK_M) rows.
+    # Program (p, s) computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) for all M (<= BLOCK_M) rows, over
+    # the s-th of SPLIT slices of the input (split-K: a narrow weight still gives every SM a share to stream).
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -78,13 +101,13 @@ def small_matmul_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             mask = row_mask[:, None] & (ks < K)[None, :]
             x = load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD)
-            if ADD and pid == 0:
+            if ADD and pid == 0 and split == 0:
                 tl.store(residual_out_ptr + rows[:, None] * stride_r_out + ks[None, :], x, mask=mask)
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=1)
         inv_rms = tl.rsqrt(squares / K + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_CHUNK, (split + 1) * K_CHUNK, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = load_rows(x_ptr, residual_ptr, rows, ks, row_mask[:, None] & k_mask[None, :], stride_x, stride_r, ADD)
@@ -102,19 +125,22 @@ def small_matmul_kernel(
             # The up rows sit N rows below the gate rows in the merged gate_up weight.
             w = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
             up = tl.dot(x, tl.trans(w.to(tl.float32) if UPCAST else w), up, input_precision=PRECISION)
-    if BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        if GLU:
-            up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    dtype = out_ptr.dtype.element_ty
-    if GLU:
-        # silu_and_mul on gate and up rounded to the model's dtype, as the tensor held them.
-        gate = acc.to(dtype).to(tl.float32)
-        activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT == 1:
+        store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU, BIAS)
     else:
-        result = acc.to(dtype)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], result, mask=row_mask[:, None] & col_mask[None, :])
+        # Each program leaves its partial sum in its own slice of the workspace; the last of the column block's
+        # SPLIT programs to arrive adds them, in split order (the same sum whichever program comes last: the
+        # result does not change from run to run), and resets the counter for the next launch.
+        partial = partial_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(partial + split * BLOCK_M * N, acc, mask=out_mask)
+        if tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for part in tl.static_range(SPLIT):
+                # .cg: read from L2, where the other SMs' stores are, not from this SM's L1
+                acc += tl.load(partial + part * BLOCK_M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(arrivals_ptr + pid, 0)
+            store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU, BIAS)
 
 
 @triton.jit
@@ -201,14 +227,41 @@ class SmallMatmulLaunch:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    # Split-K: how many programs share a column block, each over one slice of the input (not with glu: SiLU
+    # needs the whole sum).
+    split: int = 1
 
 
-def choose_launch(columns: int, inputs: int) -> SmallMatmulLaunch:
-    """The launch for a weight of ``columns`` output columns and ``inputs`` input elements: the widest tile
-    (64, 32 or 16 columns) that still gives 128 programs or more, so that every SM of a large GPU streams a
-    slice of the weight (16 when even that gives fewer)."""
-    block_n = next((block for block in (64, 32) if triton.cdiv(columns, block) >= 128), 16)
-    return SmallMatmulLaunch(block_n=block_n)
+def choose_launch(columns: int, inputs: int, glu: bool = False) -> SmallMatmulLaunch:
+    """The launch for a weight of ``columns`` output columns and ``inputs`` input elements: tiles of 32 columns and
+    128 inputs, five loads in flight, and the input split in 2, 4 or 8 (split-K) where the column blocks alone
+    make fewer than 128 programs, so that a narrow weight (Qwen3-0.6B's o_proj and down_proj: 32 blocks) still
+    gives every SM a share to stream; never with ``glu`` (SiLU needs the whole sum), nor into slices under 256
+    inputs."""
+    blocks = triton.cdiv(columns, 32)
+    splits = [split for split in (1, 2, 4, 8) if split == 1 or (not glu and inputs // split >= 256)]
+    split = next((split for split in splits if blocks * split >= 128), splits[-1])
+    return SmallMatmulLaunch(block_n=32, block_k=128, num_stages=5, split=split)
+
+
+# Split-K's workspace by (device, columns, launch): the partial sums [split, MAX_TOKENS, columns] in float32 and
+# one arrival counter per column block. Made on a launch's first use (the engine's eager warm-up before each
+# graph capture) and reused by every layer after it: their kernels run one after another, and the last
+# program of each column block leaves its counter at zero.
+_split_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_workspace(device: torch.device, columns: int, launch: SmallMatmulLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The partial sums and arrival counters of a split-K launch over ``columns`` output columns on ``device``."""
+    key = (device, columns, launch.block_n, launch.split)
+    if key not in _split_workspaces:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"small_matmul: split-K workspace for {key} first asked for during a CUDA graph "
+                               "capture; run the same launch once outside the capture first (its counters start at 0)")
+        partial = torch.empty(launch.split, MAX_TOKENS, columns, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(triton.cdiv(columns, launch.block_n), dtype=torch.int32, device=device)
+        _split_workspaces[key] = (partial, arrivals)
+    return _split_workspaces[key]
 
 
 def small_matmul(
@@ -238,6 +291,8 @@ def small_matmul(
         raise ValueError("a residual is added only before a norm: pass norm_weight with it")
     if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
         raise ValueError("small_matmul needs rows of contiguous elements")
+    if launch is not None and launch.split > 1 and glu:
+        raise ValueError("a glu launch cannot split the input (SiLU needs the whole sum): use split=1")
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     # The Triton interpreter (3.7) gets tl.dot of 16-bit floats wrong too: there the tiles go up to float32 first,
     # which is exact, and float32 accumulates as the GPU's tensor cores do.
@@ -258,14 +313,17 @@ def small_matmul(
             ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     elif tokens:
-        launch = launch or choose_launch(n, k)
-        small_matmul_kernel[(triton.cdiv(n, launch.block_n),)](
+        launch = launch or choose_launch(n, k, glu)
+        # Each split's slice of the input, whole tiles of block_k (the last one may run past k: masked).
+        k_chunk = triton.cdiv(triton.cdiv(k, launch.split), launch.block_k) * launch.block_k
+        partial, arrivals = split_workspace(x.device, n, launch) if launch.split > 1 else (out, out)
+        small_matmul_kernel[(triton.cdiv(n, launch.block_n), launch.split)](
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-            bias if bias is not None else x, out, residual_out, tokens, n, k, eps,
+            bias if bias is not None else x, out, residual_out, partial, arrivals, tokens, n, k, k_chunk, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0), out.stride(0),
             residual_out.stride(0),
-            BLOCK_M=MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, NORM=norm_weight is not None,
-            ADD=residual is not None, GLU=glu, BIAS=bias is not None,
+            BLOCK_M=MAX_TOKENS, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, SPLIT=launch.split,
+            NORM=norm_weight is not None, ADD=residual is not None, GLU=glu, BIAS=bias is not None,
             PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
