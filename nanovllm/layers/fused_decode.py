@@ -23,6 +23,7 @@ __all__ = [
     "MAX_TOKENS",
     "FusedDecodeLayer",
     "SmallMatmulLaunch",
+    "check_small_matmul",
     "choose_launch",
     "fuse_decode_layers",
     "gemv_block_n",
@@ -264,6 +265,19 @@ def split_workspace(device: torch.device, columns: int, launch: SmallMatmulLaunc
     return _split_workspaces[key]
 
 
+def check_small_matmul(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                       norm_weight: torch.Tensor | None, glu: bool, launch: SmallMatmulLaunch | None) -> None:
+    """Raise ValueError for what `small_matmul` cannot do."""
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"small_matmul takes at most {MAX_TOKENS} rows, not {x.shape[0]}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("a residual is added only before a norm: pass norm_weight with it")
+    if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("small_matmul needs rows of contiguous elements")
+    if launch is not None and launch.split > 1 and glu:
+        raise ValueError("a glu launch cannot split the input (SiLU needs the whole sum): use split=1")
+
+
 def small_matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -284,15 +298,8 @@ def small_matmul(
     Up to GEMV_ROWS rows take `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split
     the work, default `choose_launch`), take the tile kernel.
     """
+    check_small_matmul(x, weight, residual, norm_weight, glu, launch)
     tokens, k = x.shape
-    if tokens > MAX_TOKENS:
-        raise ValueError(f"small_matmul takes at most {MAX_TOKENS} rows, not {tokens}")
-    if residual is not None and norm_weight is None:
-        raise ValueError("a residual is added only before a norm: pass norm_weight with it")
-    if x.stride(1) != 1 or weight.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        raise ValueError("small_matmul needs rows of contiguous elements")
-    if launch is not None and launch.split > 1 and glu:
-        raise ValueError("a glu launch cannot split the input (SiLU needs the whole sum): use split=1")
     n = weight.shape[0] // 2 if glu else weight.shape[0]
     # The Triton interpreter (3.7) gets tl.dot of 16-bit floats wrong too: there the tiles go up to float32 first,
     # which is exact, and float32 accumulates as the GPU's tensor cores do.
