@@ -1220,8 +1220,9 @@ def gemv_block_n(columns: int, inputs: int, glu: bool, min_programs: int = 256) 
 
 @dataclass(frozen=True)
 class SmallMatmulLaunch:
-    """How `small_matmul` splits the work: output columns per program, input elements per loop step, and
-    Triton's warps and pipeline stages (loads in flight while the tile before them is multiplied)."""
+    """How `small_matmul` splits the work: output columns per program, input elements per loop step, Triton's
+    warps and pipeline stages (loads in flight while the tile before them is multiplied), and the programs that
+    share a column block (split-K)."""
 
     block_n: int = 16
     block_k: int = 128
