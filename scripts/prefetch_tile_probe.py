@@ -33,6 +33,7 @@ from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
 from nanovllm.layers.fused_decode import MAX_TOKENS, load_rows, small_matmul, store_result
 from nanovllm.layers.triton_attention import programmatic_launch
 from scripts.decode_matmul_chain import Q, cublas_chain, make_layers
+from scripts.decode_matmul_chain import fused_chain as small_matmul_chain
 
 ROW_COUNTS = (1, 4, 8, 16)
 LAUNCHES = [dict(block_n=n, chunk=c, warps=w) for n, c, w in itertools.product((16, 32), (128, 256), (4, 8))]
@@ -145,17 +146,6 @@ def prefetch_chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launc
         activated, residual = prefetch_matmul(hidden, layer["gate_up"], residual=residual, norm_weight=layer["norm"],
                                               eps=1e-6, glu=True, **launch)
         x, _ = prefetch_matmul(activated, layer["down"], **launch)
-    return x
-
-
-def small_matmul_chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
-    residual = torch.zeros_like(x)
-    for layer in layers:
-        qkv, residual = small_matmul(x, layer["qkv"], residual=residual, norm_weight=layer["norm"], eps=1e-6)
-        hidden, _ = small_matmul(qkv[:, :Q], layer["o"])
-        activated, residual = small_matmul(hidden, layer["gate_up"], residual=residual, norm_weight=layer["norm"],
-                                           eps=1e-6, glu=True)
-        x, _ = small_matmul(activated, layer["down"])
     return x
 
 
