@@ -1480,11 +1480,11 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # sets its pace, so it takes at most `GEMV_ROWS = 2`. The tile kernel walks the input 128 elements
 # at a time and keeps too few bytes in flight, so longer steps stay with cuBLAS.
 #
-# A sweep of the tile kernel's launches then changed it, on an H100 (2026-12-05, copy rate
-# 3.01 TB/s, `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`: each weight shape timed alone over
-# its 28 layers, 42–48 launches each, at 1, 4, 8 and 16 rows). Tiles of 32 columns, five loads in
-# flight and split-K for the narrow weights were best at every row count (so `choose_launch`
-# gives those). Per 28 matmuls at 4 rows, µs:
+# Then a sweep on an H100 changed the tile kernel (2026-12-05, copy rate 3.01 TB/s,
+# `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`: the same loop without the norm, each weight
+# shape timed alone over its 28 layers, 42–48 launches each, at 1, 4, 8 and 16 rows). Tiles of 32
+# columns, five loads in flight and split-K for the narrow weights were best at every row count,
+# so `choose_launch` now gives those. Per 28 matmuls at 4 rows, µs:
 #
 # | weight | cuBLAS | tile kernel, best launch | best without split-K |
 # |---|---:|---:|---:|
@@ -1551,10 +1551,10 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # 决定速度的是算术，所以它最多接手 `GEMV_ROWS = 2` 行。tile 内核每次只沿输入走 128 个元素，同时在途的字节太少，所以
 # 更长的步仍交给 cuBLAS。
 #
-# 后来对 tile 内核的启动方式做了一次扫描，它因此改变了。在一块 H100 上（2026-12-05，拷贝速率 3.01 TB/s，
-# `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`：每种权重形状单独计时，各跑它的 28 层，每种形状 42–48 种启动方式，
-# 行数取 1、4、8、16）。在每种行数下最好的都是：每块 32 列、五批读取同时在途、窄权重用 split-K（所以 `choose_launch`
-# 给出的就是这些）。4 行时每 28 个矩阵乘的用时（µs）：
+# 后来在一块 H100 上做的一次扫描改变了 tile 内核（2026-12-05，拷贝速率 3.01 TB/s，
+# `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`：同样的循环，只是不带归一化；每种权重形状单独计时，各跑它的 28 层，
+# 每种形状 42–48 种启动方式，行数取 1、4、8、16）。在每种行数下最好的都是：每块 32 列、五批读取同时在途、窄权重用
+# split-K，所以 `choose_launch` 现在给出的就是这些。4 行时每 28 个矩阵乘的用时（µs）：
 #
 # | 权重 | cuBLAS | tile 内核，最佳启动方式 | 不用 split-K 的最佳 |
 # |---|---:|---:|---:|
