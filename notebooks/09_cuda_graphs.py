@@ -1409,7 +1409,7 @@ def fuse_decode_layers(model: nn.Module, max_tokens: int = FUSED_STEP_TOKENS) ->
 import torch.nn.functional as F
 
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.fused_decode import FusedDecodeLayer, small_matmul
+from nanovllm.layers.fused_decode import FusedDecodeLayer, SmallMatmulLaunch, small_matmul
 from nanovllm.models.qwen3 import Qwen3DecoderLayer
 from types import SimpleNamespace
 
@@ -1424,6 +1424,10 @@ assert torch.equal(new_residual, added)
 activated, _ = small_matmul(x, weight, norm_weight=norm_weight, eps=1e-6, glu=True)
 torch.testing.assert_close(activated, silu_and_mul(F.linear(rms_norm(x, None, norm_weight, 1e-6), weight)),
                            rtol=1e-5, atol=1e-5)
+# en: Split-K: two programs per column block, each over half of the input, add up to the same result.
+# zh: split-K：每个列块由两个程序分担，各算一半输入，加起来是同样的结果。
+split_out, _ = small_matmul(x, weight, bias, launch=SmallMatmulLaunch(block_k=32, split=2))
+torch.testing.assert_close(split_out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 shapes = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=96, hidden_act="silu", rms_norm_eps=1e-6)
