@@ -39,9 +39,10 @@
 #                                       # scripts/moe_align_probe.py (the sort in one Triton program), then
 #                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
 #                                       # --experts fused and loop
-#   scripts/gpu-ci.sh matmul            # the small-batch matmuls of a decode step (issue 34): chapter 09's fused
-#                                       # tests, scripts/decode_matmul_chain.py, scripts/splitk_sweep.py
-#                                       # --chain-only, scripts/prefetch_tile_probe.py (the next candidate)
+#   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 09's fused tests, the
+#                                       # matmul probes (scripts/decode_matmul_chain.py, splitk_sweep.py --chain-only,
+#                                       # prefetch_tile_probe.py), then scripts/decode_merge_probe.py (attention's
+#                                       # splits merged by a second kernel or in the split kernel)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -283,10 +284,11 @@ run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse l
   done
 }
 
-run_matmul() {  # a decode step's matmuls at 1-16 rows: chapter 09's kernels, then each probe against cuBLAS
-  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/matmul-tests.xml" tests/test_09_fused_decode.py || status=1
+run_small_batch() {  # a small decode step's kernels: chapter 09's tests, then each probe against what ships
+  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_09_fused_decode.py \
+    || status=1
   local probe
-  for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe; do
+  for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe decode_merge_probe; do
     # shellcheck disable=SC2086  # the probe's name and its options
     python3 scripts/${probe%% *}.py ${probe#"${probe%% *}"} --out "$out/${probe%% *}.json" 2>&1 \
       | tee "$out/${probe%% *}.log" || status=1
@@ -318,9 +320,9 @@ case $what in
   fp8) run_fp8 "$@" ;;
   speculative) run_speculative "$@" ;;
   moe) run_moe ;;
-  matmul) run_matmul ;;
+  small-batch) run_small_batch ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | moe | matmul | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | moe | small-batch | keep]" >&2
      exit 2 ;;
 esac
 exit $status
