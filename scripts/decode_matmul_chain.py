@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import nanovllm.layers.fused_decode as fused_decode
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
-from nanovllm.layers.fused_decode import small_matmul
+from nanovllm.layers.fused_decode import SmallMatmulLaunch, small_matmul
 
 HIDDEN, Q, KV, INTERMEDIATE, LAYERS = 1024, 2048, 1024, 3072, 28
 
@@ -31,14 +31,20 @@ def make_layers() -> list[dict[str, torch.Tensor]]:
                  down=weight(HIDDEN, INTERMEDIATE), norm=ones) for _ in range(LAYERS)]
 
 
-def fused_chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+def fused_chain(
+    layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launches: dict[str, SmallMatmulLaunch] | None = None
+) -> torch.Tensor:
+    """A decode step's matmuls with their norms and SiLU x mul, as chapter 09's fused layer runs them; ``launches``
+    by weight ("qkv", "o_proj", "gate_up", "down_proj"), small_matmul's choice for those not given."""
+    launches = launches or {}
     residual = torch.zeros_like(x)
     for layer in layers:
-        qkv, residual = small_matmul(x, layer["qkv"], residual=residual, norm_weight=layer["norm"], eps=1e-6)
-        hidden, _ = small_matmul(qkv[:, :Q], layer["o"])
+        qkv, residual = small_matmul(x, layer["qkv"], residual=residual, norm_weight=layer["norm"], eps=1e-6,
+                                     launch=launches.get("qkv"))
+        hidden, _ = small_matmul(qkv[:, :Q], layer["o"], launch=launches.get("o_proj"))
         activated, residual = small_matmul(hidden, layer["gate_up"], residual=residual, norm_weight=layer["norm"],
-                                           eps=1e-6, glu=True)
-        x, _ = small_matmul(activated, layer["down"])
+                                           eps=1e-6, glu=True, launch=launches.get("gate_up"))
+        x, _ = small_matmul(activated, layer["down"], launch=launches.get("down_proj"))
     return x
 
 

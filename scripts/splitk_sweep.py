@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
-from nanovllm.layers.fused_decode import SmallMatmulLaunch, small_matmul
-from scripts.decode_matmul_chain import Q, cublas_chain, make_layers
+from nanovllm.layers.fused_decode import SmallMatmulLaunch
+from scripts.decode_matmul_chain import cublas_chain, fused_chain, make_layers
 
 LAYERS = 28
 # (output columns, input elements) of Qwen3-0.6B's four decode matmuls; gate_up is the merged gate and up weight.
@@ -145,19 +145,6 @@ def chain_launches(best: dict[str, list[tuple[float, dict]]]) -> dict[str, Small
                                          block_k=launch["block_k"], num_warps=launch["warps"],
                                          num_stages=launch["stages"], split=launch["split"])
     return chosen
-
-
-def fused_chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launches: dict) -> torch.Tensor:
-    """A decode step's matmuls with their norms and SiLU x mul, as chapter 09's fused layer runs them."""
-    residual = torch.zeros_like(x)
-    for layer in layers:
-        qkv, residual = small_matmul(x, layer["qkv"], residual=residual, norm_weight=layer["norm"], eps=1e-6,
-                                     launch=launches.get("qkv"))
-        hidden, _ = small_matmul(qkv[:, :Q], layer["o"], launch=launches.get("o_proj"))
-        activated, residual = small_matmul(hidden, layer["gate_up"], residual=residual, norm_weight=layer["norm"],
-                                           eps=1e-6, glu=True, launch=launches.get("gate_up"))
-        x, _ = small_matmul(activated, layer["down"], launch=launches.get("down_proj"))
-    return x
 
 
 # The sweep's best launches on one H100 (2026-12-05), the same at 4, 8 and 16 rows within 2 %: `--chain-only` times
