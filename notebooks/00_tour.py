@@ -243,8 +243,10 @@ display(SVG(architecture_svg()))
 
 # %% add to class
 #| export book.literate
-"""The book's one literate helper: a later chapter adds a method to a class that an earlier chapter built."""
+"""The book's literate helpers: a later chapter adds a method to a class that an earlier chapter built, or
+lines to the end of its constructor."""
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -271,6 +273,28 @@ def _member_name(member: Any) -> str:
         if isinstance(name, str):
             return name
     raise TypeError(f"add_to_class needs a named member (a function, property, ...), got {member!r}")
+
+
+def add_to_init(cls: type) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
+    """Decorator: run the decorated function, which takes ``self`` alone, at the end of ``cls.__init__``.
+
+    A later chapter's way of giving every instance the state its feature needs without retyping the constructor.
+    In the package the tangler appends the function's body to ``__init__`` itself, so the extension is written
+    as those lines: no docstring (a comment says what it adds), no return.
+    """
+
+    def add(extension: Callable[[Any], None]) -> Callable[[Any], None]:
+        original = cls.__init__
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
+            extension(self)
+
+        cls.__init__ = __init__
+        return extension
+
+    return add
 
 # %% [markdown] tags=["en"]
 # A toy first: a class, then a later cell that replaces one method and adds a property.
@@ -311,6 +335,43 @@ tally.add(2)
 tally.add(-5)
 print(tally.count, tally.empty)
 assert (tally.count, tally.empty) == (0, True)
+
+# %% [markdown] tags=["en"]
+# A feature often needs state of its own in every instance as well: a list, a lock, a counter. Retyping
+# the whole constructor to add two lines would hide what changed, so the second helper, `add_to_init`,
+# appends lines to it instead: the decorated function takes `self` alone and runs at the end of
+# `__init__`. In the package the tangler writes its body at the end of the constructor, which is why the
+# function has no docstring and no `return`: a comment says what the lines add.
+
+# %% [markdown] tags=["zh"]
+# 一个特性往往还需要每个实例各有一份自己的状态：一个列表、一把锁、一个计数器。为了加两行而重写整个构造函数，会把改了
+# 什么藏起来，所以第二个辅助工具 `add_to_init` 改为在构造函数末尾追加几行：被装饰的函数只接受 `self`，在
+# `__init__` 结束时运行。在包里，抽取工具把它的函数体写到构造函数的末尾，所以这个函数没有 docstring，也没有
+# `return`：用一行注释说明这几行加了什么。
+
+# %%
+from nanovllm.book.literate import add_to_init
+
+
+@add_to_init(Tally)
+def _init_history(self) -> None:
+    # en: Every amount added, in order.
+    # zh: 加过的每个数，按顺序记下。
+    self.history: list[int] = []
+
+
+@add_to_class(Tally)
+def add(self, n: int) -> None:
+    """Never count below zero; remember every amount."""
+    self.history.append(n)
+    self.count = max(0, self.count + n)
+
+
+fresh = Tally()
+fresh.add(3)
+fresh.add(-1)
+print(fresh.count, fresh.history, Tally.__init__.__name__)
+assert (fresh.count, fresh.history, Tally.__init__.__name__) == (2, [3, -1], "__init__")
 
 # %% [markdown] tags=["en"]
 # The book's other helper speaks your language. The traces and tables that chapters print are part of

@@ -241,16 +241,14 @@ class PrefixCache:
 
 # %% block learns its hash
 #| export engine.block_manager
-from nanovllm.book.literate import add_to_class
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.block_manager import Block, BlockManager, BlockPool
 from nanovllm.engine.prefix_cache import NO_HASH, PrefixCache
 from nanovllm.engine.sequence import Sequence
 
 
-@add_to_class(Block)
-def __init__(self, block_id: int) -> None:
-    self.block_id = block_id
-    self.ref_count = 0
+@add_to_init(Block)
+def _init_hash(self) -> None:
     # en: The prefix-cache key of a full block whose KV is written; NO_HASH until then.
     # zh: 一个 KV 已写入的写满的块的前缀缓存键；在此之前为 NO_HASH。
     self.hash = NO_HASH

@@ -111,7 +111,8 @@
 #   read and one indexed write on the KV tensor, every layer at once, queued ahead of the step's
 #   K/V stores and outside the CUDA graph that replays the forward (chapter 09).
 #
-# First the sequence. Chapter 01's constructor gains four fields (the rest is unchanged):
+# First the sequence. Chapter 01's constructor gains four fields, added at its end with
+# `add_to_init` (chapter 00):
 # `request_id` names the request, the `seq_id` of its first sequence; `sample_index` says which
 # of its n samples a sequence is (0 for the first; it picks the random stream, chapter 07);
 # `pending_forks` counts the siblings still to fork, `n - 1` until the first token is sampled;
@@ -135,7 +136,8 @@
 #   块对合并成对 KV 张量的一次索引读和一次索引写，一次处理所有层，排在这一步写入 K/V 之前，并且在重放前向计算的
 #   CUDA Graph 之外（第 09 章）。
 #
-# 先看序列。第 01 章的构造函数增加四个字段（其余不变）：`request_id` 指明所属请求，即它第一个序列的 `seq_id`；
+# 先看序列。第 01 章的构造函数增加四个字段，用 `add_to_init`（第 00 章）加在它的末尾：
+# `request_id` 指明所属请求，即它第一个序列的 `seq_id`；
 # `sample_index` 表示这是 n 个样本中的第几个（第一个为 0；它决定随机数流，见第 07 章）；`pending_forks` 是还要分叉出的
 # 兄弟序列个数，在首 token 采样之前为 `n - 1`；`blocks_to_copy` 记录这一步的写时复制块对。`fork` 生成一个兄弟序列：
 # 相同的 token 和进度、新的 `seq_id`，还没有自己的块（块管理器让它共享父序列的块），自己也不再分叉。
@@ -143,25 +145,13 @@
 # %% sequence forks
 #| export engine.sequence
 import copy
-from collections.abc import Iterable
 
-from nanovllm.book.literate import add_to_class
-from nanovllm.engine.sequence import Sequence, SequenceStatus, checked_token_ids
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.engine.sequence import Sequence
 
 
-@add_to_class(Sequence)
-def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
-    self.seq_id = next(Sequence._ids)
-    self._status = SequenceStatus.WAITING
-    self.token_ids = checked_token_ids(token_ids)
-    self.num_tokens = len(self.token_ids)
-    self.num_prompt_tokens = self.num_tokens
-    self.num_cached_tokens = 0
-    self.num_scheduled_tokens = 0
-    self.block_table: list[int] = []
-    self.block_size = block_size
-    self.sampling_params: SamplingParams | None = sampling_params or SamplingParams()
+@add_to_init(Sequence)
+def _init_forks(self) -> None:
     # en: Parallel sampling: the request, which of its samples this is, siblings still to fork,
     # en: and the copy-on-write copies (source block, destination block) the next step must make.
     # zh: 并行采样：所属请求、这是第几个样本、还要分叉出的兄弟序列个数，以及下一步必须完成的写时复制

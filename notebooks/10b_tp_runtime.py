@@ -791,6 +791,8 @@ class Deferral:
             # zh: 之前某个块遗留下来的：那个块退出时改为抛出了另一个 Ctrl-C。
             _held.clear()
             _replaced.append(signal.signal(signal.SIGINT, _hold))
+        else:
+            self.enter_nested(main)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.outermost:
@@ -802,6 +804,15 @@ class Deferral:
             signal.signal(signal.SIGINT, handler)
             _replaced.pop()
             _deliver(handler)
+        else:
+            self.exit_nested()
+
+    def enter_nested(self, main: bool) -> None:
+        """A block inside one that holds Ctrl-C already (or off the main thread, which signals never reach): nothing
+        to do, the outermost block holds and delivers."""
+
+    def exit_nested(self) -> None:
+        """The end of a nested block: nothing to do, as on entering."""
 
 
 def _deliver(handler: Any) -> None:

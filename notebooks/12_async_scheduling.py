@@ -645,12 +645,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import nanovllm.engine.tp_runtime as tp_runtime
-from nanovllm.book.literate import add_to_class
-from nanovllm.config import Config
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import RankWorker, TPRunner, step_states
-from nanovllm.layers.linear import tp_world
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt
 
@@ -659,17 +657,11 @@ from nanovllm.utils.interrupts import deferred_interrupt
 RankWorker.KEEP_STEPS = 8
 
 
-@add_to_class(RankWorker)
-def __init__(self, config: Config) -> None:
-    self.runner = ModelRunner(config)
-    self.rank = tp_world()[0]
-    # en: set by rank_main before each call; the driver numbers its calls the same way
-    # zh: 由 rank_main 在每次调用前设置；驱动进程也用同样的方式给调用编号。
-    self.call_no = 0
+@add_to_init(RankWorker)
+def _init_recent(self) -> None:
+    # en: The sampled tokens of the last KEEP_STEPS steps, by call number.
+    # zh: 最近 KEEP_STEPS 步采样出的 token，按调用编号存放。
     self.recent: dict[int, SampledTokens] = {}
-    # en: rank 0: each running sequence's, sent once
-    # zh: rank 0 持有：每个运行中序列的采样参数，只发送一次。
-    self.params: dict[int, SamplingParams] = {}
 
 
 @add_to_class(RankWorker)
@@ -775,8 +767,9 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # - **No copy waits for the GPU.** Every host-to-device copy goes through pinned memory
 #   (chapter 06's `host_to_device`), because an ordinary one would wait for the queued step.
 #
-# The engine's share is small. Chapter 11's `_step` becomes `_launch` (schedule, queue, `advance`;
-# the result is a `LaunchedStep`) followed by `_collect` (wait for the tokens, `resolve`). The
+# The engine's share is small. Chapter 11's `_step` becomes `_launch` (schedule, hand the step to
+# the runner with `_compute`, `advance`; the result is a `LaunchedStep`) followed by `_collect`
+# (wait for the tokens, `resolve`). The
 # synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
 # collects step *n*, which waited in `in_flight`. A call of `step()` therefore reports the step
 # before the one it queued (the first reports nothing), and the engine is finished only when
@@ -815,10 +808,10 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # - **没有拷贝会等待 GPU。** 每次从主机到设备的拷贝都经过锁页内存（第 06 章的 `host_to_device`），因为普通的
 #   拷贝会等待排在前面的那一步。
 #
-# 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、排队、`advance`，结果是一个 `LaunchedStep`）加上
-# `_collect`（等待 token、`resolve`）。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，再收取一直等在
-# `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也不报告），而且只有
-# 当没有任何一步在计算中时，引擎才算结束。
+# 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、用 `_compute` 把这一步交给执行器、`advance`，结果是一个
+# `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
+# 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
+# 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
 #
 # 代价也很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
 # （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（上面新增的那条箭头）。生成的
@@ -894,12 +887,19 @@ def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
     seqs, is_prefill = self.scheduler.schedule()
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-    if self.config.async_scheduling:
-        tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-    else:
-        tokens = self.model_runner.run(seqs, is_prefill)
+    tokens = self._compute(seqs, is_prefill, previous)
     counted, indices = self.scheduler.advance(seqs, is_prefill)
     return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+@add_to_class(LLMEngine)
+def _compute(
+    self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
+) -> SampledTokens | TPStep | list[int]:
+    """Hand a scheduled step to the model runner: queued behind ``previous`` (asynchronous), or run to the end."""
+    if self.config.async_scheduling:
+        return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+    return self.model_runner.run(seqs, is_prefill)
 
 
 @add_to_class(LLMEngine)

@@ -146,8 +146,9 @@ def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
 # the scheduler's plan must be undone, or the next step would find sequences that claim KV they
 # never got. `Scheduler.rollback` undoes `schedule()`: the prefills it completed go back to the
 # head of `waiting` (keeping their blocks), every scheduled count returns to zero; decode's new
-# blocks and preemptions stay, since they left the queues consistent. The engine's `_launch`
-# calls it whenever the runner raises, and re-raises.
+# blocks and preemptions stay, since they left the queues consistent. The engine's `_compute`
+# (the part of `_launch` that hands the step to the runner) calls it whenever the runner raises,
+# and re-raises.
 #
 # A `generate` call that is interrupted (an error, Ctrl-C) takes its own unfinished requests with
 # it: `Scheduler.abort` takes a sequence out of its queue, frees its blocks and marks it
@@ -161,7 +162,8 @@ def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
 # 一步可能在调度器规划好之后失败：模型抛出异常（显存不足、内核出错），或者用户在执行器计算时按下 Ctrl-C。什么也
 # 没算出来，所以调度器的规划必须撤销，否则下一步会遇到声称拥有 KV、其实从未得到过的序列。`Scheduler.rollback`
 # 撤销 `schedule()`：它完成的 prefill 回到 `waiting` 队头（保留它们的块），每个调度计数归零；decode 新分配的块和
-# 抢占则保留，因为它们让队列保持一致。引擎的 `_launch` 在执行器抛出异常时调用它，然后重新抛出。
+# 抢占则保留，因为它们让队列保持一致。引擎的 `_compute`（`_launch` 中把这一步交给执行器的那部分）在执行器抛出
+# 异常时调用它，然后重新抛出。
 #
 # 被中断的 `generate` 调用（出错或 Ctrl-C）会带走它自己尚未完成的请求：`Scheduler.abort` 把序列移出它的队列、
 # 释放它的块，并把它标为 FINISHED（被中止的请求在哪里都可以结束），这样之后的调用就不会白白计算它。异步调度时，
@@ -310,36 +312,19 @@ def _hold(signum: int, frame: FrameType | None) -> None:
 
 
 @add_to_class(Deferral)
-def __enter__(self) -> None:
-    main = threading.current_thread() is threading.main_thread()
-    self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
-    self.reopen = False
-    if self.outermost:
-        # en: left from an earlier block, whose exit raised another Ctrl-C instead
-        # zh: 之前某个块遗留下来的：那个块退出时改为抛出了另一个 Ctrl-C。
-        _held.clear()
-        _replaced.append(signal.signal(signal.SIGINT, _hold))
-    elif main and Gate.open:
-        # en: Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
-        # zh: 在 `interruptible` 里面，这个块重新压住 Ctrl-C，直到它结束。
-        Gate.open, self.reopen = False, True
+def enter_nested(self, main: bool) -> None:
+    """Inside `interruptible`, a nested block holds Ctrl-C back again, until it ends."""
+    self.reopen = main and Gate.open
+    if self.reopen:
+        Gate.open = False
 
 
 @add_to_class(Deferral)
-def __exit__(self, *exc_info: object) -> None:
-    if self.outermost:
-        # en: The handler goes back before it leaves the list: a signal handler that runs in between (one that calls
-        # en: the engine) finds either _hold with its entry, or the old handler back, never _hold without one.
-        # zh: 先装回原来的处理函数，再把它移出列表：在这两步之间运行的信号处理函数（比如调用引擎的那种）看到的，
-        # zh: 要么是带着对应条目的 _hold，要么是已经装回的原处理函数，绝不会是没有条目的 _hold。
-        handler = _replaced[-1]
-        signal.signal(signal.SIGINT, handler)
-        _replaced.pop()
-        _deliver(handler)
-    elif self.reopen:
+def exit_nested(self) -> None:
+    """A nested block that closed the gate opens it again: what it held back goes through now, as the enclosing
+    block lets it."""
+    if self.reopen:
         Gate.open = True
-        # en: held back during the block: it goes through now, as the enclosing block lets it
-        # zh: 块执行期间被压住的中断：外层块允许放行，所以现在让它通过。
         if _held:
             Gate.open = False
             _deliver(_replaced[-1])
@@ -404,30 +389,28 @@ from collections.abc import Collection
 
 from nanovllm.book.literate import add_to_class
 from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
+from nanovllm.engine.model_runner import SampledTokens
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import TPStep
 from nanovllm.utils.interrupts import interruptible
 
 
 @add_to_class(LLMEngine)
-def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
-    """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
-    seqs, is_prefill = self.scheduler.schedule()
-    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+def _compute(
+    self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
+) -> SampledTokens | TPStep | list[int]:
+    """Hand a scheduled step to the model runner (see `_launch`). If nothing comes of it (an error, Ctrl-C, out of
+    memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
     try:
         # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
         # zh: 一步之中 Ctrl-C 能立刻生效的唯一一段：撤销它的正是 `rollback`。
         with interruptible():
             if self.config.async_scheduling:
-                tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-            else:
-                tokens = self.model_runner.run(seqs, is_prefill)
+                return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+            return self.model_runner.run(seqs, is_prefill)
     except BaseException:
-        # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
-        # en: engine stays consistent and the same step can simply run again.
-        # zh: 什么也没算出来（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接再运行一次。
         self.scheduler.rollback(seqs, is_prefill)
         raise
-    counted, indices = self.scheduler.advance(seqs, is_prefill)
-    return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
 
 @add_to_class(LLMEngine)
@@ -589,28 +572,16 @@ from typing import Self
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
-from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine, Prompt, load_tokenizer
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.book.literate import add_to_init
+from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine, Prompt
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import interruption_point
 
 
-@add_to_class(LLMEngine)
-def __init__(self, model: str, **kwargs: Any) -> None:
-    self.config = config = Config.from_kwargs(model, **kwargs)
-    self.tokenizer = load_tokenizer(config.model)
-    runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
-    self.model_runner: ModelRunner | TPRunner = runner(config)
-    self.scheduler = Scheduler(
-        num_kvcache_blocks=config.num_kvcache_blocks, kvcache_block_size=config.kvcache_block_size,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-        eos_token_ids=config.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
-    )
+@add_to_init(LLMEngine)
+def _init_call_rules(self) -> None:
     # en: Finished sequences that step() has not reported yet (a generate call's steps finish the
     # en: requests of add_request too); the requests dropped for non-finite logits that nobody was told
     # en: about yet, with the likely cause; the lock of one call at a time.

@@ -976,11 +976,11 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # %% [markdown] tags=["en"]
 # ## The engine: a decode step with drafts is a verify step
 #
-# `LLMEngine._launch` (chapter 13) gains one branch, and this is the whole of it: after the
-# schedule, a decode step asks the proposer for drafts; if it got any, the model runner verifies
-# instead of decoding, and `accept_drafts` turns the verified step into the plain decode step
-# that `advance` and `resolve` record. If the forward fails or Ctrl-C interrupts it, the drafts
-# are dropped before chapter 13's `rollback`, so the same step can run again.
+# `LLMEngine._launch` (chapter 12) gains one branch, and this is the whole of it: after the
+# schedule, a decode step asks the proposer for drafts; if it got any, `_verify` has the model
+# runner verify instead of decoding, and `accept_drafts` turns the verified step into the plain
+# decode step that `advance` and `resolve` record. If the forward fails or Ctrl-C interrupts it,
+# the drafts are dropped before chapter 13's `rollback`, so the same step can run again.
 #
 # The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=4)` (4 is the
 # default once a method is chosen). A verify step is synchronous: its drafts come from the
@@ -994,9 +994,10 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # %% [markdown] tags=["zh"]
 # ## 引擎：带草稿的 decode 步就是验证步
 #
-# `LLMEngine._launch`（第 13 章）多了一个分支，全部改动就是它：调度之后，decode 步向提议器要草稿；如果拿到了，
-# 模型执行器就做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance` 和 `resolve` 记录的普通
-# decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，于是同一步可以再跑一次。
+# `LLMEngine._launch`（第 12 章）多了一个分支，全部改动就是它：调度之后，decode 步向提议器要草稿；如果拿到了，
+# `_verify` 就让模型执行器做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance` 和 `resolve`
+# 记录的普通 decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，
+# 于是同一步可以再跑一次。
 #
 # 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）。验证步是同步的：
 # 它的草稿来自各序列的最后一个 token，而异步调度（第 12 章）在调度下一步时还没有把这些 token 取回来。所以只要下一个
@@ -1053,27 +1054,26 @@ def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     if proposer is not None and not is_prefill and previous is None:
         verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-    try:
-        # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
-        # zh: 一步之中 Ctrl-C 能立刻生效的唯一一段：撤销它的是 `rollback`。
-        with interruptible():
-            if verifying:
-                targets = self.model_runner.verify(seqs)
-            elif self.config.async_scheduling:
-                tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-            else:
-                tokens = self.model_runner.run(seqs, is_prefill)
-    except BaseException:
-        # en: Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
-        # en: engine stays consistent and the same step can simply run again.
-        # zh: 什么都没算成（出错、Ctrl-C、显存不足）：撤销这次调度，让引擎保持一致，同一步可以直接再跑一次。
-        self.scheduler.drop_drafts(seqs)
-        self.scheduler.rollback(seqs, is_prefill)
-        raise
-    if verifying:
-        tokens = self.scheduler.accept_drafts(seqs, targets)
+    tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
     counted, indices = self.scheduler.advance(seqs, is_prefill)
     return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+@add_to_class(LLMEngine)
+def _verify(self, seqs: list[Sequence]) -> list[int]:
+    """Run a decode step with drafts to the end and keep what the model agrees with (`accept_drafts`): each
+    sequence's one new token, as a plain decode step has. If nothing comes of it (an error, Ctrl-C), the drafts go
+    first, then `rollback` undoes the schedule, so the same step can run again."""
+    try:
+        # en: As in `_compute`: the one stretch where Ctrl-C gets through at once.
+        # zh: 与 `_compute` 一样：Ctrl-C 能立刻生效的唯一一段。
+        with interruptible():
+            targets = self.model_runner.verify(seqs)
+    except BaseException:
+        self.scheduler.drop_drafts(seqs)
+        self.scheduler.rollback(seqs, is_prefill=False)
+        raise
+    return self.scheduler.accept_drafts(seqs, targets)
 
 
 # %% [markdown] tags=["en"]

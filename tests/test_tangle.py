@@ -403,6 +403,66 @@ def test_errors_of_class_extensions(tmp_path: Path, extension: str, fragment: st
     assert 'notebooks/02_more.py, cell 1 "ext"' in message and fragment in message
 
 
+INIT_EXTENSION = """
+# %% counter remembers
+#| export engine.counter
+from nanovllm.book.literate import add_to_init
+from nanovllm.engine.counter import Counter
+
+
+# en: What the counter started from.
+@add_to_init(Counter)
+def _init_history(self) -> None:
+    # en: Every value it took, the first one too.
+    self.history = [self.value]
+"""
+
+
+def test_a_later_chapter_adds_lines_to_the_end_of_a_constructor(tmp_path: Path) -> None:
+    chapter(tmp_path, "01_counter.py", FIRST_CUT)
+    chapter(tmp_path, "02_more.py", INIT_EXTENSION)
+    text = tangle.tangle(tmp_path)[Path("nanovllm/engine/counter.py")]
+    spliced = (
+        "    def __init__(self) -> None:\n        self.value = 0\n"
+        '        # notebooks/02_more.py · cell "counter remembers"\n'
+        "        # What the counter started from.\n        # Every value it took, the first one too.\n"
+        "        self.history = [self.value]\n\n"
+        '    # notebooks/01_counter.py · cell "counter"\n    # ---- counting ----\n    # Adds one step.\n    def tick('
+    )
+    assert spliced in text, text
+    assert "_init_history" not in text and "add_to_init" not in text and text.count("def __init__") == 1
+    # The notebook's helper does what the package reads: the lines run at the end of __init__.
+    from nanovllm.book.literate import add_to_init
+
+    class Counter:
+        def __init__(self, start: int = 0) -> None:
+            self.value = start
+
+    @add_to_init(Counter)
+    def _init_history(self) -> None:
+        self.history = [self.value]
+
+    counter = Counter(5)
+    assert counter.history == [5] and Counter.__init__.__name__ == "__init__"
+
+
+@pytest.mark.parametrize(
+    ("extension", "fragment"),
+    [
+        ("def _f(self) -> None:\n    \"\"\"Adds.\"\"\"\n    self.a = 1\n", "make it a comment"),
+        ("def _f(self, size: int) -> None:\n    self.a = size\n", "self alone"),
+        ("def _f(self) -> None:\n    if self.value:\n        return\n    self.a = 1\n", "end __init__ early"),
+        ("def _f(self) -> None:\n    value = 2\n    self.a = value\n", "uses value"),
+    ],
+    ids=["docstring", "parameters", "return", "name-of-init"],
+)
+def test_errors_of_constructor_extensions(tmp_path: Path, extension: str, fragment: str) -> None:
+    first = FIRST_CUT.replace("        self.value = 0\n", "        value = 0\n        self.value = value\n")
+    body = f"# %% ext\n#| export engine.counter\n@add_to_init(Counter)\n{extension}"
+    message = error_for(tmp_path, {"01_counter.py": first, "02_more.py": body})
+    assert 'notebooks/02_more.py, cell 1 "ext"' in message and fragment in message
+
+
 def test_a_dataclass_gets_no_field_from_a_later_chapter(tmp_path: Path) -> None:
     first = ("# %%\n#| default_exp config\n\n# %% config\n#| export\nfrom dataclasses import dataclass\n\n\n"
              "@dataclass\nclass Config:\n    size: int = 1\n")

@@ -38,7 +38,7 @@ UPSTREAM_LINES = {
 }
 # Code lines that later chapters retype: members (or top-level names) that replace an earlier chapter's version whole.
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
-MAX_RETYPED_LINES = 373
+MAX_RETYPED_LINES = 284
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5
@@ -118,6 +118,8 @@ class Retyped:
     name: str
     earlier: str
     lines: int
+    # the version before was a seam, which this one fills: not counted
+    seam: bool = False
 
 
 def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
@@ -125,7 +127,8 @@ def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
     of a function, class or assignment, and for a class its members too."""
     extension = tangle.class_extension(node, cell)
     if extension is not None:
-        return [f"{extension[0]}.{extension[1]}"]
+        # Lines added to the end of a constructor replace nothing.
+        return [] if extension[2] == "init" else [f"{extension[0]}.{extension[1]}"]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return [node.name]
     if isinstance(node, ast.Assign):
@@ -138,20 +141,51 @@ def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
     return []
 
 
+def is_seam(node: ast.stmt) -> bool:
+    """A hook that a first cut leaves for a later chapter to fill: a function whose body, its docstring aside, is
+    empty or one ``pass``, ``...``, bare ``yield``, or ``return`` of nothing or of a constant. Filling it retypes
+    nothing."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    body = node.body[1:] if tangle._is_docstring(node.body[0]) else node.body
+    if not body:
+        return True
+    if len(body) != 1:
+        return False
+    statement = body[0]
+    if isinstance(statement, ast.Pass):
+        return True
+    if isinstance(statement, ast.Return):
+        return statement.value is None or isinstance(statement.value, ast.Constant)
+    if isinstance(statement, ast.Expr):
+        value = statement.value
+        return (isinstance(value, ast.Constant) and value.value is Ellipsis) or (
+            isinstance(value, ast.Yield) and value.value is None)
+    return False
+
+
 def retyped_members(root: Path) -> list[Retyped]:
-    """Every member that a chapter replaces after an earlier chapter wrote it, in book order."""
+    """Every member that a chapter replaces after an earlier chapter wrote it, in book order; a seam that a later
+    chapter fills (see `is_seam`) is marked so, and does not count."""
     first: dict[tuple[str, str], str] = {}
+    # Whether the latest version of each member is a seam.
+    seams: dict[tuple[str, str], bool] = {}
     found: list[Retyped] = []
     for cell, target, _ in tangle.exported_cells(root):
         code = cell_code(cell, target)
         lines = code.splitlines()
         for node in ast.parse(code).body:
+            members = [node, *getattr(node, "body", [])] if isinstance(node, ast.ClassDef) else [node]
             for name in defined_names(node, cell):
                 earlier = first.setdefault((target, name), cell.chapter)
+                member = node if isinstance(node, ast.ClassDef) and name == node.name else next(
+                    (m for m in members if tangle._member_name(m) == name.split(".")[-1]), node)
+                filled = seams.get((target, name), False)
+                seams[(target, name)] = is_seam(member)
                 # A class statement's own name: only when the whole class is written again.
                 if earlier != cell.chapter and (not isinstance(node, ast.ClassDef) or name == node.name):
                     text = "\n".join(lines[tangle.first_line(node) - 1 : node.end_lineno])
-                    found.append(Retyped(cell.chapter, target, name, earlier, code_lines(text)))
+                    found.append(Retyped(cell.chapter, target, name, earlier, code_lines(text), filled))
     return found
 
 
@@ -159,14 +193,24 @@ def retyped_report(retyped: list[Retyped]) -> str:
     """Retyped code lines by chapter, then the total against the bound."""
     by_chapter: dict[str, list[Retyped]] = {}
     for item in retyped:
-        by_chapter.setdefault(item.chapter, []).append(item)
+        if not item.seam:
+            by_chapter.setdefault(item.chapter, []).append(item)
     rows = ["retyped (a later chapter replaces the member whole):"]
     for chapter, items in by_chapter.items():
         names = ", ".join(f"{item.name} {item.lines}" for item in items)
         rows.append(f"  {_number(chapter):>4} {sum(i.lines for i in items):>4} lines: {names}")
-    total = sum(item.lines for item in retyped)
-    rows.append(f"  {len(retyped)} members, {total} code lines (bound {MAX_RETYPED_LINES}; issue 37's target 150)")
+    counted = [item for item in retyped if not item.seam]
+    total = retyped_lines(retyped)
+    rows.append(f"  {len(counted)} members, {total} code lines (bound {MAX_RETYPED_LINES}; issue 37's target 150)")
+    filled = [f"{_number(item.chapter)} {item.name}" for item in retyped if item.seam]
+    if filled:
+        rows.append(f"seams filled (not counted): {', '.join(filled)}")
     return "\n".join(rows)
+
+
+def retyped_lines(retyped: list[Retyped]) -> int:
+    """The retyped code lines that count: seams filled aside."""
+    return sum(item.lines for item in retyped if not item.seam)
 
 
 def report(growth: dict[str, Growth]) -> str:
@@ -192,7 +236,7 @@ def main() -> int:
     print(report(growth))
     retyped = retyped_members(tangle.ROOT)
     print(retyped_report(retyped))
-    if sum(item.lines for item in retyped) > MAX_RETYPED_LINES:
+    if retyped_lines(retyped) > MAX_RETYPED_LINES:
         print(f"first_cuts: more than {MAX_RETYPED_LINES} retyped code lines", file=sys.stderr)
         return 1
     over = [name for name in BOUNDED if growth[name].first_cut > MAX_RATIO * UPSTREAM_LINES[name]]

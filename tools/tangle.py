@@ -23,6 +23,15 @@ to a class of the module, or replaces one, with d2l's idiom::
 and adds a class attribute with a plain assignment, ``Sequence.sample_index: int = 0``. The tangler
 splices each such member into the one ``class`` block of the module (a replaced method keeps its place,
 a new one goes last, a new attribute after the class's attributes), so the package stays plain Python.
+State that every instance needs comes the same way, without retyping the constructor::
+
+    @add_to_init(Sequence)         # in the notebook it runs the function at the end of __init__
+    def _init_forks(self) -> None:
+        # which sample of its request this sequence is
+        self.sample_index = 0
+
+and the tangler appends the function's body (its comments above the ``def`` too) to the end of the
+class's ``__init__``; such a function takes ``self`` alone and has no docstring and no ``return``.
 A module-level function or constant is replaced the same way, through the module:
 ``import nanovllm.engine.llm_engine as llm_engine``, then ``@add_to_class(llm_engine)`` above the new
 function or ``llm_engine.Prompt = ...``; the new version takes the old one's place.
@@ -72,6 +81,7 @@ MAX_LINE = 120  # ruff's line length for the package (pyproject.toml)
 KNOWN_DIRECTIVES = {"default_exp", "export", "exporti", "hide"}
 MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 SPLICE_HELPER = "add_to_class"
+INIT_HELPER = "add_to_init"
 SPLICE_HELPER_MODULE = "nanovllm.book.literate"
 # A comment line that divides a class into sections ("# ---- blocks ----"): it belongs to no member.
 SECTION_COMMENT = re.compile(r"^\s*# -{3,}")
@@ -252,7 +262,9 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             start = leading_comments_start(lines, first_line(node) - 1, taken_lines)
             taken_lines.update(range(start, node.end_lineno))
             spliced.append(node)
-            if extension[0] in own_module:
+            if extension[2] == "init":
+                extend_init(module, cell, extension[0], lines[start : node.end_lineno], node)
+            elif extension[0] in own_module:
                 replace_top_level(module, cell, *extension[1:], lines[start : node.end_lineno], node)
             else:
                 splice(module, cell, *extension, lines[start : node.end_lineno], node)
@@ -298,10 +310,13 @@ def leading_comments_start(lines: list[str], start: int, taken: set[int]) -> int
 
 
 def class_extension(node: ast.stmt, cell: Cell) -> tuple[str, str, str] | None:
-    """(class name, member name, kind) when ``node`` extends a class; kind is "method" or "attribute".
+    """(class name, member name, kind) when ``node`` extends a class; kind is "method", "attribute" or "init".
 
-    ``@add_to_class(Cls)`` above a def, or an assignment to ``Cls.name``; anything else is ordinary code.
+    ``@add_to_class(Cls)`` above a def, an assignment to ``Cls.name``, or ``@add_to_init(Cls)`` above a def (lines
+    for the end of ``Cls.__init__``, member name ``__init__``); anything else is ordinary code.
     """
+    if isinstance(node, ast.FunctionDef) and any(_is_init_helper(d) for d in node.decorator_list):
+        return init_extension(node, cell)
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         helpers = [d for d in node.decorator_list if isinstance(d, ast.Call) and _is_helper(d.func)]
         if not helpers:
@@ -325,6 +340,42 @@ def class_extension(node: ast.stmt, cell: Cell) -> tuple[str, str, str] | None:
             raise TangleError(f"{cell.where()}: a class attribute added by a later chapter needs a value")
         return targets[0].value.id, targets[0].attr, "attribute"
     return None
+
+
+def _is_init_helper(decorator: ast.expr) -> bool:
+    func = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return (isinstance(func, ast.Name) and func.id == INIT_HELPER) or (
+        isinstance(func, ast.Attribute) and func.attr == INIT_HELPER
+    )
+
+
+def init_extension(node: ast.FunctionDef, cell: Cell) -> tuple[str, str, str]:
+    """Check an ``@add_to_init(Cls)`` function, whose body the package reads as the last lines of ``Cls.__init__``."""
+    where = f"{cell.where()}: @{INIT_HELPER} function {node.name}"
+    call = node.decorator_list[0]
+    if len(node.decorator_list) != 1 or not isinstance(call, ast.Call):
+        raise TangleError(f"{where} takes @{INIT_HELPER}(Cls) as its only decorator")
+    if len(call.args) != 1 or call.keywords or not isinstance(call.args[0], ast.Name):
+        raise TangleError(f"{where}: @{INIT_HELPER} takes one argument, the class by its name")
+    arguments = node.args
+    if [a.arg for a in arguments.args] != ["self"] or arguments.posonlyargs or arguments.kwonlyargs \
+            or arguments.vararg or arguments.kwarg:
+        raise TangleError(f"{where} must take self alone: its body runs at the end of __init__")
+    if _is_docstring(node.body[0]):
+        raise TangleError(f"{where} has a docstring, which __init__ cannot hold in its middle: make it a comment")
+    for inner in _own_statements(node.body):
+        if isinstance(inner, (ast.Return, ast.Yield, ast.YieldFrom)):
+            raise TangleError(f"{where} returns or yields, which would end __init__ early in the package")
+    return call.args[0].id, "__init__", "init"
+
+
+def _own_statements(body: list[ast.stmt]) -> Iterator[ast.AST]:
+    """Every node of ``body``, nested functions and classes left out (their returns are their own)."""
+    for statement in body:
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        yield statement
+        yield from (child for child in ast.walk(statement) if not isinstance(child, ast.Lambda))
 
 
 def _is_helper(func: ast.expr) -> bool:
@@ -399,6 +450,51 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
     module.bodies[index] = "\n".join(lines)
     if cell.chapter not in module.chapters:
         module.chapters.append(cell.chapter)
+
+
+def extend_init(module: Module, cell: Cell, class_name: str, source: list[str], node: ast.FunctionDef) -> None:
+    """Append the body of an ``@add_to_init`` function (with the comments above its ``def``) to the end of the
+    module's ``class_name.__init__``, under the cell's marker."""
+    found = find_class(module, class_name)
+    if found is None:
+        raise TangleError(
+            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
+        )
+    index, cls = found
+    inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    if not inits:
+        raise TangleError(f"{cell.where()}: class {class_name} has no __init__ of its own to add lines to")
+    init = inits[0]
+    shared = _local_names(init) & _local_names(node, reads=True)
+    if shared:
+        raise TangleError(
+            f"{cell.where()}: {node.name} uses {', '.join(sorted(shared))}, which {class_name}.__init__ names too: "
+            "spliced into __init__ it would read __init__'s; rename it"
+        )
+    lines = module.bodies[index].splitlines()
+    indent = " " * init.body[0].col_offset
+    offset = len(source) - (node.end_lineno - first_line(node) + 1)  # comment lines above the decorator
+    comments = textwrap.dedent("\n".join(source[:offset])).splitlines() if offset else []
+    body_start = offset + node.body[0].lineno - first_line(node)
+    body_start = leading_comments_start(source, body_start, set(range(offset + node.lineno - first_line(node) + 1)))
+    body = textwrap.dedent("\n".join(source[body_start:])).splitlines()
+    new = [f"{indent}{cell.marker()}", *(f"{indent}{line}" if line.strip() else "" for line in [*comments, *body])]
+    lines[init.end_lineno : init.end_lineno] = new
+    own_marker = f"{' ' * cls.body[0].col_offset}{lines[0].strip()}"
+    remark_class_lines(lines, init.end_lineno + len(new), own_marker)
+    module.bodies[index] = "\n".join(lines)
+    if cell.chapter not in module.chapters:
+        module.chapters.append(cell.chapter)
+
+
+def _local_names(function: ast.FunctionDef, reads: bool = False) -> set[str]:
+    """A function's parameters (``self`` aside) and the names its body binds; with ``reads``, those it reads too."""
+    arguments = function.args
+    params = [a.arg for a in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]]
+    params += [a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None]
+    names = {n.id for statement in function.body for n in ast.walk(statement)
+             if isinstance(n, ast.Name) and (reads or not isinstance(n.ctx, ast.Load))}
+    return (names | set(params)) - {"self"}
 
 
 def remark_class_lines(lines: list[str], at: int, marker: str) -> None:

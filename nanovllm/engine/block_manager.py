@@ -20,10 +20,10 @@ __all__ = [
 class Block:
     """Bookkeeping for one block of the paged KV cache (the KV tensors live in the model runner)."""
 
-    # notebooks/03_prefix_caching.py · cell "block learns its hash"
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        # notebooks/03_prefix_caching.py · cell "block learns its hash"
         # The prefix-cache key of a full block whose KV is written; NO_HASH until then.
         self.hash = NO_HASH
         self.token_ids: list[int] = []

@@ -103,10 +103,11 @@ class LLMEngine:
     # speculative_method builds the method's proposer. Assign another one to try it.
     proposer: Proposer | None = None
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
+    # notebooks/11_engine.py · cell "llm engine"
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = config = Config.from_kwargs(model, **kwargs)
         self.tokenizer = load_tokenizer(config.model)
+        # One process, or one process per tensor-parallel rank; both set config.num_kvcache_blocks.
         runner = TPRunner if config.tensor_parallel_size > 1 else ModelRunner
         self.model_runner: ModelRunner | TPRunner = runner(config)
         self.scheduler = Scheduler(
@@ -114,6 +115,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             eos_token_ids=config.eos_token_ids, enable_prefix_caching=config.enable_prefix_caching,
         )
+        # notebooks/13_robustness.py · cell "the engine's rules"
         # Finished sequences that step() has not reported yet (a generate call's steps finish the
         # requests of add_request too); the requests dropped for non-finite logits that nobody was told
         # about yet, with the likely cause; the lock of one call at a time.
@@ -306,25 +308,25 @@ class LLMEngine:
         if proposer is not None and not is_prefill and previous is None:
             verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
+        counted, indices = self.scheduler.advance(seqs, is_prefill)
+        return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+    # notebooks/13_robustness.py · cell "step that fails"
+    def _compute(
+        self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
+    ) -> SampledTokens | TPStep | list[int]:
+        """Hand a scheduled step to the model runner (see `_launch`). If nothing comes of it (an error, Ctrl-C, out of
+        memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
         try:
             # The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
             with interruptible():
-                if verifying:
-                    targets = self.model_runner.verify(seqs)
-                elif self.config.async_scheduling:
-                    tokens = self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-                else:
-                    tokens = self.model_runner.run(seqs, is_prefill)
+                if self.config.async_scheduling:
+                    return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+                return self.model_runner.run(seqs, is_prefill)
         except BaseException:
-            # Nothing was computed (an error, Ctrl-C, out of memory): undo the schedule, so the
-            # engine stays consistent and the same step can simply run again.
-            self.scheduler.drop_drafts(seqs)
             self.scheduler.rollback(seqs, is_prefill)
             raise
-        if verifying:
-            tokens = self.scheduler.accept_drafts(seqs, targets)
-        counted, indices = self.scheduler.advance(seqs, is_prefill)
-        return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
 
     # notebooks/13_robustness.py · cell "the engine's rules"
     def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
@@ -548,6 +550,20 @@ class LLMEngine:
             self.proposer = NgramProposer(drafts) if config.speculative_method == "ngram" else \
                 DraftModelProposer(config.speculative_model, drafts, **draft_engine_settings(config))
         return self.proposer
+
+    def _verify(self, seqs: list[Sequence]) -> list[int]:
+        """Run a decode step with drafts to the end and keep what the model agrees with (`accept_drafts`): each
+        sequence's one new token, as a plain decode step has. If nothing comes of it (an error, Ctrl-C), the drafts go
+        first, then `rollback` undoes the schedule, so the same step can run again."""
+        try:
+            # As in `_compute`: the one stretch where Ctrl-C gets through at once.
+            with interruptible():
+                targets = self.model_runner.verify(seqs)
+        except BaseException:
+            self.scheduler.drop_drafts(seqs)
+            self.scheduler.rollback(seqs, is_prefill=False)
+            raise
+        return self.scheduler.accept_drafts(seqs, targets)
 
 
 # notebooks/12_async_scheduling.py · cell "engine in flight"

@@ -63,7 +63,7 @@ class Sequence:
     drafts_resume_at: int = 0
     draft_pauses: int = 0
 
-    # notebooks/04b_parallel_sampling.py · cell "sequence forks"
+    # notebooks/01_sequence.py · cell "sequence"
     def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
         self.seq_id = next(Sequence._ids)
         self._status = SequenceStatus.WAITING
@@ -75,6 +75,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_size = block_size
         self.sampling_params: SamplingParams | None = sampling_params or SamplingParams()
+        # notebooks/04b_parallel_sampling.py · cell "sequence forks"
         # Parallel sampling: the request, which of its samples this is, siblings still to fork,
         # and the copy-on-write copies (source block, destination block) the next step must make.
         self.request_id = self.seq_id

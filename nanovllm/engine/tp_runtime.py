@@ -127,14 +127,17 @@ class RankWorker:
     # Recent steps whose samples a later step may take its pending tokens from.
     KEEP_STEPS = 8
 
+    # notebooks/10b_tp_runtime.py · cell "rank side"
     def __init__(self, config: Config) -> None:
         self.runner = ModelRunner(config)
         self.rank = tp_world()[0]
         # set by rank_main before each call; the driver numbers its calls the same way
         self.call_no = 0
-        self.recent: dict[int, SampledTokens] = {}
         # rank 0: each running sequence's, sent once
         self.params: dict[int, SamplingParams] = {}
+        # notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
+        # The sampled tokens of the last KEEP_STEPS steps, by call number.
+        self.recent: dict[int, SampledTokens] = {}
 
     def run(
         self,

@@ -46,30 +46,40 @@ class Deferral:
     """The context manager of `deferred_interrupt`. A class, not a generator: a generator-based one that an
     exception leaves suspended runs its ``finally`` whenever it is garbage-collected, long after its block."""
 
-    # notebooks/13_robustness.py · cell "letting ctrl-c through"
     def __enter__(self) -> None:
+        # Signals reach the main thread only; and an enclosing block may hold them already.
         main = threading.current_thread() is threading.main_thread()
         self.outermost = main and signal.getsignal(signal.SIGINT) is not _hold
-        self.reopen = False
         if self.outermost:
             # left from an earlier block, whose exit raised another Ctrl-C instead
             _held.clear()
             _replaced.append(signal.signal(signal.SIGINT, _hold))
-        elif main and Gate.open:
-            # Inside `interruptible`, this block holds Ctrl-C back again, until it ends.
-            Gate.open, self.reopen = False, True
+        else:
+            self.enter_nested(main)
 
     def __exit__(self, *exc_info: object) -> None:
         if self.outermost:
-            # The handler goes back before it leaves the list: a signal handler that runs in between (one that calls
-            # the engine) finds either _hold with its entry, or the old handler back, never _hold without one.
+            # The handler goes back before it leaves the list: a signal handler that runs in between (one that
+            # calls the engine) finds either _hold with its entry, or the old handler back, never _hold without one.
             handler = _replaced[-1]
             signal.signal(signal.SIGINT, handler)
             _replaced.pop()
             _deliver(handler)
-        elif self.reopen:
+        else:
+            self.exit_nested()
+
+    # notebooks/13_robustness.py · cell "letting ctrl-c through"
+    def enter_nested(self, main: bool) -> None:
+        """Inside `interruptible`, a nested block holds Ctrl-C back again, until it ends."""
+        self.reopen = main and Gate.open
+        if self.reopen:
+            Gate.open = False
+
+    def exit_nested(self) -> None:
+        """A nested block that closed the gate opens it again: what it held back goes through now, as the enclosing
+        block lets it."""
+        if self.reopen:
             Gate.open = True
-            # held back during the block: it goes through now, as the enclosing block lets it
             if _held:
                 Gate.open = False
                 _deliver(_replaced[-1])
