@@ -226,7 +226,8 @@ display(SVG(architecture_svg()))
 # `tools/tangle.py` writes from the chapters, nothing is patched at run time: the tangler moves
 # each extension into the one `class` block where it belongs, with a comment naming the chapter
 # and cell it came from, so the package reads as plain Python. A replaced method keeps its place;
-# the chapter that replaced it is the one to edit.
+# the chapter that replaced it is the one to edit. A new method goes right below the first method
+# that calls it, so that a class reads from the top down, whichever chapter wrote each part.
 
 # %% [markdown] tags=["zh"]
 # ## 每一章如何在前面各章之上构建
@@ -239,7 +240,8 @@ display(SVG(architecture_svg()))
 # 在 notebook 里，这个装饰器会真正改变那个类，并在整个会话中生效：修改一个扩展单元、重新运行它，引擎就会用上你的版本。
 # 而在由 `tools/tangle.py` 从各章生成的包里，运行时什么也不打补丁：抽取工具把每个扩展移到它所属的那个唯一的
 # `class` 块里，并附上一行注释，写明它来自哪一章的哪个单元，所以包读起来就是普通的 Python。被替换的方法留在原位；
-# 要修改它，就去改替换它的那一章。
+# 要修改它，就去改替换它的那一章。新加的方法紧跟在第一个调用它的方法下面，所以不管各部分出自哪一章，一个类都能
+# 从上往下读。
 
 # %% add to class
 #| export book.literate

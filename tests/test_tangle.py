@@ -446,6 +446,72 @@ def test_a_later_chapter_adds_lines_to_the_end_of_a_constructor(tmp_path: Path) 
     assert counter.history == [5] and Counter.__init__.__name__ == "__init__"
 
 
+def test_added_methods_go_below_their_first_caller_so_a_class_reads_top_down(tmp_path: Path) -> None:
+    first = """
+# %%
+#| default_exp engine.engine
+
+# %% engine
+#| export
+class Engine:
+    def run(self) -> int:
+        return self.step()
+
+    def step(self) -> int:
+        return 1
+
+    def stop(self) -> None:
+        pass
+
+
+def helper() -> int:
+    return 2
+"""
+    later = """
+# %% engine grows
+#| export engine.engine
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.engine import Engine
+
+
+@add_to_class(Engine)
+def _count(self) -> int:
+    return 3
+
+
+@add_to_class(Engine)
+def report(self) -> str:
+    return str(self._summary())
+
+
+@add_to_class(Engine)
+def _summary(self) -> int:
+    return self._count()
+
+
+@add_to_class(Engine)
+def step(self) -> int:
+    return self._prepare() + self._count()
+
+
+@add_to_class(Engine)
+def _prepare(self) -> int:
+    return 0
+"""
+    chapter(tmp_path, "01_engine.py", first)
+    chapter(tmp_path, "02_more.py", later)
+    text = tangle.tangle(tmp_path)[Path("nanovllm/engine/engine.py")]
+    order = [line.split("def ")[1].split("(")[0] for line in text.splitlines() if line.startswith("    def ")]
+    # step (replaced in place) calls _prepare, then _count; report, which nothing calls, goes last, _summary below.
+    assert order == ["run", "step", "_prepare", "_count", "stop", "report", "_summary"], order
+    # Each line still says which cell it came from: stop and the function after the class are chapter 01's.
+    first_marker = '# notebooks/01_engine.py · cell "engine"'
+    later_marker = '# notebooks/02_more.py · cell "engine grows"'
+    assert text.index(f"    {first_marker}\n    def stop") > text.index("def _count")
+    report = text.index(f"    {later_marker}\n    def report")
+    assert text.index(f"{first_marker}\ndef helper") > text.index("def _summary") > report
+
+
 @pytest.mark.parametrize(
     ("extension", "fragment"),
     [

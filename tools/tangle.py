@@ -22,7 +22,9 @@ to a class of the module, or replaces one, with d2l's idiom::
 
 and adds a class attribute with a plain assignment, ``Sequence.sample_index: int = 0``. The tangler
 splices each such member into the one ``class`` block of the module (a replaced method keeps its place,
-a new one goes last, a new attribute after the class's attributes), so the package stays plain Python.
+a new attribute goes after the class's attributes, and once every chapter is in, a new method goes right
+below the first method that calls it, or last if none does, so that the class reads top-down), so the
+package stays plain Python.
 State that every instance needs comes the same way, without retyping the constructor::
 
     @add_to_init(Sequence)         # in the notebook it runs the function at the end of __init__
@@ -139,6 +141,8 @@ class Module:
     future_imports: list[str] = field(default_factory=list)
     bodies: list[str] = field(default_factory=list)
     public_names: list[str] = field(default_factory=list)
+    # The methods that later chapters added to each class, in chapter order (`order_added_methods` places them).
+    added: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def path(self) -> Path:
@@ -446,10 +450,102 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
             lines[at:at] = [*new, ""]
             remark_class_lines(lines, at + len(new) + 1, own_marker)
     else:
+        # At the end for now; `order_added_methods` moves it below its first caller once every chapter is in.
         lines[cls.end_lineno : cls.end_lineno] = ["", *new]
+        module.added.setdefault(class_name, []).append(member)
+        # What follows the class in its cell is that cell's again, not the new member's.
+        remark_class_lines(lines, cls.end_lineno + len(new) + 1, lines[0])
     module.bodies[index] = "\n".join(lines)
     if cell.chapter not in module.chapters:
         module.chapters.append(cell.chapter)
+
+
+def order_added_methods(module: Module) -> None:
+    """Let each class read top-down: every method that a later chapter added goes right below the first method
+    that calls it (its callees below it in turn, in the order it calls them), the first cut's members and the
+    replaced ones staying where they are; a method that nothing calls stays at the end, in chapter order."""
+    for class_name, added in module.added.items():
+        index, cls = find_class(module, class_name)
+        module.bodies[index] = "\n".join(ordered_class_lines(module.bodies[index], cls, set(added)))
+
+
+def ordered_class_lines(body: str, cls: ast.ClassDef, movable: set[str]) -> list[str]:
+    """The lines of ``body`` with the ``movable`` methods of ``cls`` placed as `order_added_methods` says."""
+    lines = list(enumerate(body.splitlines()))
+    texts = [text for _, text in lines]
+    methods = {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    blocks = {name: (leading_comments_start(texts, first_line(method) - 1, set()), method.end_lineno)
+              for name, method in methods.items() if name in movable}
+    placed: set[str] = set()
+
+    def below(name: str) -> list[tuple[int, str]]:
+        """The blocks to write below method ``name``: its movable callees, each followed by its own."""
+        out: list[tuple[int, str]] = []
+        for callee in _callees(methods[name], cls.name):
+            if callee in blocks and callee not in placed:
+                placed.add(callee)
+                out += [(-1, ""), *lines[slice(*blocks[callee])], *below(callee)]
+        return out
+
+    insertions = {method.end_lineno - 1: below(name) for name, method in methods.items() if name not in blocks}
+    # What no kept method calls goes last: first those that no other such method calls either, each with its own.
+    unplaced = [name for name in blocks if name not in placed]
+    called = {callee for name in unplaced for callee in _callees(methods[name], cls.name) if callee != name}
+    leftovers: list[tuple[int, str]] = []
+    for name in [*(n for n in unplaced if n not in called), *unplaced]:
+        if name not in placed:
+            placed.add(name)
+            leftovers += [(-1, ""), *lines[slice(*blocks[name])], *below(name)]
+    # Each block goes with the blank line above it.
+    removed = {i for start, end in blocks.values() for i in range(start - (not texts[start - 1].strip()), end)}
+    last_kept = max(i for i in range(cls.lineno - 1, cls.end_lineno) if i not in removed)
+    insertions[last_kept] = insertions.get(last_kept, []) + leftovers
+    ordered: list[tuple[int, str]] = []
+    for i, line in lines:
+        if i not in removed:
+            ordered += [(i, line), *insertions.get(i, [])]
+    return remark_after_moves(lines, ordered, cls)
+
+
+def _callees(method: ast.AST, class_name: str) -> list[str]:
+    """The names ``method`` reaches as ``self.name`` (or ``cls.name``, ``ClassName.name``), in the order it first
+    writes them."""
+    uses = sorted((n.lineno, n.col_offset, n.attr) for n in ast.walk(method) if isinstance(n, ast.Attribute)
+                  and isinstance(n.value, ast.Name) and n.value.id in ("self", "cls", class_name))
+    return list(dict.fromkeys(name for *_, name in uses))
+
+
+def _provenance(lines: list[tuple[int, str]]) -> dict[int, str]:
+    """For each code line (by its first index), the nearest marker above it: the cell it is said to come from."""
+    marker, found = "", {}
+    for i, line in lines:
+        if MARKER_LINE.match(line):
+            marker = line.strip()
+        elif line.strip() and not line.lstrip().startswith("#"):
+            found[i] = marker
+    return found
+
+
+def remark_after_moves(before: list[tuple[int, str]], after: list[tuple[int, str]], cls: ast.ClassDef) -> list[str]:
+    """Put a member's cell marker back above it where, once methods moved, the nearest marker above it is another
+    cell's; then check that every line still names the cell it came from."""
+    wanted = _provenance(before)
+    indent = " " * cls.body[0].col_offset
+    fixed: list[tuple[int, str]] = []
+    marker = ""
+    for i, line in after:
+        if MARKER_LINE.match(line):
+            marker = line.strip()
+        elif i in wanted and wanted[i] != marker and line.startswith(indent) and not line[len(indent)].isspace():
+            start = len(fixed)
+            while start > 0 and fixed[start - 1][1].strip().startswith(("#", "@")):
+                start -= 1
+            fixed.insert(start, (-1, f"{indent}{wanted[i]}"))
+            marker = wanted[i]
+        fixed.append((i, line))
+    if _provenance(fixed) != wanted:
+        raise TangleError(f"ordering the methods of {cls.name} changed which cell a line is said to come from")
+    return [line for _, line in fixed]
 
 
 def extend_init(module: Module, cell: Cell, class_name: str, source: list[str], node: ast.FunctionDef) -> None:
@@ -698,6 +794,8 @@ def tangle(root: Path) -> dict[Path, str]:
         add_cell(module, cell, public=public)
         if cell.chapter not in module.chapters:
             module.chapters.append(cell.chapter)
+    for module in modules.values():
+        order_added_methods(module)
     files = {module.path: render(module) for module in modules.values()}
     # Every package directory needs an __init__.py; generate the ones no chapter owns.
     for path in list(files):

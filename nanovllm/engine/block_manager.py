@@ -115,6 +115,13 @@ class BlockManager(BlockPool):
         """True when the free list can supply every block ``seq`` needs (after cache hits)."""
         return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
 
+    def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
+        return seq.num_blocks - shared
+
+    def _cache_hits(self, seq: Sequence) -> list[int]:
+        return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
+
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
@@ -142,6 +149,13 @@ class BlockManager(BlockPool):
         copy = self._shared_write_block(seq) is not None
         return seq.num_blocks - len(seq.block_table) + copy
 
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
+        i = seq.num_cached_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return i
+        return None
+
     # notebooks/02_block_manager.py · cell "block manager"
     def can_append(self, seq: Sequence) -> bool:
         """True when the blocks for ``seq``'s next decode step are available."""
@@ -162,13 +176,6 @@ class BlockManager(BlockPool):
         seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
 
     # notebooks/03_prefix_caching.py · cell "allocate with hits"
-    def _cache_hits(self, seq: Sequence) -> list[int]:
-        return self.prefix_cache.match(seq) if self.prefix_cache is not None else []
-
-    def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
-        shared = sum(1 for block_id in hits if self.blocks[block_id].ref_count > 0)
-        return seq.num_blocks - shared
-
     def publish_full_blocks(self, seq: Sequence) -> None:
         """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
         if self.prefix_cache is not None:
@@ -180,13 +187,6 @@ class BlockManager(BlockPool):
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self.hold(block_id)
-
-    def _shared_write_block(self, seq: Sequence) -> int | None:
-        """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
-        i = seq.num_cached_tokens // self.block_size
-        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
-            return i
-        return None
 
     # notebooks/17_speculative_decoding.py · cell "block manager trims"
     def trim(self, seq: Sequence) -> None:

@@ -177,6 +177,40 @@ class LLMEngine:
                 self._raise_observer_error()
             return seqs[0].seq_id
 
+    # notebooks/13_robustness.py · cell "one call at a time"
+    @contextlib.contextmanager
+    def _one_call(self, name: str) -> Iterator[None]:
+        """Run the body of `LLMEngine` method ``name`` under the engine's lock. A call from another thread waits until
+        the call in progress returns; a call from inside another call on the same thread (an observer, a callback)
+        would find the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself."""
+        # The lock is reentrant, and whether a call is in progress is asked once it is held. A signal handler
+        # that calls the engine while this thread's call is between taking the lock and marking itself begun
+        # then finds no call begun and runs whole, before it; one that lands later finds the mark and raises.
+        # (Asked before taking a plain lock, a handler landing between the two waited for its own thread forever.)
+        with self._lock:
+            if self._in_call:
+                raise EngineBusyError(
+                    f"{name}() was called from inside another call of this engine on the same thread (an observer, a "
+                    "callback or a signal handler?), in the middle of a step; call it once that call has returned"
+                )
+            # Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
+            # safe). The lock is taken first: waiting for another thread's call stays interruptible.
+            with deferred_interrupt():
+                self._in_call = True
+                try:
+                    yield
+                finally:
+                    self._in_call = False
+
+    # notebooks/13_robustness.py · cell "the engine's rules"
+    def _raise_observer_error(self) -> None:
+        """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
+        errors = self.scheduler.observer_errors
+        if errors:
+            error = errors[0]
+            errors.clear()
+            raise error
+
     # notebooks/11_engine.py · cell "llm engine"
     # ---- the loop -------------------------------------------------------------
     # notebooks/13_robustness.py · cell "the engine's rules"
@@ -214,6 +248,17 @@ class LLMEngine:
             raise
         return outputs, num_tokens, is_prefill
 
+    def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
+        """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
+        ids = sorted(request for request in self._dropped if among is None or request in among)
+        if not ids:
+            return None
+        causes = sorted({self._dropped.pop(request) for request in ids})
+        some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
+        return NonFiniteLogitsError(
+            f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
+            "serving other requests", ids)
+
     # notebooks/12_async_scheduling.py · cell "engine in flight"
     def _step(self) -> tuple[list[Sequence], int, bool]:
         """One step: the sequences it finished, the tokens it computed, whether it was a prefill. Asynchronously,
@@ -231,6 +276,101 @@ class LLMEngine:
         if done is None:
             return [], 0, launched.is_prefill
         return self._collect(done)
+
+    # notebooks/17_speculative_decoding.py · cell "engine verifies"
+    def next_step_waits(self) -> bool:
+        """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
+        scheduler = self.scheduler
+        if self.drafts_source() is None or scheduler.drafts_per_sequence(len(scheduler.running)) == 0:
+            return False
+        return any(scheduler.may_draft(seq) for seq in scheduler.running)
+
+    def drafts_source(self) -> Proposer | None:
+        """The proposer of a speculating engine (built from the settings on first use); None without speculation."""
+        config = self.config
+        if config.speculative_method is None:
+            return None
+        if self.proposer is None:
+            drafts = config.num_speculative_tokens
+            self.proposer = NgramProposer(drafts) if config.speculative_method == "ngram" else \
+                DraftModelProposer(config.speculative_model, drafts, **draft_engine_settings(config))
+        return self.proposer
+
+    # notebooks/13_robustness.py · cell "the engine's rules"
+    def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
+        """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
+        token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+        seqs, indices = step.seqs, step.indices
+        broken = []
+        # The sampler marks a row whose logits are not numbers. Looking for the mark in
+        # the tokens the host has read anyway costs no wait for the GPU on any step.
+        if NON_FINITE in token_ids:
+            broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
+            kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
+            seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
+        finished = self.scheduler.resolve(seqs, indices, token_ids)
+        if broken:
+            self._drop(broken)
+        return finished, step.num_tokens, step.is_prefill
+
+    def _drop(self, broken: list[Sequence]) -> None:
+        """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
+        `generate` call they belong to, else by the next `step`."""
+        requests = {seq.request_id for seq in broken if not seq.is_finished}
+        if not requests:
+            # dropped already, in an earlier step
+            return
+        cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
+        for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
+            if seq.request_id in requests:
+                self.scheduler.abort(seq)
+        self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
+        self._dropped.update(dict.fromkeys(requests, cause))
+
+    # notebooks/17_speculative_decoding.py · cell "engine verifies"
+    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+        """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
+        with drafts is verified, and what the model accepts is counted as a plain decode step."""
+        seqs, is_prefill = self.scheduler.schedule()
+        proposer = self.drafts_source()
+        # Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
+        verifying = False
+        if proposer is not None and not is_prefill and previous is None:
+            verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
+        counted, indices = self.scheduler.advance(seqs, is_prefill)
+        return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+    def _verify(self, seqs: list[Sequence]) -> list[int]:
+        """Run a decode step with drafts to the end and keep what the model agrees with (`accept_drafts`): each
+        sequence's one new token, as a plain decode step has. If nothing comes of it (an error, Ctrl-C), the drafts go
+        first, then `rollback` undoes the schedule, so the same step can run again."""
+        try:
+            # As in `_compute`: the one stretch where Ctrl-C gets through at once.
+            with interruptible():
+                targets = self.model_runner.verify(seqs)
+        except BaseException:
+            self.scheduler.drop_drafts(seqs)
+            self.scheduler.rollback(seqs, is_prefill=False)
+            raise
+        return self.scheduler.accept_drafts(seqs, targets)
+
+    # notebooks/13_robustness.py · cell "step that fails"
+    def _compute(
+        self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
+    ) -> SampledTokens | TPStep | list[int]:
+        """Hand a scheduled step to the model runner (see `_launch`). If nothing comes of it (an error, Ctrl-C, out of
+        memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
+        try:
+            # The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
+            with interruptible():
+                if self.config.async_scheduling:
+                    return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+                return self.model_runner.run(seqs, is_prefill)
+        except BaseException:
+            self.scheduler.rollback(seqs, is_prefill)
+            raise
 
     # notebooks/13_robustness.py · cell "the engine's rules"
     def is_finished(self) -> bool:
@@ -277,115 +417,6 @@ class LLMEngine:
                 raise
             return [self._result(outputs[seqs[0].seq_id]) for seqs in requests]
 
-    # notebooks/11_engine.py · cell "llm engine"
-    def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
-        """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
-        ``"outputs"``: every sample's ``{"text", "token_ids"}``, in sample order."""
-        completions = [
-            {"text": self.tokenizer.decode(samples[i], skip_special_tokens=True), "token_ids": samples[i]}
-            for i in sorted(samples)
-        ]
-        result = dict(completions[0])
-        if len(completions) > 1:
-            result["outputs"] = completions
-        return result
-
-    # notebooks/17_speculative_decoding.py · cell "engine verifies"
-    def next_step_waits(self) -> bool:
-        """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
-        scheduler = self.scheduler
-        if self.drafts_source() is None or scheduler.drafts_per_sequence(len(scheduler.running)) == 0:
-            return False
-        return any(scheduler.may_draft(seq) for seq in scheduler.running)
-
-    def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
-        """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
-        with drafts is verified, and what the model accepts is counted as a plain decode step."""
-        seqs, is_prefill = self.scheduler.schedule()
-        proposer = self.drafts_source()
-        # Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
-        verifying = False
-        if proposer is not None and not is_prefill and previous is None:
-            verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
-        counted, indices = self.scheduler.advance(seqs, is_prefill)
-        return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
-
-    # notebooks/13_robustness.py · cell "step that fails"
-    def _compute(
-        self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
-    ) -> SampledTokens | TPStep | list[int]:
-        """Hand a scheduled step to the model runner (see `_launch`). If nothing comes of it (an error, Ctrl-C, out of
-        memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
-        try:
-            # The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
-            with interruptible():
-                if self.config.async_scheduling:
-                    return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-                return self.model_runner.run(seqs, is_prefill)
-        except BaseException:
-            self.scheduler.rollback(seqs, is_prefill)
-            raise
-
-    # notebooks/13_robustness.py · cell "the engine's rules"
-    def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
-        """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
-        token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
-        seqs, indices = step.seqs, step.indices
-        broken = []
-        # The sampler marks a row whose logits are not numbers. Looking for the mark in
-        # the tokens the host has read anyway costs no wait for the GPU on any step.
-        if NON_FINITE in token_ids:
-            broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
-            kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
-            seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
-        finished = self.scheduler.resolve(seqs, indices, token_ids)
-        if broken:
-            self._drop(broken)
-        return finished, step.num_tokens, step.is_prefill
-
-    # notebooks/13_robustness.py · cell "step that fails"
-    def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
-        """After an interruption: record the step in flight if it completed, else drop its sequences. What it
-        finished waits for `step` to report it, except the requests in ``dropping`` (the interrupted call's)."""
-        step, self.in_flight = self.in_flight, None
-        if step is None:
-            return
-        try:
-            finished = self._collect(step)[0]
-            self.unreported += [seq for seq in finished if seq.request_id not in dropping]
-        except Exception:
-            for seq in step.seqs:
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)
-
-    # notebooks/13_robustness.py · cell "one call at a time"
-    @contextlib.contextmanager
-    def _one_call(self, name: str) -> Iterator[None]:
-        """Run the body of `LLMEngine` method ``name`` under the engine's lock. A call from another thread waits until
-        the call in progress returns; a call from inside another call on the same thread (an observer, a callback)
-        would find the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself."""
-        # The lock is reentrant, and whether a call is in progress is asked once it is held. A signal handler
-        # that calls the engine while this thread's call is between taking the lock and marking itself begun
-        # then finds no call begun and runs whole, before it; one that lands later finds the mark and raises.
-        # (Asked before taking a plain lock, a handler landing between the two waited for its own thread forever.)
-        with self._lock:
-            if self._in_call:
-                raise EngineBusyError(
-                    f"{name}() was called from inside another call of this engine on the same thread (an observer, a "
-                    "callback or a signal handler?), in the middle of a step; call it once that call has returned"
-                )
-            # Ctrl-C waits until the engine's books are whole (`interruptible` lets it through where that is
-            # safe). The lock is taken first: waiting for another thread's call stays interruptible.
-            with deferred_interrupt():
-                self._in_call = True
-                try:
-                    yield
-                finally:
-                    self._in_call = False
-
-    # notebooks/13_robustness.py · cell "the engine's rules"
     def _queue_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Sequence]]:
         """Make every request's sequences, then queue them all: a bad request raises before anything is queued."""
         requests = []
@@ -438,6 +469,16 @@ class LLMEngine:
         finally:
             bar.close()
 
+    def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
+        """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
+        ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
+        error = self._take_dropped(ids)
+        if error is not None:
+            prompts = ", ".join(str(ids[request]) for request in error.request_ids)
+            alone = len(ids) == len(error.request_ids)
+            others = "" if alone else " (generate raised: its other prompts were dropped too)"
+            raise NonFiniteLogitsError(f"prompt {prompts}: {error}{others}", error.request_ids)
+
     def _abandon(self, outputs: dict[int, dict[int, list[int]]]) -> None:
         """An interrupted `generate` takes its unfinished requests with it (forked samples included): their blocks are
         freed, and a later call does not compute them for nobody."""
@@ -450,58 +491,35 @@ class LLMEngine:
         # the error this call raises comes first
         self.scheduler.observer_errors.clear()
 
-    def _raise_observer_error(self) -> None:
-        """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
-        errors = self.scheduler.observer_errors
-        if errors:
-            error = errors[0]
-            errors.clear()
-            raise error
-
-    def _drop(self, broken: list[Sequence]) -> None:
-        """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
-        `generate` call they belong to, else by the next `step`."""
-        requests = {seq.request_id for seq in broken if not seq.is_finished}
-        if not requests:
-            # dropped already, in an earlier step
+    # notebooks/13_robustness.py · cell "step that fails"
+    def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
+        """After an interruption: record the step in flight if it completed, else drop its sequences. What it
+        finished waits for `step` to report it, except the requests in ``dropping`` (the interrupted call's)."""
+        step, self.in_flight = self.in_flight, None
+        if step is None:
             return
-        cause = non_finite_cause(getattr(self.model_runner, "model", None), self.config.dtype)
-        for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
-            if seq.request_id in requests:
-                self.scheduler.abort(seq)
-        self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
-        self._dropped.update(dict.fromkeys(requests, cause))
+        try:
+            finished = self._collect(step)[0]
+            self.unreported += [seq for seq in finished if seq.request_id not in dropping]
+        except Exception:
+            for seq in step.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
 
-    def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
-        """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
-        ids = sorted(request for request in self._dropped if among is None or request in among)
-        if not ids:
-            return None
-        causes = sorted({self._dropped.pop(request) for request in ids})
-        some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
-        return NonFiniteLogitsError(
-            f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
-            "serving other requests", ids)
-
-    def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
-        """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
-        ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
-        error = self._take_dropped(ids)
-        if error is not None:
-            prompts = ", ".join(str(ids[request]) for request in error.request_ids)
-            alone = len(ids) == len(error.request_ids)
-            others = "" if alone else " (generate raised: its other prompts were dropped too)"
-            raise NonFiniteLogitsError(f"prompt {prompts}: {error}{others}", error.request_ids)
+    # notebooks/11_engine.py · cell "llm engine"
+    def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
+        """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
+        ``"outputs"``: every sample's ``{"text", "token_ids"}``, in sample order."""
+        completions = [
+            {"text": self.tokenizer.decode(samples[i], skip_special_tokens=True), "token_ids": samples[i]}
+            for i in sorted(samples)
+        ]
+        result = dict(completions[0])
+        if len(completions) > 1:
+            result["outputs"] = completions
+        return result
 
     # notebooks/15_serving.py · cell "step tokens"
-    def _unreported_sequences(self) -> dict[int, Sequence]:
-        """Every sequence that `step` has not reported yet, by seq_id: queued, running, in flight, or finished and
-        waiting to be reported."""
-        seqs = [*self.scheduler.waiting, *self.scheduler.running, *self.unreported]
-        if self.in_flight is not None:
-            seqs += self.in_flight.seqs
-        return {seq.seq_id: seq for seq in seqs}
-
     def step_tokens(self) -> list[NewTokens]:
         """One `step`, reported token by token: every sample that has completion tokens it has not reported yet, with
         those tokens, finished or not. A server streams them; ``step()`` alone reports only finished sequences."""
@@ -524,6 +542,14 @@ class LLMEngine:
                     seq.num_streamed_tokens = known
             return news
 
+    def _unreported_sequences(self) -> dict[int, Sequence]:
+        """Every sequence that `step` has not reported yet, by seq_id: queued, running, in flight, or finished and
+        waiting to be reported."""
+        seqs = [*self.scheduler.waiting, *self.scheduler.running, *self.unreported]
+        if self.in_flight is not None:
+            seqs += self.in_flight.seqs
+        return {seq.seq_id: seq for seq in seqs}
+
     def abort_request(self, request_id: int, sample_index: int | None = None) -> list[int]:
         """Drop a request of `add_request`, or only its sample ``sample_index``: out of the queues, its blocks freed
         now, never reported by `step`. Returns the seq_ids dropped (none once it was reported, or if it never was)."""
@@ -538,32 +564,6 @@ class LLMEngine:
             if sample_index is None:
                 self._dropped.pop(request_id, None)
             return dropped
-
-    # notebooks/17_speculative_decoding.py · cell "engine verifies"
-    def drafts_source(self) -> Proposer | None:
-        """The proposer of a speculating engine (built from the settings on first use); None without speculation."""
-        config = self.config
-        if config.speculative_method is None:
-            return None
-        if self.proposer is None:
-            drafts = config.num_speculative_tokens
-            self.proposer = NgramProposer(drafts) if config.speculative_method == "ngram" else \
-                DraftModelProposer(config.speculative_model, drafts, **draft_engine_settings(config))
-        return self.proposer
-
-    def _verify(self, seqs: list[Sequence]) -> list[int]:
-        """Run a decode step with drafts to the end and keep what the model agrees with (`accept_drafts`): each
-        sequence's one new token, as a plain decode step has. If nothing comes of it (an error, Ctrl-C), the drafts go
-        first, then `rollback` undoes the schedule, so the same step can run again."""
-        try:
-            # As in `_compute`: the one stretch where Ctrl-C gets through at once.
-            with interruptible():
-                targets = self.model_runner.verify(seqs)
-        except BaseException:
-            self.scheduler.drop_drafts(seqs)
-            self.scheduler.rollback(seqs, is_prefill=False)
-            raise
-        return self.scheduler.accept_drafts(seqs, targets)
 
 
 # notebooks/12_async_scheduling.py · cell "engine in flight"

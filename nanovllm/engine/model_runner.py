@@ -358,6 +358,17 @@ class ModelRunner:
         finally:
             reset_context()
 
+    def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+        """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
+        taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
+        twenty torch operations, in two)."""
+        if self.staging is None:
+            self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
+        self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
+        if previous is not None:
+            previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
+        return self.graphs.replay_loaded(len(seqs))
+
     # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
         """The model's hidden states for a step's flat inputs; a decode batch that fits a graph replays it."""
@@ -370,6 +381,16 @@ class ModelRunner:
         """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
         first token of each sibling the step forks."""
         return self.launch(seqs, is_prefill).token_ids()
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
+        """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""
+        assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
+        logits = self.compute_logits(seqs, is_prefill, previous)
+        rows, sampled = self.sample(seqs, logits)
+        sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)
+        # Only the rank that sampled needs the tokens on the host (the others never read them there).
+        return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
 
     # notebooks/08_model_runner.py · cell "model runner"
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
@@ -398,28 +419,6 @@ class ModelRunner:
             layer.k_cache = layer.v_cache = torch.tensor([])
             layer.k_scales = layer.v_scales = None
         self.kv_cache, self.kv_scales = torch.tensor([]), None
-
-    # notebooks/12_async_scheduling.py · cell "runner launches"
-    def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
-        """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
-        taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
-        twenty torch operations, in two)."""
-        if self.staging is None:
-            self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
-        self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
-        if previous is not None:
-            previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
-        return self.graphs.replay_loaded(len(seqs))
-
-    @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
-        """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""
-        assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
-        logits = self.compute_logits(seqs, is_prefill, previous)
-        rows, sampled = self.sample(seqs, logits)
-        sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)
-        # Only the rank that sampled needs the tokens on the host (the others never read them there).
-        return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
 
     # notebooks/17_speculative_decoding.py · cell "runner verifies"
     @torch.inference_mode()

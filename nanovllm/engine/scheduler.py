@@ -169,6 +169,74 @@ class Scheduler:
         seqs, indices = self.advance(seqs, is_prefill)
         return self.resolve(seqs, indices, token_ids)
 
+    def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[int | None]]:
+        """Count a computed step before its tokens are known.
+
+        Returns the step's sequences followed by the siblings they fork, and where each one's new token goes:
+        None for a partial prefill chunk (it samples nothing). A sequence that reaches ``max_tokens`` with this
+        token leaves ``running`` and gives back its blocks now, so that the next schedule can use them.
+        """
+        assert all(seq.num_scheduled_tokens == 1 or (is_prefill and seq.num_scheduled_tokens) for seq in seqs)
+        seqs = [*seqs, *self._fork_siblings(seqs)]
+        indices: list[int | None] = []
+        for seq in seqs:
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            # The model runner made the step's copy-on-write copies when it launched the step.
+            seq.blocks_to_copy = []
+            if seq.num_cached_tokens < len(seq):
+                # a partial prefill chunk: no new token (the model runner passes -1)
+                indices.append(None)
+                continue
+            indices.append(seq.append_pending_token())
+            if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
+                # Publish the blocks whose tokens are all known: the token this step computed (the last
+                # cached one) may still be pending, and a hash needs its value.
+                if seq.token_ids[seq.num_cached_tokens - 1 - seq.first_token_index] == PENDING_TOKEN:
+                    seq.num_cached_tokens -= 1
+                self.block_manager.publish_full_blocks(seq)
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+        return seqs, indices
+
+    # notebooks/04b_parallel_sampling.py · cell "scheduler forks"
+    def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The siblings that a step's sequences fork, in `sibling_samples` order: each a copy of its parent in the
+        middle of the step, sharing the parent's blocks, at the tail of ``running``. The parents fork no more."""
+        siblings = []
+        for i, sample_index in sibling_samples(seqs):
+            child = seqs[i].fork(sample_index)
+            self.block_manager.fork(seqs[i], child)
+            self.running.append(child)
+            siblings.append(child)
+        for i, _ in sibling_samples(seqs):
+            seqs[i].pending_forks = 0
+        return siblings
+
+    # notebooks/12_async_scheduling.py · cell "scheduler in two halves"
+    def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
+        """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
+        assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
+        finished: list[Sequence] = []
+        for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
+            if seq.is_finished:
+                # It finished in an earlier step (this token was computed past its end), or it was
+                # aborted while this step was in flight: nothing of it is recorded.
+                continue
+            # The KV of the step's tokens is queued on the GPU ahead of any step that could read it:
+            # full blocks can be published.
+            self.block_manager.publish_full_blocks(seq)
+            if index is None:
+                continue
+            seq.set_token(index, token_id)
+            params = seq.sampling_params
+            completion_tokens = index + 1 - seq.num_prompt_tokens
+            if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
+                self._finish(seq, num_tokens=index + 1)
+                finished.append(seq)
+        self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+        return finished
+
     # notebooks/13_robustness.py · cell "observers wait"
     def _notify(self, event: str, data: dict) -> None:
         """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
@@ -204,74 +272,6 @@ class Scheduler:
         if seq.block_table:
             self.block_manager.deallocate(seq)
 
-    # notebooks/04b_parallel_sampling.py · cell "scheduler forks"
-    def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The siblings that a step's sequences fork, in `sibling_samples` order: each a copy of its parent in the
-        middle of the step, sharing the parent's blocks, at the tail of ``running``. The parents fork no more."""
-        siblings = []
-        for i, sample_index in sibling_samples(seqs):
-            child = seqs[i].fork(sample_index)
-            self.block_manager.fork(seqs[i], child)
-            self.running.append(child)
-            siblings.append(child)
-        for i, _ in sibling_samples(seqs):
-            seqs[i].pending_forks = 0
-        return siblings
-
-    # notebooks/12_async_scheduling.py · cell "scheduler in two halves"
-    def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence], list[int | None]]:
-        """Count a computed step before its tokens are known.
-
-        Returns the step's sequences followed by the siblings they fork, and where each one's new token goes:
-        None for a partial prefill chunk (it samples nothing). A sequence that reaches ``max_tokens`` with this
-        token leaves ``running`` and gives back its blocks now, so that the next schedule can use them.
-        """
-        assert all(seq.num_scheduled_tokens == 1 or (is_prefill and seq.num_scheduled_tokens) for seq in seqs)
-        seqs = [*seqs, *self._fork_siblings(seqs)]
-        indices: list[int | None] = []
-        for seq in seqs:
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            # The model runner made the step's copy-on-write copies when it launched the step.
-            seq.blocks_to_copy = []
-            if seq.num_cached_tokens < len(seq):
-                # a partial prefill chunk: no new token (the model runner passes -1)
-                indices.append(None)
-                continue
-            indices.append(seq.append_pending_token())
-            if seq.num_completion_tokens >= seq.sampling_params.max_tokens:
-                # Publish the blocks whose tokens are all known: the token this step computed (the last
-                # cached one) may still be pending, and a hash needs its value.
-                if seq.token_ids[seq.num_cached_tokens - 1 - seq.first_token_index] == PENDING_TOKEN:
-                    seq.num_cached_tokens -= 1
-                self.block_manager.publish_full_blocks(seq)
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
-        return seqs, indices
-
-    def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
-        """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
-        assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
-        finished: list[Sequence] = []
-        for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
-            if seq.is_finished:
-                # It finished in an earlier step (this token was computed past its end), or it was
-                # aborted while this step was in flight: nothing of it is recorded.
-                continue
-            # The KV of the step's tokens is queued on the GPU ahead of any step that could read it:
-            # full blocks can be published.
-            self.block_manager.publish_full_blocks(seq)
-            if index is None:
-                continue
-            seq.set_token(index, token_id)
-            params = seq.sampling_params
-            completion_tokens = index + 1 - seq.num_prompt_tokens
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
-                self._finish(seq, num_tokens=index + 1)
-                finished.append(seq)
-        self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
-        return finished
-
     # notebooks/13_robustness.py · cell "scheduler undo and abort"
     def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
         """Undo ``schedule()`` for a step that was never computed (the model raised), so it can run again.
@@ -300,32 +300,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
-    def drafts_per_sequence(self, batch: int) -> int:
-        """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves it, or 0
-        when that is fewer than `min_drafts`."""
-        drafts = self.max_verify_rows // max(1, batch) - 1
-        return drafts if drafts >= self.min_drafts else 0
-
-    def may_draft(self, seq: Sequence) -> bool:
-        """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
-        return len(seq) >= seq.drafts_resume_at
-
-    def note_verify(self, seq: Sequence, tokens: int) -> None:
-        """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
-        `min_tokens_per_verify` (for twice as long as the pause before, when no good verify step came in between)."""
-        # A new sequence starts trusted: two verify steps that keep nothing pause it.
-        recent = seq.recent_tokens_per_verify
-        recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
-        if tokens >= self.min_tokens_per_verify:
-            seq.draft_pauses = 0
-        if recent < self.min_tokens_per_verify:
-            pause = min(self.draft_pause_tokens << seq.draft_pauses, self.max_draft_pause_tokens)
-            seq.drafts_resume_at = len(seq) + pause
-            seq.draft_pauses += 1
-            # Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
-            recent = self.min_tokens_per_verify
-        seq.recent_tokens_per_verify = recent
-
     def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
         budget and `max_verify_rows`; returns how many drafts the step now verifies."""
@@ -366,6 +340,16 @@ class Scheduler:
             self._notify("drafts", {"seqs": seqs})
         return reserved
 
+    def drafts_per_sequence(self, batch: int) -> int:
+        """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves it, or 0
+        when that is fewer than `min_drafts`."""
+        drafts = self.max_verify_rows // max(1, batch) - 1
+        return drafts if drafts >= self.min_drafts else 0
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
+        return len(seq) >= seq.drafts_resume_at
+
     # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[int]:
         """Keep each sequence's drafts up to the first that its ``targets`` (the model's token after the last token and
@@ -402,6 +386,24 @@ class Scheduler:
         self._notify("verified", {"seqs": seqs, "drafted": drafted, "kept": kept_drafts})
         return new_tokens
 
+    # notebooks/17_speculative_decoding.py · cell "scheduler reserves drafts"
+    def note_verify(self, seq: Sequence, tokens: int) -> None:
+        """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
+        `min_tokens_per_verify` (for twice as long as the pause before, when no good verify step came in between)."""
+        # A new sequence starts trusted: two verify steps that keep nothing pause it.
+        recent = seq.recent_tokens_per_verify
+        recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
+        if tokens >= self.min_tokens_per_verify:
+            seq.draft_pauses = 0
+        if recent < self.min_tokens_per_verify:
+            pause = min(self.draft_pause_tokens << seq.draft_pauses, self.max_draft_pause_tokens)
+            seq.drafts_resume_at = len(seq) + pause
+            seq.draft_pauses += 1
+            # Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
+            recent = self.min_tokens_per_verify
+        seq.recent_tokens_per_verify = recent
+
+    # notebooks/17_speculative_decoding.py · cell "scheduler accepts drafts"
     def drop_drafts(self, seqs: list[Sequence]) -> None:
         """Undo `reserve_drafts` for a step that was never computed: the drafts and the blocks only they needed go."""
         for seq in seqs:

@@ -217,6 +217,7 @@ class Sequence:
         self.num_cached_tokens = min(self.num_cached_tokens, num_tokens)
 
 
+# notebooks/01_sequence.py · cell "sequence"
 def checked_token_ids(token_ids: Iterable[int]) -> list[int]:
     """A prompt's token ids as a list of ints, or a TypeError / ValueError that says what is wrong."""
     # Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered

@@ -160,6 +160,14 @@ class RankWorker:
         self.recent.pop(self.call_no - self.KEEP_STEPS, None)
         return step if self.rank == 0 else None
 
+    def _samples_of(self, call: int) -> SampledTokens:
+        """The samples of an earlier step."""
+        samples = self.recent.get(call)
+        if samples is None:
+            raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
+                               f"no longer holds")
+        return samples
+
     # notebooks/10b_tp_runtime.py · cell "rank side"
     def _sequences(
         self, states: list[tuple], params: tuple[dict[int, SamplingParams], list[int]] | None
@@ -197,15 +205,6 @@ class RankWorker:
         """Length and CRC-32 of what arrived: checks that a large message crosses the channel intact."""
         return len(payload), zlib.crc32(payload)
 
-    # notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
-    def _samples_of(self, call: int) -> SampledTokens:
-        """The samples of an earlier step."""
-        samples = self.recent.get(call)
-        if samples is None:
-            raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
-                               f"no longer holds")
-        return samples
-
 
 def _exit_with_parent() -> None:
     """Exit when the driver dies, even while this rank is stuck in a collective."""
@@ -224,6 +223,7 @@ def _send(conn: Connection, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+# notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
 def reply_value(result: Any) -> Any:
     """What a call's reply carries: its result, and for a queued step its tokens (waiting for the device)."""
     return result.token_ids() if isinstance(result, SampledTokens) else result
@@ -494,6 +494,16 @@ class TPRunner:
         """One step on every rank; rank 0's sampled tokens."""
         return self.launch(seqs, is_prefill).token_ids()
 
+    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
+        """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
+        pending tokens. Every rank has them: nothing waits for rank 0."""
+        before = None if previous is None else previous.call
+        # as in the synchronous run: the params and their call go together
+        with deferred_interrupt():
+            params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
+            call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
+        return TPStep(self, call)
+
     # notebooks/10b_tp_runtime.py · cell "driver side"
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""
@@ -560,17 +570,6 @@ class TPRunner:
             lines += ["", f"traceback of rank {first.rank}:", first.traceback.rstrip()]
         raise TPWorkerError("\n".join(lines))
 
-    # notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
-    def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
-        """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
-        pending tokens. Every rank has them: nothing waits for rank 0."""
-        before = None if previous is None else previous.call
-        # as in the synchronous run: the params and their call go together
-        with deferred_interrupt():
-            params = pickle.dumps(self._params_update(seqs), protocol=pickle.HIGHEST_PROTOCOL)
-            call = self.post("run", step_states(seqs), is_prefill, before, rank0_extra=params)
-        return TPStep(self, call)
-
 
 def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, stop: dict[str, bool]) -> None:
     """Stop every rank process and close every pipe: ask (normal exit) or terminate (after an error)."""
@@ -597,6 +596,7 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
     store.clear()
 
 
+# notebooks/12_async_scheduling.py · cell "ranks keep recent steps"
 @dataclass
 class TPStep:
     """A step queued on every rank (`TPRunner.launch`); `token_ids()` waits for rank 0's tokens.
