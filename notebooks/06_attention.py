@@ -219,7 +219,8 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str 
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def _slot(block_table: list[int], position: int, block_size: int) -> int:
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The KV-cache slot of token ``position`` of a sequence whose blocks are ``block_table``."""
     block_index = position // block_size
     assert 0 <= block_index < len(block_table), f"position {position} needs block {block_index}: {block_table}"
     return block_table[block_index] * block_size + position % block_size
@@ -247,7 +248,7 @@ def set_prefill_context(
     slot_mapping = tables = None
     if block_tables is not None:
         slots = [
-            _slot(table, position, block_size)
+            slot_of(table, position, block_size)
             for q, k, table in zip(seqlens_q, seqlens_k, block_tables, strict=True)
             for position in range(k - q, k)
         ]
@@ -274,7 +275,7 @@ def set_decode_context(
     device: torch.device | str | None = None,
 ) -> Context:
     """Set the context of a decode step: one new token per sequence, at position context_len - 1."""
-    slots = [_slot(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
+    slots = [slot_of(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
     return set_context(
         False,
         slot_mapping=host_to_device(slots, torch.int64, device),

@@ -422,7 +422,7 @@ import torch
 
 from nanovllm.engine.cuda_graphs import DecodeBuffers
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.context import _slot
+from nanovllm.layers.context import slot_of
 
 
 class DecodeStaging:
@@ -470,7 +470,7 @@ class DecodeStaging:
         tables[:graph_batch] = -1
         for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
             tables[i, : len(seq.block_table)] = seq.block_table
-            host["slot_mapping"][i] = _slot(seq.block_table, position, self.block_size)
+            host["slot_mapping"][i] = slot_of(seq.block_table, position, self.block_size)
         # en: Padding rows, as `DecodeBuffers.load` writes them: token 0 at position 0, storing nothing, attending
         # en: to nothing.
         # zh: 填充行，同第 09 章：位置 0 上的 token 0，什么都不存，什么都不关注。

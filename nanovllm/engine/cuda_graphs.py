@@ -12,7 +12,7 @@ from torch import nn
 
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.context import Context, _slot, reset_context, set_context
+from nanovllm.layers.context import Context, reset_context, set_context, slot_of
 
 __all__ = [
     "CAPTURE_SAFE_BACKENDS",
@@ -269,7 +269,7 @@ class DecodeStaging:
         tables[:graph_batch] = -1
         for i, (seq, position) in enumerate(zip(seqs, positions, strict=True)):
             tables[i, : len(seq.block_table)] = seq.block_table
-            host["slot_mapping"][i] = _slot(seq.block_table, position, self.block_size)
+            host["slot_mapping"][i] = slot_of(seq.block_table, position, self.block_size)
         # Padding rows, as `DecodeBuffers.load` writes them: token 0 at position 0, storing nothing, attending
         # to nothing.
         for name, _, wide, padding in DecodeBuffers.LAYOUT:
