@@ -88,3 +88,24 @@ def test_the_layout_is_what_the_readme_says() -> None:
         assert found, f"the README's layout does not show {prefix}"
         shown.append(found.start())
     assert shown == sorted(shown), f"the README's layout shows the book-only layers out of order: {BOOK_ONLY}"
+
+
+def private_imports(path: Path) -> list[str]:
+    """The private names (``_name``, dunders aside) that a file takes from another nanovllm module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and within(node.module, "nanovllm"):
+            found += [f"{node.module}.{alias.name}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_module_takes_another_modules_private_names() -> None:
+    found = {module_name(path): names for path in sorted(PACKAGE.rglob("*.py")) if (names := private_imports(path))}
+    assert not found, f"make these public, or move the code that needs them: {found}"
+
+
+def test_a_private_import_is_found(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text("from nanovllm.layers.context import Context, _slot\nfrom nanovllm import __version__\n")
+    assert private_imports(source) == ["nanovllm.layers.context._slot"]
