@@ -163,6 +163,7 @@ display(SVG(architecture_svg()))
 # | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
 # | [08 · The model runner](../08_model_runner/) | `Config`, flat step inputs, KV cache sizing |
 # | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
+# | [09b · The fused decode step](../09b_fused_decode/) | a layer in four matmul kernels; what a kernel boundary costs |
 # | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks |
 # | [10b · Ranks that talk](../10b_tp_runtime/) | ranks as processes: gloo, NCCL, Ctrl-C, stalls |
 # | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, SmolLM2 on a laptop, the command line |
@@ -194,6 +195,7 @@ display(SVG(architecture_svg()))
 # | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
 # | [08 · 模型执行器](../08_model_runner/) | `Config`、扁平的单步输入、KV 缓存大小 |
 # | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
+# | [09b · 融合的 decode 步](../09b_fused_decode/) | 四个矩阵乘内核完成一层；内核边界的代价 |
 # | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层 |
 # | [10b · 相互通信的 rank](../10b_tp_runtime/) | rank 作为进程：gloo、NCCL、Ctrl-C、停滞 |
 # | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、笔记本电脑上的 SmolLM2、命令行 |

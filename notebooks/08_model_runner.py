@@ -111,7 +111,7 @@
 # | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
 # | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
-# | `fused_decode` | "auto" | decode steps of 1 or 2 tokens run each layer in fused Triton kernels (ch. 09); auto: GPU |
+# | `fused_decode` | "auto" | decode steps of 1-2 tokens run each layer in fused Triton kernels (ch. 09b); auto: GPU |
 # | `async_scheduling` | "auto" | queue step *n + 1* before step *n* is collected (chapter 12); auto: on for CUDA |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
 # | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10b) |
@@ -165,7 +165,7 @@
 # | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
 # | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
-# | `fused_decode` | "auto" | 一个或两个 token 的 decode 步，每层用融合的 Triton 内核（第 09 章）；auto：CUDA |
+# | `fused_decode` | "auto" | 一个或两个 token 的 decode 步，每层用融合的 Triton 内核（第 09b 章）；auto：CUDA |
 # | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（第 12 章）；auto：CUDA 上打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
 # | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10b 章） |

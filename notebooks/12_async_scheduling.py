@@ -371,7 +371,7 @@ say = Phrases({
 # ## Build it: one copy per step, because the host is now the wall
 #
 # Once the GPU no longer waits for the host's bookkeeping, what is left of the host's step is
-# *launching* it, and at batch 1 that became the wall: chapter 09's fused decode step needs about
+# *launching* it, and at batch 1 that became the wall: chapter 09b's fused decode step needs about
 # 0.7 ms of GPU time on an H200, while the host took 1.0 ms to schedule, prepare and launch it
 # (`python -m nanovllm.bench --latency` prints both). A profile of the host (the script
 # `scripts/profile_host_step.py`) showed where: each decode step that replays a graph built five
@@ -398,7 +398,7 @@ say = Phrases({
 # %% [markdown] tags=["zh"]
 # ## 动手：每步一次拷贝，因为现在主机成了瓶颈
 #
-# GPU 不再等主机记账之后，主机在一步里剩下的工作就是*发起*这一步；在批大小 1 时，这成了瓶颈：第 09 章融合后的
+# GPU 不再等主机记账之后，主机在一步里剩下的工作就是*发起*这一步；在批大小 1 时，这成了瓶颈：第 09b 章融合后的
 # decode 步在 H200 上只需约 0.7 ms 的 GPU 时间，主机调度、准备并发起它却要 1.0 ms（`python -m nanovllm.bench
 # --latency` 两个数都打印）。对主机的剖析（脚本 `scripts/profile_host_step.py`）指出了时间去向：每个重放图的
 # decode 步要在主机上建五个小张量，逐个拷贝到 GPU（`prepare_decode`），再用六个操作取来待定 token

@@ -1700,9 +1700,9 @@ for row in latency["rows"]:
     # en: Counted only on a GPU.
     # zh: 只在 GPU 上统计。
     assert row["kernels_per_step"] is None and row["graph_ms"] is None
-# en: GPU busy time is the union of the kernels' intervals: a kernel that starts early (PDL, chapter 09) and waits
+# en: GPU busy time is the union of the kernels' intervals: a kernel that starts early (PDL, chapter 09b) and waits
 # en: beside the one before it adds only what sticks out. Three kernels, the second starting 3 µs early:
-# zh: GPU 忙碌时间是各 kernel 时间区间的并集：提前启动（PDL，第 09 章）、在前一个 kernel 旁边等待的 kernel，只算它
+# zh: GPU 忙碌时间是各 kernel 时间区间的并集：提前启动（PDL，第 09b 章）、在前一个 kernel 旁边等待的 kernel，只算它
 # zh: 多出来的那一段。三个 kernel，第二个提前 3 µs 启动：
 from types import SimpleNamespace
 

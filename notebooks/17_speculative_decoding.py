@@ -14,7 +14,7 @@
 # %% [markdown] tags=["en"]
 # # 17 · Speculative decoding: several tokens from one step
 #
-# **Goal.** Chapter 09 measured a decode step at batch 1 and found a fixed cost: the step reads
+# **Goal.** Chapters 09 and 09b measured a decode step at batch 1 and found a fixed cost: the step reads
 # every weight once whether it computes one token or five. This chapter spends that slack. A
 # cheap **proposer** guesses the next *k* tokens (**draft tokens**), one forward of the model
 # **verifies** all of them at once, and the engine keeps the drafts up to the first one the model
@@ -29,13 +29,13 @@
 # %% [markdown] tags=["zh"]
 # # 17 · 投机解码：一步得到多个 token
 #
-# **目标：** 第 09 章测过批大小为 1 时的 decode 步，发现它有固定开销：不管算一个 token 还是五个，一步都要把每个权重
-# 读一遍。本章把这部分余量用起来。一个廉价的**提议器**（proposer）猜出接下来的 *k* 个 token（**草稿 token**，draft
-# token），模型的一次前向计算把它们一起**验证**（verify），引擎保留草稿中直到模型第一次不同意之前的部分，再加上一个
-# 模型自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样；采样时，输出的分布就是模型的分布（带种子
-# 的请求写出同样的 token）；变的只是步数。读完本章，你能从**接受率**
-# （acceptance rate）算出一步能产出多少 token，写出 n-gram 提议器（prompt lookup），并跟着一个序列的块表看它先长出
-# *k* 个草稿槽位、再缩回模型接受的部分，而被拒绝的 token 从不发布到前缀缓存。
+# **目标：** 第 09 章和第 09b 章测过批大小为 1 时的 decode 步，发现它有固定开销：不管算一个 token 还是五个，一步都要把每
+# 个权重读一遍。本章把这部分余量用起来。一个廉价的**提议器**（proposer）猜出接下来的 *k* 个 token（**草稿 token**，draft
+# token），模型的一次前向计算把它们一起**验证**（verify），引擎保留草稿中直到模型第一次不同意之前的部分，再加上一个模型
+# 自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样；采样时，输出的分布就是模型的分布（带种子的请求写出同
+# 样的 token）；变的只是步数。读完本章，你能从**接受率**（acceptance rate）算出一步能产出多少 token，写出 n-gram 提议器
+# （prompt lookup），并跟着一个序列的块表看它先长出 *k* 个草稿槽位、再缩回模型接受的部分，而被拒绝的 token 从不发布到前
+# 缀缓存。
 
 # %%
 import torch
@@ -1413,7 +1413,7 @@ assert row["speculative_steps"] < row["plain_steps"]
 # *k* drafts each costs about *T*(*b*(*k* + 1)), plus what the host does while the GPU waits (a
 # verify step is synchronous), and gives *b* · *E* tokens, *E* being the mean tokens a verify step
 # gives a sequence. Speculation pays while the verify step costs fewer than *E* decode steps. On
-# the GPU's side, *T* jumps between 2 and 4 rows, where the matmuls leave chapter 09's fused GEMV
+# the GPU's side, *T* jumps between 2 and 4 rows, where the matmuls leave chapter 09b's fused GEMV
 # for cuBLAS, grows slowly up to 16 rows, then about linearly (one H200, Qwen3-0.6B's shapes, the
 # decode graph replayed alone: 0.58 ms for 1 row, 0.72 for 2, 1.27 for 4, 1.49 for 16, 2.55 for 64,
 # 3.67 for 128), so rows are cheap only while the batch is small.
@@ -1422,7 +1422,7 @@ assert row["speculative_steps"] < row["plain_steps"]
 # passage). A first rule allowed 64 rows: the 16-sequence batch verified three drafts each and ran
 # at 0.88× the plain engine, although its steps fell from 256 to 135. At batch 1 the steps fell
 # from 256 to 95 for only 1.12× the throughput: a verify step costs about 2.4 pipelined decode steps
-# there. Its five rows replay the graph of 8, whose matmuls run through cuBLAS (chapter 09's fused
+# there. Its five rows replay the graph of 8, whose matmuls run through cuBLAS (chapter 09b's fused
 # GEMV takes at most two rows): 1.32 ms of GPU time against 0.58 ms for one row on Qwen3-0.6B's
 # shapes, and a verify step is synchronous besides. Hence the rule of
 # `reserve_drafts`: at most 16 rows, no drafts when that leaves a sequence fewer than two (so
@@ -1441,14 +1441,14 @@ assert row["speculative_steps"] < row["plain_steps"]
 # 一个有 *b* 个序列的 decode 步花费时间 *T*(*b*)，产出 *b* 个 token。每个序列带 *k* 个草稿的验证步大约花费
 # *T*(*b*(*k* + 1))，再加上 GPU 等待期间主机做的事（验证步是同步的），产出 *b* · *E* 个 token，*E* 是一个验证步
 # 平均为一个序列产出的 token 数。只要验证步的花费少于 *E* 个 decode 步，投机就划算。在 GPU 这一侧，*T* 在 2 行到
-# 4 行之间跳了一大步（矩阵乘法从第 09 章融合的 GEMV 换成了 cuBLAS），到 16 行之前增长得很慢，之后大致线性增长
+# 4 行之间跳了一大步（矩阵乘法从第 09b 章融合的 GEMV 换成了 cuBLAS），到 16 行之前增长得很慢，之后大致线性增长
 # （一块 H200，Qwen3-0.6B 的形状，单独重放 decode 图：1 行 0.58 毫秒，2 行 0.72，4 行 1.27，16 行 1.49，64 行 2.55，
 # 128 行 3.67），所以只有批小的时候，多出来的行才便宜。
 #
 # 剩下的由基准测试决定（下面的表，在一块 H200 上用 SmolLM2 引用一段文字记录）。第一版规则允许 64 行：16 个序列的批
 # 每个验证三个草稿，只跑出普通引擎的 0.88 倍，尽管步数从 256 降到了 135。批大小为 1 时，步数从 256 降到 95，吞吐量
 # 却只有 1.12 倍：在那里一个验证步的代价约为 2.4 个流水线化的 decode 步。它的五行重放的是 8 行的图，其中的矩阵乘法
-# 走 cuBLAS（第 09 章融合的 GEMV 最多只接两行）：在 Qwen3-0.6B 的形状上，GPU 时间是 1.32 毫秒，而一行只要 0.58 毫秒；
+# 走 cuBLAS（第 09b 章融合的 GEMV 最多只接两行）：在 Qwen3-0.6B 的形状上，GPU 时间是 1.32 毫秒，而一行只要 0.58 毫秒；
 # 何况验证步还是同步的。
 # 于是有了 `reserve_drafts` 里的规则：最多 16 行；如果这样分到每个序列的草稿少于两个，就不要草稿（所以超过 5 个
 # 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿，之后只要还没有

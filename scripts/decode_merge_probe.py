@@ -1,7 +1,7 @@
 """Probe: split decode attention merged by a second kernel, or by the split kernel's last program (issue 34).
 
 At one to sixteen sequences the decode kernel splits each context (split-K) and decode_reduce_kernel merges the
-splits: two launches per layer, the second a few µs of mostly boundary (chapter 09 measured the two at 146 + 68 µs
+splits: two launches per layer, the second a few µs of mostly boundary (chapter 09b measured the two at 146 + 68 µs
 of a one-sequence step on the H200). With `merge_in_kernel=True` the last of a (sequence, KV head)'s split programs
 merges them inside the split kernel. This times both, each as 28 layers' decode attention back to back in one CUDA
 graph (a cache per layer, so the reads come from HBM), on Qwen3-0.6B's shapes at 512-768 tokens of context, at the

@@ -39,7 +39,7 @@
 #                                       # scripts/moe_align_probe.py (the sort in one Triton program), then
 #                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
 #                                       # --experts fused and loop
-#   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 09's fused tests, the
+#   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 09b's fused tests, the
 #                                       # matmul probes (scripts/decode_matmul_chain.py, splitk_sweep.py --chain-only,
 #                                       # prefetch_tile_probe.py), then scripts/decode_merge_probe.py (attention's
 #                                       # splits merged by a second kernel or in the split kernel)
@@ -285,7 +285,7 @@ run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse l
 }
 
 run_small_batch() {  # a small decode step's kernels: chapter 09's tests, then each probe against what ships
-  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_09_fused_decode.py \
+  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_09b_fused_decode.py \
     || status=1
   local probe
   for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe decode_merge_probe; do

@@ -1,6 +1,6 @@
 """Probe: a tensor-core matmul for 1 to 16 rows that loads its weight tile before it waits for its input (PDL).
 
-scripts/splitk_sweep.py found that a decode step's matmul kernels, cuBLAS's and chapter 09's tile kernel alike, read
+scripts/splitk_sweep.py found that a decode step's matmul kernels, cuBLAS's and chapter 09b's tile kernel alike, read
 their 2-8 MB at 40-55 % of the copy rate: the boundary between kernels costs about as much as the reading. The GEMV
 escapes it because it loads its whole weight slice, then waits (gdc_wait) for the kernel before; the tile kernel
 cannot, as it walks the input in a loop. This kernel does what the GEMV does with a tile: the input is split so finely
@@ -10,7 +10,7 @@ L2), multiplies once on the tensor cores, and leaves its partial sum to the last
 adds them in split order (gate and up alike: SiLU x mul comes after the sum).
 
 Timed on Qwen3-0.6B's 28 layers of decode matmuls (with their norms and SiLU x mul) in one CUDA graph, at 1, 4, 8 and
-16 rows, against cuBLAS's matmuls alone and chapter 09's small_matmul (the GEMV at 1-2 rows, the split-K tile kernel
+16 rows, against cuBLAS's matmuls alone and chapter 09b's small_matmul (the GEMV at 1-2 rows, the split-K tile kernel
 above).
 
     PYTHONPATH=$PWD python3 scripts/prefetch_tile_probe.py [--out FILE.json]
@@ -184,7 +184,7 @@ def main() -> None:
     for tokens in ROW_COUNTS:
         x = torch.randn(tokens, layers[0]["qkv"].shape[1], device="cuda", dtype=torch.bfloat16)
         figures = {"cuBLAS (matmuls only)": graph_time_ms(lambda x=x: cublas_chain(layers, x)) * 1e3,
-                   "small_matmul (chapter 09)": graph_time_ms(lambda x=x: small_matmul_chain(layers, x)) * 1e3}
+                   "small_matmul (chapter 09b)": graph_time_ms(lambda x=x: small_matmul_chain(layers, x)) * 1e3}
         for launch in LAUNCHES:
             name = f"prefetch tile n{launch['block_n']} chunk{launch['chunk']} w{launch['warps']}"
             try:

@@ -38,7 +38,7 @@ UPSTREAM_LINES = {
 }
 # Code lines that later chapters retype: members (or top-level names) that replace an earlier chapter's version whole.
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
-MAX_RETYPED_LINES = 284
+MAX_RETYPED_LINES = 282
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5

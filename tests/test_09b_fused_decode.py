@@ -1,4 +1,4 @@
-"""Chapter 09's fused decode layer: small_matmul against chapter 05's functions (Triton interpreter on a CPU,
+"""Chapter 09b's fused decode layer: small_matmul against chapter 05's functions (Triton interpreter on a CPU,
 compiled on a GPU), the layer's hook in the engine, and the setting."""
 
 from __future__ import annotations
