@@ -160,6 +160,7 @@ display(SVG(architecture_svg()))
 # | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
 # | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
 # | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
+# | [06c · Measuring the attention kernels](../06c_attention_benchmarks/) | decode vs the copy rate, prefill vs SDPA |
 # | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
 # | [08 · The model runner](../08_model_runner/) | `Config`, flat step inputs, KV cache sizing |
 # | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
@@ -192,6 +193,7 @@ display(SVG(architecture_svg()))
 # | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
 # | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
 # | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
+# | [06c · 测量注意力内核](../06c_attention_benchmarks/) | decode 对比拷贝速度，prefill 对比 SDPA |
 # | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
 # | [08 · 模型执行器](../08_model_runner/) | `Config`、扁平的单步输入、KV 缓存大小 |
 # | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |

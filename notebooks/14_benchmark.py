@@ -141,7 +141,7 @@ def make_workload(
 # %% [markdown] tags=["en"]
 # ### The clock
 #
-# Both sides are timed with one clock, `Stopwatch`, which joins chapter 06b's report helpers in
+# Both sides are timed with one clock, `Stopwatch`, which joins chapter 06c's report helpers in
 # `nanovllm.bench.report`. A GPU runs behind the host: the host queues kernels and moves on, so a
 # clock that did not wait for the device's queued work before it starts and before it stops
 # would time the queueing, not the work.
@@ -149,7 +149,7 @@ def make_workload(
 # %% [markdown] tags=["zh"]
 # ### 计时器
 #
-# 两边用同一个计时器 `Stopwatch` 计时，它和第 06b 章的报告函数一起放在 `nanovllm.bench.report` 里。GPU 的进度
+# 两边用同一个计时器 `Stopwatch` 计时，它和第 06c 章的报告函数一起放在 `nanovllm.bench.report` 里。GPU 的进度
 # 落后于主机：主机把 kernel 排进队列就继续往下走，所以计时器如果不在开始和停止之前都先等设备上排队的工作做完，
 # 量到的就只是排队的时间，而不是工作本身。
 

@@ -85,11 +85,15 @@ TRANSLATED = {
     "06_attention": [("paged attention matches dense attention", "分页注意力与稠密注意力一致")],
     "06b_triton_attention": [
         ("cache B's prefix", "缓存 B 的前缀"), ("prefill with a prefix", "带前缀的 prefill"),
-        ("caches identical", "缓存完全相同"), ("batch context  plain", "批大小  上下文   普通"),
+        ("caches identical", "缓存完全相同"),
+    ],
+    "06c_attention_benchmarks": [
+        ("batch context  plain", "批大小  上下文   普通"),
         # the chart: its title, axes and series
         ("% of copy bandwidth", "占拷贝带宽的 %"), ("batch size (sequences)", "批大小（序列数）"),
         ("plain, ctx 1024", "普通，上下文 1024"), ("heuristic, ctx 8192", "启发式，上下文 8192"),
         ("the heuristic is within 10 %", "启发式规则在每个形状上"), ("128 keys", "128 个键"),
+        ("MiB of KV per layer", "MiB 的 KV"),
     ],
     "07_sampling": [("chi-square =", "卡方 ="), ("tokens drawn:", "抽到的 token："), ("two calls:", "两次调用：")],
     "08_model_runner": [("misspelled key", "拼错的键"), ("Config checks hold", "Config 的检查成立")],
