@@ -446,6 +446,17 @@ def test_a_later_chapter_adds_lines_to_the_end_of_a_constructor(tmp_path: Path) 
     assert counter.history == [5] and Counter.__init__.__name__ == "__init__"
 
 
+def test_a_constructor_extension_may_hold_a_function_that_returns(tmp_path: Path) -> None:
+    extension = INIT_EXTENSION.replace(
+        "    self.history = [self.value]\n",
+        "    if self.value >= 0:\n        def first() -> int:\n            return self.value\n\n"
+        "        self.first = first\n    self.history = [self.value]\n")
+    chapter(tmp_path, "01_counter.py", FIRST_CUT)
+    chapter(tmp_path, "02_more.py", extension)
+    text = tangle.tangle(tmp_path)[Path("nanovllm/engine/counter.py")]
+    assert "            def first() -> int:\n                return self.value\n" in text, text
+
+
 def test_added_methods_go_below_their_first_caller_so_a_class_reads_top_down(tmp_path: Path) -> None:
     first = """
 # %%

@@ -373,13 +373,14 @@ def init_extension(node: ast.FunctionDef, cell: Cell) -> tuple[str, str, str]:
     return call.args[0].id, "__init__", "init"
 
 
-def _own_statements(body: list[ast.stmt]) -> Iterator[ast.AST]:
-    """Every node of ``body``, nested functions and classes left out (their returns are their own)."""
-    for statement in body:
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+def _own_statements(nodes: list[ast.AST]) -> Iterator[ast.AST]:
+    """Every node under ``nodes``, without going into nested functions, lambdas and classes (their returns and
+    yields are their own)."""
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             continue
-        yield statement
-        yield from (child for child in ast.walk(statement) if not isinstance(child, ast.Lambda))
+        yield node
+        yield from _own_statements(list(ast.iter_child_nodes(node)))
 
 
 def _is_helper(func: ast.expr) -> bool:
