@@ -249,10 +249,12 @@ display(SVG(architecture_svg()))
 
 # %% add to class
 #| export book.literate
-"""The book's literate helpers: a later chapter adds a method to a class that an earlier chapter built, or
-lines to the end of its constructor."""
+"""The book's literate helpers: a later chapter adds a method to a class that an earlier chapter built, lines to
+the end of its constructor, or fields to a dataclass."""
 
+import dataclasses
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -282,23 +284,62 @@ def _member_name(member: Any) -> str:
 
 
 def add_to_init(cls: type) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    """Decorator: run the decorated function, which takes ``self`` alone, at the end of ``cls.__init__``.
+    """Decorator: run the decorated function, which takes ``self`` alone, at the end of ``cls.__init__`` (of
+    ``__post_init__`` for a dataclass, whose ``__init__`` is generated).
 
     A later chapter's way of giving every instance the state its feature needs without retyping the constructor.
-    In the package the tangler appends the function's body to ``__init__`` itself, so the extension is written
-    as those lines: no docstring (a comment says what it adds), no return.
+    In the package the tangler appends the function's body to ``__init__`` (or ``__post_init__``) itself, so the
+    extension is written as those lines: no docstring (a comment says what it adds), no return.
     """
 
     def add(extension: Callable[[Any], None]) -> Callable[[Any], None]:
-        original = cls.__init__
+        name = "__post_init__" if dataclasses.is_dataclass(cls) else "__init__"
+        original = getattr(cls, name)
 
         @functools.wraps(original)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
             original(self, *args, **kwargs)
             extension(self)
 
-        cls.__init__ = __init__
+        setattr(cls, name, wrapper)
         return extension
+
+    return add
+
+
+def add_fields(cls: type) -> Callable[[type], type]:
+    """Decorator on a class of annotated fields, each with a default: make them fields of the dataclass ``cls``,
+    after its own settings (before the fields it derives, ``init=False``), as if they had been written there.
+
+    The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields; the package never
+    calls it: the tangler writes the fields into the dataclass's own ``class`` block.
+    """
+
+    def add(holder: type) -> type:
+        params = cls.__dataclass_params__
+        if (params.order, params.frozen, params.unsafe_hash) != (False, False, False):
+            raise TypeError(f"add_fields rebuilds plain dataclasses only; {cls.__name__} is ordered, frozen or hashed")
+        new = inspect.get_annotations(holder)
+        missing = [name for name in new if name not in holder.__dict__]
+        if missing:
+            raise TypeError(f"add_fields: every added field needs a default, {', '.join(missing)} has none")
+        old = dataclasses.fields(cls)
+        derived = [f for f in old if not f.init]
+        settings = [f for f in old if f.init]
+        annotations = {f.name: cls.__annotations__[f.name] for f in settings} | new
+        annotations |= {f.name: cls.__annotations__[f.name] for f in derived}
+        # Field objects carry each old field's default and options (init, repr) back into the rebuild.
+        for f in old:
+            setattr(cls, f.name, f)
+        for name in new:
+            setattr(cls, name, holder.__dict__[name])
+        for generated in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
+                          "__dataclass_params__"):
+            if generated in cls.__dict__:
+                delattr(cls, generated)
+        cls.__annotations__ = annotations
+        dataclasses.dataclass(cls)
+        return holder
 
     return add
 
@@ -378,6 +419,58 @@ fresh.add(3)
 fresh.add(-1)
 print(fresh.count, fresh.history, Tally.__init__.__name__)
 assert (fresh.count, fresh.history, Tally.__init__.__name__) == (2, [3, -1], "__init__")
+
+# %% [markdown] tags=["en"]
+# Settings arrive the same way. The engine's settings are one dataclass, and a setting belongs to the
+# chapter that explains it, so a later chapter adds fields to it with `add_fields`: a small class of
+# annotated fields, each with its default, becomes part of the dataclass (after its settings, before
+# the fields it derives), and `add_to_init` on a dataclass appends to its `__post_init__`, where a
+# setting is checked. In the package the fields are written into the dataclass itself.
+
+# %% [markdown] tags=["zh"]
+# 设置也这样加进来。引擎的设置是一个 dataclass，而每个设置属于讲解它的那一章，所以后面的章节用 `add_fields` 给它
+# 加字段：一个只有带默认值的注解字段的小类，会成为这个 dataclass 的一部分（排在它的设置之后、派生字段之前）；对
+# dataclass 使用 `add_to_init`，则是追加到它的 `__post_init__` 末尾，设置就在那里检查。在包里，这些字段直接写在
+# dataclass 自己的定义里。
+
+# %%
+from dataclasses import dataclass, field, fields
+
+from nanovllm.book.literate import add_fields
+
+
+@dataclass
+class Knobs:
+    size: int = 1
+    # en: derived, not a setting
+    # zh: 派生出来的，不是设置
+    area: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.area = self.size * self.size
+
+
+@add_fields(Knobs)
+class _Depth:
+    depth: int = 2
+
+
+@add_to_init(Knobs)
+def _check_depth(self) -> None:
+    if self.depth < 1:
+        raise ValueError(f"depth must be >= 1, got {self.depth}")
+
+
+knobs = Knobs(3, depth=4)
+print(knobs)
+assert (knobs.size, knobs.depth, knobs.area) == (3, 4, 9)
+assert [f.name for f in fields(Knobs)] == ["size", "depth", "area"]
+try:
+    Knobs(depth=0)
+except ValueError as error:
+    print(error)
+else:
+    raise AssertionError("depth=0 was accepted")
 
 # %% [markdown] tags=["en"]
 # The book's other helper speaks your language. The traces and tables that chapters print are part of

@@ -24,7 +24,7 @@ CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
 # and refusals, shown as raised), a command line's help, a model's English text, data and identifiers.
 # An output that starts otherwise and holds no Chinese fails the check.
 ENGLISH_ON_PURPOSE = {
-    "00_tour": (">>> What is the capital of France?", "0 True", "2 [3, -1] __init__"),
+    "00_tour": (">>> What is the capital of France?", "0 True", "2 [3, -1] __init__", "Knobs(size=3"),
     "01_sequence": ("SamplingParams(temperature=", "RuntimeError: sequence 0: illegal status change"),
     "02_block_manager": ("AssertionError: sequence",),
     "04_scheduler": ("extendleft:", "ValueError: request"),

@@ -540,11 +540,103 @@ def test_errors_of_constructor_extensions(tmp_path: Path, extension: str, fragme
     assert 'notebooks/02_more.py, cell 1 "ext"' in message and fragment in message
 
 
-def test_a_dataclass_gets_no_field_from_a_later_chapter(tmp_path: Path) -> None:
+def test_a_dataclass_gets_a_field_from_a_later_chapter_only_through_add_fields(tmp_path: Path) -> None:
     first = ("# %%\n#| default_exp config\n\n# %% config\n#| export\nfrom dataclasses import dataclass\n\n\n"
              "@dataclass\nclass Config:\n    size: int = 1\n")
     message = error_for(tmp_path, {"01_a.py": first, "02_b.py": "# %% more\n#| export config\nConfig.extra = 2\n"})
-    assert "dataclass" in message and "'extra'" in message and "notebooks/02_b.py" in message
+    assert "dataclass" in message and "'extra'" in message and "add_fields" in message and "02_b.py" in message
+
+
+DATACLASS = """
+# %%
+#| default_exp config
+
+# %% config
+#| export
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Config:
+    size: int = 1
+    # Derived, not a setting.
+    area: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.area = self.size * self.size
+"""
+
+FIELDS = """
+# %% depth
+#| export config
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config
+
+
+# en: How deep it goes.
+@add_fields(Config)
+class _Depth:
+    depth: int = 2
+
+
+@add_to_init(Config)
+def _check_depth(self) -> None:
+    # en: A dataclass's checks run in __post_init__.
+    if self.depth < 1:
+        raise ValueError("depth must be >= 1")
+"""
+
+
+def test_add_fields_writes_fields_before_the_derived_ones_and_add_to_init_extends_post_init(tmp_path: Path) -> None:
+    chapter(tmp_path, "01_config.py", DATACLASS)
+    chapter(tmp_path, "02_depth.py", FIELDS)
+    text = tangle.tangle(tmp_path)[Path("nanovllm/config.py")]
+    assert ('    size: int = 1\n    # notebooks/02_depth.py · cell "depth"\n    # How deep it goes.\n'
+            '    depth: int = 2\n    # notebooks/01_config.py · cell "config"\n    # Derived, not a setting.\n'
+            '    area: int = field(default=0, init=False)\n') in text, text
+    assert ('        self.area = self.size * self.size\n        # notebooks/02_depth.py · cell "depth"\n'
+            '        # A dataclass\'s checks run in __post_init__.\n        if self.depth < 1:\n') in text, text
+    assert "_Depth" not in text and "_check_depth" not in text and "add_fields" not in text
+    # The notebook's helpers build the same class: the fields in the same order, the check run on construction.
+    from dataclasses import dataclass, field, fields
+
+    from nanovllm.book.literate import add_fields, add_to_init
+
+    @dataclass
+    class Config:
+        size: int = 1
+        area: int = field(default=0, init=False)
+
+        def __post_init__(self) -> None:
+            self.area = self.size * self.size
+
+    @add_fields(Config)
+    class _Depth:
+        depth: int = 2
+
+    @add_to_init(Config)
+    def _check_depth(self: Config) -> None:
+        if self.depth < 1:
+            raise ValueError("depth must be >= 1")
+
+    assert [f.name for f in fields(Config)] == ["size", "depth", "area"] and Config(3).area == 9
+    with pytest.raises(ValueError, match="depth must be"):
+        Config(depth=0)
+
+
+@pytest.mark.parametrize(
+    ("holder", "fragment"),
+    [
+        ("class _X:\n    depth: int\n", "only fields with a default"),
+        ("class _X:\n    def f(self) -> None:\n        pass\n", "only fields with a default"),
+    ],
+    ids=["no-default", "a-method"],
+)
+def test_errors_of_field_extensions(tmp_path: Path, holder: str, fragment: str) -> None:
+    imports = "from nanovllm.book.literate import add_fields\nfrom nanovllm.config import Config\n"
+    body = f"# %% ext\n#| export config\n{imports}\n\n@add_fields(Config)\n{holder}"
+    message = error_for(tmp_path, {"01_config.py": DATACLASS, "02_more.py": body})
+    assert 'notebooks/02_more.py, cell 1 "ext"' in message and fragment in message
 
 
 def test_error_exported_cell_does_not_parse(tmp_path: Path) -> None:

@@ -127,8 +127,8 @@ def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
     of a function, class or assignment, and for a class its members too."""
     extension = tangle.class_extension(node, cell)
     if extension is not None:
-        # Lines added to the end of a constructor replace nothing.
-        return [] if extension[2] == "init" else [f"{extension[0]}.{extension[1]}"]
+        # Lines added to the end of a constructor, and fields added to a dataclass, replace nothing.
+        return [] if extension[2] in ("init", "fields") else [f"{extension[0]}.{extension[1]}"]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return [node.name]
     if isinstance(node, ast.Assign):

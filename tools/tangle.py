@@ -33,7 +33,10 @@ State that every instance needs comes the same way, without retyping the constru
         self.sample_index = 0
 
 and the tangler appends the function's body (its comments above the ``def`` too) to the end of the
-class's ``__init__``; such a function takes ``self`` alone and has no docstring and no ``return``.
+class's ``__init__`` (``__post_init__`` for a dataclass); such a function takes ``self`` alone and has no
+docstring and no ``return``. A setting that a later chapter explains joins the settings dataclass as a
+field: ``@add_fields(Config)`` above a small class of ``name: type = default`` lines; the tangler writes
+them into the dataclass after its settings, before the fields it derives (``field(..., init=False)``).
 A module-level function or constant is replaced the same way, through the module:
 ``import nanovllm.engine.llm_engine as llm_engine``, then ``@add_to_class(llm_engine)`` above the new
 function or ``llm_engine.Prompt = ...``; the new version takes the old one's place.
@@ -84,6 +87,7 @@ KNOWN_DIRECTIVES = {"default_exp", "export", "exporti", "hide"}
 MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 SPLICE_HELPER = "add_to_class"
 INIT_HELPER = "add_to_init"
+FIELDS_HELPER = "add_fields"
 SPLICE_HELPER_MODULE = "nanovllm.book.literate"
 # A comment line that divides a class into sections ("# ---- blocks ----"): it belongs to no member.
 SECTION_COMMENT = re.compile(r"^\s*# -{3,}")
@@ -268,6 +272,8 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             spliced.append(node)
             if extension[2] == "init":
                 extend_init(module, cell, extension[0], lines[start : node.end_lineno], node)
+            elif extension[2] == "fields":
+                extend_fields(module, cell, extension[0], lines[start : node.end_lineno], node)
             elif extension[0] in own_module:
                 replace_top_level(module, cell, *extension[1:], lines[start : node.end_lineno], node)
             else:
@@ -314,13 +320,17 @@ def leading_comments_start(lines: list[str], start: int, taken: set[int]) -> int
 
 
 def class_extension(node: ast.stmt, cell: Cell) -> tuple[str, str, str] | None:
-    """(class name, member name, kind) when ``node`` extends a class; kind is "method", "attribute" or "init".
+    """(class name, member name, kind) when ``node`` extends a class; kind is "method", "attribute", "init" or
+    "fields".
 
-    ``@add_to_class(Cls)`` above a def, an assignment to ``Cls.name``, or ``@add_to_init(Cls)`` above a def (lines
-    for the end of ``Cls.__init__``, member name ``__init__``); anything else is ordinary code.
+    ``@add_to_class(Cls)`` above a def, an assignment to ``Cls.name``, ``@add_to_init(Cls)`` above a def (lines
+    for the end of ``Cls.__init__``, member name ``__init__``), or ``@add_fields(Cls)`` above a class of fields
+    for the dataclass ``Cls`` (member name: that class's); anything else is ordinary code.
     """
     if isinstance(node, ast.FunctionDef) and any(_is_init_helper(d) for d in node.decorator_list):
         return init_extension(node, cell)
+    if isinstance(node, ast.ClassDef) and any(_decorator_name(d) == FIELDS_HELPER for d in node.decorator_list):
+        return fields_extension(node, cell)
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         helpers = [d for d in node.decorator_list if isinstance(d, ast.Call) and _is_helper(d.func)]
         if not helpers:
@@ -373,6 +383,21 @@ def init_extension(node: ast.FunctionDef, cell: Cell) -> tuple[str, str, str]:
     return call.args[0].id, "__init__", "init"
 
 
+def fields_extension(node: ast.ClassDef, cell: Cell) -> tuple[str, str, str]:
+    """Check an ``@add_fields(Cls)`` class, whose annotated fields the package reads as fields of the dataclass."""
+    where = f"{cell.where()}: @{FIELDS_HELPER} class {node.name}"
+    call = node.decorator_list[0]
+    if len(node.decorator_list) != 1 or not isinstance(call, ast.Call) or len(call.args) != 1 or call.keywords \
+            or not isinstance(call.args[0], ast.Name):
+        raise TangleError(f"{where} takes @{FIELDS_HELPER}(Cls), the dataclass by its name, as its only decorator")
+    for statement in node.body:
+        if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and statement.value is not None):
+            raise TangleError(f"{where} may hold only fields with a default (`name: type = value`), one a line; "
+                              "say what they are in comments")
+    return call.args[0].id, node.name, "fields"
+
+
 def _own_statements(nodes: list[ast.AST]) -> Iterator[ast.AST]:
     """Every node under ``nodes``, without going into nested functions, lambdas and classes (their returns and
     yields are their own)."""
@@ -420,8 +445,8 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
     body = module.bodies[index]
     if kind == "attribute" and any(_decorator_name(d) == "dataclass" for d in cls.decorator_list):
         raise TangleError(
-            f"{cell.where()}: {class_name} is a dataclass: a later chapter cannot add its field {member!r} (the "
-            "notebook could not); give the field to the class where it is defined"
+            f"{cell.where()}: {class_name} is a dataclass: a later chapter adds its field {member!r} with "
+            f"@{FIELDS_HELPER}({class_name}) above a class of fields (the notebook must rebuild the dataclass)"
         )
     lines = body.splitlines()
     indent = " " * cls.body[0].col_offset
@@ -558,15 +583,17 @@ def extend_init(module: Module, cell: Cell, class_name: str, source: list[str], 
             f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
         )
     index, cls = found
-    inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    # A dataclass's __init__ is generated: the notebook's helper adds to __post_init__, and so does the package.
+    target = "__post_init__" if any(_decorator_name(d) == "dataclass" for d in cls.decorator_list) else "__init__"
+    inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == target]
     if not inits:
-        raise TangleError(f"{cell.where()}: class {class_name} has no __init__ of its own to add lines to")
+        raise TangleError(f"{cell.where()}: class {class_name} has no {target} of its own to add lines to")
     init = inits[0]
     shared = _local_names(init) & _local_names(node, reads=True)
     if shared:
         raise TangleError(
-            f"{cell.where()}: {node.name} uses {', '.join(sorted(shared))}, which {class_name}.__init__ names too: "
-            "spliced into __init__ it would read __init__'s; rename it"
+            f"{cell.where()}: {node.name} uses {', '.join(sorted(shared))}, which {class_name}.{target} names too: "
+            f"spliced into {target} it would read {target}'s; rename it"
         )
     lines = module.bodies[index].splitlines()
     indent = " " * init.body[0].col_offset
@@ -582,6 +609,44 @@ def extend_init(module: Module, cell: Cell, class_name: str, source: list[str], 
     module.bodies[index] = "\n".join(lines)
     if cell.chapter not in module.chapters:
         module.chapters.append(cell.chapter)
+
+
+def extend_fields(module: Module, cell: Cell, class_name: str, source: list[str], node: ast.ClassDef) -> None:
+    """Write the fields of an ``@add_fields`` class (with their comments) into the dataclass ``class_name``: after its
+    settings, before the fields it derives (``field(..., init=False)``), as the notebook's rebuild orders them."""
+    found = find_class(module, class_name)
+    if found is None:
+        raise TangleError(
+            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
+        )
+    index, cls = found
+    if not any(_decorator_name(d) == "dataclass" for d in cls.decorator_list):
+        raise TangleError(f"{cell.where()}: @{FIELDS_HELPER} adds fields to a dataclass; {class_name} is not one")
+    lines = module.bodies[index].splitlines()
+    fields = [n for n in cls.body if isinstance(n, ast.AnnAssign)]
+    derived = [n for n in fields if _is_derived_field(n)]
+    if derived:
+        at = leading_comments_start(lines, first_line(derived[0]) - 1, set())
+    else:
+        at = fields[-1].end_lineno if fields else cls.body[0].end_lineno
+    offset = len(source) - (node.end_lineno - first_line(node) + 1)  # comment lines above the decorator
+    class_line = offset + node.lineno - first_line(node)
+    body = textwrap.dedent("\n".join(source[class_line + 1 :])).splitlines()
+    comments = textwrap.dedent("\n".join(source[:offset])).splitlines() if offset else []
+    indent = " " * cls.body[0].col_offset
+    new = [f"{indent}{cell.marker()}", *(f"{indent}{line}" if line.strip() else "" for line in [*comments, *body])]
+    lines[at:at] = new
+    remark_class_lines(lines, at + len(new), f"{indent}{lines[0].strip()}")
+    module.bodies[index] = "\n".join(lines)
+    if cell.chapter not in module.chapters:
+        module.chapters.append(cell.chapter)
+
+
+def _is_derived_field(node: ast.AnnAssign) -> bool:
+    """``name: type = field(..., init=False)``: a field the dataclass derives, not a setting."""
+    value = node.value
+    return isinstance(value, ast.Call) and _decorator_name(value) == "field" and any(
+        k.arg == "init" and isinstance(k.value, ast.Constant) and k.value.value is False for k in value.keywords)
 
 
 def _local_names(function: ast.FunctionDef, reads: bool = False) -> set[str]:
