@@ -328,7 +328,8 @@ def add_fields(cls: type) -> Callable[[type], type]:
         settings = [f for f in old if f.init]
         annotations = {f.name: cls.__annotations__[f.name] for f in settings} | new
         annotations |= {f.name: cls.__annotations__[f.name] for f in derived}
-        # Field objects carry each old field's default and options (init, repr) back into the rebuild.
+        # en: Field objects carry each old field's default and options (init, repr) back into the rebuild.
+        # zh: Field 对象把每个旧字段的默认值和选项（init、repr）带回重建后的类。
         for f in old:
             setattr(cls, f.name, f)
         for name in new:
