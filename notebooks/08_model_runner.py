@@ -91,8 +91,9 @@
 # The runner is the first part of the engine that reads its settings, so they are built here:
 # `LLM(model, **settings)` (chapter 11) turns its keyword arguments into one `Config`, and every
 # part reads what it needs from it. Some settings belong to later chapters (graphs, ranks,
-# asynchronous scheduling); the table says which. The fields and defaults of nano-vllm come first,
-# then what running on a CPU needs:
+# asynchronous scheduling); the table says which. A later chapter can also add its own settings
+# to `Config` (chapter 00's `add_fields`), as chapter 17 does for speculative decoding. The fields
+# and defaults of nano-vllm come first, then what running on a CPU needs:
 #
 # | field | default | meaning |
 # |---|---|---|
@@ -117,9 +118,6 @@
 # | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10b) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 # | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
-# | `speculative_method` | None | decode steps verify drafts: "ngram" (prompt lookup), "draft" (a small model; ch. 17) |
-# | `num_speculative_tokens` | None | drafts per step with a `speculative_method`; None: 4 (chapter 17) |
-# | `speculative_model` | None | "draft": the smaller model's directory, sharing the model's tokenizer (chapter 17) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
@@ -146,7 +144,8 @@
 #
 # 执行器是引擎中第一个读取设置的部件，所以设置在这里构建：`LLM(model, **settings)`（第 11 章）把它的关键字参数变成
 # 一个 `Config`，各部件从中读取自己需要的东西。有些设置属于后面的章节（CUDA Graph、rank、异步调度），表中注明了
-# 是哪一章。先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段：
+# 是哪一章。后面的章节也可以给 `Config` 加上自己的设置（第 00 章的 `add_fields`），第 17 章就这样加入投机解码的设置。
+# 先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段：
 #
 # | 字段 | 默认值 | 含义 |
 # |---|---|---|
@@ -171,9 +170,6 @@
 # | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10b 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 # | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
-# | `speculative_method` | None | decode 步验证草稿："ngram" 来自 prompt lookup，"draft" 来自小模型（第 17 章） |
-# | `num_speculative_tokens` | None | 设了 `speculative_method` 时每步的草稿数；None：4（第 17 章） |
-# | `speculative_model` | None | "draft"：那个更小模型的目录，与模型共用分词器（第 17 章） |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
@@ -214,9 +210,6 @@ from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
-# en: What speculative_method accepts besides None.
-# zh: speculative_method 除 None 之外接受的值（第 17 章）。
-SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 class UnknownConfigKeyError(TypeError, ValueError):
@@ -313,9 +306,6 @@ class Config:
     rank_timeout_s: float = 120.0
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
-    speculative_method: str | None = None
-    num_speculative_tokens: int | None = None
-    speculative_model: str | None = None
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -389,40 +379,12 @@ class Config:
         elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
-        self._check_speculation()
         if self.async_scheduling == "auto":
             # en: Under tensor parallelism every rank takes the pending tokens from its copy of the previous
             # en: step's samples.
             # zh: 张量并行时，每个 rank 从自己保存的上一步采样结果中取出待定 token。
             self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
-
-    def _check_speculation(self) -> None:
-        """Refuse speculative settings that cannot work together; a method's default is 4 drafts."""
-        method, drafts, draft_model = self.speculative_method, self.num_speculative_tokens, self.speculative_model
-        if method is None:
-            if drafts is not None:
-                raise ValueError(f"num_speculative_tokens={drafts!r} needs a speculative_method (e.g. 'ngram')")
-            if draft_model is not None:
-                raise ValueError(f"speculative_model={draft_model!r} needs speculative_method='draft'")
-            return
-        _choice("speculative_method", method, SPECULATIVE_METHODS)
-        self.num_speculative_tokens = 4 if drafts is None else check(
-            "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
-        if self.tensor_parallel_size > 1:
-            raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
-        if method != "draft":
-            if draft_model is not None:
-                raise ValueError(f"speculative_model is read by speculative_method='draft', not {method!r}")
-            return
-        if draft_model is None:
-            raise ValueError("speculative_method='draft' needs speculative_model: the directory of a smaller model "
-                             "that shares this model's tokenizer")
-        self.speculative_model = str(Path(draft_model).expanduser())
-        vocab = read_model_dir(self.speculative_model).vocab_size
-        if vocab != self.hf_config.vocab_size:
-            raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
-                             f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -982,14 +982,14 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # decode step that `advance` and `resolve` record. If the forward fails or Ctrl-C interrupts it,
 # the drafts are dropped before chapter 13's `rollback`, so the same step can run again.
 #
-# The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=4)` (4 is the
-# default once a method is chosen). A verify step is synchronous: its drafts come from the
-# sequences' last tokens, which asynchronous scheduling (chapter 12) has not brought back yet
-# when it schedules the next step. So chapter 12's `next_step_waits` hook says yes whenever the
-# next decode step may carry drafts: the step in flight is collected alone, and the verify step
-# runs to the end before the one after it is scheduled. Where the batch is too large to
-# speculate (the section "When it pays"), steps overlap as usual. Tensor parallelism is refused with a clear
-# error: its ranks have no verify step yet.
+# The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=4)` (4 is the default once a method is
+# chosen); they join chapter 08's `Config` here, with `add_fields` (chapter 00), and a combination that cannot work is
+# refused when the engine is built. A verify step is synchronous: its drafts come from the sequences' last tokens, which
+# asynchronous scheduling (chapter 12) has not brought back yet when it schedules the next step. So chapter 12's
+# `next_step_waits` hook says yes whenever the next decode step may carry drafts: the step in flight is collected alone,
+# and the verify step runs to the end before the one after it is scheduled. Where the batch is too large to speculate
+# (the section "When it pays"), steps overlap as usual. Tensor parallelism is refused with a clear error: its ranks have
+# no verify step yet.
 
 # %% [markdown] tags=["zh"]
 # ## 引擎：带草稿的 decode 步就是验证步
@@ -999,11 +999,71 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # 记录的普通 decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，
 # 于是同一步可以再跑一次。
 #
-# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）。验证步是同步的：
+# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=4)`（选定方法后默认为 4）；它们在这里用
+# `add_fields`（第 00 章）加入第 08 章的 `Config`，不能一起工作的组合在构建引擎时就被拒绝。验证步是同步的：
 # 它的草稿来自各序列的最后一个 token，而异步调度（第 12 章）在调度下一步时还没有把这些 token 取回来。所以只要下一个
 # decode 步可能带草稿，第 12 章的钩子 `next_step_waits` 就回答"是"：先单独收取计算中的那一步，验证步跑完之后才调度
 # 再下一步。批大到不值得投机时（见"什么时候划算"一节），各步照常重叠。张量并行会以清楚的错误被拒绝：它的各个 rank
 # 还没有验证步。
+
+# %% speculative settings
+#| export config
+from pathlib import Path
+
+from nanovllm.book.literate import add_fields, add_to_class, add_to_init
+from nanovllm.config import Config, _choice
+from nanovllm.models.loader import read_model_dir
+from nanovllm.utils.checks import check
+
+# en: What speculative_method accepts besides None.
+# zh: speculative_method 除 None 之外接受的值。
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+# en: Speculative decoding: the proposer ("ngram", "draft" or None), drafts per step (None: 4 once a method is
+# en: chosen), and for "draft" the smaller model's directory, which must share the model's tokenizer.
+# zh: 投机解码：提议器（"ngram"、"draft" 或 None）、每步的草稿数（选了方法时 None 表示 4），以及 "draft" 用的那个更小
+# zh: 模型的目录，它必须与模型共用分词器。
+@add_fields(Config)
+class _Speculation:
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model: str | None = None
+
+
+@add_to_init(Config)
+def _check_speculative_settings(self) -> None:
+    self._check_speculation()
+
+
+@add_to_class(Config)
+def _check_speculation(self) -> None:
+    """Refuse speculative settings that cannot work together; a method's default is 4 drafts."""
+    method, drafts, draft_model = self.speculative_method, self.num_speculative_tokens, self.speculative_model
+    if method is None:
+        if drafts is not None:
+            raise ValueError(f"num_speculative_tokens={drafts!r} needs a speculative_method (e.g. 'ngram')")
+        if draft_model is not None:
+            raise ValueError(f"speculative_model={draft_model!r} needs speculative_method='draft'")
+        return
+    _choice("speculative_method", method, SPECULATIVE_METHODS)
+    self.num_speculative_tokens = 4 if drafts is None else check(
+        "num_speculative_tokens", drafts, int, lambda n: 1 <= n <= 64, "in [1, 64]")
+    if self.tensor_parallel_size > 1:
+        raise ValueError("speculative decoding has no tensor-parallel verify step yet: use tensor_parallel_size=1")
+    if method != "draft":
+        if draft_model is not None:
+            raise ValueError(f"speculative_model is read by speculative_method='draft', not {method!r}")
+        return
+    if draft_model is None:
+        raise ValueError("speculative_method='draft' needs speculative_model: the directory of a smaller model "
+                         "that shares this model's tokenizer")
+    self.speculative_model = str(Path(draft_model).expanduser())
+    vocab = read_model_dir(self.speculative_model).vocab_size
+    if vocab != self.hf_config.vocab_size:
+        raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
+                         f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
+
 
 # %% engine verifies
 #| export engine.llm_engine
