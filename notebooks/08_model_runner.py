@@ -90,10 +90,11 @@
 #
 # The runner is the first part of the engine that reads its settings, so they are built here:
 # `LLM(model, **settings)` (chapter 11) turns its keyword arguments into one `Config`, and every
-# part reads what it needs from it. Some settings belong to later chapters (graphs, ranks,
-# asynchronous scheduling); the table says which. A later chapter can also add its own settings
-# to `Config` (chapter 00's `add_fields`), as chapter 17 does for speculative decoding. The fields
-# and defaults of nano-vllm come first, then what running on a CPU needs:
+# part reads what it needs from it. The fields and defaults of nano-vllm come first, then what
+# running on a CPU needs; a few belong to later chapters (graphs, ranks, the 8-bit cache), and the
+# table says which. The settings of what a later chapter builds arrive with it (chapter 00's
+# `add_fields`): the compiled small ops in chapter 09, the fused decode step in 09b, the ranks'
+# deadline in 10b, asynchronous scheduling in 12 and speculative decoding in 17.
 #
 # | field | default | meaning |
 # |---|---|---|
@@ -111,11 +112,7 @@
 # | `attention_backend` | "auto" | "torch" (reference), "triton" (chapter 06); auto: see below |
 # | `enable_prefix_caching` | True | reuse the KV of shared prompt prefixes (chapter 03) |
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
-# | `compile_small_ops` | "auto" | `torch.compile` the small element-wise ops (chapter 09); auto: on for CUDA |
-# | `fused_decode` | "auto" | decode steps of 1-2 tokens run each layer in fused Triton kernels (ch. 09b); auto: GPU |
-# | `async_scheduling` | "auto" | queue step *n + 1* before step *n* is collected (chapter 12); auto: on for CUDA |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
-# | `rank_timeout_s` | 120.0 | TP: seconds to wait for a rank's reply before naming the stalled rank (ch. 10b) |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
 # | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
 #
@@ -143,9 +140,10 @@
 # ## 动手：引擎的设置 `Config`
 #
 # 执行器是引擎中第一个读取设置的部件，所以设置在这里构建：`LLM(model, **settings)`（第 11 章）把它的关键字参数变成
-# 一个 `Config`，各部件从中读取自己需要的东西。有些设置属于后面的章节（CUDA Graph、rank、异步调度），表中注明了
-# 是哪一章。后面的章节也可以给 `Config` 加上自己的设置（第 00 章的 `add_fields`），第 17 章就这样加入投机解码的设置。
-# 先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段：
+# 一个 `Config`，各部件从中读取自己需要的东西。先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段；其中
+# 有几个属于后面的章节（CUDA Graph、rank、8 位缓存），表中注明了是哪一章。后面章节所构建的东西，其设置随那一章一起
+# 加入（第 00 章的 `add_fields`）：第 09 章的编译小算子、第 09b 章的融合 decode 步、第 10b 章 rank 的回复期限、第 12 章
+# 的异步调度和第 17 章的投机解码。
 #
 # | 字段 | 默认值 | 含义 |
 # |---|---|---|
@@ -163,11 +161,7 @@
 # | `attention_backend` | "auto" | "torch"（参考实现）、"triton"（第 06 章）；auto 见下文 |
 # | `enable_prefix_caching` | True | 复用共享提示词前缀的 KV（第 03 章） |
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
-# | `compile_small_ops` | "auto" | 用 `torch.compile` 编译逐元素小算子（第 09 章）；auto：CUDA 上打开 |
-# | `fused_decode` | "auto" | 一个或两个 token 的 decode 步，每层用融合的 Triton 内核（第 09b 章）；auto：CUDA |
-# | `async_scheduling` | "auto" | GPU 计算第 *n* 步时就调度第 *n + 1* 步（第 12 章）；auto：CUDA 上打开 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
-# | `rank_timeout_s` | 120.0 | 张量并行：等待某个 rank 回复一步的秒数，超时即指出停滞的 rank（第 10b 章） |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
 # | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
 #
@@ -299,11 +293,7 @@ class Config:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True
     kvcache_memory_gb: float = 1.0
-    compile_small_ops: bool | str = "auto"
-    fused_decode: bool | str = "auto"
-    async_scheduling: bool | str = "auto"
     fork_samples: bool = True
-    rank_timeout_s: float = 120.0
     load_format: str = "auto"
     kv_cache_dtype: str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
@@ -333,10 +323,7 @@ class Config:
         power_of_two = f"a power of two from 1 to {MAX_BLOCK_SIZE}"
         self._check("kvcache_block_size", int, lambda b: 1 <= b <= MAX_BLOCK_SIZE and not b & (b - 1), power_of_two)
         self._check("num_kvcache_blocks", int, lambda n: n == -1 or n >= 1, "-1 (size from memory) or >= 1")
-        for name in ("kvcache_memory_gb", "rank_timeout_s"):
-            self._check(name, float, lambda x: x > 0, "> 0")
-        for name in ("compile_small_ops", "fused_decode", "async_scheduling"):
-            self._check(name, object, lambda v: isinstance(v, bool) or v == "auto", "True, False or 'auto'")
+        self._check("kvcache_memory_gb", float, lambda x: x > 0, "> 0")
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
         # en: Keep the plain value `check` hands back: np.int64(4) becomes 4.
@@ -369,21 +356,6 @@ class Config:
             _check_flash_attn(device, dtype)
         if _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES) == "fp8":
             _check_fp8_cache(device, backend)
-        if self.compile_small_ops == "auto":
-            self.compile_small_ops = device == "cuda"
-        if self.fused_decode == "auto":
-            # en: On a GPU, where its kernels for one or two tokens beat cuBLAS; on a CPU only the
-            # en: interpreter can run them.
-            # zh: 在 GPU 上打开，那里它处理一两个 token 的内核跑赢 cuBLAS（第 09 章）；在 CPU 上只有解释器能运行它们。
-            self.fused_decode = device == "cuda"
-        elif self.fused_decode and device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
-                             "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
-        if self.async_scheduling == "auto":
-            # en: Under tensor parallelism every rank takes the pending tokens from its copy of the previous
-            # en: step's samples.
-            # zh: 张量并行时，每个 rank 从自己保存的上一步采样结果中取出待定 token。
-            self.async_scheduling = device == "cuda"
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property

@@ -626,6 +626,35 @@ def compile_small_ops(model: nn.Module) -> int:
         count += 1
     return count
 
+# %% setting: compile small ops
+#| export config
+from nanovllm.book.literate import add_fields, add_to_class, add_to_init
+from nanovllm.config import Config
+from nanovllm.utils.checks import check
+
+
+# en: torch.compile the small element-wise ops: True, False, or "auto": on for CUDA (on a CPU, compiling costs
+# en: a small model far more than it saves).
+# zh: 用 torch.compile 编译逐元素小算子：True、False，或 "auto"：CUDA 上打开（在 CPU 上，编译对小模型来说
+# zh: 花费远大于收益）。
+@add_fields(Config)
+class _CompiledOps:
+    compile_small_ops: bool | str = "auto"
+
+
+@add_to_class(Config)
+def _resolve_switch(self, name: str, auto: bool) -> bool:
+    """Check the setting ``name`` (True, False or "auto"), put ``auto`` in place of "auto", and return the value."""
+    value = check(name, getattr(self, name), object, lambda v: isinstance(v, bool) or v == "auto",
+                  "True, False or 'auto'")
+    setattr(self, name, auto if value == "auto" else value)
+    return getattr(self, name)
+
+
+@add_to_init(Config)
+def _resolve_compile_small_ops(self) -> None:
+    self._resolve_switch("compile_small_ops", self.device == "cuda")
+
 # %% [markdown] tags=["en"]
 # ### One kernel from the q/k/v projection to the KV cache
 #

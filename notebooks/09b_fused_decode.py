@@ -658,6 +658,30 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # `fused_decode` 时（`"auto"`：CUDA 上打开），每个解码层都得到一个只接手一个或两个 token 的步的 `FusedDecodeLayer`。
 # 它在预热和捕获之前运行，所以图里录下的是融合后的内核。只有打开这个配置项时才导入 Triton，CPU 上的引擎从不导入它。
 
+# %% setting: fused decode
+#| export config
+import os
+
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config
+
+
+# en: Decode steps of one or two tokens run each decoder layer in fused Triton kernels: True, False, or "auto": on
+# en: for CUDA, where they beat cuBLAS (on a CPU only the Triton interpreter can run them, which is for tests).
+# zh: 一个或两个 token 的 decode 步，每个解码层用融合的 Triton 内核：True、False，或 "auto"：CUDA 上打开，那里它们跑赢
+# zh: cuBLAS（在 CPU 上只有 Triton 解释器能运行它们，那是给测试用的）。
+@add_fields(Config)
+class _FusedDecode:
+    fused_decode: bool | str = "auto"
+
+
+@add_to_init(Config)
+def _resolve_fused_decode(self) -> None:
+    fused = self._resolve_switch("fused_decode", self.device == "cuda")
+    if fused and self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("fused_decode=True on CPU needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                         "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
+
 # %% runner fuses the layers
 #| export engine.model_runner
 from nanovllm.book.literate import add_to_class

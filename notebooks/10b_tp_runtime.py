@@ -749,6 +749,24 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # - rank 用 `spawn` 方式启动：全新的解释器，不会复制驱动进程的线程或 CUDA 状态（对已经用过 CUDA 的进程做 fork，
 #   行为是未定义的）。
 
+# %% setting: rank timeout
+#| export config
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config
+
+
+# en: Tensor parallelism: seconds to wait for a rank's reply to a call before naming the stalled rank and stopping
+# en: them all.
+# zh: 张量并行：等待某个 rank 回复一次调用的秒数，超时就指出停滞的 rank 并停掉所有 rank。
+@add_fields(Config)
+class _RankTimeout:
+    rank_timeout_s: float = 120.0
+
+
+@add_to_init(Config)
+def _check_rank_timeout(self) -> None:
+    self._check("rank_timeout_s", float, lambda x: x > 0, "> 0")
+
 # %% holding ctrl-c
 #| export utils.interrupts
 from __future__ import annotations

@@ -821,6 +821,25 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # 就执行 CPU 上的运算）；不过仍然可以手动打开，测试就是这样在 CPU 上检查它的。第 09 章记录了它在一块 H200 上带来的
 # 收益，第 10b 章记录两块的。
 
+# %% setting: async scheduling
+#| export config
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config
+
+
+# en: Queue step n + 1 before step n is collected: True, False, or "auto": on for CUDA, with one rank or several
+# en: (under tensor parallelism every rank takes the pending tokens from its copy of the previous step's samples).
+# zh: 在收取第 n 步之前就把第 n + 1 步排进队列：True、False，或 "auto"：CUDA 上打开，不论一个 rank 还是多个
+# zh: （张量并行时，每个 rank 从自己保存的上一步采样结果中取出待定 token）。
+@add_fields(Config)
+class _AsyncScheduling:
+    async_scheduling: bool | str = "auto"
+
+
+@add_to_init(Config)
+def _resolve_async_scheduling(self) -> None:
+    self._resolve_switch("async_scheduling", self.device == "cuda")
+
 # %% engine in flight
 #| export engine.llm_engine
 from dataclasses import dataclass
