@@ -285,13 +285,11 @@ class DraftModelProposer:
     paged KV cache, block manager and prefix cache, under the same rules as the model's); each proposal hands it
     the sequence as it stands, and its prefix cache spares it what it computed before."""
 
-    def __init__(self, model: str, num_speculative_tokens: int, **settings: Any) -> None:
-        # en: Imported here: the engine's module imports this one.
-        # zh: 在这里导入：引擎所在的模块导入了本模块。
-        from nanovllm.engine.llm_engine import LLMEngine
-
+    def __init__(self, engine: Any, num_speculative_tokens: int) -> None:
+        """``engine``: an `LLMEngine` of the draft model, which the speculating engine makes
+        (`draft_engine_settings`); this module need not know the engine's class."""
+        self.engine = engine
         self.num_speculative_tokens = num_speculative_tokens
-        self.engine = LLMEngine(model, **settings)
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
@@ -1088,8 +1086,13 @@ def drafts_source(self) -> Proposer | None:
         return None
     if self.proposer is None:
         drafts = config.num_speculative_tokens
-        self.proposer = NgramProposer(drafts) if config.speculative_method == "ngram" else \
-            DraftModelProposer(config.speculative_model, drafts, **draft_engine_settings(config))
+        if config.speculative_method == "ngram":
+            self.proposer = NgramProposer(drafts)
+        else:
+            # en: The draft model runs in an engine of its own.
+            # zh: 草稿模型在它自己的一个引擎里运行。
+            draft_engine = LLMEngine(config.speculative_model, **draft_engine_settings(config))
+            self.proposer = DraftModelProposer(draft_engine, drafts)
     return self.proposer
 
 

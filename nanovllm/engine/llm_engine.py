@@ -292,8 +292,12 @@ class LLMEngine:
             return None
         if self.proposer is None:
             drafts = config.num_speculative_tokens
-            self.proposer = NgramProposer(drafts) if config.speculative_method == "ngram" else \
-                DraftModelProposer(config.speculative_model, drafts, **draft_engine_settings(config))
+            if config.speculative_method == "ngram":
+                self.proposer = NgramProposer(drafts)
+            else:
+                # The draft model runs in an engine of its own.
+                draft_engine = LLMEngine(config.speculative_model, **draft_engine_settings(config))
+                self.proposer = DraftModelProposer(draft_engine, drafts)
         return self.proposer
 
     # notebooks/13_robustness.py · cell "the engine's rules"

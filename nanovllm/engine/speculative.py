@@ -62,12 +62,11 @@ class DraftModelProposer:
     paged KV cache, block manager and prefix cache, under the same rules as the model's); each proposal hands it
     the sequence as it stands, and its prefix cache spares it what it computed before."""
 
-    def __init__(self, model: str, num_speculative_tokens: int, **settings: Any) -> None:
-        # Imported here: the engine's module imports this one.
-        from nanovllm.engine.llm_engine import LLMEngine
-
+    def __init__(self, engine: Any, num_speculative_tokens: int) -> None:
+        """``engine``: an `LLMEngine` of the draft model, which the speculating engine makes
+        (`draft_engine_settings`); this module need not know the engine's class."""
+        self.engine = engine
         self.num_speculative_tokens = num_speculative_tokens
-        self.engine = LLMEngine(model, **settings)
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
