@@ -200,4 +200,5 @@ def grow(self) -> None:
     assert first_cuts.retyped_lines(retyped) == 6
     report = first_cuts.retyped_report(retyped)
     assert "2 members, 6 code lines" in report
+    assert "    engine.engine         03 6\n" in report, report
     assert "seams filled (not counted): 02 Engine.waits, 02 Engine.grow" in report

@@ -202,6 +202,13 @@ def retyped_report(retyped: list[Retyped]) -> str:
     counted = [item for item in retyped if not item.seam]
     total = retyped_lines(retyped)
     rows.append(f"  {len(counted)} members, {total} code lines (bound {MAX_RETYPED_LINES}; issue 37's target 150)")
+    by_module: dict[str, dict[str, int]] = {}
+    for item in counted:
+        chapters = by_module.setdefault(item.module, {})
+        chapters[item.chapter] = chapters.get(item.chapter, 0) + item.lines
+    rows.append("  by module (chapter lines):")
+    rows += [f"    {module:<22}" + ", ".join(f"{_number(chapter)} {lines}" for chapter, lines in chapters.items())
+             for module, chapters in by_module.items()]
     filled = [f"{_number(item.chapter)} {item.name}" for item in retyped if item.seam]
     if filled:
         rows.append(f"seams filled (not counted): {', '.join(filled)}")
