@@ -1056,7 +1056,7 @@ class ModelRunner:
             return 0.0
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self.warmup()
+        self.warmup_model()
         free, total = torch.cuda.mem_get_info()
         stats = torch.cuda.memory_stats()
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
@@ -1067,9 +1067,10 @@ class ModelRunner:
     # zh: 预热在推理模式中构造输入，和 run() 一样：在推理模式之外创建的张量在 torch.compile 的守卫看来是不同的，
     # zh: 会导致第一个真实步骤再编译一次。
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """One forward of the biggest prefill the scheduler may send, with no KV cache (upstream's `warmup_model`):
-        the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the KV cache."""
+    def warmup_model(self) -> None:
+        """One forward of the biggest prefill the scheduler may send, with no KV cache, as upstream's method of
+        this name does: the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the
+        KV cache. (Not the backends' `warm_up`, which compiles kernels.)"""
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))

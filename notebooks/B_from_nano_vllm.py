@@ -385,7 +385,7 @@
 # | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 09 | a runner of their own (`ModelRunner.graphs` holds it); the buffers are a `DecodeBuffers` |
 # | `ModelRunner.exit` | = | 08, 10 | releases the KV cache; the TP runner stops its ranks |
 # | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | a rank's loop reads calls from its pipe and replies, errors included |
-# | `ModelRunner.warmup_model` | `ModelRunner.warmup` | 08 | the same warm-up forward |
+# | `ModelRunner.warmup_model` | `ModelRunner.warmup_model` | 08 | the same warm-up forward |
 # | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `max_useful_blocks`, `layers.linear.agree_min` | 08, 10 | the same formula on a GPU (an explicit `kvcache_memory_gb` on a CPU), then capped at `max_num_seqs × ceil(max_model_len / block_size)` blocks (`max_useful_blocks`), which upstream does not do; with tensor parallelism every rank takes the smallest count |
 # | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 06 | built with the rest of the attention context |
 # | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | functions of the module; a chunk's `seqlen_k` is `num_cached + num_scheduled`, as upstream's is since `25794a1` (2026-04-22; before it, `len(seq)` let a chunk attend to slots not written yet) |
@@ -406,7 +406,7 @@
 # | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 09 | 单独成为一个执行器（由 `ModelRunner.graphs` 持有）；缓冲区是一个 `DecodeBuffers` |
 # | `ModelRunner.exit` | = | 08, 10 | 释放 KV 缓存；张量并行的执行器还会停掉各 rank |
 # | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | rank 的循环从管道读取调用并回复，出错时也回复 |
-# | `ModelRunner.warmup_model` | `ModelRunner.warmup` | 08 | 同样的预热前向 |
+# | `ModelRunner.warmup_model` | `ModelRunner.warmup_model` | 08 | 同样的预热前向 |
 # | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `max_useful_blocks`, `layers.linear.agree_min` | 08, 10 | GPU 上公式相同（CPU 上由 `kvcache_memory_gb` 显式给出），然后封顶为 `max_num_seqs × ceil(max_model_len / block_size)` 个块（`max_useful_blocks`），上游没有这个上限；张量并行时每个 rank 都取最小的块数 |
 # | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 06 | 与注意力上下文的其余部分一起构造 |
 # | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | 模块级函数；分块的 `seqlen_k` 是 `num_cached + num_scheduled`，上游自 `25794a1`（2026-04-22）起也是如此（在此之前是 `len(seq)`，分块会关注到尚未写入的槽位） |

@@ -254,7 +254,7 @@ class ModelRunner:
             return 0.0
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self.warmup()
+        self.warmup_model()
         free, total = torch.cuda.mem_get_info()
         stats = torch.cuda.memory_stats()
         peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
@@ -263,9 +263,10 @@ class ModelRunner:
     # The warm-ups build their inputs inside inference mode, as run() does: a tensor made outside it
     # differs to torch.compile's guards, which would then compile again in the first real step.
     @torch.inference_mode()
-    def warmup(self) -> None:
-        """One forward of the biggest prefill the scheduler may send, with no KV cache (upstream's `warmup_model`):
-        the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the KV cache."""
+    def warmup_model(self) -> None:
+        """One forward of the biggest prefill the scheduler may send, with no KV cache, as upstream's method of
+        this name does: the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the
+        KV cache. (Not the backends' `warm_up`, which compiles kernels.)"""
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
