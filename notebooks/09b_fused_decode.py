@@ -96,7 +96,7 @@ say = Phrases({
 # %% [markdown] tags=["en"]
 # ## A decode layer in four matmul kernels
 #
-# With graphs and the fused q/k/v kernel, a decode layer still runs about eleven kernels: the
+# With chapter 09's graphs and fused q/k/v kernel, a decode layer still runs about eleven kernels: the
 # add + RMSNorm, the q/k/v matmul, the fused q/k/v kernel, attention, `o_proj`, the second
 # add + RMSNorm, `gate_up_proj`, SiLU × mul and `down_proj`. At a batch of one, each matmul reads
 # a few megabytes of weights and the others read a few kilobytes, so the step is mostly
@@ -149,10 +149,10 @@ say = Phrases({
 # %% [markdown] tags=["zh"]
 # ## 四个矩阵乘内核完成一层 decode
 #
-# 有了 CUDA graph 和融合的 q/k/v 内核之后，一层 decode 仍要跑大约十一个内核：残差相加 + RMSNorm、q/k/v 矩阵乘、
-# 融合的 q/k/v 内核、注意力、`o_proj`、第二次残差相加 + RMSNorm、`gate_up_proj`、SiLU × mul 和 `down_proj`。批大小
-# 为 1 时，每个矩阵乘读几 MB 权重，其余内核只读几 KB，所以一步的时间大多花在内核之间的边界上：每个内核都要等前一个
-# 结束，而即使在 graph 里，一次启动在第一次读显存之前也要花一两微秒。
+# 有了第 09 章的 CUDA graph 和融合的 q/k/v 内核之后，一层 decode 仍要跑大约十一个内核：残差相加 + RMSNorm、q/k/v
+# 矩阵乘、融合的 q/k/v 内核、注意力、`o_proj`、第二次残差相加 + RMSNorm、`gate_up_proj`、SiLU × mul 和
+# `down_proj`。批大小为 1 时，每个矩阵乘读几 MB 权重，其余内核只读几 KB，所以一步的时间大多花在内核之间的边界上：
+# 每个内核都要等前一个结束，而即使在 graph 里，一次启动在第一次读显存之前也要花一两微秒。
 #
 # 归一化和激活函数不必单独成为内核。RMSNorm 只需要它自己那一行：它后面那个矩阵乘的每个程序，都可以把小批次的那几行
 # （最多 16 行，Qwen3-0.6B 每行 2 KB）读进来，求平方和，在送进自己的 tile 时顺手缩放；残差相加也在同一次读取中完成。
