@@ -20,7 +20,9 @@
 # - explain why a decode step at small batch sizes is **launch-bound**: the GPU waits for Python;
 # - capture the decode forward as **CUDA graphs**, one per batch-size bucket, and replay them with
 #   static input buffers, padded rows and a block-table buffer sized from `max_model_len`;
-# - fuse the model's small element-wise ops with `torch.compile` behind a config switch;
+# - fuse the model's small element-wise ops with `torch.compile` behind a config switch, and the
+#   three small kernels between the q/k/v projection and attention (q/k norm, rotation, KV store)
+#   into one Triton kernel;
 # - check the KV cache sizing of chapter 08 on a real GPU, and read the throughput benchmark.
 #
 # On a machine without a GPU everything here falls back to the eager path of chapter 08 (and
@@ -34,7 +36,8 @@
 # - 解释为什么小批次的 decode 步受**启动开销限制**（launch-bound）：GPU 在等 Python；
 # - 把 decode 前向捕获成 **CUDA Graph**，每个批大小档位一个，并用静态输入缓冲区、填充行和按 `max_model_len`
 #   确定大小的块表缓冲区来重放它们；
-# - 通过一个配置开关，用 `torch.compile` 融合模型中那些逐元素的小算子；
+# - 通过一个配置开关，用 `torch.compile` 融合模型中那些逐元素的小算子，并把 q/k/v 投影与注意力之间的三个小内核
+#   （q/k 归一化、旋转、写入 KV 缓存）合成一个 Triton 内核；
 # - 在真实 GPU 上验证第 08 章的 KV 缓存大小计算，并读懂吞吐量基准测试。
 #
 # 在没有 GPU 的机器上，这里的一切都会退回第 08 章的 eager 路径（并且会明说）；在 H200 上测得的数字以
