@@ -327,7 +327,7 @@ def class_extension(node: ast.stmt, cell: Cell) -> tuple[str, str, str] | None:
     for the end of ``Cls.__init__``, member name ``__init__``), or ``@add_fields(Cls)`` above a class of fields
     for the dataclass ``Cls`` (member name: that class's); anything else is ordinary code.
     """
-    if isinstance(node, ast.FunctionDef) and any(_is_init_helper(d) for d in node.decorator_list):
+    if isinstance(node, ast.FunctionDef) and any(_decorator_name(d) == INIT_HELPER for d in node.decorator_list):
         return init_extension(node, cell)
     if isinstance(node, ast.ClassDef) and any(_decorator_name(d) == FIELDS_HELPER for d in node.decorator_list):
         return fields_extension(node, cell)
@@ -354,13 +354,6 @@ def class_extension(node: ast.stmt, cell: Cell) -> tuple[str, str, str] | None:
             raise TangleError(f"{cell.where()}: a class attribute added by a later chapter needs a value")
         return targets[0].value.id, targets[0].attr, "attribute"
     return None
-
-
-def _is_init_helper(decorator: ast.expr) -> bool:
-    func = decorator.func if isinstance(decorator, ast.Call) else decorator
-    return (isinstance(func, ast.Name) and func.id == INIT_HELPER) or (
-        isinstance(func, ast.Attribute) and func.attr == INIT_HELPER
-    )
 
 
 def init_extension(node: ast.FunctionDef, cell: Cell) -> tuple[str, str, str]:
@@ -436,14 +429,9 @@ def member_text(source: list[str], node: ast.stmt, kind: str, indent: str) -> li
 def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, source: list[str],
            node: ast.stmt) -> None:
     """Put one member into the module's ``class class_name`` block: in place of its namesake, else at its spot."""
-    found = find_class(module, class_name)
-    if found is None:
-        raise TangleError(
-            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
-        )
-    index, cls = found
+    index, cls = class_to_extend(module, cell, class_name)
     body = module.bodies[index]
-    if kind == "attribute" and any(_decorator_name(d) == "dataclass" for d in cls.decorator_list):
+    if kind == "attribute" and _is_dataclass(cls):
         raise TangleError(
             f"{cell.where()}: {class_name} is a dataclass: a later chapter adds its field {member!r} with "
             f"@{FIELDS_HELPER}({class_name}) above a class of fields (the notebook must rebuild the dataclass)"
@@ -482,8 +470,6 @@ def splice(module: Module, cell: Cell, class_name: str, member: str, kind: str, 
         # What follows the class in its cell is that cell's again, not the new member's.
         remark_class_lines(lines, cls.end_lineno + len(new) + 1, lines[0])
     module.bodies[index] = "\n".join(lines)
-    if cell.chapter not in module.chapters:
-        module.chapters.append(cell.chapter)
 
 
 def order_added_methods(module: Module) -> None:
@@ -577,14 +563,9 @@ def remark_after_moves(before: list[tuple[int, str]], after: list[tuple[int, str
 def extend_init(module: Module, cell: Cell, class_name: str, source: list[str], node: ast.FunctionDef) -> None:
     """Append the body of an ``@add_to_init`` function (with the comments above its ``def``) to the end of the
     module's ``class_name.__init__``, under the cell's marker."""
-    found = find_class(module, class_name)
-    if found is None:
-        raise TangleError(
-            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
-        )
-    index, cls = found
+    index, cls = class_to_extend(module, cell, class_name)
     # A dataclass's __init__ is generated: the notebook's helper adds to __post_init__, and so does the package.
-    target = "__post_init__" if any(_decorator_name(d) == "dataclass" for d in cls.decorator_list) else "__init__"
+    target = "__post_init__" if _is_dataclass(cls) else "__init__"
     inits = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == target]
     if not inits:
         raise TangleError(f"{cell.where()}: class {class_name} has no {target} of its own to add lines to")
@@ -607,20 +588,13 @@ def extend_init(module: Module, cell: Cell, class_name: str, source: list[str], 
     own_marker = f"{' ' * cls.body[0].col_offset}{lines[0].strip()}"
     remark_class_lines(lines, init.end_lineno + len(new), own_marker)
     module.bodies[index] = "\n".join(lines)
-    if cell.chapter not in module.chapters:
-        module.chapters.append(cell.chapter)
 
 
 def extend_fields(module: Module, cell: Cell, class_name: str, source: list[str], node: ast.ClassDef) -> None:
     """Write the fields of an ``@add_fields`` class (with their comments) into the dataclass ``class_name``: after its
     settings, before the fields it derives (``field(..., init=False)``), as the notebook's rebuild orders them."""
-    found = find_class(module, class_name)
-    if found is None:
-        raise TangleError(
-            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
-        )
-    index, cls = found
-    if not any(_decorator_name(d) == "dataclass" for d in cls.decorator_list):
+    index, cls = class_to_extend(module, cell, class_name)
+    if not _is_dataclass(cls):
         raise TangleError(f"{cell.where()}: @{FIELDS_HELPER} adds fields to a dataclass; {class_name} is not one")
     lines = module.bodies[index].splitlines()
     fields = [n for n in cls.body if isinstance(n, ast.AnnAssign)]
@@ -638,8 +612,6 @@ def extend_fields(module: Module, cell: Cell, class_name: str, source: list[str]
     lines[at:at] = new
     remark_class_lines(lines, at + len(new), f"{indent}{lines[0].strip()}")
     module.bodies[index] = "\n".join(lines)
-    if cell.chapter not in module.chapters:
-        module.chapters.append(cell.chapter)
 
 
 def _is_derived_field(node: ast.AnnAssign) -> bool:
@@ -695,8 +667,6 @@ def replace_top_level(module: Module, cell: Cell, name: str, kind: str, source: 
     new = f"{cell.marker()}\n" + "\n".join(member_text(source, node, kind, ""))
     pieces = [f"{marker}\n{before}" if before else None, new, f"{marker}\n{after}" if after else None]
     module.bodies[index : index + 1] = [piece for piece in pieces if piece]
-    if cell.chapter not in module.chapters:
-        module.chapters.append(cell.chapter)
 
 
 def find_top_level(module: Module, name: str) -> tuple[int, ast.stmt] | None:
@@ -715,6 +685,20 @@ def find_class(module: Module, name: str) -> tuple[int, ast.ClassDef] | None:
             if isinstance(node, ast.ClassDef) and node.name == name:
                 return index, node
     return None
+
+
+def class_to_extend(module: Module, cell: Cell, class_name: str) -> tuple[int, ast.ClassDef]:
+    """`find_class`, or the error that ``cell`` extends a class no earlier cell exports to ``module``."""
+    found = find_class(module, class_name)
+    if found is None:
+        raise TangleError(
+            f"{cell.where()}: extends class {class_name}, which no earlier cell exports to {PACKAGE}.{module.name}"
+        )
+    return found
+
+
+def _is_dataclass(cls: ast.ClassDef) -> bool:
+    return any(_decorator_name(d) == "dataclass" for d in cls.decorator_list)
 
 
 def _member_name(node: ast.stmt) -> str | None:
@@ -858,6 +842,7 @@ def tangle(root: Path) -> dict[Path, str]:
     for cell, target, public in exported_cells(root):
         module = modules.setdefault(target, Module(target, [cell.chapter]))
         add_cell(module, cell, public=public)
+        # A cell that extends the module (or only replaces in it) names its chapter in the header too.
         if cell.chapter not in module.chapters:
             module.chapters.append(cell.chapter)
     for module in modules.values():
