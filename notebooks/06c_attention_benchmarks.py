@@ -87,6 +87,8 @@ say = Phrases({
     "  batch {batch:>3} ctx {context:>5}: {ratio:4.2f}": "  批大小 {batch:>3} 上下文 {context:>5}：{ratio:4.2f}",
     "prefill {batch} x {seqlen}: SDPA {sdpa:.3f} ms, ours {ours:.3f} ms, FlashAttention 4 {fa4:.3f} ms":
         "prefill {batch} x {seqlen}：SDPA {sdpa:.3f} ms，我们的 {ours:.3f} ms，FlashAttention 4 {fa4:.3f} ms",
+    "batch {batch:>2} ({splits} splits): reduce kernel {reduce:.1f} us, merged {merged:.1f} us ({ratio:.2f}x)":
+        "批大小 {batch:>2}（{splits} 段）：reduce 内核 {reduce:.1f} us，段内合并 {merged:.1f} us（{ratio:.2f}x）",
     "{batch} sequences x {context} tokens: {mib:.0f} MiB of KV per layer, at least {us:.0f} µs at 4.2 TB/s":
         "{batch} 个序列 x {context} 个 token：每层 {mib:.0f} MiB 的 KV，以 4.2 TB/s 计至少 {us:.0f} µs",
 })
@@ -643,6 +645,48 @@ for (batch, seqlen), (sdpa, ours, fa4) in FA4["prefill_ms"].items():
 # en: FA4's prefill: our room to grow
 # zh: FA4 的 prefill：我们还能提升的空间。
 assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3
+
+# %% [markdown] tags=["en"]
+# ### A launch we did not save: merging the splits inside the split kernel
+#
+# A split decode is two launches per layer: the split kernel, then `decode_reduce_kernel`, which
+# merges the slices by their log-sum-exps. At one to sixteen sequences a step has 28 of those
+# second launches, each a few microseconds of mostly boundary, so we tried doing without them:
+# each program of a split counted its arrival with an atomic, and the last of a (sequence, KV
+# head)'s programs to arrive merged the partial outputs itself. Timed on the H200 (2026-12-05;
+# Qwen3-0.6B's 28 layers of decode attention back to back in one CUDA graph, contexts of 512 to
+# 768 tokens), it lost at every batch of one to eight sequences and won 4 % at sixteen, so it
+# was taken out again. The reduce kernel starts early (programmatic dependent launch, chapter
+# 06b), so its boundary was mostly hidden already; the in-kernel merge instead adds a tail to the
+# split kernel: the last program waits for the atomic, reads the other programs' slices back
+# from L2, and merges a whole group of heads alone, where the reduce kernel gives every head a
+# program of its own.
+
+# %% [markdown] tags=["zh"]
+# ### 没省下来的一次启动：在分段内核里合并各段
+#
+# split decode 每层要两次启动：先是分段内核，再是 `decode_reduce_kernel`，后者按各段的 log-sum-exp 把它们合并。
+# 一到十六个序列时，一步里有 28 次这样的第二次启动，每次几微秒，大部分花在内核边界上，于是我们试过把它省掉：分段的
+# 每个程序用一次原子操作登记自己已经完成，一个（序列，KV 头）的程序里最后到达的那个亲自合并各段的部分输出。
+# 在 H200 上计时（2026-12-05；Qwen3-0.6B 的 28 层 decode 注意力在一个 CUDA graph 里背靠背运行，上下文 512 到 768
+# 个 token），它在一到八个序列的每个批大小上都更慢，只在十六个序列时快 4 %，所以又把它拿掉了。reduce 内核本来就提前
+# 启动（programmatic dependent launch，第 06b 章），它的边界大多已经被藏住；而在内核里合并反倒给分段内核加了一段
+# 尾巴：最后一个程序要等原子操作，从 L2 读回其他程序的各段，再独自合并一整组头，而 reduce 内核给每个头都配了一个
+# 自己的程序。
+
+# %%
+# en: H200, 2026-12-05: sequences -> (splits, µs per step for 28 layers: reduce kernel, merged in the split kernel)
+# zh: H200，2026-12-05：序列数 ->（分段数，28 层每步的微秒数：reduce 内核、在分段内核里合并）
+MERGE_TRIAL = {1: (6, 192.3, 214.0), 2: (6, 207.7, 228.9), 4: (6, 265.7, 285.3), 8: (6, 343.2, 365.0),
+               16: (4, 493.1, 472.2)}
+for batch, (splits, reduce_us, merged_us) in MERGE_TRIAL.items():
+    print(say("batch {batch:>2} ({splits} splits): reduce kernel {reduce:.1f} us, merged {merged:.1f} us "
+              "({ratio:.2f}x)", batch=batch, splits=splits, reduce=reduce_us, merged=merged_us,
+              ratio=reduce_us / merged_us))
+# en: slower at one to eight sequences, where decode splits most; the gain at 16 is within a step's noise
+# zh: 在 decode 分段最多的一到八个序列时更慢；16 个序列时的收益在一步的波动范围之内。
+assert all(merged > reduce for splits, reduce, merged in (MERGE_TRIAL[b] for b in (1, 2, 4, 8)))
+assert MERGE_TRIAL[16][2] / MERGE_TRIAL[16][1] > 0.95
 
 # %% [markdown] tags=["en"]
 # ## What we built

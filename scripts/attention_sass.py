@@ -52,7 +52,7 @@ GPUS = {"A100": ((8, 0), 166_912, 108), "RTX 4090": ((8, 9), 101_376, 128), "H20
 # Qwen3-0.6B: 16 query heads over 8 KV heads, head_dim 128; the engine's blocks of 256 tokens.
 SHAPES = {"GROUP": 2, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_SIZE": 256}
 # As a large batch launches it: one slice per (sequence, KV head), no early start (MANY_SPLITS).
-DECODE_SHAPES = {**SHAPES, "GROUP_PAD": 16, "SPLIT": False, "PDL": False, "MERGE": False, "SPLITS_PAD": 2}
+DECODE_SHAPES = {**SHAPES, "GROUP_PAD": 16, "SPLIT": False, "PDL": False}
 # The prefill as a large step launches it on an H200 (choose_prefill_launch: BLOCK_M, BLOCK_N, warps, stages).
 PREFILL_LAUNCH = (128, 128, 8, 3)
 # Arguments the JIT would specialize as multiples of 16 on the engine's tensors (aligned pointers, strides): the

@@ -41,8 +41,7 @@
 #                                       # --experts fused and loop
 #   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 09b's fused tests, the
 #                                       # matmul probes (scripts/decode_matmul_chain.py, splitk_sweep.py --chain-only,
-#                                       # prefetch_tile_probe.py), then scripts/decode_merge_probe.py (attention's
-#                                       # splits merged by a second kernel or in the split kernel)
+#                                       # prefetch_tile_probe.py)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -288,7 +287,7 @@ run_small_batch() {  # a small decode step's kernels: chapter 09's tests, then e
   python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_09b_fused_decode.py \
     || status=1
   local probe
-  for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe decode_merge_probe; do
+  for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe; do
     # shellcheck disable=SC2086  # the probe's name and its options
     python3 scripts/${probe%% *}.py ${probe#"${probe%% *}"} --out "$out/${probe%% *}.json" 2>&1 \
       | tee "$out/${probe%% *}.log" || status=1
@@ -320,9 +319,9 @@ case $what in
   fp8) run_fp8 "$@" ;;
   speculative) run_speculative "$@" ;;
   moe) run_moe ;;
-  small-batch) run_small_batch ;;
+  matmul) run_matmul ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | moe | small-batch | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | moe | matmul | keep]" >&2
      exit 2 ;;
 esac
 exit $status

@@ -191,22 +191,6 @@ def test_decode_plain_and_split_match_reference(group: int, block_size: int, dty
         assert torch.equal(split[-1], torch.zeros_like(split[-1]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("group", [1, 4])
-def test_decode_merged_in_the_split_kernel_matches_the_reduce_kernel(group: int, dtype: torch.dtype) -> None:
-    """The last split program of each (sequence, KV head) merges the splits as decode_reduce_kernel does, call after
-    call (its arrival counters come back to zero), the padded row giving zeros."""
-    q, caches, ctx, scale = decode_setup(group * 7 + (dtype == torch.float16), dtype, [16], [group], 90)
-    for splits in (2, 5):
-        reduced = ta.decode_attention(q, *caches, ctx, scale, num_splits=splits, merge_in_kernel=False)
-        for _ in range(3):
-            merged = ta.decode_attention(q, *caches, ctx, scale, num_splits=splits, merge_in_kernel=True)
-            close(merged, reduced, dtype)
-            assert torch.equal(merged[-1], torch.zeros_like(merged[-1]))
-    counters = ta.merge_counters(q.device, 1)
-    assert counters.numel() >= q.shape[0] * caches[0].shape[2] and not counters.any()
-
-
 def test_decode_errors() -> None:
     q = torch.randn(1, 2, 16, device=DEVICE)
     ctx = set_decode_context([1], [[0]], 16, device=DEVICE)

@@ -23,7 +23,6 @@ __all__ = [
     "LARGE_PREFILL_SHARED_MEMORY",
     "MANY_SPLITS",
     "MANY_SPLITS_BLOCK_N",
-    "MERGE_IN_SPLIT_KERNEL",
     "FlashAttnBackend",
     "TritonBackend",
     "check_triton_device",
@@ -35,7 +34,6 @@ __all__ = [
     "decode_reduce_kernel",
     "fp8_scale",
     "key_tile",
-    "merge_counters",
     "paged_places",
     "prefill_attention",
     "prefill_attention_kernel",
@@ -596,12 +594,11 @@ def _decode_tile(
 @triton.jit(do_not_specialize=["stride_bt"])
 def decode_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, o_ptr, lse_ptr, k_scale_ptr, v_scale_ptr,
-    out_ptr, arrivals_ptr,
     stride_q_b, stride_q_h, stride_c_t, stride_c_h, stride_v_b, stride_v_h, stride_bt, stride_o_b, stride_o_h,
-    stride_o_s, stride_s_b, stride_s_h, stride_out_b, stride_out_h, qk_scale, num_splits,
+    stride_o_s, stride_s_b, stride_s_h, qk_scale, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Program (sequence b, KV head g, split s): query heads g*GROUP … g*GROUP + GROUP - 1.
     b, g, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -668,39 +665,7 @@ def decode_attention_kernel(
     if SPLIT:
         # Its log-sum-exp (base 2) per head, -inf for an empty slice: lse [batch, heads, num_splits].
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        lse_row = lse_ptr + (b * tl.num_programs(1) * GROUP + heads) * num_splits
-        tl.store(lse_row + s, lse, mask=offs_g < GROUP)
-        # MERGE: the last of this (sequence, KV head)'s split programs to finish merges them, instead of
-        # decode_reduce_kernel after this kernel; it resets the counter for the next launch.
-        if MERGE:
-            if tl.atomic_add(arrivals_ptr + b * tl.num_programs(1) + g, 1, sem="acq_rel") == num_splits - 1:
-                merged = _merge_splits(o_ptr + b * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :],
-                                       lse_row, stride_o_s, num_splits, qd_mask, offs_g < GROUP, GROUP_PAD,
-                                       BLOCK_D, SPLITS_PAD)  # fmt: skip
-                out_ptrs = out_ptr + b * stride_out_b + heads[:, None] * stride_out_h + offs_d[None, :]
-                tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=qd_mask)
-                tl.store(arrivals_ptr + b * tl.num_programs(1) + g, 0)
-
-
-@triton.jit
-def _merge_splits(part_ptrs, lse_row, stride_s, num_splits, qd_mask, head_mask, GROUP_PAD: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr):  # fmt: skip
-    """The GROUP heads' partial outputs [GROUP_PAD, BLOCK_D] (at part_ptrs + s * stride_s) weighted by their
-    log-sum-exps (lse_row[head] + s), as decode_reduce_kernel merges them; read from L2 (.cg), where the other
-    programs' stores are."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_row[:, None] + offs_s[None, :], mask=head_mask[:, None] & (offs_s < num_splits)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-    lse_max = tl.max(lse, 1)
-    # all slices empty: avoid -inf - -inf = NaN
-    lse_max = tl.where(lse_max > float("-inf"), lse_max, 0.0)
-    total = tl.sum(tl.exp2(lse - lse_max[:, None]), 1)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    for part in range(0, num_splits):
-        weight = tl.exp2(tl.load(lse_row + part, mask=head_mask, other=float("-inf"), cache_modifier=".cg") - lse_max)
-        acc += weight[:, None] * tl.load(part_ptrs + part * stride_s, mask=qd_mask, other=0.0, cache_modifier=".cg")
-    # A padded row (context length 0) has no slice with weight: output 0.
-    return tl.where(total[:, None] > 0, acc / tl.maximum(total, 1e-30)[:, None], 0.0)
+        tl.store(lse_ptr + (b * tl.num_programs(1) * GROUP + heads) * num_splits + s, lse, mask=offs_g < GROUP)
 
 
 @triton.jit
@@ -826,29 +791,6 @@ def _decode_kernel_launch(q: torch.Tensor, fp8: bool, num_splits: int,
     return bn, num_warps, num_stages, pdl, ({"maxnreg": DECODE_MAX_REGISTERS} if capped else {})
 
 
-# Where a split decode's partial outputs are merged: False, in decode_reduce_kernel, a second launch after the
-# split kernel; True, by the last of a (sequence, KV head)'s split programs to finish, inside the split kernel
-# (one launch fewer per layer and step). Not yet measured on a GPU, so the default stays the measured one;
-# `python3 scripts/decode_merge_probe.py` times both.
-MERGE_IN_SPLIT_KERNEL = False
-# The merge's arrival counters by device, one per (sequence, KV head), zero between launches (the last program
-# resets its own). A larger batch gets a larger tensor; the smaller ones stay alive, since CUDA graphs
-# captured with them keep their addresses.
-_merge_counters: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def merge_counters(device: torch.device, count: int) -> torch.Tensor:
-    """At least ``count`` zeroed int32 arrival counters on ``device``, for a decode that merges its splits in the
-    split kernel; made outside CUDA graph capture (the engine's eager warm-up runs each size first)."""
-    kept = _merge_counters.setdefault(device, [])
-    if not kept or kept[-1].numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"decode_attention: {count} merge counters first asked for during a CUDA graph "
-                               "capture; run the same batch once outside the capture first")
-        kept.append(torch.zeros(count, dtype=torch.int32, device=device))
-    return kept[-1]
-
-
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -859,52 +801,52 @@ def decode_attention(
     launch: tuple[int, int, int] | None = None,
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
-    merge_in_kernel: bool | None = None,
 ) -> torch.Tensor:
     """q [B, H, d] (one token per sequence) -> [B, H, d]; ``num_splits`` None = heuristic, 1 = plain kernel.
 
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
-    ``k_scales``/``v_scales``: a float8 cache's scales. ``merge_in_kernel``: where the splits are merged (None:
-    MERGE_IN_SPLIT_KERNEL).
+    ``k_scales``/``v_scales``: a float8 cache's scales.
     """
     fp8 = _check_decode_inputs(q, k_cache, v_cache, k_scales, v_scales)
     batch, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     block_tables = context.block_tables
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, _num_sms(q.device))
+        max_context = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(batch, kv_heads, max_context, _num_sms(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = heads // kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     bn, num_warps, num_stages, pdl, registers = _decode_kernel_launch(q, fp8, num_splits, launch)
     split = num_splits > 1
-    merge = split and (MERGE_IN_SPLIT_KERNEL if merge_in_kernel is None else merge_in_kernel)
-    # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32 (lse is not written
-    # when SPLIT is False).
-    part = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device) if split else out
-    lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device) if split else out
-    arrivals = merge_counters(q.device, batch * kv_heads) if merge else out
+    # Split-K: partial outputs [B, H, S, d] and their log-sum-exp [B, H, S], both fp32.
+    if split:
+        part = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        dst, stride_s = part, part.stride(2)
+    else:
+        # lse is not written when SPLIT is False
+        dst, lse, stride_s = out, out, 0
     # unused without FP8
     k_scales, v_scales = (k_scales, v_scales) if fp8 else (q, q)
-    splits_pad = max(2, triton.next_power_of_2(num_splits))
     decode_attention_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context.context_lens, part, lse, k_scales, v_scales, out, arrivals,
+        q, k_cache, v_cache, block_tables, context.context_lens, dst, lse, k_scales, v_scales,
         q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
-        v_cache.stride(1 if fp8 else 2), block_tables.stride(0), part.stride(0), part.stride(1),
-        part.stride(2) if split else 0, k_scales.stride(0), k_scales.stride(1), out.stride(0), out.stride(1),
-        scale * math.log2(math.e), num_splits, GROUP=heads // kv_heads,
-        GROUP_PAD=max(16, triton.next_power_of_2(heads // kv_heads)), HEAD_DIM=head_dim,
+        v_cache.stride(1 if fp8 else 2), block_tables.stride(0), dst.stride(0), dst.stride(1), stride_s,
+        k_scales.stride(0), k_scales.stride(1), scale * math.log2(math.e),
+        num_splits, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=bn, BLOCK_SIZE=block_size, SPLIT=split,
-        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, PDL=pdl, MERGE=merge, SPLITS_PAD=splits_pad,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl, **registers,
+        DOT_PRECISION=_dot_precision(q.dtype), FP8=fp8, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl, **registers,
     )  # fmt: skip
-    if split and not merge:
+    if split:
         decode_reduce_kernel[(batch, heads)](
             part, lse, out, num_splits, part.stride(0), part.stride(1), part.stride(2), out.stride(0), out.stride(1),
-            NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), SPLITS_PAD=splits_pad,
-            PDL=pdl, launch_pdl=pdl,
+            NUM_HEADS=heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
 
