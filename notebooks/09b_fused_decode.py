@@ -89,6 +89,10 @@ say = Phrases({
         "批大小 {batch}：graph {before:.3f} -> {after:.3f} ms（上限的 {share:.0%}），每步 {fast:.3f}-{slow:.3f} ms",
     "PDL hides {hidden:.1f} µs a boundary; {left:.1f} µs a kernel remain":
         "PDL 每个边界藏住 {hidden:.1f} µs；每个内核还剩 {left:.1f} µs",
+    "batch {batch:>2}: {step:.3f} ms a step, {share:.0%} of the bound, {kernels} kernels":
+        "批大小 {batch:>2}：每步 {step:.3f} ms，上限的 {share:.0%}，{kernels} 个 kernel",
+    "{rows:>2} rows: cuBLAS {cublas:.0f} µs, small_matmul {tile:.0f} µs, prefetch tile {prefetch:.0f} µs":
+        "{rows:>2} 行：cuBLAS {cublas:.0f} µs，small_matmul {tile:.0f} µs，预取 tile {prefetch:.0f} µs",
     "o_proj: {blocks} column blocks x split {split} = {programs} programs, {inputs} inputs each":
         "o_proj：{blocks} 个列块 x split {split} = {programs} 个程序，每个读 {inputs} 个输入",
 })
@@ -1073,6 +1077,90 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
     assert after < before and min(walls) > after > bound
     print(say(EARLY_START_LINE, batch=batch, before=before, after=after, share=bound / after,
               fast=min(walls), slow=max(walls)))
+
+# %% [markdown] tags=["en"]
+# ## Where a step stands, and what stands in the way
+#
+# The latency benchmark again, as the engine runs by default (fused decode, PDL, asynchronous
+# scheduling), on the H200 (2026-12-05, copy rate 4.25 TB/s, `python -m nanovllm.bench --latency`):
+#
+# | batch | ms per step | tok/s | bound | of the bound | kernels | graph alone | host launch |
+# |---:|---:|---:|---:|---:|---:|---:|---:|
+# | 1 | 0.719 | 1,391 | 0.308 ms | 42.9 % | 203 | 0.630 ms | 0.556 ms |
+# | 4 | 1.394 | 2,869 | 0.392 ms | 28.1 % | 315 | 1.303 ms | 0.705 ms |
+# | 16 | 1.752 | 9,135 | 0.725 ms | 41.4 % | 315 | 1.627 ms | 1.059 ms |
+# | 64 | 3.303 | 19,375 | 2.057 ms | 62.3 % | 287 | 3.215 ms | 1.110 ms |
+#
+# One sequence went from 24 % of its bound (1.44 ms, before this chapter and chapter 12's
+# one-copy step) to 43 %. Four and sixteen did not move: their steps are not fused, because no
+# kernel we have multiplies 4 to 16 rows faster than cuBLAS. The same day's
+# `scripts/prefetch_tile_probe.py` timed the step's 28 layers of matmuls (with their norms and
+# SiLU × mul; bound 207 µs) three ways. The third is the GEMV's trick on a tile: split-K so fine
+# that a program's whole weight slice is one tile, loaded before the program waits for the
+# kernel before it; eight launches were tried, and the best one is shown.
+#
+# | rows | cuBLAS (matmuls only) | tile kernel (`small_matmul`) | prefetch tile, best launch |
+# |---:|---:|---:|---:|
+# | 1 | 873 µs | 334 µs (the GEMV) | 564 µs |
+# | 4 | 766 µs | 987 µs | 814 µs |
+# | 8 | 686 µs | 986 µs | 840 µs |
+# | 16 | 700 µs | 990 µs | 782 µs |
+#
+# Loading early helps a tile (it beats the tile kernel by a fifth) but not enough: from 4 rows on
+# cuBLAS stays the fastest, at about 30 % of the copy rate, and those ~0.7 ms of matmuls are most
+# of what keeps a step of 16 at 1.75 ms. What is left to try is what the
+# fused engines do: fewer, longer kernels (a whole layer, or the whole step, in one persistent
+# kernel that moves from matmul to matmul without a boundary), rather than faster short ones.
+
+# %% [markdown] tags=["zh"]
+# ## 一步现在在哪里，挡在前面的是什么
+#
+# 再跑一次延迟基准测试，引擎用默认设置（融合 decode、PDL、异步调度），在 H200 上（2026-12-05，拷贝速率
+# 4.25 TB/s，`python -m nanovllm.bench --latency`）：
+#
+# | 批大小 | 每步 ms | tok/s | 上限 | 占上限 | kernel 数 | 单独的 graph | 主机启动用时 |
+# |---:|---:|---:|---:|---:|---:|---:|---:|
+# | 1 | 0.719 | 1,391 | 0.308 ms | 42.9 % | 203 | 0.630 ms | 0.556 ms |
+# | 4 | 1.394 | 2,869 | 0.392 ms | 28.1 % | 315 | 1.303 ms | 0.705 ms |
+# | 16 | 1.752 | 9,135 | 0.725 ms | 41.4 % | 315 | 1.627 ms | 1.059 ms |
+# | 64 | 3.303 | 19,375 | 2.057 ms | 62.3 % | 287 | 3.215 ms | 1.110 ms |
+#
+# 一个序列从上限的 24 %（1.44 ms，在本章和第 12 章的“一次拷贝”之前）提高到 43 %。四个和十六个序列没有变化：它们的
+# 步没有融合，因为我们手里没有哪个内核算 4 到 16 行的矩阵乘比 cuBLAS 快。同一天用 `scripts/prefetch_tile_probe.py`
+# 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；上限 207 µs）计时。第三种是把 GEMV 的办法用到
+# tile 上：split-K 切得足够细，一个程序的整段权重正好是一个 tile，在等前一个内核之前就读进来；试了八种启动配置，
+# 下表列出最好的那种。
+#
+# | 行数 | cuBLAS（只算矩阵乘） | tile 内核（`small_matmul`） | 预取 tile，最佳启动配置 |
+# |---:|---:|---:|---:|
+# | 1 | 873 µs | 334 µs（GEMV） | 564 µs |
+# | 4 | 766 µs | 987 µs | 814 µs |
+# | 8 | 686 µs | 986 µs | 840 µs |
+# | 16 | 700 µs | 990 µs | 782 µs |
+#
+# 提前读入对 tile 有帮助（比 tile 内核快五分之一），但不够：从 4 行起 cuBLAS 仍然最快，约为拷贝速率的 30 %，而这
+# 约 0.7 ms 的矩阵乘正是 16 个序列的一步停在 1.75 ms 的主要原因。剩下值得试的是那些融合引擎的做法：更少、更长的
+# 内核（一整层，甚至整个一步，放进一个常驻内核，从一个矩阵乘走到下一个，中间没有内核边界），而不是更快的短内核。
+
+# %%
+# en: Recorded (H200, 2026-12-05): batch -> (ms per step, bound ms, kernels); rows -> (cuBLAS, small_matmul,
+# en: best prefetch tile), µs for the step's 28 layers of matmuls.
+# zh: 记录的数字（H200，2026-12-05）：批大小 ->（每步 ms、上限 ms、kernel 数）；行数 ->（cuBLAS、small_matmul、
+# zh: 最佳预取 tile），单位是一步 28 层矩阵乘的 µs。
+STEP = {1: (0.719, 0.308, 203), 4: (1.394, 0.392, 315), 16: (1.752, 0.725, 315), 64: (3.303, 2.057, 287)}
+MATMULS = {1: (872.8, 333.5, 563.6), 4: (765.8, 987.4, 814.5), 8: (686.1, 985.8, 839.6), 16: (700.5, 990.1, 782.4)}
+for batch, (step_ms, bound_ms, kernels) in STEP.items():
+    print(say("batch {batch:>2}: {step:.3f} ms a step, {share:.0%} of the bound, {kernels} kernels", batch=batch,
+              step=step_ms, share=bound_ms / step_ms, kernels=kernels))
+for rows, (cublas, tile, prefetch) in MATMULS.items():
+    print(say("{rows:>2} rows: cuBLAS {cublas:.0f} µs, small_matmul {tile:.0f} µs, prefetch tile {prefetch:.0f} µs",
+              rows=rows, cublas=cublas, tile=tile, prefetch=prefetch))
+# en: One token is fused (fewer kernels) and the GEMV beats cuBLAS; from 4 rows cuBLAS is the fastest chain we have,
+# en: and the steps it runs are the unfused ones.
+# zh: 一个 token 的步是融合的（kernel 更少），GEMV 胜过 cuBLAS；从 4 行起 cuBLAS 是我们最快的一串矩阵乘，
+# zh: 它跑的那些步也没有融合。
+assert STEP[1][2] < STEP[4][2] and MATMULS[1][1] < min(MATMULS[1][0], MATMULS[1][2])
+assert all(cublas < min(tile, prefetch) for rows, (cublas, tile, prefetch) in MATMULS.items() if rows >= 4)
 
 # %% [markdown] tags=["en"]
 # ## What we built
