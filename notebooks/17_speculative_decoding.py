@@ -235,10 +235,13 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # pays" then pauses it. On an H100 (2026-12-05, `scripts/gpu-ci.sh speculative`, SmolLM2 quoting a
 # passage, one sequence) the 8-layer self draft had none of its drafts kept and ran at 0.56× the
 # plain engine: each time its pause of 16 tokens ended, the draft engine caught up and drafted for a
-# verify step that kept nothing. The pause now doubles while the drafts keep failing (not yet
-# measured on a GPU). Engines that speculate with a model ship one trained for the job. The
-# settings are `speculative_method="draft"` and `speculative_model=DIRECTORY`; a vocabulary other
-# than the model's is refused.
+# verify step that kept nothing. The pause now doubles while the drafts keep failing: on an H200
+# (2026-12-05, the same command) the same draft proposed six times in 256 tokens, none kept, and
+# ran at 0.73×. Those six proposals cost some 48 ms, about 8 ms each (a whole `generate` call of
+# the draft engine: catching up on the tokens of the pause, then four drafts), against 126 ms
+# for the plain engine's 256 tokens. Engines that speculate with a model ship one trained for the
+# job. The settings are `speculative_method="draft"` and `speculative_model=DIRECTORY`; a
+# vocabulary other than the model's is refused.
 
 # %% [markdown] tags=["zh"]
 # ### 另一种提议器：一个更小的模型
@@ -258,9 +261,11 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退让规则就会让它暂停。在一块 H100 上
 # （2026-12-05，`scripts/gpu-ci.sh speculative`，SmolLM2 引用一段文字，一个序列），前 8 层的自草稿一个草稿也没有被
 # 保留，只跑出普通引擎的 0.56 倍：每当 16 个 token 的暂停结束，草稿引擎就要补算，再为一个什么也保留不了的验证步
-# 提议草稿。现在草稿一直失败时暂停会加倍（还没有在 GPU 上测量）。用模型做投机的引擎，用的都是
-# 专门为此训练的草稿模型。设置是 `speculative_method="draft"` 和 `speculative_model=目录`；词表与模型不同的草稿模型
-# 会被拒绝。
+# 提议草稿。现在草稿一直失败时暂停会加倍：在一块 H200 上（2026-12-05，同一条命令），同一个草稿模型在 256 个 token
+# 里提议了六次，一个也没被保留，跑出 0.73 倍。这六次提议大约花了 48 ms，每次约 8 ms（草稿引擎完整的一次
+# `generate` 调用：先补算暂停期间的 token，再生成四个草稿），而普通引擎生成这 256 个 token 一共只要 126 ms。
+# 用模型做投机的引擎，用的都是专门为此训练的草稿模型。设置是 `speculative_method="draft"` 和
+# `speculative_model=目录`；词表与模型不同的草稿模型会被拒绝。
 
 # %% draft proposer
 #| export engine.speculative
@@ -1684,6 +1689,13 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # the other way; in float32, on the CPU as asserted above and on the GPU in the tests, the output
 # is identical.
 #
+# Again on one H200 (2026-12-05, `scripts/gpu-ci.sh speculative`, the same quoting workload): at
+# batch 1 the plain engine ran at 1,703 tok/s and prompt lookup at 2,265, 1.33× (95 steps for 256
+# tokens, 66 % of the drafts kept, 3.6 tokens per verify step, the same tokens); batch 16 is past
+# the rule's five sequences and drafted nothing (1.01×); the 256-sequence workload ran at 1.00×.
+# A verify step cost 2.0 pipelined decode steps: chapter 09b's table shows why, since the step's
+# matmuls at 5 to 8 rows are cuBLAS's and its boundaries are those of an unfused step.
+#
 # Not built yet, and where it goes next: matmuls of 3 to 16 rows that read the weights once, as
 # the GEMV does for two (then a verify step costs about a decode step, and batch 1 could reach
 # the 2× that its 2.7× fewer steps promise); a draft model that samples its drafts (it would need
@@ -1727,6 +1739,12 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # 其中大部分是 GPU 的时间。在 bfloat16 下，有些输出在几十个 token 之后与普通引擎的输出分开（批大小为 4 时 4 个里 3 个
 # 完全相同）：一步的舍入取决于它有多少行，因为 cuBLAS 按形状挑选内核，于是两个几乎并列的 token 可能选到另一个；在
 # float32 下，不论是上面断言过的 CPU，还是测试里的 GPU，输出都完全相同。
+#
+# 又在一块 H200 上跑了一次（2026-12-05，`scripts/gpu-ci.sh speculative`，同样的引用型负载）：批大小为 1 时普通引擎
+# 1,703 tok/s，prompt lookup 2,265 tok/s，1.33 倍（256 个 token 用了 95 步，66% 的草稿被保留，每个验证步 3.6 个
+# token，输出相同）；批大小 16 超过了规则的五个序列，没有草稿（1.01 倍）；256 个序列的负载 1.00 倍。一个验证步
+# 值 2.0 个流水线化的 decode 步：第 09b 章的表说明了原因，这一步 5 到 8 行的矩阵乘法走的是 cuBLAS，内核边界也和
+# 未融合的步一样多。
 #
 # 还没有实现、接下来要做的：像 GEMV 对两行那样只读一遍权重的 3 到 16 行矩阵乘法（那时一个验证步的代价约等于一个
 # decode 步，批大小为 1 时就能拿到步数少 2.7 倍所许诺的 2 倍）；对草稿采样的草稿模型（它需要一般的接受规则，
