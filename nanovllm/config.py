@@ -15,14 +15,14 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from nanovllm.layers.attention import ATTENTION_BACKENDS
-from nanovllm.layers.kv_quant import KV_CACHE_DTYPES
 from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 from nanovllm.utils.checks import check
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "DEVICES",
     "DTYPES",
+    "KV_CACHE_DTYPES",
     "MAX_BLOCK_SIZE",
     "SPECULATIVE_METHODS",
     "TP_DIVIDED",
@@ -35,6 +35,10 @@ __all__ = [
 
 # notebooks/08_model_runner.py · cell "config checks"
 DEVICES = ("auto", "cpu", "cuda")
+# The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
+ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
+# The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
 

@@ -315,10 +315,6 @@ from torch import nn
 from nanovllm.layers.context import Context, get_context
 from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
 
-# en: The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
-# zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及第 06b 章的内核。
-ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
-
 
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`).
@@ -347,7 +343,7 @@ class AttentionBackend(Protocol):
 
 
 def attention_backend(name: str) -> AttentionBackend:
-    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). The Triton kernels
+    """A backend of the kind ``name`` ("torch", "triton" or "flash-attn": Config checks it). The Triton kernels
     are imported only here, when asked for: a CPU run never imports Triton."""
     if name == "torch":
         return TorchBackend()

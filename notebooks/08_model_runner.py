@@ -196,12 +196,16 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from nanovllm.layers.attention import ATTENTION_BACKENDS
-from nanovllm.layers.kv_quant import KV_CACHE_DTYPES
 from nanovllm.utils.checks import check
 from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 
 DEVICES = ("auto", "cpu", "cuda")
+# en: The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
+# zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及 Triton 与 FlashAttention 的内核。
+ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
+# en: The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
+# zh: 配置项 kv_cache_dtype：“auto” 以模型的数据类型存储 K/V，“fp8” 以带缩放因子的 float8 e4m3 存储。
+KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
 

@@ -521,9 +521,6 @@ from __future__ import annotations
 
 import torch
 
-# en: The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
-# zh: 配置项 kv_cache_dtype：“auto” 以模型的数据类型存储 K/V，“fp8” 以带缩放因子的 float8 e4m3 存储。
-KV_CACHE_DTYPES = ("auto", "fp8")
 FP8 = torch.float8_e4m3fn
 # en: The largest finite e4m3 value, 1.75 * 2^8
 # zh: e4m3 最大的有限值，1.75 * 2^8

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from nanovllm.layers.attention import ATTENTION_BACKENDS, Attention, TorchBackend, attention_backend
+from nanovllm.config import ATTENTION_BACKENDS
+from nanovllm.layers.attention import Attention, TorchBackend, attention_backend
 from nanovllm.layers.context import (
     get_context,
     reset_context,

@@ -77,6 +77,14 @@ def test_the_package_is_a_straight_stack() -> None:
         assert not upward, f"{name} (layer {LAYERS[layer(name)]}) imports a higher layer: {upward}"
 
 
+def test_the_settings_import_no_layer_and_of_the_models_only_the_directory_reader() -> None:
+    """Config holds the names its settings accept (attention backends, KV cache dtypes) itself; it reads a model
+    directory through the loader (issue 37 leaves that one: Config needs the model's config.json)."""
+    deps = modules()["nanovllm.config"]
+    assert not [dep for dep in deps if within(dep, "nanovllm.layers")], sorted(deps)
+    assert {dep for dep in deps if within(dep, "nanovllm.models")} <= {"nanovllm.models.loader"}, sorted(deps)
+
+
 def test_the_layout_is_what_the_readme_says() -> None:
     """The README's layout shows every book-only layer, bottom-up in the order of the stack."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -13,7 +13,6 @@ from nanovllm.layers.context import Context, get_context
 from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
 
 __all__ = [
-    "ATTENTION_BACKENDS",
     "Attention",
     "AttentionBackend",
     "TorchBackend",
@@ -25,10 +24,6 @@ __all__ = [
 
 
 # notebooks/06_attention.py · cell "backend interface"
-# The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
-ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
-
-
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`).
 
@@ -56,7 +51,7 @@ class AttentionBackend(Protocol):
 
 
 def attention_backend(name: str) -> AttentionBackend:
-    """A backend of the kind ``name`` (one of ATTENTION_BACKENDS, which Config checks). The Triton kernels
+    """A backend of the kind ``name`` ("torch", "triton" or "flash-attn": Config checks it). The Triton kernels
     are imported only here, when asked for: a CPU run never imports Triton."""
     if name == "torch":
         return TorchBackend()

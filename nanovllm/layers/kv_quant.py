@@ -9,7 +9,6 @@ import torch
 __all__ = [
     "FP8",
     "FP8_MAX",
-    "KV_CACHE_DTYPES",
     "MIN_SCALE",
     "SCALE_BYTES",
     "dequantize_kv",
@@ -23,8 +22,6 @@ __all__ = [
 
 
 # notebooks/16_fp8_kv_cache.py · cell "kv quant"
-# The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
-KV_CACHE_DTYPES = ("auto", "fp8")
 FP8 = torch.float8_e4m3fn
 # The largest finite e4m3 value, 1.75 * 2^8
 FP8_MAX = 448.0
