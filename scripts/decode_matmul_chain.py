@@ -85,9 +85,12 @@ def main() -> None:
         if tokens > 1:
             continue
         # The GEMV's width (columns a program) for the wide weights (q/k/v, gate/up) and the narrow ones (o_proj,
-        # down_proj), with and without PDL: the widths gemv_block_n picks are the first pair.
+        # down_proj), with and without PDL: the widths gemv_block_n picks are the first pair. The stand-in takes
+        # gemv_block_n's arguments, min_programs included, and its own widths by keyword only (when they followed
+        # glu, small_matmul's min_programs, 256, became the wide width: 36 ms a step on an H200, 2026-12-05).
         for (wide, narrow), pdl in itertools.product([(8, 4), (8, 2), (16, 4), (8, 8), (4, 4)], (True, False)):
-            fused_decode.gemv_block_n = lambda n, k, glu, wide=wide, narrow=narrow: narrow if n <= HIDDEN else wide
+            fused_decode.gemv_block_n = (lambda n, k, glu, min_programs=256, *, wide=wide, narrow=narrow:
+                                         narrow if n <= HIDDEN else wide)
             fused_decode.programmatic_launch = lambda device, pdl=pdl: pdl and choose_pdl(device)
             try:
                 us = graph_time_ms(lambda x=x: fused_chain(layers, x)) * 1e3
