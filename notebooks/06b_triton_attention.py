@@ -499,6 +499,16 @@ def value_tile(v_ptrs, n_valid, d_mask, WHOLE: tl.constexpr, MASKED: tl.constexp
         v = tl.load(v_ptrs, mask=n_valid[:, None] & d_mask[None, :], other=0.0)
     return v
 
+
+@triton.jit
+def online_softmax(scores, m_i, l_i):
+    """One tile's step of the online softmax, from its base-2 ``scores`` [rows, BLOCK_N] (hidden keys at -inf):
+    the tile's weights p, the factor alpha that rescales what earlier tiles summed, the new row maxima and sums."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
 # %% prefill kernel
 #| export
 @triton.jit
@@ -536,12 +546,9 @@ def _prefill_tile(
         # zh: 因果（键位置 <= 查询位置）与边界（键 < n_k）。
         visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
-    # en: Online softmax: new row maxima [BLOCK_M], rescale factor for the old sums, this tile's weights.
-    # zh: 在线 softmax：新的行最大值 [BLOCK_M]，旧累加量的缩放因子，本 tile 的权重。
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    # en: Online softmax: this tile's weights, the rescale factor for the old sums, new row maxima [BLOCK_M] and sums.
+    # zh: 在线 softmax：本 tile 的权重，旧累加量的缩放因子，新的行最大值 [BLOCK_M] 与行和。
+    p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
     # en: V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
     # zh: V tile [BLOCK_N, BLOCK_D]；acc [BLOCK_M, BLOCK_D] 先缩放，再加上 p @ V。
     if FP8:
@@ -914,10 +921,7 @@ def _decode_tile(
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
     # en: Online softmax update, as in prefill.
     # zh: 在线 softmax 更新，与 prefill 相同。
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(scores, m_i, l_i)
     # en: V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V. A float8 cache keeps each block's values by
     # en: dimension, [kv_heads, d, block_size], so that the keys of one dimension are consecutive.
     # zh: V [BLOCK_N, BLOCK_D]；acc [GROUP_PAD, BLOCK_D] += p @ V。float8 缓存把每个块的值按维度存放，

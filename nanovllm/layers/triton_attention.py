@@ -34,6 +34,7 @@ __all__ = [
     "decode_reduce_kernel",
     "fp8_scale",
     "key_tile",
+    "online_softmax",
     "paged_places",
     "prefill_attention",
     "prefill_attention_kernel",
@@ -284,6 +285,16 @@ def value_tile(v_ptrs, n_valid, d_mask, WHOLE: tl.constexpr, MASKED: tl.constexp
     return v
 
 
+@triton.jit
+def online_softmax(scores, m_i, l_i):
+    """One tile's step of the online softmax, from its base-2 ``scores`` [rows, BLOCK_N] (hidden keys at -inf):
+    the tile's weights p, the factor alpha that rescales what earlier tiles summed, the new row maxima and sums."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
 # notebooks/06b_triton_attention.py · cell "prefill kernel"
 @triton.jit
 def _prefill_tile(
@@ -313,11 +324,8 @@ def _prefill_tile(
         # Causal (key position <= query position) and bounds (key < n_k).
         visible = (n[None, :] <= q_pos[:, None]) & n_valid[None, :]
         s = tl.where(visible, s, float("-inf"))
-    # Online softmax: new row maxima [BLOCK_M], rescale factor for the old sums, this tile's weights.
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    # Online softmax: this tile's weights, the rescale factor for the old sums, new row maxima [BLOCK_M] and sums.
+    p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
     # V tile [BLOCK_N, BLOCK_D]; acc [BLOCK_M, BLOCK_D] += p @ V after rescaling.
     if FP8:
         # A float8 cache (always paged) keeps each block's values by dimension, [kv_heads, d, block_size].
@@ -572,10 +580,7 @@ def _decode_tile(
     if MASKED:
         scores = tl.where(n_valid[None, :], scores, float("-inf"))
     # Online softmax update, as in prefill.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = online_softmax(scores, m_i, l_i)
     # V [BLOCK_N, BLOCK_D]; acc [GROUP_PAD, BLOCK_D] += p @ V. A float8 cache keeps each block's values by
     # dimension, [kv_heads, d, block_size], so that the keys of one dimension are consecutive.
     if FP8:
