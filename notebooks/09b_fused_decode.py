@@ -1108,9 +1108,9 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 #
 # Loading early helps a tile (it beats the tile kernel by a fifth) but not enough: from 4 rows on
 # cuBLAS stays the fastest, at about 30 % of the copy rate, and those ~0.7 ms of matmuls are most
-# of what keeps a step of 16 at 1.75 ms. What is left to try is what the
-# fused engines do: fewer, longer kernels (a whole layer, or the whole step, in one persistent
-# kernel that moves from matmul to matmul without a boundary), rather than faster short ones.
+# of what keeps a step of 16 at 1.75 ms. What is left to try is what the fused engines do: fewer,
+# longer kernels (a whole layer, or the whole step, in one persistent kernel that moves from
+# matmul to matmul without a boundary), rather than faster short ones.
 
 # %% [markdown] tags=["zh"]
 # ## 一步现在在哪里，挡在前面的是什么
