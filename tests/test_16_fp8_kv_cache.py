@@ -255,7 +255,7 @@ def test_prefill_over_a_float8_prefix_and_decode_match_the_reference(group: int,
         got = ta.decode_attention(q, *caches[:2], ctx, d**-0.5, num_splits=splits, k_scales=caches[2],
                                   v_scales=caches[3])
         torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
-    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
 def test_the_scales_matter_to_the_kernels() -> None:
