@@ -1,0 +1,239 @@
+"""Probe: chapter 09b's GEMV at 1 to 8 rows: what makes each row cost more?
+
+The GEMV holds its weight slice (up to GEMV_SLICE = 16K elements, 128 bfloat16 a thread) in registers and runs the
+rows past it one by one. At 4 rows it measured as slow as cuBLAS, and GEMV_ROWS stops it at 2. A first run of this
+probe (H200, 2026-12-05, copy rate 4.25 TB/s, bound 207 us) timed narrower slices too: each row more cost 110-200 us
+over the 28 layers at every width (16K elements a program: 333 / 451 / 655 / 809 / 963 / 1,579 us at 1 / 2 / 3 / 4 /
+5 / 8 rows; cuBLAS 870 / 852 / 763 / 767 / 808 / 683), 8K or 4K took at most a fifth off from 3 rows on (4 rows: 728
+us, 1.05x cuBLAS; 8 rows: 1,262), 2K was slower everywhere, and the compiled kernels barely spill (3 of 91 compiled
+kernels spill 2 or 4 registers): not registers. The next guess: row by row, each row waits for its own input load
+from L2 and its own norm before its multiply-adds, and for the row before it to store its result. The variants here
+load every row's input at once as one tile after the wait and normalize the rows together; one stores each row's
+result as it is done, one keeps them to store together at the end; with 4 warps or 8. Each is checked against the
+shipped kernel's results, then timed on the 28-layer chain (Qwen3-0.6B's decode matmuls with their norms and SiLU x
+mul, one CUDA graph) against cuBLAS. (Not yet run on a GPU: no machine was lent after the first run.)
+
+    PYTHONPATH=$PWD python3 scripts/gemv_rows_probe.py [--out FILE.json]
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 scripts/gemv_rows_probe.py --check-only   # on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+import triton.language as tl
+
+import nanovllm.layers.fused_decode as fused_decode
+from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
+from scripts.decode_matmul_chain import HIDDEN, cublas_chain, fused_chain, make_layers
+
+ROW_COUNTS = (1, 2, 3, 4, 5, 8)
+# Largest weight elements a program holds: the shipped 16K, then a half, a quarter and an eighth.
+SLICES = (1 << 14, 1 << 13, 1 << 12, 1 << 11)
+
+
+@triton.jit
+def tile_loaded_kernel(
+    x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
+    stride_w, stride_x, stride_r, stride_out, stride_ro,
+    ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
+    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr, ROWS_PAD: tl.constexpr,
+    STORE_LAST: tl.constexpr,
+):  # fmt: skip
+    # As gemv_kernel, but every row's input is loaded (and added, normalized) at once as one [ROWS_PAD, K_PAD] tile
+    # after the wait, so that the rows do not each wait for their own load and norm; with STORE_LAST the rows'
+    # results are also stored together at the end, leaving no store between one row's work and the next.
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, K_PAD)
+    k_mask = ks < K
+    w_mask = col_mask[:, None] & k_mask[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(weight_ptr + cols[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+    if GLU:
+        w_up = tl.load(weight_ptr + (N + cols)[:, None] * stride_w + ks[None, :], mask=w_mask, other=0.0)
+    if NORM:
+        norm_weight = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+    if BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if GLU:
+            bias_up = tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.arange(0, ROWS_PAD)
+    row_mask = rows < ROWS
+    tile_mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=tile_mask, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + rows[:, None] * stride_r + ks[None, :], mask=tile_mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        if pid == 0:
+            tl.store(residual_out_ptr + rows[:, None] * stride_ro + ks[None, :], x, mask=tile_mask)
+    if NORM:
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / K + eps)
+        x = (norm_weight[None, :] * (x32 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    x_tile = x.to(tl.float32)
+    results = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+    for row in tl.static_range(ROWS):
+        x32 = tl.sum(tl.where(rows[:, None] == row, x_tile, 0.0), axis=0)
+        acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
+        if BIAS:
+            acc += bias
+        if GLU:
+            up = tl.sum(w_up.to(tl.float32) * x32[None, :], axis=1)
+            if BIAS:
+                up += bias_up
+            gate = acc.to(dtype).to(tl.float32)
+            activated = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+            result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
+        else:
+            result = acc.to(dtype)
+        if STORE_LAST:
+            results = tl.where(rows[:, None] == row, result.to(tl.float32)[None, :], results)
+        else:
+            tl.store(out_ptr + row * stride_out + cols, result, mask=col_mask)
+    if STORE_LAST:
+        out_mask = row_mask[:, None] & col_mask[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], results.to(dtype), mask=out_mask)
+
+
+def compiled_gemvs() -> list[dict]:
+    """Registers and spills of every gemv_kernel compiled so far (Triton 3.x's per-device cache)."""
+    found = []
+    for caches in fused_decode.gemv_kernel.device_caches.values():
+        for key, kernel in caches[0].items():
+            found.append(
+                {
+                    "key": str(key)[-160:],
+                    "regs": getattr(kernel, "n_regs", None),
+                    "spills": getattr(kernel, "n_spills", None),
+                }
+            )
+    return found
+
+
+class Launch:
+    """A kernel that small_matmul launches as its GEMV, given ``extra`` launch arguments: values, or functions of
+    the launch's own keyword arguments."""
+
+    def __init__(self, kernel, **extra) -> None:
+        self.kernel, self.extra = kernel, extra
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            extra = {key: value(kwargs) if callable(value) else value for key, value in self.extra.items()}
+            return launch(*args, **{**kwargs, **extra})
+
+        return run
+
+
+def rows_pad(kwargs: dict) -> int:
+    return triton.next_power_of_2(kwargs["ROWS"])
+
+
+KERNELS = {
+    "shipped (row by row)": None,
+    "row by row, 8 warps": Launch(fused_decode.gemv_kernel, num_warps=8),
+    "tile-loaded, stored each row": Launch(tile_loaded_kernel, ROWS_PAD=rows_pad, STORE_LAST=False),
+    "tile-loaded, stored last": Launch(tile_loaded_kernel, ROWS_PAD=rows_pad, STORE_LAST=True),
+    "tile-loaded, stored last, 8 warps": Launch(tile_loaded_kernel, ROWS_PAD=rows_pad, STORE_LAST=True, num_warps=8),
+}
+
+
+def with_kernel(name: str, fn, slice_elements: int = 1 << 14):
+    """fn() with small_matmul's GEMV replaced by KERNELS[name], taking up to 8 rows, with slices of slice_elements."""
+    shipped = (fused_decode.gemv_kernel, fused_decode.GEMV_ROWS, fused_decode.GEMV_SLICE)
+    fused_decode.GEMV_ROWS, fused_decode.GEMV_SLICE = 8, slice_elements
+    fused_decode.gemv_kernel = KERNELS[name] or shipped[0]
+    try:
+        return fn()
+    finally:
+        fused_decode.gemv_kernel, fused_decode.GEMV_ROWS, fused_decode.GEMV_SLICE = shipped
+
+
+def check(device: str, dtype: torch.dtype) -> None:
+    """The variants give the shipped GEMV's results (norm, residual, SiLU x mul), 1 to 8 rows."""
+    torch.manual_seed(0)
+    k, n = 96, 40
+    weight = torch.randn(2 * n, k, device=device, dtype=dtype) / k**0.5
+    norm_weight = torch.rand(k, device=device, dtype=dtype) + 0.5
+    for rows in range(1, 9):
+        x, residual = (torch.randn(rows, k, device=device, dtype=dtype) for _ in range(2))
+        for glu in (False, True):
+
+            def run(x=x, residual=residual, glu=glu):
+                return fused_decode.small_matmul(
+                    x, weight, residual=residual, norm_weight=norm_weight, eps=1e-6, glu=glu
+                )
+
+            expected = with_kernel("shipped (row by row)", run)
+            for name in KERNELS:
+                got = with_kernel(name, run)
+                for a, b in zip(got, expected, strict=True):
+                    assert torch.equal(a, b), (name, rows, glu, (a.float() - b.float()).abs().max())
+    print(f"check: the variants give the shipped kernel's results on {device} ({dtype})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out")
+    parser.add_argument("--check-only", action="store_true", help="only compare the kernels (the CPU: interpreter)")
+    args = parser.parse_args()
+    if args.check_only:
+        check("cuda" if torch.cuda.is_available() else "cpu", torch.float32)
+        return
+    try:
+        check("cuda", torch.bfloat16)
+    except AssertionError as mismatch:  # timed all the same: a different rounding is a finding to weigh
+        print(f"check: a variant differs from the shipped kernel: {mismatch}")
+    bandwidth = copy_bandwidth()
+    layers = make_layers()
+    weight_bytes = sum(t.numel() * 2 for layer in layers for key, t in layer.items() if key != "norm")
+    bound_us = weight_bytes / bandwidth * 1e6
+    print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; bound {bound_us:.0f} us")
+    rows = []
+    for tokens in ROW_COUNTS:
+        x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        cublas = graph_time_ms(lambda x=x: cublas_chain(layers, x)) * 1e3
+        print(f"{tokens} rows: cuBLAS {cublas:6.1f} us")
+        rows.append({"tokens": tokens, "kernel": "cublas", "us": cublas})
+        for name in KERNELS:
+            for slice_elements in SLICES[: 2 if name == "tile-loaded, stored last" else 1]:
+                try:
+                    us = with_kernel(
+                        name, lambda x=x: graph_time_ms(lambda: fused_chain(layers, x)) * 1e3, slice_elements
+                    )
+                except Exception as error:  # a launch that does not compile is a finding, not a crash
+                    print(f"{tokens} rows, {name}, slice {slice_elements}: failed: {str(error)[:200]}")
+                    continue
+                print(
+                    f"{tokens} rows, {name:25} slice {slice_elements:5d}: {us:6.1f} us ({bound_us / us:4.0%} of "
+                    f"the bound, {cublas / us:4.2f}x cuBLAS)"
+                )
+                rows.append({"tokens": tokens, "kernel": name, "slice": slice_elements, "us": us})
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "bandwidth": bandwidth,
+                    "bound_us": bound_us,
+                    "rows": rows,
+                    "kernels": compiled_gemvs(),
+                },
+                file,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
