@@ -1114,11 +1114,18 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # longer kernels (a whole layer, or the whole step, in one persistent kernel that moves from
 # matmul to matmul without a boundary), rather than faster short ones.
 #
+# And why does each row cost the GEMV so much, when it reads its weights only once? Not
+# registers: `scripts/gemv_rows_probe.py` (the same H200 and day) gave each program a half, a
+# quarter or an eighth of the slice (more programs, fewer registers each), and every row more
+# still cost 110–200 µs over the 28 layers; the narrower slices took off a fifth at most, and
+# only from 3 rows on. What each row does wait for: its own input from L2, its own norm, and the
+# store of the row before it. Loading every row as one tile is the next thing to time.
+#
 # Where each kernel has real work, the boundaries matter less. On Qwen3-8B's shapes (36 layers,
 # 15.1 GB of weights a step; `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1
 # --fused-decode both`, the same H200 later that day, copy rate 4.24 TB/s) one sequence's step
 # took 4.745 ms unfused (439 kernels, 75.9 % of its 3.602 ms bound) and 4.044 ms fused (258
-# kernels, 89.1 %): 1.17× in the same invocation, and above the 85 % the issue asked of it.
+# kernels, 89.1 %): 1.17× in the same invocation, and past the 85 % we aimed for.
 
 # %% [markdown] tags=["zh"]
 # ## 一步现在在哪里，挡在前面的是什么
@@ -1150,21 +1157,32 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # 约 0.7 ms 的矩阵乘正是 16 个序列的一步停在 1.75 ms 的主要原因。剩下值得试的是那些融合引擎的做法：更少、更长的
 # 内核（一整层，甚至整个一步，放进一个常驻内核，从一个矩阵乘走到下一个，中间没有内核边界），而不是更快的短内核。
 #
+# 那么，GEMV 明明只读一次权重，为什么每多一行都这么贵？不是寄存器的问题：`scripts/gemv_rows_probe.py`
+# （同一块 H200、同一天）让每个程序只拿一半、四分之一或八分之一的权重段（程序更多，每个用的寄存器更少），
+# 每多一行在 28 层上仍然多花 110–200 µs；更窄的权重段最多省下五分之一，而且要从 3 行起才省得下来。每一行真正在等的
+# 是：它自己从 L2 读入的输入、它自己的 norm，以及上一行的写回。把所有行作为一个 tile 一次读入，是下一个要计时的办法。
+#
 # 每个内核都有足够多的活时，内核边界就没那么要紧了。在 Qwen3-8B 的形状上（36 层，一步读 15.1 GB 权重；
 # `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1 --fused-decode both`，同一天晚些时候、
 # 同一块 H200，拷贝速率 4.24 TB/s），一个序列的一步不融合时用 4.745 ms（439 个 kernel，占 3.602 ms 上限的
-# 75.9 %），融合后用 4.044 ms（258 个 kernel，89.1 %）：同一次运行里快 1.17 倍，也超过了 issue 要求的 85 %。
+# 75.9 %），融合后用 4.044 ms（258 个 kernel，89.1 %）：同一次运行里快 1.17 倍，也超过了我们定下的 85 %。
 
 # %%
 # en: Recorded (H200, 2026-12-05): batch -> (ms per step, bound ms, kernels); rows -> (cuBLAS, small_matmul,
 # en: best prefetch tile), µs for the step's 28 layers of matmuls.
 # zh: 记录的数字（H200，2026-12-05）：批大小 ->（每步 ms、上限 ms、kernel 数）；行数 ->（cuBLAS、small_matmul、
 # zh: 最佳预取 tile），单位是一步 28 层矩阵乘的 µs。
+import itertools
+
 STEP = {1: (0.719, 0.308, 203), 4: (1.394, 0.392, 315), 16: (1.752, 0.725, 315), 64: (3.303, 2.057, 287)}
 MATMULS = {1: (872.8, 333.5, 563.6), 4: (765.8, 987.4, 814.5), 8: (686.1, 985.8, 839.6), 16: (700.5, 990.1, 782.4)}
 # en: Qwen3-8B's shapes, one sequence: fused and unfused -> (ms per step, bound ms, kernels)
 # zh: Qwen3-8B 的形状，一个序列：融合与不融合 ->（每步 ms、上限 ms、kernel 数）
 EIGHT_B = {"fused": (4.044, 3.602, 258), "unfused": (4.745, 3.602, 439)}
+# en: The GEMV row by row: rows -> (cuBLAS, the GEMV with 16K-element slices, its best narrower slice), µs.
+# zh: 一行一行算的 GEMV：行数 ->（cuBLAS、权重段 16K 个元素的 GEMV、更窄权重段里最好的），单位 µs。
+GEMV_ROWS_COST = {1: (869.7, 333.1, 343.9), 2: (852.0, 451.4, 474.7), 3: (763.4, 655.1, 620.4),
+                  4: (767.2, 809.4, 727.8), 5: (808.2, 963.1, 892.6), 8: (683.3, 1578.9, 1262.4)}
 for batch, (step_ms, bound_ms, kernels) in STEP.items():
     print(say("batch {batch:>2}: {step:.3f} ms a step, {share:.0%} of the bound, {kernels} kernels", batch=batch,
               step=step_ms, share=bound_ms / step_ms, kernels=kernels))
@@ -1183,6 +1201,11 @@ assert all(cublas < min(tile, prefetch) for rows, (cublas, tile, prefetch) in MA
 # en: With 8B's larger matmuls the fused step is past 85 % of its bound.
 # zh: 8B 的矩阵乘更大，融合后的一步超过了上限的 85 %。
 assert EIGHT_B["fused"][1] / EIGHT_B["fused"][0] > 0.85 > EIGHT_B["unfused"][1] / EIGHT_B["unfused"][0]
+# en: Every row more costs the GEMV over 100 µs, and narrower slices take off a fifth at most.
+# zh: GEMV 每多一行都要多花 100 µs 以上，更窄的权重段最多省下五分之一。
+assert all((GEMV_ROWS_COST[more][1] - GEMV_ROWS_COST[fewer][1]) / (more - fewer) > 100
+           for fewer, more in itertools.pairwise(sorted(GEMV_ROWS_COST)))
+assert all(narrow > 0.79 * wide for _, wide, narrow in GEMV_ROWS_COST.values())
 
 # %% [markdown] tags=["en"]
 # ## What we built
