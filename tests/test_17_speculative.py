@@ -650,6 +650,21 @@ def test_the_benchmark_compares_a_draft_model_with_plain_decoding(self_draft, ti
                for row in rows)
 
 
+def test_the_benchmark_runs_several_numbers_of_drafts_against_one_plain_run(tiny, tmp_path, capsys):
+    """`--num-speculative-tokens 1 3`: one speculating engine per number, each against the same plain run."""
+    from nanovllm.bench.speculative import main
+
+    out = tmp_path / "speculative.json"
+    assert main(["--model", tiny, "--batches", "1", "--max-tokens", "12", "--num-speculative-tokens", "1", "3",
+                 "--repeats", "1", "--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["num_speculative_tokens"] for row in rows] == [1, 3]
+    assert rows[0]["plain_tok_s"] == rows[1]["plain_tok_s"] and rows[0]["plain_steps"] == rows[1]["plain_steps"]
+    assert all(row["identical"] == 1 for row in rows)
+    printed = capsys.readouterr().out
+    assert "1 draft:" in printed and "3 drafts:" in printed
+
+
 class Batching:
     """Proposes [3, 4, ...] up to the limit, one sequence at a time or all at once, and counts the calls."""
 

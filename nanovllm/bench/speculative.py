@@ -82,10 +82,12 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
 
 
 def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
-            verify_rows: int | None, draft_model: str | None = None, **settings: Any) -> dict[str, Any]:
+            verify_rows: int | None, draft_model: str | None = None, plain: dict[str, Any] | None = None,
+            **settings: Any) -> dict[str, Any]:
     """One row of the benchmark: the same requests without, then with prompt lookup, or with ``draft_model``'s
-    drafts when one is given (settings: `measure`'s)."""
-    plain = measure(model, prompts, params, **settings)
+    drafts when one is given (settings: `measure`'s). ``plain``: the run without speculation, when `measure` has
+    already timed it (one plain run against several numbers of drafts)."""
+    plain = plain or measure(model, prompts, params, **settings)
     method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
         {"speculative_method": "ngram"}
     spec = measure(model, prompts, params, verify_rows=verify_rows, num_speculative_tokens=num_speculative_tokens,
@@ -97,15 +99,17 @@ def compare(model: str, prompts: list, params: list[SamplingParams], num_specula
             "ratio": spec["tok_s"] / plain["tok_s"], "plain_steps": plain["steps"], "speculative_steps": spec["steps"],
             "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
             "tokens_per_verify": 1 + spec["accepted"] / spec["verifications"] if spec["verifications"] else None,
-            "drafted": spec["drafted"], "identical": same,
+            "drafted": spec["drafted"], "identical": same, "num_speculative_tokens": num_speculative_tokens,
             "proposer": "the draft model" if draft_model else "prompt lookup"}
 
 
 def print_row(row: dict[str, Any]) -> None:
     rate = "no drafts" if row["acceptance"] is None else (
         f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
-    print(f"batch {row['batch']:4d}: {row['plain_tok_s']:9.1f} tok/s plain, {row['speculative_tok_s']:9.1f} with "
-          f"{row['proposer']} ({row['ratio']:.2f}x); steps {row['plain_steps']} -> {row['speculative_steps']}; {rate}; "
+    drafts = row["num_speculative_tokens"]
+    print(f"batch {row['batch']:4d}, {drafts} draft{'s' * (drafts != 1)}: {row['plain_tok_s']:9.1f} tok/s plain, "
+          f"{row['speculative_tok_s']:9.1f} with {row['proposer']} ({row['ratio']:.2f}x); steps {row['plain_steps']} "
+          f"-> {row['speculative_steps']}; {rate}; "
           + ("outputs sampled without a seed, not compared" if row["identical"] is None else
              f"identical outputs {row['identical']}/{row['batch']}"))
 
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="the quoting workload's model (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4],
+                        help="drafts a step; with several numbers, one speculating engine each against the same "
+                        "plain run")
     parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
                         "prompt lookup; it must share the model's tokenizer")
     parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
@@ -144,11 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     report = report_header("python -m nanovllm.bench --speculative", argv, "cuda" if cuda else "cpu") | {"rows": []}
     for name in workloads:
         model, cases = workload_cases(name, args)
-        print(f"{name} workload on {model}, {args.num_speculative_tokens} drafts a step:")
+        print(f"{name} workload on {model}:")
         for prompts, params in cases:
-            row = compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, args.draft_model,
-                          repeats=args.repeats, device=args.device, max_model_len=4096)
-            print_row(row)
-            report["rows"].append({"workload": name, "model": model} | row)
+            settings = dict(repeats=args.repeats, device=args.device, max_model_len=4096)
+            plain = measure(model, prompts, params, **settings)
+            for drafts in args.num_speculative_tokens:
+                row = compare(model, prompts, params, drafts, args.verify_rows, args.draft_model, plain, **settings)
+                print_row(row)
+                report["rows"].append({"workload": name, "model": model} | row)
     write_report(report, args.out)
     return 0
