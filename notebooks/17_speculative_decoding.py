@@ -1717,6 +1717,9 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 # 2. A sequence of 10 tokens (blocks of 4; the first 9 cached) gets 4 drafts, and the model keeps
 #    only the first. How many blocks does the sequence hold after `accept_drafts`, and how many
 #    of them does `resolve` publish?
+# 3. On a GPU a verify step replays the smallest decode graph with at least one row per query
+#    token (graphs of 1, 2, 4, 8 and 16 rows, then every 16). Which graph does one sequence with
+#    4 drafts replay, and how many drafts could it carry in the same graph? And two sequences?
 #
 # The cell below checks the answers.
 
@@ -1764,6 +1767,8 @@ assert Config.from_kwargs(tiny_qwen, device="cpu", speculative_method="ngram").n
 #    草稿？
 # 2. 一个 10 个 token 的序列（块大小为 4，前 9 个已缓存）得到 4 个草稿，模型只保留第一个。`accept_drafts` 之后
 #    这个序列持有几个块？`resolve` 会发布其中几个？
+# 3. 在 GPU 上，验证步重放的是每个查询 token 至少一行的最小 decode 图（图有 1、2、4、8、16 行，之后每 16 行一个）。
+#    一个带 4 个草稿的序列重放哪张图？同一张图里它最多能带几个草稿？两个序列呢？
 #
 # 下面的单元检查答案。
 
@@ -1798,4 +1803,24 @@ assert len(seq) == 10 and seq.num_cached_tokens == 9
 assert scheduler.reserve_drafts(seqs, FourDrafts()) == 4 and len(seq.block_table) == 4
 scheduler.postprocess(seqs, scheduler.accept_drafts(seqs, [[2, 7, 7, 7, 7]]), False)
 assert len(seq.block_table) == 3 and len(scheduler.block_manager.hash_to_block_id) == 2
+
+# en: Exercise 3: 1 + 4 = 5 rows replay the graph of 8, which has room for 7 drafts; two sequences with 4 drafts
+# en: each are 10 rows, replaying the graph of 16: 7 drafts each as well. Whether the three more drafts cost nothing
+# en: there depends on what runs outside the graph (the LM head, sampling, acceptance): `python -m nanovllm.bench
+# en: --speculative --num-speculative-tokens 4 7` measures it. (On a CPU, where every row costs, 7 drafts took a
+# en: quoting request of 256 tokens from 95 steps to 78.)
+# zh: 练习 3：1 + 4 = 5 行，重放 8 行的图，这张图放得下 7 个草稿；两个各带 4 个草稿的序列是 10 行，重放 16 行的图：
+# zh: 同样每个 7 个草稿。多出来的三个草稿在那里是否不花钱，要看图外面跑的东西（LM head、采样、接受）：
+# zh: `python -m nanovllm.bench --speculative --num-speculative-tokens 4 7` 会测量它。（在 CPU 上每一行都要花钱，
+# zh: 7 个草稿让一个 256 个 token 的引用型请求从 95 步降到 78 步。）
+from nanovllm.engine.cuda_graphs import capture_sizes
+
+
+def graph_rows(batch: int, drafts: int) -> int:
+    """The rows of the decode graph that a verify step of ``batch`` sequences with ``drafts`` drafts each replays."""
+    return min(size for size in capture_sizes(256) if size >= batch * (1 + drafts))
+
+
+assert graph_rows(1, 4) == graph_rows(1, 7) == 8 < graph_rows(1, 8)
+assert graph_rows(2, 4) == graph_rows(2, 7) == 16 < graph_rows(2, 8)
 print(say("all exercise answers check out"))
