@@ -31,6 +31,11 @@ def make_layers() -> list[dict[str, torch.Tensor]]:
                  down=weight(HIDDEN, INTERMEDIATE), norm=ones) for _ in range(LAYERS)]
 
 
+def chain_weight_bytes(layers: list[dict[str, torch.Tensor]]) -> int:
+    """The bytes of the chain's matmul weights (the norms aside): what one pass reads, the bound of every probe."""
+    return sum(t.numel() * t.element_size() for layer in layers for key, t in layer.items() if key != "norm")
+
+
 def fused_chain(
     layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launches: dict[str, SmallMatmulLaunch] | None = None
 ) -> torch.Tensor:
@@ -61,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     bandwidth = copy_bandwidth()
     layers = make_layers()
-    weight_bytes = sum(t.numel() * 2 for layer in layers for key, t in layer.items() if key != "norm")
+    weight_bytes = chain_weight_bytes(layers)
     bound_us = weight_bytes / bandwidth * 1e6
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; {LAYERS} layers of matmuls "
           f"{weight_bytes / 1e6:.0f} MB, bound {bound_us:.0f} us")

@@ -28,7 +28,7 @@ import triton.language as tl
 
 import nanovllm.layers.fused_decode as fused_decode
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
-from scripts.decode_matmul_chain import HIDDEN, cublas_chain, fused_chain, make_layers
+from scripts.decode_matmul_chain import HIDDEN, chain_weight_bytes, cublas_chain, fused_chain, make_layers
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 8)
 # Largest weight elements a program holds: the shipped 16K, then a half, a quarter and an eighth.
@@ -197,7 +197,7 @@ def main() -> None:
         print(f"check: a variant differs from the shipped kernel: {mismatch}")
     bandwidth = copy_bandwidth()
     layers = make_layers()
-    weight_bytes = sum(t.numel() * 2 for layer in layers for key, t in layer.items() if key != "norm")
+    weight_bytes = chain_weight_bytes(layers)
     bound_us = weight_bytes / bandwidth * 1e6
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; bound {bound_us:.0f} us")
     rows = []
