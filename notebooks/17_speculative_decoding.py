@@ -1451,11 +1451,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     workloads = args.workloads or (["quoting", "nano-vllm"] if cuda else ["quoting"])
     report = report_header("python -m nanovllm.bench --speculative", argv, "cuda" if cuda else "cpu") | {"rows": []}
+    settings = dict(repeats=args.repeats, device=args.device, max_model_len=4096)
     for name in workloads:
         model, cases = workload_cases(name, args)
         print(f"{name} workload on {model}:")
         for prompts, params in cases:
-            settings = dict(repeats=args.repeats, device=args.device, max_model_len=4096)
             plain = measure(model, prompts, params, **settings)
             for drafts in args.num_speculative_tokens:
                 row = compare(model, prompts, params, drafts, args.verify_rows, args.draft_model, plain, **settings)
