@@ -808,7 +808,7 @@ def norm_rotate_store_kernel(
 # zh: 启动。在 H200 上测得（`python -m nanovllm.bench --latency`，单独重放 decode graph）：连同 decode 内核的提前启动
 # zh: （第 06b 章），批大小 1 用 0.581 ms，原来 0.656；批大小 2 用 0.729，原来 0.836；批大小 16 时前面是 cuBLAS，
 # zh: 提前启动用了 1.532–1.535 ms，原来 1.514–1.515。
-EARLY_START_TOKENS = 2
+EARLY_START_TOKENS = 8
 
 
 def can_fuse(attention: nn.Module) -> bool:

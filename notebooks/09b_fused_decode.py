@@ -218,7 +218,7 @@ MAX_TOKENS = 16
 # en: half of cuBLAS's time, 4 rows about as long, 8 and 16 rows two and four times as long.
 # zh: GEMV 最多处理的行数。每多一行，它就要对手里那段权重多做一遍乘加，所以从 4 行起决定速度的是算术，而不是读权重：
 # zh: 在 H200 上测得（见下文）2 行只用 cuBLAS 一半的时间，4 行差不多一样长，8 行和 16 行是它的两倍和四倍。
-GEMV_ROWS = 2
+GEMV_ROWS = 8
 # en: The steps that the engine runs fused: up to GEMV_ROWS tokens, where the GEMV measured faster than cuBLAS
 # en: (below). The tile kernel runs only when asked (a launch given to small_matmul): it measured slower.
 # zh: 引擎融合运行的步：不超过 GEMV_ROWS 个 token 的步，那里 GEMV 测得比 cuBLAS 快（见下文）。tile 内核只在明确
@@ -336,8 +336,8 @@ def small_matmul_kernel(
 def gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
     stride_w, stride_x, stride_r, stride_out, stride_ro,
-    ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
-    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    NORM: tl.constexpr, ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # en: ROWS tokens: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of every row, its whole
     # en: slice of the weight loaded at once, before anything that an earlier kernel writes, then kept in registers
@@ -370,18 +370,29 @@ def gemv_kernel(
         # zh: 直到这里才等待前一个内核结束（并看到它写出的数据）：输入行来自它。
         tl.extra.cuda.gdc_wait()
     dtype = out_ptr.dtype.element_ty
-    for row in tl.static_range(ROWS):
-        x = tl.load(x_ptr + row * stride_x + ks, mask=k_mask, other=0.0)
-        if ADD:
-            residual = tl.load(residual_ptr + row * stride_r + ks, mask=k_mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-            if pid == 0:
-                tl.store(residual_out_ptr + row * stride_ro + ks, x, mask=k_mask)
-        if NORM:
-            x32 = x.to(tl.float32)
-            inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
-            x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+    # en: Every row's input at once, one [ROWS_PAD, K_PAD] tile, added and normalized together: loaded row by row,
+    # en: each row waited for its own load and norm, and its multiply-adds for the row before it to be stored.
+    # zh: 所有行的输入一次读入，是一个 [ROWS_PAD, K_PAD] 的 tile，一起加上残差、一起做 norm：一行一行地读时，
+    # zh: 每一行都要等自己的读取和 norm，它的乘加还要等上一行写回。
+    rows = tl.arange(0, ROWS_PAD)
+    row_mask = rows < ROWS
+    tile_mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=tile_mask, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + rows[:, None] * stride_r + ks[None, :], mask=tile_mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        if pid == 0:
+            tl.store(residual_out_ptr + rows[:, None] * stride_ro + ks[None, :], x, mask=tile_mask)
+    if NORM:
         x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / K + eps)
+        x = (norm_weight[None, :] * (x32 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    x_tile = x.to(tl.float32)
+    results = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+    for row in tl.static_range(ROWS):
+        # en: The row's input: the one term of its column sum that is not zero (exact).
+        # zh: 这一行的输入：按列求和时唯一不为零的那一项（精确）。
+        x32 = tl.sum(tl.where(rows[:, None] == row, x_tile, 0.0), axis=0)
         acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
         if BIAS:
             acc += bias
@@ -394,7 +405,11 @@ def gemv_kernel(
             result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
         else:
             result = acc.to(dtype)
-        tl.store(out_ptr + row * stride_out + cols, result, mask=col_mask)
+        # en: Kept (exactly: a 16-bit value in float32) until every row is done, then stored as one tile.
+        # zh: 先留着（精确：16 位的值放进 float32），等所有行算完再作为一个 tile 写回。
+        results = tl.where(rows[:, None] == row, result.to(tl.float32)[None, :], results)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], results.to(dtype), mask=out_mask)
 
 
 # en: The most weight elements one GEMV program holds in registers (16K: 32 KB of bf16, 128 per thread at 4 warps).
@@ -518,8 +533,9 @@ def small_matmul(
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
             bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0), x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
-            ROWS=tokens, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
-            ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            ROWS=tokens, ROWS_PAD=triton.next_power_of_2(tokens), K=k, K_PAD=triton.next_power_of_2(k),
+            BLOCK_N=block_n, NORM=norm_weight is not None, ADD=residual is not None, GLU=glu,
+            BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     elif tokens:
         launch = launch or choose_launch(n, k, glu)

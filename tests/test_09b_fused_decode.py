@@ -147,7 +147,7 @@ def test_up_to_gemv_rows_take_the_gemv_and_agree_with_the_tile_kernel(
     more takes the tile kernel."""
     import nanovllm.layers.fused_decode as fused_decode
 
-    assert fused_decode.GEMV_ROWS == 2
+    assert fused_decode.GEMV_ROWS == 8
     torch.manual_seed(1)
     x, residual = torch.randn(rows, 200, device=DEVICE), torch.randn(rows, 200, device=DEVICE)
     glu = "glu" in form

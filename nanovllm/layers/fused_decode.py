@@ -43,7 +43,7 @@ MAX_TOKENS = 16
 # The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds, so
 # from 4 rows on the arithmetic, not the weights, sets its pace: measured on the H200 (below), 2 rows took
 # half of cuBLAS's time, 4 rows about as long, 8 and 16 rows two and four times as long.
-GEMV_ROWS = 2
+GEMV_ROWS = 8
 # The steps that the engine runs fused: up to GEMV_ROWS tokens, where the GEMV measured faster than cuBLAS
 # (below). The tile kernel runs only when asked (a launch given to small_matmul): it measured slower.
 FUSED_STEP_TOKENS = GEMV_ROWS
@@ -148,8 +148,8 @@ def small_matmul_kernel(
 def gemv_kernel(
     x_ptr, residual_ptr, norm_weight_ptr, weight_ptr, bias_ptr, out_ptr, residual_out_ptr, N, eps,
     stride_w, stride_x, stride_r, stride_out, stride_ro,
-    ROWS: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr,
-    ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    NORM: tl.constexpr, ADD: tl.constexpr, GLU: tl.constexpr, BIAS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # ROWS tokens: program p computes output columns [p * BLOCK_N, (p + 1) * BLOCK_N) of every row, its whole
     # slice of the weight loaded at once, before anything that an earlier kernel writes, then kept in registers
@@ -177,18 +177,26 @@ def gemv_kernel(
         # Only now wait for the kernel before (and see what it wrote): the input rows come from it.
         tl.extra.cuda.gdc_wait()
     dtype = out_ptr.dtype.element_ty
-    for row in tl.static_range(ROWS):
-        x = tl.load(x_ptr + row * stride_x + ks, mask=k_mask, other=0.0)
-        if ADD:
-            residual = tl.load(residual_ptr + row * stride_r + ks, mask=k_mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
-            if pid == 0:
-                tl.store(residual_out_ptr + row * stride_ro + ks, x, mask=k_mask)
-        if NORM:
-            x32 = x.to(tl.float32)
-            inv_rms = tl.rsqrt(tl.sum(x32 * x32, 0) / K + eps)
-            x = (norm_weight * (x32 * inv_rms).to(dtype).to(tl.float32)).to(dtype)
+    # Every row's input at once, one [ROWS_PAD, K_PAD] tile, added and normalized together: loaded row by row,
+    # each row waited for its own load and norm, and its multiply-adds for the row before it to be stored.
+    rows = tl.arange(0, ROWS_PAD)
+    row_mask = rows < ROWS
+    tile_mask = row_mask[:, None] & k_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=tile_mask, other=0.0)
+    if ADD:
+        residual = tl.load(residual_ptr + rows[:, None] * stride_r + ks[None, :], mask=tile_mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(dtype)
+        if pid == 0:
+            tl.store(residual_out_ptr + rows[:, None] * stride_ro + ks[None, :], x, mask=tile_mask)
+    if NORM:
         x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, 1) / K + eps)
+        x = (norm_weight[None, :] * (x32 * inv_rms[:, None]).to(dtype).to(tl.float32)).to(dtype)
+    x_tile = x.to(tl.float32)
+    results = tl.zeros([ROWS_PAD, BLOCK_N], dtype=tl.float32)
+    for row in tl.static_range(ROWS):
+        # The row's input: the one term of its column sum that is not zero (exact).
+        x32 = tl.sum(tl.where(rows[:, None] == row, x_tile, 0.0), axis=0)
         acc = tl.sum(w.to(tl.float32) * x32[None, :], axis=1)
         if BIAS:
             acc += bias
@@ -201,7 +209,10 @@ def gemv_kernel(
             result = (activated * up.to(dtype).to(tl.float32)).to(dtype)
         else:
             result = acc.to(dtype)
-        tl.store(out_ptr + row * stride_out + cols, result, mask=col_mask)
+        # Kept (exactly: a 16-bit value in float32) until every row is done, then stored as one tile.
+        results = tl.where(rows[:, None] == row, result.to(tl.float32)[None, :], results)
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], results.to(dtype), mask=out_mask)
 
 
 # The most weight elements one GEMV program holds in registers (16K: 32 KB of bf16, 128 per thread at 4 warps).
@@ -317,8 +328,9 @@ def small_matmul(
             x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
             bias if bias is not None else x, out, residual_out, n, eps, weight.stride(0), x.stride(0),
             residual.stride(0) if residual is not None else 0, out.stride(0), residual_out.stride(0),
-            ROWS=tokens, K=k, K_PAD=triton.next_power_of_2(k), BLOCK_N=block_n, NORM=norm_weight is not None,
-            ADD=residual is not None, GLU=glu, BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
+            ROWS=tokens, ROWS_PAD=triton.next_power_of_2(tokens), K=k, K_PAD=triton.next_power_of_2(k),
+            BLOCK_N=block_n, NORM=norm_weight is not None, ADD=residual is not None, GLU=glu,
+            BIAS=bias is not None, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )  # fmt: skip
     elif tokens:
         launch = launch or choose_launch(n, k, glu)

@@ -112,7 +112,7 @@ def norm_rotate_store_kernel(
 # the decode graph replayed alone): together with the decode kernels' early start, batch 1 took
 # 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS, the early start took
 # 1.532-1.535 ms against 1.514-1.515.
-EARLY_START_TOKENS = 2
+EARLY_START_TOKENS = 8
 
 
 def can_fuse(attention: nn.Module) -> bool:
