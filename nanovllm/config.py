@@ -120,7 +120,7 @@ class Config:
     # a small model far more than it saves).
     compile_small_ops: bool | str = "auto"
     # notebooks/09b_fused_decode.py · cell "setting: fused decode"
-    # Decode steps of one or two tokens run each decoder layer in fused Triton kernels: True, False, or "auto": on
+    # Decode steps of up to four tokens run each decoder layer in fused Triton kernels: True, False, or "auto": on
     # for CUDA, where they beat cuBLAS (on a CPU only the Triton interpreter can run them, which is for tests).
     fused_decode: bool | str = "auto"
     # notebooks/10b_tp_runtime.py · cell "setting: rank timeout"

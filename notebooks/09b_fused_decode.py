@@ -136,7 +136,7 @@ say = Phrases({
 # to the model's dtype before the weight, the matmul accumulated in float32, `gate` and `up`
 # rounded before SiLU as when they were a tensor. `FusedDecodeLayer` runs chapter 05's decoder
 # layer with it; the decoder layer asks it through its `fused_forward` hook. The setting
-# `fused_decode` (on by default on a GPU) hands every layer one that takes steps of one or two
+# `fused_decode` (on by default on a GPU) hands every layer one that takes steps of up to four
 # tokens (`GEMV_ROWS`), where the GEMV measured faster than cuBLAS; longer steps take the tile
 # kernel only when asked (`FusedDecodeLayer(max_tokens=16)`), for the reason measured below.
 #
@@ -181,7 +181,7 @@ say = Phrases({
 # 第 05 章的函数完全一致：残差在模型的数据类型中相加，归一化在 float32 中计算、乘权重之前舍入到模型的数据类型，矩阵乘
 # 在 float32 中累加，`gate` 和 `up` 先舍入再做 SiLU，和它们还是张量时一样。`FusedDecodeLayer` 用它来运行第 05 章的
 # 解码层；解码层通过自己的 `fused_forward` 钩子询问它。配置项 `fused_decode`（在 GPU 上默认打开）交给每一层一个只接手
-# 一个或两个 token 的步（`GEMV_ROWS`）的融合层，因为那里 GEMV 测得比 cuBLAS 快；更长的步只有在明确要求时
+# 不超过四个 token 的步（`GEMV_ROWS`）的融合层，因为那里 GEMV 测得比 cuBLAS 快；更长的步只有在明确要求时
 # （`FusedDecodeLayer(max_tokens=16)`）才用 tile 内核，原因见下面的测量。
 #
 # 为什么先读权重？内核之间的边界比一次启动更贵。在 graph 里，第 *n + 1* 个内核要等第 *n* 个内核的所有程序都结束、
@@ -213,12 +213,12 @@ from nanovllm.layers.triton_attention import programmatic_launch
 # en: The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 # zh: 一个 tl.dot tile 的行数：不超过这么多 token 的一步走融合路径。
 MAX_TOKENS = 16
-# en: The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds, so
-# en: from 4 rows on the arithmetic, not the weights, sets its pace: measured on the H200 (below), 2 rows took
-# en: half of cuBLAS's time, 4 rows about as long, 8 and 16 rows two and four times as long.
-# zh: GEMV 最多处理的行数。每多一行，它就要对手里那段权重多做一遍乘加，所以从 4 行起决定速度的是算术，而不是读权重：
-# zh: 在 H200 上测得（见下文）2 行只用 cuBLAS 一半的时间，4 行差不多一样长，8 行和 16 行是它的两倍和四倍。
-GEMV_ROWS = 8
+# en: The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds; with
+# en: every row's input loaded as one tile (below), the step's 28 layers of matmuls measured faster than cuBLAS up
+# en: to 4 rows (1.12-1.20x on an H100), as fast at 5 and slower at 8.
+# zh: GEMV 最多处理的行数。每多一行，它就要对手里那段权重多做一遍乘加；所有行的输入作为一个 tile 一次读入之后
+# zh: （见下文），一步 28 层的矩阵乘在不超过 4 行时测得比 cuBLAS 快（H100 上 1.12–1.20 倍），5 行一样快，8 行更慢。
+GEMV_ROWS = 4
 # en: The steps that the engine runs fused: up to GEMV_ROWS tokens, where the GEMV measured faster than cuBLAS
 # en: (below). The tile kernel runs only when asked (a launch given to small_matmul): it measured slower.
 # zh: 引擎融合运行的步：不超过 GEMV_ROWS 个 token 的步，那里 GEMV 测得比 cuBLAS 快（见下文）。tile 内核只在明确
@@ -652,10 +652,11 @@ positions = torch.tensor([0, 1, 2], device=DEVICE)
 set_prefill_context([3], [3], device=DEVICE)
 expected = layer(positions, x, residual)
 torch.testing.assert_close(FusedDecodeLayer(3)(layer, positions, x, residual), expected, rtol=1e-5, atol=1e-5)
-# en: Through the decoder layer's hook, as the engine calls it: the engine's layer takes steps of one or two tokens.
-# zh: 经由解码层的钩子调用，与引擎的调用方式相同：引擎交给各层的融合层只接手一个或两个 token 的步。
+# en: Through the decoder layer's hook, as the engine calls it: the engine's layer takes steps of up to four tokens.
+# zh: 经由解码层的钩子调用，与引擎的调用方式相同：引擎交给各层的融合层只接手不超过四个 token 的步。
 layer.fused_forward = FusedDecodeLayer()
-assert layer.fused_forward.applies(x[:1]) and not layer.fused_forward.applies(x)
+assert layer.fused_forward.applies(x[:1]) and layer.fused_forward.applies(x)
+assert not layer.fused_forward.applies(torch.cat([x, x]))
 set_prefill_context([1], [1], device=DEVICE)
 one_token = (positions[:1], x[:1], residual[:1])
 fused_one = layer(*one_token)
@@ -669,7 +670,7 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 #
 # Chapter 09's `compile_ahead` leaves a hook, `fuse_layers`, between compiling the small ops and
 # the warm-ups that precede the graph capture. Here it is filled: with the setting `fused_decode`
-# (`"auto"`: on for CUDA) every decoder layer gets a `FusedDecodeLayer` for steps of one or two
+# (`"auto"`: on for CUDA) every decoder layer gets a `FusedDecodeLayer` for steps of up to four
 # tokens. It runs before the warm-ups and the capture, so the graphs record the fused kernels.
 # Triton is imported only when the setting is on, so that an engine on a CPU never imports it.
 
@@ -677,7 +678,7 @@ print(say("a decoder layer in four matmul kernels == chapter 05's layer (3 token
 # ## 接进去：执行器把融合路径交给各层
 #
 # 第 09 章的 `compile_ahead` 在编译小算子和图捕获之前的各项预热之间留了一个钩子 `fuse_layers`。这里把它填上：打开配置项
-# `fused_decode` 时（`"auto"`：CUDA 上打开），每个解码层都得到一个只接手一个或两个 token 的步的 `FusedDecodeLayer`。
+# `fused_decode` 时（`"auto"`：CUDA 上打开），每个解码层都得到一个只接手不超过四个 token 的步的 `FusedDecodeLayer`。
 # 它在预热和捕获之前运行，所以图里录下的是融合后的内核。只有打开这个配置项时才导入 Triton，CPU 上的引擎从不导入它。
 
 # %% setting: fused decode
@@ -688,9 +689,9 @@ from nanovllm.book.literate import add_fields, add_to_init
 from nanovllm.config import Config
 
 
-# en: Decode steps of one or two tokens run each decoder layer in fused Triton kernels: True, False, or "auto": on
+# en: Decode steps of up to four tokens run each decoder layer in fused Triton kernels: True, False, or "auto": on
 # en: for CUDA, where they beat cuBLAS (on a CPU only the Triton interpreter can run them, which is for tests).
-# zh: 一个或两个 token 的 decode 步，每个解码层用融合的 Triton 内核：True、False，或 "auto"：CUDA 上打开，那里它们跑赢
+# zh: 不超过四个 token 的 decode 步，每个解码层用融合的 Triton 内核：True、False，或 "auto"：CUDA 上打开，那里它们跑赢
 # zh: cuBLAS（在 CPU 上只有 Triton 解释器能运行它们，那是给测试用的）。
 @add_fields(Config)
 class _FusedDecode:
@@ -712,7 +713,7 @@ from nanovllm.engine.model_runner import ModelRunner
 
 @add_to_class(ModelRunner)
 def fuse_layers(self) -> None:
-    """With ``fused_decode``, hand every decoder layer its fused path for steps of one or two tokens."""
+    """With ``fused_decode``, hand every decoder layer its fused path for steps of up to four tokens."""
     if self.config.fused_decode:
         # en: Triton: imported only when asked, so that a CPU engine never imports it (and a chapter that sets
         # en: TRITON_INTERPRET=1 does so before Triton's first import).
@@ -1226,10 +1227,10 @@ assert all(narrow > 0.79 * wide for _, wide, narrow in GEMV_ROWS_COST.values())
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `nanovllm/layers/fused_decode.py`: `small_matmul` (the GEMV for one or two tokens, started
+# - `nanovllm/layers/fused_decode.py`: `small_matmul` (the GEMV for up to four tokens, started
 #   early with PDL on Hopper; the tile kernel for up to 16, with split-K where a weight is narrow,
 #   `choose_launch`), `FusedDecodeLayer` and `fuse_decode_layers`, with the config switch
-#   `fused_decode` (`"auto"`: on for CUDA, steps of one or two tokens).
+#   `fused_decode` (`"auto"`: on for CUDA, steps of up to four tokens).
 # - `ModelRunner.fuse_layers`: chapter 09's hook, filled, so that the graphs capture the fused layers.
 # - `scripts/decode_matmul_chain.py` times a step's 112 matmuls against cuBLAS;
 #   `scripts/splitk_sweep.py` sweeps the tile kernel's launches per weight shape.
@@ -1248,9 +1249,9 @@ assert all(narrow > 0.79 * wide for _, wide, narrow in GEMV_ROWS_COST.values())
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `nanovllm/layers/fused_decode.py`：`small_matmul`（一个或两个 token 时是 GEMV，在 Hopper 上用 PDL 提前启动；最多
+# - `nanovllm/layers/fused_decode.py`：`small_matmul`（不超过四个 token 时是 GEMV，在 Hopper 上用 PDL 提前启动；最多
 #   16 个 token 时是 tile 内核，权重窄时用 split-K，见 `choose_launch`）、`FusedDecodeLayer` 和 `fuse_decode_layers`，
-#   以及配置开关 `fused_decode`（`"auto"`：CUDA 上打开，只接手一个或两个 token 的步）。
+#   以及配置开关 `fused_decode`（`"auto"`：CUDA 上打开，只接手不超过四个 token 的步）。
 # - `ModelRunner.fuse_layers`：填上第 09 章留下的钩子，让图捕获融合后的层。
 # - `scripts/decode_matmul_chain.py` 把一步的 112 个矩阵乘与 cuBLAS 对比计时；`scripts/splitk_sweep.py` 按权重形状扫描
 #   tile 内核的启动配置。

@@ -138,7 +138,7 @@ class _Recording:
         return self.kernel[grid]
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 4])
 @pytest.mark.parametrize("form", ["norm+residual+glu", "bias"])
 def test_up_to_gemv_rows_take_the_gemv_and_agree_with_the_tile_kernel(
     form: str, rows: int, monkeypatch: pytest.MonkeyPatch
@@ -147,7 +147,7 @@ def test_up_to_gemv_rows_take_the_gemv_and_agree_with_the_tile_kernel(
     more takes the tile kernel."""
     import nanovllm.layers.fused_decode as fused_decode
 
-    assert fused_decode.GEMV_ROWS == 8
+    assert fused_decode.GEMV_ROWS == 4
     torch.manual_seed(1)
     x, residual = torch.randn(rows, 200, device=DEVICE), torch.randn(rows, 200, device=DEVICE)
     glu = "glu" in form

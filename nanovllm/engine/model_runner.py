@@ -292,7 +292,7 @@ class ModelRunner:
 
     # notebooks/09b_fused_decode.py · cell "runner fuses the layers"
     def fuse_layers(self) -> None:
-        """With ``fused_decode``, hand every decoder layer its fused path for steps of one or two tokens."""
+        """With ``fused_decode``, hand every decoder layer its fused path for steps of up to four tokens."""
         if self.config.fused_decode:
             # Triton: imported only when asked, so that a CPU engine never imports it (and a chapter that sets
             # TRITON_INTERPRET=1 does so before Triton's first import).

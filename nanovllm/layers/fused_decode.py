@@ -40,10 +40,10 @@ __all__ = [
 # notebooks/09b_fused_decode.py · cell "fused decode"
 # The rows of one tl.dot tile: a step of at most this many tokens takes the fused path.
 MAX_TOKENS = 16
-# The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds, so
-# from 4 rows on the arithmetic, not the weights, sets its pace: measured on the H200 (below), 2 rows took
-# half of cuBLAS's time, 4 rows about as long, 8 and 16 rows two and four times as long.
-GEMV_ROWS = 8
+# The most rows the GEMV takes. Each row costs it one more pass of multiply-adds over the slice it holds; with
+# every row's input loaded as one tile (below), the step's 28 layers of matmuls measured faster than cuBLAS up
+# to 4 rows (1.12-1.20x on an H100), as fast at 5 and slower at 8.
+GEMV_ROWS = 4
 # The steps that the engine runs fused: up to GEMV_ROWS tokens, where the GEMV measured faster than cuBLAS
 # (below). The tile kernel runs only when asked (a launch given to small_matmul): it measured slower.
 FUSED_STEP_TOKENS = GEMV_ROWS
