@@ -95,6 +95,8 @@ say = Phrases({
         "Qwen3-8B，批大小 1，{name}：每步 {step:.3f} ms，上限的 {share:.1%}，{kernels} 个 kernel",
     "{rows:>2} rows: cuBLAS {cublas:.0f} µs, small_matmul {tile:.0f} µs, prefetch tile {prefetch:.0f} µs":
         "{rows:>2} 行：cuBLAS {cublas:.0f} µs，small_matmul {tile:.0f} µs，预取 tile {prefetch:.0f} µs",
+    "{rows} rows on the H100: row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs":
+        "H100 上 {rows} 行：一行一行 {by_row:.0f} µs，作为一个 tile {one_tile:.0f} µs，cuBLAS {cublas:.0f} µs",
     "o_proj: {blocks} column blocks x split {split} = {programs} programs, {inputs} inputs each":
         "o_proj：{blocks} 个列块 x split {split} = {programs} 个程序，每个读 {inputs} 个输入",
 })
@@ -766,8 +768,9 @@ for setting in (False, True):
 #
 # The GEMV reads the weights once for all rows, but each row is one more pass of multiply-adds
 # over the slice it holds: at 2 rows it still takes half of cuBLAS's time, from 4 on the arithmetic
-# sets its pace, so it takes at most `GEMV_ROWS = 2`. The tile kernel walks the input 128 elements
-# at a time and keeps too few bytes in flight, so longer steps stay with cuBLAS.
+# sets its pace, so at first it took at most two rows (the end of this chapter tells what let it
+# take four). The tile kernel walks the input 128 elements at a time and keeps too few bytes in
+# flight, so longer steps stay with cuBLAS.
 #
 # Then a sweep on an H100 changed the tile kernel (2026-12-05, copy rate 3.01 TB/s,
 # `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`: the same loop without the norm, each weight
@@ -837,8 +840,8 @@ for setting in (False, True):
 # | 16 | 703 | 3,212 | 1,303 |
 #
 # GEMV 为所有行只读一遍权重，但每多一行，就要对手里那段权重多做一遍乘加：2 行时它仍只用 cuBLAS 一半的时间，从 4 行起
-# 决定速度的是算术，所以它最多接手 `GEMV_ROWS = 2` 行。tile 内核每次只沿输入走 128 个元素，同时在途的字节太少，所以
-# 更长的步仍交给 cuBLAS。
+# 决定速度的是算术，所以它起初最多接手两行（本章最后会讲到是什么让它能接手四行）。tile 内核每次只沿输入走
+# 128 个元素，同时在途的字节太少，所以更长的步仍交给 cuBLAS。
 #
 # 后来在一块 H100 上做的一次扫描改变了 tile 内核（2026-12-05，拷贝速率 3.01 TB/s，
 # `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`：同样的循环，只是不带归一化；每种权重形状单独计时，各跑它的 28 层，
@@ -1136,7 +1139,24 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # quarter or an eighth of the slice (more programs, fewer registers each), and every row more
 # still cost 110–200 µs over the 28 layers; the narrower slices took off a fifth at most, and
 # only from 3 rows on. What each row does wait for: its own input from L2, its own norm, and the
-# store of the row before it. Loading every row as one tile is the next thing to time.
+# store of the row before it. So the kernel now loads every row's input as one tile after its
+# wait, adds and normalizes the rows together, and stores their results together at the end. The
+# same probe timed it on an H100 (copy rate 3.02 TB/s, bound 291 µs), against cuBLAS, which took
+# about 730 µs at every row count:
+#
+# | rows | GEMV, row by row | GEMV, rows as one tile | cuBLAS |
+# |---:|---:|---:|---:|
+# | 1 | 376 µs | 376 µs | 729 µs |
+# | 2 | 492 µs | 484 µs | 728 µs |
+# | 3 | 683 µs | 589 µs | 731 µs |
+# | 4 | 832 µs | 654 µs | 734 µs |
+# | 5 | 977 µs | 758 µs | 733 µs |
+# | 8 | 1,579 µs | 1,165 µs | 735 µs |
+#
+# One tile takes a fifth off from 3 rows on and beats cuBLAS up to 4 rows (1.12–1.20×); at 5 it
+# ties, at 8 it loses. So the GEMV now takes steps of up to four tokens (`GEMV_ROWS = 4`), and four
+# sequences decode fused. (Storing each row as soon as it is done measured the same; 8 warps were
+# slower at every count; narrower slices took another 6 % off at 3 to 5 rows, not yet shipped.)
 #
 # Where each kernel has real work, the boundaries matter less. On Qwen3-8B's shapes (36 layers,
 # 15.1 GB of weights a step; `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1
@@ -1177,7 +1197,22 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # 那么，GEMV 明明只读一次权重，为什么每多一行都这么贵？不是寄存器的问题：`scripts/gemv_rows_probe.py`
 # （同一块 H200、同一天）让每个程序只拿一半、四分之一或八分之一的权重段（程序更多，每个用的寄存器更少），
 # 每多一行在 28 层上仍然多花 110–200 µs；更窄的权重段最多省下五分之一，而且要从 3 行起才省得下来。每一行真正在等的
-# 是：它自己从 L2 读入的输入、它自己的 norm，以及上一行的写回。把所有行作为一个 tile 一次读入，是下一个要计时的办法。
+# 是：它自己从 L2 读入的输入、它自己的 norm，以及上一行的写回。所以内核现在等待之后把所有行的输入作为一个 tile
+# 一次读入，一起加上残差、一起做 norm，最后把所有行的结果一起写回。同一个探针在一块 H100 上给它计了时（拷贝速率
+# 3.02 TB/s，上限 291 µs），对照的 cuBLAS 不论几行都约 730 µs：
+#
+# | 行数 | GEMV，一行一行 | GEMV，所有行作为一个 tile | cuBLAS |
+# |---:|---:|---:|---:|
+# | 1 | 376 µs | 376 µs | 729 µs |
+# | 2 | 492 µs | 484 µs | 728 µs |
+# | 3 | 683 µs | 589 µs | 731 µs |
+# | 4 | 832 µs | 654 µs | 734 µs |
+# | 5 | 977 µs | 758 µs | 733 µs |
+# | 8 | 1,579 µs | 1,165 µs | 735 µs |
+#
+# 作为一个 tile 读入，从 3 行起省下五分之一，不超过 4 行时胜过 cuBLAS（1.12–1.20 倍）；5 行打平，8 行落后。所以
+# GEMV 现在接手不超过四个 token 的步（`GEMV_ROWS = 4`），四个序列的 decode 也是融合的。（每行算完立即写回，测得一样；
+# 8 个 warp 在每种行数下都更慢；更窄的权重段在 3 到 5 行时又省下 6 %，还没有采用。）
 #
 # 每个内核都有足够多的活时，内核边界就没那么要紧了。在 Qwen3-8B 的形状上（36 层，一步读 15.1 GB 权重；
 # `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1 --fused-decode both`，同一天晚些时候、
@@ -1191,6 +1226,8 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # zh: 最佳预取 tile），单位是一步 28 层矩阵乘的 µs。
 import itertools
 
+from nanovllm.layers.fused_decode import GEMV_ROWS
+
 STEP = {1: (0.719, 0.308, 203), 4: (1.394, 0.392, 315), 16: (1.752, 0.725, 315), 64: (3.303, 2.057, 287)}
 MATMULS = {1: (872.8, 333.5, 563.6), 4: (765.8, 987.4, 814.5), 8: (686.1, 985.8, 839.6), 16: (700.5, 990.1, 782.4)}
 # en: Qwen3-8B's shapes, one sequence: fused and unfused -> (ms per step, bound ms, kernels)
@@ -1200,6 +1237,10 @@ EIGHT_B = {"fused": (4.044, 3.602, 258), "unfused": (4.745, 3.602, 439)}
 # zh: 一行一行算的 GEMV：行数 ->（cuBLAS、权重段 16K 个元素的 GEMV、更窄权重段里最好的），单位 µs。
 GEMV_ROWS_COST = {1: (869.7, 333.1, 343.9), 2: (852.0, 451.4, 474.7), 3: (763.4, 655.1, 620.4),
                   4: (767.2, 809.4, 727.8), 5: (808.2, 963.1, 892.6), 8: (683.3, 1578.9, 1262.4)}
+# en: The GEMV again, on an H100: rows -> (row by row, rows loaded as one tile, cuBLAS), µs.
+# zh: 再看 GEMV，在 H100 上：行数 ->（一行一行、所有行作为一个 tile 读入、cuBLAS），单位 µs。
+ONE_TILE = {1: (375.9, 375.8, 728.9), 2: (492.1, 483.9, 727.9), 3: (682.8, 589.4, 731.1), 4: (832.4, 654.4, 733.6),
+            5: (976.5, 757.9, 733.1), 8: (1579.0, 1164.7, 735.4)}
 for batch, (step_ms, bound_ms, kernels) in STEP.items():
     print(say("batch {batch:>2}: {step:.3f} ms a step, {share:.0%} of the bound, {kernels} kernels", batch=batch,
               step=step_ms, share=bound_ms / step_ms, kernels=kernels))
@@ -1223,6 +1264,13 @@ assert EIGHT_B["fused"][1] / EIGHT_B["fused"][0] > 0.85 > EIGHT_B["unfused"][1] 
 assert all((GEMV_ROWS_COST[more][1] - GEMV_ROWS_COST[fewer][1]) / (more - fewer) > 100
            for fewer, more in itertools.pairwise(sorted(GEMV_ROWS_COST)))
 assert all(narrow > 0.79 * wide for _, wide, narrow in GEMV_ROWS_COST.values())
+for rows, (by_row, one_tile, cublas) in ONE_TILE.items():
+    print(say("{rows} rows on the H100: row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs",
+              rows=rows, by_row=by_row, one_tile=one_tile, cublas=cublas))
+# en: Rows loaded as one tile: never slower than row by row (within 2 %), faster than cuBLAS exactly up to GEMV_ROWS.
+# zh: 所有行作为一个 tile 读入：从不比一行一行慢（误差 2 % 以内），恰好在不超过 GEMV_ROWS 行时比 cuBLAS 快。
+assert all(one_tile < 1.02 * by_row for by_row, one_tile, _ in ONE_TILE.values())
+assert [rows for rows, (_, one_tile, cublas) in ONE_TILE.items() if one_tile < cublas] == list(range(1, GEMV_ROWS + 1))
 
 # %% [markdown] tags=["en"]
 # ## What we built
