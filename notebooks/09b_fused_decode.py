@@ -95,8 +95,8 @@ say = Phrases({
         "Qwen3-8B，批大小 1，{name}：每步 {step:.3f} ms，上限的 {share:.1%}，{kernels} 个 kernel",
     "{rows:>2} rows: cuBLAS {cublas:.0f} µs, small_matmul {tile:.0f} µs, prefetch tile {prefetch:.0f} µs":
         "{rows:>2} 行：cuBLAS {cublas:.0f} µs，small_matmul {tile:.0f} µs，预取 tile {prefetch:.0f} µs",
-    "{rows} rows on the H100: row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs":
-        "H100 上 {rows} 行：一行一行 {by_row:.0f} µs，作为一个 tile {one_tile:.0f} µs，cuBLAS {cublas:.0f} µs",
+    "{rows} rows (H100): row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs":
+        "{rows} 行（H100）：一行一行 {by_row:.0f} µs，作为一个 tile {one_tile:.0f} µs，cuBLAS {cublas:.0f} µs",
     "o_proj: {blocks} column blocks x split {split} = {programs} programs, {inputs} inputs each":
         "o_proj：{blocks} 个列块 x split {split} = {programs} 个程序，每个读 {inputs} 个输入",
 })
@@ -1265,7 +1265,7 @@ assert all((GEMV_ROWS_COST[more][1] - GEMV_ROWS_COST[fewer][1]) / (more - fewer)
            for fewer, more in itertools.pairwise(sorted(GEMV_ROWS_COST)))
 assert all(narrow > 0.79 * wide for _, wide, narrow in GEMV_ROWS_COST.values())
 for rows, (by_row, one_tile, cublas) in ONE_TILE.items():
-    print(say("{rows} rows on the H100: row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs",
+    print(say("{rows} rows (H100): row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs",
               rows=rows, by_row=by_row, one_tile=one_tile, cublas=cublas))
 # en: Rows loaded as one tile: never slower than row by row (within 2 %), faster than cuBLAS exactly up to GEMV_ROWS.
 # zh: 所有行作为一个 tile 读入：从不比一行一行慢（误差 2 % 以内），恰好在不超过 GEMV_ROWS 行时比 cuBLAS 快。
