@@ -97,6 +97,10 @@ say = Phrases({
         "{rows:>2} 行：cuBLAS {cublas:.0f} µs，small_matmul {tile:.0f} µs，预取 tile {prefetch:.0f} µs",
     "{rows} rows (H100): row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs":
         "{rows} 行（H100）：一行一行 {by_row:.0f} µs，作为一个 tile {one_tile:.0f} µs，cuBLAS {cublas:.0f} µs",
+    "batch {batch:>2} (H100): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
+    "{share:.1%} of the bound":
+        "批大小 {batch:>2}（H100）：每步 {unfused:.3f} -> {fused:.3f} ms，{before} -> {after} 个 kernel，"
+        "上限的 {share:.1%}",
     "o_proj: {blocks} column blocks x split {split} = {programs} programs, {inputs} inputs each":
         "o_proj：{blocks} 个列块 x split {split} = {programs} 个程序，每个读 {inputs} 个输入",
 })
@@ -1114,8 +1118,8 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 64 | 3.303 | 19,375 | 2.057 ms | 62.3 % | 287 | 3.215 ms | 1.110 ms |
 #
 # One sequence went from 24 % of its bound (1.44 ms, before this chapter and chapter 12's
-# one-copy step) to 43 %. Four and sixteen did not move: their steps are not fused, because no
-# kernel we have multiplies 4 to 16 rows faster than cuBLAS. The same day's
+# one-copy step) to 43 %. Four and sixteen did not move: their steps were not fused, because no
+# kernel we had then multiplied 4 to 16 rows faster than cuBLAS (four rows now do: see below). The same day's
 # `scripts/prefetch_tile_probe.py` timed the step's 28 layers of matmuls (with their norms and
 # SiLU × mul; bound 207 µs) three ways. The third is the GEMV's trick on a tile: split-K so fine
 # that a program's whole weight slice is one tile, loaded before the program waits for the
@@ -1157,6 +1161,18 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # ties, at 8 it loses. So the GEMV now takes steps of up to four tokens (`GEMV_ROWS = 4`), and four
 # sequences decode fused. (Storing each row as soon as it is done measured the same; 8 warps were
 # slower at every count; narrower slices took another 6 % off at 3 to 5 rows, not yet shipped.)
+# The whole engine on the same kind of H100, fused and unfused in one invocation (`python -m
+# nanovllm.bench --latency --batches 1 4 16 64 --fused-decode both`, copy rate 3.00 TB/s):
+#
+# | batch | ms per step, unfused | fused | kernels | of the bound, fused |
+# |---:|---:|---:|---:|---:|
+# | 1 | 1.270 | 0.803 (1.58×) | 315 → 202 | 54.3 % |
+# | 4 | 1.437 | 1.190 (1.21×) | 315 → 202 | 46.5 % |
+# | 16 | 2.013 | 2.010 | 315 → 314 | 51.0 % |
+# | 64 | 3.975 | 3.973 | 287 → 286 | 73.2 % |
+#
+# A step of four sequences is now a fifth shorter; sixteen and more are past the GEMV's four rows
+# and run as before.
 #
 # Where each kernel has real work, the boundaries matter less. On Qwen3-8B's shapes (36 layers,
 # 15.1 GB of weights a step; `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1
@@ -1178,7 +1194,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 64 | 3.303 | 19,375 | 2.057 ms | 62.3 % | 287 | 3.215 ms | 1.110 ms |
 #
 # 一个序列从上限的 24 %（1.44 ms，在本章和第 12 章的“一次拷贝”之前）提高到 43 %。四个和十六个序列没有变化：它们的
-# 步没有融合，因为我们手里没有哪个内核算 4 到 16 行的矩阵乘比 cuBLAS 快。同一天用 `scripts/prefetch_tile_probe.py`
+# 步没有融合，因为我们当时手里没有哪个内核算 4 到 16 行的矩阵乘比 cuBLAS 快（四行现在有了，见下文）。同一天用 `scripts/prefetch_tile_probe.py`
 # 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；上限 207 µs）计时。第三种是把 GEMV 的办法用到
 # tile 上：split-K 切得足够细，一个程序的整段权重正好是一个 tile，在等前一个内核之前就读进来；试了八种启动配置，
 # 下表列出最好的那种。
@@ -1212,7 +1228,18 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 #
 # 作为一个 tile 读入，从 3 行起省下五分之一，不超过 4 行时胜过 cuBLAS（1.12–1.20 倍）；5 行打平，8 行落后。所以
 # GEMV 现在接手不超过四个 token 的步（`GEMV_ROWS = 4`），四个序列的 decode 也是融合的。（每行算完立即写回，测得一样；
-# 8 个 warp 在每种行数下都更慢；更窄的权重段在 3 到 5 行时又省下 6 %，还没有采用。）
+# 8 个 warp 在每种行数下都更慢；更窄的权重段在 3 到 5 行时又省下 6 %，还没有采用。）整个引擎在同一种 H100 上，
+# 融合与不融合在同一次调用里（`python -m nanovllm.bench --latency --batches 1 4 16 64 --fused-decode both`，
+# 拷贝速率 3.00 TB/s）：
+#
+# | 批大小 | 每步 ms，不融合 | 融合 | kernel 数 | 融合后占上限 |
+# |---:|---:|---:|---:|---:|
+# | 1 | 1.270 | 0.803（1.58 倍） | 315 → 202 | 54.3 % |
+# | 4 | 1.437 | 1.190（1.21 倍） | 315 → 202 | 46.5 % |
+# | 16 | 2.013 | 2.010 | 315 → 314 | 51.0 % |
+# | 64 | 3.975 | 3.973 | 287 → 286 | 73.2 % |
+#
+# 四个序列的一步现在短了五分之一；十六个及以上超出了 GEMV 的四行，照旧运行。
 #
 # 每个内核都有足够多的活时，内核边界就没那么要紧了。在 Qwen3-8B 的形状上（36 层，一步读 15.1 GB 权重；
 # `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1 --fused-decode both`，同一天晚些时候、
@@ -1241,6 +1268,10 @@ GEMV_ROWS_COST = {1: (869.7, 333.1, 343.9), 2: (852.0, 451.4, 474.7), 3: (763.4,
 # zh: 再看 GEMV，在 H100 上：行数 ->（一行一行、所有行作为一个 tile 读入、cuBLAS），单位 µs。
 ONE_TILE = {1: (375.9, 375.8, 728.9), 2: (492.1, 483.9, 727.9), 3: (682.8, 589.4, 731.1), 4: (832.4, 654.4, 733.6),
             5: (976.5, 757.9, 733.1), 8: (1579.0, 1164.7, 735.4)}
+# en: And the engine with it (H100): batch -> (ms a step unfused, fused, kernels unfused, fused, bound ms).
+# zh: 以及用上它的引擎（H100）：批大小 ->（不融合每步 ms、融合每步 ms、不融合 kernel 数、融合 kernel 数、上限 ms）。
+FOUR_ROWS = {1: (1.2705, 0.8026, 315, 202, 0.4362), 4: (1.4372, 1.1902, 315, 202, 0.5540),
+             16: (2.0133, 2.0096, 315, 314, 1.0251), 64: (3.9749, 3.9730, 287, 286, 2.9095)}
 for batch, (step_ms, bound_ms, kernels) in STEP.items():
     print(say("batch {batch:>2}: {step:.3f} ms a step, {share:.0%} of the bound, {kernels} kernels", batch=batch,
               step=step_ms, share=bound_ms / step_ms, kernels=kernels))
@@ -1271,6 +1302,14 @@ for rows, (by_row, one_tile, cublas) in ONE_TILE.items():
 # zh: 所有行作为一个 tile 读入：从不比一行一行慢（误差 2 % 以内），恰好在不超过 GEMV_ROWS 行时比 cuBLAS 快。
 assert all(one_tile < 1.02 * by_row for by_row, one_tile, _ in ONE_TILE.values())
 assert [rows for rows, (_, one_tile, cublas) in ONE_TILE.items() if one_tile < cublas] == list(range(1, GEMV_ROWS + 1))
+for batch, (unfused, fused, before, after, bound_ms) in FOUR_ROWS.items():
+    print(say("batch {batch:>2} (H100): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
+              "{share:.1%} of the bound", batch=batch, unfused=unfused, fused=fused, before=before, after=after,
+              share=bound_ms / fused))
+# en: The steps of up to GEMV_ROWS sequences are fused (a third fewer kernels) and faster; the longer ones are not.
+# zh: 不超过 GEMV_ROWS 个序列的步是融合的（kernel 少三分之一），也更快；更长的步不是。
+assert all((after < 0.7 * before and fused < 0.85 * unfused) == (batch <= GEMV_ROWS)
+           for batch, (unfused, fused, before, after, _) in FOUR_ROWS.items())
 
 # %% [markdown] tags=["en"]
 # ## What we built
