@@ -1195,7 +1195,8 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 #
 # 一个序列从上限的 24 %（1.44 ms，在本章和第 12 章的“一次拷贝”之前）提高到 43 %。四个和十六个序列没有变化：它们的
 # 步没有融合，因为我们当时手里没有哪个内核算 4 到 16 行的矩阵乘比 cuBLAS 快（四行现在有了，见下文）。
-# 同一天用 `scripts/prefetch_tile_probe.py` 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；上限 207 µs）计时。第三种是把 GEMV 的办法用到
+# 同一天用 `scripts/prefetch_tile_probe.py` 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；
+# 上限 207 µs）计时。第三种是把 GEMV 的办法用到
 # tile 上：split-K 切得足够细，一个程序的整段权重正好是一个 tile，在等前一个内核之前就读进来；试了八种启动配置，
 # 下表列出最好的那种。
 #
