@@ -801,13 +801,13 @@ def norm_rotate_store_kernel(
 
 # en: The steps in which the kernel starts early (PDL): those of up to four tokens, where the q/k/v GEMV ahead of
 # en: it (chapter 09b) lets it start as soon as the GEMV does. Measured on the H200 when it took two
-# en: (`python -m nanovllm.bench --latency`, the decode graph replayed alone): together with the decode kernels' early start, batch 1 took
-# en: 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS, the early start took
-# en: 1.532-1.535 ms against 1.514-1.515.
+# en: (`python -m nanovllm.bench --latency`, the decode graph replayed alone): together with the decode kernels'
+# en: early start, batch 1 took 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS,
+# en: the early start took 1.532-1.535 ms against 1.514-1.515.
 # zh: 这个内核提前启动（PDL）的步：不超过四个 token 的步，那里它前面的 q/k/v GEMV（第 09b 章）让它在 GEMV 开始时就能
-# zh: 启动。在 H200 上测得（那时它接手两个 token；`python -m nanovllm.bench --latency`，单独重放 decode graph）：连同 decode 内核的提前启动
-# zh: （第 06b 章），批大小 1 用 0.581 ms，原来 0.656；批大小 2 用 0.729，原来 0.836；批大小 16 时前面是 cuBLAS，
-# zh: 提前启动用了 1.532–1.535 ms，原来 1.514–1.515。
+# zh: 启动。在 H200 上测得（那时它接手两个 token；`python -m nanovllm.bench --latency`，单独重放 decode graph）：
+# zh: 连同 decode 内核的提前启动（第 06b 章），批大小 1 用 0.581 ms，原来 0.656；批大小 2 用 0.729，原来 0.836；
+# zh: 批大小 16 时前面是 cuBLAS，提前启动用了 1.532–1.535 ms，原来 1.514–1.515。
 EARLY_START_TOKENS = 4
 
 

@@ -109,9 +109,9 @@ def norm_rotate_store_kernel(
 
 # The steps in which the kernel starts early (PDL): those of up to four tokens, where the q/k/v GEMV ahead of
 # it (chapter 09b) lets it start as soon as the GEMV does. Measured on the H200 when it took two
-# (`python -m nanovllm.bench --latency`, the decode graph replayed alone): together with the decode kernels' early start, batch 1 took
-# 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS, the early start took
-# 1.532-1.535 ms against 1.514-1.515.
+# (`python -m nanovllm.bench --latency`, the decode graph replayed alone): together with the decode kernels'
+# early start, batch 1 took 0.581 ms against 0.656, batch 2 0.729 against 0.836; at batch 16, behind cuBLAS,
+# the early start took 1.532-1.535 ms against 1.514-1.515.
 EARLY_START_TOKENS = 4
 
 
