@@ -552,6 +552,18 @@ def test_settings_that_cannot_work_together_are_refused(tiny):
             Config.from_kwargs(tiny, device="cpu", **wrong)
 
 
+def test_the_default_drafts_fill_the_decode_graph_of_one_sequence(tiny):
+    """A method's default drafts make one sequence's verify step exactly a captured graph's rows (7 drafts: the graph
+    of 8; 4 drafts left 3 of its rows empty), and two sequences fill the graph of 16 within the back-off rule."""
+    from nanovllm.engine.cuda_graphs import capture_sizes
+    from nanovllm.engine.scheduler import Scheduler
+
+    drafts = Config.from_kwargs(tiny, device="cpu", speculative_method="ngram").num_speculative_tokens
+    assert 1 + drafts in capture_sizes(256)
+    rule = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
+    assert 2 * (1 + min(drafts, rule.drafts_per_sequence(2))) in capture_sizes(256)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_speculation_on_the_gpu_gives_the_tokens_of_plain_greedy_decoding(monkeypatch):

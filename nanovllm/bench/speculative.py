@@ -14,6 +14,7 @@ import torch
 from nanovllm.bench.engine import PRESETS, make_workload, watch_calls
 from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import Stopwatch, report_header, write_report
+from nanovllm.config import DEFAULT_SPECULATIVE_TOKENS
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="the quoting workload's model (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each quoting request generates")
-    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[4],
+    parser.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[DEFAULT_SPECULATIVE_TOKENS],
                         help="drafts a step; with several numbers, one speculating engine each against the same "
                         "plain run")
     parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
