@@ -1465,8 +1465,6 @@ import os
 import re
 from typing import Any
 
-from IPython.display import HTML, display
-
 from nanovllm.viz.driver import FakeEngine
 from nanovllm.viz.player import Player, check_lang, frame_html, lang_text
 
@@ -1675,6 +1673,12 @@ def show_panel(panel: LivePanel) -> None:
     """The panel's buttons with the hint above them, where a frontend can show them (`interactive_frontend`);
     elsewhere (an executed page, the site) `static_note`. No widget is made there: an executed notebook would keep
     the widgets' state, and the static site would then load a widget manager from a CDN."""
+    # en: IPython only here, where a notebook shows the panel: the server imports this package for its live page
+    # en: and must start where IPython is not installed (it comes with the book's extras, not the engine's).
+    # zh: 只在这里导入 IPython，也就是笔记本显示面板的地方：服务器为它的实时页面导入这个包，在没有安装 IPython 的
+    # zh: 地方也必须能启动（IPython 随本书的附加依赖安装，不随引擎安装）。
+    from IPython.display import HTML, display
+
     if interactive_frontend():
         display(HTML(rerun_hint(panel.lang)), panel.widget)
     else:

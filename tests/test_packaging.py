@@ -1,4 +1,5 @@
-"""Installing the project is quiet: setuptools reads pyproject.toml without a deprecation warning.
+"""Installing the project is quiet (setuptools reads pyproject.toml without a deprecation warning), and what it
+installs runs the server without the book's extras.
 
 ``./dev`` installs the project with ``pip install -e ".[dev]"``, which builds it with the newest
 setuptools that ``[build-system]`` allows. A license written as a TOML table (``{ text = "MIT" }``)
@@ -53,3 +54,24 @@ def test_building_the_metadata_prints_no_warning(tmp_path: Path) -> None:
     assert "Warning" not in build.stderr and "deprecated" not in build.stderr.lower(), build.stderr
     metadata = (tmp_path / "out" / build.stdout.split()[-1] / "METADATA").read_text()
     assert "License-Expression: MIT" in metadata
+
+
+# What only the book's extras (`.[dev]`) install: the engine and its server must not need them.
+BOOK_ONLY_MODULES = ("IPython", "ipywidgets", "ipykernel", "jupytext", "nbformat", "nbclient", "openai", "pytest",
+                     "hypothesis")
+
+
+def test_the_server_imports_nothing_that_only_the_books_extras_install() -> None:
+    """`python -m nanovllm.serve` runs where only the project's own dependencies are installed: importing its command
+    line (which imports the app, its live page and the visualization it draws with) imports none of the extras."""
+    code = (
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.partition('.')[0] in {BOOK_ONLY_MODULES!r}:\n"
+        "            raise ModuleNotFoundError(f'{name} (only the book extras install it)')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "import nanovllm.serve.cli, nanovllm.llm\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -6,8 +6,6 @@ import os
 import re
 from typing import Any
 
-from IPython.display import HTML, display
-
 from nanovllm.viz.driver import FakeEngine
 from nanovllm.viz.player import Player, check_lang, frame_html, lang_text
 
@@ -217,6 +215,10 @@ def show_panel(panel: LivePanel) -> None:
     """The panel's buttons with the hint above them, where a frontend can show them (`interactive_frontend`);
     elsewhere (an executed page, the site) `static_note`. No widget is made there: an executed notebook would keep
     the widgets' state, and the static site would then load a widget manager from a CDN."""
+    # IPython only here, where a notebook shows the panel: the server imports this package for its live page
+    # and must start where IPython is not installed (it comes with the book's extras, not the engine's).
+    from IPython.display import HTML, display
+
     if interactive_frontend():
         display(HTML(rerun_hint(panel.lang)), panel.widget)
     else:
