@@ -585,10 +585,13 @@ def test_live_panel_speaks_its_language_and_shows_whole_labels():
 def test_the_panel_is_shown_with_a_hint_that_outlives_its_buttons(monkeypatch: pytest.MonkeyPatch) -> None:
     """In JupyterLab the buttons come with an HTML hint above them: a saved copy reopened later keeps the hint
     (a plain output) where the buttons read "model not found". Elsewhere only the static note, no widget."""
+    import IPython.display
+
     import nanovllm.viz.panel as panel_module
 
     shown: list[tuple] = []
-    monkeypatch.setattr(panel_module, "display", lambda *objects: shown.append(objects))
+    # show_panel imports IPython's display when it is called (the server imports viz without IPython installed).
+    monkeypatch.setattr(IPython.display, "display", lambda *objects: shown.append(objects))
     panel = LivePanel(num_kvcache_blocks=4, kvcache_block_size=4, lang="zh")
     monkeypatch.setenv("JPY_SESSION_NAME", "read/zh/A_visualization.zh.ipynb")
     panel_module.show_panel(panel)
