@@ -10,8 +10,8 @@ kernels spill 2 or 4 registers): not registers. The next guess: row by row, each
 from L2 and its own norm before its multiply-adds, and for the row before it to store its result. The second run's
 variants loaded every row's input at once as one tile after the wait and normalized the rows together; one stored
 each row's result as it was done, one kept them to store together at the end; with 4 warps or 8. Each variant is
-checked against the shipped kernel's results, then timed on the 28-layer chain (Qwen3-0.6B's decode matmuls with their norms and SiLU x
-mul, one CUDA graph) against cuBLAS. Second run (H100, 2026-12-05, copy rate 3.02 TB/s, bound 291 us; checks passed
+checked against the shipped kernel's results, then timed on the 28-layer chain (Qwen3-0.6B's decode matmuls with
+their norms and SiLU x mul, one CUDA graph) against cuBLAS. Second run (H100, 2026-12-05, copy rate 3.02 TB/s, bound 291 us; checks passed
 in bfloat16): loading the rows as one tile takes 14-26 % off from 3 rows on. Against cuBLAS (about 730 us at every
 row count), shipped / tile-loaded stored last / the same with 8K slices: 1 row 376 / 376 / 400 us, 2 rows 492 / 484
 / 463, 3 rows 683 / 589 / 567, 4 rows 832 / 654 / 612, 5 rows 977 / 758 / 712, 8 rows 1,579 / 1,165 / 965; storing
