@@ -1,28 +1,28 @@
 """Probe: chapter 09b's GEMV at 1 to 8 rows: what makes each row cost more?
 
-The GEMV holds its weight slice (up to GEMV_SLICE = 16K elements, 128 bfloat16 a thread) in registers and ran the
-rows past it one by one. At 4 rows it measured as slow as cuBLAS, and GEMV_ROWS stopped it at 2. A first run of this
-probe (H200, 2026-12-05, copy rate 4.25 TB/s, bound 207 us) timed narrower slices too: each row more cost 110-200 us
-over the 28 layers at every width (16K elements a program: 333 / 451 / 655 / 809 / 963 / 1,579 us at 1 / 2 / 3 / 4 /
-5 / 8 rows; cuBLAS 870 / 852 / 763 / 767 / 808 / 683), 8K or 4K took at most a fifth off from 3 rows on (4 rows: 728
-us, 1.05x cuBLAS; 8 rows: 1,262), 2K was slower everywhere, and the compiled kernels barely spill (3 of 91 compiled
-kernels spill 2 or 4 registers): not registers. The next guess: row by row, each row waits for its own input load
-from L2 and its own norm before its multiply-adds, and for the row before it to store its result. The second run's
-variants loaded every row's input at once as one tile after the wait and normalized the rows together; one stored
-each row's result as it was done, one kept them to store together at the end; with 4 warps or 8. Each variant is
-checked against the shipped kernel's results, then timed on the 28-layer chain (Qwen3-0.6B's decode matmuls with
-their norms and SiLU x mul, one CUDA graph) against cuBLAS. Second run (H100, 2026-12-05, copy rate 3.02 TB/s, bound 291 us; checks passed
-in bfloat16): loading the rows as one tile takes 14-26 % off from 3 rows on. Against cuBLAS (about 730 us at every
-row count), shipped / tile-loaded stored last / the same with 8K slices: 1 row 376 / 376 / 400 us, 2 rows 492 / 484
-/ 463, 3 rows 683 / 589 / 567, 4 rows 832 / 654 / 612, 5 rows 977 / 758 / 712, 8 rows 1,579 / 1,165 / 965; storing
-each row as it is done is the same as storing last, and 8 warps are slower everywhere (up to 2.4x). So the tile-
-loaded GEMV beats cuBLAS up to 4 rows (1.12-1.20x there), ties at 5 and loses at 8. The branch gemv-tile-loaded-rows
-ships it (with GEMV_ROWS 8, to be set to 4): on the same H100 its batch-4 step took 1.172 ms fused against 1.334
-unfused (1.14x, python -m nanovllm.bench --latency --batches 1 4 --fused-decode both), batch 1 0.786 against 1.158,
-and the GPU tests of chapters 09 and 09b passed. Chapter 09b now ships that kernel with GEMV_ROWS = 4: since then
-"shipped" times the tile-loaded kernel too (it was labelled "shipped (row by row)" in the runs above), and the row-by-
-row kernel and the probe's own variants (the tile-loaded kernel storing each row or all at the end) live in the
-runs' figures only. What it times now: the shipped kernel at slices of 16K, 8K and 4K elements, and with 8 warps.
+The GEMV holds its weight slice (up to GEMV_SLICE = 16K elements, 128 bfloat16 a thread) in registers and ran the rows
+past it one by one. At 4 rows it measured as slow as cuBLAS, and GEMV_ROWS stopped it at 2. A first run of this probe
+(H200, 2026-12-05, copy rate 4.25 TB/s, bound 207 us) timed narrower slices too: each row more cost 110-200 us over
+the 28 layers at every width (16K elements a program: 333 / 451 / 655 / 809 / 963 / 1,579 us at 1 / 2 / 3 / 4 / 5 / 8
+rows; cuBLAS 870 / 852 / 763 / 767 / 808 / 683), 8K or 4K took at most a fifth off from 3 rows on (4 rows: 728 us,
+1.05x cuBLAS; 8 rows: 1,262), 2K was slower everywhere, and the compiled kernels barely spill (3 of 91 compiled
+kernels spill 2 or 4 registers): not registers. The next guess: row by row, each row waits for its own input load from
+L2 and its own norm before its multiply-adds, and for the row before it to store its result. The second run's variants
+loaded every row's input at once as one tile after the wait and normalized the rows together; one stored each row's
+result as it was done, one kept them to store together at the end; with 4 warps or 8. Each variant is checked against
+the shipped kernel's results, then timed on the 28-layer chain (Qwen3-0.6B's decode matmuls with their norms and SiLU
+x mul, one CUDA graph) against cuBLAS. Second run (H100, 2026-12-05, copy rate 3.02 TB/s, bound 291 us; checks passed
+in bfloat16): loading the rows as one tile takes 14-26 % off from 3 rows on. Against cuBLAS (about 730 us at every row
+count), shipped / tile-loaded stored last / the same with 8K slices: 1 row 376 / 376 / 400 us, 2 rows 492 / 484 / 463,
+3 rows 683 / 589 / 567, 4 rows 832 / 654 / 612, 5 rows 977 / 758 / 712, 8 rows 1,579 / 1,165 / 965; storing each row
+as it is done is the same as storing last, and 8 warps are slower everywhere (up to 2.4x). So the tile- loaded GEMV
+beats cuBLAS up to 4 rows (1.12-1.20x there), ties at 5 and loses at 8. The branch gemv-tile-loaded-rows ships it
+(with GEMV_ROWS 8, to be set to 4): on the same H100 its batch-4 step took 1.172 ms fused against 1.334 unfused
+(1.14x, python -m nanovllm.bench --latency --batches 1 4 --fused-decode both), batch 1 0.786 against 1.158, and the
+GPU tests of chapters 09 and 09b passed. Chapter 09b now ships that kernel with GEMV_ROWS = 4: since then "shipped"
+times the tile-loaded kernel too (it was labelled "shipped (row by row)" in the runs above), and the row-by- row
+kernel and the probe's own variants (the tile-loaded kernel storing each row or all at the end) live in the runs'
+figures only. What it times now: the shipped kernel at slices of 16K, 8K and 4K elements, and with 8 warps.
 
     PYTHONPATH=$PWD python3 scripts/gemv_rows_probe.py [--out FILE.json]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 scripts/gemv_rows_probe.py --check-only   # on a CPU
