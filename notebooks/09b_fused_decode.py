@@ -1172,11 +1172,14 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 64 | 3.975 | 3.973 | 287 → 286 | 73.2 % |
 #
 # A step of four sequences is now a fifth shorter; sixteen and more are past the GEMV's four rows
-# and run as before.
+# and run as before. The same command on an H200 that evening (copy rate 4.22 TB/s) took batch 4
+# from 1.442 to 1.095 ms a step (1.32×) and batch 1 from 1.305 to 0.957 ms; that machine's host
+# needed 0.87 ms to launch a step, so at batch 1 the host set the pace (the graph alone took
+# 0.628 ms).
 #
 # Where each kernel has real work, the boundaries matter less. On Qwen3-8B's shapes (36 layers,
 # 15.1 GB of weights a step; `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1
-# --fused-decode both`, the same H200 later that day, copy rate 4.24 TB/s) one sequence's step
+# --fused-decode both`, the H200 of the first table, later that day, copy rate 4.24 TB/s) one sequence's step
 # took 4.745 ms unfused (439 kernels, 75.9 % of its 3.602 ms bound) and 4.044 ms fused (258
 # kernels, 89.1 %): 1.17× in the same invocation, and past the 85 % we aimed for.
 
@@ -1240,11 +1243,13 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 16 | 2.013 | 2.010 | 315 → 314 | 51.0 % |
 # | 64 | 3.975 | 3.973 | 287 → 286 | 73.2 % |
 #
-# 四个序列的一步现在短了五分之一；十六个及以上超出了 GEMV 的四行，照旧运行。
+# 四个序列的一步现在短了五分之一；十六个及以上超出了 GEMV 的四行，照旧运行。同一条命令当天晚上在一块 H200 上
+# （拷贝速率 4.22 TB/s）把批大小 4 的一步从 1.442 ms 降到 1.095 ms（1.32 倍），批大小 1 从 1.305 ms 降到
+# 0.957 ms；那台机器的主机启动一步要 0.87 ms，所以批大小 1 时决定节奏的是主机（单独的 graph 只要 0.628 ms）。
 #
 # 每个内核都有足够多的活时，内核边界就没那么要紧了。在 Qwen3-8B 的形状上（36 层，一步读 15.1 GB 权重；
 # `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1 --fused-decode both`，同一天晚些时候、
-# 同一块 H200，拷贝速率 4.24 TB/s），一个序列的一步不融合时用 4.745 ms（439 个 kernel，占 3.602 ms 上限的
+# 第一张表的那块 H200，拷贝速率 4.24 TB/s），一个序列的一步不融合时用 4.745 ms（439 个 kernel，占 3.602 ms 上限的
 # 75.9 %），融合后用 4.044 ms（258 个 kernel，89.1 %）：同一次运行里快 1.17 倍，也超过了我们定下的 85 %。
 
 # %%
