@@ -36,6 +36,11 @@ def chain_weight_bytes(layers: list[dict[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for layer in layers for key, t in layer.items() if key != "norm")
 
 
+def chain_bound_us(layers: list[dict[str, torch.Tensor]], bandwidth: float) -> float:
+    """Microseconds to read the chain's matmul weights once at ``bandwidth`` bytes/s: every probe's bound."""
+    return chain_weight_bytes(layers) / bandwidth * 1e6
+
+
 def fused_chain(
     layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launches: dict[str, SmallMatmulLaunch] | None = None
 ) -> torch.Tensor:

@@ -15,12 +15,12 @@ x mul, one CUDA graph) against cuBLAS. Second run (H100, 2026-12-05, copy rate 3
 in bfloat16): loading the rows as one tile takes 14-26 % off from 3 rows on. Against cuBLAS (about 730 us at every row
 count), shipped / tile-loaded stored last / the same with 8K slices: 1 row 376 / 376 / 400 us, 2 rows 492 / 484 / 463,
 3 rows 683 / 589 / 567, 4 rows 832 / 654 / 612, 5 rows 977 / 758 / 712, 8 rows 1,579 / 1,165 / 965; storing each row
-as it is done is the same as storing last, and 8 warps are slower everywhere (up to 2.4x). So the tile- loaded GEMV
+as it is done is the same as storing last, and 8 warps are slower everywhere (up to 2.4x). So the tile-loaded GEMV
 beats cuBLAS up to 4 rows (1.12-1.20x there), ties at 5 and loses at 8. The branch gemv-tile-loaded-rows ships it
 (with GEMV_ROWS 8, to be set to 4): on the same H100 its batch-4 step took 1.172 ms fused against 1.334 unfused
 (1.14x, python -m nanovllm.bench --latency --batches 1 4 --fused-decode both), batch 1 0.786 against 1.158, and the
 GPU tests of chapters 09 and 09b passed. Chapter 09b now ships that kernel with GEMV_ROWS = 4: since then "shipped"
-times the tile-loaded kernel too (it was labelled "shipped (row by row)" in the runs above), and the row-by- row
+times the tile-loaded kernel too (it was labelled "shipped (row by row)" in the runs above), and the row-by-row
 kernel and the probe's own variants (the tile-loaded kernel storing each row or all at the end) live in the runs'
 figures only. What it times now: the shipped kernel at slices of 16K, 8K and 4K elements, and with 8 warps.
 
@@ -37,11 +37,12 @@ import torch
 
 import nanovllm.layers.fused_decode as fused_decode
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
-from scripts.decode_matmul_chain import HIDDEN, chain_weight_bytes, cublas_chain, fused_chain, make_layers
+from scripts.decode_matmul_chain import HIDDEN, chain_bound_us, cublas_chain, fused_chain, make_layers
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 8)
-# Largest weight elements a program holds: the shipped 16K, then a half, a quarter and an eighth.
-SLICES = (1 << 14, 1 << 13, 1 << 12, 1 << 11)
+# Largest weight elements a program holds: the shipped 16K, then a half and a quarter (the first run's eighth was
+# slower everywhere).
+SLICES = (1 << 14, 1 << 13, 1 << 12)
 
 
 def compiled_gemvs() -> list[dict]:
@@ -60,20 +61,14 @@ def compiled_gemvs() -> list[dict]:
 
 
 class Launch:
-    """A kernel that small_matmul launches as its GEMV, given ``extra`` launch arguments: values, or functions of
-    the launch's own keyword arguments."""
+    """A kernel that small_matmul launches as its GEMV, with ``extra`` launch arguments in place of its own."""
 
     def __init__(self, kernel, **extra) -> None:
         self.kernel, self.extra = kernel, extra
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            extra = {key: value(kwargs) if callable(value) else value for key, value in self.extra.items()}
-            return launch(*args, **{**kwargs, **extra})
-
-        return run
+        return lambda *args, **kwargs: launch(*args, **{**kwargs, **self.extra})
 
 
 KERNELS = {
@@ -130,8 +125,7 @@ def main() -> None:
         print(f"check: a variant differs from the shipped kernel: {mismatch}")
     bandwidth = copy_bandwidth()
     layers = make_layers()
-    weight_bytes = chain_weight_bytes(layers)
-    bound_us = weight_bytes / bandwidth * 1e6
+    bound_us = chain_bound_us(layers, bandwidth)
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; bound {bound_us:.0f} us")
     rows = []
     for tokens in ROW_COUNTS:
@@ -141,7 +135,7 @@ def main() -> None:
         rows.append({"tokens": tokens, "kernel": "cublas", "us": cublas})
         for name in KERNELS:
             # The open question: narrower slices from 3 rows on (the second run's 8K slices took 6 % more off).
-            for slice_elements in SLICES[: 3 if name == "shipped" else 1]:
+            for slice_elements in SLICES if name == "shipped" else SLICES[:1]:
                 try:
                     us = with_kernel(
                         name, lambda x=x: graph_time_ms(lambda: fused_chain(layers, x)) * 1e3, slice_elements

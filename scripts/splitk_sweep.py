@@ -37,7 +37,7 @@ import triton.language as tl
 
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
 from nanovllm.layers.fused_decode import SmallMatmulLaunch
-from scripts.decode_matmul_chain import chain_weight_bytes, cublas_chain, fused_chain, make_layers
+from scripts.decode_matmul_chain import chain_bound_us, cublas_chain, fused_chain, make_layers
 
 LAYERS = 28
 # (output columns, input elements) of Qwen3-0.6B's four decode matmuls; gate_up is the merged gate and up weight.
@@ -160,8 +160,7 @@ H100_LAUNCHES = {
 def time_chains(launches_by_rows: dict[int, dict[str, SmallMatmulLaunch]], bandwidth: float) -> list[dict]:
     """The 28 layers' fused matmuls at each row count's launches, against cuBLAS and the shipped launches."""
     layers = make_layers()
-    weight_bytes = chain_weight_bytes(layers)
-    bound_us = weight_bytes / bandwidth * 1e6
+    bound_us = chain_bound_us(layers, bandwidth)
     timed = []
     for m, launches in launches_by_rows.items():
         x = torch.randn(m, layers[0]["qkv"].shape[1], device="cuda", dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
 from nanovllm.layers.triton_attention import programmatic_launch
-from scripts.decode_matmul_chain import HIDDEN, INTERMEDIATE, Q, chain_weight_bytes, cublas_chain, make_layers
+from scripts.decode_matmul_chain import HIDDEN, INTERMEDIATE, Q, chain_bound_us, cublas_chain, make_layers
 from scripts.decode_matmul_chain import fused_chain as shipped_chain
 
 
@@ -165,8 +165,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     layers = make_layers()
     check(layers)
-    weight_bytes = chain_weight_bytes(layers)
-    bound_us = weight_bytes / bandwidth * 1e6
+    bound_us = chain_bound_us(layers, bandwidth)
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s; bound {bound_us:.0f} us")
     rows = []
 
