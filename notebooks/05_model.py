@@ -277,11 +277,326 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     return float(getattr(config, "rope_theta", 10000.0)), scaling
 
 # %% [markdown] tags=["en"]
+# ## Build it: the linear and embedding layers
+#
+# The model's matmuls are written in the shape that chapter 10 needs to split them across GPUs,
+# so that the model never has to be written twice. Each layer takes the whole layer's sizes,
+# asks `tp_world()` which rank of how many it is, and keeps its rank's share; its checkpoint
+# tensors arrive through a `weight_loader(param, loaded_weight, shard_id=None)` attached to each
+# parameter, which the loader below calls with the **full** tensor. Two of them are *fused*:
+# `qkv_proj` holds the q, k and v projections in one matrix (`QKVParallelLinear`) and
+# `gate_up_proj` the MLP's gate and up (`MergedColumnParallelLinear`), so the loader passes a
+# `shard_id` (`"q"`, `"k"`, `"v"`, or 0 and 1) and the layer copies the tensor to its part's rows.
+#
+# In this chapter there is one process: `tp_world()` asks `process_world()`, which says rank 0
+# of 1, so every "share" is the whole matrix and every division by `tp_size` divides by 1. The
+# embedding looks up each token and the LM head multiplies by the whole vocabulary; the places
+# where ranks will have to talk are two small hooks that, for now, return what they are given
+# (`sum_over_ranks`, `gather_slices`). Chapter 10 teaches `process_world` to ask
+# `torch.distributed`, fills the hooks, and gives the row-parallel layer its all-reduce. The LM
+# head's other hook, `sampled_rows`, is for chapter 06: it will keep only the rows a token is
+# sampled from.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：线性层与嵌入层
+#
+# 模型中的矩阵乘法一开始就按第 10 章把它们切到多张 GPU 上所需的形状来写，这样模型不必写两遍。每一层接收整个层的
+# 尺寸，问 `tp_world()` 自己是几个 rank 中的第几个，然后只保留本 rank 的那一份；它的检查点张量通过挂在每个参数上的
+# `weight_loader(param, loaded_weight, shard_id=None)` 进来，下面的加载器用**完整**的张量调用它。其中两个是
+# *融合*的：`qkv_proj` 把 q、k、v 三个投影放在一个矩阵里（`QKVParallelLinear`），`gate_up_proj` 放的是 MLP 的
+# gate 和 up（`MergedColumnParallelLinear`），所以加载器会传入 `shard_id`（`"q"`、`"k"`、`"v"`，或 0 和 1），
+# 层再把张量复制到这一部分的行上。
+#
+# 本章只有一个进程：`tp_world()` 去问 `process_world()`，得到“1 个中的第 0 个”，所以每一“份”都是整个矩阵，每次
+# 除以 `tp_size` 都是除以 1。嵌入层查找每个 token，LM head 与整个词表相乘；将来各 rank 必须通信的地方是两个小接缝，
+# 目前它们原样返回收到的东西（`sum_over_ranks`、`gather_slices`）。第 10 章让 `process_world` 去问
+# `torch.distributed`，填上这两个接缝，并给行并行层加上 all-reduce。LM head 的另一个接缝 `sampled_rows` 留给
+# 第 06 章：它将只保留要采样的那些行。
+
+# %% linear layers
+#| export layers.linear
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# en: Which part of a fused layer a checkpoint tensor is: "q"/"k"/"v", 0/1 for gate/up, None for all of it.
+# zh: 检查点张量是融合层的哪一部分："q"/"k"/"v"，gate/up 为 0/1，None 表示整个矩阵。
+ShardId = str | int | None
+
+
+def process_world() -> tuple[int, int]:
+    """(rank, size) of this process among the processes that split the model: one process holds all of it."""
+    return 0, 1
+
+
+def tp_world(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
+    """(rank, size) of the tensor-parallel group: explicit values (tests simulate ranks so), else this process's."""
+    rank, size = process_world()
+    tp_rank, tp_size = rank if tp_rank is None else tp_rank, size if tp_size is None else tp_size
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
+    return tp_rank, tp_size
+
+
+def divide(numerator: int, denominator: int, what: str = "size") -> int:
+    """Exact division, or a ValueError naming what does not split evenly across the ranks."""
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
+    return numerator // denominator
+
+
+def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Copy a (sliced) checkpoint tensor into a parameter, refusing a shape mismatch by name."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
+                         f"{tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """A linear layer whose weight is (possibly) one shard of a larger matrix."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_dim: int | None = None,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_world(tp_rank, tp_size)
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        raise NotImplementedError
+
+    def load_rank_slice(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """Copy into `param`, one rank's share, this rank's slice of the whole checkpoint tensor along `tp_dim`."""
+        shard = param.shape[self.tp_dim]
+        copy_checked(param, loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        copy_checked(param, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Each rank holds output_size / tp_size output rows; its output is that slice of y."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        _, size = tp_world(tp_rank, tp_size)
+        super().__init__(input_size, divide(output_size, size, "output size"), bias, 0, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        self.load_rank_slice(param, loaded_weight)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel layers in one matrix (gate_up_proj = [gate; up]), each part split by rank."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        _, size = tp_world(tp_rank, tp_size)
+        for part in self.output_sizes:
+            divide(part, size, "merged part size")
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        # en: a checkpoint that already stores the merged matrix
+        # zh: 检查点里存的已经是合并后的矩阵。
+        if shard_id is None:
+            for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
+                self.load_part(param, part, index)
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
+        self.load_part(param, loaded_weight, shard_id)
+
+    def load_part(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, name: str = "") -> None:
+        """Part `index`, whole in `loaded_weight`: this rank's rows of it go to that part's rows of `param`."""
+        rows = self.output_sizes[index]
+        if loaded_weight.shape[0] != rows:
+            raise ValueError(f"{name or f'part {index}'} should have {rows} rows, "
+                             f"got shape {tuple(loaded_weight.shape)}")
+        # en: Every part is split by rank, so on each rank the parts before this one take their sizes / tp_size rows.
+        # zh: 每一部分都按 rank 切分，所以在每个 rank 上，它前面的各部分占去它们大小的 1/tp_size 行。
+        offset, size = sum(self.output_sizes[:index]) // self.tp_size, rows // self.tp_size
+        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matrix, split by heads; GQA-aware (fewer k/v heads than q heads)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        _, size = tp_world(tp_rank, tp_size)
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, size, "number of attention heads")
+        self.num_kv_heads = divide(total_num_kv_heads, size, "number of key/value heads")
+        # en: Three parts, each split by rank at head boundaries: a rank keeps its q heads and the k/v heads they use.
+        # zh: 三部分各自按 rank 在头的边界处切分：每个 rank 保留自己的 q 头，以及这些头用到的 k/v 头。
+        kv_rows = total_num_kv_heads * head_size
+        super().__init__(hidden_size, [total_num_heads * head_size, kv_rows, kv_rows], bias, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        # en: a checkpoint that already stores [q; k; v] for all heads
+        # zh: 检查点里已经存着所有头的 [q; k; v]。
+        if shard_id is None:
+            super().weight_loader(param, loaded_weight)
+            return
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        self.load_part(param, loaded_weight, "qkv".index(shard_id), f"{shard_id} projection")
+
+
+class RowParallelLinear(LinearBase):
+    """Each rank holds input_size / tp_size input columns and produces a partial sum: all-reduce."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        _, size = tp_world(tp_rank, tp_size)
+        super().__init__(divide(input_size, size, "input size"), output_size, bias, 1, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        # en: the bias is not split: it is added once, by rank 0
+        # zh: 偏置不切分：只由 rank 0 加一次。
+        if param.dim() == 1:
+            copy_checked(param, loaded_weight)
+            return
+        self.load_rank_slice(param, loaded_weight)
+
+# %% embedding and lm head
+#| export layers.embed_head
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import ShardId, copy_checked, divide, tp_world
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split across ranks."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int | None = None, tp_size: int | None = None
+    ) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_world(tp_rank, tp_size)
+        self.num_embeddings = num_embeddings
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocabulary size")
+        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
+        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        shard = param.shape[0]
+        if loaded_weight.shape[0] != shard * self.tp_size:
+            raise ValueError(f"embedding should have {shard * self.tp_size} rows (the vocabulary), "
+                             f"got shape {tuple(loaded_weight.shape)}")
+        copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows for the tokens this rank owns, zeros for the others."""
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        owned = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
+        y = F.embedding(owned * (x - self.vocab_start_idx), self.weight)
+        return owned.unsqueeze(-1) * y
+
+    def sum_over_ranks(self, y: torch.Tensor) -> torch.Tensor:
+        """Each token's row, whole: the sum of what every rank looked up (with one rank, what it looked up)."""
+        return y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sum_over_ranks(self.forward_local(x))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the vocabulary; slices gathered on rank 0 (others get None)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+    ) -> None:
+        if bias:
+            raise ValueError("ParallelLMHead has no bias (no supported model uses one)")
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+
+    def sampled_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of the hidden states ``x`` that a token is sampled from: all of them, until the engine's
+        batches say which (a prefill samples only from each sequence's last token)."""
+        return x
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits, for the rows that need them."""
+        return F.linear(self.sampled_rows(x), self.weight)
+
+    def gather_slices(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The logits over the whole vocabulary from every rank's slice, on rank 0 (with one rank, its own)."""
+        return logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.gather_slices(self.forward_local(x))
+
+# %% [markdown] tags=["en"]
 # ## Build it: the model
 #
 # One set of classes covers the three architectures; the switches come from the architecture
 # (a class attribute) and the config. Everything else follows nano-vllm: `qkv_proj` and
-# `gate_up_proj` are the fused, tensor-parallel layers of chapter 10, and
+# `gate_up_proj` are the fused layers built above (chapter 10 splits them across GPUs), and
 # `packed_modules_mapping` tells the loader that a checkpoint's `q_proj` is the `"q"` part of
 # our `qkv_proj`, and so on. The forward signature is the engine's:
 # `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`, then
@@ -293,7 +608,7 @@ def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
 # ## 动手：模型
 #
 # 一套类覆盖三种架构；开关来自架构（类属性）和配置。其余部分沿用 nano-vllm：`qkv_proj` 和 `gate_up_proj`
-# 是第 10 章中融合的、可做张量并行的层，`packed_modules_mapping` 告诉加载器：检查点里的 `q_proj` 是我们
+# 是上面构建的融合层（第 10 章把它们切到多张 GPU 上），`packed_modules_mapping` 告诉加载器：检查点里的 `q_proj` 是我们
 # `qkv_proj` 的 `"q"` 部分，依此类推。前向签名就是引擎使用的：
 # `model(input_ids [T], positions [T]) -> hidden [T, hidden_size]`，然后 `model.compute_logits(hidden)`。
 # 两个小小的接缝让层不同的模型复用其余部分：`Qwen3Model.make_layer` 构建第 `index` 层，`Qwen3DecoderLayer` 使用
@@ -1328,6 +1643,9 @@ assert torch.isfinite(logits).all()
 # - `layers/layernorm.py` (`RMSNorm` with a fused residual add), `layers/activation.py`
 #   (`SiluAndMul`), `layers/rotary_embedding.py` (`get_rope`, NeoX layout; `default`, `linear`
 #   and `llama3` scaling).
+# - `layers/linear.py` and `layers/embed_head.py`: the fused linear layers (`QKVParallelLinear`,
+#   `MergedColumnParallelLinear`, ...), the embedding and the LM head, each loading its share of a
+#   checkpoint tensor (the whole of it, in one process) through a `weight_loader`.
 # - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
 #   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
 # - `models/loader.py`: `read_model_dir` (the one reader of `config.json`, which refuses a config
@@ -1351,6 +1669,8 @@ assert torch.isfinite(logits).all()
 #
 # - `layers/layernorm.py`（带融合残差加法的 `RMSNorm`）、`layers/activation.py`（`SiluAndMul`）、
 #   `layers/rotary_embedding.py`（`get_rope`，NeoX 布局；支持 `default`、`linear` 和 `llama3` 缩放）。
+# - `layers/linear.py` 和 `layers/embed_head.py`：融合的线性层（`QKVParallelLinear`、`MergedColumnParallelLinear`
+#   等）、嵌入层和 LM head，每一层都通过 `weight_loader` 加载检查点张量中属于自己的那一份（单进程时是整个张量）。
 # - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
 #   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
 # - `models/loader.py`：`read_model_dir`（`config.json` 的唯一读取者；我们无法构建的配置会被拒绝，

@@ -284,6 +284,36 @@ def set_decode_context(
     )
 
 # %% [markdown] tags=["en"]
+# The context also tells the LM head of chapter 05 which rows to turn into logits. During a
+# prefill only the **last** token of each sequence samples the next token, so the head keeps rows
+# `cu_seqlens_q[1:] - 1` of the hidden states before the vocabulary-sized matmul and skips most
+# of the largest matmul of a prefill step. A decode step samples from every row, as does a
+# forward without a context (chapter 05's comparisons with `transformers`).
+
+# %% [markdown] tags=["zh"]
+# 上下文还告诉第 05 章的 LM head 哪些行要算成 logits。prefill 时只有每个序列的**最后一个** token 用来采样下一个
+# token，所以 head 在与词表等大的矩阵乘法之前，只保留隐藏状态的第 `cu_seqlens_q[1:] - 1` 行，省掉 prefill 步中
+# 最大的那次矩阵乘法的大部分。decode 步的每一行都要采样，没有上下文的前向计算（第 05 章与 `transformers` 的对照）
+# 也是如此。
+
+# %% sampled rows
+#| export layers.embed_head
+import torch
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.layers.context import get_context
+from nanovllm.layers.embed_head import ParallelLMHead
+
+
+@add_to_class(ParallelLMHead)
+def sampled_rows(self, x: torch.Tensor) -> torch.Tensor:
+    """The rows of the hidden states ``x`` that a token is sampled from: during a prefill, each sequence's last."""
+    context = get_context()
+    if context.is_prefill and context.cu_seqlens_q is not None:
+        return x[context.cu_seqlens_q[1:].long() - 1].contiguous()
+    return x
+
+# %% [markdown] tags=["en"]
 # ## Build it: the backend interface
 #
 # An attention **backend** is three functions: store the new K/V into the cache, prefill

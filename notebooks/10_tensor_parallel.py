@@ -14,30 +14,31 @@
 # %% [markdown] tags=["en"]
 # # 10 · Tensor parallelism: layers that split
 #
-# **Goal.** Build the linear and embedding layers of the model in the form that tensor
-# parallelism needs: each layer knows how its weight is cut across `tp_size` ranks, which slice
-# rank `tp_rank` keeps, how to load that slice from a full checkpoint tensor (`weight_loader`),
-# and where the ranks must talk (an **all-reduce** or a **gather**). Chapter 10b then runs those
-# ranks as processes (gloo on a CPU, NCCL on GPUs) behind the engine, and gets the same tokens as
-# one process.
+# **Goal.** Make the linear and embedding layers of chapter 05 split across GPUs. Chapter 05
+# wrote them in the form that tensor parallelism needs: each layer knows how its weight is cut
+# across `tp_size` ranks, which slice rank `tp_rank` keeps, and how to load that slice from a full
+# checkpoint tensor (`weight_loader`). This chapter adds what one process never needed: where the
+# rank and size come from, and where the ranks must talk (an **all-reduce** or a **gather**).
+# Chapter 10b then runs those ranks as processes (gloo on a CPU, NCCL on GPUs) behind the
+# engine, and gets the same tokens as one process.
 #
-# The model of chapter 05 is built from these layers, so they run at world size 1 on every
-# laptop: the rank and size come from `torch.distributed` when it is initialized, else they
-# are 0 and 1, and no communication happens. This chapter *simulates* ranks in one process (a
-# constructor argument picks the rank) and checks that the shards, put back together, compute
-# exactly what the unsplit layer computes.
+# The layers still run at world size 1 on every laptop: the rank and size come from
+# `torch.distributed` when it is initialized, else they are 0 and 1, and no communication
+# happens. This chapter *simulates* ranks in one process (a constructor argument picks the rank)
+# and checks that the shards, put back together, compute exactly what the unsplit layer computes.
 
 # %% [markdown] tags=["zh"]
 # # 10 · 张量并行：切分的层
 #
-# **目标：** 按张量并行的需要构建模型的线性层和嵌入层：每一层都知道自己的权重如何切分到 `tp_size` 个
-# rank 上、rank `tp_rank` 保留哪一片、如何从完整的检查点张量中加载这一片（`weight_loader`），以及各 rank
-# 必须在哪里通信（**all-reduce** 或 **gather**）。第 10b 章再让这些 rank 作为进程在引擎背后运行（CPU 上用
-# gloo，GPU 上用 NCCL），得到与单进程相同的 token。
+# **目标：** 让第 05 章的线性层和嵌入层能切分到多张 GPU 上。第 05 章写它们时已经采用了张量并行需要的形式：
+# 每一层都知道自己的权重如何切分到 `tp_size` 个 rank 上、rank `tp_rank` 保留哪一片、如何从完整的检查点张量中
+# 加载这一片（`weight_loader`）。本章补上单进程从来用不到的东西：rank 和进程数从哪里来，以及各 rank 必须在哪里
+# 通信（**all-reduce** 或 **gather**）。第 10b 章再让这些 rank 作为进程在引擎背后运行（CPU 上用 gloo，GPU 上用
+# NCCL），得到与单进程相同的 token。
 #
-# 第 05 章的模型就是用这些层搭起来的，所以它们在每台笔记本上都以 world size 1 运行：`torch.distributed`
-# 已初始化时从中读取 rank 和进程数，否则分别是 0 和 1，也不做任何通信。本章在一个进程里*模拟*多个 rank
-# （用构造参数指定 rank），并检查各分片拼回去后，算出的结果与不切分的层完全相同。
+# 这些层在每台笔记本上仍以 world size 1 运行：`torch.distributed` 已初始化时从中读取 rank 和进程数，否则分别是
+# 0 和 1，也不做任何通信。本章在一个进程里*模拟*多个 rank（用构造参数指定 rank），并检查各分片拼回去后，算出的
+# 结果与不切分的层完全相同。
 
 # %% [markdown] tags=["en"]
 # ## The idea: cut columns, then rows, reduce once
@@ -172,352 +173,135 @@ display(SVG(tp_layer_svg()))
 # %% [markdown] tags=["en"]
 # ## Build it: rank and size
 #
-# Every layer asks for its rank and world size once, at construction. Explicit arguments win
-# (that is how this chapter and the tests simulate ranks); otherwise `torch.distributed` is
-# asked if it has been initialized, and a plain single process is rank 0 of 1.
+# Chapter 05 wrote the layers with their shares already in them: every layer asks `tp_world()`
+# for its rank and world size once, at construction, and keeps `1 / tp_size` of the matrix.
+# Explicit arguments win (that is how this chapter and the tests simulate ranks); otherwise
+# `tp_world` asks `process_world()`, which in chapter 05 said "rank 0 of 1". Now it asks
+# `torch.distributed`, once a process group is up (chapter 10b starts one per rank).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：rank 与进程数
 #
-# 每一层在构造时查询一次自己的 rank 和进程数（world size）。显式参数优先（本章和测试正是这样模拟多个 rank
-# 的）；否则，如果 `torch.distributed` 已初始化就问它；普通的单进程就是“1 个中的第 0 个”。
+# 第 05 章写这些层时就已经把“份”写进去了：每一层在构造时向 `tp_world()` 查询一次自己的 rank 和进程数
+# （world size），只保留矩阵的 `1 / tp_size`。显式参数优先（本章和测试正是这样模拟多个 rank 的）；否则
+# `tp_world` 去问 `process_world()`，它在第 05 章里总是回答“1 个中的第 0 个”。现在它去问 `torch.distributed`，
+# 前提是进程组已经建立（第 10b 章为每个 rank 建立一个）。
 
 # %% default module
 #| default_exp layers.linear
 
 # %% tp world
 #| export
-from __future__ import annotations
-
-import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-# en: Which part of a fused layer a checkpoint tensor is: "q"/"k"/"v", 0/1 for gate/up, None for all of it.
-# zh: 检查点张量是融合层的哪一部分："q"/"k"/"v"，gate/up 为 0/1，None 表示整个矩阵。
-ShardId = str | int | None
+import nanovllm.layers.linear as linear
+from nanovllm.book.literate import add_to_class
 
 
-def tp_world(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
-    """(rank, size) of the tensor-parallel group: explicit values, else torch.distributed, else (0, 1)."""
-    if tp_size is None:
-        tp_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if tp_rank is None:
-        tp_rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"need 0 <= tp_rank < tp_size, got tp_rank={tp_rank}, tp_size={tp_size}")
-    return tp_rank, tp_size
-
-
-def divide(numerator: int, denominator: int, what: str = "size") -> int:
-    """Exact division, or a ValueError naming what does not split evenly across the ranks."""
-    if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
-    return numerator // denominator
-
-
-def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    """Copy a (sliced) checkpoint tensor into a parameter, refusing a shape mismatch by name."""
-    if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
-                         f"{tuple(param.shape)}")
-    param.data.copy_(loaded)
+@add_to_class(linear)
+def process_world() -> tuple[int, int]:
+    """(rank, size) of this process in torch.distributed's group once one is initialized, else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 # %% [markdown] tags=["en"]
-# ## Build it: the linear layers
+# ## Build it: the shares of the linear layers
 #
-# A `weight_loader(param, loaded_weight, shard_id=None)` is attached to each parameter: the
-# loader of chapter 05 hands it the **full** checkpoint tensor and the layer cuts out its rank's
-# slice along its `tp_dim` (`load_rank_slice`: rows for a column-parallel layer, columns for a
-# row-parallel one). Merged layers (`qkv_proj` holds q, k and v; `gate_up_proj` holds gate and
-# up) also get a `shard_id` saying which part the tensor is, so it lands at the right offset.
-# Both load a part the same way (`load_part`): `QKVParallelLinear` is a merged layer whose three
-# parts are named `q`, `k` and `v`. With GQA, q has more heads than k and v, so the three parts
-# have different sizes; each part is cut by heads, and rank `r` keeps q heads `r·H/tp …` together
-# with exactly the KV heads they use.
+# What each rank keeps was settled in chapter 05. Its `weight_loader` receives the **full**
+# checkpoint tensor and cuts out its rank's slice along its `tp_dim` (`load_rank_slice`: rows
+# for a column-parallel layer, columns for a row-parallel one). Merged layers (`qkv_proj` holds
+# q, k and v; `gate_up_proj` holds gate and up) load a part the same way (`load_part`), and every
+# part is cut by rank: with GQA, q has more heads than k and v, so the three parts have
+# different sizes, and rank `r` keeps q heads `r·H/tp …` together with exactly the KV heads they
+# use. With one process each of these slices was the whole part.
+#
+# What chapter 05 left out is the talking. A row-parallel layer's output on one rank is only a
+# *partial sum*: `forward_local` computes it (the bias on rank 0 alone, so that the sum has it
+# once) and `forward` adds the ranks' partial sums with an all-reduce.
 
 # %% [markdown] tags=["zh"]
-# ## 动手：线性层
+# ## 动手：线性层的各份
 #
-# 每个参数都挂着一个 `weight_loader(param, loaded_weight, shard_id=None)`：第 05 章的加载器把**完整**的
-# 检查点张量交给它，由层自己沿它的 `tp_dim` 切出本 rank 的那一片（`load_rank_slice`：列并行层切行，行并行层
-# 切列）。合并层（`qkv_proj` 包含 q、k、v；`gate_up_proj` 包含 gate 和 up）还会收到 `shard_id`，说明这个
-# 张量是哪一部分，以便放到正确的偏移处。两者加载一部分的方式相同（`load_part`）：`QKVParallelLinear` 就是一个
-# 合并层，它的三部分分别叫 `q`、`k`、`v`。在 GQA 中 q 的头比 k、v 多，三部分大小不同；每部分都按头切分，
-# rank `r` 保留从 `r·H/tp` 开始的 q 头，以及它们用到的那些 KV 头。
+# 每个 rank 保留什么，第 05 章已经定好了。它的 `weight_loader` 接收**完整**的检查点张量，由层自己沿它的
+# `tp_dim` 切出本 rank 的那一片（`load_rank_slice`：列并行层切行，行并行层切列）。合并层（`qkv_proj` 包含
+# q、k、v；`gate_up_proj` 包含 gate 和 up）用同样的方式加载每一部分（`load_part`），每部分都按 rank 切分：在
+# GQA 中 q 的头比 k、v 多，三部分大小不同，rank `r` 保留从 `r·H/tp` 开始的 q 头，以及它们用到的那些 KV 头。
+# 只有一个进程时，这些切片都是整个部分。
+#
+# 第 05 章没写的是通信。行并行层在一个 rank 上的输出只是*部分和*：`forward_local` 算出它（偏置只由 rank 0
+# 加，这样求和后恰好有一份），`forward` 再用 all-reduce 把各 rank 的部分和加起来。
 
 # %% linear layers
 #| export
-class LinearBase(nn.Module):
-    """A linear layer whose weight is (possibly) one shard of a larger matrix."""
+import torch
+import torch.nn.functional as F
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_dim: int | None = None,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_world(tp_rank, tp_size)
-        self.tp_dim = tp_dim
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
-        else:
-            self.register_parameter("bias", None)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        raise NotImplementedError
-
-    def load_rank_slice(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Copy into `param`, one rank's share, this rank's slice of the whole checkpoint tensor along `tp_dim`."""
-        shard = param.shape[self.tp_dim]
-        copy_checked(param, loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+from nanovllm.layers.linear import RowParallelLinear
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole weight."""
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        copy_checked(param, loaded_weight)
-
-
-class ColumnParallelLinear(LinearBase):
-    """Each rank holds output_size / tp_size output rows; its output is that slice of y."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        _, size = tp_world(tp_rank, tp_size)
-        super().__init__(input_size, divide(output_size, size, "output size"), bias, 0, tp_rank, tp_size)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        self.load_rank_slice(param, loaded_weight)
+@add_to_class(RowParallelLinear)
+def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+    """This rank's partial sum (the bias only on rank 0, so the reduced sum has it once)."""
+    return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
 
 
-class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel layers in one matrix (gate_up_proj = [gate; up]), each part split by rank."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        self.output_sizes = list(output_sizes)
-        _, size = tp_world(tp_rank, tp_size)
-        for part in self.output_sizes:
-            divide(part, size, "merged part size")
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        # en: a checkpoint that already stores the merged matrix
-        # zh: 检查点里存的已经是合并后的矩阵。
-        if shard_id is None:
-            for index, part in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
-                self.load_part(param, part, index)
-            return
-        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
-            raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
-        self.load_part(param, loaded_weight, shard_id)
-
-    def load_part(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, name: str = "") -> None:
-        """Part `index`, whole in `loaded_weight`: this rank's rows of it go to that part's rows of `param`."""
-        rows = self.output_sizes[index]
-        if loaded_weight.shape[0] != rows:
-            raise ValueError(f"{name or f'part {index}'} should have {rows} rows, "
-                             f"got shape {tuple(loaded_weight.shape)}")
-        # en: Every part is split by rank, so on each rank the parts before this one take their sizes / tp_size rows.
-        # zh: 每一部分都按 rank 切分，所以在每个 rank 上，它前面的各部分占去它们大小的 1/tp_size 行。
-        offset, size = sum(self.output_sizes[:index]) // self.tp_size, rows // self.tp_size
-        copy_checked(param.data.narrow(0, offset, size), loaded_weight.narrow(0, self.tp_rank * size, size))
-
-
-class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections in one matrix, split by heads; GQA-aware (fewer k/v heads than q heads)."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        head_size: int,
-        total_num_heads: int,
-        total_num_kv_heads: int | None = None,
-        bias: bool = False,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        _, size = tp_world(tp_rank, tp_size)
-        total_num_kv_heads = total_num_kv_heads or total_num_heads
-        self.head_size = head_size
-        self.num_heads = divide(total_num_heads, size, "number of attention heads")
-        self.num_kv_heads = divide(total_num_kv_heads, size, "number of key/value heads")
-        # en: Three parts, each split by rank at head boundaries: a rank keeps its q heads and the k/v heads they use.
-        # zh: 三部分各自按 rank 在头的边界处切分：每个 rank 保留自己的 q 头，以及这些头用到的 k/v 头。
-        kv_rows = total_num_kv_heads * head_size
-        super().__init__(hidden_size, [total_num_heads * head_size, kv_rows, kv_rows], bias, tp_rank, tp_size)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        # en: a checkpoint that already stores [q; k; v] for all heads
-        # zh: 检查点里已经存着所有头的 [q; k; v]。
-        if shard_id is None:
-            super().weight_loader(param, loaded_weight)
-            return
-        if shard_id not in ("q", "k", "v"):
-            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        self.load_part(param, loaded_weight, "qkv".index(shard_id), f"{shard_id} projection")
-
-
-class RowParallelLinear(LinearBase):
-    """Each rank holds input_size / tp_size input columns and produces a partial sum: all-reduce."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        _, size = tp_world(tp_rank, tp_size)
-        super().__init__(divide(input_size, size, "input size"), output_size, bias, 1, tp_rank, tp_size)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        # en: the bias is not split: it is added once, by rank 0
-        # zh: 偏置不切分：只由 rank 0 加一次。
-        if param.dim() == 1:
-            copy_checked(param, loaded_weight)
-            return
-        self.load_rank_slice(param, loaded_weight)
-
-    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sum (the bias only on rank 0, so the reduced sum has it once)."""
-        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.forward_local(x)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+@add_to_class(RowParallelLinear)
+def forward(self, x: torch.Tensor) -> torch.Tensor:
+    y = self.forward_local(x)
+    if self.tp_size > 1:
+        dist.all_reduce(y)
+    return y
 
 # %% [markdown] tags=["en"]
 # ## Build it: the vocabulary-parallel embedding and LM head
 #
-# The embedding keeps `vocab / tp` consecutive rows. A rank maps the token ids it owns to local
-# rows, looks up everything (a foreign id is sent to row 0, then zeroed) and the all-reduce adds
-# the one non-zero contribution per token.
+# The embedding keeps `vocab / tp` consecutive rows (chapter 05 set `vocab_start_idx` and
+# `vocab_end_idx`). Its `forward_local`, also from chapter 05, maps the token ids that the rank
+# owns to local rows, looks up everything (a foreign id is sent to row 0) and zeroes the foreign
+# rows; with one rank it was a plain lookup. What is new here is the hook `sum_over_ranks`,
+# which chapter 05 left returning its input: an all-reduce adds the one non-zero contribution
+# per token.
 #
-# The LM head reuses the same split. It also does one thing that has nothing to do with
-# parallelism: during prefill only the **last** token of each sequence needs logits (the next
-# token is sampled from it), so it keeps rows `cu_seqlens_q[1:] - 1` of the hidden states
-# before the vocabulary-sized matmul, saving most of the largest matmul of a prefill step.
+# The LM head reuses the same split: each rank multiplies by its slice of the vocabulary
+# (`forward_local`), and its hook `gather_slices` now has rank 0, which samples, **gather** the
+# slices in rank order; the other ranks return `None`.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：词表并行的嵌入层与 LM head
 #
-# 嵌入层保留 `vocab / tp` 个连续的行。每个 rank 把自己拥有的 token id 映射成本地行号，全部查一遍（不属于
-# 自己的 id 被送到第 0 行，然后清零），all-reduce 再把每个 token 唯一的非零贡献加起来。
+# 嵌入层保留 `vocab / tp` 个连续的行（第 05 章已设好 `vocab_start_idx` 和 `vocab_end_idx`）。它的 `forward_local`
+# 同样来自第 05 章：把本 rank 拥有的 token id 映射成本地行号，全部查一遍（不属于自己的 id 被送到第 0 行），再把
+# 不属于自己的行清零；只有一个 rank 时，它就是普通的查表。这里新加的是接缝 `sum_over_ranks`，第 05 章让它原样
+# 返回输入：现在由 all-reduce 把每个 token 唯一的非零贡献加起来。
 #
-# LM head 沿用同样的切分。它还做了一件与并行无关的事：prefill 时只有每个序列的**最后一个** token 需要
-# logits（下一个 token 由它采样），所以在与词表等大的矩阵乘法之前，只保留隐藏状态的第 `cu_seqlens_q[1:] - 1`
-# 行，省掉了 prefill 步中最大的那次矩阵乘法的大部分。
+# LM head 沿用同样的切分：每个 rank 与自己那一片词表相乘（`forward_local`），它的接缝 `gather_slices` 现在让
+# 负责采样的 rank 0 按 rank 顺序 **gather**（收集）各片结果；其他 rank 返回 `None`。
 
 # %% embedding and lm head
 #| export layers.embed_head
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-from nanovllm.layers.linear import ShardId, copy_checked, divide, tp_world
-from nanovllm.layers.context import get_context
+from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding whose rows (the vocabulary) are split across ranks."""
-
-    def __init__(
-        self, num_embeddings: int, embedding_dim: int, tp_rank: int | None = None, tp_size: int | None = None
-    ) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_world(tp_rank, tp_size)
-        self.num_embeddings = num_embeddings
-        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocabulary size")
-        self.vocab_start_idx = self.num_embeddings_per_partition * self.tp_rank
-        self.vocab_end_idx = self.vocab_start_idx + self.num_embeddings_per_partition
-        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        shard = param.shape[0]
-        if loaded_weight.shape[0] != shard * self.tp_size:
-            raise ValueError(f"embedding should have {shard * self.tp_size} rows (the vocabulary), "
-                             f"got shape {tuple(loaded_weight.shape)}")
-        copy_checked(param, loaded_weight.narrow(0, self.tp_rank * shard, shard))
-
-    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows for the tokens this rank owns, zeros for the others."""
-        if self.tp_size == 1:
-            return F.embedding(x, self.weight)
-        owned = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
-        y = F.embedding(owned * (x - self.vocab_start_idx), self.weight)
-        return owned.unsqueeze(-1) * y
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.forward_local(x)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+@add_to_class(VocabParallelEmbedding)
+def sum_over_ranks(self, y: torch.Tensor) -> torch.Tensor:
+    """Each token's row, whole: the sum of what every rank looked up (all zeros but the owner's)."""
+    if self.tp_size > 1:
+        dist.all_reduce(y)
+    return y
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Hidden states -> logits over the vocabulary; slices gathered on rank 0 (others get None)."""
-
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        bias: bool = False,
-        tp_rank: int | None = None,
-        tp_size: int | None = None,
-    ) -> None:
-        if bias:
-            raise ValueError("ParallelLMHead has no bias (no supported model uses one)")
-        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
-
-    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the logits, for the rows that need them."""
-        context = get_context()
-        if context.is_prefill and context.cu_seqlens_q is not None:
-            # en: Only each sequence's last token samples the next token.
-            # zh: 只有每个序列的最后一个 token 用来采样下一个 token。
-            x = x[context.cu_seqlens_q[1:].long() - 1].contiguous()
-        return F.linear(x, self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        logits = self.forward_local(x)
-        if self.tp_size == 1:
-            return logits
-        slices = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, slices, 0)
-        return torch.cat(slices, -1) if self.tp_rank == 0 else None
+@add_to_class(ParallelLMHead)
+def gather_slices(self, logits: torch.Tensor) -> torch.Tensor | None:
+    """The logits over the whole vocabulary on rank 0, its slices in rank order; None on the other ranks."""
+    if self.tp_size == 1:
+        return logits
+    slices = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+    dist.gather(logits, slices, 0)
+    return torch.cat(slices, -1) if self.tp_rank == 0 else None
 
 # %% [markdown] tags=["en"]
 # ## See it: two simulated ranks
@@ -681,11 +465,10 @@ for bad in (
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `nanovllm/layers/linear.py`: `tp_world`, `ReplicatedLinear`, `ColumnParallelLinear`,
-#   `MergedColumnParallelLinear`, `QKVParallelLinear`, `RowParallelLinear`, each with a
-#   shard-aware `weight_loader(param, loaded_weight, shard_id=None)`.
-# - `nanovllm/layers/embed_head.py`: `VocabParallelEmbedding` and `ParallelLMHead` (last token
-#   per sequence during prefill; gather on rank 0).
+# - `nanovllm/layers/linear.py`: `process_world` asks `torch.distributed` for the rank and size,
+#   and `RowParallelLinear` all-reduces its partial sums (`forward_local`, then `forward`).
+# - `nanovllm/layers/embed_head.py`: `VocabParallelEmbedding.sum_over_ranks` (all-reduce) and
+#   `ParallelLMHead.gather_slices` (gather on rank 0), the two hooks that chapter 05 left.
 #
 # Chapter 10b runs the ranks as processes.
 #
@@ -700,11 +483,10 @@ for bad in (
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `nanovllm/layers/linear.py`：`tp_world`、`ReplicatedLinear`、`ColumnParallelLinear`、
-#   `MergedColumnParallelLinear`、`QKVParallelLinear`、`RowParallelLinear`，每个都带有按分片加载的
-#   `weight_loader(param, loaded_weight, shard_id=None)`。
-# - `nanovllm/layers/embed_head.py`：`VocabParallelEmbedding` 和 `ParallelLMHead`（prefill 时每个序列只取
-#   最后一个 token；在 rank 0 上 gather）。
+# - `nanovllm/layers/linear.py`：`process_world` 向 `torch.distributed` 询问 rank 和进程数，`RowParallelLinear`
+#   对部分和做 all-reduce（先 `forward_local`，再 `forward`）。
+# - `nanovllm/layers/embed_head.py`：`VocabParallelEmbedding.sum_over_ranks`（all-reduce）和
+#   `ParallelLMHead.gather_slices`（在 rank 0 上 gather），也就是第 05 章留下的两个接缝。
 #
 # 第 10b 章让各 rank 作为进程运行。
 #

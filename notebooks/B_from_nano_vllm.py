@@ -274,27 +274,27 @@
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 10 | same |
-# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local` | 10 | the loader checks the shape; `forward_local` is the part before the all-reduce |
-# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local` | 10 | same: the last token of each sequence during prefill, slices gathered on rank 0 |
+# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 05, 10 | same |
+# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local`, `VocabParallelEmbedding.sum_over_ranks` | 05, 10 | the loader checks the shape; `forward_local` is the part before the all-reduce, `sum_over_ranks` the all-reduce (a hook that returns its input until chapter 10) |
+# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local`, `ParallelLMHead.sampled_rows`, `ParallelLMHead.gather_slices` | 05, 06, 10 | same: the last token of each sequence during prefill (`sampled_rows`, 06), slices gathered on rank 0 (`gather_slices`, 10) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 10 | 相同 |
-# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local` | 10 | 加载器会检查形状；`forward_local` 是 all-reduce 之前的那部分 |
-# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local` | 10 | 相同：prefill 时每个序列只取最后一个 token，各分片在 rank 0 上 gather |
+# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 05, 10 | 相同 |
+# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local`, `VocabParallelEmbedding.sum_over_ranks` | 05, 10 | 加载器会检查形状；`forward_local` 是 all-reduce 之前的那部分，`sum_over_ranks` 就是 all-reduce（第 10 章之前，这个接缝原样返回输入） |
+# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local`, `ParallelLMHead.sampled_rows`, `ParallelLMHead.gather_slices` | 05, 06, 10 | 相同：prefill 时每个序列只取最后一个 token（`sampled_rows`，第 06 章），各分片在 rank 0 上 gather（`gather_slices`，第 10 章） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/linear.py` → `nanovllm/layers/linear.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `divide` | = | 10 | raises a `ValueError` naming what does not split |
-# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world` | 10 | rank and size come from `tp_world` (explicit, or `torch.distributed`, or 1 process) |
-# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 10 | same split; every loader refuses a shape that does not fit (`copy_checked`) |
+# | `divide` | = | 05 | raises a `ValueError` naming what does not split |
+# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world`, `process_world` | 05, 10 | rank and size come from `tp_world` (explicit, or `process_world`: `torch.distributed` from chapter 10, else 1 process) |
+# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 05, 10 | same split; every loader refuses a shape that does not fit (`copy_checked`) |
 # | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | same |
 # | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | same |
 # | — | `agree_min`, `share_from_rank0` | 10 | new: the ranks agree on the KV block count; every rank gets rank 0's samples on its device |
@@ -304,9 +304,9 @@
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `divide` | = | 10 | 抛出 `ValueError`，指明哪个量不能整除 |
-# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world` | 10 | rank 与进程数来自 `tp_world`（显式给出、`torch.distributed`，或单进程） |
-# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 10 | 切分方式相同；每个加载器都拒绝形状不符的张量（`copy_checked`） |
+# | `divide` | = | 05 | 抛出 `ValueError`，指明哪个量不能整除 |
+# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world`, `process_world` | 05, 10 | rank 与进程数来自 `tp_world`（显式给出，或 `process_world`：第 10 章起问 `torch.distributed`，否则单进程） |
+# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 05, 10 | 切分方式相同；每个加载器都拒绝形状不符的张量（`copy_checked`） |
 # | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | 相同 |
 # | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | 相同 |
 # | — | `agree_min`, `share_from_rank0` | 10 | 新增：各 rank 就 KV 块数达成一致；每个 rank 在自己的设备上得到 rank 0 的采样结果 |

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import textwrap
 from pathlib import Path
 
@@ -202,3 +203,17 @@ def grow(self) -> None:
     assert "2 members, 6 code lines" in report
     assert "    engine.engine         03 6\n" in report, report
     assert "seams filled (not counted): 02 Engine.waits, 02 Engine.grow" in report
+
+
+@pytest.mark.parametrize(("source", "seam"), [
+    ("def world():\n    return 0, 1\n", True),
+    ("def rows(self, x):\n    return x\n", True),
+    ("def me(self):\n    return self\n", False),
+    ("def world(size):\n    return 0, size\n", False),
+    ("def rows(self, x):\n    return x[1:]\n", False),
+    ("def hidden(self, x):\n    return y\n", False),
+])
+def test_a_seam_returns_a_constant_or_one_of_its_arguments_unchanged(source: str, seam: bool) -> None:
+    """A tuple of constants is a constant, and an identity hook (``return x``) is a seam; a function that returns
+    ``self``, a computed value or a name it was not given is code, and replacing it retypes it."""
+    assert first_cuts.is_seam(ast.parse(source).body[0]) is seam

@@ -12,11 +12,9 @@ from tools.forward_imports import ForwardImport, forward_imports
 ROOT = Path(__file__).resolve().parent.parent
 
 KNOWN = {
-    # The model's first cut uses chapter 10's parallel layers and chapter 06's attention: plain first versions
-    # in chapter 05, which chapters 06 and 10 extend, would pay these three.
+    # The model's first cut uses chapter 06's paged attention: a first cut of the layer in chapter 05 (one
+    # sequence, no cache), which chapter 06 extends, would pay it.
     ForwardImport("05_model", "layers.attention", "06_attention"),
-    ForwardImport("05_model", "layers.embed_head", "10_tensor_parallel"),
-    ForwardImport("05_model", "layers.linear", "10_tensor_parallel"),
     # The 8-bit KV cache's names (FP8, scales) reach the store, the kernels and the runner before chapter 16:
     # chapter 16 should add its path to each of them.
     ForwardImport("06_attention", "layers.kv_quant", "16_fp8_kv_cache"),

@@ -143,8 +143,8 @@ def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
 
 def is_seam(node: ast.stmt) -> bool:
     """A hook that a first cut leaves for a later chapter to fill: a function whose body, its docstring aside, is
-    empty or one ``pass``, ``...``, bare ``yield``, or ``return`` of nothing or of a constant. Filling it retypes
-    nothing."""
+    empty or one ``pass``, ``...``, bare ``yield``, or ``return`` of nothing, of a constant (a tuple of constants
+    too) or of one of its own arguments unchanged (an identity hook). Filling it retypes nothing."""
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     body = node.body[1:] if tangle._is_docstring(node.body[0]) else node.body
@@ -156,7 +156,11 @@ def is_seam(node: ast.stmt) -> bool:
     if isinstance(statement, ast.Pass):
         return True
     if isinstance(statement, ast.Return):
-        return statement.value is None or isinstance(statement.value, ast.Constant)
+        value = statement.value
+        arguments = {argument.arg for argument in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
+        return (value is None or isinstance(value, ast.Constant)
+                or (isinstance(value, ast.Tuple) and all(isinstance(item, ast.Constant) for item in value.elts))
+                or (isinstance(value, ast.Name) and value.id in arguments - {"self", "cls"}))
     if isinstance(statement, ast.Expr):
         value = statement.value
         return (isinstance(value, ast.Constant) and value.value is Ellipsis) or (
