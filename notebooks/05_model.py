@@ -21,7 +21,7 @@
 #
 # Our model differs from the `transformers` one in what matters for serving: it takes one
 # **flat** list of tokens from many sequences (`input_ids [T]`, `positions [T]`), its attention
-# reads and writes the paged cache, its projections are fused (q/k/v in one matmul, gate/up in
+# reads and writes the paged cache (from chapter 06 on), its projections are fused (q/k/v in one matmul, gate/up in
 # one) and split-able across GPUs (chapter 10), and the LM head computes logits only where a
 # token will be sampled.
 
@@ -33,8 +33,8 @@
 # 第 06 章的分页 KV 缓存逐个 token 地计算。
 #
 # 我们的模型与 `transformers` 的不同之处都与推理服务有关：它接收来自多个序列的一串**展平**的 token
-# （`input_ids [T]`、`positions [T]`）；注意力读写分页缓存；投影是融合的（q/k/v 一次矩阵乘法，gate/up 一次），
-# 并且可以切分到多张 GPU 上（第 10 章）；LM head 只在要采样的位置计算 logits。
+# （`input_ids [T]`、`positions [T]`）；注意力读写分页缓存（从第 06 章起）；投影是融合的（q/k/v 一次矩阵乘法，
+# gate/up 一次），并且可以切分到多张 GPU 上（第 10 章）；LM head 只在要采样的位置计算 logits。
 
 # %% [markdown] tags=["en"]
 # ## The idea: one decoder layer
@@ -590,6 +590,50 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         return self.gather_slices(self.forward_local(x))
+
+# %% [markdown] tags=["en"]
+# ## Build it: attention, first cut
+#
+# The attention layer receives q, k and v already split into heads and returns one output per
+# query head. Its first cut sees **one sequence** and no cache: every token attends to itself and
+# the tokens before it (`is_causal=True`), and `enable_gqa=True` lets each KV head serve
+# `num_heads / num_kv_heads` query heads, so grouped-query attention needs no copies of k and v.
+# That is enough to compare the model with `transformers` on a whole prompt. Chapter 06 gives
+# the same layer its paged KV cache and the flat batches of many sequences that the engine runs.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：注意力，第一版
+#
+# 注意力层接收已经按头拆开的 q、k、v，为每个查询头返回一份输出。它的第一版只看**一个序列**，也没有缓存：每个
+# token 关注它自己和它之前的 token（`is_causal=True`），`enable_gqa=True` 让每个 KV 头服务 `num_heads / num_kv_heads`
+# 个查询头，所以分组查询注意力不需要复制 k 和 v。这足以拿整个提示词把模型与 `transformers` 对照。第 06 章再给同一个
+# 层加上分页 KV 缓存，以及引擎运行的、由多个序列展平而成的批次。
+
+# %% attention
+#| export layers.attention
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Scaled dot-product attention of a layer's heads (grouped-query: several query heads share a KV head)."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] of one sequence -> [T, num_heads,
+        head_dim]: each token attends to itself and the tokens before it."""
+        # en: [1, heads, T, d], the layout SDPA expects
+        # zh: [1, heads, T, d]：SDPA 期望的布局。
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], is_causal=True, scale=self.scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
 
 # %% [markdown] tags=["en"]
 # ## Build it: the model
@@ -1646,6 +1690,7 @@ assert torch.isfinite(logits).all()
 # - `layers/linear.py` and `layers/embed_head.py`: the fused linear layers (`QKVParallelLinear`,
 #   `MergedColumnParallelLinear`, ...), the embedding and the LM head, each loading its share of a
 #   checkpoint tensor (the whole of it, in one process) through a `weight_loader`.
+# - `layers/attention.py`: `Attention`, first cut: one sequence, causal, grouped-query, no cache.
 # - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
 #   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
 # - `models/loader.py`: `read_model_dir` (the one reader of `config.json`, which refuses a config
@@ -1671,6 +1716,7 @@ assert torch.isfinite(logits).all()
 #   `layers/rotary_embedding.py`（`get_rope`，NeoX 布局；支持 `default`、`linear` 和 `llama3` 缩放）。
 # - `layers/linear.py` 和 `layers/embed_head.py`：融合的线性层（`QKVParallelLinear`、`MergedColumnParallelLinear`
 #   等）、嵌入层和 LM head，每一层都通过 `weight_loader` 加载检查点张量中属于自己的那一份（单进程时是整个张量）。
+# - `layers/attention.py`：`Attention` 的第一版：一个序列、因果、分组查询、没有缓存。
 # - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
 #   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
 # - `models/loader.py`：`read_model_dir`（`config.json` 的唯一读取者；我们无法构建的配置会被拒绝，

@@ -340,7 +340,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from nanovllm.layers.context import Context, get_context
 from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
@@ -538,51 +537,60 @@ class TorchBackend:
 # %% [markdown] tags=["en"]
 # ## Build it: the layer
 #
-# `Attention` holds no weights. Its `k_cache` and `v_cache` start empty; the model runner
-# replaces them with this layer's views of the one big KV tensor. With an empty cache (the
-# warm-up forward that measures memory) nothing is stored and prefill attends over the fresh
-# `k`, `v`.
+# Chapter 05's `Attention` saw one sequence and kept nothing. The engine's layer holds no
+# weights either, but it now has a KV cache: `k_cache` and `v_cache` start empty, and the model
+# runner replaces them with this layer's views of the one big KV tensor. Its `forward` compares
+# with chapter 05's line by line: instead of attending over the fresh `k`, `v` as one sequence,
+# it stores them through the context's slot mapping and hands the flat batch to its backend,
+# whose prefill reads each sequence's cached prefix through its block table and whose decode
+# reads a whole context per sequence. With an empty cache (the warm-up forward that measures
+# memory) nothing is stored and prefill attends over the fresh `k`, `v`.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：注意力层
 #
-# `Attention` 没有权重。它的 `k_cache` 和 `v_cache` 一开始是空的；模型执行器会把它们换成那个大 KV 张量中
-# 属于本层的视图。缓存为空时（用于测量显存的预热前向），什么都不存，prefill 直接对新算出的 `k`、`v` 计算注意力。
+# 第 05 章的 `Attention` 只看一个序列，也什么都不保存。引擎的这一层同样没有权重，但现在有了 KV 缓存：`k_cache`
+# 和 `v_cache` 一开始是空的，模型执行器会把它们换成那个大 KV 张量中属于本层的视图。它的 `forward` 可以与第 05 章的
+# 逐行对照：不再把新算出的 `k`、`v` 当作一个序列来计算注意力，而是按上下文中的槽位映射把它们存进缓存，再把展平的
+# 批次交给后端：后端的 prefill 通过块表读取每个序列已缓存的前缀，decode 则为每个序列读取整段上下文。缓存为空时
+# （用于测量显存的预热前向），什么都不存，prefill 直接对新算出的 `k`、`v` 计算注意力。
 
 # %% attention layer
 #| export
-class Attention(nn.Module):
-    """Paged attention over flat batches; the math is delegated to its backend."""
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.layers.attention import Attention
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
-        self.k_cache = self.v_cache = torch.tensor([])
-        # en: An 8-bit cache also holds one scale per token and KV head; None for a 16-bit cache.
-        # zh: 8 位缓存（第 16 章）还为每个 token 和 KV 头保存一个缩放因子；16 位缓存时为 None。
-        self.k_scales: torch.Tensor | None = None
-        self.v_scales: torch.Tensor | None = None
-        # en: The torch reference until the model runner hands every layer the configured backend.
-        # zh: 在模型执行器把配置的后端交给每一层之前，用的是 torch 参考实现。
-        self.backend: AttentionBackend = TorchBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
-        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+@add_to_init(Attention)
+def _init_kv_cache(self) -> None:
+    self.k_cache = self.v_cache = torch.tensor([])
+    # en: An 8-bit cache also holds one scale per token and KV head; None for a 16-bit cache.
+    # zh: 8 位缓存（第 16 章）还为每个 token 和 KV 头保存一个缩放因子；16 位缓存时为 None。
+    self.k_scales: torch.Tensor | None = None
+    self.v_scales: torch.Tensor | None = None
+    # en: The torch reference until the model runner hands every layer the configured backend.
+    # zh: 在模型执行器把配置的后端交给每一层之前，用的是 torch 参考实现。
+    self.backend: AttentionBackend = TorchBackend()
 
-        ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
-        context = get_context()
-        scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
-        if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
-        if context.is_prefill:
-            if self.k_scales is not None and context.block_tables is None:
-                # en: An 8-bit cache: a prefill without a cached prefix attends to what the cache now
-                # en: holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
-                # zh: 8 位缓存（第 16 章）：没有已缓存前缀的 prefill 也关注缓存里现在存的值，和之后每次读取一样，
-                # zh: 这样提示词的 token 不取决于它被怎样分块。
-                k, v = self.backend.round_trip(k), self.backend.round_trip(v)
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
-        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)
+
+@add_to_class(Attention)
+def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
+    """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+
+    ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
+    context = get_context()
+    scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
+    if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
+    if context.is_prefill:
+        if self.k_scales is not None and context.block_tables is None:
+            # en: An 8-bit cache: a prefill without a cached prefix attends to what the cache now
+            # en: holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
+            # zh: 8 位缓存（第 16 章）：没有已缓存前缀的 prefill 也关注缓存里现在存的值，和之后每次读取一样，
+            # zh: 这样提示词的 token 不取决于它被怎样分块。
+            k, v = self.backend.round_trip(k), self.backend.round_trip(v)
+        return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
+    return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)
 
 # %% [markdown] tags=["en"]
 # ## See it: a batch with a cached prefix, then decode
@@ -721,10 +729,12 @@ print(say("a padded row stores nothing and returns zeros"))
 #
 # - `nanovllm/layers/context.py`: `Context`, `set_context`, `get_context`, `reset_context`, and
 #   `set_prefill_context` / `set_decode_context` to build one from lengths and block tables.
-# - `nanovllm/layers/attention.py`: `Attention(num_heads, head_dim, scale, num_kv_heads)`, a
+# - `nanovllm/layers/attention.py`: chapter 05's `Attention` with a paged KV cache and a
 #   `backend` object that `attention_backend(name)` builds, and `TorchBackend`: store via
 #   `slot_mapping` (−1 skipped), varlen causal prefill reading cached prefixes through block
 #   tables, paged decode (one sequence at a time, each reading exactly its context), GQA.
+# - `nanovllm/layers/embed_head.py`: `ParallelLMHead.sampled_rows`, the last token of each
+#   sequence during a prefill.
 #
 # ## Exercises
 #
@@ -741,9 +751,10 @@ print(say("a padded row stores nothing and returns zeros"))
 #
 # - `nanovllm/layers/context.py`：`Context`、`set_context`、`get_context`、`reset_context`，以及根据长度和
 #   块表构造上下文的 `set_prefill_context` / `set_decode_context`。
-# - `nanovllm/layers/attention.py`：`Attention(num_heads, head_dim, scale, num_kv_heads)`、由
+# - `nanovllm/layers/attention.py`：带分页 KV 缓存的第 05 章 `Attention`、由
 #   `attention_backend(name)` 构建的 `backend` 对象，以及 `TorchBackend`：按 `slot_mapping` 存储（跳过 −1）、
 #   通过块表读取已缓存前缀的变长因果 prefill、逐个序列的分页 decode（每个序列只读取自己的上下文），以及 GQA。
+# - `nanovllm/layers/embed_head.py`：`ParallelLMHead.sampled_rows`，prefill 时每个序列只取最后一个 token。
 #
 # ## 练习
 #

@@ -12,9 +12,6 @@ from tools.forward_imports import ForwardImport, forward_imports
 ROOT = Path(__file__).resolve().parent.parent
 
 KNOWN = {
-    # The model's first cut uses chapter 06's paged attention: a first cut of the layer in chapter 05 (one
-    # sequence, no cache), which chapter 06 extends, would pay it.
-    ForwardImport("05_model", "layers.attention", "06_attention"),
     # The 8-bit KV cache's names (FP8, scales) reach the store, the kernels and the runner before chapter 16:
     # chapter 16 should add its path to each of them.
     ForwardImport("06_attention", "layers.kv_quant", "16_fp8_kv_cache"),
