@@ -769,7 +769,8 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #
 # The engine's share is small. Chapter 11's `_step` becomes `_launch` (schedule, hand the step to
 # the runner with `_compute`, `advance`; the result is a `LaunchedStep`) followed by `_collect`
-# (wait for the tokens, `resolve`). The
+# (wait for the tokens, `resolve`). `_compute` leaves a hook around the runner's work,
+# `_undone_on_failure`, which chapter 13 fills to undo a step that fails. The
 # synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
 # collects step *n*, which waited in `in_flight`. A call of `step()` therefore reports the step
 # before the one it queued (the first reports nothing), and the engine is finished only when
@@ -809,7 +810,8 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #   拷贝会等待排在前面的那一步。
 #
 # 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、用 `_compute` 把这一步交给执行器、`advance`，结果是一个
-# `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
+# `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。`_compute` 在执行器的工作外面留了一个接缝
+# `_undone_on_failure`，第 13 章填上它，撤销失败的一步。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
 # 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
 # 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
 #
@@ -842,6 +844,8 @@ def _resolve_async_scheduling(self) -> None:
 
 # %% engine in flight
 #| export engine.llm_engine
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from nanovllm.book.literate import add_to_class
@@ -916,9 +920,18 @@ def _compute(
     self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
 ) -> SampledTokens | TPStep | list[int]:
     """Hand a scheduled step to the model runner: queued behind ``previous`` (asynchronous), or run to the end."""
-    if self.config.async_scheduling:
-        return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-    return self.model_runner.run(seqs, is_prefill)
+    with self._undone_on_failure(seqs, is_prefill):
+        if self.config.async_scheduling:
+            return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+        return self.model_runner.run(seqs, is_prefill)
+
+
+@add_to_class(LLMEngine)
+@contextlib.contextmanager
+def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator[None]:
+    """Around the model computing a scheduled step: what undoes the schedule if nothing comes of it (an error,
+    Ctrl-C). Here nothing: the error goes through as it is."""
+    yield
 
 
 @add_to_class(LLMEngine)

@@ -147,8 +147,9 @@ def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
 # never got. `Scheduler.rollback` undoes `schedule()`: the prefills it completed go back to the
 # head of `waiting` (keeping their blocks), every scheduled count returns to zero; decode's new
 # blocks and preemptions stay, since they left the queues consistent. The engine's `_compute`
-# (the part of `_launch` that hands the step to the runner) calls it whenever the runner raises,
-# and re-raises.
+# (the part of `_launch` that hands the step to the runner) left a hook around the runner's
+# work in chapter 12, `_undone_on_failure`: filled here, it calls `rollback` whenever the runner
+# raises, and re-raises.
 #
 # A `generate` call that is interrupted (an error, Ctrl-C) takes its own unfinished requests with
 # it: `Scheduler.abort` takes a sequence out of its queue, frees its blocks and marks it
@@ -162,8 +163,9 @@ def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
 # 一步可能在调度器规划好之后失败：模型抛出异常（显存不足、内核出错），或者用户在执行器计算时按下 Ctrl-C。什么也
 # 没算出来，所以调度器的规划必须撤销，否则下一步会遇到声称拥有 KV、其实从未得到过的序列。`Scheduler.rollback`
 # 撤销 `schedule()`：它完成的 prefill 回到 `waiting` 队头（保留它们的块），每个调度计数归零；decode 新分配的块和
-# 抢占则保留，因为它们让队列保持一致。引擎的 `_compute`（`_launch` 中把这一步交给执行器的那部分）在执行器抛出
-# 异常时调用它，然后重新抛出。
+# 抢占则保留，因为它们让队列保持一致。引擎的 `_compute`（`_launch` 中把这一步交给执行器的那部分）在第 12 章
+# 给执行器的工作外面留了一个接缝 `_undone_on_failure`：在这里填上之后，执行器一抛出异常它就调用 `rollback`，
+# 然后重新抛出。
 #
 # 被中断的 `generate` 调用（出错或 Ctrl-C）会带走它自己尚未完成的请求：`Scheduler.abort` 把序列移出它的队列、
 # 释放它的块，并把它标为 FINISHED（被中止的请求在哪里都可以结束），这样之后的调用就不会白白计算它。异步调度时，
@@ -385,29 +387,25 @@ def _notify(self, event: str, data: dict) -> None:
 
 # %% step that fails
 #| export engine.llm_engine
-from collections.abc import Collection
+import contextlib
+from collections.abc import Collection, Iterator
 
 from nanovllm.book.literate import add_to_class
-from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
-from nanovllm.engine.model_runner import SampledTokens
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.tp_runtime import TPStep
 from nanovllm.utils.interrupts import interruptible
 
 
 @add_to_class(LLMEngine)
-def _compute(
-    self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
-) -> SampledTokens | TPStep | list[int]:
-    """Hand a scheduled step to the model runner (see `_launch`). If nothing comes of it (an error, Ctrl-C, out of
+@contextlib.contextmanager
+def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator[None]:
+    """Around the model computing a scheduled step (`_compute`): if nothing comes of it (an error, Ctrl-C, out of
     memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
     try:
         # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
         # zh: 一步之中 Ctrl-C 能立刻生效的唯一一段：撤销它的正是 `rollback`。
         with interruptible():
-            if self.config.async_scheduling:
-                return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-            return self.model_runner.run(seqs, is_prefill)
+            yield
     except BaseException:
         self.scheduler.rollback(seqs, is_prefill)
         raise

@@ -38,9 +38,9 @@ UPSTREAM_LINES = {
 }
 # Code lines that later chapters retype: members (or top-level names) that replace an earlier chapter's version whole.
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
-# (It rose once, 282 -> 293, when chapter 05 began to build the first cut of `Attention` and chapter 06's paged
-# `Attention.forward`, which its prose compares with chapter 05's line by line, replaced it.)
-MAX_RETYPED_LINES = 293
+# (Chapter 06's paged `Attention.forward`, which its prose compares with chapter 05's first cut line by line, added
+# 11 lines; chapter 13's undo of a failed step became the hook `_undone_on_failure` that chapter 12 leaves: -12.)
+MAX_RETYPED_LINES = 281
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5

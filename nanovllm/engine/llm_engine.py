@@ -360,18 +360,25 @@ class LLMEngine:
             raise
         return self.scheduler.accept_drafts(seqs, targets)
 
-    # notebooks/13_robustness.py · cell "step that fails"
+    # notebooks/12_async_scheduling.py · cell "engine in flight"
     def _compute(
         self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
     ) -> SampledTokens | TPStep | list[int]:
-        """Hand a scheduled step to the model runner (see `_launch`). If nothing comes of it (an error, Ctrl-C, out of
+        """Hand a scheduled step to the model runner: queued behind ``previous`` (asynchronous), or run to the end."""
+        with self._undone_on_failure(seqs, is_prefill):
+            if self.config.async_scheduling:
+                return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
+            return self.model_runner.run(seqs, is_prefill)
+
+    # notebooks/13_robustness.py · cell "step that fails"
+    @contextlib.contextmanager
+    def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator[None]:
+        """Around the model computing a scheduled step (`_compute`): if nothing comes of it (an error, Ctrl-C, out of
         memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
         try:
             # The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
             with interruptible():
-                if self.config.async_scheduling:
-                    return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
-                return self.model_runner.run(seqs, is_prefill)
+                yield
         except BaseException:
             self.scheduler.rollback(seqs, is_prefill)
             raise
