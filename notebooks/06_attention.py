@@ -342,7 +342,6 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.context import Context, get_context
-from nanovllm.layers.kv_quant import gather_quantized, round_trip, store_quantized
 
 
 class AttentionBackend(Protocol):
@@ -357,7 +356,7 @@ class AttentionBackend(Protocol):
     ) -> None: ...  # fmt: skip
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What an 8-bit cache gives back for ``x`` [T, kv_heads, d]."""
+        """What the cache gives back for ``x`` [T, kv_heads, d] (an 8-bit cache: ``x`` quantized, then dequantized)."""
         ...
 
     def prefill(
@@ -394,6 +393,12 @@ def attention_backend(name: str) -> AttentionBackend:
 # sequence at a time with a causal mask shifted by the cached prefix; decode, too, runs one
 # sequence at a time, reading exactly its own context, so nothing is padded or masked. A
 # reference can afford the Python loop; the Triton kernels (chapter 06b) do a batch in one launch.
+#
+# **Room for an 8-bit cache.** Chapter 16 stores K/V in 8 bits, each row with a scale; the
+# interface already carries the scales (`k_scales`, `v_scales`: None for a cache in the model's
+# dtype), and the reference reads and writes through three small hooks: `store_float8`,
+# `gather_float8` and `round_trip` (what the cache gives back for `k`, `v`: here, themselves).
+# Until chapter 16 fills them, the first two refuse.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：纯 torch 后端
@@ -408,6 +413,10 @@ def attention_backend(name: str) -> AttentionBackend:
 # KV 头服务 `num_heads / num_kv_heads` 个查询头）。prefill 逐个序列计算，因果掩码按已缓存前缀的长度平移；
 # decode 也逐个序列计算，每个序列只读取自己的上下文，所以既没有填充也不需要掩码。参考实现负担得起这个 Python
 # 循环；Triton 内核（第 06b 章）则一次启动处理整个批次。
+#
+# **为 8 位缓存留出位置：** 第 16 章用 8 位存储 K/V，每一行带一个缩放因子；接口已经带着缩放因子（`k_scales`、
+# `v_scales`：缓存使用模型的数据类型时为 None），参考实现则通过三个小接缝读写：`store_float8`、`gather_float8` 和
+# `round_trip`（缓存为 `k`、`v` 给回的值：这里就是它们本身）。在第 16 章填上之前，前两个会拒绝执行。
 
 # %% torch backend
 #| export
@@ -416,16 +425,8 @@ def flat_cache(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
-def gather_paged(
-    cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
-    by_dim: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """The first ``length`` tokens of one sequence, read through its block table (dequantized when ``scales``;
-    ``by_dim``: the values of an 8-bit cache, which it keeps by dimension)."""
-    if scales is not None:
-        # en: an 8-bit cache
-        # zh: 8 位缓存（第 16 章）。
-        return gather_quantized(cache, scales, block_table, length, by_dim)
+def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence, read through its block table."""
     # en: Whole blocks first (one index per block, not per token), then cut to the length.
     # zh: 先按整块取（每块一次索引，而不是每个 token 一次），再截到所需长度。
     num_blocks = -(-length // cache.shape[1])
@@ -468,19 +469,38 @@ class TorchBackend:
         # zh: k、v：[T, kv_heads, d]；槽位 -1 标记不应写入的填充行。
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        # en: an 8-bit cache: each row in float8, with its own scale
-        # zh: 8 位缓存（第 16 章）：每一行存为 float8，并带有自己的缩放因子。
         if k_scales is not None:
-            store_quantized(k[keep], k_cache, k_scales, slots)
-            store_quantized(v[keep], v_cache, v_scales, slots, by_dim=True)
+            self.store_float8(k[keep], v[keep], k_cache, v_cache, slots, k_scales, v_scales)
             return
         flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        # en: what an 8-bit cache gives back for x: quantized, then dequantized
-        # zh: 8 位缓存为 x 给回的值：先量化，再反量化。
-        return round_trip(x)
+        """What the cache gives back for ``x``: ``x`` itself, in the model's dtype."""
+        return x
+
+    def gather(
+        self, cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+        by_dim: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """The first ``length`` tokens of one sequence (`gather_paged`); an 8-bit cache's (``scales``) dequantized,
+        ``by_dim``: the values, which an 8-bit cache keeps by dimension."""
+        if scales is not None:
+            return self.gather_float8(cache, scales, block_table, length, by_dim)
+        return gather_paged(cache, block_table, length)
+
+    def store_float8(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+        k_scales: torch.Tensor, v_scales: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Write rows k, v [n, kv_heads, d] into rows ``slots`` of a float8 cache, each with its scale."""
+        raise NotImplementedError("this backend has no float8 KV cache")
+
+    def gather_float8(
+        self, cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int, by_dim: bool = False
+    ) -> torch.Tensor:  # fmt: skip
+        """The first ``length`` tokens of one sequence from a float8 cache, dequantized."""
+        raise NotImplementedError("this backend has no float8 KV cache")
 
     def prefill(
         self,
@@ -502,8 +522,8 @@ class TorchBackend:
             q_start, q_end = cu_q[i], cu_q[i + 1]
             n_k = cu_k[i + 1] - cu_k[i]
             if paged:
-                keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales)
-                values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
+                keys = self.gather(k_cache, context.block_tables[i], n_k, k_scales)
+                values = self.gather(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
             # en: no cached prefix: set_prefill_context made sure of it
             # zh: 没有已缓存前缀：set_prefill_context 已经确保了这一点。
             else:
@@ -528,8 +548,8 @@ class TorchBackend:
                 # en: A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
                 # zh: 填充行（context_len 为 0，例如 CUDA Graph 的批次）什么都不关注：输出 0。
                 continue
-            keys = gather_paged(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
-            values = gather_paged(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True).to(q.dtype)
+            keys = self.gather(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
+            values = self.gather(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True).to(q.dtype)
             out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
         return out
 

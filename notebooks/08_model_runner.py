@@ -719,7 +719,9 @@ reset_context()
 # `block_bytes = 2 × layers × block_size × kv_heads × head_dim × dtype size`
 #
 # (An 8-bit cache, `kv_cache_dtype="fp8"`, stores one byte per element plus one 4-byte scale per
-# token and KV head: `2 × layers × block_size × kv_heads × (head_dim + 4)`; chapter 16.)
+# token and KV head: `2 × layers × block_size × kv_heads × (head_dim + 4)`; chapter 16. The code
+# below leaves it four small hooks: the cache's dtype, the bytes of a row's scale, the cache's
+# name in the summary, and `ModelRunner.allocate_kv_scales`.)
 #
 # - **On a GPU** (nano-vllm's rule): run one warm-up forward of the largest step the scheduler
 #   can make, so that the activations' peak is known, then give the KV cache what is left of
@@ -750,7 +752,8 @@ reset_context()
 # `block_bytes = 2 × 层数 × block_size × kv_heads × head_dim × 数据类型字节数`
 #
 # （8 位缓存，即 `kv_cache_dtype="fp8"`，每个元素 1 字节，另外每个 token 的每个 KV 头有一个 4 字节的缩放因子：
-# `2 × 层数 × block_size × kv_heads × (head_dim + 4)`；见第 16 章。）
+# `2 × 层数 × block_size × kv_heads × (head_dim + 4)`；见第 16 章。下面的代码给它留了四个小接缝：缓存的数据类型、
+# 每行缩放因子的字节数、摘要中缓存的名字，以及 `ModelRunner.allocate_kv_scales`。）
 #
 # - **GPU 上**（nano-vllm 的规则）：先用调度器可能产生的最大一步做一次预热前向，得到激活值的峰值，再把
 #   `total × gpu_memory_utilization` 剩下的部分交给 KV 缓存：`total × utilization − used − peak + current`。
@@ -775,28 +778,38 @@ import os
 from typing import Any
 
 from nanovllm.config import Config
-from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.models.qwen3 import head_dim_of
 
 
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
-    cache's ``dtype``; a float8 cache adds one float32 scale per token and KV head."""
+    cache's ``dtype``, each row with the scale it carries (`scale_bytes`)."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
-    row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
+    row = head_dim_of(hf_config) * dtype.itemsize + scale_bytes(dtype)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
 
 
+def scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of the scale that each cached row of ``dtype`` (one token, one KV head) carries: none in the model's
+    dtype."""
+    return 0
+
+
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
-    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8", else the model's."""
-    return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
+    """The dtype of the cached K/V: the model's."""
+    return config.torch_dtype
+
+
+def kv_cache_kind(dtype: torch.dtype, model_dtype: str) -> str:
+    """How `kv_cache_summary` names a cache of ``dtype``: by the model's dtype, which it is."""
+    return model_dtype
 
 
 def kv_cache_summary(config: Config) -> str:
     """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
     dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
     block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
-    blocks, kind = config.num_kvcache_blocks, "float8 e4m3 + scales" if dtype == FP8 else config.dtype
+    blocks, kind = config.num_kvcache_blocks, kv_cache_kind(dtype, config.dtype)
     rank = " per rank" if config.tensor_parallel_size > 1 else ""
     return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
             f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
@@ -836,9 +849,9 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         # en: unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
         # zh: GPU 上用零，而不是未初始化的显存：FlashAttention 4（第 06b 章）按整页读取，序列最后一页中未写入的行里
         # zh: 若残留 NaN，就会污染它的输出（0 × NaN）。这只花几毫秒，而且只做一次。
-        # en: A float8 cache is allocated as bytes: filling float8 tensors is missing on some devices.
-        # zh: float8 缓存（第 16 章）按字节分配：某些设备不支持填充 float8 张量。
-        raw = torch.uint8 if dtype == FP8 else dtype
+        # en: A one-byte cache (float8) is allocated as bytes: filling float8 tensors is missing on some devices.
+        # zh: 单字节的缓存（float8，第 16 章）按字节分配：某些设备不支持填充 float8 张量。
+        raw = torch.uint8 if dtype.itemsize == 1 else dtype
         cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
             torch.empty(shape, dtype=raw, device=device)
         return cache.view(dtype)
@@ -894,9 +907,9 @@ def copy_kv_blocks(
     destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
     for tensor in (kv_cache, kv_scales):
         if tensor is not None:
-            # en: A float8 cache is copied as bytes: indexing float8 tensors is missing on some devices.
-            # zh: float8 缓存按字节拷贝：某些设备不支持对 float8 张量做索引。
-            data = tensor.view(torch.uint8) if tensor.dtype == FP8 else tensor
+            # en: A one-byte cache (float8) is copied as bytes: indexing float8 tensors is missing on some devices.
+            # zh: 单字节的缓存（float8）按字节拷贝：某些设备不支持对 float8 张量做索引。
+            data = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
             data[:, :, destinations] = data[:, :, sources]
 
 # %% [markdown] tags=["en"]
@@ -1033,19 +1046,14 @@ class ModelRunner:
         setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
             "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
         kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
-        if cache_dtype == FP8:
-            # en: An 8-bit cache: each block's scales, one per token and KV head, indexed by block like the cache.
-            # zh: 第 16 章：每个块的缩放因子，每个 token 和 KV 头一个，和缓存一样按块编号索引。
-            scales = (2, layers, blocks, kv_heads, self.block_size)
-            self.kv_scales = allocate_kv(scales, torch.float32, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-            if self.kv_scales is not None:
-                layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
-                # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
-                # zh: 第 16 章：float8 缓存把每个块的值按维度存放，形状为 [kv_heads, d, block_size]。
-                layer.v_cache = values_by_dim(layer.v_cache)
+        self.allocate_kv_scales(cache_dtype, (2, layers, blocks, kv_heads, self.block_size), setting)
         return kv_cache
+
+    def allocate_kv_scales(self, cache_dtype: torch.dtype, shape: tuple[int, ...], setting: str) -> None:
+        """The scales an 8-bit cache keeps beside its blocks, ``shape`` [2, layers, blocks, kv_heads, block_size],
+        handed to the layers with their caches: a cache in the model's dtype has none."""
 
     def kv_block_count(self, block_bytes: int) -> int:
         """How many KV blocks to allocate: the configured count, else what this device's memory holds."""

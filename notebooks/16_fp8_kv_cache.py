@@ -617,6 +617,49 @@ def gather_quantized(
 
 
 # %% [markdown] tags=["en"]
+# Chapter 06's reference backend left three hooks for this cache, and the module fills them:
+# `store_float8` quantizes the keys and values it is given into their rows (the values by
+# dimension), `gather_float8` reads one sequence back through its block table, dequantized, and
+# `round_trip` gives back what the cache now holds for `k` and `v`.
+
+# %% [markdown] tags=["zh"]
+# 第 06 章的参考后端为这种缓存留了三个接缝，由这个模块来填：`store_float8` 把收到的键和值量化后写进它们的行（值按
+# 维度存放），`gather_float8` 通过块表把一个序列读回来并反量化，`round_trip` 给回缓存此时为 `k`、`v` 保存的值。
+
+# %% reference backend, 8 bits
+#| export layers.attention
+import torch
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.layers.attention import TorchBackend
+from nanovllm.layers.kv_quant import gather_quantized, store_quantized
+from nanovllm.layers.kv_quant import round_trip as round_trip_kv
+
+
+@add_to_class(TorchBackend)
+def store_float8(
+    self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+    k_scales: torch.Tensor, v_scales: torch.Tensor,
+) -> None:  # fmt: skip
+    """Write rows k, v [n, kv_heads, d] into rows ``slots`` of a float8 cache, each with its scale."""
+    store_quantized(k, k_cache, k_scales, slots)
+    store_quantized(v, v_cache, v_scales, slots, by_dim=True)
+
+
+@add_to_class(TorchBackend)
+def gather_float8(
+    self, cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int, by_dim: bool = False
+) -> torch.Tensor:  # fmt: skip
+    """The first ``length`` tokens of one sequence from a float8 cache, dequantized."""
+    return gather_quantized(cache, scales, block_table, length, by_dim)
+
+
+@add_to_class(TorchBackend)
+def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+    """What an 8-bit cache gives back for ``x``: quantized, then dequantized (the module's `round_trip`)."""
+    return round_trip_kv(x)
+
+# %% [markdown] tags=["en"]
 # One row of a real key, through the module: its scale, the float8 values stored, and what comes
 # back.
 
@@ -797,6 +840,65 @@ assert torch.equal(ours.view(torch.uint8), x.to(FP8).view(torch.uint8))
 # 那里没有 float8 e4m3）。模型执行器分配 float8 缓存和它的缩放因子，把视图交给每一层（`k_scales`、`v_scales` 与
 # `k_cache`、`v_cache` 并列），并用 `kv_block_bytes` 确定块池大小，它把缩放因子也算进去：同样的空间能放下的块约为
 # bfloat16 缓存的两倍；在 CPU 上模型以 float32 运行，则接近四倍。`kv_cache_summary` 报告块池的情况。
+
+# %% [markdown] tags=["en"]
+# Chapter 08's runner already sized, allocated and copied a cache of any dtype; what it left for
+# this chapter are four small hooks, filled here. `kv_cache_torch_dtype` picks float8 e4m3 for
+# `kv_cache_dtype="fp8"`, `scale_bytes` adds the 4 bytes of a row's scale to the size of a block,
+# `kv_cache_kind` names the cache in the summary, and `allocate_kv_scales` allocates the scales
+# beside the cache and hands each layer its views, with the value cache seen by dimension.
+# (Allocating and copying a one-byte cache as bytes was chapter 08's already.)
+
+# %% [markdown] tags=["zh"]
+# 第 08 章的执行器本来就能为任何数据类型的缓存确定大小、分配和拷贝；它留给本章的是四个小接缝，在这里填上：
+# `kv_cache_torch_dtype` 在 `kv_cache_dtype="fp8"` 时选用 float8 e4m3，`scale_bytes` 把每行缩放因子的 4 个字节计入
+# 块的大小，`kv_cache_kind` 在摘要里给缓存起名字，`allocate_kv_scales` 在缓存旁边分配缩放因子，并把视图交给每一层，
+# 其中值缓存按维度来看。（把单字节的缓存当作字节来分配和拷贝，第 08 章就已经做了。）
+
+# %% runner, 8 bits
+#| export engine.model_runner
+import torch
+
+import nanovllm.engine.model_runner as model_runner
+from nanovllm.book.literate import add_to_class
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner, allocate_kv
+from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
+
+
+@add_to_class(model_runner)
+def kv_cache_torch_dtype(config: Config) -> torch.dtype:
+    """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8", else the model's."""
+    return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
+
+
+@add_to_class(model_runner)
+def scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of the scale that each cached row of ``dtype`` (one token, one KV head) carries: a float32 for
+    float8, none in the model's dtype."""
+    return SCALE_BYTES if dtype == FP8 else 0
+
+
+@add_to_class(model_runner)
+def kv_cache_kind(dtype: torch.dtype, model_dtype: str) -> str:
+    """How `kv_cache_summary` names a cache of ``dtype``."""
+    return "float8 e4m3 + scales" if dtype == FP8 else model_dtype
+
+
+@add_to_class(ModelRunner)
+def allocate_kv_scales(self, cache_dtype: torch.dtype, shape: tuple[int, ...], setting: str) -> None:
+    """The scales an 8-bit cache keeps beside its blocks, ``shape`` [2, layers, blocks, kv_heads, block_size],
+    handed to the layers with their caches: a cache in the model's dtype has none."""
+    if cache_dtype != FP8:
+        return
+    # en: Indexed by block like the cache, so that whatever moves a block moves its scales.
+    # zh: 和缓存一样按块编号索引，这样移动一个块的操作也会移动它的缩放因子。
+    self.kv_scales = allocate_kv(shape, torch.float32, self.device, setting)
+    for i, layer in enumerate(self.attention_layers):
+        layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
+        # en: A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+        # zh: float8 缓存把每个块的值按维度存放，形状为 [kv_heads, d, block_size]。
+        layer.v_cache = values_by_dim(layer.v_cache)
 
 # %%
 from nanovllm.config import Config
@@ -1551,6 +1653,7 @@ assert per_block[FP8] == 2 * 28 * 256 * 8 * 132 and blocks[FP8] == 2837 and bloc
 # zh: e^d：注意力越尖锐（分数越大），损伤越大；而值的误差始终是 e4m3 自身的误差，被权重平均。平缓的注意力几乎察觉
 # zh: 不到 8 位的 K；尖锐的注意力（真实模型就有）对它比对 8 位的 V 更敏感。先在随机的注意力上检查 ……
 from nanovllm.layers.attention import TorchBackend, causal_attention
+from nanovllm.layers.kv_quant import round_trip
 
 k_only, v_only = {}, {}
 keys_r, values_r = torch.randn(512, 1, 64), torch.randn(512, 1, 64)

@@ -33,7 +33,7 @@ import nanovllm.layers.attention as attention_module  # noqa: E402
 from nanovllm.book.tiny_models import TINY_VOCAB_SIZE  # noqa: E402
 from nanovllm.config import Config, _check_fp8_cache  # noqa: E402
 from nanovllm.engine.model_runner import copy_kv_blocks, kv_block_bytes, kv_cache_summary  # noqa: E402
-from nanovllm.layers.attention import TorchBackend, gather_paged  # noqa: E402
+from nanovllm.layers.attention import TorchBackend  # noqa: E402
 from nanovllm.layers.context import reset_context, set_decode_context, set_prefill_context  # noqa: E402
 from nanovllm.layers.kv_quant import (  # noqa: E402
     FP8,
@@ -126,7 +126,7 @@ def test_the_reference_store_writes_rows_and_scales_where_the_slots_say_and_skip
     got = gather_quantized(k_cache, k_scales, table, 12)
     for position, row in ((1, 0), (11, 3)):  # slot 13 = block 3 offset 1; slot 23 = block 5 offset 3
         assert torch.equal(got[position], dequantize_kv(qk[row], sk[row]))
-    assert same(gather_paged(k_cache, table, 12, k_scales), got)
+    assert same(TorchBackend().gather(k_cache, table, 12, k_scales), got)
     # Values are kept by dimension: value i of (slot, head) at v_cache[block, head, i, offset].
     qv, sv = quantize_kv(v)
     assert v_cache.shape == (6, 2, 16, 4)
@@ -134,7 +134,21 @@ def test_the_reference_store_writes_rows_and_scales_where_the_slots_say_and_skip
     got = gather_quantized(v_cache, v_scales, table, 12, by_dim=True)
     for position, row in ((1, 0), (11, 3)):
         assert torch.equal(got[position], dequantize_kv(qv[row], sv[row]))
-    assert same(gather_paged(v_cache, table, 12, v_scales, by_dim=True), got)
+    assert same(TorchBackend().gather(v_cache, table, 12, v_scales, by_dim=True), got)
+
+
+def test_the_kernels_take_the_8_bit_path_when_scales_come_and_refuse_scales_that_do_not_fit_the_cache():
+    """The Triton backend knows an 8-bit cache by its scales (it imports nothing of this chapter): scales with a
+    16-bit cache, a float8 cache without them, or one scale tensor of the two, are refused."""
+    k16 = torch.zeros(3, 4, 2, 16, device=DEVICE)
+    k8 = torch.zeros(3, 4, 2, 16, dtype=torch.uint8, device=DEVICE).view(FP8)
+    v8 = torch.zeros(3, 2, 16, 4, dtype=torch.uint8, device=DEVICE).view(FP8)
+    scales = torch.ones(3, 2, 4, device=DEVICE)
+    assert ta._check_cache(k8, v8, scales, scales) is True
+    assert ta._check_cache(k16, k16.clone()) is False
+    for args in ((k8, v8, None, None), (k16, k16.clone(), scales, scales), (k8, v8, scales, None)):
+        with pytest.raises(ValueError, match="only a float8 cache has them"):
+            ta._check_cache(*args)
 
 
 # ---------------------------------------------------------------- the kernels against the reference
@@ -585,7 +599,7 @@ class Float8ProvenanceKV(ProvenanceKV):
             n = seq.num_cached_tokens
             if n:
                 table = torch.tensor(seq.block_table)
-                rows = gather_paged(self.kv[0, 0], table, n, self.scales[0, 0])[:, 0]
+                rows = TorchBackend().gather(self.kv[0, 0], table, n, self.scales[0, 0])[:, 0]
                 self.reads += n
                 for pos, got in enumerate(self.decode(rows)):
                     if got != self.record(seq, pos):

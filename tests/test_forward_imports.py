@@ -12,11 +12,6 @@ from tools.forward_imports import ForwardImport, forward_imports
 ROOT = Path(__file__).resolve().parent.parent
 
 KNOWN = {
-    # The 8-bit KV cache's names (FP8, scales) reach the store, the kernels and the runner before chapter 16:
-    # chapter 16 should add its path to each of them.
-    ForwardImport("06_attention", "layers.kv_quant", "16_fp8_kv_cache"),
-    ForwardImport("06b_triton_attention", "layers.kv_quant", "16_fp8_kv_cache"),
-    ForwardImport("08_model_runner", "layers.kv_quant", "16_fp8_kv_cache"),
     # The server's live page draws with appendix A's recorder and player.
     ForwardImport("15b_openai_server", "viz.player", "A_visualization"),
     ForwardImport("15b_openai_server", "viz.recorder", "A_visualization"),

@@ -38,9 +38,11 @@ UPSTREAM_LINES = {
 }
 # Code lines that later chapters retype: members (or top-level names) that replace an earlier chapter's version whole.
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
-# (Chapter 06's paged `Attention.forward`, which its prose compares with chapter 05's first cut line by line, added
-# 11 lines; chapter 13's undo of a failed step became the hook `_undone_on_failure` that chapter 12 leaves: -12.)
-MAX_RETYPED_LINES = 281
+# (It was 282 until module-level replacements, `@add_to_class(module)`, were counted too: they hid 40 lines, chapter
+# 13's prompt and tokenizer checks for the most part. Since then chapter 06's paged `Attention.forward`, which its
+# prose compares with chapter 05's first cut line by line, added 11 and chapter 16's cache dtype 3, while chapter
+# 13's undo of a failed step became the hook `_undone_on_failure` that chapter 12 leaves: -12.)
+MAX_RETYPED_LINES = 324
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5
@@ -124,13 +126,22 @@ class Retyped:
     seam: bool = False
 
 
+def module_aliases(cell: tangle.Cell) -> set[str]:
+    """The names under which a cell imports modules of the package (``import nanovllm.engine.llm_engine as e``)."""
+    return {alias.asname for node in ast.parse(tangle.english_comments(cell.code)).body if isinstance(node, ast.Import)
+            for alias in node.names if alias.asname and alias.name.startswith("nanovllm.")}
+
+
 def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
     """What a top-level statement of an exported cell defines: ``Class.member`` for a class extension, the name
     of a function, class or assignment, and for a class its members too."""
     extension = tangle.class_extension(node, cell)
     if extension is not None:
         # Lines added to the end of a constructor, and fields added to a dataclass, replace nothing.
-        return [] if extension[2] in ("init", "fields") else [f"{extension[0]}.{extension[1]}"]
+        if extension[2] in ("init", "fields"):
+            return []
+        # `@add_to_class(module)` (the module imported under an alias) replaces a top-level name.
+        return [extension[1]] if extension[0] in module_aliases(cell) else [f"{extension[0]}.{extension[1]}"]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return [node.name]
     if isinstance(node, ast.Assign):
@@ -145,8 +156,9 @@ def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
 
 def is_seam(node: ast.stmt) -> bool:
     """A hook that a first cut leaves for a later chapter to fill: a function whose body, its docstring aside, is
-    empty or one ``pass``, ``...``, bare ``yield``, or ``return`` of nothing, of a constant (a tuple of constants
-    too) or of one of its own arguments unchanged (an identity hook). Filling it retypes nothing."""
+    empty or one ``pass``, ``...``, bare ``yield``, ``raise`` (a hook that refuses until it is filled), or ``return``
+    of nothing, of a constant (a tuple of constants too) or of one of its own arguments unchanged (an identity hook).
+    Filling it retypes nothing."""
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
     body = node.body[1:] if tangle._is_docstring(node.body[0]) else node.body
@@ -155,7 +167,7 @@ def is_seam(node: ast.stmt) -> bool:
     if len(body) != 1:
         return False
     statement = body[0]
-    if isinstance(statement, ast.Pass):
+    if isinstance(statement, (ast.Pass, ast.Raise)):
         return True
     if isinstance(statement, ast.Return):
         value = statement.value

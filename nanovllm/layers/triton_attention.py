@@ -14,7 +14,6 @@ from triton import knobs
 
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.context import Context
-from nanovllm.layers.kv_quant import FP8
 
 __all__ = [
     "DECODE_LAUNCH",
@@ -142,9 +141,9 @@ def _check_cache(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
 ) -> bool:  # fmt: skip
-    """Check the caches (and scales); True for an 8-bit cache."""
-    fp8 = k_cache.dtype == FP8
-    if fp8 != (k_scales is not None) or (k_scales is None) != (v_scales is None):
+    """Check the caches (and scales); True for an 8-bit cache, the one that comes with scales."""
+    fp8 = k_scales is not None
+    if fp8 != (k_cache.element_size() == 1) or (k_scales is None) != (v_scales is None):
         raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
     if k_cache.dim() != 4:
         raise ValueError(f"caches must be [num_blocks, block_size, kv_heads, d], got {tuple(k_cache.shape)}")
