@@ -460,7 +460,7 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 # division is exact (`tl.div_rn`; Triton's `/` is an approximation on a GPU), and the rounding to
 # e4m3 is done on e4m3's grid in float32 (the Triton interpreter's own conversion does not carry a
 # rounding into the exponent: it turns 127.9 into 64). The torch side is this chapter's module,
-# `nanovllm.layers.kv_quant`; chapter 06's reference backend calls it.
+# `nanovllm.layers.kv_quant`; it fills the hooks that chapter 06's reference backend left.
 
 # %% [markdown] tags=["zh"]
 # ## 缩放方式：每个 token、每个 KV 头一个 float32，存在块旁边
@@ -508,7 +508,7 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 #
 # 有两个细节让内核在任何设备上写出的字节都与 torch 参考实现相同：除法是精确的（`tl.div_rn`；Triton 的 `/` 在 GPU 上
 # 是近似的），舍入到 e4m3 是在 float32 中按 e4m3 的网格完成的（Triton 解释器自带的转换在舍入进位时不会进到指数位：
-# 它把 127.9 变成 64）。torch 这一侧就是本章的模块 `nanovllm.layers.kv_quant`；第 06 章的参考后端调用它。
+# 它把 127.9 变成 64）。torch 这一侧就是本章的模块 `nanovllm.layers.kv_quant`；第 06 章的参考后端留下的接缝由它来填。
 
 # %% default module
 #| default_exp layers.kv_quant
@@ -716,8 +716,8 @@ assert by_dim.data_ptr() == layer_cache.data_ptr()
 # %% [markdown] tags=["en"]
 # ## The kernels
 #
-# Chapter 06b's three kernels take the 8-bit path when the cache is float8 (a `FP8` constant;
-# with 16-bit caches its lines are not compiled):
+# Chapter 06b's three kernels take the 8-bit path when the cache is float8, that is, when it comes
+# with its scales (a constant `FP8`; with 16-bit caches its lines are not compiled):
 #
 # - **store** computes each (token, head) row's scale, divides, rounds on e4m3's grid, stores the
 #   byte per element and the scale beside the block (chapter 09's fused q/k/v kernel does the
@@ -742,7 +742,8 @@ assert by_dim.data_ptr() == layer_cache.data_ptr()
 # %% [markdown] tags=["zh"]
 # ## 内核
 #
-# 缓存是 float8 时，第 06b 章的三个内核走 8 位的路径（一个 `FP8` 常量；16 位缓存时这些代码根本不会编译）：
+# 缓存是 float8 时（也就是带着缩放因子而来），第 06b 章的三个内核走 8 位的路径（常量 `FP8`；16 位缓存时这些代码
+# 根本不会编译）：
 #
 # - **存储**：计算每个（token，头）一行的缩放因子，做除法，在 e4m3 的网格上舍入，每个元素存一个字节，缩放因子存在
 #   块旁边（第 09 章的融合 q/k/v 内核存储时也这样做）；

@@ -257,8 +257,8 @@
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
 # | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | our own Triton kernel, and a plain-torch store for the CPU; both skip slot `-1`, as upstream's kernel does |
-# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | same |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (FlashAttention 4, verified on the H200) |
+# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 05, 06 | same (chapter 05's first cut attends over one sequence, without a cache) |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 05, 06, 06b | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (FlashAttention 4, verified on the H200) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
@@ -266,8 +266,8 @@
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
 # | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | 我们自己的 Triton 内核，以及供 CPU 使用的纯 torch 写入；两者都跳过槽位 `-1`，与上游的内核一样 |
-# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06 | 相同 |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 06b | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（FlashAttention 4，已在 H200 上验证） |
+# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 05, 06 | 相同（第 05 章的第一版只对一个序列计算注意力，没有缓存） |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 05, 06, 06b | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（FlashAttention 4，已在 H200 上验证） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
