@@ -1500,15 +1500,16 @@ print(say("{n} tokens, logits std {std:.2f}, max |ours - transformers| = {error:
           n=len(ids), std=reference.std(), error=prefill_error))
 
 # %% [markdown] tags=["en"]
-# **Through the paged cache.** Now the engine's way: we give every attention layer a KV cache
+# **Through the paged cache.** A look ahead at the engine's way, with the paged attention that
+# chapter 06 gives the first cut above: we give every attention layer a KV cache
 # (what the model runner of chapter 08 does), prefill the prompt in **two chunks** — the second
 # chunk reads the first one's KV through the block table — then decode greedily, one token per
 # step. Each step's logits must match `transformers` run on the whole text so far.
 
 # %% [markdown] tags=["zh"]
-# **经过分页缓存：** 现在按引擎的方式来：给每个注意力层一个 KV 缓存（第 08 章的模型执行器做的事），把提示词分成
-# **两个分块**做 prefill——第二个分块通过块表读取第一个分块的 KV——然后贪心解码，每步一个 token。每一步的 logits 都必须与
-# `transformers` 对到目前为止的完整文本的计算结果一致。
+# **经过分页缓存：** 提前看看引擎的方式，用的是第 06 章给上面第一版加上的分页注意力：给每个注意力层一个 KV 缓存
+# （第 08 章的模型执行器做的事），把提示词分成**两个分块**做 prefill——第二个分块通过块表读取第一个分块的 KV——
+# 然后贪心解码，每步一个 token。每一步的 logits 都必须与 `transformers` 对到目前为止的完整文本的计算结果一致。
 
 # %%
 from nanovllm.layers.attention import Attention
