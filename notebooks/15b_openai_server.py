@@ -18,9 +18,9 @@
 # chapter puts HTTP in front of it. By its end you can run `python -m nanovllm.serve` (`./dev
 # serve`), a server that the official `openai` client talks to unchanged, with tokens streamed as
 # server-sent events; you will know what a client that disconnects frees, how the server says "too
-# busy", what keeps one careless client from hurting the others, and how its live page
-# (`/dashboard`) shows the KV cache of the running server with the player of appendix A.
-# Chapter 15c measures it.
+# busy", and what keeps one careless client from hurting the others. Chapter 15c measures it;
+# appendix C gives it a live page (`/dashboard`) that shows the KV cache of the running server
+# with the player of appendix A.
 
 # %% [markdown] tags=["zh"]
 # # 15b · 兼容 OpenAI 的服务器
@@ -28,8 +28,8 @@
 # **目标：** 第 15 章给引擎配了一个驱动，任意多个客户端都可以共用它。本章在它前面放上 HTTP。读完本章，你能运行
 # `python -m nanovllm.serve`（`./dev serve`）：一个服务器，官方的 `openai` 客户端无需任何改动就能和它对话，token 以
 # 服务器发送事件（server-sent events，SSE）的形式流式返回；你会知道断开连接的客户端会释放什么，服务器怎样说“太忙了”，
-# 是什么让一个不讲理的客户端拖累不了别人，以及它的实时页面（`/dashboard`）怎样用附录 A 的播放器展示运行中的服务器的
-# KV 缓存。第 15c 章测量它。
+# 以及是什么让一个不讲理的客户端拖累不了别人。第 15c 章测量它；附录 C 给它加上一个实时页面（`/dashboard`），用附录 A
+# 的播放器展示运行中的服务器的 KV 缓存。
 
 # %% printed phrases
 #| hide
@@ -319,7 +319,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -328,10 +328,9 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanovllm.engine.llm_engine import LLMEngine, prompt_token_ids
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
-from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineError, finish_reason
+from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineError, Recorder, finish_reason
 from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
 from nanovllm.serve.protocol import (
     MAX_CHOICES,
@@ -490,9 +489,9 @@ class Generation:
 
 # %% [markdown] tags=["en"]
 # The routes sit at the module's top level, as in any FastAPI project, in two routers:
-# `openai_routes` (completions, chat completions, models) and `server_routes` (health, metrics,
-# the live page). What they share (the engine's client, the model's limits, the thread that
-# tokenizes) is one `Api` object, which a route finds at `request.app.state.api`. `create_app`
+# `openai_routes` (completions, chat completions, models) and `server_routes` (health, metrics;
+# appendix C adds its live page there). What they share (the engine's client, the model's limits,
+# the thread that tokenizes) is one `Api` object, which a route finds at `request.app.state.api`. `create_app`
 # puts an application together from them. Its *lifespan* starts the driver when the server
 # starts and stops it when the server stops; `app.state.shutdown()` only queues work, so a signal
 # handler may call it. `/metrics` is Prometheus text (`prometheus_client`), with vLLM's metric
@@ -504,9 +503,9 @@ class Generation:
 
 # %% [markdown] tags=["zh"]
 # 路由和任何 FastAPI 项目一样写在模块顶层，分在两个 router 里：`openai_routes`（completions、chat completions、
-# models）和 `server_routes`（健康检查、指标、实时页面）。它们共用的东西（引擎的客户端、模型的各项上限、负责分词的
-# 线程）放在一个 `Api` 对象里，路由在 `request.app.state.api` 找到它。`create_app` 用这些拼出一个应用。
-# 它的 *lifespan* 在服务器启动时启动驱动，在服务器停止时停止它；
+# models）和 `server_routes`（健康检查、指标；附录 C 把它的实时页面也加在这里）。它们共用的东西（引擎的客户端、
+# 模型的各项上限、负责分词的线程）放在一个 `Api` 对象里，路由在 `request.app.state.api` 找到它。`create_app` 用这些
+# 拼出一个应用。它的 *lifespan* 在服务器启动时启动驱动，在服务器停止时停止它；
 # `app.state.shutdown()` 只是把工作放进队列，所以信号处理函数可以调用它。`/metrics` 是 Prometheus 文本格式
 # （`prometheus_client`），指标名与 vLLM 相同，前缀为 `nanovllm:`：`num_requests_running`、`num_requests_waiting`、
 # `kv_cache_usage_perc`（在用的块 / 全部块）、`prefix_cache_hit_rate`，以及提示词 token、生成 token、抢占和已完成
@@ -593,6 +592,17 @@ def engine_counter_families(counters: dict[str, float], labels: list[str], value
 _T = TypeVar("_T")
 
 
+def live_page_hub(client: EngineClient) -> Any | None:
+    """What feeds the server's live page (the KV cache, drawn as it changes) to the views that are open, or None:
+    this server has no live page."""
+    return None
+
+
+def live_page_recorder() -> Recorder | None:
+    """What the engine's driver attaches to the scheduler while a live page is open, or None: no live page."""
+    return None
+
+
 class Api:
     """What the routes of one application share: the engine's client, the model's name and limits, the thread that
     tokenizes, the live page's hub and the metrics' registry. A route finds it at ``request.app.state.api``."""
@@ -605,7 +615,7 @@ class Api:
         # en: tokenizer is not meant to be called from several threads at once.
         # zh: 由一个线程负责分词：长提示词不会卡住事件循环（/health、其他流），而且分词器本来就不该被几个线程同时调用。
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-tokenizer")
-        self.hub = DashboardHub(client)
+        self.hub = live_page_hub(client)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(client, model_name))
 
@@ -735,14 +745,16 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Starts the driver with the server and stops it, once, when the server stops; meanwhile
     ``app.state.shutdown()`` ends every open stream, from any thread or a signal handler."""
     api = app.state.api
-    client, hub = api.client, api.hub
-    loop = asyncio.get_running_loop()
+    client, loop = api.client, asyncio.get_running_loop()
+    # en: The live page's open views end with the server (a server without a live page has none).
+    # zh: 实时页面打开的视图随服务器一起结束（没有实时页面的服务器就没有这样的视图）。
+    close_pages = api.hub.close_all if api.hub is not None else lambda: None
 
     # en: Safe in a signal handler: both calls only queue work
     # zh: 可以在信号处理函数中调用：两个调用都只是把工作排入队列
     def shutdown() -> None:
         client.stop()
-        loop.call_soon_threadsafe(hub.close_all)
+        loop.call_soon_threadsafe(close_pages)
 
     app.state.shutdown = shutdown
     client.start(loop)
@@ -750,7 +762,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         client.stop()
-        hub.close_all()
+        close_pages()
         api.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(client.join, 60)
 
@@ -852,30 +864,6 @@ async def metrics(request: Request) -> Response:
     return Response(generate_latest(api_of(request).registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@server_routes.get("/")
-async def root() -> RedirectResponse:
-    return RedirectResponse("/dashboard")
-
-
-def check_lang(lang: str) -> None:
-    if lang not in ("en", "zh"):
-        raise ServerError(400, f"lang must be 'en' or 'zh', got {lang!r}", param="lang")
-
-
-@server_routes.get("/dashboard")
-async def dashboard(request: Request, lang: str = "en") -> HTMLResponse:
-    check_lang(lang)
-    api = api_of(request)
-    return HTMLResponse(page_html(api.model_name, api.info.num_kvcache_blocks, api.info.kvcache_block_size, lang))
-
-
-@server_routes.get("/dashboard/events")
-async def dashboard_events(request: Request, lang: str = "en") -> StreamingResponse:
-    check_lang(lang)
-    return StreamingResponse(api_of(request).hub.stream(lang), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
-
-
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
                max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
                hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
@@ -886,7 +874,7 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
     `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
     requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
     `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
-    client = engine if isinstance(engine, EngineClient) else EngineThread(engine, LiveRecorder)
+    client = engine if isinstance(engine, EngineClient) else EngineThread(engine, live_page_recorder())
     client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
     app = FastAPI(title="nano-vllm", lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
                   docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
@@ -1213,297 +1201,6 @@ def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
     return ["localhost", "127.0.0.1", "[::1]"] if loopback else ["*"]
 
 # %% [markdown] tags=["en"]
-# ## The live page
-#
-# `GET /dashboard` (`/` redirects there; `?lang=zh` for Chinese) shows the KV cache of the running
-# server with appendix A's player: the block pool with reference counts, each live request's block
-# table, the queues, prefix-cache hits, preemptions, and frees, as they happen. The first page to
-# open has the driver attach a `LiveRecorder` to the scheduler (between two steps); the last
-# one to close detaches it, so a server that nobody watches pays nothing (an open page costs a
-# snapshot per scheduler event, a few per step). The recorder keeps only its last frame and
-# forgets finished sequences: a server runs for days. The frames travel as server-sent events,
-# drawn on the server by the player's own `caption` and `frame_svg`, into a page that holds the
-# player's buttons, legend and style, and no CDN. "Play" follows the server; "Pause", "Back" and
-# "Step" look at earlier frames.
-
-# %% [markdown] tags=["zh"]
-# ## 实时页面
-#
-# `GET /dashboard`（`/` 会重定向到这里；`?lang=zh` 为中文）用附录 A 的播放器展示运行中服务器的 KV 缓存：带引用计数的
-# 块池、每个活跃请求的块表、各个队列、前缀缓存命中、抢占和释放，实时发生。第一个打开的页面让驱动在两步之间给
-# 调度器挂上一个 `LiveRecorder`；最后一个关闭的页面把它摘下，所以没人观看的服务器什么也不付出（打开的页面每个调度器
-# 事件要做一次快照，每步几次）。记录器只保留最后一帧，并忘掉已完成的序列：服务器一运行就是好几天。各帧作为服务器发送
-# 事件传送，在服务器上用播放器自己的 `caption` 和 `frame_svg` 画好，送进一个包含播放器按钮、图例和样式的页面，不用
-# 任何 CDN。“播放”跟随服务器；“暂停”、“后退”和“单步”查看之前的帧。
-
-# %% live recorder
-#| export serve.dashboard
-"""The live page: the book's player (appendix A), fed frame by frame from the running server."""
-
-from __future__ import annotations
-
-import asyncio
-import html
-import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
-
-from nanovllm.viz.player import caption, controls_html, frame_svg, lang_text, legend_html, style_html
-from nanovllm.viz.recorder import Recorder
-
-
-class LiveRecorder(Recorder):
-    """A `Recorder` for a server that runs for days: it hands each frame to ``publish`` as it is made, keeps only
-    the last one (the next frame is drawn against it) and forgets finished sequences once they are drawn.
-    Frames keep counting (``index``) as if all were kept; one that replaces the previous (consecutive adds
-    share a frame) has the same index. It also draws what the scheduler does not announce: an "abort"."""
-
-    def __init__(self, scheduler: Any, publish: Callable[[dict], None]) -> None:
-        self.publish, self.dropped = publish, 0
-        super().__init__(scheduler, attach=False)
-
-    def _add_frame(self, phase: str, event: dict) -> dict:
-        frame = super()._add_frame(phase, event)
-        frame["index"] += self.dropped
-        self.publish(frame)
-        extra = len(self.frames) - 1
-        del self.frames[:extra]
-        self.dropped += extra
-        self._seqs = {seq_id: seq for seq_id, seq in self._seqs.items() if not seq.is_finished}
-        return frame
-
-    def __call__(self, event: str, payload: dict) -> None:
-        if event == "abort":
-            self._add_frame("abort", {"aborted": list(payload["seq_ids"])})
-        else:
-            super().__call__(event, payload)
-
-
-def live_caption(frame: dict, lang: str) -> str:
-    """The player's caption, and the live page's own phase: a request whose client went away."""
-    if frame["phase"] != "abort":
-        return caption(frame, lang)
-    ids = ", ".join(map(str, frame["event"]["aborted"]))
-    if lang == "zh":
-        return f"第 {frame['step'] + 1} 步之前：客户端已断开，中止序列 {ids}（释放其块）"
-    return f"before step {frame['step'] + 1}: client gone, aborted seq {ids} (blocks freed)"
-
-
-def frame_piece(frame: dict, prev: dict | None, block_size: int, lang: str) -> str:
-    """One frame as the player draws it: a ``.nvv-frame`` with its caption and drawing."""
-    text = html.escape(live_caption(frame, lang))
-    svg = frame_svg(frame, block_size, prev, lang)
-    return (f'<div class="nvv-frame" data-frame="{frame["index"]}" hidden><div class="nvv-cap">'
-            f'<div lang="{lang}">{text}</div></div>{svg}</div>')
-
-
-class DashboardHub:
-    """The live pages that are open, on the event loop's side. The first page to open has the driver attach a
-    `LiveRecorder` to the scheduler (between two steps, wherever the driver runs); the last one to close has it
-    detached, so a server that nobody watches records nothing."""
-
-    def __init__(self, engine: Any, keep: int = 2000) -> None:
-        # en: An `EngineClient`
-        # zh: 一个 `EngineClient`
-        self.engine, self.keep = engine, keep
-        self.pages: set[asyncio.Queue] = set()
-        self.last: dict | None = None
-        engine.on_frame = self.publish
-
-    def publish(self, frames: list[dict]) -> None:
-        self.last = frames[-1]
-        for page in self.pages:
-            for frame in frames:
-                # en: A page that cannot keep up loses its oldest frames
-                # zh: 跟不上的页面会丢掉它最旧的帧
-                if page.qsize() >= self.keep:
-                    page.get_nowait()
-                page.put_nowait(frame)
-
-    def open(self) -> asyncio.Queue:
-        page: asyncio.Queue = asyncio.Queue()
-        if not self.pages:
-            self.last = None
-            self.engine.watch(True)
-        elif self.last is not None:
-            page.put_nowait(self.last)
-        self.pages.add(page)
-        return page
-
-    def close(self, page: asyncio.Queue) -> None:
-        self.pages.discard(page)
-        if not self.pages:
-            self.engine.watch(False)
-
-    def close_all(self) -> None:
-        """The server stops: every page's stream ends."""
-        for page in self.pages:
-            page.put_nowait(None)
-
-    async def stream(self, lang: str) -> AsyncIterator[str]:
-        """Server-sent events for one page: each frame drawn in ``lang``, as ``{"index", "html"}``."""
-        page = self.open()
-        block_size = self.engine.info.kvcache_block_size
-        prev = None
-        try:
-            while (frame := await page.get()) is not None:
-                piece = frame_piece(frame, prev, block_size, lang)
-                prev = frame
-                yield f"data: {json.dumps({'index': frame['index'], 'html': piece})}\n\n"
-        finally:
-            self.close(page)
-
-# %% live page
-#| export serve.dashboard
-LIVE_JS = """
-(function () {
-  var root = document.getElementById("live"), box = root.querySelector(".nvv-frames");
-  var slider = root.querySelector(".nvv-slider"), count = root.querySelector(".nvv-count");
-  var info = root.querySelector(".nvv-info"), status = document.getElementById("status");
-  var follow = true, cur = -1, MAX = +root.getAttribute("data-keep");
-  root.classList.add("nvv-playing");
-  function show(k) {
-    var fs = box.children, n = fs.length;
-    if (!n) return;
-    cur = Math.max(0, Math.min(n - 1, k));
-    for (var i = 0; i < n; i++) fs[i].hidden = (i !== cur);
-    slider.max = n - 1; slider.value = cur;
-    count.textContent = (cur + 1) + " / " + n;
-    root.setAttribute("data-frame", fs[cur].getAttribute("data-frame"));
-  }
-  function setFollow(on) {
-    follow = on;
-    root.classList.toggle("nvv-playing", on);
-    if (on) show(box.children.length - 1);
-  }
-  root.addEventListener("click", function (e) {
-    var b = e.target.closest ? e.target.closest("[data-act]") : null;
-    if (!b) return;
-    var act = b.getAttribute("data-act");
-    if (act === "play") { setFollow(!follow); return; }
-    setFollow(false);
-    if (act === "first") show(0);
-    else if (act === "back") show(cur - 1);
-    else if (act === "step") show(cur + 1);
-    else if (act === "last") show(box.children.length - 1);
-  });
-  slider.addEventListener("input", function () { setFollow(false); show(+slider.value); });
-  root.addEventListener("keydown", function (e) {
-    if (e.target === slider) return;
-    if (e.key === "ArrowRight") { setFollow(false); show(cur + 1); e.preventDefault(); }
-    else if (e.key === "ArrowLeft") { setFollow(false); show(cur - 1); e.preventDefault(); }
-    else if (e.key === " ") { setFollow(!follow); e.preventDefault(); }
-  });
-  function hover(e, on) {
-    var g = e.target.closest ? e.target.closest("[data-b],[data-s]") : null;
-    if (!g || cur < 0) return;
-    var frame = box.children[cur], b = g.getAttribute("data-b"), s = g.getAttribute("data-s"), i, els;
-    if (b !== null) {
-      els = frame.querySelectorAll('[data-b="' + b + '"]');
-      for (i = 0; i < els.length; i++) els[i].classList.toggle("nvv-lit", on);
-      var t = frame.querySelector('.nvv-blk[data-b="' + b + '"] title');
-      if (on && t) info.textContent = t.textContent;
-    } else {
-      els = frame.querySelectorAll(".nvv-blk");
-      for (i = 0; i < els.length; i++) {
-        var owners = " " + els[i].getAttribute("data-o") + " ";
-        if (owners.indexOf(" " + s + " ") >= 0) els[i].classList.toggle("nvv-lit", on);
-      }
-      var u = frame.querySelector('.nvv-seq[data-s="' + s + '"] title');
-      if (on && u) info.textContent = u.textContent;
-    }
-  }
-  root.addEventListener("mouseover", function (e) { hover(e, true); });
-  root.addEventListener("mouseout", function (e) { hover(e, false); });
-  var source = new EventSource("/dashboard/events?lang=" + root.getAttribute("data-lang"));
-  source.onopen = function () { status.textContent = status.getAttribute("data-live"); };
-  source.onerror = function () { status.textContent = status.getAttribute("data-lost"); };
-  source.onmessage = function (e) {
-    var data = JSON.parse(e.data), t = document.createElement("template");
-    t.innerHTML = data.html;
-    var el = t.content.firstElementChild, last = box.lastElementChild;
-    if (last && last.getAttribute("data-frame") === String(data.index)) box.replaceChild(el, last);
-    else box.appendChild(el);
-    while (box.children.length > MAX) { box.removeChild(box.firstElementChild); cur--; }
-    root.setAttribute("data-received", +(root.getAttribute("data-received") || 0) + 1);
-    show(follow ? box.children.length - 1 : cur);
-  };
-})();
-"""
-
-PAGE_CSS = ("body{font:14px/1.5 system-ui,-apple-system,'Segoe UI',Roboto,sans-serif;margin:16px 24px;color:#263238}"
-            "h1{font-size:20px;margin:0 0 4px}.meta{color:#546e7a;margin:0 0 8px}.meta a{margin-left:8px}")
-
-
-def page_html(model_name: str, num_blocks: int, block_size: int, lang: str, keep: int = 400) -> str:
-    """The live page: the player's controls, legend and style, an empty list of frames, and the script that fills
-    it from ``/dashboard/events``. Everything is in the page: no CDN, no fonts."""
-    def t(en: str, zh: str) -> str:
-        return lang_text(en, zh, lang)
-
-    title = t("nano-vllm · the KV cache, live", "nano-vllm · 实时 KV 缓存")
-    meta = t(f"model {model_name} · {num_blocks} blocks of {block_size} tokens",
-             f"模型 {model_name} · {num_blocks} 个块，每块 {block_size} 个 token")
-    live, lost = t("live", "实时"), t("connection lost, reconnecting…", "连接中断，正在重连…")
-    other = '<a href="/dashboard?lang=zh">中文</a>' if lang == "en" else '<a href="/dashboard?lang=en">English</a>'
-    hint = t("Play follows the server; Pause, Back and Step look at earlier frames. Hover a block for details.",
-             "播放：跟随服务器；暂停、后退、单步：查看之前的帧。把鼠标移到块上可查看详情。")
-    return (
-        # en: A phone lays the page out at its own width; the icon is inline, so no /favicon.ico is asked for (a 404).
-        # zh: 手机按自己的宽度排版这个页面；图标内联在页面里，所以浏览器不会去请求 /favicon.ico（那会是 404）。
-        f'<!doctype html><html lang="{lang}"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
-        f"<title>{title}</title>"
-        f"<style>{PAGE_CSS}</style></head><body><h1>{title}</h1>"
-        f'<p class="meta">{meta} · <span id="status" data-live="{live}" data-lost="{lost}">…</span>{other}</p>'
-        f'<div class="nvv" id="live" tabindex="0" data-lang="{lang}" data-keep="{keep}">{style_html(lang)}'
-        f'{controls_html(lang, 1, 0)}<div class="nvv-frames"></div><div class="nvv-info">{hint}</div>'
-        f"{legend_html(lang)}"
-        f"</div><script>{LIVE_JS}</script></body></html>"
-    )
-
-# %% [markdown] tags=["en"]
-# A live frame, made here on a tiny engine (chapter 05's random Qwen3): a first request runs and
-# leaves its full blocks in the prefix cache; then the recorder is attached, a second request runs
-# a step, and the frames it published are the ones a page would receive (it shows the prefix-cache
-# hit: the second request's first two blocks were computed by the first).
-
-# %% [markdown] tags=["zh"]
-# 一个实时帧，这里在一个小引擎上生成（第 05 章随机权重的 Qwen3）：第一个请求运行完，把它的满块留在前缀缓存里；然后
-# 挂上记录器，第二个请求运行一步，它发布的帧正是页面会收到的那些帧（画面中可以看到前缀缓存命中：第二个请求的前两个块
-# 是第一个请求算出来的）。
-
-# %%
-from IPython.display import HTML
-
-from nanovllm.book.tiny_models import build_tiny_model
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
-from nanovllm.serve.dashboard import LiveRecorder
-from nanovllm.viz.player import frame_html
-
-llm = LLM(build_tiny_model("qwen3"), device="cpu", num_kvcache_blocks=32, kvcache_block_size=16)
-llm.generate([list(range(10, 60))], SamplingParams(max_tokens=1), use_tqdm=False)
-published: list[dict] = []
-llm.scheduler.observer = LiveRecorder(llm.scheduler, published.append)
-llm.add_request(list(range(10, 50)), SamplingParams(max_tokens=2))
-llm.step_tokens()
-llm.scheduler.observer = None
-# en: The request's last step, unrecorded
-# zh: 请求的最后一步，不记录
-while not llm.is_finished():
-    llm.step_tokens()
-print([f"{f['index']}: {f['phase']}" for f in published])
-assert [f["phase"] for f in published] == ["start", "add", "schedule", "postprocess"]
-# en: 41 tokens in blocks of 16
-# zh: 41 个 token，每块 16 个
-assert sum(b["state"] == "used" for b in published[-1]["blocks"]) == 3
-assert [len(hit["blocks"]) for hit in published[2]["event"]["cache_hits"]] == [2]
-# en: The page draws each frame with the player's own functions; here, the last one as a static frame.
-# zh: 页面用播放器自己的函数画每一帧；这里把最后一帧画成静态的一帧。
-HTML(frame_html({"block_size": 16, "frames": published}))
-
-# %% [markdown] tags=["en"]
 # ## The command line, and a server in a child process
 #
 # `python -m nanovllm.serve` takes every engine setting of `Config` as an option of the same name
@@ -1547,9 +1244,8 @@ from typing import Any
 import uvicorn
 
 from nanovllm.config import Config
-from nanovllm.serve.app import create_app
+from nanovllm.serve.app import create_app, live_page_recorder
 from nanovllm.serve.client import EngineProcess, EngineStartError
-from nanovllm.serve.dashboard import LiveRecorder
 from nanovllm.serve.guards import allowed_hosts, read_deadline
 
 # en: Engine options the command line does not offer: what only a program can pass.
@@ -1683,7 +1379,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nano-vllm: loading {model}", file=sys.stderr, flush=True)
         # en: The engine gets a process of its own (see "The engine in a process of its own").
         # zh: 引擎有它自己的进程（见“让引擎住进自己的进程”）。
-        engine = EngineProcess(model, engine_settings(args), LiveRecorder)
+        engine = EngineProcess(model, engine_settings(args), live_page_recorder())
     except (EngineStartError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -1857,6 +1553,7 @@ class ServerProcess:
 import openai
 
 from nanovllm.book.smollm2 import smollm2_dir
+from nanovllm.llm import LLM
 from nanovllm.serve.process import ServerProcess
 
 smol = str(smollm2_dir())
@@ -1941,7 +1638,8 @@ assert after["generation_tokens_total"] < during["generation_tokens_total"] + 50
 # - `nanovllm.serve.guards` and the options around it: bounded bodies, prompts and stop lists,
 #   tokenizing off the event loop, a deadline on reading a request, an engine watched through its
 #   heartbeat (and a server that exits when its engine dies), an API key and a `Host` allowlist.
-# - `nanovllm.serve.dashboard`: the live KV-cache page at `/dashboard`.
+# - Two hooks for a live page, `live_page_hub` and `live_page_recorder` (none here; appendix C
+#   fills them).
 # - `python -m nanovllm.serve` (`nanovllm.serve.cli`, `./dev serve`) with a clean Ctrl-C, and
 #   `ServerProcess`, a server in a child process for notebooks, tests and benchmarks.
 #
@@ -1964,7 +1662,7 @@ assert after["generation_tokens_total"] < during["generation_tokens_total"] + 50
 #   会释放块的取消，`--max-waiting` 背压，Prometheus 的 `/metrics`。
 # - `nanovllm.serve.guards` 以及围绕它的选项：有上限的请求体、提示词和停止列表，不在事件循环上做的分词，读请求的
 #   期限，靠心跳看着的引擎（引擎死了服务器就退出），API 密钥和 `Host` 白名单。
-# - `nanovllm.serve.dashboard`：`/dashboard` 上的实时 KV 缓存页面。
+# - 留给实时页面的两个接缝：`live_page_hub` 和 `live_page_recorder`（这里没有实时页面；附录 C 填上它们）。
 # - `python -m nanovllm.serve`（`nanovllm.serve.cli`、`./dev serve`），以及干净的 Ctrl-C；`ServerProcess`：在子进程中
 #   运行的服务器，供 notebook、测试和基准测试使用。
 #
@@ -2008,5 +1706,4 @@ except openai.NotFoundError as error:
 status = server.stop()
 assert status == 0 and server.process.poll() is not None, server.output()
 smol_llm.exit()
-llm.exit()
 print(say("all exercise answers check out; the server exited with status {status}", status=status))

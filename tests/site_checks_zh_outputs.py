@@ -144,6 +144,7 @@ TRANSLATED = {
     ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],
+    "C_live_page": [("frames published", "发布的帧"), ("all exercise answers check out", "练习答案全部验证通过")],
 }
 
 

@@ -22,9 +22,8 @@ from typing import Any
 import uvicorn
 
 from nanovllm.config import Config
-from nanovllm.serve.app import create_app
+from nanovllm.serve.app import create_app, live_page_recorder
 from nanovllm.serve.client import EngineProcess, EngineStartError
-from nanovllm.serve.dashboard import LiveRecorder
 from nanovllm.serve.guards import allowed_hosts, read_deadline
 
 __all__ = [
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         name = args.served_model_name or Path(model).name
         print(f"nano-vllm: loading {model}", file=sys.stderr, flush=True)
         # The engine gets a process of its own (see "The engine in a process of its own").
-        engine = EngineProcess(model, engine_settings(args), LiveRecorder)
+        engine = EngineProcess(model, engine_settings(args), live_page_recorder())
     except (EngineStartError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
