@@ -91,10 +91,10 @@
 # The runner is the first part of the engine that reads its settings, so they are built here:
 # `LLM(model, **settings)` (chapter 11) turns its keyword arguments into one `Config`, and every
 # part reads what it needs from it. The fields and defaults of nano-vllm come first, then what
-# running on a CPU needs; a few belong to later chapters (graphs, ranks, the 8-bit cache), and the
-# table says which. The settings of what a later chapter builds arrive with it (chapter 00's
-# `add_fields`): the compiled small ops in chapter 09, the fused decode step in 09b, the ranks'
-# deadline in 10b, asynchronous scheduling in 12 and speculative decoding in 17.
+# running on a CPU needs; a few belong to later chapters (graphs, ranks), and the table says
+# which. The settings of what a later chapter builds arrive with it (chapter 00's `add_fields`):
+# the compiled small ops in chapter 09, the fused decode step in 09b, the ranks' deadline in 10b,
+# asynchronous scheduling in 12, the 8-bit KV cache in 16 and speculative decoding in 17.
 #
 # | field | default | meaning |
 # |---|---|---|
@@ -114,15 +114,12 @@
 # | `kvcache_memory_gb` | 1.0 | KV pool size on CPU when `num_kvcache_blocks` is -1 |
 # | `fork_samples` | True | `n > 1`: prefill once, then fork (chapter 04b); False: n independent requests |
 # | `load_format` | "auto" | "auto": the directory's safetensors; "dummy": seeded random weights (benchmarks, ch. 05) |
-# | `kv_cache_dtype` | "auto" | "auto": K/V in the model's dtype; "fp8": float8 e4m3 + scales, ~2x the blocks (ch. 16) |
 #
 # **`"auto"` values.** `device`: CUDA when torch sees a GPU, else CPU. `dtype`: float32 on CPU
 # (CPUs have no fast half-precision matmul, and float32 makes parity with `transformers` exact);
 # on CUDA the checkpoint's own type when it is bfloat16 or float16, else bfloat16.
 # `attention_backend`: triton on CUDA, torch on CPU (Triton runs on a CPU only through its
-# interpreter, which is for tests). `kv_cache_dtype="fp8"` works with both of those backends, not
-# with `"flash-attn"`, and on a GPU only from compute capability 8.9 (Ada, Hopper), where Triton
-# converts float8 e4m3 in hardware; each refusal names the setting.
+# interpreter, which is for tests).
 #
 # **Block size rule.** nano-vllm demands a multiple of 256 because flash-attn's paged kernels
 # want it. Our kernels only need a power of two (Triton's `tl.arange` ranges must have a
@@ -141,9 +138,9 @@
 #
 # 执行器是引擎中第一个读取设置的部件，所以设置在这里构建：`LLM(model, **settings)`（第 11 章）把它的关键字参数变成
 # 一个 `Config`，各部件从中读取自己需要的东西。先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段；其中
-# 有几个属于后面的章节（CUDA Graph、rank、8 位缓存），表中注明了是哪一章。后面章节所构建的东西，其设置随那一章一起
-# 加入（第 00 章的 `add_fields`）：第 09 章的编译小算子、第 09b 章的融合 decode 步、第 10b 章 rank 的回复期限、第 12 章
-# 的异步调度和第 17 章的投机解码。
+# 有几个属于后面的章节（CUDA Graph、rank），表中注明了是哪一章。后面章节所构建的东西，其设置随那一章一起加入（第 00 章
+# 的 `add_fields`）：第 09 章的编译小算子、第 09b 章的融合 decode 步、第 10b 章 rank 的回复期限、第 12 章的异步调度、
+# 第 16 章的 8 位 KV 缓存和第 17 章的投机解码。
 #
 # | 字段 | 默认值 | 含义 |
 # |---|---|---|
@@ -163,14 +160,11 @@
 # | `kvcache_memory_gb` | 1.0 | 在 CPU 上且 `num_kvcache_blocks` 为 -1 时 KV 块池的大小 |
 # | `fork_samples` | True | `n > 1` 的请求只 prefill 一次再分叉（第 04b 章）；False：当作 n 个独立请求 |
 # | `load_format` | "auto" | "auto"：读目录里的 safetensors；"dummy"：带种子的随机权重（基准测试用，第 05 章） |
-# | `kv_cache_dtype` | "auto" | "auto"：K/V 用模型的数据类型；"fp8"：float8 e4m3 加缩放因子，块数约翻倍（第 16 章） |
 #
 # **`"auto"` 的含义：** `device`：torch 能看到 GPU 就用 CUDA，否则用 CPU。`dtype`：CPU 上用 float32
 # （CPU 没有快速的半精度矩阵乘法，而且 float32 能让结果与 `transformers` 完全一致）；CUDA 上，若权重本身是
 # bfloat16 或 float16 就用它，否则用 bfloat16。`attention_backend`：CUDA 上用 triton，CPU 上用 torch
-# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。`kv_cache_dtype="fp8"` 能和这两个后端一起用，不能和
-# `"flash-attn"` 一起用；在 GPU 上只支持计算能力 8.9 及以上（Ada、Hopper），Triton 在那里用硬件转换 float8 e4m3；
-# 每一种拒绝都会指明是哪个配置项。
+# （Triton 在 CPU 上只能通过解释器运行，那是给测试用的）。
 #
 # **块大小的规则：** nano-vllm 要求块大小是 256 的倍数，因为 flash-attn 的分页内核需要这样。我们的内核只要求
 # 2 的幂（Triton 的 `tl.arange` 长度必须是 2 的幂），torch 参考实现则什么都能接受；而本书正是靠小块来演示各种机制。
@@ -203,9 +197,6 @@ DEVICES = ("auto", "cpu", "cuda")
 # en: The kinds the attention_backend setting may name: the torch reference and the Triton and FlashAttention kernels.
 # zh: 配置项 attention_backend 可以取的种类：torch 参考实现，以及 Triton 与 FlashAttention 的内核。
 ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
-# en: The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
-# zh: 配置项 kv_cache_dtype：“auto” 以模型的数据类型存储 K/V，“fp8” 以带缩放因子的 float8 e4m3 存储。
-KV_CACHE_DTYPES = ("auto", "fp8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_BLOCK_SIZE = 1024
 
@@ -299,7 +290,6 @@ class Config:
     kvcache_memory_gb: float = 1.0
     fork_samples: bool = True
     load_format: str = "auto"
-    kv_cache_dtype: str = "auto"
     # en: Derived from the model directory, not settings (from_kwargs refuses them).
     # zh: 由模型目录推出，不是配置项（from_kwargs 会拒绝它们）。
     hf_config: PretrainedConfig | None = field(default=None, init=False, repr=False)
@@ -358,8 +348,6 @@ class Config:
             )
         elif backend == "flash-attn":
             _check_flash_attn(device, dtype)
-        if _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES) == "fp8":
-            _check_fp8_cache(device, backend)
         self.device, self.dtype, self.attention_backend = device, dtype, backend
 
     @property
@@ -404,19 +392,6 @@ def _check_flash_attn(device: str, dtype: str) -> None:
         )
 
 
-def _check_fp8_cache(device: str, backend: str) -> None:
-    """Refuse kv_cache_dtype='fp8' where it cannot run."""
-    if backend == "flash-attn":
-        raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
-                         "reads 16-bit pages, not float8 rows with their scales")
-    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
-        raise ValueError(
-            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), where Triton "
-            f"converts float8 e4m3; {torch.cuda.get_device_name()} is "
-            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use kv_cache_dtype='auto'"
-        )
-
-
 def _half_dtype_of(hf_config: PretrainedConfig) -> str:
     # en: A checkpoint saved in bf16 or fp16 runs in that type; one saved in fp32 (like our
     # en: dequantized SmolLM2) runs in bf16 on a GPU, which is what GPUs are fast at.
@@ -455,7 +430,6 @@ say = Phrases({
     "utilization 1.5": "利用率 1.5",
     "unknown device": "未知设备",
     "dtype float64": "dtype float64",
-    "kv cache int8": "KV 缓存 int8",
     "missing dir": "目录不存在",
     "empty dir": "空目录",
     "malformed config": "格式错误的配置",
@@ -549,7 +523,6 @@ mistakes = {
     "utilization 1.5": lambda: Config.from_kwargs(tiny, gpu_memory_utilization=1.5),
     "unknown device": lambda: Config.from_kwargs(tiny, device="tpu"),
     "dtype float64": lambda: Config.from_kwargs(tiny, dtype="float64"),
-    "kv cache int8": lambda: Config.from_kwargs(tiny, kv_cache_dtype="int8"),
     "missing dir": lambda: Config.from_kwargs(workdir / "nowhere"),
     "empty dir": lambda: Config.from_kwargs(workdir),
     "malformed config": lambda: Config.from_kwargs(broken),

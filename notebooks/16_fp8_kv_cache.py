@@ -825,9 +825,10 @@ assert torch.equal(ours.view(torch.uint8), x.to(FP8).view(torch.uint8))
 # %% [markdown] tags=["en"]
 # ## The engine: a setting, and twice the blocks
 #
-# `LLM(model, kv_cache_dtype="fp8")` (chapter 08's `Config`) refuses what cannot work, naming the
-# setting: an unknown value, `attention_backend="flash-attn"` (FlashAttention 4 reads 16-bit
-# pages), and a GPU older than compute capability 8.9, where Triton has no float8 e4m3. The model
+# `LLM(model, kv_cache_dtype="fp8")` (a setting this chapter adds to `Config`) refuses what cannot
+# work, naming the setting: an unknown value, `attention_backend="flash-attn"` (FlashAttention 4
+# reads 16-bit pages), and a GPU older than compute capability 8.9, where Triton has no float8
+# e4m3. The model
 # runner allocates the float8 cache and its scales, hands each layer its views (`k_scales`,
 # `v_scales` beside `k_cache`, `v_cache`), and sizes the pool with `kv_block_bytes`, which counts
 # the scales: the same memory holds about twice the blocks of a bfloat16 cache, and on a CPU,
@@ -836,11 +837,48 @@ assert torch.equal(ours.view(torch.uint8), x.to(FP8).view(torch.uint8))
 # %% [markdown] tags=["zh"]
 # ## 引擎：一个配置项，块数翻倍
 #
-# `LLM(model, kv_cache_dtype="fp8")`（第 08 章的 `Config`）会拒绝行不通的情况，并指明是哪个配置项：未知的取值、
+# `LLM(model, kv_cache_dtype="fp8")`（本章给 `Config` 加上的配置项）会拒绝行不通的情况，并指明是哪个配置项：未知的取值、
 # `attention_backend="flash-attn"`（FlashAttention 4 读取的是 16 位的页），以及计算能力低于 8.9 的 GPU（Triton 在
 # 那里没有 float8 e4m3）。模型执行器分配 float8 缓存和它的缩放因子，把视图交给每一层（`k_scales`、`v_scales` 与
 # `k_cache`、`v_cache` 并列），并用 `kv_block_bytes` 确定块池大小，它把缩放因子也算进去：同样的空间能放下的块约为
 # bfloat16 缓存的两倍；在 CPU 上模型以 float32 运行，则接近四倍。`kv_cache_summary` 报告块池的情况。
+
+# %% setting: kv cache dtype
+#| export config
+import torch
+
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config, _choice
+
+# en: The kv_cache_dtype setting: "auto" stores K/V in the model's dtype, "fp8" in float8 e4m3 with scales.
+# zh: 配置项 kv_cache_dtype：“auto” 以模型的数据类型存储 K/V，“fp8” 以带缩放因子的 float8 e4m3 存储。
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+# en: How K/V are cached: "auto" in the model's dtype, "fp8" in float8 e4m3 with one scale per token and KV head.
+# zh: K/V 怎样缓存："auto" 用模型的数据类型，"fp8" 用 float8 e4m3，每个 token、每个 KV 头带一个缩放因子。
+@add_fields(Config)
+class _KVCacheDtype:
+    kv_cache_dtype: str = "auto"
+
+
+@add_to_init(Config)
+def _check_kv_cache_dtype(self) -> None:
+    if _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES) == "fp8":
+        _check_fp8_cache(self.device, self.attention_backend)
+
+
+def _check_fp8_cache(device: str, backend: str) -> None:
+    """Refuse kv_cache_dtype='fp8' where it cannot run."""
+    if backend == "flash-attn":
+        raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
+                         "reads 16-bit pages, not float8 rows with their scales")
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        raise ValueError(
+            f"kv_cache_dtype='fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper), where Triton "
+            f"converts float8 e4m3; {torch.cuda.get_device_name()} is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: use kv_cache_dtype='auto'"
+        )
 
 # %% [markdown] tags=["en"]
 # Chapter 08's runner already sized, allocated and copied a cache of any dtype; what it left for
