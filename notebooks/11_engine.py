@@ -139,7 +139,13 @@ def load_tokenizer(model: str) -> Any:
 
 def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
     """One prompt as token ids: text is tokenized, a list already holds ids (Sequence checks each one)."""
+    prompt = checked_prompt(prompt)
     return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def checked_prompt(prompt: object) -> object:
+    """The prompt as text or as a sequence of token ids, refused if it is neither: here, taken as given."""
+    return prompt
 
 
 class LLMEngine:

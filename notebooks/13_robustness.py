@@ -44,8 +44,10 @@
 # `transformers` would quietly build a tokenizer that knows a single token, and every text
 # prompt would come out empty.
 #
-# Both are module-level functions of chapter 11's engine, replaced here in place: the book's
-# `add_to_class` also takes a module.
+# Chapter 11's `prompt_token_ids` asks `checked_prompt` for the prompt as text or token ids, a
+# hook that took the prompt as given; filled here, it refuses what is neither. `load_tokenizer` is
+# replaced in place. Both are module-level functions: the book's `add_to_class` also takes a
+# module.
 
 # %% [markdown] tags=["zh"]
 # ## 各种形状的提示词，以及确实存在的分词器
@@ -58,7 +60,9 @@
 # `tokenizer.model`、`vocab.json`、`vocab.txt`），目录就会被拒绝，因为 `transformers` 会悄悄地构造一个只认识
 # 一个 token 的分词器，每个文本提示词都会变成空的。
 #
-# 这两个都是第 11 章引擎模块里的函数，在这里原地替换：本书的 `add_to_class` 也接受一个模块。
+# 第 11 章的 `prompt_token_ids` 通过 `checked_prompt` 取得文本或 token id 形式的提示词，这个接缝原本照单全收；在这里
+# 填上之后，两者都不是的东西会被拒绝。`load_tokenizer` 则在原地替换。两者都是模块级函数：本书的 `add_to_class` 也接受
+# 一个模块。
 
 # %% prompts of every shape
 #| export engine.llm_engine
@@ -97,9 +101,9 @@ def load_tokenizer(model: str) -> Any:
 
 
 @add_to_class(llm_engine)
-def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
-    """One prompt as token ids: text is tokenized; a list, a tuple or a 1-D integer NumPy array or torch
-    tensor already holds ids (Sequence checks each one)."""
+def checked_prompt(prompt: object) -> str | list[int] | ListLike[int]:
+    """The prompt as text or as token ids: a str (not empty, valid text), a list or a tuple, or the ids of a 1-D
+    integer NumPy array or torch tensor; anything else is refused by name."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is an empty string")
@@ -110,7 +114,7 @@ def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
                 f"prompt is not valid text: it holds a lone surrogate, {prompt[error.start]!r} at index "
                 f"{error.start} (bytes decoded with errors='surrogateescape'? decode them with errors='replace')"
             ) from None
-        return tokenizer.encode(prompt)
+        return prompt
     if isinstance(prompt, (np.ndarray, torch.Tensor)):
         return _array_token_ids(prompt)
     if isinstance(prompt, (bytes, bytearray, memoryview)):
@@ -119,7 +123,7 @@ def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
         raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}: "
                         "decode bytes to a str first (for example data.decode('utf-8'))")
     if isinstance(prompt, ListLike):
-        return list(prompt)
+        return prompt
     raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
                     f"got {type(prompt).__name__}")
 
@@ -1156,7 +1160,7 @@ print(say("one generate call runs {lines} lines of bookkeeping ({distinct} disti
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - Prompts of every shape (`prompt_token_ids`, a 1-D integer array or tensor), refused clearly
+# - Prompts of every shape (`checked_prompt`, a 1-D integer array or tensor), refused clearly
 #   when they are not token ids or valid text; a model directory without tokenizer files refused.
 # - `Scheduler.rollback` and `Scheduler.abort`: a step that failed is undone; an interrupted
 #   `generate` takes its requests with it, and the step in flight is settled.
@@ -1183,7 +1187,7 @@ print(say("one generate call runs {lines} lines of bookkeeping ({distinct} disti
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - 各种形状的提示词（`prompt_token_ids`，一维整数数组或张量）；不是 token id 或不是合法文本时给出清楚的拒绝；
+# - 各种形状的提示词（`checked_prompt`，一维整数数组或张量）；不是 token id 或不是合法文本时给出清楚的拒绝；
 #   没有分词器文件的模型目录会被拒绝。
 # - `Scheduler.rollback` 与 `Scheduler.abort`：失败的一步被撤销；被中断的 `generate` 带走它的请求，计算中的那一步
 #   也会被妥善处理。

@@ -39,10 +39,11 @@ UPSTREAM_LINES = {
 # Code lines that later chapters retype: members (or top-level names) that replace an earlier chapter's version whole.
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
 # (It was 282 until module-level replacements, `@add_to_class(module)`, were counted too: they hid 40 lines, chapter
-# 13's prompt and tokenizer checks for the most part. Since then chapter 06's paged `Attention.forward`, which its
-# prose compares with chapter 05's first cut line by line, added 11 and chapter 16's cache dtype 3, while chapter
-# 13's undo of a failed step became the hook `_undone_on_failure` that chapter 12 leaves: -12.)
-MAX_RETYPED_LINES = 324
+# 13's prompt and tokenizer checks for the most part, 322 in all. Since then chapter 06's paged `Attention.forward`,
+# which its prose compares with chapter 05's first cut line by line, added 11 and chapter 16's cache dtype 3, while
+# chapter 13's undo of a failed step and its prompt checks became hooks that chapters 12 and 11 leave
+# (`_undone_on_failure`, `checked_prompt`): -12 and -22.)
+MAX_RETYPED_LINES = 302
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5

@@ -39,6 +39,7 @@ __all__ = [
     "NonFiniteLogitsError",
     "Prompt",
     "StepOutput",
+    "checked_prompt",
     "load_tokenizer",
     "non_finite_cause",
     "params_per_prompt",
@@ -65,9 +66,17 @@ def load_tokenizer(model: str) -> Any:
         raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
 
 
+# notebooks/11_engine.py · cell "llm engine"
 def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
-    """One prompt as token ids: text is tokenized; a list, a tuple or a 1-D integer NumPy array or torch
-    tensor already holds ids (Sequence checks each one)."""
+    """One prompt as token ids: text is tokenized, a list already holds ids (Sequence checks each one)."""
+    prompt = checked_prompt(prompt)
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+# notebooks/13_robustness.py · cell "prompts of every shape"
+def checked_prompt(prompt: object) -> str | list[int] | ListLike[int]:
+    """The prompt as text or as token ids: a str (not empty, valid text), a list or a tuple, or the ids of a 1-D
+    integer NumPy array or torch tensor; anything else is refused by name."""
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is an empty string")
@@ -78,7 +87,7 @@ def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
                 f"prompt is not valid text: it holds a lone surrogate, {prompt[error.start]!r} at index "
                 f"{error.start} (bytes decoded with errors='surrogateescape'? decode them with errors='replace')"
             ) from None
-        return tokenizer.encode(prompt)
+        return prompt
     if isinstance(prompt, (np.ndarray, torch.Tensor)):
         return _array_token_ids(prompt)
     if isinstance(prompt, (bytes, bytearray, memoryview)):
@@ -86,7 +95,7 @@ def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
         raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}: "
                         "decode bytes to a str first (for example data.decode('utf-8'))")
     if isinstance(prompt, ListLike):
-        return list(prompt)
+        return prompt
     raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
                     f"got {type(prompt).__name__}")
 
