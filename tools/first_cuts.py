@@ -127,22 +127,17 @@ class Retyped:
     seam: bool = False
 
 
-def module_aliases(cell: tangle.Cell) -> set[str]:
-    """The names under which a cell imports modules of the package (``import nanovllm.engine.llm_engine as e``)."""
-    return {alias.asname for node in ast.parse(tangle.english_comments(cell.code)).body if isinstance(node, ast.Import)
-            for alias in node.names if alias.asname and alias.name.startswith("nanovllm.")}
-
-
-def defined_names(node: ast.stmt, cell: tangle.Cell) -> list[str]:
+def defined_names(node: ast.stmt, cell: tangle.Cell, own_module: set[str]) -> list[str]:
     """What a top-level statement of an exported cell defines: ``Class.member`` for a class extension, the name
-    of a function, class or assignment, and for a class its members too."""
+    of a function, class or assignment, and for a class its members too. ``own_module``: the names under which
+    the cell imports the module it exports into (`tangle.module_aliases`)."""
     extension = tangle.class_extension(node, cell)
     if extension is not None:
         # Lines added to the end of a constructor, and fields added to a dataclass, replace nothing.
         if extension[2] in ("init", "fields"):
             return []
-        # `@add_to_class(module)` (the module imported under an alias) replaces a top-level name.
-        return [extension[1]] if extension[0] in module_aliases(cell) else [f"{extension[0]}.{extension[1]}"]
+        # `@add_to_class(module)`, the module exported into, replaces a top-level name (as the tangler does).
+        return [extension[1]] if extension[0] in own_module else [f"{extension[0]}.{extension[1]}"]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return [node.name]
     if isinstance(node, ast.Assign):
@@ -193,9 +188,11 @@ def retyped_members(root: Path) -> list[Retyped]:
     for cell, target, _ in tangle.exported_cells(root):
         code = cell_code(cell, target)
         lines = code.splitlines()
+        # The cell as written: cell_code drops the import of the module it extends, which names its alias.
+        own_module = tangle.module_aliases(ast.parse(tangle.english_comments(cell.code)), tangle.Module(target, []))
         for node in ast.parse(code).body:
             members = [node, *getattr(node, "body", [])] if isinstance(node, ast.ClassDef) else [node]
-            for name in defined_names(node, cell):
+            for name in defined_names(node, cell, own_module):
                 earlier = first.setdefault((target, name), cell.chapter)
                 member = node if isinstance(node, ast.ClassDef) and name == node.name else next(
                     (m for m in members if tangle._member_name(m) == name.split(".")[-1]), node)
