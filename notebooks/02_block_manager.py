@@ -405,9 +405,13 @@ class BlockPool:
     def take_free_block(self) -> int:
         """Take the block at the head of the free list, for new contents."""
         block = self.blocks[self.free_block_ids.popleft()]
+        self._forget_old_contents(block)
         block.ref_count = 1
         self.used_block_ids.add(block.block_id)
         return block.block_id
+
+    def _forget_old_contents(self, block: Block) -> None:
+        """The block is about to get new contents. Here it remembers none (chapter 03's prefix cache does)."""
 
     def release(self, block_id: int) -> None:
         """Drop a reference; at zero the block joins the tail of the free list."""
@@ -438,7 +442,10 @@ class BlockPool:
 #   (With `block_size == 1` the modulo test would never fire, although every step needs a
 #   block; comparing lengths has no such corner.)
 #
-# That is upstream's `block_manager.py` without its hashing, which chapter 03 adds.
+# That is upstream's `block_manager.py` without its hashing, which chapter 03 adds. Three hooks
+# stay empty here, each filled by the chapter that needs it: `_forget_old_contents` (chapter 03's
+# cache unpublishes a block before it is overwritten), and `_blocks_to_unshare` with
+# `_unshare_write_block` (chapter 04b's copy-on-write, once forked samples share blocks).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块表
@@ -455,7 +462,9 @@ class BlockPool:
 #   `len(seq) % block_size == 1`，看起来像差一错误，其实不是：*刚刚*溢出最后一块的那个 token，正是这一步要写入 KV 的
 #   token。（`block_size == 1` 时，取模判断永远不成立，可实际上每一步都需要新块；比较长度就没有这个死角。）
 #
-# 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。
+# 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。这里有三个接缝暂时是空的，各由需要它的那一章
+# 填上：`_forget_old_contents`（第 03 章的缓存在块被覆盖之前取消发布它），以及 `_blocks_to_unshare` 和
+# `_unshare_write_block`（第 04b 章的写时复制：分叉出的样本会共享块）。
 
 # %% block manager
 #| export
@@ -485,7 +494,12 @@ class BlockManager(BlockPool):
         # en: starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
         # zh: decode 时，最后追加的那个 token 还没有 KV：恰好当它开启一个新块时需要新块；block_size > 1 时，
         # zh: 这就是上游的 `len(seq) % block_size == 1`。
-        return seq.num_blocks - len(seq.block_table)
+        return seq.num_blocks - len(seq.block_table) + self._blocks_to_unshare(seq)
+
+    def _blocks_to_unshare(self, seq: Sequence) -> int:
+        """Blocks that ``seq`` shares with another table and its step writes into, each to be copied first: none
+        here, where every table is its own (chapter 04b's forked samples share theirs)."""
+        return 0
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the blocks for ``seq``'s next decode step are available."""
@@ -494,7 +508,11 @@ class BlockManager(BlockPool):
     def may_append(self, seq: Sequence) -> None:
         """Make ``seq``'s block table cover all its tokens before a decode step (0 or 1 new block)."""
         assert self.can_append(seq), "ask can_append first"
+        self._unshare_write_block(seq)
         seq.block_table += [self.take_free_block() for _ in range(self._blocks_to_append(seq))]
+
+    def _unshare_write_block(self, seq: Sequence) -> None:
+        """Give ``seq`` its own copy of a shared block that its step writes into (see `_blocks_to_unshare`)."""
 
 # %% [markdown] tags=["en"]
 # ## See it: two sequences in a pool of eight blocks

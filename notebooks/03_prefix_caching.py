@@ -214,10 +214,11 @@ class PrefixCache:
 # - A `Block` gains its `hash` (`NO_HASH` until published) and the `token_ids` it was published
 #   with, and `reset()`, which forgets both before the block is given new contents.
 # - The pool owns the `PrefixCache` (or none, with `enable_prefix_caching=False`).
-#   `take_free_block` now asks the cache to `forget` the block before resetting it: rule 4 at the
-#   one place where contents are overwritten. `hold` is new: one more reference to a block whose
-#   contents we reuse; a block whose count was 0 is *revived*, which takes it out of the free
-#   list (otherwise the free list could hand it to somebody else while it is in use).
+#   `take_free_block` now asks the cache to `forget` the block before resetting it (chapter 02's
+#   hook `_forget_old_contents`): rule 4 at the one place where contents are overwritten. `hold`
+#   is new: one more reference to a block whose contents we reuse; a block whose count was 0 is
+#   *revived*, which takes it out of the free list (otherwise the free list could hand it to
+#   somebody else while it is in use).
 # - `allocate` asks the cache for hits first: they are *held* instead of taken, and
 #   `num_cached_tokens` tells the scheduler how many tokens need no computing. `can_allocate`
 #   counts only the blocks that must come from the free list: a hit on a block that another
@@ -233,8 +234,9 @@ class PrefixCache:
 #
 # - `Block` 增加 `hash`（发布之前为 `NO_HASH`）和发布时的 `token_ids`，以及 `reset()`：在块装入新内容之前忘掉这两者。
 # - 块池拥有 `PrefixCache`（`enable_prefix_caching=False` 时没有）。`take_free_block` 现在先让缓存 `forget` 这个块，
-#   再重置它：规则 4 落在覆盖内容的唯一位置。`hold` 是新方法：给一个要复用其内容的块再加一个引用；计数原为 0 的块被
-#   *复活*，也就是把它移出空闲队列（否则空闲队列可能在它还被使用时把它交给别人）。
+#   再重置它（第 02 章的接缝 `_forget_old_contents`）：规则 4 落在覆盖内容的唯一位置。`hold` 是新方法：给一个要复用
+#   其内容的块再加一个引用；计数原为 0 的块被*复活*，也就是把它移出空闲队列（否则空闲队列可能在它还被使用时把它交给
+#   别人）。
 # - `allocate` 先向缓存要命中的块：这些块被*持有*而不是新取，`num_cached_tokens` 告诉调度器有多少个 token 不必计算。
 #   `can_allocate` 只计算必须从空闲队列取的块：命中另一个序列正在使用的块不占空闲块；命中一个*空闲*块则恰好消耗这个块。
 # - `publish_full_blocks(seq)` 由调度器的后处理在每一步之后调用，把这一步刚*写满*的块交给缓存（规则 1）。
@@ -295,17 +297,11 @@ def hash_to_block_id(self) -> dict[int, int]:
 
 
 @add_to_class(BlockPool)
-def take_free_block(self) -> int:
-    """Take the block at the head of the free list, for new contents."""
-    block = self.blocks[self.free_block_ids.popleft()]
+def _forget_old_contents(self, block: Block) -> None:
+    """The block is about to get new contents: unpublish the old ones (rule 4), then forget them."""
     if self.prefix_cache is not None:
-        # en: Its old contents are about to be overwritten: unpublish them (rule 4).
-        # zh: 它的旧内容即将被覆盖：取消发布（规则 4）。
         self.prefix_cache.forget(block)
     block.reset()
-    block.ref_count = 1
-    self.used_block_ids.add(block.block_id)
-    return block.block_id
 
 
 @add_to_class(BlockPool)

@@ -187,19 +187,21 @@ def sibling_samples(seqs: list[Sequence]) -> list[tuple[int, int]]:
 # ## Build it: the block manager's share
 #
 # `fork(parent, child)` gives the child the parent's table and one more reference to each block.
-# Copy-on-write lives in `may_append`: `_shared_write_block` finds the block that the step writes
-# into (the one holding token `num_cached_tokens`) when another table holds it too, and
-# `_blocks_to_append` counts one more free block for the copy, so that `can_append` says no when
-# the copy cannot be made. `deallocate` also drops a planned copy: a sequence that gives back its
-# blocks has nothing to copy into.
+# Copy-on-write fills two hooks that chapter 02 left empty. `_shared_write_block` finds the block
+# that the step writes into (the one holding token `num_cached_tokens`) when another table holds
+# it too; `_blocks_to_unshare` then counts one more free block for the copy, so that `can_append`
+# says no when the copy cannot be made, and `_unshare_write_block`, which `may_append` calls
+# before it adds the step's new block, makes it. `deallocate` also drops a planned copy: a
+# sequence that gives back its blocks has nothing to copy into.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块管理器负责的部分
 #
-# `fork(parent, child)` 让子序列得到父序列的块表，并给每个块再加一个引用。写时复制在 `may_append` 中：当这一步要写入的块
-# （存放第 `num_cached_tokens` 个 token 的块）也被别的块表持有时，`_shared_write_block` 找到它；`_blocks_to_append`
-# 为复制多算一个空闲块，这样复制做不了时 `can_append` 会说不行。`deallocate` 也会丢掉计划中的复制：归还了块的序列
-# 没有可以复制进去的地方。
+# `fork(parent, child)` 让子序列得到父序列的块表，并给每个块再加一个引用。写时复制填上第 02 章留空的两个接缝。当这一步
+# 要写入的块（存放第 `num_cached_tokens` 个 token 的块）也被别的块表持有时，`_shared_write_block` 找到它；于是
+# `_blocks_to_unshare` 为复制多算一个空闲块，这样复制做不了时 `can_append` 会说不行；`_unshare_write_block` 完成复制，
+# `may_append` 先调用它，再为这一步加上新块。`deallocate` 也会丢掉计划中的复制：归还了块的序列没有可以复制进去的
+# 地方。
 
 # %% block manager forks
 #| export engine.block_manager
@@ -225,19 +227,14 @@ def _shared_write_block(self, seq: Sequence) -> int | None:
 
 
 @add_to_class(BlockManager)
-def _blocks_to_append(self, seq: Sequence) -> int:
-    assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
-    # en: The new block a decode step may need, plus one for a copy-on-write.
-    # zh: decode 步可能需要的新块（第 02 章），再加上写时复制需要的一块。
-    copy = self._shared_write_block(seq) is not None
-    return seq.num_blocks - len(seq.block_table) + copy
+def _blocks_to_unshare(self, seq: Sequence) -> int:
+    """One free block for the copy when the block that ``seq``'s step writes into is shared, else none."""
+    return int(self._shared_write_block(seq) is not None)
 
 
 @add_to_class(BlockManager)
-def may_append(self, seq: Sequence) -> None:
-    """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
-    give it a private copy of a shared block the step would write into (copy-on-write)."""
-    assert self.can_append(seq), "ask can_append first"
+def _unshare_write_block(self, seq: Sequence) -> None:
+    """Copy-on-write: give ``seq`` a private copy of a shared block that its step would write into."""
     i = self._shared_write_block(seq)
     if i is not None:
         # en: A fresh block replaces the shared one in this table only; the runner copies the K/V
@@ -246,7 +243,6 @@ def may_append(self, seq: Sequence) -> None:
         source, seq.block_table[i] = seq.block_table[i], self.take_free_block()
         self.release(source)
         seq.blocks_to_copy.append((source, seq.block_table[i]))
-    seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
 
 
 @add_to_class(BlockManager)

@@ -68,17 +68,20 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    # notebooks/03_prefix_caching.py · cell "pool owns the cache"
     def take_free_block(self) -> int:
         """Take the block at the head of the free list, for new contents."""
         block = self.blocks[self.free_block_ids.popleft()]
-        if self.prefix_cache is not None:
-            # Its old contents are about to be overwritten: unpublish them (rule 4).
-            self.prefix_cache.forget(block)
-        block.reset()
+        self._forget_old_contents(block)
         block.ref_count = 1
         self.used_block_ids.add(block.block_id)
         return block.block_id
+
+    # notebooks/03_prefix_caching.py · cell "pool owns the cache"
+    def _forget_old_contents(self, block: Block) -> None:
+        """The block is about to get new contents: unpublish the old ones (rule 4), then forget them."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(block)
+        block.reset()
 
     # notebooks/02_block_manager.py · cell "block pool"
     def release(self, block_id: int) -> None:
@@ -143,11 +146,17 @@ class BlockManager(BlockPool):
         # A copy planned into a block it no longer holds is moot.
         seq.blocks_to_copy = []
 
+    # notebooks/02_block_manager.py · cell "block manager"
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
-        # The new block a decode step may need, plus one for a copy-on-write.
-        copy = self._shared_write_block(seq) is not None
-        return seq.num_blocks - len(seq.block_table) + copy
+        # In decode, the token appended last has no KV yet: a new block is needed exactly when it
+        # starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
+        return seq.num_blocks - len(seq.block_table) + self._blocks_to_unshare(seq)
+
+    # notebooks/04b_parallel_sampling.py · cell "block manager forks"
+    def _blocks_to_unshare(self, seq: Sequence) -> int:
+        """One free block for the copy when the block that ``seq``'s step writes into is shared, else none."""
+        return int(self._shared_write_block(seq) is not None)
 
     def _shared_write_block(self, seq: Sequence) -> int | None:
         """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
@@ -161,11 +170,15 @@ class BlockManager(BlockPool):
         """True when the blocks for ``seq``'s next decode step are available."""
         return self._blocks_to_append(seq) <= len(self.free_block_ids)
 
-    # notebooks/04b_parallel_sampling.py · cell "block manager forks"
     def may_append(self, seq: Sequence) -> None:
-        """Make ``seq``'s block table ready for a decode step: cover all its tokens (0 or 1 new block), and
-        give it a private copy of a shared block the step would write into (copy-on-write)."""
+        """Make ``seq``'s block table cover all its tokens before a decode step (0 or 1 new block)."""
         assert self.can_append(seq), "ask can_append first"
+        self._unshare_write_block(seq)
+        seq.block_table += [self.take_free_block() for _ in range(self._blocks_to_append(seq))]
+
+    # notebooks/04b_parallel_sampling.py · cell "block manager forks"
+    def _unshare_write_block(self, seq: Sequence) -> None:
+        """Copy-on-write: give ``seq`` a private copy of a shared block that its step would write into."""
         i = self._shared_write_block(seq)
         if i is not None:
             # A fresh block replaces the shared one in this table only; the runner copies the K/V
@@ -173,7 +186,6 @@ class BlockManager(BlockPool):
             source, seq.block_table[i] = seq.block_table[i], self.take_free_block()
             self.release(source)
             seq.blocks_to_copy.append((source, seq.block_table[i]))
-        seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
 
     # notebooks/03_prefix_caching.py · cell "allocate with hits"
     def publish_full_blocks(self, seq: Sequence) -> None:
