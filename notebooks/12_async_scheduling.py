@@ -770,7 +770,8 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # The engine's share is small. Chapter 11's `_step` becomes `_launch` (schedule, hand the step to
 # the runner with `_compute`, `advance`; the result is a `LaunchedStep`) followed by `_collect`
 # (wait for the tokens, `resolve`). `_compute` leaves a hook around the runner's work,
-# `_undone_on_failure`, which chapter 13 fills to undo a step that fails. The
+# `_undone_on_failure`, which chapter 13 fills to undo a step that fails, and `_launch` two for
+# speculative decoding (chapter 17): `_reserve_drafts`, which says no here, and `_verify`. The
 # synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
 # collects step *n*, which waited in `in_flight`. A call of `step()` therefore reports the step
 # before the one it queued (the first reports nothing), and the engine is finished only when
@@ -811,7 +812,8 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #
 # 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、用 `_compute` 把这一步交给执行器、`advance`，结果是一个
 # `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。`_compute` 在执行器的工作外面留了一个接缝
-# `_undone_on_failure`，第 13 章填上它，撤销失败的一步。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
+# `_undone_on_failure`，第 13 章填上它，撤销失败的一步；`_launch` 则为投机解码（第 17 章）留了两个：这里总是回答"否"
+# 的 `_reserve_drafts`，以及 `_verify`。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
 # 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
 # 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
 #
@@ -909,10 +911,23 @@ def _step(self) -> tuple[list[Sequence], int, bool]:
 def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
     seqs, is_prefill = self.scheduler.schedule()
+    verifying = self._reserve_drafts(seqs, is_prefill, previous)
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-    tokens = self._compute(seqs, is_prefill, previous)
+    tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
     counted, indices = self.scheduler.advance(seqs, is_prefill)
     return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+@add_to_class(LLMEngine)
+def _reserve_drafts(self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None) -> bool:
+    """Whether a scheduled step also checks drafted tokens, which this reserves (speculative decoding): never here."""
+    return False
+
+
+@add_to_class(LLMEngine)
+def _verify(self, seqs: list[Sequence]) -> list[int]:
+    """Compute a step that checks drafted tokens (speculative decoding); here no step has any."""
+    raise AssertionError("a step with drafts, but nothing reserved them")
 
 
 @add_to_class(LLMEngine)

@@ -979,11 +979,12 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # %% [markdown] tags=["en"]
 # ## The engine: a decode step with drafts is a verify step
 #
-# `LLMEngine._launch` (chapter 12) gains one branch, and this is the whole of it: after the
-# schedule, a decode step asks the proposer for drafts; if it got any, `_verify` has the model
-# runner verify instead of decoding, and `accept_drafts` turns the verified step into the plain
-# decode step that `advance` and `resolve` record. If the forward fails or Ctrl-C interrupts it,
-# the drafts are dropped before chapter 13's `rollback`, so the same step can run again.
+# Chapter 12's `LLMEngine._launch` left two hooks, and filling them is the whole of it: after the
+# schedule, `_reserve_drafts` asks the proposer for a decode step's drafts; if it got any,
+# `_verify` has the model runner verify instead of decoding, and `accept_drafts` turns the
+# verified step into the plain decode step that `advance` and `resolve` record. If the forward
+# fails or Ctrl-C interrupts it, the drafts are dropped before chapter 13's `rollback`, so the
+# same step can run again.
 #
 # The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=7)` (7 is the
 # default once a method is chosen: one sequence's verify step then fills the decode graph of 8
@@ -999,9 +1000,9 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # %% [markdown] tags=["zh"]
 # ## 引擎：带草稿的 decode 步就是验证步
 #
-# `LLMEngine._launch`（第 12 章）多了一个分支，全部改动就是它：调度之后，decode 步向提议器要草稿；如果拿到了，
-# `_verify` 就让模型执行器做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance` 和 `resolve`
-# 记录的普通 decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，
+# 第 12 章的 `LLMEngine._launch` 留了两个接缝，填上它们就是全部改动：调度之后，`_reserve_drafts` 为 decode 步向提议器
+# 要草稿；如果拿到了，`_verify` 就让模型执行器做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance`
+# 和 `resolve` 记录的普通 decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 13 章的 `rollback` 之前被丢掉，
 # 于是同一步可以再跑一次。
 #
 # 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=7)`（选定方法后默认为 7：一个序列的验证步
@@ -1121,20 +1122,14 @@ def next_step_waits(self) -> bool:
 
 
 @add_to_class(LLMEngine)
-def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
-    """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
-    with drafts is verified, and what the model accepts is counted as a plain decode step."""
-    seqs, is_prefill = self.scheduler.schedule()
+def _reserve_drafts(self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None) -> bool:
+    """Give a scheduled decode step the proposer's drafts to verify; whether it got any."""
     proposer = self.drafts_source()
     # en: Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
     # zh: 草稿来自最后的 token：prefill 步里没有，计算中的那一步（previous）还在算它们时也没有。
-    verifying = False
-    if proposer is not None and not is_prefill and previous is None:
-        verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
-    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-    tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
-    counted, indices = self.scheduler.advance(seqs, is_prefill)
-    return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+    if proposer is None or is_prefill or previous is not None:
+        return False
+    return self.scheduler.reserve_drafts(seqs, proposer) > 0
 
 
 @add_to_class(LLMEngine)
@@ -1685,7 +1680,7 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 #   every row sampled as the token of its index with the sequence's parameters: with a
 #   deterministic proposer, that is speculative sampling, and the output distribution (the tokens,
 #   when seeded) is the model's.
-# - `LLMEngine._launch`: a decode step with drafts is a verify step, and `next_step_waits` lets it
+# - `LLMEngine._reserve_drafts` and `_verify`: a decode step with drafts is a verify step, and `next_step_waits` lets it
 #   see the last tokens under asynchronous scheduling; the settings `speculative_method` and
 #   `num_speculative_tokens`.
 # - `engine.speculative.DraftModelProposer`: a smaller model's greedy drafts, from an engine of
@@ -1765,8 +1760,8 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 #   `drop_drafts`：草稿在 token 预算和空闲队列允许的范围内拿到槽位，模型拒绝的部分在任何东西发布之前逐块退回。
 # - `ModelRunner.verify`：每个查询 token 一行的 decode 步（由 decode 图重放），每一行都用序列的参数、作为它那个
 #   下标上的 token 来采样：提议器是确定性的时候，这就是投机采样，输出的分布（带种子时就是 token 本身）和模型的一样。
-# - `LLMEngine._launch`：带草稿的 decode 步就是验证步，`next_step_waits` 让它在异步调度下也能看到最后的 token；
-#   设置项 `speculative_method` 和 `num_speculative_tokens`。
+# - `LLMEngine._reserve_drafts` 和 `_verify`：带草稿的 decode 步就是验证步，`next_step_waits` 让它在异步调度下也能
+#   看到最后的 token；设置项 `speculative_method` 和 `num_speculative_tokens`。
 # - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，来自它自己的引擎（自己的分页缓存、块管理器和
 #   前缀缓存），一步里的各个序列合成一批（`propose_many`；预算够每个序列的空间时，`reserve_drafts` 就调用它）；
 #   `write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。

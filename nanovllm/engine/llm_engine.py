@@ -340,20 +340,24 @@ class LLMEngine:
         self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
         self._dropped.update(dict.fromkeys(requests, cause))
 
-    # notebooks/17_speculative_decoding.py · cell "engine verifies"
+    # notebooks/12_async_scheduling.py · cell "engine in flight"
     def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
-        """Schedule a step, hand it to the model runner and count it; its tokens may still be computing. A decode step
-        with drafts is verified, and what the model accepts is counted as a plain decode step."""
+        """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
         seqs, is_prefill = self.scheduler.schedule()
-        proposer = self.drafts_source()
-        # Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
-        verifying = False
-        if proposer is not None and not is_prefill and previous is None:
-            verifying = self.scheduler.reserve_drafts(seqs, proposer) > 0
+        verifying = self._reserve_drafts(seqs, is_prefill, previous)
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
         tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
         counted, indices = self.scheduler.advance(seqs, is_prefill)
         return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+    # notebooks/17_speculative_decoding.py · cell "engine verifies"
+    def _reserve_drafts(self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None) -> bool:
+        """Give a scheduled decode step the proposer's drafts to verify; whether it got any."""
+        proposer = self.drafts_source()
+        # Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
+        if proposer is None or is_prefill or previous is not None:
+            return False
+        return self.scheduler.reserve_drafts(seqs, proposer) > 0
 
     def _verify(self, seqs: list[Sequence]) -> list[int]:
         """Run a decode step with drafts to the end and keep what the model agrees with (`accept_drafts`): each
