@@ -714,6 +714,8 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #   `deferred_interrupt`, which holds the signal back until the message is whole, so the pipes
 #   never carry half a message; waiting can be interrupted. Nothing else needs undoing: the ranks
 #   compute the interrupted step anyway, and its reply is read, and dropped, before the next one.
+#   (Its handler, `_hold`, keeps the signal; three hooks that do nothing here, `_let_through`,
+#   `enter_nested` and `exit_nested`, let chapter 13 open a way through for the model's work.)
 # - Stopping is one function, `_stop_ranks`, registered with `weakref.finalize`: it runs on
 #   `exit()`, when the runner is garbage-collected, and at interpreter exit, whichever comes
 #   first, exactly once. A normal stop asks the ranks to leave and waits for them; after an
@@ -742,7 +744,8 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #   rank 0 的回复要等设备，设备又要等所有对端）——然后停掉所有 rank，抛出 `TPTimeoutError`。
 # - Ctrl-C 随时可能到来。写一条消息或读一条消息都在 `deferred_interrupt` 之下进行，它把信号压到消息完整为止，
 #   所以管道里绝不会出现半条消息；等待则可以被打断。别的都不需要撤销：被打断的那一步各 rank 照样会算完，它的回复
-#   会在下一次调用之前被读出并丢弃。
+#   会在下一次调用之前被读出并丢弃。（它的处理函数 `_hold` 把信号留住；三个在这里什么也不做的接缝 `_let_through`、
+#   `enter_nested` 和 `exit_nested`，让第 13 章为模型的计算开一条通路。）
 # - 停止只由一个函数 `_stop_ranks` 负责，它通过 `weakref.finalize` 注册：调用 `exit()` 时、执行器被垃圾回收时、
 #   解释器退出时，以最先发生者为准，恰好运行一次。正常停止时请各 rank 自行退出并等待它们；出错后则立即终止它们
 #   （某个 rank 可能卡在集合通信里），剩下的再强制杀掉。
@@ -787,6 +790,11 @@ _held: list[FrameType | None] = []
 
 def _hold(signum: int, frame: FrameType | None) -> None:
     _held.append(frame)
+    _let_through()
+
+
+def _let_through() -> None:
+    """Deliver the Ctrl-C just held back, if a block has opened the way for it: none has, here."""
 
 
 def deferred_interrupt() -> Deferral:

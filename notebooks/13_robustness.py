@@ -237,6 +237,10 @@ def abort(self, seq: Sequence) -> None:
 #   drops its own requests as any interrupted call does. `step()` takes one just before it hands
 #   its outputs over, which otherwise stay in `unreported` for the next call.
 #
+# `interruptible` opens a gate (`Gate`) that chapter 10b's hooks ask: `_let_through`, when a
+# Ctrl-C arrives, delivers it through an open gate and closes it behind it; a nested
+# `deferred_interrupt` closes the gate until it ends (`enter_nested`, `exit_nested`).
+#
 # Everywhere else, a Ctrl-C waits until the step is whole: at most one step's bookkeeping, a
 # fraction of a millisecond, or, with asynchronous scheduling, until the tokens of the step in
 # flight arrive. Deferring is the simpler half: the alternative, undoing every line of
@@ -277,6 +281,9 @@ def abort(self, seq: Sequence) -> None:
 # - `generate` 的两步之间（`interruption_point`）：账目是完整的，调用像任何被中断的调用一样丢掉它自己的请求。
 #   `step()` 在交出结果之前也设了一个，否则这些结果会留在 `unreported` 里，交给下一次调用。
 #
+# `interruptible` 打开一道闸门（`Gate`），第 10b 章的接缝会询问它：Ctrl-C 到来时，`_let_through` 让它穿过打开的闸门，
+# 并随即在它身后关上；嵌套的 `deferred_interrupt` 在结束之前关着闸门（`enter_nested`、`exit_nested`）。
+#
 # 在其他任何地方，Ctrl-C 都要等这一步完整：最多是一步的记账，不到一毫秒；异步调度时，则要等到计算中那一步的
 # token 到达。推迟是较简单的那一半：另一种做法是撤销 `schedule`、`advance` 和 `resolve` 的每一行，那就要为每一行
 # 各写一个撤销。张量并行时，驱动进程还会把每个 rank 回复的读出和归档合为一体（读出但没有归档的回复会丢失，
@@ -294,11 +301,10 @@ def abort(self, seq: Sequence) -> None:
 #| export utils.interrupts
 import signal
 import threading
-from types import FrameType
 
 import nanovllm.utils.interrupts as interrupts
 from nanovllm.book.literate import add_to_class
-from nanovllm.utils.interrupts import Deferral, _deliver, _held, _replaced
+from nanovllm.utils.interrupts import Deferral, _deliver, _held, _hold, _replaced
 
 
 class Gate:
@@ -308,8 +314,8 @@ class Gate:
 
 
 @add_to_class(interrupts)
-def _hold(signum: int, frame: FrameType | None) -> None:
-    _held.append(frame)
+def _let_through() -> None:
+    """Deliver the Ctrl-C just held back when the gate is open (`interruptible`)."""
     if Gate.open:
         # en: the gate lets one interrupt through and closes behind it
         # zh: 闸门放过一个中断，随即在它身后关上。
@@ -332,8 +338,7 @@ def exit_nested(self) -> None:
     if self.reopen:
         Gate.open = True
         if _held:
-            Gate.open = False
-            _deliver(_replaced[-1])
+            _let_through()
 
 
 class Passage:

@@ -26,9 +26,14 @@ _replaced: list[Any] = []
 _held: list[FrameType | None] = []
 
 
-# notebooks/13_robustness.py · cell "letting ctrl-c through"
 def _hold(signum: int, frame: FrameType | None) -> None:
     _held.append(frame)
+    _let_through()
+
+
+# notebooks/13_robustness.py · cell "letting ctrl-c through"
+def _let_through() -> None:
+    """Deliver the Ctrl-C just held back when the gate is open (`interruptible`)."""
     if Gate.open:
         # the gate lets one interrupt through and closes behind it
         Gate.open = False
@@ -81,8 +86,7 @@ class Deferral:
         if self.reopen:
             Gate.open = True
             if _held:
-                Gate.open = False
-                _deliver(_replaced[-1])
+                _let_through()
 
 
 def _deliver(handler: Any) -> None:
