@@ -771,8 +771,10 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # the runner with `_compute`, `advance`; the result is a `LaunchedStep`) followed by `_collect`
 # (wait for the tokens, `resolve`). `_compute` leaves a hook around the runner's work,
 # `_undone_on_failure`, which chapter 13 fills to undo a step that fails, and `_launch` two for
-# speculative decoding (chapter 17): `_reserve_drafts`, which says no here, and `_verify`. The
-# synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
+# speculative decoding (chapter 17): `_reserve_drafts`, which says no here, and `_verify`. A
+# step in which the sampler marked a row whose logits are not numbers (`NON_FINITE`, chapter 07)
+# goes to `_collect_non_finite`, which stops the engine here and drops only that request once
+# chapter 13 fills it. The synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
 # collects step *n*, which waited in `in_flight`. A call of `step()` therefore reports the step
 # before the one it queued (the first reports nothing), and the engine is finished only when
 # nothing is in flight either.
@@ -813,9 +815,10 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、用 `_compute` 把这一步交给执行器、`advance`，结果是一个
 # `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。`_compute` 在执行器的工作外面留了一个接缝
 # `_undone_on_failure`，第 13 章填上它，撤销失败的一步；`_launch` 则为投机解码（第 17 章）留了两个：这里总是回答"否"
-# 的 `_reserve_drafts`，以及 `_verify`。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
-# 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
-# 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
+# 的 `_reserve_drafts`，以及 `_verify`。采样器标记了 logits 不是数的行（`NON_FINITE`，第 07 章）的那一步交给
+# `_collect_non_finite`：在这里它让引擎停下，第 13 章填上它之后，只丢弃那个请求。同步引擎紧接着调用二者；异步引擎
+# 则先发起第 *n + 1* 步，再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的
+# 前一步（第一次什么也不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
 #
 # 代价也很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
 # （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（上面新增的那条箭头）。生成的
@@ -855,6 +858,7 @@ from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.model_runner import SampledTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPStep
+from nanovllm.layers.sampler import NON_FINITE
 
 
 @dataclass
@@ -953,7 +957,20 @@ def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator
 def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
     """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
     token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+    # en: The sampler marks a row whose logits are not numbers. Looking for the mark in
+    # en: the tokens the host has read anyway costs no wait for the GPU on any step.
+    # zh: 采样器会标记 logits 不是数的行（第 07 章）。在主机反正要读回的 token 里找这个标记，
+    # zh: 任何一步都不必因此等待 GPU。
+    if NON_FINITE in token_ids:
+        return self._collect_non_finite(step, token_ids)
     return self.scheduler.resolve(step.seqs, step.indices, token_ids), step.num_tokens, step.is_prefill
+
+
+@add_to_class(LLMEngine)
+def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple[list[Sequence], int, bool]:
+    """A step in which the sampler marked rows whose logits are not numbers (`NON_FINITE`): no token can be
+    recorded for them, and here the engine stops."""
+    raise RuntimeError("the model's logits are NaN or infinite; this engine cannot record the step")
 
 
 @add_to_class(LLMEngine)

@@ -466,8 +466,9 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
 #   requests go on.
 #
 # The constructor gains the state these rules need; `generate`, `add_request`, `step` and `exit`
-# take the lock; `_collect` sorts what a step finished into the current `generate` call's and
-# the others', and drops what is not a number.
+# take the lock; `_drain` sorts what a step finished into the current `generate` call's and
+# the others'; and chapter 12's `_collect`, which stops at a row that is not a number, now hands
+# such a step to `_collect_non_finite`, which records the other rows and drops that request.
 
 # %% [markdown] tags=["zh"]
 # ## 一次一个调用，以及与 `add_request` 并用的 `generate`
@@ -491,8 +492,9 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
 #   （一种 `ValueError`）：属于 `generate` 自己提示词的由 `generate` 抛出并指明是哪些提示词，`add_request` 的请求则由
 #   `step` 抛出。其他请求照常进行。
 #
-# 构造函数增加这些规则需要的状态；`generate`、`add_request`、`step` 和 `exit` 获取这把锁；`_collect` 把一步中结束的
-# 序列分成当前 `generate` 调用的和其他的，并丢弃不是数的结果。
+# 构造函数增加这些规则需要的状态；`generate`、`add_request`、`step` 和 `exit` 获取这把锁；`_drain` 把一步中结束的
+# 序列分成当前 `generate` 调用的和其他的；第 12 章的 `_collect` 遇到不是数的行就停下，现在它把这样的一步交给
+# `_collect_non_finite`：记录其他行，丢弃那个请求。
 
 # %% one call at a time
 #| export engine.llm_engine
@@ -859,22 +861,15 @@ def _raise_observer_error(self) -> None:
 
 
 @add_to_class(LLMEngine)
-def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
-    """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
-    token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
+def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple[list[Sequence], int, bool]:
+    """Record the rows of a step whose logits are numbers, then drop the requests of the rows whose logits are not
+    (see `_collect` for the result)."""
     seqs, indices = step.seqs, step.indices
-    broken = []
-    # en: The sampler marks a row whose logits are not numbers. Looking for the mark in
-    # en: the tokens the host has read anyway costs no wait for the GPU on any step.
-    # zh: 采样器会标记 logits 不是数的行（第 07 章）。在主机反正要读回的 token 里找这个标记，
-    # zh: 任何一步都不必因此等待 GPU。
-    if NON_FINITE in token_ids:
-        broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
-        kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
-        seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
-    finished = self.scheduler.resolve(seqs, indices, token_ids)
-    if broken:
-        self._drop(broken)
+    broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
+    kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
+    kept_tokens = [token_ids[i] for i in kept]
+    finished = self.scheduler.resolve([seqs[i] for i in kept], [indices[i] for i in kept], kept_tokens)
+    self._drop(broken)
     return finished, step.num_tokens, step.is_prefill
 
 

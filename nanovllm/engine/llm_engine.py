@@ -309,21 +309,26 @@ class LLMEngine:
                 self.proposer = DraftModelProposer(draft_engine, drafts)
         return self.proposer
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
+    # notebooks/12_async_scheduling.py · cell "engine in flight"
     def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
         """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
         token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
-        seqs, indices = step.seqs, step.indices
-        broken = []
         # The sampler marks a row whose logits are not numbers. Looking for the mark in
         # the tokens the host has read anyway costs no wait for the GPU on any step.
         if NON_FINITE in token_ids:
-            broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
-            kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
-            seqs, indices, token_ids = [seqs[i] for i in kept], [indices[i] for i in kept], [token_ids[i] for i in kept]
-        finished = self.scheduler.resolve(seqs, indices, token_ids)
-        if broken:
-            self._drop(broken)
+            return self._collect_non_finite(step, token_ids)
+        return self.scheduler.resolve(step.seqs, step.indices, token_ids), step.num_tokens, step.is_prefill
+
+    # notebooks/13_robustness.py · cell "the engine's rules"
+    def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple[list[Sequence], int, bool]:
+        """Record the rows of a step whose logits are numbers, then drop the requests of the rows whose logits are not
+        (see `_collect` for the result)."""
+        seqs, indices = step.seqs, step.indices
+        broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
+        kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
+        kept_tokens = [token_ids[i] for i in kept]
+        finished = self.scheduler.resolve([seqs[i] for i in kept], [indices[i] for i in kept], kept_tokens)
+        self._drop(broken)
         return finished, step.num_tokens, step.is_prefill
 
     def _drop(self, broken: list[Sequence]) -> None:
