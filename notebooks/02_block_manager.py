@@ -362,6 +362,9 @@ class Block:
 # its KV, so prefix caching (chapter 03) can still revive it; the queue decides which of those
 # cached contents are overwritten first.
 #
+# The pool also remembers `enable_prefix_caching`, for the cache that chapter 03 gives it; every
+# pool of this chapter has it off.
+#
 # The pool trusts its arguments: the engine builds it from a `Config` that has checked them
 # (chapter 08), so inside the engine a broken invariant is a plain `assert`, as upstream writes
 # it, and what a user types is checked once, where it enters.
@@ -376,6 +379,8 @@ class Block:
 # 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV，前缀缓存（第 03 章）仍能让它
 # 复活；这个队列决定了哪些缓存内容先被覆盖。
 #
+# 块池还记下 `enable_prefix_caching`，留给第 03 章交给它的缓存；本章的每个块池都把它关掉。
+#
 # 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 08 章）来构建它。所以在引擎内部，被破坏的不变量
 # 只是一句普通的 `assert`（上游也是这么写的）；用户输入的东西只在它进入的地方检查一次。
 
@@ -388,11 +393,14 @@ class BlockPool:
     ``used_block_ids`` (``ref_count >= 1``).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        # en: Whether blocks are kept for reuse by their contents (the prefix cache).
+        # zh: 是否按内容保留块以便复用（即前缀缓存）。
+        self.enable_prefix_caching = enable_prefix_caching
 
     @property
     def num_blocks(self) -> int:

@@ -271,21 +271,15 @@ def __repr__(self) -> str:
 
 # %% pool owns the cache
 #| export engine.block_manager
-from collections import deque
-
 # en: A subclass may swap in another cache (to try a broken one, for example).
 # zh: 子类可以换上另一种缓存（比如为了试一个有缺陷的缓存）。
 BlockPool.prefix_cache_class = PrefixCache
 
 
-@add_to_class(BlockPool)
-def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-    self.block_size = block_size
-    self.blocks = [Block(i) for i in range(num_blocks)]
-    self.free_block_ids: deque[int] = deque(range(num_blocks))
-    self.used_block_ids: set[int] = set()
+@add_to_init(BlockPool)
+def _init_prefix_cache(self) -> None:
     self.prefix_cache: PrefixCache | None = (
-        self.prefix_cache_class(self.blocks, block_size) if enable_prefix_caching else None
+        self.prefix_cache_class(self.blocks, self.block_size) if self.enable_prefix_caching else None
     )
 
 

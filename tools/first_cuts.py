@@ -47,8 +47,9 @@ UPSTREAM_LINES = {
 # instead of retyping `take_free_block`, `may_append` and `_blocks_to_append`: -23; and chapter 17 fills chapter 12's
 # `_reserve_drafts` and `_verify` instead of retyping `LLMEngine._launch`: -11; chapter 13's gate fills chapter 10b's
 # `_let_through` instead of retyping the signal handler `_hold`: -6; and it fills chapter 12's `_collect_non_finite`
-# (which stops the engine there) instead of retyping `_collect`: -13.)
-MAX_RETYPED_LINES = 249
+# (which stops the engine there) instead of retyping `_collect`: -13. Chapter 02's pool keeps `enable_prefix_caching`,
+# so that chapter 03 builds its cache at the end of the constructor (`add_to_init`) instead of retyping it: -9.)
+MAX_RETYPED_LINES = 240
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5

@@ -50,13 +50,17 @@ class BlockPool:
     # A subclass may swap in another cache (to try a broken one, for example).
     prefix_cache_class = PrefixCache
 
+    # notebooks/02_block_manager.py · cell "block pool"
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        # Whether blocks are kept for reuse by their contents (the prefix cache).
+        self.enable_prefix_caching = enable_prefix_caching
+        # notebooks/03_prefix_caching.py · cell "pool owns the cache"
         self.prefix_cache: PrefixCache | None = (
-            self.prefix_cache_class(self.blocks, block_size) if enable_prefix_caching else None
+            self.prefix_cache_class(self.blocks, self.block_size) if self.enable_prefix_caching else None
         )
 
     # notebooks/02_block_manager.py · cell "block pool"
