@@ -925,8 +925,8 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 #
 # That is upstream's `model_runner.py`, minus its shared-memory plumbing for ranks and its CUDA
 # graphs: chapter 09 replaces `compile_ahead` (which then also compiles the small ops and captures the
-# graphs) and `forward` (which replays a graph for a decode step), chapter 10b replaces
-# `kv_block_count` (the ranks agree on the pool), and chapter 12 adds `launch`, a step queued
+# graphs) and `forward` (which replays a graph for a decode step), chapter 10b fills the hook
+# `agreed_block_count` (the ranks agree on the pool), and chapter 12 adds `launch`, a step queued
 # without waiting for its tokens.
 #
 # The runner builds what the layers compute with once and hands it down: one attention backend
@@ -952,8 +952,8 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # 要分叉的请求（第 04b 章）还从它这一行为兄弟序列抽取首 token，排在这一步自己的 token 之后，顺序同 `sibling_samples`。
 #
 # 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章替换 `compile_ahead`
-# （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10b 章替换 `kv_block_count`（各 rank 就块池
-# 达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
+# （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10b 章填上接缝 `agreed_block_count`（各 rank
+# 就块池达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核
@@ -1031,7 +1031,11 @@ class ModelRunner:
     def kv_block_count(self, block_bytes: int) -> int:
         """How many KV blocks to allocate: the configured count, else what this device's memory holds."""
         available = self._cuda_budget() if self.device.type == "cuda" else None
-        return num_kv_blocks(self.config, block_bytes, available_bytes=available)
+        return self.agreed_block_count(num_kv_blocks(self.config, block_bytes, available_bytes=available))
+
+    def agreed_block_count(self, count: int) -> int:
+        """The block count every rank can afford, given this one's: in one process, its own."""
+        return count
 
     def _cuda_budget(self) -> float:
         """Bytes left for the KV cache after a warm-up forward of the largest possible step."""

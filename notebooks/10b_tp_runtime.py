@@ -225,24 +225,22 @@ def share_from_rank0(values: torch.Tensor | None, count: int, device: torch.devi
     return values
 
 # %% [markdown] tags=["en"]
-# The runner's share: chapter 08's `kv_block_count` now takes the smallest count over the ranks.
+# The runner's share: chapter 08's hook `agreed_block_count` now takes the smallest count over the ranks.
 
 # %% [markdown] tags=["zh"]
-# 执行器的部分：第 08 章的 `kv_block_count` 现在取所有 rank 中最小的块数。
+# 执行器的部分：第 08 章的接缝 `agreed_block_count` 现在取所有 rank 中最小的块数。
 
 # %% runner agrees on the pool
 #| export engine.model_runner
 from nanovllm.book.literate import add_to_class
-from nanovllm.engine.model_runner import ModelRunner, num_kv_blocks
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers.linear import agree_min
 
 
 @add_to_class(ModelRunner)
-def kv_block_count(self, block_bytes: int) -> int:
-    """How many KV blocks to allocate: the configured count, else what this device's memory holds; with
-    tensor parallelism the smallest count over the ranks, since the scheduler's one pool indexes every cache."""
-    available = self._cuda_budget() if self.device.type == "cuda" else None
-    return agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
+def agreed_block_count(self, count: int) -> int:
+    """The smallest block count over the ranks, since the scheduler's one pool indexes every rank's cache."""
+    return agree_min(count, self.device)
 
 # %% [markdown] tags=["en"]
 # ## Build it: a sequence on the wire

@@ -261,12 +261,16 @@ class ModelRunner:
             # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
             layer.v_cache = values_by_dim(layer.v_cache)
 
-    # notebooks/10b_tp_runtime.py · cell "runner agrees on the pool"
+    # notebooks/08_model_runner.py · cell "model runner"
     def kv_block_count(self, block_bytes: int) -> int:
-        """How many KV blocks to allocate: the configured count, else what this device's memory holds; with
-        tensor parallelism the smallest count over the ranks, since the scheduler's one pool indexes every cache."""
+        """How many KV blocks to allocate: the configured count, else what this device's memory holds."""
         available = self._cuda_budget() if self.device.type == "cuda" else None
-        return agree_min(num_kv_blocks(self.config, block_bytes, available_bytes=available), self.device)
+        return self.agreed_block_count(num_kv_blocks(self.config, block_bytes, available_bytes=available))
+
+    # notebooks/10b_tp_runtime.py · cell "runner agrees on the pool"
+    def agreed_block_count(self, count: int) -> int:
+        """The smallest block count over the ranks, since the scheduler's one pool indexes every rank's cache."""
+        return agree_min(count, self.device)
 
     # notebooks/08_model_runner.py · cell "model runner"
     def _cuda_budget(self) -> float:
