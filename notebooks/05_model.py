@@ -738,7 +738,7 @@ class Qwen3MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
-        assert hidden_act == "silu", "check_supported refuses the others"
+        assert hidden_act == "silu", "the loader's check_supported refuses the others"
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -791,19 +791,6 @@ class Qwen3DecoderLayer(nn.Module):
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def check_supported(config: Any) -> None:
-    """Refuse, by name, the config features this engine does not implement."""
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
-        "partial_rotary_factor", 1.0
-    )
-    if partial != 1.0:
-        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
 
 
 class Qwen3Model(nn.Module):
@@ -906,29 +893,36 @@ class LlamaForCausalLM(Qwen3ForCausalLM):
 #| export models.registry
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 from torch import nn
 
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
-
-# en: The names Hugging Face writes in config.json's "architectures".
-# zh: Hugging Face 写在 config.json 的 "architectures" 中的名字。
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
+# en: The names Hugging Face writes in config.json's "architectures", each with the module that defines the class of
+# en: that name. The module is imported when a model is built, not before: reading a model directory's config (the
+# en: settings do, chapter 08) imports no model.
+# zh: Hugging Face 写在 config.json 的 "architectures" 中的名字，以及定义同名类的模块。模块在构建模型时才导入：
+# zh: 读取模型目录的配置（第 08 章的设置会这样做）不导入任何模型。
+MODEL_REGISTRY: dict[str, str] = {
+    "Qwen3ForCausalLM": "nanovllm.models.qwen3",
+    "Qwen2ForCausalLM": "nanovllm.models.qwen3",
+    "LlamaForCausalLM": "nanovllm.models.llama",
 }
+
+
+def supported_architecture(architectures: Sequence[str] | str) -> str:
+    """The first of a checkpoint's architectures that we implement, or a ValueError naming what is supported."""
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return name
+    raise ValueError(f"unsupported model architecture {names}; supported: {', '.join(MODEL_REGISTRY)}")
 
 
 def get_model_class(architectures: Sequence[str] | str) -> type[nn.Module]:
     """The class for a checkpoint's architectures list, or a ValueError naming what is supported."""
-    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
-    for name in names:
-        if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
-    raise ValueError(f"unsupported model architecture {names}; supported: {', '.join(MODEL_REGISTRY)}")
+    name = supported_architecture(architectures)
+    return getattr(importlib.import_module(MODEL_REGISTRY[name]), name)
 
 # %% [markdown] tags=["en"]
 # ## Build it: the loader
@@ -972,8 +966,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.models.qwen3 import check_supported
-from nanovllm.models.registry import get_model_class
+from nanovllm.models.registry import get_model_class, supported_architecture
 from nanovllm.utils.checks import check
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -1032,7 +1025,7 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
         raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
     # en: a ValueError naming the supported architectures
     # zh: 架构不受支持时抛出 ValueError，并列出支持的架构。
-    get_model_class(hf_config.architectures)
+    supported_architecture(hf_config.architectures)
     head_dim = getattr(hf_config, "head_dim", None)
     for name in MODEL_SIZES + (("head_dim",) if head_dim is not None else ()):
         check(f"{config_file}: {name}", getattr(hf_config, name), int, lambda size: size >= 1, ">= 1")
@@ -1045,6 +1038,19 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
         check_supported(hf_config)
     except ValueError as error:
         raise ModelLoadError(f"{config_file}: {error}") from None
+
+
+def check_supported(config: Any) -> None:
+    """Refuse, by name, the config features this engine does not implement."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", 1.0
+    )
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:
@@ -1693,7 +1699,8 @@ assert torch.isfinite(logits).all()
 #   checkpoint tensor (the whole of it, in one process) through a `weight_loader`.
 # - `layers/attention.py`: `Attention`, first cut: one sequence, causal, grouped-query, no cache.
 # - `models/qwen3.py` (`Qwen3ForCausalLM`, `Qwen2ForCausalLM`), `models/llama.py`
-#   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`).
+#   (`LlamaForCausalLM`), `models/registry.py` (`get_model_class` from `architectures`; it names
+#   each class by its module, imported only when a model is built).
 # - `models/loader.py`: `read_model_dir` (the one reader of `config.json`, which refuses a config
 #   we cannot build by naming the field and the file), `load_model` (fused and tied weights, a ledger of
 #   missing and unexpected tensors), `build_model` (and `load_format="dummy"`: seeded random weights
@@ -1719,7 +1726,7 @@ assert torch.isfinite(logits).all()
 #   等）、嵌入层和 LM head，每一层都通过 `weight_loader` 加载检查点张量中属于自己的那一份（单进程时是整个张量）。
 # - `layers/attention.py`：`Attention` 的第一版：一个序列、因果、分组查询、没有缓存。
 # - `models/qwen3.py`（`Qwen3ForCausalLM`、`Qwen2ForCausalLM`）、`models/llama.py`（`LlamaForCausalLM`）、
-#   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`）。
+#   `models/registry.py`（根据 `architectures` 选类的 `get_model_class`；它用模块来指明每个类，只在构建模型时才导入）。
 # - `models/loader.py`：`read_model_dir`（`config.json` 的唯一读取者；我们无法构建的配置会被拒绝，
 #   报错时指明字段和文件）、`load_model`（融合权重与绑定权重，记账发现缺失和多余的张量）、
 #   `build_model`（以及 `load_format="dummy"`：在模型所在之处直接生成带种子的随机权重，供基准测试使用）。

@@ -326,10 +326,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
 # %% moe registry
 #| export models.registry
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from nanovllm.models.registry import MODEL_REGISTRY
 
-MODEL_REGISTRY["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
+MODEL_REGISTRY["Qwen3MoeForCausalLM"] = "nanovllm.models.qwen3_moe"
 
 # %% tiny moe
 #| export book.tiny_models

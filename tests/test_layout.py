@@ -77,12 +77,32 @@ def test_the_package_is_a_straight_stack() -> None:
         assert not upward, f"{name} (layer {LAYERS[layer(name)]}) imports a higher layer: {upward}"
 
 
-def test_the_settings_import_no_layer_and_of_the_models_only_the_directory_reader() -> None:
-    """Config holds the names its settings accept (attention backends, KV cache dtypes) itself; it reads a model
-    directory through the loader (issue 37 leaves that one: Config needs the model's config.json)."""
-    deps = modules()["nanovllm.config"]
-    assert not [dep for dep in deps if within(dep, "nanovllm.layers")], sorted(deps)
-    assert {dep for dep in deps if within(dep, "nanovllm.models")} <= {"nanovllm.models.loader"}, sorted(deps)
+def reached_from(start: str, graph: dict[str, set[str]]) -> set[str]:
+    """Every nanovllm module that importing ``start`` imports, directly or through others (package markers aside)."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph.get(todo.pop(), set()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_settings_reach_no_layer_and_no_model() -> None:
+    """Config holds the names its settings accept (attention backends, KV cache dtypes) itself, and reads a model
+    directory through the loader, whose registry names the models by module and imports one only to build it: no
+    layer and no model comes with the settings, directly or through another module."""
+    reached = reached_from("nanovllm.config", modules())
+    assert "nanovllm.models.loader" in reached, sorted(reached)
+    assert not [dep for dep in reached if within(dep, "nanovllm.layers") or within(dep, "nanovllm.engine")], sorted(
+        reached)
+    assert {dep for dep in reached if within(dep, "nanovllm.models")} <= {"nanovllm.models.loader",
+                                                                            "nanovllm.models.registry"}, sorted(reached)
+
+
+def test_reached_from_follows_imports_through_other_modules() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"e"}}
+    assert reached_from("a", graph) == {"a", "b", "c"}
 
 
 def test_the_layout_is_what_the_readme_says() -> None:

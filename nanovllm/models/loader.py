@@ -13,8 +13,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from transformers import AutoConfig, PretrainedConfig
 
-from nanovllm.models.qwen3 import check_supported
-from nanovllm.models.registry import get_model_class
+from nanovllm.models.registry import get_model_class, supported_architecture
 from nanovllm.utils.checks import check
 
 __all__ = [
@@ -25,6 +24,7 @@ __all__ = [
     "ModelLoadError",
     "build_model",
     "check_model_config",
+    "check_supported",
     "init_random_weights",
     "load_model",
     "read_model_dir",
@@ -82,7 +82,7 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
     if not isinstance(getattr(hf_config, "architectures", None), list):
         raise ModelLoadError(f"{config_file} has no 'architectures' list naming the model class")
     # a ValueError naming the supported architectures
-    get_model_class(hf_config.architectures)
+    supported_architecture(hf_config.architectures)
     head_dim = getattr(hf_config, "head_dim", None)
     for name in MODEL_SIZES + (("head_dim",) if head_dim is not None else ()):
         check(f"{config_file}: {name}", getattr(hf_config, name), int, lambda size: size >= 1, ">= 1")
@@ -95,6 +95,19 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
         check_supported(hf_config)
     except ValueError as error:
         raise ModelLoadError(f"{config_file}: {error}") from None
+
+
+def check_supported(config: Any) -> None:
+    """Refuse, by name, the config features this engine does not implement."""
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
+    if getattr(config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
+        "partial_rotary_factor", 1.0
+    )
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
 
 
 def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:

@@ -21,7 +21,6 @@ __all__ = [
     "Qwen3ForCausalLM",
     "Qwen3MLP",
     "Qwen3Model",
-    "check_supported",
     "head_dim_of",
 ]
 
@@ -89,7 +88,7 @@ class Qwen3MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
-        assert hidden_act == "silu", "check_supported refuses the others"
+        assert hidden_act == "silu", "the loader's check_supported refuses the others"
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
@@ -140,19 +139,6 @@ class Qwen3DecoderLayer(nn.Module):
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def check_supported(config: Any) -> None:
-    """Refuse, by name, the config features this engine does not implement."""
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
-    if getattr(config, "use_sliding_window", False):
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-    partial = getattr(config, "partial_rotary_factor", None) or (getattr(config, "rope_parameters", None) or {}).get(
-        "partial_rotary_factor", 1.0
-    )
-    if partial != 1.0:
-        raise ValueError(f"partial rotary embeddings (partial_rotary_factor={partial}) are not supported")
 
 
 class Qwen3Model(nn.Module):

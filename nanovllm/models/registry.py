@@ -3,37 +3,43 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 from torch import nn
 
-from nanovllm.models.llama import LlamaForCausalLM
-from nanovllm.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
-
 __all__ = [
     "MODEL_REGISTRY",
     "get_model_class",
+    "supported_architecture",
 ]
 
 
 # notebooks/05_model.py · cell "registry"
-# The names Hugging Face writes in config.json's "architectures".
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "LlamaForCausalLM": LlamaForCausalLM,
+# The names Hugging Face writes in config.json's "architectures", each with the module that defines the class of
+# that name. The module is imported when a model is built, not before: reading a model directory's config (the
+# settings do, chapter 08) imports no model.
+MODEL_REGISTRY: dict[str, str] = {
+    "Qwen3ForCausalLM": "nanovllm.models.qwen3",
+    "Qwen2ForCausalLM": "nanovllm.models.qwen3",
+    "LlamaForCausalLM": "nanovllm.models.llama",
 }
+
+
+def supported_architecture(architectures: Sequence[str] | str) -> str:
+    """The first of a checkpoint's architectures that we implement, or a ValueError naming what is supported."""
+    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return name
+    raise ValueError(f"unsupported model architecture {names}; supported: {', '.join(MODEL_REGISTRY)}")
 
 
 def get_model_class(architectures: Sequence[str] | str) -> type[nn.Module]:
     """The class for a checkpoint's architectures list, or a ValueError naming what is supported."""
-    names = [architectures] if isinstance(architectures, str) else list(architectures or [])
-    for name in names:
-        if name in MODEL_REGISTRY:
-            return MODEL_REGISTRY[name]
-    raise ValueError(f"unsupported model architecture {names}; supported: {', '.join(MODEL_REGISTRY)}")
+    name = supported_architecture(architectures)
+    return getattr(importlib.import_module(MODEL_REGISTRY[name]), name)
 
 
 # notebooks/18_mixture_of_experts.py · cell "moe registry"
-MODEL_REGISTRY["Qwen3MoeForCausalLM"] = Qwen3MoeForCausalLM
+MODEL_REGISTRY["Qwen3MoeForCausalLM"] = "nanovllm.models.qwen3_moe"
