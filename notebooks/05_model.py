@@ -899,10 +899,10 @@ from collections.abc import Sequence
 from torch import nn
 
 # en: The names Hugging Face writes in config.json's "architectures", each with the module that defines the class of
-# en: that name. The module is imported when a model is built, not before: reading a model directory's config (the
-# en: settings do, chapter 08) imports no model.
+# en: that name. The module is imported when a model is built, not before: reading a model directory's config, as
+# en: the engine's settings do, imports no model.
 # zh: Hugging Face 写在 config.json 的 "architectures" 中的名字，以及定义同名类的模块。模块在构建模型时才导入：
-# zh: 读取模型目录的配置（第 08 章的设置会这样做）不导入任何模型。
+# zh: 读取模型目录的配置（引擎的设置会这样做）不导入任何模型。
 MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3",
     "Qwen2ForCausalLM": "nanovllm.models.qwen3",

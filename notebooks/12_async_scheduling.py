@@ -769,15 +769,17 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #
 # The engine's share is small. Chapter 11's `_step` becomes `_launch` (schedule, hand the step to
 # the runner with `_compute`, `advance`; the result is a `LaunchedStep`) followed by `_collect`
-# (wait for the tokens, `resolve`). `_compute` leaves a hook around the runner's work,
-# `_undone_on_failure`, which chapter 13 fills to undo a step that fails, and `_launch` two for
-# speculative decoding (chapter 17): `_reserve_drafts`, which says no here, and `_verify`. A
-# step in which the sampler marked a row whose logits are not numbers (`NON_FINITE`, chapter 07)
-# goes to `_collect_non_finite`, which stops the engine here and drops only that request once
-# chapter 13 fills it. The synchronous engine calls them back to back; the asynchronous one launches step *n + 1*, then
-# collects step *n*, which waited in `in_flight`. A call of `step()` therefore reports the step
-# before the one it queued (the first reports nothing), and the engine is finished only when
-# nothing is in flight either.
+# (wait for the tokens, `resolve`). The synchronous engine calls them back to back; the
+# asynchronous one launches step *n + 1*, then collects step *n*, which waited in `in_flight`. A
+# call of `step()` therefore reports the step before the one it queued (the first reports
+# nothing), and the engine is finished only when nothing is in flight either.
+#
+# Three places leave hooks for later chapters. `_compute` wraps the runner's work in
+# `_undone_on_failure`, which chapter 13 fills to undo a step that fails. `_launch` asks
+# `_reserve_drafts` (no, here) and `_verify` for speculative decoding (chapter 17). And a step in
+# which the sampler marked a row whose logits are not numbers (`NON_FINITE`, chapter 07) goes to
+# `_collect_non_finite`, which stops the engine here; chapter 13 fills it to record the other
+# rows and drop only that request.
 #
 # The price is small too. A sequence that ends on EOS in step *n* was already scheduled in step
 # *n + 1*: that token is computed for nothing and dropped (`Sequence.truncate`), and if the
@@ -813,12 +815,14 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #   拷贝会等待排在前面的那一步。
 #
 # 引擎的部分很小。第 11 章的 `_step` 变成 `_launch`（调度、用 `_compute` 把这一步交给执行器、`advance`，结果是一个
-# `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。`_compute` 在执行器的工作外面留了一个接缝
-# `_undone_on_failure`，第 13 章填上它，撤销失败的一步；`_launch` 则为投机解码（第 17 章）留了两个：这里总是回答"否"
-# 的 `_reserve_drafts`，以及 `_verify`。采样器标记了 logits 不是数的行（`NON_FINITE`，第 07 章）的那一步交给
-# `_collect_non_finite`：在这里它让引擎停下，第 13 章填上它之后，只丢弃那个请求。同步引擎紧接着调用二者；异步引擎
-# 则先发起第 *n + 1* 步，再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的
-# 前一步（第一次什么也不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
+# `LaunchedStep`）加上 `_collect`（等待 token、`resolve`）。同步引擎紧接着调用二者；异步引擎则先发起第 *n + 1* 步，
+# 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
+# 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
+#
+# 有三处为后面的章节留了接缝。`_compute` 把执行器的工作包在 `_undone_on_failure` 里，第 13 章填上它，撤销失败的
+# 一步。`_launch` 为投机解码（第 17 章）询问 `_reserve_drafts`（这里总是回答"否"）和 `_verify`。采样器标记了 logits
+# 不是数的行（`NON_FINITE`，第 07 章）的那一步交给 `_collect_non_finite`：在这里它让引擎停下；第 13 章填上它，记录
+# 其他行，只丢弃那个请求。
 #
 # 代价也很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
 # （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（上面新增的那条箭头）。生成的

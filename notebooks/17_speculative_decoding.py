@@ -1680,9 +1680,9 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 #   every row sampled as the token of its index with the sequence's parameters: with a
 #   deterministic proposer, that is speculative sampling, and the output distribution (the tokens,
 #   when seeded) is the model's.
-# - `LLMEngine._reserve_drafts` and `_verify`: a decode step with drafts is a verify step, and `next_step_waits` lets it
-#   see the last tokens under asynchronous scheduling; the settings `speculative_method` and
-#   `num_speculative_tokens`.
+# - `LLMEngine._reserve_drafts` and `_verify`: a decode step with drafts is a verify step, and
+#   `next_step_waits` lets it see the last tokens under asynchronous scheduling; the settings
+#   `speculative_method` and `num_speculative_tokens`.
 # - `engine.speculative.DraftModelProposer`: a smaller model's greedy drafts, from an engine of
 #   its own (its paged cache, block manager and prefix cache), the step's sequences in one batch
 #   (`propose_many`, which `reserve_drafts` calls where the budget covers every sequence's room);

@@ -17,8 +17,8 @@ __all__ = [
 
 # notebooks/05_model.py · cell "registry"
 # The names Hugging Face writes in config.json's "architectures", each with the module that defines the class of
-# that name. The module is imported when a model is built, not before: reading a model directory's config (the
-# settings do, chapter 08) imports no model.
+# that name. The module is imported when a model is built, not before: reading a model directory's config, as
+# the engine's settings do, imports no model.
 MODEL_REGISTRY: dict[str, str] = {
     "Qwen3ForCausalLM": "nanovllm.models.qwen3",
     "Qwen2ForCausalLM": "nanovllm.models.qwen3",
