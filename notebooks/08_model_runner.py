@@ -924,10 +924,10 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # `sibling_samples` order.
 #
 # That is upstream's `model_runner.py`, minus its shared-memory plumbing for ranks and its CUDA
-# graphs: chapter 09 replaces `compile_ahead` (which then also compiles the small ops and captures the
-# graphs) and `forward` (which replays a graph for a decode step), chapter 10b fills the hook
-# `agreed_block_count` (the ranks agree on the pool), and chapter 12 adds `launch`, a step queued
-# without waiting for its tokens.
+# graphs: chapter 09 fills the two hooks of `compile_ahead`, `prepare_layers` (compiled small ops)
+# and `capture_graphs`, and replaces `forward` (which replays a graph for a decode step), chapter
+# 10b fills the hook `agreed_block_count` (the ranks agree on the pool), and chapter 12 adds
+# `launch`, a step queued without waiting for its tokens.
 #
 # The runner builds what the layers compute with once and hands it down: one attention backend
 # object (`attention_backend(config.attention_backend)`, chapter 06) given to every `Attention`
@@ -951,9 +951,9 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # 它的“下一个 token”只是对提示词中某个位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
 # 要分叉的请求（第 04b 章）还从它这一行为兄弟序列抽取首 token，排在这一步自己的 token 之后，顺序同 `sibling_samples`。
 #
-# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章替换 `compile_ahead`
-# （届时它还会编译小算子、捕获图）和 `forward`（decode 步重放图），第 10b 章填上接缝 `agreed_block_count`（各 rank
-# 就块池达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
+# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章填上 `compile_ahead`
+# 的两个接缝 `prepare_layers`（编译小算子）和 `capture_graphs`，并替换 `forward`（decode 步重放图），第 10b 章填上
+# 接缝 `agreed_block_count`（各 rank 就块池达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核
@@ -1071,11 +1071,20 @@ class ModelRunner:
         reset_context()
 
     def compile_ahead(self) -> None:
-        """On a GPU, compile now what would otherwise compile during the first steps."""
+        """Make the runner ready for its first step: prepare the layers, compile now (on a GPU) what would otherwise
+        compile during the first steps, then capture what replays a step."""
+        self.prepare_layers()
         if self.device.type == "cuda":
             self.compile_paged_prefill()
             self.compile_attention_kernels()
             self.compile_sampler_kernels()
+        self.capture_graphs()
+
+    def prepare_layers(self) -> None:
+        """Change the layers before the warm-ups compile them (compiled small ops, fused kernels): none here."""
+
+    def capture_graphs(self) -> None:
+        """Record decode steps to replay them, once all is compiled and the KV cache exists: none here."""
 
     @torch.inference_mode()
     def compile_paged_prefill(self) -> None:

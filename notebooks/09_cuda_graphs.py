@@ -922,16 +922,18 @@ assert attention.q_norm.op is not rms_norm and type(attention.q_norm).op is rms_
 print(say("compile_small_ops handed {count} modules a compiled function or the fused kernel", count=3 + on_gpu))
 
 # %% [markdown] tags=["en"]
-# ## Wire it in: two methods of `ModelRunner`
+# ## Wire it in: three methods of `ModelRunner`
 #
 # Chapter 08's runner calls `compile_ahead()` once its KV cache exists, and `forward(...)` for the
-# model's part of every step. This chapter replaces both (the rest of the runner is unchanged):
+# model's part of every step. This chapter fills the two hooks of `compile_ahead` and replaces
+# `forward` (the rest of the runner is unchanged):
 #
-# - `compile_ahead` first compiles the small ops when `config.compile_small_ops`, then calls
-#   `fuse_layers`, a hook that chapter 09b fills with its fused decode layers, then runs chapter
-#   08's warm-ups (which now also compile them), and last captures the decode graphs,
-#   `self.graphs = capture_decode_graphs(model, config)` (`None` when `graphs_unavailable_reason`
-#   gives a reason). The graphs come last because they must see the KV cache and the compiled ops.
+# - `prepare_layers`, which `compile_ahead` calls first, compiles the small ops when
+#   `config.compile_small_ops`, then calls `fuse_layers`, a hook that chapter 09b fills with its
+#   fused decode layers; chapter 08's warm-ups, which come next, now compile them too. Last,
+#   `capture_graphs` captures the decode graphs, `self.graphs = capture_decode_graphs(model,
+#   config)` (`None` when `graphs_unavailable_reason` gives a reason). The graphs come last
+#   because they must see the KV cache and the compiled ops.
 # - `forward` replays a graph for a decode step whose batch fits one (`self.graphs.replay(...)`)
 #   and calls the model otherwise. The inputs come from the same `prepare_decode` either way, and
 #   logits and sampling are shared, so the two paths differ only in *how* the forward is launched.
@@ -941,15 +943,15 @@ print(say("compile_small_ops handed {count} modules a compiled function or the f
 # away from the block-table buffer. On this CPU the runner simply has no graphs.
 
 # %% [markdown] tags=["zh"]
-# ## 接进去：`ModelRunner` 的两个方法
+# ## 接进去：`ModelRunner` 的三个方法
 #
-# 第 08 章的执行器在 KV 缓存就绪后调用一次 `compile_ahead()`，每一步的模型部分则调用 `forward(...)`。本章替换这两个方法
-# （执行器的其余部分不变）：
+# 第 08 章的执行器在 KV 缓存就绪后调用一次 `compile_ahead()`，每一步的模型部分则调用 `forward(...)`。本章填上
+# `compile_ahead` 的两个接缝，并替换 `forward`（执行器的其余部分不变）：
 #
-# - `compile_ahead` 先在 `config.compile_small_ops` 为真时编译小算子，再调用 `fuse_layers`（第 09b 章用它的融合
-#   解码层填上这个钩子），然后运行第 08 章的各项预热（它们现在也会编译这些算子），最后捕获 decode 图：
-#   `self.graphs = capture_decode_graphs(model, config)`（当 `graphs_unavailable_reason` 给出原因时为 `None`）。
-#   图放在最后捕获，因为它们必须看到 KV 缓存和编译好的算子。
+# - `compile_ahead` 首先调用 `prepare_layers`：它在 `config.compile_small_ops` 为真时编译小算子，再调用
+#   `fuse_layers`（第 09b 章用它的融合解码层填上这个钩子）；接下来第 08 章的各项预热现在也会编译这些算子。最后
+#   `capture_graphs` 捕获 decode 图：`self.graphs = capture_decode_graphs(model, config)`（当
+#   `graphs_unavailable_reason` 给出原因时为 `None`）。图放在最后捕获，因为它们必须看到 KV 缓存和编译好的算子。
 # - `forward` 对批次能放进某个图的 decode 步重放该图（`self.graphs.replay(...)`），其余情况调用模型。两条路径的
 #   输入都来自同一个 `prepare_decode`，logits 和采样也共用，所以它们唯一的区别是前向*如何*被启动。
 #
@@ -972,16 +974,17 @@ ModelRunner.graphs: CudaGraphRunner | None = None
 
 
 @add_to_class(ModelRunner)
-def compile_ahead(self) -> None:
-    """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
-    hand the decoder layers their fused kernels (`fuse_layers`), then capture the decode graphs."""
+def prepare_layers(self) -> None:
+    """Compile the small ops (when `compile_small_ops`), then hand the decoder layers their fused kernels
+    (`fuse_layers`); the warm-ups that follow compile them too."""
     if self.config.compile_small_ops:
         compile_small_ops(self.model)
     self.fuse_layers()
-    if self.device.type == "cuda":
-        self.compile_paged_prefill()
-        self.compile_attention_kernels()
-        self.compile_sampler_kernels()
+
+
+@add_to_class(ModelRunner)
+def capture_graphs(self) -> None:
+    """Capture the decode graphs (None where graphs cannot be used)."""
     self.graphs = capture_decode_graphs(self.model, self.config)
 
 

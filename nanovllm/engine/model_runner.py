@@ -303,18 +303,23 @@ class ModelRunner:
         self.model.compute_logits(self.model(input_ids, positions))
         reset_context()
 
-    # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
     def compile_ahead(self) -> None:
-        """Compile now what would otherwise compile during the first steps (the small ops too, when compiled),
-        hand the decoder layers their fused kernels (`fuse_layers`), then capture the decode graphs."""
-        if self.config.compile_small_ops:
-            compile_small_ops(self.model)
-        self.fuse_layers()
+        """Make the runner ready for its first step: prepare the layers, compile now (on a GPU) what would otherwise
+        compile during the first steps, then capture what replays a step."""
+        self.prepare_layers()
         if self.device.type == "cuda":
             self.compile_paged_prefill()
             self.compile_attention_kernels()
             self.compile_sampler_kernels()
-        self.graphs = capture_decode_graphs(self.model, self.config)
+        self.capture_graphs()
+
+    # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
+    def prepare_layers(self) -> None:
+        """Compile the small ops (when `compile_small_ops`), then hand the decoder layers their fused kernels
+        (`fuse_layers`); the warm-ups that follow compile them too."""
+        if self.config.compile_small_ops:
+            compile_small_ops(self.model)
+        self.fuse_layers()
 
     # notebooks/09b_fused_decode.py · cell "runner fuses the layers"
     def fuse_layers(self) -> None:
@@ -325,6 +330,11 @@ class ModelRunner:
             from nanovllm.layers.fused_decode import fuse_decode_layers
 
             fuse_decode_layers(self.model)
+
+    # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs (None where graphs cannot be used)."""
+        self.graphs = capture_decode_graphs(self.model, self.config)
 
     # notebooks/08_model_runner.py · cell "model runner"
     @torch.inference_mode()
