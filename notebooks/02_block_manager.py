@@ -450,10 +450,11 @@ class BlockPool:
 #   (With `block_size == 1` the modulo test would never fire, although every step needs a
 #   block; comparing lengths has no such corner.)
 #
-# That is upstream's `block_manager.py` without its hashing, which chapter 03 adds. Three hooks
+# That is upstream's `block_manager.py` without its hashing, which chapter 03 adds. Four hooks
 # stay empty here, each filled by the chapter that needs it: `_forget_old_contents` (chapter 03's
-# cache unpublishes a block before it is overwritten), and `_blocks_to_unshare` with
-# `_unshare_write_block` (chapter 04b's copy-on-write, once forked samples share blocks).
+# cache unpublishes a block before it is overwritten), and `_blocks_to_unshare`,
+# `_unshare_write_block` and `_cancel_unsharing` (chapter 04b's copy-on-write, once forked
+# samples share blocks).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块表
@@ -470,9 +471,9 @@ class BlockPool:
 #   `len(seq) % block_size == 1`，看起来像差一错误，其实不是：*刚刚*溢出最后一块的那个 token，正是这一步要写入 KV 的
 #   token。（`block_size == 1` 时，取模判断永远不成立，可实际上每一步都需要新块；比较长度就没有这个死角。）
 #
-# 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。这里有三个接缝暂时是空的，各由需要它的那一章
-# 填上：`_forget_old_contents`（第 03 章的缓存在块被覆盖之前取消发布它），以及 `_blocks_to_unshare` 和
-# `_unshare_write_block`（第 04b 章的写时复制：分叉出的样本会共享块）。
+# 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。这里有四个接缝暂时是空的，各由需要它的那一章
+# 填上：`_forget_old_contents`（第 03 章的缓存在块被覆盖之前取消发布它），以及 `_blocks_to_unshare`、
+# `_unshare_write_block` 和 `_cancel_unsharing`（第 04b 章的写时复制：分叉出的样本会共享块）。
 
 # %% block manager
 #| export
@@ -495,6 +496,7 @@ class BlockManager(BlockPool):
             self.release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        self._cancel_unsharing(seq)
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
@@ -521,6 +523,9 @@ class BlockManager(BlockPool):
 
     def _unshare_write_block(self, seq: Sequence) -> None:
         """Give ``seq`` its own copy of a shared block that its step writes into (see `_blocks_to_unshare`)."""
+
+    def _cancel_unsharing(self, seq: Sequence) -> None:
+        """Drop a copy that `_unshare_write_block` planned for ``seq``, whose blocks are gone: none was, here."""
 
 # %% [markdown] tags=["en"]
 # ## See it: two sequences in a pool of eight blocks

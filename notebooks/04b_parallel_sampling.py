@@ -187,21 +187,21 @@ def sibling_samples(seqs: list[Sequence]) -> list[tuple[int, int]]:
 # ## Build it: the block manager's share
 #
 # `fork(parent, child)` gives the child the parent's table and one more reference to each block.
-# Copy-on-write fills two hooks that chapter 02 left empty. `_shared_write_block` finds the block
+# Copy-on-write fills three hooks that chapter 02 left empty. `_shared_write_block` finds the block
 # that the step writes into (the one holding token `num_cached_tokens`) when another table holds
 # it too; `_blocks_to_unshare` then counts one more free block for the copy, so that `can_append`
 # says no when the copy cannot be made, and `_unshare_write_block`, which `may_append` calls
-# before it adds the step's new block, makes it. `deallocate` also drops a planned copy: a
-# sequence that gives back its blocks has nothing to copy into.
+# before it adds the step's new block, makes it. `_cancel_unsharing`, which `deallocate` calls,
+# drops a planned copy: a sequence that gives back its blocks has nothing to copy into.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块管理器负责的部分
 #
-# `fork(parent, child)` 让子序列得到父序列的块表，并给每个块再加一个引用。写时复制填上第 02 章留空的两个接缝。当这一步
+# `fork(parent, child)` 让子序列得到父序列的块表，并给每个块再加一个引用。写时复制填上第 02 章留空的三个接缝。当这一步
 # 要写入的块（存放第 `num_cached_tokens` 个 token 的块）也被别的块表持有时，`_shared_write_block` 找到它；于是
 # `_blocks_to_unshare` 为复制多算一个空闲块，这样复制做不了时 `can_append` 会说不行；`_unshare_write_block` 完成复制，
-# `may_append` 先调用它，再为这一步加上新块。`deallocate` 也会丢掉计划中的复制：归还了块的序列没有可以复制进去的
-# 地方。
+# `may_append` 先调用它，再为这一步加上新块。`deallocate` 调用的 `_cancel_unsharing` 丢掉计划中的复制：归还了块的
+# 序列没有可以复制进去的地方。
 
 # %% block manager forks
 #| export engine.block_manager
@@ -246,14 +246,8 @@ def _unshare_write_block(self, seq: Sequence) -> None:
 
 
 @add_to_class(BlockManager)
-def deallocate(self, seq: Sequence) -> None:
-    """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
-    for block_id in reversed(seq.block_table):
-        self.release(block_id)
-    seq.block_table = []
-    seq.num_cached_tokens = 0
-    # en: A copy planned into a block it no longer holds is moot.
-    # zh: 计划复制进一个已不再持有的块，这样的复制没有意义了。
+def _cancel_unsharing(self, seq: Sequence) -> None:
+    """Drop the copies planned for ``seq``, which gave back its blocks: it has nothing to copy into."""
     seq.blocks_to_copy = []
 
 # %% [markdown] tags=["en"]

@@ -50,8 +50,9 @@ UPSTREAM_LINES = {
 # (which stops the engine there) instead of retyping `_collect`: -13. Chapter 02's pool keeps `enable_prefix_caching`,
 # so that chapter 03 builds its cache at the end of the constructor (`add_to_init`) instead of retyping it: -9; and
 # chapter 08's `kv_block_count` asks a hook, `agreed_block_count`, which chapter 10b fills with `agree_min`: -4;
-# chapter 08's `compile_ahead` calls `prepare_layers` and `capture_graphs`, which chapter 09 fills: -10.)
-MAX_RETYPED_LINES = 226
+# chapter 08's `compile_ahead` calls `prepare_layers` and `capture_graphs`, which chapter 09 fills: -10; chapter 02's
+# `deallocate` calls `_cancel_unsharing`, which chapter 04b fills: -7.)
+MAX_RETYPED_LINES = 219
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5

@@ -140,17 +140,15 @@ class BlockManager(BlockPool):
         seq.block_table = hits + [self.take_free_block() for _ in range(seq.num_blocks - len(hits))]
         seq.num_cached_tokens = len(hits) * self.block_size
 
-    # notebooks/04b_parallel_sampling.py · cell "block manager forks"
+    # notebooks/02_block_manager.py · cell "block manager"
     def deallocate(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
         for block_id in reversed(seq.block_table):
             self.release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
-        # A copy planned into a block it no longer holds is moot.
-        seq.blocks_to_copy = []
+        self._cancel_unsharing(seq)
 
-    # notebooks/02_block_manager.py · cell "block manager"
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
         # In decode, the token appended last has no KV yet: a new block is needed exactly when it
@@ -190,6 +188,10 @@ class BlockManager(BlockPool):
             source, seq.block_table[i] = seq.block_table[i], self.take_free_block()
             self.release(source)
             seq.blocks_to_copy.append((source, seq.block_table[i]))
+
+    def _cancel_unsharing(self, seq: Sequence) -> None:
+        """Drop the copies planned for ``seq``, which gave back its blocks: it has nothing to copy into."""
+        seq.blocks_to_copy = []
 
     # notebooks/03_prefix_caching.py · cell "allocate with hits"
     def publish_full_blocks(self, seq: Sequence) -> None:
