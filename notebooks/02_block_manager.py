@@ -519,7 +519,9 @@ class BlockManager(BlockPool):
         """Make ``seq``'s block table cover all its tokens before a decode step (0 or 1 new block)."""
         assert self.can_append(seq), "ask can_append first"
         self._unshare_write_block(seq)
-        seq.block_table += [self.take_free_block() for _ in range(self._blocks_to_append(seq))]
+        # en: What can_append counted, less the copy just made: the blocks its tokens still lack.
+        # zh: 即 can_append 算过的块数减去刚做的复制：它的 token 还缺的块。
+        seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
 
     def _unshare_write_block(self, seq: Sequence) -> None:
         """Give ``seq`` its own copy of a shared block that its step writes into (see `_blocks_to_unshare`)."""

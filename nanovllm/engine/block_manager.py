@@ -176,7 +176,8 @@ class BlockManager(BlockPool):
         """Make ``seq``'s block table cover all its tokens before a decode step (0 or 1 new block)."""
         assert self.can_append(seq), "ask can_append first"
         self._unshare_write_block(seq)
-        seq.block_table += [self.take_free_block() for _ in range(self._blocks_to_append(seq))]
+        # What can_append counted, less the copy just made: the blocks its tokens still lack.
+        seq.block_table += [self.take_free_block() for _ in range(seq.num_blocks - len(seq.block_table))]
 
     # notebooks/04b_parallel_sampling.py · cell "block manager forks"
     def _unshare_write_block(self, seq: Sequence) -> None:
