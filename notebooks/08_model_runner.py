@@ -927,7 +927,10 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # graphs: chapter 09 fills the two hooks of `compile_ahead`, `prepare_layers` (compiled small ops)
 # and `capture_graphs`, and replaces `forward` (which replays a graph for a decode step), chapter
 # 10b fills the hook `agreed_block_count` (the ranks agree on the pool), and chapter 12 adds
-# `launch`, a step queued without waiting for its tokens.
+# `launch`, a step queued without waiting for its tokens. That step's last tokens may still be
+# computing: `compute_logits` takes the step computing them (`previous`, None here) and leaves two
+# hooks for chapter 12, `replay_decode` (a decode step replayed from inputs staged in one copy)
+# and `with_pending_tokens` (the pending tokens gathered into a step's input ids).
 #
 # The runner builds what the layers compute with once and hands it down: one attention backend
 # object (`attention_backend(config.attention_backend)`, chapter 06) given to every `Attention`
@@ -954,6 +957,9 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 09 章填上 `compile_ahead`
 # 的两个接缝 `prepare_layers`（编译小算子）和 `capture_graphs`，并替换 `forward`（decode 步重放图），第 10b 章填上
 # 接缝 `agreed_block_count`（各 rank 就块池达成一致），第 12 章加上 `launch`：把一步排进队列而不等它的 token。
+# 那一步的最后一个 token 可能还在计算中：`compute_logits` 接收正在计算它们的那一步（`previous`，这里是 None），并给
+# 第 12 章留下两个接缝：`replay_decode`（从一次拷贝暂存的输入重放 decode 步）和 `with_pending_tokens`（把待定 token
+# 取进这一步的输入 id）。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 06 章）交给每个 `Attention` 层；一个 `Sampler`，在 GPU 上它的快速路径是第 07 章的 Triton 内核
@@ -1125,8 +1131,14 @@ class ModelRunner:
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 -----------------------------------------------------------------
     @torch.inference_mode()
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
-        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0)."""
+    def compute_logits(
+        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
+    ) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
+
+        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (see
+        `with_pending_tokens`); None when every last token is known.
+        """
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
@@ -1136,14 +1148,32 @@ class ModelRunner:
         # en: shared blocks' K/V, queued ahead of the step's stores.
         # zh: 写时复制（第 04b 章）：在这一步写入新块之前，先把共享块的 K/V 复制过去，排在这一步的写入之前。
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
+        replayed = self.replay_decode(seqs, is_prefill, previous)
+        if replayed is not None:
+            return self.model.compute_logits(replayed)
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
             else:
                 input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
+                input_ids = self.with_pending_tokens(seqs, input_ids, previous)
             return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
         finally:
             reset_context()
+
+    def replay_decode(
+        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None
+    ) -> torch.Tensor | None:
+        """The hidden states of a decode step that a CUDA graph replays from inputs staged in one copy, or None
+        for a step that builds its inputs: here, every step does (a hook that asynchronous scheduling fills)."""
+        return None
+
+    def with_pending_tokens(
+        self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
+    ) -> torch.Tensor:
+        """A decode step's input ids, the tokens still pending taken from ``previous`` on the device: here every
+        last token is known (a hook that asynchronous scheduling fills)."""
+        return input_ids
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
         """The model's hidden states for a step's flat inputs (the attention context is installed)."""

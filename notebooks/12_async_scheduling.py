@@ -525,59 +525,30 @@ assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
 # of the rows that want a token (`sample`, chapter 08), and `SampledTokens.start`. With tensor
 # parallelism (chapter 10b) rank 0 alone has logits and samples; `share_from_rank0` broadcasts its
 # tokens on the device, so that every rank holds the step's samples and can feed a pending token
-# to the next step by itself. `compute_logits` gains a `previous` argument, the step whose samples
-# are this step's pending tokens: a decode step takes them from there, on the device. A prefill
-# never starts before its last token is known (the engine never schedules one; `launch` asserts
-# it). `run` is `launch` followed by `token_ids()`. A decode step that a graph covers now takes
-# the staged path: `replay_decode` stages its inputs, writes its pending tokens and replays the
-# graph; every other step builds its inputs as before.
+# to the next step by itself. `launch` passes `compute_logits` its `previous` argument, the step
+# whose samples are this step's pending tokens, and the two hooks that chapter 08 left in
+# `compute_logits` for it are filled here. `replay_decode`: a decode step that a graph covers now
+# takes the staged path (it stages its inputs, writes its pending tokens from `previous` and
+# replays the graph). `with_pending_tokens`: every other decode step builds its inputs as before,
+# then gathers its pending tokens from `previous`, on the device. A prefill never starts before its
+# last token is known (the engine never schedules one; `launch` asserts it). `run` is `launch`
+# followed by `token_ids()`.
 
 # %% [markdown] tags=["zh"]
 # 执行器的部分。`launch` 做 `run` 做过的事，只是不等待：前向计算、为需要 token 的行采样（`sample`，第 08 章），以及
 # `SampledTokens.start`。在张量并行下（第 10b 章），只有 rank 0 有 logits 并做采样；`share_from_rank0` 在设备上广播
-# 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。`compute_logits` 多了一个
-# `previous` 参数，即这一步的待定 token 所来自的那一步：decode 步在设备上从那里取得它们。prefill 在它的最后一个 token
-# 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。`run` 就是 `launch` 之后紧跟 `token_ids()`。
-# 能被某个图覆盖的 decode 步现在走暂存路径：`replay_decode` 暂存它的输入、写入待定 token、重放图；其他步照旧构建输入。
+# 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。`launch` 把 `previous` 参数传给
+# `compute_logits`，即这一步的待定 token 所来自的那一步；第 08 章在 `compute_logits` 里为它留下的两个接缝在这里填上。
+# `replay_decode`：能被某个图覆盖的 decode 步现在走暂存路径（暂存它的输入、从 `previous` 写入待定 token、重放图）。
+# `with_pending_tokens`：其他 decode 步照旧构建输入，再在设备上从 `previous` 取来待定 token。prefill 在它的最后一个
+# token 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。`run` 就是 `launch` 之后紧跟 `token_ids()`。
 
 # %% runner launches
 #| export engine.model_runner
 from nanovllm.book.literate import add_to_class
 from nanovllm.engine.cuda_graphs import DecodeStaging
-from nanovllm.engine.model_runner import ModelRunner, copy_kv_blocks, prepare_decode, prepare_prefill
-from nanovllm.layers.context import reset_context
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.layers.linear import share_from_rank0
-
-
-@add_to_class(ModelRunner)
-@torch.inference_mode()
-def compute_logits(
-    self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
-) -> torch.Tensor | None:
-    """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
-
-    ``previous``: the step before, when it may still be running (pending tokens come from it).
-    """
-    if self.stopped:
-        raise RuntimeError("this model runner was stopped (exit() was called)")
-    # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
-    # zh: 引擎在入口处就拒绝更长的请求；KV 缓存是按 max_model_len 配置的。
-    assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-    copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
-    pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
-    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
-    if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
-        return self.model.compute_logits(self.replay_decode(seqs, previous if pending else None))
-    try:
-        if is_prefill:
-            input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
-        else:
-            input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
-            if pending:
-                input_ids = previous.input_ids_for(seqs, input_ids)
-        return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
-    finally:
-        reset_context()
 
 
 # en: Built at the first decode step that replays a graph, over the graphs' buffers.
@@ -586,16 +557,32 @@ ModelRunner.staging: DecodeStaging | None = None
 
 
 @add_to_class(ModelRunner)
-def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+def replay_decode(
+    self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None
+) -> torch.Tensor | None:
     """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
     taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
-    twenty torch operations, in two)."""
+    twenty torch operations, in two). None for every other step, which builds its inputs."""
+    pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
+    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+    if is_prefill or self.graphs is None or not self.graphs.covers(len(seqs)):
+        return None
     if self.staging is None:
         self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
     self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
-    if previous is not None:
+    if pending:
         previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
     return self.graphs.replay_loaded(len(seqs))
+
+
+@add_to_class(ModelRunner)
+def with_pending_tokens(
+    self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
+) -> torch.Tensor:
+    """A decode step's input ids, its pending tokens gathered from ``previous`` on the device."""
+    if previous is None or not any(seq.last_token == PENDING_TOKEN for seq in seqs):
+        return input_ids
+    return previous.input_ids_for(seqs, input_ids)
 
 
 @add_to_class(ModelRunner)

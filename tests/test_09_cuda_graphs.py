@@ -423,9 +423,11 @@ def test_gpu_staged_decode_with_async_scheduling_matches_the_eager_engine(tiny: 
         try:
             runner = llm.model_runner
             if not eager:
-                def counted(seqs, previous, stage=runner.replay_decode):
-                    stages[len(seqs)] = stages.get(len(seqs), 0) + 1
-                    return stage(seqs, previous)
+                def counted(seqs, is_prefill, previous, stage=runner.replay_decode):
+                    replayed = stage(seqs, is_prefill, previous)
+                    if replayed is not None:
+                        stages[len(seqs)] = stages.get(len(seqs), 0) + 1
+                    return replayed
 
                 runner.replay_decode = counted
             tokens[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]

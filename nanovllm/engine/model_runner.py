@@ -371,45 +371,60 @@ class ModelRunner:
         self.sampler(logits, torch.tensor([0.0, 1.0], device=self.device))
 
     # ---- one step -------------------------------------------------------------
-    # notebooks/12_async_scheduling.py · cell "runner launches"
     @torch.inference_mode()
     def compute_logits(
         self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
     ) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
 
-        ``previous``: the step before, when it may still be running (pending tokens come from it).
+        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (see
+        `with_pending_tokens`); None when every last token is known.
         """
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         # The engine refuses longer requests up front; the KV cache is sized for max_model_len.
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
+        # Copy-on-write: before this step writes into the fresh blocks, give them the
+        # shared blocks' K/V, queued ahead of the step's stores.
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
-        pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
-        assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
-        if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
-            return self.model.compute_logits(self.replay_decode(seqs, previous if pending else None))
+        replayed = self.replay_decode(seqs, is_prefill, previous)
+        if replayed is not None:
+            return self.model.compute_logits(replayed)
         try:
             if is_prefill:
                 input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
             else:
                 input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
-                if pending:
-                    input_ids = previous.input_ids_for(seqs, input_ids)
+                input_ids = self.with_pending_tokens(seqs, input_ids, previous)
             return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
         finally:
             reset_context()
 
-    def replay_decode(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+    # notebooks/12_async_scheduling.py · cell "runner launches"
+    def replay_decode(
+        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None
+    ) -> torch.Tensor | None:
         """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
         taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
-        twenty torch operations, in two)."""
+        twenty torch operations, in two). None for every other step, which builds its inputs."""
+        pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
+        assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+        if is_prefill or self.graphs is None or not self.graphs.covers(len(seqs)):
+            return None
         if self.staging is None:
             self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
         self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
-        if previous is not None:
+        if pending:
             previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
         return self.graphs.replay_loaded(len(seqs))
+
+    def with_pending_tokens(
+        self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
+    ) -> torch.Tensor:
+        """A decode step's input ids, its pending tokens gathered from ``previous`` on the device."""
+        if previous is None or not any(seq.last_token == PENDING_TOKEN for seq in seqs):
+            return input_ids
+        return previous.input_ids_for(seqs, input_ids)
 
     # notebooks/09_cuda_graphs.py · cell "graphs in the runner"
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
