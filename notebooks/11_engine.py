@@ -71,6 +71,66 @@
 #| default_exp engine.llm_engine
 
 # %% [markdown] tags=["en"]
+# ## Build it: what a user passes in, `inputs`
+#
+# A prompt arrives as text or as token ids. `engine/inputs.py` holds what turns it into token
+# ids: the model directory's tokenizer (`load_tokenizer`, which names the directory when
+# `transformers` cannot load it) and `prompt_token_ids`, which tokenizes text and takes a list of
+# ids as it is (`Sequence` checks each id). It is a module of its own, apart from the engine loop,
+# because the server of chapter 15 turns prompts into ids the same way before an engine sees them.
+#
+# Two hooks wait for chapter 13, where prompts and model directories come in every shape a user
+# can give: `checked_prompt` takes the prompt as given here, and `check_tokenizer_files` refuses
+# no directory.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：用户交进来的东西，`inputs`
+#
+# 提示词以文本或 token id 的形式到来。`engine/inputs.py` 存放把它变成 token id 的东西：模型目录的分词器
+# （`load_tokenizer`，`transformers` 加载不了时会指明是哪个目录），以及 `prompt_token_ids`：文本会被分词，id 列表
+# 原样接收（`Sequence` 会检查每个 id）。它自成一个模块，与引擎主循环分开，因为第 15 章的服务器在引擎看到提示词之前，
+# 也用同样的方式把它们变成 id。
+#
+# 有两个接缝留给第 13 章，那里的提示词和模型目录会以用户能给出的各种形状出现：`checked_prompt` 在这里照单全收，
+# `check_tokenizer_files` 不拒绝任何目录。
+
+# %% inputs
+#| export engine.inputs
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import AutoTokenizer
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(model: str) -> Any:
+    """The tokenizer of a model directory; a directory it cannot be loaded from is refused by name."""
+    check_tokenizer_files(model)
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    # en: transformers raises OSError, ValueError, ...
+    # zh: transformers 会抛出 OSError、ValueError 等异常。
+    except Exception as error:
+        raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
+
+
+def check_tokenizer_files(model: str) -> None:
+    """Refuse a model directory that holds no tokenizer files: here, every directory is tried."""
+
+
+def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
+    """One prompt as token ids: text is tokenized, a list already holds ids (Sequence checks each one)."""
+    prompt = checked_prompt(prompt)
+    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def checked_prompt(prompt: object) -> object:
+    """The prompt as text or as a sequence of token ids, refused if it is neither: here, taken as given."""
+    return prompt
+
+# %% [markdown] tags=["en"]
 # ## Build it: the engine loop, `LLMEngine`
 #
 # The constructor builds the three parts from one `Config`: the tokenizer, the model runner
@@ -93,6 +153,11 @@
 # `{"text", "token_ids"}` in prompt order, where `token_ids` includes the final EOS (as
 # nano-vllm) and `text` is decoded without special tokens; a request with `n > 1` also carries
 # `"outputs"`, every sample's `{"text", "token_ids"}`.
+#
+# Two hooks wait for chapter 13, where several threads, observers and Ctrl-C meet the engine:
+# `add_request` and `exit` run their bodies in `_one_call` (there, one call at a time, under a
+# lock; here, at once), and `add_request` then asks `_undo_if_observer_raised` (there, a request
+# whose queuing an observer of the scheduler interrupted is taken back; here, nothing).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：引擎主循环 `LLMEngine`
@@ -111,41 +176,29 @@
 # **每一个** EOS id 上结束序列（`Config.eos_token_ids`；对话模型常常声明好几个）。输出保持 nano-vllm 的形式：按提示词
 # 顺序给出 `{"text", "token_ids"}`，其中 `token_ids` 包含最后的 EOS（与 nano-vllm 相同），`text` 解码时去掉特殊
 # token；`n > 1` 的请求还带有 `"outputs"`：每个样本的 `{"text", "token_ids"}`。
+#
+# 有两个接缝留给第 13 章，那里多个线程、观察者和 Ctrl-C 都会碰到引擎：`add_request` 和 `exit` 在 `_one_call` 里执行
+# 它们的主体（在那里是加锁、一次一个调用；在这里是直接执行），`add_request` 随后询问 `_undo_if_observer_raised`
+# （在那里，排队时被调度器观察者打断的请求会被收回；在这里什么也不做）。
 
 # %% llm engine
 #| export
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.inputs import Prompt, load_tokenizer, prompt_token_ids
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.tp_runtime import TPRunner
 from nanovllm.sampling_params import SamplingParams
-
-Prompt = str | list[int]
-
-
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer of a model directory."""
-    return AutoTokenizer.from_pretrained(model)
-
-
-def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
-    """One prompt as token ids: text is tokenized, a list already holds ids (Sequence checks each one)."""
-    prompt = checked_prompt(prompt)
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-def checked_prompt(prompt: object) -> object:
-    """The prompt as text or as a sequence of token ids, refused if it is neither: here, taken as given."""
-    return prompt
 
 
 class LLMEngine:
@@ -202,11 +255,23 @@ class LLMEngine:
         return [seq] + [seq.fork(sample_index) for sample_index in range(1, sampling_params.n)]
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its id (its first sequence's seq_id)."""
-        seqs = self.make_sequences(prompt, sampling_params)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        return seqs[0].seq_id
+        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
+        with self._one_call("add_request"):
+            seqs = self.make_sequences(prompt, sampling_params)
+            for seq in seqs:
+                self.scheduler.add(seq)
+            self._undo_if_observer_raised(seqs)
+            return seqs[0].seq_id
+
+    @contextlib.contextmanager
+    def _one_call(self, name: str) -> Iterator[None]:
+        """Run the body of `LLMEngine` method ``name``: here, at once (a hook; the engine's rules make it one call
+        at a time, under a lock)."""
+        yield
+
+    def _undo_if_observer_raised(self, seqs: list[Sequence]) -> None:
+        """Take back the sequences of a request if an observer of the scheduler raised while they were queued, and
+        raise what it raised: here, an observer's error went straight through `scheduler.add` (a hook)."""
 
     # en: ---- the loop -------------------------------------------------------------
     # zh: ---- 主循环 --------------------------------------------------------------
@@ -225,8 +290,9 @@ class LLMEngine:
         return self.scheduler.is_finished()
 
     def exit(self) -> None:
-        """Release the model runner: with tensor parallelism, stop the rank processes."""
-        self.model_runner.exit()
+        """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
+        with self._one_call("exit"):
+            self.model_runner.exit()
 
     def __enter__(self) -> LLMEngine:
         return self

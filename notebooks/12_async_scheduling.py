@@ -761,12 +761,13 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # call of `step()` therefore reports the step before the one it queued (the first reports
 # nothing), and the engine is finished only when nothing is in flight either.
 #
-# Three places leave hooks for later chapters. `_compute` wraps the runner's work in
+# Four places leave hooks for later chapters. `_compute` wraps the runner's work in
 # `_undone_on_failure`, which chapter 13 fills to undo a step that fails. `_launch` asks
 # `_reserve_drafts` (no, here) and `_verify` for speculative decoding (chapter 17). And a step in
 # which the sampler marked a row whose logits are not numbers (`NON_FINITE`, chapter 07) goes to
 # `_collect_non_finite`, which stops the engine here; chapter 13 fills it to record the other
-# rows and drop only that request.
+# rows and drop only that request. Chapter 13 also fills `is_finished`'s `_left_to_report`: what a
+# `generate` call finished for `add_request`, or dropped, that `step` has not reported yet.
 #
 # The price is small too. A sequence that ends on EOS in step *n* was already scheduled in step
 # *n + 1*: that token is computed for nothing and dropped (`Sequence.truncate`), and if the
@@ -806,10 +807,11 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
 # 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
 #
-# 有三处为后面的章节留了接缝。`_compute` 把执行器的工作包在 `_undone_on_failure` 里，第 13 章填上它，撤销失败的
+# 有四处为后面的章节留了接缝。`_compute` 把执行器的工作包在 `_undone_on_failure` 里，第 13 章填上它，撤销失败的
 # 一步。`_launch` 为投机解码（第 17 章）询问 `_reserve_drafts`（这里总是回答"否"）和 `_verify`。采样器标记了 logits
 # 不是数的行（`NON_FINITE`，第 07 章）的那一步交给 `_collect_non_finite`：在这里它让引擎停下；第 13 章填上它，记录
-# 其他行，只丢弃那个请求。
+# 其他行，只丢弃那个请求。第 13 章还会填上 `is_finished` 里的 `_left_to_report`：`generate` 调用为 `add_request`
+# 完成或丢弃、而 `step` 还没报告的东西。
 #
 # 代价也很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
 # （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（上面新增的那条箭头）。生成的
@@ -966,8 +968,14 @@ def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple
 
 @add_to_class(LLMEngine)
 def is_finished(self) -> bool:
-    """True when no request is queued or computing."""
-    return self.scheduler.is_finished() and self.in_flight is None
+    """True when no request is queued or computing, and `step` has nothing left to report."""
+    return self.scheduler.is_finished() and self.in_flight is None and not self._left_to_report()
+
+
+@add_to_class(LLMEngine)
+def _left_to_report(self) -> bool:
+    """Whether `step` still has news that no step computes: here, never (a hook)."""
+    return False
 
 # %% [markdown] tags=["en"]
 # ## See it: one step ahead

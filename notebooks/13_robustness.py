@@ -44,10 +44,11 @@
 # `transformers` would quietly build a tokenizer that knows a single token, and every text
 # prompt would come out empty.
 #
-# Chapter 11's `prompt_token_ids` asks `checked_prompt` for the prompt as text or token ids, a
-# hook that took the prompt as given; filled here, it refuses what is neither. `load_tokenizer` is
-# replaced in place. Both are module-level functions: the book's `add_to_class` also takes a
-# module.
+# Chapter 11's `inputs` module left two hooks for this: `prompt_token_ids` asks `checked_prompt`
+# for the prompt as text or token ids, which took the prompt as given and, filled here, refuses
+# what is neither; `load_tokenizer` asks `check_tokenizer_files`, which refused nothing and now
+# refuses a directory without a vocabulary. Both are module-level functions: the book's
+# `add_to_class` also takes a module.
 
 # %% [markdown] tags=["zh"]
 # ## 各种形状的提示词，以及确实存在的分词器
@@ -60,47 +61,40 @@
 # `tokenizer.model`、`vocab.json`、`vocab.txt`），目录就会被拒绝，因为 `transformers` 会悄悄地构造一个只认识
 # 一个 token 的分词器，每个文本提示词都会变成空的。
 #
-# 第 11 章的 `prompt_token_ids` 通过 `checked_prompt` 取得文本或 token id 形式的提示词，这个接缝原本照单全收；在这里
-# 填上之后，两者都不是的东西会被拒绝。`load_tokenizer` 则在原地替换。两者都是模块级函数：本书的 `add_to_class` 也接受
-# 一个模块。
+# 第 11 章的 `inputs` 模块为此留了两个接缝：`prompt_token_ids` 通过 `checked_prompt` 取得文本或 token id 形式的
+# 提示词，这个接缝原本照单全收，在这里填上之后，两者都不是的东西会被拒绝；`load_tokenizer` 会询问
+# `check_tokenizer_files`，它原本不拒绝任何目录，现在会拒绝没有词表的目录。两者都是模块级函数：本书的 `add_to_class`
+# 也接受一个模块。
 
 # %% prompts of every shape
-#| export engine.llm_engine
+#| export engine.inputs
 from collections.abc import Sequence as ListLike
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
-import nanovllm.engine.llm_engine as llm_engine
+import nanovllm.engine.inputs as inputs
 from nanovllm.book.literate import add_to_class
 
-llm_engine.Prompt = str | list[int] | np.ndarray | torch.Tensor
+inputs.Prompt = str | list[int] | np.ndarray | torch.Tensor
 # en: What transformers reads a vocabulary from: a fast tokenizer, SentencePiece, BPE, WordPiece.
 # zh: transformers 从这些文件读取词表：快速分词器、SentencePiece、BPE、WordPiece。
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
-@add_to_class(llm_engine)
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer of a model directory. Without tokenizer files transformers would quietly build one
-    that knows a single token, and every text prompt would come out empty: refuse the directory instead."""
+@add_to_class(inputs)
+def check_tokenizer_files(model: str) -> None:
+    """Refuse a model directory that holds no tokenizer files: transformers would quietly build a tokenizer that
+    knows a single token, and every text prompt would come out empty."""
     if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"model directory {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
             "tokenizer files of the checkpoint into it"
         )
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    # en: transformers raises OSError, ValueError, ...
-    # zh: transformers 会抛出 OSError、ValueError 等异常。
-    except Exception as error:
-        raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
 
 
-@add_to_class(llm_engine)
+@add_to_class(inputs)
 def checked_prompt(prompt: object) -> str | list[int] | ListLike[int]:
     """The prompt as text or as token ids: a str (not empty, valid text), a list or a tuple, or the ids of a 1-D
     integer NumPy array or torch tensor; anything else is refused by name."""
@@ -465,10 +459,13 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
 #   for its own prompts, naming them, and `step` for requests of `add_request`. The other
 #   requests go on.
 #
-# The constructor gains the state these rules need; `generate`, `add_request`, `step` and `exit`
-# take the lock; `_drain` sorts what a step finished into the current `generate` call's and
-# the others'; and chapter 12's `_collect`, which stops at a row that is not a number, now hands
-# such a step to `_collect_non_finite`, which records the other rows and drops that request.
+# The constructor gains the state these rules need. `_one_call`, the hook that chapter 11's
+# `add_request` and `exit` already run their bodies in, becomes the lock, and the new `generate`
+# and `step` take it too; `_undo_if_observer_raised`, chapter 11's other hook in `add_request`,
+# takes a request back when an observer raised while it was queued. `_drain` sorts what a step
+# finished into the current `generate` call's and the others'; and chapter 12's `_collect`,
+# which stops at a row that is not a number, now hands such a step to `_collect_non_finite`,
+# which records the other rows and drops that request.
 
 # %% [markdown] tags=["zh"]
 # ## 一次一个调用，以及与 `add_request` 并用的 `generate`
@@ -492,8 +489,10 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
 #   （一种 `ValueError`）：属于 `generate` 自己提示词的由 `generate` 抛出并指明是哪些提示词，`add_request` 的请求则由
 #   `step` 抛出。其他请求照常进行。
 #
-# 构造函数增加这些规则需要的状态；`generate`、`add_request`、`step` 和 `exit` 获取这把锁；`_drain` 把一步中结束的
-# 序列分成当前 `generate` 调用的和其他的；第 12 章的 `_collect` 遇到不是数的行就停下，现在它把这样的一步交给
+# 构造函数增加这些规则需要的状态。第 11 章的 `add_request` 和 `exit` 本来就在接缝 `_one_call` 里执行它们的主体，
+# 现在它变成这把锁，新的 `generate` 和 `step` 也获取它；`add_request` 里第 11 章的另一个接缝
+# `_undo_if_observer_raised` 在请求排队时观察者抛出异常的情况下把请求收回。`_drain` 把一步中结束的序列分成当前
+# `generate` 调用的和其他的；第 12 章的 `_collect` 遇到不是数的行就停下，现在它把这样的一步交给
 # `_collect_non_finite`：记录其他行，丢弃那个请求。
 
 # %% one call at a time
@@ -577,12 +576,14 @@ def _one_call(self, name: str) -> Iterator[None]:
 import sys
 import time
 from collections.abc import Collection
-from typing import Self
+from collections.abc import Sequence as ListLike
+from typing import Any, Self
 
 from tqdm.auto import tqdm
 
 from nanovllm.book.literate import add_to_init
-from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine, Prompt
+from nanovllm.engine.inputs import Prompt
+from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
@@ -606,20 +607,13 @@ def _init_call_rules(self) -> None:
 
 
 @add_to_class(LLMEngine)
-def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-    """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own).
-    `step` reports it when it finishes, also when a `generate` call's steps computed it."""
-    with self._one_call("add_request"):
-        seqs = self.make_sequences(prompt, sampling_params)
+def _undo_if_observer_raised(self, seqs: list[Sequence]) -> None:
+    """An `add_request` whose queuing an observer of the scheduler interrupted fails whole: its sequences are taken
+    back, and what the observer raised is raised."""
+    if self.scheduler.observer_errors:
         for seq in seqs:
-            self.scheduler.add(seq)
-        if self.scheduler.observer_errors:
-            # en: the call fails: nothing of it stays queued
-            # zh: 这次调用失败：它的任何请求都不留在队列里。
-            for seq in seqs:
-                self.scheduler.abort(seq)
-            self._raise_observer_error()
-        return seqs[0].seq_id
+            self.scheduler.abort(seq)
+        self._raise_observer_error()
 
 
 
@@ -684,17 +678,10 @@ def step(self) -> tuple[list[StepOutput], int, bool]:
 
 
 @add_to_class(LLMEngine)
-def exit(self) -> None:
-    """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
-    with self._one_call("exit"):
-        self.model_runner.exit()
-
-
-@add_to_class(LLMEngine)
-def is_finished(self) -> bool:
-    """True when no request is queued or computing, and `step` has nothing left to report."""
-    idle = self.scheduler.is_finished() and self.in_flight is None
-    return idle and not self.unreported and not self._dropped
+def _left_to_report(self) -> bool:
+    """Whether `step` still has news that no step computes: requests of `add_request` that a `generate` call
+    finished (`unreported`), or dropped."""
+    return bool(self.unreported or self._dropped)
 
 
 @add_to_class(LLMEngine)

@@ -733,7 +733,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from nanovllm.engine.llm_engine import LLMEngine, load_tokenizer
+from nanovllm.engine.inputs import load_tokenizer
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.driver import (
     HEARTBEAT_SECONDS,

@@ -326,7 +326,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from nanovllm.engine.llm_engine import LLMEngine, prompt_token_ids
+from nanovllm.engine.inputs import prompt_token_ids
+from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream

@@ -405,7 +405,7 @@ def run_offline(model: str, tokenizer: Any, prompts: list[str], output_lens: lis
                 settings: dict[str, Any], concurrency: int | None) -> dict[str, Any]:
     """`LLM.generate` on the prompts a server got, tokenized as the server tokenizes them, with its engine
     ``settings``; with ``concurrency``, at most that many sequences at a time. Its figures, in `summarize`'s keys."""
-    from nanovllm.engine.llm_engine import prompt_token_ids
+    from nanovllm.engine.inputs import prompt_token_ids
 
     ids = [prompt_token_ids(prompt, tokenizer) for prompt in prompts]
     config = dict(settings)

@@ -553,7 +553,7 @@ def test_a_stream_that_falls_behind_gets_several_steps_in_one_chunk(tiny):
     text, the same text the three would have made one by one."""
     from types import SimpleNamespace
 
-    from nanovllm.engine.llm_engine import load_tokenizer
+    from nanovllm.engine.inputs import load_tokenizer
     from nanovllm.serve.app import Generation
 
     tokenizer = load_tokenizer(tiny)

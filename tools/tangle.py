@@ -38,8 +38,8 @@ docstring and no ``return``. A setting that a later chapter explains joins the s
 field: ``@add_fields(Config)`` above a small class of ``name: type = default`` lines; the tangler writes
 them into the dataclass after its settings, before the fields it derives (``field(..., init=False)``).
 A module-level function or constant is replaced the same way, through the module:
-``import nanovllm.engine.llm_engine as llm_engine``, then ``@add_to_class(llm_engine)`` above the new
-function or ``llm_engine.Prompt = ...``; the new version takes the old one's place.
+``import nanovllm.engine.inputs as inputs``, then ``@add_to_class(inputs)`` above the new
+function or ``inputs.Prompt = ...``; the new version takes the old one's place.
 Imports of ``add_to_class`` and of the module being extended (or its names) are notebook-only and dropped.
 
 Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``# ...``

@@ -11,15 +11,13 @@ import time
 from collections.abc import Collection, Iterator
 from collections.abc import Sequence as ListLike
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Self
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
+from nanovllm.engine.inputs import Prompt, load_tokenizer, prompt_token_ids
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Proposer, Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
@@ -30,74 +28,16 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt, interruptible, interruption_point
 
 __all__ = [
-    "TOKENIZER_FILES",
     "BarStream",
     "EngineBusyError",
     "LLMEngine",
     "LaunchedStep",
     "NewTokens",
     "NonFiniteLogitsError",
-    "Prompt",
     "StepOutput",
-    "checked_prompt",
-    "load_tokenizer",
     "non_finite_cause",
     "params_per_prompt",
-    "prompt_token_ids",
 ]
-
-
-# notebooks/13_robustness.py · cell "prompts of every shape"
-Prompt = str | list[int] | np.ndarray | torch.Tensor
-
-
-def load_tokenizer(model: str) -> Any:
-    """The tokenizer of a model directory. Without tokenizer files transformers would quietly build one
-    that knows a single token, and every text prompt would come out empty: refuse the directory instead."""
-    if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(
-            f"model directory {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
-            "tokenizer files of the checkpoint into it"
-        )
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    # transformers raises OSError, ValueError, ...
-    except Exception as error:
-        raise ValueError(f"cannot load the tokenizer of {model}: {error}") from error
-
-
-# notebooks/11_engine.py · cell "llm engine"
-def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
-    """One prompt as token ids: text is tokenized, a list already holds ids (Sequence checks each one)."""
-    prompt = checked_prompt(prompt)
-    return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-
-
-# notebooks/13_robustness.py · cell "prompts of every shape"
-def checked_prompt(prompt: object) -> str | list[int] | ListLike[int]:
-    """The prompt as text or as token ids: a str (not empty, valid text), a list or a tuple, or the ids of a 1-D
-    integer NumPy array or torch tensor; anything else is refused by name."""
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ValueError("prompt is an empty string")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ValueError(
-                f"prompt is not valid text: it holds a lone surrogate, {prompt[error.start]!r} at index "
-                f"{error.start} (bytes decoded with errors='surrogateescape'? decode them with errors='replace')"
-            ) from None
-        return prompt
-    if isinstance(prompt, (np.ndarray, torch.Tensor)):
-        return _array_token_ids(prompt)
-    if isinstance(prompt, (bytes, bytearray, memoryview)):
-        # Bytes iterate as small ints, which would pass for token ids: the text was not decoded.
-        raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}: "
-                        "decode bytes to a str first (for example data.decode('utf-8'))")
-    if isinstance(prompt, ListLike):
-        return prompt
-    raise TypeError(f"a prompt must be a str or a list of token ids (or a 1-D integer array), "
-                    f"got {type(prompt).__name__}")
 
 
 # notebooks/11_engine.py · cell "llm engine"
@@ -171,19 +111,13 @@ class LLMEngine:
         seq.pending_forks = 0
         return [seq] + [seq.fork(sample_index) for sample_index in range(1, sampling_params.n)]
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own).
-        `step` reports it when it finishes, also when a `generate` call's steps computed it."""
+        """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
         with self._one_call("add_request"):
             seqs = self.make_sequences(prompt, sampling_params)
             for seq in seqs:
                 self.scheduler.add(seq)
-            if self.scheduler.observer_errors:
-                # the call fails: nothing of it stays queued
-                for seq in seqs:
-                    self.scheduler.abort(seq)
-                self._raise_observer_error()
+            self._undo_if_observer_raised(seqs)
             return seqs[0].seq_id
 
     # notebooks/13_robustness.py · cell "one call at a time"
@@ -212,6 +146,14 @@ class LLMEngine:
                     self._in_call = False
 
     # notebooks/13_robustness.py · cell "the engine's rules"
+    def _undo_if_observer_raised(self, seqs: list[Sequence]) -> None:
+        """An `add_request` whose queuing an observer of the scheduler interrupted fails whole: its sequences are taken
+        back, and what the observer raised is raised."""
+        if self.scheduler.observer_errors:
+            for seq in seqs:
+                self.scheduler.abort(seq)
+            self._raise_observer_error()
+
     def _raise_observer_error(self) -> None:
         """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
         errors = self.scheduler.observer_errors
@@ -401,18 +343,23 @@ class LLMEngine:
             self.scheduler.rollback(seqs, is_prefill)
             raise
 
-    # notebooks/13_robustness.py · cell "the engine's rules"
+    # notebooks/12_async_scheduling.py · cell "engine in flight"
     def is_finished(self) -> bool:
         """True when no request is queued or computing, and `step` has nothing left to report."""
-        idle = self.scheduler.is_finished() and self.in_flight is None
-        return idle and not self.unreported and not self._dropped
+        return self.scheduler.is_finished() and self.in_flight is None and not self._left_to_report()
 
+    # notebooks/13_robustness.py · cell "the engine's rules"
+    def _left_to_report(self) -> bool:
+        """Whether `step` still has news that no step computes: requests of `add_request` that a `generate` call
+        finished (`unreported`), or dropped."""
+        return bool(self.unreported or self._dropped)
+
+    # notebooks/11_engine.py · cell "llm engine"
     def exit(self) -> None:
         """Release the model runner: with tensor parallelism, stop the rank processes (idempotent)."""
         with self._one_call("exit"):
             self.model_runner.exit()
 
-    # notebooks/11_engine.py · cell "llm engine"
     def __enter__(self) -> LLMEngine:
         return self
 
@@ -608,26 +555,6 @@ class LaunchedStep:
     indices: list[int | None]
     # a list when the step already ran to the end (synchronous)
     tokens: SampledTokens | TPStep | list[int]
-
-
-# notebooks/13_robustness.py · cell "prompts of every shape"
-# What transformers reads a vocabulary from: a fast tokenizer, SentencePiece, BPE, WordPiece.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def _array_token_ids(array: np.ndarray | torch.Tensor) -> list[int]:
-    kind = "NumPy array" if isinstance(array, np.ndarray) else "torch tensor"
-    if array.ndim != 1:
-        raise ValueError(f"a {kind} prompt must be 1-D, the token ids of one prompt; got shape "
-                         f"{tuple(array.shape)} (a batch is a list of prompts)")
-    dtype = array.dtype
-    if isinstance(array, np.ndarray):
-        integer = dtype.kind in "iu"
-    else:
-        integer = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
-    if not integer:
-        raise TypeError(f"a {kind} prompt must hold integer token ids, got dtype {dtype}")
-    return array.tolist()
 
 
 # notebooks/13_robustness.py · cell "one call at a time"
