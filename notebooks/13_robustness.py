@@ -376,17 +376,15 @@ Scheduler.observer_errors = None
 def _notify(self, event: str, data: dict) -> None:
     """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
     raises it once the step is whole: an observer must not cut a step in half."""
-    if self.observer is None:
-        return
-    if self.observer_errors is None:
-        self.observer(event, data)
-        return
-    try:
-        self.observer(event, data)
-    # en: even a KeyboardInterrupt the observer raises itself
-    # zh: 包括观察者自己抛出的 KeyboardInterrupt。
-    except BaseException as error:
-        self.observer_errors.append(error)
+    if self.observer is not None:
+        try:
+            self.observer(event, data)
+        # en: even a KeyboardInterrupt the observer raises itself
+        # zh: 包括观察者自己抛出的 KeyboardInterrupt。
+        except BaseException as error:
+            if self.observer_errors is None:
+                raise
+            self.observer_errors.append(error)
 
 # %% step that fails
 #| export engine.llm_engine

@@ -40,7 +40,7 @@ UPSTREAM_LINES = {
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
 # Module-level replacements (`@add_to_class(module)`) count too. Each step down, and the hook that paid it, is in
 # `git log -p tools/first_cuts.py`.
-MAX_RETYPED_LINES = 166
+MAX_RETYPED_LINES = 164
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5

@@ -241,16 +241,14 @@ class Scheduler:
     def _notify(self, event: str, data: dict) -> None:
         """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
         raises it once the step is whole: an observer must not cut a step in half."""
-        if self.observer is None:
-            return
-        if self.observer_errors is None:
-            self.observer(event, data)
-            return
-        try:
-            self.observer(event, data)
-        # even a KeyboardInterrupt the observer raises itself
-        except BaseException as error:
-            self.observer_errors.append(error)
+        if self.observer is not None:
+            try:
+                self.observer(event, data)
+            # even a KeyboardInterrupt the observer raises itself
+            except BaseException as error:
+                if self.observer_errors is None:
+                    raise
+                self.observer_errors.append(error)
 
     # notebooks/04_scheduler.py · cell "scheduler"
     def _reached_end(self, seq: Sequence, token_id: int) -> bool:
