@@ -453,8 +453,8 @@ class BlockPool:
 # That is upstream's `block_manager.py` without its hashing, which chapter 03 adds. Four hooks
 # stay empty here, each filled by the chapter that needs it: `_forget_old_contents` (chapter 03's
 # cache unpublishes a block before it is overwritten), and `_blocks_to_unshare`,
-# `_unshare_write_block` and `_cancel_unsharing` (chapter 04b's copy-on-write, once forked
-# samples share blocks).
+# `_unshare_write_block` and `forget_copies` (chapter 04b's copy-on-write, once forked
+# samples share blocks; the scheduler calls `forget_copies` after each step, chapter 04).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块表
@@ -473,7 +473,8 @@ class BlockPool:
 #
 # 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。这里有四个接缝暂时是空的，各由需要它的那一章
 # 填上：`_forget_old_contents`（第 03 章的缓存在块被覆盖之前取消发布它），以及 `_blocks_to_unshare`、
-# `_unshare_write_block` 和 `_cancel_unsharing`（第 04b 章的写时复制：分叉出的样本会共享块）。
+# `_unshare_write_block` 和 `forget_copies`（第 04b 章的写时复制：分叉出的样本会共享块；调度器在每一步之后调用
+# `forget_copies`，见第 04 章）。
 
 # %% block manager
 #| export
@@ -496,7 +497,7 @@ class BlockManager(BlockPool):
             self.release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
-        self._cancel_unsharing(seq)
+        self.forget_copies(seq)
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
@@ -526,8 +527,9 @@ class BlockManager(BlockPool):
     def _unshare_write_block(self, seq: Sequence) -> None:
         """Give ``seq`` its own copy of a shared block that its step writes into (see `_blocks_to_unshare`)."""
 
-    def _cancel_unsharing(self, seq: Sequence) -> None:
-        """Drop a copy that `_unshare_write_block` planned for ``seq``, whose blocks are gone: none was, here."""
+    def forget_copies(self, seq: Sequence) -> None:
+        """Drop the copies that `_unshare_write_block` planned for ``seq``: made by the step that ran, or moot once
+        its blocks are gone. None was planned, here."""
 
 # %% [markdown] tags=["en"]
 # ## See it: two sequences in a pool of eight blocks

@@ -362,14 +362,15 @@ display(SVG(schedule_flow_svg()))
 # %% [markdown] tags=["en"]
 # ## Build it: admission
 #
-# `max_kv_tokens` is the rule above in one line. The settings are not checked again here: the
+# `max_kv_tokens`, a property this chapter gives chapter 01's `Sequence`, is the rule above in one
+# line. The settings are not checked again here: the
 # engine builds the scheduler from a `Config` that checked every number where it entered
 # (chapter 08), so the scheduler states its own invariants as plain `assert`s, as upstream does.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：准入检查
 #
-# `max_kv_tokens` 用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 08 章）
+# `max_kv_tokens` 是本章给第 01 章的 `Sequence` 加上的一个属性，用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 08 章）
 # 已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
@@ -391,10 +392,17 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 # zh: 功能加上的事件，比如投机解码的 "drafts" 和 "verified"）。
 Observer = Callable[[str, dict], None]
 
+# %% most kv tokens
+#| export engine.sequence
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.sequence import Sequence
 
-def max_kv_tokens(seq: Sequence) -> int:
-    """The most tokens whose KV ``seq`` will ever hold: the prompt and all sampled tokens but the last."""
-    return seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
+
+@add_to_class(Sequence)
+@property
+def max_kv_tokens(self) -> int:
+    """The most tokens whose KV this sequence will ever hold: the prompt and all sampled tokens but the last."""
+    return self.num_prompt_tokens + self.sampling_params.max_tokens - 1
 
 # %% [markdown] tags=["en"]
 # ## Build it: the scheduler
@@ -414,7 +422,9 @@ def max_kv_tokens(seq: Sequence) -> int:
 #
 # This is upstream's `scheduler.py`, method for method, with one change of rule (which sequence
 # may be chunked, discussed at the end) and the admission check. Two later chapters add to this
-# class: chapter 04b lets `postprocess` fork a request into its n samples, and chapter 12 splits
+# class: chapter 04b fills the two hooks that `postprocess` calls, `_fork_siblings` (a request
+# forks into its n samples; here no sequence forks) and the block manager's `forget_copies` (the
+# step made the copy-on-write copies planned for it; here none is planned), and chapter 12 splits
 # `postprocess` in two for the asynchronous engine.
 
 # %% [markdown] tags=["zh"]
@@ -432,8 +442,9 @@ def max_kv_tokens(seq: Sequence) -> int:
 #   是否让序列结束，`_finish` 释放序列的块。
 #
 # 这就是上游的 `scheduler.py`，方法一一对应；只改了一条规则（哪个序列可以分块，本章末尾讨论），并加上了准入检查。
-# 后面有两章会扩展这个类：第 04b 章让 `postprocess` 把一个请求分叉成它的 n 个样本，第 12 章为异步引擎把
-# `postprocess` 一分为二。
+# 后面有两章会扩展这个类：第 04b 章填上 `postprocess` 调用的两个接缝，`_fork_siblings`（一个请求分叉成它的 n 个样本；
+# 这里没有序列分叉）和块管理器的 `forget_copies`（这一步已完成为它计划的写时复制；这里没有计划任何复制），第 12 章为
+# 异步引擎把 `postprocess` 一分为二。
 
 # %% scheduler
 #| export
@@ -458,7 +469,7 @@ class Scheduler:
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone."""
         bm = self.block_manager
-        blocks = -(-max_kv_tokens(seq) // bm.block_size)
+        blocks = -(-seq.max_kv_tokens // bm.block_size)
         if blocks > bm.num_blocks:
             raise ValueError(
                 f"request {seq.seq_id} can never fit the KV cache: its {seq.num_prompt_tokens} prompt tokens and "
@@ -548,15 +559,20 @@ class Scheduler:
     # zh: ---- 这一步之后 -----------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
         """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
-        finish sequences. ``token_ids`` has one token per sequence; returns the sequences that finished."""
+        finish sequences. ``token_ids`` has one token per sequence, then one per sibling that the step's sequences
+        fork (`_fork_siblings`); returns the sequences that finished."""
+        seqs = [*seqs, *self._fork_siblings(seqs)]
         assert len(token_ids) == len(seqs) and all(seq.num_scheduled_tokens for seq in seqs), "not this step's tokens"
         finished: list[Sequence] = []
         for seq, token_id in zip(seqs, token_ids, strict=True):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
-            # en: The step wrote these tokens' KV: full blocks can be published.
-            # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章）。
+            # en: The step wrote these tokens' KV: full blocks can be published, and the copies planned
+            # en: for it (copy-on-write) were made before it wrote.
+            # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章），为它计划的复制（写时复制）
+            # zh: 也已在写入之前完成。
             self.block_manager.publish_full_blocks(seq)
+            self.block_manager.forget_copies(seq)
             if seq.num_cached_tokens < len(seq):
                 # en: A partial prefill chunk samples nothing (the model runner passes -1).
                 # zh: 只算了部分提示词的 prefill 分块不采样（模型执行器传入 -1）。
@@ -565,8 +581,13 @@ class Scheduler:
             if self._reached_end(seq, token_id):
                 self._finish(seq)
                 finished.append(seq)
-        self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
+        self._notify("postprocess", {"seqs": seqs, "token_ids": list(token_ids), "finished": finished})
         return finished
+
+    def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The siblings that a step's sequences fork, each recorded with its own first token: here, none (a hook
+        that parallel sampling fills)."""
+        return []
 
     def _notify(self, event: str, data: dict) -> None:
         # en: Always the last thing a method does: the observer sees, and may interrupt, only a whole change.
@@ -1471,7 +1492,7 @@ except AssertionError as error:
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `max_kv_tokens(seq)`: the most KV a request will ever need; `check_fits` refuses what the whole
+# - `seq.max_kv_tokens`: the most KV a request will ever need; `check_fits` refuses what the whole
 #   cache could not hold.
 # - `Scheduler`: `waiting` and `running` queues; `schedule` (prefill first under a token budget
 #   and a sequence cap, at most one chunk per step, the last one; otherwise decode with
@@ -1494,7 +1515,7 @@ except AssertionError as error:
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `max_kv_tokens(seq)`：一个请求最多需要多少 KV；`check_fits` 拒绝整个缓存都装不下的请求。
+# - `seq.max_kv_tokens`：一个请求最多需要多少 KV；`check_fits` 拒绝整个缓存都装不下的请求。
 # - `Scheduler`：`waiting` 和 `running` 两个队列；`schedule`（在 token 预算和序列数上限之内 prefill 优先，每步最多一个
 #   分块且它是最后一个；否则 decode，从最新的序列开始抢占）；`postprocess`（记为已缓存、发布、除分块外追加 token、
 #   遇到 EOS 或 `max_tokens` 时结束）；`is_finished`；以及可选的 `observer(event, data)` 钩子。

@@ -191,8 +191,9 @@ def sibling_samples(seqs: list[Sequence]) -> list[tuple[int, int]]:
 # that the step writes into (the one holding token `num_cached_tokens`) when another table holds
 # it too; `_blocks_to_unshare` then counts one more free block for the copy, so that `can_append`
 # says no when the copy cannot be made, and `_unshare_write_block`, which `may_append` calls
-# before it adds the step's new block, makes it. `_cancel_unsharing`, which `deallocate` calls,
-# drops a planned copy: a sequence that gives back its blocks has nothing to copy into.
+# before it adds the step's new block, makes it. `forget_copies` drops the planned copies: the
+# scheduler calls it once a step has run (the runner made them before the step wrote its K/V),
+# and `deallocate` calls it too (a sequence that gives back its blocks has nothing to copy into).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：块管理器负责的部分
@@ -200,8 +201,8 @@ def sibling_samples(seqs: list[Sequence]) -> list[tuple[int, int]]:
 # `fork(parent, child)` 让子序列得到父序列的块表，并给每个块再加一个引用。写时复制填上第 02 章留空的三个接缝。当这一步
 # 要写入的块（存放第 `num_cached_tokens` 个 token 的块）也被别的块表持有时，`_shared_write_block` 找到它；于是
 # `_blocks_to_unshare` 为复制多算一个空闲块，这样复制做不了时 `can_append` 会说不行；`_unshare_write_block` 完成复制，
-# `may_append` 先调用它，再为这一步加上新块。`deallocate` 调用的 `_cancel_unsharing` 丢掉计划中的复制：归还了块的
-# 序列没有可以复制进去的地方。
+# `may_append` 先调用它，再为这一步加上新块。`forget_copies` 丢掉计划中的复制：一步运行完之后调度器调用它（执行器
+# 在这一步写入 K/V 之前已经完成了复制），`deallocate` 也调用它（归还了块的序列没有可以复制进去的地方）。
 
 # %% block manager forks
 #| export engine.block_manager
@@ -246,19 +247,21 @@ def _unshare_write_block(self, seq: Sequence) -> None:
 
 
 @add_to_class(BlockManager)
-def _cancel_unsharing(self, seq: Sequence) -> None:
-    """Drop the copies planned for ``seq``, which gave back its blocks: it has nothing to copy into."""
+def forget_copies(self, seq: Sequence) -> None:
+    """Drop the copies planned for ``seq``: the runner made them before its step wrote, or ``seq`` gave back its
+    blocks and has nothing to copy into."""
     seq.blocks_to_copy = []
 
 # %% [markdown] tags=["en"]
 # ## Build it: the scheduler's share
 #
-# Chapter 04's `postprocess` receives one token per sequence. Now a step may sample more: after
-# the step's own tokens come the first tokens of the siblings, in `sibling_samples` order. The
-# new `postprocess` forks those siblings *before* it records the step, so that each sibling
-# starts as an exact copy of its parent in the middle of the step (the same counters, the same
-# shared blocks) and is then recorded like any sequence of the step, with its own token. The
-# parent no longer has forks pending, and the siblings join the tail of `running`.
+# Now a step may sample more tokens than it has sequences: after the step's own tokens come the
+# first tokens of the siblings, in `sibling_samples` order. Chapter 04's `postprocess` asks the
+# hook `_fork_siblings` for them *before* it records the step, and records each with its own
+# token. Filled here, the hook forks them, so that each sibling starts as an exact copy of its
+# parent in the middle of the step (the same counters, the same shared blocks) and is then
+# recorded like any sequence of the step. The parent no longer has forks pending, and the
+# siblings join the tail of `running`.
 #
 # The rest of the story lives where its box is built: chapter 07 gives each sample its own
 # random stream (`sample_index`), chapter 08's runner samples by `sibling_samples` and makes the
@@ -268,10 +271,10 @@ def _cancel_unsharing(self, seq: Sequence) -> None:
 # %% [markdown] tags=["zh"]
 # ## 动手：调度器负责的部分
 #
-# 第 04 章的 `postprocess` 为每个序列接收一个 token。现在一步可能采样更多：这一步自己的 token 之后，按 `sibling_samples`
-# 的顺序跟着兄弟序列的首 token。新的 `postprocess` 在记录这一步*之前*先分叉出这些兄弟序列，于是每个兄弟序列一开始都是
-# 父序列在这一步中途的精确副本（同样的计数器、同样的共享块），然后像这一步的任何序列一样被记录，带着自己的 token。
-# 父序列不再有待分叉的兄弟，兄弟序列排到 `running` 的队尾。
+# 现在一步采样的 token 可能比它的序列还多：这一步自己的 token 之后，按 `sibling_samples` 的顺序跟着兄弟序列的首
+# token。第 04 章的 `postprocess` 在记录这一步*之前*先向接缝 `_fork_siblings` 要这些兄弟序列，并让每个序列带着自己的
+# token 被记录。在这里填上之后，这个接缝会分叉出它们，于是每个兄弟序列一开始都是父序列在这一步中途的精确副本（同样的
+# 计数器、同样的共享块），然后像这一步的任何序列一样被记录。父序列不再有待分叉的兄弟，兄弟序列排到 `running` 的队尾。
 #
 # 其余改动分散在构建相应部件的各章里：第 07 章给每个样本自己的随机数流（`sample_index`），第 08 章的执行器按
 # `sibling_samples` 采样并完成复制，第 11 章的引擎把一个请求的各个样本归在一起（`fork_samples=False` 则把它们当作独立
@@ -282,34 +285,6 @@ def _cancel_unsharing(self, seq: Sequence) -> None:
 from nanovllm.book.literate import add_to_class
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import sibling_samples
-
-
-@add_to_class(Scheduler)
-def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> list[Sequence]:
-    """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
-    finish sequences; returns the sequences that finished. ``token_ids`` has one token per sequence, then the
-    first token of each sibling that the step's sequences fork (`sibling_samples`)."""
-    expected = len(seqs) + len(sibling_samples(seqs))
-    assert len(token_ids) == expected and all(seq.num_scheduled_tokens for seq in seqs), "not this step's tokens"
-    seqs = [*seqs, *self._fork_siblings(seqs)]
-    finished: list[Sequence] = []
-    for seq, token_id in zip(seqs, token_ids, strict=True):
-        seq.num_cached_tokens += seq.num_scheduled_tokens
-        seq.num_scheduled_tokens = 0
-        # en: The model runner made them before the step wrote its K/V.
-        # zh: 模型执行器在这一步写入 K/V 之前已经完成了这些拷贝。
-        seq.blocks_to_copy = []
-        self.block_manager.publish_full_blocks(seq)
-        if seq.num_cached_tokens < len(seq):
-            # en: A partial prefill chunk samples nothing (the model runner passes -1).
-            # zh: 只算了部分提示词的 prefill 分块不采样（模型执行器传入 -1）。
-            continue
-        seq.append_token(token_id)
-        if self._reached_end(seq, token_id):
-            self._finish(seq)
-            finished.append(seq)
-    self._notify("postprocess", {"seqs": seqs, "token_ids": list(token_ids), "finished": finished})
-    return finished
 
 
 @add_to_class(Scheduler)

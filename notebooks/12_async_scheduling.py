@@ -179,7 +179,7 @@ def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence
         seq.num_scheduled_tokens = 0
         # en: The model runner made the step's copy-on-write copies when it launched the step.
         # zh: 执行器在发起这一步时已经完成了写时复制的拷贝。
-        seq.blocks_to_copy = []
+        self.block_manager.forget_copies(seq)
         if seq.num_cached_tokens < len(seq):
             # en: a partial prefill chunk: no new token (the model runner passes -1)
             # zh: 不完整的 prefill 分块：没有新 token（执行器传回 -1）。

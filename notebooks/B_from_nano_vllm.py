@@ -179,7 +179,7 @@
 # | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 08 | a set: every end-of-sequence id the model declares |
 # | `Scheduler.block_size` | `engine.block_manager.BlockPool.block_size` | 04 | read from the block manager |
 # | `Scheduler.is_finished` | = | 04 | same |
-# | `Scheduler.add` | `Scheduler.add`, `Scheduler.check_fits`, `max_kv_tokens` | 04 | `check_fits` refuses a request that could never fit the cache (the admission check, run once where a request enters) |
+# | `Scheduler.add` | `Scheduler.add`, `Scheduler.check_fits`, `Sequence.max_kv_tokens` | 04 | `check_fits` refuses a request that could never fit the cache (the admission check, run once where a request enters) |
 # | `Scheduler.schedule` | `Scheduler.schedule`, `Scheduler._schedule_prefill`, `Scheduler._schedule_decode` | 04 | chunks whichever sequence runs out the budget; decode is capped by the token budget too |
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | same |
 # | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 04b, 12 | two halves that asynchronous scheduling calls one step apart; returns the finished sequences |
@@ -196,7 +196,7 @@
 # | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 08 | 一个集合：模型声明的每一个结束符 id |
 # | `Scheduler.block_size` | `engine.block_manager.BlockPool.block_size` | 04 | 从块管理器读取 |
 # | `Scheduler.is_finished` | = | 04 | 相同 |
-# | `Scheduler.add` | `Scheduler.add`, `Scheduler.check_fits`, `max_kv_tokens` | 04 | `check_fits` 拒绝永远放不进缓存的请求（准入检查，在请求进入的地方只运行一次） |
+# | `Scheduler.add` | `Scheduler.add`, `Scheduler.check_fits`, `Sequence.max_kv_tokens` | 04 | `check_fits` 拒绝永远放不进缓存的请求（准入检查，在请求进入的地方只运行一次） |
 # | `Scheduler.schedule` | `Scheduler.schedule`, `Scheduler._schedule_prefill`, `Scheduler._schedule_decode` | 04 | 哪个序列用完预算就把哪个分块；decode 同样受 token 预算限制 |
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | 相同 |
 # | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 04b, 12 | 分成两半，异步调度时相隔一步调用；返回已结束的序列 |
@@ -570,7 +570,7 @@
 # | which sequence may be a chunk | `engine.scheduler.Scheduler._schedule_prefill` | 04 | only the first of a step | whichever runs out the budget: full steps, first tokens sooner; at most one half-prefilled sequence at a time |
 # | decode batch size | `engine.scheduler.Scheduler._schedule_decode` | 04 | up to `max_num_seqs` | up to `min(max_num_seqs, max_num_batched_tokens)`: each sequence computes one token, and the budget bounds every step (the warm-up that sized the KV cache measured no larger step) |
 # | status changes | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | any assignment | only along the state diagram's arrows: a scheduler bug fails loudly instead of corrupting the cache |
-# | a request that can never fit | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
+# | a request that can never fit | `engine.sequence.Sequence.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
 # | stale prefix-cache entries | `engine.prefix_cache.PrefixCache.forget` | 03 | kept until 2026-04-26 (silently wrong KV); since `f64d821` removed when the block is reused | removed when the block is reused, only if the entry still points at it; a provenance fuzz guards it |
 # | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
 # | sampling | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | temperature only; greedy refused | greedy at temperature 0, top-k, top-p, per-request seeds tied to the token position; Triton kernels on a GPU |
@@ -602,7 +602,7 @@
 # | 哪个序列可以被分块 | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 只有一步中的第一个序列 | 哪个序列用完预算就分块哪个：每步都用满预算，第一个 token 来得更早；同一时刻最多一个 prefill 到一半的序列 |
 # | decode 批大小 | `engine.scheduler.Scheduler._schedule_decode` | 04 | 最多 `max_num_seqs` 个 | 最多 `min(max_num_seqs, max_num_batched_tokens)` 个：每个序列计算一个 token，而预算约束每一步（确定 KV 缓存大小的预热没有测量过更大的步） |
 # | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
-# | 永远放不下的请求 | `engine.scheduler.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
+# | 永远放不下的请求 | `engine.sequence.Sequence.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
 # | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
 # | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
 # | 采样 | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | 只有温度；不接受贪心解码 | 温度为 0 时贪心、top-k、top-p、与 token 位置绑定的逐请求随机种子；GPU 上用 Triton 内核 |

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanovllm.engine.scheduler import Scheduler, max_kv_tokens
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
@@ -43,7 +43,7 @@ def test_keyword_only_and_defaults():
 def test_check_fits_accepts_exactly_what_fits_the_whole_cache():
     s = make(blocks=4, bs=4)
     ok = seq(10, max_tokens=7)  # 16 KV tokens = 4 blocks
-    assert max_kv_tokens(ok) == 16
+    assert ok.max_kv_tokens == 16
     s.check_fits(ok)
     s.add(ok)
     with pytest.raises(ValueError, match="can never fit the KV cache"):

@@ -207,6 +207,8 @@ def grow(self) -> None:
 
 @pytest.mark.parametrize(("source", "seam"), [
     ("def world():\n    return 0, 1\n", True),
+    ("def siblings(self, seqs):\n    return []\n", True),
+    ("def siblings(self, seqs):\n    return [seqs]\n", False),
     ("def store(self, x):\n    raise NotImplementedError('no such cache')\n", True),
     ("def store(self, x):\n    if x:\n        raise ValueError(x)\n", False),
     ("def rows(self, x):\n    return x\n", True),
@@ -216,7 +218,7 @@ def grow(self) -> None:
     ("def hidden(self, x):\n    return y\n", False),
 ])
 def test_a_seam_returns_a_constant_or_one_of_its_arguments_unchanged(source: str, seam: bool) -> None:
-    """A tuple of constants is a constant, an identity hook (``return x``) and a hook that only refuses (``raise``)
-    are seams; a function that returns ``self``, a computed value or a name it was not given is code, and so is one
-    that raises only sometimes: replacing it retypes it."""
+    """A tuple or list of constants is a constant (``[]``: none), an identity hook (``return x``) and a hook that
+    only refuses (``raise``) are seams; a function that returns ``self``, a computed value or a name it was not given
+    is code, and so is one that raises only sometimes: replacing it retypes it."""
     assert first_cuts.is_seam(ast.parse(source).body[0]) is seam

@@ -40,7 +40,7 @@ UPSTREAM_LINES = {
 # Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
 # Module-level replacements (`@add_to_class(module)`) count too. Each step down, and the hook that paid it, is in
 # `git log -p tools/first_cuts.py`.
-MAX_RETYPED_LINES = 164
+MAX_RETYPED_LINES = 145
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5
@@ -150,7 +150,8 @@ def defined_names(node: ast.stmt, cell: tangle.Cell, own_module: set[str]) -> li
 def is_seam(node: ast.stmt) -> bool:
     """A hook that a first cut leaves for a later chapter to fill: a function whose body, its docstring aside, is
     empty or one ``pass``, ``...``, bare ``yield``, ``raise`` (a hook that refuses until it is filled), or ``return``
-    of nothing, of a constant (a tuple of constants too) or of one of its own arguments unchanged (an identity hook).
+    of nothing, of a constant (a tuple or list of constants too, ``[]`` for none) or of one of its own arguments
+    unchanged (an identity hook).
     Filling it retypes nothing."""
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return False
@@ -166,7 +167,8 @@ def is_seam(node: ast.stmt) -> bool:
         value = statement.value
         arguments = {argument.arg for argument in node.args.posonlyargs + node.args.args + node.args.kwonlyargs}
         return (value is None or isinstance(value, ast.Constant)
-                or (isinstance(value, ast.Tuple) and all(isinstance(item, ast.Constant) for item in value.elts))
+                or (isinstance(value, (ast.Tuple, ast.List))
+                    and all(isinstance(item, ast.Constant) for item in value.elts))
                 or (isinstance(value, ast.Name) and value.id in arguments - {"self", "cls"}))
     if isinstance(statement, ast.Expr):
         value = statement.value

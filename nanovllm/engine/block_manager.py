@@ -147,7 +147,7 @@ class BlockManager(BlockPool):
             self.release(block_id)
         seq.block_table = []
         seq.num_cached_tokens = 0
-        self._cancel_unsharing(seq)
+        self.forget_copies(seq)
 
     def _blocks_to_append(self, seq: Sequence) -> int:
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
@@ -190,8 +190,9 @@ class BlockManager(BlockPool):
             self.release(source)
             seq.blocks_to_copy.append((source, seq.block_table[i]))
 
-    def _cancel_unsharing(self, seq: Sequence) -> None:
-        """Drop the copies planned for ``seq``, which gave back its blocks: it has nothing to copy into."""
+    def forget_copies(self, seq: Sequence) -> None:
+        """Drop the copies planned for ``seq``: the runner made them before its step wrote, or ``seq`` gave back its
+        blocks and has nothing to copy into."""
         seq.blocks_to_copy = []
 
     # notebooks/03_prefix_caching.py · cell "allocate with hits"

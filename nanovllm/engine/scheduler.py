@@ -15,7 +15,6 @@ __all__ = [
     "Observer",
     "Proposer",
     "Scheduler",
-    "max_kv_tokens",
 ]
 
 
@@ -23,11 +22,6 @@ __all__ = [
 # The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess" (and the
 # events later features add, such as speculative decoding's "drafts" and "verified").
 Observer = Callable[[str, dict], None]
-
-
-def max_kv_tokens(seq: Sequence) -> int:
-    """The most tokens whose KV ``seq`` will ever hold: the prompt and all sampled tokens but the last."""
-    return seq.num_prompt_tokens + seq.sampling_params.max_tokens - 1
 
 
 # notebooks/04_scheduler.py · cell "scheduler"
@@ -76,7 +70,7 @@ class Scheduler:
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone."""
         bm = self.block_manager
-        blocks = -(-max_kv_tokens(seq) // bm.block_size)
+        blocks = -(-seq.max_kv_tokens // bm.block_size)
         if blocks > bm.num_blocks:
             raise ValueError(
                 f"request {seq.seq_id} can never fit the KV cache: its {seq.num_prompt_tokens} prompt tokens and "
@@ -183,7 +177,7 @@ class Scheduler:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             # The model runner made the step's copy-on-write copies when it launched the step.
-            seq.blocks_to_copy = []
+            self.block_manager.forget_copies(seq)
             if seq.num_cached_tokens < len(seq):
                 # a partial prefill chunk: no new token (the model runner passes -1)
                 indices.append(None)
@@ -199,21 +193,6 @@ class Scheduler:
                 self.running.remove(seq)
         return seqs, indices
 
-    # notebooks/04b_parallel_sampling.py · cell "scheduler forks"
-    def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """The siblings that a step's sequences fork, in `sibling_samples` order: each a copy of its parent in the
-        middle of the step, sharing the parent's blocks, at the tail of ``running``. The parents fork no more."""
-        siblings = []
-        for i, sample_index in sibling_samples(seqs):
-            child = seqs[i].fork(sample_index)
-            self.block_manager.fork(seqs[i], child)
-            self.running.append(child)
-            siblings.append(child)
-        for i, _ in sibling_samples(seqs):
-            seqs[i].pending_forks = 0
-        return siblings
-
-    # notebooks/12_async_scheduling.py · cell "scheduler in two halves"
     def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
         """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
         assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
@@ -236,6 +215,20 @@ class Scheduler:
                 finished.append(seq)
         self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
         return finished
+
+    # notebooks/04b_parallel_sampling.py · cell "scheduler forks"
+    def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """The siblings that a step's sequences fork, in `sibling_samples` order: each a copy of its parent in the
+        middle of the step, sharing the parent's blocks, at the tail of ``running``. The parents fork no more."""
+        siblings = []
+        for i, sample_index in sibling_samples(seqs):
+            child = seqs[i].fork(sample_index)
+            self.block_manager.fork(seqs[i], child)
+            self.running.append(child)
+            siblings.append(child)
+        for i, _ in sibling_samples(seqs):
+            seqs[i].pending_forks = 0
+        return siblings
 
     # notebooks/13_robustness.py · cell "observers wait"
     def _notify(self, event: str, data: dict) -> None:
