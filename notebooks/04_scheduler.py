@@ -370,8 +370,9 @@ display(SVG(schedule_flow_svg()))
 # %% [markdown] tags=["zh"]
 # ## 动手：准入检查
 #
-# `max_kv_tokens` 是本章给第 01 章的 `Sequence` 加上的一个属性，用一行代码表达上面的规则。这里不再重复检查配置：引擎用 `Config` 构建调度器，而 `Config`（第 08 章）
-# 已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用普通的 `assert` 表达，上游也是这样做的。
+# `max_kv_tokens` 是本章给第 01 章的 `Sequence` 加上的一个属性，用一行代码表达上面的规则。这里不再重复检查配置：
+# 引擎用 `Config` 构建调度器，而 `Config`（第 08 章）已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用
+# 普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
 #| default_exp engine.scheduler

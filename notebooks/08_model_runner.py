@@ -1132,12 +1132,12 @@ class ModelRunner:
     # zh: ---- 一步 -----------------------------------------------------------------
     @torch.inference_mode()
     def compute_logits(
-        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
+        self, seqs: list[Sequence], is_prefill: bool, previous: object | None = None
     ) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
 
-        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (see
-        `with_pending_tokens`); None when every last token is known.
+        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (its
+        `SampledTokens`: see `with_pending_tokens`); None when every last token is known.
         """
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
@@ -1162,14 +1162,14 @@ class ModelRunner:
             reset_context()
 
     def replay_decode(
-        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None
+        self, seqs: list[Sequence], is_prefill: bool, previous: object | None
     ) -> torch.Tensor | None:
         """The hidden states of a decode step that a CUDA graph replays from inputs staged in one copy, or None
         for a step that builds its inputs: here, every step does (a hook that asynchronous scheduling fills)."""
         return None
 
     def with_pending_tokens(
-        self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
+        self, seqs: list[Sequence], input_ids: torch.Tensor, previous: object | None
     ) -> torch.Tensor:
         """A decode step's input ids, the tokens still pending taken from ``previous`` on the device: here every
         last token is known (a hook that asynchronous scheduling fills)."""

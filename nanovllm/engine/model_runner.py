@@ -373,12 +373,12 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------
     @torch.inference_mode()
     def compute_logits(
-        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
+        self, seqs: list[Sequence], is_prefill: bool, previous: object | None = None
     ) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
 
-        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (see
-        `with_pending_tokens`); None when every last token is known.
+        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (its
+        `SampledTokens`: see `with_pending_tokens`); None when every last token is known.
         """
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
