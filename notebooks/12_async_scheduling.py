@@ -563,14 +563,12 @@ def replay_decode(
     """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
     taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
     twenty torch operations, in two). None for every other step, which builds its inputs."""
-    pending = not is_prefill and any(seq.last_token == PENDING_TOKEN for seq in seqs)
-    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
     if is_prefill or self.graphs is None or not self.graphs.covers(len(seqs)):
         return None
     if self.staging is None:
         self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
     self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
-    if pending:
+    if _has_pending_tokens(seqs, previous):
         previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
     return self.graphs.replay_loaded(len(seqs))
 
@@ -580,9 +578,17 @@ def with_pending_tokens(
     self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
 ) -> torch.Tensor:
     """A decode step's input ids, its pending tokens gathered from ``previous`` on the device."""
-    if previous is None or not any(seq.last_token == PENDING_TOKEN for seq in seqs):
+    if not _has_pending_tokens(seqs, previous):
         return input_ids
     return previous.input_ids_for(seqs, input_ids)
+
+
+def _has_pending_tokens(seqs: list[Sequence], previous: SampledTokens | None) -> bool:
+    """Whether a decode step's last tokens are still pending; ``previous``, the step that samples them, must then
+    be given. Each decode step asks once: on the staged path or on the one that builds its inputs."""
+    pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
+    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+    return pending
 
 
 @add_to_class(ModelRunner)
