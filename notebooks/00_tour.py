@@ -15,14 +15,14 @@
 # # 00 · A tour: from a prompt to text
 #
 # **Goal.** Generate text with the engine this book builds, then look at its map: which
-# chapter builds which part, and how one request flows through them. Everything here runs on a
-# laptop CPU.
+# chapter builds which part, the book's three parts (the short road to a whole engine first),
+# and how one request flows through them. Everything here runs on a laptop CPU.
 
 # %% [markdown] tags=["zh"]
 # # 00 · 导览：从提示词到文本
 #
-# **目标：** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，一个请求如何依次流经它们。
-# 本章的一切都能在笔记本电脑的 CPU 上运行。
+# **目标：** 先用本书构建的引擎生成一段文本，再看它的全貌：哪一章构建哪个部分，本书的三个部分（先走通往完整引擎的
+# 最短路径），以及一个请求如何依次流经它们。本章的一切都能在笔记本电脑的 CPU 上运行。
 
 # %% [markdown] tags=["en"]
 # ## Generate text
@@ -82,7 +82,7 @@ from nanovllm.book.lang import Phrases
 
 say = Phrases({
     "ch. {chapter}": "第 {chapter} 章",
-    "Parallel layers": "并行层",
+    "Linear layers": "线性层",
     "step {step}: {kind:<8} computed {tokens:>2} tokens   finished: {finished}":
         "第 {step} 步：{kind:<8} 计算了 {tokens:>2} 个 token   完成：{finished}",
     "exercise 1: three prefill steps": "练习 1：三个 prefill 步",
@@ -102,16 +102,16 @@ from IPython.display import SVG, display
 def architecture_svg() -> str:
     """Boxes for the engine's parts, labelled with the chapter that builds each one."""
     boxes = [
-        (20, 20, "LLM.generate", "11"),
+        (20, 20, "LLM.generate", "10"),
         (20, 110, "Sequence", "01"),
         (250, 110, "Scheduler", "04"),
         (480, 60, "BlockManager", "02"),
         (480, 150, "PrefixCache", "03"),
-        (250, 220, "ModelRunner", "08"),
-        (20, 330, "Sampler", "07"),
-        (250, 330, "Qwen3 / Llama", "05"),
-        (480, 330, "Attention", "06"),
-        (480, 240, "Parallel layers", "10"),
+        (250, 220, "ModelRunner", "09"),
+        (20, 330, "Sampler", "08"),
+        (250, 330, "Qwen3 / Llama", "06"),
+        (480, 330, "Attention", "07"),
+        (480, 240, "Linear layers", "06"),
     ]
     arrows = [
         "M100,62 L100,108", "M180,130 L248,130", "M410,120 L478,90", "M410,140 L478,170",
@@ -120,14 +120,14 @@ def architecture_svg() -> str:
     ]
     parts = [
         '<svg xmlns="http://www.w3.org/2000/svg" width="660" height="400" viewBox="0 0 660 400">',
-        '<title lang="en">The engine: LLM.generate (chapter 11) makes Sequences (01) for the Scheduler (04), which '
-        'uses the BlockManager (02) and the PrefixCache (03) and hands batches to the ModelRunner (08); it runs the '
-        'Qwen3 / Llama model (05), built from Attention (06) and parallel layers (10), and the Sampler (07).</title>'
-        '<title lang="zh">引擎全貌：LLM.generate（第 11 章）生成序列（Sequence，第 01 章）'
+        '<title lang="en">The engine: LLM.generate (chapter 10) makes Sequences (01) for the Scheduler (04), which '
+        'uses the BlockManager (02) and the PrefixCache (03) and hands batches to the ModelRunner (09); it runs the '
+        'Qwen3 / Llama model (06), built from Attention (07) and linear layers (06), and the Sampler (08).</title>'
+        '<title lang="zh">引擎全貌：LLM.generate（第 10 章）生成序列（Sequence，第 01 章）'
         '交给调度器（Scheduler，第 04 章）；调度器使用块管理器（BlockManager，第 02 章）'
-        '和前缀缓存（PrefixCache，第 03 章），把批次交给模型执行器（ModelRunner，第 08 章）；'
-        '模型执行器运行由注意力（第 06 章）和并行层（第 10 章）构成的 Qwen3 / Llama 模型'
-        '（第 05 章）以及采样器（Sampler，第 07 章）。</title>',
+        '和前缀缓存（PrefixCache，第 03 章），把批次交给模型执行器（ModelRunner，第 09 章）；'
+        '模型执行器运行由注意力（第 07 章）和线性层（第 06 章）构成的 Qwen3 / Llama 模型'
+        '（第 06 章）以及采样器（Sampler，第 08 章）。</title>',
         '<defs><marker id="tour-arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
         'orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#455a64"/></marker></defs>',
     ]
@@ -137,7 +137,7 @@ def architecture_svg() -> str:
         parts.append(f'<rect x="{x}" y="{y}" width="160" height="42" rx="8" fill="#e3f2fd" stroke="#37474f"/>')
         parts.append(
             f'<text x="{x + 80}" y="{y + 26}" text-anchor="middle" font-family="monospace" font-size="14">'
-            f'{say(name) if name == "Parallel layers" else name}</text>'
+            f'{say(name) if name == "Linear layers" else name}</text>'
         )
         parts.append(
             f'<text x="{x + 154}" y="{y + 14}" text-anchor="end" font-family="sans-serif" font-size="11" '
@@ -150,67 +150,119 @@ def architecture_svg() -> str:
 display(SVG(architecture_svg()))
 
 # %% [markdown] tags=["en"]
+# The book has three parts. **Core** (00–10) builds what nano-vllm does, and builds it whole: stop
+# after chapter 10 and you have an engine that gives `transformers`' tokens. **Speed** (11–19) makes
+# it fast on a GPU, each lever measured. **Beyond** (20–26) makes it serve users who do anything,
+# and adds what nano-vllm lacks.
+#
+# **Core: what nano-vllm does**
+#
 # | chapter | what it builds |
 # |---|---|
+# | [00 · A tour](../00_tour/) | this page: text from a prompt, the map, the parts |
 # | [01 · A request's life](../01_sequence/) | `SamplingParams`, `Sequence`: counters, states, block table |
 # | [02 · Paged KV memory](../02_block_manager/) | blocks, block tables, reference counts, the free list |
 # | [03 · Prefix caching](../03_prefix_caching/) | chained hashes, cache hits, the stale-entry trap |
 # | [04 · The scheduler](../04_scheduler/) | prefill first, chunked prefill, preemption |
-# | [04b · One prompt, n answers](../04b_parallel_sampling/) | parallel sampling: fork, shared blocks, copy-on-write |
-# | [05 · The model](../05_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
-# | [06 · Paged attention](../06_attention/) | writing and reading the paged KV cache |
-# | [06b · Paged attention in Triton](../06b_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
-# | [06c · Measuring the attention kernels](../06c_attention_benchmarks/) | decode vs the copy rate, prefill vs SDPA |
-# | [07 · Sampling](../07_sampling/) | greedy, temperature, top-k, top-p, seeds; Gumbel-max sampling in Triton |
-# | [08 · The model runner](../08_model_runner/) | `Config`, flat step inputs, KV cache sizing |
-# | [09 · CUDA graphs](../09_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
-# | [09b · The fused decode step](../09b_fused_decode/) | a layer in four matmul kernels; what a kernel boundary costs |
-# | [10 · Tensor parallelism](../10_tensor_parallel/) | layers split across ranks |
-# | [10b · Ranks that talk](../10b_tp_runtime/) | ranks as processes: gloo, NCCL, Ctrl-C, stalls |
-# | [11 · The engine](../11_engine/) | `LLMEngine`, `LLM`, SmolLM2 on a laptop, the command line |
-# | [12 · Asynchronous scheduling](../12_async_scheduling/) | the next step queued while the GPU computes |
-# | [13 · An engine users cannot break](../13_robustness/) | threads, interrupts, odd prompts, NaN logits |
-# | [14 · Measuring the engine](../14_benchmark/) | nano-vllm's benchmark, a fair peer, the bound, n samples measured |
-# | [15 · Serving](../15_serving/) | one engine loop, many clients; incremental detokenization |
-# | [15b · An OpenAI-compatible server](../15b_openai_server/) | OpenAI's API, streaming, guards, the live page |
-# | [15c · Measuring a server](../15c_serving_benchmark/) | TTFT, TPOT and ITL against offline and peers |
-# | [16 · An 8-bit KV cache](../16_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
-# | [17 · Speculative decoding](../17_speculative_decoding/) | drafts checked in one step, rolled back exactly |
-# | [18 · Mixture of experts](../18_mixture_of_experts/) | Qwen3-MoE: a router, experts, where each token goes |
+# | [05 · One prompt, n answers](../05_parallel_sampling/) | parallel sampling: fork, shared blocks, copy-on-write |
+# | [06 · The model](../06_model/) | Qwen3, Qwen2 and Llama layers, the weight loader |
+# | [07 · Paged attention](../07_attention/) | writing and reading the paged KV cache |
+# | [08 · Sampling](../08_sampling/) | greedy, temperature, top-k, top-p, seeds: the exponential race |
+# | [09 · The model runner](../09_model_runner/) | `Config`, flat step inputs, KV cache sizing |
+# | [10 · The engine](../10_engine/) | `LLMEngine`, `LLM`, SmolLM2 on a laptop, the command line |
 # | [A · Seeing the engine](../A_visualization/) | the animation player and live panel |
+# | [D · How the book is built](../D_the_book/) | extensions, printed phrases, tangling, the parts and their checks |
+#
+# **Speed: making it fast**
+#
+# | chapter | what it builds |
+# |---|---|
+# | [11 · Paged attention in Triton](../11_triton_attention/) | the GPU kernels: store, prefill, split-K decode |
+# | [12 · The sampler in Triton](../12_triton_sampler/) | the exponential race in one pass over the vocabulary |
+# | [13 · Measuring the attention kernels](../13_attention_benchmarks/) | decode vs the copy rate, prefill vs SDPA |
+# | [14 · CUDA graphs](../14_cuda_graphs/) | replaying decode steps; compiled small ops; the GPU benchmark |
+# | [15 · The fused decode step](../15_fused_decode/) | a layer in four matmul kernels; what a kernel boundary costs |
+# | [16 · Tensor parallelism](../16_tensor_parallel/) | layers split across ranks |
+# | [17 · Ranks that talk](../17_tp_runtime/) | ranks as processes: gloo, NCCL, Ctrl-C, stalls |
+# | [18 · Asynchronous scheduling](../18_async_scheduling/) | the next step queued while the GPU computes |
+# | [19 · Measuring the engine](../19_benchmark/) | nano-vllm's benchmark, a fair peer, the bound, n samples measured |
+#
+# **Beyond: serving, and what nano-vllm lacks**
+#
+# | chapter | what it builds |
+# |---|---|
+# | [20 · An engine users cannot break](../20_robustness/) | threads, interrupts, odd prompts, NaN logits |
+# | [21 · Serving](../21_serving/) | one engine loop, many clients; incremental detokenization |
+# | [22 · An OpenAI-compatible server](../22_openai_server/) | OpenAI's API, streaming, guards, the live page |
+# | [23 · Measuring a server](../23_serving_benchmark/) | TTFT, TPOT and ITL against offline and peers |
+# | [24 · An 8-bit KV cache](../24_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
+# | [25 · Speculative decoding](../25_speculative_decoding/) | drafts checked in one step, rolled back exactly |
+# | [26 · Mixture of experts](../26_mixture_of_experts/) | Qwen3-MoE: a router, experts, where each token goes |
+# | [C · The live page](../C_live_page/) | the player on a running server's KV cache |
+#
+# **Appendices**
+#
+# | chapter | what it builds |
+# |---|---|
 # | [B · From nano-vllm to this book](../B_from_nano_vllm/) | upstream's names and behaviour, mapped to ours |
 #
 # (The links work on the book's site; in JupyterLab open the chapter files in `notebooks/`.)
 
 # %% [markdown] tags=["zh"]
+# 本书分三个部分。**核心**（00–10）构建 nano-vllm 所做的事，而且是完整地构建：读完第 10
+# 章，你就有了一个与 `transformers` 给出相同 token 的引擎。**速度**（11–19）让它在
+# GPU 上变快，每一项手段都经过测量。**更远**（20–26）让它经得起用户的各种用法、为他们提供服务，并加上
+# nano-vllm 没有的东西。
+#
+# **核心：nano-vllm 做的事**
+#
 # | 章节 | 构建的内容 |
 # |---|---|
+# | [00 · 导览](../00_tour/) | 本页：从提示词到文本、全貌、三个部分 |
 # | [01 · 一个请求的一生](../01_sequence/) | `SamplingParams`、`Sequence`：计数器、状态、块表 |
 # | [02 · 分页 KV 显存](../02_block_manager/) | 块、块表、引用计数、空闲队列 |
 # | [03 · 前缀缓存](../03_prefix_caching/) | 链式哈希、缓存命中、过期条目陷阱 |
 # | [04 · 调度器](../04_scheduler/) | prefill 优先、分块 prefill、抢占 |
-# | [04b · 一个提示词，n 个回答](../04b_parallel_sampling/) | 并行采样：分叉、共享块、写时复制 |
-# | [05 · 模型](../05_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
-# | [06 · 分页注意力](../06_attention/) | 写入与读取分页 KV 缓存 |
-# | [06b · 用 Triton 写分页注意力](../06b_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
-# | [06c · 测量注意力内核](../06c_attention_benchmarks/) | decode 对比拷贝速度，prefill 对比 SDPA |
-# | [07 · 采样](../07_sampling/) | 贪心、温度、top-k、top-p、随机种子；用 Triton 实现的 Gumbel-max（指数赛跑）采样 |
-# | [08 · 模型执行器](../08_model_runner/) | `Config`、扁平的单步输入、KV 缓存大小 |
-# | [09 · CUDA Graph](../09_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
-# | [09b · 融合的 decode 步](../09b_fused_decode/) | 四个矩阵乘内核完成一层；内核边界的代价 |
-# | [10 · 张量并行](../10_tensor_parallel/) | 切分到各 rank 上的层 |
-# | [10b · 相互通信的 rank](../10b_tp_runtime/) | rank 作为进程：gloo、NCCL、Ctrl-C、停滞 |
-# | [11 · 引擎](../11_engine/) | `LLMEngine`、`LLM`、笔记本电脑上的 SmolLM2、命令行 |
-# | [12 · 异步调度](../12_async_scheduling/) | GPU 计算时就把下一步排进队列 |
-# | [13 · 用户弄不坏的引擎](../13_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |
-# | [14 · 测量引擎](../14_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限、n 个样本实测 |
-# | [15 · 服务](../15_serving/) | 一个引擎循环，许多客户端；增量反分词 |
-# | [15b · 兼容 OpenAI 的服务器](../15b_openai_server/) | OpenAI 的 API、流式输出、防护、实时页面 |
-# | [15c · 测量服务器](../15c_serving_benchmark/) | TTFT、TPOT 与 ITL，对比离线与同类服务器 |
-# | [16 · 8 位 KV 缓存](../16_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
-# | [17 · 投机解码](../17_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
-# | [18 · 混合专家](../18_mixture_of_experts/) | Qwen3-MoE：路由器、专家，每个 token 去了哪里 |
+# | [05 · 一个提示词，n 个回答](../05_parallel_sampling/) | 并行采样：分叉、共享块、写时复制 |
+# | [06 · 模型](../06_model/) | Qwen3、Qwen2 与 Llama 的各层，权重加载器 |
+# | [07 · 分页注意力](../07_attention/) | 写入与读取分页 KV 缓存 |
+# | [08 · 采样](../08_sampling/) | 贪心、温度、top-k、top-p、随机种子：指数赛跑 |
+# | [09 · 模型执行器](../09_model_runner/) | `Config`、扁平的单步输入、KV 缓存大小 |
+# | [10 · 引擎](../10_engine/) | `LLMEngine`、`LLM`、笔记本电脑上的 SmolLM2、命令行 |
 # | [A · 看见引擎](../A_visualization/) | 动画播放器与实时面板 |
+# | [D · 本书是怎样构建的](../D_the_book/) | 扩展、打印的短语、抽取、三个部分及其检查 |
+#
+# **速度：让它变快**
+#
+# | 章节 | 构建的内容 |
+# |---|---|
+# | [11 · 用 Triton 写分页注意力](../11_triton_attention/) | GPU 内核：存储、prefill、split-K decode |
+# | [12 · 用 Triton 写采样器](../12_triton_sampler/) | 一遍扫完词表的指数赛跑 |
+# | [13 · 测量注意力内核](../13_attention_benchmarks/) | decode 对比拷贝速度，prefill 对比 SDPA |
+# | [14 · CUDA Graph](../14_cuda_graphs/) | 重放 decode 步；编译小算子；GPU 基准测试 |
+# | [15 · 融合的 decode 步](../15_fused_decode/) | 四个矩阵乘内核完成一层；内核边界的代价 |
+# | [16 · 张量并行](../16_tensor_parallel/) | 切分到各 rank 上的层 |
+# | [17 · 相互通信的 rank](../17_tp_runtime/) | rank 作为进程：gloo、NCCL、Ctrl-C、停滞 |
+# | [18 · 异步调度](../18_async_scheduling/) | GPU 计算时就把下一步排进队列 |
+# | [19 · 测量引擎](../19_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限、n 个样本实测 |
+#
+# **更远：服务，以及 nano-vllm 没有的**
+#
+# | 章节 | 构建的内容 |
+# |---|---|
+# | [20 · 用户弄不坏的引擎](../20_robustness/) | 多线程、中断、奇怪的提示词、NaN logits |
+# | [21 · 服务](../21_serving/) | 一个引擎循环，许多客户端；增量反分词 |
+# | [22 · 兼容 OpenAI 的服务器](../22_openai_server/) | OpenAI 的 API、流式输出、防护、实时页面 |
+# | [23 · 测量服务器](../23_serving_benchmark/) | TTFT、TPOT 与 ITL，对比离线与同类服务器 |
+# | [24 · 8 位 KV 缓存](../24_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
+# | [25 · 投机解码](../25_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
+# | [26 · 混合专家](../26_mixture_of_experts/) | Qwen3-MoE：路由器、专家，每个 token 去了哪里 |
+# | [C · 实时页面](../C_live_page/) | 运行中服务器的 KV 缓存，用播放器画出来 |
+#
+# **附录**
+#
+# | 章节 | 构建的内容 |
+# |---|---|
 # | [B · 从 nano-vllm 到本书](../B_from_nano_vllm/) | 上游的名字与行为，与本书逐一对照 |
 #
 # （这些链接在本书网站上可用；在 JupyterLab 中请打开 `notebooks/` 下对应的章节文件。）
@@ -220,341 +272,22 @@ display(SVG(architecture_svg()))
 #
 # Each engine module is introduced by one chapter as a **first cut**: the shape of nano-vllm's
 # file, so that you can lay the chapter next to upstream's source and match it class by class.
-# A later chapter that tells a feature's story **extends** what is already there: chapter 04b
-# gives `Sequence` a `fork` method, chapter 09 gives the model runner its CUDA graphs, chapter 12
-# makes the scheduler asynchronous. The tool is d2l's `add_to_class`: a decorator that sets a
-# function as a method of a class that already exists.
-#
-# In a notebook the decorator really changes the class, for the rest of the session: edit an
-# extension cell, run it again, and the engine uses your version. In the package, which
-# `tools/tangle.py` writes from the chapters, nothing is patched at run time: the tangler moves
-# each extension into the one `class` block where it belongs, with a comment naming the chapter
-# and cell it came from, so the package reads as plain Python. A replaced method keeps its place;
-# the chapter that replaced it is the one to edit. A new method goes right below the first method
-# that calls it, so that a class reads from the top down, whichever chapter wrote each part.
+# A later chapter that tells a feature's story **extends** what is already there: chapter 05
+# gives `Sequence` a `fork` method, chapter 14 gives the model runner its CUDA graphs, chapter 18
+# makes the scheduler asynchronous. In a notebook the extension really changes the class, with a
+# decorator (`@add_to_class(Sequence)` above a function makes it a method); in the package, which
+# is tangled from the chapters, each extension sits in the one `class` block where it belongs,
+# with a comment naming the chapter and cell it came from. Appendix D shows these tools, and how
+# the book checks itself.
 
 # %% [markdown] tags=["zh"]
 # ## 每一章如何在前面各章之上构建
 #
 # 引擎的每个模块都由一章先给出**初版**：形状与 nano-vllm 的同名文件一致，你可以把这一章和上游源码并排对照，
-# 逐个类地找到对应。后面讲某个特性的那一章再**扩展**已有的代码：第 04b 章给 `Sequence` 加上 `fork` 方法，
-# 第 09 章给模型执行器加上 CUDA Graph，第 12 章让调度器异步起来。用的工具是 d2l 的 `add_to_class`：
-# 一个装饰器，把函数设为一个已有类的方法。
-#
-# 在 notebook 里，这个装饰器会真正改变那个类，并在整个会话中生效：修改一个扩展单元、重新运行它，引擎就会用上你的版本。
-# 而在由 `tools/tangle.py` 从各章生成的包里，运行时什么也不打补丁：抽取工具把每个扩展移到它所属的那个唯一的
-# `class` 块里，并附上一行注释，写明它来自哪一章的哪个单元，所以包读起来就是普通的 Python。被替换的方法留在原位；
-# 要修改它，就去改替换它的那一章。新加的方法紧跟在第一个调用它的方法下面，所以不管各部分出自哪一章，一个类都能
-# 从上往下读。
-
-# %% add to class
-#| export book.literate
-"""The book's literate helpers: a later chapter adds a method to a class that an earlier chapter built, lines to
-the end of its constructor, or fields to a dataclass."""
-
-import dataclasses
-import functools
-import inspect
-from collections.abc import Callable
-from typing import Any
-
-
-def add_to_class(cls: type) -> Callable[[Any], Any]:
-    """Decorator: make the decorated function (or property, staticmethod, ...) a member of ``cls``, under its name.
-
-    The notebook's way of extending a class (d2l's ``add_to_class``). The package never calls it: the tangler
-    splices the same member into the class's own ``class`` block.
-    """
-
-    def add(member: Any) -> Any:
-        setattr(cls, _member_name(member), member)
-        return member
-
-    return add
-
-
-def _member_name(member: Any) -> str:
-    # en: A property has no name of its own; its getter has. A staticmethod or classmethod wraps a function.
-    # zh: property 自己没有名字，它的 getter 有；staticmethod 和 classmethod 包着一个函数。
-    for candidate in (member, getattr(member, "fget", None), getattr(member, "__func__", None)):
-        name = getattr(candidate, "__name__", None)
-        if isinstance(name, str):
-            return name
-    raise TypeError(f"add_to_class needs a named member (a function, property, ...), got {member!r}")
-
-
-def add_to_init(cls: type) -> Callable[[Callable[[Any], None]], Callable[[Any], None]]:
-    """Decorator: run the decorated function, which takes ``self`` alone, at the end of ``cls.__init__`` (of
-    ``__post_init__`` for a dataclass, whose ``__init__`` is generated).
-
-    A later chapter's way of giving every instance the state its feature needs without retyping the constructor.
-    In the package the tangler appends the function's body to ``__init__`` (or ``__post_init__``) itself, so the
-    extension is written as those lines: no docstring (a comment says what it adds), no return.
-    """
-
-    def add(extension: Callable[[Any], None]) -> Callable[[Any], None]:
-        name = "__post_init__" if dataclasses.is_dataclass(cls) else "__init__"
-        original = getattr(cls, name)
-
-        @functools.wraps(original)
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-            original(self, *args, **kwargs)
-            extension(self)
-
-        setattr(cls, name, wrapper)
-        return extension
-
-    return add
-
-
-def add_fields(cls: type) -> Callable[[type], type]:
-    """Decorator on a class of annotated fields, each with a default: make them fields of the dataclass ``cls``,
-    after its own settings (before the fields it derives, ``init=False``), as if they had been written there.
-
-    The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields; the package never
-    calls it: the tangler writes the fields into the dataclass's own ``class`` block.
-    """
-
-    def add(holder: type) -> type:
-        params = cls.__dataclass_params__
-        if (params.order, params.frozen, params.unsafe_hash) != (False, False, False):
-            raise TypeError(f"add_fields rebuilds plain dataclasses only; {cls.__name__} is ordered, frozen or hashed")
-        new = inspect.get_annotations(holder)
-        missing = [name for name in new if name not in holder.__dict__]
-        if missing:
-            raise TypeError(f"add_fields: every added field needs a default, {', '.join(missing)} has none")
-        old = dataclasses.fields(cls)
-        derived = [f for f in old if not f.init]
-        settings = [f for f in old if f.init]
-        annotations = {f.name: cls.__annotations__[f.name] for f in settings} | new
-        annotations |= {f.name: cls.__annotations__[f.name] for f in derived}
-        # en: Field objects carry each old field's default and options (init, repr) back into the rebuild.
-        # zh: Field 对象把每个旧字段的默认值和选项（init、repr）带回重建后的类。
-        for f in old:
-            setattr(cls, f.name, f)
-        for name in new:
-            setattr(cls, name, holder.__dict__[name])
-        for generated in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
-                          "__dataclass_params__"):
-            if generated in cls.__dict__:
-                delattr(cls, generated)
-        cls.__annotations__ = annotations
-        dataclasses.dataclass(cls)
-        return holder
-
-    return add
-
-# %% [markdown] tags=["en"]
-# A toy first: a class, then a later cell that replaces one method and adds a property.
-
-# %% [markdown] tags=["zh"]
-# 先看一个玩具例子：一个类，然后在后面的单元里替换它的一个方法、再加一个 property。
-
-# %%
-from nanovllm.book.literate import add_to_class
-
-
-class Tally:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def add(self, n: int) -> None:
-        self.count += n
-
-
-# en: Built before the extension: it gets the new members too.
-# zh: 在扩展之前就已创建：它同样能用上新加的成员。
-tally = Tally()
-
-
-@add_to_class(Tally)
-def add(self, n: int) -> None:
-    """Never count below zero."""
-    self.count = max(0, self.count + n)
-
-
-@add_to_class(Tally)
-@property
-def empty(self) -> bool:
-    return self.count == 0
-
-
-tally.add(2)
-tally.add(-5)
-print(tally.count, tally.empty)
-assert (tally.count, tally.empty) == (0, True)
-
-# %% [markdown] tags=["en"]
-# A feature often needs state of its own in every instance as well: a list, a lock, a counter. Retyping
-# the whole constructor to add two lines would hide what changed, so the second helper, `add_to_init`,
-# appends lines to it instead: the decorated function takes `self` alone and runs at the end of
-# `__init__`. In the package the tangler writes its body at the end of the constructor, which is why the
-# function has no docstring and no `return`: a comment says what the lines add.
-
-# %% [markdown] tags=["zh"]
-# 一个特性往往还需要每个实例各有一份自己的状态：一个列表、一把锁、一个计数器。为了加两行而重写整个构造函数，会把改了
-# 什么藏起来，所以第二个辅助工具 `add_to_init` 改为在构造函数末尾追加几行：被装饰的函数只接受 `self`，在
-# `__init__` 结束时运行。在包里，抽取工具把它的函数体写到构造函数的末尾，所以这个函数没有 docstring，也没有
-# `return`：用一行注释说明这几行加了什么。
-
-# %%
-from nanovllm.book.literate import add_to_init
-
-
-@add_to_init(Tally)
-def _init_history(self) -> None:
-    # en: Every amount added, in order.
-    # zh: 加过的每个数，按顺序记下。
-    self.history: list[int] = []
-
-
-@add_to_class(Tally)
-def add(self, n: int) -> None:
-    """Never count below zero; remember every amount."""
-    self.history.append(n)
-    self.count = max(0, self.count + n)
-
-
-fresh = Tally()
-fresh.add(3)
-fresh.add(-1)
-print(fresh.count, fresh.history, Tally.__init__.__name__)
-assert (fresh.count, fresh.history, Tally.__init__.__name__) == (2, [3, -1], "__init__")
-
-# %% [markdown] tags=["en"]
-# Settings arrive the same way. The engine's settings are one dataclass, and a setting belongs to the
-# chapter that explains it, so a later chapter adds fields to it with `add_fields`: a small class of
-# annotated fields, each with its default, becomes part of the dataclass (after its settings, before
-# the fields it derives), and `add_to_init` on a dataclass appends to its `__post_init__`, where a
-# setting is checked. In the package the fields are written into the dataclass itself.
-
-# %% [markdown] tags=["zh"]
-# 设置也这样加进来。引擎的设置是一个 dataclass，而每个设置属于讲解它的那一章，所以后面的章节用 `add_fields` 给它
-# 加字段：一个只有带默认值的注解字段的小类，会成为这个 dataclass 的一部分（排在它的设置之后、派生字段之前）；对
-# dataclass 使用 `add_to_init`，则是追加到它的 `__post_init__` 末尾，设置就在那里检查。在包里，这些字段直接写在
-# dataclass 自己的定义里。
-
-# %%
-from dataclasses import dataclass, field, fields
-
-from nanovllm.book.literate import add_fields
-
-
-@dataclass
-class Knobs:
-    size: int = 1
-    # en: derived, not a setting
-    # zh: 派生出来的，不是设置
-    area: int = field(default=0, init=False)
-
-    def __post_init__(self) -> None:
-        self.area = self.size * self.size
-
-
-@add_fields(Knobs)
-class _Depth:
-    depth: int = 2
-
-
-@add_to_init(Knobs)
-def _check_depth(self) -> None:
-    if self.depth < 1:
-        raise ValueError(f"depth must be >= 1, got {self.depth}")
-
-
-knobs = Knobs(3, depth=4)
-print(knobs)
-assert (knobs.size, knobs.depth, knobs.area) == (3, 4, 9)
-assert [f.name for f in fields(Knobs)] == ["size", "depth", "area"]
-try:
-    Knobs(depth=0)
-except ValueError as error:
-    print(error)
-else:
-    raise AssertionError("depth=0 was accepted")
-
-# %% [markdown] tags=["en"]
-# The book's other helper speaks your language. The traces and tables that chapters print are part of
-# the lesson, so they are printed in the reader's language: the English stays in the code, and each
-# chapter keeps the Chinese of what it prints in one hidden table of phrases. `say` looks a phrase up and
-# fills in its values; `NANOVLLM_BOOK_LANG=zh` (which the Chinese site's build and the Chinese reading
-# copies set) makes it speak Chinese. Numbers, identifiers and code stay as they are.
-
-# %% [markdown] tags=["zh"]
-# 本书的另一个辅助工具会说你的语言。各章打印的轨迹和表格是课程的一部分，所以按读者的语言打印：英文留在代码里，
-# 每一章把它所打印文字的中文放在一张隐藏的短语表里。`say` 查出一句短语并填入其中的值；设置
-# `NANOVLLM_BOOK_LANG=zh`（中文网站的构建和中文阅读副本都会设置）后，它就说中文。数字、标识符和代码保持原样。
-
-# %% printed phrases
-#| export book.lang
-"""What the book prints, in the reader's language: English by default, Chinese when NANOVLLM_BOOK_LANG=zh.
-
-A chapter's traces and tables are part of its lesson. Its code keeps the English (the key), and one
-``Phrases`` table per chapter holds the Chinese of what it prints. Numbers, identifiers and code are
-printed as they are: only the words around them are translated.
-"""
-
-import os
-import re
-import string
-import unicodedata
-
-LANG_ENV = "NANOVLLM_BOOK_LANG"
-LANGUAGES = ("en", "zh")
-# en: A width in a format spec, with its optional fill and alignment: "<22", ">4", "*^9", "12".
-# zh: 格式说明里的宽度，可带填充字符和对齐方式："<22"、">4"、"*^9"、"12"。
-_WIDTH_SPEC = re.compile(r"(?P<align>.?[<>^])?(?P<width>\d+)")
-
-
-def reading_language() -> str:
-    """The language the book prints in: ``NANOVLLM_BOOK_LANG`` ("en" or "zh"), English when it is unset."""
-    lang = os.environ.get(LANG_ENV) or "en"
-    if lang not in LANGUAGES:
-        raise ValueError(f"{LANG_ENV} must be one of {LANGUAGES}, got {lang!r}")
-    return lang
-
-
-def display_width(text: str) -> int:
-    """Columns ``text`` takes in a monospaced font: a Chinese character (or full-width punctuation) takes two."""
-    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-
-
-class Text(str):
-    """Printed text that pads by display width, so that a Chinese heading keeps its table's columns aligned."""
-
-    def __format__(self, spec: str) -> str:
-        match = _WIDTH_SPEC.fullmatch(spec)
-        if match is None:
-            return format(str(self), spec)
-        width = max(int(match["width"]) - (display_width(self) - len(self)), 0)
-        return format(str(self), f"{match['align'] or ''}{width}")
-
-
-def _fields(template: str) -> set[str]:
-    return {name for _, name, _, _ in string.Formatter().parse(template) if name}
-
-
-class Phrases:
-    """One chapter's printed phrases: the English templates, as the code reads them, and their Chinese.
-
-    ``say = Phrases({"free list: {free}": <its Chinese, with the same {free}>})``; then
-    ``say("free list: {free}", free=[3, 4])`` is ``free list: [3, 4]`` in English and the Chinese template,
-    filled with the same list, when the book reads in Chinese. A template missing from the table is an
-    error in both languages, so that an English run already finds a phrase without its Chinese.
-    """
-
-    def __init__(self, zh: dict[str, str]) -> None:
-        for en, text in zh.items():
-            if _fields(en) != _fields(text):
-                raise ValueError(f"{text!r} must fill the fields of {en!r}: {sorted(_fields(en))}")
-        self.zh = dict(zh)
-
-    def __call__(self, template: str, /, **values: object) -> Text:
-        """``template`` (English) in the reading language, its ``{fields}`` filled with ``values``."""
-        if template not in self.zh:
-            raise KeyError(f"no Chinese for the phrase {template!r}: add it to its chapter's Phrases table")
-        chosen = self.zh[template] if reading_language() == "zh" else template
-        return Text(chosen.format(**values))
+# 逐个类地找到对应。后面讲某个特性的那一章再**扩展**已有的代码：第 05 章给 `Sequence` 加上 `fork` 方法，
+# 第 14 章给模型执行器加上 CUDA Graph，第 18 章让调度器异步起来。在 notebook 里，扩展会借助一个装饰器真正改变那个类
+# （函数上方写 `@add_to_class(Sequence)`，它就成为一个方法）；而在由各章抽取出来的包里，每个扩展都放在它所属的那个
+# 唯一的 `class` 块里，并附一行注释，写明它来自哪一章的哪个单元。附录 D 介绍这些工具，以及本书如何检查自己。
 
 # %% [markdown] tags=["en"]
 # ## One request, step by step

@@ -141,12 +141,12 @@ display(SVG(state_machine_svg()))
 # The first exported cell goes into `nanovllm/sampling_params.py`. The names and defaults
 # follow nano-vllm (`temperature=1.0`, `max_tokens=64`, `ignore_eos=False`) so that its users
 # feel at home; we add what nano-vllm lacks: `temperature=0` means **greedy** decoding, and
-# `top_k`, `top_p` and a per-request `seed` (chapter 07 implements them).
+# `top_k`, `top_p` and a per-request `seed` (chapter 08 implements them).
 #
 # Parameters are checked when the object is built, not deep inside a GPU step: a wrong type
 # raises `TypeError`, a wrong value raises `ValueError`, and both messages name the field. This
 # is one of the three places where input enters the engine (the others are the prompt, below,
-# and chapter 08's `Config`): each checks what it receives once, with one small helper, `check`,
+# and chapter 09's `Config`): each checks what it receives once, with one small helper, `check`,
 # and the engine's inner parts trust what they are handed, as upstream's do. NumPy scalars
 # (`np.int64(4)`, `np.float32(0.5)`, `np.True_`) count as the numbers they hold: `check` hands
 # back the plain Python value, which is what the object stores.
@@ -156,11 +156,11 @@ display(SVG(state_machine_svg()))
 #
 # 第一个导出单元会写进 `nanovllm/sampling_params.py`。字段名和默认值沿用 nano-vllm（`temperature=1.0`、
 # `max_tokens=64`、`ignore_eos=False`），让它的用户上手无障碍；我们补上 nano-vllm 缺少的部分：
-# `temperature=0` 表示**贪心**解码，另有 `top_k`、`top_p` 和按请求设置的 `seed`（由第 07 章实现）。
+# `temperature=0` 表示**贪心**解码，另有 `top_k`、`top_p` 和按请求设置的 `seed`（由第 08 章实现）。
 #
 # 参数在对象创建时就检查，而不是等到 GPU 计算的深处才出错：类型不对抛出 `TypeError`，取值不对抛出
 # `ValueError`，两种错误信息都会指明是哪个字段。输入进入引擎的地方有三处，这是其中之一（另外两处是下面的
-# 提示词和第 08 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
+# 提示词和第 09 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
 # 交给它们的数据，上游也是这样做的。NumPy 标量（`np.int64(4)`、`np.float32(0.5)`、`np.True_`）按它们所代表的数
 # 处理：`check` 交回对应的普通 Python 值，对象里存的就是它。
 
@@ -567,7 +567,7 @@ assert prompt == [5, 6, 7] and generating.token_ids == [5, 6, 7, 8]
 # tokens. After each step, the engine's postprocess does what `finish_step` does here: the
 # computed tokens become cached, and the sampled token is appended **only if the whole prompt
 # has been computed**. After a partial chunk the last logits only predict a position inside
-# the prompt, so the model runner (chapter 08) samples nothing for it (it passes `-1`) and
+# the prompt, so the model runner (chapter 09) samples nothing for it (it passes `-1`) and
 # postprocess ignores the value; our `finish_step` ignores its `sampled_token` the same way.
 #
 # Watch the status column too. A sequence whose prompt is only partly computed is still
@@ -582,7 +582,7 @@ assert prompt == [5, 6, 7] and generating.token_ids == [5, 6, 7, 8]
 # 我们手动扮演调度器。提示词有 10 个 token，每块 4 个 token，每步预算 6 个 token：提示词一步放不下，
 # 所以 prefill 被**分块**为 6 + 4 个 token。每一步之后，引擎的 postprocess（后处理）做的事和这里的
 # `finish_step` 一样：算过的 token 变为已缓存；**只有整个提示词都算完时**，才把采样得到的 token 追加上去。
-# 分块未完成时，最后一行 logits 只是对提示词内部某个位置的预测，所以模型执行器（第 08 章）不为它采样（传入 `-1`），
+# 分块未完成时，最后一行 logits 只是对提示词内部某个位置的预测，所以模型执行器（第 09 章）不为它采样（传入 `-1`），
 # 后处理也忽略这个值；这里的 `finish_step` 同样忽略它的 `sampled_token`。
 #
 # 也留意状态这一列。提示词只算了一部分的序列仍处于 **WAITING**：调度器让它带着自己的块留在等待队列队头，直到调度
@@ -722,8 +722,8 @@ for bad_call in (
 #   (`num_blocks`, `block(i)`, `last_block_num_tokens`), and a guarded status.
 #
 # That is upstream's `Sequence`, checked. Later chapters add to this class where their story
-# needs it: chapter 04b the fields of parallel sampling (`fork`), chapter 10b the slim form in
-# which a sequence travels to the other ranks, chapter 12 the tokens that the GPU is still
+# needs it: chapter 05 the fields of parallel sampling (`fork`), chapter 17 the slim form in
+# which a sequence travels to the other ranks, chapter 18 the tokens that the GPU is still
 # computing.
 #
 # Next, chapter 02 gives the block table something to point at: a pool of KV blocks.
@@ -748,8 +748,8 @@ for bad_call in (
 # - `Sequence`：token、五个计数器、块表及其算术（`num_blocks`、`block(i)`、`last_block_num_tokens`），
 #   以及受保护的状态。
 #
-# 这就是上游的 `Sequence`，外加检查。后面几章会按需给这个类添加字段和方法：第 04b 章添加并行采样的字段
-# （`fork`），第 10b 章添加序列传给其他 rank 时的精简形式，第 12 章添加 GPU 仍在计算的 token。
+# 这就是上游的 `Sequence`，外加检查。后面几章会按需给这个类添加字段和方法：第 05 章添加并行采样的字段
+# （`fork`），第 17 章添加序列传给其他 rank 时的精简形式，第 18 章添加 GPU 仍在计算的 token。
 #
 # 下一章（第 02 章）构建块表所指向的对象：KV 块池。
 #

@@ -22,7 +22,7 @@
 # give everything back when a sequence finishes or is preempted.
 #
 # The block manager does bookkeeping only. The KV tensors themselves live in the model runner
-# (chapter 08); a block id is just an index into them.
+# (chapter 09); a block id is just an index into them.
 
 # %% [markdown] tags=["zh"]
 # # 02 · 分页 KV 显存
@@ -32,7 +32,7 @@
 # **已用集合**、每块一个**引用计数**，以及调度器（第 04 章）要调用的操作：为提示词分配块、decode 时在最后一块
 # 写满后再添一块、序列结束或被抢占时归还全部块。
 #
-# 块管理器只做记账。KV 张量本身在模型执行器里（第 08 章）；块编号只是指向这些张量的下标。
+# 块管理器只做记账。KV 张量本身在模型执行器里（第 09 章）；块编号只是指向这些张量的下标。
 
 # %% [markdown] tags=["en"]
 # ## First: why may we cache K and V at all?
@@ -366,7 +366,7 @@ class Block:
 # pool of this chapter has it off.
 #
 # The pool trusts its arguments: the engine builds it from a `Config` that has checked them
-# (chapter 08), so inside the engine a broken invariant is a plain `assert`, as upstream writes
+# (chapter 09), so inside the engine a broken invariant is a plain `assert`, as upstream writes
 # it, and what a user types is checked once, where it enters.
 
 # %% [markdown] tags=["zh"]
@@ -381,7 +381,7 @@ class Block:
 #
 # 块池还记下 `enable_prefix_caching`，留给第 03 章交给它的缓存；本章的每个块池都把它关掉。
 #
-# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 08 章）来构建它。所以在引擎内部，被破坏的不变量
+# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 09 章）来构建它。所以在引擎内部，被破坏的不变量
 # 只是一句普通的 `assert`（上游也是这么写的）；用户输入的东西只在它进入的地方检查一次。
 
 # %% block pool
@@ -453,7 +453,7 @@ class BlockPool:
 # That is upstream's `block_manager.py` without its hashing, which chapter 03 adds. Four hooks
 # stay empty here, each filled by the chapter that needs it: `_forget_old_contents` (chapter 03's
 # cache unpublishes a block before it is overwritten), and `_blocks_to_unshare`,
-# `_unshare_write_block` and `forget_copies` (chapter 04b's copy-on-write, once forked
+# `_unshare_write_block` and `forget_copies` (chapter 05's copy-on-write, once forked
 # samples share blocks; the scheduler calls `forget_copies` after each step, chapter 04).
 
 # %% [markdown] tags=["zh"]
@@ -473,7 +473,7 @@ class BlockPool:
 #
 # 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。这里有四个接缝暂时是空的，各由需要它的那一章
 # 填上：`_forget_old_contents`（第 03 章的缓存在块被覆盖之前取消发布它），以及 `_blocks_to_unshare`、
-# `_unshare_write_block` 和 `forget_copies`（第 04b 章的写时复制：分叉出的样本会共享块；调度器在每一步之后调用
+# `_unshare_write_block` 和 `forget_copies`（第 05 章的写时复制：分叉出的样本会共享块；调度器在每一步之后调用
 # `forget_copies`，见第 04 章）。
 
 # %% block manager
@@ -509,7 +509,7 @@ class BlockManager(BlockPool):
 
     def _blocks_to_unshare(self, seq: Sequence) -> int:
         """Blocks that ``seq`` shares with another table and its step writes into, each to be copied first: none
-        here, where every table is its own (chapter 04b's forked samples share theirs)."""
+        here, where every table is its own (chapter 05's forked samples share theirs)."""
         return 0
 
     def can_append(self, seq: Sequence) -> bool:
@@ -1074,7 +1074,7 @@ for misuse in (
 #   covering `len(seq)`).
 #
 # Chapter 03 adds prefix caching to these classes (a block's hash and tokens, `hold`, cache hits
-# in `allocate`, `publish_full_blocks`), and chapter 04b copy-on-write (`fork`, and a private
+# in `allocate`, `publish_full_blocks`), and chapter 05 copy-on-write (`fork`, and a private
 # copy in `may_append`).
 #
 # Next, chapter 03 opens the prefix cache: how a prompt's blocks are found, and the one line
@@ -1100,7 +1100,7 @@ for misuse in (
 #   `can_append`/`may_append`（恰好在块表不再覆盖 `len(seq)` 时多加一块）。
 #
 # 第 03 章给这些类加上前缀缓存（块的哈希值和 token、`hold`、`allocate` 中的缓存命中、`publish_full_blocks`），
-# 第 04b 章加上写时复制（`fork`，以及 `may_append` 中的私有副本）。
+# 第 05 章加上写时复制（`fork`，以及 `may_append` 中的私有副本）。
 #
 # 下一章（第 03 章）打开前缀缓存：提示词的块是怎样被找到的，以及区分“正确的缓存”和“悄悄复用错误 KV 的缓存”的那一行代码。
 #

@@ -20,11 +20,11 @@
 # two queues, a prefill-first policy with a token budget and chunked prefill, decode with
 # preemption, and the postprocess that turns a step's sampled tokens into progress.
 #
-# The engine loop (chapter 11) is three lines, and this chapter owns two of them:
+# The engine loop (chapter 10) is three lines, and this chapter owns two of them:
 #
 # ```python
 # seqs, is_prefill = scheduler.schedule()
-# token_ids = model_runner.run(seqs, is_prefill)   # chapter 08
+# token_ids = model_runner.run(seqs, is_prefill)   # chapter 09
 # scheduler.postprocess(seqs, token_ids, is_prefill)
 # ```
 
@@ -35,11 +35,11 @@
 # decode 步，以及缓存不够时谁会被抢占。本章构建 `Scheduler`（调度器）：两个队列、带 token 预算和
 # 分块 prefill（chunked prefill）的 prefill 优先策略、带抢占的 decode，以及把一步的采样结果变成进度的后处理。
 #
-# 引擎主循环（第 11 章）只有三行，其中两行属于本章：
+# 引擎主循环（第 10 章）只有三行，其中两行属于本章：
 #
 # ```python
 # seqs, is_prefill = scheduler.schedule()
-# token_ids = model_runner.run(seqs, is_prefill)   # 第 08 章
+# token_ids = model_runner.run(seqs, is_prefill)   # 第 09 章
 # scheduler.postprocess(seqs, token_ids, is_prefill)
 # ```
 
@@ -61,7 +61,7 @@
 #   head's remaining prompt does not fit the budget left, it gets a **chunk**: as many tokens as
 #   fit. That sequence is then the last one of the step, keeps its blocks and stays at the head
 #   of `waiting`; the next step continues it. A chunk yields no new token: its last logits
-#   predict a position *inside* the prompt, so the model runner (chapter 08) does not sample
+#   predict a position *inside* the prompt, so the model runner (chapter 09) does not sample
 #   them (it returns `-1`) and postprocess appends nothing.
 # - **Decode**, when nothing could be prefilled: every running sequence (up to `max_num_seqs`,
 #   and never more than the token budget) computes its last token. If one needs a new block and
@@ -75,7 +75,7 @@
 #
 # One more rule, the **admission check**: a request whose KV could **never** fit the whole
 # cache is refused by `check_fits`, which the engine runs once, where a request enters (chapter
-# 11). Upstream nano-vllm accepts it and then crashes or loops forever:
+# 10). Upstream nano-vllm accepts it and then crashes or loops forever:
 # alone in the cache, the sequence needs a block, no victim is left, it preempts itself, is
 # prefilled again, and runs out at the same point again. The sequence writes KV for its prompt
 # and for every sampled token but the last, so it needs at most
@@ -99,7 +99,7 @@
 #   `max_num_batched_tokens` 个 token（即 **token 预算**），并且块管理器能给队头序列分配块（缓存命中会同时降低
 #   这两种开销）。如果队头序列剩余的提示词超出剩余预算，它就得到一个**分块**：预算能容纳多少 token 就算多少。
 #   这个序列于是成为本步的最后一个，保留它的块，并留在 `waiting` 队头；下一步接着算。分块不产生新 token：它最后一行
-#   logits 预测的是提示词*内部*的某个位置，所以模型执行器（第 08 章）不对它采样（返回 `-1`），后处理也不追加任何东西。
+#   logits 预测的是提示词*内部*的某个位置，所以模型执行器（第 09 章）不对它采样（返回 `-1`），后处理也不追加任何东西。
 # - **Decode：** 没有序列可以 prefill 时，每个运行中的序列（最多 `max_num_seqs` 个，也不超过 token 预算）计算
 #   它的最后一个 token。
 #   如果某个序列需要新块而没有空闲块，调度器就从 `running` 的*队尾*开始**抢占**——最新的序列先被抢占——直到腾出
@@ -109,7 +109,7 @@
 #   并结束那些采样到结束符（除非 `ignore_eos`）或达到 `max_tokens` 的序列。
 #
 # 还有一条规则，即**准入检查**：KV **永远**放不进整个缓存的请求会被 `check_fits` 拒绝，
-# 引擎在请求进入的地方（第 11 章）只运行它一次。上游 nano-vllm 会接受它，然后崩溃或陷入死循环：
+# 引擎在请求进入的地方（第 10 章）只运行它一次。上游 nano-vllm 会接受它，然后崩溃或陷入死循环：
 # 缓存里只剩它一个序列时，它需要新块，却没有可抢占的对象，只能抢占自己，重新 prefill，又在同一个地方用完缓存。
 # 序列要为提示词和除最后一个以外的每个采样 token 写 KV，所以它最多需要
 # `ceil((prompt + max_tokens - 1) / block_size)` 个块；`check_fits` 要求缓存至少有这么多块。
@@ -211,8 +211,8 @@ say = Phrases({
     "preempt the newest (tail of": "抢占最新的（running 队尾），",
     "running), or seq itself if none:": "没有别的就抢占 seq 自己：",
     "free blocks, head of waiting": "释放块，回到 waiting 队头",
-    "the model runner computes the step (chapter 08), then postprocess: cache the computed tokens,":
-        "模型执行器计算这一步（第 08 章），然后 postprocess：把算完的 token 计入缓存，",
+    "the model runner computes the step (chapter 09), then postprocess: cache the computed tokens,":
+        "模型执行器计算这一步（第 09 章），然后 postprocess：把算完的 token 计入缓存，",
     "publish full blocks, append each sampled token (not for a chunk), finish at EOS or max_tokens":
         "发布写满的块，追加每个采样出的 token（分块不追加），遇到 EOS 或 max_tokens 时结束",
     "yes": "是",
@@ -260,7 +260,7 @@ def schedule_flow_svg() -> str:
         ("d6", "process", 780, 360, 230, ["preempt the newest (tail of", "running), or seq itself if none:",
                                           "free blocks, head of waiting"]),
         ("run", "process", 460, 510, 720, [
-            "the model runner computes the step (chapter 08), then postprocess: cache the computed tokens,",
+            "the model runner computes the step (chapter 09), then postprocess: cache the computed tokens,",
             "publish full blocks, append each sampled token (not for a chunk), finish at EOS or max_tokens",
         ]),
     ]
@@ -365,13 +365,13 @@ display(SVG(schedule_flow_svg()))
 # `max_kv_tokens`, a property this chapter gives chapter 01's `Sequence`, is the rule above in one
 # line. The settings are not checked again here: the
 # engine builds the scheduler from a `Config` that checked every number where it entered
-# (chapter 08), so the scheduler states its own invariants as plain `assert`s, as upstream does.
+# (chapter 09), so the scheduler states its own invariants as plain `assert`s, as upstream does.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：准入检查
 #
 # `max_kv_tokens` 是本章给第 01 章的 `Sequence` 加上的一个属性，用一行代码表达上面的规则。这里不再重复检查配置：
-# 引擎用 `Config` 构建调度器，而 `Config`（第 08 章）已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用
+# 引擎用 `Config` 构建调度器，而 `Config`（第 09 章）已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用
 # 普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
@@ -423,9 +423,9 @@ def max_kv_tokens(self) -> int:
 #
 # This is upstream's `scheduler.py`, method for method, with one change of rule (which sequence
 # may be chunked, discussed at the end) and the admission check. Two later chapters add to this
-# class: chapter 04b fills the two hooks that `postprocess` calls, `_fork_siblings` (a request
+# class: chapter 05 fills the two hooks that `postprocess` calls, `_fork_siblings` (a request
 # forks into its n samples; here no sequence forks) and the block manager's `forget_copies` (the
-# step made the copy-on-write copies planned for it; here none is planned), and chapter 12 splits
+# step made the copy-on-write copies planned for it; here none is planned), and chapter 18 splits
 # `postprocess` in two for the asynchronous engine.
 
 # %% [markdown] tags=["zh"]
@@ -443,8 +443,8 @@ def max_kv_tokens(self) -> int:
 #   是否让序列结束，`_finish` 释放序列的块。
 #
 # 这就是上游的 `scheduler.py`，方法一一对应；只改了一条规则（哪个序列可以分块，本章末尾讨论），并加上了准入检查。
-# 后面有两章会扩展这个类：第 04b 章填上 `postprocess` 调用的两个接缝，`_fork_siblings`（一个请求分叉成它的 n 个样本；
-# 这里没有序列分叉）和块管理器的 `forget_copies`（这一步已完成为它计划的写时复制；这里没有计划任何复制），第 12 章为
+# 后面有两章会扩展这个类：第 05 章填上 `postprocess` 调用的两个接缝，`_fork_siblings`（一个请求分叉成它的 n 个样本；
+# 这里没有序列分叉）和块管理器的 `forget_copies`（这一步已完成为它计划的写时复制；这里没有计划任何复制），第 18 章为
 # 异步引擎把 `postprocess` 一分为二。
 
 # %% scheduler
@@ -1081,7 +1081,7 @@ assert all(seq.is_finished and seq.num_completion_tokens == 4 for seq in ab.valu
 # steps included: at most `min(max_num_seqs, max_num_batched_tokens)` sequences decode together.
 # Upstream caps decode at `max_num_seqs` alone, so with a budget smaller than `max_num_seqs` its
 # decode steps can be larger than any step the model runner measured in its warm-up forward
-# when it sized the KV cache (chapter 08). Below, five sequences run with `max_num_seqs=8` and a
+# when it sized the KV cache (chapter 09). Below, five sequences run with `max_num_seqs=8` and a
 # budget of 3: every decode step takes three of them, and all five finish.
 
 # %% [markdown] tags=["zh"]
@@ -1089,7 +1089,7 @@ assert all(seq.is_finished and seq.num_completion_tokens == 4 for seq in ab.valu
 #
 # decode 步为每个序列计算一个 token，而 token 预算约束每一步，decode 步也不例外：同时 decode 的序列最多
 # `min(max_num_seqs, max_num_batched_tokens)` 个。上游只用 `max_num_seqs` 限制 decode，所以当预算小于
-# `max_num_seqs` 时，它的 decode 步可能比模型执行器在确定 KV 缓存大小时做的预热前向（第 08 章）还要大。
+# `max_num_seqs` 时，它的 decode 步可能比模型执行器在确定 KV 缓存大小时做的预热前向（第 09 章）还要大。
 # 下面五个序列在 `max_num_seqs=8`、预算为 3 的设置下运行：每个 decode 步取其中三个，五个序列最终都完成了。
 
 # %%
@@ -1115,22 +1115,22 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # sequence the cost per token falls fast over the first few sequences, then ever more slowly,
 # and flattens toward what one more token adds. Where it flattens depends on that added cost: on
 # a GPU one more token costs little next to reading the weights, so the cost per token keeps
-# falling over far larger batches (chapter 14 times decode steps of 1 to 64 sequences on an H200);
+# falling over far larger batches (chapter 19 times decode steps of 1 to 64 sequences on an H200);
 # on a CPU running this tiny model, one more token adds a good share of a step, and the curve is
 # already flattening at 16.
 #
-# Below, the engine of chapter 11 runs the tiny random Qwen3 of chapter 00's tour on the CPU and
+# Below, the engine of chapter 10 runs the tiny random Qwen3 of chapter 00's tour on the CPU and
 # times decode steps of 1, 2, 4, 8 and 16 sequences (three runs of each, the median step). The
 # cell asserts what no load can change: a step is one call of the model whatever its batch, so
 # the weights are read once for all its tokens. The times are printed, not asserted. In one
 # quiet run, the cost per token against batch 1 was 0.59 at 2, 0.35 at 4, 0.23 at 8 and 0.17 at
 # 16. On a loaded machine, a CI runner with tests beside it, any step can be stretched and the
 # ratios can come out anywhere, even rising between 4 and 16 (319 to 391 µs per token in one
-# run). Chapter 14 measures on a GPU, properly.
+# run). Chapter 19 measures on a GPU, properly.
 #
 # What bounds the batch is memory, which is why `max_num_seqs` exists: every running sequence
 # holds its KV blocks, so more of them fill the cache sooner and preempt more often, and
-# chapter 09 captures CUDA graphs for batch sizes up to `max_num_seqs` (512 at most), with input buffers sized
+# chapter 14 captures CUDA graphs for batch sizes up to `max_num_seqs` (512 at most), with input buffers sized
 # for the largest.
 
 # %% [markdown] tags=["zh"]
@@ -1141,17 +1141,17 @@ assert max(decode_sizes) == 3 and all(seq.is_finished for seq in five.values())
 # token 自己的计算和自己的 KV。摊到每个 token 上，分摊的部分与批大小成反比，增加的部分则不变；所以和单个序列相比，
 # 每个 token 的开销在头几个序列时下降很快，之后越降越慢，趋于平坦，逼近多算一个 token 所增加的开销。曲线在哪里变平，
 # 取决于这部分增加的开销：在 GPU 上，多算一个 token 的开销比读一遍权重小得多，批次大得多时每个 token 的开销仍在
-# 下降（第 14 章在 H200 上给 1 到 64 个序列的 decode 步计时）；在 CPU 上跑这个小模型，多一个 token 就要多花一步中
+# 下降（第 19 章在 H200 上给 1 到 64 个序列的 decode 步计时）；在 CPU 上跑这个小模型，多一个 token 就要多花一步中
 # 相当大的一部分时间，到 16 时曲线已经在变平。
 #
-# 下面用第 11 章的引擎在 CPU 上运行第 00 章导览中的随机小 Qwen3，分别给 1、2、4、8、16 个序列的 decode 步计时（每种
+# 下面用第 10 章的引擎在 CPU 上运行第 00 章导览中的随机小 Qwen3，分别给 1、2、4、8、16 个序列的 decode 步计时（每种
 # 跑三遍，取中位数）。单元断言的是任何负载都改变不了的事：无论批次多大，一步都只调用一次模型，权重只为这一步的所有
 # token 读一遍。时间只打印、不断言。在一次机器比较空闲的运行中，每个 token 的开销相对批大小 1 的比例是：2 时 0.59，
 # 4 时 0.35，8 时 0.23，16 时 0.17。在负载高的机器上（比如同时跑着测试的 CI 机器），任何一步都可能被拖慢，这些比例
-# 什么样都可能，甚至从 4 到 16 反而上升（有一次每 token 从 319 µs 升到 391 µs）。第 14 章会在 GPU 上认真测量。
+# 什么样都可能，甚至从 4 到 16 反而上升（有一次每 token 从 319 µs 升到 391 µs）。第 19 章会在 GPU 上认真测量。
 #
 # 限制批大小的是显存，这正是 `max_num_seqs` 存在的原因：每个运行中的序列都持有自己的 KV 块，序列越多，缓存越早
-# 被占满，抢占也越频繁；而且第 09 章要为不超过 `max_num_seqs`（最多 512）的一系列批大小捕获 CUDA Graph，输入缓冲区按其中
+# 被占满，抢占也越频繁；而且第 14 章要为不超过 `max_num_seqs`（最多 512）的一系列批大小捕获 CUDA Graph，输入缓冲区按其中
 # 最大的那个分配。
 
 # %% decode cost per token
@@ -1453,14 +1453,14 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 # A request that could never fit is refused by `check_fits` with a message that says what is
 # wrong, and the scheduler keeps serving everything it accepted. Everything else a user types
 # was checked before the scheduler sees it (the settings by `Config`, the prompt and the sampling
-# parameters where they enter, chapters 08 and 11), so a sequence of another block size, or one
+# parameters where they enter, chapters 09 and 10), so a sequence of another block size, or one
 # that already ran, is a bug in the caller: it fails an `assert`.
 
 # %% [markdown] tags=["zh"]
 # ### 准入检查
 #
 # 永远放不下的请求会被 `check_fits` 拒绝，错误信息说明问题所在；调度器继续为已接受的请求服务。用户输入的其他东西在
-# 到达调度器之前都已检查过（配置由 `Config` 检查，提示词和采样参数在进入的地方检查，见第 08 章和第 11 章），所以按
+# 到达调度器之前都已检查过（配置由 `Config` 检查，提示词和采样参数在进入的地方检查，见第 09 章和第 10 章），所以按
 # 另一种块大小构造的序列、或者已经运行过的序列，是调用方的 bug：它会让一句 `assert` 失败。
 
 # %%
@@ -1500,7 +1500,7 @@ except AssertionError as error:
 #   preemption from the newest); `postprocess` (cache, publish, append unless a chunk, finish on
 #   EOS or `max_tokens`); `is_finished`; and the optional `observer(event, data)` hook.
 #
-# The model runner (chapter 08) reads what `schedule` leaves on each sequence:
+# The model runner (chapter 09) reads what `schedule` leaves on each sequence:
 # `block_table`, `num_cached_tokens`, `num_scheduled_tokens` and `scheduled_token_ids`. The
 # test suite adds property tests over random workloads and the provenance fuzz of chapter 03.
 #
@@ -1521,7 +1521,7 @@ except AssertionError as error:
 #   分块且它是最后一个；否则 decode，从最新的序列开始抢占）；`postprocess`（记为已缓存、发布、除分块外追加 token、
 #   遇到 EOS 或 `max_tokens` 时结束）；`is_finished`；以及可选的 `observer(event, data)` 钩子。
 #
-# 模型执行器（第 08 章）读取 `schedule` 留在每个序列上的信息：`block_table`、`num_cached_tokens`、
+# 模型执行器（第 09 章）读取 `schedule` 留在每个序列上的信息：`block_table`、`num_cached_tokens`、
 # `num_scheduled_tokens` 和 `scheduled_token_ids`。测试套件还包括随机工作负载上的性质测试，以及第 03 章的溯源模糊测试。
 #
 # ## 练习

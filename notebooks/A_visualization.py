@@ -151,7 +151,7 @@ def seq_state(seq: Any) -> dict:
         "num_scheduled_tokens": seq.num_scheduled_tokens,
         "block_table": list(seq.block_table),
         # en: Parallel sampling: the request it samples for, and which sample it is.
-        # zh: 并行采样（第 04b 章）：它为哪个请求采样，以及它是第几个样本。
+        # zh: 并行采样（第 05 章）：它为哪个请求采样，以及它是第几个样本。
         "request_id": seq.request_id,
         "sample_index": seq.sample_index,
     }
@@ -259,14 +259,14 @@ class Recorder:
                 "cache_hits": [{"seq": int(seq_id), "blocks": list(blocks)}
                                for seq_id, blocks in payload.get("cache_hits", {}).items() if blocks],
                 # en: Copy-on-write: a sequence about to write into a shared block got a fresh one.
-                # zh: 写时复制（第 04b 章）：要写入共享块的序列换到了一个新块。
+                # zh: 写时复制（第 05 章）：要写入共享块的序列换到了一个新块。
                 "copies": [{"seq": s.seq_id, "from": source, "to": destination}
                            for s in payload["seqs"] for source, destination in s.blocks_to_copy],
             })
         elif event == "postprocess":
             before = {s["id"]: s["num_tokens"] for s in self.frames[-1]["seqs"]}
             # en: Sequences the recorder has not seen are siblings this step forked.
-            # zh: 记录器没见过的序列，是这一步分叉出来的兄弟序列（第 04b 章）。
+            # zh: 记录器没见过的序列，是这一步分叉出来的兄弟序列（第 05 章）。
             forked: dict[int, list[int]] = {}
             for s in payload["seqs"]:
                 if s.seq_id not in self._seqs:
@@ -282,7 +282,7 @@ class Recorder:
             })
         elif event == "drafts":
             # en: Speculative decoding: drafts appended to a decode step, with the blocks they need.
-            # zh: 投机解码（第 17 章）：草稿追加到 decode 步里，连同它们需要的块。
+            # zh: 投机解码（第 25 章）：草稿追加到 decode 步里，连同它们需要的块。
             self._add_frame("drafts", {"drafts": [{"seq": s.seq_id, "count": s.num_draft_tokens}
                                                   for s in payload["seqs"] if s.num_draft_tokens]})
         elif event == "verified":
@@ -470,7 +470,7 @@ class FakeEngine:
 #
 # The player itself does not know what a frame shows: `slides_html` puts the controls, the keys
 # and the static view around any list of (caption, SVG) pairs, and `player_html` is the block
-# tables' use of it. Chapter 18 plays a router's choices with it.
+# tables' use of it. Chapter 26 plays a router's choices with it.
 
 # %% [markdown] tags=["zh"]
 # ### 一次只显示一种语言
@@ -488,7 +488,7 @@ class FakeEngine:
 # 很多字体里没有 “⏸” 这个字符，它会显示成一个空方框。
 #
 # 播放器本身并不知道一帧里画的是什么：`slides_html` 把控制按钮、快捷键和静态视图套在任意一组（说明，SVG）上，
-# `player_html` 只是块表对它的一种用法。第 18 章用它播放路由器的选择。
+# `player_html` 只是块表对它的一种用法。第 26 章用它播放路由器的选择。
 
 # %% player: one language at a time
 #| export viz.player
@@ -723,7 +723,7 @@ def pool_svg(frame: dict, block_size: int, prev: dict | None, lang: str) -> tupl
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
     # en: Copy-on-write: the fresh blocks copies go into, and the shared blocks they come from.
-    # zh: 写时复制（第 04b 章）：拷贝写入的新块，以及被拷贝的共享块。
+    # zh: 写时复制（第 05 章）：拷贝写入的新块，以及被拷贝的共享块。
     copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     copy_from = {c["from"] for c in frame["event"].get("copies", [])}
     prev_state = {b["id"]: b["state"] for b in prev["blocks"]} if prev else {}

@@ -67,11 +67,11 @@
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
 # | `SamplingParams` | = | 01 | frozen; a bad value raises `TypeError` or `ValueError` naming the field |
-# | `SamplingParams.temperature` | = | 01, 07 | `0` means greedy; upstream refuses it |
+# | `SamplingParams.temperature` | = | 01, 08 | `0` means greedy; upstream refuses it |
 # | `SamplingParams.max_tokens`, `SamplingParams.ignore_eos` | = | 01 | same |
 # | `SamplingParams.__post_init__` | = | 01 | checks every field; upstream only asserts `temperature > 1e-10` |
-# | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 01, 07 | new: top-k, top-p, a per-request seed |
-# | — | `SamplingParams.n` | 01, 04b | new: several samples of one prompt (parallel sampling) |
+# | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 01, 08 | new: top-k, top-p, a per-request seed |
+# | — | `SamplingParams.n` | 01, 05 | new: several samples of one prompt (parallel sampling) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/sampling_params.py` → `nanovllm/sampling_params.py`
@@ -79,11 +79,11 @@
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
 # | `SamplingParams` | = | 01 | 不可变；错误的取值抛出 `TypeError` 或 `ValueError`，并指明是哪个字段 |
-# | `SamplingParams.temperature` | = | 01, 07 | `0` 表示贪心解码；上游不接受 0 |
+# | `SamplingParams.temperature` | = | 01, 08 | `0` 表示贪心解码；上游不接受 0 |
 # | `SamplingParams.max_tokens`, `SamplingParams.ignore_eos` | = | 01 | 相同 |
 # | `SamplingParams.__post_init__` | = | 01 | 检查每个字段；上游只断言 `temperature > 1e-10` |
-# | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 01, 07 | 新增：top-k、top-p、按请求设置的种子 |
-# | — | `SamplingParams.n` | 01, 04b | 新增：一个提示词采样多个结果（并行采样） |
+# | — | `SamplingParams.top_k`, `SamplingParams.top_p`, `SamplingParams.seed`, `SamplingParams.greedy` | 01, 08 | 新增：top-k、top-p、按请求设置的种子 |
+# | — | `SamplingParams.n` | 01, 05 | 新增：一个提示词采样多个结果（并行采样） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
@@ -92,18 +92,18 @@
 # |---|---|---|---|
 # | `SequenceStatus`, `SequenceStatus.WAITING`, `SequenceStatus.RUNNING`, `SequenceStatus.FINISHED` | = | 01 | the same three states |
 # | `Sequence` | = | 01 | `block_size` is a required keyword argument |
-# | `Sequence.block_size` | = | 01, 10 | a field of each sequence that travels in its pickle; upstream's is a class attribute that `LLMEngine` sets in the driver process only |
+# | `Sequence.block_size` | = | 01, 16 | a field of each sequence that travels in its pickle; upstream's is a class attribute that `LLMEngine` sets in the driver process only |
 # | `Sequence.counter` | `Sequence._ids` | 01 | the id counter |
 # | `Sequence.seq_id`, `Sequence.token_ids`, `Sequence.num_tokens`, `Sequence.num_prompt_tokens`, `Sequence.num_cached_tokens`, `Sequence.num_scheduled_tokens`, `Sequence.block_table` | = | 01 | same meaning |
 # | `Sequence.status` | `Sequence.status`, `Sequence.ALLOWED_TRANSITIONS` | 01 | a property whose setter refuses a move the state diagram does not have |
 # | `Sequence.last_token` | = | 01 | a property reading `token_ids`, not a second copy |
 # | `Sequence.is_prefill` | `engine.scheduler.Scheduler.schedule`, `Sequence.num_cached_tokens` | 04 | gone: a whole step is prefill or decode (`schedule` returns the flag), and a sequence still has prompt to compute while `num_cached_tokens < len(seq)` |
-# | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01, 10 | the whole `SamplingParams` is kept (`None` on a worker's slim copy) |
+# | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01, 16 | the whole `SamplingParams` is kept (`None` on a worker's slim copy) |
 # | `Sequence.__len__`, `Sequence.is_finished`, `Sequence.num_completion_tokens`, `Sequence.prompt_token_ids`, `Sequence.completion_token_ids`, `Sequence.num_blocks`, `Sequence.last_block_num_tokens`, `Sequence.block`, `Sequence.append_token` | = | 01 | same |
-# | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01, 10 | no indexing: a slim copy holds only the tail of the tokens (`first_token_index` says where it starts) |
-# | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 10 | ships the tokens whose KV is not cached yet, with `block_size`, id and status; upstream ships all tokens during prefill and the last one during decode |
-# | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 12 | new: tokens still being computed (asynchronous scheduling) |
-# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.blocks_to_copy`, `sibling_samples` | 04b | new: a request's samples as sibling sequences, and the copy-on-write copies of a step |
+# | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01, 16 | no indexing: a slim copy holds only the tail of the tokens (`first_token_index` says where it starts) |
+# | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 16 | ships the tokens whose KV is not cached yet, with `block_size`, id and status; upstream ships all tokens during prefill and the last one during decode |
+# | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 18 | new: tokens still being computed (asynchronous scheduling) |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.blocks_to_copy`, `sibling_samples` | 05 | new: a request's samples as sibling sequences, and the copy-on-write copies of a step |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/sequence.py` → `nanovllm/engine/sequence.py`
@@ -112,18 +112,18 @@
 # |---|---|---|---|
 # | `SequenceStatus`, `SequenceStatus.WAITING`, `SequenceStatus.RUNNING`, `SequenceStatus.FINISHED` | = | 01 | 同样的三个状态 |
 # | `Sequence` | = | 01 | `block_size` 是必须给出的关键字参数 |
-# | `Sequence.block_size` | = | 01, 10 | 每个序列自己的字段，随序列化数据一起传送；上游的是类属性，只在驱动进程里由 `LLMEngine` 设置 |
+# | `Sequence.block_size` | = | 01, 16 | 每个序列自己的字段，随序列化数据一起传送；上游的是类属性，只在驱动进程里由 `LLMEngine` 设置 |
 # | `Sequence.counter` | `Sequence._ids` | 01 | 序列编号计数器 |
 # | `Sequence.seq_id`, `Sequence.token_ids`, `Sequence.num_tokens`, `Sequence.num_prompt_tokens`, `Sequence.num_cached_tokens`, `Sequence.num_scheduled_tokens`, `Sequence.block_table` | = | 01 | 含义相同 |
 # | `Sequence.status` | `Sequence.status`, `Sequence.ALLOWED_TRANSITIONS` | 01 | 一个属性，它的 setter 拒绝状态图里没有的转换 |
 # | `Sequence.last_token` | = | 01 | 读取 `token_ids` 的属性，而不是另存一份 |
 # | `Sequence.is_prefill` | `engine.scheduler.Scheduler.schedule`, `Sequence.num_cached_tokens` | 04 | 去掉了：一整步要么是 prefill 要么是 decode（由 `schedule` 返回这个标志）；序列在 `num_cached_tokens < len(seq)` 时还有提示词要算 |
-# | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01, 10 | 保留整个 `SamplingParams`（工作进程收到的精简副本上为 `None`） |
+# | `Sequence.temperature`, `Sequence.max_tokens`, `Sequence.ignore_eos` | `Sequence.sampling_params` | 01, 16 | 保留整个 `SamplingParams`（工作进程收到的精简副本上为 `None`） |
 # | `Sequence.__len__`, `Sequence.is_finished`, `Sequence.num_completion_tokens`, `Sequence.prompt_token_ids`, `Sequence.completion_token_ids`, `Sequence.num_blocks`, `Sequence.last_block_num_tokens`, `Sequence.block`, `Sequence.append_token` | = | 01 | 相同 |
-# | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01, 10 | 不支持下标访问：精简副本只带着 token 的尾部（`first_token_index` 记录它从哪里开始） |
-# | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 10 | 传送 KV 尚未缓存的 token，连同 `block_size`、编号和状态；上游在 prefill 时传送全部 token，decode 时只传最后一个 |
-# | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 12 | 新增：尚在计算中的 token（异步调度） |
-# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.blocks_to_copy`, `sibling_samples` | 04b | 新增：把一个请求的各个样本表示为兄弟序列，以及一步中写时复制要拷贝的块 |
+# | `Sequence.__getitem__` | `Sequence.token_ids`, `Sequence.scheduled_token_ids` | 01, 16 | 不支持下标访问：精简副本只带着 token 的尾部（`first_token_index` 记录它从哪里开始） |
+# | `Sequence.__getstate__`, `Sequence.__setstate__` | = | 16 | 传送 KV 尚未缓存的 token，连同 `block_size`、编号和状态；上游在 prefill 时传送全部 token，decode 时只传最后一个 |
+# | — | `Sequence.append_pending_token`, `Sequence.set_token`, `Sequence.truncate`, `PENDING_TOKEN` | 18 | 新增：尚在计算中的 token（异步调度） |
+# | — | `Sequence.fork`, `Sequence.request_id`, `Sequence.sample_index`, `Sequence.pending_forks`, `Sequence.blocks_to_copy`, `sibling_samples` | 05 | 新增：把一个请求的各个样本表示为兄弟序列，以及一步中写时复制要拷贝的块 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
@@ -142,10 +142,10 @@
 # | `BlockManager._deallocate_block` | `BlockPool.release` | 02 | drops one reference; at zero the block joins the free list's tail |
 # | `BlockManager.can_allocate` | = | 02, 03 | returns a bool; upstream returns the number of cached blocks, or -1 |
 # | `BlockManager.allocate` | `BlockManager.allocate`, `engine.prefix_cache.PrefixCache.match`, `BlockPool.hold` | 02, 03 | `allocate(seq)` finds the cache hits itself; upstream passes in the count from `can_allocate` |
-# | `BlockManager.deallocate` | = | 02, 04b | same, last block first |
-# | `BlockManager.can_append`, `BlockManager.may_append` | = | 02, 04b | a block is added when the table stops covering `len(seq)`; upstream tests `len(seq) % block_size == 1`, the same unless `block_size` is 1 |
+# | `BlockManager.deallocate` | = | 02, 05 | same, last block first |
+# | `BlockManager.can_append`, `BlockManager.may_append` | = | 02, 05 | a block is added when the table stops covering `len(seq)`; upstream tests `len(seq) % block_size == 1`, the same unless `block_size` is 1 |
 # | `BlockManager.hash_blocks` | `BlockManager.publish_full_blocks`, `engine.prefix_cache.PrefixCache.publish` | 03 | called by postprocess once the step has written the KV, as upstream does |
-# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | new: siblings share their blocks; `may_append` gives a writer of a shared block its own copy |
+# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 05, 09 | new: siblings share their blocks; `may_append` gives a writer of a shared block its own copy |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/block_manager.py` → `nanovllm/engine/block_manager.py`
@@ -164,10 +164,10 @@
 # | `BlockManager._deallocate_block` | `BlockPool.release` | 02 | 去掉一个引用；降到零时块排到空闲队列队尾 |
 # | `BlockManager.can_allocate` | = | 02, 03 | 返回布尔值；上游返回命中的块数，或 -1 |
 # | `BlockManager.allocate` | `BlockManager.allocate`, `engine.prefix_cache.PrefixCache.match`, `BlockPool.hold` | 02, 03 | `allocate(seq)` 自己查找缓存命中；上游要传入 `can_allocate` 得到的块数 |
-# | `BlockManager.deallocate` | = | 02, 04b | 相同，从最后一块开始释放 |
-# | `BlockManager.can_append`, `BlockManager.may_append` | = | 02, 04b | 块表不再覆盖 `len(seq)` 时加一块；上游判断 `len(seq) % block_size == 1`，除非 `block_size` 为 1，两者等价 |
+# | `BlockManager.deallocate` | = | 02, 05 | 相同，从最后一块开始释放 |
+# | `BlockManager.can_append`, `BlockManager.may_append` | = | 02, 05 | 块表不再覆盖 `len(seq)` 时加一块；上游判断 `len(seq) % block_size == 1`，除非 `block_size` 为 1，两者等价 |
 # | `BlockManager.hash_blocks` | `BlockManager.publish_full_blocks`, `engine.prefix_cache.PrefixCache.publish` | 03 | 和上游一样，在这一步写完 KV 之后由后处理调用 |
-# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | 新增：兄弟序列共享块；要写入共享块的序列由 `may_append` 给它一份自己的副本 |
+# | — | `BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 05, 09 | 新增：兄弟序列共享块；要写入共享块的序列由 `may_append` 给它一份自己的副本 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
@@ -176,15 +176,15 @@
 # |---|---|---|---|
 # | `Scheduler` | = | 04 | keyword settings instead of a `Config` |
 # | `Scheduler.max_num_seqs`, `Scheduler.max_num_batched_tokens`, `Scheduler.block_manager`, `Scheduler.waiting`, `Scheduler.running` | = | 04 | same |
-# | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 08 | a set: every end-of-sequence id the model declares |
+# | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 09 | a set: every end-of-sequence id the model declares |
 # | `Scheduler.block_size` | `engine.block_manager.BlockPool.block_size` | 04 | read from the block manager |
 # | `Scheduler.is_finished` | = | 04 | same |
 # | `Scheduler.add` | `Scheduler.add`, `Scheduler.check_fits`, `Sequence.max_kv_tokens` | 04 | `check_fits` refuses a request that could never fit the cache (the admission check, run once where a request enters) |
 # | `Scheduler.schedule` | `Scheduler.schedule`, `Scheduler._schedule_prefill`, `Scheduler._schedule_decode` | 04 | chunks whichever sequence runs out the budget; decode is capped by the token budget too |
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | same |
-# | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 04b, 12 | two halves that asynchronous scheduling calls one step apart; returns the finished sequences |
-# | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 13, A | new: undo a step that failed, drop a request, watch the scheduler |
-# | — | `Scheduler._fork_siblings` | 04b | new: a request forks when its first token is sampled |
+# | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 05, 18 | two halves that asynchronous scheduling calls one step apart; returns the finished sequences |
+# | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 20, A | new: undo a step that failed, drop a request, watch the scheduler |
+# | — | `Scheduler._fork_siblings` | 05 | new: a request forks when its first token is sampled |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/scheduler.py` → `nanovllm/engine/scheduler.py`
@@ -193,301 +193,301 @@
 # |---|---|---|---|
 # | `Scheduler` | = | 04 | 用关键字参数配置，而不是传入 `Config` |
 # | `Scheduler.max_num_seqs`, `Scheduler.max_num_batched_tokens`, `Scheduler.block_manager`, `Scheduler.waiting`, `Scheduler.running` | = | 04 | 相同 |
-# | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 08 | 一个集合：模型声明的每一个结束符 id |
+# | `Scheduler.eos` | `Scheduler.eos_token_ids` | 04, 09 | 一个集合：模型声明的每一个结束符 id |
 # | `Scheduler.block_size` | `engine.block_manager.BlockPool.block_size` | 04 | 从块管理器读取 |
 # | `Scheduler.is_finished` | = | 04 | 相同 |
 # | `Scheduler.add` | `Scheduler.add`, `Scheduler.check_fits`, `Sequence.max_kv_tokens` | 04 | `check_fits` 拒绝永远放不进缓存的请求（准入检查，在请求进入的地方只运行一次） |
 # | `Scheduler.schedule` | `Scheduler.schedule`, `Scheduler._schedule_prefill`, `Scheduler._schedule_decode` | 04 | 哪个序列用完预算就把哪个分块；decode 同样受 token 预算限制 |
 # | `Scheduler.preempt` | `Scheduler._preempt` | 04 | 相同 |
-# | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 04b, 12 | 分成两半，异步调度时相隔一步调用；返回已结束的序列 |
-# | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 13, A | 新增：撤销失败的一步、丢弃一个请求、观察调度器 |
-# | — | `Scheduler._fork_siblings` | 04b | 新增：请求在采样出第一个 token 时分叉 |
+# | `Scheduler.postprocess` | `Scheduler.postprocess`, `Scheduler.advance`, `Scheduler.resolve` | 04, 05, 18 | 分成两半，异步调度时相隔一步调用；返回已结束的序列 |
+# | — | `Scheduler.rollback`, `Scheduler.abort`, `Scheduler.observer` | 04, 20, A | 新增：撤销失败的一步、丢弃一个请求、观察调度器 |
+# | — | `Scheduler._fork_siblings` | 05 | 新增：请求在采样出第一个 token 时分叉 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `SiluAndMul`, `SiluAndMul.forward` | `SiluAndMul`, `SiluAndMul.forward`, `SiluAndMul.op`, `silu_and_mul` | 05, 09 | plain PyTorch in `silu_and_mul`; on a GPU chapter 09 hands the layer a compiled version (`op`) |
+# | `SiluAndMul`, `SiluAndMul.forward` | `SiluAndMul`, `SiluAndMul.forward`, `SiluAndMul.op`, `silu_and_mul` | 06, 14 | plain PyTorch in `silu_and_mul`; on a GPU chapter 14 hands the layer a compiled version (`op`) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/activation.py` → `nanovllm/layers/activation.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `SiluAndMul`, `SiluAndMul.forward` | `SiluAndMul`, `SiluAndMul.forward`, `SiluAndMul.op`, `silu_and_mul` | 05, 09 | 纯 PyTorch，写在 `silu_and_mul` 里；在 GPU 上由第 09 章把编译后的版本交给这一层（`op`） |
+# | `SiluAndMul`, `SiluAndMul.forward` | `SiluAndMul`, `SiluAndMul.forward`, `SiluAndMul.op`, `silu_and_mul` | 06, 14 | 纯 PyTorch，写在 `silu_and_mul` 里；在 GPU 上由第 14 章把编译后的版本交给这一层（`op`） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/layernorm.py` → `nanovllm/layers/layernorm.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.forward` | = | 05 | same interface, one difference of precision: we add the residual in the model's dtype and normalize that rounded sum, as `transformers` does; upstream adds in float32 and normalizes the float32 sum (in bf16 the normalized output can differ in its last bits; see the differences below) |
-# | `RMSNorm.rms_forward`, `RMSNorm.add_rms_forward` | `rms_norm`, `RMSNorm.op` | 05, 09 | one function, with and without the residual; on a GPU chapter 09 hands each norm a compiled version (`op`) |
+# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.forward` | = | 06 | same interface, one difference of precision: we add the residual in the model's dtype and normalize that rounded sum, as `transformers` does; upstream adds in float32 and normalizes the float32 sum (in bf16 the normalized output can differ in its last bits; see the differences below) |
+# | `RMSNorm.rms_forward`, `RMSNorm.add_rms_forward` | `rms_norm`, `RMSNorm.op` | 06, 14 | one function, with and without the residual; on a GPU chapter 14 hands each norm a compiled version (`op`) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/layernorm.py` → `nanovllm/layers/layernorm.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.forward` | = | 05 | 接口相同，精度有一处不同：我们按模型的数据类型加上残差，再对这个舍入后的和做归一化，与 `transformers` 一致；上游在 float32 下相加，并对 float32 的和做归一化（bf16 下归一化的输出在最后几位上可能不同；见下面的行为差异） |
-# | `RMSNorm.rms_forward`, `RMSNorm.add_rms_forward` | `rms_norm`, `RMSNorm.op` | 05, 09 | 带与不带残差的同一个函数；在 GPU 上由第 09 章把编译后的版本交给每个归一化层（`op`） |
+# | `RMSNorm`, `RMSNorm.eps`, `RMSNorm.weight`, `RMSNorm.forward` | = | 06 | 接口相同，精度有一处不同：我们按模型的数据类型加上残差，再对这个舍入后的和做归一化，与 `transformers` 一致；上游在 float32 下相加，并对 float32 的和做归一化（bf16 下归一化的输出在最后几位上可能不同；见下面的行为差异） |
+# | `RMSNorm.rms_forward`, `RMSNorm.add_rms_forward` | `rms_norm`, `RMSNorm.op` | 06, 14 | 带与不带残差的同一个函数；在 GPU 上由第 14 章把编译后的版本交给每个归一化层（`op`） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/rotary_embedding.py` → `nanovllm/layers/rotary_embedding.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `apply_rotary_emb` | `apply_rotary` | 05 | same rotation (NeoX layout) |
-# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward`, `RotaryEmbedding.op`, `rotary` | 05, 09 | adds `linear` and `llama3` scaling; the maths is `rotary`, compiled on a GPU (`op`, chapter 09) |
-# | `get_rope` | `get_rope`, `rope_settings` | 05 | not cached by `lru_cache`: a model builds one and its layers share it |
+# | `apply_rotary_emb` | `apply_rotary` | 06 | same rotation (NeoX layout) |
+# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward`, `RotaryEmbedding.op`, `rotary` | 06, 14 | adds `linear` and `llama3` scaling; the maths is `rotary`, compiled on a GPU (`op`, chapter 14) |
+# | `get_rope` | `get_rope`, `rope_settings` | 06 | not cached by `lru_cache`: a model builds one and its layers share it |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/rotary_embedding.py` → `nanovllm/layers/rotary_embedding.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `apply_rotary_emb` | `apply_rotary` | 05 | 同样的旋转（NeoX 布局） |
-# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward`, `RotaryEmbedding.op`, `rotary` | 05, 09 | 新增 `linear` 与 `llama3` 缩放；数学在 `rotary` 里，GPU 上会被编译（`op`，第 09 章） |
-# | `get_rope` | `get_rope`, `rope_settings` | 05 | 没有用 `lru_cache` 缓存：模型构建一个，各层共用 |
+# | `apply_rotary_emb` | `apply_rotary` | 06 | 同样的旋转（NeoX 布局） |
+# | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward` | `RotaryEmbedding`, `RotaryEmbedding.head_size`, `RotaryEmbedding.cos_sin_cache`, `RotaryEmbedding.forward`, `RotaryEmbedding.op`, `rotary` | 06, 14 | 新增 `linear` 与 `llama3` 缩放；数学在 `rotary` 里，GPU 上会被编译（`op`，第 14 章） |
+# | `get_rope` | `get_rope`, `rope_settings` | 06 | 没有用 `lru_cache` 缓存：模型构建一个，各层共用 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | our own Triton kernel, and a plain-torch store for the CPU; both skip slot `-1`, as upstream's kernel does |
-# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 05, 06 | same (chapter 05's first cut attends over one sequence, without a cache) |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 05, 06, 06b | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (FlashAttention 4, verified on the H200) |
+# | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 07, 11 | our own Triton kernel, and a plain-torch store for the CPU; both skip slot `-1`, as upstream's kernel does |
+# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06, 07 | same (chapter 06's first cut attends over one sequence, without a cache) |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 07, 11 | hands the math to the backend object the model runner gives every layer: `torch` (reference, CPU), `triton` (GPU), `flash-attn` (FlashAttention 4, verified on the H200) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/attention.py` → `nanovllm/layers/attention.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 06, 06b | 我们自己的 Triton 内核，以及供 CPU 使用的纯 torch 写入；两者都跳过槽位 `-1`，与上游的内核一样 |
-# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 05, 06 | 相同（第 05 章的第一版只对一个序列计算注意力，没有缓存） |
-# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 05, 06, 06b | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（FlashAttention 4，已在 H200 上验证） |
+# | `store_kvcache_kernel`, `store_kvcache` | `layers.triton_attention.store_kvcache_kernel`, `layers.triton_attention.store_kvcache`, `TorchBackend.store_kvcache` | 07, 11 | 我们自己的 Triton 内核，以及供 CPU 使用的纯 torch 写入；两者都跳过槽位 `-1`，与上游的内核一样 |
+# | `Attention`, `Attention.num_heads`, `Attention.head_dim`, `Attention.scale`, `Attention.num_kv_heads`, `Attention.k_cache`, `Attention.v_cache` | = | 06, 07 | 相同（第 06 章的第一版只对一个序列计算注意力，没有缓存） |
+# | `Attention.forward` | `Attention.forward`, `Attention.backend`, `attention_backend` | 06, 07, 11 | 把计算交给模型执行器发给每一层的后端对象：`torch`（参考实现，CPU）、`triton`（GPU）、`flash-attn`（FlashAttention 4，已在 H200 上验证） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 05, 10 | same |
-# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local`, `VocabParallelEmbedding.sum_over_ranks` | 05, 10 | the loader checks the shape; `forward_local` is the part before the all-reduce, `sum_over_ranks` the all-reduce (a hook that returns its input until chapter 10) |
-# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local`, `ParallelLMHead.sampled_rows`, `ParallelLMHead.gather_slices` | 05, 06, 10 | same: the last token of each sequence during prefill (`sampled_rows`, 06), slices gathered on rank 0 (`gather_slices`, 10) |
+# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 06, 16 | same |
+# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local`, `VocabParallelEmbedding.sum_over_ranks` | 06, 16 | the loader checks the shape; `forward_local` is the part before the all-reduce, `sum_over_ranks` the all-reduce (a hook that returns its input until chapter 16) |
+# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local`, `ParallelLMHead.sampled_rows`, `ParallelLMHead.gather_slices` | 06, 07, 16 | same: the last token of each sequence during prefill (`sampled_rows`, 06), slices gathered on rank 0 (`gather_slices`, 10) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/embed_head.py` → `nanovllm/layers/embed_head.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 05, 10 | 相同 |
-# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local`, `VocabParallelEmbedding.sum_over_ranks` | 05, 10 | 加载器会检查形状；`forward_local` 是 all-reduce 之前的那部分，`sum_over_ranks` 就是 all-reduce（第 10 章之前，这个接缝原样返回输入） |
-# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local`, `ParallelLMHead.sampled_rows`, `ParallelLMHead.gather_slices` | 05, 06, 10 | 相同：prefill 时每个序列只取最后一个 token（`sampled_rows`，第 06 章），各分片在 rank 0 上 gather（`gather_slices`，第 10 章） |
+# | `VocabParallelEmbedding`, `VocabParallelEmbedding.tp_rank`, `VocabParallelEmbedding.tp_size`, `VocabParallelEmbedding.num_embeddings`, `VocabParallelEmbedding.num_embeddings_per_partition`, `VocabParallelEmbedding.vocab_start_idx`, `VocabParallelEmbedding.vocab_end_idx`, `VocabParallelEmbedding.weight` | = | 06, 16 | 相同 |
+# | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward` | `VocabParallelEmbedding.weight_loader`, `VocabParallelEmbedding.forward`, `VocabParallelEmbedding.forward_local`, `VocabParallelEmbedding.sum_over_ranks` | 06, 16 | 加载器会检查形状；`forward_local` 是 all-reduce 之前的那部分，`sum_over_ranks` 就是 all-reduce（第 16 章之前，这个接缝原样返回输入） |
+# | `ParallelLMHead`, `ParallelLMHead.forward` | `ParallelLMHead`, `ParallelLMHead.forward`, `ParallelLMHead.forward_local`, `ParallelLMHead.sampled_rows`, `ParallelLMHead.gather_slices` | 06, 07, 16 | 相同：prefill 时每个序列只取最后一个 token（`sampled_rows`，第 07 章），各分片在 rank 0 上 gather（`gather_slices`，第 16 章） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/linear.py` → `nanovllm/layers/linear.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `divide` | = | 05 | raises a `ValueError` naming what does not split |
-# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world`, `process_world` | 05, 10 | rank and size come from `tp_world` (explicit, or `process_world`: `torch.distributed` from chapter 10, else 1 process) |
-# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 05, 10 | same split; every loader refuses a shape that does not fit (`copy_checked`) |
-# | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | same |
-# | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | same |
-# | — | `agree_min`, `share_from_rank0` | 10 | new: the ranks agree on the KV block count; every rank gets rank 0's samples on its device |
+# | `divide` | = | 06 | raises a `ValueError` naming what does not split |
+# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world`, `process_world` | 06, 16 | rank and size come from `tp_world` (explicit, or `process_world`: `torch.distributed` from chapter 16, else 1 process) |
+# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 06, 16 | same split; every loader refuses a shape that does not fit (`copy_checked`) |
+# | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 06, 16 | same |
+# | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 06, 16 | same |
+# | — | `agree_min`, `share_from_rank0` | 16 | new: the ranks agree on the KV block count; every rank gets rank 0's samples on its device |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/linear.py` → `nanovllm/layers/linear.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `divide` | = | 05 | 抛出 `ValueError`，指明哪个量不能整除 |
-# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world`, `process_world` | 05, 10 | rank 与进程数来自 `tp_world`（显式给出，或 `process_world`：第 10 章起问 `torch.distributed`，否则单进程） |
-# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 05, 10 | 切分方式相同；每个加载器都拒绝形状不符的张量（`copy_checked`） |
-# | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 05, 10 | 相同 |
-# | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 05, 10 | 相同 |
-# | — | `agree_min`, `share_from_rank0` | 10 | 新增：各 rank 就 KV 块数达成一致；每个 rank 在自己的设备上得到 rank 0 的采样结果 |
+# | `divide` | = | 06 | 抛出 `ValueError`，指明哪个量不能整除 |
+# | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward` | `LinearBase`, `LinearBase.tp_dim`, `LinearBase.tp_rank`, `LinearBase.tp_size`, `LinearBase.weight`, `LinearBase.bias`, `LinearBase.forward`, `tp_world`, `process_world` | 06, 16 | rank 与进程数来自 `tp_world`（显式给出，或 `process_world`：第 16 章起问 `torch.distributed`，否则单进程） |
+# | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward` | `ReplicatedLinear`, `ReplicatedLinear.weight_loader`, `ReplicatedLinear.forward`, `ColumnParallelLinear`, `ColumnParallelLinear.weight_loader`, `ColumnParallelLinear.forward`, `RowParallelLinear`, `RowParallelLinear.weight_loader`, `RowParallelLinear.forward`, `copy_checked` | 06, 16 | 切分方式相同；每个加载器都拒绝形状不符的张量（`copy_checked`） |
+# | `MergedColumnParallelLinear`, `MergedColumnParallelLinear.output_sizes`, `MergedColumnParallelLinear.weight_loader` | = | 06, 16 | 相同 |
+# | `QKVParallelLinear`, `QKVParallelLinear.head_size`, `QKVParallelLinear.num_heads`, `QKVParallelLinear.num_kv_heads`, `QKVParallelLinear.weight_loader` | = | 06, 16 | 相同 |
+# | — | `agree_min`, `share_from_rank0` | 16 | 新增：各 rank 就 KV 块数达成一致；每个 rank 在自己的设备上得到 rank 0 的采样结果 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/layers/sampler.py` → `nanovllm/layers/sampler.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `Sampler`, `Sampler.forward` | `Sampler`, `Sampler.forward`, `temperature_sample`, `sampling_inputs` | 07 | the same exponential race, plus greedy rows, top-k, top-p and seeds |
+# | `Sampler`, `Sampler.forward` | `Sampler`, `Sampler.forward`, `temperature_sample`, `sampling_inputs` | 08 | the same exponential race, plus greedy rows, top-k, top-p and seeds |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/layers/sampler.py` → `nanovllm/layers/sampler.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `Sampler`, `Sampler.forward` | `Sampler`, `Sampler.forward`, `temperature_sample`, `sampling_inputs` | 07 | 同样的指数赛跑，另加贪心行、top-k、top-p 和种子 |
+# | `Sampler`, `Sampler.forward` | `Sampler`, `Sampler.forward`, `temperature_sample`, `sampling_inputs` | 08 | 同样的指数赛跑，另加贪心行、top-k、top-p 和种子 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/models/qwen3.py` → `nanovllm/models/qwen3.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward` | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward`, `Qwen3Attention.norm_and_rotate` | 05 | same; the rotary table is shared by all layers |
-# | `Qwen3Attention.total_num_heads`, `Qwen3Attention.total_num_kv_heads` | `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads` | 05, 10 | only the per-rank counts are kept |
-# | `Qwen3Attention.scaling` | `layers.attention.Attention.scale` | 05 | kept by the attention layer |
-# | `Qwen3Attention.qkv_bias` | `Qwen3ForCausalLM.switches`, `Qwen3Attention.qk_norm` | 05 | explicit switches per architecture; upstream turns q/k norm on exactly when there is no q/k/v bias |
-# | `Qwen3MLP`, `Qwen3MLP.gate_up_proj`, `Qwen3MLP.down_proj`, `Qwen3MLP.act_fn`, `Qwen3MLP.forward` | = | 05 | same |
-# | `Qwen3DecoderLayer`, `Qwen3DecoderLayer.self_attn`, `Qwen3DecoderLayer.mlp`, `Qwen3DecoderLayer.input_layernorm`, `Qwen3DecoderLayer.post_attention_layernorm`, `Qwen3DecoderLayer.forward` | = | 05 | same |
-# | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 05 | same |
-# | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 05 | same |
-# | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | new: Qwen2 and Llama with the same layers, chosen from `architectures` |
-# | — | `Qwen3Model.make_layer`, `Qwen3ForCausalLM.model_class` | 05, 18 | new: where a model with other layers (Qwen3-MoE's sparse ones) plugs in |
+# | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward` | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward`, `Qwen3Attention.norm_and_rotate` | 06 | same; the rotary table is shared by all layers |
+# | `Qwen3Attention.total_num_heads`, `Qwen3Attention.total_num_kv_heads` | `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads` | 06, 16 | only the per-rank counts are kept |
+# | `Qwen3Attention.scaling` | `layers.attention.Attention.scale` | 06 | kept by the attention layer |
+# | `Qwen3Attention.qkv_bias` | `Qwen3ForCausalLM.switches`, `Qwen3Attention.qk_norm` | 06 | explicit switches per architecture; upstream turns q/k norm on exactly when there is no q/k/v bias |
+# | `Qwen3MLP`, `Qwen3MLP.gate_up_proj`, `Qwen3MLP.down_proj`, `Qwen3MLP.act_fn`, `Qwen3MLP.forward` | = | 06 | same |
+# | `Qwen3DecoderLayer`, `Qwen3DecoderLayer.self_attn`, `Qwen3DecoderLayer.mlp`, `Qwen3DecoderLayer.input_layernorm`, `Qwen3DecoderLayer.post_attention_layernorm`, `Qwen3DecoderLayer.forward` | = | 06 | same |
+# | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 06 | same |
+# | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 06 | same |
+# | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 06 | new: Qwen2 and Llama with the same layers, chosen from `architectures` |
+# | — | `Qwen3Model.make_layer`, `Qwen3ForCausalLM.model_class` | 06, 26 | new: where a model with other layers (Qwen3-MoE's sparse ones) plugs in |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/models/qwen3.py` → `nanovllm/models/qwen3.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward` | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward`, `Qwen3Attention.norm_and_rotate` | 05 | 相同；各层共用一张旋转位置编码表 |
-# | `Qwen3Attention.total_num_heads`, `Qwen3Attention.total_num_kv_heads` | `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads` | 05, 10 | 只保存每个 rank 上的头数 |
-# | `Qwen3Attention.scaling` | `layers.attention.Attention.scale` | 05 | 由注意力层保存 |
-# | `Qwen3Attention.qkv_bias` | `Qwen3ForCausalLM.switches`, `Qwen3Attention.qk_norm` | 05 | 每种架构显式给出开关；上游恰好在没有 q/k/v 偏置时才打开 q/k 归一化 |
-# | `Qwen3MLP`, `Qwen3MLP.gate_up_proj`, `Qwen3MLP.down_proj`, `Qwen3MLP.act_fn`, `Qwen3MLP.forward` | = | 05 | 相同 |
-# | `Qwen3DecoderLayer`, `Qwen3DecoderLayer.self_attn`, `Qwen3DecoderLayer.mlp`, `Qwen3DecoderLayer.input_layernorm`, `Qwen3DecoderLayer.post_attention_layernorm`, `Qwen3DecoderLayer.forward` | = | 05 | 相同 |
-# | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 05 | 相同 |
-# | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 05 | 相同 |
-# | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 05 | 新增：用同一套层实现 Qwen2 和 Llama，按 `architectures` 选择 |
-# | — | `Qwen3Model.make_layer`, `Qwen3ForCausalLM.model_class` | 05, 18 | 新增：层不同的模型（Qwen3-MoE 的稀疏层）从这里接入 |
+# | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward` | `Qwen3Attention`, `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads`, `Qwen3Attention.head_dim`, `Qwen3Attention.q_size`, `Qwen3Attention.kv_size`, `Qwen3Attention.qkv_proj`, `Qwen3Attention.o_proj`, `Qwen3Attention.rotary_emb`, `Qwen3Attention.attn`, `Qwen3Attention.q_norm`, `Qwen3Attention.k_norm`, `Qwen3Attention.forward`, `Qwen3Attention.norm_and_rotate` | 06 | 相同；各层共用一张旋转位置编码表 |
+# | `Qwen3Attention.total_num_heads`, `Qwen3Attention.total_num_kv_heads` | `Qwen3Attention.num_heads`, `Qwen3Attention.num_kv_heads` | 06, 16 | 只保存每个 rank 上的头数 |
+# | `Qwen3Attention.scaling` | `layers.attention.Attention.scale` | 06 | 由注意力层保存 |
+# | `Qwen3Attention.qkv_bias` | `Qwen3ForCausalLM.switches`, `Qwen3Attention.qk_norm` | 06 | 每种架构显式给出开关；上游恰好在没有 q/k/v 偏置时才打开 q/k 归一化 |
+# | `Qwen3MLP`, `Qwen3MLP.gate_up_proj`, `Qwen3MLP.down_proj`, `Qwen3MLP.act_fn`, `Qwen3MLP.forward` | = | 06 | 相同 |
+# | `Qwen3DecoderLayer`, `Qwen3DecoderLayer.self_attn`, `Qwen3DecoderLayer.mlp`, `Qwen3DecoderLayer.input_layernorm`, `Qwen3DecoderLayer.post_attention_layernorm`, `Qwen3DecoderLayer.forward` | = | 06 | 相同 |
+# | `Qwen3Model`, `Qwen3Model.embed_tokens`, `Qwen3Model.layers`, `Qwen3Model.norm`, `Qwen3Model.forward` | = | 06 | 相同 |
+# | `Qwen3ForCausalLM`, `Qwen3ForCausalLM.packed_modules_mapping`, `Qwen3ForCausalLM.model`, `Qwen3ForCausalLM.lm_head`, `Qwen3ForCausalLM.forward`, `Qwen3ForCausalLM.compute_logits` | = | 06 | 相同 |
+# | — | `Qwen2ForCausalLM`, `models.llama.LlamaForCausalLM`, `models.registry.get_model_class` | 06 | 新增：用同一套层实现 Qwen2 和 Llama，按 `architectures` 选择 |
+# | — | `Qwen3Model.make_layer`, `Qwen3ForCausalLM.model_class` | 06, 26 | 新增：层不同的模型（Qwen3-MoE 的稀疏层）从这里接入 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/utils/context.py` → `nanovllm/layers/context.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 06 | the same fields |
-# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_STEP`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | the same, per thread (a `threading.local`, so that two engines on two threads do not share it), plus two builders from lengths and block tables |
+# | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 07 | the same fields |
+# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_STEP`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 07 | the same, per thread (a `threading.local`, so that two engines on two threads do not share it), plus two builders from lengths and block tables |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/utils/context.py` → `nanovllm/layers/context.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 06 | 字段相同 |
-# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_STEP`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 06 | 相同，但每个线程一份（`threading.local`，两个线程上的两个引擎不会共用它），另加两个根据长度和块表构造上下文的函数 |
+# | `Context`, `Context.is_prefill`, `Context.cu_seqlens_q`, `Context.cu_seqlens_k`, `Context.max_seqlen_q`, `Context.max_seqlen_k`, `Context.slot_mapping`, `Context.context_lens`, `Context.block_tables` | = | 07 | 字段相同 |
+# | `_CONTEXT`, `get_context`, `set_context`, `reset_context` | `_STEP`, `get_context`, `set_context`, `reset_context`, `set_prefill_context`, `set_decode_context` | 07 | 相同，但每个线程一份（`threading.local`，两个线程上的两个引擎不会共用它），另加两个根据长度和块表构造上下文的函数 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/model_runner.py` → `nanovllm/engine/model_runner.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `ModelRunner`, `ModelRunner.config`, `ModelRunner.block_size`, `ModelRunner.model`, `ModelRunner.sampler`, `ModelRunner.kv_cache` | = | 08 | one process's runner; a rank wraps it in `engine.tp_runtime.RankWorker` |
-# | `ModelRunner.enforce_eager` | `config.Config.enforce_eager`, `engine.cuda_graphs.graphs_unavailable_reason` | 08, 09 | read from the config when graphs are captured |
-# | `ModelRunner.world_size`, `ModelRunner.rank` | `engine.tp_runtime.TPRunner.world_size`, `layers.linear.tp_world` | 10 | the driver knows the size; a layer asks `torch.distributed` for its rank |
-# | `ModelRunner.event`, `ModelRunner.shm` | `engine.tp_runtime.TPRunner._conns` | 10 | one two-way pipe per rank instead of shared memory and events |
-# | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 09 | a runner of their own (`ModelRunner.graphs` holds it); the buffers are a `DecodeBuffers` |
-# | `ModelRunner.exit` | = | 08, 10 | releases the KV cache; the TP runner stops its ranks |
-# | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | a rank's loop reads calls from its pipe and replies, errors included |
-# | `ModelRunner.warmup_model` | `ModelRunner.warmup_model` | 08 | the same warm-up forward |
-# | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `max_useful_blocks`, `layers.linear.agree_min` | 08, 10 | the same formula on a GPU (an explicit `kvcache_memory_gb` on a CPU), then capped at `max_num_seqs × ceil(max_model_len / block_size)` blocks (`max_useful_blocks`), which upstream does not do; with tensor parallelism every rank takes the smallest count |
-# | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 06 | built with the rest of the attention context |
-# | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | functions of the module; a chunk's `seqlen_k` is `num_cached + num_scheduled`, as upstream's is since `25794a1` (2026-04-22; before it, `len(seq)` let a chunk attend to slots not written yet) |
-# | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | temperatures, top-k, top-p and seeded generators |
-# | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager, or a decode graph's replay |
-# | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 08, 12 | samples only rows that want a token; `launch` returns before the GPU is done |
-# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | same order (largest first, one pool) |
+# | `ModelRunner`, `ModelRunner.config`, `ModelRunner.block_size`, `ModelRunner.model`, `ModelRunner.sampler`, `ModelRunner.kv_cache` | = | 09 | one process's runner; a rank wraps it in `engine.tp_runtime.RankWorker` |
+# | `ModelRunner.enforce_eager` | `config.Config.enforce_eager`, `engine.cuda_graphs.graphs_unavailable_reason` | 09, 14 | read from the config when graphs are captured |
+# | `ModelRunner.world_size`, `ModelRunner.rank` | `engine.tp_runtime.TPRunner.world_size`, `layers.linear.tp_world` | 16 | the driver knows the size; a layer asks `torch.distributed` for its rank |
+# | `ModelRunner.event`, `ModelRunner.shm` | `engine.tp_runtime.TPRunner._conns` | 16 | one two-way pipe per rank instead of shared memory and events |
+# | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 14 | a runner of their own (`ModelRunner.graphs` holds it); the buffers are a `DecodeBuffers` |
+# | `ModelRunner.exit` | = | 09, 16 | releases the KV cache; the TP runner stops its ranks |
+# | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 16 | a rank's loop reads calls from its pipe and replies, errors included |
+# | `ModelRunner.warmup_model` | `ModelRunner.warmup_model` | 09 | the same warm-up forward |
+# | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `max_useful_blocks`, `layers.linear.agree_min` | 09, 16 | the same formula on a GPU (an explicit `kvcache_memory_gb` on a CPU), then capped at `max_num_seqs × ceil(max_model_len / block_size)` blocks (`max_useful_blocks`), which upstream does not do; with tensor parallelism every rank takes the smallest count |
+# | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 07 | built with the rest of the attention context |
+# | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 09 | functions of the module; a chunk's `seqlen_k` is `num_cached + num_scheduled`, as upstream's is since `25794a1` (2026-04-22; before it, `len(seq)` let a chunk attend to slots not written yet) |
+# | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 08 | temperatures, top-k, top-p and seeded generators |
+# | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 09, 14 | eager, or a decode graph's replay |
+# | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 09, 18 | samples only rows that want a token; `launch` returns before the GPU is done |
+# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 14 | same order (largest first, one pool) |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/model_runner.py` → `nanovllm/engine/model_runner.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `ModelRunner`, `ModelRunner.config`, `ModelRunner.block_size`, `ModelRunner.model`, `ModelRunner.sampler`, `ModelRunner.kv_cache` | = | 08 | 单个进程的执行器；每个 rank 用 `engine.tp_runtime.RankWorker` 包装它 |
-# | `ModelRunner.enforce_eager` | `config.Config.enforce_eager`, `engine.cuda_graphs.graphs_unavailable_reason` | 08, 09 | 捕获图时从配置读取 |
-# | `ModelRunner.world_size`, `ModelRunner.rank` | `engine.tp_runtime.TPRunner.world_size`, `layers.linear.tp_world` | 10 | 驱动进程知道进程数；各层向 `torch.distributed` 询问自己的 rank |
-# | `ModelRunner.event`, `ModelRunner.shm` | `engine.tp_runtime.TPRunner._conns` | 10 | 每个 rank 一条双向管道，取代共享内存和事件 |
-# | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 09 | 单独成为一个执行器（由 `ModelRunner.graphs` 持有）；缓冲区是一个 `DecodeBuffers` |
-# | `ModelRunner.exit` | = | 08, 10 | 释放 KV 缓存；张量并行的执行器还会停掉各 rank |
-# | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 10 | rank 的循环从管道读取调用并回复，出错时也回复 |
-# | `ModelRunner.warmup_model` | `ModelRunner.warmup_model` | 08 | 同样的预热前向 |
-# | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `max_useful_blocks`, `layers.linear.agree_min` | 08, 10 | GPU 上公式相同（CPU 上由 `kvcache_memory_gb` 显式给出），然后封顶为 `max_num_seqs × ceil(max_model_len / block_size)` 个块（`max_useful_blocks`），上游没有这个上限；张量并行时每个 rank 都取最小的块数 |
-# | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 06 | 与注意力上下文的其余部分一起构造 |
-# | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 08 | 模块级函数；分块的 `seqlen_k` 是 `num_cached + num_scheduled`，上游自 `25794a1`（2026-04-22）起也是如此（在此之前是 `len(seq)`，分块会关注到尚未写入的槽位） |
-# | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 07 | 温度、top-k、top-p 和带种子的生成器 |
-# | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 08, 09 | eager 执行，或重放 decode 图 |
-# | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 08, 12 | 只为需要 token 的行采样；`launch` 不等 GPU 算完就返回 |
-# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 09 | 顺序相同（从最大的开始，共用一个显存池） |
+# | `ModelRunner`, `ModelRunner.config`, `ModelRunner.block_size`, `ModelRunner.model`, `ModelRunner.sampler`, `ModelRunner.kv_cache` | = | 09 | 单个进程的执行器；每个 rank 用 `engine.tp_runtime.RankWorker` 包装它 |
+# | `ModelRunner.enforce_eager` | `config.Config.enforce_eager`, `engine.cuda_graphs.graphs_unavailable_reason` | 09, 14 | 捕获图时从配置读取 |
+# | `ModelRunner.world_size`, `ModelRunner.rank` | `engine.tp_runtime.TPRunner.world_size`, `layers.linear.tp_world` | 16 | 驱动进程知道进程数；各层向 `torch.distributed` 询问自己的 rank |
+# | `ModelRunner.event`, `ModelRunner.shm` | `engine.tp_runtime.TPRunner._conns` | 16 | 每个 rank 一条双向管道，取代共享内存和事件 |
+# | `ModelRunner.graph_bs`, `ModelRunner.graphs`, `ModelRunner.graph_pool`, `ModelRunner.graph_vars` | `engine.cuda_graphs.CudaGraphRunner.sizes`, `engine.cuda_graphs.CudaGraphRunner.graphs`, `engine.cuda_graphs.CudaGraphRunner.pool`, `engine.cuda_graphs.CudaGraphRunner.buffers`, `ModelRunner.graphs` | 14 | 单独成为一个执行器（由 `ModelRunner.graphs` 持有）；缓冲区是一个 `DecodeBuffers` |
+# | `ModelRunner.exit` | = | 09, 16 | 释放 KV 缓存；张量并行的执行器还会停掉各 rank |
+# | `ModelRunner.loop`, `ModelRunner.read_shm`, `ModelRunner.write_shm`, `ModelRunner.call` | `engine.tp_runtime.rank_main`, `engine.tp_runtime.TPRunner.call` | 16 | rank 的循环从管道读取调用并回复，出错时也回复 |
+# | `ModelRunner.warmup_model` | `ModelRunner.warmup_model` | 09 | 同样的预热前向 |
+# | `ModelRunner.allocate_kv_cache` | `ModelRunner.allocate_kv_cache`, `num_kv_blocks`, `kv_block_bytes`, `max_useful_blocks`, `layers.linear.agree_min` | 09, 16 | GPU 上公式相同（CPU 上由 `kvcache_memory_gb` 显式给出），然后封顶为 `max_num_seqs × ceil(max_model_len / block_size)` 个块（`max_useful_blocks`），上游没有这个上限；张量并行时每个 rank 都取最小的块数 |
+# | `ModelRunner.prepare_block_tables` | `layers.context.set_prefill_context`, `layers.context.set_decode_context` | 07 | 与注意力上下文的其余部分一起构造 |
+# | `ModelRunner.prepare_prefill`, `ModelRunner.prepare_decode` | `prepare_prefill`, `prepare_decode` | 09 | 模块级函数；分块的 `seqlen_k` 是 `num_cached + num_scheduled`，上游自 `25794a1`（2026-04-22）起也是如此（在此之前是 `len(seq)`，分块会关注到尚未写入的槽位） |
+# | `ModelRunner.prepare_sample` | `layers.sampler.sampling_inputs` | 08 | 温度、top-k、top-p 和带种子的生成器 |
+# | `ModelRunner.run_model` | `ModelRunner.compute_logits`, `engine.cuda_graphs.CudaGraphRunner.replay` | 09, 14 | eager 执行，或重放 decode 图 |
+# | `ModelRunner.run` | `ModelRunner.run`, `ModelRunner.launch`, `SampledTokens` | 09, 18 | 只为需要 token 的行采样；`launch` 不等 GPU 算完就返回 |
+# | `ModelRunner.capture_cudagraph` | `engine.cuda_graphs.capture_decode_graphs`, `engine.cuda_graphs.CudaGraphRunner.capture` | 14 | 顺序相同（从最大的开始，共用一个显存池） |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/utils/loader.py` → `nanovllm/models/loader.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 05 | a parameter without a loader is copied after a shape check |
-# | `load_model` | `load_model`, `build_model` | 05 | refuses missing, unexpected and twice-loaded tensors by name |
-# | — | `read_model_dir`, `check_model_config` | 05 | new: the one reader of `config.json` (`Config` calls it); a size no model can have is refused by field and file |
+# | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 06 | a parameter without a loader is copied after a shape check |
+# | `load_model` | `load_model`, `build_model` | 06 | refuses missing, unexpected and twice-loaded tensors by name |
+# | — | `read_model_dir`, `check_model_config` | 06 | new: the one reader of `config.json` (`Config` calls it); a size no model can have is refused by field and file |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/utils/loader.py` → `nanovllm/models/loader.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 05 | 没有加载器的参数在检查形状后直接拷贝 |
-# | `load_model` | `load_model`, `build_model` | 05 | 按名字拒绝缺失的、多余的和重复加载的张量 |
-# | — | `read_model_dir`, `check_model_config` | 05 | 新增：`config.json` 唯一的读取者（由 `Config` 调用）；任何模型都不可能有的尺寸会被拒绝，并指明字段和文件 |
+# | `default_weight_loader` | `load_model`, `layers.linear.copy_checked` | 06 | 没有加载器的参数在检查形状后直接拷贝 |
+# | `load_model` | `load_model`, `build_model` | 06 | 按名字拒绝缺失的、多余的和重复加载的张量 |
+# | — | `read_model_dir`, `check_model_config` | 06 | 新增：`config.json` 唯一的读取者（由 `Config` 调用）；任何模型都不可能有的尺寸会被拒绝，并指明字段和文件 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/config.py` → `nanovllm/config.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 08 | the same names and defaults |
-# | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 08 | every end-of-sequence id of `generation_config.json` or `config.json` |
-# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `models.loader.read_model_dir`, `utils.checks.check` | 08 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
-# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 08 | new settings, for the CPU and for the features of chapters 03, 04b, 06b, 09 and 12 |
+# | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 09 | the same names and defaults |
+# | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 09 | every end-of-sequence id of `generation_config.json` or `config.json` |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `models.loader.read_model_dir`, `utils.checks.check` | 09 | every field checked; a block size is any power of two up to 1024 (upstream: multiples of 256) |
+# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 09 | new settings, for the CPU and for the features of chapters 03, 05, 11, 14 and 18 |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/config.py` → `nanovllm/config.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 08 | 名字和默认值相同 |
-# | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 08 | `generation_config.json` 或 `config.json` 里的每一个结束符 id |
-# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `models.loader.read_model_dir`, `utils.checks.check` | 08 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
-# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 08 | 新增的配置项，用于 CPU，以及第 03、04b、06b、09、12 章的功能 |
+# | `Config`, `Config.model`, `Config.max_num_batched_tokens`, `Config.max_num_seqs`, `Config.max_model_len`, `Config.gpu_memory_utilization`, `Config.tensor_parallel_size`, `Config.enforce_eager`, `Config.kvcache_block_size`, `Config.num_kvcache_blocks`, `Config.hf_config` | = | 09 | 名字和默认值相同 |
+# | `Config.eos` | `Config.eos_token_ids`, `declared_eos_ids` | 09 | `generation_config.json` 或 `config.json` 里的每一个结束符 id |
+# | `Config.__post_init__` | `Config.__post_init__`, `Config.from_kwargs`, `models.loader.read_model_dir`, `utils.checks.check` | 09 | 检查每个字段；块大小可以是不超过 1024 的任意 2 的幂（上游要求是 256 的倍数） |
+# | — | `Config.device`, `Config.dtype`, `Config.attention_backend`, `Config.enable_prefix_caching`, `Config.kvcache_memory_gb`, `Config.compile_small_ops`, `Config.async_scheduling`, `Config.fork_samples` | 09 | 新增的配置项，用于 CPU，以及第 03、05、11、14、18 章的功能 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/engine/llm_engine.py` → `nanovllm/engine/llm_engine.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `LLMEngine`, `LLMEngine.model_runner`, `LLMEngine.tokenizer`, `LLMEngine.scheduler`, `LLMEngine.is_finished`, `LLMEngine.exit` | = | 11, 13 | same |
-# | `LLMEngine.ps`, `LLMEngine.events` | `engine.tp_runtime.TPRunner._procs`, `engine.tp_runtime.TPRunner._conns` | 10 | the rank processes and their pipes belong to the TP runner |
-# | `LLMEngine.add_request` | `LLMEngine.add_request`, `LLMEngine.make_sequence` | 11, 13 | checks the request first (vocabulary, `max_model_len`, the cache) and returns its id |
-# | `LLMEngine.step` | = | 11, 12, 13 | returns `(finished, num_tokens, is_prefill)`; upstream counts decode tokens as negative |
-# | `LLMEngine.generate` | = | 11, 13 | checks every request before queueing any |
+# | `LLMEngine`, `LLMEngine.model_runner`, `LLMEngine.tokenizer`, `LLMEngine.scheduler`, `LLMEngine.is_finished`, `LLMEngine.exit` | = | 10, 17, 20 | same |
+# | `LLMEngine.ps`, `LLMEngine.events` | `engine.tp_runtime.TPRunner._procs`, `engine.tp_runtime.TPRunner._conns` | 16 | the rank processes and their pipes belong to the TP runner |
+# | `LLMEngine.add_request` | `LLMEngine.add_request`, `LLMEngine.make_sequence` | 10, 20 | checks the request first (vocabulary, `max_model_len`, the cache) and returns its id |
+# | `LLMEngine.step` | = | 10, 18, 20 | returns `(finished, num_tokens, is_prefill)`; upstream counts decode tokens as negative |
+# | `LLMEngine.generate` | = | 10, 20 | checks every request before queueing any |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/engine/llm_engine.py` → `nanovllm/engine/llm_engine.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `LLMEngine`, `LLMEngine.model_runner`, `LLMEngine.tokenizer`, `LLMEngine.scheduler`, `LLMEngine.is_finished`, `LLMEngine.exit` | = | 11, 13 | 相同 |
-# | `LLMEngine.ps`, `LLMEngine.events` | `engine.tp_runtime.TPRunner._procs`, `engine.tp_runtime.TPRunner._conns` | 10 | rank 进程及其管道归张量并行执行器所有 |
-# | `LLMEngine.add_request` | `LLMEngine.add_request`, `LLMEngine.make_sequence` | 11, 13 | 先检查请求（词表、`max_model_len`、缓存），再返回它的编号 |
-# | `LLMEngine.step` | = | 11, 12, 13 | 返回 `(finished, num_tokens, is_prefill)`；上游用负数表示 decode 的 token 数 |
-# | `LLMEngine.generate` | = | 11, 13 | 在排入任何请求之前先检查所有请求 |
+# | `LLMEngine`, `LLMEngine.model_runner`, `LLMEngine.tokenizer`, `LLMEngine.scheduler`, `LLMEngine.is_finished`, `LLMEngine.exit` | = | 10, 17, 20 | 相同 |
+# | `LLMEngine.ps`, `LLMEngine.events` | `engine.tp_runtime.TPRunner._procs`, `engine.tp_runtime.TPRunner._conns` | 16 | rank 进程及其管道归张量并行执行器所有 |
+# | `LLMEngine.add_request` | `LLMEngine.add_request`, `LLMEngine.make_sequence` | 10, 20 | 先检查请求（词表、`max_model_len`、缓存），再返回它的编号 |
+# | `LLMEngine.step` | = | 10, 18, 20 | 返回 `(finished, num_tokens, is_prefill)`；上游用负数表示 decode 的 token 数 |
+# | `LLMEngine.generate` | = | 10, 20 | 在排入任何请求之前先检查所有请求 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/llm.py` → `nanovllm/llm.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `LLM` | = | 11 | same |
+# | `LLM` | = | 10 | same |
 
 # %% [markdown] tags=["zh"]
 # ### `nanovllm/llm.py` → `nanovllm/llm.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `LLM` | = | 11 | 相同 |
+# | `LLM` | = | 10 | 相同 |
 
 # %% [markdown] tags=["en"]
 # ### `nanovllm/__init__.py` → `nanovllm/__init__.py`
@@ -508,28 +508,28 @@
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `main` | `main`, `make_workload` | 14 | `python -m nanovllm.bench`: the same workload, and a `transformers` peer |
+# | `main` | `main`, `make_workload` | 19 | `python -m nanovllm.bench`: the same workload, and a `transformers` peer |
 
 # %% [markdown] tags=["zh"]
 # ### `bench.py` → `nanovllm/bench/engine.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `main` | `main`, `make_workload` | 14 | `python -m nanovllm.bench`：同样的负载，外加一个 `transformers` 对照组 |
+# | `main` | `main`, `make_workload` | 19 | `python -m nanovllm.bench`：同样的负载，外加一个 `transformers` 对照组 |
 
 # %% [markdown] tags=["en"]
 # ### `example.py` → `nanovllm/__main__.py`
 #
 # | upstream | this book | ch. | note |
 # |---|---|---|---|
-# | `main` | = | 11 | `python -m nanovllm`: the command line; chapter 00 generates text |
+# | `main` | = | 10 | `python -m nanovllm`: the command line; chapter 00 generates text |
 
 # %% [markdown] tags=["zh"]
 # ### `example.py` → `nanovllm/__main__.py`
 #
 # | 上游 | 本书 | 章 | 说明 |
 # |---|---|---|---|
-# | `main` | = | 11 | `python -m nanovllm`：命令行；第 00 章生成文本 |
+# | `main` | = | 10 | `python -m nanovllm`：命令行；第 00 章生成文本 |
 
 # %% [markdown] tags=["en"]
 # ### Files without code
@@ -570,31 +570,31 @@
 # | which sequence may be a chunk | `engine.scheduler.Scheduler._schedule_prefill` | 04 | only the first of a step | whichever runs out the budget: full steps, first tokens sooner; at most one half-prefilled sequence at a time |
 # | decode batch size | `engine.scheduler.Scheduler._schedule_decode` | 04 | up to `max_num_seqs` | up to `min(max_num_seqs, max_num_batched_tokens)`: each sequence computes one token, and the budget bounds every step (the warm-up that sized the KV cache measured no larger step) |
 # | status changes | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | any assignment | only along the state diagram's arrows: a scheduler bug fails loudly instead of corrupting the cache |
-# | a request that can never fit | `engine.sequence.Sequence.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
+# | a request that can never fit | `engine.sequence.Sequence.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 10 | accepted; then `assert scheduled_seqs` fails or it preempts itself forever | refused when added, with a message; so is a prompt plus `max_tokens` beyond `max_model_len` |
 # | stale prefix-cache entries | `engine.prefix_cache.PrefixCache.forget` | 03 | kept until 2026-04-26 (silently wrong KV); since `f64d821` removed when the block is reused | removed when the block is reused, only if the entry still points at it; a provenance fuzz guards it |
-# | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
-# | sampling | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | temperature only; greedy refused | greedy at temperature 0, top-k, top-p, per-request seeds tied to the token position; Triton kernels on a GPU |
-# | attention kernels | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn (`flash_attn_varlen_func`, `flash_attn_with_kvcache`) and a Triton store kernel | our own Triton kernels (varlen prefill over cached prefixes, split-K decode), a plain-torch reference that runs on a CPU; FlashAttention 4 (not 2) as an option, verified on the H200 |
-# | asynchronous scheduling | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 12 | none: each step waits for its tokens | on CUDA, step n + 1 is queued before step n's tokens are collected |
-# | tensor-parallel processes | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 10 | rank 0 in your process; shared memory (1 MiB, fixed name) and events; a fixed port; each rank sizes its own KV pool | every rank a process, yours only drives; a two-way pipe per rank reports errors; a free port; all ranks take the smallest block count; gloo on a CPU |
-# | CUDA-graph batch sizes | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 09 | 1, 2, 4, 8, then multiples of 16 up to `min(max_num_seqs, 512)`: with `max_num_seqs=100` a batch of 97 to 100 finds no graph and `next(...)` raises | the same, plus `min(max_num_seqs, 512)` itself |
-# | end of sequence | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 04, 08 | the tokenizer's one `eos_token_id` | every id the model declares (chat models often declare two) |
-# | unknown settings | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 08 | silently dropped | refused, with the closest valid name |
-# | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 08 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
-# | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 13 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
-# | models and devices | `models.registry.get_model_class`, `config.Config.device` | 05, 08, 10 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
-# | mixture of experts | `models.qwen3_moe.SparseMoeBlock`, `models.qwen3_moe.Qwen3MoeForCausalLM` | 18 | none (new models are out of upstream's scope) | Qwen3-MoE, token-exact with `transformers`: a router's top-k with renormalized weights, experts split across tensor-parallel ranks with one all-reduce |
-# | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
-# | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 13 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
-# | several threads on one engine | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
-# | two engines in one process | `layers.context.get_context`, `models.loader.DefaultFloatDtype` | 05, 06 | one attention context for the process, and `torch.set_default_dtype` while a model is built: two engines on two threads compute wrong tokens, and build in each other's dtype | the context is per thread; a model is built in its dtype by a torch function mode of the building thread, and the process default is never touched |
-# | Ctrl-C in the middle of a step | `utils.interrupts.deferred_interrupt`, `utils.interrupts.interruptible`, `engine.llm_engine.LLMEngine._one_call` | 10, 13 | wherever it lands: a half-scheduled step, blocks leaked, requests lost | held back until the engine's books are whole; let through at once only while the model computes a step (which `rollback` undoes) and between `generate`'s steps |
-# | an observer that raises | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 13 | no observer | the engine keeps the error until the step is whole, then the call raises it; nothing else fails |
-# | what `step` reports | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` pairs | the same pairs, which also name the request and the sample index (the samples of `n > 1` finish under seq_ids of their own) |
-# | a chunk that ends inside its prompt | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | its row is sampled like every other, and postprocess throws the token away | its row is not sampled (the runner returns `-1` for it): the token could only be thrown away, since the row's logits predict a position inside the prompt |
-# | how many KV blocks | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | all the memory that `gpu_memory_utilization` leaves | the same on a GPU, but at most `max_num_seqs × ceil(max_model_len / block_size)`: more blocks could never be held at once (they would only keep more freed prefixes cached), and a small model on a laptop would reserve memory it never fills |
-# | the KV cache's dtype | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 16 | the model's dtype | the model's dtype, or with `kv_cache_dtype="fp8"` float8 e4m3 with one float32 scale per token and KV head: about twice the blocks in the same memory and half the KV bytes for decode to read, at a perplexity within 2 % on SmolLM2 |
-# | RMSNorm after a residual | `layers.layernorm.rms_norm` | 05 | adds the residual in float32 and normalizes that float32 sum; returns the sum rounded to the model's dtype | adds in the model's dtype and normalizes the rounded sum, as `transformers` does, so the book's models match `transformers`, which the tests compare against; in bf16 the residual stream is the same and the normalized output can differ in its last bits (checked below) |
+# | `block_size` in a worker process | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 16 | a class attribute set in the driver only: with `kvcache_block_size=512`, rank processes place decode tokens by the default 256 | travels with each pickled sequence, and the rank checks it against its own |
+# | sampling | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 08, 12 | temperature only; greedy refused | greedy at temperature 0, top-k, top-p, per-request seeds tied to the token position; Triton kernels on a GPU |
+# | attention kernels | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 07, 11 | flash-attn (`flash_attn_varlen_func`, `flash_attn_with_kvcache`) and a Triton store kernel | our own Triton kernels (varlen prefill over cached prefixes, split-K decode), a plain-torch reference that runs on a CPU; FlashAttention 4 (not 2) as an option, verified on the H200 |
+# | asynchronous scheduling | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 18 | none: each step waits for its tokens | on CUDA, step n + 1 is queued before step n's tokens are collected |
+# | tensor-parallel processes | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 16 | rank 0 in your process; shared memory (1 MiB, fixed name) and events; a fixed port; each rank sizes its own KV pool | every rank a process, yours only drives; a two-way pipe per rank reports errors; a free port; all ranks take the smallest block count; gloo on a CPU |
+# | CUDA-graph batch sizes | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 14 | 1, 2, 4, 8, then multiples of 16 up to `min(max_num_seqs, 512)`: with `max_num_seqs=100` a batch of 97 to 100 finds no graph and `next(...)` raises | the same, plus `min(max_num_seqs, 512)` itself |
+# | end of sequence | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 04, 09 | the tokenizer's one `eos_token_id` | every id the model declares (chat models often declare two) |
+# | unknown settings | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 09 | silently dropped | refused, with the closest valid name |
+# | bad input | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 09 | `assert`, or a failure deep inside a step | `TypeError` or `ValueError` at once, naming the field |
+# | a step that raises | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 20 | nothing undoes the step's schedule | the schedule is undone and the same step can run again |
+# | models and devices | `models.registry.get_model_class`, `config.Config.device` | 06, 09, 16 | Qwen3 on CUDA | Qwen3, Qwen2 and Llama; CPU or CUDA |
+# | mixture of experts | `models.qwen3_moe.SparseMoeBlock`, `models.qwen3_moe.Qwen3MoeForCausalLM` | 26 | none (new models are out of upstream's scope) | Qwen3-MoE, token-exact with `transformers`: a router's top-k with renormalized weights, experts split across tensor-parallel ranks with one all-reduce |
+# | several samples of one prompt | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 05, 09 | not supported: n requests with the same prompt | `n` samples share one prefill and their blocks; a sample that writes a shared block first gets its own copy (copy-on-write) |
+# | logits that are not numbers | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 08, 20 | NaN weights silently generate token 0 | the sampler marks the row on the device (no extra wait for the GPU); the request is dropped with an error naming the likely cause (the tensor holding NaN), and the others go on |
+# | several threads on one engine | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 20 | no guard: interleaved steps corrupt the queues | one call at a time, under a lock; a call from inside another call (an observer) raises instead of waiting for itself |
+# | two engines in one process | `layers.context.get_context`, `models.loader.DefaultFloatDtype` | 06, 07 | one attention context for the process, and `torch.set_default_dtype` while a model is built: two engines on two threads compute wrong tokens, and build in each other's dtype | the context is per thread; a model is built in its dtype by a torch function mode of the building thread, and the process default is never touched |
+# | Ctrl-C in the middle of a step | `utils.interrupts.deferred_interrupt`, `utils.interrupts.interruptible`, `engine.llm_engine.LLMEngine._one_call` | 16, 20 | wherever it lands: a half-scheduled step, blocks leaked, requests lost | held back until the engine's books are whole; let through at once only while the model computes a step (which `rollback` undoes) and between `generate`'s steps |
+# | an observer that raises | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 20 | no observer | the engine keeps the error until the step is whole, then the call raises it; nothing else fails |
+# | what `step` reports | `engine.llm_engine.StepOutput` | 20 | `(seq_id, token_ids)` pairs | the same pairs, which also name the request and the sample index (the samples of `n > 1` finish under seq_ids of their own) |
+# | a chunk that ends inside its prompt | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 09 | its row is sampled like every other, and postprocess throws the token away | its row is not sampled (the runner returns `-1` for it): the token could only be thrown away, since the row's logits predict a position inside the prompt |
+# | how many KV blocks | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 09 | all the memory that `gpu_memory_utilization` leaves | the same on a GPU, but at most `max_num_seqs × ceil(max_model_len / block_size)`: more blocks could never be held at once (they would only keep more freed prefixes cached), and a small model on a laptop would reserve memory it never fills |
+# | the KV cache's dtype | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 24 | the model's dtype | the model's dtype, or with `kv_cache_dtype="fp8"` float8 e4m3 with one float32 scale per token and KV head: about twice the blocks in the same memory and half the KV bytes for decode to read, at a perplexity within 2 % on SmolLM2 |
+# | RMSNorm after a residual | `layers.layernorm.rms_norm` | 06 | adds the residual in float32 and normalizes that float32 sum; returns the sum rounded to the model's dtype | adds in the model's dtype and normalizes the rounded sum, as `transformers` does, so the book's models match `transformers`, which the tests compare against; in bf16 the residual stream is the same and the normalized output can differ in its last bits (checked below) |
 
 # %% [markdown] tags=["zh"]
 # | 差异 | 本书 | 章 | 上游 | 本书的做法及原因 |
@@ -602,31 +602,31 @@
 # | 哪个序列可以被分块 | `engine.scheduler.Scheduler._schedule_prefill` | 04 | 只有一步中的第一个序列 | 哪个序列用完预算就分块哪个：每步都用满预算，第一个 token 来得更早；同一时刻最多一个 prefill 到一半的序列 |
 # | decode 批大小 | `engine.scheduler.Scheduler._schedule_decode` | 04 | 最多 `max_num_seqs` 个 | 最多 `min(max_num_seqs, max_num_batched_tokens)` 个：每个序列计算一个 token，而预算约束每一步（确定 KV 缓存大小的预热没有测量过更大的步） |
 # | 状态变化 | `engine.sequence.Sequence.status`, `engine.sequence.Sequence.ALLOWED_TRANSITIONS` | 01 | 任意赋值 | 只能沿状态图的箭头变化：调度器出错时会立刻报错，而不是悄悄弄坏缓存 |
-# | 永远放不下的请求 | `engine.sequence.Sequence.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 11 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
+# | 永远放不下的请求 | `engine.sequence.Sequence.max_kv_tokens`, `engine.scheduler.Scheduler.check_fits`, `engine.llm_engine.LLMEngine.make_sequence` | 04, 10 | 照单全收；随后 `assert scheduled_seqs` 失败，或者它无休止地抢占自己 | 加入时即被拒绝，并给出说明；提示词加 `max_tokens` 超过 `max_model_len` 的请求同样被拒绝 |
 # | 前缀缓存的过期条目 | `engine.prefix_cache.PrefixCache.forget` | 03 | 2026-04-26 之前一直保留（悄悄复用错误的 KV）；自 `f64d821` 起，块被重新使用时删除 | 块被重新使用时删除，且只在条目仍指向它时才删；有溯源模糊测试把关 |
-# | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 10 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
-# | 采样 | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 07 | 只有温度；不接受贪心解码 | 温度为 0 时贪心、top-k、top-p、与 token 位置绑定的逐请求随机种子；GPU 上用 Triton 内核 |
-# | 注意力内核 | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 06, 06b | flash-attn（`flash_attn_varlen_func`、`flash_attn_with_kvcache`）和一个 Triton 写入内核 | 我们自己的 Triton 内核（读取已缓存前缀的变长 prefill、split-K decode），以及能在 CPU 上运行的纯 torch 参考实现；FlashAttention 4（不是第 2 版）作为可选项，已在 H200 上验证 |
-# | 异步调度 | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 12 | 没有：每一步都等自己的 token | 在 CUDA 上，先把第 n + 1 步排进队列，再收取第 n 步的 token |
-# | 张量并行的进程 | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 10 | rank 0 在你的进程里；共享内存（1 MiB，固定名字）加事件；固定端口；每个 rank 各自确定 KV 块池大小 | 每个 rank 都是独立进程，你的进程只负责驱动；每个 rank 一条双向管道，出错会报告；空闲端口；所有 rank 取最小的块数；CPU 上用 gloo |
-# | CUDA Graph 的批大小 | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 09 | 1、2、4、8，然后是 16 的倍数，直到 `min(max_num_seqs, 512)`：`max_num_seqs=100` 时，97 到 100 的批次找不到图，`next(...)` 抛出异常 | 相同，另加 `min(max_num_seqs, 512)` 本身 |
-# | 结束符 | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 04, 08 | 分词器的唯一一个 `eos_token_id` | 模型声明的每一个 id（聊天模型常常声明两个） |
-# | 未知的配置项 | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 08 | 悄悄丢掉 | 拒绝，并提示最接近的合法名字 |
-# | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 08 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
-# | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 13 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
-# | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 05, 08, 10 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
-# | 混合专家 | `models.qwen3_moe.SparseMoeBlock`, `models.qwen3_moe.Qwen3MoeForCausalLM` | 18 | 没有（新模型不在上游的范围内） | Qwen3-MoE，与 `transformers` 逐 token 一致：路由器的 top-k 与重新归一化的权重，专家切分到张量并行的各 rank 上、只做一次 all-reduce |
-# | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 04b, 08 | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
-# | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 07, 13 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
-# | 多个线程共用一个引擎 | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 13 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
-# | 同一进程中的两个引擎 | `layers.context.get_context`, `models.loader.DefaultFloatDtype` | 05, 06 | 整个进程只有一个注意力上下文，构建模型时调用 `torch.set_default_dtype`：两个线程上的两个引擎会算出错误的 token，还会用对方的数据类型构建模型 | 上下文每个线程一份；模型由构建它的线程上的一个 torch 函数模式按它自己的数据类型构建，进程的默认值从不改动 |
-# | 一步进行到一半时按下 Ctrl-C | `utils.interrupts.deferred_interrupt`, `utils.interrupts.interruptible`, `engine.llm_engine.LLMEngine._one_call` | 10, 13 | 落在哪里就在哪里生效：调度到一半的步、泄漏的块、丢失的请求 | 压到引擎的账目完整时才生效；只有模型计算一步时（由 `rollback` 撤销）和 `generate` 的两步之间才立刻放行 |
-# | 抛出异常的观察者 | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 13 | 没有观察者 | 引擎先把异常存起来，等这一步完整后由调用抛出；其他一切照常 |
-# | `step` 报告的内容 | `engine.llm_engine.StepOutput` | 13 | `(seq_id, token_ids)` 二元组 | 同样的二元组，另外指明所属请求和样本序号（`n > 1` 的样本以各自的 seq_id 结束） |
-# | 停在提示词内部的分块 | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 08 | 它那一行和其他行一样被采样，再由后处理把 token 扔掉 | 不对它那一行采样（执行器为它返回 `-1`）：这一行的 logits 预测的是提示词内部的位置，采出的 token 只能被扔掉 |
-# | KV 块的数量 | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 08 | `gpu_memory_utilization` 剩下的全部显存 | GPU 上相同，但最多 `max_num_seqs × ceil(max_model_len / block_size)` 个：更多的块永远不可能同时被持有（它们只能多留一些已释放的前缀在缓存里），而笔记本电脑上的小模型会预留一大块永远填不满的内存 |
-# | KV 缓存的数据类型 | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 16 | 模型的数据类型 | 模型的数据类型；或者设 `kv_cache_dtype="fp8"`，用 float8 e4m3 存储，每个 token、每个 KV 头带一个 float32 缩放因子：同样的显存放下约两倍的块，decode 要读的 KV 字节减半，SmolLM2 上的困惑度变化在 2 % 以内 |
-# | 加上残差之后的 RMSNorm | `layers.layernorm.rms_norm` | 05 | 在 float32 下加上残差，并对这个 float32 的和做归一化；返回的和舍入到模型的数据类型 | 按模型的数据类型相加，并对舍入后的和做归一化，与 `transformers` 一致，因此本书的模型与测试所对照的 `transformers` 相符；bf16 下残差流相同，归一化的输出在最后几位上可能不同（见下文的检查） |
+# | 工作进程中的 `block_size` | `engine.sequence.Sequence.__getstate__`, `engine.tp_runtime.RankWorker` | 01, 16 | 只在驱动进程里设置的类属性：`kvcache_block_size=512` 时，rank 进程仍按默认值 256 计算 decode token 的槽位 | 随每个序列化的序列一起传送，rank 还会与自己的配置核对 |
+# | 采样 | `layers.sampler.Sampler`, `layers.triton_sampler.triton_temperature_sample` | 08, 12 | 只有温度；不接受贪心解码 | 温度为 0 时贪心、top-k、top-p、与 token 位置绑定的逐请求随机种子；GPU 上用 Triton 内核 |
+# | 注意力内核 | `layers.attention.TorchBackend`, `layers.triton_attention.TritonBackend`, `layers.triton_attention.FlashAttnBackend` | 07, 11 | flash-attn（`flash_attn_varlen_func`、`flash_attn_with_kvcache`）和一个 Triton 写入内核 | 我们自己的 Triton 内核（读取已缓存前缀的变长 prefill、split-K decode），以及能在 CPU 上运行的纯 torch 参考实现；FlashAttention 4（不是第 2 版）作为可选项，已在 H200 上验证 |
+# | 异步调度 | `engine.scheduler.Scheduler.advance`, `engine.scheduler.Scheduler.resolve`, `engine.model_runner.ModelRunner.launch`, `engine.llm_engine.LLMEngine.step` | 18 | 没有：每一步都等自己的 token | 在 CUDA 上，先把第 n + 1 步排进队列，再收取第 n 步的 token |
+# | 张量并行的进程 | `engine.tp_runtime.TPRunner`, `engine.tp_runtime.rank_main`, `layers.linear.agree_min` | 16 | rank 0 在你的进程里；共享内存（1 MiB，固定名字）加事件；固定端口；每个 rank 各自确定 KV 块池大小 | 每个 rank 都是独立进程，你的进程只负责驱动；每个 rank 一条双向管道，出错会报告；空闲端口；所有 rank 取最小的块数；CPU 上用 gloo |
+# | CUDA Graph 的批大小 | `engine.cuda_graphs.capture_sizes`, `engine.cuda_graphs.graph_batch_size` | 14 | 1、2、4、8，然后是 16 的倍数，直到 `min(max_num_seqs, 512)`：`max_num_seqs=100` 时，97 到 100 的批次找不到图，`next(...)` 抛出异常 | 相同，另加 `min(max_num_seqs, 512)` 本身 |
+# | 结束符 | `config.declared_eos_ids`, `engine.scheduler.Scheduler.eos_token_ids` | 04, 09 | 分词器的唯一一个 `eos_token_id` | 模型声明的每一个 id（聊天模型常常声明两个） |
+# | 未知的配置项 | `config.Config.from_kwargs`, `config.UnknownConfigKeyError` | 09 | 悄悄丢掉 | 拒绝，并提示最接近的合法名字 |
+# | 错误的输入 | `sampling_params.SamplingParams`, `engine.sequence.Sequence`, `config.Config` | 01, 09 | `assert`，或者在某一步深处出错 | 立即抛出 `TypeError` 或 `ValueError`，并指明字段 |
+# | 出错的一步 | `engine.scheduler.Scheduler.rollback`, `engine.scheduler.Scheduler.abort` | 20 | 没有任何机制撤销这一步的调度 | 撤销这一步的调度，同一步可以再跑一次 |
+# | 模型与设备 | `models.registry.get_model_class`, `config.Config.device` | 06, 09, 16 | CUDA 上的 Qwen3 | Qwen3、Qwen2 和 Llama；CPU 或 CUDA |
+# | 混合专家 | `models.qwen3_moe.SparseMoeBlock`, `models.qwen3_moe.Qwen3MoeForCausalLM` | 26 | 没有（新模型不在上游的范围内） | Qwen3-MoE，与 `transformers` 逐 token 一致：路由器的 top-k 与重新归一化的权重，专家切分到张量并行的各 rank 上、只做一次 all-reduce |
+# | 一个提示词的多个样本 | `sampling_params.SamplingParams.n`, `engine.scheduler.Scheduler._fork_siblings`, `engine.block_manager.BlockManager.fork`, `engine.model_runner.copy_kv_blocks` | 05, 09 | 不支持：只能提交 n 个相同提示词的请求 | `n` 个样本共用一次 prefill 和它的块；要写入共享块的样本先得到自己的副本（写时复制） |
+# | 不是数的 logits | `layers.sampler.NON_FINITE`, `engine.llm_engine.NonFiniteLogitsError` | 08, 20 | 权重含 NaN 时悄悄地一直生成 token 0 | 采样器在设备上标记那一行（不必多等 GPU）；丢弃该请求，报错指出可能的原因（含 NaN 的张量），其他请求照常进行 |
+# | 多个线程共用一个引擎 | `engine.llm_engine.LLMEngine._one_call`, `engine.llm_engine.EngineBusyError` | 20 | 没有保护：交错执行的步骤会弄乱队列 | 加锁，一次只处理一个调用；在另一个调用内部发起的调用（比如观察者）抛出异常，而不是等待它自己 |
+# | 同一进程中的两个引擎 | `layers.context.get_context`, `models.loader.DefaultFloatDtype` | 06, 07 | 整个进程只有一个注意力上下文，构建模型时调用 `torch.set_default_dtype`：两个线程上的两个引擎会算出错误的 token，还会用对方的数据类型构建模型 | 上下文每个线程一份；模型由构建它的线程上的一个 torch 函数模式按它自己的数据类型构建，进程的默认值从不改动 |
+# | 一步进行到一半时按下 Ctrl-C | `utils.interrupts.deferred_interrupt`, `utils.interrupts.interruptible`, `engine.llm_engine.LLMEngine._one_call` | 16, 20 | 落在哪里就在哪里生效：调度到一半的步、泄漏的块、丢失的请求 | 压到引擎的账目完整时才生效；只有模型计算一步时（由 `rollback` 撤销）和 `generate` 的两步之间才立刻放行 |
+# | 抛出异常的观察者 | `engine.scheduler.Scheduler._notify`, `engine.scheduler.Scheduler.observer_errors` | 04, 20 | 没有观察者 | 引擎先把异常存起来，等这一步完整后由调用抛出；其他一切照常 |
+# | `step` 报告的内容 | `engine.llm_engine.StepOutput` | 20 | `(seq_id, token_ids)` 二元组 | 同样的二元组，另外指明所属请求和样本序号（`n > 1` 的样本以各自的 seq_id 结束） |
+# | 停在提示词内部的分块 | `engine.model_runner.ModelRunner.sample`, `engine.model_runner.NOT_SAMPLED`, `engine.scheduler.Scheduler.postprocess` | 04, 09 | 它那一行和其他行一样被采样，再由后处理把 token 扔掉 | 不对它那一行采样（执行器为它返回 `-1`）：这一行的 logits 预测的是提示词内部的位置，采出的 token 只能被扔掉 |
+# | KV 块的数量 | `engine.model_runner.num_kv_blocks`, `engine.model_runner.max_useful_blocks` | 09 | `gpu_memory_utilization` 剩下的全部显存 | GPU 上相同，但最多 `max_num_seqs × ceil(max_model_len / block_size)` 个：更多的块永远不可能同时被持有（它们只能多留一些已释放的前缀在缓存里），而笔记本电脑上的小模型会预留一大块永远填不满的内存 |
+# | KV 缓存的数据类型 | `config.Config.kv_cache_dtype`, `layers.kv_quant.quantize_kv`, `engine.model_runner.kv_block_bytes` | 24 | 模型的数据类型 | 模型的数据类型；或者设 `kv_cache_dtype="fp8"`，用 float8 e4m3 存储，每个 token、每个 KV 头带一个 float32 缩放因子：同样的显存放下约两倍的块，decode 要读的 KV 字节减半，SmolLM2 上的困惑度变化在 2 % 以内 |
+# | 加上残差之后的 RMSNorm | `layers.layernorm.rms_norm` | 06 | 在 float32 下加上残差，并对这个 float32 的和做归一化；返回的和舍入到模型的数据类型 | 按模型的数据类型相加，并对舍入后的和做归一化，与 `transformers` 一致，因此本书的模型与测试所对照的 `transformers` 相符；bf16 下残差流相同，归一化的输出在最后几位上可能不同（见下文的检查） |
 
 # %% [markdown] tags=["en"]
 # ## The code the second article quotes: upstream before chunked prefill

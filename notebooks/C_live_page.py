@@ -14,18 +14,18 @@
 # %% [markdown] tags=["en"]
 # # C · The live page: the player on a running server
 #
-# **Goal.** Put appendix A's player on the server of chapter 15b: `GET /dashboard` shows the KV
+# **Goal.** Put appendix A's player on the server of chapter 22: `GET /dashboard` shows the KV
 # cache of the running server as it changes (the block pool with reference counts, each live
 # request's block table, the queues, prefix-cache hits, preemptions and frees), in English or in
-# Chinese, with nothing fetched from elsewhere. Chapter 15b left the server two hooks for it,
+# Chinese, with nothing fetched from elsewhere. Chapter 22 left the server two hooks for it,
 # `live_page_hub` and `live_page_recorder`, which return None there (a server without a live
 # page); this appendix builds what they return and adds the page's routes.
 
 # %% [markdown] tags=["zh"]
 # # C · 实时页面：运行中服务器上的播放器
 #
-# **目标：** 把附录 A 的播放器放到第 15b 章的服务器上：`GET /dashboard` 实时展示运行中服务器的 KV 缓存（带引用计数的
-# 块池、每个活跃请求的块表、各个队列、前缀缓存命中、抢占和释放），中文或英文皆可，不从别处加载任何东西。第 15b 章给
+# **目标：** 把附录 A 的播放器放到第 22 章的服务器上：`GET /dashboard` 实时展示运行中服务器的 KV 缓存（带引用计数的
+# 块池、每个活跃请求的块表、各个队列、前缀缓存命中、抢占和释放），中文或英文皆可，不从别处加载任何东西。第 22 章给
 # 服务器留了两个接缝：`live_page_hub` 和 `live_page_recorder`，在那里它们返回 None（没有实时页面的服务器）；本附录
 # 构建它们要返回的东西，并加上这个页面的路由。
 
@@ -294,20 +294,20 @@ def page_html(model_name: str, num_blocks: int, block_size: int, lang: str, keep
 # %% [markdown] tags=["en"]
 # ## Build it: the server's hooks, filled
 #
-# Chapter 15b's `Api` asks `live_page_hub(client)` for its hub, its lifespan closes the hub's
+# Chapter 22's `Api` asks `live_page_hub(client)` for its hub, its lifespan closes the hub's
 # views when the server stops, and `create_app` and the command line hand the driver
 # `live_page_recorder()`. Here the two hooks return the `DashboardHub` and the `LiveRecorder`
-# class, and three routes join chapter 15b's `server_routes`: `/dashboard` (the page),
+# class, and three routes join chapter 22's `server_routes`: `/dashboard` (the page),
 # `/dashboard/events` (its frames) and `/`, which redirects to the page. The API key of chapter
-# 15b already covers `/dashboard` (a browser may give it as HTTP Basic's password).
+# 22 already covers `/dashboard` (a browser may give it as HTTP Basic's password).
 
 # %% [markdown] tags=["zh"]
 # ## 动手：填上服务器的接缝
 #
-# 第 15b 章的 `Api` 通过 `live_page_hub(client)` 得到它的 hub，它的 lifespan 在服务器停止时关闭 hub 的各个视图，
+# 第 22 章的 `Api` 通过 `live_page_hub(client)` 得到它的 hub，它的 lifespan 在服务器停止时关闭 hub 的各个视图，
 # `create_app` 和命令行则把 `live_page_recorder()` 交给驱动。这里两个接缝分别返回 `DashboardHub` 和 `LiveRecorder`
-# 类，另有三个路由加入第 15b 章的 `server_routes`：`/dashboard`（页面）、`/dashboard/events`（它的帧）和 `/`（重定向
-# 到页面）。第 15b 章的 API 密钥本来就保护 `/dashboard`（浏览器可以把它作为 HTTP Basic 认证的密码给出）。
+# 类，另有三个路由加入第 22 章的 `server_routes`：`/dashboard`（页面）、`/dashboard/events`（它的帧）和 `/`（重定向
+# 到页面）。第 22 章的 API 密钥本来就保护 `/dashboard`（浏览器可以把它作为 HTTP Basic 认证的密码给出）。
 
 # %% live page routes
 #| export serve.app
@@ -361,7 +361,7 @@ async def dashboard_events(request: Request, lang: str = "en") -> StreamingRespo
 # %% [markdown] tags=["en"]
 # ## See it: a live frame
 #
-# A live frame, made here on a tiny engine (chapter 05's random Qwen3): a first request runs and
+# A live frame, made here on a tiny engine (chapter 06's random Qwen3): a first request runs and
 # leaves its full blocks in the prefix cache; then the recorder is attached, a second request runs
 # a step, and the frames it published are the ones a page would receive (it shows the prefix-cache
 # hit: the second request's first two blocks were computed by the first).
@@ -369,7 +369,7 @@ async def dashboard_events(request: Request, lang: str = "en") -> StreamingRespo
 # %% [markdown] tags=["zh"]
 # ## 看它运行：一个实时帧
 #
-# 一个实时帧，这里在一个小引擎上生成（第 05 章随机权重的 Qwen3）：第一个请求运行完，把它的满块留在前缀缓存里；然后
+# 一个实时帧，这里在一个小引擎上生成（第 06 章随机权重的 Qwen3）：第一个请求运行完，把它的满块留在前缀缓存里；然后
 # 挂上记录器，第二个请求运行一步，它发布的帧正是页面会收到的那些帧（画面中可以看到前缀缓存命中：第二个请求的前两个块
 # 是第一个请求算出来的）。
 
@@ -427,7 +427,7 @@ class FakeClient:
 # %% [markdown] tags=["en"]
 # ## Check it
 #
-# The same tiny engine behind the application of chapter 15b, asked over HTTP in this process
+# The same tiny engine behind the application of chapter 22, asked over HTTP in this process
 # (FastAPI's `TestClient`): the page comes back as HTML with the player's buttons and its own
 # script, a language the page does not speak is refused by name, and the server's hooks now hand
 # out the hub and the recorder.
@@ -435,7 +435,7 @@ class FakeClient:
 # %% [markdown] tags=["zh"]
 # ## 验证
 #
-# 还是那个小引擎，放在第 15b 章的应用后面，在本进程里通过 HTTP 访问（FastAPI 的 `TestClient`）：页面以 HTML 返回，
+# 还是那个小引擎，放在第 22 章的应用后面，在本进程里通过 HTTP 访问（FastAPI 的 `TestClient`）：页面以 HTML 返回，
 # 带有播放器的按钮和它自己的脚本；页面不支持的语言会被点名拒绝；服务器的接缝现在交出 hub 和记录器。
 
 # %%
@@ -466,7 +466,7 @@ llm.exit()
 #   days: it publishes each frame and keeps only the last), `DashboardHub` (the open views, fed as
 #   server-sent events, drawn on the server by the player's own functions) and `page_html` (the
 #   page, with the player's buttons, legend and style, and no CDN).
-# - In `nanovllm/serve/app.py`: chapter 15b's hooks `live_page_hub` and `live_page_recorder` filled,
+# - In `nanovllm/serve/app.py`: chapter 22's hooks `live_page_hub` and `live_page_recorder` filled,
 #   and the routes `/dashboard`, `/dashboard/events` and `/`.
 #
 # ## Exercises
@@ -483,7 +483,7 @@ llm.exit()
 # - `nanovllm/serve/dashboard.py`：`LiveRecorder`（为一运行就是好几天的服务器准备的附录 A 记录器：每一帧都发布出去，
 #   只保留最后一帧）、`DashboardHub`（打开着的各个视图，以服务器发送事件喂给它们，帧由播放器自己的函数在服务器上画好）
 #   和 `page_html`（页面本身，带播放器的按钮、图例和样式，不用 CDN）。
-# - 在 `nanovllm/serve/app.py` 中：填上第 15b 章的接缝 `live_page_hub` 和 `live_page_recorder`，并加上路由
+# - 在 `nanovllm/serve/app.py` 中：填上第 22 章的接缝 `live_page_hub` 和 `live_page_recorder`，并加上路由
 #   `/dashboard`、`/dashboard/events` 和 `/`。
 #
 # ## 练习

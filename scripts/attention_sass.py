@@ -8,7 +8,7 @@ over a 16-bit and a float8 cache (Qwen3-0.6B's heads: 2 query heads a KV head, h
 registers a thread, the instructions of each key loop and the most frequent opcodes in them, how many one-byte
 loads the loops hold, from shared memory (LDS.U8) and from global memory (LDG.E.U8), and how many shared-memory
 buffers the pipeliner gave the K and V tiles (from Triton's TTGIR: one means each tile loads only after the last
-one was used). Chapter 16 reads these numbers: the first float8 decode kernel loaded its values one byte at a time
+one was used). Chapter 24 reads these numbers: the first float8 decode kernel loaded its values one byte at a time
 from shared memory, 128 loads a thread a tile, until the cache kept them by dimension; the paged prefill then
 still gathered them byte by byte from global memory, until its tiles loaded whole; and at 3 stages the decode
 kept one buffer, because the block-table read that addresses a tile takes a stage of the pipeline.
@@ -56,7 +56,7 @@ DECODE_SHAPES = {**SHAPES, "GROUP_PAD": 16, "SPLIT": False, "PDL": False}
 # The prefill as a large step launches it on an H200 (choose_prefill_launch: BLOCK_M, BLOCK_N, warps, stages).
 PREFILL_LAUNCH = (128, 128, 8, 3)
 # Arguments the JIT would specialize as multiples of 16 on the engine's tensors (aligned pointers, strides): the
-# decode's list as chapter 16's figures were compiled; the prefill's every pointer and stride but the block
+# decode's list as chapter 24's figures were compiled; the prefill's every pointer and stride but the block
 # table's (its width changes every step, so the kernels do not specialize it).
 DECODE_ALIGNED = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "context_lens_ptr", "o_ptr", "lse_ptr",
                   "k_scale_ptr", "v_scale_ptr", "stride_q_b", "stride_c_t", "stride_c_h", "stride_v_b", "stride_v_h",

@@ -1,6 +1,6 @@
 """The matmuls of a Qwen3-0.6B decode step (28 layers: norm + q/k/v, o_proj, norm + gate/up + SiLU x mul, down_proj),
 chained as a step chains them and replayed in one CUDA graph: cuBLAS (F.linear alone, the norms and SiLU x mul not
-counted) against chapter 09b's `small_matmul` (the GEMV up to GEMV_ROWS tokens, and the tile kernel), the GEMV under
+counted) against chapter 15's `small_matmul` (the GEMV up to GEMV_ROWS tokens, and the tile kernel), the GEMV under
 several widths and with programmatic dependent launch (PDL) on and off. Weights are 881 MB, far beyond the L2 cache.
 
     PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py [--out FILE.json]
@@ -44,7 +44,7 @@ def chain_bound_us(layers: list[dict[str, torch.Tensor]], bandwidth: float) -> f
 def fused_chain(
     layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launches: dict[str, SmallMatmulLaunch] | None = None
 ) -> torch.Tensor:
-    """A decode step's matmuls with their norms and SiLU x mul, as chapter 09b's fused layer runs them; ``launches``
+    """A decode step's matmuls with their norms and SiLU x mul, as chapter 15's fused layer runs them; ``launches``
     by weight ("qkv", "o_proj", "gate_up", "down_proj"), small_matmul's choice for those not given."""
     launches = launches or {}
     residual = torch.zeros_like(x)

@@ -4,9 +4,9 @@
 
 Batches of 256, 64 and 16 sequences whose context lengths are drawn like the nano-vllm workload's during decode
 (uniform in [100, 2048]), Qwen3-0.6B's heads, block size 256, bf16 queries over a bf16 cache (or, with
---kv-cache-dtype fp8, a float8 e4m3 cache and its float32 scales: chapter 16); each configuration timed as the
+--kv-cache-dtype fp8, a float8 e4m3 cache and its float32 scales: chapter 24); each configuration timed as the
 engine runs it, in a CUDA graph, against the copy rate measured in the same run. The bytes counted are the cache's
-(and the scales'). The winner for fp8 belongs in DECODE_LAUNCH["fp8"] (chapter 06b's decode wrapper).
+(and the scales'). The winner for fp8 belongs in DECODE_LAUNCH["fp8"] (chapter 11's decode wrapper).
 """
 
 from __future__ import annotations

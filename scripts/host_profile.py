@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD python3 scripts/host_profile.py [--batch 1] [--steps 512] [--out build/host-profile.txt]
 
-At batch 1 the GPU finishes a fused decode step before the host has launched the next one (chapter 09b's
+At batch 1 the GPU finishes a fused decode step before the host has launched the next one (chapter 15's
 timeline): the Python step is the wall. This runs one engine on Qwen3-0.6B's shapes (random weights, the
 engine's GPU defaults: CUDA graphs, asynchronous scheduling, fused decode), warms it up, then decodes ``steps``
 tokens for ``batch`` prompts of 512 tokens twice: once plain (wall time per step) and once under cProfile,

@@ -1,4 +1,4 @@
-"""Probe (GPU): chapter 18's sort of a decode step's (token, expert) pairs, `align_by_expert` (a dozen torch
+"""Probe (GPU): chapter 26's sort of a decode step's (token, expert) pairs, `align_by_expert` (a dozen torch
 operations, some fifteen kernels) against `align_in_one_program` (a fill and one Triton program), each replayed from
 a CUDA graph, on Qwen3-30B-A3B's 128 experts and top-8.
 

@@ -1,6 +1,6 @@
 """Probe (GPU; not yet run: no GPU was lent the session that wrote it): one sparse layer of Qwen3-30B-A3B's shapes
 (128 experts of width 768, 8 per token, hidden 2048, bfloat16, random weights) at 1, 8, 64 and 256 tokens:
-chapter 18's chosen-experts loop (eager), its every-expert path and `fused_moe` under a few launches (CUDA graph
+chapter 26's chosen-experts loop (eager), its every-expert path and `fused_moe` under a few launches (CUDA graph
 replays), each against the step's bound for the experts the router touched (their bytes at the copy rate measured in
 the same run), and fused_moe checked against the loop. What the next session needs to switch the fused path on.
 

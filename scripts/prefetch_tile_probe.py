@@ -1,6 +1,6 @@
 """Probe: a tensor-core matmul for 1 to 16 rows that loads its weight tile before it waits for its input (PDL).
 
-scripts/splitk_sweep.py found that a decode step's matmul kernels, cuBLAS's and chapter 09b's tile kernel alike, read
+scripts/splitk_sweep.py found that a decode step's matmul kernels, cuBLAS's and chapter 15's tile kernel alike, read
 their 2-8 MB at 40-55 % of the copy rate: the boundary between kernels costs about as much as the reading. The GEMV
 escapes it because it loads its whole weight slice, then waits (gdc_wait) for the kernel before; the tile kernel
 cannot, as it walks the input in a loop. This kernel does what the GEMV does with a tile: the input is split so finely
@@ -10,7 +10,7 @@ L2), multiplies once on the tensor cores, and leaves its partial sum to the last
 adds them in split order (gate and up alike: SiLU x mul comes after the sum).
 
 Timed on Qwen3-0.6B's 28 layers of decode matmuls (with their norms and SiLU x mul) in one CUDA graph, at 1, 4, 8 and
-16 rows, against cuBLAS's matmuls alone and chapter 09b's small_matmul (the GEMV at 1-2 rows, the split-K tile kernel
+16 rows, against cuBLAS's matmuls alone and chapter 15's small_matmul (the GEMV at 1-2 rows, the split-K tile kernel
 above).
 
     PYTHONPATH=$PWD python3 scripts/prefetch_tile_probe.py [--out FILE.json]
@@ -18,7 +18,7 @@ above).
 Checked against small_matmul in the Triton interpreter. First GPU run (H200, 2026-12-05, copy rate 4.25 TB/s, bound
 207 us): best launch n32 chunk256 w4 at every row count, 564/815/840/782 us at 1/4/8/16 rows, against cuBLAS's
 873/766/686/701 and small_matmul's 334 (the GEMV)/987/986/990. Loading the tile before the wait beats the tile kernel by
-a fifth but not cuBLAS from 4 rows on; as written, not worth shipping (chapter 09b records it).
+a fifth but not cuBLAS from 4 rows on; as written, not worth shipping (chapter 15 records it).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def prefetch_chain(layers: list[dict[str, torch.Tensor]], x: torch.Tensor, launc
 
 
 def check(device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> None:
-    """prefetch_matmul against small_matmul (itself tested against chapter 05's layers), every form, 3 calls each."""
+    """prefetch_matmul against small_matmul (itself tested against chapter 06's layers), every form, 3 calls each."""
     torch.manual_seed(0)
     for tokens, (n, k), launch in itertools.product((1, 5, 16), ((48, 300), (64, 512)), LAUNCHES[:2]):
         x, residual = torch.randn(tokens, k, device=device, dtype=dtype), torch.randn(tokens, k, device=device,
@@ -186,7 +186,7 @@ def main() -> None:
     for tokens in ROW_COUNTS:
         x = torch.randn(tokens, layers[0]["qkv"].shape[1], device="cuda", dtype=torch.bfloat16)
         figures = {"cuBLAS (matmuls only)": graph_time_ms(lambda x=x: cublas_chain(layers, x)) * 1e3,
-                   "small_matmul (chapter 09b)": graph_time_ms(lambda x=x: small_matmul_chain(layers, x)) * 1e3}
+                   "small_matmul (chapter 15)": graph_time_ms(lambda x=x: small_matmul_chain(layers, x)) * 1e3}
         for launch in LAUNCHES:
             name = f"prefetch tile n{launch['block_n']} chunk{launch['chunk']} w{launch['warps']}"
             try:

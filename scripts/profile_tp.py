@@ -4,7 +4,7 @@
     python3 scripts/profile_tp.py --device cpu --out build/profile-tp-cpu   # CPU: gloo, the book's tiny Qwen3
 
 A short run of nano-vllm's benchmark workload, scheduled synchronously (each step's times are its own), under
-``tp1`` (one process), ``tp1-eager`` (no CUDA graphs), ``tp1-channel`` (one rank behind chapter 10's control
+``tp1`` (one process), ``tp1-eager`` (no CUDA graphs), ``tp1-channel`` (one rank behind chapter 16's control
 channel) and ``tpN`` (``--tp`` ranks). Per decode step: the driver's time to queue the call (pickling it) and to
 wait for the tokens; in each process that computes (at tp1 the driver), the wait for the driver's message,
 unpickling it, queueing the step (collectives included), the wait for the tokens and, on a GPU, the step's device
@@ -128,7 +128,7 @@ def timed_pickle(probe: Probe, name: str, key: str) -> SimpleNamespace:
 
 
 def profiled_rank_main(rank: int, world_size: int, config: Any, store_port: int, conn: Any) -> None:
-    """What each rank process runs: chapter 10's rank_main, its pipe, its pickling and its steps timed, and two
+    """What each rank process runs: chapter 16's rank_main, its pipe, its pickling and its steps timed, and two
     more calls it answers: start recording, hand the records over."""
     probe = Probe(model_runner.ModelRunner)
     tp_runtime.pickle = timed_pickle(probe, "loads", "unpickle_s")

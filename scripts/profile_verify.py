@@ -1,4 +1,4 @@
-"""Where a verify step's time goes (chapter 17; a GPU diagnosis, not a benchmark).
+"""Where a verify step's time goes (chapter 25; a GPU diagnosis, not a benchmark).
 
     PYTHONPATH=$PWD python3 scripts/profile_verify.py --out build/verify
 

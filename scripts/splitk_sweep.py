@@ -17,7 +17,7 @@ the four shapes' best launches summed, the figure a decode step's matmuls would 
 
 Measured on one H100 (2026-12-05, copy 3.01 TB/s), µs per 28 matmuls at 4 rows, cuBLAS / best launch: q/k/v 163 / 179,
 o_proj 167 / 148 (split 4), gate/up 203 / 218, down_proj 219 / 165 (split 4); 32-column tiles, 128 inputs a step and
-five stages were best at every row count, which chapter 09's choose_launch now gives. Adding the splits in the kernel
+five stages were best at every row count, which chapter 14's choose_launch now gives. Adding the splits in the kernel
 (the last program of a column block) cost about 1 µs a launch against leaving them to the reader. The fused chain with
 its norms: the launches shipped before (16-column tiles, no split) 1,272 µs, these 1,007 (with an early start, PDL,
 1,083), cuBLAS's matmuls alone 737.
@@ -135,7 +135,7 @@ def time_launch(x: torch.Tensor, weights: list[torch.Tensor], launch: dict) -> f
 
 
 def chain_launches(best: dict[str, list[tuple[float, dict]]]) -> dict[str, SmallMatmulLaunch]:
-    """chapter 09's launches from the sweep's best, shape by shape; gate/up keeps one split (SiLU needs the whole
+    """chapter 14's launches from the sweep's best, shape by shape; gate/up keeps one split (SiLU needs the whole
     sum) and half the columns (each program reads a gate tile and an up tile)."""
     chosen = {}
     for name, results in best.items():

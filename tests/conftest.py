@@ -26,7 +26,7 @@ TOOL_TESTS = frozenset(
 
 def pytest_configure(config: pytest.Config) -> None:
     # A shell without job control starts a background job (`./dev test &`) with Ctrl-C ignored, and Python then
-    # keeps SIGINT ignored: the interrupt tests (chapters 10 and 13) would see no KeyboardInterrupt at all. They
+    # keeps SIGINT ignored: the interrupt tests (chapters 16 and 20) would see no KeyboardInterrupt at all. They
     # test the engine's handling of Ctrl-C, so the run starts from Python's own handler, as in a terminal.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny() -> Path:
-    """Chapter 05's tiny Qwen3 (random weights, a real byte-level tokenizer), built once and cached."""
+    """Chapter 06's tiny Qwen3 (random weights, a real byte-level tokenizer), built once and cached."""
     from nanovllm.book.tiny_models import build_tiny_model
 
     return build_tiny_model("qwen3")

@@ -70,7 +70,7 @@ class Workload:
         )
 
     def fits(self, request: Request) -> bool:
-        # The scheduler refuses only what can never fit the KV cache; the engine also caps n (chapter 11).
+        # The scheduler refuses only what can never fit the KV cache; the engine also caps n (chapter 10).
         return math.ceil((len(request.prompt) + request.max_tokens - 1) / self.block_size) <= self.num_blocks
 
     def samples(self) -> list[tuple[Request, int]]:
@@ -106,11 +106,11 @@ def simulate(
     a request with n > 1 forks n - 1 siblings after its prefill. Hooks receive a step's sequences
     together with the siblings it forked.
 
-    asynchronous: what chapter 11's async engine does: each step is counted (``advance``) as soon as
+    asynchronous: what chapter 10's async engine does: each step is counted (``advance``) as soon as
     it is scheduled, and its tokens are resolved only after the next step has been scheduled. The
     fake model then "computes" a token when it is resolved, from the (by then known) prefix.
 
-    proposer: speculative decoding (chapter 17, synchronous only): each decode step reserves drafts from
+    proposer: speculative decoding (chapter 25, synchronous only): each decode step reserves drafts from
     ``proposer`` (``after_drafts`` sees the step then), the fake model gives its token after the last token and
     after each draft, and ``accept_drafts`` keeps what agrees.
     """

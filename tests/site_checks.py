@@ -24,6 +24,7 @@ from bs4 import BeautifulSoup, Comment, NavigableString
 
 from tests.test_viz_browser import CHROMIUM, Browser, step_player_in_page
 from tools import tangle
+from tools.parts import TITLES
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "build" / "site"
@@ -86,9 +87,13 @@ def test_language_switcher_links_both_sites() -> None:
 
 @pytest.mark.parametrize("lang", PAGES)
 def test_the_landing_page_table_links_every_chapter(lang: str) -> None:
+    """One table per part of the book (tools/parts.py), each under its part's title, together linking every chapter."""
     html = page(lang)
-    table = html[html.index("<table>") : html.index("</table>")]  # one table: a blank line would split it
-    assert [c for c in CHAPTERS if f'href="chapters/{c}/"' not in table] == []
+    tables = "".join(html[start : html.index("</table>", start)] for start in
+                     (m.start() for m in re.finditer("<table>", html)))
+    assert [c for c in CHAPTERS if f'href="chapters/{c}/"' not in tables] == []
+    titles = [title for title in TITLES[lang].values() if title in html]
+    assert titles == list(TITLES[lang].values()), titles
 
 
 def test_landing_pages_and_glossary() -> None:
@@ -307,7 +312,7 @@ def test_titles_navigation_and_contents_keep_their_code_and_their_anchors(lang: 
         ids = set(re.findall(r'\bid="([^"]+)"', html))
         targets = re.findall(r'<a href="#([^"]*)" class="md-nav__link">', html)
         assert targets and all(t and t in ids for t in targets), f"{chapter}: contents links without a target"
-    engine = page(lang, "chapters", "11_engine")
+    engine = page(lang, "chapters", "10_engine")
     title = re.search(r"<title>([^<]*)</title>", engine)[1]
     assert "LLMEngine" in title and "LLMEngine" in re.sub(r"<[^>]+>", "", engine[engine.index("md-nav--primary"):])
 
@@ -328,9 +333,30 @@ PRE = re.compile(r"<pre\b.*?</pre>", re.S)
 
 
 def pages(lang: str) -> list[Path]:
-    """Every content page of one site (the other site's folder and the 404 page left out)."""
+    """Every content page of one site (the other site's folder, the 404 page and the redirects left out)."""
     found = sorted(PAGES[lang].rglob("index.html"))
-    return [p for p in found if lang == "zh" or "zh" not in p.relative_to(SITE).parts]
+    return [p for p in found if (lang == "zh" or "zh" not in p.relative_to(SITE).parts) and not redirect_of(p)]
+
+
+def redirect_of(path: Path) -> str | None:
+    """Where a redirect page (an old chapter's address, mkdocs.yml's redirect_maps) sends the reader; None for a
+    page of content."""
+    match = re.search(r'<meta http-equiv="refresh" content="0; url=([^"]+)">', path.read_text(encoding="utf-8"))
+    return match[1] if match else None
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_the_old_addresses_of_renumbered_chapters_lead_to_them(lang: str) -> None:
+    """The chapters were renumbered into the book's three parts: a bookmark of an old address still works, in both
+    languages, and lands on the chapter that took its place."""
+    redirects = dict(re.findall(r"^ +(chapters/\w+\.md): (chapters/\w+\.ipynb)$",
+                                (ROOT / "mkdocs.yml").read_text(encoding="utf-8"), re.M))
+    assert len(redirects) == 21
+    for old, new in redirects.items():
+        old_page = PAGES[lang] / old.removesuffix(".md") / "index.html"
+        target = (old_page.parent / redirect_of(old_page)).resolve()
+        assert target == (PAGES[lang] / new.removesuffix(".ipynb")).resolve(), (old, new)
+        assert (target / "index.html").is_file() and not redirect_of(target / "index.html")
 
 
 @functools.cache
@@ -423,7 +449,7 @@ def test_the_search_index_holds_prose_not_directives_or_buttons(lang: str) -> No
     texts = [doc["text"] for doc in index["docs"]]
     assert [t[:80] for t in texts if "Copied!" in t] == []
     assert [b[:80] for t in texts for b in re.findall(r"<pre>.*?</pre>", t, re.S) if "#|" in b] == []
-    assert "\u200b" in "".join(doc["title"] for doc in index["docs"] if "04b" in doc["location"]) or lang == "en"
+    assert "\u200b" in "".join(doc["title"] for doc in index["docs"] if "05" in doc["location"]) or lang == "en"
 
 
 # ---- in a real browser --------------------------------------------------------------------------------
@@ -451,10 +477,10 @@ def window(browser: Browser, size: dict, mobile: bool) -> None:
 def test_outputs_keep_their_lines_and_players_stay_legible_on_a_phone(browser: Browser, served: str,
                                                                       lang: str) -> None:
     """Issue 23, items 8 and 9: outputs scroll instead of wrapping, at 1280 px (long lines broke mid-word:
-    "max_num_" / "_batched_tokens" in chapter 08's Config) and at 390 px (traces wrapped into columns);
+    "max_num_" / "_batched_tokens" in chapter 09's Config) and at 390 px (traces wrapped into columns);
     on a phone the player keeps its size (its labels were 5-7 px tall) and scrolls."""
     prefix = "" if lang == "en" else "zh/"
-    for size, mobile, chapters in ((WINDOW, False, ("08_model_runner", "11_engine")),
+    for size, mobile, chapters in ((WINDOW, False, ("09_model_runner", "10_engine")),
                                    (PHONE, True, ("02_block_manager", "04_scheduler"))):
         window(browser, size, mobile)
         for chapter in chapters:
@@ -504,7 +530,7 @@ RESULTS_JS = "[...document.querySelectorAll('.md-search-result__item > a')].map(
 @pytest.mark.parametrize(("lang", "query"), [("zh", "写时复制"), ("en", "copy-on-write")])
 def test_a_search_finds_the_chapter_whose_title_it_is_first(browser: Browser, served: str, lang: str,
                                                             query: str) -> None:
-    """Issue 23, item 12: in Chinese, chapter 06b's code outranked chapter 04b's title."""
+    """Issue 23, item 12: in Chinese, chapter 11's code outranked chapter 05's title."""
     browser.open(f"{served}/{'zh/' if lang == 'zh' else ''}")
     wait_for(browser, "document.querySelector('.md-search__input') !== null")
     deadline = time.monotonic() + 20
@@ -514,7 +540,7 @@ def test_a_search_finds_the_chapter_whose_title_it_is_first(browser: Browser, se
         time.sleep(0.3)
         results = browser.js(RESULTS_JS)
     assert results, f"no result for {query!r}"
-    assert "chapters/04b_parallel_sampling/" in results[0], results[:3]
+    assert "chapters/05_parallel_sampling/" in results[0], results[:3]
 
 
 # WCAG's contrast ratio of each text's color against what is behind it (the nearest opaque background):

@@ -93,7 +93,7 @@ def test_bad_prompts_are_refused(token_ids: object, error: type, fragment: str) 
 
 
 def test_block_size_must_be_explicit() -> None:
-    # Its value is checked where it enters, as Config.kvcache_block_size (chapter 11).
+    # Its value is checked where it enters, as Config.kvcache_block_size (chapter 10).
     with pytest.raises(TypeError, match="block_size"):
         Sequence([1])  # type: ignore[call-arg]
 
@@ -212,7 +212,7 @@ def test_copies_are_whole() -> None:
         assert len(seq) == 50
 
 
-# ---- pending tokens (asynchronous scheduling, chapter 11) -------------------------------------
+# ---- pending tokens (asynchronous scheduling, chapter 10) -------------------------------------
 def test_a_pending_token_is_counted_then_filled_in() -> None:
     seq = Sequence([1, 2, 3], block_size=2)
     index = seq.append_pending_token()

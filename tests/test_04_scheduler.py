@@ -276,7 +276,7 @@ def test_prefix_caching_off_still_works():
     assert seqs == [b] and b.num_cached_tokens == 0 and b.num_scheduled_tokens == 5
 
 
-# ---- advance and resolve: the two halves of postprocess (asynchronous scheduling, chapter 11) ----
+# ---- advance and resolve: the two halves of postprocess (asynchronous scheduling, chapter 10) ----
 def test_advance_counts_the_step_and_resolve_fills_in_the_tokens() -> None:
     s = make()
     a, b = seq(5), seq(3)

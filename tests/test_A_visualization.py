@@ -187,7 +187,7 @@ def test_chunked_prefill_is_recorded():
 
 
 def test_fork_and_copy_on_write_are_recorded():
-    """Chapter 04b's story in frames: the fork shares both blocks (ref count 2), the first decode step copies
+    """Chapter 05's story in frames: the fork shares both blocks (ref count 2), the first decode step copies
     the shared partial block for one sample (caption and event say which), the other writes in place."""
     engine = FakeEngine(num_kvcache_blocks=8, kvcache_block_size=4)
     parent = engine.add(list(range(30, 37)), max_tokens=3, n=2)  # 7 tokens: a full block and a partial one

@@ -1,6 +1,6 @@
-"""Appendix C: the server's live page, through the hooks that chapter 15b leaves (``live_page_hub``,
+"""Appendix C: the server's live page, through the hooks that chapter 22 leaves (``live_page_hub``,
 ``live_page_recorder``) and the routes the appendix adds. The page in a real browser is tested with the server,
-in tests/test_15_serving.py."""
+in tests/test_21_serving.py."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_the_hooks_give_the_server_its_hub_and_its_recorder(llm):
 
 
 def test_a_server_without_a_live_page_starts_serves_and_stops(llm, monkeypatch):
-    """Chapter 15b's server on its own: the hooks return None, no recorder is handed to the driver, and the
+    """Chapter 22's server on its own: the hooks return None, no recorder is handed to the driver, and the
     lifespan has no views to close when the server stops."""
     monkeypatch.setattr(server, "live_page_hub", lambda client: None)
     monkeypatch.setattr(server, "live_page_recorder", lambda: None)

@@ -18,7 +18,7 @@ MAX_TOKENS = 10
 
 @pytest.fixture(params=[False, True], ids=["sync", "async"])
 def scheduling(request: pytest.FixtureRequest) -> bool:
-    """async_scheduling off and on: the tokens must not depend on it (chapter 11)."""
+    """async_scheduling off and on: the tokens must not depend on it (chapter 10)."""
     return request.param
 
 

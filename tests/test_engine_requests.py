@@ -201,7 +201,7 @@ def test_an_interrupted_generate_drops_its_requests_and_the_engine_keeps_serving
                                                                                   use_tqdm=False)
 
 
-# ---- asynchronous scheduling (chapter 11) ----------------------------------------------------------
+# ---- asynchronous scheduling (chapter 10) ----------------------------------------------------------
 
 def _frequent_tokens(tiny: Path, prompts: list[list[int]], regime: dict) -> frozenset[int]:
     """Five tokens the model often generates for these prompts: made EOS ids, they end sequences early."""
@@ -257,7 +257,7 @@ def test_async_step_reports_the_step_before(tiny: Path) -> None:
 
 
 def test_async_scheduling_is_allowed_with_tensor_parallelism(tiny: Path) -> None:
-    # Chapter 10's ranks take pending tokens from their own copy of the previous step's samples.
+    # Chapter 16's ranks take pending tokens from their own copy of the previous step's samples.
     assert Config.from_kwargs(tiny, tensor_parallel_size=2, async_scheduling=True, device="cpu").async_scheduling
     assert not Config.from_kwargs(tiny, tensor_parallel_size=2, device="cpu").async_scheduling  # auto: CUDA only
 

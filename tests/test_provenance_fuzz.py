@@ -10,7 +10,7 @@ published. Some requests ask for n > 1 samples: they fork after their prefill an
 prompt's blocks, and a copy-on-write copies a block's records the way the model runner copies its
 K/V, before the step's reads and writes. Twenty thousand small random workloads (a few seconds)
 with a three-token vocabulary, so that prefixes collide constantly, run through the real
-scheduler; five thousand more run it the way chapter 11's asynchronous engine does, each step
+scheduler; five thousand more run it the way chapter 10's asynchronous engine does, each step
 resolved after the next is scheduled. The last tests plant known bugs (upstream's stale hash
 entry; publishing at allocation; a write into a shared block; a skipped or misdirected copy) and
 check that the fuzz catches each.
@@ -51,7 +51,7 @@ class ProvenanceKV:
     def ids(self, seq: Sequence) -> list[int]:
         ids = self.prefix_ids.setdefault(seq.seq_id, [])
         if self.speculative:
-            # Speculative decoding (chapter 17) replaces rejected drafts: from the first token that changed since
+            # Speculative decoding (chapter 25) replaces rejected drafts: from the first token that changed since
             # the ids were computed, compute them again.
             seen = self.tokens_seen.setdefault(seq.seq_id, [])
             same = next((pos for pos, (a, b) in enumerate(zip(seen, seq.token_ids, strict=False)) if a != b),
@@ -99,7 +99,7 @@ class ProvenanceKV:
             self.write(sched, seq, range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens))
 
     def after_drafts(self, sched, seqs: list[Sequence], is_prefill: bool) -> None:
-        """The drafts' slots (chapter 17), written by the same forward as the last tokens that after_schedule wrote,
+        """The drafts' slots (chapter 25), written by the same forward as the last tokens that after_schedule wrote,
         after the same copies and reads."""
         for seq in seqs:
             self.write(sched, seq, range(seq.num_cached_tokens + 1, seq.num_cached_tokens + seq.num_scheduled_tokens))
@@ -135,7 +135,7 @@ def random_workload(rng: random.Random) -> Workload:
 
 
 class GuessingProposer:
-    """Speculative decoding's drafts (chapter 17): 0 to 4 tokens of the fake model's own continuation (sample 0),
+    """Speculative decoding's drafts (chapter 25): 0 to 4 tokens of the fake model's own continuation (sample 0),
     each wrong with probability 1/3, so that runs of accepted drafts and rejections both occur."""
 
     def __init__(self, rng: random.Random) -> None:
@@ -156,8 +156,8 @@ def fuzz(num_workloads: int, seed: int = SEED, asynchronous: bool = False,
     """Run the fuzz; return (workloads run, cache-hit blocks seen, copy-on-write copies made).
     Raises Violation on the first bad read or write.
 
-    asynchronous: each step's tokens are resolved after the next step is scheduled (chapter 11).
-    speculative: decode steps verify drafts (chapter 17), whose slots are written once they are reserved."""
+    asynchronous: each step's tokens are resolved after the next step is scheduled (chapter 10).
+    speculative: decode steps verify drafts (chapter 25), whose slots are written once they are reserved."""
     rng = random.Random(seed)
     hit_blocks = copies = 0
 

@@ -84,7 +84,7 @@ def check_completions(workload: Workload, seqs: list[Sequence]) -> None:
 @SETTINGS
 @given(workloads())
 def test_async_scheduling_keeps_the_invariants_and_the_completions(workload):
-    """Each step resolved one step late (chapter 11): the same invariants between steps, every request
+    """Each step resolved one step late (chapter 10): the same invariants between steps, every request
     finishes exactly once with the completion a synchronous run gives, the pool ends whole."""
     checker, seen = InvariantChecker(workload), {}
 

@@ -128,7 +128,7 @@ def test_a_comment_that_points_at_the_prose_is_an_error(tmp_path: Path, comment:
 
 def test_comments_about_the_code_itself_may_say_above_and_below(tmp_path: Path) -> None:
     code = (
-        "# en: The kernels below are compiled once; chapter 09 explains why.\n"
+        "# en: The kernels below are compiled once; chapter 14 explains why.\n"
         "# zh: 见上文。\n"
         "NOTE = 'open this chapter in JupyterLab'  # a message, not a comment\n"
         "# en: Keys every query sees (below its first position) need no mask.\n"

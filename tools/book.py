@@ -18,6 +18,8 @@
     at the site.
 ``python -m tools.book all``
     both of the above (no site when a chapter failed).
+``python -m tools.book parts``
+    the book's parts (tools/parts.py), one line each: ``core: 00_tour.py 01_sequence.py ...``.
 
 mkdocs-static-i18n does not work with mkdocs-jupyter, hence one filtered tree per language.
 """
@@ -46,6 +48,7 @@ if __package__ in (None, ""):  # run as `python tools/book.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.cjk import tidy_cjk
 from tools.machine_paths import scrub
+from tools.parts import PARTS
 from tools.tangle import DIRECTIVE, ROOT, chapter_files
 
 BUILD = ROOT / "build"
@@ -289,15 +292,19 @@ def build_sites(executed_dir: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Execute the book and build its sites.")
-    parser.add_argument("action", choices=["execute", "site", "all"])
+    parser.add_argument("action", choices=["execute", "site", "all", "parts"])
     parser.add_argument("chapters", nargs="*", type=Path, help="chapters to execute (default: all)")
     parser.add_argument("--out", type=Path, default=BUILD / "executed",
                         help="where executed notebooks go (one folder per language)")
     parser.add_argument("--lang", choices=list(LANGUAGES), action="append",
                         help="execute in this language only (repeatable; default: every language)")
     args = parser.parse_args(argv)
+    if args.action == "parts":
+        for part, chapters in PARTS.items():
+            print(f"{part}: {' '.join(f'{chapter}.py' for chapter in chapters)}")
+        return 0
     # A shell without job control starts a background job (./dev test runs the chapters beside the
-    # tests) with Ctrl-C ignored, and kernels would inherit that: chapter 13 interrupts its engine on
+    # tests) with Ctrl-C ignored, and kernels would inherit that: chapter 20 interrupts its engine on
     # purpose. A Python handler is reset to the default in each kernel, an ignored signal is not.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -37,10 +37,11 @@ UPSTREAM_LINES = {
     "config": 22,
 }
 # Code lines that later chapters retype: members (or top-level names) that replace an earlier chapter's version whole.
-# Issue 37's target is 150; the bound only falls: lower it when a retyped member becomes a seam or an addition.
-# Module-level replacements (`@add_to_class(module)`) count too. Each step down, and the hook that paid it, is in
-# `git log -p tools/first_cuts.py`.
-MAX_RETYPED_LINES = 145
+# A guard, not a goal: never add a hook to lower it. It rose once, 145 -> 178, when the core chapters became a whole
+# engine (issue 58): chapter 11 replaces the backend choice (resolve_attention_backend, attention_backend) and
+# chapter 17 the rank-count check and the runner's choice (start_runner), which in the core keep to one process.
+# Otherwise it only falls; each change, and why, is in `git log -p tools/first_cuts.py`.
+MAX_RETYPED_LINES = 178
 # The engine modules whose first cut must stay upstream-shaped.
 BOUNDED = ("engine.sequence", "engine.block_manager", "engine.scheduler", "engine.model_runner", "engine.llm_engine")
 MAX_RATIO = 1.5
@@ -216,7 +217,7 @@ def retyped_report(retyped: list[Retyped]) -> str:
         rows.append(f"  {_number(chapter):>4} {sum(i.lines for i in items):>4} lines: {names}")
     counted = [item for item in retyped if not item.seam]
     total = retyped_lines(retyped)
-    rows.append(f"  {len(counted)} members, {total} code lines (bound {MAX_RETYPED_LINES}; issue 37's target 150)")
+    rows.append(f"  {len(counted)} members, {total} code lines (bound {MAX_RETYPED_LINES})")
     by_module: dict[str, dict[str, int]] = {}
     for item in counted:
         chapters = by_module.setdefault(item.module, {})

@@ -8,6 +8,9 @@
 * Exercise answers (cells that tools/book.py tagged ``answers``) are folded in ``<details>``.
 * Figures get alt text from their SVG ``<title>`` (or their labels) instead of nbconvert's
   "No description has been provided for this image".
+* The chapters are grouped by the book's parts (tools/parts.py: core, speed, beyond, appendices), each
+  part a section of the navigation titled in the site's language; the order of the pages, and so
+  the previous / next links, stay the reading order.
 * The "Chapters" section heading speaks the site's language, and the landing page's entry in the
   navigation is "Introduction" / "简介": under the site's title, which the navigation shows as
   its heading, the site's title again read as a doubled line.
@@ -35,11 +38,17 @@ import base64
 import html
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 from bs4 import BeautifulSoup
+from mkdocs.structure.nav import Section
 from mkdocs.structure.toc import get_toc
+
+if __package__ in (None, ""):  # mkdocs loads this file by its path: make `tools` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.parts import TITLES, part_of
 
 try:  # Material's search segments Chinese with jieba when it is installed; its log is noise in the build
     import jieba
@@ -190,8 +199,23 @@ def on_page_content(content: str, page: Any, config: Any, files: Any) -> str:
 def on_nav(nav: Any, config: Any, files: Any) -> Any:
     for item in nav.items:
         if item.is_section:
+            if item.title == "Chapters":
+                group_by_part(item, TITLES.get(language(config), TITLES["en"]))
             item.title = word(config, item.title)
     return nav
+
+
+def group_by_part(chapters: Any, titles: dict[str, str]) -> None:
+    """Put the pages of the "Chapters" section into one section per part of the book, in reading order."""
+    sections: dict[str, Section] = {}
+    for page in chapters.children:
+        part = part_of(Path(page.file.src_uri).stem)
+        if part not in sections:
+            sections[part] = Section(titles[part], [])
+            sections[part].parent = chapters
+        sections[part].children.append(page)
+        page.parent = sections[part]
+    chapters.children = list(sections.values())
 
 
 def alternate_href(page_url: str, root: str) -> str:
