@@ -287,13 +287,16 @@ except ValueError as error:
 #
 # A `Sequence` is one request inside the engine. Its status can only move along the arrows of
 # the drawing above; the `status` setter enforces that, so a scheduler bug that, say, revives a
-# finished sequence fails loudly instead of corrupting the cache.
+# finished sequence fails loudly instead of corrupting the cache. Its `seq_id` comes from one
+# counter shared by every sequence, so ids follow the order in which requests were made, which
+# is how the engine of chapter 10 returns its outputs in prompt order.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：序列
 #
 # `Sequence` 是请求在引擎内部的表示。它的状态只能沿着上图的箭头变化；`status` 的 setter 会强制这一点，
-# 这样调度器如果出了错（比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。
+# 这样调度器如果出了错（比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。它的 `seq_id` 来自所有序列
+# 共用的一个计数器，所以编号的先后就是请求创建的先后；第 10 章的引擎正是靠它按提示词的顺序返回输出。
 
 # %% sequence status
 #| export
@@ -558,6 +561,9 @@ print(say("a mutable default, changed by one caller, changed for all: {shared}; 
           prompt=prompt))
 assert shared and fresh
 assert prompt == [5, 6, 7] and generating.token_ids == [5, 6, 7, 8]
+# en: Ids follow the order in which the sequences were made.
+# zh: 编号的先后就是序列创建的先后。
+assert one.seq_id < two.seq_id < generating.seq_id
 
 # %% [markdown] tags=["en"]
 # ## See it: the counters through a chunked prefill and three decode steps

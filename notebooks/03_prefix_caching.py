@@ -514,6 +514,37 @@ assert all(not kv.wrong_reads(s) for s in (a, b, c, exact))
 print(say("shared-prefix claims hold"))
 
 # %% [markdown] tags=["en"]
+# ### A miss ends the match
+#
+# `match` stops at the first block that misses, even where a later block of the prompt holds the
+# very tokens of a published block: the hit blocks must form a prefix, since `num_cached_tokens`
+# counts from the start, and a block's hash names everything before it. A prompt that shares the
+# system prompt's first block, changes one token of its second, and then repeats a published
+# third block finds only the first.
+
+# %% [markdown] tags=["zh"]
+# ### 一次未命中就结束匹配
+#
+# `match` 在第一个未命中的块处停下，哪怕提示词后面某个块的 token 与某个已发布的块完全相同：命中的块必须构成前缀，
+# 因为 `num_cached_tokens` 从头开始计数，而一个块的哈希代表它之前的全部内容。一个提示词与系统提示词共享第一块、
+# 改动第二块中的一个 token、再重复一个已发布的第三块，它只能找到第一块。
+
+# %%
+miss_bm = BlockManager(num_blocks=12, block_size=4)
+miss_kv = ProvenanceKV(block_size=4)
+published = Sequence([*system, 21, 22, 23, 24, 25], block_size=4)
+run_prompt(miss_bm, miss_kv, published)
+third = miss_bm.blocks[published.block_table[2]]
+# en: the system prompt's second block with one token changed, then the published third block's very tokens
+# zh: 系统提示词的第二块改动一个 token，然后是与已发布的第三块完全相同的 token
+changed = Sequence([*system[:4], 15, 16, 17, 99, 21, 22, 23, 24, 26], block_size=4)
+hits_changed = run_prompt(miss_bm, miss_kv, changed)
+print(say("{name} prefilled, hits {hits}", name="D", hits=hits_changed))
+assert third.token_ids == changed.block(2) and third.hash != NO_HASH
+assert hits_changed == [published.block_table[0]]
+assert not miss_kv.wrong_reads(changed)
+
+# %% [markdown] tags=["en"]
 # ### Rule 1: publish after the write
 #
 # A 12-token prompt prefilled in a chunk of 6 tokens: after the chunk, block 0 is complete and

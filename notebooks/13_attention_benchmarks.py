@@ -576,7 +576,7 @@ print(say("recorded figures meet both goals; the heuristic is within 10 % of the
 # faster at 512 tokens; at 16 sequences FlashAttention 4 is 2–13 % faster than our split-K; for
 # a single sequence our split-K is 1.2–5.5× faster. In prefill FlashAttention 4 is as fast as our
 # kernel on one 2,048-token sequence and 1.36× faster on four of 4,096 (573 against
-# 421 TFLOP/s): the room left in our prefill kernel. The engine figures are in chapter 09.
+# 421 TFLOP/s): the room left in our prefill kernel. The engine figures are in chapter 14.
 
 # %% [markdown] tags=["zh"]
 # ### 适合引擎自身上下文长度的 tile，以及与 FlashAttention 4 并排

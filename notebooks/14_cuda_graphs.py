@@ -559,7 +559,7 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # reduction gives a row a single thread block, so a batch of a hundred rows leaves most of the
 # GPU idle; a version that split the rows into 128 slices for the compiler was slower still
 # (0.95 s), the generated kernels for the padded slices being worse than the plain ones. On a
-# GPU the fast path is now chapter 08's two Triton kernels, which split every row into chunks of
+# GPU the fast path is now chapter 12's two Triton kernels, which split every row into chunks of
 # 4,096 columns themselves; chapter 09's runner puts them in the sampler's place.
 #
 # Compiling the small ops is behind the config switch `compile_small_ops` (`"auto"`: on for
@@ -585,7 +585,7 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # 一个 `[batch, vocab]` 的 float32 张量（Qwen3 有 151,936 列）做大约十遍读写，编译后是四个直接读取 bf16 logits 的
 # 内核，它在基准测试中占用的 GPU 时间从 0.80 s 降到 0.55 s。但生成的每个按行归约只给一行分配一个线程块，所以一百行
 # 的批次让 GPU 的大部分闲着；专为编译器把每行拆成 128 个切片的版本反而更慢（0.95 s），因为对补齐后的切片生成的
-# 内核不如原来的好。现在，GPU 上的快速路径是第 08 章的两个 Triton 内核，它们自己把每行切成 4,096 列一段；第 09 章
+# 内核不如原来的好。现在，GPU 上的快速路径是第 12 章的两个 Triton 内核，它们自己把每行切成 4,096 列一段；第 09 章
 # 的执行器用它们替换采样器的快速路径。
 #
 # 小算子的编译由配置开关 `compile_small_ops` 控制（`"auto"`：CUDA 上打开，CPU 上关闭——对小模型来说，CPU 上编译的
@@ -1395,7 +1395,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # temperature 0.6 — on Qwen3-0.6B's shapes with random bf16 weights, then the same workload
 # through `transformers` (sorted batches of 64), then measures the copy bandwidth and the matmul
 # rate for the bound. **Recorded** on the H200 (2026-11-29; CUDA graphs, compiled small ops,
-# chapter 08's Triton sampler and chapter 18's asynchronous scheduling on, all by default):
+# chapter 12's Triton sampler and chapter 18's asynchronous scheduling on, all by default):
 #
 # | | tokens/s | vs transformers | of the bound |
 # |---|---|---|---|
@@ -1425,7 +1425,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #   (`warm_up_prefill`, chapter 11: 2.3 s of compiles had been inside the measured run), and
 #   the warm-ups run in inference mode so that no compiled function compiles again in a real step;
 # - a sampler that never reads back from the GPU, first compiled (0.80 → 0.55 s), then chapter
-#   08's two Triton kernels (0.08 s: the compiled version gave each 151,936-wide row to a single
+#   12's two Triton kernels (0.08 s: the compiled version gave each 151,936-wide row to a single
 #   thread block);
 # - asynchronous scheduling (chapter 18): step *n + 1* is queued before step *n* is collected.
 #   Measured in one process, it took the engine from 16,059 to 20,758 tokens/s with the compiled
@@ -1457,7 +1457,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 # `python -m nanovllm.bench --preset nano-vllm`（第 19 章）在 Qwen3-0.6B 形状、随机 bf16 权重的模型上运行
 # nano-vllm 的负载——256 个序列，提示词和输出都是 100–1024 个 token，token id 随机，`ignore_eos`，温度 0.6——
 # 然后让 `transformers` 跑同一个负载（排好序的 64 个一批），最后测量拷贝带宽和矩阵乘速率以计算上限。
-# H200 上的**记录值**（2026-11-29；CUDA Graph、编译小算子、第 08 章的 Triton 采样器和第 18 章的异步调度均打开，
+# H200 上的**记录值**（2026-11-29；CUDA Graph、编译小算子、第 12 章的 Triton 采样器和第 18 章的异步调度均打开，
 # 都是默认设置）：
 #
 # | | tokens/s | 相对 transformers | 占上限 |
@@ -1481,7 +1481,7 @@ assert block == 28 * 2**20 and kv_gib < budget_gib - weights_gib
 #
 # - 在启动时编译 prefill 内核的每个变体，而不是在第一个需要它的步里编译（第 11 章的 `warm_up_prefill`：原来有
 #   2.3 s 的编译落在计时之内），并让各个预热在推理模式下运行，这样编译好的函数不会在真实的步里重新编译；
-# - 从不把数据从 GPU 读回主机的采样器，先是编译版（0.80 → 0.55 s），然后是第 08 章的两个 Triton 内核（0.08 s：编译版
+# - 从不把数据从 GPU 读回主机的采样器，先是编译版（0.80 → 0.55 s），然后是第 12 章的两个 Triton 内核（0.08 s：编译版
 #   让单个线程块处理一整行 151,936 个元素）；
 # - 异步调度（第 18 章）：先把第 *n + 1* 步排进队列，再收取第 *n* 步。在同一个进程里测量，使用编译采样器时它让引擎
 #   从 16,059 提高到 20,758 tokens/s，使用 Triton 采样器时从 19,098 提高到 21,642。

@@ -129,7 +129,7 @@ say = Phrases({
 # 5. `down_proj` (then the all-reduce).
 #
 # `small_matmul` is that kernel, in two forms. For one token (a decode step of one sequence, the
-# case this section is for) or two it is a GEMV, a matrix times a vector: each program owns a few
+# case this section is for) and up to four it is a GEMV, a matrix times a vector: each program owns a few
 # rows of the weight (8 for q/k/v and gate/up, 4 for `o_proj` and `down_proj`, so that every matmul
 # has at least 256 programs for the H200's 132 SMs), loads its whole slice of them at once (16 KB
 # for q/k/v), and only then reads the input rows, one after another, while the slice stays in
@@ -177,7 +177,7 @@ say = Phrases({
 # 4. 残差相加 + RMSNorm + gate/up 矩阵乘 + SiLU × mul；
 # 5. `down_proj`（接 all-reduce）。
 #
-# `small_matmul` 就是这个内核，它有两种形式。一个 token（一个序列的 decode 步，也就是本节关心的情形）或两个 token
+# `small_matmul` 就是这个内核，它有两种形式。一个 token（一个序列的 decode 步，也就是本节关心的情形）到四个 token
 # 时它是 GEMV，即矩阵乘向量：每个程序负责权重的几行（q/k/v 和 gate/up 每个程序 8 行，`o_proj` 和 `down_proj` 4 行，
 # 这样每个矩阵乘都至少有 256 个程序，分给 H200 的 132 个 SM），一次把自己那一段权重全部读入（q/k/v 是 16 KB），然后
 # 才去读输入行，一行接一行，那段权重一直留在寄存器里。更多 token（最多 16 个）时它是 tile 内核：一个 16 行的 tile
@@ -748,7 +748,7 @@ for setting in (False, True):
 # ## What it measured: the GEMV and its early start
 #
 # Recorded on an H200 (2026-12-03, copy rate 4.22 TB/s) with
-# `PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py`: the 112 matmuls of a Qwen3-0.6B decode
+# `PYTHONPATH=$PWD python3 scripts/probes/decode_matmul_chain.py`: the 112 matmuls of a Qwen3-0.6B decode
 # step (881 MB of bf16 weights, far beyond the 50 MB L2 cache), chained as the step chains them,
 # replayed in one CUDA graph. cuBLAS computes the matmuls alone; the fused kernels also do the
 # norms and SiLU × mul. The bound is the weights read once at the copy rate: 209 µs.
@@ -777,7 +777,7 @@ for setting in (False, True):
 # flight, so longer steps stay with cuBLAS.
 #
 # Then a sweep on an H100 changed the tile kernel (2026-12-05, copy rate 3.01 TB/s,
-# `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`: the same loop without the norm, each weight
+# `PYTHONPATH=$PWD python3 scripts/probes/splitk_sweep.py`: the same loop without the norm, each weight
 # shape timed alone over its 28 layers, 42–48 launches each, at 1, 4, 8 and 16 rows). Tiles of 32
 # columns, five loads in flight and split-K for the narrow weights were best at every row count,
 # so `choose_launch` now gives those. Per 28 matmuls at 4 rows, µs:
@@ -821,7 +821,7 @@ for setting in (False, True):
 # %% [markdown] tags=["zh"]
 # ## 测量结果：GEMV 和它的提前启动
 #
-# 2026-12-03 在 H200 上（拷贝速率 4.22 TB/s）用 `PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py` 记录：
+# 2026-12-03 在 H200 上（拷贝速率 4.22 TB/s）用 `PYTHONPATH=$PWD python3 scripts/probes/decode_matmul_chain.py` 记录：
 # Qwen3-0.6B 一个 decode 步的 112 个矩阵乘（881 MB 的 bf16 权重，远大于 50 MB 的 L2 缓存），像一步里那样首尾相接，
 # 在一个 CUDA graph 里重放。cuBLAS 只算矩阵乘；融合内核还要做归一化和 SiLU × mul。上限是按拷贝速率把权重读一遍：
 # 209 µs。
@@ -848,9 +848,9 @@ for setting in (False, True):
 # 128 个元素，同时在途的字节太少，所以更长的步仍交给 cuBLAS。
 #
 # 后来在一块 H100 上做的一次扫描改变了 tile 内核（2026-12-05，拷贝速率 3.01 TB/s，
-# `PYTHONPATH=$PWD python3 scripts/splitk_sweep.py`：同样的循环，只是不带归一化；每种权重形状单独计时，各跑它的 28 层，
-# 每种形状 42–48 种启动方式，行数取 1、4、8、16）。在每种行数下最好的都是：每块 32 列、五批读取同时在途、窄权重用
-# split-K，所以 `choose_launch` 现在给出的就是这些。4 行时每 28 个矩阵乘的用时（µs）：
+# `PYTHONPATH=$PWD python3 scripts/probes/splitk_sweep.py`：同样的循环，只是不带归一化；每种权重形状单独计时，
+# 各跑它的 28 层，每种形状 42–48 种启动方式，行数取 1、4、8、16）。在每种行数下最好的都是：每块 32 列、
+# 五批读取同时在途、窄权重用 split-K，所以 `choose_launch` 现在给出的就是这些。4 行时每 28 个矩阵乘的用时（µs）：
 #
 # | 权重 | cuBLAS | tile 内核，最佳启动方式 | 不用 split-K 的最佳 |
 # |---|---:|---:|---:|
@@ -910,18 +910,18 @@ for setting in (False, True):
 # %% [markdown] tags=["zh"]
 # ## 时间线：一层，然后是等主机
 #
-# 同一个基准测试还会在它的 JSON 里保存分析窗口中间那个步边界前后的 kernel（`boundary_timeline`：从最后一层的
-# `norm_rotate_store_kernel` 到下一步第一层的那一个），每个方框按 GPU 的时钟从 kernel 开始画到结束。下面的数据是在
+# 同一个基准测试还会在它的 JSON 里保存分析窗口中间那个步边界前后的内核（`boundary_timeline`：从最后一层的
+# `norm_rotate_store_kernel` 到下一步第一层的那一个），每个方框按 GPU 的时钟从内核开始画到结束。下面的数据是在
 # H200 上用 `python -m nanovllm.bench --latency --fused-decode both --batches 1` 记录的；蓝色方框是矩阵乘，橙色是
 # 注意力，灰色是它们之间的小活。
 #
-# 第一幅图是一步中的最后一层。不融合时它是九个 kernel，共 35.2 µs：cuBLAS 的矩阵乘（光是 `o_proj` 读它 4 MB 的权重
+# 第一幅图是一步中的最后一层。不融合时它是九个内核，共 35.2 µs：cuBLAS 的矩阵乘（光是 `o_proj` 读它 4 MB 的权重
 # 就用了 10.2 µs），多数后面跟一个编译好的残差相加 + RMSNorm 或 SiLU × mul；每两个之间有约 0.1 µs 的空隙，再加上
-# 下一个 kernel 启动起来所需的时间。融合之后这一层是六个 kernel，共 20.3 µs，而且三个 GEMV 是重叠的：`gate_up_proj`
+# 下一个内核启动起来所需的时间。融合之后这一层是六个内核，共 20.3 µs，而且三个 GEMV 是重叠的：`gate_up_proj`
 # 在 `o_proj` 开始 0.9 µs 后就开始了，那时 `o_proj` 还在跑，它最初的几微秒用来读入自己的权重。
 #
 # 第二幅图是整个步边界，它显示了融合层解决不了的问题。LM head（75 µs，已经到了上限）和采样器之后，GPU 先跑了几个
-# 为下一步准备输入的小 kernel，然后大约 0.3 ms 什么也不做：它在等主机启动下一步。这一次调用里，主机启动每一步花了
+# 为下一步准备输入的小内核，然后大约 0.3 ms 什么也不做：它在等主机启动下一步。这一次调用里，主机启动每一步花了
 # 1.02 ms（不融合）和 1.10 ms（融合），比 GPU 算这一步还久，所以一步用了 1.319 和 1.176 ms：快了 1.12 倍，而第一次
 # 调用（在另一台同型号的机器上）测得 1.30 倍。批大小为 1 时，主机现在成了瓶颈；下一步要做的是让 Python 的一步更便宜。
 
@@ -1120,7 +1120,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # One sequence went from 24 % of its bound (1.44 ms, before this chapter and chapter 18's
 # one-copy step) to 43 %. Four and sixteen did not move: their steps were not fused, because no
 # kernel we had then multiplied 4 to 16 rows faster than cuBLAS (four rows now do: see below). The same day's
-# `scripts/prefetch_tile_probe.py` timed the step's 28 layers of matmuls (with their norms and
+# `scripts/probes/prefetch_tile_probe.py` timed the step's 28 layers of matmuls (with their norms and
 # SiLU × mul; bound 207 µs) three ways. The third is the GEMV's trick on a tile: split-K so fine
 # that a program's whole weight slice is one tile, loaded before the program waits for the
 # kernel before it; eight launches were tried, and the best one is shown.
@@ -1139,7 +1139,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # matmul to matmul without a boundary), rather than faster short ones.
 #
 # And why does each row cost the GEMV so much, when it reads its weights only once? Not
-# registers: `scripts/gemv_rows_probe.py` (the same H200 and day) gave each program a half, a
+# registers: `scripts/probes/gemv_rows_probe.py` (the same H200 and day) gave each program a half, a
 # quarter or an eighth of the slice (more programs, fewer registers each), and every row more
 # still cost 110–200 µs over the 28 layers; the narrower slices took off a fifth at most, and
 # only from 3 rows on. What each row does wait for: its own input from L2, its own norm, and the
@@ -1189,7 +1189,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # 再跑一次延迟基准测试，引擎用默认设置（融合 decode、PDL、异步调度），在 H200 上（2026-12-05，拷贝速率
 # 4.25 TB/s，`python -m nanovllm.bench --latency`）：
 #
-# | 批大小 | 每步 ms | tok/s | 上限 | 占上限 | kernel 数 | 单独的 graph | 主机启动用时 |
+# | 批大小 | 每步 ms | tok/s | 上限 | 占上限 | 内核数 | 单独的 graph | 主机启动用时 |
 # |---:|---:|---:|---:|---:|---:|---:|---:|
 # | 1 | 0.719 | 1,391 | 0.308 ms | 42.9 % | 203 | 0.630 ms | 0.556 ms |
 # | 4 | 1.394 | 2,869 | 0.392 ms | 28.1 % | 315 | 1.303 ms | 0.705 ms |
@@ -1198,7 +1198,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 #
 # 一个序列从上限的 24 %（1.44 ms，在本章和第 18 章的“一次拷贝”之前）提高到 43 %。四个和十六个序列没有变化：它们的
 # 步没有融合，因为我们当时手里没有哪个内核算 4 到 16 行的矩阵乘比 cuBLAS 快（四行现在有了，见下文）。
-# 同一天用 `scripts/prefetch_tile_probe.py` 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；
+# 同一天用 `scripts/probes/prefetch_tile_probe.py` 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；
 # 上限 207 µs）计时。第三种是把 GEMV 的办法用到
 # tile 上：split-K 切得足够细，一个程序的整段权重正好是一个 tile，在等前一个内核之前就读进来；试了八种启动配置，
 # 下表列出最好的那种。
@@ -1214,7 +1214,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # 约 0.7 ms 的矩阵乘正是 16 个序列的一步停在 1.75 ms 的主要原因。剩下值得试的是那些融合引擎的做法：更少、更长的
 # 内核（一整层，甚至整个一步，放进一个常驻内核，从一个矩阵乘走到下一个，中间没有内核边界），而不是更快的短内核。
 #
-# 那么，GEMV 明明只读一次权重，为什么每多一行都这么贵？不是寄存器的问题：`scripts/gemv_rows_probe.py`
+# 那么，GEMV 明明只读一次权重，为什么每多一行都这么贵？不是寄存器的问题：`scripts/probes/gemv_rows_probe.py`
 # （同一块 H200、同一天）让每个程序只拿一半、四分之一或八分之一的权重段（程序更多，每个用的寄存器更少），
 # 每多一行在 28 层上仍然多花 110–200 µs；更窄的权重段最多省下五分之一，而且要从 3 行起才省得下来。每一行真正在等的
 # 是：它自己从 L2 读入的输入、它自己的 norm，以及上一行的写回。所以内核现在等待之后把所有行的输入作为一个 tile
@@ -1236,7 +1236,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # 融合与不融合在同一次调用里（`python -m nanovllm.bench --latency --batches 1 4 16 64 --fused-decode both`，
 # 拷贝速率 3.00 TB/s）：
 #
-# | 批大小 | 每步 ms，不融合 | 融合 | kernel 数 | 融合后占上限 |
+# | 批大小 | 每步 ms，不融合 | 融合 | 内核数 | 融合后占上限 |
 # |---:|---:|---:|---:|---:|
 # | 1 | 1.270 | 0.803（1.58 倍） | 315 → 202 | 54.3 % |
 # | 4 | 1.437 | 1.190（1.21 倍） | 315 → 202 | 46.5 % |
@@ -1249,8 +1249,8 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 #
 # 每个内核都有足够多的活时，内核边界就没那么要紧了。在 Qwen3-8B 的形状上（36 层，一步读 15.1 GB 权重；
 # `python -m nanovllm.bench --latency --preset qwen3-8b --batches 1 --fused-decode both`，同一天晚些时候、
-# 第一张表的那块 H200，拷贝速率 4.24 TB/s），一个序列的一步不融合时用 4.745 ms（439 个 kernel，占 3.602 ms 上限的
-# 75.9 %），融合后用 4.044 ms（258 个 kernel，89.1 %）：同一次运行里快 1.17 倍，也超过了我们定下的 85 %。
+# 第一张表的那块 H200，拷贝速率 4.24 TB/s），一个序列的一步不融合时用 4.745 ms（439 个内核，占 3.602 ms 上限的
+# 75.9 %），融合后用 4.044 ms（258 个内核，89.1 %）：同一次运行里快 1.17 倍，也超过了我们定下的 85 %。
 
 # %%
 # en: Recorded (H200, 2026-12-05): batch -> (ms per step, bound ms, kernels); rows -> (cuBLAS, small_matmul,
@@ -1325,8 +1325,8 @@ assert all((after < 0.7 * before and fused < 0.85 * unfused) == (batch <= GEMV_R
 #   `choose_launch`), `FusedDecodeLayer` and `fuse_decode_layers`, with the config switch
 #   `fused_decode` (`"auto"`: on for CUDA, steps of up to four tokens).
 # - `ModelRunner.fuse_layers`: chapter 14's hook, filled, so that the graphs capture the fused layers.
-# - `scripts/decode_matmul_chain.py` times a step's 112 matmuls against cuBLAS;
-#   `scripts/splitk_sweep.py` sweeps the tile kernel's launches per weight shape.
+# - `scripts/probes/decode_matmul_chain.py` times a step's 112 matmuls against cuBLAS;
+#   `scripts/probes/splitk_sweep.py` sweeps the tile kernel's launches per weight shape.
 #
 # Chapter 16 splits the model across GPUs.
 #
@@ -1346,8 +1346,8 @@ assert all((after < 0.7 * before and fused < 0.85 * unfused) == (batch <= GEMV_R
 #   16 个 token 时是 tile 内核，权重窄时用 split-K，见 `choose_launch`）、`FusedDecodeLayer` 和 `fuse_decode_layers`，
 #   以及配置开关 `fused_decode`（`"auto"`：CUDA 上打开，只接手不超过四个 token 的步）。
 # - `ModelRunner.fuse_layers`：填上第 14 章留下的钩子，让图捕获融合后的层。
-# - `scripts/decode_matmul_chain.py` 把一步的 112 个矩阵乘与 cuBLAS 对比计时；`scripts/splitk_sweep.py` 按权重形状扫描
-#   tile 内核的启动配置。
+# - `scripts/probes/decode_matmul_chain.py` 把一步的 112 个矩阵乘与 cuBLAS 对比计时；
+#   `scripts/probes/splitk_sweep.py` 按权重形状扫描 tile 内核的启动配置。
 #
 # 第 16 章把模型切分到多块 GPU 上。
 #

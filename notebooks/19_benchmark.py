@@ -150,7 +150,7 @@ def make_workload(
 # ### 计时器
 #
 # 两边用同一个计时器 `Stopwatch` 计时，它和第 13 章的报告函数一起放在 `nanovllm.bench.report` 里。GPU 的进度
-# 落后于主机：主机把 kernel 排进队列就继续往下走，所以计时器如果不在开始和停止之前都先等设备上排队的工作做完，
+# 落后于主机：主机把内核排进队列就继续往下走，所以计时器如果不在开始和停止之前都先等设备上排队的工作做完，
 # 量到的就只是排队的时间，而不是工作本身。
 
 # %% stopwatch
@@ -1309,12 +1309,12 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # ## 延迟：一步一步地看
 #
 # 256 个序列时的吞吐量，掩盖了单个读者或只有几路流的对话所感受到的东西：批很小时，一个 decode 步要花多长时间。
-# 这时每一步都为很少的计算把全部权重读一遍，而在 256 个序列时无足轻重的那几百次 kernel 启动，成了一步的大头。
+# 这时每一步都为很少的计算把全部权重读一遍，而在 256 个序列时无足轻重的那几百次内核启动，成了一步的大头。
 # `python -m nanovllm.bench --latency` 测的就是这个：对每个批大小（GPU 上为 1、4、16 和 64 个序列），提示词为
 # 512 个随机 token，各生成 1,024 个，按引擎实际运行的方式（CUDA graph、异步调度）给每个 decode 步计时，并为每个
 # 批大小打印一步的墙钟时间、每秒 token 数，以及这一步的**上限**：一步必须读取的字节数（每个权重读一次，加上每个
 # 序列当前长度的 KV 缓存），按同一次运行中测得的拷贝速率计算。在 GPU 上，`torch.profiler` 会记录运行中段的一段
-# 步：一步启动多少个 kernel，以及一步的墙钟时间里 GPU 有多少花在 kernel 内部。剩下的、kernel 之间的那部分，就是
+# 步：一步启动多少个内核，以及一步的墙钟时间里 GPU 有多少花在内核内部。剩下的、内核之间的那部分，就是
 # 一步的固定开销。
 #
 # 在 CPU 上，同一条命令用 SmolLM2 和更小的默认值运行（批大小 1 和 4，提示词 128 个 token，各生成 64 个），并说明
@@ -1341,8 +1341,9 @@ from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
 from nanovllm.sampling_params import SamplingParams
 
-# en: (batches, prompt tokens, generated tokens): the issue's figures on a GPU, a few minutes' worth on a CPU.
-# zh: （批大小，提示词 token 数，生成 token 数）：GPU 上用问题里的数字，CPU 上用几分钟能跑完的规模。
+# en: (batches, prompt tokens, generated tokens): on a GPU, the batches the latency goals name; on a CPU, a few
+# en: minutes' worth.
+# zh: （批大小，提示词 token 数，生成 token 数）：GPU 上用延迟目标所说的那几个批大小，CPU 上用几分钟能跑完的规模。
 LATENCY_DEFAULTS = {"cuda": ((1, 4, 16, 64), 512, 1024), "cpu": ((1, 4), 128, 64)}
 
 
@@ -1668,7 +1669,7 @@ def measure_setting(model: str, batches: list[int], input_len: int, output_len: 
 # On the tiny Qwen3, two batches of 16-token prompts generating 24 tokens each: 23 decode steps,
 # the first 8 of which warm up untimed. What is checked is the arithmetic, not the timings: the
 # weights a step reads are the model's parameters once (the tied embedding counted as the LM
-# head, the final norm aside), which for Qwen3-0.6B is the 1.19 GB of the issue, and each row's
+# head, the final norm aside), which for Qwen3-0.6B is 1.19 GB, and each row's
 # bound and fraction follow from the bytes and the copy rate the same run measured.
 
 # %% [markdown] tags=["zh"]
@@ -1741,7 +1742,7 @@ print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_by
 #   `transformers` 参照组；负载的物理上限；引擎一侧的测量，可在同一次调用中比较张量并行或不同的注意力后端。
 # - `nanovllm.bench.models` 多了 Qwen3-8B 的形状：一个没有权重的目录，配合 `load_format="dummy"` 使用。
 # - `nanovllm.bench.latency`（`python -m nanovllm.bench --latency`）：批大小为 1、4、16 和 64 时一个 decode 步
-#   对照其上限的耗时，以及它启动的 kernel 数和 GPU 花在其中的时间。
+#   对照其上限的耗时，以及它启动的内核数和 GPU 花在其中的时间。
 #
 # ## 练习
 #

@@ -320,7 +320,7 @@ def step_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 # %% [markdown] tags=["en"]
 # ### The model the GPU measurement serves
 #
-# On the H200 the issue asks for the nano-vllm workload on Qwen3-0.6B's shapes. Chapter 19's
+# On a GPU the measurement runs the nano-vllm workload on Qwen3-0.6B's shapes. Chapter 19's
 # engine benchmark already builds that model with random weights (`qwen3_06b_random`: speed does
 # not depend on the values of the weights), but its tokenizer is the tiny model's, 512 tokens for a
 # vocabulary of 151,936 ids: a server could not turn most generated ids into text, and a stream
@@ -335,7 +335,7 @@ def step_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
 # %% [markdown] tags=["zh"]
 # ### GPU 测量所服务的模型
 #
-# 在 H200 上，议题要求用 Qwen3-0.6B 的形状跑 nano-vllm 的负载。第 19 章的引擎基准测试已经构造了这个随机权重的模型
+# 在 GPU 上，测量用 Qwen3-0.6B 的形状跑 nano-vllm 的负载。第 19 章的引擎基准测试已经构造了这个随机权重的模型
 # （`qwen3_06b_random`：速度与权重的取值无关），但它的分词器是那个微型模型的，只有 512 个 token，而词表有 151,936
 # 个 id：服务器无法把大多数生成的 id 变成文本，流里也就没有可以计时的片段。`qwen3_06b_served` 保留那个模型目录的配置和
 # 权重（链接到同样的文件），再用代码写出一个分词器，不需要下载：每个 id 一个单词（`t12345`；特殊 token 保持原来的 id），
@@ -421,7 +421,7 @@ def run_offline(model: str, tokenizer: Any, prompts: list[str], output_lens: lis
 
 
 def print_ratios(summaries: list[dict[str, Any]], offline: dict[str, Any] | None) -> dict[str, float]:
-    """The issue's comparisons, as far as this run has their terms: our server's output tok/s against the offline
+    """The serving goals' comparisons, as far as this run has their terms: our server's output tok/s against the offline
     engine's and against the peer's, and its p50 ITL against its own decode step (and the offline engine's)."""
     ours = next((s for s in summaries if s["name"] == "nano-vllm"), None)
     peer = next((s for s in summaries if s["name"].startswith("transformers")), None)
@@ -747,7 +747,7 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # server's own decode step, so what serving adds per token (the message, detokenization, JSON,
 # HTTP) is small next to a CPU step.
 #
-# On the H200 the goals are the issue's, on the nano-vllm workload and Qwen3-0.6B's shapes
+# On a GPU the goals are three, on the nano-vllm workload and Qwen3-0.6B's shapes
 # (`qwen3_06b_served`, above): (a) served output tokens per second at least 90 % of the offline
 # engine's on the same prompts, in the same run; (b) at least 10× `transformers serve`; (c) at 16
 # concurrent streams, a p50 ITL within 1.5× of the engine's own decode step. One command measures
@@ -821,7 +821,7 @@ for name, batch in (("4 streams", texts), ("1 stream", texts[:1])):
 # 在同一台 CPU 上：一个流的 ITL p50 与服务器自己的 decode 步只差几个百分点，所以服务为每个 token 增加的开销（消息、
 # 反分词、JSON、HTTP）与 CPU 上的一步相比很小。
 #
-# 在 H200 上，目标是该议题提出的那些，用 nano-vllm 的负载和 Qwen3-0.6B 的形状（上面的 `qwen3_06b_served`）：
+# 在 GPU 上，目标有三个，用 nano-vllm 的负载和 Qwen3-0.6B 的形状（上面的 `qwen3_06b_served`）：
 # (a) 服务时每秒输出 token 数至少达到离线引擎在同样提示词上、同一次运行中的 90%；(b) 至少是 `transformers serve` 的
 # 10 倍；(c) 在 16 个并发流时，ITL 的 p50 不超过引擎自己 decode 步时间的 1.5 倍。一条命令测出这三项：
 # `scripts/gpu-ci.sh serve`。它安装随代码带过去的 `.whl-serve/` 里的服务相关 wheel（由 `scripts/serve-wheels.sh`

@@ -1238,11 +1238,11 @@ assert len(gaps) == sum(s < 16 for s in shared)
 # The full measurement: the first 3,000 tokens of each text, 32 prompts × 64 tokens. It takes
 # minutes, not seconds, so it is not run on this page: the dictionary below is what the command
 # it names printed and wrote (`--out`), and the cell after it checks the figures against each
-# other and against the issue's goal.
+# other and against the goal set for it.
 
 # %% [markdown] tags=["zh"]
 # 完整的测量：每段文本的前 3,000 个 token，32 个提示词 × 64 个 token。它要跑几分钟而不是几秒，所以不在本页运行：
-# 下面的字典就是字典里那条命令打印并写出（`--out`）的结果，再下一个单元把这些数字相互核对，并与 issue 的目标对照。
+# 下面的字典就是字典里那条命令打印并写出（`--out`）的结果，再下一个单元把这些数字相互核对，并与为它设定的目标对照。
 
 # %%
 # en: python -m nanovllm.bench.kv_cache_accuracy --out accuracy.json, copied from its JSON

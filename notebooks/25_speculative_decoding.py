@@ -47,7 +47,9 @@ import torch
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
-    "acceptance rate": "接受率",
+    "agreement α": "同意率 α",
+    "3.21 tokens per verify step with 4 drafts: agreement α = {alpha:.2f}; acceptance rate (E - 1) / k = {rate:.0%}":
+        "每步 4 个草稿、每个验证步 3.21 个 token：同意率 α = {alpha:.2f}；接受率 (E - 1) / k = {rate:.0%}",
     "tokens per step for k = {ks}": "k = {ks} 时每步的 token 数",
     "drafts for {text!r}: {draft}": "{text!r} 的草稿：{draft}",
     "no earlier occurrence: {draft}": "找不到更早的出现：{draft}",
@@ -96,17 +98,25 @@ say = Phrases({
 # ## The arithmetic: what a step is worth
 #
 # Say the proposer offers *k* drafts and the model agrees with each one with probability *α*,
-# independently. The step keeps draft *i* only if it kept drafts 1 … *i* − 1, and it always adds
-# one token of the model's own (the correction at the first disagreement, or a **bonus token**
-# after the last draft). So a step yields
+# independently: *α* is the **agreement rate** of a draft. The step keeps draft *i* only if it
+# kept drafts 1 … *i* − 1, and it always adds one token of the model's own (the correction at the
+# first disagreement, or a **bonus token** after the last draft). So a step yields
 #
 # $$E = 1 + \alpha + \alpha^2 + \dots + \alpha^k = \frac{1 - \alpha^{k+1}}{1 - \alpha}$$
 #
-# tokens. At *α* = 0 it is 1: a wasted guess costs the extra K/V rows of the verify forward and
-# nothing else. At *α* → 1 it tends to *k* + 1. The cost side is what chapter 14 measured: at
-# small batches a step costs about the same for one query token as for five, so the speed-up is
-# close to *E*. At large batches each step is already full of work, the *k* extra rows per
-# sequence are real work too, and speculation stops paying.
+# tokens: 1 at *α* = 0, the token a plain decode step gives, and *k* + 1 as *α* → 1. The engine's
+# counters measure another rate, the **acceptance rate**: drafts accepted ÷ drafts verified. A
+# step stops accepting at the first disagreement, so it accepts *E* − 1 of its *k* drafts, and the
+# acceptance rate, (*E* − 1) / *k*, stays well below *α*: the SmolLM2 run below prints 56 % and
+# 3.21 tokens per verify step with four drafts, which needs *α* ≈ 0.78 (the cell after the table
+# solves for it).
+#
+# Speed is tokens per second, not per step. A verify step carries *k* + 1 query rows per sequence
+# and waits for its tokens before the next step is scheduled, so it costs more than a decode step:
+# 2.0 to 2.9 decode steps at small batches in the GPU measurements below. The speed-up is *E*
+# divided by that cost, and a wasted guess is not free: a verify step that keeps nothing gives one
+# token for the price of two or three. At large batches each step is already full of work, the *k*
+# extra rows per sequence are real work too, and speculation stops paying.
 
 # %% [markdown] tags=["zh"]
 # ## 算一笔账：一步值多少
@@ -117,9 +127,15 @@ say = Phrases({
 #
 # $$E = 1 + \alpha + \alpha^2 + \dots + \alpha^k = \frac{1 - \alpha^{k+1}}{1 - \alpha}$$
 #
-# 个 token。*α* = 0 时它是 1：猜错的代价只是验证那次前向计算多算的几行 K/V。*α* → 1 时它趋近 *k* + 1。成本这一侧
-# 就是第 14 章测到的：批大小小的时候，一步算一个查询 token 和算五个花费差不多，所以加速比接近 *E*。批大小大的时候，
-# 每一步本来就装满了活，每个序列多出的 *k* 行也是实打实的工作，投机就不再划算。
+# 个 token：*α* = 0 时是 1，也就是普通 decode 步产出的那一个；*α* → 1 时趋近 *k* + 1。引擎的计数器测的是另一个
+# 比率，**接受率**（acceptance rate）：被接受的草稿数 ÷ 验证过的草稿数。一步在第一次不同意时就停止接受，所以 *k* 个
+# 草稿里只接受 *E* − 1 个，接受率 (*E* − 1) / *k* 远低于 *α*：下面 SmolLM2 的运行在每步四个草稿时打印出 56% 和每个
+# 验证步 3.21 个 token，这要求 *α* ≈ 0.78（表格后面的单元把它解出来）。
+#
+# 速度按每秒 token 数算，而不是按每步。一个验证步为每个序列带上 *k* + 1 行查询，而且要等它的 token 出来才能调度
+# 下一步，所以它比一个 decode 步贵：在下面 GPU 上的测量里，小批大小时它值 2.0 到 2.9 个 decode 步。加速比是 *E* 除以
+# 这个代价；猜错也不是白猜：一个什么都没保留的验证步，花两三步的代价只换来一个 token。批大小大的时候，每一步本来就
+# 装满了活，每个序列多出的 *k* 行也是实打实的工作，投机就不再划算。
 
 # %%
 def tokens_per_step(alpha: float, k: int) -> float:
@@ -128,13 +144,30 @@ def tokens_per_step(alpha: float, k: int) -> float:
 
 
 ks = (1, 2, 4, 8)
-print(f"{say('acceptance rate'):>10} | " + say("tokens per step for k = {ks}", ks=", ".join(map(str, ks))))
+print(f"{say('agreement α'):>11} | " + say("tokens per step for k = {ks}", ks=", ".join(map(str, ks))))
 for alpha in (0.0, 0.5, 0.7, 0.9):
-    print(f"{alpha:>10.1f} | " + "  ".join(f"{tokens_per_step(alpha, k):5.2f}" for k in ks))
+    print(f"{alpha:>11.1f} | " + "  ".join(f"{tokens_per_step(alpha, k):5.2f}" for k in ks))
 assert tokens_per_step(0.0, 4) == 1 and abs(tokens_per_step(0.8, 4) - (1 - 0.8**5) / 0.2) < 1e-12
 # en: more drafts never hurt the expectation, but their returns shrink geometrically
 # zh: 草稿越多，期望值不会变小，但收益按几何级数递减。
 assert tokens_per_step(0.7, 8) - tokens_per_step(0.7, 4) < tokens_per_step(0.7, 4) - tokens_per_step(0.7, 0)
+
+
+def agreement_for(tokens: float, k: int) -> float:
+    """The agreement rate alpha at which a verify step of k drafts yields ``tokens`` on average (bisection)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if tokens_per_step(middle, k) < tokens else (low, middle)
+    return low
+
+
+# en: The SmolLM2 run below: 3.21 tokens per verify step with 4 drafts, 56 % of the drafts accepted.
+# zh: 下面 SmolLM2 的运行：每步 4 个草稿，每个验证步 3.21 个 token，56% 的草稿被接受。
+alpha_run = agreement_for(3.21, 4)
+print(say("3.21 tokens per verify step with 4 drafts: agreement α = {alpha:.2f}; acceptance rate (E - 1) / k = "
+          "{rate:.0%}", alpha=alpha_run, rate=(3.21 - 1) / 4))
+assert abs(alpha_run - 0.78) < 0.01 and abs((3.21 - 1) / 4 - 0.56) < 0.01
 
 # %% [markdown] tags=["en"]
 # ## Build it: a proposer that reads the request's own tokens
@@ -258,7 +291,7 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # 一个模型目录（"自草稿"：省下的是它丢掉的那部分层，前几层已经知道下一个 token 的时候，它就提议得对）。别对它
 # 期望太高：为了给后面的层提供输入而训练出来的层，猜不准最后一层的答案。在 SmolLM2 上（30 层，贪心解码，一个
 # 引用型提示词和一个故事型提示词各生成 64 个 token，在本书的 CPU 机器上测量），取前 24 层的自草稿有 16% 和 10% 的
-# 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退让规则就会让它暂停。在一块 H100 上
+# 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退避规则就会让它暂停。在一块 H100 上
 # （2026-12-05，`scripts/gpu-ci.sh speculative`，SmolLM2 引用一段文字，一个序列），前 8 层的自草稿一个草稿也没有被
 # 保留，只跑出普通引擎的 0.56 倍：每当 16 个 token 的暂停结束，草稿引擎就要补算，再为一个什么也保留不了的验证步
 # 提议草稿。现在草稿一直失败时暂停会加倍：在一块 H200 上（2026-12-05，同一条命令），同一个草稿模型在 256 个 token
@@ -403,7 +436,7 @@ Sequence.num_draft_tokens: int = 0
 # en: The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
 # en: steps gave (None before the first), the length it must reach before it gets drafts again, and how many times
 # en: in a row it paused them (each pause twice as long as the one before).
-# zh: 退让规则对这个序列的记忆（"什么时候划算"一节）：它最近的验证步平均产出的 token 数（第一次之前为 None），
+# zh: 退避规则对这个序列的记忆（"什么时候划算"一节）：它最近的验证步平均产出的 token 数（第一次之前为 None），
 # zh: 它要长到多少才能再拿到草稿，以及它已经连续暂停了几次（每次暂停都是上一次的两倍长）。
 Sequence.recent_tokens_per_verify: float | None = None
 Sequence.drafts_resume_at: int = 0
@@ -445,7 +478,7 @@ class Proposer(Protocol):
 # en: decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
 # en: drafts for its next draft_pause_tokens tokens, twice that if it pauses again without a good verify step in
 # en: between, and so on up to max_draft_pause_tokens: drafts that never pay cost less and less.
-# zh: 退让规则，在"什么时候划算"一节里测量。一个验证步最多 max_verify_rows 行（一行：序列的最后一个 token 或它的一个
+# zh: 退避规则，在"什么时候划算"一节里测量。一个验证步最多 max_verify_rows 行（一行：序列的最后一个 token 或它的一个
 # zh: 草稿），如果这样分到每个序列的草稿少于 min_drafts 个，就干脆不要草稿：批越大草稿越少，超过 5 个序列就没有草稿。
 # zh: 另外，一个验证步的代价是两个甚至更多 decode 步：最近的验证步平均产出少于 min_tokens_per_verify 个 token 的
 # zh: 序列，在接下来的 draft_pause_tokens 个 token 里拿不到草稿；中间没有一个好的验证步又要暂停时，暂停加倍，
@@ -762,7 +795,9 @@ print(say("{frames} frames; blocks given back after rejected drafts: {given_back
 # The decode graphs of chapter 14 run it unchanged, its inputs written by chapter 18's
 # `DecodeStaging.stage_rows` and sent in one copy: a batch of one sequence with four drafts
 # replays the graph captured for 8 rows. (The rows read the shared prefix's K/V once each, *k* + 1
-# times in all: nothing at the small batches where speculation pays.) Without a graph (on a CPU,
+# times in all. With a short context that is little next to the weights a step reads; with a long
+# one, the KV dominates a step's bytes, and *k* + 1 reads of it cost almost *k* + 1 decode steps.)
+# Without a graph (on a CPU,
 # or past the largest one) the same rows run eagerly through `prepare_verify`.
 #
 # Two things differ from a decode step. The LM head gives logits for every row, and every row is
@@ -776,13 +811,14 @@ print(say("{frames} frames; blocks given back after rejected drafts: {given_back
 #
 # 验证步为每个序列计算多个查询 token：它的最后一个 token 和它的草稿，每个都关注序列已缓存的前缀，并按因果关系
 # 关注它前面的 token。分块 prefill（第 04 章）算的正是这个，但走的是 prefill 路径，是 eager 执行的：在 GPU 上
-# batch 为 1 时，这要花几十毫秒去启动 kernel，而 decode 步只需重放一张 CUDA 图（第 14 章）。所以验证步改写成
+# 批大小为 1 时，这要花几十毫秒去启动内核，而 decode 步只需重放一张 CUDA 图（第 14 章）。所以验证步改写成
 # decode 步。带 *k* 个草稿的序列变成共享同一个块表的 *k* + 1 个 decode 行：第 *i* 行放下标为 start + *i* 的 token
 # （start：序列已缓存的长度），把它的 K/V 存进这个位置的槽，看到前 start + *i* + 1 个 token。于是每一行恰好就是
 # 它前面的 token 都被接受之后、计算这个位置的那个 decode 步；又因为每一层都先存下这一步的 K/V 再做注意力，第 *i*
 # 行能看到它前面的草稿。第 14 章的 decode 图原样运行它，输入由第 18 章的 `DecodeStaging.stage_rows` 写好、一次
-# 拷贝送出：一个带四个草稿的序列，重放的是为 8 行捕获的那张图。（这些行各自读一遍共享前缀的 K/V，一共 *k* + 1 遍：
-# 在投机解码划算的小 batch 上，这不算什么。）没有图的时候（在 CPU 上，或超出最大的那张图），同样的行经由
+# 拷贝送出：一个带四个草稿的序列，重放的是为 8 行捕获的那张图。（这些行各自读一遍共享前缀的 K/V，一共 *k* + 1 遍。
+# 上下文短时，这比起一步要读的权重不算多；上下文长时，KV 占了一步读取的大部分字节，读 *k* + 1 遍就差不多等于
+# *k* + 1 个 decode 步。）没有图的时候（在 CPU 上，或超出最大的那张图），同样的行经由
 # `prepare_verify` 以 eager 方式运行。
 #
 # 和 decode 步不同的地方有两处。LM head 为每一行都输出 logits；每一行都通过执行器自己的采样器、用它所属序列的
@@ -934,8 +970,9 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 # `accept_drafts` compares, exactly as for greedy decoding, whose *p* is a point mass itself. One
 # more property comes for free: a seeded request draws the token of index *i* from a generator
 # seeded by (seed, *i*) (chapter 08), and a verify row draws the token of its own index, so a seeded
-# request writes the same tokens with and without speculation. (A draft *model* samples its
-# drafts, *q* is no longer a point mass, and the general rule above is the one it needs.)
+# request writes the same tokens with and without speculation. (A draft *model* that sampled its
+# drafts would make *q* more than a point mass and need the general rule above; this book's draft
+# model drafts greedily, so its drafts too are checked by the comparison.)
 
 # %% [markdown] tags=["zh"]
 # ## 采样：为什么比较一下就够了
@@ -952,8 +989,8 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 # 序列自己的参数（温度、top-k、top-p）对每一行采样，`accept_drafts` 做比较，和贪心解码时完全一样，而贪心解码的
 # *p* 本身就把全部概率放在一个 token 上。还有一个性质是白送的：带种子的请求从以（种子，*i*）为种子的生成器中抽取
 # 下标为 *i* 的 token（第 08 章），而验证步的每一行抽取的正是它自己那个下标的 token，所以带种子的请求不管投机与否
-# 都写出同样的 token。（草稿*模型*的草稿是采样出来的，*q* 不再把全部概率放在一个 token 上，它需要的是上面那条一般
-# 规则。）
+# 都写出同样的 token。（如果草稿*模型*的草稿是采样出来的，*q* 就不再把全部概率放在一个 token 上，需要的是上面那条
+# 一般规则；本书的草稿模型是贪心地生成草稿的，所以它的草稿同样只需比较一下。）
 
 # %%
 def speculative_sample(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -1284,16 +1321,17 @@ for name, (settings, params) in cases.items():
 # Random weights loop; real text does not, so the acceptance rate that matters is measured on a
 # real model. SmolLM2-135M (chapter 10) gets prompts that quote a passage of this chapter and ask
 # it to go on; a model continuing a quotation copies, and prompt lookup finds what it copies. The
-# step counts are the gain a GPU would see at batch 1, where a step's cost hardly depends on its
-# query tokens; the CPU's wall time is printed too, but a CPU pays for every extra row.
+# step counts say how many forwards speculation saves; what that buys depends on what a verify
+# step costs, 2.0 to 2.9 decode steps at small batches on a GPU (below). The CPU's wall time is
+# printed too, and a CPU pays for every extra row.
 
 # %% [markdown] tags=["zh"]
 # ## 测一测：SmolLM2 的真实权重引用一段文字
 #
 # 随机权重会循环，真实的文本不会，所以真正有意义的接受率要在真实模型上测。SmolLM2-135M（第 10 章）拿到的提示词
-# 引用本章的一段文字并让它接着写；接着写引文的模型会照抄，而 prompt lookup 能找到它抄的内容。步数就是 GPU 在批大小
-# 为 1 时能看到的收益，因为那时一步的成本几乎不随查询 token 的数量变化；本机 CPU 的耗时也打印出来，但 CPU 要为
-# 多出的每一行付费。
+# 引用本章的一段文字并让它接着写；接着写引文的模型会照抄，而 prompt lookup 能找到它抄的内容。步数说明投机省下了
+# 多少次前向计算；这能换来多少速度，取决于一个验证步的代价：在 GPU 上小批大小时值 2.0 到 2.9 个 decode 步（见下文）。
+# 本机 CPU 的耗时也打印出来，而 CPU 要为多出的每一行付费。
 
 # %% [markdown] tags=["en"]
 # The measurement is a benchmark of the package, `python -m nanovllm.bench --speculative`: the
@@ -1504,8 +1542,9 @@ assert row["speculative_steps"] < row["plain_steps"]
 # passage). A first rule allowed 64 rows: the 16-sequence batch verified three drafts each and ran
 # at 0.88× the plain engine, although its steps fell from 256 to 135. At batch 1 the steps fell
 # from 256 to 95 for only 1.12× the throughput: a verify step costs about 2.4 pipelined decode steps
-# there. Its five rows replay the graph of 8, whose matmuls run through cuBLAS (chapter 15's fused
-# GEMV takes at most two rows): 1.32 ms of GPU time against 0.58 ms for one row on Qwen3-0.6B's
+# there. Its five rows replay the graph of 8, whose matmuls then ran through cuBLAS (chapter 15's
+# fused GEMV took at most two rows at the time; it takes four since): 1.32 ms of GPU time against
+# 0.58 ms for one row on Qwen3-0.6B's
 # shapes, and a verify step is synchronous besides. Hence the rule of
 # `reserve_drafts`: at most 16 rows, no drafts when that leaves a sequence fewer than two (so
 # none past 5 sequences), and a sequence whose recent verify steps gave fewer than two tokens
@@ -1518,7 +1557,7 @@ assert row["speculative_steps"] < row["plain_steps"]
 # as the same harness measured with drafts switched off altogether (0.99×).
 
 # %% [markdown] tags=["zh"]
-# ## 什么时候划算：退让规则，实测得来
+# ## 什么时候划算：退避规则，实测得来
 #
 # 一个有 *b* 个序列的 decode 步花费时间 *T*(*b*)，产出 *b* 个 token。每个序列带 *k* 个草稿的验证步大约花费
 # *T*(*b*(*k* + 1))，再加上 GPU 等待期间主机做的事（验证步是同步的），产出 *b* · *E* 个 token，*E* 是一个验证步
@@ -1530,8 +1569,8 @@ assert row["speculative_steps"] < row["plain_steps"]
 # 剩下的由基准测试决定（下面的表，在一块 H200 上用 SmolLM2 引用一段文字记录）。第一版规则允许 64 行：16 个序列的批
 # 每个验证三个草稿，只跑出普通引擎的 0.88 倍，尽管步数从 256 降到了 135。批大小为 1 时，步数从 256 降到 95，吞吐量
 # 却只有 1.12 倍：在那里一个验证步的代价约为 2.4 个流水线化的 decode 步。它的五行重放的是 8 行的图，其中的矩阵乘法
-# 走 cuBLAS（第 15 章融合的 GEMV 最多只接两行）：在 Qwen3-0.6B 的形状上，GPU 时间是 1.32 毫秒，而一行只要 0.58 毫秒；
-# 何况验证步还是同步的。
+# 当时走 cuBLAS（第 15 章融合的 GEMV 那时最多只接两行，后来能接四行）：在 Qwen3-0.6B 的形状上，GPU 时间是
+# 1.32 毫秒，而一行只要 0.58 毫秒；何况验证步还是同步的。
 # 于是有了 `reserve_drafts` 里的规则：最多 16 行；如果这样分到每个序列的草稿少于两个，就不要草稿（所以超过 5 个
 # 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿，之后只要还没有
 # 一个验证步产出两个 token，就暂停 32、64……最长 512 个 token（一个从不猜对的草稿模型在固定长度的暂停下只跑出
@@ -1765,7 +1804,7 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，来自它自己的引擎（自己的分页缓存、块管理器和
 #   前缀缓存），一步里的各个序列合成一批（`propose_many`；预算够每个序列的空间时，`reserve_drafts` 就调用它）；
 #   `write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
-# - 退让规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿（一直失败就
+# - 退避规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿（一直失败就
 #   加倍暂停）；以及测量它的
 #   `python -m nanovllm.bench --speculative`。
 # - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode`

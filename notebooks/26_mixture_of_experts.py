@@ -606,16 +606,16 @@ HTML(slides_html(slides, start=0, player_id="moe-routing"))
 # experts 1.2 GB. The step's bound then counts the attention weights, the LM head, the router and
 # the experts touched (KV left out here; at batch 1 it is small): at batch 1 a step reads about a
 # tenth of the weights, at 64 tokens almost all of them, since 128 · (1 − (120/128)^64) ≈ 126.
-# Batching buys less than in a dense model before the bound becomes "all the weights" again.
-# (The benchmark's router-aware bound, which counts the experts the router actually chose in each
-# step, is the next step of this chapter's issue.)
+# Batching buys less than in a dense model before the bound becomes "all the weights" again. The
+# benchmark below counts, instead of this estimate, the experts the router actually chose in each
+# step.
 
 # %% [markdown] tags=["zh"]
 # 按 Qwen3-30B-A3B 的形状（48 层，hidden 2,048，32 个查询头和 4 个 KV 头、每头 128，128 个宽 768 的专家、每个 token
 # 选 8 个，词表 151,936，bfloat16），一个专家 9.4 MB，一层的专家共 1.2 GB。一步的上限于是算上注意力权重、LM head、
 # 路由器和用到的专家（这里不算 KV；批大小为 1 时它很小）：批大小为 1 时一步只读大约十分之一的权重，64 个 token 时
 # 几乎全部都要读，因为 128 · (1 − (120/128)^64) ≈ 126。在上限重新变成"全部权重"之前，组批带来的好处比稠密模型少。
-# （基准测试里按路由器实际选择、逐步计算的上限，是本章议题的下一步。）
+# 下面的基准测试不用这个估计，而是数出每一步路由器实际选中的专家。
 
 # %%
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, WIDTH, VOCAB = 2048, 48, 32, 4, 128, 128, 8, 768, 151936
@@ -646,7 +646,8 @@ assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and
 # On a GPU it defaults to Qwen3-30B-A3B's shapes with random weights drawn on the GPU
 # (`qwen3_moe_30b_shapes`, `load_format="dummy"`: no 60 GB checkpoint is written) and chapter
 # 19's nano-vllm workload; on a CPU, to the tiny MoE model and a few short requests, and there the
-# bound counts only the decode bytes, at this machine's copy rate. (Not run on a GPU yet.)
+# bound counts only the decode bytes, at this machine's copy rate. The GPU's figures are recorded
+# at the end of the chapter.
 
 # %% [markdown] tags=["zh"]
 # ### 基准测试：每秒 token 数对比两个上限
@@ -658,7 +659,7 @@ assert abs(expert_bytes / 1e6 - 9.4) < 0.1 and reads[1] < 0.11 * dense_bytes and
 # 步的 token 数分开记，所以基准测试还能打印批次逐渐变小时每步读取的比例。在 GPU
 # 上它默认使用 Qwen3-30B-A3B 的形状、在 GPU 上直接生成随机权重（`qwen3_moe_30b_shapes`，`load_format="dummy"`：
 # 不用写出 60 GB 的检查点），以及第 19 章的 nano-vllm 负载；在 CPU 上默认使用小 MoE 模型和几个短请求，这时上限
-# 只算 decode 的字节数，按这台机器的拷贝速率计算。（还没有在 GPU 上运行过。）
+# 只算 decode 的字节数，按这台机器的拷贝速率计算。GPU 上的数字记录在本章末尾。
 
 # %% moe preset
 #| export bench.models
@@ -1262,7 +1263,7 @@ if fused_llm is not llm:
 #
 # The measurements below were taken on one H100 (80 GB; 3.00 TB/s copy rate measured in each run),
 # Qwen3-30B-A3B's shapes with random weights, bfloat16, by `scripts/gpu-ci.sh moe`'s commands.
-# First one sparse layer on its own (`scripts/moe_probe.py`, each path replayed from a CUDA graph,
+# First one sparse layer on its own (`scripts/probes/moe_probe.py`, each path replayed from a CUDA graph,
 # the bound being the bytes of the experts the router touched): the loop launches three matmuls
 # per chosen expert and asks the host for each expert's tokens, and every expert on every token
 # (what a graph captures without the kernels) reads and multiplies all 128 experts. The fused
@@ -1284,7 +1285,7 @@ if fused_llm is not llm:
 # dense-style one on this workload: an average decode step touched 94 % of the experts, all of
 # them while 111 or more sequences decoded together, 82 % at 28 and 6 % at the last one.
 #
-# The sort alone (`scripts/moe_align_probe.py`, 128 experts, top-8, each replayed from a CUDA
+# The sort alone (`scripts/probes/moe_align_probe.py`, 128 experts, top-8, each replayed from a CUDA
 # graph): `align_by_expert` takes 47 µs at one token and 52 at 16, the one-program sort 16 and 26:
 # 3.0 times as fast at one token, about 1.5 ms of a 48-layer step's 7.4, and 2.0 times at 16
 # tokens. At 32 tokens (256 pairs) its tile no longer fits the registers and it is the slower, hence
@@ -1295,7 +1296,7 @@ if fused_llm is not llm:
 # ## GPU 上的记录：循环、内核与上限
 #
 # 下面的测量来自一张 H100（80 GB；每次运行都测一遍拷贝速率，为 3.00 TB/s），用 Qwen3-30B-A3B 的形状和随机权重，
-# bfloat16，命令是 `scripts/gpu-ci.sh moe` 里的那些。先看单独的一个稀疏层（`scripts/moe_probe.py`，每条路径都从
+# bfloat16，命令是 `scripts/gpu-ci.sh moe` 里的那些。先看单独的一个稀疏层（`scripts/probes/moe_probe.py`，每条路径都从
 # CUDA 图重放，上限是路由器用到的那些专家的字节数）：循环为每个选中的专家启动三个矩阵乘法，还要向主机询问每个专家
 # 分到的 token；让每个专家处理每个 token（没有融合内核时图里捕获的就是它）则要读取并计算全部 128 个专家。融合内核
 # 只读路由器选中的专家，从 64 个 token 起达到拷贝速率的四分之三；只有一个 token 时，每个专家的 tile 太少，喂不饱
@@ -1313,7 +1314,7 @@ if fused_llm is not llm:
 # 按路由器算的上限只比按稠密方式算的高 3%：平均每个 decode 步用到 94% 的专家，111 个以上的序列一起 decode 时全部
 # 用到，28 个时 82%，只剩最后一个序列时 6%。
 #
-# 单看排序（`scripts/moe_align_probe.py`，128 个专家，每个 token 选 8 个，都从 CUDA 图重放）：`align_by_expert`
+# 单看排序（`scripts/probes/moe_align_probe.py`，128 个专家，每个 token 选 8 个，都从 CUDA 图重放）：`align_by_expert`
 # 在一个 token 时用 47 µs，16 个 token 时用 52 µs；单程序排序分别用 16 和 26 µs：一个 token 时快 3.0 倍，约合 48 层的
 # 一步 7.4 ms 里的 1.5 ms；16 个 token 时快 2.0 倍。到 32 个 token（256 对）时它的 tile 放不进寄存器，反而更慢，所以
 # 它最多处理 128 对。上面 H200 上的运行在每个不超过 16 个 token 的步里都用它排序；引擎单独一个 token 的步还没有
@@ -1342,8 +1343,8 @@ for name, (tokens_per_s, router_bound) in engine_runs.items():
     print(say("{name}: {rate:,.0f} tok/s, {share:.0%} of the router-aware bound", name=say(name), rate=tokens_per_s,
               share=tokens_per_s / router_bound))
 assert engine_runs["H100, 8 layers, fused"][0] > 4 * engine_runs["H100, 8 layers, every expert"][0]
-# en: Where the batch fits, the whole model keeps the pace of 8 layers: the issue's goal was 70 % of the bound.
-# zh: 批次装得下时，整个模型和 8 层跑得一样贴近上限：这个 issue 的目标是上限的 70%。
+# en: Where the batch fits, the whole model keeps the pace of 8 layers: the goal set for it was 70 % of the bound.
+# zh: 批次装得下时，整个模型和 8 层跑得一样贴近上限：为它设定的目标是上限的 70%。
 h200_shares = [rate / bound for name, (rate, bound) in engine_runs.items() if name.startswith("H200")]
 assert min(h200_shares) > 0.9
 # en: the sort alone: (tokens of top-8, microseconds: align_by_expert, align_in_one_program), H100

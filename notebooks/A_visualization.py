@@ -127,7 +127,6 @@
 #| export
 from __future__ import annotations
 
-import json
 from typing import Any
 
 RECORDING_FORMAT = "nanovllm-viz"
@@ -312,9 +311,6 @@ class Recorder:
             "num_blocks": len(bm.blocks),
             "frames": list(self.frames),
         }
-
-    def to_json(self) -> str:
-        return json.dumps(self.recording)
 
 # %% [markdown] tags=["en"]
 # ## Build it: a fake model to drive the scheduler

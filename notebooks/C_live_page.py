@@ -506,7 +506,14 @@ view = hub.open()
 assert watched == [True]
 hub.close(view)
 assert watched == [True, False]
-# en: 2: a server runs for days; the next frame is drawn against the previous one (what changed), so one is kept.
-# zh: 2：服务器一运行就是好几天；下一帧要对照前一帧来画（哪里变了），所以保留一帧。
-assert len(recorder.frames) == 1
+# en: 2: a server runs for days, so it keeps one frame, not all of them ...
+# zh: 2：服务器一运行就是好几天，所以只保留一帧，而不是全部……
+assert len(recorder.frames) == 1 and recorder.frames[0] is published[-1] and recorder.dropped == len(published) - 1
+# en: ... and the next frame is drawn against it: the drawing marks what changed since the previous frame (here the
+# en: block the schedule step took, beside its two cache hits).
+# zh: ……而下一帧要对照它来画：画出来的图标出了自上一帧以来变了什么（这里是调度那一步拿到的新块，旁边是两个缓存命中）。
+from nanovllm.serve.dashboard import frame_piece
+
+against_previous, alone = frame_piece(published[2], published[1], 16, "en"), frame_piece(published[2], None, 16, "en")
+assert "nvv-new" in against_previous and "nvv-new" not in alone
 print(say("all exercise answers check out"))

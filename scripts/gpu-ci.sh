@@ -34,14 +34,14 @@
 #                                       # python -m nanovllm.bench --speculative ARGS (SmolLM2 quoting a passage at
 #                                       # batches 1, 4, 16, 64, with and without prompt lookup), then the same
 #                                       # quoting rows with a self draft of SmolLM2's first 8 layers (--draft-model)
-#   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/moe_probe.py (one
-#                                       # Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
-#                                       # scripts/moe_align_probe.py (the sort in one Triton program), then
+#   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/probes/moe_probe.py
+#                                       # (one Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
+#                                       # scripts/probes/moe_align_probe.py (the sort in one Triton program), then
 #                                       # python -m nanovllm.bench --moe (48 layers, fused), and on 8 layers with
 #                                       # --experts fused and loop
 #   scripts/gpu-ci.sh small-batch       # a small decode step's kernels (issue 34): chapter 15's fused tests, the
-#                                       # matmul probes (scripts/decode_matmul_chain.py, splitk_sweep.py --chain-only,
-#                                       # prefetch_tile_probe.py)
+#                                       # matmul probes of scripts/probes/ (decode_matmul_chain.py,
+#                                       # splitk_sweep.py --chain-only, prefetch_tile_probe.py)
 #   scripts/gpu-ci.sh keep              # copy the wheels carried in this call to /tmp/keep/ for the next calls
 #
 # Wheels the machine lacks travel with the tree (the folders are ignored by git). scripts/gpu-wheels.sh, on a machine
@@ -271,9 +271,9 @@ write_self_draft(smollm2_dir(), ${DRAFT_LAYERS:-8}, '$draft')" || status=1
 run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
     tests/test_26_mixture_of_experts.py || status=1
-  python3 scripts/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
-  # align_by_expert's ~15 kernels against one Triton program (not in the engine: kept only if it measures faster)
-  python3 scripts/moe_align_probe.py --out "$out/moe-align.json" 2>&1 | tee "$out/moe-align.log" || status=1
+  python3 scripts/probes/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
+  # align_by_expert's ~15 kernels against one Triton program (sort_by_expert's pick up to 128 pairs)
+  python3 scripts/probes/moe_align_probe.py --out "$out/moe-align.json" 2>&1 | tee "$out/moe-align.log" || status=1
   # Qwen3-30B-A3B's 48 layers through the fused kernels (the engine's default), then 8 of them both ways
   python3 -m nanovllm.bench --moe --out "$out/moe-bench.json" 2>&1 | tee "$out/moe-bench.log" || status=1
   local experts
@@ -283,13 +283,13 @@ run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse l
   done
 }
 
-run_small_batch() {  # a small decode step's kernels: chapter 14's tests, then each probe against what ships
+run_small_batch() {  # a small decode step's kernels: chapter 15's tests, then each probe against what ships
   python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_15_fused_decode.py \
     || status=1
   local probe
   for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe; do
     # shellcheck disable=SC2086  # the probe's name and its options
-    python3 scripts/${probe%% *}.py ${probe#"${probe%% *}"} --out "$out/${probe%% *}.json" 2>&1 \
+    python3 scripts/probes/${probe%% *}.py ${probe#"${probe%% *}"} --out "$out/${probe%% *}.json" 2>&1 \
       | tee "$out/${probe%% *}.log" || status=1
   done
 }
@@ -319,9 +319,9 @@ case $what in
   fp8) run_fp8 "$@" ;;
   speculative) run_speculative "$@" ;;
   moe) run_moe ;;
-  matmul) run_matmul ;;
+  small-batch) run_small_batch ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | moe | matmul | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | moe | small-batch | keep]" >&2
      exit 2 ;;
 esac
 exit $status

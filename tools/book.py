@@ -269,7 +269,7 @@ def docs_tree(lang: str, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
     shutil.copytree(ROOT / "docs" / lang, target)
     shutil.copytree(ROOT / "docs" / "assets", target / "assets")
     (target / "glossary.md").write_text(glossary(lang), encoding="utf-8")
-    for page in target.glob("*.md"):
+    for page in target.rglob("*.md"):  # the landing page, the glossary and the Guide's pages
         page.write_text(tidy_cjk(page.read_text(encoding="utf-8")), encoding="utf-8")
     chapters = target / "chapters"
     chapters.mkdir()

@@ -11,6 +11,7 @@
 * The chapters are grouped by the book's parts (tools/parts.py: core, speed, beyond, appendices), each
   part a section of the navigation titled in the site's language; the order of the pages, and so
   the previous / next links, stay the reading order.
+* The Guide's pages come in the order a user needs them (GUIDE_ORDER), not in their names' order.
 * The "Chapters" section heading speaks the site's language, and the landing page's entry in the
   navigation is "Introduction" / "简介": under the site's title, which the navigation shows as
   its heading, the site's title again read as a doubled line.
@@ -66,7 +67,7 @@ NO_ALT = "No description has been provided for this image"
 TOC_DEPTH = 3
 WORDS = {
     "en": {"answers": "Answers (try the exercises first)", "figure": "Figure", "home": "Introduction"},
-    "zh": {"answers": "答案（先自己做练习）", "figure": "图", "home": "简介", "Chapters": "章节"},
+    "zh": {"answers": "答案（先自己做练习）", "figure": "图", "home": "简介", "Chapters": "章节", "Guide": "指南"},
 }
 
 
@@ -201,8 +202,14 @@ def on_nav(nav: Any, config: Any, files: Any) -> Any:
         if item.is_section:
             if item.title == "Chapters":
                 group_by_part(item, TITLES.get(language(config), TITLES["en"]))
+            elif item.title == "Guide":
+                item.children.sort(key=lambda page: GUIDE_ORDER.index(Path(page.file.src_uri).stem))
             item.title = word(config, item.title)
     return nav
+
+
+# The Guide's pages in the order a user needs them (the file names' order is alphabetical).
+GUIDE_ORDER = ["index", "using", "serving", "gpu", "benchmarks", "ledger", "working"]
 
 
 def group_by_part(chapters: Any, titles: dict[str, str]) -> None:

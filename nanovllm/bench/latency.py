@@ -39,7 +39,8 @@ __all__ = [
 
 
 # notebooks/19_benchmark.py · cell "bench latency"
-# (batches, prompt tokens, generated tokens): the issue's figures on a GPU, a few minutes' worth on a CPU.
+# (batches, prompt tokens, generated tokens): on a GPU, the batches the latency goals name; on a CPU, a few
+# minutes' worth.
 LATENCY_DEFAULTS = {"cuda": ((1, 4, 16, 64), 512, 1024), "cpu": ((1, 4), 128, 64)}
 
 

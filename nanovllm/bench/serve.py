@@ -327,7 +327,7 @@ def run_offline(model: str, tokenizer: Any, prompts: list[str], output_lens: lis
 
 
 def print_ratios(summaries: list[dict[str, Any]], offline: dict[str, Any] | None) -> dict[str, float]:
-    """The issue's comparisons, as far as this run has their terms: our server's output tok/s against the offline
+    """The serving goals' comparisons, as far as this run has their terms: our server's output tok/s against the offline
     engine's and against the peer's, and its p50 ITL against its own decode step (and the offline engine's)."""
     ours = next((s for s in summaries if s["name"] == "nano-vllm"), None)
     peer = next((s for s in summaries if s["name"].startswith("transformers")), None)

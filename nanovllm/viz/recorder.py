@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 __all__ = [
@@ -189,6 +188,3 @@ class Recorder:
             "num_blocks": len(bm.blocks),
             "frames": list(self.frames),
         }
-
-    def to_json(self) -> str:
-        return json.dumps(self.recording)

@@ -1,6 +1,6 @@
 """Probe: a tensor-core matmul for 1 to 16 rows that loads its weight tile before it waits for its input (PDL).
 
-scripts/splitk_sweep.py found that a decode step's matmul kernels, cuBLAS's and chapter 15's tile kernel alike, read
+splitk_sweep.py found that a decode step's matmul kernels, cuBLAS's and chapter 15's tile kernel alike, read
 their 2-8 MB at 40-55 % of the copy rate: the boundary between kernels costs about as much as the reading. The GEMV
 escapes it because it loads its whole weight slice, then waits (gdc_wait) for the kernel before; the tile kernel
 cannot, as it walks the input in a loop. This kernel does what the GEMV does with a tile: the input is split so finely
@@ -13,7 +13,7 @@ Timed on Qwen3-0.6B's 28 layers of decode matmuls (with their norms and SiLU x m
 16 rows, against cuBLAS's matmuls alone and chapter 15's small_matmul (the GEMV at 1-2 rows, the split-K tile kernel
 above).
 
-    PYTHONPATH=$PWD python3 scripts/prefetch_tile_probe.py [--out FILE.json]
+    PYTHONPATH=$PWD python3 scripts/probes/prefetch_tile_probe.py [--out FILE.json]
 
 Checked against small_matmul in the Triton interpreter. First GPU run (H200, 2026-12-05, copy rate 4.25 TB/s, bound
 207 us): best launch n32 chunk256 w4 at every row count, 564/815/840/782 us at 1/4/8/16 rows, against cuBLAS's
@@ -35,8 +35,8 @@ import triton.language as tl
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
 from nanovllm.layers.fused_decode import MAX_TOKENS, load_rows, small_matmul, store_result
 from nanovllm.layers.triton_attention import programmatic_launch
-from scripts.decode_matmul_chain import Q, chain_bound_us, cublas_chain, make_layers
-from scripts.decode_matmul_chain import fused_chain as small_matmul_chain
+from scripts.probes.decode_matmul_chain import Q, chain_bound_us, cublas_chain, make_layers
+from scripts.probes.decode_matmul_chain import fused_chain as small_matmul_chain
 
 ROW_COUNTS = (1, 4, 8, 16)
 LAUNCHES = [dict(block_n=n, chunk=c, warps=w) for n, c, w in itertools.product((16, 32), (128, 256), (4, 8))]

@@ -1,6 +1,6 @@
 """Probe: can a Triton matmul for 1 to 16 rows stream Qwen3-0.6B's decode weights near the copy rate?
 
-scripts/tile_gemv_probe.py held a whole weight slice in registers and multiplied it once (no loop over the input):
+tile_gemv_probe.py (deleted) held a whole weight slice in registers and multiplied it once (no loop over the input):
 three times cuBLAS. This one is the textbook shape for a skinny matmul instead: a loop over the input, BLOCK_K
 elements a step, software-pipelined by Triton (num_stages loads in flight), tensor cores (tl.dot of a [16, BLOCK_K]
 tile of rows by a [BLOCK_K, BLOCK_N] tile of the weight), and split-K for the narrow weights (o_proj and down_proj
@@ -13,11 +13,11 @@ launched back to back in one CUDA graph, for every launch in a small sweep, agai
 weights. Printed: per shape and row count, cuBLAS, the best launch and the share of the copy rate each reaches; then
 the four shapes' best launches summed, the figure a decode step's matmuls would take.
 
-    PYTHONPATH=$PWD python3 scripts/splitk_sweep.py [--out FILE.json] [--chain-only]
+    PYTHONPATH=$PWD python3 scripts/probes/splitk_sweep.py [--out FILE.json] [--chain-only]
 
 Measured on one H100 (2026-12-05, copy 3.01 TB/s), µs per 28 matmuls at 4 rows, cuBLAS / best launch: q/k/v 163 / 179,
 o_proj 167 / 148 (split 4), gate/up 203 / 218, down_proj 219 / 165 (split 4); 32-column tiles, 128 inputs a step and
-five stages were best at every row count, which chapter 14's choose_launch now gives. Adding the splits in the kernel
+five stages were best at every row count, which chapter 15's choose_launch now gives. Adding the splits in the kernel
 (the last program of a column block) cost about 1 µs a launch against leaving them to the reader. The fused chain with
 its norms: the launches shipped before (16-column tiles, no split) 1,272 µs, these 1,007 (with an early start, PDL,
 1,083), cuBLAS's matmuls alone 737.
@@ -37,7 +37,7 @@ import triton.language as tl
 
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
 from nanovllm.layers.fused_decode import SmallMatmulLaunch
-from scripts.decode_matmul_chain import chain_bound_us, cublas_chain, fused_chain, make_layers
+from scripts.probes.decode_matmul_chain import chain_bound_us, cublas_chain, fused_chain, make_layers
 
 LAYERS = 28
 # (output columns, input elements) of Qwen3-0.6B's four decode matmuls; gate_up is the merged gate and up weight.
@@ -135,7 +135,7 @@ def time_launch(x: torch.Tensor, weights: list[torch.Tensor], launch: dict) -> f
 
 
 def chain_launches(best: dict[str, list[tuple[float, dict]]]) -> dict[str, SmallMatmulLaunch]:
-    """chapter 14's launches from the sweep's best, shape by shape; gate/up keeps one split (SiLU needs the whole
+    """chapter 15's launches from the sweep's best, shape by shape; gate/up keeps one split (SiLU needs the whole
     sum) and half the columns (each program reads a gate tile and an up tile)."""
     chosen = {}
     for name, results in best.items():

@@ -7,8 +7,8 @@ one token (3.0x, about 1.5 ms of a 48-layer step), 47.2 / 19.3 at 4 tokens, 51.6
 32 tokens (256 pairs: its one-hot tile no longer fits the registers). Hence `ONE_PROGRAM_PAIRS = 128`, the most that
 `sort_by_expert` hands the one program.
 
-    PYTHONPATH=$PWD python3 scripts/moe_align_probe.py [--out FILE.json]
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 scripts/moe_align_probe.py --check      # on a CPU: the check alone
+    PYTHONPATH=$PWD python3 scripts/probes/moe_align_probe.py [--out FILE.json]
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 scripts/probes/moe_align_probe.py --check   # on a CPU: the check alone
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ times the tile-loaded kernel too (it was labelled "shipped (row by row)" in the 
 kernel and the probe's own variants (the tile-loaded kernel storing each row or all at the end) live in the runs'
 figures only. What it times now: the shipped kernel at slices of 16K, 8K and 4K elements, and with 8 warps.
 
-    PYTHONPATH=$PWD python3 scripts/gemv_rows_probe.py [--out FILE.json]
-    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 scripts/gemv_rows_probe.py --check-only   # on a CPU
+    PYTHONPATH=$PWD python3 scripts/probes/gemv_rows_probe.py [--out FILE.json]
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python3 scripts/probes/gemv_rows_probe.py --check-only   # on a CPU
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 import nanovllm.layers.fused_decode as fused_decode
 from nanovllm.bench.attention import copy_bandwidth, graph_time_ms
-from scripts.decode_matmul_chain import HIDDEN, chain_bound_us, cublas_chain, fused_chain, make_layers
+from scripts.probes.decode_matmul_chain import HIDDEN, chain_bound_us, cublas_chain, fused_chain, make_layers
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 8)
 # Largest weight elements a program holds: the shipped 16K, then a half and a quarter (the first run's eighth was

@@ -3,7 +3,7 @@ chained as a step chains them and replayed in one CUDA graph: cuBLAS (F.linear a
 counted) against chapter 15's `small_matmul` (the GEMV up to GEMV_ROWS tokens, and the tile kernel), the GEMV under
 several widths and with programmatic dependent launch (PDL) on and off. Weights are 881 MB, far beyond the L2 cache.
 
-    PYTHONPATH=$PWD python3 scripts/decode_matmul_chain.py [--out FILE.json]
+    PYTHONPATH=$PWD python3 scripts/probes/decode_matmul_chain.py [--out FILE.json]
 """
 
 from __future__ import annotations
