@@ -30,7 +30,7 @@
 # 本章构建引擎里最小的两个对象：`SamplingParams` 描述*怎样*生成；`Sequence` 记录*到目前为止发生了什么*：
 # 有哪些 token、其中多少个的 KV 已在缓存里、当前这一步要计算多少个、它们存放在哪些缓存块中。
 #
-# 本书其余部分（块管理器、调度器、模型执行器）都会读写这些字段，所以值得把它们弄清楚。
+# 本书其余部分（块管理器、调度器、模型执行器）都要读写这些字段，先把它们弄熟，后文读起来会轻松得多。
 
 # %% [markdown] tags=["en"]
 # ## The idea: a request is a small state machine
@@ -51,11 +51,11 @@
 # %% [markdown] tags=["zh"]
 # ## 思路：请求是一个小小的状态机
 #
-# 请求以**提示词**（一串 token id）加上采样参数的形式进入引擎。调度器把它放在 *waiting*（等待）和
-# *running*（运行）两个队列之一，每个队列对应一个状态：
+# 请求带着**提示词**（一串 token id）和采样参数进入引擎。调度器把它放进 *waiting*（等待）或
+# *running*（运行）队列，每个队列对应一个状态：
 #
-# - **WAITING**：尚未（或不再）参与计算，它的提示词还需要做 prefill（预填充）。
-# - **RUNNING**：它的 KV 已在缓存中，每个 decode（解码）步追加一个 token。
+# - **WAITING**：尚未（或不再）参与计算，提示词还要做 prefill（预填充）。
+# - **RUNNING**：KV 已在缓存中，每个 decode（解码）步追加一个 token。
 # - **FINISHED**：已生成结束符（EOS），或达到了 `max_tokens`。
 #
 # 有一条箭头是*反向*的：decode 时如果 KV 缓存没有空闲块，调度器会**抢占**最新加入的运行序列。
@@ -64,8 +64,8 @@
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -80,8 +80,8 @@ say = Phrases({
     "the worked example holds": "例子核对无误",
     "a mutable default, changed by one caller, changed for all: {shared}; ours: a fresh, frozen SamplingParams per "
     "sequence: {fresh}; the caller's prompt after generating: {prompt}":
-        "可变的默认参数被一个调用者改动后，所有调用者都跟着变：{shared}；本书：每个序列一个新的、冻结的 "
-        "SamplingParams：{fresh}；生成之后调用者的提示词：{prompt}",
+        "可变的默认参数被一个调用者改动后，所有调用者都跟着变：{shared}；本书的做法：每个序列各用一个新建且冻结的 "
+        "SamplingParams：{fresh}；生成结束后，调用者的提示词：{prompt}",
     "after a preemption at 3 generated tokens, the next prefill computes {plain} tokens; with prefix caching, {cached}":
         "生成 3 个 token 后被抢占，下一次 prefill 计算 {plain} 个 token；有前缀缓存时计算 {cached} 个",
     "all exercise answers check out": "练习答案全部验证通过",
@@ -155,14 +155,14 @@ display(SVG(state_machine_svg()))
 # ## 动手：采样参数
 #
 # 第一个导出单元会写进 `nanovllm/sampling_params.py`。字段名和默认值沿用 nano-vllm（`temperature=1.0`、
-# `max_tokens=64`、`ignore_eos=False`），让它的用户上手无障碍；我们补上 nano-vllm 缺少的部分：
+# `max_tokens=64`、`ignore_eos=False`），用过 nano-vllm 的人不会觉得陌生；我们补上 nano-vllm 缺少的部分：
 # `temperature=0` 表示**贪心**解码，另有 `top_k`、`top_p` 和按请求设置的 `seed`（由第 08 章实现）。
 #
 # 参数在对象创建时就检查，而不是等到 GPU 计算的深处才出错：类型不对抛出 `TypeError`，取值不对抛出
 # `ValueError`，两种错误信息都会指明是哪个字段。输入进入引擎的地方有三处，这是其中之一（另外两处是下面的
-# 提示词和第 09 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则信任
-# 交给它们的数据，上游也是这样做的。NumPy 标量（`np.int64(4)`、`np.float32(0.5)`、`np.True_`）按它们所代表的数
-# 处理：`check` 交回对应的普通 Python 值，对象里存的就是它。
+# 提示词和第 09 章的 `Config`）：每一处都用同一个小工具 `check` 把收到的东西检查一次；引擎内部各部分则直接
+# 信任传进来的数据，上游也是这样做的。NumPy 标量（`np.int64(4)`、`np.float32(0.5)`、`np.True_`）
+# 当作它们所表示的数来处理：`check` 返回对应的普通 Python 值，对象里存的就是这个值。
 
 # %% default module
 #| default_exp engine.sequence
@@ -258,7 +258,7 @@ class SamplingParams:
 
     def _check(self, name: str, kind: type, ok: Callable[[Any], bool] | None = None, rule: str = "") -> None:
         # en: Keep the plain value `check` hands back (np.int64(4) becomes 4); the dataclass is frozen.
-        # zh: 存下 `check` 交回的普通 Python 值（np.int64(4) 变成 4）；这个 dataclass 是冻结的。
+        # zh: 存下 `check` 返回的普通 Python 值（np.int64(4) 变成 4）；这个 dataclass 是冻结的。
         object.__setattr__(self, name, check(name, getattr(self, name), kind, ok, rule))
 
     @property
@@ -270,7 +270,7 @@ class SamplingParams:
 # A quick look: the defaults, a greedy request, and a mistake caught at once.
 
 # %% [markdown] tags=["zh"]
-# 看一眼：默认值、一个贪心请求，以及一个被立即发现的错误。
+# 先看一眼：默认值、一个贪心请求，以及一个当场报出的错误。
 
 # %%
 from nanovllm.sampling_params import SamplingParams
@@ -294,9 +294,9 @@ except ValueError as error:
 # %% [markdown] tags=["zh"]
 # ## 动手：序列
 #
-# `Sequence` 是请求在引擎内部的表示。它的状态只能沿着上图的箭头变化；`status` 的 setter 会强制这一点，
-# 这样调度器如果出了错（比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。它的 `seq_id` 来自所有序列
-# 共用的一个计数器，所以编号的先后就是请求创建的先后；第 10 章的引擎正是靠它按提示词的顺序返回输出。
+# `Sequence` 是请求在引擎内部的表示。状态只能沿着上图的箭头变化，由 `status` 的 setter 把关：调度器如果出了错
+# （比如把已结束的序列又拉回来），会立刻报错，而不是悄悄弄坏缓存。`seq_id` 取自所有序列共用的一个计数器，
+# 所以编号的先后就是请求创建的先后；第 10 章的引擎正是靠它按提示词的顺序返回输出。
 
 # %% sequence status
 #| export
@@ -513,7 +513,7 @@ def _token_id(value: object, position: int) -> int:
 # %% [markdown] tags=["zh"]
 # ### 上游构造函数里的两个 Python 知识点
 #
-# 第一篇文章在上游 `Sequence.__init__` 的两行代码上停下来讲解，两处都值得用一个单元验证。
+# 第一篇文章专门讲了上游 `Sequence.__init__` 里的两行代码，两处都值得写一个单元来验证。
 #
 # - `def __init__(self, token_ids, sampling_params = SamplingParams())`。Python 只在执行 `def` 时对默认值求值一次，
 #   所以不传参数构建的每个序列拿到的都是*同一个*对象。上游没出问题，是因为它只从这个对象里抄出三个数，而且没人改动它；
@@ -586,7 +586,7 @@ assert one.seq_id < two.seq_id < generating.seq_id
 # ## 看它运行：分块 prefill 与三个 decode 步中的计数器
 #
 # 我们手动扮演调度器。提示词有 10 个 token，每块 4 个 token，每步预算 6 个 token：提示词一步放不下，
-# 所以 prefill 被**分块**为 6 + 4 个 token。每一步之后，引擎的 postprocess（后处理）做的事和这里的
+# 所以 prefill 拆成 6 + 4 个 token 两个**分块**。每一步之后，引擎的 postprocess（后处理）做的事和这里的
 # `finish_step` 一样：算过的 token 变为已缓存；**只有整个提示词都算完时**，才把采样得到的 token 追加上去。
 # 分块未完成时，最后一行 logits 只是对提示词内部某个位置的预测，所以模型执行器（第 09 章）不为它采样（传入 `-1`），
 # 后处理也忽略这个值；这里的 `finish_step` 同样忽略它的 `sampled_token`。
@@ -627,7 +627,7 @@ assert finish_step(seq, sampled_token=999) is False
 trace.append(row("  after step", seq))
 
 # en: Its last chunk is scheduled: from this step on it runs.
-# zh: 它的最后一个分块被调度了：从这一步起它处于运行状态。
+# zh: 轮到最后一个分块：从这一步起，序列处于运行状态。
 seq.status = SequenceStatus.RUNNING
 # en: Chunk 2: tokens 6..9.
 # zh: 分块 2：token 6..9。
@@ -692,7 +692,7 @@ print(say("the worked example holds"))
 # The status only moves along the drawn arrows, and bad input is refused with a clear message:
 
 # %% [markdown] tags=["zh"]
-# 状态只能沿着图中的箭头变化，错误的输入会被拒绝并给出清楚的说明：
+# 状态只能沿着图中的箭头变化；错误的输入一律拒绝，并给出清楚的报错信息：
 
 # %%
 # en: Preempted: back to waiting.
@@ -762,7 +762,7 @@ for bad_call in (
 # ## 练习
 #
 # 1. 提示词 37 个 token，`block_size=16`：需要几个块？最后一块里有几个 token？生成多少个 token 后需要下一个块？
-# 2. 一个提示词为 10 个 token 的序列在生成了 3 个 token 后被抢占：它的块被释放，`num_cached_tokens` 回到 0。
+# 2. 一个序列的提示词有 10 个 token，生成 3 个 token 后被抢占：块全部释放，`num_cached_tokens` 回到 0。
 #    它下一次 prefill 要计算多少个 token？那一步之后它有多少个生成的 token？（读完第 03 章再回来看：前缀缓存会改变
 #    第一个答案。）
 # 3. 提示词 10 个 token，每步预算 3 个 token：需要几步才能追加第一个生成的 token？
@@ -787,8 +787,8 @@ assert generated == 12 and exercise.num_blocks == 4
 # en: the step samples the 4th generated token. With prefix caching (chapter 03) the freed full blocks are
 # en: still cached, as long as nothing reused them: tokens 0-11 are hits and only token 12 is computed.
 # zh: 练习 2，交给真正的块管理器和调度器来跑（附录 A 的 FakeEngine 用一个假模型驱动它们）：全部 13 个 token，即提示词
-# zh: 加上已生成的 3 个，它们的 KV 随块一起没了；这一步采样出第 4 个生成的 token。有前缀缓存时（第 03 章），释放的
-# zh: 写满的块只要没被别人重新使用，就仍在缓存中：token 0-11 命中，只需计算 token 12。
+# zh: 加上已生成的 3 个，它们的 KV 随块一起没了；这一步采样出第 4 个生成的 token。有前缀缓存时（第 03 章），写满的块
+# zh: 即使释放了，只要没被别人重新使用，就仍在缓存中：token 0-11 命中，只需计算 token 12。
 from nanovllm.viz import FakeEngine
 
 recomputed = {}

@@ -57,7 +57,7 @@
 # ## 先问一句：K 和 V 凭什么可以缓存？
 #
 # 注意力需要此前每个 token 的 K 和 V 向量，所以引擎把它们保存在 **KV 缓存**里，而不是每一步都重新计算。
-# 这样做是*精确*的，而不是近似，原因在于**因果掩码**。在注意力层里，第 `i` 个 token 的键和值只是它自己的输入
+# 这样做并非近似，而是*精确*的，这要归功于**因果掩码**。在注意力层里，第 `i` 个 token 的键和值只是它自己的输入
 # 经过投影得到的；有了因果掩码，第 `i` 个 token 只关注第 `0 … i` 个 token。因此在后面追加 token，不会改变
 # 位置 `0 … i` 上的任何东西：它们的输出不变，下一层在这些位置的输入也就不变，于是每一层的键和值都不变。
 # 算一次、存起来，decode 步就只需计算新 token。
@@ -65,13 +65,13 @@
 # 换成**双向**注意力（BERT 一类的编码器），每个位置都关注所有位置。新 token 会进入此前每个位置的 softmax，
 # 它们的输出随之改变，从第二层起它们的键和值也跟着变：这时缓存给出的就是过时的 K、V。
 #
-# 下面的单元在两个带残差连接的随机注意力层上验证这两半结论：先算 7 个 token，再算追加了第 8 个 token 的同一序列，
+# 下面的单元在两个带残差连接的随机注意力层上验证这两点：先算 7 个 token，再算追加了第 8 个 token 的同一序列，
 # 两种掩码各做一遍；并且在因果掩码下，用前 7 个 token 缓存的 K、V 算出第 8 个 token，与完整重算的结果比较。
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -95,7 +95,7 @@ say = Phrases({
         "块表：提示词之后 {prompt}，'fathers' 之后 {fathers}，'brought' 有了位置之后 {brought}",
     "ref counts: {counts}": "引用计数：{counts}",
     "the second sequence found {found} of its {prompt} prompt tokens in the cache":
-        "第二个序列的 {prompt} 个提示词 token 中，有 {found} 个在缓存中找到",
+        "第二个序列的 {prompt} 个提示词 token 中，有 {found} 个命中缓存",
     "blocks {ids}: ref count 2 at step {hit}, 1 after A finished at step {done}":
         "块 {ids}：第 {hit} 步时引用计数为 2，A 在第 {done} 步完成后为 1",
     "trace and invariants hold": "轨迹与不变量均成立",
@@ -205,7 +205,7 @@ assert kept["bidirectional"] == [True, False, False]
 
 # %% [markdown] tags=["zh"]
 # 第二篇文章同样从因果掩码推出 KV 缓存成立，但途中有两处说得过头：它说双向注意力下缓存“彻底失效”，还给出了区间
-# [1, i−1]。真实的情况如下，并且都经过检查：双向注意力下，追加一个 token 后，第 0 层的键和值保持原样（见上表），
+# [1, i−1]。实际情况如下（都经过验证）：双向注意力下，追加一个 token 后，第 0 层的键和值保持原样（见上表），
 # 过时的是第一层之后每一层缓存的键和值。对真实模型来说这依然意味着不能用缓存（几十层里只有一层没有过时），但谈不上
 # “彻底”。而因果掩码下，第 `i` 个 token 除了关注它之前的 token，也关注它自己：这里是 `0 … i`，按文章从 1 数起则是
 # [1, i]。如果只看 `i` 之前的键，即 [1, i−1]，第一个 token 就没有任何可以关注的对象：它的 softmax 一项也没有，
@@ -258,7 +258,7 @@ assert before_only_weights[0].isnan().all() and not before_only_weights[1:].isna
 # %% [markdown] tags=["zh"]
 # ## 思路：为什么要分页？
 #
-# KV 缓存放在 GPU 上，每个序列占用的那一份每个 decode 步增长一个 token。这块显存该怎样分给各个请求？
+# KV 缓存放在 GPU 上，每个序列占用的那部分每经过一个 decode 步就多一个 token。这块显存该怎样分给各个请求？
 #
 # 最朴素的做法是给每个请求一段连续空间，大小足够容纳它可能达到的最大长度（提示词 + `max_tokens`）。可是谁也无法
 # 预知请求何时结束，这段空间大多空着：显存被*预留*了却没有被*使用*，能同时容纳的请求也就少了。操作系统管理内存时
@@ -271,7 +271,7 @@ assert before_only_weights[0].isnan().all() and not before_only_weights[1:].isna
 # 又因为块表只是一串编号，两个序列可以指向*同一个*块：相同的提示词前缀可以共享 KV（第 03 章）。块的**引用计数**
 # 表示有多少个块表持有它；计数降到零时，块回到空闲队列。
 #
-# 分页还消除了**外部碎片**。连续区域来来去去，会在彼此之间留下空洞：一个请求可能发现空闲显存的总量足够，却没有
+# 分页还消除了**外部碎片**。连续区域反复分配又释放，彼此之间会留下空洞：一个请求可能发现空闲显存的总量足够，却没有
 # 哪一个空洞单独放得下它；而对块表来说，任何一个空闲块都行。剩下的只有**内部碎片**，即每个序列最后一块没用上的
 # 尾部。后面的“验证”一节会把两者都展示出来。
 #
@@ -379,10 +379,10 @@ class Block:
 # 空闲块为什么用队列而不是集合？因为它的*顺序*本身就是一种策略。释放的块保留着 KV，前缀缓存（第 03 章）仍能让它
 # 复活；这个队列决定了哪些缓存内容先被覆盖。
 #
-# 块池还记下 `enable_prefix_caching`，留给第 03 章交给它的缓存；本章的每个块池都把它关掉。
+# 块池还记着 `enable_prefix_caching`，供第 03 章加入的缓存使用；本章的块池一律把它关掉。
 #
-# 块池信任它的参数：引擎用一个已经检查过这些参数的 `Config`（第 09 章）来构建它。所以在引擎内部，被破坏的不变量
-# 只是一句普通的 `assert`（上游也是这么写的）；用户输入的东西只在它进入的地方检查一次。
+# 块池不检查传入的参数：引擎构建它时用的 `Config`（第 09 章）已经检查过了。所以在引擎内部，不变量只用普通的
+# `assert` 检查（上游也是这么写的）；用户输入只在进入引擎的地方检查一次。
 
 # %% block pool
 #| export
@@ -461,8 +461,8 @@ class BlockPool:
 #
 # `BlockManager` 在块池之上为序列管理块表。它有五个方法，都由调度器调用：
 #
-# - `can_allocate(seq)` / `allocate(seq)` 给一个还没有块的序列分配它的 token 所需的 `ceil(len(seq) / block_size)`
-#   个块。（第 03 章让开头的若干块可以是**缓存命中**，即已经存着恰好这段前缀的 KV 的块。）
+# - `can_allocate(seq)` / `allocate(seq)` 给还没有块的序列分配 `ceil(len(seq) / block_size)` 个块，正好装下
+#   它的 token。（第 03 章允许开头几块是**缓存命中**：这些块里存的恰好就是这段前缀的 KV。）
 # - `deallocate(seq)` **倒着**释放块表，于是这些块按“最后一块最先、*第一*块最后”的顺序排到空闲队列队尾。新块从队头取，
 #   所以提示词最前面的块——最可能被共享的那些（比如系统提示词！）——最后才被覆盖。
 # - `can_append(seq)` / `may_append(seq)` 在每个 decode 步之前调用。这一步计算的是序列的*最后*一个 token：上一步采样、
@@ -471,7 +471,7 @@ class BlockPool:
 #   `len(seq) % block_size == 1`，看起来像差一错误，其实不是：*刚刚*溢出最后一块的那个 token，正是这一步要写入 KV 的
 #   token。（`block_size == 1` 时，取模判断永远不成立，可实际上每一步都需要新块；比较长度就没有这个死角。）
 #
-# 这就是上游的 `block_manager.py` 去掉哈希的部分；哈希由第 03 章加上。这里有四个接缝暂时是空的，各由需要它的那一章
+# 这就是去掉哈希之后的上游 `block_manager.py`；哈希由第 03 章加上。这里有四个接缝暂时是空的，各由需要它的那一章
 # 填上：`_forget_old_contents`（第 03 章的缓存在块被覆盖之前取消发布它），以及 `_blocks_to_unshare`、
 # `_unshare_write_block` 和 `forget_copies`（第 05 章的写时复制：分叉出的样本会共享块；调度器在每一步之后调用
 # `forget_copies`，见第 04 章）。
@@ -503,8 +503,8 @@ class BlockManager(BlockPool):
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks: allocate it before decoding"
         # en: In decode, the token appended last has no KV yet: a new block is needed exactly when it
         # en: starts one, which is upstream's `len(seq) % block_size == 1` when block_size > 1.
-        # zh: decode 时，最后追加的那个 token 还没有 KV：恰好当它开启一个新块时需要新块；block_size > 1 时，
-        # zh: 这就是上游的 `len(seq) % block_size == 1`。
+        # zh: decode 时，最后追加的那个 token 还没有 KV：它恰好是某块的第一个 token 时才需要新块；
+        # zh: block_size > 1 时，这就是上游的 `len(seq) % block_size == 1`。
         return seq.num_blocks - len(seq.block_table) + self._blocks_to_unshare(seq)
 
     def _blocks_to_unshare(self, seq: Sequence) -> int:
@@ -543,12 +543,12 @@ class BlockManager(BlockPool):
 # block, which sequence holds it (`.` is free).
 
 # %% [markdown] tags=["zh"]
-# ## 看它运行：八个块的池子里的两个序列
+# ## 看它运行：两个序列，一个八块的池子
 #
 # 我们手动扮演调度器和模型，用两个小工具完成第 04 章的调度器在一步前后所做的事：`prefill` 分配块并计算整个提示词，
 # `decode` 为最后一个 token 腾出位置并计算它。二者随后都把算过的 token 记为已缓存、为第 03 章的前缀缓存发布写满的块
 # （前缀缓存关闭时什么也不发生），并追加采样得到的 token，和第 01 章的 `finish_step` 完全一样。这里先关闭前缀缓存，
-# 只看分页本身。块图显示每个块被哪个序列持有（`.` 表示空闲）。
+# 只看分页本身。块图标出每个块归哪个序列持有（`.` 表示空闲）。
 
 # %%
 from nanovllm.engine.block_manager import BlockManager
@@ -625,7 +625,7 @@ record(say("free {name}", name="A"))
 # 从上往下读这段轨迹。prefill 之后，A 有 11 个 token，占 3 个块（12 个槽位）。第一个 decode 步计算 A 的第 11 个
 # token（槽位 10）并追加第 12 个；第二步计算第 12 个（槽位 11，即块 2 的最后一个槽位）并追加第 13 个。此时
 # `len(A) == 13`，`13 % 4 == 1`：第三个 decode 步要写槽位 12，于是 `may_append` 从空闲队列队头取走块 5。
-# 释放 A 时倒着释放块表，所以空闲队列以 `5, 2, 1, 0` 结尾：A 的第一块（块 0）会最后被覆盖。
+# 释放 A 时倒着释放块表，所以空闲队列以 `5, 2, 1, 0` 结尾：A 的第一块（块 0）最后才会被覆盖。
 
 # %% [markdown] tags=["en"]
 # ### The vLLM paper's figure, on the real block manager
@@ -667,7 +667,7 @@ record(say("free {name}", name="A"))
 # 新块之后的块表算出。
 #
 # 文章引用的块管理器是分块 prefill 之前的上游代码，比本书对照的版本更早；附录 B 的“第二篇文章引用的代码”一节列出了
-# 它与之不同的五处（其中包括 `can_allocate`），以及本书的做法。
+# 两者不同的五处（其中包括 `can_allocate`），以及本书的做法。
 
 # %% the vLLM paper's figure
 words = "Four score and seven years ago our fathers brought".split()
@@ -788,7 +788,7 @@ display(SVG(paging_figure_svg(request, paper, words)))
 # ### 共享，一图看懂
 #
 # 开启前缀缓存（默认开启）时，KV 已写入的块会被发布；之后提示词以相同 token 开头的序列会*持有*这个块，而不是重新
-# 计算。此时块的引用计数表示有多少个块表指向它。块是怎样被找到的由第 03 章讲解；这里只看记账。
+# 计算。此时块的引用计数表示有多少个块表指向它。怎样找到这些块留到第 03 章再讲；这里只看记账。
 
 # %%
 shared = BlockManager(num_blocks=8, block_size=4)
@@ -904,7 +904,7 @@ print(say("trace and invariants hold"))
 # step of 50 random sequences, for four block sizes.
 
 # %% [markdown] tags=["zh"]
-# ### 分页在浪费上的两点保证
+# ### 关于浪费，分页的两点保证
 #
 # “思路”一节给出了两个论断。第一个关于**外部碎片**：按连续区域分配时，空闲显存的总量也许够用，却可能被切成一个个
 # 小空洞，每个都放不下下一个请求。下面五个请求在 48 个槽位的缓存里分别占用 12、8、12、8、8 个槽位；B 和 D 结束后
@@ -974,7 +974,7 @@ print(f"{'':<12} " + say("F takes blocks {table}: {verdict}", table=holders["F"]
 
 # en: Claim 1: enough free slots in total, no hole large enough, refused; the pool serves F
 # en: from blocks that are not adjacent.
-# zh: 论断 1：空闲槽位总数足够，却没有足够大的空洞，于是被拒绝；块池用互不相邻的块为 F 服务。
+# zh: 论断 1：空闲槽位总数足够，却没有足够大的空洞，于是被拒绝；块池则用互不相邻的块接纳了 F。
 assert free_slots >= 12 > max(holes) and not contiguous_served
 table = holders["F"].block_table
 # en: Not one run of adjacent blocks.
@@ -1040,7 +1040,7 @@ for block_size in range(1, 7):
 
 # %% [markdown] tags=["zh"]
 # 块用完的情形，以及误用。池子耗尽时 `can_append` 返回 False（调度器随后会抢占，见第 04 章）。违反块管理器约定的调用，
-# 比如分配两次，是调用方的 bug，而不是错误的输入：它会让一句 `assert` 失败，并说明违反了哪条规则。
+# 比如分配两次，是调用方的 bug，而不是错误的输入：这种调用会触发 `assert`，报错信息指明违反了哪条规则。
 
 # %%
 tiny = BlockManager(num_blocks=2, block_size=2, enable_prefix_caching=False)
@@ -1102,7 +1102,7 @@ for misuse in (
 # 第 03 章给这些类加上前缀缓存（块的哈希值和 token、`hold`、`allocate` 中的缓存命中、`publish_full_blocks`），
 # 第 05 章加上写时复制（`fork`，以及 `may_append` 中的私有副本）。
 #
-# 下一章（第 03 章）打开前缀缓存：提示词的块是怎样被找到的，以及区分“正确的缓存”和“悄悄复用错误 KV 的缓存”的那一行代码。
+# 下一章（第 03 章）讲前缀缓存：怎样找到提示词的块，以及区分“正确的缓存”和“悄悄复用错误 KV 的缓存”的那一行代码。
 #
 # ## 练习
 #

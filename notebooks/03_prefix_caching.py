@@ -208,7 +208,7 @@ class PrefixCache:
 # ## Build it: the block manager consults the cache
 #
 # Chapter 02's classes now learn about the cache; each change below extends the class that
-# chapter 02 built (the book's `add_to_class`, chapter 00), and the package's
+# chapter 02 built (the book's `add_to_class`, appendix D), and the package's
 # `engine/block_manager.py` holds the result as one class each:
 #
 # - A `Block` gains its `hash` (`NO_HASH` until published) and the `token_ids` it was published
@@ -229,7 +229,7 @@ class PrefixCache:
 # %% [markdown] tags=["zh"]
 # ## 动手：块管理器查询缓存
 #
-# 第 02 章的类现在要认识这个缓存；下面的每处改动都在扩展第 02 章构建的类（即本书的 `add_to_class`，见第 00 章），
+# 第 02 章的类现在要认识这个缓存；下面的每处改动都在扩展第 02 章构建的类（即本书的 `add_to_class`，见附录 D），
 # 包中的 `engine/block_manager.py` 把结果保存为每个类一个整体：
 #
 # - `Block` 增加 `hash`（发布之前为 `NO_HASH`）和发布时的 `token_ids`，以及 `reset()`：在块装入新内容之前忘掉这两者。
@@ -375,8 +375,8 @@ def publish_full_blocks(self, seq: Sequence) -> None:
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({

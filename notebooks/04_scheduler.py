@@ -108,8 +108,8 @@
 # - **后处理**把算过的 token 记为已缓存，发布写满的块（第 03 章），为提示词已算完的序列追加采样得到的 token，
 #   并结束那些采样到结束符（除非 `ignore_eos`）或达到 `max_tokens` 的序列。
 #
-# 还有一条规则，即**准入检查**：KV **永远**放不进整个缓存的请求会被 `check_fits` 拒绝，
-# 引擎在请求进入的地方（第 10 章）只运行它一次。上游 nano-vllm 会接受它，然后崩溃或陷入死循环：
+# 还有一条规则，即**准入检查**：如果一个请求的 KV **永远**放不进整个缓存，`check_fits` 就拒绝它；
+# 引擎只在请求进入时（第 10 章）做一次这项检查。上游 nano-vllm 会接受这种请求，然后崩溃或陷入死循环：
 # 缓存里只剩它一个序列时，它需要新块，却没有可抢占的对象，只能抢占自己，重新 prefill，又在同一个地方用完缓存。
 # 序列要为提示词和除最后一个以外的每个采样 token 写 KV，所以它最多需要
 # `ceil((prompt + max_tokens - 1) / block_size)` 个块；`check_fits` 要求缓存至少有这么多块。
@@ -139,8 +139,8 @@
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases, display_width
 
 say = Phrases({
@@ -171,7 +171,7 @@ say = Phrases({
     "batch": "批大小",
     "ms per step": "每步毫秒",
     "µs per token": "每 token 微秒",
-    "µs per token against batch 1: {ratios}": "每 token 微秒数相对批大小 1：{ratios}",
+    "µs per token against batch 1: {ratios}": "每 token 微秒数与批大小 1 之比：{ratios}",
     "budget 10, prompts of 6 and 8 tokens, {rule}: first step schedules {scheduled}":
         "预算 10，提示词 6 和 8 个 token，{rule}：第一步调度 {scheduled}",
     "ours": "本书",
@@ -371,7 +371,7 @@ display(SVG(schedule_flow_svg()))
 # ## 动手：准入检查
 #
 # `max_kv_tokens` 是本章给第 01 章的 `Sequence` 加上的一个属性，用一行代码表达上面的规则。这里不再重复检查配置：
-# 引擎用 `Config` 构建调度器，而 `Config`（第 09 章）已经在每个数进入的地方检查过它们；所以调度器自己的不变量只用
+# 引擎用 `Config` 构建调度器，而 `Config`（第 09 章）在接收每个数值时就已检查过；所以调度器自己的不变量只用
 # 普通的 `assert` 表达，上游也是这样做的。
 
 # %% default module
@@ -389,8 +389,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 # en: The observer hook: called as observer(event, data) with event in "add", "schedule", "postprocess" (and the
 # en: events later features add, such as speculative decoding's "drafts" and "verified").
-# zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule"、"postprocess" 之一（以及后面的
-# zh: 功能加上的事件，比如投机解码的 "drafts" 和 "verified"）。
+# zh: 观察者钩子：以 observer(event, data) 的形式调用，event 为 "add"、"schedule"、"postprocess" 之一（以及后续功能
+# zh: 新增的事件，比如投机解码的 "drafts" 和 "verified"）。
 Observer = Callable[[str, dict], None]
 
 # %% most kv tokens
@@ -433,18 +433,18 @@ def max_kv_tokens(self) -> int:
 #
 # 只有一个类，从上往下读：
 #
-# - `__init__` 构造块管理器和两个队列。`observer` 默认为 `None`；设置之后（附录中的可视化会设置它），它会在 `add`、
-#   `schedule` 和 `postprocess` 的末尾由 `_notify` 以普通数据为参数调用它。为 `None` 时，不会为它收集任何东西。
+# - `__init__` 构造块管理器和两个队列。`observer` 默认为 `None`；设置之后（附录中的可视化会设置它），`_notify`
+#   会在 `add`、`schedule` 和 `postprocess` 的末尾调用它，传入普通数据。为 `None` 时，什么都不为它收集。
 # - `check_fits` 拒绝永远无法运行的请求；`add` 把其余的排入队列，并断言它是新请求。
-# - `schedule` 先尝试 prefill 步，不行再做 decode 步。注意分块需要的东西多么少：`waiting` 队头的序列如果还持有块，
-#   那就是一个进行中的分块 prefill，所以不必再分配，`num_cached_tokens` 记录了它停在哪里。
+# - `schedule` 先尝试 prefill 步，不行再做 decode 步。分块几乎不需要额外的处理：`waiting` 队头的序列如果还持有块，
+#   那就是一个做到一半的分块 prefill，所以不必再分配，`num_cached_tokens` 记着它停在哪里。
 # - `_preempt` 是重算式抢占：释放一切，回到 `waiting` 队头。
 # - `postprocess` 就是第 01 章的 `finish_step`，再加上发布和结束处理：`_reached_end` 判断一个采样出的 token
 #   是否让序列结束，`_finish` 释放序列的块。
 #
 # 这就是上游的 `scheduler.py`，方法一一对应；只改了一条规则（哪个序列可以分块，本章末尾讨论），并加上了准入检查。
 # 后面有两章会扩展这个类：第 05 章填上 `postprocess` 调用的两个接缝，`_fork_siblings`（一个请求分叉成它的 n 个样本；
-# 这里没有序列分叉）和块管理器的 `forget_copies`（这一步已完成为它计划的写时复制；这里没有计划任何复制），第 18 章为
+# 这里没有序列分叉）和块管理器的 `forget_copies`（这一步已做完为该序列安排的写时复制；这里没有安排任何复制），第 18 章为
 # 异步引擎把 `postprocess` 一分为二。
 
 # %% scheduler
@@ -570,8 +570,8 @@ class Scheduler:
             seq.num_scheduled_tokens = 0
             # en: The step wrote these tokens' KV: full blocks can be published, and the copies planned
             # en: for it (copy-on-write) were made before it wrote.
-            # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章），为它计划的复制（写时复制）
-            # zh: 也已在写入之前完成。
+            # zh: 这一步已写入这些 token 的 KV：写满的块可以发布了（第 03 章）；为这一步安排的复制（写时复制）
+            # zh: 在写入之前就已做完。
             self.block_manager.publish_full_blocks(seq)
             self.block_manager.forget_copies(seq)
             if seq.num_cached_tokens < len(seq):
@@ -579,7 +579,7 @@ class Scheduler:
                 # zh: 只算了部分提示词的 prefill 分块不采样（模型执行器传入 -1）。
                 continue
             seq.append_token(token_id)
-            if self._reached_end(seq, token_id):
+            if self._reached_end(seq, token_id, len(seq)):
                 self._finish(seq)
                 finished.append(seq)
         self._notify("postprocess", {"seqs": seqs, "token_ids": list(token_ids), "finished": finished})
@@ -592,15 +592,16 @@ class Scheduler:
 
     def _notify(self, event: str, data: dict) -> None:
         # en: Always the last thing a method does: the observer sees, and may interrupt, only a whole change.
-        # zh: 总是一个方法做的最后一件事：观察者看到的、以及可能打断的，只是一次完整的改动。
+        # zh: 总放在方法的最后：观察者看到的（以及可能打断的）总是一次完整的改动。
         if self.observer is not None:
             self.observer(event, data)
 
-    def _reached_end(self, seq: Sequence, token_id: int) -> bool:
-        """An end-of-sequence token (unless ``ignore_eos``), or the last token ``max_tokens`` allows."""
+    def _reached_end(self, seq: Sequence, token_id: int, num_tokens: int) -> bool:
+        """Whether ``token_id``, the ``num_tokens``-th token of ``seq``, ends it: an end-of-sequence token (unless
+        ``ignore_eos``), or the last token that ``max_tokens`` allows."""
         params = seq.sampling_params
         eos = not params.ignore_eos and token_id in self.eos_token_ids
-        return eos or seq.num_completion_tokens >= params.max_tokens
+        return eos or num_tokens - seq.num_prompt_tokens >= params.max_tokens
 
     def _finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -676,10 +677,10 @@ assert list(front_first) == ["C", "B", "A", "D", "E"] and list(order_kept) == ["
 # %% [markdown] tags=["zh"]
 # ## 看它运行：三个请求、一个小缓存，所有机制同时登场
 #
-# 用 `fake_model` 代替模型：对每个被调度的序列，它根据直到本步计算的最后一个 token 为止的所有 token 算出一个 token，
-# 正如真实模型的贪心选择只取决于它的输入。三个请求共享一个 4 个 token 的系统提示词；A 的提示词很长。缓存有 7 个块、
-# 每块 4 个 token，每步最多 3 个序列、12 个 token。我们挂上一个只做记录的观察者，每步打印一行：`A:12+2` 表示 A
-# 已缓存 12 个 token，本步再算 2 个。
+# 用 `fake_model` 代替模型：对每个被调度的序列，它取从开头到本步计算的最后一个 token 为止的所有 token，
+# 由此算出一个 token，就像真实模型的贪心选择只取决于输入一样。三个请求共享一个 4 个 token 的系统提示词；
+# A 的提示词很长。缓存有 7 个块、每块 4 个 token，每步最多 3 个序列、12 个 token。我们挂上一个只做记录的观察者，
+# 每步打印一行：`A:12+2` 表示 A 已缓存 12 个 token，本步再算 2 个。
 
 # %%
 import xxhash
@@ -760,7 +761,7 @@ steps = run(sched, names)
 # 逐步来看：
 #
 # - **第 1 步：** A 的 14 个 token 的提示词超出 12 个 token 的预算：先算一个 12 个 token 的**分块**。A 留在
-#   `waiting` 队头，没有得到 token（后处理忽略我们的假模型为它返回的值）。它的三个写满的块被发布。
+#   `waiting` 队头，没有得到 token（后处理忽略我们的假模型为它返回的值）。写满的三个块随即发布。
 # - **第 2 步：** A 剩下的 2 个提示词 token，然后是 B 和 C：它们在缓存中找到系统提示词的块（`hits`），
 #   只计算自己的 token。三个序列都开始运行。
 # - **第 3、4 步：** decode 步。第 4 步用掉了最后一个空闲块。
@@ -921,8 +922,9 @@ assert decode_step["computed after"] == 601 and decode_step["len after"] == 602
 # %% [markdown] tags=["zh"]
 # ## 验证
 #
-# 先用断言检查上面的叙述。然后是最有力的检查：**调度对输出不可见。** 分块、共享和抢占改变的是 token *何时*被计算，
-# 而不是产出*哪些* token。每个请求单独运行、缓存大到不会发生任何分块、共享或抢占时，生成的内容必须完全相同。
+# 先用断言检查上面的叙述。然后是最有力的检查：**输出里看不出调度的痕迹。** 分块、共享和抢占改变的只是 token
+# *何时*计算，而不是产出*哪些* token。让每个请求单独运行，缓存大到不会发生任何分块、共享或抢占，得到的生成内容
+# 必须完全相同。
 
 # %%
 assert steps[0]["planned"] == [("A", 0, 12)] and steps[0]["waiting"][0] == "A"
@@ -1272,7 +1274,7 @@ assert started[0] <= started[1]
 # %% [markdown] tags=["zh"]
 # ### 重算，而不是换出
 #
-# 被抢占的序列失去它的 KV，再次 prefill 时重算。vLLM 最初的引擎还可以把被抢占序列的块*换出*到 CPU 内存，
+# 被抢占的序列会丢掉 KV，等再次 prefill 时重算。vLLM 最初的引擎还可以把被抢占序列的块*换出*到 CPU 内存，
 # 以后再拷回来。nano-vllm 和本书只做重算，原因有三。一是简单：换出需要在主机内存里再建一个块池，需要在单独的
 # 流上做拷贝，序列还要多一个“KV 在主机上”的状态。二是代价：KV 很大（Qwen3-0.6B 在 bf16 下每个 token 要存
 # 2 × 28 层 × 8 个 KV 头 × 128 × 2 字节 = 112 KiB，一个 2,000 token 的序列换出再换入，要经 PCIe 搬运约 450 MiB），
@@ -1301,11 +1303,11 @@ assert started[0] <= started[1]
 # ## 哪个序列可以被分块？上游的规则与我们的规则
 #
 # 两个调度器的分块方式不同，这一点值得说清楚。上游 nano-vllm 只允许一步中的**第一个**序列成为分块（它的注释是
-# “only allow chunked prefill for the first seq”）：后面的序列放不进剩余预算时，这一步就不带它结束。我们的调度器
-# 则让**哪个**序列用完预算，就把哪个序列分块。预算 10 个 token，两个提示词分别有 6 和 8 个 token：我们调度 6 个
-# token 加上第二个提示词的 4 个 token 的分块；上游只调度那 6 个，第二个提示词留到下一步。（第二篇文章引用的代码比这两种
-# 规则都早：它根本不分块，而且只有整个提示词（连同已缓存的块）放得进剩余预算时才接纳它；见附录 B 的“第二篇文章引用的
-# 代码”一节。）
+# “only allow chunked prefill for the first seq”）：后面的序列如果放不进剩余预算，这一步就此结束，不再带上它。
+# 我们的调度器则让**哪个**序列用完预算，就把哪个序列分块。预算 10 个 token，两个提示词分别有 6 和 8 个 token：
+# 我们调度 6 个 token，再从第二个提示词切出 4 个 token 的分块；上游只调度那 6 个，第二个提示词留到下一步。
+# （第二篇文章引用的代码比这两种规则都早：它根本不分块，而且只有整个提示词（连同已缓存的块）放得进剩余预算时
+# 才接纳它；见附录 B 的“第二篇文章引用的代码”一节。）
 #
 # 下面用一个只存在于本章的小子类表示上游的规则：同样的 `_schedule_prefill`，只多了一个判断（代码中已标出）。
 # 两种规则先在这个例子上各跑一遍，再在 16 个 3 到 14 个 token 的提示词上、以 10 个 token 的预算各跑一遍。
@@ -1438,10 +1440,10 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 # last row of the table) and its wait for the next chunk is a single step.
 
 # %% [markdown] tags=["zh"]
-# 从表中读出权衡。我们的规则每一步都用满预算：步数更少，每个请求的第一个 token 来得更早。代价是分块 prefill 更多。
-# 被分块的序列在等待下一个分块时，占着整个提示词所需的块，而这些块本可以接纳另一个请求；它那一步不完整的 logits
-# 被丢弃；下一个分块还要把前一个分块的 KV 从缓存里读回来。上游的规则只对本身就超出整个预算的提示词分块，代价是
-# 有些步用不满预算。
+# 从表中可以看出其中的取舍。我们的规则每一步都用满预算：步数更少，每个请求的第一个 token 来得更早。
+# 代价是分块 prefill 更多。被分块的序列在等待下一个分块时，占着整个提示词所需的块，而这些块本可以接纳另一个
+# 请求；只算了一部分的那一步，logits 要丢掉；下一个分块还要把前一个分块的 KV 从缓存里读回来。上游的规则只对
+# 本身就超出整个预算的提示词分块，代价是有些步用不满预算。
 #
 # 本书保留自己的规则。反正每一步都要把权重读一遍，prefill 步算 7 个还是 10 个 token，成本几乎一样，用不满的预算就是
 # 白白放弃的吞吐量。而且代价有上限：在两个调度器里，分块都是本步的最后一个序列、下一步的第一个序列，所以任何时刻
@@ -1459,9 +1461,9 @@ assert ours["most half-prefilled at once"] == upstream["most half-prefilled at o
 # %% [markdown] tags=["zh"]
 # ### 准入检查
 #
-# 永远放不下的请求会被 `check_fits` 拒绝，错误信息说明问题所在；调度器继续为已接受的请求服务。用户输入的其他东西在
+# `check_fits` 拒绝永远放不下的请求，并在错误信息里说明原因；已经接受的请求，调度器照常处理。用户输入的其他东西在
 # 到达调度器之前都已检查过（配置由 `Config` 检查，提示词和采样参数在进入的地方检查，见第 09 章和第 10 章），所以按
-# 另一种块大小构造的序列、或者已经运行过的序列，是调用方的 bug：它会让一句 `assert` 失败。
+# 另一种块大小构造的序列、或者已经运行过的序列，都是调用方的 bug：会触发 `assert`。
 
 # %%
 door = Scheduler(num_kvcache_blocks=4, kvcache_block_size=4, max_num_seqs=2, max_num_batched_tokens=8)

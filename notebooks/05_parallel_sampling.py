@@ -112,7 +112,7 @@
 #   K/V stores and outside the CUDA graph that replays the forward (chapter 14).
 #
 # First the sequence. Chapter 01's constructor gains four fields, added at its end with
-# `add_to_init` (chapter 00):
+# `add_to_init` (appendix D):
 # `request_id` names the request, the `seq_id` of its first sequence; `sample_index` says which
 # of its n samples a sequence is (0 for the first; it picks the random stream, chapter 08);
 # `pending_forks` counts the siblings still to fork, `n - 1` until the first token is sampled;
@@ -136,7 +136,7 @@
 #   块对合并成对 KV 张量的一次索引读和一次索引写，一次处理所有层，排在这一步写入 K/V 之前，并且在重放前向计算的
 #   CUDA Graph 之外（第 14 章）。
 #
-# 先看序列。第 01 章的构造函数增加四个字段，用 `add_to_init`（第 00 章）加在它的末尾：
+# 先看序列。第 01 章的构造函数增加四个字段，用 `add_to_init`（附录 D）加在它的末尾：
 # `request_id` 指明所属请求，即它第一个序列的 `seq_id`；
 # `sample_index` 表示这是 n 个样本中的第几个（第一个为 0；它决定随机数流，见第 08 章）；`pending_forks` 是还要分叉出的
 # 兄弟序列个数，在首 token 采样之前为 `n - 1`；`blocks_to_copy` 记录这一步的写时复制块对。`fork` 生成一个兄弟序列：
@@ -316,8 +316,8 @@ def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({

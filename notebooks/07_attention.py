@@ -344,28 +344,20 @@ from nanovllm.layers.context import Context, get_context
 
 
 class AttentionBackend(Protocol):
-    """What an attention implementation provides (shapes in the comments of `TorchBackend`).
-
-    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache, one float32
-    scale per token and KV head of each block, [blocks, kv_heads, block_size], beside the float8 K/V."""
+    """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor,
     ) -> None: ...  # fmt: skip
-
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache gives back for ``x`` [T, kv_heads, d] (an 8-bit cache: ``x`` quantized, then dequantized)."""
-        ...
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+        context: Context, scale: float,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
-        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
 
@@ -388,12 +380,6 @@ def attention_backend(name: str) -> AttentionBackend:
 # sequence at a time with a causal mask shifted by the cached prefix; decode, too, runs one
 # sequence at a time, reading exactly its own context, so nothing is padded or masked. A
 # reference can afford the Python loop; the Triton kernels (chapter 11) do a batch in one launch.
-#
-# **Room for an 8-bit cache.** Chapter 24 stores K/V in 8 bits, each row with a scale; the
-# interface already carries the scales (`k_scales`, `v_scales`: None for a cache in the model's
-# dtype), and the reference reads and writes through three small hooks: `store_float8`,
-# `gather_float8` and `round_trip` (what the cache gives back for `k`, `v`: here, themselves).
-# Until chapter 24 fills them, the first two refuse.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：纯 torch 后端
@@ -408,10 +394,6 @@ def attention_backend(name: str) -> AttentionBackend:
 # KV 头服务 `num_heads / num_kv_heads` 个查询头）。prefill 逐个序列计算，因果掩码按已缓存前缀的长度平移；
 # decode 也逐个序列计算，每个序列只读取自己的上下文，所以既没有填充也不需要掩码。参考实现负担得起这个 Python
 # 循环；Triton 内核（第 11 章）则一次启动处理整个批次。
-#
-# **为 8 位缓存留出位置：** 第 24 章用 8 位存储 K/V，每一行带一个缩放因子；接口已经带着缩放因子（`k_scales`、
-# `v_scales`：缓存使用模型的数据类型时为 None），参考实现则通过三个小接缝读写：`store_float8`、`gather_float8` 和
-# `round_trip`（缓存为 `k`、`v` 给回的值：这里就是它们本身）。在第 24 章填上之前，前两个会拒绝执行。
 
 # %% torch backend
 #| export
@@ -458,57 +440,19 @@ class TorchBackend:
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor,
     ) -> None:  # fmt: skip
         # en: k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
         # zh: k、v：[T, kv_heads, d]；槽位 -1 标记不应写入的填充行。
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        if k_scales is not None:
-            self.store_float8(k[keep], v[keep], k_cache, v_cache, slots, k_scales, v_scales)
-            return
         flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
         flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache gives back for ``x``: ``x`` itself, in the model's dtype."""
-        return x
-
-    def gather(
-        self, cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
-        by_dim: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        """The first ``length`` tokens of one sequence (`gather_paged`); an 8-bit cache's (``scales``) dequantized,
-        ``by_dim``: the values, which an 8-bit cache keeps by dimension."""
-        if scales is not None:
-            return self.gather_float8(cache, scales, block_table, length, by_dim)
-        return gather_paged(cache, block_table, length)
-
-    def store_float8(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-        k_scales: torch.Tensor, v_scales: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """Write rows k, v [n, kv_heads, d] into rows ``slots`` of a float8 cache, each with its scale."""
-        raise NotImplementedError("this backend has no float8 KV cache")
-
-    def gather_float8(
-        self, cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int, by_dim: bool = False
-    ) -> torch.Tensor:  # fmt: skip
-        """The first ``length`` tokens of one sequence from a float8 cache, dequantized."""
-        raise NotImplementedError("this backend has no float8 KV cache")
-
     def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context: Context,
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        context: Context, scale: float,
+    ) -> torch.Tensor:  # fmt: skip
         paged = context.block_tables is not None
         assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
         cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
@@ -517,8 +461,8 @@ class TorchBackend:
             q_start, q_end = cu_q[i], cu_q[i + 1]
             n_k = cu_k[i + 1] - cu_k[i]
             if paged:
-                keys = self.gather(k_cache, context.block_tables[i], n_k, k_scales)
-                values = self.gather(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
+                keys = gather_paged(k_cache, context.block_tables[i], n_k)
+                values = gather_paged(v_cache, context.block_tables[i], n_k)
             # en: no cached prefix: set_prefill_context made sure of it
             # zh: 没有已缓存前缀：set_prefill_context 已经确保了这一点。
             else:
@@ -528,7 +472,6 @@ class TorchBackend:
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
-        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         # en: q: [B, H, d], one new token per sequence; its KV is already in the cache.
         # zh: q：[B, H, d]，每个序列一个新 token；它的 KV 已经在缓存里了。
@@ -543,8 +486,8 @@ class TorchBackend:
                 # en: A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
                 # zh: 填充行（context_len 为 0，例如 CUDA Graph 的批次）什么都不关注：输出 0。
                 continue
-            keys = self.gather(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
-            values = self.gather(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True).to(q.dtype)
+            keys = gather_paged(k_cache, context.block_tables[i], n_k).to(q.dtype)
+            values = gather_paged(v_cache, context.block_tables[i], n_k).to(q.dtype)
             out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
         return out
 
@@ -579,10 +522,6 @@ from nanovllm.layers.attention import Attention
 @add_to_init(Attention)
 def _init_kv_cache(self) -> None:
     self.k_cache = self.v_cache = torch.tensor([])
-    # en: An 8-bit cache also holds one scale per token and KV head; None for a 16-bit cache.
-    # zh: 8 位缓存（第 24 章）还为每个 token 和 KV 头保存一个缩放因子；16 位缓存时为 None。
-    self.k_scales: torch.Tensor | None = None
-    self.v_scales: torch.Tensor | None = None
     # en: The torch reference until the model runner hands every layer the configured backend.
     # zh: 在模型执行器把配置的后端交给每一层之前，用的是 torch 参考实现。
     self.backend: AttentionBackend = TorchBackend()
@@ -594,18 +533,11 @@ def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: 
 
     ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
     context = get_context()
-    scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
     if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
-        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
+        self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
     if context.is_prefill:
-        if self.k_scales is not None and context.block_tables is None:
-            # en: An 8-bit cache: a prefill without a cached prefix attends to what the cache now
-            # en: holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
-            # zh: 8 位缓存（第 24 章）：没有已缓存前缀的 prefill 也关注缓存里现在存的值，和之后每次读取一样，
-            # zh: 这样提示词的 token 不取决于它被怎样分块。
-            k, v = self.backend.round_trip(k), self.backend.round_trip(v)
-        return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
-    return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)
+        return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale)
+    return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale)
 
 # %% [markdown] tags=["en"]
 # ## See it: a batch with a cached prefix, then decode
@@ -625,8 +557,8 @@ def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: 
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({

@@ -92,9 +92,9 @@
 # `LLM(model, **settings)` (chapter 10) turns its keyword arguments into one `Config`, and every
 # part reads what it needs from it. The fields and defaults of nano-vllm come first, then what
 # running on a CPU needs; a few belong to later chapters (graphs, ranks), and the table says
-# which. The settings of what a later chapter builds arrive with it (chapter 00's `add_fields`):
-# the compiled small ops in chapter 14, the fused decode step in 14, the ranks' deadline in 16,
-# asynchronous scheduling in 17, the 8-bit KV cache in 23 and speculative decoding in 24.
+# which. The settings of what a later chapter builds arrive with it (appendix D's `add_fields`):
+# the compiled small ops in chapter 14, the fused decode step in 15, the ranks' deadline in 17,
+# asynchronous scheduling in 18, the 8-bit KV cache in 24 and speculative decoding in 25.
 #
 # | field | default | meaning |
 # |---|---|---|
@@ -139,7 +139,7 @@
 #
 # 执行器是引擎中第一个读取设置的部件，所以设置在这里构建：`LLM(model, **settings)`（第 10 章）把它的关键字参数变成
 # 一个 `Config`，各部件从中读取自己需要的东西。先是 nano-vllm 的字段与默认值，然后是在 CPU 上运行所需的字段；其中
-# 有几个属于后面的章节（CUDA Graph、rank），表中注明了是哪一章。后面章节所构建的东西，其设置随那一章一起加入（第 00 章
+# 有几个属于后面的章节（CUDA Graph、rank），表中注明了是哪一章。后面章节所构建的东西，其设置随那一章一起加入（附录 D
 # 的 `add_fields`）：第 14 章的编译小算子、第 15 章的融合 decode 步、第 17 章 rank 的回复期限、第 18 章的异步调度、
 # 第 24 章的 8 位 KV 缓存和第 25 章的投机解码。
 #
@@ -380,8 +380,8 @@ def _half_dtype_of(hf_config: PretrainedConfig) -> str:
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -661,11 +661,6 @@ reset_context()
 #
 # `block_bytes = 2 × layers × block_size × kv_heads × head_dim × dtype size`
 #
-# (An 8-bit cache, `kv_cache_dtype="fp8"`, stores one byte per element plus one 4-byte scale per
-# token and KV head: `2 × layers × block_size × kv_heads × (head_dim + 4)`; chapter 16. The code
-# below leaves it four small hooks: the cache's dtype, the bytes of a row's scale, the cache's
-# name in the summary, and `ModelRunner.allocate_kv_scales`.)
-#
 # - **On a GPU** (nano-vllm's rule): run one warm-up forward of the largest step the scheduler
 #   can make, so that the activations' peak is known, then give the KV cache what is left of
 #   `total × gpu_memory_utilization`: `total × utilization − used − peak + current`, where
@@ -693,10 +688,6 @@ reset_context()
 # 一个块为每一层保存 `block_size` 个 token 的键和值：
 #
 # `block_bytes = 2 × 层数 × block_size × kv_heads × head_dim × 数据类型字节数`
-#
-# （8 位缓存，即 `kv_cache_dtype="fp8"`，每个元素 1 字节，另外每个 token 的每个 KV 头有一个 4 字节的缩放因子：
-# `2 × 层数 × block_size × kv_heads × (head_dim + 4)`；见第 24 章。下面的代码给它留了四个小接缝：缓存的数据类型、
-# 每行缩放因子的字节数、摘要中缓存的名字，以及 `ModelRunner.allocate_kv_scales`。）
 #
 # - **GPU 上**（nano-vllm 的规则）：先用调度器可能产生的最大一步做一次预热前向，得到激活值的峰值，再把
 #   `total × gpu_memory_utilization` 剩下的部分交给 KV 缓存：`total × utilization − used − peak + current`。
@@ -726,16 +717,9 @@ from nanovllm.models.qwen3 import head_dim_of
 
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
-    cache's ``dtype``, each row with the scale it carries (`scale_bytes`)."""
+    cache's ``dtype``."""
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
-    row = head_dim_of(hf_config) * dtype.itemsize + scale_bytes(dtype)
-    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
-
-
-def scale_bytes(dtype: torch.dtype) -> int:
-    """Bytes of the scale that each cached row of ``dtype`` (one token, one KV head) carries: none in the model's
-    dtype."""
-    return 0
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim_of(hf_config) * dtype.itemsize
 
 
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
@@ -743,16 +727,11 @@ def kv_cache_torch_dtype(config: Config) -> torch.dtype:
     return config.torch_dtype
 
 
-def kv_cache_kind(dtype: torch.dtype, model_dtype: str) -> str:
-    """How `kv_cache_summary` names a cache of ``dtype``: by the model's dtype, which it is."""
-    return model_dtype
-
-
 def kv_cache_summary(config: Config) -> str:
     """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
     dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
     block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
-    blocks, kind = config.num_kvcache_blocks, kv_cache_kind(dtype, config.dtype)
+    blocks, kind = config.num_kvcache_blocks, str(dtype).removeprefix("torch.")
     rank = " per rank" if config.tensor_parallel_size > 1 else ""
     return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
             f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
@@ -792,12 +771,9 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
         # en: unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
         # zh: GPU 上用零，而不是未初始化的显存：FlashAttention 4（第 11 章）按整页读取，序列最后一页中未写入的行里
         # zh: 若残留 NaN，就会污染它的输出（0 × NaN）。这只花几毫秒，而且只做一次。
-        # en: A one-byte cache (float8) is allocated as bytes: filling float8 tensors is missing on some devices.
-        # zh: 单字节的缓存（float8，第 24 章）按字节分配：某些设备不支持填充 float8 张量。
-        raw = torch.uint8 if dtype.itemsize == 1 else dtype
-        cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
-            torch.empty(shape, dtype=raw, device=device)
-        return cache.view(dtype)
+        if device.type == "cuda":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
     # en: torch.OutOfMemoryError on a GPU
     # zh: 在 GPU 上是 torch.OutOfMemoryError。
     except RuntimeError as error:
@@ -838,22 +814,14 @@ def _physical_memory() -> float:
 
 # %% copy blocks
 #| export
-def copy_kv_blocks(
-    kv_cache: torch.Tensor, copies: list[tuple[int, int]], kv_scales: torch.Tensor | None = None
-) -> None:
+def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
-    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...];
-    ``kv_scales``: an 8-bit cache's scales, [2, layers, blocks, ...] too, copied alike."""
+    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
     destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
-    for tensor in (kv_cache, kv_scales):
-        if tensor is not None:
-            # en: A one-byte cache (float8) is copied as bytes: indexing float8 tensors is missing on some devices.
-            # zh: 单字节的缓存（float8）按字节拷贝：某些设备不支持对 float8 张量做索引。
-            data = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-            data[:, :, destinations] = data[:, :, sources]
+    kv_cache[:, :, destinations] = kv_cache[:, :, sources]
 
 # %% [markdown] tags=["en"]
 # A check on a small KV tensor: blocks 5 and 6 receive blocks 1 and 2 in both layers, keys and
@@ -886,7 +854,7 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # each layer its two views `kv_cache[0, i]` and `kv_cache[1, i]`: one allocation, no copies.
 #
 # `run` is one step: `compute_logits` (the copy-on-write copies of chapter 05, the inputs, the
-# `forward`, one row of logits per sequence: the last computed token's), then `sample`. A
+# model's forward, one row of logits per sequence: the last computed token's), then `sample`. A
 # sequence whose prefill chunk does not reach the end of its prompt gets no token: its "next
 # token" would be a prediction for a prompt position, which the scheduler throws away anyway.
 # The runner returns `-1` for it instead of spending a sampling pass on it. A request that forks
@@ -894,13 +862,10 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # `sibling_samples` order.
 #
 # That is upstream's `model_runner.py`, minus its shared-memory plumbing for ranks and its CUDA
-# graphs: chapter 11 compiles its kernels when the runner is built, chapter 14 compiles the small
-# ops and captures the graphs there too, and replaces `forward` (which replays a graph for a decode
-# step), chapter 17 fills the hook `agreed_block_count` (the ranks agree on the pool), and chapter 18 adds
-# `launch`, a step queued without waiting for its tokens. That step's last tokens may still be
-# computing: `compute_logits` takes the step computing them (`previous`, None here) and leaves two
-# hooks for chapter 18, `replay_decode` (a decode step replayed from inputs staged in one copy)
-# and `with_pending_tokens` (the pending tokens gathered into a step's input ids).
+# graphs. Later chapters add to it: chapter 11 compiles its kernels when the runner is built,
+# chapter 14 compiles the small ops and captures graphs there too and lets `compute_logits` replay
+# a decode step's graph, chapter 17 fills the hook `agreed_block_count` (the ranks agree on the
+# pool), and chapter 18 adds `launch`, a step queued without waiting for its tokens.
 #
 # The runner builds what the layers compute with once and hands it down: one attention backend
 # object (`attention_backend(config.attention_backend)`, chapter 07) given to every `Attention`
@@ -913,17 +878,15 @@ print(say("blocks 5, 6 now hold blocks 1, 2 in every layer; the other six are un
 # 使用选定的后端，分配**一个** KV 张量 `[2, layers, blocks, block_size, kv_heads, head_dim]`，再把它的两个视图
 # `kv_cache[0, i]` 和 `kv_cache[1, i]` 交给第 `i` 层：只分配一次，没有拷贝。
 #
-# `run` 就是一步：`compute_logits`（第 05 章的写时复制拷贝、准备输入、`forward`，为每个序列保留一行 logits：
+# `run` 就是一步：`compute_logits`（第 05 章的写时复制拷贝、准备输入、模型的前向计算，为每个序列保留一行 logits：
 # 它最后一个被计算的 token），然后 `sample`。如果某个序列的 prefill 分块没有到达提示词末尾，它就得不到 token：
 # 它的“下一个 token”只是对提示词中某个位置的预测，调度器反正会丢掉。执行器为它返回 `-1`，而不是为它做一次采样。
 # 要分叉的请求（第 05 章）还从它这一行为兄弟序列抽取首 token，排在这一步自己的 token 之后，顺序同 `sibling_samples`。
 #
-# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph：第 11 章在构建执行器时编译
-# 自己的内核，第 14 章也在那时编译小算子、捕获 CUDA Graph，并替换 `forward`（decode 步重放图），第 17 章填上
-# 接缝 `agreed_block_count`（各 rank 就块池达成一致），第 18 章加上 `launch`：把一步排进队列而不等它的 token。
-# 那一步的最后一个 token 可能还在计算中：`compute_logits` 接收正在计算它们的那一步（`previous`，这里是 None），并给
-# 第 18 章留下两个接缝：`replay_decode`（从一次拷贝暂存的输入重放 decode 步）和 `with_pending_tokens`（把待定 token
-# 取进这一步的输入 id）。
+# 这就是上游的 `model_runner.py`，去掉了它为多个 rank 准备的共享内存管道和 CUDA Graph。后面的章节往上添加：第 11 章
+# 在构建执行器时编译自己的内核，第 14 章也在那时编译小算子、捕获 CUDA Graph，并让 `compute_logits` 为 decode 步
+# 重放图，第 17 章填上接缝 `agreed_block_count`（各 rank 就块池达成一致），第 18 章加上 `launch`：把一步排进队列
+# 而不等它的 token。
 #
 # 执行器把各层用来计算的东西构建一次，再交下去：一个注意力后端对象（`attention_backend(config.attention_backend)`，
 # 第 07 章）交给每个 `Attention` 层；还有第 08 章的 `Sampler`。
@@ -956,9 +919,6 @@ class ModelRunner:
             layer.backend = self.attention
         self.sampler = Sampler()
         self.stopped = False
-        # en: An 8-bit cache's scales, [2, layers, blocks, kv_heads, block_size]; None otherwise.
-        # zh: 8 位缓存的缩放因子（第 24 章），形状 [2, layers, blocks, kv_heads, block_size]；否则为 None。
-        self.kv_scales: torch.Tensor | None = None
         self.kv_cache = self.allocate_kv_cache()
         # en: The scheduler sizes its block pool from this.
         # zh: 调度器据此确定块池的大小。
@@ -967,24 +927,26 @@ class ModelRunner:
     # en: ---- the KV cache ---------------------------------------------------------
     # zh: ---- KV 缓存 -------------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
-        hf = self.config.hf_config
-        cache_dtype = kv_cache_torch_dtype(self.config)
-        block_bytes = kv_block_bytes(hf, self.block_size, cache_dtype, self.config.tensor_parallel_size)
-        blocks = self.kv_block_count(block_bytes)
-        kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
-        layers = len(self.attention_layers)
-        shape = (2, layers, blocks, self.block_size, kv_heads, head_dim_of(hf))
-        setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
-            "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
-        kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
+        """The one KV tensor of the model; each attention layer gets its two views."""
+        dtype = kv_cache_torch_dtype(self.config)
+        kv_cache = allocate_kv(self.kv_cache_shape(dtype), dtype, self.device, self.memory_setting())
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-        self.allocate_kv_scales(cache_dtype, (2, layers, blocks, kv_heads, self.block_size), setting)
         return kv_cache
 
-    def allocate_kv_scales(self, cache_dtype: torch.dtype, shape: tuple[int, ...], setting: str) -> None:
-        """The scales an 8-bit cache keeps beside its blocks, ``shape`` [2, layers, blocks, kv_heads, block_size],
-        handed to the layers with their caches: a cache in the model's dtype has none."""
+    def kv_cache_shape(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """[2, layers, blocks, block_size, kv_heads, head_dim], with as many blocks of ``dtype`` as
+        `kv_block_count` allows."""
+        hf, ranks = self.config.hf_config, self.config.tensor_parallel_size
+        blocks = self.kv_block_count(kv_block_bytes(hf, self.block_size, dtype, ranks))
+        kv_heads = max(1, hf.num_key_value_heads // ranks)
+        return (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
+
+    def memory_setting(self) -> str:
+        """The setting that bounds the KV pool here: the one to change when the pool does not fit."""
+        if self.config.num_kvcache_blocks > 0:
+            return "num_kvcache_blocks"
+        return "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
 
     def kv_block_count(self, block_bytes: int) -> int:
         """How many KV blocks to allocate: the configured count, else what this device's memory holds."""
@@ -1031,14 +993,8 @@ class ModelRunner:
     # en: ---- one step -------------------------------------------------------------
     # zh: ---- 一步 -----------------------------------------------------------------
     @torch.inference_mode()
-    def compute_logits(
-        self, seqs: list[Sequence], is_prefill: bool, previous: object | None = None
-    ) -> torch.Tensor | None:
-        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
-
-        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (its
-        `SampledTokens`: see `with_pending_tokens`); None when every last token is known.
-        """
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
+        """The forward of one step: one row of logits per sequence, its last computed token's."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
@@ -1047,37 +1003,17 @@ class ModelRunner:
         # en: Copy-on-write: before this step writes into the fresh blocks, give them the
         # en: shared blocks' K/V, queued ahead of the step's stores.
         # zh: 写时复制（第 05 章）：在这一步写入新块之前，先把共享块的 K/V 复制过去，排在这一步的写入之前。
-        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
-        replayed = self.replay_decode(seqs, is_prefill, previous)
-        if replayed is not None:
-            return self.model.compute_logits(replayed)
+        self.copy_blocks(seqs)
+        prepare = prepare_prefill if is_prefill else prepare_decode
         try:
-            if is_prefill:
-                input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
-            else:
-                input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
-                input_ids = self.with_pending_tokens(seqs, input_ids, previous)
-            return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
+            input_ids, positions = prepare(seqs, self.block_size, self.device)
+            return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
 
-    def replay_decode(
-        self, seqs: list[Sequence], is_prefill: bool, previous: object | None
-    ) -> torch.Tensor | None:
-        """The hidden states of a decode step that a CUDA graph replays from inputs staged in one copy, or None
-        for a step that builds its inputs: here, every step does (a hook that asynchronous scheduling fills)."""
-        return None
-
-    def with_pending_tokens(
-        self, seqs: list[Sequence], input_ids: torch.Tensor, previous: object | None
-    ) -> torch.Tensor:
-        """A decode step's input ids, the tokens still pending taken from ``previous`` on the device: here every
-        last token is known (a hook that asynchronous scheduling fills)."""
-        return input_ids
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        """The model's hidden states for a step's flat inputs (the attention context is installed)."""
-        return self.model(input_ids, positions)
+    def copy_blocks(self, seqs: list[Sequence]) -> None:
+        """The copy-on-write copies that the block manager planned for ``seqs`` (`copy_kv_blocks`)."""
+        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
@@ -1121,8 +1057,7 @@ class ModelRunner:
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-            layer.k_scales = layer.v_scales = None
-        self.kv_cache, self.kv_scales = torch.tensor([]), None
+        self.kv_cache = torch.tensor([])
 
 
 # %% [markdown] tags=["en"]

@@ -393,8 +393,8 @@ __all__ = ["LLM", "SamplingParams"]
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({

@@ -136,9 +136,9 @@ print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRE
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang). Imported only
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang). Imported only
 # en: now: importing nanovllm imports Triton, which must see TRITON_INTERPRET first.
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。到这里才导入：导入 nanovllm
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。到这里才导入：导入 nanovllm
 # zh: 会导入 Triton，而 Triton 必须先看到 TRITON_INTERPRET。
 from nanovllm.book.lang import Phrases
 
@@ -151,6 +151,12 @@ say = Phrases({
         "Triton 后端 == torch 参考实现（带缓存前缀的 prefill、decode、split-K）；缓存完全相同",
     "attention backend: {backend}": "注意力后端：{backend}",
     "all exercise answers check out": "练习答案全部验证通过",
+    "{card}, {date}: `{command}`": "{card}，{date}：`{command}`",
+    "batch {batch:>2}:": "批大小 {batch:>2}：",
+    "default": "默认",
+    "32-key tiles": "32 键 tile",
+    "early start": "提前启动",
+    "32-key tiles + early start": "32 键 tile + 提前启动",
 })
 
 # %% default module
@@ -1084,7 +1090,7 @@ def decode_reduce_kernel(
 # per SM (one more would start a partial extra wave), never slices shorter than `min_split_len` keys. It uses
 # only host-side numbers (the batch size and the block table's width, which bounds every
 # context), so it needs no GPU→CPU copy and a CUDA graph can capture the launch. The measured
-# crossover is in "Measure it" below.
+# crossover is in chapter 13.
 
 # %% [markdown] tags=["zh"]
 # **split-K 什么时候更快？** 它增加了工作量（多一个内核，部分输出以 float32 写出再读回），所以只有当普通网格
@@ -1092,7 +1098,7 @@ def decode_reduce_kernel(
 # 只有程序数少于 SM 数时才切分，此时在每个 SM 不超过四个程序的前提下切得尽量多（再多一段就会多出一轮不满的
 # 波次），但每段不短于 `min_split_len` 个键。
 # 它只用主机端已知的数（批大小和块表宽度，后者是所有上下文长度的上界），所以不需要 GPU→CPU 拷贝，
-# CUDA Graph 也能捕获这次启动。实测的分界点见下文“测量”一节。
+# CUDA Graph 也能捕获这次启动。实测的分界点见第 13 章。
 
 # %% [markdown] tags=["en"]
 # **A few sequences: short tiles and an early start.** At batch 1 a step of Qwen3-0.6B runs
@@ -1296,6 +1302,43 @@ def decode_attention(
     return out
 
 # %% [markdown] tags=["en"]
+# **What the H200 measured.** `python -m nanovllm.bench --latency` also replays its decode graph
+# alone. On Qwen3-0.6B's shapes with 512–768 tokens of context, the graph of one sequence took
+# 0.652 ms a step with the default launch, 0.631 ms with 32-key tiles and 0.580 ms with the early
+# start as well. At sixteen sequences (4 slices) the same launch took 1.578 ms against the default's
+# 1.456 ms, so only the few sequences that split 16 ways or more get it.
+
+# %% [markdown] tags=["zh"]
+# **H200 上测得的结果：** `python -m nanovllm.bench --latency` 还会单独重放它的 decode graph。在 Qwen3-0.6B 的形状、
+# 512–768 个 token 的上下文上，一个序列的 graph 每步用默认启动配置要 0.652 ms，改用 32 键的 tile 是 0.631 ms，再加上
+# 提前启动是 0.580 ms。十六个序列（4 段）时，同样的启动配置用了 1.578 ms，默认配置只要 1.456 ms，所以只有切成 16 段或
+# 更多的那几个序列才用它。
+
+# %%
+from nanovllm.book.recorded import recorded
+
+few = recorded("11_triton_attention")["few_sequences"]
+print(say("{card}, {date}: `{command}`", card=few.card, date=few.date, command=few.command))
+# en: batch -> {decode launch: ms per step of the decode graph replayed alone}
+# zh: 批大小 -> {decode 启动配置: 单独重放 decode graph 时每步的毫秒数}
+steps = {int(batch): launches for batch, launches in few.figures["ms per step"].items()}
+# en: The launches measured: the default, the 32-key tiles, the early start, and both (what ships).
+# zh: 测过的启动配置：默认、32 键 tile、提前启动，以及两者一起（现在用的）。
+LAUNCHES = ("default", "32-key tiles", "early start", "32-key tiles + early start")
+assert all(launch in LAUNCHES for launches in steps.values() for launch in launches)
+for batch, launches in steps.items():
+    times = " | ".join(f"{say(launch)} {launches[launch]:.3f} ms" for launch in LAUNCHES if launch in launches)
+    print(say("batch {batch:>2}:", batch=batch), times)
+# en: The shipped launch is the fastest at one to four sequences, the default at sixteen; on a 132-SM H200 with 8 KV
+# en: heads and a block table 4,096 tokens wide, choose_num_splits gives MANY_SPLITS slices or more exactly there.
+# zh: 一到四个序列时，现在用的启动配置最快；十六个序列时默认配置最快。在有 132 个 SM 的 H200 上、8 个 KV 头、块表宽
+# zh: 4,096 个 token 时，choose_num_splits 恰好在前者给出 MANY_SPLITS 段或更多。
+shipped = LAUNCHES[-1]
+assert all(launches[shipped] == min(launches.values()) for batch, launches in steps.items() if batch <= 4)
+assert min(steps[16], key=steps[16].get) == "default"
+assert [batch for batch in steps if choose_num_splits(batch, 8, 4096, 132) >= MANY_SPLITS] == [1, 2, 4]
+
+# %% [markdown] tags=["en"]
 # ## Build it: the backend, and choosing one
 #
 # `TritonBackend` is three one-line methods over the functions above; chapter 07's
@@ -1315,13 +1358,13 @@ def decode_attention(
 # our kernel: `FlashAttnBackend` is a `TritonBackend` whose prefill, decode and warm-up call
 # FlashAttention. Two things the H200 taught us: FlashAttention 4 loads whole pages when a page is
 # exactly one key tile (block size 128 there), so the unwritten rows of a sequence's last page
-# must hold finite numbers (0 × NaN is NaN): the engine's KV cache on a GPU starts as zeros (chapter 09);
+# must hold finite numbers (zero times NaN is NaN): the engine's KV cache on a GPU starts as zeros (chapter 09);
 # and it compiles a kernel per variant, so `warm_up` compiles both prefill variants before
 # anything is timed. `Config` accepts the backend only on a CUDA GPU of compute capability 9 or
 # more where `flash_attn.cute` can be imported, and says which of the three is missing; the
 # GPU tests compare it with the torch reference (block sizes 16 to 256, a padded decode row,
 # unused pages full of NaN) and run the engine on it with CUDA graphs, chunked prefill, prefix
-# hits and forks. `"auto"` stays our Triton kernels: the measurements below say why. One case is
+# hits and forks. `"auto"` stays our Triton kernels: chapter 13's measurements say why. One case is
 # left open: a request dropped because its logits were not finite (chapter 20) may leave NaN or
 # infinities in blocks that go back to the free list, and under FlashAttention 4 a later sequence
 # whose last page is such a block would read them; our kernels mask those rows.
@@ -1347,7 +1390,7 @@ def decode_attention(
 # 只有在计算能力 9 或以上、能导入 `flash_attn.cute` 的 CUDA GPU 上，`Config` 才接受这个后端，并说明三个条件中缺了
 # 哪一个；GPU 测试把它
 # 与 torch 参考实现对照（块大小 16 到 256、一个填充的 decode 行、填满 NaN 的未用页），并让引擎在它上面带着
-# CUDA Graph、分块 prefill、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：下面的测量说明了原因。还有一种
+# CUDA Graph、分块 prefill、前缀命中和分叉运行。`"auto"` 仍然是我们的 Triton 内核：第 13 章的测量说明了原因。还有一种
 # 情形没有处理：因 logits 不是有限值而被丢弃的请求（第 20 章）可能在归还空闲队列的块里留下 NaN 或无穷大；在
 # FlashAttention 4 下，之后某个序列的最后一页若恰好是这样的块，就会读到它们；我们的内核会屏蔽这些行。
 
@@ -1480,7 +1523,8 @@ class FlashAttnBackend(TritonBackend):
 # and the torch reference on a CPU, where Triton runs only in its interpreter (for tests:
 # `"triton"` on a CPU needs `TRITON_INTERPRET=1`). `attention_backend` builds the chosen kind,
 # and imports this chapter's module only when a run asks for it, so a CPU run never imports
-# Triton.
+# Triton. The kernels' 8-bit path takes an 8-bit cache's scales, which each layer now has room
+# for: `k_scales` and `v_scales`, None until chapter 24 allocates such a cache.
 
 # %% [markdown] tags=["zh"]
 # ## 接进去：引擎选用这些内核
@@ -1489,7 +1533,8 @@ class FlashAttnBackend(TritonBackend):
 # `resolve_attention_backend` 取代第 09 章的版本：配置项可以写 `"triton"` 或 `"flash-attn"`，`"auto"` 在 GPU 上
 # 表示 Triton 内核，在 CPU 上表示 torch 参考实现，因为 Triton 在 CPU 上只能在解释器里运行（那是给测试用的：在 CPU 上
 # 用 `"triton"` 需要设置 `TRITON_INTERPRET=1`）。`attention_backend` 构建选中的那一种，并且只在运行真的要求时才导入
-# 本章的模块，所以 CPU 上的运行从不导入 Triton。
+# 本章的模块，所以 CPU 上的运行从不导入 Triton。内核的 8 位路径要用 8 位缓存的缩放因子，每一层现在为它们留了位置：
+# `k_scales` 和 `v_scales`，在第 24 章分配这种缓存之前都是 None。
 
 # %% choosing a backend
 #| export config
@@ -1548,9 +1593,21 @@ def _check_flash_attn(device: str, dtype: str) -> None:
 #| export layers.attention
 import importlib
 
+import torch
+
 import nanovllm.layers.attention as attention_module
-from nanovllm.book.literate import add_to_class
-from nanovllm.layers.attention import AttentionBackend, TorchBackend
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.layers.attention import Attention, AttentionBackend, TorchBackend
+
+
+@add_to_init(Attention)
+def _init_kv_scales(self) -> None:
+    # en: An 8-bit cache's scales, one per token and KV head, [blocks, kv_heads, block_size]; None for a cache in
+    # en: the model's dtype.
+    # zh: 8 位缓存的缩放因子，每个 token 的每个 KV 头一个，形状 [blocks, kv_heads, block_size]；缓存使用模型的
+    # zh: 数据类型时为 None。
+    self.k_scales: torch.Tensor | None = None
+    self.v_scales: torch.Tensor | None = None
 
 
 @add_to_class(attention_module)

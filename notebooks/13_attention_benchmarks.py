@@ -56,8 +56,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -89,6 +89,7 @@ say = Phrases({
         "prefill {batch} x {seqlen}：SDPA {sdpa:.3f} ms，我们的 {ours:.3f} ms，FlashAttention 4 {fa4:.3f} ms",
     "batch {batch:>2} ({splits} splits): reduce kernel {reduce:.1f} us, merged {merged:.1f} us ({ratio:.2f}x)":
         "批大小 {batch:>2}（{splits} 段）：reduce 内核 {reduce:.1f} us，段内合并 {merged:.1f} us（{ratio:.2f}x）",
+    "{card}, {date}: `{command}`": "{card}，{date}：`{command}`",
     "{batch} sequences x {context} tokens: {mib:.0f} MiB of KV per layer, at least {us:.0f} µs at 4.2 TB/s":
         "{batch} 个序列 x {context} 个 token：每层 {mib:.0f} MiB 的 KV，以 4.2 TB/s 计至少 {us:.0f} µs",
 })
@@ -411,72 +412,46 @@ if __name__ == "__main__" and __spec__ is not None and __spec__.name == "nanovll
 # %% [markdown] tags=["en"]
 # ## See it: measured on an H200
 #
-# The figures below were recorded on the GPU machine with the command shown in the dict (they
-# are data, so this page shows them as recorded on any machine; rerun the command on a GPU to
-# get your own). The chart shows decode's achieved bandwidth as a share of the copy bandwidth,
-# for a short and a long context, plain kernel (dashed) vs the split count the heuristic picks
-# (solid).
+# The figures below were recorded on the GPU machine with the command that each recorded run
+# names, printed with it (they are data, so this page shows them as recorded on any machine;
+# rerun the command on a GPU to get your own). The chart shows decode's achieved bandwidth as a
+# share of the copy bandwidth, for a short and a long context, plain kernel (dashed) vs the split
+# count the heuristic picks (solid).
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：H200 上的实测
 #
-# 下面的数字是在 GPU 机器上用字典里写明的命令记录下来的（它们是数据，所以在任何机器上，本页都按记录展示；在 GPU 上
-# 重新运行那条命令，就能得到你自己的数字）。图中是 decode 达到的带宽占拷贝带宽的比例，分别对应较短和较长的上下文：
-# 虚线是普通内核，实线是启发式规则选择的分段数。
+# 下面的数字是在 GPU 机器上记录下来的，所用的命令写在每次记录的运行里，并随数字一起打印出来（它们是数据，所以在任何
+# 机器上，本页都按记录展示；在 GPU 上重新运行那条命令，就能得到你自己的数字）。图中是 decode 达到的带宽占拷贝带宽
+# 的比例，分别对应较短和较长的上下文：虚线是普通内核，实线是启发式规则选择的分段数。
 
 # %%
+import re
+
+from nanovllm.book.recorded import recorded
+
+# en: The runs this chapter records (notebooks/data/recorded/13_attention_benchmarks.json): card, date, command.
+# zh: 本章记录的各次运行（notebooks/data/recorded/13_attention_benchmarks.json）：卡、日期、命令。
+runs = recorded("13_attention_benchmarks")
+kernels = runs["kernels"]
+
+
+def ints(key: str) -> tuple[int, ...]:
+    """A shape or a launch as the JSON writes it ("16 x 1024", "128,64,8,3"), as a tuple of ints."""
+    return tuple(int(n) for n in re.findall(r"\d+", key))
+
+
 RECORDED = {
-    "device": 'NVIDIA H200', "date": '2026-11-29', "torch": '2.11.0+cu130', "triton": '3.6.0', "num_sms": 132,
-    "command": "PYTHONPATH=$PWD python3 -m nanovllm.bench.attention --out bench.json",
-    "copy_tb_per_s": 4.249,
+    "device": kernels.card, "date": kernels.date, "command": kernels.command,
+    **{key: kernels.figures[key] for key in ("torch", "triton", "num_sms", "copy_tb_per_s")},
     # en: (batch, context): {num_splits: microseconds per decode call}, bf16, 16 q / 8 KV heads, d 128, block 256
     # zh: (batch, context): {num_splits: 每次 decode 调用的微秒数}，bf16，16 个 q 头 / 8 个 KV 头，d 128，块大小 256
-    "decode_us": {
-        (1, 512): {1: 16.6, 2: 11.2, 4: 8.4},
-        (1, 1024): {1: 30.2, 2: 17.8, 4: 11.6, 8: 8.7},
-        (1, 2048): {1: 56.8, 2: 30.8, 4: 18.2, 8: 12.1, 16: 9.7},
-        (1, 4096): {1: 110.1, 2: 57.1, 4: 31.1, 8: 18.9, 16: 13.7, 32: 13.0},
-        (1, 8192): {1: 215.0, 2: 110.0, 4: 57.2, 8: 32.2, 16: 21.2, 32: 18.3},
-        (4, 512): {1: 17.0, 2: 11.7, 4: 9.6},
-        (4, 1024): {1: 30.7, 2: 18.5, 4: 13.6, 8: 12.1},
-        (4, 2048): {1: 57.7, 2: 32.0, 4: 21.1, 8: 17.4, 16: 15.8},
-        (4, 4096): {1: 111.5, 2: 58.7, 4: 36.4, 8: 27.5, 16: 24.6, 17: 25.5, 32: 28.3},
-        (4, 8192): {1: 217.6, 2: 111.6, 4: 66.2, 8: 45.6, 16: 40.9, 17: 42.0, 32: 45.3},
-        (16, 512): {1: 19.7, 2: 17.2, 4: 16.2},
-        (16, 1024): {1: 35.0, 2: 26.9, 4: 24.8, 5: 24.9, 8: 27.3},
-        (16, 2048): {1: 65.4, 2: 45.3, 4: 41.2, 5: 45.3, 8: 44.3, 16: 47.5},
-        (16, 4096): {1: 126.7, 2: 81.8, 4: 73.1, 5: 91.7, 8: 76.0, 16: 80.2, 32: 86.4},
-        (16, 8192): {1: 246.4, 2: 154.4, 4: 135.4, 5: 170.3, 8: 139.1, 16: 143.5, 32: 151.3},
-        (64, 512): {1: 39.1, 2: 44.8, 4: 50.0},
-        (64, 1024): {1: 71.1, 2: 76.7, 4: 83.6, 8: 88.8},
-        (64, 2048): {1: 133.9, 2: 140.4, 4: 147.0, 8: 153.6, 16: 163.9},
-        (64, 4096): {1: 253.8, 2: 258.6, 4: 266.0, 8: 273.9, 16: 284.2, 32: 309.6},
-        (64, 8192): {1: 496.2, 2: 498.5, 4: 503.6, 8: 510.4, 16: 523.1, 32: 541.8},
-        (128, 512): {1: 74.1, 2: 82.2, 4: 91.9},
-        (128, 1024): {1: 138.0, 2: 147.0, 4: 158.8, 8: 168.9},
-        (128, 2048): {1: 257.5, 2: 265.3, 4: 276.6, 8: 288.5, 16: 312.5},
-        (128, 4096): {1: 498.6, 2: 506.4, 4: 515.9, 8: 529.4, 16: 548.7, 32: 604.0},
-        (128, 8192): {1: 985.2, 2: 993.6, 4: 1000.4, 8: 1013.2, 16: 1036.0, 32: 1077.0},
-        (256, 512): {1: 157.3, 2: 156.1, 4: 174.7},
-        (256, 1024): {1: 263.0, 2: 278.2, 4: 295.7, 8: 319.5},
-        (256, 2048): {1: 508.7, 2: 517.8, 4: 537.5, 8: 555.4, 16: 606.7},
-        (256, 4096): {1: 990.5, 2: 1000.3, 4: 1015.9, 8: 1037.8, 16: 1078.4, 32: 1184.6},
-        (256, 8192): {1: 1959.9, 2: 1969.1, 4: 1978.8, 8: 1998.6, 16: 2038.4, 32: 2128.1},
-    },
+    "decode_us": {ints(shape): {int(splits): us for splits, us in times.items()}
+                  for shape, times in kernels.figures["decode_us"].items()},
     # en: (batch, seqlen): (SDPA flash ms, {launch (BLOCK_M, BLOCK_N, warps, stages): ms}), bf16 dense causal
     # zh: (batch, seqlen): (SDPA flash ms, {启动配置 (BLOCK_M, BLOCK_N, warps, stages): ms})，bf16，稠密因果
-    "prefill_ms": {
-        (1, 1024): (0.0396, {(128, 128, 8, 3): 0.0532, (128, 64, 8, 3): 0.0752, (128, 128, 8, 2): 0.0677,
-                     (64, 64, 4, 3): 0.0496, (64, 128, 4, 3): 0.0506}),
-        (1, 4096): (0.3188, {(128, 128, 8, 3): 0.197, (128, 64, 8, 3): 0.2312, (128, 128, 8, 2): 0.223,
-                     (64, 64, 4, 3): 0.2167, (64, 128, 4, 3): 0.3178}),
-        (1, 8192): (0.9591, {(128, 128, 8, 3): 0.6321, (128, 64, 8, 3): 0.755, (128, 128, 8, 2): 0.7114,
-                     (64, 64, 4, 3): 0.7649, (64, 128, 4, 3): 1.0795}),
-        (4, 2048): (0.2729, {(128, 128, 8, 3): 0.2041, (128, 64, 8, 3): 0.2281, (128, 128, 8, 2): 0.2212,
-                     (64, 64, 4, 3): 0.2108, (64, 128, 4, 3): 0.3496}),
-        (16, 1024): (0.2760, {(128, 128, 8, 3): 0.2468, (128, 64, 8, 3): 0.2601, (128, 128, 8, 2): 0.2534,
-                     (64, 64, 4, 3): 0.238, (64, 128, 4, 3): 0.4436}),
-    },
+    "prefill_ms": {ints(shape): (row["sdpa"], {ints(launch): ms for launch, ms in row["ours"].items()})
+                   for shape, row in kernels.figures["prefill_ms"].items()},
 }
 
 from IPython.display import SVG, display
@@ -539,6 +514,7 @@ display(SVG(line_chart_svg(series, say("decode attention, {device}: % of copy ba
 
 # %%
 print(say("prefill, bf16 dense causal: time of our kernel (default launch) / SDPA flash"))
+slower_than_sdpa = []
 for (batch, seqlen), (sdpa_ms, ours) in RECORDED["prefill_ms"].items():
     programs_128 = -(-seqlen // 128) * batch * 16
     default = (64, 64, 4, 3) if programs_128 < 2 * RECORDED["num_sms"] else (128, 128, 8, 3)
@@ -549,6 +525,11 @@ for (batch, seqlen), (sdpa_ms, ours) in RECORDED["prefill_ms"].items():
     # en: the goal: within 1.3x of SDPA flash
     # zh: 目标：不超过 SDPA flash 的 1.3 倍。
     assert ours[default] / sdpa_ms <= 1.3
+    if ours[default] > sdpa_ms:
+        slower_than_sdpa.append((batch, seqlen))
+# en: Faster than SDPA at every shape but the smallest, a call of 40 µs.
+# zh: 除了最小的形状（一次 40 µs 的调用）之外，每个形状都比 SDPA 快。
+assert slower_than_sdpa == [(1, 1024)] and round(RECORDED["prefill_ms"][1, 1024][0] * 1e3) == 40
 # en: The decode claims above, checked on the recorded data.
 # zh: 用记录下来的数据检查上面关于 decode 的说法。
 for (batch, context), times in RECORDED["decode_us"].items():
@@ -557,6 +538,16 @@ for (batch, context), times in RECORDED["decode_us"].items():
         # en: the goal: >= 70 % of the copy bandwidth
         # zh: 目标：达到拷贝带宽的 70 % 以上。
         assert share(batch, context, 1) >= 70
+# en: "Reading it": the plain kernel at 80-100 % of the copy rate (103 % at most) from 64 sequences on and at 3-51 %
+# en: below; split-K at 16 sequences x 8K tokens 51 % -> 93 %; for one sequence 2-12x faster than the plain kernel.
+# zh: “怎么读这张图”里的数字：64 个序列及以上时普通内核达到拷贝速率的 80–100 %（最多 103 %），更少时只有 3–51 %；
+# zh: 16 个序列 × 8K token 时 split-K 从 51 % 到 93 %；单个序列时比普通内核快 2–12 倍。
+plain = {(batch, context): share(batch, context, 1) for batch, context in RECORDED["decode_us"]}
+assert [round(f(p for (b, _), p in plain.items() if b >= 64)) for f in (min, max)] == [80, 103]
+assert [round(f(p for (b, _), p in plain.items() if b <= 16)) for f in (min, max)] == [3, 51]
+assert (round(share(16, 8192, 1)), round(share(16, 8192, auto(16, 8192)))) == (51, 93)
+speedups = [times[1] / min(times.values()) for (batch, _), times in RECORDED["decode_us"].items() if batch == 1]
+assert (round(min(speedups)), round(max(speedups))) == (2, 12)
 print(say("recorded figures meet both goals; the heuristic is within 10 % of the best split everywhere"))
 
 # %% [markdown] tags=["en"]
@@ -595,32 +586,27 @@ print(say("recorded figures meet both goals; the heuristic is within 10 % of the
 # 1.36 倍（573 对 421 TFLOP/s）：这就是我们的 prefill 内核还能提升的空间。引擎层面的数字见第 14 章。
 
 # %%
-# en: scripts/decode_sweep.py, H200, 2026-12-01: microseconds per decode call, (BLOCK_N, warps, stages)
-# zh: scripts/decode_sweep.py，H200，2026-12-01：每次 decode 调用的微秒数，键为 (BLOCK_N, warps, stages)
+# en: scripts/decode_sweep.py and the benchmark with FlashAttention 4 (--quick), both on the H200 on 2026-12-01.
+# zh: scripts/decode_sweep.py 与带 FlashAttention 4 的基准测试（--quick），都在 H200 上，2026-12-01。
+sweep, fa4_run = runs["decode_sweep"], runs["fa4"]
+for run in (sweep, fa4_run):
+    print(say("{card}, {date}: `{command}`", card=run.card, date=run.date, command=run.command))
+# en: Microseconds per decode call: batch -> {(BLOCK_N, warps, stages): us}
+# zh: 每次 decode 调用的微秒数：批大小 -> {(BLOCK_N, warps, stages): us}
 SWEEP = {
-    "copy_tb_per_s": 4.224,
-    "kv_bytes": {256: 1162772480, 64: 307113984, 16: 79257600},
-    "us": {
-        256: {(64, 4, 3): 295.0, (32, 4, 3): 323.7, (128, 4, 3): 277.5, (64, 8, 3): 325.0, (64, 4, 4): 296.4,
-              (64, 4, 2): 293.0, (128, 8, 2): 291.6, (32, 2, 3): 323.7, (16, 4, 3): 443.0},
-        64: {(64, 4, 3): 103.9, (32, 4, 3): 123.1, (128, 4, 3): 92.0, (64, 8, 3): 117.8, (64, 4, 4): 101.0,
-             (64, 4, 2): 96.7, (128, 8, 2): 99.0, (32, 2, 3): 119.5, (16, 4, 3): 181.7},
-        16: {(64, 4, 3): 32.8, (32, 4, 3): 36.2, (128, 4, 3): 31.0, (64, 8, 3): 36.2, (64, 4, 4): 32.2,
-             (64, 4, 2): 31.5, (128, 8, 2): 32.9, (32, 2, 3): 40.1, (16, 4, 3): 52.2},
-    },
+    "copy_tb_per_s": sweep.figures["copy_tb_per_s"],
+    "kv_bytes": {int(batch): kv_bytes for batch, kv_bytes in sweep.figures["kv_bytes"].items()},
+    "us": {int(batch): {ints(launch): us for launch, us in times.items()}
+           for batch, times in sweep.figures["us"].items()},
 }
-# en: python -m nanovllm.bench.attention --quick, H200, 2026-12-01, flash-attn-4 4.0.0b36
-# zh: python -m nanovllm.bench.attention --quick，H200，2026-12-01，flash-attn-4 4.0.0b36
 FA4 = {
     # en: (batch, context): (our best split count's us, FlashAttention 4's us), decode as above
     # zh: (batch, context): (我们最佳分段数下的 us, FlashAttention 4 的 us)，decode 设置同上
-    "decode_us": {(1, 512): (8.5, 10.3), (1, 2048): (9.6, 28.4), (1, 8192): (18.3, 101.3),
-                  (16, 512): (16.0, 14.0), (16, 2048): (40.4, 37.3), (16, 8192): (131.6, 128.5),
-                  (64, 512): (38.0, 46.1), (64, 2048): (129.2, 135.4), (64, 8192): (481.6, 482.6),
-                  (256, 512): (147.2, 158.4), (256, 2048): (489.6, 504.8), (256, 8192): (1917.2, 1907.0)},
+    "decode_us": {ints(shape): (row["ours"], row["fa4"]) for shape, row in fa4_run.figures["decode_us"].items()},
     # en: (batch, seqlen): (SDPA flash ms, ours ms, FlashAttention 4 ms), dense causal prefill
     # zh: (batch, seqlen): (SDPA flash ms, 我们的 ms, FlashAttention 4 ms)，稠密因果 prefill
-    "prefill_ms": {(1, 2048): (0.1108, 0.0758, 0.0730), (4, 4096): (0.8953, 0.6524, 0.4797)},
+    "prefill_ms": {ints(shape): (row["sdpa"], row["ours"], row["fa4"])
+                   for shape, row in fa4_run.figures["prefill_ms"].items()},
 }
 print(say("decode on the benchmark's contexts, % of the copy rate per launch (BLOCK_N, warps, stages):"))
 for batch, times in SWEEP["us"].items():
@@ -632,6 +618,10 @@ for batch, times in SWEEP["us"].items():
     # en: the default on a GPU since this sweep
     # zh: 自这次扫描起，它就是 GPU 上的默认配置。
     assert best == (128, 4, 3)
+    if batch == 256:
+        # en: batch 256: 93 % of the copy rate with 64 keys, 99 % with 128
+        # zh: 批大小 256：64 个键时是拷贝速率的 93 %，128 个键时是 99 %
+        assert (round(100 * shares[64, 4, 3]), round(100 * shares[128, 4, 3])) == (93, 99)
 print(say("decode, FlashAttention 4 time / ours (best split):"))
 for (batch, context), (ours, fa4) in FA4["decode_us"].items():
     print(say("  batch {batch:>3} ctx {context:>5}: {ratio:4.2f}", batch=batch, context=context, ratio=fa4 / ours))
@@ -645,6 +635,19 @@ for (batch, seqlen), (sdpa, ours, fa4) in FA4["prefill_ms"].items():
 # en: FA4's prefill: our room to grow
 # zh: FA4 的 prefill：我们还能提升的空间。
 assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3
+# en: The figures of the text: from 64 sequences on, ours up to 1.2x faster at 512 tokens; at 16, FlashAttention 4
+# en: 2-13 % faster (time saved, rounded half up); for one sequence ours 1.2-5.5x faster; in prefill 1.36x on four
+# en: sequences of 4,096 tokens, 573 against 421 TFLOP/s.
+# zh: 正文里的数字：64 个序列及以上时，512 个 token 下我们的快到 1.2 倍；16 个序列时 FlashAttention 4 快 2–13 %
+# zh: （按省下的时间算，四舍五入）；单个序列时我们的快 1.2–5.5 倍；prefill 在四个 4,096 token 的序列上快 1.36 倍，
+# zh: 573 对 421 TFLOP/s。
+ratios = {shape: fa4 / ours for shape, (ours, fa4) in FA4["decode_us"].items()}
+assert round(max(ratio for (batch, context), ratio in ratios.items() if batch >= 64 and context == 512), 1) == 1.2
+assert sorted(int(100 * (1 - ratio) + 0.5) for (batch, _), ratio in ratios.items() if batch == 16) == [2, 8, 13]
+assert [round(ratio, 1) for (batch, _), ratio in ratios.items() if batch == 1] == [1.2, 3.0, 5.5]
+sdpa, ours, fa4 = FA4["prefill_ms"][4, 4096]
+flops = 4 * 4 * 16 * 128 * 4096 * 4097 / 2
+assert round(ours / fa4, 2) == 1.36 and (round(flops / fa4 / 1e9), round(flops / ours / 1e9)) == (573, 421)
 
 # %% [markdown] tags=["en"]
 # ### A launch we did not save: merging the splits inside the split kernel
@@ -653,14 +656,14 @@ assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3
 # merges the slices by their log-sum-exps. At one to sixteen sequences a step has 28 of those
 # second launches, each a few microseconds of mostly boundary, so we tried doing without them:
 # each program of a split counted its arrival with an atomic, and the last of a (sequence, KV
-# head)'s programs to arrive merged the partial outputs itself. Timed on the H200 (2026-12-05;
-# Qwen3-0.6B's 28 layers of decode attention back to back in one CUDA graph, contexts of 512 to
-# 768 tokens), it lost at every batch of one to eight sequences and won 4 % at sixteen, so it
-# was taken out again. The reduce kernel starts early (programmatic dependent launch, chapter
-# 11), so its boundary was mostly hidden already; the in-kernel merge instead adds a tail to the
-# split kernel: the last program waits for the atomic, reads the other programs' slices back
-# from L2, and merges a whole group of heads alone, where the reduce kernel gives every head a
-# program of its own.
+# head)'s programs to arrive merged the partial outputs itself. Timed on the H200 (2026-12-05,
+# by `scripts/decode_merge_probe.py`, since removed with the merge; Qwen3-0.6B's 28 layers of
+# decode attention back to back in one CUDA graph, contexts of 512 to 768 tokens), it lost at
+# every batch of one to eight sequences and won 4 % at sixteen, so it was taken out again. The
+# reduce kernel starts early (programmatic dependent launch, chapter 11), so its boundary was
+# mostly hidden already; the in-kernel merge instead adds a tail to the split kernel: the last
+# program waits for the atomic, reads the other programs' slices back from L2, and merges a whole
+# group of heads alone, where the reduce kernel gives every head a program of its own.
 
 # %% [markdown] tags=["zh"]
 # ### 没省下来的一次启动：在分段内核里合并各段
@@ -668,17 +671,18 @@ assert FA4["prefill_ms"][4, 4096][1] / FA4["prefill_ms"][4, 4096][2] > 1.3
 # split decode 每层要两次启动：先是分段内核，再是 `decode_reduce_kernel`，后者按各段的 log-sum-exp 把它们合并。
 # 一到十六个序列时，一步里有 28 次这样的第二次启动，每次几微秒，大部分花在内核边界上，于是我们试过把它省掉：分段的
 # 每个程序用一次原子操作登记自己已经完成，一个（序列，KV 头）的程序里最后到达的那个亲自合并各段的部分输出。
-# 在 H200 上计时（2026-12-05；Qwen3-0.6B 的 28 层 decode 注意力在一个 CUDA graph 里背靠背运行，上下文 512 到 768
-# 个 token），它在一到八个序列的每个批大小上都更慢，只在十六个序列时快 4 %，所以又把它拿掉了。reduce 内核本来就提前
-# 启动（programmatic dependent launch，第 11 章），它的边界大多已经被藏住；而在内核里合并反倒给分段内核加了一段
-# 尾巴：最后一个程序要等原子操作，从 L2 读回其他程序的各段，再独自合并一整组头，而 reduce 内核给每个头都配了一个
-# 自己的程序。
+# 在 H200 上计时（2026-12-05，用 `scripts/decode_merge_probe.py`，这个探针已随合并一起删掉；Qwen3-0.6B 的 28 层
+# decode 注意力在一个 CUDA graph 里背靠背运行，上下文 512 到 768 个 token），它在一到八个序列的每个批大小上都更慢，
+# 只在十六个序列时快 4 %，所以又把它拿掉了。reduce 内核本来就提前启动（programmatic dependent launch，第 11 章），
+# 它的边界大多已经被藏住；而在内核里合并反倒给分段内核加了一段尾巴：最后一个程序要等原子操作，从 L2 读回其他程序的
+# 各段，再独自合并一整组头，而 reduce 内核给每个头都配了一个自己的程序。
 
 # %%
-# en: H200, 2026-12-05: sequences -> (splits, µs per step for 28 layers: reduce kernel, merged in the split kernel)
-# zh: H200，2026-12-05：序列数 ->（分段数，28 层每步的微秒数：reduce 内核、在分段内核里合并）
-MERGE_TRIAL = {1: (6, 192.3, 214.0), 2: (6, 207.7, 228.9), 4: (6, 265.7, 285.3), 8: (6, 343.2, 365.0),
-               16: (4, 493.1, 472.2)}
+trial = runs["merge_trial"]
+print(say("{card}, {date}: `{command}`", card=trial.card, date=trial.date, command=trial.command))
+# en: sequences -> (splits, µs per step for 28 layers: reduce kernel, merged in the split kernel)
+# zh: 序列数 ->（分段数，28 层每步的微秒数：reduce 内核、在分段内核里合并）
+MERGE_TRIAL = {int(batch): (row["splits"], row["reduce_us"], row["merged_us"]) for batch, row in trial.figures.items()}
 for batch, (splits, reduce_us, merged_us) in MERGE_TRIAL.items():
     print(say("batch {batch:>2} ({splits} splits): reduce kernel {reduce:.1f} us, merged {merged:.1f} us "
               "({ratio:.2f}x)", batch=batch, splits=splits, reduce=reduce_us, merged=merged_us,
@@ -687,6 +691,9 @@ for batch, (splits, reduce_us, merged_us) in MERGE_TRIAL.items():
 # zh: 在 decode 分段最多的一到八个序列时更慢；在分段最少的 16 个序列时，快不到 5 %。
 assert all(MERGE_TRIAL[batch][2] > MERGE_TRIAL[batch][1] for batch in (1, 2, 4, 8))
 assert MERGE_TRIAL[16][2] / MERGE_TRIAL[16][1] > 0.95
+# en: "won 4 % at sixteen": the time it saved there
+# zh: “在十六个序列时快 4 %”：它在那里省下的时间
+assert round(100 * (1 - MERGE_TRIAL[16][2] / MERGE_TRIAL[16][1])) == 4
 
 # %% [markdown] tags=["en"]
 # ## What we built

@@ -67,8 +67,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -97,10 +97,21 @@ say = Phrases({
         "{rows:>2} 行：cuBLAS {cublas:.0f} µs，small_matmul {tile:.0f} µs，预取 tile {prefetch:.0f} µs",
     "{rows} rows (H100): row by row {by_row:.0f} µs, as one tile {one_tile:.0f} µs, cuBLAS {cublas:.0f} µs":
         "{rows} 行（H100）：一行一行 {by_row:.0f} µs，作为一个 tile {one_tile:.0f} µs，cuBLAS {cublas:.0f} µs",
-    "batch {batch:>2} (H100): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
+    "batch {batch:>2} ({card}): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
     "{share:.1%} of the bound":
-        "批大小 {batch:>2}（H100）：每步 {unfused:.3f} -> {fused:.3f} ms，{before} -> {after} 个 kernel，"
+        "批大小 {batch:>2}（{card}）：每步 {unfused:.3f} -> {fused:.3f} ms，{before} -> {after} 个 kernel，"
         "上限的 {share:.1%}",
+    "{card}, {date}: `{command}`": "{card}，{date}：`{command}`",
+    "one token, {name}: {us} µs, {share:.0%} of the bound": "一个 token，{name}：{us} µs，占上限的 {share:.0%}",
+    "cuBLAS": "cuBLAS",
+    "GEMV, 8 / 4 columns, PDL": "GEMV，每个程序 8 / 4 列，PDL",
+    "GEMV, 8 / 4 columns, no PDL": "GEMV，每个程序 8 / 4 列，不用 PDL",
+    "GEMV, 8 / 8 columns, PDL": "GEMV，每个程序 8 / 8 列，PDL",
+    "GEMV, 16 / 4 columns, PDL": "GEMV，每个程序 16 / 4 列，PDL",
+    "{tokens:>2} tokens: cuBLAS {cublas} µs, GEMV {gemv} µs, tile kernel {tile} µs":
+        "{tokens:>2} 个 token：cuBLAS {cublas} µs，GEMV {gemv} µs，tile 内核 {tile} µs",
+    "{weight} at 4 rows (H100): cuBLAS {cublas} µs, tile kernel {tile} µs (split {split}), without split-K {plain} µs":
+        "{weight}，4 行（H100）：cuBLAS {cublas} µs，tile 内核 {tile} µs（分 {split} 段），不用 split-K {plain} µs",
     "o_proj: {blocks} column blocks x split {split} = {programs} programs, {inputs} inputs each":
         "o_proj：{blocks} 个列块 x split {split} = {programs} 个程序，每个读 {inputs} 个输入",
 })
@@ -883,6 +894,65 @@ for setting in (False, True):
 # 已经到了上限），融合的 q/k/v 内核（47 µs），以及每步至少 0.1 ms 没有任何内核在跑的时间。性能分析器给 GEMV
 # 算出的总和（620 µs）偏大：提前启动的内核从它开始时就计时，而那时它还在等前一个内核。
 
+# %%
+from nanovllm.book.recorded import recorded
+
+# en: The runs this chapter records (notebooks/data/recorded/15_fused_decode.json): card, date, command, figures.
+# zh: 本章记录的各次运行（notebooks/data/recorded/15_fused_decode.json）：卡、日期、命令、数字。
+runs = recorded("15_fused_decode")
+chain, sweep, fused_h200 = runs["matmul_chain"], runs["splitk_sweep"], runs["latency_fused"]
+for run in (chain, sweep, fused_h200):
+    print(say("{card}, {date}: `{command}`", card=run.card, date=run.date, command=run.command))
+bound_us = chain.figures["bound_us"]
+# en: One token: cuBLAS, the GEMV as shipped (8 / 4 columns a program, PDL), without PDL, and two other widths.
+# zh: 一个 token：cuBLAS、现在的 GEMV（每个程序 8 / 4 列，PDL）、不用 PDL 的 GEMV，以及另外两种宽度。
+ONE_TOKEN = ("cuBLAS", "GEMV, 8 / 4 columns, PDL", "GEMV, 8 / 4 columns, no PDL", "GEMV, 8 / 8 columns, PDL",
+             "GEMV, 16 / 4 columns, PDL")
+assert tuple(chain.figures["one_token_us"]) == ONE_TOKEN
+for name, us in chain.figures["one_token_us"].items():
+    print(say("one token, {name}: {us} µs, {share:.0%} of the bound", name=say(name), us=us, share=bound_us / us))
+for tokens, times in chain.figures["tokens_us"].items():
+    print(say("{tokens:>2} tokens: cuBLAS {cublas} µs, GEMV {gemv} µs, tile kernel {tile} µs", tokens=int(tokens),
+              cublas=times["cuBLAS"], gemv=times["GEMV"], tile=times["tile kernel"]))
+# en: The bound is 881 MB read once at 4.22 TB/s, and a 4 MB weight (o_proj's 1024 x 2048 in bf16) takes a microsecond.
+# zh: 上限就是按 4.22 TB/s 把 881 MB 读一遍；一个 4 MB 的权重（bf16 的 o_proj，1024 x 2048）要一微秒。
+copy_per_us = chain.figures["copy_tb_per_s"] * 1e6
+assert round(chain.figures["weights_mb"] * 1e6 / copy_per_us) == bound_us == 209
+assert round(1024 * 2048 * 2 / copy_per_us) == 1
+assert [round(100 * bound_us / us) for us in chain.figures["one_token_us"].values()] == [24, 63, 37, 56, 57]
+# en: The GEMV beats cuBLAS at one and two tokens only; the tile kernel never does.
+# zh: GEMV 只在一个和两个 token 时胜过 cuBLAS；tile 内核从来没有。
+assert [int(t) for t, times in chain.figures["tokens_us"].items() if times["GEMV"] < times["cuBLAS"]] == [2]
+assert all(times["tile kernel"] > times["cuBLAS"] for times in chain.figures["tokens_us"].values())
+for weight, times in sweep.figures["four_rows_us"].items():
+    print(say("{weight} at 4 rows (H100): cuBLAS {cublas} µs, tile kernel {tile} µs (split {split}), "
+              "without split-K {plain} µs", weight=weight, cublas=times["cuBLAS"], tile=times["tile kernel"],
+              split=times["tile kernel split"], plain=times["without split-K"]))
+# en: Split-K wins where a weight is narrow (o_proj, down_proj: split 4); the whole chain still loses to cuBLAS, and
+# en: an early start slows the tile kernel down.
+# zh: 权重窄的地方（o_proj、down_proj：分 4 段）split-K 占优；整条链仍然输给 cuBLAS，提前启动反而让 tile 内核更慢。
+four_rows = sweep.figures["four_rows_us"]
+split_wins = [w for w, t in four_rows.items() if t["tile kernel"] < min(t["cuBLAS"], t["without split-K"])]
+assert split_wins == ["o_proj", "down_proj"]
+chain_us, with_pdl = sweep.figures["chain_us"], sweep.figures["chain_us_with_pdl"]
+assert min(row["new launches"] for row in chain_us.values()) > max(sweep.figures["cublas_chain_us"])
+assert all(with_pdl[launches] > chain_us["4"][launches] for launches in ("new launches", "old launches"))
+for batch, row in fused_h200.figures["steps"].items():
+    print(say("batch {batch:>2} ({card}): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
+              "{share:.1%} of the bound", batch=int(batch), card="H200", unfused=row["unfused_ms"],
+              fused=row["fused_ms"], before=row["unfused_kernels"], after=row["fused_kernels"], share=row["of_bound"]))
+    # en: the share the benchmark printed, from its unrounded times
+    # zh: 基准测试打印的占比，由未舍入的时间算出
+    assert abs(row["bound_ms"] / row["fused_ms"] - row["of_bound"]) < 0.001
+# en: One token: 1.30x as fast, 22.3 % -> 29.1 % of the bound; the larger batches unchanged.
+# zh: 一个 token：快 1.30 倍，从上限的 22.3 % 到 29.1 %；更大的批次不变。
+one = fused_h200.figures["steps"]["1"]
+assert round(one["unfused_ms"] / one["fused_ms"], 2) == 1.30
+shares = [round(100 * one["bound_ms"] / one[f"{kind}_ms"], 1) for kind in ("unfused", "fused")]
+assert shares == [22.3, 29.1]
+assert all(abs(row["fused_ms"] - row["unfused_ms"]) < 0.01 for batch, row in fused_h200.figures["steps"].items()
+           if batch != "1")
+
 # %% [markdown] tags=["en"]
 # ## The timeline: one layer, then the wait for the host
 #
@@ -931,45 +1001,12 @@ from itertools import pairwise
 
 from IPython.display import SVG, display
 
-# en: Recorded on an H200 (2026-12-03, torch 2.11) by the command above: (kernel, start µs, end µs), names cut short.
-# zh: 在 H200 上用上面的命令记录（2026-12-03，torch 2.11）：（kernel，开始 µs，结束 µs），名字截短了。
-BOUNDARY = {
-    "unfused": [
-        ("norm_rotate_store_kernel", 0.00, 1.66), ("decode_attention_kernel", 1.73, 6.69),
-        ("decode_reduce_kernel", 6.78, 9.25), ("nvjet_sm90_tst_8x64_64x16_2x1_v_bz_TNN", 9.34, 19.58),
-        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt", 19.65, 21.09),
-        ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", 21.18, 26.97), ("triton_poi_fused_mul_silu_split_0", 27.04, 28.16),
-        ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_splitK_TNT", 28.29, 33.28),
-        ("void cublasLt::splitKreduce_kernel<32, 16, int, ", 33.53, 35.17),
-        ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt", 35.26, 36.74), ("memcpy32_post", 36.80, 38.08),
-        ("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", 42.17, 117.92), ("race_chunk_kernel", 122.24, 127.65),
-        ("race_pick_kernel", 128.99, 130.65), ("void at::native::vectorized_elementwise_kernel<4", 156.86, 158.08),
-        ("void at::native::vectorized_elementwise_kernel<2", 159.23, 160.35),
-        ("void at::native::index_elementwise_kernel<128, 4", 161.38, 163.17),
-        ("void at::native::vectorized_elementwise_kernel<2", 164.32, 165.53),
-        ("void at::native::vectorized_elementwise_kernel<2", 166.72, 167.81),
-        ("void at::native::vectorized_elementwise_kernel<2", 168.96, 170.24),
-        ("void at::native::vectorized_elementwise_kernel<4", 179.10, 179.81),
-        ("void at::native::(anonymous namespace)::indexSel", 474.40, 476.64),
-        ("triton_per_fused__to_copy_mean_mul_pow_rsqrt_0", 476.73, 478.33),
-        ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", 478.49, 483.55), ("norm_rotate_store_kernel", 483.68, 485.47),
-    ],
-    "fused": [
-        ("norm_rotate_store_kernel", 0.00, 2.08), ("decode_attention_kernel", 2.14, 7.33),
-        ("decode_reduce_kernel", 7.39, 9.73), ("gemv_kernel", 9.57, 15.65), ("gemv_kernel", 10.43, 18.85),
-        ("gemv_kernel", 14.37, 20.32), ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt", 20.38, 21.92),
-        ("nvjet_sm90_tst_384x8_64x4_2x1_v_bz_TNT", 26.62, 102.18), ("race_chunk_kernel", 105.89, 111.33),
-        ("race_pick_kernel", 113.02, 114.59), ("void at::native::vectorized_elementwise_kernel<4", 141.28, 142.50),
-        ("void at::native::vectorized_elementwise_kernel<2", 143.46, 144.45),
-        ("void at::native::index_elementwise_kernel<128, 4", 145.54, 147.39),
-        ("void at::native::vectorized_elementwise_kernel<2", 148.42, 149.66),
-        ("void at::native::vectorized_elementwise_kernel<2", 150.85, 151.94),
-        ("void at::native::vectorized_elementwise_kernel<2", 153.06, 154.37),
-        ("void at::native::vectorized_elementwise_kernel<4", 257.25, 257.92),
-        ("void at::native::(anonymous namespace)::indexSel", 507.71, 509.38), ("gemv_kernel", 510.66, 515.17),
-        ("norm_rotate_store_kernel", 515.26, 517.44),
-    ],
-}
+# en: Recorded on the H200 by the command above (the run "timeline"): (kernel, start µs, end µs), names cut short.
+# zh: 在 H200 上用上面的命令记录（运行 "timeline"）：（kernel，开始 µs，结束 µs），名字截短了。
+timeline = runs["timeline"]
+print(say("{card}, {date}: `{command}`", card=timeline.card, date=timeline.date, command=timeline.command))
+BOUNDARY = {name: [tuple(kernel) for kernel in kernels]
+            for name, kernels in timeline.figures["boundary_timeline"].items()}
 KIND_COLORS = {"matmul": "#1f77b4", "attention": "#ff7f0e", "other": "#9e9e9e"}
 
 
@@ -1048,6 +1085,16 @@ assert min(gaps.values()) > 200
 print(say("last layer: {unfused:.1f} -> {fused:.1f} µs, {before} -> {after} kernels; GPU idle before the next "
           "step: {idle_unfused:.0f} and {idle_fused:.0f} µs", unfused=unfused_layer[-1][2], fused=fused_layer[-1][2],
           before=len(unfused_layer), after=len(fused_layer), idle_unfused=gaps["unfused"], idle_fused=gaps["fused"]))
+# en: The text's figures: the last layer 35.2 µs unfused (o_proj 10.2 µs), 20.3 µs fused, gate_up_proj starting 0.9 µs
+# en: after o_proj; the steps of this invocation 1.319 and 1.176 ms, 1.12x.
+# zh: 正文里的数字：不融合时最后一层 35.2 µs（o_proj 10.2 µs），融合后 20.3 µs，gate_up_proj 在 o_proj 开始 0.9 µs 后
+# zh: 开始；这次调用里每步 1.319 和 1.176 ms，快 1.12 倍。
+o_proj = unfused_layer[3]
+assert (round(unfused_layer[-1][2], 1), round(o_proj[2] - o_proj[1], 1)) == (35.2, 10.2)
+assert round(fused_layer[-1][2], 1) == 20.3
+assert round(gemvs[1][1] - gemvs[0][1], 1) == 0.9
+step_ms = timeline.figures["step_ms"]
+assert round(step_ms["unfused"] / step_ms["fused"], 2) == 1.12
 
 # %% [markdown] tags=["en"]
 # ## Attention starts early too, and the host stays the wall
@@ -1091,18 +1138,24 @@ print(say("last layer: {unfused:.1f} -> {fused:.1f} µs, {before} -> {after} ker
 # 启动它的 Python。LM head（75 µs）和采样器在 graph 之外，每一步由 Python 逐个启动；单独的 graph 不包括它们。
 
 # %%
-# en: Recorded (H200, 2026-12-03): batch -> (graph alone before, after, bound, wall per step in the two rounds, ms).
-# zh: 记录的数字（H200，2026-12-03）：批大小 ->（改动前单独的 graph、改动后、上限、两轮的每步实际用时，单位 ms）。
+early = runs["early_start"]
+print(say("{card}, {date}: `{command}`", card=early.card, date=early.date, command=early.command))
 EARLY_START_LINE = ("batch {batch}: graph {before:.3f} -> {after:.3f} ms ({share:.0%} of the bound), "
                     "step {fast:.3f}-{slow:.3f} ms")
-EARLY_START = {1: (0.656, 0.581, 0.301, (0.686, 0.918)), 2: (0.836, 0.729, 0.322, (0.827, 0.999)),
-               4: (1.300, 1.268, 0.364, (1.374, 1.377))}
+# en: batch -> (graph alone before, after, bound, wall per step in the two rounds, ms)
+# zh: 批大小 ->（改动前单独的 graph、改动后、上限、两轮的每步实际用时，单位 ms）
+EARLY_START = {int(batch): (row["graph_before_ms"], row["graph_after_ms"], row["bound_ms"], tuple(row["wall_ms"]))
+               for batch, row in early.figures.items()}
 for batch, (before, after, bound, walls) in EARLY_START.items():
     # en: Every batch's graph got faster, and no step ran faster than its graph alone.
     # zh: 每个批次的 graph 都变快了，也没有哪一步比单独的 graph 还快。
     assert after < before and min(walls) > after > bound
     print(say(EARLY_START_LINE, batch=batch, before=before, after=after, share=bound / after,
               fast=min(walls), slow=max(walls)))
+# en: At batch 1 the graph alone is 52 % of the bound; the host needed 0.50 and 0.81 ms to launch a step.
+# zh: 批大小 1 时，单独的 graph 达到上限的 52 %；主机启动一步要 0.50 ms 和 0.81 ms。
+assert round(100 * EARLY_START[1][2] / EARLY_START[1][1]) == 52
+assert [round(ms, 2) for ms in early.figures["1"]["host_ms"]] == [0.50, 0.81]
 
 # %% [markdown] tags=["en"]
 # ## Where a step stands, and what stands in the way
@@ -1117,8 +1170,8 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 16 | 1.752 | 9,135 | 0.725 ms | 41.4 % | 315 | 1.627 ms | 1.059 ms |
 # | 64 | 3.303 | 19,375 | 2.057 ms | 62.3 % | 287 | 3.215 ms | 1.110 ms |
 #
-# One sequence went from 24 % of its bound (1.44 ms, before this chapter and chapter 18's
-# one-copy step) to 43 %. Four and sixteen did not move: their steps were not fused, because no
+# One sequence went from 22 % of its bound unfused (1.389 ms, the table of 2026-12-03 above) to
+# 43 %. Four and sixteen did not move: their steps were not fused, because no
 # kernel we had then multiplied 4 to 16 rows faster than cuBLAS (four rows now do: see below). The same day's
 # `scripts/probes/prefetch_tile_probe.py` timed the step's 28 layers of matmuls (with their norms and
 # SiLU × mul; bound 207 µs) three ways. The third is the GEMV's trick on a tile: split-K so fine
@@ -1141,7 +1194,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # And why does each row cost the GEMV so much, when it reads its weights only once? Not
 # registers: `scripts/probes/gemv_rows_probe.py` (the same H200 and day) gave each program a half, a
 # quarter or an eighth of the slice (more programs, fewer registers each), and every row more
-# still cost 110–200 µs over the 28 layers; the narrower slices took off a fifth at most, and
+# still cost 110–210 µs over the 28 layers; the narrower slices took off a fifth at most, and
 # only from 3 rows on. What each row does wait for: its own input from L2, its own norm, and the
 # store of the row before it. So the kernel now loads every row's input as one tile after its
 # wait, adds and normalizes the rows together, and stores their results together at the end. The
@@ -1157,7 +1210,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 5 | 977 µs | 758 µs | 733 µs |
 # | 8 | 1,579 µs | 1,165 µs | 735 µs |
 #
-# One tile takes a fifth off from 3 rows on and beats cuBLAS up to 4 rows (1.12–1.20×); at 5 it
+# One tile takes a fifth off from 3 rows on and beats cuBLAS up to 4 rows (by 1.12× at 4); at 5 it
 # ties, at 8 it loses. So the GEMV now takes steps of up to four tokens (`GEMV_ROWS = 4`), and four
 # sequences decode fused. (Storing each row as soon as it is done measured the same; 8 warps were
 # slower at every count; narrower slices took another 6 % off at 3 to 5 rows, not yet shipped.)
@@ -1196,7 +1249,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 16 | 1.752 | 9,135 | 0.725 ms | 41.4 % | 315 | 1.627 ms | 1.059 ms |
 # | 64 | 3.303 | 19,375 | 2.057 ms | 62.3 % | 287 | 3.215 ms | 1.110 ms |
 #
-# 一个序列从上限的 24 %（1.44 ms，在本章和第 18 章的“一次拷贝”之前）提高到 43 %。四个和十六个序列没有变化：它们的
+# 一个序列从不融合时上限的 22 %（1.389 ms，见上文 2026-12-03 的表格）提高到 43 %。四个和十六个序列没有变化：它们的
 # 步没有融合，因为我们当时手里没有哪个内核算 4 到 16 行的矩阵乘比 cuBLAS 快（四行现在有了，见下文）。
 # 同一天用 `scripts/probes/prefetch_tile_probe.py` 以三种方式给一步的 28 层矩阵乘（连同它们的 norm 和 SiLU × mul；
 # 上限 207 µs）计时。第三种是把 GEMV 的办法用到
@@ -1216,7 +1269,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 #
 # 那么，GEMV 明明只读一次权重，为什么每多一行都这么贵？不是寄存器的问题：`scripts/probes/gemv_rows_probe.py`
 # （同一块 H200、同一天）让每个程序只拿一半、四分之一或八分之一的权重段（程序更多，每个用的寄存器更少），
-# 每多一行在 28 层上仍然多花 110–200 µs；更窄的权重段最多省下五分之一，而且要从 3 行起才省得下来。每一行真正在等的
+# 每多一行在 28 层上仍然多花 110–210 µs；更窄的权重段最多省下五分之一，而且要从 3 行起才省得下来。每一行真正在等的
 # 是：它自己从 L2 读入的输入、它自己的 norm，以及上一行的写回。所以内核现在等待之后把所有行的输入作为一个 tile
 # 一次读入，一起加上残差、一起做 norm，最后把所有行的结果一起写回。同一个探针在一块 H100 上给它计了时（拷贝速率
 # 3.02 TB/s，上限 291 µs），对照的 cuBLAS 不论几行都约 730 µs：
@@ -1230,7 +1283,7 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # | 5 | 977 µs | 758 µs | 733 µs |
 # | 8 | 1,579 µs | 1,165 µs | 735 µs |
 #
-# 作为一个 tile 读入，从 3 行起省下五分之一，不超过 4 行时胜过 cuBLAS（1.12–1.20 倍）；5 行打平，8 行落后。所以
+# 作为一个 tile 读入，从 3 行起省下五分之一，不超过 4 行时胜过 cuBLAS（4 行时快 1.12 倍）；5 行打平，8 行落后。所以
 # GEMV 现在接手不超过四个 token 的步（`GEMV_ROWS = 4`），四个序列的 decode 也是融合的。（每行算完立即写回，测得一样；
 # 8 个 warp 在每种行数下都更慢；更窄的权重段在 3 到 5 行时又省下 6 %，还没有采用。）整个引擎在同一种 H100 上，
 # 融合与不融合在同一次调用里（`python -m nanovllm.bench --latency --batches 1 4 16 64 --fused-decode both`，
@@ -1253,31 +1306,43 @@ for batch, (before, after, bound, walls) in EARLY_START.items():
 # 75.9 %），融合后用 4.044 ms（258 个内核，89.1 %）：同一次运行里快 1.17 倍，也超过了我们定下的 85 %。
 
 # %%
-# en: Recorded (H200, 2026-12-05): batch -> (ms per step, bound ms, kernels); rows -> (cuBLAS, small_matmul,
-# en: best prefetch tile), µs for the step's 28 layers of matmuls.
-# zh: 记录的数字（H200，2026-12-05）：批大小 ->（每步 ms、上限 ms、kernel 数）；行数 ->（cuBLAS、small_matmul、
-# zh: 最佳预取 tile），单位是一步 28 层矩阵乘的 µs。
+# en: The runs of 2026-12-05, on an H200 and an H100: the latency benchmark by default, the probes, the GEMV of four
+# en: rows in the engine, and Qwen3-8B's shapes.
+# zh: 2026-12-05 在 H200 和 H100 上的各次运行：默认设置下的延迟基准测试、几个探针、引擎里接手四行的 GEMV，以及
+# zh: Qwen3-8B 的形状。
 import itertools
+import statistics
 
 from nanovllm.layers.fused_decode import GEMV_ROWS
 
-STEP = {1: (0.719, 0.308, 203), 4: (1.394, 0.392, 315), 16: (1.752, 0.725, 315), 64: (3.303, 2.057, 287)}
-MATMULS = {1: (872.8, 333.5, 563.6), 4: (765.8, 987.4, 814.5), 8: (686.1, 985.8, 839.6), 16: (700.5, 990.1, 782.4)}
+names = ("latency_default", "prefetch_tile", "gemv_rows_h200", "gemv_rows_h100", "four_rows_h100", "four_rows_h200",
+         "qwen3_8b")
+for name in names:
+    print(say("{card}, {date}: `{command}`", card=runs[name].card, date=runs[name].date, command=runs[name].command))
+default, h200_evening = runs["latency_default"].figures, runs["four_rows_h200"].figures
+# en: batch -> (ms per step, bound ms, kernels); rows -> (cuBLAS, small_matmul, best prefetch tile), µs for the
+# en: step's 28 layers of matmuls.
+# zh: 批大小 ->（每步 ms、上限 ms、kernel 数）；行数 ->（cuBLAS、small_matmul、最佳预取 tile），单位是一步 28 层矩阵乘
+# zh: 的 µs。
+STEP = {int(batch): (row["ms"], row["bound_ms"], row["kernels"]) for batch, row in default["steps"].items()}
+MATMULS = {int(rows): (us["cuBLAS"], us["small_matmul"], us["prefetch tile"])
+           for rows, us in runs["prefetch_tile"].figures["rows_us"].items()}
 # en: Qwen3-8B's shapes, one sequence: fused and unfused -> (ms per step, bound ms, kernels)
 # zh: Qwen3-8B 的形状，一个序列：融合与不融合 ->（每步 ms、上限 ms、kernel 数）
-EIGHT_B = {"fused": (4.044, 3.602, 258), "unfused": (4.745, 3.602, 439)}
+EIGHT_B = {name: (row["ms"], row["bound_ms"], row["kernels"])
+           for name, row in runs["qwen3_8b"].figures["steps"].items()}
 # en: The GEMV row by row: rows -> (cuBLAS, the GEMV with 16K-element slices, its best narrower slice), µs.
 # zh: 一行一行算的 GEMV：行数 ->（cuBLAS、权重段 16K 个元素的 GEMV、更窄权重段里最好的），单位 µs。
-GEMV_ROWS_COST = {1: (869.7, 333.1, 343.9), 2: (852.0, 451.4, 474.7), 3: (763.4, 655.1, 620.4),
-                  4: (767.2, 809.4, 727.8), 5: (808.2, 963.1, 892.6), 8: (683.3, 1578.9, 1262.4)}
+GEMV_ROWS_COST = {int(rows): (us["cuBLAS"], us["GEMV"], us["narrower slice"])
+                  for rows, us in runs["gemv_rows_h200"].figures["rows_us"].items()}
 # en: The GEMV again, on an H100: rows -> (row by row, rows loaded as one tile, cuBLAS), µs.
 # zh: 再看 GEMV，在 H100 上：行数 ->（一行一行、所有行作为一个 tile 读入、cuBLAS），单位 µs。
-ONE_TILE = {1: (375.9, 375.8, 728.9), 2: (492.1, 483.9, 727.9), 3: (682.8, 589.4, 731.1), 4: (832.4, 654.4, 733.6),
-            5: (976.5, 757.9, 733.1), 8: (1579.0, 1164.7, 735.4)}
+ONE_TILE = {int(rows): (us["row by row"], us["one tile"], us["cuBLAS"])
+            for rows, us in runs["gemv_rows_h100"].figures["rows_us"].items()}
 # en: And the engine with it (H100): batch -> (ms a step unfused, fused, kernels unfused, fused, bound ms).
 # zh: 以及用上它的引擎（H100）：批大小 ->（不融合每步 ms、融合每步 ms、不融合 kernel 数、融合 kernel 数、上限 ms）。
-FOUR_ROWS = {1: (1.2705, 0.8026, 315, 202, 0.4362), 4: (1.4372, 1.1902, 315, 202, 0.5540),
-             16: (2.0133, 2.0096, 315, 314, 1.0251), 64: (3.9749, 3.9730, 287, 286, 2.9095)}
+FOUR_ROWS = {int(batch): (row["unfused_ms"], row["fused_ms"], row["unfused_kernels"], row["fused_kernels"],
+                          row["bound_ms"]) for batch, row in runs["four_rows_h100"].figures["steps"].items()}
 for batch, (step_ms, bound_ms, kernels) in STEP.items():
     print(say("batch {batch:>2}: {step:.3f} ms a step, {share:.0%} of the bound, {kernels} kernels", batch=batch,
               step=step_ms, share=bound_ms / step_ms, kernels=kernels))
@@ -1296,9 +1361,9 @@ assert all(cublas < min(tile, prefetch) for rows, (cublas, tile, prefetch) in MA
 # en: With 8B's larger matmuls the fused step is past 85 % of its bound.
 # zh: 8B 的矩阵乘更大，融合后的一步超过了上限的 85 %。
 assert EIGHT_B["fused"][1] / EIGHT_B["fused"][0] > 0.85 > EIGHT_B["unfused"][1] / EIGHT_B["unfused"][0]
-# en: Every row more costs the GEMV over 100 µs, and narrower slices take off a fifth at most.
-# zh: GEMV 每多一行都要多花 100 µs 以上，更窄的权重段最多省下五分之一。
-assert all((GEMV_ROWS_COST[more][1] - GEMV_ROWS_COST[fewer][1]) / (more - fewer) > 100
+# en: Every row more costs the GEMV 110-210 µs, and narrower slices take off a fifth at most.
+# zh: GEMV 每多一行都要多花 110–210 µs，更窄的权重段最多省下五分之一。
+assert all(110 < (GEMV_ROWS_COST[more][1] - GEMV_ROWS_COST[fewer][1]) / (more - fewer) < 210
            for fewer, more in itertools.pairwise(sorted(GEMV_ROWS_COST)))
 assert all(narrow > 0.79 * wide for _, wide, narrow in GEMV_ROWS_COST.values())
 for rows, (by_row, one_tile, cublas) in ONE_TILE.items():
@@ -1308,14 +1373,31 @@ for rows, (by_row, one_tile, cublas) in ONE_TILE.items():
 # zh: 所有行作为一个 tile 读入：从不比一行一行慢（误差 2 % 以内），恰好在不超过 GEMV_ROWS 行时比 cuBLAS 快。
 assert all(one_tile < 1.02 * by_row for by_row, one_tile, _ in ONE_TILE.values())
 assert [rows for rows, (_, one_tile, cublas) in ONE_TILE.items() if one_tile < cublas] == list(range(1, GEMV_ROWS + 1))
+# en: cuBLAS at about 730 µs whatever the rows; one tile 1.12x as fast as cuBLAS at 4 rows.
+# zh: 不论几行，cuBLAS 都约 730 µs；4 行时作为一个 tile 读入比 cuBLAS 快 1.12 倍。
+assert round(statistics.mean(cublas for _, _, cublas in ONE_TILE.values()), -1) == 730
+assert round(ONE_TILE[4][2] / ONE_TILE[4][1], 2) == 1.12
 for batch, (unfused, fused, before, after, bound_ms) in FOUR_ROWS.items():
-    print(say("batch {batch:>2} (H100): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
-              "{share:.1%} of the bound", batch=batch, unfused=unfused, fused=fused, before=before, after=after,
-              share=bound_ms / fused))
+    print(say("batch {batch:>2} ({card}): {unfused:.3f} -> {fused:.3f} ms a step, {before} -> {after} kernels, "
+              "{share:.1%} of the bound", batch=batch, card="H100", unfused=unfused, fused=fused, before=before,
+              after=after, share=bound_ms / fused))
 # en: The steps of up to GEMV_ROWS sequences are fused (a third fewer kernels) and faster; the longer ones are not.
 # zh: 不超过 GEMV_ROWS 个序列的步是融合的（kernel 少三分之一），也更快；更长的步不是。
 assert all((after < 0.7 * before and fused < 0.85 * unfused) == (batch <= GEMV_ROWS)
            for batch, (unfused, fused, before, after, _) in FOUR_ROWS.items())
+# en: The text's figures: on the H100, 1.58x at batch 1 and 1.21x at 4; on the H200 that evening batch 4 1.32x; on
+# en: Qwen3-8B's shapes 75.9 % and 89.1 % of the bound, 1.17x; one sequence by default from 22 % of its bound
+# en: (unfused, 2026-12-03) to 43 %.
+# zh: 正文里的数字：H100 上批大小 1 快 1.58 倍，批大小 4 快 1.21 倍；当天晚上的 H200 上批大小 4 快 1.32 倍；Qwen3-8B 的
+# zh: 形状上分别达到上限的 75.9 % 和 89.1 %，快 1.17 倍；默认设置下一个序列从上限的 22 %（2026-12-03，不融合）到 43 %。
+assert [round(FOUR_ROWS[batch][0] / FOUR_ROWS[batch][1], 2) for batch in (1, 4)] == [1.58, 1.21]
+evening = h200_evening["steps_ms"]["4"]
+assert round(evening["unfused"] / evening["fused"], 2) == 1.32
+(unfused_ms, bound_8b, _), (fused_ms, _, _) = EIGHT_B["unfused"], EIGHT_B["fused"]
+assert (round(100 * bound_8b / unfused_ms, 1), round(100 * bound_8b / fused_ms, 1)) == (75.9, 89.1)
+assert round(unfused_ms / fused_ms, 2) == 1.17
+one = fused_h200.figures["steps"]["1"]
+assert round(100 * one["bound_ms"] / one["unfused_ms"]) == 22 and round(100 * default["steps"]["1"]["of_bound"]) == 43
 
 # %% [markdown] tags=["en"]
 # ## What we built

@@ -129,8 +129,8 @@
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -172,6 +172,18 @@ say = Phrases({
     "decode message of a {length}-token sequence: {size} bytes, 1 token, {ids} block ids":
         "{length} 个 token 的序列的 decode 消息：{size} 字节，1 个 token，{ids} 个块编号",
     "all exercise answers check out": "练习答案全部验证通过",
+    "{date}, {card}: {command}": "{date}，{card}：{command}",
+    "  {size}: {rate:,} tok/s, a decode step {ms} ms": "  {size}：{rate:,} tok/s，一个 decode 步 {ms} ms",
+    "median per decode step, ms": "每个 decode 步的中位数，ms",
+    "one process, graphs": "单进程，CUDA Graph",
+    "one process, eager": "单进程，eager",
+    "one rank behind the channel": "控制通道之后的一个 rank",
+    "device time of a step": "一步的设备时间",
+    "host time to queue the step": "主机把这一步排进队列的时间",
+    "driver: pickling the step": "驱动进程：序列化这一步",
+    "rank: unpickling it": "rank：反序列化它",
+    "rank: idle between two steps": "rank：两步之间的空闲",
+    "tokens/s, whole run": "tokens/s，整个运行",
 })
 
 # %% [markdown] tags=["en"]
@@ -304,7 +316,7 @@ def agreed_block_count(self, count: int) -> int:
 import copy
 import operator
 
-from nanovllm.book.literate import add_to_class
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.sequence import Sequence
 
 # en: What a sequence ships to a rank process, followed by its uncached tokens.
@@ -313,9 +325,13 @@ SHIPPED_FIELDS = ("seq_id", "_status", "block_size", "num_tokens", "num_prompt_t
                   "num_scheduled_tokens", "block_table", "request_id", "sample_index", "pending_forks",
                   "blocks_to_copy")
 _shipped = operator.attrgetter(*SHIPPED_FIELDS)
-# en: Index of token_ids[0] in the whole sequence: 0, except in a slim copy that a rank unpickled.
-# zh: token_ids[0] 在整个序列中的下标：除了 rank 反序列化得到的精简副本，都是 0。
-Sequence.first_token_index: int = 0
+
+
+@add_to_init(Sequence)
+def _init_first_token_index(self) -> None:
+    # en: Index of token_ids[0] in the whole sequence: 0, except in a slim copy that a rank unpickled.
+    # zh: token_ids[0] 在整个序列中的下标：除了 rank 反序列化得到的精简副本，都是 0。
+    self.first_token_index = 0
 
 
 @add_to_class(Sequence)
@@ -1539,21 +1555,8 @@ else:
 # takes the host 22 ms, three times what the GPU needs to run them; that, not NCCL, is where most
 # of TP = 2's 39 ms went, since graphs were off for TP. **The channel costs milliseconds**, not
 # microseconds, for a batch of 256: pickling objects is slow in Python, and while the driver
-# pickles and the rank unpickles, synchronously, the GPU waits. Three changes follow:
-#
-# 1. **Graphs on every rank** (chapter 14): each rank captures the same sizes in the same order,
-#    its NCCL all-reduces inside the graphs. Queueing a step is a replay again.
-# 2. **Asynchronous scheduling with TP** (chapter 18): the driver queues step *n + 1* on the
-#    ranks before it waits for step *n*'s tokens. The ranks need step *n*'s samples as the
-#    inputs of step *n + 1*, and only rank 0 samples; so rank 0 broadcasts them on the device
-#    (`share_from_rank0`), every rank keeps them under the step's call number, and the next
-#    message names that call. Each rank fills in its pending tokens itself, exactly as one GPU
-#    does with chapter 18's `SampledTokens`; no token value travels through any host.
-# 3. **A lighter message**: tuples instead of objects (`step_states`), and sampling parameters
-#    once per sequence instead of at every step.
-#
-# The cell below measures the message of such a step on this machine, old and new, and checks
-# that the new one rebuilds the same sequences.
+# pickles and the rank unpickles, synchronously, the GPU waits. The cell below prints both recorded
+# runs and checks these findings against them.
 
 # %% [markdown] tags=["zh"]
 # ## 让它划算
@@ -1578,7 +1581,58 @@ else:
 # 两个发现。**eager 的 decode 受限于内核启动**：把 28 层的内核一个个排进队列，主机要花 22 ms，是 GPU 执行它们所需
 # 时间的三倍；TP = 2 的 39 ms 大部分就耗在这里，而不是 NCCL 上，因为张量并行时 CUDA Graph 是关着的。**控制通道的
 # 开销是毫秒级**，而不是微秒级（批大小 256 时）：在 Python 里序列化对象很慢，而驱动进程序列化、rank 反序列化的时候，
-# 在同步执行下，GPU 只能等着。于是有三处改动：
+# 在同步执行下，GPU 只能等着。下面的单元打印记录下来的这两次运行，并用它们核对这些发现。
+
+# %% recorded: the first version and its profile
+from nanovllm.book.recorded import recorded
+
+runs = recorded("17_tp_runtime")
+first, profile = runs["first version"], runs["step profile"]
+print(say("{date}, {card}: {command}", date=first.date, card=first.card, command=first.command))
+for size, figures in first.figures.items():
+    print(say("  {size}: {rate:,} tok/s, a decode step {ms} ms", size=size, rate=figures["tokens/s"],
+              ms=figures["decode step ms"]))
+print(say("{date}, {card}: {command}", date=profile.date, card=profile.card, command=profile.command))
+columns = {"tp1": "one process, graphs", "tp1-eager": "one process, eager",
+           "tp1-channel": "one rank behind the channel"}
+rows = {"device ms": "device time of a step", "queue ms": "host time to queue the step",
+        "pickle ms": "driver: pickling the step", "unpickle ms": "rank: unpickling it",
+        "rank idle ms": "rank: idle between two steps", "tokens/s": "tokens/s, whole run"}
+print(format(say("median per decode step, ms"), "<30") + "".join(format(say(name), ">29") for name in columns.values()))
+for key, label in rows.items():
+    cells = [profile.figures[setting].get(key) for setting in columns]
+    shown = ["-" if cell is None else f"{cell:,.0f}" if key == "tokens/s" else f"{cell:.2f}" for cell in cells]
+    print(format(say(label), "<30") + "".join(f"{cell:>29}" for cell in shown))
+graphs, eager, channel = (profile.figures[setting] for setting in columns)
+# en: Eager decode is launch-bound: queueing a step takes the host 22 ms, three times the GPU's work (graphed)...
+# zh: eager 的 decode 受限于内核启动：主机把一步排进队列要 22 ms，是 GPU 工作时间（用图时）的三倍……
+assert round(eager["queue ms"]) == 22 and round(eager["queue ms"] / graphs["device ms"]) == 3
+# en: ...and that is most of the 39 ms that a decode step took under TP = 2 without graphs.
+# zh: ……这就是张量并行不用图时，一个 decode 步那 39 ms 中的大部分。
+assert first.figures["TP=2"]["decode step ms"] == 39 and eager["queue ms"] > 39 / 2
+# en: The channel costs milliseconds, not microseconds: pickling and unpickling a step of 256 sequences.
+# zh: 控制通道的开销是毫秒级，而不是微秒级：序列化、反序列化一个有 256 个序列的步。
+assert channel["pickle ms"] + channel["unpickle ms"] > 1
+
+# %% [markdown] tags=["en"]
+# Three changes follow:
+#
+# 1. **Graphs on every rank** (chapter 14): each rank captures the same sizes in the same order,
+#    its NCCL all-reduces inside the graphs. Queueing a step is a replay again.
+# 2. **Asynchronous scheduling with TP** (chapter 18): the driver queues step *n + 1* on the
+#    ranks before it waits for step *n*'s tokens. The ranks need step *n*'s samples as the
+#    inputs of step *n + 1*, and only rank 0 samples; so rank 0 broadcasts them on the device
+#    (`share_from_rank0`), every rank keeps them under the step's call number, and the next
+#    message names that call. Each rank fills in its pending tokens itself, exactly as one GPU
+#    does with chapter 18's `SampledTokens`; no token value travels through any host.
+# 3. **A lighter message**: tuples instead of objects (`step_states`), and sampling parameters
+#    once per sequence instead of at every step.
+#
+# The cell below measures the message of such a step on this machine, old and new, and checks
+# that the new one rebuilds the same sequences.
+
+# %% [markdown] tags=["zh"]
+# 于是有三处改动：
 #
 # 1. **每个 rank 都用 CUDA Graph**（第 14 章）：每个 rank 按同样的顺序捕获同样的档位，它的 NCCL all-reduce 就在图里。
 #    把一步排进队列重新变成一次重放。

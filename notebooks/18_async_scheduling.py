@@ -217,9 +217,7 @@ def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: li
         if index is None:
             continue
         seq.set_token(index, token_id)
-        params = seq.sampling_params
-        completion_tokens = index + 1 - seq.num_prompt_tokens
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
+        if self._reached_end(seq, token_id, index + 1):
             self._finish(seq, num_tokens=index + 1)
             finished.append(seq)
     self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
@@ -351,8 +349,8 @@ class SampledTokens:
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -365,20 +363,28 @@ say = Phrases({
     "all exercise answers check out": "练习答案全部验证通过",
     "one copy of {sent} of the buffers' {total} bytes; the same bytes as load: {same}":
         "一次拷贝，送出缓冲区 {total} 字节中的 {sent} 字节；与 load 的字节相同：{same}",
+    "{date}, {card}: {command}": "{date}，{card}：{command}",
+    "before": "改动前",
+    "after": "改动后",
+    "  {when}, batch {batch}: host launch {launch:.2f} ms, step {step:.2f} ms, {share:.1%} of its bound":
+        "  {when}，批大小 {batch}：主机发起 {launch:.2f} ms，一步 {step:.2f} ms，占上限的 {share:.1%}",
+    "  the workload: {synchronous:.2f} s synchronous, {asynchronous:.2f} s asynchronous":
+        "  整个负载：同步 {synchronous:.2f} s，异步 {asynchronous:.2f} s",
 })
 
 # %% [markdown] tags=["en"]
 # ## Build it: one copy per step, because the host is now the wall
 #
 # Once the GPU no longer waits for the host's bookkeeping, what is left of the host's step is
-# *launching* it, and at batch 1 that became the wall: chapter 15's fused decode step needs about
-# 0.7 ms of GPU time on an H200, while the host took 1.0 ms to schedule, prepare and launch it
-# (`python -m nanovllm.bench --latency` prints both). A profile of the host (the script
-# `scripts/profile_host_step.py`) showed where: each decode step that replays a graph built five
-# small tensors on the host and copied each to the GPU (`prepare_decode`), gathered its pending
-# tokens with six more operations (`input_ids_for`), and then copied all of it into the graph's
-# buffers with ten more (`DecodeBuffers.load`). Every torch operation costs the host 5 to 20 µs
-# to dispatch, however small its work.
+# *launching* it, and at batch 1 that became the wall: chapter 15's fused decode step took barely
+# longer than the host needed to schedule, prepare and launch it (`python -m nanovllm.bench
+# --latency` prints both; the run recorded below has them), so the GPU spent part of every step
+# waiting for the host. A profile of the host (the script `scripts/profile_host_step.py`) showed
+# where: each decode step that replays a graph built five small tensors on the host and copied
+# each to the GPU (`prepare_decode`), gathered its pending tokens with six more operations
+# (`input_ids_for`), and then copied all of it into the graph's buffers with ten more
+# (`DecodeBuffers.load`). Every torch operation costs the host microseconds to dispatch, however
+# small its work.
 #
 # `DecodeStaging` does the same work with two operations. It keeps two pinned host copies of the
 # graph's buffers, laid out exactly like them (chapter 14's `carve`), writes a step's inputs into
@@ -392,18 +398,18 @@ say = Phrases({
 # Recorded on an H200 (2026-12-03, `python -m nanovllm.bench --latency`, Qwen3-0.6B's shapes, one
 # run before this change and one after): at batch 1 the host's launch fell from 1.02 to 0.68 ms
 # and the step from 1.11 to 0.82 ms, 27.9 % → 37.6 % of its bound. The host is still the wall
-# there: what is left is the graph launch itself (about 0.1 ms for some 200 kernels), the LM head's
+# there: what is left is the graph launch itself (one call for some 200 kernels), the LM head's
 # cuBLAS call, the sampler's two Triton launches and the scheduler's Python.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：每步一次拷贝，因为现在主机成了瓶颈
 #
 # GPU 不再等主机记账之后，主机在一步里剩下的工作就是*发起*这一步；在批大小 1 时，这成了瓶颈：第 15 章融合后的
-# decode 步在 H200 上只需约 0.7 ms 的 GPU 时间，主机调度、准备并发起它却要 1.0 ms（`python -m nanovllm.bench
-# --latency` 两个数都打印）。对主机的剖析（脚本 `scripts/profile_host_step.py`）指出了时间去向：每个重放图的
-# decode 步要在主机上建五个小张量，逐个拷贝到 GPU（`prepare_decode`），再用六个操作取来待定 token
-# （`input_ids_for`），然后再用十个操作把这一切拷进图的缓冲区（`DecodeBuffers.load`）。不管工作多小，每个 torch 操作
-# 都要花主机 5 到 20 µs 去分派。
+# decode 步，只比主机调度、准备并发起它的时间略长一点（`python -m nanovllm.bench --latency` 两个数都打印；见下面
+# 记录的那次运行），所以每一步里 GPU 都有一段时间在等主机。对主机的剖析（脚本 `scripts/profile_host_step.py`）
+# 指出了时间去向：每个重放图的 decode 步要在主机上建五个小张量，逐个拷贝到 GPU（`prepare_decode`），再用六个操作
+# 取来待定 token（`input_ids_for`），然后再用十个操作把这一切拷进图的缓冲区（`DecodeBuffers.load`）。不管工作多小，
+# 每个 torch 操作都要花主机若干微秒去分派。
 #
 # `DecodeStaging` 用两个操作完成同样的事。它保存图缓冲区的两份锁页主机副本，排布与缓冲区完全相同（第 14 章的
 # `carve`），用 numpy 直接从序列把一步的输入写进其中一份，再用**一次**拷贝把这一步的档位所需的前缀送过去。两份轮流
@@ -413,8 +419,24 @@ say = Phrases({
 #
 # 2026-12-03 在 H200 上记录（`python -m nanovllm.bench --latency`，Qwen3-0.6B 的形状，改动前后各跑一次）：批大小 1
 # 时，主机发起一步的时间从 1.02 ms 降到 0.68 ms，一步从 1.11 ms 降到 0.82 ms，占上限的比例从 27.9 % 升到 37.6 %。
-# 在那里主机仍是瓶颈：剩下的是图的发起本身（约 200 个内核，约 0.1 ms）、LM head 调用 cuBLAS、采样器的两次 Triton
+# 在那里主机仍是瓶颈：剩下的是图的发起本身（一次调用，约 200 个内核）、LM head 调用 cuBLAS、采样器的两次 Triton
 # 启动，以及调度器的 Python 代码。
+
+# %% recorded: one copy per step
+from nanovllm.book.recorded import recorded
+
+runs = recorded("18_async_scheduling")
+staging = runs["decode staging"]
+print(say("{date}, {card}: {command}", date=staging.date, card=staging.card, command=staging.command))
+before, after = staging.figures["before"], staging.figures["after"]
+for when, figures in (("before", before), ("after", after)):
+    print(say("  {when}, batch {batch}: host launch {launch:.2f} ms, step {step:.2f} ms, {share:.1%} of its bound",
+              when=say(when), batch=staging.figures["batch"], launch=figures["host launch ms"],
+              step=figures["step ms"], share=figures["share of bound"]))
+# en: The step fell with the host's launch, to less than the old launch took: before, the GPU waited for the host.
+# zh: 一步的时间随主机发起的时间一起下降，降到比原来发起一步的时间还短：改动之前，GPU 确实在等主机。
+assert after["host launch ms"] < before["host launch ms"] and after["step ms"] < before["host launch ms"]
+assert (round(100 * before["share of bound"], 1), round(100 * after["share of bound"], 1)) == (27.9, 37.6)
 
 # %% decode staging
 #| export engine.cuda_graphs
@@ -525,70 +547,75 @@ assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
 # of the rows that want a token (`sample`, chapter 09), and `SampledTokens.start`. With tensor
 # parallelism (chapter 17) rank 0 alone has logits and samples; `share_from_rank0` broadcasts its
 # tokens on the device, so that every rank holds the step's samples and can feed a pending token
-# to the next step by itself. `launch` passes `compute_logits` its `previous` argument, the step
-# whose samples are this step's pending tokens, and the two hooks that chapter 09 left in
-# `compute_logits` for it are filled here. `replay_decode`: a decode step that a graph covers now
-# takes the staged path (it stages its inputs, writes its pending tokens from `previous` and
-# replays the graph). `with_pending_tokens`: every other decode step builds its inputs as before,
-# then gathers its pending tokens from `previous`, on the device. A prefill never starts before its
-# last token is known (the engine never schedules one; `launch` asserts it). `run` is `launch`
-# followed by `token_ids()`.
+# to the next step by itself. `compute_logits`, rewritten once more, takes `previous`, the step
+# whose samples are this step's pending tokens. A decode step that a graph covers takes the staged
+# path, `replay_staged`: it stages its inputs in one copy, writes its pending tokens from
+# `previous` on the device and replays the graph. Every other decode step builds its inputs as
+# before, then gathers its pending tokens from `previous`, on the device too. A prefill never
+# starts before its last token is known (the engine never schedules one; `launch` asserts it).
+# `run` is `launch` followed by `token_ids()`.
 
 # %% [markdown] tags=["zh"]
 # 执行器的部分。`launch` 做 `run` 做过的事，只是不等待：前向计算、为需要 token 的行采样（`sample`，第 09 章），以及
 # `SampledTokens.start`。在张量并行下（第 17 章），只有 rank 0 有 logits 并做采样；`share_from_rank0` 在设备上广播
-# 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。`launch` 把 `previous` 参数传给
-# `compute_logits`，即这一步的待定 token 所来自的那一步；第 09 章在 `compute_logits` 里为它留下的两个接缝在这里填上。
-# `replay_decode`：能被某个图覆盖的 decode 步现在走暂存路径（暂存它的输入、从 `previous` 写入待定 token、重放图）。
-# `with_pending_tokens`：其他 decode 步照旧构建输入，再在设备上从 `previous` 取来待定 token。prefill 在它的最后一个
-# token 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。`run` 就是 `launch` 之后紧跟 `token_ids()`。
+# 它的 token，于是每个 rank 都持有这一步的采样结果，能自己把待定 token 喂给下一步。再次重写的 `compute_logits` 接收
+# `previous`，即这一步的待定 token 所来自的那一步。能被某个图覆盖的 decode 步走暂存路径 `replay_staged`：用一次拷贝
+# 暂存它的输入，在设备上从 `previous` 写入待定 token，再重放图。其他 decode 步照旧构建输入，然后同样在设备上从
+# `previous` 取来待定 token。prefill 在它的最后一个 token 已知之前绝不会开始（引擎从不这样调度；`launch` 断言这一点）。
+# `run` 就是 `launch` 之后紧跟 `token_ids()`。
 
 # %% runner launches
 #| export engine.model_runner
-from nanovllm.book.literate import add_to_class
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.cuda_graphs import DecodeStaging
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.model_runner import ModelRunner, prepare_decode, prepare_prefill
+from nanovllm.layers.context import reset_context
 from nanovllm.layers.linear import share_from_rank0
 
 
-# en: Built at the first decode step that replays a graph, over the graphs' buffers.
-# zh: 在第一个重放图的 decode 步建立，覆盖图的缓冲区。
-ModelRunner.staging: DecodeStaging | None = None
+@add_to_init(ModelRunner)
+def _init_staging(self) -> None:
+    # en: Built at the first decode step that replays a graph, over the graphs' buffers.
+    # zh: 在第一个重放图的 decode 步建立，覆盖图的缓冲区。
+    self.staging: DecodeStaging | None = None
 
 
 @add_to_class(ModelRunner)
-def replay_decode(
-    self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None
+@torch.inference_mode()
+def compute_logits(
+    self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
 ) -> torch.Tensor | None:
-    """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
-    taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
-    twenty torch operations, in two). None for every other step, which builds its inputs."""
-    if is_prefill or self.graphs is None or not self.graphs.covers(len(seqs)):
-        return None
+    """The forward of one step: one row of logits per sequence, its last computed token's. ``previous``: the step
+    still computing this step's last tokens (its `SampledTokens`), None when every last token is known."""
+    if self.stopped:
+        raise RuntimeError("this model runner was stopped (exit() was called)")
+    assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
+    pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
+    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+    self.copy_blocks(seqs)
+    if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+        return self.model.compute_logits(self.replay_staged(seqs, previous if pending else None))
+    prepare = prepare_prefill if is_prefill else prepare_decode
+    try:
+        input_ids, positions = prepare(seqs, self.block_size, self.device)
+        if pending:
+            input_ids = previous.input_ids_for(seqs, input_ids)
+        return self.model.compute_logits(self.model(input_ids, positions))
+    finally:
+        reset_context()
+
+
+@add_to_class(ModelRunner)
+def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+    """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens written
+    from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some twenty
+    torch operations, in two)."""
     if self.staging is None:
         self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
     self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
-    if _has_pending_tokens(seqs, previous):
+    if previous is not None:
         previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
     return self.graphs.replay_loaded(len(seqs))
-
-
-@add_to_class(ModelRunner)
-def with_pending_tokens(
-    self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
-) -> torch.Tensor:
-    """A decode step's input ids, its pending tokens gathered from ``previous`` on the device."""
-    if not _has_pending_tokens(seqs, previous):
-        return input_ids
-    return previous.input_ids_for(seqs, input_ids)
-
-
-def _has_pending_tokens(seqs: list[Sequence], previous: SampledTokens | None) -> bool:
-    """Whether a decode step's last tokens are still pending; ``previous``, the step that samples them, must then
-    be given. Each decode step asks once: on the staged path or on the one that builds its inputs."""
-    pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
-    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
-    return pending
 
 
 @add_to_class(ModelRunner)
@@ -736,13 +763,13 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # %% [markdown] tags=["en"]
 # ## Build it: the engine keeps one step in flight
 #
-# On the H200 a decode step of the benchmark keeps the GPU busy for about 6 ms, and the host
-# needs about 1 ms of its own per step: scheduling, building the inputs, reading the tokens back,
-# postprocessing. One after the other, the GPU idles for that millisecond at every step: the
-# whole workload took 7.01 s that way, against 6.19 s once `step()` changes its order (vLLM calls
-# this *async scheduling*; both measured in one process, chapter 14): it first schedules step
-# *n + 1* and queues it on the GPU, and only then waits for step *n*'s tokens and records them,
-# while the GPU is already computing *n + 1*.
+# On the H200 the host needs time of its own at every decode step of the benchmark: scheduling,
+# building the inputs, reading the tokens back, postprocessing. One after the other, the GPU idles
+# for that time at every step: the whole workload took 7.01 s that way, against 6.19 s once
+# `step()` changes its order (vLLM calls this *async scheduling*; both measured in one process by
+# `scripts/profile_engine.py`, chapter 14): it first schedules step *n + 1* and queues it on the
+# GPU, and only then waits for step *n*'s tokens and records them, while the GPU is already
+# computing *n + 1*.
 #
 # ```
 # host:  schedule n+1 | queue n+1 | wait n | resolve n | schedule n+2 | queue n+2 | wait n+1 | ...
@@ -768,12 +795,13 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # nothing), and the engine is finished only when nothing is in flight either.
 #
 # Four places leave hooks for later chapters. `_compute` wraps the runner's work in
-# `_undone_on_failure`, which chapter 20 fills to undo a step that fails. `_launch` asks
-# `_reserve_drafts` (no, here) and `_verify` for speculative decoding (chapter 25). And a step in
-# which the sampler marked a row whose logits are not numbers (`NON_FINITE`, chapter 08) goes to
-# `_collect_non_finite`, which stops the engine here; chapter 20 fills it to record the other
-# rows and drop only that request. Chapter 20 also fills `is_finished`'s `_left_to_report`: what a
-# `generate` call finished for `add_request`, or dropped, that `step` has not reported yet.
+# `_undone_on_failure`, which chapter 20 fills to undo a step that fails. `_step` asks
+# `next_step_waits` whether the next step needs the tokens in flight before it can be scheduled (no,
+# here; chapter 25's verify steps do). And a step in which the sampler marked a row whose logits are
+# not numbers (`NON_FINITE`, chapter 08) goes to `_collect_non_finite`, which stops the engine here;
+# chapter 20 fills it to record the other rows and drop only that request. Chapter 20 also fills
+# `is_finished`'s `_left_to_report`: what a `generate` call finished for `add_request`, or dropped,
+# that `step` has not reported yet.
 #
 # The price is small too. A sequence that ends on EOS in step *n* was already scheduled in step
 # *n + 1*: that token is computed for nothing and dropped (`Sequence.truncate`), and if the
@@ -783,16 +811,16 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 #
 # `async_scheduling="auto"` turns it on for CUDA, with one rank or several. On a CPU there is
 # nothing to overlap with (PyTorch runs CPU ops as they are called); it can still be turned on,
-# which is how the tests check it there. Chapter 14 records what it buys on the H200 with one
-# GPU; chapter 17 with two.
+# which is how the tests check it there. The run recorded below is what it bought on the H200 with
+# one GPU; chapter 17 carries it over to several ranks.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：引擎让一步始终在计算中
 #
-# 在 H200 上，基准负载的一个 decode 步让 GPU 忙约 6 ms，而主机每步自己也要约 1 ms：调度、构造输入、把 token
-# 读回来、后处理。两者一前一后，GPU 每一步都要空等这一毫秒：这样跑完整个负载要 7.01 s，而让 `step()` 换了顺序之后
-# 只要 6.19 s（vLLM 称之为*异步调度*；两者在同一个进程中测得，见第 14 章）：先调度第 *n + 1* 步并把它排进 GPU
-# 队列，然后才等待第 *n* 步的 token 并记录它们，而这时 GPU 已经在计算第 *n + 1* 步了。
+# 在 H200 上，基准负载的每个 decode 步，主机自己也要花一段时间：调度、构造输入、把 token 读回来、后处理。两者
+# 一前一后，GPU 每一步都要空等这段时间：这样跑完整个负载要 7.01 s，而让 `step()` 换了顺序之后只要 6.19 s（vLLM
+# 称之为*异步调度*；两者由 `scripts/profile_engine.py` 在同一个进程中测得，见第 14 章）：先调度第 *n + 1* 步并把它
+# 排进 GPU 队列，然后才等待第 *n* 步的 token 并记录它们，而这时 GPU 已经在计算第 *n + 1* 步了。
 #
 # ```
 # 主机：调度 n+1 | 排队 n+1 | 等待 n | 解析 n | 调度 n+2 | 排队 n+2 | 等待 n+1 | ...
@@ -813,19 +841,26 @@ def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
 # 再收取一直等在 `in_flight` 里的第 *n* 步。所以每次调用 `step()` 报告的是它排队的那一步的前一步（第一次什么也
 # 不报告），而且只有当没有任何一步在计算中时，引擎才算结束。
 #
-# 有四处为后面的章节留了接缝。`_compute` 把执行器的工作包在 `_undone_on_failure` 里，第 20 章填上它，撤销失败的
-# 一步。`_launch` 为投机解码（第 25 章）询问 `_reserve_drafts`（这里总是回答"否"）和 `_verify`。采样器标记了 logits
-# 不是数的行（`NON_FINITE`，第 08 章）的那一步交给 `_collect_non_finite`：在这里它让引擎停下；第 20 章填上它，记录
-# 其他行，只丢弃那个请求。第 20 章还会填上 `is_finished` 里的 `_left_to_report`：`generate` 调用为 `add_request`
-# 完成或丢弃、而 `step` 还没报告的东西。
+# 有四处为后面的章节留了接缝。`_compute` 把执行器的工作包在 `_undone_on_failure` 里，第 20 章填上它，撤销失败的一步。
+# `_step` 询问 `next_step_waits`：下一步是否要等计算中那一步的 token 才能调度（这里总是"否"；第 25 章的验证步要等）。
+# 采样器标记了 logits 不是数的行（`NON_FINITE`，第 08 章）的那一步交给 `_collect_non_finite`：在这里它让引擎停下；第 20
+# 章填上它，记录其他行，只丢弃那个请求。第 20 章还会填上 `is_finished` 里的 `_left_to_report`：`generate` 调用为
+# `add_request` 完成或丢弃、而 `step` 还没报告的东西。
 #
 # 代价也很小。一个在第 *n* 步遇到 EOS 的序列，已经被调度进了第 *n + 1* 步：那个 token 白算了，会被丢掉
 # （`Sequence.truncate`）；如果这个序列在此期间被抢占，它就直接从 `waiting` 结束（上面新增的那条箭头）。生成的
 # token 与同步引擎完全相同：测试套件在每种调度情形下比较二者，其中包括批次中途遇到 EOS 结束的序列。
 #
 # `async_scheduling="auto"` 在 CUDA 上打开，不论是一个 rank 还是多个。CPU 上没有什么可以重叠的（PyTorch 在调用时
-# 就执行 CPU 上的运算）；不过仍然可以手动打开，测试就是这样在 CPU 上检查它的。第 14 章记录了它在一块 H200 上带来的
-# 收益，第 17 章记录两块的。
+# 就执行 CPU 上的运算）；不过仍然可以手动打开，测试就是这样在 CPU 上检查它的。下面记录的运行就是它在一块 H200 上
+# 带来的收益；第 17 章把它推广到多个 rank。
+
+# %% recorded: one step in flight
+overlap = runs["async scheduling"]
+print(say("{date}, {card}: {command}", date=overlap.date, card=overlap.card, command=overlap.command))
+print(say("  the workload: {synchronous:.2f} s synchronous, {asynchronous:.2f} s asynchronous",
+          synchronous=overlap.figures["synchronous s"], asynchronous=overlap.figures["asynchronous s"]))
+assert overlap.figures["asynchronous s"] < overlap.figures["synchronous s"]
 
 # %% setting: async scheduling
 #| export config
@@ -852,7 +887,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from nanovllm.book.literate import add_to_class
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.model_runner import SampledTokens
 from nanovllm.engine.sequence import Sequence
@@ -877,9 +912,11 @@ class LaunchedStep:
     tokens: SampledTokens | TPStep | list[int]
 
 
-# en: With asynchronous scheduling, the step the GPU may still be computing.
-# zh: 异步调度时，GPU 可能仍在计算的那一步。
-LLMEngine.in_flight: LaunchedStep | None = None
+@add_to_init(LLMEngine)
+def _init_in_flight(self) -> None:
+    # en: With asynchronous scheduling, the step the GPU may still be computing.
+    # zh: 异步调度时，GPU 可能仍在计算的那一步。
+    self.in_flight: LaunchedStep | None = None
 
 
 @add_to_class(LLMEngine)
@@ -914,23 +951,10 @@ def _step(self) -> tuple[list[Sequence], int, bool]:
 def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
     seqs, is_prefill = self.scheduler.schedule()
-    verifying = self._reserve_drafts(seqs, is_prefill, previous)
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-    tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
+    tokens = self._compute(seqs, is_prefill, previous)
     counted, indices = self.scheduler.advance(seqs, is_prefill)
     return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
-
-
-@add_to_class(LLMEngine)
-def _reserve_drafts(self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None) -> bool:
-    """Whether a scheduled step also checks drafted tokens, which this reserves (speculative decoding): never here."""
-    return False
-
-
-@add_to_class(LLMEngine)
-def _verify(self, seqs: list[Sequence]) -> list[int]:
-    """Compute a step that checks drafted tokens (speculative decoding); here no step has any."""
-    raise AssertionError("a step with drafts, but nothing reserved them")
 
 
 @add_to_class(LLMEngine)

@@ -196,8 +196,8 @@ class Stopwatch:
 # 2. **Group by length.** Requests are sorted by requested output length (then prompt length)
 #    and cut into batches of `batch_size`; each batch generates its longest request's count.
 #    Sorting keeps the surplus small — this is the best a user of `generate` can do without
-#    continuous batching, and the sorted batches of 64 measured faster than one batch of 256 on
-#    our H200 (813 vs 674 tok/s).
+#    continuous batching, and on our H200 the sorted batches of 64 measured faster than one batch
+#    of 256 (`--peer-batch-size` sets the size).
 # 3. **Count only what was asked for.** The surplus tokens of the shorter requests in a batch
 #    are the price of static batching: they take time but are not counted. The figure is
 #    `workload.num_output_tokens / seconds`, the same numerator the engine gets.
@@ -215,7 +215,7 @@ class Stopwatch:
 # 2. **按长度分组：** 请求按要求的输出长度（其次按提示词长度）排序，再切成大小为 `batch_size` 的批次；
 #    每个批次生成其中最长请求所需的 token 数。排序让多余的 token 尽量少——这是 `generate` 的用户在没有连续批处理
 #    （continuous batching）时能做到的最好情况；在我们的 H200 上，排好序的 64 个一批也确实比 256 个一批更快
-#    （813 对 674 tok/s）。
+#    （批大小由 `--peer-batch-size` 设定）。
 # 3. **只计要求的 token：** 同一批次中较短请求多生成的 token 是静态批处理的代价：它们花了时间，但不计入。
 #    指标是 `workload.num_output_tokens / 秒数`，分子与引擎一侧相同。
 #
@@ -403,8 +403,8 @@ def workload_bound(
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -423,6 +423,16 @@ say = Phrases({
     "4 identical requests": "4 个相同的请求",
     "the same prompt, later": "稍后再发同一提示词",
     "all exercise answers check out": "练习答案全部验证通过",
+    "{date}, {card}: {command}": "{date}，{card}：{command}",
+    "  its rates: {copy} TB/s copy, {flops} TFLOP/s bf16; its bound: {bound:,} tok/s":
+        "  它测得的速率：拷贝 {copy} TB/s，bf16 {flops} TFLOP/s；它的上限：{bound:,} tok/s",
+    "forked: n = 4": "分叉：n = 4",
+    "independent: 4 requests per prompt": "独立：每个提示词 4 个请求",
+    "forked / independent": "分叉 / 独立",
+    "{when}: {running} requests running, {waiting} waiting, {used} of {blocks} KV blocks in use":
+        "{when}：{running} 个请求在运行，{waiting} 个在等待，KV 块用了 {used}/{blocks} 个",
+    "before the first step": "第一步之前",
+    "after the first step": "第一步之后",
 })
 
 # %%
@@ -442,13 +452,24 @@ one = make_workload(1, (3, 3), (3, 3))
 b = workload_bound(one, qwen3_06b, 2, bandwidth=1.0, flops=float("inf"))
 kv_token = 2 * 28 * 8 * 128 * 2
 assert b.decode_bytes == 2 * (28 * layer_params(qwen3_06b) + 151936 * 1024) * 2 + (4 + 5) * kv_token
-# en: The nano-vllm workload on an H200 (4.26 TB/s copy, 790 TFLOP/s bf16, measured in an earlier run;
-# en: chapter 14's recorded run measured 4.25 TB/s and 709 TFLOP/s, hence its bound of 35,199 tok/s).
-# zh: nano-vllm 负载在 H200 上（拷贝 4.26 TB/s、bf16 790 TFLOP/s，为早先一次实测；
-# zh: 第 14 章记录的那次运行测得 4.25 TB/s 和 709 TFLOP/s，所以那里的上限是 35,199 tok/s）。
-h200 = workload_bound(make_workload(), qwen3_06b, 2, bandwidth=4.26e12, flops=790e12)
+# en: The nano-vllm workload on an H200, at the copy rate and bf16 matmul rate that a recorded run of the benchmark
+# en: measured. The rates vary from run to run, so each run holds its engine to the bound of its own rates.
+# zh: nano-vllm 负载在 H200 上的上限，用的是记录下来的一次基准测试运行测得的拷贝速率和 bf16 矩阵乘法速率。
+# zh: 这些速率每次运行都不一样，所以每次运行都用它自己测得的速率算出的上限来衡量引擎。
+from nanovllm.book.recorded import recorded
+
+gpu_runs = recorded("19_benchmark")
+rates = gpu_runs["bound"]
+h200 = workload_bound(make_workload(), qwen3_06b, 2, bandwidth=rates.figures["copy TB/s"] * 1e12,
+                      flops=rates.figures["bf16 TFLOP/s"] * 1e12)
+print(say("{date}, {card}: {command}", date=rates.date, card=rates.card, command=rates.command))
+print(say("  its rates: {copy} TB/s copy, {flops} TFLOP/s bf16; its bound: {bound:,} tok/s",
+          copy=rates.figures["copy TB/s"], flops=rates.figures["bf16 TFLOP/s"], bound=rates.figures["bound tokens/s"]))
 print(say("nano-vllm workload: decode reads {tb:.1f} TB, prefill {pflop:.2f} PFLOP -> at most {rate:,.0f} output tok/s "
           "on an H200", tb=h200.decode_bytes / 1e12, pflop=h200.prefill_flops / 1e15, rate=h200.tokens_per_s))
+# en: That run printed its bound from the rates it measured; the rates as it printed them give it within 0.1 %.
+# zh: 那次运行用它测得的速率打印了上限；按它打印出来的（四舍五入后的）速率计算，结果与之相差不到 0.1%。
+assert abs(h200.tokens_per_s / rates.figures["bound tokens/s"] - 1) < 0.001
 
 # %% [markdown] tags=["en"]
 # ### Our side, and the command
@@ -996,6 +1017,88 @@ print(say("qwen3-8b preset: {params:.2f} B parameters, {files} weight files",
 assert 8.0e9 < model_params(eight.hf_config) < 8.4e9
 
 # %% [markdown] tags=["en"]
+# ## Build it: what the engine says about itself
+#
+# A benchmark, a server's gauges and its live page all want to know the same few things between
+# steps: how many requests run and wait, and how much of the KV pool is in use. They could read
+# them off the scheduler's queues and the block manager's pool, and each would then depend on how
+# those are built. `LLMEngine.stats()` answers instead, as one small record, `EngineStats`, and
+# `set_observer` attaches the scheduler's observer (chapter 04) through the engine: what watches
+# the engine from outside goes through these two doors.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：引擎说说它自己
+#
+# 基准测试、服务器的指标和它的实时页面，在两步之间想知道的是同样几件事：有多少请求在运行、有多少在等待，KV 块池
+# 用了多少。它们本可以从调度器的队列和块管理器的块池里读出来，可那样一来，每一个都要依赖这些部件的内部构造。
+# 现在由 `LLMEngine.stats()` 回答，给出一条小记录 `EngineStats`；`set_observer` 则通过引擎挂上调度器的观察者
+# （第 04 章）：从外面观察引擎的东西，都走这两扇门。
+
+# %% engine stats
+#| export engine.llm_engine
+from dataclasses import dataclass
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.scheduler import Observer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What an engine says about itself between steps: its requests (each counted once, however many samples it
+    has), and the blocks of its KV pool in use."""
+
+    requests_running: int
+    requests_waiting: int
+    kv_blocks_used: int
+    kv_blocks: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The share of the KV pool in use, 0 to 1."""
+        return self.kv_blocks_used / self.kv_blocks
+
+
+@add_to_class(LLMEngine)
+def stats(self) -> EngineStats:
+    """The engine's requests and its KV pool, now."""
+    scheduler, pool = self.scheduler, self.scheduler.block_manager
+    return EngineStats(requests_running=len({seq.request_id for seq in scheduler.running}),
+                       requests_waiting=len({seq.request_id for seq in scheduler.waiting}),
+                       kv_blocks_used=pool.num_blocks - pool.num_free_blocks, kv_blocks=pool.num_blocks)
+
+
+@add_to_class(LLMEngine)
+def set_observer(self, observer: Observer | None) -> Observer | None:
+    """Attach ``observer`` to the scheduler's events (chapter 04), or detach with None; returns the one before."""
+    previous, self.scheduler.observer = self.scheduler.observer, observer
+    return previous
+
+# %%
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+tiny_engine = LLM(str(build_tiny_model("qwen3")), device="cpu", kvcache_block_size=4, num_kvcache_blocks=16)
+tiny_engine.add_request("Small steps make", SamplingParams(temperature=0, max_tokens=4, n=2))
+tiny_engine.add_request("Write clear code", SamplingParams(temperature=0, max_tokens=4))
+events: list[str] = []
+tiny_engine.set_observer(lambda event, data: events.append(event))
+before = tiny_engine.stats()
+tiny_engine.step()
+during = tiny_engine.stats()
+for when, stats in (("before the first step", before), ("after the first step", during)):
+    print(say("{when}: {running} requests running, {waiting} waiting, {used} of {blocks} KV blocks in use",
+              when=say(when), running=stats.requests_running, waiting=stats.requests_waiting,
+              used=stats.kv_blocks_used, blocks=stats.kv_blocks))
+# en: Two requests wait (the forked one counts once); after the prefill both run, in blocks of the pool.
+# zh: 两个请求在等待（分叉的那个只算一次）；prefill 之后两个都在运行，占着块池里的块。
+assert (before.requests_waiting, before.requests_running, before.kv_blocks_used) == (2, 0, 0)
+assert (during.requests_waiting, during.requests_running) == (0, 2) and 0 < during.kv_cache_usage < 1
+assert "schedule" in events and tiny_engine.set_observer(None) is not None
+tiny_engine.exit()
+
+# %% [markdown] tags=["en"]
 # ## Parallel sampling, measured: what sharing saves
 #
 # Chapter 05 forks a request's n samples from one prefill and lets them share their blocks until
@@ -1067,21 +1170,20 @@ class SamplingRun:
 def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams], name: str) -> SamplingRun:
     """Run ``llm.generate`` once, watching the scheduler (its observer hook): the tokens computed by
     prefill steps, and after each schedule, when a step's blocks are all allocated, the blocks in use."""
-    pool = llm.scheduler.block_manager
     seen = {"prefill": 0, "peak": 0}
 
     def watch(event: str, data: dict) -> None:
         if event == "schedule":
             if data["is_prefill"]:
                 seen["prefill"] += sum(seq.num_scheduled_tokens for seq in data["seqs"])
-            seen["peak"] = max(seen["peak"], pool.num_blocks - pool.num_free_blocks)
+            seen["peak"] = max(seen["peak"], llm.stats().kv_blocks_used)
 
-    previous, llm.scheduler.observer = llm.scheduler.observer, watch
+    previous = llm.set_observer(watch)
     try:
         with Stopwatch(llm.config.device) as clock:
             outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        llm.scheduler.observer = previous
+        llm.set_observer(previous)
     made = sum(len(sample["token_ids"]) for output in outputs for sample in output.get("outputs", [output]))
     return SamplingRun(name, clock.seconds, made, seen["prefill"], seen["peak"])
 
@@ -1180,7 +1282,7 @@ assert forked.output_tokens == separate.output_tokens == 32
 # | forked / independent | 1.14× | 0.25× | 0.69× |
 #
 # Each prompt is prefilled once instead of four times, and decode loses nothing: the same
-# 133,288 tokens came out 14% sooner, the prefill saved being most of the difference. The blocks
+# 133,288 tokens came out in 12% less time, the prefill saved being most of the difference. The blocks
 # saved are fewer than one might hope, 31% at the peak, because blocks of 256 tokens are large
 # next to these prompts (540 tokens on average: two full blocks and a partial one). The partial
 # block is copied at the first decode step for all samples but the last, and every sample then
@@ -1198,11 +1300,30 @@ assert forked.output_tokens == separate.output_tokens == 32
 # | 独立：每个提示词 4 个请求 | 23,336 | 137,712 | 800 |
 # | 分叉 / 独立 | 1.14× | 0.25× | 0.69× |
 #
-# 每个提示词只 prefill 一次而不是四次，decode 也没有变慢：同样的 133,288 个 token 早了 14% 完成，差别主要来自省下
-# 的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个写满的块加一个未写满的块）
-# 来说，256 个 token 的块太大了。未写满的那块在第一个 decode 步被复制给除最后一个之外的所有样本，之后每个样本还要为
+# 每个提示词只 prefill 一次而不是四次，decode 也没有变慢：同样的 133,288 个 token 少用了 12% 的时间，差别主要来自
+# 省下的 prefill。省下的块没有想象的多，峰值时只少了 31%：对这些提示词（平均 540 个 token：两个写满的块加一个未写满的
+# 块）来说，256 个 token 的块太大了。未写满的那块在第一个 decode 步被复制给除最后一个之外的所有样本，之后每个样本还要为
 # 最多 1,024 个输出 token 各自增加块。块小的时候，或者共享的提示词很长而回答很短时，共享几乎能省下提示词的全部块，
 # 第 05 章的练习算过这一点。
+
+# %% recorded: four samples against four requests
+sampling = gpu_runs["parallel sampling"]
+print(say("{date}, {card}: {command}", date=sampling.date, card=sampling.card, command=sampling.command))
+forked, independent = sampling.figures["forked"], sampling.figures["independent"]
+columns = {"tokens/s": 10, "prefill tokens": 15, "peak blocks": 12}
+print(f"{'':<38} {'tok/s':>10} {say('prefill tokens'):>15} {say('peak blocks'):>12}")
+for label, row in (("forked: n = 4", forked), ("independent: 4 requests per prompt", independent)):
+    print(f"{say(label):<38} " + " ".join(f"{row[key]:>{width},}" for key, width in columns.items()))
+ratios = [round(forked[key] / independent[key], 2) for key in columns]
+print(f"{say('forked / independent'):<38} "
+      + " ".join(f"{ratio:>{width - 1}.2f}x" for ratio, width in zip(ratios, columns.values(), strict=True)))
+assert ratios == [1.14, 0.25, 0.69]
+# en: The same output tokens in 12 % less time; 31 % fewer blocks at the peak; prompts of 540 tokens on average.
+# zh: 同样多的输出 token 少用 12% 的时间；峰值时少 31% 的块；提示词平均 540 个 token。
+assert round(100 * (1 - independent["tokens/s"] / forked["tokens/s"])) == 12
+assert round(100 * (1 - forked["peak blocks"] / independent["peak blocks"])) == 31
+assert round(sampling.figures["prompt tokens"] / sampling.figures["prompts"], -1) == 540
+assert forked["prefill tokens"] == sampling.figures["prompt tokens"] == independent["prefill tokens"] / 4
 
 # %% report phrases
 #| exporti bench.parallel_sampling
@@ -1726,6 +1847,8 @@ print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_by
 #   `load_format="dummy"`.
 # - `nanovllm.bench.latency` (`python -m nanovllm.bench --latency`): one decode step at batches
 #   1, 4, 16 and 64 against its bound, with the kernels it launches and the GPU time inside them.
+# - `LLMEngine.stats()` (`EngineStats`: requests running and waiting, KV blocks in use) and
+#   `set_observer`, through which benchmarks and the server watch the engine.
 #
 # ## Exercises
 #
@@ -1743,6 +1866,8 @@ print(say("Qwen3-0.6B: a decode step reads {gb:.2f} GB of weights", gb=weight_by
 # - `nanovllm.bench.models` 多了 Qwen3-8B 的形状：一个没有权重的目录，配合 `load_format="dummy"` 使用。
 # - `nanovllm.bench.latency`（`python -m nanovllm.bench --latency`）：批大小为 1、4、16 和 64 时一个 decode 步
 #   对照其上限的耗时，以及它启动的内核数和 GPU 花在其中的时间。
+# - `LLMEngine.stats()`（`EngineStats`：运行中和等待中的请求数、在用的 KV 块数）和 `set_observer`：基准测试和服务器
+#   通过它们观察引擎。
 #
 # ## 练习
 #

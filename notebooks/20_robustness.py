@@ -364,12 +364,15 @@ def interruption_point() -> None:
 
 # %% observers wait
 #| export engine.scheduler
-from nanovllm.book.literate import add_to_class
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.scheduler import Scheduler
 
-# en: Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
-# zh: 引擎在这里收集观察者抛出的异常；为 None 时（单独使用的调度器）立即抛出。
-Scheduler.observer_errors = None
+
+@add_to_init(Scheduler)
+def _init_observer_errors(self) -> None:
+    # en: Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
+    # zh: 引擎在这里收集观察者抛出的异常；为 None 时（单独使用的调度器）立即抛出。
+    self.observer_errors: list[BaseException] | None = None
 
 
 @add_to_class(Scheduler)
@@ -421,7 +424,7 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
         return
     try:
         finished = self._collect(step)[0]
-        self.unreported += [seq for seq in finished if seq.request_id not in dropping]
+        self.outbox.unreported += [seq for seq in finished if seq.request_id not in dropping]
     except Exception:
         for seq in step.seqs:
             if not seq.is_finished:
@@ -457,7 +460,10 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
 #   for its own prompts, naming them, and `step` for requests of `add_request`. The other
 #   requests go on.
 #
-# The constructor gains the state these rules need. `_one_call`, the hook that chapter 10's
+# What the engine owes its callers between calls gets an object of its own, an `Outbox`: the
+# finished requests that `step` has not reported (`unreported`), the requests dropped for logits
+# that are not numbers, with their cause, and what an observer raised in the middle of a step.
+# The constructor builds one, with the lock. `_one_call`, the hook that chapter 10's
 # `add_request` and `exit` already run their bodies in, becomes the lock, and the new `generate`
 # and `step` take it too; `_undo_if_observer_raised`, chapter 10's other hook in `add_request`,
 # takes a request back when an observer raised while it was queued. `_drain` sorts what a step
@@ -487,7 +493,9 @@ def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
 #   （一种 `ValueError`）：属于 `generate` 自己提示词的由 `generate` 抛出并指明是哪些提示词，`add_request` 的请求则由
 #   `step` 抛出。其他请求照常进行。
 #
-# 构造函数增加这些规则需要的状态。第 10 章的 `add_request` 和 `exit` 本来就在接缝 `_one_call` 里执行它们的主体，
+# 引擎在两次调用之间欠调用者的东西，有了自己的对象 `Outbox`：`step` 还没报告的已结束请求（`unreported`）、因 logits
+# 不是数而被丢弃的请求及其原因，以及观察者在一步中间抛出的异常。构造函数建好一个 `Outbox`，还有那把锁。
+# 第 10 章的 `add_request` 和 `exit` 本来就在接缝 `_one_call` 里执行它们的主体，
 # 现在它变成这把锁，新的 `generate` 和 `step` 也获取它；`add_request` 里第 10 章的另一个接缝
 # `_undo_if_observer_raised` 在请求排队时观察者抛出异常的情况下把请求收回。`_drain` 把一步中结束的序列分成当前
 # `generate` 调用的和其他的；第 18 章的 `_collect` 遇到不是数的行就停下，现在它把这样的一步交给
@@ -508,14 +516,6 @@ from nanovllm.utils.interrupts import deferred_interrupt
 
 class EngineBusyError(RuntimeError):
     """A call into the engine from inside another call of the same engine, on the same thread."""
-
-
-class NonFiniteLogitsError(ValueError):
-    """The model's logits were NaN or infinite for some requests, which were dropped (``request_ids``)."""
-
-    def __init__(self, message: str, request_ids: list[int]) -> None:
-        super().__init__(message)
-        self.request_ids = request_ids
 
 
 def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
@@ -569,6 +569,69 @@ def _one_call(self, name: str) -> Iterator[None]:
             finally:
                 self._in_call = False
 
+# %% outbox
+#| export engine.outbox
+"""What the engine owes its callers between calls."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from nanovllm.engine.sequence import Sequence
+
+
+class NonFiniteLogitsError(ValueError):
+    """The model's logits were NaN or infinite for some requests, which were dropped (``request_ids``)."""
+
+    def __init__(self, message: str, request_ids: list[int]) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
+class Outbox:
+    """What the engine owes its callers between calls: finished sequences that `step` has not reported yet (a
+    `generate` call's steps finish the requests of `add_request` too), requests dropped for non-finite logits that
+    nobody was told about yet, with the likely cause, and what the scheduler's observer raised, which waits until
+    the step is whole (the scheduler's `_notify` appends to ``observer_errors``)."""
+
+    def __init__(self) -> None:
+        self.unreported: list[Sequence] = []
+        self.dropped: dict[int, str] = {}
+        self.observer_errors: list[BaseException] = []
+
+    def has_news(self) -> bool:
+        """Whether `step` has something to report that no step computes."""
+        return bool(self.unreported or self.dropped)
+
+    def raise_observer_error(self) -> None:
+        """Raise the first error that an observer raised, now that the step is whole."""
+        if self.observer_errors:
+            error = self.observer_errors[0]
+            self.observer_errors.clear()
+            raise error
+
+    def drop(self, requests: Collection[int], cause: str) -> None:
+        """Requests dropped for non-finite logits: the error names them, and their samples are not reported."""
+        self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
+        self.dropped.update(dict.fromkeys(requests, cause))
+
+    def take_dropped(self, among: Collection[int] | None = None) -> NonFiniteLogitsError | None:
+        """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
+        ids = sorted(request for request in self.dropped if among is None or request in among)
+        if not ids:
+            return None
+        causes = sorted({self.dropped.pop(request) for request in ids})
+        some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
+        return NonFiniteLogitsError(
+            f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
+            "serving other requests", ids)
+
+    def forget(self, requests: Collection[int]) -> None:
+        """A `generate` call that ends in an error takes its requests' news with it, and its error comes first."""
+        for request in requests:
+            self.dropped.pop(request, None)
+        self.observer_errors.clear()
+
 # %% the engine's rules
 #| export engine.llm_engine
 import sys
@@ -582,6 +645,7 @@ from tqdm.auto import tqdm
 from nanovllm.book.literate import add_to_init
 from nanovllm.engine.inputs import Prompt
 from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
+from nanovllm.engine.outbox import NonFiniteLogitsError, Outbox
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.sampler import NON_FINITE
 from nanovllm.sampling_params import SamplingParams
@@ -590,28 +654,24 @@ from nanovllm.utils.interrupts import interruption_point
 
 @add_to_init(LLMEngine)
 def _init_call_rules(self) -> None:
-    # en: Finished sequences that step() has not reported yet (a generate call's steps finish the
-    # en: requests of add_request too); the requests dropped for non-finite logits that nobody was told
-    # en: about yet, with the likely cause; the lock of one call at a time.
-    # zh: 已经结束、但 step() 还没报告的序列（generate 调用的各步也会让 add_request 的请求结束）；因 logits 不是有限值
-    # zh: 而被丢弃、尚未告知任何人的请求，及其可能的原因；“一次一个调用”的锁。
-    self.unreported: list[Sequence] = []
-    self._dropped: dict[int, str] = {}
+    # en: What the engine owes its callers between calls; the lock of one call at a time.
+    # zh: 引擎在两次调用之间欠调用者的东西；“一次一个调用”的锁。
+    self.outbox = Outbox()
     self._lock = threading.RLock()
     self._in_call = False
-    # en: What the scheduler's observer raises waits here until the step is whole (see `_notify`).
-    # zh: 调度器的观察者抛出的异常先存在这里，等这一步完整了再抛出（见 `_notify`）。
-    self.scheduler.observer_errors = []
+    # en: What the scheduler's observer raises waits in the outbox until the step is whole (see `_notify`).
+    # zh: 调度器的观察者抛出的异常先存进 outbox，等这一步完整了再抛出（见 `_notify`）。
+    self.scheduler.observer_errors = self.outbox.observer_errors
 
 
 @add_to_class(LLMEngine)
 def _undo_if_observer_raised(self, seqs: list[Sequence]) -> None:
     """An `add_request` whose queuing an observer of the scheduler interrupted fails whole: its sequences are taken
     back, and what the observer raised is raised."""
-    if self.scheduler.observer_errors:
+    if self.outbox.observer_errors:
         for seq in seqs:
             self.scheduler.abort(seq)
-        self._raise_observer_error()
+        self.outbox.raise_observer_error()
 
 
 
@@ -652,15 +712,15 @@ def step(self) -> tuple[list[StepOutput], int, bool]:
             num_tokens, is_prefill = 0, False
             if not (self.scheduler.is_finished() and self.in_flight is None):
                 finished, num_tokens, is_prefill = self._step()
-                self.unreported += finished
-            # en: Whatever is raised from here on, what finished stays in unreported, for the next call.
-            # zh: 从这里起无论抛出什么，已结束的序列都留在 unreported 里，交给下一次调用。
-            self._raise_observer_error()
+                self.outbox.unreported += finished
+            # en: Whatever is raised from here on, what finished stays in the outbox, for the next call.
+            # zh: 从这里起无论抛出什么，已结束的序列都留在 outbox 里，交给下一次调用。
+            self.outbox.raise_observer_error()
             interruption_point()
-            error = self._take_dropped(None)
+            error = self.outbox.take_dropped()
             if error is not None:
                 raise error
-            reported, self.unreported = self.unreported, []
+            reported, self.outbox.unreported = self.outbox.unreported, []
             outputs = [StepOutput(seq.seq_id, seq.completion_token_ids, seq.request_id, seq.sample_index)
                        for seq in reported]
     except KeyboardInterrupt:
@@ -670,7 +730,7 @@ def step(self) -> tuple[list[StepOutput], int, bool]:
         # zh: 而不是随返回值一起丢失。
         if reported:
             with self._lock:
-                self.unreported[:0] = reported
+                self.outbox.unreported[:0] = reported
         raise
     return outputs, num_tokens, is_prefill
 
@@ -678,8 +738,8 @@ def step(self) -> tuple[list[StepOutput], int, bool]:
 @add_to_class(LLMEngine)
 def _left_to_report(self) -> bool:
     """Whether `step` still has news that no step computes: requests of `add_request` that a `generate` call
-    finished (`unreported`), or dropped."""
-    return bool(self.unreported or self._dropped)
+    finished, or dropped (the outbox)."""
+    return self.outbox.has_news()
 
 
 @add_to_class(LLMEngine)
@@ -760,10 +820,10 @@ def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, li
             # en: or what an observer raised, is raised here.
             # zh: 两步之间引擎的账目是完整的：上一步中被压下的 Ctrl-C，或观察者抛出的异常，在这里抛出。
             interruption_point()
-            self._raise_observer_error()
+            self.outbox.raise_observer_error()
             start = time.perf_counter()
             finished, num_tokens, is_prefill = self._step()
-            if self._dropped:
+            if self.outbox.dropped:
                 self._raise_dropped(requests)
             rate = num_tokens / max(time.perf_counter() - start, 1e-9)
             prefill_rate, decode_rate = (rate, decode_rate) if is_prefill else (prefill_rate, rate)
@@ -774,7 +834,7 @@ def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, li
                 else:
                     # en: a request of add_request: step() reports it
                     # zh: add_request 提交的请求：由 step() 报告。
-                    self.unreported.append(seq)
+                    self.outbox.unreported.append(seq)
             mine = sum(seq.request_id in outputs for seq in finished)
             bar.update(mine)
             done += mine
@@ -785,7 +845,7 @@ def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, li
             # zh: 这样 generate 返回时引擎是空闲的。
             step, self.in_flight = self.in_flight, None
             self._collect(step)
-        self._raise_observer_error()
+        self.outbox.raise_observer_error()
     finally:
         bar.close()
 
@@ -798,11 +858,7 @@ def _abandon(self, outputs: dict[int, dict[int, list[int]]]) -> None:
     for seq in [*self.scheduler.waiting, *self.scheduler.running]:
         if seq.request_id in outputs:
             self.scheduler.abort(seq)
-    for request in outputs:
-        self._dropped.pop(request, None)
-    # en: the error this call raises comes first
-    # zh: 这次调用抛出的错误优先。
-    self.scheduler.observer_errors.clear()
+    self.outbox.forget(outputs)
 
 
 class BarStream:
@@ -836,16 +892,6 @@ class BarStream:
 
 
 @add_to_class(LLMEngine)
-def _raise_observer_error(self) -> None:
-    """Raise the first error that an observer of the scheduler raised, now that the step is whole."""
-    errors = self.scheduler.observer_errors
-    if errors:
-        error = errors[0]
-        errors.clear()
-        raise error
-
-
-@add_to_class(LLMEngine)
 def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple[list[Sequence], int, bool]:
     """Record the rows of a step whose logits are numbers, then drop the requests of the rows whose logits are not
     (see `_collect` for the result)."""
@@ -871,28 +917,14 @@ def _drop(self, broken: list[Sequence]) -> None:
     for seq in [*self.scheduler.waiting, *self.scheduler.running, *broken]:
         if seq.request_id in requests:
             self.scheduler.abort(seq)
-    self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
-    self._dropped.update(dict.fromkeys(requests, cause))
-
-
-@add_to_class(LLMEngine)
-def _take_dropped(self, among: Collection[int] | None) -> NonFiniteLogitsError | None:
-    """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
-    ids = sorted(request for request in self._dropped if among is None or request in among)
-    if not ids:
-        return None
-    causes = sorted({self._dropped.pop(request) for request in ids})
-    some = f"requests {', '.join(map(str, ids))} were" if len(ids) > 1 else f"request {ids[0]} was"
-    return NonFiniteLogitsError(
-        f"the model's logits are NaN or infinite ({'; '.join(causes)}); {some} dropped, and the engine goes on "
-        "serving other requests", ids)
+    self.outbox.drop(requests, cause)
 
 
 @add_to_class(LLMEngine)
 def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
     """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
     ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
-    error = self._take_dropped(ids)
+    error = self.outbox.take_dropped(ids)
     if error is not None:
         prompts = ", ".join(str(ids[request]) for request in error.request_ids)
         alone = len(ids) == len(error.request_ids)
@@ -933,8 +965,8 @@ outputs = llm.generate(prompts, greedy, use_tqdm=False)
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -993,7 +1025,7 @@ import threading
 
 import torch
 
-from nanovllm.engine.llm_engine import NonFiniteLogitsError
+from nanovllm.engine.outbox import NonFiniteLogitsError
 
 as_arrays = llm.generate([np.array(outputs[0]["token_ids"]), torch.tensor(outputs[1]["token_ids"])], greedy,
                          use_tqdm=False)
@@ -1155,7 +1187,7 @@ print(say("one generate call runs {lines} lines of bookkeeping ({distinct} disti
 #   cannot write falls silent (`BarStream`); `step` reports `StepOutput` pairs that name their
 #   request and sample.
 # - One call at a time (`_one_call`, `EngineBusyError`), `generate` beside
-#   `add_request` (`unreported`, reported by `step`), and requests whose logits are not numbers
+#   `add_request` (the `Outbox`, reported by `step`), and requests whose logits are not numbers
 #   dropped with their likely cause (`NonFiniteLogitsError`), the others going on.
 #
 # Next, chapter 21 serves the engine: one loop, many clients.
@@ -1179,7 +1211,7 @@ print(say("one generate call runs {lines} lines of bookkeeping ({distinct} disti
 # - 随时按下的 Ctrl-C：每个调用都把它压住（`deferred_interrupt`），只在没有改到一半的地方放它通过
 #   （`interruptible`、`interruption_point`）；观察者的异常等这一步完整后再抛出（`_notify`、`observer_errors`）；
 #   写不出去的进度条不再作声（`BarStream`）；`step` 报告的 `StepOutput` 二元组指明所属请求和样本。
-# - 一次一个调用（`_one_call`、`EngineBusyError`）；与 `add_request` 并用的 `generate`（`unreported`，由
+# - 一次一个调用（`_one_call`、`EngineBusyError`）；与 `add_request` 并用的 `generate`（`Outbox`，由
 #   `step` 报告）；logits 不是数的请求连同可能的原因一起被丢弃（`NonFiniteLogitsError`），其他请求照常进行。
 #
 # 下一章（第 21 章）用这个引擎提供服务：一个循环，许多客户端。
@@ -1219,6 +1251,6 @@ llm.scheduler.observer = None
 # zh: 因为还有一个已结束的请求等着被报告。
 queued = llm.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
 llm.generate([prompts[2]], greedy, use_tqdm=False)
-assert not llm.is_finished() and llm.unreported[0].request_id == queued
+assert not llm.is_finished() and llm.outbox.unreported[0].request_id == queued
 assert llm.step()[0] == [(queued, outputs[1]["token_ids"][:2])] and llm.is_finished()
 print(say("all exercise answers check out"))

@@ -75,11 +75,15 @@
 
 # %% streamed tokens
 #| export engine.sequence
+from nanovllm.book.literate import add_to_init
 from nanovllm.engine.sequence import Sequence
 
-# en: How many completion tokens `LLMEngine.step_tokens` has reported for this sequence so far.
-# zh: `LLMEngine.step_tokens` 至今为这个序列报告过多少个生成的 token。
-Sequence.num_streamed_tokens: int = 0
+
+@add_to_init(Sequence)
+def _init_streamed(self) -> None:
+    # en: How many completion tokens `LLMEngine.step_tokens` has reported for this sequence so far.
+    # zh: `LLMEngine.step_tokens` 至今为这个序列报告过多少个生成的 token。
+    self.num_streamed_tokens = 0
 
 # %% step tokens
 #| export engine.llm_engine
@@ -107,7 +111,7 @@ class NewTokens:
 def _unreported_sequences(self) -> dict[int, Sequence]:
     """Every sequence that `step` has not reported yet, by seq_id: queued, running, in flight, or finished and
     waiting to be reported."""
-    seqs = [*self.scheduler.waiting, *self.scheduler.running, *self.unreported]
+    seqs = [*self.scheduler.waiting, *self.scheduler.running, *self.outbox.unreported]
     if self.in_flight is not None:
         seqs += self.in_flight.seqs
     return {seq.seq_id: seq for seq in seqs}
@@ -157,9 +161,9 @@ def abort_request(self, request_id: int, sample_index: int | None = None) -> lis
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
                 dropped.append(seq.seq_id)
-        self.unreported = [seq for seq in self.unreported if seq.seq_id not in dropped]
+        self.outbox.unreported = [seq for seq in self.outbox.unreported if seq.seq_id not in dropped]
         if sample_index is None:
-            self._dropped.pop(request_id, None)
+            self.outbox.dropped.pop(request_id, None)
         return dropped
 
 # %% [markdown] tags=["en"]
@@ -178,8 +182,8 @@ def abort_request(self, request_id: int, sample_index: int | None = None) -> lis
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -193,6 +197,11 @@ say = Phrases({
     "with stop=['世界']: {cut!r}": "设置 stop=['世界'] 时：{cut!r}",
     "window: {path}": "解码窗口：{path}", "Rust (DecodeStream)": "Rust（DecodeStream）", "Python": "Python",
     "all exercise answers check out": "练习答案全部验证通过",
+    "{date}, {card}: {command}": "{date}，{card}：{command}",
+    "{streams} streams: a decode step {served} ms in the server, {offline} ms offline; "
+    "served / offline tok/s {ratio}×":
+        "{streams} 个流：一个 decode 步在服务器里 {served} ms，离线 {offline} ms；"
+        "服务时每秒 token 数是离线时的 {ratio} 倍",
 })
 
 # %%
@@ -325,7 +334,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanovllm.engine.llm_engine import LLMEngine, NonFiniteLogitsError
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.outbox import NonFiniteLogitsError
 from nanovllm.sampling_params import SamplingParams
 
 _logger = logging.getLogger("nanovllm.serve")
@@ -478,7 +488,7 @@ class EngineDriver:
         self.request_ids: dict[int, int] = {}
         self.stats = ServerStats()
         self.watch = SchedulerWatch(self.stats, engine.config.kvcache_block_size)
-        engine.scheduler.observer = self.watch
+        engine.set_observer(self.watch)
         # en: Of the current step, sent in one message
         # zh: 当前这一步的事件，用一条消息发出
         self.events: list[tuple] = []
@@ -614,11 +624,10 @@ class EngineDriver:
             self.frames.append(frame)
 
     def _update_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        bm = scheduler.block_manager
-        self.stats.num_requests_running = len({seq.request_id for seq in scheduler.running})
-        self.stats.num_requests_waiting = len({seq.request_id for seq in scheduler.waiting})
-        self.stats.kv_cache_usage = len(bm.used_block_ids) / bm.num_blocks
+        now = self.engine.stats()
+        self.stats.num_requests_running = now.requests_running
+        self.stats.num_requests_waiting = now.requests_waiting
+        self.stats.kv_cache_usage = now.kv_cache_usage
         for read in ENGINE_COUNTERS:
             self.stats.engine_counters.update(read(self.engine))
 
@@ -647,12 +656,37 @@ class EngineDriver:
 #
 # The first version of this server ran the driver as a thread of the server's own process. It was
 # correct, and on the H200 it was slow: with 256 streams, a decode step took 12.2 ms inside the
-# server against 4.9 ms offline, and the server gave 0.39× the offline engine's tokens per second.
-# The reason is Python's global interpreter lock. Every step, the event loop does work for each new
-# token (wake its stream, detokenize, build its JSON chunk, write it to the socket), some 35 µs a
-# token, 9 ms a step with 256 streams; the engine's thread needs the same lock to prepare and
-# launch the next step, so the two add up instead of overlapping, and the GPU waits.
+# server against 4.9 ms offline, and the server gave 0.39× the offline engine's tokens per second
+# (`scripts/gpu-ci.sh serve`, 2026-12-01; chapter 23 has the whole table). The reason is Python's
+# global interpreter lock. Every step, the event loop does work for each new token (wake its
+# stream, detokenize, build its JSON chunk, write it to the socket), 256 times over with 256
+# streams; the engine's thread needs the same lock to prepare and launch the next step, so the two
+# add up instead of overlapping, and the GPU waits.
+
+# %% [markdown] tags=["zh"]
+# ## 让引擎住进自己的进程
 #
+# 这个服务器的第一版把驱动作为服务器自己进程里的一个线程来运行。它是正确的，但在 H200 上很慢：256 个流时，服务器里的
+# 一个 decode 步要 12.2 ms，离线只要 4.9 ms，服务器每秒给出的 token 只有离线引擎的 0.39 倍
+# （`scripts/gpu-ci.sh serve`，2026-12-01；完整的表格见第 23 章）。原因是 Python 的全局解释器锁（GIL）。每一步，
+# 事件循环都要为每个新 token 做些事（唤醒它的流、反分词、构造它的 JSON 分块、写进套接字），256 个流时每步要做
+# 256 遍；引擎线程准备和启动下一步也需要这把锁，于是两者的时间相加而不是重叠，GPU 就在等待。
+
+# %% recorded: the driver in a thread
+from nanovllm.book.recorded import recorded
+
+in_thread = recorded("21_serving")["driver in a thread"]
+print(say("{date}, {card}: {command}", date=in_thread.date, card=in_thread.card, command=in_thread.command))
+print(say("{streams} streams: a decode step {served} ms in the server, {offline} ms offline; "
+          "served / offline tok/s {ratio}×", streams=in_thread.figures["streams"],
+          served=in_thread.figures["server decode step ms"], offline=in_thread.figures["offline decode step ms"],
+          ratio=in_thread.figures["served / offline tokens/s"]))
+# en: The step itself took more than twice as long inside the server as offline.
+# zh: 一步本身在服务器里的耗时是离线时的两倍多。
+assert in_thread.figures["server decode step ms"] > 2 * in_thread.figures["offline decode step ms"]
+assert in_thread.figures["served / offline tokens/s"] == 0.39
+
+# %% [markdown] tags=["en"]
 # So `python -m nanovllm.serve` runs the driver in a **process of its own**, as vLLM does since its
 # version 1 (its `EngineCore`): the engine steps at its offline pace, whatever the HTTP side does.
 #
@@ -681,14 +715,6 @@ class EngineDriver:
 #   the HTTP side cannot tell them apart.
 
 # %% [markdown] tags=["zh"]
-# ## 让引擎住进自己的进程
-#
-# 这个服务器的第一版把驱动作为服务器自己进程里的一个线程来运行。它是正确的，但在 H200 上很慢：256 个流时，服务器里的
-# 一个 decode 步要 12.2 ms，离线只要 4.9 ms，服务器每秒给出的 token 只有离线引擎的 0.39 倍。原因是 Python 的全局
-# 解释器锁（GIL）。每一步，事件循环都要为每个新 token 做些事（唤醒它的流、反分词、构造它的 JSON 分块、写进套接字），
-# 每个 token 约 35 µs，256 个流时每步 9 ms；引擎线程准备和启动下一步也需要这把锁，于是两者的时间相加而不是重叠，
-# GPU 就在等待。
-#
 # 所以 `python -m nanovllm.serve` 把驱动放在**它自己的进程**里运行，vLLM 从第 1 版起也是这样做的（它的 `EngineCore`）：
 # 不管 HTTP 一侧在做什么，引擎都按离线时的节奏推进。
 #

@@ -21,7 +21,7 @@
 # disagrees with, plus one token of the model's own. With greedy decoding the output is exactly
 # what the engine without speculation writes, and with sampling its distribution is the model's
 # (a seeded request writes the same tokens); only the number of steps changes. By the end you
-# can compute how many tokens a step yields from the **acceptance rate**, write the n-gram
+# can compute how many tokens a step yields from the **agreement rate** *α*, write the n-gram
 # proposer (prompt lookup), and follow a sequence's block table as it grows by *k* draft slots
 # and shrinks back to what the model accepted, without ever publishing a rejected token to the
 # prefix cache.
@@ -29,21 +29,21 @@
 # %% [markdown] tags=["zh"]
 # # 25 · 投机解码：一步得到多个 token
 #
-# **目标：** 第 14 章和第 15 章测过批大小为 1 时的 decode 步，发现它有固定开销：不管算一个 token 还是五个，
-# 一步都要把每个权重读一遍。本章把这部分余量用起来。一个廉价的**提议器**（proposer）猜出接下来的 *k* 个 token
-# （**草稿 token**，draft token），模型的一次前向计算把它们一起**验证**（verify），引擎保留草稿中直到模型第一次
-# 不同意之前的部分，再加上一个模型自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样；采样时，
-# 输出的分布就是模型的分布（带种子的请求写出同样的 token）；变的只是步数。读完本章，你能从**接受率**
-# （acceptance rate）算出一步能产出多少 token，写出 n-gram 提议器（prompt lookup），并跟着一个序列的块表看它
-# 先长出 *k* 个草稿槽位、再缩回模型接受的部分，而被拒绝的 token 从不发布到前缀缓存。
+# **目标：** 第 14 章和第 15 章测过批大小为 1 时的 decode 步，发现它有固定开销：不管算一个 token 还是五个，一步都要把
+# 每个权重读一遍。本章把这部分余量用起来。一个廉价的**提议器**（proposer）猜出接下来的 *k* 个 token（**草稿 token**，
+# draft token），模型用一次前向计算把它们一并**验证**（verify），引擎保留草稿中模型第一次不同意之前的部分，再加上一个
+# 模型自己给出的 token。贪心解码时，输出和不做投机的引擎写出的完全一样；采样时，输出的分布就是模型的分布（带种子的请求
+# 写出同样的 token）；变的只是步数。读完本章，你能从**同意率** *α*（agreement rate）算出一步能产出多少 token，写出
+# n-gram 提议器（prompt lookup），并跟着一个序列的块表走一遍：它先多出 *k* 个草稿槽位，再缩回到模型接受的部分，被拒绝
+# 的 token 始终不会发布到前缀缓存。
 
 # %%
 import torch
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -83,6 +83,29 @@ say = Phrases({
     "rule gives each sequence {drafts} drafts":
         "批大小 {batch:2d}：{ratio:.2f} 倍；一个验证步值 {cost:.1f} 个 decode 步，产出 {tokens:.2f} 个 token；"
         "规则给每个序列 {drafts} 个草稿",
+    "{card}, {date}: {command}": "{card}，{date}：{command}",
+    "{name}: {card}, {date}, {command}": "{name}：{card}，{date}，{command}",
+    "batch 1: {ratios} the plain engine ({low:,}-{high:,} tok/s plain), {tokens} tokens per verify step; the "
+    "eager verify step before: {eager} tok/s against {sync:,}, {wall} ms a step, {gpu} ms of it kernels; the "
+    "graphed one: {verify} ms against {decode} ms for a decode step":
+        "批大小 1：普通引擎的 {ratios}（普通引擎 {low:,}-{high:,} tok/s），每个验证步 {tokens} 个 token；之前的 eager "
+        "验证步：{eager} tok/s 对 {sync:,}，一步 {wall} ms，其中内核 {gpu} ms；图化之后：验证步 {verify} ms，decode 步 "
+        "{decode} ms",
+    "batch 1: {plain:,} -> {spec:,} tok/s, {ratio:.2f}x, {steps} steps for {tokens} tokens, {kept:.0%} of the "
+    "drafts kept; a verify step cost {cost:.1f} decode steps":
+        "批大小 1：{plain:,} -> {spec:,} tok/s，{ratio:.2f} 倍，{tokens} 个 token 用了 {steps} 步，{kept:.0%} 的草稿被"
+        "保留；一个验证步值 {cost:.1f} 个 decode 步",
+    "self draft of {layers} layers, none of its drafts kept: {fixed:.2f}x with a fixed pause (H100), "
+    "{doubling:.2f}x with a doubling one (H200: {proposals} proposals in {tokens} tokens, {ms} ms, {plain} ms "
+    "for the plain engine)":
+        "{layers} 层的自草稿，一个草稿也没被保留：固定暂停时 {fixed:.2f} 倍（H100），加倍暂停时 {doubling:.2f} 倍"
+        "（H200：{tokens} 个 token 里提议 {proposals} 次，共 {ms} ms，普通引擎生成它们要 {plain} ms）",
+    "batch": "批大小", "plain": "普通", "{k} drafts": "{k} 个草稿",
+    "batch 1, 7 drafts: {tokens} tokens per verify step; the host took {host} ms to launch a step":
+        "批大小 1、7 个草稿：每个验证步 {tokens} 个 token；主机启动一步要 {host} ms",
+    "the first rule, 64 rows: batch 16 at {ratio}x in {steps} steps (256 without); chapter 19's 256 "
+    "sequences: {ratios}":
+        "第一版规则，64 行：批大小 16 时 {ratio} 倍，{steps} 步（不投机 256 步）；第 19 章的 256 个序列：{ratios}",
     "preemption": "抢占", "chunked prefill": "分块 prefill", "n = 2, copy-on-write": "n = 2，写时复制",
     "ngram": "ngram", "replay": "重放", "replay, EOS": "重放，结束符", "first layer": "第一层",
     "the model itself": "模型自己",
@@ -121,21 +144,21 @@ say = Phrases({
 # %% [markdown] tags=["zh"]
 # ## 算一笔账：一步值多少
 #
-# 假设提议器给出 *k* 个草稿，模型同意每一个的概率都是 *α*，彼此独立。只有保留了草稿 1 … *i* − 1，这一步才会保留
-# 草稿 *i*；而且它总会加上一个模型自己的 token（在第一次不同意的地方给出的更正，或者在最后一个草稿之后的
-# **附赠 token**，bonus token）。所以一步产出
+# 假设提议器给出 *k* 个草稿，模型同意其中每一个的概率都是 *α*，彼此独立：*α* 就是一个草稿的**同意率**（agreement
+# rate）。只有草稿 1 … *i* − 1 都保留了，这一步才会保留草稿 *i*；而且它总会再加上一个模型自己的 token（第一次不同意处
+# 的更正，或者最后一个草稿之后的**附赠 token**，bonus token）。所以一步产出
 #
 # $$E = 1 + \alpha + \alpha^2 + \dots + \alpha^k = \frac{1 - \alpha^{k+1}}{1 - \alpha}$$
 #
-# 个 token：*α* = 0 时是 1，也就是普通 decode 步产出的那一个；*α* → 1 时趋近 *k* + 1。引擎的计数器测的是另一个
-# 比率，**接受率**（acceptance rate）：被接受的草稿数 ÷ 验证过的草稿数。一步在第一次不同意时就停止接受，所以 *k* 个
-# 草稿里只接受 *E* − 1 个，接受率 (*E* − 1) / *k* 远低于 *α*：下面 SmolLM2 的运行在每步四个草稿时打印出 56% 和每个
-# 验证步 3.21 个 token，这要求 *α* ≈ 0.78（表格后面的单元把它解出来）。
+# 个 token：*α* = 0 时是 1，也就是普通 decode 步产出的那一个；*α* → 1 时趋近 *k* + 1。引擎的计数器测的是另一个比率，
+# **接受率**（acceptance rate）：被接受的草稿数 ÷ 验证过的草稿数。一步在第一次不同意时就停止接受，所以 *k* 个草稿里只
+# 接受 *E* − 1 个，接受率 (*E* − 1) / *k* 远低于 *α*：下面 SmolLM2 的运行在每步四个草稿时打印出接受率 56%、每个验证步
+# 3.21 个 token，要做到这一点，*α* 得在 0.78 左右（表格后面的单元把它解了出来）。
 #
-# 速度按每秒 token 数算，而不是按每步。一个验证步为每个序列带上 *k* + 1 行查询，而且要等它的 token 出来才能调度
-# 下一步，所以它比一个 decode 步贵：在下面 GPU 上的测量里，小批大小时它值 2.0 到 2.9 个 decode 步。加速比是 *E* 除以
-# 这个代价；猜错也不是白猜：一个什么都没保留的验证步，花两三步的代价只换来一个 token。批大小大的时候，每一步本来就
-# 装满了活，每个序列多出的 *k* 行也是实打实的工作，投机就不再划算。
+# 速度按每秒的 token 数算，而不是按每步。一个验证步为每个序列带上 *k* + 1 行查询，而且要等它的 token 出来才能调度下一
+# 步，所以它比一个 decode 步贵：在下面 GPU 上的测量里，小批大小时它值 2.0 到 2.9 个 decode 步。加速比是 *E* 除以这个代
+# 价；猜错也有代价：一个什么都没保留的验证步，花了两三步的代价，只换来一个 token。批大的时候，每一步本来就排满了工作，
+# 每个序列多出的 *k* 行也是实打实的计算，投机就不再划算。
 
 # %%
 def tokens_per_step(alpha: float, k: int) -> float:
@@ -181,16 +204,17 @@ assert abs(alpha_run - 0.78) < 0.01 and abs((3.21 - 1) / 4 - 0.56) < 0.01
 # the longest. When nothing matches it proposes nothing, and the step is a plain decode step.
 
 # %% [markdown] tags=["zh"]
-# ## 动手：读请求自己的 token 的提议器
+# ## 动手：只看请求自身 token 的提议器
 #
-# 最廉价的提议器根本不需要模型。LLM 写出的文本常常重复它已经见过的内容：摘要引用原文，代码重命名它定义过的变量，
-# 回答复述问题。**Prompt lookup**（一种 *n*-gram 提议器）取序列最后 *n* 个 token，在前面（提示词或输出里）找到这
-# *n* 个 token 出现过的地方，把那里紧跟着的 token 作为草稿。它先试最长的 *n*（这里是 3），因为匹配越长证据越足；
-# 它取第一次出现的位置，因为那里后面跟着的内容最长。什么都匹配不上时它不提议，这一步就是普通的 decode 步。
+# 最廉价的提议器根本不需要模型。LLM 写出的文本常常重复它已经见过的内容：摘要引用原文，代码沿用它定义过的变量名，回答复
+# 述问题。**Prompt lookup**（一种 *n*-gram 提议器）取序列最后 *n* 个 token，在前面（提示词或输出里）找到这 *n* 个
+# token 出现过的地方，把那里紧跟着的 token 作为草稿。它先试最长的 *n*（这里是 3），因为匹配越长证据越足；它取第一次出
+# 现的位置，因为那里后面跟着的内容最长。什么都匹配不上时，它就不提议，这一步就是普通的 decode 步。
 
 # %% ngram proposer
 #| export engine.speculative
-"""Speculative decoding's proposers: the drafts a verify step checks."""
+"""Speculative decoding: the proposers of the drafts a verify step checks, and the speculator that decides
+how many drafts each sequence gets and counts what came of them."""
 
 from __future__ import annotations
 
@@ -229,7 +253,8 @@ class NgramProposer:
 # which appeared before followed by "table grows by", and that is the proposal.
 
 # %% [markdown] tags=["zh"]
-# 用单词代替 token id，方便阅读：序列以 "the block" 结尾，它前面出现过，后面跟着 "table grows by"，这就是提议的草稿。
+# 为了方便阅读，用单词代替 token id：序列以 "the block" 结尾，这个词组前面出现过，后面跟着 "table grows by"，提议的草
+# 稿就是它。
 
 # %%
 words = "the block table grows by k slots and then the block".split()
@@ -279,26 +304,25 @@ assert fresh == [] and proposer.propose([vocabulary[w] for w in words], limit=1)
 # %% [markdown] tags=["zh"]
 # ### 另一种提议器：一个更小的模型
 #
-# Prompt lookup 只能提议文本前面说过的内容。**草稿模型**什么都能提议：一个与模型共用分词器的更小模型，对每个序列
-# 贪心地续写 k 个 token，模型像验证 prompt lookup 的草稿那样验证它们。草稿模型需要自己的 KV 缓存，而维护 KV 缓存
-# 正是引擎本来就做的事：`DraftModelProposer` 让草稿模型运行在它自己的一个 `LLMEngine` 里，有自己的分页缓存、
-# 块管理器和前缀缓存，遵守第 02 到 04 章的规则。每次提议时把序列当前的样子交给它；它的前缀缓存会找到它以前填满
-# 的块，所以它只计算上次提议之后的尾巴（模型接受的 token，以及模型补上的那一个）和 k 个草稿。它写下而被模型拒绝
-# 的草稿，留在一个再也不会被任何前缀匹配到的块里：缓存按 token 内容做键，所以不可能被拿去服务另一种续写。它的
-# 草稿是贪心得到的，因此是确定的：采样那一节的接受规则仍然只是一次比较。
+# Prompt lookup 只能提议文本前面说过的内容。**草稿模型**什么都能提议：一个与模型共用分词器的更小模型，对每个序列贪心地
+# 续写 k 个 token，模型像验证 prompt lookup 的草稿那样验证它们。草稿模型需要自己的 KV 缓存，而维护 KV 缓存本来就是引擎
+# 的活：`DraftModelProposer` 让草稿模型在一个独立的 `LLMEngine` 里运行，这个引擎有自己的分页缓存、块管理器和前缀缓存，
+# 遵守第 02 到 04 章的规则。每次提议时，把序列当前的状态交给它；它的前缀缓存能找到它以前填满的块，所以它只需计算上次提
+# 议以来新增的尾部（模型接受的 token，以及模型补上的那一个）和 k 个草稿。它写下、却被模型拒绝的草稿，留在一个任何前缀
+# 都不会再匹配到的块里：缓存以 token 内容为键，这个块不可能被错用到另一种续写上。它的草稿是贪心生成的，因此是确定的：
+# 采样那一节的接受规则仍然只是一次比较。
 #
-# 手头没有第二个检查点时，`write_self_draft` 用模型自己做一个：它的前几层、嵌入层、最后的归一化和 LM head，写成
-# 一个模型目录（"自草稿"：省下的是它丢掉的那部分层，前几层已经知道下一个 token 的时候，它就提议得对）。别对它
-# 期望太高：为了给后面的层提供输入而训练出来的层，猜不准最后一层的答案。在 SmolLM2 上（30 层，贪心解码，一个
-# 引用型提示词和一个故事型提示词各生成 64 个 token，在本书的 CPU 机器上测量），取前 24 层的自草稿有 16% 和 10% 的
-# 草稿被保留，取前 8 层的只有 2% 和 1%；随后"什么时候划算"一节的退避规则就会让它暂停。在一块 H100 上
-# （2026-12-05，`scripts/gpu-ci.sh speculative`，SmolLM2 引用一段文字，一个序列），前 8 层的自草稿一个草稿也没有被
-# 保留，只跑出普通引擎的 0.56 倍：每当 16 个 token 的暂停结束，草稿引擎就要补算，再为一个什么也保留不了的验证步
-# 提议草稿。现在草稿一直失败时暂停会加倍：在一块 H200 上（2026-12-05，同一条命令），同一个草稿模型在 256 个 token
-# 里提议了六次，一个也没被保留，跑出 0.73 倍。这六次提议大约花了 48 ms，每次约 8 ms（草稿引擎完整的一次
-# `generate` 调用：先补算暂停期间的 token，再生成四个草稿），而普通引擎生成这 256 个 token 一共只要 126 ms。
-# 用模型做投机的引擎，用的都是专门为此训练的草稿模型。设置是 `speculative_method="draft"` 和
-# `speculative_model=目录`；词表与模型不同的草稿模型会被拒绝。
+# 手头没有第二个检查点时，`write_self_draft` 用模型自己做一个：取它的前几层、嵌入层、最后的归一化和 LM head，写成一个
+# 模型目录（“自草稿”：丢掉多少层，就省下多少计算；前几层已经知道下一个 token 时，它就猜得对）。别对它期望太高：这些层
+# 训练出来是为了给后面的层提供输入的，猜不准最后一层的答案。在 SmolLM2 上（30 层，贪心解码，一个引用型提示词和一个故事
+# 型提示词各生成 64 个 token，在本书的 CPU 机器上测量），取前 24 层的自草稿，草稿保留了 16% 和 10%，取前 8 层的只有 2%
+# 和 1%；接着，“什么时候划算”一节的退避规则就会让它暂停。在一块 H100 上（2026-12-05，`scripts/gpu-ci.sh speculative`，
+# SmolLM2 引用一段文字，一个序列），前 8 层的自草稿一个草稿也没保留下来，只跑出普通引擎的 0.56 倍：每当 16 个 token 的
+# 暂停结束，草稿引擎就得先补算，再为一个什么也保留不了的验证步提议草稿。现在，草稿一直失败，暂停就会加倍：在一块 H200
+# 上（2026-12-05，同一条命令），同一个草稿模型在 256 个 token 里提议了六次，一个草稿也没保留，跑出 0.73 倍。这六次提议
+# 大约花了 48 ms，每次约 8 ms（草稿引擎完整的一次 `generate` 调用：先补算暂停期间的 token，再生成四个草稿），而普通引
+# 擎生成这 256 个 token 一共只要 126 ms。真正用模型做投机的引擎，用的都是专门为此训练的草稿模型。设置是
+# `speculative_method="draft"` 和 `speculative_model=目录`；词表与模型不同的草稿模型会被拒绝。
 
 # %% draft proposer
 #| export engine.speculative
@@ -397,14 +421,17 @@ def write_self_draft(model: str | Path, num_layers: int, path: str | Path) -> Pa
 # A decode step computes each sequence's last token. A verify step computes the last token *and*
 # its *k* drafts, so the drafts must have slots in the KV cache before the step runs. The
 # scheduler has already picked the decode batch (and made room for one token per sequence,
-# preempting if it had to); `reserve_drafts` then goes through that batch and, for each sequence,
-# appends the proposer's drafts to its tokens, as if they were real, and
-# asks the block manager for the blocks they need. Three limits keep this safe:
+# preempting if it had to). Two objects share what follows. The **speculator** owns everything
+# about drafts that is not a block: the proposer, how many drafts each sequence may get, and what
+# came of them. Its `propose` asks the proposer for each sequence's drafts within two limits:
 #
 # - the step's **token budget**: each draft is one more token the step computes;
-# - `max_tokens`: a draft past the sequence's last allowed token could never be kept;
-# - the **free list**: when the drafts would need a block that is not free, the sequence simply
-#   decodes without them. Drafts never preempt anyone.
+# - `max_tokens`: a draft past the sequence's last allowed token could never be kept.
+#
+# The **scheduler** then gives the drafts slots: `reserve_drafts` appends each sequence's drafts
+# to its tokens, as if they were real, and asks the block manager for the blocks they need. When
+# the drafts would need a block that is not free, the sequence simply decodes without them:
+# drafts never preempt anyone.
 #
 # Copy-on-write (chapter 05) needs nothing new: the only block a verify step writes that could
 # be shared is the one holding the last token, and the schedule already gave the sequence its own
@@ -414,33 +441,30 @@ def write_self_draft(model: str | Path, num_layers: int, path: str | Path) -> Pa
 # ## 动手：块表里的草稿槽位
 #
 # decode 步计算每个序列的最后一个 token。验证步计算最后一个 token *以及*它的 *k* 个草稿，所以这一步运行之前，草稿
-# 必须在 KV 缓存里有槽位。调度器已经选好了 decode 批次（并为每个序列的一个 token 腾出了位置，必要时会抢占）；
-# `reserve_drafts` 接着遍历这个批次，对每个序列，把提议器的草稿当作真实 token 追加到它的 token 后面，
-# 并向块管理器要这些草稿需要的块。有三条限制保证安全：
+# 必须在 KV 缓存里有槽位。调度器已经选好了 decode 批次（并为每个序列的一个 token 腾出了位置，必要时会抢占）。
+# 接下来的事由两个对象分担。**投机器**（speculator）负责草稿上一切与块无关的事：提议器、每个序列能拿几个草稿，以及这些
+# 草稿最后保留了多少。它的 `propose` 在两条限制之内向提议器要每个序列的草稿：
 #
 # - 这一步的 **token 预算**：每个草稿都是这一步多算的一个 token；
-# - `max_tokens`：超出序列最后一个允许位置的草稿永远不可能被保留；
-# - **空闲队列**：草稿需要的块不空闲时，这个序列就不带草稿照常 decode。草稿从不抢占任何序列。
+# - `max_tokens`：超出序列最后一个允许位置的草稿永远不可能被保留。
 #
-# 写时复制（第 05 章）不需要新东西：验证步写入的块中，唯一可能被共享的是放最后一个 token 的那个，而调度已经给了
-# 这个序列一份自己的副本；草稿用到的后续块都是新块。
+# 然后由**调度器**给草稿分配槽位：`reserve_drafts` 把每个序列的草稿当作真实 token 追加到它的 token 后面，并向块管理器
+# 要这些草稿需要的块。如果草稿需要的块没有空闲的，这个序列就不带草稿，照常 decode：草稿从不抢占任何序列。
+#
+# 写时复制（第 05 章）不需要任何改动：验证步写入的块中，唯一可能被共享的是放最后一个 token 的那个，而调度时已经给了这
+# 个序列一份自己的副本；草稿用到的后续块都是新块。
 
 # %% drafts in the block table
 #| export engine.sequence
-from nanovllm.book.literate import add_to_class
+from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.sequence import Sequence
 
-# en: How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
-# zh: 序列末尾有多少个 token 是正在进行的这一步要验证的草稿（这一步之外为 0）。
-Sequence.num_draft_tokens: int = 0
-# en: The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
-# en: steps gave (None before the first), the length it must reach before it gets drafts again, and how many times
-# en: in a row it paused them (each pause twice as long as the one before).
-# zh: 退避规则对这个序列的记忆（"什么时候划算"一节）：它最近的验证步平均产出的 token 数（第一次之前为 None），
-# zh: 它要长到多少才能再拿到草稿，以及它已经连续暂停了几次（每次暂停都是上一次的两倍长）。
-Sequence.recent_tokens_per_verify: float | None = None
-Sequence.drafts_resume_at: int = 0
-Sequence.draft_pauses: int = 0
+
+@add_to_init(Sequence)
+def _init_drafts(self) -> None:
+    # en: How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
+    # zh: 序列末尾有多少个 token 是正在进行的这一步要验证的草稿（这一步之外为 0）。
+    self.num_draft_tokens = 0
 
 # %% block manager trims
 #| export engine.block_manager
@@ -456,102 +480,173 @@ def trim(self, seq: Sequence) -> None:
         self.release(seq.block_table.pop())
 
 
-# %% scheduler reserves drafts
-#| export engine.scheduler
+# %% speculator
+#| export engine.speculative
+import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PENDING_TOKEN
+from nanovllm.engine.sequence import Sequence
 
 
 class Proposer(Protocol):
-    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one). A proposer
-    may also have ``propose_many(token_lists, limits)``, the drafts of several sequences at once (a draft model
-    batches them); `reserve_drafts` calls it where the token budget cannot run out before the last sequence."""
+    """Where drafts come from (`NgramProposer` is one). A proposer may also have ``propose_many(token_lists,
+    limits)``, the drafts of several sequences at once (a draft model batches them), and ``exit()``, which
+    releases what it holds."""
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
 
 
-# en: The back-off rule, measured in the section "When it pays". At most max_verify_rows rows in a verify step (a
-# en: row: a sequence's last token or one of its drafts), and no drafts at all when that leaves a sequence fewer
-# en: than min_drafts: fewer drafts as the batch grows, none past 5 sequences. And a verify step costs two or more
-# en: decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
-# en: drafts for its next draft_pause_tokens tokens, twice that if it pauses again without a good verify step in
-# en: between, and so on up to max_draft_pause_tokens: drafts that never pay cost less and less.
-# zh: 退避规则，在"什么时候划算"一节里测量。一个验证步最多 max_verify_rows 行（一行：序列的最后一个 token 或它的一个
-# zh: 草稿），如果这样分到每个序列的草稿少于 min_drafts 个，就干脆不要草稿：批越大草稿越少，超过 5 个序列就没有草稿。
-# zh: 另外，一个验证步的代价是两个甚至更多 decode 步：最近的验证步平均产出少于 min_tokens_per_verify 个 token 的
-# zh: 序列，在接下来的 draft_pause_tokens 个 token 里拿不到草稿；中间没有一个好的验证步又要暂停时，暂停加倍，
-# zh: 依此类推，最长 max_draft_pause_tokens：从来不划算的草稿，代价越来越小。
-Scheduler.max_verify_rows: int = 16
-Scheduler.min_drafts: int = 2
-Scheduler.min_tokens_per_verify: float = 2.0
-Scheduler.draft_pause_tokens: int = 16
-Scheduler.max_draft_pause_tokens: int = 512
+@dataclass
+class DraftCounts:
+    """What came of the drafts so far: draft tokens verified, draft tokens accepted (the acceptance rate is their
+    ratio), sequences verified with drafts, one per sequence and step (1 + accepted / verifications is the mean
+    tokens a verify step gives a sequence), and accepted drafts by their position among a step's drafts (0: the
+    first draft), as far as any step drafted."""
+
+    drafted: int = 0
+    accepted: int = 0
+    verifications: int = 0
+    accepted_by_position: tuple[int, ...] = ()
+
+
+@dataclass
+class Backoff:
+    """The back-off rule's memory of one sequence: the recent mean of the tokens its verify steps gave (None before
+    the first), the length it must reach before it gets drafts again, and how many times in a row it paused them."""
+
+    recent_tokens_per_verify: float | None = None
+    resume_at: int = 0
+    pauses: int = 0
+
+
+class Speculator:
+    """Speculative decoding in one object: where drafts come from (the proposer), how many each sequence gets (the
+    back-off rule, measured in the section "When it pays"), and what came of them (`counts`).
+
+    The rule: at most ``max_verify_rows`` rows in a verify step (a row: a sequence's last token or one of its
+    drafts), and no drafts at all when that leaves a sequence fewer than ``min_drafts``: fewer drafts as the batch
+    grows, none past 5 sequences. And a verify step costs two or more decode steps: a sequence whose recent verify
+    steps gave fewer than ``min_tokens_per_verify`` tokens gets no drafts for its next ``draft_pause_tokens``
+    tokens, twice that if it pauses again without a good verify step in between, and so on up to
+    ``max_draft_pause_tokens``: drafts that never pay cost less and less."""
+
+    def __init__(self, proposer: Proposer, *, max_verify_rows: int = 16, min_drafts: int = 2,
+                 min_tokens_per_verify: float = 2.0, draft_pause_tokens: int = 16,
+                 max_draft_pause_tokens: int = 512) -> None:
+        self.proposer = proposer
+        self.max_verify_rows, self.min_drafts = max_verify_rows, min_drafts
+        self.min_tokens_per_verify = min_tokens_per_verify
+        self.draft_pause_tokens, self.max_draft_pause_tokens = draft_pause_tokens, max_draft_pause_tokens
+        self.counts = DraftCounts()
+        # en: Each sequence's memory lives as long as the sequence: a weak dictionary forgets one the engine let go.
+        # zh: 每个序列的记忆与序列同生共死：弱引用字典会忘掉引擎已经放手的序列。
+        self.backoff: weakref.WeakKeyDictionary[Sequence, Backoff] = weakref.WeakKeyDictionary()
+
+    def drafts_per_sequence(self, batch: int) -> int:
+        """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves
+        it, or 0 when that is fewer than `min_drafts`."""
+        drafts = self.max_verify_rows // max(1, batch) - 1
+        return drafts if drafts >= self.min_drafts else 0
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
+        backoff = self.backoff.get(seq)
+        return backoff is None or len(seq) >= backoff.resume_at
+
+    def wants_drafts(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of ``seqs`` may carry drafts (then it needs their last tokens to schedule)."""
+        return self.drafts_per_sequence(len(seqs)) > 0 and any(self.may_draft(seq) for seq in seqs)
+
+    def propose(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
+        """The drafts of each sequence of a scheduled decode step (none where the rule says so), ``budget`` tokens
+        in all at most."""
+        per_sequence = self.drafts_per_sequence(len(seqs))
+        rooms = [0] * len(seqs)
+        for index, seq in enumerate(seqs):
+            # en: The sequence's last allowed token is a model token, never a kept draft.
+            # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
+            room = min(per_sequence, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
+            rooms[index] = room if room > 0 and self.may_draft(seq) else 0
+        drafts: list[list[int]] = [[] for _ in seqs]
+        wanting = [index for index, room in enumerate(rooms) if room]
+        # en: All at once where the budget covers every room (then each sequence gets what it would one at a time).
+        # zh: 预算够所有序列的空间时一次要齐（这时每个序列得到的和一个一个要时一样）。
+        propose_many = getattr(self.proposer, "propose_many", None)
+        if propose_many is not None and wanting and sum(rooms) <= budget:
+            batched = propose_many([seqs[i].token_ids for i in wanting], [rooms[i] for i in wanting])
+            for index, draft in zip(wanting, batched, strict=True):
+                drafts[index] = draft
+            return drafts
+        for index in wanting:
+            room = min(rooms[index], budget)
+            if room > 0:
+                drafts[index] = self.proposer.propose(seqs[index].token_ids, room)
+                budget -= len(drafts[index])
+        return drafts
+
+    def record(self, seqs: list[Sequence], drafted: list[int], kept: list[int]) -> None:
+        """What a verify step kept of each sequence's drafts: into the counters, and into each sequence's back-off
+        memory (a sequence that drafted nothing in the step is not judged by it)."""
+        counts = self.counts
+        for seq, num_drafts, num_kept in zip(seqs, drafted, kept, strict=True):
+            counts.drafted += num_drafts
+            counts.accepted += num_kept
+            if not num_drafts:
+                continue
+            counts.verifications += 1
+            positions = counts.accepted_by_position + (0,) * (num_drafts - len(counts.accepted_by_position))
+            counts.accepted_by_position = tuple(count + (i < num_kept) for i, count in enumerate(positions))
+            self._judge(seq, 1 + num_kept)
+
+    def _judge(self, seq: Sequence, tokens: int) -> None:
+        """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls
+        below `min_tokens_per_verify` (twice as long as the pause before, when no good verify step came between)."""
+        backoff = self.backoff.setdefault(seq, Backoff())
+        # en: A new sequence starts trusted: two verify steps that keep nothing pause it.
+        # zh: 新序列一开始是被信任的：连续两个什么都没保留的验证步才让它暂停。
+        recent = backoff.recent_tokens_per_verify
+        recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
+        if tokens >= self.min_tokens_per_verify:
+            backoff.pauses = 0
+        if recent < self.min_tokens_per_verify:
+            pause = min(self.draft_pause_tokens << backoff.pauses, self.max_draft_pause_tokens)
+            backoff.resume_at = len(seq) + pause
+            backoff.pauses += 1
+            # en: Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it
+            # en: again.
+            # zh: 回到及格线上：暂停之后，一个好的验证步让它继续拿草稿，一个差的验证步让它再次暂停。
+            recent = self.min_tokens_per_verify
+        backoff.recent_tokens_per_verify = recent
+
+    def exit(self) -> None:
+        """Release what the proposer holds (a draft model's engine)."""
+        release = getattr(self.proposer, "exit", None)
+        if release is not None:
+            release()
+
+
+# %% scheduler reserves drafts
+#| export engine.scheduler
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import PENDING_TOKEN
 
 
 @add_to_class(Scheduler)
-def drafts_per_sequence(self, batch: int) -> int:
-    """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves it, or 0
-    when that is fewer than `min_drafts`."""
-    drafts = self.max_verify_rows // max(1, batch) - 1
-    return drafts if drafts >= self.min_drafts else 0
+def budget_left(self, seqs: list[Sequence]) -> int:
+    """How many more tokens a scheduled step of ``seqs`` may compute within `max_num_batched_tokens`."""
+    return self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
 
 
 @add_to_class(Scheduler)
-def may_draft(self, seq: Sequence) -> bool:
-    """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
-    return len(seq) >= seq.drafts_resume_at
-
-
-@add_to_class(Scheduler)
-def note_verify(self, seq: Sequence, tokens: int) -> None:
-    """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
-    `min_tokens_per_verify` (for twice as long as the pause before, when no good verify step came in between)."""
-    # en: A new sequence starts trusted: two verify steps that keep nothing pause it.
-    # zh: 新序列一开始是被信任的：连续两个什么都没保留的验证步才让它暂停。
-    recent = seq.recent_tokens_per_verify
-    recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
-    if tokens >= self.min_tokens_per_verify:
-        seq.draft_pauses = 0
-    if recent < self.min_tokens_per_verify:
-        pause = min(self.draft_pause_tokens << seq.draft_pauses, self.max_draft_pause_tokens)
-        seq.drafts_resume_at = len(seq) + pause
-        seq.draft_pauses += 1
-        # en: Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
-        # zh: 回到及格线上：暂停之后，一个好的验证步让它继续拿草稿，一个差的验证步让它再次暂停。
-        recent = self.min_tokens_per_verify
-    seq.recent_tokens_per_verify = recent
-
-
-@add_to_class(Scheduler)
-def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
-    """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
-    budget and `max_verify_rows`; returns how many drafts the step now verifies."""
-    budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
-    per_sequence = self.drafts_per_sequence(len(seqs))
-    wanting: list[tuple[Sequence, int]] = []
-    for seq in seqs:
-        assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
-        # en: The sequence's last allowed token is a model token, never a kept draft.
-        # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
-        room = min(per_sequence, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
-        if room > 0 and self.may_draft(seq):
-            wanting.append((seq, room))
-    # en: All at once where the budget covers every room (then each sequence gets what it would one at a time).
-    # zh: 预算够所有序列的空间时一次要齐（这时每个序列得到的和一个一个要时一样）。
-    propose_many = getattr(proposer, "propose_many", None)
-    batched = None
-    if propose_many is not None and wanting and sum(room for _, room in wanting) <= budget:
-        batched = propose_many([seq.token_ids for seq, _ in wanting], [room for _, room in wanting])
+def reserve_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> int:
+    """Append each sequence's ``drafts`` to it, with the blocks their K/V needs; a sequence whose drafts would need
+    a block that is not free decodes without them. Returns how many drafts the step now verifies."""
     reserved = 0
-    for index, (seq, room) in enumerate(wanting):
-        room = min(room, budget)
-        if room <= 0:
-            continue
-        draft = batched[index] if batched is not None else proposer.propose(seq.token_ids, room)
+    for seq, draft in zip(seqs, drafts, strict=True):
         if not draft:
             continue
+        assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
         for token_id in draft:
             seq.append_token(token_id)
         if not self.block_manager.can_append(seq):
@@ -562,7 +657,6 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
         self.block_manager.may_append(seq)
         seq.num_draft_tokens = len(draft)
         seq.num_scheduled_tokens += len(draft)
-        budget -= len(draft)
         reserved += len(draft)
     if reserved:
         self._notify("drafts", {"seqs": seqs})
@@ -595,28 +689,28 @@ def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
 # %% [markdown] tags=["zh"]
 # ## 动手：保留模型同意的部分，回滚其余部分
 #
-# 验证的前向计算之后，我们知道模型在 *k* + 1 个位置上各自的 token（这里是贪心的选择；讲采样的那一节说明，抽样
-# 得到的 token 也一样适用）：`target[0]` 跟在最后一个 token 之后，
-# `target[i]` 跟在草稿 *i* 之后。只要草稿 *i* 等于 `target[i − 1]`，并且前面的草稿都被保留了，它就被保留。然后再加
-# 一个模型自己的 token：`target[kept]`。
+# 验证的前向计算完成后，我们就知道了模型在 *k* + 1 个位置上各自给出的 token（这里是贪心选出的；讲采样的那一节会说明，
+# 换成抽样也是同样的道理）：`target[0]` 跟在最后一个 token 之后，`target[i]` 跟在草稿 *i* 之后。草稿 *i* 只要等于
+# `target[i − 1]`，且前面的草稿都已保留，就保留下来。然后再加上一个模型自己的 token：`target[kept]`。
 #
-# 回滚几乎不花力气，这得益于这一步的计数方式。`accept_drafts` 把序列截回到被接受的 token，然后让它恰好处于一个
-# 普通 decode 步*早一个 token* 时会看到的状态：最后一个保留的 token 是"本步调度"的，它之前的都已缓存。调度器的
-# `advance` 和 `resolve`（第 18 章）再把 `target[kept]` 当作那一步唯一采样出的 token 记录下来，它们原有的工作一样
-# 不少：待定位置、发布 token 全部已知的块、EOS 与 `max_tokens`。两条规则保证结果精确：
+# 回滚几乎不费力，这得益于这一步的计数方式。`accept_drafts` 把序列截到被接受的 token 为止，再把它摆成普通 decode 步在
+# *早一个 token* 时会看到的样子：最后一个保留的 token 是“本步调度”的，它之前的都已缓存。调度器的 `advance` 和
+# `resolve`（第 18 章）再把 `target[kept]` 当作那一步唯一采样出的 token 记录下来，原有的工作照做不误：待定位置、发布
+# token 全部已知的块、EOS 与 `max_tokens`。两条规则保证结果精确：
 #
-# - 一个会让序列结束的保留草稿（EOS，或 `max_tokens` 允许的最后一个 token）不作为草稿保留：它成为新 token，
+# - 保留下来的草稿如果会让序列结束（EOS，或 `max_tokens` 允许的最后一个 token），就不当作草稿保留，而是作为新 token，
 #   这样 `resolve` 就在那里结束序列；
-# - `trim` 交还所有已经不放序列任何 token 的块。最后一个保留的块里，被拒绝位置的 K/V 作为垃圾留下，但这无害：
-#   注意力只读到序列长度为止，后面的步会覆盖这些槽位，而一个块只有写满被接受的 token 后才会发布。
+# - `trim` 交还所有不再存放该序列任何 token 的块。最后一个保留下来的块里，被拒绝位置上的 K/V 作为垃圾留在那里，但这无
+#   害：注意力只读到序列长度为止，后面的步会覆盖这些槽位，而且一个块要写满被接受的 token 才会发布。
 
 # %% scheduler accepts drafts
 #| export engine.scheduler
 @add_to_class(Scheduler)
-def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[int]:
+def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> tuple[list[int], list[int]]:
     """Keep each sequence's drafts up to the first that its ``targets`` (the model's token after the last token and
-    after each draft) disagree with, and roll back the rest. Returns each sequence's one new token: the step is now
-    a plain decode step of the last kept token, for `advance` and `resolve` to record."""
+    after each draft) disagree with, and roll back the rest. Returns each sequence's one new token (the step is
+    now a plain decode step of the last kept token, for `advance` and `resolve` to record) and how many drafts
+    it kept."""
     new_tokens, drafted, kept_drafts = [], [], []
     for seq, target in zip(seqs, targets, strict=True):
         assert len(target) == seq.num_scheduled_tokens, f"{len(target)} tokens to verify {seq}"
@@ -627,27 +721,19 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[
             if draft != token_id:
                 break
             seq.append_token(token_id)
-            if self._reached_end(seq, token_id):
+            if self._reached_end(seq, token_id, len(seq)):
                 # en: An accepted draft that ends the sequence is its new token: resolve finishes it there.
                 # zh: 会让序列结束的被接受草稿就是它的新 token：resolve 在那里结束序列。
                 seq.truncate(len(seq) - 1)
                 break
         kept = len(seq) - start
-        if drafts:
-            self.note_verify(seq, 1 + kept)
-            counts = self.accepted_by_position
-            counts += (0,) * (len(drafts) - len(counts))
-            self.accepted_by_position = tuple(count + (i < kept) for i, count in enumerate(counts))
-        self.drafted_tokens += len(drafts)
-        self.accepted_tokens += kept
-        self.verifications += bool(drafts)
         seq.num_cached_tokens, seq.num_scheduled_tokens, seq.num_draft_tokens = len(seq) - 1, 1, 0
         self.block_manager.trim(seq)
         new_tokens.append(target[kept])
         drafted.append(len(drafts))
         kept_drafts.append(kept)
     self._notify("verified", {"seqs": seqs, "drafted": drafted, "kept": kept_drafts})
-    return new_tokens
+    return new_tokens, kept_drafts
 
 
 @add_to_class(Scheduler)
@@ -660,31 +746,21 @@ def drop_drafts(self, seqs: list[Sequence]) -> None:
             seq.num_draft_tokens = 0
             self.block_manager.trim(seq)
 
-
-# en: So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
-# en: verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
-# zh: 到目前为止：验证过的草稿数、被接受的草稿数（接受率就是二者之比），以及带草稿验证的序列数，每个序列每步
-# zh: 算一次（1 + 被接受数 / 验证次数就是平均每步产出的 token 数）。
-Scheduler.drafted_tokens = 0
-Scheduler.accepted_tokens = 0
-Scheduler.verifications = 0
-# en: Accepted drafts by their position in a step's drafts (0: the first draft), as far as any step drafted.
-# zh: 按草稿在一步里的位置（0：第一个草稿）统计的被接受草稿数，长度为任何一步草稿数的最大值。
-Scheduler.accepted_by_position: tuple[int, ...] = ()
-
 # %% [markdown] tags=["en"]
-# One step by hand, with the model's tokens chosen by us: a prompt that repeats itself, blocks of
-# 4 tokens. The schedule gives the decode step its one token; `reserve_drafts` adds three drafts
-# and a block; the "model" agrees with the first draft only, so the step keeps one draft, adds
-# its own token, and the block that held only rejected drafts goes back to the free list.
+# One step by hand, with the model's tokens chosen by us: a prompt that repeats itself, blocks of 4
+# tokens. The schedule gives the decode step its one token; a speculator with prompt lookup proposes
+# three drafts, and `reserve_drafts` adds them and a block; the "model" agrees with the first draft
+# only, so the step keeps one draft, adds its own token, and the block that held only rejected
+# drafts goes back to the free list.
 
 # %% [markdown] tags=["zh"]
 # 手动走一步，模型给出的 token 由我们指定：一个自我重复的提示词，块大小为 4 个 token。调度给这个 decode 步分配一个
-# token；`reserve_drafts` 加上三个草稿和一个块；"模型"只同意第一个草稿，于是这一步保留一个草稿，加上它自己的
-# token，而只放了被拒绝草稿的那个块回到空闲队列。
+# token；用 prompt lookup 的投机器提议三个草稿，`reserve_drafts` 把它们连同一个新块加进来；“模型”只同意第一个草稿，于
+# 是这一步保留一个草稿，再加上模型自己的 token，而只装着被拒绝草稿的那个块回到空闲队列。
 
 # %%
 from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.speculative import Speculator
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -703,15 +779,18 @@ seqs, _ = scheduler.schedule()
 scheduler.postprocess(seqs, [7], True)
 seqs, is_prefill = scheduler.schedule()
 show("after the schedule", seq, scheduler)
-assert not is_prefill and scheduler.reserve_drafts(seqs, NgramProposer(num_speculative_tokens=3)) == 3
+speculator = Speculator(NgramProposer(num_speculative_tokens=3))
+drafts = speculator.propose(seqs, scheduler.budget_left(seqs))
+assert not is_prefill and drafts == [[8, 5, 6]] and scheduler.reserve_drafts(seqs, drafts) == 3
 show("drafts reserved", seq, scheduler)
 assert seq.token_ids == [5, 6, 7, 8, 5, 6, 7, 8, 5, 6] and len(seq.block_table) == 3
 target = [8, 9, 4, 4]
-new_tokens = scheduler.accept_drafts(seqs, [target])
+new_tokens, kept = scheduler.accept_drafts(seqs, [target])
+speculator.record(seqs, [3], kept)
 print(say("the model's tokens {target}: {kept} drafts kept, new token {new}", target=target,
-          kept=scheduler.accepted_tokens, new=new_tokens))
+          kept=speculator.counts.accepted, new=new_tokens))
 show("after acceptance", seq, scheduler)
-assert new_tokens == [9] and scheduler.accepted_tokens == 1
+assert new_tokens == [9] and kept == [1] and speculator.counts.accepted == 1
 assert seq.token_ids == [5, 6, 7, 8, 5, 6, 7, 8] and len(seq.block_table) == 2
 scheduler.postprocess(seqs, new_tokens, False)
 show("resolved", seq, scheduler)
@@ -734,14 +813,14 @@ assert scheduler.block_manager.num_free_blocks == 8 - 2
 # %% [markdown] tags=["zh"]
 # ### 看它运行：草稿的槽位出现，然后回滚
 #
-# 播放器（附录 A）用一个假模型重放真实的调度器：这个模型重复每个提示词，并在下标为 5 的倍数处打破规律，所以
-# prompt lookup 一会儿猜对、一会儿猜错。每一步有三帧：调度、草稿（块表因为草稿的槽位变长，有时多出一个块），以及
-# 模型保留了什么（草稿被拒绝时块表缩回去）。把鼠标移到块上，可以看到它的引用计数和 token。
+# 播放器（附录 A）重放的是真实的调度器，只是模型换成了假的：这个模型重复每个提示词，并在下标为 5 的倍数处打破规律，所
+# 以 prompt lookup 一会儿猜对、一会儿猜错。每一步有三帧：调度、草稿（块表随草稿的槽位变长，有时多出一个块），以及模型
+# 保留了什么（草稿被拒绝时块表缩回去）。把鼠标移到块上，可以看到它的引用计数和 token。
 
 # %% drafts animated
 from IPython.display import display
 
-from nanovllm.engine.speculative import NgramProposer
+from nanovllm.engine.speculative import NgramProposer, Speculator
 from nanovllm.viz import FakeEngine, Player
 
 
@@ -754,15 +833,15 @@ def repeating_model(seq: Sequence, index: int) -> int:
 fake = FakeEngine(num_kvcache_blocks=12, kvcache_block_size=4)
 fake.add([1, 2, 3], max_tokens=10)
 fake.add([7, 8, 9, 10], max_tokens=10)
-watched, lookup = fake.scheduler, NgramProposer(num_speculative_tokens=4)
+watched, lookup = fake.scheduler, Speculator(NgramProposer(num_speculative_tokens=4))
 while not watched.is_finished():
     seqs, is_prefill = watched.schedule()
-    if not is_prefill and watched.reserve_drafts(seqs, lookup):
+    if not is_prefill and watched.reserve_drafts(seqs, lookup.propose(seqs, watched.budget_left(seqs))):
         # en: row i of a sequence: the model's token after index start + i
         # zh: 序列的第 i 行：模型在下标 start + i 之后给出的 token
         targets = [[repeating_model(s, s.num_cached_tokens + i + 1) for i in range(s.num_scheduled_tokens)]
                    for s in seqs]
-        tokens = watched.accept_drafts(seqs, targets)
+        tokens, _ = watched.accept_drafts(seqs, targets)
     else:
         tokens = [repeating_model(s, len(s)) for s in seqs]
     watched.postprocess(seqs, tokens, is_prefill)
@@ -809,26 +888,25 @@ print(say("{frames} frames; blocks given back after rejected drafts: {given_back
 # %% [markdown] tags=["zh"]
 # ## 动手：一次前向完成验证
 #
-# 验证步为每个序列计算多个查询 token：它的最后一个 token 和它的草稿，每个都关注序列已缓存的前缀，并按因果关系
-# 关注它前面的 token。分块 prefill（第 04 章）算的正是这个，但走的是 prefill 路径，是 eager 执行的：在 GPU 上
-# 批大小为 1 时，这要花几十毫秒去启动内核，而 decode 步只需重放一张 CUDA 图（第 14 章）。所以验证步改写成
-# decode 步。带 *k* 个草稿的序列变成共享同一个块表的 *k* + 1 个 decode 行：第 *i* 行放下标为 start + *i* 的 token
-# （start：序列已缓存的长度），把它的 K/V 存进这个位置的槽，看到前 start + *i* + 1 个 token。于是每一行恰好就是
-# 它前面的 token 都被接受之后、计算这个位置的那个 decode 步；又因为每一层都先存下这一步的 K/V 再做注意力，第 *i*
-# 行能看到它前面的草稿。第 14 章的 decode 图原样运行它，输入由第 18 章的 `DecodeStaging.stage_rows` 写好、一次
-# 拷贝送出：一个带四个草稿的序列，重放的是为 8 行捕获的那张图。（这些行各自读一遍共享前缀的 K/V，一共 *k* + 1 遍。
-# 上下文短时，这比起一步要读的权重不算多；上下文长时，KV 占了一步读取的大部分字节，读 *k* + 1 遍就差不多等于
-# *k* + 1 个 decode 步。）没有图的时候（在 CPU 上，或超出最大的那张图），同样的行经由
-# `prepare_verify` 以 eager 方式运行。
+# 验证步为每个序列计算多个查询 token：它的最后一个 token 和它的草稿，每个都关注序列已缓存的前缀，并按因果关系关注它前
+# 面的 token。分块 prefill（第 04 章）算的正是这个，但它走的 prefill 路径是 eager 执行的：在 GPU 上批大小为 1 时，光启
+# 动内核就要几十毫秒，而 decode 步只需重放一张 CUDA 图（第 14 章）。所以验证步改写成了 decode 步。带 *k* 个草稿的序列
+# 变成共享同一个块表的 *k* + 1 个 decode 行：第 *i* 行放下标为 start + *i* 的 token（start：序列已缓存的长度），把它的
+# K/V 存进这个位置的槽，看到前 start + *i* + 1 个 token。于是每一行恰好就是这样一个 decode 步：它前面的 token 都已被接
+# 受，现在计算这个位置；又因为每一层都先存下这一步的 K/V 再做注意力，第 *i* 行能看到它前面的草稿。第 14 章的 decode 图
+# 原样运行它，输入由第 18 章的 `DecodeStaging.stage_rows` 写好、一次拷贝送出：一个带四个草稿的序列，重放的是为 8 行捕
+# 获的那张图。（这些行各自读一遍共享前缀的 K/V，一共 *k* + 1 遍。上下文短时，这比起一步要读的权重不算多；上下文长时，KV
+# 占了一步读取的大部分字节，读 *k* + 1 遍就差不多等于 *k* + 1 个 decode 步。）没有图的时候（在 CPU 上，或超出最大的那
+# 张图），同样的行经由 `prepare_verify` 以 eager 方式运行。
 #
-# 和 decode 步不同的地方有两处。LM head 为每一行都输出 logits；每一行都通过执行器自己的采样器、用它所属序列的
-# 参数，作为它那个下标上的 token 来采样：也就是 decode 步在那里会抽出的 token（非有限的行也和第 08 章一样被标记）。
-# 下一节说明，为什么在这里对每一行采样就是投机采样所需要的全部。
+# 和 decode 步不同的地方有两处。LM head 为每一行都输出 logits；每一行都用执行器自己的采样器、按所属序列的参数，当作它
+# 那个下标上的 token 来采样：抽出的正是 decode 步在那里会抽出的 token（非有限的行也像第 08 章那样做标记）。下一节说明，
+# 为什么在这里对每一行采样，就是投机采样要做的全部。
 
 # %% runner verifies
 #| export engine.model_runner
 from nanovllm.engine.cuda_graphs import DecodeStaging
-from nanovllm.engine.model_runner import ModelRunner, _tensor, copy_kv_blocks
+from nanovllm.engine.model_runner import ModelRunner, _tensor
 from nanovllm.layers.context import reset_context, set_decode_context
 from nanovllm.layers.sampler import sampling_inputs
 
@@ -866,10 +944,10 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
-    copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
+    self.copy_blocks(seqs)
     num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
     if self.graphs is not None and self.graphs.covers(num_rows):
-        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_decode`
+        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_staged`
         # en: runs one.
         # zh: 一个 num_rows 行的 decode 步，像第 18 章那样一次拷贝送出输入，再从它的图重放。
         if self.staging is None:
@@ -911,9 +989,9 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
 # the plain run's next three tokens. The step is then undone, as a failed step would be.
 
 # %% [markdown] tags=["zh"]
-# 用第 10 章的随机小 Qwen3 试一试：一个普通引擎一步一个地 decode 出六个 token；另一个引擎先算同一个请求的
-# prefill，再用一次前向验证三个草稿，前两个是对的（取自普通引擎的结果），第三个是错的。前三行必须就是普通引擎
-# 接下来的三个 token。然后这一步被撤销，就像失败的一步那样。
+# 用第 10 章的随机小 Qwen3 试一试：一个普通引擎一步一个地 decode 出六个 token；另一个引擎先算同一个请求的 prefill，再
+# 用一次前向验证三个草稿，前两个是对的（取自普通引擎的结果），第三个是错的。前三行必须就是普通引擎接下来的三个 token。
+# 然后撤销这一步，就像撤销一个失败的步那样。
 
 # %%
 from nanovllm.book.tiny_models import build_tiny_model
@@ -925,20 +1003,15 @@ expected = LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks
     ["Small steps make"], six, use_tqdm=False)[0]["token_ids"]
 
 
-class Known:
-    """Two right drafts (from the plain run), then a wrong one."""
-
-    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
-        return [expected[1], expected[2], expected[3] + 1]
-
-
 llm = LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=16)
 llm.add_request("Small steps make", six)
 # en: the prefill, which samples the first token
 # zh: prefill，采样出第一个 token。
 llm.step()
 seqs, is_prefill = llm.scheduler.schedule()
-assert not is_prefill and llm.scheduler.reserve_drafts(seqs, Known()) == 3
+# en: two right drafts (from the plain run), then a wrong one
+# zh: 两个对的草稿（取自普通引擎的结果），然后一个错的
+assert not is_prefill and llm.scheduler.reserve_drafts(seqs, [[expected[1], expected[2], expected[3] + 1]]) == 3
 targets = llm.model_runner.verify(seqs)
 print(say("verify rows: {rows} (each sequence's last token and its drafts)", rows=len(targets[0])))
 print(say("greedy tokens at every position: {tokens}", tokens=targets[0]))
@@ -977,12 +1050,12 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 # %% [markdown] tags=["zh"]
 # ## 采样：为什么比较一下就够了
 #
-# 有温度时，模型在一个位置上的 token 是从它的分布 *p* 中抽出来的，所以"模型同意"需要一个含义。**投机采样**
-# （speculative sampling，Leviathan 等人与 Chen 等人，2023）为任何从分布 *q* 中抽草稿 *d* 的提议器给出了一个：以
-# min(1, *p*(*d*) / *q*(*d*)) 的概率接受 *d*；被拒绝时，从归一化后的 max(0, *p* − *q*) 中抽取；在最后一个被接受的
-# 草稿之后，从 *p* 中抽取附赠 token。这样得到的 token 的分布恰好是 *p*：接受分支以 min(*p*(*x*), *q*(*x*)) 的概率
-# 给出每个 *x*，而拒绝分支以 1 − Σ min(*p*, *q*) = Σ max(0, *p* − *q*) 的概率被走到，补上的恰好是缺少的那部分概率
-# *p* − min(*p*, *q*)。下面的单元在随机的 *p* 和 *q* 上检查这个等式。
+# 有温度时，模型在一个位置上的 token 是从它的分布 *p* 中抽出来的，所以“模型同意”得先有个定义。**投机采样**（speculative
+# sampling，Leviathan 等人与 Chen 等人，2023）给出了这个定义，适用于任何从分布 *q* 中抽取草稿 *d* 的提议器：以 min(1,
+# *p*(*d*) / *q*(*d*)) 的概率接受 *d*；拒绝时，从归一化后的 max(0, *p* − *q*) 中抽取；在最后一个被接受的草稿之后，从
+# *p* 中抽取附赠 token。这样得到的 token 恰好服从 *p*：接受分支以 min(*p*(*x*), *q*(*x*)) 的概率给出每个 *x*；走到拒绝
+# 分支的概率是 1 − Σ min(*p*, *q*) = Σ max(0, *p* − *q*)，它补上的恰好是缺少的那部分概率 *p* − min(*p*, *q*)。下面的单
+# 元在随机的 *p* 和 *q* 上检查这个等式。
 #
 # Prompt lookup 的提议是确定性的：它的 *q* 把全部概率放在 *d* 上。这时规则变成：以 *p*(*d*) 的概率保留 *d*，否则
 # 从去掉 *d* 的 *p* 中抽取。这恰好就是从 *p* 中抽一个 token *x*、在 *x* = *d* 时保留草稿所做的事。所以验证步用
@@ -1016,16 +1089,19 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # %% [markdown] tags=["en"]
 # ## The engine: a decode step with drafts is a verify step
 #
-# Chapter 18's `LLMEngine._launch` left two hooks, and filling them is the whole of it: after the
-# schedule, `_reserve_drafts` asks the proposer for a decode step's drafts; if it got any,
-# `_verify` has the model runner verify instead of decoding, and `accept_drafts` turns the
-# verified step into the plain decode step that `advance` and `resolve` record. If the forward
-# fails or Ctrl-C interrupts it, the drafts are dropped before chapter 20's `rollback`, so the
-# same step can run again.
+# A speculating engine holds one `Speculator`, built with the engine from its settings, and
+# chapter 18's `LLMEngine._launch` gains one branch. After the schedule, `_reserve_drafts` asks
+# the speculator for a decode step's drafts and the scheduler for their slots; if any were
+# reserved, `_verify` has the model runner verify instead of decoding, `accept_drafts` turns the
+# verified step into the plain decode step that `advance` and `resolve` record, and the
+# speculator records what was kept. The speculator never calls the scheduler, nor the scheduler
+# the speculator: the engine hands each what the other gave. If the forward fails or Ctrl-C
+# interrupts it, the drafts are dropped before chapter 20's `rollback`, so the same step can run
+# again. `exit` releases the proposer's engine too, when it has one.
 #
 # The settings are `LLM(..., speculative_method="ngram", num_speculative_tokens=7)` (7 is the
 # default once a method is chosen: one sequence's verify step then fills the decode graph of 8
-# rows); they join chapter 09's `Config` here, with `add_fields` (chapter 00), and a combination
+# rows); they join chapter 09's `Config` here, with `add_fields` (appendix D), and a combination
 # that cannot work is refused when the engine is built. A verify step is synchronous: its drafts
 # come from the sequences' last tokens, which asynchronous scheduling (chapter 18) has not brought
 # back yet when it schedules the next step. So chapter 18's `next_step_waits` hook says yes whenever
@@ -1037,18 +1113,18 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 # %% [markdown] tags=["zh"]
 # ## 引擎：带草稿的 decode 步就是验证步
 #
-# 第 18 章的 `LLMEngine._launch` 留了两个接缝，填上它们就是全部改动：调度之后，`_reserve_drafts` 为 decode 步向提议器
-# 要草稿；如果拿到了，`_verify` 就让模型执行器做验证而不是 decode，`accept_drafts` 再把验证过的这一步变成由 `advance`
-# 和 `resolve` 记录的普通 decode 步。如果前向计算失败或被 Ctrl-C 打断，草稿会在第 20 章的 `rollback` 之前被丢掉，
-# 于是同一步可以再跑一次。
+# 投机的引擎持有一个 `Speculator`，它随引擎一起按设置构建；第 18 章的 `LLMEngine._launch` 多了一个分支。调度之后，
+# `_reserve_drafts` 向投机器要 decode 步的草稿，再向调度器要它们的槽位；如果预留到了草稿，`_verify` 就让模型执行器做验
+# 证而不是 decode，`accept_drafts` 把验证过的这一步变成由 `advance` 和 `resolve` 记录的普通 decode 步，投机器再记下保
+# 留了多少。投机器从不调用调度器，调度器也从不调用投机器：引擎把一方给出的东西交给另一方。如果前向计算失败或被 Ctrl-C
+# 打断，草稿会在第 20 章的 `rollback` 之前丢掉，同一步因此可以再跑一次。如果提议器有自己的引擎，`exit` 也会把它释放。
 #
-# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=7)`（选定方法后默认为 7：一个序列的验证步
-# 正好填满 8 行的 decode 图）；它们在这里用
-# `add_fields`（第 00 章）加入第 09 章的 `Config`，不能一起工作的组合在构建引擎时就被拒绝。验证步是同步的：
-# 它的草稿来自各序列的最后一个 token，而异步调度（第 18 章）在调度下一步时还没有把这些 token 取回来。所以只要下一个
-# decode 步可能带草稿，第 18 章的钩子 `next_step_waits` 就回答"是"：先单独收取计算中的那一步，验证步跑完之后才调度
-# 再下一步。批大到不值得投机时（见"什么时候划算"一节），各步照常重叠。张量并行会以清楚的错误被拒绝：它的各个 rank
-# 还没有验证步。
+# 设置是 `LLM(..., speculative_method="ngram", num_speculative_tokens=7)`（选定方法后默认为 7：一个序列的验证步正好填
+# 满 8 行的 decode 图）；它们在这里用 `add_fields`（附录 D）加入第 09 章的 `Config`，不能同时使用的组合在构建引擎时就
+# 会被拒绝。验证步是同步的：它的草稿来自各序列的最后一个 token，而异步调度（第 18 章）在调度下一步时，还没有把这些
+# token 取回来。所以只要下一个 decode 步可能带草稿，第 18 章的钩子 `next_step_waits` 就回答“是”：先把正在计算的那一步
+# 单独收回来，等验证步跑完，才调度再下一步。批大到不值得投机时（见“什么时候划算”一节），各步照常重叠。张量并行会被拒绝，
+# 并给出明确的错误：它的各个 rank 还没有验证步。
 
 # %% speculative settings
 #| export config
@@ -1118,55 +1194,58 @@ def _check_speculation(self) -> None:
 
 # %% engine verifies
 #| export engine.llm_engine
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LaunchedStep, LLMEngine
-from nanovllm.engine.scheduler import Proposer
-from nanovllm.engine.speculative import DraftModelProposer, NgramProposer, draft_engine_settings
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.speculative import (DraftModelProposer, NgramProposer, Proposer, Speculator,
+                                         draft_engine_settings)
 from nanovllm.utils.interrupts import interruptible
 
 
-# en: Where a verify step's drafts come from; None until the first decode step of an engine with a
-# en: speculative_method builds the method's proposer. Assign another one to try it.
-# zh: 验证步的草稿从哪里来；为 None 时，设置了 speculative_method 的引擎在第一个 decode 步建出该方法的提议器。
-# zh: 换一个赋值给它就可以试别的提议器。
-LLMEngine.proposer: Proposer | None = None
+@add_to_init(LLMEngine)
+def _init_speculator(self) -> None:
+    # en: None without speculative_method. Assign its proposer another one to try it.
+    # zh: 没有设置 speculative_method 时为 None。给它的 proposer 换一个赋值，就可以试别的提议器。
+    method = self.config.speculative_method
+    self.speculator = None if method is None else Speculator(build_proposer(self.config))
 
 
-@add_to_class(LLMEngine)
-def drafts_source(self) -> Proposer | None:
-    """The proposer of a speculating engine (built from the settings on first use); None without speculation."""
-    config = self.config
-    if config.speculative_method is None:
-        return None
-    if self.proposer is None:
-        drafts = config.num_speculative_tokens
-        if config.speculative_method == "ngram":
-            self.proposer = NgramProposer(drafts)
-        else:
-            # en: The draft model runs in an engine of its own.
-            # zh: 草稿模型在它自己的一个引擎里运行。
-            draft_engine = LLMEngine(config.speculative_model, **draft_engine_settings(config))
-            self.proposer = DraftModelProposer(draft_engine, drafts)
-    return self.proposer
+def build_proposer(config: Config) -> Proposer:
+    """The proposer that ``config.speculative_method`` names; a draft model runs in an engine of its own."""
+    drafts = config.num_speculative_tokens
+    if config.speculative_method == "ngram":
+        return NgramProposer(drafts)
+    return DraftModelProposer(LLMEngine(config.speculative_model, **draft_engine_settings(config)), drafts)
 
 
 @add_to_class(LLMEngine)
 def next_step_waits(self) -> bool:
     """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
-    scheduler = self.scheduler
-    if self.drafts_source() is None or scheduler.drafts_per_sequence(len(scheduler.running)) == 0:
-        return False
-    return any(scheduler.may_draft(seq) for seq in scheduler.running)
+    return self.speculator is not None and self.speculator.wants_drafts(self.scheduler.running)
 
 
 @add_to_class(LLMEngine)
-def _reserve_drafts(self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None) -> bool:
-    """Give a scheduled decode step the proposer's drafts to verify; whether it got any."""
-    proposer = self.drafts_source()
-    # en: Drafts come from the last tokens: not in a prefill, nor while a step in flight (previous) computes them.
+def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
+    """Schedule a step, hand it to the model runner and count it; a decode step that got drafts is a verify step,
+    run to the end. Its tokens may still be computing otherwise."""
+    seqs, is_prefill = self.scheduler.schedule()
+    # en: Drafts come from the last tokens: not in a prefill, nor while the step in flight (previous) computes them.
     # zh: 草稿来自最后的 token：prefill 步里没有，计算中的那一步（previous）还在算它们时也没有。
-    if proposer is None or is_prefill or previous is not None:
+    verifying = not is_prefill and previous is None and self._reserve_drafts(seqs)
+    num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+    tokens = self._verify(seqs) if verifying else self._compute(seqs, is_prefill, previous)
+    counted, indices = self.scheduler.advance(seqs, is_prefill)
+    return LaunchedStep(counted, is_prefill, num_tokens, indices, tokens)
+
+
+@add_to_class(LLMEngine)
+def _reserve_drafts(self, seqs: list[Sequence]) -> bool:
+    """Give a scheduled decode step the speculator's drafts, in slots the scheduler reserves; whether it got any."""
+    if self.speculator is None:
         return False
-    return self.scheduler.reserve_drafts(seqs, proposer) > 0
+    drafts = self.speculator.propose(seqs, self.scheduler.budget_left(seqs))
+    return self.scheduler.reserve_drafts(seqs, drafts) > 0
 
 
 @add_to_class(LLMEngine)
@@ -1183,7 +1262,19 @@ def _verify(self, seqs: list[Sequence]) -> list[int]:
         self.scheduler.drop_drafts(seqs)
         self.scheduler.rollback(seqs, is_prefill=False)
         raise
-    return self.scheduler.accept_drafts(seqs, targets)
+    drafted = [seq.num_draft_tokens for seq in seqs]
+    new_tokens, kept = self.scheduler.accept_drafts(seqs, targets)
+    self.speculator.record(seqs, drafted, kept)
+    return new_tokens
+
+
+@add_to_class(LLMEngine)
+def exit(self) -> None:
+    """Release the model runner, and what the speculator's proposer holds (idempotent)."""
+    with self._one_call("exit"):
+        self.model_runner.exit()
+        if self.speculator is not None:
+            self.speculator.exit()
 
 
 # %% [markdown] tags=["en"]
@@ -1206,13 +1297,13 @@ def _verify(self, seqs: list[Sequence]) -> list[int]:
 # %% [markdown] tags=["zh"]
 # ## 试一试：更少的步数，同样的 token
 #
-# 下面每个引擎都分别在投机和不投机的情况下运行同样的请求，二者必须产出同样的 token：块小、缓存小，以便发生
-# 抢占；分块 prefill；同一个提示词的 `n = 2` 个样本，它们分叉后共享块，直到写时复制把它们分开；以及温度 0.8、
-# 带种子的采样，它也必须给出同样的 token。每次运行之后，每个块都必须回到空闲队列。
+# 下面每种情形都用同样的请求，分别在不投机和投机的引擎上各跑一遍，二者必须产出同样的 token：块小、缓存小，以便发生抢
+# 占；分块 prefill；同一个提示词的 `n = 2` 个样本，它们分叉后共享块，直到写时复制把它们分开；以及温度 0.8、带种子的采
+# 样，它也必须给出同样的 token。每次运行之后，每个块都必须回到空闲队列。
 #
-# 第 10 章的随机小 Qwen3 很少重复自己，所以 prompt lookup 找不到多少可提议的内容，提议的也大多被拒绝：这走的是拒绝
-# 的路径，而 token 仍然必须相同。为了把接受的路径也走到，第二个提议器重放不投机那次运行写出的内容，并故意让每第五个
-# 位置出错：这是一个质量已知的提议器，于是连续被接受的草稿、紧随其后的更正、以及草稿全部被接受后的附赠 token 都会
+# 第 10 章的随机小 Qwen3 很少重复自己，所以 prompt lookup 找不到多少可提议的内容，提议的也大多被拒绝：这走的是拒绝的路
+# 径，而 token 仍然必须相同。为了把接受的路径也走到，第二个提议器重放不投机那次运行写出的内容，并在下标为 5 的倍数的位
+# 置上故意出错：这是一个质量已知的提议器，于是连续被接受的草稿、紧随其后的更正，以及草稿全部被接受后的附赠 token 都会
 # 出现。还有一个情形让序列的结尾落在草稿里：从不投机那次运行写出的 token 中挑一个作为结束符。
 
 # %%
@@ -1241,9 +1332,10 @@ def run(settings: dict, params: SamplingParams, eos: set[int] = frozenset(), run
     # en: Rows for every sequence of these small batches (n = 2 makes six) to verify four drafts: the default
     # en: rule would turn the larger ones off (section "When it pays").
     # zh: 给这些小批里的每个序列（n = 2 时有六个）留出验证四个草稿的行：默认规则会关掉较大的批（"什么时候划算"一节）。
-    llm.scheduler.max_verify_rows = 40
-    if runs is not None:
-        llm.proposer = Replay(runs)
+    if llm.speculator is not None:
+        llm.speculator.max_verify_rows = 40
+        if runs is not None:
+            llm.speculator.proposer = Replay(runs)
     for prompt in prompts:
         llm.add_request(prompt, params)
     outputs, steps = {}, 0
@@ -1277,11 +1369,11 @@ for name, (settings, params) in cases.items():
         expected, steps = (ended, None) if "eos" in kwargs else (plain, plain_steps)
         label = say("{case}, {proposer}: {steps} ->", case=say(name), proposer=say(proposer), steps=steps or "-")
         print(say("{name:<28} steps {steps:3d}, drafts {drafts:3d}, accepted {accepted:3d}, identical to plain "
-                  "decoding: {same}", name=label, steps=spec_steps, drafts=llm.scheduler.drafted_tokens,
-                  accepted=llm.scheduler.accepted_tokens, same=spec == expected))
+                  "decoding: {same}", name=label, steps=spec_steps, drafts=llm.speculator.counts.drafted,
+                  accepted=llm.speculator.counts.accepted, same=spec == expected))
         assert spec == expected
         if proposer == "replay":
-            assert llm.scheduler.accepted_tokens > len(prompts) and spec_steps < plain_steps
+            assert llm.speculator.counts.accepted > len(prompts) and spec_steps < plain_steps
     # en: the EOS run really ended early, inside an accepted stretch
     # zh: 带结束符的那次运行确实提前结束了，就在被接受的一段草稿之内。
     assert len(ended[0]) == 10 < len(plain[0])
@@ -1292,8 +1384,8 @@ for name, (settings, params) in cases.items():
 # keeps. Both give the plain engine's tokens; what they change is the number of steps.
 
 # %% [markdown] tags=["zh"]
-# 草稿模型，用同样的几种情形：小模型第一层（两层中的一层）做成的自草稿；另一个极端是模型给自己打草稿，它的每个
-# 草稿模型都会保留。两者给出的 token 都与普通引擎相同；它们改变的只是步数。
+# 再用同样的几种情形试草稿模型：一个是小模型第一层（它一共两层）做成的自草稿；另一个极端是模型给自己打草稿，这时每个草
+# 稿都会被模型保留。两者给出的 token 都与普通引擎相同；它们改变的只是步数。
 
 # %%
 import tempfile
@@ -1307,13 +1399,13 @@ for name, (settings, params) in cases.items():
         spec, spec_steps, llm = run(settings, params, speculative_method="draft", speculative_model=draft_model)
         label = say("{case}, {proposer}: {steps} ->", case=say(name), proposer=say(draft_name), steps=plain_steps)
         print(say("{name:<28} steps {steps:3d}, drafts {drafts:3d}, accepted {accepted:3d}, identical to plain "
-                  "decoding: {same}", name=label, steps=spec_steps, drafts=llm.scheduler.drafted_tokens,
-                  accepted=llm.scheduler.accepted_tokens, same=spec == plain))
+                  "decoding: {same}", name=label, steps=spec_steps, drafts=llm.speculator.counts.drafted,
+                  accepted=llm.speculator.counts.accepted, same=spec == plain))
         assert spec == plain
         if draft_model == tiny_qwen and name != "sampling, seeded":
             # en: greedy drafts of the model itself are the model's greedy tokens: all kept
             # zh: 模型自己的贪心草稿就是模型的贪心 token：全部保留
-            assert llm.scheduler.accepted_tokens == llm.scheduler.drafted_tokens > 0
+            assert llm.speculator.counts.accepted == llm.speculator.counts.drafted > 0
 
 # %% [markdown] tags=["en"]
 # ## Measure it: SmolLM2's real weights on a passage it quotes
@@ -1328,10 +1420,10 @@ for name, (settings, params) in cases.items():
 # %% [markdown] tags=["zh"]
 # ## 测一测：SmolLM2 的真实权重引用一段文字
 #
-# 随机权重会循环，真实的文本不会，所以真正有意义的接受率要在真实模型上测。SmolLM2-135M（第 10 章）拿到的提示词
-# 引用本章的一段文字并让它接着写；接着写引文的模型会照抄，而 prompt lookup 能找到它抄的内容。步数说明投机省下了
-# 多少次前向计算；这能换来多少速度，取决于一个验证步的代价：在 GPU 上小批大小时值 2.0 到 2.9 个 decode 步（见下文）。
-# 本机 CPU 的耗时也打印出来，而 CPU 要为多出的每一行付费。
+# 随机权重会陷入循环，真实的文本不会，所以真正有意义的接受率要在真实模型上测。给 SmolLM2-135M（第 10 章）的提示词引用
+# 了本章的一段文字，让它接着写；续写引文的模型会照抄，而 prompt lookup 能找到它抄的内容。步数说明投机省下了多少次前向
+# 计算；这能换来多少速度，取决于一个验证步的代价：在 GPU 上小批大小时值 2.0 到 2.9 个 decode 步（见下文）。本机 CPU 上
+# 的耗时也一并打印出来，而在 CPU 上，多出的每一行都要付出代价。
 
 # %% [markdown] tags=["en"]
 # The measurement is a benchmark of the package, `python -m nanovllm.bench --speculative`: the
@@ -1341,10 +1433,10 @@ for name, (settings, params) in cases.items():
 # (`--workloads nano-vllm`), to check that speculation costs nothing where the rule turns it off.
 
 # %% [markdown] tags=["zh"]
-# 测量用的是包里的一个基准测试 `python -m nanovllm.bench --speculative`：同一批请求，在同一次调用里分别交给不带和
-# 带 prompt lookup 的引擎，对每个批大小打印 tok/s、二者之比、接受率、每个验证步平均产出的 token 数，以及有多少
-# 输出完全相同。在 GPU 上它还会跑第 19 章那个 256 个序列的负载（`--workloads nano-vllm`），检查在规则关掉投机的
-# 地方它不带来任何代价。
+# 测量用的是包里的一个基准测试 `python -m nanovllm.bench --speculative`：同一批请求，在同一次调用里分别交给不带和带
+# prompt lookup 的引擎，对每个批大小打印 tok/s、二者之比、接受率、每个验证步平均产出的 token 数，以及有多少输出完全相
+# 同。在 GPU 上它还会跑第 19 章那个 256 个序列的负载（`--workloads nano-vllm`），确认在规则关掉投机的地方，投机不带来
+# 任何代价。
 
 # %% bench speculative flag
 #| export bench.engine
@@ -1369,6 +1461,7 @@ from nanovllm.bench.engine import PRESETS, make_workload, watch_calls
 from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.config import DEFAULT_SPECULATIVE_TOKENS
+from nanovllm.engine.speculative import DraftCounts
 from nanovllm.sampling_params import SamplingParams
 
 PASSAGE = (
@@ -1389,32 +1482,32 @@ def quoting_prompts(count: int) -> list[str]:
 def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
             repeats: int = 1, **settings: Any) -> dict[str, Any]:
     """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
-    ``verify_rows`` overrides `Scheduler.max_verify_rows`): the median tok/s, and the first run's token ids, steps
+    ``verify_rows`` overrides `Speculator.max_verify_rows`): the median tok/s, and the first run's token ids, steps
     and speculation counters."""
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
     try:
-        if verify_rows is not None:
-            llm.scheduler.max_verify_rows = verify_rows
+        if verify_rows is not None and llm.speculator is not None:
+            llm.speculator.max_verify_rows = verify_rows
         # en: A warm-up request, untimed and not counted.
         # zh: 一个预热请求，不计时也不计数。
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        scheduler = llm.scheduler
         steps: list[bool] = []
         runs = []
         for _ in range(repeats):
             # en: Each run counts its own steps and drafts (the warm-up's, or the run before's, are not counted).
             # zh: 每次运行只统计自己的步数和草稿（预热的、上一次运行的都不算）。
             steps.clear()
-            scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
+            counts = DraftCounts()
+            if llm.speculator is not None:
+                llm.speculator.counts = counts
             # en: A step that computed tokens counts (the first asynchronous call only queues one).
             # zh: 计算了 token 的一步才算（异步调度的第一次调用只是排队）。
             counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
             with counting, Stopwatch(llm.config.device) as clock:
                 outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-            runs.append((outputs, clock.seconds, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
-                         scheduler.verifications))
+            runs.append((outputs, clock.seconds, sum(steps), counts.drafted, counts.accepted, counts.verifications))
     finally:
         llm.exit()
         del llm
@@ -1487,7 +1580,7 @@ def main(argv: list[str] | None = None) -> int:
                         "plain run")
     parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
                         "prompt lookup; it must share the model's tokenizer")
-    parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
+    parser.add_argument("--verify-rows", type=int, help="override Speculator.max_verify_rows (the back-off rule)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
@@ -1533,20 +1626,19 @@ assert row["speculative_steps"] < row["plain_steps"]
 # *k* drafts each costs about *T*(*b*(*k* + 1)), plus what the host does while the GPU waits (a
 # verify step is synchronous), and gives *b* · *E* tokens, *E* being the mean tokens a verify step
 # gives a sequence. Speculation pays while the verify step costs fewer than *E* decode steps. On
-# the GPU's side, *T* jumps between 2 and 4 rows, where the matmuls leave chapter 15's fused GEMV
-# for cuBLAS, grows slowly up to 16 rows, then about linearly (one H200, Qwen3-0.6B's shapes, the
-# decode graph replayed alone: 0.58 ms for 1 row, 0.72 for 2, 1.27 for 4, 1.49 for 16, 2.55 for 64,
-# 3.67 for 128), so rows are cheap only while the batch is small.
+# the GPU's side, timed on one H200 with Qwen3-0.6B's shapes and the decode graph replayed alone
+# (as chapter 15 times it), *T* jumped between 2 and 4 rows, where the matmuls then left chapter
+# 15's fused GEMV for cuBLAS, grew slowly up to 16 rows, then about linearly, so rows are cheap
+# only while the batch is small.
 #
 # The benchmark settled the rest (the table below, recorded on one H200 with SmolLM2 quoting a
 # passage). A first rule allowed 64 rows: the 16-sequence batch verified three drafts each and ran
 # at 0.88× the plain engine, although its steps fell from 256 to 135. At batch 1 the steps fell
 # from 256 to 95 for only 1.12× the throughput: a verify step costs about 2.4 pipelined decode steps
 # there. Its five rows replay the graph of 8, whose matmuls then ran through cuBLAS (chapter 15's
-# fused GEMV took at most two rows at the time; it takes four since): 1.32 ms of GPU time against
-# 0.58 ms for one row on Qwen3-0.6B's
-# shapes, and a verify step is synchronous besides. Hence the rule of
-# `reserve_drafts`: at most 16 rows, no drafts when that leaves a sequence fewer than two (so
+# fused GEMV took at most two rows at the time; it takes four since) and took far more GPU time
+# than one row, and a verify step is synchronous besides. Hence the rule of
+# the `Speculator`: at most 16 rows, no drafts when that leaves a sequence fewer than two (so
 # none past 5 sequences), and a sequence whose recent verify steps gave fewer than two tokens
 # pauses its drafts for 16 tokens, then 32, 64 and so on up to 512 while no verify step gives two
 # (a draft model that never agreed ran at 0.56× with fixed pauses: see its section). (Batch 2 lost
@@ -1561,36 +1653,38 @@ assert row["speculative_steps"] < row["plain_steps"]
 #
 # 一个有 *b* 个序列的 decode 步花费时间 *T*(*b*)，产出 *b* 个 token。每个序列带 *k* 个草稿的验证步大约花费
 # *T*(*b*(*k* + 1))，再加上 GPU 等待期间主机做的事（验证步是同步的），产出 *b* · *E* 个 token，*E* 是一个验证步
-# 平均为一个序列产出的 token 数。只要验证步的花费少于 *E* 个 decode 步，投机就划算。在 GPU 这一侧，*T* 在 2 行到
-# 4 行之间跳了一大步（矩阵乘法从第 15 章融合的 GEMV 换成了 cuBLAS），到 16 行之前增长得很慢，之后大致线性增长
-# （一块 H200，Qwen3-0.6B 的形状，单独重放 decode 图：1 行 0.58 毫秒，2 行 0.72，4 行 1.27，16 行 1.49，64 行 2.55，
-# 128 行 3.67），所以只有批小的时候，多出来的行才便宜。
+# 平均为一个序列产出的 token 数。只要验证步的花费少于 *E* 个 decode 步，投机就划算。GPU 这一侧，在一块 H200 上用
+# Qwen3-0.6B 的形状单独重放 decode 图（计时方法同第 15 章）：*T* 在 2 行到 4 行之间陡增（当时矩阵乘法在这里从
+# 第 15 章融合的 GEMV 换成 cuBLAS），16 行以内增长很慢，之后大致线性增长。所以只有批小的时候，多出来的行才便宜。
 #
-# 剩下的由基准测试决定（下面的表，在一块 H200 上用 SmolLM2 引用一段文字记录）。第一版规则允许 64 行：16 个序列的批
-# 每个验证三个草稿，只跑出普通引擎的 0.88 倍，尽管步数从 256 降到了 135。批大小为 1 时，步数从 256 降到 95，吞吐量
-# 却只有 1.12 倍：在那里一个验证步的代价约为 2.4 个流水线化的 decode 步。它的五行重放的是 8 行的图，其中的矩阵乘法
-# 当时走 cuBLAS（第 15 章融合的 GEMV 那时最多只接两行，后来能接四行）：在 Qwen3-0.6B 的形状上，GPU 时间是
-# 1.32 毫秒，而一行只要 0.58 毫秒；何况验证步还是同步的。
-# 于是有了 `reserve_drafts` 里的规则：最多 16 行；如果这样分到每个序列的草稿少于两个，就不要草稿（所以超过 5 个
-# 序列就没有草稿）；最近的验证步平均产出少于两个 token 的序列，在接下来的 16 个 token 里暂停草稿，之后只要还没有
-# 一个验证步产出两个 token，就暂停 32、64……最长 512 个 token（一个从不猜对的草稿模型在固定长度的暂停下只跑出
-# 0.56 倍：见草稿模型那一节）。（这次测量中批大小
-# 为 2 时慢了 6%，它的验证步值 2.9 个 decode 步，而批大小为 1 时是 2.4 个；这是噪声还是它那张 16 行的图带来的代价，
-# 目前还不知道，规则在那里仍然投机。）没有任何序列
-# 可以拿草稿的引擎照旧异步调度：在第 19 章 256 个序列的负载上，投机的引擎在两次运行中跑出普通引擎的 0.99 倍和
-# 1.01 倍，和同一套测量在完全关掉草稿时测得的一样（0.99 倍）。
+# 剩下的由基准测试来定（见下表，在一块 H200 上用 SmolLM2 引用一段文字时记录）。第一版规则允许 64 行：16 个序列的批每个
+# 序列验证三个草稿，步数虽然从 256 降到了 135，速度却只有普通引擎的 0.88 倍。批大小为 1 时，步数从 256 降到 95，吞吐量
+# 却只提高到 1.12 倍：在这里，一个验证步要花掉约 2.4 个流水线化的 decode 步。它的五行重放的是 8 行的图，当时图里的矩阵
+# 乘法走 cuBLAS（第 15 章融合的 GEMV 那时最多只接两行，后来能接四行），GPU 时间远多于一行；何况验证步还是同步的。
+# 于是有了 `Speculator` 的规则：最多 16 行；按这个上限分到每个序列的草稿如果不到两个，就干脆不给（所以超过 5 个序列就
+# 没有草稿）；一个序列最近的验证步如果平均产出不到两个 token，就在接下来的 16 个 token 里暂停草稿，之后只要还没有哪个
+# 验证步产出两个 token，暂停就依次延长到 32、64……最长 512 个 token（一个从来猜不对的草稿模型，在固定长度的暂停下只跑出
+# 0.56 倍：见草稿模型那一节）。（这次测量中批大小为 2 时慢了 6%，它的验证步值 2.9 个 decode 步，而批大小为 1 时是 2.4
+# 个；这是噪声，还是那张 16 行的图带来的代价，目前还不清楚，规则在那里仍然投机。）没有哪个序列能拿草稿时，引擎照旧异步
+# 调度：在第 19 章 256 个序列的负载上，投机的引擎两次运行分别跑出普通引擎的 0.99 倍和 1.01 倍，和同一套测量在完全关掉
+# 草稿时的结果一样（0.99 倍）。
 
 # %%
-# en: Recorded on one H200 (2026-12-04): python -m nanovllm.bench --speculative --batches 1 2 4 8 16 --repeats 3,
-# en: with 16 rows and no minimum of drafts (at 16 sequences that left none); columns: batch, plain tok/s,
-# en: speculative tok/s, steps with speculation (256 without), tokens per verify step.
-# zh: 在一块 H200 上记录（2026-12-04）：python -m nanovllm.bench --speculative --batches 1 2 4 8 16 --repeats 3，
-# zh: 16 行、不设草稿下限（16 个序列时一个草稿也分不到）；各列：批大小、普通 tok/s、投机 tok/s、投机时的步数
-# zh: （不投机为 256）、每个验证步的 token 数。
-recorded = [(1, 1838.5, 2050.0, 95, 3.60), (2, 2845.2, 2685.1, 95, 3.96), (4, 4174.8, 4883.3, 124, 3.63),
-            (8, 8250.3, 6461.3, 205, 1.95)]
-rule = Scheduler(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
-for batch, plain, spec, steps, per_verify in recorded:
+from nanovllm.book.recorded import recorded
+
+# en: What this chapter's GPU runs printed (notebooks/data/recorded/25_speculative_decoding.json), each with its card,
+# en: date and command. The table that set the rule: 16 rows and no minimum of drafts (at 16 sequences that left
+# en: none); each row: batch, plain tok/s, speculative tok/s, steps with speculation (256 without), tokens per verify
+# en: step.
+# zh: 本章各次 GPU 运行打印出的数字（notebooks/data/recorded/25_speculative_decoding.json），每次都带着卡、日期和
+# zh: 命令。定下规则的那张表：16 行、不设草稿下限（16 个序列时一个草稿也分不到）；每一行：批大小、普通 tok/s、
+# zh: 投机 tok/s、投机时的步数（不投机为 256）、每个验证步的 token 数。
+gpu_runs = recorded("25_speculative_decoding")
+table = gpu_runs["back-off table"]
+print(say("{card}, {date}: {command}", card=table.card, date=table.date, command=table.command))
+backoff_rows = [tuple(row) for row in table.figures["rows"]]
+rule = Speculator(NgramProposer(num_speculative_tokens=7))
+for batch, plain, spec, steps, per_verify in backoff_rows:
     # en: what a verify step cost, in decode steps: how many fewer steps, over how much faster
     # zh: 一个验证步值多少个 decode 步：步数少了多少倍，除以快了多少倍。
     cost = (256 / steps) / (spec / plain)
@@ -1599,7 +1693,26 @@ for batch, plain, spec, steps, per_verify in recorded:
               tokens=per_verify, drafts=min(4, rule.drafts_per_sequence(batch))))
 # en: Batch 1: a verify step cost more than two decode steps, which is why a sequence must average two tokens a step.
 # zh: 批大小为 1：一个验证步的代价超过两个 decode 步，所以一个序列平均每步要产出两个 token。
-assert (256 / 95) / (2050.0 / 1838.5) > rule.min_tokens_per_verify
+costs = {batch: (256 / steps) / (spec / plain) for batch, plain, spec, steps, _ in backoff_rows}
+assert costs[1] > rule.min_tokens_per_verify and table.figures["steps without speculation"] == 256
+# en: The prose's figures: batch 1 at 1.12x in 95 steps, a verify step worth 2.4 decode steps there and 2.9 at batch 2,
+# en: which lost 6 %.
+# zh: 正文里的数字：批大小 1 时 1.12 倍、95 步，那里一个验证步值 2.4 个 decode 步，批大小 2 时值 2.9 个，后者慢了 6%。
+assert round(backoff_rows[0][2] / backoff_rows[0][1], 2) == 1.12 and backoff_rows[0][3] == 95
+assert (round(costs[1], 1), round(costs[2], 1)) == (2.4, 2.9)
+assert round(1 - backoff_rows[1][2] / backoff_rows[1][1], 2) == 0.06
+# en: The same day's other calls of the benchmark: the first rule (64 rows) lost at 16 sequences though its steps fell,
+# en: and where no sequence may draft (chapter 19's 256 sequences) the engine keeps the plain one's speed.
+# zh: 同一天基准测试的其他几次调用：第一版规则（64 行）在 16 个序列时步数少了，速度却变慢；没有序列能拿草稿的地方
+# zh: （第 19 章的 256 个序列），引擎保持普通引擎的速度。
+same_day = gpu_runs["bench, 2026-12-04"].figures
+first_rule, invocations = same_day["first rule, 64 rows"], same_day["three invocations"]
+at_256 = [*invocations["nano-vllm workload ratios"], invocations["nano-vllm workload ratio, drafts switched off"]]
+print(say("the first rule, 64 rows: batch 16 at {ratio}x in {steps} steps (256 without); chapter 19's 256 "
+          "sequences: {ratios}", ratio=first_rule["ratio"], steps=first_rule["speculative steps"],
+          ratios=", ".join(f"{ratio:.2f}x" for ratio in at_256)))
+assert first_rule["ratio"] < 1 and first_rule["speculative steps"] < first_rule["plain steps"] == 256
+assert all(0.99 <= ratio <= 1.01 for ratio in at_256)
 # en: The rule speculates at the batches that gained and not at 8, which lost with one draft per sequence.
 # zh: 规则在有收益的批大小上投机，在 8 上不投机：那里每个序列一个草稿，结果变慢了。
 assert rule.drafts_per_sequence(1) >= 4 and rule.drafts_per_sequence(4) == 3 and rule.drafts_per_sequence(8) == 0
@@ -1618,9 +1731,9 @@ assert rule.drafts_per_sequence(1) >= 4 and rule.drafts_per_sequence(4) == 3 and
 # ## 在服务中使用：`/metrics` 的计数器
 #
 # `python -m nanovllm.serve --speculative-method ngram --num-speculative-tokens 4` 以投机解码提供服务；流式返回的一个
-# 数据块可能带好几个 token。它的 `/metrics` 多了 vLLM 用同样名字导出的计数器：验证步数（每个序列每个带草稿的步算
-# 一次）、草稿 token 数、被接受的 token 数，以及按在一步草稿里的位置统计的被接受 token 数，它们逐位置下降的数字
-# 说明一串猜对的草稿多快就会中断。第 21 章给它们留了位置：`ENGINE_COUNTERS` 里的一个函数在每步之后从引擎上读出它们。
+# 数据块可能带好几个 token。它的 `/metrics` 多了几个计数器，名字与 vLLM 导出的相同：验证步数（每个序列在每个带草稿的步
+# 里算一次）、草稿 token 数、被接受的 token 数，以及按草稿在一步中的位置分别统计的被接受 token 数：这些数逐位置递减，
+# 说明一串猜对的草稿多快就会断掉。第 21 章给它们留了位置：`ENGINE_COUNTERS` 里的一个函数在每步之后从引擎上读出它们。
 
 # %% speculation counters
 #| export serve.driver
@@ -1629,13 +1742,13 @@ from nanovllm.serve.driver import ENGINE_COUNTERS
 
 def speculation_counters(engine: LLMEngine) -> dict[str, float]:
     """A speculating engine's counters for /metrics, with vLLM's names (none without speculation)."""
-    if engine.config.speculative_method is None:
+    if engine.speculator is None:
         return {}
-    scheduler = engine.scheduler
-    counters = {"spec_decode_num_drafts": scheduler.verifications,
-                "spec_decode_num_draft_tokens": scheduler.drafted_tokens,
-                "spec_decode_num_accepted_tokens": scheduler.accepted_tokens}
-    for position, count in enumerate(scheduler.accepted_by_position):
+    counts = engine.speculator.counts
+    counters = {"spec_decode_num_drafts": counts.verifications,
+                "spec_decode_num_draft_tokens": counts.drafted,
+                "spec_decode_num_accepted_tokens": counts.accepted}
+    for position, count in enumerate(counts.accepted_by_position):
         counters[f'spec_decode_num_accepted_tokens_per_pos{{position="{position}"}}'] = count
     return counters
 
@@ -1666,7 +1779,7 @@ for family in engine_counter_families(counters, ["model_name"], ["tiny"]):
         labels = ",".join(f'{name}="{text}"' for name, text in sample.labels.items())
         lines.append(f"  {sample.name}{{{labels}}} {sample.value:g}")
 print(say("what /metrics adds for a speculating engine:\n{lines}", lines="\n".join(lines)))
-by_position = served.scheduler.accepted_by_position
+by_position = served.speculator.counts.accepted_by_position
 # en: every accepted draft is counted at its position, and a later position is reached only through the earlier ones
 # zh: 每个被接受的草稿都按位置计了数，而且只有经过前面的位置才能到达后面的位置。
 assert sum(by_position) == counters["spec_decode_num_accepted_tokens"] > 0
@@ -1712,24 +1825,24 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # ## What we built
 #
 # - `engine.speculative.NgramProposer`: prompt lookup over the request's own tokens.
+# - `engine.speculative.Speculator`: the proposer, the back-off rule (at most 16 verify rows, at
+#   least two drafts a sequence, and a pause for a sequence whose verify steps give fewer than two
+#   tokens, doubled while they keep failing) and the counters (`DraftCounts`), in one object.
 # - `Sequence.num_draft_tokens`, `BlockManager.trim`, and the scheduler's `reserve_drafts`,
-#   `accept_drafts` and `drop_drafts`: drafts get slots within the budget and the free list, and
-#   what the model rejects goes back, block by block, before anything is published.
+#   `accept_drafts` and `drop_drafts`: drafts get slots within the free list, and what the model
+#   rejects goes back, block by block, before anything is published.
 # - `ModelRunner.verify`: a decode step of one row per query token (the decode graphs replay it),
 #   every row sampled as the token of its index with the sequence's parameters: with a
 #   deterministic proposer, that is speculative sampling, and the output distribution (the tokens,
 #   when seeded) is the model's.
-# - `LLMEngine._reserve_drafts` and `_verify`: a decode step with drafts is a verify step, and
-#   `next_step_waits` lets it see the last tokens under asynchronous scheduling; the settings
-#   `speculative_method` and `num_speculative_tokens`.
+# - `LLMEngine.speculator`, `_reserve_drafts` and `_verify`: a decode step with drafts is a verify
+#   step, and `next_step_waits` lets it see the last tokens under asynchronous scheduling; the
+#   settings `speculative_method` and `num_speculative_tokens`.
 # - `engine.speculative.DraftModelProposer`: a smaller model's greedy drafts, from an engine of
 #   its own (its paged cache, block manager and prefix cache), the step's sequences in one batch
-#   (`propose_many`, which `reserve_drafts` calls where the budget covers every sequence's room);
+#   (`propose_many`, which the speculator calls where the budget covers every sequence's room);
 #   `write_self_draft` makes one of the model's first layers; the setting `speculative_model`.
-# - The back-off rule: at most 16 verify rows, at least two drafts a sequence, and a pause for a
-#   sequence whose verify steps give fewer than two tokens, doubled while they keep failing;
-#   `python -m nanovllm.bench
-#   --speculative`, which measured it.
+# - `python -m nanovllm.bench --speculative`, which measured the back-off rule.
 # - The scheduler's "drafts" and "verified" events, which appendix A's player draws, and the
 #   `spec_decode` counters of the server's `/metrics`.
 #
@@ -1741,10 +1854,9 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # engine, a 41 ms step of which the GPU's kernels took 1.5 ms. Now `scripts/profile_verify.py`
 # (Qwen3-0.6B's shapes, four drafts every step) measures a verify step at 1.54 ms against 0.93 ms
 # for a synchronous decode step, and most of it is the GPU's. In bfloat16 some outputs part from
-# the plain engine's after a few dozen tokens (3 of 4 identical at batch 4): a step's rounding
-# depends on how many rows it has, since cuBLAS picks its kernel by shape, and a near tie can go
-# the other way; in float32, on the CPU as asserted above and on the GPU in the tests, the output
-# is identical.
+# the plain engine's after a few dozen tokens: a step's rounding depends on how many rows it has,
+# since cuBLAS picks its kernel by shape, and a near tie can go the other way; in float32, on the
+# CPU as asserted above and on the GPU in the tests, the output is identical.
 #
 # Again on one H200 (2026-12-05, `scripts/gpu-ci.sh speculative`, the same quoting workload): at
 # batch 1 the plain engine ran at 1,703 tok/s and prompt lookup at 2,265, 1.33× (95 steps for 256
@@ -1778,9 +1890,135 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # do not) and the draft model measured on a GPU (a trained one: a self draft only teaches); tensor
 # parallelism.
 #
+# The cell below prints these runs from the chapter's record and checks the figures quoted here.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `engine.speculative.NgramProposer`：在请求自己的 token 上做 prompt lookup。
+# - `engine.speculative.Speculator`：把提议器、退避规则（验证步最多 16 行，每个序列至少两个草稿；验证步平均产出不到两
+#   个 token 的序列暂停草稿，一直失败就加倍暂停）和计数器（`DraftCounts`）合在一个对象里。
+# - `Sequence.num_draft_tokens`、`BlockManager.trim`，以及调度器的 `reserve_drafts`、`accept_drafts` 和 `drop_drafts`：
+#   草稿在空闲队列允许的范围内拿到槽位，模型拒绝的部分在发布任何东西之前逐块退回。
+# - `ModelRunner.verify`：每个查询 token 占一行的 decode 步（由 decode 图重放），每一行都按所属序列的参数、当作它那个
+#   下标上的 token 来采样：提议器是确定性的时候，这就是投机采样，输出的分布（带种子时就是 token 本身）与模型一致。
+# - `LLMEngine.speculator`、`_reserve_drafts` 和 `_verify`：带草稿的 decode 步就是验证步，`next_step_waits` 让它在异步
+#   调度下也能看到最后的 token；设置项 `speculative_method` 和 `num_speculative_tokens`。
+# - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，由它自己的引擎（自己的分页缓存、块管理器和前缀缓
+#   存）生成，一步里的各个序列合成一批（`propose_many`；预算够所有序列的空间时，投机器就调用它）；`write_self_draft`
+#   用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
+# - 测出退避规则的 `python -m nanovllm.bench --speculative`。
+# - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode` 计数
+#   器。
+#
+# **GPU 上的记录**（一块 H200，2026-12-04，bfloat16 的 SmolLM2）：批大小为 1 时每个验证步产出 3.6 个 token，三次调用分
+# 别跑出普通引擎的 1.12、1.46 和 1.23 倍（普通引擎自己在批大小为 1 时的速度在 1,336 到 1,838 tok/s 之间浮动）；256 个
+# 序列的负载不受影响（0.99 和 1.01 倍，和完全关掉草稿时一样）。验证步改成 decode 步之前，走的是 eager 的 prefill 路径：
+# 批大小为 1 时只有 171 tok/s，同步引擎则有 1,439；一步要 41 毫秒，GPU 内核只占其中 1.5 毫秒。现在
+# `scripts/profile_verify.py`（Qwen3-0.6B 的形状，每步四个草稿）测得一个验证步 1.54 毫秒，同步的 decode 步 0.93 毫秒，
+# 其中大部分是 GPU 的时间。在 bfloat16 下，有些输出到几十个 token 之后就与普通引擎的输出不同了：一步的舍入取决于它有几
+# 行，因为 cuBLAS 按形状挑选内核，两个几乎并列的 token 就可能倒向另一边；在 float32 下，不论是上面断言过的 CPU，还是测
+# 试里的 GPU，输出都完全相同。
+#
+# 又在一块 H200 上跑了一次（2026-12-05，`scripts/gpu-ci.sh speculative`，同样的引用型负载）：批大小为 1 时普通引擎
+# 1,703 tok/s，prompt lookup 2,265 tok/s，1.33 倍（256 个 token 用了 95 步，66% 的草稿被保留，每个验证步 3.6 个 token，
+# 输出相同）；批大小 16 超过了规则允许的五个序列，没有草稿（1.01 倍）；256 个序列的负载是 1.00 倍。一个验证步值 2.0 个
+# 流水线化的 decode 步，原因见第 15 章的表：这一步 5 到 8 行的矩阵乘法走的是 cuBLAS，内核之间的边界也和未融合的步一样
+# 多。
+#
+# 当天晚上又在一块 H200 上跑了一次，那时第 15 章的 GEMV 已经能接手四行（`python -m nanovllm.bench --speculative
+# --workloads quoting --batches 1 2 4 --num-speculative-tokens 3 4 7 --repeats 3`：一次普通运行，对照三个投机的引
+# 擎）：
+#
+# | 批大小 | 普通 | 3 个草稿 | 4 个草稿 | 7 个草稿 |
+# |---:|---:|---:|---:|---:|
+# | 1 | 1,260 tok/s | 1.94 倍（147 步） | 1.92 倍（95 步） | 2.35 倍（78 步） |
+# | 2 | 3,217 tok/s | 1.05 倍 | 1.26 倍 | 1.48 倍 |
+# | 4 | 5,706 tok/s | 1.00 倍 | 1.03 倍 | 1.13 倍 |
+#
+# 三个草稿组成 4 行的验证步，正好由融合的 GEMV 接手：收益和四个草稿一样，而四个草稿的 5 行走的是 cuBLAS。七个草稿填满
+# 了四个草稿本来就在重放的那张 8 行的图，每个验证步产出 5.05 个 token：2.35 倍，超过了本章定下的 2 倍，所以现在默认是
+# 7。有一点要当心：这台机器上的普通引擎比上面几次都慢（批大小 1 时 1,260 tok/s，上面是 1,703–1,838），因为它的主机启动
+# 一步要 0.87 ms（同一小时测的第 15 章延迟基准测试）；步数减少也省下了主机的时间，所以主机更快时，倍数会小一些。批大小
+# 1 的输出完全相同，批大小 2 和 4 分别是 2 个里 1 个、4 个里 2 个相同（即上面说的 bfloat16 下几乎并列的情形）。
+#
+# 还没有实现、接下来要做的：让 5 到 16 行的矩阵乘法也像现在的 GEMV 处理不超过四行那样只读一遍权重（那样一个 8 行的验证
+# 步代价约等于一个 decode 步）；对草稿采样的草稿模型（它需要一般的接受规则，贪心草稿不需要），以及在 GPU 上测量草稿模
+# 型（要用训练过的：自草稿只用于教学）；张量并行。
+#
+# 下面的单元从本章的记录里打印这些运行，并核对这里引用的数字。
+
+# %%
+# en: The GPU runs this chapter quotes, from its record: what ran, where, when.
+# zh: 本章引用的各次 GPU 运行，取自本章的记录：跑的是什么、在哪里、什么时候。
+for run in gpu_runs.values():
+    print(say("{name}: {card}, {date}, {command}", name=run.name, card=run.card, date=run.date, command=run.command))
+
+# en: 2026-12-04: the graphed verify step in three invocations, and before it the eager one, host-bound.
+# zh: 2026-12-04：三次调用里的图化验证步，以及在它之前受主机限制的 eager 验证步。
+eager, profile = gpu_runs["gpu-ci speculative, 2026-12-04"].figures, gpu_runs["profile_verify"].figures
+print(say("batch 1: {ratios} the plain engine ({low:,}-{high:,} tok/s plain), {tokens} tokens per verify step; the "
+          "eager verify step before: {eager} tok/s against {sync:,}, {wall} ms a step, {gpu} ms of it kernels; the "
+          "graphed one: {verify} ms against {decode} ms for a decode step",
+          ratios=", ".join(f"{ratio:.2f}x" for ratio in invocations["batch 1 ratios"]),
+          low=invocations["batch 1 plain tok/s, lowest and highest"][0],
+          high=invocations["batch 1 plain tok/s, lowest and highest"][1],
+          tokens=invocations["batch 1 tokens per verify step"],
+          eager=eager["synchronous engine with prompt lookup tok/s"], sync=eager["synchronous engine tok/s"],
+          wall=profile["eager verify step"]["wall ms"], gpu=profile["eager verify step"]["GPU kernels ms"],
+          verify=profile["graphed verify step"]["verify step ms"],
+          decode=profile["graphed verify step"]["synchronous decode step ms"]))
+# en: Faster than plain decoding in every invocation; the eager verify step was the host's (its kernels a few percent of
+# en: it), the graphed one costs under two decode steps.
+# zh: 每次调用都比普通 decode 快；eager 的验证步耗在主机上（内核只占几个百分点），图化之后不到两个 decode 步。
+eager_step, graphed_step = profile["eager verify step"], profile["graphed verify step"]
+assert min(invocations["batch 1 ratios"]) > 1 and eager_step["GPU kernels ms"] < 0.05 * eager_step["wall ms"]
+assert graphed_step["verify step ms"] < 2 * graphed_step["synchronous decode step ms"]
+
+# en: 2026-12-05: prompt lookup at batch 1 and what its verify step cost, and the self draft, fixed and doubling pauses.
+# zh: 2026-12-05：批大小 1 时的 prompt lookup 及其验证步的代价，以及固定暂停和加倍暂停下的自草稿。
+h200 = gpu_runs["gpu-ci speculative, H200"].figures
+lookup, self_draft_h200 = h200["prompt lookup"]["batch 1"], h200["self draft"]
+self_draft_h100 = gpu_runs["gpu-ci speculative, H100"].figures["self draft"]
+speedup = lookup["speculative tok/s"] / lookup["plain tok/s"]
+verify_cost = (lookup["tokens"] / lookup["steps"]) / speedup
+print(say("batch 1: {plain:,} -> {spec:,} tok/s, {ratio:.2f}x, {steps} steps for {tokens} tokens, {kept:.0%} of the "
+          "drafts kept; a verify step cost {cost:.1f} decode steps", plain=lookup["plain tok/s"],
+          spec=lookup["speculative tok/s"], ratio=speedup, steps=lookup["steps"], tokens=lookup["tokens"],
+          kept=lookup["acceptance"], cost=verify_cost))
+print(say("self draft of {layers} layers, none of its drafts kept: {fixed:.2f}x with a fixed pause (H100), "
+          "{doubling:.2f}x with a doubling one (H200: {proposals} proposals in {tokens} tokens, {ms} ms, {plain} ms "
+          "for the plain engine)", layers=self_draft_h200["layers"], fixed=self_draft_h100["ratio"],
+          doubling=self_draft_h200["ratio"], proposals=self_draft_h200["proposals"], tokens=self_draft_h200["tokens"],
+          ms=self_draft_h200["proposals ms"], plain=self_draft_h200["plain engine ms"]))
+assert round(speedup, 2) == 1.33 and lookup["identical"] and h200["prompt lookup"]["batch 16"]["drafted"] == 0
+# en: A verify step costs 2.0 to 2.9 decode steps at small batches: this run's batch 1, and batch 2 in the table.
+# zh: 小批大小时一个验证步值 2.0 到 2.9 个 decode 步：这次运行的批大小 1，以及表中的批大小 2。
+assert (round(verify_cost, 1), round(costs[2], 1)) == (2.0, 2.9)
+assert self_draft_h100["drafts kept"] == self_draft_h200["drafts kept"] == 0
+assert self_draft_h100["ratio"] < self_draft_h200["ratio"] < 1
+assert self_draft_h200["proposals ms"] / self_draft_h200["proposals"] == 8
+
+# en: That evening: 3, 4 and 7 drafts against one plain run, and the host's launch of a step in the same hour.
+# zh: 当天晚上：3、4、7 个草稿对照同一次普通运行，以及同一小时里主机启动一步的耗时。
+evening = gpu_runs["drafts 3 4 7"].figures
+evening_plain = {int(batch): tok_s for batch, tok_s in evening["plain tok/s"].items()}
+ratios = {int(batch): {int(drafts): ratio for drafts, ratio in row.items()} for batch, row in evening["ratios"].items()}
+print(f"{say('batch'):>6} {say('plain'):>14} " + " ".join(f"{say('{k} drafts', k=k):>10}" for k in (3, 4, 7)))
+for batch, row in ratios.items():
+    print(f"{batch:>6} {evening_plain[batch]:>8,} tok/s " + " ".join(f"{ratio:>9.2f}x" for ratio in row.values()))
+host = gpu_runs["latency, that evening"].figures["host launch ms"]
+print(say("batch 1, 7 drafts: {tokens} tokens per verify step; the host took {host} ms to launch a step",
+          tokens=evening["batch 1 tokens per verify step, 7 drafts"], host=host))
+assert round(ratios[1][7], 2) == 2.35 > 2 and evening["batch 1 steps"] == {"3": 147, "4": 95, "7": 78}
+# en: The plain engine ran slower that evening than in the runs before (1,703 to 1,838 tok/s at batch 1).
+# zh: 那天晚上普通引擎比之前几次都慢（之前批大小 1 时是 1,703 到 1,838 tok/s）。
+assert evening_plain[1] < lookup["plain tok/s"] == 1703 < invocations["batch 1 plain tok/s, lowest and highest"][1]
+
+# %% [markdown] tags=["en"]
 # ## Exercises
 #
-# 1. With *k* = 4 drafts a step and an acceptance rate of 0.8, how many tokens does a verify step
+# 1. With *k* = 4 drafts a step and an agreement rate *α* of 0.8, how many tokens does a verify step
 #    yield on average? How many drafts would a step need to yield 4 tokens on average?
 # 2. A sequence of 10 tokens (blocks of 4; the first 9 cached) gets 4 drafts, and the model keeps
 #    only the first. How many blocks does the sequence hold after `accept_drafts`, and how many
@@ -1792,61 +2030,9 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # The cell below checks the answers.
 
 # %% [markdown] tags=["zh"]
-# ## 本章小结
-#
-# - `engine.speculative.NgramProposer`：在请求自己的 token 上做 prompt lookup。
-# - `Sequence.num_draft_tokens`、`BlockManager.trim`，以及调度器的 `reserve_drafts`、`accept_drafts` 和
-#   `drop_drafts`：草稿在 token 预算和空闲队列允许的范围内拿到槽位，模型拒绝的部分在任何东西发布之前逐块退回。
-# - `ModelRunner.verify`：每个查询 token 一行的 decode 步（由 decode 图重放），每一行都用序列的参数、作为它那个
-#   下标上的 token 来采样：提议器是确定性的时候，这就是投机采样，输出的分布（带种子时就是 token 本身）和模型的一样。
-# - `LLMEngine._reserve_drafts` 和 `_verify`：带草稿的 decode 步就是验证步，`next_step_waits` 让它在异步调度下也能
-#   看到最后的 token；设置项 `speculative_method` 和 `num_speculative_tokens`。
-# - `engine.speculative.DraftModelProposer`：一个更小模型的贪心草稿，来自它自己的引擎（自己的分页缓存、块管理器和
-#   前缀缓存），一步里的各个序列合成一批（`propose_many`；预算够每个序列的空间时，`reserve_drafts` 就调用它）；
-#   `write_self_draft` 用模型的前几层做出一个草稿模型；设置项 `speculative_model`。
-# - 退避规则：验证步最多 16 行，每个序列至少两个草稿，验证步平均产出少于两个 token 的序列暂停草稿（一直失败就
-#   加倍暂停）；以及测量它的
-#   `python -m nanovllm.bench --speculative`。
-# - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode`
-#   计数器。
-#
-# **GPU 上的记录**（一块 H200，2026-12-04，bfloat16 的 SmolLM2）：批大小为 1 时每个验证步 3.6 个 token，三次调用
-# 分别是普通引擎的 1.12、1.46 和 1.23 倍（普通引擎自己在批大小为 1 时的速度在 1,336 到 1,838 tok/s 之间变动）；256 个
-# 序列的负载不受影响（0.99 和 1.01 倍，和完全关掉草稿时一样）。在验证步改成 decode 步之前，它走的是 eager 的 prefill
-# 路径：批大小为 1 时只有 171 tok/s，而同步引擎有 1,439；一步 41 毫秒，其中 GPU 内核只占 1.5 毫秒。现在
-# `scripts/profile_verify.py`（Qwen3-0.6B 的形状，每步四个草稿）测得一个验证步 1.54 毫秒，同步的 decode 步 0.93 毫秒，
-# 其中大部分是 GPU 的时间。在 bfloat16 下，有些输出在几十个 token 之后与普通引擎的输出分开（批大小为 4 时 4 个里 3 个
-# 完全相同）：一步的舍入取决于它有多少行，因为 cuBLAS 按形状挑选内核，于是两个几乎并列的 token 可能选到另一个；在
-# float32 下，不论是上面断言过的 CPU，还是测试里的 GPU，输出都完全相同。
-#
-# 又在一块 H200 上跑了一次（2026-12-05，`scripts/gpu-ci.sh speculative`，同样的引用型负载）：批大小为 1 时普通引擎
-# 1,703 tok/s，prompt lookup 2,265 tok/s，1.33 倍（256 个 token 用了 95 步，66% 的草稿被保留，每个验证步 3.6 个
-# token，输出相同）；批大小 16 超过了规则的五个序列，没有草稿（1.01 倍）；256 个序列的负载 1.00 倍。一个验证步
-# 值 2.0 个流水线化的 decode 步：第 15 章的表说明了原因，这一步 5 到 8 行的矩阵乘法走的是 cuBLAS，内核边界也和
-# 未融合的步一样多。
-#
-# 当天晚上在一块 H200 上又跑了一次，那时第 15 章的 GEMV 已经能接手四行（`python -m nanovllm.bench --speculative
-# --workloads quoting --batches 1 2 4 --num-speculative-tokens 3 4 7 --repeats 3`：一次普通运行对三个投机的引擎）：
-#
-# | 批大小 | 普通 | 3 个草稿 | 4 个草稿 | 7 个草稿 |
-# |---:|---:|---:|---:|---:|
-# | 1 | 1,260 tok/s | 1.94 倍（147 步） | 1.92 倍（95 步） | 2.35 倍（78 步） |
-# | 2 | 3,217 tok/s | 1.05 倍 | 1.26 倍 | 1.48 倍 |
-# | 4 | 5,706 tok/s | 1.00 倍 | 1.03 倍 | 1.13 倍 |
-#
-# 三个草稿组成 4 行的验证步，由融合的 GEMV 接手：收益和四个草稿一样，而四个草稿的 5 行走的是 cuBLAS。七个草稿填满
-# 四个草稿本来就在重放的那张 8 行的图，每个验证步产出 5.05 个 token：2.35 倍，超过了本章定下的 2 倍，所以现在默认
-# 是 7。有一点要小心：这台机器上普通引擎比上面几次都慢（批大小 1 时 1,260 tok/s，上面是 1,703–1,838），因为它的
-# 主机启动一步要 0.87 ms（同一小时第 15 章的延迟基准测试）；步数少了也省下主机的时间，所以主机更快时倍数会小一些。
-# 批大小 1 的输出完全相同，批大小 2 和 4 分别有 2 个里 1 个、4 个里 2 个相同（上面说过的 bfloat16 近乎并列）。
-#
-# 还没有实现、接下来要做的：像 GEMV 现在对不超过四行那样只读一遍权重的 5 到 16 行矩阵乘法（那时一个 8 行的验证步
-# 代价约等于一个 decode 步）；对草稿采样的草稿模型（它需要一般的接受规则，
-# 贪心草稿不需要），以及在 GPU 上测量草稿模型（要用训练过的：自草稿只用来教学）；张量并行。
-#
 # ## 练习
 #
-# 1. 每步 *k* = 4 个草稿、接受率 0.8 时，一个验证步平均产出多少个 token？要让一步平均产出 4 个 token，需要多少个
+# 1. 每步 *k* = 4 个草稿、同意率 *α* 为 0.8 时，一个验证步平均产出多少个 token？要让一步平均产出 4 个 token，需要多少个
 #    草稿？
 # 2. 一个 10 个 token 的序列（块大小为 4，前 9 个已缓存）得到 4 个草稿，模型只保留第一个。`accept_drafts` 之后
 #    这个序列持有几个块？`resolve` 会发布其中几个？
@@ -1874,17 +2060,12 @@ seqs, _ = scheduler.schedule()
 scheduler.postprocess(seqs, [9], True)
 
 
-class FourDrafts:
-    """A proposer that always offers the same four drafts."""
-
-    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
-        return [2, 3, 4, 5]
-
-
 seqs, _ = scheduler.schedule()
 assert len(seq) == 10 and seq.num_cached_tokens == 9
-assert scheduler.reserve_drafts(seqs, FourDrafts()) == 4 and len(seq.block_table) == 4
-scheduler.postprocess(seqs, scheduler.accept_drafts(seqs, [[2, 7, 7, 7, 7]]), False)
+assert scheduler.reserve_drafts(seqs, [[2, 3, 4, 5]]) == 4 and len(seq.block_table) == 4
+new_tokens, kept = scheduler.accept_drafts(seqs, [[2, 7, 7, 7, 7]])
+scheduler.postprocess(seqs, new_tokens, False)
+assert kept == [1]
 assert len(seq.block_table) == 3 and len(scheduler.block_manager.hash_to_block_id) == 2
 
 # en: Exercise 3: 1 + 4 = 5 rows replay the graph of 8, which has room for 7 drafts; two sequences with 4 drafts
@@ -1908,9 +2089,10 @@ def graph_rows(batch: int, drafts: int) -> int:
 
 assert graph_rows(1, 4) == graph_rows(1, 7) == 8 < graph_rows(1, 8)
 assert graph_rows(2, 4) == graph_rows(2, 7) == 16 < graph_rows(2, 8)
-# en: Recorded (H200, 2026-12-05): batch -> {drafts: speculative / plain tok/s}.
-# zh: 记录的数字（H200，2026-12-05）：批大小 -> {草稿数: 投机 / 普通 tok/s}。
-RATIOS = {1: {3: 1.944, 4: 1.915, 7: 2.348}, 2: {3: 1.053, 4: 1.260, 7: 1.483}, 4: {3: 1.003, 4: 1.034, 7: 1.130}}
+# en: The run "drafts 3 4 7" (H200, 2026-12-05), printed above: batch -> {drafts: speculative / plain tok/s}.
+# zh: 前面打印过的运行 "drafts 3 4 7"（H200，2026-12-05）：批大小 -> {草稿数: 投机 / 普通 tok/s}。
+RATIOS = {int(batch): {int(drafts): ratio for drafts, ratio in row.items()}
+          for batch, row in gpu_runs["drafts 3 4 7"].figures["ratios"].items()}
 # en: Filling the graph paid at every batch, and the default is that number.
 # zh: 填满图在每个批大小上都划算，默认值就是这个数。
 assert all(max(ratios, key=ratios.get) == DEFAULT_SPECULATIVE_TOKENS == 7 for ratios in RATIOS.values())

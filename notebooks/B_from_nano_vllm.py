@@ -674,8 +674,8 @@
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (chapter 00, nanovllm.book.lang).
-# zh: 本章打印的文字及其中文（见第 00 章与 nanovllm.book.lang），中文网站打印中文。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({
@@ -750,7 +750,7 @@ print(say("the book's side of the second article's five rows holds"))
 # ## Check it
 #
 # A map that nobody checks goes stale. The cells below keep this one honest, and the test suite
-# runs them too (`tests/test_B_from_nano_vllm.py`):
+# runs them too (`tests/appendix/test_B_from_nano_vllm.py`):
 #
 # - `UPSTREAM_NAMES` is upstream's inventory at `bb823b3`: every file, and in each Python file
 #   every class, function, method (constructors aside) and field, the fields being what a class
@@ -764,7 +764,7 @@ print(say("the book's side of the second article's five rows holds"))
 # %% [markdown] tags=["zh"]
 # ## 验证
 #
-# 没人检查的对照表迟早会过时。下面的单元让这张表保持可靠，测试套件也会运行它们（`tests/test_B_from_nano_vllm.py`）：
+# 没人检查的对照表迟早会过时。下面的单元让这张表保持可靠，测试套件也会运行它们（`tests/appendix/test_B_from_nano_vllm.py`）：
 #
 # - `UPSTREAM_NAMES` 是上游在 `bb823b3` 时的清单：每个文件，以及每个 Python 文件中的每个类、函数、方法（构造函数
 #   除外）和字段；字段指类体中赋值的名字，以及方法中赋给 `self` 的名字。它是用 Python 的 `ast` 从上游源码读出来的；

@@ -36,7 +36,11 @@
 # zh: 本附录打印的文字及其中文，中文网站打印中文（nanovllm.book.lang，在本附录后面构建）。
 from nanovllm.book.lang import Phrases
 
-say = Phrases({"{title}: chapters {numbers}": "{title}：{numbers}"})
+say = Phrases({
+    "{title}: chapters {numbers}": "{title}：{numbers}",
+    "{card}, {date}: {command} -> {figures}": "{card}，{date}：{command} -> {figures}",
+    "refused: {refusal}": "拒绝：{refusal}",
+})
 
 # %% [markdown] tags=["en"]
 # ## First cuts and extensions
@@ -518,6 +522,104 @@ assert part_of("10_engine") == "core" and part_of("D_the_book") == "core"
 assert all(part_of(path.stem) for path in (ROOT / "notebooks").glob("*.py"))
 
 # %% [markdown] tags=["en"]
+# ## Figures from a GPU, recorded
+#
+# This machine has no GPU, and CI runs on one like it, so a chapter cannot measure a GPU while it
+# executes. What a GPU measured is recorded instead, in one JSON file per chapter under
+# `notebooks/data/recorded/`: each run with the card it ran on, the date and the command that
+# printed the figures, then the figures. `recorded(chapter)` loads a chapter's runs and refuses a
+# run without a card, an ISO date or a command. A chapter prints its figures from there and
+# asserts on them, and every GPU figure its prose quotes is either in those figures or asserted
+# by a cell (`tests/book/test_recorded.py` checks both). Running the command on a GPU measures
+# them again.
+
+# %% [markdown] tags=["zh"]
+# ## 记录下来的 GPU 数字
+#
+# 这台机器没有 GPU，CI 用的也是这样的机器，所以一章在执行时没法测量 GPU。GPU 上测得的东西改为记录下来，每章一个
+# JSON 文件，放在 `notebooks/data/recorded/` 下：每次运行写明它用的卡、日期和打印这些数字的命令，然后是数字本身。
+# `recorded(chapter)` 载入一章的各次运行，缺少卡、ISO 格式的日期或命令的运行会被拒绝。一章从那里打印它的数字并对它们
+# 做断言；正文引用的每个 GPU 数字，要么在这些数字里，要么由某个单元断言（`tests/book/test_recorded.py` 检查这两点）。
+# 在 GPU 上运行那条命令，就能重新测量它们。
+
+# %% recorded figures
+#| export book.recorded
+"""GPU figures that a chapter records: one JSON file per chapter, each run with its card, date and command."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nanovllm
+
+# en: In the repository, beside the chapters: the figures are the book's, not the engine's.
+# zh: 在仓库里，紧挨着各章：这些数字属于书，不属于引擎。
+RECORDED = Path(nanovllm.__file__).resolve().parents[1] / "notebooks" / "data" / "recorded"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One recorded run: the card it ran on, the date (ISO), the command that printed ``figures``."""
+
+    name: str
+    card: str
+    date: str
+    command: str
+    figures: dict[str, Any]
+    note: str = ""
+
+
+def recorded(chapter: str, folder: Path = RECORDED) -> dict[str, Run]:
+    """The runs that ``chapter`` (a file stem, such as "14_cuda_graphs") records, by name."""
+    path = folder / f"{chapter}.json"
+    runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
+    return {name: checked_run(name, fields, path) for name, fields in runs.items()}
+
+
+def checked_run(name: str, fields: dict[str, Any], path: Path) -> Run:
+    """``fields`` as a `Run`, or ValueError naming what is missing or malformed."""
+    missing = [key for key in ("card", "date", "command", "figures") if not fields.get(key)]
+    if missing:
+        raise ValueError(f"{path.name}, run {name!r}: no {', '.join(missing)}")
+    try:
+        datetime.date.fromisoformat(fields["date"])
+    except ValueError:
+        raise ValueError(f"{path.name}, run {name!r}: date {fields['date']!r} is not YYYY-MM-DD") from None
+    unknown = set(fields) - {"card", "date", "command", "figures", "note"}
+    if unknown:
+        raise ValueError(f"{path.name}, run {name!r}: unknown keys {sorted(unknown)}")
+    return Run(name, **fields)
+
+# %%
+import tempfile
+
+from nanovllm.book.recorded import recorded
+
+folder = Path(tempfile.mkdtemp())
+(folder / "99_example.json").write_text(json.dumps({"runs": {"decode": {
+    "card": "NVIDIA H100 80GB HBM3", "date": "2026-12-06", "command": "python -m nanovllm.bench --latency",
+    "figures": {"batch 1 ms": 0.928}}}}), encoding="utf-8")
+example = recorded("99_example", folder)["decode"]
+print(say("{card}, {date}: {command} -> {figures}", card=example.card, date=example.date, command=example.command,
+          figures=example.figures))
+assert example.figures["batch 1 ms"] == 0.928
+# en: A run without its command is refused: a figure nobody can measure again is not a record.
+# zh: 没有命令的运行会被拒绝：别人没法重新测量的数字算不上记录。
+(folder / "99_example.json").write_text(json.dumps({"runs": {"decode": {
+    "card": "NVIDIA H100 80GB HBM3", "date": "2026-12-06", "figures": {"batch 1 ms": 0.928}}}}), encoding="utf-8")
+try:
+    recorded("99_example", folder)
+    refusal = ""
+except ValueError as error:
+    refusal = str(error)
+print(say("refused: {refusal}", refusal=refusal))
+assert "no command" in refusal
+
+# %% [markdown] tags=["en"]
 # ## How the chapters are checked, and read
 #
 # `./dev test` (which CI runs on a clean clone) checks the tangle and the bilingual pairs, runs
@@ -551,6 +653,8 @@ assert all(part_of(path.stem) for path in (ROOT / "notebooks").glob("*.py"))
 #   extending what an earlier chapter built; the tangler splices the same members into the package.
 # - `nanovllm/book/lang.py`: `Phrases` and `reading_language`, what a chapter prints, in the reader's
 #   language.
+# - `nanovllm/book/recorded.py`: `recorded`, the GPU runs a chapter records, each with its card,
+#   date and command.
 #
 # ## Exercises
 #
@@ -564,6 +668,7 @@ assert all(part_of(path.stem) for path in (ROOT / "notebooks").glob("*.py"))
 # - `nanovllm/book/literate.py`：`add_to_class`、`add_to_init` 与 `add_fields`，notebook 里扩展前面章节所建之物的方式；
 #   抽取工具把同样的成员拼接进包里。
 # - `nanovllm/book/lang.py`：`Phrases` 与 `reading_language`，让一章按读者的语言打印。
+# - `nanovllm/book/recorded.py`：`recorded`，一章记录的各次 GPU 运行，每次都带着卡、日期和命令。
 #
 # ## 练习
 #

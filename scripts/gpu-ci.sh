@@ -206,8 +206,8 @@ run_tp() {
     exit 2
   fi
   if [ "$part" = tests ] || [ "$part" = all ]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tp-tests.xml" tests/test_17_tp_runtime.py \
-      tests/test_14_cuda_graphs.py tests/test_gpu_engine.py || status=1
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/tp-tests.xml" \
+      tests/speed/test_17_tp_runtime.py tests/speed/test_14_cuda_graphs.py tests/speed/test_gpu_engine.py || status=1
   fi
   case $part in
     bench | all) preset=nano-vllm ;;
@@ -236,7 +236,7 @@ run_fp8() {
   esac
   if [ "$part" = tests ] || [ "$part" = all ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/fp8-tests.xml" \
-      tests/test_24_fp8_kv_cache.py || status=1
+      tests/beyond/test_24_fp8_kv_cache.py || status=1
   fi
   if [ "$part" = bench ] || [ "$part" = all ]; then
     for preset in nano-vllm qwen3-8b; do
@@ -258,7 +258,7 @@ run_speculative() {  # speculative decoding (chapter 25): its GPU tests, then it
                      # then a self draft of SmolLM2's first $DRAFT_LAYERS layers (default 8 of 30)
   notebook_stack || exit 2
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/speculative-tests.xml" \
-    tests/test_25_speculative_decoding.py || status=1
+    tests/beyond/test_25_speculative_decoding.py || status=1
   python3 -m nanovllm.bench --speculative "$@" --out "$out/speculative.json" 2>&1 \
     | tee "$out/speculative.log" || status=1
   local draft=/tmp/smollm2-self-draft
@@ -270,7 +270,7 @@ write_self_draft(smollm2_dir(), ${DRAFT_LAYERS:-8}, '$draft')" || status=1
 
 run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
-    tests/test_26_mixture_of_experts.py || status=1
+    tests/beyond/test_26_mixture_of_experts.py || status=1
   python3 scripts/probes/moe_probe.py --out "$out/moe.json" 2>&1 | tee "$out/moe.log" || status=1
   # align_by_expert's ~15 kernels against one Triton program (sort_by_expert's pick up to 128 pairs)
   python3 scripts/probes/moe_align_probe.py --out "$out/moe-align.json" 2>&1 | tee "$out/moe-align.log" || status=1
@@ -284,8 +284,8 @@ run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse l
 }
 
 run_small_batch() {  # a small decode step's kernels: chapter 15's tests, then each probe against what ships
-  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" tests/test_15_fused_decode.py \
-    || status=1
+  python3 -m pytest -q -p no:cacheprovider --junitxml="$out/small-batch-tests.xml" \
+    tests/speed/test_15_fused_decode.py || status=1
   local probe
   for probe in decode_matmul_chain "splitk_sweep --chain-only" prefetch_tile_probe; do
     # shellcheck disable=SC2086  # the probe's name and its options

@@ -41,9 +41,9 @@ class Fixed:
 def run(name: str, settings: dict, k: int, out: Path) -> dict:
     llm = LLM(str(qwen3_06b_random()), async_scheduling=False, **settings)
     if settings.get("speculative_method"):
-        llm.proposer = Fixed(k)
+        llm.speculator.proposer = Fixed(k)
         # The random model rejects the fixed drafts: keep verifying anyway (no back-off pause).
-        llm.scheduler.min_tokens_per_verify = 0
+        llm.speculator.min_tokens_per_verify = 0
     llm.add_request(list(range(1000, 1512)), SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
     first = decode_until(llm, 40)
     steady = decode_until(llm, 40)
@@ -61,8 +61,8 @@ def run(name: str, settings: dict, k: int, out: Path) -> dict:
     (out / f"{name}.txt").write_text(f"{text.getvalue()}\n\n{table}\n\n{cpu_table}")
     result = {"first_steps_ms": [round(s * 1e3, 2) for s in first[:10]],
               "median_first_40_ms": statistics.median(first) * 1e3, "median_steady_ms": statistics.median(steady) * 1e3,
-              "drafted": llm.scheduler.drafted_tokens, "accepted": llm.scheduler.accepted_tokens,
-              "verifications": llm.scheduler.verifications}
+              "drafted": llm.speculator.counts.drafted, "accepted": llm.speculator.counts.accepted,
+              "verifications": llm.speculator.counts.verifications}
     llm.exit()
     print(f"{name:>22}: first steps {result['first_steps_ms']} ms; median {result['median_first_40_ms']:.2f} ms over "
           f"the first 40, {result['median_steady_ms']:.2f} ms over the next 40")

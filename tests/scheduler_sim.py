@@ -12,8 +12,9 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nanovllm.engine.scheduler import Observer, Proposer, Scheduler
+from nanovllm.engine.scheduler import Observer, Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus, sibling_samples
+from nanovllm.engine.speculative import Proposer, Speculator
 from nanovllm.sampling_params import SamplingParams
 
 VOCAB = 5
@@ -110,12 +111,13 @@ def simulate(
     it is scheduled, and its tokens are resolved only after the next step has been scheduled. The
     fake model then "computes" a token when it is resolved, from the (by then known) prefix.
 
-    proposer: speculative decoding (chapter 25, synchronous only): each decode step reserves drafts from
-    ``proposer`` (``after_drafts`` sees the step then), the fake model gives its token after the last token and
-    after each draft, and ``accept_drafts`` keeps what agrees.
+    proposer: speculative decoding (chapter 25, synchronous only): each decode step reserves the drafts that a
+    `Speculator` of ``proposer`` proposes (``after_drafts`` sees the step then), the fake model gives its token
+    after the last token and after each draft, and ``accept_drafts`` keeps what agrees.
     """
     assert proposer is None or not asynchronous, "speculative decoding runs synchronously"
     sched = workload.scheduler()
+    speculator = None if proposer is None else Speculator(proposer)
     pending = sorted(enumerate(workload.requests), key=lambda item: item[1].arrival)
     seqs: list[Sequence | None] = [None] * len(workload.requests)
     forked: dict[int, list[Sequence]] = {}  # request's first seq_id -> its siblings
@@ -170,13 +172,17 @@ def simulate(
             def context(s: Sequence) -> tuple[int, ...]:
                 return tuple(s.token_ids[: s.num_cached_tokens + s.num_scheduled_tokens])
 
-            if proposer is not None and not is_prefill and sched.reserve_drafts(scheduled, proposer):
+            drafts = None if speculator is None or is_prefill else \
+                speculator.propose(scheduled, sched.budget_left(scheduled))
+            if drafts is not None and sched.reserve_drafts(scheduled, drafts):
                 if after_drafts is not None:
                     after_drafts(sched, scheduled, is_prefill)
                 # The model's token after the last token and after each draft: a verify step.
                 targets = [[next_token(tuple(s.token_ids[: s.num_cached_tokens + 1 + i]), s.sample_index)
                             for i in range(s.num_scheduled_tokens)] for s in scheduled]
-                tokens = sched.accept_drafts(scheduled, targets)
+                drafted = [s.num_draft_tokens for s in scheduled]
+                tokens, kept = sched.accept_drafts(scheduled, targets)
+                speculator.record(scheduled, drafted, kept)
             else:
                 # One token per sequence, then the forked siblings' first tokens, as the model runner samples them.
                 tokens = [next_token(context(s), s.sample_index) for s in scheduled]

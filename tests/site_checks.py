@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from bs4 import BeautifulSoup, Comment, NavigableString
 
-from tests.test_viz_browser import CHROMIUM, Browser, step_player_in_page
+from tests.core.test_viz_browser import CHROMIUM, Browser, step_player_in_page
 from tools import tangle
 from tools.parts import TITLES
 

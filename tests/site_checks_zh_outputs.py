@@ -230,7 +230,7 @@ ALIGNMENT_JS = """(() => {
 
 def test_chinese_headings_stay_over_their_columns_in_a_browser() -> None:
     """A Chinese character takes two monospace columns on the page too (docs/assets/extra.css), as the book pads it."""
-    from tests.test_viz_browser import CHROMIUM, Browser
+    from tests.core.test_viz_browser import CHROMIUM, Browser
 
     assert CHROMIUM, "the browser check needs Chromium (./dev test installs Debian's chromium)"
     browser = Browser(CHROMIUM)

@@ -2,7 +2,7 @@
 
 A definition of `nanovllm` that no other package code, no chapter cell, no script and no tool names is either dead
 (nobody names it) or kept for the tests alone. Either way a reader of the package meets code that serves no reader:
-it should go, or say why it stays (`tests/test_reach.py` holds the reasons).
+it should go, or say why it stays (`tests/book/test_reach.py` holds the reasons).
 
 Reaching is by name, as text: a definition is reached when its name appears, outside its own definition, as a name,
 an attribute or a string (`getattr`, a call sent to a rank by name) in the package, the chapters, `scripts/` or

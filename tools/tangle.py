@@ -769,13 +769,45 @@ def render_header(chapters: list[str]) -> str:
     return "".join(f"# {line}\n" for line in lines)
 
 
+def names_used(bodies: list[str]) -> set[str]:
+    """Every name the module's code reads: names, the roots of attributes, and names inside string annotations."""
+    used: set[str] = set()
+    for body in bodies:
+        for node in ast.walk(ast.parse(body)):
+            if isinstance(node, ast.Name):
+                used.add(node.id)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                try:
+                    used.update(n.id for n in ast.walk(ast.parse(node.value, mode="eval")) if isinstance(n, ast.Name))
+                except SyntaxError:
+                    pass
+    return used
+
+
+def needed_imports(statements: list[str], used: set[str], public: list[str]) -> list[str]:
+    """The imports whose names the module still uses (or exports). A later chapter that replaces a member may leave
+    an import that only the replaced version needed: it goes, as ruff would ask."""
+    kept = []
+    for statement in statements:
+        node = ast.parse(statement).body[0]
+        aliases = [a for a in node.names if (a.asname or a.name.split(".")[0]) in used or a.asname in public
+                   or a.name in public]
+        if len(aliases) == len(node.names):
+            kept.append(statement)
+        elif aliases:
+            node.names = aliases
+            kept.append(ast.unparse(node))
+    return kept
+
+
 def render(module: Module) -> str:
     header = render_header(module.chapters)
     blocks: list[str] = [module.docstring] if module.docstring else []
     if module.future_imports:
         blocks.append("\n".join(sorted(module.future_imports)))
     groups: dict[int, list[str]] = {}
-    for statement in sorted(merged_imports(module.imports), key=import_group):
+    imports = needed_imports(module.imports, names_used(module.bodies), module.public_names)
+    for statement in sorted(merged_imports(imports), key=import_group):
         groups.setdefault(import_group(statement)[0], []).append(statement)
     blocks += ["\n".join(group) for _, group in sorted(groups.items())]
     if module.public_names:

@@ -64,6 +64,13 @@ class ExpertReads:
         """The share of the sparse layers' expert weights an average decode step read."""
         return self.touched / max(1, self.decode_steps * self.sparse_layers * self.num_experts)
 
+    def share_at(self, tokens: int) -> float:
+        """The share a decode step of ``tokens`` tokens read: as measured at that count, else at the nearest count
+        the run had (the larger on a tie); the run's mean when nothing was counted by tokens."""
+        if not self.by_tokens:
+            return self.share
+        return self.by_tokens[min(self.by_tokens, key=lambda count: (abs(count - tokens), -count))]
+
 
 def expert_reads(blocks: list[SparseMoeBlock], decode_steps: int) -> ExpertReads:
     """The blocks' counts (`SparseMoeBlock.touched`) as a run's `ExpertReads`."""
@@ -121,16 +128,24 @@ def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, rea
                        flops: float, decode_steps: int | None = None) -> tuple[Any, float]:
     """(The dense-style bound, the router-aware tokens per second): the same bound with each decode step reading
     the measured share of the sparse layers' experts instead of all of them. The bound lets every sequence decode
-    at once (as many steps as the longest output); ``decode_steps``: the steps a run needed instead, where its KV
-    cache held fewer sequences at a time."""
+    at once (as many steps as the longest output), each step reading the share the run measured at its token
+    count: a run whose KV cache held fewer sequences at a time read less per step, in more steps, and its mean
+    share would make the bound optimistic. ``decode_steps``: the steps such a run needed, each reading the run's
+    mean share."""
     dense = workload_bound(workload, hf_config, dtype_bytes, bandwidth, flops)
     sparse_layers = sum(is_sparse_layer(hf_config, index) for index in range(hf_config.num_hidden_layers))
     all_experts = sparse_layers * experts_params(hf_config) * dtype_bytes
     weights_per_step = weight_bytes_per_step(hf_config, dtype_bytes)
     steps = max(workload.output_lens) - 1
     kv_bytes = dense.decode_bytes - steps * weights_per_step
-    read_per_step = weights_per_step - all_experts * (1 - reads.share)
-    seconds = ((decode_steps or steps) * read_per_step + kv_bytes) / bandwidth + dense.prefill_flops / flops
+    if decode_steps is None:
+        # All at once, step i carries the sequences that still have more than i tokens to decode.
+        tokens = [sum(length - 1 > i for length in workload.output_lens) for i in range(steps)]
+        shares = [reads.share_at(count) for count in tokens]
+    else:
+        shares = [reads.share] * decode_steps
+    weight_reads = sum(weights_per_step - all_experts * (1 - share) for share in shares)
+    seconds = (weight_reads + kv_bytes) / bandwidth + dense.prefill_flops / flops
     return dense, workload.num_output_tokens / seconds
 
 

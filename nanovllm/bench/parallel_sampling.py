@@ -45,21 +45,20 @@ class SamplingRun:
 def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams], name: str) -> SamplingRun:
     """Run ``llm.generate`` once, watching the scheduler (its observer hook): the tokens computed by
     prefill steps, and after each schedule, when a step's blocks are all allocated, the blocks in use."""
-    pool = llm.scheduler.block_manager
     seen = {"prefill": 0, "peak": 0}
 
     def watch(event: str, data: dict) -> None:
         if event == "schedule":
             if data["is_prefill"]:
                 seen["prefill"] += sum(seq.num_scheduled_tokens for seq in data["seqs"])
-            seen["peak"] = max(seen["peak"], pool.num_blocks - pool.num_free_blocks)
+            seen["peak"] = max(seen["peak"], llm.stats().kv_blocks_used)
 
-    previous, llm.scheduler.observer = llm.scheduler.observer, watch
+    previous = llm.set_observer(watch)
     try:
         with Stopwatch(llm.config.device) as clock:
             outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        llm.scheduler.observer = previous
+        llm.set_observer(previous)
     made = sum(len(sample["token_ids"]) for output in outputs for sample in output.get("outputs", [output]))
     return SamplingRun(name, clock.seconds, made, seen["prefill"], seen["peak"])
 

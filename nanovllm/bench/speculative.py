@@ -15,6 +15,7 @@ from nanovllm.bench.engine import PRESETS, make_workload, watch_calls
 from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.config import DEFAULT_SPECULATIVE_TOKENS
+from nanovllm.engine.speculative import DraftCounts
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -47,29 +48,29 @@ def quoting_prompts(count: int) -> list[str]:
 def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
             repeats: int = 1, **settings: Any) -> dict[str, Any]:
     """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
-    ``verify_rows`` overrides `Scheduler.max_verify_rows`): the median tok/s, and the first run's token ids, steps
+    ``verify_rows`` overrides `Speculator.max_verify_rows`): the median tok/s, and the first run's token ids, steps
     and speculation counters."""
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
     try:
-        if verify_rows is not None:
-            llm.scheduler.max_verify_rows = verify_rows
+        if verify_rows is not None and llm.speculator is not None:
+            llm.speculator.max_verify_rows = verify_rows
         # A warm-up request, untimed and not counted.
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        scheduler = llm.scheduler
         steps: list[bool] = []
         runs = []
         for _ in range(repeats):
             # Each run counts its own steps and drafts (the warm-up's, or the run before's, are not counted).
             steps.clear()
-            scheduler.drafted_tokens = scheduler.accepted_tokens = scheduler.verifications = 0
+            counts = DraftCounts()
+            if llm.speculator is not None:
+                llm.speculator.counts = counts
             # A step that computed tokens counts (the first asynchronous call only queues one).
             counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
             with counting, Stopwatch(llm.config.device) as clock:
                 outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-            runs.append((outputs, clock.seconds, sum(steps), scheduler.drafted_tokens, scheduler.accepted_tokens,
-                         scheduler.verifications))
+            runs.append((outputs, clock.seconds, sum(steps), counts.drafted, counts.accepted, counts.verifications))
     finally:
         llm.exit()
         del llm
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         "plain run")
     parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
                         "prompt lookup; it must share the model's tokenizer")
-    parser.add_argument("--verify-rows", type=int, help="override Scheduler.max_verify_rows (the back-off rule)")
+    parser.add_argument("--verify-rows", type=int, help="override Speculator.max_verify_rows (the back-off rule)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")

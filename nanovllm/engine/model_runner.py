@@ -17,7 +17,7 @@ from nanovllm.engine.cuda_graphs import CudaGraphRunner, DecodeStaging, capture_
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
-from nanovllm.layers.context import get_context, host_to_device, reset_context, set_decode_context, set_prefill_context
+from nanovllm.layers.context import host_to_device, reset_context, set_decode_context, set_prefill_context
 from nanovllm.layers.kv_quant import FP8, SCALE_BYTES, values_by_dim
 from nanovllm.layers.linear import agree_min, share_from_rank0
 from nanovllm.layers.sampler import Sampler, sampling_inputs
@@ -31,7 +31,6 @@ __all__ = [
     "allocate_kv",
     "copy_kv_blocks",
     "kv_block_bytes",
-    "kv_cache_kind",
     "kv_cache_summary",
     "kv_cache_torch_dtype",
     "max_useful_blocks",
@@ -39,7 +38,6 @@ __all__ = [
     "prepare_decode",
     "prepare_prefill",
     "prepare_verify",
-    "scale_bytes",
     "verify_rows",
 ]
 
@@ -85,20 +83,12 @@ def _tensor(values: list[int], device: torch.device | str) -> torch.Tensor:
     return host_to_device(values, torch.int64, device)
 
 
-# notebooks/09_model_runner.py · cell "kv cache sizing"
-def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
-    cache's ``dtype``, each row with the scale it carries (`scale_bytes`)."""
-    kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
-    row = head_dim_of(hf_config) * dtype.itemsize + scale_bytes(dtype)
-    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
-
-
 # notebooks/24_fp8_kv_cache.py · cell "runner, 8 bits"
-def scale_bytes(dtype: torch.dtype) -> int:
-    """Bytes of the scale that each cached row of ``dtype`` (one token, one KV head) carries: a float32 for
-    float8, none in the model's dtype."""
-    return SCALE_BYTES if dtype == FP8 else 0
+def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of one KV block (chapter 09); each float8 row (one token, one KV head) carries its float32 scale."""
+    kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
+    row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
+    return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
 
 
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
@@ -106,17 +96,12 @@ def kv_cache_torch_dtype(config: Config) -> torch.dtype:
     return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
 
 
-def kv_cache_kind(dtype: torch.dtype, model_dtype: str) -> str:
-    """How `kv_cache_summary` names a cache of ``dtype``."""
-    return "float8 e4m3 + scales" if dtype == FP8 else model_dtype
-
-
 # notebooks/09_model_runner.py · cell "kv cache sizing"
 def kv_cache_summary(config: Config) -> str:
     """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
     dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
     block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
-    blocks, kind = config.num_kvcache_blocks, kv_cache_kind(dtype, config.dtype)
+    blocks, kind = config.num_kvcache_blocks, str(dtype).removeprefix("torch.")
     rank = " per rank" if config.tensor_parallel_size > 1 else ""
     return (f"KV cache: {blocks:,} blocks x {block_size} tokens = {blocks * block_size:,} tokens, {kind}, "
             f"{block / 2**20:.2f} MiB a block, {blocks * block / 2**30:.2f} GiB{rank}")
@@ -154,11 +139,9 @@ def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     try:
         # Zeros on a GPU, not empty memory: FlashAttention 4 reads whole pages, and a NaN left in an
         # unwritten row of a sequence's last page would poison its output (0 x NaN). It costs milliseconds, once.
-        # A one-byte cache (float8) is allocated as bytes: filling float8 tensors is missing on some devices.
-        raw = torch.uint8 if dtype.itemsize == 1 else dtype
-        cache = torch.zeros(shape, dtype=raw, device=device) if device.type == "cuda" else \
-            torch.empty(shape, dtype=raw, device=device)
-        return cache.view(dtype)
+        if device.type == "cuda":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
     # torch.OutOfMemoryError on a GPU
     except RuntimeError as error:
         cause = str(error).partition("\n")[0]
@@ -174,21 +157,14 @@ def _physical_memory() -> float:
 
 
 # notebooks/09_model_runner.py · cell "copy blocks"
-def copy_kv_blocks(
-    kv_cache: torch.Tensor, copies: list[tuple[int, int]], kv_scales: torch.Tensor | None = None
-) -> None:
+def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
-    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...];
-    ``kv_scales``: an 8-bit cache's scales, [2, layers, blocks, ...] too, copied alike."""
+    every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
     destinations = host_to_device([destination for _, destination in copies], torch.int64, kv_cache.device)
-    for tensor in (kv_cache, kv_scales):
-        if tensor is not None:
-            # A one-byte cache (float8) is copied as bytes: indexing float8 tensors is missing on some devices.
-            data = tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
-            data[:, :, destinations] = data[:, :, sources]
+    kv_cache[:, :, destinations] = kv_cache[:, :, sources]
 
 
 # notebooks/09_model_runner.py · cell "model runner"
@@ -198,14 +174,6 @@ NOT_SAMPLED = -1
 class ModelRunner:
     """Runs the model on the scheduler's steps; owns the model, the KV cache and the sampler."""
 
-    # notebooks/14_cuda_graphs.py · cell "graphs in the runner"
-    # The captured decode graphs: None until compile_ahead captures them, and wherever graphs cannot be used.
-    graphs: CudaGraphRunner | None = None
-    # notebooks/18_async_scheduling.py · cell "runner launches"
-    # Built at the first decode step that replays a graph, over the graphs' buffers.
-    staging: DecodeStaging | None = None
-
-    # notebooks/09_model_runner.py · cell "model runner"
     def __init__(self, config: Config) -> None:
         self.config = config
         self.block_size = config.kvcache_block_size
@@ -220,8 +188,6 @@ class ModelRunner:
             layer.backend = self.attention
         self.sampler = Sampler()
         self.stopped = False
-        # An 8-bit cache's scales, [2, layers, blocks, kv_heads, block_size]; None otherwise.
-        self.kv_scales: torch.Tensor | None = None
         self.kv_cache = self.allocate_kv_cache()
         # The scheduler sizes its block pool from this.
         config.num_kvcache_blocks = self.kv_cache.shape[2]
@@ -238,8 +204,13 @@ class ModelRunner:
             self.sampler.sample_plain = triton_temperature_sample
             self.compile_sampler_kernels()
         # notebooks/14_cuda_graphs.py · cell "graphs in the runner"
-        # Last, once the KV cache exists and the kernels are compiled: the small ops, then the graphs.
+        # Last, once the KV cache exists and the kernels are compiled: the small ops, then the decode graphs (None
+        # where graphs cannot be used).
+        self.graphs: CudaGraphRunner | None = None
         self.compile_ahead()
+        # notebooks/18_async_scheduling.py · cell "runner launches"
+        # Built at the first decode step that replays a graph, over the graphs' buffers.
+        self.staging: DecodeStaging | None = None
 
     # notebooks/11_triton_attention.py · cell "kernels compiled ahead"
     @torch.inference_mode()
@@ -301,36 +272,42 @@ class ModelRunner:
 
     # notebooks/09_model_runner.py · cell "model runner"
     # ---- the KV cache ---------------------------------------------------------
+    # notebooks/24_fp8_kv_cache.py · cell "runner, 8 bits"
     def allocate_kv_cache(self) -> torch.Tensor:
-        hf = self.config.hf_config
-        cache_dtype = kv_cache_torch_dtype(self.config)
-        block_bytes = kv_block_bytes(hf, self.block_size, cache_dtype, self.config.tensor_parallel_size)
-        blocks = self.kv_block_count(block_bytes)
-        kv_heads = max(1, hf.num_key_value_heads // self.config.tensor_parallel_size)
-        layers = len(self.attention_layers)
-        shape = (2, layers, blocks, self.block_size, kv_heads, head_dim_of(hf))
-        setting = "num_kvcache_blocks" if self.config.num_kvcache_blocks > 0 else \
-            "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
-        kv_cache = allocate_kv(shape, cache_dtype, self.device, setting)
+        """The one KV tensor of the model (chapter 09); a float8 one comes with its scales, `kv_scales`
+        [2, layers, blocks, kv_heads, block_size], and each layer gets its views of both."""
+        dtype, setting = kv_cache_torch_dtype(self.config), self.memory_setting()
+        shape = self.kv_cache_shape(dtype)
+        kv_cache = allocate_kv(shape, torch.uint8 if dtype == FP8 else dtype, self.device, setting).view(dtype)
+        self.kv_scales = None
+        if dtype == FP8:
+            # Indexed by block like the cache, so that whatever moves a block moves its scales.
+            two, layers, blocks, block_size, kv_heads, _ = shape
+            scales_shape = (two, layers, blocks, kv_heads, block_size)
+            self.kv_scales = allocate_kv(scales_shape, torch.float32, self.device, setting)
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
-        self.allocate_kv_scales(cache_dtype, (2, layers, blocks, kv_heads, self.block_size), setting)
+            if self.kv_scales is not None:
+                layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
+                # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
+                layer.v_cache = values_by_dim(layer.v_cache)
         return kv_cache
 
-    # notebooks/24_fp8_kv_cache.py · cell "runner, 8 bits"
-    def allocate_kv_scales(self, cache_dtype: torch.dtype, shape: tuple[int, ...], setting: str) -> None:
-        """The scales an 8-bit cache keeps beside its blocks, ``shape`` [2, layers, blocks, kv_heads, block_size],
-        handed to the layers with their caches: a cache in the model's dtype has none."""
-        if cache_dtype != FP8:
-            return
-        # Indexed by block like the cache, so that whatever moves a block moves its scales.
-        self.kv_scales = allocate_kv(shape, torch.float32, self.device, setting)
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_scales, layer.v_scales = self.kv_scales[0, i], self.kv_scales[1, i]
-            # A float8 cache keeps each block's values by dimension, [kv_heads, d, block_size].
-            layer.v_cache = values_by_dim(layer.v_cache)
-
     # notebooks/09_model_runner.py · cell "model runner"
+    def kv_cache_shape(self, dtype: torch.dtype) -> tuple[int, ...]:
+        """[2, layers, blocks, block_size, kv_heads, head_dim], with as many blocks of ``dtype`` as
+        `kv_block_count` allows."""
+        hf, ranks = self.config.hf_config, self.config.tensor_parallel_size
+        blocks = self.kv_block_count(kv_block_bytes(hf, self.block_size, dtype, ranks))
+        kv_heads = max(1, hf.num_key_value_heads // ranks)
+        return (2, len(self.attention_layers), blocks, self.block_size, kv_heads, head_dim_of(hf))
+
+    def memory_setting(self) -> str:
+        """The setting that bounds the KV pool here: the one to change when the pool does not fit."""
+        if self.config.num_kvcache_blocks > 0:
+            return "num_kvcache_blocks"
+        return "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
+
     def kv_block_count(self, block_bytes: int) -> int:
         """How many KV blocks to allocate: the configured count, else what this device's memory holds."""
         available = self._cuda_budget() if self.device.type == "cuda" else None
@@ -373,65 +350,51 @@ class ModelRunner:
         reset_context()
 
     # ---- one step -------------------------------------------------------------
+    # notebooks/18_async_scheduling.py · cell "runner launches"
     @torch.inference_mode()
     def compute_logits(
-        self, seqs: list[Sequence], is_prefill: bool, previous: object | None = None
+        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None
     ) -> torch.Tensor | None:
-        """The forward of one step: one row of logits per sequence (None on tensor-parallel ranks other than 0).
-
-        ``previous``: with asynchronous scheduling, the step still computing this step's last tokens (its
-        `SampledTokens`: see `with_pending_tokens`); None when every last token is known.
-        """
+        """The forward of one step: one row of logits per sequence, its last computed token's. ``previous``: the step
+        still computing this step's last tokens (its `SampledTokens`), None when every last token is known."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
-        # The engine refuses longer requests up front; the KV cache is sized for max_model_len.
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-        # Copy-on-write: before this step writes into the fresh blocks, give them the
-        # shared blocks' K/V, queued ahead of the step's stores.
-        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
-        replayed = self.replay_decode(seqs, is_prefill, previous)
-        if replayed is not None:
-            return self.model.compute_logits(replayed)
+        pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
+        assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+        self.copy_blocks(seqs)
+        if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
+            return self.model.compute_logits(self.replay_staged(seqs, previous if pending else None))
+        prepare = prepare_prefill if is_prefill else prepare_decode
         try:
-            if is_prefill:
-                input_ids, positions = prepare_prefill(seqs, self.block_size, self.device)
-            else:
-                input_ids, positions = prepare_decode(seqs, self.block_size, self.device)
-                input_ids = self.with_pending_tokens(seqs, input_ids, previous)
-            return self.model.compute_logits(self.forward(input_ids, positions, is_prefill))
+            input_ids, positions = prepare(seqs, self.block_size, self.device)
+            if pending:
+                input_ids = previous.input_ids_for(seqs, input_ids)
+            return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
 
-    # notebooks/18_async_scheduling.py · cell "runner launches"
-    def replay_decode(
-        self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None
-    ) -> torch.Tensor | None:
-        """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens
-        taken from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some
-        twenty torch operations, in two). None for every other step, which builds its inputs."""
-        if is_prefill or self.graphs is None or not self.graphs.covers(len(seqs)):
-            return None
+    def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
+        """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens written
+        from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some twenty
+        torch operations, in two)."""
         if self.staging is None:
             self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
         self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
-        if _has_pending_tokens(seqs, previous):
+        if previous is not None:
             previous.write_pending(seqs, self.graphs.buffers.input_ids[: len(seqs)])
         return self.graphs.replay_loaded(len(seqs))
 
-    def with_pending_tokens(
-        self, seqs: list[Sequence], input_ids: torch.Tensor, previous: SampledTokens | None
-    ) -> torch.Tensor:
-        """A decode step's input ids, its pending tokens gathered from ``previous`` on the device."""
-        if not _has_pending_tokens(seqs, previous):
-            return input_ids
-        return previous.input_ids_for(seqs, input_ids)
-
-    # notebooks/14_cuda_graphs.py · cell "graphs in the runner"
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        """The model's hidden states for a step's flat inputs; a decode batch that fits a graph replays it."""
-        if not is_prefill and self.graphs is not None and self.graphs.covers(len(input_ids)):
-            return self.graphs.replay(input_ids, positions, get_context())
-        return self.model(input_ids, positions)
+    # notebooks/24_fp8_kv_cache.py · cell "runner, 8 bits"
+    def copy_blocks(self, seqs: list[Sequence]) -> None:
+        """The copy-on-write copies planned for ``seqs`` (chapter 09); a float8 cache's blocks as bytes, and their
+        scales with them."""
+        copies = [pair for seq in seqs for pair in seq.blocks_to_copy]
+        if self.kv_scales is None:
+            copy_kv_blocks(self.kv_cache, copies)
+            return
+        copy_kv_blocks(self.kv_cache.view(torch.uint8), copies)
+        copy_kv_blocks(self.kv_scales, copies)
 
     # notebooks/18_async_scheduling.py · cell "runner launches"
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
@@ -469,8 +432,9 @@ class ModelRunner:
         whole = picks == list(range(len(seqs)))
         return rows, self.sampler(logits if whole else logits[picks], **inputs)
 
+    # notebooks/24_fp8_kv_cache.py · cell "runner, 8 bits"
     def exit(self) -> None:
-        """Release the KV cache and refuse further steps (the tensor-parallel runner also stops its rank processes)."""
+        """Release the KV cache and its scales, and refuse further steps (chapter 09)."""
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
@@ -484,10 +448,10 @@ class ModelRunner:
         returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
-        copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy], self.kv_scales)
+        self.copy_blocks(seqs)
         num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
         if self.graphs is not None and self.graphs.covers(num_rows):
-            # A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_decode`
+            # A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_staged`
             # runs one.
             if self.staging is None:
                 self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
@@ -587,15 +551,6 @@ class SampledTokens:
             torch.clamp(self.on_device[: len(seqs)], min=0, out=input_ids)
         else:
             input_ids.copy_(self.input_ids_for(seqs, input_ids))
-
-
-# notebooks/18_async_scheduling.py · cell "runner launches"
-def _has_pending_tokens(seqs: list[Sequence], previous: SampledTokens | None) -> bool:
-    """Whether a decode step's last tokens are still pending; ``previous``, the step that samples them, must then
-    be given. Each decode step asks once: on the staged path or on the one that builds its inputs."""
-    pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
-    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
-    return pending
 
 
 # notebooks/25_speculative_decoding.py · cell "runner verifies"

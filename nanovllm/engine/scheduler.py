@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus, sibling_samples
 
 __all__ = [
     "Observer",
-    "Proposer",
     "Scheduler",
 ]
 
@@ -28,31 +26,6 @@ Observer = Callable[[str, dict], None]
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
 
-    # notebooks/20_robustness.py · cell "observers wait"
-    # Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
-    observer_errors = None
-    # notebooks/25_speculative_decoding.py · cell "scheduler reserves drafts"
-    # The back-off rule, measured in the section "When it pays". At most max_verify_rows rows in a verify step (a
-    # row: a sequence's last token or one of its drafts), and no drafts at all when that leaves a sequence fewer
-    # than min_drafts: fewer drafts as the batch grows, none past 5 sequences. And a verify step costs two or more
-    # decode steps: a sequence whose recent verify steps gave fewer than min_tokens_per_verify tokens gets no
-    # drafts for its next draft_pause_tokens tokens, twice that if it pauses again without a good verify step in
-    # between, and so on up to max_draft_pause_tokens: drafts that never pay cost less and less.
-    max_verify_rows: int = 16
-    min_drafts: int = 2
-    min_tokens_per_verify: float = 2.0
-    draft_pause_tokens: int = 16
-    max_draft_pause_tokens: int = 512
-    # notebooks/25_speculative_decoding.py · cell "scheduler accepts drafts"
-    # So far: draft tokens verified, draft tokens accepted (the acceptance rate is their ratio), and sequences
-    # verified with drafts, one per sequence and step (1 + accepted / verifications is the mean tokens a step gives).
-    drafted_tokens = 0
-    accepted_tokens = 0
-    verifications = 0
-    # Accepted drafts by their position in a step's drafts (0: the first draft), as far as any step drafted.
-    accepted_by_position: tuple[int, ...] = ()
-
-    # notebooks/04_scheduler.py · cell "scheduler"
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True):
         self.max_num_seqs = max_num_seqs
@@ -62,7 +35,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.observer: Observer | None = None
+        # notebooks/20_robustness.py · cell "observers wait"
+        # Where an engine collects what the observer raises; None (a bare scheduler): raise it at once.
+        self.observer_errors: list[BaseException] | None = None
 
+    # notebooks/04_scheduler.py · cell "scheduler"
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
@@ -208,9 +185,7 @@ class Scheduler:
             if index is None:
                 continue
             seq.set_token(index, token_id)
-            params = seq.sampling_params
-            completion_tokens = index + 1 - seq.num_prompt_tokens
-            if (not params.ignore_eos and token_id in self.eos_token_ids) or completion_tokens >= params.max_tokens:
+            if self._reached_end(seq, token_id, index + 1):
                 self._finish(seq, num_tokens=index + 1)
                 finished.append(seq)
         self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
@@ -244,11 +219,12 @@ class Scheduler:
                 self.observer_errors.append(error)
 
     # notebooks/04_scheduler.py · cell "scheduler"
-    def _reached_end(self, seq: Sequence, token_id: int) -> bool:
-        """An end-of-sequence token (unless ``ignore_eos``), or the last token ``max_tokens`` allows."""
+    def _reached_end(self, seq: Sequence, token_id: int, num_tokens: int) -> bool:
+        """Whether ``token_id``, the ``num_tokens``-th token of ``seq``, ends it: an end-of-sequence token (unless
+        ``ignore_eos``), or the last token that ``max_tokens`` allows."""
         params = seq.sampling_params
         eos = not params.ignore_eos and token_id in self.eos_token_ids
-        return eos or seq.num_completion_tokens >= params.max_tokens
+        return eos or num_tokens - seq.num_prompt_tokens >= params.max_tokens
 
     # notebooks/18_async_scheduling.py · cell "scheduler in two halves"
     def _finish(self, seq: Sequence, num_tokens: int | None = None) -> None:
@@ -291,31 +267,18 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     # notebooks/25_speculative_decoding.py · cell "scheduler reserves drafts"
-    def reserve_drafts(self, seqs: list[Sequence], proposer: Proposer) -> int:
-        """Append drafts to the sequences of a scheduled decode step, with the blocks their K/V needs, within the token
-        budget and `max_verify_rows`; returns how many drafts the step now verifies."""
-        budget = self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
-        per_sequence = self.drafts_per_sequence(len(seqs))
-        wanting: list[tuple[Sequence, int]] = []
-        for seq in seqs:
-            assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
-            # The sequence's last allowed token is a model token, never a kept draft.
-            room = min(per_sequence, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
-            if room > 0 and self.may_draft(seq):
-                wanting.append((seq, room))
-        # All at once where the budget covers every room (then each sequence gets what it would one at a time).
-        propose_many = getattr(proposer, "propose_many", None)
-        batched = None
-        if propose_many is not None and wanting and sum(room for _, room in wanting) <= budget:
-            batched = propose_many([seq.token_ids for seq, _ in wanting], [room for _, room in wanting])
+    def budget_left(self, seqs: list[Sequence]) -> int:
+        """How many more tokens a scheduled step of ``seqs`` may compute within `max_num_batched_tokens`."""
+        return self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
+
+    def reserve_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> int:
+        """Append each sequence's ``drafts`` to it, with the blocks their K/V needs; a sequence whose drafts would need
+        a block that is not free decodes without them. Returns how many drafts the step now verifies."""
         reserved = 0
-        for index, (seq, room) in enumerate(wanting):
-            room = min(room, budget)
-            if room <= 0:
-                continue
-            draft = batched[index] if batched is not None else proposer.propose(seq.token_ids, room)
+        for seq, draft in zip(seqs, drafts, strict=True):
             if not draft:
                 continue
+            assert seq.last_token != PENDING_TOKEN, f"drafts need the last token, still being computed: {seq}"
             for token_id in draft:
                 seq.append_token(token_id)
             if not self.block_manager.can_append(seq):
@@ -325,27 +288,17 @@ class Scheduler:
             self.block_manager.may_append(seq)
             seq.num_draft_tokens = len(draft)
             seq.num_scheduled_tokens += len(draft)
-            budget -= len(draft)
             reserved += len(draft)
         if reserved:
             self._notify("drafts", {"seqs": seqs})
         return reserved
 
-    def drafts_per_sequence(self, batch: int) -> int:
-        """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves it, or 0
-        when that is fewer than `min_drafts`."""
-        drafts = self.max_verify_rows // max(1, batch) - 1
-        return drafts if drafts >= self.min_drafts else 0
-
-    def may_draft(self, seq: Sequence) -> bool:
-        """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
-        return len(seq) >= seq.drafts_resume_at
-
     # notebooks/25_speculative_decoding.py · cell "scheduler accepts drafts"
-    def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> list[int]:
+    def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> tuple[list[int], list[int]]:
         """Keep each sequence's drafts up to the first that its ``targets`` (the model's token after the last token and
-        after each draft) disagree with, and roll back the rest. Returns each sequence's one new token: the step is now
-        a plain decode step of the last kept token, for `advance` and `resolve` to record."""
+        after each draft) disagree with, and roll back the rest. Returns each sequence's one new token (the step is
+        now a plain decode step of the last kept token, for `advance` and `resolve` to record) and how many drafts
+        it kept."""
         new_tokens, drafted, kept_drafts = [], [], []
         for seq, target in zip(seqs, targets, strict=True):
             assert len(target) == seq.num_scheduled_tokens, f"{len(target)} tokens to verify {seq}"
@@ -356,45 +309,19 @@ class Scheduler:
                 if draft != token_id:
                     break
                 seq.append_token(token_id)
-                if self._reached_end(seq, token_id):
+                if self._reached_end(seq, token_id, len(seq)):
                     # An accepted draft that ends the sequence is its new token: resolve finishes it there.
                     seq.truncate(len(seq) - 1)
                     break
             kept = len(seq) - start
-            if drafts:
-                self.note_verify(seq, 1 + kept)
-                counts = self.accepted_by_position
-                counts += (0,) * (len(drafts) - len(counts))
-                self.accepted_by_position = tuple(count + (i < kept) for i, count in enumerate(counts))
-            self.drafted_tokens += len(drafts)
-            self.accepted_tokens += kept
-            self.verifications += bool(drafts)
             seq.num_cached_tokens, seq.num_scheduled_tokens, seq.num_draft_tokens = len(seq) - 1, 1, 0
             self.block_manager.trim(seq)
             new_tokens.append(target[kept])
             drafted.append(len(drafts))
             kept_drafts.append(kept)
         self._notify("verified", {"seqs": seqs, "drafted": drafted, "kept": kept_drafts})
-        return new_tokens
+        return new_tokens, kept_drafts
 
-    # notebooks/25_speculative_decoding.py · cell "scheduler reserves drafts"
-    def note_verify(self, seq: Sequence, tokens: int) -> None:
-        """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls below
-        `min_tokens_per_verify` (for twice as long as the pause before, when no good verify step came in between)."""
-        # A new sequence starts trusted: two verify steps that keep nothing pause it.
-        recent = seq.recent_tokens_per_verify
-        recent = (2 * self.min_tokens_per_verify if recent is None else recent) / 2 + tokens / 2
-        if tokens >= self.min_tokens_per_verify:
-            seq.draft_pauses = 0
-        if recent < self.min_tokens_per_verify:
-            pause = min(self.draft_pause_tokens << seq.draft_pauses, self.max_draft_pause_tokens)
-            seq.drafts_resume_at = len(seq) + pause
-            seq.draft_pauses += 1
-            # Back on the line: after the pause, one good verify step keeps it drafting, one poor one pauses it again.
-            recent = self.min_tokens_per_verify
-        seq.recent_tokens_per_verify = recent
-
-    # notebooks/25_speculative_decoding.py · cell "scheduler accepts drafts"
     def drop_drafts(self, seqs: list[Sequence]) -> None:
         """Undo `reserve_drafts` for a step that was never computed: the drafts and the blocks only they needed go."""
         for seq in seqs:
@@ -403,12 +330,3 @@ class Scheduler:
                 seq.num_scheduled_tokens -= seq.num_draft_tokens
                 seq.num_draft_tokens = 0
                 self.block_manager.trim(seq)
-
-
-# notebooks/25_speculative_decoding.py · cell "scheduler reserves drafts"
-class Proposer(Protocol):
-    """What `Scheduler.reserve_drafts` asks of a proposer (`engine.speculative.NgramProposer` is one). A proposer
-    may also have ``propose_many(token_lists, limits)``, the drafts of several sequences at once (a draft model
-    batches them); `reserve_drafts` calls it where the token budget cannot run out before the last sequence."""
-
-    def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...

@@ -47,21 +47,6 @@ class Sequence:
         SequenceStatus.RUNNING: frozenset({SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED}),
         SequenceStatus.FINISHED: frozenset({SequenceStatus.FINISHED}),
     }
-    # notebooks/17_tp_runtime.py · cell "sequence on the wire"
-    # Index of token_ids[0] in the whole sequence: 0, except in a slim copy that a rank unpickled.
-    first_token_index: int = 0
-    # notebooks/21_serving.py · cell "streamed tokens"
-    # How many completion tokens `LLMEngine.step_tokens` has reported for this sequence so far.
-    num_streamed_tokens: int = 0
-    # notebooks/25_speculative_decoding.py · cell "drafts in the block table"
-    # How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
-    num_draft_tokens: int = 0
-    # The back-off rule's memory of this sequence (section "When it pays"): the recent mean of the tokens its verify
-    # steps gave (None before the first), the length it must reach before it gets drafts again, and how many times
-    # in a row it paused them (each pause twice as long as the one before).
-    recent_tokens_per_verify: float | None = None
-    drafts_resume_at: int = 0
-    draft_pauses: int = 0
 
     # notebooks/01_sequence.py · cell "sequence"
     def __init__(self, token_ids: Iterable[int], sampling_params: SamplingParams | None = None, *, block_size: int):
@@ -82,6 +67,15 @@ class Sequence:
         self.sample_index = 0
         self.pending_forks = self.sampling_params.n - 1
         self.blocks_to_copy: list[tuple[int, int]] = []
+        # notebooks/17_tp_runtime.py · cell "sequence on the wire"
+        # Index of token_ids[0] in the whole sequence: 0, except in a slim copy that a rank unpickled.
+        self.first_token_index = 0
+        # notebooks/21_serving.py · cell "streamed tokens"
+        # How many completion tokens `LLMEngine.step_tokens` has reported for this sequence so far.
+        self.num_streamed_tokens = 0
+        # notebooks/25_speculative_decoding.py · cell "drafts in the block table"
+        # How many of the sequence's last tokens are drafts that the step in progress verifies (0 outside it).
+        self.num_draft_tokens = 0
 
     # notebooks/01_sequence.py · cell "sequence"
     # ---- status -------------------------------------------------------------

@@ -34,24 +34,25 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.scale, self.num_kv_heads = num_heads, head_dim, scale, num_kv_heads
         # notebooks/07_attention.py · cell "attention layer"
         self.k_cache = self.v_cache = torch.tensor([])
-        # An 8-bit cache also holds one scale per token and KV head; None for a 16-bit cache.
-        self.k_scales: torch.Tensor | None = None
-        self.v_scales: torch.Tensor | None = None
         # The torch reference until the model runner hands every layer the configured backend.
         self.backend: AttentionBackend = TorchBackend()
+        # notebooks/11_triton_attention.py · cell "building the chosen backend"
+        # An 8-bit cache's scales, one per token and KV head, [blocks, kv_heads, block_size]; None for a cache in
+        # the model's dtype.
+        self.k_scales: torch.Tensor | None = None
+        self.v_scales: torch.Tensor | None = None
 
+    # notebooks/24_fp8_kv_cache.py · cell "reference backend, 8 bits"
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
-        """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
-
-        ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
+        """Chapter 07's forward; an 8-bit cache's scales go to the backend with the cache."""
         context = get_context()
-        scales = {"k_scales": self.k_scales, "v_scales": self.v_scales}
+        scales = {} if self.k_scales is None else {"k_scales": self.k_scales, "v_scales": self.v_scales}
         if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, **scales)
         if context.is_prefill:
-            if self.k_scales is not None and context.block_tables is None:
-                # An 8-bit cache: a prefill without a cached prefix attends to what the cache now
-                # holds, as every later read will, so a prompt's tokens do not depend on how it was chunked.
+            if scales and context.block_tables is None:
+                # A prefill without a cached prefix attends to what the cache now holds, as every later read will,
+                # so a prompt's tokens do not depend on how it was chunked.
                 k, v = self.backend.round_trip(k), self.backend.round_trip(v)
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, **scales)
         return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, **scales)
@@ -59,28 +60,20 @@ class Attention(nn.Module):
 
 # notebooks/07_attention.py · cell "backend interface"
 class AttentionBackend(Protocol):
-    """What an attention implementation provides (shapes in the comments of `TorchBackend`).
-
-    ``k_scales``/``v_scales``: None for a cache in the model's dtype; for an 8-bit cache, one float32
-    scale per token and KV head of each block, [blocks, kv_heads, block_size], beside the float8 K/V."""
+    """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor,
     ) -> None: ...  # fmt: skip
-
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache gives back for ``x`` [T, kv_heads, d] (an 8-bit cache: ``x`` quantized, then dequantized)."""
-        ...
 
     def prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+        context: Context, scale: float,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
-        k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor: ...  # fmt: skip
 
 
@@ -131,63 +124,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 class TorchBackend:
     """The reference backend: readable, runs on any device, defines correctness."""
 
+    # notebooks/24_fp8_kv_cache.py · cell "reference backend, 8 bits"
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
-        # k, v: [T, kv_heads, d]; slot -1 marks padded rows that must not be stored.
+        """Chapter 07's store; into an 8-bit cache (``k_scales``, ``v_scales``), each row quantized beside its scale."""
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
-        if k_scales is not None:
-            self.store_float8(k[keep], v[keep], k_cache, v_cache, slots, k_scales, v_scales)
+        if k_scales is None:
+            flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
+            flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
             return
-        flat_cache(k_cache)[slots] = k[keep].to(k_cache.dtype)
-        flat_cache(v_cache)[slots] = v[keep].to(v_cache.dtype)
+        store_quantized(k[keep], k_cache, k_scales, slots)
+        store_quantized(v[keep], v_cache, v_scales, slots, by_dim=True)
 
-    # notebooks/24_fp8_kv_cache.py · cell "reference backend, 8 bits"
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What an 8-bit cache gives back for ``x``: quantized, then dequantized (the module's `round_trip`)."""
-        return round_trip_kv(x)
-
-    # notebooks/07_attention.py · cell "torch backend"
-    def gather(
-        self, cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
-        by_dim: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        """The first ``length`` tokens of one sequence (`gather_paged`); an 8-bit cache's (``scales``) dequantized,
-        ``by_dim``: the values, which an 8-bit cache keeps by dimension."""
-        if scales is not None:
-            return self.gather_float8(cache, scales, block_table, length, by_dim)
-        return gather_paged(cache, block_table, length)
-
-    # notebooks/24_fp8_kv_cache.py · cell "reference backend, 8 bits"
-    def store_float8(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-        k_scales: torch.Tensor, v_scales: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """Write rows k, v [n, kv_heads, d] into rows ``slots`` of a float8 cache, each with its scale."""
-        store_quantized(k, k_cache, k_scales, slots)
-        store_quantized(v, v_cache, v_scales, slots, by_dim=True)
-
-    def gather_float8(
-        self, cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: int, by_dim: bool = False
-    ) -> torch.Tensor:  # fmt: skip
-        """The first ``length`` tokens of one sequence from a float8 cache, dequantized."""
-        return gather_quantized(cache, scales, block_table, length, by_dim)
-
-    # notebooks/07_attention.py · cell "torch backend"
     def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context: Context,
-        scale: float,
-        k_scales: torch.Tensor | None = None,
-        v_scales: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Chapter 07's prefill, reading a cached prefix through `gather`."""
         paged = context.block_tables is not None
         assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
         cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
@@ -198,26 +154,36 @@ class TorchBackend:
             if paged:
                 keys = self.gather(k_cache, context.block_tables[i], n_k, k_scales)
                 values = self.gather(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True)
-            # no cached prefix: set_prefill_context made sure of it
             else:
                 keys, values = k[q_start:q_end], v[q_start:q_end]
             out[q_start:q_end] = causal_attention(q[q_start:q_end], keys.to(q.dtype), values.to(q.dtype), scale)
         return out
 
+    def gather(
+        self, cache: torch.Tensor, block_table: torch.Tensor, length: int, scales: torch.Tensor | None = None,
+        by_dim: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """The first ``length`` tokens of one sequence (`gather_paged`); from an 8-bit cache (``scales``), dequantized,
+        ``by_dim``: the values, which an 8-bit cache keeps by dimension."""
+        if scales is None:
+            return gather_paged(cache, block_table, length)
+        return gather_quantized(cache, scales, block_table, length, by_dim)
+
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
         k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        # q: [B, H, d], one new token per sequence; its KV is already in the cache.
+        """Chapter 07's decode, reading each context through `gather`."""
         assert k_cache.numel(), "decode attention needs a KV cache"
-        # One sequence at a time, like prefill: each reads exactly its context_len keys, so no
-        # padding is read and nothing needs masking (on a CPU this also beats one padded call).
         out = torch.zeros_like(q)
         for i, n_k in enumerate(context.context_lens.tolist()):
             if n_k == 0:
-                # A padded row (context_len 0, e.g. from a CUDA graph batch) attends to nothing: output 0.
                 continue
             keys = self.gather(k_cache, context.block_tables[i], n_k, k_scales).to(q.dtype)
             values = self.gather(v_cache, context.block_tables[i], n_k, v_scales, by_dim=True).to(q.dtype)
             out[i] = causal_attention(q[i : i + 1], keys, values, scale)[0]
         return out
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """What an 8-bit cache gives back for ``x``: quantized, then dequantized (the module's `round_trip`)."""
+        return round_trip_kv(x)

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nanovllm.engine.llm_engine import LLMEngine, NonFiniteLogitsError
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.outbox import NonFiniteLogitsError
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -163,7 +164,7 @@ class EngineDriver:
         self.request_ids: dict[int, int] = {}
         self.stats = ServerStats()
         self.watch = SchedulerWatch(self.stats, engine.config.kvcache_block_size)
-        engine.scheduler.observer = self.watch
+        engine.set_observer(self.watch)
         # Of the current step, sent in one message
         self.events: list[tuple] = []
         self.frames: list[dict] = []
@@ -290,11 +291,10 @@ class EngineDriver:
             self.frames.append(frame)
 
     def _update_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        bm = scheduler.block_manager
-        self.stats.num_requests_running = len({seq.request_id for seq in scheduler.running})
-        self.stats.num_requests_waiting = len({seq.request_id for seq in scheduler.waiting})
-        self.stats.kv_cache_usage = len(bm.used_block_ids) / bm.num_blocks
+        now = self.engine.stats()
+        self.stats.num_requests_running = now.requests_running
+        self.stats.num_requests_waiting = now.requests_waiting
+        self.stats.kv_cache_usage = now.kv_cache_usage
         for read in ENGINE_COUNTERS:
             self.stats.engine_counters.update(read(self.engine))
 
@@ -321,13 +321,13 @@ class EngineDriver:
 # notebooks/25_speculative_decoding.py · cell "speculation counters"
 def speculation_counters(engine: LLMEngine) -> dict[str, float]:
     """A speculating engine's counters for /metrics, with vLLM's names (none without speculation)."""
-    if engine.config.speculative_method is None:
+    if engine.speculator is None:
         return {}
-    scheduler = engine.scheduler
-    counters = {"spec_decode_num_drafts": scheduler.verifications,
-                "spec_decode_num_draft_tokens": scheduler.drafted_tokens,
-                "spec_decode_num_accepted_tokens": scheduler.accepted_tokens}
-    for position, count in enumerate(scheduler.accepted_by_position):
+    counts = engine.speculator.counts
+    counters = {"spec_decode_num_drafts": counts.verifications,
+                "spec_decode_num_draft_tokens": counts.drafted,
+                "spec_decode_num_accepted_tokens": counts.accepted}
+    for position, count in enumerate(counts.accepted_by_position):
         counters[f'spec_decode_num_accepted_tokens_per_pos{{position="{position}"}}'] = count
     return counters
 

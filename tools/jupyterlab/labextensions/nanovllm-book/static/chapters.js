@@ -6,7 +6,7 @@
 // jupytext notebook therefore opened the package's generated modules as notebooks too, and saving
 // one rewrote it. So the chapters get their own type, "book-chapter", matched by their names
 // (NN_topic.py, NNb_topic.py, or a letter for an appendix: A_visualization.py), which no Python
-// module can carry (a module name cannot start with a digit); tests/test_lab.py checks that
+// module can carry (a module name cannot start with a digit); tests/book/test_lab.py checks that
 // the pattern names every chapter and no other .py file of the repository. Its default viewer is
 // set to "Jupytext Notebook" in ../../overrides.json; every other .py file keeps JupyterLab's own
 // default, the text editor.
