@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
+from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 from nanovllm.utils.checks import check
 
@@ -219,6 +221,10 @@ class Config:
         if vocab != self.hf_config.vocab_size:
             raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
                              f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
+        mine, theirs = load_tokenizer(self.model), load_tokenizer(self.speculative_model)
+        if mine.get_vocab() != theirs.get_vocab() or _bpe_merges(mine) != _bpe_merges(theirs):
+            raise ValueError(f"speculative_model {self.speculative_model} has a tokenizer of the same size with other "
+                             "token ids or merges: a draft model must share the model's tokenizer")
 
     # notebooks/09_model_runner.py · cell "config"
     def _check_numbers(self) -> None:
@@ -339,3 +345,9 @@ SPECULATIVE_METHODS = ("ngram", "draft")
 # it replays (two sequences fill the graph of 16). Measured on an H200 (the section "On a GPU, recorded"):
 # batch 1 ran at 2.35x the plain engine with 7 drafts against 1.92x with 4, batch 2 at 1.48x against 1.26x.
 DEFAULT_SPECULATIVE_TOKENS = 7
+
+
+def _bpe_merges(tokenizer: Any) -> list | None:
+    """A fast tokenizer's BPE merges (None for a slow one, or another kind)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else json.loads(backend.to_str())["model"].get("merges")

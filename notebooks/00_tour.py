@@ -101,6 +101,7 @@ from IPython.display import SVG, display
 
 def architecture_svg() -> str:
     """Boxes for the engine's parts, labelled with the chapter that builds each one."""
+    # zh: 给引擎的各个部分画上方框，每个方框标着构建它的那一章。
     boxes = [
         (20, 20, "LLM.generate", "10"),
         (20, 110, "Sequence", "01"),

@@ -101,6 +101,7 @@ from IPython.display import SVG, display
 
 def state_machine_svg() -> str:
     """Draw the three states and their transitions (labels are the code's own names)."""
+    # zh: 画出三种状态以及它们之间的转换（标签用的是代码里的名字）。
     box = '<rect x="{x}" y="70" width="130" height="54" rx="12" fill="{fill}" stroke="#37474f" stroke-width="2"/>'
     label = '<text x="{x}" y="103" text-anchor="middle" font-family="monospace" font-size="16">{text}</text>'
     note = (
@@ -184,6 +185,10 @@ def check(name: str, value: Any, kind: type, ok: Callable[[Any], bool] | None = 
     ``name`` and states ``rule``. A ``float`` field takes any finite number; ``object`` leaves the test to ``ok``.
     NumPy scalars count as the numbers they hold (``np.int64(4)`` is an int, ``np.True_`` a bool) and come
     back as plain Python values, which pickle and print as users expect."""
+    # zh: ``value`` 是一个普通的 ``kind`` 且 ``ok`` 成立时，原样返回它；否则抛出 TypeError 或 ValueError，
+    # zh: 写明 ``name``，并说出 ``rule``。``float`` 字段接受任何有限的数；``object`` 把检查交给 ``ok``。
+    # zh: NumPy 标量按它所装的数来算（``np.int64(4)`` 是 int，``np.True_`` 是 bool），返回时变成普通的 Python 值，
+    # zh: pickle 和打印都会如用户所料。
     # en: bool is a subclass of int, but `max_tokens=True` is surely a mistake.
     # zh: bool 是 int 的子类，但 `max_tokens=True` 一定是写错了。
     is_bool = isinstance(value, (bool, np.bool_))
@@ -234,6 +239,16 @@ class SamplingParams:
     n: how many completions to sample for the prompt (parallel sampling): the
     prompt is computed once and its n samples share its KV blocks until they diverge.
     """
+    # zh: 如何为一个提示词生成后续内容。
+    # zh:
+    # zh: temperature：0 表示贪心解码（总是取概率最大的 token）；越大越随机。
+    # zh: max_tokens：最多生成多少个 token（至少 1 个）。
+    # zh: ignore_eos：遇到序列结束 token 之后继续生成（基准测试用）。
+    # zh: top_k：只保留概率最大的 k 个 token（None：不限）。
+    # zh: top_p：保留累计概率达到 top_p 的最小 token 集合（1.0：不限）。
+    # zh: seed：让这个请求的采样可复现，不管批次里还有别的什么。
+    # zh: n：为这个提示词采样多少个生成内容（并行采样）：提示词只计算一次，
+    # zh: 它的 n 个样本共享它的 KV 块，直到它们分道扬镳。
 
     temperature: float = 1.0
     max_tokens: int = 64
@@ -264,6 +279,7 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when the most likely token is always taken (temperature 0)."""
+        # zh: 总是取概率最大的 token（温度为 0）时为 True。
         return self.temperature == 0
 
 # %% [markdown] tags=["en"]
@@ -369,6 +385,10 @@ class Sequence:
     ``block_size`` is passed explicitly: a sequence never falls back on a default of its own
     (upstream nano-vllm's class-level default broke its tensor-parallel path).
     """
+    # zh: 引擎里的一个请求：它的 token、它的进度以及它的缓存块。
+    # zh:
+    # zh: ``block_size`` 显式传入：序列从不退回到自己的默认值
+    # zh: （上游 nano-vllm 的类级默认值弄坏了它的张量并行路径）。
 
     _ids = count()
     # en: Which status may follow which: WAITING -> RUNNING (scheduled), RUNNING -> WAITING
@@ -433,10 +453,12 @@ class Sequence:
     @property
     def scheduled_token_ids(self) -> list[int]:
         """The tokens this step computes: ``num_scheduled_tokens`` of them after the cached ones."""
+        # zh: 这一步计算的 token：缓存的 token 之后的 ``num_scheduled_tokens`` 个。
         return self.token_ids[self.num_cached_tokens : self.num_cached_tokens + self.num_scheduled_tokens]
 
     def append_token(self, token_id: int) -> None:
         """Record a generated token (its KV is computed by the next step, not this one)."""
+        # zh: 记下一个生成的 token（它的 KV 由下一步计算，不是这一步）。
         self.token_ids.append(_token_id(token_id, self.num_tokens))
         self.num_tokens += 1
 
@@ -445,20 +467,24 @@ class Sequence:
     @property
     def num_blocks(self) -> int:
         """Blocks needed to hold all tokens: ceil(num_tokens / block_size)."""
+        # zh: 装下所有 token 所需的块数：ceil(num_tokens / block_size)。
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks completely filled with cached KV."""
+        # zh: 完全写满了缓存 KV 的块数。
         return self.num_cached_tokens // self.block_size
 
     @property
     def last_block_num_tokens(self) -> int:
         """Tokens in the last block (1 … block_size)."""
+        # zh: 最后一块里的 token 数（1 … block_size）。
         return self.num_tokens - (self.num_blocks - 1) * self.block_size
 
     def block(self, i: int) -> list[int]:
         """The token ids that block ``i`` of this sequence holds (the last one may be partial)."""
+        # zh: 这个序列的第 ``i`` 块装着的 token id（最后一块可能没写满）。
         assert 0 <= i < self.num_blocks, f"block {i} of a sequence of {self.num_blocks} blocks"
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
@@ -470,6 +496,7 @@ class Sequence:
 
 def checked_token_ids(token_ids: Iterable[int]) -> list[int]:
     """A prompt's token ids as a list of ints, or a TypeError / ValueError that says what is wrong."""
+    # zh: 提示词的 token id，作为一个 int 列表；出错时抛出 TypeError / ValueError，说明哪里不对。
     # en: Lists, tuples, NumPy arrays and 1-D tensors are fine; text and unordered
     # en: collections are mistakes.
     # zh: 列表、元组、NumPy 数组和一维张量都可以；字符串和无序集合则是写错了。
@@ -529,6 +556,7 @@ from dataclasses import FrozenInstanceError, dataclass
 @dataclass
 class MutableParams:
     """Like upstream's SamplingParams: a plain dataclass, whose fields can be assigned."""
+    # zh: 与上游的 SamplingParams 一样：一个普通的 dataclass，字段可以赋值。
 
     max_tokens: int = 64
 
@@ -601,6 +629,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 def finish_step(seq: Sequence, sampled_token: int) -> bool:
     """What the scheduler's postprocess does with one sequence after a step."""
+    # zh: 一步之后，调度器的后处理对一个序列做什么。
     seq.num_cached_tokens += seq.num_scheduled_tokens
     seq.num_scheduled_tokens = 0
     if seq.num_cached_tokens < seq.num_tokens:

@@ -146,6 +146,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> t
 
 def forward(x: torch.Tensor, causal: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """All tokens at once: every layer's (keys, values), and the last layer's output."""
+    # zh: 一次算完所有 token：每层的（键，值），以及最后一层的输出。
     kv = []
     for w_q, w_k, w_v in layers:
         k, v = x @ w_k, x @ w_v
@@ -158,6 +159,7 @@ def forward(x: torch.Tensor, causal: bool) -> tuple[list[tuple[torch.Tensor, tor
 
 def decode(x_new: torch.Tensor, cached: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One new token through the layers, reading the earlier tokens' K and V from the cache."""
+    # zh: 让一个新 token 走过各层，从缓存里读取之前那些 token 的 K 和 V。
     for (w_q, w_k, w_v), (k_old, v_old) in zip(layers, cached, strict=True):
         k, v = torch.cat([k_old, x_new @ w_k]), torch.cat([v_old, x_new @ w_v])
         x_new = x_new + attend(x_new @ w_q, k, v, causal=True)
@@ -281,6 +283,7 @@ assert before_only_weights[0].isnan().all() and not before_only_weights[1:].isna
 #| hide
 def contiguous_picture(requests: dict[str, tuple[int, int]], num_slots: int) -> tuple[str, int]:
     """Each request reserves prompt + max_tokens slots up front; '.' is reserved but empty."""
+    # zh: 每个请求事先预留“提示词 + max_tokens”个槽位；'.' 表示已预留但还空着。
     row, admitted = "", 0
     for name, (used, reserved) in requests.items():
         if len(row) + reserved > num_slots:
@@ -292,6 +295,7 @@ def contiguous_picture(requests: dict[str, tuple[int, int]], num_slots: int) -> 
 
 def paged_picture(requests: dict[str, tuple[int, int]], num_slots: int, block_size: int) -> tuple[str, int]:
     """Each request takes ceil(used / block_size) blocks; only its last block may be partly empty."""
+    # zh: 每个请求占用 ceil(used / block_size) 个块；只有它的最后一块可能没写满。
     cells, admitted = [], 0
     for name, (used, _reserved) in requests.items():
         blocks = -(-used // block_size)
@@ -341,6 +345,7 @@ from nanovllm.engine.sequence import Sequence
 
 class Block:
     """Bookkeeping for one block of the paged KV cache (the KV tensors live in the model runner)."""
+    # zh: 分页 KV 缓存中一个块的账目（KV 张量本身放在模型执行器里）。
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -392,6 +397,10 @@ class BlockPool:
     Invariant: every block is in exactly one of ``free_block_ids`` (``ref_count == 0``) and
     ``used_block_ids`` (``ref_count >= 1``).
     """
+    # zh: 分页 KV 缓存的所有块，以及空闲队列、已用集合和引用计数。
+    # zh:
+    # zh: 不变量：每个块恰好属于 ``free_block_ids``（``ref_count == 0``）与
+    # zh: ``used_block_ids``（``ref_count >= 1``）之一。
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
@@ -412,6 +421,7 @@ class BlockPool:
 
     def take_free_block(self) -> int:
         """Take the block at the head of the free list, for new contents."""
+        # zh: 取出空闲队列队头的块，用来装新内容。
         block = self.blocks[self.free_block_ids.popleft()]
         self._forget_old_contents(block)
         block.ref_count = 1
@@ -420,9 +430,11 @@ class BlockPool:
 
     def _forget_old_contents(self, block: Block) -> None:
         """The block is about to get new contents. Here it remembers none (chapter 03's prefix cache does)."""
+        # zh: 这个块即将装入新内容。这里它什么都不记（第 03 章的前缀缓存会记）。
 
     def release(self, block_id: int) -> None:
         """Drop a reference; at zero the block joins the tail of the free list."""
+        # zh: 减少一个引用；减到 0 时，块排到空闲队列的队尾。
         block = self.blocks[block_id]
         assert block.ref_count >= 1, f"block {block_id} released more often than it was held"
         block.ref_count -= 1
@@ -480,19 +492,23 @@ class BlockPool:
 #| export
 class BlockManager(BlockPool):
     """Gives sequences their block tables: allocate, grow during decode, free."""
+    # zh: 给序列分配块表：分配，decode 期间扩展，释放。
 
     def can_allocate(self, seq: Sequence) -> bool:
         """True when the free list can supply every block ``seq`` needs."""
+        # zh: 空闲队列能提供 ``seq`` 所需的每一个块时为 True。
         return seq.num_blocks <= len(self.free_block_ids)
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` the blocks for all its tokens."""
+        # zh: 给 ``seq`` 分配装下它全部 token 的块。
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         assert self.can_allocate(seq), "ask can_allocate first"
         seq.block_table = [self.take_free_block() for _ in range(seq.num_blocks)]
 
     def deallocate(self, seq: Sequence) -> None:
         """Release all of ``seq``'s blocks, last block first; its KV must be recomputed if it runs again."""
+        # zh: 释放 ``seq`` 的所有块，从最后一块开始；如果它再次运行，它的 KV 必须重算。
         for block_id in reversed(seq.block_table):
             self.release(block_id)
         seq.block_table = []
@@ -510,14 +526,18 @@ class BlockManager(BlockPool):
     def _blocks_to_unshare(self, seq: Sequence) -> int:
         """Blocks that ``seq`` shares with another table and its step writes into, each to be copied first: none
         here, where every table is its own (chapter 05's forked samples share theirs)."""
+        # zh: ``seq`` 与别的块表共享、而它这一步又要写入的块，每一个都得先复制：这里没有，
+        # zh: 因为每个块表都只属于自己（第 05 章分叉出的样本会共享块）。
         return 0
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the blocks for ``seq``'s next decode step are available."""
+        # zh: ``seq`` 下一个 decode 步所需的块都有时为 True。
         return self._blocks_to_append(seq) <= len(self.free_block_ids)
 
     def may_append(self, seq: Sequence) -> None:
         """Make ``seq``'s block table cover all its tokens before a decode step (0 or 1 new block)."""
+        # zh: 在 decode 步之前，让 ``seq`` 的块表覆盖它的所有 token（新增 0 个或 1 个块）。
         assert self.can_append(seq), "ask can_append first"
         self._unshare_write_block(seq)
         # en: What can_append counted, less the copy just made: the blocks its tokens still lack.
@@ -526,10 +546,13 @@ class BlockManager(BlockPool):
 
     def _unshare_write_block(self, seq: Sequence) -> None:
         """Give ``seq`` its own copy of a shared block that its step writes into (see `_blocks_to_unshare`)."""
+        # zh: ``seq`` 这一步要写入一个共享的块时，给它一份自己的副本（见 `_blocks_to_unshare`）。
 
     def forget_copies(self, seq: Sequence) -> None:
         """Drop the copies that `_unshare_write_block` planned for ``seq``: made by the step that ran, or moot once
         its blocks are gone. None was planned, here."""
+        # zh: 丢掉 `_unshare_write_block` 为 ``seq`` 计划的复制：要么已由刚运行的那一步完成，要么它的块已经释放，
+        # zh: 复制也就无从谈起。这里没有计划任何复制。
 
 # %% [markdown] tags=["en"]
 # ## See it: two sequences in a pool of eight blocks
@@ -557,6 +580,7 @@ from nanovllm.engine.sequence import Sequence
 
 def prefill(bm: BlockManager, seq: Sequence, sampled: int) -> int:
     """Allocate and compute the whole prompt; return how many tokens were found in the cache."""
+    # zh: 分配并计算整个提示词；返回在缓存中找到了多少个 token。
     bm.allocate(seq)
     found = seq.num_cached_tokens
     seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
@@ -718,6 +742,7 @@ from IPython.display import SVG, display
 
 def paging_figure_svg(seq: Sequence, bm: BlockManager, names: list[str]) -> str:
     """Logical blocks, the block table and the physical blocks of one sequence, computed from its block table."""
+    # zh: 一个序列的逻辑块、块表和物理块，由它的块表算出。
     size, cell, row = bm.block_size, 62, 34
     logical_x, table_x, physical_x, top = 70, 360, 660, 56
     # en: Where each token lives: logical block, physical block, offset.
@@ -917,12 +942,14 @@ print(say("trace and invariants hold"))
 # %% external fragmentation
 class ContiguousAllocator:
     """Each request gets one run of adjacent slots, the first run that is long enough."""
+    # zh: 每个请求得到一段相邻的槽位：第一段足够长的。
 
     def __init__(self, num_slots: int) -> None:
         self.slots = ["."] * num_slots
 
     def holes(self) -> list[int]:
         """The lengths of the runs of free slots."""
+        # zh: 各段空闲槽位的长度。
         runs = "".join(slot if slot == "." else " " for slot in self.slots).split()
         return [len(run) for run in runs]
 
@@ -941,6 +968,7 @@ class ContiguousAllocator:
 
 def paged_slots(bm: BlockManager, named: dict[str, Sequence]) -> str:
     """The block pool slot by slot: each block's owner once per token it holds, '.' for empty slots."""
+    # zh: 逐个槽位看块池：每个块的所有者，它装着几个 token 就写几次；'.' 表示空槽位。
     cells = ["." * bm.block_size] * bm.num_blocks
     for name, seq in named.items():
         for i, block_id in enumerate(seq.block_table):

@@ -124,6 +124,7 @@ NO_HASH = -1
 
 def block_hash(token_ids: list[int], parent: int = NO_HASH) -> int:
     """Chained hash of a full block: xxh64 over the parent block's hash and this block's token ids."""
+    # zh: 写满的块的链式哈希：对父块的哈希与本块的 token id 做 xxh64。
     h = xxhash.xxh64()
     if parent != NO_HASH:
         h.update(parent.to_bytes(8, "little"))
@@ -161,6 +162,7 @@ def block_hash(token_ids: list[int], parent: int = NO_HASH) -> int:
 #| export
 class PrefixCache:
     """Published full blocks by chained hash, so that a new prompt can reuse their KV."""
+    # zh: 已发布的写满的块，按链式哈希登记，让新的提示词可以复用它们的 KV。
 
     def __init__(self, blocks: list[Block], block_size: int) -> None:
         self.blocks = blocks
@@ -169,6 +171,7 @@ class PrefixCache:
 
     def match(self, seq: Sequence) -> list[int]:
         """Ids of the blocks holding the KV of ``seq``'s leading full blocks (stops at the first miss)."""
+        # zh: 装着 ``seq`` 开头那些写满的块的 KV 的块 id（遇到第一个未命中就停下）。
         hits: list[int] = []
         parent = NO_HASH
         # en: Only blocks that end before the last token: that token must be computed to get logits.
@@ -185,6 +188,7 @@ class PrefixCache:
 
     def publish(self, seq: Sequence) -> None:
         """Publish ``seq``'s full blocks whose KV has been written (call after each step)."""
+        # zh: 发布 ``seq`` 中 KV 已经写入的写满的块（每一步之后调用）。
         num_full = seq.num_cached_tokens // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == NO_HASH:
@@ -201,6 +205,7 @@ class PrefixCache:
 
     def forget(self, block: Block) -> None:
         """``block`` is about to be overwritten: remove its entry, if the entry is still its own."""
+        # zh: ``block`` 即将被覆盖：删除它的条目，前提是这个条目仍然指向它自己。
         if block.hash != NO_HASH and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
 
@@ -260,6 +265,7 @@ def _init_hash(self) -> None:
 @add_to_class(Block)
 def reset(self) -> None:
     """Forget the old contents: the block is about to hold new tokens."""
+    # zh: 忘掉旧内容：这个块即将装入新的 token。
     self.hash = NO_HASH
     self.token_ids = []
 
@@ -287,12 +293,14 @@ def _init_prefix_cache(self) -> None:
 @property
 def hash_to_block_id(self) -> dict[int, int]:
     """Published blocks by hash (read it, do not write it; empty when prefix caching is off)."""
+    # zh: 按哈希登记的已发布块（只读，不要写；前缀缓存关闭时为空）。
     return self.prefix_cache.hash_to_block_id if self.prefix_cache is not None else {}
 
 
 @add_to_class(BlockPool)
 def _forget_old_contents(self, block: Block) -> None:
     """The block is about to get new contents: unpublish the old ones (rule 4), then forget them."""
+    # zh: 这个块即将装入新内容：先撤销旧内容的发布（规则 4），再忘掉它们。
     if self.prefix_cache is not None:
         self.prefix_cache.forget(block)
     block.reset()
@@ -301,6 +309,7 @@ def _forget_old_contents(self, block: Block) -> None:
 @add_to_class(BlockPool)
 def hold(self, block_id: int) -> None:
     """Add a reference to a block whose contents we reuse, reviving it if it was free."""
+    # zh: 给一个内容被复用的块增加一个引用；如果它在空闲队列里，就把它复活。
     block = self.blocks[block_id]
     if block.ref_count == 0:
         # en: Freed but still cached: this exact block leaves the free list.
@@ -325,12 +334,14 @@ def _free_blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
 @add_to_class(BlockManager)
 def can_allocate(self, seq: Sequence) -> bool:
     """True when the free list can supply every block ``seq`` needs (after cache hits)."""
+    # zh: （算上缓存命中之后）空闲队列能提供 ``seq`` 所需的每一个块时为 True。
     return self._free_blocks_needed(seq, self._cache_hits(seq)) <= len(self.free_block_ids)
 
 
 @add_to_class(BlockManager)
 def allocate(self, seq: Sequence) -> None:
     """Give ``seq`` its blocks; set ``num_cached_tokens`` to the tokens found in the cache."""
+    # zh: 给 ``seq`` 分配块；把 ``num_cached_tokens`` 设为在缓存中找到的 token 数。
     assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
     hits = self._cache_hits(seq)
     assert self._free_blocks_needed(seq, hits) <= len(self.free_block_ids), "ask can_allocate first"
@@ -345,6 +356,7 @@ def allocate(self, seq: Sequence) -> None:
 @add_to_class(BlockManager)
 def publish_full_blocks(self, seq: Sequence) -> None:
     """After a step wrote their KV, make ``seq``'s newly full blocks findable by prefix caching."""
+    # zh: 一步写入了 KV 之后，让 ``seq`` 新写满的块能被前缀缓存找到。
     if self.prefix_cache is not None:
         self.prefix_cache.publish(seq)
 
@@ -415,6 +427,7 @@ from nanovllm.engine.sequence import Sequence
 
 class ProvenanceKV:
     """Stands in for the KV cache: each slot remembers the prefix and position that wrote it."""
+    # zh: 代替 KV 缓存：每个槽位都记得是哪段前缀、哪个位置写了它。
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -434,6 +447,7 @@ class ProvenanceKV:
 
 def run_prompt(bm: BlockManager, kv: ProvenanceKV, seq: Sequence, chunk: int | None = None) -> list[int]:
     """Prefill ``seq`` (or its first ``chunk`` uncached tokens); return the cache hits' block ids."""
+    # zh: prefill ``seq``（或者它前 ``chunk`` 个未缓存的 token）；返回缓存命中的块 id。
     bm.allocate(seq)
     hits = seq.block_table[: seq.num_cached_tokens // bm.block_size]
     bad = kv.wrong_reads(seq)
@@ -706,6 +720,7 @@ print(say("blocks {ids}: free but cached after C, revived by D's hit at step {st
 # %%
 class ForgetfulPrefixCache(PrefixCache):
     """Upstream's bug until 2026-04-26: an overwritten block's old entry stays in the dictionary."""
+    # zh: 上游在 2026-04-26 之前的 bug：被覆盖的块的旧条目留在字典里。
 
     def forget(self, block) -> None:
         pass
@@ -756,6 +771,7 @@ assert good_hits == [0] and good_wrong == []
 # %%
 class OverEagerPrefixCache(PrefixCache):
     """Deletes by hash alone: may drop the entry of another block with the same contents."""
+    # zh: 只按哈希删除：可能删掉另一个内容相同的块的条目。
 
     def forget(self, block) -> None:
         self.hash_to_block_id.pop(block.hash, None)
@@ -814,6 +830,7 @@ import random
 
 class ForwardFreeBlockManager(BlockManager):
     """Frees a table first block first: a system prompt's blocks are overwritten soonest."""
+    # zh: 按从第一块到最后一块的顺序释放块表：系统提示词的块最先被覆盖。
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in seq.block_table:
@@ -824,6 +841,7 @@ class ForwardFreeBlockManager(BlockManager):
 
 def serve_one_by_one(bm: BlockManager, prompts: list[list[int]], new_tokens: int) -> list[int]:
     """Run each prompt alone: prefill, decode, free. Return the cached tokens each one found."""
+    # zh: 让每个提示词单独运行：prefill、decode、释放。返回每个提示词找到的缓存 token 数。
     found = []
     for prompt in prompts:
         seq = Sequence(prompt, block_size=bm.block_size)

@@ -241,6 +241,7 @@ FLOW_INK = "#37474f"
 
 def schedule_flow_svg() -> str:
     """schedule() as a flowchart: the prefill loop, the decode loop, then the model runner and postprocess."""
+    # zh: 把 schedule() 画成流程图：prefill 循环、decode 循环，然后是模型执行器和后处理。
     # en: (key, shape, centre x, centre y, width, lines); a decision is drawn as a hexagon.
     # zh: （键、形状、中心 x、中心 y、宽度、各行文字）；判断画成六边形。
     nodes = [
@@ -403,6 +404,7 @@ from nanovllm.engine.sequence import Sequence
 @property
 def max_kv_tokens(self) -> int:
     """The most tokens whose KV this sequence will ever hold: the prompt and all sampled tokens but the last."""
+    # zh: 这个序列的 KV 最多会装下多少个 token：提示词，加上除最后一个之外的所有采样出的 token。
     return self.num_prompt_tokens + self.sampling_params.max_tokens - 1
 
 # %% [markdown] tags=["en"]
@@ -451,6 +453,7 @@ def max_kv_tokens(self) -> int:
 #| export
 class Scheduler:
     """Decides what each step computes: prefill first, a token budget, chunked prefill, preemption."""
+    # zh: 决定每一步计算什么：prefill 优先、token 预算、分块 prefill、抢占。
 
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: Iterable[int] = (), enable_prefix_caching: bool = True):
@@ -469,6 +472,7 @@ class Scheduler:
     # zh: ---- 准入 ---------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
         """Raise ValueError when ``seq`` could never run: its KV cannot fit the cache even alone."""
+        # zh: ``seq`` 永远无法运行时抛出 ValueError：即使只有它一个，它的 KV 也放不进缓存。
         bm = self.block_manager
         blocks = -(-seq.max_kv_tokens // bm.block_size)
         if blocks > bm.num_blocks:
@@ -481,6 +485,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new request. Admission is `check_fits`, run once where a request enters (the engine's
         ``make_sequence``): what reaches ``add`` fits, and ``add`` only asserts the queue's invariants."""
+        # zh: 把一个新请求排进队列。准入检查是 `check_fits`，在请求进入的地方（引擎的 ``make_sequence``）运行一次：
+        # zh: 到达 ``add`` 的请求都放得下，``add`` 只断言队列的不变量。
         # en: The one place the block size is compared: every sequence enters the engine here.
         # zh: 唯一比较块大小的地方：每个序列都从这里进入引擎。
         assert seq.block_size == self.block_manager.block_size, "the sequence and the KV cache use other block sizes"
@@ -492,6 +498,7 @@ class Scheduler:
     # zh: ---- 一步 ----------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Pick this step's sequences and set their ``num_scheduled_tokens``; True if it is a prefill step."""
+        # zh: 挑出这一步的序列并设置它们的 ``num_scheduled_tokens``；如果这是 prefill 步，返回 True。
         assert not self.is_finished(), "nothing to schedule"
         seqs, cache_hits = self._schedule_prefill()
         is_prefill, preempted = bool(seqs), []
@@ -562,6 +569,9 @@ class Scheduler:
         """Record a step's results: cache the computed tokens, publish full blocks, append each sampled token,
         finish sequences. ``token_ids`` has one token per sequence, then one per sibling that the step's sequences
         fork (`_fork_siblings`); returns the sequences that finished."""
+        # zh: 记下一步的结果：缓存算好的 token，发布写满的块，给每个序列追加采样出的 token，结束该结束的序列。
+        # zh: ``token_ids`` 里每个序列一个 token，然后是这一步的序列分叉出的每个兄弟序列一个（`_fork_siblings`）；
+        # zh: 返回结束了的序列。
         seqs = [*seqs, *self._fork_siblings(seqs)]
         assert len(token_ids) == len(seqs) and all(seq.num_scheduled_tokens for seq in seqs), "not this step's tokens"
         finished: list[Sequence] = []
@@ -588,6 +598,7 @@ class Scheduler:
     def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
         """The siblings that a step's sequences fork, each recorded with its own first token: here, none (a hook
         that parallel sampling fills)."""
+        # zh: 这一步的序列分叉出的兄弟序列，每个都带着自己的第一个 token：这里没有（这是一个钩子，由并行采样来填）。
         return []
 
     def _notify(self, event: str, data: dict) -> None:
@@ -599,6 +610,8 @@ class Scheduler:
     def _reached_end(self, seq: Sequence, token_id: int, num_tokens: int) -> bool:
         """Whether ``token_id``, the ``num_tokens``-th token of ``seq``, ends it: an end-of-sequence token (unless
         ``ignore_eos``), or the last token that ``max_tokens`` allows."""
+        # zh: ``token_id``（``seq`` 的第 ``num_tokens`` 个 token）是否让它结束：它是序列结束 token（除非
+        # zh: ``ignore_eos``），或者是 ``max_tokens`` 允许的最后一个 token。
         params = seq.sampling_params
         eos = not params.ignore_eos and token_id in self.eos_token_ids
         return eos or num_tokens - seq.num_prompt_tokens >= params.max_tokens
@@ -640,6 +653,7 @@ from collections import deque
 
 def make_room(blocks_needed: int, victims: list[str]) -> str:
     """The shape of `_schedule_decode`'s inner loop, with names instead of sequences."""
+    # zh: `_schedule_decode` 内层循环的骨架，用名字代替序列。
     preempted = []
     while len(preempted) < blocks_needed:
         if not victims:
@@ -692,6 +706,7 @@ from nanovllm.sampling_params import SamplingParams
 
 def fake_model(seqs: list[Sequence], is_prefill: bool) -> list[int]:
     """A deterministic 'next token' from the tokens up to the last one each sequence computes."""
+    # zh: 一个确定性的“下一个 token”，由每个序列直到它计算的最后一个 token 为止的那些 token 得出。
     out = []
     for seq in seqs:
         context = seq.token_ids[: seq.num_cached_tokens + seq.num_scheduled_tokens]
@@ -701,6 +716,7 @@ def fake_model(seqs: list[Sequence], is_prefill: bool) -> list[int]:
 
 def run(sched: Scheduler, names: dict[int, str], show: bool = True) -> list[dict]:
     """Drive the scheduler to the end; return one record per step."""
+    # zh: 把调度器一直运行到结束；每一步返回一条记录。
     events: list[tuple[str, dict]] = []
     sched.observer = lambda event, data: events.append((event, data))
     steps = []
@@ -1016,6 +1032,7 @@ for name, seq in busy_seqs.items():
 # %%
 def one_step(sched: Scheduler, names: dict[int, str]) -> dict:
     """Schedule and postprocess one step; what it scheduled and preempted, and the queues after it."""
+    # zh: 调度并后处理一步；返回它调度了什么、抢占了什么，以及这一步之后的各个队列。
     events: list[tuple[str, dict]] = []
     sched.observer = lambda event, data: events.append((event, data))
     seqs, is_prefill = sched.schedule()
@@ -1175,6 +1192,7 @@ tiny.model_runner.model.register_forward_hook(lambda *_: model_calls.__setitem__
 
 def decode_step_times(batch: int, steps: int = 8) -> list[float]:
     """Seconds per decode step while `batch` requests of 4-token prompts decode together."""
+    # zh: `batch` 个 4 token 提示词的请求一起 decode 时，每个 decode 步的秒数。
     for i in range(batch):
         tiny.add_request([1 + i, 2, 3, 4], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     times = []
@@ -1315,6 +1333,7 @@ assert started[0] <= started[1]
 # %%
 class FirstSeqChunkScheduler(Scheduler):
     """Upstream nano-vllm's rule: only the first sequence of a prefill step may be a chunk."""
+    # zh: 上游 nano-vllm 的规则：prefill 步中只有第一个序列可以是分块。
 
     def _schedule_prefill(self) -> tuple[list[Sequence], dict[int, list[int]]]:
         scheduled: list[Sequence] = []
@@ -1351,6 +1370,7 @@ class FirstSeqChunkScheduler(Scheduler):
 
 def first_prefill(rule: type[Scheduler]) -> list[tuple[int, int]]:
     """The first step of a budget of 10 on prompts of 6 and 8 tokens: (prompt length, tokens scheduled)."""
+    # zh: token 预算为 10、提示词为 6 个和 8 个 token 时的第一步：（提示词长度，调度的 token 数）。
     sched = rule(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=10)
     for length in (6, 8):
         sched.add(Sequence(list(range(length)), SamplingParams(max_tokens=2), block_size=4))
@@ -1360,6 +1380,7 @@ def first_prefill(rule: type[Scheduler]) -> list[tuple[int, int]]:
 
 def chunking_stats(rule: type[Scheduler], prompts: list[list[int]], budget: int) -> dict[str, float]:
     """Run the prompts to the end; count steps, chunks, budget use and blocks held half-prefilled."""
+    # zh: 把提示词运行到结束；统计步数、分块数、预算用量，以及 prefill 到一半的序列占着的块。
     sched = rule(num_kvcache_blocks=256, kvcache_block_size=4, max_num_seqs=8, max_num_batched_tokens=budget)
     seqs = [Sequence(p, SamplingParams(max_tokens=4, ignore_eos=True), block_size=4) for p in prompts]
     for seq in seqs:
@@ -1562,6 +1583,7 @@ assert step == 3 and seq.completion_token_ids == [99]
 # zh: 按同样的时间到达，两种规则各跑一遍，统计每次抢占扔掉的已算 token（它们之后要重算）。
 class CountingScheduler(Scheduler):
     """Our rule, counting the computed tokens that preemption throws away."""
+    # zh: 我们的规则，同时统计抢占丢掉了多少已算好的 token。
 
     thrown_away = 0
 
@@ -1572,6 +1594,7 @@ class CountingScheduler(Scheduler):
 
 class OldestFirstScheduler(CountingScheduler):
     """Preempts from the front of `running`: the oldest sequence still waiting for its turn this step."""
+    # zh: 从 `running` 的前端抢占：最老的、这一步还在等轮到自己的序列。
 
     def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
         scheduled: list[Sequence] = []
@@ -1597,6 +1620,7 @@ class OldestFirstScheduler(CountingScheduler):
 
 def staggered(rule: type[CountingScheduler]) -> tuple[int, list[int]]:
     """Four 6-token requests, one every 3 steps, 8 blocks of 4 tokens: tokens thrown away, finishing steps."""
+    # zh: 四个 6 token 的请求，每 3 步来一个，8 个 4 token 的块：丢掉的 token 数，结束的步数。
     sched = rule(num_kvcache_blocks=8, kvcache_block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
                  enable_prefix_caching=False)
     arrivals = [Sequence([10 * i + t for t in range(6)], SamplingParams(max_tokens=10, ignore_eos=True), block_size=4)

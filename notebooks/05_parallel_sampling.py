@@ -166,6 +166,8 @@ def _init_forks(self) -> None:
 def fork(self, sample_index: int) -> Sequence:
     """A sibling for sample ``sample_index`` of the same request: the same tokens and progress, a new seq_id,
     no blocks yet (the block manager's ``fork`` shares the parent's), no forks of its own."""
+    # zh: 同一请求第 ``sample_index`` 个样本的兄弟序列：token 和进度相同，seq_id 是新的，
+    # zh: 还没有块（块管理器的 ``fork`` 让它共享父序列的块），自己也没有分叉。
     child = copy.copy(self)
     child.seq_id = next(Sequence._ids)
     child.token_ids = list(self.token_ids)
@@ -180,6 +182,9 @@ def sibling_samples(seqs: list[Sequence]) -> list[tuple[int, int]]:
     """The siblings whose first tokens a step samples, in the order the model runner returns them after the
     step's own tokens: ``(i, k)`` for sample ``k`` of the request of ``seqs[i]``, a sequence whose prompt the
     step completes. The one definition of that order: the runner samples by it, the scheduler forks by it."""
+    # zh: 一步要为哪些兄弟序列采样第一个 token，顺序与模型执行器在这一步自身的 token 之后返回它们的顺序相同：
+    # zh: ``(i, k)`` 表示 ``seqs[i]`` 所属请求的第 ``k`` 个样本，``seqs[i]`` 是这一步完成了提示词的序列。
+    # zh: 这个顺序只在这里定义：执行器按它采样，调度器按它分叉。
     done = [i for i, seq in enumerate(seqs) if seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
     return [(i, k) for i in done for k in range(1, seqs[i].pending_forks + 1)]
 
@@ -213,6 +218,7 @@ from nanovllm.engine.block_manager import BlockManager
 @add_to_class(BlockManager)
 def fork(self, parent: Sequence, child: Sequence) -> None:
     """Let ``child`` (a fork of ``parent``) share every block of ``parent``: one more reference each."""
+    # zh: 让 ``child``（``parent`` 分叉出的序列）共享 ``parent`` 的每一个块：每块多一个引用。
     child.block_table = list(parent.block_table)
     for block_id in child.block_table:
         self.hold(block_id)
@@ -221,6 +227,7 @@ def fork(self, parent: Sequence, child: Sequence) -> None:
 @add_to_class(BlockManager)
 def _shared_write_block(self, seq: Sequence) -> int | None:
     """Index in ``seq``'s table of the block its next step writes into, if another table holds it too."""
+    # zh: ``seq`` 的下一步要写入的块在它块表中的下标，前提是另一个块表也持有这个块。
     i = seq.num_cached_tokens // self.block_size
     if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
         return i
@@ -230,12 +237,14 @@ def _shared_write_block(self, seq: Sequence) -> int | None:
 @add_to_class(BlockManager)
 def _blocks_to_unshare(self, seq: Sequence) -> int:
     """One free block for the copy when the block that ``seq``'s step writes into is shared, else none."""
+    # zh: ``seq`` 这一步要写入的块是共享的时，为副本准备一个空闲块；否则不需要。
     return int(self._shared_write_block(seq) is not None)
 
 
 @add_to_class(BlockManager)
 def _unshare_write_block(self, seq: Sequence) -> None:
     """Copy-on-write: give ``seq`` a private copy of a shared block that its step would write into."""
+    # zh: 写时复制：``seq`` 这一步要写入一个共享的块时，给它一份私有副本。
     i = self._shared_write_block(seq)
     if i is not None:
         # en: A fresh block replaces the shared one in this table only; the runner copies the K/V
@@ -250,6 +259,8 @@ def _unshare_write_block(self, seq: Sequence) -> None:
 def forget_copies(self, seq: Sequence) -> None:
     """Drop the copies planned for ``seq``: the runner made them before its step wrote, or ``seq`` gave back its
     blocks and has nothing to copy into."""
+    # zh: 丢掉为 ``seq`` 计划的复制：要么执行器在它这一步写入之前已经复制好了，要么 ``seq`` 已交还它的块，
+    # zh: 没有可复制的目标。
     seq.blocks_to_copy = []
 
 # %% [markdown] tags=["en"]
@@ -291,6 +302,8 @@ from nanovllm.engine.sequence import sibling_samples
 def _fork_siblings(self, seqs: list[Sequence]) -> list[Sequence]:
     """The siblings that a step's sequences fork, in `sibling_samples` order: each a copy of its parent in the
     middle of the step, sharing the parent's blocks, at the tail of ``running``. The parents fork no more."""
+    # zh: 这一步的序列分叉出的兄弟序列，按 `sibling_samples` 的顺序：每个都是父序列在这一步中途的副本，
+    # zh: 共享父序列的块，排在 ``running`` 的队尾。父序列不再分叉。
     siblings = []
     for i, sample_index in sibling_samples(seqs):
         child = seqs[i].fork(sample_index)
@@ -346,12 +359,14 @@ BLOCK_SIZE = 4
 
 class WordCache:
     """The KV cache as words: slot -> the word whose K and V were written there."""
+    # zh: 用词语表示的 KV 缓存：槽位 -> 在那里写下 K 和 V 的那个词。
 
     def __init__(self) -> None:
         self.slots: dict[int, str] = {}
 
     def run_step(self, seqs: list[Sequence]) -> None:
         """What the runner does for a step: the copies first, then every scheduled token's write."""
+        # zh: 执行器为一步所做的事：先做复制，再写入每个被调度的 token。
         for seq in seqs:
             for source, destination in seq.blocks_to_copy:
                 for offset in range(BLOCK_SIZE):
@@ -628,6 +643,8 @@ print(say("forked samples == independent requests, token for token"))
 def first_decode_blocks(prompt_len: int, n: int, fork: bool, block_size: int = 16) -> tuple[int, dict[int, int]]:
     """Blocks held by the samples once the first decode step is scheduled, and the copies each sample makes
     then, by sample index (of a fork; independent requests are all sample 0, so only forks are asked)."""
+    # zh: 第一个 decode 步调度之后，各样本持有的块，以及各样本那时要做的复制，按样本下标排列
+    # zh: （指分叉出的样本；独立请求都是样本 0，所以只问分叉的）。
     sched = Scheduler(num_kvcache_blocks=1024, kvcache_block_size=block_size, max_num_seqs=n,
                       max_num_batched_tokens=n * prompt_len)
     params = SamplingParams(n=n if fork else 1, max_tokens=4, ignore_eos=True)

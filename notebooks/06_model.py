@@ -108,6 +108,7 @@ def rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x / rms(x) * weight; with ``residual``, first x = x + residual and return (normed, x)."""
+    # zh: x / rms(x) * weight；给了 ``residual`` 时，先算 x = x + residual，再返回 (normed, x)。
     if residual is not None:
         # en: Add in the model's dtype, as transformers does, so the residual stream matches it exactly.
         # zh: 与 transformers 一样在模型的数据类型下相加，使残差流与它完全一致。
@@ -120,6 +121,7 @@ def rms_norm(
 
 class RMSNorm(nn.Module):
     """``rms_norm`` with a learned weight."""
+    # zh: 带可学习权重的 ``rms_norm``。
 
     # en: The maths; on a GPU compile_small_ops hands each norm a compiled version of it.
     # zh: 数学本身；在 GPU 上，第 14 章把它编译后的版本交给每个归一化层。
@@ -144,6 +146,7 @@ from torch import nn
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[gate | up] -> SiLU(gate) * up: the SwiGLU of the MLP, after one fused gate_up matmul."""
+    # zh: [gate | up] -> SiLU(gate) * up：MLP 的 SwiGLU，接在一次融合的 gate_up 矩阵乘法之后。
     gate, up = x.chunk(2, -1)
     return F.silu(gate) * up
 
@@ -189,6 +192,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """The rotation frequencies, rescaled as the checkpoint's rope_scaling says (float32)."""
+    # zh: 旋转频率，按检查点的 rope_scaling 重新缩放（float32）。
     # en: The same expression as transformers, so that both produce the same float32 values.
     # zh: 与 transformers 使用相同的表达式，使两者得到相同的 float32 数值。
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
@@ -215,6 +219,7 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict[str, Any] | N
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """NeoX rotation of the first 2 * cos.shape[-1] coordinates of x [T, heads, d]."""
+    # zh: 对 x [T, heads, d] 的前 2 * cos.shape[-1] 个坐标做 NeoX 式旋转。
     half = cos.shape[-1]
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
@@ -225,12 +230,14 @@ def rotary(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k rotated by their positions, with cos and sin read from the precomputed table."""
+    # zh: 按位置旋转 q 和 k，cos 和 sin 从预先算好的表里读取。
     cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions; cos and sin are precomputed for every position."""
+    # zh: 按位置旋转 q 和 k；每个位置的 cos 和 sin 都预先算好。
 
     # en: as in RMSNorm: compile_small_ops may hand it a compiled version
     # zh: 与 RMSNorm 一样：第 14 章可能把它换成编译后的版本。
@@ -265,11 +272,13 @@ def get_rope(
     rope_scaling: dict[str, Any] | None = None,
 ) -> RotaryEmbedding:
     """A rotary embedding (a model builds one and shares it across its layers)."""
+    # zh: 一个旋转位置编码（模型构建一个，在各层之间共享）。
     return RotaryEmbedding(head_size, rotary_dim, max_position, base, rope_scaling)
 
 
 def rope_settings(config: Any) -> tuple[float, dict[str, Any] | None]:
     """(base, scaling) from an HF config: transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
+    # zh: 从 HF config 读出 (base, scaling)：transformers 5 的 rope_parameters，或较早的 rope_theta/rope_scaling。
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"]), params
@@ -328,11 +337,13 @@ ShardId = str | int | None
 
 def process_world() -> tuple[int, int]:
     """(rank, size) of this process among the processes that split the model: one process holds all of it."""
+    # zh: 本进程在切分模型的各进程中的 (rank, size)：只有一个进程时，它持有整个模型。
     return 0, 1
 
 
 def tp_world(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[int, int]:
     """(rank, size) of the tensor-parallel group: explicit values (tests simulate ranks so), else this process's."""
+    # zh: 张量并行组的 (rank, size)：显式给出的值（测试用它模拟各 rank），否则取本进程的。
     rank, size = process_world()
     tp_rank, tp_size = rank if tp_rank is None else tp_rank, size if tp_size is None else tp_size
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
@@ -342,6 +353,7 @@ def tp_world(tp_rank: int | None = None, tp_size: int | None = None) -> tuple[in
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:
     """Exact division, or a ValueError naming what does not split evenly across the ranks."""
+    # zh: 整除；除不尽时抛出 ValueError，写明哪个量无法在各 rank 之间均分。
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
@@ -349,6 +361,7 @@ def divide(numerator: int, denominator: int, what: str = "size") -> int:
 
 def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Copy a (sliced) checkpoint tensor into a parameter, refusing a shape mismatch by name."""
+    # zh: 把（切过片的）检查点张量复制进参数；形状不符时拒绝，并写明名字。
     if param.shape != loaded.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter of shape "
                          f"{tuple(param.shape)}")
@@ -357,6 +370,7 @@ def copy_checked(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 class LinearBase(nn.Module):
     """A linear layer whose weight is (possibly) one shard of a larger matrix."""
+    # zh: 一个线性层，它的权重（可能）是一个更大矩阵的一个分片。
 
     def __init__(
         self,
@@ -383,6 +397,7 @@ class LinearBase(nn.Module):
 
     def load_rank_slice(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy into `param`, one rank's share, this rank's slice of the whole checkpoint tensor along `tp_dim`."""
+        # zh: 向 `param`（一个 rank 的那一份）复制整个检查点张量沿 `tp_dim` 属于本 rank 的那一片。
         shard = param.shape[self.tp_dim]
         copy_checked(param, loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard))
 
@@ -392,6 +407,7 @@ class LinearBase(nn.Module):
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
+    # zh: 每个 rank 都持有完整的权重。
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         copy_checked(param, loaded_weight)
@@ -399,6 +415,7 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     """Each rank holds output_size / tp_size output rows; its output is that slice of y."""
+    # zh: 每个 rank 持有 output_size / tp_size 个输出行；它的输出就是 y 的那一片。
 
     def __init__(
         self,
@@ -417,6 +434,7 @@ class ColumnParallelLinear(LinearBase):
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel layers in one matrix (gate_up_proj = [gate; up]), each part split by rank."""
+    # zh: 几个列并行层放在一个矩阵里（gate_up_proj = [gate; up]），每一部分都按 rank 切分。
 
     def __init__(
         self,
@@ -445,6 +463,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def load_part(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, name: str = "") -> None:
         """Part `index`, whole in `loaded_weight`: this rank's rows of it go to that part's rows of `param`."""
+        # zh: 第 `index` 部分完整地放在 `loaded_weight` 里：其中属于本 rank 的行写到 `param` 中该部分的行。
         rows = self.output_sizes[index]
         if loaded_weight.shape[0] != rows:
             raise ValueError(f"{name or f'part {index}'} should have {rows} rows, "
@@ -457,6 +476,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matrix, split by heads; GQA-aware (fewer k/v heads than q heads)."""
+    # zh: q、k、v 投影放在一个矩阵里，按头切分；考虑了 GQA（k/v 头比 q 头少）。
 
     def __init__(
         self,
@@ -491,6 +511,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Each rank holds input_size / tp_size input columns and produces a partial sum: all-reduce."""
+    # zh: 每个 rank 持有 input_size / tp_size 个输入列，算出一个部分和：all-reduce。
 
     def __init__(
         self,
@@ -524,6 +545,7 @@ from nanovllm.layers.linear import ShardId, copy_checked, divide, tp_world
 
 class VocabParallelEmbedding(nn.Module):
     """Token embedding whose rows (the vocabulary) are split across ranks."""
+    # zh: token 嵌入，它的行（词表）切分到各 rank 上。
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, tp_rank: int | None = None, tp_size: int | None = None
@@ -546,6 +568,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """Rows for the tokens this rank owns, zeros for the others."""
+        # zh: 本 rank 拥有的 token 取对应的行，其余 token 取零。
         if self.tp_size == 1:
             return F.embedding(x, self.weight)
         owned = (x >= self.vocab_start_idx) & (x < self.vocab_end_idx)
@@ -554,6 +577,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def sum_over_ranks(self, y: torch.Tensor) -> torch.Tensor:
         """Each token's row, whole: the sum of what every rank looked up (with one rank, what it looked up)."""
+        # zh: 每个 token 完整的行：各 rank 查到的结果之和（只有一个 rank 时，就是它查到的）。
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -562,6 +586,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Hidden states -> logits over the vocabulary; slices gathered on rank 0 (others get None)."""
+    # zh: 隐藏状态 -> 词表上的 logits；各片在 rank 0 上收集（其他 rank 得到 None）。
 
     def __init__(
         self,
@@ -578,14 +603,18 @@ class ParallelLMHead(VocabParallelEmbedding):
     def sampled_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of the hidden states ``x`` that a token is sampled from: all of them, until the engine's
         batches say which (a prefill samples only from each sequence's last token)."""
+        # zh: 隐藏状态 ``x`` 中要从中采样 token 的那些行：在引擎的批次说明是哪些之前，全部都是
+        # zh: （prefill 只从每个序列的最后一个 token 采样）。
         return x
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the logits, for the rows that need them."""
+        # zh: 本 rank 的那一片 logits，只算需要它们的行。
         return F.linear(self.sampled_rows(x), self.weight)
 
     def gather_slices(self, logits: torch.Tensor) -> torch.Tensor | None:
         """The logits over the whole vocabulary from every rank's slice, on rank 0 (with one rank, its own)."""
+        # zh: 由各 rank 的片拼成的整个词表上的 logits，放在 rank 0 上（只有一个 rank 时，就是它自己的）。
         return logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -620,6 +649,7 @@ from torch import nn
 
 class Attention(nn.Module):
     """Scaled dot-product attention of a layer's heads (grouped-query: several query heads share a KV head)."""
+    # zh: 一层各个头的缩放点积注意力（分组查询：几个查询头共用一个 KV 头）。
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__()
@@ -628,6 +658,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] of one sequence -> [T, num_heads,
         head_dim]: each token attends to itself and the tokens before it."""
+        # zh: 一个序列的 q [T, num_heads, head_dim]、k 和 v [T, num_kv_heads, head_dim] -> [T, num_heads,
+        # zh: head_dim]：每个 token 关注它自己和它之前的 token。
         # en: [1, heads, T, d], the layout SDPA expects
         # zh: [1, heads, T, d]：SDPA 期望的布局。
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
@@ -677,6 +709,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_set
 
 class Qwen3Attention(nn.Module):
     """Fused q/k/v projection, optional per-head q/k RMSNorm, RoPE, paged attention, output projection."""
+    # zh: 融合的 q/k/v 投影、可选的逐头 q/k RMSNorm、RoPE、分页注意力、输出投影。
 
     # en: On a GPU: one kernel that norms and rotates q and k and writes k and v into the KV cache.
     # zh: 第 14 章，在 GPU 上：一个内核完成 q、k 的归一化与旋转，并把 k、v 写入 KV 缓存。
@@ -714,6 +747,7 @@ class Qwen3Attention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """From the q/k/v projection ``qkv`` to the heads' output [T, heads * head_dim], before ``o_proj``."""
+        # zh: 从 q/k/v 投影 ``qkv`` 到各头的输出 [T, heads * head_dim]，在 ``o_proj`` 之前。
         if self.fused_input is not None:
             q, k, v = self.fused_input(self, positions, qkv)
             return self.attn(q, k, v, kv_stored=True).flatten(1, -1)
@@ -728,6 +762,7 @@ class Qwen3Attention(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of q and k (Qwen3 only), then RoPE."""
+        # zh: 对 q 和 k 逐头做 RMSNorm（只有 Qwen3），然后做 RoPE。
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.rotary_emb(positions, q, k)
@@ -735,6 +770,7 @@ class Qwen3Attention(nn.Module):
 
 class Qwen3MLP(nn.Module):
     """down(SiLU(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    # zh: down(SiLU(gate(x)) * up(x))，gate 和 up 融合成一次矩阵乘法。
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False) -> None:
         super().__init__()
@@ -809,6 +845,7 @@ class Qwen3Model(nn.Module):
 
     def make_layer(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], index: int) -> nn.Module:
         """Decoder layer ``index``: the same for every layer here; a model whose layers differ overrides it."""
+        # zh: 第 ``index`` 个解码器层：这里每层都一样；各层不同的模型会重写它。
         return Qwen3DecoderLayer(config, rotary_emb, switches)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -831,6 +868,7 @@ class Qwen3Model(nn.Module):
 #| export
 class Qwen3ForCausalLM(nn.Module):
     """Qwen3: per-head q/k RMSNorm; biases on q/k/v/o when config.attention_bias."""
+    # zh: Qwen3：逐头的 q/k RMSNorm；config.attention_bias 为真时 q/k/v/o 带偏置。
 
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -866,6 +904,7 @@ class Qwen3ForCausalLM(nn.Module):
 
 class Qwen2ForCausalLM(Qwen3ForCausalLM):
     """Qwen2 / Qwen2.5: biases on q, k, v (not o), no q/k norm."""
+    # zh: Qwen2 / Qwen2.5：q、k、v 带偏置（o 不带），没有 q/k 归一化。
 
     @classmethod
     def switches(cls, config: Any) -> dict[str, bool]:
@@ -882,6 +921,7 @@ from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
 class LlamaForCausalLM(Qwen3ForCausalLM):
     """Llama (and SmolLM2): no q/k norm; attention_bias on q/k/v/o, mlp_bias on the MLP."""
+    # zh: Llama（以及 SmolLM2）：没有 q/k 归一化；attention_bias 作用于 q/k/v/o，mlp_bias 作用于 MLP。
 
     @classmethod
     def switches(cls, config: Any) -> dict[str, bool]:
@@ -912,6 +952,7 @@ MODEL_REGISTRY: dict[str, str] = {
 
 def supported_architecture(architectures: Sequence[str] | str) -> str:
     """The first of a checkpoint's architectures that we implement, or a ValueError naming what is supported."""
+    # zh: 检查点的 architectures 中我们实现了的第一个；都没有时抛出 ValueError，写明支持哪些。
     names = [architectures] if isinstance(architectures, str) else list(architectures or [])
     for name in names:
         if name in MODEL_REGISTRY:
@@ -921,6 +962,7 @@ def supported_architecture(architectures: Sequence[str] | str) -> str:
 
 def get_model_class(architectures: Sequence[str] | str) -> type[nn.Module]:
     """The class for a checkpoint's architectures list, or a ValueError naming what is supported."""
+    # zh: 检查点 architectures 列表对应的类；没有时抛出 ValueError，写明支持哪些。
     name = supported_architecture(architectures)
     return getattr(importlib.import_module(MODEL_REGISTRY[name]), name)
 
@@ -978,11 +1020,14 @@ MODEL_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_lay
 
 class ModelLoadError(ValueError):
     """A model directory cannot be loaded; the message names the file or tensor at fault."""
+    # zh: 模型目录无法加载；消息写明出问题的文件或张量。
 
 
 def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> PretrainedConfig:
     """The one reader of a model directory's config.json: its transformers config, checked so that each way a
     directory can be broken gets its own message (require_weights: it must hold *.safetensors files)."""
+    # zh: 模型目录的 config.json 唯一的读取者：返回它的 transformers config，并做检查，让目录坏掉的每一种方式
+    # zh: 都有自己的消息（require_weights：目录里必须有 *.safetensors 文件）。
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path to a model directory, got {type(model).__name__} {model!r}")
     path = Path(model).expanduser()
@@ -1018,6 +1063,7 @@ def read_model_dir(model: str | os.PathLike, require_weights: bool = True) -> Pr
 
 def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
     """Refuse, naming the field and the file, a config that no model of ours can be built from."""
+    # zh: 拒绝一个我们的任何模型都无法据以构建的 config，写明字段和文件。
     missing = [name for name in MODEL_SIZES if getattr(hf_config, name, None) is None]
     if missing:
         raise ModelLoadError(f"{config_file} lacks {', '.join(missing)}: not a decoder-only language model config")
@@ -1042,6 +1088,7 @@ def check_model_config(hf_config: PretrainedConfig, config_file: Path) -> None:
 
 def check_supported(config: Any) -> None:
     """Refuse, by name, the config features this engine does not implement."""
+    # zh: 按名字拒绝这个引擎没有实现的 config 特性。
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only 'silu' is implemented")
     if getattr(config, "use_sliding_window", False):
@@ -1055,6 +1102,7 @@ def check_supported(config: Any) -> None:
 
 def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:
     """(parameter name, shard id) of a checkpoint tensor name, following packed_modules_mapping."""
+    # zh: 按 packed_modules_mapping，由检查点张量名得出 (参数名, 分片 id)。
     parts = name.split(".")
     mapping = getattr(model, "packed_modules_mapping", {})
     for i, part in enumerate(parts):
@@ -1066,6 +1114,7 @@ def _target(model: nn.Module, name: str) -> tuple[str, str | int | None]:
 
 def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]:
     """Every (parameter, shard) that must be loaded, with the checkpoint name it comes from."""
+    # zh: 每一个必须加载的 (参数, 分片)，以及它来自的检查点名字。
     mapping = getattr(model, "packed_modules_mapping", {})
     expected = {}
     # en: tied parameters are listed once
@@ -1083,6 +1132,7 @@ def _expected_loads(model: nn.Module) -> dict[tuple[str, str | int | None], str]
 
 def load_model(model: nn.Module, path: str | Path) -> None:
     """Load every ``*.safetensors`` file of ``path`` into ``model``, checking that nothing is missing or extra."""
+    # zh: 把 ``path`` 下的每个 ``*.safetensors`` 文件加载进 ``model``，检查既没有缺少也没有多余。
     files = sorted(Path(path).glob("*.safetensors"))
     expected = _expected_loads(model)
     loaded: dict[tuple[str, str | int | None], str] = {}
@@ -1132,6 +1182,12 @@ class DefaultFloatDtype(TorchFunctionMode):
     threads would each build with whichever dtype was set last, and the process would keep it. A torch
     function mode, like ``with torch.device(...)``, belongs to the thread that enters it.
     """
+    # zh: 在这个块里，只在本线程上，不指定 dtype 创建的浮点张量（``torch.empty``、``zeros``、``ones``、``rand``、
+    # zh: ``randn``：各层用它们构建参数）得到 ``dtype``。
+    # zh:
+    # zh: 上游调用 ``torch.set_default_dtype``，它作用于整个进程：在两个线程上同时构建的两个引擎，
+    # zh: 都会用最后设置的那个 dtype 来构建，进程也会一直保留它。torch 的函数模式就像
+    # zh: ``with torch.device(...)`` 一样，属于进入它的那个线程。
 
     FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
 
@@ -1155,6 +1211,10 @@ def build_model(
     hf_config: the directory's config when the caller has read it already (the engine's `Config` has).
     load_format="dummy": no weights are read; seeded random values are drawn where the model lives (benchmarks).
     """
+    # zh: 按模型目录构建模型类，放在 ``device`` 上，使用 ``dtype``，并加载它的权重。
+    # zh:
+    # zh: hf_config：调用者已经读过的目录 config（引擎的 `Config` 就读过）。
+    # zh: load_format="dummy"：不读任何权重；在模型所在的设备上抽取带种子的随机值（基准测试用）。
     assert load_format in LOAD_FORMATS, f"load_format must be one of {LOAD_FORMATS}"
     config = hf_config if hf_config is not None else read_model_dir(path, require_weights=load_format != "dummy")
     model_class = get_model_class(config.architectures)
@@ -1171,6 +1231,8 @@ def build_model(
 def init_random_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter with seeded random values, in place, on its device and in its dtype: norms near 1,
     matrices scaled by 1/sqrt(fan-in) so activations stay near unit scale (speed does not depend on values)."""
+    # zh: 就地用带种子的随机值填充每个参数，保持它的设备和 dtype：归一化层的权重接近 1，
+    # zh: 矩阵按 1/sqrt(fan-in) 缩放，让激活值保持在单位尺度附近（速度与数值无关）。
     for index, (name, param) in enumerate(model.named_parameters()):
         generator = torch.Generator(device=param.device).manual_seed(seed + index)
         if name.endswith("norm.weight"):
@@ -1268,11 +1330,14 @@ _FORMAT_VERSION = 1
 
 class CacheNotWritableError(OSError):
     """The model cache cannot be written; the message names the directory and NANOVLLM_CACHE."""
+    # zh: 模型缓存无法写入；消息写明目录和 NANOVLLM_CACHE。
 
 
 def cache_root() -> Path:
     """Where built and converted models are cached: $NANOVLLM_CACHE, else $XDG_CACHE_HOME/nanovllm, else
     ~/.cache/nanovllm."""
+    # zh: 构建和转换出的模型缓存在哪里：$NANOVLLM_CACHE，否则 $XDG_CACHE_HOME/nanovllm，否则
+    # zh: ~/.cache/nanovllm。
     if os.environ.get("NANOVLLM_CACHE"):
         return Path(os.environ["NANOVLLM_CACHE"]).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "nanovllm"
@@ -1280,6 +1345,7 @@ def cache_root() -> Path:
 
 def writable_dir(directory: Path) -> Path:
     """``directory``, created if needed, or a CacheNotWritableError that says how to move the cache."""
+    # zh: 返回 ``directory``（需要时创建它），否则抛出 CacheNotWritableError，说明怎样把缓存移到别处。
     try:
         directory.mkdir(parents=True, exist_ok=True)
         if not os.access(directory, os.W_OK | os.X_OK):
@@ -1293,6 +1359,7 @@ def writable_dir(directory: Path) -> Path:
 
 def _config_class(kind: str) -> Any:
     """transformers' config class of a model type ("qwen3", "llama"...: the kinds are model types)."""
+    # zh: 某种模型类型（"qwen3"、"llama"……：这些种类就是模型类型）在 transformers 中的 config 类。
     from transformers import CONFIG_MAPPING
 
     return CONFIG_MAPPING[kind]
@@ -1329,6 +1396,8 @@ def _train_tokenizer(directory: Path) -> dict[str, int]:
 def checkpoint_layout(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` renamed and split as ``model.save_pretrained`` writes it (transformers 5's weight conversions
     reverted; unchanged where there are none)."""
+    # zh: 把 ``state`` 按 ``model.save_pretrained`` 写出的样子改名、拆分（撤销 transformers 5 的权重转换；
+    # zh: 没有转换的地方保持不变）。
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
@@ -1338,6 +1407,7 @@ def checkpoint_layout(model: Any, state: dict[str, torch.Tensor]) -> dict[str, t
 
 def _random_weights(config: Any, seed: int) -> dict[str, torch.Tensor]:
     """Weights for every tensor transformers expects, drawn from a seeded generator (float32)."""
+    # zh: transformers 期望的每个张量的权重，由带种子的生成器抽取（float32）。
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -1392,6 +1462,10 @@ def build_tiny_model(kind: str = "qwen3", path: str | Path | None = None, seed: 
     With ``path``, write there (skipped if it already holds this exact model); otherwise use a
     content-addressed directory under ``cache_root()``. Returns the directory.
     """
+    # zh: 一个确定性的小型 HF 模型目录（"qwen3"、"qwen2" 或 "llama"）；config 的覆盖项以关键字参数给出。
+    # zh:
+    # zh: 给了 ``path`` 就写到那里（如果那里已经是这个模型，就跳过）；否则使用 ``cache_root()`` 下
+    # zh: 一个按内容寻址的目录。返回这个目录。
     if kind not in TINY_MODELS:
         raise ValueError(f"unknown tiny model kind {kind!r}; choose one of {sorted(TINY_MODELS)}")
     import transformers
@@ -1523,6 +1597,7 @@ from nanovllm.layers.attention import Attention
 
 def attach_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int) -> None:
     """Give each attention layer its own paged K and V cache (the model runner's job, chapter 09)."""
+    # zh: 给每个注意力层分配它自己的分页 K 和 V 缓存（这是模型执行器的工作，见第 09 章）。
     for module in model.modules():
         if isinstance(module, Attention):
             shape = (num_blocks, block_size, module.num_kv_heads, module.head_dim)

@@ -128,6 +128,7 @@ import torch
 @dataclass
 class Context:
     """Attention metadata of the current step."""
+    # zh: 当前这一步的注意力元数据。
 
     is_prefill: bool = False
     # en: [num_seqs + 1] int32
@@ -151,6 +152,7 @@ class Context:
 
 class _StepContext(threading.local):
     """The context of the step this thread is computing: each thread sees its own."""
+    # zh: 本线程正在计算的那一步的上下文：每个线程看到它自己的。
 
     def __init__(self) -> None:
         self.context = Context()
@@ -161,6 +163,7 @@ _STEP = _StepContext()
 
 def get_context() -> Context:
     """The context of the step being computed (on this thread)."""
+    # zh: 正在计算的那一步的上下文（在本线程上）。
     return _STEP.context
 
 
@@ -175,6 +178,7 @@ def set_context(
     block_tables: torch.Tensor | None = None,
 ) -> Context:
     """Install the metadata of the next forward pass on this thread (nano-vllm's signature)."""
+    # zh: 在本线程上装好下一次前向计算的元数据（签名与 nano-vllm 相同）。
     _STEP.context = Context(
         is_prefill, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, slot_mapping, context_lens, block_tables
     )
@@ -183,6 +187,7 @@ def set_context(
 
 def reset_context() -> None:
     """Forget the metadata (a step is over)."""
+    # zh: 忘掉元数据（一步结束了）。
     _STEP.context = Context()
 
 # %% [markdown] tags=["en"]
@@ -214,6 +219,7 @@ def reset_context() -> None:
 #| export layers.context
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
     """``values`` as a tensor on ``device``; to a GPU through pinned memory, without waiting for queued work."""
+    # zh: 把 ``values`` 变成 ``device`` 上的张量；去 GPU 时经过锁页内存，不等待已排队的工作。
     if device is not None and torch.device(device).type == "cuda":
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return torch.tensor(values, dtype=dtype, device=device)
@@ -221,6 +227,7 @@ def host_to_device(values: list, dtype: torch.dtype, device: torch.device | str 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
     """The KV-cache slot of token ``position`` of a sequence whose blocks are ``block_table``."""
+    # zh: 块为 ``block_table`` 的序列中，位置为 ``position`` 的 token 的 KV 缓存槽位。
     block_index = position // block_size
     assert 0 <= block_index < len(block_table), f"position {position} needs block {block_index}: {block_table}"
     return block_table[block_index] * block_size + position % block_size
@@ -244,6 +251,10 @@ def set_prefill_context(
     seqlens_q[i]: tokens sequence i computes now; seqlens_k[i]: its cached prefix plus those.
     block_tables=None means "no KV cache" (a warm-up forward): nothing is stored.
     """
+    # zh: 由各序列的长度和块表设置 prefill 步的上下文。
+    # zh:
+    # zh: seqlens_q[i]：序列 i 这次计算的 token 数；seqlens_k[i]：它已缓存的前缀加上这些 token。
+    # zh: block_tables=None 表示“没有 KV 缓存”（预热前向）：什么都不存。
     assert seqlens_q and all(1 <= q <= k for q, k in zip(seqlens_q, seqlens_k, strict=True)), (seqlens_q, seqlens_k)
     slot_mapping = tables = None
     if block_tables is not None:
@@ -275,6 +286,7 @@ def set_decode_context(
     device: torch.device | str | None = None,
 ) -> Context:
     """Set the context of a decode step: one new token per sequence, at position context_len - 1."""
+    # zh: 设置 decode 步的上下文：每个序列一个新 token，位置是 context_len - 1。
     slots = [slot_of(table, n - 1, block_size) for n, table in zip(context_lens, block_tables, strict=True)]
     return set_context(
         False,
@@ -308,6 +320,7 @@ from nanovllm.layers.embed_head import ParallelLMHead
 @add_to_class(ParallelLMHead)
 def sampled_rows(self, x: torch.Tensor) -> torch.Tensor:
     """The rows of the hidden states ``x`` that a token is sampled from: during a prefill, each sequence's last."""
+    # zh: 隐藏状态 ``x`` 中要从中采样 token 的那些行：prefill 时，是每个序列的最后一行。
     context = get_context()
     if context.is_prefill and context.cu_seqlens_q is not None:
         return x[context.cu_seqlens_q[1:].long() - 1].contiguous()
@@ -345,6 +358,7 @@ from nanovllm.layers.context import Context, get_context
 
 class AttentionBackend(Protocol):
     """What an attention implementation provides (shapes in the comments of `TorchBackend`)."""
+    # zh: 注意力实现要提供的东西（形状写在 `TorchBackend` 的注释里）。
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -363,6 +377,7 @@ class AttentionBackend(Protocol):
 
 def attention_backend(name: str) -> AttentionBackend:
     """A backend of the kind ``name``, which Config has checked: here, "torch", the reference below."""
+    # zh: 种类为 ``name`` 的后端，Config 已经检查过它：这里是 "torch"，即下面的参考实现。
     return TorchBackend()
 
 # %% [markdown] tags=["en"]
@@ -399,11 +414,13 @@ def attention_backend(name: str) -> AttentionBackend:
 #| export
 def flat_cache(cache: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, kv_heads, d] -> [num_slots, kv_heads, d], as a view."""
+    # zh: [num_blocks, block_size, kv_heads, d] -> [num_slots, kv_heads, d]，作为视图。
     return cache.view(-1, *cache.shape[2:])
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first ``length`` tokens of one sequence, read through its block table."""
+    # zh: 通过块表读出一个序列的前 ``length`` 个 token。
     # en: Whole blocks first (one index per block, not per token), then cut to the length.
     # zh: 先按整块取（每块一次索引，而不是每个 token 一次），再截到所需长度。
     num_blocks = -(-length // cache.shape[1])
@@ -412,6 +429,7 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [n_q, H, d] are the last n_q positions of k, v [n_k, KVH, d]; returns [n_q, H, d]."""
+    # zh: q [n_q, H, d] 是 k、v [n_k, KVH, d] 的最后 n_q 个位置；返回 [n_q, H, d]。
     n_q, n_k = q.shape[0], k.shape[0]
     if n_q == n_k:
         mask, causal = None, True
@@ -437,6 +455,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 class TorchBackend:
     """The reference backend: readable, runs on any device, defines correctness."""
+    # zh: 参考后端：易读，能在任何设备上运行，正确与否以它为准。
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -532,6 +551,9 @@ def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: 
     """q [T, num_heads, head_dim], k and v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
 
     ``kv_stored``: the caller already wrote k and v into the cache (the fused q/k/v kernel)."""
+    # zh: q [T, num_heads, head_dim]，k 和 v [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]。
+    # zh:
+    # zh: ``kv_stored``：调用者已经把 k 和 v 写进了缓存（融合的 q/k/v 内核）。
     context = get_context()
     if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
         self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping)
@@ -591,6 +613,7 @@ qkv = {name: (torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, 
 
 def dense(name: str, upto: int) -> torch.Tensor:
     """Reference: softmax(q k^T) v over the first `upto` tokens, with an explicit causal mask."""
+    # zh: 参考实现：在前 `upto` 个 token 上算 softmax(q k^T) v，使用显式的因果掩码。
     q, k, v = (t[:upto] for t in qkv[name])
     k, v = k.repeat_interleave(H // KVH, dim=1), v.repeat_interleave(H // KVH, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * D**-0.5
@@ -600,6 +623,7 @@ def dense(name: str, upto: int) -> torch.Tensor:
 
 def run(step: list[tuple[str, int, int]]) -> dict[str, torch.Tensor]:
     """One step: (name, first position, last position + 1) per sequence, flat like the engine."""
+    # zh: 一步：每个序列一个（名字，第一个位置，最后一个位置 + 1），像引擎一样展平。
     q = torch.cat([qkv[name][0][a:b] for name, a, b in step])
     k = torch.cat([qkv[name][1][a:b] for name, a, b in step])
     v = torch.cat([qkv[name][2][a:b] for name, a, b in step])

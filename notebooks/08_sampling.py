@@ -119,6 +119,8 @@ def seeded_generator(
 ) -> torch.Generator:
     """A generator that depends only on (seed, position, sample_index): the noise of one token of one
     sample of a request (``sample_index`` tells apart the n samples of parallel sampling)."""
+    # zh: 一个只取决于 (seed, position, sample_index) 的生成器：一个请求的一个样本中一个 token 的噪声
+    # zh: （``sample_index`` 区分并行采样的 n 个样本）。
     # en: Hash the numbers so that nearby seeds, positions and samples give unrelated streams.
     # en: Sample 0 keeps the stream of a request with n = 1.
     # zh: 对这几个数做哈希，使相近的种子、位置和样本得到互不相关的随机流。样本 0 沿用 n = 1 时的随机流。
@@ -177,11 +179,13 @@ NON_FINITE = -2
 
 def mark_non_finite(tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """``tokens`` [B], with NON_FINITE where a row's maximum logit (``row_max`` [B]) is NaN or +-inf."""
+    # zh: ``tokens`` [B]；某行的最大 logit（``row_max`` [B]）是 NaN 或 +-inf 时，该行为 NON_FINITE。
     return torch.where(torch.isfinite(row_max), tokens, NON_FINITE)
 
 
 def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the logits >= the k-th largest (k <= 0 or k >= V: keep all)."""
+    # zh: 每行保留 >= 第 k 大值的 logits（k <= 0 或 k >= V：全部保留）。
     vocab = logits.shape[-1]
     k = torch.where((top_ks <= 0) | (top_ks > vocab), vocab, top_ks).long()
     kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
@@ -190,6 +194,7 @@ def apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:
 
 def apply_top_p(logits: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
     """Keep, per row, the smallest set of most likely tokens whose probability reaches p (at least one)."""
+    # zh: 每行保留累计概率达到 p 的最小的一组最可能的 token（至少一个）。
     probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)
     # en: A token is kept if the tokens ranked before it have not reached p yet; the first always is.
     # zh: 如果排在某个 token 之前的那些 token 的概率之和尚未达到 p，就保留它；排第一的总会保留。
@@ -203,6 +208,7 @@ def exponential_noise(
     shape: tuple[int, int], generators: Sequence[torch.Generator | None] | None, device: torch.device
 ) -> torch.Tensor:
     """Exp(1) noise; a row with a generator draws from it alone, the others from the global generator."""
+    # zh: Exp(1) 噪声；带生成器的行只从它自己的生成器抽取，其余行从全局生成器抽取。
     noise = torch.empty(shape, device=device).exponential_()
     for row, generator in enumerate(generators or ()):
         if generator is not None:
@@ -218,6 +224,9 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
     It asks no question of the GPU (such as "is every row greedy?"), so it draws noise even for
     greedy rows.
     """
+    # zh: 常见情形，批次里没有 top-k、top-p 或随机种子：每行一个 token，不做主机同步。
+    # zh:
+    # zh: 它不向 GPU 问任何问题（比如“是不是每一行都是贪心的？”），所以即使是贪心的行也会抽噪声。
     logits = logits.float()
     greedy = temperatures == 0
     row_max = logits.max(dim=-1, keepdim=True).values
@@ -229,6 +238,7 @@ def temperature_sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torc
 
 class Sampler(nn.Module):
     """One token per row of logits: greedy at temperature 0, else an exponential race over top-k/top-p."""
+    # zh: 每行 logits 一个 token：温度为 0 时贪心，否则在 top-k/top-p 之上做指数赛跑。
 
     def __init__(self, sample_plain: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = temperature_sample) -> None:
         super().__init__()
@@ -247,6 +257,8 @@ class Sampler(nn.Module):
     ) -> torch.Tensor:
         """logits [B, V]; temperatures [B] (0 = greedy); top_ks [B] int (<= 0: off); top_ps [B] (1.0: off);
         generators: B entries, a generator for each seeded row, None for the others. Returns [B] int64."""
+        # zh: logits [B, V]；temperatures [B]（0 = 贪心）；top_ks [B] int（<= 0：关闭）；top_ps [B]（1.0：关闭）；
+        # zh: generators：B 个元素，带随机种子的行是一个生成器，其余为 None。返回 [B] int64。
         if top_ks is None and top_ps is None and all(g is None for g in generators or ()):
             return self.sample_plain(logits, temperatures)
         logits = logits.float()
@@ -284,6 +296,11 @@ def sampling_inputs(
     top_ks, top_ps and generators are None when no row of the batch uses them: the sampler then
     takes its fast path, decided here on the host rather than by asking the GPU.
     """
+    # zh: 一个批次的 Sampler 关键字参数：``positions[i]`` 是第 i 行所抽 token 的下标，
+    # zh: ``sample_indices[i]`` 是它在所属请求的 n 个样本中是第几个（默认：全为 0）。
+    # zh:
+    # zh: 批次中没有任何一行用到 top_ks、top_ps 和 generators 时，它们为 None：采样器于是走快速路径，
+    # zh: 这是在主机上决定的，而不是去问 GPU。
     sample_indices = sample_indices or [0] * len(params)
     seeded = any(p.seed is not None for p in params)
     return {
@@ -414,6 +431,7 @@ print(say("rows with NaN, +inf, only -inf, one -inf: {marked}", marked=marked))
 
 def run_steps(batch: list[SamplingParams], row: int, steps: int = 5, vocab: int = 50) -> list[int]:
     """Sample `steps` tokens for every row; return row `row`'s tokens. Logits vary per step and row."""
+    # zh: 为每一行采样 `steps` 个 token；返回第 `row` 行的 token。logits 随步和行而变。
     out = []
     for step in range(steps):
         logits = torch.sin(torch.arange(vocab)[None, :] * (step + 1) * 0.37 + torch.arange(len(batch))[:, None])
@@ -488,6 +506,7 @@ weights = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1])
 
 def draw(key: int) -> int:
     """One token drawn with the noise of seed 7 and ``key``."""
+    # zh: 用随机种子 7 和 ``key`` 的噪声抽出的一个 token。
     return int((weights / torch.empty(5).exponential_(generator=seeded_generator(7, key))).argmax())
 
 

@@ -205,6 +205,10 @@ class UnknownConfigKeyError(TypeError, ValueError):
     A `TypeError`, like any unexpected keyword argument in Python, and a `ValueError`, like
     every other bad configuration value, so that either `except` clause catches it.
     """
+    # zh: `Config` 不认识的关键字。
+    # zh:
+    # zh: 它既是 `TypeError`（就像 Python 中任何意外的关键字参数），又是 `ValueError`（就像
+    # zh: 其他所有错误的配置值），所以哪种 `except` 子句都能接住它。
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
@@ -214,6 +218,8 @@ def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
 def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> tuple[int, ...]:
     """Every end-of-sequence id the model declares (generation_config.json first, then config.json). Each one
     must be a token of the vocabulary: a malformed file or a bad id is refused, naming the file and the field."""
+    # zh: 模型声明的每一个序列结束 id（先看 generation_config.json，再看 config.json）。每一个都
+    # zh: 必须是词表里的 token：格式错误的文件或不对的 id 都会被拒绝，并写明文件和字段。
     path, eos = Path(model) / "generation_config.json", None
     if path.is_file():
         try:
@@ -234,6 +240,7 @@ def declared_eos_ids(model: str | os.PathLike, hf_config: PretrainedConfig) -> t
 
 def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
     """Refuse a tensor-parallel size this engine cannot run: one process runs the whole model."""
+    # zh: 拒绝这个引擎无法运行的张量并行大小：一个进程运行整个模型。
     if tp_size != 1:
         raise ValueError(f"tensor_parallel_size={tp_size}, but this engine runs the model in one process: use 1")
 
@@ -241,6 +248,8 @@ def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
 def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
     """The attention backend that the setting ``name`` asks for on ``device`` in ``dtype``: "auto" picks one. Here
     there is one, chapter 07's torch reference."""
+    # zh: 设置 ``name`` 在 ``device`` 上、以 ``dtype`` 所要的注意力后端："auto" 会挑一个。这里只有一个，
+    # zh: 就是第 07 章的 torch 参考实现。
     _choice("attention_backend", name, ("auto", "torch"))
     return "torch"
 
@@ -266,6 +275,7 @@ def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
 class Config:
     """Everything the engine needs to know before it loads a model: the settings of `LLM(model, **settings)`
     and what is derived from the model directory."""
+    # zh: 引擎加载模型之前需要知道的一切：`LLM(model, **settings)` 的设置，以及由模型目录推导出的东西。
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -341,11 +351,13 @@ class Config:
     @classmethod
     def settings(cls) -> list[str]:
         """The keyword arguments `from_kwargs` accepts (every field but `model` and the derived ones)."""
+        # zh: `from_kwargs` 接受的关键字参数（除 `model` 和推导出的字段之外的每个字段）。
         return [f.name for f in fields(cls) if f.init and f.name != "model"]
 
     @classmethod
     def from_kwargs(cls, model: str | os.PathLike, /, **kwargs: Any) -> Config:
         """Build a config from `LLM(model, **kwargs)`-style arguments; unknown keys are an error."""
+        # zh: 由 `LLM(model, **kwargs)` 式的参数构建 config；不认识的键是错误。
         valid = cls.settings()
         unknown = [key for key in kwargs if key not in valid]
         if unknown:
@@ -430,6 +442,7 @@ hf_logging.disable_progress_bar()
 
 def tiny_llama_dir(root: Path) -> Path:
     """A 2-layer Llama with random weights, saved as a Hugging Face directory."""
+    # zh: 一个权重随机的 2 层 Llama，保存为 Hugging Face 目录。
     torch.manual_seed(0)
     hf = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -473,6 +486,7 @@ no_weights.mkdir()
 
 def config_only(name: str, **changes: object) -> Path:
     """A directory holding only the tiny model's config.json, some of its fields changed."""
+    # zh: 一个只装着小模型 config.json 的目录，其中一些字段被改过。
     directory = workdir / name
     directory.mkdir()
     fields = json.loads((tiny / "config.json").read_text(encoding="utf-8")) | changes
@@ -568,6 +582,9 @@ def prepare_prefill(
 
     with_cache=False is the warm-up forward: no KV cache exists yet, so nothing is stored.
     """
+    # zh: prefill 步展平的 input_ids 和 positions；装好注意力上下文。
+    # zh:
+    # zh: with_cache=False 表示预热前向：KV 缓存还不存在，所以什么都不存。
     input_ids: list[int] = []
     positions: list[int] = []
     seqlens_q: list[int] = []
@@ -590,6 +607,7 @@ def prepare_decode(
     seqs: list[Sequence], block_size: int, device: torch.device | str = "cpu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids and positions of a decode step (one token per sequence); installs the context."""
+    # zh: decode 步的 input_ids 和 positions（每个序列一个 token）；装好上下文。
     for seq in seqs:
         assert seq.num_scheduled_tokens == 1 and seq.num_cached_tokens == len(seq) - 1, f"not ready to decode: {seq}"
     input_ids = [seq.last_token for seq in seqs]
@@ -718,17 +736,21 @@ from nanovllm.models.qwen3 import head_dim_of
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block: keys and values of `block_size` tokens in every layer (one rank's heads), in the
     cache's ``dtype``."""
+    # zh: 一个 KV 块的字节数：每层中 `block_size` 个 token 的键和值（一个 rank 的那些头），
+    # zh: 按缓存的 ``dtype`` 计。
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * head_dim_of(hf_config) * dtype.itemsize
 
 
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
     """The dtype of the cached K/V: the model's."""
+    # zh: 缓存的 K/V 的 dtype：与模型的相同。
     return config.torch_dtype
 
 
 def kv_cache_summary(config: Config) -> str:
     """One line on the KV pool of an engine built from ``config`` (once its runner has sized it)."""
+    # zh: 用一行文字描述由 ``config`` 构建的引擎的 KV 块池（在它的执行器确定大小之后）。
     dtype, block_size = kv_cache_torch_dtype(config), config.kvcache_block_size
     block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
     blocks, kind = config.num_kvcache_blocks, str(dtype).removeprefix("torch.")
@@ -739,12 +761,14 @@ def kv_cache_summary(config: Config) -> str:
 
 def max_useful_blocks(config: Config) -> int:
     """Blocks that max_num_seqs sequences of max_model_len tokens would fill."""
+    # zh: max_num_seqs 个长为 max_model_len 的序列会占满的块数。
     per_seq = -(-config.max_model_len // config.kvcache_block_size)
     return per_seq * config.max_num_seqs
 
 
 def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | None = None) -> int:
     """How many KV blocks to allocate (available_bytes: what the device can give the cache)."""
+    # zh: 分配多少个 KV 块（available_bytes：设备能给缓存的内存）。
     if config.num_kvcache_blocks > 0:
         return config.num_kvcache_blocks
     if available_bytes is None:
@@ -760,6 +784,7 @@ def num_kv_blocks(config: Config, block_bytes: int, *, available_bytes: float | 
 
 def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, setting: str) -> torch.Tensor:
     """The KV cache tensor; a pool the device cannot hold is a ValueError naming ``setting``, the knob to lower."""
+    # zh: KV 缓存张量；设备放不下的块池会引发 ValueError，写明 ``setting``，即该调小的那个设置。
     nbytes = math.prod(shape) * dtype.itemsize
     what = f"the KV cache of {shape[2]} blocks needs {nbytes / 2**30:,.1f} GiB"
     fix = f"lower {setting}" + (" (or leave it at -1 to size the cache from memory)"
@@ -817,6 +842,8 @@ def _physical_memory() -> float:
 def copy_kv_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """For each (source, destination) pair, give block destination the keys and values of block source, in
     every layer: one gather and one scatter for all of a step's copies. ``kv_cache``: [2, layers, blocks, ...]."""
+    # zh: 对每一对（源，目的），在每一层里把源块的键和值交给目的块：一步的所有复制只用一次 gather 和
+    # zh: 一次 scatter。``kv_cache``：[2, layers, blocks, ...]。
     if not copies:
         return
     sources = host_to_device([source for source, _ in copies], torch.int64, kv_cache.device)
@@ -903,6 +930,7 @@ NOT_SAMPLED = -1
 
 class ModelRunner:
     """Runs the model on the scheduler's steps; owns the model, the KV cache and the sampler."""
+    # zh: 在调度器给出的各步上运行模型；拥有模型、KV 缓存和采样器。
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -928,6 +956,7 @@ class ModelRunner:
     # zh: ---- KV 缓存 -------------------------------------------------------------
     def allocate_kv_cache(self) -> torch.Tensor:
         """The one KV tensor of the model; each attention layer gets its two views."""
+        # zh: 模型唯一的 KV 张量；每个注意力层得到它的两个视图。
         dtype = kv_cache_torch_dtype(self.config)
         kv_cache = allocate_kv(self.kv_cache_shape(dtype), dtype, self.device, self.memory_setting())
         for i, layer in enumerate(self.attention_layers):
@@ -937,6 +966,8 @@ class ModelRunner:
     def kv_cache_shape(self, dtype: torch.dtype) -> tuple[int, ...]:
         """[2, layers, blocks, block_size, kv_heads, head_dim], with as many blocks of ``dtype`` as
         `kv_block_count` allows."""
+        # zh: [2, layers, blocks, block_size, kv_heads, head_dim]，块数为 `kv_block_count` 允许的
+        # zh: ``dtype`` 块的个数。
         hf, ranks = self.config.hf_config, self.config.tensor_parallel_size
         blocks = self.kv_block_count(kv_block_bytes(hf, self.block_size, dtype, ranks))
         kv_heads = max(1, hf.num_key_value_heads // ranks)
@@ -944,21 +975,25 @@ class ModelRunner:
 
     def memory_setting(self) -> str:
         """The setting that bounds the KV pool here: the one to change when the pool does not fit."""
+        # zh: 这里限制 KV 块池大小的设置：块池放不下时该改的那一个。
         if self.config.num_kvcache_blocks > 0:
             return "num_kvcache_blocks"
         return "gpu_memory_utilization" if self.device.type == "cuda" else "kvcache_memory_gb"
 
     def kv_block_count(self, block_bytes: int) -> int:
         """How many KV blocks to allocate: the configured count, else what this device's memory holds."""
+        # zh: 分配多少个 KV 块：配置了数目就用它，否则看这台设备的显存能装下多少。
         available = self._cuda_budget() if self.device.type == "cuda" else None
         return self.agreed_block_count(num_kv_blocks(self.config, block_bytes, available_bytes=available))
 
     def agreed_block_count(self, count: int) -> int:
         """The block count every rank can afford, given this one's: in one process, its own."""
+        # zh: 已知本 rank 的块数，每个 rank 都负担得起的块数：在单个进程里，就是它自己的。
         return count
 
     def _cuda_budget(self) -> float:
         """Bytes left for the KV cache after a warm-up forward of the largest possible step."""
+        # zh: 对可能的最大一步做一次预热前向之后，留给 KV 缓存的字节数。
         if self.config.num_kvcache_blocks > 0:
             # en: unused: the block count is given
             # zh: 用不上：块数已经给定。
@@ -980,6 +1015,8 @@ class ModelRunner:
         """One forward of the biggest prefill the scheduler may send, with no KV cache, as upstream's method of
         this name does: the activation peak it leaves in torch's statistics is what `_cuda_budget` keeps out of the
         KV cache. (Not the backends' `warm_up`, which compiles kernels.)"""
+        # zh: 对调度器可能发来的最大 prefill 做一次不带 KV 缓存的前向，与上游的同名方法一样：它在 torch 统计中
+        # zh: 留下的激活峰值，正是 `_cuda_budget` 从 KV 缓存中扣除的部分。（不是各后端的 `warm_up`，那个是编译内核的。）
         config = self.config
         seq_len = min(config.max_model_len, config.max_num_batched_tokens)
         num_seqs = max(1, min(config.max_num_batched_tokens // seq_len, config.max_num_seqs))
@@ -995,6 +1032,7 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence, its last computed token's."""
+        # zh: 一步的前向计算：每个序列一行 logits，取自它最后计算的那个 token。
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         # en: The engine refuses longer requests up front; the KV cache is sized for max_model_len.
@@ -1013,12 +1051,15 @@ class ModelRunner:
 
     def copy_blocks(self, seqs: list[Sequence]) -> None:
         """The copy-on-write copies that the block manager planned for ``seqs`` (`copy_kv_blocks`)."""
+        # zh: 块管理器为 ``seqs`` 计划的写时复制（`copy_kv_blocks`）。
         copy_kv_blocks(self.kv_cache, [pair for seq in seqs for pair in seq.blocks_to_copy])
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
         """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
         first token of each sibling the step forks; None where there are no logits to sample."""
+        # zh: 计算一步：每个序列采样一个 token（prefill 的部分分块为 NOT_SAMPLED），然后是这一步分叉出的
+        # zh: 每个兄弟序列的第一个 token；没有 logits 可采样时为 None。
         logits = self.compute_logits(seqs, is_prefill)
         rows, sampled = self.sample(seqs, logits)
         if sampled is None:
@@ -1032,6 +1073,8 @@ class ModelRunner:
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
         """The rows of ``seqs`` that want a token, and the sampled tokens (None without logits): those rows'
         tokens, then the siblings' first tokens in `sibling_samples` order."""
+        # zh: ``seqs`` 中需要 token 的那些行，以及采样出的 token（没有 logits 时为 None）：先是那些行的 token，
+        # zh: 再是各兄弟序列的第一个 token，按 `sibling_samples` 的顺序。
         # en: Only rows whose whole sequence has been computed want a token. A request that forks
         # en: also draws its siblings' first tokens from its row, after the step's own rows.
         # zh: 只有整个序列都已算完的行才需要 token。要分叉的请求（第 05 章）还要从它这一行为兄弟序列抽取首 token，
@@ -1054,6 +1097,7 @@ class ModelRunner:
 
     def exit(self) -> None:
         """Release the KV cache and refuse further steps (the tensor-parallel runner also stops its rank processes)."""
+        # zh: 释放 KV 缓存并拒绝之后的步（张量并行执行器还会停掉它的 rank 进程）。
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])

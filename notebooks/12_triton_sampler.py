@@ -173,6 +173,7 @@ say = Phrases({
 # %% triton sampler imports
 #| export layers.triton_sampler
 """The sampler's fast path on a GPU: the exponential race as two Triton kernels."""
+# zh: GPU 上采样器的快速路径：用两个 Triton 内核实现的指数赛跑。
 
 from __future__ import annotations
 
@@ -313,6 +314,10 @@ def triton_temperature_sample(
     (0 = greedy) -> [B] int64 on the logits' device, NON_FINITE for a row whose logits are not numbers. Nothing is
     read back from the GPU; the noise's seed comes from torch's CPU generator, so ``torch.manual_seed`` before a
     call makes it reproducible."""
+    # zh: 用两个 Triton 内核实现的 ``temperature_sample``：logits [B, V]（float32、bfloat16 或 float16），temperatures
+    # zh: [B]
+    # zh: （0 = 贪心）-> logits 所在设备上的 [B] int64，logits 不是数的行为 NON_FINITE。不从 GPU 读回任何东西；
+    # zh: 噪声的随机种子来自 torch 的 CPU 生成器，所以调用前先 ``torch.manual_seed`` 就能让结果可复现。
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -470,6 +475,8 @@ def compile_sampler_kernels(self) -> None:
     """Run the sampler's fast path once, so that Triton compiles the sampler's two kernels now: one variant
     each, for this model's vocabulary and logits dtype. It serves every later step, since the batch only sets
     the grid and the seed, new in every call, is not specialized on."""
+    # zh: 把采样器的快速路径运行一次，让 Triton 现在就编译采样器的两个内核：各一个变体，针对这个模型的词表和
+    # zh: logits 的 dtype。它服务之后的每一步，因为批次只决定网格，而每次调用都不同的随机种子不参与特化。
     logits = torch.zeros(2, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
     # en: a greedy row and a sampled one
     # zh: 一行贪心，一行采样。

@@ -129,6 +129,7 @@ say = Phrases({
 # %% bench report
 #| export bench.report
 """What the benchmarks share: their JSON report, and a clock that includes the device's queued work."""
+# zh: 各基准测试共用的东西：它们的 JSON 报告，以及一个把设备上排队的工作也算进去的时钟。
 
 from __future__ import annotations
 
@@ -145,6 +146,8 @@ import torch
 def report_header(command: str, argv: list[str] | None, device: str) -> dict[str, Any]:
     """The head of a benchmark's JSON report: the command line that ran it (``argv``: its arguments, None for
     ``sys.argv``'s), the date, the versions and, on ``device`` "cuda", the GPU."""
+    # zh: 基准测试 JSON 报告的开头：运行它的命令行（``argv``：它的参数，None 表示用 ``sys.argv`` 的），
+    # zh: 日期、各版本，以及 ``device`` 为 "cuda" 时的 GPU。
     args = sys.argv[1:] if argv is None else list(argv)
     header = {"command": " ".join([command, *map(shlex.quote, args)]), "date": datetime.date.today().isoformat(),
               "python": platform.python_version(), "torch": torch.__version__}
@@ -155,6 +158,7 @@ def report_header(command: str, argv: list[str] | None, device: str) -> dict[str
 
 def write_report(report: dict[str, Any], path: str | None) -> None:
     """Write a benchmark's report as JSON to ``path`` (its ``--out``; nothing without one)."""
+    # zh: 把基准测试的报告以 JSON 写到 ``path``（它的 ``--out``；没有就什么都不写）。
     if path:
         with open(path, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
@@ -162,6 +166,7 @@ def write_report(report: dict[str, Any], path: str | None) -> None:
 # %% bench
 #| export bench.attention
 """Attention kernel benchmarks (GPU): ``python -m nanovllm.bench.attention [--quick] [--out results.json]``."""
+# zh: 注意力内核的基准测试（GPU）：``python -m nanovllm.bench.attention [--quick] [--out results.json]``。
 
 from __future__ import annotations
 
@@ -183,6 +188,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 256
 
 def flash_attn_backend() -> FlashAttnBackend | None:
     """FlashAttention 4's backend when ``flash_attn.cute`` can be imported (its timings join ours), else None."""
+    # zh: 能导入 ``flash_attn.cute`` 时返回 FlashAttention 4 的后端（它的计时与我们的一起列出），否则返回 None。
     try:
         return FlashAttnBackend()
     except ImportError:
@@ -191,6 +197,7 @@ def flash_attn_backend() -> FlashAttnBackend | None:
 
 def time_ms(fn) -> float:
     """Median milliseconds of ``fn()`` on the GPU (triton's do_bench: warm-up, L2 flushed between runs)."""
+    # zh: ``fn()`` 在 GPU 上的毫秒数中位数（triton 的 do_bench：先预热，两次运行之间清空 L2）。
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -198,6 +205,7 @@ def time_ms(fn) -> float:
 
 def graph_time_ms(fn, reps: int = 20) -> float:
     """Median milliseconds of one replay of a CUDA graph that captured ``fn()``: GPU time, no launch overhead."""
+    # zh: 重放一次捕获了 ``fn()`` 的 CUDA Graph 的毫秒数中位数：GPU 时间，不含启动开销。
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -222,6 +230,7 @@ def graph_time_ms(fn, reps: int = 20) -> float:
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Bytes per second of a device-to-device copy (bytes read + bytes written)."""
+    # zh: 设备到设备拷贝的每秒字节数（读取的字节 + 写入的字节）。
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * nbytes / (time_ms(lambda: dst.copy_(src)) * 1e-3)
@@ -236,6 +245,11 @@ def bench_decode(
     Timed as the engine runs it, inside a CUDA graph (no Python launch overhead), over ``copies``
     batches with different blocks of one big cache, so that reads come from HBM, not from the L2 cache.
     """
+    # zh: ``batch`` 个序列、每个 ``context`` 个 token 时的 decode 注意力：每种切分段数的毫秒数
+    # zh: （给了 ``flash`` 时，FlashAttention 4 的毫秒数记为 ``fa4_ms``）。
+    # zh:
+    # zh: 按引擎运行它的方式计时，在 CUDA Graph 里（没有 Python 的启动开销），在一个大缓存的不同块上
+    # zh: 跑 ``copies`` 个批次，让读取来自 HBM，而不是 L2 缓存。
     blocks = math.ceil(context / BLOCK_SIZE)
     kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * torch.finfo(dtype).bits // 8
     copies = max(1, min(64, math.ceil((512 << 20) / kv_bytes)))
@@ -275,6 +289,8 @@ def bench_prefill(
 ) -> dict:
     """Dense causal prefill: our varlen kernel vs SDPA (flash backend), same shapes; ms, TFLOP/s, max |diff|
     (and FlashAttention 4's varlen call as ``fa4_ms`` / ``fa4_tflops`` when ``flash`` is given)."""
+    # zh: 稠密因果 prefill：我们的变长内核对比 SDPA（flash 后端），形状相同；毫秒数、TFLOP/s、最大 |diff|
+    # zh: （给了 ``flash`` 时，FlashAttention 4 的变长调用记为 ``fa4_ms`` / ``fa4_tflops``）。
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(batch * seqlen, HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -318,6 +334,7 @@ def bench_prefill(
 
 def run(quick: bool = False) -> dict:
     """All benchmarks; returns a JSON-able dict and prints tables as it goes."""
+    # zh: 所有基准测试；返回一个可转成 JSON 的字典，边跑边打印表格。
     props = torch.cuda.get_device_properties(0)
     result = report_header("python -m nanovllm.bench.attention", ["--quick"] if quick else [], "cuda")
     result |= {"num_sms": props.multi_processor_count, "triton": __import__("triton").__version__}
@@ -360,6 +377,7 @@ def run(quick: bool = False) -> dict:
 def line_chart_svg(series: dict[str, list[tuple[float, float]]], title: str, x_label: str, y_label: str,
                    y_max: float = 110.0, width: int = 560, height: int = 300) -> str:
     """A self-contained SVG line chart (log2 x axis), no plotting library needed."""
+    # zh: 一张自包含的 SVG 折线图（x 轴按 log2 刻度），不需要绘图库。
     left, right, top, bottom = 50, 150, 30, 40
     xs = sorted({x for points in series.values() for x, _ in points})
     lo, hi = math.log2(xs[0]), math.log2(xs[-1])
@@ -438,6 +456,7 @@ kernels = runs["kernels"]
 
 def ints(key: str) -> tuple[int, ...]:
     """A shape or a launch as the JSON writes it ("16 x 1024", "128,64,8,3"), as a tuple of ints."""
+    # zh: 把 JSON 里写的形状或启动配置（"16 x 1024"、"128,64,8,3"）变成 int 元组。
     return tuple(int(n) for n in re.findall(r"\d+", key))
 
 
@@ -467,6 +486,7 @@ copy = RECORDED["copy_tb_per_s"] * 1e12
 
 def share(batch: int, context: int, splits: int) -> float:
     """Achieved KV bandwidth as % of the copy bandwidth."""
+    # zh: 达到的 KV 带宽占拷贝带宽的百分比。
     seconds = RECORDED["decode_us"][batch, context][splits] * 1e-6
     return 100 * batch * context * KV_BYTES_PER_TOKEN / seconds / copy
 

@@ -164,6 +164,7 @@ MAX_GRAPH_BATCH = 512
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
     """Batch sizes to capture, ascending: 1, 2, 4, 8, multiples of 16, and min(max_num_seqs, limit) itself."""
+    # zh: 要捕获的批大小，从小到大：1、2、4、8、16 的倍数，以及 min(max_num_seqs, limit) 本身。
     assert max_num_seqs >= 1 and limit >= 1, "Config checked max_num_seqs"
     top = min(max_num_seqs, limit)
     sizes = [s for s in (1, 2, 4, 8) if s <= top] + list(range(16, top + 1, 16))
@@ -174,6 +175,7 @@ def capture_sizes(max_num_seqs: int, limit: int = MAX_GRAPH_BATCH) -> list[int]:
 
 def graph_batch_size(batch: int, sizes: list[int]) -> int | None:
     """The smallest captured size >= batch, or None when the batch is larger than every graph (eager)."""
+    # zh: 大于等于 batch 的最小已捕获大小；批次比每个图都大时为 None（eager 执行）。
     assert batch >= 1, f"batch must be >= 1, got {batch}"
     i = bisect.bisect_left(sizes, batch)
     return sizes[i] if i < len(sizes) else None
@@ -200,6 +202,10 @@ say = Phrases({
     "RECORDED on {device}, {date} ({live}); ms per decode step, context 512":
         "RECORDED：{device}，{date}（{live}）；每个 decode 步的毫秒数，上下文 512",
     "batch": "批大小",
+    "graphs": "用图",
+    "graph+compiled": "graph+编译",
+    "compile_small_ops off": "compile_small_ops 关",
+    "compile_small_ops on": "compile_small_ops 开",
     "one block: {mib:.0f} MiB; budget {total:.1f} GiB x {utilization} = {budget:.1f} GiB":
         "一个块：{mib:.0f} MiB；预算 {total:.1f} GiB x {utilization} = {budget:.1f} GiB",
     "KV cache {blocks} blocks = {kv:.1f} GiB; the other {other:.1f} GiB: weights ({weights:.2f} GiB), "
@@ -266,6 +272,7 @@ from nanovllm.layers.context import Context, reset_context, set_context
 @dataclass
 class DecodeBuffers:
     """The static inputs of the decode graphs (rows = the largest captured batch size)."""
+    # zh: decode 图的静态输入（行数 = 最大的已捕获批大小）。
 
     # en: Shapes and dtypes: [rows] int64 for the first two; slot_mapping [rows] int64 (-1: padding);
     # en: context_lens [rows] int32 (0: padding); block_tables [rows, max_blocks] int32 (-1: no block).
@@ -301,6 +308,7 @@ class DecodeBuffers:
     @classmethod
     def carve(cls, storage: torch.Tensor, rows: int, max_blocks: int) -> DecodeBuffers:
         """The five fields as typed views of ``storage`` (uint8, `nbytes` long, on any device); nothing is filled."""
+        # zh: 把五个字段作为 ``storage``（uint8，长 `nbytes`，可在任何设备上）的带类型视图；不填任何内容。
         assert storage.dtype == torch.uint8 and storage.numel() == cls.nbytes(rows, max_blocks), "storage size"
         fields, offset = {}, 0
         for name, dtype, wide, _ in cls.LAYOUT:
@@ -316,6 +324,7 @@ class DecodeBuffers:
     ) -> DecodeBuffers:
         """Buffers of ``rows`` padding rows (pin_memory: in page-locked host memory, which a GPU copies from
         without waiting for the host)."""
+        # zh: ``rows`` 个填充行的缓冲区（pin_memory：放在锁页的主机内存里，GPU 从那里拷贝时不必等待主机）。
         storage = torch.empty(cls.nbytes(rows, max_blocks), dtype=torch.uint8, device=device, pin_memory=pin_memory)
         buffers = cls.carve(storage, rows, max_blocks)
         # en: Every row starts as a padding row (see load).
@@ -327,6 +336,8 @@ class DecodeBuffers:
     def prefix_bytes(self, graph_batch: int) -> int:
         """How many bytes at the start of storage hold rows [0, graph_batch) of every field: the four
         one-column fields whole, then graph_batch rows of block tables."""
+        # zh: storage 开头有多少字节装着每个字段的第 [0, graph_batch) 行：四个单列字段整个放进去，然后是
+        # zh: 块表的 graph_batch 行。
         tables = self.block_tables.data_ptr() - self.storage.data_ptr()
         return tables + graph_batch * self.block_tables.stride(0) * self.block_tables.element_size()
 
@@ -336,6 +347,7 @@ class DecodeBuffers:
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context, graph_batch: int) -> None:
         """Copy one decode step into rows [0, n) and make rows [n, graph_batch) padding rows."""
+        # zh: 把一个 decode 步复制到第 [0, n) 行，并把第 [n, graph_batch) 行设为填充行。
         n, rows = input_ids.shape[0], self.input_ids.shape[0]
         assert 1 <= n <= graph_batch <= rows, f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= rows ({rows})"
         width = context.block_tables.shape[1]
@@ -358,6 +370,7 @@ class DecodeBuffers:
 
     def install_context(self, graph_batch: int) -> Context:
         """The decode context over the first graph_batch rows (what a captured forward reads)."""
+        # zh: 前 graph_batch 行上的 decode 上下文（被捕获的前向计算读取的就是它）。
         return set_context(
             False,
             slot_mapping=self.slot_mapping[:graph_batch],
@@ -429,6 +442,7 @@ CAPTURE_SAFE_BACKENDS = ("triton", "flash-attn")
 
 def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager: bool = False) -> str | None:
     """Why decode runs eagerly under these settings, or None when it can replay CUDA graphs."""
+    # zh: 在这些设置下 decode 为什么只能 eager 执行；能重放 CUDA Graph 时为 None。
     if enforce_eager:
         return "enforce_eager=True"
     if device != "cuda":
@@ -441,7 +455,7 @@ def graphs_unavailable_reason(device: str, attention_backend: str, enforce_eager
 
 # %%
 for settings in [("cpu", "torch"), ("cuda", "torch"), ("cuda", "triton", True), ("cuda", "triton")]:
-    print(settings, "->", graphs_unavailable_reason(*settings) or "graphs")
+    print(settings, "->", graphs_unavailable_reason(*settings) or say("graphs"))
 assert graphs_unavailable_reason("cuda", "triton") is None
 assert "not capture-safe" in graphs_unavailable_reason("cuda", "torch")
 
@@ -475,6 +489,7 @@ from nanovllm.config import Config
 
 class CudaGraphRunner:
     """Decode forwards captured as CUDA graphs, one per batch-size bucket, sharing one memory pool."""
+    # zh: 捕获成 CUDA Graph 的 decode 前向计算，每个批大小档位一个，共用一个显存池。
 
     def __init__(self, model: nn.Module, config: Config) -> None:
         self.model = model
@@ -490,6 +505,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, into one shared memory pool (the KV cache must exist)."""
+        # zh: 从最大的开始捕获每一种大小，都放进一个共用的显存池（KV 缓存必须已经存在）。
         b = self.buffers
         try:
             for size in reversed(self.sizes):
@@ -512,6 +528,7 @@ class CudaGraphRunner:
 
     def bucket(self, batch: int) -> int:
         """The captured size that runs a decode step of ``batch`` sequences."""
+        # zh: 运行 ``batch`` 个序列的 decode 步所用的已捕获大小。
         size = graph_batch_size(batch, self.sizes)
         if size is None:
             raise ValueError(f"batch {batch} is larger than the largest captured graph ({self.sizes[-1]}); "
@@ -520,18 +537,21 @@ class CudaGraphRunner:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
         """Hidden states [n, hidden] of one decode step (context: the step's decode context)."""
+        # zh: 一个 decode 步的隐藏状态 [n, hidden]（context：这一步的 decode 上下文）。
         n = input_ids.shape[0]
         self.buffers.load(input_ids, positions, context, self.bucket(n))
         return self.replay_loaded(n)
 
     def replay_loaded(self, n: int) -> torch.Tensor:
         """Replay the bucket of ``n`` sequences on what the buffers hold now: hidden states [n, hidden]."""
+        # zh: 在缓冲区当前装着的内容上重放 ``n`` 个序列所在的档位：隐藏状态 [n, hidden]。
         self.graphs[self.bucket(n)].replay()
         return self.outputs[:n]
 
 
 def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner | None:
     """Capture the decode graphs when the settings allow it (see graphs_unavailable_reason), else None."""
+    # zh: 设置允许时捕获 decode 图（见 graphs_unavailable_reason），否则为 None。
     reason = graphs_unavailable_reason(config.device, config.attention_backend, config.enforce_eager)
     if reason is not None:
         return None
@@ -602,6 +622,7 @@ def capture_decode_graphs(model: nn.Module, config: Config) -> CudaGraphRunner |
 # %% compiled ops
 #| export layers.compiled_ops
 """torch.compile'd versions of the model's small element-wise ops, and the fused q/k/v kernel."""
+# zh: 模型中逐元素小操作的 torch.compile 版本，以及融合的 q/k/v 内核。
 
 from __future__ import annotations
 
@@ -617,6 +638,8 @@ def compile_small_ops(model: nn.Module) -> int:
     """Hand every small-op module of ``model`` a compiled version of its ``op``, and, on a GPU, every attention
     layer whose heads are rotated whole the fused q/k/v kernel of ``layers.fused_qkv``; returns how many modules
     got something."""
+    # zh: 给 ``model`` 的每个小操作模块一个编译过的 ``op``，并且在 GPU 上，给每个头整个旋转的注意力层
+    # zh: ``layers.fused_qkv`` 的融合 q/k/v 内核；返回有多少个模块拿到了东西。
     compiled = {kind: torch.compile(kind.op, dynamic=True) for kind in (RMSNorm, SiluAndMul, RotaryEmbedding)}
     fused = None
     if next(model.parameters()).is_cuda:
@@ -655,6 +678,7 @@ class _CompiledOps:
 @add_to_class(Config)
 def _resolve_switch(self, name: str, auto: bool) -> bool:
     """Check the setting ``name`` (True, False or "auto"), put ``auto`` in place of "auto", and return the value."""
+    # zh: 检查设置 ``name``（True、False 或 "auto"），用 ``auto`` 代替 "auto"，并返回这个值。
     value = check(name, getattr(self, name), object, lambda v: isinstance(v, bool) or v == "auto",
                   "True, False or 'auto'")
     setattr(self, name, auto if value == "auto" else value)
@@ -702,6 +726,7 @@ def _resolve_compile_small_ops(self) -> None:
 # %% fused qkv
 #| export layers.fused_qkv
 """One Triton kernel from the q/k/v projection to the paged KV cache: q/k RMSNorm, RoPE, K/V store."""
+# zh: 从 q/k/v 投影到分页 KV 缓存的一个 Triton 内核：q/k RMSNorm、RoPE、K/V 写入。
 
 from __future__ import annotations
 
@@ -722,6 +747,9 @@ def store_head(
     """Write one head, as its two halves, into its cache slot; a float8 cache gets the head quantized
     with its own scale (the largest magnitude of both halves / 448), and the scale beside the block. ``BY_DIM``:
     the values of a float8 cache, kept by dimension, [kv_heads, d, block_size] per block."""
+    # zh: 把一个头按它的两半写进它的缓存槽位；float8 缓存中，这个头用自己的缩放因子量化
+    # zh: （两半中最大的绝对值 / 448），缩放因子存在块旁边。``BY_DIM``：float8 缓存的值按维度存放，
+    # zh: 每块 [kv_heads, d, block_size]。
     block, place = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     if BY_DIM:
         cache = cache_ptr + (block * stride_slot + head * stride_cache_head) * BLOCK_SIZE + place
@@ -820,6 +848,7 @@ EARLY_START_TOKENS = 4
 
 def can_fuse(attention: nn.Module) -> bool:
     """Whether ``attention`` (a Qwen3Attention) fits the kernel: RoPE over whole heads."""
+    # zh: ``attention``（一个 Qwen3Attention）是否适合这个内核：RoPE 作用于整个头。
     return attention.rotary_emb.rotary_dim == attention.head_dim and attention.head_dim % 2 == 0
 
 
@@ -828,6 +857,8 @@ def norm_rotate_store(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k (normed and rotated) and v of the projection ``qkv`` [T, (H + 2 KVH) d] of ``attention``; k and v are
     also written into its KV cache when the step has one (the context's slot mapping; slot -1 skipped)."""
+    # zh: ``attention`` 的投影 ``qkv`` [T, (H + 2 KVH) d] 中的 q、k（归一化并旋转过）和 v；这一步有 KV 缓存时，
+    # zh: k 和 v 也会写进它（按上下文的槽位映射；槽位 -1 跳过）。
     layer, heads, kv_heads, d = attention.attn, attention.num_heads, attention.num_kv_heads, attention.head_dim
     tokens = qkv.shape[0]
     q = torch.empty(tokens, heads, d, dtype=qkv.dtype, device=qkv.device)
@@ -997,6 +1028,8 @@ def compile_ahead(self) -> None:
     """Compile the small ops (when `compile_small_ops`) and hand the decoder layers their fused kernels
     (`fuse_layers`); on a GPU, compile the path of a cached prefix now; then capture the decode graphs (None where
     graphs cannot be used)."""
+    # zh: 编译小操作（``compile_small_ops`` 开启时），把融合内核交给各解码器层（`fuse_layers`）；在 GPU 上，
+    # zh: 现在就编译带缓存前缀的路径；然后捕获 decode 图（无法使用图时为 None）。
     if self.config.compile_small_ops:
         compile_small_ops(self.model)
     self.fuse_layers()
@@ -1010,6 +1043,8 @@ def compile_ahead(self) -> None:
 def compile_paged_prefill(self) -> None:
     """One 1-token prefill after a 1-token cached prefix, through the whole model, so the path a chunked
     prefill or a prefix-cache hit takes (compiled ops at 1 token included) is compiled now, not in a step."""
+    # zh: 在 1 个 token 的缓存前缀之后，对整个模型做一次 1 个 token 的 prefill，让分块 prefill 或前缀缓存命中
+    # zh: 所走的路径（包括 1 个 token 时的编译操作）现在就编译好，而不是在某一步里编译。
     table = list(range(-(-2 // self.block_size)))
     if len(table) > self.kv_cache.shape[2]:
         return
@@ -1028,6 +1063,8 @@ def compile_paged_prefill(self) -> None:
 def fuse_layers(self) -> None:
     """Hand the decoder layers fused kernels for small decode steps, before the warm-ups and the capture: none
     yet (chapter 15's ``fused_decode`` fills it)."""
+    # zh: 在预热和捕获之前，把用于小 decode 步的融合内核交给各解码器层：现在还没有
+    # zh: （第 15 章的 ``fused_decode`` 来填）。
 
 
 @add_to_class(ModelRunner)
@@ -1036,6 +1073,9 @@ def compute_logits(self, seqs: list[Sequence], is_prefill: bool, previous: objec
     """The forward of one step: one row of logits per sequence, its last computed token's; a decode step whose
     batch fits a captured graph replays it. ``previous`` is chapter 18's (a step queued behind the one still
     computing its last tokens), which the engine's later chapters pass through this method: none here."""
+    # zh: 一步的前向计算：每个序列一行 logits，取自它最后计算的那个 token；批次能放进某个已捕获图的 decode 步
+    # zh: 就重放它。``previous`` 属于第 18 章（排在仍在计算自己最后几个 token 的那一步后面的一步），
+    # zh: 引擎后面的章节会经过这个方法传递它：这里没有。
     assert previous is None, "a step behind one still in flight needs chapter 18's compute_logits"
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
@@ -1099,6 +1139,8 @@ else:
 #| export bench.models
 """Model directories for the benchmarks: real models' shapes, random (or no) weights, since a step's speed depends
 on the shapes, not on the weights' values."""
+# zh: 基准测试用的模型目录：真实模型的形状，随机的（或者没有）权重，因为一步的速度取决于形状，
+# zh: 而不是权重的数值。
 
 from __future__ import annotations
 
@@ -1113,6 +1155,7 @@ QWEN3_06B_SHAPES: dict[str, Any] = {
 
 def qwen3_06b_random(path: str | None = None) -> Any:
     """A model directory with Qwen3-0.6B's shapes and random weights (built once; ~2.4 GB of float32)."""
+    # zh: 一个形状与 Qwen3-0.6B 相同、权重随机的模型目录（只构建一次；约 2.4 GB 的 float32）。
     import tempfile
 
     from nanovllm.book.tiny_models import build_tiny_model
@@ -1123,6 +1166,7 @@ def qwen3_06b_random(path: str | None = None) -> Any:
 # %% bench graphs
 #| export bench.graphs
 """Decode-step latency, eager vs CUDA graphs (GPU): ``python -m nanovllm.bench.graphs [--out F.json]``."""
+# zh: decode 步的延迟，eager 对比 CUDA Graph（GPU）：``python -m nanovllm.bench.graphs [--out F.json]``。
 
 from __future__ import annotations
 
@@ -1142,6 +1186,7 @@ from nanovllm.sampling_params import SamplingParams
 
 def decode_batch(batch: int, context_len: int, block_size: int, vocab_size: int, seed: int = 0) -> list[Sequence]:
     """`batch` sequences of `context_len` random tokens, ready to decode, on disjoint blocks 0, 1, 2, ..."""
+    # zh: `batch` 个由 `context_len` 个随机 token 组成的序列，准备好 decode，放在互不相交的块 0、1、2……上。
     generator = torch.Generator().manual_seed(seed)
     blocks = -(-context_len // block_size)
     seqs = []
@@ -1156,6 +1201,7 @@ def decode_batch(batch: int, context_len: int, block_size: int, vocab_size: int,
 
 def step_ms(runner: ModelRunner, seqs: list[Sequence], iters: int = 20, warmup: int = 3) -> tuple[float, list[int]]:
     """Median wall-clock milliseconds of one decode step (run() ends with a device-to-host copy), and its tokens."""
+    # zh: 一个 decode 步的挂钟时间毫秒数中位数（run() 以一次设备到主机的拷贝结束），以及它的 token。
     for _ in range(warmup):
         tokens = runner.run(seqs, is_prefill=False)
     times = []
@@ -1169,6 +1215,7 @@ def step_ms(runner: ModelRunner, seqs: list[Sequence], iters: int = 20, warmup: 
 
 def measure(runner: ModelRunner, batch_sizes: list[int], context_len: int = 512, iters: int = 20) -> list[dict]:
     """One row per batch size: eager and graph milliseconds per decode step, and whether the tokens agree."""
+    # zh: 每个批大小一行：eager 和图的每个 decode 步毫秒数，以及 token 是否一致。
     graphs, rows = runner.graphs, []
     if graphs is None:
         raise ValueError("the runner has no CUDA graphs (see graphs_unavailable_reason)")
@@ -1189,6 +1236,7 @@ def measure(runner: ModelRunner, batch_sizes: list[int], context_len: int = 512,
 
 def profile_step(runner: ModelRunner, batch: int, context_len: int = 512, rows: int = 15) -> str:
     """torch.profiler tables (by GPU time, by CPU time) of 5 decode steps at one batch size."""
+    # zh: 一个批大小下 5 个 decode 步的 torch.profiler 表格（按 GPU 时间，按 CPU 时间）。
     from torch.profiler import ProfilerActivity, profile
 
     seqs = decode_batch(batch, context_len, runner.block_size, runner.config.hf_config.vocab_size)
@@ -1206,6 +1254,7 @@ DECODE_LAUNCHES = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 2),
 
 def sweep_decode_launches(batch: int, context: int, launches=DECODE_LAUNCHES) -> list[dict]:
     """Decode attention at Qwen3-0.6B's layout, graph-timed: ms and TB/s per (BLOCK_N, warps, stages)."""
+    # zh: 按 Qwen3-0.6B 的布局、用图计时的 decode 注意力：每种 (BLOCK_N, warps, stages) 的毫秒数和 TB/s。
     from nanovllm.bench.attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, graph_time_ms
     from nanovllm.layers.context import Context
     from nanovllm.layers.triton_attention import decode_attention
@@ -1329,8 +1378,9 @@ live = say("a CUDA device is present: run the commands above to measure it" if t
            else "no GPU here")
 print(say("RECORDED on {device}, {date} ({live}); ms per decode step, context 512", device=RECORDED["device"],
           date=RECORDED["date"], live=live))
-print(f"{say('batch'):>6} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | graph+compiled")
-print(f"{'':>6} | {'compile_small_ops off':^20} | {'compile_small_ops on':^20} |")
+print(f"{say('batch'):>6} | {'eager':>6} {'graph':>6} {'x':>5} | {'eager':>6} {'graph':>6} {'x':>5} | "
+      f"{say('graph+compiled')}")
+print(f"{'':>6} | {say('compile_small_ops off'):^20} | {say('compile_small_ops on'):^20} |")
 for batch in RECORDED["off"]:
     (e0, g0), (e1, g1) = RECORDED["off"][batch], RECORDED["on"][batch]
     print(f"{batch:>6} | {e0:>6.2f} {g0:>6.2f} {e0 / g0:>5.1f} | {e1:>6.2f} {g1:>6.2f} {e1 / g1:>5.1f} | "

@@ -213,6 +213,8 @@ say = Phrases({
 #| export layers.fused_decode
 """A decoder layer in four matmul kernels for a step of a few tokens: each RMSNorm (and its residual add) folded
 into the matmul after it, SiLU x mul into the gate/up matmul."""
+# zh: 为只有几个 token 的一步准备的、由四个矩阵乘法内核组成的解码器层：每个 RMSNorm（及其残差加法）并入
+# zh: 它后面的矩阵乘法，SiLU 乘法并入 gate/up 矩阵乘法。
 
 from __future__ import annotations
 
@@ -246,6 +248,7 @@ FUSED_STEP_TOKENS = GEMV_ROWS
 @triton.jit
 def load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD: tl.constexpr):
     """A [rows, ks] tile of the input, plus the residual when ADD, added in the model's dtype."""
+    # zh: 输入的一个 [rows, ks] tile；ADD 时再加上残差，按模型的 dtype 相加。
     x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=mask, other=0.0)
     if ADD:
         # en: As torch adds two bfloat16 tensors: in float32, rounded once (spelled out, since the Triton
@@ -261,6 +264,7 @@ def load_rows(x_ptr, residual_ptr, rows, ks, mask, stride_x, stride_r, ADD: tl.c
 def store_result(acc, up, bias_ptr, out_ptr, rows, cols, col_mask, out_mask, N, stride_out, GLU: tl.constexpr,
                  BIAS: tl.constexpr):  # fmt: skip
     """The matmul's float32 sums (gate and up when GLU) plus the bias, activated when GLU, stored as the output."""
+    # zh: 矩阵乘法的 float32 累加和（GLU 时为 gate 和 up）加上偏置，GLU 时再经过激活，作为输出存下。
     if BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         if GLU:
@@ -439,6 +443,9 @@ def gemv_block_n(columns: int, inputs: int, glu: bool, min_programs: int = 256) 
     makes ``min_programs`` programs (256: two per SM of an H200; on Qwen3-0.6B that is 8 for q/k/v and gate/up, 4 for
     o_proj and down_proj, the launch measured fastest there), else the narrowest that fits; 0 when not even one
     column fits."""
+    # zh: 每个 GEMV 程序负责的输出列数：在 8、4、2、1 中，取权重切片能放进 GEMV_SLICE、且仍能凑出 ``min_programs``
+    # zh: 个程序的最宽者（256：H200 上每个 SM 两个；在 Qwen3-0.6B 上，q/k/v 和 gate/up 为 8，o_proj 和 down_proj 为 4，
+    # zh: 那里测得这样启动最快），否则取放得下的最窄者；连一列都放不下时为 0。
     slice_width = triton.next_power_of_2(inputs) * (2 if glu else 1)
     fitting = [block for block in (8, 4, 2, 1) if block * slice_width <= GEMV_SLICE]
     return next((block for block in fitting if triton.cdiv(columns, block) >= min_programs),
@@ -450,6 +457,8 @@ class SmallMatmulLaunch:
     """How `small_matmul` splits the work: output columns per program, input elements per loop step, Triton's
     warps and pipeline stages (loads in flight while the tile before them is multiplied), and the programs that
     share a column block (split-K)."""
+    # zh: `small_matmul` 怎样切分工作：每个程序的输出列数、每个循环步的输入元素数、Triton 的 warp 数和流水线级数
+    # zh: （前一个 tile 做乘法时还在进行中的加载数），以及共享一个列块的程序数（split-K）。
 
     block_n: int = 16
     block_k: int = 128
@@ -467,6 +476,10 @@ def choose_launch(columns: int, inputs: int, glu: bool = False) -> SmallMatmulLa
     make fewer than 128 programs, so that a narrow weight (Qwen3-0.6B's o_proj and down_proj: 32 blocks) still
     gives every SM a share to stream; never with ``glu`` (SiLU needs the whole sum), nor into slices under 256
     inputs."""
+    # zh: ``columns`` 个输出列、``inputs`` 个输入元素的权重所用的启动配置：32 列、128 个输入的 tile，同时进行五个加载；
+    # zh: 只靠列块凑不满 128 个程序时，把输入切成 2、4 或 8 份（split-K），让窄的权重（Qwen3-0.6B 的 o_proj 和
+    # zh: down_proj：32 个块）也能让每个 SM 分到一份来读；``glu`` 时从不切分（SiLU 需要完整的和），
+    # zh: 也不切成少于 256 个输入的片。
     blocks = triton.cdiv(columns, 32)
     splits = [split for split in (1, 2, 4, 8) if split == 1 or (not glu and inputs // split >= 256)]
     split = next((split for split in splits if blocks * split >= 128), splits[-1])
@@ -485,6 +498,7 @@ _split_workspaces: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def split_workspace(device: torch.device, columns: int, launch: SmallMatmulLaunch) -> tuple[torch.Tensor, torch.Tensor]:
     """The partial sums and arrival counters of a split-K launch over ``columns`` output columns on ``device``."""
+    # zh: 在 ``device`` 上、覆盖 ``columns`` 个输出列的 split-K 启动所用的部分和与到达计数器。
     key = (device, columns, launch.block_n, launch.split)
     if key not in _split_workspaces:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -499,6 +513,7 @@ def split_workspace(device: torch.device, columns: int, launch: SmallMatmulLaunc
 def check_small_matmul(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
                        norm_weight: torch.Tensor | None, glu: bool, launch: SmallMatmulLaunch | None) -> None:
     """Raise ValueError for what `small_matmul` cannot do."""
+    # zh: `small_matmul` 做不到的情况抛出 ValueError。
     if x.shape[0] > MAX_TOKENS:
         raise ValueError(f"small_matmul takes at most {MAX_TOKENS} rows, not {x.shape[0]}")
     if residual is not None and norm_weight is None:
@@ -529,6 +544,14 @@ def small_matmul(
     Up to GEMV_ROWS rows take `gemv_kernel` when its weight slice fits; more rows, or a ``launch`` (how to split
     the work, default `choose_launch`), take the tile kernel.
     """
+    # zh: 对 ``x`` 的至多 MAX_TOKENS 行计算 ``F.linear(x, weight, bias)``，连同它前后的操作：
+    # zh:
+    # zh: - ``norm_weight``：输入是 ``rms_norm(x + residual, norm_weight, eps)``（``residual`` 可选）；
+    # zh: - ``glu``：``weight`` 是合并的 [gate | up] 权重，结果是 ``SiLU(gate) * up``。
+    # zh:
+    # zh: 返回（结果，新的残差：``x + residual``，没有残差时就是 ``x`` 本身）。
+    # zh: 至多 GEMV_ROWS 行、且权重切片放得下时走 `gemv_kernel`；行数更多，或者给了 ``launch``
+    # zh: （怎样切分工作，默认 `choose_launch`），走 tile 内核。
     check_small_matmul(x, weight, residual, norm_weight, glu, launch)
     tokens, k = x.shape
     n = weight.shape[0] // 2 if glu else weight.shape[0]
@@ -575,6 +598,7 @@ def small_matmul(
 
 def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """RowParallelLinear.forward with the small matmul: this rank's partial sum, then the all-reduce."""
+    # zh: 用小矩阵乘法实现的 RowParallelLinear.forward：先算本 rank 的部分和，再 all-reduce。
     y, _ = small_matmul(x, linear.weight, linear.bias if linear.tp_rank == 0 else None)
     if linear.tp_size > 1:
         dist.all_reduce(y)
@@ -584,6 +608,8 @@ def row_parallel(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class FusedDecodeLayer:
     """``Qwen3DecoderLayer.forward`` for a step of at most ``max_tokens`` tokens (1 to MAX_TOKENS), in
     four matmul kernels (plus attention's): the decoder layer calls it through its ``fused_forward`` hook."""
+    # zh: 至多 ``max_tokens`` 个 token（1 到 MAX_TOKENS）的一步所用的 ``Qwen3DecoderLayer.forward``，
+    # zh: 由四个矩阵乘法内核（外加注意力的）完成：解码器层通过它的 ``fused_forward`` 钩子调用它。
 
     def __init__(self, max_tokens: int = FUSED_STEP_TOKENS) -> None:
         if not 1 <= max_tokens <= MAX_TOKENS:
@@ -611,6 +637,8 @@ def fuse_decode_layers(model: nn.Module, max_tokens: int = FUSED_STEP_TOKENS) ->
     """Hand every decoder layer of ``model`` (those with a ``fused_forward`` hook and a dense gated MLP) the fused
     layer for steps of at most ``max_tokens`` tokens; returns how many got it. (A layer whose MLP is a router and
     experts keeps its own path.)"""
+    # zh: 把用于至多 ``max_tokens`` 个 token 的步的融合层，交给 ``model`` 的每个解码器层（带 ``fused_forward`` 钩子、
+    # zh: MLP 为稠密门控 MLP 的那些）；返回有多少层拿到了。（MLP 是路由器加专家的层保留自己的路径。）
     fused = FusedDecodeLayer(max_tokens)
     layers = [module for module in model.modules()
               if hasattr(module, "fused_forward") and hasattr(getattr(module, "mlp", None), "gate_up_proj")]
@@ -731,6 +759,7 @@ from nanovllm.engine.model_runner import ModelRunner
 @add_to_class(ModelRunner)
 def fuse_layers(self) -> None:
     """With ``fused_decode``, hand every decoder layer its fused path for steps of up to four tokens."""
+    # zh: 开启 ``fused_decode`` 时，把用于至多四个 token 的步的融合路径交给每个解码器层。
     if self.config.fused_decode:
         # en: Triton: imported only when asked, so that a CPU engine never imports it (and a chapter that sets
         # en: TRITON_INTERPRET=1 does so before Triton's first import).
@@ -1012,6 +1041,7 @@ KIND_COLORS = {"matmul": "#1f77b4", "attention": "#ff7f0e", "other": "#9e9e9e"}
 
 def kernel_kind(name: str) -> str:
     """What a kernel of a decode step does, from its name: a matmul, attention, or the small work between."""
+    # zh: 由名字判断 decode 步中一个内核做什么：矩阵乘法、注意力，或者两者之间的零碎工作。
     if name.startswith(("nvjet", "gemv_kernel", "small_matmul")):
         return "matmul"
     return "attention" if name.startswith(("decode_attention", "decode_reduce")) else "other"
@@ -1021,6 +1051,8 @@ def timeline_svg(lanes: dict[str, list[tuple[str, float, float]]], title: str, u
                  width: int = 720) -> str:
     """Kernels as boxes on one time axis from 0 to ``until`` µs, a lane per timeline: a gap is time in which the
     GPU ran nothing of the step, and kernels that ran at the same time get rows of their own in the lane."""
+    # zh: 把内核画成一条从 0 到 ``until`` µs 的时间轴上的方框，每条时间线一道：空隙是 GPU 没有运行这一步任何
+    # zh: 东西的时间，同时运行的内核在这一道里各占一行。
     left, right, top, row_height = 90, 20, 34, 14
 
     def rows_of(kernels: list[tuple[str, float, float]]) -> list[int]:
@@ -1068,6 +1100,7 @@ display(SVG(timeline_svg(lanes, say("across a step boundary, batch 1 (H200)"), u
 def last_layer(kernels: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
     """The last layer's kernels: those before the LM head (the widest matmul, 384 columns), less the model's final
     norm and a copy."""
+    # zh: 最后一层的内核：LM head（最宽的矩阵乘法，384 列）之前的那些，去掉模型最后的归一化和一次拷贝。
     head = next(k for k, (name, _, _) in enumerate(kernels) if "384x8" in name)
     return [kernel for kernel in kernels[:head] if not kernel[0].startswith("memcpy")][:-1]
 

@@ -111,6 +111,7 @@ from IPython.display import SVG, display
 
 def tp_layer_svg(tp: int = 2) -> str:
     """One decoder layer split over `tp` ranks: shards per rank, and the points where ranks talk."""
+    # zh: 切分到 `tp` 个 rank 上的一个解码器层：每个 rank 的分片，以及各 rank 之间通信的位置。
     stages = [
         ("embed_tokens", "vocab rows", "all-reduce"),
         ("qkv_proj", "column: heads", None),
@@ -201,6 +202,7 @@ from nanovllm.book.literate import add_to_class
 @add_to_class(linear)
 def process_world() -> tuple[int, int]:
     """(rank, size) of this process in torch.distributed's group once one is initialized, else (0, 1)."""
+    # zh: 初始化了 torch.distributed 的组之后，本进程在组中的 (rank, size)，否则为 (0, 1)。
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -243,6 +245,7 @@ from nanovllm.layers.linear import RowParallelLinear
 @add_to_class(RowParallelLinear)
 def forward_local(self, x: torch.Tensor) -> torch.Tensor:
     """This rank's partial sum (the bias only on rank 0, so the reduced sum has it once)."""
+    # zh: 本 rank 的部分和（偏置只在 rank 0 上加，这样归约后的和里只有一份偏置）。
     return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
 
 
@@ -289,6 +292,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 @add_to_class(VocabParallelEmbedding)
 def sum_over_ranks(self, y: torch.Tensor) -> torch.Tensor:
     """Each token's row, whole: the sum of what every rank looked up (all zeros but the owner's)."""
+    # zh: 每个 token 完整的行：各 rank 查到的结果之和（除了拥有者之外全是零）。
     if self.tp_size > 1:
         dist.all_reduce(y)
     return y
@@ -297,6 +301,7 @@ def sum_over_ranks(self, y: torch.Tensor) -> torch.Tensor:
 @add_to_class(ParallelLMHead)
 def gather_slices(self, logits: torch.Tensor) -> torch.Tensor | None:
     """The logits over the whole vocabulary on rank 0, its slices in rank order; None on the other ranks."""
+    # zh: rank 0 上整个词表的 logits，各片按 rank 顺序拼接；其他 rank 上为 None。
     if self.tp_size == 1:
         return logits
     slices = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None

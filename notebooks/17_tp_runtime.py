@@ -221,6 +221,7 @@ import torch.distributed as dist
 
 def agree_min(value: int, device: torch.device | str = "cpu") -> int:
     """The smallest `value` over the tensor-parallel ranks (the value itself in one process)."""
+    # zh: `value` 在各张量并行 rank 上的最小值（单个进程时就是这个值本身）。
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
     # en: NCCL reduces only GPU tensors, gloo only CPU tensors: the tensor lives on the rank's device.
@@ -232,6 +233,7 @@ def agree_min(value: int, device: torch.device | str = "cpu") -> int:
 
 def share_from_rank0(values: torch.Tensor | None, count: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Rank 0's `count` int64 values on every rank (rank 0 passes them, the others None); no host wait."""
+    # zh: 在每个 rank 上得到 rank 0 的 `count` 个 int64 值（rank 0 传入它们，其他 rank 传 None）；主机不等待。
     if values is None:
         values = torch.empty(count, dtype=torch.int64, device=device)
     if count and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -253,6 +255,7 @@ TP_DIVIDED = ("num_attention_heads", "num_key_value_heads", "intermediate_size",
 @add_to_class(config_module)
 def check_tensor_parallel_size(hf_config: object, tp_size: int) -> None:
     """Refuse a tensor-parallel size that does not split every sharded dimension of the model evenly."""
+    # zh: 拒绝不能把模型每个切分维度都均分的张量并行大小。
     for name in TP_DIVIDED:
         value = getattr(hf_config, name, None)
         if name == "num_key_value_heads" and value is None:
@@ -279,6 +282,7 @@ from nanovllm.layers.linear import agree_min
 @add_to_class(ModelRunner)
 def agreed_block_count(self, count: int) -> int:
     """The smallest block count over the ranks, since the scheduler's one pool indexes every rank's cache."""
+    # zh: 各 rank 块数中的最小值，因为调度器的那一个块池要索引每个 rank 的缓存。
     return agree_min(count, self.device)
 
 # %% [markdown] tags=["en"]
@@ -338,6 +342,7 @@ def _init_first_token_index(self) -> None:
 @property
 def scheduled_token_ids(self) -> list[int]:
     """The tokens this step computes: ``num_scheduled_tokens`` of them after the cached ones."""
+    # zh: 这一步计算的 token：缓存的 token 之后的 ``num_scheduled_tokens`` 个。
     start = self.num_cached_tokens - self.first_token_index
     return self.token_ids[start : start + self.num_scheduled_tokens]
 
@@ -502,6 +507,7 @@ STORE_TIMEOUT = timedelta(seconds=120)
 @dataclass(frozen=True)
 class RankFailure:
     """What a rank reports when it fails: where, what, its traceback, and when (to find the first)."""
+    # zh: rank 失败时报告的内容：在哪里、是什么、它的调用栈，以及什么时候（用来找出第一个）。
 
     rank: int
     call: str
@@ -512,6 +518,7 @@ class RankFailure:
 
 def parse_fault(value: str | None, world_size: int) -> tuple[int, int] | None:
     """Read the NANOVLLM_TP_FAULT test hook: "rank:call" -> (rank, call), or None when unset."""
+    # zh: 读取测试钩子 NANOVLLM_TP_FAULT："rank:call" -> (rank, call)，未设置时为 None。
     if not value:
         return None
     try:
@@ -525,11 +532,13 @@ def parse_fault(value: str | None, world_size: int) -> tuple[int, int] | None:
 
 def backend_for(device: str) -> str:
     """NCCL between GPUs, gloo between CPU processes."""
+    # zh: GPU 之间用 NCCL，CPU 进程之间用 gloo。
     return "nccl" if device == "cuda" else "gloo"
 
 
 def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
     """Join the driver's rendezvous store and initialize torch.distributed for this rank."""
+    # zh: 加入驱动进程的会合点存储，并为本 rank 初始化 torch.distributed。
     if device == "cuda":
         # en: NVLink SHARP (NVLS) is off unless the user asked for it: it needs fabric setup many hosts lack.
         # zh: 除非用户明确要求，否则关闭 NVLink SHARP（NVLS）：它需要很多机器上没有的 fabric 配置。
@@ -546,11 +555,14 @@ def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
 def step_states(seqs: list[Sequence]) -> list[tuple]:
     """What a step ships of each sequence: its slim state, as `Sequence.__getstate__` defines it (the one
     place that says what travels), as plain tuples, without the pickle protocol's per-object work."""
+    # zh: 一步为每个序列传送的内容：它的精简状态，由 `Sequence.__getstate__` 定义（规定什么要传送的唯一地方），
+    # zh: 以普通元组的形式，省掉 pickle 协议对每个对象的开销。
     return [seq.__getstate__() for seq in seqs]
 
 
 def step_sequences(states: list[tuple]) -> list[Sequence]:
     """The rank's slim copies of a step's sequences, rebuilt from `step_states`."""
+    # zh: rank 上一步各序列的精简副本，由 `step_states` 重建。
     seqs = []
     for state in states:
         seq = Sequence.__new__(Sequence)
@@ -561,6 +573,7 @@ def step_sequences(states: list[tuple]) -> list[Sequence]:
 
 class RankWorker:
     """One rank's side of the control channel: the calls a driver may make, by name."""
+    # zh: 控制通道在一个 rank 这一侧：驱动进程可以按名字发起的调用。
 
     CALLS = ("run", "logits", "world", "shard", "kv_cache_shape", "echo")
 
@@ -582,12 +595,17 @@ class RankWorker:
         ``states``: the step's sequences (`step_states`). ``params`` (rank 0 only): the sampling params of
         new sequences, and the ids of finished ones to forget.
         """
+        # zh: 一步；rank 0（它收到采样参数）返回它的 token，其他 rank 返回 None。
+        # zh:
+        # zh: ``states``：这一步的序列（`step_states`）。``params``（只有 rank 0）：新序列的采样参数，
+        # zh: 以及要忘掉的已结束序列的 id。
         return self.runner.run(self._sequences(states, params), is_prefill)
 
     def _sequences(
         self, states: list[tuple], params: tuple[dict[int, SamplingParams], list[int]] | None
     ) -> list[Sequence]:
         """The step's sequences, rebuilt from their slim states; on rank 0 with their sampling params."""
+        # zh: 这一步的序列，由它们的精简状态重建；在 rank 0 上还带着它们的采样参数。
         seqs = step_sequences(states)
         if params is not None:
             new, gone = params
@@ -600,6 +618,7 @@ class RankWorker:
 
     def logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor | None:
         """The step's logits on rank 0 (float32, CPU), None elsewhere; nothing is sampled."""
+        # zh: rank 0 上这一步的 logits（float32，CPU），其他 rank 上为 None；不做采样。
         logits = self.runner.compute_logits(seqs, is_prefill)
         return None if logits is None else logits.float().cpu()
 
@@ -612,6 +631,7 @@ class RankWorker:
 
     def shard(self, name: str) -> torch.Tensor:
         """This rank's slice of a parameter, by its name in the model."""
+        # zh: 本 rank 持有的某个参数的那一片，按它在模型中的名字查找。
         return self.runner.model.get_parameter(name).detach().cpu().clone()
 
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -619,11 +639,13 @@ class RankWorker:
 
     def echo(self, payload: bytes) -> tuple[int, int]:
         """Length and CRC-32 of what arrived: checks that a large message crosses the channel intact."""
+        # zh: 收到的内容的长度和 CRC-32：检查一条大消息完好无损地穿过了通道。
         return len(payload), zlib.crc32(payload)
 
 
 def _exit_with_parent() -> None:
     """Exit when the driver dies, even while this rank is stuck in a collective."""
+    # zh: 驱动进程死掉时退出，即使本 rank 正卡在一次集合通信里。
     parent = mp.parent_process()
     if parent is None:
         return
@@ -641,12 +663,14 @@ def _send(conn: Connection, message: tuple) -> None:
 
 def reply_value(result: Any) -> Any:
     """What a call's reply carries: its result, as it is."""
+    # zh: 一次调用的回复所携带的东西：它的结果，原样不变。
     return result
 
 
 class Replier:
     """A rank's replies, sent in call order by a thread: waiting for a step's tokens never keeps the main
     thread from receiving and queueing the next step."""
+    # zh: 一个 rank 的回复，由一个线程按调用顺序发出：等待一步的 token 时，主线程照样能接收并排队下一步。
 
     def __init__(self, conn: Connection, fail: Callable[[BaseException, str], None]) -> None:
         self.conn, self.fail = conn, fail
@@ -679,6 +703,7 @@ class Replier:
 
 def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn: Connection) -> None:
     """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone)."""
+    # zh: 一个 rank 进程的主体：启动，然后应答各个调用，直到 "exit"（或者驱动进程不在了）。
     # en: Ctrl-C in a terminal reaches every process of the group; it is the driver's to handle.
     # zh: 终端里的 Ctrl-C 会发给进程组里的每个进程；处理它是驱动进程的事。
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -840,17 +865,22 @@ def _hold(signum: int, frame: FrameType | None) -> None:
 
 def _let_through() -> None:
     """Deliver the Ctrl-C just held back, if a block has opened the way for it: none has, here."""
+    # zh: 如果某个块已经为刚才被压下的 Ctrl-C 让开了路，就送达它：这里没有。
 
 
 def deferred_interrupt() -> Deferral:
     """Hold back Ctrl-C (SIGINT) for the duration of a ``with`` block, then deliver it. A block inside a block
     that already holds it back changes nothing: the outermost one delivers."""
+    # zh: 在 ``with`` 块期间压下 Ctrl-C（SIGINT），结束后再送达。嵌在一个已经压下它的块里面的块什么也不改变：
+    # zh: 由最外层的块送达。
     return Deferral()
 
 
 class Deferral:
     """The context manager of `deferred_interrupt`. A class, not a generator: a generator-based one that an
     exception leaves suspended runs its ``finally`` whenever it is garbage-collected, long after its block."""
+    # zh: `deferred_interrupt` 的上下文管理器。用类而不用生成器：基于生成器的上下文管理器如果被异常挂起，
+    # zh: 它的 ``finally`` 会在被垃圾回收时才运行，那时早已离开它的块了。
 
     def __enter__(self) -> None:
         # en: Signals reach the main thread only; and an enclosing block may hold them already.
@@ -861,7 +891,13 @@ class Deferral:
             # en: left from an earlier block, whose exit raised another Ctrl-C instead
             # zh: 之前某个块遗留下来的：那个块退出时改为抛出了另一个 Ctrl-C。
             _held.clear()
-            _replaced.append(signal.signal(signal.SIGINT, _hold))
+            # en: The entry is recorded before the handler goes in (the mirror of `__exit__`): a signal handler that
+            # en: lands in between and calls the engine finds the old handler with an entry, or _hold with one,
+            # en: never _hold without one.
+            # zh: 先记下条目，再装上处理函数（与 `__exit__` 的顺序相反）：夹在两者之间落下、又调用引擎的信号处理函数，
+            # zh: 看到的要么是带着条目的旧处理函数，要么是带着条目的 _hold，绝不会是没有条目的 _hold。
+            _replaced.append(signal.getsignal(signal.SIGINT))
+            signal.signal(signal.SIGINT, _hold)
         else:
             self.enter_nested(main)
 
@@ -881,13 +917,17 @@ class Deferral:
     def enter_nested(self, main: bool) -> None:
         """A block inside one that holds Ctrl-C already (or off the main thread, which signals never reach): nothing
         to do, the outermost block holds and delivers."""
+        # zh: 嵌在一个已经压下 Ctrl-C 的块里的块（或者不在主线程上，信号永远到不了那里）：什么都不用做，
+        # zh: 由最外层的块压下并送达。
 
     def exit_nested(self) -> None:
         """The end of a nested block: nothing to do, as on entering."""
+        # zh: 嵌套块的结束：什么都不用做，与进入时一样。
 
 
 def _deliver(handler: Any) -> None:
     """Deliver the Ctrl-C held back, if there is one, to the handler that would have received it."""
+    # zh: 如果有被压下的 Ctrl-C，就把它送达本该收到它的处理函数。
     if not _held:
         return
     frame = _held[-1]
@@ -916,14 +956,17 @@ EXIT_GRACE_S = 10.0
 
 class TPWorkerError(RuntimeError):
     """A tensor-parallel rank failed, died or stalled; every rank has been stopped. The message says which."""
+    # zh: 一个张量并行 rank 失败、死掉或停滞了；所有 rank 都已停止。消息写明是哪一个。
 
 
 class TPTimeoutError(TPWorkerError, TimeoutError):
     """A rank did not answer a call within `Config.rank_timeout_s`; every rank has been stopped."""
+    # zh: 一个 rank 没有在 `Config.rank_timeout_s` 之内应答调用；所有 rank 都已停止。
 
 
 def process_state(pid: int) -> str:
     """The kernel's word for a process's state ("stopped", "sleeping", ...), from /proc; "" where unknown."""
+    # zh: 内核对进程状态的称呼（"stopped"、"sleeping"……），读自 /proc；不知道时为 ""。
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as file:
             code = file.read().rsplit(")", 1)[1].split()[0]
@@ -936,6 +979,7 @@ def process_state(pid: int) -> str:
 
 def process_gone(pid: int) -> bool:
     """True once no process has this pid (a rank that was stopped and reaped)."""
+    # zh: 一旦没有任何进程使用这个 pid（一个已停止并被回收的 rank），就为 True。
     try:
         # en: signal 0: only asks whether the process exists
         # zh: 信号 0：只询问该进程是否存在。
@@ -947,6 +991,7 @@ def process_gone(pid: int) -> bool:
 
 class TPRunner:
     """Tensor-parallel ranks as processes, driven from this one; the same interface as `ModelRunner`."""
+    # zh: 作为进程的各张量并行 rank，由本进程驱动；接口与 `ModelRunner` 相同。
 
     def __init__(self, config: Config) -> None:
         self.world_size = config.tensor_parallel_size
@@ -1008,12 +1053,14 @@ class TPRunner:
     @property
     def alive(self) -> bool:
         """True until exit() or a failure stopped the ranks."""
+        # zh: 在 exit() 或某次失败停止各 rank 之前为 True。
         return self._finalizer.alive
 
     # en: ---- sending and receiving ---------------------------------------------------------
     # zh: ---- 发送与接收 --------------------------------------------------------------------
     def post(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> int:
         """Write call `name(*args)` to every rank without waiting; returns the call's number for `collect`."""
+        # zh: 把调用 `name(*args)` 写给每个 rank，不等待；返回这次调用的编号，供 `collect` 使用。
         self._check_alive()
         if name not in RankWorker.CALLS:
             raise ValueError(f"unknown call {name!r}; a rank answers {', '.join(RankWorker.CALLS)}")
@@ -1037,6 +1084,10 @@ class TPRunner:
         timeout_s: -1 (the default) is `Config.rank_timeout_s`, counted from when the call was written;
         None waits for as long as it takes. Replies to earlier calls that nobody collected are dropped.
         """
+        # zh: 等待每个 rank 对 `call` 的回复；失败或停滞时，停止每个 rank 并抛出异常。
+        # zh:
+        # zh: timeout_s：-1（默认）表示 `Config.rank_timeout_s`，从写出调用时开始计时；
+        # zh: None 表示要等多久就等多久。之前的调用没人收取的回复会被丢弃。
         self._check_alive()
         timeout_s = self.timeout_s if timeout_s == -1.0 else timeout_s
         deadline = None if timeout_s is None else self._sent[call][1] + timeout_s
@@ -1069,6 +1120,7 @@ class TPRunner:
 
     def _read_one(self, rank: int, call: int, failures: list[RankFailure]) -> None:
         """Read one reply of `rank` (or notice that it died) and file it under its call number."""
+        # zh: 读取 `rank` 的一条回复（或者发现它死了），按调用编号归档。
         # en: Read and filed as one: a Ctrl-C delivered in between would drop a reply that has left the pipe.
         # zh: 读出和归档是一体的：若在两者之间递送 Ctrl-C，一个已经离开管道的回复就会丢失。
         with deferred_interrupt():
@@ -1087,12 +1139,14 @@ class TPRunner:
 
     def call(self, name: str, *args: Any, rank0_extra: bytes | None = None) -> list[Any]:
         """Run `name(*args)` on every rank; return each rank's result, in rank order."""
+        # zh: 在每个 rank 上运行 `name(*args)`；按 rank 顺序返回每个 rank 的结果。
         return self.collect(self.post(name, *args, rank0_extra=rank0_extra))
 
     # en: ---- the model runner's interface ----------------------------------------------------
     # zh: ---- 模型执行器的接口 ----------------------------------------------------------------
     def _params_update(self, seqs: list[Sequence]) -> tuple[dict[int, SamplingParams], list[int]]:
         """For rank 0: the sampling params of sequences it has not seen, and the ids of those it may forget."""
+        # zh: 给 rank 0 的：它还没见过的序列的采样参数，以及它可以忘掉的序列的 id。
         gone = [seq_id for seq_id, seq in self._params_sent.items() if seq.is_finished]
         for seq_id in gone:
             del self._params_sent[seq_id]
@@ -1102,6 +1156,7 @@ class TPRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step on every rank; rank 0's sampled tokens."""
+        # zh: 在每个 rank 上运行一步；返回 rank 0 采样出的 token。
         # en: What rank 0 is told about and the call that tells it go together, whenever Ctrl-C comes.
         # zh: 记下要告诉 rank 0 的东西，和真正告诉它的那次调用，二者同进同退，无论 Ctrl-C 何时到来。
         with deferred_interrupt():
@@ -1111,10 +1166,12 @@ class TPRunner:
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         """The step's gathered logits, from rank 0 (nothing is sampled)."""
+        # zh: 这一步收集起来的 logits，来自 rank 0（不做采样）。
         return self.call("logits", seqs, is_prefill)[0]
 
     def exit(self) -> None:
         """Stop the rank processes (at most once; also runs at garbage collection and interpreter exit)."""
+        # zh: 停止各 rank 进程（至多一次；垃圾回收和解释器退出时也会运行）。
         if self.alive:
             self.failure = None
         self._finalizer()
@@ -1151,6 +1208,7 @@ class TPRunner:
 
     def _stalled(self, call: int, pending: list[int]) -> None:
         """No reply within the timeout: name the rank that holds the others up, stop every rank, raise."""
+        # zh: 超时没有回复：写明拖住其他 rank 的那个 rank，停止每个 rank，抛出异常。
         name = self._sent[call][0]
         states = {rank: process_state(self._procs[rank].pid) for rank in pending}
         # en: A stopped process is the culprit. Otherwise a rank other than 0 that did not answer: its reply
@@ -1181,6 +1239,7 @@ class TPRunner:
 
 def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, stop: dict[str, bool]) -> None:
     """Stop every rank process and close every pipe: ask (normal exit) or terminate (after an error)."""
+    # zh: 停止每个 rank 进程并关闭每根管道：先请求（正常退出），出错之后则直接终止。
     if stop["graceful"]:
         for proc, conn in zip(procs, conns, strict=False):
             if proc.is_alive():
@@ -1233,6 +1292,8 @@ def start_runner(config: Config) -> ModelRunner | TPRunner:
     """The model runner of an engine with these settings: one in this process, or, with tensor_parallel_size > 1,
     one per rank, each in a process of its own. Both size the KV pool and report its block count in
     ``config.num_kvcache_blocks``."""
+    # zh: 按这些设置构建的引擎的模型执行器：在本进程里的一个；或者 tensor_parallel_size > 1 时，每个 rank 一个，
+    # zh: 各在自己的进程里。两者都确定 KV 块池的大小，并把块数写进 ``config.num_kvcache_blocks``。
     return TPRunner(config) if config.tensor_parallel_size > 1 else ModelRunner(config)
 
 # %% [markdown] tags=["en"]
@@ -1323,6 +1384,7 @@ assert torch.equal(torch.cat([shard[:q_rows] for shard in shards]), q)
 # %%
 def two_steps(runner: object) -> list[torch.Tensor]:
     """Logits of a prefill of two prompts, then of one decode step (greedy token appended)."""
+    # zh: 两个提示词的 prefill 的 logits，然后是一个 decode 步的 logits（追加贪心 token 之后）。
     seqs = [Sequence([17, 4, 250, 33, 9, 88, 120, 5, 61], block_size=4), Sequence([7, 7, 300, 2, 41], block_size=4)]
     seqs[0].block_table, seqs[1].block_table = [0, 1, 2], [3, 4]
     for seq in seqs:
@@ -1653,6 +1715,7 @@ from nanovllm.engine.tp_runtime import step_sequences, step_states
 
 def decode_batch(count: int = 256, block_size: int = 256) -> list[Sequence]:
     """A decode step of the benchmark's shape: contexts of 100 to 2,048 tokens, one new token each."""
+    # zh: 与基准测试形状相同的 decode 步：上下文为 100 到 2,048 个 token，每个序列一个新 token。
     rng, batch = random.Random(0), []
     for i in range(count):
         n = rng.randint(100, 2048)

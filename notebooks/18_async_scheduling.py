@@ -73,6 +73,7 @@ PENDING_TOKEN = -1
 @add_to_class(Sequence)
 def append_pending_token(self) -> int:
     """Reserve the place of a token the GPU is still computing; returns its index."""
+    # zh: 为 GPU 仍在计算的 token 预留位置；返回它的下标。
     self.token_ids.append(PENDING_TOKEN)
     self.num_tokens += 1
     return self.num_tokens - 1
@@ -81,6 +82,7 @@ def append_pending_token(self) -> int:
 @add_to_class(Sequence)
 def set_token(self, index: int, token_id: int) -> None:
     """Fill in the pending token at ``index``."""
+    # zh: 填入下标 ``index`` 处的待定 token。
     offset = index - self.first_token_index
     assert self.token_ids[offset] == PENDING_TOKEN, f"sequence {self.seq_id}: token {index} is not pending"
     self.token_ids[offset] = token_id
@@ -89,6 +91,7 @@ def set_token(self, index: int, token_id: int) -> None:
 @add_to_class(Sequence)
 def truncate(self, num_tokens: int) -> None:
     """Forget every token from index ``num_tokens`` on (tokens computed after the sequence finished)."""
+    # zh: 忘掉下标 ``num_tokens`` 起的每个 token（序列结束之后算出的 token）。
     assert max(self.num_prompt_tokens, self.first_token_index) <= num_tokens <= self.num_tokens
     del self.token_ids[num_tokens - self.first_token_index :]
     self.num_tokens = num_tokens
@@ -157,6 +160,9 @@ def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bo
     finish sequences; returns the sequences that finished. ``token_ids`` has one token per sequence, then the
     first token of each sibling that the step's sequences fork. It is `advance` and `resolve`
     back to back; the asynchronous engine calls them one step apart."""
+    # zh: 记下一步的结果：缓存算好的 token，发布写满的块，给每个序列追加采样出的 token，结束该结束的序列；
+    # zh: 返回结束了的序列。``token_ids`` 里每个序列一个 token，然后是这一步的序列分叉出的每个兄弟序列的
+    # zh: 第一个 token。它就是接连调用 `advance` 和 `resolve`；异步引擎把两者相隔一步调用。
     expected = len(seqs) + len(sibling_samples(seqs))
     assert len(token_ids) == expected, f"{len(token_ids)} tokens for {len(seqs)} sequences, expected {expected}"
     seqs, indices = self.advance(seqs, is_prefill)
@@ -171,6 +177,11 @@ def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence
     None for a partial prefill chunk (it samples nothing). A sequence that reaches ``max_tokens`` with this
     token leaves ``running`` and gives back its blocks now, so that the next schedule can use them.
     """
+    # zh: 在一步的 token 还未知时就把这一步计入账目。
+    # zh:
+    # zh: 返回这一步的序列，后面跟着它们分叉出的兄弟序列，以及每个序列的新 token 放在哪里：
+    # zh: prefill 的部分分块为 None（它什么都不采样）。因这个 token 达到 ``max_tokens`` 的序列离开 ``running``，
+    # zh: 现在就交还它的块，好让下一次调度能用上。
     assert all(seq.num_scheduled_tokens == 1 or (is_prefill and seq.num_scheduled_tokens) for seq in seqs)
     seqs = [*seqs, *self._fork_siblings(seqs)]
     indices: list[int | None] = []
@@ -201,6 +212,7 @@ def advance(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[Sequence
 @add_to_class(Scheduler)
 def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: list[int]) -> list[Sequence]:
     """Fill in a step's sampled tokens (``indices`` from `advance`), publish, finish; returns the finished."""
+    # zh: 填入一步采样出的 token（``indices`` 来自 `advance`），发布，结束；返回结束了的序列。
     assert len(seqs) == len(indices) == len(token_ids), f"{len(token_ids)} tokens for {len(seqs)} sequences"
     finished: list[Sequence] = []
     for seq, index, token_id in zip(seqs, indices, token_ids, strict=True):
@@ -219,6 +231,9 @@ def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: li
         seq.set_token(index, token_id)
         if self._reached_end(seq, token_id, index + 1):
             self._finish(seq, num_tokens=index + 1)
+            # en: What it publishes holds no token still computing (a step collected out of turn would leave one)
+            # zh: 它发布的内容里没有还在计算的 token（漏收了某一步，就会留下一个）
+            assert PENDING_TOKEN not in seq.completion_token_ids, f"{seq} finished with a pending token"
             finished.append(seq)
     self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
     return finished
@@ -227,6 +242,7 @@ def resolve(self, seqs: list[Sequence], indices: list[int | None], token_ids: li
 @add_to_class(Scheduler)
 def _finish(self, seq: Sequence, num_tokens: int | None = None) -> None:
     """End ``seq`` with its first ``num_tokens`` tokens (all of them when None)."""
+    # zh: 用前 ``num_tokens`` 个 token 结束 ``seq``（为 None 时用全部 token）。
     # en: Asynchronously, the sequence may already hold one more (pending) token, and may even sit in
     # en: `waiting` after a preemption: drop the token, leave whichever queue it is in.
     # zh: 异步时，序列可能已经多出一个（待定的）token，甚至可能因抢占而待在 `waiting` 里：丢掉那个
@@ -270,6 +286,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 @dataclass
 class SampledTokens:
     """A step's sampled tokens: on the device once the step is queued, on the host once it is done."""
+    # zh: 一步采样出的 token：这一步排进队列后在设备上，这一步完成后在主机上。
 
     seqs: list[Sequence]
     # en: the indices in seqs that were sampled (a partial prefill chunk is not)
@@ -296,6 +313,7 @@ class SampledTokens:
         cls, seqs: list[Sequence], rows: list[int], sampled: torch.Tensor, to_host: bool = True
     ) -> SampledTokens:
         """Queue the copy of ``sampled`` to the host and return without waiting for it (to_host=False: no copy)."""
+        # zh: 把 ``sampled`` 到主机的拷贝排进队列，不等它就返回（to_host=False：不拷贝）。
         samples = [(seqs[i].request_id, seqs[i].sample_index) for i in rows]
         samples += [(seqs[i].request_id, k) for i, k in sibling_samples(seqs)]
         if sampled.device.type != "cuda" or not to_host:
@@ -309,6 +327,8 @@ class SampledTokens:
     def token_ids(self) -> list[int]:
         """One token per sequence (NOT_SAMPLED for a partial chunk), then the forked siblings' first tokens;
         waits until the step has run."""
+        # zh: 每个序列一个 token（部分分块为 NOT_SAMPLED），然后是分叉出的兄弟序列的第一个 token；
+        # zh: 会等到这一步运行完。
         if self.ready is not None:
             self.ready.synchronize()
         values = self.on_host.tolist()
@@ -320,6 +340,8 @@ class SampledTokens:
     def input_ids_for(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
         """A decode step's input ids on the device: ``input_ids`` (one per sequence, from `prepare_decode`)
         with each pending token replaced by this step's sample of it."""
+        # zh: 设备上一个 decode 步的输入 id：``input_ids``（每个序列一个，来自 `prepare_decode`），
+        # zh: 其中每个待定 token 换成这一步对它的采样结果。
         row_of = {sample: row for row, sample in enumerate(self.samples)}
         rows = []
         for seq in seqs:
@@ -337,6 +359,7 @@ class SampledTokens:
 
     def write_pending(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:
         """`input_ids_for`, written in place into ``input_ids`` (a decode step's ids on the device)."""
+        # zh: `input_ids_for`，就地写进 ``input_ids``（设备上一个 decode 步的 id）。
         keys = [(seq.request_id, seq.sample_index) for seq in seqs]
         if self.samples[: len(seqs)] == keys and all(seq.last_token == PENDING_TOKEN for seq in seqs):
             # en: The usual decode step: the same sequences in the same order, every token pending. One clamped copy
@@ -449,6 +472,7 @@ from nanovllm.layers.context import slot_of
 
 class DecodeStaging:
     """A decode step's graph inputs, written on the host straight from the sequences and sent in one copy."""
+    # zh: decode 步的图输入，在主机上直接由各序列写出，一次拷贝发送过去。
 
     def __init__(self, buffers: DecodeBuffers, block_size: int, copies: int = 2) -> None:
         self.buffers, self.block_size = buffers, block_size
@@ -466,6 +490,8 @@ class DecodeStaging:
     def stage(self, seqs: list[Sequence], graph_batch: int) -> None:
         """Write a decode step into rows [0, n) and padding rows up to graph_batch (what `DecodeBuffers.load`
         writes from `prepare_decode`), then queue one copy of them to the buffers."""
+        # zh: 把一个 decode 步写进第 [0, n) 行，并把直到 graph_batch 的行写成填充行（就是 `DecodeBuffers.load`
+        # zh: 从 `prepare_decode` 写入的内容），然后把它们到缓冲区的一次拷贝排进队列。
         # en: One pass over the batch for the positions and the check (this runs every decode step).
         # zh: 位置和检查在同一遍里完成（每个 decode 步都要跑这里）。
         positions = []
@@ -478,6 +504,8 @@ class DecodeStaging:
     def stage_rows(self, seqs: list[Sequence], token_ids: list[int], positions: list[int], graph_batch: int) -> None:
         """Write rows [0, n), row i computing ``token_ids[i]`` at ``positions[i]`` of ``seqs[i]`` (and seeing the
         tokens up to it), and padding rows up to graph_batch; then queue one copy of them to the buffers."""
+        # zh: 写第 [0, n) 行，第 i 行在 ``seqs[i]`` 的位置 ``positions[i]`` 计算 ``token_ids[i]``（并看到它之前的
+        # zh: token），并把直到 graph_batch 的行写成填充行；然后把它们到缓冲区的一次拷贝排进队列。
         n, rows = len(seqs), self.buffers.input_ids.shape[0]
         assert 1 <= n <= graph_batch <= rows, f"need 1 <= batch ({n}) <= graph batch ({graph_batch}) <= rows ({rows})"
         turn, self.turn = self.turn, (self.turn + 1) % len(self.hosts)
@@ -526,6 +554,7 @@ from nanovllm.sampling_params import SamplingParams
 
 def decoding(tokens: list[int], block_table: list[int]) -> Sequence:
     """A sequence of ``tokens`` whose last token is the one this decode step computes."""
+    # zh: 一个由 ``tokens`` 组成的序列，它的最后一个 token 就是这个 decode 步要计算的。
     seq = Sequence(tokens, SamplingParams(), block_size=4)
     seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = block_table, len(tokens) - 1, 1
     return seq
@@ -587,6 +616,8 @@ def compute_logits(
 ) -> torch.Tensor | None:
     """The forward of one step: one row of logits per sequence, its last computed token's. ``previous``: the step
     still computing this step's last tokens (its `SampledTokens`), None when every last token is known."""
+    # zh: 一步的前向计算：每个序列一行 logits，取自它最后计算的那个 token。``previous``：仍在计算这一步最后那些
+    # zh: token 的那一步（它的 `SampledTokens`），每个最后的 token 都已知时为 None。
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
     assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
@@ -610,6 +641,8 @@ def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) ->
     """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens written
     from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some twenty
     torch operations, in two)."""
+    # zh: 一个图能覆盖的 decode 步的隐藏状态：它的输入一次拷贝就位，待定 token 在设备上从 ``previous`` 写入，
+    # zh: 然后重放图（`CudaGraphRunner.replay` 用二十来个 torch 操作做的事，这里用两个）。
     if self.staging is None:
         self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
     self.staging.stage(seqs, self.graphs.bucket(len(seqs)))
@@ -622,6 +655,7 @@ def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) ->
 @torch.inference_mode()
 def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
     """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""
+    # zh: 把一步排进设备的队列，不等它就返回。``previous``：见 `compute_logits`。
     assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
     logits = self.compute_logits(seqs, is_prefill, previous)
     rows, sampled = self.sample(seqs, logits)
@@ -635,6 +669,8 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens
 def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
     """Compute one step: one sampled token per sequence (NOT_SAMPLED for a partial prefill chunk), then the
     first token of each sibling the step forks."""
+    # zh: 计算一步：每个序列采样一个 token（prefill 的部分分块为 NOT_SAMPLED），然后是这一步分叉出的
+    # zh: 每个兄弟序列的第一个 token。
     return self.launch(seqs, is_prefill).token_ids()
 
 # %% [markdown] tags=["en"]
@@ -698,6 +734,10 @@ def run(
     this step's pending tokens, or None. ``params`` (rank 0 only): the sampling params of new sequences, and
     the ids of finished ones to forget.
     """
+    # zh: 把一步排进队列；rank 0（它收到采样参数）返回它的 token，其他 rank 返回 None。
+    # zh:
+    # zh: ``states``：这一步的序列（`step_states`）。``previous``：其采样结果是这一步待定 token 的那一步的调用，
+    # zh: 或者 None。``params``（只有 rank 0）：新序列的采样参数，以及要忘掉的已结束序列的 id。
     seqs = self._sequences(states, params)
     before = None if previous is None else self._samples_of(previous)
     step = self.runner.launch(seqs, is_prefill, before)
@@ -711,6 +751,7 @@ def run(
 @add_to_class(RankWorker)
 def _samples_of(self, call: int) -> SampledTokens:
     """The samples of an earlier step."""
+    # zh: 之前某一步的采样结果。
     samples = self.recent.get(call)
     if samples is None:
         raise RuntimeError(f"call {self.call_no} takes its pending tokens from call {call}, which this rank "
@@ -721,6 +762,7 @@ def _samples_of(self, call: int) -> SampledTokens:
 @add_to_class(tp_runtime)
 def reply_value(result: Any) -> Any:
     """What a call's reply carries: its result, and for a queued step its tokens (waiting for the device)."""
+    # zh: 一次调用的回复所携带的东西：它的结果；对于排进队列的步，还有它的 token（等待设备算出）。
     return result.token_ids() if isinstance(result, SampledTokens) else result
 
 
@@ -731,6 +773,10 @@ class TPStep:
     It stands where `SampledTokens` stands in the engine: the engine passes it back as the
     ``previous`` of the next step, and the ranks take the pending tokens from their own copy of its samples.
     """
+    # zh: 排进每个 rank 队列的一步（`TPRunner.launch`）；`token_ids()` 等待 rank 0 的 token。
+    # zh:
+    # zh: 它在引擎里的位置就是 `SampledTokens` 的位置：引擎把它作为下一步的 ``previous`` 传回来，
+    # zh: 各 rank 从自己那份采样结果的副本里取出待定 token。
 
     runner: TPRunner
     call: int
@@ -746,6 +792,8 @@ class TPStep:
 def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None = None) -> TPStep:
     """Queue one step on every rank and return at once; ``previous``: the step whose samples are this step's
     pending tokens. Every rank has them: nothing waits for rank 0."""
+    # zh: 把一步排进每个 rank 的队列，立即返回；``previous``：其采样结果是这一步待定 token 的那一步。
+    # zh: 每个 rank 都有这些结果：没有什么要等 rank 0。
     before = None if previous is None else previous.call
     # en: as in the synchronous run: the params and their call go together
     # zh: 与第 17 章的 run 一样：采样参数和携带它们的那次调用同进同退。
@@ -758,6 +806,7 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: TPStep | None
 @add_to_class(TPRunner)
 def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
     """One step on every rank; rank 0's sampled tokens."""
+    # zh: 在每个 rank 上运行一步；返回 rank 0 采样出的 token。
     return self.launch(seqs, is_prefill).token_ids()
 
 # %% [markdown] tags=["en"]
@@ -898,6 +947,7 @@ from nanovllm.layers.sampler import NON_FINITE
 @dataclass
 class LaunchedStep:
     """A step the scheduler has counted (`advance`) whose tokens may still be on their way."""
+    # zh: 调度器已经计入账目（`advance`）、但 token 可能还在路上的一步。
 
     seqs: list[Sequence]
     is_prefill: bool
@@ -923,6 +973,8 @@ def _init_in_flight(self) -> None:
 def next_step_waits(self) -> bool:
     """Whether the next step needs the tokens of the step in flight before it is scheduled (never here; a step whose
     schedule reads the last tokens, such as chapter 25's verify step, does)."""
+    # zh: 下一步在被调度之前是否需要正在进行的那一步的 token（这里从不需要；调度时要读最后那些 token 的步，
+    # zh: 比如第 25 章的验证步，才需要）。
     return False
 
 
@@ -930,6 +982,8 @@ def next_step_waits(self) -> bool:
 def _step(self) -> tuple[list[Sequence], int, bool]:
     """One step: the sequences it finished, the tokens it computed, whether it was a prefill. Asynchronously,
     the step it launches is not the one it reports: it queues step n + 1, then collects step n."""
+    # zh: 一步：它结束的序列、它计算的 token 数、它是否为 prefill。异步时，它启动的那一步不是它报告的那一步：
+    # zh: 它把第 n + 1 步排进队列，再收取第 n 步。
     waits = self.config.async_scheduling and self.next_step_waits()
     if not self.config.async_scheduling or (waits and self.in_flight is None):
         return self._collect(self._launch(previous=None))
@@ -950,6 +1004,7 @@ def _step(self) -> tuple[list[Sequence], int, bool]:
 @add_to_class(LLMEngine)
 def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     """Schedule a step, hand it to the model runner and count it; its tokens may still be computing."""
+    # zh: 调度一步，交给模型执行器并计入账目；它的 token 可能还在计算中。
     seqs, is_prefill = self.scheduler.schedule()
     num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
     tokens = self._compute(seqs, is_prefill, previous)
@@ -962,6 +1017,7 @@ def _compute(
     self, seqs: list[Sequence], is_prefill: bool, previous: LaunchedStep | None
 ) -> SampledTokens | TPStep | list[int]:
     """Hand a scheduled step to the model runner: queued behind ``previous`` (asynchronous), or run to the end."""
+    # zh: 把调度好的一步交给模型执行器：排在 ``previous`` 后面（异步），或者一直运行到结束。
     with self._undone_on_failure(seqs, is_prefill):
         if self.config.async_scheduling:
             return self.model_runner.launch(seqs, is_prefill, None if previous is None else previous.tokens)
@@ -973,12 +1029,15 @@ def _compute(
 def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator[None]:
     """Around the model computing a scheduled step: what undoes the schedule if nothing comes of it (an error,
     Ctrl-C). Here nothing: the error goes through as it is."""
+    # zh: 包在模型计算调度好的一步的外面：一旦这一步落空（出错、Ctrl-C），用来撤销这次调度的东西。
+    # zh: 这里什么都没有：错误原样穿过。
     yield
 
 
 @add_to_class(LLMEngine)
 def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
     """Wait for a launched step's tokens and let the scheduler record them (see `_step` for the result)."""
+    # zh: 等待已启动的一步的 token，让调度器记下它们（结果见 `_step`）。
     token_ids = step.tokens if isinstance(step.tokens, list) else step.tokens.token_ids()
     # en: The sampler marks a row whose logits are not numbers. Looking for the mark in
     # en: the tokens the host has read anyway costs no wait for the GPU on any step.
@@ -993,18 +1052,21 @@ def _collect(self, step: LaunchedStep) -> tuple[list[Sequence], int, bool]:
 def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple[list[Sequence], int, bool]:
     """A step in which the sampler marked rows whose logits are not numbers (`NON_FINITE`): no token can be
     recorded for them, and here the engine stops."""
+    # zh: 采样器把某些行标记为 logits 不是数（`NON_FINITE`）的一步：无法为这些行记下 token，引擎在这里停下。
     raise RuntimeError("the model's logits are NaN or infinite; this engine cannot record the step")
 
 
 @add_to_class(LLMEngine)
 def is_finished(self) -> bool:
     """True when no request is queued or computing, and `step` has nothing left to report."""
+    # zh: 没有请求在排队或计算、`step` 也没有剩下要报告的东西时为 True。
     return self.scheduler.is_finished() and self.in_flight is None and not self._left_to_report()
 
 
 @add_to_class(LLMEngine)
 def _left_to_report(self) -> bool:
     """Whether `step` still has news that no step computes: here, never (a hook)."""
+    # zh: `step` 是否还有不由任何一步计算出的消息要报告：这里从来没有（这是一个钩子）。
     return False
 
 # %% [markdown] tags=["en"]

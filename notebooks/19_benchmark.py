@@ -74,6 +74,52 @@ config = Config.from_kwargs(tiny, device="cpu")
 # 两种预设：`nano-vllm`（上面的负载，用于 GPU）和 `cpu`（16 个序列，长度在 [32, 256] 之间：在笔记本电脑上用
 # SmolLM2 跑几分钟）。
 
+# %% bench phrases
+#| exporti bench.engine
+#| hide
+from nanovllm.book.lang import Phrases
+
+# en: What the benchmark prints, in Chinese when the book reads in Chinese (nanovllm.book.lang); English otherwise.
+# zh: 基准测试打印的文字的中文：本书以中文阅读时打印中文（nanovllm.book.lang），否则打印英文。
+_say_bench = Phrases({
+    "{seqs} sequences, prompts {low}-{high} tokens ({total} in all), outputs {out_low}-{out_high} tokens "
+    "({out_total} in all)":
+        "{seqs} 个序列，提示词 {low}-{high} 个 token（共 {total} 个），输出 {out_low}-{out_high} 个 token"
+        "（共 {out_total} 个）",
+    "{name}: {tokens} tokens in {seconds:.2f} s = {rate:,.1f} tok/s":
+        "{name}：{seconds:.2f} s 生成 {tokens} 个 token = {rate:,.1f} tok/s",
+    "transformers generate (batches of {size})": "transformers generate（每批 {size} 个）",
+    "nano-vllm (this book), TP={tp}": "nano-vllm（本书），TP={tp}",
+    "{name}, attention {backend}": "{name}，注意力后端 {backend}",
+    "{name}, kv cache {kv}": "{name}，KV 缓存 {kv}",
+    "KV cache: {blocks:,} blocks x {block_size} tokens = {tokens:,} tokens, {dtype}, {block_mib:.2f} MiB a block, "
+    "{gib:.2f} GiB{per_rank}":
+        "KV 缓存：{blocks:,} 块 x {block_size} 个 token = {tokens:,} 个 token，{dtype}，每块 {block_mib:.2f} MiB，"
+        "共 {gib:.2f} GiB{per_rank}",
+    " per rank": "（每个 rank）",
+    "  in LLMEngine.step: prefill {prefill:.2f} s in {prefill_steps} steps, decode {decode:.2f} s in {decode_steps} "
+    "steps; outside it (generate's loop): {outside:.2f} s":
+        "  LLMEngine.step 之内：prefill {prefill:.2f} s，{prefill_steps} 步；decode {decode:.2f} s，{decode_steps} 步；"
+        "之外（generate 的循环）：{outside:.2f} s",
+    "engine / transformers: {ratio:.2f}x": "引擎 / transformers：{ratio:.2f}x",
+    "{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)":
+        "{faster} / {slower}：{ratio:.2f}x（同一负载，同一次调用）",
+    "bound": "上限",
+    "bound (kv cache {kv})": "上限（KV 缓存 {kv}）",
+    "{bound}: decode reads {tb:.2f} TB at {bandwidth:.2f} TB/s (copy, measured) + prefill {pflop:.3f} PFLOP at "
+    "{tflops:.0f} TFLOP/s (bf16 matmul, measured) = {seconds:.2f} s -> {rate:,.0f} tok/s":
+        "{bound}：decode 以 {bandwidth:.2f} TB/s（拷贝，实测）读取 {tb:.2f} TB + prefill 以 {tflops:.0f} TFLOP/s"
+        "（bf16 矩阵乘法，实测）计算 {pflop:.3f} PFLOP = {seconds:.2f} s -> {rate:,.0f} tok/s",
+    "{name}: {fraction:.1%} of the bound{gpus}{kv}": "{name}：达到上限的 {fraction:.1%}{gpus}{kv}",
+    " of {gpus} GPUs": "（{gpus} 块 GPU 的上限）",
+    " (kv cache {kv})": "（KV 缓存 {kv}）",
+    "model: {model} on {device} ({dtype})": "模型：{model}，在 {device} 上（{dtype}）",
+    "workload: {workload}": "负载：{workload}",
+    "transformers peer skipped: {why}": "跳过 transformers 对照组：{why}",
+    "the model has no weights (load_format='dummy')": "模型没有权重（load_format='dummy'）",
+    "--tensor-parallel-size {tp}: the TP=1 engine is the peer": "--tensor-parallel-size {tp}：TP=1 的引擎就是对照组",
+})
+
 # %% bench workload
 #| export bench.engine
 from __future__ import annotations
@@ -95,6 +141,7 @@ PRESETS: dict[str, dict] = {
 @dataclass(frozen=True)
 class Workload:
     """Prompts as token ids and the number of tokens each one must produce (ignore_eos)."""
+    # zh: 以 token id 表示的提示词，以及每个提示词必须生成的 token 数（ignore_eos）。
 
     prompts: list[list[int]]
     output_lens: list[int]
@@ -109,8 +156,9 @@ class Workload:
 
     def describe(self) -> str:
         ins, outs = [len(p) for p in self.prompts], self.output_lens
-        return (f"{len(ins)} sequences, prompts {min(ins)}-{max(ins)} tokens ({sum(ins)} in all), "
-                f"outputs {min(outs)}-{max(outs)} tokens ({sum(outs)} in all)")
+        return _say_bench("{seqs} sequences, prompts {low}-{high} tokens ({total} in all), outputs "
+                          "{out_low}-{out_high} tokens ({out_total} in all)", seqs=len(ins), low=min(ins),
+                          high=max(ins), total=sum(ins), out_low=min(outs), out_high=max(outs), out_total=sum(outs))
 
 
 def make_workload(
@@ -123,6 +171,7 @@ def make_workload(
     temperature: float = 0.6,
 ) -> Workload:
     """nano-vllm's benchmark workload: lengths uniform in the closed ranges, random token ids."""
+    # zh: nano-vllm 的基准测试负载：长度在闭区间内均匀分布，token id 随机。
     if num_seqs < 1:
         raise ValueError(f"num_seqs must be >= 1, got {num_seqs}")
     for name, (low, high) in (("input_len", input_len), ("output_len", output_len)):
@@ -167,6 +216,9 @@ class Stopwatch:
 
     A GPU runs behind the host: a clock that did not wait for it at both ends would time the queueing.
     """
+    # zh: 一个 ``with`` 块的挂钟秒数，一直算到它排进 ``device``（"cuda"、"cpu"）队列的工作做完为止。
+    # zh:
+    # zh: GPU 跑在主机后面：两头都不等它的时钟，量到的只是排队的时间。
 
     def __init__(self, device: str) -> None:
         self.synchronize = torch.cuda.synchronize if device == "cuda" else lambda: None
@@ -241,11 +293,13 @@ class BenchResult:
         return self.output_tokens / self.seconds
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.output_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:,.1f} tok/s"
+        return _say_bench("{name}: {tokens} tokens in {seconds:.2f} s = {rate:,.1f} tok/s", name=self.name,
+                          tokens=self.output_tokens, seconds=self.seconds, rate=self.tokens_per_s)
 
 
 def peer_batches(workload: Workload, batch_size: int) -> list[list[int]]:
     """Request indices, sorted by (output length, prompt length) and cut into batches."""
+    # zh: 请求的下标，按（输出长度，提示词长度）排序，再切成批次。
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     order = sorted(range(len(workload.prompts)), key=lambda i: (workload.output_lens[i], len(workload.prompts[i])))
@@ -256,6 +310,8 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
                      batch_size: int = 64) -> BenchResult:
     """Time Hugging Face `generate` on the workload: sorted batches (peer_batches), left-padded, every
     row forced to its batch's longest output length."""
+    # zh: 在负载上为 Hugging Face 的 `generate` 计时：排好序的批次（peer_batches），左侧填充，每一行都被强制
+    # zh: 生成到它所在批次最长的输出长度。
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
@@ -283,7 +339,8 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
         with Stopwatch(device) as clock:
             for batch in peer_batches(workload, batch_size):
                 generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
-    return BenchResult(f"transformers generate (batches of {batch_size})", clock.seconds, workload.num_output_tokens)
+    return BenchResult(_say_bench("transformers generate (batches of {size})", size=batch_size), clock.seconds,
+                       workload.num_output_tokens)
 
 # %% [markdown] tags=["en"]
 # ### The physical bound of the workload
@@ -330,6 +387,7 @@ MLP_RULES: list[Callable[[Any, int], int | None]] = []
 
 def mlp_params(hf_config: Any, index: int) -> int:
     """Parameters of layer ``index``'s MLP: a rule's answer, else gate, up and down of intermediate_size."""
+    # zh: 第 ``index`` 层 MLP 的参数量：有规则时用规则的答案，否则是 intermediate_size 的 gate、up 和 down。
     for rule in MLP_RULES:
         params = rule(hf_config, index)
         if params is not None:
@@ -339,6 +397,7 @@ def mlp_params(hf_config: Any, index: int) -> int:
 
 def layer_params(hf_config: Any, index: int = 0) -> int:
     """Parameters of decoder layer ``index`` (projections, MLP, norms; biases ignored)."""
+    # zh: 第 ``index`` 个解码器层的参数量（各投影、MLP、归一化；忽略偏置）。
     hidden, heads, kv_heads = hf_config.hidden_size, hf_config.num_attention_heads, hf_config.num_key_value_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
     attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
@@ -347,11 +406,13 @@ def layer_params(hf_config: Any, index: int = 0) -> int:
 
 def layers_params(hf_config: Any) -> int:
     """Parameters of all the decoder layers."""
+    # zh: 所有解码器层的参数量。
     return sum(layer_params(hf_config, index) for index in range(hf_config.num_hidden_layers))
 
 
 def model_params(hf_config: Any) -> int:
     """All parameters: layers, embedding, LM head (once if tied), final norm."""
+    # zh: 全部参数量：各层、嵌入、LM head（绑定时只算一次）、最后的归一化。
     embed = hf_config.vocab_size * hf_config.hidden_size
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     return layers_params(hf_config) + embed * (1 if tied else 2) + hf_config.hidden_size
@@ -368,6 +429,8 @@ class Bound:
 def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one token's keys and values in every layer: ``dtype_bytes`` per element, or with an 8-bit cache
     (kv_cache_dtype="fp8") one byte per element plus one float32 scale per KV head."""
+    # zh: 一个 token 在每一层中的键和值的字节数：每个元素 ``dtype_bytes`` 字节；8 位缓存
+    # zh: （kv_cache_dtype="fp8"）则是每个元素一个字节，再加每个 KV 头一个 float32 缩放因子。
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     row = head_dim + 4 if kv_cache_dtype == "fp8" else head_dim * dtype_bytes
     return 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * row
@@ -375,6 +438,7 @@ def kv_token_bytes(hf_config: Any, dtype_bytes: int, kv_cache_dtype: str = "auto
 
 def weight_bytes_per_step(hf_config: Any, dtype_bytes: int) -> int:
     """Weights a decode step reads: every layer and the LM head (the embedding reads one row per token)."""
+    # zh: 一个 decode 步读取的权重：每一层和 LM head（嵌入每个 token 只读一行）。
     return (layers_params(hf_config) + hf_config.vocab_size * hf_config.hidden_size) * dtype_bytes
 
 
@@ -383,6 +447,8 @@ def workload_bound(
 ) -> Bound:
     """The fastest this workload can run: decode bytes at `bandwidth` B/s plus prefill FLOPs at `flops` FLOP/s
     (``kv_cache_dtype``: the KV cache the decode steps read, as `kv_token_bytes` counts it)."""
+    # zh: 这个负载最快能跑多快：decode 的字节数按 `bandwidth` B/s，加上 prefill 的 FLOP 数按 `flops` FLOP/s
+    # zh: （``kv_cache_dtype``：decode 步读取的 KV 缓存，按 `kv_token_bytes` 的方式计算）。
     layers, hidden = hf_config.num_hidden_layers, hf_config.hidden_size
     heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
@@ -531,6 +597,8 @@ QWEN3_8B_SHAPES: dict[str, Any] = {
 def weightless_model_dir(target: Path, config_class: Any, shapes: dict[str, Any], architecture: str) -> Path:
     """A model directory at ``target`` with ``shapes`` (a ``config_class`` config, bfloat16) and no weights, to run
     with ``load_format="dummy"``: the weights are drawn on each GPU instead of written to disk and read back."""
+    # zh: 在 ``target`` 建一个具有 ``shapes``（一个 ``config_class`` config，bfloat16）、没有权重的模型目录，
+    # zh: 用 ``load_format="dummy"`` 运行：权重在每块 GPU 上抽取，而不是写到磁盘再读回来。
     import shutil
 
     from transformers import Qwen3Config
@@ -553,6 +621,7 @@ def weightless_model_dir(target: Path, config_class: Any, shapes: dict[str, Any]
 
 def qwen3_8b_shapes(path: str | None = None) -> Path:
     """A model directory with Qwen3-8B's shapes and no weights (16 GB in bf16, drawn on the GPU)."""
+    # zh: 一个形状与 Qwen3-8B 相同、没有权重的模型目录（bf16 下 16 GB，在 GPU 上抽取）。
     import tempfile
 
     from transformers import Qwen3Config
@@ -571,11 +640,12 @@ from contextlib import contextmanager, nullcontext
 
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
-from nanovllm.engine.model_runner import kv_cache_summary
+from nanovllm.engine.model_runner import kv_block_bytes, kv_cache_torch_dtype
 
 
 def matmul_flops(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on an n x n x n product, measured now."""
+    # zh: n x n x n 乘积上 bf16 矩阵乘法的 FLOP/s，现在测量。
     from nanovllm.bench.attention import time_ms
 
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
@@ -587,6 +657,8 @@ def matmul_flops(n: int = 8192) -> float:
 def watch_calls(obj: Any, method: str, record: Callable[[float, Any], None]) -> Iterator[None]:
     """While inside, each call of ``obj.method`` also hands ``record`` its wall seconds and what it returned (None
     when it raised): the benchmarks' one way to look into the engine's steps and launches without changing them."""
+    # zh: 在块内，每次调用 ``obj.method`` 时，还把它的挂钟秒数和返回值（抛出异常时为 None）交给 ``record``：
+    # zh: 这是各基准测试窥看引擎的步和启动、而又不改变它们的唯一方式。
     inner = getattr(obj, method)
 
     def watched(*args: Any, **kwargs: Any) -> Any:
@@ -616,6 +688,9 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
 
     breakdown: a dict that receives the seconds and steps of the engine's steps, per kind (prefill, decode).
     """
+    # zh: 在负载上为 `LLM.generate` 计时（config：`LLM` 的关键字参数）。
+    # zh:
+    # zh: breakdown：一个字典，按种类（prefill、decode）接收引擎各步的秒数和步数。
     from nanovllm.llm import LLM
 
     longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
@@ -627,7 +702,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     watching = nullcontext()
     if breakdown is not None:
-        breakdown["kv_cache"] = kv_cache_summary(llm.config)
+        breakdown["kv_cache"] = kv_cache_line(llm.config)
 
         def add_step(seconds: float, step: tuple[list, int, bool] | None) -> None:
             # en: A step returns once the step it reports has run on the GPU (with async scheduling, after
@@ -660,17 +735,31 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     made = [len(o["token_ids"]) for o in outputs]
     if made != workload.output_lens:
         raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")
-    return BenchResult(f"nano-vllm (this book), TP={tp}", clock.seconds, workload.num_output_tokens)
+    return BenchResult(_say_bench("nano-vllm (this book), TP={tp}", tp=tp), clock.seconds, workload.num_output_tokens)
+
+
+def kv_cache_line(config: Any) -> str:
+    """The engine's `kv_cache_summary`, in the reading language: the KV pool its runner sized."""
+    # zh: 引擎的 `kv_cache_summary`，用阅读语言表示：执行器确定下来的 KV 块池。
+    dtype, block_size, blocks = kv_cache_torch_dtype(config), config.kvcache_block_size, config.num_kvcache_blocks
+    block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
+    return _say_bench("KV cache: {blocks:,} blocks x {block_size} tokens = {tokens:,} tokens, {dtype}, "
+                      "{block_mib:.2f} MiB a block, {gib:.2f} GiB{per_rank}", blocks=blocks, block_size=block_size,
+                      tokens=blocks * block_size, dtype=str(dtype).removeprefix("torch."), block_mib=block / 2**20,
+                      gib=blocks * block / 2**30,
+                      per_rank=_say_bench(" per rank") if config.tensor_parallel_size > 1 else "")
 
 
 def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
     """Where an engine run's time went: prefill and decode steps, and generate's loop outside them; its KV pool."""
+    # zh: 一次引擎运行的时间花在了哪里：prefill 步和 decode 步，以及 generate 在它们之外的循环；还有它的 KV 块池。
     if "kv_cache" in breakdown:
         print(f"  {breakdown['kv_cache']}")
     outside = result.seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
-    print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
-          f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
-          f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
+    print(_say_bench("  in LLMEngine.step: prefill {prefill:.2f} s in {prefill_steps} steps, decode {decode:.2f} s in "
+                     "{decode_steps} steps; outside it (generate's loop): {outside:.2f} s",
+                     prefill=breakdown.get("prefill", 0), prefill_steps=breakdown.get("prefill_steps", 0),
+                     decode=breakdown.get("decode", 0), decode_steps=breakdown.get("decode_steps", 0), outside=outside))
 
 
 # en: The other benchmarks of the same command: a flag, and the module whose main() runs it with the other arguments
@@ -681,6 +770,7 @@ OTHER_BENCHMARKS: dict[str, str] = {"--latency": "nanovllm.bench.latency"}
 
 def build_parser() -> argparse.ArgumentParser:
     """The throughput benchmark's command line (the other benchmarks of OTHER_BENCHMARKS have their own)."""
+    # zh: 吞吐量基准测试的命令行（OTHER_BENCHMARKS 中的其他基准测试各有自己的命令行）。
     others = ", ".join(f"python -m nanovllm.bench {flag} [--help]" for flag in OTHER_BENCHMARKS)
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench", description="Throughput: engine vs transformers.",
                                      epilog=f"Other benchmarks: {others} (--latency: decode-step latency at batches "
@@ -719,6 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
 class BenchSetup:
     """What a throughput run resolved from its command line: the model, its config, the KV cache dtypes to
     compare and the workload."""
+    # zh: 一次吞吐量运行从命令行中确定下来的东西：模型、它的 config、要比较的 KV 缓存 dtype，以及负载。
 
     model: str
     config: Any
@@ -730,6 +821,7 @@ class BenchSetup:
 def resolve_setup(args: argparse.Namespace) -> BenchSetup:
     """The model, config and workload of ``args``; refuses (ValueError) what this machine or the flags cannot run,
     before any run."""
+    # zh: ``args`` 的模型、config 和负载；在任何运行之前，拒绝（ValueError）这台机器或这些选项无法运行的东西。
     from nanovllm.book.smollm2 import smollm2_dir
     from nanovllm.config import Config
 
@@ -772,6 +864,8 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup,
                 report: dict[str, Any]) -> tuple[dict[str, BenchResult], dict[str, str]]:
     """The engine runs the flags ask for, each printed with where its time went (breakdowns into ``report``); the
     runs by name, and the KV cache dtype of each (its own bound)."""
+    # zh: 按选项要求运行引擎，每次运行都打印时间花在了哪里（明细写进 ``report``）；返回按名字排列的各次运行，
+    # zh: 以及每次运行的 KV 缓存 dtype（它自己的上限）。
     config, kv_dtypes, results, kv_of = setup.config, setup.kv_dtypes, {}, {}
     tp = args.tensor_parallel_size
     switch = {"auto": "auto", "on": True, "off": False}
@@ -793,9 +887,11 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup,
         results[key] = run_engine(setup.model, setup.workload, tensor_parallel_size=size, attention_backend=backend,
                                   kv_cache_dtype=kv, breakdown=breakdown, **settings)
         if len(args.attention_backend) > 1:
-            results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
+            results[key] = replace(results[key], name=_say_bench("{name}, attention {backend}", name=results[key].name,
+                                                                 backend=backend))
         if len(kv_dtypes) > 1:
-            results[key] = replace(results[key], name=f"{results[key].name}, kv cache {kv}")
+            results[key] = replace(results[key], name=_say_bench("{name}, kv cache {kv}", name=results[key].name,
+                                                                 kv=kv))
         kv_of[key] = kv
         print(results[key])
         print_breakdown(results[key], breakdown)
@@ -808,29 +904,35 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup,
 def print_ratios(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult],
                  report: dict[str, Any]) -> None:
     """Each comparison the invocation made, as a ratio of two runs measured in it."""
+    # zh: 这次调用所做的每一项比较，表示为其中测得的两次运行之比。
     tp, first, kv_dtypes = args.tensor_parallel_size, args.attention_backend[0], setup.kv_dtypes
     if "engine" in results and "peer" in results:
         report["ratio"] = results["engine"].tokens_per_s / results["peer"].tokens_per_s
-        print(f"engine / transformers: {report['ratio']:.2f}x")
+        print(_say_bench("engine / transformers: {ratio:.2f}x", ratio=report["ratio"]))
     if "engine" in results and "engine_tp1" in results:
         report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
-        print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
+        print(_say_bench("{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)", faster=f"TP={tp}",
+                         slower="TP=1", ratio=report["ratio_tp"]))
     for backend in args.attention_backend[1:]:
         if f"engine_{backend}" in results:
             ratio = results[f"engine_{backend}"].tokens_per_s / results["engine"].tokens_per_s
             report[f"ratio_{backend}"] = ratio
-            print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
+            print(_say_bench("{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)",
+                             faster=f"attention_backend={backend}", slower=first, ratio=ratio))
     for kv in kv_dtypes[1:]:
         if f"engine_kv_{kv}" in results:
             ratio = results[f"engine_kv_{kv}"].tokens_per_s / results["engine"].tokens_per_s
             report[f"ratio_kv_{kv}"] = ratio
-            print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
+            print(_say_bench("{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)",
+                             faster=f"kv_cache_dtype={kv}", slower=kv_dtypes[0], ratio=ratio))
 
 
 def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult], kv_of: dict[str, str],
                  report: dict[str, Any]) -> None:
     """On a GPU: the workload's bound from the copy rate and matmul rate measured now, and each run's share of the
     bound of its KV cache dtype (``kv_of``)."""
+    # zh: 在 GPU 上：由现在测得的拷贝速率和矩阵乘法速率算出负载的上限，以及每次运行占其 KV 缓存 dtype
+    # zh: （``kv_of``）所对应上限的比例。
     # en: It uses Triton: imported only on a GPU.
     # zh: 用到 Triton：只在 GPU 上导入。
     from nanovllm.bench.attention import copy_bandwidth
@@ -843,10 +945,12 @@ def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
         # zh: 每种 KV 缓存数据类型都有自己的上限：8 位缓存读取的 KV 字节只有一半（第 24 章）。
         bound = bounds[kv] = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth,
                                             flops, kv_cache_dtype=kv)
-        print(f"bound{f' (kv cache {kv})' if len(kv_dtypes) > 1 else ''}: decode reads "
-              f"{bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
-              f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, "
-              f"measured) = {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
+        name = _say_bench("bound (kv cache {kv})", kv=kv) if len(kv_dtypes) > 1 else _say_bench("bound")
+        print(_say_bench("{bound}: decode reads {tb:.2f} TB at {bandwidth:.2f} TB/s (copy, measured) + prefill "
+                         "{pflop:.3f} PFLOP at {tflops:.0f} TFLOP/s (bf16 matmul, measured) = {seconds:.2f} s -> "
+                         "{rate:,.0f} tok/s", bound=name, tb=bound.decode_bytes / 1e12, bandwidth=bandwidth / 1e12,
+                         pflop=bound.prefill_flops / 1e15, tflops=flops / 1e12, seconds=bound.seconds,
+                         rate=bound.tokens_per_s))
         report["bound" if kv == kv_dtypes[0] else f"bound_kv_{kv}"] = {
             "tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes, "bandwidth": bandwidth,
             "matmul_flops": flops}
@@ -855,8 +959,9 @@ def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
         # zh: N 块 GPU 的读取速度是 N 倍：用 N 块 GPU 的引擎，对照的是单 GPU 上限的 N 倍。
         gpus = tp if key == "engine" else 1
         fraction = result.tokens_per_s / (gpus * bounds[kv_of[key]].tokens_per_s)
-        print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else "")
-              + (f" (kv cache {kv_of[key]})" if len(kv_dtypes) > 1 else ""))
+        print(_say_bench("{name}: {fraction:.1%} of the bound{gpus}{kv}", name=result.name, fraction=fraction,
+                         gpus=_say_bench(" of {gpus} GPUs", gpus=gpus) if gpus > 1 else "",
+                         kv=_say_bench(" (kv cache {kv})", kv=kv_of[key]) if len(kv_dtypes) > 1 else ""))
         report[key]["fraction_of_bound"] = fraction
 
 
@@ -874,8 +979,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model, config, workload = setup.model, setup.config, setup.workload
-    print(f"model: {model} on {config.device} ({config.dtype})")
-    print(f"workload: {workload.describe()}")
+    print(_say_bench("model: {model} on {device} ({dtype})", model=model, device=config.device, dtype=config.dtype))
+    print(_say_bench("workload: {workload}", workload=workload.describe()))
     report = report_header("python -m nanovllm.bench", argv, config.device)
     report |= {"model": model, "workload": workload.describe()}
     if args.parallel_sampling:
@@ -891,10 +996,10 @@ def main(argv: list[str] | None = None) -> int:
     # zh: 每次运行的 KV 缓存数据类型，决定它自己的上限（transformers 保持模型的数据类型）。
     kv_of["peer"] = "auto"
     tp = args.tensor_parallel_size
-    peer_skipped = "the model has no weights (load_format='dummy')" if setup.load_format == "dummy" else \
-        f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
+    peer_skipped = _say_bench("the model has no weights (load_format='dummy')") if setup.load_format == "dummy" else \
+        _say_bench("--tensor-parallel-size {tp}: the TP=1 engine is the peer", tp=tp) if tp > 1 else None
     if not args.no_peer and peer_skipped:
-        print(f"transformers peer skipped: {peer_skipped}")
+        print(_say_bench("transformers peer skipped: {why}", why=peer_skipped))
     elif not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
         results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,
@@ -912,6 +1017,7 @@ def main(argv: list[str] | None = None) -> int:
 # %% bench entry point
 #| export bench.__main__
 """``python -m nanovllm.bench``: the engine's throughput benchmark (`nanovllm.bench.engine`)."""
+# zh: ``python -m nanovllm.bench``：引擎的吞吐量基准测试（`nanovllm.bench.engine`）。
 
 import sys
 
@@ -1047,6 +1153,8 @@ from nanovllm.engine.scheduler import Observer
 class EngineStats:
     """What an engine says about itself between steps: its requests (each counted once, however many samples it
     has), and the blocks of its KV pool in use."""
+    # zh: 引擎在两步之间对自己的描述：它的请求（每个只算一次，不管它有多少个样本），以及它的 KV 块池中
+    # zh: 正在使用的块。
 
     requests_running: int
     requests_waiting: int
@@ -1056,12 +1164,14 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         """The share of the KV pool in use, 0 to 1."""
+        # zh: KV 块池中正在使用的比例，0 到 1。
         return self.kv_blocks_used / self.kv_blocks
 
 
 @add_to_class(LLMEngine)
 def stats(self) -> EngineStats:
     """The engine's requests and its KV pool, now."""
+    # zh: 引擎此刻的请求和它的 KV 块池。
     scheduler, pool = self.scheduler, self.scheduler.block_manager
     return EngineStats(requests_running=len({seq.request_id for seq in scheduler.running}),
                        requests_waiting=len({seq.request_id for seq in scheduler.waiting}),
@@ -1071,6 +1181,7 @@ def stats(self) -> EngineStats:
 @add_to_class(LLMEngine)
 def set_observer(self, observer: Observer | None) -> Observer | None:
     """Attach ``observer`` to the scheduler's events (chapter 04), or detach with None; returns the one before."""
+    # zh: 把 ``observer`` 挂到调度器的事件上（第 04 章），传 None 则卸下；返回之前的那个。
     previous, self.scheduler.observer = self.scheduler.observer, observer
     return previous
 
@@ -1135,6 +1246,7 @@ tiny_engine.exit()
 # %% sampling run
 #| export bench.parallel_sampling
 """Parallel sampling against independent requests: blocks in use, prefill tokens and speed."""
+# zh: 并行采样对比独立请求：占用的块、prefill 的 token 数和速度。
 
 from __future__ import annotations
 
@@ -1151,6 +1263,7 @@ from nanovllm.sampling_params import SamplingParams
 @dataclass
 class SamplingRun:
     """What one `generate` call cost: time, tokens produced, tokens prefilled, most blocks in use at once."""
+    # zh: 一次 `generate` 调用的代价：时间、生成的 token 数、prefill 的 token 数、同时占用的最多块数。
 
     name: str
     seconds: float
@@ -1170,6 +1283,8 @@ class SamplingRun:
 def measure_generate(llm: LLM, prompts: list[Any], params: list[SamplingParams], name: str) -> SamplingRun:
     """Run ``llm.generate`` once, watching the scheduler (its observer hook): the tokens computed by
     prefill steps, and after each schedule, when a step's blocks are all allocated, the blocks in use."""
+    # zh: 运行一次 ``llm.generate``，同时观察调度器（通过它的观察者钩子）：prefill 步计算的 token，
+    # zh: 以及每次调度之后、一步的块全部分配好时正在使用的块。
     seen = {"prefill": 0, "peak": 0}
 
     def watch(event: str, data: dict) -> None:
@@ -1206,6 +1321,7 @@ sample = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
 
 def engine() -> LLM:
     """A fresh engine each time, so that no run finds another's blocks in the prefix cache by accident."""
+    # zh: 每次都用一个新引擎，这样任何一次运行都不会碰巧在前缀缓存里找到另一次运行的块。
     return LLM(tiny_qwen, device="cpu", kvcache_block_size=4, num_kvcache_blocks=64)
 
 
@@ -1348,6 +1464,8 @@ def compare_parallel_sampling(
 ) -> list[SamplingRun]:
     """Each prompt with ``n`` forked samples, then as ``n`` independent requests (``fork_samples=False``): one
     fresh engine each, the same sampled lengths (``ignore_eos``). ``config``: `LLM` keyword arguments."""
+    # zh: 每个提示词先带 ``n`` 个分叉的样本运行，再作为 ``n`` 个独立请求运行（``fork_samples=False``）：各用一个
+    # zh: 新引擎，采样长度相同（``ignore_eos``）。``config``：`LLM` 的关键字参数。
     if n < 2:
         raise ValueError(f"n must be >= 2 to compare sharing with independent requests, got {n}")
     longest = max(len(p) + m for p, m in zip(prompts, output_lens, strict=True))
@@ -1372,6 +1490,7 @@ def compare_parallel_sampling(
 
 def parallel_sampling_report(runs: list[SamplingRun]) -> dict[str, Any]:
     """Print the runs side by side (and their ratios); return them as JSON-ready data."""
+    # zh: 把各次运行并排打印出来（以及它们的比值）；以可转成 JSON 的数据返回它们。
     forked, independent = runs
     print(f"{'':<38} {'tok/s':>10} {_say('prefill tokens'):>15} {_say('peak blocks'):>12}")
     for run in runs:
@@ -1444,6 +1563,7 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # %% bench latency
 #| export bench.latency
 """``python -m nanovllm.bench --latency``: how long one decode step takes at small batches, against its bound."""
+# zh: ``python -m nanovllm.bench --latency``：小批次下一个 decode 步要多长时间，对照它的上限。
 
 from __future__ import annotations
 
@@ -1471,6 +1591,7 @@ LATENCY_DEFAULTS = {"cuda": ((1, 4, 16, 64), 512, 1024), "cpu": ((1, 4), 128, 64
 @dataclass(frozen=True)
 class StepLatency:
     """One batch's decode steps: wall time, bound, and (on a GPU) what the profiler saw in a window of them."""
+    # zh: 一个批次的 decode 步：挂钟时间、上限，以及（在 GPU 上）profiler 在其中一个窗口里看到的东西。
 
     batch: int
     # en: Decode steps timed.
@@ -1520,6 +1641,7 @@ class StepLatency:
 
 def measured_copy_rate(device: str) -> float:
     """Bytes per second of a large copy on ``device`` (bytes read + bytes written), measured now."""
+    # zh: 在 ``device`` 上一次大拷贝的每秒字节数（读取的字节 + 写入的字节），现在测量。
     if device == "cuda":
         # en: It uses Triton's timer: imported only on a GPU.
         # zh: 用到 Triton 的计时器：只在 GPU 上导入。
@@ -1542,6 +1664,8 @@ def measured_copy_rate(device: str) -> float:
 def model_kernels(profile: Any) -> list[Any]:
     """The GPU kernels a torch.profiler run recorded, in the order the GPU started them. Copies and memsets are not
     kernels of the model: they are left out."""
+    # zh: 一次 torch.profiler 运行记录下的 GPU 内核，按 GPU 启动它们的顺序。拷贝和 memset 不是模型的内核：
+    # zh: 把它们排除在外。
     return sorted((event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA
                    and not event.name.startswith(("Memcpy", "Memset"))), key=lambda event: event.time_range.start)
 
@@ -1549,6 +1673,8 @@ def model_kernels(profile: Any) -> list[Any]:
 def count_kernels(profile: Any, steps: int, top: int = 12) -> tuple[float, float, list[tuple[str, float, float]]]:
     """(kernels per step, GPU milliseconds inside them per step, the ``top`` kernels by time) from a torch.profiler
     run over ``steps`` steps (`model_kernels`)."""
+    # zh: 由一次覆盖 ``steps`` 步的 torch.profiler 运行（`model_kernels`）得出：（每步的内核数，每步在内核中的
+    # zh: GPU 毫秒数，按时间排前 ``top`` 的内核）。
     kernels = model_kernels(profile)
     by_name: dict[str, list[float]] = {}
     for event in kernels:
@@ -1564,6 +1690,8 @@ def busy_microseconds(kernels: list[Any]) -> float:
     """Microseconds in which at least one of ``kernels`` (sorted by start) ran: the length of the union of their
     intervals. Summing their durations would count twice the time in which a kernel that starts early (chapter
     14's programmatic dependent launch) waits beside the kernel before it."""
+    # zh: ``kernels``（按开始时间排序）中至少有一个在运行的微秒数：它们区间并集的长度。把它们的时长加起来，
+    # zh: 会把提前启动的内核（第 14 章的 programmatic dependent launch）在前一个内核旁边等待的时间算两次。
     busy, end = 0.0, float("-inf")
     for event in kernels:
         start, stop = event.time_range.start, event.time_range.end
@@ -1576,6 +1704,9 @@ def graph_replay_ms(llm: Any, batch: int, replays: int = 50) -> float | None:
     """Milliseconds per replay of the decode graph that runs ``batch`` sequences, replayed ``replays`` times back
     to back on what its buffers hold (the last step's inputs: each replay recomputes that step and writes the same
     K/V into the same slots, so the engine's state does not change). None without such a graph."""
+    # zh: 运行 ``batch`` 个序列的 decode 图每次重放的毫秒数：在它的缓冲区当前的内容上连续重放 ``replays`` 次
+    # zh: （最后一步的输入：每次重放都重算那一步，把同样的 K/V 写进同样的槽位，所以引擎的状态不变）。
+    # zh: 没有这样的图时为 None。
     graphs = getattr(llm.model_runner, "graphs", None)
     if graphs is None or not graphs.covers(batch):
         return None
@@ -1602,6 +1733,10 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
     them: from the last layer's LAYER_MARK of one step to the first layer's of the next, so the last layer, the
     final norm, the LM head, the sampler, any time the GPU waited for the host's next launch, and the next step's
     first layer up to its attention. (name, start, end) in microseconds from the first kernel's start."""
+    # zh: 在一个被 profile 的、含 ``steps`` 个 decode 步的窗口中，中间那个步边界附近的内核，按 GPU 运行它们的样子：
+    # zh: 从一步最后一层的 LAYER_MARK 到下一步第一层的 LAYER_MARK，于是包括最后一层、最后的归一化、LM head、
+    # zh: 采样器、GPU 等待主机下一次启动的任何时间，以及下一步第一层直到它的注意力为止。
+    # zh: (name, start, end)，单位是从第一个内核开始算起的微秒。
     kernels = model_kernels(profile)
     marks = [i for i, event in enumerate(kernels) if event.name.startswith(LAYER_MARK)]
     if steps < 2 or not marks or len(marks) % steps:
@@ -1616,6 +1751,7 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
 @contextmanager
 def timed_launches(llm: Any) -> Iterator[list[float]]:
     """The seconds of each host launch of ``llm`` (its `_launch`) while inside."""
+    # zh: 在块内，``llm`` 每次主机启动（它的 `_launch`）的秒数。
     launch_seconds: list[float] = []
     with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)):
         yield launch_seconds
@@ -1626,6 +1762,9 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     """Run ``batch`` prompts of ``input_len`` tokens to ``output_len`` tokens each through ``llm``, timing every
     decode step after the first ``warmup_steps``; on a GPU, profile ``profile_steps`` of them in the middle
     (left out of the timing, since the profiler slows the host)."""
+    # zh: 让 ``batch`` 个 ``input_len`` 个 token 的提示词通过 ``llm`` 各运行到 ``output_len`` 个 token，为最初
+    # zh: ``warmup_steps`` 步之后的每个 decode 步计时；在 GPU 上，对中间的 ``profile_steps`` 步做 profile
+    # zh: （不计入计时，因为 profiler 会拖慢主机）。
     config = llm.config
     workload = make_workload(batch, (input_len, input_len), (output_len, output_len),
                              vocab_size=config.hf_config.vocab_size, seed=seed)
@@ -1678,13 +1817,22 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
 
 
 def format_row(row: StepLatency) -> str:
-    kernels = f"{row.kernels_per_step:6.0f} kernels, GPU busy {row.gpu_ms_per_step:6.3f} ms" \
-        if row.kernels_per_step is not None else "kernels: not counted on a CPU"
+    kernels = _say_latency("{kernels:6.0f} kernels, GPU busy {busy:6.3f} ms", kernels=row.kernels_per_step,
+                           busy=row.gpu_ms_per_step) \
+        if row.kernels_per_step is not None else _say_latency("kernels: not counted on a CPU")
     if row.graph_ms is not None:
-        kernels += f", graph alone {row.graph_ms:6.3f} ms"
-    return (f"batch {row.batch:3d}: {row.ms_per_step:7.3f} ms/step, {row.tokens_per_s:9,.0f} tok/s, bound "
-            f"{row.bound_ms:6.3f} ms ({row.fraction_of_bound:6.1%}), host launch {row.host_launch_ms:6.3f} ms, "
-            f"{kernels}")
+        kernels += _say_latency(", graph alone {ms:6.3f} ms", ms=row.graph_ms)
+    return _say_latency("batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms "
+                        "({fraction:6.1%}), host launch {launch:6.3f} ms, {kernels}", batch=row.batch,
+                        ms=row.ms_per_step, rate=row.tokens_per_s, bound=row.bound_ms,
+                        fraction=row.fraction_of_bound, launch=row.host_launch_ms, kernels=kernels)
+
+
+def where_it_runs(device: str) -> str:
+    """The device the figures come from, as the benchmark's first line says it."""
+    # zh: 这些数字来自哪个设备，按基准测试第一行的说法。
+    return _say_latency("on {gpu}", gpu=torch.cuda.get_device_name()) if device == "cuda" else \
+        _say_latency("on this CPU (the figures and the bound are the CPU's)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1730,14 +1878,15 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
-    print(f"model: {model} on {where} ({config.dtype}, kv cache {config.kv_cache_dtype}); prompts of "
-          f"{input_len} tokens, {output_len} generated each")
+    print(_say_latency("model: {model} {where} ({dtype}, kv cache {kv}); prompts of {input_len} tokens, {output_len} "
+                       "generated each", model=model, where=where_it_runs(device), dtype=config.dtype,
+                       kv=config.kv_cache_dtype, input_len=input_len, output_len=output_len))
     report = report_header("python -m nanovllm.bench --latency", argv, device)
     report |= {"model": model, "input_len": input_len, "output_len": output_len, "rows": []}
     bandwidth = report["bandwidth"] = measured_copy_rate(device)
-    print(f"copy rate, measured: {bandwidth / 1e12:.2f} TB/s; weights a step reads: "
-          f"{weight_bytes_per_step(config.hf_config, config.torch_dtype.itemsize) / 1e6:,.1f} MB")
+    print(_say_latency("copy rate, measured: {rate:.2f} TB/s; weights a step reads: {mb:,.1f} MB",
+                       rate=bandwidth / 1e12,
+                       mb=weight_bytes_per_step(config.hf_config, config.torch_dtype.itemsize) / 1e6))
     for fused in fused_settings:
         rows = measure_setting(model, batches, input_len, output_len, bandwidth, seed=args.seed, fused_decode=fused,
                                **settings)
@@ -1750,19 +1899,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def fused_ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[int, float]:
     """Per batch, how many times as fast the fused decode layer ran as the unfused one (rows of both), printed."""
+    # zh: 每个批大小下，融合 decode 层比不融合的快多少倍（两者的行），打印出来。
     ratios = {}
     for batch in batches:
         off, on = (next(row for row in rows if row["batch"] == batch and row["fused_decode"] is fused)
                    for fused in (False, True))
         ratio = ratios[batch] = off["ms_per_step"] / on["ms_per_step"]
-        print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
-              f"{on['ms_per_step']:.3f} ms/step, same invocation)")
+        print(_say_latency("batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off:.3f} -> {on:.3f} ms/step, "
+                           "same invocation)", batch=batch, ratio=ratio, off=off["ms_per_step"], on=on["ms_per_step"]))
     return ratios
 
 
 def measure_setting(model: str, batches: list[int], input_len: int, output_len: int, bandwidth: float, *,
                     seed: int, **config: Any) -> list[dict[str, Any]]:
     """One engine (config: `LLM` keyword arguments), each batch measured in turn: the report's rows."""
+    # zh: 一个引擎（config：`LLM` 的关键字参数），依次测量每个批次：报告中的各行。
     from nanovllm.llm import LLM
 
     llm = LLM(model, **config)
@@ -1783,6 +1934,31 @@ def measure_setting(model: str, batches: list[int], input_len: int, output_len: 
         llm.exit()
     return rows
 
+
+# %% latency phrases
+#| exporti bench.latency
+#| hide
+from nanovllm.book.lang import Phrases
+
+# en: What the latency benchmark prints, in Chinese when the book reads in Chinese (nanovllm.book.lang).
+# zh: 延迟基准测试打印的文字的中文：本书以中文阅读时打印中文（nanovllm.book.lang）。
+_say_latency = Phrases({
+    "{kernels:6.0f} kernels, GPU busy {busy:6.3f} ms": "{kernels:6.0f} 个内核，GPU 忙 {busy:6.3f} ms",
+    "kernels: not counted on a CPU": "内核：CPU 上不统计",
+    ", graph alone {ms:6.3f} ms": "，单独重放图 {ms:6.3f} ms",
+    "batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms ({fraction:6.1%}), host launch "
+    "{launch:6.3f} ms, {kernels}":
+        "批大小 {batch:3d}：每步 {ms:7.3f} ms，{rate:9,.0f} tok/s，上限 {bound:6.3f} ms（{fraction:6.1%}），"
+        "主机启动 {launch:6.3f} ms，{kernels}",
+    "on {gpu}": "在 {gpu} 上",
+    "on this CPU (the figures and the bound are the CPU's)": "在这台 CPU 上（数字和上限都是 CPU 的）",
+    "model: {model} {where} ({dtype}, kv cache {kv}); prompts of {input_len} tokens, {output_len} generated each":
+        "模型：{model}，{where}，{dtype}，KV 缓存 {kv}；提示词 {input_len} 个 token，每个生成 {output_len} 个",
+    "copy rate, measured: {rate:.2f} TB/s; weights a step reads: {mb:,.1f} MB":
+        "实测拷贝速率：{rate:.2f} TB/s；一步读取的权重：{mb:,.1f} MB",
+    "batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off:.3f} -> {on:.3f} ms/step, same invocation)":
+        "批大小 {batch:3d}：融合 decode 层快 {ratio:.2f} 倍（每步 {off:.3f} -> {on:.3f} ms，同一次调用）",
+})
 
 # %% [markdown] tags=["en"]
 # ### See it

@@ -87,6 +87,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 def check_tokenizer_files(model: str) -> None:
     """Refuse a model directory that holds no tokenizer files: transformers would quietly build a tokenizer that
     knows a single token, and every text prompt would come out empty."""
+    # zh: 拒绝没有分词器文件的模型目录：否则 transformers 会悄悄构造一个只认识一个 token 的分词器，
+    # zh: 每个文本提示词都会变成空的。
     if not any((Path(model) / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"model directory {model!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the "
@@ -98,6 +100,8 @@ def check_tokenizer_files(model: str) -> None:
 def checked_prompt(prompt: object) -> str | list[int] | ListLike[int]:
     """The prompt as text or as token ids: a str (not empty, valid text), a list or a tuple, or the ids of a 1-D
     integer NumPy array or torch tensor; anything else is refused by name."""
+    # zh: 文本或 token id 形式的提示词：str（非空、合法的文本）、列表或元组，或者一维整数 NumPy 数组或 torch 张量中的
+    # zh: id；其他任何东西都会被指名拒绝。
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt is an empty string")
@@ -184,6 +188,10 @@ def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
     ``waiting`` in their order, keeping their blocks. Decode's new blocks and preemptions stay:
     they left the queues consistent.
     """
+    # zh: 为一个从未算出来的步（模型抛出了异常）撤销 ``schedule()``，让它可以再跑一次。
+    # zh:
+    # zh: prefill 把它完成的序列移进了 ``running``；它们按原来的顺序回到 ``waiting`` 的队头，保留各自的块。
+    # zh: decode 新分配的块和抢占则保留：它们让队列保持一致。
     for seq in seqs:
         seq.num_scheduled_tokens = 0
     if is_prefill:
@@ -197,6 +205,7 @@ def rollback(self, seqs: list[Sequence], is_prefill: bool) -> None:
 @add_to_class(Scheduler)
 def abort(self, seq: Sequence) -> None:
     """Drop an unfinished request: out of its queue, its blocks freed, FINISHED (the caller gave up on it)."""
+    # zh: 丢弃一个未完成的请求：把它移出所在的队列，释放它的块，标为 FINISHED（调用者已经放弃了它）。
     for queue in (self.waiting, self.running):
         if seq in queue:
             queue.remove(seq)
@@ -303,6 +312,7 @@ from nanovllm.utils.interrupts import Deferral, _deliver, _held, _hold, _replace
 
 class Gate:
     """Whether Ctrl-C goes through at once although a `deferred_interrupt` block holds it back (`interruptible`)."""
+    # zh: 即使有 `deferred_interrupt` 块把 Ctrl-C 压住，它是否仍能立即通过（`interruptible`）。
 
     open = False
 
@@ -310,6 +320,7 @@ class Gate:
 @add_to_class(interrupts)
 def _let_through() -> None:
     """Deliver the Ctrl-C just held back when the gate is open (`interruptible`)."""
+    # zh: 闸门打开时（`interruptible`），递送刚被压住的那个 Ctrl-C。
     if Gate.open:
         # en: the gate lets one interrupt through and closes behind it
         # zh: 闸门放过一个中断，随即在它身后关上。
@@ -320,6 +331,7 @@ def _let_through() -> None:
 @add_to_class(Deferral)
 def enter_nested(self, main: bool) -> None:
     """Inside `interruptible`, a nested block holds Ctrl-C back again, until it ends."""
+    # zh: 在 `interruptible` 内部，嵌套的块会再次压住 Ctrl-C，直到它结束。
     self.reopen = main and Gate.open
     if self.reopen:
         Gate.open = False
@@ -329,6 +341,7 @@ def enter_nested(self, main: bool) -> None:
 def exit_nested(self) -> None:
     """A nested block that closed the gate opens it again: what it held back goes through now, as the enclosing
     block lets it."""
+    # zh: 关上了闸门的嵌套块结束时把闸门重新打开：它压住的东西此刻通过，只要外层的块允许。
     if self.reopen:
         Gate.open = True
         if _held:
@@ -337,6 +350,7 @@ def exit_nested(self) -> None:
 
 class Passage:
     """The context manager of `interruptible`."""
+    # zh: `interruptible` 的上下文管理器。
 
     def __enter__(self) -> None:
         main = threading.current_thread() is threading.main_thread()
@@ -354,11 +368,14 @@ def interruptible() -> Passage:
     """Inside `deferred_interrupt`: let Ctrl-C through at once for the duration of a ``with`` block, first
     delivering one that was held back. For work whose interruption the caller undoes (the engine: the model
     computing a step)."""
+    # zh: 在 `deferred_interrupt` 内部：在一个 ``with`` 块期间让 Ctrl-C 立即通过，并先递送之前被压住的那一个。
+    # zh: 用于被打断后由调用者撤销的工作（在引擎中：模型计算一步）。
     return Passage()
 
 
 def interruption_point() -> None:
     """Inside `deferred_interrupt`: deliver now a Ctrl-C that was held back, where the caller can take it."""
+    # zh: 在 `deferred_interrupt` 内部：就在此处递送被压住的 Ctrl-C，调用者在这里接得住它。
     with interruptible():
         pass
 
@@ -379,6 +396,8 @@ def _init_observer_errors(self) -> None:
 def _notify(self, event: str, data: dict) -> None:
     """Call the observer. A scheduler inside an engine keeps what it raises in ``observer_errors``, and the engine
     raises it once the step is whole: an observer must not cut a step in half."""
+    # zh: 调用观察者。引擎中的调度器把观察者抛出的异常存进 ``observer_errors``，等这一步完整后由引擎抛出：
+    # zh: 观察者不能把一步截成两半。
     if self.observer is not None:
         try:
             self.observer(event, data)
@@ -405,6 +424,8 @@ from nanovllm.utils.interrupts import interruptible
 def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator[None]:
     """Around the model computing a scheduled step (`_compute`): if nothing comes of it (an error, Ctrl-C, out of
     memory), the schedule is undone, so the engine stays consistent and the same step can simply run again."""
+    # zh: 包在模型计算已调度的一步（`_compute`）外面：如果什么也没算出来（出错、Ctrl-C、显存不足），就撤销这次调度，
+    # zh: 这样引擎保持一致，同一步可以直接再跑一次。
     try:
         # en: The one stretch of a step where Ctrl-C gets through at once: what undoes it is `rollback`.
         # zh: 一步之中 Ctrl-C 能立刻生效的唯一一段：撤销它的正是 `rollback`。
@@ -419,6 +440,8 @@ def _undone_on_failure(self, seqs: list[Sequence], is_prefill: bool) -> Iterator
 def _settle_in_flight(self, dropping: Collection[int] = ()) -> None:
     """After an interruption: record the step in flight if it completed, else drop its sequences. What it
     finished waits for `step` to report it, except the requests in ``dropping`` (the interrupted call's)."""
+    # zh: 中断之后：计算中的那一步如果已经算完就记下，否则丢弃它的序列。它结束的请求等 `step` 来报告，
+    # zh: ``dropping`` 中的请求（被中断的那次调用的）除外。
     step, self.in_flight = self.in_flight, None
     if step is None:
         return
@@ -516,6 +539,7 @@ from nanovllm.utils.interrupts import deferred_interrupt
 
 class EngineBusyError(RuntimeError):
     """A call into the engine from inside another call of the same engine, on the same thread."""
+    # zh: 在同一线程上，从同一个引擎的另一个调用内部发起的对它的调用。
 
 
 def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
@@ -523,6 +547,9 @@ def non_finite_cause(model: torch.nn.Module | None, dtype: str) -> str:
 
     It reads every weight, once, and only after the sampler marked a row: never on the fast path.
     """
+    # zh: 模型的 logits 为什么是 NaN 或无穷大：权重本身就是（指出是哪个），否则就是 ``dtype`` 中的溢出。
+    # zh:
+    # zh: 它把每个权重读一遍，只读一次，而且只在采样器标记了某一行之后才读：绝不在快速路径上。
     # en: tensor parallelism: the weights live in the ranks
     # zh: 张量并行：权重在各 rank 进程里。
     if model is None:
@@ -545,6 +572,9 @@ def _one_call(self, name: str) -> Iterator[None]:
     """Run the body of `LLMEngine` method ``name`` under the engine's lock. A call from another thread waits until
     the call in progress returns; a call from inside another call on the same thread (an observer, a callback)
     would find the engine in the middle of a step, and raises EngineBusyError instead of waiting for itself."""
+    # zh: 在引擎的锁下执行 `LLMEngine` 方法 ``name`` 的主体。来自另一个线程的调用会等正在进行的调用返回；
+    # zh: 在同一线程上从另一个调用内部发起的调用（观察者、回调）会发现引擎正处在一步的中间，于是抛出 EngineBusyError，
+    # zh: 而不是等待它自己。
     # en: The lock is reentrant, and whether a call is in progress is asked once it is held. A signal handler
     # en: that calls the engine while this thread's call is between taking the lock and marking itself begun
     # en: then finds no call begun and runs whole, before it; one that lands later finds the mark and raises.
@@ -572,6 +602,7 @@ def _one_call(self, name: str) -> Iterator[None]:
 # %% outbox
 #| export engine.outbox
 """What the engine owes its callers between calls."""
+# zh: 引擎在两次调用之间欠调用者的东西。
 
 from __future__ import annotations
 
@@ -582,6 +613,7 @@ from nanovllm.engine.sequence import Sequence
 
 class NonFiniteLogitsError(ValueError):
     """The model's logits were NaN or infinite for some requests, which were dropped (``request_ids``)."""
+    # zh: 模型对某些请求给出的 logits 是 NaN 或无穷大，这些请求已被丢弃（``request_ids``）。
 
     def __init__(self, message: str, request_ids: list[int]) -> None:
         super().__init__(message)
@@ -593,6 +625,9 @@ class Outbox:
     `generate` call's steps finish the requests of `add_request` too), requests dropped for non-finite logits that
     nobody was told about yet, with the likely cause, and what the scheduler's observer raised, which waits until
     the step is whole (the scheduler's `_notify` appends to ``observer_errors``)."""
+    # zh: 引擎在两次调用之间欠调用者的东西：`step` 还没报告的已结束序列（`generate` 调用的各步也会让 `add_request` 的
+    # zh: 请求结束）；因 logits 不是有限值而被丢弃、还没告诉任何人的请求，以及可能的原因；还有调度器的观察者抛出的异常，
+    # zh: 它要等到这一步完整（调度器的 `_notify` 把它追加到 ``observer_errors``）。
 
     def __init__(self) -> None:
         self.unreported: list[Sequence] = []
@@ -601,10 +636,12 @@ class Outbox:
 
     def has_news(self) -> bool:
         """Whether `step` has something to report that no step computes."""
+        # zh: `step` 是否有无需计算任何一步就能报告的东西。
         return bool(self.unreported or self.dropped)
 
     def raise_observer_error(self) -> None:
         """Raise the first error that an observer raised, now that the step is whole."""
+        # zh: 这一步已经完整，现在抛出观察者抛出的第一个异常。
         if self.observer_errors:
             error = self.observer_errors[0]
             self.observer_errors.clear()
@@ -612,11 +649,13 @@ class Outbox:
 
     def drop(self, requests: Collection[int], cause: str) -> None:
         """Requests dropped for non-finite logits: the error names them, and their samples are not reported."""
+        # zh: 因 logits 不是有限值而被丢弃的请求：报错会指出它们，它们的样本不会被报告。
         self.unreported = [seq for seq in self.unreported if seq.request_id not in requests]
         self.dropped.update(dict.fromkeys(requests, cause))
 
     def take_dropped(self, among: Collection[int] | None = None) -> NonFiniteLogitsError | None:
         """The error for the dropped requests (those in ``among``, or all), which are then forgotten."""
+        # zh: 被丢弃请求（``among`` 中的那些，或者全部）的报错；之后就忘掉这些请求。
         ids = sorted(request for request in self.dropped if among is None or request in among)
         if not ids:
             return None
@@ -628,6 +667,7 @@ class Outbox:
 
     def forget(self, requests: Collection[int]) -> None:
         """A `generate` call that ends in an error takes its requests' news with it, and its error comes first."""
+        # zh: 以异常结束的 `generate` 调用带走它的请求的消息，而且它自己的异常优先。
         for request in requests:
             self.dropped.pop(request, None)
         self.observer_errors.clear()
@@ -668,6 +708,8 @@ def _init_call_rules(self) -> None:
 def _undo_if_observer_raised(self, seqs: list[Sequence]) -> None:
     """An `add_request` whose queuing an observer of the scheduler interrupted fails whole: its sequences are taken
     back, and what the observer raised is raised."""
+    # zh: 如果调度器的观察者打断了 `add_request` 的排队，这次 `add_request` 就整个失败：收回它的序列，
+    # zh: 再抛出观察者抛出的异常。
     if self.outbox.observer_errors:
         for seq in seqs:
             self.scheduler.abort(seq)
@@ -679,6 +721,9 @@ class StepOutput(tuple):
     """A finished sequence as `step` reports it. It unpacks as nano-vllm's ``(seq_id, token_ids)`` pair, and says
     whose sample it is: ``request_id`` (what `add_request` returned) and ``sample_index`` (0 to n - 1). The samples
     of a request with ``n > 1`` finish under seq_ids of their own, so the pair alone cannot say."""
+    # zh: `step` 所报告的一个已结束序列。它可以像 nano-vllm 的 ``(seq_id, token_ids)`` 二元组那样解包，
+    # zh: 还指明它是谁的样本：``request_id``（`add_request` 的返回值）和 ``sample_index``（0 到 n - 1）。
+    # zh: ``n > 1`` 的请求的各个样本以各自的 seq_id 结束，所以光靠这个二元组说不清。
 
     request_id: int
     sample_index: int
@@ -706,6 +751,12 @@ def step(self) -> tuple[list[StepOutput], int, bool]:
     It also reports the requests of `add_request` that a `generate` call finished, and raises
     NonFiniteLogitsError once for requests dropped because their logits were not finite (the others go on).
     """
+    # zh: 执行一步：返回（已结束的序列，计算的 token 数，是否为 prefill）。每个已结束的序列都是一个 `StepOutput`：
+    # zh: 一个 ``(seq_id, completion ids)`` 二元组，并指明所属的请求和样本下标。
+    # zh:
+    # zh: 异步调度时，它发起的那一步并不是它报告的那一步：它先把第 n + 1 步排进 GPU 队列，再收取第 n 步（第一次调用什么
+    # zh: 也收不到：``([], 0, is_prefill)``）。它也报告由某次 `generate` 调用结束的 `add_request` 请求；
+    # zh: 对因 logits 不是有限值而被丢弃的请求，它抛出一次 NonFiniteLogitsError（其他请求照常进行）。
     reported: list[Sequence] = []
     try:
         with self._one_call("step"):
@@ -739,6 +790,8 @@ def step(self) -> tuple[list[StepOutput], int, bool]:
 def _left_to_report(self) -> bool:
     """Whether `step` still has news that no step computes: requests of `add_request` that a `generate` call
     finished, or dropped (the outbox)."""
+    # zh: `step` 是否还有无需计算任何一步的消息要报告：被某次 `generate` 调用结束或丢弃的
+    # zh: `add_request` 请求（在 outbox 里）。
     return self.outbox.has_news()
 
 
@@ -757,6 +810,12 @@ def generate(
     and their blocks when it returns. Raises NonFiniteLogitsError, naming the prompts, when the model's
     logits for one of them are NaN or infinite.
     """
+    # zh: 为每个提示词生成后续内容；输出按提示词的顺序返回。
+    # zh:
+    # zh: 提示词可以是 str、token id 列表，或者一维整数 NumPy 数组 / torch 张量。之前用 `add_request` 排队的
+    # zh: 请求不会被搁置：它们与这次调用共享各个步（连续批处理），其间结束的请求留在引擎里，等 `step` 来报告；
+    # zh: 其余请求在它返回时保留各自的位置和块。某个提示词的 logits 是 NaN 或无穷大时，抛出 NonFiniteLogitsError 并指
+    # zh: 明是哪些提示词。
     with self._one_call("generate"):
         params = params_per_prompt(prompts, sampling_params)
         requests = self._queue_requests(prompts, params)
@@ -775,6 +834,7 @@ def params_per_prompt(
     prompts: list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None
 ) -> list[SamplingParams]:
     """`generate`'s arguments checked: one SamplingParams per prompt (the default, or one shared by all)."""
+    # zh: 检查过的 `generate` 参数：每个提示词一个 SamplingParams（默认值，或者所有提示词共用的那一个）。
     if isinstance(prompts, str) or not isinstance(prompts, ListLike):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     if sampling_params is None:
@@ -792,6 +852,7 @@ def params_per_prompt(
 @add_to_class(LLMEngine)
 def _queue_requests(self, prompts: list[Prompt], params: list[SamplingParams]) -> list[list[Sequence]]:
     """Make every request's sequences, then queue them all: a bad request raises before anything is queued."""
+    # zh: 先为每个请求建好序列，再把它们全部排队：坏请求在任何东西排队之前就会抛出异常。
     requests = []
     for index, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
         # en: nothing is queued yet: Ctrl-C may stop a long tokenization here
@@ -812,6 +873,7 @@ def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, li
            use_tqdm: bool) -> None:
     """Step until the ``total`` samples of ``requests`` finished, their completions in ``outputs``; then leave the
     engine idle."""
+    # zh: 一步步运行，直到 ``requests`` 的 ``total`` 个样本全部结束，生成内容存进 ``outputs``；然后让引擎空闲下来。
     done, prefill_rate, decode_rate = 0, 0.0, 0.0
     bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm, file=BarStream(sys.stderr))
     try:
@@ -854,6 +916,7 @@ def _drain(self, requests: list[list[Sequence]], outputs: dict[int, dict[int, li
 def _abandon(self, outputs: dict[int, dict[int, list[int]]]) -> None:
     """An interrupted `generate` takes its unfinished requests with it (forked samples included): their blocks are
     freed, and a later call does not compute them for nobody."""
+    # zh: 被中断的 `generate` 带走它尚未完成的请求（包括分叉出的样本）：释放它们的块，之后的调用也不会白白计算它们。
     self._settle_in_flight(outputs)
     for seq in [*self.scheduler.waiting, *self.scheduler.running]:
         if seq.request_id in outputs:
@@ -865,6 +928,9 @@ class BarStream:
     """Where `generate`'s progress bar writes: stderr, until writing to it fails once (a closed pipe, as in
     ``python run.py 2>&1 | head``); from then on the bar is silent. A progress bar is a courtesy: it must not take
     a call down, nor leave tqdm's lock held (tqdm does, when the stream raises while it draws)."""
+    # zh: `generate` 的进度条写往的地方：stderr，直到某一次写入失败（管道被关闭，比如 ``python run.py 2>&1 | head``）；
+    # zh: 从那以后进度条就不再作声。进度条只是一种礼貌：它不能让调用失败，也不能让 tqdm 的锁一直被占着
+    # zh: （绘制时如果输出流抛出异常，tqdm 就会这样）。
 
     def __init__(self, stream: Any) -> None:
         self.stream, self.broken = stream, False
@@ -895,6 +961,7 @@ class BarStream:
 def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple[list[Sequence], int, bool]:
     """Record the rows of a step whose logits are numbers, then drop the requests of the rows whose logits are not
     (see `_collect` for the result)."""
+    # zh: 记录一步中 logits 是有限值的那些行，再丢弃 logits 不是有限值的那些行所属的请求（返回值见 `_collect`）。
     seqs, indices = step.seqs, step.indices
     broken = [seq for seq, token in zip(seqs, token_ids, strict=True) if token == NON_FINITE]
     kept = [i for i, token in enumerate(token_ids) if token != NON_FINITE]
@@ -908,6 +975,8 @@ def _collect_non_finite(self, step: LaunchedStep, token_ids: list[int]) -> tuple
 def _drop(self, broken: list[Sequence]) -> None:
     """Drop the requests whose logits were not finite, all of their samples; the error is raised by the
     `generate` call they belong to, else by the next `step`."""
+    # zh: 丢弃 logits 不是有限值的请求，连同它们的所有样本；报错由它们所属的 `generate` 调用抛出，
+    # zh: 否则由下一次 `step` 抛出。
     requests = {seq.request_id for seq in broken if not seq.is_finished}
     if not requests:
         # en: dropped already, in an earlier step
@@ -923,6 +992,7 @@ def _drop(self, broken: list[Sequence]) -> None:
 @add_to_class(LLMEngine)
 def _raise_dropped(self, requests: list[list[Sequence]]) -> None:
     """Raise NonFiniteLogitsError, naming the prompts, if requests of this generate call were dropped."""
+    # zh: 如果这次 generate 调用的请求被丢弃了，就抛出 NonFiniteLogitsError，并指明是哪些提示词。
     ids = {seqs[0].seq_id: index for index, seqs in enumerate(requests)}
     error = self.outbox.take_dropped(ids)
     if error is not None:
@@ -1105,6 +1175,9 @@ class SignalAtLine:
     """A tracer that sends this process a real SIGINT when code of ``files`` runs its ``at``-th line (from 1;
     None only counts). ``lines``: the lines counted; ``points``: each line of code, with the count at which it
     first ran. Use it as a context manager on the main thread."""
+    # zh: 一个追踪函数：数着 ``files`` 中代码执行的行，在第 ``at`` 行（从 1 数起；为 None 时只计数）
+    # zh: 给本进程发一个真正的 SIGINT。``lines``：数过的行数；``points``：每一行代码，以及它第一次执行时的计数。
+    # zh: 在主线程上把它当作上下文管理器使用。
 
     def __init__(self, files: Collection[str], at: int | None = None) -> None:
         self.files, self.at = frozenset(files), at
@@ -1147,6 +1220,7 @@ alone = [llm.generate([prompt], short, use_tqdm=False)[0]["token_ids"] for promp
 
 def interrupted(at: int | None) -> tuple[bool, SignalAtLine]:
     """generate(prompts[2]) with a SIGINT at bookkeeping line ``at``, beside two queued requests; check after."""
+    # zh: 在两个已排队的请求旁边运行 generate(prompts[2])，在记账代码的第 ``at`` 行发出 SIGINT；之后检查结果。
     queued = [llm.add_request(prompt, short) for prompt in prompts[:2]]
     tracer = SignalAtLine(bookkeeping, at)
     try:

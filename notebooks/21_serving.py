@@ -100,6 +100,8 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 class NewTokens:
     """What the last `LLMEngine.step_tokens` call added to one sample of a request: its new completion tokens,
     and whether the sample finished with them (then ``token_ids`` ends with its last token)."""
+    # zh: 上一次 `LLMEngine.step_tokens` 调用给请求的一个样本添上的东西：它新生成的 token，以及样本是否随之结束（结束时
+    # zh: ``token_ids`` 以它的最后一个 token 收尾）。
 
     request_id: int
     sample_index: int
@@ -111,6 +113,7 @@ class NewTokens:
 def _unreported_sequences(self) -> dict[int, Sequence]:
     """Every sequence that `step` has not reported yet, by seq_id: queued, running, in flight, or finished and
     waiting to be reported."""
+    # zh: `step` 还没报告的每个序列，按 seq_id 索引：排队中的、运行中的、计算中的，或者已经结束、等待报告的。
     seqs = [*self.scheduler.waiting, *self.scheduler.running, *self.outbox.unreported]
     if self.in_flight is not None:
         seqs += self.in_flight.seqs
@@ -121,6 +124,8 @@ def _unreported_sequences(self) -> dict[int, Sequence]:
 def step_tokens(self) -> list[NewTokens]:
     """One `step`, reported token by token: every sample that has completion tokens it has not reported yet, with
     those tokens, finished or not. A server streams them; ``step()`` alone reports only finished sequences."""
+    # zh: 一次 `step`，按 token 报告：每个有尚未报告的生成 token 的样本，连同这些 token，不论它是否已结束。
+    # zh: 服务器把它们流式发出；单靠 ``step()`` 只报告已结束的序列。
     with self._one_call("step_tokens"):
         before = self._unreported_sequences()
     finished = self.step()[0]
@@ -136,14 +141,18 @@ def step_tokens(self) -> list[NewTokens]:
             known = _known_completion_tokens(seq)
             if known > seq.num_streamed_tokens:
                 start = seq.num_prompt_tokens
-                news.append(NewTokens(seq.request_id, seq.sample_index,
-                                      seq.token_ids[start + seq.num_streamed_tokens : start + known], False))
+                new_tokens = seq.token_ids[start + seq.num_streamed_tokens : start + known]
+                # en: Only the last token may still be computing, and it is not among the known ones
+                # zh: 只有最后一个 token 可能还在计算，而它不在已知的 token 之中
+                assert min(new_tokens) >= 0, f"{seq} would stream a pending token"
+                news.append(NewTokens(seq.request_id, seq.sample_index, new_tokens, False))
                 seq.num_streamed_tokens = known
         return news
 
 
 def _known_completion_tokens(seq: Sequence) -> int:
     """The completion tokens of ``seq`` whose values are known: all but the one still computing, if any."""
+    # zh: ``seq`` 中值已经确定的生成 token 数：除了还在计算的那一个（如果有的话），其余都是。
     end = seq.num_tokens
     while end > seq.num_prompt_tokens and seq.token_ids[end - 1 - seq.first_token_index] == PENDING_TOKEN:
         end -= 1
@@ -154,6 +163,8 @@ def _known_completion_tokens(seq: Sequence) -> int:
 def abort_request(self, request_id: int, sample_index: int | None = None) -> list[int]:
     """Drop a request of `add_request`, or only its sample ``sample_index``: out of the queues, its blocks freed
     now, never reported by `step`. Returns the seq_ids dropped (none once it was reported, or if it never was)."""
+    # zh: 丢弃一个 `add_request` 的请求，或者只丢弃它的样本 ``sample_index``：把它移出各个队列，立即释放它的块，
+    # zh: `step` 永远不会报告它。返回被丢弃的 seq_id（请求已经报告过，或者从未存在过时，返回空）。
     with self._one_call("abort_request"):
         dropped = []
         for seq in self._unreported_sequences().values():
@@ -274,6 +285,8 @@ assert llm.step_tokens() == []
 #
 # - `run(receive)` reads every waiting message between steps, so a new request joins the batch at
 #   the very next step; when the engine is idle it sleeps in `receive(wait=True)`.
+# - A thread of the driver says `("alive",)` every second, during a step too, so that the server
+#   can tell a stopped engine from a busy one (chapter 22 turns the silence into 503s).
 # - Each step's events leave in **one** message: `(key, kind, payload)` per request, where a key is
 #   the number the HTTP side gave the request (the engine's request id does not exist until the
 #   engine took it). One wake-up of the HTTP side per step, not one per token.
@@ -310,6 +323,8 @@ assert llm.step_tokens() == []
 #
 # - `run(receive)` 在两步之间读取所有等待中的消息，所以新请求在紧接着的下一步加入批次；引擎空闲时，它在
 #   `receive(wait=True)` 里睡眠。
+# - 驱动的一个线程每秒说一声 `("alive",)`，步进行中也照说，这样服务器就能分清引擎是停住了还是正忙（第 22 章把沉默
+#   变成 503）。
 # - 每一步的事件在**一条**消息里离开：每个请求一个 `(key, kind, payload)`，其中 key 是 HTTP 一侧给请求编的号（引擎的
 #   请求 id 要等引擎接收了请求才存在）。每步唤醒 HTTP 一侧一次，而不是每个 token 一次。
 # - 驱动对每个请求先回答 “admitted”（或者引擎的拒绝：一个 `ValueError`，在响应的任何字节发出*之前*变成 400），然后是
@@ -325,10 +340,13 @@ assert llm.step_tokens() == []
 #| export serve.driver
 """The engine's one driver: it owns the `LLMEngine`, takes requests between steps and hands each step's tokens
 on in one batch. It runs wherever the server puts it: in a process of its own (`nanovllm.serve`) or in a thread."""
+# zh: 引擎唯一的驱动：它拥有 `LLMEngine`，在两步之间接收请求，并把每一步的 token 合成一批转交出去。
+# zh: 服务器把它放在哪里它就在哪里运行：在它自己的进程里（`nanovllm.serve`），或者在一个线程里。
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -344,11 +362,13 @@ _logger = logging.getLogger("nanovllm.serve")
 # en: request id exists only once the engine took the request. In: ("add", key, prompt, params), ("abort", key,
 # en: sample_index or None), ("watch", on) for the live page, ("stop",). Out, once per step: ("step", events,
 # en: frames, stats), where each event is (key, kind, payload) and kind is "admitted" (payload: the request id),
-# en: "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come).
+# en: "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come);
+# en: and ("alive",) every HEARTBEAT_SECONDS from a thread of its own, during a step too.
 # zh: 驱动读什么、发什么。请求用服务器选定的 `key` 命名，因为引擎的请求 id 要等引擎接收了请求才有。读入：
 # zh: ("add", key, prompt, params)、("abort", key, sample_index 或 None)、实时页面的 ("watch", on)、("stop",)。发出，
 # zh: 每步一次：("step", events, frames, stats)，其中每个事件是 (key, kind, payload)，kind 为 "admitted"（payload：
-# zh: 请求 id）、"tokens"（(sample_index, token_ids, finished)）、"error"（一个 `EngineError`）或 "done"（不会再有了）。
+# zh: 请求 id）、"tokens"（(sample_index, token_ids, finished)）、"error"（一个 `EngineError`）或 "done"（不会再有了）；
+# zh: 另外，一个单独的线程每 HEARTBEAT_SECONDS 发一条 ("alive",)，步进行中也照发。
 Message = tuple
 # en: receive(wait): the next message, or None if none came (at once; within HEARTBEAT_SECONDS if wait). An idle driver
 # en: thus sends an empty step message at least every HEARTBEAT_SECONDS: the server knows it is alive.
@@ -364,6 +384,7 @@ Recorder = Callable[[Any, Callable[[dict], None]], Callable[[str, dict], None]]
 @dataclass(frozen=True)
 class EngineError:
     """Why the driver gave up on a request, with the HTTP status that says so."""
+    # zh: 驱动为什么放弃一个请求，以及表明这一点的 HTTP 状态码。
 
     status: int
     message: str
@@ -382,6 +403,7 @@ ENGINE_COUNTERS: list[Callable[[LLMEngine], dict[str, float]]] = []
 @dataclass
 class ServerStats:
     """What ``/metrics`` reports of the engine. The driver updates it after every step and sends a copy along."""
+    # zh: ``/metrics`` 报告的引擎情况。驱动在每一步之后更新它，并随消息发出一份副本。
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
@@ -409,6 +431,7 @@ class ServerStats:
 @dataclass(frozen=True)
 class EngineInfo:
     """What the HTTP side needs to know of the engine it cannot touch."""
+    # zh: HTTP 一侧需要知道的、它碰不到的那个引擎的信息。
 
     model: str
     max_model_len: int
@@ -429,6 +452,7 @@ class EngineInfo:
 class SchedulerWatch:
     """The scheduler's observer while serving: counts prefix-cache hits and preemptions, and hands every event
     on to the live page's recorder while a page is open (``recorder``)."""
+    # zh: 服务时调度器的观察者：统计前缀缓存命中和抢占，并在实时页面打开时把每个事件转交给页面的记录器（``recorder``）。
 
     def __init__(self, stats: ServerStats, block_size: int) -> None:
         self.stats, self.block_size = stats, block_size
@@ -454,6 +478,8 @@ class SchedulerWatch:
 def finish_reason(eos_token_ids: tuple[int, ...], params: SamplingParams, token_ids: list[int]) -> str:
     """OpenAI's finish reason of a sample that the engine finished: "stop" on an end-of-sequence token, else
     "length" (it reached max_tokens)."""
+    # zh: 引擎结束的一个样本在 OpenAI 中的结束原因：遇到序列结束 token 时是 "stop"，
+    # zh: 否则是 "length"（它达到了 max_tokens）。
     ended = not params.ignore_eos and bool(token_ids) and token_ids[-1] in eos_token_ids
     return "stop" if ended else "length"
 
@@ -462,6 +488,7 @@ def finish_reason(eos_token_ids: tuple[int, ...], params: SamplingParams, token_
 @dataclass
 class _Request:
     """The driver's bookkeeping of one engine request."""
+    # zh: 驱动对一个引擎请求的记账。
 
     key: int
     prompt_len: int
@@ -476,6 +503,9 @@ class EngineDriver:
     on it while the engine is idle), so that a new request joins the running batch at the next step; each step's
     events leave through ``send``, in one message. ``make_recorder(scheduler, publish)`` builds the live page's
     recorder when a page asks to watch."""
+    # zh: 拥有引擎：其他任何东西都不调用它。`run` 在两步之间通过 ``receive`` 读取消息（引擎空闲时就在它上面睡眠），
+    # zh: 这样新请求会在下一步加入正在运行的批次；每一步的事件通过 ``send`` 在一条消息里离开。有页面要求观看时，
+    # zh: ``make_recorder(scheduler, publish)`` 构造实时页面的记录器。
 
     def __init__(self, engine: LLMEngine, send: Callable[[Message], None], make_recorder: Recorder | None = None,
                  ) -> None:  # fmt: skip
@@ -493,9 +523,15 @@ class EngineDriver:
         # zh: 当前这一步的事件，用一条消息发出
         self.events: list[tuple] = []
         self.frames: list[dict] = []
+        # en: The heartbeat's thread and the driver's both send: one message at a time.
+        # zh: 心跳线程和驱动都要发消息：一次只发一条。
+        self.sending = threading.Lock()
 
     def run(self, receive: Receive) -> None:
         """Serve until a "stop" message, or until ``receive`` raises EOFError (the server is gone)."""
+        # zh: 一直服务，直到收到 "stop" 消息，或者 ``receive`` 抛出 EOFError（服务器已经不在了）。
+        stopped = threading.Event()
+        threading.Thread(target=self._beat, args=(stopped,), name="nanovllm-heartbeat", daemon=True).start()
         try:
             while self._read(receive, wait=self.engine.is_finished()):
                 if not self.engine.is_finished():
@@ -513,10 +549,26 @@ class EngineDriver:
                 self._event(request.key, "error", SHUTTING_DOWN_ERROR)
             self.requests.clear()
             self._refuse_the_rest(receive)
+            stopped.set()
             self._flush()
+
+    def _beat(self, stopped: threading.Event) -> None:
+        """Say "alive" every HEARTBEAT_SECONDS, from a thread that does not wait for the step in progress: a step of a
+        minute (a long prompt on a CPU) is not silence. The model's kernels let go of the GIL, and Python hands it
+        over every few milliseconds anyway. A stopped process (SIGSTOP) or a dead one says nothing, and is noticed."""
+        # zh: 每隔 HEARTBEAT_SECONDS 说一声 "alive"，由一个不等待进行中那一步的线程来说：一分钟长的一步（CPU 上的
+        # zh: 长提示词）不算沉默。模型的内核会释放 GIL，而且 Python 每隔几毫秒也总会把它交出去。被停住的进程（SIGSTOP）
+        # zh: 或死掉的进程什么也不说，于是会被察觉。
+        while not stopped.wait(HEARTBEAT_SECONDS):
+            self._send(("alive",))
+
+    def _send(self, message: Message) -> None:
+        with self.sending:
+            self.send(message)
 
     def _read(self, receive: Receive, wait: bool) -> bool:
         """Handle every message that came (waiting for one first if ``wait``); False once asked to stop."""
+        # zh: 处理所有已到达的消息（``wait`` 时先等来一条）；被要求停止后返回 False。
         message = receive(wait)
         while message is not None:
             if message[0] == "stop":
@@ -618,6 +670,8 @@ class EngineDriver:
         """A frame of the live page's recorder: it leaves with the step's events. A frame that replaces the one
         before it (the recorder gives consecutive adds one index) replaces it here too: 256 requests that arrive
         together send one snapshot of the pool, not 256."""
+        # zh: 实时页面记录器的一帧：它随这一步的事件一起离开。取代前一帧的帧（记录器给连续的几次 add 同一个编号）
+        # zh: 在这里也取代前一帧：同时到达的 256 个请求只发出一份块池快照，而不是 256 份。
         if self.frames and self.frames[-1]["index"] == frame["index"]:
             self.frames[-1] = frame
         else:
@@ -633,6 +687,7 @@ class EngineDriver:
 
     def _flush(self) -> None:
         """Send the step's events, the live page's frames and the figures, in one message."""
+        # zh: 把这一步的事件、实时页面的各帧和各项数字放在一条消息里发出。
         self._update_stats()
         events, self.events = self.events, []
         frames, self.frames = self.frames, []
@@ -640,10 +695,11 @@ class EngineDriver:
         # zh: 发一份副本：在线程里，驱动接着计数的时候，HTTP 一侧还在读它。
         stats = replace(self.stats, steps=dict(self.stats.steps), step_seconds=dict(self.stats.step_seconds),
                         engine_counters=dict(self.stats.engine_counters))
-        self.send(("step", events, frames, stats))
+        self._send(("step", events, frames, stats))
 
     def _refuse_the_rest(self, receive: Receive) -> None:
         """Requests that arrived after the stop message are refused, so that no client waits forever."""
+        # zh: 拒绝在停止消息之后到达的请求，好让没有客户端永远等下去。
         try:
             while (message := receive(False)) is not None:
                 if message[0] == "add":
@@ -740,6 +796,9 @@ assert in_thread.figures["served / offline tokens/s"] == 0.39
 """The HTTP side's handle on the engine driver: requests go out as messages, and each step's events come back and
 are spread over the requests' streams. The driver runs in a process of its own (`EngineProcess`, what
 ``python -m nanovllm.serve`` uses) or in a thread of this process (`EngineThread`)."""
+# zh: HTTP 一侧操纵引擎驱动的把手：请求作为消息发出，每一步的事件传回来，再分发到各请求的流中。
+# zh: 驱动在它自己的进程里运行（`EngineProcess`，``python -m nanovllm.serve`` 用的就是它），或者在本进程的
+# zh: 一个线程里运行（`EngineThread`）。
 
 from __future__ import annotations
 
@@ -751,6 +810,7 @@ import itertools
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -779,6 +839,9 @@ class RequestStream:
     """One engine request as the HTTP side sees it. Its events go into ``events`` (an asyncio.Queue of the event
     loop, shared by the streams of one HTTP request) as ``(stream, kind, payload)``: "admitted" (payload: the
     request id), "tokens" (``(sample_index, token_ids, finished)``) and "error" (an `EngineError`)."""
+    # zh: HTTP 一侧眼中的一个引擎请求。它的事件以 ``(stream, kind, payload)`` 的形式放进 ``events``（事件循环的
+    # zh: 一个 asyncio.Queue，由一个 HTTP 请求的各个流共用）："admitted"（载荷：请求 id）、"tokens"
+    # zh: （``(sample_index, token_ids, finished)``）和 "error"（一个 `EngineError`）。
 
     prompt: list[int]
     params: SamplingParams
@@ -796,11 +859,14 @@ class RequestStream:
 
 class EngineStartError(RuntimeError):
     """The engine could not start (a bad setting, a missing model...): the message says why."""
+    # zh: 引擎无法启动（设置有误、模型缺失……）：消息里写明了原因。
 
 
 class EngineClient:
     """The engine as the HTTP side sees it. Everything runs on the event loop's thread, except `stop`, which a
     signal handler may also call. Subclasses say where the driver runs (`_start`, `_post`, `join`, `alive`)."""
+    # zh: HTTP 一侧眼中的引擎。一切都在事件循环的线程上运行，只有 `stop` 例外，信号处理函数也可能调用它。
+    # zh: 子类决定驱动在哪里运行（`_start`、`_post`、`join`、`alive`）。
 
     def __init__(self, info: EngineInfo, tokenizer: Any) -> None:
         self.info, self.tokenizer = info, tokenizer
@@ -825,11 +891,14 @@ class EngineClient:
         # zh: 由 `stop` 设置：拒绝新请求
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        # en: When the driver's last message came (its steps, its idle heartbeats), and how long a silence means that
-        # en: it is stopped or stuck (--engine-timeout)
-        # zh: 驱动上一条消息（它的步，或空闲时的心跳）到达的时刻，以及沉默多久就说明它停住或卡死了（--engine-timeout）
+        # en: When the driver's last message came (its steps, its heartbeats), and how long a silence means that its
+        # en: process is stopped or gone (--engine-timeout)
+        # zh: 驱动上一条消息（它的步，或它的心跳）到达的时刻，以及沉默多久就说明它的进程停住了或没了（--engine-timeout）
         self.heard = time.monotonic()
         self.engine_timeout = 60.0
+        # en: How long a stopping server waits for the driver to end its step and exit (--shutdown-timeout)
+        # zh: 正在停止的服务器等驱动做完手上这一步并退出，最多等多久（--shutdown-timeout）
+        self.shutdown_timeout = 10.0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -846,8 +915,10 @@ class EngineClient:
                            f"(--engine-timeout {self.engine_timeout:g})", "service_unavailable")
 
     def _watch(self) -> None:
-        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (stopped, wedged in a step) fails the
+        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (its process stopped or hung) fails the
         open requests with 503 instead of leaving them waiting forever; requests that come meanwhile are refused."""
+        # zh: 每次心跳时检查：驱动沉默超过 ``engine_timeout``（它的进程停住或卡死了），就让打开的请求以 503 失败，
+        # zh: 而不是让它们永远等下去；这期间到来的请求被拒绝。
         if self.stopping:
             return
         if not self.responsive and self.streams:
@@ -862,30 +933,47 @@ class EngineClient:
 
     def abort(self, stream: RequestStream, sample_index: int | None = None) -> None:
         """The client is gone (or a stop string ended a sample): free the request's blocks at the next step."""
+        # zh: 客户端已经离开（或者一个停止字符串结束了一个样本）：在下一步释放请求的块。
         self._post(("abort", stream.key, sample_index))
 
     def watch(self, on: bool) -> None:
         """Record the scheduler for the live page (on), or stop (off)."""
+        # zh: 为实时页面记录调度器（on），或者停止记录（off）。
         self._post(("watch", on))
 
     def stop(self) -> None:
-        """Stop the driver once it has failed the open requests (they end with a 503 error event). Safe in a signal
-        handler: it only schedules the message on the event loop."""
+        """End the open requests now (with a 503 error event), then stop the driver. Safe in a signal handler: it
+        only schedules the work on the event loop."""
+        # zh: 立即结束打开的请求（发出一个 503 错误事件），然后停止驱动。可以在信号处理函数中安全调用：
+        # zh: 它只是把工作排进事件循环。
         self.stopping = True
-        self.loop.call_soon_threadsafe(self._post, ("stop",))
+        self.loop.call_soon_threadsafe(self._stop_now)
+
+    def _stop_now(self) -> None:
+        # en: Not after the driver's step: that can take a minute, and uvicorn cuts the responses still open after
+        # en: five seconds (a plain-text 500). The driver learns of the stop once its step ends.
+        # zh: 不等驱动的这一步做完：那可能要一分钟，而 uvicorn 五秒后就会掐断还开着的响应（一个纯文本的 500）。驱动在
+        # zh: 这一步结束后才知道要停。
+        self._fail_all(SHUTTING_DOWN_ERROR)
+        self._post(("stop",))
 
     @property
     def num_waiting(self) -> int:
         """Requests not computing yet: on their way to the driver, or in the engine without their first token."""
+        # zh: 还没开始计算的请求：正在发往驱动的途中，或者已在引擎中但还没有第一个 token。
         return self.submitted - self.admitted + self.stats.num_requests_waiting
 
     def overloaded(self) -> bool:
         return self.max_waiting is not None and self.num_waiting >= self.max_waiting
 
     def receive(self, message: Message) -> None:
-        """One step's message from the driver (on the event loop's thread): each event to its stream's queue."""
-        _, events, frames, self.stats = message
+        """A message from the driver (on the event loop's thread): a step's, whose events go to their streams'
+        queues, or a heartbeat."""
+        # zh: 来自驱动的一条消息（在事件循环的线程上）：一步的消息，其中的事件送进各自流的队列；或者一次心跳。
         self.heard = time.monotonic()
+        if message[0] == "alive":
+            return
+        _, events, frames, self.stats = message
         streams = self.streams
         for key, kind, payload in events:
             stream = streams.get(key)
@@ -908,6 +996,7 @@ class EngineClient:
 
     def _fail_all(self, error: EngineError) -> None:
         """The driver is gone or silent: every open request ends with ``error``."""
+        # zh: 驱动不在了或者沉默了：每个打开的请求都以 ``error`` 结束。
         for stream in self.streams.values():
             stream.events.put_nowait((stream, "error", error))
             self.admitted += stream.request_id is None
@@ -930,6 +1019,7 @@ class EngineClient:
 #| export serve.client
 class EngineThread(EngineClient):
     """The driver in a thread of this process, over an `LLMEngine` that stays the caller's (to `exit`)."""
+    # zh: 在本进程的一个线程里运行的驱动，驱动的 `LLMEngine` 仍归调用者所有（由调用者 `exit`）。
 
     def __init__(self, engine: LLMEngine, make_recorder: Recorder | None = None) -> None:
         super().__init__(EngineInfo.of(engine), engine.tokenizer)
@@ -974,6 +1064,8 @@ class EngineThread(EngineClient):
 def die_with_parent() -> None:
     """Ask Linux to send this process SIGTERM when its parent dies (PR_SET_PDEATHSIG; nothing elsewhere). Linux
     means the parent *thread*: start such a child from a thread that lives as long as the child should."""
+    # zh: 请 Linux 在本进程的父进程死掉时给它发 SIGTERM（PR_SET_PDEATHSIG；在其他系统上什么也不做）。
+    # zh: Linux 所说的父进程指的是父*线程*：要从一个与子进程寿命一样长的线程里启动这样的子进程。
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -984,6 +1076,8 @@ def die_with_parent() -> None:
 def sigint_ignored() -> Iterator[None]:
     """Ignore Ctrl-C for the duration, so that a process started meanwhile inherits it ignored (dispositions
     survive exec). Only the main thread may change a signal's handler; elsewhere this does nothing."""
+    # zh: 在这段时间里忽略 Ctrl-C，使期间启动的进程继承“忽略”这一设置（信号处置在 exec 之后依然保留）。
+    # zh: 只有主线程能更改信号的处理函数；在别的线程里这什么也不做。
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -998,6 +1092,7 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
                         requests: Connection, outputs: Connection) -> None:  # fmt: skip
     """The engine process: build the engine, say so (or say why not), then drive it until the server says stop or
     is gone."""
+    # zh: 引擎进程：构造引擎，告知已就绪（或者说明为什么不能），然后一直驱动它，直到服务器说停止或者服务器已经不在了。
     # en: Here: the server's process never builds an engine of its own
     # zh: 在这里导入：服务器进程自己从不构建引擎
     from nanovllm.llm import LLM
@@ -1040,6 +1135,8 @@ def engine_process_main(model: str, settings: dict[str, Any], make_recorder: Rec
 class EngineProcess(EngineClient):
     """The driver and its engine, ``LLM(model, **settings)``, in a process of their own (spawned: CUDA needs a
     fresh process). The constructor returns once the engine is ready, or raises `EngineStartError`."""
+    # zh: 驱动和它的引擎 ``LLM(model, **settings)``，运行在它们自己的进程里（用 spawn 启动：CUDA 需要一个全新的进程）。
+    # zh: 构造函数在引擎就绪后返回，或者抛出 `EngineStartError`。
 
     def __init__(self, model: str, settings: dict[str, Any], make_recorder: Recorder | None = None) -> None:
         context = multiprocessing.get_context("spawn")
@@ -1130,21 +1227,29 @@ class EngineProcess(EngineClient):
                 return
 
     def join(self, timeout: float) -> None:
-        """Wait for the engine process to exit; make it exit if it does not."""
-        self.process.join(timeout)
+        """Wait up to ``timeout`` seconds for the engine process to end its step and exit; then make it exit."""
+        # zh: 最多等 ``timeout`` 秒，让引擎进程做完它的这一步并退出；然后强制它退出。
+        self.process.join(min(timeout, 1.0))
+        if self.process.is_alive() and timeout > 1.0:
+            print(f"nano-vllm: waiting for the engine's running step to end (at most {timeout - 1:g} s more, "
+                  "--shutdown-timeout)", file=sys.stderr, flush=True)
+            self.process.join(timeout - 1.0)
         if self.process.is_alive():
+            print("nano-vllm: the engine's step did not end in time: stopping the engine process", file=sys.stderr,
+                  flush=True)
             self.process.terminate()
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self) -> None:
         """Stop the engine process from outside the event loop (the command line's last word)."""
+        # zh: 从事件循环之外停止引擎进程（命令行程序的最后一句话）。
         if self.process.is_alive():
             self.stopping = True
             self._post(("stop",))
-            self.join(timeout)
+            self.join(self.shutdown_timeout)
         self.outbox.put(None)
         self.writer.join(5)
         self.requests.close()
@@ -1229,6 +1334,7 @@ assert "".join(one_by_one) != greeting and "\ufffd" in "".join(one_by_one)
 # %% detokenizer
 #| export serve.detokenize
 """Incremental detokenization: the text of a stream of token ids, sent piece by piece."""
+# zh: 增量反分词：一串 token id 的文本，一片一片地发出。
 
 from __future__ import annotations
 
@@ -1249,6 +1355,15 @@ class IncrementalDetokenizer:
     token instead of two full ``decode`` calls through Python. ``stop`` strings end the text before their first
     match; the last ``len(longest stop) - 1`` characters wait, since they may be the start of a match.
     """
+    # zh: 把一个样本陆续到达的 token id 变成文本增量，它们拼接起来正好是
+    # zh: ``tokenizer.decode(all_ids, skip_special_tokens=True)``，也就是非流式请求得到的文本。
+    # zh:
+    # zh: 横跨多个 token 的字符（字节级词表中的一个汉字或表情符号）在它的最后一个字节到达之前会解码成 U+FFFD：
+    # zh: 这样的文本会被扣住，绝不发出。每个新 token 都在它前面一小段 token 的窗口内（从 ``prefix_offset`` 起）解码，
+    # zh: 所以第 10 个 token 和第 10,000 个 token 的一步开销相同。用快速分词器时，这个窗口就是 `tokenizers` 自己的
+    # zh: ``DecodeStream``：每个 token 调用一次 Rust，而不是通过 Python 做两次完整的 ``decode`` 调用。
+    # zh: ``stop`` 字符串让文本在它的第一个匹配之前结束；最后 ``len(longest stop) - 1`` 个字符要等一等，
+    # zh: 因为它们可能是一个匹配的开头。
 
     def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
@@ -1281,6 +1396,7 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Take the next token ids; return the text that can be sent now ("" while a character is incomplete)."""
+        # zh: 接收接下来的 token id；返回现在可以发出的文本（字符还不完整时为 ""）。
         if self.stopped:
             return ""
         for token in token_ids:
@@ -1295,6 +1411,7 @@ class IncrementalDetokenizer:
 
     def _next_piece(self, token: int) -> str:
         """The text that ``token``, the last of ``token_ids``, completes: "" while a character is incomplete."""
+        # zh: ``token``（``token_ids`` 的最后一个）补全的文本：字符还不完整时为 ""。
         if self.stream is not None:
             try:
                 return self.stream.step(self.backend, token) or ""
@@ -1310,6 +1427,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The sample ended: the rest of its text, decoded once in full, so the whole equals the non-streamed text."""
+        # zh: 样本结束了：它剩下的文本，做一次完整解码得到，因此整体等于非流式的文本。
         if not self.stopped:
             full = self._decode(self.token_ids)
             # en: The windows already gave exactly this prefix; the full decode adds what was held back, such as an
@@ -1323,6 +1441,7 @@ class IncrementalDetokenizer:
 
     def _find_stop(self) -> bool:
         """Cut ``text`` before the first stop string in it; True if one was found."""
+        # zh: 把 ``text`` 截断在其中第一个停止字符串之前；找到了就返回 True。
         # en: A match may begin in the characters held back by the previous call, never before them.
         # zh: 匹配可能从上一次调用扣住的字符开始，但不会更早。
         start = max(0, self.sent - self.hold)

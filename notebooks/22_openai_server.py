@@ -85,6 +85,7 @@ say = Phrases({
 # %% openai shapes
 #| export serve.protocol
 """The OpenAI API's shapes: request bodies (checked by pydantic), response bodies and errors."""
+# zh: OpenAI API 的各种格式：请求体（由 pydantic 检查）、响应体和错误。
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ from nanovllm.sampling_params import SamplingParams
 
 class ServerError(Exception):
     """An error the client gets in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``."""
+    # zh: 客户端以 OpenAI 的格式收到的错误：``{"error": {"message", "type", "param", "code"}}``。
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
@@ -112,6 +114,8 @@ class ServerError(Exception):
 def check_text(text: str, what: str, param: str) -> None:
     """Refuse text that holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one) by name, as the engine refuses
     such a prompt: no tokenizer should meet it."""
+    # zh: 指名拒绝含有孤立代理项的文本（JSON 的 ``"\\ud800"`` 解码出来就是一个），就像引擎拒绝这样的提示词一样：
+    # zh: 不该让任何分词器碰到它。
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -139,6 +143,9 @@ class SamplingRequest(BaseModel):
     the OpenAI API that this server does not implement are accepted only at their neutral values. Types are
     strict, as the engine's own API is: ``true`` is not a number of tokens, ``"yes"`` is not a boolean (an
     integer is still a float)."""
+    # zh: 两个端点共有的字段。未知字段会被拒绝（拼错的字段不能悄悄通过）；本服务器没有实现的 OpenAI
+    # zh: API 字段只在取中性值时才接受。类型是严格的，和引擎自己的 API 一样：``true`` 不是 token 数，
+    # zh: ``"yes"`` 不是布尔值（整数仍然可以当作浮点数）。
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -168,6 +175,7 @@ class SamplingRequest(BaseModel):
 
     def unsupported(self) -> dict[str, Any]:
         """Fields set to something this server cannot do: name -> value."""
+        # zh: 设成了本服务器做不到的值的字段：名称 -> 值。
         neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                    "logprobs": (None, False)}
         return {name: getattr(self, name) for name, ok in neutral.items() if getattr(self, name) not in ok}
@@ -175,6 +183,8 @@ class SamplingRequest(BaseModel):
     def stop_strings(self) -> list[str]:
         """The stop strings, checked: each generated token is looked for in all of them, and the text waits for the
         longest one's length, so their number and length are bounded."""
+        # zh: 检查过的停止字符串：每个生成的 token 都要在所有停止字符串里查找，文本还要按最长那个的长度扣住不发，
+        # zh: 所以它们的个数和长度都有上限。
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise ServerError(400, f"stop holds {len(stops)} strings, more than {MAX_STOP_STRINGS}", param="stop")
@@ -189,6 +199,7 @@ class SamplingRequest(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's sampling parameters (``max_tokens``: what to use when the request gives none)."""
+        # zh: 引擎的采样参数（``max_tokens``：请求没有给出时使用的值）。
         for name, value in self.unsupported().items():
             raise ServerError(400, f"{name}={value!r} is not supported by this server", param=name)
         # en: vLLM's "no limit" values
@@ -202,15 +213,26 @@ class SamplingRequest(BaseModel):
         try:
             return SamplingParams(**fields)
         except (TypeError, ValueError) as error:
-            name = str(error).split(" ", 1)[0]
-            raise ServerError(400, str(error), param=name if name in fields else None) from None
+            message, name = str(error), str(error).split(" ", 1)[0]
+            # en: The engine says max_tokens; the client may have said max_completion_tokens.
+            # zh: 引擎说的是 max_tokens；客户端说的可能是 max_completion_tokens。
+            if name == "max_tokens":
+                name, message = self.max_tokens_field(), message.replace("max_tokens", self.max_tokens_field(), 1)
+            raise ServerError(400, message, param=name if name in fields or name == self.max_tokens_field()
+                              else None) from None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The name of the field that gave the limit on generated tokens."""
+        # zh: 给出生成 token 数上限的那个字段的名称。
+        return "max_tokens"
+
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: a prompt (text or token ids), or a list of them."""
+    # zh: ``POST /v1/completions``：一个提示词（文本或 token id），或者一组提示词。
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
@@ -227,6 +249,7 @@ class CompletionRequest(SamplingRequest):
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a str or a list of token ids."""
+        # zh: 各个提示词，每个是一个 str 或者一个 token id 列表。
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
@@ -257,12 +280,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: messages, formatted by the tokenizer's chat template."""
+    # zh: ``POST /v1/chat/completions``：消息，经分词器的聊天模板排成提示词。
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 def request_id(prefix: str) -> str:
@@ -304,6 +331,7 @@ def now() -> int:
 # %% generation
 #| export serve.app
 """The HTTP side: FastAPI routes in the shape of OpenAI's API, over an `EngineClient`."""
+# zh: HTTP 一侧：建在 `EngineClient` 之上、符合 OpenAI API 格式的 FastAPI 路由。
 
 from __future__ import annotations
 
@@ -324,7 +352,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from starlette.exceptions import HTTPException
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanovllm.engine.inputs import prompt_token_ids
 from nanovllm.engine.llm_engine import LLMEngine
@@ -332,7 +359,15 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineError, Recorder, finish_reason
-from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
+from nanovllm.serve.guards import (
+    ApiKey,
+    BodyLimit,
+    HostGuard,
+    RequestLimit,
+    check_api_key,
+    default_max_body_bytes,
+    max_prompt_chars,
+)
 from nanovllm.serve.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -352,6 +387,7 @@ _logger = logging.getLogger("nanovllm.serve")
 
 def from_engine(error: EngineError, param: str | None = None) -> ServerError:
     """The driver's `EngineError` as the client gets it, in OpenAI's shape."""
+    # zh: 驱动的 `EngineError`，以 OpenAI 的格式交给客户端。
     return ServerError(error.status, error.message, error.kind, param=param)
 
 
@@ -361,6 +397,7 @@ SHUTTING_DOWN = from_engine(SHUTTING_DOWN_ERROR)
 @dataclass
 class Choice:
     """One choice of a response: a sample of one prompt, as its text grows."""
+    # zh: 响应中的一个选项：一个提示词的一个样本，文本随生成不断增长。
 
     index: int
     detokenizer: IncrementalDetokenizer
@@ -380,6 +417,8 @@ class Choice:
 class Generation:
     """The engine requests of one HTTP request (one per prompt, each with n samples), and their choices.
     ``events()`` yields ``(choice, text, finished)`` as tokens arrive, until every choice has finished."""
+    # zh: 一个 HTTP 请求的各个引擎请求（每个提示词一个，每个有 n 个样本），以及它们的选项。``events()`` 随着 token 的
+    # zh: 到达产出 ``(choice, text, finished)``，直到每个选项都结束。
 
     def __init__(self, engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
                  stops: list[str]) -> None:
@@ -403,6 +442,7 @@ class Generation:
 
     async def start(self) -> None:
         """Queue every prompt; return once the engine took them all, or raise the error that refused one."""
+        # zh: 把每个提示词排进队列；引擎全部接收后返回，或者抛出拒绝了其中某一个的那个错误。
         engine = self.engine
         if engine.stopping or not engine.alive:
             raise SHUTTING_DOWN
@@ -440,6 +480,7 @@ class Generation:
 
     def abort(self) -> None:
         """Free the engine's blocks of every choice still running (the client went away)."""
+        # zh: 释放每个仍在运行的选项占用的引擎块（客户端已经离开）。
         if not self.done:
             for stream in self.streams:
                 self.engine.abort(stream)
@@ -474,6 +515,7 @@ class Generation:
     def _add(self, choice: Choice, stream: RequestStream, sample_index: int, token_ids: list[int],
              finished: bool) -> str:
         """A choice's new tokens: their text (held back near a possible stop string), and the end they made."""
+        # zh: 一个选项的新 token：它们的文本（接近可能的停止字符串时扣住不发），以及它们造成的结束。
         detokenizer = choice.detokenizer
         text = detokenizer.add(token_ids)
         if detokenizer.stopped:
@@ -523,6 +565,7 @@ def sse(data: dict | str) -> str:
 class StatsCollector(Collector):
     """``/metrics``: the driver's `ServerStats` (as of its last step), read at each scrape, with vLLM's metric
     names."""
+    # zh: ``/metrics``：驱动的 `ServerStats`（截至它的上一步），每次抓取时读取，使用 vLLM 的指标名。
 
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -579,6 +622,7 @@ LABELED_NAME = re.compile(r'(\w+)\{(\w+)="([^"]*)"\}')
 
 def engine_counter_families(counters: dict[str, float], labels: list[str], value: list[str]) -> list:
     """ServerStats.engine_counters as counter families, one per metric name, with its label when it has one."""
+    # zh: 把 ServerStats.engine_counters 变成计数器指标族，每个指标名一个，有标签时带上它的标签。
     families: dict[str, CounterMetricFamily] = {}
     for key, number in sorted(counters.items()):
         labeled = LABELED_NAME.fullmatch(key)
@@ -596,17 +640,21 @@ _T = TypeVar("_T")
 def live_page_hub(client: EngineClient) -> Any | None:
     """What feeds the server's live page (the KV cache, drawn as it changes) to the views that are open, or None:
     this server has no live page."""
+    # zh: 把服务器的实时页面（随变化绘制的 KV 缓存）送给已打开的视图的东西，或者 None：本服务器没有实时页面。
     return None
 
 
 def live_page_recorder() -> Recorder | None:
     """What the engine's driver attaches to the scheduler while a live page is open, or None: no live page."""
+    # zh: 实时页面打开时，引擎的驱动挂到调度器上的东西，或者 None：没有实时页面。
     return None
 
 
 class Api:
     """What the routes of one application share: the engine's client, the model's name and limits, the thread that
     tokenizes, the live page's hub and the metrics' registry. A route finds it at ``request.app.state.api``."""
+    # zh: 一个应用的各个路由共享的东西：引擎的客户端、模型的名称和各项上限、做分词的线程、实时页面的中枢和指标的注册表。
+    # zh: 路由在 ``request.app.state.api`` 找到它。
 
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client, self.model_name = client, model_name
@@ -622,12 +670,15 @@ class Api:
 
     async def off_loop(self, work: Callable[[], _T]) -> _T:
         """``work()`` on the tokenizer's thread, awaited."""
+        # zh: 在分词器的线程上运行 ``work()``，并等待它完成。
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, work)
 
     def check_request(self, body: SamplingRequest) -> None:
         """What can be refused before anything is tokenized or built: the model's name, an ``n`` beyond the engine's
         limit (each of the n choices gets its state here, so an n of millions would stall the server), the stop
         strings."""
+        # zh: 在分词或构造任何东西之前就能拒绝的内容：模型名称、超出引擎上限的 ``n``（n 个选项在这里各自建立状态，
+        # zh: 所以上百万的 n 会让服务器停顿）、停止字符串。
         if body.model != self.model_name:
             raise ServerError(404, f"the model {body.model!r} does not exist; this server serves "
                               f"{self.model_name!r}", "not_found_error", param="model", code="model_not_found")
@@ -638,6 +689,7 @@ class Api:
 
     def check_length(self, length: int, what: str, param: str) -> None:
         """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""
+        # zh: 长到放不进 max_model_len 个 token 的文本，在分词器为它花上几秒之前就被拒绝。
         if length > self.max_chars:
             raise ServerError(400, f"{what} is {length} characters long: more than {self.info.max_model_len} tokens "
                               f"(max_model_len) of this model can hold, at most {self.max_chars} characters",
@@ -645,6 +697,7 @@ class Api:
 
     def default_max_tokens(self, prompts: list[list[int]], chat: bool) -> int:
         """OpenAI's defaults: 16 for a completion; for a chat, whatever room the model and the KV cache leave."""
+        # zh: OpenAI 的默认值：补全请求是 16；聊天请求则是模型和 KV 缓存剩下的全部空间。
         if not chat:
             return 16
         room = min(self.info.max_model_len, self.info.num_kvcache_blocks * self.info.kvcache_block_size + 1)
@@ -653,6 +706,7 @@ class Api:
     async def generate(self, body: SamplingRequest, prompts: list[list[int]], chat: bool,
                        request: Request) -> Response:
         """Run the request's prompts: a stream of server-sent events, or one response once every choice ended."""
+        # zh: 运行请求的提示词：返回一串服务器发送事件，或者在每个选项都结束后返回一个完整响应。
         stops = body.stop_strings()
         params = body.sampling_params(self.default_max_tokens(prompts, chat))
         generation = Generation(self.client, prompts, params, stops)
@@ -745,6 +799,8 @@ def api_of(request: Request) -> Api:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Starts the driver with the server and stops it, once, when the server stops; meanwhile
     ``app.state.shutdown()`` ends every open stream, from any thread or a signal handler."""
+    # zh: 随服务器启动驱动，并在服务器停止时停止它，只停一次；这期间 ``app.state.shutdown()`` 会结束每个打开的流，
+    # zh: 可以从任何线程或信号处理函数中调用。
     api = app.state.api
     client, loop = api.client, asyncio.get_running_loop()
     # en: The live page's open views end with the server (a server without a live page has none).
@@ -765,7 +821,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.stop()
         close_pages()
         api.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(client.join, 60)
+        await asyncio.to_thread(client.join, client.shutdown_timeout)
 
 
 async def server_error(request: Request, error: ServerError) -> JSONResponse:
@@ -775,6 +831,7 @@ async def server_error(request: Request, error: ServerError) -> JSONResponse:
 
 async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
     """FastAPI's validation error in OpenAI's shape: a 400 naming the first field at fault."""
+    # zh: OpenAI 格式的 FastAPI 校验错误：一个 400，指出第一个出错的字段。
     first = error.errors()[0]
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     message = f"{'.'.join(where) or 'body'}: {first.get('msg')}"
@@ -842,12 +899,25 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await api.generate(body, [await api.off_loop(tokenize)], True, request)
 
 
+def model_card(api: Api) -> dict:
+    return {"id": api.model_name, "object": "model", "created": now(), "owned_by": "nanovllm", "root": api.model_name,
+            "max_model_len": api.info.max_model_len}
+
+
 @openai_routes.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [model_card(api_of(request))]}
+
+
+# en: `client.models.retrieve(id)`. An id may hold slashes ("Qwen/Qwen3-0.6B"): the path takes them.
+# zh: `client.models.retrieve(id)`。id 里可以有斜杠（"Qwen/Qwen3-0.6B"）：路径参数把它们也收下。
+@openai_routes.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict:
     api = api_of(request)
-    return {"object": "list", "data": [{"id": api.model_name, "object": "model", "created": now(),
-                                        "owned_by": "nanovllm", "root": api.model_name,
-                                        "max_model_len": api.info.max_model_len}]}
+    if model_id != api.model_name:
+        raise ServerError(404, f"the model {model_id!r} does not exist; this server serves {api.model_name!r}",
+                          "not_found_error", param="model", code="model_not_found")
+    return model_card(api)
 
 
 @server_routes.get("/health")
@@ -867,25 +937,39 @@ async def metrics(request: Request) -> Response:
 
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
                max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
-               hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
+               hosts: list[str] | None = None, docs: bool = False, limit_concurrency: int | None = None,
+               shutdown_timeout: float = 10.0) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
     every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
     `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
-    requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
-    `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
+    requests waiting on it get 503. ``api_key``: see `ApiKey` (an empty one is refused); ``hosts``: the Host names
+    answered (see `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``;
+    ``limit_concurrency``: see `RequestLimit`; ``shutdown_timeout``: seconds a stopping server waits for the
+    engine's running step before it stops the engine's process."""
+    # zh: 建在 ``engine`` 之上的服务器应用：``engine`` 是一个 `EngineClient`（比如 `EngineProcess`），
+    # zh: 或者一个 `LLMEngine`，由应用在一个线程里驱动（`EngineThread`；引擎仍归调用者所有，由调用者 `exit`）。
+    # zh: 应用的生命周期启动驱动并停止它，只停一次：一个应用只服务一次运行。``app.state.shutdown()`` 会结束每个打开的
+    # zh: 流，可以从任何线程或信号处理函数中调用。``max_body_bytes``：见 `BodyLimit`（默认值：
+    # zh: `default_max_body_bytes`）。``engine_timeout``：引擎沉默多少秒之后，``/health`` 和等待它的请求得到 503。
+    # zh: ``api_key``：见 `ApiKey`（空的密钥会被拒绝）；``hosts``：应答的 Host 名称（见 `allowed_hosts`；默认任意）；
+    # zh: ``docs``：提供 ``/docs`` 和 ``/openapi.json``；``limit_concurrency``：见 `RequestLimit`；
+    # zh: ``shutdown_timeout``：正在停止的服务器等待引擎正在运行的那一步多少秒，然后停止引擎进程。
+    check_api_key(api_key)
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, live_page_recorder())
-    client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
+    client.max_waiting, client.engine_timeout, client.shutdown_timeout = max_waiting, engine_timeout, shutdown_timeout
     app = FastAPI(title="nano-vllm", lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
                   docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
     app.state.api = Api(client, model_name)
-    # en: The last one added runs first: the Host, then the key, then the body's size.
-    # zh: 最后加入的最先运行：先查 Host，再查密钥，最后查请求体的大小。
+    # en: The last one added runs first: the Host, then the key, then the requests in flight, then the body's size.
+    # zh: 最后加入的最先运行：先查 Host，再查密钥，然后是正在处理的请求数，最后查请求体的大小。
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(client.info.max_model_len))
-    if api_key:
+    if limit_concurrency is not None:
+        app.add_middleware(RequestLimit, limit=limit_concurrency)
+    if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])
+    app.add_middleware(HostGuard, hosts=hosts or ["*"])
     app.include_router(openai_routes)
     app.include_router(server_routes)
     return app
@@ -961,16 +1045,24 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # socket that never sends a request, or sends it a byte a second, would keep its file descriptor
 # forever, and a thousand of them lock every client out. `ReadDeadline` is uvicorn's HTTP/1.1
 # protocol with one more timer: a request's head and body must have arrived `--timeout-read`
-# seconds (60) after its first byte, else the connection is closed. `--limit-concurrency N` is
-# uvicorn's: 503 to new requests while N connections are open. And the server raises its limit of
-# open files to what the system allows, as vLLM does.
+# seconds (60) after its first byte, else the connection is closed. `--limit-concurrency N` bounds
+# the API requests in flight (`RequestLimit`; a streamed one counts until its last event): one more
+# gets 503 at once, while `/health`, `/metrics` and the live page always answer. uvicorn has an
+# option of that name, but it counts open connections, and a burst of connections opened together
+# all see the burst: every request of it was refused. And the server raises its limit of open
+# files to what the system allows, as vLLM does.
 #
 # **An engine that is watched.** A process that is alive is not a process that works: stopped
-# (SIGSTOP) or stuck in a step, the engine answered nothing while `/health` said 200 and every
-# request waited forever. Now the driver speaks at least once a second: each step's message, or
-# an empty one while it is idle (a heartbeat). Once it has been silent for `--engine-timeout`
-# seconds (60, like vLLM's iteration timeout: longer than any step), `/health` answers 503 and
-# the requests waiting on the engine end with a 503; when it speaks again, all is as before. An
+# (SIGSTOP) or hung, the engine answered nothing while `/health` said 200 and every request waited
+# forever. Now a thread of the driver says "alive" every second (chapter 21), during a step too:
+# the model's kernels let go of Python's lock while they compute. Once the engine's process has
+# been silent for `--engine-timeout` seconds (60), `/health` answers 503 and the requests waiting
+# on it end with a 503; when it speaks again, all is as before. A step's length is no sign of
+# death: a minute-long prefill on a CPU keeps `/health` at 200 (an earlier version judged the
+# engine by the gaps between steps, and failed such a request). What the heartbeat cannot tell
+# is a step that never ends while its process runs. Aborting a request takes effect at the next
+# step boundary: a long prompt is computed in chunks of `max_num_batched_tokens` tokens, one step
+# each, so that setting bounds how long an abandoned request keeps the engine busy. An
 # engine process that dies ends the open streams with a 500, and then the server itself exits
 # with status 1 and one line saying why, so that a supervisor (systemd, Kubernetes) restarts it,
 # rather than answering "shutting down" forever.
@@ -985,7 +1077,15 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # of the same machine may use a server without a key; over plain HTTP the key travels in clear
 # (put a TLS proxy in front of a server others reach); `/metrics` tells anyone the load; and
 # nothing limits one key holder against the others (`--max-waiting` and `--limit-concurrency`
-# bound the total, not each client).
+# bound the total, not each client). An empty key (`--api-key ""`, or `NANOVLLM_API_KEY=`) is
+# refused at start: it would look like a key and turn authentication off.
+#
+# **A stop that does not wait for the step.** Ctrl-C or SIGTERM ends every open stream at once with
+# the error event and `[DONE]` (a request not yet admitted gets a JSON 503), rather than waiting for
+# the driver to fail them after its step: that can take a minute, and uvicorn cuts the responses
+# still open after five seconds, with a plain-text 500. Then the server waits for the engine's
+# process to end its step and exit, and says so, at most `--shutdown-timeout` seconds (10); then it
+# stops the process. A second Ctrl-C while it waits is taken quietly.
 
 # %% [markdown] tags=["zh"]
 # ## 一个不讲理的客户端不能拖累别人
@@ -1006,13 +1106,18 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # **会结束的连接。** 响应之后一直空闲的长连接，uvicorn 会关闭（`--timeout-keep-alive`，5 秒），但这个计时器要等一个
 # 响应完成才启动：一个从不发请求的套接字，或者一秒一个字节地发请求的套接字，会永远占着它的文件描述符，一千个这样的
 # 连接就能把所有客户端挡在门外。`ReadDeadline` 就是 uvicorn 的 HTTP/1.1 协议再加一个计时器：请求的头和体必须在它的
-# 第一个字节到达后 `--timeout-read` 秒（默认 60）之内收齐，否则关闭连接。`--limit-concurrency N` 是 uvicorn 自己的
-# 选项：已有 N 个连接时，新请求得到 503。服务器还会像 vLLM 那样，把可打开文件数的上限提到系统允许的最大值。
+# 第一个字节到达后 `--timeout-read` 秒（默认 60）之内收齐，否则关闭连接。`--limit-concurrency N` 限制正在处理的 API
+# 请求数（`RequestLimit`；流式请求一直算到它的最后一个事件）：再多一个就立即得到 503，而 `/health`、`/metrics` 和实时
+# 页面总会应答。uvicorn 也有一个同名选项，但它数的是打开的连接，一起打开的一批连接个个都看到整批的数目：这批请求
+# 全被拒绝了。服务器还会像 vLLM 那样，把可打开文件数的上限提到系统允许的最大值。
 #
-# **被看着的引擎。** 进程活着不等于进程在干活：引擎被停住（SIGSTOP）或卡在某一步里时，它什么也不回答，`/health` 却
-# 照样说 200，每个请求都永远等下去。现在驱动至少每秒说一次话：每一步的消息，或者空闲时一条空消息（心跳）。它沉默满
-# `--engine-timeout` 秒（默认 60，与 vLLM 的单步超时相同：比任何一步都长）之后，`/health` 回答 503，等着引擎的请求
-# 也以 503 结束；它重新开口，一切照旧。引擎进程死掉时，打开的流以 500 结束，然后服务器自己以状态 1 退出，并用一行
+# **被看着的引擎。** 进程活着不等于进程在干活：引擎被停住（SIGSTOP）或卡死时，它什么也不回答，`/health` 却照样说
+# 200，每个请求都永远等下去。现在驱动有一个线程每秒说一声“还活着”（第 21 章），步进行中也照说：模型的内核在计算时会
+# 放开 Python 的锁。引擎进程沉默满 `--engine-timeout` 秒（默认 60）之后，`/health` 回答 503，等着它的请求也以 503
+# 结束；它重新开口，一切照旧。一步有多长并不说明引擎死了：CPU 上长达一分钟的 prefill 也让 `/health` 保持 200（之前的
+# 版本按两步之间的间隔来判断引擎，这样的请求就失败了）。心跳分辨不出的是：进程还在运行，这一步却永远不结束。中止请求
+# 在下一个步边界生效：长提示词按 `max_num_batched_tokens` 个 token 分块计算，每块一步，所以这个设置限制了一个被放弃的
+# 请求让引擎白忙多久。引擎进程死掉时，打开的流以 500 结束，然后服务器自己以状态 1 退出，并用一行
 # 日志说明原因，好让守护进程（systemd、Kubernetes）重启它，而不是永远回答“正在关闭”。
 #
 # **谁可以提问。** 服务器默认监听 127.0.0.1，别的机器连不上；在那里它只接受 `Host` 头为本机回环名称的请求：一个让
@@ -1022,12 +1127,20 @@ def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting
 # 密码）；`/health` 和 `/metrics` 与 vLLM 一样保持开放。默认设置**不**保护的：没有密钥时，同一台机器上的任何进程都能
 # 使用服务器；在普通的 HTTP 上密钥以明文传送（别人能访问的服务器，前面要放一个 TLS 代理）；`/metrics` 把负载告诉
 # 任何人；也没有什么能让持有密钥的客户端之间互相设限（`--max-waiting` 和 `--limit-concurrency` 限制的是总量，
-# 而不是每个客户端）。
+# 而不是每个客户端）。空的密钥（`--api-key ""` 或 `NANOVLLM_API_KEY=`）在启动时就被拒绝：它看起来像个密钥，实际上却
+# 关掉了认证。
+#
+# **停下时不等这一步。** Ctrl-C 或 SIGTERM 立即结束每个打开的流，以错误事件和 `[DONE]` 收尾（还没被引擎接收的请求
+# 得到一个 JSON 格式的 503），而不是等驱动做完这一步再让它们失败：那可能要一分钟，而 uvicorn 五秒后就会掐断还开着的
+# 响应，回一个纯文本的 500。然后服务器等引擎进程做完这一步并退出，并在日志里说明它在等什么，最多等 `--shutdown-timeout`
+# 秒（默认 10），之后让这个进程停下。等待期间再按一次 Ctrl-C，也不会打出错误。
 
 # %% guards
 #| export serve.guards
 """What keeps one careless or hostile client from costing the others: bounded bodies and prompts, a deadline on
-reading a request, an API key, and the Host names the server answers."""
+reading a request, a bound on requests in flight, an API key, and the Host names the server answers."""
+# zh: 让一个粗心或恶意的客户端拖累不了其他客户端的东西：有上限的请求体和提示词、读取请求的期限、进行中请求数的上限、
+# zh: API 密钥，以及服务器应答的 Host 名称。
 
 from __future__ import annotations
 
@@ -1038,6 +1151,7 @@ import secrets
 from typing import Any
 
 import h11
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -1049,6 +1163,8 @@ from nanovllm.serve.protocol import ServerError
 def default_max_body_bytes(max_model_len: int) -> int:
     """256 bytes per token of the model's length, at least 4 MiB: room for a full-length prompt of long tokens
     written as JSON escapes, or for a batch of ordinary prompts."""
+    # zh: 模型长度的每个 token 对应 256 字节，至少 4 MiB：足以容纳一个以 JSON 转义写出、由长 token 组成的满长度提示词，
+    # zh: 或者一批普通的提示词。
     return max(4 << 20, 256 * max_model_len)
 
 
@@ -1058,6 +1174,10 @@ def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
     its own text), and a Unicode normalizer (NFC, NFKC) merges at most four code points into one character. A
     tokenizer that drops characters (BERT's drops whitespace) would break the bound; the byte-level and
     SentencePiece tokenizers of generative models drop none."""
+    # zh: ``max_model_len`` 个 token 的提示词最多能有多少个字符。一个 token 最多代表它在词表里的那一项（字节级词表的
+    # zh: 一项每个字节对应一个字符，而一个字节最多构成一个字符；特殊 token 就是它自己的文本），而
+    # zh: Unicode 归一化器（NFC、NFKC）最多把四个码位合成一个字符。会丢弃字符的分词器（BERT 的会丢弃空白）
+    # zh: 会打破这个上限；生成式模型的字节级分词器和 SentencePiece 分词器一个字符也不丢。
     longest = max(map(len, tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     # en: A slow tokenizer's normalization is not known: assume there is one
@@ -1070,6 +1190,9 @@ class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` gets 413 before it is read whole. A ``Content-Length``
     over the limit is refused before a byte of the body is read (uvicorn then drops the rest as it arrives); a body
     without one (chunked) is counted as it arrives, and reading stops at the limit."""
+    # zh: ASGI 中间件：超过 ``max_bytes`` 的请求体在被完整读入之前就得到 413。超出上限的 ``Content-Length`` 在请求体的
+    # zh: 一个字节都还没读时就被拒绝（uvicorn 随后把陆续到达的其余部分丢掉）；没有 ``Content-Length`` 的
+    # zh: 请求体（分块传输）边到达边计数，到达上限时停止读取。
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -1101,6 +1224,35 @@ class BodyLimit:
 
         await self.app(scope, counted, send)
 
+class RequestLimit:
+    """ASGI middleware: at most ``limit`` requests of the API (``/v1``) in flight, a streamed one until its last
+    event; one more gets 503 in OpenAI's shape at once. It counts requests, not connections as uvicorn's own
+    ``limit_concurrency`` does: a burst of connections opened together then gets the limit's worth served and the
+    rest refused (uvicorn's refused all of them), and ``/health``, ``/metrics`` and the live page always answer."""
+    # zh: ASGI 中间件：API（``/v1``）最多有 ``limit`` 个请求在进行中，流式请求一直算到它的最后一个事件；
+    # zh: 再多一个就立即得到 OpenAI 格式的 503。它数的是请求，而不像 uvicorn 自己的 ``limit_concurrency`` 那样数连接：
+    # zh: 一批同时打开的连接中，上限以内的得到服务，其余被拒绝（uvicorn 的做法会把它们全部拒绝），而 ``/health``、
+    # zh: ``/metrics`` 和实时页面总会应答。
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit, self.in_flight = app, limit, 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            error = ServerError(503, f"the server has {self.in_flight} requests in flight (--limit-concurrency "
+                                f"{self.limit}); retry later", "server_overloaded", code="server_overloaded")
+            await JSONResponse(error.body(), status_code=503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
 # %% read deadline
 #| export serve.guards
 class ReadDeadline(H11Protocol):
@@ -1108,6 +1260,10 @@ class ReadDeadline(H11Protocol):
     `timeout` seconds after its first byte (after the connection opened, for a connection's first request), or
     the connection is closed. uvicorn's keep-alive timer only starts once a response is complete, so without this a
     socket that never sends a whole request holds its file descriptor forever. `read_deadline` sets the timeout."""
+    # zh: 给读取每个请求加上期限的 uvicorn HTTP/1.1 协议：请求的头部和请求体必须在它的第一个字节到达后
+    # zh: `timeout` 秒内全部到达（对一个连接的第一个请求，从连接打开时算起），否则关闭连接。uvicorn 的
+    # zh: keep-alive 计时器要等一个响应完成才启动，所以没有这个期限的话，一个从不发完整个请求的套接字会永远占着它的
+    # zh: 文件描述符。`read_deadline` 设置这个超时。
 
     timeout: float = 60.0
     deadline: asyncio.TimerHandle | None = None
@@ -1148,6 +1304,7 @@ class ReadDeadline(H11Protocol):
 
 def read_deadline(seconds: float) -> type[ReadDeadline]:
     """The protocol class for uvicorn's ``http`` setting, with a deadline of ``seconds``."""
+    # zh: 用于 uvicorn ``http`` 设置的协议类，期限为 ``seconds``。
     return type("ReadDeadline", (ReadDeadline,), {"timeout": seconds})
 
 # %% who may ask
@@ -1156,6 +1313,9 @@ class ApiKey:
     """ASGI middleware: every ``/v1`` route and the live page need ``Authorization: Bearer KEY``, or 401 in OpenAI's
     shape. The live page also takes HTTP Basic with the key as the password, which a browser asks for by itself.
     ``/health`` and ``/metrics`` stay open, as in vLLM: load balancers and Prometheus read them."""
+    # zh: ASGI 中间件：每个 ``/v1`` 路由和实时页面都需要 ``Authorization: Bearer KEY``，否则返回 OpenAI 格式的 401。
+    # zh: 实时页面也接受以密钥为密码的 HTTP Basic 认证，浏览器会自己弹出询问。``/health`` 和 ``/metrics`` 保持开放，
+    # zh: 和 vLLM 一样：负载均衡器和 Prometheus 要读取它们。
 
     PROTECTED = ("/v1", "/dashboard")
 
@@ -1189,10 +1349,48 @@ class ApiKey:
         await JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": challenge})(scope, receive, send)
 
 
+def check_api_key(key: str | None) -> None:
+    """Refuse an empty key: it would look like a key and turn authentication off."""
+    # zh: 拒绝空的密钥：它看起来像个密钥，实际上却会关掉认证。
+    if key is not None and not key.strip():
+        raise ValueError("the API key is empty: give one with --api-key KEY or the environment's NANOVLLM_API_KEY=KEY, "
+                         "or set neither to serve without a key")
+
+
+class HostGuard:
+    """ASGI middleware: only the Host names in ``hosts`` are answered (``*`` any; ``*.example.com`` its subdomains),
+    else 400 in OpenAI's shape. Starlette's `TrustedHostMiddleware` does the same check but answers in plain text,
+    which an OpenAI client cannot read."""
+    # zh: ASGI 中间件：只应答 ``hosts`` 中的 Host 名称（``*`` 表示任意；``*.example.com`` 表示它的子域名），
+    # zh: 否则返回 OpenAI 格式的 400。Starlette 的 `TrustedHostMiddleware` 做同样的检查，但用纯文本应答，
+    # zh: OpenAI 客户端读不懂。
+
+    def __init__(self, app: ASGIApp, hosts: list[str]) -> None:
+        self.app, self.hosts = app, [host.lower() for host in hosts]
+
+    def allowed(self, header: str) -> bool:
+        if "*" in self.hosts:
+            return True
+        # en: Drop the port: "[::1]:8000" -> "[::1]", "localhost:8000" -> "localhost"
+        # zh: 去掉端口："[::1]:8000" -> "[::1]"，"localhost:8000" -> "localhost"
+        name = header.lower() if header.endswith("]") else header.lower().rsplit(":", 1)[0]
+        return any(name == host or (host.startswith("*.") and name.endswith(host[1:])) for host in self.hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.allowed(Headers(scope=scope).get("host", "")):
+            await self.app(scope, receive, send)
+            return
+        error = ServerError(400, "this server does not answer to this Host header (--allowed-hosts)", param="Host")
+        await JSONResponse(error.body(), status_code=400)(scope, receive, send)
+
+
 def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
-    """The Host headers the server answers (Starlette's `TrustedHostMiddleware` checks them): ``given``, else, when it
+    """The Host headers the server answers (`HostGuard` checks them): ``given``, else, when it
     listens on a loopback address, the loopback names only. A web page that has its own name resolve to 127.0.0.1
     (DNS rebinding) sends its own name as Host, and is refused. Elsewhere, any host."""
+    # zh: 服务器应答的 Host 头（由 `HostGuard` 检查）：``given``；没有给出时，如果服务器监听的是回环地址，
+    # zh: 就只应答回环名称。一个让自己的域名解析到 127.0.0.1 的网页（DNS 重绑定）会把它自己的域名作为 Host 发来，
+    # zh: 于是被拒绝。其他情况下应答任意 Host。
     if given:
         return given
     try:
@@ -1224,6 +1422,7 @@ def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
 # %% command line
 #| export serve.cli
 """The server's command line: engine options pass through to `LLM`, the HTTP ones go to uvicorn."""
+# zh: 服务器的命令行：引擎选项传给 `LLM`，HTTP 选项交给 uvicorn。
 
 from __future__ import annotations
 
@@ -1247,7 +1446,7 @@ import uvicorn
 from nanovllm.config import Config
 from nanovllm.serve.app import create_app, live_page_recorder
 from nanovllm.serve.client import EngineProcess, EngineStartError
-from nanovllm.serve.guards import allowed_hosts, read_deadline
+from nanovllm.serve.guards import allowed_hosts, check_api_key, read_deadline
 
 # en: Engine options the command line does not offer: what only a program can pass.
 # zh: 命令行不提供的引擎选项：只有程序才能传入的那些。
@@ -1256,6 +1455,7 @@ HIDDEN_SETTINGS = ("load_format",)
 
 def engine_options(parser: argparse.ArgumentParser) -> None:
     """One option per `Config` setting (``max_num_seqs`` -> ``--max-num-seqs``), typed as the field is."""
+    # zh: 每个 `Config` 设置对应一个选项（``max_num_seqs`` -> ``--max-num-seqs``），类型与字段相同。
     group = parser.add_argument_group("engine", "passed to LLM(model, ...); defaults are the engine's")
     hints = typing.get_type_hints(Config)
     for f in fields(Config):
@@ -1300,15 +1500,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "address, which keeps out DNS rebinding; else any)")
     parser.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
     parser.add_argument("--engine-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="answer 503 (/health, and the requests waiting on it) once the engine has sent nothing, "
-                             "neither a step nor an idle heartbeat, for SECONDS (default 60: longer than a step)")
+                        help="answer 503 (/health, and the requests waiting on it) once the engine's process has sent "
+                             "nothing, not even the heartbeat it sends every second during a step, for SECONDS "
+                             "(default 60)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="on Ctrl-C or SIGTERM, wait at most SECONDS for the engine's running step to end, then "
+                             "stop the engine's process (default 10)")
     parser.add_argument("--timeout-read", type=float, default=60.0, metavar="SECONDS",
                         help="close a connection whose request (head and body) has not arrived SECONDS after its "
                              "first byte, or after the connection opened (default 60)")
     parser.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
                         help="close a kept-alive connection idle this long after a response (uvicorn's; default 5)")
     parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
-                        help="answer 503 to new requests while N connections are open (uvicorn's; default: no limit)")
+                        help="answer 503 to a new API request while N are in flight, streamed ones until their end "
+                             "(/health, /metrics and the live page always answer; default: no limit)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine_options(parser)
     return parser
@@ -1316,6 +1521,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The `LLM` keyword arguments of the parsed command line."""
+    # zh: 从解析后的命令行得到的 `LLM` 关键字参数。
     switch = {"auto": "auto", "on": True, "off": False}
     settings = {}
     for name in Config.settings():
@@ -1330,6 +1536,9 @@ class Server(uvicorn.Server):
     """uvicorn's server, told about the application's streams: a signal first ends them (the driver stops, the
     live pages close), then uvicorn shuts down, and the process exits with status 0 rather than re-raising it.
     It prints the URL once it listens (``--port 0`` picks a free port: the line says which)."""
+    # zh: 知道应用中各个流的 uvicorn 服务器：收到信号时先结束这些流（驱动停止，实时页面关闭），然后 uvicorn 关闭，
+    # zh: 进程以状态 0 退出，而不是把信号重新抛出。开始监听后它打印一次 URL（``--port 0`` 会选一个空闲端口：
+    # zh: 这一行会说明是哪个）。
 
     def __init__(self, config: uvicorn.Config, name: str) -> None:
         super().__init__(config)
@@ -1337,6 +1546,7 @@ class Server(uvicorn.Server):
 
     def stop_soon(self) -> None:
         """Shut down as after Ctrl-C (from the event loop's thread)."""
+        # zh: 像按下 Ctrl-C 之后那样关闭（从事件循环的线程调用）。
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -1363,6 +1573,7 @@ class Server(uvicorn.Server):
 
 def raise_open_files_limit(target: int = 65536) -> None:
     """Every connection holds a file descriptor: allow up to ``target`` (as vLLM does), or what the system allows."""
+    # zh: 每个连接占用一个文件描述符：把上限提高到 ``target``（vLLM 也这样做），或者系统允许的最大值。
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
     if soft < wanted:
@@ -1372,6 +1583,11 @@ def raise_open_files_limit(target: int = 65536) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_api_key(args.api_key)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
@@ -1389,10 +1605,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                          engine_timeout=args.engine_timeout, api_key=args.api_key, docs=args.docs,
-                         hosts=allowed_hosts(args.host, args.allowed_hosts))
+                         hosts=allowed_hosts(args.host, args.allowed_hosts), limit_concurrency=args.limit_concurrency,
+                         shutdown_timeout=args.shutdown_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
-                                timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+                                timeout_keep_alive=args.timeout_keep_alive)
         raise_open_files_limit()
         server = Server(config, name)
         # en: A dead engine stops the server once the open streams have their error; status 1 tells a supervisor.
@@ -1412,6 +1629,7 @@ def main(argv: list[str] | None = None) -> int:
 # %% serve entry point
 #| export serve.__main__
 """``python -m nanovllm.serve``: the OpenAI-compatible server (`nanovllm.serve.cli`)."""
+# zh: ``python -m nanovllm.serve``：兼容 OpenAI 的服务器（`nanovllm.serve.cli`）。
 
 import sys
 
@@ -1426,6 +1644,8 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 #| export serve.process
 """A server in a child process, for the tests, the book and the benchmark: started on a free port, stopped with a
 signal, and never left behind (it also dies with the process that started it)."""
+# zh: 运行在子进程中的服务器，供测试、本书和基准测试使用：在空闲端口上启动，用信号停止，而且绝不会被遗留下来（启动它的
+# zh: 进程死掉时它也随之结束）。
 
 from __future__ import annotations
 
@@ -1461,6 +1681,11 @@ class ServerProcess:
     ``transformers serve``) is given ``port`` and polled at ``/health``. Output goes to ``log`` (a file). `stop`
     sends SIGINT, as Ctrl-C would, and kills the process only if it has not ended after ``timeout`` seconds.
     """
+    # zh: 作为子进程运行的 ``python -m nanovllm.serve ARGS``（或者 ``command``）。
+    # zh:
+    # zh: 我们的服务器用 ``--port 0`` 启动，并说出它在哪里监听；其他 ``command``（作为对照组的服务器，
+    # zh: 比如 ``transformers serve``）则被给定 ``port``，并轮询它的 ``/health``。输出写到 ``log``（一个文件）。
+    # zh: `stop` 像 Ctrl-C 那样发送 SIGINT，只有在 ``timeout`` 秒后进程仍未结束时才杀掉它。
 
     def __init__(self, args: list[str] = (), *, command: list[str] | None = None, port: int | None = None,
                  ready_timeout: float = 180.0) -> None:
@@ -1515,6 +1740,7 @@ class ServerProcess:
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 15.0) -> int | None:
         """Ask the server to stop (Ctrl-C); wait; kill it if it would not. Returns its exit status."""
+        # zh: 请服务器停止（Ctrl-C）；等待；它不肯停就杀掉它。返回它的退出状态。
         process = self.process
         if process is not None and process.poll() is None:
             process.send_signal(sig)

@@ -70,6 +70,7 @@ say = Phrases({
 # %% bench serve client
 #| export bench.serve
 """``python -m nanovllm.bench.serve``: online serving benchmark, in the conventions of ``vllm bench serve``."""
+# zh: ``python -m nanovllm.bench.serve``：在线服务的基准测试，沿用 ``vllm bench serve`` 的约定。
 
 from __future__ import annotations
 
@@ -102,6 +103,7 @@ from nanovllm.bench.report import report_header, write_report
 @dataclass
 class RequestResult:
     """What one streamed request measured: when its chunks came, and how many tokens it got."""
+    # zh: 一个流式请求测到的东西：它的各个分片何时到达，以及它得到了多少个 token。
 
     ok: bool = False
     prompt_tokens: int = 0
@@ -120,6 +122,7 @@ class RequestResult:
 
 async def stream_one(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
     """Send one streamed completion and time its chunks (a chunk that carries text counts)."""
+    # zh: 发送一个流式补全请求，并为它的分片计时（带文本的分片才算数）。
     result = RequestResult()
     began = last = time.perf_counter()
     chunks = 0
@@ -160,6 +163,8 @@ async def run_load(url: str, model: str, prompts: list[str], output_lens: list[i
                    request_rate: float, seed: int, temperature: float, peer_fields: bool) -> tuple[list, float]:
     """Send every prompt (Poisson arrivals at ``request_rate``, or all at once), at most ``concurrency`` at a time;
     return the results and the wall time of the whole run."""
+    # zh: 发送每个提示词（按 ``request_rate`` 泊松到达，或者一次全部发出），同时至多 ``concurrency`` 个；
+    # zh: 返回结果以及整次运行的挂钟时间。
     limit = asyncio.Semaphore(concurrency or len(prompts))
     rng = random.Random(seed)
     timeout = httpx.Timeout(None, connect=30)
@@ -189,12 +194,15 @@ async def run_load(url: str, model: str, prompts: list[str], output_lens: list[i
 def load_in_thread(*args: Any, **kwargs: Any) -> tuple[list, float]:
     """`run_load` from synchronous code, even where an event loop already runs (a notebook): in a thread of its
     own, with an event loop of its own."""
+    # zh: 从同步代码里调用 `run_load`，即使那里已经有事件循环在运行（比如 notebook）：放在它自己的线程里，
+    # zh: 用它自己的事件循环。
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(lambda: asyncio.run(run_load(*args, **kwargs))).result()
 
 
 def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[str, Any]) -> None:
     """One client process of `load_in_processes`: ready, then its share of the load once ``start`` is set."""
+    # zh: `load_in_processes` 的一个客户端进程：先就绪，等 ``start`` 被设置后，发出它分到的那份负载。
     done.put(("ready", share))
     start.wait()
     results, _ = asyncio.run(run_load(*args, **options))
@@ -205,6 +213,7 @@ def _load_share(share: int, start: Any, done: Any, args: tuple, options: dict[st
 
 def split_concurrency(concurrency: int | None, processes: int) -> list[int | None]:
     """Each client process's share of ``concurrency`` (None: no limit): they add up to it exactly."""
+    # zh: 每个客户端进程分到的 ``concurrency``（None：不限）：它们加起来正好等于它。
     if concurrency is None:
         return [None] * processes
     if processes > concurrency:
@@ -219,6 +228,9 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
     the concurrency and of the request rate (Poisson arrivals add up to Poisson arrivals). One Python client
     parsing a few hundred streams becomes the slowest part of a fast server: this measures the server instead.
     Results come back in prompt order; the time runs from the common start to the last stream's end."""
+    # zh: 把 `run_load` 分散到 ``processes`` 个客户端进程上，每个进程拿每隔 ``processes`` 个的一个提示词，以及它分到的
+    # zh: 并发数和请求速率（泊松到达加起来仍是泊松到达）。一个解析几百个流的 Python 客户端会成为快速服务器前面最慢的
+    # zh: 一环：这样测到的才是服务器。结果按提示词顺序返回；时间从共同的起点算到最后一个流结束。
     shares_of_concurrency = split_concurrency(concurrency, processes)
     # en: A clean client, whatever this process holds (CUDA)
     # zh: 干净的客户端进程，不管本进程持有什么（CUDA）
@@ -267,6 +279,7 @@ def load_in_processes(processes: int, url: str, model: str, prompts: list[str], 
 
 def percentiles(values: list[float]) -> dict[str, float]:
     """Mean, p50, p90 and p99 of ``values`` (milliseconds in, milliseconds out; zeros when empty)."""
+    # zh: ``values`` 的均值、p50、p90 和 p99（输入毫秒，输出毫秒；为空时全是零）。
     if not values:
         return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "p99": 0.0}
     # en: Linear interpolation, as vLLM's bench does
@@ -277,6 +290,7 @@ def percentiles(values: list[float]) -> dict[str, float]:
 
 def summarize(name: str, results: list[RequestResult], seconds: float) -> dict[str, Any]:
     """vLLM's serving metrics: throughputs over the whole run, and per-request TTFT, TPOT, ITL, E2E latency."""
+    # zh: vLLM 的服务指标：整次运行的吞吐量，以及每个请求的 TTFT、TPOT、ITL、端到端延迟。
     done = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in done)
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) * 1e3 for r in done if r.output_tokens > 1]
@@ -298,6 +312,8 @@ STEP_COUNTER = re.compile(r'^nanovllm:engine_(steps|step_seconds)_total\{[^}]*ki
 def engine_steps(url: str) -> dict[str, dict[str, float]]:
     """Our server's own step counters (``nanovllm:engine_steps`` and ``engine_step_seconds``), by kind, from its
     ``/metrics``: ``{"decode": {"steps": ..., "step_seconds": ...}, ...}``; empty for a server that has none."""
+    # zh: 我们的服务器自己的步计数器（``nanovllm:engine_steps`` 和 ``engine_step_seconds``），按种类，取自它的
+    # zh: ``/metrics``：``{"decode": {"steps": ..., "step_seconds": ...}, ...}``；没有这些计数器的服务器为空。
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
@@ -310,6 +326,7 @@ def engine_steps(url: str) -> dict[str, dict[str, float]]:
 
 def step_delta(before: dict, after: dict) -> dict[str, dict[str, float]]:
     """The steps the server ran between two `engine_steps` readings: how many, their seconds, their mean in ms."""
+    # zh: 服务器在两次读取 `engine_steps` 之间运行的步：多少步、它们的秒数、以毫秒计的平均值。
     delta = {}
     for kind, counters in after.items():
         steps = counters.get("steps", 0.0) - before.get(kind, {}).get("steps", 0.0)
@@ -349,6 +366,10 @@ def word_tokenizer(directory: Path, vocab_size: int, specials: dict[int, str]) -
     """Write into ``directory`` a tokenizer of exactly ``vocab_size`` ids, one word each: ``t{id}``, or the special
     token ``specials`` gives that id, or ``<unk>`` (the first free id: what any other word becomes). Text splits at
     spaces, so the text of any ids tokenizes back to the same ids."""
+    # zh: 在 ``directory`` 中写一个恰好有 ``vocab_size`` 个 id 的分词器，每个 id 一个词：``t{id}``，或者
+    # zh: ``specials`` 给这个 id 指定的特殊 token，或者 ``<unk>``（第一个空闲的 id：其他任何词都变成它）。文本按空格切
+    # zh: 分，
+    # zh: 所以任意 id 的文本分词后会得回同样的 id。
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     unknown = next(i for i in range(vocab_size) if i not in specials)
@@ -362,6 +383,8 @@ def word_tokenizer(directory: Path, vocab_size: int, specials: dict[int, str]) -
 def with_word_tokenizer(model: str | Path, target: str | Path) -> Path:
     """``target``: the model directory ``model`` (config, generation config and weights, linked, not copied) with a
     `word_tokenizer` as large as its vocabulary; the special tokens and their ids are those of ``model``'s tokenizer."""
+    # zh: ``target``：模型目录 ``model``（config、generation config 和权重，链接而非复制），外加一个与它的词表一样大的
+    # zh: `word_tokenizer`；特殊 token 及其 id 与 ``model`` 的分词器相同。
     model, target = Path(model), Path(target)
     target.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
@@ -379,6 +402,7 @@ def with_word_tokenizer(model: str | Path, target: str | Path) -> Path:
 
 def qwen3_06b_served(path: str | None = None) -> Path:
     """The benchmarks' Qwen3-0.6B-shaped model with random weights, with a `word_tokenizer` for all its 151,936 ids."""
+    # zh: 各基准测试用的、形状与 Qwen3-0.6B 相同、权重随机的模型，带一个覆盖全部 151,936 个 id 的 `word_tokenizer`。
     return with_word_tokenizer(qwen3_06b_random(), path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-served")
 
 
@@ -405,6 +429,8 @@ def run_offline(model: str, tokenizer: Any, prompts: list[str], output_lens: lis
                 settings: dict[str, Any], concurrency: int | None) -> dict[str, Any]:
     """`LLM.generate` on the prompts a server got, tokenized as the server tokenizes them, with its engine
     ``settings``; with ``concurrency``, at most that many sequences at a time. Its figures, in `summarize`'s keys."""
+    # zh: 对服务器收到的提示词运行 `LLM.generate`，按服务器的方式分词，使用它的引擎 ``settings``；给了
+    # zh: ``concurrency`` 时，同时至多运行那么多个序列。它的数字，用 `summarize` 的键表示。
     from nanovllm.engine.inputs import prompt_token_ids
 
     ids = [prompt_token_ids(prompt, tokenizer) for prompt in prompts]
@@ -423,6 +449,8 @@ def run_offline(model: str, tokenizer: Any, prompts: list[str], output_lens: lis
 def print_ratios(summaries: list[dict[str, Any]], offline: dict[str, Any] | None) -> dict[str, float]:
     """The serving goals' comparisons, as far as this run has their terms: our server's output tok/s against the offline
     engine's and against the peer's, and its p50 ITL against its own decode step (and the offline engine's)."""
+    # zh: 服务目标的各项比较，只要这次运行具备比较的两项：我们服务器的输出 tok/s 对比离线引擎的和对照组的，
+    # zh: 以及它的 p50 ITL 对比它自己的 decode 步（和离线引擎的）。
     ours = next((s for s in summaries if s["name"] == "nano-vllm"), None)
     peer = next((s for s in summaries if s["name"].startswith("transformers")), None)
     ratios: dict[str, float] = {}
@@ -456,6 +484,7 @@ def print_ratios(summaries: list[dict[str, Any]], offline: dict[str, Any] | None
 #| export bench.serve
 def print_table(summaries: list[dict[str, Any]]) -> None:
     """One column per server, vLLM's rows."""
+    # zh: 每个服务器一列，行是 vLLM 的那些指标。
     names = [s["name"] for s in summaries]
     width = max(14, *(len(n) for n in names))
     rows = [("Successful requests", "completed", "{:.0f}"), ("Failed requests", "failed", "{:.0f}"),
@@ -475,6 +504,7 @@ def print_table(summaries: list[dict[str, Any]]) -> None:
 
 def served_model(url: str) -> str:
     """The id of the model a server serves (its first one)."""
+    # zh: 服务器所服务的模型的 id（它的第一个）。
     reply = httpx.get(f"{url}/v1/models", timeout=30)
     reply.raise_for_status()
     return reply.json()["data"][0]["id"]
@@ -482,12 +512,15 @@ def served_model(url: str) -> str:
 
 def warm_up(url: str, model: str) -> None:
     """One short request first, untimed: a server may load or compile on its first request."""
+    # zh: 先发一个短请求，不计时：服务器可能在第一个请求时加载或编译。
     httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": "Hello", "max_tokens": 4}, timeout=600)
 
 
 def transformers_command(model: str, port: int, device: str, dtype: str | None = None) -> list[str]:
     """``transformers serve --continuous-batching`` on ``model``, on 127.0.0.1:``port`` (in ``dtype``, e.g. the
     one our engine runs in, rather than the checkpoint's)."""
+    # zh: 在 127.0.0.1:``port`` 上对 ``model`` 运行 ``transformers serve --continuous-batching``（使用 ``dtype``，
+    # zh: 比如我们引擎运行时用的那个，而不是检查点的）。
     binary = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
     # en: Without its console script (a package copied rather than installed), the same command through this Python.
     # zh: 没有它的控制台脚本时（包是拷贝来的而不是安装的），通过当前这个 Python 运行同样的命令。
@@ -498,6 +531,7 @@ def transformers_command(model: str, port: int, device: str, dtype: str | None =
 
 def serve_bench_parser() -> argparse.ArgumentParser:
     """The serving benchmark's command line."""
+    # zh: 服务基准测试的命令行。
     parser = argparse.ArgumentParser(
         prog="python -m nanovllm.bench.serve",
         description="Serving benchmark (streaming): request throughput, output tok/s, TTFT, TPOT, ITL. "
@@ -536,6 +570,8 @@ def serve_bench_parser() -> argparse.ArgumentParser:
 class ServeRun:
     """One invocation's load and what it measured so far: its arguments, the prompts (text) and output lengths,
     the servers' summaries and the JSON report (rewritten after each stage)."""
+    # zh: 一次调用的负载以及它到目前为止测到的东西：它的参数、提示词（文本）和输出长度、各服务器的汇总，
+    # zh: 以及 JSON 报告（每个阶段之后重写）。
 
     args: argparse.Namespace
     prompts: list[str]
@@ -547,6 +583,7 @@ class ServeRun:
 def measure_server(run: ServeRun, name: str, url: str, peer: bool, model_id: str | None = None,
                    count: int | None = None) -> None:
     """Warm ``url``'s server up, send it the run's load and add its summary to the run's report."""
+    # zh: 预热 ``url`` 的服务器，把这次运行的负载发给它，并把它的汇总加进这次运行的报告。
     args, prompts, workload, summaries, report = run.args, run.prompts, run.workload, run.summaries, run.report
     served = model_id or served_model(url)
     warm_up(url, served)
@@ -569,6 +606,7 @@ def measure_server(run: ServeRun, name: str, url: str, peer: bool, model_id: str
 def launch_and_measure(run: ServeRun, model: str, server_argv: list[str], settings: dict[str, Any],
                        tokenizer: Any) -> None:
     """The servers the command asks for, one after the other (or the one at --url), then the offline engine."""
+    # zh: 命令要求的各个服务器，一个接一个（或者 --url 指定的那一个），然后是离线引擎。
     from nanovllm.config import Config
     from nanovllm.serve.process import ServerProcess, free_port
 
@@ -698,6 +736,7 @@ from nanovllm.bench.serve import load_in_thread, summarize
 
 def decode_steps() -> tuple[float, float]:
     """The server's decode steps so far: how many, and their seconds."""
+    # zh: 服务器到目前为止的 decode 步：多少步，以及它们的秒数。
     text = httpx.get(f"{server.url}/metrics").text
     found = {m[1]: float(m[2]) for m in re.finditer(r'^nanovllm:(engine_\w+)\{kind="decode",[^}]*\} (\S+)$', text,
                                                     re.M)}

@@ -554,6 +554,7 @@ assert all(0.015 < k < 0.035 and 0.015 < v < 0.035 for k, v, _ in errors.values(
 # %% kv quant
 #| export
 """The 8-bit KV cache: float8 e4m3 keys and values, one float32 scale per token and KV head."""
+# zh: 8 位 KV 缓存：float8 e4m3 的键和值，每个 token 的每个 KV 头一个 float32 缩放因子。
 
 from __future__ import annotations
 
@@ -573,6 +574,7 @@ SCALE_BYTES = 4
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
     """One scale per row of ``x`` [..., head_dim]: the row's largest magnitude / FP8_MAX, as float32 [...]."""
+    # zh: ``x`` [..., head_dim] 每行一个缩放因子：该行最大的绝对值 / FP8_MAX，为 float32 [...]。
     amax = x.float().abs().amax(-1)
     # en: Divided by a tensor, not by the number: on a GPU torch divides by a Python number as a multiplication by
     # en: its reciprocal, one rounding away from the exact quotient the Triton store computes, and 0.1 % of the
@@ -584,6 +586,7 @@ def row_scales(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [..., head_dim] -> (float8 e4m3 [..., head_dim], float32 scales [...]): x ≈ q * scale, per row."""
+    # zh: ``x`` [..., head_dim] -> (float8 e4m3 [..., head_dim], float32 缩放因子 [...])：每行 x ≈ q * scale。
     scales = row_scales(x)
     # en: Exact division, then round to nearest (even) on e4m3's grid; |x / scale| <= 448 by construction.
     # zh: 精确除法，再在 e4m3 的网格上就近（偶数）舍入；按构造 |x / scale| <= 448。
@@ -592,17 +595,21 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_kv(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values that float8 rows ``q`` [..., head_dim] with ``scales`` [...] stand for, in ``dtype``."""
+    # zh: 带 ``scales`` [...] 的 float8 行 ``q`` [..., head_dim] 所代表的值，以 ``dtype`` 表示。
     return (q.float() * scales[..., None]).to(dtype)
 
 
 def round_trip(x: torch.Tensor) -> torch.Tensor:
     """What an 8-bit cache gives back for ``x``: quantized and dequantized, in x's dtype."""
+    # zh: 8 位缓存对 ``x`` 读回的值：量化再反量化，用 x 的 dtype 表示。
     return dequantize_kv(*quantize_kv(x), dtype=x.dtype)
 
 
 def values_by_dim(cache: torch.Tensor) -> torch.Tensor:
     """One layer's value cache [blocks, block_size, kv_heads, d] seen as a float8 cache keeps it, by dimension:
     the same bytes as [blocks, kv_heads, d, block_size] (a view; the cache must be contiguous)."""
+    # zh: 把一层的值缓存 [blocks, block_size, kv_heads, d] 看成 float8 缓存存放它的方式，即按维度存放：
+    # zh: 与 [blocks, kv_heads, d, block_size] 是同样的字节（一个视图；缓存必须是连续的）。
     blocks, block_size, kv_heads, head_dim = cache.shape
     return cache.view(blocks, kv_heads, head_dim, block_size)
 
@@ -613,6 +620,9 @@ def store_quantized(
     """Quantize ``x`` [n, kv_heads, d] into rows ``slots`` [n] (int64) of one layer's float8 cache
     [blocks, block_size, kv_heads, d] and its scales [blocks, kv_heads, block_size]. ``by_dim``: the cache holds
     values, by dimension, [blocks, kv_heads, d, block_size]."""
+    # zh: 把 ``x`` [n, kv_heads, d] 量化后写进一层 float8 缓存 [blocks, block_size, kv_heads, d] 中 ``slots`` [n]
+    # zh: （int64）指定的行，缩放因子写进 [blocks, kv_heads, block_size]。``by_dim``：缓存按维度存放值，
+    # zh: [blocks, kv_heads, d, block_size]。
     q, row_scale = quantize_kv(x)
     blocks, kv_heads, block_size = scales.shape
     block, place = slots // block_size, slots % block_size
@@ -643,6 +653,8 @@ def gather_quantized(
 ) -> torch.Tensor:
     """The first ``length`` tokens of one sequence from a float8 cache, dequantized: float32 [length, kv_heads, d].
     ``by_dim``: the cache holds values, by dimension, [blocks, kv_heads, d, block_size]."""
+    # zh: 从 float8 缓存中读出一个序列的前 ``length`` 个 token 并反量化：float32 [length, kv_heads, d]。
+    # zh: ``by_dim``：缓存按维度存放值，[blocks, kv_heads, d, block_size]。
     blocks = block_table[: -(-length // scales.shape[2])].long()
     q = cache.view(torch.uint8).index_select(0, blocks).view(FP8)
     if by_dim:
@@ -686,6 +698,7 @@ def store_kvcache(
     slot_mapping: torch.Tensor, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Chapter 07's store; into an 8-bit cache (``k_scales``, ``v_scales``), each row quantized beside its scale."""
+    # zh: 第 07 章的写入；写进 8 位缓存（``k_scales``、``v_scales``）时，每行量化后与它的缩放因子放在一起。
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     if k_scales is None:
@@ -703,6 +716,8 @@ def gather(
 ) -> torch.Tensor:  # fmt: skip
     """The first ``length`` tokens of one sequence (`gather_paged`); from an 8-bit cache (``scales``), dequantized,
     ``by_dim``: the values, which an 8-bit cache keeps by dimension."""
+    # zh: 一个序列的前 ``length`` 个 token（`gather_paged`）；从 8 位缓存（``scales``）读时要反量化，
+    # zh: ``by_dim``：值，8 位缓存按维度存放它们。
     if scales is None:
         return gather_paged(cache, block_table, length)
     return gather_quantized(cache, scales, block_table, length, by_dim)
@@ -711,6 +726,7 @@ def gather(
 @add_to_class(TorchBackend)
 def round_trip(self, x: torch.Tensor) -> torch.Tensor:
     """What an 8-bit cache gives back for ``x``: quantized, then dequantized (the module's `round_trip`)."""
+    # zh: 8 位缓存对 ``x`` 读回的值：量化再反量化（本模块的 `round_trip`）。
     return round_trip_kv(x)
 
 
@@ -720,6 +736,7 @@ def prefill(
     context: Context, scale: float, k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Chapter 07's prefill, reading a cached prefix through `gather`."""
+    # zh: 第 07 章的 prefill，通过 `gather` 读取缓存的前缀。
     paged = context.block_tables is not None
     assert not paged or k_cache.numel(), "the context has block tables (a cached prefix) but no KV cache"
     cu_q, cu_k = context.cu_seqlens_q.tolist(), context.cu_seqlens_k.tolist()
@@ -742,6 +759,7 @@ def decode(
     k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Chapter 07's decode, reading each context through `gather`."""
+    # zh: 第 07 章的 decode，通过 `gather` 读取每个上下文。
     assert k_cache.numel(), "decode attention needs a KV cache"
     out = torch.zeros_like(q)
     for i, n_k in enumerate(context.context_lens.tolist()):
@@ -756,6 +774,7 @@ def decode(
 @add_to_class(Attention)
 def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_stored: bool = False) -> torch.Tensor:
     """Chapter 07's forward; an 8-bit cache's scales go to the backend with the cache."""
+    # zh: 第 07 章的前向计算；8 位缓存的缩放因子与缓存一起交给后端。
     context = get_context()
     scales = {} if self.k_scales is None else {"k_scales": self.k_scales, "v_scales": self.v_scales}
     if not kv_stored and self.k_cache.numel() and context.slot_mapping is not None:
@@ -981,6 +1000,7 @@ def _check_kv_cache_dtype(self) -> None:
 
 def _check_fp8_cache(device: str, backend: str) -> None:
     """Refuse kv_cache_dtype='fp8' where it cannot run."""
+    # zh: 在无法运行的地方拒绝 kv_cache_dtype='fp8'。
     if backend == "flash-attn":
         raise ValueError("kv_cache_dtype='fp8' needs attention_backend='triton' (or 'torch'): FlashAttention 4 "
                          "reads 16-bit pages, not float8 rows with their scales")
@@ -1025,12 +1045,14 @@ from nanovllm.models.qwen3 import head_dim_of
 @add_to_class(model_runner)
 def kv_cache_torch_dtype(config: Config) -> torch.dtype:
     """The dtype of the cached K/V: float8 e4m3 with kv_cache_dtype="fp8", else the model's."""
+    # zh: 缓存的 K/V 的 dtype：kv_cache_dtype="fp8" 时为 float8 e4m3，否则与模型的相同。
     return FP8 if config.kv_cache_dtype == "fp8" else config.torch_dtype
 
 
 @add_to_class(model_runner)
 def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
     """Bytes of one KV block (chapter 09); each float8 row (one token, one KV head) carries its float32 scale."""
+    # zh: 一个 KV 块的字节数（第 09 章）；每个 float8 行（一个 token、一个 KV 头）带着它的 float32 缩放因子。
     kv_heads = max(1, hf_config.num_key_value_heads // tensor_parallel_size)
     row = head_dim_of(hf_config) * dtype.itemsize + (SCALE_BYTES if dtype == FP8 else 0)
     return 2 * hf_config.num_hidden_layers * block_size * kv_heads * row
@@ -1040,6 +1062,8 @@ def kv_block_bytes(hf_config: Any, block_size: int, dtype: torch.dtype, tensor_p
 def allocate_kv_cache(self) -> torch.Tensor:
     """The one KV tensor of the model (chapter 09); a float8 one comes with its scales, `kv_scales`
     [2, layers, blocks, kv_heads, block_size], and each layer gets its views of both."""
+    # zh: 模型唯一的 KV 张量（第 09 章）；float8 的张量带着它的缩放因子 `kv_scales`
+    # zh: [2, layers, blocks, kv_heads, block_size]，每一层得到两者各自的视图。
     dtype, setting = kv_cache_torch_dtype(self.config), self.memory_setting()
     shape = self.kv_cache_shape(dtype)
     kv_cache = allocate_kv(shape, torch.uint8 if dtype == FP8 else dtype, self.device, setting).view(dtype)
@@ -1064,6 +1088,7 @@ def allocate_kv_cache(self) -> torch.Tensor:
 def copy_blocks(self, seqs: list[Sequence]) -> None:
     """The copy-on-write copies planned for ``seqs`` (chapter 09); a float8 cache's blocks as bytes, and their
     scales with them."""
+    # zh: 为 ``seqs`` 计划的写时复制（第 09 章）；float8 缓存的块按字节复制，缩放因子随之一起复制。
     copies = [pair for seq in seqs for pair in seq.blocks_to_copy]
     if self.kv_scales is None:
         copy_kv_blocks(self.kv_cache, copies)
@@ -1075,6 +1100,7 @@ def copy_blocks(self, seqs: list[Sequence]) -> None:
 @add_to_class(ModelRunner)
 def exit(self) -> None:
     """Release the KV cache and its scales, and refuse further steps (chapter 09)."""
+    # zh: 释放 KV 缓存及其缩放因子，并拒绝之后的步（第 09 章）。
     self.stopped = True
     for layer in self.attention_layers:
         layer.k_cache = layer.v_cache = torch.tensor([])
@@ -1156,6 +1182,8 @@ assert engines["fp8"].model_runner.kv_cache.dtype == FP8 and engines["auto"].mod
 #| export bench.kv_cache_accuracy
 """What an 8-bit KV cache costs on a real model: perplexity of two fixed texts and greedy agreement,
 kv_cache_dtype="fp8" against "auto". ``python -m nanovllm.bench.kv_cache_accuracy [--out results.json]``."""
+# zh: 8 位 KV 缓存在真实模型上的代价：两段固定文本的困惑度与贪心一致性，kv_cache_dtype="fp8" 对比 "auto"。
+# zh: ``python -m nanovllm.bench.kv_cache_accuracy [--out results.json]``。
 
 from __future__ import annotations
 
@@ -1181,6 +1209,7 @@ LANGUAGES = ("en", "zh")
 
 def text_token_ids(tokenizer: Any, lang: str, limit: int | None = None, texts: Path = TEXTS) -> list[int]:
     """The fixed text of ``lang`` ("en" or "zh") as token ids, at most ``limit`` of them."""
+    # zh: ``lang``（"en" 或 "zh"）的固定文本，以 token id 表示，至多 ``limit`` 个。
     path = Path(texts) / f"kv_cache_{lang}.txt"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: the fixed texts ship in the repository's notebooks/data "
@@ -1195,6 +1224,10 @@ def perplexity(llm: Any, token_ids: list[int], chunk: int = 256) -> float:
     ``chunk`` tokens into the first blocks of the pool, each chunk attending to the earlier chunks read back from
     the cache (float8 with kv_cache_dtype="fp8") and to itself. The engine must be idle (its pool is borrowed) and
     run on one process (tensor_parallel_size=1)."""
+    # zh: 在 ``llm`` 的模型下，``token_ids`` 中每个 token 在给定它之前那些 token 时的平均负对数似然的指数，每个 logit
+    # zh: 都经过模型的注意力后端和 KV 缓存计算：文本按每段 ``chunk`` 个 token 分段 prefill 进块池的最前面几个块，
+    # zh: 每段关注从缓存读回的之前各段（kv_cache_dtype="fp8" 时为 float8）以及它自己。引擎必须空闲（它的块池被借用），
+    # zh: 并且只在一个进程上运行（tensor_parallel_size=1）。
     runner, n = llm.model_runner, len(token_ids)
     table = list(range(-(-n // runner.block_size)))
     if n < 2 or chunk < 1:
@@ -1227,6 +1260,7 @@ def perplexity(llm: Any, token_ids: list[int], chunk: int = 256) -> float:
 def next_token_probs(llm: Any, token_ids: list[int]) -> torch.Tensor:
     """The model's probabilities of the token after ``token_ids`` (one prefill, through the borrowed pool as in
     `perplexity`)."""
+    # zh: 模型给出的 ``token_ids`` 之后那个 token 的概率（一次 prefill，与 `perplexity` 一样通过借用的块池）。
     runner, n = llm.model_runner, len(token_ids)
     set_prefill_context([n], [n], [list(range(-(-n // runner.block_size)))], runner.block_size, runner.device)
     try:
@@ -1238,11 +1272,13 @@ def next_token_probs(llm: Any, token_ids: list[int]) -> torch.Tensor:
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many tokens two generations share before they first differ."""
+    # zh: 两次生成在第一次不同之前共有多少个 token。
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def agreement_prompts(tokenizer: Any, count: int = 32, length: int = 24, texts: Path = TEXTS) -> list[list[int]]:
     """``count`` prompts of ``length`` tokens: the openings of the texts' paragraphs, English and Chinese in turn."""
+    # zh: ``count`` 个 ``length`` 个 token 的提示词：各段落的开头，英文和中文轮流。
     openings = {}
     for lang in LANGUAGES:
         paragraphs = (Path(texts) / f"kv_cache_{lang}.txt").read_text(encoding="utf-8").split("\n\n")
@@ -1260,6 +1296,8 @@ def measure(
 ) -> dict[str, Any]:  # fmt: skip
     """Perplexity of the first ``tokens`` tokens of each text, and the greedy continuations of ``prompts`` prompts
     (``max_tokens`` each), with kv_cache_dtype "auto" and "fp8" (settings: other `LLM` keyword arguments)."""
+    # zh: 每段文本前 ``tokens`` 个 token 的困惑度，以及 ``prompts`` 个提示词的贪心续写（各 ``max_tokens`` 个），
+    # zh: 分别用 kv_cache_dtype "auto" 和 "fp8"（settings：`LLM` 的其他关键字参数）。
     from nanovllm.llm import LLM
 
     results: dict[str, Any] = {"perplexity": {}, "tokens": {}}
@@ -1303,6 +1341,7 @@ def measure(
 
 def print_results(results: dict[str, Any]) -> None:
     """The figures of `measure` as a small table."""
+    # zh: 把 `measure` 的数字排成一张小表。
     print(f"perplexity (model and 'auto' cache in {results['dtype']}):")
     for lang, ppl in results["perplexity"].items():
         print(f"  {lang}, {results['tokens'][lang]} tokens: auto {ppl['auto']:.3f}, fp8 {ppl['fp8']:.3f} "

@@ -163,6 +163,7 @@ say = Phrases({
 # %%
 def tokens_per_step(alpha: float, k: int) -> float:
     """Expected tokens of one verify step: 1 + alpha + ... + alpha^k."""
+    # zh: 一个验证步期望得到的 token 数：1 + alpha + ... + alpha^k。
     return sum(alpha**i for i in range(k + 1))
 
 
@@ -178,6 +179,7 @@ assert tokens_per_step(0.7, 8) - tokens_per_step(0.7, 4) < tokens_per_step(0.7, 
 
 def agreement_for(tokens: float, k: int) -> float:
     """The agreement rate alpha at which a verify step of k drafts yields ``tokens`` on average (bisection)."""
+    # zh: k 个草稿的验证步平均产出 ``tokens`` 个 token 时的同意率 alpha（二分法求得）。
     low, high = 0.0, 1.0
     for _ in range(60):
         middle = (low + high) / 2
@@ -215,6 +217,7 @@ assert abs(alpha_run - 0.78) < 0.01 and abs((3.21 - 1) / 4 - 0.56) < 0.01
 #| export engine.speculative
 """Speculative decoding: the proposers of the drafts a verify step checks, and the speculator that decides
 how many drafts each sequence gets and counts what came of them."""
+# zh: 投机解码：提议验证步所检查的草稿的提议器，以及决定每个序列得到多少草稿、并统计草稿结果的投机器。
 
 from __future__ import annotations
 
@@ -224,6 +227,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 class NgramProposer:
     """Prompt lookup: after the sequence's last n tokens, propose what followed their first earlier occurrence."""
+    # zh: prompt lookup：在序列的最后 n 个 token 之后，提议它们更早第一次出现时后面跟着的内容。
 
     def __init__(self, num_speculative_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -233,6 +237,7 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``num_speculative_tokens`` drafts (at most ``limit``) to follow ``token_ids``; [] if none match."""
+        # zh: 跟在 ``token_ids`` 后面的至多 ``num_speculative_tokens`` 个草稿（不超过 ``limit``）；没有匹配时为 []。
         k = self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
         tokens = np.asarray(token_ids)
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
@@ -346,20 +351,27 @@ class DraftModelProposer:
     """A smaller model's greedy continuation as the drafts. The draft model runs in an engine of its own (its own
     paged KV cache, block manager and prefix cache, under the same rules as the model's); each proposal hands it
     the sequence as it stands, and its prefix cache spares it what it computed before."""
+    # zh: 用一个更小模型的贪心续写作为草稿。草稿模型运行在它自己的引擎里（有它自己的分页 KV 缓存、块管理器和
+    # zh: 前缀缓存，遵守与主模型相同的规则）；每次提议都把序列当前的样子交给它，而它的前缀缓存省去了它之前算过的部分。
 
     def __init__(self, engine: Any, num_speculative_tokens: int) -> None:
         """``engine``: an `LLMEngine` of the draft model, which the speculating engine makes
         (`draft_engine_settings`); this module need not know the engine's class."""
+        # zh: ``engine``：草稿模型的一个 `LLMEngine`，由进行投机的引擎创建（`draft_engine_settings`）；
+        # zh: 本模块不需要知道引擎的类。
         self.engine = engine
         self.num_speculative_tokens = num_speculative_tokens
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]:
         """Up to ``num_speculative_tokens`` drafts (at most ``limit``): the draft model's greedy tokens after
         ``token_ids``; [] where they would pass its longest sequence."""
+        # zh: 至多 ``num_speculative_tokens`` 个草稿（不超过 ``limit``）：草稿模型在 ``token_ids`` 之后的贪心 token；
+        # zh: 会超出它最长序列的地方为 []。
         return self.propose_many([token_ids], [limit])[0]
 
     def propose_many(self, token_lists: list[list[int]], limits: list[int | None]) -> list[list[int]]:
         """`propose` for several sequences, in one batch of the draft engine."""
+        # zh: 对多个序列做 `propose`，在草稿引擎的一个批次里完成。
         wanted = [self.num_speculative_tokens if limit is None else min(self.num_speculative_tokens, limit)
                   for limit in limits]
         longest = self.engine.config.max_model_len
@@ -380,6 +392,8 @@ class DraftModelProposer:
 def draft_engine_settings(config: Any) -> dict[str, Any]:
     """The draft engine's settings, from the model's resolved `Config`: the same device, dtype, blocks and graphs;
     a pool of `DRAFT_POOL_SEQUENCES` sequences; synchronous steps (each proposal waits for its drafts anyway)."""
+    # zh: 草稿引擎的设置，取自主模型已确定的 `Config`：相同的设备、dtype、块和图；一个容纳
+    # zh: `DRAFT_POOL_SEQUENCES` 个序列的块池；同步的步（反正每次提议都要等它的草稿）。
     blocks_per_sequence = -(-config.max_model_len // config.kvcache_block_size)
     return {"device": config.device, "dtype": config.dtype, "kvcache_block_size": config.kvcache_block_size,
             "num_kvcache_blocks": DRAFT_POOL_SEQUENCES * blocks_per_sequence, "max_model_len": config.max_model_len,
@@ -390,6 +404,8 @@ def draft_engine_settings(config: Any) -> dict[str, Any]:
 def write_self_draft(model: str | Path, num_layers: int, path: str | Path) -> Path:
     """A draft model made of ``model``'s first ``num_layers`` decoder layers with its embedding, final norm and LM
     head, written as a model directory at ``path`` (config, tokenizer files, one safetensors file)."""
+    # zh: 由 ``model`` 的前 ``num_layers`` 个解码器层及其嵌入、最后的归一化和 LM head 组成的草稿模型，
+    # zh: 在 ``path`` 写成一个模型目录（config、分词器文件、一个 safetensors 文件）。
     source, target = Path(model), Path(path)
     config = json.loads((source / "config.json").read_text())
     layers = config["num_hidden_layers"]
@@ -474,6 +490,7 @@ from nanovllm.engine.block_manager import BlockManager
 @add_to_class(BlockManager)
 def trim(self, seq: Sequence) -> None:
     """Give back the blocks at the end of ``seq``'s table that hold none of its tokens (rejected draft slots)."""
+    # zh: 交还 ``seq`` 块表末尾那些不装它任何 token 的块（被拒绝的草稿槽位）。
     while len(seq.block_table) > seq.num_blocks:
         # en: Drafts only ever got fresh blocks, held by this table alone and never published: the release frees them.
         # zh: 草稿只会拿到新块，只有这个块表持有，也从未发布：释放就把它们还回空闲队列。
@@ -493,6 +510,8 @@ class Proposer(Protocol):
     """Where drafts come from (`NgramProposer` is one). A proposer may also have ``propose_many(token_lists,
     limits)``, the drafts of several sequences at once (a draft model batches them), and ``exit()``, which
     releases what it holds."""
+    # zh: 草稿从哪里来（`NgramProposer` 是其中一种）。提议器还可以有 ``propose_many(token_lists, limits)``，
+    # zh: 一次给出多个序列的草稿（草稿模型会把它们合成一批），以及 ``exit()``，释放它持有的东西。
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
 
@@ -503,6 +522,9 @@ class DraftCounts:
     ratio), sequences verified with drafts, one per sequence and step (1 + accepted / verifications is the mean
     tokens a verify step gives a sequence), and accepted drafts by their position among a step's drafts (0: the
     first draft), as far as any step drafted."""
+    # zh: 到目前为止草稿的结果：验证过的草稿 token、被接受的草稿 token（接受率就是两者之比）、带草稿验证的序列数，
+    # zh: 每个序列每步算一次（1 + accepted / verifications 就是一个验证步平均给一个序列的 token 数），以及按在一步
+    # zh: 草稿中的位置统计的被接受草稿数（0：第一个草稿），统计到任何一步起草过的最远位置为止。
 
     drafted: int = 0
     accepted: int = 0
@@ -514,6 +536,8 @@ class DraftCounts:
 class Backoff:
     """The back-off rule's memory of one sequence: the recent mean of the tokens its verify steps gave (None before
     the first), the length it must reach before it gets drafts again, and how many times in a row it paused them."""
+    # zh: 退避规则对一个序列的记忆：它最近几个验证步所得 token 数的平均值（第一个验证步之前为 None），它要再得到
+    # zh: 草稿之前必须达到的长度，以及它连续暂停草稿的次数。
 
     recent_tokens_per_verify: float | None = None
     resume_at: int = 0
@@ -530,6 +554,14 @@ class Speculator:
     steps gave fewer than ``min_tokens_per_verify`` tokens gets no drafts for its next ``draft_pause_tokens``
     tokens, twice that if it pauses again without a good verify step in between, and so on up to
     ``max_draft_pause_tokens``: drafts that never pay cost less and less."""
+    # zh: 把投机解码放进一个对象：草稿从哪里来（提议器），每个序列得到多少（退避规则，在“什么时候划算”一节中实测），
+    # zh: 以及草稿的结果（`counts`）。
+    # zh:
+    # zh: 规则：一个验证步至多 ``max_verify_rows`` 行（一行：一个序列的最后一个 token，或者它的一个草稿），如果这样
+    # zh: 分给某个序列的草稿少于 ``min_drafts``，就完全不起草：批次越大草稿越少，超过 5 个序列就没有了。另外，一个验证步
+    # zh: 的代价相当于两个或更多 decode 步：最近几个验证步所得 token 少于 ``min_tokens_per_verify`` 的序列，在接下来的
+    # zh: ``draft_pause_tokens`` 个 token 内得不到草稿；如果中间没有一个好的验证步就再次暂停，暂停时间翻倍，依此类推，
+    # zh: 直到 ``max_draft_pause_tokens``：从来不划算的草稿，代价越来越小。
 
     def __init__(self, proposer: Proposer, *, max_verify_rows: int = 16, min_drafts: int = 2,
                  min_tokens_per_verify: float = 2.0, draft_pause_tokens: int = 16,
@@ -546,21 +578,26 @@ class Speculator:
     def drafts_per_sequence(self, batch: int) -> int:
         """How many drafts each sequence of a decode batch of ``batch`` may get: what `max_verify_rows` leaves
         it, or 0 when that is fewer than `min_drafts`."""
+        # zh: ``batch`` 个序列的 decode 批次中每个序列可以得到多少草稿：`max_verify_rows` 留给它的数目，
+        # zh: 如果少于 `min_drafts` 则为 0。
         drafts = self.max_verify_rows // max(1, batch) - 1
         return drafts if drafts >= self.min_drafts else 0
 
     def may_draft(self, seq: Sequence) -> bool:
         """False while ``seq`` pauses its drafts (its recent verify steps gave too few tokens)."""
+        # zh: ``seq`` 暂停草稿期间（它最近的验证步所得 token 太少）为 False。
         backoff = self.backoff.get(seq)
         return backoff is None or len(seq) >= backoff.resume_at
 
     def wants_drafts(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of ``seqs`` may carry drafts (then it needs their last tokens to schedule)."""
+        # zh: ``seqs`` 的 decode 步能否带草稿（能带时，它需要这些序列的最后一个 token 才能调度）。
         return self.drafts_per_sequence(len(seqs)) > 0 and any(self.may_draft(seq) for seq in seqs)
 
     def propose(self, seqs: list[Sequence], budget: int) -> list[list[int]]:
         """The drafts of each sequence of a scheduled decode step (none where the rule says so), ``budget`` tokens
         in all at most."""
+        # zh: 调度好的 decode 步中每个序列的草稿（规则说没有的地方就没有），总共至多 ``budget`` 个 token。
         per_sequence = self.drafts_per_sequence(len(seqs))
         rooms = [0] * len(seqs)
         for index, seq in enumerate(seqs):
@@ -588,6 +625,8 @@ class Speculator:
     def record(self, seqs: list[Sequence], drafted: list[int], kept: list[int]) -> None:
         """What a verify step kept of each sequence's drafts: into the counters, and into each sequence's back-off
         memory (a sequence that drafted nothing in the step is not judged by it)."""
+        # zh: 一个验证步保留了每个序列草稿中的多少：记入计数器，也记入每个序列的退避记忆
+        # zh: （这一步里什么都没起草的序列不按这一步评判）。
         counts = self.counts
         for seq, num_drafts, num_kept in zip(seqs, drafted, kept, strict=True):
             counts.drafted += num_drafts
@@ -602,6 +641,8 @@ class Speculator:
     def _judge(self, seq: Sequence, tokens: int) -> None:
         """Fold the tokens one verify step gave ``seq`` into its recent mean; pause its drafts if the mean falls
         below `min_tokens_per_verify` (twice as long as the pause before, when no good verify step came between)."""
+        # zh: 把一个验证步给 ``seq`` 的 token 数并入它最近的平均值；平均值低于 `min_tokens_per_verify` 时暂停它的草稿
+        # zh: （如果两次之间没有好的验证步，暂停时间是上一次的两倍）。
         backoff = self.backoff.setdefault(seq, Backoff())
         # en: A new sequence starts trusted: two verify steps that keep nothing pause it.
         # zh: 新序列一开始是被信任的：连续两个什么都没保留的验证步才让它暂停。
@@ -621,6 +662,7 @@ class Speculator:
 
     def exit(self) -> None:
         """Release what the proposer holds (a draft model's engine)."""
+        # zh: 释放提议器持有的东西（草稿模型的引擎）。
         release = getattr(self.proposer, "exit", None)
         if release is not None:
             release()
@@ -635,6 +677,7 @@ from nanovllm.engine.sequence import PENDING_TOKEN
 @add_to_class(Scheduler)
 def budget_left(self, seqs: list[Sequence]) -> int:
     """How many more tokens a scheduled step of ``seqs`` may compute within `max_num_batched_tokens`."""
+    # zh: 调度好的 ``seqs`` 的一步，在 `max_num_batched_tokens` 之内还能再计算多少个 token。
     return self.max_num_batched_tokens - sum(seq.num_scheduled_tokens for seq in seqs)
 
 
@@ -642,6 +685,8 @@ def budget_left(self, seqs: list[Sequence]) -> int:
 def reserve_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> int:
     """Append each sequence's ``drafts`` to it, with the blocks their K/V needs; a sequence whose drafts would need
     a block that is not free decodes without them. Returns how many drafts the step now verifies."""
+    # zh: 把每个序列的 ``drafts`` 追加给它，连同它们的 K/V 所需的块；草稿需要的块不空闲的序列不带草稿 decode。
+    # zh: 返回这一步现在要验证多少个草稿。
     reserved = 0
     for seq, draft in zip(seqs, drafts, strict=True):
         if not draft:
@@ -711,6 +756,9 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> tuple
     after each draft) disagree with, and roll back the rest. Returns each sequence's one new token (the step is
     now a plain decode step of the last kept token, for `advance` and `resolve` to record) and how many drafts
     it kept."""
+    # zh: 保留每个序列的草稿，直到第一个与它的 ``targets``（模型在最后一个 token 之后、以及每个草稿之后给出的 token）
+    # zh: 不一致的草稿为止，其余的回滚。返回每个序列的一个新 token（这一步现在成了最后一个被保留 token 的普通
+    # zh: decode 步，交给 `advance` 和 `resolve` 记录），以及它保留了多少个草稿。
     new_tokens, drafted, kept_drafts = [], [], []
     for seq, target in zip(seqs, targets, strict=True):
         assert len(target) == seq.num_scheduled_tokens, f"{len(target)} tokens to verify {seq}"
@@ -739,6 +787,7 @@ def accept_drafts(self, seqs: list[Sequence], targets: list[list[int]]) -> tuple
 @add_to_class(Scheduler)
 def drop_drafts(self, seqs: list[Sequence]) -> None:
     """Undo `reserve_drafts` for a step that was never computed: the drafts and the blocks only they needed go."""
+    # zh: 为一个从未被计算的步撤销 `reserve_drafts`：草稿以及只有它们需要的块都去掉。
     for seq in seqs:
         if seq.num_draft_tokens:
             seq.truncate(len(seq) - seq.num_draft_tokens)
@@ -826,6 +875,7 @@ from nanovllm.viz import FakeEngine, Player
 
 def repeating_model(seq: Sequence, index: int) -> int:
     """The fake model's token at ``index`` of ``seq``: its prompt again and again, except 99 at every fifth index."""
+    # zh: 假模型在 ``seq`` 下标 ``index`` 处的 token：一遍又一遍地重复它的提示词，只是每隔五个下标是 99。
     prompt = seq.token_ids[: seq.num_prompt_tokens]
     return 99 if index % 5 == 0 else prompt[index % len(prompt)]
 
@@ -914,6 +964,8 @@ from nanovllm.layers.sampler import sampling_inputs
 def verify_rows(seqs: list[Sequence]) -> tuple[list[Sequence], list[int], list[int]]:
     """The decode rows of a verify step: each row's sequence, token and position. A sequence with k drafts owns
     k + 1 rows that share its block table: row i holds the token at index start + i (start: its cached length)."""
+    # zh: 验证步的 decode 行：每一行的序列、token 和位置。带 k 个草稿的序列拥有共用它的块表的 k + 1 行：
+    # zh: 第 i 行装着下标为 start + i 的 token（start：它已缓存的长度）。
     row_seqs: list[Sequence] = []
     token_ids: list[int] = []
     positions: list[int] = []
@@ -931,6 +983,8 @@ def prepare_verify(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids and positions of a verify step's rows (see `verify_rows`); installs the decode context, in which
     a row sees the tokens up to its own."""
+    # zh: 验证步各行的 input_ids 和 positions（见 `verify_rows`）；装好 decode 上下文，其中每一行都能看到
+    # zh: 直到它自己为止的 token。
     row_seqs, token_ids, positions = verify_rows(seqs)
     tables = [seq.block_table for seq in row_seqs]
     set_decode_context([position + 1 for position in positions], tables, block_size, device)
@@ -942,6 +996,8 @@ def prepare_verify(
 def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
     returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
+    # zh: 在每个序列已缓存的前缀之后，对它调度的 token（它的最后一个 token 和它的草稿）做一次前向计算；
+    # zh: 按序列返回模型在其中每一个之后给出的 token，用该序列自己的参数采样。
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
     self.copy_blocks(seqs)
@@ -1068,6 +1124,7 @@ assert len(seqs[0]) == len(llm.tokenizer("Small steps make")["input_ids"]) + 1 a
 # %%
 def speculative_sample(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The distribution of the token one round of speculative sampling emits, the draft drawn from q."""
+    # zh: 草稿从 q 中抽取时，一轮投机采样输出的 token 的分布。
     accepted = torch.minimum(p, q)
     missing = (p - q).clamp(min=0)
     return accepted + (1 - accepted.sum()) * missing / missing.sum()
@@ -1128,10 +1185,13 @@ assert general < 1e-12 and pointed < 1e-12 and accept_all > 0.2
 
 # %% speculative settings
 #| export config
+import json
 from pathlib import Path
+from typing import Any
 
 from nanovllm.book.literate import add_fields, add_to_class, add_to_init
 from nanovllm.config import Config, _choice
+from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.models.loader import read_model_dir
 from nanovllm.utils.checks import check
 
@@ -1166,6 +1226,7 @@ def _check_speculative_settings(self) -> None:
 @add_to_class(Config)
 def _check_speculation(self) -> None:
     """Refuse speculative settings that cannot work together; a method's default is DEFAULT_SPECULATIVE_TOKENS."""
+    # zh: 拒绝无法配合使用的投机设置；每种方法的默认值是 DEFAULT_SPECULATIVE_TOKENS。
     method, drafts, draft_model = self.speculative_method, self.num_speculative_tokens, self.speculative_model
     if method is None:
         if drafts is not None:
@@ -1190,6 +1251,17 @@ def _check_speculation(self) -> None:
     if vocab != self.hf_config.vocab_size:
         raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
                          f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
+    mine, theirs = load_tokenizer(self.model), load_tokenizer(self.speculative_model)
+    if mine.get_vocab() != theirs.get_vocab() or _bpe_merges(mine) != _bpe_merges(theirs):
+        raise ValueError(f"speculative_model {self.speculative_model} has a tokenizer of the same size with other "
+                         "token ids or merges: a draft model must share the model's tokenizer")
+
+
+def _bpe_merges(tokenizer: Any) -> list | None:
+    """A fast tokenizer's BPE merges (None for a slow one, or another kind)."""
+    # zh: 快速分词器的 BPE 合并规则（慢速分词器或其他类型的分词器返回 None）。
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if backend is None else json.loads(backend.to_str())["model"].get("merges")
 
 
 # %% engine verifies
@@ -1213,6 +1285,7 @@ def _init_speculator(self) -> None:
 
 def build_proposer(config: Config) -> Proposer:
     """The proposer that ``config.speculative_method`` names; a draft model runs in an engine of its own."""
+    # zh: ``config.speculative_method`` 指定的提议器；草稿模型运行在它自己的引擎里。
     drafts = config.num_speculative_tokens
     if config.speculative_method == "ngram":
         return NgramProposer(drafts)
@@ -1222,6 +1295,7 @@ def build_proposer(config: Config) -> Proposer:
 @add_to_class(LLMEngine)
 def next_step_waits(self) -> bool:
     """A decode step that may carry drafts waits for the step in flight: its proposer reads the last tokens."""
+    # zh: 可能带草稿的 decode 步要等正在进行的那一步：它的提议器要读最后那些 token。
     return self.speculator is not None and self.speculator.wants_drafts(self.scheduler.running)
 
 
@@ -1229,6 +1303,8 @@ def next_step_waits(self) -> bool:
 def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
     """Schedule a step, hand it to the model runner and count it; a decode step that got drafts is a verify step,
     run to the end. Its tokens may still be computing otherwise."""
+    # zh: 调度一步，交给模型执行器并计入账目；得到了草稿的 decode 步就是验证步，一直运行到结束。
+    # zh: 否则它的 token 可能还在计算中。
     seqs, is_prefill = self.scheduler.schedule()
     # en: Drafts come from the last tokens: not in a prefill, nor while the step in flight (previous) computes them.
     # zh: 草稿来自最后的 token：prefill 步里没有，计算中的那一步（previous）还在算它们时也没有。
@@ -1242,6 +1318,7 @@ def _launch(self, previous: LaunchedStep | None) -> LaunchedStep:
 @add_to_class(LLMEngine)
 def _reserve_drafts(self, seqs: list[Sequence]) -> bool:
     """Give a scheduled decode step the speculator's drafts, in slots the scheduler reserves; whether it got any."""
+    # zh: 把投机器的草稿交给调度好的 decode 步，放在调度器预留的槽位里；返回它是否得到了草稿。
     if self.speculator is None:
         return False
     drafts = self.speculator.propose(seqs, self.scheduler.budget_left(seqs))
@@ -1253,6 +1330,9 @@ def _verify(self, seqs: list[Sequence]) -> list[int]:
     """Run a decode step with drafts to the end and keep what the model agrees with (`accept_drafts`): each
     sequence's one new token, as a plain decode step has. If nothing comes of it (an error, Ctrl-C), the drafts go
     first, then `rollback` undoes the schedule, so the same step can run again."""
+    # zh: 把带草稿的 decode 步运行到结束，保留模型同意的部分（`accept_drafts`）：每个序列一个新 token，
+    # zh: 与普通 decode 步一样。如果这一步落空（出错、Ctrl-C），先去掉草稿，再由 `rollback` 撤销这次调度，
+    # zh: 这样同一步可以再运行一次。
     try:
         # en: As in `_compute`: the one stretch where Ctrl-C gets through at once.
         # zh: 与 `_compute` 一样：Ctrl-C 能立刻生效的唯一一段。
@@ -1271,6 +1351,7 @@ def _verify(self, seqs: list[Sequence]) -> list[int]:
 @add_to_class(LLMEngine)
 def exit(self) -> None:
     """Release the model runner, and what the speculator's proposer holds (idempotent)."""
+    # zh: 释放模型执行器，以及投机器的提议器持有的东西（可重复调用）。
     with self._one_call("exit"):
         self.model_runner.exit()
         if self.speculator is not None:
@@ -1312,6 +1393,7 @@ prompts = ["Question: Where do fish live? Answer:", "Small steps make", "Small s
 
 class Replay:
     """Proposes what a plain run wrote after the same tokens, with every fifth position wrong on purpose."""
+    # zh: 提议普通运行在同样的 token 之后写出的内容，并故意让每隔五个位置出错。
 
     def __init__(self, runs: list[list[int]], num_speculative_tokens: int = 4) -> None:
         self.runs, self.num_speculative_tokens = runs, num_speculative_tokens
@@ -1327,6 +1409,7 @@ class Replay:
 def run(settings: dict, params: SamplingParams, eos: set[int] = frozenset(), runs: list[list[int]] | None = None,
         **speculation: object) -> tuple[list[list[int]], int, LLM]:
     """The completions of ``prompts`` and the number of steps they took (runs: proposals replay these)."""
+    # zh: ``prompts`` 的生成内容，以及它们用了多少步（runs：提议会重放这些）。
     llm = LLM(tiny_qwen, device="cpu", **settings, **speculation)
     llm.scheduler.eos_token_ids = frozenset(eos)
     # en: Rows for every sequence of these small batches (n = 2 makes six) to verify four drafts: the default
@@ -1447,6 +1530,7 @@ OTHER_BENCHMARKS["--speculative"] = "nanovllm.bench.speculative"
 # %% bench speculative
 #| export bench.speculative
 """``python -m nanovllm.bench --speculative``: the engine with and without prompt lookup, on the same requests."""
+# zh: ``python -m nanovllm.bench --speculative``：在同样的请求上，带和不带 prompt lookup 的引擎。
 
 from __future__ import annotations
 
@@ -1474,6 +1558,8 @@ PASSAGE = (
 def quoting_prompts(count: int) -> list[str]:
     """Prompts that quote PASSAGE and ask for it again, cut at different places: a model continuing a quotation
     copies, and prompt lookup finds what it copies."""
+    # zh: 引用 PASSAGE 并要求再写一遍的提示词，在不同的地方截断：续写引文的模型会照抄，而 prompt lookup
+    # zh: 能找到它照抄的内容。
     head = (f"Here is a paragraph from a book about inference engines.\n\n{PASSAGE}\n\nThe same paragraph, copied "
             "word for word:\n\n")
     return [head + PASSAGE[: 40 + 50 * i % 200] for i in range(count)]
@@ -1484,6 +1570,8 @@ def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_r
     """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
     ``verify_rows`` overrides `Speculator.max_verify_rows`): the median tok/s, and the first run's token ids, steps
     and speculation counters."""
+    # zh: 在一个用 ``settings`` 构建的引擎上（`LLM` 的关键字参数；``verify_rows`` 覆盖 `Speculator.max_verify_rows`）
+    # zh: 把 ``prompts`` 生成 ``repeats`` 遍：tok/s 的中位数，以及第一次运行的 token id、步数和投机计数器。
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
@@ -1526,6 +1614,9 @@ def compare(model: str, prompts: list, params: list[SamplingParams], num_specula
     """One row of the benchmark: the same requests without, then with prompt lookup, or with ``draft_model``'s
     drafts when one is given (settings: `measure`'s). ``plain``: the run without speculation, when `measure` has
     already timed it (one plain run against several numbers of drafts)."""
+    # zh: 基准测试的一行：同样的请求，先不带、再带 prompt lookup，或者给了 ``draft_model`` 时带它的草稿
+    # zh: （settings：与 `measure` 的相同）。``plain``：`measure` 已经计时过的不带投机的运行（一次普通运行对比
+    # zh: 几种草稿数）。
     plain = plain or measure(model, prompts, params, **settings)
     method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
         {"speculative_method": "ngram"}
@@ -1556,6 +1647,7 @@ def print_row(row: dict[str, Any]) -> None:
 
 def workload_cases(name: str, args: argparse.Namespace) -> tuple[str, list[tuple[list, list[SamplingParams]]]]:
     """The model and the (prompts, params) of each row of one workload."""
+    # zh: 一种负载每一行的模型以及 (prompts, params)。
     if name == "nano-vllm":
         workload = make_workload(**PRESETS["nano-vllm"])
         return str(qwen3_06b_random()), [(workload.prompts, workload.sampling_params())]
@@ -1742,6 +1834,7 @@ from nanovllm.serve.driver import ENGINE_COUNTERS
 
 def speculation_counters(engine: LLMEngine) -> dict[str, float]:
     """A speculating engine's counters for /metrics, with vLLM's names (none without speculation)."""
+    # zh: 进行投机的引擎供 /metrics 使用的计数器，采用 vLLM 的名字（不投机时没有）。
     if engine.speculator is None:
         return {}
     counts = engine.speculator.counts
@@ -1846,24 +1939,15 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # - The scheduler's "drafts" and "verified" events, which appendix A's player draws, and the
 #   `spec_decode` counters of the server's `/metrics`.
 #
-# **On a GPU, recorded** (one H200, 2026-12-04, SmolLM2 in bfloat16): at batch 1, 3.6 tokens per
-# verify step and 1.12×, 1.46× and 1.23× the plain engine in three invocations (the plain engine's
-# own batch-1 rate moved between 1,336 and 1,838 tok/s); the 256-sequence workload unchanged
-# (0.99× and 1.01×, as with drafts switched off). Before the verify step became a decode step it
-# ran through the eager prefill path: 171 tok/s at batch 1 against 1,439 for the synchronous
-# engine, a 41 ms step of which the GPU's kernels took 1.5 ms. Now `scripts/profile_verify.py`
-# (Qwen3-0.6B's shapes, four drafts every step) measures a verify step at 1.54 ms against 0.93 ms
-# for a synchronous decode step, and most of it is the GPU's. In bfloat16 some outputs part from
-# the plain engine's after a few dozen tokens: a step's rounding depends on how many rows it has,
-# since cuBLAS picks its kernel by shape, and a near tie can go the other way; in float32, on the
-# CPU as asserted above and on the GPU in the tests, the output is identical.
-#
-# Again on one H200 (2026-12-05, `scripts/gpu-ci.sh speculative`, the same quoting workload): at
-# batch 1 the plain engine ran at 1,703 tok/s and prompt lookup at 2,265, 1.33× (95 steps for 256
-# tokens, 66 % of the drafts kept, 3.6 tokens per verify step, the same tokens); batch 16 is past
-# the rule's five sequences and drafted nothing (1.01×); the 256-sequence workload ran at 1.00×.
-# A verify step cost 2.0 pipelined decode steps: chapter 15's table shows why, since the step's
-# matmuls at 5 to 8 rows are cuBLAS's and its boundaries are those of an unfused step.
+# **On a GPU, recorded** (one H200, SmolLM2 in bfloat16). `scripts/profile_verify.py` (Qwen3-0.6B's
+# shapes, four drafts every step, 2026-12-04) measures a verify step at 1.54 ms against 0.93 ms for a
+# synchronous decode step, most of it the GPU's. In bfloat16 some outputs part from the plain
+# engine's after a few dozen tokens: a step's rounding depends on how many rows it has, since cuBLAS
+# picks its kernel by shape, and a near tie can go the other way; in float32, on the CPU as asserted
+# above and on the GPU in the tests, the output is identical. On 2026-12-05 (`scripts/gpu-ci.sh
+# speculative`) prompt lookup gave 1.33× at batch 1, a verify step costing 2.0 pipelined decode
+# steps (its matmuls at 5 to 8 rows were cuBLAS's); batch 16, past the rule's five sequences,
+# drafted nothing (1.01×), and the 256-sequence workload ran at 1.00×.
 #
 # Once more on an H200 that evening, after chapter 15's GEMV had learned to take four rows
 # (`python -m nanovllm.bench --speculative --workloads quoting --batches 1 2 4
@@ -1911,20 +1995,13 @@ assert default_drafts == DEFAULT_SPECULATIVE_TOKENS and 1 + default_drafts in ca
 # - 调度器的 "drafts" 和 "verified" 事件（附录 A 的播放器把它们画出来），以及服务器 `/metrics` 里的 `spec_decode` 计数
 #   器。
 #
-# **GPU 上的记录**（一块 H200，2026-12-04，bfloat16 的 SmolLM2）：批大小为 1 时每个验证步产出 3.6 个 token，三次调用分
-# 别跑出普通引擎的 1.12、1.46 和 1.23 倍（普通引擎自己在批大小为 1 时的速度在 1,336 到 1,838 tok/s 之间浮动）；256 个
-# 序列的负载不受影响（0.99 和 1.01 倍，和完全关掉草稿时一样）。验证步改成 decode 步之前，走的是 eager 的 prefill 路径：
-# 批大小为 1 时只有 171 tok/s，同步引擎则有 1,439；一步要 41 毫秒，GPU 内核只占其中 1.5 毫秒。现在
-# `scripts/profile_verify.py`（Qwen3-0.6B 的形状，每步四个草稿）测得一个验证步 1.54 毫秒，同步的 decode 步 0.93 毫秒，
-# 其中大部分是 GPU 的时间。在 bfloat16 下，有些输出到几十个 token 之后就与普通引擎的输出不同了：一步的舍入取决于它有几
-# 行，因为 cuBLAS 按形状挑选内核，两个几乎并列的 token 就可能倒向另一边；在 float32 下，不论是上面断言过的 CPU，还是测
-# 试里的 GPU，输出都完全相同。
-#
-# 又在一块 H200 上跑了一次（2026-12-05，`scripts/gpu-ci.sh speculative`，同样的引用型负载）：批大小为 1 时普通引擎
-# 1,703 tok/s，prompt lookup 2,265 tok/s，1.33 倍（256 个 token 用了 95 步，66% 的草稿被保留，每个验证步 3.6 个 token，
-# 输出相同）；批大小 16 超过了规则允许的五个序列，没有草稿（1.01 倍）；256 个序列的负载是 1.00 倍。一个验证步值 2.0 个
-# 流水线化的 decode 步，原因见第 15 章的表：这一步 5 到 8 行的矩阵乘法走的是 cuBLAS，内核之间的边界也和未融合的步一样
-# 多。
+# **GPU 上的记录**（一块 H200，bfloat16 的 SmolLM2）。`scripts/profile_verify.py`（Qwen3-0.6B 的形状，每步四个草稿，
+# 2026-12-04）测得一个验证步 1.54 毫秒，同步的 decode 步 0.93 毫秒，其中大部分是 GPU 的时间。在 bfloat16 下，有些输出到
+# 几十个 token 之后就与普通引擎的输出不同了：一步的舍入取决于它有几行，因为 cuBLAS 按形状挑选内核，两个几乎并列的 token
+# 就可能倒向另一边；在 float32 下，不论是上面断言过的 CPU，还是测试里的 GPU，输出都完全相同。2026-12-05
+# （`scripts/gpu-ci.sh speculative`）批大小为 1 时 prompt lookup 是 1.33 倍，一个验证步值 2.0 个流水线化的 decode 步
+# （它 5 到 8 行的矩阵乘法走的是 cuBLAS）；批大小 16 超过了规则允许的五个序列，没有草稿（1.01 倍）；256 个序列的负载是
+# 1.00 倍。
 #
 # 当天晚上又在一块 H200 上跑了一次，那时第 15 章的 GEMV 已经能接手四行（`python -m nanovllm.bench --speculative
 # --workloads quoting --batches 1 2 4 --num-speculative-tokens 3 4 7 --repeats 3`：一次普通运行，对照三个投机的引
@@ -2084,6 +2161,7 @@ from nanovllm.engine.cuda_graphs import capture_sizes
 
 def graph_rows(batch: int, drafts: int) -> int:
     """The rows of the decode graph that a verify step of ``batch`` sequences with ``drafts`` drafts each replays."""
+    # zh: ``batch`` 个序列、每个带 ``drafts`` 个草稿的验证步所重放的 decode 图的行数。
     return min(size for size in capture_sizes(256) if size >= batch * (1 + drafts))
 
 

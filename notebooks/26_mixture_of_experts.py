@@ -176,6 +176,7 @@ say = Phrases({
 # %% moe block
 #| export models.qwen3_moe
 """Qwen3-MoE: decoder layers whose MLP is a router and experts (a mixture of experts)."""
+# zh: Qwen3-MoE：MLP 由路由器和专家组成（混合专家）的解码器层。
 
 from __future__ import annotations
 
@@ -194,6 +195,8 @@ from nanovllm.models.qwen3 import Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3MLP,
 class SparseMoeBlock(nn.Module):
     """The MLP of a sparse layer: a router picks ``top_k`` of ``num_experts`` experts per token; the output is
     the chosen experts' outputs, weighted by the router."""
+    # zh: 稀疏层的 MLP：路由器为每个 token 从 ``num_experts`` 个专家中挑出 ``top_k`` 个；输出是被选中专家的输出，
+    # zh: 按路由器给的权重加权。
 
     # en: The experts in two grouped Triton kernels, once `fuse_moe_layers` hands the block them.
     # zh: 两个分组的 Triton 内核完成所有专家的计算，由 `fuse_moe_layers` 交给这个块。
@@ -223,6 +226,7 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, top_k] in x's dtype, the chosen experts [T, top_k]), largest weight first."""
+        # zh: （x 的 dtype 下的权重 [T, top_k]，被选中的专家 [T, top_k]），权重最大的排在最前。
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
@@ -252,6 +256,8 @@ class SparseMoeBlock(nn.Module):
         """Add to `touched`, in the row of the step's token count, the number of experts a decode step's tokens chose
         and one step: on the device, no host read, so that a replayed graph counts too; a graph's padding rows
         (context length 0) choose nothing."""
+        # zh: 在 `touched` 中这一步 token 数对应的那一行上，加上一个 decode 步的 token 所选专家的个数，再加一步：
+        # zh: 在设备上完成，不从主机读，这样重放的图也会计数；图的填充行（上下文长度 0）什么都不选。
         context = get_context()
         if context.is_prefill or context.context_lens is None:
             return
@@ -264,11 +270,13 @@ class SparseMoeBlock(nn.Module):
 
     def expert_rows(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Expert ``index`` on rows ``x``: this rank's partial sum (no all-reduce)."""
+        # zh: 专家 ``index`` 作用于行 ``x``：本 rank 的部分和（不做 all-reduce）。
         expert = self.experts[index]
         return expert.down_proj.forward_local(expert.act_fn(expert.gate_up_proj(x)))
 
     def chosen_experts(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Each chosen expert on its own tokens, weighted, added up (as transformers computes it)."""
+        # zh: 每个被选中的专家作用于它自己的 token，加权后相加（与 transformers 的算法相同）。
         out = torch.zeros_like(x)
         for index in chosen.unique().tolist():
             rows, slots = torch.where(chosen == index)
@@ -277,6 +285,7 @@ class SparseMoeBlock(nn.Module):
 
     def every_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """The same sums in fixed shapes: every expert on every token, weighted 0 where the token did not choose it."""
+        # zh: 同样的和，但形状固定：每个专家作用于每个 token，token 没选它的地方权重为 0。
         out = torch.zeros_like(x)
         for index in range(self.num_experts):
             weight = (weights * (chosen == index)).sum(dim=-1, keepdim=True)
@@ -304,6 +313,7 @@ class SparseMoeBlock(nn.Module):
 #| export models.qwen3_moe
 def is_sparse_layer(config: Any, index: int) -> bool:
     """Whether layer ``index`` has experts: not in mlp_only_layers, and on the decoder_sparse_step grid."""
+    # zh: 第 ``index`` 层是否有专家：不在 mlp_only_layers 中，并且落在 decoder_sparse_step 的网格上。
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return (index not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0
             and (index + 1) % step == 0)
@@ -311,6 +321,7 @@ def is_sparse_layer(config: Any, index: int) -> bool:
 
 class Qwen3MoeModel(Qwen3Model):
     """Qwen3 whose sparse layers have a router and experts instead of the dense MLP."""
+    # zh: 稀疏层用路由器和专家代替稠密 MLP 的 Qwen3。
 
     def make_layer(self, config: Any, rotary_emb: RotaryEmbedding, switches: dict[str, bool], index: int) -> nn.Module:
         mlp = None
@@ -322,6 +333,7 @@ class Qwen3MoeModel(Qwen3Model):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B...): Qwen3 with sparse layers."""
+    # zh: Qwen3-MoE（Qwen3-30B-A3B、Qwen3-235B-A22B……）：带稀疏层的 Qwen3。
 
     model_class = Qwen3MoeModel
 
@@ -480,11 +492,13 @@ from nanovllm.models.qwen3_moe import is_sparse_layer
 
 def experts_params(hf_config: Any) -> int:
     """Parameters of one sparse layer's experts: gate, up and down of moe_intermediate_size, each expert."""
+    # zh: 一个稀疏层中专家的参数量：每个专家都有 moe_intermediate_size 的 gate、up 和 down。
     return hf_config.num_experts * 3 * hf_config.hidden_size * hf_config.moe_intermediate_size
 
 
 def expert_mlp_params(hf_config: Any, index: int) -> int | None:
     """A sparse layer's MLP: the router and every expert."""
+    # zh: 稀疏层的 MLP：路由器和每一个专家。
     if not getattr(hf_config, "num_experts", 0) or not is_sparse_layer(hf_config, index):
         return None
     return hf_config.hidden_size * hf_config.num_experts + experts_params(hf_config)
@@ -503,6 +517,7 @@ assert model_params(llm.config.hf_config) == built
 def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Experts a step of ``tokens`` tokens touches on average when each token picks ``top_k`` of ``num_experts``
     uniformly."""
+    # zh: 每个 token 从 ``num_experts`` 个专家中均匀地挑 ``top_k`` 个时，一个 ``tokens`` 个 token 的步平均触及的专家数。
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
@@ -554,6 +569,7 @@ def record_routing(module: SparseMoeBlock, inputs: tuple, output: torch.Tensor) 
 
 def routing_svg(chosen: list[list[int]], weights: list[list[float]], num_experts: int) -> str:
     """One step of one layer: a row per token, a column per expert, the chosen cells shaded by their weight."""
+    # zh: 一层的一步：每个 token 一行，每个专家一列，被选中的格子按权重着色。
     cell, left, top = 22, 64, 22
     rows = len(chosen)
     width, height = left + num_experts * cell + 10, top + (rows + 1) * cell + 14
@@ -685,6 +701,8 @@ QWEN3_MOE_30B_SHAPES: dict[str, Any] = {
 def qwen3_moe_30b_shapes(path: str | None = None, **overrides: Any) -> Path:
     """A model directory with Qwen3-30B-A3B's shapes (``overrides``, e.g. fewer layers) and no weights, to run with
     ``load_format="dummy"``: the 61 GB of bfloat16 weights are drawn on the GPU instead of written to disk."""
+    # zh: 一个形状与 Qwen3-30B-A3B 相同（``overrides``，比如更少的层）、没有权重的模型目录，用 ``load_format="dummy"``
+    # zh: 运行：61 GB 的 bfloat16 权重在 GPU 上抽取，而不是写到磁盘上。
     import tempfile
 
     from transformers import Qwen3MoeConfig
@@ -703,6 +721,8 @@ OTHER_BENCHMARKS["--moe"] = "nanovllm.bench.moe"
 #| export bench.moe
 """``python -m nanovllm.bench --moe``: a mixture-of-experts model's tokens per second against the dense-style bound
 and the router-aware one (the experts its decode steps chose)."""
+# zh: ``python -m nanovllm.bench --moe``：混合专家模型的每秒 token 数，对照稠密式的上限和考虑路由器的上限
+# zh: （按它的 decode 步所选的专家计算）。
 
 from __future__ import annotations
 
@@ -733,6 +753,8 @@ MOE_WORKLOADS = {"cuda": (256, (100, 1024), (100, 1024)), "cpu": (8, (16, 48), (
 class ExpertReads:
     """What a run's decode steps read of the experts: the experts they touched, summed over steps and layers, and
     by the steps' token counts the share of the experts a step read (``by_tokens``, as the batch drains)."""
+    # zh: 一次运行的 decode 步读取了专家的哪些部分：它们触及的专家数，按步和层求和；以及按步的 token 数统计的
+    # zh: 一步所读专家的比例（``by_tokens``，随着批次逐渐排空）。
 
     decode_steps: int
     touched: int
@@ -743,11 +765,14 @@ class ExpertReads:
     @property
     def share(self) -> float:
         """The share of the sparse layers' expert weights an average decode step read."""
+        # zh: 一个平均的 decode 步读取的稀疏层专家权重的比例。
         return self.touched / max(1, self.decode_steps * self.sparse_layers * self.num_experts)
 
     def share_at(self, tokens: int) -> float:
         """The share a decode step of ``tokens`` tokens read: as measured at that count, else at the nearest count
         the run had (the larger on a tie); the run's mean when nothing was counted by tokens."""
+        # zh: ``tokens`` 个 token 的 decode 步读取的比例：按在这个 token 数下测得的值，否则按这次运行里最接近的 token 数
+        # zh: （相等时取较大者）；没有按 token 数统计时，取这次运行的平均值。
         if not self.by_tokens:
             return self.share
         return self.by_tokens[min(self.by_tokens, key=lambda count: (abs(count - tokens), -count))]
@@ -755,6 +780,7 @@ class ExpertReads:
 
 def expert_reads(blocks: list[SparseMoeBlock], decode_steps: int) -> ExpertReads:
     """The blocks' counts (`SparseMoeBlock.touched`) as a run's `ExpertReads`."""
+    # zh: 把各块的计数（`SparseMoeBlock.touched`）变成一次运行的 `ExpertReads`。
     counts = sum(block.touched.cpu() for block in blocks)
     num_experts = blocks[0].num_experts
     by_tokens = {tokens: experts / (steps * num_experts) for tokens, (experts, steps) in enumerate(counts.tolist())
@@ -767,6 +793,9 @@ def counting_experts(fused: bool = True) -> Iterator[None]:
     """Models built inside count the experts their decode steps touch (`SparseMoeBlock.count_touched`); with
     ``fused=False`` their experts run as the loop on a GPU too (the fused kernels, built with `fused_moe`, are the
     GPU's default: `Qwen3MoeForCausalLM.fused_experts_on_gpu`)."""
+    # zh: 在块内构建的模型会统计它们的 decode 步触及的专家（`SparseMoeBlock.count_touched`）；``fused=False`` 时，
+    # zh: 它们的专家在 GPU 上也按循环运行（用 `fused_moe` 构建的融合内核是 GPU 上的默认：
+    # zh: `Qwen3MoeForCausalLM.fused_experts_on_gpu`）。
     was_fused = getattr(Qwen3MoeForCausalLM, "fused_experts_on_gpu", True)
     SparseMoeBlock.count_touched, Qwen3MoeForCausalLM.fused_experts_on_gpu = True, fused
     try:
@@ -778,6 +807,8 @@ def counting_experts(fused: bool = True) -> Iterator[None]:
 def run_counted(model: str, workload: Workload, fused: bool = True, **config: Any) -> tuple[float, ExpertReads, Any]:
     """Time `LLM.generate` on the workload (after an untimed warm-up) with the experts counted, through the fused
     kernels on a GPU unless ``fused`` is False: (seconds, the experts read, the engine's config)."""
+    # zh: 在负载上为 `LLM.generate` 计时（先做一次不计时的预热），同时统计专家；除非 ``fused`` 为 False，在 GPU 上
+    # zh: 走融合内核：（秒数，读取的专家，引擎的 config）。
     from nanovllm.llm import LLM
 
     with counting_experts(fused):
@@ -813,6 +844,10 @@ def router_aware_bound(workload: Workload, hf_config: Any, dtype_bytes: int, rea
     count: a run whose KV cache held fewer sequences at a time read less per step, in more steps, and its mean
     share would make the bound optimistic. ``decode_steps``: the steps such a run needed, each reading the run's
     mean share."""
+    # zh: （稠密式的上限，考虑路由器的每秒 token 数）：同样的上限，只是每个 decode 步读取测得比例的稀疏层专家，
+    # zh: 而不是全部。这个上限让每个序列同时 decode（步数等于最长的输出），每一步读取这次运行在该 token 数下
+    # zh: 测得的比例：KV 缓存同时容纳的序列较少的运行，每步读得更少、步数更多，用它的平均比例会让上限过于乐观。
+    # zh: ``decode_steps``：这样一次运行所需的步数，每一步都读取这次运行的平均比例。
     dense = workload_bound(workload, hf_config, dtype_bytes, bandwidth, flops)
     sparse_layers = sum(is_sparse_layer(hf_config, index) for index in range(hf_config.num_hidden_layers))
     all_experts = sparse_layers * experts_params(hf_config) * dtype_bytes
@@ -835,6 +870,8 @@ def print_bounds(workload: Workload, config: Any, reads: ExpertReads, tokens_per
                  flops: float) -> dict[str, float]:
     """Print the run against the dense-style bound, the router-aware one and, where the KV cache held fewer
     sequences than the workload has, the router-aware one at the steps the run needed; returns them for the report."""
+    # zh: 打印这次运行对照稠密式上限、考虑路由器的上限，以及在 KV 缓存容纳的序列比负载少时，按这次运行所需步数
+    # zh: 计算的考虑路由器的上限；把它们返回给报告。
     hf_config, dtype_bytes = config.hf_config, config.torch_dtype.itemsize
     dense, router = router_aware_bound(workload, hf_config, dtype_bytes, reads, bandwidth, flops)
     at_steps = router_aware_bound(workload, hf_config, dtype_bytes, reads, bandwidth, flops, reads.decode_steps)[1]
@@ -852,6 +889,7 @@ def print_bounds(workload: Workload, config: Any, reads: ExpertReads, tokens_per
 
 def draining(reads: ExpertReads) -> str:
     """The share of the experts read as the batch drains: at most ten token counts, from the largest down."""
+    # zh: 随着批次逐渐排空所读专家的比例：至多十个 token 数，从最大的往下。
     counts = sorted(reads.by_tokens, reverse=True)
     shown = sorted({counts[round(i * (len(counts) - 1) / 9)] for i in range(10)}, reverse=True) if counts else []
     return ", ".join(f"{tokens} -> {reads.by_tokens[tokens]:.0%}" for tokens in shown)
@@ -986,6 +1024,8 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 #| export layers.fused_moe
 """The experts of a sparse layer in two Triton kernels: tokens sorted by expert and padded to the tile, one grouped
 matmul for gate/up with SiLU x mul, one for down with the router's weights applied."""
+# zh: 用两个 Triton 内核计算稀疏层的专家：token 按专家排序并填充到 tile 的大小，一次分组矩阵乘法计算 gate/up
+# zh: 并做 SiLU 乘法，一次计算 down 并乘上路由器的权重。
 
 from __future__ import annotations
 
@@ -1001,6 +1041,10 @@ def align_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tup
     sorted by expert, each expert's run padded to a multiple of ``block_m`` rows with the pair count T * top_k:
     (pair per row [rows], expert per tile of block_m rows [rows // block_m], num_experts past the last run).
     Every shape depends on T alone, never on the routing, so a CUDA graph can capture it."""
+    # zh: ``chosen`` [T, top_k] 的（token，槽）对，展平（第 p 对是 token p // top_k、槽 p % top_k），按专家排序，
+    # zh: 每个专家的那一段用对数 T * top_k 填充到 ``block_m`` 行的倍数：（每行的对 [rows]，每个 block_m 行的 tile
+    # zh: 的专家 [rows // block_m]，最后一段之后的 num_experts）。每个形状都只取决于 T，从不取决于路由，
+    # zh: 所以 CUDA Graph 能捕获它。
     pairs = chosen.flatten()
     count = pairs.numel()
     per_expert = torch.zeros(num_experts, dtype=torch.long, device=pairs.device)
@@ -1056,6 +1100,8 @@ def align_kernel(chosen_ptr, rows_ptr, tile_expert_ptr, count, num_tiles, NUM_EX
 def align_in_one_program(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s (rows, tile experts) from a fill and one Triton program, for at most ONE_PROGRAM_PAIRS
     (token, slot) pairs: a decode step's few tokens, where align_by_expert's small kernels cost more than the sort."""
+    # zh: 由一次填充和一个 Triton 程序得到 `align_by_expert` 的（行，tile 的专家），适用于至多 ONE_PROGRAM_PAIRS 个
+    # zh: （token，槽）对：decode 步那寥寥几个 token，这时 align_by_expert 的小内核比排序本身还贵。
     pairs = chosen.numel()
     if pairs > ONE_PROGRAM_PAIRS:
         raise ValueError(f"one program sorts at most {ONE_PROGRAM_PAIRS} pairs, not {pairs}")
@@ -1071,6 +1117,7 @@ def align_in_one_program(chosen: torch.Tensor, num_experts: int, block_m: int) -
 
 def sort_by_expert(chosen: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_by_expert`'s result, from one program when there are at most ONE_PROGRAM_PAIRS pairs."""
+    # zh: `align_by_expert` 的结果；对数至多 ONE_PROGRAM_PAIRS 时由一个程序得出。
     if chosen.numel() <= ONE_PROGRAM_PAIRS:
         return align_in_one_program(chosen, num_experts, block_m)
     return align_by_expert(chosen, num_experts, block_m)
@@ -1135,6 +1182,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     """The experts' output for tokens ``x`` [T, H]: ``w13`` [E, 2I, H] the experts' merged gate/up weights,
     ``w2`` [E, H, I] their down weights, ``weights`` and ``chosen`` [T, top_k] the router's (`SparseMoeBlock.route`).
     Two grouped matmuls over the pairs sorted by expert, then each token's top_k rows added up."""
+    # zh: token ``x`` [T, H] 的专家输出：``w13`` [E, 2I, H] 是各专家合并的 gate/up 权重，``w2`` [E, H, I] 是它们的
+    # zh: down 权重，``weights`` 和 ``chosen`` [T, top_k] 来自路由器（`SparseMoeBlock.route`）。在按专家排序的各对上
+    # zh: 做两次分组矩阵乘法，然后把每个 token 的 top_k 行相加。
     tokens, hidden = x.shape
     num_experts, width = w13.shape[0], w13.shape[1] // 2
     top_k = chosen.shape[1]
@@ -1175,6 +1225,7 @@ from nanovllm.book.literate import add_to_class
 
 class FusedExperts:
     """A sparse block's experts as `fused_moe` runs them: the experts' weights stacked, [E, 2I, H] and [E, H, I]."""
+    # zh: `fused_moe` 运行时所用的稀疏块专家：各专家的权重堆叠起来，[E, 2I, H] 和 [E, H, I]。
 
     def __init__(self, block: SparseMoeBlock) -> None:
         # en: Triton: imported only when the fused path is asked for (a CPU engine never imports it).
@@ -1197,6 +1248,7 @@ class FusedExperts:
 
 def fuse_moe_layers(model: nn.Module) -> int:
     """Hand every sparse block of ``model`` its experts as two grouped kernels (`fused_moe`); returns how many."""
+    # zh: 把 ``model`` 的每个稀疏块的专家交给两个分组内核（`fused_moe`）；返回有多少个。
     blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
     for block in blocks:
         block.fused_experts = FusedExperts(block)

@@ -136,11 +136,13 @@ _U64 = (1 << 64) - 1
 
 def hash_hex(value: int) -> str | None:
     """A block hash as 16 hex digits, or None for an unpublished block (hash -1)."""
+    # zh: 块的哈希，写成 16 位十六进制数；未发布的块（哈希为 -1）为 None。
     return None if value == -1 else format(value & _U64, "016x")
 
 
 def seq_state(seq: Any) -> dict:
     """The counters and block table of one sequence, as plain data."""
+    # zh: 一个序列的计数器和块表，作为普通数据。
     return {
         "id": seq.seq_id,
         "status": seq.status.name,
@@ -162,6 +164,9 @@ def snapshot(scheduler: Any, known: list[Any] = ()) -> dict:
     known: every sequence seen so far (finished ones included), in arrival order; the live ones
     (waiting, running) are always included.
     """
+    # zh: 调度器的状态，作为普通数据：块、空闲队列、各队列和各序列。
+    # zh:
+    # zh: known：到目前为止见过的每个序列（包括已结束的），按到达顺序；活跃的序列（等待中、运行中）总是包括在内。
     bm = scheduler.block_manager
     block_size = bm.block_size
     running, waiting = list(scheduler.running), list(scheduler.waiting)
@@ -213,6 +218,13 @@ class Recorder:
     blocks given back) and "preempt" (a preemption forced by hand, outside the scheduler).
     ``recording`` is a JSON-serializable dict; ``player_html`` draws it.
     """
+    # zh: 观察一个调度器，每个事件记录一帧普通数据。
+    # zh:
+    # zh: 帧："start"（挂上时），"add"（连续的 add 共用一帧），"schedule"（调度器选好一个批次之后：分配、缓存命中、
+    # zh: 抢占都看得见），"postprocess"（追加了 token、发布了哈希、释放了已结束的序列之后），
+    # zh: "drafts" 和 "verified"（投机解码：预留草稿，然后是模型保留了什么、交还了哪些块），以及 "preempt"
+    # zh: （在调度器之外手动强制的抢占）。
+    # zh: ``recording`` 是一个可序列化为 JSON 的字典；``player_html`` 把它画出来。
 
     def __init__(self, scheduler: Any, *, attach: bool = True) -> None:
         self.scheduler = scheduler
@@ -303,6 +315,7 @@ class Recorder:
     @property
     def recording(self) -> dict:
         """Everything recorded so far, as plain JSON-serializable data."""
+        # zh: 到目前为止记录下的一切，作为可序列化为 JSON 的普通数据。
         bm = self.scheduler.block_manager
         return {
             "format": RECORDING_FORMAT,
@@ -342,11 +355,13 @@ from nanovllm.viz.recorder import Recorder
 
 def fake_token(seq: Sequence, sample_index: int = 0) -> int:
     """A deterministic "sampled" token: depends only on the sequence id, its length and which sample draws it."""
+    # zh: 一个确定性的“采样” token：只取决于序列 id、它的长度，以及是哪个样本在抽取它。
     return 1000 + (seq.seq_id * 31 + seq.num_tokens * 7 + sample_index * 13) % 97
 
 
 class FakeEngine:
     """A scheduler, a recorder and a fake model: schedule → fake tokens → postprocess, on CPU, instantly."""
+    # zh: 一个调度器、一个记录器和一个假模型：调度 → 假 token → 后处理，在 CPU 上瞬间完成。
 
     def __init__(self, *, num_kvcache_blocks: int, kvcache_block_size: int, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 64, enable_prefix_caching: bool = True) -> None:
@@ -365,6 +380,8 @@ class FakeEngine:
     def add(self, token_ids: ListLike[int], max_tokens: int = 4, n: int = 1) -> Sequence:
         """Add a request; it ignores EOS, so it generates exactly ``max_tokens`` tokens (in each of its ``n``
         samples: after its prefill it forks)."""
+        # zh: 添加一个请求；它忽略 EOS，所以恰好生成 ``max_tokens`` 个 token（它的 ``n`` 个样本各生成这么多：
+        # zh: prefill 之后它会分叉）。
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
         seq = Sequence(list(token_ids), params, block_size=self.config["kvcache_block_size"])
         self.scheduler.check_fits(seq)
@@ -374,6 +391,7 @@ class FakeEngine:
 
     def step(self) -> tuple[list[Sequence], bool]:
         """One engine step with the fake model. Returns what was scheduled."""
+        # zh: 用假模型运行引擎的一步。返回调度了什么。
         seqs, is_prefill = self.scheduler.schedule()
         tokens = [fake_token(s, s.sample_index) for s in seqs]
         # en: A request that forks gets its siblings' first tokens after the step's own, as from the runner.
@@ -385,6 +403,7 @@ class FakeEngine:
 
     def preempt_newest(self) -> Sequence | None:
         """Preempt the newest running sequence by hand, as decode does when it runs out of blocks."""
+        # zh: 手动抢占最新的运行序列，就像 decode 用完了块时那样。
         if not self.scheduler.running:
             return None
         seq = self.scheduler.running.pop()
@@ -398,6 +417,7 @@ class FakeEngine:
 
     def run(self, max_steps: int = 1000) -> int:
         """Step until every request finished (or ``max_steps``); returns the number of steps taken."""
+        # zh: 一步一步运行，直到每个请求都结束（或者达到 ``max_steps``）；返回走了多少步。
         taken = 0
         while not self.scheduler.is_finished() and taken < max_steps:
             self.step()
@@ -505,6 +525,7 @@ LANG_PIECE = re.compile(r"<!--lang:(en|zh|both)-->(.*?)<!--/lang-->", re.S)
 
 def check_lang(lang: str | None) -> str:
     """The language asked for ("en", "zh" or "both"; None: the default, see ``set_language``), or a ValueError."""
+    # zh: 要求的语言（"en"、"zh" 或 "both"；None：默认值，见 ``set_language``），否则抛出 ValueError。
     lang = _default["lang"] if lang is None else lang
     if lang not in LANGS:
         raise ValueError(f"lang must be one of {LANGS}, got {lang!r}")
@@ -513,11 +534,13 @@ def check_lang(lang: str | None) -> str:
 
 def set_language(lang: str) -> None:
     """The default language of players and panels from now on: "en", "zh" or "both"."""
+    # zh: 从现在起播放器和面板的默认语言："en"、"zh" 或 "both"。
     _default["lang"] = check_lang(lang)
 
 
 def reading_language() -> str:
     """The default language of players and panels ("both" unless ``set_language`` changed it)."""
+    # zh: 播放器和面板的默认语言（除非 ``set_language`` 改过，否则为 "both"）。
     return _default["lang"]
 
 
@@ -527,6 +550,7 @@ def _esc(text: object) -> str:
 
 def _pick(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
     """Markup in one language, or both: each marked so that ``keep_language`` can cut one out."""
+    # zh: 一种语言或两种语言的标记：每一段都带着标记，让 ``keep_language`` 能剪掉其中一种。
     lang = check_lang(lang)
     if lang != "both":
         return en if lang == "en" else zh
@@ -536,11 +560,13 @@ def _pick(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
 
 def lang_text(en: str, zh: str, lang: str | None = None, sep: str = " ") -> str:
     """A short text as HTML in the reading language (both, marked, when ``lang`` is "both")."""
+    # zh: 一小段文字，写成阅读语言的 HTML（``lang`` 为 "both" 时两种都有，带标记）。
     return _pick(_esc(en), _esc(zh), lang, _esc(sep))
 
 
 def keep_language(markup: str, lang: str) -> str:
     """Cut bilingual markup down to one language: keep ``lang``'s pieces, drop the others'."""
+    # zh: 把双语标记剪成一种语言：保留 ``lang`` 的部分，丢掉其他的。
     if lang not in ("en", "zh"):
         raise ValueError(f"keep_language keeps 'en' or 'zh', got {lang!r}")
     return LANG_PIECE.sub(lambda m: m[2] if m[1] == lang else "", markup)
@@ -553,6 +579,7 @@ def _seq_list(ids: list[int], zh: bool) -> str:
 
 def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
     """What a speculative decoding frame says: the drafts a step verifies, or what it kept of them."""
+    # zh: 投机解码的一帧说了什么：一步要验证的草稿，或者它从中保留了什么。
     if phase == "drafts":
         items = [(d["seq"], d["count"]) for d in event["drafts"]]
         return [("草稿：" + "、".join(f"序列 {i}（+{n} 个 token）" for i, n in items)) if zh
@@ -570,6 +597,7 @@ def speculation_caption(phase: str, event: dict, zh: bool) -> list[str]:
 
 def start_caption(frame: dict, event: dict, zh: bool) -> list[str]:
     """The pool a recording starts from."""
+    # zh: 一段记录开始时的块池。
     n, bs = event["num_blocks"], event["block_size"]
     states = [block["state"] for block in frame["blocks"]]
     used, cached = states.count("used"), states.count("cached")
@@ -584,6 +612,7 @@ def start_caption(frame: dict, event: dict, zh: bool) -> list[str]:
 
 def schedule_caption(event: dict, seqs: dict[int, dict], zh: bool) -> list[str]:
     """What a schedule chose: the batch, its cache hits, preemptions and copy-on-write copies."""
+    # zh: 一次调度选了什么：批次、它的缓存命中、抢占和写时复制。
     scheduled, parts = event["scheduled"], []
     if not scheduled:
         parts.append("没有可调度的序列" if zh else "nothing to schedule")
@@ -618,6 +647,7 @@ def schedule_caption(event: dict, seqs: dict[int, dict], zh: bool) -> list[str]:
 
 def postprocess_caption(event: dict, zh: bool) -> list[str]:
     """What a step's tokens did: forks, tokens appended or not yet, finished sequences."""
+    # zh: 一步的 token 做了什么：分叉、已追加或尚未追加的 token、结束的序列。
     parts = []
     for fork in event.get("forked", []):
         ids = _seq_list(fork["into"], zh)
@@ -640,6 +670,7 @@ def postprocess_caption(event: dict, zh: bool) -> list[str]:
 
 def caption(frame: dict, lang: str = "en") -> str:
     """One line that says what happened in ``frame``, in English (``"en"``) or Chinese (``"zh"``)."""
+    # zh: 用一行文字说出 ``frame`` 中发生了什么，用英文（``"en"``）或中文（``"zh"``）。
     if check_lang(lang) == "both":
         raise ValueError("caption() speaks one language at a time: lang must be 'en' or 'zh'")
     zh = lang == "zh"
@@ -690,11 +721,13 @@ STATE_ZH = {"free": "空闲", "used": "已用", "cached": "已缓存"}
 
 def _label(en: str, zh: str, lang: str | None) -> str:
     """An SVG label. Its Chinese half is a <tspan lang="zh">, which the "both" drawing hides (no room for two)."""
+    # zh: 一个 SVG 标签。它的中文那一半是一个 <tspan lang="zh">，"both" 画法会把它藏起来（放不下两种）。
     return _pick(_esc(en), f'<tspan lang="zh">{_esc(zh)}</tspan>', lang, " ")
 
 
 def block_info(block: dict, block_size: int, lang: str | None = "en") -> str:
     """The hover text of a block: id, state, ref count, hash, owners, tokens (HTML-escaped, language-marked)."""
+    # zh: 块的悬停文字：id、状态、引用计数、哈希、持有者、token（已做 HTML 转义，带语言标记）。
     owners = ", ".join(str(s) for s in block["owners"]) or "-"
     hash_ = block["hash"] or "null"
     en = (f"block {block['id']} · {block['state']} · ref {block['ref_count']} · hash {hash_} · seqs {owners} · "
@@ -706,6 +739,7 @@ def block_info(block: dict, block_size: int, lang: str | None = "en") -> str:
 
 def seq_info(seq: dict, lang: str | None = "en") -> str:
     """The hover text of a sequence row: status and counters (HTML-escaped, language-marked)."""
+    # zh: 序列那一行的悬停文字：状态和计数器（已做 HTML 转义，带语言标记）。
     s = seq
     en = (f"seq {s['id']} · {s['status']} · {s['num_tokens']} tokens (prompt {s['num_prompt_tokens']}) · "
           f"cached {s['num_cached_tokens']} · scheduled {s['num_scheduled_tokens']}")
@@ -716,6 +750,7 @@ def seq_info(seq: dict, lang: str | None = "en") -> str:
 
 def pool_svg(frame: dict, block_size: int, prev: dict | None, lang: str) -> tuple[list[str], int, int]:
     """The block pool as a grid of cells: (its SVG elements, the y below it, its width)."""
+    # zh: 把块池画成格子：（它的 SVG 元素，它下方的 y，它的宽度）。
     blocks = frame["blocks"]
     hits = {b for hit in frame["event"].get("cache_hits", []) for b in hit["blocks"]}
     # en: Copy-on-write: the fresh blocks copies go into, and the shared blocks they come from.
@@ -764,6 +799,7 @@ def pool_svg(frame: dict, block_size: int, prev: dict | None, lang: str) -> tupl
 
 def tables_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], int, int]:
     """The live sequences' block tables from ``y`` on: (SVG elements, the y below them, the width so far)."""
+    # zh: 从 ``y`` 开始画活跃序列的块表：（SVG 元素，它们下方的 y，到目前为止的宽度）。
     out: list[str] = []
     copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     seqs = {s["id"]: s for s in frame["seqs"]}
@@ -794,6 +830,7 @@ def tables_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], i
 
 def queues_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], int, int]:
     """The running and waiting queues and the free list from ``y`` on: (SVG elements, the y below, the width)."""
+    # zh: 从 ``y`` 开始画运行队列、等待队列和空闲队列：（SVG 元素，下方的 y，宽度）。
     out: list[str] = []
     # en: Queues as chips, in queue order (the head is on the left).
     # zh: 队列画成一串小标签，按队列顺序排列（队头在左）。
@@ -822,6 +859,7 @@ def queues_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], i
 
 def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str | None = None) -> str:
     """Draw one frame: the block pool, the block tables, the queues and the free list."""
+    # zh: 画一帧：块池、各块表、各队列和空闲队列。
     lang = check_lang(lang)
     pool, y, width = pool_svg(frame, block_size, prev, lang)
     # en: Block tables: one row per live sequence, running ones first.
@@ -838,7 +876,10 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
 # %% player: style and script
 #| export viz.player
 # en: One stylesheet for every player; class names start with "nvv-" so they cannot clash with the page.
+# en: A drawing keeps its natural size (its block ids are 9 px: shrunk to a phone's width they were 4 px);
+# en: one wider than the page scrolls sideways inside the player's box.
 # zh: 所有播放器共用一份样式表；类名都以 "nvv-" 开头，不会与页面冲突。
+# zh: 图保持原始大小（块号只有 9 px，缩到手机宽度时只剩 4 px）；比页面宽的图在播放器框内左右滚动。
 PLAYER_CSS = """
 .nvv{font:13px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#263238;background:#fff;
   border:1px solid #cfd8dc;border-radius:6px;padding:8px 10px;margin:6px 0;max-width:100%;overflow-x:auto}
@@ -857,7 +898,7 @@ PLAYER_CSS = """
 .nvv-cap{min-height:2.9em;margin:2px 0 4px}
 .nvv-info{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:#37474f;min-height:1.5em}
 .nvv-nojs{font-size:12px;color:#8d6e63}
-.nvv-svg{display:block;max-width:100%;height:auto}
+.nvv-svg{display:block;height:auto}
 .nvv-svg text{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;fill:#263238}
 .nvv-svg text.nvv-h{font-family:system-ui,sans-serif;font-weight:600;fill:#455a64}
 .nvv-svg text.nvv-mid,.nvv-svg text.nvv-rc{text-anchor:middle}
@@ -1022,6 +1063,7 @@ def _caption_html(frame: dict, lang: str) -> str:
 
 def legend_html(lang: str) -> str:
     """The legend under a frame: what each block colour means, and the count and bar on a block."""
+    # zh: 一帧下面的图例：每种块颜色的含义，以及块上的计数和色条。
     items = [("free", "free", "空闲"), ("used", "used", "已用"), ("cached", "cached", "空闲但仍被缓存"),
              ("hit", "hit", "缓存命中"), ("new", "new", "新分配"), ("freed", "freed", "刚释放"),
              ("copy", "copy", "写时复制的副本"), ("copysrc", "copied from", "被复制的块")]
@@ -1032,6 +1074,7 @@ def legend_html(lang: str) -> str:
 
 def style_html(lang: str) -> str:
     """The player's CSS as a <style> element (with "both", also the rules that set the two languages' text apart)."""
+    # zh: 播放器的 CSS，作为一个 <style> 元素（"both" 时还包括把两种语言的文字区分开来的规则）。
     both = f'<!--lang:both--><style class="nvv-both">{BOTH_CSS}</style><!--/lang-->' if lang == "both" else ""
     return f"<style>{PLAYER_CSS}</style>{both}"
 
@@ -1041,6 +1084,9 @@ def frame_html(recording: dict, index: int = -1, lang: str | None = None, since:
 
     since: also caption the frames from ``since`` up to ``index`` (what one action of the live panel did).
     """
+    # zh: 把一帧写成静态 HTML（说明文字、图、图例）：没有脚本，所以在小部件里也能用。
+    # zh:
+    # zh: since：还为从 ``since`` 到 ``index`` 的各帧加上说明文字（实时面板的一次操作做了什么）。
     frames = _check_recording(recording)["frames"]
     lang = check_lang(lang)
     index = _frame_index(frames, index, "index")
@@ -1057,6 +1103,7 @@ def _button(act: str, inner: str) -> str:
 
 def controls_html(lang: str, frames: int, start: int) -> str:
     """The buttons, the slider and the frame counter: every label in the page's language, every arrow an icon."""
+    # zh: 按钮、滑块和帧计数器：每个标签都用页面的语言，每个箭头都是图标。
     def t(en: str, zh: str) -> str:
         return lang_text(en, zh, lang)
 
@@ -1088,6 +1135,11 @@ def player_html(recording: dict, *, lang: str | None = None, start: int = 0, int
     by default the reading language (see ``set_language``).
     start: the frame shown first (and the only one shown where scripts do not run).
     """
+    # zh: ``recording`` 的自包含 HTML + SVG + JS 播放器（不用 CDN、不用字体、不用内核）。
+    # zh:
+    # zh: lang："en"、"zh" 或 "both"（每段文字都标上它的语言，供 ``keep_language`` 使用）；
+    # zh: 默认是阅读语言（见 ``set_language``）。
+    # zh: start：最先显示的帧（在不运行脚本的地方，也是唯一显示的帧）。
     frames = _check_recording(recording)["frames"]
     lang = check_lang(lang)
     slides = [(_caption_html(frame, lang), frame_svg(frame, recording["block_size"], frames[k - 1] if k else None,
@@ -1101,6 +1153,8 @@ def slides_html(slides: list[tuple[str, str]], *, lang: str | None = None, start
                 player_id: str | None = None, hint: str = "", legend: str = "") -> str:
     """The player around ready-made frames, each a (caption HTML, SVG) pair: the same controls, keys and static
     view as `player_html`, which is one of its uses; ``hint`` goes under the frames, then ``legend``."""
+    # zh: 包着现成各帧的播放器，每帧是一个（说明文字 HTML，SVG）对：与 `player_html` 相同的控件、按键和静态视图，
+    # zh: `player_html` 就是它的一种用法；``hint`` 放在各帧下面，然后是 ``legend``。
     lang = check_lang(lang)
     if isinstance(interval_ms, bool) or not isinstance(interval_ms, int) or interval_ms < 50:
         raise ValueError(f"interval_ms must be an int >= 50, got {interval_ms!r}")
@@ -1127,6 +1181,7 @@ def slides_html(slides: list[tuple[str, str]], *, lang: str | None = None, start
 
 class Player:
     """A recording shown as a player: displays itself in Jupyter, VS Code and executed notebooks."""
+    # zh: 以播放器显示的一段记录：在 Jupyter、VS Code 和执行过的 notebook 里都能显示自己。
 
     def __init__(self, recording: dict, **options: object) -> None:
         self.recording = recording
@@ -1467,6 +1522,7 @@ from nanovllm.viz.player import Player, check_lang, frame_html, lang_text
 
 def parse_prompt(text: str) -> list[int]:
     """Token ids typed as "1 2 3" or "1, 2, 3"."""
+    # zh: 输入为 "1 2 3" 或 "1, 2, 3" 的 token id。
     words = [w for w in re.split(r"[\s,]+", text.strip()) if w]
     if not words:
         raise ValueError("the prompt is empty: type token ids such as 1 2 3")
@@ -1478,11 +1534,13 @@ def parse_prompt(text: str) -> list[int]:
 
 def interactive_frontend() -> bool:
     """True in a kernel started by JupyterLab / Jupyter Server or VS Code (not by nbclient or nbval)."""
+    # zh: 在由 JupyterLab / Jupyter Server 或 VS Code（而不是 nbclient 或 nbval）启动的内核里为 True。
     return any(name in os.environ for name in ("JPY_SESSION_NAME", "VSCODE_PID", "VSCODE_CWD"))
 
 
 def static_note(lang: str | None = None) -> str:
     """What shows instead of the buttons where no frontend can show them (an executed page, the site)."""
+    # zh: 在没有前端能显示按钮的地方（执行过的页面、网站）代替按钮显示的内容。
     note = lang_text("LivePanel: open this chapter in JupyterLab to get its buttons.",
                      "实时面板：在 JupyterLab 中打开本章才会出现按钮。", lang, " · ")
     return f"<p><i>{note}</i></p>"
@@ -1491,6 +1549,8 @@ def static_note(lang: str | None = None) -> str:
 def rerun_hint(lang: str | None = None) -> str:
     """Shown above the buttons: they live in the kernel, so a saved copy reopened later shows JupyterLab's "model
     not found" where they were. A plain HTML output is saved with the notebook and stays readable then."""
+    # zh: 显示在按钮上方：按钮活在内核里，所以保存下来的副本以后再打开时，按钮原来的位置会显示 JupyterLab 的
+    # zh: “model not found”。普通的 HTML 输出随 notebook 一起保存，那时依然可读。
     note = lang_text("LivePanel: the buttons below live in the running kernel. Reopened later, a saved copy shows "
                      "“model not found” in their place: run this cell again to get them back.",
                      "实时面板：下面的按钮活在正在运行的内核里。以后重新打开保存过的副本时，那里会显示"
@@ -1509,6 +1569,13 @@ class LivePanel:
     which is how the tests drive the panel without a browser. ``lang`` is fixed when the panel is
     made (by default the reading language).
     """
+    # zh: 一个控制面板，操纵一个由假模型驱动的实时调度器。
+    # zh:
+    # zh: 操作：``step``、``run``（运行到结束）、``add_request``、``rebuild``（换一个块池大小；到目前为止的操作
+    # zh: 会在新块池上重放）和 ``preempt``（最新的运行序列）。
+    # zh: ``html`` 与播放器的画法相同，是一张静态快照（小部件不运行脚本）。
+    # zh: ``widget`` 在第一次使用时构建 ipywidgets 按钮；每个按钮调用其中一个方法，测试就是这样不用浏览器
+    # zh: 操纵面板的。``lang`` 在创建面板时就固定下来（默认是阅读语言）。
 
     def __init__(self, *, num_kvcache_blocks: int = 8, kvcache_block_size: int = 4, max_num_seqs: int = 4,
                  max_num_batched_tokens: int = 16, lang: str | None = None) -> None:
@@ -1529,6 +1596,7 @@ class LivePanel:
 
     def _text(self, en: str, zh: str) -> str:
         """A label for a widget: plain text, so "both" shows the two languages side by side."""
+        # zh: 小部件的标签：纯文本，所以 "both" 会把两种语言并排显示。
         return {"en": en, "zh": zh}.get(self.lang, f"{en} {zh}")
 
     # en: ---- actions (the buttons call these) ---------------------------------------------------
@@ -1549,6 +1617,7 @@ class LivePanel:
 
     def add_request(self, prompt: str, max_tokens: int = 4, n: int = 1) -> None:
         """Add a request of ``n`` samples (n > 1: it forks after its prefill)."""
+        # zh: 添加一个 ``n`` 个样本的请求（n > 1：它在 prefill 之后分叉）。
         try:
             tokens = parse_prompt(prompt)
             self.engine.add(tokens, max_tokens, n)
@@ -1567,6 +1636,7 @@ class LivePanel:
 
     def rebuild(self, num_kvcache_blocks: int) -> None:
         """A new pool of ``num_kvcache_blocks`` blocks; the actions so far are replayed on it."""
+        # zh: 一个有 ``num_kvcache_blocks`` 个块的新块池；到目前为止的操作会在它上面重放。
         self.engine = FakeEngine(num_kvcache_blocks=num_kvcache_blocks, **self.options)
         skipped = []
         for action in self.actions:
@@ -1599,6 +1669,7 @@ class LivePanel:
 
     def redraw(self) -> None:
         """Draw the current state, captioned with every frame the last action recorded."""
+        # zh: 画出当前状态，并为上一次操作记录下的每一帧加上说明文字。
         frames = self.engine.recorder.frames
         self.message = ""
         self.html = frame_html(self.engine.recording, -1, self.lang, since=min(self._seen, len(frames) - 1))
@@ -1607,6 +1678,7 @@ class LivePanel:
 
     def player(self, **options: Any) -> Player:
         """Everything done on the current pool, as a player."""
+        # zh: 在当前块池上做过的一切，作为一个播放器。
         return Player(self.engine.recording, **{"lang": self.lang, **options})
 
     # en: ---- widgets -----------------------------------------------------------------------
@@ -1614,6 +1686,7 @@ class LivePanel:
     @property
     def widget(self) -> Any:
         """The ipywidgets panel (built on first use)."""
+        # zh: ipywidgets 面板（第一次使用时构建）。
         return self._build()["box"]
 
     def _build(self) -> dict[str, Any]:
@@ -1669,6 +1742,9 @@ def show_panel(panel: LivePanel) -> None:
     """The panel's buttons with the hint above them, where a frontend can show them (`interactive_frontend`);
     elsewhere (an executed page, the site) `static_note`. No widget is made there: an executed notebook would keep
     the widgets' state, and the static site would then load a widget manager from a CDN."""
+    # zh: 在前端能显示按钮的地方（`interactive_frontend`），显示面板的按钮以及按钮上方的提示；在其他地方
+    # zh: （执行过的页面、网站）显示 `static_note`。那里不创建小部件：执行过的 notebook 会保留小部件的状态，
+    # zh: 静态网站于是就会从 CDN 加载一个小部件管理器。
     # en: IPython only here, where a notebook shows the panel: the server imports this package for its live page
     # en: and must start where IPython is not installed (it comes with the book's extras, not the engine's).
     # zh: 只在这里导入 IPython，也就是笔记本显示面板的地方：服务器为它的实时页面导入这个包，在没有安装 IPython 的

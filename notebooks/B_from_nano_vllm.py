@@ -699,6 +699,7 @@ from nanovllm.sampling_params import SamplingParams
 
 def computed(bm: BlockManager, seq: Sequence, num_tokens: int) -> None:
     """A step wrote the KV of ``num_tokens`` more tokens of ``seq``; postprocess publishes what is full."""
+    # zh: 一步写入了 ``seq`` 又 ``num_tokens`` 个 token 的 KV；后处理发布写满的块。
     seq.num_cached_tokens += num_tokens
     bm.publish_full_blocks(seq)
 
@@ -874,6 +875,7 @@ CODE_SPAN = re.compile(r"`([^`]+)`")
 
 def chapter_path(name: str = "B_from_nano_vllm.py") -> Path:
     """This chapter's source file: notebooks/ under the working directory or a folder above it."""
+    # zh: 本章的源文件：工作目录或它上面某个文件夹下的 notebooks/ 里。
     for folder in (Path.cwd(), *Path.cwd().parents):
         if (folder / "notebooks" / name).is_file():
             return folder / "notebooks" / name
@@ -882,6 +884,7 @@ def chapter_path(name: str = "B_from_nano_vllm.py") -> Path:
 
 def instance_fields(cls: type) -> set[str]:
     """What a class of ours sets on `self` or registers as a buffer, and its dataclass fields."""
+    # zh: 我们的某个类在 `self` 上设置或注册为 buffer 的东西，以及它的 dataclass 字段。
     fields = set(getattr(cls, "__dataclass_fields__", {}))
     for klass in cls.__mro__:
         if not klass.__module__.startswith("nanovllm"):
@@ -899,6 +902,7 @@ def instance_fields(cls: type) -> set[str]:
 
 def lookup(dotted: str) -> bool:
     """True if `dotted` is a module, an attribute reached from one, or an instance field of a class."""
+    # zh: `dotted` 是一个模块、从模块出发能取到的属性，或者某个类的实例字段时为 True。
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -917,6 +921,7 @@ def lookup(dotted: str) -> bool:
 
 def resolve(ref: str, module: str | None, root: Path) -> bool:
     """A name of ours from a table: relative to the section's module, else to the package root."""
+    # zh: 表格里我们的一个名字：相对于这一节的模块，否则相对于包的根。
     if ref.startswith("./"):
         return (root / ref[2:]).exists()
     bases = ([module] if module else []) + ["nanovllm"]
@@ -925,6 +930,7 @@ def resolve(ref: str, module: str | None, root: Path) -> bool:
 
 def module_of(path: str) -> str:
     """nanovllm/engine/sequence.py -> nanovllm.engine.sequence (a package's __init__ -> the package)."""
+    # zh: nanovllm/engine/sequence.py -> nanovllm.engine.sequence（包的 __init__ -> 这个包）。
     return path.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
 
 
@@ -934,6 +940,10 @@ def map_rows(source: str) -> dict[str, list[tuple]]:
     The upstream file is None outside the name tables (where the first column is prose) and ""
     in the table of files without code (where the first column lists files).
     """
+    # zh: 按语言列出每一张表格的每一行：（上游文件，我们的模块，上游的名字，我们的名字）。
+    # zh:
+    # zh: 在名字表格之外（那里第一列是文字），上游文件为 None；在没有代码的文件的表格里
+    # zh: （那里第一列列出文件），上游文件为 ""。
     rows: dict[str, list[tuple]] = {"en": [], "zh": []}
     for cell in jupytext.reads(source, fmt="py:percent").cells:
         lang = next((tag for tag in cell.metadata.get("tags", []) if tag in rows), None)
@@ -961,6 +971,7 @@ def map_rows(source: str) -> dict[str, list[tuple]]:
 
 def check_map(source: str, root: Path, inventory: dict[str, list[str]]) -> tuple[list[str], dict[str, int]]:
     """Every problem with the map in `source` (empty when it holds), and what was checked."""
+    # zh: `source` 中这张对照表的每一个问题（对照表成立时为空），以及检查了哪些东西。
     tables = map_rows(source)
     problems = []
     checked: set[tuple[str | None, str]] = set()
@@ -1023,6 +1034,7 @@ from nanovllm.layers.layernorm import rms_norm
 
 def upstream_digest(token_ids: list[int], parent: int = NO_HASH) -> int:
     """The bytes upstream's `compute_hash` digests: the parent's 8 bytes, then the ids as NumPy int64."""
+    # zh: 上游的 `compute_hash` 摘要的字节：父块的 8 个字节，然后是作为 NumPy int64 的各 id。
     prefix = parent.to_bytes(8, "little") if parent != NO_HASH else b""
     return xxhash.xxh64(prefix + np.asarray(token_ids, dtype=np.int64).tobytes()).intdigest()
 
@@ -1046,6 +1058,7 @@ assert uncovered == [97, 98, 99, 100] and all(graph_batch_size(b, capture_sizes(
 def upstream_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's arithmetic: the sum in float32, normalized before it is rounded to the model's dtype."""
+    # zh: 上游的算法：用 float32 求和，先归一化，再舍入到模型的 dtype。
     total = x.float() + residual.float()
     normed = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + eps)
     return normed.to(x.dtype) * weight, total.to(x.dtype)

@@ -52,6 +52,13 @@ say = Phrases({
 # drawn on the server by the player's own `caption` and `frame_svg`, into a page that holds the
 # player's buttons, legend and style, and no CDN. "Play" follows the server; "Pause", "Back" and
 # "Step" look at earlier frames.
+#
+# The page shows one frame per step: the step's last frame, with the captions of all its frames
+# (scheduled, preempted, finished). `DashboardHub` draws it once for every language that an open
+# page reads, on a thread of its own, and offers the drawing to every page. A page keeps only the
+# newest drawing it has not sent: one that stops reading (a stalled connection) holds one frame, not
+# a backlog, and a step that comes while a drawing is made replaces the one waiting to be drawn. So
+# a hundred open pages cost the event loop no more than one.
 
 # %% [markdown] tags=["zh"]
 # ## 思路：把帧当作事件发送
@@ -61,6 +68,11 @@ say = Phrases({
 # 事件要做一次快照，每步几次）。记录器只保留最后一帧，并忘掉已完成的序列：服务器一运行就是好几天。各帧作为服务器发送
 # 事件传送，在服务器上用播放器自己的 `caption` 和 `frame_svg` 画好，送进一个包含播放器按钮、图例和样式的页面，不用
 # 任何 CDN。“播放”跟随服务器；“暂停”、“后退”和“单步”查看之前的帧。
+#
+# 页面每步显示一帧：这一步的最后一帧，配上这一步所有帧的说明文字（调度、抢占、完成）。`DashboardHub` 为打开的页面
+# 用到的每种语言各画一次，在单独的线程里画，再把画好的图交给每个页面。每个页面只保留它还没发出的最新一帧：停止读取
+# 的页面（一条卡住的连接）只留一帧，不会积压；画图期间到来的一步，会顶替正在等着画的那一步。所以开着一百个页面，
+# 事件循环的负担也不比开一个多。
 
 # %% default module
 #| default_exp serve.dashboard
@@ -68,6 +80,7 @@ say = Phrases({
 # %% live recorder
 #| export
 """The live page: the book's player (appendix A), fed frame by frame from the running server."""
+# zh: 实时页面：本书的播放器（附录 A），由运行中的服务器逐帧喂给它。
 
 from __future__ import annotations
 
@@ -75,6 +88,7 @@ import asyncio
 import html
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nanovllm.viz.player import caption, controls_html, frame_svg, lang_text, legend_html, style_html
@@ -86,6 +100,9 @@ class LiveRecorder(Recorder):
     the last one (the next frame is drawn against it) and forgets finished sequences once they are drawn.
     Frames keep counting (``index``) as if all were kept; one that replaces the previous (consecutive adds
     share a frame) has the same index. It also draws what the scheduler does not announce: an "abort"."""
+    # zh: 为一连运行好几天的服务器准备的 `Recorder`：每帧一做好就交给 ``publish``，只保留最后一帧
+    # zh: （下一帧要对照它来画），已结束的序列画过之后就忘掉。帧的编号（``index``）照常往上数，就像每帧都保留了
+    # zh: 一样；替换上一帧的帧（连续的 add 共用一帧）编号相同。它还会画出调度器不会宣布的事情："abort"。
 
     def __init__(self, scheduler: Any, publish: Callable[[dict], None]) -> None:
         self.publish, self.dropped = publish, 0
@@ -110,6 +127,7 @@ class LiveRecorder(Recorder):
 
 def live_caption(frame: dict, lang: str) -> str:
     """The player's caption, and the live page's own phase: a request whose client went away."""
+    # zh: 播放器的说明文字，以及实时页面自己的阶段：一个客户端已经离开的请求。
     if frame["phase"] != "abort":
         return caption(frame, lang)
     ids = ", ".join(map(str, frame["event"]["aborted"]))
@@ -118,67 +136,135 @@ def live_caption(frame: dict, lang: str) -> str:
     return f"before step {frame['step'] + 1}: client gone, aborted seq {ids} (blocks freed)"
 
 
-def frame_piece(frame: dict, prev: dict | None, block_size: int, lang: str) -> str:
-    """One frame as the player draws it: a ``.nvv-frame`` with its caption and drawing."""
-    text = html.escape(live_caption(frame, lang))
+def frame_piece(frame: dict, prev: dict | None, block_size: int, lang: str, story: list[dict] | None = None) -> str:
+    """One frame as the player draws it: a ``.nvv-frame`` with its caption and drawing. ``story``: the frames whose
+    captions it shows (default: its own); the live page draws a step's last frame with every caption of the step."""
+    # zh: 按播放器的画法画出的一帧：一个带说明文字和图的 ``.nvv-frame``。``story``：要显示其说明文字的那些帧（默认只有
+    # zh: 它自己）；实时页面画一步的最后一帧，配上这一步所有帧的说明文字。
+    captions = "".join(f'<div lang="{lang}">{html.escape(live_caption(told, lang))}</div>' for told in story or [frame])
     svg = frame_svg(frame, block_size, prev, lang)
-    return (f'<div class="nvv-frame" data-frame="{frame["index"]}" hidden><div class="nvv-cap">'
-            f'<div lang="{lang}">{text}</div></div>{svg}</div>')
+    return (f'<div class="nvv-frame" data-frame="{frame["index"]}" hidden><div class="nvv-cap">{captions}</div>'
+            f"{svg}</div>")
+
+
+class LivePage:
+    """One open view of the live page: the newest drawing in its language that it has not sent yet, never more than
+    one. A view that stops reading (a stalled connection) holds one frame, not a backlog, and gets the present when
+    it reads again."""
+    # zh: 实时页面的一个打开着的视图：它还没发出的、用它的语言画好的最新一帧，从不多于一帧。停止读取的视图（一条卡住的
+    # zh: 连接）只留一帧，不会积压；它再读时，拿到的是当下。
+
+    def __init__(self, lang: str) -> None:
+        self.lang = lang
+        self.drawing: str | None = None
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def offer(self, drawing: str) -> None:
+        # en: Replaces the one not sent yet
+        # zh: 替换掉还没发出的那一帧
+        self.drawing = drawing
+        self.ready.set()
+
+    def end(self) -> None:
+        self.closed = True
+        self.ready.set()
+
+    async def next(self) -> str | None:
+        """The next drawing to send, once there is one; None once the view is closed."""
+        # zh: 下一帧要发的图，等到有了才返回；视图关闭后返回 None。
+        while self.drawing is None and not self.closed:
+            await self.ready.wait()
+            self.ready.clear()
+        if self.closed:
+            return None
+        drawing, self.drawing = self.drawing, None
+        return drawing
 
 
 class DashboardHub:
     """The live pages that are open, on the event loop's side. The first page to open has the driver attach a
     `LiveRecorder` to the scheduler (between two steps, wherever the driver runs); the last one to close has it
-    detached, so a server that nobody watches records nothing."""
+    detached, so a server that nobody watches records nothing. Each step's newest frame is drawn once for every
+    language that an open page reads, on a thread of its own, and offered to every page: the event loop only hands
+    text on, however many pages are open, and a step that comes while a drawing is made waits as one frame, the
+    newest."""
+    # zh: 事件循环这一侧打开着的实时页面。第一个打开的页面会让驱动进程把一个 `LiveRecorder` 挂到调度器上
+    # zh: （在两步之间，不管驱动进程在哪里运行）；最后一个关闭的页面会让它卸下，所以没人看的服务器什么都不记录。
+    # zh: 每一步的最新一帧，按打开的页面用到的每种语言各画一次，在单独的线程里画，再交给每个页面：不管开着多少个页面，
+    # zh: 事件循环只是把文本转交出去；画图期间到来的步，只作为一帧（最新的那帧）排队。
 
-    def __init__(self, engine: Any, keep: int = 2000) -> None:
+    def __init__(self, engine: Any) -> None:
         # en: An `EngineClient`
         # zh: 一个 `EngineClient`
-        self.engine, self.keep = engine, keep
-        self.pages: set[asyncio.Queue] = set()
-        self.last: dict | None = None
+        self.engine = engine
+        self.pages: set[LivePage] = set()
+        # en: The newest step's frames, not drawn yet; the last frame drawn (the next is drawn against it) and its
+        # en: drawings
+        # zh: 最新一步还没画的各帧；上一次画的帧（下一帧要对照它来画）以及它按语言画好的图
+        self.newest: list[dict] | None = None
+        self.drawn: dict | None = None
+        self.drawings: dict[str, str] = {}
+        self.painter = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-live-page")
+        self.painting: asyncio.Future | None = None
         engine.on_frame = self.publish
 
     def publish(self, frames: list[dict]) -> None:
-        self.last = frames[-1]
-        for page in self.pages:
-            for frame in frames:
-                # en: A page that cannot keep up loses its oldest frames
-                # zh: 跟不上的页面会丢掉它最旧的帧
-                if page.qsize() >= self.keep:
-                    page.get_nowait()
-                page.put_nowait(frame)
+        """A step's frames, as they arrive (on the event loop): the step is drawn next, as its last frame with the
+        captions of all of them, in place of a step that was waiting to be drawn."""
+        # zh: 一步的各帧，到达时调用（在事件循环上）：接下来画这一步：画它的最后一帧，配上所有帧的说明文字；如果有一步
+        # zh: 还在等着画，就顶替它。
+        self.newest = frames
+        if self.pages and (self.painting is None or self.painting.done()):
+            self.painting = asyncio.ensure_future(self._paint())
 
-    def open(self) -> asyncio.Queue:
-        page: asyncio.Queue = asyncio.Queue()
+    async def _paint(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.newest is not None and self.pages:
+            step, self.newest = self.newest, None
+            languages = sorted({page.lang for page in self.pages})
+            self.drawings = await loop.run_in_executor(self.painter, self.draw, step, self.drawn, languages)
+            self.drawn = step[-1]
+            for page in self.pages:
+                if page.lang in self.drawings:
+                    page.offer(self.drawings[page.lang])
+
+    def draw(self, step: list[dict], prev: dict | None, languages: list[str]) -> dict[str, str]:
+        """A step's frames as each language's pages receive them: a server-sent event ``{"index", "html"}``."""
+        # zh: 每种语言的页面收到的一步的各帧：一个服务器发送事件 ``{"index", "html"}``。
+        frame, block_size = step[-1], self.engine.info.kvcache_block_size
+        return {lang: "data: " + json.dumps({"index": frame["index"],
+                                             "html": frame_piece(frame, prev, block_size, lang, step)}) + "\n\n"
+                for lang in languages}
+
+    def open(self, lang: str = "en") -> LivePage:
+        page = LivePage(lang)
         if not self.pages:
-            self.last = None
+            self.newest, self.drawn, self.drawings = None, None, {}
             self.engine.watch(True)
-        elif self.last is not None:
-            page.put_nowait(self.last)
+        elif lang in self.drawings:
+            page.offer(self.drawings[lang])
         self.pages.add(page)
         return page
 
-    def close(self, page: asyncio.Queue) -> None:
+    def close(self, page: LivePage) -> None:
         self.pages.discard(page)
         if not self.pages:
             self.engine.watch(False)
 
     def close_all(self) -> None:
         """The server stops: every page's stream ends."""
+        # zh: 服务器停止：每个页面的流都结束。
         for page in self.pages:
-            page.put_nowait(None)
+            page.end()
 
     async def stream(self, lang: str) -> AsyncIterator[str]:
-        """Server-sent events for one page: each frame drawn in ``lang``, as ``{"index", "html"}``."""
-        page = self.open()
-        block_size = self.engine.info.kvcache_block_size
-        prev = None
+        """Server-sent events for one page: the frames drawn in ``lang``, the newest at each read."""
+        # zh: 一个页面的服务器发送事件：按 ``lang`` 画好的帧，每次读取时给最新的那一帧。
+        page = self.open(lang)
         try:
-            while (frame := await page.get()) is not None:
-                piece = frame_piece(frame, prev, block_size, lang)
-                prev = frame
-                yield f"data: {json.dumps({'index': frame['index'], 'html': piece})}\n\n"
+            while (drawing := await page.next()) is not None:
+                yield drawing
         finally:
             self.close(page)
 
@@ -267,6 +353,8 @@ PAGE_CSS = ("body{font:14px/1.5 system-ui,-apple-system,'Segoe UI',Roboto,sans-s
 def page_html(model_name: str, num_blocks: int, block_size: int, lang: str, keep: int = 400) -> str:
     """The live page: the player's controls, legend and style, an empty list of frames, and the script that fills
     it from ``/dashboard/events``. Everything is in the page: no CDN, no fonts."""
+    # zh: 实时页面：播放器的控件、图例和样式，一个空的帧列表，以及从 ``/dashboard/events`` 填充它的脚本。
+    # zh: 一切都在页面里：不用 CDN，不用字体。
     def t(en: str, zh: str) -> str:
         return lang_text(en, zh, lang)
 
@@ -326,12 +414,14 @@ from nanovllm.serve.protocol import ServerError
 @add_to_class(app_module)
 def live_page_hub(client: EngineClient) -> DashboardHub:
     """What feeds the server's live page (the KV cache, drawn as it changes) to the views that are open."""
+    # zh: 把服务器实时页面的内容（KV 缓存，随它的变化画出来）喂给打开着的视图的东西。
     return DashboardHub(client)
 
 
 @add_to_class(app_module)
 def live_page_recorder() -> Recorder:
     """What the engine's driver attaches to the scheduler while a live page is open."""
+    # zh: 有实时页面打开时，引擎的驱动进程挂到调度器上的东西。
     return LiveRecorder
 
 
@@ -415,6 +505,7 @@ HTML(frame_html({"block_size": 16, "frames": published}))
 # %%
 class FakeClient:
     """What `DashboardHub` asks of an engine client: ``watch(on)``, ``on_frame`` and the cache's block size."""
+    # zh: `DashboardHub` 对引擎客户端的要求：``watch(on)``、``on_frame``，以及缓存的块大小。
 
     def __init__(self, watched: list[bool] | None = None) -> None:
         self.watched = [] if watched is None else watched

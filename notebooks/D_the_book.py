@@ -78,6 +78,8 @@ say = Phrases({
 #| export book.literate
 """The book's literate helpers: a later chapter adds a method to a class that an earlier chapter built, lines to
 the end of its constructor, or fields to a dataclass."""
+# zh: 本书的文学编程辅助工具：后面的章节给前面章节构建的类添加方法、在它的构造函数末尾添加几行，
+# zh: 或者给 dataclass 添加字段。
 
 import dataclasses
 import functools
@@ -92,6 +94,10 @@ def add_to_class(cls: type) -> Callable[[Any], Any]:
     The notebook's way of extending a class (d2l's ``add_to_class``). The package never calls it: the tangler
     splices the same member into the class's own ``class`` block.
     """
+    # zh: 装饰器：把被装饰的函数（或者 property、staticmethod……）以它的名字变成 ``cls`` 的成员。
+    # zh:
+    # zh: 这是 notebook 扩展一个类的方式（d2l 的 ``add_to_class``）。包从不调用它：抽取工具把同一个成员
+    # zh: 拼接进这个类自己的 ``class`` 块。
 
     def add(member: Any) -> Any:
         setattr(cls, _member_name(member), member)
@@ -118,6 +124,12 @@ def add_to_init(cls: type) -> Callable[[Callable[[Any], None]], Callable[[Any], 
     In the package the tangler appends the function's body to ``__init__`` (or ``__post_init__``) itself, so the
     extension is written as those lines: no docstring (a comment says what it adds), no return.
     """
+    # zh: 装饰器：在 ``cls.__init__`` 的末尾（dataclass 则是 ``__post_init__``，因为它的 ``__init__`` 是生成的）
+    # zh: 运行被装饰的函数，这个函数只接受 ``self``。
+    # zh:
+    # zh: 这是后面的章节给每个实例加上它的特性所需的状态、而不必重写构造函数的方式。在包里，抽取工具把函数体本身
+    # zh: 追加到 ``__init__``（或 ``__post_init__``）中，所以这个扩展就按那几行来写：没有文档字符串（用一条注释说明它
+    # zh: 加了什么），没有 return。
 
     def add(extension: Callable[[Any], None]) -> Callable[[Any], None]:
         name = "__post_init__" if dataclasses.is_dataclass(cls) else "__init__"
@@ -141,6 +153,11 @@ def add_fields(cls: type) -> Callable[[type], type]:
     The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields; the package never
     calls it: the tangler writes the fields into the dataclass's own ``class`` block.
     """
+    # zh: 装饰一个由带注解、各有默认值的字段组成的类：把它们变成 dataclass ``cls`` 的字段，放在它自己的设置之后
+    # zh: （在它推导出的字段，即 ``init=False`` 的字段之前），就像它们原本就写在那里一样。
+    # zh:
+    # zh: notebook 会重建 ``cls`` 生成的方法，让 ``cls(...)`` 接受新字段；包从不调用它：抽取工具把这些字段
+    # zh: 写进这个 dataclass 自己的 ``class`` 块。
 
     def add(holder: type) -> type:
         params = cls.__dataclass_params__
@@ -197,6 +214,7 @@ tally = Tally()
 @add_to_class(Tally)
 def add(self, n: int) -> None:
     """Never count below zero."""
+    # zh: 计数永远不会低于零。
     self.count = max(0, self.count + n)
 
 
@@ -238,6 +256,7 @@ def _init_history(self) -> None:
 @add_to_class(Tally)
 def add(self, n: int) -> None:
     """Never count below zero; remember every amount."""
+    # zh: 计数永远不会低于零；记下每一笔数量。
     self.history.append(n)
     self.count = max(0, self.count + n)
 
@@ -320,6 +339,10 @@ A chapter's traces and tables are part of its lesson. Its code keeps the English
 ``Phrases`` table per chapter holds the Chinese of what it prints. Numbers, identifiers and code are
 printed as they are: only the words around them are translated.
 """
+# zh: 本书打印的内容，用读者的语言：默认是英文，NANOVLLM_BOOK_LANG=zh 时是中文。
+# zh:
+# zh: 一章的轨迹和表格是它课程的一部分。它的代码保留英文（作为键），每章一个 ``Phrases`` 表，存放它所打印内容的
+# zh: 中文。数字、标识符和代码原样打印：只翻译它们周围的文字。
 
 import os
 import re
@@ -335,6 +358,7 @@ _WIDTH_SPEC = re.compile(r"(?P<align>.?[<>^])?(?P<width>\d+)")
 
 def reading_language() -> str:
     """The language the book prints in: ``NANOVLLM_BOOK_LANG`` ("en" or "zh"), English when it is unset."""
+    # zh: 本书打印所用的语言：``NANOVLLM_BOOK_LANG``（"en" 或 "zh"），未设置时为英文。
     lang = os.environ.get(LANG_ENV) or "en"
     if lang not in LANGUAGES:
         raise ValueError(f"{LANG_ENV} must be one of {LANGUAGES}, got {lang!r}")
@@ -343,11 +367,13 @@ def reading_language() -> str:
 
 def display_width(text: str) -> int:
     """Columns ``text`` takes in a monospaced font: a Chinese character (or full-width punctuation) takes two."""
+    # zh: ``text`` 在等宽字体中占多少列：一个汉字（或全角标点）占两列。
     return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
 
 
 class Text(str):
     """Printed text that pads by display width, so that a Chinese heading keeps its table's columns aligned."""
+    # zh: 按显示宽度填充的打印文字，让中文表头也能保持表格各列对齐。
 
     def __format__(self, spec: str) -> str:
         match = _WIDTH_SPEC.fullmatch(spec)
@@ -369,6 +395,11 @@ class Phrases:
     filled with the same list, when the book reads in Chinese. A template missing from the table is an
     error in both languages, so that an English run already finds a phrase without its Chinese.
     """
+    # zh: 一章要打印的短语：英文模板（代码里读到的样子），以及它们的中文。
+    # zh:
+    # zh: ``say = Phrases({"free list: {free}": <它的中文，带同样的 {free}>})``；然后
+    # zh: ``say("free list: {free}", free=[3, 4])`` 在英文中是 ``free list: [3, 4]``，本书以中文阅读时则是
+    # zh: 填入同一个列表的中文模板。表中缺少的模板在两种语言下都是错误，这样英文运行就已经能发现缺少中文的短语。
 
     def __init__(self, zh: dict[str, str]) -> None:
         for en, text in zh.items():
@@ -378,6 +409,7 @@ class Phrases:
 
     def __call__(self, template: str, /, **values: object) -> Text:
         """``template`` (English) in the reading language, its ``{fields}`` filled with ``values``."""
+        # zh: 把 ``template``（英文）换成阅读语言，并用 ``values`` 填充它的 ``{fields}``。
         if template not in self.zh:
             raise KeyError(f"no Chinese for the phrase {template!r}: add it to its chapter's Phrases table")
         chosen = self.zh[template] if reading_language() == "zh" else template
@@ -394,8 +426,10 @@ class Phrases:
 # not read percent-format `.py` notebooks, hence this small tangler. Each module starts with a
 # header naming its chapters, and each cell's code with a *marker*, a comment naming the chapter
 # and the cell to edit. The `# en:` lines of a comment become the package's comments, the `# zh:`
-# lines stay in the notebook. `python -m tools.tangle --check` (which CI runs) fails with a diff
-# whenever `nanovllm/` differs from what the chapters give: the package is never edited by hand.
+# lines stay in the notebook, and so does a docstring's Chinese twin (`# zh:` lines right below it,
+# which the Chinese site shows in the docstring's place). `python -m tools.tangle --check` (which
+# CI runs) fails with a diff whenever `nanovllm/` differs from what the chapters give: the package
+# is never edited by hand.
 #
 # Below, a book of two small chapters, tangled: the first builds a class, the second adds a
 # method to it, and the package reads as one `class` block.
@@ -408,7 +442,8 @@ class Phrases:
 # `#| export other.module` 把一个单元送到别处，`#| exporti` 让单元里的名字不进 `__all__`，`#| hide` 让单元的代码不出现
 # 在网站上。这些指令沿用 nbdev 的写法，nbdev 用户会觉得眼熟；nbdev 本身读不了 percent 格式的 `.py` notebook，所以
 # 才有这个小小的抽取工具。每个模块开头有一段说明它来自哪些章的文件头，每个单元的代码前有一行*标记*：一条注释，写明
-# 要修改的是哪一章的哪个单元。注释中的 `# en:` 行成为包里的注释，`# zh:` 行只留在 notebook 里。只要 `nanovllm/` 与
+# 要修改的是哪一章的哪个单元。注释中的 `# en:` 行成为包里的注释，`# zh:` 行只留在 notebook 里；文档字符串的中文版本
+# （紧跟在它下面的 `# zh:` 行，中文网站把它显示在文档字符串的位置上）也是如此。只要 `nanovllm/` 与
 # 各章生成的结果不同，`python -m tools.tangle --check`（CI 会运行它）就会失败并给出差异：包从不手工修改。
 #
 # 下面是一本只有两章的小书，抽取之后：第一章构建一个类，第二章给它加一个方法，包里读到的是一个完整的 `class` 块。
@@ -545,6 +580,7 @@ assert all(part_of(path.stem) for path in (ROOT / "notebooks").glob("*.py"))
 # %% recorded figures
 #| export book.recorded
 """GPU figures that a chapter records: one JSON file per chapter, each run with its card, date and command."""
+# zh: 章节记录下的 GPU 数字：每章一个 JSON 文件，每次运行都带着它的卡、日期和命令。
 
 from __future__ import annotations
 
@@ -564,6 +600,7 @@ RECORDED = Path(nanovllm.__file__).resolve().parents[1] / "notebooks" / "data" /
 @dataclass(frozen=True)
 class Run:
     """One recorded run: the card it ran on, the date (ISO), the command that printed ``figures``."""
+    # zh: 记录下的一次运行：它所在的卡、日期（ISO 格式）、打印出 ``figures`` 的命令。
 
     name: str
     card: str
@@ -575,6 +612,7 @@ class Run:
 
 def recorded(chapter: str, folder: Path = RECORDED) -> dict[str, Run]:
     """The runs that ``chapter`` (a file stem, such as "14_cuda_graphs") records, by name."""
+    # zh: ``chapter``（文件名主干，比如 "14_cuda_graphs"）记录的各次运行，按名字排列。
     path = folder / f"{chapter}.json"
     runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
     return {name: checked_run(name, fields, path) for name, fields in runs.items()}
@@ -582,6 +620,7 @@ def recorded(chapter: str, folder: Path = RECORDED) -> dict[str, Run]:
 
 def checked_run(name: str, fields: dict[str, Any], path: Path) -> Run:
     """``fields`` as a `Run`, or ValueError naming what is missing or malformed."""
+    # zh: 把 ``fields`` 变成一个 `Run`；缺少或格式不对时抛出 ValueError，写明是哪一项。
     missing = [key for key in ("card", "date", "command", "figures") if not fields.get(key)]
     if missing:
         raise ValueError(f"{path.name}, run {name!r}: no {', '.join(missing)}")

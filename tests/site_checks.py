@@ -15,6 +15,7 @@ import socketserver
 import threading
 import time
 import unicodedata
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,61 @@ def test_the_language_switcher_keeps_the_page(browser: Browser, served: str) -> 
     assert wait_for(browser, f"location.pathname.replace(/\\/$/, '') === '/{chapter[:-1]}'"
                              " && document.readyState === 'complete'")
     assert browser.js("document.documentElement.lang") == "en" and "The scheduler" in browser.js("document.title")
+
+
+# A chapter's prose headings in order, each with the id of its twin in the other language (tools/mkdocs_hooks.py).
+TWIN_HEADING = re.compile(r'<h[1-6] data-twin-(?P<lang>en|zh)="(?P<twin>[^"]*)" id="(?P<id>[^"]*)"')
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_each_chapter_heading_names_its_twin_in_the_other_language(chapter: str) -> None:
+    """Issue 59, item 2: the heading ids of the two languages, mapped in order when the sites are built."""
+    headings = {}
+    for lang in PAGES:
+        found = TWIN_HEADING.finditer(page(lang, "chapters", chapter))
+        headings[lang] = [(urllib.parse.unquote(m["twin"]), m["id"]) for m in found]
+    assert len(headings["en"]) >= 5, f"{chapter}: its headings name no twin"
+    assert headings["zh"] == [(en, zh) for zh, en in headings["en"]]
+
+
+def press(browser: Browser, selector: str) -> None:
+    """A real click where the element is on screen, without scrolling the page (the reader's place must stay)."""
+    x, y = browser.js(f"(() => {{ const r = document.querySelector({json.dumps(selector)}).getBoundingClientRect();"
+                      " return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+    for kind in ("mouseMoved", "mousePressed", "mouseReleased"):
+        browser.page("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+
+# Where the heading with this id is, in the window: its top and bottom, and its place among the prose headings.
+HEADING_JS = """(id => { const h = document.getElementById(id), r = h.getBoundingClientRect();
+  return {top: r.top, bottom: r.bottom, text: h.textContent.replace('¶', '').trim(), height: window.innerHeight,
+          header: document.querySelector('.md-header').getBoundingClientRect().bottom,
+          place: [...document.querySelectorAll('[data-twin-en], [data-twin-zh]')].indexOf(h)}; })"""
+
+
+@pytest.mark.parametrize(("size", "mobile"), [({"width": 1366, "height": 768}, False),
+                                              ({"width": 390, "height": 844}, True)], ids=["1366px", "390px"])
+def test_the_language_switch_keeps_the_section(browser: Browser, served: str, size: dict, mobile: bool) -> None:
+    """Issue 59, item 2: the switch opened the other language's chapter at its top (9,000-37,000 px tall on a
+    phone). Scrolled to a section, a reader who switches sees the same section's heading at the top of the window."""
+    browser.page("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=mobile, **size)
+    chapter = "chapters/02_block_manager/"
+    browser.open(f"{served}/{chapter}")
+    for lang, prefix, here, there in (("zh", "/zh/", "build-it-block-tables", "动手块表"),
+                                      ("en", "/", "验证", "check-it")):
+        before = browser.js(f"{HEADING_JS}({json.dumps(here)})")
+        browser.js(f"window.scrollBy(0, {before['top'] - before['header'] - 40})")  # the section's first lines in view
+        press(browser, ".md-header__option .md-select .md-header__button")
+        link = f'.md-select__link[hreflang="{lang}"]'
+        wait_for(browser, f"document.querySelector('{link}').getBoundingClientRect().height > 0")
+        press(browser, link)
+        assert wait_for(browser, f"location.pathname === '{prefix}{chapter}' && document.readyState === 'complete'")
+        time.sleep(0.5)  # late layout (figures, players) must not move the section away
+        assert browser.js("decodeURIComponent(location.hash)") == f"#{there}"
+        after = browser.js(f"{HEADING_JS}({json.dumps(there)})")
+        assert after["place"] == before["place"] >= 3, (before, after)
+        assert after["header"] <= after["top"] and after["bottom"] <= after["height"] / 3, f"not in view: {after}"
+    assert after["text"] == "Check it" and before["text"] == "验证"
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
@@ -543,6 +599,40 @@ def test_a_search_finds_the_chapter_whose_title_it_is_first(browser: Browser, se
     assert "chapters/05_parallel_sampling/" in results[0], results[:3]
 
 
+# The pages a search lists, in order: each one's address and its "missing: ..." line (empty when every word matched).
+RESULT_PAGES_JS = """[...document.querySelectorAll('.md-search-result__item')].map(item => [
+  item.querySelector('a').getAttribute('href').replace(/^.*?\\/(chapters\\/[^/]+\\/|glossary\\/).*$/, '$1'),
+  [...item.querySelectorAll('.md-search-result__terms')].map(t => t.textContent).join(' ')])"""
+FIRST_RESULTS = 3
+
+
+@pytest.mark.parametrize(("lang", "query", "chapter"), [
+    ("zh", "引用计数", "02_block_manager"), ("zh", "前缀缓存", "03_prefix_caching"),
+    ("zh", "写时复制", "05_parallel_sampling"), ("zh", "抢占", "04_scheduler"),
+    ("en", "reference count", "02_block_manager"),
+])
+def test_a_search_for_a_term_finds_the_chapter_that_introduces_it(browser: Browser, served: str, lang: str, query: str,
+                                                                  chapter: str) -> None:
+    """Issue 59, item 5: 引用计数 listed 37 pages, chapter 02 (which introduces it) not among them, each "缺少: 引用"
+    (Material's search cut it into 引用 and 计, and 计 matched 计时器 and 计算 in headings); "reference count" listed
+    chapter 02 after the first 10, under pages whose headings hold "reference" or "count". Typed into the search
+    box, as a reader does: the chapter comes among the first results (the English one first), every word found."""
+    browser.open(f"{served}/{'zh/' if lang == 'zh' else ''}")
+    wait_for(browser, "document.querySelector('.md-search__input') !== null")
+    deadline = time.monotonic() + 20
+    results: list = []
+    while not results and time.monotonic() < deadline:  # the index loads in a worker after the page
+        browser.js(SEARCH_JS % json.dumps(query))
+        time.sleep(0.3)
+        results = browser.js(RESULT_PAGES_JS)
+    first = [address for address, _ in results[:FIRST_RESULTS if lang == "zh" else 1]]
+    assert f"chapters/{chapter}/" in first, f"{query!r}: {results[:5]}"
+    missing = dict(results)[f"chapters/{chapter}/"]
+    assert missing == "", f"{query!r}: {missing}"
+    if query == "引用计数":  # the chapter that forks sequences and shares their blocks uses it as much
+        assert "chapters/05_parallel_sampling/" in [address for address, _ in results[:5]], results[:5]
+
+
 # WCAG's contrast ratio of each text's color against what is behind it (the nearest opaque background):
 # the page's texts (outputs, code, tables, the players' HTML), the players' SVG labels, and the luminance
 # behind each figure.
@@ -594,3 +684,96 @@ def test_a_dark_palette_keeps_the_book_legible(browser: Browser, served: str, la
                  if dark[2] < min(light[2], LEGIBLE) - 0.01]
         assert worse == [], f"{chapter}: player labels less legible in the dark"
     browser.screenshot(ROOT / "build" / f"site-dark-02-{lang}.png")
+
+
+# ---- formulas and figures (issue 59, items 1 and 3) -----------------------------------------------------------
+
+# TeX that a reader would see as text: display dollars, or a command of the book's formulas.
+TEX_AS_TEXT = re.compile(r"\$\$|\\(?:frac|alpha|dots|sum|sqrt|cdot)\b")
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_formulas_show_as_math_not_as_tex(lang: str) -> None:
+    """Chapter 25's $$E = 1 + \\alpha + … = \\frac{…}$$ showed as TeX on both sites: no page's prose (code aside)
+    may show TeX, and the formula is MathML, which the browser draws itself."""
+    found = {}
+    for path in pages(lang):
+        content = BeautifulSoup(PRE.sub("<pre></pre>", article(path)), "html.parser")
+        for code in content.select("code"):
+            code.decompose()
+        text = content.get_text()
+        shown = [text[max(0, m.start() - 30):m.end() + 30] for m in TEX_AS_TEXT.finditer(text)]
+        if shown:
+            found[str(path.relative_to(SITE))] = shown[:3]
+    assert found == {}
+    formula = BeautifulSoup(page(lang, "chapters", "25_speculative_decoding"), "html.parser").select_one(
+        'math[display="block"]')
+    assert formula is not None and formula.select_one("mfrac") is not None
+
+
+# Each figure (an <img> output) as drawn: its scale (shown width over natural width), its smallest text at natural
+# size (read from an inline copy of the SVG, in CSS px; null for a PNG, whose text cannot be read), and its box.
+FIGURES_JS = """[...document.querySelectorAll('.jp-OutputArea-output img')].map(img => {
+  const shown = img.getBoundingClientRect().width, box = img.closest('.jp-OutputArea-output');
+  let smallest = null;
+  if (img.src.startsWith('data:image/svg+xml;base64,')) {
+    const bytes = Uint8Array.from(atob(img.src.split(',')[1]), c => c.charCodeAt(0));
+    const copy = document.createElement('div');  // an <img> shows its SVG as a document of its own: 16 px default
+    copy.style.cssText = 'position:absolute;left:0;top:0;visibility:hidden;font-size:16px';
+    copy.innerHTML = new TextDecoder().decode(bytes);
+    document.body.append(copy);
+    smallest = Math.min(...[...copy.querySelectorAll('text')].map(t => {  // rotated labels too: the matrix's scale
+      const m = t.getScreenCTM(); return parseFloat(getComputedStyle(t).fontSize) * Math.hypot(m.a, m.b); }));
+    copy.remove();
+  }
+  return {alt: img.alt.slice(0, 50), scale: shown / img.naturalWidth, smallest: smallest,
+          wider: shown > box.clientWidth + 1, overflow: getComputedStyle(box).overflowX};
+})"""
+SMALLEST_TEXT_PX = 9
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_figures_keep_their_text_legible_on_a_phone(browser: Browser, served: str, lang: str) -> None:
+    """Issue 59, item 3: figures shrank to a phone's column (318 px from 660-1154), their labels 4-5 px. At 390 px
+    (and at 1280) every figure's text is at least 9 px on screen; a figure wider than its column scrolls sideways
+    in its own box, and the page itself does not."""
+    prefix = "" if lang == "en" else "zh/"
+    chapters = [c for c in CHAPTERS if re.search(r'<img\b[^>]*src="data:image/', page(lang, "chapters", c))]
+    assert len(chapters) >= 5, chapters
+    for size, mobile in ((PHONE, True), (WINDOW, False)):
+        window(browser, size, mobile)
+        scrolled = 0
+        for chapter in chapters:
+            browser.open(f"{served}/{prefix}chapters/{chapter}/")
+            for figure in browser.js(FIGURES_JS):
+                where = f"{chapter} at {size['width']} px: {figure}"
+                if figure["smallest"] is None:  # a PNG: it keeps its natural size
+                    assert figure["scale"] > 0.999, where
+                else:
+                    assert figure["smallest"] * figure["scale"] >= SMALLEST_TEXT_PX - 0.01, where
+                if figure["wider"]:
+                    assert figure["overflow"] in ("auto", "scroll"), where
+                    scrolled += 1
+            width, room = browser.js(PAGE_WIDTH_JS)
+            assert width <= room, f"{chapter}: the page is {width} px wide in a {room}-pixel window"
+        if mobile:
+            assert scrolled >= 5, "the phone's column holds no wide figure: the check measured nothing"
+    browser.screenshot(ROOT / "build" / f"site-figure-16-{lang}.png")
+
+
+@pytest.mark.parametrize("lang", PAGES)
+def test_the_formula_is_drawn_on_a_phone(browser: Browser, served: str, lang: str) -> None:
+    """The MathML formula is laid out as math (the fraction's numerator above its denominator) and fits a phone."""
+    window(browser, PHONE, True)
+    prefix = "" if lang == "en" else "zh/"
+    browser.open(f"{served}/{prefix}chapters/25_speculative_decoding/")
+    drawn = browser.js("""(() => { const f = document.querySelector('math[display="block"] mfrac');
+      if (!f) return null;
+      f.scrollIntoView({block: 'center'});
+      const [top, bottom] = [...f.children].map(c => c.getBoundingClientRect());
+      return {stacked: top.bottom <= bottom.top + 1, height: f.getBoundingClientRect().height}; })()""")
+    assert drawn is not None, "no MathML fraction on the page"
+    assert drawn["stacked"] and drawn["height"] > 20, drawn
+    width, room = browser.js(PAGE_WIDTH_JS)
+    assert width <= room
+    browser.screenshot(ROOT / "build" / f"site-formula-25-{lang}.png")

@@ -9,7 +9,18 @@ Rules, one per kind of text:
 * in code cells, a comment in English prose is an ``# en:`` line: a plain ``# why ...`` comment,
   whole-line or after code, would reach Chinese readers untranslated. Tool directives (``#|``,
   ``# noqa``, ``# fmt:``, ``# type:``, ``# pragma``) and comments without a word of prose
-  (``# -1``, ``# 4 x 16``) are not prose.
+  (``# -1``, ``# 4 x 16``) are not prose;
+* in code cells, a docstring in English prose is followed by its twin: a run of ``# zh:`` lines right
+  below its closing quotes, at its indentation, one line for each line of the Chinese docstring
+  (``# zh:`` alone for a blank one)::
+
+      def allocate(self, seq: Sequence) -> None:
+          '''Give ``seq`` the blocks its prompt needs.'''
+          # zh: 为 ``seq`` 分配它的提示词所需的块。
+
+  The docstring itself is the English: the package and the English site keep it as it is (the
+  tangler drops ``# zh:`` lines), and the Chinese site and reading copies show the twin in its place
+  (``tools.book.localize_code``).
 
 Usage: ``python tools/bilingual.py [chapter.py ...]`` (default: every chapter). Exit status 1
 and one line per problem, naming the file and the cell, when a twin is missing.
@@ -21,6 +32,7 @@ import io
 import re
 import sys
 import tokenize
+from dataclasses import dataclass
 from pathlib import Path
 
 import jupytext
@@ -35,6 +47,63 @@ DIRECTIVE = re.compile(r"^#(\||\s*(noqa|fmt:|type:|pragma))")
 # A word of prose: three letters or more; Chinese text counts as translated.
 PROSE = re.compile(r"[A-Za-z]{3,}")
 CHINESE = re.compile(r"[\u4e00-\u9fff]")
+TWIN_LINE = re.compile(r"^(?P<indent>\s*)# zh:(?: (?P<text>.*)|)$")
+# Chapters whose docstrings are still to be translated (issue 59, item 6): their comments and prose are checked,
+# their docstrings not yet. Empty: every chapter's docstrings have their twins.
+DOCSTRINGS_PENDING: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Docstring:
+    """A docstring (a string that is a statement of its own) in a cell, and its Chinese twin, if it has one."""
+
+    first: int  # the line of its opening quotes, 1-based
+    last: int  # the line of its closing quotes
+    column: int  # where its opening quotes (or its prefix) start: the indentation of its twin
+    end_column: int  # just past its closing quotes
+    literal: str  # the string as written, quotes and prefix included
+    twin: tuple[str, ...]  # the lines of its Chinese: the ``# zh:`` lines right below it, at its indentation
+
+    @property
+    def end(self) -> int:
+        """The last line it takes in the cell, its twin included."""
+        return self.last + len(self.twin)
+
+    def is_english(self) -> bool:
+        return bool(PROSE.search(self.literal)) and not CHINESE.search(self.literal)
+
+
+def docstrings(source: str) -> list[Docstring]:
+    """The docstrings of a cell's code, found by Python's tokenizer, each with its twin (or none).
+
+    A docstring is a string that makes a statement alone: the first statement of a module, class or
+    function, or a bare string below an attribute. A cell the tokenizer cannot read has none.
+    """
+    lines = source.splitlines()
+    found, statement_start, pending = [], True, None
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if pending is not None and token.type not in (tokenize.COMMENT, tokenize.NL):
+                if token.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+                    found.append(pending)
+                pending = None
+            if token.type == tokenize.STRING and statement_start:
+                pending = token
+            if token.type not in (tokenize.NL, tokenize.COMMENT):
+                statement_start = token.type in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return []
+    result = []
+    for token in found:
+        (first, column), (last, end_column) = token.start, token.end
+        twin = []
+        for line in lines[last:]:
+            match = TWIN_LINE.match(line)
+            if match is None or len(match["indent"]) != column:
+                break
+            twin.append(match["text"] or "")
+        result.append(Docstring(first, last, column, end_column, token.string, tuple(twin)))
+    return result
 
 
 def describe(index: int, source: str) -> str:
@@ -93,8 +162,17 @@ def check_notebook(path: Path) -> list[str]:
             if langs == ["zh"] and not is_prose_in(prev, "en"):
                 problems.append(f"{where}: 'zh' cell has no 'en' twin right before it")
         elif cell.cell_type == "code":
+            documented = docstrings(cell.source)
+            twins = {doc.last + 1 for doc in documented if doc.twin}
+            if path.name not in DOCSTRINGS_PENDING:
+                for doc in documented:
+                    if doc.is_english() and not doc.twin:
+                        problems.append(f"{where}, line {doc.first}: a docstring without its Chinese twin: write "
+                                        "it as '# zh:' lines right below the docstring, at its indentation")
             runs = comment_runs(cell.source)
             for j, (lang, indent, line) in enumerate(runs):
+                if lang == "zh" and line in twins:
+                    continue  # a docstring's twin, not a comment's
                 if lang == "en":
                     nxt_run = runs[j + 1] if j + 1 < len(runs) else None
                     if not (nxt_run and nxt_run[0] == "zh" and nxt_run[1] == indent):

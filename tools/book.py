@@ -10,7 +10,8 @@
 ``python -m tools.book site``
     turns each language's executed notebooks into its docs tree (``build/docs/en``,
     ``build/docs/zh``: markdown cells of the other language, its code comments and its half of
-    every bilingual output removed, ``#| hide`` cells' code hidden, exercise answers tagged to
+    every bilingual output removed, docstrings in its language (a docstring's ``# zh:`` twin in its
+    place on the Chinese site), ``#| hide`` cells' code hidden, exercise answers tagged to
     be folded, no stray spaces in Chinese prose (tools/cjk.py), no paths of the build machine
     in outputs (tools/machine_paths.py)) and runs ``mkdocs build --strict`` on both: English
     into ``build/site/``, Chinese into ``build/site/zh/``. A chapter that was not executed yet
@@ -46,6 +47,7 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 if __package__ in (None, ""):  # run as `python tools/book.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tools.bilingual import Docstring, docstrings
 from tools.cjk import tidy_cjk
 from tools.machine_paths import scrub
 from tools.parts import PARTS
@@ -135,15 +137,37 @@ def minutes(seconds: float) -> str:
 
 
 def localize_code(source: str, lang: str) -> str:
-    """Keep the bilingual comments of one language, as plain comments, in a code cell."""
+    """Keep the bilingual comments of one language, as plain comments, in a code cell, and its docstrings in it.
+
+    A docstring is English and its ``# zh:`` twin (right below it, tools/bilingual.py) Chinese: English keeps
+    the docstring and drops the twin, as the package does; Chinese puts the twin's lines in the docstring's place.
+    """
+    source_lines = source.splitlines()
+    if lang == "zh":
+        for doc in reversed(docstrings(source)):
+            if doc.twin:
+                source_lines[doc.first - 1 : doc.end] = chinese_docstring(doc, source_lines)
     lines = []
-    for line in source.splitlines():
+    for line in source_lines:
         match = COMMENT.match(line)
         if match is None:
             lines.append(line)
         elif match["lang"] == lang:
             lines.append(f"{match['indent']}# {match['text']}".rstrip())
     return "\n".join(lines)
+
+
+def chinese_docstring(doc: Docstring, lines: list[str]) -> list[str]:
+    """The lines of ``doc`` with its twin's Chinese in place of its English, quoted and laid out as it was."""
+    prefix, quotes = re.match(r"(?i)([rbu]*)(\"\"\"|'''|\"|')", doc.literal).groups()
+    # The closing quotes get a line of their own when the English had one, or when the Chinese is longer.
+    closing_alone = doc.first == doc.last or doc.literal.splitlines()[-1].strip() == quotes
+    quotes = quotes[0] * 3 if len(doc.twin) > 1 else quotes
+    before, after = lines[doc.first - 1][: doc.column], lines[doc.last - 1][doc.end_column :]
+    text = [f"{before}{prefix}{quotes}{doc.twin[0]}", *(f"{' ' * doc.column}{t}".rstrip() for t in doc.twin[1:])]
+    if len(text) > 1 and closing_alone:
+        return [*text, f"{' ' * doc.column}{quotes}{after}"]
+    return [*text[:-1], f"{text[-1]}{quotes}{after}"]
 
 
 def answer_cells(cells: list) -> set[int]:
@@ -282,8 +306,11 @@ def build_sites(executed_dir: Path) -> None:
     site = BUILD / "site"
     if site.exists():
         shutil.rmtree(site)
-    for lang, config in LANGUAGES.items():  # English first: it would clean the zh/ subfolder
+    # Every language's docs tree before any site: a chapter's headings name their twins in the other language's
+    # tree (tools/mkdocs_hooks.py), so that the language menu keeps the reader's section.
+    for lang in LANGUAGES:
         docs_tree(lang, chapter_notebooks(executed_dir / lang))  # each site from its own language's run
+    for lang, config in LANGUAGES.items():  # English first: it would clean the zh/ subfolder
         print(f"book: building the {lang} site", flush=True)
         command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / config)]
         subprocess.run(command, check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})

@@ -44,7 +44,10 @@ Imports of ``add_to_class`` and of the module being extended (or its names) are 
 
 Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``# ...``
 comments in the package and ``# zh: ...`` lines are left out, so the package reads in English
-while each language's site shows its own lines.
+while each language's site shows its own lines. A docstring is written in English, with its
+Chinese twin as ``# zh:`` lines right below it (tools/bilingual.py): the package keeps the
+docstring and leaves the twin out like any ``# zh:`` line, and the Chinese site shows the twin in
+the docstring's place (tools/book.py).
 
 Each exported cell's code starts, in its module, with one comment line naming the chapter and the
 cell's title (``# notebooks/04_scheduler.py · cell "scheduler"``): the cell to edit. Each spliced

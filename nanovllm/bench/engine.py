@@ -18,7 +18,8 @@ import torch
 
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
-from nanovllm.engine.model_runner import kv_cache_summary
+from nanovllm.book.lang import Phrases
+from nanovllm.engine.model_runner import kv_block_bytes, kv_cache_torch_dtype
 from nanovllm.models.qwen3_moe import is_sparse_layer
 from nanovllm.sampling_params import SamplingParams
 
@@ -33,6 +34,7 @@ __all__ = [
     "build_parser",
     "expert_mlp_params",
     "experts_params",
+    "kv_cache_line",
     "kv_token_bytes",
     "layer_params",
     "layers_params",
@@ -53,6 +55,48 @@ __all__ = [
     "weight_bytes_per_step",
     "workload_bound",
 ]
+
+
+# notebooks/19_benchmark.py · cell "bench phrases"
+# What the benchmark prints, in Chinese when the book reads in Chinese (nanovllm.book.lang); English otherwise.
+_say_bench = Phrases({
+    "{seqs} sequences, prompts {low}-{high} tokens ({total} in all), outputs {out_low}-{out_high} tokens "
+    "({out_total} in all)":
+        "{seqs} 个序列，提示词 {low}-{high} 个 token（共 {total} 个），输出 {out_low}-{out_high} 个 token"
+        "（共 {out_total} 个）",
+    "{name}: {tokens} tokens in {seconds:.2f} s = {rate:,.1f} tok/s":
+        "{name}：{seconds:.2f} s 生成 {tokens} 个 token = {rate:,.1f} tok/s",
+    "transformers generate (batches of {size})": "transformers generate（每批 {size} 个）",
+    "nano-vllm (this book), TP={tp}": "nano-vllm（本书），TP={tp}",
+    "{name}, attention {backend}": "{name}，注意力后端 {backend}",
+    "{name}, kv cache {kv}": "{name}，KV 缓存 {kv}",
+    "KV cache: {blocks:,} blocks x {block_size} tokens = {tokens:,} tokens, {dtype}, {block_mib:.2f} MiB a block, "
+    "{gib:.2f} GiB{per_rank}":
+        "KV 缓存：{blocks:,} 块 x {block_size} 个 token = {tokens:,} 个 token，{dtype}，每块 {block_mib:.2f} MiB，"
+        "共 {gib:.2f} GiB{per_rank}",
+    " per rank": "（每个 rank）",
+    "  in LLMEngine.step: prefill {prefill:.2f} s in {prefill_steps} steps, decode {decode:.2f} s in {decode_steps} "
+    "steps; outside it (generate's loop): {outside:.2f} s":
+        "  LLMEngine.step 之内：prefill {prefill:.2f} s，{prefill_steps} 步；decode {decode:.2f} s，{decode_steps} 步；"
+        "之外（generate 的循环）：{outside:.2f} s",
+    "engine / transformers: {ratio:.2f}x": "引擎 / transformers：{ratio:.2f}x",
+    "{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)":
+        "{faster} / {slower}：{ratio:.2f}x（同一负载，同一次调用）",
+    "bound": "上限",
+    "bound (kv cache {kv})": "上限（KV 缓存 {kv}）",
+    "{bound}: decode reads {tb:.2f} TB at {bandwidth:.2f} TB/s (copy, measured) + prefill {pflop:.3f} PFLOP at "
+    "{tflops:.0f} TFLOP/s (bf16 matmul, measured) = {seconds:.2f} s -> {rate:,.0f} tok/s":
+        "{bound}：decode 以 {bandwidth:.2f} TB/s（拷贝，实测）读取 {tb:.2f} TB + prefill 以 {tflops:.0f} TFLOP/s"
+        "（bf16 矩阵乘法，实测）计算 {pflop:.3f} PFLOP = {seconds:.2f} s -> {rate:,.0f} tok/s",
+    "{name}: {fraction:.1%} of the bound{gpus}{kv}": "{name}：达到上限的 {fraction:.1%}{gpus}{kv}",
+    " of {gpus} GPUs": "（{gpus} 块 GPU 的上限）",
+    " (kv cache {kv})": "（KV 缓存 {kv}）",
+    "model: {model} on {device} ({dtype})": "模型：{model}，在 {device} 上（{dtype}）",
+    "workload: {workload}": "负载：{workload}",
+    "transformers peer skipped: {why}": "跳过 transformers 对照组：{why}",
+    "the model has no weights (load_format='dummy')": "模型没有权重（load_format='dummy'）",
+    "--tensor-parallel-size {tp}: the TP=1 engine is the peer": "--tensor-parallel-size {tp}：TP=1 的引擎就是对照组",
+})
 
 
 # notebooks/19_benchmark.py · cell "bench workload"
@@ -81,8 +125,9 @@ class Workload:
 
     def describe(self) -> str:
         ins, outs = [len(p) for p in self.prompts], self.output_lens
-        return (f"{len(ins)} sequences, prompts {min(ins)}-{max(ins)} tokens ({sum(ins)} in all), "
-                f"outputs {min(outs)}-{max(outs)} tokens ({sum(outs)} in all)")
+        return _say_bench("{seqs} sequences, prompts {low}-{high} tokens ({total} in all), outputs "
+                          "{out_low}-{out_high} tokens ({out_total} in all)", seqs=len(ins), low=min(ins),
+                          high=max(ins), total=sum(ins), out_low=min(outs), out_high=max(outs), out_total=sum(outs))
 
 
 def make_workload(
@@ -122,7 +167,8 @@ class BenchResult:
         return self.output_tokens / self.seconds
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.output_tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_s:,.1f} tok/s"
+        return _say_bench("{name}: {tokens} tokens in {seconds:.2f} s = {rate:,.1f} tok/s", name=self.name,
+                          tokens=self.output_tokens, seconds=self.seconds, rate=self.tokens_per_s)
 
 
 def peer_batches(workload: Workload, batch_size: int) -> list[list[int]]:
@@ -162,7 +208,8 @@ def run_transformers(model: str, workload: Workload, *, device: str, dtype: torc
         with Stopwatch(device) as clock:
             for batch in peer_batches(workload, batch_size):
                 generate([workload.prompts[i] for i in batch], max(workload.output_lens[i] for i in batch))
-    return BenchResult(f"transformers generate (batches of {batch_size})", clock.seconds, workload.num_output_tokens)
+    return BenchResult(_say_bench("transformers generate (batches of {size})", size=batch_size), clock.seconds,
+                       workload.num_output_tokens)
 
 
 # notebooks/19_benchmark.py · cell "bench bound"
@@ -295,7 +342,7 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     llm.generate([workload.prompts[0][:8]], SamplingParams(max_tokens=2), use_tqdm=False)
     watching = nullcontext()
     if breakdown is not None:
-        breakdown["kv_cache"] = kv_cache_summary(llm.config)
+        breakdown["kv_cache"] = kv_cache_line(llm.config)
 
         def add_step(seconds: float, step: tuple[list, int, bool] | None) -> None:
             # A step returns once the step it reports has run on the GPU (with async scheduling, after
@@ -323,7 +370,18 @@ def run_engine(model: str, workload: Workload, *, breakdown: dict | None = None,
     made = [len(o["token_ids"]) for o in outputs]
     if made != workload.output_lens:
         raise RuntimeError("the engine did not produce the requested number of tokens for every sequence")
-    return BenchResult(f"nano-vllm (this book), TP={tp}", clock.seconds, workload.num_output_tokens)
+    return BenchResult(_say_bench("nano-vllm (this book), TP={tp}", tp=tp), clock.seconds, workload.num_output_tokens)
+
+
+def kv_cache_line(config: Any) -> str:
+    """The engine's `kv_cache_summary`, in the reading language: the KV pool its runner sized."""
+    dtype, block_size, blocks = kv_cache_torch_dtype(config), config.kvcache_block_size, config.num_kvcache_blocks
+    block = kv_block_bytes(config.hf_config, block_size, dtype, config.tensor_parallel_size)
+    return _say_bench("KV cache: {blocks:,} blocks x {block_size} tokens = {tokens:,} tokens, {dtype}, "
+                      "{block_mib:.2f} MiB a block, {gib:.2f} GiB{per_rank}", blocks=blocks, block_size=block_size,
+                      tokens=blocks * block_size, dtype=str(dtype).removeprefix("torch."), block_mib=block / 2**20,
+                      gib=blocks * block / 2**30,
+                      per_rank=_say_bench(" per rank") if config.tensor_parallel_size > 1 else "")
 
 
 def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
@@ -331,9 +389,10 @@ def print_breakdown(result: BenchResult, breakdown: dict[str, Any]) -> None:
     if "kv_cache" in breakdown:
         print(f"  {breakdown['kv_cache']}")
     outside = result.seconds - breakdown.get("prefill", 0.0) - breakdown.get("decode", 0.0)
-    print(f"  in LLMEngine.step: prefill {breakdown.get('prefill', 0):.2f} s in "
-          f"{breakdown.get('prefill_steps', 0)} steps, decode {breakdown.get('decode', 0):.2f} s in "
-          f"{breakdown.get('decode_steps', 0)} steps; outside it (generate's loop): {outside:.2f} s")
+    print(_say_bench("  in LLMEngine.step: prefill {prefill:.2f} s in {prefill_steps} steps, decode {decode:.2f} s in "
+                     "{decode_steps} steps; outside it (generate's loop): {outside:.2f} s",
+                     prefill=breakdown.get("prefill", 0), prefill_steps=breakdown.get("prefill_steps", 0),
+                     decode=breakdown.get("decode", 0), decode_steps=breakdown.get("decode_steps", 0), outside=outside))
 
 
 # The other benchmarks of the same command: a flag, and the module whose main() runs it with the other arguments
@@ -451,9 +510,11 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup,
         results[key] = run_engine(setup.model, setup.workload, tensor_parallel_size=size, attention_backend=backend,
                                   kv_cache_dtype=kv, breakdown=breakdown, **settings)
         if len(args.attention_backend) > 1:
-            results[key] = replace(results[key], name=f"{results[key].name}, attention {backend}")
+            results[key] = replace(results[key], name=_say_bench("{name}, attention {backend}", name=results[key].name,
+                                                                 backend=backend))
         if len(kv_dtypes) > 1:
-            results[key] = replace(results[key], name=f"{results[key].name}, kv cache {kv}")
+            results[key] = replace(results[key], name=_say_bench("{name}, kv cache {kv}", name=results[key].name,
+                                                                 kv=kv))
         kv_of[key] = kv
         print(results[key])
         print_breakdown(results[key], breakdown)
@@ -469,20 +530,23 @@ def print_ratios(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
     tp, first, kv_dtypes = args.tensor_parallel_size, args.attention_backend[0], setup.kv_dtypes
     if "engine" in results and "peer" in results:
         report["ratio"] = results["engine"].tokens_per_s / results["peer"].tokens_per_s
-        print(f"engine / transformers: {report['ratio']:.2f}x")
+        print(_say_bench("engine / transformers: {ratio:.2f}x", ratio=report["ratio"]))
     if "engine" in results and "engine_tp1" in results:
         report["ratio_tp"] = results["engine"].tokens_per_s / results["engine_tp1"].tokens_per_s
-        print(f"TP={tp} / TP=1: {report['ratio_tp']:.2f}x (same workload, same invocation)")
+        print(_say_bench("{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)", faster=f"TP={tp}",
+                         slower="TP=1", ratio=report["ratio_tp"]))
     for backend in args.attention_backend[1:]:
         if f"engine_{backend}" in results:
             ratio = results[f"engine_{backend}"].tokens_per_s / results["engine"].tokens_per_s
             report[f"ratio_{backend}"] = ratio
-            print(f"attention_backend={backend} / {first}: {ratio:.2f}x (same workload, same invocation)")
+            print(_say_bench("{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)",
+                             faster=f"attention_backend={backend}", slower=first, ratio=ratio))
     for kv in kv_dtypes[1:]:
         if f"engine_kv_{kv}" in results:
             ratio = results[f"engine_kv_{kv}"].tokens_per_s / results["engine"].tokens_per_s
             report[f"ratio_kv_{kv}"] = ratio
-            print(f"kv_cache_dtype={kv} / {kv_dtypes[0]}: {ratio:.2f}x (same workload, same invocation)")
+            print(_say_bench("{faster} / {slower}: {ratio:.2f}x (same workload, same invocation)",
+                             faster=f"kv_cache_dtype={kv}", slower=kv_dtypes[0], ratio=ratio))
 
 
 def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult], kv_of: dict[str, str],
@@ -499,10 +563,12 @@ def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
         # Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes.
         bound = bounds[kv] = workload_bound(workload, config.hf_config, config.torch_dtype.itemsize, bandwidth,
                                             flops, kv_cache_dtype=kv)
-        print(f"bound{f' (kv cache {kv})' if len(kv_dtypes) > 1 else ''}: decode reads "
-              f"{bound.decode_bytes / 1e12:.2f} TB at {bandwidth / 1e12:.2f} TB/s (copy, measured) "
-              f"+ prefill {bound.prefill_flops / 1e15:.3f} PFLOP at {flops / 1e12:.0f} TFLOP/s (bf16 matmul, "
-              f"measured) = {bound.seconds:.2f} s -> {bound.tokens_per_s:,.0f} tok/s")
+        name = _say_bench("bound (kv cache {kv})", kv=kv) if len(kv_dtypes) > 1 else _say_bench("bound")
+        print(_say_bench("{bound}: decode reads {tb:.2f} TB at {bandwidth:.2f} TB/s (copy, measured) + prefill "
+                         "{pflop:.3f} PFLOP at {tflops:.0f} TFLOP/s (bf16 matmul, measured) = {seconds:.2f} s -> "
+                         "{rate:,.0f} tok/s", bound=name, tb=bound.decode_bytes / 1e12, bandwidth=bandwidth / 1e12,
+                         pflop=bound.prefill_flops / 1e15, tflops=flops / 1e12, seconds=bound.seconds,
+                         rate=bound.tokens_per_s))
         report["bound" if kv == kv_dtypes[0] else f"bound_kv_{kv}"] = {
             "tokens_per_s": bound.tokens_per_s, "decode_bytes": bound.decode_bytes, "bandwidth": bandwidth,
             "matmul_flops": flops}
@@ -510,8 +576,9 @@ def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
         # N GPUs read N times as fast: an engine on N GPUs is held to N times one GPU's bound.
         gpus = tp if key == "engine" else 1
         fraction = result.tokens_per_s / (gpus * bounds[kv_of[key]].tokens_per_s)
-        print(f"{result.name}: {fraction:.1%} of the bound" + (f" of {gpus} GPUs" if gpus > 1 else "")
-              + (f" (kv cache {kv_of[key]})" if len(kv_dtypes) > 1 else ""))
+        print(_say_bench("{name}: {fraction:.1%} of the bound{gpus}{kv}", name=result.name, fraction=fraction,
+                         gpus=_say_bench(" of {gpus} GPUs", gpus=gpus) if gpus > 1 else "",
+                         kv=_say_bench(" (kv cache {kv})", kv=kv_of[key]) if len(kv_dtypes) > 1 else ""))
         report[key]["fraction_of_bound"] = fraction
 
 
@@ -529,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model, config, workload = setup.model, setup.config, setup.workload
-    print(f"model: {model} on {config.device} ({config.dtype})")
-    print(f"workload: {workload.describe()}")
+    print(_say_bench("model: {model} on {device} ({dtype})", model=model, device=config.device, dtype=config.dtype))
+    print(_say_bench("workload: {workload}", workload=workload.describe()))
     report = report_header("python -m nanovllm.bench", argv, config.device)
     report |= {"model": model, "workload": workload.describe()}
     if args.parallel_sampling:
@@ -545,10 +612,10 @@ def main(argv: list[str] | None = None) -> int:
     # The KV cache dtype of each run: its own bound (transformers keeps the model's dtype).
     kv_of["peer"] = "auto"
     tp = args.tensor_parallel_size
-    peer_skipped = "the model has no weights (load_format='dummy')" if setup.load_format == "dummy" else \
-        f"--tensor-parallel-size {tp}: the TP=1 engine is the peer" if tp > 1 else None
+    peer_skipped = _say_bench("the model has no weights (load_format='dummy')") if setup.load_format == "dummy" else \
+        _say_bench("--tensor-parallel-size {tp}: the TP=1 engine is the peer", tp=tp) if tp > 1 else None
     if not args.no_peer and peer_skipped:
-        print(f"transformers peer skipped: {peer_skipped}")
+        print(_say_bench("transformers peer skipped: {why}", why=peer_skipped))
     elif not args.no_peer:
         batch_size = args.peer_batch_size or (64 if config.device == "cuda" else len(workload.prompts))
         results["peer"] = run_transformers(model, workload, device=config.device, dtype=config.torch_dtype,

@@ -17,6 +17,7 @@ import torch
 from nanovllm.bench.engine import kv_token_bytes, make_workload, watch_calls, weight_bytes_per_step
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import report_header, write_report
+from nanovllm.book.lang import Phrases
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "model_kernels",
     "step_boundary_timeline",
     "timed_launches",
+    "where_it_runs",
 ]
 
 
@@ -236,13 +238,21 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
 
 
 def format_row(row: StepLatency) -> str:
-    kernels = f"{row.kernels_per_step:6.0f} kernels, GPU busy {row.gpu_ms_per_step:6.3f} ms" \
-        if row.kernels_per_step is not None else "kernels: not counted on a CPU"
+    kernels = _say_latency("{kernels:6.0f} kernels, GPU busy {busy:6.3f} ms", kernels=row.kernels_per_step,
+                           busy=row.gpu_ms_per_step) \
+        if row.kernels_per_step is not None else _say_latency("kernels: not counted on a CPU")
     if row.graph_ms is not None:
-        kernels += f", graph alone {row.graph_ms:6.3f} ms"
-    return (f"batch {row.batch:3d}: {row.ms_per_step:7.3f} ms/step, {row.tokens_per_s:9,.0f} tok/s, bound "
-            f"{row.bound_ms:6.3f} ms ({row.fraction_of_bound:6.1%}), host launch {row.host_launch_ms:6.3f} ms, "
-            f"{kernels}")
+        kernels += _say_latency(", graph alone {ms:6.3f} ms", ms=row.graph_ms)
+    return _say_latency("batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms "
+                        "({fraction:6.1%}), host launch {launch:6.3f} ms, {kernels}", batch=row.batch,
+                        ms=row.ms_per_step, rate=row.tokens_per_s, bound=row.bound_ms,
+                        fraction=row.fraction_of_bound, launch=row.host_launch_ms, kernels=kernels)
+
+
+def where_it_runs(device: str) -> str:
+    """The device the figures come from, as the benchmark's first line says it."""
+    return _say_latency("on {gpu}", gpu=torch.cuda.get_device_name()) if device == "cuda" else \
+        _say_latency("on this CPU (the figures and the bound are the CPU's)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,14 +297,15 @@ def main(argv: list[str] | None = None) -> int:
     except (TypeError, ValueError, SmolLM2NotInstalledError, CacheNotWritableError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    where = torch.cuda.get_device_name() if device == "cuda" else "this CPU (the figures and the bound are the CPU's)"
-    print(f"model: {model} on {where} ({config.dtype}, kv cache {config.kv_cache_dtype}); prompts of "
-          f"{input_len} tokens, {output_len} generated each")
+    print(_say_latency("model: {model} {where} ({dtype}, kv cache {kv}); prompts of {input_len} tokens, {output_len} "
+                       "generated each", model=model, where=where_it_runs(device), dtype=config.dtype,
+                       kv=config.kv_cache_dtype, input_len=input_len, output_len=output_len))
     report = report_header("python -m nanovllm.bench --latency", argv, device)
     report |= {"model": model, "input_len": input_len, "output_len": output_len, "rows": []}
     bandwidth = report["bandwidth"] = measured_copy_rate(device)
-    print(f"copy rate, measured: {bandwidth / 1e12:.2f} TB/s; weights a step reads: "
-          f"{weight_bytes_per_step(config.hf_config, config.torch_dtype.itemsize) / 1e6:,.1f} MB")
+    print(_say_latency("copy rate, measured: {rate:.2f} TB/s; weights a step reads: {mb:,.1f} MB",
+                       rate=bandwidth / 1e12,
+                       mb=weight_bytes_per_step(config.hf_config, config.torch_dtype.itemsize) / 1e6))
     for fused in fused_settings:
         rows = measure_setting(model, batches, input_len, output_len, bandwidth, seed=args.seed, fused_decode=fused,
                                **settings)
@@ -312,8 +323,8 @@ def fused_ratios(rows: list[dict[str, Any]], batches: list[int]) -> dict[int, fl
         off, on = (next(row for row in rows if row["batch"] == batch and row["fused_decode"] is fused)
                    for fused in (False, True))
         ratio = ratios[batch] = off["ms_per_step"] / on["ms_per_step"]
-        print(f"batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off['ms_per_step']:.3f} -> "
-              f"{on['ms_per_step']:.3f} ms/step, same invocation)")
+        print(_say_latency("batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off:.3f} -> {on:.3f} ms/step, "
+                           "same invocation)", batch=batch, ratio=ratio, off=off["ms_per_step"], on=on["ms_per_step"]))
     return ratios
 
 
@@ -338,3 +349,24 @@ def measure_setting(model: str, batches: list[int], input_len: int, output_len: 
     finally:
         llm.exit()
     return rows
+
+
+# notebooks/19_benchmark.py · cell "latency phrases"
+# What the latency benchmark prints, in Chinese when the book reads in Chinese (nanovllm.book.lang).
+_say_latency = Phrases({
+    "{kernels:6.0f} kernels, GPU busy {busy:6.3f} ms": "{kernels:6.0f} 个内核，GPU 忙 {busy:6.3f} ms",
+    "kernels: not counted on a CPU": "内核：CPU 上不统计",
+    ", graph alone {ms:6.3f} ms": "，单独重放图 {ms:6.3f} ms",
+    "batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms ({fraction:6.1%}), host launch "
+    "{launch:6.3f} ms, {kernels}":
+        "批大小 {batch:3d}：每步 {ms:7.3f} ms，{rate:9,.0f} tok/s，上限 {bound:6.3f} ms（{fraction:6.1%}），"
+        "主机启动 {launch:6.3f} ms，{kernels}",
+    "on {gpu}": "在 {gpu} 上",
+    "on this CPU (the figures and the bound are the CPU's)": "在这台 CPU 上（数字和上限都是 CPU 的）",
+    "model: {model} {where} ({dtype}, kv cache {kv}); prompts of {input_len} tokens, {output_len} generated each":
+        "模型：{model}，{where}，{dtype}，KV 缓存 {kv}；提示词 {input_len} 个 token，每个生成 {output_len} 个",
+    "copy rate, measured: {rate:.2f} TB/s; weights a step reads: {mb:,.1f} MB":
+        "实测拷贝速率：{rate:.2f} TB/s；一步读取的权重：{mb:,.1f} MB",
+    "batch {batch:3d}: fused decode layer {ratio:.2f}x as fast ({off:.3f} -> {on:.3f} ms/step, same invocation)":
+        "批大小 {batch:3d}：融合 decode 层快 {ratio:.2f} 倍（每步 {off:.3f} -> {on:.3f} ms，同一次调用）",
+})

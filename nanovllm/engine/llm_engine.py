@@ -495,8 +495,10 @@ class LLMEngine:
                 known = _known_completion_tokens(seq)
                 if known > seq.num_streamed_tokens:
                     start = seq.num_prompt_tokens
-                    news.append(NewTokens(seq.request_id, seq.sample_index,
-                                          seq.token_ids[start + seq.num_streamed_tokens : start + known], False))
+                    new_tokens = seq.token_ids[start + seq.num_streamed_tokens : start + known]
+                    # Only the last token may still be computing, and it is not among the known ones
+                    assert min(new_tokens) >= 0, f"{seq} would stream a pending token"
+                    news.append(NewTokens(seq.request_id, seq.sample_index, new_tokens, False))
                     seq.num_streamed_tokens = known
             return news
 

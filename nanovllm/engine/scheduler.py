@@ -187,6 +187,8 @@ class Scheduler:
             seq.set_token(index, token_id)
             if self._reached_end(seq, token_id, index + 1):
                 self._finish(seq, num_tokens=index + 1)
+                # What it publishes holds no token still computing (a step collected out of turn would leave one)
+                assert PENDING_TOKEN not in seq.completion_token_ids, f"{seq} finished with a pending token"
                 finished.append(seq)
         self._notify("postprocess", {"seqs": list(seqs), "token_ids": list(token_ids), "finished": finished})
         return finished

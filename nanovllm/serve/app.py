@@ -22,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from starlette.exceptions import HTTPException
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from nanovllm.engine.inputs import prompt_token_ids
 from nanovllm.engine.llm_engine import LLMEngine
@@ -31,7 +30,15 @@ from nanovllm.serve.client import EngineClient, EngineThread, RequestStream
 from nanovllm.serve.dashboard import DashboardHub, LiveRecorder, page_html
 from nanovllm.serve.detokenize import IncrementalDetokenizer
 from nanovllm.serve.driver import SHUTTING_DOWN_ERROR, EngineError, Recorder, finish_reason
-from nanovllm.serve.guards import ApiKey, BodyLimit, default_max_body_bytes, max_prompt_chars
+from nanovllm.serve.guards import (
+    ApiKey,
+    BodyLimit,
+    HostGuard,
+    RequestLimit,
+    check_api_key,
+    default_max_body_bytes,
+    max_prompt_chars,
+)
 from nanovllm.serve.protocol import (
     MAX_CHOICES,
     ChatCompletionRequest,
@@ -71,6 +78,8 @@ __all__ = [
     "live_page_hub",
     "live_page_recorder",
     "metrics",
+    "model",
+    "model_card",
     "models",
     "root",
     "server_error",
@@ -464,7 +473,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client.stop()
         close_pages()
         api.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(client.join, 60)
+        await asyncio.to_thread(client.join, client.shutdown_timeout)
 
 
 async def server_error(request: Request, error: ServerError) -> JSONResponse:
@@ -539,12 +548,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await api.generate(body, [await api.off_loop(tokenize)], True, request)
 
 
+def model_card(api: Api) -> dict:
+    return {"id": api.model_name, "object": "model", "created": now(), "owned_by": "nanovllm", "root": api.model_name,
+            "max_model_len": api.info.max_model_len}
+
+
 @openai_routes.get("/v1/models")
 async def models(request: Request) -> dict:
+    return {"object": "list", "data": [model_card(api_of(request))]}
+
+
+# `client.models.retrieve(id)`. An id may hold slashes ("Qwen/Qwen3-0.6B"): the path takes them.
+@openai_routes.get("/v1/models/{model_id:path}")
+async def model(model_id: str, request: Request) -> dict:
     api = api_of(request)
-    return {"object": "list", "data": [{"id": api.model_name, "object": "model", "created": now(),
-                                        "owned_by": "nanovllm", "root": api.model_name,
-                                        "max_model_len": api.info.max_model_len}]}
+    if model_id != api.model_name:
+        raise ServerError(404, f"the model {model_id!r} does not exist; this server serves {api.model_name!r}",
+                          "not_found_error", param="model", code="model_not_found")
+    return model_card(api)
 
 
 @server_routes.get("/health")
@@ -564,24 +585,30 @@ async def metrics(request: Request) -> Response:
 
 def create_app(engine: LLMEngine | EngineClient, *, model_name: str, max_waiting: int | None = None,
                max_body_bytes: int | None = None, engine_timeout: float = 60.0, api_key: str | None = None,
-               hosts: list[str] | None = None, docs: bool = False) -> FastAPI:
+               hosts: list[str] | None = None, docs: bool = False, limit_concurrency: int | None = None,
+               shutdown_timeout: float = 10.0) -> FastAPI:
     """The server's application over ``engine``: an `EngineClient` (an `EngineProcess`, say), or an `LLMEngine`,
     which the application drives from a thread (`EngineThread`; the engine stays the caller's to `exit`). Its
     lifespan starts the driver and stops it, once: an application serves one run. ``app.state.shutdown()`` ends
     every open stream, from any thread or a signal handler. ``max_body_bytes``: see `BodyLimit` (default:
     `default_max_body_bytes`). ``engine_timeout``: seconds of the engine's silence after which ``/health`` and the
-    requests waiting on it get 503. ``api_key``: see `ApiKey`; ``hosts``: the Host names answered (see
-    `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``."""
+    requests waiting on it get 503. ``api_key``: see `ApiKey` (an empty one is refused); ``hosts``: the Host names
+    answered (see `allowed_hosts`; default any); ``docs``: serve ``/docs`` and ``/openapi.json``;
+    ``limit_concurrency``: see `RequestLimit`; ``shutdown_timeout``: seconds a stopping server waits for the
+    engine's running step before it stops the engine's process."""
+    check_api_key(api_key)
     client = engine if isinstance(engine, EngineClient) else EngineThread(engine, live_page_recorder())
-    client.max_waiting, client.engine_timeout = max_waiting, engine_timeout
+    client.max_waiting, client.engine_timeout, client.shutdown_timeout = max_waiting, engine_timeout, shutdown_timeout
     app = FastAPI(title="nano-vllm", lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
                   docs_url="/docs" if docs else None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
     app.state.api = Api(client, model_name)
-    # The last one added runs first: the Host, then the key, then the body's size.
+    # The last one added runs first: the Host, then the key, then the requests in flight, then the body's size.
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes or default_max_body_bytes(client.info.max_model_len))
-    if api_key:
+    if limit_concurrency is not None:
+        app.add_middleware(RequestLimit, limit=limit_concurrency)
+    if api_key is not None:
         app.add_middleware(ApiKey, key=api_key)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts or ["*"])
+    app.add_middleware(HostGuard, hosts=hosts or ["*"])
     app.include_router(openai_routes)
     app.include_router(server_routes)
     return app

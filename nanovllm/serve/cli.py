@@ -24,7 +24,7 @@ import uvicorn
 from nanovllm.config import Config
 from nanovllm.serve.app import create_app, live_page_recorder
 from nanovllm.serve.client import EngineProcess, EngineStartError
-from nanovllm.serve.guards import allowed_hosts, read_deadline
+from nanovllm.serve.guards import allowed_hosts, check_api_key, read_deadline
 
 __all__ = [
     "HIDDEN_SETTINGS",
@@ -86,15 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "address, which keeps out DNS rebinding; else any)")
     parser.add_argument("--docs", action="store_true", help="serve /docs and /openapi.json (default: off)")
     parser.add_argument("--engine-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="answer 503 (/health, and the requests waiting on it) once the engine has sent nothing, "
-                             "neither a step nor an idle heartbeat, for SECONDS (default 60: longer than a step)")
+                        help="answer 503 (/health, and the requests waiting on it) once the engine's process has sent "
+                             "nothing, not even the heartbeat it sends every second during a step, for SECONDS "
+                             "(default 60)")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="on Ctrl-C or SIGTERM, wait at most SECONDS for the engine's running step to end, then "
+                             "stop the engine's process (default 10)")
     parser.add_argument("--timeout-read", type=float, default=60.0, metavar="SECONDS",
                         help="close a connection whose request (head and body) has not arrived SECONDS after its "
                              "first byte, or after the connection opened (default 60)")
     parser.add_argument("--timeout-keep-alive", type=int, default=5, metavar="SECONDS",
                         help="close a kept-alive connection idle this long after a response (uvicorn's; default 5)")
     parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
-                        help="answer 503 to new requests while N connections are open (uvicorn's; default: no limit)")
+                        help="answer 503 to a new API request while N are in flight, streamed ones until their end "
+                             "(/health, /metrics and the live page always answer; default: no limit)")
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     engine_options(parser)
     return parser
@@ -157,6 +162,11 @@ def raise_open_files_limit(target: int = 65536) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_api_key(args.api_key)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     from nanovllm.book.smollm2 import CacheNotWritableError, SmolLM2NotInstalledError, smollm2_dir
 
     try:
@@ -173,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                          engine_timeout=args.engine_timeout, api_key=args.api_key, docs=args.docs,
-                         hosts=allowed_hosts(args.host, args.allowed_hosts))
+                         hosts=allowed_hosts(args.host, args.allowed_hosts), limit_concurrency=args.limit_concurrency,
+                         shutdown_timeout=args.shutdown_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),
-                                timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+                                timeout_keep_alive=args.timeout_keep_alive)
         raise_open_files_limit()
         server = Server(config, name)
         # A dead engine stops the server once the open streams have their error; status 1 tells a supervisor.

@@ -14,6 +14,7 @@ import itertools
 import multiprocessing
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -91,10 +92,12 @@ class EngineClient:
         # Set by `stop`: new requests are refused
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
-        # When the driver's last message came (its steps, its idle heartbeats), and how long a silence means that
-        # it is stopped or stuck (--engine-timeout)
+        # When the driver's last message came (its steps, its heartbeats), and how long a silence means that its
+        # process is stopped or gone (--engine-timeout)
         self.heard = time.monotonic()
         self.engine_timeout = 60.0
+        # How long a stopping server waits for the driver to end its step and exit (--shutdown-timeout)
+        self.shutdown_timeout = 10.0
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -111,7 +114,7 @@ class EngineClient:
                            f"(--engine-timeout {self.engine_timeout:g})", "service_unavailable")
 
     def _watch(self) -> None:
-        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (stopped, wedged in a step) fails the
+        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (its process stopped or hung) fails the
         open requests with 503 instead of leaving them waiting forever; requests that come meanwhile are refused."""
         if self.stopping:
             return
@@ -134,10 +137,16 @@ class EngineClient:
         self._post(("watch", on))
 
     def stop(self) -> None:
-        """Stop the driver once it has failed the open requests (they end with a 503 error event). Safe in a signal
-        handler: it only schedules the message on the event loop."""
+        """End the open requests now (with a 503 error event), then stop the driver. Safe in a signal handler: it
+        only schedules the work on the event loop."""
         self.stopping = True
-        self.loop.call_soon_threadsafe(self._post, ("stop",))
+        self.loop.call_soon_threadsafe(self._stop_now)
+
+    def _stop_now(self) -> None:
+        # Not after the driver's step: that can take a minute, and uvicorn cuts the responses still open after
+        # five seconds (a plain-text 500). The driver learns of the stop once its step ends.
+        self._fail_all(SHUTTING_DOWN_ERROR)
+        self._post(("stop",))
 
     @property
     def num_waiting(self) -> int:
@@ -148,9 +157,12 @@ class EngineClient:
         return self.max_waiting is not None and self.num_waiting >= self.max_waiting
 
     def receive(self, message: Message) -> None:
-        """One step's message from the driver (on the event loop's thread): each event to its stream's queue."""
-        _, events, frames, self.stats = message
+        """A message from the driver (on the event loop's thread): a step's, whose events go to their streams'
+        queues, or a heartbeat."""
         self.heard = time.monotonic()
+        if message[0] == "alive":
+            return
+        _, events, frames, self.stats = message
         streams = self.streams
         for key, kind, payload in events:
             stream = streams.get(key)
@@ -374,21 +386,27 @@ class EngineProcess(EngineClient):
                 return
 
     def join(self, timeout: float) -> None:
-        """Wait for the engine process to exit; make it exit if it does not."""
-        self.process.join(timeout)
+        """Wait up to ``timeout`` seconds for the engine process to end its step and exit; then make it exit."""
+        self.process.join(min(timeout, 1.0))
+        if self.process.is_alive() and timeout > 1.0:
+            print(f"nano-vllm: waiting for the engine's running step to end (at most {timeout - 1:g} s more, "
+                  "--shutdown-timeout)", file=sys.stderr, flush=True)
+            self.process.join(timeout - 1.0)
         if self.process.is_alive():
+            print("nano-vllm: the engine's step did not end in time: stopping the engine process", file=sys.stderr,
+                  flush=True)
             self.process.terminate()
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
 
-    def close(self, timeout: float = 30.0) -> None:
+    def close(self) -> None:
         """Stop the engine process from outside the event loop (the command line's last word)."""
         if self.process.is_alive():
             self.stopping = True
             self._post(("stop",))
-            self.join(timeout)
+            self.join(self.shutdown_timeout)
         self.outbox.put(None)
         self.writer.join(5)
         self.requests.close()

@@ -8,6 +8,7 @@ import asyncio
 import html
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nanovllm.viz.player import caption, controls_html, frame_svg, lang_text, legend_html, style_html
@@ -17,6 +18,7 @@ __all__ = [
     "LIVE_JS",
     "PAGE_CSS",
     "DashboardHub",
+    "LivePage",
     "LiveRecorder",
     "frame_piece",
     "live_caption",
@@ -62,46 +64,103 @@ def live_caption(frame: dict, lang: str) -> str:
     return f"before step {frame['step'] + 1}: client gone, aborted seq {ids} (blocks freed)"
 
 
-def frame_piece(frame: dict, prev: dict | None, block_size: int, lang: str) -> str:
-    """One frame as the player draws it: a ``.nvv-frame`` with its caption and drawing."""
-    text = html.escape(live_caption(frame, lang))
+def frame_piece(frame: dict, prev: dict | None, block_size: int, lang: str, story: list[dict] | None = None) -> str:
+    """One frame as the player draws it: a ``.nvv-frame`` with its caption and drawing. ``story``: the frames whose
+    captions it shows (default: its own); the live page draws a step's last frame with every caption of the step."""
+    captions = "".join(f'<div lang="{lang}">{html.escape(live_caption(told, lang))}</div>' for told in story or [frame])
     svg = frame_svg(frame, block_size, prev, lang)
-    return (f'<div class="nvv-frame" data-frame="{frame["index"]}" hidden><div class="nvv-cap">'
-            f'<div lang="{lang}">{text}</div></div>{svg}</div>')
+    return (f'<div class="nvv-frame" data-frame="{frame["index"]}" hidden><div class="nvv-cap">{captions}</div>'
+            f"{svg}</div>")
+
+
+class LivePage:
+    """One open view of the live page: the newest drawing in its language that it has not sent yet, never more than
+    one. A view that stops reading (a stalled connection) holds one frame, not a backlog, and gets the present when
+    it reads again."""
+
+    def __init__(self, lang: str) -> None:
+        self.lang = lang
+        self.drawing: str | None = None
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def offer(self, drawing: str) -> None:
+        # Replaces the one not sent yet
+        self.drawing = drawing
+        self.ready.set()
+
+    def end(self) -> None:
+        self.closed = True
+        self.ready.set()
+
+    async def next(self) -> str | None:
+        """The next drawing to send, once there is one; None once the view is closed."""
+        while self.drawing is None and not self.closed:
+            await self.ready.wait()
+            self.ready.clear()
+        if self.closed:
+            return None
+        drawing, self.drawing = self.drawing, None
+        return drawing
 
 
 class DashboardHub:
     """The live pages that are open, on the event loop's side. The first page to open has the driver attach a
     `LiveRecorder` to the scheduler (between two steps, wherever the driver runs); the last one to close has it
-    detached, so a server that nobody watches records nothing."""
+    detached, so a server that nobody watches records nothing. Each step's newest frame is drawn once for every
+    language that an open page reads, on a thread of its own, and offered to every page: the event loop only hands
+    text on, however many pages are open, and a step that comes while a drawing is made waits as one frame, the
+    newest."""
 
-    def __init__(self, engine: Any, keep: int = 2000) -> None:
+    def __init__(self, engine: Any) -> None:
         # An `EngineClient`
-        self.engine, self.keep = engine, keep
-        self.pages: set[asyncio.Queue] = set()
-        self.last: dict | None = None
+        self.engine = engine
+        self.pages: set[LivePage] = set()
+        # The newest step's frames, not drawn yet; the last frame drawn (the next is drawn against it) and its
+        # drawings
+        self.newest: list[dict] | None = None
+        self.drawn: dict | None = None
+        self.drawings: dict[str, str] = {}
+        self.painter = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-live-page")
+        self.painting: asyncio.Future | None = None
         engine.on_frame = self.publish
 
     def publish(self, frames: list[dict]) -> None:
-        self.last = frames[-1]
-        for page in self.pages:
-            for frame in frames:
-                # A page that cannot keep up loses its oldest frames
-                if page.qsize() >= self.keep:
-                    page.get_nowait()
-                page.put_nowait(frame)
+        """A step's frames, as they arrive (on the event loop): the step is drawn next, as its last frame with the
+        captions of all of them, in place of a step that was waiting to be drawn."""
+        self.newest = frames
+        if self.pages and (self.painting is None or self.painting.done()):
+            self.painting = asyncio.ensure_future(self._paint())
 
-    def open(self) -> asyncio.Queue:
-        page: asyncio.Queue = asyncio.Queue()
+    async def _paint(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.newest is not None and self.pages:
+            step, self.newest = self.newest, None
+            languages = sorted({page.lang for page in self.pages})
+            self.drawings = await loop.run_in_executor(self.painter, self.draw, step, self.drawn, languages)
+            self.drawn = step[-1]
+            for page in self.pages:
+                if page.lang in self.drawings:
+                    page.offer(self.drawings[page.lang])
+
+    def draw(self, step: list[dict], prev: dict | None, languages: list[str]) -> dict[str, str]:
+        """A step's frames as each language's pages receive them: a server-sent event ``{"index", "html"}``."""
+        frame, block_size = step[-1], self.engine.info.kvcache_block_size
+        return {lang: "data: " + json.dumps({"index": frame["index"],
+                                             "html": frame_piece(frame, prev, block_size, lang, step)}) + "\n\n"
+                for lang in languages}
+
+    def open(self, lang: str = "en") -> LivePage:
+        page = LivePage(lang)
         if not self.pages:
-            self.last = None
+            self.newest, self.drawn, self.drawings = None, None, {}
             self.engine.watch(True)
-        elif self.last is not None:
-            page.put_nowait(self.last)
+        elif lang in self.drawings:
+            page.offer(self.drawings[lang])
         self.pages.add(page)
         return page
 
-    def close(self, page: asyncio.Queue) -> None:
+    def close(self, page: LivePage) -> None:
         self.pages.discard(page)
         if not self.pages:
             self.engine.watch(False)
@@ -109,18 +168,14 @@ class DashboardHub:
     def close_all(self) -> None:
         """The server stops: every page's stream ends."""
         for page in self.pages:
-            page.put_nowait(None)
+            page.end()
 
     async def stream(self, lang: str) -> AsyncIterator[str]:
-        """Server-sent events for one page: each frame drawn in ``lang``, as ``{"index", "html"}``."""
-        page = self.open()
-        block_size = self.engine.info.kvcache_block_size
-        prev = None
+        """Server-sent events for one page: the frames drawn in ``lang``, the newest at each read."""
+        page = self.open(lang)
         try:
-            while (frame := await page.get()) is not None:
-                piece = frame_piece(frame, prev, block_size, lang)
-                prev = frame
-                yield f"data: {json.dumps({'index': frame['index'], 'html': piece})}\n\n"
+            while (drawing := await page.next()) is not None:
+                yield drawing
         finally:
             self.close(page)
 

@@ -7,6 +7,7 @@ on in one batch. It runs wherever the server puts it: in a process of its own (`
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -40,7 +41,8 @@ _logger = logging.getLogger("nanovllm.serve")
 # request id exists only once the engine took the request. In: ("add", key, prompt, params), ("abort", key,
 # sample_index or None), ("watch", on) for the live page, ("stop",). Out, once per step: ("step", events,
 # frames, stats), where each event is (key, kind, payload) and kind is "admitted" (payload: the request id),
-# "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come).
+# "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come);
+# and ("alive",) every HEARTBEAT_SECONDS from a thread of its own, during a step too.
 Message = tuple
 # receive(wait): the next message, or None if none came (at once; within HEARTBEAT_SECONDS if wait). An idle driver
 # thus sends an empty step message at least every HEARTBEAT_SECONDS: the server knows it is alive.
@@ -168,9 +170,13 @@ class EngineDriver:
         # Of the current step, sent in one message
         self.events: list[tuple] = []
         self.frames: list[dict] = []
+        # The heartbeat's thread and the driver's both send: one message at a time.
+        self.sending = threading.Lock()
 
     def run(self, receive: Receive) -> None:
         """Serve until a "stop" message, or until ``receive`` raises EOFError (the server is gone)."""
+        stopped = threading.Event()
+        threading.Thread(target=self._beat, args=(stopped,), name="nanovllm-heartbeat", daemon=True).start()
         try:
             while self._read(receive, wait=self.engine.is_finished()):
                 if not self.engine.is_finished():
@@ -187,7 +193,19 @@ class EngineDriver:
                 self._event(request.key, "error", SHUTTING_DOWN_ERROR)
             self.requests.clear()
             self._refuse_the_rest(receive)
+            stopped.set()
             self._flush()
+
+    def _beat(self, stopped: threading.Event) -> None:
+        """Say "alive" every HEARTBEAT_SECONDS, from a thread that does not wait for the step in progress: a step of a
+        minute (a long prompt on a CPU) is not silence. The model's kernels let go of the GIL, and Python hands it
+        over every few milliseconds anyway. A stopped process (SIGSTOP) or a dead one says nothing, and is noticed."""
+        while not stopped.wait(HEARTBEAT_SECONDS):
+            self._send(("alive",))
+
+    def _send(self, message: Message) -> None:
+        with self.sending:
+            self.send(message)
 
     def _read(self, receive: Receive, wait: bool) -> bool:
         """Handle every message that came (waiting for one first if ``wait``); False once asked to stop."""
@@ -306,7 +324,7 @@ class EngineDriver:
         # A copy: in a thread, the HTTP side reads it while the driver goes on counting.
         stats = replace(self.stats, steps=dict(self.stats.steps), step_seconds=dict(self.stats.step_seconds),
                         engine_counters=dict(self.stats.engine_counters))
-        self.send(("step", events, frames, stats))
+        self._send(("step", events, frames, stats))
 
     def _refuse_the_rest(self, receive: Receive) -> None:
         """Requests that arrived after the stop message are refused, so that no client waits forever."""

@@ -129,11 +129,19 @@ class SamplingRequest(BaseModel):
         try:
             return SamplingParams(**fields)
         except (TypeError, ValueError) as error:
-            name = str(error).split(" ", 1)[0]
-            raise ServerError(400, str(error), param=name if name in fields else None) from None
+            message, name = str(error), str(error).split(" ", 1)[0]
+            # The engine says max_tokens; the client may have said max_completion_tokens.
+            if name == "max_tokens":
+                name, message = self.max_tokens_field(), message.replace("max_tokens", self.max_tokens_field(), 1)
+            raise ServerError(400, message, param=name if name in fields or name == self.max_tokens_field()
+                              else None) from None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        """The name of the field that gave the limit on generated tokens."""
+        return "max_tokens"
 
 
 class CompletionRequest(SamplingRequest):
@@ -190,6 +198,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 def request_id(prefix: str) -> str:

@@ -58,7 +58,11 @@ class Deferral:
         if self.outermost:
             # left from an earlier block, whose exit raised another Ctrl-C instead
             _held.clear()
-            _replaced.append(signal.signal(signal.SIGINT, _hold))
+            # The entry is recorded before the handler goes in (the mirror of `__exit__`): a signal handler that
+            # lands in between and calls the engine finds the old handler with an entry, or _hold with one,
+            # never _hold without one.
+            _replaced.append(signal.getsignal(signal.SIGINT))
+            signal.signal(signal.SIGINT, _hold)
         else:
             self.enter_nested(main)
 

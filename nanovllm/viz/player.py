@@ -376,6 +376,8 @@ def frame_svg(frame: dict, block_size: int, prev: dict | None = None, lang: str 
 
 # notebooks/A_visualization.py · cell "player: style and script"
 # One stylesheet for every player; class names start with "nvv-" so they cannot clash with the page.
+# A drawing keeps its natural size (its block ids are 9 px: shrunk to a phone's width they were 4 px);
+# one wider than the page scrolls sideways inside the player's box.
 PLAYER_CSS = """
 .nvv{font:13px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#263238;background:#fff;
   border:1px solid #cfd8dc;border-radius:6px;padding:8px 10px;margin:6px 0;max-width:100%;overflow-x:auto}
@@ -394,7 +396,7 @@ PLAYER_CSS = """
 .nvv-cap{min-height:2.9em;margin:2px 0 4px}
 .nvv-info{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:#37474f;min-height:1.5em}
 .nvv-nojs{font-size:12px;color:#8d6e63}
-.nvv-svg{display:block;max-width:100%;height:auto}
+.nvv-svg{display:block;height:auto}
 .nvv-svg text{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:11px;fill:#263238}
 .nvv-svg text.nvv-h{font-family:system-ui,sans-serif;font-weight:600;fill:#455a64}
 .nvv-svg text.nvv-mid,.nvv-svg text.nvv-rc{text-anchor:middle}

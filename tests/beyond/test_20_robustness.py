@@ -301,6 +301,35 @@ def test_tp_a_sigint_at_the_lines_of_a_step_leaves_the_engine_and_its_ranks_whol
     assert runner.call("world")[0]["params_held"] <= len(PROMPTS) + 1
 
 
+def test_tp_a_real_sigint_as_collect_is_entered_waits_for_the_step(tp_engine: LLM, reference: dict,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 60, item 8: a KeyboardInterrupt *raised* as `TPRunner.collect` is entered (the third call of a
+    generate, a request queued) lost a step's tokens, and the queued request published a pending token (-1). A real
+    Ctrl-C cannot land there: collect runs inside the engine's deferral and outside every interruptible stretch, so
+    the signal is held until the step is recorded, and then delivered. Here a real SIGINT reaches each of the first
+    six collect calls as it is entered: the call raises KeyboardInterrupt, the engine is whole, and the queued
+    requests give the reference's tokens (resolve and step_tokens assert that nothing published is pending)."""
+    runner = tp_engine.model_runner
+    collect = runner.collect
+    for nth in range(1, 7):
+        queued = queue_requests(tp_engine)
+        calls = [0]
+
+        def collect_after_ctrl_c(call: int, *args: object, nth: int = nth, calls: list[int] = calls,
+                                 **kwargs: object) -> list:
+            calls[0] += 1
+            if calls[0] == nth:
+                signal.raise_signal(signal.SIGINT)  # its handler has run when this returns
+            return collect(call, *args, **kwargs)
+
+        monkeypatch.setattr(runner, "collect", collect_after_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            tp_engine.generate(PROMPTS, PARAMS, use_tqdm=False)
+        monkeypatch.undo()
+        assert calls[0] >= nth
+        check_after_interrupt(tp_engine, queued, reference, full=nth == 6)
+
+
 def test_tp_a_reply_in_hand_when_ctrl_c_arrives_is_filed(tp_engine: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = tp_engine.model_runner
     receive = runner._receive
@@ -363,6 +392,56 @@ def test_interruption_point_outside_a_deferral_changes_nothing() -> None:
     with interruptible():
         pass
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_handler_that_lands_as_a_deferral_installs_itself_finds_its_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 60, item 4: the window between installing _hold and recording the entry it replaced. A signal handler
+    that lands right after ``signal.signal`` and calls the engine (a deferral, then an interruption point) must
+    find the entry: it is recorded first."""
+    install, landed = signal.signal, []
+
+    def install_then_a_handler_lands(signum: int, handler: object) -> object:
+        previous = install(signum, handler)
+        if signum == signal.SIGINT and handler is nanovllm.utils.interrupts._hold and not landed:
+            landed.append(True)
+            with deferred_interrupt():
+                interruption_point()
+        return previous
+
+    monkeypatch.setattr(nanovllm.utils.interrupts.signal, "signal", install_then_a_handler_lands)
+    before = signal.getsignal(signal.SIGINT)
+    with deferred_interrupt():
+        interruption_point()
+    monkeypatch.undo()
+    assert landed and signal.getsignal(signal.SIGINT) is before and not nanovllm.utils.interrupts._replaced
+
+
+def test_20000_timer_handlers_that_enter_a_deferral_raise_nothing() -> None:
+    """Issue 60, item 4, with real signals: a repeating SIGALRM whose handler opens a deferral and asks for an
+    interruption point, while the main thread opens and closes deferrals as fast as it can; 20,000 handler calls,
+    none of which may raise. (The window itself is hit only when a signal arrives inside ``signal.signal``, rarely:
+    the test above opens it on purpose.)"""
+    calls, errors = [0], []
+
+    def handler(signum: int, frame: object) -> None:
+        calls[0] += 1
+        try:
+            with deferred_interrupt():
+                interruption_point()
+        except Exception as error:
+            errors.append(repr(error))
+
+    before_alarm, before_int = signal.signal(signal.SIGALRM, handler), signal.getsignal(signal.SIGINT)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.0001, 0.0001)
+        deadline = time.monotonic() + 120
+        while calls[0] < 20_000 and time.monotonic() < deadline:
+            with deferred_interrupt():
+                pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before_alarm)
+    assert calls[0] >= 20_000 and errors == [] and signal.getsignal(signal.SIGINT) is before_int
 
 
 # ---- prompts of every shape, a failed or interrupted step, one call at a time, non-finite logits ---------------------

@@ -389,6 +389,87 @@ def test_an_engine_failure_fails_its_requests_only(tiny):
         llm.exit()
 
 
+def slow_step(llm: LLM, seconds: float, nth: int = 1) -> list[bool]:
+    """Make the model runner's ``nth`` step from now take ``seconds`` longer, as a long prefill on a CPU does; the
+    list says when that step has begun."""
+    run, begun, calls = llm.model_runner.run, [], [0]
+
+    def slow(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == nth:
+            begun.append(True)
+            time.sleep(seconds)
+        return run(*args, **kwargs)
+
+    llm.model_runner.run = slow
+    return begun
+
+
+def test_a_step_longer_than_the_engine_timeout_is_not_taken_for_a_dead_engine(tiny):
+    """Issue 60, item 1: the heartbeat went out only between steps, so a healthy 70 s prefill made /health answer 503
+    and failed the requests with "the engine has not answered". Now a thread of the driver says "alive" every second,
+    during a step too: a step more than twice as long as --engine-timeout gets 200s, and its request is served."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from nanovllm.serve.app import create_app
+
+    llm = LLM(tiny, **ENGINE)
+    begun = slow_step(llm, 6.0)
+    try:
+        with TestClient(create_app(llm, model_name="tiny", engine_timeout=2.5)) as http:
+            answers = {}
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 3}
+            request = threading.Thread(target=lambda: answers.update(reply=http.post("/v1/completions", json=body)))
+            request.start()
+            assert wait_until(lambda: bool(begun), 10)
+            health, began = [], time.monotonic()
+            while request.is_alive():
+                health.append((time.monotonic() - began, http.get("/health").status_code))
+                time.sleep(0.2)
+            # Asked for about twice the timeout, all through the step: never a 503
+            assert health[-1][0] > 4.5 and {status for _, status in health} == {200}, health
+            assert answers["reply"].status_code == 200 and answers["reply"].json()["choices"][0]["text"]
+    finally:
+        llm.exit()
+
+
+def test_a_stop_during_a_long_step_ends_the_open_streams_at_once(tiny):
+    """Issue 60, item 2: a stop (Ctrl-C, SIGTERM) during a long step left the open requests waiting for the step, until
+    uvicorn cut them with a plain-text 500. Now they end at once with the error event and [DONE]."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from nanovllm.serve.app import create_app
+
+    llm = LLM(tiny, **ENGINE)
+    # The first decode step: the stream has begun (its first token came with the prefill)
+    begun = slow_step(llm, 4.0, nth=2)
+    try:
+        with TestClient(create_app(llm, model_name="tiny")) as http:
+            body = {"model": "tiny", "prompt": "Hi", "max_tokens": 3, "stream": True}
+            lines, ended = [], []
+
+            def stream() -> None:
+                with http.stream("POST", "/v1/completions", json=body) as reply:
+                    lines.extend(line for line in reply.iter_lines() if line)
+                ended.append(time.monotonic())
+
+            reader = threading.Thread(target=stream)
+            reader.start()
+            assert wait_until(lambda: bool(begun), 10)
+            asked = time.monotonic()
+            http.app.state.shutdown()
+            reader.join(10)
+            assert ended and ended[0] - asked < 2.0, "the stream waited for the step"
+            assert lines[-1] == "data: [DONE]"
+            assert json.loads(lines[-2][6:])["error"]["type"] == "service_unavailable"
+    finally:
+        llm.exit()
+
+
 # What the live page shows, read from the page: each frame's index, caption and used blocks.
 FRAMES_JS = """[...document.querySelectorAll('#live .nvv-frame')].map(f => ({
     index: +f.getAttribute('data-frame'), caption: f.querySelector('.nvv-cap').textContent,
@@ -403,7 +484,7 @@ def test_dashboard_page_fits_a_phone_and_asks_for_no_favicon(server):
 
 
 def test_dashboard_browser_shows_blocks_taken_and_freed(server, client, tmp_path):
-    from test_viz_browser import CHROMIUM, ROOT, Browser
+    from tests.core.test_viz_browser import CHROMIUM, ROOT, Browser
 
     if CHROMIUM is None:
         pytest.skip("Chromium is not installed (apt-get install chromium)")
@@ -560,7 +641,8 @@ def test_a_message_to_an_engine_that_does_not_read_never_blocks_the_server(tiny)
         os.kill(engine.process.pid, signal.SIGCONT)
     finally:
         os.kill(engine.process.pid, signal.SIGCONT)
-        engine.close(timeout=30)
+        engine.shutdown_timeout = 30
+        engine.close()
     assert engine.process.exitcode == 0 and not engine.writer.is_alive()
 
 

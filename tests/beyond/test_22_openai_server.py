@@ -10,8 +10,11 @@ import os
 import select
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -175,19 +178,37 @@ def test_idle_and_trickling_connections_are_closed_at_the_read_deadline(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_limit_concurrency_answers_503_while_the_connections_are_open(server):
-    address = (urlsplit(server.url).hostname, urlsplit(server.url).port)
-    idle = [socket.create_connection(address) for _ in range(64)]
-    try:
-        time.sleep(0.3)
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503
-    finally:
-        for sock in idle:
-            sock.close()
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{server.url}/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+def test_limit_concurrency_serves_the_limits_worth_of_a_burst_and_refuses_the_rest(tiny):
+    """Issue 60, item 6: uvicorn's --limit-concurrency counted open connections, so a burst of 30 requests over a
+    limit of 8 got 30 503s and /health answered 503 too. Now it counts requests in flight: the limit's worth of the
+    burst is served, the excess gets 503 in OpenAI's shape, and /health answers meanwhile."""
+    import threading
+
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS, "--limit-concurrency", "8"]) as process:
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        start, replies, health = threading.Barrier(30), [], []
+
+        def one() -> None:
+            start.wait()
+            with httpx.Client(timeout=60) as http, http.stream("POST", f"{process.url}/v1/completions",
+                                                               json=body) as reply:
+                text = "".join(reply.iter_text())
+                replies.append((reply.status_code, text))
+                if len(replies) == 1:
+                    health.append(httpx.get(f"{process.url}/health", timeout=10).status_code)
+
+        burst = [threading.Thread(target=one) for _ in range(30)]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join(60)
+        served = [text for status, text in replies if status == 200]
+        refused = [json.loads(text)["error"] for status, text in replies if status == 503]
+        assert len(replies) == 30 and 8 <= len(served) < 30 and len(served) + len(refused) == 30
+        assert all(text.rstrip().endswith("data: [DONE]") for text in served)
+        assert all(error["code"] == "server_overloaded" and "--limit-concurrency 8" in error["message"]
+                   for error in refused)
+        assert health == [200]
 
 
 def test_a_stopped_engine_is_told_apart_and_a_dead_one_ends_the_server(tiny):
@@ -195,7 +216,7 @@ def test_a_stopped_engine_is_told_apart_and_a_dead_one_ends_the_server(tiny):
     both get 503 once the engine has sent nothing (no step, no idle heartbeat) for --engine-timeout 2 s, and SIGCONT
     brings the server back. When the engine process dies, the open stream ends with a 500 error event and the server
     exits with status 1, saying why (it used to answer "shutting down" forever)."""
-    from test_21_serving import engine_processes, wait_until
+    from tests.beyond.test_21_serving import engine_processes, wait_until
 
     with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS, "--engine-timeout", "2"]) as process:
         [engine] = engine_processes(process.process.pid)
@@ -263,5 +284,70 @@ def test_an_api_key_guards_v1_and_the_live_page_and_the_host_is_checked(server, 
     for path in ("/docs", "/openapi.json"):
         assert httpx.get(f"{server.url}{path}", headers=AUTH).status_code == 404
     port = server.url.rsplit(":", 1)[1]
-    assert httpx.get(f"{server.url}/health", headers={"host": f"rebound.example:{port}"}).status_code == 400
+    rebound = httpx.get(f"{server.url}/health", headers={"host": f"rebound.example:{port}"})
+    # In OpenAI's shape (issue 60, item 7: it was plain text)
+    assert rebound.status_code == 400 and "Host header" in rebound.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health", headers={"host": f"localhost:{port}"}).status_code == 200
+
+
+def test_an_empty_api_key_is_refused_at_start(tiny):
+    """Issue 60, item 5: --api-key "" (or NANOVLLM_API_KEY=) turned authentication off without a word."""
+    env = {**os.environ, "NANOVLLM_API_KEY": ""}
+    for args, environment in ((["--api-key", ""], os.environ), (["--api-key", "  "], os.environ), ([], env)):
+        done = subprocess.run([sys.executable, "-m", "nanovllm.serve", "--model", tiny, *ARGS, *args],
+                              capture_output=True, text=True, timeout=60, env=environment)
+        assert done.returncode == 2 and "the API key is empty" in done.stderr
+        assert "--api-key" in done.stderr and "NANOVLLM_API_KEY" in done.stderr
+        assert "loading" not in done.stderr  # refused before the model loads
+
+
+def test_a_model_is_retrieved_by_id_and_errors_name_the_field_sent(server, client):
+    """Issue 60, item 7: client.models.retrieve() got 404, and max_completion_tokens: 0 was refused naming
+    max_tokens."""
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/other-model")
+    assert missing.value.body["code"] == "model_not_found"
+    messages = [{"role": "user", "content": "Hi"}]
+    for field in ("max_completion_tokens", "max_tokens"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=messages, **{field: 0})
+        assert refused.value.body["param"] == field and field in refused.value.body["message"]
+
+
+def test_ctrl_c_during_a_step_that_does_not_end_ends_the_streams_and_the_server(tiny):
+    """Issue 60, item 2, with a real server: the engine process stopped in the middle of a step (SIGSTOP stands for a
+    step that takes minutes), then Ctrl-C. The open stream ends at once with the error event and [DONE], the log says
+    what the server waits for, --shutdown-timeout bounds the wait, and a second Ctrl-C while it waits is quiet."""
+    from tests.beyond.test_21_serving import engine_processes
+
+    args = ["--model", tiny, "--served-model-name", "tiny", *ARGS, "--shutdown-timeout", "3"]
+    with ServerProcess(args) as process:
+        [engine] = engine_processes(process.process.pid)
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as http, http.stream("POST", f"{process.url}/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(engine, signal.SIGSTOP)
+            asked = time.monotonic()
+            process.process.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+            ended = time.monotonic() - asked
+        assert rest[-1] == "data: [DONE]" and ended < 3
+        assert json.loads(rest[-2][6:])["error"]["type"] == "service_unavailable"
+        time.sleep(1.5)
+        process.process.send_signal(signal.SIGINT)
+        assert process.process.wait(20) == 0 and time.monotonic() - asked < 15
+        output = process.output()
+    assert "waiting for the engine's running step to end" in output, output
+    assert "Traceback" not in output and "CancelledError" not in output, output
+    assert not alive_process(engine)
+
+
+def alive_process(pid: int) -> bool:
+    """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"

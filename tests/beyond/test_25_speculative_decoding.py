@@ -569,6 +569,35 @@ def test_settings_that_cannot_work_together_are_refused(tiny):
             Config.from_kwargs(tiny, device="cpu", **wrong)
 
 
+def test_a_draft_model_with_another_tokenizer_of_the_same_size_is_refused(tiny, tmp_path):
+    """Issue 60, item 7: a draft model whose vocabulary had the model's size but another tokenizer was accepted, and
+    then never had a draft accepted. Two token ids swapped, or two merges in the other order, are refused; a copy
+    of the model's own tokenizer is accepted."""
+    import shutil
+
+    def draft_with(change) -> str:
+        draft = tmp_path / f"draft-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tiny, draft)
+        tokenizer = json.loads((draft / "tokenizer.json").read_text(encoding="utf-8"))
+        change(tokenizer["model"])
+        (draft / "tokenizer.json").write_text(json.dumps(tokenizer), encoding="utf-8")
+        return str(draft)
+
+    def swap_two_ids(model: dict) -> None:
+        vocab = model["vocab"]
+        first, second = sorted(vocab)[40:42]
+        vocab[first], vocab[second] = vocab[second], vocab[first]
+
+    def reorder_merges(model: dict) -> None:
+        model["merges"][0], model["merges"][1] = model["merges"][1], model["merges"][0]
+
+    draft = {"speculative_method": "draft", "device": "cpu"}
+    for change in (swap_two_ids, reorder_merges):
+        with pytest.raises(ValueError, match="a tokenizer of the same size with other token ids or merges"):
+            Config.from_kwargs(tiny, speculative_model=draft_with(change), **draft)
+    assert Config.from_kwargs(tiny, speculative_model=draft_with(lambda model: None), **draft).speculative_model
+
+
 def test_the_default_drafts_fill_the_decode_graph_of_one_sequence(tiny):
     """A method's default drafts make one sequence's verify step exactly a captured graph's rows (7 drafts: the graph
     of 8; 4 drafts left 3 of its rows empty), and two sequences fill the graph of 16 within the back-off rule."""

@@ -47,3 +47,108 @@ def test_a_server_without_a_live_page_starts_serves_and_stops(llm, monkeypatch):
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
         assert http.post("/v1/completions", json=body).status_code == 200
     assert llm.is_finished()
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_live_drawing_keeps_its_text_legible_on_a_phone(lang, tmp_path):
+    """Issue 59, item 3: on a 390-pixel phone the live page's drawing shrank to about 0.4 of its size (block ids
+    under 4 px). It keeps its natural size, scale 1, and scrolls sideways inside the player's box."""
+    from nanovllm.serve.dashboard import frame_piece, page_html
+    from nanovllm.viz.driver import FakeEngine
+    from tests.core.test_viz_browser import CHROMIUM, Browser
+
+    if CHROMIUM is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium)")
+    engine = FakeEngine(num_kvcache_blocks=64, kvcache_block_size=16)
+    for i in range(3):
+        engine.add(list(range(1, 40 + 10 * i)), max_tokens=4)
+    engine.run()
+    frames = engine.recording["frames"]
+    # The page as the server sends it, with the frame that its script would add from /dashboard/events, shown
+    shown = frame_piece(frames[-2], frames[-3], 16, lang).replace(" hidden>", ">", 1)
+    live = page_html("tiny", 64, 16, lang).replace('<div class="nvv-frames"></div>',
+                                                  f'<div class="nvv-frames">{shown}</div>')
+    (tmp_path / "live.html").write_text(live, encoding="utf-8")
+    browser = Browser(CHROMIUM)
+    try:
+        browser.page("Emulation.setDeviceMetricsOverride", deviceScaleFactor=1, mobile=True, width=390, height=844)
+        browser.open((tmp_path / "live.html").as_uri())
+        drawn = browser.js("""(() => { const svg = document.querySelector('.nvv-frame:not([hidden]) .nvv-svg');
+          const box = document.querySelector('#live');
+          const text = [...svg.querySelectorAll('text')].map(t => parseFloat(getComputedStyle(t).fontSize)
+            * t.getScreenCTM().a);
+          return {scale: svg.getBoundingClientRect().width / svg.width.baseVal.value, smallest: Math.min(...text),
+                  scrolls: box.scrollWidth > box.clientWidth, page: document.documentElement.scrollWidth}; })()""")
+    finally:
+        browser.close()
+    assert drawn["scale"] > 0.999 and drawn["smallest"] >= 9, drawn
+    assert drawn["scrolls"] and drawn["page"] <= 390, drawn
+
+
+class WatchedClient:
+    """What `DashboardHub` asks of an engine client: ``watch(on)``, ``on_frame`` and the cache's block size."""
+
+    def __init__(self) -> None:
+        self.watched: list[bool] = []
+        self.info = type("Info", (), {"kvcache_block_size": 16})()
+        self.on_frame = None
+
+    def watch(self, on: bool) -> None:
+        self.watched.append(on)
+
+
+def test_a_step_is_drawn_once_for_all_pages_and_a_page_that_does_not_read_holds_one_frame(monkeypatch):
+    """Issue 60, item 3: every frame was drawn on the event loop once per open page, and a page that stopped
+    reading kept a backlog of up to 2,000 frames. Now a step's newest frame is drawn once per language, off the
+    event loop, and each page holds at most one drawing: the newest."""
+    import asyncio
+    import threading
+
+    import nanovllm.serve.dashboard as dashboard
+    from nanovllm.viz.driver import FakeEngine
+
+    engine = FakeEngine(num_kvcache_blocks=64, kvcache_block_size=16)
+    for i in range(4):
+        engine.add(list(range(1, 30 + 10 * i)), max_tokens=6)
+    engine.run()
+    frames = engine.recording["frames"]
+    drawn, real_piece = [], dashboard.frame_piece
+
+    def counted_piece(frame, prev, block_size, lang, story=None):
+        drawn.append((frame["index"], lang, threading.current_thread() is threading.main_thread()))
+        return real_piece(frame, prev, block_size, lang, story)
+
+    monkeypatch.setattr(dashboard, "frame_piece", counted_piece)
+
+    async def scenario():
+        client = WatchedClient()
+        hub = DashboardHub(client)
+        idle = [hub.open("en") for _ in range(50)] + [hub.open("zh") for _ in range(50)]
+        reader = hub.stream("en")
+        for frame in frames:  # one step's message per frame, faster than any page reads
+            client.on_frame([frame])
+            await asyncio.sleep(0)
+        while hub.painting is not None and not hub.painting.done():
+            await hub.painting
+        newest = f'"index": {frames[-1]["index"]},'
+        # Each idle page holds exactly one drawing, the newest frame, in its own language.
+        assert all(page.drawing is not None and newest in page.drawing for page in idle)
+        assert all(('lang=\\"zh\\"' in page.drawing) == (page.lang == "zh") for page in idle)
+        # A page that reads gets the newest drawing at once, and then waits for the next step.
+        first = await asyncio.wait_for(reader.__anext__(), timeout=5)
+        assert newest in first
+        pending = asyncio.ensure_future(reader.__anext__())
+        await asyncio.sleep(0.05)
+        assert not pending.done()
+        hub.close_all()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(pending, timeout=5)
+        for page in idle:
+            hub.close(page)
+        assert client.watched == [True, False]
+
+    asyncio.run(scenario())
+    # Never once per page: at most once per step and language (steps that came during a drawing were skipped),
+    # and never on the event loop's thread.
+    assert 0 < len(drawn) <= 2 * len(frames) and len(set(drawn)) == len(drawn)
+    assert not any(on_loop for _, _, on_loop in drawn)

@@ -21,7 +21,10 @@ def write(tmp_path: Path, body: str) -> Path:
 
 def test_a_complete_chapter_passes(tmp_path: Path) -> None:
     code = ("# %%\n# en: why\n# zh: 为什么\nx = 1  # noqa: E501\n#| export x\ny = [0]  # -1, 4 x 16\n"
-            "s = 'a # string, no comment'\n# 只有中文的注释\n")
+            "s = 'a # string, no comment'\n# 只有中文的注释\n"
+            'def f():\n    """Return one."""\n    # zh: 返回 1。\n    # en: one\n    # zh: 一\n    return 1\n'
+            'def g():\n    """Several\n\n    lines."""\n    # zh: 几行\n    # zh:\n    # zh: 文字。\n'
+            'def h():\n    """只有中文的文档字符串。"""\n')
     assert bilingual.check_notebook(write(tmp_path, PAIR + code)) == []
 
 
@@ -37,9 +40,15 @@ def test_a_complete_chapter_passes(tmp_path: Path) -> None:
         ("# %%\n# why this is so\nx = 1\n", "line 1: an English comment without its twin"),
         ("# %%\nx = 1  # why this is so\n", "line 1: an English comment without its twin"),
         ("# %%\n!ls  # a shell escape\n# why this is so\n", "line 2: an English comment without its twin"),
+        ('# %%\ndef f():\n    """Return one."""\n    return 1\n', "line 2: a docstring without its Chinese twin"),
+        ('# %%\ndef f():\n    """Return one."""\n\n    # zh: 返回 1。\n    return 1\n',
+         "line 2: a docstring without its Chinese twin"),
+        ('# %%\ndef f():\n    """Return one."""\n# zh: 返回 1。\n    return 1\n',
+         "'# zh:' comment has no '# en:' twin"),
     ],
     ids=["missing-zh", "missing-en", "untagged", "comment-missing-zh", "comment-missing-en", "indent-mismatch",
-         "plain-english-comment", "trailing-english-comment", "english-comment-beside-a-magic"],
+         "plain-english-comment", "trailing-english-comment", "english-comment-beside-a-magic",
+         "docstring-missing-zh", "docstring-twin-not-right-below", "docstring-twin-other-indent"],
 )
 def test_missing_twin_is_named(tmp_path: Path, body: str, fragment: str) -> None:
     problems = bilingual.check_notebook(write(tmp_path, body))

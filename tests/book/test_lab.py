@@ -12,6 +12,7 @@ configuration.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -22,14 +23,17 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from copy import deepcopy
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
+import nbformat
 import pytest
 from jupytext import TextFileContentsManager
 from jupytext.config import find_jupytext_configuration_file
 
 from tools import lab, tangle
+from tools.book import execute, localize
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = tangle.chapter_files(ROOT)
@@ -360,3 +364,157 @@ def test_copies_of_another_name_are_removed_only_when_the_reader_never_edited_th
     assert not gone.exists() and not older.exists()
     assert done.left == sorted([gone_noted, older_noted, copies[0].parent / "broken.ipynb"])
     assert all("may hold your notes: left as it is" in line for line in done.report(small_book))
+
+
+# ---- a copy opens with the executed book's outputs, or says why it has none (issue 59, item 4) --------------
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Chapter 01 executed in both languages, as ``python -m tools.book execute`` leaves it (about 3 s a language)."""
+    folder = tmp_path_factory.mktemp("book")
+    (folder / "notebooks").mkdir()
+    shutil.copy(CHAPTERS[1], folder / "notebooks" / CHAPTERS[1].name)
+    execute([folder / "notebooks" / CHAPTERS[1].name], folder / "executed")
+    return folder / "executed"
+
+
+def with_executed_book(small_book: Path, executed: Path) -> Path:
+    shutil.copytree(executed, small_book / lab.EXECUTED)
+    return small_book
+
+
+def read(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def code_outputs(notebook: dict) -> list:
+    return [cell["outputs"] for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def printed(notebook: dict) -> str:
+    return "".join(o.get("text", "") for outputs in code_outputs(notebook) for o in outputs)
+
+
+def test_a_copy_opens_with_the_executed_books_outputs_in_its_language(small_book: Path, executed: Path) -> None:
+    done = lab.write_reading_copies(root=with_executed_book(small_book, executed))
+    name = CHAPTERS[1].stem
+    for lang, verdict in (("en", "all exercise answers check out"), ("zh", "练习答案全部验证通过")):
+        made = read(small_book / "read" / lang / f"{name}.{lang}.ipynb")
+        assert made["metadata"][lab.RECORD]["outputs"] == "executed"
+        assert f"build/executed/{lang}/{name}.ipynb" in "".join(made["cells"][0]["source"])
+        # The site's outputs (tools/book.py builds its pages from localize(executed)), printed ones joined.
+        site = localize(nbformat.read(executed / lang / f"{name}.ipynb", as_version=4), lang)
+        assert code_outputs(made)[1:] == [lab.joined_streams(deepcopy(c.outputs)) for c in site.cells
+                                             if c.cell_type == "code"]
+        assert verdict in printed(made) and any(o for o in code_outputs(made)) and code_outputs(made)[0] == []
+        if lang == "en":
+            assert not CJK.search(printed(made))
+    # Chapter 00 was not executed here: its copies open bare, and say so; so does ./dev lab.
+    bare = read(small_book / "read" / "en" / f"{CHAPTERS[0].stem}.en.ipynb")
+    assert bare["metadata"][lab.RECORD]["outputs"] == "missing" and not any(code_outputs(bare))
+    assert "**No outputs yet**" in "".join(bare["cells"][0]["source"])
+    assert done.bare == {lang: {"missing": [CHAPTERS[0].stem]} for lang in lab.LANGUAGES}
+    assert all(CHAPTERS[0].stem in line for line in done.outputs_report()[:2])
+    assert sorted(done.generated) == sorted(done.copies)  # all of them just written: theirs to sign
+
+
+def test_without_an_executed_book_the_command_says_so_once_per_language(small_book: Path) -> None:
+    report = lab.write_reading_copies(root=small_book).outputs_report()
+    assert [line.split(":")[1] for line in report[:2]] == [" read/en/", " read/zh/"]
+    assert "no copy has outputs, the book was not executed in en here" in report[0]
+
+
+def add_code(book_root: Path, name: str, code: str) -> None:
+    chapter = book_root / "notebooks" / name
+    chapter.write_text(chapter.read_text() + f"\n# %%\n{code}\n")
+
+
+def test_outputs_of_older_code_are_not_shown_but_prose_and_comments_may_change(
+        small_book: Path, executed: Path) -> None:
+    name, chapter = CHAPTERS[1].stem, small_book / "notebooks" / CHAPTERS[1].name
+    with_executed_book(small_book, executed)
+    original = chapter.read_text()
+    # Prose and a comment changed since the chapter was executed: the outputs still belong to its code.
+    edit_chapter(small_book, CHAPTERS[1].name)
+    chapter.write_text(chapter.read_text().replace("\n# %%\n", "\n# %%\n# A comment of a later day.\n", 1))
+    done = lab.write_reading_copies(root=small_book)
+    made = read(small_book / "read" / "en" / f"{name}.en.ipynb")
+    assert made["metadata"][lab.RECORD]["outputs"] == "executed" and any(code_outputs(made))
+    assert "A new paragraph." in json.dumps(made) and "A comment of a later day." in json.dumps(made)
+    # Code changed: no outputs, rather than outputs the code no longer prints; the note and ./dev lab say why.
+    add_code(small_book, CHAPTERS[1].name, "print(2 + 2)")
+    done = lab.write_reading_copies(root=small_book)
+    made = read(small_book / "read" / "zh" / f"{name}.zh.ipynb")
+    assert made["metadata"][lab.RECORD]["outputs"] == "stale" and not any(code_outputs(made))
+    assert "这一章的代码在执行之后改过了" in "".join(made["cells"][0]["source"])
+    assert done.bare["zh"] == {"missing": [CHAPTERS[0].stem], "stale": [name]}
+    assert any("code changed since they were executed" in line and name in line for line in done.outputs_report())
+    # The chapter as it was executed again: the unedited copies take the outputs back.
+    chapter.write_text(original)
+    done = lab.write_reading_copies(root=small_book)
+    assert {p.name for p in done.written} == {f"{name}.{lang}.ipynb" for lang in lab.LANGUAGES}
+    assert all(read(p)["metadata"][lab.RECORD]["outputs"] == "executed" for p in done.written)
+
+
+def test_an_unedited_copy_takes_the_outputs_when_the_book_is_executed_an_edited_one_is_kept(
+        small_book: Path, executed: Path) -> None:
+    copies = lab.write_reading_copies(root=small_book).copies  # no executed book yet: bare copies
+    noted = next(p for p in copies if p.name == f"{CHAPTERS[1].stem}.en.ipynb")
+    saved_by_jupyterlab(noted, add_a_note)
+    done = lab.write_reading_copies(root=with_executed_book(small_book, executed))
+    assert {p.name for p in done.written} == {f"{CHAPTERS[1].stem}.zh.ipynb"}  # the unedited one, with outputs
+    assert done.kept == [noted] and done.outdated == [] and "My note." in noted.read_text()
+    assert done.report(small_book) == [f"lab: {noted.relative_to(small_book)} holds your edits: kept as it is."]
+    assert noted not in done.generated  # the reader's, not this command's: JupyterLab signs it when it saves it
+    # A copy of an older kind (it records no chapter text), edited: kept, and said to be of an older kind.
+    notebook = json.loads(noted.read_text())
+    del notebook["metadata"][lab.RECORD]["text"]
+    noted.write_text(json.dumps(notebook))
+    done = lab.write_reading_copies(root=small_book)
+    assert done.older == [noted] and "Reading copies are made differently since" in done.report(small_book)[0]
+
+
+def stream(name: str, text: str) -> dict:
+    return {"output_type": "stream", "name": name, "text": text}
+
+
+def test_printed_outputs_are_joined_and_played_as_jupyterlab_holds_them() -> None:
+    """JupyterLab's OutputAreaModel joins consecutive streams of one name and plays \\r and \\b as a terminal does
+    when it loads a notebook, and saves them so: a copy that kept them apart would change when saved unedited."""
+    figure = {"output_type": "display_data", "data": {"text/plain": "<figure>"}, "metadata": {}}
+    joined = lab.joined_streams([stream("stdout", "a\n"), stream("stdout", "b\n"), stream("stderr", "warn\n"),
+                                 stream("stdout", "c"), figure, stream("stdout", "d")])
+    assert joined == [stream("stdout", "a\nb\n"), stream("stderr", "warn\n"), stream("stdout", "c"), figure,
+                      stream("stdout", "d")]
+    assert lab.joined_streams([stream("stderr", "10%\r50%"), stream("stderr", "\r100%\n")]) == [
+        stream("stderr", "100%\n")]
+    assert lab.terminal("abc\rX\n", "", 0) == ("Xbc\n", 4)
+    assert lab.terminal("ab\bc", "", 0) == ("ac", 2)  # JupyterLab's backspace takes the character under it too
+
+
+def test_jupyterlabs_own_menus_speak_the_language_of_the_copies() -> None:
+    """``./dev lab zh`` left JupyterLab's menus in English: a language has its settings, zh with the language pack."""
+    overrides = {lang: json.loads((lab.SETTINGS / lang / "overrides.json").read_text()) for lang in lab.LANGUAGES}
+    translation = "@jupyterlab/translation-extension:plugin"
+    locales = {lang: settings.pop(translation) for lang, settings in overrides.items()}
+    assert locales == {"en": {"locale": "en"}, "zh": {"locale": "zh_CN"}} and overrides["en"] == overrides["zh"]
+    assert f"--LabApp.app_settings_dir={lab.SETTINGS / 'zh'}" in lab.lab_command(8888, "t", "zh", [])
+    from jupyterlab_server.translation_utils import get_language_packs
+
+    assert "zh_CN" in get_language_packs("en")[0]  # installed, where JupyterLab looks for it
+    pin = re.search(r'"jupyterlab-language-pack-zh-CN==([^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    assert importlib.metadata.version("jupyterlab-language-pack-zh-CN") == pin
+
+
+def test_the_copies_this_command_wrote_are_signed_as_trusted(small_book: Path, executed: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsigned, a copy opens untrusted: no player plays, and a figure shows as its text."""
+    from nbformat.sign import NotebookNotary
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(small_book / "jupyter"))  # not the reader's own store
+    done = lab.write_reading_copies(root=with_executed_book(small_book, executed))
+    lab.trust(done.generated)
+    notary = NotebookNotary()
+    assert notary.data_dir == str(small_book / "jupyter")
+    assert all(notary.check_signature(nbformat.read(path, as_version=4)) for path in done.copies)

@@ -1,15 +1,17 @@
 """``./dev lab`` in a real browser: what a reader sees when they double-click a file in JupyterLab.
 
 The server is started as ``./dev lab`` starts it (``python -m tools.lab``, through test_lab.py's
-``Lab``), rooted at a copy of the book with one package module, its Jupyter settings and workspaces
-in a temporary home, JupyterLab's autosave set to one second; headless Chromium drives it over the
-DevTools protocol (tests/core/test_viz_browser.py's ``Browser``), with real double-clicks in the file browser.
-Skipped only when Chromium or JupyterLab is missing.
+``Lab``), rooted at a copy of the book with one package module and chapter 02 executed in both
+languages (``build/executed/``, as ``python -m tools.book execute`` writes it), its Jupyter settings,
+signatures and workspaces in a temporary home, JupyterLab's autosave set to one second; headless
+Chromium drives it over the DevTools protocol (tests/core/test_viz_browser.py's ``Browser``), with
+real double-clicks in the file browser. Skipped only when Chromium or JupyterLab is missing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -21,16 +23,24 @@ pytest.importorskip("jupyterlab")
 
 from tests.book.test_lab import ROOT, Lab, copy_of_the_book
 from tests.core.test_viz_browser import CHROMIUM, Browser
-from tools import lab
+from tools import book, lab
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium)")
 PACKAGE_FILE = "nanovllm/engine/scheduler.py"
+EXECUTED_CHAPTER = "02_block_manager"  # a player, an SVG figure and printed traces, executed in about 3 s a language
 AUTOSAVE_S = 1
+CJK_TEXT = re.compile(r"[\u4e00-\u9fff]{12}")  # a Chinese phrase (a quoted word or two is not one)
+
+
+def executed_book(root: Path) -> Path:
+    """The copy of the book at ``root``, with one chapter executed in both languages, as ``./dev run`` leaves it."""
+    book.execute([root / "notebooks" / f"{EXECUTED_CHAPTER}.py"], root / lab.EXECUTED)
+    return root
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
-    root = copy_of_the_book(tmp_path_factory.mktemp("book"))
+    root = executed_book(copy_of_the_book(tmp_path_factory.mktemp("book")))
     (root / PACKAGE_FILE).parent.mkdir(parents=True)
     shutil.copy(ROOT / PACKAGE_FILE, root / PACKAGE_FILE)
     server = Lab(root, tmp_path_factory.mktemp("home"), extra=("--expose-app-in-browser",), autosave_s=AUTOSAVE_S)
@@ -240,3 +250,78 @@ def test_on_a_phone_the_sidebar_starts_collapsed_and_a_notebook_gets_the_width(s
         assert width > 300, width
     finally:
         browser.page("Emulation.clearDeviceMetricsOverride")
+
+
+# ---- a reading copy opens with the executed book's outputs (issue 59, item 4) ----------------------------------
+
+# What the current notebook shows: its outputs, players whose script ran, SVG figures drawn as images.
+SHOWN_JS = """(() => { const n = jupyterapp.shell.currentWidget.content.node;
+  const player = n.querySelector('.nvv[data-ready="1"]');
+  return {outputs: n.querySelectorAll('.jp-OutputArea-output').length,
+          players: n.querySelectorAll('.nvv[data-ready="1"]').length, player: player ? player.textContent : '',
+          figures: n.querySelectorAll('.jp-RenderedSVG svg, .jp-RenderedSVG img').length,
+          text: n.innerText}; })()"""
+# Every resource the page loaded, from any origin other than the server's own (data: and blob: are the page's).
+OUTSIDE_JS = """performance.getEntriesByType('resource').map(e => e.name)
+  .filter(u => !u.startsWith(location.origin) && !u.startsWith('data:') && !u.startsWith('blob:'))"""
+
+
+def scroll_through(browser: Browser) -> None:
+    """Scroll the notebook from top to bottom, so that JupyterLab renders every cell it would render lazily."""
+    run_js(browser, """(async () => { const n = jupyterapp.shell.currentWidget.content;
+      for (let i = 0; i < n.widgets.length; i++) { await n.scrollToItem(i, 'start'); }
+      await n.scrollToItem(0, 'start'); return true; })()""", timeout_s=60)
+
+
+def test_a_reading_copy_opens_with_the_executed_books_outputs_and_saving_it_unedited_changes_nothing(
+        served: Lab, browser: Browser) -> None:
+    """Item 4 of issue 59: 27 of 29 copies opened bare, until Run All (two minutes for chapter 17)."""
+    copy = f"read/en/{EXECUTED_CHAPTER}.en.ipynb"
+    before = (served.root / copy).read_bytes()
+    saved = json.loads(before)
+    assert saved["metadata"][lab.RECORD]["outputs"] == "executed"
+    # The answers' outputs are folded with them (their cells say so), the others shown.
+    outputs = sum(len(c.get("outputs", [])) for c in saved["cells"]
+                  if not c["metadata"].get("jupyter", {}).get("outputs_hidden"))
+    open_lab(browser, url(served, "en"))
+    double_click_in_file_browser(browser, copy)
+    scroll_through(browser)
+    shown = wait_for(browser, f"(s => s.players && s.figures && s)({SHOWN_JS})",
+                     "the player's script did not run or the figure was not drawn (an untrusted notebook)")
+    assert shown["outputs"] == outputs > 10, shown["outputs"]  # every output, none run by a kernel
+    assert "The outputs are the executed book's" in shown["text"] and not CJK_TEXT.search(shown["text"])
+    assert "Back" in shown["player"] and "后退" not in shown["player"]
+    assert run_js(browser, OUTSIDE_JS) == []  # nothing fetched from outside the machine
+    wait_for_the_kernel(browser)
+    time.sleep(AUTOSAVE_S * 2.5)  # a copy marked modified would have been autosaved by now
+    assert run_js(browser, "jupyterapp.shell.currentWidget.context.model.dirty") is False
+    assert (served.root / copy).read_bytes() == before
+    save_current(browser)  # JupyterLab holds printed outputs joined; the copy has them so already
+    assert (served.root / copy).read_bytes() == before
+    assert served.root / copy in lab.write_reading_copies(root=served.root).generated  # still ours, still signed
+
+
+@pytest.fixture(scope="module")
+def served_in_chinese(served: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """``./dev lab zh``: a server of its own (JupyterLab's language is the server's setting), on a book executed
+    as ``served``'s is."""
+    root = copy_of_the_book(tmp_path_factory.mktemp("book"))
+    shutil.copytree(served.root / lab.EXECUTED, root / lab.EXECUTED)
+    server = Lab(root, tmp_path_factory.mktemp("home"), lang="zh", extra=("--expose-app-in-browser",))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_the_chinese_lab_speaks_chinese_menus_and_copies_included(served_in_chinese: Lab, browser: Browser) -> None:
+    """Item 4 of issue 59: ``./dev lab zh`` left JupyterLab's own menus in English."""
+    open_lab(browser, served_in_chinese.url)
+    menus = run_js(browser, "[...document.querySelectorAll('.lm-MenuBar-itemLabel')].map(e => e.textContent)")
+    assert {"文件", "编辑", "运行"} <= set(menus), menus  # the language pack's File, Edit, Run
+    double_click_in_file_browser(browser, f"read/zh/{EXECUTED_CHAPTER}.zh.ipynb")
+    scroll_through(browser)
+    shown = wait_for(browser, f"(s => s.players && s)({SHOWN_JS})", "the player's script did not run")
+    assert "下面的输出来自执行过的全书" in shown["text"]  # the note: the executed book's outputs
+    assert "后退" in shown["player"] and "Back" not in shown["player"]  # the player, in Chinese
+    assert run_js(browser, OUTSIDE_JS) == []

@@ -107,3 +107,41 @@ def test_each_site_gets_the_glossary_in_its_language() -> None:
     assert "| prefix caching | 前缀缓存 |" in en and "| prefix caching | 前缀缓存 |" in zh
     assert " · " not in en.split("\n|", 1)[1] and " · " not in zh.split("\n|", 1)[1]
     assert en.count("\n|") == zh.count("\n|") > 50
+
+
+def test_tex_in_prose_becomes_mathml_and_the_rest_stays_text() -> None:
+    """Issue 59, item 1: the sites draw formulas as MathML written at build time (tools/mkdocs_hooks.py)."""
+    from bs4 import BeautifulSoup
+
+    from tools.mkdocs_hooks import render_math
+
+    soup = BeautifulSoup(
+        '<!-- Load mathjax --><script src=""> </script><script type="text/x-mathjax-config">init_mathjax();</script>'
+        '<div class="jp-MarkdownCell"><p>$$E = \\frac{1 - \\alpha^{k+1}}{1 - \\alpha}$$</p>'
+        "<p>costs $5 and $10, $x_i$ here, $ a $ not, <code>$PWD</code></p></div>"
+        '<div class="jp-CodeCell"><pre>echo $$ $x$</pre></div>', "html.parser")
+    render_math(soup)
+    block, inline = soup.select("math")
+    assert block["display"] == "block" and block.select_one("mfrac") is not None
+    assert inline["display"] == "inline" and inline.select_one("msub") is not None
+    text = soup.get_text()
+    assert "costs $5 and $10," in text and "$ a $ not" in text and "$PWD" in text and "echo $$ $x$" in text
+    assert "\\frac" not in text and "mathjax" not in str(soup).lower()
+
+
+@pytest.mark.parametrize(("svg", "floor"), [
+    ('<svg width="920" height="340" viewBox="0 0 920 340" font-size="12"><text>a</text></svg>', 690),
+    ('<svg width="660" height="400"><text font-size="11">a</text><text font-size="14">b</text></svg>', 540),
+    ('<svg width="300" height="100"><text font-size="8">a</text></svg>', 300),          # never wider than itself
+    # Points, as matplotlib writes them: 18 user units are 24 px on screen at its natural width of 614.4 px
+    ('<svg width="460.8pt" viewBox="0 0 460.8 100"><text style="font-size:18px">a</text></svg>', 230.4),
+    ('<svg width="800" viewBox="0 0 400 100"><text font-size="3">a</text></svg>', 800),  # 6 px on screen at 800
+    ('<svg width="640"><text>a</text></svg>', 360),                                      # SVG's default 16 px
+    ('<svg width="640"><rect width="10" height="10"/></svg>', None),                     # no text: shrinks freely
+])
+def test_a_figure_shrinks_only_while_its_text_stays_legible(svg: str, floor: float | None) -> None:
+    """Issue 59, item 3: a figure's min-width is where its smallest text is 9 px on screen."""
+    from tools.mkdocs_hooks import legible_width
+
+    found = legible_width(svg)
+    assert found == pytest.approx(floor) if floor is not None else found is None

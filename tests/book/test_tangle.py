@@ -45,6 +45,13 @@ COUNTER = itertools.count()
 
 
 def next_id() -> int:
+    \"""The next id.
+
+    Ids start at 0.
+    \"""
+    # zh: 下一个编号。
+    # zh:
+    # zh: 编号从 0 开始。
     return next(COUNTER)
 
 # %% helper
@@ -84,6 +91,8 @@ def test_writes_modules_with_header_hoisted_imports_and_all(tmp_path: Path) -> N
     assert '__all__ = [\n    "COUNTER",\n    "next_id",\n]' in counter  # _home is exporti: not public
     assert "def _home()" in counter
     assert "# A counter that says why it exists." in counter and "zh:" not in counter and "计数器" not in counter
+    # A docstring's Chinese twin stays in the notebook too: the package has the English docstring alone.
+    assert '    """The next id.\n\n    Ids start at 0.\n    """\n    return next(COUNTER)\n' in counter
     assert "print(next_id())" not in counter  # cells without a directive stay in the notebook
     util = (tmp_path / "nanovllm/util.py").read_text()
     assert util.count("import itertools") == 1 and '"histogram"' in util
