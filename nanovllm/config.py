@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, PretrainedConfig
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.models.loader import LOAD_FORMATS, read_model_dir
 from nanovllm.utils.checks import check
 
@@ -221,7 +220,7 @@ class Config:
         if vocab != self.hf_config.vocab_size:
             raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
                              f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
-        mine, theirs = load_tokenizer(self.model), load_tokenizer(self.speculative_model)
+        mine, theirs = (AutoTokenizer.from_pretrained(path) for path in (self.model, self.speculative_model))
         if mine.get_vocab() != theirs.get_vocab() or _bpe_merges(mine) != _bpe_merges(theirs):
             raise ValueError(f"speculative_model {self.speculative_model} has a tokenizer of the same size with other "
                              "token ids or merges: a draft model must share the model's tokenizer")

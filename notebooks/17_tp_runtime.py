@@ -896,8 +896,15 @@ class Deferral:
             # en: never _hold without one.
             # zh: 先记下条目，再装上处理函数（与 `__exit__` 的顺序相反）：夹在两者之间落下、又调用引擎的信号处理函数，
             # zh: 看到的要么是带着条目的旧处理函数，要么是带着条目的 _hold，绝不会是没有条目的 _hold。
-            _replaced.append(signal.getsignal(signal.SIGINT))
-            signal.signal(signal.SIGINT, _hold)
+            depth = len(_replaced)
+            try:
+                _replaced.append(signal.getsignal(signal.SIGINT))
+                signal.signal(signal.SIGINT, _hold)
+            # en: A Ctrl-C that the old handler raised before _hold was in: the block never began, so its entry goes.
+            # zh: 在 _hold 装上之前、由旧处理函数抛出的 Ctrl-C：这个块根本没开始，所以它的条目要撤掉。
+            except BaseException:
+                del _replaced[depth:]
+                raise
         else:
             self.enter_nested(main)
 

@@ -53,10 +53,12 @@ say = Phrases({
 # The server speaks the OpenAI API so that the official `openai` client, and every tool built on
 # it, works unchanged: `GET /v1/models`, `POST /v1/completions` (a prompt as text or token ids, or
 # a list of prompts), `POST /v1/chat/completions` (messages through the tokenizer's chat template).
-# Requests are checked by pydantic models; unknown fields are refused (as unknown config keys
-# are, chapter 09), and fields of the API that this server does not implement (`logprobs`,
-# penalties) are accepted only at their neutral values. `top_k`, `ignore_eos` and
-# `return_token_ids` are extra fields, as vLLM accepts them.
+# Requests are checked by pydantic models, with strict types. Unknown fields are accepted and
+# ignored, as vLLM does, and each name is logged once: a gateway in front of the server adds its
+# own (SGLang's router adds its sampling fields to every request). Fields of the API that this
+# server does not implement are accepted only at their neutral values (`logprobs`, penalties), or
+# refused by name where ignoring them would change what the client gets (`response_format`,
+# `tools`). `top_k`, `ignore_eos` and `return_token_ids` are extra fields, as vLLM accepts them.
 #
 # Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and its HTTP
 # status: 400 for a bad field (pydantic's and the engine's own checks: `max_tokens < 1`, `n` beyond
@@ -72,9 +74,10 @@ say = Phrases({
 #
 # 服务器讲 OpenAI 的 API，这样官方的 `openai` 客户端以及所有基于它的工具都无需改动就能使用：`GET /v1/models`、
 # `POST /v1/completions`（提示词可以是文本或 token id，也可以是提示词列表）、`POST /v1/chat/completions`（消息经过分词器
-# 的聊天模板）。请求由 pydantic 模型检查；未知字段会被拒绝（就像未知的配置键一样，第 09 章）；本服务器没有实现的 API
-# 字段（`logprobs`、各种惩罚项）只在取中性值时才接受。`top_k`、`ignore_eos` 和 `return_token_ids` 是额外字段，与 vLLM
-# 的接受方式相同。
+# 的聊天模板）。请求由 pydantic 模型按严格的类型检查。未知字段照单全收、不予理会，和 vLLM 一样，每个字段名在日志里
+# 记一次：服务器前面的网关会加上它自己的字段（SGLang 的路由器给每个请求都加上它的采样字段）。本服务器没有实现的 API
+# 字段，有的只在取中性值时才接受（`logprobs`、各种惩罚项），有的则点名拒绝，因为不理会它们就会改变客户端拿到的结果
+# （`response_format`、`tools`）。`top_k`、`ignore_eos` 和 `return_token_ids` 是额外字段，与 vLLM 的接受方式相同。
 #
 # 每个错误都是 OpenAI 的格式 `{"error": {"message", "type", "param", "code"}}`，并带有对应的 HTTP 状态码：字段错误是 400
 # （pydantic 的检查和引擎自己的检查：`max_tokens < 1`、`n` 超过 `max_num_seqs`、提示词比模型或 KV 缓存允许的更长），
@@ -131,6 +134,13 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
 # zh: 一个补全请求最多能要的选项数（提示词数 × n）：每个选项在计算之前就要有自己的状态（一个序列、一个反分词器），
 # zh: 而 4 MiB 的请求体能装下一百万个单字符的提示词。
 MAX_CHOICES = 4096
+# en: OpenAI's (and vLLM's) fields that would change what the client gets, which this server does not implement:
+# en: ignored, they would pass in silence; they are refused by name.
+# zh: OpenAI（以及 vLLM）的这些字段会改变客户端拿到的结果，而本服务器没有实现：如果不理会，它们就会悄悄溜过去；所以
+# zh: 点名拒绝。
+NOT_IMPLEMENTED = frozenset({"response_format", "tools", "tool_choice", "functions", "function_call",
+                             "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
+                             "guided_choice", "guided_grammar", "top_logprobs", "prompt_logprobs"})
 
 
 class StreamOptions(BaseModel):
@@ -139,15 +149,15 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """The fields both endpoints share. Unknown fields are refused (a typo must not pass silently); fields of
-    the OpenAI API that this server does not implement are accepted only at their neutral values. Types are
-    strict, as the engine's own API is: ``true`` is not a number of tokens, ``"yes"`` is not a boolean (an
-    integer is still a float)."""
-    # zh: 两个端点共有的字段。未知字段会被拒绝（拼错的字段不能悄悄通过）；本服务器没有实现的 OpenAI
-    # zh: API 字段只在取中性值时才接受。类型是严格的，和引擎自己的 API 一样：``true`` 不是 token 数，
-    # zh: ``"yes"`` 不是布尔值（整数仍然可以当作浮点数）。
+    """The fields both endpoints share. Unknown fields are accepted and ignored, as vLLM does (`ignored_fields`);
+    fields of the OpenAI API that this server does not implement are accepted only at their neutral values, or
+    refused by name (NOT_IMPLEMENTED). Types are strict, as the engine's own API is: ``true`` is not a number of
+    tokens, ``"yes"`` is not a boolean (an integer is still a float)."""
+    # zh: 两个端点共有的字段。未知字段和 vLLM 一样照单全收、不予理会（`ignored_fields`）；本服务器没有实现的 OpenAI
+    # zh: API 字段，要么只在取中性值时才接受，要么点名拒绝（NOT_IMPLEMENTED）。类型是严格的，和引擎自己的 API 一样：
+    # zh: ``true`` 不是 token 数，``"yes"`` 不是布尔值（整数仍然可以当作浮点数）。
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -179,6 +189,16 @@ class SamplingRequest(BaseModel):
         neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                    "logprobs": (None, False)}
         return {name: getattr(self, name) for name, ok in neutral.items() if getattr(self, name) not in ok}
+
+    def ignored_fields(self) -> list[str]:
+        """The fields this server does not know, which it ignores; one that asks for what it does not do is refused by
+        name."""
+        # zh: 本服务器不认识、因而不予理会的字段；要求它做它做不到的事的字段，点名拒绝。
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in NOT_IMPLEMENTED and value is not None:
+                raise ServerError(400, f"{name} is not supported by this server", param=name)
+        return list(extra)
 
     def stop_strings(self) -> list[str]:
         """The stop strings, checked: each generated token is looked for in all of them, and the text waits for the
@@ -656,8 +676,15 @@ class Api:
     # zh: 一个应用的各个路由共享的东西：引擎的客户端、模型的名称和各项上限、做分词的线程、实时页面的中枢和指标的注册表。
     # zh: 路由在 ``request.app.state.api`` 找到它。
 
+    # en: Unknown request fields logged (each once), at most
+    # zh: 最多记录多少个未知的请求字段名（每个记一次）
+    MAX_LOGGED = 256
+
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client, self.model_name = client, model_name
+        # en: The unknown request fields logged so far
+        # zh: 已经记进日志的未知请求字段
+        self.ignored: set[str] = set()
         self.tokenizer, self.info = client.tokenizer, client.info
         self.max_chars = max_prompt_chars(self.tokenizer, self.info.max_model_len)
         # en: One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
@@ -686,6 +713,14 @@ class Api:
             raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({self.info.max_num_seqs}): "
                               "a request's samples are computed together", param="n")
         body.stop_strings()
+        for name in body.ignored_fields():
+            # en: Said once per name, and for at most MAX_LOGGED names: a client cannot make the log, or this set, grow
+            # en: without end.
+            # zh: 每个字段名只说一次，最多记 MAX_LOGGED 个名字：客户端没法让日志或这个集合无限地长下去。
+            if name not in self.ignored and len(self.ignored) < self.MAX_LOGGED:
+                self.ignored.add(name)
+                _logger.warning("nano-vllm: ignoring the request field %r, which this server does not know (said "
+                                "once per field name)", name[:100])
 
     def check_length(self, length: int, what: str, param: str) -> None:
         """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""

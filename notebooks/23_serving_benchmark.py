@@ -631,10 +631,19 @@ def launch_and_measure(run: ServeRun, model: str, server_argv: list[str], settin
             count = args.peer_num_prompts
             name = "transformers" + (f" ({count} prompts)" if count and count < len(prompts) else "")
             port = free_port()
-            with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
-                # en: Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
-                # zh: 它的模型 id 就是传给它的路径（transformers 5.17 在 /v1/models 列出的是 Hub 缓存）。
-                measure_server(run, name, server.url, peer=True, model_id=model, count=count)
+            # en: A peer that fails (it would not start, or broke under the load) is reported with its error, and the
+            # en: run still reports ours: it exited with status 1 and no word of why.
+            # zh: 对照组失败了（起不来，或者在负载下崩了），就连同它的错误一起报告，这次运行照样报告我们的结果：以前它
+            # zh: 以状态 1 退出，一句原因也没有。
+            try:
+                with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
+                    # en: Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
+                    # zh: 它的模型 id 就是传给它的路径（transformers 5.17 在 /v1/models 列出的是 Hub 缓存）。
+                    measure_server(run, name, server.url, peer=True, model_id=model, count=count)
+            except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as error:
+                report["peer_error"] = f"{type(error).__name__}: {error}"
+                print(f"{name} (the peer) failed, and is left out: {report['peer_error'][-2000:]}", file=sys.stderr)
+                write_report(report, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1189,9 +1189,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoTokenizer
+
 from nanovllm.book.literate import add_fields, add_to_class, add_to_init
 from nanovllm.config import Config, _choice
-from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.models.loader import read_model_dir
 from nanovllm.utils.checks import check
 
@@ -1251,7 +1252,7 @@ def _check_speculation(self) -> None:
     if vocab != self.hf_config.vocab_size:
         raise ValueError(f"speculative_model {self.speculative_model} has a vocabulary of {vocab} tokens, this "
                          f"model {self.hf_config.vocab_size}: a draft model must share the model's tokenizer")
-    mine, theirs = load_tokenizer(self.model), load_tokenizer(self.speculative_model)
+    mine, theirs = (AutoTokenizer.from_pretrained(path) for path in (self.model, self.speculative_model))
     if mine.get_vocab() != theirs.get_vocab() or _bpe_merges(mine) != _bpe_merges(theirs):
         raise ValueError(f"speculative_model {self.speculative_model} has a tokenizer of the same size with other "
                          "token ids or merges: a draft model must share the model's tokenizer")

@@ -738,7 +738,7 @@ from transformers import AutoConfig
 
 from nanovllm.bench.engine import (Workload, experts_params, make_workload, matmul_flops, watch_calls,
                                    weight_bytes_per_step, workload_bound)
-from nanovllm.bench.latency import measured_copy_rate
+from nanovllm.bench.report import CopyRates
 from nanovllm.bench.models import qwen3_moe_30b_shapes
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM, SparseMoeBlock, is_sparse_layer
@@ -926,13 +926,16 @@ def main(argv: list[str] | None = None) -> int:
         vocab_size = AutoConfig.from_pretrained(model).vocab_size
         workload = make_workload(args.num_seqs or num_seqs, input_len, output_len, vocab_size=vocab_size,
                                  seed=args.seed)
+        # en: Measured before the run and after it: the bound uses the higher rate (chapter 19's `CopyRates`).
+        # zh: 在运行之前和之后各测一次：上限按较高的速率算（第 19 章的 `CopyRates`）。
+        rates = CopyRates.before_runs(device)
         seconds, reads, config = run_counted(model, workload, fused=args.experts == "fused",
                                              max_model_len=max(4096, sum(input_len + output_len)), **settings)
     except (TypeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     tokens_per_s = workload.num_output_tokens / seconds
-    bandwidth = measured_copy_rate(device)
+    bandwidth = rates.after_runs()
     # en: On a CPU the bound counts the decode bytes only (no matmul rate is measured there).
     # zh: 在 CPU 上上限只算 decode 的字节（那里不测矩阵乘法的速率）。
     flops = matmul_flops() if device == "cuda" else float("inf")
@@ -945,7 +948,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"as the batch drains, tokens in a step -> experts read: {draining(reads)}")
     report = report_header("python -m nanovllm.bench --moe", argv, device)
     report |= {"model": model, "experts": args.experts, "workload": workload.describe(), "tokens_per_s": tokens_per_s,
-               "seconds": seconds, "expert_reads": asdict(reads) | {"share": reads.share}, "bandwidth": bandwidth}
+               "seconds": seconds, "expert_reads": asdict(reads) | {"share": reads.share}, "bandwidth": bandwidth,
+               "copy_rate": rates.report()}
+    print(f"copy rate, measured: {rates.before / 1e12:.2f} TB/s before the run, {rates.after / 1e12:.2f} after; "
+          "the bound uses the higher")
     report |= print_bounds(workload, config, reads, tokens_per_s, bandwidth, flops)
     write_report(report, args.out)
     return 0

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
-from nanovllm.bench.report import Stopwatch, report_header, write_report
+from nanovllm.bench.report import CopyRates, Stopwatch, report_header, write_report
 from nanovllm.book.lang import Phrases
 from nanovllm.engine.model_runner import kv_block_bytes, kv_cache_torch_dtype
 from nanovllm.models.qwen3_moe import is_sparse_layer
@@ -60,6 +60,8 @@ __all__ = [
 # notebooks/19_benchmark.py · cell "bench phrases"
 # What the benchmark prints, in Chinese when the book reads in Chinese (nanovllm.book.lang); English otherwise.
 _say_bench = Phrases({
+    "copy rate, measured: {before:.2f} TB/s before the runs, {after:.2f} after; the bound uses the higher":
+        "实测拷贝速率：运行前 {before:.2f} TB/s，运行后 {after:.2f} TB/s；上限按较高的那个算",
     "{seqs} sequences, prompts {low}-{high} tokens ({total} in all), outputs {out_low}-{out_high} tokens "
     "({out_total} in all)":
         "{seqs} 个序列，提示词 {low}-{high} 个 token（共 {total} 个），输出 {out_low}-{out_high} 个 token"
@@ -550,14 +552,14 @@ def print_ratios(args: argparse.Namespace, setup: BenchSetup, results: dict[str,
 
 
 def print_bounds(args: argparse.Namespace, setup: BenchSetup, results: dict[str, BenchResult], kv_of: dict[str, str],
-                 report: dict[str, Any]) -> None:
-    """On a GPU: the workload's bound from the copy rate and matmul rate measured now, and each run's share of the
-    bound of its KV cache dtype (``kv_of``)."""
-    # It uses Triton: imported only on a GPU.
-    from nanovllm.bench.attention import copy_bandwidth
-
+                 report: dict[str, Any], rates: CopyRates) -> None:
+    """On a GPU: the workload's bound from the copy rate (``rates``: measured before the runs, and now again; the
+    higher) and the matmul rate measured now, and each run's share of the bound of its KV cache dtype (``kv_of``)."""
     config, workload, kv_dtypes, tp = setup.config, setup.workload, setup.kv_dtypes, args.tensor_parallel_size
-    bandwidth, flops = copy_bandwidth(), matmul_flops()
+    bandwidth, flops = rates.after_runs(), matmul_flops()
+    report["copy_rate"] = rates.report()
+    print(_say_bench("copy rate, measured: {before:.2f} TB/s before the runs, {after:.2f} after; the bound uses the "
+                     "higher", before=rates.before / 1e12, after=rates.after / 1e12))
     bounds = {}
     for kv in dict.fromkeys([*kv_dtypes, *(kv_of[key] for key in results)]):
         # Each KV cache dtype has its own bound: an 8-bit cache reads half the KV bytes.
@@ -608,6 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         report["parallel_sampling"] = parallel_sampling_report(runs)
         write_report(report, args.out)
         return 0
+    # The copy rate that bounds the runs is measured before them and after them (`print_bounds`).
+    rates = CopyRates.before_runs(config.device) if config.device == "cuda" else None
     results, kv_of = ({}, {}) if args.no_engine else run_engines(args, setup, report)
     # The KV cache dtype of each run: its own bound (transformers keeps the model's dtype).
     kv_of["peer"] = "auto"
@@ -624,8 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, result in results.items():
         report[key] = {"name": result.name, "seconds": result.seconds, "tokens_per_s": result.tokens_per_s}
     print_ratios(args, setup, results, report)
-    if config.device == "cuda":
-        print_bounds(args, setup, results, kv_of, report)
+    if rates is not None:
+        print_bounds(args, setup, results, kv_of, report, rates)
     write_report(report, args.out)
     return 0
 

@@ -493,9 +493,16 @@ def launch_and_measure(run: ServeRun, model: str, server_argv: list[str], settin
             count = args.peer_num_prompts
             name = "transformers" + (f" ({count} prompts)" if count and count < len(prompts) else "")
             port = free_port()
-            with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
-                # Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
-                measure_server(run, name, server.url, peer=True, model_id=model, count=count)
+            # A peer that fails (it would not start, or broke under the load) is reported with its error, and the
+            # run still reports ours: it exited with status 1 and no word of why.
+            try:
+                with ServerProcess(command=transformers_command(model, port, args.device, dtype), port=port) as server:
+                    # Its model id is the path it was given (transformers 5.17 lists the Hub cache at /v1/models).
+                    measure_server(run, name, server.url, peer=True, model_id=model, count=count)
+            except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as error:
+                report["peer_error"] = f"{type(error).__name__}: {error}"
+                print(f"{name} (the peer) failed, and is left out: {report['peer_error'][-2000:]}", file=sys.stderr)
+                write_report(report, args.out)
 
 
 def main(argv: list[str] | None = None) -> int:

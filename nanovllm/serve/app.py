@@ -319,8 +319,13 @@ class Api:
     """What the routes of one application share: the engine's client, the model's name and limits, the thread that
     tokenizes, the live page's hub and the metrics' registry. A route finds it at ``request.app.state.api``."""
 
+    # Unknown request fields logged (each once), at most
+    MAX_LOGGED = 256
+
     def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client, self.model_name = client, model_name
+        # The unknown request fields logged so far
+        self.ignored: set[str] = set()
         self.tokenizer, self.info = client.tokenizer, client.info
         self.max_chars = max_prompt_chars(self.tokenizer, self.info.max_model_len)
         # One thread tokenizes: a long prompt never holds up the event loop (/health, the other streams), and a
@@ -345,6 +350,13 @@ class Api:
             raise ServerError(400, f"n={body.n} is more than this server's max_num_seqs ({self.info.max_num_seqs}): "
                               "a request's samples are computed together", param="n")
         body.stop_strings()
+        for name in body.ignored_fields():
+            # Said once per name, and for at most MAX_LOGGED names: a client cannot make the log, or this set, grow
+            # without end.
+            if name not in self.ignored and len(self.ignored) < self.MAX_LOGGED:
+                self.ignored.add(name)
+                _logger.warning("nano-vllm: ignoring the request field %r, which this server does not know (said "
+                                "once per field name)", name[:100])
 
     def check_length(self, length: int, what: str, param: str) -> None:
         """Text too long to fit in max_model_len tokens, refused before a tokenizer spends seconds on it."""

@@ -14,6 +14,7 @@ from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "MAX_CHOICES",
+    "NOT_IMPLEMENTED",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
@@ -58,6 +59,11 @@ MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 1024
 # The most choices (prompts × n) one completion request may ask for: each gets its state (a sequence, a
 # detokenizer) before any is computed, and a 4 MiB body holds a million one-character prompts.
 MAX_CHOICES = 4096
+# OpenAI's (and vLLM's) fields that would change what the client gets, which this server does not implement:
+# ignored, they would pass in silence; they are refused by name.
+NOT_IMPLEMENTED = frozenset({"response_format", "tools", "tool_choice", "functions", "function_call",
+                             "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
+                             "guided_choice", "guided_grammar", "top_logprobs", "prompt_logprobs"})
 
 
 class StreamOptions(BaseModel):
@@ -66,12 +72,12 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """The fields both endpoints share. Unknown fields are refused (a typo must not pass silently); fields of
-    the OpenAI API that this server does not implement are accepted only at their neutral values. Types are
-    strict, as the engine's own API is: ``true`` is not a number of tokens, ``"yes"`` is not a boolean (an
-    integer is still a float)."""
+    """The fields both endpoints share. Unknown fields are accepted and ignored, as vLLM does (`ignored_fields`);
+    fields of the OpenAI API that this server does not implement are accepted only at their neutral values, or
+    refused by name (NOT_IMPLEMENTED). Types are strict, as the engine's own API is: ``true`` is not a number of
+    tokens, ``"yes"`` is not a boolean (an integer is still a float)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = None
@@ -99,6 +105,15 @@ class SamplingRequest(BaseModel):
         neutral = {"presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
                    "logprobs": (None, False)}
         return {name: getattr(self, name) for name, ok in neutral.items() if getattr(self, name) not in ok}
+
+    def ignored_fields(self) -> list[str]:
+        """The fields this server does not know, which it ignores; one that asks for what it does not do is refused by
+        name."""
+        extra = self.model_extra or {}
+        for name, value in extra.items():
+            if name in NOT_IMPLEMENTED and value is not None:
+                raise ServerError(400, f"{name} is not supported by this server", param=name)
+        return list(extra)
 
     def stop_strings(self) -> list[str]:
         """The stop strings, checked: each generated token is looked for in all of them, and the text waits for the

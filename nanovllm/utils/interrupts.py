@@ -61,8 +61,14 @@ class Deferral:
             # The entry is recorded before the handler goes in (the mirror of `__exit__`): a signal handler that
             # lands in between and calls the engine finds the old handler with an entry, or _hold with one,
             # never _hold without one.
-            _replaced.append(signal.getsignal(signal.SIGINT))
-            signal.signal(signal.SIGINT, _hold)
+            depth = len(_replaced)
+            try:
+                _replaced.append(signal.getsignal(signal.SIGINT))
+                signal.signal(signal.SIGINT, _hold)
+            # A Ctrl-C that the old handler raised before _hold was in: the block never began, so its entry goes.
+            except BaseException:
+                del _replaced[depth:]
+                raise
         else:
             self.enter_nested(main)
 

@@ -409,11 +409,31 @@ def test_a_handler_that_lands_as_a_deferral_installs_itself_finds_its_entry(monk
         return previous
 
     monkeypatch.setattr(nanovllm.utils.interrupts.signal, "signal", install_then_a_handler_lands)
-    before = signal.getsignal(signal.SIGINT)
+    before, entries = signal.getsignal(signal.SIGINT), len(nanovllm.utils.interrupts._replaced)
     with deferred_interrupt():
         interruption_point()
     monkeypatch.undo()
-    assert landed and signal.getsignal(signal.SIGINT) is before and not nanovllm.utils.interrupts._replaced
+    assert landed and signal.getsignal(signal.SIGINT) is before
+    assert len(nanovllm.utils.interrupts._replaced) == entries
+
+
+def test_a_ctrl_c_raised_as_a_deferral_begins_leaves_no_entry_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old handler may raise a Ctrl-C after the entry is recorded and before _hold is in: the block never began,
+    and its entry must not stay (chapter 20's SIGINT-at-every-line tests left two behind)."""
+    install = signal.signal
+
+    def interrupted_install(signum: int, handler: object) -> object:
+        if handler is nanovllm.utils.interrupts._hold:
+            raise KeyboardInterrupt
+        return install(signum, handler)
+
+    monkeypatch.setattr(nanovllm.utils.interrupts.signal, "signal", interrupted_install)
+    before, entries = signal.getsignal(signal.SIGINT), len(nanovllm.utils.interrupts._replaced)
+    with pytest.raises(KeyboardInterrupt):
+        with deferred_interrupt():
+            pass
+    monkeypatch.undo()
+    assert signal.getsignal(signal.SIGINT) is before and len(nanovllm.utils.interrupts._replaced) == entries
 
 
 def test_20000_timer_handlers_that_enter_a_deferral_raise_nothing() -> None:

@@ -351,3 +351,32 @@ def alive_process(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
+
+
+def test_fields_a_gateway_adds_are_accepted_and_each_is_logged_once(tiny):
+    """Issue 62, item 2: behind SGLang's gateway every request failed with 400 "no_stop_trim: Extra inputs are not
+    permitted": the gateway adds its sampling fields. Unknown fields are now accepted and ignored, as vLLM does, each
+    name logged once; a known field of the wrong type still gets 400, and fields that would change the reply
+    (response_format, tools) are refused by name."""
+    added = {"no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+             "min_tokens": 0, "regex": None, "session_params": None}
+    with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS]) as process:
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=30)
+        plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0)
+        for _ in range(3):
+            gated = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                              extra_body=added)
+            assert gated.choices[0].text == plain.choices[0].text
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=4, extra_body=added)
+        assert chat.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as wrong_type:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=4, extra_body={"ignore_eos": "yes"})
+        assert wrong_type.value.body["param"] == "ignore_eos"
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                           response_format={"type": "json_object"})
+        assert refused.value.body["param"] == "response_format"
+        output = process.output()
+    for name in added:
+        assert output.count(f"ignoring the request field '{name}'") == 1, output

@@ -66,6 +66,26 @@ def test_bench_serve_offline_and_decode_step(tiny, tmp_path):
                                      "itl_p50_over_offline_decode_step"}
 
 
+def test_a_peer_that_fails_is_reported_and_ours_still_is(tiny, tmp_path, monkeypatch, capsys):
+    """Issue 61, item 5: with --launch both, a `transformers serve` peer that did not run made the command exit 1 with
+    no message, losing our server's figures. Now the peer's error is printed and kept in the report, and ours is
+    reported."""
+    import sys
+
+    from nanovllm.bench import serve
+
+    monkeypatch.setattr(serve, "transformers_command",
+                        lambda *args: [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"])
+    out = tmp_path / "serve.json"
+    assert serve.main(["--model", tiny, "--num-prompts", "2", "--input-len", "8", "8", "--output-len", "4", "4",
+                       "--launch", "both", "--out", str(out), "--", *ARGS[2:]]) == 0
+    report = json.loads(out.read_text())
+    assert [server["name"] for server in report["servers"]] == ["nano-vllm"]
+    assert report["servers"][0]["completed"] == 2
+    assert "exited with status 3" in report["peer_error"] and "no such model" in report["peer_error"]
+    assert "(the peer) failed" in capsys.readouterr().err
+
+
 def test_client_processes_share_the_concurrency_exactly():
     from nanovllm.bench.serve import split_concurrency
 
