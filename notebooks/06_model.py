@@ -397,7 +397,7 @@ class LinearBase(nn.Module):
 
     def load_rank_slice(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy into `param`, one rank's share, this rank's slice of the whole checkpoint tensor along `tp_dim`."""
-        # zh: 向 `param`（一个 rank 的那一份）复制整个检查点张量沿 `tp_dim` 属于本 rank 的那一片。
+        # zh: 把整个检查点张量沿 `tp_dim` 属于本 rank 的那一片，复制进 `param`（一个 rank 的那一份）。
         shard = param.shape[self.tp_dim]
         copy_checked(param, loaded_weight.narrow(self.tp_dim, self.tp_rank * shard, shard))
 
@@ -603,7 +603,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def sampled_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The rows of the hidden states ``x`` that a token is sampled from: all of them, until the engine's
         batches say which (a prefill samples only from each sequence's last token)."""
-        # zh: 隐藏状态 ``x`` 中要从中采样 token 的那些行：在引擎的批次说明是哪些之前，全部都是
+        # zh: 隐藏状态 ``x`` 里要从中采样 token 的那些行：在引擎的批次说明是哪些之前，全部都是
         # zh: （prefill 只从每个序列的最后一个 token 采样）。
         return x
 

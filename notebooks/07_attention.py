@@ -320,7 +320,7 @@ from nanovllm.layers.embed_head import ParallelLMHead
 @add_to_class(ParallelLMHead)
 def sampled_rows(self, x: torch.Tensor) -> torch.Tensor:
     """The rows of the hidden states ``x`` that a token is sampled from: during a prefill, each sequence's last."""
-    # zh: 隐藏状态 ``x`` 中要从中采样 token 的那些行：prefill 时，是每个序列的最后一行。
+    # zh: 隐藏状态 ``x`` 里要从中采样 token 的那些行：prefill 时，是每个序列的最后一行。
     context = get_context()
     if context.is_prefill and context.cu_seqlens_q is not None:
         return x[context.cu_seqlens_q[1:].long() - 1].contiguous()

@@ -1600,8 +1600,8 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # times every decode step as the engine runs it (CUDA graphs, async scheduling), and prints per
 # batch the wall time of a step, its tokens per second, and the step's **bound**: the bytes a
 # step must read (every weight once, plus each sequence's KV cache at its current length) at the
-# copy rate measured in the same run. A card's copy rate moves from run to run (2.59 and 3.02 TB/s
-# on one H100 within the hour), so every benchmark that prints a share of the bound measures it
+# copy rate measured in the same run. A card's copy rate moves from run to run (by a sixth within
+# the hour on one card), so every benchmark that prints a share of the bound measures it
 # before its runs and after them, prints both, and holds the runs to the higher, stricter bound
 # (`CopyRates`). On a GPU, `torch.profiler` records a window of steps in the
 # middle of the run: how many kernels a step launches and how much of its wall time the GPU spent
@@ -1619,8 +1619,8 @@ assert summary["ratios"]["peak_blocks"] < 1 and runs[0].output_tokens == runs[1]
 # `python -m nanovllm.bench --latency` 测的就是这个：对每个批大小（GPU 上为 1、4、16 和 64 个序列），提示词为
 # 512 个随机 token，各生成 1,024 个，按引擎实际运行的方式（CUDA graph、异步调度）给每个 decode 步计时，并为每个
 # 批大小打印一步的墙钟时间、每秒 token 数，以及这一步的**上限**：一步必须读取的字节数（每个权重读一次，加上每个
-# 序列当前长度的 KV 缓存），按同一次运行中测得的拷贝速率计算。同一张卡的拷贝速率每次运行都会变（一块 H100 在一小时
-# 之内测出 2.59 和 3.02 TB/s），所以每个打印“占上限比例”的基准测试都在运行之前和之后各测一次，两个都打印出来，并按
+# 序列当前长度的 KV 缓存），按同一次运行中测得的拷贝速率计算。同一张卡的拷贝速率每次运行都会变（同一张卡一小时之内
+# 能差六分之一），所以每个打印“占上限比例”的基准测试都在运行之前和之后各测一次，两个都打印出来，并按
 # 较高的那个（更严的上限）来算（`CopyRates`）。在 GPU 上，`torch.profiler` 会记录运行中段的一段
 # 步：一步启动多少个内核，以及一步的墙钟时间里 GPU 有多少花在内核内部。剩下的、内核之间的那部分，就是
 # 一步的固定开销。

@@ -325,7 +325,7 @@ assert llm.step_tokens() == []
 #   `receive(wait=True)` 里睡眠。
 # - 驱动的一个线程每秒说一声 `("alive",)`，步进行中也照说，这样服务器就能分清引擎是停住了还是正忙（第 22 章把沉默
 #   变成 503）。
-# - 每一步的事件在**一条**消息里离开：每个请求一个 `(key, kind, payload)`，其中 key 是 HTTP 一侧给请求编的号（引擎的
+# - 每一步的事件在**一条**消息里发出：每个请求一个 `(key, kind, payload)`，其中 key 是 HTTP 一侧给请求编的号（引擎的
 #   请求 id 要等引擎接收了请求才存在）。每步唤醒 HTTP 一侧一次，而不是每个 token 一次。
 # - 驱动对每个请求先回答 “admitted”（或者引擎的拒绝：一个 `ValueError`，在响应的任何字节发出*之前*变成 400），然后是
 #   它的 token，最后是 “done”（或者是结束它的那个 “error”）。
@@ -363,12 +363,12 @@ _logger = logging.getLogger("nanovllm.serve")
 # en: sample_index or None), ("watch", on) for the live page, ("stop",). Out, once per step: ("step", events,
 # en: frames, stats), where each event is (key, kind, payload) and kind is "admitted" (payload: the request id),
 # en: "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come);
-# en: and ("alive",) every HEARTBEAT_SECONDS from a thread of its own, during a step too.
+# en: and ("alive", stepping) every HEARTBEAT_SECONDS from a thread of its own, during a step too.
 # zh: 驱动读什么、发什么。请求用服务器选定的 `key` 命名，因为引擎的请求 id 要等引擎接收了请求才有。读入：
 # zh: ("add", key, prompt, params)、("abort", key, sample_index 或 None)、实时页面的 ("watch", on)、("stop",)。发出，
 # zh: 每步一次：("step", events, frames, stats)，其中每个事件是 (key, kind, payload)，kind 为 "admitted"（payload：
 # zh: 请求 id）、"tokens"（(sample_index, token_ids, finished)）、"error"（一个 `EngineError`）或 "done"（不会再有了）；
-# zh: 另外，一个单独的线程每 HEARTBEAT_SECONDS 发一条 ("alive",)，步进行中也照发。
+# zh: 另外，一个单独的线程每 HEARTBEAT_SECONDS 发一条 ("alive", stepping)，步进行中也照发。
 Message = tuple
 # en: receive(wait): the next message, or None if none came (at once; within HEARTBEAT_SECONDS if wait). An idle driver
 # en: thus sends an empty step message at least every HEARTBEAT_SECONDS: the server knows it is alive.
@@ -504,7 +504,7 @@ class EngineDriver:
     events leave through ``send``, in one message. ``make_recorder(scheduler, publish)`` builds the live page's
     recorder when a page asks to watch."""
     # zh: 拥有引擎：其他任何东西都不调用它。`run` 在两步之间通过 ``receive`` 读取消息（引擎空闲时就在它上面睡眠），
-    # zh: 这样新请求会在下一步加入正在运行的批次；每一步的事件通过 ``send`` 在一条消息里离开。有页面要求观看时，
+    # zh: 这样新请求会在下一步加入正在运行的批次；每一步的事件通过 ``send`` 在一条消息里发出。有页面要求观看时，
     # zh: ``make_recorder(scheduler, publish)`` 构造实时页面的记录器。
 
     def __init__(self, engine: LLMEngine, send: Callable[[Message], None], make_recorder: Recorder | None = None,
@@ -526,6 +526,9 @@ class EngineDriver:
         # en: The heartbeat's thread and the driver's both send: one message at a time.
         # zh: 心跳线程和驱动都要发消息：一次只发一条。
         self.sending = threading.Lock()
+        # en: A step is running (the heartbeat says so)
+        # zh: 正有一步在运行（心跳会说出来）
+        self.stepping = False
 
     def run(self, receive: Receive) -> None:
         """Serve until a "stop" message, or until ``receive`` raises EOFError (the server is gone)."""
@@ -560,7 +563,7 @@ class EngineDriver:
         # zh: 长提示词）不算沉默。模型的内核会释放 GIL，而且 Python 每隔几毫秒也总会把它交出去。被停住的进程（SIGSTOP）
         # zh: 或死掉的进程什么也不说，于是会被察觉。
         while not stopped.wait(HEARTBEAT_SECONDS):
-            self._send(("alive",))
+            self._send(("alive", self.stepping))
 
     def _send(self, message: Message) -> None:
         with self.sending:
@@ -611,7 +614,7 @@ class EngineDriver:
             self.watch.recorder = self.make_recorder(self.engine.scheduler, self._publish_frame) if on else None
 
     def _step(self) -> None:
-        began = time.perf_counter()
+        began, self.stepping = time.perf_counter(), True
         try:
             news = self.engine.step_tokens()
         except NonFiniteLogitsError as error:
@@ -632,6 +635,8 @@ class EngineDriver:
                 self.engine.abort_request(request_id)
                 self._fail(request_id, failure)
             return
+        finally:
+            self.stepping = False
         kind = "prefill" if self.watch.is_prefill else "decode"
         self.stats.steps[kind] = self.stats.steps.get(kind, 0) + 1
         self.stats.step_seconds[kind] = self.stats.step_seconds.get(kind, 0.0) + time.perf_counter() - began
@@ -670,7 +675,7 @@ class EngineDriver:
         """A frame of the live page's recorder: it leaves with the step's events. A frame that replaces the one
         before it (the recorder gives consecutive adds one index) replaces it here too: 256 requests that arrive
         together send one snapshot of the pool, not 256."""
-        # zh: 实时页面记录器的一帧：它随这一步的事件一起离开。取代前一帧的帧（记录器给连续的几次 add 同一个编号）
+        # zh: 实时页面记录器的一帧：它随这一步的事件一起发出。取代前一帧的帧（记录器给连续的几次 add 同一个编号）
         # zh: 在这里也取代前一帧：同时到达的 256 个请求只发出一份块池快照，而不是 256 份。
         if self.frames and self.frames[-1]["index"] == frame["index"]:
             self.frames[-1] = frame
@@ -796,7 +801,7 @@ assert in_thread.figures["served / offline tokens/s"] == 0.39
 """The HTTP side's handle on the engine driver: requests go out as messages, and each step's events come back and
 are spread over the requests' streams. The driver runs in a process of its own (`EngineProcess`, what
 ``python -m nanovllm.serve`` uses) or in a thread of this process (`EngineThread`)."""
-# zh: HTTP 一侧操纵引擎驱动的把手：请求作为消息发出，每一步的事件传回来，再分发到各请求的流中。
+# zh: HTTP 一侧操纵引擎驱动的接口：请求作为消息发出，每一步的事件传回来，再分发到各请求的流中。
 # zh: 驱动在它自己的进程里运行（`EngineProcess`，``python -m nanovllm.serve`` 用的就是它），或者在本进程的
 # zh: 一个线程里运行（`EngineThread`）。
 
@@ -808,6 +813,7 @@ import ctypes
 import fcntl
 import itertools
 import multiprocessing
+import os
 import queue
 import signal
 import sys
@@ -892,9 +898,11 @@ class EngineClient:
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         # en: When the driver's last message came (its steps, its heartbeats), and how long a silence means that its
-        # en: process is stopped or gone (--engine-timeout)
-        # zh: 驱动上一条消息（它的步，或它的心跳）到达的时刻，以及沉默多久就说明它的进程停住了或没了（--engine-timeout）
+        # en: process is stopped or gone (--engine-timeout); whether its last heartbeat was sent during a step
+        # zh: 驱动上一条消息（它的步，或它的心跳）到达的时刻，以及沉默多久就说明它的进程停住了或没了
+        # zh: （--engine-timeout）；它的上一次心跳是不是在一步进行中发出的
         self.heard = time.monotonic()
+        self.stepping = False
         self.engine_timeout = 60.0
         # en: How long a stopping server waits for the driver to end its step and exit (--shutdown-timeout)
         # zh: 正在停止的服务器等驱动做完手上这一步并退出，最多等多久（--shutdown-timeout）
@@ -915,7 +923,7 @@ class EngineClient:
                            f"(--engine-timeout {self.engine_timeout:g})", "service_unavailable")
 
     def _watch(self) -> None:
-        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (its process stopped or hung) fails the
+        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (its process stopped or gone) fails the
         open requests with 503 instead of leaving them waiting forever; requests that come meanwhile are refused."""
         # zh: 每次心跳时检查：驱动沉默超过 ``engine_timeout``（它的进程停住或卡死了），就让打开的请求以 503 失败，
         # zh: 而不是让它们永远等下去；这期间到来的请求被拒绝。
@@ -972,8 +980,10 @@ class EngineClient:
         # zh: 来自驱动的一条消息（在事件循环的线程上）：一步的消息，其中的事件送进各自流的队列；或者一次心跳。
         self.heard = time.monotonic()
         if message[0] == "alive":
+            self.stepping = message[1]
             return
         _, events, frames, self.stats = message
+        self.stepping = False
         streams = self.streams
         for key, kind, payload in events:
             stream = streams.get(key)
@@ -1231,13 +1241,17 @@ class EngineProcess(EngineClient):
         # zh: 最多等 ``timeout`` 秒，让引擎进程做完它的这一步并退出；然后强制它退出。
         self.process.join(min(timeout, 1.0))
         if self.process.is_alive() and timeout > 1.0:
-            print(f"nano-vllm: waiting for the engine's running step to end (at most {timeout - 1:g} s more, "
-                  "--shutdown-timeout)", file=sys.stderr, flush=True)
+            what = "the engine's running step to end" if self.stepping else "the engine process to exit"
+            print(f"nano-vllm: waiting for {what} (at most {timeout - 1:g} s more, --shutdown-timeout)",
+                  file=sys.stderr, flush=True)
             self.process.join(timeout - 1.0)
         if self.process.is_alive():
-            print("nano-vllm: the engine's step did not end in time: stopping the engine process", file=sys.stderr,
-                  flush=True)
+            print("nano-vllm: the engine did not end in time: stopping its process", file=sys.stderr, flush=True)
             self.process.terminate()
+            # en: A stopped process (SIGSTOP) takes SIGTERM only once it runs again
+            # zh: 被停住（SIGSTOP）的进程，要等它重新运行才会收到 SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGCONT)
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()
@@ -1528,7 +1542,7 @@ assert cut == "你好，" and stopper.stopped
 #
 # - `LLMEngine.step_tokens` 和 `abort_request`：一个报告每一步 token 的引擎，以及不论请求在哪里都能丢弃它。
 # - `nanovllm.serve.driver` 和 `nanovllm.serve.client`：一个驱动拥有引擎，住在它自己的进程里（`EngineProcess`）或者
-#   一个线程里（`EngineThread`）；请求以消息进入，token 每步一条消息地离开，落后的流用更大的分块追上。
+#   一个线程里（`EngineThread`）；请求以消息进入，token 每步一条消息地发出，落后的流用更大的分块追上。
 # - `nanovllm.serve.detokenize`：绝不拆开字符的增量反分词，以及按最长长度减一扣住尾巴的停止字符串。
 #
 # 第 22 章把这些通过 HTTP 提供出去。

@@ -359,6 +359,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -368,6 +369,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -427,6 +429,10 @@ class Choice:
     # en: Tokens whose ids a chunk carried already (``return_token_ids``)
     # zh: id 已经由某个分块带出的 token 数（``return_token_ids``）
     sent_tokens: int = 0
+    # en: When its first and its latest tokens reached the server (time.monotonic()), for the latency histograms
+    # zh: 它的第一个和最近一个 token 到达服务器的时刻（time.monotonic()），供延迟直方图使用
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def new_token_ids(self) -> list[int]:
         ids = self.detokenizer.token_ids[self.sent_tokens : self.num_tokens]
@@ -441,8 +447,9 @@ class Generation:
     # zh: 到达产出 ``(choice, text, finished)``，直到每个选项都结束。
 
     def __init__(self, engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
-                 stops: list[str]) -> None:
-        self.engine, self.params = engine, params
+                 stops: list[str], latency: TokenLatency | None = None) -> None:
+        self.engine, self.params, self.latency = engine, params, latency
+        self.arrived = time.monotonic()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.streams = [RequestStream(prompt, params, self.queue, index=i) for i, prompt in enumerate(prompts)]
         self.choices = {(s.index, k): Choice(s.index * params.n + k, IncrementalDetokenizer(engine.tokenizer, stops))
@@ -516,6 +523,7 @@ class Generation:
                 self.early.append(self.queue.get_nowait())
             events, self.early = self.early, []
             texts: dict[int, tuple[Choice, str]] = {}
+            arrived = time.monotonic()
             for stream, kind, payload in events:
                 if kind == "error":
                     raise from_engine(payload)
@@ -528,6 +536,8 @@ class Generation:
                     # zh: 停止字符串结束了样本之后才算出的 token
                     continue
                 text = self._add(choice, stream, sample_index, token_ids, finished)
+                if self.latency is not None:
+                    self.latency.observe(choice, len(token_ids), arrived - self.arrived, arrived)
                 texts[choice.index] = (choice, texts[choice.index][1] + text if choice.index in texts else text)
             for choice, text in texts.values():
                 yield choice, text, choice.finish_reason is not None
@@ -560,7 +570,10 @@ class Generation:
 # handler may call it. `/metrics` is Prometheus text (`prometheus_client`), with vLLM's metric
 # names under the `nanovllm:` prefix: `num_requests_running`, `num_requests_waiting`,
 # `kv_cache_usage_perc` (blocks in use / all blocks), `prefix_cache_hit_rate`, and counters of
-# prompt and generated tokens, preemptions and finished requests. An engine feature that a later
+# prompt and generated tokens, preemptions and finished requests. The five that gateways and
+# dashboards read are also given under vLLM's own prefix (`vllm:num_requests_waiting`, ...), and
+# `TokenLatency` adds vLLM's histograms, observed where tokens reach the server: time to first
+# token, the gap between tokens, and each request's time per output token. An engine feature that a later
 # chapter adds brings its own counters: a function in `ENGINE_COUNTERS` that reads them off the
 # engine, and their help lines in `ENGINE_COUNTER_HELP`.
 
@@ -572,8 +585,10 @@ class Generation:
 # `app.state.shutdown()` 只是把工作放进队列，所以信号处理函数可以调用它。`/metrics` 是 Prometheus 文本格式
 # （`prometheus_client`），指标名与 vLLM 相同，前缀为 `nanovllm:`：`num_requests_running`、`num_requests_waiting`、
 # `kv_cache_usage_perc`（在用的块 / 全部块）、`prefix_cache_hit_rate`，以及提示词 token、生成 token、抢占和已完成
-# 请求的计数器。后面章节加上的引擎功能会带来自己的计数器：`ENGINE_COUNTERS` 里一个从引擎上读出它们的函数，以及
-# `ENGINE_COUNTER_HELP` 里它们的说明。
+# 请求的计数器。网关和监控面板读的那五个，还以 vLLM 自己的前缀再给一遍（`vllm:num_requests_waiting` 等）；
+# `TokenLatency` 加上 vLLM 的直方图，在 token 到达服务器的地方观测：首个 token 的时间、token 之间的间隔，以及每个
+# 请求平均每个输出 token 的时间。后面章节加上的引擎功能会带来自己的计数器：`ENGINE_COUNTERS` 里一个从引擎上读出
+# 它们的函数，以及 `ENGINE_COUNTER_HELP` 里它们的说明。
 
 # %% app
 #| export serve.app
@@ -583,9 +598,10 @@ def sse(data: dict | str) -> str:
 
 
 class StatsCollector(Collector):
-    """``/metrics``: the driver's `ServerStats` (as of its last step), read at each scrape, with vLLM's metric
-    names."""
-    # zh: ``/metrics``：驱动的 `ServerStats`（截至它的上一步），每次抓取时读取，使用 vLLM 的指标名。
+    """``/metrics``: the driver's `ServerStats` (as of its last step), read at each scrape: vLLM's metric names
+    under our prefix, and the five that gateways read under vLLM's own."""
+    # zh: ``/metrics``：驱动的 `ServerStats`（截至它的上一步），每次抓取时读取：vLLM 的指标名加上我们的前缀，
+    # zh: 网关读的那五个再用 vLLM 自己的前缀给一遍。
 
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -594,26 +610,30 @@ class StatsCollector(Collector):
         stats, labels = self.engine.stats, ["model_name"]
         value = [self.model_name]
 
-        def gauge(name: str, doc: str, number: float) -> GaugeMetricFamily:
-            metric = GaugeMetricFamily(f"nanovllm:{name}", doc, labels=labels)
+        def gauge(name: str, doc: str, number: float, prefix: str = "nanovllm") -> GaugeMetricFamily:
+            metric = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             metric.add_metric(value, number)
             return metric
 
-        def counter(name: str, doc: str, number: float) -> CounterMetricFamily:
-            metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=labels)
+        def counter(name: str, doc: str, number: float, prefix: str = "nanovllm") -> CounterMetricFamily:
+            metric = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             metric.add_metric(value, number)
             return metric
 
-        yield gauge("num_requests_running", "Requests with sequences in the running queue.",
-                    stats.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests with sequences in the waiting queue.",
-                    stats.num_requests_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).", stats.kv_cache_usage)
         hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
+        # en: Under vLLM's names as well as ours: gateways (llm-d, NVIDIA Dynamo, SGLang's) and dashboards read those.
+        # zh: 既用我们的名字，也用 vLLM 的名字：网关（llm-d、NVIDIA Dynamo、SGLang 的）和监控面板读的是后者。
+        for prefix in ("nanovllm", "vllm"):
+            yield gauge("num_requests_running", "Requests with sequences in the running queue.",
+                        stats.num_requests_running, prefix)
+            yield gauge("num_requests_waiting", "Requests with sequences in the waiting queue.",
+                        stats.num_requests_waiting, prefix)
+            yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).", stats.kv_cache_usage,
+                        prefix)
+            yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries, prefix)
+            yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits, prefix)
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens scheduled.",
                     hits / queries if queries else 0.0)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield counter("prompt_tokens", "Prompt tokens of the requests that started.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).",
@@ -632,6 +652,46 @@ class StatsCollector(Collector):
             finished.add_metric([*value, reason], count)
         yield finished
         yield from engine_counter_families(stats.engine_counters, labels, value)
+
+
+# en: vLLM's buckets, in seconds: for the time to first token, and for the gaps between tokens.
+# zh: vLLM 的分桶，单位秒：首个 token 的时间用一组，token 之间的间隔用另一组。
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)
+
+
+class TokenLatency:
+    """vLLM's latency histograms, observed where the tokens reach the server: the time to each choice's first token
+    (from when the request was queued), the gap between tokens, and each finished choice's time per output token.
+    Tokens that came in one chunk (several steps' worth, when the server fell behind) share their gap."""
+    # zh: vLLM 的延迟直方图，在 token 到达服务器的地方观测：每个选项的首个 token 的时间（从请求排入队列时算起）、
+    # zh: token 之间的间隔，以及每个结束的选项平均每个输出 token 的时间。一个分块里一起到达的 token（服务器落后时，
+    # zh: 好几步的 token）平分它们的间隔。
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"vllm:{name}", doc, ["model_name"], registry=registry, buckets=buckets).labels(
+                model_name)
+
+        self.first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.token_gap = histogram("inter_token_latency_seconds", "Time between tokens.", TOKEN_GAP_BUCKETS)
+        self.per_token = histogram("request_time_per_output_token_seconds",
+                                   "Time per output token of each finished request.", TOKEN_GAP_BUCKETS)
+
+    def observe(self, choice: Choice, count: int, waited: float, now: float) -> None:
+        """``count`` tokens of ``choice`` arrived ``now``, ``waited`` seconds after the request was queued."""
+        # zh: ``choice`` 的 ``count`` 个 token 在 ``now`` 到达，这时离请求排入队列已过去 ``waited`` 秒。
+        if choice.first_token_at is None:
+            self.first_token.observe(waited)
+            choice.first_token_at = now
+        else:
+            for _ in range(count):
+                self.token_gap.observe((now - choice.last_token_at) / count)
+        choice.last_token_at = now
+        if choice.finish_reason is not None and choice.num_tokens > 1:
+            self.per_token.observe((now - choice.first_token_at) / (choice.num_tokens - 1))
 
 
 # en: The help line of each engine counter (ServerStats.engine_counters), by metric name: later chapters add theirs.
@@ -694,6 +754,7 @@ class Api:
         self.hub = live_page_hub(client)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(client, model_name))
+        self.latency = TokenLatency(self.registry, model_name)
 
     async def off_loop(self, work: Callable[[], _T]) -> _T:
         """``work()`` on the tokenizer's thread, awaited."""
@@ -744,7 +805,7 @@ class Api:
         # zh: 运行请求的提示词：返回一串服务器发送事件，或者在每个选项都结束后返回一个完整响应。
         stops = body.stop_strings()
         params = body.sampling_params(self.default_max_tokens(prompts, chat))
-        generation = Generation(self.client, prompts, params, stops)
+        generation = Generation(self.client, prompts, params, stops, self.latency)
         await generation.start()
         rid, created = request_id("chatcmpl" if chat else "cmpl"), now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -1270,6 +1331,8 @@ class RequestLimit:
     # zh: ``/metrics`` 和实时页面总会应答。
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"--limit-concurrency must be a whole number of requests, at least 1, got {limit!r}")
         self.app, self.limit, self.in_flight = app, limit, 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -1412,11 +1475,31 @@ class HostGuard:
         return any(name == host or (host.startswith("*.") and name.endswith(host[1:])) for host in self.hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.allowed(Headers(scope=scope).get("host", "")):
+        if scope["type"] not in ("http", "websocket") or self.allowed(Headers(scope=scope).get("host", "")):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            # en: Refused before it is accepted (1008: policy violation)
+            # zh: 在接受之前就拒绝（1008：违反策略）
+            await send({"type": "websocket.close", "code": 1008})
             return
         error = ServerError(400, "this server does not answer to this Host header (--allowed-hosts)", param="Host")
         await JSONResponse(error.body(), status_code=400)(scope, receive, send)
+
+
+def checked_host(name: str) -> str:
+    """A name of --allowed-hosts as a Host header spells it: an IPv6 address in brackets; a port is refused (the
+    guard compares names, whatever the port)."""
+    # zh: --allowed-hosts 里的一个名字，写成 Host 头里的样子：IPv6 地址加上方括号；带端口的会被拒绝（守卫比较的是名字，
+    # zh: 不管端口）。
+    try:
+        if ipaddress.ip_address(name).version == 6:
+            return f"[{name}]"
+    except ValueError:
+        pass
+    if ":" in name.removeprefix("[").split("]")[-1]:
+        raise ValueError(f"--allowed-hosts takes names without a port, got {name!r}")
+    return name
 
 
 def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
@@ -1427,7 +1510,7 @@ def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
     # zh: 就只应答回环名称。一个让自己的域名解析到 127.0.0.1 的网页（DNS 重绑定）会把它自己的域名作为 Host 发来，
     # zh: 于是被拒绝。其他情况下应答任意 Host。
     if given:
-        return given
+        return [checked_host(name) for name in given]
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
@@ -1585,6 +1668,13 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            # en: A second Ctrl-C while the server stops: uvicorn would force the exit and skip the lifespan's end, the
+            # en: wait for the engine that --shutdown-timeout bounds anyway. The streams have ended already.
+            # zh: 服务器正在停止时又按了一次 Ctrl-C：uvicorn 会强行退出，跳过 lifespan 的收尾，也就是等引擎的那一段，
+            # zh: 而这段等待本来就有 --shutdown-timeout 限着。各个流已经结束了。
+            print("nano-vllm: already stopping", file=sys.stderr, flush=True)
+            return
         shutdown = getattr(self.config.app.state, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -1618,8 +1708,13 @@ def raise_open_files_limit(target: int = 65536) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # en: Settings of the HTTP side are checked before the model loads.
+    # zh: HTTP 一侧的设置在加载模型之前就检查。
     try:
         check_api_key(args.api_key)
+        hosts = allowed_hosts(args.host, args.allowed_hosts)
+        if args.limit_concurrency is not None and args.limit_concurrency < 1:
+            raise ValueError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -1640,7 +1735,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                          engine_timeout=args.engine_timeout, api_key=args.api_key, docs=args.docs,
-                         hosts=allowed_hosts(args.host, args.allowed_hosts), limit_concurrency=args.limit_concurrency,
+                         hosts=hosts, limit_concurrency=args.limit_concurrency,
                          shutdown_timeout=args.shutdown_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),

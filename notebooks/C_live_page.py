@@ -87,12 +87,15 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from nanovllm.viz.player import caption, controls_html, frame_svg, lang_text, legend_html, style_html
 from nanovllm.viz.recorder import Recorder
+
+_logger = logging.getLogger("nanovllm.serve")
 
 
 class LiveRecorder(Recorder):
@@ -207,6 +210,9 @@ class DashboardHub:
         self.drawings: dict[str, str] = {}
         self.painter = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-live-page")
         self.painting: asyncio.Future | None = None
+        # en: Counts the recorders attached: a drawing of an earlier one, still being made, is dropped
+        # zh: 给挂上的记录器计数：还在画的、属于之前那个记录器的图，画完就丢掉
+        self.recording = 0
         engine.on_frame = self.publish
 
     def publish(self, frames: list[dict]) -> None:
@@ -215,19 +221,30 @@ class DashboardHub:
         # zh: 一步的各帧，到达时调用（在事件循环上）：接下来画这一步：画它的最后一帧，配上所有帧的说明文字；如果有一步
         # zh: 还在等着画，就顶替它。
         self.newest = frames
-        if self.pages and (self.painting is None or self.painting.done()):
+        self._paint_soon()
+
+    def _paint_soon(self) -> None:
+        if self.newest is not None and self.pages and (self.painting is None or self.painting.done()):
             self.painting = asyncio.ensure_future(self._paint())
 
     async def _paint(self) -> None:
         loop = asyncio.get_running_loop()
         while self.newest is not None and self.pages:
-            step, self.newest = self.newest, None
+            step, self.newest, recording = self.newest, None, self.recording
             languages = sorted({page.lang for page in self.pages})
-            self.drawings = await loop.run_in_executor(self.painter, self.draw, step, self.drawn, languages)
-            self.drawn = step[-1]
+            try:
+                drawings = await loop.run_in_executor(self.painter, self.draw, step, self.drawn, languages)
+            except Exception:
+                # en: A frame the player cannot draw is a bug of the book's, not the server's: said, and skipped
+                # zh: 播放器画不出来的帧是本书的 bug，不是服务器的：说出来，然后跳过
+                _logger.exception("the live page could not draw a frame")
+                continue
+            if recording != self.recording:
+                continue
+            self.drawings, self.drawn = drawings, step[-1]
             for page in self.pages:
-                if page.lang in self.drawings:
-                    page.offer(self.drawings[page.lang])
+                if page.lang in drawings:
+                    page.offer(drawings[page.lang])
 
     def draw(self, step: list[dict], prev: dict | None, languages: list[str]) -> dict[str, str]:
         """A step's frames as each language's pages receive them: a server-sent event ``{"index", "html"}``."""
@@ -241,10 +258,16 @@ class DashboardHub:
         page = LivePage(lang)
         if not self.pages:
             self.newest, self.drawn, self.drawings = None, None, {}
+            self.recording += 1
             self.engine.watch(True)
         elif lang in self.drawings:
             page.offer(self.drawings[lang])
+        elif self.drawn is not None and self.newest is None:
+            # en: The first page in its language: the last frame is drawn again, in its language too
+            # zh: 这种语言的第一个页面：把最后一帧再画一遍，也画出它的语言
+            self.newest = [self.drawn]
         self.pages.add(page)
+        self._paint_soon()
         return page
 
     def close(self, page: LivePage) -> None:
@@ -257,6 +280,7 @@ class DashboardHub:
         # zh: 服务器停止：每个页面的流都结束。
         for page in self.pages:
             page.end()
+        self.painter.shutdown(wait=False, cancel_futures=True)
 
     async def stream(self, lang: str) -> AsyncIterator[str]:
         """Server-sent events for one page: the frames drawn in ``lang``, the newest at each read."""

@@ -16,7 +16,6 @@ import pytest
 from bs4 import BeautifulSoup
 
 from tests.site_checks import CHAPTERS, PAGES, page
-from tools.bilingual import DOCSTRINGS_PENDING
 
 SVG_DATA = "data:image/svg+xml;base64,"
 CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef]")
@@ -124,7 +123,8 @@ TRANSLATED = {
         ("peak blocks", "峰值占用块数"), ("4 identical requests", "4 个相同的请求"),
         ("forked / independent", "分叉 / 独立"),
         # the benchmark's own report (nanovllm.bench), issue 59, item 6
-        ("in LLMEngine.step: prefill", "LLMEngine.step 之内：prefill"), ("copy rate, measured:", "实测拷贝速率："),
+        ("in LLMEngine.step: prefill", "LLMEngine.step 之内：prefill"),
+        ("copy rate, measured before the runs:", "运行前实测的拷贝速率："),
         ("(same workload, same invocation)", "（同一负载，同一次调用）"),
         ("KV cache: 1,024 blocks", "KV 缓存：1,024 块"),
     ],
@@ -213,8 +213,6 @@ def test_the_chinese_site_shows_chinese_docstrings(chapter: str) -> None:
     """Issue 59, item 6: a docstring's Chinese twin takes its place on the Chinese site (tools/book.py), so no line
     of a docstring there is English (Pygments marks docstrings ``span.sd``). tests/book/test_zh_code.py checks the
     same on the chapters' sources, before a site is built."""
-    if f"{chapter}.py" in DOCSTRINGS_PENDING:
-        pytest.xfail("its docstrings are still to be translated (tools/bilingual.py's DOCSTRINGS_PENDING)")
     docs = BeautifulSoup(page("zh", "chapters", chapter), "html.parser").select("div.jp-CodeCell span.sd")
     english = [line.strip() for span in docs for line in span.get_text().splitlines()
                if PROSE.search(line) and not CJK.search(line)]

@@ -48,9 +48,6 @@ DIRECTIVE = re.compile(r"^#(\||\s*(noqa|fmt:|type:|pragma))")
 PROSE = re.compile(r"[A-Za-z]{3,}")
 CHINESE = re.compile(r"[\u4e00-\u9fff]")
 TWIN_LINE = re.compile(r"^(?P<indent>\s*)# zh:(?: (?P<text>.*)|)$")
-# Chapters whose docstrings are still to be translated (issue 59, item 6): their comments and prose are checked,
-# their docstrings not yet. Empty: every chapter's docstrings have their twins.
-DOCSTRINGS_PENDING: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -164,11 +161,10 @@ def check_notebook(path: Path) -> list[str]:
         elif cell.cell_type == "code":
             documented = docstrings(cell.source)
             twins = {doc.last + 1 for doc in documented if doc.twin}
-            if path.name not in DOCSTRINGS_PENDING:
-                for doc in documented:
-                    if doc.is_english() and not doc.twin:
-                        problems.append(f"{where}, line {doc.first}: a docstring without its Chinese twin: write "
-                                        "it as '# zh:' lines right below the docstring, at its indentation")
+            for doc in documented:
+                if doc.is_english() and not doc.twin:
+                    problems.append(f"{where}, line {doc.first}: a docstring without its Chinese twin: write "
+                                    "it as '# zh:' lines right below the docstring, at its indentation")
             runs = comment_runs(cell.source)
             for j, (lang, indent, line) in enumerate(runs):
                 if lang == "zh" and line in twins:

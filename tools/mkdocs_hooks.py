@@ -236,8 +236,15 @@ def legible_width(svg: str) -> float | None:
     natural = float(width[1]) * PX[width[2] or ""]
     box = SVG_VIEWBOX_WIDTH.search(root[0])
     scale = natural / float(box[1]) if box and float(box[1]) > 0 else 1.0  # CSS px per user unit
-    sizes = [float(n) * PX[unit or ""] for n, unit in FONT_SIZE.findall(svg)] or [16.0]  # SVG's default: 16 px
+    # A size of 0 draws nothing (and would divide by zero); SVG's default size is 16 px.
+    sizes = [size for n, unit in FONT_SIZE.findall(svg) if (size := float(n) * PX[unit or ""]) > 0] or [16.0]
     return natural * min(1.0, LEGIBLE_PX / (min(sizes) * scale))
+
+
+def png_width(data: str) -> int:
+    """A base64 PNG's width in pixels: the first 4 bytes of its IHDR chunk, bytes 16-19 of the file (8 of signature,
+    4 of length, 4 of chunk type). 44 base64 characters decode to the first 33 bytes."""
+    return int.from_bytes(base64.b64decode(data[:44])[16:20], "big")
 
 
 def keep_figures_legible(soup: BeautifulSoup) -> None:
@@ -252,7 +259,7 @@ def keep_figures_legible(soup: BeautifulSoup) -> None:
         if kind == "data:image/svg+xml":
             floor = legible_width(base64.b64decode(data).decode("utf-8", "replace"))
         elif kind == "data:image/png":
-            floor = float(img.get("width") or int.from_bytes(base64.b64decode(data[:44])[16:20], "big"))
+            floor = float(img.get("width") or png_width(data))
         else:
             floor = None
         if floor:
@@ -416,9 +423,19 @@ def alternate_href(page_url: str, root: str) -> str:
     return (up + root.removeprefix("./") + page_url) or "./"
 
 
+def search_through_words(output: str, where: str) -> str:
+    """Have the page load Material's search worker through search_words.js. A page whose configuration no longer names
+    the worker as SEARCH_WORKER expects (a Material upgrade) is reported: the strict build fails, rather than search
+    going back to cutting Chinese queries apart in silence."""
+    output, found = SEARCH_WORKER.subn(r'\g<path>search_words.js?\g<worker>"', output)
+    if not found and '"search":' in output:
+        log.warning(f"{where}: Material's search worker is not named as expected; search_words.js is not used")
+    return output
+
+
 def on_post_page(output: str, page: Any, config: Any) -> str:
     output = CDN_MODULE_SCRIPT.sub("", output)
-    output = SEARCH_WORKER.sub(r'\g<path>search_words.js?\g<worker>"', output)
+    output = search_through_words(output, page.file.src_uri)
     output = ALTERNATE_HEAD_LINK.sub("", output)
     roots = {alt["lang"]: alt["link"] for alt in config["extra"].get("alternate", [])}
 
@@ -432,7 +449,7 @@ def on_post_page(output: str, page: Any, config: Any) -> str:
 
 def on_post_template(output: str, template_name: str, config: Any) -> str:
     """The 404 page's search, as every page's (on_post_page)."""
-    return SEARCH_WORKER.sub(r'\g<path>search_words.js?\g<worker>"', output)
+    return search_through_words(output, template_name) if template_name == "404.html" else output
 
 
 @event_priority(-100)  # after Material's search plugin has written the index

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
+from prometheus_client import Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -58,10 +60,13 @@ __all__ = [
     "ERROR_HANDLERS",
     "LABELED_NAME",
     "SHUTTING_DOWN",
+    "TOKEN_GAP_BUCKETS",
+    "TTFT_BUCKETS",
     "Api",
     "Choice",
     "Generation",
     "StatsCollector",
+    "TokenLatency",
     "api_of",
     "chat_completions",
     "check_lang",
@@ -110,6 +115,9 @@ class Choice:
     num_tokens: int = 0
     # Tokens whose ids a chunk carried already (``return_token_ids``)
     sent_tokens: int = 0
+    # When its first and its latest tokens reached the server (time.monotonic()), for the latency histograms
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
     def new_token_ids(self) -> list[int]:
         ids = self.detokenizer.token_ids[self.sent_tokens : self.num_tokens]
@@ -122,8 +130,9 @@ class Generation:
     ``events()`` yields ``(choice, text, finished)`` as tokens arrive, until every choice has finished."""
 
     def __init__(self, engine: EngineClient, prompts: list[list[int]], params: SamplingParams,
-                 stops: list[str]) -> None:
-        self.engine, self.params = engine, params
+                 stops: list[str], latency: TokenLatency | None = None) -> None:
+        self.engine, self.params, self.latency = engine, params, latency
+        self.arrived = time.monotonic()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.streams = [RequestStream(prompt, params, self.queue, index=i) for i, prompt in enumerate(prompts)]
         self.choices = {(s.index, k): Choice(s.index * params.n + k, IncrementalDetokenizer(engine.tokenizer, stops))
@@ -192,6 +201,7 @@ class Generation:
                 self.early.append(self.queue.get_nowait())
             events, self.early = self.early, []
             texts: dict[int, tuple[Choice, str]] = {}
+            arrived = time.monotonic()
             for stream, kind, payload in events:
                 if kind == "error":
                     raise from_engine(payload)
@@ -203,6 +213,8 @@ class Generation:
                     # Tokens computed after a stop string ended the sample
                     continue
                 text = self._add(choice, stream, sample_index, token_ids, finished)
+                if self.latency is not None:
+                    self.latency.observe(choice, len(token_ids), arrived - self.arrived, arrived)
                 texts[choice.index] = (choice, texts[choice.index][1] + text if choice.index in texts else text)
             for choice, text in texts.values():
                 yield choice, text, choice.finish_reason is not None
@@ -232,8 +244,8 @@ def sse(data: dict | str) -> str:
 
 
 class StatsCollector(Collector):
-    """``/metrics``: the driver's `ServerStats` (as of its last step), read at each scrape, with vLLM's metric
-    names."""
+    """``/metrics``: the driver's `ServerStats` (as of its last step), read at each scrape: vLLM's metric names
+    under our prefix, and the five that gateways read under vLLM's own."""
 
     def __init__(self, engine: EngineClient, model_name: str) -> None:
         self.engine, self.model_name = engine, model_name
@@ -242,26 +254,29 @@ class StatsCollector(Collector):
         stats, labels = self.engine.stats, ["model_name"]
         value = [self.model_name]
 
-        def gauge(name: str, doc: str, number: float) -> GaugeMetricFamily:
-            metric = GaugeMetricFamily(f"nanovllm:{name}", doc, labels=labels)
+        def gauge(name: str, doc: str, number: float, prefix: str = "nanovllm") -> GaugeMetricFamily:
+            metric = GaugeMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             metric.add_metric(value, number)
             return metric
 
-        def counter(name: str, doc: str, number: float) -> CounterMetricFamily:
-            metric = CounterMetricFamily(f"nanovllm:{name}", doc, labels=labels)
+        def counter(name: str, doc: str, number: float, prefix: str = "nanovllm") -> CounterMetricFamily:
+            metric = CounterMetricFamily(f"{prefix}:{name}", doc, labels=labels)
             metric.add_metric(value, number)
             return metric
 
-        yield gauge("num_requests_running", "Requests with sequences in the running queue.",
-                    stats.num_requests_running)
-        yield gauge("num_requests_waiting", "Requests with sequences in the waiting queue.",
-                    stats.num_requests_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).", stats.kv_cache_usage)
         hits, queries = stats.prefix_cache_hits, stats.prefix_cache_queries
+        # Under vLLM's names as well as ours: gateways (llm-d, NVIDIA Dynamo, SGLang's) and dashboards read those.
+        for prefix in ("nanovllm", "vllm"):
+            yield gauge("num_requests_running", "Requests with sequences in the running queue.",
+                        stats.num_requests_running, prefix)
+            yield gauge("num_requests_waiting", "Requests with sequences in the waiting queue.",
+                        stats.num_requests_waiting, prefix)
+            yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = all).", stats.kv_cache_usage,
+                        prefix)
+            yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries, prefix)
+            yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits, prefix)
         yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt tokens scheduled.",
                     hits / queries if queries else 0.0)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits)
         yield counter("prompt_tokens", "Prompt tokens of the requests that started.", stats.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.generation_tokens)
         yield counter("num_preemptions", "Sequences preempted (their KV freed, to be recomputed).",
@@ -280,6 +295,41 @@ class StatsCollector(Collector):
             finished.add_metric([*value, reason], count)
         yield finished
         yield from engine_counter_families(stats.engine_counters, labels, value)
+
+
+# vLLM's buckets, in seconds: for the time to first token, and for the gaps between tokens.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0)
+
+
+class TokenLatency:
+    """vLLM's latency histograms, observed where the tokens reach the server: the time to each choice's first token
+    (from when the request was queued), the gap between tokens, and each finished choice's time per output token.
+    Tokens that came in one chunk (several steps' worth, when the server fell behind) share their gap."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(f"vllm:{name}", doc, ["model_name"], registry=registry, buckets=buckets).labels(
+                model_name)
+
+        self.first_token = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.token_gap = histogram("inter_token_latency_seconds", "Time between tokens.", TOKEN_GAP_BUCKETS)
+        self.per_token = histogram("request_time_per_output_token_seconds",
+                                   "Time per output token of each finished request.", TOKEN_GAP_BUCKETS)
+
+    def observe(self, choice: Choice, count: int, waited: float, now: float) -> None:
+        """``count`` tokens of ``choice`` arrived ``now``, ``waited`` seconds after the request was queued."""
+        if choice.first_token_at is None:
+            self.first_token.observe(waited)
+            choice.first_token_at = now
+        else:
+            for _ in range(count):
+                self.token_gap.observe((now - choice.last_token_at) / count)
+        choice.last_token_at = now
+        if choice.finish_reason is not None and choice.num_tokens > 1:
+            self.per_token.observe((now - choice.first_token_at) / (choice.num_tokens - 1))
 
 
 # The help line of each engine counter (ServerStats.engine_counters), by metric name: later chapters add theirs.
@@ -334,6 +384,7 @@ class Api:
         self.hub = live_page_hub(client)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StatsCollector(client, model_name))
+        self.latency = TokenLatency(self.registry, model_name)
 
     async def off_loop(self, work: Callable[[], _T]) -> _T:
         """``work()`` on the tokenizer's thread, awaited."""
@@ -377,7 +428,7 @@ class Api:
         """Run the request's prompts: a stream of server-sent events, or one response once every choice ended."""
         stops = body.stop_strings()
         params = body.sampling_params(self.default_max_tokens(prompts, chat))
-        generation = Generation(self.client, prompts, params, stops)
+        generation = Generation(self.client, prompts, params, stops, self.latency)
         await generation.start()
         rid, created = request_id("chatcmpl" if chat else "cmpl"), now()
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

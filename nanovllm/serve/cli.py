@@ -131,6 +131,11 @@ class Server(uvicorn.Server):
         self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit:
+            # A second Ctrl-C while the server stops: uvicorn would force the exit and skip the lifespan's end, the
+            # wait for the engine that --shutdown-timeout bounds anyway. The streams have ended already.
+            print("nano-vllm: already stopping", file=sys.stderr, flush=True)
+            return
         shutdown = getattr(self.config.app.state, "shutdown", None)
         if shutdown is not None:
             shutdown()
@@ -162,8 +167,12 @@ def raise_open_files_limit(target: int = 65536) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    # Settings of the HTTP side are checked before the model loads.
     try:
         check_api_key(args.api_key)
+        hosts = allowed_hosts(args.host, args.allowed_hosts)
+        if args.limit_concurrency is not None and args.limit_concurrency < 1:
+            raise ValueError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -183,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = create_app(engine, model_name=name, max_waiting=args.max_waiting, max_body_bytes=args.max_body_bytes,
                          engine_timeout=args.engine_timeout, api_key=args.api_key, docs=args.docs,
-                         hosts=allowed_hosts(args.host, args.allowed_hosts), limit_concurrency=args.limit_concurrency,
+                         hosts=hosts, limit_concurrency=args.limit_concurrency,
                          shutdown_timeout=args.shutdown_timeout)
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, access_log=False, http=read_deadline(args.timeout_read),

@@ -12,6 +12,7 @@ import ctypes
 import fcntl
 import itertools
 import multiprocessing
+import os
 import queue
 import signal
 import sys
@@ -93,8 +94,9 @@ class EngineClient:
         self.stopping = False
         self.loop: asyncio.AbstractEventLoop | None = None
         # When the driver's last message came (its steps, its heartbeats), and how long a silence means that its
-        # process is stopped or gone (--engine-timeout)
+        # process is stopped or gone (--engine-timeout); whether its last heartbeat was sent during a step
         self.heard = time.monotonic()
+        self.stepping = False
         self.engine_timeout = 60.0
         # How long a stopping server waits for the driver to end its step and exit (--shutdown-timeout)
         self.shutdown_timeout = 10.0
@@ -114,7 +116,7 @@ class EngineClient:
                            f"(--engine-timeout {self.engine_timeout:g})", "service_unavailable")
 
     def _watch(self) -> None:
-        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (its process stopped or hung) fails the
+        """Each heartbeat: a driver silent for longer than ``engine_timeout`` (its process stopped or gone) fails the
         open requests with 503 instead of leaving them waiting forever; requests that come meanwhile are refused."""
         if self.stopping:
             return
@@ -161,8 +163,10 @@ class EngineClient:
         queues, or a heartbeat."""
         self.heard = time.monotonic()
         if message[0] == "alive":
+            self.stepping = message[1]
             return
         _, events, frames, self.stats = message
+        self.stepping = False
         streams = self.streams
         for key, kind, payload in events:
             stream = streams.get(key)
@@ -389,13 +393,16 @@ class EngineProcess(EngineClient):
         """Wait up to ``timeout`` seconds for the engine process to end its step and exit; then make it exit."""
         self.process.join(min(timeout, 1.0))
         if self.process.is_alive() and timeout > 1.0:
-            print(f"nano-vllm: waiting for the engine's running step to end (at most {timeout - 1:g} s more, "
-                  "--shutdown-timeout)", file=sys.stderr, flush=True)
+            what = "the engine's running step to end" if self.stepping else "the engine process to exit"
+            print(f"nano-vllm: waiting for {what} (at most {timeout - 1:g} s more, --shutdown-timeout)",
+                  file=sys.stderr, flush=True)
             self.process.join(timeout - 1.0)
         if self.process.is_alive():
-            print("nano-vllm: the engine's step did not end in time: stopping the engine process", file=sys.stderr,
-                  flush=True)
+            print("nano-vllm: the engine did not end in time: stopping its process", file=sys.stderr, flush=True)
             self.process.terminate()
+            # A stopped process (SIGSTOP) takes SIGTERM only once it runs again
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGCONT)
             self.process.join(5)
         if self.process.is_alive():
             self.process.kill()

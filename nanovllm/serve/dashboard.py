@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +28,9 @@ __all__ = [
 
 
 # notebooks/C_live_page.py · cell "live recorder"
+_logger = logging.getLogger("nanovllm.serve")
+
+
 class LiveRecorder(Recorder):
     """A `Recorder` for a server that runs for days: it hands each frame to ``publish`` as it is made, keeps only
     the last one (the next frame is drawn against it) and forgets finished sequences once they are drawn.
@@ -123,25 +127,37 @@ class DashboardHub:
         self.drawings: dict[str, str] = {}
         self.painter = ThreadPoolExecutor(1, thread_name_prefix="nanovllm-live-page")
         self.painting: asyncio.Future | None = None
+        # Counts the recorders attached: a drawing of an earlier one, still being made, is dropped
+        self.recording = 0
         engine.on_frame = self.publish
 
     def publish(self, frames: list[dict]) -> None:
         """A step's frames, as they arrive (on the event loop): the step is drawn next, as its last frame with the
         captions of all of them, in place of a step that was waiting to be drawn."""
         self.newest = frames
-        if self.pages and (self.painting is None or self.painting.done()):
+        self._paint_soon()
+
+    def _paint_soon(self) -> None:
+        if self.newest is not None and self.pages and (self.painting is None or self.painting.done()):
             self.painting = asyncio.ensure_future(self._paint())
 
     async def _paint(self) -> None:
         loop = asyncio.get_running_loop()
         while self.newest is not None and self.pages:
-            step, self.newest = self.newest, None
+            step, self.newest, recording = self.newest, None, self.recording
             languages = sorted({page.lang for page in self.pages})
-            self.drawings = await loop.run_in_executor(self.painter, self.draw, step, self.drawn, languages)
-            self.drawn = step[-1]
+            try:
+                drawings = await loop.run_in_executor(self.painter, self.draw, step, self.drawn, languages)
+            except Exception:
+                # A frame the player cannot draw is a bug of the book's, not the server's: said, and skipped
+                _logger.exception("the live page could not draw a frame")
+                continue
+            if recording != self.recording:
+                continue
+            self.drawings, self.drawn = drawings, step[-1]
             for page in self.pages:
-                if page.lang in self.drawings:
-                    page.offer(self.drawings[page.lang])
+                if page.lang in drawings:
+                    page.offer(drawings[page.lang])
 
     def draw(self, step: list[dict], prev: dict | None, languages: list[str]) -> dict[str, str]:
         """A step's frames as each language's pages receive them: a server-sent event ``{"index", "html"}``."""
@@ -154,10 +170,15 @@ class DashboardHub:
         page = LivePage(lang)
         if not self.pages:
             self.newest, self.drawn, self.drawings = None, None, {}
+            self.recording += 1
             self.engine.watch(True)
         elif lang in self.drawings:
             page.offer(self.drawings[lang])
+        elif self.drawn is not None and self.newest is None:
+            # The first page in its language: the last frame is drawn again, in its language too
+            self.newest = [self.drawn]
         self.pages.add(page)
+        self._paint_soon()
         return page
 
     def close(self, page: LivePage) -> None:
@@ -169,6 +190,7 @@ class DashboardHub:
         """The server stops: every page's stream ends."""
         for page in self.pages:
             page.end()
+        self.painter.shutdown(wait=False, cancel_futures=True)
 
     async def stream(self, lang: str) -> AsyncIterator[str]:
         """Server-sent events for one page: the frames drawn in ``lang``, the newest at each read."""

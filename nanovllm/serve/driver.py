@@ -42,7 +42,7 @@ _logger = logging.getLogger("nanovllm.serve")
 # sample_index or None), ("watch", on) for the live page, ("stop",). Out, once per step: ("step", events,
 # frames, stats), where each event is (key, kind, payload) and kind is "admitted" (payload: the request id),
 # "tokens" ((sample_index, token_ids, finished)), "error" (an `EngineError`) or "done" (nothing more will come);
-# and ("alive",) every HEARTBEAT_SECONDS from a thread of its own, during a step too.
+# and ("alive", stepping) every HEARTBEAT_SECONDS from a thread of its own, during a step too.
 Message = tuple
 # receive(wait): the next message, or None if none came (at once; within HEARTBEAT_SECONDS if wait). An idle driver
 # thus sends an empty step message at least every HEARTBEAT_SECONDS: the server knows it is alive.
@@ -172,6 +172,8 @@ class EngineDriver:
         self.frames: list[dict] = []
         # The heartbeat's thread and the driver's both send: one message at a time.
         self.sending = threading.Lock()
+        # A step is running (the heartbeat says so)
+        self.stepping = False
 
     def run(self, receive: Receive) -> None:
         """Serve until a "stop" message, or until ``receive`` raises EOFError (the server is gone)."""
@@ -201,7 +203,7 @@ class EngineDriver:
         minute (a long prompt on a CPU) is not silence. The model's kernels let go of the GIL, and Python hands it
         over every few milliseconds anyway. A stopped process (SIGSTOP) or a dead one says nothing, and is noticed."""
         while not stopped.wait(HEARTBEAT_SECONDS):
-            self._send(("alive",))
+            self._send(("alive", self.stepping))
 
     def _send(self, message: Message) -> None:
         with self.sending:
@@ -249,7 +251,7 @@ class EngineDriver:
             self.watch.recorder = self.make_recorder(self.engine.scheduler, self._publish_frame) if on else None
 
     def _step(self) -> None:
-        began = time.perf_counter()
+        began, self.stepping = time.perf_counter(), True
         try:
             news = self.engine.step_tokens()
         except NonFiniteLogitsError as error:
@@ -267,6 +269,8 @@ class EngineDriver:
                 self.engine.abort_request(request_id)
                 self._fail(request_id, failure)
             return
+        finally:
+            self.stepping = False
         kind = "prefill" if self.watch.is_prefill else "decode"
         self.stats.steps[kind] = self.stats.steps.get(kind, 0) + 1
         self.stats.step_seconds[kind] = self.stats.step_seconds.get(kind, 0.0) + time.perf_counter() - began

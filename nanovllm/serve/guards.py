@@ -28,6 +28,7 @@ __all__ = [
     "RequestLimit",
     "allowed_hosts",
     "check_api_key",
+    "checked_host",
     "default_max_body_bytes",
     "max_prompt_chars",
     "read_deadline",
@@ -95,6 +96,8 @@ class RequestLimit:
     rest refused (uvicorn's refused all of them), and ``/health``, ``/metrics`` and the live page always answer."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"--limit-concurrency must be a whole number of requests, at least 1, got {limit!r}")
         self.app, self.limit, self.in_flight = app, limit, 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -220,11 +223,28 @@ class HostGuard:
         return any(name == host or (host.startswith("*.") and name.endswith(host[1:])) for host in self.hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.allowed(Headers(scope=scope).get("host", "")):
+        if scope["type"] not in ("http", "websocket") or self.allowed(Headers(scope=scope).get("host", "")):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            # Refused before it is accepted (1008: policy violation)
+            await send({"type": "websocket.close", "code": 1008})
             return
         error = ServerError(400, "this server does not answer to this Host header (--allowed-hosts)", param="Host")
         await JSONResponse(error.body(), status_code=400)(scope, receive, send)
+
+
+def checked_host(name: str) -> str:
+    """A name of --allowed-hosts as a Host header spells it: an IPv6 address in brackets; a port is refused (the
+    guard compares names, whatever the port)."""
+    try:
+        if ipaddress.ip_address(name).version == 6:
+            return f"[{name}]"
+    except ValueError:
+        pass
+    if ":" in name.removeprefix("[").split("]")[-1]:
+        raise ValueError(f"--allowed-hosts takes names without a port, got {name!r}")
+    return name
 
 
 def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
@@ -232,7 +252,7 @@ def allowed_hosts(host: str, given: list[str] | None) -> list[str]:
     listens on a loopback address, the loopback names only. A web page that has its own name resolve to 127.0.0.1
     (DNS rebinding) sends its own name as Host, and is refused. Elsewhere, any host."""
     if given:
-        return given
+        return [checked_host(name) for name in given]
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:

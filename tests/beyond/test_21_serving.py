@@ -55,7 +55,7 @@ def client(server):
 
 def metrics(server: ServerProcess) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics").text
-    return {m[1]: float(m[2]) for m in re.finditer(r"^(nanovllm:\w+)\{[^}]*\} (\S+)$", text, re.M)}
+    return {m[1]: float(m[2]) for m in re.finditer(r"^((?:nanovllm|vllm):\w+)\{[^}]*\} (\S+)$", text, re.M)}
 
 
 def wait_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
@@ -316,6 +316,30 @@ def test_routes_and_metrics(server, client):
     # The second request found the first one's full blocks in the prefix cache.
     assert after["nanovllm:prefix_cache_hits_total"] >= before["nanovllm:prefix_cache_hits_total"] + 16
     assert 0 < after["nanovllm:prefix_cache_hit_rate"] <= 1
+
+
+def test_metrics_speak_vllms_names_and_time_the_tokens(server, client):
+    """Issue 62, item 4: gateways and dashboards read vLLM's names (vllm:num_requests_waiting,
+    vllm:kv_cache_usage_perc, ...) and its TTFT, inter-token and time-per-token histograms; /metrics gives them
+    beside ours, with the same figures."""
+    before = metrics(server)
+    for stream in (False, True):
+        reply = client.completions.create(model="tiny", prompt="Count:", max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True}, stream=stream)
+        if stream:
+            assert len("".join(chunk.choices[0].text for chunk in reply if chunk.choices)) > 0
+    after = metrics(server)
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total"):
+        assert after[f"vllm:{name}"] == after[f"nanovllm:{name}"], name
+    assert after["vllm:prefix_cache_queries_total"] > before["vllm:prefix_cache_queries_total"]
+    count = {name: after[f"vllm:{name}_count"] - before.get(f"vllm:{name}_count", 0)
+             for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                          "request_time_per_output_token_seconds")}
+    # Two choices: two first tokens, two finished; up to 5 gaps each (tokens that came with the first share its time)
+    assert count["time_to_first_token_seconds"] == count["request_time_per_output_token_seconds"] == 2
+    assert 2 <= count["inter_token_latency_seconds"] <= 10, count
+    assert after["vllm:time_to_first_token_seconds_sum"] > before.get("vllm:time_to_first_token_seconds_sum", 0)
 
 
 def test_backpressure_and_ctrl_c(tiny):

@@ -152,3 +152,31 @@ def test_a_step_is_drawn_once_for_all_pages_and_a_page_that_does_not_read_holds_
     # and never on the event loop's thread.
     assert 0 < len(drawn) <= 2 * len(frames) and len(set(drawn)) == len(drawn)
     assert not any(on_loop for _, _, on_loop in drawn)
+
+
+def test_a_page_in_another_language_gets_the_last_frame_at_once():
+    """A page that opens in a language no open page reads gets the last step drawn in its language without waiting
+    for the next step (an idle server would leave it blank)."""
+    import asyncio
+
+    from nanovllm.viz.driver import FakeEngine
+
+    engine = FakeEngine(num_kvcache_blocks=64, kvcache_block_size=16)
+    engine.add(list(range(1, 30)), max_tokens=3)
+    engine.run()
+    frames = engine.recording["frames"]
+
+    async def scenario():
+        client = WatchedClient()
+        hub = DashboardHub(client)
+        english = hub.open("en")
+        client.on_frame(frames[-3:])
+        while hub.painting is not None and not hub.painting.done():
+            await hub.painting
+        chinese = hub.stream("zh")
+        drawing = await asyncio.wait_for(chinese.__anext__(), timeout=5)
+        assert 'lang=\\"zh\\"' in drawing and f'"index": {frames[-1]["index"]},' in drawing
+        assert english.drawing is not None
+        hub.close_all()
+
+    asyncio.run(scenario())

@@ -36,7 +36,10 @@ addEventListener("message", event => {
     event.data.data = cut(event.data.data)
 })
 
-importScripts(decodeURIComponent(location.search.slice(1)))
+// Only Material's own worker, named as the site's pages name it (search.<hash>.min.js, beside this file)
+var worker = decodeURIComponent(location.search.slice(1))
+if (!/^search\.[0-9a-f]+\.min\.js$/.test(worker)) throw new Error("search_words.js: not a search worker: " + worker)
+importScripts(worker)
 
 // When Material builds its index (lunr's Builder.build), note the index's Chinese words, and hide them from
 // Material's own cutting, which asks `word in index.invertedIndex` (lunr itself never asks `in`).
