@@ -82,6 +82,8 @@ from nanovllm.book.lang import Phrases
 # en: What the benchmark prints, in Chinese when the book reads in Chinese (nanovllm.book.lang); English otherwise.
 # zh: 基准测试打印的文字的中文：本书以中文阅读时打印中文（nanovllm.book.lang），否则打印英文。
 _say_bench = Phrases({
+    "{name}: the median of {count} runs, taking turns: {rate:,.1f} tok/s ({rates})":
+        "{name}：轮流跑了 {count} 次，取中位数：{rate:,.1f} tok/s（{rates}）",
     "copy rate, measured: {before:.2f} TB/s before the runs, {after:.2f} after; the bound uses the higher":
         "实测拷贝速率：运行前 {before:.2f} TB/s，运行后 {after:.2f} TB/s；上限按较高的那个算",
     "{seqs} sequences, prompts {low}-{high} tokens ({total} in all), outputs {out_low}-{out_high} tokens "
@@ -622,6 +624,10 @@ assert abs(h200.tokens_per_s / rates.figures["bound tokens/s"] - 1) < 0.001
 # prints their ratio. Each run is held to its own bound: with `fp8` the decode steps read one byte
 # per cached element plus a 4-byte scale per token and KV head (`kv_token_bytes`), so the bound
 # itself moves.
+#
+# **Runs that take turns.** Two runs one after the other can differ by run order alone: a card
+# warms up, or slows down, over an invocation. `--rounds N` runs the engines N times, taking turns
+# (A, B, A, B, ...), and compares their medians.
 
 # %% [markdown] tags=["zh"]
 # ### 我们这一侧，以及命令行
@@ -642,6 +648,9 @@ assert abs(h200.tokens_per_s / rates.figures["bound tokens/s"] - 1) < 0.001
 # 数据类型，一遍用 float8 e4m3（第 24 章），并打印两者的比值。每次运行都对照它自己的上限：用 `fp8` 时，decode 步
 # 每个缓存元素只读一个字节，外加每个 token、每个 KV 头一个 4 字节的缩放因子（`kv_token_bytes`），所以上限本身也
 # 移动了。
+#
+# **轮流跑。** 先后跑的两次运行，可能只因为先后顺序就有差别：一张卡在一次调用中会变热，或者变慢。`--rounds N` 让各个
+# 引擎轮流跑 N 遍（A、B、A、B……），比较的是它们的中位数。
 
 # %% bench models, 8B
 #| export bench.models
@@ -856,6 +865,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="N > 1: the engine on N GPUs, and on one GPU in the same invocation, with their ratio")
     parser.add_argument("--no-tp1", action="store_true", help="with --tensor-parallel-size N: skip the TP=1 run")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="run the engines N times, taking turns, and compare their medians (default 1)")
     parser.add_argument("--attention-backend", nargs="+", default=["auto"], metavar="NAME",
                         help="auto, torch, triton or flash-attn; several: one engine run each, in this invocation, "
                              "with their ratios to the first")
@@ -907,6 +918,8 @@ def resolve_setup(args: argparse.Namespace) -> BenchSetup:
         for kv in kv_dtypes:
             Config.from_kwargs(model, device=args.device, dtype=args.dtype, attention_backend=backend,
                                load_format=load_format, kv_cache_dtype=kv)
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if len(args.attention_backend) > 1 and args.tensor_parallel_size > 1:
         raise ValueError("compare attention backends or tensor-parallel sizes, not both in one invocation")
     compares_tp = args.tensor_parallel_size > 1 and not args.no_tp1
@@ -941,7 +954,12 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup,
     first = args.attention_backend[0]
     runs = [(tp, first, kv_dtypes[0]), (1, first, kv_dtypes[0])] if tp > 1 and not args.no_tp1 else \
         [(tp, name, kv_dtypes[0]) for name in args.attention_backend] + [(tp, first, kv) for kv in kv_dtypes[1:]]
-    for i, (size, backend, kv) in enumerate(runs):
+    # en: With --rounds N the runs take turns N times: a card that warms up or slows down over the invocation then
+    # en: weighs on every run alike, and each is held to its median.
+    # zh: 给了 --rounds N 时，各次运行轮流跑 N 遍：一张卡在这次调用中变热或变慢，对每次运行的影响都一样，每次运行都按
+    # zh: 它的中位数来算。
+    rounds: dict[str, list[BenchResult]] = {}
+    for i, (size, backend, kv) in [*enumerate(runs)] * args.rounds:
         key = "engine" if i == 0 else "engine_tp1" if size != tp else f"engine_{backend}" \
             if kv == kv_dtypes[0] else f"engine_kv_{kv}"
         breakdown: dict[str, Any] = {}
@@ -954,11 +972,18 @@ def run_engines(args: argparse.Namespace, setup: BenchSetup,
             results[key] = replace(results[key], name=_say_bench("{name}, kv cache {kv}", name=results[key].name,
                                                                  kv=kv))
         kv_of[key] = kv
+        rounds.setdefault(key, []).append(results[key])
         print(results[key])
         print_breakdown(results[key], breakdown)
         suffix = f"_{backend}" if key.startswith("engine_") and size == tp and kv == kv_dtypes[0] else \
             f"_kv_{kv}" if kv != kv_dtypes[0] else ""
         report[f"breakdown_tp{size}{suffix}"] = breakdown
+    for key, measured in rounds.items() if args.rounds > 1 else ():
+        results[key] = sorted(measured, key=lambda result: result.tokens_per_s)[len(measured) // 2]
+        report[f"rounds_{key}"] = [result.tokens_per_s for result in measured]
+        print(_say_bench("{name}: the median of {count} runs, taking turns: {rate:,.1f} tok/s ({rates})",
+                         name=results[key].name, count=len(measured), rate=results[key].tokens_per_s,
+                         rates=", ".join(f"{result.tokens_per_s:,.1f}" for result in measured)))
     return results, kv_of
 
 

@@ -177,6 +177,30 @@ def test_bench_compares_attention_backends_in_one_invocation(tmp_path: Path, cap
     assert "attention_backend='flash-attn' needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_runs_take_turns_and_compare_their_medians(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 61, item 4: run order made a 1.16x out of nothing (a card warming up or slowing down between two runs).
+    With --rounds N the engines take turns N times, and each is held to its median."""
+    from nanovllm.bench.engine import main
+    from nanovllm.book.tiny_models import build_tiny_model
+
+    out = tmp_path / "bench.json"
+    argv = ["--model", str(build_tiny_model("qwen3")), "--device", "cpu", "--num-seqs", "3", "--input-len", "8", "16",
+            "--output-len", "3", "6", "--no-peer", "--attention-backend", "torch", "auto", "--out", str(out)]
+    assert main([*argv, "--rounds", "3"]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    for key in ("engine", "engine_auto"):
+        rates = report[f"rounds_{key}"]
+        assert len(rates) == 3 and report[key]["tokens_per_s"] == sorted(rates)[1]
+    assert printed.count("the median of 3 runs, taking turns") == 2
+    # Turns: torch, auto, torch, auto, torch, auto
+    names = [line.split(":")[0] for line in printed.splitlines() if " tokens in " in line]
+    assert [name.rsplit(" ", 1)[-1] for name in names] == ["torch", "auto"] * 3
+    assert report["ratio_auto"] == pytest.approx(report["engine_auto"]["tokens_per_s"] /
+                                                 report["engine"]["tokens_per_s"])
+    assert main([*argv, "--rounds", "0"]) == 2 and "--rounds must be at least 1" in capsys.readouterr().err
+
+
 def test_latency_bench_times_decode_steps_and_host_launches_on_a_cpu(tmp_path: Path, capsys) -> None:
     """python -m nanovllm.bench --latency on the tiny model: a row per batch, each step's bound from the same run's copy
     rate, the host launches timed; unfit lengths refused."""
