@@ -325,8 +325,9 @@ class TokenLatency:
             self.first_token.observe(waited)
             choice.first_token_at = now
         else:
+            gap = (now - choice.last_token_at) / count
             for _ in range(count):
-                self.token_gap.observe((now - choice.last_token_at) / count)
+                self.token_gap.observe(gap)
         choice.last_token_at = now
         if choice.finish_reason is not None and choice.num_tokens > 1:
             self.per_token.observe((now - choice.first_token_at) / (choice.num_tokens - 1))

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -319,7 +318,7 @@ def test_ctrl_c_during_a_step_that_does_not_end_ends_the_streams_and_the_server(
     """Issue 60, item 2, with a real server: the engine process stopped in the middle of a step (SIGSTOP stands for a
     step that takes minutes), then Ctrl-C. The open stream ends at once with the error event and [DONE], the log says
     what the server waits for, --shutdown-timeout bounds the wait, and a second Ctrl-C while it waits is quiet."""
-    from tests.beyond.test_21_serving import engine_processes
+    from tests.beyond.test_21_serving import alive, engine_processes
 
     args = ["--model", tiny, "--served-model-name", "tiny", *ARGS, "--shutdown-timeout", "3"]
     with ServerProcess(args) as process:
@@ -343,16 +342,9 @@ def test_ctrl_c_during_a_step_that_does_not_end_ends_the_streams_and_the_server(
     # (SIGSTOP froze it between two short decode steps: its last heartbeat said no step was running)
     assert "waiting for the engine process to exit" in output and "already stopping" in output, output
     assert "Traceback" not in output and "CancelledError" not in output, output
-    assert not alive_process(engine)
+    assert not alive(engine)
 
 
-def alive_process(pid: int) -> bool:
-    """Whether the process runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def test_fields_a_gateway_adds_are_accepted_and_each_is_logged_once(tiny):
