@@ -140,6 +140,10 @@ class Config:
     # Tensor parallelism: seconds to wait for a rank's reply to a call before naming the stalled rank and stopping
     # them all.
     rank_timeout_s: float = 120.0
+    # notebooks/18_async_scheduling.py · cell "setting: sample in graph"
+    # Sample plain decode rows inside captured graphs (SamplingGraphs): True, False, or "auto": on for CUDA with one
+    # rank and graphs allowed.
+    sample_in_graph: bool | str = "auto"
     # notebooks/18_async_scheduling.py · cell "setting: async scheduling"
     # Queue step n + 1 before step n is collected: True, False, or "auto": on for CUDA, with one rank or several
     # (under tensor parallelism every rank takes the pending tokens from its copy of the previous step's samples).
@@ -177,6 +181,11 @@ class Config:
                              "triton is first imported (slow; meant for tests), or leave fused_decode='auto'")
         # notebooks/17_tp_runtime.py · cell "setting: rank timeout"
         self._check("rank_timeout_s", float, lambda x: x > 0, "> 0")
+        # notebooks/18_async_scheduling.py · cell "setting: sample in graph"
+        one_rank_graphs = self.device == "cuda" and self.tensor_parallel_size == 1 and not self.enforce_eager
+        if self._resolve_switch("sample_in_graph", one_rank_graphs) and not one_rank_graphs:
+            raise ValueError("sample_in_graph=True needs CUDA graphs on one rank (device 'cuda', "
+                             "tensor_parallel_size=1, enforce_eager=False)")
         # notebooks/18_async_scheduling.py · cell "setting: async scheduling"
         self._resolve_switch("async_scheduling", self.device == "cuda")
         # notebooks/24_fp8_kv_cache.py · cell "setting: kv cache dtype"

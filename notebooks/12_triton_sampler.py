@@ -120,7 +120,10 @@ say = Phrases({
 # **The seed** of each call is drawn on the host from torch's CPU generator: no round trip to the
 # GPU, and `torch.manual_seed(s)` before a call replays its noise. It is the Philox key, so every
 # call gets a fresh stream; with a 62-bit key no step repeats an earlier step's noise (with 31
-# bits, a server taking ten steps a second would likely repeat one within two hours).
+# bits, a server taking ten steps a second would likely repeat one within two hours). A caller
+# that cannot hand the kernel a new number at each launch passes the key in a one-element tensor
+# instead, and `SEED_IN_MEMORY` makes the kernel read it when it runs: chapter 18 replays the
+# sampler from a CUDA graph, whose kernels keep the arguments they were captured with.
 
 # %% [markdown] tags=["zh"]
 # ## 思路：一遍扫完词表的指数赛跑
@@ -169,6 +172,8 @@ say = Phrases({
 # **种子**：每次调用的种子都在主机端从 torch 的 CPU 生成器中抽取：不用与 GPU 往返，而且在调用前执行
 # `torch.manual_seed(s)` 就能重现这次调用的噪声。种子就是 Philox 的密钥，所以每次调用都得到一条新的随机流；
 # 密钥有 62 位，任何一步都不会重复先前某一步的噪声（如果只有 31 位，每秒十步的服务器很可能在两小时内就重复一次）。
+# 调用者如果无法在每次启动时交给内核一个新数，就把密钥放进一个单元素张量传入，`SEED_IN_MEMORY` 让内核在运行时才去
+# 读它：第 18 章从 CUDA Graph 重放采样器，而图里的内核保留的是捕获时的参数。
 
 # %% triton sampler imports
 #| export layers.triton_sampler
@@ -208,13 +213,18 @@ from nanovllm.layers.triton_attention import check_triton_device
 # %% race kernels
 #| export layers.triton_sampler
 # en: A new seed every call: do_not_specialize lets one compiled variant serve them all (see the wrapper).
+# en: SEED_IN_MEMORY: seed is a pointer to the key, read when the kernel runs (see the wrapper's seed argument).
 # zh: 每次调用的种子都不同：do_not_specialize 让一个编译好的变体服务所有种子（见包装函数）。
+# zh: SEED_IN_MEMORY：seed 是指向密钥的指针，内核运行时才读取（见包装函数的 seed 参数）。
 @triton.jit(do_not_specialize=["seed"])
 def race_chunk_kernel(
-    logits_ptr, temperatures_ptr, chunk_score_ptr, chunk_column_ptr, seed, vocab, BLOCK: tl.constexpr
+    logits_ptr, temperatures_ptr, chunk_score_ptr, chunk_column_ptr, seed, vocab, BLOCK: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
 ):
     # en: This program races columns [chunk * BLOCK, (chunk + 1) * BLOCK) of one row.
     # zh: 本程序让某一行的第 [chunk * BLOCK, (chunk + 1) * BLOCK) 列参加赛跑。
+    if SEED_IN_MEMORY:
+        seed = tl.load(seed)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -308,16 +318,18 @@ def race_pick_kernel(
 # %% triton sampler wrapper
 #| export layers.triton_sampler
 def triton_temperature_sample(
-    logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
+    logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096, seed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``temperature_sample`` as two Triton kernels: logits [B, V] (float32, bfloat16 or float16), temperatures [B]
     (0 = greedy) -> [B] int64 on the logits' device, NON_FINITE for a row whose logits are not numbers. Nothing is
     read back from the GPU; the noise's seed comes from torch's CPU generator, so ``torch.manual_seed`` before a
-    call makes it reproducible."""
-    # zh: 用两个 Triton 内核实现的 ``temperature_sample``：logits [B, V]（float32、bfloat16 或 float16），temperatures
-    # zh: [B]
-    # zh: （0 = 贪心）-> logits 所在设备上的 [B] int64，logits 不是数的行为 NON_FINITE。不从 GPU 读回任何东西；
-    # zh: 噪声的随机种子来自 torch 的 CPU 生成器，所以调用前先 ``torch.manual_seed`` 就能让结果可复现。
+    call makes it reproducible. ``seed``: a one-element int64 tensor on the logits' device instead, holding the
+    Philox key; the kernel reads it when it runs, not when it is launched."""
+    # zh: 用两个 Triton 内核实现的 ``temperature_sample``：logits [B, V]（float32、bfloat16 或 float16），
+    # zh: temperatures [B]（0 = 贪心）-> logits 所在设备上的 [B] int64，logits 不是数的行为 NON_FINITE。不从 GPU
+    # zh: 读回任何东西；噪声的随机种子来自 torch 的 CPU 生成器，所以调用前先 ``torch.manual_seed`` 就能让结果可复现。
+    # zh: ``seed``：改用 logits 所在设备上一个元素的 int64 张量，里面存放 Philox 密钥；内核在运行时才读它，而不是在
+    # zh: 启动时。
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -346,9 +358,14 @@ def triton_temperature_sample(
     # en: In [2**32, 2**32 + 2**62) Triton always passes it as int64 (one variant), a 62-bit Philox key.
     # zh: 在主机端从 torch 的 CPU 生成器中抽取：不必与 GPU 同步，torch.manual_seed 也能重现它。
     # zh: 落在 [2**32, 2**32 + 2**62) 内，Triton 总是以 int64 传入（只有一个变体），作为 62 位的 Philox 密钥。
-    seed = 2**32 + int(torch.randint(2**62, ()))
+    if seed is None:
+        seed = 2**32 + int(torch.randint(2**62, ()))
+    elif seed.shape != (1,) or seed.dtype != torch.int64 or seed.device != logits.device:
+        raise ValueError(f"seed must be one int64 on {logits.device}, got {seed.dtype} {tuple(seed.shape)} on "
+                         f"{seed.device}")
     race_chunk_kernel[(batch, num_chunks)](
-        logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size
+        logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size,
+        SEED_IN_MEMORY=isinstance(seed, torch.Tensor),
     )
     race_pick_kernel[(batch,)](
         chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks),
@@ -426,6 +443,13 @@ torch.manual_seed(7)
 replay = triton_temperature_sample(flat, ones, block_size=32)
 print(say("two calls:"), first.tolist(), second.tolist(), sep="\n  ")
 assert torch.equal(first, replay) and not torch.equal(first, second)
+# en: A seed kept on the device: the kernel reads the key that the tensor holds when it runs.
+# zh: 存放在设备上的种子：内核读取的是它运行时张量里存放的密钥。
+key = torch.tensor([2**40 + 7], device=DEVICE)
+from_memory = triton_temperature_sample(flat, ones, block_size=32, seed=key)
+assert torch.equal(from_memory, triton_temperature_sample(flat, ones, block_size=32, seed=key.clone()))
+key += 1
+assert not torch.equal(from_memory, triton_temperature_sample(flat, ones, block_size=32, seed=key))
 
 # en: The mark of logits that are not numbers, as on the torch path (row 0's NaN is in chunk 0, row 1's inf in chunk 1).
 # zh: 与 torch 版本相同的“不是数”标记（第 0 行的 NaN 在第 0 段，第 1 行的 inf 在第 1 段）。

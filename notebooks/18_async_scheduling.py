@@ -393,6 +393,12 @@ say = Phrases({
         "  {when}，批大小 {batch}：主机发起 {launch:.2f} ms，一步 {step:.2f} ms，占上限的 {share:.1%}",
     "  the workload: {synchronous:.2f} s synchronous, {asynchronous:.2f} s asynchronous":
         "  整个负载：同步 {synchronous:.2f} s，异步 {asynchronous:.2f} s",
+    "plain batch: {temperatures}": "普通批次：{temperatures}",
+    "on a CPU, sample_in_graph=True is refused: {refused}": "在 CPU 上，sample_in_graph=True 被拒绝：{refused}",
+    "  batch {batch:2d}: host {off:.3f} -> {on:.3f} ms, step {step_off:.3f} -> {step_on:.3f} ms, "
+    "GPU busy {busy:.3f} ms":
+        "  批大小 {batch:2d}：主机 {off:.3f} -> {on:.3f} ms，一步 {step_off:.3f} -> {step_on:.3f} ms，"
+        "GPU 忙 {busy:.3f} ms",
 })
 
 # %% [markdown] tags=["en"]
@@ -572,6 +578,232 @@ assert torch.equal(loaded.storage, staged.storage)
 assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
 
 # %% [markdown] tags=["en"]
+# ## Build it: the sampler inside the captured step
+#
+# With its inputs in one copy, a decode step that a graph covers still launched from the host,
+# after the graph: the LM head (a cuBLAS call), the sampler's input (a tensor of temperatures
+# built from Python and copied over), the sampler's two Triton kernels (chapter 12), then the copy
+# of the tokens to the host. All but the last can be captured as well. `SamplingGraphs` captures,
+# for each bucket of the model's graphs, the LM head over the graph's output rows and the race
+# kernels over a buffer of temperatures, writing the tokens into a buffer of its own. A step whose
+# rows all sample plainly (no top-k, top-p, seed or fork; `plain_temperatures` tells) replays it
+# right after the model's graph: the host launches two graphs and one copy, nothing else.
+#
+# A kernel that runs from a graph runs with the arguments it was captured with, so a seed drawn
+# on the host at capture would give every step the same noise. The key lives on the device
+# instead, in a one-element tensor that the kernel reads when it runs (chapter 12's
+# `SEED_IN_MEMORY`), and the graph itself adds one to it after each draw: every replay races with
+# a new key. The temperatures must be in their buffer before the replay; they are copied only when
+# they change (a request joins or leaves the batch), which for a steady batch is never. Rows with
+# top-k, top-p or a seed keep the eager sampler, which needs the host: its filters sort the
+# vocabulary only when some row asks for them, and a seeded row's generator is a host object.
+#
+# Every replay writes its tokens into the same buffer. That is safe because whatever reads a
+# step's tokens is queued behind that step and before the next sampling replay: the copy to the
+# host, and the next step's `write_pending`. The setting `sample_in_graph` ("auto": on with CUDA
+# graphs and one rank) turns it on; under tensor parallelism the LM head gathers its slices to
+# rank 0 (chapter 16), and that gather stays out of these graphs.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：把采样器放进捕获的一步
+#
+# 输入已经一次拷贝就位，但一个图能覆盖的 decode 步，在图之后仍要从主机发起：LM head（一次 cuBLAS 调用）、采样器的
+# 输入（用 Python 构建、再拷贝过去的温度张量）、采样器的两个 Triton 内核（第 12 章），最后是把 token 拷回主机。除了
+# 最后一项，这些都可以一并捕获。`SamplingGraphs` 为模型的图的每个档位捕获一个图：对图的输出行做 LM head，再对一个
+# 温度缓冲区运行赛跑内核，把 token 写进它自己的缓冲区。如果一步的所有行都是普通采样（没有 top-k、top-p、种子或分叉；
+# 由 `plain_temperatures` 判断），就在模型的图之后紧接着重放它：主机只发起两个图和一次拷贝，别的什么都不做。
+#
+# 从图里运行的内核，用的是捕获时的参数，所以在捕获时从主机抽取的种子会让每一步都得到同样的噪声。于是密钥改放在设备
+# 上的一个单元素张量里，内核在运行时才读取它（第 12 章的 `SEED_IN_MEMORY`），并由图自己在每次抽样之后把它加一：每次
+# 重放都用新的密钥赛跑。温度必须在重放之前就在缓冲区里；只有它们变化时（有请求加入或离开批次）才拷贝，批次稳定时
+# 一次也不拷。带 top-k、top-p 或种子的行仍走 eager 的采样器，它离不开主机：只有某行需要时，它的过滤才对词表排序，
+# 而带种子的行所用的生成器是主机上的对象。
+#
+# 每次重放都把 token 写进同一个缓冲区。这是安全的，因为读取一步 token 的操作都排在这一步之后、下一次采样重放之前：
+# 拷回主机的那次拷贝，以及下一步的 `write_pending`。设置项 `sample_in_graph`（"auto"：有 CUDA Graph 且只有一个 rank
+# 时打开）控制它；张量并行时，LM head 要把各个分片收集到 rank 0（第 16 章），这次收集留在这些图之外。
+
+# %% sampling graphs
+#| export engine.cuda_graphs
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nanovllm.engine.cuda_graphs import CudaGraphRunner
+from nanovllm.engine.sequence import Sequence
+
+
+def plain_temperatures(seqs: list[Sequence]) -> list[float] | None:
+    """The temperature of each row of a decode step when every row samples plainly (no top-k, top-p, seed or sibling
+    to fork: what the sampler's fast path draws), else None."""
+    # zh: 如果一个 decode 步的每一行都是普通采样（没有 top-k、top-p、种子或要分叉的兄弟：采样器快速路径所抽的那种），
+    # zh: 返回每一行的温度，否则返回 None。
+    temperatures = []
+    for seq in seqs:
+        params = seq.sampling_params
+        if (params.top_k or 0) > 0 or params.top_p < 1.0 or params.seed is not None or seq.pending_forks:
+            return None
+        temperatures.append(params.temperature)
+    return temperatures
+
+
+class SamplingGraphs:
+    """The LM head and the plain sampler captured for each bucket of the model's decode graphs: a decode step whose
+    rows all sample plainly takes its tokens from one more replay, with no kernel launched from the host."""
+    # zh: 为模型每个 decode 图的档位捕获 LM head 和普通采样器：所有行都是普通采样的 decode 步，再多重放一次就得到它的
+    # zh: token，不用从主机启动任何内核。
+
+    def __init__(self, model: nn.Module, graphs: CudaGraphRunner, sample_plain: Callable[..., torch.Tensor]) -> None:
+        # en: sample_plain: chapter 12's race kernels, which take the key as a tensor (seed=).
+        # zh: sample_plain：第 12 章的赛跑内核，它接受以张量形式传入的密钥（seed=）。
+        self.model, self.graphs, self.sample_plain = model, graphs, sample_plain
+        rows, device = graphs.sizes[-1], graphs.device
+        # en: [rows] float32, row i's temperature; `staged`: the values the buffer holds, as the host last wrote them.
+        # zh: [rows] float32，第 i 行的温度；`staged`：缓冲区里现有的值，即主机上次写入的那些。
+        self.temperatures = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.staged: list[float] = []
+        # en: The Philox key, drawn once from torch's CPU generator; every replay reads it, then adds one.
+        # zh: Philox 密钥，从 torch 的 CPU 生成器抽取一次；每次重放都读取它，然后加一。
+        self.seed = torch.tensor([2**32 + int(torch.randint(2**62, ()))], device=device)
+        # en: [rows] int64: the step's tokens (NON_FINITE for a row whose logits are not numbers).
+        # zh: [rows] int64：这一步的 token（logits 不是数的行为 NON_FINITE）。
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.by_size: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def draw(self, size: int) -> None:
+        """What a replay of the ``size`` bucket does: the LM head over the model graph's first ``size`` output rows,
+        the race, the key's increment."""
+        # zh: 重放 ``size`` 档位时做的事：对模型图前 ``size`` 个输出行做 LM head，赛跑，密钥加一。
+        logits = self.model.compute_logits(self.graphs.outputs[:size])
+        self.tokens[:size] = self.sample_plain(logits, self.temperatures[:size], seed=self.seed)
+        self.seed += 1
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size of the model's graphs, largest first, into their memory pool."""
+        # zh: 按从大到小的顺序捕获模型的图的每个档位，放进它们的内存池。
+        for size in reversed(self.graphs.sizes):
+            # en: A warm-up outside the recording compiles the kernels' variant that reads the key from memory.
+            # zh: 录制之外的一次预热，编译出从内存读取密钥的那个内核变体。
+            self.draw(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graphs.pool):
+                self.draw(size)
+            self.by_size[size] = graph
+        torch.cuda.synchronize()
+
+    def sample(self, temperatures: list[float]) -> torch.Tensor:
+        """The tokens [n] of the decode step whose model graph (of n = len(temperatures) rows) was just replayed,
+        row i drawn at temperatures[i]: a view of this object's buffer, which the next call overwrites."""
+        # zh: 刚刚重放了模型图（n = len(temperatures) 行）的那个 decode 步的 token [n]，第 i 行以 temperatures[i]
+        # zh: 抽取：它是本对象缓冲区的一个视图，下一次调用会覆盖它。
+        n = len(temperatures)
+        if temperatures != self.staged:
+            # en: From pageable memory: the driver stages the values before the call returns, so the list may go.
+            # zh: 从可分页内存拷贝：调用返回前驱动已把这些值暂存好，所以这个列表可以随即释放。
+            self.temperatures[:n].copy_(torch.tensor(temperatures, dtype=torch.float32), non_blocking=True)
+            self.staged = temperatures
+        self.by_size[self.graphs.bucket(n)].replay()
+        return self.tokens[:n]
+
+# %% setting: sample in graph
+#| export config
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config
+
+
+# en: Sample plain decode rows inside captured graphs (SamplingGraphs): True, False, or "auto": on for CUDA with one
+# en: rank and graphs allowed.
+# zh: 在捕获的图里为普通的 decode 行采样（SamplingGraphs）：True、False，或 "auto"：CUDA、单个 rank 且允许使用图时打开。
+@add_fields(Config)
+class _SampleInGraph:
+    sample_in_graph: bool | str = "auto"
+
+
+@add_to_init(Config)
+def _resolve_sample_in_graph(self) -> None:
+    one_rank_graphs = self.device == "cuda" and self.tensor_parallel_size == 1 and not self.enforce_eager
+    if self._resolve_switch("sample_in_graph", one_rank_graphs) and not one_rank_graphs:
+        raise ValueError("sample_in_graph=True needs CUDA graphs on one rank (device 'cuda', "
+                         "tensor_parallel_size=1, enforce_eager=False)")
+
+# %% [markdown] tags=["en"]
+# ### Check it: which steps sample in the graph
+#
+# A plain batch gives its temperatures (greedy rows too: temperature 0 is the race without noise);
+# one row with top-p, or a seed, sends the whole step to the eager sampler. On a GPU the tests
+# compare the engine's greedy tokens with and without `sample_in_graph` and check that two replays
+# draw different noise; a CPU has no graphs, and the setting refuses to be forced on there.
+
+# %% [markdown] tags=["zh"]
+# ### 验证：哪些步在图里采样
+#
+# 普通的批次给出它的温度（贪心行也算：温度 0 就是不加噪声的赛跑）；只要有一行带 top-p 或种子，整步就交给 eager 的
+# 采样器。在 GPU 上，测试比较开启与关闭 `sample_in_graph` 时引擎的贪心 token，并检查两次重放抽到的噪声不同；CPU 上
+# 没有图，在那里强行打开这个设置会被拒绝。
+
+# %%
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import plain_temperatures
+
+
+def decoding_with(params: SamplingParams) -> Sequence:
+    """A sequence of three tokens whose last one this decode step computes, with these sampling parameters."""
+    # zh: 一个三个 token 的序列，这个 decode 步计算它的最后一个 token，带着这些采样参数。
+    seq = Sequence([1, 2, 3], params, block_size=4)
+    seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = [0], 2, 1
+    return seq
+
+
+plain = [decoding_with(SamplingParams(temperature=0.0)), decoding_with(SamplingParams(temperature=0.7))]
+print(say("plain batch: {temperatures}", temperatures=plain_temperatures(plain)))
+assert plain_temperatures(plain) == [0.0, 0.7]
+for odd in (SamplingParams(top_p=0.9), SamplingParams(top_k=20), SamplingParams(seed=1)):
+    assert plain_temperatures([*plain, decoding_with(odd)]) is None
+try:
+    Config.from_kwargs(build_tiny_model("qwen3"), device="cpu", sample_in_graph=True)
+    refused = False
+except ValueError as error:
+    refused = "needs CUDA graphs on one rank" in str(error)
+print(say("on a CPU, sample_in_graph=True is refused: {refused}", refused=refused))
+assert refused
+
+# %% [markdown] tags=["en"]
+# Recorded on an H100 (2026-12-06, `scripts/probes/sample_in_graph_ab.py`: the latency benchmark's
+# rows with the setting off and on, in turns, two runs of each). The host's time per step, its
+# wall time less its wait for the GPU, halved at every batch: 0.527 → 0.256 ms at batch 1, 0.734 →
+# 0.369 ms at batch 16. The step did not get faster: 0.798 and 0.804 ms at batch 1, because the
+# GPU was busy 0.796 ms of it. The host had already been hidden behind the GPU by asynchronous
+# scheduling; now it is hidden with room to spare, and what is left to shorten is the GPU's own
+# work: the decode graph, and the LM head that reads 311 MB of weights every step.
+
+# %% [markdown] tags=["zh"]
+# 在 H100 上记录（2026-12-06，`scripts/probes/sample_in_graph_ab.py`：延迟基准测试的各行，这个设置关与开轮流进行，
+# 各跑两次）。主机每步的时间（一步的墙钟时间减去等 GPU 的时间）在每个批大小下都减半了：批大小 1 时从 0.527 ms 降到
+# 0.256 ms，批大小 16 时从 0.734 ms 降到 0.369 ms。一步并没有变快：批大小 1 时分别是 0.798 ms 和 0.804 ms，因为其中
+# 0.796 ms GPU 都在忙。异步调度早已把主机藏在 GPU 后面；现在藏得绰绰有余，剩下要缩短的是 GPU 自己的工作：decode 图，
+# 以及每步都要读 311 MB 权重的 LM head。
+
+# %% recorded: sampling in the graph
+graph_sampling = runs["sampling in the graph"]
+print(say("{date}, {card}: {command}", date=graph_sampling.date, card=graph_sampling.card,
+          command=graph_sampling.command))
+figures = graph_sampling.figures
+for i, batch in enumerate(figures["batches"]):
+    print(say("  batch {batch:2d}: host {off:.3f} -> {on:.3f} ms, step {step_off:.3f} -> {step_on:.3f} ms, "
+              "GPU busy {busy:.3f} ms", batch=batch, off=figures["host ms, off"][i], on=figures["host ms, on"][i],
+              step_off=figures["step ms, off"][i], step_on=figures["step ms, on"][i],
+              busy=figures["GPU busy ms, on"][i]))
+    # en: The host's time at least halved; the step within 1 % of the GPU's busy time or of the step before.
+    # zh: 主机的时间至少减半；一步与 GPU 的忙碌时间、或与改动前的一步相差不到 1 %。
+    assert figures["host ms, on"][i] <= 0.56 * figures["host ms, off"][i]
+    assert abs(figures["step ms, on"][i] / figures["step ms, off"][i] - 1) < 0.01
+assert figures["host ms, on"][0] < 0.3 and figures["GPU busy ms, on"][0] / figures["step ms, on"][0] > 0.98
+
+
+# %% [markdown] tags=["en"]
 # The runner's share. `launch` does what `run` did, without waiting: the forward, the sampling
 # of the rows that want a token (`sample`, chapter 09), and `SampledTokens.start`. With tensor
 # parallelism (chapter 17) rank 0 alone has logits and samples; `share_from_rank0` broadcasts its
@@ -596,7 +828,7 @@ assert staged.slot_mapping[:4].tolist() == [8 * 4 + 1, 5 * 4 + 2, 2 * 4 + 2, -1]
 # %% runner launches
 #| export engine.model_runner
 from nanovllm.book.literate import add_to_class, add_to_init
-from nanovllm.engine.cuda_graphs import DecodeStaging
+from nanovllm.engine.cuda_graphs import DecodeStaging, SamplingGraphs, plain_temperatures
 from nanovllm.engine.model_runner import ModelRunner, prepare_decode, prepare_prefill
 from nanovllm.layers.context import reset_context
 from nanovllm.layers.linear import share_from_rank0
@@ -607,6 +839,12 @@ def _init_staging(self) -> None:
     # en: Built at the first decode step that replays a graph, over the graphs' buffers.
     # zh: 在第一个重放图的 decode 步建立，覆盖图的缓冲区。
     self.staging: DecodeStaging | None = None
+    # en: The sampler captured after the model's graphs, for decode steps whose rows all sample plainly.
+    # zh: 在模型的图之后捕获的采样器，供所有行都是普通采样的 decode 步使用。
+    self.sampling_graphs: SamplingGraphs | None = None
+    if self.config.sample_in_graph and self.graphs is not None:
+        self.sampling_graphs = SamplingGraphs(self.model, self.graphs, self.sampler.sample_plain)
+        self.sampling_graphs.capture()
 
 
 @add_to_class(ModelRunner)
@@ -618,12 +856,7 @@ def compute_logits(
     still computing this step's last tokens (its `SampledTokens`), None when every last token is known."""
     # zh: 一步的前向计算：每个序列一行 logits，取自它最后计算的那个 token。``previous``：仍在计算这一步最后那些
     # zh: token 的那一步（它的 `SampledTokens`），每个最后的 token 都已知时为 None。
-    if self.stopped:
-        raise RuntimeError("this model runner was stopped (exit() was called)")
-    assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-    pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
-    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
-    self.copy_blocks(seqs)
+    pending = self.begin_step(seqs, previous)
     if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
         return self.model.compute_logits(self.replay_staged(seqs, previous if pending else None))
     prepare = prepare_prefill if is_prefill else prepare_decode
@@ -634,6 +867,21 @@ def compute_logits(
         return self.model.compute_logits(self.model(input_ids, positions))
     finally:
         reset_context()
+
+
+@add_to_class(ModelRunner)
+def begin_step(self, seqs: list[Sequence], previous: SampledTokens | None) -> bool:
+    """Refuse a step that this runner cannot run, and make the step's copy-on-write copies; whether a last token of
+    ``seqs`` is still pending (then ``previous`` samples it)."""
+    # zh: 拒绝这个执行器无法运行的一步，并完成这一步的写时复制拷贝；返回 ``seqs`` 中是否还有最后的 token 处于待定状态
+    # zh: （这时由 ``previous`` 采样它）。
+    if self.stopped:
+        raise RuntimeError("this model runner was stopped (exit() was called)")
+    assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
+    pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
+    assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+    self.copy_blocks(seqs)
+    return pending
 
 
 @add_to_class(ModelRunner)
@@ -654,9 +902,21 @@ def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) ->
 @add_to_class(ModelRunner)
 @torch.inference_mode()
 def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
-    """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""
-    # zh: 把一步排进设备的队列，不等它就返回。``previous``：见 `compute_logits`。
+    """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`. A
+    decode step that a graph covers and whose rows all sample plainly samples inside the captured step
+    (`SamplingGraphs`)."""
+    # zh: 把一步排进设备的队列，不等它就返回。``previous``：见 `compute_logits`。图能覆盖、且所有行都是普通采样的
+    # zh: decode 步，在捕获的一步里完成采样（`SamplingGraphs`）。
     assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
+    if not is_prefill and self.sampling_graphs is not None and self.graphs is not None \
+            and self.graphs.covers(len(seqs)):
+        temperatures = plain_temperatures(seqs)
+        if temperatures is not None:
+            pending = self.begin_step(seqs, previous)
+            # en: The model's graph writes the hidden states that the sampling graph reads (graphs.outputs).
+            # zh: 模型的图写出隐藏状态，采样的图读取它们（graphs.outputs）。
+            self.replay_staged(seqs, previous if pending else None)
+            return SampledTokens.start(seqs, list(range(len(seqs))), self.sampling_graphs.sample(temperatures))
     logits = self.compute_logits(seqs, is_prefill, previous)
     rows, sampled = self.sample(seqs, logits)
     sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)
@@ -1125,6 +1385,9 @@ print(say("{calls} calls for {steps} steps; the tokens equal the synchronous run
 # - `Scheduler`: `advance` and `resolve`, the two halves of `postprocess`.
 # - `ModelRunner.launch` and `SampledTokens`: a step queued on the device, its tokens usable there
 #   at once by the next step, and on the host once they arrive; `run` is `launch` and wait.
+# - `DecodeStaging`: a decode step's graph inputs in one copy; `SamplingGraphs`: the LM head and
+#   the plain sampler captured after the model's graphs, with its key on the device
+#   (`sample_in_graph`).
 # - Tensor parallelism: every rank keeps its last steps' samples (`RankWorker.recent`), and the
 #   driver holds a `TPStep` in place of `SampledTokens`.
 # - `LLMEngine`: `_launch` and `_collect`, and one step `in_flight` when `async_scheduling` is on.
@@ -1150,6 +1413,8 @@ print(say("{calls} calls for {steps} steps; the tokens equal the synchronous run
 # - `Scheduler`：`advance` 与 `resolve`，即 `postprocess` 的两半。
 # - `ModelRunner.launch` 与 `SampledTokens`：排进设备队列的一步，它的 token 在设备上立即可供下一步使用，到达主机后
 #   也可在主机上读取；`run` 就是 `launch` 之后等待。
+# - `DecodeStaging`：用一次拷贝送出 decode 步的图输入；`SamplingGraphs`：在模型的图之后捕获的 LM head 和普通采样器，
+#   密钥放在设备上（`sample_in_graph`）。
 # - 张量并行：每个 rank 保存最近几步的采样结果（`RankWorker.recent`），驱动进程手中拿的是 `TPStep` 而不是
 #   `SampledTokens`。
 # - `LLMEngine`：`_launch` 与 `_collect`，以及打开 `async_scheduling` 时始终处于计算中的一步（`in_flight`）。

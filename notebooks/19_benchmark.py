@@ -1673,6 +1673,7 @@ import torch
 from nanovllm.bench.engine import kv_token_bytes, make_workload, watch_calls, weight_bytes_per_step
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import CopyRates, report_header, write_report
+from nanovllm.engine.model_runner import SampledTokens
 from nanovllm.sampling_params import SamplingParams
 
 # en: (batches, prompt tokens, generated tokens): on a GPU, the batches the latency goals name; on a CPU, a few
@@ -1698,6 +1699,11 @@ class StepLatency:
     # zh: 主机上调度、准备并启动一步所花的时间（LLMEngine._launch），取平均值；
     # zh: 在 CPU 上，启动本身就完成了这一步的计算。
     host_launch_ms: float
+    # en: Host time per step: its wall time less the time it waited for a step's tokens to come back from the GPU
+    # en: (SampledTokens.token_ids), mean. On a CPU nothing is waited for: the whole step is host time.
+    # zh: 每步的主机时间：一步的墙钟时间减去等待某一步的 token 从 GPU 传回的时间（SampledTokens.token_ids），取平均值。
+    # zh: 在 CPU 上没有什么要等：整步都是主机时间。
+    host_ms: float
     # en: Bytes the step must read (weights + KV at the steps' mean length) at the copy rate.
     # zh: 以拷贝速率读完一步必须读取的字节（权重 + 按各步平均长度计的 KV）所需的时间。
     bound_ms: float
@@ -1820,12 +1826,16 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
 
 
 @contextmanager
-def timed_launches(llm: Any) -> Iterator[list[float]]:
-    """The seconds of each host launch of ``llm`` (its `_launch`) while inside."""
-    # zh: 在块内，``llm`` 每次主机启动（它的 `_launch`）的秒数。
+def timed_launches(llm: Any) -> Iterator[tuple[list[float], list[float]]]:
+    """While inside: the seconds of each host launch of ``llm`` (its `_launch`), and of each wait for a step's tokens
+    (`SampledTokens.token_ids`: the host waits for the GPU, then reads them)."""
+    # zh: 在块内：``llm`` 每次主机启动（它的 `_launch`）的秒数，以及每次等待某一步 token 的秒数
+    # zh: （`SampledTokens.token_ids`：主机等 GPU 算完，再读出它们）。
     launch_seconds: list[float] = []
-    with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)):
-        yield launch_seconds
+    wait_seconds: list[float] = []
+    with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)), \
+            watch_calls(SampledTokens, "token_ids", lambda seconds, _: wait_seconds.append(seconds)):
+        yield launch_seconds, wait_seconds
 
 
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
@@ -1846,8 +1856,9 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     # en: After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     # zh: 分析窗口之后，异步调度的流水线要重新启动：紧接着的几步同样不计时。
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
-    decode_step, step_seconds, contexts, launches, kernels, timeline, graph_ms = 0, [], [], [], None, None, None
-    with timed_launches(llm) as launch_seconds:
+    decode_step, step_seconds, host_seconds, contexts, launches = 0, [], [], [], []
+    kernels, timeline, graph_ms = None, None, None
+    with timed_launches(llm) as (launch_seconds, wait_seconds):
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -1859,7 +1870,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 graph_ms = graph_replay_ms(llm, batch)
                 decode_step += profile_steps
                 continue
-            launched_before = len(launch_seconds)
+            launched_before, waited_before = len(launch_seconds), len(wait_seconds)
             began = time.perf_counter()
             _, num_tokens, is_prefill = llm.step()
             elapsed = time.perf_counter() - began
@@ -1868,6 +1879,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
             decode_step += 1
             if decode_step > warmup_steps and decode_step not in untimed:
                 step_seconds.append(elapsed)
+                host_seconds.append(elapsed - sum(wait_seconds[waited_before:]))
                 # en: Decode step k reads the KV of the prompt and of the k tokens generated before it.
                 # zh: 第 k 个 decode 步读取提示词和此前已生成的 k 个 token 的 KV。
                 contexts.append(input_len + decode_step)
@@ -1881,7 +1893,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
         + batch * mean_context * kv_token_bytes(config.hf_config, dtype_bytes, config.kv_cache_dtype)
     return StepLatency(batch=batch, steps=len(step_seconds), ms_per_step=1e3 * sum(step_seconds) / len(step_seconds),
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
-                       bound_ms=1e3 * step_bytes / bandwidth,
+                       host_ms=1e3 * sum(host_seconds) / len(host_seconds), bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
                        gpu_ms_per_step=kernels[1] if kernels else None, graph_ms=graph_ms,
                        top_kernels=kernels[2] if kernels else None, boundary_timeline=timeline)
@@ -1894,9 +1906,9 @@ def format_row(row: StepLatency) -> str:
     if row.graph_ms is not None:
         kernels += _say_latency(", graph alone {ms:6.3f} ms", ms=row.graph_ms)
     return _say_latency("batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms "
-                        "({fraction:6.1%}), host launch {launch:6.3f} ms, {kernels}", batch=row.batch,
-                        ms=row.ms_per_step, rate=row.tokens_per_s, bound=row.bound_ms,
-                        fraction=row.fraction_of_bound, launch=row.host_launch_ms, kernels=kernels)
+                        "({fraction:6.1%}), host {host:6.3f} ms (launch {launch:6.3f}), {kernels}", batch=row.batch,
+                        ms=row.ms_per_step, rate=row.tokens_per_s, bound=row.bound_ms, fraction=row.fraction_of_bound,
+                        host=row.host_ms, launch=row.host_launch_ms, kernels=kernels)
 
 
 def where_it_runs(device: str) -> str:
@@ -2036,10 +2048,10 @@ _say_latency = Phrases({
     "{kernels:6.0f} kernels, GPU busy {busy:6.3f} ms": "{kernels:6.0f} 个内核，GPU 忙 {busy:6.3f} ms",
     "kernels: not counted on a CPU": "内核：CPU 上不统计",
     ", graph alone {ms:6.3f} ms": "，单独重放图 {ms:6.3f} ms",
-    "batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms ({fraction:6.1%}), host launch "
-    "{launch:6.3f} ms, {kernels}":
+    "batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms ({fraction:6.1%}), host "
+    "{host:6.3f} ms (launch {launch:6.3f}), {kernels}":
         "批大小 {batch:3d}：每步 {ms:7.3f} ms，{rate:9,.0f} tok/s，上限 {bound:6.3f} ms（{fraction:6.1%}），"
-        "主机启动 {launch:6.3f} ms，{kernels}",
+        "主机 {host:6.3f} ms（启动 {launch:6.3f}），{kernels}",
     "on {gpu}": "在 {gpu} 上",
     "on this CPU (the figures and the bound are the CPU's)": "在这台 CPU 上（数字和上限都是 CPU 的）",
     "model: {model} {where} ({dtype}, kv cache {kv}); prompts of {input_len} tokens, {output_len} generated each":

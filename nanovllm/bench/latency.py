@@ -18,6 +18,7 @@ from nanovllm.bench.engine import kv_token_bytes, make_workload, watch_calls, we
 from nanovllm.bench.models import qwen3_06b_random, qwen3_8b_shapes
 from nanovllm.bench.report import CopyRates, report_header, write_report
 from nanovllm.book.lang import Phrases
+from nanovllm.engine.model_runner import SampledTokens
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
@@ -58,6 +59,9 @@ class StepLatency:
     # Host time to schedule, prepare and launch a step (LLMEngine._launch), mean; on a CPU
     # the launch computes the step itself.
     host_launch_ms: float
+    # Host time per step: its wall time less the time it waited for a step's tokens to come back from the GPU
+    # (SampledTokens.token_ids), mean. On a CPU nothing is waited for: the whole step is host time.
+    host_ms: float
     # Bytes the step must read (weights + KV at the steps' mean length) at the copy rate.
     bound_ms: float
     # GPU kernels a step launches (profiled window; None on a CPU).
@@ -157,11 +161,14 @@ def step_boundary_timeline(profile: Any, steps: int) -> list[tuple[str, float, f
 
 
 @contextmanager
-def timed_launches(llm: Any) -> Iterator[list[float]]:
-    """The seconds of each host launch of ``llm`` (its `_launch`) while inside."""
+def timed_launches(llm: Any) -> Iterator[tuple[list[float], list[float]]]:
+    """While inside: the seconds of each host launch of ``llm`` (its `_launch`), and of each wait for a step's tokens
+    (`SampledTokens.token_ids`: the host waits for the GPU, then reads them)."""
     launch_seconds: list[float] = []
-    with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)):
-        yield launch_seconds
+    wait_seconds: list[float] = []
+    with watch_calls(llm, "_launch", lambda seconds, _: launch_seconds.append(seconds)), \
+            watch_calls(SampledTokens, "token_ids", lambda seconds, _: wait_seconds.append(seconds)):
+        yield launch_seconds, wait_seconds
 
 
 def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwidth: float, *, seed: int = 0,
@@ -178,8 +185,9 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
     profile_from = (output_len - profile_steps) // 2
     # After the profiled window the pipeline of async scheduling restarts: its first steps are not timed either.
     untimed = set(range(profile_from, profile_from + profile_steps + 3)) if profiled else set()
-    decode_step, step_seconds, contexts, launches, kernels, timeline, graph_ms = 0, [], [], [], None, None, None
-    with timed_launches(llm) as launch_seconds:
+    decode_step, step_seconds, host_seconds, contexts, launches = 0, [], [], [], []
+    kernels, timeline, graph_ms = None, None, None
+    with timed_launches(llm) as (launch_seconds, wait_seconds):
         while not llm.is_finished():
             if profiled and decode_step == profile_from:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
@@ -191,7 +199,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
                 graph_ms = graph_replay_ms(llm, batch)
                 decode_step += profile_steps
                 continue
-            launched_before = len(launch_seconds)
+            launched_before, waited_before = len(launch_seconds), len(wait_seconds)
             began = time.perf_counter()
             _, num_tokens, is_prefill = llm.step()
             elapsed = time.perf_counter() - began
@@ -200,6 +208,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
             decode_step += 1
             if decode_step > warmup_steps and decode_step not in untimed:
                 step_seconds.append(elapsed)
+                host_seconds.append(elapsed - sum(wait_seconds[waited_before:]))
                 # Decode step k reads the KV of the prompt and of the k tokens generated before it.
                 contexts.append(input_len + decode_step)
                 launches += launch_seconds[launched_before:]
@@ -212,7 +221,7 @@ def measure_batch(llm: Any, batch: int, input_len: int, output_len: int, bandwid
         + batch * mean_context * kv_token_bytes(config.hf_config, dtype_bytes, config.kv_cache_dtype)
     return StepLatency(batch=batch, steps=len(step_seconds), ms_per_step=1e3 * sum(step_seconds) / len(step_seconds),
                        host_launch_ms=1e3 * sum(launches) / max(1, len(launches)),
-                       bound_ms=1e3 * step_bytes / bandwidth,
+                       host_ms=1e3 * sum(host_seconds) / len(host_seconds), bound_ms=1e3 * step_bytes / bandwidth,
                        kernels_per_step=kernels[0] if kernels else None,
                        gpu_ms_per_step=kernels[1] if kernels else None, graph_ms=graph_ms,
                        top_kernels=kernels[2] if kernels else None, boundary_timeline=timeline)
@@ -225,9 +234,9 @@ def format_row(row: StepLatency) -> str:
     if row.graph_ms is not None:
         kernels += _say_latency(", graph alone {ms:6.3f} ms", ms=row.graph_ms)
     return _say_latency("batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms "
-                        "({fraction:6.1%}), host launch {launch:6.3f} ms, {kernels}", batch=row.batch,
-                        ms=row.ms_per_step, rate=row.tokens_per_s, bound=row.bound_ms,
-                        fraction=row.fraction_of_bound, launch=row.host_launch_ms, kernels=kernels)
+                        "({fraction:6.1%}), host {host:6.3f} ms (launch {launch:6.3f}), {kernels}", batch=row.batch,
+                        ms=row.ms_per_step, rate=row.tokens_per_s, bound=row.bound_ms, fraction=row.fraction_of_bound,
+                        host=row.host_ms, launch=row.host_launch_ms, kernels=kernels)
 
 
 def where_it_runs(device: str) -> str:
@@ -355,10 +364,10 @@ _say_latency = Phrases({
     "{kernels:6.0f} kernels, GPU busy {busy:6.3f} ms": "{kernels:6.0f} 个内核，GPU 忙 {busy:6.3f} ms",
     "kernels: not counted on a CPU": "内核：CPU 上不统计",
     ", graph alone {ms:6.3f} ms": "，单独重放图 {ms:6.3f} ms",
-    "batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms ({fraction:6.1%}), host launch "
-    "{launch:6.3f} ms, {kernels}":
+    "batch {batch:3d}: {ms:7.3f} ms/step, {rate:9,.0f} tok/s, bound {bound:6.3f} ms ({fraction:6.1%}), host "
+    "{host:6.3f} ms (launch {launch:6.3f}), {kernels}":
         "批大小 {batch:3d}：每步 {ms:7.3f} ms，{rate:9,.0f} tok/s，上限 {bound:6.3f} ms（{fraction:6.1%}），"
-        "主机启动 {launch:6.3f} ms，{kernels}",
+        "主机 {host:6.3f} ms（启动 {launch:6.3f}），{kernels}",
     "on {gpu}": "在 {gpu} 上",
     "on this CPU (the figures and the bound are the CPU's)": "在这台 CPU 上（数字和上限都是 CPU 的）",
     "model: {model} {where} ({dtype}, kv cache {kv}); prompts of {input_len} tokens, {output_len} generated each":

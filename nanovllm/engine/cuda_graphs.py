@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,12 @@ __all__ = [
     "CudaGraphRunner",
     "DecodeBuffers",
     "DecodeStaging",
+    "SamplingGraphs",
     "capture_decode_graphs",
     "capture_sizes",
     "graph_batch_size",
     "graphs_unavailable_reason",
+    "plain_temperatures",
 ]
 
 
@@ -279,3 +282,64 @@ class DecodeStaging:
         self.buffers.storage[:size].copy_(self.hosts[turn].storage[:size], non_blocking=True)
         if self.sent[turn] is not None:
             self.sent[turn].record()
+
+
+# notebooks/18_async_scheduling.py · cell "sampling graphs"
+def plain_temperatures(seqs: list[Sequence]) -> list[float] | None:
+    """The temperature of each row of a decode step when every row samples plainly (no top-k, top-p, seed or sibling
+    to fork: what the sampler's fast path draws), else None."""
+    temperatures = []
+    for seq in seqs:
+        params = seq.sampling_params
+        if (params.top_k or 0) > 0 or params.top_p < 1.0 or params.seed is not None or seq.pending_forks:
+            return None
+        temperatures.append(params.temperature)
+    return temperatures
+
+
+class SamplingGraphs:
+    """The LM head and the plain sampler captured for each bucket of the model's decode graphs: a decode step whose
+    rows all sample plainly takes its tokens from one more replay, with no kernel launched from the host."""
+
+    def __init__(self, model: nn.Module, graphs: CudaGraphRunner, sample_plain: Callable[..., torch.Tensor]) -> None:
+        # sample_plain: chapter 12's race kernels, which take the key as a tensor (seed=).
+        self.model, self.graphs, self.sample_plain = model, graphs, sample_plain
+        rows, device = graphs.sizes[-1], graphs.device
+        # [rows] float32, row i's temperature; `staged`: the values the buffer holds, as the host last wrote them.
+        self.temperatures = torch.zeros(rows, dtype=torch.float32, device=device)
+        self.staged: list[float] = []
+        # The Philox key, drawn once from torch's CPU generator; every replay reads it, then adds one.
+        self.seed = torch.tensor([2**32 + int(torch.randint(2**62, ()))], device=device)
+        # [rows] int64: the step's tokens (NON_FINITE for a row whose logits are not numbers).
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.by_size: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def draw(self, size: int) -> None:
+        """What a replay of the ``size`` bucket does: the LM head over the model graph's first ``size`` output rows,
+        the race, the key's increment."""
+        logits = self.model.compute_logits(self.graphs.outputs[:size])
+        self.tokens[:size] = self.sample_plain(logits, self.temperatures[:size], seed=self.seed)
+        self.seed += 1
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size of the model's graphs, largest first, into their memory pool."""
+        for size in reversed(self.graphs.sizes):
+            # A warm-up outside the recording compiles the kernels' variant that reads the key from memory.
+            self.draw(size)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.graphs.pool):
+                self.draw(size)
+            self.by_size[size] = graph
+        torch.cuda.synchronize()
+
+    def sample(self, temperatures: list[float]) -> torch.Tensor:
+        """The tokens [n] of the decode step whose model graph (of n = len(temperatures) rows) was just replayed,
+        row i drawn at temperatures[i]: a view of this object's buffer, which the next call overwrites."""
+        n = len(temperatures)
+        if temperatures != self.staged:
+            # From pageable memory: the driver stages the values before the call returns, so the list may go.
+            self.temperatures[:n].copy_(torch.tensor(temperatures, dtype=torch.float32), non_blocking=True)
+            self.staged = temperatures
+        self.by_size[self.graphs.bucket(n)].replay()
+        return self.tokens[:n]

@@ -13,7 +13,13 @@ from typing import Any
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine.cuda_graphs import CudaGraphRunner, DecodeStaging, capture_decode_graphs
+from nanovllm.engine.cuda_graphs import (
+    CudaGraphRunner,
+    DecodeStaging,
+    SamplingGraphs,
+    capture_decode_graphs,
+    plain_temperatures,
+)
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.attention import Attention, attention_backend
 from nanovllm.layers.compiled_ops import compile_small_ops
@@ -211,6 +217,11 @@ class ModelRunner:
         # notebooks/18_async_scheduling.py · cell "runner launches"
         # Built at the first decode step that replays a graph, over the graphs' buffers.
         self.staging: DecodeStaging | None = None
+        # The sampler captured after the model's graphs, for decode steps whose rows all sample plainly.
+        self.sampling_graphs: SamplingGraphs | None = None
+        if self.config.sample_in_graph and self.graphs is not None:
+            self.sampling_graphs = SamplingGraphs(self.model, self.graphs, self.sampler.sample_plain)
+            self.sampling_graphs.capture()
 
     # notebooks/11_triton_attention.py · cell "kernels compiled ahead"
     @torch.inference_mode()
@@ -357,12 +368,7 @@ class ModelRunner:
     ) -> torch.Tensor | None:
         """The forward of one step: one row of logits per sequence, its last computed token's. ``previous``: the step
         still computing this step's last tokens (its `SampledTokens`), None when every last token is known."""
-        if self.stopped:
-            raise RuntimeError("this model runner was stopped (exit() was called)")
-        assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
-        pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
-        assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
-        self.copy_blocks(seqs)
+        pending = self.begin_step(seqs, previous)
         if not is_prefill and self.graphs is not None and self.graphs.covers(len(seqs)):
             return self.model.compute_logits(self.replay_staged(seqs, previous if pending else None))
         prepare = prepare_prefill if is_prefill else prepare_decode
@@ -373,6 +379,17 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()
+
+    def begin_step(self, seqs: list[Sequence], previous: SampledTokens | None) -> bool:
+        """Refuse a step that this runner cannot run, and make the step's copy-on-write copies; whether a last token of
+        ``seqs`` is still pending (then ``previous`` samples it)."""
+        if self.stopped:
+            raise RuntimeError("this model runner was stopped (exit() was called)")
+        assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
+        pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
+        assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
+        self.copy_blocks(seqs)
+        return pending
 
     def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
         """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens written
@@ -404,8 +421,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
-        """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`."""
+        """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`. A
+        decode step that a graph covers and whose rows all sample plainly samples inside the captured step
+        (`SamplingGraphs`)."""
         assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
+        if not is_prefill and self.sampling_graphs is not None and self.graphs is not None \
+                and self.graphs.covers(len(seqs)):
+            temperatures = plain_temperatures(seqs)
+            if temperatures is not None:
+                pending = self.begin_step(seqs, previous)
+                # The model's graph writes the hidden states that the sampling graph reads (graphs.outputs).
+                self.replay_staged(seqs, previous if pending else None)
+                return SampledTokens.start(seqs, list(range(len(seqs))), self.sampling_graphs.sample(temperatures))
         logits = self.compute_logits(seqs, is_prefill, previous)
         rows, sampled = self.sample(seqs, logits)
         sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)

@@ -20,11 +20,15 @@ __all__ = [
 
 # notebooks/12_triton_sampler.py · cell "race kernels"
 # A new seed every call: do_not_specialize lets one compiled variant serve them all (see the wrapper).
+# SEED_IN_MEMORY: seed is a pointer to the key, read when the kernel runs (see the wrapper's seed argument).
 @triton.jit(do_not_specialize=["seed"])
 def race_chunk_kernel(
-    logits_ptr, temperatures_ptr, chunk_score_ptr, chunk_column_ptr, seed, vocab, BLOCK: tl.constexpr
+    logits_ptr, temperatures_ptr, chunk_score_ptr, chunk_column_ptr, seed, vocab, BLOCK: tl.constexpr,
+    SEED_IN_MEMORY: tl.constexpr,
 ):
     # This program races columns [chunk * BLOCK, (chunk + 1) * BLOCK) of one row.
+    if SEED_IN_MEMORY:
+        seed = tl.load(seed)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -77,12 +81,13 @@ def race_pick_kernel(
 
 # notebooks/12_triton_sampler.py · cell "triton sampler wrapper"
 def triton_temperature_sample(
-    logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096
+    logits: torch.Tensor, temperatures: torch.Tensor, block_size: int = 4096, seed: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``temperature_sample`` as two Triton kernels: logits [B, V] (float32, bfloat16 or float16), temperatures [B]
     (0 = greedy) -> [B] int64 on the logits' device, NON_FINITE for a row whose logits are not numbers. Nothing is
     read back from the GPU; the noise's seed comes from torch's CPU generator, so ``torch.manual_seed`` before a
-    call makes it reproducible."""
+    call makes it reproducible. ``seed``: a one-element int64 tensor on the logits' device instead, holding the
+    Philox key; the kernel reads it when it runs, not when it is launched."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     batch, vocab = logits.shape
@@ -108,9 +113,14 @@ def triton_temperature_sample(
     chunk_column = torch.empty(batch, num_chunks, dtype=torch.int32, device=logits.device)
     # Drawn on the host from torch's CPU generator: no GPU sync, and torch.manual_seed replays it.
     # In [2**32, 2**32 + 2**62) Triton always passes it as int64 (one variant), a 62-bit Philox key.
-    seed = 2**32 + int(torch.randint(2**62, ()))
+    if seed is None:
+        seed = 2**32 + int(torch.randint(2**62, ()))
+    elif seed.shape != (1,) or seed.dtype != torch.int64 or seed.device != logits.device:
+        raise ValueError(f"seed must be one int64 on {logits.device}, got {seed.dtype} {tuple(seed.shape)} on "
+                         f"{seed.device}")
     race_chunk_kernel[(batch, num_chunks)](
-        logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size
+        logits, temperatures, chunk_score, chunk_column, seed, vocab, BLOCK=block_size,
+        SEED_IN_MEMORY=isinstance(seed, torch.Tensor),
     )
     race_pick_kernel[(batch,)](
         chunk_score, chunk_column, tokens, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks),

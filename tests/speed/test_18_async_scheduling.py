@@ -361,3 +361,128 @@ def test_every_cached_read_has_the_right_provenance_with_async_scheduling():
     runs, hit_blocks, copies = fuzz(NUM_WORKLOADS // 4, seed=SEED + 1, asynchronous=True)
     assert hit_blocks > runs and copies > runs // 10
 
+
+
+# ---- the sampler inside the captured step (SamplingGraphs) ---------------------------------------------------------
+def test_plain_temperatures_sends_a_step_with_any_filter_seed_or_fork_to_the_eager_sampler() -> None:
+    from nanovllm.engine.cuda_graphs import plain_temperatures
+
+    def decoding(params: SamplingParams) -> Sequence:
+        return Sequence([1, 2, 3], params, block_size=4)
+
+    plain = [decoding(SamplingParams(temperature=0.0)), decoding(SamplingParams(temperature=0.5, top_p=1.0))]
+    assert plain_temperatures(plain) == [0.0, 0.5]
+    assert plain_temperatures([]) == []
+    for odd in (SamplingParams(top_k=5), SamplingParams(top_p=0.5), SamplingParams(seed=3)):
+        assert plain_temperatures([*plain, decoding(odd)]) is None
+    assert plain_temperatures([decoding(SamplingParams(top_k=None))]) == [1.0]
+    forking = decoding(SamplingParams(n=3))
+    assert forking.pending_forks == 2 and plain_temperatures([*plain, forking]) is None
+
+
+def test_sample_in_graph_is_on_only_with_graphs_on_one_rank(tiny: Path) -> None:
+    assert not Config.from_kwargs(tiny, device="cpu").sample_in_graph  # auto: CUDA graphs only
+    for settings in ({"device": "cpu"}, {"device": "cpu", "tensor_parallel_size": 2}):
+        with pytest.raises(ValueError, match="sample_in_graph=True needs CUDA graphs on one rank"):
+            Config.from_kwargs(tiny, sample_in_graph=True, **settings)
+    with pytest.raises(ValueError, match="sample_in_graph"):
+        Config.from_kwargs(tiny, device="cpu", sample_in_graph="yes")
+
+
+class _LinearHead(torch.nn.Module):
+    """A stand-in model for SamplingGraphs: compute_logits is one matmul over the graph's output rows."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states @ self.weight.T
+
+
+def _sampling_graphs(hidden: int, vocab: int, sizes: list[int]):
+    """SamplingGraphs over stand-in decode graphs (only what it reads of a CudaGraphRunner), captured."""
+    from types import SimpleNamespace
+
+    from nanovllm.engine.cuda_graphs import SamplingGraphs, graph_batch_size
+    from nanovllm.layers.triton_sampler import triton_temperature_sample
+
+    graphs = SimpleNamespace(sizes=sizes, device=torch.device("cuda"), pool=None,
+                             outputs=torch.zeros(sizes[-1], hidden, device="cuda"),
+                             bucket=lambda n: graph_batch_size(n, sizes))  # fmt: skip
+    weight = torch.randn(vocab, hidden, device="cuda")
+    sampling = SamplingGraphs(_LinearHead(weight), graphs, triton_temperature_sample)
+    sampling.capture()
+    return sampling, graphs, weight
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_graphs_draw_greedy_rows_exactly_and_new_noise_at_every_replay() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sampling, graphs, weight = _sampling_graphs(hidden=32, vocab=1000, sizes=[1, 2, 4, 8])
+    graphs.outputs.copy_(torch.randn(8, 32, device="cuda"))
+    logits = graphs.outputs @ weight.T
+    greedy = sampling.sample([0.0] * 5).clone()
+    assert torch.equal(greedy, logits[:5].argmax(-1))
+    key = int(sampling.seed)
+    first = sampling.sample([1.0] * 8).clone()
+    second = sampling.sample([1.0] * 8).clone()
+    # Eight rows of 1,000 columns at temperature 1: two replays agree on every row by chance with tiny odds.
+    assert int(sampling.seed) == key + 2 and not torch.equal(first, second)
+    graphs.outputs[2] = float("nan")
+    assert sampling.sample([0.0, 1.0, 1.0])[2].item() == NON_FINITE
+
+
+@pytest.mark.gpu
+def test_gpu_sampling_graphs_sample_the_softmax() -> None:
+    """Chapter 12's chi-square test, replayed from the graph: 300 replays of 64 rows of the same six logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    sampling, graphs, _ = _sampling_graphs(hidden=6, vocab=6, sizes=[64])
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], device="cuda")
+    # The identity head: the graph's output rows are the logits (the tensor the graphs captured, filled in place).
+    sampling.model.weight.copy_(torch.eye(6, device="cuda"))
+    graphs.outputs.copy_(base.repeat(64, 1))
+    temperature = 2.5
+    draws = torch.cat([sampling.sample([temperature] * 64).clone() for _ in range(300)])
+    observed = torch.bincount(draws.cpu(), minlength=6).double()
+    expected = draws.numel() * (base.cpu() / temperature).softmax(-1).double()
+    chi_square = ((observed - expected) ** 2 / expected).sum().item()
+    assert chi_square < 20.5, (observed, expected)  # 5 degrees of freedom, 99.9 % quantile
+
+
+@pytest.mark.gpu
+def test_gpu_sample_in_graph_gives_the_eager_samplers_greedy_tokens(tiny: Path) -> None:
+    """The engine with and without the captured sampler: the same greedy tokens; plain steps replay the sampling
+    graphs, and a batch with a top-p row falls back to the eager sampler for its steps."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from nanovllm.engine.cuda_graphs import SamplingGraphs
+
+    prompts = [[3 + i for i in range(n)] for n in (5, 17, 40, 9)]
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 7, 19, 44)]
+    # Top-p at temperature 0 is still greedy, but it sends its steps to the eager sampler.
+    mixed = [*greedy[:3], SamplingParams(temperature=0, top_p=0.5, max_tokens=44, ignore_eos=True)]
+    replays = []
+    real_sample = SamplingGraphs.sample
+    tokens = {}
+    for in_graph in (False, True):
+        llm = LLM(str(tiny), dtype="float32", sample_in_graph=in_graph, kvcache_block_size=16,
+                  num_kvcache_blocks=64, max_model_len=256, max_num_seqs=8)  # fmt: skip
+        try:
+            assert (llm.model_runner.sampling_graphs is not None) == in_graph
+            if in_graph:
+                sampling = llm.model_runner.sampling_graphs
+                sampling.sample = lambda temperatures, graphs=sampling: replays.append(len(temperatures)) or \
+                    real_sample(graphs, temperatures)
+            for name, params in (("greedy", greedy), ("mixed", mixed)):
+                before = len(replays)
+                tokens[in_graph, name] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+                if in_graph and name == "mixed":
+                    # Only the steps after the top-p request finished (it has the most tokens to go) are plain.
+                    assert len(replays) - before < 44
+        finally:
+            llm.exit()
+    assert tokens[True, "greedy"] == tokens[False, "greedy"] == tokens[False, "mixed"] == tokens[True, "mixed"]
+    assert sorted(set(replays)) == [1, 2, 3, 4]
