@@ -153,7 +153,7 @@ display(SVG(architecture_svg()))
 # %% [markdown] tags=["en"]
 # The book has three parts. **Core** (00–10) builds what nano-vllm does, and builds it whole: stop
 # after chapter 10 and you have an engine that gives `transformers`' tokens. **Speed** (11–19) makes
-# it fast on a GPU, each lever measured. **Beyond** (20–26) makes it serve users who do anything,
+# it fast on a GPU, each lever measured. **Beyond** (20–28) makes it serve users who do anything,
 # and adds what nano-vllm lacks.
 #
 # **Core: what nano-vllm does**
@@ -185,6 +185,7 @@ display(SVG(architecture_svg()))
 # | [15 · The fused decode step](../15_fused_decode/) | a layer in four matmul kernels; what a kernel boundary costs |
 # | [16 · Tensor parallelism](../16_tensor_parallel/) | layers split across ranks |
 # | [17 · Ranks that talk](../17_tp_runtime/) | ranks as processes: gloo, NCCL, Ctrl-C, stalls |
+# | [17b · Across machines](../17b_tp_across_machines/) | one group of ranks on several machines, one agent each |
 # | [18 · Asynchronous scheduling](../18_async_scheduling/) | the next step queued while the GPU computes |
 # | [19 · Measuring the engine](../19_benchmark/) | nano-vllm's benchmark, a fair peer, the bound, n samples measured |
 #
@@ -199,6 +200,8 @@ display(SVG(architecture_svg()))
 # | [24 · An 8-bit KV cache](../24_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
 # | [25 · Speculative decoding](../25_speculative_decoding/) | drafts checked in one step, rolled back exactly |
 # | [26 · Mixture of experts](../26_mixture_of_experts/) | Qwen3-MoE: a router, experts, where each token goes |
+# | [27 · KV events for a gateway](../27_kv_events/) | each cache's changes, told to a gateway in vLLM's format |
+# | [28 · A fleet](../28_fleet/) | replicas behind a gateway, started and watched by one command |
 # | [C · The live page](../C_live_page/) | the player on a running server's KV cache |
 #
 # **Appendices**
@@ -212,7 +215,7 @@ display(SVG(architecture_svg()))
 # %% [markdown] tags=["zh"]
 # 本书分三个部分。**核心**（00–10）构建 nano-vllm 所做的事，而且是完整地构建：读完第 10
 # 章，你就有了一个与 `transformers` 给出相同 token 的引擎。**速度**（11–19）让它在
-# GPU 上变快，每一项手段都经过测量。**更远**（20–26）让它经得起用户的各种用法、为他们提供服务，并加上
+# GPU 上变快，每一项手段都经过测量。**更远**（20–28）让它经得起用户的各种用法、为他们提供服务，并加上
 # nano-vllm 没有的东西。
 #
 # **核心：nano-vllm 做的事**
@@ -244,6 +247,7 @@ display(SVG(architecture_svg()))
 # | [15 · 融合的 decode 步](../15_fused_decode/) | 四个矩阵乘内核完成一层；内核边界的代价 |
 # | [16 · 张量并行](../16_tensor_parallel/) | 切分到各 rank 上的层 |
 # | [17 · 相互通信的 rank](../17_tp_runtime/) | rank 作为进程：gloo、NCCL、Ctrl-C、停滞 |
+# | [17b · 跨机器](../17b_tp_across_machines/) | 一个进程组的 rank 分布在几台机器上，每台一个代理进程 |
 # | [18 · 异步调度](../18_async_scheduling/) | GPU 计算时就把下一步排进队列 |
 # | [19 · 测量引擎](../19_benchmark/) | nano-vllm 的基准测试、公平的对照组、物理上限、n 个样本实测 |
 #
@@ -258,6 +262,8 @@ display(SVG(architecture_svg()))
 # | [24 · 8 位 KV 缓存](../24_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
 # | [25 · 投机解码](../25_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
 # | [26 · 混合专家](../26_mixture_of_experts/) | Qwen3-MoE：路由器、专家，每个 token 去了哪里 |
+# | [27 · 给网关的 KV 事件](../27_kv_events/) | KV 事件：每个缓存的变化，按 vLLM 的格式告诉网关 |
+# | [28 · 机群](../28_fleet/) | 网关后面的多个副本，由一条命令启动并看护 |
 # | [C · 实时页面](../C_live_page/) | 运行中服务器的 KV 缓存，用播放器画出来 |
 #
 # **附录**

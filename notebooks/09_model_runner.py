@@ -334,11 +334,6 @@ class Config:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         elif device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but torch sees no CUDA device (use device='cpu' or 'auto')")
-        if device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} but only "
-                f"{torch.cuda.device_count()} GPU(s) are visible"
-            )
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else _half_dtype_of(self.hf_config)
         backend = resolve_attention_backend(self.attention_backend, device, dtype)

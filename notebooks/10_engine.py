@@ -24,8 +24,9 @@
 # the book's first part, *core*: chapters 00–10 alone build it, and it gives the same tokens as
 # `transformers`. The second part, *speed* (chapters 11–19), makes it fast: Triton kernels, CUDA
 # graphs, fused decode layers, tensor-parallel ranks, asynchronous scheduling, and the benchmark
-# that measures them. The third, *beyond* (chapters 20–26), makes it survive what users do to it
-# and serve them, and adds an 8-bit cache, speculative decoding and mixtures of experts.
+# that measures them. The third, *beyond* (chapters 20–28), makes it survive what users do to it
+# and serve them, and adds an 8-bit cache, speculative decoding, mixtures of experts, KV events for a
+# gateway and a fleet of replicas behind one.
 
 # %% [markdown] tags=["zh"]
 # # 10 · 引擎：`LLMEngine`、`LLM` 与演示
@@ -36,8 +37,9 @@
 #
 # 本章的引擎就是上游的 `llm_engine.py`，外加检查，运行在一个进程里。它结束了本书的第一部分“核心”：只靠第 00–10 章
 # 就能构建它，它给出的 token 与 `transformers` 完全相同。第二部分“速度”（第 11–19 章）让它变快：Triton 内核、
-# CUDA Graph、融合的 decode 层、张量并行 rank、异步调度，以及测量这一切的基准测试。第三部分“更远”（第 20–26 章）
-# 让它经得起用户的各种用法、为用户提供服务，并加上 8 位 KV 缓存、投机解码和混合专家模型。
+# CUDA Graph、融合的 decode 层、张量并行 rank、异步调度，以及测量这一切的基准测试。第三部分“更远”（第 20–28 章）
+# 让它经得起用户的各种用法、为用户提供服务，并加上 8 位 KV 缓存、投机解码、混合专家模型、给网关的 KV 事件，
+# 以及网关后面的副本机群。
 
 # %% [markdown] tags=["en"]
 # ## The idea: a thin loop around two parts

@@ -536,19 +536,24 @@ def backend_for(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
-def init_rank(rank: int, world_size: int, device: str, store_port: int) -> None:
-    """Join the driver's rendezvous store and initialize torch.distributed for this rank."""
-    # zh: 加入驱动进程的会合点存储，并为本 rank 初始化 torch.distributed。
+def init_rank(
+    rank: int, world_size: int, device: str, store_port: int, store_host: str = "127.0.0.1", nnodes: int = 1
+) -> None:
+    """Join the driver's rendezvous store and initialize torch.distributed for this rank. Ranks are numbered
+    node by node (``nnodes`` machines, one by default), so rank r of a node that runs k ranks takes GPU r % k."""
+    # zh: 加入驱动进程的会合点存储，并为本 rank 初始化 torch.distributed。rank 按节点依次编号（共 ``nnodes`` 台机器，
+    # zh: 默认一台），所以在运行 k 个 rank 的节点上，rank r 使用该节点的第 r % k 块 GPU。
+    here = world_size // nnodes
     if device == "cuda":
         # en: NVLink SHARP (NVLS) is off unless the user asked for it: it needs fabric setup many hosts lack.
         # zh: 除非用户明确要求，否则关闭 NVLink SHARP（NVLS）：它需要很多机器上没有的 fabric 配置。
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % here)
     else:
         # en: Ranks share the CPU: each takes its share of the cores instead of all of them.
         # zh: 各 rank 共用 CPU：每个只取自己那份核数，而不是全部。
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
+    store = dist.TCPStore(store_host, store_port, world_size, is_master=False, timeout=STORE_TIMEOUT)
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world_size)
 
 
@@ -624,9 +629,9 @@ class RankWorker:
 
     def world(self) -> dict[str, Any]:
         return {"rank": dist.get_rank(), "size": dist.get_world_size(), "backend": dist.get_backend(),
-                # en: cuda:<rank> on GPUs
-                # zh: GPU 上是 cuda:<rank>。
-                "pid": os.getpid(), "device": str(self.runner.kv_cache.device),
+                # en: cuda:<rank> on GPUs; the parent is the driver, or the agent of the rank's node
+                # zh: GPU 上是 cuda:<rank>；父进程是驱动进程，或者是该 rank 所在节点的代理进程。
+                "pid": os.getpid(), "parent": os.getppid(), "device": str(self.runner.kv_cache.device),
                 "graphs": self.runner.graphs is not None, "params_held": len(self.params)}
 
     def shard(self, name: str) -> torch.Tensor:
@@ -724,7 +729,7 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
         fault = parse_fault(os.environ.get(FAULT_ENV), world_size)
         if fault == (rank, 0):
             raise RuntimeError(f"injected fault: {FAULT_ENV}={rank}:0 makes rank {rank} fail during start-up")
-        init_rank(rank, world_size, config.device, store_port)
+        init_rank(rank, world_size, config.device, store_port, config.master_addr, config.nnodes)
         worker = RankWorker(config)
         replier = Replier(conn, fail)
         send_lock = replier.lock
@@ -772,8 +777,9 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # - While waiting, `collect` also watches each process's sentinel. The first failure starts a
 #   short grace period (the other ranks' reports follow: with gloo, a peer's disappearance makes
 #   their collectives fail), then every rank is stopped and `TPWorkerError` names the *first*
-#   failure (by the rank's own clock) with its traceback. The runner is then closed: any later
-#   call says why — an error, or `exit()` when that is what happened.
+#   failure (by the rank's own clock; a rank that vanished without a word comes first) with its
+#   traceback. The runner is then closed: any later call says why — an error, or `exit()` when that
+#   is what happened.
 # - A rank that neither answers nor dies (stopped by SIGSTOP or a debugger, stuck in a loop) is
 #   caught by a deadline: `rank_timeout_s` (a `Config` setting, 120 s by default) after a call
 #   was written. `collect` then names the rank that holds the others up — a stopped process if
@@ -786,7 +792,7 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #   compute the interrupted step anyway, and its reply is read, and dropped, before the next one.
 #   (Its handler, `_hold`, keeps the signal; three hooks that do nothing here, `_let_through`,
 #   `enter_nested` and `exit_nested`, let chapter 20 open a way through for the model's work.)
-# - Stopping is one function, `_stop_ranks`, registered with `weakref.finalize`: it runs on
+# - Stopping is one function, `stop_ranks`, registered with `weakref.finalize`: it runs on
 #   `exit()`, when the runner is garbage-collected, and at interpreter exit, whichever comes
 #   first, exactly once. A normal stop asks the ranks to leave and waits for them; after an
 #   error it terminates them at once (one may be stuck in a collective), then kills what is left.
@@ -806,8 +812,8 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #   第 18 章发出一步，隔一步再收取。
 # - 等待期间，`collect` 还盯着每个进程的哨兵。第一个失败出现后，会再给一小段宽限时间（其他 rank 的报告随后就到：
 #   用 gloo 时，对端消失会让它们的集合通信失败），然后停掉所有 rank，并抛出 `TPWorkerError`，指明*最早*的那个失败
-#   （按出错 rank 自己的时钟）及其调用栈。此后执行器即告关闭：之后的任何调用都会说明原因——出了错，或者确实调用了
-#   `exit()`。
+#   （按出错 rank 自己的时钟；一声不吭就消失的 rank 排在最前）及其调用栈。此后执行器即告关闭：之后的任何调用都会
+#   说明原因——出了错，或者确实调用了 `exit()`。
 # - 既不回答也没有退出的 rank（被 SIGSTOP 或调试器暂停、卡在某个循环里）由一个期限抓住：调用写出后
 #   `rank_timeout_s` 秒（`Config` 的一个设置，默认 120 s）。这时 `collect` 会指出拖住大家的那个 rank——如果有被暂停
 #   的进程，就是它（内核在 `/proc` 里写着）；否则就是某个没有回答的非 0 号 rank（它的回复只需要它自己的主机，而
@@ -816,7 +822,7 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #   所以管道里绝不会出现半条消息；等待则可以被打断。别的都不需要撤销：被打断的那一步各 rank 照样会算完，它的回复
 #   会在下一次调用之前被读出并丢弃。（它的处理函数 `_hold` 把信号留住；三个在这里什么也不做的接缝 `_let_through`、
 #   `enter_nested` 和 `exit_nested`，让第 20 章为模型的计算开一条通路。）
-# - 停止只由一个函数 `_stop_ranks` 负责，它通过 `weakref.finalize` 注册：调用 `exit()` 时、执行器被垃圾回收时、
+# - 停止只由一个函数 `stop_ranks` 负责，它通过 `weakref.finalize` 注册：调用 `exit()` 时、执行器被垃圾回收时、
 #   解释器退出时，以最先发生者为准，恰好运行一次。正常停止时请各 rank 自行退出并等待它们；出错后则立即终止它们
 #   （某个 rank 可能卡在集合通信里），剩下的再强制杀掉。
 # - rank 用 `spawn` 方式启动：全新的解释器，不会复制驱动进程的线程或 CUDA 状态（对已经用过 CUDA 的进程做 fork，
@@ -996,6 +1002,17 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def open_store(host: str, port: int, world_size: int) -> dist.TCPStore:
+    """The rendezvous store, held by the driver; the ranks reach it at host:port (port 0: any free one)."""
+    # zh: 会合点存储，由驱动进程持有；各 rank 通过 host:port 找到它（端口为 0 时任取一个空闲端口）。
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False)
+    except dist.DistNetworkError as error:
+        reason = str(error).splitlines()[0]
+        raise RuntimeError(f"cannot open the rendezvous store on port {port} (master_port) for {host} "
+                           f"(master_addr): {reason}. Is the port taken, or {host} not this machine?") from None
+
+
 class TPRunner:
     """Tensor-parallel ranks as processes, driven from this one; the same interface as `ModelRunner`."""
     # zh: 作为进程的各张量并行 rank，由本进程驱动；接口与 `ModelRunner` 相同。
@@ -1023,14 +1040,21 @@ class TPRunner:
         self._params_sent: dict[int, Sequence] = {}
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
+        # en: with several machines, a link to each other node's agent (chapter 17b)
+        # zh: 有多台机器时，通向其他每个节点代理进程的连接（见第 17b 章）。
+        self._links: list[Connection] = []
         self._stop = {"graceful": True}
-        # en: Port 0: the OS picks a free port and the store holds it from now on: nothing to collide with.
-        # zh: 0 号端口：操作系统挑一个空闲端口，从此由 store 占住：没有任何可冲突的东西。
-        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, wait_for_workers=False)
-        self._finalizer = weakref.finalize(self, _stop_ranks, self._procs, self._conns, [store], self._stop)
+        # en: Port 0 (master_port's default): the OS picks a free port and the store holds it from now on.
+        # zh: 0 号端口（master_port 的默认值）：操作系统挑一个空闲端口，从此由 store 占住。
+        store = open_store(config.master_addr, config.master_port, self.world_size)
+        self._finalizer = weakref.finalize(
+            self, stop_ranks, self._procs, self._conns, self._links, [store], self._stop)
         context = mp.get_context("spawn")
         try:
-            for rank in range(self.world_size):
+            # en: The other nodes' ranks dial in first, so that this node's ranks find every peer at once.
+            # zh: 其他节点的 rank 先拨进来，这样本节点的 rank 一启动就能找到所有对端。
+            remote = self._join_nodes(store) if config.nnodes > 1 else []
+            for rank in range(self.world_size - len(remote)):
                 ours, theirs = context.Pipe()
                 proc = context.Process(target=rank_main, args=(rank, self.world_size, config, store.port, theirs),
                                        name=f"nanovllm-tp-rank{rank}", daemon=True)
@@ -1040,12 +1064,17 @@ class TPRunner:
                 theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
+            self._procs += remote
+            self._conns += [handle.conn for handle in remote]
             # en: No timeout here: loading a large model and capturing its graphs may take minutes.
             # zh: 这里不设超时：加载大模型并捕获它的图可能要好几分钟。
             blocks = self.collect(0, timeout_s=None)
         # en: a failed rank (already stopped), or e.g. Ctrl-C while the ranks start
         # zh: 某个 rank 失败了（已被停止），或者比如在各 rank 启动期间按下了 Ctrl-C。
         except BaseException as error:
+            # en: The traceback keeps this frame: it must not keep the store, whose port a second try may need.
+            # zh: 调用栈会留住这一帧：它不能留住 store，因为再试一次可能还要用那个端口。
+            store = None
             self._shut(self.failure or f"{type(error).__name__} during start-up", graceful=False)
             raise
         if len(set(blocks)) != 1:
@@ -1213,11 +1242,16 @@ class TPRunner:
                       "(each rank process imports the main module)")
         return RankFailure(rank, call, error, "", time.time())
 
+    def _state(self, rank: int) -> str:
+        """The kernel's word for a rank's process state ("stopped", ...), "" where unknown."""
+        # zh: 内核对某个 rank 进程状态的称呼（"stopped"……），不知道时为 ""。
+        return process_state(self._procs[rank].pid)
+
     def _stalled(self, call: int, pending: list[int]) -> None:
         """No reply within the timeout: name the rank that holds the others up, stop every rank, raise."""
         # zh: 超时没有回复：写明拖住其他 rank 的那个 rank，停止每个 rank，抛出异常。
         name = self._sent[call][0]
-        states = {rank: process_state(self._procs[rank].pid) for rank in pending}
+        states = {rank: self._state(rank) for rank in pending}
         # en: A stopped process is the culprit. Otherwise a rank other than 0 that did not answer: its reply
         # en: needs only its host, while rank 0's waits for the device, which waits for every peer.
         # zh: 被暂停的进程就是罪魁。否则就是没有回答的非 0 号 rank：它的回复只需要它自己的主机，而 rank 0 的回复
@@ -1234,7 +1268,9 @@ class TPRunner:
                              f"({'; '.join(others)}). Raise rank_timeout_s if a step really takes that long.")
 
     def _fail(self, failures: list[RankFailure]) -> None:
-        failures.sort(key=lambda failure: failure.when)
+        # en: A rank that vanished without a word comes first: its peers' errors are what its absence did to them.
+        # zh: 一声不吭就消失的 rank 排在最前：对端的错误只是它的消失造成的后果。
+        failures.sort(key=lambda failure: (bool(failure.traceback), failure.when))
         first = failures[0]
         self._shut(f"rank {first.rank} failed during {first.call}: {first.error}", graceful=False)
         lines = [f"tensor-parallel {self.failure}; all {self.world_size} rank processes have been stopped"]
@@ -1244,9 +1280,13 @@ class TPRunner:
         raise TPWorkerError("\n".join(lines))
 
 
-def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, stop: dict[str, bool]) -> None:
-    """Stop every rank process and close every pipe: ask (normal exit) or terminate (after an error)."""
-    # zh: 停止每个 rank 进程并关闭每根管道：先请求（正常退出），出错之后则直接终止。
+def stop_ranks(
+    procs: list[BaseProcess], conns: list[Connection], links: list[Connection], store: list, stop: dict[str, bool]
+) -> None:
+    """Stop every rank process and close every pipe: ask (normal exit) or terminate (after an error). Closing a
+    link to another node tells its agent to stop that node's ranks."""
+    # zh: 停止每个 rank 进程并关闭每根管道：先请求（正常退出），出错之后则直接终止。关闭通向另一个节点的连接，
+    # zh: 就是告诉该节点的代理进程停掉那里的 rank。
     if stop["graceful"]:
         for proc, conn in zip(procs, conns, strict=False):
             if proc.is_alive():
@@ -1266,7 +1306,7 @@ def _stop_ranks(procs: list[BaseProcess], conns: list[Connection], store: list, 
         if proc.is_alive():
             proc.kill()
             proc.join()
-    for conn in conns:
+    for conn in (*conns, *links):
         conn.close()
     store.clear()
 

@@ -528,7 +528,7 @@ assert counter.count == 0
 #
 # The book has three parts, listed in `tools/parts.py` and shown by the sites' navigation and
 # `python -m tools.book parts`: *core* (chapters 00–10, with appendix A's player and this
-# appendix's helpers), *speed* (11–19) and *beyond* (20–26, with appendix C's live page). The core
+# appendix's helpers), *speed* (11–19) and *beyond* (20–28, with appendix C's live page). The core
 # part alone must build the engine: `tests/core_road.py` copies the checkout, deletes every chapter
 # outside the core part and every generated module, tangles what is left, and checks that the
 # package imports, that greedy decoding gives `transformers`' tokens under chunked prefill,
@@ -539,7 +539,7 @@ assert counter.count == 0
 # ## 三个部分，以及最短的路
 #
 # 本书分三个部分，列在 `tools/parts.py` 里，网站的导航和 `python -m tools.book parts` 都按它显示：*核心*（第 00–10 章，
-# 加上附录 A 的播放器和本附录的辅助工具）、*速度*（第 11–19 章）和*更远*（第 20–26 章，加上附录 C 的实时页面）。
+# 加上附录 A 的播放器和本附录的辅助工具）、*速度*（第 11–19 章）和*更远*（第 20–28 章，加上附录 C 的实时页面）。
 # 只靠核心部分就必须能构建出引擎：`tests/core_road.py` 复制一份代码，删掉核心部分以外的所有章节和所有生成的模块，
 # 抽取剩下的部分，然后检查：包能导入；在分块 prefill、前缀缓存命中和抢占之下，贪心解码给出与 `transformers` 相同的
 # token；每个核心章节都能执行；核心引擎的代码不超过大约 2,600 行。

@@ -111,6 +111,9 @@ TRANSLATED = {
         ("all exercise answers check out", "练习答案全部验证通过"),
     ],
     "17_tp_runtime": [("ranks alive:", "rank 仍存活："), ("all exercise answers check out", "练习答案全部验证通过")],
+    "17b_tp_across_machines": [
+        ("started by", "启动"), ("two nodes give the tokens of one process", "两个节点给出与单进程相同的 token"),
+    ],
     "10_engine": [
         ("step  1 prefill [seq 0: 12", "第  1 步 prefill [序列 0: 12"), ("preempted [", "抢占 ["),
         ("greedy tokens match transformers", "贪心解码的 token 与 transformers 完全一致"),
@@ -153,6 +156,14 @@ TRANSLATED = {
         ("greedy tokens match transformers", "贪心解码的 token 与 transformers 完全一致"),
         ("layer 0: experts", "第 0 层：专家"), ("all exercise answers check out", "练习答案全部验证通过"),
         ("8 layers, fused: ", "8 层，融合："), ("sort, batch of  1: align_by_expert", "排序，批大小  1："),
+    ],
+    "28_fleet": [
+        ("the gateway lists the model as", "网关列出的模型是"), ("prompt tokens cached", "个已缓存"),
+        ("all exercise answers check out", "练习答案全部验证通过"),
+    ],
+    "27_kv_events": [
+        ("all blocks cleared", "所有块已清空"), ("refused: ", "被拒绝："), ("removed ", "移除 "),
+        ("all exercise answers check out", "练习答案全部验证通过"),
     ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],

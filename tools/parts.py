@@ -21,11 +21,13 @@ PARTS: dict[str, tuple[str, ...]] = {
     ),
     "speed": (
         "11_triton_attention", "12_triton_sampler", "13_attention_benchmarks", "14_cuda_graphs", "15_fused_decode",
-        "16_tensor_parallel", "17_tp_runtime", "18_async_scheduling", "19_benchmark",
+        "16_tensor_parallel", "17_tp_runtime", "17b_tp_across_machines", "18_async_scheduling",
+        "19_benchmark",
     ),
     "beyond": (
         "20_robustness", "21_serving", "22_openai_server", "23_serving_benchmark", "24_fp8_kv_cache",
-        "25_speculative_decoding", "26_mixture_of_experts", "C_live_page",
+        "25_speculative_decoding", "26_mixture_of_experts", "27_kv_events", "28_fleet",
+        "C_live_page",
     ),
     "appendix": ("B_from_nano_vllm",),
 }

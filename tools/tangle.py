@@ -41,6 +41,8 @@ A module-level function or constant is replaced the same way, through the module
 ``import nanovllm.engine.inputs as inputs``, then ``@add_to_class(inputs)`` above the new
 function or ``inputs.Prompt = ...``; the new version takes the old one's place.
 Imports of ``add_to_class`` and of the module being extended (or its names) are notebook-only and dropped.
+A cell's ``if TYPE_CHECKING:`` block of imports (names that only annotations need) joins one such block, below the
+module's imports.
 
 Comments in exported cells may be bilingual: ``# en: ...`` lines become plain ``# ...``
 comments in the package and ``# zh: ...`` lines are left out, so the package reads in English
@@ -146,6 +148,8 @@ class Module:
     docstring: str = ""
     imports: list[str] = field(default_factory=list)
     future_imports: list[str] = field(default_factory=list)
+    # The imports of the cells' ``if TYPE_CHECKING:`` blocks, gathered into one block below the imports.
+    type_checking_imports: list[str] = field(default_factory=list)
     bodies: list[str] = field(default_factory=list)
     public_names: list[str] = field(default_factory=list)
     # The methods that later chapters added to each class, in chapter order (`order_added_methods` places them).
@@ -268,6 +272,12 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
             if statement not in target:
                 target.append(statement)
             continue
+        if is_type_checking_imports(node):
+            taken_lines.update(range(node.lineno - 1, node.end_lineno))
+            for statement in map(ast.unparse, node.body):
+                if statement not in module.type_checking_imports:
+                    module.type_checking_imports.append(statement)
+            continue
         extension = class_extension(node, cell)
         if extension is not None:
             start = leading_comments_start(lines, first_line(node) - 1, taken_lines)
@@ -289,6 +299,13 @@ def add_cell(module: Module, cell: Cell, public: bool) -> None:
     if public:
         own = [node for node in tree.body if node not in spliced]
         module.public_names += [n for n in top_level_names(own) if n not in module.public_names]
+
+
+def is_type_checking_imports(node: ast.stmt) -> bool:
+    """An ``if TYPE_CHECKING:`` block of imports alone (names for annotations, which a cycle or a cost keeps from
+    being imported when the code runs): the tangler gathers such blocks into one, below the module's imports."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+            and not node.orelse and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body))
 
 
 def notebook_only_import(node: ast.Import | ast.ImportFrom, module: Module) -> bool:
@@ -809,10 +826,16 @@ def render(module: Module) -> str:
     if module.future_imports:
         blocks.append("\n".join(sorted(module.future_imports)))
     groups: dict[int, list[str]] = {}
-    imports = needed_imports(module.imports, names_used(module.bodies), module.public_names)
+    used = names_used(module.bodies)
+    type_checking = needed_imports(module.type_checking_imports, used, [])
+    imports = needed_imports(module.imports, used | ({"TYPE_CHECKING"} if type_checking else set()),
+                             module.public_names)
     for statement in sorted(merged_imports(imports), key=import_group):
         groups.setdefault(import_group(statement)[0], []).append(statement)
     blocks += ["\n".join(group) for _, group in sorted(groups.items())]
+    if type_checking:
+        statements = sorted(merged_imports(type_checking), key=import_group)
+        blocks.append("if TYPE_CHECKING:\n" + textwrap.indent("\n".join(statements), "    "))
     if module.public_names:
         names = "".join(f'    "{name}",\n' for name in sorted(module.public_names, key=all_order))
         blocks.append(f"__all__ = [\n{names}]")

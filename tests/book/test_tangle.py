@@ -389,6 +389,54 @@ shapes.SIDES: int = 4  # still a square
     assert "replaces volume" in message and "notebooks/03_bad.py" in message
 
 
+def test_type_checking_imports_of_every_cell_are_gathered_below_the_imports(tmp_path: Path) -> None:
+    """Names that only annotations need (a cycle or a costly import keeps them out of the running code): each
+    cell's ``if TYPE_CHECKING:`` block of imports joins one block, below the module's imports."""
+    first = """
+# %%
+#| default_exp engine.pool
+
+# %% pool
+#| export
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanovllm.engine.block import Block
+
+SIZE = 4
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.free: list[Block] = []
+"""
+    later = """
+# %% log
+#| export engine.pool
+from typing import TYPE_CHECKING
+
+from nanovllm.book.literate import add_to_init
+from nanovllm.engine.pool import Pool
+
+if TYPE_CHECKING:
+    from nanovllm.engine.log import Log
+
+
+@add_to_init(Pool)
+def _init_log(self) -> None:
+    self.log: Log | None = None
+"""
+    chapter(tmp_path, "01_pool.py", first)
+    chapter(tmp_path, "02_log.py", later)
+    text = tangle.tangle(tmp_path)[Path("nanovllm/engine/pool.py")]
+    block = ("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from nanovllm.engine.block import Block\n"
+             "    from nanovllm.engine.log import Log\n\n__all__")
+    assert block in text and text.count("TYPE_CHECKING") == 2
+    assert '# notebooks/01_pool.py · cell "pool"\nSIZE = 4' in text
+
+
 def test_a_header_names_every_chapter_that_writes_the_module(tmp_path: Path) -> None:
     chapters = [f"notebooks/{n:02d}_a_rather_long_chapter_name.py" for n in range(1, 6)]
     header = tangle.render_header(chapters)
