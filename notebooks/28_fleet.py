@@ -733,7 +733,10 @@ def still_running(group: int) -> list[int]:
 
 began = time.monotonic()
 fleet.stop()
-left = [pid for group in groups for pid in still_running(group)]
+# en: The engine processes die a moment after their servers: a few seconds at most.
+# zh: 引擎进程比它们的服务器晚一点点才死：最多几秒。
+while (left := [pid for group in groups for pid in still_running(group)]) and time.monotonic() < began + 10:
+    time.sleep(0.1)
 print(say("stopped in {seconds:.1f} s; processes left: {left}", seconds=time.monotonic() - began, left=left))
 assert not left
 

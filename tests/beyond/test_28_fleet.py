@@ -181,7 +181,7 @@ def test_a_server_started_elsewhere_joins_by_url(tiny: str, tmp_path: Path) -> N
 
 def test_sigterm_ends_the_whole_tree_within_seconds(tiny: str, tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
-    command = [sys.executable, "-m", "nanovllm.serve.fleet", "--replicas", "2", "--port", str(port),
+    command = [sys.executable, "-m", "nanovllm.serve.fleet", "--replicas", "1", "--port", str(port),
                "--log-dir", str(tmp_path), "--model", tiny, *ARGS]
     fleet_process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -189,12 +189,13 @@ def test_sigterm_ends_the_whole_tree_within_seconds(tiny: str, tmp_path: Path) -
         assert f"behind http://127.0.0.1:{port}" in line, line + fleet_process.stdout.read()
         children = subprocess.run(["pgrep", "-P", str(fleet_process.pid)], capture_output=True, text=True)
         groups = [int(pid) for pid in children.stdout.split()]
-        assert len(groups) == 3  # two servers and the gateway, each leading a group of its own
+        assert len(groups) == 2  # the server and the gateway, each leading a group of its own
         began = time.monotonic()
         fleet_process.send_signal(signal.SIGTERM)
         assert fleet_process.wait(timeout=15) == 0
-        assert time.monotonic() - began < 10
-        assert not [pid for group in groups for pid in still_running(group)]
+        while [pid for group in groups for pid in still_running(group)] and time.monotonic() < began + 10:
+            time.sleep(0.1)
+        assert time.monotonic() - began < 10, [pid for group in groups for pid in still_running(group)]
     finally:
         if fleet_process.poll() is None:
             fleet_process.kill()

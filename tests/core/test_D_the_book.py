@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +24,14 @@ def test_every_chapter_belongs_to_exactly_one_part() -> None:
 
 
 def test_the_parts_keep_the_chapter_numbers_in_order() -> None:
-    """Core is 00-10, speed and beyond continue the numbers; the appendices of a part come at its end."""
+    """Core is 00-10, speed and beyond continue the numbers; a lettered chapter (17b) continues the chapter of its
+    number and comes right after it; the appendices of a part come at its end."""
     numbered = [c for part in ("core", "speed", "beyond") for c in PARTS[part] if c[:2].isdigit()]
-    assert [int(c[:2]) for c in numbered] == list(range(len(numbered)))
-    assert numbered[:11][-1] == "10_engine" and PARTS["core"][-2:] == ("A_visualization", "D_the_book")
+    whole = [c for c in numbered if c[2] == "_"]
+    assert [int(c[:2]) for c in whole] == list(range(len(whole)))
+    for before, chapter in itertools.pairwise(numbered):
+        assert chapter[2] == "_" or (chapter[2].isalpha() and before[:2] == chapter[:2]), chapter
+    assert whole[:11][-1] == "10_engine" and PARTS["core"][-2:] == ("A_visualization", "D_the_book")
     order = sorted(listed := [c for part in PARTS.values() for c in part], key=reading_position)
     assert order == listed and reading_position("toy") > reading_position("B_from_nano_vllm")
 
