@@ -149,10 +149,14 @@ with LLM(str(tiny), **settings) as llm_tp1:
 # 与 torch.distributed 的 store 以及 gloo/NCCL 本身一样，这些端口都没有身份验证：请只在私有网络中使用。
 
 # %% [markdown] tags=["en"]
+# ## Build it: the settings
+#
 # The settings: `nnodes` machines, node 0's `master_addr` and `master_port` (the store), and how
 # long node 0 waits for the others. They are checked before anything starts.
 
 # %% [markdown] tags=["zh"]
+# ## 动手：设置项
+#
 # 设置项：`nnodes` 台机器，节点 0 的 `master_addr` 与 `master_port`（store 所在），以及节点 0 等待其他节点的时长。
 # 它们在任何东西启动之前就接受检查。
 
@@ -195,11 +199,15 @@ def _check_nodes(self) -> None:
                          f"but only {torch.cuda.device_count()} are visible here")
 
 # %% [markdown] tags=["en"]
+# ## Build it: node 0 waits for the others
+#
 # The driver's side: `RemoteRank`, and `_join_nodes`, which `TPRunner` calls before it spawns
 # this node's ranks. Every connection opens with one line of plain text, the token and who is
 # calling (`node 1`, `rank 3`), which is checked before anything from it is unpickled.
 
 # %% [markdown] tags=["zh"]
+# ## 动手：节点 0 等齐其他节点
+#
 # 驱动进程这一侧：`RemoteRank`，以及 `TPRunner` 在启动本节点 rank 之前调用的 `_join_nodes`。每条连接都以一行纯文本
 # 开头：令牌，加上来者是谁（`node 1`、`rank 3`）；先检查这一行，然后才会反序列化来自这条连接的任何东西。
 
@@ -350,9 +358,13 @@ def _not_joined(self, nodes: dict, remote: dict) -> str:
             f"{config.master_port} --node-rank K`. Every process this engine started has been stopped.")
 
 # %% [markdown] tags=["en"]
+# ## Build it: the node agent
+#
 # The agent: `run_node` serves one node until node 0 is done with it; `main` is its command line.
 
 # %% [markdown] tags=["zh"]
+# ## 动手：节点代理进程
+#
 # 代理进程：`run_node` 为一个节点服务，直到节点 0 用完它；`main` 是它的命令行。
 
 # %% node agent
@@ -459,14 +471,14 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
     raise SystemExit(main())
 
 # %% [markdown] tags=["en"]
-# ### See it: two nodes on one machine
+# ## See it: two nodes on one machine
 #
 # Two "nodes" on this CPU over gloo: node 1's agent is a subprocess, started first (it waits for
 # node 0), then the engine with `nnodes=2`. The ranks' parents show who started which; the tokens
 # are TP=1's.
 
 # %% [markdown] tags=["zh"]
-# ### 看它运行：一台机器上的两个节点
+# ## 看它运行：一台机器上的两个节点
 #
 # 在这台 CPU 上用 gloo 模拟两个“节点”：节点 1 的代理进程是一个子进程，先启动（它会等节点 0），然后以 `nnodes=2`
 # 启动引擎。各 rank 的父进程表明是谁启动了谁；得到的 token 与 TP=1 的相同。
