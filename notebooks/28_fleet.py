@@ -49,8 +49,6 @@ say = Phrases({
     "the fleet restarted it: {events}": "机群重启了它：{events}",
     "stopped in {seconds:.1f} s; processes left: {left}": "{seconds:.1f} s 内停下；剩下的进程：{left}",
     "{date}, {card}: {command}": "{date}，{card}：{command}",
-    "  {policy:<12} hit rate {hit:.1%}, TTFT p50 {p50:,.0f} ms, p90 {p90:,.0f} ms, {rate:.1f} output tok/s":
-        "  {policy:<12} 命中率 {hit:.1%}，TTFT p50 {p50:,.0f} ms，p90 {p90:,.0f} ms，输出 {rate:.1f} tok/s",
     "  cache_aware against round_robin: hit rate {hits:.2f}x, TTFT p50 {ttft:.2f}x":
         "  cache_aware 对比 round_robin：命中率 {hits:.2f} 倍，TTFT p50 {ttft:.2f} 倍",
     "all exercise answers check out": "练习答案全部验证通过",
@@ -894,44 +892,53 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
     sys.exit(main())
 
 # %% [markdown] tags=["en"]
-# Recorded on this book's CPU machine (two cores, SmolLM2, two replicas sharing them; the command
-# is in the record), four users of about 1,300 tokens of context each, three turns each. Routing
-# by the request text found twice the cached tokens that taking turns did, and halved the wait
-# for the first token. Taking turns still finds some: a user's third turn lands, every other
-# time, on the replica that ran its first. Both replicas share two cores, so the TTFTs are long:
-# they are dominated by prefills queued behind other users' prefills, which is exactly what the
-# cache removes.
+# Recorded three times on this book's CPU machine (two cores, SmolLM2, two replicas sharing them;
+# the command is below), four users of about 1,300 tokens of context each, three turns each.
+# Routing by the request text found 1.61 to 2.00 times the cached tokens that taking turns found,
+# in every run. Taking turns still finds some: a user's later turn lands now and then on the
+# replica that ran an earlier one. The wait for the first token is another matter: both replicas
+# share two cores, so a TTFT is mostly a prefill queued behind other users' prefills, and it
+# depends on what else the machine runs. On a quiet machine the median fell to 0.73x; with the
+# machine busy it was 0.31x in one run and 0.94x in another. The goal of 0.7x is not met reliably
+# here; a GPU per replica, where a prefill no longer waits for the other replica's, was not run.
 
 # %% [markdown] tags=["zh"]
-# 在本书的 CPU 机器上记录（两个核，SmolLM2，两个副本共用它们；命令在记录里），四个用户，每人约 1,300 个 token 的上下文，
-# 各问三轮。按请求文本分发找到的已缓存 token 是轮流分发的两倍，等第一个 token 的时间少了一半多。轮流分发也能找到一些：每
-# 隔一次，用户的第三轮会落到跑过它第一轮的那个副本上。两个副本共用两个核，所以 TTFT 很长：它主要花在排在别的用户的
-#   prefill 后面等待，而这正是缓存省掉的。
+# 在本书的 CPU 机器上记录了三次（两个核，SmolLM2，两个副本共用它们；命令见下），四个用户，每人约 1,300 个 token 的
+# 上下文，各问三轮。每次运行中，按请求文本分发找到的已缓存 token 都是轮流分发的 1.61 到 2.00 倍。轮流分发也能找到一些：
+# 用户后面的某一轮时不时会落到跑过它前面某一轮的副本上。等第一个 token 的时间则是另一回事：两个副本共用两个核，所以
+# TTFT 主要是排在别的用户的 prefill 后面等待的时间，它取决于机器上还在跑什么。机器空闲时，中位数降到 0.73 倍；机器繁忙
+# 时，一次是 0.31 倍，另一次是 0.94 倍。在这里，0.7 倍的目标并不能稳定达到；每个副本一块 GPU、prefill 不再等另一个
+# 副本的情形，没有运行过。
 
 # %% the fleet benchmark, as it ran
-# en: The run quoted above, as `python -m nanovllm.bench.fleet` printed it (a CPU's run: chapters record GPU runs in
-# en: notebooks/data/recorded/, and this machine's figures here).
-# zh: 上面引用的那次运行，照 `python -m nanovllm.bench.fleet` 打印的数字记下（这是 CPU 上的运行：各章把 GPU 的运行记录在
-# zh: notebooks/data/recorded/ 里，这台机器的数字就记在这里）。
-fleet_run = {
+# en: The three runs quoted above, as `python -m nanovllm.bench.fleet` printed them (a CPU's runs: chapters record GPU
+# en: runs in notebooks/data/recorded/, and this machine's figures here). Hit rate and TTFT p50 (ms) of each policy.
+# zh: 上面引用的三次运行，照 `python -m nanovllm.bench.fleet` 打印的数字记下（这是 CPU 上的运行：各章把 GPU 的运行
+# zh: 记录在 notebooks/data/recorded/ 里，这台机器的数字就记在这里）。每种策略的命中率与 TTFT p50（ms）。
+fleet_runs = {
     "machine": "CPU, 2 cores (this book's CI machine)", "date": "2026-12-06",
     "command": "python -m nanovllm.bench.fleet --replicas 2 --users 4 --turns 3 --context-words 1000 --device cpu "
                "--kvcache-block-size 16 --max-model-len 4096",
-    "cache_aware": {"hit rate": 0.658, "ttft p50 ms": 4000, "ttft p90 ms": 10804, "output tok/s": 1.8},
-    "round_robin": {"hit rate": 0.329, "ttft p50 ms": 12786, "ttft p90 ms": 22342, "output tok/s": 1.2},
+    "runs": [
+        {"machine busy": True, "cache_aware": (0.658, 4000), "round_robin": (0.329, 12786)},
+        {"machine busy": True, "cache_aware": (0.658, 5850), "round_robin": (0.409, 6239)},
+        {"machine busy": False, "cache_aware": (0.658, 2435), "round_robin": (0.409, 3328)},
+    ],
 }
-print(say("{date}, {card}: {command}", date=fleet_run["date"], card=fleet_run["machine"], command=fleet_run["command"]))
-for policy in ("cache_aware", "round_robin"):
-    figures = fleet_run[policy]
-    print(say("  {policy:<12} hit rate {hit:.1%}, TTFT p50 {p50:,.0f} ms, p90 {p90:,.0f} ms, {rate:.1f} output tok/s",
-              policy=policy, hit=figures["hit rate"], p50=figures["ttft p50 ms"], p90=figures["ttft p90 ms"],
-              rate=figures["output tok/s"]))
-aware, turns = fleet_run["cache_aware"], fleet_run["round_robin"]
-hits, ttft = aware["hit rate"] / turns["hit rate"], aware["ttft p50 ms"] / turns["ttft p50 ms"]
-print(say("  cache_aware against round_robin: hit rate {hits:.2f}x, TTFT p50 {ttft:.2f}x", hits=hits, ttft=ttft))
-# en: The goals of the fleet: at least 1.5x the hit rate of taking turns, at most 0.7x its median TTFT.
-# zh: 机群的目标：命中率至少是轮流分发的 1.5 倍，TTFT 中位数至多是它的 0.7 倍。
-assert hits >= 1.5 and ttft <= 0.7
+print(say("{date}, {card}: {command}", date=fleet_runs["date"], card=fleet_runs["machine"],
+          command=fleet_runs["command"]))
+ratios = []
+for run in fleet_runs["runs"]:
+    (aware_hits, aware_ttft), (turns_hits, turns_ttft) = run["cache_aware"], run["round_robin"]
+    ratios.append((aware_hits / turns_hits, aware_ttft / turns_ttft))
+    print(say("  cache_aware against round_robin: hit rate {hits:.2f}x, TTFT p50 {ttft:.2f}x", hits=ratios[-1][0],
+              ttft=ratios[-1][1]))
+# en: The fleet's goals: at least 1.5x the hit rate of taking turns (met in every run), at most 0.7x its median TTFT
+# en: (met once, 0.73x on the quiet machine): here cache_aware's median is never the slower one, no more.
+# zh: 机群的目标：命中率至少是轮流分发的 1.5 倍（每次都达到），TTFT 中位数至多是它的 0.7 倍（只达到一次，机器空闲时为
+# zh: 0.73 倍）：在这里只能说 cache_aware 的中位数从来不是较慢的那个。
+assert all(hits >= 1.5 and ttft < 1.0 for hits, ttft in ratios)
+assert [round(ttft, 2) for _, ttft in ratios] == [0.31, 0.94, 0.73]
 
 # %% [markdown] tags=["en"]
 # ## Across machines
@@ -981,8 +988,8 @@ assert hits >= 1.5 and ttft <= 0.7
 #   seconds), `Fleet` (start, supervise, stop the whole tree) and `python -m nanovllm.serve.fleet`,
 #   with `--worker-url` for servers on other machines.
 # - `python -m nanovllm.bench.fleet`: a multi-turn workload run through one fleet per policy, its
-#   hit rate from the replicas' counters; on this CPU, `cache_aware` found 2.00x the cached
-#   tokens of `round_robin` at 0.31x its median TTFT.
+#   hit rate from the replicas' counters; on this CPU, `cache_aware` found 1.61-2.00x the cached
+#   tokens of `round_robin`, at 0.31-0.94x its median TTFT (0.73x on a quiet machine).
 #
 # The gateway routes by request text. Chapter 27's events would let a gateway route by what the
 # caches hold for certain; vLLM's gateway reads them, once it can tokenize through a worker
@@ -1003,7 +1010,8 @@ assert hits >= 1.5 and ttft <= 0.7
 #   （sglang-router，调成几秒内就摘下死掉的副本）、`Fleet`（启动、看护、停止整棵进程树），以及带 `--worker-url`
 #   （加入别的机器上的服务器）的 `python -m nanovllm.serve.fleet`。
 # - `python -m nanovllm.bench.fleet`：每种策略一个机群，让多轮负载通过它，命中率取自副本的计数器；在这台 CPU 上，
-#   `cache_aware` 找到的已缓存 token 是 `round_robin` 的 2.00 倍，TTFT 中位数是它的 0.31 倍。
+#   `cache_aware` 找到的已缓存 token 是 `round_robin` 的 1.61–2.00 倍，TTFT 中位数是它的 0.31–0.94 倍（机器空闲时
+#   0.73 倍）。
 #
 # 网关按请求文本分发。第 27 章的事件能让网关确切地按缓存里有什么来分发；vLLM 的网关会读这些事件，前提是它能借 worker做分
 # 词（`/tokenize`），而我们的服务器还没有提供这个接口。
