@@ -181,7 +181,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -191,6 +190,7 @@ from pathlib import Path
 import httpx
 
 import nanovllm
+from nanovllm.serve.process import free_port
 
 
 @dataclass
@@ -236,27 +236,22 @@ class Replica:
         """SIGTERM to the replica's group, SIGKILL to whatever is left of it after ``grace`` seconds."""
         # zh: 向副本的进程组发 SIGTERM，``grace`` 秒后对剩下的发 SIGKILL。
         if self.process is not None:
-            signal_groups([self.process], signal.SIGTERM)
+            stop_groups([self.process], grace)
+
+
+def stop_groups(processes: list[subprocess.Popen], grace: float) -> None:
+    """Stop each process and its whole group (each child of the fleet leads a group of its own): SIGTERM to every
+    group, then SIGKILL to what is left after ``grace`` seconds in all (the servers' engine processes included)."""
+    # zh: 停下每个进程及其整个进程组（机群的每个子进程各自领导一个进程组）：先向每个组发 SIGTERM，总共等 ``grace``
+    # zh: 秒后，对剩下的（包括服务器的引擎进程）发 SIGKILL。
+    deadline = time.monotonic() + grace
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=grace)
-            signal_groups([self.process], signal.SIGKILL)
-            self.process.wait()
-
-
-def signal_groups(processes: list[subprocess.Popen], sig: signal.Signals) -> None:
-    """Send ``sig`` to the group of each process (each child of the fleet leads a group of its own)."""
-    # zh: 向每个进程所在的进程组发送 ``sig``（机群的每个子进程各自领导一个进程组）。
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, sig)
-
-
-def free_port(host: str) -> int:
-    """A port that nothing listens on now (the system's pick; another program could still take it first)."""
-    # zh: 一个此刻没有程序监听的端口（由系统挑选；别的程序仍可能抢先占用它）。
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+                process.wait(timeout=max(0.0, deadline - time.monotonic()) if sig == signal.SIGTERM else None)
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float, what: str) -> None:
@@ -472,16 +467,7 @@ class Fleet:
         # zh: 先停网关，再停每个副本：向每个进程组发 SIGTERM，总共等 ``grace`` 秒后对剩下的发 SIGKILL。
         processes = [self.gateway] if self.gateway is not None else []
         processes += [replica.process for replica in self.replicas if replica.process is not None]
-        signal_groups(processes, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        # en: Whatever is left, the servers' engine processes included.
-        # zh: 剩下的一切，包括服务器的引擎进程。
-        signal_groups(processes, signal.SIGKILL)
-        for process in processes:
-            process.wait()
+        stop_groups(processes, grace)
 
 # %% [markdown] tags=["en"]
 # ## Build it: one command
@@ -777,7 +763,8 @@ from typing import Any
 import httpx
 
 from nanovllm.bench.serve import RequestResult, percentiles, stream_one
-from nanovllm.serve.fleet import POLICIES, free_port, plan
+from nanovllm.serve.fleet import POLICIES, plan
+from nanovllm.serve.process import free_port
 
 # en: The words of the users' documents and questions: plain English, so that a real model reads text, not noise.
 # zh: 用户文档和问题所用的词：普通英文，这样真实的模型读到的是文字而不是噪声。

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 
 from nanovllm.bench.serve import RequestResult, percentiles, stream_one
-from nanovllm.serve.fleet import POLICIES, free_port, plan
+from nanovllm.serve.fleet import POLICIES, plan
+from nanovllm.serve.process import free_port
 
 __all__ = [
     "CACHE_COUNTER",

@@ -10,7 +10,6 @@ import contextlib
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from types import FrameType
 import httpx
 
 import nanovllm
+from nanovllm.serve.process import free_port
 
 __all__ = [
     "GATEWAY_MODULE",
@@ -30,14 +30,13 @@ __all__ = [
     "Fleet",
     "Replica",
     "build_parser",
-    "free_port",
     "gateway_command",
     "gpu_budgets",
     "gpu_count",
     "main",
     "plan",
-    "signal_groups",
     "sigterm_as_interrupt",
+    "stop_groups",
     "wait_healthy",
 ]
 
@@ -81,25 +80,20 @@ class Replica:
     def stop(self, grace: float) -> None:
         """SIGTERM to the replica's group, SIGKILL to whatever is left of it after ``grace`` seconds."""
         if self.process is not None:
-            signal_groups([self.process], signal.SIGTERM)
+            stop_groups([self.process], grace)
+
+
+def stop_groups(processes: list[subprocess.Popen], grace: float) -> None:
+    """Stop each process and its whole group (each child of the fleet leads a group of its own): SIGTERM to every
+    group, then SIGKILL to what is left after ``grace`` seconds in all (the servers' engine processes included)."""
+    deadline = time.monotonic() + grace
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+        for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=grace)
-            signal_groups([self.process], signal.SIGKILL)
-            self.process.wait()
-
-
-def signal_groups(processes: list[subprocess.Popen], sig: signal.Signals) -> None:
-    """Send ``sig`` to the group of each process (each child of the fleet leads a group of its own)."""
-    for process in processes:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, sig)
-
-
-def free_port(host: str) -> int:
-    """A port that nothing listens on now (the system's pick; another program could still take it first)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+                process.wait(timeout=max(0.0, deadline - time.monotonic()) if sig == signal.SIGTERM else None)
 
 
 def wait_healthy(url: str, process: subprocess.Popen | None, timeout: float, what: str) -> None:
@@ -223,15 +217,7 @@ class Fleet:
         seconds in all."""
         processes = [self.gateway] if self.gateway is not None else []
         processes += [replica.process for replica in self.replicas if replica.process is not None]
-        signal_groups(processes, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        # Whatever is left, the servers' engine processes included.
-        signal_groups(processes, signal.SIGKILL)
-        for process in processes:
-            process.wait()
+        stop_groups(processes, grace)
 
 
 # notebooks/28_fleet.py · cell "fleet command"

@@ -14,10 +14,10 @@ import httpx
 import openai
 import pytest
 
-from nanovllm.bench.fleet import conversations
+from nanovllm.bench.fleet import conversations, prefix_cache_tokens
 from nanovllm.book.tiny_models import build_tiny_model
-from nanovllm.serve.fleet import POLICIES, Fleet, free_port, gateway_command, gpu_budgets, plan, wait_healthy
-from nanovllm.serve.process import ServerProcess
+from nanovllm.serve.fleet import POLICIES, Fleet, gateway_command, gpu_budgets, plan, wait_healthy
+from nanovllm.serve.process import ServerProcess, free_port
 
 pytest.importorskip("sglang_router", reason="the fleet's gateway (sglang-router) is a pinned dependency")
 
@@ -158,10 +158,7 @@ def test_a_dead_replica_leaves_the_rotation_and_the_supervisor_restarts_it(fleet
 
 def _requests_served(url: str) -> float:
     """Prompt tokens a server has looked up in its prefix cache: more than 0 once it has served a request."""
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:prefix_cache_queries_total"):
-            return float(line.split()[-1])
-    return 0.0
+    return prefix_cache_tokens([url])["queries"]
 
 
 def test_a_server_started_elsewhere_joins_by_url(tiny: str, tmp_path: Path) -> None:
