@@ -44,6 +44,9 @@ say = Phrases({
     "the gateway lists the model as {models}": "网关列出的模型是 {models}",
     "user {user}, turn {turn}: replica {replica}, {hits} of {queries} prompt tokens cached":
         "用户 {user} 第 {turn} 轮：副本 {replica}，提示词 {queries} 个 token 中有 {hits} 个已缓存",
+    "{policy:<11}  the replica of each turn, by user: {routes}; blocks found in a cache: {hits}":
+        "{policy:<11}  各用户每一轮所在的副本：{routes}；在缓存中找到的块：{hits}",
+    "the animation's claims hold on its {frames} frames": "动画所说的事在它的 {frames} 帧上全部成立",
     "replica {replica} killed; the next request: HTTP {status}, the same reply: {same}":
         "副本 {replica} 被杀掉；下一个请求：HTTP {status}，回复相同：{same}",
     "the fleet restarted it: {events}": "机群重启了它：{events}",
@@ -158,17 +161,21 @@ async def server_info(request: Request) -> Response:
 # A replica is `python -m nanovllm.serve` on a port of its own, and the server starts its engine
 # in a child process (chapter 22). The fleet starts each replica as the leader of a new **process
 # group**, so that one signal to the group reaches the server and its engine together, and a
-# Ctrl-C in the terminal reaches only the fleet, which then stops its children in order. A
-# replica is ready when its `/health` answers 200; if its process exits first, waiting stops at
-# once with its exit code, rather than at the timeout.
+# Ctrl-C in the terminal reaches only the fleet, which then stops its children in order. A kill
+# that the fleet cannot catch (SIGKILL, an out-of-memory kill) must not leave its replicas
+# running with nobody to stop them: each child asks Linux for a SIGTERM when the fleet dies
+# (chapter 21's `die_with_parent`), and a server that gets one stops its engine. A replica is
+# ready when its `/health` answers 200; if its process exits first, waiting stops at once with
+# its exit code, rather than at the timeout.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：副本，自成一个进程组
 #
 # 一个副本就是在自己的端口上运行的 `python -m nanovllm.serve`，服务器在一个子进程里启动它的引擎（第 22 章）。机群把每个
 # 副本作为一个新**进程组**的组长启动，这样发给进程组的一个信号能同时到达服务器和它的引擎；而终端里的 Ctrl-C 只到达机群本
-# 身，由它按顺序停下各个子进程。副本的 `/health` 返回 200 时就算就绪；如果它的进程先退出了，等待会立即带着退出码结束，而
-# 不是等到超时。
+# 身，由它按顺序停下各个子进程。机群捕获不到的杀法（SIGKILL、内存耗尽时被杀）不能让副本无人看管地继续运行：每个子进程都
+# 请 Linux 在机群死掉时给它发 SIGTERM（第 21 章的 `die_with_parent`），收到 SIGTERM 的服务器会停下它的引擎。副本的
+# `/health` 返回 200 时就算就绪；如果它的进程先退出了，等待会立即带着退出码结束，而不是等到超时。
 
 # %% replica
 #| default_exp serve.fleet
@@ -190,6 +197,7 @@ from pathlib import Path
 import httpx
 
 import nanovllm
+from nanovllm.serve.client import die_with_parent
 from nanovllm.serve.process import free_port
 
 
@@ -214,8 +222,9 @@ class Replica:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
-        """Start the server as the leader of a new process group: a signal to the group reaches its engine too."""
-        # zh: 把服务器作为一个新进程组的组长启动：发给进程组的信号也会到达它的引擎。
+        """Start the server as the leader of a new process group (a signal to the group reaches its engine too), to
+        get SIGTERM when the fleet dies."""
+        # zh: 把服务器作为一个新进程组的组长启动（发给进程组的信号也会到达它的引擎），机群死掉时它会收到 SIGTERM。
         env = dict(os.environ)
         # en: The child imports the nanovllm that this process runs (a checkout may not be installed).
         # zh: 子进程导入的是本进程正在运行的 nanovllm（检出的代码可能没有安装）。
@@ -225,9 +234,13 @@ class Replica:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         command = [sys.executable, "-m", "nanovllm.serve", *self.options, "--host", self.host, "--port",
                    str(self.port)]  # fmt: skip
+        # en: Linux's parent-death signal goes by the thread that starts the child: the fleet starts and restarts its
+        # en: children from one thread, the one that lives as long as the fleet.
+        # zh: Linux 的父进程死亡信号看的是启动子进程的那个线程：机群始终在同一个线程里启动和重启子进程，它与机群同寿。
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=die_with_parent)  # fmt: skip
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -356,22 +369,22 @@ def gateway_command(workers: list[str], policy: str, host: str, port: int, metri
 #
 # `Fleet` holds the replicas it starts, the servers that joined by URL (running elsewhere, on
 # other machines), and the gateway. `start` brings the replicas up one after another, checks the
-# servers that joined, then starts the gateway over all of them and waits until it lists every
-# worker as healthy (it answers at once, and adds its workers in the background). `check`, called every second, is
-# the supervisor: a replica that exited is restarted on its port (the gateway takes it out of the
-# rotation meanwhile and back once it answers), the gateway's exit ends the fleet, and a replica
-# that keeps dying ends it too rather than looping forever. `stop` sends SIGTERM to every group,
-# the gateway's first, waits a few seconds for them all at once, then SIGKILLs what is left, so
-# Ctrl-C ends the whole tree within seconds.
+# servers that joined, then `start_gateway` starts the gateway over all of them and waits until
+# it lists every worker as healthy (it answers at once, and adds its workers in the background).
+# `check`, called every second, is the supervisor: a replica that exited is restarted on its port
+# (the gateway takes it out of the rotation meanwhile and back once it answers), the gateway's
+# exit ends the fleet, and a replica that keeps dying ends it too rather than looping forever.
+# `stop` sends SIGTERM to every group, the gateway's first, waits a few seconds for them all at
+# once, then SIGKILLs what is left, so Ctrl-C ends the whole tree within seconds.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：机群的启动、看护与停止
 #
 # `Fleet` 持有它启动的副本、通过 URL 加入的服务器（运行在别处，别的机器上），以及网关。`start` 一个接一个地启动副本，检
-# 查加入的服务器，然后在它们之上启动网关，并等到网关把每个 worker 都列为健康（网关立即应答，worker 是在后台加入的）。每
-# 秒调用一次的 `check` 就是看护者：退出了的副本在原端口上重启（网关在此期间把它摘出轮转，等它应答后再放回），网关退出则
-# 机群结束，一直死掉的副本也会让机群结束，而不是无休止地循环。`stop` 向每个进程组发 SIGTERM（先发给网关），一起等它们几
-# 秒，再对剩下的发 SIGKILL，所以 Ctrl-C 能在几秒内结束整棵进程树。
+# 查加入的服务器，然后由 `start_gateway` 在它们之上启动网关，并等到网关把每个 worker 都列为健康（网关立即应答，worker 是
+# 在后台加入的）。每秒调用一次的 `check` 就是看护者：退出了的副本在原端口上重启（网关在此期间把它摘出轮转，等它应答后再
+# 放回），网关退出则机群结束，一直死掉的副本也会让机群结束，而不是无休止地循环。`stop` 向每个进程组发 SIGTERM（先发给网
+# 关），一起等它们几秒，再对剩下的发 SIGKILL，所以 Ctrl-C 能在几秒内结束整棵进程树。
 
 # %% fleet
 #| export
@@ -417,11 +430,19 @@ class Fleet:
             wait_healthy(replica.url, replica.process, self.startup_timeout, f"replica {replica.index} ({replica.log})")
         for url in self.remote:
             wait_healthy(url, None, self.startup_timeout, f"the server at {url}")
+        self.start_gateway()
+
+    def start_gateway(self) -> None:
+        """Start the gateway over every replica and every server that joined, in a process group of its own (it gets
+        SIGTERM when the fleet dies), and wait until it answers and lists them all as healthy. A second `Fleet` over
+        the same running replicas, with another policy and port, starts only this."""
+        # zh: 在所有副本和所有加入的服务器之上启动网关，让它自成一个进程组（机群死掉时它会收到 SIGTERM），并等到它应答、
+        # zh: 把它们全部列为健康。在同样这些运行中的副本之上、换一种策略和端口的第二个 `Fleet`，只需调用这个方法。
         workers = [replica.url for replica in self.replicas] + self.remote
         command = gateway_command(workers, self.policy, self.host, self.port, self.metrics_port)
         with (self.log_dir / "gateway.log").open("ab") as log:
             self.gateway = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)  # fmt: skip
+                                            start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
         wait_healthy(self.url, self.gateway, 60.0, f"the gateway ({self.log_dir / 'gateway.log'})")
         self.wait_for_workers(len(workers), 60.0)
 
@@ -607,16 +628,20 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # users each send three turns, one request at a time: each turn's prompt is the conversation so
 # far. The replicas' `vllm:prefix_cache_*` counters (chapter 22) tell which replica served each
 # turn and how much of its prompt was cached. The gateway sends a user's first turn to the least
-# loaded replica; from then on, its radix tree sends the later turns after it.
+# loaded replica; from then on, its radix tree sends the later turns after it. Each replica also
+# publishes its KV events (chapter 27), on Unix sockets in the fleet's log directory, for the
+# animation below.
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：网关后面的两个小模型副本
 #
 # 在这台 CPU 上，由第 06 章的小 Qwen3 组成的两个副本的机群，块大小 16 个 token。两个用户各发三轮，一次一个请求：每一轮的
 # 提示词都是到目前为止的对话。副本的 `vllm:prefix_cache_*` 计数器（第 22 章）告诉我们每一轮由哪个副本处理、提示词里有多
-# 少已在缓存中。网关把用户的第一轮发给负载最轻的副本；此后，它的基数树让后面几轮都跟着去那里。
+# 少已在缓存中。网关把用户的第一轮发给负载最轻的副本；此后，它的基数树让后面几轮都跟着去那里。每个副本还在机群日志目录
+# 里的 Unix 套接字上发布它的 KV 事件（第 27 章），供下面的动画使用。
 
 # %%
+import json
 import re
 import time
 
@@ -627,6 +652,10 @@ from nanovllm.book.tiny_models import build_tiny_model
 tiny = build_tiny_model("qwen3")
 fleet = plan(["--model", str(tiny), "--device", "cpu", "--kvcache-block-size", "16", "--max-model-len", "1024"],
              replicas=2, port=free_port("127.0.0.1"))
+for replica in fleet.replicas:
+    sockets = f"ipc://{fleet.log_dir}/replica-{replica.index}"
+    events = {"enable_kv_cache_events": True, "endpoint": f"{sockets}-events", "replay_endpoint": f"{sockets}-replay"}
+    replica.options += ["--kv-events-config", json.dumps(events)]
 fleet.start()
 models = httpx.get(f"{fleet.url}/v1/models", timeout=30).json()["data"]
 print(say("the gateway lists the model as {models}", models=[model["id"] for model in models]))
@@ -641,11 +670,11 @@ def cache_counters(url: str) -> dict[str, float]:
     return {name: float(value) for name, value in CACHE.findall(httpx.get(f"{url}/metrics", timeout=30).text)}
 
 
-def complete(prompt: str) -> dict:
-    """One greedy completion of eight tokens through the gateway."""
-    # zh: 经由网关的一次贪心补全，生成八个 token。
+def complete(prompt: str, url: str | None = None) -> dict:
+    """One greedy completion of eight tokens through the gateway (the fleet's, unless ``url`` names another)."""
+    # zh: 经由网关的一次贪心补全，生成八个 token（默认是机群的网关，``url`` 可以指定另一个）。
     body = {"model": tiny.name, "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-    reply = httpx.post(f"{fleet.url}/v1/completions", json=body, timeout=120)
+    reply = httpx.post(f"{url or fleet.url}/v1/completions", json=body, timeout=120)
     reply.raise_for_status()
     return reply.json()
 
@@ -670,12 +699,332 @@ for user in (0, 1):
 assert all(served_by[user, turn] == served_by[user, 1] for user in (0, 1) for turn in (2, 3))
 
 # %% [markdown] tags=["en"]
+# ### See it: what each replica caches, and where each turn goes
+#
+# One request at a time, as above, no replica is ever busier than the other. A gateway is for
+# users who talk at once, so now three users, A, B and C, send each turn together: a round ends
+# when all three have their replies, and the next round sends each conversation so far with a
+# new question. The first turns go where the gateway's balancing puts them; the later turns
+# should follow. Then the same workload, with new users D, E and F, goes through a second
+# gateway over the same two replicas, `round_robin`, started by `start_gateway`.
+#
+# What each cache holds comes from the replicas themselves. After each round, a subscriber per
+# replica asks for a replay of its KV events (chapter 27), so it knows every block the replica
+# stored, with its parent. A conversation is a chain: its first block starts with "user A", and
+# every later block hangs from it. A turn's replica is the one where the user's chain grew in
+# that round, and the blocks the turn found in the cache are the chain up to the parent of the
+# first block it stored; the replicas' `vllm:prefix_cache_hits_total` counters check that count.
+
+# %% [markdown] tags=["zh"]
+# ### 看它运行：每个副本缓存了什么，每一轮去了哪里
+#
+# 像上面那样一次一个请求，哪个副本都不会比另一个更忙。网关是为同时说话的用户准备的，所以现在三个用户 A、B、C 一起发出每
+# 一轮：三人都拿到回复，这一轮才结束，下一轮再发出各自到目前为止的对话和一个新问题。第一轮去哪里由网关的负载均衡决定；
+# 后面几轮应该跟着它。然后，同样的负载换成新用户 D、E、F，通过同样两个副本之上的第二个网关 `round_robin`，它由
+# `start_gateway` 启动。
+#
+# 每个缓存里有什么，由副本自己说出来。每一轮之后，每个副本的订阅者都请求补发它的 KV 事件（第 27 章），于是知道副本存入的
+# 每个块及其父块。一段对话就是一条链：它的第一块以“user A”开头，后面的每一块都挂在它下面。这个用户的链在这一轮里变长的那
+# 个副本，就是这一轮请求去的副本；这一轮在缓存中找到的块，就是链上直到它存入的第一块的父块为止的那一段。副本的
+# `vllm:prefix_cache_hits_total` 计数器会核对这个数。
+
+# %%
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import zmq
+from transformers import AutoTokenizer
+
+from nanovllm.engine.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+tokenizer = AutoTokenizer.from_pretrained(tiny)
+OWNER = re.compile(r"user (\w+):")
+
+
+class CacheMirror:
+    """What one replica's prefix cache holds, from its KV events (a replay after each round): each block's parent,
+    and whose conversation each block belongs to (the first block of its chain names the user)."""
+    # zh: 一个副本的前缀缓存里有什么，取自它的 KV 事件（每一轮之后补发一次）：每个块的父块，以及每个块属于谁的对话
+    # zh: （它所在的链的第一块写着用户）。
+
+    def __init__(self, context: zmq.Context, address: str) -> None:
+        self.replay = context.socket(zmq.DEALER)
+        # en: A replica that stopped answering fails the cell in 30 s rather than hanging it.
+        # zh: 不再应答的副本让这个单元在 30 s 后失败，而不是一直卡住。
+        self.replay.setsockopt(zmq.RCVTIMEO, 30_000)
+        self.replay.connect(address)
+        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self.next_seq = 0
+        # en: the blocks cached now, each with its parent; the user of every block ever stored
+        # zh: 现在缓存着的块及其父块；存入过的每个块属于哪个用户
+        self.parent: dict[int, int | None] = {}
+        self.user: dict[int, str] = {}
+
+    def catch_up(self) -> list[int]:
+        """Apply every batch published since the last call; the blocks stored meanwhile, in order."""
+        # zh: 应用上次调用以来发布的每一批；返回这期间存入的块，按先后顺序。
+        self.replay.send_multipart([b"", self.next_seq.to_bytes(8, "big")])
+        stored = []
+        while True:
+            _, _, seq, payload = self.replay.recv_multipart()
+            number = int.from_bytes(seq, "big", signed=True)
+            if number == -1:
+                return stored
+            if number < self.next_seq:
+                continue
+            self.next_seq = number + 1
+            for event in self.decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    parent = event.parent_block_hash
+                    if parent is None:
+                        # en: A chain's first block names its user: "user A: fact A-0 ..."
+                        # zh: 链的第一块写着它的用户："user A: fact A-0 ..."
+                        head = OWNER.match(tokenizer.decode(event.token_ids[: event.block_size]))
+                        self.user[event.block_hashes[0]] = head[1] if head else "?"
+                    for block in event.block_hashes:
+                        self.user.setdefault(block, self.user.get(parent))
+                        self.parent[block], parent = parent, block
+                        stored.append(block)
+                elif isinstance(event, BlockRemoved):
+                    for block in event.block_hashes:
+                        self.parent.pop(block, None)
+                else:
+                    self.parent.clear()
+
+    def chain(self, block: int | None) -> list[int]:
+        """``block`` and the blocks before it in its chain, the first block first."""
+        # zh: ``block`` 及其链上在它之前的块，第一块在前。
+        blocks = []
+        while block is not None:
+            blocks.append(block)
+            block = self.parent[block]
+        return blocks[::-1]
+
+
+def talk(url: str, policy: str, users: tuple[str, ...]) -> list[dict]:
+    """Three rounds through the gateway at ``url``, every user sending its next turn at once; after each round the
+    KV events say where each turn went, what it found and what it stored. A frame per turn, as plain data."""
+    # zh: 经由 ``url`` 处的网关进行三轮，每一轮所有用户同时发出下一轮请求；每一轮之后由 KV 事件说出每一轮请求去了
+    # zh: 哪里、找到了什么、存入了什么。每一轮请求一帧，都是普通数据。
+    texts = {user: f"user {user}: " + " ".join(f"fact {user}-{i} is {i * 7 % 13}." for i in range(20))
+             for user in users}  # fmt: skip
+    shown: list[dict[str, list[int]]] = [{user: [] for user in users} for _ in mirrors]
+    frames = []
+    for turn in (1, 2, 3):
+        for user in users:
+            texts[user] += f"\nquestion {turn}: what is fact {user}-{turn}?\nanswer:"
+        before = [cache_counters(replica.url)["hits"] for replica in fleet.replicas]
+        with ThreadPoolExecutor(len(users)) as pool:
+            replies = list(pool.map(lambda user: complete(texts[user], url)["choices"][0]["text"], users))
+        # en: prompt tokens found in each replica's cache this round, by its own counter
+        # zh: 这一轮里每个副本在缓存中找到的提示词 token 数，按它自己的计数器
+        counted = [cache_counters(replica.url)["hits"] - before[r] for r, replica in enumerate(fleet.replicas)]
+        stored = [mirror.catch_up() for mirror in mirrors]
+        for user, reply in zip(users, replies, strict=True):
+            texts[user] += reply
+            went = [r for r, mirror in enumerate(mirrors) if any(mirror.user[b] == user for b in stored[r])]
+            assert len(went) == 1, (policy, user, turn, went)
+            mirror = mirrors[went[0]]
+            new = [block for block in stored[went[0]] if mirror.user[block] == user]
+            shown[went[0]][user] += new
+            frames.append({
+                "policy": policy, "turn": turn, "user": user, "replica": went[0], "counted": counted,
+                "hits": mirror.chain(mirror.parent[new[0]]), "new": new,
+                "caches": [{u: [b for b in blocks if b in m.parent] for u, blocks in rows.items()}
+                           for m, rows in zip(mirrors, shown, strict=True)],
+                "others": [sum(1 for b in m.parent if m.user[b] not in users) for m in mirrors],
+            })  # fmt: skip
+    return frames
+
+
+context = zmq.Context()
+mirrors = [CacheMirror(context, f"ipc://{fleet.log_dir}/replica-{replica.index}-replay") for replica in fleet.replicas]
+for mirror in mirrors:
+    mirror.catch_up()
+recorded = talk(fleet.url, "cache_aware", ("A", "B", "C"))
+# en: A second gateway, taking turns, over the same running replicas; it stops when the run does.
+# zh: 同样这些运行中的副本之上的第二个网关，轮流分发；运行结束它就停下。
+taking_turns = dataclasses.replace(fleet, policy="round_robin", port=free_port("127.0.0.1"),
+                                   metrics_port=free_port("127.0.0.1"), gateway=None, events=[])
+taking_turns.start_gateway()
+try:
+    recorded += talk(taking_turns.url, "round_robin", ("D", "E", "F"))
+finally:
+    stop_groups([taking_turns.gateway], 5.0)
+    context.destroy(linger=0)
+for policy in ("cache_aware", "round_robin"):
+    turns = [frame for frame in recorded if frame["policy"] == policy]
+    routes = "  ".join(f"{user}: {' '.join(str(f['replica']) for f in turns if f['user'] == user)}"
+                       for user in dict.fromkeys(f["user"] for f in turns))
+    print(say("{policy:<11}  the replica of each turn, by user: {routes}; blocks found in a cache: {hits}",
+              policy=policy, routes=routes, hits=sum(len(f["hits"]) for f in turns)))
+
+# %% [markdown] tags=["en"]
+# Each frame is one turn: on the left, the gateway and the turn it routed; on the right, each
+# replica's cache, a row per user, a square per block of 16 tokens, coloured by its user. An
+# orange outline marks a block this turn found in the cache (a hit), a dark blue one a block it
+# stored. Under `cache_aware` each user's row grows on one replica only, and each later turn
+# finds its conversation there, up to the block that holds the start of the last reply: that
+# block holds the tokens the model chose, and the reply's text, sent back in the next prompt,
+# need not turn into the same tokens again (where it does not, that block is never found, and
+# the next turn stores its own). Under `round_robin` the turns take the replicas in turn, whatever they hold: a turn
+# that lands where its conversation is not is prefilled whole, and the user's blocks end up
+# cached twice, once on each replica.
+
+# %% [markdown] tags=["zh"]
+# 每一帧是一轮请求：左边是网关和它刚分发的请求；右边是每个副本的缓存，每个用户一行，每个 16 个 token 的块一个方块，按它
+# 的用户着色。橙色边框标出这一轮在缓存中找到的块（缓存命中），深蓝色边框标出它新存入的块。在 `cache_aware` 下，每个用户
+# 的那一行只在一个副本上变长，后面每一轮都在那里找到自己的对话，直到装着上一次回复开头的那一块为止：那一块装的是模型选出
+# 的 token，而回复的文本随下一个提示词发回来之后，不一定还会变成同样的 token（没有变成同样的 token 时，那一块再也不会被
+# 找到，下一轮会存入它自己的一块）。在 `round_robin` 下，请求不管副本里有什么，轮流去各个副本：落到没有它的对话的副本上
+# 的请求要完整地 prefill，用户的块最后缓存了两份，每个副本上一份。
+
+# %%
+import html
+
+from IPython.display import HTML
+
+from nanovllm.viz.player import lang_text, pick_lang, slides_html, svg_label
+
+SIDE, STEP, ROWS_AT = 11, 14, 236
+
+
+def squares(xs: list[int], y: int) -> str:
+    """Squares of side ``SIDE`` on row ``y``, one at each of ``xs``, as one SVG path."""
+    # zh: 第 ``y`` 行上、``xs`` 每个位置一个的边长为 ``SIDE`` 的方块，合成一条 SVG 路径。
+    return "".join(f"M{x} {y}h{SIDE}v{SIDE}h-{SIDE}z" for x in xs)
+
+
+def fleet_svg(frame: dict, width: int) -> str:
+    """One turn: the gateway and the turn it routed (left), each replica's cached blocks (right), a row per user;
+    an orange outline marks a hit of this turn, a dark blue one a block it stored (the player's colours)."""
+    # zh: 一轮请求：网关和它刚分发的请求（左），每个副本缓存的块（右），每个用户一行；橙色边框标出这一轮的缓存命中，
+    # zh: 深蓝色边框标出它新存入的块（与播放器的配色相同）。
+    users = list(frame["caches"][0])
+    panel = 30 + 16 * len(users)
+    height = 2 * panel + 22
+    mid = height // 2
+    colour = {user: f"nvv-c{i + 1}" for i, user in enumerate(users)}
+    turn_en, turn_zh = f"{frame['user']}, turn {frame['turn']}", f"{frame['user']}，第 {frame['turn']} 轮"
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="nvv-svg" width="{width}" height="{height}">',
+             f'<rect x="6" y="{mid - 38}" width="160" height="76" rx="6" fill="#eceff1" stroke="#90a4ae"/>',
+             f'<text class="nvv-h nvv-mid" x="86" y="{mid - 18}">{svg_label("gateway", "网关", None)}</text>',
+             f'<text class="nvv-mid" x="86" y="{mid - 2}">{frame["policy"]}</text>',
+             f'<rect class="{colour[frame["user"]]}" x="22" y="{mid + 9}" width="128" height="20" rx="4"/>',
+             f'<text class="nvv-mid" x="86" y="{mid + 23}">{svg_label(turn_en, turn_zh, None)}</text>']  # fmt: skip
+    for r, (cache, others) in enumerate(zip(frame["caches"], frame["others"], strict=True)):
+        top, chosen = 6 + r * (panel + 10), r == frame["replica"]
+        edge = 'stroke="#37474f" stroke-width="2"' if chosen else 'stroke="#cfd8dc"'
+        parts.append(f'<rect x="196" y="{top}" width="{width - 202}" height="{panel}" rx="6" fill="#fafafa" {edge}/>')
+        name = svg_label(f"replica {r}", f"副本 {r}", None)
+        parts.append(f'<text class="nvv-h" x="206" y="{top + 17}">{name}</text>')
+        if others:
+            note = svg_label(f"+ {others} blocks of earlier requests", f"另有 {others} 个较早请求的块", None)
+            parts.append(f'<text class="nvv-dim" x="{width - 14}" y="{top + 17}" text-anchor="end">{note}</text>')
+        if chosen:
+            parts.append(f'<path d="M166 {mid}L194 {top + panel // 2}" stroke="#37474f" stroke-width="2" fill="none"/>'
+                         f'<circle cx="194" cy="{top + panel // 2}" r="3" fill="#37474f"/>')
+        for i, user in enumerate(users):
+            y = top + 26 + 16 * i
+            xs = {block: ROWS_AT + k * STEP for k, block in enumerate(cache[user])}
+            parts.append(f'<text x="{ROWS_AT - 8}" y="{y + 10}" text-anchor="end">{user}</text>')
+            parts.append(f'<path class="{colour[user]}" d="{squares(list(xs.values()), y)}"/>')
+            if chosen and user == frame["user"]:
+                for blocks, stroke in ((frame["hits"], "#ef6c00"), (frame["new"], "#0d47a1")):
+                    path = squares([xs[block] for block in blocks if block in xs], y)
+                    parts.append(f'<path d="{path}" fill="none" stroke="{stroke}" stroke-width="2.5"/>')
+    return "".join(parts) + "</svg>"
+
+
+def fleet_caption(frame: dict, earlier: int | None) -> str:
+    """What the gateway did with one turn, and what the replica found, in both languages."""
+    # zh: 网关怎样处理了这一轮请求，副本找到了什么，两种语言。
+    user, turn, replica, hits, new = (frame[key] for key in ("user", "turn", "replica", "hits", "new"))
+    en = (f"{frame['policy']}, round {turn}: the gateway sent user {user}'s turn to replica {replica}, which found "
+          f"{len(hits)} of its blocks in the cache and stored {len(new)} new ones")
+    zh = (f"{frame['policy']}，第 {turn} 轮：网关把用户 {user} 的这一轮发给副本 {replica}，副本在缓存中找到其中 "
+          f"{len(hits)} 个块，新存入 {len(new)} 个")
+    if earlier is not None and earlier != replica:
+        en += f"; its turn {turn - 1} is cached on replica {earlier}"
+        zh += f"；它第 {turn - 1} 轮的块缓存在副本 {earlier} 上"
+    # en: As the player's own captions: in both languages, the Chinese line under the English one.
+    # zh: 与播放器自己的说明一样：两种语言都显示时，中文一行在英文一行之下。
+    en, zh = (f'<div lang="{lang}">{html.escape(text)}</div>' for lang, text in (("en", en), ("zh", zh)))
+    return f'<div class="nvv-cap">{pick_lang(en, zh)}</div>'
+
+
+def swatch(style: str) -> str:
+    square = f'<rect x="2" y="2" width="{SIDE}" height="{SIDE}" {style}/>'
+    return f'<svg width="15" height="15" style="vertical-align:-3px">{square}</svg>'
+
+
+widest = max(len(blocks) for frame in recorded for cache in frame["caches"] for blocks in cache.values())
+width = ROWS_AT + widest * STEP + 14
+replica_of: dict[tuple[str, int], int] = {}
+slides = []
+for frame in recorded:
+    replica_of[frame["user"], frame["turn"]] = frame["replica"]
+    slides.append((fleet_caption(frame, replica_of.get((frame["user"], frame["turn"] - 1))), fleet_svg(frame, width)))
+legend = ('<div class="nvv-legend">' + swatch('class="nvv-c1"') + lang_text("a cached block, coloured by its user",
+          "已缓存的块，按用户着色", None) + " · " + swatch('fill="none" stroke="#ef6c00" stroke-width="2.5"')
+          + lang_text("found in the cache by this turn (a hit)", "这一轮在缓存中找到的块（缓存命中）", None) + " · "
+          + swatch('fill="none" stroke="#0d47a1" stroke-width="2.5"')
+          + lang_text("stored by this turn", "这一轮新存入的块", None) + "</div>")  # fmt: skip
+hint = lang_text("A square is a block of 16 tokens; a row, what the replica caches of one user's conversation.",
+                 "一个方块是 16 个 token 的块；一行是副本缓存的某个用户的对话。", None)
+HTML(slides_html(slides, start=0, player_id="fleet-caches", hint=hint, legend=legend))
+
+# %% [markdown] tags=["en"]
+# Check it: the animation's claims, on its recorded frames. The blocks that the events say each
+# turn found are the replicas' own count. Under `cache_aware` every later turn went back to the
+# replica of the user's first turn and found there every block of that turn's prompt, and each
+# conversation is cached on one replica. Under `round_robin` some second turn went to the other
+# replica and found nothing, some conversation is cached on both, and fewer blocks were found in
+# all. (With three users and two replicas, taking turns must move someone's second turn: in a
+# round of three, two turns land on one replica and one on the other, and the next round swaps
+# them.)
+
+# %% [markdown] tags=["zh"]
+# 验证：在记录下的帧上检验动画所说的事。事件说每一轮找到的块数，就是副本自己的计数。在 `cache_aware` 下，后面每一轮都回
+# 到了该用户第一轮所在的副本，并在那里找到了第一轮提示词的每一个块，每段对话只缓存在一个副本上。在 `round_robin` 下，有
+# 的第二轮去了另一个副本，什么也没找到，有的对话在两个副本上都有缓存，找到的块总数也更少。（三个用户、两个副本时，轮流分
+# 发必然让某个用户的第二轮换了副本：一轮三个请求，两个落在一个副本上、一个落在另一个上，下一轮两个副本的角色正好对调。）
+
+# %%
+aware, turns = ([frame for frame in recorded if frame["policy"] == policy] for policy in ("cache_aware", "round_robin"))
+for frames in (aware, turns):
+    for turn in (1, 2, 3):
+        this_round = [frame for frame in frames if frame["turn"] == turn]
+        for replica in (0, 1):
+            found = sum(len(frame["hits"]) for frame in this_round if frame["replica"] == replica)
+            assert 16 * found == this_round[0]["counted"][replica], (turn, replica, found, this_round[0]["counted"])
+first = {frame["user"]: frame for frame in aware if frame["turn"] == 1}
+for frame in aware[3:]:
+    # en: The first turn stored its prompt's full blocks, then at most one that its 8 reply tokens filled.
+    # zh: 第一轮存入了提示词的全部整块，然后至多一块由它回复的 8 个 token 填满。
+    prompt_blocks = first[frame["user"]]["new"][:-1]
+    assert frame["replica"] == first[frame["user"]]["replica"]
+    assert frame["hits"][: len(prompt_blocks)] == prompt_blocks
+assert all(sum(1 for cache in aware[-1]["caches"] if cache[user]) == 1 for user in first)
+home = {frame["user"]: frame["replica"] for frame in turns if frame["turn"] == 1}
+moved = [frame for frame in turns if frame["turn"] == 2 and frame["replica"] != home[frame["user"]]]
+assert moved and not any(frame["hits"] for frame in moved)
+assert any(all(cache[user] for cache in turns[-1]["caches"]) for user in home)
+assert sum(len(frame["hits"]) for frame in aware) > sum(len(frame["hits"]) for frame in turns)
+print(say("the animation's claims hold on its {frames} frames", frames=len(recorded)))
+
+# %% [markdown] tags=["en"]
+# ### When a replica dies
+#
 # Now a replica dies (SIGKILL, the way an out-of-memory kill ends it). The next request, which
 # the gateway's tree would send there, is retried on the other replica and gets the same greedy
 # reply; one round of the supervisor restarts the dead one. Then the fleet stops, and no process
 # of it is left.
 
 # %% [markdown] tags=["zh"]
+# ### 副本死掉的时候
+#
 # 现在一个副本死掉了（SIGKILL，就像内存耗尽时被杀那样）。下一个请求本该被网关的树送到那里，它在另一个副本上重试，得到同
 # 样的贪心回复；看护者的一轮检查就把死掉的副本重启了。然后机群停下，它的进程一个也不剩。
 
@@ -754,10 +1103,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -789,6 +1141,43 @@ def conversations(users: int, turns: int, context_words: int, seed: int) -> list
             text += " It says little about it."
         prompts.append(turns_of_user)
     return prompts
+
+def workload_words(users: int, turns: int) -> list[str]:
+    """Every word (as whitespace splits text) that `conversations` of at most ``users`` users and ``turns`` turns can
+    write, and that the replies of a model reading them hold: the vocabulary a word tokenizer needs for them."""
+    # zh: ``users`` 个用户、``turns`` 轮以内的 `conversations` 能写出的每个词（按空白切分），加上读它们的模型的回复
+    # zh: 里有的词：一个按词切分的分词器为它们需要的词表。
+    template = "Document : Question what does the document say about Answer: It says little about it."
+    numbered = [f"{n}:" for n in range(max(users, turns) + 1)]
+    return sorted({*template.split(), *WORDS, *(f"{word}?" for word in WORDS), *numbered})
+
+
+def teach_words(tokenizer_file: Path, words: list[str]) -> None:
+    """Give ``words`` ids of a chapter-23 word tokenizer (``tokenizer_file``): each word it lacks takes the lowest id
+    still named t<id>, so the vocabulary keeps its size and its special tokens."""
+    # zh: 让第 23 章按词切分的分词器（``tokenizer_file``）认识 ``words``：它缺的每个词占用仍叫 t<id> 的最小 id，
+    # zh: 这样词表的大小和特殊 token 都不变。
+    tokenizer = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    vocab = tokenizer["model"]["vocab"]
+    unnamed = iter(token for token in sorted(vocab, key=vocab.get) if re.fullmatch(r"t\d+", token))
+    for word in words:
+        if word not in vocab:
+            vocab[word] = vocab.pop(next(unnamed))
+    tokenizer_file.write_text(json.dumps(tokenizer), encoding="utf-8")
+
+
+def qwen3_06b_fleet(users: int = 1024, turns: int = 64, path: str | None = None) -> Path:
+    """Chapter 23's served benchmark model (Qwen3-0.6B's shapes, random weights) whose word tokenizer knows
+    `workload_words`. Its own names (t0, t1, ...) make every English word <unk>: every user's document would be the
+    same tokens, and every policy would find every prompt cached."""
+    # zh: 第 23 章服务基准用的模型（Qwen3-0.6B 的形状，随机权重），但它按词切分的分词器认识 `workload_words`。
+    # zh: 它原来的名字（t0、t1……）让每个英文单词都成了 <unk>：每个用户的文档都会是同样的 token，每种策略都会发现
+    # zh: 每个提示词都已缓存。
+    from nanovllm.bench.serve import qwen3_06b_served
+
+    target = qwen3_06b_served(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-fleet")
+    teach_words(target / "tokenizer.json", workload_words(users, turns))
+    return target
 
 
 async def run_users(url: str, model: str, prompts: list[list[str]], max_tokens: int) -> tuple[list[RequestResult],
@@ -972,8 +1361,11 @@ assert [round(ttft, 2) for _, ttft in ratios] == [0.31, 0.94, 0.73]
 # - `/server_info` on the server (SGLang's route), so that the gateway names the model.
 # - `nanovllm.serve.fleet`: `Replica` (a server in a process group of its own), `gpu_budgets`
 #   (replicas sharing a GPU), `gateway_command` (sglang-router, tuned to drop a dead replica in
-#   seconds), `Fleet` (start, supervise, stop the whole tree) and `python -m nanovllm.serve.fleet`,
-#   with `--worker-url` for servers on other machines.
+#   seconds), `Fleet` (start, supervise, stop the whole tree; `start_gateway` puts another gateway
+#   over running replicas; every child dies with the fleet, even a SIGKILLed one) and
+#   `python -m nanovllm.serve.fleet`, with `--worker-url` for servers on other machines.
+# - An animation of the two replicas' caches, from their KV events: under `cache_aware` each
+#   user's turns stay with its blocks, under `round_robin` they scatter.
 # - `python -m nanovllm.bench.fleet`: a multi-turn workload run through one fleet per policy, its
 #   hit rate from the replicas' counters; on this CPU, `cache_aware` found 1.61-2.00x the cached
 #   tokens of `round_robin`, at 0.31-0.94x its median TTFT (0.73x on a quiet machine).
@@ -994,8 +1386,11 @@ assert [round(ttft, 2) for _, ttft in ratios] == [0.31, 0.94, 0.73]
 #
 # - 服务器上的 `/server_info`（SGLang 的接口），让网关说得出模型的名字。
 # - `nanovllm.serve.fleet`：`Replica`（自成一个进程组的服务器）、`gpu_budgets`（共用 GPU 的副本）、`gateway_command`
-#   （sglang-router，调成几秒内就摘下死掉的副本）、`Fleet`（启动、看护、停止整棵进程树），以及带 `--worker-url`
-#   （加入别的机器上的服务器）的 `python -m nanovllm.serve.fleet`。
+#   （sglang-router，调成几秒内就摘下死掉的副本）、`Fleet`（启动、看护、停止整棵进程树；`start_gateway` 在运行中的副本
+#   之上再放一个网关；每个子进程都随机群一起结束，机群被 SIGKILL 也一样），以及带 `--worker-url`（加入别的机器上的服务
+#   器）的 `python -m nanovllm.serve.fleet`。
+# - 两个副本的缓存的动画，取自它们的 KV 事件：在 `cache_aware` 下，每个用户的各轮都跟着它的块走；在 `round_robin` 下，
+#   它们四处分散。
 # - `python -m nanovllm.bench.fleet`：每种策略一个机群，让多轮负载通过它，命中率取自副本的计数器；在这台 CPU 上，
 #   `cache_aware` 找到的已缓存 token 是 `round_robin` 的 1.61–2.00 倍，TTFT 中位数是它的 0.31–0.94 倍（机器空闲时
 #   0.73 倍）。

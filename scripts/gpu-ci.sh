@@ -34,6 +34,10 @@
 #                                       # python -m nanovllm.bench --speculative ARGS (SmolLM2 quoting a passage at
 #                                       # batches 1, 4, 16, 64, with and without prompt lookup), then the same
 #                                       # quoting rows with a self draft of SmolLM2's first 8 layers (--draft-model)
+#   scripts/gpu-ci.sh fleet [ARGS]      # the fleet (chapter 28): python -m nanovllm.bench.fleet, two replicas sharing
+#                                       # the GPU behind SGLang's gateway, cache_aware then round_robin, Qwen3-0.6B's
+#                                       # shapes with random weights; ARGS replace the workload's defaults. Needs the
+#                                       # serving wheels in .whl-serve/ (scripts/serve-wheels.sh: the gateway's too)
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/probes/moe_probe.py
 #                                       # (one Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
 #                                       # scripts/probes/moe_align_probe.py (the sort in one Triton program), then
@@ -268,6 +272,18 @@ write_self_draft(smollm2_dir(), ${DRAFT_LAYERS:-8}, '$draft')" || status=1
     --out "$out/speculative-draft.json" 2>&1 | tee "$out/speculative-draft.log" || status=1
 }
 
+run_fleet() {  # two replicas on one GPU behind the gateway, each policy in its own fleet (chapter 28)
+  serving_stack || exit 2
+  python3 -c "import sglang_router, zmq, msgspec" || { missing "the gateway (.whl-serve/: sglang-router)"; exit 2; }
+  local model
+  model=$(python3 -c "from nanovllm.bench.fleet import qwen3_06b_fleet; print(qwen3_06b_fleet())") || exit 2
+  # An odd number of users, so that round_robin cannot send a user's every turn to one replica by parity.
+  local workload=(--users 31 --turns 4 --context-words 3000 --max-tokens 32)
+  [ $# -gt 0 ] && workload=("$@")
+  python3 -m nanovllm.bench.fleet --replicas 2 "${workload[@]}" --model "$model" --device cuda \
+    --max-model-len 16384 2>&1 | tee "$out/fleet.log" || status=1
+}
+
 run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
     tests/beyond/test_26_mixture_of_experts.py || status=1
@@ -318,10 +334,11 @@ case $what in
   serve) run_serve "$@" ;;
   fp8) run_fp8 "$@" ;;
   speculative) run_speculative "$@" ;;
+  fleet) run_fleet "$@" ;;
   moe) run_moe ;;
   small-batch) run_small_batch ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | moe | small-batch | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | fleet [ARGS] | moe | small-batch | keep]" >&2
      exit 2 ;;
 esac
 exit $status

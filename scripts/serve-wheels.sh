@@ -11,14 +11,17 @@ cd "$(dirname "$0")/.."
 dest=${1:-.whl-serve}
 mkdir -p "$dest"
 # The pins of pyproject.toml (the server's and the benchmark's), the openai client and rich: transformers serve
-# imports both (transformers[serving] lists fastapi, uvicorn, pydantic, starlette, openai and rich).
+# imports both (transformers[serving] lists fastapi, uvicorn, pydantic, starlette, openai and rich). The fleet
+# (scripts/gpu-ci.sh fleet) adds SGLang's gateway, whose launcher imports aiohttp, orjson and setproctitle, and the
+# KV events' pyzmq and msgspec: about 34 MB more, most of it the gateway's one binary.
 pin() { sed -n "s/^ *\"\($1==[^\"]*\)\",.*/\1/p" pyproject.toml | head -1; }
-packages=("$(pin fastapi)" "$(pin uvicorn)" "$(pin prometheus-client)" "$(pin httpx)" "$(pin openai)" rich)
+packages=("$(pin fastapi)" "$(pin uvicorn)" "$(pin prometheus-client)" "$(pin httpx)" "$(pin openai)" rich
+          "$(pin sglang-router)" "$(pin pyzmq)" "$(pin msgspec)" aiohttp orjson setproctitle)
 for package in "${packages[@]}"; do
   [ -n "$package" ] || { echo "serve-wheels: a pin is missing from pyproject.toml" >&2; exit 2; }
 done
 rm -f "$dest"/*.whl
-python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
   -d "$dest" "${packages[@]}" 2> >(grep -v 'is ignored' >&2)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +28,10 @@ __all__ = [
     "main",
     "measure_policy",
     "prefix_cache_tokens",
+    "qwen3_06b_fleet",
     "run_users",
+    "teach_words",
+    "workload_words",
 ]
 
 
@@ -50,6 +56,36 @@ def conversations(users: int, turns: int, context_words: int, seed: int) -> list
             text += " It says little about it."
         prompts.append(turns_of_user)
     return prompts
+
+def workload_words(users: int, turns: int) -> list[str]:
+    """Every word (as whitespace splits text) that `conversations` of at most ``users`` users and ``turns`` turns can
+    write, and that the replies of a model reading them hold: the vocabulary a word tokenizer needs for them."""
+    template = "Document : Question what does the document say about Answer: It says little about it."
+    numbered = [f"{n}:" for n in range(max(users, turns) + 1)]
+    return sorted({*template.split(), *WORDS, *(f"{word}?" for word in WORDS), *numbered})
+
+
+def teach_words(tokenizer_file: Path, words: list[str]) -> None:
+    """Give ``words`` ids of a chapter-23 word tokenizer (``tokenizer_file``): each word it lacks takes the lowest id
+    still named t<id>, so the vocabulary keeps its size and its special tokens."""
+    tokenizer = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    vocab = tokenizer["model"]["vocab"]
+    unnamed = iter(token for token in sorted(vocab, key=vocab.get) if re.fullmatch(r"t\d+", token))
+    for word in words:
+        if word not in vocab:
+            vocab[word] = vocab.pop(next(unnamed))
+    tokenizer_file.write_text(json.dumps(tokenizer), encoding="utf-8")
+
+
+def qwen3_06b_fleet(users: int = 1024, turns: int = 64, path: str | None = None) -> Path:
+    """Chapter 23's served benchmark model (Qwen3-0.6B's shapes, random weights) whose word tokenizer knows
+    `workload_words`. Its own names (t0, t1, ...) make every English word <unk>: every user's document would be the
+    same tokens, and every policy would find every prompt cached."""
+    from nanovllm.bench.serve import qwen3_06b_served
+
+    target = qwen3_06b_served(path or f"{tempfile.gettempdir()}/nanovllm-qwen3-0.6b-fleet")
+    teach_words(target / "tokenizer.json", workload_words(users, turns))
+    return target
 
 
 async def run_users(url: str, model: str, prompts: list[list[str]], max_tokens: int) -> tuple[list[RequestResult],

@@ -22,6 +22,7 @@ from types import FrameType
 import httpx
 
 import nanovllm
+from nanovllm.serve.client import die_with_parent
 from nanovllm.serve.process import free_port
 
 __all__ = [
@@ -61,7 +62,8 @@ class Replica:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
-        """Start the server as the leader of a new process group: a signal to the group reaches its engine too."""
+        """Start the server as the leader of a new process group (a signal to the group reaches its engine too), to
+        get SIGTERM when the fleet dies."""
         env = dict(os.environ)
         # The child imports the nanovllm that this process runs (a checkout may not be installed).
         root = str(Path(nanovllm.__file__).resolve().parent.parent)
@@ -70,9 +72,12 @@ class Replica:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
         command = [sys.executable, "-m", "nanovllm.serve", *self.options, "--host", self.host, "--port",
                    str(self.port)]  # fmt: skip
+        # Linux's parent-death signal goes by the thread that starts the child: the fleet starts and restarts its
+        # children from one thread, the one that lives as long as the fleet.
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            preexec_fn=die_with_parent)  # fmt: skip
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -172,11 +177,17 @@ class Fleet:
             wait_healthy(replica.url, replica.process, self.startup_timeout, f"replica {replica.index} ({replica.log})")
         for url in self.remote:
             wait_healthy(url, None, self.startup_timeout, f"the server at {url}")
+        self.start_gateway()
+
+    def start_gateway(self) -> None:
+        """Start the gateway over every replica and every server that joined, in a process group of its own (it gets
+        SIGTERM when the fleet dies), and wait until it answers and lists them all as healthy. A second `Fleet` over
+        the same running replicas, with another policy and port, starts only this."""
         workers = [replica.url for replica in self.replicas] + self.remote
         command = gateway_command(workers, self.policy, self.host, self.port, self.metrics_port)
         with (self.log_dir / "gateway.log").open("ab") as log:
             self.gateway = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            start_new_session=True)  # fmt: skip
+                                            start_new_session=True, preexec_fn=die_with_parent)  # fmt: skip
         wait_healthy(self.url, self.gateway, 60.0, f"the gateway ({self.log_dir / 'gateway.log'})")
         self.wait_for_workers(len(workers), 60.0)
 

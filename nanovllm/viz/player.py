@@ -27,6 +27,7 @@ __all__ = [
     "keep_language",
     "lang_text",
     "legend_html",
+    "pick_lang",
     "player_html",
     "pool_svg",
     "postprocess_caption",
@@ -39,6 +40,7 @@ __all__ = [
     "speculation_caption",
     "start_caption",
     "style_html",
+    "svg_label",
     "tables_svg",
 ]
 
@@ -73,7 +75,7 @@ def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _pick(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
+def pick_lang(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
     """Markup in one language, or both: each marked so that ``keep_language`` can cut one out."""
     lang = check_lang(lang)
     if lang != "both":
@@ -84,7 +86,7 @@ def _pick(en: str, zh: str, lang: str | None = None, sep: str = "") -> str:
 
 def lang_text(en: str, zh: str, lang: str | None = None, sep: str = " ") -> str:
     """A short text as HTML in the reading language (both, marked, when ``lang`` is "both")."""
-    return _pick(_esc(en), _esc(zh), lang, _esc(sep))
+    return pick_lang(_esc(en), _esc(zh), lang, _esc(sep))
 
 
 def keep_language(markup: str, lang: str) -> str:
@@ -231,9 +233,9 @@ NUM_COLORS = 8
 STATE_ZH = {"free": "空闲", "used": "已用", "cached": "已缓存"}
 
 
-def _label(en: str, zh: str, lang: str | None) -> str:
+def svg_label(en: str, zh: str, lang: str | None) -> str:
     """An SVG label. Its Chinese half is a <tspan lang="zh">, which the "both" drawing hides (no room for two)."""
-    return _pick(_esc(en), f'<tspan lang="zh">{_esc(zh)}</tspan>', lang, " ")
+    return pick_lang(_esc(en), f'<tspan lang="zh">{_esc(zh)}</tspan>', lang, " ")
 
 
 def block_info(block: dict, block_size: int, lang: str | None = "en") -> str:
@@ -268,7 +270,7 @@ def pool_svg(frame: dict, block_size: int, prev: dict | None, lang: str) -> tupl
     cols = max(1, min(16, len(blocks)))
     out: list[str] = []
     y = 14
-    out.append(f'<text x="4" y="{y}" class="nvv-h">{_label("block pool", "块池", lang)}</text>')
+    out.append(f'<text x="4" y="{y}" class="nvv-h">{svg_label("block pool", "块池", lang)}</text>')
     top = y + 6
     for k, block in enumerate(blocks):
         x, yy = 4 + (k % cols) * PITCH, top + (k // cols) * PITCH
@@ -309,12 +311,12 @@ def tables_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], i
     copy_into = {c["to"] for c in frame["event"].get("copies", [])}
     seqs = {s["id"]: s for s in frame["seqs"]}
     live = [seqs[i] for i in frame["running"] + frame["waiting"]]
-    out.append(f'<text x="4" y="{y}" class="nvv-h">{_label("block tables", "块表", lang)}</text>')
+    out.append(f'<text x="4" y="{y}" class="nvv-h">{svg_label("block tables", "块表", lang)}</text>')
     y += 8
     hit_by_seq = {hit["seq"]: set(hit["blocks"]) for hit in frame["event"].get("cache_hits", [])}
     for s in live:
         color = f"nvv-c{s['id'] % NUM_COLORS}"
-        row = _label(f"seq {s['id']}: {s['num_tokens']} tok", f"序列 {s['id']}：{s['num_tokens']} token", lang)
+        row = svg_label(f"seq {s['id']}: {s['num_tokens']} tok", f"序列 {s['id']}：{s['num_tokens']} token", lang)
         out.append(f'<g class="nvv-seq" data-s="{s["id"]}"><title>{seq_info(s, lang)}</title>')
         out.append(f'<rect class="{color}" x="4" y="{y + 4}" width="10" height="12" rx="2"/>')
         out.append(f'<text x="18" y="{y + 15}">{row}</text></g>')
@@ -328,7 +330,7 @@ def tables_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], i
         width = max(width, TABLE_X + len(s["block_table"]) * (ROW_CELL + 2) + 4)
         y += 24
     if not live:
-        out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{_label("(none)", "（无）", lang)}</text>')
+        out.append(f'<text x="18" y="{y + 14}" class="nvv-dim">{svg_label("(none)", "（无）", lang)}</text>')
         y += 24
     return out, y, width
 
@@ -338,7 +340,8 @@ def queues_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], i
     out: list[str] = []
     # Queues as chips, in queue order (the head is on the left).
     y += 10
-    for name, label in (("running", _label("running", "运行", lang)), ("waiting", _label("waiting", "等待", lang))):
+    queues = (("running", svg_label("running", "运行", lang)), ("waiting", svg_label("waiting", "等待", lang)))
+    for name, label in queues:
         out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{label}</text>')
         for j, seq_id in enumerate(frame[name]):
             x = TABLE_X + j * 44
@@ -347,7 +350,7 @@ def queues_svg(frame: dict, lang: str, y: int, width: int) -> tuple[list[str], i
                        f'<text x="{x + 20}" y="{y + 14}" class="nvv-mid">s{seq_id}</text></g>')
         width = max(width, TABLE_X + len(frame[name]) * 44 + 4)
         y += 24
-    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{_label("free list", "空闲队列", lang)}</text>')
+    out.append(f'<text x="4" y="{y + 14}" class="nvv-h">{svg_label("free list", "空闲队列", lang)}</text>')
     shown = frame["free_list"][:24]
     for j, block_id in enumerate(shown):
         x = TABLE_X + j * 24
@@ -550,7 +553,7 @@ def _check_recording(recording: object) -> dict:
 
 def _caption_html(frame: dict, lang: str) -> str:
     en, zh = (f'<div lang="{x}">{_esc(caption(frame, x))}</div>' for x in ("en", "zh"))
-    return f'<div class="nvv-cap">{_pick(en, zh, lang)}</div>'
+    return f'<div class="nvv-cap">{pick_lang(en, zh, lang)}</div>'
 
 
 def legend_html(lang: str) -> str:
