@@ -199,6 +199,7 @@ display(SVG(architecture_svg()))
 # | [23 · Measuring a server](../23_serving_benchmark/) | TTFT, TPOT and ITL against offline and peers |
 # | [24 · An 8-bit KV cache](../24_fp8_kv_cache/) | float8 K/V, a scale per token: twice the blocks, accuracy measured |
 # | [25 · Speculative decoding](../25_speculative_decoding/) | drafts checked in one step, rolled back exactly |
+# | [25b · Speculation, measured](../25b_speculation_measured/) | when drafts pay: the back-off rule, measured |
 # | [26 · Mixture of experts](../26_mixture_of_experts/) | Qwen3-MoE: a router, experts, where each token goes |
 # | [27 · KV events for a gateway](../27_kv_events/) | each cache's changes, told to a gateway in vLLM's format |
 # | [28 · A fleet](../28_fleet/) | replicas behind a gateway, started and watched by one command |
@@ -261,6 +262,7 @@ display(SVG(architecture_svg()))
 # | [23 · 测量服务器](../23_serving_benchmark/) | TTFT、TPOT 与 ITL，对比离线与同类服务器 |
 # | [24 · 8 位 KV 缓存](../24_fp8_kv_cache/) | float8 K/V，每个 token 一个缩放因子：块数翻倍，实测精度 |
 # | [25 · 投机解码](../25_speculative_decoding/) | 一步验证多个草稿，精确回滚；贪心输出不变 |
+# | [25b · 投机解码实测](../25b_speculation_measured/) | 草稿什么时候划算：实测得来的退避规则 |
 # | [26 · 混合专家](../26_mixture_of_experts/) | Qwen3-MoE：路由器、专家，每个 token 去了哪里 |
 # | [27 · 给网关的 KV 事件](../27_kv_events/) | KV 事件：每个缓存的变化，按 vLLM 的格式告诉网关 |
 # | [28 · 机群](../28_fleet/) | 网关后面的多个副本，由一条命令启动并看护 |

@@ -151,6 +151,13 @@ TRANSLATED = {
     "25_speculative_decoding": [
         ("tokens per step for k", "时每步的 token 数"), ("drafts reserved", "预留草稿之后"),
         ("identical to plain decoding: True", "与普通 decode 完全相同：True"), ("refused: ", "被拒绝："),
+        ("all exercise answers check out", "所有练习的答案都核对无误"),
+    ],
+    "25b_speculation_measured": [
+        ("prompts that quote a passage", "个引用一段文字的提示词"), ("a verify step cost", "一个验证步值"),
+        ("what /metrics adds for a speculating engine", "投机引擎在 /metrics 里多出的内容"),
+        ("none of its drafts kept", "一个草稿也没被保留"),
+        ("all exercise answers check out", "所有练习的答案都核对无误"),
     ],
     "26_mixture_of_experts": [
         ("greedy tokens match transformers", "贪心解码的 token 与 transformers 完全一致"),
@@ -159,6 +166,8 @@ TRANSLATED = {
     ],
     "28_fleet": [
         ("the gateway lists the model as", "网关列出的模型是"), ("prompt tokens cached", "个已缓存"),
+        ("the replica of each turn, by user", "各用户每一轮所在的副本"),
+        ("the animation's claims hold on its", "动画所说的事在它的"),
         ("all exercise answers check out", "练习答案全部验证通过"),
     ],
     "27_kv_events": [
