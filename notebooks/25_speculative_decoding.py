@@ -288,8 +288,8 @@ from safetensors.torch import load_file, save_file
 from nanovllm.sampling_params import SamplingParams
 
 # en: The draft engine's pool holds this many sequences of the longest length at once: drafts come only at small
-# en: batches (the section "When it pays").
-# zh: 草稿引擎的块池能同时装下这么多个最长长度的序列：只有小批量时才会有草稿（见"什么时候划算"一节）。
+# en: batches (chapter 25b, "When it pays").
+# zh: 草稿引擎的块池能同时装下这么多个最长长度的序列：只有小批量时才会有草稿（见第 25b 章"什么时候划算"一节）。
 DRAFT_POOL_SEQUENCES = 8
 
 
@@ -453,11 +453,14 @@ from nanovllm.engine.sequence import Sequence
 
 
 class Proposer(Protocol):
-    """Where drafts come from (`NgramProposer` is one). A proposer may also have ``propose_many(token_lists,
-    limits)``, the drafts of several sequences at once (a draft model batches them), and ``exit()``, which
-    releases what it holds."""
-    # zh: 草稿从哪里来（`NgramProposer` 是其中一种）。提议器还可以有 ``propose_many(token_lists, limits)``，
-    # zh: 一次给出多个序列的草稿（草稿模型会把它们合成一批），以及 ``exit()``，释放它持有的东西。
+    """Where drafts come from (`NgramProposer` is one), at most ``num_speculative_tokens`` a sequence. A proposer
+    may also have ``propose_many(token_lists, limits)``, the drafts of several sequences at once (a draft model
+    batches them), and ``exit()``, which releases what it holds."""
+    # zh: 草稿从哪里来（`NgramProposer` 是其中一种），每个序列至多 ``num_speculative_tokens`` 个。提议器还可以有
+    # zh: ``propose_many(token_lists, limits)``，一次给出多个序列的草稿（草稿模型会把它们合成一批），以及 ``exit()``，
+    # zh: 释放它持有的东西。
+
+    num_speculative_tokens: int
 
     def propose(self, token_ids: list[int], limit: int | None = None) -> list[int]: ...
 
@@ -467,15 +470,20 @@ class DraftCounts:
     """What came of the drafts so far: draft tokens verified, draft tokens accepted (the acceptance rate is their
     ratio), sequences verified with drafts, one per sequence and step (1 + accepted / verifications is the mean
     tokens a verify step gives a sequence), and accepted drafts by their position among a step's drafts (0: the
-    first draft), as far as any step drafted."""
+    first draft), as far as any step drafted; and by position too, how many times a sequence had room for a draft
+    there when the proposer was asked (what it proposed or not): kept over asked is how often a draft at that
+    position came and was kept."""
     # zh: 到目前为止草稿的结果：验证过的草稿 token、被接受的草稿 token（接受率就是两者之比）、带草稿验证的序列数，
     # zh: 每个序列每步算一次（1 + accepted / verifications 就是一个验证步平均给一个序列的 token 数），以及按在一步
-    # zh: 草稿中的位置统计的被接受草稿数（0：第一个草稿），统计到任何一步起草过的最远位置为止。
+    # zh: 草稿中的位置统计的被接受草稿数（0：第一个草稿），统计到任何一步起草过的最远位置为止；还有同样按位置统计的、
+    # zh: 向提议器要草稿时序列在那个位置有空位的次数（不管提议器给没给）：保留数除以要过的次数，就是那个位置上草稿
+    # zh: 既来了又被保留的频率。
 
     drafted: int = 0
     accepted: int = 0
     verifications: int = 0
     accepted_by_position: tuple[int, ...] = ()
+    asked_by_position: tuple[int, ...] = ()
 
 
 @dataclass
@@ -492,7 +500,7 @@ class Backoff:
 
 class Speculator:
     """Speculative decoding in one object: where drafts come from (the proposer), how many each sequence gets (the
-    back-off rule, measured in the section "When it pays"), and what came of them (`counts`).
+    back-off rule, measured in chapter 25b), and what came of them (`counts`).
 
     The rule: at most ``max_verify_rows`` rows in a verify step (a row: a sequence's last token or one of its
     drafts), and no drafts at all when that leaves a sequence fewer than ``min_drafts``: fewer drafts as the batch
@@ -500,7 +508,7 @@ class Speculator:
     steps gave fewer than ``min_tokens_per_verify`` tokens gets no drafts for its next ``draft_pause_tokens``
     tokens, twice that if it pauses again without a good verify step in between, and so on up to
     ``max_draft_pause_tokens``: drafts that never pay cost less and less."""
-    # zh: 把投机解码放进一个对象：草稿从哪里来（提议器），每个序列得到多少（退避规则，在“什么时候划算”一节中实测），
+    # zh: 把投机解码放进一个对象：草稿从哪里来（提议器），每个序列得到多少（退避规则，在第 25b 章实测），
     # zh: 以及草稿的结果（`counts`）。
     # zh:
     # zh: 规则：一个验证步至多 ``max_verify_rows`` 行（一行：一个序列的最后一个 token，或者它的一个草稿），如果这样
@@ -551,6 +559,7 @@ class Speculator:
             # zh: 序列最后一个允许的 token 由模型给出，绝不是保留下来的草稿。
             room = min(per_sequence, seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
             rooms[index] = room if room > 0 and self.may_draft(seq) else 0
+        self.count_asked(rooms)
         drafts: list[list[int]] = [[] for _ in seqs]
         wanting = [index for index, room in enumerate(rooms) if room]
         # en: All at once where the budget covers every room (then each sequence gets what it would one at a time).
@@ -567,6 +576,16 @@ class Speculator:
                 drafts[index] = self.proposer.propose(seqs[index].token_ids, room)
                 budget -= len(drafts[index])
         return drafts
+
+    def count_asked(self, rooms: list[int]) -> None:
+        """Count, by position, the rooms for drafts that a step asks the proposer to fill (`DraftCounts`)."""
+        # zh: 按位置统计一步请提议器填上的草稿空位（`DraftCounts`）。
+        asked = list(self.counts.asked_by_position)
+        asked += [0] * (max(rooms, default=0) - len(asked))
+        for room in rooms:
+            for position in range(room):
+                asked[position] += 1
+        self.counts.asked_by_position = tuple(asked)
 
     def record(self, seqs: list[Sequence], drafted: list[int], kept: list[int]) -> None:
         """What a verify step kept of each sequence's drafts: into the counters, and into each sequence's back-off

@@ -98,16 +98,20 @@ say = Phrases({
 
 # %% [markdown] tags=["en"]
 # The measurement is a benchmark of the package, `python -m nanovllm.bench --speculative`: the
-# same requests through an engine without and with prompt lookup, built in one invocation, and per
-# batch size their tok/s, the ratio, the acceptance rate, the mean tokens a verify step gives, and
-# how many outputs are identical. On a GPU it also runs chapter 19's 256-sequence workload
-# (`--workloads nano-vllm`), to check that speculation costs nothing where the rule turns it off.
+# same requests through one engine built with prompt lookup, whose runs take turns: one with its
+# speculator detached (then it is the plain engine, scheduling asynchronously), then one with
+# drafts, and again, `--repeats` rounds, so that neither side always runs first on a GPU that is
+# still warming up. Per batch size it prints the medians' tok/s, the ratio, the acceptance rate,
+# the mean tokens a verify step gives, and how many outputs are identical. On a GPU it also runs
+# chapter 19's 256-sequence workload (`--workloads nano-vllm`), to check that speculation costs
+# nothing where the rule turns it off.
 
 # %% [markdown] tags=["zh"]
-# 测量用的是包里的一个基准测试 `python -m nanovllm.bench --speculative`：同一批请求，在同一次调用里分别交给不带和带
-# prompt lookup 的引擎，对每个批大小打印 tok/s、二者之比、接受率、每个验证步平均产出的 token 数，以及有多少输出完全相
-# 同。在 GPU 上它还会跑第 19 章那个 256 个序列的负载（`--workloads nano-vllm`），确认在规则关掉投机的地方，投机不带来
-# 任何代价。
+# 测量用的是包里的一个基准测试 `python -m nanovllm.bench --speculative`：同一批请求交给同一个带 prompt lookup 的引擎，
+# 它的各次运行轮流进行：先拆下投机器跑一次（这时它就是普通引擎，异步调度），再带草稿跑一次，如此重复 `--repeats` 轮，
+# 这样在还在预热的 GPU 上，哪一边都不会总是先跑。对每个批大小，它打印中位数的 tok/s、二者之比、接受率、每个验证步平均
+# 产出的 token 数，以及有多少输出完全相同。在 GPU 上它还会跑第 19 章那个 256 个序列的负载（`--workloads nano-vllm`），
+# 确认在规则关掉投机的地方，投机不带来任何代价。
 
 # %% bench speculative flag
 #| export bench.engine
@@ -123,6 +127,7 @@ OTHER_BENCHMARKS["--speculative"] = "nanovllm.bench.speculative"
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 from typing import Any
@@ -133,7 +138,7 @@ from nanovllm.bench.engine import PRESETS, make_workload, watch_calls
 from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.config import DEFAULT_SPECULATIVE_TOKENS
-from nanovllm.engine.speculative import DraftCounts
+from nanovllm.engine.speculative import DraftCounts, StepCosts
 from nanovllm.sampling_params import SamplingParams
 
 PASSAGE = (
@@ -153,73 +158,98 @@ def quoting_prompts(count: int) -> list[str]:
     return [head + PASSAGE[: 40 + 50 * i % 200] for i in range(count)]
 
 
-def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
-            repeats: int = 1, **settings: Any) -> dict[str, Any]:
-    """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
-    ``verify_rows`` overrides `Speculator.max_verify_rows`): the median tok/s, and the first run's token ids, steps
-    and speculation counters."""
-    # zh: 在一个用 ``settings`` 构建的引擎上（`LLM` 的关键字参数；``verify_rows`` 覆盖 `Speculator.max_verify_rows`）
-    # zh: 把 ``prompts`` 生成 ``repeats`` 遍：tok/s 的中位数，以及第一次运行的 token id、步数和投机计数器。
+BUDGETS = ("measured", "fixed")
+
+
+def timed_run(llm: Any, prompts: list, params: list[SamplingParams]) -> dict[str, Any]:
+    """One timed `generate` of ``prompts`` on ``llm`` as it is set up now: the token ids, the seconds, the steps that
+    computed tokens, and the speculator's counters, new for this run."""
+    # zh: 在 ``llm`` 当前的设置下计时运行一次 ``prompts`` 的 `generate`：token id、秒数、计算了 token 的步数，以及
+    # zh: 投机器在这次运行中新的计数器。
+    steps: list[bool] = []
+    counts = DraftCounts()
+    if llm.speculator is not None:
+        llm.speculator.counts = counts
+    # en: A step that computed tokens counts (the first asynchronous call only queues one).
+    # zh: 计算了 token 的一步才算（异步调度的第一次调用只是排队）。
+    counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
+    with counting, Stopwatch(llm.config.device) as clock:
+        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
+    return {"outputs": outputs, "seconds": clock.seconds, "steps": sum(steps), "counts": counts,
+            "tok_s": sum(map(len, outputs)) / clock.seconds}
+
+
+def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int | list[int],
+            verify_rows: int | None = None, draft_model: str | None = None, budgets: tuple[str, ...] = ("measured",),
+            repeats: int = 1, **settings: Any) -> list[dict[str, Any]]:
+    """Rows of the benchmark, from one engine built with prompt lookup (or ``draft_model``'s drafts) and
+    ``settings``: its runs take turns, ``repeats`` rounds of a run without drafts (its speculator detached: the plain
+    engine, scheduling asynchronously), then one run for each number of drafts and each budget ("measured": the
+    step costs the engine measured when it started; "fixed": chapter 25's rule), so that the order of the runs
+    cannot make a ratio. Each row: the medians, and the first round's steps, counters and outputs."""
+    # zh: 基准测试的若干行，来自同一个带 prompt lookup（或 ``draft_model`` 的草稿）、用 ``settings`` 构建的引擎：它的
+    # zh: 各次运行轮流进行，共 ``repeats`` 轮，每轮先跑一次不带草稿的（拆下投机器：就是普通引擎，异步调度），再对每种
+    # zh: 草稿数、每种预算各跑一次（"measured"：引擎启动时测得的每步代价；"fixed"：第 25 章的规则），这样运行的先后
+    # zh: 顺序造不出一个比值。每一行：中位数，以及第一轮的步数、计数器和输出。
     from nanovllm.llm import LLM
 
-    llm = LLM(model, **settings)
+    drafts = [num_speculative_tokens] if isinstance(num_speculative_tokens, int) else list(num_speculative_tokens)
+    method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
+        {"speculative_method": "ngram"}
+    llm = LLM(model, num_speculative_tokens=max(drafts), **method, **settings)
+    speculator = llm.speculator
+    measured_costs = (speculator.costs, speculator.draft_costs)
+    if speculator.costs is not None:
+        print_costs(speculator.costs)
+    if verify_rows is not None:
+        speculator.max_verify_rows = verify_rows
+    variants = [(k, budget) for k in drafts for budget in budgets]
+    runs: dict[tuple[int, str] | None, list[dict[str, Any]]] = {key: [] for key in [None, *variants]}
     try:
-        if verify_rows is not None and llm.speculator is not None:
-            llm.speculator.max_verify_rows = verify_rows
         # en: A warm-up request, untimed and not counted.
         # zh: 一个预热请求，不计时也不计数。
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        steps: list[bool] = []
-        runs = []
         for _ in range(repeats):
-            # en: Each run counts its own steps and drafts (the warm-up's, or the run before's, are not counted).
-            # zh: 每次运行只统计自己的步数和草稿（预热的、上一次运行的都不算）。
-            steps.clear()
-            counts = DraftCounts()
-            if llm.speculator is not None:
-                llm.speculator.counts = counts
-            # en: A step that computed tokens counts (the first asynchronous call only queues one).
-            # zh: 计算了 token 的一步才算（异步调度的第一次调用只是排队）。
-            counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
-            with counting, Stopwatch(llm.config.device) as clock:
-                outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-            runs.append((outputs, clock.seconds, sum(steps), counts.drafted, counts.accepted, counts.verifications))
+            llm.speculator = None
+            runs[None].append(timed_run(llm, prompts, params))
+            llm.speculator = speculator
+            for k, budget in variants:
+                speculator.proposer.num_speculative_tokens = k
+                speculator.costs, speculator.draft_costs = measured_costs if budget == "measured" else (None, None)
+                runs[k, budget].append(timed_run(llm, prompts, params))
     finally:
         llm.exit()
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    outputs, _, num_steps, drafted, accepted, verifications = runs[0]
-    tok_s = statistics.median(sum(map(len, run[0])) / run[1] for run in runs)
-    return {"tok_s": tok_s, "steps": num_steps, "outputs": outputs, "drafted": drafted, "accepted": accepted,
-            "verifications": verifications}
-
-
-def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
-            verify_rows: int | None, draft_model: str | None = None, plain: dict[str, Any] | None = None,
-            **settings: Any) -> dict[str, Any]:
-    """One row of the benchmark: the same requests without, then with prompt lookup, or with ``draft_model``'s
-    drafts when one is given (settings: `measure`'s). ``plain``: the run without speculation, when `measure` has
-    already timed it (one plain run against several numbers of drafts)."""
-    # zh: 基准测试的一行：同样的请求，先不带、再带 prompt lookup，或者给了 ``draft_model`` 时带它的草稿
-    # zh: （settings：与 `measure` 的相同）。``plain``：`measure` 已经计时过的不带投机的运行（一次普通运行对比
-    # zh: 几种草稿数）。
-    plain = plain or measure(model, prompts, params, **settings)
-    method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
-        {"speculative_method": "ngram"}
-    spec = measure(model, prompts, params, verify_rows=verify_rows, num_speculative_tokens=num_speculative_tokens,
-                   **method, **settings)
+    plain = runs[None]
     # en: Only greedy or seeded requests must come out the same; unseeded sampling differs from run to run anyway.
     # zh: 只有贪心或带种子的请求必须得到相同的输出；不带种子的采样每次运行本来就不同。
     comparable = all(p.temperature == 0 or p.seed is not None for p in params)
-    same = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"], strict=True)) if comparable else None
-    return {"batch": len(prompts), "plain_tok_s": plain["tok_s"], "speculative_tok_s": spec["tok_s"],
-            "ratio": spec["tok_s"] / plain["tok_s"], "plain_steps": plain["steps"], "speculative_steps": spec["steps"],
-            "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
-            "tokens_per_verify": 1 + spec["accepted"] / spec["verifications"] if spec["verifications"] else None,
-            "drafted": spec["drafted"], "identical": same, "num_speculative_tokens": num_speculative_tokens,
-            "proposer": "the draft model" if draft_model else "prompt lookup"}
+    plain_tok_s = statistics.median(run["tok_s"] for run in plain)
+    rows = []
+    for (k, budget), spec in ((key, runs[key]) for key in variants):
+        counts, spec_tok_s = spec[0]["counts"], statistics.median(run["tok_s"] for run in spec)
+        same = sum(a == b for a, b in zip(plain[0]["outputs"], spec[0]["outputs"], strict=True)) if comparable \
+            else None
+        rows.append({
+            "batch": len(prompts), "plain_tok_s": plain_tok_s, "speculative_tok_s": spec_tok_s,
+            "ratio": spec_tok_s / plain_tok_s, "plain_steps": plain[0]["steps"], "speculative_steps": spec[0]["steps"],
+            "acceptance": counts.accepted / counts.drafted if counts.drafted else None,
+            "tokens_per_verify": 1 + counts.accepted / counts.verifications if counts.verifications else None,
+            "drafted": counts.drafted, "identical": same, "num_speculative_tokens": k, "budget": budget,
+            "step_costs": dataclasses.asdict(measured_costs[0]) if measured_costs[0] else None, "repeats": repeats,
+            "proposer": "the draft model" if draft_model else "prompt lookup"})  # fmt: skip
+    return rows
+
+
+def print_costs(costs: StepCosts) -> None:
+    """The step costs an engine measured when it started, in milliseconds, by rows."""
+    # zh: 引擎启动时测得的每步代价，按行数列出，单位毫秒。
+    print("step costs measured at start, ms (rows: decode step / verify step): " + ", ".join(
+        f"{rows}: {decode * 1e3:.3f} / {verify * 1e3:.3f}"
+        for rows, decode, verify in zip(costs.sizes, costs.decode_seconds, costs.verify_seconds, strict=True)))
 
 
 def print_row(row: dict[str, Any]) -> None:
@@ -227,7 +257,8 @@ def print_row(row: dict[str, Any]) -> None:
         f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
     drafts = row["num_speculative_tokens"]
     print(f"batch {row['batch']:4d}, {drafts} draft{'s' * (drafts != 1)}: {row['plain_tok_s']:9.1f} tok/s plain, "
-          f"{row['speculative_tok_s']:9.1f} with {row['proposer']} ({row['ratio']:.2f}x); steps {row['plain_steps']} "
+          f"{row['speculative_tok_s']:9.1f} with {row['proposer']} ({row['ratio']:.2f}x)"
+          + (", chapter 25's fixed rule" if row["budget"] == "fixed" else "") + f"; steps {row['plain_steps']} "
           f"-> {row['speculative_steps']}; {rate}; "
           + ("outputs sampled without a seed, not compared" if row["identical"] is None else
              f"identical outputs {row['identical']}/{row['batch']}"))
@@ -260,8 +291,11 @@ def main(argv: list[str] | None = None) -> int:
                         "plain run")
     parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
                         "prompt lookup; it must share the model's tokenizer")
-    parser.add_argument("--verify-rows", type=int, help="override Speculator.max_verify_rows (the back-off rule)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
+    parser.add_argument("--verify-rows", type=int, help="override Speculator.max_verify_rows (chapter 25's fixed rule)")
+    parser.add_argument("--budget", choices=[*BUDGETS, "both"], default="measured",
+                        help="drafts a step from the step costs measured when the engine starts (measured; on a CPU "
+                        "there are none, and chapter 25's fixed rule decides), from that fixed rule, or both in turns")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of runs taking turns; medians are reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -269,13 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     workloads = args.workloads or (["quoting", "nano-vllm"] if cuda else ["quoting"])
     report = report_header("python -m nanovllm.bench --speculative", argv, "cuda" if cuda else "cpu") | {"rows": []}
     settings = dict(repeats=args.repeats, device=args.device, max_model_len=4096)
+    budgets = BUDGETS if args.budget == "both" else (args.budget,)
     for name in workloads:
         model, cases = workload_cases(name, args)
         print(f"{name} workload on {model}:")
         for prompts, params in cases:
-            plain = measure(model, prompts, params, **settings)
-            for drafts in args.num_speculative_tokens:
-                row = compare(model, prompts, params, drafts, args.verify_rows, args.draft_model, plain, **settings)
+            for row in compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, args.draft_model,
+                               budgets, **settings):
                 print_row(row)
                 report["rows"].append({"workload": name, "model": model} | row)
     write_report(report, args.out)
@@ -287,8 +321,8 @@ from nanovllm.bench.speculative import compare, quoting_prompts
 from nanovllm.book.smollm2 import smollm2_dir
 
 greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-row = compare(str(smollm2_dir()), quoting_prompts(3), [greedy] * 3, num_speculative_tokens=4, verify_rows=None,
-              device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)
+[row] = compare(str(smollm2_dir()), quoting_prompts(3), [greedy] * 3, num_speculative_tokens=4, device="cpu",
+                kvcache_block_size=16, num_kvcache_blocks=64)
 print(say("SmolLM2, {prompts} prompts that quote a passage, {tokens} tokens each: {plain} steps without speculation, "
           "{spec} with it ({ratio:.2f}x fewer); acceptance rate {rate:.0%}, {mean:.2f} tokens per verify step; "
           "identical outputs: {same} of {prompts}", prompts=row["batch"], tokens=greedy.max_tokens,
@@ -448,6 +482,232 @@ print(say("self draft of {layers} layers, none of its drafts kept: {fixed:.2f}x 
 assert self_draft_h100["drafts kept"] == self_draft_h200["drafts kept"] == 0
 assert self_draft_h100["ratio"] < self_draft_h200["ratio"] < 1
 assert self_draft_h200["proposals ms"] / self_draft_h200["proposals"] == 8
+
+# %% [markdown] tags=["en"]
+# ## A draft budget from measured costs
+#
+# The rule of the section before is one machine's measurement frozen into constants: 16 rows, at
+# least two drafts, hence none past 5 sequences. It was right on that H200 in that week; on
+# another card, another model, or after chapter 15 made a step of four rows cheaper, it is simply
+# old. The question it answers is always the same: does a verify step with *k* drafts give more
+# tokens a second than the plain decode step it replaces? Both sides can be measured where the
+# engine runs, so the engine measures them once when it starts, and asks the question again at
+# every step.
+#
+# - `StepCosts`: for some sizes of the decode graphs (the powers of two, and the largest), the
+#   seconds of a decode step of that many sequences, queued back to back as asynchronous
+#   scheduling queues them, and of a verify step of that many rows, run to the end as the engine
+#   runs one. `ModelRunner.step_costs` measures them through the runner's own `launch` and
+#   `verify`, on sequences that attend to 512 tokens, before the first request; without graphs (a
+#   CPU) it returns None and chapter 25's fixed rule stays.
+# - `Speculator.expected_tokens(k)`: the tokens a verify step is expected to give a sequence that
+#   may get *k* drafts. Its own token, plus, for each position *i* < *k*, the share of the times a
+#   sequence had room for a draft at *i* that a draft came and was kept there (`DraftCounts` now
+#   counts the rooms the speculator asks its proposer to fill, `asked_by_position`). A position
+#   nobody asked about yet counts as kept half the time, with the weight of two asks, so a fresh
+#   engine tries its drafts, and two asks that keep nothing bring the estimate down to a quarter.
+# - `Speculator.drafts_per_sequence(b)`: the *k* that gives the most tokens a second, *b* ·
+#   *E*(*k*) over the verify step's cost (plus, with a draft model, *k* of the draft's decode
+#   steps), against *b* over a decode step's cost; 0 when the plain step wins.
+#
+# The prompts decide the rest: prompt lookup on text that never repeats proposes nothing, the
+# shares fall, and the budget goes to 0 at every batch, where the engine schedules asynchronously
+# again.
+
+# %% [markdown] tags=["zh"]
+# ## 按实测代价定草稿预算
+#
+# 上一节的规则，是一台机器上的测量结果冻结成的常数：16 行，至少两个草稿，所以超过 5 个序列就没有草稿。它在那一周的那块
+# H200 上是对的；换一块卡、换一个模型，或者在第 15 章让四行的一步变便宜之后，它就只是过时了。它回答的问题始终是同一个：
+# 带 *k* 个草稿的验证步，每秒给出的 token 是否比它所替代的普通 decode 步多？这两边都可以在引擎运行的地方测出来，所以引擎
+# 在启动时测一次，然后在每一步都重新问一遍这个问题。
+#
+# - `StepCosts`：对 decode 图的若干个大小（2 的幂，以及最大的那个），分别记下这么多序列的一个 decode 步（像异步调度那样
+#   一步接一步排队）和这么多行的一个验证步（像引擎那样一直跑到结束）的秒数。`ModelRunner.step_costs` 通过运行器自己的
+#   `launch` 和 `verify` 来测，用的序列都看 512 个 token，在第一个请求之前测；没有图时（CPU）它返回 None，第 25 章的固定
+#   规则保持不变。
+# - `Speculator.expected_tokens(k)`：一个最多可得 *k* 个草稿的序列，一个验证步预计给它的 token 数。它自己的 token，加上
+#   对每个位置 *i* < *k*，序列在 *i* 有草稿空位的那些次数里，草稿既来了又被保留的比例（`DraftCounts` 现在统计投机器请
+#   提议器填的空位，即 `asked_by_position`）。还没有人问过的位置，按一半被保留计，权重相当于问过两次，所以新启动的引擎
+#   会先试试草稿，两次什么都没保留的询问就把估计降到四分之一。
+# - `Speculator.drafts_per_sequence(b)`：让每秒 token 数最多的那个 *k*，即 *b* · *E*(*k*) 除以验证步的代价（用草稿模型
+#   时再加上草稿模型的 *k* 个 decode 步），与 *b* 除以一个 decode 步的代价相比；普通的一步更好时为 0。
+#
+# 剩下的由提示词决定：在从不重复的文本上，提示词查找什么也提议不出来，各个比例随之下降，预算在每个批大小上都变成 0，这时
+# 引擎又异步调度了。
+
+# %% step costs
+#| export engine.speculative
+import bisect
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step costs on this machine, measured once when the engine starts (`ModelRunner.step_costs`): for some
+    sizes of the decode graphs, the seconds of a decode step of that many sequences, queued back to back as
+    asynchronous scheduling queues them, and of a verify step of that many rows, run to the end as the engine runs
+    one. Between two measured sizes a cost is interpolated."""
+    # zh: 这台机器上一步的代价，在引擎启动时测一次（`ModelRunner.step_costs`）：对 decode 图的若干个大小，分别记下
+    # zh: 这么多序列的一个 decode 步（像异步调度那样一步接一步排队）和这么多行的一个验证步（像引擎那样一直跑到
+    # zh: 结束）的秒数。两个测过的大小之间的代价用插值求出。
+
+    sizes: tuple[int, ...]
+    decode_seconds: tuple[float, ...]
+    verify_seconds: tuple[float, ...]
+
+    def covers(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows is within the measured sizes (a larger one would run without a graph)."""
+        # zh: ``rows`` 行的一步是否在测过的大小之内（更大的一步不会用图来跑）。
+        return 1 <= rows <= self.sizes[-1]
+
+    def decode(self, batch: int) -> float:
+        return self._at(self.decode_seconds, batch)
+
+    def verify(self, rows: int) -> float:
+        return self._at(self.verify_seconds, rows)
+
+    def _at(self, seconds: tuple[float, ...], rows: int) -> float:
+        assert self.covers(rows), f"no cost measured for {rows} rows (sizes {self.sizes})"
+        right = bisect.bisect_left(self.sizes, rows)
+        if self.sizes[right] == rows or right == 0:
+            return seconds[right]
+        left = right - 1
+        share = (rows - self.sizes[left]) / (self.sizes[right] - self.sizes[left])
+        return seconds[left] + share * (seconds[right] - seconds[left])
+
+
+# %% runner measures its steps
+#| export engine.model_runner
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.speculative import StepCosts
+from nanovllm.sampling_params import SamplingParams
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def step_costs(self, context_len: int = 512, repeats: int = 8) -> StepCosts | None:
+    """Time a decode step and a verify step at the powers of two among the decode graphs' sizes, and at the largest
+    (None without graphs: a CPU has no fixed cost worth a table). Every row attends to ``context_len`` tokens
+    through the same blocks: run it before the first request, while the cache holds nothing to keep."""
+    # zh: 在 decode 图大小中的 2 的幂和最大的那个上，为一个 decode 步和一个验证步计时（没有图时为 None：CPU 上没有
+    # zh: 值得列表的固定代价）。每一行都通过同一组块看 ``context_len`` 个 token：要在第一个请求之前运行，那时缓存里
+    # zh: 没有需要保留的东西。
+    if self.graphs is None:
+        return None
+    length = max(2, min(context_len, self.config.max_model_len, self.kv_cache.shape[2] * self.block_size))
+    table = list(range(-(-length // self.block_size)))
+    sizes = [s for s in self.graphs.sizes if s & (s - 1) == 0 or s == self.graphs.sizes[-1]]
+    decode, verify = [], []
+    for size in sizes:
+        seqs = [Sequence([0] * length, SamplingParams(temperature=0.0), block_size=self.block_size)
+                for _ in range(size)]
+        for seq in seqs:
+            seq.block_table, seq.num_cached_tokens, seq.num_scheduled_tokens = table, length - 1, 1
+        # en: Decode steps queue without waiting, as asynchronous scheduling queues them, and only the last is waited
+        # en: for; a verify step waits for its tokens (one row a sequence here: its cost goes by its rows).
+        # zh: decode 步不等待地排队，就像异步调度那样，只等最后一个；验证步要等它的 token（这里每个序列一行：
+        # zh: 它的代价按行数算）。
+        decode.append(seconds_per_call(lambda s=seqs: self.launch(s, False), repeats, SampledTokens.token_ids))
+        verify.append(seconds_per_call(lambda s=seqs: self.verify(s), repeats))
+    return StepCosts(tuple(sizes), tuple(decode), tuple(verify))
+
+
+def seconds_per_call(call: Callable[[], Any], repeats: int, wait: Callable[[Any], Any] | None = None) -> float:
+    """The mean seconds of ``call`` over ``repeats`` calls after one untimed call, waiting (``wait``) only on the
+    last call's result."""
+    # zh: 在一次不计时的调用之后，``call`` 在 ``repeats`` 次调用上的平均秒数，只等待（``wait``）最后一次调用的结果。
+    for timed in (False, True):
+        start = time.perf_counter()
+        for _ in range(repeats if timed else 1):
+            result = call()
+        if wait is not None:
+            wait(result)
+    return (time.perf_counter() - start) / repeats
+
+
+# %% a budget from the costs
+#| export engine.speculative
+from nanovllm.book.literate import add_to_class, add_to_init
+
+# en: Before any draft at a position, a draft there counts as kept half the time, with the weight of PRIOR_WEIGHT asks:
+# en: two asks that keep nothing bring the estimate to a quarter.
+# zh: 一个位置上还没有任何草稿时，那里的草稿按一半被保留计，权重相当于问过 PRIOR_WEIGHT 次：两次什么都没保留的询问
+# zh: 就把估计降到四分之一。
+PRIOR_KEPT, PRIOR_WEIGHT = 0.5, 2
+
+
+@add_to_init(Speculator)
+def _init_costs(self) -> None:
+    # en: The measured costs of the model's steps and, with a draft model, of the draft's: None until the engine
+    # en: measures them (and on a CPU), which keeps chapter 25's fixed rule.
+    # zh: 测得的模型各步的代价；用草稿模型时还有草稿模型的：引擎测出来之前（以及在 CPU 上）为 None，那时用第 25 章的
+    # zh: 固定规则。
+    self.costs: StepCosts | None = None
+    self.draft_costs: StepCosts | None = None
+
+
+@add_to_class(Speculator)
+def expected_tokens(self, drafts: int) -> float:
+    """The tokens a verify step is expected to give a sequence that may get ``drafts`` drafts: its own token, plus,
+    for each position, the share of the asks for a draft there that got one kept (`DraftCounts`)."""
+    # zh: 一个最多可得 ``drafts`` 个草稿的序列，一个验证步预计给它的 token 数：它自己的 token，加上每个位置上，
+    # zh: 在那里要草稿的询问中得到并保留了草稿的比例（`DraftCounts`）。
+    asked, kept = self.counts.asked_by_position, self.counts.accepted_by_position
+    tokens = 1.0
+    for position in range(drafts):
+        asks = asked[position] if position < len(asked) else 0
+        keeps = kept[position] if position < len(kept) else 0
+        tokens += (keeps + PRIOR_KEPT * PRIOR_WEIGHT) / (asks + PRIOR_WEIGHT)
+    return tokens
+
+
+@add_to_class(Speculator)
+def drafts_per_sequence(self, batch: int) -> int:
+    """How many drafts each sequence of a decode batch of ``batch`` may get: the number whose verify step is
+    expected to give the most tokens a second by the measured costs (`expected_tokens` over the verify step's cost
+    and the draft model's steps), 0 when a plain decode step gives more. Without costs, chapter 25's fixed rule."""
+    # zh: 一个 ``batch`` 个序列的 decode 批次里，每个序列最多得到几个草稿：按测得的代价，验证步预计每秒给出 token
+    # zh: 最多的那个数目（`expected_tokens` 除以验证步和草稿模型各步的代价）；普通 decode 步给得更多时为 0。
+    # zh: 没有代价时，用第 25 章的固定规则。
+    if self.costs is None:
+        drafts = self.max_verify_rows // max(1, batch) - 1
+        return drafts if drafts >= self.min_drafts else 0
+    best, best_rate = 0, 1 / self.costs.decode(batch)
+    for drafts in range(1, self.proposer.num_speculative_tokens + 1):
+        if not self.costs.covers(batch * (drafts + 1)):
+            break
+        seconds = self.costs.verify(batch * (drafts + 1))
+        if self.draft_costs is not None:
+            seconds += drafts * self.draft_costs.decode(batch)
+        if (rate := self.expected_tokens(drafts) / seconds) > best_rate:
+            best, best_rate = drafts, rate
+    return best
+
+
+# %% engine measures its steps
+#| export engine.llm_engine
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.speculative import DraftModelProposer
+
+
+@add_to_init(LLMEngine)
+def _measure_step_costs(self) -> None:
+    # en: The draft budget's costs, measured on this machine before the first request (none without graphs).
+    # zh: 草稿预算用的代价，在第一个请求之前在这台机器上测出（没有图时没有）。
+    if self.speculator is not None:
+        self.speculator.costs = self.model_runner.step_costs()
+        proposer = self.speculator.proposer
+        if self.speculator.costs is not None and isinstance(proposer, DraftModelProposer):
+            self.speculator.draft_costs = proposer.engine.model_runner.step_costs()
 
 # %% [markdown] tags=["en"]
 # ## Serving it: the counters of `/metrics`
@@ -671,11 +931,15 @@ assert evening_plain[1] < lookup["plain tok/s"] == 1703 < invocations["batch 1 p
 # ## What we built
 #
 # - `bench.speculative`, run as `python -m nanovllm.bench --speculative` (the flag joins chapter
-#   19's `OTHER_BENCHMARKS`): the same requests through an engine without and with speculation,
-#   both built in one invocation, and per batch their tok/s, steps, acceptance rate, tokens per
+#   19's `OTHER_BENCHMARKS`): the same requests through one engine whose runs take turns without
+#   and with speculation, and per batch their tok/s (medians), steps, acceptance rate, tokens per
 #   verify step and identical outputs; `--num-speculative-tokens` sets several numbers of drafts
-#   against one plain run, `--draft-model` drafts with a smaller model, `--verify-rows` tries
-#   another row budget.
+#   against the same plain runs, `--budget` the measured budget, chapter 25's fixed rule or both,
+#   `--draft-model` drafts with a smaller model, `--verify-rows` tries another row limit.
+# - The draft budget from measured costs: `StepCosts`, measured by `ModelRunner.step_costs` when a
+#   speculating engine starts on a GPU, and `Speculator.drafts_per_sequence` replaced by the
+#   number of drafts that gives the most tokens a second (`expected_tokens`, from `DraftCounts`'s
+#   record by position); on a CPU, chapter 25's fixed rule.
 # - `speculation_counters` in chapter 21's `ENGINE_COUNTERS`, with its help in `ENGINE_COUNTER_HELP`:
 #   the `spec_decode` counters of the server's `/metrics`, under vLLM's names.
 # - The measurements behind chapter 25's defaults: a verify step costs 2.0 to 2.9 decode steps at
@@ -691,9 +955,13 @@ assert evening_plain[1] < lookup["plain tok/s"] == 1703 < invocations["batch 1 p
 # ## 本章小结
 #
 # - `bench.speculative`，以 `python -m nanovllm.bench --speculative` 运行（这个参数加入了第 19 章的
-#   `OTHER_BENCHMARKS`）：同一批请求，交给在同一次调用里构建的不带和带投机的两个引擎，对每个批大小给出 tok/s、步数、
-#   接受率、每个验证步的 token 数，以及完全相同的输出有几个；`--num-speculative-tokens` 让几种草稿数对照同一次普通运行，
-#   `--draft-model` 用一个更小的模型起草，`--verify-rows` 试别的行数上限。
+#   `OTHER_BENCHMARKS`）：同一批请求交给同一个引擎，不带和带投机的运行轮流进行，对每个批大小给出 tok/s（中位数）、
+#   步数、接受率、每个验证步的 token 数，以及完全相同的输出有几个；`--num-speculative-tokens` 让几种草稿数对照同样的
+#   普通运行，`--budget` 选实测预算、第 25 章的固定规则或两者都跑，`--draft-model` 用一个更小的模型起草，
+#   `--verify-rows` 试别的行数上限。
+# - 按实测代价定的草稿预算：`StepCosts` 由 `ModelRunner.step_costs` 在投机的引擎于 GPU 上启动时测出，
+#   `Speculator.drafts_per_sequence` 换成了每秒给出 token 最多的草稿数（`expected_tokens`，依据 `DraftCounts` 按位置
+#   的记录）；在 CPU 上仍是第 25 章的固定规则。
 # - 第 21 章 `ENGINE_COUNTERS` 里的 `speculation_counters`，说明文字在 `ENGINE_COUNTER_HELP` 里：服务器 `/metrics`
 #   里的 `spec_decode` 计数器，名字与 vLLM 的相同。
 # - 第 25 章各个默认值背后的测量：小批大小时一个验证步值 2.0 到 2.9 个 decode 步，所以一个序列每个验证步平均得产出两个

@@ -258,11 +258,11 @@ run_fp8() {
   fi
 }
 
-run_speculative() {  # speculative decoding (chapter 25): its GPU tests, then its benchmark on SmolLM2: prompt lookup,
-                     # then a self draft of SmolLM2's first $DRAFT_LAYERS layers (default 8 of 30)
+run_speculative() {  # speculative decoding (chapters 25, 25b): their GPU tests, then the benchmark on SmolLM2: prompt
+                     # lookup, then a self draft of SmolLM2's first $DRAFT_LAYERS layers (default 8 of 30)
   notebook_stack || exit 2
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/speculative-tests.xml" \
-    tests/beyond/test_25_speculative_decoding.py || status=1
+    tests/beyond/test_25_speculative_decoding.py tests/beyond/test_25b_speculation_measured.py || status=1
   python3 -m nanovllm.bench --speculative "$@" --out "$out/speculative.json" 2>&1 \
     | tee "$out/speculative.log" || status=1
   local draft=/tmp/smollm2-self-draft

@@ -56,9 +56,12 @@ UPSTREAM_LINES = {
 # 311 -> 355 with issue 62: chapter 17b retypes TPRunner._state (4 lines), and chapter 27 (KV events) retypes
 # PrefixCache.publish and forget, the two places where hash_to_block_id changes, with the line that tells the event
 # log (a hook in chapter 03 would name KV events 24 chapters early), Scheduler._notify, where a step ends and its
-# batch leaves, and LLMEngine.exit, which closes the publisher.
+# batch leaves, and LLMEngine.exit, which closes the publisher. 355 -> 370 with issue 61: chapter 25b retypes
+# Speculator.drafts_per_sequence, chapter 25's fixed rule (16 rows, two drafts at least) turned into the budget from
+# measured step costs; the chapter compares the two, and a seam in 25 would name measured costs before the reader
+# has seen why the fixed rule needs them.
 # Otherwise it only falls; each change, and why, is in `git log -p tools/first_cuts.py`.
-MAX_RETYPED_LINES = 355
+MAX_RETYPED_LINES = 370
 # Hooks that first cuts plant for later chapters (see `is_seam`). A guard like the one above: it may only fall.
 MAX_HOOKS = 25
 # The engine modules whose first cut must stay upstream-shaped.

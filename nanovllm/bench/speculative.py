@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 from typing import Any
@@ -15,16 +16,18 @@ from nanovllm.bench.engine import PRESETS, make_workload, watch_calls
 from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import Stopwatch, report_header, write_report
 from nanovllm.config import DEFAULT_SPECULATIVE_TOKENS
-from nanovllm.engine.speculative import DraftCounts
+from nanovllm.engine.speculative import DraftCounts, StepCosts
 from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
+    "BUDGETS",
     "PASSAGE",
     "compare",
     "main",
-    "measure",
+    "print_costs",
     "print_row",
     "quoting_prompts",
+    "timed_run",
     "workload_cases",
 ]
 
@@ -45,64 +48,88 @@ def quoting_prompts(count: int) -> list[str]:
     return [head + PASSAGE[: 40 + 50 * i % 200] for i in range(count)]
 
 
-def measure(model: str, prompts: list, params: list[SamplingParams], *, verify_rows: int | None = None,
-            repeats: int = 1, **settings: Any) -> dict[str, Any]:
-    """Generate ``prompts`` ``repeats`` times on one engine built with ``settings`` (`LLM` keyword arguments;
-    ``verify_rows`` overrides `Speculator.max_verify_rows`): the median tok/s, and the first run's token ids, steps
-    and speculation counters."""
+BUDGETS = ("measured", "fixed")
+
+
+def timed_run(llm: Any, prompts: list, params: list[SamplingParams]) -> dict[str, Any]:
+    """One timed `generate` of ``prompts`` on ``llm`` as it is set up now: the token ids, the seconds, the steps that
+    computed tokens, and the speculator's counters, new for this run."""
+    steps: list[bool] = []
+    counts = DraftCounts()
+    if llm.speculator is not None:
+        llm.speculator.counts = counts
+    # A step that computed tokens counts (the first asynchronous call only queues one).
+    counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
+    with counting, Stopwatch(llm.config.device) as clock:
+        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
+    return {"outputs": outputs, "seconds": clock.seconds, "steps": sum(steps), "counts": counts,
+            "tok_s": sum(map(len, outputs)) / clock.seconds}
+
+
+def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int | list[int],
+            verify_rows: int | None = None, draft_model: str | None = None, budgets: tuple[str, ...] = ("measured",),
+            repeats: int = 1, **settings: Any) -> list[dict[str, Any]]:
+    """Rows of the benchmark, from one engine built with prompt lookup (or ``draft_model``'s drafts) and
+    ``settings``: its runs take turns, ``repeats`` rounds of a run without drafts (its speculator detached: the plain
+    engine, scheduling asynchronously), then one run for each number of drafts and each budget ("measured": the
+    step costs the engine measured when it started; "fixed": chapter 25's rule), so that the order of the runs
+    cannot make a ratio. Each row: the medians, and the first round's steps, counters and outputs."""
     from nanovllm.llm import LLM
 
-    llm = LLM(model, **settings)
+    drafts = [num_speculative_tokens] if isinstance(num_speculative_tokens, int) else list(num_speculative_tokens)
+    method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
+        {"speculative_method": "ngram"}
+    llm = LLM(model, num_speculative_tokens=max(drafts), **method, **settings)
+    speculator = llm.speculator
+    measured_costs = (speculator.costs, speculator.draft_costs)
+    if speculator.costs is not None:
+        print_costs(speculator.costs)
+    if verify_rows is not None:
+        speculator.max_verify_rows = verify_rows
+    variants = [(k, budget) for k in drafts for budget in budgets]
+    runs: dict[tuple[int, str] | None, list[dict[str, Any]]] = {key: [] for key in [None, *variants]}
     try:
-        if verify_rows is not None and llm.speculator is not None:
-            llm.speculator.max_verify_rows = verify_rows
         # A warm-up request, untimed and not counted.
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-        steps: list[bool] = []
-        runs = []
         for _ in range(repeats):
-            # Each run counts its own steps and drafts (the warm-up's, or the run before's, are not counted).
-            steps.clear()
-            counts = DraftCounts()
-            if llm.speculator is not None:
-                llm.speculator.counts = counts
-            # A step that computed tokens counts (the first asynchronous call only queues one).
-            counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
-            with counting, Stopwatch(llm.config.device) as clock:
-                outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-            runs.append((outputs, clock.seconds, sum(steps), counts.drafted, counts.accepted, counts.verifications))
+            llm.speculator = None
+            runs[None].append(timed_run(llm, prompts, params))
+            llm.speculator = speculator
+            for k, budget in variants:
+                speculator.proposer.num_speculative_tokens = k
+                speculator.costs, speculator.draft_costs = measured_costs if budget == "measured" else (None, None)
+                runs[k, budget].append(timed_run(llm, prompts, params))
     finally:
         llm.exit()
         del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    outputs, _, num_steps, drafted, accepted, verifications = runs[0]
-    tok_s = statistics.median(sum(map(len, run[0])) / run[1] for run in runs)
-    return {"tok_s": tok_s, "steps": num_steps, "outputs": outputs, "drafted": drafted, "accepted": accepted,
-            "verifications": verifications}
-
-
-def compare(model: str, prompts: list, params: list[SamplingParams], num_speculative_tokens: int,
-            verify_rows: int | None, draft_model: str | None = None, plain: dict[str, Any] | None = None,
-            **settings: Any) -> dict[str, Any]:
-    """One row of the benchmark: the same requests without, then with prompt lookup, or with ``draft_model``'s
-    drafts when one is given (settings: `measure`'s). ``plain``: the run without speculation, when `measure` has
-    already timed it (one plain run against several numbers of drafts)."""
-    plain = plain or measure(model, prompts, params, **settings)
-    method = {"speculative_method": "draft", "speculative_model": draft_model} if draft_model else \
-        {"speculative_method": "ngram"}
-    spec = measure(model, prompts, params, verify_rows=verify_rows, num_speculative_tokens=num_speculative_tokens,
-                   **method, **settings)
+    plain = runs[None]
     # Only greedy or seeded requests must come out the same; unseeded sampling differs from run to run anyway.
     comparable = all(p.temperature == 0 or p.seed is not None for p in params)
-    same = sum(a == b for a, b in zip(plain["outputs"], spec["outputs"], strict=True)) if comparable else None
-    return {"batch": len(prompts), "plain_tok_s": plain["tok_s"], "speculative_tok_s": spec["tok_s"],
-            "ratio": spec["tok_s"] / plain["tok_s"], "plain_steps": plain["steps"], "speculative_steps": spec["steps"],
-            "acceptance": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
-            "tokens_per_verify": 1 + spec["accepted"] / spec["verifications"] if spec["verifications"] else None,
-            "drafted": spec["drafted"], "identical": same, "num_speculative_tokens": num_speculative_tokens,
-            "proposer": "the draft model" if draft_model else "prompt lookup"}
+    plain_tok_s = statistics.median(run["tok_s"] for run in plain)
+    rows = []
+    for (k, budget), spec in ((key, runs[key]) for key in variants):
+        counts, spec_tok_s = spec[0]["counts"], statistics.median(run["tok_s"] for run in spec)
+        same = sum(a == b for a, b in zip(plain[0]["outputs"], spec[0]["outputs"], strict=True)) if comparable \
+            else None
+        rows.append({
+            "batch": len(prompts), "plain_tok_s": plain_tok_s, "speculative_tok_s": spec_tok_s,
+            "ratio": spec_tok_s / plain_tok_s, "plain_steps": plain[0]["steps"], "speculative_steps": spec[0]["steps"],
+            "acceptance": counts.accepted / counts.drafted if counts.drafted else None,
+            "tokens_per_verify": 1 + counts.accepted / counts.verifications if counts.verifications else None,
+            "drafted": counts.drafted, "identical": same, "num_speculative_tokens": k, "budget": budget,
+            "step_costs": dataclasses.asdict(measured_costs[0]) if measured_costs[0] else None, "repeats": repeats,
+            "proposer": "the draft model" if draft_model else "prompt lookup"})  # fmt: skip
+    return rows
+
+
+def print_costs(costs: StepCosts) -> None:
+    """The step costs an engine measured when it started, in milliseconds, by rows."""
+    print("step costs measured at start, ms (rows: decode step / verify step): " + ", ".join(
+        f"{rows}: {decode * 1e3:.3f} / {verify * 1e3:.3f}"
+        for rows, decode, verify in zip(costs.sizes, costs.decode_seconds, costs.verify_seconds, strict=True)))
 
 
 def print_row(row: dict[str, Any]) -> None:
@@ -110,7 +137,8 @@ def print_row(row: dict[str, Any]) -> None:
         f"acceptance {row['acceptance']:.0%}, {row['tokens_per_verify']:.2f} tokens per verify")
     drafts = row["num_speculative_tokens"]
     print(f"batch {row['batch']:4d}, {drafts} draft{'s' * (drafts != 1)}: {row['plain_tok_s']:9.1f} tok/s plain, "
-          f"{row['speculative_tok_s']:9.1f} with {row['proposer']} ({row['ratio']:.2f}x); steps {row['plain_steps']} "
+          f"{row['speculative_tok_s']:9.1f} with {row['proposer']} ({row['ratio']:.2f}x)"
+          + (", chapter 25's fixed rule" if row["budget"] == "fixed" else "") + f"; steps {row['plain_steps']} "
           f"-> {row['speculative_steps']}; {rate}; "
           + ("outputs sampled without a seed, not compared" if row["identical"] is None else
              f"identical outputs {row['identical']}/{row['batch']}"))
@@ -142,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
                         "plain run")
     parser.add_argument("--draft-model", help="drafts from this smaller model (speculative_method='draft') instead of "
                         "prompt lookup; it must share the model's tokenizer")
-    parser.add_argument("--verify-rows", type=int, help="override Speculator.max_verify_rows (the back-off rule)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine; the median is reported")
+    parser.add_argument("--verify-rows", type=int, help="override Speculator.max_verify_rows (chapter 25's fixed rule)")
+    parser.add_argument("--budget", choices=[*BUDGETS, "both"], default="measured",
+                        help="drafts a step from the step costs measured when the engine starts (measured; on a CPU "
+                        "there are none, and chapter 25's fixed rule decides), from that fixed rule, or both in turns")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of runs taking turns; medians are reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
@@ -151,13 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     workloads = args.workloads or (["quoting", "nano-vllm"] if cuda else ["quoting"])
     report = report_header("python -m nanovllm.bench --speculative", argv, "cuda" if cuda else "cpu") | {"rows": []}
     settings = dict(repeats=args.repeats, device=args.device, max_model_len=4096)
+    budgets = BUDGETS if args.budget == "both" else (args.budget,)
     for name in workloads:
         model, cases = workload_cases(name, args)
         print(f"{name} workload on {model}:")
         for prompts, params in cases:
-            plain = measure(model, prompts, params, **settings)
-            for drafts in args.num_speculative_tokens:
-                row = compare(model, prompts, params, drafts, args.verify_rows, args.draft_model, plain, **settings)
+            for row in compare(model, prompts, params, args.num_speculative_tokens, args.verify_rows, args.draft_model,
+                               budgets, **settings):
                 print_row(row)
                 report["rows"].append({"workload": name, "model": model} | row)
     write_report(report, args.out)

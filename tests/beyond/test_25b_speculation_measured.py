@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 
 from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.engine.speculative import NgramProposer, Speculator, StepCosts
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from tests.beyond.test_25_speculative_decoding import PROMPTS
@@ -73,7 +74,7 @@ def test_the_benchmark_compares_outputs_only_where_they_must_match(tiny, capsys)
     for params, identical in ((SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True), None),
                               (SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True, seed=3), 2),
                               (SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), 2)):
-        row = compare(tiny, prompts, [params] * 2, 2, None, **settings)
+        [row] = compare(tiny, prompts, [params] * 2, 2, **settings)
         assert row["identical"] == identical
         print_row(row)
     printed = capsys.readouterr().out
@@ -113,3 +114,103 @@ def test_the_server_streams_speculative_decoding_token_for_token():
         # (The tiny random model rarely agrees with prompt lookup: chapter 25b checks the counts with replayed drafts.)
         assert 0 <= accepted <= drafted and values[f"nanovllm:spec_decode_num_drafts_total{label}"] > 0
         assert sum(by_position) == accepted and by_position == sorted(by_position, reverse=True)
+
+
+# ---- the draft budget from measured costs -----------------------------------------------------------------------
+def flat_costs(verify_s: float = 1e-3, decode_s: float = 1e-3) -> StepCosts:
+    """A GPU's costs at small batches, roughly: every size up to 64 rows costs about the same."""
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    return StepCosts(sizes, tuple(decode_s for _ in sizes), tuple(verify_s for _ in sizes))
+
+
+def test_step_costs_interpolate_between_measured_sizes() -> None:
+    costs = StepCosts((1, 4, 8), (1.0, 2.0, 4.0), (1.5, 3.0, 6.0))
+    assert costs.decode(4) == 2.0 and costs.verify(1) == 1.5
+    assert costs.decode(6) == pytest.approx(3.0) and costs.verify(2) == pytest.approx(2.0)
+    assert costs.covers(8) and not costs.covers(9) and not costs.covers(0)
+    with pytest.raises(AssertionError, match="no cost measured for 9 rows"):
+        costs.verify(9)
+
+
+def test_without_costs_the_fixed_rule_of_chapter_25_stays() -> None:
+    speculator = Speculator(NgramProposer(num_speculative_tokens=7))
+    assert speculator.costs is None
+    assert [speculator.drafts_per_sequence(b) for b in (1, 4, 5, 6)] == [15, 3, 2, 0]
+
+
+def test_a_fresh_budget_drafts_where_rows_are_cheap_and_stops_when_nothing_is_kept() -> None:
+    speculator = Speculator(NgramProposer(num_speculative_tokens=7))
+    speculator.costs = flat_costs(verify_s=1.5e-3)
+    # Rows cost nothing up to 64: the budget takes as many drafts as the table covers, at 1 and at 8 sequences
+    # (7 drafts: 8 rows; at 8 sequences 64 rows cover 7 drafts too), none at 64 (no bigger graph measured).
+    assert speculator.drafts_per_sequence(1) == 7 and speculator.drafts_per_sequence(8) == 7
+    assert speculator.drafts_per_sequence(64) == 0
+    assert speculator.expected_tokens(2) == pytest.approx(2.0)
+    # Asked 40 times at every position, nothing kept: the estimate falls below what a verify step costs.
+    speculator.count_asked([7] * 40)
+    assert speculator.expected_tokens(7) == pytest.approx(1 + 7 * 1 / 42)
+    assert speculator.drafts_per_sequence(1) == 0 and not speculator.wants_drafts([object()])
+
+
+def test_the_budget_stops_at_the_position_where_drafts_stop_paying() -> None:
+    speculator = Speculator(NgramProposer(num_speculative_tokens=7))
+    # A verify step costs a decode step plus a tenth of one per row past the first.
+    sizes = (1, 2, 4, 8, 16)
+    speculator.costs = StepCosts(sizes, (1.0,) * 5, tuple(1.0 + 0.1 * (s - 1) for s in sizes))
+    # The first two positions kept 9 times in 10, the later ones never.
+    speculator.count_asked([7] * 1000)
+    speculator.counts.accepted_by_position = (900, 900, 0, 0, 0, 0, 0)
+    assert speculator.drafts_per_sequence(1) == 2
+    # Rows linear in cost (a large batch): no number of drafts gives more tokens a second than a decode step.
+    speculator.costs = StepCosts(sizes, tuple(float(s) for s in sizes), tuple(float(s) for s in sizes))
+    assert speculator.drafts_per_sequence(2) == 0
+
+
+def test_a_draft_models_steps_count_against_its_drafts() -> None:
+    speculator = Speculator(NgramProposer(num_speculative_tokens=4))
+    speculator.costs = flat_costs(verify_s=1.2e-3)
+    assert speculator.drafts_per_sequence(1) == 4
+    speculator.draft_costs = flat_costs(decode_s=1e-3)
+    assert speculator.drafts_per_sequence(1) == 0
+
+
+def test_propose_counts_the_rooms_it_asks_to_fill() -> None:
+    from nanovllm.engine.sequence import Sequence
+
+    speculator = Speculator(NgramProposer(num_speculative_tokens=3))
+    seqs = [Sequence([5, 6, 7, 5, 6], SamplingParams(max_tokens=10), block_size=4),
+            Sequence([1, 2, 3], SamplingParams(max_tokens=10), block_size=4)]
+    speculator.costs = flat_costs()
+    drafts = speculator.propose(seqs, budget=16)
+    assert drafts[0] == [7, 5, 6] and drafts[1] == []
+    assert speculator.counts.asked_by_position == (2, 2, 2)
+
+
+def test_a_cpu_engine_measures_no_costs() -> None:
+    llm = LLM(str(build_tiny_model("qwen3")), device="cpu", speculative_method="ngram")
+    try:
+        assert llm.speculator.costs is None and llm.model_runner.step_costs() is None
+    finally:
+        llm.exit()
+
+
+@pytest.mark.gpu
+def test_a_gpu_engine_measures_its_steps_and_stays_lossless(tiny) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(tiny, device="cuda", max_num_seqs=16)
+    try:
+        expected = [out["token_ids"] for out in plain.generate(PROMPTS, params, use_tqdm=False)]
+    finally:
+        plain.exit()
+    llm = LLM(tiny, device="cuda", max_num_seqs=16, speculative_method="ngram")
+    try:
+        costs = llm.speculator.costs
+        assert costs is not None and costs.sizes[0] == 1 and costs.sizes[-1] == 16
+        assert all(s > 0 for s in costs.decode_seconds + costs.verify_seconds)
+        assert [out["token_ids"] for out in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
+    finally:
+        llm.exit()
