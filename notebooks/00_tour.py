@@ -153,7 +153,7 @@ display(SVG(architecture_svg()))
 # %% [markdown] tags=["en"]
 # The book has three parts. **Core** (00–10) builds what nano-vllm does, and builds it whole: stop
 # after chapter 10 and you have an engine that gives `transformers`' tokens. **Speed** (11–19) makes
-# it fast on a GPU, each lever measured. **Beyond** (20–28) makes it serve users who do anything,
+# it fast on a GPU, each lever measured. **Beyond** (20–29) makes it serve users who do anything,
 # and adds what nano-vllm lacks.
 #
 # **Core: what nano-vllm does**
@@ -203,6 +203,7 @@ display(SVG(architecture_svg()))
 # | [26 · Mixture of experts](../26_mixture_of_experts/) | Qwen3-MoE: a router, experts, where each token goes |
 # | [27 · KV events for a gateway](../27_kv_events/) | each cache's changes, told to a gateway in vLLM's format |
 # | [28 · A fleet](../28_fleet/) | replicas behind a gateway, started and watched by one command |
+# | [29 · Structured output](../29_structured_output/) | a grammar's token mask before the sampler: valid JSON |
 # | [C · The live page](../C_live_page/) | the player on a running server's KV cache |
 #
 # **Appendices**
@@ -216,7 +217,7 @@ display(SVG(architecture_svg()))
 # %% [markdown] tags=["zh"]
 # 本书分三个部分。**核心**（00–10）构建 nano-vllm 所做的事，而且是完整地构建：读完第 10
 # 章，你就有了一个与 `transformers` 给出相同 token 的引擎。**速度**（11–19）让它在
-# GPU 上变快，每一项手段都经过测量。**更远**（20–28）让它经得起用户的各种用法、为他们提供服务，并加上
+# GPU 上变快，每一项手段都经过测量。**更远**（20–29）让它经得起用户的各种用法、为他们提供服务，并加上
 # nano-vllm 没有的东西。
 #
 # **核心：nano-vllm 做的事**
@@ -266,6 +267,7 @@ display(SVG(architecture_svg()))
 # | [26 · 混合专家](../26_mixture_of_experts/) | Qwen3-MoE：路由器、专家，每个 token 去了哪里 |
 # | [27 · 给网关的 KV 事件](../27_kv_events/) | KV 事件：每个缓存的变化，按 vLLM 的格式告诉网关 |
 # | [28 · 机群](../28_fleet/) | 网关后面的多个副本，由一条命令启动并看护 |
+# | [29 · 结构化输出](../29_structured_output/) | 在采样器之前加上语法的 token 掩码：写出能通过校验的 JSON |
 # | [C · 实时页面](../C_live_page/) | 运行中服务器的 KV 缓存，用播放器画出来 |
 #
 # **附录**

@@ -150,19 +150,21 @@ def add_fields(cls: type) -> Callable[[type], type]:
     """Decorator on a class of annotated fields, each with a default: make them fields of the dataclass ``cls``,
     after its own settings (before the fields it derives, ``init=False``), as if they had been written there.
 
-    The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields; the package never
-    calls it: the tangler writes the fields into the dataclass's own ``class`` block.
+    The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields (a frozen dataclass
+    stays frozen); the package never calls it: the tangler writes the fields into the dataclass's own ``class``
+    block.
     """
     # zh: 装饰一个由带注解、各有默认值的字段组成的类：把它们变成 dataclass ``cls`` 的字段，放在它自己的设置之后
     # zh: （在它推导出的字段，即 ``init=False`` 的字段之前），就像它们原本就写在那里一样。
     # zh:
-    # zh: notebook 会重建 ``cls`` 生成的方法，让 ``cls(...)`` 接受新字段；包从不调用它：抽取工具把这些字段
-    # zh: 写进这个 dataclass 自己的 ``class`` 块。
+    # zh: notebook 会重建 ``cls`` 生成的方法，让 ``cls(...)`` 接受新字段（frozen 的 dataclass 重建后仍是 frozen）；
+    # zh: 包从不调用它：抽取工具把这些字段写进这个 dataclass 自己的 ``class`` 块。
 
     def add(holder: type) -> type:
         params = cls.__dataclass_params__
-        if (params.order, params.frozen, params.unsafe_hash) != (False, False, False):
-            raise TypeError(f"add_fields rebuilds plain dataclasses only; {cls.__name__} is ordered, frozen or hashed")
+        if params.order or params.unsafe_hash:
+            raise TypeError(f"add_fields rebuilds plain and frozen dataclasses only; {cls.__name__} is ordered or "
+                            "hashed")
         new = inspect.get_annotations(holder)
         missing = [name for name in new if name not in holder.__dict__]
         if missing:
@@ -178,12 +180,15 @@ def add_fields(cls: type) -> Callable[[type], type]:
             setattr(cls, f.name, f)
         for name in new:
             setattr(cls, name, holder.__dict__[name])
-        for generated in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
-                          "__dataclass_params__"):
+        methods = ["__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
+                   "__dataclass_params__"]
+        # en: A frozen dataclass's __setattr__ and __delattr__ are generated too.
+        # zh: frozen 的 dataclass 的 __setattr__ 和 __delattr__ 也是生成的。
+        for generated in methods + ["__setattr__", "__delattr__"] * params.frozen:
             if generated in cls.__dict__:
                 delattr(cls, generated)
         cls.__annotations__ = annotations
-        dataclasses.dataclass(cls)
+        dataclasses.dataclass(cls, eq=params.eq, frozen=params.frozen)
         return holder
 
     return add

@@ -18,17 +18,20 @@ transfer_budget_mb=${TRANSFER_BUDGET_MB:-58}
 
 download() {  # download DIR PACKAGE...: cp312 manylinux wheels (with their dependencies) into DIR
   local dest=$1; shift
-  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+  python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+    --abi cp312 --abi abi3 --abi none \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 --platform any \
     -d "$dest" "$@" 2> >(grep -v 'is ignored' >&2)
 }
 pin() { sed -n "s/^ *\"\($1==[^\"]*\)\",.*/\1/p" pyproject.toml | head -1; }
 
 # The notebook stack, as ../shared/gpu/fetch-wheels.sh fetches it (kept here: ../shared does not
-# travel), and the GGUF reader that SmolLM2's loader needs.
+# travel), the GGUF reader that SmolLM2's loader needs, and chapter 29's grammar library (llguidance's one abi3 wheel
+# is manylinux_2_31: without that platform pip would quietly pick an older release).
 rm -rf .whl && mkdir -p .whl
-download .whl jupytext nbval nbclient ipykernel ipywidgets "$(pin gguf)"
+download .whl jupytext nbval nbclient ipykernel ipywidgets "$(pin gguf)" "$(pin llguidance)"
 # What the GPU image already has stays the image's: a second, older copy would shadow it.
 for present in attrs coverage iniconfig packaging pluggy psutil pygments pytest python_dateutil pyyaml \
                typing_extensions markdown_it_py mdurl jinja2 markupsafe numpy six tzdata tqdm; do

@@ -174,6 +174,11 @@ TRANSLATED = {
         ("all blocks cleared", "所有块已清空"), ("refused: ", "被拒绝："), ("removed ", "移除 "),
         ("all exercise answers check out", "练习答案全部验证通过"),
     ],
+    "29_structured_output": [
+        ("llguidance's bitmask equals ours", "llguidance 的位掩码与我们的相同"), ("tokens allowed", "个 token 中允许"),
+        ("the matcher accepts it", "匹配器接受它"), ("parses and fits the schema", "能解析并符合 schema"),
+        ("the same 6 outputs", "同样的 6 个输出"), ("all exercise answers check out", "练习答案全部验证通过"),
+    ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],
     "C_live_page": [("frames published", "发布的帧"), ("all exercise answers check out", "练习答案全部验证通过")],

@@ -820,22 +820,27 @@ def needed_imports(statements: list[str], used: set[str], public: list[str]) -> 
     return kept
 
 
+def import_groups(imports: list[str]) -> list[str]:
+    """Import statements merged and sorted as isort sorts them, one text per group (standard library, third party,
+    the package), to be joined by a blank line."""
+    groups: dict[int, list[str]] = {}
+    for statement in sorted(merged_imports(imports), key=import_group):
+        groups.setdefault(import_group(statement)[0], []).append(statement)
+    return ["\n".join(group) for _, group in sorted(groups.items())]
+
+
 def render(module: Module) -> str:
     header = render_header(module.chapters)
     blocks: list[str] = [module.docstring] if module.docstring else []
     if module.future_imports:
         blocks.append("\n".join(sorted(module.future_imports)))
-    groups: dict[int, list[str]] = {}
     used = names_used(module.bodies)
     type_checking = needed_imports(module.type_checking_imports, used, [])
     imports = needed_imports(module.imports, used | ({"TYPE_CHECKING"} if type_checking else set()),
                              module.public_names)
-    for statement in sorted(merged_imports(imports), key=import_group):
-        groups.setdefault(import_group(statement)[0], []).append(statement)
-    blocks += ["\n".join(group) for _, group in sorted(groups.items())]
+    blocks += import_groups(imports)
     if type_checking:
-        statements = sorted(merged_imports(type_checking), key=import_group)
-        blocks.append("if TYPE_CHECKING:\n" + textwrap.indent("\n".join(statements), "    "))
+        blocks.append("if TYPE_CHECKING:\n" + textwrap.indent("\n\n".join(import_groups(type_checking)), "    "))
     if module.public_names:
         names = "".join(f'    "{name}",\n' for name in sorted(module.public_names, key=all_order))
         blocks.append(f"__all__ = [\n{names}]")

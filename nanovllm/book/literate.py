@@ -68,14 +68,16 @@ def add_fields(cls: type) -> Callable[[type], type]:
     """Decorator on a class of annotated fields, each with a default: make them fields of the dataclass ``cls``,
     after its own settings (before the fields it derives, ``init=False``), as if they had been written there.
 
-    The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields; the package never
-    calls it: the tangler writes the fields into the dataclass's own ``class`` block.
+    The notebook rebuilds ``cls``'s generated methods so that ``cls(...)`` takes the new fields (a frozen dataclass
+    stays frozen); the package never calls it: the tangler writes the fields into the dataclass's own ``class``
+    block.
     """
 
     def add(holder: type) -> type:
         params = cls.__dataclass_params__
-        if (params.order, params.frozen, params.unsafe_hash) != (False, False, False):
-            raise TypeError(f"add_fields rebuilds plain dataclasses only; {cls.__name__} is ordered, frozen or hashed")
+        if params.order or params.unsafe_hash:
+            raise TypeError(f"add_fields rebuilds plain and frozen dataclasses only; {cls.__name__} is ordered or "
+                            "hashed")
         new = inspect.get_annotations(holder)
         missing = [name for name in new if name not in holder.__dict__]
         if missing:
@@ -90,12 +92,14 @@ def add_fields(cls: type) -> Callable[[type], type]:
             setattr(cls, f.name, f)
         for name in new:
             setattr(cls, name, holder.__dict__[name])
-        for generated in ("__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
-                          "__dataclass_params__"):
+        methods = ["__init__", "__repr__", "__eq__", "__hash__", "__match_args__", "__dataclass_fields__",
+                   "__dataclass_params__"]
+        # A frozen dataclass's __setattr__ and __delattr__ are generated too.
+        for generated in methods + ["__setattr__", "__delattr__"] * params.frozen:
             if generated in cls.__dict__:
                 delattr(cls, generated)
         cls.__annotations__ = annotations
-        dataclasses.dataclass(cls)
+        dataclasses.dataclass(cls, eq=params.eq, frozen=params.frozen)
         return holder
 
     return add

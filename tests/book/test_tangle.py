@@ -421,18 +421,22 @@ from nanovllm.book.literate import add_to_init
 from nanovllm.engine.pool import Pool
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from nanovllm.engine.log import Log
 
 
 @add_to_init(Pool)
 def _init_log(self) -> None:
     self.log: Log | None = None
+    self.last: Tensor | None = None
 """
     chapter(tmp_path, "01_pool.py", first)
     chapter(tmp_path, "02_log.py", later)
     text = tangle.tangle(tmp_path)[Path("nanovllm/engine/pool.py")]
-    block = ("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from nanovllm.engine.block import Block\n"
-             "    from nanovllm.engine.log import Log\n\n__all__")
+    # As isort groups them: another package's names, a blank line, then the package's own.
+    block = ("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from torch import Tensor\n\n"
+             "    from nanovllm.engine.block import Block\n    from nanovllm.engine.log import Log\n\n__all__")
     assert block in text and text.count("TYPE_CHECKING") == 2
     assert '# notebooks/01_pool.py · cell "pool"\nSIZE = 4' in text
 

@@ -1,0 +1,1353 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 29 · Structured output: a grammar picks the allowed tokens
+#
+# **Goal.** A program that reads a model's output wants JSON that parses, fits a schema and holds
+# only the fields it expects; a classifier wants one of three labels; a form wants a date. Asking
+# the model nicely is not enough for a small model, and not always for a large one. **Structured
+# output** (constrained decoding) makes it a guarantee: before each token is sampled, a **grammar**
+# says which tokens may come next, and the logit of every other token becomes −∞. This chapter
+# builds it into the engine as vLLM has it: a request carries
+# `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`, a **matcher** per
+# sequence follows the tokens the sequence writes, and each step's **bitmask** (one bit per token
+# of the vocabulary) masks the logits on their device just before the sampler. By the end you can
+# compute such a mask by hand for a tiny grammar, check it bit for bit against **llguidance**, the
+# library the engine uses, and watch SmolLM2 on a CPU write JSON that validates against a schema,
+# where without the mask it writes a sentence. This is the first part: the offline engine. The
+# server's `response_format` and tool calls come next.
+
+# %% [markdown] tags=["zh"]
+# # 29 · 结构化输出：由语法挑出允许的 token
+#
+# **目标：** 读取模型输出的程序想要能解析的 JSON，符合某个 schema，只含它预期的字段；分类器想要三个标签之一；表单
+# 想要一个日期。对小模型，好言相求是不够的；对大模型，也不总是够。**结构化输出**（structured output，也叫约束解码）
+# 把它变成保证：每个 token 采样之前，由一个**语法**（grammar）说出接下来允许哪些 token，其余每个 token 的 logit 都
+# 变成 −∞。本章像 vLLM 那样把它做进引擎：请求带上
+# `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`，每个序列有一个**匹配器**（matcher）
+# 跟着它写出的 token 走，每一步的**位掩码**（bitmask，词表里每个 token 占一位）在采样器之前、在 logits 所在的设备上
+# 盖住 logits。读完本章，你能为一个很小的语法手算出这样的掩码，逐位对照引擎所用的库 **llguidance** 算出的掩码，并
+# 看到 SmolLM2 在 CPU 上写出符合 schema 的 JSON——不加掩码时，它写的是一句话。这是第一部分：离线引擎。服务器的
+# `response_format` 和工具调用在后面。
+
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "step {step}: after {written!r:<7} {allowed} allowed: {shown}; unmasked {free!r}, masked {chosen!r}":
+        "第 {step} 步：在 {written!r:<7} 之后允许 {allowed} 个：{shown}；不加掩码 {free!r}，加掩码 {chosen!r}",
+    "the tiny model spelled {text!r} under the mask": "小模型在掩码下拼出了 {text!r}",
+    "step 0's bitmask: {words} int32 words, non-zero: {nonzero}":
+        "第 0 步的位掩码：{words} 个 int32 字，非零的：{nonzero}",
+    "unpacked again: the same {count} tokens: {same}": "再解开：同样的 {count} 个 token：{same}",
+    "step {step}: after {written!r:<7} llguidance's bitmask equals ours: {same}":
+        "第 {step} 步：在 {written!r:<7} 之后 llguidance 的位掩码与我们的相同：{same}",
+    "after {written!r}: by prefix {ours}, llguidance {theirs}; the tokenizer writes {word!r} as {tokens}":
+        "在 {written!r} 之后：按前缀 {ours}，llguidance {theirs}；分词器把 {word!r} 写成 {tokens}",
+    "refused: {error}": "被拒绝：{error}",
+    "a schema nested {depth} deep refused in {ms:.1f} ms": "嵌套 {depth} 层的 schema 在 {ms:.1f} 毫秒内被拒绝",
+    "{kind:<6} {text!r:<36} {tokens:>2} tokens, the matcher accepts it: {accepted}":
+        "{kind:<6} {text!r:<36} {tokens:>2} 个 token，匹配器接受它：{accepted}",
+    "{forced} of {total} tokens had exactly one allowed token": "{total} 个 token 中有 {forced} 个只允许唯一的 token",
+    "unconstrained: {text!r}": "不加约束：{text!r}",
+    "  parses and fits the schema: {valid}": "  能解析并符合 schema：{valid}",
+    "constrained:   {text!r}": "加了约束：{text!r}",
+    "sample {index} (seed 7, temperature 0.8): {text!r}, fits the schema: {valid}":
+        "第 {index} 个样本（种子 7，温度 0.8）：{text!r}，符合 schema：{valid}",
+    "unconstrained greedy outputs unchanged beside a constrained request: {same}":
+        "与一个受约束的请求同批时，不加约束的贪心输出不变：{same}",
+    "a pool of {blocks} blocks: {preempted} preemptions, the same {count} outputs: {same}":
+        "{blocks} 个块的池：{preempted} 次抢占，同样的 {count} 个输出：{same}",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
+# %% [markdown] tags=["en"]
+# ## The idea: a mask between the logits and the sampler
+#
+# A grammar stands for a set of strings: the JSON documents a schema accepts, the matches of a
+# regular expression, three words. Generation writes a string one token at a time, so what a step
+# must know is: **which tokens keep the text written so far the start of some string of the
+# grammar?** Those are allowed, every other token is masked out. Once the text is a whole string of
+# the grammar, the end-of-sequence token is allowed too; once nothing else can follow, it is the
+# only one.
+#
+# ```
+#   logits of one row     [  2.1   -0.3    5.7    0.9   ...   1.2 ]   one per token of the vocabulary
+#   its bitmask row       [   1      0      0      1    ...    0  ]   one bit per token, 32 in an int32 word
+#   masked logits         [  2.1   -inf   -inf    0.9   ...  -inf ]   -> chapter 08's sampler, unchanged
+#                              ^
+#                              the sequence's matcher: the grammar's state after the tokens it wrote
+# ```
+#
+# Three pieces, each where it belongs:
+#
+# - A **matcher** per sequence holds the grammar's state after the tokens the sequence wrote. It
+#   lives on the host beside the `Sequence`: it is a parser stepping through text, not tensors.
+# - Each step, the matcher of each constrained row fills that row of a **bitmask**: ⌈V/32⌉ int32
+#   words, bit *j* of word *w* for token 32*w* + *j*. For SmolLM2's 49,152 tokens a row is 1,536
+#   words, 6 KiB, and the whole bitmask crosses to the device in one copy.
+# - On the device the bitmask is unpacked to one bool per token and masks the logits; the sampler
+#   then samples as it always does, greedy or not. Masking before the sampler keeps sampling exact:
+#   the distribution is the model's, renormalized over the allowed tokens.
+#
+# Finding which tokens keep the text a prefix is the hard part: a vocabulary has tens of thousands
+# of tokens, and a JSON schema's grammar many states. vLLM, SGLang and TensorRT-LLM use XGrammar by
+# default, and vLLM also offers llguidance (its "guidance" backend). We compared the two on our
+# tokenizers (compile times, masks token by token, hostile schemas) and chose **llguidance**, on
+# evidence: its compile time is bounded by limits it checks itself (a schema nested 500 deep is
+# refused in a millisecond, where XGrammar compiled for 17 s, and a compile cannot be stopped);
+# its masks were right where XGrammar's were wrong (strings with a `maxLength`, special tokens
+# inside strings); and it refuses the schema features it does not implement (`uniqueItems`, an
+# unknown `format`) where XGrammar silently ignores them, letting the output break the schema. It
+# has no dependencies, and one wheel serves every Python.
+
+# %% [markdown] tags=["zh"]
+# ## 思路：在 logits 和采样器之间加一层掩码
+#
+# 一个语法代表一组字符串：某个 schema 接受的 JSON 文档、某个正则表达式的匹配、三个单词。生成是一次一个 token 地写出
+# 一个字符串，所以一步要知道的是：**哪些 token 能让已经写出的文本仍是语法中某个字符串的开头？**这些 token 允许，其余
+# 每个 token 都被掩掉。一旦文本已经是语法里一个完整的字符串，end-of-sequence token 也就允许了；一旦后面什么都不能
+# 再接，它就是唯一允许的 token。
+#
+# ```
+#   一行的 logits          [  2.1   -0.3    5.7    0.9   ...   1.2 ]   词表里每个 token 一个
+#   这一行的位掩码          [   1      0      0      1    ...    0  ]   每个 token 一位，一个 int32 字装 32 位
+#   掩码之后的 logits      [  2.1   -inf   -inf    0.9   ...  -inf ]   -> 第 08 章的采样器，原样不动
+#                              ^
+#                              这个序列的匹配器：它写过的 token 之后，语法所处的状态
+# ```
+#
+# 三个部件，各在各的位置：
+#
+# - 每个序列一个**匹配器**，保存序列写过的 token 之后语法所处的状态。它和 `Sequence` 一起放在主机上：它是一个在文本上
+#   一步步走的解析器，不是张量。
+# - 每一步，每个受约束行的匹配器填写**位掩码**（bitmask）中的这一行：⌈V/32⌉ 个 int32 字，第 *w* 个字的第 *j* 位对应
+#   token 32*w* + *j*。SmolLM2 有 49,152 个 token，一行是 1,536 个字，6 KiB；整个位掩码一次拷贝送到设备上。
+# - 在设备上，位掩码被解开成每个 token 一个布尔值，盖住 logits；然后采样器照常采样，贪心与否都一样。在采样器之前加
+#   掩码，采样仍然是精确的：分布就是模型的分布，只在允许的 token 上重新归一化。
+#
+# 难的是找出哪些 token 能让文本仍是前缀：一个词表有几万个 token，一个 JSON schema 的语法有许多状态。vLLM、SGLang 和
+# TensorRT-LLM 默认用 XGrammar，vLLM 也提供 llguidance（它的 "guidance" 后端）。我们在自己的分词器上比较了两者
+# （编译时间、逐 token 的掩码、恶意的 schema），凭证据选了 **llguidance**：它的编译时间受它自己检查的限额约束（嵌套
+# 500 层的 schema 在一毫秒内被拒绝，而 XGrammar 编译了 17 秒，编译一旦开始就停不下来）；在 XGrammar 出错的地方它的
+# 掩码是对的（带 `maxLength` 的字符串、字符串里的特殊 token）；它不实现的 schema 特性（`uniqueItems`、未知的
+# `format`）它会拒绝，而 XGrammar 悄悄地忽略它们，让输出违反 schema 也不报错。它没有依赖，一个 wheel 适用于所有 Python
+# 版本。
+
+# %%
+import json
+import textwrap
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.config import Config
+from nanovllm.engine.inputs import load_tokenizer
+
+tiny = build_tiny_model("qwen3")
+tokenizer = load_tokenizer(str(tiny))
+settings = Config(str(tiny), device="cpu")
+VOCAB, EOS = settings.hf_config.vocab_size, settings.eos_token_ids
+# en: Each token's text; the special tokens (<|im_start|>, ...) are never part of what a grammar spells.
+# zh: 每个 token 的文本；特殊 token（<|im_start|> 等）从来不是语法所拼写内容的一部分。
+texts = [tokenizer.decode([token]) for token in range(VOCAB)]
+special = set(tokenizer.all_special_ids)
+
+# %% [markdown] tags=["en"]
+# ## By hand first: a grammar of three words
+#
+# The smallest grammar worth the name: the output must be `red`, `green` or `blue`. Its allowed
+# tokens need no library. A token is allowed if the text written so far, followed by the token's
+# text, is the start of one of the words; the end-of-sequence tokens are allowed once the text is a
+# whole word. The tiny model's tokenizer (chapter 06) is a byte-level BPE of 512 tokens, few enough
+# to try every one of them at every step.
+
+# %% [markdown] tags=["zh"]
+# ## 先手算：三个单词的语法
+#
+# 称得上语法的最小例子：输出必须是 `red`、`green` 或 `blue`。它允许的 token 不需要任何库就能算出：已经写出的文本
+# 接上一个 token 的文本之后，如果还是其中某个单词的开头，这个 token 就允许；文本一旦是一个完整的单词，
+# end-of-sequence token 也就允许了。小模型的分词器（第 06 章）是 512 个 token 的字节级 BPE，少到每一步都能把每个
+# token 试一遍。
+
+# %%
+WORDS = ["red", "green", "blue"]
+
+
+def allowed_by_hand(words: list[str], written: str) -> list[int]:
+    """The tokens after which the text is still the start of one of ``words``; the end-of-sequence tokens too, once
+    the text is one of them."""
+    # zh: 接上之后文本仍是 ``words`` 中某个单词开头的那些 token；文本已经是其中一个单词时，再加上
+    # zh: end-of-sequence token。
+    keep = [token for token, text in enumerate(texts)
+            if token not in special and text and any(word.startswith(written + text) for word in words)]
+    return keep + (list(EOS) if written in words else [])
+
+
+# %% [markdown] tags=["en"]
+# Now the tiny model (its random weights, loaded by `transformers`) writes under this rule, greedily:
+# at each step its logits for the forbidden tokens become −∞, and the most likely of the allowed
+# tokens wins. The trace shows what it would have written without the mask.
+
+# %% [markdown] tags=["zh"]
+# 现在让小模型（它的随机权重，由 `transformers` 加载）按这条规则贪心地写：每一步，被禁止的 token 的 logits 变成 −∞，
+# 允许的 token 里最可能的那个胜出。轨迹里也列出了不加掩码时它会写什么。
+
+# %%
+model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+prompt = tokenizer.encode("Question: What is the color of the sky? Answer:")
+written, ids, steps_by_hand = "", list(prompt), []
+with torch.no_grad():
+    for step in range(8):
+        allowed = allowed_by_hand(WORDS, written)
+        logits = model(torch.tensor([ids])).logits[0, -1]
+        keep = torch.zeros(VOCAB, dtype=torch.bool)
+        keep[allowed] = True
+        chosen = int(logits.masked_fill(~keep, float("-inf")).argmax())
+        steps_by_hand.append((written, allowed))
+        shown = sorted(texts[token] for token in allowed)
+        print(say("step {step}: after {written!r:<7} {allowed} allowed: {shown}; unmasked {free!r}, masked {chosen!r}",
+                  step=step, written=written, allowed=len(allowed), shown=shown, free=texts[int(logits.argmax())],
+                  chosen=texts[chosen]))
+        if chosen in EOS:
+            break
+        written += texts[chosen]
+        ids.append(chosen)
+print(say("the tiny model spelled {text!r} under the mask", text=written))
+assert written in WORDS and len(steps_by_hand) >= 3
+
+# %% [markdown] tags=["en"]
+# Left alone, the random model writes whatever its logits favor (the "unmasked" column); under the
+# mask it can only spell a word, picking among the allowed tokens the one its logits like best.
+# Note the first step: `b`, `bl`, `g`, `gr`, `r` and `re` are all allowed. A grammar constrains the
+# *text*, and one text has many tokenizations.
+
+# %% [markdown] tags=["zh"]
+# 放任不管时，这个随机模型写的是它的 logits 偏爱的东西（“不加掩码”那一栏）；在掩码之下它只能拼出一个单词，在允许的
+# token 里挑它的 logits 最喜欢的那个。注意第一步：`b`、`bl`、`g`、`gr`、`r` 和 `re` 都允许。语法约束的是*文本*，而
+# 同一段文本有许多种分词方式。
+
+# %% [markdown] tags=["en"]
+# ## Build it: a bitmask, and the mask it makes
+#
+# A list of allowed tokens is the wrong shape for a GPU: its length changes from row to row and
+# from step to step. A bitmask has one shape, [rows, ⌈V/32⌉] int32, whatever is allowed. The new
+# module `nanovllm.engine.grammars` starts with four small functions. `pack_tokens` writes a row by
+# hand; `allowed_tokens` unpacks rows back to one bool per token with two tensor operations (a
+# shift by 0 to 31, then `& 1`); `apply_bitmask` sets −∞ where a bit is 0, on the logits' own
+# device. llguidance ships a helper for that last step, but it is compiled with `torch.compile`
+# (15 s at its first call on a CPU here, and importing it costs 1.7 s); the plain version is three
+# lines that run anywhere. `fill_bitmask` lets llguidance write a row: it hands over the row's
+# address, and llguidance writes the words there.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：位掩码，以及由它得到的掩码
+#
+# 允许的 token 列表对 GPU 来说形状不对：它的长度每行不同、每步也不同。位掩码只有一种形状：[行数, ⌈V/32⌉] 的 int32，
+# 不管允许的是什么。新模块 `nanovllm.engine.grammars` 从四个小函数开始。`pack_tokens` 手工写出一行；`allowed_tokens`
+# 用两个张量运算（先右移 0 到 31 位，再 `& 1`）把各行解开成每个 token 一个布尔值；`apply_bitmask` 在 logits 所在的
+# 设备上把位为 0 的地方设成 −∞。llguidance 为最后这一步提供了辅助函数，但它用 `torch.compile` 编译（在这里的 CPU 上
+# 第一次调用要 15 秒，光是导入它就要 1.7 秒）；朴素的写法只有三行，在哪里都能运行。`fill_bitmask` 让 llguidance 写
+# 一行：把这一行的地址交给它，它把那些字写进去。
+
+# %% default module
+#| default_exp engine.grammars
+
+# %% bitmasks
+#| export
+"""Structured output: the grammars of constrained requests, turned into token masks by llguidance (chapter 29)."""
+# zh: 结构化输出：受约束请求的语法，由 llguidance 变成 token 掩码（第 29 章）。
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """The int32 words of one bitmask row over ``vocab_size`` tokens: a bit per token."""
+    # zh: ``vocab_size`` 个 token 的位掩码一行有几个 int32 字：每个 token 一位。
+    return (vocab_size + 31) // 32
+
+
+def pack_tokens(tokens: Iterable[int], vocab_size: int) -> torch.Tensor:
+    """A bitmask row, [words] int32, that allows exactly ``tokens``: bit j of word w stands for token 32 w + j."""
+    # zh: 恰好允许 ``tokens`` 的一行位掩码，[字数] 的 int32：第 w 个字的第 j 位代表 token 32 w + j。
+    words = np.zeros(bitmask_words(vocab_size), dtype=np.uint32)
+    for token in tokens:
+        words[token // 32] |= np.uint32(1 << (token % 32))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., vocab_size] bools from bitmask rows [..., words] int32: whether each token is allowed."""
+    # zh: 由位掩码各行 [..., 字数]（int32）得到 [..., vocab_size] 的布尔值：每个 token 是否允许。
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask[..., None] >> bits) & 1).flatten(-2)[..., :vocab_size].bool()
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, each logit of row ``rows[i]`` whose token ``bitmask[i]`` forbids. The bitmask goes to
+    the logits' device, where the work is done."""
+    # zh: 就地把第 ``rows[i]`` 行里 ``bitmask[i]`` 禁止的 token 的 logit 设成 -inf。位掩码被送到 logits 所在的设备，
+    # zh: 在那里完成这件事。
+    index = torch.tensor(rows, device=logits.device)
+    allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def fill_bitmask(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Let ``matcher`` write the tokens it allows next into row ``row`` of ``bitmask`` (int32, on the host)."""
+    # zh: 让 ``matcher`` 把它下一步允许的 token 写进 ``bitmask``（int32，在主机上）的第 ``row`` 行。
+    words = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+
+# %% [markdown] tags=["en"]
+# Step 0's allowed tokens, packed: of the 16 words of a row, the few that hold an allowed token are
+# not zero. Unpacked again they give back the same tokens, and masking the logits through the
+# bitmask is the `masked_fill` of the trace above.
+
+# %% [markdown] tags=["zh"]
+# 把第 0 步允许的 token 打包：一行的 16 个字里，只有装着允许 token 的那几个字不为零。再解开，得到的还是那些 token；
+# 经由位掩码盖住 logits，和上面轨迹里的 `masked_fill` 是同一回事。
+
+# %%
+first = pack_tokens(steps_by_hand[0][1], VOCAB)
+nonzero = {word: f"{int(value) & 0xFFFFFFFF:#010x}" for word, value in enumerate(first.tolist()) if value}
+print(say("step 0's bitmask: {words} int32 words, non-zero: {nonzero}", words=len(first), nonzero=nonzero))
+back = allowed_tokens(first, VOCAB).nonzero().flatten().tolist()
+print(say("unpacked again: the same {count} tokens: {same}", count=len(back), same=back == steps_by_hand[0][1]))
+with torch.no_grad():
+    row = model(torch.tensor([prompt])).logits[0, -1:].clone()
+by_fill = row[0].masked_fill(~allowed_tokens(first, VOCAB), float("-inf"))
+apply_bitmask(row, first[None], [0])
+assert back == sorted(steps_by_hand[0][1]) and torch.equal(row[0], by_fill) and len(first) == VOCAB // 32
+
+# %% [markdown] tags=["en"]
+# ## The same mask from llguidance
+#
+# llguidance compiles a grammar into a matcher against a tokenizer. `llguidance.hf.from_tokenizer`
+# reads the tokenizer's vocabulary, with the model's vocabulary size (so that padding ids, which
+# no text spells, are never allowed) and every end-of-sequence id the model declares;
+# `grammar_from("choice", ...)` turns the three words into llguidance's grammar format; an
+# `LLMatcher` follows tokens (`consume_token`) and writes the next mask. Along the tokens the tiny
+# model wrote, its bitmask equals ours, bit for bit:
+
+# %% [markdown] tags=["zh"]
+# ## llguidance 给出同样的掩码
+#
+# llguidance 针对一个分词器把语法编译成匹配器。`llguidance.hf.from_tokenizer` 读入分词器的词表，同时给它模型的词表
+# 大小（这样没有文本能拼出的填充 id 永远不会被允许）和模型声明的每一个 end-of-sequence id；`grammar_from("choice",
+# ...)` 把三个单词变成 llguidance 的语法格式；一个 `LLMatcher` 跟着 token 走（`consume_token`），并写出下一步的掩码。
+# 沿着小模型写出的那些 token，它的位掩码和我们的逐位相同：
+
+# %%
+import llguidance.hf
+from llguidance import LLMatcher, grammar_from
+
+lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=VOCAB, eos_token=list(EOS))
+
+
+def llguidance_masks(words: list[str], tokens: list[int]) -> list[torch.Tensor]:
+    """llguidance's bitmask row before each of ``tokens``, for the grammar "one of ``words``"."""
+    # zh: 对语法“``words`` 之一”，llguidance 在 ``tokens`` 的每一个之前给出的那一行位掩码。
+    matcher = LLMatcher(lltok, grammar_from("choice", json.dumps(words)), log_level=0)
+    rows = []
+    for token in tokens:
+        bitmask = torch.empty(1, VOCAB // 32, dtype=torch.int32)
+        fill_bitmask(matcher, bitmask, 0)
+        rows.append(bitmask[0])
+        assert matcher.consume_token(token)
+    return rows
+
+
+spelled = [*ids[len(prompt):], EOS[0]]
+for step, ((before, allowed), theirs) in enumerate(zip(steps_by_hand, llguidance_masks(WORDS, spelled),
+                                                        strict=True)):
+    same = torch.equal(theirs, pack_tokens(allowed, VOCAB))
+    print(say("step {step}: after {written!r:<7} llguidance's bitmask equals ours: {same}", step=step,
+              written=before, same=same))
+    assert same
+
+# %% [markdown] tags=["en"]
+# Not always, though. For the words Paris, Rome and London, after `L` the prefix rule allows `o`
+# and `on`, and llguidance only `on`:
+
+# %% [markdown] tags=["zh"]
+# 不过并不总是这样。对 Paris、Rome、London 这三个词，在 `L` 之后，前缀规则允许 `o` 和 `on`，llguidance 只允许 `on`：
+
+# %%
+CITIES = ["Paris", "Rome", "London"]
+london = tokenizer.encode("London")
+theirs = allowed_tokens(llguidance_masks(CITIES, london[:2])[1], VOCAB).nonzero().flatten().tolist()
+ours = allowed_by_hand(CITIES, "L")
+print(say("after {written!r}: by prefix {ours}, llguidance {theirs}; the tokenizer writes {word!r} as {tokens}",
+          written="L", ours=[texts[t] for t in ours], theirs=[texts[t] for t in theirs], word="London",
+          tokens=[texts[t] for t in london]))
+assert set(theirs) < set(ours) and [texts[t] for t in set(ours) - set(theirs)] == ["o"]
+
+# %% [markdown] tags=["en"]
+# Both are right about the text: `Lo` is the start of `London`. But this tokenizer writes `London`
+# as `L`, `on`, `d`, `on`, never with `o` and then `n`, so a model trained on its output has
+# (almost) never seen `o` followed by `n` where `on` would do, and what it predicts after such a
+# token is anyone's guess. Where it can tell, llguidance allows only the **canonical**
+# tokenization, the one the tokenizer itself would write, which keeps the model on paths it knows.
+# It is the kind of thing a hand-written mask gets subtly wrong and a library gets right; the other
+# is speed: a JSON schema's grammar over 49,152 tokens, in about 14 µs a token (the median we measured).
+
+# %% [markdown] tags=["zh"]
+# 就文本而言两者都对：`Lo` 是 `London` 的开头。但这个分词器把 `London` 写成 `L`、`on`、`d`、`on`，从不写成 `o` 再接
+# `n`；所以一个在它的输出上训练的模型，（几乎）从没见过本该是 `on` 的地方出现 `o` 再跟 `n`，在这样的 token 之后它会
+# 预测什么，谁也说不准。只要能判断，llguidance 就只允许**规范分词**（canonical tokenization），也就是分词器自己
+# 会写出的那一种，让模型走在它熟悉的路上。手写的掩码容易在这种地方出细微的错，而库能做对；另一件是速度：一个
+# JSON schema 的语法，面对 49,152 个 token，每个 token 大约 14 微秒（我们测得的中位数）。
+
+# %% [markdown] tags=["en"]
+# ## Build it: what a request asks for
+#
+# vLLM's name for the constraint is `StructuredOutputsParams`, a field of `SamplingParams` since
+# vLLM 0.12 (the older `guided_json`, `guided_regex`, ... were removed then). We take it field for
+# field, with exactly one constraint set:
+#
+# | field | the output must be |
+# |---|---|
+# | `json` | a JSON document that validates against this JSON schema (a dict, or its JSON text) |
+# | `regex` | a match of this regular expression |
+# | `choice` | one of these strings |
+# | `grammar` | a sentence of this grammar (Lark, or llama.cpp's GBNF) |
+# | `json_object=True` | any JSON object |
+#
+# `disable_any_whitespace=True` leaves out the blanks that JSON allows between its tokens: a small
+# model free to write blanks may write nothing else (the tiny model below does).
+#
+# The object checks itself when it is made, through llguidance: no constraint or two, a schema
+# llguidance cannot compile, or a feature it does not implement are refused with the reason, before
+# anything is queued. The check is bounded: llguidance stops at limits of its own
+# (`LLParserLimits`: lexer fuel, lexer states, grammar size), so a hostile schema costs
+# milliseconds. Chapter 01's `SamplingParams` takes the field through `add_fields` (appendix D),
+# with one more rule: `ignore_eos=True` is refused for a constrained request. A grammar that is
+# complete ends the request with the end-of-sequence token, the only token it then allows, and
+# `ignore_eos` would skip past it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：请求要的是什么
+#
+# vLLM 给这种约束起的名字是 `StructuredOutputsParams`，从 vLLM 0.12 起它是 `SamplingParams` 的一个字段（旧的
+# `guided_json`、`guided_regex` 等在那时被移除）。我们逐字段照搬，恰好设置其中一个约束：
+#
+# | 字段 | 输出必须是 |
+# |---|---|
+# | `json` | 符合这个 JSON schema 的 JSON 文档（给一个 dict，或它的 JSON 文本） |
+# | `regex` | 这个正则表达式的一个匹配 |
+# | `choice` | 这些字符串之一 |
+# | `grammar` | 这个语法（Lark，或 llama.cpp 的 GBNF）的一个句子 |
+# | `json_object=True` | 任意一个 JSON 对象 |
+#
+# `disable_any_whitespace=True` 去掉 JSON 在各个记号之间允许出现的空白：一个可以随意写空白的小模型，可能除了空白什么
+# 都不写（下面的小模型就是这样）。
+#
+# 这个对象在创建时就借助 llguidance 检查自己：没有约束或有两个约束、llguidance 编译不了的 schema、它不实现的特性，都会
+# 连同原因一起被拒绝，那时什么都还没有排进队列。检查的开销有上限：llguidance 在它自己的限额（`LLParserLimits`：词法
+# 分析的燃料、词法状态数、语法大小）处停下，所以一个恶意的 schema 只花几毫秒。第 01 章的 `SamplingParams` 通过
+# `add_fields`（附录 D）接受这个字段，并多了一条规则：受约束的请求不接受 `ignore_eos=True`。语法完整时，请求以
+# end-of-sequence token 结束，那时它是语法唯一允许的 token，而 `ignore_eos` 会跳过它。
+
+# %% structured outputs
+#| export sampling_params
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.checks import check
+
+if TYPE_CHECKING:
+    from llguidance import LLParserLimits
+
+# en: The constraints a request may set, by vLLM's names: exactly one of them.
+# zh: 请求可以设置的约束，用 vLLM 的名字：恰好设置其中一个。
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def grammar_limits() -> LLParserLimits:
+    """What compiling a grammar, and computing one mask, may cost: llguidance's limits (lexer fuel, lexer states,
+    grammar size), at its defaults. A schema past them is refused in milliseconds, not compiled for seconds."""
+    # zh: 编译一个语法、计算一次掩码最多能花多少：llguidance 的限额（词法分析的燃料、词法状态数、语法大小），取它的
+    # zh: 默认值。超出的 schema 在几毫秒内被拒绝，而不是编译好几秒。
+    # en: llguidance is imported where it is used: an engine that constrains nothing never loads it.
+    # zh: llguidance 在用到它的地方才导入：不做任何约束的引擎从不加载它。
+    from llguidance import LLParserLimits
+
+    return LLParserLimits()
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a request's output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON schema
+    (``json``, a dict or its JSON text), a regular expression (``regex``), one of some strings (``choice``), a
+    grammar in Lark or GBNF form (``grammar``), or any JSON object (``json_object=True``).
+    ``disable_any_whitespace``: JSON without the blanks JSON allows between its tokens. Checked when it is made: a
+    constraint that llguidance cannot compile, or does not support, is refused with the reason."""
+    # zh: 请求的输出必须匹配的东西（vLLM 的 ``StructuredOutputsParams``）：恰好是下列之一：一个 JSON schema（``json``，
+    # zh: dict 或它的 JSON 文本）、一个正则表达式（``regex``）、几个字符串之一（``choice``）、Lark 或 GBNF 形式的语法
+    # zh: （``grammar``），或任意 JSON 对象（``json_object=True``）。``disable_any_whitespace``：JSON 里不出现它在
+    # zh: 各个记号之间允许的空白。创建时检查：llguidance 编译不了或不支持的约束会连同原因一起被拒绝。
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    # en: llguidance's grammar for the constraint: derived, and checked, when the object is made.
+    # zh: 这个约束在 llguidance 中的语法：在对象创建时推导出来，并经过检查。
+    llguidance_grammar: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams takes exactly one constraint ({', '.join(CONSTRAINTS)}), "
+                             f"got {' and '.join(given) or 'none'}")
+        check("disable_any_whitespace", self.disable_any_whitespace, bool)
+        object.__setattr__(self, "llguidance_grammar", self._compile())
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        # zh: 设置的是哪种约束："json"、"regex"、"choice"、"grammar" 或 "json_object"。
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What compiled grammars are cached by: the kind, the constraint's exact text (a dict as ``json.dumps``
+        writes it, its keys in their order: a schema's properties come out in that order) and the blanks rule."""
+        # zh: 已编译语法的缓存键：约束的种类、约束的原文（dict 按 ``json.dumps`` 写出的样子，键保持原来的顺序：schema
+        # zh: 的各个属性按这个顺序输出），以及空白规则。
+        value = getattr(self, self.kind)
+        return self.kind, value if isinstance(value, str) else json.dumps(value), self.disable_any_whitespace
+
+    def _compile(self) -> str:
+        """llguidance's grammar for the constraint, once llguidance has checked it within `grammar_limits`; a
+        ValueError names the constraint and the problem, a TypeError a value of the wrong type."""
+        # zh: 这个约束在 llguidance 中的语法，在 llguidance 于 `grammar_limits` 之内检查过之后返回；ValueError 指出是
+        # zh: 哪个约束、什么问题，TypeError 指出类型不对的值。
+        from llguidance import LLMatcher, grammar_from
+
+        kind, value = self.kind, getattr(self, self.kind)
+        if kind == "choice":
+            check("choice", value, list, lambda v: v and all(isinstance(s, str) for s in v),
+                  "a non-empty list of strings")
+        elif kind == "json":
+            check("json", value, object, lambda v: isinstance(v, (str, dict)), "a JSON schema: a dict or its text")
+        else:
+            check(kind, value, bool if kind == "json_object" else str)
+        blanks = {"whitespace_flexible": not self.disable_any_whitespace}
+        try:
+            if kind == "json_object":
+                grammar = LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=blanks)
+            elif kind == "json":
+                grammar = LLMatcher.grammar_from_json_schema(self.key[1], defaults=blanks)
+            elif kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(value)
+            else:
+                # en: "choice" reads the strings as a JSON list; "grammar" takes Lark, or GBNF.
+                # zh: "choice" 把那些字符串当作一个 JSON 列表来读；"grammar" 接受 Lark 或 GBNF。
+                grammar = grammar_from(kind, self.key[1])
+        # en: RecursionError: a dict nested past Python's recursion limit, which json.dumps cannot write.
+        # zh: RecursionError：嵌套深度超过 Python 递归上限、json.dumps 写不出来的 dict。
+        except (ValueError, RecursionError) as error:
+            raise ValueError(f"structured_outputs.{kind} cannot be compiled: {error}") from None
+        problem = LLMatcher.validate_grammar(grammar, None, limits=grammar_limits())
+        if problem:
+            raise ValueError(f"structured_outputs.{kind} is refused: {problem}")
+        return grammar
+
+
+# en: Structured output (chapter 29): what the completion must match, or None.
+# zh: 结构化输出（第 29 章）：生成内容必须匹配的东西，或 None。
+@add_fields(SamplingParams)
+class _StructuredOutputs:
+    structured_outputs: StructuredOutputsParams | None = None
+
+
+@add_to_init(SamplingParams)
+def _check_structured_outputs(self) -> None:
+    # en: A constrained request ends where its grammar does, with the end-of-sequence token that the grammar then
+    # en: allows alone: ignore_eos would skip past it.
+    # zh: 受约束的请求在它的语法结束处结束，以那时语法唯一允许的 end-of-sequence token 收尾：ignore_eos 会跳过它。
+    if self.structured_outputs is not None:
+        self._check("structured_outputs", StructuredOutputsParams)
+        if self.ignore_eos:
+            raise ValueError("ignore_eos=True cannot be combined with structured_outputs: a constrained request "
+                             "ends where its grammar does, with the end-of-sequence token that the grammar then "
+                             "allows")
+
+
+# %% [markdown] tags=["en"]
+# What it refuses, and how fast. The regex error comes with llguidance's caret under the problem;
+# the schema nested 500 deep is refused by llguidance's parser in about a millisecond.
+
+# %% [markdown] tags=["zh"]
+# 它拒绝什么、拒绝得多快。正则表达式的错误带着 llguidance 指向问题所在的脱字符；嵌套 500 层的 schema 被 llguidance 的
+# 解析器在大约一毫秒内拒绝。
+
+# %%
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def nested(depth: int) -> str:
+    """The JSON text of a schema of objects nested ``depth`` deep."""
+    # zh: 对象嵌套 ``depth`` 层的 schema 的 JSON 文本。
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+def print_refusal(error: Exception, lines: int = 1) -> None:
+    """The first ``lines`` lines of an error's message, the first one wrapped to fit the page."""
+    # zh: 错误信息的前 ``lines`` 行，第一行折行以适合页面宽度。
+    first, *rest = str(error).splitlines()
+    print("\n  ".join(textwrap.wrap(say("refused: {error}", error=first), 112)))
+    print("".join(f"{line}\n" for line in rest[: lines - 1]), end="")
+
+
+for bad in ({}, {"regex": "[0-9]+", "choice": ["yes", "no"]}, {"json": {"type": "array", "uniqueItems": True}},
+            {"json": {"type": "string", "format": "color"}}, {"regex": "[0-9]+(?=px)"}):
+    try:
+        StructuredOutputsParams(**bad)
+    except ValueError as error:
+        print_refusal(error)
+    else:
+        raise AssertionError(f"{bad} was accepted")
+try:
+    StructuredOutputsParams(regex="(yes|no")
+except ValueError as error:
+    print_refusal(error, lines=4)
+yes_no = StructuredOutputsParams(choice=["yes", "no"])
+for refused in ({"structured_outputs": {"choice": ["yes", "no"]}}, {"ignore_eos": True, "structured_outputs": yes_no}):
+    try:
+        SamplingParams(**refused)
+    except (TypeError, ValueError) as error:
+        print_refusal(error)
+    else:
+        raise AssertionError(f"{refused} was accepted")
+start = time.perf_counter()
+try:
+    StructuredOutputsParams(json=nested(500))
+except ValueError as error:
+    elapsed = (time.perf_counter() - start) * 1e3
+    print(say("a schema nested {depth} deep refused in {ms:.1f} ms", depth=500, ms=elapsed))
+    assert "recursion" in str(error) and elapsed < 1000
+
+# %% [markdown] tags=["en"]
+# ## Build it: one object owns the grammars
+#
+# Like chapter 25's `Speculator`, structured output is one object, `Grammars`, which the engine
+# calls from one place. It lives beside the sampler, in the model runner, because the logits are
+# there. It holds:
+#
+# - llguidance's view of the tokenizer, built at the first constrained request (0.4 s for
+#   SmolLM2's 49,152 tokens; llguidance itself is imported where it is first used, so an engine
+#   that constrains nothing never loads it);
+# - the compiled grammars, by the constraint's kind and exact text (a dict schema as `json.dumps`
+#   writes it, in its key order: the schema's properties come out in that order, and sorting the
+#   keys would change the output). A compiled grammar is a matcher before any token, whose first
+#   mask is computed when it is compiled (llguidance builds some of its tables lazily); a new
+#   sequence copies it (`deep_copy`, about 10 µs);
+# - one matcher per sequence, in a weak dictionary keyed by the `Sequence`, as the speculator
+#   keeps its back-off memory: it goes when the engine lets go of the sequence.
+#
+# `mask` is the whole protocol. For each constrained row that samples a token, the sequence's
+# matcher first reads the tokens the sequence gained since its last mask, then fills its row of the
+# bitmask, and `apply_bitmask` masks the step's logits in one go. The matcher thus **advances
+# lazily**: the scheduler records tokens as it always has, and each matcher catches up just before
+# its mask is needed. That keeps the rest of the engine as it was:
+#
+# - **n > 1**: a forked sample is a `Sequence` of its own, so it gets a matcher of its own.
+#   Chapter 05 forks a request when its first token is sampled, when the parent's matcher has read
+#   nothing yet, so a copy of the compiled matcher is exactly the parent's matcher at the fork; the
+#   sibling then reads its own first token, which was drawn from its parent's masked row.
+# - **Preemption**: a preempted sequence keeps its tokens and its matcher. Its recompute adds no
+#   token, so the matcher has nothing to replay, and its next mask is the one it would have had.
+# - **A grammar that fails**: llguidance may stop at its limits in the middle of a request, or be
+#   handed a token it refuses. The sequence then gets only its end-of-sequence tokens, so that it
+#   ends at its next token, and the log says why. An engine that cannot constrain a request in this
+#   slice (tensor parallelism, speculative decoding: see "Masks meet the rest of the engine") ends
+#   it the same way, at its first token, with the reason in the log.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：由一个对象掌管所有语法
+#
+# 和第 25 章的 `Speculator` 一样，结构化输出是一个对象 `Grammars`，引擎只在一个地方调用它。它和采样器一起住在模型执行器
+# 里，因为 logits 在那里。它持有：
+#
+# - llguidance 眼中的分词器，在第一个受约束的请求到来时构建（SmolLM2 的 49,152 个 token 要 0.4 秒；llguidance 本身
+#   在第一次用到的地方才导入，所以不做任何约束的引擎从不加载它）；
+# - 已编译的语法，按约束的种类和原文存放（dict 形式的 schema 按 `json.dumps` 写出的样子，保持键的原有顺序：schema 的
+#   各个属性按这个顺序输出，把键排序就会改变输出）。已编译的语法就是还没读任何 token 的匹配器，编译时就算好它的第一个
+#   掩码（llguidance 有些表是惰性构建的）；新序列复制它（`deep_copy`，大约 10 微秒）；
+# - 每个序列一个匹配器，放在以 `Sequence` 为键的弱引用字典里，和投机器存放退避记忆的方式一样：引擎放下这个序列时，
+#   它也随之消失。
+#
+# `mask` 就是整个协议。对每个要采样 token 的受约束行，序列的匹配器先读入序列自上次掩码以来新增的 token，再填写位掩码
+# 中自己的那一行，然后 `apply_bitmask` 一次盖住这一步的 logits。于是匹配器是**惰性前进**的：调度器照旧记录 token，每个
+# 匹配器在需要它的掩码之前才赶上来。这让引擎的其余部分保持原样：
+#
+# - **n > 1**：分叉出来的样本是一个独立的 `Sequence`，所以有它自己的匹配器。第 05 章在请求的第一个 token 被采样时
+#   分叉，那时父序列的匹配器还什么都没读，所以已编译匹配器的一份拷贝恰好就是分叉时父序列的匹配器；之后兄弟序列读入
+#   自己的第一个 token，而那个 token 是从父序列那一行加了掩码的 logits 里抽出来的。
+# - **抢占**：被抢占的序列保留它的 token 和它的匹配器。重算不会添加 token，所以匹配器没有什么需要重放的，它的下一个
+#   掩码就是本来会有的那一个。
+# - **语法失败**：llguidance 可能在请求中途碰到它的限额而停下，或者收到一个它拒绝的 token。这时这个序列只剩下它的
+#   end-of-sequence token 可选，于是在下一个 token 处结束，日志里写明原因。在这一部分里无法约束请求的引擎（张量并行、
+#   投机解码：见“掩码遇上引擎的其余部分”）也这样结束请求：在它的第一个 token 处，原因写在日志里。
+
+# %% grammars
+#| export
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nanovllm.config import Config
+from nanovllm.engine.inputs import load_tokenizer
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.sampling_params import StructuredOutputsParams, grammar_limits
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher, LLTokenizer
+
+    from nanovllm.engine.model_runner import SampledTokens
+
+_logger = logging.getLogger("nanovllm.grammars")
+# en: Compiled grammars kept at once, the oldest forgotten first: each is a matcher that new sequences copy.
+# zh: 同时保留的已编译语法数，最早的最先被忘掉：每个都是新序列复制的那个匹配器。
+MAX_GRAMMARS = 256
+
+
+@dataclass
+class SequenceGrammar:
+    """One sequence's matcher, how many of its completion tokens it has read, and why it failed (None while it
+    has not): from then on the sequence may only end."""
+    # zh: 一个序列的匹配器、它已读入多少个生成 token，以及它失败的原因（没有失败时为 None）：失败之后，这个序列
+    # zh: 只能结束。
+
+    matcher: LLMatcher | None
+    consumed: int = 0
+    error: str | None = None
+
+
+class Grammars:
+    """Structured output in one object, beside the sampler: llguidance's view of the tokenizer, the compiled
+    grammars, and a matcher for each constrained sequence, which masks its row of the logits before each token
+    (`mask`)."""
+    # zh: 结构化输出集中在一个对象里，和采样器放在一起：llguidance 眼中的分词器、已编译的语法，以及每个受约束序列的
+    # zh: 匹配器，它在每个 token 之前盖住这个序列那一行的 logits（`mask`）。
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.vocab_size = config.hf_config.vocab_size
+        self.eos_token_ids = list(config.eos_token_ids)
+        # en: What a sequence whose grammar failed may still write: its end-of-sequence tokens.
+        # zh: 语法已经失败的序列还能写的东西：它的 end-of-sequence token。
+        self.end_of_sequence = pack_tokens(self.eos_token_ids, self.vocab_size)
+        # en: llguidance's view of the tokenizer, built at the first constrained request.
+        # zh: llguidance 眼中的分词器，在第一个受约束的请求到来时构建。
+        self._tokenizer: LLTokenizer | None = None
+        self.compiled: dict[tuple[str, str, bool], LLMatcher] = {}
+        # en: Each sequence's matcher lives as long as the sequence: a weak dictionary forgets one the engine let go.
+        # zh: 每个序列的匹配器与序列同生共死：弱引用字典会忘掉引擎已经放下的序列。
+        self.matchers: weakref.WeakKeyDictionary[Sequence, SequenceGrammar] = weakref.WeakKeyDictionary()
+        # en: Why this engine cannot constrain a request yet (None: it can).
+        # zh: 这个引擎暂时无法约束请求的原因（None：可以约束）。
+        self.refusal = unsupported_by(config)
+
+    @property
+    def tokenizer(self) -> LLTokenizer:
+        """llguidance's view of the model's tokenizer: the model's vocabulary size (padding ids are never allowed)
+        and every end-of-sequence id the model declares. Built at first use."""
+        # zh: llguidance 眼中的模型分词器：带着模型的词表大小（填充 id 永远不被允许）和模型声明的每一个
+        # zh: end-of-sequence id。第一次用到时才构建。
+        if self._tokenizer is None:
+            from llguidance.hf import from_tokenizer
+
+            self._tokenizer = from_tokenizer(load_tokenizer(self.config.model), n_vocab=self.vocab_size,
+                                             eos_token=self.eos_token_ids)
+        return self._tokenizer
+
+    def compile(self, constraint: StructuredOutputsParams) -> LLMatcher:
+        """The matcher of ``constraint`` before any token, compiled against the tokenizer once for each kind and
+        exact text (`StructuredOutputsParams.key`), its first mask computed; a ValueError says what failed."""
+        # zh: ``constraint`` 在读任何 token 之前的匹配器：针对分词器，每种约束的每段原文只编译一次
+        # zh: （`StructuredOutputsParams.key`），并算好第一个掩码；失败时 ValueError 说明是什么失败了。
+        matcher = self.compiled.get(constraint.key)
+        if matcher is None:
+            from llguidance import LLMatcher
+
+            matcher = LLMatcher(self.tokenizer, constraint.llguidance_grammar, limits=grammar_limits(), log_level=0)
+            fill_bitmask(matcher, torch.empty(1, bitmask_words(self.vocab_size), dtype=torch.int32), 0)
+            if matcher.is_error():
+                raise ValueError(f"structured_outputs.{constraint.kind} cannot be compiled: {matcher.get_error()}")
+            if len(self.compiled) >= MAX_GRAMMARS:
+                del self.compiled[next(iter(self.compiled))]
+            self.compiled[constraint.key] = matcher
+        return matcher
+
+    @staticmethod
+    def constrained(seqs: list[Sequence]) -> bool:
+        """Whether a step holds a constrained sequence (a rank that samples nothing has no sampling params)."""
+        # zh: 这一步里是否有受约束的序列（不采样的 rank 没有采样参数）。
+        return any(s.sampling_params is not None and s.sampling_params.structured_outputs is not None for s in seqs)
+
+    def mask(self, seqs: list[Sequence], logits: torch.Tensor | None, previous: SampledTokens | None = None) -> None:
+        """Mask, in place, the logits (one row per sequence of the step) of each constrained sequence that samples a
+        token: -inf for every token its grammar forbids. Each matcher first reads the tokens its sequence gained
+        since its last mask; one that the step in flight (``previous``) still computes is waited for."""
+        # zh: 就地盖住这一步中每个要采样 token 的受约束序列的 logits（每个序列一行）：它的语法禁止的每个 token 都设成
+        # zh: -inf。每个匹配器先读入它的序列自上次掩码以来新增的 token；正在计算的那一步（``previous``）还在算的 token
+        # zh: 要等它算完。
+        rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.structured_outputs is not None
+                and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
+        if logits is None or not rows:
+            return
+        pending = {}
+        if previous is not None and any(seqs[i].last_token == PENDING_TOKEN for i in rows):
+            # en: A constrained step's one wait: its masks need the tokens of the step in flight.
+            # zh: 受约束的一步唯一的等待：它的掩码需要正在计算的那一步的 token。
+            previous.token_ids()
+            pending = dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
+        # en: On a GPU, in pinned memory: its copy to the device then waits for nothing queued before it.
+        # zh: 在 GPU 上放在锁页内存里：这样它拷到设备上时，不必等排在它前面的工作。
+        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
+                             pin_memory=logits.is_cuda)
+        for row, i in enumerate(rows):
+            state = self.follow(seqs[i], pending)
+            if state is not None and state.error is None:
+                fill_bitmask(state.matcher, bitmask, row)
+                if state.matcher.is_error():
+                    self.fail(seqs[i], state, state.matcher.get_error())
+            if state is not None and state.error is not None:
+                bitmask[row] = self.end_of_sequence
+        apply_bitmask(logits, bitmask, rows)
+
+    def follow(self, seq: Sequence, pending: dict[tuple[int, int], int]) -> SequenceGrammar | None:
+        """``seq``'s matcher, once it has read the completion tokens ``seq`` gained since its last mask (a pending one
+        from ``pending``, by request and sample); None if one of them is the sampler's mark of logits that are not
+        numbers (the engine drops the sequence)."""
+        # zh: ``seq`` 的匹配器，在它读入 ``seq`` 自上次掩码以来新增的生成 token 之后返回（待定的 token 按请求和样本从
+        # zh: ``pending`` 里取）；如果其中有采样器对“logits 不是数”的标记，返回 None（引擎会丢弃这个序列）。
+        state = self.matchers.get(seq)
+        if state is None:
+            state = self.matchers[seq] = self.start(seq)
+        first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
+        for token in seq.token_ids[first:]:
+            if token == PENDING_TOKEN:
+                token = pending[(seq.request_id, seq.sample_index)]
+            if token < 0:
+                return None
+            if state.error is None and not state.matcher.consume_token(token):
+                self.fail(seq, state, state.matcher.get_error() or f"token {token} does not fit the grammar")
+            state.consumed += 1
+        return state
+
+    def start(self, seq: Sequence) -> SequenceGrammar:
+        """A new sequence's matcher: a copy of its constraint's compiled matcher. A sibling forked for n > 1 gets one
+        too: it forks when its request's first token is sampled, when its parent's matcher has read nothing yet."""
+        # zh: 新序列的匹配器：它的约束的已编译匹配器的一份拷贝。为 n > 1 分叉出来的兄弟序列也这样得到：它在请求的
+        # zh: 第一个 token 被采样时分叉，那时父序列的匹配器还什么都没读。
+        if not self.eos_token_ids:
+            raise ValueError(f"structured output ends a request with an end-of-sequence token, and "
+                             f"{self.config.model} declares none (eos_token_id in generation_config.json or "
+                             "config.json)")
+        state = SequenceGrammar(None)
+        try:
+            if self.refusal is not None:
+                raise ValueError(self.refusal)
+            state.matcher = self.compile(seq.sampling_params.structured_outputs).deep_copy()
+        except ValueError as error:
+            self.fail(seq, state, str(error))
+        return state
+
+    def fail(self, seq: Sequence, state: SequenceGrammar, error: str) -> None:
+        """Record why ``seq``'s grammar failed, and log it: from its next mask on, the sequence may only end."""
+        # zh: 记下 ``seq`` 的语法失败的原因，并写进日志：从下一个掩码起，这个序列只能结束。
+        state.error = error
+        _logger.warning("request %d, sample %d: structured output failed after %d tokens, so the request ends here: "
+                        "%s", seq.request_id, seq.sample_index, seq.num_completion_tokens, error)
+
+
+def unsupported_by(config: Config) -> str | None:
+    """Why an engine built with ``config`` cannot constrain requests yet, or None. Under tensor parallelism, rank 0
+    rebuilds the step's sequences in each call, so no matcher can live beside one; with speculative decoding, a
+    verify step samples its rows without masks."""
+    # zh: 按 ``config`` 构建的引擎暂时无法约束请求的原因，或 None。张量并行时，rank 0 在每次调用中重建这一步的序列，
+    # zh: 匹配器没法和序列放在一起；投机解码时，验证步对它的各行采样时不加掩码。
+    if config.tensor_parallel_size > 1:
+        return "structured output does not run under tensor parallelism yet: use tensor_parallel_size=1"
+    if config.speculative_method is not None:
+        return "structured output does not run with speculative decoding yet: a verify step samples without masks"
+    return None
+
+
+# %% [markdown] tags=["en"]
+# ## Build it: the runner masks
+#
+# The one place where the engine meets the grammars is where a step's logits become tokens: the
+# runner's `launch` (chapter 18). Two things change there. A decode step whose rows all sample
+# plainly may sample inside a captured graph (`SamplingGraphs`), where no mask can reach the
+# logits: a step with a constrained row takes the eager path. And between the logits and the
+# sampler, `Grammars.mask` masks the constrained rows. The rest is chapter 18's, forked siblings
+# and the copy to the host included. (`launch` is written again whole, 18 lines, rather than given
+# a hook in chapter 18 that would name grammars eleven chapters early.) Every rank's runner gets its
+# `Grammars` with the runner (`add_to_init`): the sampling rank is the one that uses it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手：执行器加掩码
+#
+# 引擎与语法相遇的唯一地方，是一步的 logits 变成 token 的地方：执行器的 `launch`（第 18 章）。那里有两处变化。各行都
+# 只做普通采样的 decode 步，可能在捕获好的图里采样（`SamplingGraphs`），掩码够不着那里的 logits：带受约束行的一步改走
+# eager 路径。在 logits 和采样器之间，`Grammars.mask` 盖住受约束的那些行。其余都是第 18 章的，包括分叉出的兄弟序列和
+# 拷回主机的那次拷贝。（这里把 `launch` 整个重写了一遍，18 行，而不是在第 18 章埋一个钩子，那样会早十一章就提到语法。）
+# 每个 rank 的执行器在构建时得到自己的 `Grammars`（`add_to_init`）：用到它的是负责采样的那个 rank。
+
+# %% runner masks
+#| export engine.model_runner
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.engine.cuda_graphs import plain_temperatures
+from nanovllm.engine.grammars import Grammars
+from nanovllm.engine.model_runner import ModelRunner, SampledTokens
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
+from nanovllm.layers.linear import share_from_rank0
+
+
+@add_to_init(ModelRunner)
+def _init_grammars(self) -> None:
+    # en: Structured output (chapter 29): the matchers of constrained sequences, which mask their logits.
+    # zh: 结构化输出（第 29 章）：受约束序列的匹配器，它们盖住这些序列的 logits。
+    self.grammars = Grammars(self.config)
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
+    """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`. A
+    decode step that a graph covers and whose rows all sample plainly samples inside the captured step
+    (`SamplingGraphs`); a step with a constrained sequence samples eagerly, after `Grammars.mask`."""
+    # zh: 把一步排进设备的队列，不等它完成就返回。``previous``：见 `compute_logits`。图能覆盖、各行都只做普通采样的
+    # zh: decode 步在捕获好的那一步里采样（`SamplingGraphs`）；带受约束序列的一步在 `Grammars.mask` 之后以 eager 方式
+    # zh: 采样。
+    assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
+    constrained = self.grammars.constrained(seqs)
+    if not constrained and not is_prefill and self.sampling_graphs is not None and self.graphs is not None \
+            and self.graphs.covers(len(seqs)):
+        temperatures = plain_temperatures(seqs)
+        if temperatures is not None:
+            pending = self.begin_step(seqs, previous)
+            # en: The model's graph writes the hidden states that the sampling graph reads (graphs.outputs).
+            # zh: 模型的图写出采样图要读的隐藏状态（graphs.outputs）。
+            self.replay_staged(seqs, previous if pending else None)
+            return SampledTokens.start(seqs, list(range(len(seqs))), self.sampling_graphs.sample(temperatures))
+    logits = self.compute_logits(seqs, is_prefill, previous)
+    if constrained:
+        self.grammars.mask(seqs, logits, previous)
+    rows, sampled = self.sample(seqs, logits)
+    sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)
+    # en: Only the rank that sampled needs the tokens on the host (the others never read them there).
+    # zh: 只有负责采样的 rank 需要把 token 拿到主机上（其他 rank 从不在主机上读它们）。
+    return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
+
+
+# %% [markdown] tags=["en"]
+# ## Try it: the tiny model under four constraints
+#
+# An engine built now has its grammars. The tiny model's weights are random, so whatever it writes
+# is noise, but under a constraint it is noise of the right shape: a date, one of two words, a JSON
+# object with the schema's two fields. For each output a fresh matcher replays the tokens and must
+# accept them all; an output that ended with an end-of-sequence token is a whole sentence of the
+# grammar, and `max_tokens` may cut one short (then the matcher has accepted a prefix). With
+# flexible blanks the tiny model writes blanks until `max_tokens` ends it; without them
+# (`disable_any_whitespace=True`) it writes the object.
+
+# %% [markdown] tags=["zh"]
+# ## 试一试：小模型和四种约束
+#
+# 现在构建的引擎已经带着它的语法了。小模型的权重是随机的，所以它写的都是噪声，但在约束之下，这些噪声有正确的形状：一个
+# 日期、两个单词之一、一个带着 schema 那两个字段的 JSON 对象。对每个输出，用一个全新的匹配器重放它的 token，它必须全部
+# 接受；以 end-of-sequence token 结束的输出是语法里一个完整的句子，而 `max_tokens` 可能把句子截断（那时匹配器接受的是
+# 一个前缀）。允许随意空白时，小模型一直写空白，直到 `max_tokens` 让它停下；不允许空白（`disable_any_whitespace=True`）
+# 时，它写出了那个对象。
+
+# %%
+from nanovllm import LLM
+
+llm = LLM(str(tiny), device="cpu")
+grammars = llm.model_runner.grammars
+SHAPE = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["color", "size"], "additionalProperties": False}
+constraints = {"regex": StructuredOutputsParams(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+               "choice": StructuredOutputsParams(choice=["yes", "no"]),
+               "json": StructuredOutputsParams(json=SHAPE),
+               "json.": StructuredOutputsParams(json=SHAPE, disable_any_whitespace=True)}
+
+
+def accepted(constraint: StructuredOutputsParams, tokens: list[int]) -> bool:
+    """Whether a fresh matcher of ``constraint`` accepts ``tokens``, and, if they end with an end-of-sequence token,
+    whether the text before it is whole."""
+    # zh: ``constraint`` 的一个全新匹配器是否接受 ``tokens``；如果它们以 end-of-sequence token 结尾，之前的文本
+    # zh: 是否完整。
+    matcher = grammars.compile(constraint).deep_copy()
+    return all(matcher.consume_token(token) for token in tokens) and (tokens[-1] not in EOS or matcher.is_stopped())
+
+
+outputs = llm.generate([prompt] * len(constraints), [SamplingParams(temperature=0, max_tokens=24, structured_outputs=c)
+                                                     for c in constraints.values()], use_tqdm=False)
+for (kind, constraint), output in zip(constraints.items(), outputs, strict=True):
+    ok = accepted(constraint, output["token_ids"])
+    print(say("{kind:<6} {text!r:<36} {tokens:>2} tokens, the matcher accepts it: {accepted}", kind=kind,
+              text=output["text"], tokens=len(output["token_ids"]), accepted=ok))
+    assert ok
+shaped = json.loads(outputs[-1]["text"])
+assert outputs[-1]["token_ids"][-1] in EOS and set(shaped) == {"color", "size"} and shaped["color"] in WORDS
+assert outputs[1]["text"] in ("yes", "no") and len(outputs[2]["token_ids"]) == 24
+
+# %% [markdown] tags=["en"]
+# ## See it: the grammar at each token
+#
+# The player below replays the compact JSON object token by token. Each frame draws one bitmask
+# row of the tiny model's 512 tokens as it is: 16 int32 words of 32 bits, a word a row. Green
+# squares are the tokens the grammar allows, the dark one is the token the model wrote (hover a
+# square for its token). Most steps allow exactly one token: the schema fixes `{"color":"` and
+# `","size":` character for character, and the model chooses only the color and the size.
+# Such forced tokens need not be sampled one step at a time: llguidance lists them ahead
+# (`compute_ff_tokens`), and an engine may append them all and compute them in one step, as a
+# prefill computes a prompt (SGLang calls it jump-forward decoding).
+
+# %% [markdown] tags=["zh"]
+# ## 看它运行：每个 token 处的语法
+#
+# 下面的播放器逐个 token 重放那个紧凑的 JSON 对象。每一帧把小模型 512 个 token 的一行位掩码按原样画出来：16 个 32 位的
+# int32 字，一个字一行。绿色方格是语法允许的 token，深色那个是模型写下的 token（鼠标移到方格上可以看到它是哪个
+# token）。大多数步只允许一个 token：schema 把 `{"color":"` 和 `","size":` 一个字符一个字符地定死了，模型只选颜色和
+# 大小。这样的强制 token 不必一步一个地采样：llguidance 可以提前把它们列出来（`compute_ff_tokens`），引擎可以把它们
+# 一起接上，像 prefill 计算提示词那样在一步里算完（SGLang 称之为 jump-forward decoding）。
+
+# %%
+from html import escape
+
+from IPython.display import HTML
+
+from nanovllm.viz.player import lang_text, slides_html
+
+
+def bitmask_svg(allowed: list[int], chosen: int, cell: int = 13) -> str:
+    """A bitmask row of the tiny model's vocabulary as a grid: a row of squares per int32 word, a column per bit."""
+    # zh: 把小模型词表上的一行位掩码画成网格：每个 int32 字一行方格，每一位一列。
+    left, top, words = 40, 18, VOCAB // 32
+    width, height = left + 32 * cell + 6, top + words * cell + 6
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+             f'font-size="9"><rect x="{left}" y="{top}" width="{32 * cell}" height="{words * cell}" fill="#eceff1"/>',
+             f'<text x="{left - 4}" y="{top - 5}" text-anchor="end">{lang_text("word", "字")}</text>']
+    for bit in range(0, 32, 4):
+        parts.append(f'<text x="{left + bit * cell + cell / 2}" y="{top - 5}" text-anchor="middle">{bit}</text>')
+    for word in range(words):
+        parts.append(f'<text x="{left - 4}" y="{top + word * cell + cell - 3}" text-anchor="end">{word}</text>')
+    for token in allowed:
+        fill = "#1b5e20" if token == chosen else "#66bb6a"
+        x, y = left + token % 32 * cell, top + token // 32 * cell
+        parts.append(f'<rect x="{x}" y="{y}" width="{cell - 1}" height="{cell - 1}" fill="{fill}">'
+                     f"<title>{token}: {escape(repr(texts[token]))}</title></rect>")
+    return "".join(parts) + "</svg>"
+
+
+compact = outputs[-1]["token_ids"]
+matcher = grammars.compile(constraints["json."]).deep_copy()
+slides, written, forced = [], "", 0
+for step, token in enumerate(compact):
+    row = torch.empty(1, VOCAB // 32, dtype=torch.int32)
+    fill_bitmask(matcher, row, 0)
+    allowed = allowed_tokens(row[0], VOCAB).nonzero().flatten().tolist()
+    assert token in allowed and matcher.consume_token(token)
+    forced += len(allowed) == 1
+    shown = "⟨eos⟩" if token in EOS else texts[token]
+    caption = lang_text(f"token {step + 1}: after {written!r}, {len(allowed)} of {VOCAB} tokens allowed; "
+                        f"the model wrote {shown!r}",
+                        f"第 {step + 1} 个 token：在 {written!r} 之后，{VOCAB} 个 token 中允许 {len(allowed)} 个；"
+                        f"模型写下 {shown!r}")
+    slides.append((f'<div class="nvv-cap">{caption}</div>', bitmask_svg(allowed, token)))
+    written += "" if token in EOS else texts[token]
+print(say("{forced} of {total} tokens had exactly one allowed token", forced=forced, total=len(compact)))
+assert forced >= len(compact) // 2
+HTML(slides_html(slides, start=0, player_id="grammar-mask"))
+
+# %% [markdown] tags=["en"]
+# ## On a real model
+#
+# SmolLM2-135M-Instruct (the demo's model) is asked for a software engineer as JSON with a name and
+# an age. Without a constraint it answers in a sentence, which no JSON parser takes. With the
+# schema it writes an object that parses and validates (checked with the `jsonschema` package,
+# which implements the standard independently of llguidance): the mask does not make the
+# model smarter, but what it writes now has the shape the program needs. The blanks are flexible
+# here: SmolLM2, unlike the random tiny model, uses them as a JSON printer would.
+
+# %% [markdown] tags=["zh"]
+# ## 在真实模型上
+#
+# 让 SmolLM2-135M-Instruct（演示用的模型）用 JSON 描述一位软件工程师，带名字和年龄。不加约束时，它用一句话回答，没有
+# 哪个 JSON 解析器接受它。加上 schema，它写出的对象能解析，也通过校验（用 `jsonschema` 包检查，它独立于 llguidance
+# 实现了这个标准）：掩码并没有让模型更聪明，但它写出的东西现在有了程序需要的形状。这里空白是可以随意写的：
+# SmolLM2 不同于随机的小模型，它像 JSON 打印程序那样使用空白。
+
+# %%
+import jsonschema
+
+from nanovllm.book.smollm2 import smollm2_dir
+
+smol = LLM(str(smollm2_dir()), device="cpu", max_model_len=512)
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+request = [{"role": "user", "content": "Describe a software engineer named Ada as JSON with name and age."}]
+question = smol.tokenizer.apply_chat_template(request, tokenize=False, add_generation_prompt=True)
+
+
+def fits(text: str) -> bool:
+    """Whether ``text`` parses as JSON and validates against PERSON."""
+    # zh: ``text`` 能否解析为 JSON 并通过 PERSON 的校验。
+    try:
+        jsonschema.validate(json.loads(text), PERSON)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+person = StructuredOutputsParams(json=PERSON)
+free, shaped = smol.generate([question] * 2, [SamplingParams(temperature=0, max_tokens=40),
+                                             SamplingParams(temperature=0, max_tokens=60, structured_outputs=person)],
+                             use_tqdm=False)
+print(say("unconstrained: {text!r}", text=free["text"]))
+print(say("  parses and fits the schema: {valid}", valid=fits(free["text"])))
+print(say("constrained:   {text!r}", text=shaped["text"]))
+print(say("  parses and fits the schema: {valid}", valid=fits(shaped["text"])))
+assert not fits(free["text"]) and fits(shaped["text"])
+
+# %% [markdown] tags=["en"]
+# Sampled, three samples of one request (n = 3, chapter 05): each has its own matcher from the fork
+# on, and each fits the schema.
+
+# %% [markdown] tags=["zh"]
+# 采样时，一个请求的三个样本（n = 3，第 05 章）：从分叉起各有各的匹配器，每一个都符合 schema。
+
+# %%
+samples = smol.generate([question], SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=60,
+                                                   structured_outputs=person), use_tqdm=False)[0]["outputs"]
+for index, sample in enumerate(samples):
+    print(say("sample {index} (seed 7, temperature 0.8): {text!r}, fits the schema: {valid}", index=index,
+              text=sample["text"], valid=fits(sample["text"])))
+assert len(samples) == 3 and all(fits(sample["text"]) for sample in samples)
+smol.exit()
+
+# %% [markdown] tags=["en"]
+# ## Masks meet the rest of the engine
+#
+# **Asynchronous scheduling** (chapter 18) queues step *n* + 1 before step *n*'s tokens reach the
+# host. The mask of step *n* + 1 needs token *n*: the matcher must read it first. The forward of
+# step *n* + 1 does not need the mask, only its sampler does, so vLLM (since its pull request 26866)
+# launches the forward without waiting, builds the bitmask on the CPU while the GPU runs it, and
+# samples with it afterwards. `launch` above already has that order: `compute_logits` queues the
+# forward of step *n* + 1, then `Grammars.mask` waits for step *n*'s tokens (`previous.token_ids()`,
+# the wait that collecting step *n* makes anyway), lets the matchers read them and builds the
+# bitmask while the forward runs; only then is the sampler queued. What this slice leaves for later
+# is the GPU's side of it: a constrained decode step samples eagerly, outside the captured sampling
+# graph (a graph could read a bitmask buffer of fixed address, since unpacking is plain tensor
+# code), and none of it has been measured on a GPU yet.
+#
+# **Speculative decoding** (chapter 25) verifies *k* drafts in one step, and the mask of draft
+# position *i* needs the matcher after drafts 1 to *i*. llguidance checks drafts without moving the
+# matcher (`validate_tokens` returns how many of them the grammar accepts, so drafts past that need
+# not be verified at all), and it can fill the masks of all the positions at once; after the verify
+# step the matcher takes the accepted drafts, and `rollback` undoes any it took too many, as the
+# block table is rolled back. In this slice an engine that speculates does not constrain: its
+# verify step samples without masks, so a constrained request ends at its first token, with the
+# reason in the log.
+#
+# **Tensor parallelism**: the sampler runs on rank 0, which rebuilds the step's sequences from
+# their slim copies in each call (chapter 17), so a matcher cannot live beside a sequence there.
+# That is also for a later part, which will ship each step's bitmask to rank 0 instead.
+#
+# **Compiling** a schema takes about a millisecond here and is bounded by llguidance's limits, so it
+# runs on the caller's thread when the `StructuredOutputsParams` is made, and against the tokenizer
+# when the first sequence needs it. A server will compile off its event loop.
+
+# %% [markdown] tags=["zh"]
+# ## 掩码遇上引擎的其余部分
+#
+# **异步调度**（第 18 章）在第 *n* 步的 token 回到主机之前，就把第 *n* + 1 步排进队列。第 *n* + 1 步的掩码需要第 *n* 个
+# token：匹配器得先读入它。第 *n* + 1 步的前向计算并不需要掩码，只有它的采样器需要，所以 vLLM（自它的第 26866 号拉取
+# 请求起）不等待就启动前向计算，在 GPU 运行前向的同时在 CPU 上构建位掩码，之后再用它采样。上面的 `launch` 已经是这个
+# 顺序：`compute_logits` 把第 *n* + 1 步的前向计算排进队列，然后 `Grammars.mask` 等待第 *n* 步的 token
+# （`previous.token_ids()`，收取第 *n* 步时本来就要等这一下），让匹配器读入它们，并在前向计算运行的同时构建位掩码；
+# 之后才把采样器排进队列。这一部分留到以后的是 GPU 那一侧：受约束的 decode 步以 eager 方式采样，不走捕获好的采样图
+# （图可以读一个地址固定的位掩码缓冲区，因为解开位掩码是普通的张量代码），而且这一切还没有在 GPU 上测量过。
+#
+# **投机解码**（第 25 章）在一步里验证 *k* 个草稿，而草稿位置 *i* 的掩码需要读过草稿 1 到 *i* 之后的匹配器。llguidance
+# 可以不移动匹配器就检查草稿（`validate_tokens` 返回语法接受其中多少个，超出的草稿根本不必验证），也能一次填好所有位置
+# 的掩码；验证步之后，匹配器读入被接受的草稿，多读了的用 `rollback` 撤销，和块表的回滚一样。在这一部分里，做投机的引擎
+# 不做约束：它的验证步采样时不加掩码，所以受约束的请求在它的第一个 token 处结束，原因写在日志里。
+#
+# **张量并行**：采样器在 rank 0 上运行，而 rank 0 在每次调用中从精简的拷贝重建这一步的序列（第 17 章），所以匹配器没法
+# 和序列放在一起。这也留给后面的部分，届时会把每一步的位掩码送到 rank 0。
+#
+# **编译**一个 schema 在这里大约一毫秒，并受 llguidance 的限额约束，所以它在调用者的线程上运行：创建
+# `StructuredOutputsParams` 时编译成语法，第一个序列需要它时再针对分词器编译。服务器会在事件循环之外编译。
+
+# %% [markdown] tags=["en"]
+# ## Check it
+#
+# A constrained request changes nothing for the others in its batch: the tiny model's greedy
+# outputs for three plain prompts are the same alone and beside a constrained request (the
+# constrained step samples eagerly, and the mask touches only its own row).
+
+# %% [markdown] tags=["zh"]
+# ## 验证
+#
+# 受约束的请求不会改变同一批里的其他请求：小模型对三个普通提示词的贪心输出，单独运行和与一个受约束的请求同批运行时
+# 完全相同（受约束的一步以 eager 方式采样，掩码只碰它自己那一行）。
+
+# %%
+plain = [[10, 20, 30], [40, 50], [60, 70, 80, 90]]
+greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+alone = [output["token_ids"] for output in llm.generate(plain, greedy, use_tqdm=False)]
+mixed = llm.generate([*plain, prompt], [greedy] * 3 + [SamplingParams(temperature=0, max_tokens=12,
+                                                                      structured_outputs=constraints["json."])],
+                     use_tqdm=False)
+same = [output["token_ids"] for output in mixed[:3]] == alone
+print(say("unconstrained greedy outputs unchanged beside a constrained request: {same}", same=same))
+assert same and accepted(constraints["json."], mixed[3]["token_ids"])
+
+# %% [markdown] tags=["en"]
+# Preemption keeps the matchers: six constrained requests in a pool of ten blocks of four tokens
+# preempt one another many times, and write exactly what they write in a pool that holds them all.
+
+# %% [markdown] tags=["zh"]
+# 抢占保留匹配器：六个受约束的请求挤在十个四 token 的块组成的池里，互相抢占了许多次，写出的内容和在一个装得下它们全部
+# 的池里完全一样。
+
+# %%
+six = [[5 + i, 20, 30, 40] for i in range(6)]
+shaped_params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=constraints["json."])
+roomy = llm.generate(six, shaped_params, use_tqdm=False)
+cramped = LLM(str(tiny), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_model_len=64)
+preemptions: list = []
+cramped.set_observer(lambda event, data: preemptions.extend(data["preempted"]) if event == "schedule" else None)
+squeezed = cramped.generate(six, shaped_params, use_tqdm=False)
+same = [o["token_ids"] for o in squeezed] == [o["token_ids"] for o in roomy]
+print(say("a pool of {blocks} blocks: {preempted} preemptions, the same {count} outputs: {same}", blocks=10,
+          preempted=len(preemptions), count=len(six), same=same))
+assert preemptions and same and all(accepted(constraints["json."], o["token_ids"]) for o in squeezed)
+cramped.exit()
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `StructuredOutputsParams` (`nanovllm.sampling_params`), vLLM's names: exactly one of `json`,
+#   `regex`, `choice`, `grammar`, `json_object`, and `disable_any_whitespace`; compiled to
+#   llguidance's grammar and checked when it is made, within `grammar_limits()`: a bad or hostile
+#   constraint is refused with the reason, in milliseconds. `SamplingParams.structured_outputs`
+#   (chapter 01, through `add_fields`), which refuses `ignore_eos=True`.
+# - `nanovllm.engine.grammars`: bitmasks (`pack_tokens`, `allowed_tokens`, `apply_bitmask` in plain
+#   torch on the logits' device, `fill_bitmask` for llguidance), and `Grammars`, one object beside
+#   the sampler: llguidance's tokenizer, the compiled grammars by kind and exact text, and a matcher
+#   per sequence that reads its new tokens lazily, before each mask. Forks, preemption and
+#   asynchronous steps need nothing more; a failed grammar ends its request with the reason in the
+#   log.
+# - Chapter 18's `ModelRunner.launch`: a step with a constrained sequence samples eagerly, after
+#   `Grammars.mask`.
+# - Checked: masks by hand equal llguidance's (and where they differ, llguidance keeps the canonical
+#   tokenization); SmolLM2 writes JSON that validates, which it does not unconstrained; n = 3 samples
+#   each valid; preemption changes no output; unconstrained requests are untouched.
+#
+# Not yet: the server's `response_format`, `tools` and `tool_choice` (the next part), a constrained
+# decode step sampled inside the captured graph and measured on a GPU, drafts checked against the
+# grammar, and tensor parallelism.
+#
+# ## Exercises
+#
+# 1. SmolLM2's vocabulary has 49,152 tokens. How many int32 words does one bitmask row hold, and
+#    how many bytes does a step of 64 constrained sequences copy to the GPU?
+# 2. A request with `choice=["yes", "no"]` runs on the tiny model. How many tokens does its
+#    completion hold, and what is the last one?
+# 3. After `L` in `London`, llguidance allows `on` but not `o`. What would change if a model wrote
+#    `L`, `o`, `n`, `d`, `o`, `n` and a program decoded the text and encoded it again?
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `StructuredOutputsParams`（`nanovllm.sampling_params`），用 vLLM 的名字：`json`、`regex`、`choice`、`grammar`、
+#   `json_object` 恰好设一个，外加 `disable_any_whitespace`；创建时编译成 llguidance 的语法并在 `grammar_limits()` 之内
+#   检查：错误的或恶意的约束在几毫秒内连同原因一起被拒绝。`SamplingParams.structured_outputs`（第 01 章，经由
+#   `add_fields`），它拒绝 `ignore_eos=True`。
+# - `nanovllm.engine.grammars`：位掩码（`pack_tokens`、`allowed_tokens`、在 logits 所在设备上用朴素 torch 实现的
+#   `apply_bitmask`、给 llguidance 用的 `fill_bitmask`），以及 `Grammars`，和采样器放在一起的一个对象：llguidance 的
+#   分词器、按种类和原文存放的已编译语法，以及每个序列一个匹配器，它在每次掩码之前惰性地读入新 token。分叉、抢占和
+#   异步的步都不需要别的东西；失败的语法让它的请求结束，原因写在日志里。
+# - 第 18 章的 `ModelRunner.launch`：带受约束序列的一步在 `Grammars.mask` 之后以 eager 方式采样。
+# - 验证过的：手算的掩码等于 llguidance 的（两者不同的地方，llguidance 保留规范分词）；SmolLM2 写出能通过校验的 JSON，
+#   不加约束时则不能；n = 3 的每个样本都有效；抢占不改变任何输出；不受约束的请求不受影响。
+#
+# 还没有做的：服务器的 `response_format`、`tools` 和 `tool_choice`（下一部分），让受约束的 decode 步在捕获好的图里
+# 采样并在 GPU 上测量，用语法检查草稿，以及张量并行。
+#
+# ## 练习
+#
+# 1. SmolLM2 的词表有 49,152 个 token。位掩码的一行有多少个 int32 字？一步有 64 个受约束的序列时，要往 GPU 拷贝多少
+#    字节？
+# 2. 一个 `choice=["yes", "no"]` 的请求在小模型上运行。它的生成内容有几个 token，最后一个是什么？
+# 3. 在 `London` 的 `L` 之后，llguidance 允许 `on` 而不允许 `o`。如果一个模型写出 `L`、`o`、`n`、`d`、`o`、`n`，而
+#    一个程序把文本解码出来再重新编码，会有什么变化？
+
+# %%
+# en: Exercise 1: ceil(49,152 / 32) = 1,536 words, 6 KiB a row; 64 rows are 393,216 bytes, 384 KiB, in one copy.
+# zh: 练习 1：ceil(49,152 / 32) = 1,536 个字，一行 6 KiB；64 行是 393,216 字节，即 384 KiB，一次拷贝完成。
+smol_vocab = Config(str(smollm2_dir()), device="cpu").hf_config.vocab_size
+assert bitmask_words(smol_vocab) == 1536 and 64 * bitmask_words(smol_vocab) * 4 == 393_216
+
+# en: Exercise 2: three: the word's two tokens (y, es or n, o), then an end-of-sequence token, the only one the
+# en: grammar allows once the word is whole.
+# zh: 练习 2：三个：这个单词的两个 token（y、es 或 n、o），然后是一个 end-of-sequence token，单词完整之后语法只允许它。
+answer = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, structured_outputs=constraints["choice"]),
+                      use_tqdm=False)[0]["token_ids"]
+assert len(answer) == 3 and answer[-1] in EOS and [texts[t] for t in answer[:2]] in (["y", "es"], ["n", "o"])
+
+# en: Exercise 3: the text is London either way, and encoding it again gives L, on, d, on: four tokens, not six. The
+# en: tokens the program counted and the ones the model wrote no longer agree (a prefix cache keyed by tokens would
+# en: miss), and the model wrote two pairs it has seldom seen.
+# zh: 练习 3：两种写法的文本都是 London，重新编码得到 L、on、d、on：四个 token，不是六个。程序数的 token 和模型写的
+# zh: token 对不上了（按 token 建键的前缀缓存会落空），而且模型写了两对它很少见过的组合。
+o, n, d = (tokenizer.convert_tokens_to_ids(piece) for piece in ("o", "n", "d"))
+six_pieces = [london[0], o, n, d, o, n]
+assert tokenizer.decode(six_pieces) == "London" and tokenizer.encode("London") == london and len(london) == 4
+llm.exit()
+print(say("all exercise answers check out"))

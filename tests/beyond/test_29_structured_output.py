@@ -1,0 +1,332 @@
+"""Structured output (chapter 29): StructuredOutputsParams and its checks, bitmasks, the Grammars object, and the
+engine's constrained outputs on the tiny model and SmolLM2.
+
+An output is checked by a fresh matcher of its constraint, which must accept every token (`max_tokens` may cut an
+output short: then it is a prefix of a sentence of the grammar; one that ends with an end-of-sequence token is a
+whole sentence), and, where it is whole, by an independent reader: `json` and `jsonschema` for JSON, `re` for a
+regular expression.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import pickle
+import re
+import time
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from nanovllm.engine.grammars import (
+    Grammars,
+    allowed_tokens,
+    apply_bitmask,
+    bitmask_words,
+    fill_bitmask,
+    pack_tokens,
+    unsupported_by,
+)
+from nanovllm.engine.sequence import Sequence
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+SHAPE = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["color", "size"], "additionalProperties": False}
+COMPACT = StructuredOutputsParams(json=SHAPE, disable_any_whitespace=True)
+DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+PROMPTS = [[5 + i, 20, 30, 40] for i in range(6)]
+
+
+def nested(depth: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * depth + '{"type": "string"}' + "}}" * depth
+
+
+@pytest.fixture(scope="module")
+def llm(tiny: Path):
+    with LLM(str(tiny), device="cpu", max_model_len=128) as engine:
+        yield engine
+
+
+def accepted(llm: LLM, constraint: StructuredOutputsParams, tokens: list[int]) -> bool:
+    """Whether a fresh matcher of ``constraint`` takes every token, and is done if they end with end-of-sequence."""
+    matcher = llm.model_runner.grammars.compile(constraint).deep_copy()
+    whole = tokens[-1] in llm.config.eos_token_ids
+    return all(matcher.consume_token(token) for token in tokens) and (not whole or matcher.is_stopped())
+
+
+def constrained(constraint: StructuredOutputsParams, max_tokens: int = 24, **more) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=constraint, **more)
+
+
+# ---- StructuredOutputsParams -------------------------------------------------------------------------------------
+def test_exactly_one_constraint_is_set():
+    with pytest.raises(ValueError, match=r"exactly one constraint.*got none"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match=r"exactly one constraint.*got none"):
+        StructuredOutputsParams(json_object=False)
+    with pytest.raises(ValueError, match="got json and regex"):
+        StructuredOutputsParams(json=SHAPE, regex=DATE)
+    with pytest.raises(ValueError, match="got regex and choice and grammar"):
+        StructuredOutputsParams(regex=DATE, choice=["a"], grammar="start: /a/")
+    for kind, value in (("json", SHAPE), ("json", json.dumps(SHAPE)), ("regex", DATE), ("choice", ["yes", "no"]),
+                        ("grammar", 'start: "yes" | "no"'), ("json_object", True)):
+        constraint = StructuredOutputsParams(**{kind: value})
+        assert constraint.kind == kind and constraint.llguidance_grammar
+
+
+def test_values_of_the_wrong_type_are_refused():
+    for bad, match in (({"choice": "yes"}, "choice must be a list"), ({"choice": []}, "non-empty list of strings"),
+                       ({"choice": ["a", 3]}, "non-empty list of strings"), ({"regex": 3}, "regex must be a str"),
+                       ({"json": ["not", "a", "schema"]}, "a dict or its text"),
+                       ({"json_object": "yes"}, "json_object must be a bool"),
+                       ({"regex": DATE, "disable_any_whitespace": "no"}, "disable_any_whitespace must be a bool")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            StructuredOutputsParams(**bad)
+
+
+def test_a_bad_json_schema_is_refused_naming_the_problem():
+    for schema, problem in (({"type": "bogus"}, "bogus"), ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+                            ({"type": "string", "format": "color"}, "Unknown format: color"),
+                            ({"$ref": "#/$defs/missing"}, "missing"), ("{not json", "key must be a string")):
+        with pytest.raises(ValueError, match=re.escape(problem)) as refused:
+            StructuredOutputsParams(json=schema)
+        assert "structured_outputs.json" in str(refused.value)
+
+
+def test_a_bad_regex_or_grammar_is_refused_naming_the_problem():
+    for regex, problem in (("a(b", "unclosed group"), ("[z-a]", "invalid character class range"),
+                           ("a{3,2}", "invalid repetition"), ("(?=a)b", "look-around")):
+        with pytest.raises(ValueError, match=re.escape(problem)) as refused:
+            StructuredOutputsParams(regex=regex)
+        assert "structured_outputs.regex" in str(refused.value)
+    with pytest.raises(ValueError, match=r"structured_outputs\.grammar.*unknown name"):
+        StructuredOutputsParams(grammar="start: missing_rule")
+
+
+def test_pathological_schemas_are_refused_within_a_second():
+    def deep(depth: int) -> dict:
+        schema = {"type": "string"}
+        for _ in range(depth):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    huge_enum = {"enum": [f"value {i}" for i in range(100_000)]}
+    for schema in (nested(500), deep(500), deep(5000), nested(100_000), huge_enum):
+        start = time.perf_counter()
+        with pytest.raises(ValueError, match=r"structured_outputs\.json"):
+            StructuredOutputsParams(json=schema)
+        assert time.perf_counter() - start < 1.0
+
+
+def test_the_cache_key_is_the_exact_text_in_its_order():
+    ordered = StructuredOutputsParams(json={"type": "object", "properties": {"b": {}, "a": {}}})
+    swapped = StructuredOutputsParams(json={"properties": {"b": {}, "a": {}}, "type": "object"})
+    assert ordered.key[1] == '{"type": "object", "properties": {"b": {}, "a": {}}}' and ordered.key != swapped.key
+    text = '{"type":"object"}'
+    assert StructuredOutputsParams(json=text).key == ("json", text, False)
+    assert StructuredOutputsParams(json=text, disable_any_whitespace=True).key == ("json", text, True)
+
+
+def test_sampling_params_take_the_field_and_refuse_ignore_eos():
+    assert SamplingParams().structured_outputs is None
+    params = SamplingParams(temperature=0, structured_outputs=COMPACT)
+    assert params.structured_outputs is COMPACT and pickle.loads(pickle.dumps(params)) == params
+    assert pickle.loads(pickle.dumps(COMPACT)).llguidance_grammar == COMPACT.llguidance_grammar
+    with pytest.raises(TypeError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": SHAPE})
+    with pytest.raises(ValueError, match="ignore_eos=True cannot be combined with structured_outputs"):
+        SamplingParams(ignore_eos=True, structured_outputs=COMPACT)
+
+
+# ---- bitmasks ----------------------------------------------------------------------------------------------------
+def test_packed_tokens_unpack_to_the_same_tokens_bit_31_included():
+    tokens = [0, 1, 31, 32, 63, 64, 500, 511, 512]
+    row = pack_tokens(tokens, 600)
+    assert row.dtype == torch.int32 and row.shape == (bitmask_words(600),) == (19,)
+    assert allowed_tokens(row, 600).nonzero().flatten().tolist() == tokens
+    assert allowed_tokens(pack_tokens([], 600), 600).sum() == 0
+    # Token 600 would be bit 24 of word 18; a vocabulary of 600 ends before it.
+    assert allowed_tokens(torch.full((19,), -1, dtype=torch.int32), 600).all()
+
+
+def test_apply_bitmask_masks_only_the_given_rows_and_their_forbidden_tokens():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 70)
+    before = logits.clone()
+    apply_bitmask(logits, torch.stack([pack_tokens([2, 33, 69], 70)]), [1])
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+    assert torch.equal(logits[1, [2, 33, 69]], before[1, [2, 33, 69]])
+    assert torch.isinf(logits[1]).sum() == 67 and logits[1].max() > float("-inf")
+
+
+def test_the_mask_by_hand_equals_llguidances_on_a_tiny_grammar(tiny: Path, llm: LLM):
+    """The chapter's rule (a token is allowed if it keeps the text a prefix of a word; end-of-sequence once it is a
+    word) gives llguidance's bitmask, bit for bit, along the tokenizer's spelling of red, blue and no. Of green and
+    yes, llguidance allows a subset: not the tokens that would spell the rest of the word non-canonically."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    vocab, eos = llm.config.hf_config.vocab_size, list(llm.config.eos_token_ids)
+    texts = [tokenizer.decode([t]) for t in range(vocab)]
+    special = set(tokenizer.all_special_ids)
+    words = ["red", "green", "blue", "yes", "no"]
+
+    def by_hand(written: str) -> list[int]:
+        keep = [t for t, text in enumerate(texts)
+                if t not in special and text and any(w.startswith(written + text) for w in words)]
+        return keep + (eos if written in words else [])
+
+    constraint = StructuredOutputsParams(choice=words)
+    for word in words:
+        matcher, written = llm.model_runner.grammars.compile(constraint).deep_copy(), ""
+        for token in [*tokenizer.encode(word), eos[0]]:
+            row = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
+            fill_bitmask(matcher, row, 0)
+            if word in ("red", "blue", "no"):
+                assert torch.equal(row[0], pack_tokens(by_hand(written), vocab)), (word, written)
+            allowed = set(allowed_tokens(row[0], vocab).nonzero().flatten().tolist())
+            assert token in allowed and allowed <= set(by_hand(written)), (word, written)
+            assert matcher.consume_token(token)
+            written += "" if token in eos else texts[token]
+        assert matcher.is_stopped()
+
+
+# ---- the engine on the tiny model --------------------------------------------------------------------------------
+def test_outputs_fit_json_regex_choice_and_grammar(llm: LLM):
+    constraints = [COMPACT, StructuredOutputsParams(regex=DATE), StructuredOutputsParams(choice=["yes", "no"]),
+                   StructuredOutputsParams(grammar='start: "(" NUMBER ("+" NUMBER)* ")"\nNUMBER: /[0-9]/'),
+                   StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+                   StructuredOutputsParams(json=SHAPE)]
+    outputs = llm.generate([[5, 20, 30, 40]] * len(constraints), [constrained(c) for c in constraints],
+                           use_tqdm=False)
+    eos = llm.config.eos_token_ids
+    for constraint, output in zip(constraints, outputs, strict=True):
+        assert accepted(llm, constraint, output["token_ids"]), (constraint.kind, output)
+    shape, date, choice = (output["token_ids"][-1] in eos for output in outputs[:3])
+    assert shape and date and choice
+    jsonschema.validate(json.loads(outputs[0]["text"]), SHAPE)
+    assert re.fullmatch(DATE, outputs[1]["text"]) and outputs[2]["text"] in ("yes", "no")
+
+
+def test_unconstrained_greedy_is_unchanged_beside_constrained_requests(llm: LLM):
+    plain = [[10, 20, 30], [40, 50], [60, 70, 80, 90]]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = [output["token_ids"] for output in llm.generate(plain, greedy, use_tqdm=False)]
+    mixed = llm.generate([plain[0], [5, 20], plain[1], [6, 20], plain[2]],
+                         [greedy, constrained(COMPACT), greedy, constrained(StructuredOutputsParams(regex=DATE)),
+                          greedy], use_tqdm=False)
+    assert [mixed[i]["token_ids"] for i in (0, 2, 4)] == alone
+    assert accepted(llm, COMPACT, mixed[1]["token_ids"]) and re.fullmatch(DATE, mixed[3]["text"])
+
+
+def test_n_samples_each_fit_forked_or_not(tiny: Path, llm: LLM):
+    params = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=24, structured_outputs=COMPACT)
+    forked = llm.generate([[7, 20, 30]], params, use_tqdm=False)[0]["outputs"]
+    assert len({tuple(o["token_ids"]) for o in forked}) > 1
+    for output in forked:
+        assert accepted(llm, COMPACT, output["token_ids"])
+        jsonschema.validate(json.loads(output["text"]), SHAPE)
+    with LLM(str(tiny), device="cpu", max_model_len=128, fork_samples=False) as separate:
+        apart = separate.generate([[7, 20, 30]], params, use_tqdm=False)[0]["outputs"]
+    assert [o["token_ids"] for o in apart] == [o["token_ids"] for o in forked]
+
+
+def test_each_sequence_has_its_own_matcher_which_goes_with_it(llm: LLM):
+    params = constrained(COMPACT)
+    grammars = llm.model_runner.grammars
+    seqs = [llm.make_sequence([5 + i, 20], params) for i in range(3)]
+    for seq in seqs:
+        llm.scheduler.add(seq)
+    while not llm.is_finished():
+        llm.step()
+    states = [grammars.matchers[seq] for seq in seqs]
+    assert len({id(state.matcher) for state in states}) == 3
+    # A matcher reads a token before the next mask: the last one, which ends the sequence, it never reads.
+    assert all(state.consumed == seq.num_completion_tokens - 1 for state, seq in zip(states, seqs, strict=True))
+    assert len({id(m) for m in grammars.compiled.values()}) == len(grammars.compiled)
+    del seqs, states, seq
+    assert len(grammars.matchers) == 0
+
+
+def test_preemption_keeps_the_matchers(tiny: Path, llm: LLM):
+    params = constrained(COMPACT)
+    roomy = llm.generate(PROMPTS, params, use_tqdm=False)
+    preempted = []
+    with LLM(str(tiny), device="cpu", kvcache_block_size=4, num_kvcache_blocks=10, max_model_len=64) as cramped:
+        cramped.set_observer(lambda event, data: preempted.extend(data["preempted"]) if event == "schedule" else None)
+        squeezed = cramped.generate(PROMPTS, params, use_tqdm=False)
+    assert preempted
+    assert [o["token_ids"] for o in squeezed] == [o["token_ids"] for o in roomy]
+
+
+def test_asynchronous_steps_give_the_same_constrained_outputs(tiny: Path, llm: LLM):
+    params = [constrained(COMPACT), constrained(StructuredOutputsParams(regex=DATE)),
+              SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=24, structured_outputs=COMPACT)]
+    prompts = [[5, 20, 30], [6, 20, 30], [7, 20, 30]]
+    sync = llm.generate(prompts, params, use_tqdm=False)
+    with LLM(str(tiny), device="cpu", max_model_len=128, async_scheduling=True) as overlapped:
+        assert overlapped.config.async_scheduling
+        asynchronous = overlapped.generate(prompts, params, use_tqdm=False)
+    assert asynchronous == sync
+
+
+# ---- when a grammar cannot go on -------------------------------------------------------------------------------
+def test_a_token_the_grammar_refuses_ends_the_request_with_the_reason_logged(llm: LLM, caplog):
+    """Only end-of-sequence tokens remain for a sequence whose matcher was handed a token it refuses."""
+    grammars, vocab = llm.model_runner.grammars, llm.config.hf_config.vocab_size
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    seq = Sequence([5, 20], SamplingParams(temperature=0, structured_outputs=yes_no), block_size=16)
+    seq.append_token(llm.tokenizer.convert_tokens_to_ids("x"))
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 2, 1
+    logits = torch.zeros(1, vocab)
+    with caplog.at_level(logging.WARNING, logger="nanovllm.grammars"):
+        grammars.mask([seq], logits)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(llm.config.eos_token_ids)
+    assert grammars.matchers[seq].error and "structured output failed after 1 tokens" in caplog.text
+
+
+def test_an_engine_that_cannot_constrain_ends_the_request_at_its_first_token(tiny: Path, llm: LLM, caplog):
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = llm.generate([[10, 20, 30, 10, 20, 30]], plain, use_tqdm=False)[0]["token_ids"]
+    with LLM(str(tiny), device="cpu", max_model_len=128, speculative_method="ngram") as speculating, \
+            caplog.at_level(logging.WARNING, logger="nanovllm.grammars"):
+        outputs = speculating.generate([[10, 20, 30, 10, 20, 30], [5, 20]], [plain, constrained(COMPACT)],
+                                       use_tqdm=False)
+    assert outputs[0]["token_ids"] == expected
+    assert len(outputs[1]["token_ids"]) == 1 and outputs[1]["token_ids"][0] in llm.config.eos_token_ids
+    assert "speculative decoding" in caplog.text
+    tp = copy.copy(llm.config)
+    tp.tensor_parallel_size = 2
+    assert "tensor_parallel_size=1" in unsupported_by(tp) and unsupported_by(llm.config) is None
+
+
+def test_a_model_without_an_end_of_sequence_token_cannot_be_constrained(llm: LLM):
+    config = copy.copy(llm.config)
+    config.eos_token_ids = ()
+    seq = Sequence([5, 20], constrained(COMPACT), block_size=16)
+    seq.num_scheduled_tokens = 2
+    with pytest.raises(ValueError, match="declares none"):
+        Grammars(config).mask([seq], torch.zeros(1, config.hf_config.vocab_size))
+
+
+# ---- a real model ------------------------------------------------------------------------------------------------
+def test_smollm2_writes_json_that_validates_where_unconstrained_it_does_not():
+    from nanovllm.book.smollm2 import smollm2_dir
+
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    with LLM(str(smollm2_dir()), device="cpu", max_model_len=256) as smol:
+        request = [{"role": "user", "content": "Describe a software engineer named Ada as JSON with name and age."}]
+        question = smol.tokenizer.apply_chat_template(request, tokenize=False, add_generation_prompt=True)
+        free, shaped = smol.generate(
+            [question] * 2, [SamplingParams(temperature=0, max_tokens=30),
+                             constrained(StructuredOutputsParams(json=person), max_tokens=60)], use_tqdm=False)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free["text"])
+    jsonschema.validate(json.loads(shaped["text"]), person)
+    assert shaped["token_ids"][-1] in smol.config.eos_token_ids
