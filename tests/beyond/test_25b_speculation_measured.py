@@ -214,3 +214,29 @@ def test_a_gpu_engine_measures_its_steps_and_stays_lossless(tiny) -> None:
         assert [out["token_ids"] for out in llm.generate(PROMPTS, params, use_tqdm=False)] == expected
     finally:
         llm.exit()
+
+
+def test_step_costs_time_the_runners_own_decode_and_verify_steps() -> None:
+    """The measurement's body on the CPU: a runner whose graph sizes are stood in for (the steps then run eagerly)
+    times a decode and a verify step at the powers of two and the largest size, and writes nothing that a later
+    request could read (no block is published)."""
+    from types import SimpleNamespace
+
+    llm = LLM(str(build_tiny_model("qwen3")), device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)
+    try:
+        runner = llm.model_runner
+        runner.graphs = SimpleNamespace(sizes=[1, 2, 4, 8, 16, 24], covers=lambda rows: False)
+        costs = runner.step_costs(context_len=100, repeats=2)
+        assert costs.sizes == (1, 2, 4, 8, 16, 24)
+        assert all(s > 0 for s in costs.decode_seconds + costs.verify_seconds)
+        runner.graphs = None
+        # The engine still serves, and its tokens are those of an engine that measured nothing.
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        fresh = LLM(str(build_tiny_model("qwen3")), device="cpu", kvcache_block_size=16, num_kvcache_blocks=64)
+        try:
+            expected = fresh.generate(PROMPTS, greedy, use_tqdm=False)
+        finally:
+            fresh.exit()
+        assert llm.generate(PROMPTS, greedy, use_tqdm=False) == expected
+    finally:
+        llm.exit()
