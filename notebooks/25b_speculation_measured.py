@@ -75,6 +75,10 @@ say = Phrases({
     "the first rule, 64 rows: batch 16 at {ratio}x in {steps} steps (256 without); chapter 19's 256 "
     "sequences: {ratios}":
         "第一版规则，64 行：批大小 16 时 {ratio} 倍，{steps} 步（不投机 256 步）；第 19 章的 256 个序列：{ratios}",
+    "drafts a sequence by batch {batches}: {fresh} for a fresh engine (each position kept half the time, "
+    "{tokens:.1f} tokens a verify step with 7 drafts); {after} once 40 asks kept nothing":
+        "按批大小 {batches}，每个序列的草稿数：新引擎 {fresh}（每个位置按一半被保留计，7 个草稿的验证步给 "
+        "{tokens:.1f} 个 token）；40 次询问一个也没保留之后 {after}",
     "all exercise answers check out": "所有练习的答案都核对无误",
 })
 
@@ -486,7 +490,7 @@ assert self_draft_h200["proposals ms"] / self_draft_h200["proposals"] == 8
 # %% [markdown] tags=["en"]
 # ## A draft budget from measured costs
 #
-# The rule of the section before is one machine's measurement frozen into constants: 16 rows, at
+# The rule of "When it pays" is one machine's measurement frozen into constants: 16 rows, at
 # least two drafts, hence none past 5 sequences. It was right on that H200 in that week; on
 # another card, another model, or after chapter 15 made a step of four rows cheaper, it is simply
 # old. The question it answers is always the same: does a verify step with *k* drafts give more
@@ -517,10 +521,10 @@ assert self_draft_h200["proposals ms"] / self_draft_h200["proposals"] == 8
 # %% [markdown] tags=["zh"]
 # ## 按实测代价定草稿预算
 #
-# 上一节的规则，是一台机器上的测量结果冻结成的常数：16 行，至少两个草稿，所以超过 5 个序列就没有草稿。它在那一周的那块
-# H200 上是对的；换一块卡、换一个模型，或者在第 15 章让四行的一步变便宜之后，它就只是过时了。它回答的问题始终是同一个：
-# 带 *k* 个草稿的验证步，每秒给出的 token 是否比它所替代的普通 decode 步多？这两边都可以在引擎运行的地方测出来，所以引擎
-# 在启动时测一次，然后在每一步都重新问一遍这个问题。
+# “什么时候划算”一节的规则，是一台机器上的测量结果冻结成的常数：16 行，至少两个草稿，所以超过 5 个序列就没有草稿。它在那
+# 一周的那块 H200 上是对的；换一块卡、换一个模型，或者在第 15 章让四行的一步变便宜之后，它就只是过时了。它回答的问题始终
+# 是同一个：带 *k* 个草稿的验证步，每秒给出的 token 是否比它所替代的普通 decode 步多？这两边都可以在引擎运行的地方测
+# 出来，所以引擎在启动时测一次，然后在每一步都重新问一遍这个问题。
 #
 # - `StepCosts`：对 decode 图的若干个大小（2 的幂，以及最大的那个），分别记下这么多序列的一个 decode 步（像异步调度那样
 #   一步接一步排队）和这么多行的一个验证步（像引擎那样一直跑到结束）的秒数。`ModelRunner.step_costs` 通过运行器自己的
@@ -708,6 +712,45 @@ def _measure_step_costs(self) -> None:
         proposer = self.speculator.proposer
         if self.speculator.costs is not None and isinstance(proposer, DraftModelProposer):
             self.speculator.draft_costs = proposer.engine.model_runner.step_costs()
+
+# %% [markdown] tags=["en"]
+# The budget on a table shaped like a GPU's at small batches, made up for the lesson (not measured:
+# a decode step of any size up to 64 sequences takes 1 ms, a verify step 1 ms plus 5 % per row past
+# the first, then nothing more is measured), for an engine that has drafted nothing yet, then after
+# its proposer was asked 40 times at every position and kept nothing. On this CPU the engine
+# measures no costs, and chapter 25's rule decides.
+
+# %% [markdown] tags=["zh"]
+# 在一张为讲解而编造的表上看预算（不是测量结果，只是形状像 GPU 在小批量时的样子：64 个序列以内，任何大小的 decode 步都是
+# 1 ms，验证步是 1 ms 再加上第一行之后每行 5%，更大的没有测），先看一个还没起草过的引擎，再看它的提议器在每个位置都被问
+# 过 40 次、一个也没保留之后。在这台 CPU 上，引擎测不出代价，由第 25 章的规则决定。
+
+# %%
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.engine.speculative import StepCosts
+from nanovllm.llm import LLM
+
+sizes = (1, 2, 4, 8, 16, 32, 64)
+made_up = StepCosts(sizes, (1e-3,) * len(sizes), tuple(1e-3 * (1 + 0.05 * (s - 1)) for s in sizes))
+budget = Speculator(NgramProposer(num_speculative_tokens=7))
+budget.costs = made_up
+batches = (1, 4, 8, 16, 32, 64)
+fresh = [budget.drafts_per_sequence(b) for b in batches]
+budget.count_asked([7] * 40)
+after = [budget.drafts_per_sequence(b) for b in batches]
+print(say("drafts a sequence by batch {batches}: {fresh} for a fresh engine (each position kept half the time, "
+          "{tokens:.1f} tokens a verify step with 7 drafts); {after} once 40 asks kept nothing",
+          batches=batches, fresh=fresh, tokens=1 + 7 * 0.5, after=after))
+# en: Fresh: all seven drafts while 8 rows a sequence still cost little (up to 8 sequences); from 16 on, no number of
+# en: drafts makes a verify step worth its rows.
+# zh: 新引擎：只要每个序列 8 行还便宜（8 个序列以内），七个草稿全要；从 16 个序列起，多少个草稿都抵不上验证步的行数。
+assert fresh == [7, 7, 7, 0, 0, 0]
+# en: Nothing kept: a position now counts as kept once in 42 asks (the prior's one in two), and no verify step pays.
+# zh: 什么都没保留：每个位置被保留的估计降到 42 次询问里一次（先验的两次里一次也算在内），没有哪个验证步值得做。
+assert budget.expected_tokens(1) == (0 + 0.5 * 2) / (40 + 2) + 1 and after == [0] * len(batches)
+on_cpu = LLM(str(build_tiny_model("qwen3")), device="cpu", speculative_method="ngram")
+assert on_cpu.speculator.costs is None and on_cpu.speculator.drafts_per_sequence(4) == 3
+on_cpu.exit()
 
 # %% [markdown] tags=["en"]
 # ## Serving it: the counters of `/metrics`

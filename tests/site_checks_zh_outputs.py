@@ -156,7 +156,7 @@ TRANSLATED = {
     "25b_speculation_measured": [
         ("prompts that quote a passage", "个引用一段文字的提示词"), ("a verify step cost", "一个验证步值"),
         ("what /metrics adds for a speculating engine", "投机引擎在 /metrics 里多出的内容"),
-        ("none of its drafts kept", "一个草稿也没被保留"),
+        ("none of its drafts kept", "一个草稿也没被保留"), ("once 40 asks kept nothing", "40 次询问一个也没保留之后"),
         ("all exercise answers check out", "所有练习的答案都核对无误"),
     ],
     "26_mixture_of_experts": [
