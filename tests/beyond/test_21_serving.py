@@ -255,7 +255,7 @@ BAD_REQUESTS = [
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": "Hi", "stop": [""]}, 400, "stop"),
     # fields this server does not implement, which would change what the client gets (issue 62: unknown fields pass)
-    ({"prompt": "Hi", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"prompt": "Hi", "response_format": {"type": "xml"}}, 400, "response_format"),
     ({"prompt": "Hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"prompt": "Hi", "logprobs": 3}, 400, "logprobs"),
     ({"prompt": "Hi", "model": "gpt-4"}, 404, "model"),

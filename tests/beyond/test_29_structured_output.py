@@ -330,3 +330,110 @@ def test_smollm2_writes_json_that_validates_where_unconstrained_it_does_not():
         json.loads(free["text"])
     jsonschema.validate(json.loads(shaped["text"]), person)
     assert shaped["token_ids"][-1] in smol.config.eos_token_ids
+
+
+# ---- the server's response_format (issue 63, items 1 and 5) -------------------------------------------------------
+SERVER_ARGS = ["--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-model-len", "512"]
+# JSON without blanks: the tiny model, free to write blanks, would write nothing else until max_tokens.
+COMPACT_BODY = {"structured_outputs": {"disable_any_whitespace": True}}
+CHAT = [{"role": "user", "content": "Describe a shape."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path):
+    from nanovllm.serve.process import ServerProcess
+
+    with ServerProcess(["--model", str(tiny), "--served-model-name", "tiny", *SERVER_ARGS]) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_parse_with_a_pydantic_model_returns_the_parsed_object(client):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Shape(BaseModel):
+        color: Literal["red", "green", "blue"]
+        size: int = Field(ge=1, le=9)
+
+    reply = client.chat.completions.parse(model="tiny", messages=CHAT, response_format=Shape, max_tokens=40,
+                                          temperature=0, extra_body=COMPACT_BODY)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Shape)
+    assert Shape.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_object_streamed_joins_into_json(client):
+    for seed in range(3):
+        stream = client.chat.completions.create(model="tiny", messages=CHAT, response_format={"type": "json_object"},
+                                                max_tokens=60, temperature=0.8, seed=seed, stream=True,
+                                                extra_body=COMPACT_BODY)
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+        assert chunks[-1].finish_reason == "stop"
+        assert isinstance(json.loads("".join(c.delta.content or "" for c in chunks)), dict)
+
+
+def test_json_schema_on_completions_and_structured_outputs_extra_body(client):
+    schema = {"name": "shape", "schema": SHAPE, "strict": True}
+    reply = client.completions.create(model="tiny", prompt="A shape:", max_tokens=40, temperature=0,
+                                      extra_body={"response_format": {"type": "json_schema", "json_schema": schema},
+                                                  **COMPACT_BODY})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), SHAPE)
+    # vLLM's extra-body field, alone; and "text", which constrains nothing
+    choice = client.completions.create(model="tiny", prompt="Yes?", max_tokens=8, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    plain = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    text = client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                     extra_body={"response_format": {"type": "text"}, "ignore_eos": True})
+    assert text.choices[0].text == plain.choices[0].text
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"json_schema": {}}}, "structured_outputs", "json_schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format", "both"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice"),
+])
+def test_bad_constraints_and_tools_get_400_naming_the_field(server, fields, param, words):
+    import httpx
+
+    for route, body in (("chat/completions", {"messages": CHAT}), ("completions", {"prompt": "Hi"})):
+        reply = httpx.post(f"{server.url}/v1/{route}", json={"model": "tiny", "max_tokens": 4, **body, **fields},
+                           timeout=30)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+    assert "ignoring the request field 'response_format'" not in server.output()
+
+
+def test_a_speculating_server_refuses_response_format_with_the_reason(tiny: Path):
+    import openai
+
+    from nanovllm.serve.process import ServerProcess
+
+    args = ["--model", str(tiny), "--served-model-name", "tiny", *SERVER_ARGS, "--speculative-method", "ngram"]
+    with ServerProcess(args) as process:
+        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8,
+                                           response_format={"type": "json_object"})
+        assert refused.value.body["param"] == "response_format"
+        assert "speculative decoding" in refused.value.body["message"]
+        # an unconstrained request is served as before
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).choices[0].finish_reason
