@@ -438,11 +438,12 @@ def test_a_stuck_publisher_thread_never_holds_the_engine_back(tiny):
         began = time.monotonic()
         run(llm, PROMPTS)
         assert time.monotonic() - began < 20
-        # One batch in the thread's hands, one in the queue: every later one was dropped.
+        # One batch in the thread's hands, one in the queue: every other one was dropped. Which one waits in the
+        # queue depends on when the thread took the first: batch 1 if it had, else a later one (CI saw [0, 2]).
         assert publisher.next_seq >= 4 and publisher.dropped == publisher.next_seq - 2
         release.set()
         numbers = [int.from_bytes(seq, "big") for _, seq, _ in wire.ask((0).to_bytes(8, "big"))[:-1]]
-        assert numbers == [0, 1]
+        assert len(numbers) == 2 and numbers[0] == 0 and 0 < numbers[1] < publisher.next_seq
         llm.reset_prefix_cache()
         (_, number, _), = wire.batches(publisher.next_seq)[-1:]
         assert number == publisher.next_seq - 1
