@@ -614,6 +614,25 @@ def sigterm_as_interrupt() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
+# %% replicas' cache counters
+#| export serve.fleet
+import re
+
+# en: vLLM's prefix-cache counters in a server's /metrics (chapter 22 serves them beside ours).
+# zh: 服务器 /metrics 里 vLLM 的前缀缓存计数器（第 22 章把它们和我们自己的一起提供）。
+CACHE_COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def prefix_cache_tokens(urls: list[str]) -> dict[str, float]:
+    """Prompt tokens looked up in, and found in, these servers' prefix caches, summed (vLLM's counters)."""
+    # zh: 这些服务器的前缀缓存里查找过的、以及找到的提示词 token 数之和（vLLM 的计数器）。
+    totals = {"hits": 0.0, "queries": 0.0}
+    for url in urls:
+        for name, value in CACHE_COUNTER.findall(httpx.get(f"{url}/metrics", timeout=30).text):
+            totals[name] += float(value)
+    return totals
+
+
 # %% fleet entry point
 #| export
 # en: A notebook also runs this code as __main__; only a real `python -m nanovllm.serve.fleet` should act.
@@ -661,13 +680,6 @@ models = httpx.get(f"{fleet.url}/v1/models", timeout=30).json()["data"]
 print(say("the gateway lists the model as {models}", models=[model["id"] for model in models]))
 assert [model["id"] for model in models] == [tiny.name]
 
-CACHE = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$", re.M)
-
-
-def cache_counters(url: str) -> dict[str, float]:
-    """A server's prefix-cache counters: prompt tokens looked up, and found (vLLM's names)."""
-    # zh: 一个服务器的前缀缓存计数器：查找过的提示词 token 数，以及找到的数目（vLLM 的名字）。
-    return {name: float(value) for name, value in CACHE.findall(httpx.get(f"{url}/metrics", timeout=30).text)}
 
 
 def complete(prompt: str, url: str | None = None) -> dict:
@@ -684,9 +696,9 @@ for user in (0, 1):
     text = f"user {user}: " + " ".join(f"fact {user}-{i} is {i * 7 % 13}." for i in range(30))
     for turn in (1, 2, 3):
         text += f"\nquestion {turn}: what is fact {user}-{turn}?\nanswer:"
-        before = [cache_counters(replica.url) for replica in fleet.replicas]
+        before = [prefix_cache_tokens([replica.url]) for replica in fleet.replicas]
         text += complete(text)["choices"][0]["text"]
-        after = [cache_counters(replica.url) for replica in fleet.replicas]
+        after = [prefix_cache_tokens([replica.url]) for replica in fleet.replicas]
         grew = [i for i in (0, 1) if after[i]["queries"] > before[i]["queries"]]
         replica = grew[0]
         hits, queries = (after[replica][name] - before[replica][name] for name in ("hits", "queries"))
@@ -814,12 +826,12 @@ def talk(url: str, policy: str, users: tuple[str, ...]) -> list[dict]:
     for turn in (1, 2, 3):
         for user in users:
             texts[user] += f"\nquestion {turn}: what is fact {user}-{turn}?\nanswer:"
-        before = [cache_counters(replica.url)["hits"] for replica in fleet.replicas]
+        before = [prefix_cache_tokens([replica.url])["hits"] for replica in fleet.replicas]
         with ThreadPoolExecutor(len(users)) as pool:
             replies = list(pool.map(lambda user: complete(texts[user], url)["choices"][0]["text"], users))
         # en: prompt tokens found in each replica's cache this round, by its own counter
         # zh: 这一轮里每个副本在缓存中找到的提示词 token 数，按它自己的计数器
-        counted = [cache_counters(replica.url)["hits"] - before[r] for r, replica in enumerate(fleet.replicas)]
+        counted = [prefix_cache_tokens([replica.url])["hits"] - before[r] for r, replica in enumerate(fleet.replicas)]
         stored = [mirror.catch_up() for mirror in mirrors]
         for user, reply in zip(users, replies, strict=True):
             texts[user] += reply
@@ -1115,7 +1127,7 @@ from typing import Any
 import httpx
 
 from nanovllm.bench.serve import RequestResult, percentiles, stream_one
-from nanovllm.serve.fleet import POLICIES, plan
+from nanovllm.serve.fleet import POLICIES, plan, prefix_cache_tokens
 from nanovllm.serve.process import free_port
 
 # en: The words of the users' documents and questions: plain English, so that a real model reads text, not noise.
@@ -1197,19 +1209,6 @@ async def run_users(url: str, model: str, prompts: list[list[str]], max_tokens: 
         began = time.perf_counter()
         per_user = await asyncio.gather(*(user(turns) for turns in prompts))
         return [result for results in per_user for result in results], time.perf_counter() - began
-
-
-CACHE_COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$", re.M)
-
-
-def prefix_cache_tokens(urls: list[str]) -> dict[str, float]:
-    """Prompt tokens looked up in, and found in, these servers' prefix caches, summed (vLLM's counters)."""
-    # zh: 这些服务器的前缀缓存里查找过的、以及找到的提示词 token 数之和（vLLM 的计数器）。
-    totals = {"hits": 0.0, "queries": 0.0}
-    for url in urls:
-        for name, value in CACHE_COUNTER.findall(httpx.get(f"{url}/metrics", timeout=30).text):
-            totals[name] += float(value)
-    return totals
 
 
 def measure_policy(policy: str, replicas: int, serve_options: list[str], prompts: list[list[str]],

@@ -18,16 +18,14 @@ from typing import Any
 import httpx
 
 from nanovllm.bench.serve import RequestResult, percentiles, stream_one
-from nanovllm.serve.fleet import POLICIES, plan
+from nanovllm.serve.fleet import POLICIES, plan, prefix_cache_tokens
 from nanovllm.serve.process import free_port
 
 __all__ = [
-    "CACHE_COUNTER",
     "WORDS",
     "conversations",
     "main",
     "measure_policy",
-    "prefix_cache_tokens",
     "qwen3_06b_fleet",
     "run_users",
     "teach_words",
@@ -104,18 +102,6 @@ async def run_users(url: str, model: str, prompts: list[list[str]], max_tokens: 
         began = time.perf_counter()
         per_user = await asyncio.gather(*(user(turns) for turns in prompts))
         return [result for results in per_user for result in results], time.perf_counter() - began
-
-
-CACHE_COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$", re.M)
-
-
-def prefix_cache_tokens(urls: list[str]) -> dict[str, float]:
-    """Prompt tokens looked up in, and found in, these servers' prefix caches, summed (vLLM's counters)."""
-    totals = {"hits": 0.0, "queries": 0.0}
-    for url in urls:
-        for name, value in CACHE_COUNTER.findall(httpx.get(f"{url}/metrics", timeout=30).text):
-            totals[name] += float(value)
-    return totals
 
 
 def measure_policy(policy: str, replicas: int, serve_options: list[str], prompts: list[list[str]],

@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from nanovllm.serve.client import die_with_parent
 from nanovllm.serve.process import free_port
 
 __all__ = [
+    "CACHE_COUNTER",
     "GATEWAY_MODULE",
     "POLICIES",
     "Fleet",
@@ -36,6 +38,7 @@ __all__ = [
     "gpu_count",
     "main",
     "plan",
+    "prefix_cache_tokens",
     "sigterm_as_interrupt",
     "stop_groups",
     "wait_healthy",
@@ -324,6 +327,20 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# notebooks/28_fleet.py · cell "replicas' cache counters"
+# vLLM's prefix-cache counters in a server's /metrics (chapter 22 serves them beside ours).
+CACHE_COUNTER = re.compile(r"^vllm:prefix_cache_(hits|queries)_total(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def prefix_cache_tokens(urls: list[str]) -> dict[str, float]:
+    """Prompt tokens looked up in, and found in, these servers' prefix caches, summed (vLLM's counters)."""
+    totals = {"hits": 0.0, "queries": 0.0}
+    for url in urls:
+        for name, value in CACHE_COUNTER.findall(httpx.get(f"{url}/metrics", timeout=30).text):
+            totals[name] += float(value)
+    return totals
 
 
 # notebooks/28_fleet.py · cell "fleet entry point"

@@ -16,9 +16,18 @@ import httpx
 import openai
 import pytest
 
-from nanovllm.bench.fleet import conversations, prefix_cache_tokens, teach_words, workload_words
+from nanovllm.bench.fleet import conversations, teach_words, workload_words
 from nanovllm.book.tiny_models import build_tiny_model
-from nanovllm.serve.fleet import POLICIES, Fleet, gateway_command, gpu_budgets, plan, stop_groups, wait_healthy
+from nanovllm.serve.fleet import (
+    POLICIES,
+    Fleet,
+    gateway_command,
+    gpu_budgets,
+    plan,
+    prefix_cache_tokens,
+    stop_groups,
+    wait_healthy,
+)
 from nanovllm.serve.process import ServerProcess, free_port
 
 pytest.importorskip("sglang_router", reason="the fleet's gateway (sglang-router) is a pinned dependency")
