@@ -21,16 +21,11 @@ from nanovllm.config import Config
 from nanovllm.engine.tp_node import main, run_node
 from nanovllm.engine.tp_runtime import TPTimeoutError, TPWorkerError, process_gone
 from nanovllm.llm import LLM
+from nanovllm.serve.process import free_port
 from tests.speed.test_17_tp_runtime import GREEDY, PROMPTS, ROOT, SMALL, token_ids
 
 
 # ---- across machines: two "nodes" on this machine, over gloo ---------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_node(port: int, node_rank: int = 1) -> subprocess.Popen:
     """Node `node_rank`'s agent, as a user would start it on another machine."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
