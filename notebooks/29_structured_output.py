@@ -76,6 +76,9 @@ say = Phrases({
     "parsed: {shape!r}, finish_reason {reason}": "解析结果：{shape!r}，finish_reason 为 {reason}",
     "streamed in JSON mode: {text!r}": "JSON 模式的流式输出：{text!r}",
     "server started, asked and stopped in {seconds:.1f} s": "服务器启动、应答、停止共用 {seconds:.1f} 秒",
+    "batch {batch}: a step {free:.1f} ms free, {constrained:.1f} ms with the schema, Grammars.mask {mask:.2f} ms of "
+    "it": "批大小 {batch}：一步自由运行 {free:.1f} 毫秒，带 schema {constrained:.1f} 毫秒，其中 Grammars.mask 占 "
+          "{mask:.2f} 毫秒",
     "all exercise answers check out": "练习答案全部验证通过",
 })
 
@@ -1236,7 +1239,7 @@ smol.exit()
 # `json_object=True`; `{"type": "text"}` asks for nothing. vLLM's own extra-body field
 # `structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`) takes the
 # same road, and, as in vLLM, it may also just add `disable_any_whitespace` to a `response_format`.
-# `tools` and `tool_choice` stay refused by name: they are the next part.
+# `tools` and `tool_choice` are chapter 29b's.
 #
 # Three things are new on the server's side. **Where it compiles**: a schema becomes llguidance's
 # grammar when its `StructuredOutputsParams` is made, in about a millisecond, bounded by
@@ -1264,7 +1267,7 @@ smol.exit()
 # `StructuredOutputsParams(json=schema)`，`{"type": "json_object"}` 变成 `json_object=True`；`{"type": "text"}` 什么也
 # 不要求。vLLM 自己的额外请求体字段 `structured_outputs`（`{"json" | "regex" | "choice" | "grammar" | "json_object":
 # ...}`）走同一条路；和 vLLM 一样，它也可以只给 `response_format` 加上 `disable_any_whitespace`。`tools` 和
-# `tool_choice` 仍然按名字拒绝：它们是下一部分。
+# `tool_choice` 留给第 29b 章。
 #
 # 服务器一侧有三件新事。**在哪里编译**：创建 `StructuredOutputsParams` 时，schema 就编译成 llguidance 的语法，大约一
 # 毫秒，并受 llguidance 自己的限额约束（`grammar_limits()`，一个 `LLParserLimits`：恶意的 schema 会被拒绝，而不是被
@@ -1438,13 +1441,14 @@ async def generate(self, body: SamplingRequest, prompts: list[list[int]], chat: 
 # Pydantic model into a strict `json_schema` response format and the reply back into the model; the
 # extra-body `structured_outputs` asks for JSON without blanks, so that the tiny model, which would
 # otherwise write blanks, ends its object quickly. Then a streamed request in JSON mode, whose
-# chunks join into JSON; a bad schema, which gets 400; and `tools`, still refused by name.
+# chunks join into JSON; a bad schema, which gets 400; and `functions`, refused by name (the
+# deprecated field; chapter 29b serves `tools`).
 
 # %% [markdown] tags=["zh"]
 # 一个小模型的服务器，加上官方的 `openai` 客户端。`chat.completions.parse` 把 Pydantic 模型变成严格的 `json_schema`
 # 响应格式，再把回复变回这个模型；额外请求体字段 `structured_outputs` 要求不带空白的 JSON，这样原本会写空白的小模型能
 # 很快写完它的对象。然后是一个 JSON 模式的流式请求，它的各个片段拼起来就是 JSON；一个错误的 schema，得到 400；以及
-# `tools`，仍然按名字拒绝。
+# `functions`，按名字拒绝（这是已经废弃的字段；`tools` 由第 29b 章实现）。
 
 # %%
 from typing import Literal
@@ -1477,7 +1481,7 @@ streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if c
 print(say("streamed in JSON mode: {text!r}", text=streamed))
 assert isinstance(json.loads(streamed), dict)
 for fields in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-               {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+               {"functions": [{"name": "f"}]}):
     try:
         client.chat.completions.create(model="tiny", messages=chat, max_tokens=4, **fields)
     except openai.BadRequestError as error:
@@ -1533,6 +1537,202 @@ assert preemptions and same and all(accepted(constraints["json."], o["token_ids"
 cramped.exit()
 
 # %% [markdown] tags=["en"]
+# ## What it costs
+#
+# A constrained step does three things a free one does not: each matcher reads the tokens its
+# sequence gained, writes its bitmask on the host (llguidance walks its grammar over the
+# vocabulary's token tree), and the masked logits are sampled eagerly rather than by the captured
+# sampler. Under asynchronous scheduling the masks also wait for the step in flight: a mask needs
+# the token that step is still computing. `python -m nanovllm.bench --structured` measures the
+# sum: the same prompts in one engine, with and without a JSON schema, the runs taking turns, at
+# the batches asked for (`--batches 1 16 256` on a GPU). The schema asks for a roster of at
+# least 64 people, more tokens than any run writes, so a constrained request never ends early and
+# both runs of a batch compute the same tokens; the free run ignores the end-of-sequence token
+# for the same reason. It also prints the time the engine spent in `Grammars.mask` per step.
+#
+# On this CPU the forward pass of even the tiny model dwarfs the masks; the figures that matter
+# (a goal of at most 10 % slower at batch 1 and 5 % at 256 sequences) come from a GPU, where a
+# step of Qwen3-0.6B takes about a millisecond.
+
+# %% [markdown] tags=["zh"]
+# ## 它的代价
+#
+# 受约束的一步比自由的一步多做三件事：每个匹配器读入它的序列新得到的 token，在主机上写出它的位掩码（llguidance 沿着
+# 词表的 token 树走一遍它的语法），加了掩码的 logits 以 eager 方式采样，而不是由捕获好的采样器采样。在异步调度下，
+# 掩码还要等正在执行的那一步：掩码需要那一步还在算的 token。`python -m nanovllm.bench --structured` 测的是这些的总和：
+# 同一个引擎里的同一批提示词，带和不带一个 JSON schema，两种运行轮流进行，批大小按要求给出（GPU 上是
+# `--batches 1 16 256`）。schema 要的是一份至少 64 个人的名单，比任何一次运行写出的 token 都多，所以受约束的请求
+# 不会提前结束，同一批的两种运行算出同样多的 token；出于同样的原因，自由运行忽略序列结束 token。它还打印引擎每一步花在
+# `Grammars.mask` 里的时间。
+#
+# 在这台 CPU 上，哪怕是小模型的前向计算也远远盖过掩码；真正要看的数字（目标：批大小 1 时最多慢 10%，256 个序列时
+# 最多慢 5%）来自 GPU，那里 Qwen3-0.6B 的一步大约一毫秒。
+
+# %% bench structured flag
+#| export bench.engine
+from nanovllm.bench.engine import OTHER_BENCHMARKS
+
+OTHER_BENCHMARKS["--structured"] = "nanovllm.bench.structured"
+
+# %% bench structured
+#| export bench.structured
+"""``python -m nanovllm.bench --structured``: the same requests with and without a JSON schema, in one engine."""
+# zh: ``python -m nanovllm.bench --structured``：同一个引擎里的同一批请求，带和不带 JSON schema。
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+from typing import Any
+
+import torch
+
+from nanovllm.bench.engine import watch_calls
+from nanovllm.bench.models import qwen3_06b_random
+from nanovllm.bench.report import Stopwatch, report_header, write_report
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+# en: A roster of at least 64 people: more tokens than a run asks for, so that a constrained request never ends before
+# en: max_tokens and both runs of a batch compute the same number of tokens.
+# zh: 一份至少 64 个人的名单：比一次运行要的 token 多，所以受约束的请求不会在 max_tokens 之前结束，同一批的两种运行
+# zh: 算出同样多的 token。
+ROSTER_SCHEMA: dict[str, Any] = {
+    "type": "array", "minItems": 64,
+    "items": {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+        "properties": {"name": {"type": "string", "maxLength": 16},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                       "city": {"enum": ["Lagos", "Lima", "Osaka", "Oslo", "Paris"]}},
+    },
+}  # fmt: skip
+RUNS = ("free", "constrained")
+
+
+def roster_prompts(count: int) -> list[str]:
+    """``count`` different prompts that ask for a roster as JSON."""
+    # zh: ``count`` 个不同的提示词，都要一份 JSON 格式的名单。
+    return [f"List the members of club {i} as a JSON array: each one's name, age and city." for i in range(count)]
+
+
+def timed_generate(llm: Any, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
+    """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in
+    `Grammars.mask` (the host's mask work, and any wait there for the step in flight)."""
+    # zh: 一次计时的 `generate`：每秒 token 数、算出了 token 的步数，以及花在 `Grammars.mask` 里的秒数（主机做掩码的
+    # zh: 工作，以及在那里等正在执行的那一步的时间）。
+    steps: list[bool] = []
+    masks: list[float] = []
+    counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
+    masking = watch_calls(llm.model_runner.grammars, "mask", lambda seconds, _: masks.append(seconds))
+    with counting, masking, Stopwatch(llm.config.device) as clock:
+        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
+    tokens = sum(map(len, outputs))
+    return {"tokens": tokens, "tok_s": tokens / clock.seconds, "steps": sum(steps), "seconds": clock.seconds,
+            "mask_seconds": sum(masks)}
+
+
+def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, **settings: Any) -> list[dict[str, Any]]:
+    """A row per batch size, from one engine built with ``settings``: ``repeats`` rounds in which a free run and a
+    constrained run of the same greedy requests take turns (so that the order of the runs cannot make a ratio); the
+    medians (tokens a second, and milliseconds a step), and the constrained runs' mask time a step."""
+    # zh: 每个批大小一行，来自按 ``settings`` 建的同一个引擎：``repeats`` 轮，每轮同样的贪心请求先自由运行、再受约束
+    # zh: 运行，轮流进行（运行的先后就造不出一个比值）；给出中位数（每秒 token 数、每步毫秒数），以及受约束运行每步的
+    # zh: 掩码时间。
+    from nanovllm.llm import LLM
+
+    llm = LLM(model, **settings)
+    roster = StructuredOutputsParams(json=ROSTER_SCHEMA)
+    params = {"free": SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+              "constrained": SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=roster)}
+    rows = []
+    try:
+        # en: A warm-up, untimed: it compiles the schema (the engine keeps it) and warms both paths.
+        # zh: 预热，不计时：它编译 schema（引擎会留着它），并让两条路径都热起来。
+        for warm_up in params.values():
+            llm.generate(roster_prompts(1), dataclasses.replace(warm_up, max_tokens=8), use_tqdm=False)
+        for batch in batches:
+            prompts = roster_prompts(batch)
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
+            for _ in range(repeats):
+                for name in RUNS:
+                    runs[name].append(timed_generate(llm, prompts, params[name]))
+            free, constrained = (statistics.median(run["tok_s"] for run in runs[name]) for name in RUNS)
+            step_ms = {name: statistics.median(1e3 * run["seconds"] / max(1, run["steps"]) for run in runs[name])
+                       for name in RUNS}
+            mask_ms = statistics.median(1e3 * run["mask_seconds"] / max(1, run["steps"]) for run in runs["constrained"])
+            rows.append({
+                "batch": batch, "free_tok_s": free, "constrained_tok_s": constrained, "ratio": constrained / free,
+                "step_ms": step_ms, "mask_ms_per_step": mask_ms, "steps": runs["constrained"][0]["steps"],
+                "tokens": {name: runs[name][0]["tokens"] for name in RUNS}, "repeats": repeats,
+            })  # fmt: skip
+    finally:
+        llm.exit()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
+def print_row(row: dict[str, Any]) -> None:
+    print(f"batch {row['batch']:4d}: {row['free_tok_s']:9.1f} tok/s free, {row['constrained_tok_s']:9.1f} with the "
+          f"schema ({row['ratio']:.3f}x); a step {row['step_ms']['free']:.3f} / {row['step_ms']['constrained']:.3f} "
+          f"ms, Grammars.mask {row['mask_ms_per_step']:.3f} ms of it; tokens {row['tokens']['free']} / "
+          f"{row['tokens']['constrained']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --structured",
+                                     description="The same greedy requests with and without a JSON schema, in one "
+                                     "engine, the runs taking turns.")
+    parser.add_argument("--model", help="default: Qwen3-0.6B's shapes with random weights on CUDA (the tiny model's "
+                        "byte-level tokenizer, which can spell JSON), SmolLM2-135M-Instruct on a CPU")
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 16 256 on CUDA, 1 4 on a CPU")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens each request generates")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of runs taking turns; medians are reported")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    batches = args.batches or ([1, 16, 256] if cuda else [1, 4])
+    if min(batches) < 1 or args.max_tokens < 1 or args.repeats < 1:
+        parser.error("--batches, --max-tokens and --repeats must be at least 1")
+    if args.model is None:
+        from nanovllm.book.smollm2 import smollm2_dir
+
+        args.model = str(qwen3_06b_random() if cuda else smollm2_dir())
+    print(f"model: {args.model}; {args.max_tokens} tokens a request, {args.repeats} rounds")
+    rows = compare(args.model, batches, args.max_tokens, args.repeats, device=args.device,
+                   max_num_seqs=max(256, max(batches)), max_model_len=args.max_tokens + 256)
+    for row in rows:
+        print_row(row)
+    report = report_header("python -m nanovllm.bench --structured", argv, "cuda" if cuda else "cpu")
+    write_report(report | {"model": args.model, "rows": rows}, args.out)
+    return 0
+
+# %% [markdown] tags=["en"]
+# The tiny model on this CPU, at one and four sequences, 32 tokens each, the medians of three
+# rounds: a step's time with and without the schema, and how much of it the masks took. Both runs
+# of a batch compute the same tokens. (Times on a shared CPU say little; the GPU's figures are the
+# ones that decide.)
+
+# %% [markdown] tags=["zh"]
+# 这台 CPU 上的小模型，1 个和 4 个序列，每个 32 个 token，取三轮的中位数：带和不带 schema 时一步的时间，以及其中
+# 掩码占了多少。同一批的两种运行算出同样多的 token。（在共用的 CPU 上，时间说明不了多少；起决定作用的是 GPU 上的
+# 数字。）
+
+# %%
+from nanovllm.bench.structured import compare as compare_structured
+
+for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, device="cpu", max_model_len=256):
+    print(say("batch {batch}: a step {free:.1f} ms free, {constrained:.1f} ms with the schema, Grammars.mask "
+              "{mask:.2f} ms of it", batch=row["batch"], free=row["step_ms"]["free"],
+              constrained=row["step_ms"]["constrained"], mask=row["mask_ms_per_step"]))
+    assert row["tokens"] == {"free": 32 * row["batch"], "constrained": 32 * row["batch"]}
+    assert 0 < row["mask_ms_per_step"] < row["step_ms"]["constrained"]
+
+# %% [markdown] tags=["en"]
 # ## What we built
 #
 # - `StructuredOutputsParams` (`nanovllm.sampling_params`), vLLM's names: exactly one of `json`,
@@ -1559,7 +1759,7 @@ cramped.exit()
 #   (`EngineInfo.structured_output_refusal`) gets its requests refused with the reason.
 #   `chat.completions.parse` returns a Pydantic object from the tiny model.
 #
-# Not yet: `tools` and `tool_choice` (the next part; still refused by name), a constrained
+# Not yet: `tools` and `tool_choice` (chapter 29b), a constrained
 # decode step sampled inside the captured graph and measured on a GPU, drafts checked against the
 # grammar, and tensor parallelism.
 #
@@ -1592,7 +1792,7 @@ cramped.exit()
 #   schema 或正则表达式得到指明字段的 400，不能做约束的引擎（`EngineInfo.structured_output_refusal`）则连同原因
 #   拒绝这样的请求。`chat.completions.parse` 从小模型得到一个 Pydantic 对象。
 #
-# 还没有做的：`tools` 和 `tool_choice`（下一部分；仍按名字拒绝），让受约束的 decode 步在捕获好的图里
+# 还没有做的：`tools` 和 `tool_choice`（第 29b 章），让受约束的 decode 步在捕获好的图里
 # 采样并在 GPU 上测量，用语法检查草稿，以及张量并行。
 #
 # ## 练习

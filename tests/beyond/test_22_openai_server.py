@@ -351,7 +351,7 @@ def test_fields_a_gateway_adds_are_accepted_and_each_is_logged_once(tiny):
     """Issue 62, item 2: behind SGLang's gateway every request failed with 400 "no_stop_trim: Extra inputs are not
     permitted": the gateway adds its sampling fields. Unknown fields are now accepted and ignored, as vLLM does, each
     name logged once; a known field of the wrong type still gets 400, and fields that would change the reply
-    (tools; response_format until chapter 29 implemented it) are refused by name."""
+    (functions; response_format until chapter 29 implemented it, tools until chapter 29b) are refused by name."""
     added = {"no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
              "min_tokens": 0, "regex": None, "session_params": None}
     with ServerProcess(["--model", tiny, "--served-model-name", "tiny", *ARGS]) as process:
@@ -369,8 +369,8 @@ def test_fields_a_gateway_adds_are_accepted_and_each_is_logged_once(tiny):
         assert wrong_type.value.body["param"] == "ignore_eos"
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                           tools=[{"type": "function", "function": {"name": "f"}}])
-        assert refused.value.body["param"] == "tools"
+                                           extra_body={"functions": [{"name": "f"}]})
+        assert refused.value.body["param"] == "functions"
         output = process.output()
     for name in added:
         assert output.count(f"ignoring the request field '{name}'") == 1, output

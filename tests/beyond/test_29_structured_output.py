@@ -332,6 +332,23 @@ def test_smollm2_writes_json_that_validates_where_unconstrained_it_does_not():
     assert shaped["token_ids"][-1] in smol.config.eos_token_ids
 
 
+# ---- its cost (issue 63, item 4) --------------------------------------------------------------------------------
+def test_the_benchmark_runs_both_ways_on_the_same_tokens_in_one_invocation(tiny: Path, tmp_path: Path):
+    from nanovllm.bench.engine import main as bench
+
+    out = tmp_path / "structured.json"
+    assert bench(["--structured", "--model", str(tiny), "--batches", "1", "3", "--max-tokens", "12", "--repeats", "1",
+                  "--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 3]
+    for row in rows:
+        # the roster is longer than any run: the constrained requests never end before max_tokens
+        assert row["tokens"] == {"free": 12 * row["batch"], "constrained": 12 * row["batch"]}
+        assert 0 < row["mask_ms_per_step"] < row["step_ms"]["constrained"] and row["ratio"] > 0
+    with pytest.raises(SystemExit):
+        bench(["--structured", "--batches", "0", "--device", "cpu"])
+
+
 # ---- the server's response_format (issue 63, items 1 and 5) -------------------------------------------------------
 SERVER_ARGS = ["--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-model-len", "512"]
 # JSON without blanks: the tiny model, free to write blanks, would write nothing else until max_tokens.
@@ -407,7 +424,8 @@ def test_json_schema_on_completions_and_structured_outputs_extra_body(client):
     ({"structured_outputs": {"json_schema": {}}}, "structured_outputs", "json_schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format", "both"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
+    # chapter 29b serves tools on chat completions: a bad parameters schema is refused there, any tools on completions
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools", "tools"),
     ({"tool_choice": "auto"}, "tool_choice", "tool_choice"),
 ])
 def test_bad_constraints_and_tools_get_400_naming_the_field(server, fields, param, words):
