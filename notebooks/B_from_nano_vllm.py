@@ -862,6 +862,7 @@ UPSTREAM_NAMES: dict[str, list[str]] = {
 
 # %% the map checker
 import ast
+import functools
 import importlib
 import inspect
 import re
@@ -882,7 +883,10 @@ def chapter_path(name: str = "B_from_nano_vllm.py") -> Path:
     raise FileNotFoundError(f"notebooks/{name} is neither under {Path.cwd()} nor under a folder above it")
 
 
-def instance_fields(cls: type) -> set[str]:
+# en: Once per class: the tables name the fields of the same classes many times, and parsing is the slow part.
+# zh: 每个类只算一次：表格多次提到同一些类的字段，而解析是慢的那一步。
+@functools.cache
+def instance_fields(cls: type) -> frozenset[str]:
     """What a class of ours sets on `self` or registers as a buffer, and its dataclass fields."""
     # zh: 我们的某个类在 `self` 上设置或注册为 buffer 的东西，以及它的 dataclass 字段。
     fields = set(getattr(cls, "__dataclass_fields__", {}))
@@ -897,7 +901,7 @@ def instance_fields(cls: type) -> set[str]:
                   and node.func.attr in ("register_buffer", "register_parameter")
                   and node.args and isinstance(node.args[0], ast.Constant)):
                 fields.add(node.args[0].value)
-    return fields
+    return frozenset(fields)
 
 
 def lookup(dotted: str) -> bool:

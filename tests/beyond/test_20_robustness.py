@@ -282,11 +282,20 @@ def test_a_bare_scheduler_raises_its_observers_errors_at_once() -> None:
 
 
 # ---- tensor parallelism (issue 22, item 7) -----------------------------------------------------------------
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
-def tp_engine(tiny: Path, request: pytest.FixtureRequest):
-    llm = LLM(str(tiny), tensor_parallel_size=2, async_scheduling=request.param, rank_timeout_s=30.0, **SETTINGS)
+@pytest.fixture(scope="module")
+def tp_ranks(tiny: Path):
+    """One TP=2 engine for the module: a start spawns two ranks, and the engine reads async_scheduling at every
+    step (nothing at start-up depends on it), so both ways of scheduling share it."""
+    llm = LLM(str(tiny), tensor_parallel_size=2, rank_timeout_s=30.0, **SETTINGS)
     yield llm
     llm.exit()
+
+
+@pytest.fixture(params=[False, True], ids=["sync", "async"])
+def tp_engine(tp_ranks: LLM, request: pytest.FixtureRequest):
+    assert tp_ranks.is_finished() and tp_ranks.in_flight is None
+    tp_ranks.config.async_scheduling = request.param
+    return tp_ranks
 
 
 def test_tp_a_sigint_at_the_lines_of_a_step_leaves_the_engine_and_its_ranks_whole(tp_engine: LLM,

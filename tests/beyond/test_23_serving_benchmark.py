@@ -45,17 +45,28 @@ def test_word_tokenizer_knows_every_id_of_the_model(tiny, tmp_path):
     assert max(out["token_ids"]) >= 512  # ids that the tiny model's own tokenizer (512 tokens) cannot decode
 
 
-def test_bench_serve_offline_and_decode_step(tiny, tmp_path):
+def test_bench_serve_offline_and_decode_step_and_a_peer_that_fails(tiny, tmp_path, monkeypatch, capsys):
     """`python -m nanovllm.bench.serve --offline --max-concurrency 2 --client-processes 2`: the two client processes
     sent every prompt, the offline engine got the prompts the server got and made the same tokens, and the server's
-    decode steps of that run sit next to the streams' ITL."""
-    from nanovllm.bench.serve import main
+    decode steps of that run sit next to the streams' ITL.
 
+    Issue 61, item 5, in the same run (one server started for both): with --launch both, a `transformers serve` peer
+    that did not run made the command exit 1 with no message, losing our server's figures. Now the peer's error is
+    printed and kept in the report, and ours is reported."""
+    import sys
+
+    from nanovllm.bench import serve
+
+    monkeypatch.setattr(serve, "transformers_command",
+                        lambda *args: [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"])
     out = tmp_path / "serve.json"
-    assert main(["--model", tiny, "--num-prompts", "4", "--input-len", "8", "16", "--output-len", "6", "12",
-                 "--max-concurrency", "2", "--client-processes", "2", "--offline", "--out", str(out), "--",
-                 *ARGS[2:]]) == 0
+    assert serve.main(["--model", tiny, "--num-prompts", "4", "--input-len", "8", "16", "--output-len", "6", "12",
+                       "--max-concurrency", "2", "--client-processes", "2", "--offline", "--launch", "both",
+                       "--out", str(out), "--", *ARGS[2:]]) == 0
     report = json.loads(out.read_text())
+    assert [server["name"] for server in report["servers"]] == ["nano-vllm"]
+    assert "exited with status 3" in report["peer_error"] and "no such model" in report["peer_error"]
+    assert "(the peer) failed" in capsys.readouterr().err
     served, offline = report["servers"][0], report["offline"]
     assert served["completed"] == 4 and served["failed"] == 0
     assert served["input_tokens"] == offline["input_tokens"] and served["output_tokens"] == offline["output_tokens"]
@@ -64,26 +75,6 @@ def test_bench_serve_offline_and_decode_step(tiny, tmp_path):
     assert decode["steps"] >= max(6, served["output_tokens"] / 2 - 4) and decode["mean_ms"] > 0
     assert set(report["ratios"]) == {"served_over_offline", "itl_p50_over_decode_step",
                                      "itl_p50_over_offline_decode_step"}
-
-
-def test_a_peer_that_fails_is_reported_and_ours_still_is(tiny, tmp_path, monkeypatch, capsys):
-    """Issue 61, item 5: with --launch both, a `transformers serve` peer that did not run made the command exit 1 with
-    no message, losing our server's figures. Now the peer's error is printed and kept in the report, and ours is
-    reported."""
-    import sys
-
-    from nanovllm.bench import serve
-
-    monkeypatch.setattr(serve, "transformers_command",
-                        lambda *args: [sys.executable, "-c", "import sys; print('no such model'); sys.exit(3)"])
-    out = tmp_path / "serve.json"
-    assert serve.main(["--model", tiny, "--num-prompts", "2", "--input-len", "8", "8", "--output-len", "4", "4",
-                       "--launch", "both", "--out", str(out), "--", *ARGS[2:]]) == 0
-    report = json.loads(out.read_text())
-    assert [server["name"] for server in report["servers"]] == ["nano-vllm"]
-    assert report["servers"][0]["completed"] == 2
-    assert "exited with status 3" in report["peer_error"] and "no such model" in report["peer_error"]
-    assert "(the peer) failed" in capsys.readouterr().err
 
 
 def test_client_processes_share_the_concurrency_exactly():

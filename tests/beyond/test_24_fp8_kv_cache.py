@@ -537,19 +537,31 @@ def test_forked_samples_copy_the_scales_with_their_blocks(tiny_arch: Path, fp8_r
     assert any(fp8_ref.misses(p, s) for p, pair in zip(prompts, forked, strict=True) for s in pair)
 
 
+@pytest.fixture(scope="module")
+def tp2_fp8(tiny: Path):
+    """One TP=2 engine with an 8-bit cache for both ways of scheduling: a start spawns two ranks, and the engine
+    reads async_scheduling at every step (nothing at start-up depends on it)."""
+    settings = {"kv_cache_dtype": "fp8", "kvcache_block_size": 4, "num_kvcache_blocks": 12,
+                "max_num_batched_tokens": 16}
+    with LLM(str(tiny), tensor_parallel_size=2, **settings) as tp2:
+        yield tp2
+
+
 @pytest.mark.parametrize("scheduling", [False, True], ids=["sync", "async"])
-def test_tp2_over_gloo_follows_the_reference_with_an_fp8_cache(tiny: Path, fp8_ref_qwen3,
+def test_tp2_over_gloo_follows_the_reference_with_an_fp8_cache(tp2_fp8: LLM, fp8_ref_qwen3,
                                                                   scheduling: bool) -> None:
     """Each rank quantizes its own heads; a per-(token, head) scale does not depend on how heads are split, so
     TP=2 reads what TP=1 does (up to the all-reduce's rounding): chunked prefill, preemption, prefix hits and forks
     included."""
-    settings = {"kv_cache_dtype": "fp8", "kvcache_block_size": 4, "num_kvcache_blocks": 12,
-                "max_num_batched_tokens": 16, "async_scheduling": scheduling}
     shared = prompts_of([11], seed=8)[0]
     prompts = [shared, prompts_of([7], seed=9)[0], [*shared, 9, 10, 11], prompts_of([5], seed=10)[0]]
     seen = RegimesSeen()
-    with LLM(str(tiny), tensor_parallel_size=2, **settings) as tp2:
-        tp2.scheduler.observer = seen
+    tp2 = tp2_fp8
+    assert tp2.is_finished() and tp2.in_flight is None
+    tp2.reset_prefix_cache()  # as in a new engine: the first round finds nothing cached
+    tp2.config.async_scheduling = scheduling
+    tp2.scheduler.observer = seen
+    try:
         for _ in range(2):  # the second round finds the first round's blocks in the prefix cache
             outputs = tp2.generate(prompts, greedy(10), use_tqdm=False)
             fp8_ref_qwen3.check(prompts, [o["token_ids"] for o in outputs])
@@ -557,6 +569,8 @@ def test_tp2_over_gloo_follows_the_reference_with_an_fp8_cache(tiny: Path, fp8_r
         for prompt, pair in zip(prompts[:2], forked, strict=True):
             assert pair[0] == pair[1]
             fp8_ref_qwen3.check([prompt, prompt], pair)
+    finally:
+        tp2.scheduler.observer = None
     assert seen.partial and seen.preempted and seen.cached, seen
 
 

@@ -28,7 +28,7 @@ from nanovllm.serve.fleet import (
     stop_groups,
     wait_healthy,
 )
-from nanovllm.serve.process import ServerProcess, free_port
+from nanovllm.serve.process import free_port
 
 pytest.importorskip("sglang_router", reason="the fleet's gateway (sglang-router) is a pinned dependency")
 
@@ -212,19 +212,22 @@ def _requests_served(url: str) -> float:
     return prefix_cache_tokens([url])["queries"]
 
 
-def test_a_server_started_elsewhere_joins_by_url(tiny: str, tmp_path: Path) -> None:
-    """--worker-url: the gateway routes to a server the fleet did not start (round robin: to both)."""
-    with ServerProcess(["--model", tiny, *ARGS]) as outside:
-        joined = plan(["--model", tiny, *ARGS], 1, policy="round_robin", port=free_port("127.0.0.1"),
-                      worker_urls=[outside.url], log_dir=tmp_path)
-        try:
-            joined.start()
-            body = {"model": Path(tiny).name, "prompt": "joined by url", "max_tokens": 3, "temperature": 0.0}
-            for _ in range(4):
-                assert httpx.post(f"{joined.url}/v1/completions", json=body, timeout=60).status_code == 200
-            assert _requests_served(outside.url) > 0 and _requests_served(joined.replicas[0].url) > 0
-        finally:
-            joined.stop()
+def test_a_server_started_elsewhere_joins_by_url(fleet: Fleet, tiny: str, tmp_path: Path) -> None:
+    """--worker-url: the gateway routes to a server the fleet did not start (round robin: to both), here a replica of
+    the module's fleet, which this fleet's stop leaves running."""
+    outside = fleet.replicas[0]
+    served_before = _requests_served(outside.url)
+    joined = plan(["--model", tiny, *ARGS], 1, policy="round_robin", port=free_port("127.0.0.1"),
+                  worker_urls=[outside.url], log_dir=tmp_path)
+    try:
+        joined.start()
+        body = {"model": Path(tiny).name, "prompt": "joined by url", "max_tokens": 3, "temperature": 0.0}
+        for _ in range(4):
+            assert httpx.post(f"{joined.url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert _requests_served(outside.url) > served_before and _requests_served(joined.replicas[0].url) > 0
+    finally:
+        joined.stop()
+    assert outside.alive() and httpx.get(f"{outside.url}/health", timeout=10).status_code == 200
 
 
 def test_sigterm_ends_the_whole_tree_within_seconds(tiny: str, tmp_path: Path) -> None:

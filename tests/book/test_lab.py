@@ -222,11 +222,21 @@ def test_a_taken_port_given_after_dashes_is_refused_before_anything_starts(tmp_p
 
 
 @pytest.mark.parametrize("extra", [["--port", "8897", "--port", "8898"], ["--port=eighty"], ["--ip"]])
-def test_arguments_jupyterlab_rejects_are_refused_before_anything_starts(tmp_path: Path, extra: list[str]) -> None:
-    run = subprocess.run([sys.executable, "-m", "tools.lab", "--root", str(tmp_path), "--", *extra],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "JupyterLab was not started" in run.stderr
-    assert "starting" not in run.stdout and not (tmp_path / "read").exists()
+def test_arguments_jupyterlab_rejects_are_refused_before_anything_starts(
+    tmp_path: Path, extra: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The command's main(), in this process (the test above runs it as a command): a start that got past the check
+    would fail at once instead of writing copies or starting JupyterLab."""
+
+    def started(*args: object) -> None:
+        raise AssertionError("JupyterLab arguments it rejects got past the check")
+
+    monkeypatch.setattr(lab, "write_reading_copies", started)
+    monkeypatch.setattr(os, "execv", started)
+    assert lab.main(["--root", str(tmp_path), "--", *extra]) == 2
+    printed = capsys.readouterr()
+    assert "JupyterLab was not started" in printed.err
+    assert "starting" not in printed.out and not (tmp_path / "read").exists()
 
 
 @pytest.mark.parametrize("lang", lab.LANGUAGES)

@@ -35,7 +35,6 @@ from nanovllm.engine.tp_runtime import (
     FAULT_ENV,
     TPTimeoutError,
     TPWorkerError,
-    init_rank,
     process_gone,
     process_state,
     step_states,
@@ -46,6 +45,7 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt
 from tests.core.test_10_engine import save_tiny_llama
 from tests.scheduler_sim import RegimesSeen
+from tests.speed.rank_targets import agree_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 # Tiny pool and budget: chunked prefill and preemption in a short run.
@@ -100,7 +100,8 @@ def shm_before() -> set[str]:
 
 @pytest.fixture(scope="module")
 def engines(tiny: Path, shm_before: set[str]):
-    """A TP=2 engine (two gloo ranks) and a TP=1 engine with the same small settings."""
+    """A TP=2 engine (two gloo ranks) and a TP=1 engine with the same small settings. At teardown, exit() stops the
+    ranks, and only then does a call say that exit() was called (a rank's failure says so instead: the tests below)."""
     tp2 = LLM(str(tiny), tensor_parallel_size=2, **SMALL)
     tp1 = LLM(str(tiny), **SMALL)
     yield tp2, tp1
@@ -108,6 +109,8 @@ def engines(tiny: Path, shm_before: set[str]):
     tp2.exit()
     tp1.exit()
     assert all(process_gone(pid) for pid in pids)
+    with pytest.raises(RuntimeError, match=r"ranks are stopped \(exit\(\) was called\)"):
+        tp2.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
 
 
 # ---- configuration ---------------------------------------------------------------------------------
@@ -215,12 +218,6 @@ def test_every_rank_has_the_pool_the_scheduler_uses(engines) -> None:
     assert tp2.scheduler.block_manager.num_blocks == tp2.config.num_kvcache_blocks == 12
 
 
-def _agree_rank(rank: int, port: int, value: int, conn) -> None:
-    init_rank(rank, 2, "cpu", port)
-    conn.send(agree_min(value))
-    dist.destroy_process_group()
-
-
 def test_ranks_with_different_budgets_agree_on_the_smallest_block_count() -> None:
     assert agree_min(7) == 7  # one process: nothing to agree with
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
@@ -228,7 +225,7 @@ def test_ranks_with_different_budgets_agree_on_the_smallest_block_count() -> Non
     pipes, procs = [], []
     for rank, blocks in enumerate((900, 640)):
         ours, theirs = context.Pipe()
-        procs.append(context.Process(target=_agree_rank, args=(rank, store.port, blocks, theirs)))
+        procs.append(context.Process(target=agree_rank, args=(rank, store.port, blocks, theirs)))
         procs[-1].start()
         theirs.close()
         pipes.append(ours)
@@ -463,18 +460,24 @@ def test_parallel_samples_fork_and_copy_on_write_on_every_rank(tiny: Path) -> No
     assert copies, "the test needs copy-on-write copies"
 
 
-def test_async_tp_step_queues_the_next_step_before_collecting(tiny: Path) -> None:
-    with LLM(str(tiny), tensor_parallel_size=2, async_scheduling=True, **SMALL) as llm:
+def test_async_tp_step_queues_the_next_step_before_collecting(engines) -> None:
+    """The shared TP=2 engine, scheduling asynchronously for this test (the engine reads the setting at every step;
+    a prompt shorter than a block never hits the prefix cache, whatever earlier tests left there)."""
+    llm, tp1 = engines
+    assert llm.is_finished() and llm.in_flight is None
+    scheduling, llm.config.async_scheduling = llm.config.async_scheduling, True
+    try:
         seq_id = llm.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         assert llm.step() == ([], 0, True)  # the prefill is queued on both ranks, nothing collected yet
         assert llm.step()[1:] == (3, True)  # queues decode 1, collects the prefill
         assert llm.step()[1:] == (1, False)  # queues decode 2 (its input: decode 1's pending token)
         finished, num_tokens, is_prefill = llm.step()  # nothing left to queue: collects decode 2
         assert [seq_id] == [i for i, _ in finished] and (num_tokens, is_prefill) == (1, False)
-        assert llm.is_finished()
-        reference = LLM(str(tiny), **SMALL).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3,
-                                                                                ignore_eos=True), use_tqdm=False)
-        assert finished[0][1] == reference[0]["token_ids"]
+        assert llm.is_finished() and llm.in_flight is None
+    finally:
+        llm.config.async_scheduling = scheduling
+    reference = tp1.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert finished[0][1] == reference[0]["token_ids"]
 
 
 # ---- Ctrl-C and stalled ranks -------------------------------------------------------------------------
@@ -581,13 +584,6 @@ def test_a_stalled_rank_is_named_and_nothing_is_left_behind(tiny: Path, shm_befo
     with pytest.raises(RuntimeError, match=f"stopped after an error: rank {stalled} .* did not answer"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert shm_entries() <= shm_before
-
-
-def test_the_stop_message_says_exit_only_after_exit(tiny: Path) -> None:
-    llm = LLM(str(tiny), tensor_parallel_size=2, **SMALL)
-    llm.exit()
-    with pytest.raises(RuntimeError, match=r"ranks are stopped \(exit\(\) was called\)"):
-        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
 
 
 # ---- slim pickling: what a step ships of each sequence ---------------------------------------------------------------
