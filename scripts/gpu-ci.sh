@@ -38,6 +38,10 @@
 #                                       # the GPU behind SGLang's gateway, cache_aware then round_robin, Qwen3-0.6B's
 #                                       # shapes with random weights; ARGS replace the workload's defaults. Needs the
 #                                       # serving wheels in .whl-serve/ (scripts/serve-wheels.sh: the gateway's too)
+#   scripts/gpu-ci.sh structured [ARGS] # structured output (chapter 29): python -m nanovllm.bench --structured ARGS, the
+#                                       # same greedy requests with and without a JSON schema at batches 1, 16 and 256
+#                                       # on Qwen3-0.6B's shapes; llguidance from the wheel in .whl/ when the machine
+#                                       # lacks it
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/probes/moe_probe.py
 #                                       # (one Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
 #                                       # scripts/probes/moe_align_probe.py (the sort in one Triton program), then
@@ -284,6 +288,17 @@ run_fleet() {  # two replicas on one GPU behind the gateway, each policy in its 
     --max-model-len 16384 2>&1 | tee "$out/fleet.log" || status=1
 }
 
+run_structured() {  # a constraint's cost (chapter 29); llguidance alone, from .whl/, into /tmp/llguidance-site
+  if ! python3 -c "import llguidance" 2>/dev/null; then
+    local wheel
+    wheel=$(wheels .whl | grep llguidance | head -1)
+    [ -n "$wheel" ] || { missing "llguidance (.whl/)"; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/llguidance-site "$wheel" || exit 2
+    export PYTHONPATH=$PYTHONPATH:/tmp/llguidance-site
+  fi
+  python3 -m nanovllm.bench --structured "$@" --out "$out/structured.json" 2>&1 | tee "$out/structured.log" || status=1
+}
+
 run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/moe-tests.xml" \
     tests/beyond/test_26_mixture_of_experts.py || status=1
@@ -335,10 +350,11 @@ case $what in
   fp8) run_fp8 "$@" ;;
   speculative) run_speculative "$@" ;;
   fleet) run_fleet "$@" ;;
+  structured) run_structured "$@" ;;
   moe) run_moe ;;
   small-batch) run_small_batch ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | fleet [ARGS] | moe | small-batch | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | fleet [ARGS] | structured [ARGS] | moe | small-batch | keep]" >&2
      exit 2 ;;
 esac
 exit $status
