@@ -79,6 +79,12 @@ say = Phrases({
     "batch {batch}: a step {free:.1f} ms free, {constrained:.1f} ms with the schema, Grammars.mask {mask:.2f} ms of "
     "it": "批大小 {batch}：一步自由运行 {free:.1f} 毫秒，带 schema {constrained:.1f} 毫秒，其中 Grammars.mask 占 "
           "{mask:.2f} 毫秒",
+    "prompt lookup proposed {proposed} drafts: the grammars refused {cut} (cut before verification), "
+    "{verified} were verified, {kept} kept":
+        "提示词查找提出了 {proposed} 个草稿：语法拒绝了 {cut} 个（在验证之前截掉），验证了 {verified} 个，"
+        "保留了 {kept} 个",
+    "the same outputs with and without speculation (greedy, and seeded with n = 2): {same}":
+        "做投机与不做投机的输出相同（贪心的，以及带种子、n = 2 的）：{same}",
     "all exercise answers check out": "练习答案全部验证通过",
 })
 
@@ -701,8 +707,12 @@ except ValueError as error:
 # - **A grammar that fails**: llguidance may stop at its limits in the middle of a request, or be
 #   handed a token it refuses. The sequence then gets only its end-of-sequence tokens, so that it
 #   ends at its next token, and the log says why. An engine that cannot constrain a request in this
-#   slice (tensor parallelism, speculative decoding: see "Masks meet the rest of the engine") ends
-#   it the same way, at its first token, with the reason in the log.
+#   slice (tensor parallelism: see "Masks meet the rest of the engine") ends it the same way, at its
+#   first token, with the reason in the log.
+# - **Speculative decoding**: a verify step's rows are masked by `mask_drafts`, row *i* by the
+#   grammar after the first *i* drafts, and the matcher gives the drafts back (`rollback`); it reads
+#   the ones the engine kept at its next mask, as it reads any token. `cut_drafts` cuts a proposal at
+#   its first draft the grammar refuses (see "Masks meet the rest of the engine").
 
 # %% [markdown] tags=["zh"]
 # ## 动手：由一个对象掌管所有语法
@@ -728,8 +738,11 @@ except ValueError as error:
 # - **抢占**：被抢占的序列保留它的 token 和它的匹配器。重算不会添加 token，所以匹配器没有什么需要重放的，它的下一个
 #   掩码就是本来会有的那一个。
 # - **语法失败**：llguidance 可能在请求中途碰到它的限额而停下，或者收到一个它拒绝的 token。这时这个序列只剩下它的
-#   end-of-sequence token 可选，于是在下一个 token 处结束，日志里写明原因。在这一部分里无法约束请求的引擎（张量并行、
-#   投机解码：见“掩码遇上引擎的其余部分”）也这样结束请求：在它的第一个 token 处，原因写在日志里。
+#   end-of-sequence token 可选，于是在下一个 token 处结束，日志里写明原因。在这一部分里无法约束请求的引擎（张量并行：
+#   见“掩码遇上引擎的其余部分”）也这样结束请求：在它的第一个 token 处，原因写在日志里。
+# - **投机解码**：验证步的各行由 `mask_drafts` 加掩码，第 *i* 行用读过前 *i* 个草稿之后的语法，然后匹配器把草稿退回去
+#   （`rollback`）；引擎保留下的草稿，它在下一次掩码时读入，和读入任何 token 一样。`cut_drafts` 把提议截到语法拒绝的
+#   第一个草稿为止（见“掩码遇上引擎的其余部分”）。
 
 # %% grammars
 #| export
@@ -787,6 +800,11 @@ class Grammars:
         # en: Each sequence's matcher lives as long as the sequence: a weak dictionary forgets one the engine let go.
         # zh: 每个序列的匹配器与序列同生共死：弱引用字典会忘掉引擎已经放下的序列。
         self.matchers: weakref.WeakKeyDictionary[Sequence, SequenceGrammar] = weakref.WeakKeyDictionary()
+        # en: Drafts from the first one a grammar refused on, none of which can be kept: cut before a verify step
+        # en: (`cut_drafts`), or left unmasked in one (`mask_drafts`).
+        # zh: 从语法拒绝的第一个草稿起的草稿数，它们一个也不可能被保留：要么在验证步之前被截掉（`cut_drafts`），要么在
+        # zh: 验证步里不加掩码（`mask_drafts`）。
+        self.refused_drafts = 0
         # en: Why this engine cannot constrain a request yet (None: it can).
         # zh: 这个引擎暂时无法约束请求的原因（None：可以约束）。
         self.refusal = unsupported_by(config)
@@ -859,17 +877,97 @@ class Grammars:
                 bitmask[row] = self.end_of_sequence
         apply_bitmask(logits, bitmask, rows)
 
+    def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Mask, in place, a verify step's logits (`ModelRunner.verify`: each sequence's rows in turn, one for its
+        last token and one for each draft): row i of a constrained sequence by its grammar after the sequence's
+        committed tokens and its first i drafts. Rows after a draft the grammar refuses (or after an end-of-sequence
+        draft) stay unmasked: the engine never keeps a token of them, since the row of that draft cannot sample it.
+        The matchers end where they began, after the committed tokens; they read the drafts the engine keeps at the
+        next mask."""
+        # zh: 就地盖住一个验证步的 logits（`ModelRunner.verify`：依次是每个序列的各行，一行给它的最后一个 token，
+        # zh: 每个草稿一行）：受约束序列的第 i 行，由它的语法在读过序列已确定的 token 和前 i 个草稿之后来盖。语法拒绝的
+        # zh: 草稿（或 end-of-sequence 草稿）之后的行不加掩码：引擎从不保留那些行的 token，因为那个草稿所在的行采样
+        # zh: 不出它。匹配器最后回到开始的地方，即读过已确定 token 之后的状态；引擎保留下的草稿，它们在下一次掩码时
+        # zh: 读入。
+        spans, first = [], 0
+        for seq in seqs:
+            if seq.sampling_params.structured_outputs is not None:
+                spans.append((seq, first))
+            first += seq.num_scheduled_tokens
+        if not spans:
+            return
+        rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
+        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
+                             pin_memory=logits.is_cuda)
+        row = 0
+        for seq, _ in spans:
+            self.fill_draft_rows(seq, bitmask[row : row + seq.num_scheduled_tokens])
+            row += seq.num_scheduled_tokens
+        apply_bitmask(logits, bitmask, rows)
+
+    def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
+        """Each sequence's ``drafts`` (a speculator's proposal, before the scheduler reserves their slots) up to the
+        first that its grammar refuses; all of them for a sequence whose grammar failed; a plain sequence's as they
+        are. The engine could keep neither a refused draft nor any after it, so a verify row spent on one is wasted.
+        The matchers do not move (`validate_tokens`)."""
+        # zh: 每个序列的 ``drafts``（投机器提出的草稿，调度器为它们预留槽位之前）截到它的语法拒绝的第一个为止；语法已经
+        # zh: 失败的序列，草稿全部去掉；普通序列的草稿原样保留。引擎既不可能保留被拒绝的草稿，也不可能保留它之后的任何
+        # zh: 草稿，所以花在它们身上的验证行都是浪费。匹配器不动（`validate_tokens`）。
+        cut = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if draft and seq.sampling_params.structured_outputs is not None:
+                state = self.follow(seq, {})
+                valid = 0 if state is None or state.error is not None else state.matcher.validate_tokens(draft)
+                self.refused_drafts += len(draft) - valid
+                draft = draft[:valid]
+            cut.append(draft)
+        return cut
+
+    def fill_draft_rows(self, seq: Sequence, bitmask: torch.Tensor) -> None:
+        """Fill ``seq``'s rows of a verify step's ``bitmask`` (see `mask_drafts`): row 0 as `mask` would, then, for
+        each draft the grammar takes, the row after it; the matcher takes the drafts one by one and gives them back
+        (`rollback`) at the end."""
+        # zh: 填好 ``seq`` 在验证步 ``bitmask`` 里的各行（见 `mask_drafts`）：第 0 行和 `mask` 填的一样，之后语法每接受
+        # zh: 一个草稿，就填它后面的那一行；匹配器逐个读入草稿，最后把它们退回去（`rollback`）。
+        # en: A verify step's last token is never pending (drafts are proposed from it), so no step is waited for.
+        # zh: 验证步的最后一个 token 从不是待定的（草稿就是从它提出的），所以不必等任何一步。
+        state = self.follow(seq, {})
+        if state is None:
+            return
+        if state.error is None:
+            fill_bitmask(state.matcher, bitmask, 0)
+            if state.matcher.is_error():
+                self.fail(seq, state, state.matcher.get_error())
+        if state.error is not None:
+            bitmask[:] = self.end_of_sequence
+            return
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+        taken = 0
+        for draft in drafts:
+            # en: An end-of-sequence draft ends the sequence if kept, and a refused one is never kept: the rows after
+            # en: either never count. (try_consume_tokens takes no end-of-sequence token: the check must come first.)
+            # zh: end-of-sequence 草稿一旦被保留，序列就在那里结束；被拒绝的草稿从不会被保留：两者之后的行都不算数。
+            # zh: （try_consume_tokens 不接受 end-of-sequence token：必须先做这个检查。）
+            if draft in self.eos_token_ids or state.matcher.try_consume_tokens([draft]) != 1:
+                self.refused_drafts += 0 if draft in self.eos_token_ids else len(drafts) - taken
+                break
+            taken += 1
+            fill_bitmask(state.matcher, bitmask, taken)
+        if taken:
+            state.matcher.rollback(taken)
+
     def follow(self, seq: Sequence, pending: dict[tuple[int, int], int]) -> SequenceGrammar | None:
         """``seq``'s matcher, once it has read the completion tokens ``seq`` gained since its last mask (a pending one
-        from ``pending``, by request and sample); None if one of them is the sampler's mark of logits that are not
-        numbers (the engine drops the sequence)."""
-        # zh: ``seq`` 的匹配器，在它读入 ``seq`` 自上次掩码以来新增的生成 token 之后返回（待定的 token 按请求和样本从
-        # zh: ``pending`` 里取）；如果其中有采样器对“logits 不是数”的标记，返回 None（引擎会丢弃这个序列）。
+        from ``pending``, by request and sample), drafts not included; None if one of them is the sampler's mark of
+        logits that are not numbers (the engine drops the sequence)."""
+        # zh: ``seq`` 的匹配器，在它读入 ``seq`` 自上次掩码以来新增的生成 token（不含草稿）之后返回（待定的 token
+        # zh: 按请求和样本从 ``pending`` 里取）；如果其中有采样器对“logits 不是数”的标记，返回 None（引擎会丢弃这个
+        # zh: 序列）。
         state = self.matchers.get(seq)
         if state is None:
             state = self.matchers[seq] = self.start(seq)
         first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
-        for token in seq.token_ids[first:]:
+        for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]:
             if token == PENDING_TOKEN:
                 token = pending[(seq.request_id, seq.sample_index)]
             if token < 0:
@@ -907,14 +1005,12 @@ class Grammars:
 
 def unsupported_by(config: Config) -> str | None:
     """Why an engine built with ``config`` cannot constrain requests yet, or None. Under tensor parallelism, rank 0
-    rebuilds the step's sequences in each call, so no matcher can live beside one; with speculative decoding, a
-    verify step samples its rows without masks."""
+    rebuilds the step's sequences in each call, so no matcher can live beside one. (Speculative decoding can: a
+    verify step masks each draft's row, `Grammars.mask_drafts`.)"""
     # zh: 按 ``config`` 构建的引擎暂时无法约束请求的原因，或 None。张量并行时，rank 0 在每次调用中重建这一步的序列，
-    # zh: 匹配器没法和序列放在一起；投机解码时，验证步对它的各行采样时不加掩码。
+    # zh: 匹配器没法和序列放在一起。（投机解码可以约束：验证步给每个草稿的行加掩码，见 `Grammars.mask_drafts`。）
     if config.tensor_parallel_size > 1:
         return "structured output does not run under tensor parallelism yet: use tensor_parallel_size=1"
-    if config.speculative_method is not None:
-        return "structured output does not run with speculative decoding yet: a verify step samples without masks"
     return None
 
 
@@ -984,6 +1080,118 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens
     # en: Only the rank that sampled needs the tokens on the host (the others never read them there).
     # zh: 只有负责采样的 rank 需要把 token 拿到主机上（其他 rank 从不在主机上读它们）。
     return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
+
+
+# %% [markdown] tags=["en"]
+# A verify step (chapter 25) samples too: one row for each sequence's last token and one for each of
+# its drafts. Its rows are masked the same way, between the LM head and the sampler, by
+# `Grammars.mask_drafts`: row *i* of a constrained sequence by its grammar after its first *i*
+# drafts (why that is enough: "Masks meet the rest of the engine", below). `verify` is written
+# again whole, 34 lines, for the two lines that call it (a hook in chapter 25 would name grammars
+# four chapters early).
+
+# %% [markdown] tags=["zh"]
+# 验证步（第 25 章）也采样：每个序列的最后一个 token 一行，它的每个草稿各一行。它的各行也以同样的方式加掩码，位置在 LM
+# head 和采样器之间，由 `Grammars.mask_drafts` 来做：受约束序列的第 *i* 行，由它读过前 *i* 个草稿之后的语法来盖（为什么
+# 这样就够了，见下文“掩码遇上引擎的其余部分”）。`verify` 整个重写了一遍，34 行，只为调用它的那两行（在第 25 章埋一个
+# 钩子，会早四章就提到语法）。
+
+# %% runner masks drafts
+#| export engine.model_runner
+from nanovllm.engine.cuda_graphs import DecodeStaging
+from nanovllm.engine.model_runner import prepare_verify, verify_rows
+from nanovllm.layers.context import reset_context
+from nanovllm.layers.sampler import sampling_inputs
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def verify(self, seqs: list[Sequence]) -> list[list[int]]:
+    """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
+    returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters and,
+    for a constrained sequence, under its grammar after the drafts before it (`Grammars.mask_drafts`)."""
+    # zh: 在每个序列已缓存的前缀之后，对它调度的 token（它的最后一个 token 和它的草稿）做一次前向计算；按序列返回模型
+    # zh: 在其中每一个之后给出的 token，用该序列自己的参数采样；受约束的序列还要服从它读过前面那些草稿之后的语法
+    # zh: （`Grammars.mask_drafts`）。
+    if self.stopped:
+        raise RuntimeError("this model runner was stopped (exit() was called)")
+    self.copy_blocks(seqs)
+    num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
+    if self.graphs is not None and self.graphs.covers(num_rows):
+        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_staged`
+        # en: runs one.
+        # zh: 一个 num_rows 行的 decode 步，像第 18 章那样一次拷贝送出输入，再从它的图重放。
+        if self.staging is None:
+            self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
+        self.staging.stage_rows(*verify_rows(seqs), self.graphs.bucket(num_rows))
+        hidden_states = self.graphs.replay_loaded(num_rows)
+    else:
+        try:
+            input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
+            hidden_states = self.model(input_ids, positions)
+        finally:
+            reset_context()
+    # en: Every row is a position to sample: the LM head computes them all.
+    # zh: 每一行都是要采样的位置：LM head 把它们全算出来。
+    logits = self.model.compute_logits(hidden_states)
+    # en: Constrained sequences' rows are masked by their grammars (chapter 29). The graph above computes only the
+    # en: hidden states: the LM head and the sampler of a verify step run eagerly anyway.
+    # zh: 受约束序列的各行由它们的语法盖住（第 29 章）。上面的图只算隐藏状态：验证步的 LM head 和采样器本来就以 eager
+    # zh: 方式运行。
+    if self.grammars.constrained(seqs):
+        self.grammars.mask_drafts(seqs, logits)
+    # en: Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
+    # en: sequence's own parameters: what a decode step at that index would draw, seed included.
+    # zh: 序列的第 i 行抽取下标为 start + i 的 token（start：它第一个草稿的下标），用序列自己的参数：
+    # zh: 和在那个下标上的 decode 步抽取的一样，种子也一样（第 08 章）。
+    counts = [seq.num_scheduled_tokens for seq in seqs]
+    params, positions, samples = [], [], []
+    for seq, count in zip(seqs, counts, strict=True):
+        start = len(seq) - count + 1
+        params += [seq.sampling_params] * count
+        positions += range(start, start + count)
+        samples += [seq.sample_index] * count
+    tokens = self.sampler(logits, **sampling_inputs(params, positions, logits.device, samples)).tolist()
+    rows, start = [], 0
+    for count in counts:
+        rows.append(tokens[start : start + count])
+        start += count
+    return rows
+
+
+# %% [markdown] tags=["en"]
+# The engine can do better than mask a draft the grammar refuses: not verify it at all. A refused
+# draft is never kept, nor is any draft after it, so `Grammars.cut_drafts` cuts each constrained
+# sequence's proposal at its first refused draft (`validate_tokens` checks them without moving the
+# matcher) before the scheduler reserves their slots; a sequence left with no drafts decodes plainly.
+# That changes one line of chapter 25's `LLMEngine._reserve_drafts`, written again here (9 lines).
+
+# %% [markdown] tags=["zh"]
+# 对语法拒绝的草稿，引擎可以做得比加掩码更好：根本不验证它。被拒绝的草稿永远不会被保留，它之后的草稿也不会，所以
+# `Grammars.cut_drafts` 在调度器为草稿预留槽位之前，把每个受约束序列的提议截到语法拒绝的第一个草稿为止
+# （`validate_tokens` 检查它们，不移动匹配器）；一个草稿都不剩的序列就做普通的 decode。这改动了第 25 章
+# `LLMEngine._reserve_drafts` 的一行，这里把它重写了一遍（9 行）。
+
+# %% engine cuts drafts
+#| export engine.llm_engine
+from nanovllm.engine.llm_engine import LLMEngine
+
+
+@add_to_class(LLMEngine)
+def _reserve_drafts(self, seqs: list[Sequence]) -> bool:
+    """Give a scheduled decode step the speculator's drafts, in slots the scheduler reserves; whether it got any.
+    Drafts a constrained sequence's grammar refuses are cut first (`Grammars.cut_drafts`)."""
+    # zh: 把投机器的草稿交给一个已调度的 decode 步，放进调度器预留的槽位；返回是否拿到了草稿。受约束序列的语法拒绝的
+    # zh: 草稿先被截掉（`Grammars.cut_drafts`）。
+    if self.speculator is None:
+        return False
+    drafts = self.speculator.propose(seqs, self.scheduler.budget_left(seqs))
+    # en: A tensor-parallel engine's runner holds no grammars: it constrains nothing (`unsupported_by`).
+    # zh: 张量并行引擎的执行器没有语法：它什么也不约束（`unsupported_by`）。
+    grammars = getattr(self.model_runner, "grammars", None)
+    if grammars is not None and grammars.constrained(seqs):
+        drafts = grammars.cut_drafts(seqs, drafts)
+    return self.scheduler.reserve_drafts(seqs, drafts) > 0
 
 
 # %% [markdown] tags=["en"]
@@ -1191,14 +1399,29 @@ smol.exit()
 # graph (a graph could read a bitmask buffer of fixed address, since unpacking is plain tensor
 # code), and none of it has been measured on a GPU yet.
 #
-# **Speculative decoding** (chapter 25) verifies *k* drafts in one step, and the mask of draft
-# position *i* needs the matcher after drafts 1 to *i*. llguidance checks drafts without moving the
-# matcher (`validate_tokens` returns how many of them the grammar accepts, so drafts past that need
-# not be verified at all), and it can fill the masks of all the positions at once; after the verify
-# step the matcher takes the accepted drafts, and `rollback` undoes any it took too many, as the
-# block table is rolled back. In this slice an engine that speculates does not constrain: its
-# verify step samples without masks, so a constrained request ends at its first token, with the
-# reason in the log.
+# **Speculative decoding** (chapter 25) verifies *k* drafts in one step: row *i* of a sequence
+# samples the token after its *i*-th draft, and the engine keeps the drafts up to the first row
+# whose token differs. So row *i* must be masked by the grammar after the committed tokens and
+# drafts 1 to *i*: `Grammars.mask_drafts` fills row 0 as `mask` would, then lets the matcher take
+# the drafts one at a time (`try_consume_tokens`), filling the row after each, and at the end gives
+# them all back (`rollback`), as the scheduler rolls the block table back. The matcher never keeps a
+# draft: after the step it reads the tokens the engine kept, at its next mask, like any other token.
+# A draft the grammar refuses needs no row after it masked: its own row is masked, so it samples some
+# other token, and the engine stops accepting there; rows after it may hold anything. The same holds
+# after an end-of-sequence draft, which ends the sequence if kept (and which `try_consume_tokens`
+# does not take: it is checked first). Each row samples what a decode step at that index would
+# sample, seed included (chapter 25), and a decode step would sample it under the same mask, so
+# greedy and seeded outputs are those without speculation, token for token: the cell below checks
+# it.
+#
+# A refused draft, and every draft after it, is a verify row spent on nothing. `cut_drafts` spares
+# them: before the scheduler reserves the drafts' slots, it asks each matcher how many of its
+# sequence's drafts the grammar takes (`validate_tokens`, which checks them without moving the
+# matcher) and cuts the rest. On the tiny model, whose prompts are no JSON, prompt lookup proposes
+# almost nothing a grammar takes, and most drafts go before they cost a row; a sequence left with none
+# decodes plainly. (llguidance can also fill all of a sequence's draft rows in one call, in parallel
+# across sequences: `fill_next_token_bitmask_par_with_draft_tokens`. One loop per sequence is
+# clearer here and has not been measured against it.)
 #
 # **Tensor parallelism**: the sampler runs on rank 0, which rebuilds the step's sequences from
 # their slim copies in each call (chapter 17), so a matcher cannot live beside a sequence there.
@@ -1219,16 +1442,57 @@ smol.exit()
 # 之后才把采样器排进队列。这一部分留到以后的是 GPU 那一侧：受约束的 decode 步以 eager 方式采样，不走捕获好的采样图
 # （图可以读一个地址固定的位掩码缓冲区，因为解开位掩码是普通的张量代码），而且这一切还没有在 GPU 上测量过。
 #
-# **投机解码**（第 25 章）在一步里验证 *k* 个草稿，而草稿位置 *i* 的掩码需要读过草稿 1 到 *i* 之后的匹配器。llguidance
-# 可以不移动匹配器就检查草稿（`validate_tokens` 返回语法接受其中多少个，超出的草稿根本不必验证），也能一次填好所有位置
-# 的掩码；验证步之后，匹配器读入被接受的草稿，多读了的用 `rollback` 撤销，和块表的回滚一样。在这一部分里，做投机的引擎
-# 不做约束：它的验证步采样时不加掩码，所以受约束的请求在它的第一个 token 处结束，原因写在日志里。
+# **投机解码**（第 25 章）在一步里验证 *k* 个草稿：序列的第 *i* 行采样它第 *i* 个草稿之后的 token，引擎保留草稿，直到
+# 第一个 token 不一致的行为止。所以第 *i* 行必须用读过已确定的 token 和草稿 1 到 *i* 之后的语法来盖：
+# `Grammars.mask_drafts` 像 `mask` 那样填好第 0 行，然后让匹配器逐个读入草稿（`try_consume_tokens`），每读一个就填
+# 它后面的那一行，最后把它们全部退回去（`rollback`），就像调度器回滚块表那样。匹配器从不保留草稿：这一步之后，它在下一次
+# 掩码时读入引擎保留的 token，和读入其他 token 一样。语法拒绝的草稿，它之后的行不必加掩码：它自己那一行加了掩码，采样
+# 出的是别的 token，引擎就在那里停止接受；它之后的行里是什么都行。end-of-sequence 草稿之后也一样，它一旦被保留，序列
+# 就结束了（`try_consume_tokens` 不接受它：要先检查）。每一行采样的，正是在那个下标上的 decode 步会采样的 token，种子
+# 也一样（第 25 章），而 decode 步也会在同样的掩码下采样它，所以贪心和带种子的输出与不做投机时逐 token 相同：下面的
+# 单元格检查了这一点。
+#
+# 被拒绝的草稿，以及它之后的每个草稿，都是白白花掉的验证行。`cut_drafts` 省下它们：在调度器为草稿预留槽位之前，它问
+# 每个匹配器语法接受它的序列的多少个草稿（`validate_tokens`，检查时不移动匹配器），把其余的截掉。在小模型上，提示词
+# 不是 JSON，提示词查找提出的草稿几乎没有语法接受的，大部分草稿还没花掉一行就被截掉了；一个草稿都不剩的序列就做普通的
+# decode。（llguidance 也能用一次调用填好一个序列所有草稿的行，并在各序列之间并行：
+# `fill_next_token_bitmask_par_with_draft_tokens`。这里每个序列一个循环更清楚，还没有和它比较过速度。）
 #
 # **张量并行**：采样器在 rank 0 上运行，而 rank 0 在每次调用中从精简的拷贝重建这一步的序列（第 17 章），所以匹配器没法
 # 和序列放在一起。这也留给后面的部分，届时会把每一步的位掩码送到 rank 0。
 #
 # **编译**一个 schema 在这里大约一毫秒，并受 llguidance 的限额约束，所以它在调用者的线程上运行：创建
 # `StructuredOutputsParams` 时编译成语法，第一个序列需要它时再针对分词器编译。下面的服务器在事件循环之外编译。
+
+# %%
+lookup = [[10, 20, 30, 10, 20, 30], [7, 7, 7, 7], [3, 4, 3, 4]]
+lookup_params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=constraints["json."]),
+                 SamplingParams(temperature=0, max_tokens=24, structured_outputs=constraints["regex"]),
+                 SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=24, structured_outputs=constraints["json."])]
+verified = {"drafts": 0, "kept": 0}
+
+
+def count_verified(event: str, data: dict) -> None:
+    """Count the drafts that verify steps checked and kept (the scheduler's "verified" event)."""
+    # zh: 统计验证步检查过的和保留下的草稿数（调度器的 "verified" 事件）。
+    if event == "verified":
+        verified["drafts"] += sum(data["drafted"])
+        verified["kept"] += sum(data["kept"])
+
+
+without = llm.generate(lookup, lookup_params, use_tqdm=False)
+with LLM(str(tiny), device="cpu", speculative_method="ngram", num_speculative_tokens=4) as speculating:
+    speculating.set_observer(count_verified)
+    with_drafts = speculating.generate(lookup, lookup_params, use_tqdm=False)
+    cut = speculating.model_runner.grammars.refused_drafts
+print(say("prompt lookup proposed {proposed} drafts: the grammars refused {cut} (cut before verification), "
+          "{verified} were verified, {kept} kept", proposed=cut + verified["drafts"], cut=cut,
+          verified=verified["drafts"], kept=verified["kept"]))
+print(say("the same outputs with and without speculation (greedy, and seeded with n = 2): {same}",
+          same=with_drafts == without))
+assert with_drafts == without and cut > 0 and verified["kept"] > 0
+assert accepted(constraints["json."], with_drafts[0]["token_ids"])
+
 
 # %% [markdown] tags=["en"]
 # ## Serving it: response_format
@@ -1249,8 +1513,8 @@ smol.exit()
 # the constraint there. That moves one line of chapter 22's `Api.generate`, which is written again
 # below (no member of chapter 22 runs off the loop after tokenizing). **What a bad constraint gets**:
 # 400 in OpenAI's shape, with `param` naming the field (`response_format` or `structured_outputs`)
-# and the message llguidance's reason. **An engine that cannot constrain** (speculative decoding,
-# tensor parallelism: `unsupported_by`) would end such a request at its first token, with the reason
+# and the message llguidance's reason. **An engine that cannot constrain** (under tensor
+# parallelism: `unsupported_by`) would end such a request at its first token, with the reason
 # only in its log. The server learns why from `EngineInfo`, which carries `unsupported_by(config)`
 # across the pipe (its `of` is written again with the one more argument), and answers 400 with that
 # reason before anything is compiled.
@@ -1274,8 +1538,8 @@ smol.exit()
 # 编译好几秒）。即便如此，事件循环还要服务其他所有的流，所以请求的采样参数现在在负责分词的线程上构建（`Api.off_loop`），
 # 由 `Api.constrained` 在那里加上约束。这把第 22 章 `Api.generate` 里的一行挪了位置，下面重写了这个方法（第 22 章没有
 # 哪个成员在分词之后还在事件循环之外运行）。**错误的约束得到什么**：OpenAI 形式的 400，`param` 指明字段
-# （`response_format` 或 `structured_outputs`），消息是 llguidance 给出的原因。**不能做约束的引擎**（投机解码、张量
-# 并行：见 `unsupported_by`）会让这样的请求在第一个 token 处结束，原因只写在它的日志里。服务器从 `EngineInfo` 得知原因：
+# （`response_format` 或 `structured_outputs`），消息是 llguidance 给出的原因。**不能做约束的引擎**（张量并行：
+# 见 `unsupported_by`）会让这样的请求在第一个 token 处结束，原因只写在它的日志里。服务器从 `EngineInfo` 得知原因：
 # 它把 `unsupported_by(config)` 带过管道（它的 `of` 重写了一遍，多传一个参数），服务器在编译任何东西之前就用这个原因
 # 回答 400。
 #
@@ -1758,10 +2022,14 @@ for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, devic
 #   schema or regex gets 400 naming the field, and an engine that cannot constrain
 #   (`EngineInfo.structured_output_refusal`) gets its requests refused with the reason.
 #   `chat.completions.parse` returns a Pydantic object from the tiny model.
+# - Chapter 25's `ModelRunner.verify` and `LLMEngine._reserve_drafts`, written again: a verify
+#   step's rows are masked draft by draft (`Grammars.mask_drafts`), and drafts the grammar refuses
+#   are cut before they are verified (`Grammars.cut_drafts`); with prompt lookup, greedy and seeded
+#   constrained outputs are those without speculation.
 #
 # Not yet: `tools` and `tool_choice` (chapter 29b), a constrained
-# decode step sampled inside the captured graph and measured on a GPU, drafts checked against the
-# grammar, and tensor parallelism.
+# decode step sampled inside the captured graph and measured on a GPU, constrained speculation
+# measured on a GPU, and tensor parallelism.
 #
 # ## Exercises
 #
@@ -1791,9 +2059,12 @@ for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, devic
 #   `Api.constrained` 在分词线程上编译约束，每个请求的采样参数现在都在那里构建（重写的 `Api.generate`）；错误的
 #   schema 或正则表达式得到指明字段的 400，不能做约束的引擎（`EngineInfo.structured_output_refusal`）则连同原因
 #   拒绝这样的请求。`chat.completions.parse` 从小模型得到一个 Pydantic 对象。
+# - 重写的第 25 章 `ModelRunner.verify` 和 `LLMEngine._reserve_drafts`：验证步的各行逐个草稿地加掩码
+#   （`Grammars.mask_drafts`），语法拒绝的草稿在验证之前就被截掉（`Grammars.cut_drafts`）；用提示词查找时，贪心和带
+#   种子的受约束输出与不做投机时相同。
 #
 # 还没有做的：`tools` 和 `tool_choice`（第 29b 章），让受约束的 decode 步在捕获好的图里
-# 采样并在 GPU 上测量，用语法检查草稿，以及张量并行。
+# 采样并在 GPU 上测量，在 GPU 上测量受约束的投机解码，以及张量并行。
 #
 # ## 练习
 #

@@ -102,6 +102,9 @@ class Grammars:
         self.compiled: dict[tuple[str, str, bool], LLMatcher] = {}
         # Each sequence's matcher lives as long as the sequence: a weak dictionary forgets one the engine let go.
         self.matchers: weakref.WeakKeyDictionary[Sequence, SequenceGrammar] = weakref.WeakKeyDictionary()
+        # Drafts from the first one a grammar refused on, none of which can be kept: cut before a verify step
+        # (`cut_drafts`), or left unmasked in one (`mask_drafts`).
+        self.refused_drafts = 0
         # Why this engine cannot constrain a request yet (None: it can).
         self.refusal = unsupported_by(config)
 
@@ -163,15 +166,81 @@ class Grammars:
                 bitmask[row] = self.end_of_sequence
         apply_bitmask(logits, bitmask, rows)
 
+    def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Mask, in place, a verify step's logits (`ModelRunner.verify`: each sequence's rows in turn, one for its
+        last token and one for each draft): row i of a constrained sequence by its grammar after the sequence's
+        committed tokens and its first i drafts. Rows after a draft the grammar refuses (or after an end-of-sequence
+        draft) stay unmasked: the engine never keeps a token of them, since the row of that draft cannot sample it.
+        The matchers end where they began, after the committed tokens; they read the drafts the engine keeps at the
+        next mask."""
+        spans, first = [], 0
+        for seq in seqs:
+            if seq.sampling_params.structured_outputs is not None:
+                spans.append((seq, first))
+            first += seq.num_scheduled_tokens
+        if not spans:
+            return
+        rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
+        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
+                             pin_memory=logits.is_cuda)
+        row = 0
+        for seq, _ in spans:
+            self.fill_draft_rows(seq, bitmask[row : row + seq.num_scheduled_tokens])
+            row += seq.num_scheduled_tokens
+        apply_bitmask(logits, bitmask, rows)
+
+    def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
+        """Each sequence's ``drafts`` (a speculator's proposal, before the scheduler reserves their slots) up to the
+        first that its grammar refuses; all of them for a sequence whose grammar failed; a plain sequence's as they
+        are. The engine could keep neither a refused draft nor any after it, so a verify row spent on one is wasted.
+        The matchers do not move (`validate_tokens`)."""
+        cut = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if draft and seq.sampling_params.structured_outputs is not None:
+                state = self.follow(seq, {})
+                valid = 0 if state is None or state.error is not None else state.matcher.validate_tokens(draft)
+                self.refused_drafts += len(draft) - valid
+                draft = draft[:valid]
+            cut.append(draft)
+        return cut
+
+    def fill_draft_rows(self, seq: Sequence, bitmask: torch.Tensor) -> None:
+        """Fill ``seq``'s rows of a verify step's ``bitmask`` (see `mask_drafts`): row 0 as `mask` would, then, for
+        each draft the grammar takes, the row after it; the matcher takes the drafts one by one and gives them back
+        (`rollback`) at the end."""
+        # A verify step's last token is never pending (drafts are proposed from it), so no step is waited for.
+        state = self.follow(seq, {})
+        if state is None:
+            return
+        if state.error is None:
+            fill_bitmask(state.matcher, bitmask, 0)
+            if state.matcher.is_error():
+                self.fail(seq, state, state.matcher.get_error())
+        if state.error is not None:
+            bitmask[:] = self.end_of_sequence
+            return
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+        taken = 0
+        for draft in drafts:
+            # An end-of-sequence draft ends the sequence if kept, and a refused one is never kept: the rows after
+            # either never count. (try_consume_tokens takes no end-of-sequence token: the check must come first.)
+            if draft in self.eos_token_ids or state.matcher.try_consume_tokens([draft]) != 1:
+                self.refused_drafts += 0 if draft in self.eos_token_ids else len(drafts) - taken
+                break
+            taken += 1
+            fill_bitmask(state.matcher, bitmask, taken)
+        if taken:
+            state.matcher.rollback(taken)
+
     def follow(self, seq: Sequence, pending: dict[tuple[int, int], int]) -> SequenceGrammar | None:
         """``seq``'s matcher, once it has read the completion tokens ``seq`` gained since its last mask (a pending one
-        from ``pending``, by request and sample); None if one of them is the sampler's mark of logits that are not
-        numbers (the engine drops the sequence)."""
+        from ``pending``, by request and sample), drafts not included; None if one of them is the sampler's mark of
+        logits that are not numbers (the engine drops the sequence)."""
         state = self.matchers.get(seq)
         if state is None:
             state = self.matchers[seq] = self.start(seq)
         first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
-        for token in seq.token_ids[first:]:
+        for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]:
             if token == PENDING_TOKEN:
                 token = pending[(seq.request_id, seq.sample_index)]
             if token < 0:
@@ -206,10 +275,8 @@ class Grammars:
 
 def unsupported_by(config: Config) -> str | None:
     """Why an engine built with ``config`` cannot constrain requests yet, or None. Under tensor parallelism, rank 0
-    rebuilds the step's sequences in each call, so no matcher can live beside one; with speculative decoding, a
-    verify step samples its rows without masks."""
+    rebuilds the step's sequences in each call, so no matcher can live beside one. (Speculative decoding can: a
+    verify step masks each draft's row, `Grammars.mask_drafts`.)"""
     if config.tensor_parallel_size > 1:
         return "structured output does not run under tensor parallelism yet: use tensor_parallel_size=1"
-    if config.speculative_method is not None:
-        return "structured output does not run with speculative decoding yet: a verify step samples without masks"
     return None

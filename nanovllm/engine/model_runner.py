@@ -505,11 +505,12 @@ class ModelRunner:
             verify.append(seconds_per_call(lambda s=seqs: self.verify(s), repeats))
         return StepCosts(tuple(sizes), tuple(decode), tuple(verify))
 
-    # notebooks/25_speculative_decoding.py · cell "runner verifies"
+    # notebooks/29_structured_output.py · cell "runner masks drafts"
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence]) -> list[list[int]]:
         """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
-        returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
+        returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters and,
+        for a constrained sequence, under its grammar after the drafts before it (`Grammars.mask_drafts`)."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         self.copy_blocks(seqs)
@@ -529,6 +530,10 @@ class ModelRunner:
                 reset_context()
         # Every row is a position to sample: the LM head computes them all.
         logits = self.model.compute_logits(hidden_states)
+        # Constrained sequences' rows are masked by their grammars (chapter 29). The graph above computes only the
+        # hidden states: the LM head and the sampler of a verify step run eagerly anyway.
+        if self.grammars.constrained(seqs):
+            self.grammars.mask_drafts(seqs, logits)
         # Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
         # sequence's own parameters: what a decode step at that index would draw, seed included.
         counts = [seq.num_scheduled_tokens for seq in seqs]

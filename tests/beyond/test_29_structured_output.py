@@ -289,19 +289,126 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_the_reason_logged(llm
     assert grammars.matchers[seq].error and "structured output failed after 1 tokens" in caplog.text
 
 
-def test_an_engine_that_cannot_constrain_ends_the_request_at_its_first_token(tiny: Path, llm: LLM, caplog):
-    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    expected = llm.generate([[10, 20, 30, 10, 20, 30]], plain, use_tqdm=False)[0]["token_ids"]
-    with LLM(str(tiny), device="cpu", max_model_len=128, speculative_method="ngram") as speculating, \
-            caplog.at_level(logging.WARNING, logger="nanovllm.grammars"):
-        outputs = speculating.generate([[10, 20, 30, 10, 20, 30], [5, 20]], [plain, constrained(COMPACT)],
-                                       use_tqdm=False)
-    assert outputs[0]["token_ids"] == expected
-    assert len(outputs[1]["token_ids"]) == 1 and outputs[1]["token_ids"][0] in llm.config.eos_token_ids
-    assert "speculative decoding" in caplog.text
+def test_only_tensor_parallelism_is_refused(llm: LLM):
     tp = copy.copy(llm.config)
     tp.tensor_parallel_size = 2
-    assert "tensor_parallel_size=1" in unsupported_by(tp) and unsupported_by(llm.config) is None
+    speculating = copy.copy(llm.config)
+    speculating.speculative_method = "ngram"
+    assert "tensor_parallel_size=1" in unsupported_by(tp)
+    assert unsupported_by(llm.config) is None and unsupported_by(speculating) is None
+
+
+def test_a_server_whose_engine_cannot_constrain_refuses_with_the_reason(llm: LLM):
+    """The server's own refusal (`Api.constrained`), for an engine under tensor parallelism, without starting one."""
+    from types import SimpleNamespace
+
+    from nanovllm.serve.app import Api
+    from nanovllm.serve.protocol import CompletionRequest, ServerError
+
+    tp = copy.copy(llm.config)
+    tp.tensor_parallel_size = 2
+    api = SimpleNamespace(info=SimpleNamespace(structured_output_refusal=unsupported_by(tp)))
+    body = CompletionRequest(model="tiny", prompt="Hi", response_format={"type": "json_object"})
+    with pytest.raises(ServerError) as refused:
+        Api.constrained(api, body, SamplingParams())
+    assert refused.value.param == "response_format" and "tensor_parallel_size=1" in str(refused.value)
+
+
+# ---- with speculative decoding ---------------------------------------------------------------------------------
+# Prompt lookup proposes what followed the last tokens earlier: on these prompts, mostly drafts the grammars refuse
+# (prompt tokens that are no JSON, date or choice), and some they take.
+SPECULATED = [[10, 20, 30, 10, 20, 30], [5, 20, 30, 5, 20], [7, 7, 7, 7], [1, 2, 1, 2, 1], [3, 4, 3, 4]]
+SPECULATED_PARAMS = [constrained(COMPACT, 32), constrained(StructuredOutputsParams(json=SHAPE), 32),
+                     constrained(StructuredOutputsParams(regex=DATE), 32),
+                     constrained(StructuredOutputsParams(choice=["yes", "no"]), 32),
+                     SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=24, structured_outputs=COMPACT)]
+
+
+def speculate(tiny: Path, **settings) -> tuple[list[dict], dict[str, int], list[Sequence], Grammars]:
+    """The outputs of SPECULATED under prompt-lookup speculation, the drafts it verified and kept, the sequences of
+    its verify steps (held, so that their matchers stay in the weak dictionary), and the engine's grammars."""
+    counts, seqs = {"verified": 0, "kept": 0}, []
+
+    def observe(event: str, data: dict) -> None:
+        if event == "verified":
+            counts["verified"] += sum(data["drafted"])
+            counts["kept"] += sum(data["kept"])
+            seqs.extend(data["seqs"])
+
+    with LLM(str(tiny), device="cpu", max_model_len=128, speculative_method="ngram", num_speculative_tokens=4,
+             **settings) as speculating:
+        speculating.set_observer(observe)
+        outputs = speculating.generate(SPECULATED, SPECULATED_PARAMS, use_tqdm=False)
+        return outputs, counts, seqs, speculating.model_runner.grammars
+
+
+def matchers_follow_their_tokens(grammars: Grammars, seqs: list[Sequence]) -> bool:
+    """Whether each held sequence's matcher is where a fresh one is after the tokens it has read: the drafts each
+    verify step fed it were rolled back, and it read only the tokens the engine kept."""
+    words = bitmask_words(grammars.vocab_size)
+    for seq in set(seqs):
+        state = grammars.matchers[seq]
+        fresh = grammars.compile(seq.sampling_params.structured_outputs).deep_copy()
+        read = seq.completion_token_ids[: state.consumed]
+        if state.error is not None or not fresh.consume_tokens(read):
+            return False
+        masks = torch.empty(2, words, dtype=torch.int32)
+        fill_bitmask(state.matcher, masks, 0)
+        fill_bitmask(fresh, masks, 1)
+        if not torch.equal(masks[0], masks[1]):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("settings", [{}, {"async_scheduling": True}], ids=["sync", "async"])
+def test_speculation_gives_the_same_constrained_outputs_token_for_token(tiny: Path, llm: LLM, settings: dict):
+    """Greedy and seeded (n = 2) constrained requests, with prompt lookup's drafts: the grammars cut the drafts they
+    refuse before verification, the verify steps mask the rest, and the outputs are those without speculation."""
+    expected = llm.generate(SPECULATED, SPECULATED_PARAMS, use_tqdm=False)
+    outputs, counts, seqs, grammars = speculate(tiny, **settings)
+    assert outputs == expected
+    assert grammars.refused_drafts > 0 and counts["kept"] > 0 and counts["verified"] > counts["kept"]
+    assert matchers_follow_their_tokens(grammars, seqs)
+    for output, params in zip(outputs[:4], SPECULATED_PARAMS, strict=False):
+        assert accepted(llm, params.structured_outputs, output["token_ids"])
+
+
+def test_verify_masks_drafts_the_grammar_refuses_when_they_are_not_cut(tiny: Path, llm: LLM, monkeypatch):
+    """Without `cut_drafts`, refused drafts reach the verify step: its masks alone keep the outputs the same."""
+    monkeypatch.setattr(Grammars, "cut_drafts", lambda self, seqs, drafts: drafts)
+    expected = llm.generate(SPECULATED, SPECULATED_PARAMS, use_tqdm=False)
+    outputs, counts, seqs, grammars = speculate(tiny)
+    assert outputs == expected
+    assert grammars.refused_drafts > 0 and counts["kept"] > 0
+    assert matchers_follow_their_tokens(grammars, seqs)
+
+
+def test_a_verify_steps_rows_are_masked_after_each_draft_and_the_matcher_rolls_back(llm: LLM):
+    """Row i under the grammar after i drafts; rows after a refused draft unmasked; the matcher back where it was."""
+    grammars, vocab = llm.model_runner.grammars, llm.config.hf_config.vocab_size
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    y, e, x = (llm.tokenizer.convert_tokens_to_ids(t) for t in ("y", "e", "x"))
+    seq = Sequence([5, 20], SamplingParams(temperature=0, structured_outputs=yes_no), block_size=16)
+    drafts = [y, e, x, y]
+    for token in drafts:
+        seq.append_token(token)
+    seq.num_cached_tokens, seq.num_scheduled_tokens, seq.num_draft_tokens = 1, 5, 4
+    logits = torch.zeros(5, vocab)
+    refused = grammars.refused_drafts
+    grammars.mask_drafts([seq], logits)
+    fresh = grammars.compile(yes_no).deep_copy()
+    expected = torch.full((5, bitmask_words(vocab)), -1, dtype=torch.int32)
+    for row, token in enumerate([y, e]):
+        fill_bitmask(fresh, expected, row)
+        assert fresh.consume_token(token)
+    fill_bitmask(fresh, expected, 2)
+    # rows 0 to 2: the grammar after 0, 1 and 2 drafts; rows 3 and 4 follow "x", which it refuses
+    assert torch.equal(torch.isfinite(logits), allowed_tokens(expected, vocab))
+    assert torch.isfinite(logits[3:]).all() and grammars.refused_drafts == refused + 2
+    state = grammars.matchers[seq]
+    assert state.consumed == 0 and state.error is None and state.matcher.validate_tokens([y, e, y]) == 2
+    # cut before verification: the same two drafts, and the matcher does not move
+    assert grammars.cut_drafts([seq], [drafts]) == [[y, e]] and state.matcher.validate_tokens([y, e]) == 2
 
 
 def test_a_model_without_an_end_of_sequence_token_cannot_be_constrained(llm: LLM):
@@ -440,18 +547,21 @@ def test_bad_constraints_and_tools_get_400_naming_the_field(server, fields, para
     assert "ignoring the request field 'response_format'" not in server.output()
 
 
-def test_a_speculating_server_refuses_response_format_with_the_reason(tiny: Path):
+def test_a_speculating_server_serves_response_format(tiny: Path, client):
+    """A server that speculates constrains as one that does not: the same replies, token for token."""
     import openai
 
     from nanovllm.serve.process import ServerProcess
 
+    asks = [dict(messages=CHAT, max_tokens=40, response_format={"type": "json_object"}, extra_body=COMPACT_BODY),
+            dict(messages=[{"role": "user", "content": "yes yes yes yes?"}], max_tokens=8,
+                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}})]
+    expected = [client.chat.completions.create(model="tiny", temperature=0, **ask).choices[0] for ask in asks]
     args = ["--model", str(tiny), "--served-model-name", "tiny", *SERVER_ARGS, "--speculative-method", "ngram"]
     with ServerProcess(args) as process:
-        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60)
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8,
-                                           response_format={"type": "json_object"})
-        assert refused.value.body["param"] == "response_format"
-        assert "speculative decoding" in refused.value.body["message"]
-        # an unconstrained request is served as before
-        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4).choices[0].finish_reason
+        speculating = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60)
+        replies = [speculating.chat.completions.create(model="tiny", temperature=0, **ask).choices[0]
+                   for ask in asks]
+    assert [(r.message.content, r.finish_reason) for r in replies] == \
+        [(e.message.content, e.finish_reason) for e in expected]
+    assert isinstance(json.loads(replies[0].message.content), dict) and replies[1].message.content in ("yes", "no")

@@ -152,6 +152,28 @@ def test_a_call_cut_short_is_no_call_and_plain_text_is_content():
     assert stream.feed("a <tool") == {"content": "a "} and stream.feed("box>", final=True) == {"content": "<toolbox>"}
 
 
+@pytest.mark.parametrize("mode", ["required", "auto"])
+def test_tool_calls_under_speculation_are_those_without(long_tiny: Path, tokenizer, mode):
+    """A call's grammar constrains a speculating engine's drafts: prompt lookup, on a prompt that holds a call,
+    proposes drafts the grammar takes and drafts it refuses, and the greedy output is the one without drafts."""
+    from nanovllm.llm import LLM
+    from nanovllm.sampling_params import SamplingParams
+
+    ask = ToolRequest(definitions(), mode, None, False)
+    grammar = StructuredOutputsParams(grammar=tool_call_grammar([f for _, f in ask.offered()], mode, False))
+    example = tokenizer.encode(call_text("get_weather", '{"city": "Rome", "days": 3}'), add_special_tokens=False)
+    prompts = [example + example[:6], example[:3] + example, example[:10]]
+    params = SamplingParams(temperature=0, max_tokens=48, structured_outputs=grammar)
+    outputs, verified = [], []
+    for speculative in ({}, {"speculative_method": "ngram", "num_speculative_tokens": 4}):
+        with LLM(str(long_tiny), device="cpu", max_model_len=256, **speculative) as engine:
+            engine.set_observer(lambda event, data: verified.append(sum(data["kept"])) if event == "verified" else None)
+            outputs.append(engine.generate(prompts, params, use_tqdm=False))
+            refused = engine.model_runner.grammars.refused_drafts
+    assert outputs[0] == outputs[1]
+    assert sum(verified) > 0 and refused > 0
+
+
 # ---- the server ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(long_tiny: Path):
