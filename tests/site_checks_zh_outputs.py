@@ -179,7 +179,7 @@ TRANSLATED = {
     "29_structured_output": [
         ("llguidance's bitmask equals ours", "llguidance 的位掩码与我们的相同"), ("tokens allowed", "个 token 中允许"),
         ("the matcher accepts it", "匹配器接受它"), ("parses and fits the schema", "能解析并符合 schema"),
-        ("the same 6 outputs", "同样的 6 个输出"), ("with the schema", "带 schema"),
+        ("the same 6 outputs", "同样的 6 个输出"), ("with the schema", "带 schema"), ("the free run", "自由运行的"),
         ("drafts: the grammars refused", "个草稿：语法拒绝了"), ("with and without speculation", "做投机与不做投机"),
         ("all exercise answers check out", "练习答案全部验证通过"),
     ],
