@@ -2004,7 +2004,7 @@ for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, devic
 # %% [markdown] tags=["en"]
 # On an H100 the schema costs about a third of the speed at every batch: the recorded run below,
 # Qwen3-0.6B's shapes, 256 tokens a request, gives 0.60× the free run at one sequence, 0.66× at
-# 16 and 0.64× at 256, far from the goals (at most 10 % slower at one sequence, 5 % at 256). The
+# 16 and 0.64× at 256, far from the goals (0.90× at one sequence, 0.95× at 256). The
 # time in `Grammars.mask` is about one free step at every batch: it is mostly the wait for the
 # step in flight, whose token the masks need. The forward pass was queued before that wait, so it
 # overlaps; what comes after it does not: each matcher reads its token and fills its row on the
@@ -2016,8 +2016,8 @@ for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, devic
 
 # %% [markdown] tags=["zh"]
 # 在 H100 上，schema 在每个批大小下都要吃掉大约三分之一的速度：下面记录的运行（Qwen3-0.6B 的形状，每个请求 256 个
-# token）中，1 个序列时是自由运行的 0.60 倍，16 个时 0.66 倍，256 个时 0.64 倍，离目标（1 个序列时最多慢 10%，256 个
-# 时最多慢 5%）很远。在每个批大小下，花在 `Grammars.mask` 里的时间都约等于自由运行的一步：其中大部分是在等正在执行的
+# token）中，1 个序列时是自由运行的 0.60 倍，16 个时 0.66 倍，256 个时 0.64 倍，离目标（1 个序列时 0.90 倍，256 个时
+# 0.95 倍）很远。在每个批大小下，花在 `Grammars.mask` 里的时间都约等于自由运行的一步：其中大部分是在等正在执行的
 # 那一步，掩码需要它算出的 token。前向计算在这次等待之前就已排进队列，所以它是重叠的；等待之后的事却不重叠：每个匹配器
 # 读入自己的 token，在主机上一个序列接一个序列地填好自己那一行，位掩码被复制、解开，加了掩码的 logits 走的是 eager
 # 采样器，而不是捕获好的那个。这就是 1 个序列时每步多出的 0.56 毫秒、256 个时多出的 2.1 毫秒。还没有做的，按该尝试的
