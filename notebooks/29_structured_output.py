@@ -868,19 +868,32 @@ class Grammars:
             # zh: 受约束的一步唯一的等待：它的掩码需要正在计算的那一步的 token。
             previous.token_ids()
             pending = dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
-        # en: On a GPU, in pinned memory: its copy to the device then waits for nothing queued before it.
-        # zh: 在 GPU 上放在锁页内存里：这样它拷到设备上时，不必等排在它前面的工作。
-        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
-                             pin_memory=logits.is_cuda)
+        bitmask = self.allow_all(len(rows), logits)
         for row, i in enumerate(rows):
             state = self.follow(seqs[i], pending)
-            if state is not None and state.error is None:
-                fill_bitmask(state.matcher, bitmask, row)
-                if state.matcher.is_error():
-                    self.fail(seqs[i], state, state.matcher.get_error())
-            if state is not None and state.error is not None:
-                bitmask[row] = self.end_of_sequence
+            if state is not None:
+                self.fill_row(seqs[i], state, bitmask, row)
         apply_bitmask(logits, bitmask, rows)
+
+    def allow_all(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
+        """``rows`` bitmask rows on the host that allow every token, for the masks of ``logits``."""
+        # zh: 主机上 ``rows`` 行允许所有 token 的位掩码，用来给 ``logits`` 加掩码。
+        # en: On a GPU, in pinned memory: its copy to the device then waits for nothing queued before it.
+        # zh: 在 GPU 上放在锁页内存里：这样它拷到设备上时，不必等排在它前面的工作。
+        return torch.full((rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
+
+    def fill_row(self, seq: Sequence, state: SequenceGrammar, bitmask: torch.Tensor, row: int) -> bool:
+        """Write into row ``row`` of ``bitmask`` the tokens ``seq``'s grammar allows next, or only its end-of-sequence
+        tokens once the grammar has failed (now or before); whether it still holds."""
+        # zh: 把 ``seq`` 的语法接下来允许的 token 写进 ``bitmask`` 的第 ``row`` 行；语法（此刻或之前）已经失败时，
+        # zh: 只写它的 end-of-sequence token。返回语法是否仍然成立。
+        if state.error is None:
+            fill_bitmask(state.matcher, bitmask, row)
+            if state.matcher.is_error():
+                self.fail(seq, state, state.matcher.get_error())
+        if state.error is not None:
+            bitmask[row] = self.end_of_sequence
+        return state.error is None
 
     def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Mask, in place, a verify step's logits (`ModelRunner.verify`: each sequence's rows in turn, one for its
@@ -902,8 +915,7 @@ class Grammars:
         if not spans:
             return
         rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
-        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
-                             pin_memory=logits.is_cuda)
+        bitmask = self.allow_all(len(rows), logits)
         row = 0
         for seq, _ in spans:
             self.fill_draft_rows(seq, bitmask[row : row + seq.num_scheduled_tokens])
@@ -939,11 +951,7 @@ class Grammars:
         state = self.follow(seq, {})
         if state is None:
             return
-        if state.error is None:
-            fill_bitmask(state.matcher, bitmask, 0)
-            if state.matcher.is_error():
-                self.fail(seq, state, state.matcher.get_error())
-        if state.error is not None:
+        if not self.fill_row(seq, state, bitmask, 0):
             bitmask[:] = self.end_of_sequence
             return
         drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
@@ -1860,7 +1868,8 @@ import torch
 
 from nanovllm.bench.engine import watch_calls
 from nanovllm.bench.models import qwen3_06b_random
-from nanovllm.bench.report import Stopwatch, report_header, write_report
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.bench.speculative import timed_run
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # en: A roster of at least 64 people: more tokens than a run asks for, so that a constrained request never ends before
@@ -1890,15 +1899,10 @@ def timed_generate(llm: Any, prompts: list[str], params: SamplingParams) -> dict
     `Grammars.mask` (the host's mask work, and any wait there for the step in flight)."""
     # zh: 一次计时的 `generate`：每秒 token 数、算出了 token 的步数，以及花在 `Grammars.mask` 里的秒数（主机做掩码的
     # zh: 工作，以及在那里等正在执行的那一步的时间）。
-    steps: list[bool] = []
     masks: list[float] = []
-    counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
-    masking = watch_calls(llm.model_runner.grammars, "mask", lambda seconds, _: masks.append(seconds))
-    with counting, masking, Stopwatch(llm.config.device) as clock:
-        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-    tokens = sum(map(len, outputs))
-    return {"tokens": tokens, "tok_s": tokens / clock.seconds, "steps": sum(steps), "seconds": clock.seconds,
-            "mask_seconds": sum(masks)}
+    with watch_calls(llm.model_runner.grammars, "mask", lambda seconds, _: masks.append(seconds)):
+        run = timed_run(llm, prompts, [params] * len(prompts))
+    return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": sum(masks)}
 
 
 def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, **settings: Any) -> list[dict[str, Any]]:

@@ -14,7 +14,8 @@ import torch
 
 from nanovllm.bench.engine import watch_calls
 from nanovllm.bench.models import qwen3_06b_random
-from nanovllm.bench.report import Stopwatch, report_header, write_report
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.bench.speculative import timed_run
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
@@ -51,15 +52,10 @@ def roster_prompts(count: int) -> list[str]:
 def timed_generate(llm: Any, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
     """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in
     `Grammars.mask` (the host's mask work, and any wait there for the step in flight)."""
-    steps: list[bool] = []
     masks: list[float] = []
-    counting = watch_calls(llm, "_step", lambda _, step: steps.append(step is not None and step[1] > 0))
-    masking = watch_calls(llm.model_runner.grammars, "mask", lambda seconds, _: masks.append(seconds))
-    with counting, masking, Stopwatch(llm.config.device) as clock:
-        outputs = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
-    tokens = sum(map(len, outputs))
-    return {"tokens": tokens, "tok_s": tokens / clock.seconds, "steps": sum(steps), "seconds": clock.seconds,
-            "mask_seconds": sum(masks)}
+    with watch_calls(llm.model_runner.grammars, "mask", lambda seconds, _: masks.append(seconds)):
+        run = timed_run(llm, prompts, [params] * len(prompts))
+    return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": sum(masks)}
 
 
 def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, **settings: Any) -> list[dict[str, Any]]:

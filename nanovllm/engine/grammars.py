@@ -153,18 +153,28 @@ class Grammars:
             # A constrained step's one wait: its masks need the tokens of the step in flight.
             previous.token_ids()
             pending = dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
-        # On a GPU, in pinned memory: its copy to the device then waits for nothing queued before it.
-        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
-                             pin_memory=logits.is_cuda)
+        bitmask = self.allow_all(len(rows), logits)
         for row, i in enumerate(rows):
             state = self.follow(seqs[i], pending)
-            if state is not None and state.error is None:
-                fill_bitmask(state.matcher, bitmask, row)
-                if state.matcher.is_error():
-                    self.fail(seqs[i], state, state.matcher.get_error())
-            if state is not None and state.error is not None:
-                bitmask[row] = self.end_of_sequence
+            if state is not None:
+                self.fill_row(seqs[i], state, bitmask, row)
         apply_bitmask(logits, bitmask, rows)
+
+    def allow_all(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
+        """``rows`` bitmask rows on the host that allow every token, for the masks of ``logits``."""
+        # On a GPU, in pinned memory: its copy to the device then waits for nothing queued before it.
+        return torch.full((rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32, pin_memory=logits.is_cuda)
+
+    def fill_row(self, seq: Sequence, state: SequenceGrammar, bitmask: torch.Tensor, row: int) -> bool:
+        """Write into row ``row`` of ``bitmask`` the tokens ``seq``'s grammar allows next, or only its end-of-sequence
+        tokens once the grammar has failed (now or before); whether it still holds."""
+        if state.error is None:
+            fill_bitmask(state.matcher, bitmask, row)
+            if state.matcher.is_error():
+                self.fail(seq, state, state.matcher.get_error())
+        if state.error is not None:
+            bitmask[row] = self.end_of_sequence
+        return state.error is None
 
     def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Mask, in place, a verify step's logits (`ModelRunner.verify`: each sequence's rows in turn, one for its
@@ -181,8 +191,7 @@ class Grammars:
         if not spans:
             return
         rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
-        bitmask = torch.full((len(rows), bitmask_words(self.vocab_size)), -1, dtype=torch.int32,
-                             pin_memory=logits.is_cuda)
+        bitmask = self.allow_all(len(rows), logits)
         row = 0
         for seq, _ in spans:
             self.fill_draft_rows(seq, bitmask[row : row + seq.num_scheduled_tokens])
@@ -212,11 +221,7 @@ class Grammars:
         state = self.follow(seq, {})
         if state is None:
             return
-        if state.error is None:
-            fill_bitmask(state.matcher, bitmask, 0)
-            if state.matcher.is_error():
-                self.fail(seq, state, state.matcher.get_error())
-        if state.error is not None:
+        if not self.fill_row(seq, state, bitmask, 0):
             bitmask[:] = self.end_of_sequence
             return
         drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
