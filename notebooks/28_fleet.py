@@ -1220,16 +1220,22 @@ def measure_policy(policy: str, replicas: int, serve_options: list[str], prompts
         fleet.start()
         urls = [replica.url for replica in fleet.replicas]
         model = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
-        before = prefix_cache_tokens(urls)
+        # en: Each replica's counters apart: how the gateway split the prompt tokens shows whether a policy crowded
+        # en: one replica, which a slower TTFT alone does not say.
+        # zh: 逐个副本读计数器：网关怎样分配 prompt token，能看出某种策略是否把请求挤到了一个副本上，光看更慢的 TTFT
+        # zh: 看不出这一点。
+        before = [prefix_cache_tokens([url]) for url in urls]
         results, seconds = asyncio.run(run_users(fleet.url, model, prompts, max_tokens))
-        after = prefix_cache_tokens(urls)
+        after = [prefix_cache_tokens([url]) for url in urls]
     finally:
         fleet.stop()
     done = [r for r in results if r.ok]
-    queries = after["queries"] - before["queries"]
+    queries = [end["queries"] - start["queries"] for start, end in zip(before, after, strict=True)]
+    hits = sum(end["hits"] - start["hits"] for start, end in zip(before, after, strict=True))
     return {"policy": policy, "completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r.error for r in results if not r.ok})[:3], "seconds": seconds,
-            "hit_rate": (after["hits"] - before["hits"]) / queries if queries else 0.0,
+            "hit_rate": hits / sum(queries) if sum(queries) else 0.0,
+            "replica_shares": [q / sum(queries) if sum(queries) else 0.0 for q in queries],
             "ttft_ms": percentiles([r.ttft * 1e3 for r in done]),
             "output_throughput": sum(r.output_tokens for r in done) / seconds}  # fmt: skip
 
@@ -1255,7 +1261,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row := measure_policy(policy, args.replicas, serve_options, prompts, args.max_tokens))
         print(f"{policy:12s} {row['completed']} turns ({row['failed']} failed) in {row['seconds']:.1f} s: prefix-cache "
               f"hit rate {row['hit_rate']:.1%}, TTFT p50 {row['ttft_ms']['p50']:,.0f} ms, p90 "
-              f"{row['ttft_ms']['p90']:,.0f} ms, {row['output_throughput']:.1f} output tok/s", flush=True)
+              f"{row['ttft_ms']['p90']:,.0f} ms, {row['output_throughput']:.1f} output tok/s; prompt tokens per "
+              "replica " + " / ".join(f"{share:.0%}" for share in row["replica_shares"]), flush=True)
     if len(rows) >= 2 and rows[1]["hit_rate"] and rows[1]["ttft_ms"]["p50"]:
         first, second = rows[0], rows[1]
         print(f"{first['policy']} against {second['policy']}: hit rate {first['hit_rate'] / second['hit_rate']:.2f}x, "
