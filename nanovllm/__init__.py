@@ -2,10 +2,21 @@
 
 """nano-vllm, literate edition: an LLM inference engine built chapter by chapter."""
 
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
-
 # notebooks/10_engine.py · cell "package front door"
-# The package's front door, now that the engine exists: `from nanovllm import LLM, SamplingParams`.
-
+# The package's front door, now that the engine exists: `from nanovllm import LLM, SamplingParams`. The engine
+# is imported when one of them is first asked for (a module's __getattr__, PEP 562), not with the package:
+# every `import nanovllm.<module>` runs this file first, and a process that builds no model (a chapter on
+# sequences or prefix caching, the visualization's) then imports neither torch nor transformers: a second less.
 __all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "LLM":
+        from nanovllm.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from nanovllm.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -393,12 +393,26 @@ class LLM(LLMEngine):
 """nano-vllm, literate edition: an LLM inference engine built chapter by chapter."""
 # zh: nano-vllm 文学编程版：一章一章构建起来的 LLM 推理引擎。
 
-# en: The package's front door, now that the engine exists: `from nanovllm import LLM, SamplingParams`.
-# zh: 引擎已经有了，包的正门也就有了：`from nanovllm import LLM, SamplingParams`。
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams
-
+# en: The package's front door, now that the engine exists: `from nanovllm import LLM, SamplingParams`. The engine
+# en: is imported when one of them is first asked for (a module's __getattr__, PEP 562), not with the package:
+# en: every `import nanovllm.<module>` runs this file first, and a process that builds no model (a chapter on
+# en: sequences or prefix caching, the visualization's) then imports neither torch nor transformers: a second less.
+# zh: 引擎已经有了，包的正门也就有了：`from nanovllm import LLM, SamplingParams`。引擎在第一次被要这两者之一时才
+# zh: 导入（模块的 __getattr__，PEP 562），而不是随包一起导入：每个 `import nanovllm.<模块>` 都先运行这个文件，于是
+# zh: 不构建模型的进程（讲序列或前缀缓存的章节、可视化的章节）既不导入 torch 也不导入 transformers：少花一秒。
 __all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str) -> object:
+    if name == "LLM":
+        from nanovllm.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from nanovllm.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
 
 # %% [markdown] tags=["en"]
 # ### See it: every step of a small run

@@ -136,10 +136,11 @@ print("device:", DEVICE, "| TRITON_INTERPRET =", os.environ.get("TRITON_INTERPRE
 
 # %% printed phrases
 #| hide
-# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang). Imported only
-# en: now: importing nanovllm imports Triton, which must see TRITON_INTERPRET first.
-# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。到这里才导入：导入 nanovllm
-# zh: 会导入 Triton，而 Triton 必须先看到 TRITON_INTERPRET。
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang). Like everything
+# en: this chapter imports from nanovllm, imported after TRITON_INTERPRET is set: the engine's modules import
+# en: Triton, which must see it first.
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。和本章从 nanovllm 导入的一切
+# zh: 一样，在设置 TRITON_INTERPRET 之后才导入：引擎的模块会导入 Triton，而 Triton 必须先看到它。
 from nanovllm.book.lang import Phrases
 
 say = Phrases({

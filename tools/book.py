@@ -303,17 +303,26 @@ def docs_tree(lang: str, notebooks: dict[str, nbformat.NotebookNode]) -> Path:
 
 
 def build_sites(executed_dir: Path) -> None:
-    site = BUILD / "site"
-    if site.exists():
-        shutil.rmtree(site)
+    site, beside = BUILD / "site", BUILD / "site-zh"
+    for folder in (site, beside):
+        if folder.exists():
+            shutil.rmtree(folder)
     # Every language's docs tree before any site: a chapter's headings name their twins in the other language's
     # tree (tools/mkdocs_hooks.py), so that the language menu keeps the reader's section.
     for lang in LANGUAGES:
         docs_tree(lang, chapter_notebooks(executed_dir / lang))  # each site from its own language's run
-    for lang, config in LANGUAGES.items():  # English first: it would clean the zh/ subfolder
+    # Both sites at once, a process each. The English build empties build/site/ when it starts, so the Chinese
+    # site is built beside it and moved into build/site/zh/ once both are done.
+    builds = []
+    for lang, config in LANGUAGES.items():
         print(f"book: building the {lang} site", flush=True)
         command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f", str(ROOT / config)]
-        subprocess.run(command, check=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+        command += ["-d", str(beside)] if lang == "zh" else []
+        builds.append(subprocess.Popen(command, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}))
+    failed = [build for build in builds if build.wait() != 0]  # both have ended before either fails the book
+    if failed:
+        raise subprocess.CalledProcessError(failed[0].returncode, failed[0].args)
+    beside.rename(site / "zh")
     print(f"book: sites in {site.relative_to(ROOT)}/ (English) and {site.relative_to(ROOT)}/zh/ (Chinese)")
 
 

@@ -7,7 +7,8 @@ it should go, or say why it stays (`tests/book/test_reach.py` holds the reasons)
 Reaching is by name, as text: a definition is reached when its name appears, outside its own definition, as a name,
 an attribute or a string (`getattr`, a call sent to a rank by name) in the package, the chapters, `scripts/` or
 `tools/`. That is coarse (two methods of one name reach each other) but never calls code dead that something names.
-Dunder methods and IPython's display methods (`_repr_html_`), which the runtime calls by name, are not listed.
+Dunders (methods, and a module's `__getattr__`) and IPython's display methods (`_repr_html_`), which the runtime
+calls by name, are not listed.
 
     python -m tools.reach        # the definitions only tests reach, then those nothing names
 """
@@ -46,7 +47,8 @@ def definitions(package: Path) -> list[Definition]:
         module = path.relative_to(package.parent).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and not RUNTIME_PROTOCOL.fullmatch(node.name)):
                 found.append(Definition(module, node.name, node.lineno))
             if isinstance(node, ast.ClassDef):
                 found += [Definition(module, f"{node.name}.{member.name}", member.lineno) for member in node.body
