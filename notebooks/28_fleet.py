@@ -1330,18 +1330,18 @@ assert [round(ttft, 2) for _, ttft in ratios] == [0.31, 0.94, 0.73]
 # With two replicas, taking turns lands a later turn on a replica that ran an earlier one about
 # every other time, so its hit rate is high already; more replicas, or more turns, leave it
 # further behind. And a GPU prefills a few thousand tokens in milliseconds, so the median is
-# decided by the opening burst, 31 cold first turns at once, and by how the gateway spread them,
-# more than by the cache. The benchmark now prints each replica's share of the prompt tokens, so
-# that the next run can say whether `cache_aware` crowded one replica; with only this run, the
-# book cannot.
+# probably decided by the opening burst, 31 cold first turns at once, and by how the gateway
+# spread them, more than by the cache. The benchmark now prints each replica's share of the prompt
+# tokens, so that the next run can say whether `cache_aware` crowded one replica; with only this
+# run, the book cannot.
 
 # %% [markdown] tags=["zh"]
 # 在 H100 上，目标没有达到（2026-12-07，`scripts/gpu-ci.sh fleet`：两个副本共用这块 GPU，31 个用户，每人四轮，每个
 # 用户的文档约 4,000 个 token）。`cache_aware` 找到的已缓存 token 是 `round_robin` 的 1.43 倍，而它的 TTFT 中位数是
 # round_robin 的 1.23 倍，反而更慢，尽管它的 p90 更低（310 ms 对 377 ms）。这里有两件事对网关不利。只有两个副本时，
 # 轮流分发让后面的一轮大约每两次就有一次落到跑过前面某轮的副本上，所以它的命中率本来就高；副本更多或轮数更多，它才
-# 会被拉开。另外，GPU 做几千个 token 的 prefill 只要几毫秒，所以中位数取决于开头的那一波，31 个冷启动的第一轮同时
-# 到达，以及网关怎样把它们分出去，而不怎么取决于缓存。基准测试现在会打印每个副本分到的 prompt token 份额，下一次
+# 会被拉开。另外，GPU 做几千个 token 的 prefill 只要几毫秒，所以中位数多半取决于开头的那一波，31 个冷启动的第一轮
+# 同时到达，以及网关怎样把它们分出去，而不怎么取决于缓存。基准测试现在会打印每个副本分到的 prompt token 份额，下一次
 # 运行就能说清 `cache_aware` 有没有把请求挤到一个副本上；只凭这一次运行，本书说不清。
 
 # %% recorded: the fleet on a GPU
