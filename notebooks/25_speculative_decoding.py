@@ -963,6 +963,15 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters."""
     # zh: 在每个序列已缓存的前缀之后，对它调度的 token（它的最后一个 token 和它的草稿）做一次前向计算；
     # zh: 按序列返回模型在其中每一个之后给出的 token，用该序列自己的参数采样。
+    return self.sample_verify(seqs, self.verify_logits(seqs))
+
+
+@add_to_class(ModelRunner)
+@torch.inference_mode()
+def verify_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+    """A verify step's forward: the logits [rows, vocab] of each sequence's scheduled tokens, in `verify_rows`
+    order."""
+    # zh: 验证步的前向计算：每个序列调度的 token 的 logits [rows, vocab]，按 `verify_rows` 的顺序。
     if self.stopped:
         raise RuntimeError("this model runner was stopped (exit() was called)")
     self.copy_blocks(seqs)
@@ -983,7 +992,14 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
             reset_context()
     # en: Every row is a position to sample: the LM head computes them all.
     # zh: 每一行都是要采样的位置：LM head 把它们全算出来。
-    logits = self.model.compute_logits(hidden_states)
+    return self.model.compute_logits(hidden_states)
+
+
+@add_to_class(ModelRunner)
+def sample_verify(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[int]]:
+    """Per sequence, the tokens that a verify step's ``logits`` (`verify_logits`) give after each of its scheduled
+    tokens."""
+    # zh: 按序列给出验证步的 ``logits``（`verify_logits`）在它每个调度的 token 之后给出的 token。
     # en: Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
     # en: sequence's own parameters: what a decode step at that index would draw, seed included.
     # zh: 序列的第 i 行抽取下标为 start + i 的 token（start：它第一个草稿的下标），用序列自己的参数：

@@ -1099,24 +1099,19 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens
 # A verify step (chapter 25) samples too: one row for each sequence's last token and one for each of
 # its drafts. Its rows are masked the same way, between the LM head and the sampler, by
 # `Grammars.mask_drafts`: row *i* of a constrained sequence by its grammar after its first *i*
-# drafts (why that is enough: "Masks meet the rest of the engine", below). `verify` is written
-# again whole, 34 lines, for the two lines that call it (a hook in chapter 25 would name grammars
-# four chapters early).
+# drafts (why that is enough: "Masks meet the rest of the engine", below). Chapter 25's `verify`
+# is its forward (`verify_logits`) then its sampling (`sample_verify`); it is written again here,
+# three lines, with the mask between them (a hook in chapter 25 would name grammars four chapters
+# early).
 
 # %% [markdown] tags=["zh"]
 # 验证步（第 25 章）也采样：每个序列的最后一个 token 一行，它的每个草稿各一行。它的各行也以同样的方式加掩码，位置在 LM
 # head 和采样器之间，由 `Grammars.mask_drafts` 来做：受约束序列的第 *i* 行，由它读过前 *i* 个草稿之后的语法来盖（为什么
-# 这样就够了，见下文“掩码遇上引擎的其余部分”）。`verify` 整个重写了一遍，34 行，只为调用它的那两行（在第 25 章埋一个
-# 钩子，会早四章就提到语法）。
+# 这样就够了，见下文“掩码遇上引擎的其余部分”）。第 25 章的 `verify` 先做前向计算（`verify_logits`），再采样
+# （`sample_verify`）；这里把它重写一遍，三行，掩码放在两者之间（在第 25 章埋一个钩子，会早四章就提到语法）。
 
 # %% runner masks drafts
 #| export engine.model_runner
-from nanovllm.engine.cuda_graphs import DecodeStaging
-from nanovllm.engine.model_runner import prepare_verify, verify_rows
-from nanovllm.layers.context import reset_context
-from nanovllm.layers.sampler import sampling_inputs
-
-
 @add_to_class(ModelRunner)
 @torch.inference_mode()
 def verify(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -1126,50 +1121,10 @@ def verify(self, seqs: list[Sequence]) -> list[list[int]]:
     # zh: 在每个序列已缓存的前缀之后，对它调度的 token（它的最后一个 token 和它的草稿）做一次前向计算；按序列返回模型
     # zh: 在其中每一个之后给出的 token，用该序列自己的参数采样；受约束的序列还要服从它读过前面那些草稿之后的语法
     # zh: （`Grammars.mask_drafts`）。
-    if self.stopped:
-        raise RuntimeError("this model runner was stopped (exit() was called)")
-    self.copy_blocks(seqs)
-    num_rows = sum(seq.num_scheduled_tokens for seq in seqs)
-    if self.graphs is not None and self.graphs.covers(num_rows):
-        # en: A decode step of num_rows rows, staged in one copy and replayed from its graph, as `replay_staged`
-        # en: runs one.
-        # zh: 一个 num_rows 行的 decode 步，像第 18 章那样一次拷贝送出输入，再从它的图重放。
-        if self.staging is None:
-            self.staging = DecodeStaging(self.graphs.buffers, self.block_size)
-        self.staging.stage_rows(*verify_rows(seqs), self.graphs.bucket(num_rows))
-        hidden_states = self.graphs.replay_loaded(num_rows)
-    else:
-        try:
-            input_ids, positions = prepare_verify(seqs, self.block_size, self.device)
-            hidden_states = self.model(input_ids, positions)
-        finally:
-            reset_context()
-    # en: Every row is a position to sample: the LM head computes them all.
-    # zh: 每一行都是要采样的位置：LM head 把它们全算出来。
-    logits = self.model.compute_logits(hidden_states)
-    # en: Constrained sequences' rows are masked by their grammars (chapter 29). The graph above computes only the
-    # en: hidden states: the LM head and the sampler of a verify step run eagerly anyway.
-    # zh: 受约束序列的各行由它们的语法盖住（第 29 章）。上面的图只算隐藏状态：验证步的 LM head 和采样器本来就以 eager
-    # zh: 方式运行。
+    logits = self.verify_logits(seqs)
     if self.grammars.constrained(seqs):
         self.grammars.mask_drafts(seqs, logits)
-    # en: Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
-    # en: sequence's own parameters: what a decode step at that index would draw, seed included.
-    # zh: 序列的第 i 行抽取下标为 start + i 的 token（start：它第一个草稿的下标），用序列自己的参数：
-    # zh: 和在那个下标上的 decode 步抽取的一样，种子也一样（第 08 章）。
-    counts = [seq.num_scheduled_tokens for seq in seqs]
-    params, positions, samples = [], [], []
-    for seq, count in zip(seqs, counts, strict=True):
-        start = len(seq) - count + 1
-        params += [seq.sampling_params] * count
-        positions += range(start, start + count)
-        samples += [seq.sample_index] * count
-    tokens = self.sampler(logits, **sampling_inputs(params, positions, logits.device, samples)).tolist()
-    rows, start = [], 0
-    for count in counts:
-        rows.append(tokens[start : start + count])
-        start += count
-    return rows
+    return self.sample_verify(seqs, logits)
 
 
 # %% [markdown] tags=["en"]

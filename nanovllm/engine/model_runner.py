@@ -511,6 +511,16 @@ class ModelRunner:
         """One forward over each sequence's scheduled tokens (its last token and its drafts) after its cached prefix;
         returns, per sequence, the model's token after each of them, sampled with the sequence's own parameters and,
         for a constrained sequence, under its grammar after the drafts before it (`Grammars.mask_drafts`)."""
+        logits = self.verify_logits(seqs)
+        if self.grammars.constrained(seqs):
+            self.grammars.mask_drafts(seqs, logits)
+        return self.sample_verify(seqs, logits)
+
+    # notebooks/25_speculative_decoding.py · cell "runner verifies"
+    @torch.inference_mode()
+    def verify_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """A verify step's forward: the logits [rows, vocab] of each sequence's scheduled tokens, in `verify_rows`
+        order."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
         self.copy_blocks(seqs)
@@ -529,11 +539,11 @@ class ModelRunner:
             finally:
                 reset_context()
         # Every row is a position to sample: the LM head computes them all.
-        logits = self.model.compute_logits(hidden_states)
-        # Constrained sequences' rows are masked by their grammars (chapter 29). The graph above computes only the
-        # hidden states: the LM head and the sampler of a verify step run eagerly anyway.
-        if self.grammars.constrained(seqs):
-            self.grammars.mask_drafts(seqs, logits)
+        return self.model.compute_logits(hidden_states)
+
+    def sample_verify(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[int]]:
+        """Per sequence, the tokens that a verify step's ``logits`` (`verify_logits`) give after each of its scheduled
+        tokens."""
         # Row i of a sequence draws the token of index start + i (start: its first draft's index), with the
         # sequence's own parameters: what a decode step at that index would draw, seed included.
         counts = [seq.num_scheduled_tokens for seq in seqs]
