@@ -122,10 +122,11 @@ def measure_policy(policy: str, replicas: int, serve_options: list[str], prompts
     done = [r for r in results if r.ok]
     queries = [end["queries"] - start["queries"] for start, end in zip(before, after, strict=True)]
     hits = sum(end["hits"] - start["hits"] for start, end in zip(before, after, strict=True))
+    total = sum(queries)
     return {"policy": policy, "completed": len(done), "failed": len(results) - len(done),
             "errors": sorted({r.error for r in results if not r.ok})[:3], "seconds": seconds,
-            "hit_rate": hits / sum(queries) if sum(queries) else 0.0,
-            "replica_shares": [q / sum(queries) if sum(queries) else 0.0 for q in queries],
+            "hit_rate": hits / total if total else 0.0,
+            "replica_shares": [q / total if total else 0.0 for q in queries],
             "ttft_ms": percentiles([r.ttft * 1e3 for r in done]),
             "output_throughput": sum(r.output_tokens for r in done) / seconds}  # fmt: skip
 
