@@ -751,6 +751,8 @@ except ValueError as error:
 
 # %% grammars
 #| export
+import copy
+import json
 import logging
 import weakref
 from dataclasses import dataclass
@@ -763,6 +765,7 @@ from nanovllm.sampling_params import StructuredOutputsParams, grammar_limits
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
+    from transformers import PreTrainedTokenizerBase
 
     from nanovllm.engine.model_runner import SampledTokens
 
@@ -770,6 +773,36 @@ _logger = logging.getLogger("nanovllm.grammars")
 # en: Compiled grammars kept at once, the oldest forgotten first: each is a matcher that new sequences copy.
 # zh: 同时保留的已编译语法数，最早的最先被忘掉：每个都是新序列复制的那个匹配器。
 MAX_GRAMMARS = 256
+
+
+def llguidance_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos_token_ids: list[int]) -> LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer (what `llguidance.hf.from_tokenizer` builds), with one
+    repair: a byte-level vocabulary (a ByteLevel pre-tokenizer, where the token `Ċ` stands for a newline) is declared
+    so by a plain ByteLevel decoder. Some conversions give such a vocabulary a sentencepiece-style decoder that tries
+    byte fallback first (transformers 5.17's GGUF loader, for SmolLM2), and llguidance then reads `Ċ` as its own
+    UTF-8 bytes: every grammar that needs a newline fails."""
+    # zh: llguidance 眼中的 Hugging Face 快速分词器（即 `llguidance.hf.from_tokenizer` 构建的那个），外加一处修补：
+    # zh: 字节级的词表（ByteLevel 预分词器，token `Ċ` 代表换行）由一个单纯的 ByteLevel 解码器声明出来。有些转换给这样
+    # zh: 的词表配上先尝试字节回退的 sentencepiece 式解码器（transformers 5.17 的 GGUF 加载器，对 SmolLM2 就是这样），
+    # zh: llguidance 于是把 `Ċ` 读成它自己的 UTF-8 字节：每个需要换行的语法都会失败。
+    from llguidance import LLTokenizer
+
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    byte_level = [step for step in _steps(spec.get("decoder")) if step["type"] == "ByteLevel"]
+    if byte_level and any(step["type"] == "ByteLevel" for step in _steps(spec.get("pre_tokenizer"))):
+        spec["decoder"] = byte_level[0]
+    return LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos_token_ids)
+
+
+def _steps(component: dict | None) -> list[dict]:
+    """A tokenizer component's steps (a `Sequence` of decoders or pre-tokenizers, or the component alone)."""
+    # zh: 分词器某个组件的各个步骤（解码器或预分词器的 `Sequence`，或组件本身）。
+    if component is None:
+        return []
+    return component.get("decoders") or component.get("pretokenizers") or [component]
 
 
 @dataclass
@@ -821,10 +854,8 @@ class Grammars:
         # zh: llguidance 眼中的模型分词器：带着模型的词表大小（填充 id 永远不被允许）和模型声明的每一个
         # zh: end-of-sequence id。第一次用到时才构建。
         if self._tokenizer is None:
-            from llguidance.hf import from_tokenizer
-
-            self._tokenizer = from_tokenizer(load_tokenizer(self.config.model), n_vocab=self.vocab_size,
-                                             eos_token=self.eos_token_ids)
+            self._tokenizer = llguidance_tokenizer(load_tokenizer(self.config.model), self.vocab_size,
+                                                   self.eos_token_ids)
         return self._tokenizer
 
     def compile(self, constraint: StructuredOutputsParams) -> LLMatcher:
@@ -2016,7 +2047,9 @@ assert (round(rows[1][4] - rows[1][3], 2), round(rows[256][4] - rows[256][3], 1)
 #   (chapter 01, through `add_fields`), which refuses `ignore_eos=True`.
 # - `nanovllm.engine.grammars`: bitmasks (`pack_tokens`, `allowed_tokens`, `apply_bitmask` in plain
 #   torch on the logits' device, `fill_bitmask` for llguidance), and `Grammars`, one object beside
-#   the sampler: llguidance's tokenizer, the compiled grammars by kind and exact text, and a matcher
+#   the sampler: llguidance's tokenizer (`llguidance_tokenizer`, which keeps a byte-level
+#   vocabulary byte-level whatever decoder a conversion gave it), the compiled grammars by kind and
+#   exact text, and a matcher
 #   per sequence that reads its new tokens lazily, before each mask. Forks, preemption and
 #   asynchronous steps need nothing more; a failed grammar ends its request with the reason in the
 #   log.
@@ -2059,8 +2092,9 @@ assert (round(rows[1][4] - rows[1][3], 2), round(rows[256][4] - rows[256][3], 1)
 #   `add_fields`），它拒绝 `ignore_eos=True`。
 # - `nanovllm.engine.grammars`：位掩码（`pack_tokens`、`allowed_tokens`、在 logits 所在设备上用朴素 torch 实现的
 #   `apply_bitmask`、给 llguidance 用的 `fill_bitmask`），以及 `Grammars`，和采样器放在一起的一个对象：llguidance 的
-#   分词器、按种类和原文存放的已编译语法，以及每个序列一个匹配器，它在每次掩码之前惰性地读入新 token。分叉、抢占和
-#   异步的步都不需要别的东西；失败的语法让它的请求结束，原因写在日志里。
+#   分词器（`llguidance_tokenizer`：不管转换给了什么解码器，字节级的词表都保持字节级）、按种类和原文存放的已编译
+#   语法，以及每个序列一个匹配器，它在每次掩码之前惰性地读入新 token。分叉、抢占和异步的步都不需要别的东西；失败的
+#   语法让它的请求结束，原因写在日志里。
 # - 第 18 章的 `ModelRunner.launch`：带受约束序列的一步在 `Grammars.mask` 之后以 eager 方式采样。
 # - 验证过的：手算的掩码等于 llguidance 的（两者不同的地方，llguidance 保留规范分词）；SmolLM2 写出能通过校验的 JSON，
 #   不加约束时则不能；n = 3 的每个样本都有效；抢占不改变任何输出；不受约束的请求不受影响。

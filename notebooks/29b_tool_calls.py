@@ -437,7 +437,9 @@ loop = [*question, {"role": "assistant", "content": None, "tool_calls": [
 try:
     smol_tokenizer.apply_chat_template(loop, tokenize=False)
     raise AssertionError("SmolLM2's template rendered a message without content")
-except TemplateError as error:
+# en: transformers 5.24 raises a TemplateError there; 5.17, on the GPU machine, lets jinja's TypeError through.
+# zh: transformers 5.24 在这里抛出 TemplateError；GPU 机器上的 5.17 则让 jinja 的 TypeError 直接抛出来。
+except (TemplateError, TypeError) as error:
     print(say("refused: {error}", error=f"SmolLM2's own template: {error}"))
 rendered = smol_tokenizer.apply_chat_template(conversation(loop, TOOLS, native=False), tokenize=False,
                                               add_generation_prompt=True)

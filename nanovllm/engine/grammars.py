@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import weakref
 from collections.abc import Iterable
@@ -20,6 +22,7 @@ from nanovllm.sampling_params import StructuredOutputsParams, grammar_limits
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
+    from transformers import PreTrainedTokenizerBase
 
     from nanovllm.engine.model_runner import SampledTokens
 
@@ -31,6 +34,7 @@ __all__ = [
     "apply_bitmask",
     "bitmask_words",
     "fill_bitmask",
+    "llguidance_tokenizer",
     "pack_tokens",
     "unsupported_by",
 ]
@@ -76,6 +80,31 @@ _logger = logging.getLogger("nanovllm.grammars")
 MAX_GRAMMARS = 256
 
 
+def llguidance_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos_token_ids: list[int]) -> LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer (what `llguidance.hf.from_tokenizer` builds), with one
+    repair: a byte-level vocabulary (a ByteLevel pre-tokenizer, where the token `Ċ` stands for a newline) is declared
+    so by a plain ByteLevel decoder. Some conversions give such a vocabulary a sentencepiece-style decoder that tries
+    byte fallback first (transformers 5.17's GGUF loader, for SmolLM2), and llguidance then reads `Ċ` as its own
+    UTF-8 bytes: every grammar that needs a newline fails."""
+    from llguidance import LLTokenizer
+
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    spec = json.loads(backend.to_str())
+    byte_level = [step for step in _steps(spec.get("decoder")) if step["type"] == "ByteLevel"]
+    if byte_level and any(step["type"] == "ByteLevel" for step in _steps(spec.get("pre_tokenizer"))):
+        spec["decoder"] = byte_level[0]
+    return LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos_token_ids)
+
+
+def _steps(component: dict | None) -> list[dict]:
+    """A tokenizer component's steps (a `Sequence` of decoders or pre-tokenizers, or the component alone)."""
+    if component is None:
+        return []
+    return component.get("decoders") or component.get("pretokenizers") or [component]
+
+
 @dataclass
 class SequenceGrammar:
     """One sequence's matcher, how many of its completion tokens it has read, and why it failed (None while it
@@ -113,10 +142,8 @@ class Grammars:
         """llguidance's view of the model's tokenizer: the model's vocabulary size (padding ids are never allowed)
         and every end-of-sequence id the model declares. Built at first use."""
         if self._tokenizer is None:
-            from llguidance.hf import from_tokenizer
-
-            self._tokenizer = from_tokenizer(load_tokenizer(self.config.model), n_vocab=self.vocab_size,
-                                             eos_token=self.eos_token_ids)
+            self._tokenizer = llguidance_tokenizer(load_tokenizer(self.config.model), self.vocab_size,
+                                                   self.eos_token_ids)
         return self._tokenizer
 
     def compile(self, constraint: StructuredOutputsParams) -> LLMatcher:

@@ -28,6 +28,7 @@ from nanovllm.engine.grammars import (
     apply_bitmask,
     bitmask_words,
     fill_bitmask,
+    llguidance_tokenizer,
     pack_tokens,
     unsupported_by,
 )
@@ -196,6 +197,22 @@ def test_the_mask_by_hand_equals_llguidances_on_a_tiny_grammar(tiny: Path, llm: 
 
 
 # ---- the engine on the tiny model --------------------------------------------------------------------------------
+def test_a_byte_level_vocabulary_keeps_its_newline_under_a_byte_fallback_decoder(tiny: Path):
+    """transformers 5.17 converts SmolLM2's GGUF with a decoder that tries byte fallback before ByteLevel; llguidance's
+    own reading of it takes the token for a newline, `Ċ`, as the bytes of `Ċ` (found on the GPU machine, 2026-12-07).
+    `llguidance_tokenizer` gives a byte-level vocabulary its plain ByteLevel decoder."""
+    from llguidance.hf import from_tokenizer
+    from tokenizers import decoders
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("\u2581", " "), decoders.ByteLevel()])
+    newline = tokenizer.encode("\n")
+    assert tokenizer.decode(newline) == "\n"  # Hugging Face still decodes it
+    assert from_tokenizer(tokenizer, n_vocab=len(tokenizer)).decode_bytes(newline) == "Ċ".encode()  # the fault
+    assert llguidance_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id]).decode_bytes(newline) == b"\n"
+
+
 def test_outputs_fit_json_regex_choice_and_grammar(llm: LLM):
     constraints = [COMPACT, StructuredOutputsParams(regex=DATE), StructuredOutputsParams(choice=["yes", "no"]),
                    StructuredOutputsParams(grammar='start: "(" NUMBER ("+" NUMBER)* ")"\nNUMBER: /[0-9]/'),
