@@ -288,14 +288,17 @@ run_fleet() {  # two replicas on one GPU behind the gateway, each policy in its 
     --max-model-len 16384 2>&1 | tee "$out/fleet.log" || status=1
 }
 
-run_structured() {  # a constraint's cost (chapter 29); llguidance alone, from .whl/, into /tmp/llguidance-site
-  if ! python3 -c "import llguidance" 2>/dev/null; then
-    local wheel
-    wheel=$(wheels .whl | grep llguidance | head -1)
-    [ -n "$wheel" ] || { missing "llguidance (.whl/)"; exit 2; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/llguidance-site "$wheel" || exit 2
+run_structured() {  # a constraint's cost (chapter 29), after its GPU tests; llguidance, and jsonschema for the
+                   # tests, from .whl/, into /tmp/llguidance-site
+  if ! python3 -c "import llguidance, jsonschema" 2>/dev/null; then
+    local found=()
+    mapfile -t found < <(wheels .whl | grep -E '/(llguidance|jsonschema|jsonschema_specifications|referencing|rpds_py)-')
+    [ ${#found[@]} -eq 5 ] || { missing "llguidance and jsonschema (.whl/)"; exit 2; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/llguidance-site "${found[@]}" || exit 2
     export PYTHONPATH=$PYTHONPATH:/tmp/llguidance-site
   fi
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/structured-tests.xml" \
+    tests/beyond/test_29_structured_output.py || status=1
   python3 -m nanovllm.bench --structured "$@" --out "$out/structured.json" 2>&1 | tee "$out/structured.log" || status=1
 }
 

@@ -51,9 +51,10 @@ def roster_prompts(count: int) -> list[str]:
 
 def timed_generate(llm: Any, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
     """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in
-    `Grammars.mask` (the host's mask work, and any wait there for the step in flight)."""
+    `Grammars.fill` (the host's mask work, and any wait there for the step in flight), which the eager path
+    (`Grammars.mask`) and the captured one (`ModelRunner.graph_draw`) both call."""
     masks: list[float] = []
-    with watch_calls(llm.model_runner.grammars, "mask", lambda seconds, _: masks.append(seconds)):
+    with watch_calls(llm.model_runner.grammars, "fill", lambda seconds, _: masks.append(seconds)):
         run = timed_run(llm, prompts, [params] * len(prompts))
     return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": sum(masks)}
 
@@ -100,7 +101,7 @@ def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, *
 def print_row(row: dict[str, Any]) -> None:
     print(f"batch {row['batch']:4d}: {row['free_tok_s']:9.1f} tok/s free, {row['constrained_tok_s']:9.1f} with the "
           f"schema ({row['ratio']:.3f}x); a step {row['step_ms']['free']:.3f} / {row['step_ms']['constrained']:.3f} "
-          f"ms, Grammars.mask {row['mask_ms_per_step']:.3f} ms of it; tokens {row['tokens']['free']} / "
+          f"ms, Grammars.fill {row['mask_ms_per_step']:.3f} ms of it; tokens {row['tokens']['free']} / "
           f"{row['tokens']['constrained']}")
 
 

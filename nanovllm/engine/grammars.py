@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import weakref
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import SamplingGraphs
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 from nanovllm.sampling_params import StructuredOutputsParams, grammar_limits
@@ -29,11 +31,13 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_GRAMMARS",
     "Grammars",
+    "MaskedSamplingGraphs",
     "SequenceGrammar",
     "allowed_tokens",
     "apply_bitmask",
     "bitmask_words",
     "fill_bitmask",
+    "forbid",
     "llguidance_tokenizer",
     "pack_tokens",
     "unsupported_by",
@@ -66,6 +70,22 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     index = torch.tensor(rows, device=logits.device)
     allowed = allowed_tokens(bitmask.to(logits.device, non_blocking=True), logits.shape[-1])
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def forbid(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, each logit of ``logits`` [n, vocab] whose token row i of ``bitmask`` [n, words] (int32,
+    on the logits' device) forbids: `apply_bitmask` on every row, in three kernels whatever n, with nothing read back
+    to the host, so that a CUDA graph can capture it."""
+    # Each byte of a word picks its eight flags from a table (little-endian, as CPUs and GPUs store an int32: byte
+    # k of word w holds the bits of tokens 32 w + 8 k to 32 w + 8 k + 7).
+    forbidden = _forbidden_bits(logits.device)[bitmask.view(torch.uint8).int()]
+    logits.masked_fill_(forbidden.flatten(1)[:, : logits.shape[1]], float("-inf"))
+
+
+@functools.cache
+def _forbidden_bits(device: torch.device) -> torch.Tensor:
+    """[256, 8] bools: whether bit j of the byte value b is clear (its token forbidden)."""
+    return ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).eq(0).to(device)
 
 
 def fill_bitmask(matcher: LLMatcher, bitmask: torch.Tensor, row: int) -> None:
@@ -175,17 +195,31 @@ class Grammars:
                 and seq.num_cached_tokens + seq.num_scheduled_tokens == len(seq)]
         if logits is None or not rows:
             return
+        bitmask = self.allow_all(len(rows), logits)
+        self.fill([seqs[i] for i in rows], bitmask, previous)
+        apply_bitmask(logits, bitmask, rows)
+
+    def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
+        """Write into row i of ``bitmask`` (int32, on the host) the tokens ``seqs[i]`` may sample next: those its
+        grammar allows once its matcher has read the tokens its sequence gained since its last mask (`follow`), or
+        every token for an unconstrained sequence (or one whose logits were not numbers: the engine drops it). A
+        token that the step in flight (``previous``) still computes is waited for."""
+        constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
         pending = {}
-        if previous is not None and any(seqs[i].last_token == PENDING_TOKEN for i in rows):
+        waits = any(held and seq.last_token == PENDING_TOKEN for seq, held in zip(seqs, constrained, strict=True))
+        if previous is not None and waits:
             # A constrained step's one wait: its masks need the tokens of the step in flight.
             previous.token_ids()
             pending = dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
-        bitmask = self.allow_all(len(rows), logits)
-        for row, i in enumerate(rows):
-            state = self.follow(seqs[i], pending)
-            if state is not None:
-                self.fill_row(seqs[i], state, bitmask, row)
-        apply_bitmask(logits, bitmask, rows)
+        for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
+            state = self.follow(seq, pending) if held else None
+            # One row after another: llguidance's parallel fill (`fill_next_token_bitmask_par`) saved little
+            # on two cores and took longer on sixteen (1.65x the serial time at 256 rows;
+            # scripts/probes/fill_bitmask_par.py).
+            if state is None:
+                bitmask[row] = -1
+            else:
+                self.fill_row(seq, state, bitmask, row)
 
     def allow_all(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
         """``rows`` bitmask rows on the host that allow every token, for the masks of ``logits``."""
@@ -312,3 +346,65 @@ def unsupported_by(config: Config) -> str | None:
     if config.tensor_parallel_size > 1:
         return "structured output does not run under tensor parallelism yet: use tensor_parallel_size=1"
     return None
+
+
+# notebooks/29_structured_output.py · cell "masked sampling graphs"
+class MaskedSamplingGraphs(SamplingGraphs):
+    """Chapter 18's sampling graphs with a bitmask between the LM head and the sampler (`forbid`), for decode steps
+    that hold a constrained sequence and whose rows sample plainly. A step's bitmask travels in one copy: the host
+    fills rows of a pinned buffer (`host_rows`), `send` queues their copy on a stream of its own, and `sample`
+    replays the bucket's graph once that copy is done."""
+
+    def __init__(self, plain: SamplingGraphs, words: int, copies: int = 2) -> None:
+        super().__init__(plain.model, plain.graphs, plain.sample_plain)
+        # One Philox key for both kinds of graph: each step moves it on, whichever draws.
+        self.seed = plain.seed
+        rows, device = self.graphs.sizes[-1], self.graphs.device
+        on_gpu = device.type == "cuda"
+        # [rows, words] int32, what the graphs read; a padding row keeps what it held (its token is never used).
+        self.bitmask = torch.full((rows, words), -1, dtype=torch.int32, device=device)
+        # The host's side, pinned, in two copies taken in turn: under asynchronous scheduling the host fills step
+        # n + 1's rows while step n's copy may still be queued, so it never writes into the copy in flight; before
+        # it takes a copy again, it waits for that copy's last transfer (`sent`), which in practice is long done.
+        self.hosts = [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=on_gpu) for _ in range(copies)]
+        self.sent = [torch.cuda.Event() if on_gpu else None for _ in range(copies)]
+        self.turn = 0
+        # The copies run on a stream of their own, beside the model's forward; each waits for `read`, recorded
+        # after the last replay, which read the device's bitmask. None on a CPU, where a copy is made when called.
+        self.copier = torch.cuda.Stream(device) if on_gpu else None
+        self.read = torch.cuda.Event() if on_gpu else None
+
+    def draw(self, size: int) -> None:
+        """What a replay of the ``size`` bucket does: chapter 18's draw, with the bitmask's first ``size`` rows
+        applied to the logits before the race."""
+        logits = self.model.compute_logits(self.graphs.outputs[:size])
+        forbid(logits, self.bitmask[:size])
+        self.tokens[:size] = self.sample_plain(logits, self.temperatures[:size], seed=self.seed)
+        self.seed += 1
+
+    def host_rows(self, n: int) -> torch.Tensor:
+        """The host's next copy, rows [n, words], for the step about to be sampled to fill (then `send`)."""
+        self.turn = (self.turn + 1) % len(self.hosts)
+        if self.sent[self.turn] is not None:
+            self.sent[self.turn].synchronize()
+        return self.hosts[self.turn][:n]
+
+    def send(self, n: int) -> None:
+        """Queue the copy of the ``n`` rows just filled to the device's bitmask, after the last replay has read it;
+        the next work on the current stream (the replay) waits for the copy."""
+        rows, sent = self.hosts[self.turn][:n], self.sent[self.turn]
+        if sent is None:
+            self.bitmask[:n].copy_(rows)
+            return
+        self.copier.wait_event(self.read)
+        with torch.cuda.stream(self.copier):
+            self.bitmask[:n].copy_(rows, non_blocking=True)
+            sent.record()
+        torch.cuda.current_stream().wait_event(sent)
+
+    def sample(self, temperatures: list[float]) -> torch.Tensor:
+        """Chapter 18's `sample` under the bitmask rows just sent; then `read` marks the end of this replay."""
+        tokens = super().sample(temperatures)
+        if self.read is not None:
+            self.read.record()
+        return tokens

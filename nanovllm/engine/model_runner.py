@@ -23,7 +23,7 @@ from nanovllm.engine.cuda_graphs import (
     capture_decode_graphs,
     plain_temperatures,
 )
-from nanovllm.engine.grammars import Grammars
+from nanovllm.engine.grammars import Grammars, MaskedSamplingGraphs, bitmask_words
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.engine.speculative import StepCosts
 from nanovllm.layers.attention import Attention, attention_backend
@@ -232,6 +232,8 @@ class ModelRunner:
         # notebooks/29_structured_output.py · cell "runner masks"
         # Structured output (chapter 29): the matchers of constrained sequences, which mask their logits.
         self.grammars = Grammars(self.config)
+        # The sampling graphs with a bitmask, captured at the first constrained step that can use them (`graph_draw`).
+        self.masked_sampling: MaskedSamplingGraphs | None = None
 
     # notebooks/11_triton_attention.py · cell "kernels compiled ahead"
     @torch.inference_mode()
@@ -434,24 +436,45 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens | None = None) -> SampledTokens:
         """Queue one step on the device and return without waiting for it. ``previous``: see `compute_logits`. A
         decode step that a graph covers and whose rows all sample plainly samples inside the captured step
-        (`SamplingGraphs`); a step with a constrained sequence samples eagerly, after `Grammars.mask`."""
+        (`graph_draw`), constrained or not; any other step with a constrained sequence samples eagerly, after
+        `Grammars.mask`."""
         assert not is_prefill or PENDING_TOKEN not in (s.last_token for s in seqs), "a prefill before its last token"
-        constrained = self.grammars.constrained(seqs)
-        if not constrained and not is_prefill and self.sampling_graphs is not None and self.graphs is not None \
+        if not is_prefill and self.sampling_graphs is not None and self.graphs is not None \
                 and self.graphs.covers(len(seqs)):
             temperatures = plain_temperatures(seqs)
             if temperatures is not None:
                 pending = self.begin_step(seqs, previous)
-                # The model's graph writes the hidden states that the sampling graph reads (graphs.outputs).
+                # The model's graph writes the hidden states that the sampling graph reads (graphs.outputs); it is
+                # queued first, so that its forward runs while the host waits and fills a constrained step's bitmask.
                 self.replay_staged(seqs, previous if pending else None)
-                return SampledTokens.start(seqs, list(range(len(seqs))), self.sampling_graphs.sample(temperatures))
+                return SampledTokens.start(seqs, list(range(len(seqs))), self.graph_draw(seqs, temperatures, previous))
         logits = self.compute_logits(seqs, is_prefill, previous)
-        if constrained:
+        if self.grammars.constrained(seqs):
             self.grammars.mask(seqs, logits, previous)
         rows, sampled = self.sample(seqs, logits)
         sampled = share_from_rank0(sampled, len(rows) + len(sibling_samples(seqs)), self.device)
         # Only the rank that sampled needs the tokens on the host (the others never read them there).
         return SampledTokens.start(seqs, rows, sampled, to_host=logits is not None)
+
+    def graph_draw(
+        self, seqs: list[Sequence], temperatures: list[float], previous: SampledTokens | None
+    ) -> torch.Tensor:
+        """The tokens [n] of a decode step whose model graph was just replayed and whose rows sample plainly, row i at
+        ``temperatures[i]``, from one more replay: chapter 18's sampling graphs, or, with a constrained sequence, the
+        masked ones (`MaskedSamplingGraphs`), once the host has filled the step's bitmask (`Grammars.fill`, which waits
+        for ``previous`` when a constrained row's token is still pending)."""
+        if not self.grammars.constrained(seqs):
+            return self.sampling_graphs.sample(temperatures)
+        if self.masked_sampling is None:
+            # Captured at the first constrained step rather than at start: an engine that never sees a constraint
+            # pays neither the capture (one graph per bucket, largest first, as chapter 14 captures) nor the memory.
+            # They share the graphs' pool, since no two replays ever overlap; here, after this step's forward was
+            # queued (the capture waits for it, once) and before any replay of theirs, so no step reads their tokens.
+            self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, bitmask_words(self.grammars.vocab_size))
+            self.masked_sampling.capture()
+        self.grammars.fill(seqs, self.masked_sampling.host_rows(len(seqs)), previous)
+        self.masked_sampling.send(len(seqs))
+        return self.masked_sampling.sample(temperatures)
 
     # notebooks/09_model_runner.py · cell "model runner"
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:

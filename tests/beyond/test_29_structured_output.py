@@ -473,6 +473,224 @@ def test_the_benchmark_runs_both_ways_on_the_same_tokens_in_one_invocation(tiny:
         bench(["--structured", "--batches", "0", "--device", "cpu"])
 
 
+# ---- the mask inside the captured step (issue 63, item 4) ----------------------------------------------------------
+class _LinearHead(torch.nn.Module):
+    """A stand-in model for the sampling graphs: compute_logits is one matmul over the graph's output rows."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states @ self.weight.T
+
+
+def _masked_graphs(vocab: int, sizes: list[int], device: str = "cpu", hidden: int = 16):
+    """MaskedSamplingGraphs over stand-in decode graphs (what it reads of a CudaGraphRunner), with chapter 12's race
+    kernels (the Triton interpreter on a CPU); nothing captured."""
+    from types import SimpleNamespace
+
+    from nanovllm.engine.cuda_graphs import SamplingGraphs, graph_batch_size
+    from nanovllm.engine.grammars import MaskedSamplingGraphs
+    from nanovllm.layers.triton_sampler import triton_temperature_sample
+
+    graphs = SimpleNamespace(sizes=sizes, device=torch.device(device), pool=None,
+                             outputs=torch.randn(sizes[-1], hidden, device=device),
+                             bucket=lambda n: graph_batch_size(n, sizes))  # fmt: skip
+    head = _LinearHead(torch.randn(vocab, hidden, device=device))
+    plain = SamplingGraphs(head, graphs, triton_temperature_sample)
+    return MaskedSamplingGraphs(plain, bitmask_words(vocab)), plain, graphs, head
+
+
+def _decoding(llm: LLM, params: SamplingParams, walk: int, seed: int, refused: int | None = None) -> Sequence:
+    """A sequence ready to decode, ``walk`` completion tokens in: random tokens its grammar allows (never an end of
+    sequence; plain tokens for an unconstrained one), then ``refused`` if given."""
+    import random
+
+    rng, vocab = random.Random(seed), llm.config.hf_config.vocab_size
+    seq = Sequence([5 + seed, 20, 30], params, block_size=16)
+    matcher = None
+    if params.structured_outputs is not None:
+        matcher = llm.model_runner.grammars.compile(params.structured_outputs).deep_copy()
+    for _ in range(walk):
+        token = rng.randrange(40, 200)
+        if matcher is not None:
+            row = torch.empty(1, bitmask_words(vocab), dtype=torch.int32)
+            fill_bitmask(matcher, row, 0)
+            allowed = allowed_tokens(row[0], vocab).nonzero().flatten().tolist()
+            token = rng.choice([t for t in allowed if t not in llm.config.eos_token_ids])
+            assert matcher.consume_token(token)
+        seq.append_token(token)
+    if refused is not None:
+        seq.append_token(refused)
+    seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
+    return seq
+
+
+def _mixed_step(llm: LLM, seed: int) -> tuple[list[Sequence], list[float]]:
+    """Five sequences of one decode step, and their temperatures: a JSON schema, a plain one, a regex, a grammar that
+    failed (its last token refused: only an end of sequence is left), a plain one at temperature 1."""
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    temperatures = [0.0, 0.0, 0.8, 0.0, 1.0]
+    kinds = [COMPACT, None, StructuredOutputsParams(regex=DATE), yes_no, None]
+    seqs = []
+    for i, (kind, temperature) in enumerate(zip(kinds, temperatures, strict=True)):
+        params = SamplingParams(temperature=temperature, max_tokens=64, structured_outputs=kind)
+        refused = llm.tokenizer.convert_tokens_to_ids("x") if kind is yes_no else None
+        seqs.append(_decoding(llm, params, walk=(0 if kind is yes_no else 3 + i), seed=seed + i, refused=refused))
+    return seqs, temperatures
+
+
+def test_forbid_equals_apply_bitmask_on_every_row():
+    from nanovllm.engine.grammars import forbid
+
+    torch.manual_seed(0)
+    for vocab in (1, 31, 32, 33, 70, 1000):
+        words = bitmask_words(vocab)
+        bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32)
+        bitmask[0] = -1
+        bitmask[1] = 0
+        # rows of a larger buffer, as the graphs read them
+        buffer = torch.zeros(8, words, dtype=torch.int32)
+        buffer[:5] = bitmask
+        logits = torch.randn(5, vocab)
+        expected = logits.clone()
+        apply_bitmask(expected, bitmask, list(range(5)))
+        forbid(logits, buffer[:5])
+        assert torch.equal(logits, expected), vocab
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_masked_draw_equals_the_eager_path_greedy_and_seeded(llm: LLM, seed: int, caplog):
+    """What a replay of the masked graphs does (`MaskedSamplingGraphs.draw`, called eagerly) gives the tokens of the
+    eager path (`Grammars.mask`, then the same race with the same Philox key), on a step that mixes constrained
+    rows, plain rows and a failed grammar, greedy rows and rows at a temperature; with padding rows up to the
+    bucket."""
+    grammars, vocab = llm.model_runner.grammars, llm.config.hf_config.vocab_size
+    masked, plain, graphs, head = _masked_graphs(vocab, [1, 2, 4, 8])
+    eager_seqs, temperatures = _mixed_step(llm, seed)
+    graph_seqs, _ = _mixed_step(llm, seed)
+    n, key = len(eager_seqs), plain.seed.clone()
+    with caplog.at_level(logging.WARNING, logger="nanovllm.grammars"):
+        logits = head.compute_logits(graphs.outputs[:n])
+        grammars.mask(eager_seqs, logits)
+        eager = plain.sample_plain(logits, torch.tensor(temperatures), seed=key.clone())
+
+        grammars.fill(graph_seqs, masked.host_rows(n))
+        masked.send(n)
+        masked.temperatures[:n] = torch.tensor(temperatures)
+        masked.draw(graphs.bucket(n))
+    assert masked.seed is plain.seed and int(plain.seed) == int(key) + 1
+    assert torch.equal(masked.tokens[:n], eager)
+    # the mask held: each constrained row's token is one its grammar allows; the failed one may only end
+    allowed = allowed_tokens(masked.bitmask[:n], vocab)
+    assert all(allowed[i, token] for i, token in enumerate(eager.tolist()))
+    assert allowed[1].all() and allowed[4].all() and not allowed[0].all() and not allowed[2].all()
+    assert allowed[3].nonzero().flatten().tolist() == sorted(llm.config.eos_token_ids)
+    assert eager[3].item() in llm.config.eos_token_ids
+
+
+def test_fill_rewrites_every_row_of_a_reused_buffer(llm: LLM):
+    """`Grammars.fill` writes every row of the host buffer it is given (the masked graphs reuse two in turn): a
+    constrained row its grammar's tokens, a failed grammar's row only end of sequence, a plain row all ones."""
+    grammars, vocab = llm.model_runner.grammars, llm.config.hf_config.vocab_size
+    for seed in range(3):
+        filled, _ = _mixed_step(llm, 10 * seed)
+        expected_seqs, _ = _mixed_step(llm, 10 * seed)
+        rows = torch.zeros(len(filled), bitmask_words(vocab), dtype=torch.int32)  # what an earlier step left
+        grammars.fill(filled, rows)
+        expected = torch.full_like(rows, -1)
+        for i, seq in enumerate(expected_seqs):
+            if seq.sampling_params.structured_outputs is not None:
+                grammars.fill_row(seq, grammars.follow(seq, {}), expected, i)
+        assert torch.equal(rows, expected)
+        assert grammars.matchers[filled[3]].error and torch.equal(rows[3], grammars.end_of_sequence)
+        assert rows[1].eq(-1).all() and not rows[0].eq(-1).all()
+
+
+class _Transfer:
+    """Stands for a CUDA event recorded after a copy: in flight from record() until synchronize()."""
+
+    def __init__(self) -> None:
+        self.in_flight = False
+
+    def record(self) -> None:
+        self.in_flight = True
+
+    def synchronize(self) -> None:
+        self.in_flight = False
+
+
+def test_the_host_never_writes_a_bitmask_buffer_whose_copy_may_be_in_flight():
+    """`host_rows` hands out the host buffers in turn, each once its last copy is done: the step the host fills never
+    shares a buffer with the step before, whose copy may still be queued behind the forward."""
+    masked, *_ = _masked_graphs(70, [1, 2, 4])
+    masked.sent = [_Transfer() for _ in masked.sent]
+    before = None
+    for step in range(6):
+        rows = masked.host_rows(3)
+        assert not masked.sent[masked.turn].in_flight
+        assert rows.data_ptr() != before
+        rows.fill_(step)
+        # what send() does on a GPU: the copy is queued, and stays in flight until someone waits for it
+        masked.sent[masked.turn].record()
+        before = rows.data_ptr()
+
+
+@pytest.mark.gpu
+def test_gpu_masked_sampling_graphs_sample_under_each_steps_mask_without_waiting():
+    """Captured masked graphs, replayed step after step with no wait but `host_rows`' own: each step allows one token
+    a row (a different one each step), and every greedy row samples it. A bitmask copied too early or too late, or a
+    host buffer overwritten in flight, would show as another step's token."""
+    vocab, sizes = 4000, [1, 2, 4, 8, 16]
+    masked, plain, *_ = _masked_graphs(vocab, sizes, device="cuda", hidden=32)
+    plain.capture()
+    masked.capture()
+    drawn, wanted = [], []
+    for step in range(40):
+        n = max(1, sizes[step % len(sizes)] - step % 2)
+        tokens = [(97 * step + 31 * row) % vocab for row in range(n)]
+        rows = masked.host_rows(n)
+        rows.zero_()
+        for row, token in enumerate(tokens):
+            rows[row, token // 32] = (1 << (token % 32)) - (1 << 32 if token % 32 == 31 else 0)
+        masked.send(n)
+        drawn.append(masked.sample([0.0] * n).clone())
+        # a plain replay between two masked ones shares the key and leaves the bitmask alone
+        plain.sample([0.0] * n)
+        wanted.append(tokens)
+    assert [d.tolist() for d in drawn] == wanted
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_steps_sample_in_the_masked_graphs_with_the_eager_tokens(tiny: Path):
+    """The engine with and without the captured sampler: the same constrained greedy tokens (JSON, regex, a plain
+    request beside them), synchronous and asynchronous; with it, constrained decode steps replay the masked graphs."""
+    from nanovllm.engine.grammars import MaskedSamplingGraphs
+
+    params = [constrained(COMPACT, 40), constrained(StructuredOutputsParams(regex=DATE), 40),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), constrained(COMPACT, 40)]
+    prompts = [[5, 20, 30], [6, 20], [7, 20, 30, 40], [8, 20]]
+    replays = []
+    real_sample = MaskedSamplingGraphs.sample
+    tokens = {}
+    for in_graph in (False, True):
+        for asynchronous in (False, True):
+            with LLM(str(tiny), dtype="float32", sample_in_graph=in_graph, async_scheduling=asynchronous,
+                     kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, max_num_seqs=8) as llm:
+                MaskedSamplingGraphs.sample = lambda self, t: replays.append(len(t)) or real_sample(self, t)
+                try:
+                    outputs = llm.generate(prompts, params, use_tqdm=False)
+                finally:
+                    MaskedSamplingGraphs.sample = real_sample
+                assert (llm.model_runner.masked_sampling is not None) == in_graph
+                assert all(accepted(llm, COMPACT, outputs[i]["token_ids"]) for i in (0, 3))
+                assert accepted(llm, StructuredOutputsParams(regex=DATE), outputs[1]["token_ids"])
+            tokens[in_graph, asynchronous] = [o["token_ids"] for o in outputs]
+    assert tokens[True, False] == tokens[True, True] == tokens[False, False] == tokens[False, True]
+    assert replays and max(replays) == 4
+
+
 # ---- the server's response_format (issue 63, items 1 and 5) -------------------------------------------------------
 SERVER_ARGS = ["--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-model-len", "512"]
 # JSON without blanks: the tiny model, free to write blanks, would write nothing else until max_tokens.
