@@ -734,9 +734,7 @@ except ValueError as error:
 #   token, so the matcher has nothing to replay, and its next mask is the one it would have had.
 # - **A grammar that fails**: llguidance may stop at its limits in the middle of a request, or be
 #   handed a token it refuses. The sequence then gets only its end-of-sequence tokens, so that it
-#   ends at its next token, and the log says why. An engine that cannot constrain a request in this
-#   slice (tensor parallelism: see "Masks meet the rest of the engine") ends it the same way, at its
-#   first token, with the reason in the log.
+#   ends at its next token, and the log says why.
 # - **Speculative decoding**: a verify step's rows are masked by `mask_drafts`, row *i* by the
 #   grammar after the first *i* drafts, and the matcher gives the drafts back (`rollback`); it reads
 #   the ones the engine kept at its next mask, as it reads any token. `cut_drafts` cuts a proposal at
@@ -766,8 +764,7 @@ except ValueError as error:
 # - **抢占**：被抢占的序列保留它的 token 和它的匹配器。重算不会添加 token，所以匹配器没有什么需要重放的，它的下一个
 #   掩码就是本来会有的那一个。
 # - **语法失败**：llguidance 可能在请求中途碰到它的限额而停下，或者收到一个它拒绝的 token。这时这个序列只剩下它的
-#   end-of-sequence token 可选，于是在下一个 token 处结束，日志里写明原因。在这一部分里无法约束请求的引擎（张量并行：
-#   见“掩码遇上引擎的其余部分”）也这样结束请求：在它的第一个 token 处，原因写在日志里。
+#   end-of-sequence token 可选，于是在下一个 token 处结束，日志里写明原因。
 # - **投机解码**：验证步的各行由 `mask_drafts` 加掩码，第 *i* 行用读过前 *i* 个草稿之后的语法，然后匹配器把草稿退回去
 #   （`rollback`）；引擎保留下的草稿，它在下一次掩码时读入，和读入任何 token 一样。`cut_drafts` 把提议截到语法拒绝的
 #   第一个草稿为止（见“掩码遇上引擎的其余部分”）。
@@ -866,9 +863,6 @@ class Grammars:
         # zh: 从语法拒绝的第一个草稿起的草稿数，它们一个也不可能被保留：要么在验证步之前被截掉（`cut_drafts`），要么在
         # zh: 验证步里不加掩码（`mask_drafts`）。
         self.refused_drafts = 0
-        # en: Why this engine cannot constrain a request yet (None: it can).
-        # zh: 这个引擎暂时无法约束请求的原因（None：可以约束）。
-        self.refusal = unsupported_by(config)
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -1074,8 +1068,6 @@ class Grammars:
                              "config.json)")
         state = SequenceGrammar(None)
         try:
-            if self.refusal is not None:
-                raise ValueError(self.refusal)
             state.matcher = self.compile(seq.sampling_params.structured_outputs).deep_copy()
         except ValueError as error:
             self.fail(seq, state, str(error))
@@ -1088,16 +1080,6 @@ class Grammars:
         _logger.warning("request %d, sample %d: structured output failed after %d tokens, so the request ends here: "
                         "%s", seq.request_id, seq.sample_index, seq.num_completion_tokens, error)
 
-
-def unsupported_by(config: Config) -> str | None:
-    """Why an engine built with ``config`` cannot constrain requests yet, or None. Under tensor parallelism, rank 0
-    rebuilds the step's sequences in each call, so no matcher can live beside one. (Speculative decoding can: a
-    verify step masks each draft's row, `Grammars.mask_drafts`.)"""
-    # zh: 按 ``config`` 构建的引擎暂时无法约束请求的原因，或 None。张量并行时，rank 0 在每次调用中重建这一步的序列，
-    # zh: 匹配器没法和序列放在一起。（投机解码可以约束：验证步给每个草稿的行加掩码，见 `Grammars.mask_drafts`。）
-    if config.tensor_parallel_size > 1:
-        return "structured output does not run under tensor parallelism yet: use tensor_parallel_size=1"
-    return None
 
 
 # %% [markdown] tags=["en"]
@@ -1348,10 +1330,10 @@ def _reserve_drafts(self, seqs: list[Sequence]) -> bool:
     if self.speculator is None:
         return False
     drafts = self.speculator.propose(seqs, self.scheduler.budget_left(seqs))
-    # en: A tensor-parallel engine's runner holds no grammars: it constrains nothing (`unsupported_by`).
-    # zh: 张量并行引擎的执行器没有语法：它什么也不约束（`unsupported_by`）。
-    grammars = getattr(self.model_runner, "grammars", None)
-    if grammars is not None and grammars.constrained(seqs):
+    # en: A speculating engine runs in one process (chapter 25 refuses tensor parallelism): its runner is at hand.
+    # zh: 做投机的引擎只在一个进程里运行（第 25 章拒绝张量并行）：它的执行器就在手边。
+    grammars = self.model_runner.grammars
+    if grammars.constrained(seqs):
         drafts = grammars.cut_drafts(seqs, drafts)
     return self.scheduler.reserve_drafts(seqs, drafts) > 0
 
@@ -1589,8 +1571,15 @@ smol.exit()
 # clearer here and has not been measured against it.)
 #
 # **Tensor parallelism**: the sampler runs on rank 0, which rebuilds the step's sequences from
-# their slim copies in each call (chapter 17), so a matcher cannot live beside a sequence there.
-# That is also for a later part, which will ship each step's bitmask to rank 0 instead.
+# their slim copies in each call (chapter 17), so a matcher kept beside a sequence object would go
+# with it after one step. Rank 0 therefore keeps the object of each constrained sequence from call
+# to call and brings it up to date from each slim state (`RankWorker._sequences`, below); its
+# matcher lives as long as the object, which goes when the driver says the sequence finished (the
+# `gone` ids of chapter 17's sampling params). A slim copy carries only the tokens whose KV is not
+# cached yet: during decode, the last one, which is the one token its matcher has not read; after
+# a preemption, every token not in the prefix cache, of which the matcher skips those it has read.
+# (A verify step would need more, the drafts it kept, but speculation does not run under tensor
+# parallelism.)
 #
 # **Compiling** a schema takes about a millisecond here and is bounded by llguidance's limits, so it
 # runs on the caller's thread when the `StructuredOutputsParams` is made, and against the tokenizer
@@ -1625,8 +1614,12 @@ smol.exit()
 # decode。（llguidance 也能用一次调用填好一个序列所有草稿的行，并在各序列之间并行：
 # `fill_next_token_bitmask_par_with_draft_tokens`。这里每个序列一个循环更清楚，还没有和它比较过速度。）
 #
-# **张量并行**：采样器在 rank 0 上运行，而 rank 0 在每次调用中从精简的拷贝重建这一步的序列（第 17 章），所以匹配器没法
-# 和序列放在一起。这也留给后面的部分，届时会把每一步的位掩码送到 rank 0。
+# **张量并行**：采样器在 rank 0 上运行，而 rank 0 在每次调用中从精简的拷贝重建这一步的序列（第 17 章），所以放在序列
+# 对象旁边的匹配器，一步之后就会随对象一起消失。因此 rank 0 在多次调用之间保留每个受约束序列的对象，并用每一步的精简
+# 状态更新它（下面的 `RankWorker._sequences`）；它的匹配器和这个对象活得一样久，驱动进程说这个序列结束时（第 17 章
+# 采样参数里的 `gone` id），对象就被丢掉。精简的拷贝只带着 KV 还没缓存的 token：decode 时只有最后一个，正好是匹配器
+# 还没读过的那一个；抢占之后，是不在前缀缓存里的所有 token，匹配器跳过其中已经读过的。（验证步还需要更多，即它保留
+# 下来的草稿，但投机解码不在张量并行下运行。）
 #
 # **编译**一个 schema 在这里大约一毫秒，并受 llguidance 的限额约束，所以它在调用者的线程上运行：创建
 # `StructuredOutputsParams` 时编译成语法，第一个序列需要它时再针对分词器编译。下面的服务器在事件循环之外编译。
@@ -1662,6 +1655,60 @@ assert accepted(constraints["json."], with_drafts[0]["token_ids"])
 
 
 # %% [markdown] tags=["en"]
+# Under tensor parallelism, rank 0's `_sequences` (chapter 17) is written again (16 lines): it also
+# keeps each constrained sequence's object, so that the matcher that `Grammars` keeps beside it
+# survives the step. `tests/beyond/test_29_structured_output.py` checks that two ranks write the
+# outputs of one, greedy and seeded, forks and preemption included.
+
+# %% [markdown] tags=["zh"]
+# 在张量并行下，rank 0 的 `_sequences`（第 17 章）重写了一遍（16 行）：它还保留每个受约束序列的对象，让 `Grammars`
+# 放在它旁边的匹配器活过这一步。`tests/beyond/test_29_structured_output.py` 检查了两个 rank 写出的输出与一个 rank 的
+# 相同，贪心的和带种子的都是，分叉和抢占也包括在内。
+
+# %% rank 0 keeps constrained sequences
+#| export engine.tp_runtime
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.tp_runtime import RankWorker, step_sequences
+from nanovllm.sampling_params import SamplingParams
+
+
+@add_to_init(RankWorker)
+def _init_kept_sequences(self) -> None:
+    # en: Rank 0: each running constrained sequence, the same object from call to call (its matcher goes with it).
+    # zh: rank 0：每个正在运行的受约束序列，各次调用之间是同一个对象（它的匹配器跟着它）。
+    self.kept: dict[int, Sequence] = {}
+
+
+@add_to_class(RankWorker)
+def _sequences(
+    self, states: list[tuple], params: tuple[dict[int, SamplingParams], list[int]] | None
+) -> list[Sequence]:
+    """The step's sequences, rebuilt from their slim states; on rank 0 with their sampling params, and each
+    constrained one as the object kept from earlier calls, brought up to date, so that its grammar's matcher
+    (`Grammars.matchers`, keyed weakly by the sequence) follows it until it finishes."""
+    # zh: 这一步的序列，由它们的精简状态重建；在 rank 0 上还带着它们的采样参数，每个受约束的序列则是之前的调用里保留下来
+    # zh: 的那个对象，已更新到最新，这样它的语法的匹配器（`Grammars.matchers`，以序列为弱引用键）一直跟着它，直到结束。
+    seqs = step_sequences(states)
+    if params is not None:
+        new, gone = params
+        self.params.update(new)
+        for seq_id in gone:
+            self.params.pop(seq_id, None)
+            self.kept.pop(seq_id, None)
+        for i, state in enumerate(states):
+            sampling_params = self.params[seqs[i].seq_id]
+            if sampling_params.structured_outputs is not None:
+                seqs[i] = self.kept.setdefault(seqs[i].seq_id, seqs[i])
+                seqs[i].__setstate__(state)
+                # en: A slim copy has no drafts: speculation does not run under tensor parallelism.
+                # zh: 精简的拷贝没有草稿：投机解码不在张量并行下运行。
+                seqs[i].num_draft_tokens = 0
+            seqs[i].sampling_params = sampling_params
+    return seqs
+
+
+# %% [markdown] tags=["en"]
 # ## Serving it: response_format
 #
 # Chapter 22's server refused `response_format` by name. OpenAI's clients send it in two shapes:
@@ -1672,7 +1719,7 @@ assert accepted(constraints["json."], with_drafts[0]["token_ids"])
 # same road, and, as in vLLM, it may also just add `disable_any_whitespace` to a `response_format`.
 # `tools` and `tool_choice` are chapter 29b's.
 #
-# Three things are new on the server's side. **Where it compiles**: a schema becomes llguidance's
+# Two things are new on the server's side. **Where it compiles**: a schema becomes llguidance's
 # grammar when its `StructuredOutputsParams` is made, in about a millisecond, bounded by
 # llguidance's own limits (`grammar_limits()`, an `LLParserLimits`: a hostile schema is refused, not
 # compiled for seconds). Still, the event loop serves every other stream, so the request's sampling
@@ -1680,11 +1727,7 @@ assert accepted(constraints["json."], with_drafts[0]["token_ids"])
 # the constraint there. That moves one line of chapter 22's `Api.generate`, which is written again
 # below (no member of chapter 22 runs off the loop after tokenizing). **What a bad constraint gets**:
 # 400 in OpenAI's shape, with `param` naming the field (`response_format` or `structured_outputs`)
-# and the message llguidance's reason. **An engine that cannot constrain** (under tensor
-# parallelism: `unsupported_by`) would end such a request at its first token, with the reason
-# only in its log. The server learns why from `EngineInfo`, which carries `unsupported_by(config)`
-# across the pipe (its `of` is written again with the one more argument), and answers 400 with that
-# reason before anything is compiled.
+# and the message llguidance's reason.
 #
 # Chapter 22's `NOT_IMPLEMENTED` loses the two names with `-=`, a line that runs after the set is
 # made, so the set is not written again; and the two fields are marked as logged already, so that the
@@ -1700,15 +1743,12 @@ assert accepted(constraints["json."], with_drafts[0]["token_ids"])
 # ...}`）走同一条路；和 vLLM 一样，它也可以只给 `response_format` 加上 `disable_any_whitespace`。`tools` 和
 # `tool_choice` 留给第 29b 章。
 #
-# 服务器一侧有三件新事。**在哪里编译**：创建 `StructuredOutputsParams` 时，schema 就编译成 llguidance 的语法，大约一
+# 服务器一侧有两件新事。**在哪里编译**：创建 `StructuredOutputsParams` 时，schema 就编译成 llguidance 的语法，大约一
 # 毫秒，并受 llguidance 自己的限额约束（`grammar_limits()`，一个 `LLParserLimits`：恶意的 schema 会被拒绝，而不是被
 # 编译好几秒）。即便如此，事件循环还要服务其他所有的流，所以请求的采样参数现在在负责分词的线程上构建（`Api.off_loop`），
 # 由 `Api.constrained` 在那里加上约束。这把第 22 章 `Api.generate` 里的一行挪了位置，下面重写了这个方法（第 22 章没有
 # 哪个成员在分词之后还在事件循环之外运行）。**错误的约束得到什么**：OpenAI 形式的 400，`param` 指明字段
-# （`response_format` 或 `structured_outputs`），消息是 llguidance 给出的原因。**不能做约束的引擎**（张量并行：
-# 见 `unsupported_by`）会让这样的请求在第一个 token 处结束，原因只写在它的日志里。服务器从 `EngineInfo` 得知原因：
-# 它把 `unsupported_by(config)` 带过管道（它的 `of` 重写了一遍，多传一个参数），服务器在编译任何东西之前就用这个原因
-# 回答 400。
+# （`response_format` 或 `structured_outputs`），消息是 llguidance 给出的原因。
 #
 # 第 22 章的 `NOT_IMPLEMENTED` 用 `-=` 去掉这两个名字：这一行在集合建好之后运行，集合本身不用重写；这两个字段还被标记为
 # 已经记录过，服务器不会把它们当作不认识的字段写进日志。
@@ -1777,29 +1817,6 @@ def constraint_fields(self) -> tuple[str, dict[str, Any]] | None:
     return "response_format", {**options, **asked}
 
 
-# %% engine info refusal
-#| export serve.driver
-from nanovllm.book.literate import add_fields, add_to_class
-from nanovllm.engine.grammars import unsupported_by
-from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.serve.driver import EngineInfo
-
-
-# en: Why the engine cannot constrain a request (`unsupported_by`), or None: the server refuses such requests itself.
-# zh: 引擎为什么不能约束请求（`unsupported_by`），或 None：服务器自己拒绝这样的请求。
-@add_fields(EngineInfo)
-class _StructuredOutputRefusal:
-    structured_output_refusal: str | None = None
-
-
-@add_to_class(EngineInfo)
-@classmethod
-def of(cls, engine: LLMEngine) -> EngineInfo:
-    config = engine.config
-    return cls(config.model, config.max_model_len, config.num_kvcache_blocks, config.kvcache_block_size,
-               tuple(config.eos_token_ids), config.max_num_seqs, unsupported_by(config))
-
-
 # %% serve constraints
 #| export serve.app
 from dataclasses import replace
@@ -1830,9 +1847,6 @@ def constrained(self, body: SamplingRequest, params: SamplingParams) -> Sampling
     if asked is None:
         return params
     param, fields = asked
-    refusal = self.info.structured_output_refusal
-    if refusal is not None:
-        raise ServerError(400, f"{param} cannot be served by this server: {refusal}", param=param)
     try:
         constraint = StructuredOutputsParams(**fields)
     except (TypeError, ValueError) as error:
@@ -2261,8 +2275,7 @@ assert [round(captured[256][i], 1) for i in (5, 3, 4)] == [2.6, 3.8, 4.5]
 #   and vLLM's `structured_outputs` extra body on both endpoints (`SamplingRequest.constraint_fields`,
 #   `response_format_fields`); `Api.constrained` compiles the constraint on the tokenizer's thread,
 #   which now builds every request's sampling parameters (`Api.generate`, written again); a bad
-#   schema or regex gets 400 naming the field, and an engine that cannot constrain
-#   (`EngineInfo.structured_output_refusal`) gets its requests refused with the reason.
+#   schema or regex gets 400 naming the field.
 #   `chat.completions.parse` returns a Pydantic object from the tiny model.
 # - Chapter 25's `ModelRunner.verify` and `LLMEngine._reserve_drafts`, written again: a verify
 #   step's rows are masked draft by draft (`Grammars.mask_drafts`), and drafts the grammar refuses
@@ -2270,8 +2283,9 @@ assert [round(captured[256][i], 1) for i in (5, 3, 4)] == [2.6, 3.8, 4.5]
 #   constrained outputs are those without speculation.
 #
 # Measured on an H100: the captured constrained step at 0.98× the free run at one sequence, 0.85×
-# at 256. Not yet: `tools` and `tool_choice` (chapter 29b), a fill that keeps up at 256 sequences,
-# constrained speculation measured on a GPU, and tensor parallelism.
+# at 256. Under tensor parallelism, rank 0 keeps each constrained sequence's object from step to step
+# (`RankWorker._sequences`, written again). Not yet: `tools` and `tool_choice` (chapter 29b), a fill
+# that keeps up at 256 sequences, and constrained speculation measured on a GPU.
 #
 # ## Exercises
 #
@@ -2302,14 +2316,14 @@ assert [round(captured[256][i], 1) for i in (5, 3, 4)] == [2.6, 3.8, 4.5]
 # - 服务器（第 22 章）在两个端点上都接受 OpenAI 的 `response_format`（`json_schema`、`json_object`、`text`）和 vLLM 的
 #   额外请求体字段 `structured_outputs`（`SamplingRequest.constraint_fields`、`response_format_fields`）；
 #   `Api.constrained` 在分词线程上编译约束，每个请求的采样参数现在都在那里构建（重写的 `Api.generate`）；错误的
-#   schema 或正则表达式得到指明字段的 400，不能做约束的引擎（`EngineInfo.structured_output_refusal`）则连同原因
-#   拒绝这样的请求。`chat.completions.parse` 从小模型得到一个 Pydantic 对象。
+#   schema 或正则表达式得到指明字段的 400。`chat.completions.parse` 从小模型得到一个 Pydantic 对象。
 # - 重写的第 25 章 `ModelRunner.verify` 和 `LLMEngine._reserve_drafts`：验证步的各行逐个草稿地加掩码
 #   （`Grammars.mask_drafts`），语法拒绝的草稿在验证之前就被截掉（`Grammars.cut_drafts`）；用提示词查找时，贪心和带
 #   种子的受约束输出与不做投机时相同。
 #
-# 在 H100 上测过的：捕获的受约束步，1 个序列时是自由运行的 0.98 倍，256 个时 0.85 倍。还没有做的：`tools` 和
-# `tool_choice`（第 29b 章），256 个序列时跟得上的填写，在 GPU 上测量受约束的投机解码，以及张量并行。
+# 在 H100 上测过的：捕获的受约束步，1 个序列时是自由运行的 0.98 倍，256 个时 0.85 倍。张量并行下，rank 0 在各步之间
+# 保留每个受约束序列的对象（重写的 `RankWorker._sequences`）。还没有做的：`tools` 和 `tool_choice`（第 29b 章），
+# 256 个序列时跟得上的填写，以及在 GPU 上测量受约束的投机解码。
 #
 # ## 练习
 #

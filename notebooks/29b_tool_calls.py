@@ -1215,9 +1215,8 @@ print(say("server started, asked and stopped in {seconds:.1f} s", seconds=time.p
 #   No real Qwen3 checkpoint is on this machine; its template's native road is tested with a small
 #   stand-in template, and in a real Qwen3 tokenizer `<tool_call>` is one token of its own, which the
 #   grammar (written in text) has not been checked against.
-# - A tool call is constrained like any structured output, so it inherits chapter 29's limits: a
-#   tensor-parallel server refuses `tool_choice` other than `"none"` (a speculating one constrains
-#   its drafts, chapter 29).
+# - A tool call is constrained like any structured output, so it goes wherever chapter 29's masks
+#   go: a tensor-parallel server constrains it on rank 0, a speculating one constrains its drafts.
 # - `tool_choice` `"none"` still shows the tools to the model (as Qwen's template would); OpenAI's
 #   `strict` on a function is accepted and has no further effect (every call is constrained to its
 #   schema anyway). A streamed call cut by `max_tokens` has sent its first pieces; it ends with
@@ -1255,8 +1254,8 @@ print(say("server started, asked and stopped in {seconds:.1f} s", seconds=time.p
 # - 这里的两个模型都没有为工具训练过：`"auto"` 能否让模型选得好，没有测试。本机没有真正的 Qwen3 权重；它模板的原生
 #   这条路用一个小的替身模板测试；在真正的 Qwen3 分词器里，`<tool_call>` 是一个单独的 token，而用文本写成的语法还没有
 #   在它上面检查过。
-# - 工具调用像任何结构化输出一样受约束，所以继承了第 29 章的限制：张量并行的服务器拒绝 `"none"` 以外的
-#   `tool_choice`（做投机的服务器会约束它的草稿，见第 29 章）。
+# - 工具调用像任何结构化输出一样受约束，所以第 29 章的掩码能去的地方它都能去：张量并行的服务器在 rank 0 上约束它，
+#   做投机的服务器会约束它的草稿。
 # - `tool_choice` 为 `"none"` 时，工具仍然展示给模型（Qwen 的模板也是这样）；函数上 OpenAI 的 `strict` 被接受，但
 #   没有额外的作用（每个调用本来就被约束到它的 schema）。被 `max_tokens` 截断的流式调用已经发出了前面几段；它以
 #   `finish_reason` `"length"` 结束。

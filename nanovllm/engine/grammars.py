@@ -40,7 +40,6 @@ __all__ = [
     "forbid",
     "llguidance_tokenizer",
     "pack_tokens",
-    "unsupported_by",
 ]
 
 
@@ -154,8 +153,6 @@ class Grammars:
         # Drafts from the first one a grammar refused on, none of which can be kept: cut before a verify step
         # (`cut_drafts`), or left unmasked in one (`mask_drafts`).
         self.refused_drafts = 0
-        # Why this engine cannot constrain a request yet (None: it can).
-        self.refusal = unsupported_by(config)
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -325,8 +322,6 @@ class Grammars:
                              "config.json)")
         state = SequenceGrammar(None)
         try:
-            if self.refusal is not None:
-                raise ValueError(self.refusal)
             state.matcher = self.compile(seq.sampling_params.structured_outputs).deep_copy()
         except ValueError as error:
             self.fail(seq, state, str(error))
@@ -337,15 +332,6 @@ class Grammars:
         state.error = error
         _logger.warning("request %d, sample %d: structured output failed after %d tokens, so the request ends here: "
                         "%s", seq.request_id, seq.sample_index, seq.num_completion_tokens, error)
-
-
-def unsupported_by(config: Config) -> str | None:
-    """Why an engine built with ``config`` cannot constrain requests yet, or None. Under tensor parallelism, rank 0
-    rebuilds the step's sequences in each call, so no matcher can live beside one. (Speculative decoding can: a
-    verify step masks each draft's row, `Grammars.mask_drafts`.)"""
-    if config.tensor_parallel_size > 1:
-        return "structured output does not run under tensor parallelism yet: use tensor_parallel_size=1"
-    return None
 
 
 # notebooks/29_structured_output.py · cell "masked sampling graphs"

@@ -289,9 +289,9 @@ class LLMEngine:
         if self.speculator is None:
             return False
         drafts = self.speculator.propose(seqs, self.scheduler.budget_left(seqs))
-        # A tensor-parallel engine's runner holds no grammars: it constrains nothing (`unsupported_by`).
-        grammars = getattr(self.model_runner, "grammars", None)
-        if grammars is not None and grammars.constrained(seqs):
+        # A speculating engine runs in one process (chapter 25 refuses tensor parallelism): its runner is at hand.
+        grammars = self.model_runner.grammars
+        if grammars.constrained(seqs):
             drafts = grammars.cut_drafts(seqs, drafts)
         return self.scheduler.reserve_drafts(seqs, drafts) > 0
 

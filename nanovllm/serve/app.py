@@ -461,9 +461,6 @@ class Api:
         if asked is None:
             return params
         param, fields = asked
-        refusal = self.info.structured_output_refusal
-        if refusal is not None:
-            raise ServerError(400, f"{param} cannot be served by this server: {refusal}", param=param)
         try:
             constraint = StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as error:

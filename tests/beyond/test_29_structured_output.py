@@ -30,7 +30,6 @@ from nanovllm.engine.grammars import (
     fill_bitmask,
     llguidance_tokenizer,
     pack_tokens,
-    unsupported_by,
 )
 from nanovllm.engine.sequence import Sequence
 from nanovllm.llm import LLM
@@ -306,29 +305,24 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_the_reason_logged(llm
     assert grammars.matchers[seq].error and "structured output failed after 1 tokens" in caplog.text
 
 
-def test_only_tensor_parallelism_is_refused(llm: LLM):
-    tp = copy.copy(llm.config)
-    tp.tensor_parallel_size = 2
-    speculating = copy.copy(llm.config)
-    speculating.speculative_method = "ngram"
-    assert "tensor_parallel_size=1" in unsupported_by(tp)
-    assert unsupported_by(llm.config) is None and unsupported_by(speculating) is None
-
-
-def test_a_server_whose_engine_cannot_constrain_refuses_with_the_reason(llm: LLM):
-    """The server's own refusal (`Api.constrained`), for an engine under tensor parallelism, without starting one."""
-    from types import SimpleNamespace
-
-    from nanovllm.serve.app import Api
-    from nanovllm.serve.protocol import CompletionRequest, ServerError
-
-    tp = copy.copy(llm.config)
-    tp.tensor_parallel_size = 2
-    api = SimpleNamespace(info=SimpleNamespace(structured_output_refusal=unsupported_by(tp)))
-    body = CompletionRequest(model="tiny", prompt="Hi", response_format={"type": "json_object"})
-    with pytest.raises(ServerError) as refused:
-        Api.constrained(api, body, SamplingParams())
-    assert refused.value.param == "response_format" and "tensor_parallel_size=1" in str(refused.value)
+def test_two_ranks_write_the_constrained_outputs_of_one(tiny: Path, llm: LLM):
+    """Under tensor parallelism rank 0 samples, keeping each constrained sequence's object, and so its matcher, from
+    step to step (`RankWorker._sequences`): two ranks write the outputs of one, greedy and seeded (n = 2, forked),
+    beside a plain request, with preemption in a cramped cache."""
+    prompts = PROMPTS[:4]
+    params = [constrained(COMPACT), SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24,
+                                                   structured_outputs=StructuredOutputsParams(regex=DATE)),
+              SamplingParams(temperature=0, max_tokens=12), constrained(StructuredOutputsParams(choice=["yes", "no"]))]
+    one = [output["token_ids"] for output in llm.generate(prompts, params, use_tqdm=False)]
+    preempted = []
+    with LLM(str(tiny), device="cpu", tensor_parallel_size=2, kvcache_block_size=4, num_kvcache_blocks=10,
+             max_model_len=64) as two_ranks:
+        two_ranks.set_observer(lambda event, data: preempted.extend(data["preempted"]) if event == "schedule" else None)
+        two = [output["token_ids"] for output in two_ranks.generate(prompts, params, use_tqdm=False)]
+        two_ranks.generate([[9, 9]], SamplingParams(max_tokens=2), use_tqdm=False)  # tells rank 0 who finished
+        held = two_ranks.model_runner.call("world")[0]["params_held"]
+    assert preempted and two == one
+    assert accepted(llm, COMPACT, two[0]) and held == 1  # only the last request's params, held until its next step
 
 
 # ---- with speculative decoding ---------------------------------------------------------------------------------
