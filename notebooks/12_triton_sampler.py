@@ -379,8 +379,8 @@ def triton_temperature_sample(
 #
 # Chapter 08's six logits, now at temperature 2.5, with `block_size=4`: the vocabulary of
 # 6 is two chunks, the second one half past the end. On a CPU the interpreter runs three
-# programs per row, so the chi-square test uses 500 draws (60,000 on a GPU); the high
-# temperature flattens the distribution enough that every token still expects more than 20.
+# programs per row, so the chi-square test uses 250 draws (60,000 on a GPU); the high
+# temperature flattens the distribution enough that every token still expects more than 10.
 # Then greedy rows on random float32 and bfloat16 logits of 1,000 columns in chunks of 256 (the
 # last one partial), with planted ties; a batch that mixes greedy and sampled rows; and the
 # seed: two calls draw different noise, and `torch.manual_seed` replays a call exactly. Last, the
@@ -390,8 +390,8 @@ def triton_temperature_sample(
 # ## 验证：内核采样得到的是 softmax 分布，贪心行与 torch 的 argmax 一致
 #
 # 仍用第 08 章那六个 logits，这次温度为 2.5，`block_size=4`：大小为 6 的词表分成两段，第二段有一半超出末尾。在 CPU
-# 上解释器每行要运行三个程序，所以卡方检验只抽 500 次（GPU 上抽 60,000 次）；较高的温度让分布足够平坦，每个
-# token 的期望次数仍大于 20。然后是
+# 上解释器每行要运行三个程序，所以卡方检验只抽 250 次（GPU 上抽 60,000 次）；较高的温度让分布足够平坦，每个
+# token 的期望次数仍大于 10。然后是
 # 贪心行：1,000 列的随机 float32 和 bfloat16 logits，每段 256 列（最后一段不满），并人为放入并列的最大值；一个
 # 贪心行与采样行混合的批次；然后是种子：两次调用抽到的噪声不同，而 `torch.manual_seed` 能完全重现一次调用。最后，
 # logits 不是数的行得到与 torch 版本相同的标记。
@@ -407,7 +407,10 @@ base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 broken = base.repeat(4, 1)
 broken[0, 3], broken[1, 5], broken[2], broken[3, 0] = float("nan"), float("inf"), float("-inf"), float("-inf")
 torch.manual_seed(0)
-N6, T6 = (60_000 if DEVICE == "cuda" else 500), 2.5
+# en: 250 draws still catch a broken kernel: one that ignores the temperature would give a chi-square of about 80,
+# en: one that loses the second chunk (tokens 4 and 5) about 45, both far above 20.5.
+# zh: 250 次抽样仍足以抓住有错的内核：忽略温度的内核卡方约为 80，丢掉第二段（token 4 和 5）的约为 45，都远超 20.5。
+N6, T6 = (60_000 if DEVICE == "cuda" else 250), 2.5
 kernel_tokens = triton_temperature_sample(
     base.repeat(N6, 1).to(DEVICE), torch.full((N6,), T6, device=DEVICE), block_size=4
 )

@@ -35,11 +35,9 @@ import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-import jupytext
-
 if __package__ in (None, ""):  # run as `python tools/bilingual.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tools.tangle import ROOT, chapter_files
+from tools.tangle import ROOT, chapter_files, read_chapter
 
 LANGUAGES = ("en", "zh")
 COMMENT = re.compile(r"^(?P<indent>\s*)# (?P<lang>en|zh):")
@@ -143,7 +141,7 @@ def english_comments(source: str) -> list[int]:
 def check_notebook(path: Path) -> list[str]:
     """Return one message per missing or mis-tagged twin in the chapter at ``path``."""
     name = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
-    cells = jupytext.read(path, fmt="py:percent").cells
+    cells = read_chapter(path).cells
     problems = []
     for i, cell in enumerate(cells):
         where = f"{name}: {describe(i + 1, cell.source)}"

@@ -51,7 +51,7 @@ from tools.bilingual import Docstring, docstrings
 from tools.cjk import tidy_cjk
 from tools.machine_paths import scrub
 from tools.parts import PARTS
-from tools.tangle import DIRECTIVE, ROOT, chapter_files
+from tools.tangle import DIRECTIVE, ROOT, chapter_files, read_chapter
 
 BUILD = ROOT / "build"
 LANGUAGES = {"en": "mkdocs.yml", "zh": "mkdocs.zh.yml"}
@@ -111,7 +111,7 @@ def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tu
 
 def run_chapter(chapter: Path, lang: str = "en") -> nbformat.NotebookNode:
     """The chapter executed top to bottom in a fresh kernel, printing in ``lang``; ChapterError if a cell raises."""
-    notebook = jupytext.read(chapter, fmt="py:percent")
+    notebook = read_chapter(chapter)  # parsed once for both languages
     # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
     # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
     with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:

@@ -77,13 +77,12 @@ import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jupytext
 import nbformat
 
 if __package__ in (None, ""):  # run as `python tools/lab.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.book import localize
-from tools.tangle import ROOT, chapter_files
+from tools.tangle import ROOT, chapter_files, read_chapter
 
 SETTINGS = ROOT / "tools" / "jupyterlab"
 EXTENSIONS = SETTINGS / "labextensions"
@@ -178,7 +177,7 @@ def reading_copy(chapter: Path, lang: str, root: Path = ROOT,
     """The chapter in one language, as a notebook to read and run in JupyterLab, with the executed book's
     outputs when they are those of the chapter's code as it is now (``executed_run``). ``source``: the
     chapter as jupytext reads it, when the caller has it (it is changed here)."""
-    source = jupytext.read(chapter, fmt="py:percent") if source is None else source
+    source = read_chapter(chapter) if source is None else source
     outputs, run = executed_run(source, root / EXECUTED / lang / f"{chapter.stem}.ipynb")
     if run is not None:
         code = (cell for cell in run.cells if cell.cell_type == "code")
@@ -388,7 +387,7 @@ class Copies:
 def write_reading_copies(root: Path = ROOT) -> Copies:
     """Write every chapter's reading copies under ``root/read``, keeping every copy a reader edited."""
     chapters = chapter_files(root)
-    sources = {chapter: jupytext.read(chapter, fmt="py:percent") for chapter in chapters}  # read once, not per language
+    sources = {chapter: read_chapter(chapter) for chapter in chapters}  # read once, not per language
     done = Copies()
     for lang in LANGUAGES:
         folder = root / "read" / lang

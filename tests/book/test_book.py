@@ -10,6 +10,7 @@ import nbformat
 import pytest
 
 from tools import book
+from tools.tangle import read_chapter
 
 RAISING = """# %% [markdown] tags=["en"]
 # # A chapter that breaks
@@ -116,7 +117,7 @@ def test_the_code_cells_after_the_exercises_are_tagged_as_answers() -> None:
 
 def test_every_chapter_with_exercises_has_answers() -> None:
     for chapter in book.chapter_files(book.ROOT):
-        cells = jupytext.read(chapter, fmt="py:percent").cells
+        cells = read_chapter(chapter).cells
         if any(c.cell_type == "markdown" and book.EXERCISES.search(c.source) for c in cells):
             assert book.answer_cells(cells), f"{chapter.name}: no code cell right after its exercises"
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import jupytext
 import pytest
 
 from nanovllm.book.lang import LANG_ENV, Phrases, Text, display_width, reading_language
 from tools import book
-from tools.tangle import ROOT, chapter_files
+from tools.tangle import ROOT, chapter_files, read_chapter
 
 SAY = Phrases({"free list: {free}": "空闲队列：{free}", "step": "步"})
 
@@ -50,7 +49,7 @@ def test_text_pads_by_display_width() -> None:
 
 
 def chapter_code(chapter: Path) -> ast.Module:
-    cells = jupytext.read(chapter, fmt="py:percent").cells
+    cells = read_chapter(chapter).cells
     return ast.parse("\n\n".join(c.source for c in cells if c.cell_type == "code"), filename=str(chapter))
 
 

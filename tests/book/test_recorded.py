@@ -8,11 +8,10 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-import jupytext
 import pytest
 
 from nanovllm.book.recorded import RECORDED, recorded
-from tools.tangle import chapter_files
+from tools.tangle import chapter_files, read_chapter
 
 ROOT = Path(__file__).resolve().parents[2]
 # A paragraph that names one of these cards quotes a GPU's figures.
@@ -23,7 +22,7 @@ FIGURE = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?\s?(ms|µs|us|t
 
 def cells(chapter: Path, kind: str) -> list[str]:
     """The sources of ``chapter``'s cells of ``kind`` ("code", or "markdown": the English prose)."""
-    notebook = jupytext.read(chapter, fmt="py:percent")
+    notebook = read_chapter(chapter)
     return [cell.source for cell in notebook.cells if cell.cell_type == kind
             and (kind == "code" or "en" in cell.metadata.get("tags", []))]
 

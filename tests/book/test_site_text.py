@@ -68,9 +68,7 @@ def test_the_chinese_reading_copies_have_no_stray_spaces(chapter) -> None:
 
 def test_localize_tidies_only_prose() -> None:
     chapter = tangle.chapter_files(ROOT)[0]
-    import jupytext
-
-    notebook = localize(jupytext.read(chapter, fmt="py:percent"), "zh")
+    notebook = localize(tangle.read_chapter(chapter), "zh")
     prose = [c.source for c in notebook.cells if c.cell_type == "markdown"]
     assert prose and all(tidy_cjk(p) == p for p in prose)
 

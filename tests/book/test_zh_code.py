@@ -13,13 +13,12 @@ import ast
 import re
 from pathlib import Path
 
-import jupytext
 import pytest
 
 from nanovllm.book.lang import LANG_ENV
 from tools.bilingual import docstrings
 from tools.book import localize, localize_code
-from tools.tangle import ROOT, chapter_files, english_comments, split_directives
+from tools.tangle import ROOT, chapter_files, english_comments, read_chapter, split_directives
 
 PROSE = re.compile(r"[A-Za-z]{3,}")
 CHINESE = re.compile(r"[\u4e00-\u9fff]")
@@ -36,7 +35,7 @@ COMMAND_LINE_ONLY = {"13_attention_benchmarks", "14_cuda_graphs", "22_openai_ser
 
 
 def zh_code_cells(chapter: Path) -> list:
-    return [c for c in localize(jupytext.read(chapter, fmt="py:percent"), "zh").cells if c.cell_type == "code"]
+    return [c for c in localize(read_chapter(chapter), "zh").cells if c.cell_type == "code"]
 
 
 def english_docstring_lines(source: str) -> list[str]:

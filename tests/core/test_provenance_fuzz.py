@@ -66,9 +66,10 @@ class ProvenanceKV:
     def record(self, seq: Sequence, pos: int) -> tuple:
         return (seq, pos) if self.deferred else (self.ids(seq)[pos], pos)
 
-    def same_source(self, stored: tuple | None, seq: Sequence, pos: int) -> bool:
+    def same_source(self, stored: tuple | None, seq: Sequence, pos: int, ids: list[int] | None = None) -> bool:
+        """``ids``: ``self.ids(seq)``, when the caller has it (a step's reads ask for it once per sequence)."""
         if not self.deferred:
-            return stored == (self.ids(seq)[pos], pos)
+            return stored == ((self.ids(seq) if ids is None else ids)[pos], pos)
         mine = seq.token_ids[: pos + 1]
         if PENDING_TOKEN in mine:
             raise Violation(f"seq {seq.seq_id} reads position {pos} before its token is known")
@@ -88,9 +89,10 @@ class ProvenanceKV:
                         self.slots[destination * bs + offset] = record
         for seq in seqs:  # reads next: all of them see the cache as it was before the step
             table = seq.block_table
+            ids = None if self.deferred else self.ids(seq)
             for pos in range(seq.num_cached_tokens):
                 slot = table[pos // bs] * bs + pos % bs
-                if not self.same_source(self.slots.get(slot), seq, pos):
+                if not self.same_source(self.slots.get(slot), seq, pos, ids):
                     raise Violation(
                         f"seq {seq.seq_id} reads position {pos} from block {table[pos // bs]}, whose KV was "
                         f"written for {self.slots.get(slot)} instead of {self.record(seq, pos)}"
