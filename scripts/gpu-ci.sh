@@ -38,10 +38,10 @@
 #                                       # the GPU behind SGLang's gateway, cache_aware then round_robin, Qwen3-0.6B's
 #                                       # shapes with random weights; ARGS replace the workload's defaults. Needs the
 #                                       # serving wheels in .whl-serve/ (scripts/serve-wheels.sh: the gateway's too)
-#   scripts/gpu-ci.sh structured [ARGS] # structured output (chapter 29): python -m nanovllm.bench --structured ARGS, the
-#                                       # same greedy requests with and without a JSON schema at batches 1, 16 and 256
-#                                       # on Qwen3-0.6B's shapes; llguidance from the wheel in .whl/ when the machine
-#                                       # lacks it
+#   scripts/gpu-ci.sh structured [ARGS] # structured output (chapter 29): its GPU tests, then python -m nanovllm.bench
+#                                       # --structured ARGS, the same greedy requests with and without a JSON schema
+#                                       # at batches 1, 16 and 256 on Qwen3-0.6B's shapes; llguidance and jsonschema
+#                                       # from the wheels in .whl/ when the machine lacks them
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/probes/moe_probe.py
 #                                       # (one Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
 #                                       # scripts/probes/moe_align_probe.py (the sort in one Triton program), then
