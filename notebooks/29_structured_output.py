@@ -25,9 +25,8 @@
 # of the vocabulary) masks the logits on their device just before the sampler. By the end you can
 # compute such a mask by hand for a tiny grammar, check it bit for bit against **llguidance**, the
 # library the engine uses, and watch SmolLM2 on a CPU write JSON that validates against a schema,
-# where without the mask it writes a sentence. The engine comes first; then the server's
-# `response_format`, which the official `openai` client parses into a Pydantic object. Tool calls
-# come next.
+# where without the mask it writes a sentence. This chapter is the engine's side; the server's,
+# OpenAI's `response_format` and tool calls, is chapter 29b's.
 
 # %% [markdown] tags=["zh"]
 # # 29 · 结构化输出：由语法挑出允许的 token
@@ -39,8 +38,8 @@
 # `SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`，每个序列有一个**匹配器**（matcher）
 # 跟着它写出的 token 走，每一步的**位掩码**（bitmask，词表里每个 token 占一位）在采样器之前、在 logits 所在的设备上
 # 盖住 logits。读完本章，你能为一个很小的语法手算出这样的掩码，逐位对照引擎所用的库 **llguidance** 算出的掩码，并
-# 看到 SmolLM2 在 CPU 上写出符合 schema 的 JSON——不加掩码时，它写的是一句话。先做引擎；再做服务器的
-# `response_format`，官方 `openai` 客户端把回复解析成一个 Pydantic 对象。工具调用在后面。
+# 看到 SmolLM2 在 CPU 上写出符合 schema 的 JSON——不加掩码时，它写的是一句话。本章做引擎这一侧；服务器那一侧，
+# 即 OpenAI 的 `response_format` 和工具调用，在第 29b 章。
 
 # %% printed phrases
 #| hide
@@ -73,9 +72,6 @@ say = Phrases({
         "与一个受约束的请求同批时，不加约束的贪心输出不变：{same}",
     "a pool of {blocks} blocks: {preempted} preemptions, the same {count} outputs: {same}":
         "{blocks} 个块的池：{preempted} 次抢占，同样的 {count} 个输出：{same}",
-    "parsed: {shape!r}, finish_reason {reason}": "解析结果：{shape!r}，finish_reason 为 {reason}",
-    "streamed in JSON mode: {text!r}": "JSON 模式的流式输出：{text!r}",
-    "server started, asked and stopped in {seconds:.1f} s": "服务器启动、应答、停止共用 {seconds:.1f} 秒",
     "batch {batch}: a step {free:.1f} ms free, {constrained:.1f} ms with the schema, Grammars.fill {mask:.2f} ms of "
     "it": "批大小 {batch}：一步自由运行 {free:.1f} 毫秒，带 schema {constrained:.1f} 毫秒，其中 Grammars.fill 占 "
           "{mask:.2f} 毫秒",
@@ -1583,7 +1579,7 @@ smol.exit()
 #
 # **Compiling** a schema takes about a millisecond here and is bounded by llguidance's limits, so it
 # runs on the caller's thread when the `StructuredOutputsParams` is made, and against the tokenizer
-# when the first sequence needs it. The server, below, compiles off its event loop.
+# when the first sequence needs it. The server (chapter 29b) compiles off its event loop.
 
 # %% [markdown] tags=["zh"]
 # ## 掩码遇上引擎的其余部分
@@ -1622,7 +1618,7 @@ smol.exit()
 # 下来的草稿，但投机解码不在张量并行下运行。）
 #
 # **编译**一个 schema 在这里大约一毫秒，并受 llguidance 的限额约束，所以它在调用者的线程上运行：创建
-# `StructuredOutputsParams` 时编译成语法，第一个序列需要它时再针对分词器编译。下面的服务器在事件循环之外编译。
+# `StructuredOutputsParams` 时编译成语法，第一个序列需要它时再针对分词器编译。服务器（第 29b 章）在事件循环之外编译。
 
 # %%
 lookup = [[10, 20, 30, 10, 20, 30], [7, 7, 7, 7], [3, 4, 3, 4]]
@@ -1707,233 +1703,6 @@ def _sequences(
             seqs[i].sampling_params = sampling_params
     return seqs
 
-
-# %% [markdown] tags=["en"]
-# ## Serving it: response_format
-#
-# Chapter 22's server refused `response_format` by name. OpenAI's clients send it in two shapes:
-# `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}`, which
-# becomes `StructuredOutputsParams(json=schema)`, and `{"type": "json_object"}`, which becomes
-# `json_object=True`; `{"type": "text"}` asks for nothing. vLLM's own extra-body field
-# `structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`) takes the
-# same road, and, as in vLLM, it may also just add `disable_any_whitespace` to a `response_format`.
-# `tools` and `tool_choice` are chapter 29b's.
-#
-# Two things are new on the server's side. **Where it compiles**: a schema becomes llguidance's
-# grammar when its `StructuredOutputsParams` is made, in about a millisecond, bounded by
-# llguidance's own limits (`grammar_limits()`, an `LLParserLimits`: a hostile schema is refused, not
-# compiled for seconds). Still, the event loop serves every other stream, so the request's sampling
-# parameters are now built on the thread that tokenizes (`Api.off_loop`), and `Api.constrained` adds
-# the constraint there. That moves one line of chapter 22's `Api.generate`, which is written again
-# below (no member of chapter 22 runs off the loop after tokenizing). **What a bad constraint gets**:
-# 400 in OpenAI's shape, with `param` naming the field (`response_format` or `structured_outputs`)
-# and the message llguidance's reason.
-#
-# Chapter 22's `NOT_IMPLEMENTED` loses the two names with `-=`, a line that runs after the set is
-# made, so the set is not written again; and the two fields are marked as logged already, so that the
-# server never logs them as fields it does not know.
-
-# %% [markdown] tags=["zh"]
-# ## 用于服务：response_format
-#
-# 第 22 章的服务器按名字拒绝 `response_format`。OpenAI 的客户端以两种形式发送它：
-# `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}` 变成
-# `StructuredOutputsParams(json=schema)`，`{"type": "json_object"}` 变成 `json_object=True`；`{"type": "text"}` 什么也
-# 不要求。vLLM 自己的额外请求体字段 `structured_outputs`（`{"json" | "regex" | "choice" | "grammar" | "json_object":
-# ...}`）走同一条路；和 vLLM 一样，它也可以只给 `response_format` 加上 `disable_any_whitespace`。`tools` 和
-# `tool_choice` 留给第 29b 章。
-#
-# 服务器一侧有两件新事。**在哪里编译**：创建 `StructuredOutputsParams` 时，schema 就编译成 llguidance 的语法，大约一
-# 毫秒，并受 llguidance 自己的限额约束（`grammar_limits()`，一个 `LLParserLimits`：恶意的 schema 会被拒绝，而不是被
-# 编译好几秒）。即便如此，事件循环还要服务其他所有的流，所以请求的采样参数现在在负责分词的线程上构建（`Api.off_loop`），
-# 由 `Api.constrained` 在那里加上约束。这把第 22 章 `Api.generate` 里的一行挪了位置，下面重写了这个方法（第 22 章没有
-# 哪个成员在分词之后还在事件循环之外运行）。**错误的约束得到什么**：OpenAI 形式的 400，`param` 指明字段
-# （`response_format` 或 `structured_outputs`），消息是 llguidance 给出的原因。
-#
-# 第 22 章的 `NOT_IMPLEMENTED` 用 `-=` 去掉这两个名字：这一行在集合建好之后运行，集合本身不用重写；这两个字段还被标记为
-# 已经记录过，服务器不会把它们当作不认识的字段写进日志。
-
-# %% response format
-#| export serve.protocol
-from typing import Any
-
-from nanovllm.book.literate import add_to_class
-from nanovllm.sampling_params import CONSTRAINTS
-from nanovllm.serve.protocol import NOT_IMPLEMENTED, SamplingRequest, ServerError
-
-# en: Implemented from chapter 29 on: out of chapter 22's refused names (`-=` runs after the set is made; the set is
-# en: not written again).
-# zh: 从第 29 章起已经实现：移出第 22 章拒绝的名字（`-=` 在集合建好之后运行，集合本身不用重写）。
-NOT_IMPLEMENTED -= {"response_format", "structured_outputs"}
-# en: What the extra-body field ``structured_outputs`` may hold besides a constraint.
-# zh: 额外请求体字段 ``structured_outputs`` 除了约束之外还可以带的选项。
-CONSTRAINT_OPTIONS = ("disable_any_whitespace",)
-
-
-def response_format_fields(value: Any) -> dict[str, Any] | None:
-    """OpenAI's ``response_format`` as `StructuredOutputsParams` fields: ``{"type": "json_schema", "json_schema":
-    {"name", "schema", "strict"}}`` gives ``json``, ``{"type": "json_object"}`` gives ``json_object``, and
-    ``{"type": "text"}`` no constraint (None)."""
-    # zh: OpenAI 的 ``response_format`` 换成 `StructuredOutputsParams` 的字段：``json_schema`` 给出 ``json``，
-    # zh: ``json_object`` 给出 ``json_object``，``text`` 不加约束（None）。
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise ServerError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
-                              param="response_format")
-        return {"json": schema}
-    raise ServerError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                      param="response_format")
-
-
-@add_to_class(SamplingRequest)
-def constraint_fields(self) -> tuple[str, dict[str, Any]] | None:
-    """What the request's output must match, not yet compiled: the field that asks (``response_format``, or vLLM's
-    ``structured_outputs``) and `StructuredOutputsParams`' fields; None for no constraint."""
-    # zh: 请求的输出必须匹配什么（尚未编译）：提出要求的字段（``response_format`` 或 vLLM 的 ``structured_outputs``）和
-    # zh: `StructuredOutputsParams` 的字段；不加约束时为 None。
-    extra = self.model_extra or {}
-    options = extra.get("structured_outputs")
-    if options is not None and not isinstance(options, dict):
-        raise ServerError(400, "structured_outputs must be an object", param="structured_outputs")
-    options = dict(options or {})
-    unknown = [name for name in options if name not in (*CONSTRAINTS, *CONSTRAINT_OPTIONS)]
-    if unknown:
-        raise ServerError(400, f"structured_outputs takes {', '.join((*CONSTRAINTS, *CONSTRAINT_OPTIONS))}; got "
-                          f"{', '.join(map(repr, unknown))}", param="structured_outputs")
-    asked = response_format_fields(extra["response_format"]) if extra.get("response_format") is not None else None
-    if asked is None:
-        return ("structured_outputs", options) if options else None
-    given = [name for name in CONSTRAINTS if options.get(name) not in (None, False)]
-    if given:
-        raise ServerError(400, f"response_format and structured_outputs.{given[0]} both constrain the output: give "
-                          "one of them", param="response_format")
-    return "response_format", {**options, **asked}
-
-
-# %% serve constraints
-#| export serve.app
-from dataclasses import replace
-
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
-
-from nanovllm.book.literate import add_to_class, add_to_init
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
-from nanovllm.serve.app import Api, Generation
-from nanovllm.serve.protocol import SamplingRequest, ServerError, now, request_id
-
-
-@add_to_init(Api)
-def _init_constraints(self) -> None:
-    # en: Fields this server knows: marked as logged already, they are never logged as unknown ones.
-    # zh: 服务器认识的字段：先标记为已记录，它们就不会被当作不认识的字段写进日志。
-    self.ignored |= {"response_format", "structured_outputs"}
-
-
-@add_to_class(Api)
-def constrained(self, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
-    """``params`` with the constraint that ``body`` asks for, compiled and checked (on the tokenizer's thread: see
-    `generate`); a refusal, with its reason, names the field that asked."""
-    # zh: 给 ``params`` 加上 ``body`` 要求的约束，编译并检查过（在分词线程上：见 `generate`）；拒绝时说明原因，并指明
-    # zh: 提出要求的字段。
-    asked = body.constraint_fields()
-    if asked is None:
-        return params
-    param, fields = asked
-    try:
-        constraint = StructuredOutputsParams(**fields)
-    except (TypeError, ValueError) as error:
-        message = str(error)
-        if param == "response_format":
-            message = message.replace("structured_outputs.json_object", "response_format").replace(
-                "structured_outputs.json", "response_format.json_schema.schema")
-        raise ServerError(400, message, param=param) from None
-    try:
-        return replace(params, structured_outputs=constraint)
-    except ValueError as error:
-        raise ServerError(400, str(error), param="ignore_eos") from None
-
-
-@add_to_class(Api)
-async def generate(self, body: SamplingRequest, prompts: list[list[int]], chat: bool,
-                   request: Request) -> Response:
-    """Run the request's prompts: a stream of server-sent events, or one response once every choice ended. The
-    sampling parameters are built on the tokenizer's thread, where a constraint compiles (`constrained`)."""
-    # zh: 运行请求的提示词：一串服务器发送事件，或在每个 choice 都结束后的一个回复。采样参数在分词线程上构建，约束在
-    # zh: 那里编译（`constrained`）。
-    stops, max_tokens = body.stop_strings(), self.default_max_tokens(prompts, chat)
-    params = await self.off_loop(lambda: self.constrained(body, body.sampling_params(max_tokens)))
-    generation = Generation(self.client, prompts, params, stops, self.latency)
-    await generation.start()
-    rid, created = request_id("chatcmpl" if chat else "cmpl"), now()
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if body.stream:
-        return StreamingResponse(self.stream_events(generation, rid, created, chat, include_usage,
-                                                    body.return_token_ids),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return await self.collect(generation, rid, created, chat, request, body.return_token_ids)
-
-
-# %% [markdown] tags=["en"]
-# A server of the tiny model, and the official `openai` client. `chat.completions.parse` turns a
-# Pydantic model into a strict `json_schema` response format and the reply back into the model; the
-# extra-body `structured_outputs` asks for JSON without blanks, so that the tiny model, which would
-# otherwise write blanks, ends its object quickly. Then a streamed request in JSON mode, whose
-# chunks join into JSON; a bad schema, which gets 400; and `functions`, refused by name (the
-# deprecated field; chapter 29b serves `tools`).
-
-# %% [markdown] tags=["zh"]
-# 一个小模型的服务器，加上官方的 `openai` 客户端。`chat.completions.parse` 把 Pydantic 模型变成严格的 `json_schema`
-# 响应格式，再把回复变回这个模型；额外请求体字段 `structured_outputs` 要求不带空白的 JSON，这样原本会写空白的小模型能
-# 很快写完它的对象。然后是一个 JSON 模式的流式请求，它的各个片段拼起来就是 JSON；一个错误的 schema，得到 400；以及
-# `functions`，按名字拒绝（这是已经废弃的字段；`tools` 由第 29b 章实现）。
-
-# %%
-from typing import Literal
-
-import openai
-from pydantic import BaseModel, Field
-
-from nanovllm.serve.process import ServerProcess
-
-
-class Shape(BaseModel):
-    color: Literal["red", "green", "blue"]
-    size: int = Field(ge=1, le=9)
-
-
-began = time.perf_counter()
-server = ServerProcess(["--model", str(tiny), "--served-model-name", "tiny", "--device", "cpu", "--max-model-len",
-                        "512", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16"]).start()
-client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
-compact = {"structured_outputs": {"disable_any_whitespace": True}}
-chat = [{"role": "user", "content": "Describe a shape."}]
-parsed = client.chat.completions.parse(model="tiny", messages=chat, response_format=Shape, max_tokens=40,
-                                       temperature=0, extra_body=compact)
-shape = parsed.choices[0].message.parsed
-print(say("parsed: {shape!r}, finish_reason {reason}", shape=shape, reason=parsed.choices[0].finish_reason))
-assert isinstance(shape, Shape) and parsed.choices[0].finish_reason == "stop"
-stream = client.chat.completions.create(model="tiny", messages=chat, response_format={"type": "json_object"},
-                                        max_tokens=60, temperature=0, stream=True, extra_body=compact)
-streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-print(say("streamed in JSON mode: {text!r}", text=streamed))
-assert isinstance(json.loads(streamed), dict)
-for fields in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-               {"functions": [{"name": "f"}]}):
-    try:
-        client.chat.completions.create(model="tiny", messages=chat, max_tokens=4, **fields)
-    except openai.BadRequestError as error:
-        print(say("refused: {error}", error=f"{error.body['param']}: {error.body['message'][:90]}"))
-        assert error.body["param"] == next(iter(fields))
-server.stop()
-print(say("server started, asked and stopped in {seconds:.1f} s", seconds=time.perf_counter() - began))
 
 # %% [markdown] tags=["en"]
 # ## Check it
@@ -2271,12 +2040,6 @@ assert [round(captured[256][i], 1) for i in (5, 3, 4)] == [2.6, 3.8, 4.5]
 # - Checked: masks by hand equal llguidance's (and where they differ, llguidance keeps the canonical
 #   tokenization); SmolLM2 writes JSON that validates, which it does not unconstrained; n = 3 samples
 #   each valid; preemption changes no output; unconstrained requests are untouched.
-# - The server (chapter 22) takes OpenAI's `response_format` (`json_schema`, `json_object`, `text`)
-#   and vLLM's `structured_outputs` extra body on both endpoints (`SamplingRequest.constraint_fields`,
-#   `response_format_fields`); `Api.constrained` compiles the constraint on the tokenizer's thread,
-#   which now builds every request's sampling parameters (`Api.generate`, written again); a bad
-#   schema or regex gets 400 naming the field.
-#   `chat.completions.parse` returns a Pydantic object from the tiny model.
 # - Chapter 25's `ModelRunner.verify` and `LLMEngine._reserve_drafts`, written again: a verify
 #   step's rows are masked draft by draft (`Grammars.mask_drafts`), and drafts the grammar refuses
 #   are cut before they are verified (`Grammars.cut_drafts`); with prompt lookup, greedy and seeded
@@ -2284,7 +2047,7 @@ assert [round(captured[256][i], 1) for i in (5, 3, 4)] == [2.6, 3.8, 4.5]
 #
 # Measured on an H100: the captured constrained step at 0.98× the free run at one sequence, 0.85×
 # at 256. Under tensor parallelism, rank 0 keeps each constrained sequence's object from step to step
-# (`RankWorker._sequences`, written again). Not yet: `tools` and `tool_choice` (chapter 29b), a fill
+# (`RankWorker._sequences`, written again). Not yet: the server's side (chapter 29b), a fill
 # that keeps up at 256 sequences, and constrained speculation measured on a GPU.
 #
 # ## Exercises
@@ -2313,16 +2076,12 @@ assert [round(captured[256][i], 1) for i in (5, 3, 4)] == [2.6, 3.8, 4.5]
 #   与前向计算并行地一次拷贝送出）；其他受约束的步在 `Grammars.mask` 之后以 eager 方式采样。
 # - 验证过的：手算的掩码等于 llguidance 的（两者不同的地方，llguidance 保留规范分词）；SmolLM2 写出能通过校验的 JSON，
 #   不加约束时则不能；n = 3 的每个样本都有效；抢占不改变任何输出；不受约束的请求不受影响。
-# - 服务器（第 22 章）在两个端点上都接受 OpenAI 的 `response_format`（`json_schema`、`json_object`、`text`）和 vLLM 的
-#   额外请求体字段 `structured_outputs`（`SamplingRequest.constraint_fields`、`response_format_fields`）；
-#   `Api.constrained` 在分词线程上编译约束，每个请求的采样参数现在都在那里构建（重写的 `Api.generate`）；错误的
-#   schema 或正则表达式得到指明字段的 400。`chat.completions.parse` 从小模型得到一个 Pydantic 对象。
 # - 重写的第 25 章 `ModelRunner.verify` 和 `LLMEngine._reserve_drafts`：验证步的各行逐个草稿地加掩码
 #   （`Grammars.mask_drafts`），语法拒绝的草稿在验证之前就被截掉（`Grammars.cut_drafts`）；用提示词查找时，贪心和带
 #   种子的受约束输出与不做投机时相同。
 #
 # 在 H100 上测过的：捕获的受约束步，1 个序列时是自由运行的 0.98 倍，256 个时 0.85 倍。张量并行下，rank 0 在各步之间
-# 保留每个受约束序列的对象（重写的 `RankWorker._sequences`）。还没有做的：`tools` 和 `tool_choice`（第 29b 章），
+# 保留每个受约束序列的对象（重写的 `RankWorker._sequences`）。还没有做的：服务器那一侧（第 29b 章），
 # 256 个序列时跟得上的填写，以及在 GPU 上测量受约束的投机解码。
 #
 # ## 练习

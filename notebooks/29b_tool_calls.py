@@ -25,7 +25,8 @@
 # llguidance grammar for `tool_choice` `"required"`, a named function and `"auto"` (lazy: free text
 # until the model opens a call), parse the text into OpenAI's `tool_calls`, stream them as
 # OpenAI's deltas, and run the whole loop (call, tool result, answer) with the official `openai`
-# client.
+# client. First, the server learns chapter 29's constraints in the shape OpenAI's clients send
+# them, `response_format`, which `chat.completions.parse` turns into a Pydantic object.
 
 # %% [markdown] tags=["zh"]
 # # 29b · 工具调用：按模板格式写出的受约束文本
@@ -37,7 +38,9 @@
 # 第 29 章的结构化输出，多了一个语法：调用的外框，加上每个函数的参数 schema。读完本章，你能说出小 Qwen3 和 SmolLM2 的
 # 对话模板拿 `tools` 做了什么（什么也没做）以及服务器怎么应对；能为 `tool_choice` 取 `"required"`、指名一个函数和
 # `"auto"`（惰性的：模型打开一个调用之前都是自由文本）构建 llguidance 的语法；能把文本解析成 OpenAI 的 `tool_calls`，
-# 以 OpenAI 的增量（delta）形式流式发出；还能用官方 `openai` 客户端走完整个循环（调用、工具结果、回答）。
+# 以 OpenAI 的增量（delta）形式流式发出；还能用官方 `openai` 客户端走完整个循环（调用、工具结果、回答）。在这之前，
+# 服务器先以 OpenAI 客户端发送的形式接受第 29 章的约束，即 `response_format`，`chat.completions.parse` 把回复变成一个
+# Pydantic 对象。
 
 # %% printed phrases
 #| hide
@@ -59,6 +62,8 @@ say = Phrases({
     "the loop's final answer ({reason}): {text}": "循环的最终回答（{reason}）：{text}",
     "refused: {error}": "被拒绝：{error}",
     "server started, asked and stopped in {seconds:.1f} s": "服务器启动、应答、停止共用 {seconds:.1f} 秒",
+    "parsed: {shape!r}, finish_reason {reason}": "解析结果：{shape!r}，finish_reason 为 {reason}",
+    "streamed in JSON mode: {text!r}": "JSON 模式的流式输出：{text!r}",
     "all exercise answers check out": "练习答案全部验证通过",
 })
 
@@ -774,6 +779,234 @@ assert parse_tool_calls(smol_auto) == (smol_auto, [])
 assert [(c.name, json.loads(c.arguments)) for c in smol_calls] == [("get_time", {"city": "Tokyo"})]
 
 # %% [markdown] tags=["en"]
+# ## Serving it: response_format
+#
+# Chapter 22's server refused `response_format` by name. OpenAI's clients send it in two shapes:
+# `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}`, which
+# becomes `StructuredOutputsParams(json=schema)`, and `{"type": "json_object"}`, which becomes
+# `json_object=True`; `{"type": "text"}` asks for nothing. vLLM's own extra-body field
+# `structured_outputs` (`{"json" | "regex" | "choice" | "grammar" | "json_object": ...}`) takes the
+# same road, and, as in vLLM, it may also just add `disable_any_whitespace` to a `response_format`.
+# `tools` and `tool_choice` are the next section's.
+#
+# Two things are new on the server's side. **Where it compiles**: a schema becomes llguidance's
+# grammar when its `StructuredOutputsParams` is made, in about a millisecond, bounded by
+# llguidance's own limits (`grammar_limits()`, an `LLParserLimits`: a hostile schema is refused, not
+# compiled for seconds). Still, the event loop serves every other stream, so the request's sampling
+# parameters are now built on the thread that tokenizes (`Api.off_loop`), and `Api.constrained` adds
+# the constraint there. That moves one line of chapter 22's `Api.generate`, which is written again
+# below (no member of chapter 22 runs off the loop after tokenizing). **What a bad constraint gets**:
+# 400 in OpenAI's shape, with `param` naming the field (`response_format` or `structured_outputs`)
+# and the message llguidance's reason.
+#
+# Chapter 22's `NOT_IMPLEMENTED` loses the two names with `-=`, a line that runs after the set is
+# made, so the set is not written again; and the two fields are marked as logged already, so that the
+# server never logs them as fields it does not know.
+
+# %% [markdown] tags=["zh"]
+# ## 用于服务：response_format
+#
+# 第 22 章的服务器按名字拒绝 `response_format`。OpenAI 的客户端以两种形式发送它：
+# `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": true}}` 变成
+# `StructuredOutputsParams(json=schema)`，`{"type": "json_object"}` 变成 `json_object=True`；`{"type": "text"}` 什么也
+# 不要求。vLLM 自己的额外请求体字段 `structured_outputs`（`{"json" | "regex" | "choice" | "grammar" | "json_object":
+# ...}`）走同一条路；和 vLLM 一样，它也可以只给 `response_format` 加上 `disable_any_whitespace`。`tools` 和
+# `tool_choice` 留给下一节。
+#
+# 服务器一侧有两件新事。**在哪里编译**：创建 `StructuredOutputsParams` 时，schema 就编译成 llguidance 的语法，大约一
+# 毫秒，并受 llguidance 自己的限额约束（`grammar_limits()`，一个 `LLParserLimits`：恶意的 schema 会被拒绝，而不是被
+# 编译好几秒）。即便如此，事件循环还要服务其他所有的流，所以请求的采样参数现在在负责分词的线程上构建（`Api.off_loop`），
+# 由 `Api.constrained` 在那里加上约束。这把第 22 章 `Api.generate` 里的一行挪了位置，下面重写了这个方法（第 22 章没有
+# 哪个成员在分词之后还在事件循环之外运行）。**错误的约束得到什么**：OpenAI 形式的 400，`param` 指明字段
+# （`response_format` 或 `structured_outputs`），消息是 llguidance 给出的原因。
+#
+# 第 22 章的 `NOT_IMPLEMENTED` 用 `-=` 去掉这两个名字：这一行在集合建好之后运行，集合本身不用重写；这两个字段还被标记为
+# 已经记录过，服务器不会把它们当作不认识的字段写进日志。
+
+# %% response format
+#| export serve.protocol
+from typing import Any
+
+from nanovllm.book.literate import add_to_class
+from nanovllm.sampling_params import CONSTRAINTS
+from nanovllm.serve.protocol import NOT_IMPLEMENTED, SamplingRequest, ServerError
+
+# en: Implemented from chapter 29 on: out of chapter 22's refused names (`-=` runs after the set is made; the set is
+# en: not written again).
+# zh: 从第 29 章起已经实现：移出第 22 章拒绝的名字（`-=` 在集合建好之后运行，集合本身不用重写）。
+NOT_IMPLEMENTED -= {"response_format", "structured_outputs"}
+# en: What the extra-body field ``structured_outputs`` may hold besides a constraint.
+# zh: 额外请求体字段 ``structured_outputs`` 除了约束之外还可以带的选项。
+CONSTRAINT_OPTIONS = ("disable_any_whitespace",)
+
+
+def response_format_fields(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as `StructuredOutputsParams` fields: ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}`` gives ``json``, ``{"type": "json_object"}`` gives ``json_object``, and
+    ``{"type": "text"}`` no constraint (None)."""
+    # zh: OpenAI 的 ``response_format`` 换成 `StructuredOutputsParams` 的字段：``json_schema`` 给出 ``json``，
+    # zh: ``json_object`` 给出 ``json_object``，``text`` 不加约束（None）。
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ServerError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
+                              param="response_format")
+        return {"json": schema}
+    raise ServerError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                      param="response_format")
+
+
+@add_to_class(SamplingRequest)
+def constraint_fields(self) -> tuple[str, dict[str, Any]] | None:
+    """What the request's output must match, not yet compiled: the field that asks (``response_format``, or vLLM's
+    ``structured_outputs``) and `StructuredOutputsParams`' fields; None for no constraint."""
+    # zh: 请求的输出必须匹配什么（尚未编译）：提出要求的字段（``response_format`` 或 vLLM 的 ``structured_outputs``）和
+    # zh: `StructuredOutputsParams` 的字段；不加约束时为 None。
+    extra = self.model_extra or {}
+    options = extra.get("structured_outputs")
+    if options is not None and not isinstance(options, dict):
+        raise ServerError(400, "structured_outputs must be an object", param="structured_outputs")
+    options = dict(options or {})
+    unknown = [name for name in options if name not in (*CONSTRAINTS, *CONSTRAINT_OPTIONS)]
+    if unknown:
+        raise ServerError(400, f"structured_outputs takes {', '.join((*CONSTRAINTS, *CONSTRAINT_OPTIONS))}; got "
+                          f"{', '.join(map(repr, unknown))}", param="structured_outputs")
+    asked = response_format_fields(extra["response_format"]) if extra.get("response_format") is not None else None
+    if asked is None:
+        return ("structured_outputs", options) if options else None
+    given = [name for name in CONSTRAINTS if options.get(name) not in (None, False)]
+    if given:
+        raise ServerError(400, f"response_format and structured_outputs.{given[0]} both constrain the output: give "
+                          "one of them", param="response_format")
+    return "response_format", {**options, **asked}
+
+
+# %% serve constraints
+#| export serve.app
+from dataclasses import replace
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from nanovllm.book.literate import add_to_class, add_to_init
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.serve.app import Api, Generation
+from nanovllm.serve.protocol import SamplingRequest, ServerError, now, request_id
+
+
+@add_to_init(Api)
+def _init_constraints(self) -> None:
+    # en: Fields this server knows: marked as logged already, they are never logged as unknown ones.
+    # zh: 服务器认识的字段：先标记为已记录，它们就不会被当作不认识的字段写进日志。
+    self.ignored |= {"response_format", "structured_outputs"}
+
+
+@add_to_class(Api)
+def constrained(self, body: SamplingRequest, params: SamplingParams) -> SamplingParams:
+    """``params`` with the constraint that ``body`` asks for, compiled and checked (on the tokenizer's thread: see
+    `generate`); a refusal, with its reason, names the field that asked."""
+    # zh: 给 ``params`` 加上 ``body`` 要求的约束，编译并检查过（在分词线程上：见 `generate`）；拒绝时说明原因，并指明
+    # zh: 提出要求的字段。
+    asked = body.constraint_fields()
+    if asked is None:
+        return params
+    param, fields = asked
+    try:
+        constraint = StructuredOutputsParams(**fields)
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        if param == "response_format":
+            message = message.replace("structured_outputs.json_object", "response_format").replace(
+                "structured_outputs.json", "response_format.json_schema.schema")
+        raise ServerError(400, message, param=param) from None
+    try:
+        return replace(params, structured_outputs=constraint)
+    except ValueError as error:
+        raise ServerError(400, str(error), param="ignore_eos") from None
+
+
+@add_to_class(Api)
+async def generate(self, body: SamplingRequest, prompts: list[list[int]], chat: bool,
+                   request: Request) -> Response:
+    """Run the request's prompts: a stream of server-sent events, or one response once every choice ended. The
+    sampling parameters are built on the tokenizer's thread, where a constraint compiles (`constrained`)."""
+    # zh: 运行请求的提示词：一串服务器发送事件，或在每个 choice 都结束后的一个回复。采样参数在分词线程上构建，约束在
+    # zh: 那里编译（`constrained`）。
+    stops, max_tokens = body.stop_strings(), self.default_max_tokens(prompts, chat)
+    params = await self.off_loop(lambda: self.constrained(body, body.sampling_params(max_tokens)))
+    generation = Generation(self.client, prompts, params, stops, self.latency)
+    await generation.start()
+    rid, created = request_id("chatcmpl" if chat else "cmpl"), now()
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if body.stream:
+        return StreamingResponse(self.stream_events(generation, rid, created, chat, include_usage,
+                                                    body.return_token_ids),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await self.collect(generation, rid, created, chat, request, body.return_token_ids)
+
+
+# %% [markdown] tags=["en"]
+# A server of the tiny model, and the official `openai` client. `chat.completions.parse` turns a
+# Pydantic model into a strict `json_schema` response format and the reply back into the model; the
+# extra-body `structured_outputs` asks for JSON without blanks, so that the tiny model, which would
+# otherwise write blanks, ends its object quickly. Then a streamed request in JSON mode, whose
+# chunks join into JSON; a bad schema, which gets 400; and `functions`, refused by name (the
+# deprecated field; chapter 29b serves `tools`).
+
+# %% [markdown] tags=["zh"]
+# 一个小模型的服务器，加上官方的 `openai` 客户端。`chat.completions.parse` 把 Pydantic 模型变成严格的 `json_schema`
+# 响应格式，再把回复变回这个模型；额外请求体字段 `structured_outputs` 要求不带空白的 JSON，这样原本会写空白的小模型能
+# 很快写完它的对象。然后是一个 JSON 模式的流式请求，它的各个片段拼起来就是 JSON；一个错误的 schema，得到 400；以及
+# `functions`，按名字拒绝（这是已经废弃的字段；`tools` 由第 29b 章实现）。
+
+# %%
+import time
+from typing import Literal
+
+import openai
+from pydantic import BaseModel, Field
+
+from nanovllm.serve.process import ServerProcess
+
+
+class Shape(BaseModel):
+    color: Literal["red", "green", "blue"]
+    size: int = Field(ge=1, le=9)
+
+
+began = time.perf_counter()
+server = ServerProcess(["--model", str(tiny), "--served-model-name", "tiny", "--device", "cpu", "--max-model-len",
+                        "512", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16"]).start()
+client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+compact = {"structured_outputs": {"disable_any_whitespace": True}}
+chat = [{"role": "user", "content": "Describe a shape."}]
+parsed = client.chat.completions.parse(model="tiny", messages=chat, response_format=Shape, max_tokens=40,
+                                       temperature=0, extra_body=compact)
+shape = parsed.choices[0].message.parsed
+print(say("parsed: {shape!r}, finish_reason {reason}", shape=shape, reason=parsed.choices[0].finish_reason))
+assert isinstance(shape, Shape) and parsed.choices[0].finish_reason == "stop"
+stream = client.chat.completions.create(model="tiny", messages=chat, response_format={"type": "json_object"},
+                                        max_tokens=60, temperature=0, stream=True, extra_body=compact)
+streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+print(say("streamed in JSON mode: {text!r}", text=streamed))
+assert isinstance(json.loads(streamed), dict)
+for fields in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+               {"functions": [{"name": "f"}]}):
+    try:
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=4, **fields)
+    except openai.BadRequestError as error:
+        print(say("refused: {error}", error=f"{error.body['param']}: {error.body['message'][:90]}"))
+        assert error.body["param"] == next(iter(fields))
+server.stop()
+print(say("server started, asked and stopped in {seconds:.1f} s", seconds=time.perf_counter() - began))
+
+# %% [markdown] tags=["en"]
 # ## Serving it: tools and tool_choice
 #
 # Chapter 22 refused `tools`, `tool_choice` and `parallel_tool_calls` by name; chapter 29's
@@ -1189,6 +1422,12 @@ print(say("server started, asked and stopped in {seconds:.1f} s", seconds=time.p
 # %% [markdown] tags=["en"]
 # ## What we built
 #
+# - The server (chapter 22) takes chapter 29's constraints: OpenAI's `response_format`
+#   (`json_schema`, `json_object`, `text`) and vLLM's `structured_outputs` extra body on both
+#   endpoints (`SamplingRequest.constraint_fields`, `response_format_fields`); `Api.constrained`
+#   compiles the constraint on the tokenizer's thread, which now builds every request's sampling
+#   parameters (`Api.generate`, written again); a bad schema or regex gets 400 naming the field.
+#   `chat.completions.parse` returns a Pydantic object from the tiny model.
 # - `nanovllm.serve.tool_calls`: OpenAI's tool shapes (`ToolDefinition`, `NamedToolChoice`,
 #   `ToolCallMessage`) and `ToolRequest`; Hermes' format (`call_text`, `tools_prompt`);
 #   `template_tool_style`, which tells a template that writes Hermes' tools (native) from one that
@@ -1234,6 +1473,11 @@ print(say("server started, asked and stopped in {seconds:.1f} s", seconds=time.p
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
+# - 服务器（第 22 章）接受第 29 章的约束：在两个端点上都接受 OpenAI 的 `response_format`（`json_schema`、
+#   `json_object`、`text`）和 vLLM 的额外请求体字段 `structured_outputs`（`SamplingRequest.constraint_fields`、
+#   `response_format_fields`）；`Api.constrained` 在分词线程上编译约束，每个请求的采样参数现在都在那里构建（重写的
+#   `Api.generate`）；错误的 schema 或正则表达式得到指明字段的 400。`chat.completions.parse` 从小模型得到一个
+#   Pydantic 对象。
 # - `nanovllm.serve.tool_calls`：OpenAI 的工具形状（`ToolDefinition`、`NamedToolChoice`、`ToolCallMessage`）和
 #   `ToolRequest`；Hermes 的格式（`call_text`、`tools_prompt`）；`template_tool_style`，它把写出 Hermes 工具的模板
 #   （原生）、忽略工具的模板（由服务器写出，见 `conversation`）和用别的格式写出工具的模板（拒绝）区分开；
