@@ -1,5 +1,6 @@
-"""Tool calls (chapter 29b): the Hermes format, the grammars of tool_choice, the parser whole and streamed, and the
-server's tools, tool_choice and parallel_tool_calls through the official openai client on the tiny model.
+"""The server's structured output (chapter 29b): response_format and vLLM's structured_outputs extra body; tool
+calls: the Hermes format, the grammars of tool_choice, the parser whole and streamed, and the server's tools,
+tool_choice and parallel_tool_calls through the official openai client on the tiny model.
 
 A call's arguments are checked by `jsonschema`, a reader independent of llguidance, against the tool's schema.
 """
@@ -349,3 +350,119 @@ def test_tool_call_events_rewrite_chapter_22s_chunks_per_choice():
         assert "".join(p["function"]["arguments"] for p in pieces) == '{"city": "Oslo"}'
         assert mine[-1]["finish_reason"] == reason and all(c["finish_reason"] is None for c in mine[:-1])
     assert not any("<tool" in json.dumps(c) for c in parsed)
+
+
+# ---- the server's response_format (issue 63, items 1 and 5), on the tiny model's server ------------------------------
+# The schema of the demo's Shape (chapter 29's tests use the same one).
+SHAPE_SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                                 "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["color", "size"], "additionalProperties": False}
+SHAPE_SERVER_ARGS = ["--device", "cpu", "--num-kvcache-blocks", "64", "--kvcache-block-size", "16", "--max-model-len",
+                     "512"]
+# JSON without blanks: the tiny model, free to write blanks, would write nothing else until max_tokens.
+COMPACT_BODY = {"structured_outputs": {"disable_any_whitespace": True}}
+SHAPE_CHAT = [{"role": "user", "content": "Describe a shape."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny: Path):
+    from nanovllm.serve.process import ServerProcess
+
+    with ServerProcess(["--model", str(tiny), "--served-model-name", "tiny", *SHAPE_SERVER_ARGS]) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def tiny_api(tiny_server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_parse_with_a_pydantic_model_returns_the_parsed_object(tiny_api):
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Shape(BaseModel):
+        color: Literal["red", "green", "blue"]
+        size: int = Field(ge=1, le=9)
+
+    reply = tiny_api.chat.completions.parse(model="tiny", messages=SHAPE_CHAT, response_format=Shape, max_tokens=40,
+                                            temperature=0, extra_body=COMPACT_BODY)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Shape)
+    assert Shape.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_object_streamed_joins_into_json(tiny_api):
+    for seed in range(3):
+        stream = tiny_api.chat.completions.create(model="tiny", messages=SHAPE_CHAT,
+                                                  response_format={"type": "json_object"}, max_tokens=60,
+                                                  temperature=0.8, seed=seed, stream=True, extra_body=COMPACT_BODY)
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+        assert chunks[-1].finish_reason == "stop"
+        assert isinstance(json.loads("".join(c.delta.content or "" for c in chunks)), dict)
+
+
+def test_json_schema_on_completions_and_structured_outputs_extra_body(tiny_api):
+    schema = {"name": "shape", "schema": SHAPE_SCHEMA, "strict": True}
+    reply = tiny_api.completions.create(model="tiny", prompt="A shape:", max_tokens=40, temperature=0,
+                                        extra_body={"response_format": {"type": "json_schema", "json_schema": schema},
+                                                    **COMPACT_BODY})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].text), SHAPE_SCHEMA)
+    # vLLM's extra-body field, alone; and "text", which constrains nothing
+    choice = tiny_api.completions.create(model="tiny", prompt="Yes?", max_tokens=8, temperature=0,
+                                         extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    plain = tiny_api.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    text = tiny_api.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0,
+                                       extra_body={"response_format": {"type": "text"}, "ignore_eos": True})
+    assert text.choices[0].text == plain.choices[0].text
+
+
+@pytest.mark.parametrize(("fields", "param", "words"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format.type"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
+    ({"structured_outputs": {"json_schema": {}}}, "structured_outputs", "json_schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format", "both"),
+    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    # chapter 29b serves tools on chat completions: a bad parameters schema is refused there, any tools on completions
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools", "tools"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice"),
+])
+def test_bad_constraints_and_tools_get_400_naming_the_field(tiny_server, fields, param, words):
+    import httpx
+
+    for route, body in (("chat/completions", {"messages": SHAPE_CHAT}), ("completions", {"prompt": "Hi"})):
+        reply = httpx.post(f"{tiny_server.url}/v1/{route}", json={"model": "tiny", "max_tokens": 4, **body, **fields},
+                           timeout=30)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == param and words in error["message"] and error["type"] == "invalid_request_error"
+    assert "ignoring the request field 'response_format'" not in tiny_server.output()
+
+
+def test_a_speculating_server_serves_response_format(tiny: Path, tiny_api):
+    """A server that speculates constrains as one that does not: the same replies, token for token."""
+    import openai
+
+    from nanovllm.serve.process import ServerProcess
+
+    asks = [dict(messages=SHAPE_CHAT, max_tokens=40, response_format={"type": "json_object"}, extra_body=COMPACT_BODY),
+            dict(messages=[{"role": "user", "content": "yes yes yes yes?"}], max_tokens=8,
+                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}})]
+    expected = [tiny_api.chat.completions.create(model="tiny", temperature=0, **ask).choices[0] for ask in asks]
+    args = ["--model", str(tiny), "--served-model-name", "tiny", *SHAPE_SERVER_ARGS, "--speculative-method", "ngram"]
+    with ServerProcess(args) as process:
+        speculating = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60)
+        replies = [speculating.chat.completions.create(model="tiny", temperature=0, **ask).choices[0]
+                   for ask in asks]
+    assert [(r.message.content, r.finish_reason) for r in replies] == \
+        [(e.message.content, e.finish_reason) for e in expected]
+    assert isinstance(json.loads(replies[0].message.content), dict) and replies[1].message.content in ("yes", "no")
