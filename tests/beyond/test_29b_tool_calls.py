@@ -176,19 +176,29 @@ def test_tool_calls_under_speculation_are_those_without(long_tiny: Path, tokeniz
 
 
 # ---- the server ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(long_tiny: Path):
+def served(model: Path, *args: str):
+    """A server of ``model`` under the name "tiny", with ``args`` (a context manager: it stops the server)."""
     from nanovllm.serve.process import ServerProcess
 
-    with ServerProcess(["--model", str(long_tiny), "--served-model-name", "tiny", *SERVER_ARGS]) as process:
+    return ServerProcess(["--model", str(model), "--served-model-name", "tiny", *args])
+
+
+def openai_client(server):
+    """The official client of a running ``server``: no retries, a minute's patience."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(long_tiny: Path):
+    with served(long_tiny, *SERVER_ARGS) as process:
         yield process
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
@@ -286,17 +296,13 @@ HERMES_TEMPLATE = (
 def test_a_native_template_gets_the_tools_and_the_loop_through_the_server(long_tiny: Path, tmp_path: Path):
     import shutil
 
-    import openai
-
-    from nanovllm.serve.process import ServerProcess
-
     model = tmp_path / "hermes-tiny"
     shutil.copytree(long_tiny, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": HERMES_TEMPLATE}))
     assert template_tool_style(load_tokenizer(str(model))) == "native"
-    with ServerProcess(["--model", str(model), "--served-model-name", "tiny", *SERVER_ARGS]) as process:
-        client = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60)
+    with served(model, *SERVER_ARGS) as process:
+        client = openai_client(process)
         reply = client.chat.completions.create(model="tiny", messages=CHAT, tools=TOOLS, tool_choice="required",
                                                parallel_tool_calls=False, max_tokens=120, temperature=0)
         plain = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1, temperature=0)
@@ -366,17 +372,13 @@ SHAPE_CHAT = [{"role": "user", "content": "Describe a shape."}]
 
 @pytest.fixture(scope="module")
 def tiny_server(tiny: Path):
-    from nanovllm.serve.process import ServerProcess
-
-    with ServerProcess(["--model", str(tiny), "--served-model-name", "tiny", *SHAPE_SERVER_ARGS]) as process:
+    with served(tiny, *SHAPE_SERVER_ARGS) as process:
         yield process
 
 
 @pytest.fixture(scope="module")
 def tiny_api(tiny_server):
-    import openai
-
-    return openai.OpenAI(base_url=f"{tiny_server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(tiny_server)
 
 
 def test_parse_with_a_pydantic_model_returns_the_parsed_object(tiny_api):
@@ -450,17 +452,12 @@ def test_bad_constraints_and_tools_get_400_naming_the_field(tiny_server, fields,
 
 def test_a_speculating_server_serves_response_format(tiny: Path, tiny_api):
     """A server that speculates constrains as one that does not: the same replies, token for token."""
-    import openai
-
-    from nanovllm.serve.process import ServerProcess
-
     asks = [dict(messages=SHAPE_CHAT, max_tokens=40, response_format={"type": "json_object"}, extra_body=COMPACT_BODY),
             dict(messages=[{"role": "user", "content": "yes yes yes yes?"}], max_tokens=8,
                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})]
     expected = [tiny_api.chat.completions.create(model="tiny", temperature=0, **ask).choices[0] for ask in asks]
-    args = ["--model", str(tiny), "--served-model-name", "tiny", *SHAPE_SERVER_ARGS, "--speculative-method", "ngram"]
-    with ServerProcess(args) as process:
-        speculating = openai.OpenAI(base_url=f"{process.url}/v1", api_key="none", max_retries=0, timeout=60)
+    with served(tiny, *SHAPE_SERVER_ARGS, "--speculative-method", "ngram") as process:
+        speculating = openai_client(process)
         replies = [speculating.chat.completions.create(model="tiny", temperature=0, **ask).choices[0]
                    for ask in asks]
     assert [(r.message.content, r.finish_reason) for r in replies] == \
