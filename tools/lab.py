@@ -62,7 +62,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import io
 import json
@@ -172,12 +171,10 @@ def fingerprint(cells: list) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def reading_copy(chapter: Path, lang: str, root: Path = ROOT,
-                 source: nbformat.NotebookNode | None = None) -> nbformat.NotebookNode:
+def reading_copy(chapter: Path, lang: str, root: Path = ROOT) -> nbformat.NotebookNode:
     """The chapter in one language, as a notebook to read and run in JupyterLab, with the executed book's
-    outputs when they are those of the chapter's code as it is now (``executed_run``). ``source``: the
-    chapter as jupytext reads it, when the caller has it (it is changed here)."""
-    source = read_chapter(chapter) if source is None else source
+    outputs when they are those of the chapter's code as it is now (``executed_run``)."""
+    source = read_chapter(chapter)  # a copy of the chapter parsed once (`read_chapter`), changed below
     outputs, run = executed_run(source, root / EXECUTED / lang / f"{chapter.stem}.ipynb")
     if run is not None:
         code = (cell for cell in run.cells if cell.cell_type == "code")
@@ -387,13 +384,11 @@ class Copies:
 def write_reading_copies(root: Path = ROOT) -> Copies:
     """Write every chapter's reading copies under ``root/read``, keeping every copy a reader edited."""
     chapters = chapter_files(root)
-    sources = {chapter: read_chapter(chapter) for chapter in chapters}  # read once, not per language
     done = Copies()
     for lang in LANGUAGES:
         folder = root / "read" / lang
         folder.mkdir(parents=True, exist_ok=True)
-        fresh = {copy_name(chapter, lang): reading_copy(chapter, lang, root, copy.deepcopy(sources[chapter]))
-                 for chapter in chapters}
+        fresh = {copy_name(chapter, lang): reading_copy(chapter, lang, root) for chapter in chapters}
         for name, notebook in fresh.items():
             target = folder / name
             done.copies.append(target)
