@@ -803,6 +803,14 @@ def llguidance_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos_t
     # zh: llguidance 于是把 `Ċ` 读成它自己的 UTF-8 字节：每个需要换行的语法都会失败。
     from llguidance import LLTokenizer
 
+    return LLTokenizer(tokenizer_json(tokenizer), n_vocab=n_vocab, eos_token=eos_token_ids)
+
+
+def tokenizer_json(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The text of ``tokenizer``'s fast tokenizer (its tokenizer.json) as `llguidance_tokenizer` reads it: no padding,
+    no truncation, and a byte-level vocabulary's decoder repaired."""
+    # zh: ``tokenizer`` 的快速分词器的文本（即它的 tokenizer.json），按 `llguidance_tokenizer` 读它的样子：
+    # zh: 不填充、不截断，字节级词表的解码器已修补。
     backend = copy.copy(tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()
@@ -810,7 +818,7 @@ def llguidance_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos_t
     byte_level = [step for step in _steps(spec.get("decoder")) if step["type"] == "ByteLevel"]
     if byte_level and any(step["type"] == "ByteLevel" for step in _steps(spec.get("pre_tokenizer"))):
         spec["decoder"] = byte_level[0]
-    return LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos_token_ids)
+    return json.dumps(spec)
 
 
 def _steps(component: dict | None) -> list[dict]:
@@ -919,13 +927,7 @@ class Grammars:
         # zh: 自上次掩码以来新增的 token（`follow`）之后，语法允许的那些；不受约束的序列（或 logits 不是数的序列：
         # zh: 引擎会丢掉它）则是所有 token。正在计算的那一步（``previous``）还在算的 token 要等它算完。
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
-        pending = {}
-        waits = any(held and seq.last_token == PENDING_TOKEN for seq, held in zip(seqs, constrained, strict=True))
-        if previous is not None and waits:
-            # en: A constrained step's one wait: its masks need the tokens of the step in flight.
-            # zh: 受约束的一步唯一的等待：它的掩码需要正在计算的那一步的 token。
-            previous.token_ids()
-            pending = dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
+        pending = self.pending_tokens(seqs, constrained, previous)
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.follow(seq, pending) if held else None
             # en: One row after another: llguidance's parallel fill (`fill_next_token_bitmask_par`) saved little
@@ -937,6 +939,29 @@ class Grammars:
                 bitmask[row] = -1
             else:
                 self.fill_row(seq, state, bitmask, row)
+
+    @staticmethod
+    def pending_tokens(seqs: list[Sequence], constrained: list[bool], previous: SampledTokens | None
+                       ) -> dict[tuple[int, int], int]:
+        """The tokens of the step in flight (``previous``), by request and sample, waited for if a constrained
+        sequence's last token is one of them; otherwise none."""
+        # zh: 正在计算的那一步（``previous``）的 token，按请求和样本索引；只有受约束序列的最后一个 token 是其中之一时
+        # zh: 才等它们，否则为空。
+        waits = any(held and seq.last_token == PENDING_TOKEN for seq, held in zip(seqs, constrained, strict=True))
+        if previous is None or not waits:
+            return {}
+        # en: A constrained step's one wait: its masks need the tokens of the step in flight.
+        # zh: 受约束的一步唯一的等待：它的掩码需要正在计算的那一步的 token。
+        previous.token_ids()
+        return dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
+
+    def host_bitmasks(self, rows: int, copies: int, pinned: bool) -> list[torch.Tensor]:
+        """``copies`` bitmasks of ``rows`` rows on the host, each allowing every token, where the host fills a step's
+        masks before they travel to the device (`MaskedSamplingGraphs`); ``pinned``: in pinned memory."""
+        # zh: 主机上 ``copies`` 份 ``rows`` 行的位掩码，每份都允许所有 token：主机在这里填好一步的掩码，再送到设备上
+        # zh: （`MaskedSamplingGraphs`）；``pinned``：放在锁页内存里。
+        words = bitmask_words(self.vocab_size)
+        return [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pinned) for _ in range(copies)]
 
     def allow_all(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
         """``rows`` bitmask rows on the host that allow every token, for the masks of ``logits``."""
@@ -1039,19 +1064,34 @@ class Grammars:
         # zh: ``seq`` 的匹配器，在它读入 ``seq`` 自上次掩码以来新增的生成 token（不含草稿）之后返回（待定的 token
         # zh: 按请求和样本从 ``pending`` 里取）；如果其中有采样器对“logits 不是数”的标记，返回 None（引擎会丢弃这个
         # zh: 序列）。
-        state = self.matchers.get(seq)
-        if state is None:
-            state = self.matchers[seq] = self.start(seq)
-        first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
-        for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]:
-            if token == PENDING_TOKEN:
-                token = pending[(seq.request_id, seq.sample_index)]
-            if token < 0:
-                return None
+        state = self.state_of(seq)
+        tokens = self.unread_tokens(seq, state, pending)
+        if tokens is None:
+            return None
+        for token in tokens:
             if state.error is None and not state.matcher.consume_token(token):
                 self.fail(seq, state, state.matcher.get_error() or f"token {token} does not fit the grammar")
             state.consumed += 1
         return state
+
+    def state_of(self, seq: Sequence) -> SequenceGrammar:
+        """``seq``'s matcher and progress, started at its first mask (`start`)."""
+        # zh: ``seq`` 的匹配器和进度，在它第一次加掩码时开始（`start`）。
+        state = self.matchers.get(seq)
+        if state is None:
+            state = self.matchers[seq] = self.start(seq)
+        return state
+
+    @staticmethod
+    def unread_tokens(seq: Sequence, state: SequenceGrammar, pending: dict[tuple[int, int], int]) -> list[int] | None:
+        """The completion tokens ``seq`` gained since its matcher last read (`follow`), drafts not included, a pending
+        one taken from ``pending``; None if one of them is the sampler's mark of logits that are not numbers."""
+        # zh: ``seq`` 自匹配器上次读入以来新增的生成 token（`follow`），不含草稿，待定的那个从 ``pending`` 里取；
+        # zh: 如果其中有采样器对“logits 不是数”的标记，返回 None。
+        first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
+        tokens = [pending[(seq.request_id, seq.sample_index)] if token == PENDING_TOKEN else token
+                  for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]]
+        return None if any(token < 0 for token in tokens) else tokens
 
     def start(self, seq: Sequence) -> SequenceGrammar:
         """A new sequence's matcher: a copy of its constraint's compiled matcher. A sibling forked for n > 1 gets one
@@ -1116,17 +1156,20 @@ class MaskedSamplingGraphs(SamplingGraphs):
     """Chapter 18's sampling graphs with a bitmask between the LM head and the sampler (`forbid`), for decode steps
     that hold a constrained sequence and whose rows sample plainly. A step's bitmask travels in one copy: the host
     fills rows of a pinned buffer (`host_rows`), `send` queues their copy on a stream of its own, and `sample`
-    replays the bucket's graph once that copy is done."""
+    replays the bucket's graph once that copy is done. ``hosts``: the host's buffers, [rows, words] int32 each, at
+    least as many rows as the largest bucket (`Grammars.host_bitmasks`)."""
     # zh: 第 18 章的采样图，在 LM head 和采样器之间多了一个位掩码（`forbid`），给那些带受约束序列、各行都只做普通
     # zh: 采样的 decode 步用。一步的位掩码一次拷贝送出：主机填好锁页缓冲区里的各行（`host_rows`），`send` 在一条
-    # zh: 自己的流上排入它们的拷贝，`sample` 等这次拷贝完成后重放该档位的图。
+    # zh: 自己的流上排入它们的拷贝，`sample` 等这次拷贝完成后重放该档位的图。``hosts``：主机上的缓冲区，每份都是
+    # zh: [行数, 字数] 的 int32，行数不少于最大的档位（`Grammars.host_bitmasks`）。
 
-    def __init__(self, plain: SamplingGraphs, words: int, copies: int = 2) -> None:
+    def __init__(self, plain: SamplingGraphs, hosts: list[torch.Tensor]) -> None:
         super().__init__(plain.model, plain.graphs, plain.sample_plain)
         # en: One Philox key for both kinds of graph: each step moves it on, whichever draws.
         # zh: 两种图共用一个 Philox 密钥：每一步都让它前进，不管是哪一种来抽取。
         self.seed = plain.seed
-        rows, device = self.graphs.sizes[-1], self.graphs.device
+        rows, device, words = self.graphs.sizes[-1], self.graphs.device, hosts[0].shape[1]
+        assert all(host.shape[0] >= rows for host in hosts), "a host buffer has fewer rows than the largest bucket"
         on_gpu = device.type == "cuda"
         # en: [rows, words] int32, what the graphs read; a padding row keeps what it held (its token is never used).
         # zh: [rows, 字数] 的 int32，图读的就是它；填充行保持原样（它的 token 从不被使用）。
@@ -1136,8 +1179,8 @@ class MaskedSamplingGraphs(SamplingGraphs):
         # en: it takes a copy again, it waits for that copy's last transfer (`sent`), which in practice is long done.
         # zh: 主机这边，锁页内存，两份轮流用：异步调度下，主机填第 n + 1 步的各行时，第 n 步的拷贝可能还在队列里，
         # zh: 所以它从不写正在传输的那一份；再次用到一份之前，先等那一份上次的传输结束（`sent`），实际上早就结束了。
-        self.hosts = [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=on_gpu) for _ in range(copies)]
-        self.sent = [torch.cuda.Event() if on_gpu else None for _ in range(copies)]
+        self.hosts = hosts
+        self.sent = [torch.cuda.Event() if on_gpu else None for _ in hosts]
         self.turn = 0
         # en: The copies run on a stream of their own, beside the model's forward; each waits for `read`, recorded
         # en: after the last replay, which read the device's bitmask. None on a CPU, where a copy is made when called.
@@ -1191,7 +1234,7 @@ class MaskedSamplingGraphs(SamplingGraphs):
 #| export engine.model_runner
 from nanovllm.book.literate import add_to_class, add_to_init
 from nanovllm.engine.cuda_graphs import plain_temperatures
-from nanovllm.engine.grammars import Grammars, MaskedSamplingGraphs, bitmask_words
+from nanovllm.engine.grammars import Grammars, MaskedSamplingGraphs
 from nanovllm.engine.model_runner import ModelRunner, SampledTokens
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.layers.linear import share_from_rank0
@@ -1260,7 +1303,9 @@ def graph_draw(
         # zh: 在第一个受约束的步才捕获，而不是在启动时：从来没遇到约束的引擎既不付捕获的时间（每个档位一个图，
         # zh: 从大到小，和第 14 章的捕获一样），也不付内存。它们共用图的内存池，因为任何两次重放都不会重叠；捕获发生在
         # zh: 这一步的前向计算排进队列之后（捕获要等它一次），在它们的任何重放之前，所以没有哪一步在读它们的 token。
-        self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, bitmask_words(self.grammars.vocab_size))
+        on_gpu = self.graphs.device.type == "cuda"
+        hosts = self.grammars.host_bitmasks(self.graphs.sizes[-1], copies=2, pinned=on_gpu)
+        self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, hosts)
         self.masked_sampling.capture()
     self.grammars.fill(seqs, self.masked_sampling.host_rows(len(seqs)), previous)
     self.masked_sampling.send(len(seqs))

@@ -40,6 +40,7 @@ __all__ = [
     "forbid",
     "llguidance_tokenizer",
     "pack_tokens",
+    "tokenizer_json",
 ]
 
 
@@ -107,6 +108,12 @@ def llguidance_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos_t
     UTF-8 bytes: every grammar that needs a newline fails."""
     from llguidance import LLTokenizer
 
+    return LLTokenizer(tokenizer_json(tokenizer), n_vocab=n_vocab, eos_token=eos_token_ids)
+
+
+def tokenizer_json(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The text of ``tokenizer``'s fast tokenizer (its tokenizer.json) as `llguidance_tokenizer` reads it: no padding,
+    no truncation, and a byte-level vocabulary's decoder repaired."""
     backend = copy.copy(tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()
@@ -114,7 +121,7 @@ def llguidance_tokenizer(tokenizer: PreTrainedTokenizerBase, n_vocab: int, eos_t
     byte_level = [step for step in _steps(spec.get("decoder")) if step["type"] == "ByteLevel"]
     if byte_level and any(step["type"] == "ByteLevel" for step in _steps(spec.get("pre_tokenizer"))):
         spec["decoder"] = byte_level[0]
-    return LLTokenizer(json.dumps(spec), n_vocab=n_vocab, eos_token=eos_token_ids)
+    return json.dumps(spec)
 
 
 def _steps(component: dict | None) -> list[dict]:
@@ -202,12 +209,7 @@ class Grammars:
         every token for an unconstrained sequence (or one whose logits were not numbers: the engine drops it). A
         token that the step in flight (``previous``) still computes is waited for."""
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
-        pending = {}
-        waits = any(held and seq.last_token == PENDING_TOKEN for seq, held in zip(seqs, constrained, strict=True))
-        if previous is not None and waits:
-            # A constrained step's one wait: its masks need the tokens of the step in flight.
-            previous.token_ids()
-            pending = dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
+        pending = self.pending_tokens(seqs, constrained, previous)
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.follow(seq, pending) if held else None
             # One row after another: llguidance's parallel fill (`fill_next_token_bitmask_par`) saved little
@@ -217,6 +219,24 @@ class Grammars:
                 bitmask[row] = -1
             else:
                 self.fill_row(seq, state, bitmask, row)
+
+    @staticmethod
+    def pending_tokens(seqs: list[Sequence], constrained: list[bool], previous: SampledTokens | None
+                       ) -> dict[tuple[int, int], int]:
+        """The tokens of the step in flight (``previous``), by request and sample, waited for if a constrained
+        sequence's last token is one of them; otherwise none."""
+        waits = any(held and seq.last_token == PENDING_TOKEN for seq, held in zip(seqs, constrained, strict=True))
+        if previous is None or not waits:
+            return {}
+        # A constrained step's one wait: its masks need the tokens of the step in flight.
+        previous.token_ids()
+        return dict(zip(previous.samples, previous.on_host.tolist(), strict=True))
+
+    def host_bitmasks(self, rows: int, copies: int, pinned: bool) -> list[torch.Tensor]:
+        """``copies`` bitmasks of ``rows`` rows on the host, each allowing every token, where the host fills a step's
+        masks before they travel to the device (`MaskedSamplingGraphs`); ``pinned``: in pinned memory."""
+        words = bitmask_words(self.vocab_size)
+        return [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=pinned) for _ in range(copies)]
 
     def allow_all(self, rows: int, logits: torch.Tensor) -> torch.Tensor:
         """``rows`` bitmask rows on the host that allow every token, for the masks of ``logits``."""
@@ -299,19 +319,31 @@ class Grammars:
         """``seq``'s matcher, once it has read the completion tokens ``seq`` gained since its last mask (a pending one
         from ``pending``, by request and sample), drafts not included; None if one of them is the sampler's mark of
         logits that are not numbers (the engine drops the sequence)."""
-        state = self.matchers.get(seq)
-        if state is None:
-            state = self.matchers[seq] = self.start(seq)
-        first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
-        for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]:
-            if token == PENDING_TOKEN:
-                token = pending[(seq.request_id, seq.sample_index)]
-            if token < 0:
-                return None
+        state = self.state_of(seq)
+        tokens = self.unread_tokens(seq, state, pending)
+        if tokens is None:
+            return None
+        for token in tokens:
             if state.error is None and not state.matcher.consume_token(token):
                 self.fail(seq, state, state.matcher.get_error() or f"token {token} does not fit the grammar")
             state.consumed += 1
         return state
+
+    def state_of(self, seq: Sequence) -> SequenceGrammar:
+        """``seq``'s matcher and progress, started at its first mask (`start`)."""
+        state = self.matchers.get(seq)
+        if state is None:
+            state = self.matchers[seq] = self.start(seq)
+        return state
+
+    @staticmethod
+    def unread_tokens(seq: Sequence, state: SequenceGrammar, pending: dict[tuple[int, int], int]) -> list[int] | None:
+        """The completion tokens ``seq`` gained since its matcher last read (`follow`), drafts not included, a pending
+        one taken from ``pending``; None if one of them is the sampler's mark of logits that are not numbers."""
+        first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
+        tokens = [pending[(seq.request_id, seq.sample_index)] if token == PENDING_TOKEN else token
+                  for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]]
+        return None if any(token < 0 for token in tokens) else tokens
 
     def start(self, seq: Sequence) -> SequenceGrammar:
         """A new sequence's matcher: a copy of its constraint's compiled matcher. A sibling forked for n > 1 gets one
@@ -339,21 +371,23 @@ class MaskedSamplingGraphs(SamplingGraphs):
     """Chapter 18's sampling graphs with a bitmask between the LM head and the sampler (`forbid`), for decode steps
     that hold a constrained sequence and whose rows sample plainly. A step's bitmask travels in one copy: the host
     fills rows of a pinned buffer (`host_rows`), `send` queues their copy on a stream of its own, and `sample`
-    replays the bucket's graph once that copy is done."""
+    replays the bucket's graph once that copy is done. ``hosts``: the host's buffers, [rows, words] int32 each, at
+    least as many rows as the largest bucket (`Grammars.host_bitmasks`)."""
 
-    def __init__(self, plain: SamplingGraphs, words: int, copies: int = 2) -> None:
+    def __init__(self, plain: SamplingGraphs, hosts: list[torch.Tensor]) -> None:
         super().__init__(plain.model, plain.graphs, plain.sample_plain)
         # One Philox key for both kinds of graph: each step moves it on, whichever draws.
         self.seed = plain.seed
-        rows, device = self.graphs.sizes[-1], self.graphs.device
+        rows, device, words = self.graphs.sizes[-1], self.graphs.device, hosts[0].shape[1]
+        assert all(host.shape[0] >= rows for host in hosts), "a host buffer has fewer rows than the largest bucket"
         on_gpu = device.type == "cuda"
         # [rows, words] int32, what the graphs read; a padding row keeps what it held (its token is never used).
         self.bitmask = torch.full((rows, words), -1, dtype=torch.int32, device=device)
         # The host's side, pinned, in two copies taken in turn: under asynchronous scheduling the host fills step
         # n + 1's rows while step n's copy may still be queued, so it never writes into the copy in flight; before
         # it takes a copy again, it waits for that copy's last transfer (`sent`), which in practice is long done.
-        self.hosts = [torch.full((rows, words), -1, dtype=torch.int32, pin_memory=on_gpu) for _ in range(copies)]
-        self.sent = [torch.cuda.Event() if on_gpu else None for _ in range(copies)]
+        self.hosts = hosts
+        self.sent = [torch.cuda.Event() if on_gpu else None for _ in hosts]
         self.turn = 0
         # The copies run on a stream of their own, beside the model's forward; each waits for `read`, recorded
         # after the last replay, which read the device's bitmask. None on a CPU, where a copy is made when called.

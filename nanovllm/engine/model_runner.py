@@ -23,7 +23,7 @@ from nanovllm.engine.cuda_graphs import (
     capture_decode_graphs,
     plain_temperatures,
 )
-from nanovllm.engine.grammars import Grammars, MaskedSamplingGraphs, bitmask_words
+from nanovllm.engine.grammars import Grammars, MaskedSamplingGraphs
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, sibling_samples
 from nanovllm.engine.speculative import StepCosts
 from nanovllm.layers.attention import Attention, attention_backend
@@ -470,7 +470,9 @@ class ModelRunner:
             # pays neither the capture (one graph per bucket, largest first, as chapter 14 captures) nor the memory.
             # They share the graphs' pool, since no two replays ever overlap; here, after this step's forward was
             # queued (the capture waits for it, once) and before any replay of theirs, so no step reads their tokens.
-            self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, bitmask_words(self.grammars.vocab_size))
+            on_gpu = self.graphs.device.type == "cuda"
+            hosts = self.grammars.host_bitmasks(self.graphs.sizes[-1], copies=2, pinned=on_gpu)
+            self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, hosts)
             self.masked_sampling.capture()
         self.grammars.fill(seqs, self.masked_sampling.host_rows(len(seqs)), previous)
         self.masked_sampling.send(len(seqs))

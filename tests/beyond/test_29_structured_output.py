@@ -493,7 +493,9 @@ def _masked_graphs(vocab: int, sizes: list[int], device: str = "cpu", hidden: in
                              bucket=lambda n: graph_batch_size(n, sizes))  # fmt: skip
     head = _LinearHead(torch.randn(vocab, hidden, device=device))
     plain = SamplingGraphs(head, graphs, triton_temperature_sample)
-    return MaskedSamplingGraphs(plain, bitmask_words(vocab)), plain, graphs, head
+    hosts = [torch.full((sizes[-1], bitmask_words(vocab)), -1, dtype=torch.int32, pin_memory=device == "cuda")
+             for _ in range(2)]
+    return MaskedSamplingGraphs(plain, hosts), plain, graphs, head
 
 
 def _decoding(llm: LLM, params: SamplingParams, walk: int, seed: int, refused: int | None = None) -> Sequence:
