@@ -205,6 +205,7 @@ display(SVG(architecture_svg()))
 # | [28 · A fleet](../28_fleet/) | replicas behind a gateway, started and watched by one command |
 # | [29 · Structured output](../29_structured_output/) | a grammar's token mask before the sampler: valid JSON |
 # | [29b · Tool calls](../29b_tool_calls/) | a tool call is constrained text in the template's format |
+# | [29c · Grammar workers](../29c_grammar_workers/) | a step's masks filled side by side in worker processes |
 # | [C · The live page](../C_live_page/) | the player on a running server's KV cache |
 #
 # **Appendices**
@@ -270,6 +271,7 @@ display(SVG(architecture_svg()))
 # | [28 · 机群](../28_fleet/) | 网关后面的多个副本，由一条命令启动并看护 |
 # | [29 · 结构化输出](../29_structured_output/) | 在采样器之前加上语法的 token 掩码：写出能通过校验的 JSON |
 # | [29b · 工具调用](../29b_tool_calls/) | 工具调用就是按模板格式写出的受约束文本 |
+# | [29c · 语法工作进程](../29c_grammar_workers/) | 一步的掩码在工作进程里并排填写 |
 # | [C · 实时页面](../C_live_page/) | 运行中服务器的 KV 缓存，用播放器画出来 |
 #
 # **附录**

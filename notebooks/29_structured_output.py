@@ -1089,9 +1089,11 @@ class Grammars:
         # zh: ``seq`` 自匹配器上次读入以来新增的生成 token（`follow`），不含草稿，待定的那个从 ``pending`` 里取；
         # zh: 如果其中有采样器对“logits 不是数”的标记，返回 None。
         first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
-        tokens = [pending[(seq.request_id, seq.sample_index)] if token == PENDING_TOKEN else token
-                  for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]]
-        return None if any(token < 0 for token in tokens) else tokens
+        tokens = seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]
+        if PENDING_TOKEN in tokens:
+            tokens = [pending[(seq.request_id, seq.sample_index)] if token == PENDING_TOKEN else token
+                      for token in tokens]
+        return None if tokens and min(tokens) < 0 else tokens
 
     def start(self, seq: Sequence) -> SequenceGrammar:
         """A new sequence's matcher: a copy of its constraint's compiled matcher. A sibling forked for n > 1 gets one

@@ -40,6 +40,8 @@
 #                                       # serving wheels in .whl-serve/ (scripts/serve-wheels.sh: the gateway's too)
 #   scripts/gpu-ci.sh structured [ARGS] # structured output (chapter 29): its GPU tests, then python -m nanovllm.bench
 #                                       # --structured ARGS, the same greedy requests with and without a JSON schema
+#   scripts/gpu-ci.sh grammar-workers [ARGS]  # chapter 29c: its GPU test, then python -m nanovllm.bench
+#                                       # --grammar-workers ARGS: chapter 29's benchmark once per worker count
 #                                       # at batches 1, 16 and 256 on Qwen3-0.6B's shapes; llguidance and jsonschema
 #                                       # from the wheels in .whl/ when the machine lacks them
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/probes/moe_probe.py
@@ -288,8 +290,7 @@ run_fleet() {  # two replicas on one GPU behind the gateway, each policy in its 
     --max-model-len 16384 2>&1 | tee "$out/fleet.log" || status=1
 }
 
-run_structured() {  # a constraint's cost (chapter 29), after its GPU tests; llguidance, and jsonschema for the
-                   # tests, from .whl/, into /tmp/llguidance-site
+grammar_stack() {  # llguidance, and jsonschema for the tests, from .whl/, into /tmp/llguidance-site
   if ! python3 -c "import llguidance, jsonschema" 2>/dev/null; then
     local found=()
     mapfile -t found < <(wheels .whl | grep -E '/(llguidance|jsonschema|jsonschema_specifications|referencing|rpds_py)-')
@@ -297,9 +298,21 @@ run_structured() {  # a constraint's cost (chapter 29), after its GPU tests; llg
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/llguidance-site "${found[@]}" || exit 2
     export PYTHONPATH=$PYTHONPATH:/tmp/llguidance-site
   fi
+}
+
+run_structured() {  # a constraint's cost (chapter 29), after its GPU tests
+  grammar_stack
   python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/structured-tests.xml" \
     tests/beyond/test_29_structured_output.py || status=1
   python3 -m nanovllm.bench --structured "$@" --out "$out/structured.json" 2>&1 | tee "$out/structured.log" || status=1
+}
+
+run_grammar_workers() {  # chapter 29c: the matchers in worker processes, after its GPU test
+  grammar_stack
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rs --junitxml="$out/grammar-workers-tests.xml" \
+    tests/beyond/test_29c_grammar_workers.py || status=1
+  python3 -m nanovllm.bench --grammar-workers "$@" --out "$out/grammar-workers.json" 2>&1 \
+    | tee "$out/grammar-workers.log" || status=1
 }
 
 run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed
@@ -354,10 +367,11 @@ case $what in
   speculative) run_speculative "$@" ;;
   fleet) run_fleet "$@" ;;
   structured) run_structured "$@" ;;
+  grammar-workers) run_grammar_workers "$@" ;;
   moe) run_moe ;;
   small-batch) run_small_batch ;;
   *) echo "usage: scripts/gpu-ci.sh [tests | chapters [GLOB] | bench [ARGS] | latency [ARGS] | tp [PART] | kernels [ARGS] | fp8 [PART]" \
-          "| serve [PART] [ARGS] | speculative [ARGS] | fleet [ARGS] | structured [ARGS] | moe | small-batch | keep]" >&2
+          "| serve [PART] [ARGS] | speculative [ARGS] | fleet [ARGS] | structured [ARGS] | grammar-workers [ARGS] | moe | small-batch | keep]" >&2
      exit 2 ;;
 esac
 exit $status

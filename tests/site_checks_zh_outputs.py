@@ -187,6 +187,10 @@ TRANSLATED = {
         ("fits the schema", "符合 schema"), ("the same calls as parsed whole", "与整段解析的调用相同"),
         ("reassembled", "拼回来"), ("all exercise answers check out", "练习答案全部验证通过"),
     ],
+    "29c_grammar_workers": [
+        ("the workers' masks equal chapter 29's at every step", "每一步工作进程的掩码都与第 29 章的相同"),
+        ("all exercise answers check out", "练习答案全部验证通过"),
+    ],
     "A_visualization": [("before step 1: empty pool", "第 1 步之前：空的块池"), ("frames checked", "帧")],
     "B_from_nano_vllm": [("three chained block hashes equal upstream's", "三个链式块哈希与上游的相同")],
     "C_live_page": [("frames published", "发布的帧"), ("all exercise answers check out", "练习答案全部验证通过")],

@@ -27,7 +27,7 @@ PARTS: dict[str, tuple[str, ...]] = {
     "beyond": (
         "20_robustness", "21_serving", "22_openai_server", "23_serving_benchmark", "24_fp8_kv_cache",
         "25_speculative_decoding", "25b_speculation_measured", "26_mixture_of_experts", "27_kv_events", "28_fleet",
-        "29_structured_output", "29b_tool_calls", "C_live_page",
+        "29_structured_output", "29b_tool_calls", "29c_grammar_workers", "C_live_page",
     ),
     "appendix": ("B_from_nano_vllm",),
 }

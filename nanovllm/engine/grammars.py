@@ -341,9 +341,11 @@ class Grammars:
         """The completion tokens ``seq`` gained since its matcher last read (`follow`), drafts not included, a pending
         one taken from ``pending``; None if one of them is the sampler's mark of logits that are not numbers."""
         first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
-        tokens = [pending[(seq.request_id, seq.sample_index)] if token == PENDING_TOKEN else token
-                  for token in seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]]
-        return None if any(token < 0 for token in tokens) else tokens
+        tokens = seq.token_ids[first : len(seq.token_ids) - seq.num_draft_tokens]
+        if PENDING_TOKEN in tokens:
+            tokens = [pending[(seq.request_id, seq.sample_index)] if token == PENDING_TOKEN else token
+                      for token in tokens]
+        return None if tokens and min(tokens) < 0 else tokens
 
     def start(self, seq: Sequence) -> SequenceGrammar:
         """A new sequence's matcher: a copy of its constraint's compiled matcher. A sibling forked for n > 1 gets one

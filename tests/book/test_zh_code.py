@@ -31,7 +31,7 @@ SAYERS = {"say", "_say", "_say_bench", "_say_latency"}
 # chapter's `say`. The benchmark that chapter 19 runs on the page (`nanovllm.bench`, `--latency`) speaks Chinese.
 COMMAND_LINE_ONLY = {"13_attention_benchmarks", "14_cuda_graphs", "22_openai_server", "23_serving_benchmark",
                      "24_fp8_kv_cache", "25b_speculation_measured", "26_mixture_of_experts", "28_fleet",
-                     "29_structured_output"}
+                     "29_structured_output", "29c_grammar_workers"}
 
 
 def zh_code_cells(chapter: Path) -> list:

@@ -1,0 +1,1327 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown] tags=["en"]
+# # 29c · Grammar workers: a step's masks on many cores
+#
+# **Goal.** Chapter 29 put the grammar's mask inside the captured step, and at one sequence a
+# constrained run is as fast as a free one. At 256 sequences it is not: the host fills 256 rows a
+# step, one after another, about 10 µs each, and those 2.6 ms with the rest of the host's step
+# outlast the GPU's. This chapter moves the matchers into **worker processes**, each owning the
+# matchers of some of the sequences, and lets them fill their rows side by side, straight into
+# memory the engine's process shares with them, so that nothing is copied. By the end you can say
+# why threads do not help here, what a worker holds and what it is told each step, how a bitmask
+# row gets from a worker to the GPU, and what it bought on an H100.
+
+# %% [markdown] tags=["zh"]
+# # 29c · 语法工作进程：一步的掩码分给多个核
+#
+# **目标：** 第 29 章把语法的掩码放进了捕获好的那一步，1 个序列时受约束的运行和自由运行一样快。256 个序列时却不然：
+# 主机每步要一行接一行地填 256 行，每行约 10 微秒，这 2.6 毫秒加上主机这一步的其余工作，比 GPU 的一步还长。本章把
+# 匹配器挪进**工作进程**（worker process），每个进程持有一部分序列的匹配器，让它们并排填写各自的行，直接写进与引擎
+# 进程共享的内存，什么都不用拷贝。读完本章，你能说出这里为什么线程帮不上忙，一个工作进程持有什么、每步被告知什么，
+# 位掩码的一行怎样从工作进程到达 GPU，以及它在 H100 上带来了什么。
+
+# %% printed phrases
+#| hide
+# en: What this chapter prints, in Chinese for the Chinese site (appendix D, nanovllm.book.lang).
+# zh: 本章打印的文字及其中文（见附录 D 与 nanovllm.book.lang），中文网站打印中文。
+from nanovllm.book.lang import Phrases
+
+say = Phrases({
+    "{rows} rows: {us:.1f} us a row in one thread": "{rows} 行：单线程每行 {us:.1f} 微秒",
+    "two threads, each filling its own matchers: {ratio:.2f}x the time of one thread filling both":
+        "两个线程各填自己的匹配器：用时是一个线程填两份的 {ratio:.2f} 倍",
+    "workers ready in {seconds:.2f} s": "工作进程 {seconds:.2f} 秒就绪",
+    "{steps} steps of {rows} rows: the workers' masks equal chapter 29's at every step":
+        "{steps} 步、每步 {rows} 行：每一步工作进程的掩码都与第 29 章的相同",
+    "a bitmask outside the shared segments: equal too": "共享段之外的位掩码：也相同",
+    "refused token: {error}": "被拒绝的 token：{error}",
+    "matchers held by the workers: {before} -> {after} once the sequences are let go":
+        "工作进程持有的匹配器：放开序列后 {before} -> {after}",
+    "{name}: the same outputs with {workers} workers as in process: {same}":
+        "{name}：{workers} 个工作进程与在进程内的输出相同：{same}",
+    "workers stopped: {codes}": "工作进程已停止：{codes}",
+    "{name}: {card}, {date}: {command}": "{name}：{card}，{date}：{command}",
+    "{workers} workers, batch {batch:3d}: {ratio:.2f}x the free run; a step {free_ms:.2f} -> {constrained_ms:.2f} ms, "
+    "Grammars.fill {fill_ms:.2f} ms":
+        "{workers} 个工作进程，批大小 {batch:3d}：自由运行的 {ratio:.2f} 倍；"
+        "每步 {free_ms:.2f} -> {constrained_ms:.2f} 毫秒，Grammars.fill 占 {fill_ms:.2f} 毫秒",
+    "all exercise answers check out": "练习答案全部验证通过",
+})
+
+# %% [markdown] tags=["en"]
+# ## Where the time goes, and why threads do not help
+#
+# A constrained decode step (chapter 29) does three things on the host before its captured sampler
+# can run: it waits for the step in flight (the masks need its tokens), each matcher reads its
+# sequence's new token, and each matcher writes its row. With asynchronous scheduling the forward
+# pass runs meanwhile, so as long as the host is done first, the mask costs nothing. At 256
+# sequences it is not done first. The cell below times chapter 29's `Grammars.fill` on the CPU:
+# 64 sequences of the benchmark's roster schema (chapter 29's `ROSTER_SCHEMA`) over the tiny
+# model's byte-level tokenizer, with Qwen3's 151,936 ids, each step a new random token that the
+# grammar allows.
+#
+# llguidance computes a row in Rust, and its Python binding says it releases Python's global lock
+# while it does. Two threads should then fill twice as fast. They do not: the second cell gives
+# each of two threads matchers of their own (compiled apart, sharing nothing) and times them
+# against one thread doing both halves. On the machine that builds this book, the two threads
+# take about as long as one; on the H100 machine's 16 cores, llguidance's own parallel fill took
+# 1.65× the serial time at 256 rows (chapter 29). Whatever serializes the work, another *process*
+# does not share it.
+
+# %% [markdown] tags=["zh"]
+# ## 时间花在哪里，为什么线程帮不上忙
+#
+# 受约束的 decode 步（第 29 章）在它捕获好的采样器运行之前，要在主机上做三件事：等正在计算的那一步（掩码需要它的
+# token），每个匹配器读入自己序列的新 token，每个匹配器写出自己的那一行。有了异步调度，这期间前向计算在跑，所以只要
+# 主机先做完，掩码就不花时间。256 个序列时主机做不完。下面的单元在 CPU 上给第 29 章的 `Grammars.fill` 计时：基准测试
+# 的 roster schema（第 29 章的 `ROSTER_SCHEMA`），64 个序列，小模型的字节级分词器，带 Qwen3 的 151,936 个 id，每一步
+# 是语法允许的一个新的随机 token。
+#
+# llguidance 用 Rust 计算一行，它的 Python 绑定说计算时会释放 Python 的全局锁。那么两个线程就该快一倍。事实并非如此：
+# 第二个单元给两个线程各自一份匹配器（分别编译，什么都不共享），再和一个线程做完两半的时间比较。在构建本书的机器上，
+# 两个线程差不多和一个线程一样慢；在 H100 机器的 16 个核上，llguidance 自带的并行填充填 256 行要花串行时间的 1.65 倍
+# （第 29 章）。不管是什么让这些工作排成了队，另一个*进程*都不会与之共享。
+
+# %%
+import random
+import statistics
+import threading
+import time
+
+import torch
+
+from nanovllm.bench.structured import ROSTER_SCHEMA
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.config import Config
+from nanovllm.engine.grammars import Grammars, allowed_tokens, bitmask_words, fill_bitmask
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+tiny = build_tiny_model("qwen3", vocab_size=151936)
+roster = SamplingParams(temperature=1.0, max_tokens=1000,
+                        structured_outputs=StructuredOutputsParams(json=ROSTER_SCHEMA))
+
+
+def decoding(count: int) -> list[Sequence]:
+    """``count`` constrained sequences of the roster schema, each with a three-token prompt, ready to decode."""
+    # zh: ``count`` 个受 roster schema 约束的序列，各带一个三 token 的提示词，准备好 decode。
+    seqs = [Sequence([1, 2, 3], roster, block_size=16) for _ in range(count)]
+    for seq in seqs:
+        seq.num_cached_tokens = len(seq)
+    return seqs
+
+
+def walk(grammars: Grammars, seqs: list[Sequence], bitmask: torch.Tensor, rng: random.Random) -> None:
+    """Give each sequence one more token, drawn at random among those its row of ``bitmask`` allows."""
+    # zh: 给每个序列再加一个 token，从它在 ``bitmask`` 里那一行允许的 token 中随机抽取。
+    allowed = allowed_tokens(bitmask[: len(seqs)], grammars.vocab_size)
+    for row, seq in enumerate(seqs):
+        choices = [t for t in allowed[row].nonzero().flatten().tolist() if t not in grammars.eos_token_ids]
+        seq.append_token(rng.choice(choices))
+        seq.num_cached_tokens = len(seq)
+
+
+in_process = Grammars(Config(str(tiny), device="cpu"))
+seqs, rng = decoding(64), random.Random(0)
+mask = torch.full((64, bitmask_words(in_process.vocab_size)), -1, dtype=torch.int32)
+seconds = []
+for _ in range(12):
+    start = time.perf_counter()
+    in_process.fill(seqs, mask)
+    seconds.append(time.perf_counter() - start)
+    walk(in_process, seqs, mask, rng)
+print(say("{rows} rows: {us:.1f} us a row in one thread", rows=64, us=1e6 * statistics.median(seconds[2:]) / 64))
+
+# %%
+from llguidance import LLMatcher
+
+from nanovllm.sampling_params import grammar_limits
+
+
+def walkers(count: int, steps: int) -> list[tuple[LLMatcher, list[int]]]:
+    """``count`` matchers of the roster schema, each compiled on its own, with ``steps`` tokens that it takes."""
+    # zh: ``count`` 个 roster schema 的匹配器，各自单独编译，每个带 ``steps`` 个它接受的 token。
+    grammar = roster.structured_outputs.llguidance_grammar
+    row = torch.empty(1, bitmask_words(in_process.vocab_size), dtype=torch.int32)
+    pairs = []
+    for _ in range(count):
+        matcher, probe = (LLMatcher(in_process.tokenizer, grammar, limits=grammar_limits(), log_level=0)
+                          for _ in range(2))
+        tokens = []
+        for _ in range(steps):
+            fill_bitmask(probe, row, 0)
+            allowed = allowed_tokens(row[0], in_process.vocab_size).nonzero().flatten().tolist()
+            tokens.append(rng.choice([t for t in allowed if t not in in_process.eos_token_ids]))
+            assert probe.consume_token(tokens[-1])
+        pairs.append((matcher, tokens))
+    return pairs
+
+
+def fill_walks(pairs: list[tuple[LLMatcher, list[int]]], row: torch.Tensor) -> None:
+    """Fill a row for each matcher and step, each matcher then reading its step's token."""
+    # zh: 每个匹配器每一步填一行，然后读入这一步的 token。
+    for step in range(len(pairs[0][1])):
+        for matcher, tokens in pairs:
+            fill_bitmask(matcher, row, 0)
+            matcher.consume_token(tokens[step])
+
+
+def timed(*jobs: list[tuple[LLMatcher, list[int]]]) -> float:
+    """Seconds for one thread per job, started together, to fill their walks."""
+    # zh: 每份工作一个线程、同时开始，填完各自的路径所用的秒数。
+    threads = [threading.Thread(target=fill_walks, args=(job, torch.empty(1, mask.shape[1], dtype=torch.int32)))
+               for job in jobs]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - start
+
+
+one_thread = timed(walkers(16, 20) + walkers(16, 20))
+two_threads = timed(walkers(16, 20), walkers(16, 20))
+print(say("two threads, each filling its own matchers: {ratio:.2f}x the time of one thread filling both",
+          ratio=two_threads / one_thread))
+
+# %% [markdown] tags=["en"]
+# ## The plan: matchers in processes, rows in shared memory
+#
+# A worker process holds the matchers of the sequences whose id it is given (sequence id modulo
+# the number of workers, so that a sequence always goes to the same one), and keeps them from step
+# to step. The engine's process keeps what chapter 29's `Grammars` keeps about each sequence, how
+# many of its tokens the matcher has read and whether its grammar failed, but no matcher. Each
+# step it sends every worker one message, a list of **jobs**:
+#
+# ```
+#   (seq_id, grammar or None, unread tokens, segment, row)
+#      the grammar (llguidance's text) travels with a sequence's first job only;
+#      the unread tokens are usually one: the token the last step sampled
+# ```
+#
+# The worker's matcher reads the tokens and writes its row, and the worker answers with the
+# sequences whose grammar failed, usually none. A row is 4,748 int32 words for Qwen3's vocabulary,
+# 19 KB: 256 of them, 4.9 MB a step, should not travel through a pipe. They are written where the
+# GPU copy reads them: chapter 29's pinned host buffers become **shared segments**, files in
+# memory (`/dev/shm`) that the engine and every worker map; the engine registers them with CUDA
+# (`cudaHostRegister`), which makes them pinned memory like `torch.empty(..., pin_memory=True)`,
+# so the copy to the device stays asynchronous. The seam is chapter 29's `Grammars.host_bitmasks`,
+# where `MaskedSamplingGraphs` gets its buffers.
+#
+# Three choices, each for a reason:
+#
+# - **`python -m`, not `multiprocessing`.** multiprocessing's spawn runs the user's script again in
+#   each child unless it has an `if __name__ == "__main__"` guard, and refuses children to a daemon
+#   process (the ranks of chapter 17 are daemons). A worker is started as
+#   `python -m nanovllm.engine.grammar_process FD`, with one end of a socket pair, which
+#   multiprocessing's `Connection` wraps for pickled messages.
+# - **A session of its own.** Ctrl-C in a terminal reaches every process of its group; the engine
+#   decides what it means (chapter 20), so the workers must not die of it. A worker ends when its
+#   socket closes: when the engine closes it, or when the engine's process dies.
+# - **Workers import llguidance, not torch.** A worker is ready in a fraction of a second, and 8 of
+#   them cost little memory.
+
+# %% [markdown] tags=["zh"]
+# ## 计划：匹配器放进进程，行放进共享内存
+#
+# 一个工作进程持有分给它的那些序列的匹配器（序列 id 对工作进程数取模，这样一个序列总是去同一个进程），并在步与步之间
+# 一直保存它们。引擎进程保存第 29 章的 `Grammars` 为每个序列保存的东西：匹配器读到了它的第几个 token，它的语法是否
+# 已经失败；但不保存匹配器。每一步它给每个工作进程发一条消息，即一串**任务**（job）：
+#
+# ```
+#   (seq_id, 语法或 None, 未读的 token, 段, 行)
+#      语法（llguidance 的文本）只随一个序列的第一个任务发送；
+#      未读的 token 通常只有一个：上一步采样出的那个
+# ```
+#
+# 工作进程的匹配器读入这些 token 并写出自己的行，工作进程回复语法失败了的序列，通常一个也没有。按 Qwen3 的词表，一行
+# 是 4,748 个 int32 字，19 KB：256 行就是每步 4.9 MB，不该经过管道传送。它们就写在 GPU 拷贝读取的地方：第 29 章的锁页
+# 主机缓冲区变成**共享段**（shared segment），即内存里的文件（`/dev/shm`），引擎和每个工作进程都映射它；引擎把它们
+# 注册给 CUDA（`cudaHostRegister`），这样它们就和 `torch.empty(..., pin_memory=True)` 一样是锁页内存，拷到设备上仍然是
+# 异步的。接缝是第 29 章的 `Grammars.host_bitmasks`，`MaskedSamplingGraphs` 从那里拿到它的缓冲区。
+#
+# 三个选择，各有原因：
+#
+# - **用 `python -m`，不用 `multiprocessing`。** multiprocessing 的 spawn 会在每个子进程里把用户的脚本再跑一遍，除非
+#   脚本有 `if __name__ == "__main__"` 保护；它还不许守护进程（daemon）有子进程（第 17 章的各个 rank 就是守护进程）。
+#   工作进程以 `python -m nanovllm.engine.grammar_process FD` 启动，带着一对 socket 的一端，multiprocessing 的
+#   `Connection` 把它包装起来收发 pickle 过的消息。
+# - **自己的会话（session）。** 终端里的 Ctrl-C 会送到它所在进程组的每个进程；它意味着什么由引擎决定（第 20 章），
+#   所以工作进程不能因它而死。工作进程在 socket 关闭时结束：引擎关闭它，或者引擎的进程死掉。
+# - **工作进程导入 llguidance，不导入 torch。** 一个工作进程不到一秒就绪，8 个也花不了多少内存。
+
+# %% [markdown] tags=["en"]
+# ## Build it: the worker
+#
+# `GrammarProcess` is a worker's state: llguidance's view of the tokenizer (built from the text
+# that chapter 29's `tokenizer_json` gives, so that a worker reads the vocabulary exactly as the
+# engine does), the compiled grammars, a matcher per sequence, and the address of each shared
+# segment it mapped. `fill` first drops the matchers of sequences the engine let go, then does its
+# jobs; a job whose grammar fails is answered with the reason, and its matcher dropped: from then
+# on the engine writes that sequence's row itself (only its end-of-sequence tokens, as in
+# chapter 29). `serve` is the loop: the first message builds the state, every later one is a
+# request answered with `("ok", result)` or `("error", why)`, and the end of the socket ends it.
+
+# %% [markdown] tags=["zh"]
+# ## 动手构建：工作进程
+#
+# `GrammarProcess` 是一个工作进程的状态：llguidance 眼中的分词器（由第 29 章 `tokenizer_json` 给出的文本构建，这样工作
+# 进程读词表的方式与引擎完全一样）、编译好的语法、每个序列一个匹配器，以及它映射的每个共享段的地址。`fill` 先丢掉引擎
+# 已经放开的序列的匹配器，再做它的任务；语法失败的任务回复原因，匹配器丢掉：从此由引擎自己写这个序列的行（只允许它的
+# 结束 token，和第 29 章一样）。`serve` 是循环：第一条消息构建状态，之后每条都是一个请求，回复 `("ok", 结果)` 或
+# `("error", 原因)`，socket 结束，循环也就结束。
+
+# %% default module
+#| default_exp engine.grammar_workers
+
+# %% grammar process
+#| export engine.grammar_process
+"""What a grammar worker runs (chapter 29c): the matchers of the constrained sequences that the engine gives it, each
+reading its sequence's new tokens and writing its row of a bitmask that the engine's process shares with it. Started
+by `GrammarWorkers` as ``python -m nanovllm.engine.grammar_process FD``; it imports the standard library and
+llguidance alone, never torch, so a worker is ready in a fraction of a second."""
+# zh: 语法工作进程运行的东西（第 29c 章）：引擎交给它的受约束序列的匹配器，每个读入自己序列的新 token，写出与引擎
+# zh: 进程共享的位掩码里自己的那一行。由 `GrammarWorkers` 以 ``python -m nanovllm.engine.grammar_process FD`` 启动；
+# zh: 它只导入标准库和 llguidance，从不导入 torch，所以不到一秒就绪。
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+from nanovllm.sampling_params import grammar_limits
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+# en: Compiled grammars a worker keeps at once, the oldest forgotten first (as many as the engine's Grammars keeps).
+# zh: 一个工作进程同时保存的已编译语法数，最旧的先忘掉（与引擎的 Grammars 保存的一样多）。
+MAX_COMPILED = 256
+# en: A job: the sequence's id; its llguidance grammar with its first job, else None; the tokens its matcher has not
+# en: read; the shared segment and the row that its mask goes to.
+# zh: 一个任务：序列的 id；第一个任务带上它的 llguidance 语法，之后为 None；它的匹配器还没读的 token；它的掩码要写到
+# zh: 的共享段和行。
+Job = tuple[int, str | None, list[int], int, int]
+# en: What the engine may ask of a worker, besides building it.
+# zh: 除了构建之外，引擎可以向工作进程提出的请求。
+REQUESTS = ("map", "fill", "held")
+# en: How long a worker waiting for a request, or the engine waiting for the workers' answers, asks again and again
+# en: before it sleeps (the default: not at all). A process that sleeps is woken by the system when its message comes,
+# en: which can take longer than the work itself; one that spins takes a core from the others (chapter 29c measures
+# en: both: scripts/probes/grammar_workers_probe.py).
+# zh: 工作进程等请求、或引擎等工作进程回复时，在睡下之前反复询问多久（默认：完全不问）。睡下的进程要等系统在消息到达
+# zh: 时唤醒它，这可能比工作本身还久；空转询问的进程又占着一个核，别的进程用不上（第 29c 章测量了
+# zh: 两者：scripts/probes/grammar_workers_probe.py）。
+SPIN_S = 0.0
+
+
+def arrived(connection: Connection, spin_s: float) -> bool:
+    """Whether a message waits on ``connection`` within ``spin_s`` seconds, asked without sleeping."""
+    # zh: ``connection`` 上是否在 ``spin_s`` 秒内有消息等着，询问期间不睡下。
+    deadline = time.perf_counter() + spin_s
+    while not connection.poll(0):
+        if time.perf_counter() >= deadline:
+            return False
+    return True
+
+
+class GrammarProcess:
+    """A worker's state: llguidance's view of the tokenizer, the compiled grammars, a matcher per sequence, and the
+    address of each shared segment it mapped."""
+    # zh: 一个工作进程的状态：llguidance 眼中的分词器、编译好的语法、每个序列一个匹配器，以及它映射的每个共享段的地址。
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        from llguidance import LLTokenizer
+
+        self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self.row_bytes = 4 * ((vocab_size + 31) // 32)
+        self.compiled: dict[str, LLMatcher] = {}
+        self.matchers: dict[int, LLMatcher] = {}
+        self.maps: list[mmap.mmap] = []
+        self.addresses: list[int] = []
+
+    def map(self, path: str, size: int) -> None:
+        """Map the shared segment at ``path`` (``size`` bytes): the next in the engine's list of segments."""
+        # zh: 映射 ``path`` 处的共享段（``size`` 字节）：引擎的段列表中的下一个。
+        with open(path, "r+b") as file:
+            mapped = mmap.mmap(file.fileno(), size)
+        self.maps.append(mapped)
+        self.addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(mapped)))
+
+    def fill(self, forgotten: list[int], jobs: list[Job]) -> list[tuple[int, str]]:
+        """Drop the matchers of the ``forgotten`` sequences, then do each job: the sequence's matcher reads its unread
+        tokens and writes the tokens its grammar allows next into its row. Returns the sequences whose grammar
+        failed, each with the reason; their matchers are dropped and their rows left as they were."""
+        # zh: 丢掉 ``forgotten`` 中各序列的匹配器，然后做每个任务：序列的匹配器读入未读的 token，把语法下一步允许的
+        # zh: token 写进它的行。返回语法失败了的序列及各自的原因；它们的匹配器被丢掉，它们的行保持原样。
+        for seq_id in forgotten:
+            self.matchers.pop(seq_id, None)
+        failed = []
+        for seq_id, grammar, tokens, segment, row in jobs:
+            error = self.advance(seq_id, grammar, tokens)
+            if error is None:
+                matcher = self.matchers[seq_id]
+                matcher.unsafe_compute_mask_ptr(self.addresses[segment] + row * self.row_bytes, self.row_bytes)
+                error = matcher.get_error() if matcher.is_error() else None
+            if error is not None:
+                self.matchers.pop(seq_id, None)
+                failed.append((seq_id, error))
+        return failed
+
+    def advance(self, seq_id: int, grammar: str | None, tokens: list[int]) -> str | None:
+        """Let ``seq_id``'s matcher (at its first job, a copy of ``grammar``'s compiled matcher) read ``tokens``;
+        why its grammar failed, or None."""
+        # zh: 让 ``seq_id`` 的匹配器（第一个任务时是 ``grammar`` 已编译匹配器的一份拷贝）读入 ``tokens``；返回语法
+        # zh: 失败的原因，或 None。
+        matcher = self.matchers.get(seq_id)
+        if matcher is None:
+            if grammar is None:
+                return f"grammar worker: no matcher for sequence {seq_id}"
+            compiled = self.compile(grammar)
+            if compiled.is_error():
+                return compiled.get_error()
+            matcher = self.matchers[seq_id] = compiled.deep_copy()
+        for token in tokens:
+            if not matcher.consume_token(token):
+                return matcher.get_error() or f"token {token} does not fit the grammar"
+        return None
+
+    def compile(self, grammar: str) -> LLMatcher:
+        """``grammar``'s matcher before any token, compiled once (within chapter 29's `grammar_limits`)."""
+        # zh: ``grammar`` 在任何 token 之前的匹配器，只编译一次（在第 29 章的 `grammar_limits` 之内）。
+        from llguidance import LLMatcher
+
+        matcher = self.compiled.get(grammar)
+        if matcher is None:
+            matcher = LLMatcher(self.tokenizer, grammar, limits=grammar_limits(), log_level=0)
+            if len(self.compiled) >= MAX_COMPILED:
+                del self.compiled[next(iter(self.compiled))]
+            self.compiled[grammar] = matcher
+        return matcher
+
+    def held(self) -> int:
+        """How many sequences' matchers this worker holds."""
+        # zh: 这个工作进程持有多少个序列的匹配器。
+        return len(self.matchers)
+
+
+def serve(connection: Connection) -> None:
+    """A worker's life: build its state from the first message (`GrammarProcess`'s arguments and how long to spin),
+    then answer each request (a name of `REQUESTS` and its arguments) with ``("ok", result)`` or ``("error", why)``,
+    until the engine closes the connection."""
+    # zh: 一个工作进程的一生：用第一条消息（`GrammarProcess` 的参数，以及空转询问多久）构建状态，然后回答每个请求
+    # zh: （`REQUESTS` 中的一个名字及其参数），回复 ``("ok", 结果)`` 或 ``("error", 原因)``，直到引擎关闭连接。
+    *settings, spin_s = connection.recv()
+    worker = GrammarProcess(*settings)
+    connection.send(("ok", None))
+    while True:
+        try:
+            arrived(connection, spin_s)
+            name, *args = connection.recv()
+        # en: The engine closed its end, or its process died (a reset, when it left something unread).
+        # zh: 引擎关闭了它那一端，或者它的进程死了（它留下没读的数据时，是连接被重置）。
+        except (EOFError, OSError):
+            return
+        try:
+            if name not in REQUESTS:
+                raise ValueError(f"unknown request {name!r}")
+            reply = ("ok", getattr(worker, name)(*args))
+        # en: Any failure is the engine's to raise, in the worker's words; the worker goes on.
+        # zh: 任何失败都交给引擎抛出，用工作进程的原话；工作进程继续运行。
+        except Exception as error:
+            reply = ("error", f"{type(error).__name__}: {error}")
+        try:
+            connection.send(reply)
+        # en: The engine closed its end while this worker computed: nobody is left to answer.
+        # zh: 这个工作进程计算时引擎关掉了它那一端：已经没有谁需要回答了。
+        except OSError:
+            return
+
+
+# en: A notebook also runs this code as __main__; only a real `python -m nanovllm.engine.grammar_process FD` serves.
+# zh: notebook 也把这段代码当作 __main__ 运行；只有真正的 `python -m nanovllm.engine.grammar_process FD` 才开始服务。
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    serve(Connection(int(sys.argv[1])))
+
+# %% [markdown] tags=["en"]
+# ## Build it: the workers, seen from the engine
+#
+# `GrammarWorkers` starts the processes and waits until each has read the tokenizer. Its
+# `shared_rows` makes a segment: a file in `/dev/shm`, mapped here, mapped by every worker, and
+# then unlinked at once, so that no file outlives the engine, whatever way it ends (the memory
+# stays until the last process unmaps it). `fill` splits a step's jobs by worker, sends each
+# worker its share with the sequences it should forget, and then waits for every answer: the
+# workers compute side by side while the engine waits. A bitmask that lies in no segment (the
+# eager path of chapter 29, which allocates its own) is filled through a scratch segment and
+# copied. A worker that answers with an error, or dies, raises in the engine with the worker's
+# words.
+
+# %% [markdown] tags=["zh"]
+# ## 动手构建：从引擎这边看工作进程
+#
+# `GrammarWorkers` 启动这些进程，等每个进程都读完分词器。它的 `shared_rows` 创建一个段：`/dev/shm` 里的一个文件，这里
+# 映射一次，每个工作进程也映射一次，然后立刻删除文件名，这样不管引擎以什么方式结束，都不会留下文件（内存要等最后一个
+# 进程取消映射才释放）。`fill` 按工作进程拆分一步的任务，把每个工作进程的那一份连同它该忘掉的序列发过去，然后等所有的
+# 回复：引擎等待时，各工作进程并排计算。不在任何段里的位掩码（第 29 章的 eager 路径会自己分配一个）经由一个草稿段
+# 填写，再拷贝过去。回复错误或死掉的工作进程，会以工作进程的原话在引擎里抛出异常。
+
+# %% grammar workers
+#| export
+"""Grammar workers (chapter 29c): the matchers of constrained sequences in processes of their own, which fill a step's
+bitmask rows side by side, in memory they share with the engine."""
+# zh: 语法工作进程（第 29c 章）：受约束序列的匹配器放在各自的进程里，它们在与引擎共享的内存里并排填写一步的位掩码各行。
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanovllm.engine.grammar_process import SPIN_S, arrived
+from nanovllm.engine.grammars import bitmask_words
+
+# en: How long a new worker may take to say it is ready (it imports llguidance and reads the tokenizer), and how long
+# en: the workers may take to exit once their connections close.
+# zh: 新工作进程报告就绪最多可以用多久（它要导入 llguidance 并读入分词器），以及连接关闭后工作进程退出最多可以用多久。
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 5.0
+
+
+class GrammarWorkers:
+    """``count`` worker processes (`nanovllm.engine.grammar_process`), each holding the matchers of the sequences whose
+    id it is given (the id modulo ``count``), and the shared segments of bitmask rows they write into
+    (`shared_rows`, pinned when ``pinned``). `fill` sends each worker its rows of a step and waits for them all; each
+    side asks for its messages without sleeping for ``spin_s`` seconds (`arrived`)."""
+    # zh: ``count`` 个工作进程（`nanovllm.engine.grammar_process`），每个持有分给它的序列（id 对 ``count`` 取模）的
+    # zh: 匹配器，以及它们写入的位掩码共享段（`shared_rows`，``pinned`` 时是锁页内存）。`fill` 把一步的各行分发给
+    # zh: 每个工作进程，再等它们全部做完。
+
+    def __init__(self, count: int, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], pinned: bool,
+                 spin_s: float = SPIN_S) -> None:
+        if count < 1:
+            raise ValueError(f"grammar workers: count must be at least 1, not {count}")
+        self.words = bitmask_words(vocab_size)
+        self.pinned, self.spin_s = pinned, spin_s
+        self.segments: list[torch.Tensor] = []
+        self.forgotten: list[list[int]] = [[] for _ in range(count)]
+        self.connections: list[Connection] = []
+        self.processes: list[subprocess.Popen] = []
+        self._scratch: torch.Tensor | None = None
+        self._finalizer = weakref.finalize(self, stop_workers, self.connections, self.processes, self.segments, pinned)
+        # en: The package's folder goes first on the workers' path: they import the code this process runs.
+        # zh: 把包所在的目录放在工作进程路径的最前面：它们导入的是本进程运行的同一份代码。
+        root = str(Path(__file__).resolve().parents[2])
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        for _ in range(count):
+            ours, theirs = socket.socketpair()
+            with theirs:
+                # en: A session of its own: Ctrl-C in the terminal reaches the engine, which decides what it means.
+                # zh: 自己的会话：终端里的 Ctrl-C 送到引擎，由引擎决定它意味着什么。
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", "nanovllm.engine.grammar_process", str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env, start_new_session=True))
+            self.connections.append(Connection(ours.detach()))
+        for index in range(count):
+            self._send(index, (tokenizer_json, vocab_size, eos_token_ids, spin_s))
+        self._replies(range(count), timeout=START_TIMEOUT_S)
+
+    def shared_rows(self, rows: int) -> torch.Tensor:
+        """A new segment of ``rows`` bitmask rows, [rows, words] int32 allowing every token, that every worker maps."""
+        # zh: 一个新的共享段，``rows`` 行位掩码，[rows, 字数] 的 int32，允许所有 token，每个工作进程都映射它。
+        size = rows * self.words * 4
+        # en: In memory where the system has a memory file system; the name goes once every worker has mapped it.
+        # zh: 系统有内存文件系统时就放在内存里；每个工作进程都映射之后，文件名就删掉。
+        descriptor, path = tempfile.mkstemp(prefix="nanovllm-bitmask-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                            else None)
+        try:
+            os.ftruncate(descriptor, size)
+            mapped = mmap.mmap(descriptor, size)
+            for index in range(len(self.connections)):
+                self._send(index, ("map", path, size))
+            self._replies(range(len(self.connections)))
+        finally:
+            os.close(descriptor)
+            os.unlink(path)
+        segment = torch.frombuffer(mapped, dtype=torch.int32).view(rows, self.words)
+        segment.fill_(-1)
+        if self.pinned:
+            # en: Registered with CUDA, the segment is pinned memory: its copies to the device stay asynchronous.
+            # zh: 注册给 CUDA 之后，这个段就是锁页内存：它拷到设备上仍然是异步的。
+            error = int(torch.cuda.cudart().cudaHostRegister(segment.data_ptr(), size, 0))
+            if error:
+                raise RuntimeError(f"grammar workers: pinning {size} bytes of shared memory failed "
+                                   f"(CUDA error {error})")
+        self.segments.append(segment)
+        return segment
+
+    def locate(self, bitmask: torch.Tensor) -> tuple[int, int] | None:
+        """The segment that ``bitmask`` (whole rows, one after another) lies in and its first row there, or None."""
+        # zh: ``bitmask``（一行接一行的整行）所在的段及它在段里的第一行；不在任何段里则为 None。
+        if not bitmask.is_contiguous() or bitmask.shape[-1] != self.words or bitmask.dtype != torch.int32:
+            return None
+        for index, segment in enumerate(self.segments):
+            offset = bitmask.data_ptr() - segment.data_ptr()
+            if 0 <= offset < segment.numel() * 4:
+                return index, offset // (self.words * 4)
+        return None
+
+    def forget(self, seq_id: int) -> None:
+        """Have ``seq_id``'s worker drop its matcher with its next message (the engine let the sequence go)."""
+        # zh: 让 ``seq_id`` 所在的工作进程在下一条消息时丢掉它的匹配器（引擎已经放开这个序列）。
+        self.forgotten[seq_id % len(self.connections)].append(seq_id)
+
+    def fill(self, jobs: list[tuple[int, str | None, list[int], int]], bitmask: torch.Tensor) -> dict[int, str]:
+        """Do ``jobs``, each (sequence id, its grammar or None, its unread tokens, its row of ``bitmask``), on the
+        workers side by side; returns the sequences whose grammar failed, with the reason."""
+        # zh: 在各工作进程上并排做完 ``jobs``，每个任务是（序列 id，它的语法或 None，未读的 token，它在 ``bitmask`` 里
+        # zh: 的行）；返回语法失败了的序列及原因。
+        place = self.locate(bitmask)
+        target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
+        segment, first = place or self.locate(target)
+        count = len(self.connections)
+        shares: list[list[Any]] = [[] for _ in range(count)]
+        for seq_id, grammar, tokens, row in jobs:
+            shares[seq_id % count].append((seq_id, grammar, tokens, segment, first + row))
+        busy = [index for index in range(count) if shares[index] or self.forgotten[index]]
+        for index in busy:
+            forgotten, self.forgotten[index] = self.forgotten[index], []
+            self._send(index, ("fill", forgotten, shares[index]))
+        failed = dict(failure for reply in self._replies(busy) for failure in reply)
+        if place is None:
+            rows = [row for _, _, _, row in jobs]
+            bitmask[rows] = target[rows]
+        return failed
+
+    def held(self) -> list[int]:
+        """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
+        # zh: 每个工作进程持有多少个序列的匹配器（先忘掉它被告知要忘掉的）。
+        everyone = range(len(self.connections))
+        for index in everyone:
+            forgotten, self.forgotten[index] = self.forgotten[index], []
+            self._send(index, ("fill", forgotten, []))
+        self._replies(everyone)
+        for index in everyone:
+            self._send(index, ("held",))
+        return self._replies(everyone)
+
+    def close(self) -> None:
+        """Stop the workers and unpin the segments (also done when this object is collected, or at exit)."""
+        # zh: 停止工作进程，取消段的锁页（这个对象被回收时或进程退出时也会做）。
+        self._finalizer()
+
+    def _scratch_rows(self, rows: int) -> torch.Tensor:
+        """``rows`` rows of a segment kept for bitmasks that lie in none, made larger when a bitmask needs it."""
+        # zh: 一个专为不在任何段里的位掩码保留的段中的 ``rows`` 行，位掩码需要时就换一个更大的。
+        if self._scratch is None or self._scratch.shape[0] < rows:
+            self._scratch = self.shared_rows(max(rows, 64))
+        return self._scratch[:rows]
+
+    def _send(self, index: int, message: Any) -> None:
+        """Send worker ``index`` a message; a RuntimeError if it is gone."""
+        # zh: 给工作进程 ``index`` 发一条消息；它已不在时抛出 RuntimeError。
+        try:
+            self.connections[index].send(message)
+        except OSError as error:
+            raise self._gone(index) from error
+
+    def _gone(self, index: int) -> RuntimeError:
+        return RuntimeError(f"grammar worker {index} is gone (exit code {self.processes[index].poll()})")
+
+    def _replies(self, indices: Any, timeout: float | None = None) -> list[Any]:
+        """The answers of the workers ``indices`` to their last request; a RuntimeError if one failed or died."""
+        # zh: 工作进程 ``indices`` 对它们上一个请求的回复；有一个失败或死掉就抛出 RuntimeError。
+        results = []
+        for index in indices:
+            connection = self.connections[index]
+            try:
+                if not arrived(connection, self.spin_s) and timeout is not None and not connection.poll(timeout):
+                    raise RuntimeError(f"grammar worker {index} did not start within {timeout:.0f} s")
+                status, result = connection.recv()
+            except (EOFError, OSError) as error:
+                raise self._gone(index) from error
+            if status != "ok":
+                raise RuntimeError(f"grammar worker {index}: {result}")
+            results.append(result)
+        return results
+
+
+def stop_workers(connections: list[Connection], processes: list[subprocess.Popen], segments: list[torch.Tensor],
+                 pinned: bool) -> None:
+    """Close each worker's connection (it then exits), wait a little, kill what remains, and unpin the segments."""
+    # zh: 关闭每个工作进程的连接（它随即退出），稍等片刻，杀掉还剩下的，再取消各段的锁页。
+    for connection in connections:
+        with contextlib.suppress(OSError):
+            connection.close()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    if pinned:
+        for segment in segments:
+            torch.cuda.cudart().cudaHostUnregister(segment.data_ptr())
+    segments.clear()
+
+# %% [markdown] tags=["en"]
+# ## Build it: `WorkerGrammars`
+#
+# `WorkerGrammars` is chapter 29's `Grammars` with its matchers in the workers. It keeps everything
+# else: the compiled grammars (a schema is still compiled once in the engine's process, so that one
+# that cannot compile fails its sequence as in chapter 29), each sequence's `SequenceGrammar`
+# (without a matcher), `pending_tokens` and `unread_tokens`. Three methods change:
+#
+# - `host_bitmasks` returns shared segments, so that `MaskedSamplingGraphs` copies to the device
+#   the very rows the workers wrote;
+# - `start` also asks to be told when the engine lets the sequence go (`weakref.finalize`), and
+#   then queues its matcher to be forgotten;
+# - `fill` does chapter 29's three parts in two places: the wait and the unread tokens here, the
+#   reading and the rows in the workers. The rows that need no grammar (a plain sequence's, a
+#   dropped one's, a failed one's) it writes itself.
+#
+# Drafts are another matter: checking them (`cut_drafts`, `mask_drafts`) needs the matcher at
+# once, in the middle of a step, so speculative decoding keeps its matchers in process: the
+# setting `grammar_workers` refuses a speculative method.
+
+# %% [markdown] tags=["zh"]
+# ## 动手构建：`WorkerGrammars`
+#
+# `WorkerGrammars` 就是第 29 章的 `Grammars`，只是匹配器放在工作进程里。其余的都保留：编译好的语法（schema 仍然在
+# 引擎进程里编译一次，这样编译不了的 schema 会像第 29 章那样让它的序列失败）、每个序列的 `SequenceGrammar`
+# （不带匹配器）、`pending_tokens` 和 `unread_tokens`。有三个方法变了：
+#
+# - `host_bitmasks` 返回共享段，这样 `MaskedSamplingGraphs` 拷到设备上的正是工作进程写的那些行；
+# - `start` 还要求在引擎放开序列时得到通知（`weakref.finalize`），然后把它的匹配器排进待忘掉的队列；
+# - `fill` 把第 29 章的三个部分分在两处做：等待和未读的 token 在这里，读入和写行在工作进程里。不需要语法的行（普通
+#   序列的、被丢弃序列的、失败序列的）由它自己写。
+#
+# 草稿是另一回事：检查草稿（`cut_drafts`、`mask_drafts`）需要在一步的中间马上用到匹配器，所以投机解码把匹配器留在
+# 进程内：设置 `grammar_workers` 不接受投机方法。
+
+# %% worker grammars
+#| export
+import weakref
+from typing import TYPE_CHECKING
+
+from nanovllm.config import Config
+from nanovllm.engine.grammars import Grammars, SequenceGrammar, tokenizer_json
+from nanovllm.engine.inputs import load_tokenizer
+from nanovllm.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanovllm.engine.model_runner import SampledTokens
+
+
+class WorkerGrammars(Grammars):
+    """Chapter 29's `Grammars` with its matchers in worker processes (`GrammarWorkers`, started at the first
+    constrained step that needs them): this process keeps each sequence's progress and failure, the workers read its
+    tokens and write its rows, side by side. Drafts are not checked here (see `cut_drafts`)."""
+    # zh: 第 29 章的 `Grammars`，匹配器放在工作进程里（`GrammarWorkers`，在第一个需要它们的受约束步启动）：本进程保存
+    # zh: 每个序列的进度和失败，工作进程并排读入它的 token、写出它的行。这里不检查草稿（见 `cut_drafts`）。
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        self._workers: GrammarWorkers | None = None
+        # en: Sequences whose matcher a worker holds: the others' first job carries their grammar.
+        # zh: 匹配器已在某个工作进程里的序列：其余序列的第一个任务要带上它们的语法。
+        self.placed: set[int] = set()
+
+    @property
+    def workers(self) -> GrammarWorkers:
+        """The ``config.grammar_workers`` worker processes, started at first use."""
+        # zh: ``config.grammar_workers`` 个工作进程，第一次用到时启动。
+        if self._workers is None:
+            text = tokenizer_json(load_tokenizer(self.config.model))
+            self._workers = GrammarWorkers(self.config.grammar_workers, text, self.vocab_size, self.eos_token_ids,
+                                           pinned=self.config.device == "cuda")
+        return self._workers
+
+    def host_bitmasks(self, rows: int, copies: int, pinned: bool) -> list[torch.Tensor]:
+        """Chapter 29's host buffers as segments that the workers write into (pinned on a GPU: ``pinned`` is that)."""
+        # zh: 第 29 章的主机缓冲区，换成工作进程写入的共享段（在 GPU 上是锁页内存：``pinned`` 就是这个意思）。
+        return [self.workers.shared_rows(rows) for _ in range(copies)]
+
+    def start(self, seq: Sequence) -> SequenceGrammar:
+        """A new sequence's state, its matcher to be made by its worker: its grammar compiled here too (one that
+        cannot compile fails the sequence, as in chapter 29), and its matcher forgotten once the engine lets it go."""
+        # zh: 新序列的状态，它的匹配器由它的工作进程创建：它的语法在这里也编译一次（编译不了的会像第 29 章那样让序列
+        # zh: 失败），引擎放开序列之后，它的匹配器就被忘掉。
+        state = SequenceGrammar(None)
+        try:
+            self.compile(seq.sampling_params.structured_outputs)
+        except ValueError as error:
+            self.fail(seq, state, str(error))
+        weakref.finalize(seq, self._forget, seq.seq_id)
+        return state
+
+    def _forget(self, seq_id: int) -> None:
+        if seq_id in self.placed:
+            self.placed.discard(seq_id)
+            self.workers.forget(seq_id)
+
+    def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
+        """Chapter 29's `fill`, the matchers' part done by the workers: this process waits for the step in flight,
+        collects each constrained sequence's unread tokens, and writes only the rows that need no grammar."""
+        # zh: 第 29 章的 `fill`，匹配器那部分交给工作进程：本进程等正在计算的那一步，收集每个受约束序列未读的 token，
+        # zh: 只写不需要语法的那些行。
+        constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
+        pending = self.pending_tokens(seqs, constrained, previous)
+        jobs, waiting = [], {}
+        for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
+            state = self.state_of(seq) if held else None
+            tokens = None if state is None else self.unread_tokens(seq, state, pending)
+            if tokens is None:
+                bitmask[row] = -1
+                continue
+            state.consumed += len(tokens)
+            if state.error is not None:
+                bitmask[row] = self.end_of_sequence
+                continue
+            grammar = None if seq.seq_id in self.placed else seq.sampling_params.structured_outputs.llguidance_grammar
+            self.placed.add(seq.seq_id)
+            jobs.append((seq.seq_id, grammar, tokens, row))
+            waiting[seq.seq_id] = (seq, state, row)
+        for seq_id, error in self.workers.fill(jobs, bitmask).items():
+            seq, state, row = waiting[seq_id]
+            self.placed.discard(seq_id)
+            self.fail(seq, state, error)
+            bitmask[row] = self.end_of_sequence
+
+    def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
+        """Refused: a draft is checked against its matcher in the middle of a step, which the workers do not offer;
+        speculative decoding keeps its matchers in process (Config refuses grammar_workers with it)."""
+        # zh: 不支持：草稿要在一步的中间对照匹配器检查，工作进程不提供这个；投机解码把匹配器留在进程内（Config 不接受
+        # zh: grammar_workers 与它同时使用）。
+        raise RuntimeError("grammar workers do not check drafts: speculative decoding needs grammar_workers=0")
+
+    def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Refused, as `cut_drafts` is."""
+        # zh: 不支持，和 `cut_drafts` 一样。
+        raise RuntimeError("grammar workers do not check drafts: speculative decoding needs grammar_workers=0")
+
+# %% [markdown] tags=["en"]
+# ## The setting
+#
+# `grammar_workers` is the number of worker processes, 0 (the default) keeping the matchers in
+# process, as in chapter 29. It stays 0 by default because the one GPU run so far (below) found
+# workers slower at one and 16 sequences; a speculative method refuses it (drafts need the
+# matchers in process). Chapter 22's command line offers it as `--grammar-workers N`. The model
+# runner swaps its `Grammars` for `WorkerGrammars` when the setting is not 0; no worker starts
+# until a constrained step needs one.
+
+# %% [markdown] tags=["zh"]
+# ## 设置
+#
+# `grammar_workers` 是工作进程的个数，0（默认）把匹配器留在进程内，和第 29 章一样。默认保持为 0，是因为到目前为止唯一
+# 一次 GPU 运行（见下文）发现，1 个和 16 个序列时用工作进程更慢；投机方法不接受它（草稿需要进程内的匹配器）。第 22 章的
+# 命令行把它作为 `--grammar-workers N` 提供。设置不为 0 时，模型执行器把它的 `Grammars` 换成 `WorkerGrammars`；在某个
+# 受约束的步需要之前，不会启动任何工作进程。
+
+# %% setting: grammar workers
+#| export config
+from nanovllm.book.literate import add_fields, add_to_init
+from nanovllm.config import Config
+
+
+# en: Processes that hold the matchers of constrained sequences and fill their bitmask rows side by side (chapter
+# en: 29c); 0: none, the matchers in process.
+# zh: 持有受约束序列的匹配器、并排填写它们位掩码各行的进程（第 29c 章）；0：不用，匹配器在进程内。
+@add_fields(Config)
+class _GrammarWorkers:
+    grammar_workers: int = 0
+
+
+@add_to_init(Config)
+def _check_grammar_workers(self) -> None:
+    self._check("grammar_workers", int, lambda n: n >= 0, ">= 0")
+    if self.grammar_workers and self.speculative_method is not None:
+        raise ValueError(f"grammar_workers={self.grammar_workers} cannot check a speculator's drafts: use "
+                         "grammar_workers=0 with speculative_method")
+
+# %% runner grammar workers
+#| export engine.model_runner
+from nanovllm.book.literate import add_to_init
+from nanovllm.engine.grammar_workers import WorkerGrammars
+from nanovllm.engine.model_runner import ModelRunner
+
+
+@add_to_init(ModelRunner)
+def _init_grammar_workers(self) -> None:
+    # en: With grammar workers, the matchers live in them (chapter 29c); none starts before a constrained step.
+    # zh: 有语法工作进程时，匹配器住在它们那里（第 29c 章）；在受约束的步到来之前，一个也不启动。
+    if self.config.grammar_workers:
+        self.grammars = WorkerGrammars(self.config)
+
+# %% [markdown] tags=["en"]
+# ## Check it: the same masks, step after step
+#
+# Two sets of the same 64 sequences walk the same random tokens: chapter 29's `Grammars` fills the
+# first set's rows in process, `WorkerGrammars` with two workers fills the second's into a shared
+# segment, and at every step the two bitmasks must be equal. Then a bitmask that lies in no
+# segment (it goes through the scratch segment), a token that the grammar refuses (the sequence
+# fails with llguidance's reason, and its row allows only the end of the sequence), and the
+# sequences let go (their workers drop their matchers).
+
+# %% [markdown] tags=["zh"]
+# ## 验证：一步接一步，掩码相同
+#
+# 同样的 64 个序列准备两份，走同样的随机 token：第 29 章的 `Grammars` 在进程内填第一份的行，带两个工作进程的
+# `WorkerGrammars` 把第二份的行填进一个共享段，每一步两份位掩码都必须相等。然后是不在任何段里的位掩码（它经由草稿段），
+# 语法拒绝的 token（序列以 llguidance 给出的原因失败，它的行只允许序列结束），以及被放开的序列（它们的工作进程丢掉
+# 它们的匹配器）。
+
+# %%
+import gc
+
+from nanovllm.engine.grammar_workers import WorkerGrammars
+
+config = Config(str(tiny), device="cpu", grammar_workers=2)
+workers = WorkerGrammars(config)
+start = time.perf_counter()
+shared = workers.host_bitmasks(64, copies=1, pinned=False)[0]
+print(say("workers ready in {seconds:.2f} s", seconds=time.perf_counter() - start))
+here, there, rng = decoding(64), decoding(64), random.Random(1)
+mask = torch.full((64, shared.shape[1]), -1, dtype=torch.int32)
+for _ in range(20):
+    in_process.fill(here, mask)
+    workers.fill(there, shared)
+    assert torch.equal(mask, shared)
+    walk(in_process, here, mask, rng)
+    for seq, twin in zip(here, there, strict=True):
+        twin.append_token(seq.last_token)
+        twin.num_cached_tokens = len(twin)
+print(say("{steps} steps of {rows} rows: the workers' masks equal chapter 29's at every step", steps=20, rows=64))
+
+elsewhere = torch.zeros_like(mask)
+in_process.fill(here, mask)
+workers.fill(there, elsewhere)
+assert torch.equal(mask, elsewhere) and workers.workers.locate(elsewhere) is None
+print(say("a bitmask outside the shared segments: equal too"))
+
+# %%
+# en: A token that a roster cannot start with: the first one that a new sequence's row forbids.
+# zh: roster 不能以它开头的一个 token：新序列的行所禁止的第一个 token。
+wrong = decoding(1)
+in_process.fill(decoding(1), mask[:1])
+refused = int((~allowed_tokens(mask[0], in_process.vocab_size)).nonzero()[0])
+wrong[0].append_token(refused)
+wrong[0].num_cached_tokens = len(wrong[0])
+workers.fill(wrong, shared[:1])
+error = workers.matchers[wrong[0]].error
+print(say("refused token: {error}", error=error.splitlines()[0]))
+assert error is not None and torch.equal(shared[0], workers.end_of_sequence)
+
+before = sum(workers.workers.held())
+del here, there, wrong, seq, twin
+gc.collect()
+after = sum(workers.workers.held())
+print(say("matchers held by the workers: {before} -> {after} once the sequences are let go", before=before,
+          after=after))
+assert (before, after) == (64, 0)
+
+# %% [markdown] tags=["en"]
+# ## Check it: the engine's outputs
+#
+# The engine with two grammar workers must write what it writes without them, token for token:
+# greedy JSON of chapter 29's shape schema, and a seeded regex with `n = 2` (two samples forked
+# from one prompt, each with a matcher of its own in whichever worker its id names). On a CPU
+# every constrained step goes through chapter 29's eager path, which fills a bitmask of its own:
+# the scratch segment's path. The captured path, whose buffers are shared segments, runs on a GPU
+# (the tests' GPU case).
+
+# %% [markdown] tags=["zh"]
+# ## 验证：引擎的输出
+#
+# 带两个语法工作进程的引擎，写出的内容必须与不带时逐 token 相同：第 29 章 shape schema 的贪心 JSON，以及一个带种子、
+# `n = 2` 的正则（从一个提示词分叉出的两个样本，各自在它的 id 指定的那个工作进程里有自己的匹配器）。在 CPU 上，每个
+# 受约束的步都走第 29 章的 eager 路径，它自己分配一个位掩码：也就是草稿段那条路。缓冲区是共享段的捕获路径在 GPU 上
+# 运行（测试里的 GPU 用例）。
+
+# %%
+from nanovllm.llm import LLM
+
+shape = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["color", "size"], "additionalProperties": False}
+requests = {
+    "greedy JSON": SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=shape)),
+    "seeded regex, n = 2": SamplingParams(
+        temperature=1.0, seed=7, n=2, max_tokens=16,
+        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3})?")),
+}
+outputs = {}
+for count in (0, 2):
+    llm = LLM(str(tiny), device="cpu", grammar_workers=count, max_model_len=256)
+    try:
+        outputs[count] = {name: llm.generate(["Describe a thing:"], params, use_tqdm=False)
+                          for name, params in requests.items()}
+        if count:
+            pool = llm.model_runner.grammars.workers
+    finally:
+        llm.exit()
+for name in requests:
+    same = outputs[0][name] == outputs[2][name]
+    print(say("{name}: the same outputs with {workers} workers as in process: {same}", name=name, workers=2,
+              same=same))
+    assert same
+pool.close()
+codes = [process.poll() for process in pool.processes]
+print(say("workers stopped: {codes}", codes=codes))
+assert codes == [0, 0]
+workers.workers.close()
+
+# %% [markdown] tags=["en"]
+# ## Measure it
+#
+# `python -m nanovllm.bench --grammar-workers` runs chapter 29's benchmark (`compare`: the same
+# greedy requests with and without the roster schema, in one engine, the runs taking turns) once
+# per worker count, one engine each, in one invocation: `--workers 0 8` compares the matchers in
+# process with eight workers on the same machine, back to back. On a CPU the model's own work
+# dwarfs the mask's, so the cell below only shows that it runs; the figures that matter come from
+# the GPU.
+
+# %% [markdown] tags=["zh"]
+# ## 测量
+#
+# `python -m nanovllm.bench --grammar-workers` 按每种工作进程个数各跑一次第 29 章的基准测试（`compare`：同样的贪心
+# 请求，带与不带 roster schema，在同一个引擎里轮流运行），每种一个引擎，都在一次调用里：`--workers 0 8` 在同一台机器上
+# 接连比较匹配器在进程内和 8 个工作进程。在 CPU 上，模型自己的计算远远盖过掩码，所以下面的单元只说明它能跑；要紧的数字
+# 来自 GPU。
+
+# %% bench grammar workers flag
+#| export bench.engine
+from nanovllm.bench.engine import OTHER_BENCHMARKS
+
+OTHER_BENCHMARKS["--grammar-workers"] = "nanovllm.bench.grammar_workers"
+
+# %% bench grammar workers
+#| export bench.grammar_workers
+"""``python -m nanovllm.bench --grammar-workers``: chapter 29's structured benchmark once per number of grammar
+workers, one engine each, in one invocation."""
+# zh: ``python -m nanovllm.bench --grammar-workers``：第 29 章的结构化基准测试，每种语法工作进程个数各跑一次，每种一个
+# zh: 引擎，都在一次调用里。
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from nanovllm.bench.models import qwen3_06b_random
+from nanovllm.bench.report import report_header, write_report
+from nanovllm.bench.structured import compare
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --grammar-workers",
+                                     description="Chapter 29's structured benchmark with the matchers in process (0) "
+                                     "and in worker processes, one engine per count, back to back.")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 8], help="grammar worker counts (default 0 8)")
+    parser.add_argument("--model", help="default: Qwen3-0.6B's shapes with random weights on CUDA, the tiny model "
+                        "with Qwen3's vocabulary on a CPU")
+    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 16 256 on CUDA, 1 4 on a CPU")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens each request generates")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of runs taking turns; medians are reported")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--out", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    batches = args.batches or ([1, 16, 256] if cuda else [1, 4])
+    if min(batches) < 1 or min(args.workers) < 0 or args.max_tokens < 1 or args.repeats < 1:
+        parser.error("--batches, --max-tokens and --repeats must be at least 1, --workers at least 0")
+    if args.model is None:
+        from nanovllm.book.tiny_models import build_tiny_model
+
+        args.model = str(qwen3_06b_random() if cuda else build_tiny_model("qwen3", vocab_size=151936))
+    print(f"model: {args.model}; {args.max_tokens} tokens a request, {args.repeats} rounds", flush=True)
+    runs = []
+    for count in args.workers:
+        rows = compare(args.model, batches, args.max_tokens, args.repeats, device=args.device, grammar_workers=count,
+                       max_num_seqs=max(256, max(batches)), max_model_len=args.max_tokens + 256)
+        for row in rows:
+            print(f"{count} workers, batch {row['batch']:4d}: {row['ratio']:.3f}x the free run; a step "
+                  f"{row['step_ms']['free']:.3f} / {row['step_ms']['constrained']:.3f} ms, Grammars.fill "
+                  f"{row['mask_ms_per_step']:.3f} ms of it", flush=True)
+        runs.append({"grammar_workers": count, "rows": rows})
+    report = report_header("python -m nanovllm.bench --grammar-workers", argv, "cuda" if cuda else "cpu")
+    write_report(report | {"model": args.model, "runs": runs}, args.out)
+    return 0
+
+# %%
+import contextlib
+import io
+import json
+import tempfile
+
+from nanovllm.bench.grammar_workers import main as bench_grammar_workers
+
+# en: The benchmark prints in English; here its report is read back and printed in the reader's language.
+# zh: 基准测试用英文打印；这里把它的报告读回来，用读者的语言打印。
+with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
+    assert bench_grammar_workers(["--workers", "0", "2", "--batches", "2", "--max-tokens", "8", "--repeats", "1",
+                                  "--device", "cpu", "--out", f"{folder}/report.json"]) == 0
+    with open(f"{folder}/report.json", encoding="utf-8") as file:
+        report = json.load(file)
+for run in report["runs"]:
+    for row in run["rows"]:
+        print(say("{workers} workers, batch {batch:3d}: {ratio:.2f}x the free run; a step {free_ms:.2f} -> "
+                  "{constrained_ms:.2f} ms, Grammars.fill {fill_ms:.2f} ms", workers=run["grammar_workers"],
+                  batch=row["batch"], ratio=row["ratio"], free_ms=row["step_ms"]["free"],
+                  constrained_ms=row["step_ms"]["constrained"], fill_ms=row["mask_ms_per_step"]))
+        assert row["tokens"] == {"free": 16, "constrained": 16}
+
+# %% [markdown] tags=["en"]
+# ## Measured
+#
+# On an H100 (the first recorded run below: chapter 29's benchmark once per worker count, one
+# engine each, back to back in one call, this chapter's GPU test passing first), with the workers
+# as first built, sleeping while they wait:
+#
+# | grammar workers | batch 1 | batch 16 | batch 256 |
+# |---:|---:|---:|---:|
+# | 0 (in process, chapter 29) | 0.99× | 0.99× | 0.59× |
+# | 4 | 0.93× | 0.86× | 0.68× |
+# | 8 | 0.80× | 0.80× | 0.65× |
+#
+# (the constrained run's tokens a second over the free run's). Three things to read in it:
+#
+# - **At 256 sequences the workers help, but far less than the arithmetic promises.** With 4 of
+#   them a step's `Grammars.fill` went from 3.45 to 2.38 ms and the step from 6.66 to 5.70 ms.
+#   Split four ways, 256 rows of about 13 µs should take under 1 ms. The rest is the engine's own
+#   work a row (its tokens, its job) and the messages.
+# - **At 1 and 16 sequences they cost.** With 8 workers a constrained step at batch 1 took 1.15 ms
+#   against 0.92 in process, for a row that takes a worker 13 µs. A worker that sleeps in its
+#   socket's read is woken by the system when the message comes, and so is the engine when the
+#   answer comes; on this book's own (virtual) machine a round trip to a sleeping worker costs
+#   0.2 to 0.5 ms. Hence `spin_s`: a worker, and the engine, may ask for their messages without
+#   sleeping for a while. It is off by default. On two cores it does harm (two spinning workers
+#   and the engine on two cores: 256 rows in 7.1 ms instead of 2.2), and it has not been measured
+#   on the GPU machine's 16 cores yet: `scripts/probes/grammar_workers_probe.py` compares both
+#   ways there, host only.
+# - **Compare only within a run.** This machine's host was slower than chapter 29's: in process,
+#   256 rows took 3.45 ms a step against 2.6 there, and the constrained run 0.59× the free one
+#   against 0.85×.
+#
+# So the setting stays 0 by default, and chapter 29's goal at 256 sequences (0.95×) is still not
+# met.
+
+# %% [markdown] tags=["zh"]
+# ## 测量结果
+#
+# 在 H100 上（下面记录的第一次运行：第 29 章的基准测试，每种工作进程个数各跑一次，每种一个引擎，在一次调用里接连运行，
+# 本章的 GPU 测试先通过），用最初构建的、等待时睡下的工作进程：
+#
+# | 语法工作进程 | 批大小 1 | 批大小 16 | 批大小 256 |
+# |---:|---:|---:|---:|
+# | 0（在进程内，第 29 章） | 0.99 倍 | 0.99 倍 | 0.59 倍 |
+# | 4 | 0.93 倍 | 0.86 倍 | 0.68 倍 |
+# | 8 | 0.80 倍 | 0.80 倍 | 0.65 倍 |
+#
+# （受约束运行每秒的 token 数与自由运行之比。）从中可以读出三件事：
+#
+# - **256 个序列时工作进程有帮助，但远不如算出来的多。** 用 4 个工作进程，一步的 `Grammars.fill` 从 3.45 毫秒降到
+#   2.38 毫秒，一步从 6.66 毫秒降到 5.70 毫秒。256 行、每行约 13 微秒，分给四个进程，应当不到 1 毫秒。其余的是引擎
+#   自己每行要做的事（它的 token、它的任务）和消息。
+# - **1 个和 16 个序列时它们有代价。** 用 8 个工作进程，批大小为 1 的受约束一步要 1.15 毫秒，在进程内是 0.92 毫秒，而
+#   那一行只花工作进程 13 微秒。在 socket 的读操作里睡下的工作进程，要等系统在消息到达时唤醒它，回复到达时引擎也
+#   一样；在构建本书的这台（虚拟）机器上，与一个睡着的工作进程往返一次要 0.2 到 0.5 毫秒。于是有了 `spin_s`：工作进程
+#   和引擎可以在一段时间内不睡下、反复询问自己的消息。它默认关闭。在两个核上它有害（两个空转的工作进程加上引擎挤在
+#   两个核上：256 行要 7.1 毫秒，而不是 2.2 毫秒），在 GPU 机器的 16 个核上还没有测过：
+#   `scripts/probes/grammar_workers_probe.py` 在那里只用主机比较这两种方式。
+# - **只在同一次运行里比较。** 这台机器的主机比第 29 章那台慢：在进程内，256 行每步要 3.45 毫秒，那里是 2.6 毫秒；
+#   受约束运行是自由运行的 0.59 倍，那里是 0.85 倍。
+#
+# 所以这个设置默认保持为 0，第 29 章在 256 个序列时的目标（0.95 倍）仍未达到。
+
+# %%
+from nanovllm.book.recorded import recorded
+
+# en: What this chapter's GPU run printed (notebooks/data/recorded/29c_grammar_workers.json), with its card, date and
+# en: command; each row: workers, batch, tok/s free and constrained, ms a step free and constrained, ms in the fill.
+# zh: 本章 GPU 运行打印出的数字（notebooks/data/recorded/29c_grammar_workers.json），带着卡、日期和命令；每一行：
+# zh: 工作进程数、批大小、自由与受约束的 tok/s、自由与受约束时每步的毫秒数、每步花在填写上的毫秒数。
+asleep = recorded("29c_grammar_workers")["workers asleep between steps, H100"]
+print(say("{name}: {card}, {date}: {command}", name="workers asleep between steps, H100", card=asleep.card,
+          date=asleep.date, command=asleep.command))
+figures = {}
+for workers, batch, free, constrained, free_ms, constrained_ms, fill_ms in asleep.figures["rows"]:
+    print(say("{workers} workers, batch {batch:3d}: {ratio:.2f}x the free run; a step {free_ms:.2f} -> "
+              "{constrained_ms:.2f} ms, Grammars.fill {fill_ms:.2f} ms", workers=workers, batch=batch,
+              ratio=constrained / free, free_ms=free_ms, constrained_ms=constrained_ms, fill_ms=fill_ms))
+    figures[workers, batch] = (round(constrained / free, 2), round(constrained_ms, 2), round(fill_ms, 2))
+# en: The prose's table and figures: the ratios; at 256, 4 workers' fill 3.45 -> 2.38 ms and step 6.66 -> 5.70 ms;
+# en: at batch 1, 8 workers' step 1.15 ms against 0.92 in process.
+# zh: 正文里的表格和数字：各个比值；256 个序列时，4 个工作进程让填写从 3.45 降到 2.38 毫秒、一步从 6.66 降到 5.70 毫秒；
+# zh: 批大小为 1 时，8 个工作进程的一步是 1.15 毫秒，在进程内是 0.92 毫秒。
+assert {key: ratio for key, (ratio, _, _) in figures.items()} == {
+    (0, 1): 0.99, (0, 16): 0.99, (0, 256): 0.59, (4, 1): 0.93, (4, 16): 0.86, (4, 256): 0.68,
+    (8, 1): 0.80, (8, 16): 0.80, (8, 256): 0.65}
+assert (figures[0, 256][2], figures[4, 256][2], figures[0, 256][1], figures[4, 256][1]) == (3.45, 2.38, 6.66, 5.70)
+assert (figures[8, 1][1], figures[0, 1][1]) == (1.15, 0.92)
+# en: Chapter 29's figures that this chapter's goal quotes: on its H100, 256 rows filled in 2.6 ms a step, about 10 us a
+# en: row, and llguidance's parallel fill took 1.65x the serial time.
+# zh: 本章目标里引用的第 29 章的数字：在它的 H100 上，256 行每步填写 2.6 毫秒，每行约 10 微秒；llguidance 的并行填充用时
+# zh: 是串行的 1.65 倍。
+chapter_29 = recorded("29_structured_output")
+captured = {row[0]: row for row in chapter_29["masked sampling graphs, H100"].figures["rows"]}
+parallel = {rows: (serial, par) for rows, serial, par in chapter_29["parallel fill, H100 machine"].figures["rows"]}
+assert round(captured[256][5], 1) == 2.6 and round(1e3 * captured[256][5] / 256) == 10
+assert round(parallel[256][1] / parallel[256][0], 2) == 1.65
+
+# %% [markdown] tags=["en"]
+# ## What we built
+#
+# - `nanovllm.engine.grammar_process`: what a worker runs. `GrammarProcess` holds llguidance's view
+#   of the tokenizer (from chapter 29's `tokenizer_json`), the compiled grammars and a matcher per
+#   sequence; `fill` drops the matchers of forgotten sequences, then reads each job's tokens and
+#   writes its row at an address in a shared segment; `serve` answers requests until the socket
+#   closes. It imports llguidance and the standard library, never torch.
+# - `nanovllm.engine.grammar_workers`: `GrammarWorkers` starts the processes
+#   (`python -m`, a socket pair, a session of their own), makes shared segments (`/dev/shm`, unlinked
+#   once mapped, registered with CUDA on a GPU), sends each worker its share of a step's jobs and
+#   waits for them all, and raises in the engine, with the worker's words, when one fails or dies.
+#   `WorkerGrammars` is chapter 29's `Grammars` with its matchers there: `host_bitmasks`, `start`
+#   and `fill` change, the rest stays.
+# - The setting `grammar_workers` (`--grammar-workers`): 0 by default (the matchers in process);
+#   refused beside a speculative method. The model runner swaps in `WorkerGrammars` when it is
+#   not 0.
+# - `python -m nanovllm.bench --grammar-workers --workers 0 8`: chapter 29's benchmark once per
+#   count, one engine each.
+# - Chapter 29 gained the seams this needed, each a part of what it already did: `tokenizer_json`,
+#   `pending_tokens`, `state_of`, `unread_tokens`, and `host_bitmasks`, where `MaskedSamplingGraphs`
+#   now gets its buffers.
+#
+# Not done:
+#
+# - Drafts: speculative decoding checks each draft against its matcher in the middle of a step, so
+#   it keeps chapter 29's matchers in process; a worker could answer "how many of these drafts do
+#   you take" in one round trip, which would lift the refusal.
+# - The workers end when the engine's process ends or its `Grammars` is collected, not at
+#   `LLM.exit()`: an idle worker costs a blocked process and little memory.
+
+# %% [markdown] tags=["zh"]
+# ## 本章小结
+#
+# - `nanovllm.engine.grammar_process`：工作进程运行的东西。`GrammarProcess` 持有 llguidance 眼中的分词器（来自第 29 章的
+#   `tokenizer_json`）、编译好的语法和每个序列一个匹配器；`fill` 先丢掉被忘掉的序列的匹配器，再读入每个任务的 token，
+#   把它的行写到共享段里的一个地址；`serve` 回答请求，直到 socket 关闭。它导入 llguidance 和标准库，从不导入 torch。
+# - `nanovllm.engine.grammar_workers`：`GrammarWorkers` 启动这些进程（`python -m`、一对 socket、自己的会话），创建共享段
+#   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程并等它们全部做完，某个进程
+#   失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的第 29 章 `Grammars`：`host_bitmasks`、
+#   `start` 和 `fill` 变了，其余不变。
+# - 设置 `grammar_workers`（`--grammar-workers`）：默认为 0（匹配器在进程内）；与投机方法同用时被拒绝。设置不为 0 时，
+#   模型执行器换上 `WorkerGrammars`。
+# - `python -m nanovllm.bench --grammar-workers --workers 0 8`：每种个数各跑一次第 29 章的基准测试，每种一个引擎。
+# - 第 29 章添了这里需要的接缝，每个都是它原本就在做的事的一部分：`tokenizer_json`、`pending_tokens`、`state_of`、
+#   `unread_tokens`，以及 `host_bitmasks`，`MaskedSamplingGraphs` 现在从这里拿到它的缓冲区。
+#
+# 还没有做的：
+#
+# - 草稿：投机解码要在一步的中间对照匹配器检查每个草稿，所以它把第 29 章的匹配器留在进程内；工作进程可以在一次往返里
+#   回答“这些草稿你接受几个”，这样就能取消这个限制。
+# - 工作进程在引擎进程结束、或它的 `Grammars` 被回收时才结束，而不是在 `LLM.exit()` 时：空闲的工作进程只是一个阻塞着的
+#   进程，占不了多少内存。
+
+# %% [markdown] tags=["en"]
+# ## Exercises
+#
+# 1. Why must a sequence's jobs always go to the same worker, and which worker gets the jobs of
+#    sequence 17 when there are 4?
+# 2. A worker is killed between two steps. What does the engine see, and when?
+# 3. The engine's process is killed with SIGKILL in the middle of a step. What is left behind: the
+#    workers? the shared segments' files?
+
+# %% [markdown] tags=["zh"]
+# ## 练习
+#
+# 1. 为什么一个序列的任务必须总是去同一个工作进程？有 4 个工作进程时，序列 17 的任务去哪一个？
+# 2. 两步之间有一个工作进程被杀掉。引擎看到什么，什么时候看到？
+# 3. 引擎进程在一步的中间被 SIGKILL 杀掉。会留下什么：工作进程？共享段的文件？
+
+# %%
+import glob
+import os
+import signal
+import subprocess
+import sys
+
+# en: Exercise 1: its matcher, which has read every token of the sequence so far, lives in that worker alone; 17 % 4.
+# zh: 练习 1：它的匹配器已经读过这个序列到目前为止的每个 token，只存在于那个工作进程里；17 % 4。
+four = WorkerGrammars(Config(str(tiny), device="cpu", grammar_workers=4))
+four.workers.forget(17)
+assert [len(queue) for queue in four.workers.forgotten] == [0, 1, 0, 0]
+
+# en: Exercise 2: nothing until the next fill, which raises a RuntimeError naming the worker (sending to it, or reading
+# en: its answer, fails).
+# zh: 练习 2：在下一次填写之前什么也看不到；下一次填写抛出 RuntimeError，指明是哪个工作进程（给它发消息或读它的回复
+# zh: 时失败）。
+four.workers.processes[2].send_signal(signal.SIGKILL)
+four.workers.processes[2].wait()
+try:
+    four.fill(decoding(4), four.host_bitmasks(4, copies=1, pinned=False)[0])
+    raise AssertionError("a dead worker went unnoticed")
+except RuntimeError as error:
+    assert "grammar worker 2 is gone" in str(error)
+four.workers.close()
+
+# en: Exercise 3: neither. Each worker reads end-of-file on its socket and exits; each segment's file was unlinked as
+# en: soon as every worker had mapped it. Here a child process makes workers and a segment, then dies of SIGKILL.
+# zh: 练习 3：都不会留下。每个工作进程在 socket 上读到文件结尾就退出；每个段的文件在每个工作进程都映射之后就已删除。
+# zh: 这里一个子进程创建工作进程和一个段，然后被 SIGKILL 杀死。
+before = set(glob.glob("/dev/shm/nanovllm-bitmask-*"))
+child = subprocess.Popen([sys.executable, "-c", f"""
+import os, signal
+from nanovllm.config import Config
+from nanovllm.engine.grammar_workers import WorkerGrammars
+grammars = WorkerGrammars(Config({str(tiny)!r}, device="cpu", grammar_workers=2))
+grammars.host_bitmasks(4, copies=1, pinned=False)
+print(*(process.pid for process in grammars.workers.processes), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""], stdout=subprocess.PIPE, text=True)
+orphans = [int(pid) for pid in child.communicate(timeout=120)[0].split()]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet reaped by anyone, does not)."""
+    # zh: 进程 ``pid`` 是否还在运行（僵尸进程，即已死但还没被回收的，不算）。
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+deadline = time.monotonic() + 10
+while any(map(running, orphans)) and time.monotonic() < deadline:
+    time.sleep(0.05)
+assert child.returncode == -signal.SIGKILL and len(orphans) == 2 and not any(map(running, orphans))
+assert set(glob.glob("/dev/shm/nanovllm-bitmask-*")) == before
+print(say("all exercise answers check out"))

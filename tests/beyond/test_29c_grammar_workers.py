@@ -1,0 +1,257 @@
+"""Grammar workers (chapter 29c): the worker processes' masks against chapter 29's in-process ones, step after step;
+the scratch path, failures, forgotten sequences, a dead worker, stopping; the setting; the engine's outputs with and
+without workers (on a CPU, the eager path; on a GPU, the captured one, whose buffers are shared segments)."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanovllm.book.tiny_models import build_tiny_model
+from nanovllm.config import Config
+from nanovllm.engine.grammar_workers import WorkerGrammars
+from nanovllm.engine.grammars import Grammars, allowed_tokens, bitmask_words
+from nanovllm.engine.sequence import Sequence
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+SHAPE = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                          "size": {"type": "integer", "minimum": 1, "maximum": 9}},
+         "required": ["color", "size"], "additionalProperties": False}
+ROSTER = {"type": "array", "minItems": 4,
+          "items": {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+                    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}}
+WORD = StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3})?")
+
+
+@pytest.fixture(scope="module")
+def wide() -> Path:
+    """The tiny model with Qwen3's 151,936 ids: rows as long as the benchmark's."""
+    return build_tiny_model("qwen3", vocab_size=151936)
+
+
+def decoding(count: int, schema: dict = ROSTER) -> list[Sequence]:
+    params = SamplingParams(temperature=1.0, max_tokens=500, structured_outputs=StructuredOutputsParams(json=schema))
+    seqs = [Sequence([1, 2, 3], params, block_size=16) for _ in range(count)]
+    for seq in seqs:
+        seq.num_cached_tokens = len(seq)
+    return seqs
+
+
+def append(seqs: list[Sequence], tokens: list[int]) -> None:
+    for seq, token in zip(seqs, tokens, strict=True):
+        seq.append_token(token)
+        seq.num_cached_tokens = len(seq)
+
+
+def draws(grammars: Grammars, bitmask: torch.Tensor, rng: random.Random) -> list[int]:
+    """A random allowed token per row, never an end of sequence."""
+    allowed = allowed_tokens(bitmask, grammars.vocab_size)
+    return [rng.choice([t for t in row.nonzero().flatten().tolist() if t not in grammars.eos_token_ids])
+            for row in allowed]
+
+
+def test_workers_write_chapter_29s_masks_step_after_step(wide: Path):
+    """Two workers and chapter 29's Grammars, the same 12 sequences walking the same random tokens (one of them
+    plain, whose row allows everything): equal bitmasks at every step, into a shared segment and into a bitmask that
+    lies in none (the scratch segment's path)."""
+    config = Config(str(wide), device="cpu", grammar_workers=2)
+    here, there = Grammars(config), WorkerGrammars(config)
+    try:
+        ours, theirs = decoding(12), decoding(12)
+        plain = SamplingParams(temperature=1.0, max_tokens=50)
+        ours[5], theirs[5] = (Sequence([1, 2, 3], plain, block_size=16) for _ in range(2))
+        for seq in (ours[5], theirs[5]):
+            seq.num_cached_tokens = 3
+        shared = there.host_bitmasks(12, copies=1, pinned=False)[0]
+        elsewhere = torch.zeros(12, bitmask_words(here.vocab_size), dtype=torch.int32)
+        mask = torch.empty_like(elsewhere)
+        rng = random.Random(0)
+        for step in range(10):
+            here.fill(ours, mask)
+            there.fill(theirs, shared if step % 2 else elsewhere)
+            assert torch.equal(mask, shared if step % 2 else elsewhere), step
+            assert torch.equal(mask[5], torch.full_like(mask[5], -1))
+            tokens = draws(here, mask, rng)
+            append(ours, tokens)
+            append(theirs, tokens)
+        assert there.workers.locate(shared) == (0, 0) and there.workers.locate(elsewhere) is None
+        assert there.workers.locate(shared[3:]) == (0, 3)
+    finally:
+        there.workers.close()
+
+
+def test_a_refused_token_fails_its_sequence_with_llguidances_reason(wide: Path):
+    """A token the grammar refuses: the sequence fails with llguidance's words, its row allows only its end, its
+    worker forgets it, and the next step writes that row in this process without asking a worker."""
+    config = Config(str(wide), device="cpu", grammar_workers=2)
+    grammars = WorkerGrammars(config)
+    try:
+        seqs = decoding(3)
+        rows = grammars.host_bitmasks(3, copies=1, pinned=False)[0]
+        grammars.fill(seqs, rows)
+        refused = int((~allowed_tokens(rows[1], grammars.vocab_size)).nonzero()[0])
+        first, last = draws(grammars, rows[:1], random.Random(0))[0], draws(grammars, rows[2:], random.Random(1))[0]
+        append(seqs, [first, refused, last])
+        grammars.fill(seqs, rows)
+        state = grammars.matchers[seqs[1]]
+        assert state.error is not None and "doesn't satisfy the grammar" in state.error
+        assert torch.equal(rows[1], grammars.end_of_sequence)
+        assert grammars.matchers[seqs[0]].error is None and grammars.matchers[seqs[2]].error is None
+        assert seqs[1].seq_id not in grammars.placed and sorted(grammars.workers.held()) in ([1, 1], [0, 2])
+        first, last = draws(grammars, rows[:1], random.Random(2))[0], draws(grammars, rows[2:], random.Random(3))[0]
+        append(seqs, [first, 5, last])
+        grammars.fill(seqs, rows)
+        assert torch.equal(rows[1], grammars.end_of_sequence) and sum(grammars.workers.held()) == 2
+    finally:
+        grammars.workers.close()
+
+
+def test_sequences_let_go_are_forgotten_by_their_workers(wide: Path):
+    """Matchers live as long as their sequences: once the engine lets a sequence go, its worker drops its matcher
+    with its next message."""
+    config = Config(str(wide), device="cpu", grammar_workers=3)
+    grammars = WorkerGrammars(config)
+    try:
+        seqs = decoding(9)
+        grammars.fill(seqs, grammars.host_bitmasks(9, copies=1, pinned=False)[0])
+        assert grammars.workers.held() == [3, 3, 3]
+        del seqs[:4]
+        gc.collect()
+        assert sum(grammars.workers.held()) == 5 and len(grammars.placed) == 5
+    finally:
+        grammars.workers.close()
+
+
+def test_a_dead_worker_raises_in_the_engine_and_stopping_leaves_nothing_behind(wide: Path):
+    """A worker killed mid-run: the next fill raises a RuntimeError naming it. Closing stops the others, and no
+    shared segment's file remains (each is unlinked as soon as every worker mapped it)."""
+    before = set(glob.glob("/dev/shm/nanovllm-bitmask-*"))
+    config = Config(str(wide), device="cpu", grammar_workers=2)
+    grammars = WorkerGrammars(config)
+    workers = grammars.workers
+    rows = grammars.host_bitmasks(4, copies=1, pinned=False)[0]
+    assert set(glob.glob("/dev/shm/nanovllm-bitmask-*")) == before
+    # a session of its own: a terminal's Ctrl-C, sent to the engine's process group, never reaches a worker
+    assert all(os.getpgid(process.pid) != os.getpgid(0) for process in workers.processes)
+    workers.processes[1].send_signal(signal.SIGKILL)
+    workers.processes[1].wait()
+    seqs = decoding(4)
+    with pytest.raises(RuntimeError, match="grammar worker 1 is gone"):
+        grammars.fill(seqs, rows)
+    workers.close()
+    assert [process.poll() for process in workers.processes] == [0, -signal.SIGKILL]
+
+
+def test_a_worker_answers_an_unknown_request_with_an_error(wide: Path):
+    """A request outside REQUESTS is refused in the worker's words, and the worker goes on answering."""
+    grammars = WorkerGrammars(Config(str(wide), device="cpu", grammar_workers=1))
+    workers = grammars.workers
+    try:
+        workers.connections[0].send(("exec", "print('no')"))
+        with pytest.raises(RuntimeError, match="grammar worker 0: ValueError: unknown request 'exec'"):
+            workers._replies([0])
+        assert workers.held() == [0]
+    finally:
+        workers.close()
+
+
+def test_the_setting(tiny: Path):
+    """0 by default; a number is kept; negative numbers, non-numbers and workers beside a speculative method are
+    refused with the setting's name; the command line offers it as --grammar-workers."""
+    from nanovllm.serve.cli import build_parser, engine_settings
+
+    assert Config(str(tiny), device="cpu").grammar_workers == 0
+    assert Config(str(tiny), device="cpu", grammar_workers=3).grammar_workers == 3
+    with pytest.raises(ValueError, match="grammar_workers"):
+        Config(str(tiny), device="cpu", grammar_workers=-1)
+    with pytest.raises((ValueError, TypeError), match="grammar_workers"):
+        Config(str(tiny), device="cpu", grammar_workers="four")
+    with pytest.raises(ValueError, match="grammar_workers=2 cannot check a speculator's drafts"):
+        Config(str(tiny), device="cpu", grammar_workers=2, speculative_method="ngram")
+    assert engine_settings(build_parser().parse_args(["--grammar-workers", "4"]))["grammar_workers"] == 4
+    assert engine_settings(build_parser().parse_args([]))["grammar_workers"] == 0
+
+
+def test_the_engine_writes_the_same_with_grammar_workers(tiny: Path):
+    """Greedy JSON for three prompts, a plain request beside them, and a seeded regex with n = 2: token for token
+    the outputs of chapter 29's in-process matchers; the runner's grammars are WorkerGrammars only with workers."""
+    prompts = [[5, 20, 30], [6, 20], [7, 20, 30, 40], [8, 20]]
+    shape = SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=SHAPE))
+    params = [shape] * 3 + [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
+    seeded = SamplingParams(temperature=1.0, seed=11, n=2, max_tokens=12, structured_outputs=WORD)
+    outputs = {}
+    for count in (0, 2):
+        with LLM(str(tiny), device="cpu", grammar_workers=count, max_model_len=256) as llm:
+            assert isinstance(llm.model_runner.grammars, WorkerGrammars) == bool(count)
+            outputs[count] = (llm.generate(prompts, params, use_tqdm=False),
+                              llm.generate([[9, 20]], seeded, use_tqdm=False))
+            if count:
+                llm.model_runner.grammars.workers.close()
+    assert outputs[0] == outputs[2]
+
+
+@pytest.mark.gpu
+def test_gpu_captured_steps_sample_under_the_workers_rows(tiny: Path):
+    """On a GPU the captured sampler's host buffers are the workers' shared segments, pinned; the constrained greedy
+    tokens equal those of the matchers in process, with asynchronous scheduling."""
+    prompts = [[5, 20, 30], [6, 20], [7, 20, 30, 40], [8, 20]]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SHAPE)),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=WORD),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SHAPE))]
+    tokens = {}
+    for count in (0, 2):
+        with LLM(str(tiny), dtype="float32", grammar_workers=count, kvcache_block_size=16, num_kvcache_blocks=64,
+                 max_model_len=256, max_num_seqs=8) as llm:
+            tokens[count] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+            masked = llm.model_runner.masked_sampling
+            assert masked is not None
+            if count:
+                workers = llm.model_runner.grammars.workers
+                assert all(workers.locate(host) is not None and host.is_pinned() for host in masked.hosts)
+                workers.close()
+    assert tokens[0] == tokens[2]
+
+
+def test_two_ranks_with_grammar_workers_write_the_outputs_of_one(tiny: Path):
+    """Under tensor parallelism rank 0 (a daemon process, which multiprocessing would refuse children) starts the
+    workers; with preemption in a cramped cache, two ranks with two workers write what one engine without them does."""
+    prompts = [[5, 20, 30], [6, 20], [7, 20, 30, 40]]
+    params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=ROSTER)),
+              SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=16, structured_outputs=WORD),
+              SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
+    with LLM(str(tiny), device="cpu", max_model_len=64) as one_rank:
+        one = [output["token_ids"] for output in one_rank.generate(prompts, params, use_tqdm=False)]
+    preempted = []
+    with LLM(str(tiny), device="cpu", tensor_parallel_size=2, grammar_workers=2, kvcache_block_size=4,
+             num_kvcache_blocks=10, max_model_len=64) as two_ranks:
+        two_ranks.set_observer(lambda event, data: preempted.extend(data["preempted"]) if event == "schedule" else None)
+        two = [output["token_ids"] for output in two_ranks.generate(prompts, params, use_tqdm=False)]
+        workers = [pid for pid in grammar_processes() if parent(parent(pid)) == os.getpid()]
+    assert preempted and two == one and len(workers) == 2
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
+def grammar_processes() -> list[int]:
+    """The ids of the running processes whose command line is a grammar worker's."""
+    found = []
+    for cmdline in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(cmdline, "rb") as file:
+                if b"nanovllm.engine.grammar_process" in file.read():
+                    found.append(int(cmdline.split("/")[2]))
+        except OSError:
+            continue
+    return found
