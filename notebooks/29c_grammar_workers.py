@@ -68,7 +68,7 @@ say = Phrases({
 # sequence's new token, and each matcher writes its row. With asynchronous scheduling the forward
 # pass runs meanwhile, so as long as the host is done first, the mask costs nothing. At 256
 # sequences it is not done first. The cell below times chapter 29's `Grammars.fill` on the CPU:
-# 64 sequences of the benchmark's roster schema (chapter 29's `ROSTER_SCHEMA`) over the tiny
+# 32 sequences of the benchmark's roster schema (chapter 29's `ROSTER_SCHEMA`) over the tiny
 # model's byte-level tokenizer, with Qwen3's 151,936 ids, each step a new random token that the
 # grammar allows.
 #
@@ -86,7 +86,7 @@ say = Phrases({
 # 受约束的 decode 步（第 29 章）在它捕获好的采样器运行之前，要在主机上做三件事：等正在计算的那一步（掩码需要它的
 # token），每个匹配器读入自己序列的新 token，每个匹配器写出自己的那一行。有了异步调度，这期间前向计算在跑，所以只要
 # 主机先做完，掩码就不花时间。256 个序列时主机做不完。下面的单元在 CPU 上给第 29 章的 `Grammars.fill` 计时：基准测试
-# 的 roster schema（第 29 章的 `ROSTER_SCHEMA`），64 个序列，小模型的字节级分词器，带 Qwen3 的 151,936 个 id，每一步
+# 的 roster schema（第 29 章的 `ROSTER_SCHEMA`），32 个序列，小模型的字节级分词器，带 Qwen3 的 151,936 个 id，每一步
 # 是语法允许的一个新的随机 token。
 #
 # llguidance 用 Rust 计算一行，它的 Python 绑定说计算时会释放 Python 的全局锁。那么两个线程就该快一倍。事实并非如此：
@@ -110,6 +110,9 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 tiny = build_tiny_model("qwen3", vocab_size=151936)
+# en: The tiny model as chapter 06 builds it (512 ids): enough for the checks of outputs, and quicker to load.
+# zh: 第 06 章构建的小模型（512 个 id）：检查输出足够了，加载也更快。
+small = build_tiny_model("qwen3")
 roster = SamplingParams(temperature=1.0, max_tokens=1000,
                         structured_outputs=StructuredOutputsParams(json=ROSTER_SCHEMA))
 
@@ -134,15 +137,15 @@ def walk(grammars: Grammars, seqs: list[Sequence], bitmask: torch.Tensor, rng: r
 
 
 in_process = Grammars(Config(str(tiny), device="cpu"))
-seqs, rng = decoding(64), random.Random(0)
-mask = torch.full((64, bitmask_words(in_process.vocab_size)), -1, dtype=torch.int32)
+seqs, rng = decoding(32), random.Random(0)
+mask = torch.full((32, bitmask_words(in_process.vocab_size)), -1, dtype=torch.int32)
 seconds = []
-for _ in range(12):
+for _ in range(10):
     start = time.perf_counter()
     in_process.fill(seqs, mask)
     seconds.append(time.perf_counter() - start)
     walk(in_process, seqs, mask, rng)
-print(say("{rows} rows: {us:.1f} us a row in one thread", rows=64, us=1e6 * statistics.median(seconds[2:]) / 64))
+print(say("{rows} rows: {us:.1f} us a row in one thread", rows=32, us=1e6 * statistics.median(seconds[2:]) / 32))
 
 # %%
 from llguidance import LLMatcher
@@ -191,8 +194,8 @@ def timed(*jobs: list[tuple[LLMatcher, list[int]]]) -> float:
     return time.perf_counter() - start
 
 
-one_thread = timed(walkers(16, 20) + walkers(16, 20))
-two_threads = timed(walkers(16, 20), walkers(16, 20))
+one_thread = timed(walkers(8, 16) + walkers(8, 16))
+two_threads = timed(walkers(8, 16), walkers(8, 16))
 print(say("two threads, each filling its own matchers: {ratio:.2f}x the time of one thread filling both",
           ratio=two_threads / one_thread))
 
@@ -883,7 +886,7 @@ def _init_grammar_workers(self) -> None:
 # %% [markdown] tags=["en"]
 # ## Check it: the same masks, step after step
 #
-# Two sets of the same 64 sequences walk the same random tokens: chapter 29's `Grammars` fills the
+# Two sets of the same 32 sequences walk the same random tokens: chapter 29's `Grammars` fills the
 # first set's rows in process, `WorkerGrammars` with two workers fills the second's into a shared
 # segment, and at every step the two bitmasks must be equal. Then a bitmask that lies in no
 # segment (it goes through the scratch segment), a token that the grammar refuses (the sequence
@@ -893,7 +896,7 @@ def _init_grammar_workers(self) -> None:
 # %% [markdown] tags=["zh"]
 # ## 验证：一步接一步，掩码相同
 #
-# 同样的 64 个序列准备两份，走同样的随机 token：第 29 章的 `Grammars` 在进程内填第一份的行，带两个工作进程的
+# 同样的 32 个序列准备两份，走同样的随机 token：第 29 章的 `Grammars` 在进程内填第一份的行，带两个工作进程的
 # `WorkerGrammars` 把第二份的行填进一个共享段，每一步两份位掩码都必须相等。然后是不在任何段里的位掩码（它经由草稿段），
 # 语法拒绝的 token（序列以 llguidance 给出的原因失败，它的行只允许序列结束），以及被放开的序列（它们的工作进程丢掉
 # 它们的匹配器）。
@@ -906,11 +909,11 @@ from nanovllm.engine.grammar_workers import WorkerGrammars
 config = Config(str(tiny), device="cpu", grammar_workers=2)
 workers = WorkerGrammars(config)
 start = time.perf_counter()
-shared = workers.host_bitmasks(64, copies=1, pinned=False)[0]
+shared = workers.host_bitmasks(32, copies=1, pinned=False)[0]
 print(say("workers ready in {seconds:.2f} s", seconds=time.perf_counter() - start))
-here, there, rng = decoding(64), decoding(64), random.Random(1)
-mask = torch.full((64, shared.shape[1]), -1, dtype=torch.int32)
-for _ in range(20):
+here, there, rng = decoding(32), decoding(32), random.Random(1)
+mask = torch.full((32, shared.shape[1]), -1, dtype=torch.int32)
+for _ in range(12):
     in_process.fill(here, mask)
     workers.fill(there, shared)
     assert torch.equal(mask, shared)
@@ -918,7 +921,7 @@ for _ in range(20):
     for seq, twin in zip(here, there, strict=True):
         twin.append_token(seq.last_token)
         twin.num_cached_tokens = len(twin)
-print(say("{steps} steps of {rows} rows: the workers' masks equal chapter 29's at every step", steps=20, rows=64))
+print(say("{steps} steps of {rows} rows: the workers' masks equal chapter 29's at every step", steps=12, rows=32))
 
 elsewhere = torch.zeros_like(mask)
 in_process.fill(here, mask)
@@ -945,7 +948,7 @@ gc.collect()
 after = sum(workers.workers.held())
 print(say("matchers held by the workers: {before} -> {after} once the sequences are let go", before=before,
           after=after))
-assert (before, after) == (64, 0)
+assert (before, after) == (32, 0)
 
 # %% [markdown] tags=["en"]
 # ## Check it: the engine's outputs
@@ -979,7 +982,7 @@ requests = {
 }
 outputs = {}
 for count in (0, 2):
-    llm = LLM(str(tiny), device="cpu", grammar_workers=count, max_model_len=256)
+    llm = LLM(str(small), device="cpu", grammar_workers=count, max_model_len=256)
     try:
         outputs[count] = {name: llm.generate(["Describe a thing:"], params, use_tqdm=False)
                           for name, params in requests.items()}
@@ -1086,8 +1089,8 @@ from nanovllm.bench.grammar_workers import main as bench_grammar_workers
 # en: The benchmark prints in English; here its report is read back and printed in the reader's language.
 # zh: 基准测试用英文打印；这里把它的报告读回来，用读者的语言打印。
 with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
-    assert bench_grammar_workers(["--workers", "0", "2", "--batches", "2", "--max-tokens", "8", "--repeats", "1",
-                                  "--device", "cpu", "--out", f"{folder}/report.json"]) == 0
+    assert bench_grammar_workers(["--model", str(small), "--workers", "0", "2", "--batches", "2", "--max-tokens", "8",
+                                  "--repeats", "1", "--device", "cpu", "--out", f"{folder}/report.json"]) == 0
     with open(f"{folder}/report.json", encoding="utf-8") as file:
         report = json.load(file)
 for run in report["runs"]:
@@ -1275,7 +1278,7 @@ import sys
 
 # en: Exercise 1: its matcher, which has read every token of the sequence so far, lives in that worker alone; 17 % 4.
 # zh: 练习 1：它的匹配器已经读过这个序列到目前为止的每个 token，只存在于那个工作进程里；17 % 4。
-four = WorkerGrammars(Config(str(tiny), device="cpu", grammar_workers=4))
+four = WorkerGrammars(Config(str(small), device="cpu", grammar_workers=4))
 four.workers.forget(17)
 assert [len(queue) for queue in four.workers.forgotten] == [0, 1, 0, 0]
 
@@ -1301,7 +1304,7 @@ child = subprocess.Popen([sys.executable, "-c", f"""
 import os, signal
 from nanovllm.config import Config
 from nanovllm.engine.grammar_workers import WorkerGrammars
-grammars = WorkerGrammars(Config({str(tiny)!r}, device="cpu", grammar_workers=2))
+grammars = WorkerGrammars(Config({str(small)!r}, device="cpu", grammar_workers=2))
 grammars.host_bitmasks(4, copies=1, pinned=False)
 print(*(process.pid for process in grammars.workers.processes), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanovllm.book.tiny_models import build_tiny_model
 from nanovllm.config import Config
 from nanovllm.engine.grammar_workers import WorkerGrammars
 from nanovllm.engine.grammars import Grammars, allowed_tokens, bitmask_words
@@ -29,12 +28,6 @@ ROSTER = {"type": "array", "minItems": 4,
           "items": {"type": "object", "required": ["name", "age"], "additionalProperties": False,
                     "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}}
 WORD = StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3})?")
-
-
-@pytest.fixture(scope="module")
-def wide() -> Path:
-    """The tiny model with Qwen3's 151,936 ids: rows as long as the benchmark's."""
-    return build_tiny_model("qwen3", vocab_size=151936)
 
 
 def decoding(count: int, schema: dict = ROSTER) -> list[Sequence]:
@@ -58,11 +51,11 @@ def draws(grammars: Grammars, bitmask: torch.Tensor, rng: random.Random) -> list
             for row in allowed]
 
 
-def test_workers_write_chapter_29s_masks_step_after_step(wide: Path):
+def test_workers_write_chapter_29s_masks_step_after_step(tiny: Path):
     """Two workers and chapter 29's Grammars, the same 12 sequences walking the same random tokens (one of them
     plain, whose row allows everything): equal bitmasks at every step, into a shared segment and into a bitmask that
     lies in none (the scratch segment's path)."""
-    config = Config(str(wide), device="cpu", grammar_workers=2)
+    config = Config(str(tiny), device="cpu", grammar_workers=2)
     here, there = Grammars(config), WorkerGrammars(config)
     try:
         ours, theirs = decoding(12), decoding(12)
@@ -88,10 +81,10 @@ def test_workers_write_chapter_29s_masks_step_after_step(wide: Path):
         there.workers.close()
 
 
-def test_a_refused_token_fails_its_sequence_with_llguidances_reason(wide: Path):
+def test_a_refused_token_fails_its_sequence_with_llguidances_reason(tiny: Path):
     """A token the grammar refuses: the sequence fails with llguidance's words, its row allows only its end, its
     worker forgets it, and the next step writes that row in this process without asking a worker."""
-    config = Config(str(wide), device="cpu", grammar_workers=2)
+    config = Config(str(tiny), device="cpu", grammar_workers=2)
     grammars = WorkerGrammars(config)
     try:
         seqs = decoding(3)
@@ -114,10 +107,10 @@ def test_a_refused_token_fails_its_sequence_with_llguidances_reason(wide: Path):
         grammars.workers.close()
 
 
-def test_sequences_let_go_are_forgotten_by_their_workers(wide: Path):
+def test_sequences_let_go_are_forgotten_by_their_workers(tiny: Path):
     """Matchers live as long as their sequences: once the engine lets a sequence go, its worker drops its matcher
     with its next message."""
-    config = Config(str(wide), device="cpu", grammar_workers=3)
+    config = Config(str(tiny), device="cpu", grammar_workers=3)
     grammars = WorkerGrammars(config)
     try:
         seqs = decoding(9)
@@ -130,11 +123,11 @@ def test_sequences_let_go_are_forgotten_by_their_workers(wide: Path):
         grammars.workers.close()
 
 
-def test_a_dead_worker_raises_in_the_engine_and_stopping_leaves_nothing_behind(wide: Path):
+def test_a_dead_worker_raises_in_the_engine_and_stopping_leaves_nothing_behind(tiny: Path):
     """A worker killed mid-run: the next fill raises a RuntimeError naming it. Closing stops the others, and no
     shared segment's file remains (each is unlinked as soon as every worker mapped it)."""
     before = set(glob.glob("/dev/shm/nanovllm-bitmask-*"))
-    config = Config(str(wide), device="cpu", grammar_workers=2)
+    config = Config(str(tiny), device="cpu", grammar_workers=2)
     grammars = WorkerGrammars(config)
     workers = grammars.workers
     rows = grammars.host_bitmasks(4, copies=1, pinned=False)[0]
@@ -150,9 +143,9 @@ def test_a_dead_worker_raises_in_the_engine_and_stopping_leaves_nothing_behind(w
     assert [process.poll() for process in workers.processes] == [0, -signal.SIGKILL]
 
 
-def test_a_worker_answers_an_unknown_request_with_an_error(wide: Path):
+def test_a_worker_answers_an_unknown_request_with_an_error(tiny: Path):
     """A request outside REQUESTS is refused in the worker's words, and the worker goes on answering."""
-    grammars = WorkerGrammars(Config(str(wide), device="cpu", grammar_workers=1))
+    grammars = WorkerGrammars(Config(str(tiny), device="cpu", grammar_workers=1))
     workers = grammars.workers
     try:
         workers.connections[0].send(("exec", "print('no')"))
