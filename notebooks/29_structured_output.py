@@ -2012,7 +2012,8 @@ for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, devic
 # A repeat on main once the captured path had landed, on another H100 machine that day (the third
 # recorded run), gave 0.99×, 0.98× and 0.86×. What could help at 256: fewer masks to fill, by
 # writing the tokens a grammar forces (a key, its quotes, its colon) without sampling them, as
-# jump-forward decoding does; or less of the host's other work a step.
+# jump-forward decoding does; or less of the host's other work a step. Chapter 29c tries a third
+# way: the rows filled side by side, by worker processes that hold the matchers.
 
 # %% [markdown] tags=["zh"]
 # 在 H100 上，本章的第一个版本（每个受约束的步都在 `Grammars.mask` 之后以 eager 方式采样）要吃掉大约三分之一的速度：
@@ -2029,7 +2030,8 @@ for row in compare_structured(str(tiny), [1, 4], max_tokens=32, repeats=3, devic
 # 用上所有的核也没有用：在那台机器的 16 个核上，llguidance 的并行填充填 256 行要花串行时间的 1.65 倍
 # （`scripts/probes/fill_bitmask_par.py`）。捕获路径合入 main 之后，当天在另一台 H100 机器上重跑了一次（下面记录的
 # 第三次运行），得到 0.99、0.98 和 0.86 倍。256 个序列时可能有用的是：要填的掩码更少，即像 jump-forward 解码那样，
-# 把语法强制的 token（一个键、它的引号、它的冒号）直接写出而不采样；或者减少主机每步其余的工作。
+# 把语法强制的 token（一个键、它的引号、它的冒号）直接写出而不采样；或者减少主机每步其余的工作。第 29c 章试了第三条路：
+# 由持有匹配器的工作进程并排填写各行。
 
 # %%
 from nanovllm.book.recorded import recorded
