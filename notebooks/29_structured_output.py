@@ -1846,6 +1846,8 @@ import argparse
 import dataclasses
 import gc
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -1941,32 +1943,49 @@ def print_row(row: dict[str, Any]) -> None:
           f"{row['tokens']['constrained']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --structured",
-                                     description="The same greedy requests with and without a JSON schema, in one "
-                                     "engine, the runs taking turns.")
+def add_options(parser: argparse.ArgumentParser, cpu_model: str) -> None:
+    """The benchmark's options: --model (``cpu_model`` names its default on a CPU), --batches, --max-tokens, --repeats,
+    --device and --out."""
+    # zh: 基准测试的选项：--model（``cpu_model`` 说明它在 CPU 上的默认值）、--batches、--max-tokens、--repeats、--device
+    # zh: 和 --out。
     parser.add_argument("--model", help="default: Qwen3-0.6B's shapes with random weights on CUDA (the tiny model's "
-                        "byte-level tokenizer, which can spell JSON), SmolLM2-135M-Instruct on a CPU")
+                        f"byte-level tokenizer, which can spell JSON), {cpu_model} on a CPU")
     parser.add_argument("--batches", type=int, nargs="+", help="default: 1 16 256 on CUDA, 1 4 on a CPU")
     parser.add_argument("--max-tokens", type=int, default=256, help="tokens each request generates")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of runs taking turns; medians are reported")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--out", help="also write the figures to this JSON file")
-    args = parser.parse_args(argv)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    batches = args.batches or ([1, 16, 256] if cuda else [1, 4])
-    if min(batches) < 1 or args.max_tokens < 1 or args.repeats < 1:
+
+
+def complete_options(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                     cpu_model: Callable[[], Path | str]) -> dict[str, Any]:
+    """Check the counts of ``args`` (`add_options`), then fill in, by device, ``args.cuda``, the batches and the model
+    (``cpu_model`` gives a CPU's); returns the settings of each engine that `compare` builds."""
+    # zh: 检查 ``args``（`add_options`）里的各个数，再按设备补上 ``args.cuda``、批大小和模型（CPU 上的模型由
+    # zh: ``cpu_model`` 给出）；返回 `compare` 构建的每个引擎的设置。
+    args.cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    args.batches = args.batches or ([1, 16, 256] if args.cuda else [1, 4])
+    if min(args.batches) < 1 or args.max_tokens < 1 or args.repeats < 1:
         parser.error("--batches, --max-tokens and --repeats must be at least 1")
     if args.model is None:
-        from nanovllm.book.smollm2 import smollm2_dir
+        args.model = str(qwen3_06b_random() if args.cuda else cpu_model())
+    return {"device": args.device, "max_num_seqs": max(256, max(args.batches)), "max_model_len": args.max_tokens + 256}
 
-        args.model = str(qwen3_06b_random() if cuda else smollm2_dir())
+
+def main(argv: list[str] | None = None) -> int:
+    from nanovllm.book.smollm2 import smollm2_dir
+
+    parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --structured",
+                                     description="The same greedy requests with and without a JSON schema, in one "
+                                     "engine, the runs taking turns.")
+    add_options(parser, cpu_model="SmolLM2-135M-Instruct")
+    args = parser.parse_args(argv)
+    settings = complete_options(parser, args, smollm2_dir)
     print(f"model: {args.model}; {args.max_tokens} tokens a request, {args.repeats} rounds")
-    rows = compare(args.model, batches, args.max_tokens, args.repeats, device=args.device,
-                   max_num_seqs=max(256, max(batches)), max_model_len=args.max_tokens + 256)
+    rows = compare(args.model, args.batches, args.max_tokens, args.repeats, **settings)
     for row in rows:
         print_row(row)
-    report = report_header("python -m nanovllm.bench --structured", argv, "cuda" if cuda else "cpu")
+    report = report_header("python -m nanovllm.bench --structured", argv, "cuda" if args.cuda else "cpu")
     write_report(report | {"model": args.model, "rows": rows}, args.out)
     return 0
 

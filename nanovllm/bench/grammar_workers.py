@@ -6,12 +6,10 @@ workers, one engine each, in one invocation."""
 from __future__ import annotations
 
 import argparse
+import functools
 
-import torch
-
-from nanovllm.bench.models import qwen3_06b_random
 from nanovllm.bench.report import report_header, write_report
-from nanovllm.bench.structured import compare
+from nanovllm.bench.structured import add_options, compare, complete_options
 
 __all__ = [
     "main",
@@ -20,36 +18,26 @@ __all__ = [
 
 # notebooks/29c_grammar_workers.py · cell "bench grammar workers"
 def main(argv: list[str] | None = None) -> int:
+    from nanovllm.book.tiny_models import build_tiny_model
+
     parser = argparse.ArgumentParser(prog="python -m nanovllm.bench --grammar-workers",
                                      description="Chapter 29's structured benchmark with the matchers in process (0) "
                                      "and in worker processes, one engine per count, back to back.")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 8], help="grammar worker counts (default 0 8)")
-    parser.add_argument("--model", help="default: Qwen3-0.6B's shapes with random weights on CUDA, the tiny model "
-                        "with Qwen3's vocabulary on a CPU")
-    parser.add_argument("--batches", type=int, nargs="+", help="default: 1 16 256 on CUDA, 1 4 on a CPU")
-    parser.add_argument("--max-tokens", type=int, default=256, help="tokens each request generates")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of runs taking turns; medians are reported")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--out", help="also write the figures to this JSON file")
+    add_options(parser, cpu_model="the tiny model with Qwen3's vocabulary")
     args = parser.parse_args(argv)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    batches = args.batches or ([1, 16, 256] if cuda else [1, 4])
-    if min(batches) < 1 or min(args.workers) < 0 or args.max_tokens < 1 or args.repeats < 1:
-        parser.error("--batches, --max-tokens and --repeats must be at least 1, --workers at least 0")
-    if args.model is None:
-        from nanovllm.book.tiny_models import build_tiny_model
-
-        args.model = str(qwen3_06b_random() if cuda else build_tiny_model("qwen3", vocab_size=151936))
+    if min(args.workers) < 0:
+        parser.error("--workers must be at least 0")
+    settings = complete_options(parser, args, functools.partial(build_tiny_model, "qwen3", vocab_size=151936))
     print(f"model: {args.model}; {args.max_tokens} tokens a request, {args.repeats} rounds", flush=True)
     runs = []
     for count in args.workers:
-        rows = compare(args.model, batches, args.max_tokens, args.repeats, device=args.device, grammar_workers=count,
-                       max_num_seqs=max(256, max(batches)), max_model_len=args.max_tokens + 256)
+        rows = compare(args.model, args.batches, args.max_tokens, args.repeats, grammar_workers=count, **settings)
         for row in rows:
             print(f"{count} workers, batch {row['batch']:4d}: {row['ratio']:.3f}x the free run; a step "
                   f"{row['step_ms']['free']:.3f} / {row['step_ms']['constrained']:.3f} ms, Grammars.fill "
                   f"{row['mask_ms_per_step']:.3f} ms of it", flush=True)
         runs.append({"grammar_workers": count, "rows": rows})
-    report = report_header("python -m nanovllm.bench --grammar-workers", argv, "cuda" if cuda else "cpu")
+    report = report_header("python -m nanovllm.bench --grammar-workers", argv, "cuda" if args.cuda else "cpu")
     write_report(report | {"model": args.model, "runs": runs}, args.out)
     return 0
