@@ -1134,8 +1134,9 @@ class Grammars:
 # sampler. Both paths write the rows with `Grammars.fill`, one row after another, while the
 # step's forward runs. (`launch` is written again whole, 17 lines, rather than given
 # a hook in chapter 18 that would name grammars eleven chapters early; the graph path's new work is
-# in a new member, `graph_draw`.) Every rank's runner gets its `Grammars` with the runner
-# (`add_to_init`): the sampling rank is the one that uses it.
+# in two new members, `graph_draw` and, for a constrained step, `masked_draw`.) Every rank's
+# runner gets its `Grammars` with the runner (`add_to_init`): the sampling rank is the one that
+# uses it.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：执行器加掩码
@@ -1146,8 +1147,9 @@ class Grammars:
 # 三个 kernel，不往回读任何东西）。这样一步里不受约束的行允许所有 token。其他带受约束行的步（prefill，带 top-k、
 # top-p、种子或分叉的行，比所有图都大的批，CPU）以 eager 方式采样，由 `Grammars.mask` 在采样器之前盖住它的 logits。
 # 两条路径都用 `Grammars.fill` 一行接一行地写各行，同时这一步的前向计算在运行。（这里把 `launch` 整个
-# 重写了一遍，17 行，而不是在第 18 章埋一个钩子，那样会早十一章就提到语法；图路径新增的工作放在一个新成员
-# `graph_draw` 里。）每个 rank 的执行器在构建时得到自己的 `Grammars`（`add_to_init`）：用到它的是负责采样的那个 rank。
+# 重写了一遍，17 行，而不是在第 18 章埋一个钩子，那样会早十一章就提到语法；图路径新增的工作放在两个新成员里：
+# `graph_draw`，以及有受约束序列时的 `masked_draw`。）每个 rank 的执行器在构建时得到自己的 `Grammars`
+# （`add_to_init`）：用到它的是负责采样的那个 rank。
 
 # %% masked sampling graphs
 #| export
@@ -1273,7 +1275,7 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens
             # zh: 模型的图写出采样图要读的隐藏状态（graphs.outputs）；它先排进队列，这样主机为受约束的一步等待、填写
             # zh: 位掩码时，它的前向计算同时在跑。
             self.replay_staged(seqs, previous if pending else None)
-            return SampledTokens.start(seqs, list(range(len(seqs))), self.graph_draw(seqs, temperatures, previous))
+            return self.graph_draw(seqs, temperatures, previous)
     logits = self.compute_logits(seqs, is_prefill, previous)
     if self.grammars.constrained(seqs):
         self.grammars.mask(seqs, logits, previous)
@@ -1287,16 +1289,13 @@ def launch(self, seqs: list[Sequence], is_prefill: bool, previous: SampledTokens
 @add_to_class(ModelRunner)
 def graph_draw(
     self, seqs: list[Sequence], temperatures: list[float], previous: SampledTokens | None
-) -> torch.Tensor:
-    """The tokens [n] of a decode step whose model graph was just replayed and whose rows sample plainly, row i at
-    ``temperatures[i]``, from one more replay: chapter 18's sampling graphs, or, with a constrained sequence, the
-    masked ones (`MaskedSamplingGraphs`), once the host has filled the step's bitmask (`Grammars.fill`, which waits
-    for ``previous`` when a constrained row's token is still pending)."""
-    # zh: 一个 decode 步的 token [n]：它的模型图刚刚重放，各行都只做普通采样，第 i 行的温度是 ``temperatures[i]``，
-    # zh: 由再一次重放抽出：第 18 章的采样图；若有受约束的序列，则是带掩码的那些（`MaskedSamplingGraphs`），等主机
-    # zh: 填好这一步的位掩码之后（`Grammars.fill`；受约束行的 token 还待定时，它会等 ``previous``）。
+) -> SampledTokens:
+    """The tokens of a decode step just replayed whose rows sample plainly (row i at ``temperatures[i]``), from one
+    more replay: chapter 18's sampling graphs, or, with a constrained sequence, the masked ones (`masked_draw`)."""
+    # zh: 一个 decode 步的 token：它的模型图刚刚重放，各行都只做普通采样，第 i 行的温度是 ``temperatures[i]``，由再一次
+    # zh: 重放抽出：第 18 章的采样图；若有受约束的序列，则是带掩码的那些（`masked_draw`）。
     if not self.grammars.constrained(seqs):
-        return self.sampling_graphs.sample(temperatures)
+        return SampledTokens.start(seqs, list(range(len(seqs))), self.sampling_graphs.sample(temperatures))
     if self.masked_sampling is None:
         # en: Captured at the first constrained step rather than at start: an engine that never sees a constraint
         # en: pays neither the capture (one graph per bucket, largest first, as chapter 14 captures) nor the memory.
@@ -1309,9 +1308,20 @@ def graph_draw(
         hosts = self.grammars.host_bitmasks(self.graphs.sizes[-1], copies=2, pinned=on_gpu)
         self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, hosts)
         self.masked_sampling.capture()
+    return self.masked_draw(seqs, temperatures, previous)
+
+
+@add_to_class(ModelRunner)
+def masked_draw(
+    self, seqs: list[Sequence], temperatures: list[float], previous: SampledTokens | None
+) -> SampledTokens:
+    """`graph_draw` with a constrained sequence: the host fills the step's bitmask (`Grammars.fill`, which waits for
+    ``previous`` when a constrained row's token is still pending), sends it, and the masked graph samples."""
+    # zh: 有受约束序列时的 `graph_draw`：主机填好这一步的位掩码（`Grammars.fill`；受约束行的 token 还待定时，它会等
+    # zh: ``previous``），送出去，再由带掩码的图采样。
     self.grammars.fill(seqs, self.masked_sampling.host_rows(len(seqs)), previous)
     self.masked_sampling.send(len(seqs))
-    return self.masked_sampling.sample(temperatures)
+    return SampledTokens.start(seqs, list(range(len(seqs))), self.masked_sampling.sample(temperatures))
 
 
 # %% [markdown] tags=["en"]
@@ -1579,15 +1589,13 @@ smol.exit()
 # step *n* + 1 does not need the mask, only its sampler does, so vLLM (since its pull request 26866)
 # launches the forward without waiting, builds the bitmask on the CPU while the GPU runs it, and
 # samples with it afterwards. `launch` above has that order. It replays step *n* + 1's model graph
-# first; then `Grammars.fill` waits for step *n*'s tokens (`previous.token_ids()`, the wait that
-# collecting step *n* makes anyway), lets the matchers read them and fills the step's rows of a
-# pinned host buffer while the GPU runs the forward. One copy, on a stream of its own, takes the
-# rows to the device once the last masked replay has read the bitmask there, so it too runs beside
-# the forward; the masked sampling graph waits for that copy alone. Two host buffers take turns, so
-# the host never writes into one whose copy may still be queued. The mask now lives in the
-# captured step because, measured below, the eager LM head, the unpacking and the eager sampler
-# after the wait cost a third of the speed. (The eager path keeps the same order with
-# `Grammars.mask`.)
+# first; then `Grammars.fill` waits for step *n*'s tokens (the wait that collecting step *n* makes
+# anyway), lets the matchers read them and fills the step's rows of a pinned host buffer while the
+# GPU runs the forward. One copy, on a stream of its own, takes the rows to the device beside the
+# forward; the masked sampling graph waits for that copy alone. Two host buffers take turns, so the
+# host never writes into one whose copy may still be queued. (Measured below: the eager LM head,
+# unpacking and sampler after the wait cost a third of the speed, hence the captured step. Chapter
+# 29c lets the sampling wait later still.)
 #
 # **Speculative decoding** (chapter 25) verifies *k* drafts in one step: row *i* of a sequence
 # samples the token after its *i*-th draft, and the engine keeps the drafts up to the first row
@@ -1634,12 +1642,11 @@ smol.exit()
 # **异步调度**（第 18 章）在第 *n* 步的 token 回到主机之前，就把第 *n* + 1 步排进队列。第 *n* + 1 步的掩码需要第 *n* 个
 # token：匹配器得先读入它。第 *n* + 1 步的前向计算并不需要掩码，只有它的采样器需要，所以 vLLM（自它的第 26866 号拉取
 # 请求起）不等待就启动前向计算，在 GPU 运行前向的同时在 CPU 上构建位掩码，之后再用它采样。上面的 `launch` 就是这个
-# 顺序。它先重放第 *n* + 1 步的模型图；然后 `Grammars.fill` 等待第 *n* 步的 token（`previous.token_ids()`，收取第 *n*
-# 步时本来就要等这一下），让匹配器读入它们，并在 GPU 运行前向计算的同时，填好锁页主机缓冲区里这一步的各行。一次拷贝，
-# 在它自己的一条流上，等上一次带掩码的重放读完设备上的位掩码后，把这些行送到设备上，所以它也和前向计算并行；带掩码的
-# 采样图只等这一次拷贝。两份主机缓冲区轮流用，主机从不写一份拷贝可能还在排队的缓冲区。掩码如今放在捕获的那一步里，
-# 是因为下文测得：等待之后的 eager LM head、解开位掩码和 eager 采样器吃掉了三分之一的速度。（eager 路径用
-# `Grammars.mask` 保持同样的顺序。）
+# 顺序。它先重放第 *n* + 1 步的模型图；然后 `Grammars.fill` 等待第 *n* 步的 token（收取第 *n* 步时本来就要等这一下），
+# 让匹配器读入它们，并在 GPU 运行前向计算的同时，填好锁页主机缓冲区里这一步的各行。一次拷贝在它自己的一条流上，与前向
+# 计算并行地把这些行送到设备上；带掩码的采样图只等这一次拷贝。两份主机缓冲区轮流用，主机从不写一份拷贝可能还在排队的
+# 缓冲区。（下文测得：等待之后的 eager LM head、解开位掩码和 eager 采样器吃掉了三分之一的速度，所以放进捕获的那一步。
+# 第 29c 章让采样等得更晚。）
 #
 # **投机解码**（第 25 章）在一步里验证 *k* 个草稿：序列的第 *i* 行采样它第 *i* 个草稿之后的 token，引擎保留草稿，直到
 # 第一个 token 不一致的行为止。所以第 *i* 行必须用读过已确定的 token 和草稿 1 到 *i* 之后的语法来盖：
@@ -1843,9 +1850,11 @@ OTHER_BENCHMARKS["--structured"] = "nanovllm.bench.structured"
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -1880,26 +1889,40 @@ def roster_prompts(count: int) -> list[str]:
     return [f"List the members of club {i} as a JSON array: each one's name, age and city." for i in range(count)]
 
 
-def timed_generate(llm: Any, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
-    """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in
-    `Grammars.fill` (the host's mask work, and any wait there for the step in flight), which the eager path
-    (`Grammars.mask`) and the captured one (`ModelRunner.graph_draw`) both call."""
-    # zh: 一次计时的 `generate`：每秒 token 数、算出了 token 的步数，以及花在 `Grammars.fill` 里的秒数（主机做掩码的
-    # zh: 工作，以及在那里等正在执行的那一步的时间）；eager 路径（`Grammars.mask`）和捕获的路径
-    # zh: （`ModelRunner.graph_draw`）都调用它。
-    masks: list[float] = []
-    with watch_calls(llm.model_runner.grammars, "fill", lambda seconds, _: masks.append(seconds)):
+def timed_generate(llm: Any, prompts: list[str], params: SamplingParams,
+                   watched: tuple[str, ...] = ("fill",)) -> dict[str, Any]:
+    """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in the
+    ``watched`` methods of the runner's grammars (`Grammars.fill`: the host's mask work, and any wait there for the
+    step in flight; a watched call inside another counted once)."""
+    # zh: 一次计时的 `generate`：每秒 token 数、算出了 token 的步数，以及花在执行器的 grammars 的 ``watched`` 这些方法里
+    # zh: 的秒数（`Grammars.fill`：主机做掩码的工作，以及在那里等正在执行的那一步的时间；被观察的调用里面的被观察调用
+    # zh: 只算一次）。
+    spans: list[tuple[float, float]] = []
+    with contextlib.ExitStack() as stack:
+        for method in watched:
+            stack.enter_context(watch_calls(llm.model_runner.grammars, method, lambda seconds, _: spans.append(
+                (time.perf_counter() - seconds, time.perf_counter()))))
         run = timed_run(llm, prompts, [params] * len(prompts))
-    return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": sum(masks)}
+    return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": covered_seconds(spans)}
 
 
-def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, **settings: Any) -> list[dict[str, Any]]:
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """The seconds that the union of the (start, end) ``spans`` covers."""
+    # zh: (开始, 结束) 这些 ``spans`` 的并集覆盖的秒数。
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        total, reached = total + max(0.0, end - max(start, reached)), max(reached, end)
+    return total
+
+
+def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, watched: tuple[str, ...] = ("fill",),
+            **settings: Any) -> list[dict[str, Any]]:
     """A row per batch size, from one engine built with ``settings``: ``repeats`` rounds in which a free run and a
     constrained run of the same greedy requests take turns (so that the order of the runs cannot make a ratio); the
-    medians (tokens a second, and milliseconds a step), and the constrained runs' mask time a step."""
+    medians (tokens a second, ms a step), and the constrained runs' mask time a step (``watched``: `timed_generate`)."""
     # zh: 每个批大小一行，来自按 ``settings`` 建的同一个引擎：``repeats`` 轮，每轮同样的贪心请求先自由运行、再受约束
     # zh: 运行，轮流进行（运行的先后就造不出一个比值）；给出中位数（每秒 token 数、每步毫秒数），以及受约束运行每步的
-    # zh: 掩码时间。
+    # zh: 掩码时间（花在 ``watched`` 这些方法里，见 `timed_generate`）。
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
@@ -1917,7 +1940,7 @@ def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, *
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
             for _ in range(repeats):
                 for name in RUNS:
-                    runs[name].append(timed_generate(llm, prompts, params[name]))
+                    runs[name].append(timed_generate(llm, prompts, params[name], watched))
             free, constrained = (statistics.median(run["tok_s"] for run in runs[name]) for name in RUNS)
             step_ms = {name: statistics.median(1e3 * run["seconds"] / max(1, run["steps"]) for run in runs[name])
                        for name in RUNS}

@@ -42,8 +42,9 @@
 #                                       # --structured ARGS, the same greedy requests with and without a JSON schema
 #   scripts/gpu-ci.sh grammar-workers [ARGS]  # chapter 29c: its GPU test, then python -m nanovllm.bench
 #                                       # --grammar-workers ARGS: chapter 29's benchmark once per worker count
-#                                       # at batches 1, 16 and 256 on Qwen3-0.6B's shapes; llguidance and jsonschema
-#                                       # from the wheels in .whl/ when the machine lacks them
+#                                       # at batches 1, 16 and 256 on Qwen3-0.6B's shapes, then
+#                                       # scripts/probes/grammar_workers_probe.py (host only); llguidance and
+#                                       # jsonschema from the wheels in .whl/ when the machine lacks them
 #   scripts/gpu-ci.sh moe               # mixture of experts (chapter 26): its GPU tests, scripts/probes/moe_probe.py
 #                                       # (one Qwen3-30B-A3B-shaped layer: the loop, every expert, fused_moe),
 #                                       # scripts/probes/moe_align_probe.py (the sort in one Triton program), then
@@ -313,6 +314,9 @@ run_grammar_workers() {  # chapter 29c: the matchers in worker processes, after 
     tests/beyond/test_29c_grammar_workers.py || status=1
   python3 -m nanovllm.bench --grammar-workers "$@" --out "$out/grammar-workers.json" 2>&1 \
     | tee "$out/grammar-workers.log" || status=1
+  # host only: a step's fill in process and on 4 and 8 workers, asleep or spinning, whole or beside the host's work
+  python3 scripts/probes/grammar_workers_probe.py --out "$out/grammar-workers-probe.json" 2>&1 \
+    | tee "$out/grammar-workers-probe.log" || status=1
 }
 
 run_moe() {  # mixture of experts (chapter 26): its GPU tests, then one sparse layer's paths timed

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ __all__ = [
     "add_options",
     "compare",
     "complete_options",
+    "covered_seconds",
     "main",
     "print_row",
     "roster_prompts",
@@ -53,20 +56,33 @@ def roster_prompts(count: int) -> list[str]:
     return [f"List the members of club {i} as a JSON array: each one's name, age and city." for i in range(count)]
 
 
-def timed_generate(llm: Any, prompts: list[str], params: SamplingParams) -> dict[str, Any]:
-    """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in
-    `Grammars.fill` (the host's mask work, and any wait there for the step in flight), which the eager path
-    (`Grammars.mask`) and the captured one (`ModelRunner.graph_draw`) both call."""
-    masks: list[float] = []
-    with watch_calls(llm.model_runner.grammars, "fill", lambda seconds, _: masks.append(seconds)):
+def timed_generate(llm: Any, prompts: list[str], params: SamplingParams,
+                   watched: tuple[str, ...] = ("fill",)) -> dict[str, Any]:
+    """One timed `generate`: its tokens a second, the steps that computed tokens, and the seconds spent in the
+    ``watched`` methods of the runner's grammars (`Grammars.fill`: the host's mask work, and any wait there for the
+    step in flight; a watched call inside another counted once)."""
+    spans: list[tuple[float, float]] = []
+    with contextlib.ExitStack() as stack:
+        for method in watched:
+            stack.enter_context(watch_calls(llm.model_runner.grammars, method, lambda seconds, _: spans.append(
+                (time.perf_counter() - seconds, time.perf_counter()))))
         run = timed_run(llm, prompts, [params] * len(prompts))
-    return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": sum(masks)}
+    return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": covered_seconds(spans)}
 
 
-def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, **settings: Any) -> list[dict[str, Any]]:
+def covered_seconds(spans: list[tuple[float, float]]) -> float:
+    """The seconds that the union of the (start, end) ``spans`` covers."""
+    total, reached = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        total, reached = total + max(0.0, end - max(start, reached)), max(reached, end)
+    return total
+
+
+def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, watched: tuple[str, ...] = ("fill",),
+            **settings: Any) -> list[dict[str, Any]]:
     """A row per batch size, from one engine built with ``settings``: ``repeats`` rounds in which a free run and a
     constrained run of the same greedy requests take turns (so that the order of the runs cannot make a ratio); the
-    medians (tokens a second, and milliseconds a step), and the constrained runs' mask time a step."""
+    medians (tokens a second, ms a step), and the constrained runs' mask time a step (``watched``: `timed_generate`)."""
     from nanovllm.llm import LLM
 
     llm = LLM(model, **settings)
@@ -83,7 +99,7 @@ def compare(model: str, batches: list[int], max_tokens: int, repeats: int = 3, *
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
             for _ in range(repeats):
                 for name in RUNS:
-                    runs[name].append(timed_generate(llm, prompts, params[name]))
+                    runs[name].append(timed_generate(llm, prompts, params[name], watched))
             free, constrained = (statistics.median(run["tok_s"] for run in runs[name]) for name in RUNS)
             step_ms = {name: statistics.median(1e3 * run["seconds"] / max(1, run["steps"]) for run in runs[name])
                        for name in RUNS}

@@ -24,7 +24,7 @@ from nanovllm.config import Config
 from nanovllm.engine.grammar_process import SPIN_S, arrived
 from nanovllm.engine.grammars import Grammars, SequenceGrammar, bitmask_words, tokenizer_json
 from nanovllm.engine.inputs import load_tokenizer
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 
 if TYPE_CHECKING:
     from nanovllm.engine.model_runner import SampledTokens
@@ -62,6 +62,8 @@ class GrammarWorkers:
         self.connections: list[Connection] = []
         self.processes: list[subprocess.Popen] = []
         self._scratch: torch.Tensor | None = None
+        # The fill that the workers are doing (`start_fill`), until `finish_fill` collects it.
+        self._filling: tuple[list[int], Any] | None = None
         self._finalizer = weakref.finalize(self, stop_workers, self.connections, self.processes, self.segments, pinned)
         # The package's folder goes first on the workers' path: they import the code this process runs.
         root = str(Path(__file__).resolve().parents[2])
@@ -80,6 +82,7 @@ class GrammarWorkers:
 
     def shared_rows(self, rows: int) -> torch.Tensor:
         """A new segment of ``rows`` bitmask rows, [rows, words] int32 allowing every token, that every worker maps."""
+        self._idle()
         size = rows * self.words * 4
         # In memory where the system has a memory file system; the name goes once every worker has mapped it.
         descriptor, path = tempfile.mkstemp(prefix="nanovllm-bitmask-", dir="/dev/shm" if os.path.isdir("/dev/shm")
@@ -118,9 +121,11 @@ class GrammarWorkers:
         """Have ``seq_id``'s worker drop its matcher with its next message (the engine let the sequence go)."""
         self.forgotten[seq_id % len(self.connections)].append(seq_id)
 
-    def fill(self, jobs: list[tuple[int, str | None, list[int], int]], bitmask: torch.Tensor) -> dict[int, str]:
-        """Do ``jobs``, each (sequence id, its grammar or None, its unread tokens, its row of ``bitmask``), on the
-        workers side by side; returns the sequences whose grammar failed, with the reason."""
+    def start_fill(self, jobs: list[tuple[int, str | None, list[int], int]], bitmask: torch.Tensor) -> None:
+        """Hand the workers ``jobs``, each (sequence id, its grammar or None, its unread tokens, its row of
+        ``bitmask``), and return at once: they do them side by side while this process goes on, and `finish_fill`
+        waits for them. One fill at a time: no other message goes out until it is finished."""
+        self._idle()
         place = self.locate(bitmask)
         target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
         segment, first = place or self.locate(target)
@@ -132,14 +137,29 @@ class GrammarWorkers:
         for index in busy:
             forgotten, self.forgotten[index] = self.forgotten[index], []
             self._send(index, ("fill", forgotten, shares[index]))
+        # A bitmask outside the segments gets its rows from the scratch rows once they are written.
+        copy_back = None if place is not None else (bitmask, target, [row for _, _, _, row in jobs])
+        self._filling = (busy, copy_back)
+
+    def finish_fill(self) -> dict[int, str]:
+        """Wait for the fill that `start_fill` began; the sequences whose grammar failed, with the reason."""
+        if self._filling is None:
+            raise RuntimeError("grammar workers: no fill to finish (start_fill first)")
+        (busy, copy_back), self._filling = self._filling, None
         failed = dict(failure for reply in self._replies(busy) for failure in reply)
-        if place is None:
-            rows = [row for _, _, _, row in jobs]
+        if copy_back is not None:
+            bitmask, target, rows = copy_back
             bitmask[rows] = target[rows]
         return failed
 
+    def fill(self, jobs: list[tuple[int, str | None, list[int], int]], bitmask: torch.Tensor) -> dict[int, str]:
+        """`start_fill`, then `finish_fill`: ``jobs`` done side by side, and the sequences whose grammar failed."""
+        self.start_fill(jobs, bitmask)
+        return self.finish_fill()
+
     def held(self) -> list[int]:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
+        self._idle()
         everyone = range(len(self.connections))
         for index in everyone:
             forgotten, self.forgotten[index] = self.forgotten[index], []
@@ -165,6 +185,11 @@ class GrammarWorkers:
             self.connections[index].send(message)
         except OSError as error:
             raise self._gone(index) from error
+
+    def _idle(self) -> None:
+        """A RuntimeError if a fill is still to be finished: its answers come before any other."""
+        if self._filling is not None:
+            raise RuntimeError("grammar workers: a fill is still in progress (finish_fill first)")
 
     def _gone(self, index: int) -> RuntimeError:
         return RuntimeError(f"grammar worker {index} is gone (exit code {self.processes[index].poll()})")
@@ -216,6 +241,11 @@ class WorkerGrammars(Grammars):
         self._workers: GrammarWorkers | None = None
         # Sequences whose matcher a worker holds: the others' first job carries their grammar.
         self.placed: set[int] = set()
+        # Each sequence's state by its id, as in chapter 29's weak dictionary (which stays: it tells when a sequence
+        # is let go), but read faster, once a row each step: `state_of`.
+        self.states: dict[int, SequenceGrammar] = {}
+        # The fill begun (`start_fill`): each job's sequence, state and row, and the bitmask.
+        self.filling: tuple[list[tuple[Sequence, SequenceGrammar, int]], torch.Tensor] | None = None
 
     @property
     def workers(self) -> GrammarWorkers:
@@ -241,17 +271,36 @@ class WorkerGrammars(Grammars):
         weakref.finalize(seq, self._forget, seq.seq_id)
         return state
 
+    @staticmethod
+    def unread_tokens(seq: Sequence, state: SequenceGrammar, pending: dict[tuple[int, int], int]) -> list[int] | None:
+        """Chapter 29's `unread_tokens`, the usual decode step first: one new token, the one the step in flight
+        samples (this process does it for every row of a step, while the workers fill the rows)."""
+        first = seq.num_prompt_tokens + state.consumed - seq.first_token_index
+        if len(seq.token_ids) - seq.num_draft_tokens - first == 1 and seq.token_ids[first] == PENDING_TOKEN:
+            token = pending[(seq.request_id, seq.sample_index)]
+            return None if token < 0 else [token]
+        return Grammars.unread_tokens(seq, state, pending)
+
+    def state_of(self, seq: Sequence) -> SequenceGrammar:
+        """Chapter 29's `state_of`, looked up by sequence id first."""
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            state = self.states[seq.seq_id] = super().state_of(seq)
+        return state
+
     def _forget(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
         if seq_id in self.placed:
             self.placed.discard(seq_id)
             self.workers.forget(seq_id)
 
-    def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
-        """Chapter 29's `fill`, the matchers' part done by the workers: this process waits for the step in flight,
-        collects each constrained sequence's unread tokens, and writes only the rows that need no grammar."""
+    def start_fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
+        """Chapter 29's `fill`, begun: this process waits for the step in flight, collects each constrained sequence's
+        unread tokens, writes the rows that need no grammar, and hands the others to the workers without waiting for
+        them (`finish_fill` does)."""
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
         pending = self.pending_tokens(seqs, constrained, previous)
-        jobs, waiting = [], {}
+        jobs, waiting = [], []
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.state_of(seq) if held else None
             tokens = None if state is None else self.unread_tokens(seq, state, pending)
@@ -265,12 +314,27 @@ class WorkerGrammars(Grammars):
             grammar = None if seq.seq_id in self.placed else seq.sampling_params.structured_outputs.llguidance_grammar
             self.placed.add(seq.seq_id)
             jobs.append((seq.seq_id, grammar, tokens, row))
-            waiting[seq.seq_id] = (seq, state, row)
-        for seq_id, error in self.workers.fill(jobs, bitmask).items():
-            seq, state, row = waiting[seq_id]
-            self.placed.discard(seq_id)
-            self.fail(seq, state, error)
-            bitmask[row] = self.end_of_sequence
+            waiting.append((seq, state, row))
+        self.workers.start_fill(jobs, bitmask)
+        self.filling = (waiting, bitmask)
+
+    def finish_fill(self) -> None:
+        """Wait for the workers' rows of `start_fill`; a sequence whose grammar refused a token fails, and its row
+        allows only the end of sequence."""
+        if self.filling is None:
+            raise RuntimeError("grammar workers: no fill to finish (start_fill first)")
+        (waiting, bitmask), self.filling = self.filling, None
+        failed = self.workers.finish_fill()
+        for seq, state, row in waiting if failed else []:
+            if seq.seq_id in failed:
+                self.placed.discard(seq.seq_id)
+                self.fail(seq, state, failed[seq.seq_id])
+                bitmask[row] = self.end_of_sequence
+
+    def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
+        """Chapter 29's `fill` (the eager path's, in `mask`): `start_fill`, then `finish_fill`."""
+        self.start_fill(seqs, bitmask, previous)
+        self.finish_fill()
 
     def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
         """Refused: a draft is checked against its matcher in the middle of a step, which the workers do not offer;

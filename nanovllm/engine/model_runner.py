@@ -39,6 +39,7 @@ from nanovllm.sampling_params import SamplingParams
 
 __all__ = [
     "NOT_SAMPLED",
+    "LaterTokens",
     "ModelRunner",
     "SampledTokens",
     "allocate_kv",
@@ -397,17 +398,22 @@ class ModelRunner:
         finally:
             reset_context()
 
+    # notebooks/29c_grammar_workers.py · cell "runner draws later"
     def begin_step(self, seqs: list[Sequence], previous: SampledTokens | None) -> bool:
-        """Refuse a step that this runner cannot run, and make the step's copy-on-write copies; whether a last token of
-        ``seqs`` is still pending (then ``previous`` samples it)."""
+        """Chapter 18's `begin_step` (refuse a step this runner cannot run, make its copy-on-write copies, say whether a
+        last token is pending), which first settles the step in flight if its sampling still waits (`LaterTokens`):
+        that sampling reads the hidden states that this step's replay overwrites."""
         if self.stopped:
             raise RuntimeError("this model runner was stopped (exit() was called)")
+        if isinstance(previous, LaterTokens):
+            previous.settle()
         assert all(len(s) <= self.config.max_model_len for s in seqs), "a sequence is longer than max_model_len"
         pending = any(seq.last_token == PENDING_TOKEN for seq in seqs)
         assert not pending or previous is not None, "a last token is still pending: pass the step that samples it"
         self.copy_blocks(seqs)
         return pending
 
+    # notebooks/18_async_scheduling.py · cell "runner launches"
     def replay_staged(self, seqs: list[Sequence], previous: SampledTokens | None) -> torch.Tensor:
         """Hidden states of a decode step that a graph covers: its inputs staged in one copy, the pending tokens written
         from ``previous`` on the device, then the graph replayed (what `CudaGraphRunner.replay` did with some twenty
@@ -452,7 +458,7 @@ class ModelRunner:
                 # The model's graph writes the hidden states that the sampling graph reads (graphs.outputs); it is
                 # queued first, so that its forward runs while the host waits and fills a constrained step's bitmask.
                 self.replay_staged(seqs, previous if pending else None)
-                return SampledTokens.start(seqs, list(range(len(seqs))), self.graph_draw(seqs, temperatures, previous))
+                return self.graph_draw(seqs, temperatures, previous)
         logits = self.compute_logits(seqs, is_prefill, previous)
         if self.grammars.constrained(seqs):
             self.grammars.mask(seqs, logits, previous)
@@ -463,13 +469,11 @@ class ModelRunner:
 
     def graph_draw(
         self, seqs: list[Sequence], temperatures: list[float], previous: SampledTokens | None
-    ) -> torch.Tensor:
-        """The tokens [n] of a decode step whose model graph was just replayed and whose rows sample plainly, row i at
-        ``temperatures[i]``, from one more replay: chapter 18's sampling graphs, or, with a constrained sequence, the
-        masked ones (`MaskedSamplingGraphs`), once the host has filled the step's bitmask (`Grammars.fill`, which waits
-        for ``previous`` when a constrained row's token is still pending)."""
+    ) -> SampledTokens:
+        """The tokens of a decode step just replayed whose rows sample plainly (row i at ``temperatures[i]``), from one
+        more replay: chapter 18's sampling graphs, or, with a constrained sequence, the masked ones (`masked_draw`)."""
         if not self.grammars.constrained(seqs):
-            return self.sampling_graphs.sample(temperatures)
+            return SampledTokens.start(seqs, list(range(len(seqs))), self.sampling_graphs.sample(temperatures))
         if self.masked_sampling is None:
             # Captured at the first constrained step rather than at start: an engine that never sees a constraint
             # pays neither the capture (one graph per bucket, largest first, as chapter 14 captures) nor the memory.
@@ -479,9 +483,29 @@ class ModelRunner:
             hosts = self.grammars.host_bitmasks(self.graphs.sizes[-1], copies=2, pinned=on_gpu)
             self.masked_sampling = MaskedSamplingGraphs(self.sampling_graphs, hosts)
             self.masked_sampling.capture()
-        self.grammars.fill(seqs, self.masked_sampling.host_rows(len(seqs)), previous)
-        self.masked_sampling.send(len(seqs))
-        return self.masked_sampling.sample(temperatures)
+        return self.masked_draw(seqs, temperatures, previous)
+
+    # notebooks/29c_grammar_workers.py · cell "runner draws later"
+    def masked_draw(
+        self, seqs: list[Sequence], temperatures: list[float], previous: SampledTokens | None
+    ) -> SampledTokens:
+        """Chapter 29's `masked_draw`, its sampling queued no sooner than it must be: the fill begins now
+        (`Grammars.start_fill`), and the tokens (`LaterTokens`) queue the rest (the fill's end, the rows' copy, the
+        masked replay) when first needed, at the latest when the next step begins (`begin_step`)."""
+        size = len(seqs)
+        self.grammars.start_fill(seqs, self.masked_sampling.host_rows(size), previous)
+
+        def draw() -> torch.Tensor:
+            self.grammars.finish_fill()
+            self.masked_sampling.send(size)
+            return self.masked_sampling.sample(temperatures)
+
+        tokens = LaterTokens.later(seqs, list(range(size)), draw)
+        if self.config.tensor_parallel_size > 1:
+            # A rank's replies are sent by a thread of its own (chapter 17), which reads the tokens: the sampling is
+            # queued here, on the thread that queues the steps, before that thread can ask for it.
+            tokens.settle()
+        return tokens
 
     # notebooks/09_model_runner.py · cell "model runner"
     def sample(self, seqs: list[Sequence], logits: torch.Tensor | None) -> tuple[list[int], torch.Tensor | None]:
@@ -700,3 +724,42 @@ def seconds_per_call(call: Callable[[], Any], repeats: int, wait: Callable[[Any]
         if wait is not None:
             wait(result)
     return (time.perf_counter() - start) / repeats
+
+
+# notebooks/29c_grammar_workers.py · cell "later tokens"
+@dataclass
+class LaterTokens(SampledTokens):
+    """A step's sampled tokens whose sampling is queued later, when they are first needed: ``draw`` queues it and
+    returns the tokens on the device (`settle`). Whatever reads them (`token_ids`, `write_pending`,
+    `input_ids_for`) settles them first, and so does the runner before it queues the next step (`begin_step`)."""
+    draw: Callable[[], torch.Tensor] | None = None
+
+    @classmethod
+    def later(cls, seqs: list[Sequence], rows: list[int], draw: Callable[[], torch.Tensor]) -> LaterTokens:
+        """The tokens of ``rows`` of ``seqs`` that ``draw`` will sample: nothing is queued yet, so the tensors and the
+        samples' keys are empty until `settle`."""
+        return cls(seqs, rows, on_device=None, on_host=None, samples=[], draw=draw)
+
+    def settle(self) -> None:
+        """Queue the sampling now, once, and the tokens' copy to the host, as `SampledTokens.start` does. If ``draw``
+        raises, the tokens stay unsettled, and the next read calls it again."""
+        if self.draw is None:
+            return
+        # As in `launch`: the buffers that the sampling writes were made in inference mode.
+        with torch.inference_mode():
+            started = SampledTokens.start(self.seqs, self.rows, self.draw())
+        self.on_device, self.on_host, self.samples, self.ready = (started.on_device, started.on_host, started.samples,
+                                                                  started.ready)
+        self.draw = None
+
+    def token_ids(self) -> list[int]:
+        self.settle()
+        return super().token_ids()
+
+    def input_ids_for(self, seqs: list[Sequence], input_ids: torch.Tensor) -> torch.Tensor:
+        self.settle()
+        return super().input_ids_for(seqs, input_ids)
+
+    def write_pending(self, seqs: list[Sequence], input_ids: torch.Tensor) -> None:
+        self.settle()
+        super().write_pending(seqs, input_ids)

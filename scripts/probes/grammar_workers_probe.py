@@ -8,7 +8,8 @@ Host only, no GPU needed (run it on the GPU machine for its cores). Chapter 29's
 byte-level tokenizer with Qwen3's 151,936 ids. Each row walks one of eight token walks drawn once (so that a step
 costs no drawing); between two fills the host sleeps 3 ms, about the rest of a 256-sequence step on an H100, so
 that a worker which sleeps while it waits must be woken, as in the engine. Per row count: the median milliseconds of
-a step's `fill`, in process (`Grammars`) and through `WorkerGrammars` for each worker count and spin.
+a step's `fill`, in process (`Grammars`) and through `WorkerGrammars` for each worker count and spin, and for the
+workers also the host's share when the gap comes between `start_fill` and `finish_fill` (chapter 29c's engine).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def walks(grammars, params, count: int = 8, length: int = 40) -> list[list[int]]
 
 
 def timed_fills(grammars, params, paths: list[list[int]], rows: int, bitmask: torch.Tensor, steps: int,
-                gap_s: float) -> float:
-    """The median milliseconds of a step's fill for ``rows`` new sequences walking ``paths``."""
+                gap_s: float, overlapped: bool = False) -> float:
+    """The median milliseconds of a step's fill for ``rows`` new sequences walking ``paths``: the whole `fill`, or,
+    ``overlapped``, the host's share when the gap comes between `start_fill` and `finish_fill` (as chapter 29c's
+    engine does the rest of its step there): the time in both calls, the gap not counted."""
     from nanovllm.engine.sequence import Sequence
 
     seqs = [Sequence([1, 2, 3], params, block_size=16) for _ in range(rows)]
@@ -55,12 +58,20 @@ def timed_fills(grammars, params, paths: list[list[int]], rows: int, bitmask: to
     seconds = []
     for step in range(steps):
         start = time.perf_counter()
-        grammars.fill(seqs, bitmask[:rows])
-        seconds.append(time.perf_counter() - start)
+        if overlapped:
+            grammars.start_fill(seqs, bitmask[:rows])
+            started = time.perf_counter()
+            time.sleep(gap_s)
+            resumed = time.perf_counter()
+            grammars.finish_fill()
+            seconds.append(started - start + time.perf_counter() - resumed)
+        else:
+            grammars.fill(seqs, bitmask[:rows])
+            seconds.append(time.perf_counter() - start)
+            time.sleep(gap_s)
         for row, seq in enumerate(seqs):
             seq.append_token(paths[row % len(paths)][step])
             seq.num_cached_tokens = len(seq)
-        time.sleep(gap_s)
     return 1e3 * statistics.median(seconds[5:])
 
 
@@ -105,8 +116,11 @@ def main() -> None:
             shared = grammars.host_bitmasks(max(args.rows), copies=1, pinned=False)[0]
             for rows in args.rows:
                 ms = timed_fills(grammars, params, paths, rows, shared, steps, args.gap)
-                results.append({"workers": count, "spin_s": spin, "rows": rows, "fill_ms": ms})
-                print(f"{count} workers, spin {spin:.3f} s, {rows:4d} rows: {ms:7.3f} ms", flush=True)
+                overlapped = timed_fills(grammars, params, paths, rows, shared, steps, args.gap, overlapped=True)
+                results.append({"workers": count, "spin_s": spin, "rows": rows, "fill_ms": ms,
+                                "overlapped_ms": overlapped})
+                print(f"{count} workers, spin {spin:.3f} s, {rows:4d} rows: {ms:7.3f} ms; beside the host's gap "
+                      f"{overlapped:7.3f} ms", flush=True)
             grammars.workers.close()
             del grammars
             gc.collect()

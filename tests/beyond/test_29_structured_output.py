@@ -467,6 +467,15 @@ def test_the_benchmark_runs_both_ways_on_the_same_tokens_in_one_invocation(tiny:
         bench(["--structured", "--batches", "0", "--device", "cpu"])
 
 
+def test_mask_time_counts_nested_and_overlapping_calls_once():
+    from nanovllm.bench.structured import covered_seconds
+
+    assert covered_seconds([]) == 0
+    assert covered_seconds([(0.0, 5.0), (1.0, 2.0)]) == 5.0  # a watched call inside another
+    assert covered_seconds([(4.0, 6.0), (0.0, 2.0), (1.0, 3.0)]) == 5.0
+    assert covered_seconds([(0.0, 1.0), (1.0, 1.5)]) == 1.5
+
+
 # ---- the mask inside the captured step (issue 63, item 4) ----------------------------------------------------------
 class _LinearHead(torch.nn.Module):
     """A stand-in model for the sampling graphs: compute_logits is one matmul over the graph's output rows."""

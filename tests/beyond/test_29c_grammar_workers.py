@@ -1,6 +1,7 @@
 """Grammar workers (chapter 29c): the worker processes' masks against chapter 29's in-process ones, step after step;
-the scratch path, failures, forgotten sequences, a dead worker, stopping; the setting; the engine's outputs with and
-without workers (on a CPU, the eager path; on a GPU, the captured one, whose buffers are shared segments)."""
+the scratch path, failures, forgotten sequences, a dead worker, stopping; the fill in two halves and the sampling
+queued later (LaterTokens, begin_step); the setting; the engine's outputs with and without workers (on a CPU, the
+eager path; on a GPU, the captured one, whose buffers are shared segments and whose sampling is queued later)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import glob
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.grammar_workers import WorkerGrammars
 from nanovllm.engine.grammars import Grammars, allowed_tokens, bitmask_words
+from nanovllm.engine.model_runner import LaterTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -79,6 +82,69 @@ def test_workers_write_chapter_29s_masks_step_after_step(tiny: Path):
         assert there.workers.locate(shared[3:]) == (0, 3)
     finally:
         there.workers.close()
+
+
+def test_the_host_works_while_the_workers_fill_and_one_fill_goes_at_a_time(tiny: Path):
+    """start_fill returns before the rows are written, the host sleeps (its rest of a step), finish_fill collects
+    them: chapter 29's masks, step after step. While a fill is out, no other message goes; in process, start_fill is
+    the whole fill."""
+    config = Config(str(tiny), device="cpu", grammar_workers=2)
+    here, there = Grammars(config), WorkerGrammars(config)
+    try:
+        ours, theirs = decoding(8), decoding(8)
+        shared = there.host_bitmasks(8, copies=1, pinned=False)[0]
+        mask = torch.empty(8, bitmask_words(here.vocab_size), dtype=torch.int32)
+        rng = random.Random(1)
+        for step in range(6):
+            mask.fill_(0)
+            here.start_fill(ours, mask)
+            assert not torch.equal(mask, torch.zeros_like(mask))
+            here.finish_fill()
+            there.start_fill(theirs, shared)
+            with pytest.raises(RuntimeError, match="still in progress"):
+                there.workers.held()
+            with pytest.raises(RuntimeError, match="still in progress"):
+                there.start_fill(theirs, shared)
+            time.sleep(0.002)
+            there.finish_fill()
+            assert torch.equal(mask, shared), step
+            tokens = draws(here, mask, rng)
+            append(ours, tokens)
+            append(theirs, tokens)
+        with pytest.raises(RuntimeError, match="no fill to finish"):
+            there.finish_fill()
+        with pytest.raises(RuntimeError, match="no fill to finish"):
+            there.workers.finish_fill()
+        assert there.workers.held() == [4, 4]
+    finally:
+        there.workers.close()
+
+
+def test_later_tokens_queue_their_sampling_once_when_first_needed(tiny: Path):
+    """Nothing is drawn until the tokens are read; write_pending, token_ids and the runner's begin_step settle them,
+    once; a draw that raises leaves them unsettled, and the next read tries again."""
+    seqs = decoding(3)
+    calls = []
+
+    def draw() -> torch.Tensor:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("grammar worker 1 is gone")
+        return torch.tensor([7, 8, 9])
+
+    later = LaterTokens.later(seqs, [0, 1, 2], draw)
+    assert calls == []
+    with pytest.raises(RuntimeError, match="gone"):
+        later.token_ids()
+    ids = torch.tensor([4, 5, 6])
+    later.write_pending(seqs, ids)
+    assert calls == [0, 1] and ids.tolist() == [4, 5, 6]  # no token was pending: the ids stay
+    assert later.token_ids() == [7, 8, 9] and later.samples == [(s.request_id, s.sample_index) for s in seqs]
+    assert calls == [0, 1]
+    with LLM(str(tiny), device="cpu", max_model_len=64) as llm:
+        waiting = LaterTokens.later(seqs, [0, 1, 2], lambda: torch.tensor([1, 2, 3]))
+        assert llm.model_runner.begin_step([], waiting) is False
+        assert waiting.draw is None and waiting.token_ids() == [1, 2, 3]
 
 
 def test_a_refused_token_fails_its_sequence_with_llguidances_reason(tiny: Path):
@@ -192,15 +258,18 @@ def test_the_engine_writes_the_same_with_grammar_workers(tiny: Path):
 
 
 @pytest.mark.gpu
-def test_gpu_captured_steps_sample_under_the_workers_rows(tiny: Path):
+def test_gpu_captured_steps_sample_under_the_workers_rows(tiny: Path, monkeypatch):
     """On a GPU the captured sampler's host buffers are the workers' shared segments, pinned; the constrained greedy
-    tokens equal those of the matchers in process, with asynchronous scheduling."""
+    tokens equal those of the matchers in process, with asynchronous scheduling; the captured steps' sampling is
+    queued later (LaterTokens), both ways."""
     prompts = [[5, 20, 30], [6, 20], [7, 20, 30, 40], [8, 20]]
     params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SHAPE)),
               SamplingParams(temperature=0, max_tokens=40, structured_outputs=WORD),
               SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SHAPE))]
-    tokens = {}
+    tokens, settled = {}, []
+    settle = LaterTokens.settle
+    monkeypatch.setattr(LaterTokens, "settle", lambda self: (settled.append(self.draw is not None), settle(self)))
     for count in (0, 2):
         with LLM(str(tiny), dtype="float32", grammar_workers=count, kvcache_block_size=16, num_kvcache_blocks=64,
                  max_model_len=256, max_num_seqs=8) as llm:
@@ -212,6 +281,8 @@ def test_gpu_captured_steps_sample_under_the_workers_rows(tiny: Path):
                 assert all(workers.locate(host) is not None and host.is_pinned() for host in masked.hosts)
                 workers.close()
     assert tokens[0] == tokens[2]
+    # the captured constrained steps were sampled later, about 40 of them a run, in both runs
+    assert settled.count(True) >= 60
 
 
 def test_two_ranks_with_grammar_workers_write_the_outputs_of_one(tiny: Path):
