@@ -801,9 +801,9 @@ class WorkerGrammars(Grammars):
         # zh: 按序列 id 存的每个序列的状态，和第 29 章的弱引用字典一样（弱引用字典留着：序列被放开时由它来通知），
         # zh: 只是读起来更快，每一步每一行读一次：见 `state_of`。
         self.states: dict[int, SequenceGrammar] = {}
-        # en: The fill begun (`start_fill`): each job's sequence, state and row, and the bitmask.
-        # zh: 已经开始的那次填写（`start_fill`）：每个任务的序列、状态和行，以及位掩码。
-        self.filling: tuple[list[tuple[Sequence, SequenceGrammar, int]], torch.Tensor] | None = None
+        # en: The fill begun (`start_fill`): the step's sequences and the bitmask.
+        # zh: 已经开始的那次填写（`start_fill`）：这一步的序列，以及位掩码。
+        self.filling: tuple[list[Sequence], torch.Tensor] | None = None
 
     @property
     def workers(self) -> GrammarWorkers:
@@ -867,7 +867,7 @@ class WorkerGrammars(Grammars):
         # zh: 把其余的交给工作进程，不等它们做完（由 `finish_fill` 来等）。
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
         pending = self.pending_tokens(seqs, constrained, previous)
-        jobs, waiting = [], []
+        jobs = []
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.state_of(seq) if held else None
             tokens = None if state is None else self.unread_tokens(seq, state, pending)
@@ -878,12 +878,13 @@ class WorkerGrammars(Grammars):
             if state.error is not None:
                 bitmask[row] = self.end_of_sequence
                 continue
-            grammar = None if seq.seq_id in self.placed else seq.sampling_params.structured_outputs.llguidance_grammar
-            self.placed.add(seq.seq_id)
+            grammar = None
+            if seq.seq_id not in self.placed:
+                grammar = seq.sampling_params.structured_outputs.llguidance_grammar
+                self.placed.add(seq.seq_id)
             jobs.append((seq.seq_id, grammar, tokens, row))
-            waiting.append((seq, state, row))
         self.workers.start_fill(jobs, bitmask)
-        self.filling = (waiting, bitmask)
+        self.filling = (seqs, bitmask)
 
     def finish_fill(self) -> None:
         """Wait for the workers' rows of `start_fill`; a sequence whose grammar refused a token fails, and its row
@@ -891,12 +892,12 @@ class WorkerGrammars(Grammars):
         # zh: 等工作进程写完 `start_fill` 的各行；语法拒绝了某个 token 的序列失败，它那一行只允许序列结束。
         if self.filling is None:
             raise RuntimeError("grammar workers: no fill to finish (start_fill first)")
-        (waiting, bitmask), self.filling = self.filling, None
+        (seqs, bitmask), self.filling = self.filling, None
         failed = self.workers.finish_fill()
-        for seq, state, row in waiting if failed else []:
+        for row, seq in enumerate(seqs if failed else []):
             if seq.seq_id in failed:
                 self.placed.discard(seq.seq_id)
-                self.fail(seq, state, failed[seq.seq_id])
+                self.fail(seq, self.states[seq.seq_id], failed[seq.seq_id])
                 bitmask[row] = self.end_of_sequence
 
     def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:

@@ -244,8 +244,8 @@ class WorkerGrammars(Grammars):
         # Each sequence's state by its id, as in chapter 29's weak dictionary (which stays: it tells when a sequence
         # is let go), but read faster, once a row each step: `state_of`.
         self.states: dict[int, SequenceGrammar] = {}
-        # The fill begun (`start_fill`): each job's sequence, state and row, and the bitmask.
-        self.filling: tuple[list[tuple[Sequence, SequenceGrammar, int]], torch.Tensor] | None = None
+        # The fill begun (`start_fill`): the step's sequences and the bitmask.
+        self.filling: tuple[list[Sequence], torch.Tensor] | None = None
 
     @property
     def workers(self) -> GrammarWorkers:
@@ -300,7 +300,7 @@ class WorkerGrammars(Grammars):
         them (`finish_fill` does)."""
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
         pending = self.pending_tokens(seqs, constrained, previous)
-        jobs, waiting = [], []
+        jobs = []
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.state_of(seq) if held else None
             tokens = None if state is None else self.unread_tokens(seq, state, pending)
@@ -311,24 +311,25 @@ class WorkerGrammars(Grammars):
             if state.error is not None:
                 bitmask[row] = self.end_of_sequence
                 continue
-            grammar = None if seq.seq_id in self.placed else seq.sampling_params.structured_outputs.llguidance_grammar
-            self.placed.add(seq.seq_id)
+            grammar = None
+            if seq.seq_id not in self.placed:
+                grammar = seq.sampling_params.structured_outputs.llguidance_grammar
+                self.placed.add(seq.seq_id)
             jobs.append((seq.seq_id, grammar, tokens, row))
-            waiting.append((seq, state, row))
         self.workers.start_fill(jobs, bitmask)
-        self.filling = (waiting, bitmask)
+        self.filling = (seqs, bitmask)
 
     def finish_fill(self) -> None:
         """Wait for the workers' rows of `start_fill`; a sequence whose grammar refused a token fails, and its row
         allows only the end of sequence."""
         if self.filling is None:
             raise RuntimeError("grammar workers: no fill to finish (start_fill first)")
-        (waiting, bitmask), self.filling = self.filling, None
+        (seqs, bitmask), self.filling = self.filling, None
         failed = self.workers.finish_fill()
-        for seq, state, row in waiting if failed else []:
+        for row, seq in enumerate(seqs if failed else []):
             if seq.seq_id in failed:
                 self.placed.discard(seq.seq_id)
-                self.fail(seq, state, failed[seq.seq_id])
+                self.fail(seq, self.states[seq.seq_id], failed[seq.seq_id])
                 bitmask[row] = self.end_of_sequence
 
     def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
