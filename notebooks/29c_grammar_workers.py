@@ -926,7 +926,8 @@ class WorkerGrammars(Grammars):
 # do the rest of its step: it records step *n*'s tokens (`resolve`), schedules step *n* + 2 and
 # stages its inputs. On the H100 below, at 256 sequences, that rest took about 3.2 ms a step (the
 # step in process, 6.66 ms, less its fill, 3.45). Rest and fill in series outlast the GPU's step,
-# about 3.9 ms, however fast the fill gets.
+# about 3.9 ms, unless the whole fill, messages included, takes under 0.7 ms: far less than the
+# workers gave.
 #
 # With workers the host has no reason to wait there: the rows are written elsewhere. So the fill
 # comes in two halves. `start_fill` hands the rows to the workers and returns at once;
@@ -936,8 +937,8 @@ class WorkerGrammars(Grammars):
 # `masked_draw` returns `LaterTokens`, tokens whose sampling is queued later (`settle`: finish the
 # fill, send the rows, replay the masked graph, queue the copy to the host). Whatever reads the
 # tokens settles them first. So does the runner's `begin_step`, before the next step queues
-# anything. A step then costs the longest of three: the GPU's step, the host's rest, the workers'
-# fill.
+# anything. A step then costs the longest of three: the GPU's step, the host's rest (with what
+# `start_fill` itself does for each row), the workers' fill.
 #
 # In process, `start_fill` is the whole of chapter 29's `fill` and `finish_fill` does nothing: the
 # host does the same work in the same order, so nothing is lost, and nothing is gained either. One
@@ -950,14 +951,14 @@ class WorkerGrammars(Grammars):
 # 把各行交给工作进程，只拿到了一半的好处。第 29 章的 `masked_draw` 仍然要*等*它们：它填好各行、送出去、把带掩码的
 # 采样排进队列，然后引擎才去做这一步剩下的事：记录第 *n* 步的 token（`resolve`），调度第 *n* + 2 步，暂存它的输入。
 # 在下文的 H100 上，256 个序列时，剩下的这些每步约 3.2 毫秒（在进程内的一步 6.66 毫秒，减去它的填写 3.45 毫秒）。
-# 剩下的事和填写串在一起，比 GPU 的一步（约 3.9 毫秒）还长，不管填写变得多快。
+# 剩下的事和填写串在一起，比 GPU 的一步（约 3.9 毫秒）还长，除非整个填写连同消息不到 0.7 毫秒：工作进程远远做不到。
 #
 # 有了工作进程，主机就没有理由在那里等了：各行是在别处写的。于是填写分成两半。`start_fill` 把各行交给工作进程，
 # 立刻返回；`finish_fill` 等它们写完。两者之间，主机做这一步剩下的事。采样本身则尽量晚地等各行，而这也晚不了多久：
 # 下一步的重放会覆盖它要读的隐藏状态（`graphs.outputs`），下一步也需要它的 token。所以 `masked_draw` 返回
 # `LaterTokens`，一种采样晚些再排进队列的 token（`settle`：收尾填写、送出各行、重放带掩码的图、把拷回主机的拷贝排进
 # 队列）。凡是读这些 token 的，都先让它们落定。执行器的 `begin_step` 也一样，在下一步往队列里放任何东西之前。这样一步
-# 的代价是三者中最长的那个：GPU 的一步、主机剩下的事、工作进程的填写。
+# 的代价是三者中最长的那个：GPU 的一步、主机剩下的事（包括 `start_fill` 自己为每一行做的事）、工作进程的填写。
 #
 # 在进程内，`start_fill` 就是第 29 章的整个 `fill`，`finish_fill` 什么也不做：主机按同样的顺序做同样的工作，既没有
 # 损失，也没有收获。唯一的例外是张量并行：那里一个 rank 的回复由它自己的一个线程发送，那个线程要读 token，所以负责
@@ -1538,6 +1539,10 @@ assert (figures[8, 1][1], figures[0, 1][1]) == (1.15, 0.92)
 # en: "Do not wait for the rows": the rest of an in-process step at 256 sequences, its step less its fill.
 # zh: “不等各行”一节：256 个序列时，在进程内的一步除去填写之后剩下的部分。
 assert round(figures[0, 256][1] - figures[0, 256][2], 1) == 3.2
+# en: ... and what a fill could take beside that rest within the free step (3.95 ms): about 0.7 ms.
+# zh: ……以及在自由运行的一步（3.95 毫秒）之内，这些剩下的事旁边还能留给填写多少时间：约 0.7 毫秒。
+free_256 = next(row[4] for row in asleep.figures["rows"] if row[:2] == [0, 256])
+assert round(free_256 - (figures[0, 256][1] - figures[0, 256][2]), 1) == 0.7
 # en: Chapter 29's figures that this chapter's goal quotes: on its H100, 256 rows filled in 2.6 ms a step, about 10 us a
 # en: row, and llguidance's parallel fill took 1.65x the serial time.
 # zh: 本章目标里引用的第 29 章的数字：在它的 H100 上，256 行每步填写 2.6 毫秒，每行约 10 微秒；llguidance 的并行填充用时
