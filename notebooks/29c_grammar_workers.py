@@ -1459,7 +1459,9 @@ for run in report["runs"]:
 #
 # So the setting stays 0 by default: at 16 sequences the workers are still a little slower than
 # the matchers in process. Chapter 29's goal at 256 sequences (0.95×) is not met yet either: the
-# per-row work of `start_fill` is the next place to cut.
+# per-row work of `start_fill` is the place to cut. Its first cut is in the code above and not in
+# that run: `WorkerGrammars` looks states up by sequence id and takes the usual step's one pending
+# token without slicing (`unread_tokens`); no GPU has measured it yet.
 
 # %% [markdown] tags=["zh"]
 # ## 测量结果
@@ -1509,7 +1511,8 @@ for run in report["runs"]:
 #   关闭。
 #
 # 所以这个设置默认仍为 0：16 个序列时，工作进程仍比进程内的匹配器慢一点。第 29 章在 256 个序列时的目标（0.95 倍）
-# 也还没有达到：`start_fill` 每行的工作是下一个要削减的地方。
+# 也还没有达到：要削减的是 `start_fill` 每行的工作。第一刀已经在上面的代码里，不在那次运行里：`WorkerGrammars`
+# 按序列 id 查状态，最常见的一步只有一个待定 token，不切片就取出来（`unread_tokens`）；还没有 GPU 测过。
 
 # %%
 from nanovllm.book.recorded import recorded
