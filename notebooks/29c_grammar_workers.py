@@ -529,11 +529,12 @@ STOP_TIMEOUT_S = 5.0
 class GrammarWorkers:
     """``count`` worker processes (`nanovllm.engine.grammar_process`), each holding the matchers of the sequences whose
     id it is given (the id modulo ``count``), and the shared segments of bitmask rows they write into
-    (`shared_rows`, pinned when ``pinned``). `fill` sends each worker its rows of a step and waits for them all; each
-    side asks for its messages without sleeping for ``spin_s`` seconds (`arrived`)."""
+    (`shared_rows`, pinned when ``pinned``). `start_fill` sends each worker its rows of a step and `finish_fill`
+    waits for them all; each side asks for its messages without sleeping for ``spin_s`` seconds (`arrived`)."""
     # zh: ``count`` 个工作进程（`nanovllm.engine.grammar_process`），每个持有分给它的序列（id 对 ``count`` 取模）的
-    # zh: 匹配器，以及它们写入的位掩码共享段（`shared_rows`，``pinned`` 时是锁页内存）。`fill` 把一步的各行分发给
-    # zh: 每个工作进程，再等它们全部做完。
+    # zh: 匹配器，以及它们写入的位掩码共享段（`shared_rows`，``pinned`` 时是锁页内存）。`start_fill` 把一步的各行
+    # zh: 分发给每个工作进程，`finish_fill` 等它们全部做完；每一方都可以在 ``spin_s`` 秒内不睡下地询问自己的消息
+    # zh: （`arrived`）。
 
     def __init__(self, count: int, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], pinned: bool,
                  spin_s: float = SPIN_S) -> None:
@@ -648,12 +649,6 @@ class GrammarWorkers:
             bitmask, target, rows = copy_back
             bitmask[rows] = target[rows]
         return failed
-
-    def fill(self, jobs: list[tuple[int, str | None, list[int], int]], bitmask: torch.Tensor) -> dict[int, str]:
-        """`start_fill`, then `finish_fill`: ``jobs`` done side by side, and the sequences whose grammar failed."""
-        # zh: 先 `start_fill`，再 `finish_fill`：并排做完 ``jobs``，返回语法失败了的序列。
-        self.start_fill(jobs, bitmask)
-        return self.finish_fill()
 
     def held(self) -> list[int]:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
@@ -1588,8 +1583,9 @@ assert (round(probe[4, 0.005, 16][1], 2), round(probe[4, 0.0, 16][1], 2)) == (0.
 #   closes. It imports llguidance and the standard library, never torch.
 # - `nanovllm.engine.grammar_workers`: `GrammarWorkers` starts the processes
 #   (`python -m`, a socket pair, a session of their own), makes shared segments (`/dev/shm`, unlinked
-#   once mapped, registered with CUDA on a GPU), sends each worker its share of a step's jobs and
-#   waits for them all, and raises in the engine, with the worker's words, when one fails or dies.
+#   once mapped, registered with CUDA on a GPU), sends each worker its share of a step's jobs
+#   (`start_fill`) and collects them (`finish_fill`), and raises in the engine, with the worker's
+#   words, when one fails or dies.
 #   `WorkerGrammars` is chapter 29's `Grammars` with its matchers there: `host_bitmasks`, `start`,
 #   `state_of` and `fill` change, and the fill comes in two halves (`start_fill`, `finish_fill`).
 # - The sampling queued later: `LaterTokens`, a step's tokens whose sampling waits until they are
@@ -1621,9 +1617,10 @@ assert (round(probe[4, 0.005, 16][1], 2), round(probe[4, 0.0, 16][1], 2)) == (0.
 #   `tokenizer_json`）、编译好的语法和每个序列一个匹配器；`fill` 先丢掉被忘掉的序列的匹配器，再读入每个任务的 token，
 #   把它的行写到共享段里的一个地址；`serve` 回答请求，直到 socket 关闭。它导入 llguidance 和标准库，从不导入 torch。
 # - `nanovllm.engine.grammar_workers`：`GrammarWorkers` 启动这些进程（`python -m`、一对 socket、自己的会话），创建共享段
-#   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程并等它们全部做完，某个进程
-#   失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的第 29 章 `Grammars`：`host_bitmasks`、
-#   `start`、`state_of` 和 `fill` 变了，填写分成两半（`start_fill`、`finish_fill`）。
+#   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程（`start_fill`）再收回
+#   （`finish_fill`），某个进程失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的
+#   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of` 和 `fill` 变了，填写分成两半（`start_fill`、
+#   `finish_fill`）。
 # - 晚些排进队列的采样：`LaterTokens`，一步的 token，它的采样一直等到第一次被读；`ModelRunner.masked_draw` 开始填写并
 #   返回它们，`ModelRunner.begin_step` 在下一步往队列里放任何东西之前让它们落定（下一步的重放会覆盖采样要读的
 #   隐藏状态）。在进程内，`Grammars.start_fill` 就是整个填写。

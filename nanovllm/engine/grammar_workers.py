@@ -48,8 +48,8 @@ STOP_TIMEOUT_S = 5.0
 class GrammarWorkers:
     """``count`` worker processes (`nanovllm.engine.grammar_process`), each holding the matchers of the sequences whose
     id it is given (the id modulo ``count``), and the shared segments of bitmask rows they write into
-    (`shared_rows`, pinned when ``pinned``). `fill` sends each worker its rows of a step and waits for them all; each
-    side asks for its messages without sleeping for ``spin_s`` seconds (`arrived`)."""
+    (`shared_rows`, pinned when ``pinned``). `start_fill` sends each worker its rows of a step and `finish_fill`
+    waits for them all; each side asks for its messages without sleeping for ``spin_s`` seconds (`arrived`)."""
 
     def __init__(self, count: int, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int], pinned: bool,
                  spin_s: float = SPIN_S) -> None:
@@ -151,11 +151,6 @@ class GrammarWorkers:
             bitmask, target, rows = copy_back
             bitmask[rows] = target[rows]
         return failed
-
-    def fill(self, jobs: list[tuple[int, str | None, list[int], int]], bitmask: torch.Tensor) -> dict[int, str]:
-        """`start_fill`, then `finish_fill`: ``jobs`` done side by side, and the sequences whose grammar failed."""
-        self.start_fill(jobs, bitmask)
-        return self.finish_fill()
 
     def held(self) -> list[int]:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
