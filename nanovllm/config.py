@@ -236,9 +236,6 @@ class Config:
                              "enable_prefix_caching=True")
         # notebooks/29c_grammar_workers.py · cell "setting: grammar workers"
         self._check("grammar_workers", int, lambda n: n >= 0, ">= 0")
-        if self.grammar_workers and self.speculative_method is not None:
-            raise ValueError(f"grammar_workers={self.grammar_workers} cannot check a speculator's drafts: use "
-                             "grammar_workers=0 with speculative_method")
 
     # notebooks/14_cuda_graphs.py · cell "setting: compile small ops"
     def _resolve_switch(self, name: str, auto: bool) -> bool:

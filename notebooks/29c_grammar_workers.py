@@ -330,9 +330,14 @@ MAX_COMPILED = 256
 # zh: 一个任务：序列的 id；第一个任务带上它的 llguidance 语法，之后为 None；它的匹配器还没读的 token；它的掩码要写到
 # zh: 的共享段和行。
 Job = tuple[int, str | None, list[int], int, int]
+# en: A verify step's job: a job's first three fields, the sequence's drafts, and the shared segment and first row of
+# en: its rows (a segment of None: count the drafts the grammar takes, write nothing).
+# zh: 验证步的任务：普通任务的前三项，序列的草稿，以及它那些行所在的共享段和第一行（段为 None：只数语法接受几个草稿，
+# zh: 什么也不写）。
+DraftJob = tuple[int, str | None, list[int], list[int], int | None, int]
 # en: What the engine may ask of a worker, besides building it.
 # zh: 除了构建之外，引擎可以向工作进程提出的请求。
-REQUESTS = ("map", "fill", "held")
+REQUESTS = ("map", "fill", "drafts", "held")
 # en: How long a worker waiting for a request, or the engine waiting for the workers' answers, asks again and again
 # en: before it sleeps (the default: not at all). A process that sleeps is woken by the system when its message comes,
 # en: which can take longer than the work itself; one that spins takes a core from the others (chapter 29c measures
@@ -362,6 +367,7 @@ class GrammarProcess:
         from llguidance import LLTokenizer
 
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
         self.row_bytes = 4 * ((vocab_size + 31) // 32)
         self.compiled: dict[str, LLMatcher] = {}
         self.matchers: dict[int, LLMatcher] = {}
@@ -395,6 +401,40 @@ class GrammarProcess:
                 self.matchers.pop(seq_id, None)
                 failed.append((seq_id, error))
         return failed
+
+    def drafts(self, forgotten: list[int], jobs: list[DraftJob]) -> list[tuple[int, int, str | None]]:
+        """A verify step's part of chapter 29's work, for each job's sequence once its matcher has read its unread
+        tokens: with no segment, how many of its drafts the grammar takes (`cut_drafts`: the matcher does not move);
+        with one, its rows (`fill_draft_rows`: row 0 now, row i + 1 after draft i while the grammar takes the drafts,
+        which the matcher then gives back). Returns (sequence id, drafts taken, why its grammar failed or None)."""
+        # zh: 验证步里第 29 章的那部分工作，对每个任务的序列，在它的匹配器读入未读的 token 之后：没有段时，数语法
+        # zh: 接受它的几个草稿（`cut_drafts`：匹配器不动）；有段时，写它的各行（`fill_draft_rows`：现在写第 0 行，
+        # zh: 语法接受草稿期间，在第 i 个草稿之后写第 i + 1 行，最后匹配器把草稿退回去）。返回（序列 id，接受的草稿数，
+        # zh: 语法失败的原因或 None）。
+        for seq_id in forgotten:
+            self.matchers.pop(seq_id, None)
+        results = []
+        for seq_id, grammar, tokens, drafts, segment, row in jobs:
+            error, taken = self.advance(seq_id, grammar, tokens), 0
+            matcher = self.matchers.get(seq_id)
+            if error is None and segment is None:
+                taken = matcher.validate_tokens(drafts)
+            elif error is None:
+                address = self.addresses[segment] + row * self.row_bytes
+                matcher.unsafe_compute_mask_ptr(address, self.row_bytes)
+                error = matcher.get_error() if matcher.is_error() else None
+                # en: An end-of-sequence draft, or one refused, is never kept: no row after it counts.
+                # zh: 序列结束的草稿、被拒绝的草稿都不会被保留：它之后的行都不算数。
+                while error is None and taken < len(drafts) and drafts[taken] not in self.eos_token_ids \
+                        and matcher.try_consume_tokens([drafts[taken]]) == 1:
+                    taken += 1
+                    matcher.unsafe_compute_mask_ptr(address + taken * self.row_bytes, self.row_bytes)
+                if taken:
+                    matcher.rollback(taken)
+            if error is not None:
+                self.matchers.pop(seq_id, None)
+            results.append((seq_id, taken, error))
+        return results
 
     def advance(self, seq_id: int, grammar: str | None, tokens: list[int]) -> str | None:
         """Let ``seq_id``'s matcher (at its first job, a copy of ``grammar``'s compiled matcher) read ``tokens``;
@@ -650,6 +690,38 @@ class GrammarWorkers:
             bitmask[rows] = target[rows]
         return failed
 
+    def drafts(self, jobs: list[tuple[int, str | None, list[int], list[int], int | None]],
+               bitmask: torch.Tensor | None = None) -> dict[int, tuple[int, str | None]]:
+        """A verify step's draft work, on the workers side by side (`GrammarProcess.drafts`), waited for: ``jobs``, each
+        (sequence id, its grammar or None, its unread tokens, its drafts, its first row of ``bitmask``, or None to
+        count the drafts its grammar takes). By sequence id: the drafts taken, and why its grammar failed or None."""
+        # zh: 验证步里与草稿有关的工作，在各工作进程上并排做完并等待（`GrammarProcess.drafts`）：``jobs`` 中每个任务是
+        # zh: （序列 id，它的语法或 None，未读的 token，它的草稿，它在 ``bitmask`` 里的第一行，或者 None 表示只数语法
+        # zh: 接受几个草稿）。按序列 id 返回：接受的草稿数，以及语法失败的原因或 None。
+        self._idle()
+        segment, first, target = None, 0, None
+        if bitmask is not None:
+            place = self.locate(bitmask)
+            target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
+            if target is not bitmask:
+                # en: The rows a worker does not write keep what the bitmask holds.
+                # zh: 工作进程不写的行，保留位掩码里原有的内容。
+                target.copy_(bitmask)
+            segment, first = place or self.locate(target)
+        count = len(self.connections)
+        shares: list[list[Any]] = [[] for _ in range(count)]
+        for seq_id, grammar, tokens, drafts, row in jobs:
+            shares[seq_id % count].append((seq_id, grammar, tokens, drafts, None if row is None else segment,
+                                           first + (row or 0)))
+        busy = [index for index in range(count) if shares[index] or self.forgotten[index]]
+        for index in busy:
+            forgotten, self.forgotten[index] = self.forgotten[index], []
+            self._send(index, ("drafts", forgotten, shares[index]))
+        results = {seq_id: (taken, error) for reply in self._replies(busy) for seq_id, taken, error in reply}
+        if target is not None and target is not bitmask:
+            bitmask.copy_(target)
+        return results
+
     def held(self) -> list[int]:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
         # zh: 每个工作进程持有多少个序列的匹配器（先忘掉它被告知要忘掉的）。
@@ -735,7 +807,7 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # `WorkerGrammars` is chapter 29's `Grammars` with its matchers in the workers. It keeps everything
 # else: the compiled grammars (a schema is still compiled once in the engine's process, so that one
 # that cannot compile fails its sequence as in chapter 29), each sequence's `SequenceGrammar`
-# (without a matcher), `pending_tokens` and `unread_tokens`. Three methods change:
+# (without a matcher), `pending_tokens` and `unread_tokens`. These methods change:
 #
 # - `host_bitmasks` returns shared segments, so that `MaskedSamplingGraphs` copies to the device
 #   the very rows the workers wrote;
@@ -745,24 +817,27 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 #   reading and the rows in the workers. The rows that need no grammar (a plain sequence's, a
 #   dropped one's, a failed one's) it writes itself.
 #
-# Drafts are another matter: checking them (`cut_drafts`, `mask_drafts`) needs the matcher at
-# once, in the middle of a step, so speculative decoding keeps its matchers in process: the
-# setting `grammar_workers` refuses a speculative method.
+# - `cut_drafts` and `mask_drafts`, a verify step's checks of its drafts (chapter 29), ask the
+#   workers too, in one round trip that the step waits for: how many of each sequence's drafts
+#   its grammar takes, or its rows, row 0 and one after each draft its grammar takes, the matcher
+#   giving the drafts back after (`GrammarProcess.drafts`). A verify step runs to its end before
+#   the next one anyway (chapter 25), so there is nothing to overlap.
 
 # %% [markdown] tags=["zh"]
 # ## 动手构建：`WorkerGrammars`
 #
 # `WorkerGrammars` 就是第 29 章的 `Grammars`，只是匹配器放在工作进程里。其余的都保留：编译好的语法（schema 仍然在
 # 引擎进程里编译一次，这样编译不了的 schema 会像第 29 章那样让它的序列失败）、每个序列的 `SequenceGrammar`
-# （不带匹配器）、`pending_tokens` 和 `unread_tokens`。有三个方法变了：
+# （不带匹配器）、`pending_tokens` 和 `unread_tokens`。这些方法变了：
 #
 # - `host_bitmasks` 返回共享段，这样 `MaskedSamplingGraphs` 拷到设备上的正是工作进程写的那些行；
 # - `start` 还要求在引擎放开序列时得到通知（`weakref.finalize`），然后把它的匹配器排进待忘掉的队列；
 # - `fill` 把第 29 章的三个部分分在两处做：等待和未读的 token 在这里，读入和写行在工作进程里。不需要语法的行（普通
 #   序列的、被丢弃序列的、失败序列的）由它自己写。
 #
-# 草稿是另一回事：检查草稿（`cut_drafts`、`mask_drafts`）需要在一步的中间马上用到匹配器，所以投机解码把匹配器留在
-# 进程内：设置 `grammar_workers` 不接受投机方法。
+# - `cut_drafts` 和 `mask_drafts`，即验证步对草稿的检查（第 29 章），也交给工作进程，一次往返，这一步等它完成：每个
+#   序列的草稿语法接受几个，或者它的各行：第 0 行，以及语法接受的每个草稿之后的一行，之后匹配器把草稿退回去
+#   （`GrammarProcess.drafts`）。验证步本来就要跑完才开始下一步（第 25 章），所以没有什么可以重叠的。
 
 # %% worker grammars
 #| export
@@ -770,7 +845,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from nanovllm.config import Config
-from nanovllm.engine.grammars import Grammars, SequenceGrammar, tokenizer_json
+from nanovllm.engine.grammars import Grammars, SequenceGrammar, apply_bitmask, tokenizer_json
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 
@@ -781,9 +856,9 @@ if TYPE_CHECKING:
 class WorkerGrammars(Grammars):
     """Chapter 29's `Grammars` with its matchers in worker processes (`GrammarWorkers`, started at the first
     constrained step that needs them): this process keeps each sequence's progress and failure, the workers read its
-    tokens and write its rows, side by side. Drafts are not checked here (see `cut_drafts`)."""
+    tokens and write its rows (a verify step's too), side by side."""
     # zh: 第 29 章的 `Grammars`，匹配器放在工作进程里（`GrammarWorkers`，在第一个需要它们的受约束步启动）：本进程保存
-    # zh: 每个序列的进度和失败，工作进程并排读入它的 token、写出它的行。这里不检查草稿（见 `cut_drafts`）。
+    # zh: 每个序列的进度和失败，工作进程并排读入它的 token、写出它的行（验证步的也一样）。
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -891,8 +966,7 @@ class WorkerGrammars(Grammars):
         failed = self.workers.finish_fill()
         for row, seq in enumerate(seqs if failed else []):
             if seq.seq_id in failed:
-                self.placed.discard(seq.seq_id)
-                self.fail(seq, self.states[seq.seq_id], failed[seq.seq_id])
+                self.failed_in_worker(seq, failed[seq.seq_id])
                 bitmask[row] = self.end_of_sequence
 
     def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
@@ -902,16 +976,85 @@ class WorkerGrammars(Grammars):
         self.finish_fill()
 
     def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
-        """Refused: a draft is checked against its matcher in the middle of a step, which the workers do not offer;
-        speculative decoding keeps its matchers in process (Config refuses grammar_workers with it)."""
-        # zh: 不支持：草稿要在一步的中间对照匹配器检查，工作进程不提供这个；投机解码把匹配器留在进程内（Config 不接受
-        # zh: grammar_workers 与它同时使用）。
-        raise RuntimeError("grammar workers do not check drafts: speculative decoding needs grammar_workers=0")
+        """Chapter 29's `cut_drafts`, each constrained sequence's drafts counted by its worker (one round trip for the
+        step)."""
+        # zh: 第 29 章的 `cut_drafts`，每个受约束序列的草稿由它的工作进程来数（这一步只往返一次）。
+        cut, jobs, at = [list(draft) for draft in drafts], [], {}
+        for index, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            if draft and seq.sampling_params.structured_outputs is not None:
+                job = self.draft_job(seq, draft, None)
+                if job is None:
+                    self.refused_drafts += len(draft)
+                    cut[index] = []
+                else:
+                    jobs.append(job)
+                    at[seq.seq_id] = index
+        for seq_id, (taken, error) in self.workers.drafts(jobs).items():
+            index = at[seq_id]
+            if error is not None:
+                self.failed_in_worker(seqs[index], error)
+                taken = 0
+            self.refused_drafts += len(cut[index]) - taken
+            cut[index] = cut[index][:taken]
+        return cut
 
     def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Refused, as `cut_drafts` is."""
-        # zh: 不支持，和 `cut_drafts` 一样。
-        raise RuntimeError("grammar workers do not check drafts: speculative decoding needs grammar_workers=0")
+        """Chapter 29's `mask_drafts`, each constrained sequence's rows written by its worker (one round trip for the
+        step): row 0 after its committed tokens, row i + 1 after its draft i while its grammar takes them."""
+        # zh: 第 29 章的 `mask_drafts`，每个受约束序列的各行由它的工作进程来写（这一步只往返一次）：已确定的 token 之后
+        # zh: 写第 0 行，语法接受草稿期间，在第 i 个草稿之后写第 i + 1 行。
+        spans, first = [], 0
+        for seq in seqs:
+            if seq.sampling_params.structured_outputs is not None:
+                spans.append((seq, first))
+            first += seq.num_scheduled_tokens
+        if not spans:
+            return
+        rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
+        bitmask = self.allow_all(len(rows), logits)
+        jobs, at, row = [], {}, 0
+        for seq, _ in spans:
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            job = self.draft_job(seq, drafts, row)
+            if job is not None:
+                jobs.append(job)
+                at[seq.seq_id] = (seq, row)
+            elif self.state_of(seq).error is not None:
+                bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
+            row += seq.num_scheduled_tokens
+        for seq_id, (taken, error) in self.workers.drafts(jobs, bitmask).items():
+            seq, row = at[seq_id]
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            if error is not None:
+                self.failed_in_worker(seq, error)
+                bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
+            elif taken < len(drafts) and drafts[taken] not in self.eos_token_ids:
+                self.refused_drafts += len(drafts) - taken
+        apply_bitmask(logits, bitmask, rows)
+
+    def draft_job(self, seq: Sequence, drafts: list[int], row: int | None) -> tuple | None:
+        """``seq``'s job of a verify step (see `GrammarWorkers.drafts`), its unread tokens counted as read; None when
+        its grammar has failed, or when a token it gained is the mark of logits that are not numbers."""
+        # zh: ``seq`` 在验证步里的任务（见 `GrammarWorkers.drafts`），它未读的 token 记为已读；它的语法已经失败，或者它
+        # zh: 新得的 token 是“logits 不是数”的标记时，返回 None。
+        state = self.state_of(seq)
+        tokens = self.unread_tokens(seq, state, {})
+        if tokens is None:
+            return None
+        state.consumed += len(tokens)
+        if state.error is not None:
+            return None
+        grammar = None
+        if seq.seq_id not in self.placed:
+            grammar = seq.sampling_params.structured_outputs.llguidance_grammar
+            self.placed.add(seq.seq_id)
+        return seq.seq_id, grammar, tokens, drafts, row
+
+    def failed_in_worker(self, seq: Sequence, error: str) -> None:
+        """``seq``'s grammar failed in its worker, which dropped its matcher: the sequence may only end."""
+        # zh: ``seq`` 的语法在它的工作进程里失败了，工作进程已丢掉它的匹配器：这个序列只能结束了。
+        self.placed.discard(seq.seq_id)
+        self.fail(seq, self.states[seq.seq_id], error)
 
 # %% [markdown] tags=["en"]
 # ## Do not wait for the rows: the sampling queued later
@@ -1091,19 +1234,17 @@ def begin_step(self, seqs: list[Sequence], previous: SampledTokens | None) -> bo
 # `grammar_workers` is the number of worker processes, 0 (the default) keeping the matchers in
 # process, as in chapter 29. It stays 0 by default because the GPU runs so far (below) found the
 # workers a little slower at 16 sequences, though faster at 256: an engine that serves many
-# constrained sequences at once should try `--grammar-workers 8`. A speculative method refuses it
-# (drafts need the matchers in process). Chapter 22's command line offers it as `--grammar-workers N`. The model
-# runner swaps its `Grammars` for `WorkerGrammars` when the setting is not 0; no worker starts
-# until a constrained step needs one.
+# constrained sequences at once should try `--grammar-workers 8`. Chapter 22's command line offers
+# it as `--grammar-workers N`. The model runner swaps its `Grammars` for `WorkerGrammars` when the
+# setting is not 0; no worker starts until a constrained step needs one.
 
 # %% [markdown] tags=["zh"]
 # ## 设置
 #
 # `grammar_workers` 是工作进程的个数，0（默认）把匹配器留在进程内，和第 29 章一样。默认保持为 0，是因为到目前为止的
 # GPU 运行（见下文）发现，16 个序列时工作进程稍慢一点，虽然 256 个序列时更快：同时服务许多受约束序列的引擎应当试试
-# `--grammar-workers 8`。投机方法不接受它（草稿需要进程内的匹配器）。第 22 章的
-# 命令行把它作为 `--grammar-workers N` 提供。设置不为 0 时，模型执行器把它的 `Grammars` 换成 `WorkerGrammars`；在某个
-# 受约束的步需要之前，不会启动任何工作进程。
+# `--grammar-workers 8`。第 22 章的命令行把它作为 `--grammar-workers N` 提供。设置不为 0 时，模型执行器把它的
+# `Grammars` 换成 `WorkerGrammars`；在某个受约束的步需要之前，不会启动任何工作进程。
 
 # %% setting: grammar workers
 #| export config
@@ -1122,9 +1263,6 @@ class _GrammarWorkers:
 @add_to_init(Config)
 def _check_grammar_workers(self) -> None:
     self._check("grammar_workers", int, lambda n: n >= 0, ">= 0")
-    if self.grammar_workers and self.speculative_method is not None:
-        raise ValueError(f"grammar_workers={self.grammar_workers} cannot check a speculator's drafts: use "
-                         "grammar_workers=0 with speculative_method")
 
 # %% runner grammar workers
 #| export engine.model_runner
@@ -1579,23 +1717,24 @@ assert (round(probe[4, 0.005, 16][1], 2), round(probe[4, 0.0, 16][1], 2)) == (0.
 # - `nanovllm.engine.grammar_process`: what a worker runs. `GrammarProcess` holds llguidance's view
 #   of the tokenizer (from chapter 29's `tokenizer_json`), the compiled grammars and a matcher per
 #   sequence; `fill` drops the matchers of forgotten sequences, then reads each job's tokens and
-#   writes its row at an address in a shared segment; `serve` answers requests until the socket
-#   closes. It imports llguidance and the standard library, never torch.
+#   writes its row at an address in a shared segment; `drafts` does a verify step's part;
+#   `serve` answers requests until the socket closes. It imports llguidance and the standard
+#   library, never torch.
 # - `nanovllm.engine.grammar_workers`: `GrammarWorkers` starts the processes
 #   (`python -m`, a socket pair, a session of their own), makes shared segments (`/dev/shm`, unlinked
 #   once mapped, registered with CUDA on a GPU), sends each worker its share of a step's jobs
 #   (`start_fill`) and collects them (`finish_fill`), and raises in the engine, with the worker's
 #   words, when one fails or dies.
 #   `WorkerGrammars` is chapter 29's `Grammars` with its matchers there: `host_bitmasks`, `start`,
-#   `state_of` and `fill` change, and the fill comes in two halves (`start_fill`, `finish_fill`).
+#   `state_of`, `fill`, `cut_drafts` and `mask_drafts` change, and the fill comes in two halves
+#   (`start_fill`, `finish_fill`).
 # - The sampling queued later: `LaterTokens`, a step's tokens whose sampling waits until they are
 #   first read; `ModelRunner.masked_draw` begins the fill and returns them, and
 #   `ModelRunner.begin_step` settles them before the next step queues anything (its replay
 #   overwrites the hidden states the sampling reads). In process, `Grammars.start_fill` is the
 #   whole fill.
-# - The setting `grammar_workers` (`--grammar-workers`): 0 by default (the matchers in process);
-#   refused beside a speculative method. The model runner swaps in `WorkerGrammars` when it is
-#   not 0.
+# - The setting `grammar_workers` (`--grammar-workers`): 0 by default (the matchers in process).
+#   The model runner swaps in `WorkerGrammars` when it is not 0.
 # - `python -m nanovllm.bench --grammar-workers --workers 0 4 8`: chapter 29's benchmark once per
 #   count, one engine each.
 # - Chapter 29 gained the seams this needed, each a part of what it already did: `tokenizer_json`,
@@ -1604,9 +1743,6 @@ assert (round(probe[4, 0.005, 16][1], 2), round(probe[4, 0.0, 16][1], 2)) == (0.
 #
 # Not done:
 #
-# - Drafts: speculative decoding checks each draft against its matcher in the middle of a step, so
-#   it keeps chapter 29's matchers in process; a worker could answer "how many of these drafts do
-#   you take" in one round trip, which would lift the refusal.
 # - The workers end when the engine's process ends or its `Grammars` is collected, not at
 #   `LLM.exit()`: an idle worker costs a blocked process and little memory.
 
@@ -1615,25 +1751,24 @@ assert (round(probe[4, 0.005, 16][1], 2), round(probe[4, 0.0, 16][1], 2)) == (0.
 #
 # - `nanovllm.engine.grammar_process`：工作进程运行的东西。`GrammarProcess` 持有 llguidance 眼中的分词器（来自第 29 章的
 #   `tokenizer_json`）、编译好的语法和每个序列一个匹配器；`fill` 先丢掉被忘掉的序列的匹配器，再读入每个任务的 token，
-#   把它的行写到共享段里的一个地址；`serve` 回答请求，直到 socket 关闭。它导入 llguidance 和标准库，从不导入 torch。
+#   把它的行写到共享段里的一个地址；`drafts` 做验证步的那部分；`serve` 回答请求，直到 socket 关闭。它导入 llguidance
+#   和标准库，从不导入 torch。
 # - `nanovllm.engine.grammar_workers`：`GrammarWorkers` 启动这些进程（`python -m`、一对 socket、自己的会话），创建共享段
 #   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程（`start_fill`）再收回
 #   （`finish_fill`），某个进程失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的
-#   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of` 和 `fill` 变了，填写分成两半（`start_fill`、
-#   `finish_fill`）。
+#   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of`、`fill`、`cut_drafts` 和 `mask_drafts` 变了，
+#   填写分成两半（`start_fill`、`finish_fill`）。
 # - 晚些排进队列的采样：`LaterTokens`，一步的 token，它的采样一直等到第一次被读；`ModelRunner.masked_draw` 开始填写并
 #   返回它们，`ModelRunner.begin_step` 在下一步往队列里放任何东西之前让它们落定（下一步的重放会覆盖采样要读的
 #   隐藏状态）。在进程内，`Grammars.start_fill` 就是整个填写。
-# - 设置 `grammar_workers`（`--grammar-workers`）：默认为 0（匹配器在进程内）；与投机方法同用时被拒绝。设置不为 0 时，
-#   模型执行器换上 `WorkerGrammars`。
+# - 设置 `grammar_workers`（`--grammar-workers`）：默认为 0（匹配器在进程内）。设置不为 0 时，模型执行器换上
+#   `WorkerGrammars`。
 # - `python -m nanovllm.bench --grammar-workers --workers 0 4 8`：每种个数各跑一次第 29 章的基准测试，每种一个引擎。
 # - 第 29 章添了这里需要的接缝，每个都是它原本就在做的事的一部分：`tokenizer_json`、`pending_tokens`、`state_of`、
 #   `unread_tokens`，以及 `host_bitmasks`，`MaskedSamplingGraphs` 现在从这里拿到它的缓冲区。
 #
 # 还没有做的：
 #
-# - 草稿：投机解码要在一步的中间对照匹配器检查每个草稿，所以它把第 29 章的匹配器留在进程内；工作进程可以在一次往返里
-#   回答“这些草稿你接受几个”，这样就能取消这个限制。
 # - 工作进程在引擎进程结束、或它的 `Grammars` 被回收时才结束，而不是在 `LLM.exit()` 时：空闲的工作进程只是一个阻塞着的
 #   进程，占不了多少内存。
 

@@ -23,6 +23,7 @@ __all__ = [
     "MAX_COMPILED",
     "REQUESTS",
     "SPIN_S",
+    "DraftJob",
     "GrammarProcess",
     "Job",
     "arrived",
@@ -36,8 +37,11 @@ MAX_COMPILED = 256
 # A job: the sequence's id; its llguidance grammar with its first job, else None; the tokens its matcher has not
 # read; the shared segment and the row that its mask goes to.
 Job = tuple[int, str | None, list[int], int, int]
+# A verify step's job: a job's first three fields, the sequence's drafts, and the shared segment and first row of
+# its rows (a segment of None: count the drafts the grammar takes, write nothing).
+DraftJob = tuple[int, str | None, list[int], list[int], int | None, int]
 # What the engine may ask of a worker, besides building it.
-REQUESTS = ("map", "fill", "held")
+REQUESTS = ("map", "fill", "drafts", "held")
 # How long a worker waiting for a request, or the engine waiting for the workers' answers, asks again and again
 # before it sleeps (the default: not at all). A process that sleeps is woken by the system when its message comes,
 # which can take longer than the work itself; one that spins takes a core from the others (chapter 29c measures
@@ -62,6 +66,7 @@ class GrammarProcess:
         from llguidance import LLTokenizer
 
         self.tokenizer = LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids)
+        self.eos_token_ids = set(eos_token_ids)
         self.row_bytes = 4 * ((vocab_size + 31) // 32)
         self.compiled: dict[str, LLMatcher] = {}
         self.matchers: dict[int, LLMatcher] = {}
@@ -92,6 +97,35 @@ class GrammarProcess:
                 self.matchers.pop(seq_id, None)
                 failed.append((seq_id, error))
         return failed
+
+    def drafts(self, forgotten: list[int], jobs: list[DraftJob]) -> list[tuple[int, int, str | None]]:
+        """A verify step's part of chapter 29's work, for each job's sequence once its matcher has read its unread
+        tokens: with no segment, how many of its drafts the grammar takes (`cut_drafts`: the matcher does not move);
+        with one, its rows (`fill_draft_rows`: row 0 now, row i + 1 after draft i while the grammar takes the drafts,
+        which the matcher then gives back). Returns (sequence id, drafts taken, why its grammar failed or None)."""
+        for seq_id in forgotten:
+            self.matchers.pop(seq_id, None)
+        results = []
+        for seq_id, grammar, tokens, drafts, segment, row in jobs:
+            error, taken = self.advance(seq_id, grammar, tokens), 0
+            matcher = self.matchers.get(seq_id)
+            if error is None and segment is None:
+                taken = matcher.validate_tokens(drafts)
+            elif error is None:
+                address = self.addresses[segment] + row * self.row_bytes
+                matcher.unsafe_compute_mask_ptr(address, self.row_bytes)
+                error = matcher.get_error() if matcher.is_error() else None
+                # An end-of-sequence draft, or one refused, is never kept: no row after it counts.
+                while error is None and taken < len(drafts) and drafts[taken] not in self.eos_token_ids \
+                        and matcher.try_consume_tokens([drafts[taken]]) == 1:
+                    taken += 1
+                    matcher.unsafe_compute_mask_ptr(address + taken * self.row_bytes, self.row_bytes)
+                if taken:
+                    matcher.rollback(taken)
+            if error is not None:
+                self.matchers.pop(seq_id, None)
+            results.append((seq_id, taken, error))
+        return results
 
     def advance(self, seq_id: int, grammar: str | None, tokens: list[int]) -> str | None:
         """Let ``seq_id``'s matcher (at its first job, a copy of ``grammar``'s compiled matcher) read ``tokens``;

@@ -22,7 +22,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.grammar_process import SPIN_S, arrived
-from nanovllm.engine.grammars import Grammars, SequenceGrammar, bitmask_words, tokenizer_json
+from nanovllm.engine.grammars import Grammars, SequenceGrammar, apply_bitmask, bitmask_words, tokenizer_json
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 
@@ -152,6 +152,34 @@ class GrammarWorkers:
             bitmask[rows] = target[rows]
         return failed
 
+    def drafts(self, jobs: list[tuple[int, str | None, list[int], list[int], int | None]],
+               bitmask: torch.Tensor | None = None) -> dict[int, tuple[int, str | None]]:
+        """A verify step's draft work, on the workers side by side (`GrammarProcess.drafts`), waited for: ``jobs``, each
+        (sequence id, its grammar or None, its unread tokens, its drafts, its first row of ``bitmask``, or None to
+        count the drafts its grammar takes). By sequence id: the drafts taken, and why its grammar failed or None."""
+        self._idle()
+        segment, first, target = None, 0, None
+        if bitmask is not None:
+            place = self.locate(bitmask)
+            target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
+            if target is not bitmask:
+                # The rows a worker does not write keep what the bitmask holds.
+                target.copy_(bitmask)
+            segment, first = place or self.locate(target)
+        count = len(self.connections)
+        shares: list[list[Any]] = [[] for _ in range(count)]
+        for seq_id, grammar, tokens, drafts, row in jobs:
+            shares[seq_id % count].append((seq_id, grammar, tokens, drafts, None if row is None else segment,
+                                           first + (row or 0)))
+        busy = [index for index in range(count) if shares[index] or self.forgotten[index]]
+        for index in busy:
+            forgotten, self.forgotten[index] = self.forgotten[index], []
+            self._send(index, ("drafts", forgotten, shares[index]))
+        results = {seq_id: (taken, error) for reply in self._replies(busy) for seq_id, taken, error in reply}
+        if target is not None and target is not bitmask:
+            bitmask.copy_(target)
+        return results
+
     def held(self) -> list[int]:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
         self._idle()
@@ -229,7 +257,7 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 class WorkerGrammars(Grammars):
     """Chapter 29's `Grammars` with its matchers in worker processes (`GrammarWorkers`, started at the first
     constrained step that needs them): this process keeps each sequence's progress and failure, the workers read its
-    tokens and write its rows, side by side. Drafts are not checked here (see `cut_drafts`)."""
+    tokens and write its rows (a verify step's too), side by side."""
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -323,8 +351,7 @@ class WorkerGrammars(Grammars):
         failed = self.workers.finish_fill()
         for row, seq in enumerate(seqs if failed else []):
             if seq.seq_id in failed:
-                self.placed.discard(seq.seq_id)
-                self.fail(seq, self.states[seq.seq_id], failed[seq.seq_id])
+                self.failed_in_worker(seq, failed[seq.seq_id])
                 bitmask[row] = self.end_of_sequence
 
     def fill(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None = None) -> None:
@@ -333,10 +360,76 @@ class WorkerGrammars(Grammars):
         self.finish_fill()
 
     def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
-        """Refused: a draft is checked against its matcher in the middle of a step, which the workers do not offer;
-        speculative decoding keeps its matchers in process (Config refuses grammar_workers with it)."""
-        raise RuntimeError("grammar workers do not check drafts: speculative decoding needs grammar_workers=0")
+        """Chapter 29's `cut_drafts`, each constrained sequence's drafts counted by its worker (one round trip for the
+        step)."""
+        cut, jobs, at = [list(draft) for draft in drafts], [], {}
+        for index, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            if draft and seq.sampling_params.structured_outputs is not None:
+                job = self.draft_job(seq, draft, None)
+                if job is None:
+                    self.refused_drafts += len(draft)
+                    cut[index] = []
+                else:
+                    jobs.append(job)
+                    at[seq.seq_id] = index
+        for seq_id, (taken, error) in self.workers.drafts(jobs).items():
+            index = at[seq_id]
+            if error is not None:
+                self.failed_in_worker(seqs[index], error)
+                taken = 0
+            self.refused_drafts += len(cut[index]) - taken
+            cut[index] = cut[index][:taken]
+        return cut
 
     def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Refused, as `cut_drafts` is."""
-        raise RuntimeError("grammar workers do not check drafts: speculative decoding needs grammar_workers=0")
+        """Chapter 29's `mask_drafts`, each constrained sequence's rows written by its worker (one round trip for the
+        step): row 0 after its committed tokens, row i + 1 after its draft i while its grammar takes them."""
+        spans, first = [], 0
+        for seq in seqs:
+            if seq.sampling_params.structured_outputs is not None:
+                spans.append((seq, first))
+            first += seq.num_scheduled_tokens
+        if not spans:
+            return
+        rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
+        bitmask = self.allow_all(len(rows), logits)
+        jobs, at, row = [], {}, 0
+        for seq, _ in spans:
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            job = self.draft_job(seq, drafts, row)
+            if job is not None:
+                jobs.append(job)
+                at[seq.seq_id] = (seq, row)
+            elif self.state_of(seq).error is not None:
+                bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
+            row += seq.num_scheduled_tokens
+        for seq_id, (taken, error) in self.workers.drafts(jobs, bitmask).items():
+            seq, row = at[seq_id]
+            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            if error is not None:
+                self.failed_in_worker(seq, error)
+                bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
+            elif taken < len(drafts) and drafts[taken] not in self.eos_token_ids:
+                self.refused_drafts += len(drafts) - taken
+        apply_bitmask(logits, bitmask, rows)
+
+    def draft_job(self, seq: Sequence, drafts: list[int], row: int | None) -> tuple | None:
+        """``seq``'s job of a verify step (see `GrammarWorkers.drafts`), its unread tokens counted as read; None when
+        its grammar has failed, or when a token it gained is the mark of logits that are not numbers."""
+        state = self.state_of(seq)
+        tokens = self.unread_tokens(seq, state, {})
+        if tokens is None:
+            return None
+        state.consumed += len(tokens)
+        if state.error is not None:
+            return None
+        grammar = None
+        if seq.seq_id not in self.placed:
+            grammar = seq.sampling_params.structured_outputs.llguidance_grammar
+            self.placed.add(seq.seq_id)
+        return seq.seq_id, grammar, tokens, drafts, row
+
+    def failed_in_worker(self, seq: Sequence, error: str) -> None:
+        """``seq``'s grammar failed in its worker, which dropped its matcher: the sequence may only end."""
+        self.placed.discard(seq.seq_id)
+        self.fail(seq, self.states[seq.seq_id], error)

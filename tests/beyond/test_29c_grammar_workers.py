@@ -222,9 +222,83 @@ def test_a_worker_answers_an_unknown_request_with_an_error(tiny: Path):
         workers.close()
 
 
+def verify_step(seq_drafts: list[tuple[Sequence, list[int]]]) -> list[Sequence]:
+    """The sequences of a verify step, each with its drafts appended and scheduled after its last token."""
+    for seq, drafts in seq_drafts:
+        for token in drafts:
+            seq.append_token(token)
+        seq.num_cached_tokens = len(seq) - len(drafts) - 1
+        seq.num_scheduled_tokens, seq.num_draft_tokens = len(drafts) + 1, len(drafts)
+    return [seq for seq, _ in seq_drafts]
+
+
+def test_the_workers_cut_and_mask_a_verify_steps_drafts_as_chapter_29_does(tiny: Path):
+    """Six constrained sequences and a plain one, a few steps in: drafts the grammar takes, then one it refuses, then
+    an end of sequence for one of them. The workers' cut drafts, masked logits and refused-draft counts equal chapter
+    29's in-process ones; the matchers do not keep the drafts (the next fill's masks still agree)."""
+    config = Config(str(tiny), device="cpu", grammar_workers=2)
+    here, there = Grammars(config), WorkerGrammars(config)
+    try:
+        ours, theirs = decoding(6), decoding(6)
+        plain = SamplingParams(temperature=1.0, max_tokens=50)
+        ours.append(Sequence([1, 2, 3], plain, block_size=16))
+        theirs.append(Sequence([1, 2, 3], plain, block_size=16))
+        for seq in (ours[-1], theirs[-1]):
+            seq.num_cached_tokens = 3
+        mask = torch.empty(7, bitmask_words(here.vocab_size), dtype=torch.int32)
+        rng = random.Random(3)
+        for _ in range(3):
+            here.fill(ours, mask)
+            tokens = draws(here, mask, rng)
+            append(ours, tokens)
+            append(theirs, tokens)
+        here.fill(ours, mask)
+        allowed = draws(here, mask, rng)
+        # the plain row allows every token: its "refused" draft is just another token
+        refused = [int((~allowed_tokens(mask[row], here.vocab_size)).nonzero()[0]) for row in range(6)] + [allowed[6]]
+        drafts = [[allowed[row], refused[row], allowed[row]] for row in range(7)]
+        drafts[2] = [allowed[2], here.eos_token_ids[0]]
+        assert there.cut_drafts(theirs, drafts) == here.cut_drafts(ours, drafts)
+        assert there.refused_drafts == here.refused_drafts > 0
+        logits = {name: torch.randn(sum(len(d) + 1 for d in drafts), here.vocab_size, generator=torch.Generator()
+                                    .manual_seed(0)) for name in ("here", "there")}
+        here.mask_drafts(verify_step(list(zip(ours, drafts, strict=True))), logits["here"])
+        there.mask_drafts(verify_step(list(zip(theirs, drafts, strict=True))), logits["there"])
+        assert torch.equal(logits["here"], logits["there"]) and not torch.isfinite(logits["here"]).all()
+        assert there.refused_drafts == here.refused_drafts
+        for seq in [*ours, *theirs]:
+            del seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            seq.num_tokens -= seq.num_draft_tokens
+            seq.num_draft_tokens, seq.num_cached_tokens, seq.num_scheduled_tokens = 0, len(seq), 0
+        shared = there.host_bitmasks(7, copies=1, pinned=False)[0]
+        here.fill(ours, mask)
+        there.fill(theirs, shared)
+        assert torch.equal(mask, shared)
+    finally:
+        there.workers.close()
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["drafts cut", "drafts masked"])
+def test_speculation_with_grammar_workers_writes_the_outputs_in_process(tiny: Path, monkeypatch, cut: bool):
+    """Prompt lookup's drafts on constrained requests (greedy, and seeded with n = 2): the workers cut the drafts their
+    grammars refuse, or, with cutting off, mask the verify rows after them; the outputs equal those of chapter 29's
+    matchers in process, speculating too."""
+    from tests.beyond.test_29_structured_output import speculate
+
+    if not cut:
+        monkeypatch.setattr(WorkerGrammars, "cut_drafts", lambda self, seqs, drafts: drafts)
+    expected, *_ = speculate(tiny)
+    outputs, counts, _, grammars = speculate(tiny, grammar_workers=2)
+    try:
+        assert isinstance(grammars, WorkerGrammars) and outputs == expected
+        assert grammars.refused_drafts > 0 and counts["verified"] > counts["kept"] > 0
+    finally:
+        grammars.workers.close()
+
+
 def test_the_setting(tiny: Path):
-    """0 by default; a number is kept; negative numbers, non-numbers and workers beside a speculative method are
-    refused with the setting's name; the command line offers it as --grammar-workers."""
+    """0 by default; a number is kept, beside a speculative method too; negative numbers and non-numbers are refused
+    with the setting's name; the command line offers it as --grammar-workers."""
     from nanovllm.serve.cli import build_parser, engine_settings
 
     assert Config(str(tiny), device="cpu").grammar_workers == 0
@@ -233,8 +307,7 @@ def test_the_setting(tiny: Path):
         Config(str(tiny), device="cpu", grammar_workers=-1)
     with pytest.raises((ValueError, TypeError), match="grammar_workers"):
         Config(str(tiny), device="cpu", grammar_workers="four")
-    with pytest.raises(ValueError, match="grammar_workers=2 cannot check a speculator's drafts"):
-        Config(str(tiny), device="cpu", grammar_workers=2, speculative_method="ngram")
+    assert Config(str(tiny), device="cpu", grammar_workers=2, speculative_method="ngram").grammar_workers == 2
     assert engine_settings(build_parser().parse_args(["--grammar-workers", "4"]))["grammar_workers"] == 4
     assert engine_settings(build_parser().parse_args([]))["grammar_workers"] == 0
 
