@@ -66,6 +66,8 @@ say = Phrases({
         "主机分担的部分是 {share:.2f} 毫秒；掩码相同",
     "later tokens: nothing sampled before they are read; read {tokens}, sampled {times} time(s)":
         "晚些采样的 token：被读之前什么也没采样；读到 {tokens}，采样了 {times} 次",
+    "drafts cut by the workers as in process: {kept} of {drafted} kept":
+        "工作进程与在进程内一样裁剪草稿：{drafted} 个里留下 {kept} 个",
     "all exercise answers check out": "练习答案全部验证通过",
 })
 
@@ -1287,8 +1289,9 @@ def _init_grammar_workers(self) -> None:
 # segment (it goes through the scratch segment), a token that the grammar refuses (the sequence
 # fails with llguidance's reason, and its row allows only the end of the sequence), and the
 # sequences let go (their workers drop their matchers). Last, the fill in two halves, with 3 ms of
-# the host's own work between `start_fill` and `finish_fill` (a sleep stands for it), and
-# `LaterTokens`, which sample nothing until they are read.
+# the host's own work between `start_fill` and `finish_fill` (a sleep stands for it),
+# `LaterTokens`, which sample nothing until they are read, and a speculator's drafts cut by the
+# workers as in process.
 
 # %% [markdown] tags=["zh"]
 # ## 验证：一步接一步，掩码相同
@@ -1297,7 +1300,7 @@ def _init_grammar_workers(self) -> None:
 # `WorkerGrammars` 把第二份的行填进一个共享段，每一步两份位掩码都必须相等。然后是不在任何段里的位掩码（它经由草稿段），
 # 语法拒绝的 token（序列以 llguidance 给出的原因失败，它的行只允许序列结束），以及被放开的序列（它们的工作进程丢掉
 # 它们的匹配器）。最后是分成两半的填写，`start_fill` 和 `finish_fill` 之间隔着主机自己 3 毫秒的工作（用一次 sleep
-# 代替），以及 `LaterTokens`：在被读之前，它什么也不采样。
+# 代替），`LaterTokens`：在被读之前，它什么也不采样，以及由工作进程裁剪、与进程内结果相同的投机草稿。
 
 # %%
 import gc
@@ -1384,6 +1387,14 @@ assert drawn == []
 print(say("later tokens: nothing sampled before they are read; read {tokens}, sampled {times} time(s)",
           tokens=later.token_ids(), times=len(drawn)))
 assert later.token_ids() == [7, 9] and drawn == ["sampled"]
+
+# en: A speculator's drafts, counted by the workers: for each sequence, a token its grammar allows, then one it forbids.
+# zh: 投机器的草稿，由工作进程来数：每个序列先是一个语法允许的 token，然后是一个它禁止的 token。
+in_process.fill(here, mask)
+allowed = allowed_tokens(mask[: len(here)], in_process.vocab_size)
+drafts = [[int(row.nonzero()[-1]), int((~row).nonzero()[0])] for row in allowed]
+assert workers.cut_drafts(there, drafts) == in_process.cut_drafts(here, drafts) == [d[:1] for d in drafts]
+print(say("drafts cut by the workers as in process: {kept} of {drafted} kept", kept=len(here), drafted=2 * len(here)))
 del here, there, seq, twin
 gc.collect()
 
