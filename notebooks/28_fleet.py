@@ -367,24 +367,27 @@ def gateway_command(workers: list[str], policy: str, host: str, port: int, metri
 # %% [markdown] tags=["en"]
 # ## Build it: the fleet, started, supervised, stopped
 #
-# `Fleet` holds the replicas it starts, the servers that joined by URL (running elsewhere, on
-# other machines), and the gateway. `start` brings the replicas up one after another, checks the
-# servers that joined, then `start_gateway` starts the gateway over all of them and waits until
-# it lists every worker as healthy (it answers at once, and adds its workers in the background).
-# `check`, called every second, is the supervisor: a replica that exited is restarted on its port
-# (the gateway takes it out of the rotation meanwhile and back once it answers), the gateway's
-# exit ends the fleet, and a replica that keeps dying ends it too rather than looping forever.
-# `stop` sends SIGTERM to every group, the gateway's first, waits a few seconds for them all at
-# once, then SIGKILLs what is left, so Ctrl-C ends the whole tree within seconds.
+# `Fleet` holds the replicas it starts, the servers that joined by URL (running elsewhere, on other
+# machines), and the gateway. `start` brings the replicas up one after another (a replica whose port
+# another process took before its server could bind it starts again on a fresh one:
+# `start_replica`), checks the servers that joined, then `start_gateway` starts the gateway over all
+# of them and waits until it lists every worker as healthy (it answers at once, and adds its workers
+# in the background). `check`, called every second, is the supervisor: a replica that exited is
+# restarted on its port (the gateway takes it out of the rotation meanwhile and back once it
+# answers), the gateway's exit ends the fleet, and a replica that keeps dying ends it too rather
+# than looping forever. `stop` sends SIGTERM to every group, the gateway's first, waits a few
+# seconds for them all at once, then SIGKILLs what is left, so Ctrl-C ends the whole tree within
+# seconds.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：机群的启动、看护与停止
 #
-# `Fleet` 持有它启动的副本、通过 URL 加入的服务器（运行在别处，别的机器上），以及网关。`start` 一个接一个地启动副本，检
-# 查加入的服务器，然后由 `start_gateway` 在它们之上启动网关，并等到网关把每个 worker 都列为健康（网关立即应答，worker 是
-# 在后台加入的）。每秒调用一次的 `check` 就是看护者：退出了的副本在原端口上重启（网关在此期间把它摘出轮转，等它应答后再
-# 放回），网关退出则机群结束，一直死掉的副本也会让机群结束，而不是无休止地循环。`stop` 向每个进程组发 SIGTERM（先发给网
-# 关），一起等它们几秒，再对剩下的发 SIGKILL，所以 Ctrl-C 能在几秒内结束整棵进程树。
+# `Fleet` 持有它启动的副本、通过 URL 加入的服务器（运行在别处，别的机器上），以及网关。`start` 一个接一个地启动副本
+# （服务器绑定端口之前，端口被别的进程占了的副本，换一个新端口重新启动：`start_replica`），检查加入的服务器，然后由
+# `start_gateway` 在它们之上启动网关，并等到网关把每个 worker 都列为健康（网关立即应答，worker 是在后台加入的）。
+# 每秒调用一次的 `check` 就是看护者：退出了的副本在原端口上重启（网关在此期间把它摘出轮转，等它应答后再放回），网关
+# 退出则机群结束，一直死掉的副本也会让机群结束，而不是无休止地循环。`stop` 向每个进程组发 SIGTERM（先发给网关），
+# 一起等它们几秒，再对剩下的发 SIGKILL，所以 Ctrl-C 能在几秒内结束整棵进程树。
 
 # %% fleet
 #| export
@@ -426,11 +429,38 @@ class Fleet:
         # zh: 进程组，终端里的 Ctrl-C 够不着它们。
         atexit.register(self.stop)
         for replica in self.replicas:
-            replica.start()
-            wait_healthy(replica.url, replica.process, self.startup_timeout, f"replica {replica.index} ({replica.log})")
+            self.start_replica(replica)
         for url in self.remote:
             wait_healthy(url, None, self.startup_timeout, f"the server at {url}")
         self.start_gateway()
+
+    def start_replica(self, replica: Replica, attempts: int = 3) -> None:
+        """Start ``replica`` and wait until it is healthy. Its port was free when the fleet chose it, but its server
+        binds it only once its engine is loaded, seconds later: if another process took the port meanwhile (the
+        server's log says so), the replica gets a fresh port and starts again, ``attempts`` times in all."""
+        # zh: 启动 ``replica`` 并等它健康。机群选它的端口时端口是空闲的，但服务器要等引擎加载完、几秒之后才绑定它：
+        # zh: 如果这期间别的进程占了这个端口（服务器的日志会这样说），副本就换一个新端口重新启动，总共最多
+        # zh: ``attempts`` 次。
+        for attempt in range(1, attempts + 1):
+            logged = replica.log.stat().st_size if replica.log.exists() else 0
+            replica.start()
+            try:
+                wait_healthy(replica.url, replica.process, self.startup_timeout,
+                             f"replica {replica.index} ({replica.log})")
+                return
+            except RuntimeError:
+                with replica.log.open("rb") as log:
+                    log.seek(logged)
+                    port_taken = b"address already in use" in log.read()
+                if attempt == attempts or not port_taken:
+                    raise
+            # en: Its engine process may outlive the server: the group goes first.
+            # zh: 它的引擎进程可能比服务器活得久：先清掉整个进程组。
+            replica.stop(0.5)
+            taken, replica.port = replica.port, free_port(replica.host)
+            self.events.append(f"replica {replica.index}: port {taken} was taken meanwhile; started again on port "
+                               f"{replica.port}")
+            print(f"fleet: {self.events[-1]}", file=sys.stderr, flush=True)
 
     def start_gateway(self) -> None:
         """Start the gateway over every replica and every server that joined, in a process group of its own (it gets

@@ -176,11 +176,34 @@ class Fleet:
         # started stops with it: each child leads a process group of its own, out of reach of a terminal's Ctrl-C.
         atexit.register(self.stop)
         for replica in self.replicas:
-            replica.start()
-            wait_healthy(replica.url, replica.process, self.startup_timeout, f"replica {replica.index} ({replica.log})")
+            self.start_replica(replica)
         for url in self.remote:
             wait_healthy(url, None, self.startup_timeout, f"the server at {url}")
         self.start_gateway()
+
+    def start_replica(self, replica: Replica, attempts: int = 3) -> None:
+        """Start ``replica`` and wait until it is healthy. Its port was free when the fleet chose it, but its server
+        binds it only once its engine is loaded, seconds later: if another process took the port meanwhile (the
+        server's log says so), the replica gets a fresh port and starts again, ``attempts`` times in all."""
+        for attempt in range(1, attempts + 1):
+            logged = replica.log.stat().st_size if replica.log.exists() else 0
+            replica.start()
+            try:
+                wait_healthy(replica.url, replica.process, self.startup_timeout,
+                             f"replica {replica.index} ({replica.log})")
+                return
+            except RuntimeError:
+                with replica.log.open("rb") as log:
+                    log.seek(logged)
+                    port_taken = b"address already in use" in log.read()
+                if attempt == attempts or not port_taken:
+                    raise
+            # Its engine process may outlive the server: the group goes first.
+            replica.stop(0.5)
+            taken, replica.port = replica.port, free_port(replica.host)
+            self.events.append(f"replica {replica.index}: port {taken} was taken meanwhile; started again on port "
+                               f"{replica.port}")
+            print(f"fleet: {self.events[-1]}", file=sys.stderr, flush=True)
 
     def start_gateway(self) -> None:
         """Start the gateway over every replica and every server that joined, in a process group of its own (it gets

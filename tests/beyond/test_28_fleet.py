@@ -230,6 +230,33 @@ def test_a_server_started_elsewhere_joins_by_url(fleet: Fleet, tiny: str, tmp_pa
     assert outside.alive() and httpx.get(f"{outside.url}/health", timeout=10).status_code == 200
 
 
+def test_a_replica_whose_port_was_taken_meanwhile_starts_again_on_a_fresh_one(tiny: str, tmp_path: Path) -> None:
+    """The port a replica was given is taken before its server binds it (here by a listening socket): it starts again
+    on a fresh port, says so, and serves; a replica that fails otherwise is not started again."""
+    import socket
+
+    fleet = plan(["--model", tiny, *ARGS], 1, policy="round_robin", port=free_port("127.0.0.1"), log_dir=tmp_path)
+    replica = fleet.replicas[0]
+    taken = replica.port
+    try:
+        with socket.socket() as squatter:
+            squatter.bind(("127.0.0.1", taken))
+            squatter.listen()
+            fleet.start_replica(replica)
+        assert replica.port != taken and httpx.get(f"{replica.url}/health", timeout=10).status_code == 200
+        assert fleet.events == [f"replica 0: port {taken} was taken meanwhile; started again on port {replica.port}"]
+    finally:
+        fleet.stop()
+    broken = plan(["--model", str(tmp_path / "no-model"), *ARGS], 1, policy="round_robin",
+                  port=free_port("127.0.0.1"), log_dir=tmp_path / "broken")
+    try:
+        with pytest.raises(RuntimeError, match="exited with code"):
+            broken.start_replica(broken.replicas[0])
+        assert broken.events == []
+    finally:
+        broken.stop()
+
+
 def test_sigterm_ends_the_whole_tree_within_seconds(tiny: str, tmp_path: Path) -> None:
     port = free_port("127.0.0.1")
     command = [sys.executable, "-m", "nanovllm.serve.fleet", "--replicas", "1", "--port", str(port),
