@@ -664,20 +664,15 @@ class GrammarWorkers:
         # zh: ``bitmask`` 里的行）。它们在本进程继续干活的同时并排做这些任务，`finish_fill` 等它们做完。
         # zh: 一次只有一次填写：它结束之前，不发出别的消息。
         self._idle()
-        place = self.locate(bitmask)
-        target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
-        segment, first = place or self.locate(target)
+        target, segment, first = self._written_rows(bitmask)
         count = len(self.connections)
         shares: list[list[Any]] = [[] for _ in range(count)]
         for seq_id, grammar, tokens, row in jobs:
             shares[seq_id % count].append((seq_id, grammar, tokens, segment, first + row))
-        busy = [index for index in range(count) if shares[index] or self.forgotten[index]]
-        for index in busy:
-            forgotten, self.forgotten[index] = self.forgotten[index], []
-            self._send(index, ("fill", forgotten, shares[index]))
+        busy = self._hand_out("fill", shares)
         # en: A bitmask outside the segments gets its rows from the scratch rows once they are written.
         # zh: 不在共享段里的位掩码，等暂存的各行写好之后，再从那里取回它的行。
-        copy_back = None if place is not None else (bitmask, target, [row for _, _, _, row in jobs])
+        copy_back = None if target is bitmask else (bitmask, target, [row for _, _, _, row in jobs])
         self._filling = (busy, copy_back)
 
     def finish_fill(self) -> dict[int, str]:
@@ -701,24 +696,17 @@ class GrammarWorkers:
         # zh: （序列 id，它的语法或 None，未读的 token，它的草稿，它在 ``bitmask`` 里的第一行，或者 None 表示只数语法
         # zh: 接受几个草稿）。按序列 id 返回：接受的草稿数，以及语法失败的原因或 None。
         self._idle()
-        segment, first, target = None, 0, None
-        if bitmask is not None:
-            place = self.locate(bitmask)
-            target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
-            if target is not bitmask:
-                # en: The rows a worker does not write keep what the bitmask holds.
-                # zh: 工作进程不写的行，保留位掩码里原有的内容。
-                target.copy_(bitmask)
-            segment, first = place or self.locate(target)
+        target, segment, first = (None, None, 0) if bitmask is None else self._written_rows(bitmask)
+        if target is not None and target is not bitmask:
+            # en: The rows a worker does not write keep what the bitmask holds.
+            # zh: 工作进程不写的行，保留位掩码里原有的内容。
+            target.copy_(bitmask)
         count = len(self.connections)
         shares: list[list[Any]] = [[] for _ in range(count)]
         for seq_id, grammar, tokens, drafts, row in jobs:
             shares[seq_id % count].append((seq_id, grammar, tokens, drafts, None if row is None else segment,
                                            first + (row or 0)))
-        busy = [index for index in range(count) if shares[index] or self.forgotten[index]]
-        for index in busy:
-            forgotten, self.forgotten[index] = self.forgotten[index], []
-            self._send(index, ("drafts", forgotten, shares[index]))
+        busy = self._hand_out("drafts", shares)
         results = {seq_id: (taken, error) for reply in self._replies(busy) for seq_id, taken, error in reply}
         if target is not None and target is not bitmask:
             bitmask.copy_(target)
@@ -728,11 +716,8 @@ class GrammarWorkers:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
         # zh: 每个工作进程持有多少个序列的匹配器（先忘掉它被告知要忘掉的）。
         self._idle()
+        self._replies(self._hand_out("fill", [[] for _ in self.connections]))
         everyone = range(len(self.connections))
-        for index in everyone:
-            forgotten, self.forgotten[index] = self.forgotten[index], []
-            self._send(index, ("fill", forgotten, []))
-        self._replies(everyone)
         for index in everyone:
             self._send(index, ("held",))
         return self._replies(everyone)
@@ -741,6 +726,27 @@ class GrammarWorkers:
         """Stop the workers and unpin the segments (also done when this object is collected, or at exit)."""
         # zh: 停止工作进程，取消段的锁页（这个对象被回收时或进程退出时也会做）。
         self._finalizer()
+
+    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """Where the workers write ``bitmask``'s rows: the rows themselves when they lie in a segment, else scratch rows
+        (copied back by the caller); with that segment's index and the first row's place in it."""
+        # zh: 工作进程把 ``bitmask`` 的各行写在哪里：它们在某个段里时就写在原处，否则写在暂存行里（由调用者拷回）；
+        # zh: 以及那个段的序号、第一行在段里的位置。
+        place = self.locate(bitmask)
+        target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
+        segment, first = place or self.locate(target)
+        return target, segment, first
+
+    def _hand_out(self, request: str, shares: list[list[Any]]) -> list[int]:
+        """Send ``request`` to each worker that has a share of it or sequences to forget: (request, the ids it is to
+        forget first, its share). Returns those workers, whose answers the caller reads."""
+        # zh: 把 ``request`` 发给每个分到任务、或有序列要忘掉的工作进程：(请求，它要先忘掉的 id，它的那份任务)。返回
+        # zh: 这些工作进程，调用者读它们的回答。
+        busy = [index for index, share in enumerate(shares) if share or self.forgotten[index]]
+        for index in busy:
+            forgotten, self.forgotten[index] = self.forgotten[index], []
+            self._send(index, (request, forgotten, shares[index]))
+        return busy
 
     def _scratch_rows(self, rows: int) -> torch.Tensor:
         """``rows`` rows of a segment kept for bitmasks that lie in none, made larger when a bitmask needs it."""
@@ -1665,31 +1671,41 @@ from nanovllm.book.recorded import recorded
 # en: command; each row: workers, batch, tok/s free and constrained, ms a step free and constrained, ms in the fill.
 # zh: 本章 GPU 运行打印出的数字（notebooks/data/recorded/29c_grammar_workers.json），带着卡、日期和命令；每一行：
 # zh: 工作进程数、批大小、自由与受约束的 tok/s、自由与受约束时每步的毫秒数、每步花在填写上的毫秒数。
-asleep = recorded("29c_grammar_workers")["workers asleep between steps, H100"]
-print(say("{name}: {card}, {date}: {command}", name="workers asleep between steps, H100", card=asleep.card,
-          date=asleep.date, command=asleep.command))
-figures = {}
-for workers, batch, free, constrained, free_ms, constrained_ms, fill_ms in asleep.figures["rows"]:
-    print(say("{workers} workers, batch {batch:3d}: {ratio:.2f}x the free run; a step {free_ms:.2f} -> "
-              "{constrained_ms:.2f} ms, Grammars.fill {fill_ms:.2f} ms", workers=workers, batch=batch,
-              ratio=constrained / free, free_ms=free_ms, constrained_ms=constrained_ms, fill_ms=fill_ms))
-    figures[workers, batch] = (round(constrained / free, 2), round(constrained_ms, 2), round(fill_ms, 2))
+def shown_run(name: str) -> dict[tuple[int, int], tuple[float, float, float, float]]:
+    """Print the recorded run ``name`` row by row; by (workers, batch), its ratio and its ms a step free and
+    constrained and in the fill, rounded to two places as the prose quotes them."""
+    # zh: 逐行打印记录下的运行 ``name``；按（工作进程数，批大小）返回它的比值，以及自由与受约束时每步的毫秒数和每步花在
+    # zh: 填写上的毫秒数，保留两位小数，和正文引用的一样。
+    run = recorded("29c_grammar_workers")[name]
+    print(say("{name}: {card}, {date}: {command}", name=name, card=run.card, date=run.date, command=run.command))
+    figures = {}
+    for workers, batch, free, constrained, free_ms, constrained_ms, fill_ms in run.figures["rows"]:
+        print(say("{workers} workers, batch {batch:3d}: {ratio:.2f}x the free run; a step {free_ms:.2f} -> "
+                  "{constrained_ms:.2f} ms, Grammars.fill {fill_ms:.2f} ms", workers=workers, batch=batch,
+                  ratio=constrained / free, free_ms=free_ms, constrained_ms=constrained_ms, fill_ms=fill_ms))
+        figures[workers, batch] = tuple(round(value, 2) for value in (constrained / free, free_ms, constrained_ms,
+                                                                      fill_ms))
+    return figures
+
+
+# en: Each row of `shown_run`: (ratio, ms a step free, ms a step constrained, ms in the fill a step).
+# zh: `shown_run` 的每一行：（比值，自由时每步毫秒数，受约束时每步毫秒数，每步花在填写上的毫秒数）。
+figures = shown_run("workers asleep between steps, H100")
 # en: The prose's table and figures: the ratios; at 256, 4 workers' fill 3.45 -> 2.38 ms and step 6.66 -> 5.70 ms;
 # en: at batch 1, 8 workers' step 1.15 ms against 0.92 in process.
 # zh: 正文里的表格和数字：各个比值；256 个序列时，4 个工作进程让填写从 3.45 降到 2.38 毫秒、一步从 6.66 降到 5.70 毫秒；
 # zh: 批大小为 1 时，8 个工作进程的一步是 1.15 毫秒，在进程内是 0.92 毫秒。
-assert {key: ratio for key, (ratio, _, _) in figures.items()} == {
+assert {key: ratio for key, (ratio, _, _, _) in figures.items()} == {
     (0, 1): 0.99, (0, 16): 0.99, (0, 256): 0.59, (4, 1): 0.93, (4, 16): 0.86, (4, 256): 0.68,
     (8, 1): 0.80, (8, 16): 0.80, (8, 256): 0.65}
-assert (figures[0, 256][2], figures[4, 256][2], figures[0, 256][1], figures[4, 256][1]) == (3.45, 2.38, 6.66, 5.70)
-assert (figures[8, 1][1], figures[0, 1][1]) == (1.15, 0.92)
+assert (figures[0, 256][3], figures[4, 256][3], figures[0, 256][2], figures[4, 256][2]) == (3.45, 2.38, 6.66, 5.70)
+assert (figures[8, 1][2], figures[0, 1][2]) == (1.15, 0.92)
 # en: "Do not wait for the rows": the rest of an in-process step at 256 sequences, its step less its fill.
 # zh: “不等各行”一节：256 个序列时，在进程内的一步除去填写之后剩下的部分。
-assert round(figures[0, 256][1] - figures[0, 256][2], 1) == 3.2
+assert round(figures[0, 256][2] - figures[0, 256][3], 1) == 3.2
 # en: ... and what a fill could take beside that rest within the free step (3.95 ms): about 0.7 ms.
 # zh: ……以及在自由运行的一步（3.95 毫秒）之内，这些剩下的事旁边还能留给填写多少时间：约 0.7 毫秒。
-free_256 = next(row[4] for row in asleep.figures["rows"] if row[:2] == [0, 256])
-assert round(free_256 - (figures[0, 256][1] - figures[0, 256][2]), 1) == 0.7
+assert round(figures[0, 256][1] - (figures[0, 256][2] - figures[0, 256][3]), 1) == 0.7
 # en: Chapter 29's figures that this chapter's goal quotes: on its H100, 256 rows filled in 2.6 ms a step, about 10 us a
 # en: row, and llguidance's parallel fill took 1.65x the serial time.
 # zh: 本章目标里引用的第 29 章的数字：在它的 H100 上，256 行每步填写 2.6 毫秒，每行约 10 微秒；llguidance 的并行填充用时
@@ -1702,16 +1718,8 @@ assert round(parallel[256][1] / parallel[256][0], 2) == 1.65
 
 # en: The second run, with the fill in two halves and the sampling queued later, and the probe on the same machine.
 # zh: 第二次运行，填写分成两半、采样晚些排进队列；以及同一台机器上的探针。
-later_run = recorded("29c_grammar_workers")["sampling queued later, H100"]
-print(say("{name}: {card}, {date}: {command}", name="sampling queued later, H100", card=later_run.card,
-          date=later_run.date, command=later_run.command))
-halves = {}
-for workers, batch, free, constrained, free_ms, constrained_ms, fill_ms in later_run.figures["rows"]:
-    print(say("{workers} workers, batch {batch:3d}: {ratio:.2f}x the free run; a step {free_ms:.2f} -> "
-              "{constrained_ms:.2f} ms, Grammars.fill {fill_ms:.2f} ms", workers=workers, batch=batch,
-              ratio=constrained / free, free_ms=free_ms, constrained_ms=constrained_ms, fill_ms=fill_ms))
-    halves[workers, batch] = (round(constrained / free, 2), round(free_ms, 2), round(constrained_ms, 2))
-assert {key: ratio for key, (ratio, _, _) in halves.items()} == {
+halves = shown_run("sampling queued later, H100")
+assert {key: ratio for key, (ratio, _, _, _) in halves.items()} == {
     (0, 1): 0.99, (0, 16): 0.98, (0, 256): 0.89, (4, 1): 1.03, (4, 16): 0.96, (4, 256): 0.93,
     (8, 1): 1.00, (8, 16): 0.97, (8, 256): 0.93}
 assert (halves[0, 256][2], halves[4, 256][2], halves[4, 256][1]) == (4.32, 4.14, 3.84)
