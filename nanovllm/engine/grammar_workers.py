@@ -281,6 +281,11 @@ class WorkerGrammars(Grammars):
                                            pinned=self.config.device == "cuda")
         return self._workers
 
+    def close(self) -> None:
+        """Stop the workers, if any started (the model runner's `exit`)."""
+        if self._workers is not None:
+            self._workers.close()
+
     def host_bitmasks(self, rows: int, copies: int, pinned: bool) -> list[torch.Tensor]:
         """Chapter 29's host buffers as segments that the workers write into (pinned on a GPU: ``pinned`` is that)."""
         return [self.workers.shared_rows(rows) for _ in range(copies)]

@@ -21,6 +21,7 @@ from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import SamplingGraphs
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+from nanovllm.layers.triton_bitmask import triton_forbid
 from nanovllm.sampling_params import StructuredOutputsParams, grammar_limits
 
 if TYPE_CHECKING:
@@ -73,16 +74,19 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
+# notebooks/29c_grammar_workers.py · cell "forbid on a gpu"
 def forbid(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, each logit of ``logits`` [n, vocab] whose token row i of ``bitmask`` [n, words] (int32,
-    on the logits' device) forbids: `apply_bitmask` on every row, in three kernels whatever n, with nothing read back
-    to the host, so that a CUDA graph can capture it."""
-    # Each byte of a word picks its eight flags from a table (little-endian, as CPUs and GPUs store an int32: byte
-    # k of word w holds the bits of tokens 32 w + 8 k to 32 w + 8 k + 7).
+    on the logits' device) forbids: on a GPU in one kernel (`triton_forbid`), elsewhere in chapter 29's three; with
+    nothing read back to the host, so that a CUDA graph can capture it."""
+    if logits.is_cuda:
+        triton_forbid(logits, bitmask)
+        return
     forbidden = _forbidden_bits(logits.device)[bitmask.view(torch.uint8).int()]
     logits.masked_fill_(forbidden.flatten(1)[:, : logits.shape[1]], float("-inf"))
 
 
+# notebooks/29_structured_output.py · cell "bitmasks"
 @functools.cache
 def _forbidden_bits(device: torch.device) -> torch.Tensor:
     """[256, 8] bools: whether bit j of the byte value b is clear (its token forbidden)."""

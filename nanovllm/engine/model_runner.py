@@ -527,14 +527,17 @@ class ModelRunner:
         whole = picks == list(range(len(seqs)))
         return rows, self.sampler(logits if whole else logits[picks], **inputs)
 
-    # notebooks/24_fp8_kv_cache.py · cell "runner, 8 bits"
+    # notebooks/29c_grammar_workers.py · cell "runner grammar workers"
     def exit(self) -> None:
-        """Release the KV cache and its scales, and refuse further steps (chapter 09)."""
+        """Release the KV cache and its scales, refuse further steps (chapter 09), and stop the grammar workers: an
+        engine that exits leaves no process behind."""
         self.stopped = True
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
             layer.k_scales = layer.v_scales = None
         self.kv_cache, self.kv_scales = torch.tensor([]), None
+        if isinstance(self.grammars, WorkerGrammars):
+            self.grammars.close()
 
     # notebooks/25b_speculation_measured.py · cell "runner measures its steps"
     @torch.inference_mode()

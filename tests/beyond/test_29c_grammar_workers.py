@@ -147,6 +147,37 @@ def test_later_tokens_queue_their_sampling_once_when_first_needed(tiny: Path):
         assert waiting.draw is None and waiting.token_ids() == [1, 2, 3]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_bitmask_kernel_clears_what_chapter_29s_forbid_clears(dtype: torch.dtype):
+    """triton_forbid (compiled on a GPU, interpreted on a CPU) against chapter 29's table, on vocabularies that end
+    inside a word or at one, rows of a larger buffer, a row allowing everything and one allowing nothing; forbid
+    itself takes the kernel on a GPU. Bad shapes, dtypes and layouts are refused."""
+    from nanovllm.engine.grammars import _forbidden_bits, forbid
+    from nanovllm.layers.triton_bitmask import triton_forbid
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (1, 31, 32, 33, 70, 1000, 5000):
+        buffer = torch.randint(-(2**31), 2**31 - 1, (7, bitmask_words(vocab)), dtype=torch.int32, generator=generator)
+        buffer[0], buffer[1] = -1, 0
+        logits = torch.randn(5, vocab, generator=generator).to(dtype)
+        expected = logits.clone()
+        forbidden = _forbidden_bits(torch.device("cpu"))[buffer[:5].view(torch.uint8).int()]
+        expected.masked_fill_(forbidden.flatten(1)[:, :vocab], float("-inf"))
+        by_kernel, by_forbid = logits.to(device), logits.to(device)
+        triton_forbid(by_kernel, buffer.to(device)[:5])
+        forbid(by_forbid, buffer.to(device)[:5])
+        assert torch.equal(by_kernel.cpu(), expected) and torch.equal(by_forbid.cpu(), expected), vocab
+    logits, bitmask = torch.zeros(2, 64, device=device), torch.zeros(2, 2, dtype=torch.int32, device=device)
+    for bad_logits, bad_bitmask, message in [(logits, bitmask[:, :1], "at least 64 bits"),
+                                             (logits, bitmask.float(), "must be int32"),
+                                             (logits, bitmask[:1], r"\[n, words\] expected"),
+                                             (logits[:, ::2], bitmask, "adjacent columns")]:
+        with pytest.raises(ValueError, match=message):
+            triton_forbid(bad_logits, bad_bitmask)
+    triton_forbid(logits[:0], bitmask[:0])  # no rows: nothing to launch
+
+
 def test_a_refused_token_fails_its_sequence_with_llguidances_reason(tiny: Path):
     """A token the grammar refuses: the sequence fails with llguidance's words, its row allows only its end, its
     worker forgets it, and the next step writes that row in this process without asking a worker."""
@@ -314,7 +345,8 @@ def test_the_setting(tiny: Path):
 
 def test_the_engine_writes_the_same_with_grammar_workers(tiny: Path):
     """Greedy JSON for three prompts, a plain request beside them, and a seeded regex with n = 2: token for token
-    the outputs of chapter 29's in-process matchers; the runner's grammars are WorkerGrammars only with workers."""
+    the outputs of chapter 29's in-process matchers; the runner's grammars are WorkerGrammars only with workers, whose
+    processes the engine's exit stops."""
     prompts = [[5, 20, 30], [6, 20], [7, 20, 30, 40], [8, 20]]
     shape = SamplingParams(temperature=0, max_tokens=32, structured_outputs=StructuredOutputsParams(json=SHAPE))
     params = [shape] * 3 + [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)]
@@ -325,8 +357,9 @@ def test_the_engine_writes_the_same_with_grammar_workers(tiny: Path):
             assert isinstance(llm.model_runner.grammars, WorkerGrammars) == bool(count)
             outputs[count] = (llm.generate(prompts, params, use_tqdm=False),
                               llm.generate([[9, 20]], seeded, use_tqdm=False))
-            if count:
-                llm.model_runner.grammars.workers.close()
+        if count:
+            processes = llm.model_runner.grammars.workers.processes
+            assert len(processes) == 2 and all(process.poll() is not None for process in processes)
     assert outputs[0] == outputs[2]
 
 
