@@ -1372,6 +1372,10 @@ def forbid(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if logits.is_cuda:
         triton_forbid(logits, bitmask)
         return
+    # en: Each byte of a word picks its eight flags from a table (little-endian, as CPUs and GPUs store an int32: byte
+    # en: k of word w holds the bits of tokens 32 w + 8 k to 32 w + 8 k + 7).
+    # zh: 每个字的每个字节从一张表里取出它的八个标志（小端序，CPU 和 GPU 都这样存 int32：第 w 个字的第 k 个字节存放
+    # zh: token 32 w + 8 k 到 32 w + 8 k + 7 的位）。
     forbidden = _forbidden_bits(logits.device)[bitmask.view(torch.uint8).int()]
     logits.masked_fill_(forbidden.flatten(1)[:, : logits.shape[1]], float("-inf"))
 

@@ -82,6 +82,8 @@ def forbid(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if logits.is_cuda:
         triton_forbid(logits, bitmask)
         return
+    # Each byte of a word picks its eight flags from a table (little-endian, as CPUs and GPUs store an int32: byte
+    # k of word w holds the bits of tokens 32 w + 8 k to 32 w + 8 k + 7).
     forbidden = _forbidden_bits(logits.device)[bitmask.view(torch.uint8).int()]
     logits.masked_fill_(forbidden.flatten(1)[:, : logits.shape[1]], float("-inf"))
 
