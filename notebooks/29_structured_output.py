@@ -985,11 +985,10 @@ class Grammars:
 
     def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Mask, in place, a verify step's logits (`ModelRunner.verify`: each sequence's rows in turn, one for its
-        last token and one for each draft): row i of a constrained sequence by its grammar after the sequence's
-        committed tokens and its first i drafts. Rows after a draft the grammar refuses (or after an end-of-sequence
-        draft) stay unmasked: the engine never keeps a token of them, since the row of that draft cannot sample it.
-        The matchers end where they began, after the committed tokens; they read the drafts the engine keeps at the
-        next mask."""
+        last token and one for each draft): row i of a constrained sequence by its grammar after its committed tokens
+        and first i drafts (`fill_verify_rows`). Rows after a draft the grammar refuses (or an end-of-sequence draft)
+        stay unmasked: the engine never keeps their tokens, since the row of that draft cannot sample it. The
+        matchers end where they began; they read the drafts the engine keeps at the next mask."""
         # zh: 就地盖住一个验证步的 logits（`ModelRunner.verify`：依次是每个序列的各行，一行给它的最后一个 token，
         # zh: 每个草稿一行）：受约束序列的第 i 行，由它的语法在读过序列已确定的 token 和前 i 个草稿之后来盖。语法拒绝的
         # zh: 草稿（或 end-of-sequence 草稿）之后的行不加掩码：引擎从不保留那些行的 token，因为那个草稿所在的行采样
@@ -1004,11 +1003,16 @@ class Grammars:
             return
         rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
         bitmask = self.allow_all(len(rows), logits)
+        self.fill_verify_rows([seq for seq, _ in spans], bitmask)
+        apply_bitmask(logits, bitmask, rows)
+
+    def fill_verify_rows(self, seqs: list[Sequence], bitmask: torch.Tensor) -> None:
+        """The constrained ``seqs``' rows of a verify step's ``bitmask``, one sequence's after another."""
+        # zh: 一个验证步的 ``bitmask`` 中受约束的 ``seqs`` 的各行，一个序列接一个序列。
         row = 0
-        for seq, _ in spans:
+        for seq in seqs:
             self.fill_draft_rows(seq, bitmask[row : row + seq.num_scheduled_tokens])
             row += seq.num_scheduled_tokens
-        apply_bitmask(logits, bitmask, rows)
 
     def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
         """Each sequence's ``drafts`` (a speculator's proposal, before the scheduler reserves their slots) up to the
@@ -1130,13 +1134,12 @@ class Grammars:
 # device, [rows, words] int32, turned into -inf between the LM head and the sampler (`forbid`: three
 # kernels, nothing read back). An unconstrained row of such a step allows every token. Every other
 # step with a constrained row (a prefill, a row with top-k, top-p, a seed or a fork, a batch larger
-# than every graph, a CPU) samples eagerly, and `Grammars.mask` masks its logits before the
-# sampler. Both paths write the rows with `Grammars.fill`, one row after another, while the
-# step's forward runs. (`launch` is written again whole, 17 lines, rather than given
-# a hook in chapter 18 that would name grammars eleven chapters early; the graph path's new work is
-# in two new members, `graph_draw` and, for a constrained step, `masked_draw`.) Every rank's
-# runner gets its `Grammars` with the runner (`add_to_init`): the sampling rank is the one that
-# uses it.
+# than every graph, a CPU) samples eagerly, and `Grammars.mask` masks its logits before the sampler.
+# Both paths write the rows with `Grammars.fill`, one row after another, while the step's forward
+# runs. (`launch` is written again whole, 17 lines, rather than given a hook in chapter 18 that
+# would name grammars eleven chapters early; the graph path's new work is in two new members,
+# `graph_draw` and, for a constrained step, `masked_draw`.) Every rank's runner gets its `Grammars`
+# with the runner (`add_to_init`): the sampling rank is the one that uses it.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：执行器加掩码
@@ -1328,10 +1331,9 @@ def masked_draw(
 # A verify step (chapter 25) samples too: one row for each sequence's last token and one for each of
 # its drafts. Its rows are masked the same way, between the LM head and the sampler, by
 # `Grammars.mask_drafts`: row *i* of a constrained sequence by its grammar after its first *i*
-# drafts (why that is enough: "Masks meet the rest of the engine", below). Chapter 25's `verify`
-# is its forward (`verify_logits`) then its sampling (`sample_verify`); it is written again here,
-# three lines, with the mask between them (a hook in chapter 25 would name grammars four chapters
-# early).
+# drafts (why that is enough: "Masks meet the rest of the engine", below). Chapter 25's `verify` is
+# its forward (`verify_logits`) then its sampling (`sample_verify`); it is written again here, three
+# lines, with the mask between them (a hook in chapter 25 would name grammars four chapters early).
 
 # %% [markdown] tags=["zh"]
 # 验证步（第 25 章）也采样：每个序列的最后一个 token 一行，它的每个草稿各一行。它的各行也以同样的方式加掩码，位置在 LM
@@ -1901,7 +1903,7 @@ def timed_generate(llm: Any, prompts: list[str], params: SamplingParams,
     with contextlib.ExitStack() as stack:
         for method in watched:
             stack.enter_context(watch_calls(llm.model_runner.grammars, method, lambda seconds, _: spans.append(
-                (time.perf_counter() - seconds, time.perf_counter()))))
+                ((end := time.perf_counter()) - seconds, end))))
         run = timed_run(llm, prompts, [params] * len(prompts))
     return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": covered_seconds(spans)}
 
@@ -2127,10 +2129,9 @@ assert round(fill_rows[256][1] / fill_rows[256][0], 2) == 1.65
 #   torch on the logits' device, `fill_bitmask` for llguidance), and `Grammars`, one object beside
 #   the sampler: llguidance's tokenizer (`llguidance_tokenizer`, which keeps a byte-level
 #   vocabulary byte-level whatever decoder a conversion gave it), the compiled grammars by kind and
-#   exact text, and a matcher
-#   per sequence that reads its new tokens lazily, before each mask. Forks, preemption and
-#   asynchronous steps need nothing more; a failed grammar ends its request with the reason in the
-#   log.
+#   exact text, and a matcher per sequence that reads its new tokens lazily, before each mask.
+#   Forks, preemption and asynchronous steps need nothing more; a failed grammar ends its request
+#   with the reason in the log.
 # - Chapter 18's `ModelRunner.launch`: a constrained decode step whose rows sample plainly samples
 #   inside the captured step, from `MaskedSamplingGraphs` (captured at the first constrained step,
 #   a bitmask of fixed address unpacked by `forbid`, its rows filled by `Grammars.fill` while the
@@ -2146,8 +2147,8 @@ assert round(fill_rows[256][1] / fill_rows[256][0], 2) == 1.65
 #
 # Measured on an H100: the captured constrained step at 0.98× the free run at one sequence, 0.85×
 # at 256. Under tensor parallelism, rank 0 keeps each constrained sequence's object from step to step
-# (`RankWorker._sequences`, written again). Not yet: the server's side (chapter 29b), a fill
-# that keeps up at 256 sequences, and constrained speculation measured on a GPU.
+# (`RankWorker._sequences`, written again). Chapter 29b adds the server's side, 29c a faster fill at
+# 256 sequences; constrained speculation is not yet measured on a GPU.
 #
 # ## Exercises
 #
@@ -2180,8 +2181,8 @@ assert round(fill_rows[256][1] / fill_rows[256][0], 2) == 1.65
 #   种子的受约束输出与不做投机时相同。
 #
 # 在 H100 上测过的：捕获的受约束步，1 个序列时是自由运行的 0.98 倍，256 个时 0.85 倍。张量并行下，rank 0 在各步之间
-# 保留每个受约束序列的对象（重写的 `RankWorker._sequences`）。还没有做的：服务器那一侧（第 29b 章），
-# 256 个序列时跟得上的填写，以及在 GPU 上测量受约束的投机解码。
+# 保留每个受约束序列的对象（重写的 `RankWorker._sequences`）。服务器那一侧见第 29b 章，
+# 256 个序列时更快的填写见第 29c 章；受约束的投机解码还没有在 GPU 上测过。
 #
 # ## 练习
 #

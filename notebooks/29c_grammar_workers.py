@@ -845,11 +845,11 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 #   reading and the rows in the workers. The rows that need no grammar (a plain sequence's, a
 #   dropped one's, a failed one's) it writes itself.
 #
-# - `cut_drafts` and `mask_drafts`, a verify step's checks of its drafts (chapter 29), ask the
-#   workers too, in one round trip that the step waits for: how many of each sequence's drafts
-#   its grammar takes, or its rows, row 0 and one after each draft its grammar takes, the matcher
-#   giving the drafts back after (`GrammarProcess.drafts`). A verify step runs to its end before
-#   the next one anyway (chapter 25), so there is nothing to overlap.
+# - `cut_drafts` and `fill_verify_rows` (the rows of chapter 29's `mask_drafts`), a verify step's
+#   checks of its drafts, ask the workers too, in one round trip that the step waits for: how many
+#   of each sequence's drafts its grammar takes, or its rows, row 0 and one after each draft its
+#   grammar takes, the matcher giving the drafts back after (`GrammarProcess.drafts`). A verify
+#   step runs to its end before the next one anyway (chapter 25), so there is nothing to overlap.
 
 # %% [markdown] tags=["zh"]
 # ## 动手构建：`WorkerGrammars`
@@ -863,9 +863,10 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # - `fill` 把第 29 章的三个部分分在两处做：等待和未读的 token 在这里，读入和写行在工作进程里。不需要语法的行（普通
 #   序列的、被丢弃序列的、失败序列的）由它自己写。
 #
-# - `cut_drafts` 和 `mask_drafts`，即验证步对草稿的检查（第 29 章），也交给工作进程，一次往返，这一步等它完成：每个
-#   序列的草稿语法接受几个，或者它的各行：第 0 行，以及语法接受的每个草稿之后的一行，之后匹配器把草稿退回去
-#   （`GrammarProcess.drafts`）。验证步本来就要跑完才开始下一步（第 25 章），所以没有什么可以重叠的。
+# - `cut_drafts` 和 `fill_verify_rows`（第 29 章 `mask_drafts` 的各行），即验证步对草稿的检查，也交给工作进程，
+#   一次往返，这一步等它完成：每个序列的草稿语法接受几个，或者它的各行：第 0 行，以及语法接受的每个草稿之后的一行，
+#   之后匹配器把草稿退回去（`GrammarProcess.drafts`）。验证步本来就要跑完才开始下一步（第 25 章），所以没有什么可以
+#   重叠的。
 
 # %% worker grammars
 #| export
@@ -873,7 +874,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 from nanovllm.config import Config
-from nanovllm.engine.grammars import Grammars, SequenceGrammar, apply_bitmask, tokenizer_json
+from nanovllm.engine.grammars import Grammars, SequenceGrammar, tokenizer_json
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 
@@ -1032,22 +1033,13 @@ class WorkerGrammars(Grammars):
             cut[index] = cut[index][:taken]
         return cut
 
-    def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Chapter 29's `mask_drafts`, each constrained sequence's rows written by its worker (one round trip for the
-        step): row 0 after its committed tokens, row i + 1 after its draft i while its grammar takes them."""
-        # zh: 第 29 章的 `mask_drafts`，每个受约束序列的各行由它的工作进程来写（这一步只往返一次）：已确定的 token 之后
+    def fill_verify_rows(self, seqs: list[Sequence], bitmask: torch.Tensor) -> None:
+        """Chapter 29's `fill_verify_rows`, each sequence's rows written by its worker (one round trip for the step):
+        row 0 after its committed tokens, row i + 1 after its draft i while its grammar takes them."""
+        # zh: 第 29 章的 `fill_verify_rows`，每个序列的各行由它的工作进程来写（这一步只往返一次）：已确定的 token 之后
         # zh: 写第 0 行，语法接受草稿期间，在第 i 个草稿之后写第 i + 1 行。
-        spans, first = [], 0
-        for seq in seqs:
-            if seq.sampling_params.structured_outputs is not None:
-                spans.append((seq, first))
-            first += seq.num_scheduled_tokens
-        if not spans:
-            return
-        rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
-        bitmask = self.allow_all(len(rows), logits)
         jobs, at, row = [], {}, 0
-        for seq, _ in spans:
+        for seq in seqs:
             drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
             job = self.draft_job(seq, drafts, row)
             if job is not None:
@@ -1064,7 +1056,6 @@ class WorkerGrammars(Grammars):
                 bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
             elif taken < len(drafts) and drafts[taken] not in self.eos_token_ids:
                 self.refused_drafts += len(drafts) - taken
-        apply_bitmask(logits, bitmask, rows)
 
     def draft_job(self, seq: Sequence, drafts: list[int], row: int | None) -> tuple | None:
         """``seq``'s job of a verify step (see `GrammarWorkers.drafts`), its unread tokens counted as read; None when
@@ -1991,7 +1982,7 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 #   (`start_fill`) and collects them (`finish_fill`), and raises in the engine, with the worker's
 #   words, when one fails or dies.
 #   `WorkerGrammars` is chapter 29's `Grammars` with its matchers there: `host_bitmasks`, `start`,
-#   `state_of`, `fill`, `cut_drafts` and `mask_drafts` change, and the fill comes in two halves
+#   `state_of`, `fill`, `cut_drafts` and `fill_verify_rows` change, and the fill comes in two halves
 #   (`start_fill`, `finish_fill`).
 # - The sampling queued later: `LaterTokens`, a step's tokens whose sampling waits until they are
 #   first read; `ModelRunner.masked_draw` begins the fill and returns them, and
@@ -2022,7 +2013,7 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 # - `nanovllm.engine.grammar_workers`：`GrammarWorkers` 启动这些进程（`python -m`、一对 socket、自己的会话），创建共享段
 #   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程（`start_fill`）再收回
 #   （`finish_fill`），某个进程失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的
-#   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of`、`fill`、`cut_drafts` 和 `mask_drafts` 变了，
+#   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of`、`fill`、`cut_drafts` 和 `fill_verify_rows` 变了，
 #   填写分成两半（`start_fill`、`finish_fill`）。
 # - 晚些排进队列的采样：`LaterTokens`，一步的 token，它的采样一直等到第一次被读；`ModelRunner.masked_draw` 开始填写并
 #   返回它们，`ModelRunner.begin_step` 在下一步往队列里放任何东西之前让它们落定（下一步的重放会覆盖采样要读的

@@ -65,7 +65,7 @@ def timed_generate(llm: Any, prompts: list[str], params: SamplingParams,
     with contextlib.ExitStack() as stack:
         for method in watched:
             stack.enter_context(watch_calls(llm.model_runner.grammars, method, lambda seconds, _: spans.append(
-                (time.perf_counter() - seconds, time.perf_counter()))))
+                ((end := time.perf_counter()) - seconds, end))))
         run = timed_run(llm, prompts, [params] * len(prompts))
     return run | {"tokens": sum(map(len, run["outputs"])), "mask_seconds": covered_seconds(spans)}
 

@@ -22,7 +22,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.engine.grammar_process import SPIN_S, arrived
-from nanovllm.engine.grammars import Grammars, SequenceGrammar, apply_bitmask, bitmask_words, tokenizer_json
+from nanovllm.engine.grammars import Grammars, SequenceGrammar, bitmask_words, tokenizer_json
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 
@@ -388,20 +388,11 @@ class WorkerGrammars(Grammars):
             cut[index] = cut[index][:taken]
         return cut
 
-    def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Chapter 29's `mask_drafts`, each constrained sequence's rows written by its worker (one round trip for the
-        step): row 0 after its committed tokens, row i + 1 after its draft i while its grammar takes them."""
-        spans, first = [], 0
-        for seq in seqs:
-            if seq.sampling_params.structured_outputs is not None:
-                spans.append((seq, first))
-            first += seq.num_scheduled_tokens
-        if not spans:
-            return
-        rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
-        bitmask = self.allow_all(len(rows), logits)
+    def fill_verify_rows(self, seqs: list[Sequence], bitmask: torch.Tensor) -> None:
+        """Chapter 29's `fill_verify_rows`, each sequence's rows written by its worker (one round trip for the step):
+        row 0 after its committed tokens, row i + 1 after its draft i while its grammar takes them."""
         jobs, at, row = [], {}, 0
-        for seq, _ in spans:
+        for seq in seqs:
             drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
             job = self.draft_job(seq, drafts, row)
             if job is not None:
@@ -418,7 +409,6 @@ class WorkerGrammars(Grammars):
                 bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
             elif taken < len(drafts) and drafts[taken] not in self.eos_token_ids:
                 self.refused_drafts += len(drafts) - taken
-        apply_bitmask(logits, bitmask, rows)
 
     def draft_job(self, seq: Sequence, drafts: list[int], row: int | None) -> tuple | None:
         """``seq``'s job of a verify step (see `GrammarWorkers.drafts`), its unread tokens counted as read; None when

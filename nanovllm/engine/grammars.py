@@ -263,11 +263,10 @@ class Grammars:
 
     def mask_drafts(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Mask, in place, a verify step's logits (`ModelRunner.verify`: each sequence's rows in turn, one for its
-        last token and one for each draft): row i of a constrained sequence by its grammar after the sequence's
-        committed tokens and its first i drafts. Rows after a draft the grammar refuses (or after an end-of-sequence
-        draft) stay unmasked: the engine never keeps a token of them, since the row of that draft cannot sample it.
-        The matchers end where they began, after the committed tokens; they read the drafts the engine keeps at the
-        next mask."""
+        last token and one for each draft): row i of a constrained sequence by its grammar after its committed tokens
+        and first i drafts (`fill_verify_rows`). Rows after a draft the grammar refuses (or an end-of-sequence draft)
+        stay unmasked: the engine never keeps their tokens, since the row of that draft cannot sample it. The
+        matchers end where they began; they read the drafts the engine keeps at the next mask."""
         spans, first = [], 0
         for seq in seqs:
             if seq.sampling_params.structured_outputs is not None:
@@ -277,11 +276,15 @@ class Grammars:
             return
         rows = [start + i for seq, start in spans for i in range(seq.num_scheduled_tokens)]
         bitmask = self.allow_all(len(rows), logits)
+        self.fill_verify_rows([seq for seq, _ in spans], bitmask)
+        apply_bitmask(logits, bitmask, rows)
+
+    def fill_verify_rows(self, seqs: list[Sequence], bitmask: torch.Tensor) -> None:
+        """The constrained ``seqs``' rows of a verify step's ``bitmask``, one sequence's after another."""
         row = 0
-        for seq, _ in spans:
+        for seq in seqs:
             self.fill_draft_rows(seq, bitmask[row : row + seq.num_scheduled_tokens])
             row += seq.num_scheduled_tokens
-        apply_bitmask(logits, bitmask, rows)
 
     def cut_drafts(self, seqs: list[Sequence], drafts: list[list[int]]) -> list[list[int]]:
         """Each sequence's ``drafts`` (a speculator's proposal, before the scheduler reserves their slots) up to the
