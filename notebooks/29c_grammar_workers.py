@@ -347,16 +347,19 @@ if TYPE_CHECKING:
 # en: Compiled grammars a worker keeps at once, the oldest forgotten first (as many as the engine's Grammars keeps).
 # zh: 一个工作进程同时保存的已编译语法数，最旧的先忘掉（与引擎的 Grammars 保存的一样多）。
 MAX_COMPILED = 256
+# en: Where a request's bitmask lies: the index of its shared segment and the row of the segment where it begins.
+# zh: 一个请求的位掩码在哪里：它所在共享段的序号，以及它从段里的哪一行开始。
+Place = tuple[int, int]
 # en: A job: the sequence's id; its llguidance grammar with its first job, else None; the tokens its matcher has not
-# en: read; the shared segment and the row that its mask goes to.
+# en: read; the row of the bitmask that its mask goes to.
 # zh: 一个任务：序列的 id；第一个任务带上它的 llguidance 语法，之后为 None；它的匹配器还没读的 token；它的掩码要写到
-# zh: 的共享段和行。
-Job = tuple[int, str | None, list[int], int, int]
-# en: A verify step's job: a job's first three fields, the sequence's drafts, and the shared segment and first row of
-# en: its rows (a segment of None: count the drafts the grammar takes, write nothing).
-# zh: 验证步的任务：普通任务的前三项，序列的草稿，以及它那些行所在的共享段和第一行（段为 None：只数语法接受几个草稿，
-# zh: 什么也不写）。
-DraftJob = tuple[int, str | None, list[int], list[int], int | None, int]
+# zh: 位掩码的哪一行。
+Job = tuple[int, str | None, list[int], int]
+# en: A verify step's job: a job's first three fields, the sequence's drafts, and the first row of its rows in the
+# en: bitmask (None: count the drafts the grammar takes, write nothing).
+# zh: 验证步的任务：普通任务的前三项，序列的草稿，以及它那些行在位掩码里的第一行（None：只数语法接受几个草稿，什么也
+# zh: 不写）。
+DraftJob = tuple[int, str | None, list[int], list[int], int | None]
 # en: What the engine may ask of a worker, besides building it.
 # zh: 除了构建之外，引擎可以向工作进程提出的请求。
 REQUESTS = ("map", "fill", "drafts", "held")
@@ -404,45 +407,49 @@ class GrammarProcess:
         self.maps.append(mapped)
         self.addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(mapped)))
 
-    def fill(self, forgotten: list[int], jobs: list[Job]) -> list[tuple[int, str]]:
+    def fill(self, forgotten: list[int], place: Place | None, jobs: list[Job]) -> list[tuple[int, str]]:
         """Drop the matchers of the ``forgotten`` sequences, then do each job: the sequence's matcher reads its unread
-        tokens and writes the tokens its grammar allows next into its row. Returns the sequences whose grammar
-        failed, each with the reason; their matchers are dropped and their rows left as they were."""
+        tokens and writes the tokens its grammar allows next into its row of the bitmask at ``place``. Returns the
+        sequences whose grammar failed, each with the reason; their matchers are dropped and their rows left as they
+        were."""
         # zh: 丢掉 ``forgotten`` 中各序列的匹配器，然后做每个任务：序列的匹配器读入未读的 token，把语法下一步允许的
-        # zh: token 写进它的行。返回语法失败了的序列及各自的原因；它们的匹配器被丢掉，它们的行保持原样。
+        # zh: token 写进 ``place`` 处位掩码中它的那一行。返回语法失败了的序列及各自的原因；它们的匹配器被丢掉，它们的
+        # zh: 行保持原样。
         for seq_id in forgotten:
             self.matchers.pop(seq_id, None)
-        failed = []
-        for seq_id, grammar, tokens, segment, row in jobs:
+        failed, start = [], self.start_of(place)
+        for seq_id, grammar, tokens, row in jobs:
             error = self.advance(seq_id, grammar, tokens)
             if error is None:
                 matcher = self.matchers[seq_id]
-                matcher.unsafe_compute_mask_ptr(self.addresses[segment] + row * self.row_bytes, self.row_bytes)
+                matcher.unsafe_compute_mask_ptr(start + row * self.row_bytes, self.row_bytes)
                 error = matcher.get_error() if matcher.is_error() else None
             if error is not None:
                 self.matchers.pop(seq_id, None)
                 failed.append((seq_id, error))
         return failed
 
-    def drafts(self, forgotten: list[int], jobs: list[DraftJob]) -> list[tuple[int, int, str | None]]:
+    def drafts(self, forgotten: list[int], place: Place | None,
+               jobs: list[DraftJob]) -> list[tuple[int, int, str | None]]:
         """A verify step's part of chapter 29's work, for each job's sequence once its matcher has read its unread
-        tokens: with no segment, how many of its drafts the grammar takes (`cut_drafts`: the matcher does not move);
-        with one, its rows (`fill_draft_rows`: row 0 now, row i + 1 after draft i while the grammar takes the drafts,
-        which the matcher then gives back). Returns (sequence id, drafts taken, why its grammar failed or None)."""
-        # zh: 验证步里第 29 章的那部分工作，对每个任务的序列，在它的匹配器读入未读的 token 之后：没有段时，数语法
-        # zh: 接受它的几个草稿（`cut_drafts`：匹配器不动）；有段时，写它的各行（`fill_draft_rows`：现在写第 0 行，
-        # zh: 语法接受草稿期间，在第 i 个草稿之后写第 i + 1 行，最后匹配器把草稿退回去）。返回（序列 id，接受的草稿数，
-        # zh: 语法失败的原因或 None）。
+        tokens: with no row, how many of its drafts the grammar takes (`cut_drafts`: the matcher does not move);
+        with one, its rows of the bitmask at ``place`` (`fill_draft_rows`: row 0 now, row i + 1 after draft i while
+        the grammar takes the drafts, which the matcher then gives back). Returns (sequence id, drafts taken, why its
+        grammar failed or None)."""
+        # zh: 验证步里第 29 章的那部分工作，对每个任务的序列，在它的匹配器读入未读的 token 之后：没有行时，数语法
+        # zh: 接受它的几个草稿（`cut_drafts`：匹配器不动）；有行时，写它在 ``place`` 处位掩码中的各行
+        # zh: （`fill_draft_rows`：现在写第 0 行，语法接受草稿期间，在第 i 个草稿之后写第 i + 1 行，最后匹配器把草稿
+        # zh: 退回去）。返回（序列 id，接受的草稿数，语法失败的原因或 None）。
         for seq_id in forgotten:
             self.matchers.pop(seq_id, None)
-        results = []
-        for seq_id, grammar, tokens, drafts, segment, row in jobs:
+        results, start = [], self.start_of(place)
+        for seq_id, grammar, tokens, drafts, row in jobs:
             error, taken = self.advance(seq_id, grammar, tokens), 0
             matcher = self.matchers.get(seq_id)
-            if error is None and segment is None:
+            if error is None and row is None:
                 taken = matcher.validate_tokens(drafts)
             elif error is None:
-                address = self.addresses[segment] + row * self.row_bytes
+                address = start + row * self.row_bytes
                 matcher.unsafe_compute_mask_ptr(address, self.row_bytes)
                 error = matcher.get_error() if matcher.is_error() else None
                 # en: An end-of-sequence draft, or one refused, is never kept: no row after it counts.
@@ -457,6 +464,14 @@ class GrammarProcess:
                 self.matchers.pop(seq_id, None)
             results.append((seq_id, taken, error))
         return results
+
+    def start_of(self, place: Place | None) -> int:
+        """The address of the bitmask at ``place`` (its segment's address, moved on to its first row); 0 for none."""
+        # zh: ``place`` 处位掩码的地址（它所在段的地址，往后移到它的第一行）；没有位掩码时为 0。
+        if place is None:
+            return 0
+        segment, first = place
+        return self.addresses[segment] + first * self.row_bytes
 
     def advance(self, seq_id: int, grammar: str | None, tokens: list[int]) -> str | None:
         """Let ``seq_id``'s matcher (at its first job, a copy of ``grammar``'s compiled matcher) read ``tokens``;
@@ -684,12 +699,12 @@ class GrammarWorkers:
         # zh: ``bitmask`` 里的行）。它们在本进程继续干活的同时并排做这些任务，`finish_fill` 等它们做完。
         # zh: 一次只有一次填写：它结束之前，不发出别的消息。
         self._idle()
-        target, segment, first = self._written_rows(bitmask)
+        target, place = self._written_rows(bitmask)
         count = len(self.connections)
         shares: list[list[Any]] = [[] for _ in range(count)]
-        for seq_id, grammar, tokens, row in jobs:
-            shares[seq_id % count].append((seq_id, grammar, tokens, segment, first + row))
-        busy = self._hand_out("fill", shares)
+        for job in jobs:
+            shares[job[0] % count].append(job)
+        busy = self._hand_out("fill", place, shares)
         # en: A bitmask outside the segments gets its rows from the scratch rows once they are written.
         # zh: 不在共享段里的位掩码，等暂存的各行写好之后，再从那里取回它的行。
         copy_back = None if target is bitmask else (bitmask, target, [row for _, _, _, row in jobs])
@@ -716,17 +731,16 @@ class GrammarWorkers:
         # zh: （序列 id，它的语法或 None，未读的 token，它的草稿，它在 ``bitmask`` 里的第一行，或者 None 表示只数语法
         # zh: 接受几个草稿）。按序列 id 返回：接受的草稿数，以及语法失败的原因或 None。
         self._idle()
-        target, segment, first = (None, None, 0) if bitmask is None else self._written_rows(bitmask)
+        target, place = (None, None) if bitmask is None else self._written_rows(bitmask)
         if target is not None and target is not bitmask:
             # en: The rows a worker does not write keep what the bitmask holds.
             # zh: 工作进程不写的行，保留位掩码里原有的内容。
             target.copy_(bitmask)
         count = len(self.connections)
         shares: list[list[Any]] = [[] for _ in range(count)]
-        for seq_id, grammar, tokens, drafts, row in jobs:
-            shares[seq_id % count].append((seq_id, grammar, tokens, drafts, None if row is None else segment,
-                                           first + (row or 0)))
-        busy = self._hand_out("drafts", shares)
+        for job in jobs:
+            shares[job[0] % count].append(job)
+        busy = self._hand_out("drafts", place, shares)
         results = {seq_id: (taken, error) for reply in self._replies(busy) for seq_id, taken, error in reply}
         if target is not None and target is not bitmask:
             bitmask.copy_(target)
@@ -736,7 +750,7 @@ class GrammarWorkers:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
         # zh: 每个工作进程持有多少个序列的匹配器（先忘掉它被告知要忘掉的）。
         self._idle()
-        self._replies(self._hand_out("fill", [[] for _ in self.connections]))
+        self._replies(self._hand_out("fill", None, [[] for _ in self.connections]))
         everyone = range(len(self.connections))
         for index in everyone:
             self._send(index, ("held",))
@@ -747,25 +761,25 @@ class GrammarWorkers:
         # zh: 停止工作进程，取消段的锁页（这个对象被回收时或进程退出时也会做）。
         self._finalizer()
 
-    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Where the workers write ``bitmask``'s rows: the rows themselves when they lie in a segment, else scratch rows
-        (copied back by the caller); with that segment's index and the first row's place in it."""
+        (copied back by the caller); with their place (that segment's index and the first row's place in it)."""
         # zh: 工作进程把 ``bitmask`` 的各行写在哪里：它们在某个段里时就写在原处，否则写在暂存行里（由调用者拷回）；
-        # zh: 以及那个段的序号、第一行在段里的位置。
+        # zh: 以及它们的位置（那个段的序号、第一行在段里的位置）。
         place = self.locate(bitmask)
         target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
-        segment, first = place or self.locate(target)
-        return target, segment, first
+        return target, place or self.locate(target)
 
-    def _hand_out(self, request: str, shares: list[list[Any]]) -> list[int]:
+    def _hand_out(self, request: str, place: tuple[int, int] | None, shares: list[list[Any]]) -> list[int]:
         """Send ``request`` to each worker that has a share of it or sequences to forget: (request, the ids it is to
-        forget first, its share). Returns those workers, whose answers the caller reads."""
-        # zh: 把 ``request`` 发给每个分到任务、或有序列要忘掉的工作进程：(请求，它要先忘掉的 id，它的那份任务)。返回
-        # zh: 这些工作进程，调用者读它们的回答。
+        forget first, the ``place`` of the bitmask its jobs' rows belong to, its share, the jobs as the caller gave
+        them). Returns those workers, whose answers the caller reads."""
+        # zh: 把 ``request`` 发给每个分到任务、或有序列要忘掉的工作进程：(请求，它要先忘掉的 id，它的任务的行所属位掩码
+        # zh: 的位置 ``place``，它的那份任务，原样是调用者给的任务)。返回这些工作进程，调用者读它们的回答。
         busy = [index for index, share in enumerate(shares) if share or self.forgotten[index]]
         for index in busy:
             forgotten, self.forgotten[index] = self.forgotten[index], []
-            self._send(index, (request, forgotten, shares[index]))
+            self._send(index, (request, forgotten, place, shares[index]))
         return busy
 
     def _scratch_rows(self, rows: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ __all__ = [
     "DraftJob",
     "GrammarProcess",
     "Job",
+    "Place",
     "arrived",
     "serve",
 ]
@@ -34,12 +35,14 @@ __all__ = [
 # notebooks/29c_grammar_workers.py · cell "grammar process"
 # Compiled grammars a worker keeps at once, the oldest forgotten first (as many as the engine's Grammars keeps).
 MAX_COMPILED = 256
+# Where a request's bitmask lies: the index of its shared segment and the row of the segment where it begins.
+Place = tuple[int, int]
 # A job: the sequence's id; its llguidance grammar with its first job, else None; the tokens its matcher has not
-# read; the shared segment and the row that its mask goes to.
-Job = tuple[int, str | None, list[int], int, int]
-# A verify step's job: a job's first three fields, the sequence's drafts, and the shared segment and first row of
-# its rows (a segment of None: count the drafts the grammar takes, write nothing).
-DraftJob = tuple[int, str | None, list[int], list[int], int | None, int]
+# read; the row of the bitmask that its mask goes to.
+Job = tuple[int, str | None, list[int], int]
+# A verify step's job: a job's first three fields, the sequence's drafts, and the first row of its rows in the
+# bitmask (None: count the drafts the grammar takes, write nothing).
+DraftJob = tuple[int, str | None, list[int], list[int], int | None]
 # What the engine may ask of a worker, besides building it.
 REQUESTS = ("map", "fill", "drafts", "held")
 # How long a worker waiting for a request, or the engine waiting for the workers' answers, asks again and again
@@ -80,39 +83,42 @@ class GrammarProcess:
         self.maps.append(mapped)
         self.addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(mapped)))
 
-    def fill(self, forgotten: list[int], jobs: list[Job]) -> list[tuple[int, str]]:
+    def fill(self, forgotten: list[int], place: Place | None, jobs: list[Job]) -> list[tuple[int, str]]:
         """Drop the matchers of the ``forgotten`` sequences, then do each job: the sequence's matcher reads its unread
-        tokens and writes the tokens its grammar allows next into its row. Returns the sequences whose grammar
-        failed, each with the reason; their matchers are dropped and their rows left as they were."""
+        tokens and writes the tokens its grammar allows next into its row of the bitmask at ``place``. Returns the
+        sequences whose grammar failed, each with the reason; their matchers are dropped and their rows left as they
+        were."""
         for seq_id in forgotten:
             self.matchers.pop(seq_id, None)
-        failed = []
-        for seq_id, grammar, tokens, segment, row in jobs:
+        failed, start = [], self.start_of(place)
+        for seq_id, grammar, tokens, row in jobs:
             error = self.advance(seq_id, grammar, tokens)
             if error is None:
                 matcher = self.matchers[seq_id]
-                matcher.unsafe_compute_mask_ptr(self.addresses[segment] + row * self.row_bytes, self.row_bytes)
+                matcher.unsafe_compute_mask_ptr(start + row * self.row_bytes, self.row_bytes)
                 error = matcher.get_error() if matcher.is_error() else None
             if error is not None:
                 self.matchers.pop(seq_id, None)
                 failed.append((seq_id, error))
         return failed
 
-    def drafts(self, forgotten: list[int], jobs: list[DraftJob]) -> list[tuple[int, int, str | None]]:
+    def drafts(self, forgotten: list[int], place: Place | None,
+               jobs: list[DraftJob]) -> list[tuple[int, int, str | None]]:
         """A verify step's part of chapter 29's work, for each job's sequence once its matcher has read its unread
-        tokens: with no segment, how many of its drafts the grammar takes (`cut_drafts`: the matcher does not move);
-        with one, its rows (`fill_draft_rows`: row 0 now, row i + 1 after draft i while the grammar takes the drafts,
-        which the matcher then gives back). Returns (sequence id, drafts taken, why its grammar failed or None)."""
+        tokens: with no row, how many of its drafts the grammar takes (`cut_drafts`: the matcher does not move);
+        with one, its rows of the bitmask at ``place`` (`fill_draft_rows`: row 0 now, row i + 1 after draft i while
+        the grammar takes the drafts, which the matcher then gives back). Returns (sequence id, drafts taken, why its
+        grammar failed or None)."""
         for seq_id in forgotten:
             self.matchers.pop(seq_id, None)
-        results = []
-        for seq_id, grammar, tokens, drafts, segment, row in jobs:
+        results, start = [], self.start_of(place)
+        for seq_id, grammar, tokens, drafts, row in jobs:
             error, taken = self.advance(seq_id, grammar, tokens), 0
             matcher = self.matchers.get(seq_id)
-            if error is None and segment is None:
+            if error is None and row is None:
                 taken = matcher.validate_tokens(drafts)
             elif error is None:
-                address = self.addresses[segment] + row * self.row_bytes
+                address = start + row * self.row_bytes
                 matcher.unsafe_compute_mask_ptr(address, self.row_bytes)
                 error = matcher.get_error() if matcher.is_error() else None
                 # An end-of-sequence draft, or one refused, is never kept: no row after it counts.
@@ -126,6 +132,13 @@ class GrammarProcess:
                 self.matchers.pop(seq_id, None)
             results.append((seq_id, taken, error))
         return results
+
+    def start_of(self, place: Place | None) -> int:
+        """The address of the bitmask at ``place`` (its segment's address, moved on to its first row); 0 for none."""
+        if place is None:
+            return 0
+        segment, first = place
+        return self.addresses[segment] + first * self.row_bytes
 
     def advance(self, seq_id: int, grammar: str | None, tokens: list[int]) -> str | None:
         """Let ``seq_id``'s matcher (at its first job, a copy of ``grammar``'s compiled matcher) read ``tokens``;

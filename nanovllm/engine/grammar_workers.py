@@ -126,12 +126,12 @@ class GrammarWorkers:
         ``bitmask``), and return at once: they do them side by side while this process goes on, and `finish_fill`
         waits for them. One fill at a time: no other message goes out until it is finished."""
         self._idle()
-        target, segment, first = self._written_rows(bitmask)
+        target, place = self._written_rows(bitmask)
         count = len(self.connections)
         shares: list[list[Any]] = [[] for _ in range(count)]
-        for seq_id, grammar, tokens, row in jobs:
-            shares[seq_id % count].append((seq_id, grammar, tokens, segment, first + row))
-        busy = self._hand_out("fill", shares)
+        for job in jobs:
+            shares[job[0] % count].append(job)
+        busy = self._hand_out("fill", place, shares)
         # A bitmask outside the segments gets its rows from the scratch rows once they are written.
         copy_back = None if target is bitmask else (bitmask, target, [row for _, _, _, row in jobs])
         self._filling = (busy, copy_back)
@@ -153,16 +153,15 @@ class GrammarWorkers:
         (sequence id, its grammar or None, its unread tokens, its drafts, its first row of ``bitmask``, or None to
         count the drafts its grammar takes). By sequence id: the drafts taken, and why its grammar failed or None."""
         self._idle()
-        target, segment, first = (None, None, 0) if bitmask is None else self._written_rows(bitmask)
+        target, place = (None, None) if bitmask is None else self._written_rows(bitmask)
         if target is not None and target is not bitmask:
             # The rows a worker does not write keep what the bitmask holds.
             target.copy_(bitmask)
         count = len(self.connections)
         shares: list[list[Any]] = [[] for _ in range(count)]
-        for seq_id, grammar, tokens, drafts, row in jobs:
-            shares[seq_id % count].append((seq_id, grammar, tokens, drafts, None if row is None else segment,
-                                           first + (row or 0)))
-        busy = self._hand_out("drafts", shares)
+        for job in jobs:
+            shares[job[0] % count].append(job)
+        busy = self._hand_out("drafts", place, shares)
         results = {seq_id: (taken, error) for reply in self._replies(busy) for seq_id, taken, error in reply}
         if target is not None and target is not bitmask:
             bitmask.copy_(target)
@@ -171,7 +170,7 @@ class GrammarWorkers:
     def held(self) -> list[int]:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
         self._idle()
-        self._replies(self._hand_out("fill", [[] for _ in self.connections]))
+        self._replies(self._hand_out("fill", None, [[] for _ in self.connections]))
         everyone = range(len(self.connections))
         for index in everyone:
             self._send(index, ("held",))
@@ -181,21 +180,21 @@ class GrammarWorkers:
         """Stop the workers and unpin the segments (also done when this object is collected, or at exit)."""
         self._finalizer()
 
-    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
         """Where the workers write ``bitmask``'s rows: the rows themselves when they lie in a segment, else scratch rows
-        (copied back by the caller); with that segment's index and the first row's place in it."""
+        (copied back by the caller); with their place (that segment's index and the first row's place in it)."""
         place = self.locate(bitmask)
         target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
-        segment, first = place or self.locate(target)
-        return target, segment, first
+        return target, place or self.locate(target)
 
-    def _hand_out(self, request: str, shares: list[list[Any]]) -> list[int]:
+    def _hand_out(self, request: str, place: tuple[int, int] | None, shares: list[list[Any]]) -> list[int]:
         """Send ``request`` to each worker that has a share of it or sequences to forget: (request, the ids it is to
-        forget first, its share). Returns those workers, whose answers the caller reads."""
+        forget first, the ``place`` of the bitmask its jobs' rows belong to, its share, the jobs as the caller gave
+        them). Returns those workers, whose answers the caller reads."""
         busy = [index for index, share in enumerate(shares) if share or self.forgotten[index]]
         for index in busy:
             forgotten, self.forgotten[index] = self.forgotten[index], []
-            self._send(index, (request, forgotten, shares[index]))
+            self._send(index, (request, forgotten, place, shares[index]))
         return busy
 
     def _scratch_rows(self, rows: int) -> torch.Tensor:
