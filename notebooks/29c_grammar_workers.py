@@ -237,10 +237,11 @@ print(say("two threads, each filling its own matchers: {ratio:.2f}x the time of 
 # the number of workers, so that a sequence always goes to the same one), and keeps them from step
 # to step. The engine's process keeps what chapter 29's `Grammars` keeps about each sequence, how
 # many of its tokens the matcher has read and whether its grammar failed, but no matcher. Each
-# step it sends every worker one message, a list of **jobs**:
+# step it sends every worker one message: where the step's bitmask lies (a segment, below, and
+# its first row there), and a list of **jobs**:
 #
 # ```
-#   (seq_id, grammar or None, unread tokens, segment, row)
+#   (seq_id, grammar or None, unread tokens, row)
 #      the grammar (llguidance's text) travels with a sequence's first job only;
 #      the unread tokens are usually one: the token the last step sampled
 # ```
@@ -272,10 +273,11 @@ print(say("two threads, each filling its own matchers: {ratio:.2f}x the time of 
 #
 # 一个工作进程持有分给它的那些序列的匹配器（序列 id 对工作进程数取模，这样一个序列总是去同一个进程），并在步与步之间
 # 一直保存它们。引擎进程保存第 29 章的 `Grammars` 为每个序列保存的东西：匹配器读到了它的第几个 token，它的语法是否
-# 已经失败；但不保存匹配器。每一步它给每个工作进程发一条消息，即一串**任务**（job）：
+# 已经失败；但不保存匹配器。每一步它给每个工作进程发一条消息：这一步的位掩码在哪里（一个段，见下文，以及它在段里的
+# 第一行），和一串**任务**（job）：
 #
 # ```
-#   (seq_id, 语法或 None, 未读的 token, 段, 行)
+#   (seq_id, 语法或 None, 未读的 token, 行)
 #      语法（llguidance 的文本）只随一个序列的第一个任务发送；
 #      未读的 token 通常只有一个：上一步采样出的那个
 # ```
@@ -2015,7 +2017,8 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 #   now gets its buffers.
 #
 # Not done: the goal at 256 sequences (0.95×). Two things are left to try there: less per-row work
-# in `start_fill` (a job's tuple passed on unchanged), and a smaller copy of the rows.
+# in `start_fill` (pickling a step's jobs, not building them, is most of what is left), and a
+# smaller copy of the rows.
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
@@ -2040,8 +2043,8 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 # - 第 29 章添了这里需要的接缝，每个都是它原本就在做的事的一部分：`tokenizer_json`、`pending_tokens`、`state_of`、
 #   `unread_tokens`，以及 `host_bitmasks`，`MaskedSamplingGraphs` 现在从这里拿到它的缓冲区。
 #
-# 还没有做的：256 个序列时的目标（0.95 倍）。那里还有两件事可以试：`start_fill` 每行更少的工作（任务的元组原样传下去），
-# 以及更小的各行拷贝。
+# 还没有做的：256 个序列时的目标（0.95 倍）。那里还有两件事可以试：`start_fill` 每行更少的工作（剩下的大部分是把一步
+# 的任务序列化，而不是构建它们），以及更小的各行拷贝。
 
 # %% [markdown] tags=["en"]
 # ## Exercises
