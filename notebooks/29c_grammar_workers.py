@@ -2017,8 +2017,8 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 #   now gets its buffers.
 #
 # Not done: the goal at 256 sequences (0.95×). Two things are left to try there: less per-row work
-# in `start_fill` (pickling a step's jobs, not building them, is most of what is left), and a
-# smaller copy of the rows.
+# in `start_fill` (on this book's machine, sending the jobs, which wakes each worker, costs more
+# than building and pickling them), and a smaller copy of the rows.
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
@@ -2043,8 +2043,8 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 # - 第 29 章添了这里需要的接缝，每个都是它原本就在做的事的一部分：`tokenizer_json`、`pending_tokens`、`state_of`、
 #   `unread_tokens`，以及 `host_bitmasks`，`MaskedSamplingGraphs` 现在从这里拿到它的缓冲区。
 #
-# 还没有做的：256 个序列时的目标（0.95 倍）。那里还有两件事可以试：`start_fill` 每行更少的工作（剩下的大部分是把一步
-# 的任务序列化，而不是构建它们），以及更小的各行拷贝。
+# 还没有做的：256 个序列时的目标（0.95 倍）。那里还有两件事可以试：`start_fill` 每行更少的工作（在构建本书的机器上，
+# 发送任务，也就是唤醒每个工作进程，比构建任务、把它们序列化更费时），以及更小的各行拷贝。
 
 # %% [markdown] tags=["en"]
 # ## Exercises
