@@ -595,7 +595,7 @@ from typing import Any
 
 import torch
 
-from nanovllm.engine.grammar_process import SPIN_S, arrived
+from nanovllm.engine.grammar_process import SPIN_S, Place, arrived
 from nanovllm.engine.grammars import bitmask_words
 
 # en: How long a new worker may take to say it is ready (it imports llguidance and reads the tokenizer), and how long
@@ -677,7 +677,7 @@ class GrammarWorkers:
         self.segments.append(segment)
         return segment
 
-    def locate(self, bitmask: torch.Tensor) -> tuple[int, int] | None:
+    def locate(self, bitmask: torch.Tensor) -> Place | None:
         """The segment that ``bitmask`` (whole rows, one after another) lies in and its first row there, or None."""
         # zh: ``bitmask``（一行接一行的整行）所在的段及它在段里的第一行；不在任何段里则为 None。
         if not bitmask.is_contiguous() or bitmask.shape[-1] != self.words or bitmask.dtype != torch.int32:
@@ -763,7 +763,7 @@ class GrammarWorkers:
         # zh: 停止工作进程，取消段的锁页（这个对象被回收时或进程退出时也会做）。
         self._finalizer()
 
-    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, Place]:
         """Where the workers write ``bitmask``'s rows: the rows themselves when they lie in a segment, else scratch rows
         (copied back by the caller); with their place (that segment's index and the first row's place in it)."""
         # zh: 工作进程把 ``bitmask`` 的各行写在哪里：它们在某个段里时就写在原处，否则写在暂存行里（由调用者拷回）；
@@ -772,12 +772,12 @@ class GrammarWorkers:
         target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
         return target, place or self.locate(target)
 
-    def _hand_out(self, request: str, place: tuple[int, int] | None, shares: list[list[Any]]) -> list[int]:
+    def _hand_out(self, request: str, place: Place | None, shares: list[list[Any]]) -> list[int]:
         """Send ``request`` to each worker that has a share of it or sequences to forget: (request, the ids it is to
-        forget first, the ``place`` of the bitmask its jobs' rows belong to, its share, the jobs as the caller gave
-        them). Returns those workers, whose answers the caller reads."""
+        forget first, the ``place`` of the bitmask that its jobs' rows belong to, its share of the jobs as the caller
+        built them). Returns those workers, whose answers the caller reads."""
         # zh: 把 ``request`` 发给每个分到任务、或有序列要忘掉的工作进程：(请求，它要先忘掉的 id，它的任务的行所属位掩码
-        # zh: 的位置 ``place``，它的那份任务，原样是调用者给的任务)。返回这些工作进程，调用者读它们的回答。
+        # zh: 的位置 ``place``，它分到的那份任务，保持调用者构建时的样子)。返回这些工作进程，调用者读它们的回答。
         busy = [index for index, share in enumerate(shares) if share or self.forgotten[index]]
         for index in busy:
             forgotten, self.forgotten[index] = self.forgotten[index], []

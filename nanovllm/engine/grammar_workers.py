@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nanovllm.config import Config
-from nanovllm.engine.grammar_process import SPIN_S, arrived
+from nanovllm.engine.grammar_process import SPIN_S, Place, arrived
 from nanovllm.engine.grammars import Grammars, SequenceGrammar, bitmask_words, tokenizer_json
 from nanovllm.engine.inputs import load_tokenizer
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
@@ -107,7 +107,7 @@ class GrammarWorkers:
         self.segments.append(segment)
         return segment
 
-    def locate(self, bitmask: torch.Tensor) -> tuple[int, int] | None:
+    def locate(self, bitmask: torch.Tensor) -> Place | None:
         """The segment that ``bitmask`` (whole rows, one after another) lies in and its first row there, or None."""
         if not bitmask.is_contiguous() or bitmask.shape[-1] != self.words or bitmask.dtype != torch.int32:
             return None
@@ -180,17 +180,17 @@ class GrammarWorkers:
         """Stop the workers and unpin the segments (also done when this object is collected, or at exit)."""
         self._finalizer()
 
-    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    def _written_rows(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, Place]:
         """Where the workers write ``bitmask``'s rows: the rows themselves when they lie in a segment, else scratch rows
         (copied back by the caller); with their place (that segment's index and the first row's place in it)."""
         place = self.locate(bitmask)
         target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
         return target, place or self.locate(target)
 
-    def _hand_out(self, request: str, place: tuple[int, int] | None, shares: list[list[Any]]) -> list[int]:
+    def _hand_out(self, request: str, place: Place | None, shares: list[list[Any]]) -> list[int]:
         """Send ``request`` to each worker that has a share of it or sequences to forget: (request, the ids it is to
-        forget first, the ``place`` of the bitmask its jobs' rows belong to, its share, the jobs as the caller gave
-        them). Returns those workers, whose answers the caller reads."""
+        forget first, the ``place`` of the bitmask that its jobs' rows belong to, its share of the jobs as the caller
+        built them). Returns those workers, whose answers the caller reads."""
         busy = [index for index, share in enumerate(shares) if share or self.forgotten[index]]
         for index in busy:
             forgotten, self.forgotten[index] = self.forgotten[index], []
