@@ -702,11 +702,7 @@ class GrammarWorkers:
         # zh: 一次只有一次填写：它结束之前，不发出别的消息。
         self._idle()
         target, place = self._written_rows(bitmask)
-        count = len(self.connections)
-        shares: list[list[Any]] = [[] for _ in range(count)]
-        for job in jobs:
-            shares[job[0] % count].append(job)
-        busy = self._hand_out("fill", place, shares)
+        busy = self._hand_out("fill", place, jobs)
         # en: A bitmask outside the segments gets its rows from the scratch rows once they are written.
         # zh: 不在共享段里的位掩码，等暂存的各行写好之后，再从那里取回它的行。
         copy_back = None if target is bitmask else (bitmask, target, [row for _, _, _, row in jobs])
@@ -738,11 +734,7 @@ class GrammarWorkers:
             # en: The rows a worker does not write keep what the bitmask holds.
             # zh: 工作进程不写的行，保留位掩码里原有的内容。
             target.copy_(bitmask)
-        count = len(self.connections)
-        shares: list[list[Any]] = [[] for _ in range(count)]
-        for job in jobs:
-            shares[job[0] % count].append(job)
-        busy = self._hand_out("drafts", place, shares)
+        busy = self._hand_out("drafts", place, jobs)
         results = {seq_id: (taken, error) for reply in self._replies(busy) for seq_id, taken, error in reply}
         if target is not None and target is not bitmask:
             bitmask.copy_(target)
@@ -752,7 +744,7 @@ class GrammarWorkers:
         """How many sequences' matchers each worker holds (what it was told to forget, forgotten first)."""
         # zh: 每个工作进程持有多少个序列的匹配器（先忘掉它被告知要忘掉的）。
         self._idle()
-        self._replies(self._hand_out("fill", None, [[] for _ in self.connections]))
+        self._replies(self._hand_out("fill", None, []))
         everyone = range(len(self.connections))
         for index in everyone:
             self._send(index, ("held",))
@@ -772,12 +764,17 @@ class GrammarWorkers:
         target = bitmask if place is not None else self._scratch_rows(bitmask.shape[0])
         return target, place or self.locate(target)
 
-    def _hand_out(self, request: str, place: Place | None, shares: list[list[Any]]) -> list[int]:
-        """Send ``request`` to each worker that has a share of it or sequences to forget: (request, the ids it is to
-        forget first, the ``place`` of the bitmask that its jobs' rows belong to, its share of the jobs as the caller
-        built them). Returns those workers, whose answers the caller reads."""
-        # zh: 把 ``request`` 发给每个分到任务、或有序列要忘掉的工作进程：(请求，它要先忘掉的 id，它的任务的行所属位掩码
-        # zh: 的位置 ``place``，它分到的那份任务，保持调用者构建时的样子)。返回这些工作进程，调用者读它们的回答。
+    def _hand_out(self, request: str, place: Place | None, jobs: list[tuple]) -> list[int]:
+        """Send ``request`` to each worker that has ``jobs`` (a job goes, as the caller built it, to the worker of its
+        sequence: the id, its first field, modulo the workers) or sequences to forget: (request, the ids it is to
+        forget first, the ``place`` of the bitmask that its jobs' rows belong to, its share of the jobs). Returns
+        those workers, whose answers the caller reads."""
+        # zh: 把 ``request`` 发给每个分到 ``jobs`` 的工作进程（任务保持调用者构建时的样子，交给它那个序列的工作进程：
+        # zh: 序列 id 即任务的第一项，对工作进程数取模），或有序列要忘掉的工作进程：(请求，它要先忘掉的 id，它的任务的
+        # zh: 行所属位掩码的位置 ``place``，它分到的那份任务)。返回这些工作进程，调用者读它们的回答。
+        shares: list[list[tuple]] = [[] for _ in self.connections]
+        for job in jobs:
+            shares[job[0] % len(shares)].append(job)
         busy = [index for index, share in enumerate(shares) if share or self.forgotten[index]]
         for index in busy:
             forgotten, self.forgotten[index] = self.forgotten[index], []
@@ -999,11 +996,7 @@ class WorkerGrammars(Grammars):
             if state.error is not None:
                 bitmask[row] = self.end_of_sequence
                 continue
-            grammar = None
-            if seq.seq_id not in self.placed:
-                grammar = seq.sampling_params.structured_outputs.llguidance_grammar
-                self.placed.add(seq.seq_id)
-            jobs.append((seq.seq_id, grammar, tokens, row))
+            jobs.append((seq.seq_id, self.grammar_to_send(seq), tokens, row))
         self.workers.start_fill(jobs, bitmask)
         self.filling = (seqs, bitmask)
 
@@ -1060,13 +1053,12 @@ class WorkerGrammars(Grammars):
             job = self.draft_job(seq, drafts, row)
             if job is not None:
                 jobs.append(job)
-                at[seq.seq_id] = (seq, row)
+                at[seq.seq_id] = (seq, row, drafts)
             elif self.state_of(seq).error is not None:
                 bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
             row += seq.num_scheduled_tokens
         for seq_id, (taken, error) in self.workers.drafts(jobs, bitmask).items():
-            seq, row = at[seq_id]
-            drafts = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens :]
+            seq, row, drafts = at[seq_id]
             if error is not None:
                 self.failed_in_worker(seq, error)
                 bitmask[row : row + seq.num_scheduled_tokens] = self.end_of_sequence
@@ -1085,11 +1077,17 @@ class WorkerGrammars(Grammars):
         state.consumed += len(tokens)
         if state.error is not None:
             return None
-        grammar = None
-        if seq.seq_id not in self.placed:
-            grammar = seq.sampling_params.structured_outputs.llguidance_grammar
-            self.placed.add(seq.seq_id)
-        return seq.seq_id, grammar, tokens, drafts, row
+        return seq.seq_id, self.grammar_to_send(seq), tokens, drafts, row
+
+    def grammar_to_send(self, seq: Sequence) -> str | None:
+        """``seq``'s llguidance grammar with its first job (its worker then makes its matcher, and the sequence is
+        placed), None with every later one."""
+        # zh: ``seq`` 的第一个任务带上它的 llguidance 语法（它的工作进程随即创建匹配器，这个序列就算安置好了），之后的
+        # zh: 任务都带 None。
+        if seq.seq_id in self.placed:
+            return None
+        self.placed.add(seq.seq_id)
+        return seq.sampling_params.structured_outputs.llguidance_grammar
 
     def failed_in_worker(self, seq: Sequence, error: str) -> None:
         """``seq``'s grammar failed in its worker, which dropped its matcher: the sequence may only end."""
