@@ -138,6 +138,8 @@ say = Phrases({
         "pickle 后的 decode 序列：{tokens} 个 token 只占 {size} 字节",
     "two ranks up in {seconds:.1f} s; KV pool: {blocks} blocks":
         "两个 rank 在 {seconds:.1f} 秒内启动；KV 池：{blocks} 个块",
+    "a second engine's ranks up in {seconds:.1f} s, forked by the same server (pid {server})":
+        "第二个引擎的两个 rank 在 {seconds:.1f} 秒内启动，由同一个服务进程（pid {server}）fork 出来",
     "  rank {rank}/{size} pid {pid} {backend} on {device}, KV cache {shape}":
         "  rank {rank}/{size} pid {pid} {backend}，在 {device} 上，KV 缓存 {shape}",
     "rank {rank}: {name} {shape} (full: {full})": "rank {rank}：{name} {shape}（完整：{full}）",
@@ -487,6 +489,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
 from typing import Any
 
 import torch
@@ -706,9 +709,21 @@ class Replier:
                 self.fail(error, where)
 
 
-def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn: Connection) -> None:
-    """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone)."""
-    # zh: 一个 rank 进程的主体：启动，然后应答各个调用，直到 "exit"（或者驱动进程不在了）。
+def rank_main(
+    rank: int, world_size: int, config: Config, store_port: int, conn: Connection,
+    environ: dict[str, str] | None = None,
+) -> None:
+    """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone). ``environ``:
+    the driver's environment, which replaces this process's (None: keep it)."""
+    # zh: 一个 rank 进程的主体：启动，然后应答各个调用，直到 "exit"（或者驱动进程不在了）。``environ``：驱动进程的
+    # zh: 环境变量，用来替换本进程的（None：保留本进程的）。
+    if environ is not None:
+        # en: The forkserver (`rank_processes`) forked this process with the environment it started with: take the
+        # en: driver's, as a fresh interpreter would have it (a fault hook, NCCL's settings, CUDA_VISIBLE_DEVICES).
+        # zh: forkserver（`rank_processes`）fork 出本进程时，给的是它自己启动时的环境变量：换成驱动进程的，和全新
+        # zh: 解释器拿到的一样（故障钩子、NCCL 的设置、CUDA_VISIBLE_DEVICES）。
+        os.environ.clear()
+        os.environ.update(environ)
     # en: Ctrl-C in a terminal reaches every process of the group; it is the driver's to handle.
     # zh: 终端里的 Ctrl-C 会发给进程组里的每个进程；处理它是驱动进程的事。
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -796,8 +811,12 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 #   `exit()`, when the runner is garbage-collected, and at interpreter exit, whichever comes
 #   first, exactly once. A normal stop asks the ranks to leave and waits for them; after an
 #   error it terminates them at once (one may be stuck in a collective), then kills what is left.
-# - Ranks are started with the `spawn` method: a fresh interpreter, no copy of the driver's
-#   threads or CUDA state (forking a process that has touched CUDA is undefined).
+# - Ranks come from multiprocessing's **forkserver**: a fresh interpreter, started from the driver
+#   once, imports the engine (torch, transformers: about 2.5 s of CPU) and then forks each rank. A
+#   rank gets no copy of the driver's threads or CUDA state (forking a process that has touched
+#   CUDA is undefined; the server never touches it), and an engine's start costs a fork per rank,
+#   not an interpreter's imports per rank. The server keeps the environment it was started with, so
+#   each rank takes the driver's as it is at the engine's start.
 
 # %% [markdown] tags=["zh"]
 # ## 动手：驱动端
@@ -825,8 +844,11 @@ def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn:
 # - 停止只由一个函数 `stop_ranks` 负责，它通过 `weakref.finalize` 注册：调用 `exit()` 时、执行器被垃圾回收时、
 #   解释器退出时，以最先发生者为准，恰好运行一次。正常停止时请各 rank 自行退出并等待它们；出错后则立即终止它们
 #   （某个 rank 可能卡在集合通信里），剩下的再强制杀掉。
-# - rank 用 `spawn` 方式启动：全新的解释器，不会复制驱动进程的线程或 CUDA 状态（对已经用过 CUDA 的进程做 fork，
-#   行为是未定义的）。
+# - rank 来自 multiprocessing 的 **forkserver**：驱动进程只启动一次的一个全新解释器，先导入引擎（torch、
+#   transformers：约 2.5 s 的 CPU），再为每个 rank fork 一次。rank 不会复制驱动进程的线程或 CUDA 状态（对已经用过
+#   CUDA 的进程做 fork，行为是未定义的；这个服务进程从不碰 CUDA），一次引擎启动的代价是每个 rank 一次 fork，而不是
+#   每个 rank 一个解释器的导入。服务进程保留的是它启动时的环境变量，所以每个 rank 都换成驱动进程在引擎启动那一刻的
+#   环境变量。
 
 # %% setting: rank timeout
 #| export config
@@ -1002,6 +1024,16 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def rank_processes() -> BaseContext:
+    """How ranks start: multiprocessing's forkserver, which imports this module once and forks each rank."""
+    # zh: rank 怎样启动：multiprocessing 的 forkserver，它只导入本模块一次，再为每个 rank fork 一次。
+    context = mp.get_context("forkserver")
+    # en: Heard only before the server starts (at the first engine's start); later calls change nothing.
+    # zh: 只在服务进程启动之前（第一个引擎启动时）起作用；之后再调用不会改变什么。
+    context.set_forkserver_preload(["nanovllm.engine.tp_runtime"])
+    return context
+
+
 def open_store(host: str, port: int, world_size: int) -> dist.TCPStore:
     """The rendezvous store, held by the driver; the ranks reach it at host:port (port 0: any free one)."""
     # zh: 会合点存储，由驱动进程持有；各 rank 通过 host:port 找到它（端口为 0 时任取一个空闲端口）。
@@ -1049,15 +1081,15 @@ class TPRunner:
         store = open_store(config.master_addr, config.master_port, self.world_size)
         self._finalizer = weakref.finalize(
             self, stop_ranks, self._procs, self._conns, self._links, [store], self._stop)
-        context = mp.get_context("spawn")
+        context = rank_processes()
         try:
             # en: The other nodes' ranks dial in first, so that this node's ranks find every peer at once.
             # zh: 其他节点的 rank 先拨进来，这样本节点的 rank 一启动就能找到所有对端。
             remote = self._join_nodes(store) if config.nnodes > 1 else []
             for rank in range(self.world_size - len(remote)):
                 ours, theirs = context.Pipe()
-                proc = context.Process(target=rank_main, args=(rank, self.world_size, config, store.port, theirs),
-                                       name=f"nanovllm-tp-rank{rank}", daemon=True)
+                proc = context.Process(target=rank_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
+                                       args=(rank, self.world_size, config, store.port, theirs, dict(os.environ)))
                 proc.start()
                 # en: the rank holds the other end now
                 # zh: 另一端现在由该 rank 持有。
@@ -1349,15 +1381,19 @@ def start_runner(config: Config) -> ModelRunner | TPRunner:
 # The tiny Qwen3 of chapter 06 (4 query heads, 2 KV heads, MLP width 128, vocabulary 512: all
 # even) with 4-token blocks, a pool of only 12 blocks and a budget of 16 tokens per step, so that
 # a short run has chunked prefill *and* preemption. We start it twice: in this process
-# (`tensor_parallel_size=1`) and as two gloo ranks. Start-up of the ranks is mostly two fresh
-# interpreters importing torch.
+# (`tensor_parallel_size=1`) and as two gloo ranks. The first ranks of a process also start the
+# forkserver, which imports torch and the engine once: most of their start-up. Each rank is a fork
+# of that server (its parent in `/proc`, not this process), and so are a second engine's ranks,
+# which are up in a fraction of the time.
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：两个 CPU rank 与单进程并排
 #
 # 用第 06 章的小 Qwen3（4 个查询头、2 个 KV 头、MLP 宽度 128、词表 512：都是偶数），块大小 4 个 token，块池只有
 # 12 个块，每步预算 16 个 token，这样一次短短的运行就既有分块 prefill，*又*有抢占。我们把它启动两次：一次在本进程里
-# （`tensor_parallel_size=1`），一次作为两个 gloo rank。rank 的启动时间主要花在两个全新的解释器导入 torch 上。
+# （`tensor_parallel_size=1`），一次作为两个 gloo rank。一个进程里第一次启动 rank 时，还会启动 forkserver，它只导入一次
+# torch 和引擎：这是启动时间的大头。每个 rank 都是这个服务进程 fork 出来的（`/proc` 里它的父进程是服务进程，不是本
+# 进程），第二个引擎的 rank 也一样，启动只要一小部分时间。
 
 # %%
 import os
@@ -1384,6 +1420,23 @@ print(say("two ranks up in {seconds:.1f} s; KV pool: {blocks} blocks", seconds=s
           blocks=llm_tp2.config.num_kvcache_blocks))
 for info, shape in zip(ranks.call("world"), ranks.call("kv_cache_shape"), strict=True):
     print(say("  rank {rank}/{size} pid {pid} {backend} on {device}, KV cache {shape}", **info, shape=shape))
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+        return int(file.read().rsplit(")", 1)[1].split()[1])
+
+
+# en: the ranks' one parent: the forkserver, not this process
+# zh: 各 rank 唯一的父进程：forkserver，而不是本进程。
+(server,) = {parent_of(pid) for pid in ranks.pids}
+assert server != os.getpid() and parent_of(server) == os.getpid()
+started = time.perf_counter()
+with LLM(str(tiny), tensor_parallel_size=2, **settings) as again:
+    again_s = time.perf_counter() - started
+    assert {parent_of(pid) for pid in again.model_runner.pids} == {server}
+print(say("a second engine's ranks up in {seconds:.1f} s, forked by the same server (pid {server})",
+          seconds=again_s, server=server))
 
 # %% [markdown] tags=["en"]
 # Each rank loaded its slices from the full checkpoint. Rank `r`'s `qkv_proj` holds q heads

@@ -39,7 +39,7 @@ from nanovllm.book.lang import Phrases
 say = Phrases({
     "  rank {rank}/{size} pid {pid} {backend}, started by {parent}":
         "  rank {rank}/{size} pid {pid} {backend}，由{parent}启动",
-    "this driver": "本驱动进程",
+    "this driver's forkserver": "本驱动进程的 forkserver",
     "the agent of node 1": "节点 1 的代理进程",
     "two nodes give the tokens of one process; node 1's agent exited with {code}":
         "两个节点给出与单进程相同的 token；节点 1 的代理进程以 {code} 退出",
@@ -474,19 +474,27 @@ if __name__ == "__main__" and "ipykernel" not in sys.modules:
 # ## See it: two nodes on one machine
 #
 # Two "nodes" on this CPU over gloo: node 1's agent is a subprocess, started first (it waits for
-# node 0), then the engine with `nnodes=2`. The ranks' parents show who started which; the tokens
-# are TP=1's.
+# node 0), then the engine with `nnodes=2`. The ranks' parents show who started which (rank 0 is
+# forked by chapter 17's forkserver, a child of this process); the tokens are TP=1's.
 
 # %% [markdown] tags=["zh"]
 # ## 看它运行：一台机器上的两个节点
 #
 # 在这台 CPU 上用 gloo 模拟两个“节点”：节点 1 的代理进程是一个子进程，先启动（它会等节点 0），然后以 `nnodes=2`
-# 启动引擎。各 rank 的父进程表明是谁启动了谁；得到的 token 与 TP=1 的相同。
+# 启动引擎。各 rank 的父进程表明是谁启动了谁（rank 0 由第 17 章的 forkserver fork 出来，它是本进程的子进程）；
+# 得到的 token 与 TP=1 的相同。
 
 # %%
 import socket
 import subprocess
 import sys
+
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as file:
+        return int(file.read().rsplit(")", 1)[1].split()[1])
+
 
 with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))
@@ -496,10 +504,13 @@ node1 = subprocess.Popen([sys.executable, "-m", "nanovllm.engine.tp_node", "--ma
 with LLM(str(tiny), tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1", master_port=master_port,
          **settings) as two_nodes:
     for info in two_nodes.model_runner.call("world"):
-        parent = say("this driver") if info["parent"] == os.getpid() else say("the agent of node 1")
+        parent = say("the agent of node 1") if info["parent"] == node1.pid else say("this driver's forkserver")
         print(say("  rank {rank}/{size} pid {pid} {backend}, started by {parent}", rank=info["rank"],
                   size=info["size"], pid=info["pid"], backend=info["backend"], parent=parent))
-    assert [info["parent"] for info in two_nodes.model_runner.call("world")] == [os.getpid(), node1.pid]
+    # en: rank 0 is forked by chapter 17's forkserver, a child of this process; rank 1 by node 1's agent
+    # zh: rank 0 由第 17 章的 forkserver（本进程的子进程）fork 出来；rank 1 由节点 1 的代理进程启动。
+    server, agent = [info["parent"] for info in two_nodes.model_runner.call("world")]
+    assert agent == node1.pid and parent_of(server) == os.getpid()
     out_nodes = two_nodes.generate(prompts, greedy, use_tqdm=False)
 assert [o["token_ids"] for o in out_nodes] == [o["token_ids"] for o in out_tp1]
 assert node1.wait(timeout=30) == 0

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -58,6 +59,7 @@ __all__ = [
     "process_gone",
     "process_state",
     "rank_main",
+    "rank_processes",
     "reply_value",
     "step_sequences",
     "step_states",
@@ -289,8 +291,17 @@ class Replier:
                 self.fail(error, where)
 
 
-def rank_main(rank: int, world_size: int, config: Config, store_port: int, conn: Connection) -> None:
-    """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone)."""
+def rank_main(
+    rank: int, world_size: int, config: Config, store_port: int, conn: Connection,
+    environ: dict[str, str] | None = None,
+) -> None:
+    """The body of one rank process: start up, then answer calls until "exit" (or the driver is gone). ``environ``:
+    the driver's environment, which replaces this process's (None: keep it)."""
+    if environ is not None:
+        # The forkserver (`rank_processes`) forked this process with the environment it started with: take the
+        # driver's, as a fresh interpreter would have it (a fault hook, NCCL's settings, CUDA_VISIBLE_DEVICES).
+        os.environ.clear()
+        os.environ.update(environ)
     # Ctrl-C in a terminal reaches every process of the group; it is the driver's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
@@ -377,6 +388,14 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def rank_processes() -> BaseContext:
+    """How ranks start: multiprocessing's forkserver, which imports this module once and forks each rank."""
+    context = mp.get_context("forkserver")
+    # Heard only before the server starts (at the first engine's start); later calls change nothing.
+    context.set_forkserver_preload(["nanovllm.engine.tp_runtime"])
+    return context
+
+
 def open_store(host: str, port: int, world_size: int) -> dist.TCPStore:
     """The rendezvous store, held by the driver; the ranks reach it at host:port (port 0: any free one)."""
     try:
@@ -415,14 +434,14 @@ class TPRunner:
         store = open_store(config.master_addr, config.master_port, self.world_size)
         self._finalizer = weakref.finalize(
             self, stop_ranks, self._procs, self._conns, self._links, [store], self._stop)
-        context = mp.get_context("spawn")
+        context = rank_processes()
         try:
             # The other nodes' ranks dial in first, so that this node's ranks find every peer at once.
             remote = self._join_nodes(store) if config.nnodes > 1 else []
             for rank in range(self.world_size - len(remote)):
                 ours, theirs = context.Pipe()
-                proc = context.Process(target=rank_main, args=(rank, self.world_size, config, store.port, theirs),
-                                       name=f"nanovllm-tp-rank{rank}", daemon=True)
+                proc = context.Process(target=rank_main, name=f"nanovllm-tp-rank{rank}", daemon=True,
+                                       args=(rank, self.world_size, config, store.port, theirs, dict(os.environ)))
                 proc.start()
                 # the rank holds the other end now
                 theirs.close()
