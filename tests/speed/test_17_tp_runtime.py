@@ -317,6 +317,8 @@ def test_a_failing_rank_stops_every_rank_and_the_driver_says_which(
 def test_a_rank_failing_at_start_up_fails_the_constructor(
     engines, tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The hook is set after the shared engines started the forkserver: a rank still reads it, from the environment
+    that the driver hands it (the server's own is the one it started with)."""
     before = {proc.pid for proc in mp.active_children()}  # the shared engines' ranks
     monkeypatch.setenv(FAULT_ENV, "1:0")
     with pytest.raises(TPWorkerError, match="rank 1 failed during start-up: RuntimeError: injected fault"):
