@@ -1936,9 +1936,10 @@ print(say("ranks {pids} are gone", pids=pids))
 #
 # - `nanovllm/layers/linear.py` gains `agree_min` (the KV block count all ranks can afford) and
 #   `share_from_rank0` (rank 0's samples on every rank's device).
-# - `nanovllm/engine/tp_runtime.py`: `TPRunner` (the driver: spawns one process per rank, a
-#   pipe per rank as the control channel, `run`/`compute_logits`/`call`/`exit`, `TPWorkerError`
-#   naming the first failure), `rank_main` and `RankWorker` (one rank's loop and its calls),
+# - `nanovllm/engine/tp_runtime.py`: `TPRunner` (the driver: one process per rank, each forked by
+#   the forkserver of `rank_processes`, a pipe per rank as the control channel,
+#   `run`/`compute_logits`/`call`/`exit`, `TPWorkerError` naming the first failure), `rank_main`
+#   and `RankWorker` (one rank's loop and its calls),
 #   `init_rank` (gloo on CPU, NCCL on GPUs, rendezvous on a store the driver holds on a free port),
 #   and the `NANOVLLM_TP_FAULT` test hook.
 # - The engine's `start_runner` builds `TPRunner` when `tensor_parallel_size > 1`, and `Config` checks
@@ -1963,10 +1964,10 @@ print(say("ranks {pids} are gone", pids=pids))
 #
 # - `nanovllm/layers/linear.py` 增加了 `agree_min`（所有 rank 都放得下的 KV 块数）和 `share_from_rank0`（把 rank 0
 #   的采样结果放到每个 rank 的设备上）。
-# - `nanovllm/engine/tp_runtime.py`：`TPRunner`（驱动端：为每个 rank 创建一个进程，每个 rank 一条管道作为控制通道，
-#   提供 `run`/`compute_logits`/`call`/`exit`，用 `TPWorkerError` 指明最早的失败），`rank_main` 与 `RankWorker`
-#   （一个 rank 的循环及其可被调用的方法），`init_rank`（CPU 上用 gloo，GPU 上用 NCCL，会合点是驱动进程在空闲端口上
-#   持有的 store），以及测试钩子 `NANOVLLM_TP_FAULT`。
+# - `nanovllm/engine/tp_runtime.py`：`TPRunner`（驱动端：每个 rank 一个进程，都由 `rank_processes` 的 forkserver
+#   fork 出来，每个 rank 一条管道作为控制通道，提供 `run`/`compute_logits`/`call`/`exit`，用 `TPWorkerError` 指明
+#   最早的失败），`rank_main` 与 `RankWorker`（一个 rank 的循环及其可被调用的方法），`init_rank`（CPU 上用 gloo，
+#   GPU 上用 NCCL，会合点是驱动进程在空闲端口上持有的 store），以及测试钩子 `NANOVLLM_TP_FAULT`。
 # - 引擎的 `start_runner` 在 `tensor_parallel_size > 1` 时构建 `TPRunner`，`Config` 检查 rank 数能否整除模型的
 #   各个维度；TP=2 给出与 TP=1 相同的贪心 token，
 #   float32 下 logits 相差不超过 1e-4。
