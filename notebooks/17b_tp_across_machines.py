@@ -490,7 +490,6 @@ import subprocess
 import sys
 
 
-
 def parent_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat", encoding="ascii") as file:
         return int(file.read().rsplit(")", 1)[1].split()[1])
