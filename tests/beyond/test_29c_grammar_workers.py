@@ -23,6 +23,7 @@ from nanovllm.engine.model_runner import LaterTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.speed.test_17b_tp_across_machines import parent_of
 
 SHAPE = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
                                           "size": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -406,13 +407,8 @@ def test_two_ranks_with_grammar_workers_write_the_outputs_of_one(tiny: Path):
         two_ranks.set_observer(lambda event, data: preempted.extend(data["preempted"]) if event == "schedule" else None)
         two = [output["token_ids"] for output in two_ranks.generate(prompts, params, use_tqdm=False)]
         # rank 0 started them (the ranks themselves are forked by multiprocessing's forkserver)
-        workers = [pid for pid in grammar_processes() if parent(pid) in two_ranks.model_runner.pids]
+        workers = [pid for pid in grammar_processes() if parent_of(pid) in two_ranks.model_runner.pids]
     assert preempted and two == one and len(workers) == 2
-
-
-def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def grammar_processes() -> list[int]:
