@@ -41,6 +41,7 @@ from pathlib import Path
 
 import jupytext
 import nbformat
+from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -49,6 +50,7 @@ if __package__ in (None, ""):  # run as `python tools/book.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tools.bilingual import Docstring, docstrings
 from tools.cjk import tidy_cjk
+from tools.kernel_zygote import Zygote
 from tools.machine_paths import scrub
 from tools.parts import PARTS
 from tools.tangle import DIRECTIVE, ROOT, chapter_files, read_chapter
@@ -63,6 +65,10 @@ EXERCISES = re.compile(r"^#{2,3}\s+(Exercises|练习)\s*$", re.M)
 # Outputs that may hold both languages, marked by nanovllm.viz (players, the live panel's note).
 BILINGUAL_OUTPUTS = ("text/html", "image/svg+xml")
 CELL_TIMEOUT_S = 900
+# Every kernel's environment, beside the language: progress bars off (transformers' "Loading weights" among
+# them): in an executed notebook they are ipywidgets, whose saved views make the site fetch a widget renderer
+# from a CDN.
+KERNEL_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 class ChapterError(Exception):
@@ -82,25 +88,27 @@ def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tu
         (out_dir / lang).mkdir(parents=True, exist_ok=True)
     written, failures = [], []
     began = time.monotonic()
-    for k, chapter in enumerate(chapters, start=1):
-        print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end="", flush=True)
-        targets = {lang: out_dir / lang / chapter.with_suffix(".ipynb").name for lang in languages}
-        runs = {}
-        try:
-            for lang in languages:
-                started = time.monotonic()
-                runs[lang] = run_chapter(chapter, lang)
-                print(f" {lang} {time.monotonic() - started:5.1f} s", end="", flush=True)
-        except ChapterError as error:
-            print(f" {lang} failed", flush=True)
-            for target in targets.values():
-                target.unlink(missing_ok=True)
-            failures.append(str(error))
-            continue
-        print(flush=True)
-        for lang, notebook in runs.items():
-            nbformat.write(notebook, targets[lang])
-            written.append(targets[lang])
+    # Every kernel is forked from one process that has imported torch and transformers (tools/kernel_zygote.py).
+    with Zygote({**os.environ, **KERNEL_ENV}, str(ROOT)) as zygote:
+        for k, chapter in enumerate(chapters, start=1):
+            print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end="", flush=True)
+            targets = {lang: out_dir / lang / chapter.with_suffix(".ipynb").name for lang in languages}
+            runs = {}
+            try:
+                for lang in languages:
+                    started = time.monotonic()
+                    runs[lang] = run_chapter(chapter, lang, zygote.kernel_spec_manager)
+                    print(f" {lang} {time.monotonic() - started:5.1f} s", end="", flush=True)
+            except ChapterError as error:
+                print(f" {lang} failed", flush=True)
+                for target in targets.values():
+                    target.unlink(missing_ok=True)
+                failures.append(str(error))
+                continue
+            print(flush=True)
+            for lang, notebook in runs.items():
+                nbformat.write(notebook, targets[lang])
+                written.append(targets[lang])
     if len(chapters) > 1:
         print(f"book: executed {len(chapters)} chapters ({', '.join(languages)}) in "
               f"{minutes(time.monotonic() - began)}", flush=True)
@@ -109,19 +117,22 @@ def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tu
     return written
 
 
-def run_chapter(chapter: Path, lang: str = "en") -> nbformat.NotebookNode:
-    """The chapter executed top to bottom in a fresh kernel, printing in ``lang``; ChapterError if a cell raises."""
+def run_chapter(chapter: Path, lang: str = "en",
+                kernel_specs: KernelSpecManager | None = None) -> nbformat.NotebookNode:
+    """The chapter executed top to bottom in a fresh kernel, printing in ``lang``; ChapterError if a cell raises.
+
+    ``kernel_specs`` says where the ``python3`` kernel comes from (a `Zygote`'s); by default, Jupyter's own.
+    """
     notebook = read_chapter(chapter)  # parsed once for both languages
     # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
     # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
     with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
-        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"))
+        specs = {"kernel_spec_manager": kernel_specs} if kernel_specs else {}
+        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"), **specs)
         client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
                                 resources={"metadata": {"path": str(ROOT)}})
         try:
-            # Progress bars off (transformers' "Loading weights" among them): in an executed notebook they are
-            # ipywidgets, whose saved views make the site fetch a widget renderer from a CDN.
-            client.execute(env={**os.environ, LANG_ENV: lang, "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+            client.execute(env={**os.environ, **KERNEL_ENV, LANG_ENV: lang})
         except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
             # A cell that raised, ran past CELL_TIMEOUT_S or took its kernel down: the chapter failed, the book goes on.
             what = "raised" if isinstance(error, CellExecutionError) else f"failed ({type(error).__name__})"
