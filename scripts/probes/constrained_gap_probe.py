@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import time
 
 import torch
@@ -55,12 +57,30 @@ def profiled_run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
             "top": [(name, round(us / 1e3, 3), counts[name]) for name, us in by_name.most_common(12)]}
 
 
+def host_profiled_run(llm: LLM, prompts: list[str], params: SamplingParams, top: int = 25) -> list:
+    """The run under cProfile (the main thread's functions only): the ``top`` functions by their own time."""
+    profiler = cProfile.Profile()
+    began = time.perf_counter()
+    profiler.runcall(llm.generate, prompts, [params] * len(prompts), use_tqdm=False)
+    wall_ms = 1e3 * (time.perf_counter() - began)
+    stats = pstats.Stats(profiler)
+    rows = sorted(((f"{path.rsplit('/', 1)[-1]}:{line}:{name}", calls, 1e3 * own, 1e3 * total)
+                   for (path, line, name), (_, calls, own, total, _) in stats.stats.items()),
+                  key=lambda row: -row[2])[:top]
+    print(f"host profile, {'constrained' if params.structured_outputs else 'free'}: wall {wall_ms:.1f} ms")
+    for where, calls, own, total in rows:
+        print(f"    {own:8.2f} ms own {total:8.2f} ms total {calls:7d}x {where}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", help="also write the figures to this JSON file")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="then each run again under cProfile: the host's functions by their own time")
     args = parser.parse_args()
     llm = LLM(str(qwen3_06b_random()), max_num_seqs=max(256, args.batch), max_model_len=args.max_tokens + 256,
               grammar_workers=args.workers)
@@ -79,6 +99,9 @@ def main() -> int:
                   f"{run['device_busy_ms']:8.1f} ms, idle {run['device_idle_ms']:7.1f} ms", flush=True)
             for kernel, ms, count in run["top"]:
                 print(f"    {ms:8.2f} ms {count:6d}x {kernel}")
+        if args.host_profile:
+            for name, run_params in params.items():
+                report[f"{name}_host"] = host_profiled_run(llm, prompts, run_params)
         free, constrained = report["free"], report["constrained"]
         print(f"constrained - free: wall {constrained['wall_ms'] - free['wall_ms']:+.1f} ms, device busy "
               f"{constrained['device_busy_ms'] - free['device_busy_ms']:+.1f} ms, idle "
