@@ -28,7 +28,6 @@ mkdocs-static-i18n does not work with mkdocs-jupyter, hence one filtered tree pe
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import copy
 import os
 import re
@@ -76,59 +75,46 @@ class ChapterError(Exception):
     """A chapter raised while it was executed."""
 
 
-def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tuple(LANGUAGES),
-            jobs: int = 1) -> list[Path]:
+def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tuple(LANGUAGES)) -> list[Path]:
     """Run each chapter in a fresh kernel from the project root, once per language; write the executed notebooks.
 
     ``out_dir/<lang>/<chapter>.ipynb`` holds the run whose printed traces and tables speak ``lang``. A
     chapter whose cell raises (in any language) is reported and left out of every language executed (an
     older executed copy of it is removed, so that no site shows stale outputs); the others still run,
-    and ChapterError then names every failure. ``jobs`` kernels run at once (each a chapter in one
-    language), and a chapter's line is printed once its languages are done. This is the book's only
-    execution: `./dev test` checks the chapters with it and builds the sites from its notebooks.
+    and ChapterError then names every failure. This is the book's only execution: `./dev test` checks
+    the chapters with it and builds the sites from its notebooks.
     """
     for lang in languages:
         (out_dir / lang).mkdir(parents=True, exist_ok=True)
     written, failures = [], []
     began = time.monotonic()
     # Every kernel is forked from one process that has imported torch and transformers (tools/kernel_zygote.py).
-    # Threads are enough to run several: each run waits on its own kernel, a process of its own.
-    with Zygote({**os.environ, **KERNEL_ENV}, str(ROOT)) as zygote, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        runs = {(chapter, lang): pool.submit(timed_run, chapter, lang, zygote.kernel_spec_manager)
-                for chapter in chapters for lang in languages}
+    with Zygote({**os.environ, **KERNEL_ENV}, str(ROOT)) as zygote:
         for k, chapter in enumerate(chapters, start=1):
-            line, notebooks, failed = f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", {}, []
-            for lang in languages:
-                try:
-                    notebooks[lang], seconds = runs[chapter, lang].result()
-                    line += f" {lang} {seconds:5.1f} s"
-                except ChapterError as error:
-                    line += f" {lang} failed"
-                    failed.append(str(error))
-            print(line, flush=True)
+            print(f"book: [{k:>2}/{len(chapters)}] {chapter.name:<28}", end="", flush=True)
             targets = {lang: out_dir / lang / chapter.with_suffix(".ipynb").name for lang in languages}
-            if failed:
+            runs = {}
+            try:
+                for lang in languages:
+                    started = time.monotonic()
+                    runs[lang] = run_chapter(chapter, lang, zygote.kernel_spec_manager)
+                    print(f" {lang} {time.monotonic() - started:5.1f} s", end="", flush=True)
+            except ChapterError as error:
+                print(f" {lang} failed", flush=True)
                 for target in targets.values():
                     target.unlink(missing_ok=True)
-                failures += failed
+                failures.append(str(error))
                 continue
-            for lang, notebook in notebooks.items():
+            print(flush=True)
+            for lang, notebook in runs.items():
                 nbformat.write(notebook, targets[lang])
                 written.append(targets[lang])
     if len(chapters) > 1:
         print(f"book: executed {len(chapters)} chapters ({', '.join(languages)}) in "
-              f"{minutes(time.monotonic() - began)}" + (f", {jobs} at a time" if jobs > 1 else ""), flush=True)
+              f"{minutes(time.monotonic() - began)}", flush=True)
     if failures:
         raise ChapterError("\n\n".join(failures))
     return written
-
-
-def timed_run(chapter: Path, lang: str, kernel_specs: KernelSpecManager) -> tuple[nbformat.NotebookNode, float]:
-    """`run_chapter`, and the seconds it took."""
-    started = time.monotonic()
-    notebook = run_chapter(chapter, lang, kernel_specs)
-    return notebook, time.monotonic() - started
 
 
 def run_chapter(chapter: Path, lang: str = "en",
@@ -359,8 +345,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="where executed notebooks go (one folder per language)")
     parser.add_argument("--lang", choices=list(LANGUAGES), action="append",
                         help="execute in this language only (repeatable; default: every language)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="chapters executed at once, each in a kernel of its own (default 1)")
     args = parser.parse_args(argv)
     if args.action == "parts":
         for part, chapters in PARTS.items():
@@ -374,9 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action in ("execute", "all"):
             languages = tuple(args.lang or LANGUAGES)
-            if args.jobs < 1:
-                parser.error("--jobs must be at least 1")
-            execute([c.resolve() for c in args.chapters] or chapter_files(ROOT), args.out, languages, args.jobs)
+            execute([c.resolve() for c in args.chapters] or chapter_files(ROOT), args.out, languages)
         if args.action in ("site", "all"):
             build_sites(args.out)
     except ChapterError as error:
