@@ -218,8 +218,9 @@ def test_latency_bench_times_decode_steps_and_host_launches_on_a_cpu(tmp_path: P
         # 14 tokens: a prefill, then 13 decode steps, of which the first 8 warm up
         assert row["steps"] == 13 - 8 and row["ms_per_step"] > 0 and row["bound_ms"] > 0
         assert 0 < row["host_launch_ms"] <= row["ms_per_step"] * 1.5 and row["kernels_per_step"] is None
-        # On a CPU the host waits for nothing: the whole step is host time, less reading the tokens (a list).
-        assert 0.9 * row["ms_per_step"] < row["host_ms"] <= row["ms_per_step"]
+        # The host's time is the step's less its waits for tokens. How much of the step it is, is a timing (on a CPU
+        # nearly all of it, unless the machine is busy and the process is descheduled in a wait): not asserted.
+        assert 0 < row["host_ms"] <= row["ms_per_step"]
     assert main([*argv[:-1], "9", "--batches", "1"]) == 2
     assert "--output-len at least 10" in capsys.readouterr().err
 
