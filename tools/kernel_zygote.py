@@ -105,7 +105,11 @@ def serve(address: str, parent: int) -> tuple[socket.socket, dict]:
         for key, _ in selector.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                request = receive(conn)
+                try:
+                    request = receive(conn)
+                except (OSError, ValueError, struct.error):  # a launcher that died or spoke garbage: not our end
+                    conn.close()
+                    continue
                 sys.stdout.flush()
                 sys.stderr.flush()
                 pid = os.fork()
@@ -207,7 +211,7 @@ class Zygote:
         from jupyter_client.kernelspec import KernelSpecManager
 
         self.folder = tempfile.TemporaryDirectory(prefix="book-zygote-")
-        address = os.path.join(self.folder.name, "zygote")
+        self.address = address = os.path.join(self.folder.name, "zygote")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tools.kernel_zygote", "serve", address, str(os.getpid())],
             env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)

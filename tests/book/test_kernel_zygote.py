@@ -98,6 +98,26 @@ def test_the_launcher_exits_as_the_kernel_did(kernel):
     manager.cleanup_resources()
 
 
+def test_a_launcher_that_hangs_up_mid_request_leaves_the_zygote_serving(zygote, tmp_path):
+    import socket
+
+    for garbage in (b"", b"\x00\x00\x00\x09{not json"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(zygote.address)
+            conn.sendall(garbage)
+    manager = KernelManager(kernel_name="python3", kernel_spec_manager=zygote.kernel_spec_manager,
+                            transport="ipc", ip=str(tmp_path / "k"))
+    manager.start_kernel()
+    try:
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        assert run(client, "print(6 * 7)") == "42\n" and zygote.process.poll() is None
+        client.stop_channels()
+    finally:
+        manager.shutdown_kernel(now=True)
+
+
 def test_a_zygote_ends_with_the_process_that_started_it(tmp_path):
     script = ("import os, sys, time; sys.path.insert(0, sys.argv[1])\n"
               "from tools.kernel_zygote import Zygote\n"
