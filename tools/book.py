@@ -1,7 +1,8 @@
 """Execute the chapters and build the English and Chinese sites.
 
 ``python -m tools.book execute [chapter.py ...] [--lang en|zh]``
-    runs every chapter (or the ones named) top to bottom in a fresh kernel, once per language, and
+    runs every chapter (or the ones named) top to bottom in a fresh kernel (forked from one that has
+    imported torch and transformers: tools/kernel_zygote.py), once per language, and
     writes the executed notebooks to ``build/executed/<lang>/``, printing each run's time. A chapter
     prints in the reader's language (``nanovllm.book.lang``: ``NANOVLLM_BOOK_LANG`` is set for the
     kernel), so each site gets its own run. A chapter whose cell raises is named with its error and
