@@ -133,15 +133,22 @@ def serve(address: str, parent: int) -> tuple[socket.socket, dict]:
 
 
 def receive(conn: socket.socket) -> dict:
+    """A launcher's request: its arguments, environment and directory, and the descriptors of its streams (closed
+    here if the rest of the request does not come whole)."""
     header, fds, _, _ = socket.recv_fds(conn, LENGTH.size, 3)
-    (length,) = LENGTH.unpack(header)
-    body = b""
-    while len(body) < length:
-        chunk = conn.recv(length - len(body))
-        if not chunk:
-            raise ConnectionError("the launcher hung up mid-request")
-        body += chunk
-    return {**json.loads(body), "fds": fds}
+    try:
+        (length,) = LENGTH.unpack(header)
+        body = b""
+        while len(body) < length:
+            chunk = conn.recv(length - len(body))
+            if not chunk:
+                raise ConnectionError("the launcher hung up mid-request")
+            body += chunk
+        return {**json.loads(body), "fds": fds}
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def reply(conn: socket.socket, message: dict) -> None:
