@@ -118,18 +118,15 @@ def execute(chapters: list[Path], out_dir: Path, languages: tuple[str, ...] = tu
     return written
 
 
-def run_chapter(chapter: Path, lang: str = "en",
-                kernel_specs: KernelSpecManager | None = None) -> nbformat.NotebookNode:
+def run_chapter(chapter: Path, lang: str, kernel_specs: KernelSpecManager) -> nbformat.NotebookNode:
     """The chapter executed top to bottom in a fresh kernel, printing in ``lang``; ChapterError if a cell raises.
-
-    ``kernel_specs`` says where the ``python3`` kernel comes from (a `Zygote`'s); by default, Jupyter's own.
-    """
+    ``kernel_specs`` holds the ``python3`` kernel it runs in (a `Zygote`'s)."""
     notebook = read_chapter(chapter)  # parsed once for both languages
     # The kernel talks over Unix sockets in a private folder, not TCP: nothing listens on a
     # port, and ipykernel has no reason to warn about plain-text TCP on every chapter.
     with tempfile.TemporaryDirectory(prefix="book-kernel-") as sockets:
-        specs = {"kernel_spec_manager": kernel_specs} if kernel_specs else {}
-        kernel = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(sockets, "k"), **specs)
+        kernel = KernelManager(kernel_name="python3", kernel_spec_manager=kernel_specs, transport="ipc",
+                               ip=os.path.join(sockets, "k"))
         client = NotebookClient(notebook, km=kernel, timeout=CELL_TIMEOUT_S, allow_errors=False,
                                 resources={"metadata": {"path": str(ROOT)}})
         try:
