@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from jupyter_client.manager import KernelManager
 
+from tests.beyond.test_21_serving import alive, wait_until
 from tools.kernel_zygote import Zygote
 from tools.tangle import ROOT
 
@@ -46,19 +47,6 @@ def run(client, code: str) -> str:
     return "".join(m["content"]["text"] for m in printed if m["msg_type"] == "stream")
 
 
-def gone(pid: int, within: float = 10.0) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
-            return True  # ended, not yet reaped
-        time.sleep(0.05)
-    return False
-
-
 def test_a_kernel_is_a_fork_with_the_launchers_environment_directory_and_a_session_of_its_own(kernel, tmp_path):
     _, client = kernel
     printed = run(client, "import os, sys\n"
@@ -87,7 +75,7 @@ def test_killing_the_kernel_ends_it_and_what_it_started(kernel):
                        "print(os.getpid(), child.pid)").split()
     kernel_pid, child_pid = map(int, pids)
     manager.shutdown_kernel(now=True)  # SIGKILL to the launcher's group, as to any kernel Jupyter launched
-    assert gone(kernel_pid) and gone(child_pid)
+    assert wait_until(lambda: not alive(kernel_pid)) and wait_until(lambda: not alive(child_pid))
 
 
 def test_the_launcher_exits_as_the_kernel_did(kernel):
@@ -128,4 +116,5 @@ def test_a_zygote_ends_with_the_process_that_started_it(tmp_path):
     starter = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, timeout=120,
                              env={**os.environ, "TMPDIR": str(tmp_path)})
     assert starter.returncode == -signal.SIGKILL
-    assert gone(int(starter.stdout))
+    zygote_pid = int(starter.stdout)
+    assert wait_until(lambda: not alive(zygote_pid))
