@@ -73,21 +73,34 @@ def host_profiled_run(llm: LLM, prompts: list[str], params: SamplingParams, top:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    """The options of issue 63's probes: --batch, --workers, --max-tokens (``max_tokens`` by default) and --out."""
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--out", help="also write the figures to this JSON file")
+
+
+def engine_and_requests(batch: int, workers: int, max_tokens: int
+                        ) -> tuple[LLM, dict[str, SamplingParams], list[str]]:
+    """An engine as chapter 29's structured benchmark builds it (Qwen3-0.6B's shapes with random weights,
+    ``grammar_workers=workers``), the benchmark's free and constrained greedy requests by name, and ``batch``
+    prompts (issue 63's probes share them)."""
+    llm = LLM(str(qwen3_06b_random()), max_num_seqs=max(256, batch), max_model_len=max_tokens + 256,
+              grammar_workers=workers)
+    roster = StructuredOutputsParams(json=ROSTER_SCHEMA)
+    params = {"free": SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+              "constrained": SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=roster)}
+    return llm, params, roster_prompts(batch)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_options(parser, max_tokens=64)
     parser.add_argument("--host-profile", action="store_true",
                         help="then each run again under cProfile: the host's functions by their own time")
     args = parser.parse_args()
-    llm = LLM(str(qwen3_06b_random()), max_num_seqs=max(256, args.batch), max_model_len=args.max_tokens + 256,
-              grammar_workers=args.workers)
-    roster = StructuredOutputsParams(json=ROSTER_SCHEMA)
-    params = {"free": SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
-              "constrained": SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=roster)}
-    prompts = roster_prompts(args.batch)
+    llm, params, prompts = engine_and_requests(args.batch, args.workers, args.max_tokens)
     report = {"batch": args.batch, "workers": args.workers, "max_tokens": args.max_tokens,
               "device": torch.cuda.get_device_name()}
     try:

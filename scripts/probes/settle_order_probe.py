@@ -23,16 +23,13 @@ import time
 
 import torch
 
-from nanovllm.bench.models import qwen3_06b_random
-from nanovllm.bench.structured import ROSTER_SCHEMA, roster_prompts
 from nanovllm.engine.cuda_graphs import DecodeStaging
 from nanovllm.engine.grammar_workers import WorkerGrammars
 from nanovllm.engine.grammars import Grammars
 from nanovllm.engine.model_runner import LaterTokens, ModelRunner, SampledTokens
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from scripts.probes.constrained_gap_probe import add_options, engine_and_requests
 
 PHASES: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
 STAGED_FIRST = {"on": False}
@@ -99,11 +96,8 @@ def synchronize() -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_options(parser, max_tokens=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     ModelRunner.begin_step, ModelRunner.replay_staged = begin_step, replay_staged
     ModelRunner.launch = eager_guard(ModelRunner.launch)
@@ -112,12 +106,8 @@ def main() -> int:
                       (Scheduler, "resolve"), (SampledTokens, "token_ids"), (ModelRunner, "launch")]:
         if name in cls.__dict__:
             timed(cls, name)
-    llm = LLM(str(qwen3_06b_random()), max_num_seqs=max(256, args.batch), max_model_len=args.max_tokens + 256,
-              grammar_workers=args.workers)
-    roster = StructuredOutputsParams(json=ROSTER_SCHEMA)
-    free = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=roster)
-    prompts = roster_prompts(args.batch)
+    llm, params, prompts = engine_and_requests(args.batch, args.workers, args.max_tokens)
+    free, constrained = params["free"], params["constrained"]
     walls: dict[str, list[float]] = collections.defaultdict(list)
     phases: dict[str, dict[str, float]] = {}
     same_tokens = True

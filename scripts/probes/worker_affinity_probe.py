@@ -22,10 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nanovllm.bench.models import qwen3_06b_random
-from nanovllm.bench.structured import ROSTER_SCHEMA, roster_prompts
-from nanovllm.llm import LLM
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from scripts.probes.constrained_gap_probe import add_options, engine_and_requests
 
 
 def physical_cores() -> list[list[int]]:
@@ -39,23 +36,15 @@ def physical_cores() -> list[list[int]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    add_options(parser, max_tokens=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", help="also write the figures to this JSON file")
     args = parser.parse_args()
     cores = physical_cores()
     print(f"{sum(map(len, cores))} CPUs on {len(cores)} physical cores: {cores}")
     if len(cores) < args.workers + 2:
         raise SystemExit("not enough physical cores to give each worker one and keep two for the engine")
     everything = {cpu for core in cores for cpu in core}
-    llm = LLM(str(qwen3_06b_random()), max_num_seqs=max(256, args.batch), max_model_len=args.max_tokens + 256,
-              grammar_workers=args.workers)
-    roster = StructuredOutputsParams(json=ROSTER_SCHEMA)
-    runs = {"free": SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),
-            "constrained": SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=roster)}
-    prompts = roster_prompts(args.batch)
+    llm, runs, prompts = engine_and_requests(args.batch, args.workers, args.max_tokens)
     walls: dict[str, list[float]] = collections.defaultdict(list)
     try:
         for params in runs.values():  # warm-up; the first constrained run starts the workers
