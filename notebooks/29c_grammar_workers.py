@@ -884,7 +884,7 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # %% worker grammars
 #| export
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.config import Config
 from nanovllm.engine.grammars import Grammars, SequenceGrammar, tokenizer_json
@@ -893,6 +893,20 @@ from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
 
 if TYPE_CHECKING:
     from nanovllm.engine.model_runner import SampledTokens
+
+
+class FillPlan(NamedTuple):
+    """What a fill did, row by row, which the usual decode step after it repeats (`WorkerGrammars.start_fill`): its
+    sequences; the states whose matchers read their tokens; its jobs' sequence ids and rows; the rows written by the
+    engine's process, each with what it holds (every token allowed, or only the end of sequence)."""
+    # zh: 一次填写逐行做了什么，紧接着的常见 decode 步会照做一遍（`WorkerGrammars.start_fill`）：它的序列；匹配器
+    # zh: 读入了 token 的那些状态；它的任务的序列 id 和行；由引擎进程写的行，以及各自写了什么（允许所有 token，或只
+    # zh: 允许序列结束）。
+
+    seqs: list[Sequence]
+    states: list[SequenceGrammar]
+    jobs: list[tuple[int, int]]
+    written: list[tuple[int, int | torch.Tensor]]
 
 
 class WorkerGrammars(Grammars):
@@ -916,6 +930,10 @@ class WorkerGrammars(Grammars):
         # en: The fill begun (`start_fill`): the step's sequences and the bitmask.
         # zh: 已经开始的那次填写（`start_fill`）：这一步的序列，以及位掩码。
         self.filling: tuple[list[Sequence], torch.Tensor] | None = None
+        # en: The last fill's plan, while the usual decode step after it may repeat it without a look-up a row
+        # en: (`usual_step_tokens`).
+        # zh: 上一次填写的计划，只要紧接着的常见 decode 步还能不必逐行查找就把它再做一遍（`usual_step_tokens`）。
+        self.repeatable: FillPlan | None = None
 
     @property
     def workers(self) -> GrammarWorkers:
@@ -983,22 +1001,66 @@ class WorkerGrammars(Grammars):
         them (`finish_fill` does)."""
         # zh: 开始第 29 章的 `fill`：本进程等正在计算的那一步，收集每个受约束序列未读的 token，写好不需要语法的那些行，
         # zh: 把其余的交给工作进程，不等它们做完（由 `finish_fill` 来等）。
+        samples = self.usual_step_tokens(seqs, previous)
+        if samples is None:
+            jobs, plan = self.jobs(seqs, bitmask, previous)
+        else:
+            # en: The last fill again, each job's one unread token its row's sample in the step in flight (every matcher
+            # en: is placed already), and the rows written here as they were.
+            # zh: 把上一次填写再做一遍：每个任务唯一未读的 token 是正在计算的那一步在它这一行的采样（每个匹配器都已经
+            # zh: 安置好了），在这里写的行照旧写。
+            plan = self.repeatable._replace(seqs=seqs)
+            for state in plan.states:
+                state.consumed += 1
+            for row, value in plan.written:
+                bitmask[row] = value
+            jobs = [(seq_id, None, [samples[row]], row) for seq_id, row in plan.jobs]
+        self.workers.start_fill(jobs, bitmask)
+        self.filling = (seqs, bitmask)
+        self.repeatable = plan
+
+    def jobs(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None
+             ) -> tuple[list[tuple[int, str | None, list[int], int]], FillPlan]:
+        """A step's jobs, each row's tokens found as chapter 29's `fill` finds them, and the plan of the fill; the rows
+        that need no grammar are written here."""
+        # zh: 一步的任务，每行的 token 按第 29 章 `fill` 的办法找出，以及这次填写的计划；不需要语法的行在这里写好。
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
         pending = self.pending_tokens(seqs, constrained, previous)
-        jobs = []
+        jobs, plan = [], FillPlan(seqs, [], [], [])
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.state_of(seq) if held else None
             tokens = None if state is None else self.unread_tokens(seq, state, pending)
             if tokens is None:
                 bitmask[row] = -1
+                plan.written.append((row, -1))
                 continue
             state.consumed += len(tokens)
+            plan.states.append(state)
             if state.error is not None:
                 bitmask[row] = self.end_of_sequence
+                plan.written.append((row, self.end_of_sequence))
                 continue
             jobs.append((seq.seq_id, self.grammar_to_send(seq), tokens, row))
-        self.workers.start_fill(jobs, bitmask)
-        self.filling = (seqs, bitmask)
+            plan.jobs.append((seq.seq_id, row))
+        return jobs, plan
+
+    def usual_step_tokens(self, seqs: list[Sequence], previous: SampledTokens | None) -> list[int] | None:
+        """The usual decode step's samples, one a row, which are its jobs' unread tokens: when the step in flight
+        (``previous``) is the one filled last and this step holds the same sequences in the same order, each matcher
+        has read all but its sequence's sample in that step, in the same row, and each other row stays as it was
+        (a plain sequence's, a failed one's, or one whose tokens hold the mark of logits that are not numbers). None
+        otherwise (a sequence came, went or moved; drafts were checked; a grammar failed in its worker), or when a
+        sample is that mark."""
+        # zh: 常见 decode 步的采样，每行一个，也就是它的任务未读的 token：如果正在计算的那一步（``previous``）
+        # zh: 就是上一次填写的那一步，而这一步以同样的顺序持有同样的序列，那么每个匹配器都已读完，只差它的序列在
+        # zh: 那一步的采样，而且在同一行；其余各行保持原样（普通序列的、失败序列的、token 里有“logits 不是数”标记
+        # zh: 的）。否则返回 None（有序列来了、走了或挪了位置；检查过草稿；某个语法在工作进程里失败了），某个采样
+        # zh: 就是那个标记时也返回 None。
+        if self.repeatable is None or previous is None or previous.seqs is not self.repeatable.seqs \
+                or seqs != previous.seqs:
+            return None
+        samples = previous.token_ids()
+        return samples if min(samples) >= 0 else None
 
     def finish_fill(self) -> None:
         """Wait for the workers' rows of `start_fill`; a sequence whose grammar refused a token fails, and its row
@@ -1008,6 +1070,8 @@ class WorkerGrammars(Grammars):
             raise RuntimeError("grammar workers: no fill to finish (start_fill first)")
         (seqs, bitmask), self.filling = self.filling, None
         failed = self.workers.finish_fill()
+        if failed:
+            self.repeatable = None
         for row, seq in enumerate(seqs if failed else []):
             if seq.seq_id in failed:
                 self.failed_in_worker(seq, failed[seq.seq_id])
@@ -1070,6 +1134,9 @@ class WorkerGrammars(Grammars):
         its grammar has failed, or when a token it gained is the mark of logits that are not numbers."""
         # zh: ``seq`` 在验证步里的任务（见 `GrammarWorkers.drafts`），它未读的 token 记为已读；它的语法已经失败，或者它
         # zh: 新得的 token 是“logits 不是数”的标记时，返回 None。
+        # en: The matchers move off the last fill's course: the next fill looks each row up again.
+        # zh: 匹配器离开了上一次填写的轨道：下一次填写要重新逐行查找。
+        self.repeatable = None
         state = self.state_of(seq)
         tokens = self.unread_tokens(seq, state, {})
         if tokens is None:

@@ -16,7 +16,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "START_TIMEOUT_S",
     "STOP_TIMEOUT_S",
+    "FillPlan",
     "GrammarWorkers",
     "WorkerGrammars",
     "stop_workers",
@@ -251,6 +252,17 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 
 
 # notebooks/29c_grammar_workers.py · cell "worker grammars"
+class FillPlan(NamedTuple):
+    """What a fill did, row by row, which the usual decode step after it repeats (`WorkerGrammars.start_fill`): its
+    sequences; the states whose matchers read their tokens; its jobs' sequence ids and rows; the rows written by the
+    engine's process, each with what it holds (every token allowed, or only the end of sequence)."""
+
+    seqs: list[Sequence]
+    states: list[SequenceGrammar]
+    jobs: list[tuple[int, int]]
+    written: list[tuple[int, int | torch.Tensor]]
+
+
 class WorkerGrammars(Grammars):
     """Chapter 29's `Grammars` with its matchers in worker processes (`GrammarWorkers`, started at the first
     constrained step that needs them): this process keeps each sequence's progress and failure, the workers read its
@@ -266,6 +278,9 @@ class WorkerGrammars(Grammars):
         self.states: dict[int, SequenceGrammar] = {}
         # The fill begun (`start_fill`): the step's sequences and the bitmask.
         self.filling: tuple[list[Sequence], torch.Tensor] | None = None
+        # The last fill's plan, while the usual decode step after it may repeat it without a look-up a row
+        # (`usual_step_tokens`).
+        self.repeatable: FillPlan | None = None
 
     @property
     def workers(self) -> GrammarWorkers:
@@ -323,22 +338,58 @@ class WorkerGrammars(Grammars):
         """Chapter 29's `fill`, begun: this process waits for the step in flight, collects each constrained sequence's
         unread tokens, writes the rows that need no grammar, and hands the others to the workers without waiting for
         them (`finish_fill` does)."""
+        samples = self.usual_step_tokens(seqs, previous)
+        if samples is None:
+            jobs, plan = self.jobs(seqs, bitmask, previous)
+        else:
+            # The last fill again, each job's one unread token its row's sample in the step in flight (every matcher
+            # is placed already), and the rows written here as they were.
+            plan = self.repeatable._replace(seqs=seqs)
+            for state in plan.states:
+                state.consumed += 1
+            for row, value in plan.written:
+                bitmask[row] = value
+            jobs = [(seq_id, None, [samples[row]], row) for seq_id, row in plan.jobs]
+        self.workers.start_fill(jobs, bitmask)
+        self.filling = (seqs, bitmask)
+        self.repeatable = plan
+
+    def jobs(self, seqs: list[Sequence], bitmask: torch.Tensor, previous: SampledTokens | None
+             ) -> tuple[list[tuple[int, str | None, list[int], int]], FillPlan]:
+        """A step's jobs, each row's tokens found as chapter 29's `fill` finds them, and the plan of the fill; the rows
+        that need no grammar are written here."""
         constrained = [seq.sampling_params.structured_outputs is not None for seq in seqs]
         pending = self.pending_tokens(seqs, constrained, previous)
-        jobs = []
+        jobs, plan = [], FillPlan(seqs, [], [], [])
         for row, (seq, held) in enumerate(zip(seqs, constrained, strict=True)):
             state = self.state_of(seq) if held else None
             tokens = None if state is None else self.unread_tokens(seq, state, pending)
             if tokens is None:
                 bitmask[row] = -1
+                plan.written.append((row, -1))
                 continue
             state.consumed += len(tokens)
+            plan.states.append(state)
             if state.error is not None:
                 bitmask[row] = self.end_of_sequence
+                plan.written.append((row, self.end_of_sequence))
                 continue
             jobs.append((seq.seq_id, self.grammar_to_send(seq), tokens, row))
-        self.workers.start_fill(jobs, bitmask)
-        self.filling = (seqs, bitmask)
+            plan.jobs.append((seq.seq_id, row))
+        return jobs, plan
+
+    def usual_step_tokens(self, seqs: list[Sequence], previous: SampledTokens | None) -> list[int] | None:
+        """The usual decode step's samples, one a row, which are its jobs' unread tokens: when the step in flight
+        (``previous``) is the one filled last and this step holds the same sequences in the same order, each matcher
+        has read all but its sequence's sample in that step, in the same row, and each other row stays as it was
+        (a plain sequence's, a failed one's, or one whose tokens hold the mark of logits that are not numbers). None
+        otherwise (a sequence came, went or moved; drafts were checked; a grammar failed in its worker), or when a
+        sample is that mark."""
+        if self.repeatable is None or previous is None or previous.seqs is not self.repeatable.seqs \
+                or seqs != previous.seqs:
+            return None
+        samples = previous.token_ids()
+        return samples if min(samples) >= 0 else None
 
     def finish_fill(self) -> None:
         """Wait for the workers' rows of `start_fill`; a sequence whose grammar refused a token fails, and its row
@@ -347,6 +398,8 @@ class WorkerGrammars(Grammars):
             raise RuntimeError("grammar workers: no fill to finish (start_fill first)")
         (seqs, bitmask), self.filling = self.filling, None
         failed = self.workers.finish_fill()
+        if failed:
+            self.repeatable = None
         for row, seq in enumerate(seqs if failed else []):
             if seq.seq_id in failed:
                 self.failed_in_worker(seq, failed[seq.seq_id])
@@ -403,6 +456,8 @@ class WorkerGrammars(Grammars):
     def draft_job(self, seq: Sequence, drafts: list[int], row: int | None) -> tuple | None:
         """``seq``'s job of a verify step (see `GrammarWorkers.drafts`), its unread tokens counted as read; None when
         its grammar has failed, or when a token it gained is the mark of logits that are not numbers."""
+        # The matchers move off the last fill's course: the next fill looks each row up again.
+        self.repeatable = None
         state = self.state_of(seq)
         tokens = self.unread_tokens(seq, state, {})
         if tokens is None:

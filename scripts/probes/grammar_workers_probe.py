@@ -9,7 +9,9 @@ byte-level tokenizer with Qwen3's 151,936 ids. Each row walks one of eight token
 costs no drawing); between two fills the host sleeps 3 ms, about the rest of a 256-sequence step on an H100, so
 that a worker which sleeps while it waits must be woken, as in the engine. Per row count: the median milliseconds of
 a step's `fill`, in process (`Grammars`) and through `WorkerGrammars` for each worker count and spin, and for the
-workers also the host's share when the gap comes between `start_fill` and `finish_fill` (chapter 29c's engine).
+workers also the host's share when the gap comes between `start_fill` and `finish_fill` (chapter 29c's engine): with
+each new token known, then pending until the next fill reads it from the step's samples, as under asynchronous
+scheduling (the usual decode step's road, `WorkerGrammars.usual_step_tokens`).
 """
 
 from __future__ import annotations
@@ -46,31 +48,45 @@ def walks(grammars, params, count: int = 8, length: int = 40) -> list[list[int]]
 
 
 def timed_fills(grammars, params, paths: list[list[int]], rows: int, bitmask: torch.Tensor, steps: int,
-                gap_s: float, overlapped: bool = False) -> float:
+                gap_s: float, overlapped: bool = False, pending: bool = False) -> float:
     """The median milliseconds of a step's fill for ``rows`` new sequences walking ``paths``: the whole `fill`, or,
     ``overlapped``, the host's share when the gap comes between `start_fill` and `finish_fill` (as chapter 29c's
-    engine does the rest of its step there): the time in both calls, the gap not counted."""
+    engine does the rest of its step there): the time in both calls, the gap not counted. ``pending``: each new token
+    stays pending until the next fill has read it from the step's samples, as under asynchronous scheduling."""
+    from nanovllm.engine.model_runner import SampledTokens
     from nanovllm.engine.sequence import Sequence
 
     seqs = [Sequence([1, 2, 3], params, block_size=16) for _ in range(rows)]
     for seq in seqs:
         seq.num_cached_tokens = 3
-    seconds = []
+    seconds, previous, places = [], None, []
     for step in range(steps):
+        step_seqs = list(seqs)
         start = time.perf_counter()
         if overlapped:
-            grammars.start_fill(seqs, bitmask[:rows])
+            grammars.start_fill(step_seqs, bitmask[:rows], previous)
             started = time.perf_counter()
             time.sleep(gap_s)
             resumed = time.perf_counter()
             grammars.finish_fill()
             seconds.append(started - start + time.perf_counter() - resumed)
         else:
-            grammars.fill(seqs, bitmask[:rows])
+            grammars.fill(step_seqs, bitmask[:rows], previous)
             seconds.append(time.perf_counter() - start)
             time.sleep(gap_s)
-        for row, seq in enumerate(seqs):
-            seq.append_token(paths[row % len(paths)][step])
+        tokens = [paths[row % len(paths)][step] for row in range(rows)]
+        if pending:
+            # the engine's postprocess of the step in flight, once the next step's fill has read its samples
+            for seq, place, token in zip(seqs, places, previous.token_ids() if previous else [], strict=False):
+                seq.set_token(place, token)
+            places = [seq.append_pending_token() for seq in seqs]
+            sampled = torch.tensor(tokens)
+            previous = SampledTokens(step_seqs, list(range(rows)), sampled, sampled,
+                                     [(seq.request_id, seq.sample_index) for seq in seqs])
+        else:
+            for seq, token in zip(seqs, tokens, strict=True):
+                seq.append_token(token)
+        for seq in seqs:
             seq.num_cached_tokens = len(seq)
     return 1e3 * statistics.median(seconds[5:])
 
@@ -117,10 +133,12 @@ def main() -> None:
             for rows in args.rows:
                 ms = timed_fills(grammars, params, paths, rows, shared, steps, args.gap)
                 overlapped = timed_fills(grammars, params, paths, rows, shared, steps, args.gap, overlapped=True)
+                usual = timed_fills(grammars, params, paths, rows, shared, steps, args.gap, overlapped=True,
+                                    pending=True)
                 results.append({"workers": count, "spin_s": spin, "rows": rows, "fill_ms": ms,
-                                "overlapped_ms": overlapped})
+                                "overlapped_ms": overlapped, "overlapped_pending_ms": usual})
                 print(f"{count} workers, spin {spin:.3f} s, {rows:4d} rows: {ms:7.3f} ms; beside the host's gap "
-                      f"{overlapped:7.3f} ms", flush=True)
+                      f"{overlapped:7.3f} ms, its tokens pending {usual:7.3f} ms", flush=True)
             grammars.workers.close()
             del grammars
             gc.collect()

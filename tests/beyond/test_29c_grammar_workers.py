@@ -121,6 +121,76 @@ def test_the_host_works_while_the_workers_fill_and_one_fill_goes_at_a_time(tiny:
         there.workers.close()
 
 
+def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Path):
+    """Under asynchronous scheduling (each new token pending, the step in flight's samples at hand): while a step
+    holds the sequences of the last fill in the same order (one of them plain), start_fill takes each row's sample
+    without looking the sequences up; a sequence gone, the order changed, drafts checked, a grammar failed, or a step in flight other than
+    the one filled last each take chapter 29's road once. The masks equal chapter 29's in process at every step."""
+    from nanovllm.engine.model_runner import SampledTokens
+
+    config = Config(str(tiny), device="cpu", grammar_workers=2)
+    here, there = Grammars(config), WorkerGrammars(config)
+    looked_up = []
+    jobs = there.jobs
+    there.jobs = lambda *args: looked_up.append(len(looked_up)) or jobs(*args)
+    try:
+        ours, theirs = decoding(8), decoding(8)
+        plain = SamplingParams(temperature=1.0, max_tokens=50)
+        ours[5], theirs[5] = (Sequence([1, 2, 3], plain, block_size=16) for _ in range(2))
+        for seq in (ours[5], theirs[5]):
+            seq.num_cached_tokens = 3
+        shared = there.host_bitmasks(8, copies=1, pinned=False)[0]
+        mask = torch.empty(8, bitmask_words(here.vocab_size), dtype=torch.int32)
+        rng, previous, pending = random.Random(2), None, []
+        roads = []
+        for step in range(12):
+            if step == 3:  # a sequence finished
+                ours, theirs = ours[1:], theirs[1:]
+            if step == 5:  # the same sequences in another order
+                ours, theirs = ours[::-1], theirs[::-1]
+            if step == 7:  # a speculator's drafts checked (none cut: empty drafts but one)
+                here.fill(ours, mask[: len(ours)])
+                first = draws(here, mask[:1], rng)[0]
+                drafts = [[first]] + [[] for _ in ours[1:]]
+                for seq in theirs:  # the checks read every token, as at a verify step's proposal: none pending
+                    seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
+                pending, previous = {}, None
+                assert there.cut_drafts(theirs, drafts) == here.cut_drafts(ours, drafts)
+                assert there.repeatable is None
+            before = len(looked_up)
+            here.fill(ours, mask[: len(ours)])
+            step_seqs = list(theirs)
+            there.fill(step_seqs, shared[: len(theirs)], previous)
+            roads.append("looked up" if len(looked_up) > before else "by row")
+            assert torch.equal(mask[: len(ours)], shared[: len(theirs)]), step
+            # the engine's postprocess of the step in flight, after the next step's fill
+            for seq in theirs if previous is not None else []:
+                seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
+            # a failed grammar allows only the end of its sequence, which draws never picks
+            tokens = ([here.eos_token_ids[0]] if step > 8 else []) + draws(here, mask[int(step > 8) : len(ours)], rng)
+            if step == 8:  # a token the first sequence's grammar refuses: it fails in its worker
+                tokens[0] = int((~allowed_tokens(mask[0], here.vocab_size)).nonzero()[0])
+            append(ours, tokens)
+            pending = {seq.seq_id: seq.append_pending_token() for seq in theirs}
+            sampled = torch.tensor(tokens)
+            previous = SampledTokens(step_seqs, list(range(len(theirs))), sampled, sampled,
+                                     [(seq.request_id, seq.sample_index) for seq in theirs])
+        assert roads == ["looked up", "by row", "by row", "looked up", "by row", "looked up", "by row",
+                         "looked up", "by row", "by row", "looked up", "by row"]
+        assert there.matchers[theirs[0]].error is not None and torch.equal(shared[0], there.end_of_sequence)
+        plain_row = theirs.index(next(seq for seq in theirs if seq.sampling_params.structured_outputs is None))
+        assert torch.equal(shared[plain_row], torch.full_like(shared[plain_row], -1))
+        # a step in flight that is not the one filled last (here: a copy of it) is looked up too
+        for seq in theirs:
+            seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
+        here.fill(ours, mask[: len(ours)])
+        assert there.usual_step_tokens(list(theirs), SampledTokens(list(previous.seqs), previous.rows,
+                                                                   previous.on_device, previous.on_host,
+                                                                   previous.samples)) is None
+    finally:
+        there.workers.close()
+
+
 def test_later_tokens_queue_their_sampling_once_when_first_needed(tiny: Path):
     """Nothing is drawn until the tokens are read; write_pending, token_ids and the runner's begin_step settle them,
     once; a draw that raises leaves them unsettled, and the next read tries again."""
