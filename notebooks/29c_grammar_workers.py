@@ -857,6 +857,13 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # - `fill` does chapter 29's three parts in two places: the wait and the unread tokens here, the
 #   reading and the rows in the workers. The rows that need no grammar (a plain sequence's, a
 #   dropped one's, a failed one's) it writes itself.
+# - The usual decode step skips the look-ups. When the step in flight is the one filled last and
+#   this step holds the same sequences in the same order, each matcher has read everything but
+#   one token, its sequence's sample in the step in flight, in the same row. So the fill keeps
+#   its plan (`FillPlan`: each job's sequence and row, the rows it wrote itself), and the next
+#   fill repeats it with the new samples, without looking into any sequence. A sequence that
+#   comes, goes or moves, a verify step's drafts, or a grammar that fails sends the next fill
+#   down chapter 29's road once, and it makes a new plan.
 #
 # - `cut_drafts` and `fill_verify_rows` (the rows of chapter 29's `mask_drafts`), a verify step's
 #   checks of its drafts, ask the workers too, in one round trip that the step waits for: how many
@@ -875,6 +882,10 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # - `start` 还要求在引擎放开序列时得到通知（`weakref.finalize`），然后把它的匹配器排进待忘掉的队列；
 # - `fill` 把第 29 章的三个部分分在两处做：等待和未读的 token 在这里，读入和写行在工作进程里。不需要语法的行（普通
 #   序列的、被丢弃序列的、失败序列的）由它自己写。
+# - 常见的 decode 步省掉逐行查找。如果正在计算的那一步就是上一次填写的那一步，而这一步以同样的顺序持有同样的序列，
+#   那么每个匹配器都已读完，只差一个 token：它的序列在正在计算的那一步的采样，而且在同一行。所以填写留下它的计划
+#   （`FillPlan`：每个任务的序列和行，以及它自己写的行），下一次填写带着新的采样照做一遍，不必查看任何序列。有序列
+#   来了、走了或挪了位置，验证步的草稿，或者某个语法失败，都会让下一次填写走一遍第 29 章的路，并定下新的计划。
 #
 # - `cut_drafts` 和 `fill_verify_rows`（第 29 章 `mask_drafts` 的各行），即验证步对草稿的检查，也交给工作进程，
 #   一次往返，这一步等它完成：每个序列的草稿语法接受几个，或者它的各行：第 0 行，以及语法接受的每个草稿之后的一行，
@@ -2063,8 +2074,9 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 #   (`start_fill`) and collects them (`finish_fill`), and raises in the engine, with the worker's
 #   words, when one fails or dies.
 #   `WorkerGrammars` is chapter 29's `Grammars` with its matchers there: `host_bitmasks`, `start`,
-#   `state_of`, `fill`, `cut_drafts` and `fill_verify_rows` change, and the fill comes in two halves
-#   (`start_fill`, `finish_fill`).
+#   `state_of`, `fill`, `cut_drafts` and `fill_verify_rows` change, the fill comes in two halves
+#   (`start_fill`, `finish_fill`), and the usual decode step repeats the last fill's plan
+#   (`FillPlan`) with the new samples instead of looking each row up.
 # - The sampling queued later: `LaterTokens`, a step's tokens whose sampling waits until they are
 #   first read; `ModelRunner.masked_draw` begins the fill and returns them, and
 #   `ModelRunner.begin_step` settles them before the next step queues anything (its replay
@@ -2096,7 +2108,8 @@ assert round((calls[256][0] - calls[256][1]) / 1e3, 1) == 0.2
 #   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程（`start_fill`）再收回
 #   （`finish_fill`），某个进程失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的
 #   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of`、`fill`、`cut_drafts` 和 `fill_verify_rows` 变了，
-#   填写分成两半（`start_fill`、`finish_fill`）。
+#   填写分成两半（`start_fill`、`finish_fill`），常见的 decode 步带着新的采样照做上一次填写的计划（`FillPlan`），
+#   不再逐行查找。
 # - 晚些排进队列的采样：`LaterTokens`，一步的 token，它的采样一直等到第一次被读；`ModelRunner.masked_draw` 开始填写并
 #   返回它们，`ModelRunner.begin_step` 在下一步往队列里放任何东西之前让它们落定（下一步的重放会覆盖采样要读的
 #   隐藏状态）。在进程内，`Grammars.start_fill` 就是整个填写。
