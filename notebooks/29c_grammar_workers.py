@@ -908,11 +908,12 @@ if TYPE_CHECKING:
 
 class FillPlan(NamedTuple):
     """What a fill did, row by row, which the usual decode step after it repeats (`WorkerGrammars.start_fill`): its
-    sequences; the states whose matchers read their tokens; its jobs' sequence ids and rows; the rows written by the
-    engine's process, each with what it holds (every token allowed, or only the end of sequence)."""
-    # zh: 一次填写逐行做了什么，紧接着的常见 decode 步会照做一遍（`WorkerGrammars.start_fill`）：它的序列；匹配器
-    # zh: 读入了 token 的那些状态；它的任务的序列 id 和行；由引擎进程写的行，以及各自写了什么（允许所有 token，或只
-    # zh: 允许序列结束）。
+    sequences; the states that counted their new tokens as read (the jobs' and the failed sequences'); its jobs'
+    sequence ids and rows; the rows written by the engine's process, each with what it holds (every token allowed, or
+    only the end of sequence)."""
+    # zh: 一次填写逐行做了什么，紧接着的常见 decode 步会照做一遍（`WorkerGrammars.start_fill`）：它的序列；把新
+    # zh: token 记为已读的那些状态（任务的，以及失败序列的）；它的任务的序列 id 和行；由引擎进程写的行，以及各自写了
+    # zh: 什么（允许所有 token，或只允许序列结束）。
 
     seqs: list[Sequence]
     states: list[SequenceGrammar]

@@ -254,8 +254,9 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # notebooks/29c_grammar_workers.py · cell "worker grammars"
 class FillPlan(NamedTuple):
     """What a fill did, row by row, which the usual decode step after it repeats (`WorkerGrammars.start_fill`): its
-    sequences; the states whose matchers read their tokens; its jobs' sequence ids and rows; the rows written by the
-    engine's process, each with what it holds (every token allowed, or only the end of sequence)."""
+    sequences; the states that counted their new tokens as read (the jobs' and the failed sequences'); its jobs'
+    sequence ids and rows; the rows written by the engine's process, each with what it holds (every token allowed, or
+    only the end of sequence)."""
 
     seqs: list[Sequence]
     states: list[SequenceGrammar]
