@@ -124,8 +124,9 @@ def test_the_host_works_while_the_workers_fill_and_one_fill_goes_at_a_time(tiny:
 def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Path):
     """Under asynchronous scheduling (each new token pending, the step in flight's samples at hand): while a step
     holds the sequences of the last fill in the same order (one of them plain), start_fill takes each row's sample
-    without looking the sequences up; a sequence gone, the order changed, drafts checked, a grammar failed, or a step in flight other than
-    the one filled last each take chapter 29's road once. The masks equal chapter 29's in process at every step."""
+    without looking the sequences up; a sequence gone, the order changed, drafts checked, a grammar failed, or a step
+    in flight other than the one filled last each take chapter 29's road once. The masks equal chapter 29's in process
+    at every step."""
     from nanovllm.engine.model_runner import SampledTokens
 
     config = Config(str(tiny), device="cpu", grammar_workers=2)
