@@ -399,12 +399,19 @@ def test_speculation_with_grammar_workers_writes_the_outputs_in_process(tiny: Pa
         grammars.workers.close()
 
 
-def test_the_setting(tiny: Path):
-    """0 by default; a number is kept, beside a speculative method too; negative numbers and non-numbers are refused
-    with the setting's name; the command line offers it as --grammar-workers."""
+def test_the_setting(tiny: Path, monkeypatch):
+    """Left out: 4 on a GPU whose process may use 8 cores or more, else 0 (on a CPU always); a number is kept, beside a
+    speculative method too; negative numbers and non-numbers are refused with the setting's name; the command line
+    offers it as --grammar-workers, left out by default."""
+    from nanovllm import config as config_module
     from nanovllm.serve.cli import build_parser, engine_settings
 
     assert Config(str(tiny), device="cpu").grammar_workers == 0
+    assert Config(str(tiny), device="cpu", grammar_workers=None).grammar_workers == 0
+    for cores, workers in ((16, 4), (8, 4), (7, 0), (2, 0)):
+        monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
+        assert config_module.default_grammar_workers("cuda") == workers, cores
+        assert config_module.default_grammar_workers("cpu") == 0
     assert Config(str(tiny), device="cpu", grammar_workers=3).grammar_workers == 3
     with pytest.raises(ValueError, match="grammar_workers"):
         Config(str(tiny), device="cpu", grammar_workers=-1)
@@ -412,7 +419,7 @@ def test_the_setting(tiny: Path):
         Config(str(tiny), device="cpu", grammar_workers="four")
     assert Config(str(tiny), device="cpu", grammar_workers=2, speculative_method="ngram").grammar_workers == 2
     assert engine_settings(build_parser().parse_args(["--grammar-workers", "4"]))["grammar_workers"] == 4
-    assert engine_settings(build_parser().parse_args([]))["grammar_workers"] == 0
+    assert engine_settings(build_parser().parse_args([]))["grammar_workers"] is None
 
 
 def test_the_engine_writes_the_same_with_grammar_workers(tiny: Path):
