@@ -475,8 +475,7 @@ def _check_addresses(settings: KVEventsConfig) -> None:
 
 # notebooks/29c_grammar_workers.py · cell "setting: grammar workers"
 # The workers of a GPU engine whose setting is left out, and the cores its machine needs for them (theirs and the
-# engine's own). On an H100 machine's 16 cores, 4 workers kept 256 constrained sequences within 5 % of the free
-# run where the matchers in process ran at 0.54x to 0.84x, and cost 1 to 3 % at 16 sequences (chapter 29c).
+# engine's own); measured on an H100 machine's 16 cores (chapter 29c, "Measured").
 DEFAULT_GRAMMAR_WORKERS = 4
 WORKERS_NEED_CORES = 8
 

@@ -94,9 +94,6 @@ say = Phrases({
         "第 {number} 轮（{package}）：4 个工作进程，批大小 1、16、256 时 {workers}；在进程内、256 时 {alone:.2f} 倍",
     "the host's share of a 256-row fill, tokens pending: {before:.2f} ms before the plan, {after:.2f} ms with it":
         "token 待定时，主机在 256 行的填写里分担：有计划之前 {before:.2f} 毫秒，有了计划 {after:.2f} 毫秒",
-    "{cores} physical cores; constrained/free speed, shared {shared:.3f}, each worker on a core of its own "
-    "{pinned:.3f}":
-        "{cores} 个物理核；受约束与自由运行的速度之比，共用 {shared:.3f}，每个工作进程独占一个核 {pinned:.3f}",
     "all exercise answers check out": "练习答案全部验证通过",
 })
 
@@ -867,12 +864,10 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 #   reading and the rows in the workers. The rows that need no grammar (a plain sequence's, a
 #   dropped one's, a failed one's) it writes itself.
 # - The usual decode step skips the look-ups. When the step in flight is the one filled last and
-#   this step holds the same sequences in the same order, each matcher has read everything but
-#   one token, its sequence's sample in the step in flight, in the same row. So the fill keeps
-#   its plan (`FillPlan`: each job's sequence and row, the rows it wrote itself), and the next
-#   fill repeats it with the new samples, without looking into any sequence. A sequence that
-#   comes, goes or moves, a verify step's drafts, or a grammar that fails sends the next fill
-#   down chapter 29's road once, and it makes a new plan.
+#   this step holds the same sequences in the same order, each matcher lacks one token: its row's
+#   sample in the step in flight. So a fill keeps its plan (`FillPlan`), and the next repeats it
+#   with the new samples. A sequence that comes, goes or moves, a verify step's drafts, or a
+#   failed grammar sends the next fill down chapter 29's road once, and it makes a new plan.
 #
 # - `cut_drafts` and `fill_verify_rows` (the rows of chapter 29's `mask_drafts`), a verify step's
 #   checks of its drafts, ask the workers too, in one round trip that the step waits for: how many
@@ -892,9 +887,8 @@ def stop_workers(connections: list[Connection], processes: list[subprocess.Popen
 # - `fill` 把第 29 章的三个部分分在两处做：等待和未读的 token 在这里，读入和写行在工作进程里。不需要语法的行（普通
 #   序列的、被丢弃序列的、失败序列的）由它自己写。
 # - 常见的 decode 步省掉逐行查找。如果正在计算的那一步就是上一次填写的那一步，而这一步以同样的顺序持有同样的序列，
-#   那么每个匹配器都已读完，只差一个 token：它的序列在正在计算的那一步的采样，而且在同一行。所以填写留下它的计划
-#   （`FillPlan`：每个任务的序列和行，以及它自己写的行），下一次填写带着新的采样照做一遍，不必查看任何序列。有序列
-#   来了、走了或挪了位置，验证步的草稿，或者某个语法失败，都会让下一次填写走一遍第 29 章的路，并定下新的计划。
+#   每个匹配器就只差一个 token：正在计算的那一步在它这一行的采样。所以填写留下计划（`FillPlan`），下一次带着新的采样
+#   照做。有序列来了、走了或挪了位置，验证步的草稿，或者语法失败，都让下一次填写走一遍第 29 章的路，定下新的计划。
 #
 # - `cut_drafts` 和 `fill_verify_rows`（第 29 章 `mask_drafts` 的各行），即验证步对草稿的检查，也交给工作进程，
 #   一次往返，这一步等它完成：每个序列的草稿语法接受几个，或者它的各行：第 0 行，以及语法接受的每个草稿之后的一行，
@@ -1026,10 +1020,8 @@ class WorkerGrammars(Grammars):
         if samples is None:
             jobs, plan = self.jobs(seqs, bitmask, previous)
         else:
-            # en: The last fill again, each job's one unread token its row's sample in the step in flight (every matcher
-            # en: is placed already), and the rows written here as they were.
-            # zh: 把上一次填写再做一遍：每个任务唯一未读的 token 是正在计算的那一步在它这一行的采样（每个匹配器都已经
-            # zh: 安置好了），在这里写的行照旧写。
+            # en: The last fill again: each job's one unread token is its row's sample; rows written here stay.
+            # zh: 把上一次填写再做一遍：每个任务唯一未读的 token 是它这一行的采样；在这里写的行照旧写。
             plan = self.repeatable._replace(seqs=seqs)
             for state in plan.states:
                 state.consumed += 1
@@ -1511,26 +1503,19 @@ assert round(table_bytes["flags"] / 1e6) == 39 and round(table_bytes["logits"] /
 # ## The setting
 #
 # `grammar_workers` is the number of worker processes; 0 keeps the matchers in process, as in
-# chapter 29. Left out (None), it is 4 on a GPU whose machine has at least 8 cores, and 0
-# elsewhere: on a CPU the model's own work dwarfs the masks', and a laptop's few cores are the
-# model's (this chapter's cells ask for two workers only to show them). Why 4 on a GPU is in
-# "Measured" below: there, with the usual decode step's plan, 4 workers kept 256 constrained
-# sequences within 5 % of the free run, where the matchers in process ran at 0.54× to 0.84×, at a
-# cost of 1 to 3 % at 16 sequences. Chapter 22's command line offers it as
-# `--grammar-workers N`. The model runner swaps its `Grammars` for `WorkerGrammars` when the
-# setting is not 0; no worker starts until a constrained step needs one (an engine that never sees
-# a constraint starts none), and the runner's `exit` stops them.
+# chapter 29. Left out (None), it is 4 on a GPU whose machine has at least 8 cores (why 4: the
+# section "Measured"), and 0 elsewhere: on a CPU the model's own work dwarfs the masks', and a
+# laptop's few cores are the model's. Chapter 22's command line offers it as `--grammar-workers N`.
+# The model runner swaps its `Grammars` for `WorkerGrammars` when the setting is not 0; no worker
+# starts until a constrained step needs one, and the runner's `exit` stops them.
 
 # %% [markdown] tags=["zh"]
 # ## 设置
 #
 # `grammar_workers` 是工作进程的个数；0 把匹配器留在进程内，和第 29 章一样。留空（None）时，在至少有 8 个核的 GPU
-# 机器上是 4，其他情况下是 0：在 CPU 上，模型自己的计算远远盖过掩码，笔记本电脑仅有的几个核也该留给模型（本章的单元
-# 要两个工作进程，只是为了展示它们）。为什么 GPU 上是 4，见下文“测量结果”：在那里，有了常见 decode 步的计划，4 个
-# 工作进程让 256 个受约束序列与自由运行相差不到 5 %，而匹配器在进程内时是 0.54 倍到 0.84 倍；代价是 16 个序列时慢
-# 1 % 到 3 %。第 22 章的命令行把它作为 `--grammar-workers N` 提供。设置不为 0 时，模型执行器把它的 `Grammars` 换成
-# `WorkerGrammars`；在某个受约束的步需要之前，不会启动任何工作进程（从没见过约束的引擎一个也不启动），执行器的
-# `exit` 则让它们停下。
+# 机器上是 4（为什么是 4，见“测量结果”一节），其他情况下是 0：在 CPU 上，模型自己的计算远远盖过掩码，笔记本电脑仅有
+# 的几个核也该留给模型。第 22 章的命令行把它作为 `--grammar-workers N` 提供。设置不为 0 时，模型执行器把它的
+# `Grammars` 换成 `WorkerGrammars`；在某个受约束的步需要之前，不会启动任何工作进程，执行器的 `exit` 则让它们停下。
 
 # %% setting: grammar workers
 #| export config
@@ -1540,11 +1525,9 @@ from nanovllm.book.literate import add_fields, add_to_init
 from nanovllm.config import Config
 
 # en: The workers of a GPU engine whose setting is left out, and the cores its machine needs for them (theirs and the
-# en: engine's own). On an H100 machine's 16 cores, 4 workers kept 256 constrained sequences within 5 % of the free
-# en: run where the matchers in process ran at 0.54x to 0.84x, and cost 1 to 3 % at 16 sequences (chapter 29c).
-# zh: 设置留空时 GPU 引擎的工作进程数，以及机器为此需要的核数（它们的，加上引擎自己的）。在一台 H100 机器的 16 个核上，
-# zh: 4 个工作进程让 256 个受约束序列与自由运行相差不到 5 %，而匹配器在进程内时是 0.54 倍到 0.84 倍；16 个序列时
-# zh: 它们的代价是 1 % 到 3 %（第 29c 章）。
+# en: engine's own); measured on an H100 machine's 16 cores (chapter 29c, "Measured").
+# zh: 设置留空时 GPU 引擎的工作进程数，以及机器为此需要的核数（它们的，加上引擎自己的）；在一台 H100 机器的 16 个核
+# zh: 上测过（第 29c 章“测量结果”）。
 DEFAULT_GRAMMAR_WORKERS = 4
 WORKERS_NEED_CORES = 8
 
@@ -1870,10 +1853,10 @@ for run in report["runs"]:
 # %% [markdown] tags=["en"]
 # ## Measured
 #
-# On an H100 (the first recorded run below: chapter 29's benchmark once per worker count, one
-# engine each, back to back in one call, this chapter's GPU test passing first), with the workers
-# as first built: sleeping while they wait, and the host waiting for all their rows before it did
-# anything else:
+# Five recorded runs on H100s (the cell below prints each with its card, date and command; the
+# Guide's ledger keeps them all). The first: chapter 29's benchmark once per worker count, the
+# workers as first built (asleep while they wait, the host waiting for all their rows before it did
+# anything else); the constrained run's tokens a second over the free run's:
 #
 # | grammar workers | batch 1 | batch 16 | batch 256 |
 # |---:|---:|---:|---:|
@@ -1881,51 +1864,24 @@ for run in report["runs"]:
 # | 4 | 0.93× | 0.86× | 0.68× |
 # | 8 | 0.80× | 0.80× | 0.65× |
 #
-# (the constrained run's tokens a second over the free run's). Three things to read in it:
+# - **At 256 sequences the workers helped far less than the arithmetic promised**: with 4, a
+#   step's `Grammars.fill` went from 3.45 to 2.38 ms and the step from 6.66 to 5.70 ms, where 256
+#   rows of about 13 µs split four ways take under 1 ms. The rest was the engine's own work a row
+#   (its tokens, its job) and the messages.
+# - **At 1 and 16 sequences they cost**: with 8 workers a step at batch 1 took 1.15 ms against 0.92
+#   in process. A worker asleep in its socket's read must be woken when its message comes, and so
+#   must the engine when the answer comes (0.2 to 0.5 ms a round trip on this book's machine).
+#   Hence `spin_s`, off by default: on two cores spinning does harm (256 rows in 7.1 ms, not 2.2).
 #
-# - **At 256 sequences the workers help, but far less than the arithmetic promises.** With 4 of
-#   them a step's `Grammars.fill` went from 3.45 to 2.38 ms and the step from 6.66 to 5.70 ms.
-#   Split four ways, 256 rows of about 13 µs should take under 1 ms. The rest is the engine's own
-#   work a row (its tokens, its job) and the messages.
-# - **At 1 and 16 sequences they cost.** With 8 workers a constrained step at batch 1 took 1.15 ms
-#   against 0.92 in process, for a row that takes a worker 13 µs. A worker that sleeps in its
-#   socket's read is woken by the system when the message comes, and so is the engine when the
-#   answer comes; on this book's own (virtual) machine a round trip to a sleeping worker costs
-#   0.2 to 0.5 ms. Hence `spin_s`: a worker, and the engine, may ask for their messages without
-#   sleeping for a while. It is off by default. On two cores it does harm (two spinning workers
-#   and the engine on two cores: 256 rows in 7.1 ms instead of 2.2), and it has not been measured
-#   on the GPU machine's 16 cores yet: `scripts/probes/grammar_workers_probe.py` compares both
-#   ways there, host only.
-# - **Compare only within a run.** This machine's host was slower than chapter 29's: in process,
-#   256 rows took 3.45 ms a step against 2.6 there, and the constrained run 0.59× the free one
-#   against 0.85×.
+# That run is why the fill comes in two halves and the sampling waits for the rows as late as it
+# can. With them (the second run, another machine) the workers no longer cost much at 1 and 16
+# sequences (4 workers 1.03× and 0.96×, in process 0.99× and 0.98×); at 256 a step took 4.14 ms with
+# 4 workers, 4.32 in process and 3.84 free (0.93× and 0.89×). The fill time the benchmark prints now
+# includes the wait for the step in flight's tokens: read the step times. The probe on that machine
+# found the host's share of a 256-row fill 0.45 ms beside 3 ms of its other work, and a worker that
+# spins gained nothing there (0.17 ms against 0.19), so `spin_s` stays off.
 #
-# That run is why the fill now comes in two halves and the sampling waits for the rows as late as
-# it can (the section "Do not wait for the rows"). The same benchmark with them, on an H100 of
-# another machine (the second recorded run):
-#
-# | grammar workers | batch 1 | batch 16 | batch 256 |
-# |---:|---:|---:|---:|
-# | 0 (in process) | 0.99× | 0.98× | 0.89× |
-# | 4 | 1.03× | 0.96× | 0.93× |
-# | 8 | 1.00× | 0.97× | 0.93× |
-#
-# - **At 1 and 16 sequences the workers no longer cost much** (1.03× and 1.00× at one sequence is
-#   noise around 1): the round trip to a sleeping worker now happens while the host does the rest
-#   of its step.
-# - **At 256 they help more**: a constrained step took 4.32 ms in process, 4.14 with 4 workers,
-#   against 3.84 free. What is left is the host's own work a row in `start_fill` (finding each
-#   row's new token and writing its job): the probe on the same machine found the host's share of
-#   a 256-row fill 0.45 ms beside 3 ms of its other work, 0.12 ms for one row. The free run's host
-#   already nearly fills the GPU's step, so each microsecond a row shows.
-# - **The printed fill time is not the cost.** With the halves it includes the wait for the step
-#   in flight's tokens, which a step bound by the GPU spends anyway: read the step times.
-# - **Spinning does not pay.** On that machine's 16 cores a spinning worker (5 ms) answered 16 rows
-#   faster when the host waited for it (4 workers: 0.25 ms against 0.53), but beside the host's
-#   other work it gained nothing (0.17 ms against 0.19), so `spin_s` stays off.
-#
-# Then the device's share (the third and fourth recorded runs, on a third H100 machine). Device
-# time a call, each operation captured in a CUDA graph:
+# The device's share (the third run; device time a call, each operation captured in a CUDA graph):
 #
 # | rows | chapter 29's table | `triton_forbid` | the rows' copy |
 # |---:|---:|---:|---:|
@@ -1933,25 +1889,14 @@ for run in report["runs"]:
 # | 16 | 19.2 µs | 3.1 µs | 8.0 µs |
 # | 256 | 256.4 µs | 57.8 µs | 90.2 µs |
 #
-# The first version of the kernel, which wrote the forbidden logits alone, took 174.3 µs at 256
-# rows. Now the rows' copy from pinned memory is the larger part of what the device adds. In the
-# benchmark, this package and the one before the kernel took turns, twice, in one call. With 4
-# workers at 256 sequences the kernel's rounds gave 0.86× and 0.94×, the table's 0.92× and 0.91×.
-# The 0.2 ms a step that the kernel saves is smaller than that machine's swing from round to
-# round (its host was slow: in process, 256 sequences ran at 0.60× to 0.84×). The kernel stays
-# for what the device time shows, not for a step time that no run could separate from noise.
+# A first kernel, which stored the forbidden logits alone, took 174.3 µs at 256 rows. The 0.2 ms a
+# step the kernel saves did not show through the benchmark's swing from round to round (the fourth
+# run: 4 workers at 256, 0.86× and 0.94× with it, 0.92× and 0.91× without); it stays for what the
+# device time shows.
 #
-# Until then the setting stayed 0 by default: at 16 sequences the workers were not reliably faster
-# than the matchers in process, and chapter 29's goal at 256 sequences (0.95×) was missed; the best
-# round came within a point of it. `start_fill`'s per-row work was the place to cut. Its first cut
-# (states looked up by sequence id, the usual step's one pending token taken without slicing) is in
-# every run after the second, which did not separate it from the noise either.
-#
-# The second cut is the usual decode step's plan (the section "Build it: `WorkerGrammars`"). The
-# probe, its tokens pending as under asynchronous scheduling, on the 16 cores of a fourth H100
-# machine: the host's share of a 256-row fill beside 3 ms of its own work went from 0.81 to
-# 0.47 ms. In the benchmark this package and the one before it took turns, twice, in the same call
-# (the fifth recorded run; the constrained run's speed against the free one's):
+# Then the usual decode step's plan. The probe, its tokens pending as under asynchronous
+# scheduling: the host's share of a 256-row fill went from 0.81 to 0.47 ms. In the benchmark (the
+# fifth run) this package and the one before it took turns, twice, in one call:
 #
 # | round | package | 4 workers, batch 1 | batch 16 | batch 256 | in process, batch 256 |
 # |---:|---|---:|---:|---:|---:|
@@ -1961,26 +1906,19 @@ for run in report["runs"]:
 # | 4 | the one before | 0.99× | 0.97× | 0.94× | 0.69× |
 #
 # - **With 4 workers, 256 sequences stay within 5 % of the free run in both rounds of the plan**
-#   (0.96×, 0.98×): chapter 29's goal is met on this H100. The package before it met it in one
-#   round of two (0.99×, 0.94×). The rounds swing by more than the plan saves a step, so this
-#   benchmark cannot credit the plan with the goal; the probe shows what it saves.
-# - **In process, 256 sequences ran at 0.54× to 0.84×**, the same code in every round: with the
-#   whole fill on the engine's thread, the step is at the mercy of the host.
-# - **At 16 sequences the workers cost 1 to 3 %** against the matchers in process in the same
-#   round; at one sequence nothing that the noise does not swamp (0.97× to 1.01×, in process 0.92×
-#   to 0.99×).
-#
-# So a GPU engine now starts 4 workers unless it is told otherwise ("The setting", above), on a
-# machine with the cores for them. Nor does a worker slow the engine by sharing its core: that
-# machine's 16 cores are 16 physical ones, and with each worker pinned to a core of its own,
-# 256 sequences of 128 tokens ran at 0.886× the free run against 0.871× as the system placed
-# them (`scripts/probes/worker_affinity_probe.py`), less than the rounds above swing.
+#   (0.96×, 0.98×): chapter 29's goal, met on this H100. The package before it met it in one round
+#   of two (0.99×, 0.94×): the rounds swing by more than the plan saves, which the probe shows.
+# - **In process, 256 sequences ran at 0.54× to 0.84×**, the same code in every round.
+# - **At 16 sequences the workers cost 1 to 3 %** against the matchers in process of the same round;
+#   at one sequence the noise swamps any difference (0.97× to 1.01×; in process 0.92× to 0.99×).
+#   Hence 4 workers by default on a GPU ("The setting", above).
 
 # %% [markdown] tags=["zh"]
 # ## 测量结果
 #
-# 在 H100 上（下面记录的第一次运行：第 29 章的基准测试，每种工作进程个数各跑一次，每种一个引擎，在一次调用里接连运行，
-# 本章的 GPU 测试先通过），用最初构建的工作进程：等待时睡下，主机在做任何别的事之前先等它们写完所有的行：
+# 在 H100 上记录了五次运行（下面的单元逐一打印，带着卡、日期和命令；指南的账本全部留着）。第一次：第 29 章的基准测试，
+# 每种工作进程个数各跑一次，用最初构建的工作进程（等待时睡下，主机在做任何别的事之前先等它们写完所有的行）；表中是
+# 受约束运行每秒的 token 数与自由运行之比：
 #
 # | 语法工作进程 | 批大小 1 | 批大小 16 | 批大小 256 |
 # |---:|---:|---:|---:|
@@ -1988,42 +1926,20 @@ for run in report["runs"]:
 # | 4 | 0.93 倍 | 0.86 倍 | 0.68 倍 |
 # | 8 | 0.80 倍 | 0.80 倍 | 0.65 倍 |
 #
-# （受约束运行每秒的 token 数与自由运行之比。）从中可以读出三件事：
+# - **256 个序列时，工作进程的帮助远不如算出来的多**：用 4 个，一步的 `Grammars.fill` 从 3.45 降到 2.38 毫秒，一步从
+#   6.66 降到 5.70 毫秒，而 256 行、每行约 13 微秒，分给四个进程，不到 1 毫秒。其余的是引擎自己每行要做的事（它的
+#   token、它的任务）和消息。
+# - **1 个和 16 个序列时它们有代价**：用 8 个工作进程，批大小为 1 的一步要 1.15 毫秒，在进程内是 0.92 毫秒。在
+#   socket 的读操作里睡下的工作进程，消息到达时要被唤醒，回复到达时引擎也一样（在构建本书的机器上，往返一次 0.2 到
+#   0.5 毫秒）。于是有了默认关闭的 `spin_s`：在两个核上空转有害（256 行要 7.1 毫秒，而不是 2.2 毫秒）。
 #
-# - **256 个序列时工作进程有帮助，但远不如算出来的多。** 用 4 个工作进程，一步的 `Grammars.fill` 从 3.45 毫秒降到
-#   2.38 毫秒，一步从 6.66 毫秒降到 5.70 毫秒。256 行、每行约 13 微秒，分给四个进程，应当不到 1 毫秒。其余的是引擎
-#   自己每行要做的事（它的 token、它的任务）和消息。
-# - **1 个和 16 个序列时它们有代价。** 用 8 个工作进程，批大小为 1 的受约束一步要 1.15 毫秒，在进程内是 0.92 毫秒，而
-#   那一行只花工作进程 13 微秒。在 socket 的读操作里睡下的工作进程，要等系统在消息到达时唤醒它，回复到达时引擎也
-#   一样；在构建本书的这台（虚拟）机器上，与一个睡着的工作进程往返一次要 0.2 到 0.5 毫秒。于是有了 `spin_s`：工作进程
-#   和引擎可以在一段时间内不睡下、反复询问自己的消息。它默认关闭。在两个核上它有害（两个空转的工作进程加上引擎挤在
-#   两个核上：256 行要 7.1 毫秒，而不是 2.2 毫秒），在 GPU 机器的 16 个核上还没有测过：
-#   `scripts/probes/grammar_workers_probe.py` 在那里只用主机比较这两种方式。
-# - **只在同一次运行里比较。** 这台机器的主机比第 29 章那台慢：在进程内，256 行每步要 3.45 毫秒，那里是 2.6 毫秒；
-#   受约束运行是自由运行的 0.59 倍，那里是 0.85 倍。
+# 正是这次运行，让填写分成了两半，让采样尽量晚地去等各行。用上它们之后（第二次运行，另一台机器），1 个和 16 个序列时
+# 工作进程不再有多少代价（4 个工作进程 1.03 倍和 0.96 倍，在进程内 0.99 倍和 0.98 倍）；256 个序列时，一步在 4 个工作
+# 进程下 4.14 毫秒，在进程内 4.32 毫秒，自由运行 3.84 毫秒（0.93 倍和 0.89 倍）。基准测试打印的填写时间现在包含了等
+# 正在计算那一步的 token 的时间：要看每步的时间。那台机器上的探针测得，旁边隔着主机 3 毫秒的其他工作时，主机在
+# 256 行的填写里分担 0.45 毫秒；空转的工作进程在那里毫无收益（0.17 毫秒对 0.19 毫秒），所以 `spin_s` 保持关闭。
 #
-# 正是这次运行，让填写分成了两半，让采样尽量晚地去等各行（见“不等各行”一节）。用上它们之后，同一个基准测试在另一台
-# 机器的 H100 上（记录的第二次运行）：
-#
-# | 语法工作进程 | 批大小 1 | 批大小 16 | 批大小 256 |
-# |---:|---:|---:|---:|
-# | 0（在进程内） | 0.99 倍 | 0.98 倍 | 0.89 倍 |
-# | 4 | 1.03 倍 | 0.96 倍 | 0.93 倍 |
-# | 8 | 1.00 倍 | 0.97 倍 | 0.93 倍 |
-#
-# - **1 个和 16 个序列时，工作进程不再有多少代价**（1 个序列时的 1.03 倍和 1.00 倍是 1 附近的噪声）：与睡着的工作进程
-#   的往返，现在发生在主机做这一步剩下的事的时候。
-# - **256 个序列时它们帮得更多**：受约束的一步在进程内要 4.32 毫秒，用 4 个工作进程要 4.14 毫秒，自由运行是 3.84 毫秒。
-#   剩下的是主机自己在 `start_fill` 里每行的工作（找出每行的新 token，写好它的任务）：同一台机器上的探针测得，旁边隔着
-#   主机 3 毫秒的其他工作时，主机在 256 行的填写里分担 0.45 毫秒，1 行时是 0.12 毫秒。自由运行的主机已经差不多占满了
-#   GPU 的一步，所以每行的每一微秒都看得出来。
-# - **打印出的填写时间不是代价。** 分成两半之后，它包含了等正在计算那一步的 token 的时间，受 GPU 约束的一步反正要花
-#   这段时间：要看每步的时间。
-# - **空转不划算。** 在那台机器的 16 个核上，空转（5 毫秒）的工作进程在主机等它时，16 行答得更快（4 个工作进程：
-#   0.25 毫秒，不空转是 0.53 毫秒），但放在主机的其他工作旁边就没有收益（0.17 毫秒对 0.19 毫秒），所以 `spin_s` 保持
-#   关闭。
-#
-# 然后是设备的那一份（记录的第三、第四次运行，在第三台 H100 机器上）。每次调用的设备时间，每个操作都捕获在 CUDA 图里：
+# 设备的那一份（第三次运行；每次调用的设备时间，每个操作都捕获在 CUDA 图里）：
 #
 # | 行数 | 第 29 章的查表 | `triton_forbid` | 各行的拷贝 |
 # |---:|---:|---:|---:|
@@ -2031,20 +1947,12 @@ for run in report["runs"]:
 # | 16 | 19.2 微秒 | 3.1 微秒 | 8.0 微秒 |
 # | 256 | 256.4 微秒 | 57.8 微秒 | 90.2 微秒 |
 #
-# 只写被禁止的 logits 的第一版 kernel，256 行时要 174.3 微秒。现在，设备多出来的开销里，较大的一块是从锁页内存拷贝
-# 各行。基准测试里，这个包和加上 kernel 之前的那个包在一次调用里轮流跑了两遍。4 个工作进程、256 个序列时，用 kernel
-# 的两轮是 0.86 倍和 0.94 倍，用查表的两轮是 0.92 倍和 0.91 倍。kernel 每步省下的 0.2 毫秒，比那台机器一轮与一轮之间
-# 的波动还小（它的主机很慢：在进程内，256 个序列是 0.60 倍到 0.84 倍）。留下这个 kernel，凭的是设备时间所显示的，
-# 而不是哪次运行都没能与噪声分开的每步时间。
+# 只写被禁止的 logits 的第一版 kernel，256 行时要 174.3 微秒。kernel 每步省下的 0.2 毫秒，没能从基准测试一轮与一轮
+# 之间的波动里显出来（第四次运行：4 个工作进程、256 个序列，用它 0.86 倍和 0.94 倍，不用 0.92 倍和 0.91 倍）；留下
+# 它，凭的是设备时间。
 #
-# 在那之前，这个设置默认一直为 0：16 个序列时，工作进程并不稳定地比进程内的匹配器快；第 29 章在 256 个序列时的目标
-# （0.95 倍）也没有达到，最好的一轮差了不到一个百分点。要削减的是 `start_fill` 每行的工作。它的第一刀（按序列 id
-# 查状态，最常见的一步只有一个待定 token，不切片就取出来）在第二次之后的每次运行里，同样没能与噪声分开。
-#
-# 第二刀是常见 decode 步的计划（见“动手构建：`WorkerGrammars`”一节）。探针让 token 像异步调度时那样待定，在第四台
-# H100 机器的 16 个核上测得：旁边隔着主机 3 毫秒的其他工作时，主机在 256 行的填写里分担的时间从 0.81 毫秒降到
-# 0.47 毫秒。基准测试里，这个包和它之前的那个包在同一次调用里轮流跑了两遍（记录的第五次运行；受约束运行的速度与
-# 自由运行之比）：
+# 然后是常见 decode 步的计划。探针让 token 像异步调度时那样待定：主机在 256 行的填写里分担的时间从 0.81 毫秒降到
+# 0.47 毫秒。基准测试里（第五次运行），这个包和它之前的那个包在一次调用里轮流跑了两遍：
 #
 # | 轮次 | 包 | 4 个工作进程，批大小 1 | 批大小 16 | 批大小 256 | 在进程内，批大小 256 |
 # |---:|---|---:|---:|---:|---:|
@@ -2054,20 +1962,14 @@ for run in report["runs"]:
 # | 4 | 之前的包 | 0.99 倍 | 0.97 倍 | 0.94 倍 | 0.69 倍 |
 #
 # - **用 4 个工作进程，有计划的两轮里，256 个序列都与自由运行相差不到 5 %**（0.96 倍、0.98 倍）：第 29 章的目标在这台
-#   H100 上达到了。之前的包两轮里达到一轮（0.99 倍、0.94 倍）。一轮与一轮之间的波动，比计划每步省下的还大，所以这个
-#   基准测试不能把达到目标记在计划头上；它省下了多少，要看探针。
-# - **在进程内，256 个序列是 0.54 倍到 0.84 倍**，每一轮都是同样的代码：整个填写都在引擎的线程上，一步的快慢就全看
-#   主机。
+#   H100 上达到了。之前的包两轮里达到一轮（0.99 倍、0.94 倍）：一轮与一轮之间的波动比计划省下的还大，省下多少看探针。
+# - **在进程内，256 个序列是 0.54 倍到 0.84 倍**，每一轮都是同样的代码。
 # - **16 个序列时，工作进程比同一轮里进程内的匹配器慢 1 % 到 3 %**；1 个序列时的差别淹没在噪声里（0.97 倍到
-#   1.01 倍，在进程内 0.92 倍到 0.99 倍）。
-#
-# 所以现在 GPU 引擎默认启动 4 个工作进程，除非另有设置（见上文“设置”），前提是机器有足够的核。工作进程也没有因为
-# 和引擎共用一个核而拖慢引擎：那台机器的 16 个核都是物理核；给每个工作进程单独钉一个核，256 个序列、每个 128 个
-# token 时是自由运行的 0.886 倍，由系统安排时是 0.871 倍（`scripts/probes/worker_affinity_probe.py`），比上面各轮
-# 之间的波动还小。
+#   1.01 倍；在进程内 0.92 倍到 0.99 倍）。所以 GPU 上默认 4 个工作进程（见上文“设置”）。
 
 # %%
 from nanovllm.book.recorded import recorded
+from nanovllm.config import DEFAULT_GRAMMAR_WORKERS
 
 # en: What this chapter's GPU run printed (notebooks/data/recorded/29c_grammar_workers.json), with its card, date and
 # en: command; each row: workers, batch, tok/s free and constrained, ms a step free and constrained, ms in the fill.
@@ -2121,15 +2023,13 @@ assert round(parallel[256][1] / parallel[256][0], 2) == 1.65
 # en: The second run, with the fill in two halves and the sampling queued later, and the probe on the same machine.
 # zh: 第二次运行，填写分成两半、采样晚些排进队列；以及同一台机器上的探针。
 halves = shown_run("sampling queued later, H100")
-assert {key: ratio for key, (ratio, _, _, _) in halves.items()} == {
-    (0, 1): 0.99, (0, 16): 0.98, (0, 256): 0.89, (4, 1): 1.03, (4, 16): 0.96, (4, 256): 0.93,
-    (8, 1): 1.00, (8, 16): 0.97, (8, 256): 0.93}
-assert (halves[0, 256][2], halves[4, 256][2], halves[4, 256][1]) == (4.32, 4.14, 3.84)
+assert [halves[key][0] for key in ((4, 1), (4, 16), (0, 1), (0, 16), (4, 256), (0, 256))] == [
+    1.03, 0.96, 0.99, 0.98, 0.93, 0.89]
+assert (halves[4, 256][2], halves[0, 256][2], halves[4, 256][1]) == (4.14, 4.32, 3.84)
 probe = {(workers, spin, rows): (whole, beside)
          for workers, spin, rows, whole, beside in recorded("29c_grammar_workers")["fill probe, H100 machine"]
          .figures["rows"]}
-assert (round(probe[4, 0.0, 256][1], 2), round(probe[4, 0.0, 1][1], 2)) == (0.45, 0.12)
-assert (round(probe[4, 0.005, 16][0], 2), round(probe[4, 0.0, 16][0], 2)) == (0.25, 0.53)
+assert round(probe[4, 0.0, 256][1], 2) == 0.45
 assert (round(probe[4, 0.005, 16][1], 2), round(probe[4, 0.0, 16][1], 2)) == (0.17, 0.19)
 
 # en: The device's share: the probe's microseconds a call (rows: table, kernel, copy), then the benchmark's rounds.
@@ -2187,87 +2087,53 @@ for workers, spread in ((4, (0.97, 1.01)), (0, (0.92, 0.99))):
     assert (round(min(at_one), 2), round(max(at_one), 2)) == spread
 # en: "The setting": 4 workers by default on a GPU, for those figures.
 # zh: “设置”一节：正因为这些数字，GPU 上默认 4 个工作进程。
-from nanovllm.config import DEFAULT_GRAMMAR_WORKERS
-
 assert DEFAULT_GRAMMAR_WORKERS == 4
-# en: The worker affinity probe: no hyperthreads; pinned, 0.886x against 0.871x shared.
-# zh: 工作进程亲和性探针：没有超线程；钉核时 0.886 倍，共用时 0.871 倍。
-affinity = recorded("29c_grammar_workers")["worker affinity, H100 machine"]
-placed = {placement: free / constrained for placement, free, constrained in affinity.figures["rows"]}
-print(say("{cores} physical cores; constrained/free speed, shared {shared:.3f}, each worker on a core of its own "
-          "{pinned:.3f}", cores=affinity.figures["physical cores"], shared=placed["shared"], pinned=placed["pinned"]))
-assert affinity.figures["cpus"] == affinity.figures["physical cores"] == 16
-assert (round(placed["shared"], 3), round(placed["pinned"], 3)) == (0.871, 0.886)
 
 # %% [markdown] tags=["en"]
 # ## What we built
 #
-# - `nanovllm.engine.grammar_process`: what a worker runs. `GrammarProcess` holds llguidance's view
-#   of the tokenizer (from chapter 29's `tokenizer_json`), the compiled grammars and a matcher per
-#   sequence; `fill` drops the matchers of forgotten sequences, then reads each job's tokens and
-#   writes its row at an address in a shared segment; `drafts` does a verify step's part;
-#   `serve` answers requests until the socket closes. It imports llguidance and the standard
-#   library, never torch.
-# - `nanovllm.engine.grammar_workers`: `GrammarWorkers` starts the processes
-#   (`python -m`, a socket pair, a session of their own), makes shared segments (`/dev/shm`, unlinked
-#   once mapped, registered with CUDA on a GPU), sends each worker its share of a step's jobs
-#   (`start_fill`) and collects them (`finish_fill`), and raises in the engine, with the worker's
-#   words, when one fails or dies.
-#   `WorkerGrammars` is chapter 29's `Grammars` with its matchers there: `host_bitmasks`, `start`,
-#   `state_of`, `fill`, `cut_drafts` and `fill_verify_rows` change, the fill comes in two halves
-#   (`start_fill`, `finish_fill`), and the usual decode step repeats the last fill's plan
-#   (`FillPlan`) with the new samples instead of looking each row up.
-# - The sampling queued later: `LaterTokens`, a step's tokens whose sampling waits until they are
-#   first read; `ModelRunner.masked_draw` begins the fill and returns them, and
-#   `ModelRunner.begin_step` settles them before the next step queues anything (its replay
-#   overwrites the hidden states the sampling reads). In process, `Grammars.start_fill` is the
-#   whole fill.
-# - `nanovllm.layers.triton_bitmask`: `triton_forbid`, a step's bitmask applied to its logits in
-#   one Triton kernel, which chapter 29's `forbid` becomes on a GPU (4.4× less device time at 256
-#   rows on the H100).
-# - The setting `grammar_workers` (`--grammar-workers`): left out, 4 on a GPU whose machine has at
-#   least 8 cores and 0 elsewhere (`default_grammar_workers`); 0 keeps the matchers in process. The
-#   model runner swaps in `WorkerGrammars` when it is not 0, and its `exit` stops the workers.
-# - `python -m nanovllm.bench --grammar-workers --workers 0 4 8`: chapter 29's benchmark once per
-#   count, one engine each.
-# - Chapter 29 gained the seams this needed, each a part of what it already did: `tokenizer_json`,
-#   `pending_tokens`, `state_of`, `unread_tokens`, and `host_bitmasks`, where `MaskedSamplingGraphs`
-#   now gets its buffers.
+# - `nanovllm.engine.grammar_process`: what a worker runs, with llguidance and the standard library
+#   alone. `GrammarProcess` holds the tokenizer's view, the compiled grammars and a matcher per
+#   sequence; `fill` reads each job's tokens and writes its row into a shared segment, `drafts` does
+#   a verify step's part, `serve` answers until the socket closes.
+# - `nanovllm.engine.grammar_workers`: `GrammarWorkers` starts the processes (`python -m`, a socket
+#   pair, a session of their own), makes the shared segments (`/dev/shm`, pinned on a GPU), hands
+#   out a step's jobs (`start_fill`) and collects them (`finish_fill`), and raises with a worker's
+#   words when one fails or dies. `WorkerGrammars` is chapter 29's `Grammars` with its matchers
+#   there; its fill comes in two halves, and the usual decode step repeats the last fill's plan
+#   (`FillPlan`) instead of looking each row up.
+# - `LaterTokens`: a step's tokens whose sampling waits until they are first read (`masked_draw`
+#   returns them, `begin_step` settles them).
+# - `triton_forbid` (`nanovllm.layers.triton_bitmask`): the bitmask applied in one Triton kernel.
+# - The setting `grammar_workers`: left out, 4 on a GPU machine with at least 8 cores, else 0;
+#   and `python -m nanovllm.bench --grammar-workers`.
+# - In chapter 29, the seams this needed: `tokenizer_json`, `pending_tokens`, `state_of`,
+#   `unread_tokens` and `host_bitmasks`.
 #
-# Chapter 29's goal at 256 sequences (at most 5 % slower) is met with 4 workers on one H100 in both
-# rounds of the usual step's plan, not yet measured on an H200. Not done: the matchers in process
-# still leave 256 sequences at 0.54× to 0.84×; a smaller copy of the rows (4.9 MB a step at 256);
-# and the usual step's plan when sequences come and go (a step after one finishes looks every row
-# up again).
+# Chapter 29's goal at 256 sequences (at most 5 % slower) is met with 4 workers on one H100, not
+# yet measured on an H200. Not done: the matchers in process still leave 256 sequences at 0.54× to
+# 0.84×; a smaller copy of the rows (4.9 MB a step at 256); the plan when sequences come and go (a
+# step after one finishes looks every row up again).
 
 # %% [markdown] tags=["zh"]
 # ## 本章小结
 #
-# - `nanovllm.engine.grammar_process`：工作进程运行的东西。`GrammarProcess` 持有 llguidance 眼中的分词器（来自第 29 章的
-#   `tokenizer_json`）、编译好的语法和每个序列一个匹配器；`fill` 先丢掉被忘掉的序列的匹配器，再读入每个任务的 token，
-#   把它的行写到共享段里的一个地址；`drafts` 做验证步的那部分；`serve` 回答请求，直到 socket 关闭。它导入 llguidance
-#   和标准库，从不导入 torch。
-# - `nanovllm.engine.grammar_workers`：`GrammarWorkers` 启动这些进程（`python -m`、一对 socket、自己的会话），创建共享段
-#   （`/dev/shm`，映射之后就删除文件名，在 GPU 上注册给 CUDA），把一步的任务分给每个工作进程（`start_fill`）再收回
-#   （`finish_fill`），某个进程失败或死掉时，用它的原话在引擎里抛出异常。`WorkerGrammars` 是匹配器放在那边的
-#   第 29 章 `Grammars`：`host_bitmasks`、`start`、`state_of`、`fill`、`cut_drafts` 和 `fill_verify_rows` 变了，
-#   填写分成两半（`start_fill`、`finish_fill`），常见的 decode 步带着新的采样照做上一次填写的计划（`FillPlan`），
-#   不再逐行查找。
-# - 晚些排进队列的采样：`LaterTokens`，一步的 token，它的采样一直等到第一次被读；`ModelRunner.masked_draw` 开始填写并
-#   返回它们，`ModelRunner.begin_step` 在下一步往队列里放任何东西之前让它们落定（下一步的重放会覆盖采样要读的
-#   隐藏状态）。在进程内，`Grammars.start_fill` 就是整个填写。
-# - `nanovllm.layers.triton_bitmask`：`triton_forbid`，用一个 Triton kernel 把一步的位掩码用到 logits 上；在 GPU 上，
-#   第 29 章的 `forbid` 就换成它（H100 上 256 行时设备时间少到 1/4.4）。
-# - 设置 `grammar_workers`（`--grammar-workers`）：留空时，在至少有 8 个核的 GPU 机器上是 4，其他情况下是 0
-#   （`default_grammar_workers`）；0 把匹配器留在进程内。设置不为 0 时，模型执行器换上 `WorkerGrammars`，它的
-#   `exit` 让工作进程停下。
-# - `python -m nanovllm.bench --grammar-workers --workers 0 4 8`：每种个数各跑一次第 29 章的基准测试，每种一个引擎。
-# - 第 29 章添了这里需要的接缝，每个都是它原本就在做的事的一部分：`tokenizer_json`、`pending_tokens`、`state_of`、
-#   `unread_tokens`，以及 `host_bitmasks`，`MaskedSamplingGraphs` 现在从这里拿到它的缓冲区。
+# - `nanovllm.engine.grammar_process`：工作进程运行的东西，只用 llguidance 和标准库。`GrammarProcess` 持有分词器的
+#   视图、编译好的语法和每个序列一个匹配器；`fill` 读入每个任务的 token，把它的行写进共享段，`drafts` 做验证步的那
+#   部分，`serve` 一直回答请求，直到 socket 关闭。
+# - `nanovllm.engine.grammar_workers`：`GrammarWorkers` 启动这些进程（`python -m`、一对 socket、自己的会话），创建共享
+#   段（`/dev/shm`，在 GPU 上锁页），分发一步的任务（`start_fill`）再收回（`finish_fill`），某个进程失败或死掉时用它的
+#   原话抛出异常。`WorkerGrammars` 是匹配器放在那边的第 29 章 `Grammars`；它的填写分成两半，常见的 decode 步照做上一次
+#   填写的计划（`FillPlan`），不再逐行查找。
+# - `LaterTokens`：一步的 token，它的采样一直等到第一次被读（`masked_draw` 返回它们，`begin_step` 让它们落定）。
+# - `triton_forbid`（`nanovllm.layers.triton_bitmask`）：用一个 Triton kernel 施加位掩码。
+# - 设置 `grammar_workers`：留空时，在至少有 8 个核的 GPU 机器上是 4，否则是 0；以及
+#   `python -m nanovllm.bench --grammar-workers`。
+# - 第 29 章里为此添的接缝：`tokenizer_json`、`pending_tokens`、`state_of`、`unread_tokens` 和 `host_bitmasks`。
 #
-# 第 29 章在 256 个序列时的目标（至多慢 5 %），在一台 H100 上用 4 个工作进程、在有常见一步计划的两轮里都达到了；
-# 还没有在 H200 上测过。还没有做的：匹配器在进程内时，256 个序列仍是 0.54 倍到 0.84 倍；更小的各行拷贝（256 行时
-# 每步 4.9 MB）；以及序列来来去去时常见一步的计划（有序列结束之后的那一步，又要逐行查找）。
+# 第 29 章在 256 个序列时的目标（至多慢 5 %）在一台 H100 上用 4 个工作进程达到了，还没有在 H200 上测过。还没有做的：
+# 匹配器在进程内时，256 个序列仍是 0.54 倍到 0.84 倍；更小的各行拷贝（256 行时每步 4.9 MB）；序列来来去去时的计划
+# （有序列结束之后的那一步，又要逐行查找）。
 
 # %% [markdown] tags=["en"]
 # ## Exercises

@@ -343,8 +343,7 @@ class WorkerGrammars(Grammars):
         if samples is None:
             jobs, plan = self.jobs(seqs, bitmask, previous)
         else:
-            # The last fill again, each job's one unread token its row's sample in the step in flight (every matcher
-            # is placed already), and the rows written here as they were.
+            # The last fill again: each job's one unread token is its row's sample; rows written here stay.
             plan = self.repeatable._replace(seqs=seqs)
             for state in plan.states:
                 state.consumed += 1
