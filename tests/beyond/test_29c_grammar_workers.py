@@ -42,6 +42,13 @@ def decoding(count: int, schema: dict = ROSTER) -> list[Sequence]:
     return seqs
 
 
+def plain_sequence() -> Sequence:
+    """An unconstrained sequence beside those of `decoding`, its prompt cached: its row allows every token."""
+    seq = Sequence([1, 2, 3], SamplingParams(temperature=1.0, max_tokens=50), block_size=16)
+    seq.num_cached_tokens = len(seq)
+    return seq
+
+
 def append(seqs: list[Sequence], tokens: list[int]) -> None:
     for seq, token in zip(seqs, tokens, strict=True):
         seq.append_token(token)
@@ -63,10 +70,7 @@ def test_workers_write_chapter_29s_masks_step_after_step(tiny: Path):
     here, there = Grammars(config), WorkerGrammars(config)
     try:
         ours, theirs = decoding(12), decoding(12)
-        plain = SamplingParams(temperature=1.0, max_tokens=50)
-        ours[5], theirs[5] = (Sequence([1, 2, 3], plain, block_size=16) for _ in range(2))
-        for seq in (ours[5], theirs[5]):
-            seq.num_cached_tokens = 3
+        ours[5], theirs[5] = plain_sequence(), plain_sequence()
         shared = there.host_bitmasks(12, copies=1, pinned=False)[0]
         elsewhere = torch.zeros(12, bitmask_words(here.vocab_size), dtype=torch.int32)
         mask = torch.empty_like(elsewhere)
@@ -136,10 +140,7 @@ def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Pa
     there.jobs = lambda *args: looked_up.append(len(looked_up)) or jobs(*args)
     try:
         ours, theirs = decoding(8), decoding(8)
-        plain = SamplingParams(temperature=1.0, max_tokens=50)
-        ours[5], theirs[5] = (Sequence([1, 2, 3], plain, block_size=16) for _ in range(2))
-        for seq in (ours[5], theirs[5]):
-            seq.num_cached_tokens = 3
+        ours[5], theirs[5] = plain_sequence(), plain_sequence()
         shared = there.host_bitmasks(8, copies=1, pinned=False)[0]
         mask = torch.empty(8, bitmask_words(here.vocab_size), dtype=torch.int32)
         rng, previous, pending = random.Random(2), None, []
@@ -343,11 +344,8 @@ def test_the_workers_cut_and_mask_a_verify_steps_drafts_as_chapter_29_does(tiny:
     here, there = Grammars(config), WorkerGrammars(config)
     try:
         ours, theirs = decoding(6), decoding(6)
-        plain = SamplingParams(temperature=1.0, max_tokens=50)
-        ours.append(Sequence([1, 2, 3], plain, block_size=16))
-        theirs.append(Sequence([1, 2, 3], plain, block_size=16))
-        for seq in (ours[-1], theirs[-1]):
-            seq.num_cached_tokens = 3
+        ours.append(plain_sequence())
+        theirs.append(plain_sequence())
         mask = torch.empty(7, bitmask_words(here.vocab_size), dtype=torch.int32)
         rng = random.Random(3)
         for _ in range(3):
