@@ -687,6 +687,21 @@ def test_a_process_started_while_sigint_is_ignored_inherits_it():
     assert subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
+def test_the_driver_returns_only_once_its_heartbeat_has_ended(tiny):
+    """A daemon thread still running when the interpreter exits is killed where it stands: the heartbeat's aborted
+    the engine process ("terminate called without an active exception", exit status -6) in about one exit in six.
+    The driver's run now waits for it, so no heartbeat thread outlives run, stop after stop."""
+    import threading
+
+    from nanovllm.serve.driver import EngineDriver
+
+    with LLM(tiny, **ENGINE) as llm:
+        for _ in range(10):
+            messages = [("stop",)]
+            EngineDriver(llm, lambda message: None).run(lambda wait, queued=messages: queued.pop() if queued else None)
+            assert not [thread for thread in threading.enumerate() if thread.name == "nanovllm-heartbeat"]
+
+
 def test_the_live_page_gets_one_frame_for_a_burst_of_adds():
     """Frames that share an index (the recorder gives consecutive adds one) leave the driver as one, the last."""
     from types import SimpleNamespace
