@@ -76,9 +76,9 @@ def timed_fills(grammars, params, paths: list[list[int]], rows: int, bitmask: to
             time.sleep(gap_s)
         tokens = [paths[row % len(paths)][step] for row in range(rows)]
         if pending:
-            # the engine's postprocess of the step in flight, once the next step's fill has read its samples
-            for seq, place, token in zip(seqs, places, previous.token_ids() if previous else [], strict=False):
-                seq.set_token(place, token)
+            if previous is not None:  # the engine's postprocess of the step in flight, after the next step's fill
+                for seq, place, token in zip(seqs, places, previous.token_ids(), strict=True):
+                    seq.set_token(place, token)
             places = [seq.append_pending_token() for seq in seqs]
             sampled = torch.tensor(tokens)
             previous = SampledTokens(step_seqs, list(range(rows)), sampled, sampled,

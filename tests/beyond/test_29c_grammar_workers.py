@@ -19,7 +19,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.engine.grammar_workers import WorkerGrammars
 from nanovllm.engine.grammars import Grammars, allowed_tokens, bitmask_words
-from nanovllm.engine.model_runner import LaterTokens
+from nanovllm.engine.model_runner import LaterTokens, SampledTokens
 from nanovllm.engine.sequence import Sequence
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -131,13 +131,17 @@ def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Pa
     without looking the sequences up; a sequence gone, the order changed, drafts checked, a grammar failed, or a step
     in flight other than the one filled last each take chapter 29's road once. The masks equal chapter 29's in process
     at every step."""
-    from nanovllm.engine.model_runner import SampledTokens
-
     config = Config(str(tiny), device="cpu", grammar_workers=2)
     here, there = Grammars(config), WorkerGrammars(config)
     looked_up = []
     jobs = there.jobs
     there.jobs = lambda *args: looked_up.append(len(looked_up)) or jobs(*args)
+
+    def postprocess(seqs: list[Sequence], previous: SampledTokens, pending: dict[int, int]) -> None:
+        """The engine's postprocess of the step in flight: each of ``seqs``' pending tokens set to its sample."""
+        for seq in seqs:
+            seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
+
     try:
         ours, theirs = decoding(8), decoding(8)
         ours[5], theirs[5] = plain_sequence(), plain_sequence()
@@ -154,8 +158,8 @@ def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Pa
                 here.fill(ours, mask[: len(ours)])
                 first = draws(here, mask[:1], rng)[0]
                 drafts = [[first]] + [[] for _ in ours[1:]]
-                for seq in theirs:  # the checks read every token, as at a verify step's proposal: none pending
-                    seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
+                # the checks read every token, as at a verify step's proposal: none pending
+                postprocess(theirs, previous, pending)
                 pending, previous = {}, None
                 assert there.cut_drafts(theirs, drafts) == here.cut_drafts(ours, drafts)
                 assert there.repeatable is None
@@ -165,9 +169,8 @@ def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Pa
             there.fill(step_seqs, shared[: len(theirs)], previous)
             roads.append("looked up" if len(looked_up) > before else "by row")
             assert torch.equal(mask[: len(ours)], shared[: len(theirs)]), step
-            # the engine's postprocess of the step in flight, after the next step's fill
-            for seq in theirs if previous is not None else []:
-                seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
+            if previous is not None:  # after the next step's fill, as the engine does
+                postprocess(theirs, previous, pending)
             # a failed grammar allows only the end of its sequence, which draws never picks
             tokens = ([here.eos_token_ids[0]] if step > 8 else []) + draws(here, mask[int(step > 8) : len(ours)], rng)
             if step == 8:  # a token the first sequence's grammar refuses: it fails in its worker
@@ -183,9 +186,7 @@ def test_the_usual_decode_step_reads_the_step_in_flights_samples_by_row(tiny: Pa
         plain_row = theirs.index(next(seq for seq in theirs if seq.sampling_params.structured_outputs is None))
         assert torch.equal(shared[plain_row], torch.full_like(shared[plain_row], -1))
         # a step in flight that is not the one filled last (here: a copy of it) is looked up too
-        for seq in theirs:
-            seq.set_token(pending[seq.seq_id], previous.token_ids()[previous.seqs.index(seq)])
-        here.fill(ours, mask[: len(ours)])
+        postprocess(theirs, previous, pending)
         assert there.usual_step_tokens(list(theirs), SampledTokens(list(previous.seqs), previous.rows,
                                                                    previous.on_device, previous.on_host,
                                                                    previous.samples)) is None
